@@ -1,0 +1,40 @@
+# Two commands on a fresh machine:  `make demo`  and  `make test`.
+# Both create .venv and install what they need. torch is pinned to 2.13.0: on a machine without an
+# NVIDIA GPU pip takes the local CPU build; with a GPU we hide local wheel folders so pip takes the
+# normal CUDA build from the index.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.tidal-installed
+TORCH := torch==2.13.0
+
+.PHONY: install demo test lint bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+	    PIP_FIND_LINKS= $(PY) -m pip install -q $(TORCH); \
+	else \
+	    $(PY) -m pip install -q $(TORCH); \
+	fi
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/tidal bench ckpt --size-gb 0.25 --repeat 3
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks examples
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks examples
+	$(VENV)/bin/ruff format --check src tests benchmarks examples
+
+bench: $(STAMP)
+	$(VENV)/bin/tidal bench ckpt --size-gb 1 --repeat 5
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache

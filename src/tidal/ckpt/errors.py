@@ -1,0 +1,27 @@
+"""Errors raised by the checkpoint engine. Each message names the entry, file or step involved."""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """Base class for checkpoint errors."""
+
+
+class StateError(CheckpointError, ValueError):
+    """The state passed to ``save``/``load`` is malformed or does not match the checkpoint."""
+
+
+class ManifestError(CheckpointError):
+    """A manifest is missing, truncated, hand-edited or of an unknown format."""
+
+
+class CorruptionError(CheckpointError):
+    """Stored bytes do not match their checksum (names the file and step)."""
+
+
+class NotFoundError(CheckpointError, FileNotFoundError):
+    """No committed step (or not the requested one) exists at the location."""
+
+
+class SaveError(CheckpointError):
+    """Persisting a step failed; the previous committed step is untouched."""

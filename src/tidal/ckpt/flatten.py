@@ -1,0 +1,200 @@
+"""Turn a nested training state into flat entries, and describe each tensor as a box.
+
+A state is a nested ``dict`` (string or int keys; lists are walked by index) whose leaves are
+``torch.Tensor``, ``DTensor``, :class:`LocalShard`, or JSON-able values (numbers, strings, bools,
+``None``, and lists/dicts of those). Tensors are addressed by their *path* (the keys from the root);
+their display name joins the path with ``/``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tidal.ckpt.errors import StateError
+from tidal.ckpt.layout import Box
+
+PathKey = str | int
+Path = tuple[PathKey, ...]
+
+# safetensors dtype names (https://github.com/huggingface/safetensors, format spec)
+DTYPE_TO_ST: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.complex64: "C64",
+}
+ST_TO_DTYPE = {v: k for k, v in DTYPE_TO_ST.items()}
+
+
+@dataclass
+class LocalShard:
+    """A piece of a larger tensor that this rank holds, for hand-sharded state.
+
+    ``tensor`` is the local data, which sits at ``offsets`` inside a global tensor of
+    ``global_shape``. Use it when the sharding is not expressed as a ``DTensor`` (e.g. a manual
+    tensor-parallel split). On load the tensor is filled in place.
+    """
+
+    tensor: torch.Tensor
+    offsets: Sequence[int]
+    global_shape: Sequence[int]
+
+
+@dataclass
+class TensorEntry:
+    path: Path
+    local: torch.Tensor  # the tensor this rank holds (filled in place on load)
+    global_shape: tuple[int, ...]
+    box: Box
+    dtype: str  # safetensors dtype name
+    placement: str  # human description of the saved layout, e.g. "Shard(0) on mesh (4,)"
+
+    @property
+    def name(self) -> str:
+        return path_name(self.path)
+
+
+@dataclass
+class ObjectEntry:
+    path: Path
+    value: Any
+
+    @property
+    def name(self) -> str:
+        return path_name(self.path)
+
+
+def path_name(path: Path) -> str:
+    return "/".join(str(p) for p in path)
+
+
+def _dtensor_type() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return None
+    return DTensor
+
+
+def describe_tensor(path: Path, value: Any) -> TensorEntry:
+    """Describe one tensor leaf (plain, DTensor or LocalShard) as an entry with its box."""
+    name = path_name(path)
+    DTensor = _dtensor_type()
+    if DTensor is not None and isinstance(value, DTensor):
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        for p in value.placements:
+            if type(p) not in (Shard, Replicate):
+                raise StateError(
+                    f"tensor '{name}': placement {p!r} is not supported; expected Shard(d) or "
+                    "Replicate() (reduce Partial placements before saving)"
+                )
+        gshape = tuple(int(s) for s in value.shape)
+        lshape, offs = compute_local_shape_and_global_offset(gshape, value.device_mesh, value.placements)
+        local = value.to_local()
+        if tuple(local.shape) != tuple(lshape):
+            raise StateError(f"tensor '{name}': local shape {tuple(local.shape)} != expected {tuple(lshape)}")
+        mesh = tuple(int(s) for s in value.device_mesh.shape)
+        desc = f"{list(value.placements)} on mesh {mesh}"
+        return TensorEntry(path, local, gshape, Box(tuple(offs), tuple(lshape)), _st_dtype(name, local), desc)
+    if isinstance(value, LocalShard):
+        local = value.tensor
+        gshape = tuple(int(s) for s in value.global_shape)
+        box = Box(tuple(int(o) for o in value.offsets), tuple(int(s) for s in local.shape))
+        if not box.within(gshape):
+            raise StateError(
+                f"tensor '{name}': local shard at offsets {box.offsets} with shape {box.lengths} "
+                f"does not fit global shape {gshape}"
+            )
+        return TensorEntry(path, local, gshape, box, _st_dtype(name, local), "LocalShard")
+    if isinstance(value, torch.Tensor):
+        gshape = tuple(int(s) for s in value.shape)
+        return TensorEntry(path, value, gshape, Box.whole(gshape), _st_dtype(name, value), "replicated")
+    raise TypeError(value)
+
+
+def _st_dtype(name: str, t: torch.Tensor) -> str:
+    try:
+        return DTYPE_TO_ST[t.dtype]
+    except KeyError:
+        raise StateError(f"tensor '{name}': dtype {t.dtype} cannot be stored (supported: "
+                         f"{', '.join(str(d) for d in DTYPE_TO_ST)})") from None
+
+
+def flatten(state: Any) -> tuple[list[TensorEntry], list[ObjectEntry]]:
+    """Walk ``state``; return its tensor entries and its JSON-able leaves, in a stable order.
+
+    Containers that hold no tensor are kept whole as one object entry (e.g. ``param_groups``).
+    """
+    if not isinstance(state, dict):
+        raise StateError(f"state must be a dict, got {type(state).__name__}")
+    tensors: list[TensorEntry] = []
+    objects: list[ObjectEntry] = []
+    _walk((), state, tensors, objects)
+    return tensors, objects
+
+
+def _is_tensorish(v: Any) -> bool:
+    return isinstance(v, (torch.Tensor, LocalShard))
+
+
+def _contains_tensor(v: Any) -> bool:
+    if _is_tensorish(v):
+        return True
+    if isinstance(v, dict):
+        return any(_contains_tensor(x) for x in v.values())
+    if isinstance(v, (list, tuple)):
+        return any(_contains_tensor(x) for x in v)
+    return False
+
+
+def _walk(path: Path, v: Any, tensors: list[TensorEntry], objects: list[ObjectEntry]) -> None:
+    if _is_tensorish(v):
+        tensors.append(describe_tensor(path, v))
+        return
+    if isinstance(v, dict) and _contains_tensor(v):
+        for k, x in v.items():
+            if not isinstance(k, (str, int)) or isinstance(k, bool):
+                raise StateError(f"key {k!r} under '{path_name(path)}': keys must be str or int")
+            _walk((*path, k), x, tensors, objects)
+        return
+    if isinstance(v, (list, tuple)) and _contains_tensor(v):
+        for i, x in enumerate(v):
+            _walk((*path, i), x, tensors, objects)
+        return
+    try:
+        json.dumps(v, allow_nan=True)
+    except (TypeError, ValueError) as e:
+        raise StateError(
+            f"entry '{path_name(path)}': value of type {type(v).__name__} is neither a tensor nor "
+            f"JSON-able ({e})"
+        ) from None
+    objects.append(ObjectEntry(path, v))
+
+
+def set_path(state: Any, path: Path, value: Any) -> None:
+    """Replace the leaf at ``path`` in ``state`` (used to restore non-tensor values)."""
+    cur = state
+    for k in path[:-1]:
+        cur = cur[k]
+    if isinstance(cur, tuple):
+        raise StateError(f"entry '{path_name(path)}' sits inside a tuple and cannot be replaced in place")
+    cur[path[-1]] = value

@@ -1,0 +1,143 @@
+"""Layout math: boxes, intersections and byte runs. Pure: no I/O, no torch.
+
+Every tensor in a checkpoint is described globally (dtype, global shape). Each piece a rank holds
+is a *box*: per-dimension ``offsets`` and ``lengths`` into the global tensor. Saving records boxes;
+loading intersects the box each new rank needs with the boxes on storage and reads exactly the byte
+ranges that cover the intersection. Pieces are stored C-contiguously (row-major), so the bytes of
+a sub-box are a set of equally long contiguous *runs*.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Box:
+    """A hyper-rectangle ``[offsets, offsets + lengths)`` inside a global tensor shape."""
+
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.offsets) != len(self.lengths):
+            raise ValueError(f"box offsets {self.offsets} and lengths {self.lengths} differ in rank")
+        if any(o < 0 for o in self.offsets) or any(n < 0 for n in self.lengths):
+            raise ValueError(f"box offsets {self.offsets} / lengths {self.lengths} must be >= 0")
+
+    @staticmethod
+    def whole(shape: Sequence[int]) -> Box:
+        return Box(tuple(0 for _ in shape), tuple(int(s) for s in shape))
+
+    @property
+    def ndim(self) -> int:
+        return len(self.offsets)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.lengths)
+
+    @property
+    def ends(self) -> tuple[int, ...]:
+        return tuple(o + n for o, n in zip(self.offsets, self.lengths, strict=True))
+
+    def within(self, shape: Sequence[int]) -> bool:
+        return len(shape) == self.ndim and all(e <= s for e, s in zip(self.ends, shape, strict=True))
+
+    def relative_to(self, outer: Box) -> Box:
+        """This box in the coordinates of ``outer`` (which must contain it)."""
+        return Box(tuple(o - p for o, p in zip(self.offsets, outer.offsets, strict=True)), self.lengths)
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    """The overlap of two boxes, or ``None`` when they do not overlap (or overlap is empty)."""
+    if a.ndim != b.ndim:
+        raise ValueError(f"cannot intersect boxes of rank {a.ndim} and {b.ndim}")
+    offs, lens = [], []
+    for ao, an, bo, bn in zip(a.offsets, a.lengths, b.offsets, b.lengths, strict=True):
+        lo, hi = max(ao, bo), min(ao + an, bo + bn)
+        if hi <= lo:
+            return None
+        offs.append(lo)
+        lens.append(hi - lo)
+    return Box(tuple(offs), tuple(lens))
+
+
+def strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """C-contiguous element strides of ``shape``."""
+    out = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        out[i] = out[i + 1] * shape[i + 1]
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Runs:
+    """Byte runs of a sub-box inside a C-contiguous piece.
+
+    ``starts`` are byte offsets relative to the piece's first byte; every run is ``run_bytes`` long.
+    The runs, concatenated in order, are the sub-box's bytes in C order.
+    """
+
+    starts: tuple[int, ...]
+    run_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return len(self.starts) * self.run_bytes
+
+
+def byte_runs(piece: Box, sub: Box, itemsize: int) -> Runs:
+    """The contiguous byte runs of ``sub`` (global coordinates) inside stored ``piece``."""
+    rel = sub.relative_to(piece)
+    shape = piece.lengths
+    if rel.ndim == 0:
+        return Runs((0,), itemsize)
+    if rel.numel == 0:
+        return Runs((), 0)
+    st = strides(shape)
+    # Find the innermost dims the sub-box covers completely: they merge into one run together with
+    # the first dim (from the inside) that it covers only partly.
+    k = rel.ndim - 1
+    while k > 0 and rel.offsets[k] == 0 and rel.lengths[k] == shape[k]:
+        k -= 1
+    run_elems = rel.lengths[k] * st[k]
+    outer = [range(rel.offsets[d], rel.offsets[d] + rel.lengths[d]) for d in range(k)]
+    base = rel.offsets[k] * st[k]
+    starts = [
+        (base + sum(i * st[d] for d, i in enumerate(idx))) * itemsize for idx in _product(outer)
+    ]
+    return Runs(tuple(starts), run_elems * itemsize)
+
+
+def _product(ranges: list[range]) -> Iterator[tuple[int, ...]]:
+    if not ranges:
+        yield ()
+        return
+    head, *tail = ranges
+    for i in head:
+        for rest in _product(tail):
+            yield (i, *rest)
+
+
+def check_tiling(shape: Sequence[int], boxes: Sequence[Box]) -> str | None:
+    """Check that distinct ``boxes`` exactly tile ``shape`` (no gap, no overlap).
+
+    Returns ``None`` when they do, else a sentence saying what is wrong. Duplicate boxes must be
+    removed by the caller (replicas are deduplicated before writing).
+    """
+    total = math.prod(shape)
+    for b in boxes:
+        if not b.within(shape):
+            return f"piece {b.offsets}+{b.lengths} lies outside global shape {tuple(shape)}"
+    covered = sum(b.numel for b in boxes)
+    for i in range(len(boxes)):
+        for j in range(i + 1, len(boxes)):
+            ov = intersect(boxes[i], boxes[j])
+            if ov is not None and ov.numel > 0:
+                return f"pieces {boxes[i].offsets} and {boxes[j].offsets} overlap"
+    if covered != total:
+        return f"pieces cover {covered} of {total} elements of global shape {tuple(shape)}"
+    return None

@@ -1,0 +1,136 @@
+"""Staging slots: reusable CPU buffers laid out as this rank's safetensors file.
+
+Why two slots in node shared memory: a save copies the state into a slot and returns; the
+background pipeline then checksums that slot and writes it to slower tiers. While it does, the next
+save can stage into the other slot, so training never waits for persistence unless it saves faster
+than the disk can absorb (then ``save`` blocks until the older slot is free: back-pressure).
+
+Staging straight into a file on ``/dev/shm`` makes staging *the* first tier: the slot file is
+hard-linked into the shm tier's step directory, so the copy the stall pays for is also the copy
+that survives a crash of the training process. Buffers are allocated once per layout and touched
+once at allocation (page faults cost ~20× a warm copy), then reused by every save with the same
+layout. On a CUDA machine the buffer is registered as pinned memory so device-to-host copies run at
+full bandwidth.
+
+Without shared memory (``shm=False`` or ``/dev/shm`` too small) a slot is an anonymous buffer and
+the shm tier is skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+from tidal.ckpt.flatten import ST_TO_DTYPE
+from tidal.ckpt.plan import PlannedPiece, RankFile
+
+log = logging.getLogger(__name__)
+
+
+class Slot:
+    """One staging buffer. ``free`` is set while no save uses it."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.free = threading.Event()
+        self.free.set()
+        self.path: Path | None = None  # the shm file, when shm-backed
+        self.fingerprint: str | None = None
+        self.size = 0
+        self._mmap: mmap.mmap | None = None
+        self.buffer: torch.Tensor | None = None  # uint8, the whole file image
+        self.views: dict[str, torch.Tensor] = {}
+        self._pinned = False
+
+    def memoryview(self) -> memoryview:
+        assert self.buffer is not None
+        if self._mmap is not None:
+            return memoryview(self._mmap)
+        return memoryview(self.buffer.numpy()).cast("B")
+
+    def allocate(self, rf: RankFile, fingerprint: str, shm_dir: Path | None, dtypes: dict[str, str]) -> None:
+        """(Re)lay out this slot for ``rf``; a no-op when the layout is unchanged."""
+        if self.fingerprint == fingerprint and self.buffer is not None:
+            return
+        self.release()
+        size = max(rf.size_bytes, 8)
+        if shm_dir is not None:
+            shm_dir.mkdir(parents=True, exist_ok=True)
+            path = shm_dir / f"r{rf.rank:05d}-slot{self.index}.safetensors"
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()  # never resize an inode a committed shm step may still link to
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.ftruncate(fd, size)
+                self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            finally:
+                os.close(fd)
+            self.buffer = torch.frombuffer(self._mmap, dtype=torch.uint8)
+            self.path = path
+        else:
+            self.buffer = torch.empty(size, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+            self.path = None
+        self.buffer.zero_()  # fault every page in now, not during the first timed save
+        self._pin()
+        self.size = size
+        self.buffer[: len(rf.header)].copy_(torch.frombuffer(bytearray(rf.header), dtype=torch.uint8))
+        self.views = {p.key: self._view(p, dtypes[p.name]) for p in rf.pieces}
+        self.fingerprint = fingerprint
+
+    def _view(self, p: PlannedPiece, st_dtype: str) -> torch.Tensor:
+        assert self.buffer is not None
+        raw = self.buffer[p.start : p.start + p.nbytes]
+        return raw.view(ST_TO_DTYPE[st_dtype]).view(p.box.lengths)
+
+    def _pin(self) -> None:
+        if self._mmap is None or not torch.cuda.is_available():
+            return
+        try:  # register the shm mapping as page-locked so device-to-host copies are DMA
+            cudart = torch.cuda.cudart()
+            rc = cudart.cudaHostRegister(self.buffer.data_ptr(), self.buffer.numel(), 0)
+            self._pinned = int(getattr(rc, "value", rc)) == 0
+        except Exception as e:  # pragma: no cover - needs a GPU
+            log.warning("could not pin staging slot %s: %s", self.path, e)
+
+    def release(self) -> None:
+        if self._pinned:  # pragma: no cover - needs a GPU
+            with contextlib.suppress(Exception):
+                torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
+            self._pinned = False
+        self.views = {}
+        self.buffer = None
+        self.fingerprint = None
+        if self._mmap is not None:
+            try:
+                self._mmap.close()
+            except BufferError:  # a view is still alive somewhere; the GC unmaps it later
+                pass
+            self._mmap = None
+
+
+class StagingArea:
+    """The slots of one rank. Owned by a Checkpointer; used from its threads as documented there."""
+
+    def __init__(self, nslots: int, shm_dir: Path | None) -> None:
+        self.slots = [Slot(i) for i in range(nslots)]
+        self.shm_dir = shm_dir
+
+    def close(self) -> None:
+        for s in self.slots:
+            s.release()
+
+
+def shm_has_room(path: Path, need_bytes: int) -> bool:
+    """Whether the filesystem at ``path`` has ``need_bytes`` free (with 10% headroom)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        st = os.statvfs(path)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize >= need_bytes * 1.1

@@ -1,0 +1,20 @@
+"""The ``tidal`` command line."""
+
+from __future__ import annotations
+
+import typer
+
+app = typer.Typer(help="Tidal: train on a shared GPU pool.", no_args_is_help=True, add_completion=False)
+
+
+def _register() -> None:
+    from tidal.bench.cli import app as bench_app
+    from tidal.ckpt.cli import app as ckpt_app
+
+    app.add_typer(ckpt_app, name="ckpt", help="Inspect, verify and export checkpoints.")
+    app.add_typer(bench_app, name="bench", help="Benchmarks (side by side, --json).")
+
+
+def main() -> None:
+    _register()
+    app()
