@@ -119,7 +119,18 @@ def _fill(man: mf.Manifest, tiers: list[DirTier], state: dict, *, strict: bool, 
         reader.close()
     for p, o in want_o.items():
         if p in stored_objects:
-            set_path(state, o.path, stored_objects[p])
+            set_path(state, o.path, _conform(stored_objects[p], o.value))
+
+
+def _conform(stored: Any, like: Any) -> Any:
+    """JSON has no tuples: give back tuples where the target state had them (e.g. Adam's betas)."""
+    if isinstance(like, tuple) and isinstance(stored, list) and len(like) == len(stored):
+        return tuple(_conform(s, x) for s, x in zip(stored, like, strict=True))
+    if isinstance(like, list) and isinstance(stored, list) and len(like) == len(stored):
+        return [_conform(s, x) for s, x in zip(stored, like, strict=True)]
+    if isinstance(like, dict) and isinstance(stored, dict):
+        return {k: _conform(v, like[k]) if k in like else v for k, v in stored.items()}
+    return stored
 
 
 class _Reader:
