@@ -129,7 +129,6 @@ def test_plan_rejects_disagreeing_ranks_and_gaps():
 @pytest.mark.parametrize(("saved", "loaded"), list(itertools.product([1, 2, 3, 4], [1, 2, 3, 4])))
 def test_reshard_reads_cover_each_new_shard_exactly(saved, loaded):
     """Row-sharded (FSDP-like) on `saved` ranks -> `loaded` ranks: intersections tile each target."""
-    shape = (13, 3)
     stored = [Box((o, 0), (n, 3)) for o, n in chunks(13, saved) if n]
     for o, n in chunks(13, loaded):
         target = Box((o, 0), (n, 3))

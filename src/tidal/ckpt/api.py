@@ -128,8 +128,9 @@ def _conform(stored: Any, like: Any) -> Any:
         return tuple(_conform(s, x) for s, x in zip(stored, like, strict=True))
     if isinstance(like, list) and isinstance(stored, list) and len(like) == len(stored):
         return [_conform(s, x) for s, x in zip(stored, like, strict=True)]
-    if isinstance(like, dict) and isinstance(stored, dict):
-        return {k: _conform(v, like[k]) if k in like else v for k, v in stored.items()}
+    if isinstance(like, dict) and isinstance(stored, dict):  # JSON keys are strings: restore int keys
+        keys = {str(k): k for k in like}
+        return {keys.get(k, k): _conform(v, like[keys[k]]) if k in keys else v for k, v in stored.items()}
     return stored
 
 

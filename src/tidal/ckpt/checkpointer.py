@@ -31,9 +31,9 @@ import threading
 import time
 import uuid
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 from collections import Counter
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -142,6 +142,7 @@ class Checkpointer:
         self._guards = _as_list(guard)
         self._hooks = [opt.register_step_pre_hook(self._pre_step_hook) for opt in self._guards]
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tidal-stage-r{self.rank}")
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tidal-io-r{self.rank}")
         self._thread = threading.Thread(target=self._worker, name=f"tidal-ckpt-r{self.rank}", daemon=True)
         self._thread.start()
 
@@ -221,6 +222,7 @@ class Checkpointer:
         self._queue.put(None)
         self._thread.join()
         self._copier.shutdown(wait=True)
+        self._io.shutdown(wait=True)
         for h in self._hooks:
             h.remove()
         self._staging.close()
@@ -244,17 +246,23 @@ class Checkpointer:
             dup = sorted({n for n in names if names.count(n) > 1})[:5]
             raise StateError(f"state has entries whose paths collide when joined with '/': {dup}")
         proposal: dict[str, Any] = {
-            "pieces": [d.to_json() for d in descs],
+            "pieces": [d.to_json() for d in descs] if self.world_size > 1 else [],
             "host": self._host,
             "shm": self.shm_tier is not None,
         }
         if self.rank == 0:
             proposal["slot"] = self._choose_slot()
             proposal["save_id"] = uuid.uuid4().hex[:12]
-        gathered = comm.allgather_json(proposal, self.group)
-        key = json.dumps([g["pieces"] for g in gathered])
+        if self.world_size == 1:
+            gathered = [proposal]
+            key: Any = tuple(descs)
+        else:
+            gathered = comm.allgather_json(proposal, self.group)
+            key = json.dumps([g["pieces"] for g in gathered])
         if self._plan_cache is not None and self._plan_cache[0] == key:
             plan = self._plan_cache[1]
+        elif self.world_size == 1:
+            plan = make_plan([descs])
         else:
             plan = make_plan([[PieceDesc.from_json(v) for v in g["pieces"]] for g in gathered])
             self._plan_cache = (key, plan)
@@ -327,16 +335,24 @@ class Checkpointer:
             job = self._queue.get()
             if job is None:
                 return
+            cleanups: list = []
             try:
-                self._persist(job)
+                self._persist(job, cleanups)
             except BaseException as e:  # recorded on the handle; the thread keeps serving saves
                 job.handle.error = e
             finally:
                 job.handle._staged.set()
                 job.slot.free.set()
-                self._done_in_flight(job.step)
                 job.handle.persist_s = time.perf_counter() - job.t_return
                 job.handle._done.set()
+            # Housekeeping after the handle is done, so wait() does not pay for it; the step stays
+            # registered in flight until then so cleanup never races a re-save of it.
+            for fn in cleanups:
+                try:
+                    fn()
+                except Exception as e:  # cleanup is best effort; the next save tries again
+                    log.warning("checkpoint cleanup after step %d failed: %s", job.step, e)
+            self._done_in_flight(job.step)
 
     def _copy_deferred(self, job: _Job) -> None:
         try:
@@ -350,34 +366,47 @@ class Checkpointer:
         finally:
             job.handle._staged.set()
 
-    def _persist(self, job: _Job) -> None:
+    def _persist(self, job: _Job, cleanups: list) -> None:
         job.handle._staged.wait()
         if "copy_error" in job.extra:
             raise SaveError(f"copying the state failed: {job.extra['copy_error']}")
         rf = job.plan.files[self.rank]
         mv = job.slot.memoryview()
-        crcs = {p.key: zlib.crc32(mv[p.start : p.start + p.nbytes]) for p in rf.pieces}
+        data = mv[: rf.size_bytes]
         name = data_name(self.rank, job.save_id)
+        # The disk write (the slow part) starts now; checksums and the shm commit overlap with it.
+        disk_write = self._io.submit(self.disk.write_file, job.step, name, data)
+        try:
+            crcs = {p.key: zlib.crc32(mv[p.start : p.start + p.nbytes]) for p in rf.pieces}
+        except BaseException:
+            with contextlib.suppress(Exception):
+                disk_write.result()
+            raise
         sidecar = {"rank": self.rank, "step": job.step, "save_id": job.save_id, "crc32": crcs,
                    "size_bytes": rf.size_bytes}
         errors = []
         for tier in job.tiers:
+            if tier is self.disk:
+                write = disk_write.result
+            else:
+                assert job.slot.path is not None
+                slot_path = job.slot.path
+
+                def write(tier: DirTier = tier, slot_path: Path = slot_path) -> None:
+                    tier.link_file(job.step, name, slot_path)
+
             try:
-                self._persist_tier(job, tier, mv[: rf.size_bytes], name, sidecar)
+                self._persist_tier(job, tier, write, sidecar, cleanups)
                 job.handle.committed.append(tier.name)
             except Exception as e:
                 errors.append(f"{tier.name}: {e}")
         if errors:
             raise SaveError("; ".join(errors))
 
-    def _persist_tier(self, job: _Job, tier: DirTier, data: memoryview, name: str, sidecar: dict) -> None:
+    def _persist_tier(self, job: _Job, tier: DirTier, write: Any, sidecar: dict, cleanups: list) -> None:
         step, sid = job.step, job.save_id
         try:
-            if tier is self.shm_tier:
-                assert job.slot.path is not None
-                tier.link_file(step, name, job.slot.path)
-            else:
-                tier.write_file(step, name, data)
+            write()
             tier.write_json(step, sidecar_name(self.rank, sid), sidecar)
         except Exception as e:
             with contextlib.suppress(Exception):
@@ -395,12 +424,14 @@ class Checkpointer:
         except Exception as e:
             tier.mark_failed(step, sid, str(e))
             raise
-        with self._lock:
-            in_flight = set(self._in_flight) - {step} if self._in_flight[step] <= 1 else set(self._in_flight)
         keep = len(self._staging.slots) if tier is self.shm_tier else self.keep
-        tier.cleanup(keep, in_flight)
+        def busy(s: int) -> bool:  # another save of s is in flight (this job's own entry excluded)
+            return self._in_flight.get(s, 0) > (1 if s == step else 0)
+
+        cleanups.append(lambda: tier.cleanup(keep, step, busy, self._lock))
         if tier is self.shm_tier:
-            _drop_stale_slots(self._staging.shm_dir, job.plan.world_size)
+            slot_dir = self._staging.shm_dir
+            cleanups.append(lambda: _drop_stale_slots(slot_dir, job.plan.world_size))
 
 
 def _as_list(guard: Any) -> list:

@@ -65,10 +65,11 @@ class TensorEntry:
     box: Box
     dtype: str  # safetensors dtype name
     placement: str  # human description of the saved layout, e.g. "Shard(0) on mesh (4,)"
+    name: str = ""
 
-    @property
-    def name(self) -> str:
-        return path_name(self.path)
+    def __post_init__(self) -> None:
+        if not self.name:
+            self.name = path_name(self.path)
 
 
 @dataclass
@@ -82,7 +83,12 @@ class ObjectEntry:
 
 
 def path_name(path: Path) -> str:
-    return "/".join(str(p) for p in path)
+    return "/".join([p if isinstance(p, str) else str(p) for p in path])
+
+
+# (global shape, mesh id, placements) -> (mesh, local shape, offsets): the box depends only on these
+# and on this process's rank, and computing it is a noticeable share of a save's fixed cost.
+_BOX_CACHE: dict[tuple, tuple] = {}
 
 
 def _dtensor_type() -> type | None:
@@ -108,7 +114,12 @@ def describe_tensor(path: Path, value: Any) -> TensorEntry:
                     "Replicate() (reduce Partial placements before saving)"
                 )
         gshape = tuple(int(s) for s in value.shape)
-        lshape, offs = compute_local_shape_and_global_offset(gshape, value.device_mesh, value.placements)
+        key = (gshape, id(value.device_mesh), tuple(value.placements))
+        cached = _BOX_CACHE.get(key)
+        if cached is None or cached[0] is not value.device_mesh:
+            lshape, offs = compute_local_shape_and_global_offset(gshape, value.device_mesh, value.placements)
+            cached = _BOX_CACHE[key] = (value.device_mesh, tuple(lshape), tuple(offs))
+        _, lshape, offs = cached
         local = value.to_local()
         if tuple(local.shape) != tuple(lshape):
             raise StateError(f"tensor '{name}': local shape {tuple(local.shape)} != expected {tuple(lshape)}")
@@ -143,6 +154,7 @@ def flatten(state: Any) -> tuple[list[TensorEntry], list[ObjectEntry]]:
     """Walk ``state``; return its tensor entries and its JSON-able leaves, in a stable order.
 
     Containers that hold no tensor are kept whole as one object entry (e.g. ``param_groups``).
+    One pass, linear in the size of the state: this runs inside every ``save``.
     """
     if not isinstance(state, dict):
         raise StateError(f"state must be a dict, got {type(state).__name__}")
@@ -152,42 +164,62 @@ def flatten(state: Any) -> tuple[list[TensorEntry], list[ObjectEntry]]:
     return tensors, objects
 
 
-def _is_tensorish(v: Any) -> bool:
-    return isinstance(v, (torch.Tensor, LocalShard))
-
-
-def _contains_tensor(v: Any) -> bool:
-    if _is_tensorish(v):
-        return True
-    if isinstance(v, dict):
-        return any(_contains_tensor(x) for x in v.values())
-    if isinstance(v, (list, tuple)):
-        return any(_contains_tensor(x) for x in v)
-    return False
-
-
 def _walk(path: Path, v: Any, tensors: list[TensorEntry], objects: list[ObjectEntry]) -> None:
-    if _is_tensorish(v):
+    if isinstance(v, (torch.Tensor, LocalShard)):
         tensors.append(describe_tensor(path, v))
         return
-    if isinstance(v, dict) and _contains_tensor(v):
-        for k, x in v.items():
+    if isinstance(v, (dict, list, tuple)) and (path == () or _has_tensor(v)):
+        if isinstance(v, tuple):
+            raise StateError(f"entry '{path_name(path)}' is a tuple holding tensors; use a list or a dict "
+                             "so it can be filled in place on load")
+        items = v.items() if isinstance(v, dict) else enumerate(v)
+        for k, x in items:
             if not isinstance(k, (str, int)) or isinstance(k, bool):
                 raise StateError(f"key {k!r} under '{path_name(path)}': keys must be str or int")
             _walk((*path, k), x, tensors, objects)
         return
-    if isinstance(v, (list, tuple)) and _contains_tensor(v):
-        for i, x in enumerate(v):
-            _walk((*path, i), x, tensors, objects)
-        return
     try:
         json.dumps(v, allow_nan=True)
     except (TypeError, ValueError) as e:
+        bad_path, bad = _find_unjsonable(path, v)
         raise StateError(
-            f"entry '{path_name(path)}': value of type {type(v).__name__} is neither a tensor nor "
+            f"entry '{path_name(bad_path)}': value of type {type(bad).__name__} is neither a tensor nor "
             f"JSON-able ({e})"
         ) from None
     objects.append(ObjectEntry(path, v))
+
+
+def _find_unjsonable(path: Path, v: Any) -> tuple[Path, Any]:
+    """The first leaf below ``v`` that JSON cannot encode (so the error can name it)."""
+    if isinstance(v, dict):
+        for k, x in v.items():
+            if not isinstance(k, (str, int, float, bool)) and k is not None:
+                return (*path, str(k)), k
+            try:
+                json.dumps(x, allow_nan=True)
+            except (TypeError, ValueError):
+                return _find_unjsonable((*path, k), x)
+    elif isinstance(v, (list, tuple)):
+        for i, x in enumerate(v):
+            try:
+                json.dumps(x, allow_nan=True)
+            except (TypeError, ValueError):
+                return _find_unjsonable((*path, i), x)
+    return path, v
+
+
+def _has_tensor(v: Any) -> bool:
+    """Whether a container holds a tensor anywhere below it (stops at the first one)."""
+    stack = [v]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, (torch.Tensor, LocalShard)):
+            return True
+        if isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+    return False
 
 
 def set_path(state: Any, path: Path, value: Any) -> None:

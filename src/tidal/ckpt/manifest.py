@@ -210,7 +210,12 @@ def read(step_dir: Path) -> Manifest:
         data = path.read_bytes()
     except FileNotFoundError:
         raise ManifestError(f"{path}: missing (step not committed)") from None
-    return parse(data, str(path))
+    man = parse(data, str(path))
+    expected = parse_step_dirname(step_dir.name)
+    if expected is not None and man.step != expected:
+        raise ManifestError(f"{path}: field 'step' is {man.step} but the directory is step {expected} "
+                            "(edited or copied by hand?)")
+    return man
 
 
 def _int(d: dict, key: str, where: str) -> int:

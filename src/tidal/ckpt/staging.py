@@ -107,10 +107,8 @@ class Slot:
         self.buffer = None
         self.fingerprint = None
         if self._mmap is not None:
-            try:
+            with contextlib.suppress(BufferError):  # a view is still alive; the GC unmaps it later
                 self._mmap.close()
-            except BufferError:  # a view is still alive somewhere; the GC unmaps it later
-                pass
             self._mmap = None
 
 

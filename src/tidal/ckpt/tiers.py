@@ -19,13 +19,18 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import shutil
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tidal.ckpt import manifest as mf
 from tidal.ckpt.errors import ManifestError, SaveError
+
+log = logging.getLogger(__name__)
 
 SHM_BASE_ENV = "TIDAL_SHM_DIR"
 
@@ -165,28 +170,49 @@ class DirTier:
         with contextlib.suppress(FileNotFoundError):
             (self.step_dir(step) / mf.MANIFEST).unlink()
 
-    def cleanup(self, keep: int, in_flight: set[int]) -> list[int]:
-        """Rank 0, after a commit: drop torn steps, old steps past ``keep``, and stray files.
+    def cleanup(self, keep: int, committed_step: int, busy: Callable[[int], bool] = lambda s: False,
+                lock: threading.Lock | None = None) -> list[int]:
+        """Rank 0, after committing ``committed_step``: drop torn steps, superseded steps, old steps
+        past ``keep``, and stray files. Returns the steps removed.
 
-        ``in_flight`` are steps this job is still saving; they are never touched. Returns the steps
-        removed.
+        * torn: a step directory without a manifest (a crash mid-save, or a failed save);
+        * superseded: a committed step *newer* than the one just committed, left by a run that this
+          job abandoned when it resumed from an older step — kept, it would hijack the next restore;
+        * retention: of the steps up to ``committed_step``, the newest ``keep`` stay (0 keeps all);
+          the step just committed always stays.
+
+        Steps for which ``busy(step)`` is true (this job is still writing them) are never touched; the
+        check and the removal happen under ``lock``, the lock under which ``save`` registers a step
+        before any rank may start writing it.
         """
         removed = []
-        for s in self.uncommitted_steps():
-            if s not in in_flight:
-                shutil.rmtree(self.step_dir(s), ignore_errors=True)
-                removed.append(s)
-        committed = self.committed_steps()
-        if keep > 0:
-            for s in committed[:-keep]:
-                if s in in_flight:
-                    continue
+        lock = lock or threading.Lock()
+
+        def remove(s: int) -> None:
+            with lock:
+                if busy(s):
+                    return
                 self.uncommit(s)
                 shutil.rmtree(self.step_dir(s), ignore_errors=True)
-                removed.append(s)
+            removed.append(s)
+
+        for s in self.uncommitted_steps():
+            remove(s)
+        committed = self.committed_steps()
+        for s in committed:
+            if s > committed_step:
+                log.warning("removing step %d from tier '%s': superseded by step %d of the resumed run",
+                            s, self.name, committed_step)
+                remove(s)
+        older = [s for s in committed if s <= committed_step]
+        if keep > 0:
+            for s in older[:-keep]:
+                if s != committed_step:
+                    remove(s)
         for s in self.committed_steps():
-            if s in in_flight:
-                continue
+            with lock:
+                if busy(s):
+                    continue
             d = self.step_dir(s)
             try:
                 doc = json.loads((d / mf.MANIFEST).read_bytes())

@@ -1,0 +1,43 @@
+"""``tidal bench``: benchmarks that print a Rich table, or JSON on stdout with ``--json``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+app = typer.Typer(help="Benchmarks (side by side, --json).", no_args_is_help=True, add_completion=False)
+
+
+@app.callback()
+def _group() -> None:
+    """Benchmarks (side by side, --json)."""
+
+
+@app.command("ckpt")
+def ckpt(
+    size_gb: float = typer.Option(1.0, "--size-gb", min=0.0001, help="State size in GB (1e9 bytes): "
+                                  "parameters + Adam exp_avg + exp_avg_sq, fp32."),
+    repeat: int = typer.Option(5, "--repeat", min=1, help="Timed repeats; medians are reported."),
+    json_out: bool = typer.Option(False, "--json", help="Print a JSON object on stdout (the table goes "
+                                  "to stderr)."),
+    directory: Path | None = typer.Option(None, "--dir", help="Make the scratch directory under DIR "
+                                          "(default: the system temp directory); removed at the end."),
+) -> None:
+    """Checkpoint stall, commit and load time: Tidal vs memcpy, torch.save and DCP, on one state."""
+    from rich.console import Console
+
+    from tidal.bench.ckpt import render, run
+
+    err = Console(stderr=True)
+    out = err if json_out else Console()
+    result = run(size_gb, repeat, directory, log=lambda s: err.print(f"[dim]{s}[/]", highlight=False))
+    render(result, out)
+    if json_out:
+        print(json.dumps(result, indent=2))
+
+
+def main() -> None:
+    """Run ``ckpt`` as a program of its own (``python benchmarks/ckpt.py --size-gb 1``)."""
+    typer.run(ckpt)

@@ -1,0 +1,575 @@
+"""``tidal ckpt``: list, inspect, verify and export checkpoints.
+
+    tidal ckpt ls URL                                   committed steps, tiers, size, saved layout
+    tidal ckpt inspect URL [--step N] [--pieces]        entries, dtypes, shapes, pieces, plain values
+    tidal ckpt verify URL [--step N | --all]            re-read every piece in every tier, check CRCs
+    tidal ckpt export URL OUT.safetensors [--step N]    one consolidated safetensors file
+
+Every command prints Rich tables for people and, with ``--json``, one JSON document on stdout for
+programs. A missing directory, an unknown step or a damaged manifest prints one line on stderr and
+exits 1; ``verify`` exits 1 when it finds any problem. Nothing here unpickles: manifests are JSON
+and data files are safetensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import json
+import os
+import struct
+import sys
+import zlib
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import typer
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from tidal.ckpt import manifest as mf
+from tidal.ckpt.api import LoadStats, load, read_manifest
+from tidal.ckpt.errors import CheckpointError, ManifestError, NotFoundError
+from tidal.ckpt.flatten import ST_TO_DTYPE, path_name
+from tidal.ckpt.tiers import DirTier, local_path, tiers_for
+
+app = typer.Typer(
+    help="Inspect, verify and export checkpoints.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+UrlArg = Annotated[str, typer.Argument(help="Checkpoint directory (a path or file:// URL).", show_default=False)]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout instead of tables.")]
+StepOpt = Annotated[
+    int | None, typer.Option("--step", min=0, help="Step to use (default: the newest committed step).")
+]
+
+_CHUNK = 16 << 20  # bytes read at a time when checksumming
+
+
+# -- output helpers --------------------------------------------------------------------------------
+
+def _console(stderr: bool = False) -> Console:
+    stream = sys.stderr if stderr else sys.stdout
+    try:
+        tty = stream.isatty()
+    except (AttributeError, ValueError):
+        tty = False
+    # Piped output is not cut at 80 columns (unless COLUMNS says so); a terminal uses its width.
+    width = None if tty or "COLUMNS" in os.environ else 200
+    return Console(stderr=stderr, width=width, highlight=False)
+
+
+def _fail(msg: str) -> NoReturn:
+    _console(stderr=True).print(Text.assemble(("error: ", "bold red"), " ".join(msg.split())), soft_wrap=True)
+    raise typer.Exit(1)
+
+
+@contextlib.contextmanager
+def _errors() -> Iterator[None]:
+    """Turn the engine's and the OS's errors into one readable line on stderr and exit code 1."""
+    try:
+        yield
+    except (CheckpointError, OSError, ValueError) as e:
+        _fail(str(e) or type(e).__name__)
+
+
+def _emit_json(doc: Any) -> None:
+    sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+    sys.stdout.flush()
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _when(ts: float) -> str:
+    if not ts:
+        return "?"
+    return _dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _iso(ts: float) -> str | None:
+    return _dt.datetime.fromtimestamp(ts, tz=_dt.UTC).isoformat() if ts else None
+
+
+def _truncate(s: str, n: int = 80) -> str:
+    return s if len(s) <= n else s[: n - 1] + "…"
+
+
+def _t(v: Any, style: str = "") -> Text:
+    """A table cell that is shown verbatim (tensor names may contain Rich markup characters)."""
+    return Text(str(v), style=style)
+
+
+# -- locating steps --------------------------------------------------------------------------------
+
+def _tiers(url: str) -> list[DirTier]:
+    tiers = tiers_for(url)
+    root = local_path(url)
+    if root.exists() and not root.is_dir():
+        raise NotFoundError(f"{root} is not a directory")
+    if not root.exists() and all(t.name == "disk" for t in tiers):
+        raise NotFoundError(f"checkpoint directory {root} does not exist")
+    return tiers
+
+
+def _held(tiers: list[DirTier]) -> dict[int, list[DirTier]]:
+    """Committed step -> the tiers holding it, fastest first."""
+    out: dict[int, list[DirTier]] = {}
+    for t in tiers:
+        for s in t.committed_steps():
+            out.setdefault(s, []).append(t)
+    return dict(sorted(out.items()))
+
+
+def _pick(url: str, held: dict[int, list[DirTier]], step: int | None) -> int:
+    if not held:
+        raise NotFoundError(f"no committed checkpoint step at {local_path(url)}")
+    if step is None:
+        return max(held)
+    if step not in held:
+        raise NotFoundError(f"step {step} is not committed at {local_path(url)}; "
+                            f"committed steps: {sorted(held)[-10:]}")
+    return step
+
+
+def _read(tier: DirTier, step: int) -> mf.Manifest:
+    """``tier``'s manifest of ``step``, which must also say that it is ``step``."""
+    m = tier.read_manifest(step)
+    _check_step(tier, m, step)
+    return m
+
+
+def _check_step(tier: DirTier, m: mf.Manifest, step: int) -> None:
+    if m.step != step:
+        raise ManifestError(f"{tier.step_dir(step) / mf.MANIFEST}: field 'step' is {m.step}, but the manifest "
+                            f"lies in the directory of step {step} (moved or edited?)")
+
+
+def _manifests(tiers: list[DirTier], step: int) -> tuple[tuple[DirTier, mf.Manifest] | None, list[str]]:
+    """The first tier's manifest of ``step`` that parses, and an error line per damaged copy."""
+    good: tuple[DirTier, mf.Manifest] | None = None
+    errors: list[str] = []
+    for t in tiers:
+        try:
+            m = _read(t, step)
+        except ManifestError as e:
+            errors.append(f"tier '{t.name}' step {step}: {e}")
+            continue
+        if good is None:
+            good = (t, m)
+    return good, errors
+
+
+# -- ls --------------------------------------------------------------------------------------------
+
+@app.command("ls")
+def ls_cmd(url: UrlArg, as_json: JsonOpt = False) -> None:
+    """List committed steps: tiers holding each, size, files, creation time, saved layout."""
+    with _errors():
+        tiers = _tiers(url)
+        held = _held(tiers)
+        if not held:
+            raise NotFoundError(f"no committed checkpoint step at {local_path(url)}")
+        rows: list[dict] = []
+        errors: list[str] = []
+        for step, holding in held.items():
+            good, errs = _manifests(holding, step)
+            errors += errs
+            row: dict[str, Any] = {"step": step, "tiers": [t.name for t in holding]}
+            if good is None:
+                row["error"] = "manifest damaged in every tier"
+            else:
+                man = good[1]
+                row.update({
+                    "bytes": man.total_bytes,
+                    "file_bytes": sum(int(f.get("size_bytes", 0) or 0) for f in man.files),
+                    "files": len(man.files),
+                    "tensors": len(man.tensors),
+                    "objects": len(man.objects),
+                    "created_unix_s": man.created_unix_s,
+                    "created": _iso(man.created_unix_s),
+                    "world_size": man.world_size,
+                    "layout": man.layout_summary(),
+                    "save_id": man.save_id,
+                })
+            rows.append(row)
+    if as_json:
+        _emit_json({"url": str(local_path(url)), "steps": rows, "errors": errors})
+    else:
+        table = Table(title=f"checkpoint {local_path(url)}", title_justify="left")
+        for col, just in (("step", "right"), ("tiers", "left"), ("bytes", "right"), ("files", "right"),
+                          ("created", "left"), ("world", "right"), ("saved layout", "left")):
+            table.add_column(col, justify=just, overflow="fold")  # type: ignore[arg-type]
+        for r in rows:
+            if "error" in r:
+                table.add_row(_t(r["step"]), _t(" + ".join(r["tiers"])), *[_t("")] * 4, _t(r["error"], "red"))
+            else:
+                table.add_row(_t(r["step"]), _t(" + ".join(r["tiers"])), _t(_human(r["bytes"])), _t(r["files"]),
+                              _t(_when(r["created_unix_s"])), _t(r["world_size"]), _t(r["layout"]))
+        _console().print(table)
+    if errors:
+        _fail("; ".join(errors))
+
+
+# -- inspect ---------------------------------------------------------------------------------------
+
+def _shape(shape: tuple[int, ...] | list[int]) -> str:
+    return "[" + ", ".join(str(s) for s in shape) + "]"
+
+
+@app.command("inspect")
+def inspect_cmd(
+    url: UrlArg,
+    step: StepOpt = None,
+    pieces: Annotated[bool, typer.Option("--pieces", help="Also list every stored piece.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Show a step's entries (name, dtype, global shape, pieces, bytes, saved layout) and plain values."""
+    with _errors():
+        held = _held(_tiers(url))
+        s = _pick(url, held, step)
+        good, errors = _manifests(held[s], s)
+        if good is None:
+            raise ManifestError("; ".join(errors))
+    tier, man = good
+    tensors = sorted(man.tensors.values(), key=lambda t: t.name)
+    if as_json:
+        doc = {
+            "step": man.step, "tier": tier.name, "dir": str(tier.step_dir(s)), "save_id": man.save_id,
+            "created_unix_s": man.created_unix_s, "created": _iso(man.created_unix_s),
+            "world_size": man.world_size, "layout": man.layout_summary(), "bytes": man.total_bytes,
+            "files": man.files,
+            "tensors": [
+                {"name": t.name, "path": list(t.path), "dtype": t.dtype, "shape": list(t.shape),
+                 "num_pieces": len(t.pieces), "bytes": t.nbytes, "layout": t.layout,
+                 **({"pieces": [_piece_doc(p) for p in t.pieces]} if pieces else {})}
+                for t in tensors
+            ],
+            "objects": [{"name": path_name(p), "path": list(p), "value": v} for p, v in man.objects],
+            "errors": errors,
+        }
+        _emit_json(doc)
+    else:
+        con = _console()
+        con.print(Text(
+            f"step {man.step} — tier {tier.name} ({tier.step_dir(s)}), save {man.save_id}, "
+            f"created {_when(man.created_unix_s)}\n{man.layout_summary()}; {len(tensors)} tensors, "
+            f"{_human(man.total_bytes)} in {len(man.files)} file(s), {len(man.objects)} plain value(s)"
+        ), soft_wrap=True)
+        table = Table(title="tensors", title_justify="left")
+        for col, just in (("name", "left"), ("dtype", "left"), ("shape", "left"), ("pieces", "right"),
+                          ("bytes", "right"), ("saved layout", "left")):
+            table.add_column(col, justify=just, overflow="fold")  # type: ignore[arg-type]
+        for t in tensors:
+            table.add_row(_t(t.name), _t(t.dtype), _t(_shape(t.shape)), _t(len(t.pieces)), _t(_human(t.nbytes)),
+                          _t(t.layout))
+        con.print(table)
+        if man.objects:
+            ot = Table(title="plain values", title_justify="left")
+            ot.add_column("path", overflow="fold")
+            ot.add_column("value (JSON)", overflow="fold")
+            for p, v in man.objects:
+                ot.add_row(_t(path_name(p)), _t(_truncate(json.dumps(v, sort_keys=True))))
+            con.print(ot)
+        if pieces:
+            pt = Table(title="pieces", title_justify="left")
+            for col, just in (("tensor", "left"), ("offsets", "left"), ("lengths", "left"), ("file", "left"),
+                              ("byte range", "left"), ("crc32", "left")):
+                pt.add_column(col, justify=just, overflow="fold")  # type: ignore[arg-type]
+            for t in tensors:
+                for p in t.pieces:
+                    pt.add_row(_t(t.name), _t(_shape(p.box.offsets)), _t(_shape(p.box.lengths)), _t(p.file),
+                               _t(f"{p.start}..{p.start + p.nbytes}"), _t(f"0x{p.crc32:08x}"))
+            con.print(pt)
+    if errors:
+        _fail("; ".join(errors))
+
+
+def _piece_doc(p: mf.StoredPiece) -> dict:
+    return {"offsets": list(p.box.offsets), "lengths": list(p.box.lengths), "file": p.file, "key": p.key,
+            "start": p.start, "end": p.start + p.nbytes, "nbytes": p.nbytes, "crc32": p.crc32}
+
+
+# -- verify ----------------------------------------------------------------------------------------
+
+@dataclass
+class Problem:
+    tier: str
+    step: int
+    file: str | None
+    tensor: str | None
+    problem: str
+
+    def line(self) -> str:
+        parts = [f"tier '{self.tier}' step {self.step}"]
+        if self.file:
+            parts.append(self.file)
+        if self.tensor is not None:
+            parts.append(f"tensor '{self.tensor}'")
+        return ": ".join(parts) + ": " + self.problem
+
+
+@dataclass
+class Checked:
+    tier: str
+    step: int
+    files: int = 0
+    pieces: int = 0
+    bytes: int = 0
+    ok: bool = True
+    note: str = ""
+
+
+def _crc_range(fd: int, start: int, nbytes: int) -> tuple[int, int]:
+    """CRC-32 of up to ``nbytes`` bytes at ``start``; also how many bytes the file had there."""
+    crc, done = 0, 0
+    while done < nbytes:
+        chunk = os.pread(fd, min(_CHUNK, nbytes - done), start + done)
+        if not chunk:
+            break
+        crc = zlib.crc32(chunk, crc)
+        done += len(chunk)
+    return crc, done
+
+
+def _check_safetensors(path: Path, expect: dict[str, tuple[str, str, list[int], int, int]],
+                       problem: Any) -> None:
+    """Parse ``path`` with the safetensors library; compare its keys, dtypes, shapes and offsets.
+
+    ``expect`` maps a piece key to (tensor name, dtype, shape, start, end) from the manifest.
+    """
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            found = {}
+            for k in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                sl = f.get_slice(k)
+                found[k] = (sl.get_dtype(), [int(x) for x in sl.get_shape()])
+    except Exception as e:  # the library raises its own error types; any of them means "unreadable"
+        problem(None, f"does not parse as safetensors: {' '.join(str(e).split())}")
+        return
+    for key, (name, dtype, shape, _, _) in expect.items():
+        if key not in found:
+            problem(name, f"piece key '{key}' is missing from the file")
+        elif found[key] != (dtype, shape):
+            problem(name, f"piece key '{key}' is stored as {found[key][0]} {found[key][1]}, "
+                          f"the manifest says {dtype} {shape}")
+    for key in sorted(set(found) - set(expect)):
+        problem(None, f"holds tensor key '{key}' that the manifest does not list")
+    # Where each piece sits: the header's data offsets are relative to the end of the header.
+    with open(path, "rb") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        header = json.loads(fh.read(n))
+    base = 8 + n
+    for key, (name, _, _, start, end) in expect.items():
+        h = header.get(key)
+        if not isinstance(h, dict) or key not in found:
+            continue
+        offs = h.get("data_offsets")
+        if offs != [start - base, end - base]:
+            have = f"{base + offs[0]}..{base + offs[1]}" if isinstance(offs, list) and len(offs) == 2 else offs
+            problem(name, f"piece key '{key}' sits at bytes {have} in the file, the manifest says {start}..{end}")
+
+
+def _verify_tier(tier: DirTier, step: int) -> tuple[Checked, list[Problem]]:
+    d = tier.step_dir(step)
+    checked = Checked(tier.name, step)
+    problems: list[Problem] = []
+    try:
+        man = _read(tier, step)
+    except ManifestError as e:
+        problems.append(Problem(tier.name, step, str(d / mf.MANIFEST), None, str(e)))
+        checked.ok = False
+        return checked, problems
+    by_file: dict[str, list[tuple[mf.StoredTensor, mf.StoredPiece]]] = {}
+    for t in sorted(man.tensors.values(), key=lambda t: t.name):
+        for p in t.pieces:
+            by_file.setdefault(p.file, []).append((t, p))
+    for f in man.files:
+        name = f["name"]
+        path = d / name
+        entries = by_file.get(name, [])
+
+        def problem(tensor: str | None, what: str, _path: Path = path) -> None:
+            problems.append(Problem(tier.name, step, str(_path), tensor, what))
+
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            problem(None, f"data file is missing (it holds {len(entries)} piece(s))")
+            continue
+        checked.files += 1
+        want = f.get("size_bytes")
+        if isinstance(want, int) and size != want:
+            problem(None, f"file is {size} bytes, the manifest says {want}"
+                          + (" (truncated)" if size < want else " (extra bytes)"))
+        expect = {p.key: (t.name, t.dtype, list(p.box.lengths), p.start, p.start + p.nbytes) for t, p in entries}
+        _check_safetensors(path, expect, problem)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for t, p in entries:
+                crc, got = _crc_range(fd, p.start, p.nbytes)
+                checked.pieces += 1
+                checked.bytes += got
+                where = f"piece at offsets {list(p.box.offsets)}"
+                if got < p.nbytes:
+                    problem(t.name, f"{where}: bytes {p.start}..{p.start + p.nbytes} lie past the end of the "
+                                    f"file ({size} bytes): truncated")
+                elif crc != p.crc32:
+                    problem(t.name, f"{where}: checksum mismatch (manifest crc32 0x{p.crc32:08x}, "
+                                    f"bytes {p.start}..{p.start + p.nbytes} give 0x{crc:08x})")
+        finally:
+            os.close(fd)
+    if problems and not (d / mf.MANIFEST).exists():
+        # A running job reused this step's shared-memory slot while we read it: not damage.
+        checked.note = "step was removed from this tier while being verified; skipped"
+        return checked, []
+    checked.ok = not problems
+    return checked, problems
+
+
+@app.command("verify")
+def verify_cmd(
+    url: UrlArg,
+    step: StepOpt = None,
+    all_steps: Annotated[bool, typer.Option("--all", help="Verify every committed step.")] = False,
+    tier: Annotated[str | None, typer.Option("--tier", help="Only this tier ('shm' or 'disk').")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Re-read every piece from every tier holding the step; check CRC-32s, file sizes, safetensors headers."""
+    if step is not None and all_steps:
+        _fail("--step and --all cannot be used together")
+    with _errors():
+        held = _held(_tiers(url))
+        steps = list(held) if all_steps and held else [_pick(url, held, step)]
+        results: list[Checked] = []
+        problems: list[Problem] = []
+        for s in steps:
+            holding = [t for t in held[s] if tier is None or t.name == tier]
+            if tier is not None and not holding:
+                raise NotFoundError(f"step {s} is not committed in tier '{tier}' at {local_path(url)}")
+            for t in holding:
+                c, ps = _verify_tier(t, s)
+                results.append(c)
+                problems += ps
+    if as_json:
+        _emit_json({"ok": not problems, "checked": [asdict(c) for c in results],
+                    "problems": [asdict(p) for p in problems]})
+    else:
+        con = _console()
+        for c in results:
+            if c.note:
+                con.print(Text.assemble(("SKIP ", "yellow"), f"step {c.step} tier {c.tier}: {c.note}"),
+                          soft_wrap=True)
+            elif c.ok:
+                con.print(Text.assemble(("OK   ", "green"), f"step {c.step} tier {c.tier}: {c.pieces} piece(s) in "
+                                        f"{c.files} file(s), {_human(c.bytes)} checked"), soft_wrap=True)
+        for p in problems:
+            con.print(Text.assemble(("FAIL ", "bold red"), p.line()), soft_wrap=True)
+        if problems:
+            con.print(Text(f"{len(problems)} problem(s) found", style="bold red"))
+        else:
+            con.print(Text(f"OK: {len(results)} step cop{'y' if len(results) == 1 else 'ies'} verified",
+                           style="green"))
+    if problems:
+        raise typer.Exit(1)
+
+
+# -- export ----------------------------------------------------------------------------------------
+
+def _put(state: dict, path: tuple, value: Any) -> None:
+    cur = state
+    for i, k in enumerate(path[:-1]):
+        nxt = cur.setdefault(k, {})
+        if not isinstance(nxt, dict):
+            raise ManifestError(f"entry '{path_name(path)}' lies inside '{path_name(path[: i + 1])}', "
+                                "which is a value of its own")
+        cur = nxt
+    if not path:
+        raise ManifestError("an entry has an empty path")
+    if path[-1] in cur:
+        raise ManifestError(f"entry '{path_name(path)}' appears twice")
+    cur[path[-1]] = value
+
+
+def _get(state: dict, path: tuple) -> Any:
+    cur: Any = state
+    for k in path:
+        cur = cur[k]
+    return cur
+
+
+@app.command("export")
+def export_cmd(
+    url: UrlArg,
+    out: Annotated[Path, typer.Argument(help="Output .safetensors file (overwritten).", show_default=False)],
+    step: StepOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Write one consolidated safetensors file: every tensor assembled to its global shape.
+
+    Plain (non-tensor) values go into the file's metadata as JSON under the key "tidal.objects".
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    with _errors():
+        held = _held(_tiers(url))
+        s = _pick(url, held, step)
+        tier, man = read_manifest(url, s)  # the same copy load() reads
+        _check_step(tier, man, s)
+        state: dict = {}
+        for t in man.tensors.values():
+            _put(state, tuple(t.path), torch.empty(t.shape, dtype=ST_TO_DTYPE[t.dtype]))
+        for p, v in man.objects:
+            _put(state, tuple(p), v)
+        stats = LoadStats()
+        load(url, state, step=s, strict=True, verify=True, stats=stats)
+        tensors = {name: _get(state, tuple(t.path)) for name, t in sorted(man.tensors.items())}
+        objects = [{"path": list(p), "value": _get(state, tuple(p))} for p, _ in man.objects]
+        metadata = {
+            "format": "pt",
+            "tidal.objects": json.dumps(objects),
+            "tidal.step": str(s),
+            "tidal.save_id": man.save_id,
+            "tidal.layout": man.layout_summary(),
+        }
+        out = out.expanduser()
+        if out.is_dir():
+            raise IsADirectoryError(21, "output is a directory", str(out))
+        tmp = out.with_name(f".{out.name}.part")
+        try:
+            save_file(tensors, str(tmp), metadata=metadata)
+            os.replace(tmp, out)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+        size = out.stat().st_size
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    if as_json:
+        _emit_json({"step": s, "tier": tier.name, "out": str(out), "tensors": len(tensors), "objects": len(objects),
+                    "bytes": nbytes, "file_bytes": size, "bytes_read": stats.bytes_read,
+                    "bytes_by_tier": stats.bytes_by_tier, "fallbacks": stats.fallbacks})
+    else:
+        con = _console()
+        con.print(Text(f"exported step {s} of {local_path(url)} ({man.layout_summary()}) to {out}: "
+                       f"{len(tensors)} tensor(s), {_human(nbytes)}; {len(objects)} plain value(s) in metadata "
+                       f"'tidal.objects'; file {_human(size)}"), soft_wrap=True)
+        for fb in stats.fallbacks:
+            con.print(Text(f"note: fell back to another tier: {fb}", style="yellow"), soft_wrap=True)
+
+
+if __name__ == "__main__":
+    app()

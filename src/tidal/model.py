@@ -1,0 +1,385 @@
+"""Plain data shared by the control plane, the simulator and the policies. Imports nothing of ours.
+
+What the scheduler sees of the world (a :class:`Snapshot`) and what it decides (``Decision`` values).
+Everything is a frozen dataclass; times are seconds on the caller's clock (``*_s``), sizes are GPU
+counts (``*_gpus``). The mappings inside (placements, queues) are plain dicts and lists for speed:
+treat them as read-only once they are in a snapshot.
+
+Lifecycle of a job as these types record it (the store owns the transitions; the scheduler only
+proposes them as decisions)::
+
+    pending --Admit--> running --Grow / Shrink--> running (releasing part) --drained--> running
+                          |                                                             |
+                          +--Preempt--> stopping (releasing all) --exited--> pending (requeued)
+
+* ``Job.placement`` is what a job holds now, ``Job.releasing`` the part of it that it has been told
+  to give back (a shrink: part of it; a preemption: all of it). The store removes ``releasing`` from
+  ``placement`` once the job confirms, and only then are those GPUs free for anybody else.
+* Decisions are applied by the store before the next snapshot is taken: the scheduler is level
+  triggered and relies on that to never act twice on the same need.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+Kind = Literal["dedicated", "spot"]
+PoolName = Literal["serving", "training"]
+Reason = Literal["reclaim", "quota", "priority", "fair_share", "demand"]
+QueueKey = tuple[str, str, int]  # (tenant, kind, priority)
+
+KINDS = ("dedicated", "spot")
+POOLS = ("serving", "training")
+
+
+def _need(cond: bool, what: str) -> None:
+    if not cond:
+        raise ValueError(what)
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    """A team or project that submits jobs.
+
+    ``quota_gpus``: GPUs on the *training* pool guaranteed to the tenant's dedicated jobs (they may
+    preempt spot jobs to get them). ``weight``: the tenant's relative share of the GPUs spot jobs
+    run on (idle training GPUs and loaned serving GPUs), used for fair-share ordering and
+    fair-share preemption.
+    """
+
+    name: str
+    quota_gpus: int = 0
+    weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        _need(self.quota_gpus >= 0, f"Tenant {self.name!r}: quota_gpus must be >= 0, got {self.quota_gpus}")
+        _need(self.weight > 0, f"Tenant {self.name!r}: weight must be > 0, got {self.weight}")
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    """A machine with ``gpus`` GPUs in the training pool or the serving pool.
+
+    Serving nodes hold training work only on GPUs serving has loaned out (see :class:`Loan`).
+    """
+
+    name: str
+    gpus: int
+    pool: PoolName = "training"
+
+    def __post_init__(self) -> None:
+        _need(self.gpus >= 1, f"Node {self.name!r}: gpus must be >= 1, got {self.gpus}")
+        _need(self.pool in POOLS, f"Node {self.name!r}: pool must be one of {POOLS}, got {self.pool!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Loan:
+    """``gpus`` GPUs of serving node ``node`` lent to spot training.
+
+    ``until_s``: when the loan plan currently expects to want them back (``inf``: no end in sight).
+    The scheduler starts nothing new on a loan that ends within ``min_loan_left_s``. The binding
+    instruction to give GPUs back is a :class:`Reclaim`, not this time.
+    ``reclaim_risk_per_hour``: rate of reclaims of this loan that come with too little notice for a
+    final checkpoint (the loan plan's forecast error); it shortens checkpoint intervals of jobs on it.
+    """
+
+    node: str
+    gpus: int
+    until_s: float = math.inf
+    reclaim_risk_per_hour: float = 0.0
+
+    def __post_init__(self) -> None:
+        _need(self.gpus >= 1, f"Loan on {self.node!r}: gpus must be >= 1, got {self.gpus}")
+        _need(self.reclaim_risk_per_hour >= 0, f"Loan on {self.node!r}: reclaim_risk_per_hour must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class Reclaim:
+    """An instruction from the loan plan: ``gpus`` loaned GPUs (any nodes) must be released by ``by_s``.
+
+    ``notice_s``: when to start moving training off them (send notices); ``None``: now. Before it,
+    the scheduler only keeps new work off free loaned GPUs if the notice is near (``min_loan_left_s``).
+    From :class:`tidal.policy.loan.Reclaim` (``deadline_s`` = serving again, ``notice_s``) the caller
+    sets ``notice_s`` to the plan's and ``by_s = notice_s + notice grace + final checkpoint``.
+    ``gpus`` is what is still outstanding: the store lowers it as :class:`ReturnGpus` decisions are
+    carried out and drops the reclaim at zero.
+    """
+
+    gpus: int
+    by_s: float
+    notice_s: float | None = None
+
+    def __post_init__(self) -> None:
+        _need(self.gpus >= 1, f"Reclaim by {self.by_s}: gpus must be >= 1, got {self.gpus}")
+
+    def due(self, now_s: float) -> bool:
+        return self.notice_s is None or now_s >= self.notice_s
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """A training job as the scheduler sees it: what it asks for and where it stands.
+
+    Request: ``kind`` (``dedicated`` runs only inside its tenant's quota on the training pool;
+    ``spot`` runs on idle training GPUs and loaned serving GPUs and may be shrunk or stopped at any
+    time), ``priority`` (higher first), ``min_gpus`` (the gang minimum: all or nothing),
+    ``max_gpus`` (elastic maximum; ``None``: same as ``min_gpus``), ``multiple_of`` (every size is a
+    multiple of it, e.g. the tensor x pipeline parallel degree), ``gpus_per_node`` (``None``: any split
+    over nodes; otherwise exactly this many GPUs on every node the job uses), ``submit_s``.
+
+    State: ``placement`` (node -> GPUs held now; empty while pending), ``releasing`` (node -> GPUs it
+    was told to give back and still holds), ``started_s`` (last admission), ``last_preempted_s``,
+    ``last_grown_s``, ``last_shrunk_s``, ``last_ckpt_s`` (when the newest *durable* checkpoint was
+    captured: work after it is lost if the job dies), ``ckpt_stall_s`` (measured time training stops
+    per save) and ``ckpt_interval_s`` (the interval it uses now).
+
+    Derived: ``gpus`` (held now), ``releasing_gpus``, ``size_step`` (every size is a multiple of it:
+    lcm of ``multiple_of`` and ``gpus_per_node``).
+    """
+
+    id: str
+    tenant: str
+    kind: Kind = "spot"
+    priority: int = 0
+    min_gpus: int = 1
+    max_gpus: int | None = None
+    multiple_of: int = 1
+    gpus_per_node: int | None = None
+    submit_s: float = 0.0
+    placement: Mapping[str, int] = field(default_factory=dict)
+    releasing: Mapping[str, int] = field(default_factory=dict)
+    started_s: float | None = None
+    last_preempted_s: float | None = None
+    last_grown_s: float | None = None
+    last_shrunk_s: float | None = None
+    last_ckpt_s: float | None = None
+    ckpt_stall_s: float | None = None
+    ckpt_interval_s: float | None = None
+    gpus: int = field(init=False, repr=False, compare=False)
+    releasing_gpus: int = field(init=False, repr=False, compare=False)
+    size_step: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        me = f"Job {self.id!r}"
+        _need(self.kind in KINDS, f"{me}: kind must be one of {KINDS}, got {self.kind!r}")
+        _need(self.multiple_of >= 1, f"{me}: multiple_of must be >= 1, got {self.multiple_of}")
+        _need(self.gpus_per_node is None or self.gpus_per_node >= 1,
+              f"{me}: gpus_per_node must be >= 1 or None, got {self.gpus_per_node}")
+        step = math.lcm(self.multiple_of, self.gpus_per_node or 1)
+        if self.max_gpus is None:
+            object.__setattr__(self, "max_gpus", self.min_gpus)
+        _need(self.min_gpus >= 1, f"{me}: min_gpus must be >= 1, got {self.min_gpus}")
+        _need(self.max_gpus >= self.min_gpus, f"{me}: max_gpus ({self.max_gpus}) < min_gpus ({self.min_gpus})")
+        for name in ("min_gpus", "max_gpus"):
+            v = getattr(self, name)
+            _need(v % step == 0, f"{me}: {name}={v} is not a multiple of {step} "
+                                 f"(lcm of multiple_of={self.multiple_of}, gpus_per_node={self.gpus_per_node})")
+        held = sum(self.placement.values())
+        rel = sum(self.releasing.values())
+        for node, g in self.releasing.items():
+            _need(0 < g <= self.placement.get(node, 0),
+                  f"{me}: releasing[{node!r}]={g} must be > 0 and <= placement there ({self.placement.get(node, 0)})")
+        object.__setattr__(self, "gpus", held)
+        object.__setattr__(self, "releasing_gpus", rel)
+        object.__setattr__(self, "size_step", step)
+
+    @property
+    def running(self) -> bool:
+        """Holds GPUs (including while stopping)."""
+        return self.gpus > 0
+
+    @property
+    def stopping(self) -> bool:
+        """Told to stop (preempted) and still draining."""
+        return self.gpus > 0 and self.releasing_gpus == self.gpus
+
+    @property
+    def elastic(self) -> bool:
+        return self.max_gpus > self.min_gpus
+
+    def work_lost_gpu_s(self, now_s: float) -> float:
+        """GPU-seconds of training lost if the job died now: time since its newest durable checkpoint
+        (or since it started, if that is later) times the GPUs it holds."""
+        since = self.started_s if self.started_s is not None else now_s
+        if self.last_ckpt_s is not None and self.last_ckpt_s > since:
+            since = self.last_ckpt_s
+        return max(0.0, now_s - since) * self.gpus
+
+
+def queue_key(job: Job) -> QueueKey:
+    """The pending queue a job waits in: one FIFO per (tenant, kind, priority)."""
+    return (job.tenant, job.kind, job.priority)
+
+
+def _arrival(job: Job) -> tuple[float, str]:
+    return (job.submit_s, job.id)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Everything one scheduling call looks at. Build it with :meth:`build` unless you keep the queues.
+
+    ``running``: jobs holding GPUs (including stopping ones), any order.
+    ``queues``: pending jobs, one sequence per :func:`queue_key`, each in arrival order
+    ``(submit_s, id)``. A simulator keeps these lists up to date incrementally (append on submit,
+    ``bisect.insort`` by arrival on requeue) so a call never sorts 10,000 pending jobs; the
+    scheduler reads only the heads it needs.
+    ``loans``: serving GPUs lent to training now. ``reclaims``: outstanding instructions to return
+    loaned GPUs.
+    """
+
+    now_s: float
+    nodes: tuple[Node, ...]
+    tenants: tuple[Tenant, ...]
+    running: tuple[Job, ...] = ()
+    queues: Mapping[QueueKey, Sequence[Job]] = field(default_factory=dict)
+    loans: tuple[Loan, ...] = ()
+    reclaims: tuple[Reclaim, ...] = ()
+
+    @classmethod
+    def build(cls, now_s: float, nodes: Iterable[Node], tenants: Iterable[Tenant], jobs: Iterable[Job],
+              loans: Iterable[Loan] = (), reclaims: Iterable[Reclaim] = ()) -> Snapshot:
+        """Split ``jobs`` into running and pending and group the pending ones into queues (O(n log n))."""
+        running: list[Job] = []
+        queues: dict[QueueKey, list[Job]] = {}
+        for j in jobs:
+            if j.running:
+                running.append(j)
+            else:
+                queues.setdefault(queue_key(j), []).append(j)
+        for q in queues.values():
+            q.sort(key=_arrival)
+        return cls(now_s, tuple(nodes), tuple(tenants), tuple(running), queues, tuple(loans), tuple(reclaims))
+
+    def pending(self) -> Iterator[Job]:
+        for q in self.queues.values():
+            yield from q
+
+    def jobs(self) -> Iterator[Job]:
+        yield from self.running
+        yield from self.pending()
+
+
+def check_snapshot(s: Snapshot) -> None:
+    """Raise ``ValueError`` naming the first inconsistency; O(size of the snapshot).
+
+    The scheduler trusts its input for speed; call this where snapshots are built (tests, the store
+    in debug mode, the simulator after applying decisions).
+    """
+    nodes = {}
+    for n in s.nodes:
+        _need(n.name not in nodes, f"node {n.name!r} listed twice")
+        nodes[n.name] = n
+    tenants = {t.name for t in s.tenants}
+    _need(len(tenants) == len(s.tenants), "a tenant is listed twice")
+    loaned: dict[str, int] = {}
+    for ln in s.loans:
+        n = nodes.get(ln.node)
+        _need(n is not None, f"loan on unknown node {ln.node!r}")
+        _need(n.pool == "serving", f"loan on {ln.node!r}: only serving nodes are loaned, it is {n.pool!r}")
+        _need(ln.node not in loaned, f"node {ln.node!r} has two loans")
+        _need(ln.gpus <= n.gpus, f"loan on {ln.node!r}: gpus={ln.gpus} > node gpus={n.gpus}")
+        loaned[ln.node] = ln.gpus
+    used: dict[str, int] = {}
+    ids: set[str] = set()
+    for j in s.running:
+        _need(j.running, f"Job {j.id!r} is in running but holds no GPUs")
+        _need(j.tenant in tenants, f"Job {j.id!r}: unknown tenant {j.tenant!r}")
+        _need(j.id not in ids, f"Job {j.id!r} listed twice")
+        ids.add(j.id)
+        step, g = j.size_step, j.gpus_per_node
+        _need(j.gpus % step == 0 and j.min_gpus <= j.gpus <= j.max_gpus,
+              f"Job {j.id!r}: holds {j.gpus} GPUs, expected a multiple of {step} in [{j.min_gpus}, {j.max_gpus}]")
+        for node, k in j.placement.items():
+            n = nodes.get(node)
+            _need(n is not None, f"Job {j.id!r}: placed on unknown node {node!r}")
+            _need(k > 0, f"Job {j.id!r}: placement[{node!r}]={k} must be > 0")
+            _need(g is None or k == g, f"Job {j.id!r}: holds {k} GPUs on {node!r}, gpus_per_node={g}")
+            if n.pool == "serving":
+                _need(j.kind == "spot", f"Job {j.id!r}: a dedicated job is placed on serving node {node!r}")
+            used[node] = used.get(node, 0) + k
+    for node, k in used.items():
+        n = nodes[node]
+        cap = n.gpus if n.pool == "training" else loaned.get(node, 0)
+        what = "it has" if n.pool == "training" else "serving lent"
+        _need(k <= cap, f"node {node!r}: {k} GPUs allocated, {what} {cap}")
+    for key, q in s.queues.items():
+        prev = None
+        for j in q:
+            _need(not j.running, f"Job {j.id!r} is queued but holds GPUs")
+            _need(queue_key(j) == tuple(key), f"Job {j.id!r} is in queue {key}, expected {queue_key(j)}")
+            _need(j.tenant in tenants, f"Job {j.id!r}: unknown tenant {j.tenant!r}")
+            _need(j.id not in ids, f"Job {j.id!r} listed twice")
+            ids.add(j.id)
+            _need(prev is None or _arrival(prev) <= _arrival(j),
+                  f"queue {key}: Job {j.id!r} is out of arrival order (submit_s, id)")
+            prev = j
+
+
+# ---------------------------------------------------------------------------------------- decisions
+
+
+@dataclass(frozen=True, slots=True)
+class Admit:
+    """Start pending job ``job`` (an id) on ``placement`` (node -> GPUs); its size is the sum."""
+
+    job: str
+    placement: Mapping[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class Grow:
+    """Give running job ``job`` the GPUs in ``add`` (node -> GPUs) so it runs on ``to_gpus``."""
+
+    job: str
+    to_gpus: int
+    add: Mapping[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class Shrink:
+    """Running job ``job`` gives back ``release`` (node -> GPUs) and goes on with ``to_gpus``.
+
+    It must have released them by ``by_s`` (a final fast checkpoint, then reshard onto what is left).
+    ``reason`` says whose need it serves; ``for_job`` names the waiting job, if any.
+    """
+
+    job: str
+    to_gpus: int
+    release: Mapping[str, int]
+    reason: Reason
+    by_s: float
+    for_job: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Preempt:
+    """Stop running job ``job`` (the whole gang) by ``by_s``; it is requeued and resumes later from its
+    newest checkpoint. ``reason`` and ``for_job`` as in :class:`Shrink`."""
+
+    job: str
+    reason: Reason
+    by_s: float
+    for_job: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ReturnGpus:
+    """Hand ``gpus`` free loaned GPUs of serving node ``node`` back to serving (they are idle now)."""
+
+    node: str
+    gpus: int
+
+
+@dataclass(frozen=True, slots=True)
+class SetCkptInterval:
+    """Running job ``job`` should checkpoint every ``interval_s`` seconds from now on."""
+
+    job: str
+    interval_s: float
+
+
+Decision = Admit | Grow | Shrink | Preempt | ReturnGpus | SetCkptInterval

@@ -1,0 +1,359 @@
+"""Serving demand forecast (GPUs) over a horizon, from the demand's own history. Pure.
+
+Model, for the demand y at time ``t + h * step_s`` seen from the last observation at ``t``::
+
+    center(h) = P(t + h) + (level(t) - P(t)) * 2^(-h step / anomaly_half_life)
+                + trend(t) * step * sum_{i=1..h} 2^(-i step / trend_damping_half_life)
+    scale(h)  = e(h) * (center(h) / mean)^noise_exponent
+    upper(h; z) = center(h) + z * scale(h)
+
+* ``P`` is the time-of-day profile: one exponentially weighted mean per ``step_s`` slot of
+  ``period_s`` (a day), read through a ``profile_smooth_s`` wide box kernel so a weak, noisy cycle
+  (ServeGen m-large) is averaged over neighbouring slots instead of replaying yesterday's noise.
+* ``level`` and ``trend`` are the live correction: an exponentially weighted level (half-life
+  ``level_half_life_s``) and its damped slope. Their deviation from the profile fades over the
+  horizon (``anomaly_half_life_s``), so short horizons follow the live level and long ones the
+  profile. Until the profile has seen a slot, the level alone is used there.
+* ``e(h)`` is the forecaster's own recent error at horizon h: every path it emits is kept for
+  ``H`` steps and, when the demand at each target arrives, the absolute error (divided by the
+  noise factor) updates an exponentially weighted mean per horizon (``error_half_life_s``). The
+  error scale is forced non-decreasing in h, and starts at ``prior_scale_fraction`` of the level
+  before any error is known. ``noise_exponent`` = 0.5 says "variance grows with the mean", as
+  for counts of requests; 0 is additive noise, 1 multiplicative.
+* ``z`` is *not* chosen here: it is the calibrated margin, in units of ``scale``. The loan policy
+  (:mod:`tidal.policy.loan`) sets it from a shortfall budget; :class:`CoverageCalibrator` sets it
+  for a target quantile (adaptive conformal inference). ``upper(h; z)`` is the profile at an upper
+  quantile, corrected by the live level and trend.
+
+Call order: ``state = initial_state(config)``, then for every observation in time order
+``state = observe(config, state, t_s, demand_gpus)`` (NaN = no observation: the level and the
+profile keep their values, the error scale is not scored); ``forecast(config, state)`` returns the
+path made at the last observation. Observations must lie on the ``step_s`` grid of the first one;
+skipped grid steps are treated as missing. Nothing here mutates its inputs; arrays in states and
+results are read-only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+
+def decay(dt_s: float, half_life_s: float) -> float:
+    """The weight left after ``dt_s`` for a memory with half-life ``half_life_s`` (0 if half-life <= 0)."""
+    if half_life_s <= 0:
+        return 0.0
+    return 2.0 ** (-dt_s / half_life_s)
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
+@dataclass(frozen=True)
+class ForecastConfig:
+    """Forecast knobs. All times in seconds."""
+
+    step_s: float = 600.0
+    """Resolution: one observation and one forecast point per step."""
+    horizon_s: float = 6 * 3600.0
+    """How far ahead the path goes (rounded up to whole steps)."""
+    period_s: float = 86400.0
+    """The profile's cycle (a day); a multiple of ``step_s``."""
+    level_half_life_s: float = 600.0
+    """Memory of the live level: short, so a real change is followed within a step or two."""
+    anomaly_half_life_s: float = 6 * 3600.0
+    """How fast the live level's deviation from the profile fades over the horizon."""
+    trend_half_life_s: float = 3600.0
+    """Memory of the live slope of the level."""
+    trend_damping_half_life_s: float = 1200.0
+    """How fast the slope's effect fades over the horizon (a noisy slope must not run away)."""
+    profile_half_life_s: float = 4 * 86400.0
+    """Memory of the profile across cycles; also of ``mean``, the reference for noise scaling."""
+    profile_smooth_s: float = 3600.0
+    """Width of the box kernel the profile is read through."""
+    error_half_life_s: float = 2 * 86400.0
+    """Memory of the per-horizon error scale."""
+    noise_exponent: float = 0.5
+    """The error scale grows with demand to this power (see the module docstring)."""
+    prior_scale_fraction: float = 0.25
+    """Error scale, as a fraction of the level, before any error has been measured."""
+    min_scale_fraction: float = 0.01
+    """Floor of the error scale, as a fraction of ``mean``, so a flat history is never certain."""
+
+    def __post_init__(self) -> None:
+        for name in ("step_s", "horizon_s", "period_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"ForecastConfig.{name} must be > 0, got {getattr(self, name)}")
+        slots = self.period_s / self.step_s
+        if abs(slots - round(slots)) > 1e-9:
+            raise ValueError(f"ForecastConfig.period_s ({self.period_s:g}) must be a multiple of step_s "
+                             f"({self.step_s:g})")
+        if self.noise_exponent < 0:
+            raise ValueError(f"ForecastConfig.noise_exponent must be >= 0, got {self.noise_exponent}")
+
+    @property
+    def horizon_steps(self) -> int:
+        return max(1, math.ceil(self.horizon_s / self.step_s - 1e-9))
+
+    @property
+    def slots(self) -> int:
+        return round(self.period_s / self.step_s)
+
+
+@dataclass(frozen=True, eq=False)
+class Forecast:
+    """A forecast path made at ``t_s``: ``times_s[i] = t_s + (i + 1) * step_s``.
+
+    ``center_gpus`` is the expected demand, ``scale_gpus`` the error scale at each point; the upper
+    bound at margin ``z`` is ``center + z * scale`` (:meth:`upper`).
+    """
+
+    t_s: float
+    times_s: np.ndarray
+    center_gpus: np.ndarray
+    scale_gpus: np.ndarray
+
+    def upper(self, z: float) -> np.ndarray:
+        return self.center_gpus + z * self.scale_gpus
+
+
+@dataclass(frozen=True, eq=False)
+class ForecastState:
+    """What the forecaster remembers between observations (see the module docstring).
+
+    ``past_center[r, h-1]`` is the center for horizon h of the path made r steps before the latest
+    one (row 0 = the latest path); it is how errors are scored when their targets arrive.
+    """
+
+    t_s: float
+    n_obs: int
+    level_gpus: float
+    trend_gpus_per_s: float
+    mean_gpus: float
+    profile_gpus: np.ndarray
+    profile_n: np.ndarray
+    err_sum: np.ndarray
+    err_weight: np.ndarray
+    past_center: np.ndarray
+    scale_gpus: np.ndarray = field(repr=False)
+
+
+def initial_state(config: ForecastConfig) -> ForecastState:
+    """The state before any observation."""
+    h = config.horizon_steps
+    return ForecastState(
+        t_s=math.nan, n_obs=0, level_gpus=math.nan, trend_gpus_per_s=0.0, mean_gpus=math.nan,
+        profile_gpus=_frozen(np.zeros(config.slots)), profile_n=_frozen(np.zeros(config.slots)),
+        err_sum=_frozen(np.zeros(h)), err_weight=_frozen(np.zeros(h)),
+        past_center=_frozen(np.full((h, h), np.nan)), scale_gpus=_frozen(np.full(h, np.nan)),
+    )
+
+
+def slot_of(config: ForecastConfig, t_s: float | np.ndarray) -> np.ndarray:
+    """Profile slot (0 .. slots-1) of time ``t_s``: its position in the period, in steps."""
+    return np.round(np.mod(t_s, config.period_s) / config.step_s).astype(int) % config.slots
+
+
+def _smoothed_profile(config: ForecastConfig, state: ForecastState) -> np.ndarray:
+    """Profile read through the box kernel; NaN where no observation falls inside the kernel."""
+    half = int(round(config.profile_smooth_s / config.step_s / 2))
+    seen = (state.profile_n > 0).astype(float)
+    if half <= 0:
+        out = np.where(seen > 0, state.profile_gpus, np.nan)
+        return out
+    k = 2 * half + 1
+    n = config.slots
+    idx = (np.arange(n)[:, None] + np.arange(-half, half + 1)[None, :]) % n
+    w = seen[idx]
+    num = (state.profile_gpus[idx] * w).sum(axis=1)
+    den = w.sum(axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out = np.where(den > 0, num / den, np.nan)
+    del k
+    return out
+
+
+def _noise_factor(config: ForecastConfig, center: np.ndarray, mean: float) -> np.ndarray:
+    if config.noise_exponent == 0 or not mean > 0:
+        return np.ones_like(center)
+    return (np.maximum(center, 0.05 * mean) / mean) ** config.noise_exponent
+
+
+def _path(config: ForecastConfig, state: ForecastState) -> tuple[np.ndarray, np.ndarray]:
+    """Center and scale paths from ``state`` (made at ``state.t_s``)."""
+    hs = np.arange(1, config.horizon_steps + 1)
+    step = config.step_s
+    level = state.level_gpus
+    prof = _smoothed_profile(config, state)
+    p_now = prof[slot_of(config, state.t_s)]
+    p_future = prof[slot_of(config, state.t_s + hs * step)]
+    fade = np.array([decay(h * step, config.anomaly_half_life_s) for h in hs])
+    if math.isnan(p_now):
+        base = np.full(hs.shape, level)
+    else:
+        base = np.where(np.isnan(p_future), level, p_future + (level - p_now) * fade)
+    damp = np.array([decay(i * step, config.trend_damping_half_life_s) for i in hs])
+    center = np.maximum(base + state.trend_gpus_per_s * step * np.cumsum(damp), 0.0)
+
+    with np.errstate(invalid="ignore", divide="ignore"):
+        e = np.where(state.err_weight > 0, state.err_sum / state.err_weight, np.nan)
+    prior = config.prior_scale_fraction * max(level, 0.0)
+    if np.all(np.isnan(e)):
+        e = np.full(hs.shape, prior)
+    else:
+        # Horizons not scored yet borrow from the nearest scored shorter horizon (or the shortest
+        # scored one); then errors never shrink with the horizon.
+        first = np.flatnonzero(~np.isnan(e))[0]
+        e[:first] = e[first]
+        for i in range(1, e.size):
+            if np.isnan(e[i]):
+                e[i] = e[i - 1]
+        e = np.maximum.accumulate(e)
+    mean = state.mean_gpus
+    floor = config.min_scale_fraction * mean if mean > 0 else 0.0
+    scale = np.maximum(e * _noise_factor(config, center, mean), floor)
+    return center, scale
+
+
+def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float) -> ForecastState:
+    """One grid step to ``t_s`` with observation ``y`` (NaN = missing)."""
+    step = config.step_s
+    h = config.horizon_steps
+    err_sum, err_weight = state.err_sum, state.err_weight
+    if not math.isnan(y) and state.n_obs > 0:
+        # Score the paths made 1..H steps ago at their points that target now.
+        preds = np.diagonal(state.past_center).copy()
+        ok = ~np.isnan(preds)
+        keep = decay(step, config.error_half_life_s)
+        err = np.abs(y - preds) / _noise_factor(config, np.where(ok, preds, 0.0), state.mean_gpus)
+        err_sum = np.where(ok, keep * err_sum + np.where(ok, err, 0.0), err_sum)
+        err_weight = np.where(ok, keep * err_weight + 1.0, err_weight)
+
+    level, trend, mean = state.level_gpus, state.trend_gpus_per_s, state.mean_gpus
+    prof, prof_n = state.profile_gpus, state.profile_n
+    n_obs = state.n_obs
+    if not math.isnan(y):
+        if n_obs == 0:
+            level, mean = y, y
+        else:
+            a = 1.0 - decay(step, config.level_half_life_s)
+            new_level = level + a * (y - level)
+            b = 1.0 - decay(step, config.trend_half_life_s)
+            trend = trend + b * ((new_level - level) / step - trend)
+            level = new_level
+            m = 1.0 - decay(step, config.profile_half_life_s)
+            mean = mean + max(m, 1.0 / (n_obs + 1)) * (y - mean)
+        s = int(slot_of(config, t_s))
+        prof, prof_n = prof.copy(), prof_n.copy()
+        prof_n[s] += 1
+        w = max(1.0 - decay(config.period_s, config.profile_half_life_s), 1.0 / prof_n[s])
+        prof[s] += w * (y - prof[s])
+        n_obs += 1
+
+    new = replace(state, t_s=t_s, n_obs=n_obs, level_gpus=level, trend_gpus_per_s=trend, mean_gpus=mean,
+                  profile_gpus=_frozen(prof), profile_n=_frozen(prof_n),
+                  err_sum=_frozen(np.asarray(err_sum, float)), err_weight=_frozen(np.asarray(err_weight, float)))
+    if n_obs == 0:
+        center = scale = np.full(h, np.nan)
+    else:
+        center, scale = _path(config, new)
+    past = np.vstack([center[None, :], state.past_center[:-1]])
+    return replace(new, past_center=_frozen(past), scale_gpus=_frozen(scale))
+
+
+def observe(config: ForecastConfig, state: ForecastState, t_s: float, demand_gpus: float) -> ForecastState:
+    """The state after observing ``demand_gpus`` (NaN = missing) at ``t_s``; ``state`` is unchanged.
+
+    Raises ``ValueError`` if ``t_s`` is not after the previous observation or not on its grid,
+    or if ``demand_gpus`` is negative.
+    """
+    y = float(demand_gpus)
+    if y < 0 or math.isinf(y):
+        raise ValueError(f"demand_gpus must be finite and >= 0 (or NaN for missing), got {demand_gpus}")
+    if math.isnan(state.t_s):
+        return _advance(config, state, float(t_s), y)
+    k = (t_s - state.t_s) / config.step_s
+    if round(k) < 1 or abs(k - round(k)) > 1e-6:
+        raise ValueError(f"t_s={t_s:g} must be a whole number (>= 1) of step_s={config.step_s:g} after the "
+                         f"previous observation at {state.t_s:g}")
+    for i in range(1, round(k)):
+        state = _advance(config, state, state.t_s + config.step_s, math.nan)
+        del i
+    return _advance(config, state, float(t_s), y)
+
+
+def forecast(config: ForecastConfig, state: ForecastState) -> Forecast:
+    """The path made at the last observation. Raises ``ValueError`` before any demand was seen."""
+    if state.n_obs == 0:
+        raise ValueError("no demand observed yet: call observe() with a number first")
+    hs = np.arange(1, config.horizon_steps + 1)
+    return Forecast(t_s=state.t_s, times_s=_frozen(state.t_s + hs * config.step_s),
+                    center_gpus=_frozen(state.past_center[0].copy()), scale_gpus=state.scale_gpus)
+
+
+# ---------------------------------------------------------------------------------------------
+# Coverage calibration: adaptive conformal inference on the margin z for one horizon.
+
+
+@dataclass(frozen=True)
+class CoverageCalibrator:
+    """Keeps ``upper(h; z)`` at horizon ``horizon_steps`` above the demand a ``quantile`` of the time.
+
+    Adaptive conformal inference (Gibbs & Candès, 2021) on the margin: after each scored target
+    ``z += gain * (miss - (1 - quantile))``, where ``miss`` is 1 if the demand exceeded the upper
+    bound made ``horizon_steps`` earlier. Over any T scored targets the miss rate is within
+    ``(z_max - z_0 + gain) / (gain * T)`` of ``1 - quantile`` with no assumption on the demand;
+    ``z`` never goes below ``min_z`` (the central forecast).
+
+    Call order: ``cal = CoverageCalibrator(...)``, ``s = cal.initial_state()``; per observation,
+    after ``observe``: ``s = cal.update(s, t_s, demand_gpus)`` then
+    ``upper, s = cal.emit(s, forecast)``.
+    """
+
+    quantile: float = 0.95
+    horizon_steps: int = 2
+    gain: float = 0.05
+    initial_z: float = 1.5
+    min_z: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.quantile < 1:
+            raise ValueError(f"CoverageCalibrator.quantile must be in (0, 1), got {self.quantile}")
+        if self.horizon_steps < 1:
+            raise ValueError(f"CoverageCalibrator.horizon_steps must be >= 1, got {self.horizon_steps}")
+
+    def initial_state(self) -> CoverageState:
+        return CoverageState(z=self.initial_z, pending=(), misses=0, scored=0)
+
+    def update(self, state: CoverageState, t_s: float, demand_gpus: float) -> CoverageState:
+        """Score the bound that targeted ``t_s`` (if any) against the observed demand."""
+        due = [p for p in state.pending if p[0] <= t_s + 1e-9]
+        rest = tuple(p for p in state.pending if p[0] > t_s + 1e-9)
+        z, misses, scored = state.z, state.misses, state.scored
+        for target_s, upper in due:
+            if abs(target_s - t_s) > 1e-6 or math.isnan(demand_gpus):
+                continue
+            miss = 1.0 if demand_gpus > upper else 0.0
+            z = max(self.min_z, z + self.gain * (miss - (1.0 - self.quantile)))
+            misses += int(miss)
+            scored += 1
+        return CoverageState(z=z, pending=rest, misses=misses, scored=scored)
+
+    def emit(self, state: CoverageState, fc: Forecast) -> tuple[float, CoverageState]:
+        """The calibrated upper bound at the horizon, remembered for scoring when its target arrives."""
+        i = self.horizon_steps - 1
+        upper = float(fc.center_gpus[i] + state.z * fc.scale_gpus[i])
+        pending = state.pending + ((float(fc.times_s[i]), upper),)
+        return upper, replace(state, pending=pending)
+
+
+@dataclass(frozen=True)
+class CoverageState:
+    z: float
+    pending: tuple[tuple[float, float], ...]
+    misses: int
+    scored: int

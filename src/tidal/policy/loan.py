@@ -1,0 +1,425 @@
+"""Loan / reclaim plan: how many serving GPUs may be lent now, and when each must be back. Pure.
+
+Every policy here has the same shape, after Ray Serve's autoscaling policy::
+
+    plan, state = policy(ctx, state)        # state = policy.initial_state() at the start
+
+``ctx`` (:class:`LoanContext`) is what the caller observed at ``ctx.now_s``; ``plan``
+(:class:`LoanPlan`) is a value; ``state`` is whatever the policy learns, passed back next step. The
+live control plane and the simulator call each policy once per serving observation (every
+``step_s``), in time order.
+
+How a plan is made (:func:`plan_loans`, shared by all policies): a policy produces an upper bound
+``upper(s)`` on serving demand at the grid times ``s`` of its horizon. Serving can spare
+``free(s) = floor(N - upper(s))`` GPUs at ``s``. A GPU lent now comes back at the earliest
+``lead_time_s`` later (notice + final checkpoint + release + serving warm-up), so:
+
+1. *Lendable now* = the minimum of ``free`` over ``(now, now + lead]`` (and of ``N - demand now``).
+2. *Deadlines*: the k-th lent GPU must be back at the first ``s`` where ``min free(now..s) < k``;
+   its reclaim notice goes out at ``deadline - lead`` — *before* the forecast rise, not when
+   serving is already short. GPUs still free at the end of the horizon have no deadline yet.
+3. *Worthwhile*: a GPU not yet lent is lent only if it can train for at least
+   ``min_loan_window_s`` before its notice (``restart_cost_s / (1 - min_useful_fraction)``: the
+   cheaper an interruption, the shorter the windows worth lending). GPUs already on loan are kept
+   while they are safe through the lead time; the excess is reclaimed now.
+
+Policies:
+
+* :class:`TidalPolicy` — the forecast of :mod:`tidal.policy.forecast` plus a margin ``z`` (in units
+  of the forecast's own error scale) calibrated online to a *shortfall budget*: at most
+  ``shortfall_budget`` of the demanded serving GPU-hours may go unmet. No hindsight: the margin
+  moves only on shortfalls the policy's own past plans caused (see :class:`TidalPolicy`).
+* :class:`ReactivePolicy` — lend what is idle now minus a fixed margin; reclaim when that shrinks.
+* :class:`NightWindowPolicy` — lend a fixed number of GPUs during fixed hours of the day.
+* :class:`OraclePolicy` — knows the future demand (``ctx.future_demand_gpus``): the upper bound.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from tidal.policy.forecast import (
+    Forecast,
+    ForecastConfig,
+    ForecastState,
+    decay,
+    forecast,
+    initial_state,
+    observe,
+)
+
+EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class LoanTiming:
+    """How long taking a loan back takes, and what an interruption costs a spot job. Seconds."""
+
+    notice_s: float = 120.0
+    """From the reclaim notice until the spot job must stop (its grace period)."""
+    final_checkpoint_s: float = 120.0
+    """The job's final checkpoint after it stops stepping."""
+    release_s: float = 60.0
+    """Tearing the job down and handing the GPUs back."""
+    warmup_s: float = 900.0
+    """Serving warm-up on the returned GPUs (load weights, compile, capture graphs)."""
+    restart_cost_s: float = 300.0
+    """What a loan costs the spot job: restore from checkpoint and warm up on the loaned GPUs."""
+    min_useful_fraction: float = 0.5
+    """A new loan must spend at least this fraction of its window (now .. notice) training."""
+
+    def __post_init__(self) -> None:
+        for name in ("notice_s", "final_checkpoint_s", "release_s", "warmup_s", "restart_cost_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"LoanTiming.{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.min_useful_fraction < 1:
+            raise ValueError(f"LoanTiming.min_useful_fraction must be in [0, 1), got {self.min_useful_fraction}")
+
+    @property
+    def lead_time_s(self) -> float:
+        """From reclaim notice until the GPUs serve again."""
+        return self.notice_s + self.final_checkpoint_s + self.release_s + self.warmup_s
+
+    @property
+    def min_loan_window_s(self) -> float:
+        """Shortest time from lending to notice worth a new loan: ``restart_cost / (1 - useful)``."""
+        return self.restart_cost_s / (1.0 - self.min_useful_fraction)
+
+
+@dataclass(frozen=True, eq=False)
+class LoanContext:
+    """What the caller observed at ``now_s``.
+
+    ``demand_gpus`` is serving demand now (NaN = no observation, e.g. a metrics outage).
+    ``lent_gpus`` is how many of the pool's ``serving_gpus`` are on loan now. ``future_demand_gpus``
+    is for :class:`OraclePolicy` only: demand at ``now + k * step_s`` for k = 1, 2, ...
+    """
+
+    now_s: float
+    serving_gpus: int
+    demand_gpus: float
+    lent_gpus: int = 0
+    future_demand_gpus: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class Reclaim:
+    """``gpus`` lent GPUs must be serving again by ``deadline_s``: send the notice at ``notice_s``."""
+
+    gpus: int
+    deadline_s: float
+    notice_s: float
+
+
+@dataclass(frozen=True, eq=False)
+class LoanPlan:
+    """The decision of one step.
+
+    * ``lendable_gpus`` — how many GPUs may be on loan now (the scheduler may use fewer).
+    * ``reclaims`` — of those, how many must be back by when, earliest deadline first; lendable
+      GPUs not listed may stay out past the horizon (the next plan will say).
+    * ``reclaim_now_gpus`` — GPUs on loan beyond ``lendable_gpus``: notify them now.
+    * ``times_s`` / ``upper_gpus`` — the upper bound on serving demand the plan was made from.
+    * ``margin_gpus`` — the safety margin inside ``upper_gpus`` at the lead time.
+    """
+
+    now_s: float
+    lendable_gpus: int
+    reclaims: tuple[Reclaim, ...]
+    reclaim_now_gpus: int
+    times_s: np.ndarray
+    upper_gpus: np.ndarray
+    margin_gpus: float
+    lead_time_s: float
+    min_loan_window_s: float
+
+    @property
+    def reclaim_gpus(self) -> int:
+        return sum(r.gpus for r in self.reclaims)
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a = np.asarray(a, dtype=float).copy()
+    a.flags.writeable = False
+    return a
+
+
+def plan_loans(*, now_s: float, serving_gpus: int, lent_gpus: int, demand_now_gpus: float,
+               times_s: np.ndarray, upper_gpus: np.ndarray, timing: LoanTiming,
+               margin_gpus: float = 0.0) -> LoanPlan:
+    """Turn an upper bound on demand at ``times_s`` (increasing, all > ``now_s``) into a plan.
+
+    See the module docstring for the rule. ``demand_now_gpus`` may be NaN (no observation). The
+    plan never lends more than ``N - ceil(upper(s))`` for any ``s`` in ``(now, now + lead]`` (the
+    first grid time if none falls inside), nor more than ``N - ceil(demand now)``.
+    """
+    n = int(serving_gpus)
+    if n < 0:
+        raise ValueError(f"serving_gpus must be >= 0, got {serving_gpus}")
+    times = np.asarray(times_s, dtype=float)
+    upper = np.asarray(upper_gpus, dtype=float)
+    if times.shape != upper.shape or times.ndim != 1 or times.size == 0:
+        raise ValueError(f"times_s and upper_gpus must be 1-D of the same non-zero length, got "
+                         f"{times.shape} and {upper.shape}")
+    if np.any(times <= now_s) or np.any(np.diff(times) <= 0):
+        raise ValueError("times_s must increase and lie after now_s")
+    lead = timing.lead_time_s
+    free = np.clip(np.floor(n - np.nan_to_num(upper, nan=float(n)) + EPS), 0, n).astype(int)
+    running = np.minimum.accumulate(free)
+    in_lead = int(np.searchsorted(times, now_s + lead + EPS, side="right"))
+    in_lead = max(in_lead, 1)
+    safe = int(running[in_lead - 1])
+    if not math.isnan(demand_now_gpus):
+        safe = min(safe, max(0, int(math.floor(n - demand_now_gpus + EPS))))
+
+    def deadline(k: int) -> float | None:
+        """First grid time at which serving needs the k-th lent GPU (None: not within the horizon)."""
+        short = np.flatnonzero(running < k)
+        return float(times[short[0]]) if short.size else None
+
+    kept = min(max(lent_gpus, 0), safe)
+    lendable = kept
+    for k in range(kept + 1, safe + 1):
+        d = deadline(k)
+        if d is not None and d - lead - now_s < timing.min_loan_window_s - EPS:
+            break
+        lendable = k
+    by_deadline: dict[float, int] = {}
+    for k in range(1, lendable + 1):
+        d = deadline(k)
+        if d is not None:
+            by_deadline[d] = by_deadline.get(d, 0) + 1
+    reclaims = tuple(Reclaim(gpus=g, deadline_s=d, notice_s=d - lead) for d, g in sorted(by_deadline.items()))
+    return LoanPlan(now_s=now_s, lendable_gpus=lendable, reclaims=reclaims,
+                    reclaim_now_gpus=max(0, lent_gpus - lendable), times_s=_frozen(times),
+                    upper_gpus=_frozen(upper), margin_gpus=float(margin_gpus), lead_time_s=lead,
+                    min_loan_window_s=timing.min_loan_window_s)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tidal: forecast + margin calibrated online to a shortfall budget.
+
+
+@dataclass(frozen=True)
+class TidalConfig:
+    """Knobs of :class:`TidalPolicy`."""
+
+    shortfall_budget: float = 0.005
+    """At most this fraction of demanded serving GPU-hours may go unmet (0.005 = 0.5 %)."""
+    forecast: ForecastConfig = field(default_factory=ForecastConfig)
+    timing: LoanTiming = field(default_factory=LoanTiming)
+    initial_z: float = 3.0
+    """Margin before any feedback, in units of the forecast error scale: start careful."""
+    calibration_rate_per_h: float = 0.12
+    """How fast the margin moves: with no shortfall it falls by this × demand/N per hour."""
+    min_z: float = 0.0
+    """Floor of the margin: never plan below the central forecast."""
+    max_z: float = 50.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.shortfall_budget < 1:
+            raise ValueError(f"TidalConfig.shortfall_budget must be in (0, 1), got {self.shortfall_budget}")
+        horizon_needed = self.timing.lead_time_s + self.timing.min_loan_window_s
+        if self.forecast.horizon_s < horizon_needed:
+            raise ValueError(f"TidalConfig.forecast.horizon_s ({self.forecast.horizon_s:g}) must cover the lead "
+                             f"time plus the minimum loan window ({horizon_needed:g} s)")
+
+
+@dataclass(frozen=True, eq=False)
+class TidalState:
+    """What :class:`TidalPolicy` carries between steps.
+
+    ``z`` is the calibrated margin; ``commitments`` are ``(decided_at_s, until_s, supply_gpus)``:
+    each plan promised serving at least ``N - lendable`` GPUs through ``until_s`` (its lead
+    time). ``shortfall_gpu_s`` / ``demand_gpu_s`` add up realized shortfall against those promises
+    and demand, in GPU-seconds (assuming every lendable GPU was lent).
+    """
+
+    forecast: ForecastState
+    z: float
+    commitments: tuple[tuple[float, float, int], ...] = ()
+    shortfall_gpu_s: float = 0.0
+    demand_gpu_s: float = 0.0
+
+    @property
+    def shortfall_ratio(self) -> float:
+        return self.shortfall_gpu_s / self.demand_gpu_s if self.demand_gpu_s > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class TidalPolicy:
+    """Forecast upper bound + online-calibrated margin -> :class:`LoanPlan`.
+
+    Each step, in order:
+
+    1. Observe ``ctx.demand_gpus`` into the forecast (skipped if ``now_s`` was already observed).
+    2. Score the promise: the supply promised for ``now`` by the plans of the last lead time is the
+       smallest ``N - lendable`` among them; ``shortfall = max(0, demand - supply)``.
+    3. Calibrate (online conformal risk control): ``z += rate * dt_h * (shortfall - B * demand) /
+       (B * N)``, floored at ``min_z``. ``z`` rises after a shortfall and decays while there is
+       none, so the long-run shortfall ratio tracks the budget B. Guarantee, with no assumption on
+       the demand: summed over any period, ``shortfall - B * demand`` (GPU-hours) is at most
+       ``B * N * (z_max - z_0 + jump) / rate``, where ``z_max`` is a margin at which the plan lends
+       nothing (so nothing can be short) and ``jump`` the largest single step of z.
+    4. Plan from ``upper = center + z * scale`` over the horizon (:func:`plan_loans`) and record the
+       new promise.
+    """
+
+    config: TidalConfig = field(default_factory=TidalConfig)
+
+    def initial_state(self) -> TidalState:
+        return TidalState(forecast=initial_state(self.config.forecast), z=self.config.initial_z)
+
+    def __call__(self, ctx: LoanContext, state: TidalState) -> tuple[LoanPlan, TidalState]:
+        cfg = self.config
+        n = ctx.serving_gpus
+        fs = state.forecast
+        new_obs = math.isnan(fs.t_s) or ctx.now_s > fs.t_s + EPS
+        if new_obs:
+            fs = observe(cfg.forecast, fs, ctx.now_s, ctx.demand_gpus)
+        z, shortfall_gpu_s, demand_gpu_s = state.z, state.shortfall_gpu_s, state.demand_gpu_s
+        covering = [c for c in state.commitments if c[0] < ctx.now_s - EPS and ctx.now_s <= c[1] + EPS]
+        y = ctx.demand_gpus
+        if new_obs and not math.isnan(y) and n > 0:
+            dt_s = cfg.forecast.step_s
+            shortfall = max(0.0, y - min(c[2] for c in covering)) if covering else 0.0
+            shortfall_gpu_s += shortfall * dt_s
+            demand_gpu_s += y * dt_s
+            b = cfg.shortfall_budget
+            z += cfg.calibration_rate_per_h * dt_s / 3600.0 * (shortfall - b * y) / (b * n)
+            z = min(cfg.max_z, max(cfg.min_z, z))
+        if fs.n_obs == 0:  # nothing known yet: lend nothing
+            fc = None
+        else:
+            fc = forecast(cfg.forecast, fs)
+        plan = self._plan(ctx, fc, z)
+        commitments = tuple(c for c in state.commitments if c[1] > ctx.now_s + EPS)
+        commitments += ((ctx.now_s, ctx.now_s + cfg.timing.lead_time_s, n - plan.lendable_gpus),)
+        new_state = replace(state, forecast=fs, z=z, commitments=commitments,
+                            shortfall_gpu_s=shortfall_gpu_s, demand_gpu_s=demand_gpu_s)
+        return plan, new_state
+
+    def _plan(self, ctx: LoanContext, fc: Forecast | None, z: float) -> LoanPlan:
+        cfg = self.config
+        step = cfg.forecast.step_s
+        if fc is None:
+            times = ctx.now_s + step * np.arange(1, cfg.forecast.horizon_steps + 1)
+            upper = np.full(times.shape, float(ctx.serving_gpus))
+            margin = 0.0
+        else:
+            keep = fc.times_s > ctx.now_s + EPS
+            times, upper = fc.times_s[keep], fc.upper(z)[keep]
+            lead_i = min(int(np.searchsorted(times, ctx.now_s + cfg.timing.lead_time_s + EPS)) - 1, times.size - 1)
+            margin = float(z * fc.scale_gpus[keep][max(lead_i, 0)])
+        return plan_loans(now_s=ctx.now_s, serving_gpus=ctx.serving_gpus, lent_gpus=ctx.lent_gpus,
+                          demand_now_gpus=ctx.demand_gpus, times_s=times, upper_gpus=upper,
+                          timing=cfg.timing, margin_gpus=margin)
+
+
+# ---------------------------------------------------------------------------------------------
+# Baselines, each with a fixed margin knob (GPUs), in the same interface.
+
+
+def _grid(now_s: float, step_s: float, horizon_s: float) -> np.ndarray:
+    return now_s + step_s * np.arange(1, max(1, math.ceil(horizon_s / step_s - EPS)) + 1)
+
+
+@dataclass(frozen=True)
+class ReactivePolicy:
+    """Lend what is idle now minus ``margin_gpus``; reclaim when that shrinks (no look-ahead).
+
+    Its upper bound is flat at ``demand now + margin``, so its plans carry no deadlines: it
+    reclaims only once a new observation shows less idle capacity, a lead time too late unless the
+    margin absorbs the rise. Holds its last bound through missing observations.
+    """
+
+    margin_gpus: float = 0.0
+    step_s: float = 600.0
+    horizon_s: float = 6 * 3600.0
+    timing: LoanTiming = field(default_factory=LoanTiming)
+
+    def initial_state(self) -> float:
+        return math.nan  # the last observed demand
+
+    def __call__(self, ctx: LoanContext, state: float) -> tuple[LoanPlan, float]:
+        last = state if math.isnan(ctx.demand_gpus) else float(ctx.demand_gpus)
+        times = _grid(ctx.now_s, self.step_s, self.horizon_s)
+        level = float(ctx.serving_gpus) if math.isnan(last) else last + self.margin_gpus
+        plan = plan_loans(now_s=ctx.now_s, serving_gpus=ctx.serving_gpus, lent_gpus=ctx.lent_gpus,
+                          demand_now_gpus=ctx.demand_gpus, times_s=times, upper_gpus=np.full(times.shape, level),
+                          timing=self.timing, margin_gpus=self.margin_gpus)
+        return plan, last
+
+
+@dataclass(frozen=True)
+class NightWindowPolicy:
+    """Lend ``N - margin_gpus`` GPUs from ``start_s`` to ``end_s`` of every ``period_s`` (a day).
+
+    Times are positions in the period (``t mod period``); a window may wrap past the period's end
+    (start 22 h, end 6 h). Demand is not looked at: the margin alone protects serving. Loans are
+    planned to be back at the window's end.
+    """
+
+    start_s: float
+    end_s: float
+    margin_gpus: float = 0.0
+    period_s: float = 86400.0
+    step_s: float = 600.0
+    horizon_s: float = 6 * 3600.0
+    timing: LoanTiming = field(default_factory=LoanTiming)
+
+    def initial_state(self) -> None:
+        return None
+
+    def in_window(self, t_s: np.ndarray | float) -> np.ndarray:
+        pos = np.mod(t_s, self.period_s)
+        a, b = self.start_s % self.period_s, self.end_s % self.period_s
+        return (pos >= a) & (pos < b) if a <= b else (pos >= a) | (pos < b)
+
+    def __call__(self, ctx: LoanContext, state: None) -> tuple[LoanPlan, None]:
+        times = _grid(ctx.now_s, self.step_s, self.horizon_s)
+        n = float(ctx.serving_gpus)
+        upper = np.where(self.in_window(times), min(n, self.margin_gpus), n)
+        plan = plan_loans(now_s=ctx.now_s, serving_gpus=ctx.serving_gpus, lent_gpus=ctx.lent_gpus,
+                          demand_now_gpus=math.nan, times_s=times, upper_gpus=upper,
+                          timing=self.timing, margin_gpus=self.margin_gpus)
+        return plan, None
+
+
+@dataclass(frozen=True)
+class OraclePolicy:
+    """Knows the future: plans from ``ctx.future_demand_gpus + margin_gpus`` (the upper bound).
+
+    ``ctx.future_demand_gpus[k]`` is demand at ``now + (k + 1) * step_s``; NaN entries (unknown) and
+    points past the array count as the full pool.
+    """
+
+    margin_gpus: float = 0.0
+    step_s: float = 600.0
+    horizon_s: float = 6 * 3600.0
+    timing: LoanTiming = field(default_factory=LoanTiming)
+
+    def initial_state(self) -> None:
+        return None
+
+    def __call__(self, ctx: LoanContext, state: None) -> tuple[LoanPlan, None]:
+        if ctx.future_demand_gpus is None:
+            raise ValueError("OraclePolicy needs ctx.future_demand_gpus (demand at now + k * step_s)")
+        times = _grid(ctx.now_s, self.step_s, self.horizon_s)
+        n = float(ctx.serving_gpus)
+        fut = np.full(times.shape, n)
+        known = np.asarray(ctx.future_demand_gpus, dtype=float)[: times.size]
+        fut[: known.size] = np.where(np.isnan(known), n, known + self.margin_gpus)
+        plan = plan_loans(now_s=ctx.now_s, serving_gpus=ctx.serving_gpus, lent_gpus=ctx.lent_gpus,
+                          demand_now_gpus=ctx.demand_gpus, times_s=times, upper_gpus=fut,
+                          timing=self.timing, margin_gpus=self.margin_gpus)
+        return plan, None
+
+
+__all__ = [
+    "LoanContext", "LoanPlan", "LoanTiming", "NightWindowPolicy", "OraclePolicy", "ReactivePolicy", "Reclaim",
+    "TidalConfig", "TidalPolicy", "TidalState", "decay", "plan_loans",
+]

@@ -1,0 +1,107 @@
+"""The scheduler: one pure function from a :class:`~tidal.model.Snapshot` to a list of decisions.
+
+    decisions = schedule(snapshot, SchedulerConfig())
+
+Contract: no I/O, no clock (``snapshot.now_s`` is the time), no randomness; the same snapshot and
+config always give the same list, in the same order. The caller (the control plane's reconcile loop
+or the simulator) applies the decisions to its store before taking the next snapshot; the scheduler
+is level-triggered and uses ``Job.releasing`` to avoid acting twice on one need. See
+``docs/scheduling.md`` for the policy in prose.
+
+One call is a cycle of numbered steps (after Kueue's scheduler):
+
+1. **Snapshot.** Index the running jobs once (usage per node and tenant), build free-GPU views of the
+   training pool and of loaned serving GPUs (loans ending within ``min_loan_left_s`` are closed to
+   new work), fair shares of spot capacity.
+2. **Reclaim.** Give loaned GPUs back as due reclaims ask: idle ones now, draining ones counted, the
+   rest by shrinking, then preempting, spot jobs on loans (:mod:`.scheduling.reclaim`).
+3. **Nominate.** Only pending-queue heads are looked at: one FIFO per (tenant, kind, priority).
+4. **Order.** Dedicated jobs first (guaranteed quota), then spot; each by aged priority, then (spot)
+   the tenant furthest below its weighted fair share, then waiting time (:mod:`.scheduling.ordering`).
+5. **Admit.** All or nothing at the gang minimum, packed onto the fewest nodes. A job that does not fit
+   may look for victims (bounded per call); if the need can be met, victims are *computed* first
+   (:func:`~.scheduling.preemption.targets_for`) and then *acted on* (shrinks and preemptions, the
+   job's future place reserved); the job itself starts in a later call, once they have drained.
+   A job that neither fits nor finds victims is skipped; after ``max_skips_per_cycle`` skips the
+   cycle stops looking, so a call considers about as many pending jobs as there are free GPUs.
+6. **Grow.** Spare GPUs go to elastic jobs below their maximum (:mod:`.scheduling.growth`).
+7. **Requeue.** Everything not admitted simply stays in its queue: nothing to emit.
+"""
+
+from __future__ import annotations
+
+from tidal.model import Decision, Job, Snapshot
+from tidal.policy.scheduling.config import SchedulerConfig
+from tidal.policy.scheduling.cycle import Cycle
+from tidal.policy.scheduling.growth import grow_step
+from tidal.policy.scheduling.ordering import QueueHeads, aged_priority
+from tidal.policy.scheduling.placement import fits, place
+from tidal.policy.scheduling.preemption import preempt_for
+from tidal.policy.scheduling.reclaim import reclaim_step
+
+__all__ = ["SchedulerConfig", "schedule"]
+
+
+def schedule(snapshot: Snapshot, config: SchedulerConfig | None = None) -> list[Decision]:
+    """Decide what to admit, grow, shrink, preempt and return to serving now. Pure; see the module doc."""
+    cfg = config or SchedulerConfig()
+    now = snapshot.now_s
+    # 1. Snapshot.
+    c = Cycle(snapshot, cfg)
+    blocked = {ln.node for ln in snapshot.loans if ln.until_s - now < cfg.min_loan_left_s}
+    c.build_views(blocked)
+    pending_spot = {key[0] for key, q in snapshot.queues.items() if key[1] == "spot" and q}
+    c.compute_fair(pending_spot)
+    # 2. Reclaim.
+    reclaim_step(c)
+    c.compute_fair(pending_spot)
+    # 3-5. Nominate, order, admit.
+    admitted = _admit_step(c)
+    # 6. Grow.
+    grow_step(c, admitted)
+    # 7. Requeue: implicit.
+    return c.decisions
+
+
+def _admit_step(c: Cycle) -> dict[str, tuple[int, Job]]:
+    cfg, now = c.cfg, c.now
+    ded: list = []
+    spot: list = []
+    for key, q in c.snap.queues.items():
+        if q:
+            (ded if key[1] == "dedicated" else spot).append(q)
+
+    def ded_key(j: Job) -> tuple:
+        return (-aged_priority(j, now, cfg), j.submit_s, j.id)
+
+    def spot_key(j: Job) -> tuple:
+        return (-aged_priority(j, now, cfg), c.share(j.tenant), j.submit_s, j.id)
+
+    admitted: dict[str, tuple[int, Job]] = {}
+    skips = attempts = 0
+    for queues, key in ((ded, ded_key), (spot, spot_key)):
+        heads = QueueHeads(queues, key)
+        while skips < cfg.max_skips_per_cycle:
+            job = heads.pop()
+            if job is None:
+                break
+            if _try_place(c, job):
+                admitted[job.id] = (len(c.decisions) - 1, job)
+                continue
+            if attempts < cfg.max_preemption_attempts_per_cycle:
+                attempts += 1
+                if preempt_for(c, job):
+                    continue
+            skips += 1
+    return admitted
+
+
+def _try_place(c: Cycle, job: Job) -> bool:
+    size, g = job.min_gpus, job.gpus_per_node
+    if job.kind == "dedicated" and c.quota_room(job.tenant) < size:
+        return False
+    for views in c.views_for(job):
+        if fits(views, size, g):
+            c.issue_admit(job, place(views, size, g))  # type: ignore[arg-type]
+            return True
+    return False

@@ -1,0 +1,52 @@
+"""The scheduler's knobs: one table, units in the names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Every knob of :func:`tidal.policy.scheduler.schedule`. Defaults suit a pool of 8-GPU nodes.
+
+    Ordering
+        ``aging_per_s``: priority levels a pending job gains per second of waiting (whole levels:
+        ``floor(wait_s * aging_per_s)``), at most ``aging_max_levels``. Aging orders jobs and lets an
+        old job preempt by priority once it has climbed far enough; it never touches quotas.
+
+    Preemption
+        ``preempt_priority_gap``: a pending job may preempt running jobs whose priority is at least
+        this far below its aged priority. ``min_runtime_before_preempt_s``: a job (re)started less
+        than this ago is not preempted for priority or fair share (a reclaim and a guaranteed quota
+        override it, but still prefer older victims). ``preempt_grace_s``: how long a victim has to
+        write its final checkpoint and leave (``by_s = now + grace``; a reclaim sets its own).
+
+    Hysteresis
+        ``hysteresis_s``: a job shrunk less than this ago does not grow again, and one grown less than
+        this ago is not shrunk for another job's demand (reclaims and quotas still shrink it).
+        ``min_loan_left_s``: no job starts or grows on a loaned GPU that the loan plan wants back
+        (``Loan.until_s`` or a :class:`~tidal.model.Reclaim` notice) within this many seconds.
+
+    Work bounds (what keeps one call within milliseconds at 10,000 pending jobs)
+        ``max_skips_per_cycle``: pending jobs that neither fit nor preempt before the cycle stops
+        looking further down the queues. ``max_preemption_attempts_per_cycle``: pending jobs per
+        cycle for which victims are searched (each search is O(running jobs)).
+    """
+
+    aging_per_s: float = 1.0 / 3600.0
+    aging_max_levels: int = 2
+    preempt_priority_gap: int = 1
+    min_runtime_before_preempt_s: float = 900.0
+    preempt_grace_s: float = 120.0
+    hysteresis_s: float = 300.0
+    min_loan_left_s: float = 1800.0
+    max_skips_per_cycle: int = 64
+    max_preemption_attempts_per_cycle: int = 4
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if v < 0:
+                raise ValueError(f"SchedulerConfig.{f.name} must be >= 0, got {v}")
+        if self.preempt_priority_gap < 1:
+            raise ValueError(f"SchedulerConfig.preempt_priority_gap must be >= 1, got {self.preempt_priority_gap}")

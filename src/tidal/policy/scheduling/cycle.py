@@ -1,0 +1,160 @@
+"""One scheduling call's working state: the snapshot indexed once, then updated as decisions are made.
+
+:class:`Cycle` is created by ``schedule()`` and never escapes it. It is built in one pass over the
+running jobs (per-node usage, per-tenant usage, the elastic jobs that could grow) and one pass over
+the nodes; nothing here walks the pending queues. Every decision goes through one of the ``issue_*``
+methods, which append the decision and keep the indexes true for the steps that follow.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from tidal.model import Admit, Decision, Grow, Job, Loan, Preempt, Reason, ReturnGpus, Shrink, Snapshot
+from tidal.policy.scheduling.config import SchedulerConfig
+from tidal.policy.scheduling.placement import View
+
+
+class Cycle:
+    """Indexes of one snapshot plus the decisions made so far in this call."""
+
+    def __init__(self, snap: Snapshot, cfg: SchedulerConfig) -> None:
+        self.snap, self.cfg, self.now = snap, cfg, snap.now_s
+        self.decisions: list[Decision] = []
+        self.touched: set[str] = set()  # jobs that got a decision this call: not touched again
+        self.tenants = {t.name: t for t in snap.tenants}
+        self.pool_of: dict[str, str] = {}  # node -> "training" | "loan" (serving nodes without a loan: absent)
+        self.loans: dict[str, Loan] = {ln.node: ln for ln in snap.loans}
+        self.max_node_gpus = max((n.gpus for n in snap.nodes), default=1)
+        for n in snap.nodes:
+            if n.pool == "training":
+                self.pool_of[n.name] = "training"
+            elif n.name in self.loans:
+                self.pool_of[n.name] = "loan"
+
+        # One pass over the running jobs.
+        used: dict[str, int] = {}
+        draining: dict[str, int] = {}
+        self.ded_held = dict.fromkeys(self.tenants, 0)  # dedicated GPUs held (quota is checked on these)
+        self.spot_held = dict.fromkeys(self.tenants, 0)  # spot GPUs held minus releasing (fair share)
+        self.growable: list[Job] = []
+        for j in snap.running:
+            for node, g in j.placement.items():
+                used[node] = used.get(node, 0) + g
+            if j.releasing_gpus:
+                for node, g in j.releasing.items():
+                    draining[node] = draining.get(node, 0) + g
+            elif j.gpus < j.max_gpus:
+                self.growable.append(j)
+            if j.kind == "dedicated":
+                self.ded_held[j.tenant] += j.gpus
+            else:
+                self.spot_held[j.tenant] += j.gpus - j.releasing_gpus
+        self.used, self.draining0 = used, draining
+        self.training_gpus = sum(n.gpus for n in snap.nodes if n.pool == "training")
+        self.loaned_gpus = sum(ln.gpus for ln in snap.loans)
+        self.training = View("training", self.max_node_gpus)
+        self.loan = View("loan", self.max_node_gpus)
+        self.returned: dict[str, int] = {}  # loan node -> GPUs handed back this call
+        self.reserved: dict[str, int] = {}  # loan node -> free GPUs kept for a reclaim
+        self.claimed_draining: dict[str, int] = {}  # loan node -> draining GPUs counted toward a reclaim
+        self.reclaim_victim_gpus = 0  # loaned GPUs that reclaim victims will release
+        self.fair: dict[str, float] = {}
+        self._victim_index: object | None = None
+
+    # ------------------------------------------------------------------------------ views, shares
+
+    def build_views(self, blocked_loans: set[str]) -> None:
+        """Fill the training and loan views from the node list (O(nodes))."""
+        for n in self.snap.nodes:
+            name = n.name
+            pool = self.pool_of.get(name)
+            if pool == "training":
+                self.training.add(name, n.gpus - self.used.get(name, 0), self.draining0.get(name, 0))
+            elif pool == "loan":
+                self.loan.add(name, self.loans[name].gpus - self.used.get(name, 0), self.draining0.get(name, 0),
+                              placeable=name not in blocked_loans)
+
+    def compute_fair(self, pending_spot_tenants: set[str]) -> None:
+        """Fair share of spot capacity per active tenant (after the reclaim step kept its GPUs).
+
+        Spot capacity = training GPUs not held by dedicated jobs + loaned GPUs not promised back.
+        Active tenants are those with spot jobs running or waiting; they split it by weight.
+        """
+        kept = sum(self.reserved.values()) + sum(self.returned.values()) + sum(self.claimed_draining.values())
+        spot_capacity = self.training_gpus - sum(self.ded_held.values()) + self.loaned_gpus - kept
+        active = [t for t in self.tenants if self.spot_held[t] > 0 or t in pending_spot_tenants]
+        weights = sum(self.tenants[t].weight for t in active)
+        for t in active:
+            self.fair[t] = max(spot_capacity, 0) * self.tenants[t].weight / weights
+
+    def share(self, tenant: str, extra_gpus: int = 0) -> float:
+        """Spot GPUs held (plus ``extra_gpus``) over the tenant's fair share of spot capacity."""
+        held = self.spot_held[tenant] + extra_gpus
+        if held <= 0:
+            return 0.0
+        fair = self.fair.get(tenant, 0.0)
+        return held / fair if fair > 0 else math.inf
+
+    def views_for(self, job: Job) -> list[list[View]]:
+        """The pools a job may be placed on, as placement attempts in order of preference."""
+        if job.kind == "dedicated":
+            return [[self.training]]
+        # Spot: loaned GPUs first (keeps training GPUs for dedicated work), then idle training GPUs,
+        # then a gang spanning both.
+        return [[self.loan], [self.training], [self.loan, self.training]]
+
+    def quota_room(self, tenant: str) -> int:
+        return self.tenants[tenant].quota_gpus - self.ded_held[tenant]
+
+    # ------------------------------------------------------------------------------ acting
+
+    def issue_return(self, node: str, gpus: int) -> None:
+        self.loan.take(node, gpus)
+        self.returned[node] = self.returned.get(node, 0) + gpus
+        self.decisions.append(ReturnGpus(node, gpus))
+
+    def issue_admit(self, job: Job, placement: dict[str, int]) -> None:
+        self.touched.add(job.id)
+        self._count(job, sum(placement.values()))
+        self.decisions.append(Admit(job.id, placement))
+
+    def issue_grow(self, job: Job, to_gpus: int, add: dict[str, int]) -> None:
+        self.touched.add(job.id)
+        self._count(job, sum(add.values()))
+        self.decisions.append(Grow(job.id, to_gpus, add))
+
+    def issue_shrink(self, job: Job, release: Mapping[str, int], reason: Reason, by_s: float,
+                     for_job: str | None, claimed: Mapping[str, int]) -> None:
+        """``claimed``: the released GPUs the need being served takes; the rest drain to anyone."""
+        self.touched.add(job.id)
+        gpus = sum(release.values())
+        if job.kind == "spot":
+            self.spot_held[job.tenant] -= gpus
+        self._drain_unclaimed(release, claimed)
+        self.decisions.append(Shrink(job.id, job.gpus - gpus, dict(release), reason, by_s, for_job))
+
+    def issue_preempt(self, job: Job, reason: Reason, by_s: float, for_job: str | None,
+                      claimed: Mapping[str, int]) -> None:
+        self.touched.add(job.id)
+        if job.kind == "spot":
+            self.spot_held[job.tenant] -= job.gpus
+        self._drain_unclaimed(job.placement, claimed)
+        self.decisions.append(Preempt(job.id, reason, by_s, for_job))
+
+    def _count(self, job: Job, gpus: int) -> None:
+        if job.kind == "dedicated":
+            self.ded_held[job.tenant] += gpus
+        else:
+            self.spot_held[job.tenant] += gpus
+
+    def _drain_unclaimed(self, release: Mapping[str, int], claimed: Mapping[str, int]) -> None:
+        for node, g in release.items():
+            left = g - claimed.get(node, 0)
+            if left > 0:
+                pool = self.pool_of.get(node)
+                if pool == "training":
+                    self.training.add_draining(node, left)
+                elif pool == "loan":
+                    self.loan.add_draining(node, left)

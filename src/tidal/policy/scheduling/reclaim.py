@@ -1,0 +1,103 @@
+"""The reclaim step: give loaned serving GPUs back as the loan plan's :class:`~tidal.model.Reclaim`\\ s say.
+
+Runs before anything is admitted, so GPUs serving wants are never handed to new work. For the GPUs
+of reclaims whose notice time has come (*due*), cheapest first:
+
+1. **Idle loaned GPUs** go back at once (:class:`~tidal.model.ReturnGpus`): idle loaned nodes
+   first, so serving gets whole nodes, then the idle part of the least used ones; among equals the
+   loan that was expected to end first.
+2. **Draining loaned GPUs** (jobs already shrinking or stopping on them) are counted: they are
+   returned in a later call, once free. This is what keeps the step from acting twice.
+3. **Displacement** for the rest: elastic spot jobs on loaned nodes shrink first (lowest priority,
+   then furthest over fair share), then whole gangs are preempted, least work lost first. Minimum
+   runtime and hysteresis do not protect anyone here: serving quality comes first. Victims must be
+   gone by the reclaim's ``by_s``.
+
+For reclaims whose notice is near but not yet due (within ``min_loan_left_s``), steps 1 and 2 only
+*keep* idle and draining loaned GPUs (nothing new starts on them); nobody is displaced before the
+notice time.
+"""
+
+from __future__ import annotations
+
+import math
+
+from tidal.model import Job, Reason
+from tidal.policy.scheduling.cycle import Cycle
+from tidal.policy.scheduling.preemption import (
+    CountNeed,
+    Victim,
+    find_victims,
+    in_order,
+    preempt_key,
+    shrink_key,
+)
+
+
+def reclaim_step(c: Cycle) -> None:
+    if not c.snap.reclaims:
+        return
+    now, cfg = c.now, c.cfg
+    due = soon = 0
+    by_s = math.inf
+    for r in c.snap.reclaims:
+        if r.due(now):
+            due += r.gpus
+            by_s = min(by_s, r.by_s)
+        elif r.notice_s - now < cfg.min_loan_left_s:
+            soon += r.gpus
+    if due + soon == 0:
+        return
+    loan = c.loan
+    order = sorted((n for n, f in loan.free.items() if f > 0),
+                   key=lambda n: (c.used.get(n, 0), c.loans[n].until_s))
+    for node in order:
+        f = loan.free[node]
+        k = min(due, f)
+        if k:
+            c.issue_return(node, k)
+            due -= k
+            f -= k
+        k = min(soon, f)
+        if k:
+            loan.take(node, k)
+            c.reserved[node] = c.reserved.get(node, 0) + k
+            soon -= k
+        if due + soon == 0:
+            break
+    for node, d in list(loan.draining.items()):
+        k = min(due + soon, d)
+        if k:
+            loan.claim_draining(node, k)
+            c.claimed_draining[node] = c.claimed_draining.get(node, 0) + k
+            taken = min(due, k)
+            due -= taken
+            soon -= k - taken
+        if due + soon == 0:
+            break
+    if due > 0:
+        _displace(c, due, max(now, by_s))
+
+
+def _displace(c: Cycle, need_gpus: int, by_s: float) -> None:
+    nodes = c.loan.free  # every loaned node (blocked ones too)
+    shrink: list[tuple[tuple, tuple[Job, Reason, bool]]] = []
+    pre: list[tuple[tuple, tuple[Job, Reason, bool]]] = []
+    for j in c.snap.running:
+        if j.releasing_gpus or j.id in c.touched or not any(n in nodes for n in j.placement):
+            continue
+        if j.gpus > j.min_gpus:
+            shrink.append((shrink_key(c, j), (j, "reclaim", False)))
+        pre.append((preempt_key(c, j), (j, "reclaim", False)))
+    shrink.sort(key=lambda t: t[0])
+    need = CountNeed(nodes, need_gpus)
+    victims = find_victims(need, [x for _, x in shrink], in_order(pre))
+    if victims is None:  # the reclaim asks for more than training holds on loans: clear them all
+        victims = [Victim(j, dict(j.placement), True, "reclaim", False) for _, (j, _, _) in sorted(pre)]
+    for v in victims:
+        claimed = {n: g for n, g in v.release.items() if n in nodes}
+        c.reclaim_victim_gpus += sum(claimed.values())
+        if v.preempt:
+            c.issue_preempt(v.job, "reclaim", by_s, None, claimed)
+        else:
+            c.issue_shrink(v.job, v.release, "reclaim", by_s, None, claimed)

@@ -1,0 +1,9 @@
+"""Serving side: where Tidal learns how many GPUs serving needs.
+
+Tidal does not serve models. It reads serving load (a recorded trace in the embedded default and in
+evaluations; live metrics in production), turns it into demand in GPUs, and hands that to the pure
+forecast and loan plan in :mod:`tidal.policy`.
+
+* :mod:`tidal.serving.traces` — load a CSV trace (time, load) into a :class:`~tidal.serving.traces.Trace`
+  and scale it to GPU demand for a pool of a given size.
+"""
