@@ -107,12 +107,7 @@ def describe_tensor(path: Path, value: Any) -> TensorEntry:
         from torch.distributed.tensor import Replicate, Shard
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-        for p in value.placements:
-            if type(p) not in (Shard, Replicate):
-                raise StateError(
-                    f"tensor '{name}': placement {p!r} is not supported; expected Shard(d) or "
-                    "Replicate() (reduce Partial placements before saving)"
-                )
+        _check_placements(name, value.placements, Shard, Replicate)
         gshape = tuple(int(s) for s in value.shape)
         key = (gshape, id(value.device_mesh), tuple(value.placements))
         cached = _BOX_CACHE.get(key)
@@ -140,6 +135,31 @@ def describe_tensor(path: Path, value: Any) -> TensorEntry:
         gshape = tuple(int(s) for s in value.shape)
         return TensorEntry(path, value, gshape, Box.whole(gshape), _st_dtype(name, value), "replicated")
     raise TypeError(value)
+
+
+def _check_placements(name: str, placements: Sequence[Any], shard: type, replicate: type) -> None:
+    """Accept placements whose local piece is one box of the global tensor.
+
+    ``_StridedShard(d)`` (what FSDP2 puts on top of tensor parallelism on the same dim) is a box only
+    when a later mesh dimension also shards tensor dim ``d``; then torch's own offset computation
+    yields one contiguous block per rank.
+    """
+    try:
+        from torch.distributed.tensor.placement_types import _StridedShard
+    except ImportError:  # pragma: no cover - older torch
+        _StridedShard = None  # noqa: N806
+    for i, p in enumerate(placements):
+        if _StridedShard is not None and isinstance(p, _StridedShard):
+            later = [q for q in placements[i + 1 :] if isinstance(q, shard) and q.dim == p.dim]
+            if not later:
+                raise StateError(f"tensor '{name}': placement {p!r} without a later Shard({p.dim}) does not "
+                                 "give each rank one contiguous block; expected FSDP2-over-TP style sharding")
+            continue
+        if not isinstance(p, (shard, replicate)):
+            raise StateError(
+                f"tensor '{name}': placement {p!r} is not supported; expected Shard(d) or "
+                "Replicate() (reduce Partial placements before saving)"
+            )
 
 
 def _st_dtype(name: str, t: torch.Tensor) -> str:
