@@ -38,6 +38,29 @@ def ckpt(
         print(json.dumps(result, indent=2))
 
 
+@app.command("forecast")
+def forecast(
+    traces: list[Path] = typer.Argument(None, help="Serving traces (CSV: time, load). Default: "
+                                        "../shared/traces/servegen-*.csv next to the repository."),
+    serving_gpus: int = typer.Option(128, "--serving-gpus", min=1, help="GPUs that serve the trace's peak."),
+    budget: list[float] = typer.Option([0.001, 0.005], "--budget", help="Shortfall budgets (fraction of "
+                                       "demanded serving GPU-hours); repeatable."),
+    quantile: list[float] = typer.Option([0.95, 0.99], "--quantile", help="Forecast quantiles; repeatable."),
+    lead_s: float = typer.Option(1200.0, "--lead-s", help="Reclaim lead time in seconds."),
+    json_out: bool = typer.Option(False, "--json", help="Print a JSON object on stdout (tables to stderr)."),
+) -> None:
+    """Serving-demand forecast and loan policies on real traces: Tidal vs baselines vs oracle."""
+    from tidal.bench.forecast import run
+
+    if not traces:
+        root = Path(__file__).resolve().parents[4] / "shared" / "traces"
+        traces = sorted(root.glob("servegen-*.csv"))
+        if not traces:
+            raise typer.BadParameter(f"no traces given and none found under {root}", param_hint="TRACES")
+    run(list(traces), serving_gpus=serving_gpus, budgets=tuple(budget), quantiles=tuple(quantile),
+        lead_s=lead_s, as_json=json_out)
+
+
 def main() -> None:
     """Run ``ckpt`` as a program of its own (``python benchmarks/ckpt.py --size-gb 1``)."""
     typer.run(ckpt)

@@ -4,7 +4,7 @@ Model, for the demand y at time ``t + h * step_s`` seen from the last observatio
 
     center(h) = P(t + h) + (level(t) - P(t)) * 2^(-h step / anomaly_half_life)
                 + trend(t) * step * sum_{i=1..h} 2^(-i step / trend_damping_half_life)
-    scale(h)  = e(h) * (center(h) / mean)^noise_exponent
+    scale(h)  = e(h) * (center(h) / mean)^noise_exponent * tod(t + h) * burst(h)
     upper(h; z) = center(h) + z * scale(h)
 
 * ``P`` is the time-of-day profile: one exponentially weighted mean per ``step_s`` slot of
@@ -20,10 +20,23 @@ Model, for the demand y at time ``t + h * step_s`` seen from the last observatio
   error scale is forced non-decreasing in h, and starts at ``prior_scale_fraction`` of the level
   before any error is known. ``noise_exponent`` = 0.5 says "variance grows with the mean", as
   for counts of requests; 0 is additive noise, 1 multiplicative.
+* ``tod`` is the time-of-day profile of *surprise*: per slot, how the errors of forecasts that
+  targeted that time of day compare with the usual error (an exponentially weighted mean, read
+  through an ``error_profile_smooth_s`` kernel, shrunk towards 1 while few days are seen). On
+  ServeGen m-large most of the large under-forecasts fall in the same evening hours; the margin
+  should be wide there and narrow elsewhere.
+* ``burst`` widens the scale while the last steps' one-step errors exceed the usual one
+  (volatility clusters: a jump is often followed by more); it fades over ``burst_half_life_s``,
+  both in time and along the horizon.
 * ``z`` is *not* chosen here: it is the calibrated margin, in units of ``scale``. The loan policy
   (:mod:`tidal.policy.loan`) sets it from a shortfall budget; :class:`CoverageCalibrator` sets it
   for a target quantile (adaptive conformal inference). ``upper(h; z)`` is the profile at an upper
   quantile, corrected by the live level and trend.
+
+Why this shape: on the traces an optimal policy for a shortfall *budget* lends down to one fixed
+conditional quantile of demand (the Lagrangian of "minimise margin subject to expected shortfall
+<= B" is minimised pointwise at a constant quantile level), so the forecaster's job is a
+well-shaped conditional scale, and a single calibrated ``z`` does the rest.
 
 Call order: ``state = initial_state(config)``, then for every observation in time order
 ``state = observe(config, state, t_s, demand_gpus)`` (NaN = no observation: the level and the
@@ -35,7 +48,9 @@ results are read-only.
 
 from __future__ import annotations
 
+import functools
 import math
+import statistics
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -77,6 +92,14 @@ class ForecastConfig:
     """Width of the box kernel the profile is read through."""
     error_half_life_s: float = 2 * 86400.0
     """Memory of the per-horizon error scale."""
+    burst_half_life_s: float = 1800.0
+    """Memory of recent surprise: while the last steps' errors exceed the usual error, the scale
+    widens by their ratio (volatility clusters: a jump is often followed by more); the widening
+    fades over the horizon with the same half-life."""
+    error_profile_smooth_s: float = 4 * 3600.0
+    """Width of the box kernel the time-of-day error profile is read through."""
+    error_profile_shrink_days: float = 2.0
+    """The error profile counts as this many days of a flat profile (shrinks early, noisy days)."""
     noise_exponent: float = 0.5
     """The error scale grows with demand to this power (see the module docstring)."""
     prior_scale_fraction: float = 0.25
@@ -139,6 +162,9 @@ class ForecastState:
     err_sum: np.ndarray
     err_weight: np.ndarray
     past_center: np.ndarray
+    err_profile: np.ndarray
+    err_profile_n: np.ndarray
+    burst: float
     scale_gpus: np.ndarray = field(repr=False)
 
 
@@ -149,7 +175,8 @@ def initial_state(config: ForecastConfig) -> ForecastState:
         t_s=math.nan, n_obs=0, level_gpus=math.nan, trend_gpus_per_s=0.0, mean_gpus=math.nan,
         profile_gpus=_frozen(np.zeros(config.slots)), profile_n=_frozen(np.zeros(config.slots)),
         err_sum=_frozen(np.zeros(h)), err_weight=_frozen(np.zeros(h)),
-        past_center=_frozen(np.full((h, h), np.nan)), scale_gpus=_frozen(np.full(h, np.nan)),
+        past_center=_frozen(np.full((h, h), np.nan)), err_profile=_frozen(np.zeros(config.slots)),
+        err_profile_n=_frozen(np.zeros(config.slots)), burst=1.0, scale_gpus=_frozen(np.full(h, np.nan)),
     )
 
 
@@ -158,23 +185,40 @@ def slot_of(config: ForecastConfig, t_s: float | np.ndarray) -> np.ndarray:
     return np.round(np.mod(t_s, config.period_s) / config.step_s).astype(int) % config.slots
 
 
-def _smoothed_profile(config: ForecastConfig, state: ForecastState) -> np.ndarray:
-    """Profile read through the box kernel; NaN where no observation falls inside the kernel."""
-    half = int(round(config.profile_smooth_s / config.step_s / 2))
-    seen = (state.profile_n > 0).astype(float)
-    if half <= 0:
-        out = np.where(seen > 0, state.profile_gpus, np.nan)
-        return out
-    k = 2 * half + 1
-    n = config.slots
-    idx = (np.arange(n)[:, None] + np.arange(-half, half + 1)[None, :]) % n
-    w = seen[idx]
-    num = (state.profile_gpus[idx] * w).sum(axis=1)
-    den = w.sum(axis=1)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        out = np.where(den > 0, num / den, np.nan)
-    del k
+@functools.lru_cache(maxsize=32)
+def _consts(config: ForecastConfig) -> dict[str, np.ndarray]:
+    """Per-config constant arrays (read-only): horizon steps, fades, kernel indices."""
+    hs = np.arange(1, config.horizon_steps + 1)
+    t = hs * config.step_s
+    out = {
+        "hs": hs,
+        "fade": 2.0 ** (-t / config.anomaly_half_life_s) if config.anomaly_half_life_s > 0 else 0.0 * t,
+        "damp_sum": np.cumsum(2.0 ** (-t / config.trend_damping_half_life_s)
+                              if config.trend_damping_half_life_s > 0 else 0.0 * t),
+        "burst_fade": 2.0 ** (-t / config.burst_half_life_s) if config.burst_half_life_s > 0 else 0.0 * t,
+    }
+    for name, width_s in (("kernel_profile", config.profile_smooth_s), ("kernel_error", config.error_profile_smooth_s)):
+        half = max(0, int(round(width_s / config.step_s / 2)))
+        out[name] = (np.arange(config.slots)[:, None] + np.arange(-half, half + 1)[None, :]) % config.slots
+    for a in out.values():
+        a.flags.writeable = False
     return out
+
+
+def _box(values: np.ndarray, counts: np.ndarray, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A per-slot profile read through a circular box kernel (``idx``: slots x kernel indices).
+
+    Returns (value, days): the mean of the seen slots inside the kernel, and their mean observation
+    count (how many cycles back it reaches). A slot never seen itself reads NaN / 0 even if its
+    neighbours were: on the first day the kernel's edge would otherwise replay a single old value.
+    """
+    seen = (counts > 0).astype(float)[idx]
+    den = seen.sum(axis=1)
+    known = (counts > 0) & (den > 0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        value = np.where(known, (values[idx] * seen).sum(axis=1) / den, np.nan)
+        days = np.where(known, (counts[idx] * seen).sum(axis=1) / den, 0.0)
+    return value, days
 
 
 def _noise_factor(config: ForecastConfig, center: np.ndarray, mean: float) -> np.ndarray:
@@ -183,31 +227,47 @@ def _noise_factor(config: ForecastConfig, center: np.ndarray, mean: float) -> np
     return (np.maximum(center, 0.05 * mean) / mean) ** config.noise_exponent
 
 
+def _error_by_horizon(state: ForecastState) -> np.ndarray:
+    """Mean scored error per horizon; NaN where never scored."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(state.err_weight > 0, state.err_sum / state.err_weight, np.nan)
+
+
+def _error_profile_factor(config: ForecastConfig, state: ForecastState) -> np.ndarray:
+    """Per slot: how much larger than usual errors are at that time of day (1 = as usual)."""
+    value, days = _box(state.err_profile, state.err_profile_n, _consts(config)["kernel_error"])
+    seen = ~np.isnan(value)
+    if not seen.any():
+        return np.ones(config.slots)
+    rel = np.where(seen, value / max(float(np.mean(value[seen])), 1e-12), 1.0)
+    k = config.error_profile_shrink_days
+    return (days * rel + k) / (days + k) if k > 0 else rel
+
+
 def _path(config: ForecastConfig, state: ForecastState) -> tuple[np.ndarray, np.ndarray]:
     """Center and scale paths from ``state`` (made at ``state.t_s``)."""
-    hs = np.arange(1, config.horizon_steps + 1)
+    c = _consts(config)
+    hs = c["hs"]
     step = config.step_s
     level = state.level_gpus
-    prof = _smoothed_profile(config, state)
+    prof, _ = _box(state.profile_gpus, state.profile_n, c["kernel_profile"])
     p_now = prof[slot_of(config, state.t_s)]
-    p_future = prof[slot_of(config, state.t_s + hs * step)]
-    fade = np.array([decay(h * step, config.anomaly_half_life_s) for h in hs])
+    future_slots = slot_of(config, state.t_s + hs * step)
+    p_future = prof[future_slots]
+    fade = c["fade"]
     if math.isnan(p_now):
         base = np.full(hs.shape, level)
     else:
         base = np.where(np.isnan(p_future), level, p_future + (level - p_now) * fade)
-    damp = np.array([decay(i * step, config.trend_damping_half_life_s) for i in hs])
-    center = np.maximum(base + state.trend_gpus_per_s * step * np.cumsum(damp), 0.0)
+    center = np.maximum(base + state.trend_gpus_per_s * step * c["damp_sum"], 0.0)
 
-    with np.errstate(invalid="ignore", divide="ignore"):
-        e = np.where(state.err_weight > 0, state.err_sum / state.err_weight, np.nan)
-    prior = config.prior_scale_fraction * max(level, 0.0)
+    e = _error_by_horizon(state)
     if np.all(np.isnan(e)):
-        e = np.full(hs.shape, prior)
+        e = np.full(hs.shape, config.prior_scale_fraction * max(level, 0.0))
     else:
-        # Horizons not scored yet borrow from the nearest scored shorter horizon (or the shortest
+        # Horizons not scored yet borrow from the nearest shorter scored one (or the shortest
         # scored one); then errors never shrink with the horizon.
-        first = np.flatnonzero(~np.isnan(e))[0]
+        first = int(np.flatnonzero(~np.isnan(e))[0])
         e[:first] = e[first]
         for i in range(1, e.size):
             if np.isnan(e[i]):
@@ -215,7 +275,9 @@ def _path(config: ForecastConfig, state: ForecastState) -> tuple[np.ndarray, np.
         e = np.maximum.accumulate(e)
     mean = state.mean_gpus
     floor = config.min_scale_fraction * mean if mean > 0 else 0.0
-    scale = np.maximum(e * _noise_factor(config, center, mean), floor)
+    tod = _error_profile_factor(config, state)[future_slots]
+    burst = 1.0 + max(state.burst - 1.0, 0.0) * c["burst_fade"]
+    scale = np.maximum(e * _noise_factor(config, center, mean) * tod * burst, floor)
     return center, scale
 
 
@@ -223,15 +285,31 @@ def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float)
     """One grid step to ``t_s`` with observation ``y`` (NaN = missing)."""
     step = config.step_s
     h = config.horizon_steps
+    s = int(slot_of(config, t_s))
+    day_w = 1.0 - decay(config.period_s, config.profile_half_life_s)
     err_sum, err_weight = state.err_sum, state.err_weight
+    eprof, eprof_n = state.err_profile, state.err_profile_n
+    burst = state.burst
     if not math.isnan(y) and state.n_obs > 0:
         # Score the paths made 1..H steps ago at their points that target now.
         preds = np.diagonal(state.past_center).copy()
         ok = ~np.isnan(preds)
-        keep = decay(step, config.error_half_life_s)
-        err = np.abs(y - preds) / _noise_factor(config, np.where(ok, preds, 0.0), state.mean_gpus)
-        err_sum = np.where(ok, keep * err_sum + np.where(ok, err, 0.0), err_sum)
-        err_weight = np.where(ok, keep * err_weight + 1.0, err_weight)
+        if ok.any():
+            norm = _noise_factor(config, np.where(ok, preds, 0.0), state.mean_gpus)
+            err = np.where(ok, np.abs(y - np.where(ok, preds, 0.0)) / norm, 0.0)
+            before = _error_by_horizon(state)
+            rel = ok & (before > 0)
+            keep = decay(step, config.error_half_life_s)
+            err_sum = np.where(ok, keep * err_sum + err, err_sum)
+            err_weight = np.where(ok, keep * err_weight + 1.0, err_weight)
+            if rel.any():
+                # How this time of day's errors compare with the usual error at each horizon.
+                eprof, eprof_n = eprof.copy(), eprof_n.copy()
+                eprof_n[s] += 1
+                eprof[s] += max(day_w, 1.0 / eprof_n[s]) * (float(np.mean(err[rel] / before[rel])) - eprof[s])
+            if rel[0]:
+                # Recent surprise at one step ahead, relative to the usual one-step error.
+                burst += (1.0 - decay(step, config.burst_half_life_s)) * (float(err[0] / before[0]) - burst)
 
     level, trend, mean = state.level_gpus, state.trend_gpus_per_s, state.mean_gpus
     prof, prof_n = state.profile_gpus, state.profile_n
@@ -247,16 +325,15 @@ def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float)
             level = new_level
             m = 1.0 - decay(step, config.profile_half_life_s)
             mean = mean + max(m, 1.0 / (n_obs + 1)) * (y - mean)
-        s = int(slot_of(config, t_s))
         prof, prof_n = prof.copy(), prof_n.copy()
         prof_n[s] += 1
-        w = max(1.0 - decay(config.period_s, config.profile_half_life_s), 1.0 / prof_n[s])
-        prof[s] += w * (y - prof[s])
+        prof[s] += max(day_w, 1.0 / prof_n[s]) * (y - prof[s])
         n_obs += 1
 
     new = replace(state, t_s=t_s, n_obs=n_obs, level_gpus=level, trend_gpus_per_s=trend, mean_gpus=mean,
                   profile_gpus=_frozen(prof), profile_n=_frozen(prof_n),
-                  err_sum=_frozen(np.asarray(err_sum, float)), err_weight=_frozen(np.asarray(err_weight, float)))
+                  err_sum=_frozen(np.asarray(err_sum, float)), err_weight=_frozen(np.asarray(err_weight, float)),
+                  err_profile=_frozen(eprof), err_profile_n=_frozen(eprof_n), burst=burst)
     if n_obs == 0:
         center = scale = np.full(h, np.nan)
     else:
@@ -280,9 +357,8 @@ def observe(config: ForecastConfig, state: ForecastState, t_s: float, demand_gpu
     if round(k) < 1 or abs(k - round(k)) > 1e-6:
         raise ValueError(f"t_s={t_s:g} must be a whole number (>= 1) of step_s={config.step_s:g} after the "
                          f"previous observation at {state.t_s:g}")
-    for i in range(1, round(k)):
+    for _ in range(round(k) - 1):
         state = _advance(config, state, state.t_s + config.step_s, math.nan)
-        del i
     return _advance(config, state, float(t_s), y)
 
 
@@ -290,7 +366,7 @@ def forecast(config: ForecastConfig, state: ForecastState) -> Forecast:
     """The path made at the last observation. Raises ``ValueError`` before any demand was seen."""
     if state.n_obs == 0:
         raise ValueError("no demand observed yet: call observe() with a number first")
-    hs = np.arange(1, config.horizon_steps + 1)
+    hs = _consts(config)["hs"]
     return Forecast(t_s=state.t_s, times_s=_frozen(state.t_s + hs * config.step_s),
                     center_gpus=_frozen(state.past_center[0].copy()), scale_gpus=state.scale_gpus)
 
@@ -307,7 +383,9 @@ class CoverageCalibrator:
     ``z += gain * (miss - (1 - quantile))``, where ``miss`` is 1 if the demand exceeded the upper
     bound made ``horizon_steps`` earlier. Over any T scored targets the miss rate is within
     ``(z_max - z_0 + gain) / (gain * T)`` of ``1 - quantile`` with no assumption on the demand;
-    ``z`` never goes below ``min_z`` (the central forecast).
+    ``z`` never goes below ``min_z`` (the central forecast). It starts (``initial_z=None``) where a
+    Gaussian error with this mean absolute error would put the quantile:
+    ``sqrt(pi / 2) * Phi^-1(quantile)``.
 
     Call order: ``cal = CoverageCalibrator(...)``, ``s = cal.initial_state()``; per observation,
     after ``observe``: ``s = cal.update(s, t_s, demand_gpus)`` then
@@ -316,8 +394,8 @@ class CoverageCalibrator:
 
     quantile: float = 0.95
     horizon_steps: int = 2
-    gain: float = 0.05
-    initial_z: float = 1.5
+    gain: float = 0.1
+    initial_z: float | None = None
     min_z: float = 0.0
 
     def __post_init__(self) -> None:
@@ -327,7 +405,10 @@ class CoverageCalibrator:
             raise ValueError(f"CoverageCalibrator.horizon_steps must be >= 1, got {self.horizon_steps}")
 
     def initial_state(self) -> CoverageState:
-        return CoverageState(z=self.initial_z, pending=(), misses=0, scored=0)
+        z = self.initial_z
+        if z is None:
+            z = math.sqrt(math.pi / 2) * statistics.NormalDist().inv_cdf(self.quantile)
+        return CoverageState(z=max(self.min_z, z), pending=(), misses=0, scored=0)
 
     def update(self, state: CoverageState, t_s: float, demand_gpus: float) -> CoverageState:
         """Score the bound that targeted ``t_s`` (if any) against the observed demand."""

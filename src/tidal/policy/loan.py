@@ -45,7 +45,6 @@ from tidal.policy.forecast import (
     Forecast,
     ForecastConfig,
     ForecastState,
-    decay,
     forecast,
     initial_state,
     observe,
@@ -175,24 +174,19 @@ def plan_loans(*, now_s: float, serving_gpus: int, lent_gpus: int, demand_now_gp
     if not math.isnan(demand_now_gpus):
         safe = min(safe, max(0, int(math.floor(n - demand_now_gpus + EPS))))
 
-    def deadline(k: int) -> float | None:
-        """First grid time at which serving needs the k-th lent GPU (None: not within the horizon)."""
-        short = np.flatnonzero(running < k)
-        return float(times[short[0]]) if short.size else None
-
+    # running is non-increasing, so the grid points where the k-th GPU is still free form a prefix;
+    # its length is where serving needs that GPU back (== times.size: not within the horizon).
+    ks = np.arange(1, safe + 1)
+    first_short = np.searchsorted(-running, -ks, side="right")
+    deadlines = np.where(first_short < times.size, times[np.minimum(first_short, times.size - 1)], np.inf)
     kept = min(max(lent_gpus, 0), safe)
-    lendable = kept
-    for k in range(kept + 1, safe + 1):
-        d = deadline(k)
-        if d is not None and d - lead - now_s < timing.min_loan_window_s - EPS:
-            break
-        lendable = k
-    by_deadline: dict[float, int] = {}
-    for k in range(1, lendable + 1):
-        d = deadline(k)
-        if d is not None:
-            by_deadline[d] = by_deadline.get(d, 0) + 1
-    reclaims = tuple(Reclaim(gpus=g, deadline_s=d, notice_s=d - lead) for d, g in sorted(by_deadline.items()))
+    worthwhile = deadlines - lead - now_s >= timing.min_loan_window_s - EPS
+    # Deadlines shrink as k grows, so the worthwhile new loans are a prefix after the kept ones.
+    new_ok = worthwhile[kept:]
+    lendable = kept + (int(np.argmin(new_ok)) if not new_ok.all() else new_ok.size)
+    uniq, counts = np.unique(deadlines[:lendable], return_counts=True)
+    reclaims = tuple(Reclaim(gpus=int(g), deadline_s=float(d), notice_s=float(d) - lead)
+                     for d, g in zip(uniq, counts, strict=True) if np.isfinite(d))
     return LoanPlan(now_s=now_s, lendable_gpus=lendable, reclaims=reclaims,
                     reclaim_now_gpus=max(0, lent_gpus - lendable), times_s=_frozen(times),
                     upper_gpus=_frozen(upper), margin_gpus=float(margin_gpus), lead_time_s=lead,
@@ -211,17 +205,26 @@ class TidalConfig:
     """At most this fraction of demanded serving GPU-hours may go unmet (0.005 = 0.5 %)."""
     forecast: ForecastConfig = field(default_factory=ForecastConfig)
     timing: LoanTiming = field(default_factory=LoanTiming)
+    aim_fraction: float = 0.8
+    """The calibrator aims at this fraction of the budget. The rest is a reserve for what the
+    history cannot foresee: on the ServeGen traces one burst per week (load x3 within 10 min)
+    can spend days of budget before any margin can react."""
     initial_z: float = 3.0
     """Margin before any feedback, in units of the forecast error scale: start careful."""
-    calibration_rate_per_h: float = 0.12
-    """How fast the margin moves: with no shortfall it falls by this × demand/N per hour."""
+    calibration_rate_per_h: float = 0.05
+    """How fast the margin moves: with no shortfall it falls by this x demand/N per hour; a
+    shortfall of s GPUs for dt hours raises it by this x s x dt / (aimed budget x N)."""
     min_z: float = 0.0
     """Floor of the margin: never plan below the central forecast."""
     max_z: float = 50.0
+    """Cap of the margin, against runaway after a freak event. The budget guarantee needs a margin
+    of ``max_z`` error scales to cover the pool, which it does unless the error scale is tiny."""
 
     def __post_init__(self) -> None:
         if not 0 < self.shortfall_budget < 1:
             raise ValueError(f"TidalConfig.shortfall_budget must be in (0, 1), got {self.shortfall_budget}")
+        if not 0 < self.aim_fraction <= 1:
+            raise ValueError(f"TidalConfig.aim_fraction must be in (0, 1], got {self.aim_fraction}")
         horizon_needed = self.timing.lead_time_s + self.timing.min_loan_window_s
         if self.forecast.horizon_s < horizon_needed:
             raise ValueError(f"TidalConfig.forecast.horizon_s ({self.forecast.horizon_s:g}) must cover the lead "
@@ -258,12 +261,14 @@ class TidalPolicy:
     1. Observe ``ctx.demand_gpus`` into the forecast (skipped if ``now_s`` was already observed).
     2. Score the promise: the supply promised for ``now`` by the plans of the last lead time is the
        smallest ``N - lendable`` among them; ``shortfall = max(0, demand - supply)``.
-    3. Calibrate (online conformal risk control): ``z += rate * dt_h * (shortfall - B * demand) /
-       (B * N)``, floored at ``min_z``. ``z`` rises after a shortfall and decays while there is
-       none, so the long-run shortfall ratio tracks the budget B. Guarantee, with no assumption on
-       the demand: summed over any period, ``shortfall - B * demand`` (GPU-hours) is at most
-       ``B * N * (z_max - z_0 + jump) / rate``, where ``z_max`` is a margin at which the plan lends
-       nothing (so nothing can be short) and ``jump`` the largest single step of z.
+    3. Calibrate (online conformal risk control, Feldman et al. 2023; Angelopoulos et al. 2023):
+       ``z += rate * dt_h * (shortfall - B' * demand) / (B' * N)`` with ``B' = aim_fraction * budget``,
+       floored at ``min_z``. ``z`` rises after a shortfall and decays while there is none, so the
+       long-run shortfall ratio tracks ``B'``. Guarantee, with no assumption on the demand: summed
+       over any period from the start, ``shortfall - B' * demand`` (GPU-hours) is at most
+       ``B' * N * (z_max - z_0 + jump) / rate``, where ``z_max`` is a margin at which the plan
+       lends nothing (so nothing can be short) and ``jump`` the largest single step of z. The bound
+       is loose over days; ``aim_fraction`` < 1 is the practical reserve.
     4. Plan from ``upper = center + z * scale`` over the horizon (:func:`plan_loans`) and record the
        new promise.
     """
@@ -288,7 +293,7 @@ class TidalPolicy:
             shortfall = max(0.0, y - min(c[2] for c in covering)) if covering else 0.0
             shortfall_gpu_s += shortfall * dt_s
             demand_gpu_s += y * dt_s
-            b = cfg.shortfall_budget
+            b = cfg.shortfall_budget * cfg.aim_fraction
             z += cfg.calibration_rate_per_h * dt_s / 3600.0 * (shortfall - b * y) / (b * n)
             z = min(cfg.max_z, max(cfg.min_z, z))
         if fs.n_obs == 0:  # nothing known yet: lend nothing
@@ -421,5 +426,5 @@ class OraclePolicy:
 
 __all__ = [
     "LoanContext", "LoanPlan", "LoanTiming", "NightWindowPolicy", "OraclePolicy", "ReactivePolicy", "Reclaim",
-    "TidalConfig", "TidalPolicy", "TidalState", "decay", "plan_loans",
+    "TidalConfig", "TidalPolicy", "TidalState", "plan_loans",
 ]

@@ -1,0 +1,231 @@
+"""Serving traces and the demand forecast: loading, exact small-series forecasts, the daily profile,
+coverage calibration under a regime change, the evaluation program, and (if present) real traces."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tidal.policy import forecast as fc
+from tidal.serving.traces import load_trace, parse_time
+
+TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
+H = 3600.0
+
+
+def write(tmp_path: Path, text: str, name: str = "t.csv") -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+# --- traces ----------------------------------------------------------------------------------------
+
+
+def test_load_trace_seconds_and_demand_scaling(tmp_path):
+    p = write(tmp_path, "seconds,requests_per_second\n0,10\n600,20\n1200,40\n1800,30\n")
+    tr = load_trace(p)
+    assert tr.step_s == 600 and tr.load_column == "requests_per_second" and tr.name == "t"
+    np.testing.assert_array_equal(tr.demand_gpus(8), [2, 4, 8, 6])  # 8 GPUs serve the peak (40)
+    assert tr.duration_s == 2400
+
+
+def test_load_trace_iso_times_and_named_columns(tmp_path):
+    p = write(tmp_path, "region,ts,qps\neu,2024-05-01T00:00:00Z,5\neu,2024-05-01T00:10:00Z,7\n"
+                        "eu,2024-05-01T00:20:00+00:00,6\n")
+    tr = load_trace(p, time_column="ts", load_column="qps")
+    assert tr.step_s == 600
+    assert tr.times_s[0] == parse_time("2024-05-01T00:00:00") == 1714521600.0
+
+
+def test_load_trace_marks_outages_as_gaps_not_zero_demand(tmp_path):
+    p = write(tmp_path, "seconds,load\n" + "".join(f"{600 * i},{v}\n" for i, v in
+                                                   enumerate([50, 52, 0, 0, 0.2, 51, 49])))
+    tr = load_trace(p)
+    assert tr.gap.tolist() == [False, False, True, True, True, False, False]
+    d = tr.demand_gpus(52)
+    assert np.isnan(d[2:5]).all() and d[1] == 52
+    assert not load_trace(p, gap_below_fraction=0).gap.any()
+
+
+@pytest.mark.parametrize(("text", "match"), [
+    ("seconds,load\n0,1\n600,x\n1200,3\n", r"t.csv:3: load 'x'"),
+    ("seconds,load\n0,1\n600,2\n1200,3\n2100,3\n", r"t.csv:5: rows must be evenly spaced every 600 s"),
+    ("seconds,load\n0,1\n600,-2\n1200,3\n", r"t.csv:3: load '-2' .* must be finite and >= 0"),
+    ("seconds,load\n600,1\n0,2\n1200,3\n", r"t.csv:3: time does not increase"),
+    ("seconds,load\n0,1\nnoon,2\n1200,3\n", r"t.csv:3: time 'noon'"),
+    ("seconds,load\n0,1\n", "at least two rows"),
+])
+def test_load_trace_errors_name_file_line_and_column(tmp_path, text, match):
+    with pytest.raises(ValueError, match=match):
+        load_trace(write(tmp_path, text))
+
+
+def test_load_trace_unknown_column(tmp_path):
+    with pytest.raises(ValueError, match="no column 'qps' for the load"):
+        load_trace(write(tmp_path, "seconds,load\n0,1\n600,2\n"), load_column="qps")
+
+
+# --- forecast: exact small series -------------------------------------------------------------------
+
+NO_TREND = fc.ForecastConfig(step_s=600, horizon_s=3600, trend_damping_half_life_s=0)
+
+
+def run(config: fc.ForecastConfig, values, t0: float = 0.0) -> fc.ForecastState:
+    s = fc.initial_state(config)
+    for i, y in enumerate(values):
+        s = fc.observe(config, s, t0 + config.step_s * i, y)
+    return s
+
+
+def test_constant_demand_is_forecast_exactly_with_the_floor_scale():
+    s = run(NO_TREND, [10.0])
+    f = fc.forecast(NO_TREND, s)
+    np.testing.assert_array_equal(f.center_gpus, 10.0)
+    np.testing.assert_allclose(f.scale_gpus, 2.5)  # no error seen yet: prior 25 % of the level
+    np.testing.assert_array_equal(f.times_s, 600.0 * np.arange(1, 7))
+    f = fc.forecast(NO_TREND, run(NO_TREND, [10.0] * 8))
+    np.testing.assert_allclose(f.center_gpus, 10.0)
+    np.testing.assert_allclose(f.scale_gpus, 0.1)  # errors are 0: floor of 1 % of the mean
+    np.testing.assert_allclose(f.upper(3.0), 10.3)
+
+
+def test_level_moves_half_way_per_step_and_errors_set_the_scale():
+    s = run(NO_TREND, [10.0, 20.0])
+    f = fc.forecast(NO_TREND, s)
+    assert s.level_gpus == 15.0  # level half-life = one step: half way to the new value
+    np.testing.assert_allclose(f.center_gpus, 15.0)  # no slot of the profile is known ahead yet
+    # The 1-step error was |20 - 10| = 10 (noise factor 1 at the mean); longer horizons borrow it.
+    np.testing.assert_allclose(f.scale_gpus, 10.0)
+
+
+def test_trend_extends_a_steady_rise():
+    cfg = fc.ForecastConfig(step_s=600, horizon_s=3600, profile_smooth_s=0)
+    f = fc.forecast(cfg, run(cfg, [10.0 + 2 * i for i in range(12)]))
+    assert np.all(np.diff(f.center_gpus) > 0)  # still rising ...
+    assert f.center_gpus[-1] - f.center_gpus[0] < 2 * 5  # ... but damped, less than the raw slope
+
+
+def test_missing_and_skipped_observations():
+    s = run(NO_TREND, [10.0, 10.0, math.nan])
+    assert s.level_gpus == 10.0 and s.n_obs == 2 and s.t_s == 1200.0
+    s2 = fc.observe(NO_TREND, run(NO_TREND, [10.0, 10.0]), 2400.0, 30.0)  # skips 1800: a missing step
+    assert s2.n_obs == 3 and s2.t_s == 2400.0
+    with pytest.raises(ValueError, match="whole number"):
+        fc.observe(NO_TREND, s, 1500.0, 1.0)
+    with pytest.raises(ValueError, match="whole number"):
+        fc.observe(NO_TREND, s, 1200.0, 1.0)
+    with pytest.raises(ValueError, match="demand_gpus must be finite"):
+        fc.observe(NO_TREND, s, 1800.0, -1.0)
+    with pytest.raises(ValueError, match="no demand observed"):
+        fc.forecast(NO_TREND, run(NO_TREND, [math.nan]))
+    with pytest.raises(ValueError, match="multiple of step_s"):
+        fc.ForecastConfig(step_s=700)
+
+
+def test_observe_is_pure():
+    s = run(NO_TREND, [10.0, 12.0])
+    before = (s.level_gpus, s.profile_gpus.copy(), s.past_center.copy())
+    a = fc.observe(NO_TREND, s, 1200.0, 30.0)
+    b = fc.observe(NO_TREND, s, 1200.0, 30.0)
+    assert s.level_gpus == before[0]
+    np.testing.assert_array_equal(s.profile_gpus, before[1])
+    np.testing.assert_array_equal(s.past_center, before[2])
+    np.testing.assert_array_equal(fc.forecast(NO_TREND, a).center_gpus, fc.forecast(NO_TREND, b).center_gpus)
+    assert not a.profile_gpus.flags.writeable
+
+
+def test_profile_forecasts_the_morning_rise_from_the_night():
+    """Hourly square-wave days: 20 GPUs 0-8 h, 80 GPUs 8-24 h. At 5:00 on day 3 the level says 20,
+    the profile says 80 from 8:00: the path must rise there (before it happens)."""
+    cfg = fc.ForecastConfig(step_s=H, horizon_s=6 * H, profile_smooth_s=0, trend_damping_half_life_s=0)
+    values = [20.0 if (h % 24) < 8 else 80.0 for h in range(2 * 24 + 6)]
+    f = fc.forecast(cfg, run(cfg, values))
+    assert f.t_s == 2 * 86400 + 5 * H
+    rise = np.flatnonzero(f.times_s % 86400 == 8 * H)[0]
+    np.testing.assert_allclose(f.center_gpus[:rise], 20.0, atol=0.5)
+    np.testing.assert_allclose(f.center_gpus[rise:], 80.0, atol=3.0)
+    assert f.scale_gpus[rise] > f.scale_gpus[0]  # past rises were missed at long horizons: wider there
+
+
+def test_scale_never_shrinks_with_horizon_on_noise():
+    rng = np.random.default_rng(0)
+    cfg = fc.ForecastConfig(step_s=600, horizon_s=3 * H, burst_half_life_s=0, error_profile_shrink_days=1e9,
+                            noise_exponent=0)
+    s = run(cfg, 50 + 5 * rng.standard_normal(300))
+    assert np.all(np.diff(fc.forecast(cfg, s).scale_gpus) >= -1e-6)
+
+
+# --- coverage calibration -------------------------------------------------------------------------
+
+
+def regime_change_series(days: int, seed: int) -> np.ndarray:
+    """10-min demand: daily cycle x lognormal noise; from day 4 the level doubles and the noise
+    triples; a few bursts. The forecaster is told nothing."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(days * 144)
+    after = t >= 4 * 144
+    sigma = np.where(after, 0.3, 0.1)
+    d = (40 + 15 * np.sin(2 * np.pi * t / 144)) * np.where(after, 2.0, 1.0) * np.exp(rng.normal(0, sigma))
+    return d * np.where(rng.random(t.size) < 0.004, 1.8, 1.0)
+
+
+@pytest.mark.parametrize("quantile", [0.9, 0.95])
+def test_adaptive_conformal_tracks_the_target_through_a_regime_change(quantile):
+    demand = regime_change_series(days=8, seed=3)
+    cfg = fc.ForecastConfig(step_s=600, horizon_s=H)
+    cal = fc.CoverageCalibrator(quantile=quantile, horizon_steps=2)
+    s, cs = fc.initial_state(cfg), cal.initial_state()
+    misses_by_day = np.zeros(8)
+    for i, d in enumerate(demand):
+        s = fc.observe(cfg, s, 600.0 * i, d)
+        before = cs.misses
+        cs = cal.update(cs, 600.0 * i, d)
+        misses_by_day[i // 144] += cs.misses - before
+        _, cs = cal.emit(cs, fc.forecast(cfg, s))
+    rate_by_day = misses_by_day / 144
+    target = 1 - quantile
+    assert abs(cs.misses / cs.scored - target) < 0.25 * target  # over the whole series
+    assert rate_by_day[4] > 1.5 * target  # the change hurts on the day it happens ...
+    assert abs(rate_by_day[5:].mean() - target) < 0.2 * target  # ... and is calibrated away after
+
+
+# --- the evaluation program ---------------------------------------------------------------------
+
+
+def test_bench_forecast_runs_on_a_small_trace(tmp_path, capsys):
+    from tidal.bench.forecast import run as bench_run
+
+    demand = regime_change_series(days=3, seed=1)
+    p = write(tmp_path, "seconds,requests_per_second\n" + "".join(f"{600 * i},{v:.4f}\n" for i, v in enumerate(demand)),
+              name="synthetic.csv")
+    result = bench_run([p], serving_gpus=64, budgets=(0.01,), quantiles=(0.9,), warmup_days=1.0, as_json=True)
+    out = json.loads(capsys.readouterr().out)
+    assert out["traces"]["synthetic"]["forecast"]["methods"].keys() == {"tidal", "last-value", "seasonal-naive",
+                                                                        "holt-winters"}
+    rows = result["traces"]["synthetic"]["harvest"]["budgets"]["0.01"]
+    assert set(rows) == {"tidal", "reactive (hindsight)", "night-window (hindsight)", "oracle"}
+    assert rows["oracle"]["shortfall_strict"] == 0.0 and rows["oracle"]["harvest_over_oracle"] == 1.0
+    for r in rows.values():
+        assert r["shortfall_issue"] <= r["shortfall_strict"] + 1e-12
+        assert 0.0 <= r["harvest"] <= 1.0
+    assert rows["reactive (hindsight)"]["meets_budget"]
+
+
+# --- real traces -------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not (TRACES / "servegen-language-m-large.csv").exists(), reason=f"no traces in {TRACES}")
+def test_real_trace_forecast_is_calibrated_and_beats_seasonal_naive():
+    from tidal.bench.forecast import evaluate_forecasts
+
+    tr = load_trace(TRACES / "servegen-language-m-large.csv")
+    demand = tr.demand_gpus(128)[: 5 * 144]
+    r = evaluate_forecasts(tr.times_s[: 5 * 144], demand, step_s=600.0, lead=2, warmup=2 * 144, quantiles=(0.95,))
+    m = r["methods"]
+    assert 0.02 <= m["tidal"]["0.95"]["under_rate"] <= 0.09
+    assert m["tidal"]["0.95"]["pinball_over_mean"] < m["seasonal-naive"]["0.95"]["pinball_over_mean"]
