@@ -8,9 +8,10 @@ treat them as read-only once they are in a snapshot.
 Lifecycle of a job as these types record it (the store owns the transitions; the scheduler only
 proposes them as decisions)::
 
-    pending --Admit--> running --Grow / Shrink--> running (releasing part) --drained--> running
-                          |                                                             |
-                          +--Preempt--> stopping (releasing all) --exited--> pending (requeued)
+    pending --Admit--> running --Grow--> running
+                          |--Shrink--> running, releasing part --released--> running, smaller
+                          +--Preempt--> stopping (releasing all) --exited--> pending again
+                                        (last_preempted_s = now: it queues behind those waiting)
 
 * ``Job.placement`` is what a job holds now, ``Job.releasing`` the part of it that it has been told
   to give back (a shrink: part of it; a preemption: all of it). The store removes ``releasing`` from
@@ -200,6 +201,15 @@ class Job:
     def elastic(self) -> bool:
         return self.max_gpus > self.min_gpus
 
+    @property
+    def queued_s(self) -> float:
+        """When the job (re)entered its queue: submission, or its last preemption. Queue position and
+        aging count from here, so a preempted job queues behind those that were already waiting
+        (as Kueue requeues at eviction time) and its preemptor gets the GPUs it freed."""
+        if self.last_preempted_s is not None and self.last_preempted_s > self.submit_s:
+            return self.last_preempted_s
+        return self.submit_s
+
     def work_lost_gpu_s(self, now_s: float) -> float:
         """GPU-seconds of training lost if the job died now: time since its newest durable checkpoint
         (or since it started, if that is later) times the GPUs it holds."""
@@ -214,8 +224,9 @@ def queue_key(job: Job) -> QueueKey:
     return (job.tenant, job.kind, job.priority)
 
 
-def _arrival(job: Job) -> tuple[float, str]:
-    return (job.submit_s, job.id)
+def arrival(job: Job) -> tuple[float, str]:
+    """Order within a pending queue: ``(queued_s, id)``."""
+    return (job.queued_s, job.id)
 
 
 @dataclass(frozen=True)
@@ -223,10 +234,10 @@ class Snapshot:
     """Everything one scheduling call looks at. Build it with :meth:`build` unless you keep the queues.
 
     ``running``: jobs holding GPUs (including stopping ones), any order.
-    ``queues``: pending jobs, one sequence per :func:`queue_key`, each in arrival order
-    ``(submit_s, id)``. A simulator keeps these lists up to date incrementally (append on submit,
-    ``bisect.insort`` by arrival on requeue) so a call never sorts 10,000 pending jobs; the
-    scheduler reads only the heads it needs.
+    ``queues``: pending jobs, one sequence per :func:`queue_key`, each in :func:`arrival` order
+    ``(queued_s, id)``. A simulator keeps these lists up to date incrementally (append on submit
+    and on requeue after a preemption; ``bisect.insort`` by :func:`arrival` for anything else) so a
+    call never sorts 10,000 pending jobs; the scheduler reads only the heads it needs.
     ``loans``: serving GPUs lent to training now. ``reclaims``: outstanding instructions to return
     loaned GPUs.
     """
@@ -251,7 +262,7 @@ class Snapshot:
             else:
                 queues.setdefault(queue_key(j), []).append(j)
         for q in queues.values():
-            q.sort(key=_arrival)
+            q.sort(key=arrival)
         return cls(now_s, tuple(nodes), tuple(tenants), tuple(running), queues, tuple(loans), tuple(reclaims))
 
     def pending(self) -> Iterator[Job]:
@@ -314,8 +325,8 @@ def check_snapshot(s: Snapshot) -> None:
             _need(j.tenant in tenants, f"Job {j.id!r}: unknown tenant {j.tenant!r}")
             _need(j.id not in ids, f"Job {j.id!r} listed twice")
             ids.add(j.id)
-            _need(prev is None or _arrival(prev) <= _arrival(j),
-                  f"queue {key}: Job {j.id!r} is out of arrival order (submit_s, id)")
+            _need(prev is None or arrival(prev) <= arrival(j),
+                  f"queue {key}: Job {j.id!r} is out of arrival order (queued_s, id)")
             prev = j
 
 

@@ -20,7 +20,7 @@ One call is a cycle of numbered steps (after Kueue's scheduler):
    the tenant furthest below its weighted fair share, then waiting time (:mod:`.scheduling.ordering`).
 5. **Admit.** All or nothing at the gang minimum, packed onto the fewest nodes. A job that does not fit
    may look for victims (bounded per call); if the need can be met, victims are *computed* first
-   (:func:`~.scheduling.preemption.targets_for`) and then *acted on* (shrinks and preemptions, the
+   (:func:`~.scheduling.targets.targets_for`) and then *acted on* (shrinks and preemptions, the
    job's future place reserved); the job itself starts in a later call, once they have drained.
    A job that neither fits nor finds victims is skipped; after ``max_skips_per_cycle`` skips the
    cycle stops looking, so a call considers about as many pending jobs as there are free GPUs.
@@ -36,8 +36,8 @@ from tidal.policy.scheduling.cycle import Cycle
 from tidal.policy.scheduling.growth import grow_step
 from tidal.policy.scheduling.ordering import QueueHeads, aged_priority
 from tidal.policy.scheduling.placement import fits, place
-from tidal.policy.scheduling.preemption import preempt_for
 from tidal.policy.scheduling.reclaim import reclaim_step
+from tidal.policy.scheduling.targets import preempt_for
 
 __all__ = ["SchedulerConfig", "schedule"]
 
@@ -55,15 +55,18 @@ def schedule(snapshot: Snapshot, config: SchedulerConfig | None = None) -> list[
     # 2. Reclaim.
     reclaim_step(c)
     c.compute_fair(pending_spot)
-    # 3-5. Nominate, order, admit.
-    admitted = _admit_step(c)
+    # 3-4. Nominate and order: pending-queue heads, merged by key, dedicated before spot.
+    phases = _nominate(c)
+    # 5. Admit (and preempt for those that do not fit).
+    admitted = _admit(c, phases)
     # 6. Grow.
     grow_step(c, admitted)
     # 7. Requeue: implicit.
     return c.decisions
 
 
-def _admit_step(c: Cycle) -> dict[str, tuple[int, Job]]:
+def _nominate(c: Cycle) -> list[QueueHeads]:
+    """The dedicated phase and the spot phase, each a merge of its queues' heads in key order."""
     cfg, now = c.cfg, c.now
     ded: list = []
     spot: list = []
@@ -72,19 +75,33 @@ def _admit_step(c: Cycle) -> dict[str, tuple[int, Job]]:
             (ded if key[1] == "dedicated" else spot).append(q)
 
     def ded_key(j: Job) -> tuple:
-        return (-aged_priority(j, now, cfg), j.submit_s, j.id)
+        return (-aged_priority(j, now, cfg), j.queued_s, j.id)
 
     def spot_key(j: Job) -> tuple:
-        return (-aged_priority(j, now, cfg), c.share(j.tenant), j.submit_s, j.id)
+        return (-aged_priority(j, now, cfg), c.share(j.tenant), j.queued_s, j.id)
 
+    return [QueueHeads(ded, ded_key), QueueHeads(spot, spot_key)]
+
+
+def _admit(c: Cycle, phases: list[QueueHeads]) -> dict[str, tuple[int, Job]]:
+    """Admit in order; search victims for those that do not fit (bounded); stop a phase after
+    ``max_skips_per_cycle`` jobs that neither fit nor found victims. Returns the admitted jobs
+    (id -> (index of the Admit decision, job)) for the grow step."""
+    cfg = c.cfg
     admitted: dict[str, tuple[int, Job]] = {}
-    skips = attempts = 0
-    for queues, key in ((ded, ded_key), (spot, spot_key)):
-        heads = QueueHeads(queues, key)
+    attempts = 0
+    for phase, heads in enumerate(phases):
+        views = [c.training] if phase == 0 else [c.training, c.loan]
+        skips = 0  # per phase: dedicated jobs blocked on quota never starve spot admission
         while skips < cfg.max_skips_per_cycle:
+            if attempts >= cfg.max_preemption_attempts_per_cycle and not any(v.total for v in views):
+                break  # nothing free and no more victim searches: nobody else can start
             job = heads.pop()
             if job is None:
                 break
+            if job.kind == "dedicated" and c.quota_room(job.tenant) <= 0 and not c.quota_can_free(job):
+                heads.drop_queue_of_last()  # its tenant's quota is full: nothing in this queue can start
+                continue
             if _try_place(c, job):
                 admitted[job.id] = (len(c.decisions) - 1, job)
                 continue

@@ -11,26 +11,31 @@ class SchedulerConfig:
 
     Ordering
         ``aging_per_s``: priority levels a pending job gains per second of waiting (whole levels:
-        ``floor(wait_s * aging_per_s)``), at most ``aging_max_levels``. Aging orders jobs and lets an
-        old job preempt by priority once it has climbed far enough; it never touches quotas.
+        ``floor(wait_s * aging_per_s)``), at most ``aging_max_levels``. Aging only orders the queue
+        (no starvation behind a stream of newer equal-priority work); it never makes a job eligible to
+        preempt, so a requeued victim cannot preempt its preemptor back.
 
     Preemption
         ``preempt_priority_gap``: a pending job may preempt running jobs whose priority is at least
-        this far below its aged priority. ``min_runtime_before_preempt_s``: a job (re)started less
-        than this ago is not preempted for priority or fair share (a reclaim and a guaranteed quota
-        override it, but still prefer older victims). ``preempt_grace_s``: how long a victim has to
-        write its final checkpoint and leave (``by_s = now + grace``; a reclaim sets its own).
+        this far below its own. ``min_runtime_before_preempt_s``: a job (re)started less than this
+        ago is not preempted for priority or fair share (a reclaim and a guaranteed quota override
+        it, but still take older victims first). ``preempt_grace_s``: how long a victim has to write
+        its final checkpoint and leave (``by_s = now + grace``; a reclaim sets its own).
 
     Hysteresis
         ``hysteresis_s``: a job shrunk less than this ago does not grow again, and one grown less than
         this ago is not shrunk for another job's demand (reclaims and quotas still shrink it).
         ``min_loan_left_s``: no job starts or grows on a loaned GPU that the loan plan wants back
-        (``Loan.until_s`` or a :class:`~tidal.model.Reclaim` notice) within this many seconds.
+        (``Loan.until_s`` or a :class:`~tidal.model.Reclaim` notice) within this many seconds. Keep
+        it equal to the loan plan's ``LoanTiming.min_loan_window_s`` (default 600 s), or loans the
+        plan found worth making go unused.
 
     Work bounds (what keeps one call within milliseconds at 10,000 pending jobs)
         ``max_skips_per_cycle``: pending jobs that neither fit nor preempt before the cycle stops
-        looking further down the queues. ``max_preemption_attempts_per_cycle``: pending jobs per
-        cycle for which victims are searched (each search is O(running jobs)).
+        looking further down the queues (counted separately for dedicated and spot jobs; queues of a
+        tenant whose quota is full are dropped without counting). ``max_preemption_attempts_per_cycle``:
+        pending jobs per cycle for which victims are searched (each search is O(running jobs));
+        dedicated jobs, coming first, use them first.
     """
 
     aging_per_s: float = 1.0 / 3600.0
@@ -39,7 +44,7 @@ class SchedulerConfig:
     min_runtime_before_preempt_s: float = 900.0
     preempt_grace_s: float = 120.0
     hysteresis_s: float = 300.0
-    min_loan_left_s: float = 1800.0
+    min_loan_left_s: float = 600.0
     max_skips_per_cycle: int = 64
     max_preemption_attempts_per_cycle: int = 4
 

@@ -26,10 +26,14 @@ class Cycle:
         self.tenants = {t.name: t for t in snap.tenants}
         self.pool_of: dict[str, str] = {}  # node -> "training" | "loan" (serving nodes without a loan: absent)
         self.loans: dict[str, Loan] = {ln.node: ln for ln in snap.loans}
-        self.max_node_gpus = max((n.gpus for n in snap.nodes), default=1)
+        self.max_node_gpus = 1
+        self.training_gpus = 0
         for n in snap.nodes:
+            if n.gpus > self.max_node_gpus:
+                self.max_node_gpus = n.gpus
             if n.pool == "training":
                 self.pool_of[n.name] = "training"
+                self.training_gpus += n.gpus
             elif n.name in self.loans:
                 self.pool_of[n.name] = "loan"
 
@@ -39,6 +43,8 @@ class Cycle:
         self.ded_held = dict.fromkeys(self.tenants, 0)  # dedicated GPUs held (quota is checked on these)
         self.spot_held = dict.fromkeys(self.tenants, 0)  # spot GPUs held minus releasing (fair share)
         self.growable: list[Job] = []
+        self.ded_low_priority: dict[str, int] = {}  # tenant -> lowest priority of its running dedicated jobs
+        self.ded_elastic: set[str] = set()  # tenants with a dedicated job above its minimum
         for j in snap.running:
             for node, g in j.placement.items():
                 used[node] = used.get(node, 0) + g
@@ -48,11 +54,16 @@ class Cycle:
             elif j.gpus < j.max_gpus:
                 self.growable.append(j)
             if j.kind == "dedicated":
-                self.ded_held[j.tenant] += j.gpus
+                t = j.tenant
+                self.ded_held[t] += j.gpus
+                if not j.releasing_gpus:
+                    if j.priority < self.ded_low_priority.get(t, j.priority + 1):
+                        self.ded_low_priority[t] = j.priority
+                    if j.gpus > j.min_gpus:
+                        self.ded_elastic.add(t)
             else:
                 self.spot_held[j.tenant] += j.gpus - j.releasing_gpus
         self.used, self.draining0 = used, draining
-        self.training_gpus = sum(n.gpus for n in snap.nodes if n.pool == "training")
         self.loaned_gpus = sum(ln.gpus for ln in snap.loans)
         self.training = View("training", self.max_node_gpus)
         self.loan = View("loan", self.max_node_gpus)
@@ -61,20 +72,33 @@ class Cycle:
         self.claimed_draining: dict[str, int] = {}  # loan node -> draining GPUs counted toward a reclaim
         self.reclaim_victim_gpus = 0  # loaned GPUs that reclaim victims will release
         self.fair: dict[str, float] = {}
-        self._victim_index: object | None = None
+        self._victim_index: object | None = None  # targets.VictimIndex, built on the first search
+        self.allowed_nodes: dict[tuple[str, ...], set[str]] = {}  # view names -> placeable nodes
 
     # ------------------------------------------------------------------------------ views, shares
 
     def build_views(self, blocked_loans: set[str]) -> None:
-        """Fill the training and loan views from the node list (O(nodes))."""
+        """Fill the training and loan views from the node list (O(nodes); ``View.add`` inlined)."""
+        used, drain, pool_of, loans = self.used, self.draining0, self.pool_of, self.loans
+        tv, lv = self.training, self.loan
         for n in self.snap.nodes:
             name = n.name
-            pool = self.pool_of.get(name)
+            pool = pool_of.get(name)
+            if pool is None:
+                continue
             if pool == "training":
-                self.training.add(name, n.gpus - self.used.get(name, 0), self.draining0.get(name, 0))
-            elif pool == "loan":
-                self.loan.add(name, self.loans[name].gpus - self.used.get(name, 0), self.draining0.get(name, 0),
-                              placeable=name not in blocked_loans)
+                v, free = tv, n.gpus - used.get(name, 0)
+            else:
+                v, free = lv, loans[name].gpus - used.get(name, 0)
+                if name in blocked_loans:
+                    v.blocked.add(name)
+            v.free[name] = free
+            d = drain.get(name)
+            if d:
+                v.draining[name] = d
+            if free > 0 and name not in v.blocked:
+                v.buckets[free][name] = None
+                v.total += free
 
     def compute_fair(self, pending_spot_tenants: set[str]) -> None:
         """Fair share of spot capacity per active tenant (after the reclaim step kept its GPUs).
@@ -82,7 +106,8 @@ class Cycle:
         Spot capacity = training GPUs not held by dedicated jobs + loaned GPUs not promised back.
         Active tenants are those with spot jobs running or waiting; they split it by weight.
         """
-        kept = sum(self.reserved.values()) + sum(self.returned.values()) + sum(self.claimed_draining.values())
+        kept = (sum(self.reserved.values()) + sum(self.returned.values()) + sum(self.claimed_draining.values())
+                + self.reclaim_victim_gpus)
         spot_capacity = self.training_gpus - sum(self.ded_held.values()) + self.loaned_gpus - kept
         active = [t for t in self.tenants if self.spot_held[t] > 0 or t in pending_spot_tenants]
         weights = sum(self.tenants[t].weight for t in active)
@@ -107,6 +132,12 @@ class Cycle:
 
     def quota_room(self, tenant: str) -> int:
         return self.tenants[tenant].quota_gpus - self.ded_held[tenant]
+
+    def quota_can_free(self, job: Job) -> bool:
+        """Could ``job``'s tenant's own dedicated jobs make quota room for it (lower priority, or above
+        their minimum)? If not and its quota is full, nothing in its queue can start now."""
+        t = job.tenant
+        return t in self.ded_elastic or self.ded_low_priority.get(t, job.priority) < job.priority
 
     # ------------------------------------------------------------------------------ acting
 

@@ -16,6 +16,7 @@ so nothing grows into them. Jobs admitted in this call grow inside their :class:
 from __future__ import annotations
 
 import heapq
+from collections.abc import Mapping
 
 from tidal.model import Admit, Grow, Job
 from tidal.policy.scheduling.cycle import Cycle
@@ -23,34 +24,42 @@ from tidal.policy.scheduling.placement import fits, place_more
 
 
 def grow_step(c: Cycle, admitted: dict[str, tuple[int, Job]]) -> None:
-    """``admitted``: job id -> (index of its Admit in ``c.decisions``, job), for jobs admitted this call."""
-    if c.training.total + c.loan.total == 0:
+    """``admitted``: job id -> (index of its Admit in ``c.decisions``, job), for jobs admitted this call.
+
+    Each grant is a node's worth or a quarter of what the job may still grow, whichever is more
+    (rounded to its step), or one step if that does not fit: water-filling in coarse grants keeps
+    the number of rounds small when a lot is spare.
+    """
+    spare = c.training.total + c.loan.total
+    if spare == 0:
         return
     now, hyst = c.now, c.cfg.hysteresis_s
-    current: dict[str, dict[str, int]] = {}
+    size: dict[str, int] = {}
     jobs: dict[str, Job] = {}
+    start: dict[str, Mapping[str, int]] = {}
     for j in c.growable:
-        if j.id in c.touched or (j.last_shrunk_s is not None and now - j.last_shrunk_s < hyst):
+        if j.size_step > spare or j.id in c.touched or (j.last_shrunk_s is not None and now - j.last_shrunk_s < hyst):
             continue
-        jobs[j.id] = j
-        current[j.id] = dict(j.placement)
+        jobs[j.id], size[j.id], start[j.id] = j, j.gpus, j.placement
     for jid, (i, j) in admitted.items():
-        if j.elastic:
-            jobs[jid] = j
-            current[jid] = dict(c.decisions[i].placement)  # type: ignore[union-attr]
+        if j.elastic and j.size_step <= spare:
+            jobs[jid], size[jid] = j, j.min_gpus
+            start[jid] = c.decisions[i].placement  # type: ignore[union-attr]
     if not jobs:
         return
 
     def key(j: Job) -> tuple:
-        frac = sum(current[j.id].values()) / j.max_gpus  # water-fill among a tenant's equal jobs
+        frac = size[j.id] / j.max_gpus  # water-fill among a tenant's equal jobs
         if j.kind == "dedicated":
             quota = c.tenants[j.tenant].quota_gpus
             return (0, c.ded_held[j.tenant] / quota if quota else 0.0, -j.priority, frac, j.id)
         return (1, c.share(j.tenant), -j.priority, frac, j.id)
 
-    heap = [(key(j), j.id) for j in jobs.values()]
+    heap = [(key(j), jid) for jid, j in jobs.items()]
     heapq.heapify(heap)
+    current: dict[str, dict[str, int]] = {}  # placements of jobs granted something, copied on first grant
     added: dict[str, dict[str, int]] = {}
+    node_gpus = c.max_node_gpus
     while heap and c.training.total + c.loan.total > 0:
         k, jid = heap[0]
         j = jobs[jid]
@@ -59,24 +68,29 @@ def grow_step(c: Cycle, admitted: dict[str, tuple[int, Job]]) -> None:
             heapq.heapreplace(heap, (k2, jid))
             continue
         unit, g = j.size_step, j.gpus_per_node
-        size = sum(current[jid].values())
-        ok = size + unit <= j.max_gpus
-        views = [c.training] if j.kind == "dedicated" else [c.loan, c.training]
-        if ok and j.kind == "dedicated":
-            ok = c.quota_room(j.tenant) >= unit
-        if ok:
-            ok = fits(views, unit, g)
-        if not ok:
+        room = j.max_gpus - size[jid]
+        if j.kind == "dedicated":
+            room = min(room, c.quota_room(j.tenant))
+            views = [c.training]
+        else:
+            views = [c.loan, c.training]
+        add = None
+        big = max(unit, node_gpus, room // 4) // unit * unit  # a node's worth, or a quarter of the room
+        for amount in sorted({min(room, big) // unit * unit, unit}, reverse=True):
+            if 0 < amount <= room and fits(views, amount, g):
+                add = place_more(views, amount, g, current.get(jid) or start[jid])
+                if add is not None:
+                    break
+        if add is None:  # full, out of quota, or nothing fits it any more
             heapq.heappop(heap)
             continue
-        add = place_more(views, unit, g, current[jid])
-        if add is None:  # only nodes it already uses have room, and it needs new ones
-            heapq.heappop(heap)
-            continue
-        c._count(j, unit)
+        n = sum(add.values())
+        size[jid] += n
+        c._count(j, n)
+        cur = current.setdefault(jid, dict(start[jid]))
+        a = added.setdefault(jid, {})
         for node, t in add.items():
-            current[jid][node] = current[jid].get(node, 0) + t
-            a = added.setdefault(jid, {})
+            cur[node] = cur.get(node, 0) + t
             a[node] = a.get(node, 0) + t
         heapq.heapreplace(heap, (key(j), jid))
     for jid, add in added.items():
@@ -84,6 +98,5 @@ def grow_step(c: Cycle, admitted: dict[str, tuple[int, Job]]) -> None:
             i, _ = admitted[jid]
             c.decisions[i] = Admit(jid, current[jid])
         else:
-            j = jobs[jid]
             c.touched.add(jid)
-            c.decisions.append(Grow(jid, j.gpus + sum(add.values()), add))
+            c.decisions.append(Grow(jid, size[jid], add))

@@ -1,15 +1,16 @@
 """Who goes first: aged priority, then fair-share deficit, then waiting time.
 
-Pending jobs wait in one FIFO per (tenant, kind, priority) (see :func:`tidal.model.queue_key`). Aging
+Pending jobs wait in one FIFO per (tenant, kind, priority) (see :func:`tidal.model.queue_key`),
+ordered by when they (re)entered it (``Job.queued_s``: submission, or the last preemption). Aging
 adds the same amount per second of waiting to every job, so within one such queue the oldest job is
 always the most aged one: only queue *heads* ever compete, and :class:`QueueHeads` merges them with a
 heap. A call that admits k jobs from Q queues costs O((Q + k) log Q), whatever the queue lengths.
 
 Keys (smaller first):
 
-* dedicated: ``(-aged priority, submit_s, id)``. Each tenant's dedicated jobs only compete for its
+* dedicated: ``(-aged priority, queued_s, id)``. Each tenant's dedicated jobs only compete for its
   own quota, so fairness between tenants has nothing to order here.
-* spot: ``(-aged priority, share, submit_s, id)`` where ``share`` is the tenant's spot GPUs over its
+* spot: ``(-aged priority, share, queued_s, id)`` where ``share`` is the tenant's spot GPUs over its
   weighted fair share (:meth:`Cycle.share`): among equal priorities, the tenant furthest below its
   share goes first. Aging is counted in whole levels so that ties on priority are common and the
   share decides them.
@@ -25,8 +26,8 @@ from tidal.policy.scheduling.config import SchedulerConfig
 
 
 def aged_priority(job: Job, now_s: float, cfg: SchedulerConfig) -> int:
-    """``priority + min(aging_max_levels, floor((now - submit) * aging_per_s))``."""
-    wait_s = now_s - job.submit_s
+    """``priority + min(aging_max_levels, floor((now - queued_s) * aging_per_s))``."""
+    wait_s = now_s - job.queued_s
     if wait_s <= 0 or cfg.aging_per_s <= 0:
         return job.priority
     return job.priority + min(cfg.aging_max_levels, int(wait_s * cfg.aging_per_s))
@@ -48,11 +49,20 @@ class QueueHeads:
         self._key = key
         self._heap = [(key(q[0]), i) for i, q in enumerate(queues) if q]
         heapq.heapify(self._heap)
+        self._dead: set[int] = set()
+        self._last = -1
+
+    def drop_queue_of_last(self) -> None:
+        """Forget the rest of the queue the last popped job came from (nothing in it can run now)."""
+        self._dead.add(self._last)
 
     def pop(self) -> Job | None:
         heap, key = self._heap, self._key
         while heap:
             k, i = heap[0]
+            if i in self._dead:
+                heapq.heappop(heap)
+                continue
             q = self._queues[i]
             job = q[self._pos[i]]
             k2 = key(job)
@@ -60,6 +70,7 @@ class QueueHeads:
                 heapq.heapreplace(heap, (k2, i))
                 continue
             self._pos[i] += 1
+            self._last = i
             if self._pos[i] < len(q):
                 heapq.heapreplace(heap, (key(q[self._pos[i]]), i))
             else:

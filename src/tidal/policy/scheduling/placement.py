@@ -16,7 +16,7 @@ ending soon): its GPUs are tracked for reclaims but never offered for placement.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 
 class View:
@@ -68,9 +68,6 @@ class View:
     def count_at_least(self, g: int) -> int:
         """Placeable nodes with at least ``g`` free GPUs."""
         return sum(len(b) for b in self.buckets[g:])
-
-    def placeable(self) -> Iterable[str]:
-        return (n for n in self.free if n not in self.blocked)
 
 
 def _max_free(views: Sequence[View]) -> int:

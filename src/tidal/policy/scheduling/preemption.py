@@ -5,9 +5,9 @@ may use, and its tenant's quota has room) or :class:`CountNeed` (a reclaim: so m
 nodes). :func:`find_victims` is pure over a need and two candidate lists and returns the victims;
 callers act on them through ``Cycle.issue_*``. The rules, in order:
 
-1. Shrink before killing. Elastic candidates give back GPUs above their minimum, in units of their
-   ``size_step`` (whole nodes for ``gpus_per_node`` jobs), only on nodes that help, one unit at a
-   time until the need is met: nobody shrinks by more than needed.
+1. Shrink before killing. Elastic candidates give back GPUs above their minimum, only on nodes that
+   help and only as many as still needed, rounded to their ``size_step`` (whole nodes for
+   ``gpus_per_node`` jobs): nobody shrinks by more than needed.
 2. Then preempt whole gangs, in the caller's order (least work lost first: freshest durable
    checkpoint; then lowest priority; then furthest over fair share).
 3. Give back: victims are reconsidered newest first, and any the need can do without is spared
@@ -18,85 +18,124 @@ If the need cannot be met even with every candidate, nothing is touched (no part
 
 from __future__ import annotations
 
-import heapq
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from tidal.model import Job, Reason
 from tidal.policy.scheduling.cycle import Cycle
-from tidal.policy.scheduling.ordering import aged_priority
-from tidal.policy.scheduling.placement import View, pack
+from tidal.policy.scheduling.placement import View
 
 
 class Need(Protocol):
-    def helps(self, node: str) -> bool: ...
-    def level(self, node: str) -> int: ...
+    """What a search tries to meet; victims' releases are added to it one by one."""
+
+    quota_short: int  # GPUs of quota still to be freed (only a dedicated gang has any)
+
+    def helps(self, node: str) -> bool: ...  # GPUs released on this node count at all
+    def level(self, node: str) -> int: ...  # GPUs available on this node so far
+    def want(self, node: str) -> int: ...  # more GPUs on this node that would still help
     def release(self, node: str, gpus: int) -> None: ...
     def unrelease(self, node: str, gpus: int) -> None: ...
+    def room_fits(self) -> bool: ...  # met but for quota
     def fits(self) -> bool: ...
 
 
 class GangNeed:
-    """A gang of ``size`` GPUs (``g`` per node, or any split) on the nodes in ``vfree`` (node -> GPUs free
-    or draining); plus ``quota_short`` GPUs of quota its tenant must get back first."""
+    """A gang of ``size`` GPUs (``g`` per node, or any split) on the nodes in ``allowed``, counting GPUs
+    free or draining there (from ``views``); plus ``quota_short`` GPUs of quota its tenant must get
+    back first.
 
-    def __init__(self, vfree: dict[str, int], size: int, g: int | None, quota_short: int = 0) -> None:
-        self.vfree, self.size, self.g, self.quota_short = vfree, size, g, quota_short
+    Only nodes with something free or draining are indexed up front (few, in a busy pool); others
+    join when a victim releases GPUs on them.
+    """
+
+    def __init__(self, views: Sequence[View], allowed: set[str], size: int, g: int | None,
+                 quota_short: int = 0) -> None:
+        self.allowed, self.size, self.g, self.quota_short = allowed, size, g, quota_short
+        vfree: dict[str, int] = {}
+        for v in views:
+            for f in range(1, len(v.buckets)):
+                for node in v.buckets[f]:
+                    vfree[node] = f
+            for node, d in v.draining.items():
+                if node in allowed:
+                    vfree[node] = v.free[node] + d
+        self.vfree = vfree
         self.total = sum(vfree.values())
         self.ok_nodes = sum(1 for f in vfree.values() if f >= g) if g else 0
 
     def helps(self, node: str) -> bool:
-        return node in self.vfree
+        return node in self.allowed
 
     def level(self, node: str) -> int:
         return self.vfree.get(node, 0)
 
+    def want(self, node: str) -> int:
+        if self.g is None:
+            return max(0, self.size - self.total)
+        f = self.vfree.get(node, 0)
+        return self.g - f if f < self.g else 0
+
     def release(self, node: str, gpus: int) -> None:
-        f = self.vfree.get(node)
-        if f is None:
+        if node not in self.allowed:
             return
+        f = self.vfree.get(node, 0)
         self.vfree[node] = f + gpus
         self.total += gpus
         if self.g and f < self.g <= f + gpus:
             self.ok_nodes += 1
 
     def unrelease(self, node: str, gpus: int) -> None:
-        f = self.vfree.get(node)
-        if f is None:
+        if node not in self.allowed:
             return
+        f = self.vfree[node]
         self.vfree[node] = f - gpus
         self.total -= gpus
         if self.g and f - gpus < self.g <= f:
             self.ok_nodes -= 1
 
-    def fits(self) -> bool:
-        if self.quota_short > 0:
-            return False
+    def room_fits(self) -> bool:
+        """The gang fits on the nodes (quota aside)."""
         return self.total >= self.size if self.g is None else self.ok_nodes >= self.size // self.g
+
+    def fits(self) -> bool:
+        return self.quota_short <= 0 and self.room_fits()
 
 
 class CountNeed:
-    """``need`` GPUs released on ``nodes`` (a reclaim of loaned GPUs)."""
+    """``need`` GPUs released on ``nodes`` (a reclaim of loaned GPUs). ``used``: GPUs training holds on
+    each node; a node's level is minus what would still be held there, so releases go first where
+    they leave a node empty (serving gets whole nodes back)."""
 
-    def __init__(self, nodes: set[str] | dict[str, object], need: int) -> None:
-        self.nodes, self.need, self.got = nodes, need, 0
+    quota_short = 0
+
+    def __init__(self, nodes: set[str] | dict[str, object], need: int, used: dict[str, int]) -> None:
+        self.nodes, self.need, self.got, self.used = nodes, need, 0, used
+        self.released: dict[str, int] = {}
 
     def helps(self, node: str) -> bool:
         return node in self.nodes
 
     def level(self, node: str) -> int:
-        return 0
+        return self.released.get(node, 0) - self.used.get(node, 0)
+
+    def want(self, node: str) -> int:
+        return max(0, self.need - self.got)
 
     def release(self, node: str, gpus: int) -> None:
         if node in self.nodes:
             self.got += gpus
+            self.released[node] = self.released.get(node, 0) + gpus
 
     def unrelease(self, node: str, gpus: int) -> None:
         if node in self.nodes:
             self.got -= gpus
+            self.released[node] -= gpus
 
     def fits(self) -> bool:
         return self.got >= self.need
+
+    room_fits = fits
 
 
 class Victim:
@@ -111,49 +150,75 @@ class Victim:
 def _apply(need: Need, v: Victim, sign: int) -> None:
     for node, g in v.release.items():
         (need.release if sign > 0 else need.unrelease)(node, g)
-    if v.quota and isinstance(need, GangNeed):
+    if v.quota:
         need.quota_short -= sign * sum(v.release.values())
 
 
 def _shrink_release(job: Job, need: Need, quota: bool) -> dict[str, int]:
-    """Release ``job``'s GPUs above its minimum on helpful nodes, one size step at a time, until the need
-    is met or nothing more can go. Mutates ``need``; returns node -> GPUs released."""
+    """Release ``job``'s GPUs above its minimum on helpful nodes until the need is met or nothing more
+    can go, and no more than that (rounded up to the job's size step; down, if its room ends first).
+    ``quota``: what it releases also gives its tenant's quota back. Mutates ``need``; returns
+    node -> GPUs released.
+
+    Nodes are taken where they help most: nodes that still want GPUs, the fullest-free first (for a
+    ``gpus_per_node`` gang, the closest to holding a whole share).
+    """
     unit = job.size_step
-    room = job.gpus - job.min_gpus
-    nodes = sorted((n for n in job.placement if need.helps(n)), key=lambda n: (-need.level(n), n))
+    room = (job.gpus - job.min_gpus) // unit * unit
     out: dict[str, int] = {}
-    if room < unit or not nodes:
+    done = need.fits if quota else need.room_fits  # GPUs that give no quota back only help the room
+    if room < unit or done():
+        return out
+    nodes = sorted((n for n in job.placement if need.helps(n)), key=lambda n: (need.want(n) == 0, -need.level(n), n))
+    if not nodes:
         return out
     g = job.gpus_per_node
-    gang = isinstance(need, GangNeed)
-    if g:
+    if g:  # whole nodes, unit // g of them per step
         per = unit // g
         for u in range(min(room // unit, len(nodes) // per)):
-            if need.fits():
+            if done():
                 break
             for node in nodes[u * per:(u + 1) * per]:
                 need.release(node, g)
                 out[node] = g
-            if quota and gang:
+            if quota:
                 need.quota_short -= unit
         return out
-    left = {n: job.placement[n] for n in nodes}
-    avail = min(room, sum(left.values())) // unit * unit
-    i = 0
-    while avail > 0 and not need.fits():
-        chunk = unit
-        while chunk:
-            node = nodes[i]
-            t = min(chunk, left[node])
+    released = 0
+    for node in nodes:
+        if released >= room or done():
+            break
+        w = max(need.want(node), need.quota_short - released if quota else 0)
+        t = min(job.placement[node], w, room - released)
+        if t > 0:
             need.release(node, t)
-            out[node] = out.get(node, 0) + t
-            left[node] -= t
-            chunk -= t
-            if left[node] == 0:
-                i += 1
-        if quota and gang:
-            need.quota_short -= unit
-        avail -= unit
+            out[node] = t
+            released += t
+    extra = -released % unit
+    if extra and room - released >= extra:  # round up to a whole step, on any helpful node
+        for node in nodes:
+            t = min(extra, job.placement[node] - out.get(node, 0))
+            if t > 0:
+                need.release(node, t)
+                out[node] = out.get(node, 0) + t
+                released += t
+                extra -= t
+            if not extra:
+                break
+    if released % unit:  # could not round up: round down
+        cut = released % unit
+        for node in reversed(list(out)):
+            t = min(cut, out[node])
+            need.unrelease(node, t)
+            out[node] -= t
+            released -= t
+            cut -= t
+            if not out[node]:
+                del out[node]
+            if not cut:
+                break
+    if quota:
+        need.quota_short -= released
     return out
 
 
@@ -178,6 +243,8 @@ def find_victims(need: Need, shrinkable: Iterable[tuple[Job, Reason, bool]],
             break
     if not need.fits():
         for job, reason, quota in preemptable:
+            if not quota and need.room_fits():
+                continue  # only quota is missing, and this one gives none back
             old = by_id.pop(job.id, None)
             if old is not None:  # preempting a job already picked for shrinking: undo the shrink
                 _apply(need, old, -1)
@@ -200,16 +267,8 @@ def find_victims(need: Need, shrinkable: Iterable[tuple[Job, Reason, bool]],
     return kept
 
 
-def in_order(items: Sequence[tuple[tuple, tuple[Job, Reason, bool]]]) -> Iterator[tuple[Job, Reason, bool]]:
-    """Yield candidates by key lazily (heapify is O(n); most searches stop after a few victims)."""
-    heap = list(items)
-    heapq.heapify(heap)
-    while heap:
-        yield heapq.heappop(heap)[1]
-
-
 # ---------------------------------------------------------------------------------------------
-# Targets for a pending job (the admission step's preemption path).
+# Victim order.
 
 
 def protected(c: Cycle, job: Job) -> bool:
@@ -222,113 +281,23 @@ def recently_grown(c: Cycle, job: Job) -> bool:
 
 
 def shrink_key(c: Cycle, job: Job) -> tuple:
+    """Shrink order, smaller first: lowest priority, then the tenant furthest over its fair share."""
     return (job.priority, -c.share(job.tenant), job.id)
 
 
-def preempt_key(c: Cycle, job: Job) -> tuple:
-    return (protected(c, job), job.work_lost_gpu_s(c.now), job.priority, -c.share(job.tenant), job.id)
+def preempt_keys(c: Cycle, jobs: Iterable[Job]) -> dict[str, tuple]:
+    """Preemption order, smaller first: ``(protected, work lost in GPU-seconds, priority, -share, id)``.
 
+    Jobs still inside their minimum runtime go last (where they are candidates at all); then the
+    least work lost (freshest durable checkpoint, fewest GPUs); then the lowest priority; then the
+    tenant furthest over its fair share. Computed for many jobs in one loop (this runs over every
+    running spot job once per call that preempts)."""
+    now, min_rt = c.now, c.cfg.min_runtime_before_preempt_s
+    shares = {t: -c.share(t) for t in c.tenants}
+    out = {}
+    for j in jobs:
+        started = j.started_s
+        out[j.id] = (started is not None and now - started < min_rt, j.work_lost_gpu_s(now), j.priority,
+                     shares[j.tenant], j.id)
+    return out
 
-def _victim_pool(c: Cycle) -> list[Job]:
-    if c._victim_index is None:
-        c._victim_index = [j for j in c.snap.running if not j.releasing_gpus]
-    return c._victim_index  # type: ignore[return-value]
-
-
-def targets_for(c: Cycle, job: Job, views: Sequence[View]) -> tuple[list[Victim], dict[str, int]] | None:
-    """Victims that let pending ``job`` start at its minimum, and where it will start; ``None`` if none do.
-
-    Dedicated job (its tenant's guarantee): any spot job on the training pool may be shrunk or
-    preempted, min runtime notwithstanding; its own tenant's dedicated jobs may be shrunk (priority
-    at most its aged priority, not grown within ``hysteresis_s``) or preempted (priority at least
-    ``preempt_priority_gap`` lower, past the minimum runtime). Spot job: other spot jobs may be
-    shrunk under the same rule, and preempted past their minimum runtime if their priority is at
-    least the gap lower (``priority``) or equal-or-lower while their tenant would stay further over
-    its fair share than the waiting job's tenant after the swap (``fair_share``).
-    """
-    cfg, now = c.cfg, c.now
-    e = aged_priority(job, now, cfg)
-    size, g = job.min_gpus, job.gpus_per_node
-    vfree = {}
-    for v in views:
-        for node in v.placeable():
-            vfree[node] = v.free[node] + v.draining.get(node, 0)
-    ded = job.kind == "dedicated"
-    quota_short = max(0, size - c.quota_room(job.tenant)) if ded else 0
-    need = GangNeed(vfree, size, g, quota_short)
-    shrink: list[tuple[tuple, tuple[Job, Reason, bool]]] = []
-    pre: list[tuple[tuple, tuple[Job, Reason, bool]]] = []
-    touched = c.touched
-    share_after = c.share(job.tenant, size) if not ded else 0.0
-    # Keys start with a class: for a dedicated job, spot victims (0) go before its tenant's own jobs (1).
-    for v in _victim_pool(c):
-        if v.id in touched:
-            continue
-        if v.kind == "spot":
-            if not any(n in vfree for n in v.placement):
-                continue
-            if ded:
-                if v.gpus > v.min_gpus:
-                    shrink.append(((0, *shrink_key(c, v)), (v, "quota", False)))
-                pre.append(((0, *preempt_key(c, v)), (v, "quota", False)))
-                continue
-            if v.priority <= e and v.gpus > v.min_gpus and not recently_grown(c, v):
-                shrink.append(((0, *shrink_key(c, v)), (v, "demand", False)))
-            if protected(c, v) or v.priority > e:
-                continue
-            if v.priority <= e - cfg.preempt_priority_gap:
-                pre.append(((0, *preempt_key(c, v)), (v, "priority", False)))
-            elif v.tenant != job.tenant and share_after < c.share(v.tenant, -v.gpus):
-                pre.append(((0, *preempt_key(c, v)), (v, "fair_share", False)))
-        elif ded and v.tenant == job.tenant:
-            if v.priority <= e and v.gpus > v.min_gpus and not recently_grown(c, v):
-                shrink.append(((1, *shrink_key(c, v)), (v, "demand", True)))
-            if v.priority <= e - cfg.preempt_priority_gap and not protected(c, v):
-                pre.append(((1, *preempt_key(c, v)), (v, "priority", True)))
-    if quota_short:
-        own_pre = {v.id: v.gpus for _, (v, _, q) in pre if q}
-        room = sum(own_pre.values())
-        room += sum(v.gpus - v.min_gpus for _, (v, _, q) in shrink if q and v.id not in own_pre)
-        if room < quota_short:
-            return None  # even all of the tenant's own jobs would not make room in its quota
-    shrink.sort(key=lambda t: t[0])
-    victims = find_victims(need, [x for _, x in shrink], in_order(pre))
-    if victims is None:
-        return None
-    placement = pack(need.vfree, size, g)
-    assert placement is not None, "a met need packs"
-    return victims, placement
-
-
-def reserve(c: Cycle, job: Job, placement: dict[str, int]) -> None:
-    """Hold ``placement`` for ``job`` until its victims have drained: the free and draining GPUs it
-    uses are taken out of the views (so nobody else is placed there in this call) and its usage is
-    counted against its quota and share."""
-    for node, t in placement.items():
-        view = c.training if c.pool_of[node] == "training" else c.loan
-        f = min(t, view.free.get(node, 0))
-        if f:
-            view.take(node, f)
-            t -= f
-        d = min(t, view.draining.get(node, 0))
-        if d:
-            view.claim_draining(node, d)
-    c._count(job, sum(placement.values()))
-
-
-def preempt_for(c: Cycle, job: Job) -> bool:
-    """Compute targets for ``job``, then act: issue shrinks and preemptions and reserve its place."""
-    views = [c.training] if job.kind == "dedicated" else [c.loan, c.training]
-    found = targets_for(c, job, views)
-    if found is None:
-        return False
-    victims, placement = found
-    by_s = c.now + c.cfg.preempt_grace_s
-    for v in victims:
-        claimed = {n: g for n, g in v.release.items() if n in placement}
-        if v.preempt:
-            c.issue_preempt(v.job, v.reason, by_s, job.id, claimed)
-        else:
-            c.issue_shrink(v.job, v.release, v.reason, by_s, job.id, claimed)
-    reserve(c, job, placement)
-    return True

@@ -22,16 +22,9 @@ from __future__ import annotations
 
 import math
 
-from tidal.model import Job, Reason
 from tidal.policy.scheduling.cycle import Cycle
-from tidal.policy.scheduling.preemption import (
-    CountNeed,
-    Victim,
-    find_victims,
-    in_order,
-    preempt_key,
-    shrink_key,
-)
+from tidal.policy.scheduling.preemption import CountNeed, Victim, find_victims
+from tidal.policy.scheduling.targets import Cand, victim_index
 
 
 def reclaim_step(c: Cycle) -> None:
@@ -81,19 +74,13 @@ def reclaim_step(c: Cycle) -> None:
 
 def _displace(c: Cycle, need_gpus: int, by_s: float) -> None:
     nodes = c.loan.free  # every loaned node (blocked ones too)
-    shrink: list[tuple[tuple, tuple[Job, Reason, bool]]] = []
-    pre: list[tuple[tuple, tuple[Job, Reason, bool]]] = []
-    for j in c.snap.running:
-        if j.releasing_gpus or j.id in c.touched or not any(n in nodes for n in j.placement):
-            continue
-        if j.gpus > j.min_gpus:
-            shrink.append((shrink_key(c, j), (j, "reclaim", False)))
-        pre.append((preempt_key(c, j), (j, "reclaim", False)))
-    shrink.sort(key=lambda t: t[0])
-    need = CountNeed(nodes, need_gpus)
-    victims = find_victims(need, [x for _, x in shrink], in_order(pre))
+    idx = victim_index(c)
+    on_loan, touched = idx.on_any_loan, c.touched
+    shrink: list[Cand] = [(j, "reclaim", False) for j in idx.spot_shrink if j.id in on_loan and j.id not in touched]
+    pre: list[Cand] = [(j, "reclaim", False) for j in idx.spot_pre if j.id in on_loan and j.id not in touched]
+    victims = find_victims(CountNeed(nodes, need_gpus, c.used), shrink, pre)
     if victims is None:  # the reclaim asks for more than training holds on loans: clear them all
-        victims = [Victim(j, dict(j.placement), True, "reclaim", False) for _, (j, _, _) in sorted(pre)]
+        victims = [Victim(j, dict(j.placement), True, "reclaim", False) for j, _, _ in pre]
     for v in victims:
         claimed = {n: g for n, g in v.release.items() if n in nodes}
         c.reclaim_victim_gpus += sum(claimed.values())
