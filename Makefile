@@ -26,12 +26,12 @@ demo: $(STAMP)
 	$(VENV)/bin/tidal bench ckpt --size-gb 0.25 --repeat 3
 
 test: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks examples
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks
-	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks examples
+	$(VENV)/bin/ruff format --check src tests benchmarks examples
 
 bench: $(STAMP)
 	$(VENV)/bin/tidal bench ckpt --size-gb 1 --repeat 5

@@ -170,6 +170,19 @@ class Launch:
             self.join_readers()
         return [self.stdout(r) for r in range(self.nprocs)]
 
+    def exit_codes(self, timeout: float = 120.0) -> list[int]:
+        """Wait until every rank exited, whatever its code (e.g. 75 = preempted); return the codes.
+
+        Kills all and raises :class:`WorkerError` when the timeout passes first.
+        """
+        deadline = time.monotonic() + timeout
+        while any(p.poll() is None for p in self.procs):
+            if time.monotonic() > deadline:
+                raise self._error(f"timed out after {timeout:.0f} s waiting for every rank to exit")
+            time.sleep(0.02)
+        self.join_readers()
+        return [int(p.returncode) for p in self.procs]
+
     def join_readers(self, timeout: float = 10.0) -> None:
         """After the ranks exited: wait until their last stdout lines are in ``lines``."""
         for t in self._readers:

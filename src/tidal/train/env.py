@@ -1,0 +1,136 @@
+"""The environment contract of a Tidal training process — the one place it is defined.
+
+A launcher (``torchrun``, Tidal's executor, a test harness) starts one process per rank and tells it
+who it is and what to do through these variables; :class:`tidal.train.Session` reads them. With none
+set, a script runs as a single process without a process group. docs/train.md mirrors this table.
+
+variable                       default       meaning (unit)
+-----------------------------  ------------  ------------------------------------------------------------------
+RANK                           0             this process's rank in the job (torchrun contract)
+WORLD_SIZE                     1             number of ranks; when set together with MASTER_ADDR/PORT the
+                                             session forms a process group (even of one rank)
+LOCAL_RANK                     0             rank on this node; selects the GPU cuda:LOCAL_RANK
+LOCAL_WORLD_SIZE               1             ranks on this node
+MASTER_ADDR                    (unset)       rendezvous host of rank 0 (torchrun contract)
+MASTER_PORT                    (unset)       rendezvous TCP port of rank 0 (torchrun contract)
+TIDAL_JOB_ID                   local         job id, written into every progress record
+TIDAL_CKPT_URL                 (unset)       checkpoint directory (path or file://); unset: no checkpoints,
+                                             restore() starts at step 0
+TIDAL_CKPT_INTERVAL_S          600           seconds between periodic checkpoints; 0 turns the timer off
+TIDAL_CKPT_INTERVAL_STEPS      0             steps between periodic checkpoints; 0 turns it off
+TIDAL_CKPT_KEEP                3             committed steps kept on disk (0: all)
+TIDAL_NOTICE_FILE              (unset)       a path whose appearance means "GPUs are being taken back" (for
+                                             launchers that cannot signal); the grace counts from its mtime;
+                                             a file older than the process is stale and ignored
+TIDAL_GRACE_S                  30            seconds from a notice (SIGTERM or the file) to a forced exit
+TIDAL_NOTICE_WAIT              fast          on a notice, exit once the final checkpoint is committed in the
+                                             fast tier (node memory: survives the process, not the node) or
+                                             in all tiers (disk too); either way within the grace
+TIDAL_PROGRESS_DIR             (unset)       directory for progress-rNNNNN.jsonl and heartbeat-rNNNNN.json per
+                                             rank; unset: no progress files
+TIDAL_SHM_DIR                  /dev/shm      where the checkpoint engine keeps its node-memory tier
+TIDAL_API_URL                  (unset)       reserved: control-plane URL (progress over HTTP, notices)
+TIDAL_TOKEN                    (unset)       reserved: bearer token for TIDAL_API_URL
+
+Exit codes of a process driven by a session: ``0`` finished; ``75`` (``EX_TEMPFAIL``) preempted,
+resumable from the newest committed checkpoint (also after a second SIGTERM or when the grace ran
+out: the engine never exposes a torn step); anything else is a failure.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL from sysexits.h: "temporary failure, try again"
+NOTICE_WAIT_CHOICES = ("fast", "all")
+
+
+class EnvError(ValueError):
+    """A variable of the environment contract holds a value that cannot be used."""
+
+
+@dataclass(frozen=True)
+class Env:
+    """The parsed environment contract (see the module docstring for meanings and units)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    master_addr: str | None = None
+    master_port: int | None = None
+    job_id: str = "local"
+    ckpt_url: str | None = None
+    ckpt_interval_s: float = 600.0
+    ckpt_interval_steps: int = 0
+    ckpt_keep: int = 3
+    notice_file: str | None = None
+    grace_s: float = 30.0
+    notice_wait: str = "fast"
+    progress_dir: str | None = None
+    api_url: str | None = None
+    token: str | None = None
+
+    @property
+    def launched(self) -> bool:
+        """True when a launcher set up a rendezvous (then the session forms a process group)."""
+        return self.master_addr is not None and self.master_port is not None
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> Env:
+        e = os.environ if environ is None else environ
+        env = cls(
+            rank=_int(e, "RANK", 0, lo=0),
+            world_size=_int(e, "WORLD_SIZE", 1, lo=1),
+            local_rank=_int(e, "LOCAL_RANK", 0, lo=0),
+            local_world_size=_int(e, "LOCAL_WORLD_SIZE", 1, lo=1),
+            master_addr=e.get("MASTER_ADDR") or None,
+            master_port=_int(e, "MASTER_PORT", None, lo=1) if e.get("MASTER_PORT") else None,
+            job_id=e.get("TIDAL_JOB_ID") or "local",
+            ckpt_url=e.get("TIDAL_CKPT_URL") or None,
+            ckpt_interval_s=_float(e, "TIDAL_CKPT_INTERVAL_S", 600.0),
+            ckpt_interval_steps=_int(e, "TIDAL_CKPT_INTERVAL_STEPS", 0, lo=0),
+            ckpt_keep=_int(e, "TIDAL_CKPT_KEEP", 3, lo=0),
+            notice_file=e.get("TIDAL_NOTICE_FILE") or None,
+            grace_s=_float(e, "TIDAL_GRACE_S", 30.0, positive=True),
+            notice_wait=e.get("TIDAL_NOTICE_WAIT") or "fast",
+            progress_dir=e.get("TIDAL_PROGRESS_DIR") or None,
+            api_url=e.get("TIDAL_API_URL") or None,
+            token=e.get("TIDAL_TOKEN") or None,
+        )
+        if env.rank >= env.world_size:
+            raise EnvError(f"RANK={env.rank} is not below WORLD_SIZE={env.world_size}")
+        if env.notice_wait not in NOTICE_WAIT_CHOICES:
+            raise EnvError(f"TIDAL_NOTICE_WAIT={env.notice_wait!r}: expected one of {list(NOTICE_WAIT_CHOICES)}")
+        if env.world_size > 1 and not env.launched:
+            raise EnvError(f"WORLD_SIZE={env.world_size} but MASTER_ADDR/MASTER_PORT are not set: start the "
+                           "ranks with torchrun or another launcher that sets the rendezvous")
+        return env
+
+
+def _int(e: Mapping[str, str], name: str, default: int | None, *, lo: int) -> int:
+    raw = e.get(name)
+    if raw is None or raw == "":
+        return default  # type: ignore[return-value]
+    try:
+        v = int(raw)
+    except ValueError:
+        raise EnvError(f"{name}={raw!r}: expected an integer") from None
+    if v < lo:
+        raise EnvError(f"{name}={raw!r}: expected an integer >= {lo}")
+    return v
+
+
+def _float(e: Mapping[str, str], name: str, default: float, *, positive: bool = False) -> float:
+    raw = e.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        v = float(raw)
+    except ValueError:
+        raise EnvError(f"{name}={raw!r}: expected a number of seconds") from None
+    if v < 0 or (positive and v == 0) or v != v:
+        raise EnvError(f"{name}={raw!r}: expected a number of seconds {'> 0' if positive else '>= 0'}")
+    return v

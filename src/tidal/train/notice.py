@@ -1,0 +1,173 @@
+"""Reclaim notices: SIGTERM or a notice file means "GPUs are being taken back".
+
+The contract a launcher can rely on (:class:`tidal.train.Session` implements it with this module):
+
+1. On SIGTERM, or when ``TIDAL_NOTICE_FILE`` appears, the job finishes the step in progress, all
+   ranks agree to stop after that same step (a tiny all-reduce of a stop flag each step, since
+   only some ranks may have been told), checkpoint it, wait until the checkpoint is committed in
+   the fast tier (or in all tiers, see ``TIDAL_NOTICE_WAIT``) and exit with code 75
+   (:data:`EXIT_PREEMPTED`, ``EX_TEMPFAIL``): preempted, resumable.
+2. All of that within the grace (``TIDAL_GRACE_S``, counted from the signal or the file's mtime).
+   When the grace runs out a watchdog thread exits the process with code 75 just before it ends;
+   a second SIGTERM exits at once, also with 75. Neither can expose a torn step: the engine
+   commits a step by writing its manifest last, so the job resumes from the newest step that did
+   commit.
+
+A notice that arrives while the main thread is blocked inside a C call (a collective waiting on a
+dead peer) is handled when the call returns; the launcher's SIGKILL after the grace is the backstop.
+
+Thread-safety: the signal handler only sets fields and starts the watchdog (it never takes a lock
+that the main thread could hold, and writes to stderr with ``os.write``); :meth:`Notice.requested`
+is called from the training thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from tidal.train.env import EXIT_PREEMPTED
+
+
+class Notice:
+    """Watches for a reclaim notice and enforces the grace period.
+
+    Args:
+        grace_s: seconds from the notice to the forced exit.
+        notice_file: path whose appearance is a notice (``None``: signals only).
+        not_before_unix: a notice file with an older mtime is stale (left from an earlier attempt) and
+            ignored; default: when this process started.
+        signals: the signals that are a notice.
+        exit_fn: how the watchdog and a second signal end the process (``os._exit`` by default;
+            tests pass their own).
+    """
+
+    def __init__(self, grace_s: float, notice_file: str | os.PathLike | None = None, *,
+                 not_before_unix: float | None = None, signals: tuple[int, ...] = (signal.SIGTERM,),
+                 exit_fn: Callable[[int], object] = os._exit) -> None:
+        if grace_s <= 0:
+            raise ValueError(f"grace_s must be > 0, got {grace_s!r}")
+        self.grace_s = float(grace_s)
+        self.notice_file = Path(notice_file) if notice_file else None
+        self.not_before_unix = process_start_unix() if not_before_unix is None else not_before_unix
+        self.signals = signals
+        self._exit_fn = exit_fn
+        self.source: str | None = None  # "SIGTERM", "file", "peer" (another rank), "api" (trigger())
+        self.received_unix: float | None = None
+        self.deadline_unix: float | None = None
+        self._signals_seen = 0
+        self._previous: dict[int, object] = {}
+        self._cancel = threading.Event()
+        self._watchdog: threading.Thread | None = None
+
+    # -- arming ----------------------------------------------------------------------------------
+    def install(self) -> bool:
+        """Install the signal handlers (main thread only; returns False elsewhere, files still work)."""
+        if threading.current_thread() is not threading.main_thread():
+            return False
+        for sig in self.signals:
+            self._previous[sig] = signal.getsignal(sig)
+            signal.signal(sig, self._on_signal)
+        return True
+
+    def uninstall(self) -> None:
+        """Restore the previous handlers and cancel the watchdog."""
+        for sig, prev in self._previous.items():
+            with contextlib.suppress(ValueError, TypeError):
+                signal.signal(sig, prev)  # type: ignore[arg-type]
+        self._previous.clear()
+        self._cancel.set()
+
+    # -- observing -------------------------------------------------------------------------------
+    def requested(self) -> bool:
+        """Has this process been told to stop? Checks the notice file (one ``stat``) when none yet."""
+        if self.source is not None:
+            return True
+        if self.notice_file is not None:
+            try:
+                mtime = self.notice_file.stat().st_mtime
+            except OSError:
+                return False
+            if mtime >= self.not_before_unix:
+                self.trigger("file", at_unix=min(mtime, time.time()))
+                return True
+        return False
+
+    def trigger(self, source: str, at_unix: float | None = None) -> None:
+        """Record a notice from ``source`` (first one wins) and start the grace watchdog."""
+        if self.source is not None:
+            return
+        now = time.time()
+        at = now if at_unix is None else at_unix
+        self.received_unix = at
+        self.deadline_unix = at + self.grace_s
+        self.source = source
+        self._start_watchdog()
+
+    def remaining_s(self) -> float:
+        """Seconds left of the grace, less a margin for exiting; ``inf`` before any notice."""
+        if self.deadline_unix is None:
+            return float("inf")
+        return self.deadline_unix - self.margin_s - time.time()
+
+    @property
+    def margin_s(self) -> float:
+        """Time kept back from the grace for flushing and exiting."""
+        return min(0.5, 0.05 * self.grace_s)
+
+    # -- internals -------------------------------------------------------------------------------
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self._signals_seen += 1
+        name = signal.Signals(signum).name
+        if self._signals_seen == 1:
+            self.trigger(name)
+            return
+        _stderr(f"tidal: second {name}: exiting now with code {EXIT_PREEMPTED} (resumable from the newest "
+                "committed step)\n")
+        self._exit_fn(EXIT_PREEMPTED)
+
+    def _start_watchdog(self) -> None:
+        if self._watchdog is not None:
+            return
+        self._watchdog = threading.Thread(target=self._watch, name="tidal-grace", daemon=True)
+        self._watchdog.start()
+
+    def _watch(self) -> None:
+        assert self.deadline_unix is not None
+        left = self.deadline_unix - self.margin_s / 2 - time.time()
+        if self._cancel.wait(max(0.0, left)):
+            return
+        _stderr(f"tidal: the {self.grace_s:g} s grace after {self.source} ran out: exiting with code "
+                f"{EXIT_PREEMPTED} (resumable from the newest committed step)\n")
+        self._exit_fn(EXIT_PREEMPTED)
+
+
+def _stderr(msg: str) -> None:
+    with contextlib.suppress(OSError):
+        os.write(2, msg.encode())
+
+
+def process_start_unix() -> float:
+    """When this process started (Linux: from /proc; elsewhere: now, at first call)."""
+    global _START
+    if _START is None:
+        _START = _proc_start() or time.time()
+    return _START
+
+
+_START: float | None = None
+
+
+def _proc_start() -> float | None:
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        started_after_boot_s = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: starttime
+        return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - started_after_boot_s)
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None

@@ -1,0 +1,146 @@
+"""Progress reporting: one JSON record per event, per rank, plus a heartbeat file.
+
+Records (every one carries ``event``, ``time`` (Unix seconds), ``job_id`` and ``rank``):
+
+* ``start``: ``world_size``, ``pid``, ``host``, ``device``, ``backend``, ``uptime_s`` (since process start)
+* ``restore``: ``step`` (0: nothing restored), ``duration_s``, ``tier``, ``bytes_read``,
+  ``read_amplification``, ``fallbacks``, ``saved_world_size``, ``uptime_s``
+* ``step``: ``step``, ``loss`` (mean over ranks), ``step_time_s``, ``samples_per_s``, ``tokens_per_s``,
+  ``committed`` ({tier: newest committed step}), ``uptime_s`` on the first step, the caller's fields
+* ``checkpoint``: ``step``, ``reason`` (``steps``, ``seconds``, ``notice``, ``manual``), ``stall_s``
+* ``committed``: ``step``, ``tiers``, ``persist_s`` (from the end of the stall to the last commit)
+* ``save_failed``: ``step``, ``tiers`` (committed anyway), ``error``
+* ``notice``: ``source`` (``SIGTERM``, ``file``, ``peer``: another rank was told), ``received`` (Unix s)
+* ``preempted``: ``step``, ``tiers`` (holding it at exit), ``notice_to_exit_s``, ``exit_code``
+* ``error`` (an exception left the session) and ``end``: ``step``
+
+Writers are pluggable (:class:`ProgressWriter`: ``write(record)`` and ``close()``); the default is
+:class:`JsonlWriter`, one ``progress-rNNNNN.jsonl`` per rank, appended across restarts and flushed
+per record. The control plane will add an HTTP writer.
+
+The heartbeat (``heartbeat-rNNNNN.json``, replaced atomically) says when the training thread last
+made progress: ``time``, ``step``, ``phase`` (``starting``, ``restoring``, ``training``,
+``checkpointing``, ``stopping``, ``stopped``), ``step_time_s`` (moving average) and ``pid``. It is written from the
+training thread only — never from a background thread — so a job stuck in a collective stops
+beating. A platform calls a job *hung* when the heartbeat is older than a few step times (and a
+minute), and *slow* when it beats but ``step_time_s`` grew.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+
+class ProgressWriter(Protocol):
+    """Where progress records go. Called from the training thread only."""
+
+    def write(self, record: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class JsonlWriter:
+    """Appends one JSON object per line to ``path``; flushed per record so readers see it at once."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._f.write(json.dumps(record, separators=(",", ":"), allow_nan=True) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._f.close()
+
+
+class MemoryWriter:
+    """Keeps records in a list (for tests and for in-process callers)."""
+
+    def __init__(self) -> None:
+        self.records: list[dict[str, Any]] = []
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.records.append(dict(record))
+
+    def close(self) -> None:
+        pass
+
+
+class Heartbeat:
+    """``heartbeat-rNNNNN.json``: the training thread's last sign of progress, at most every ``min_interval_s``."""
+
+    def __init__(self, path: str | os.PathLike, *, rank: int, min_interval_s: float = 1.0) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.rank = rank
+        self.min_interval_s = min_interval_s
+        self._last = 0.0
+        self._tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+
+    def beat(self, step: int, phase: str, step_time_s: float | None = None, *, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last < self.min_interval_s:
+            return
+        self._last = now
+        doc = {"time": time.time(), "step": step, "phase": phase, "step_time_s": step_time_s,
+               "rank": self.rank, "pid": os.getpid()}
+        try:
+            self._tmp.write_text(json.dumps(doc))
+            os.replace(self._tmp, self.path)
+        except OSError:
+            pass  # a full or vanished directory must not stop training
+
+
+class Meter:
+    """Step time and throughput from the time between consecutive ``step`` calls.
+
+    ``step_time_s`` is the time since the previous call (the first call after ``reset`` has none);
+    ``avg_step_time_s`` is an exponential moving average (weight ``alpha``).
+    """
+
+    def __init__(self, alpha: float = 0.2) -> None:
+        self.alpha = alpha
+        self._prev: float | None = None
+        self.avg_step_time_s: float | None = None
+
+    def reset(self) -> None:
+        """Forget the previous step's time (after a pause that is not training: restore, checkpoint)."""
+        self._prev = None
+
+    def step(self, now: float, samples: int | None, tokens: int | None) -> dict[str, float | None]:
+        dt = None if self._prev is None else now - self._prev
+        self._prev = now
+        if dt is not None and dt > 0:
+            a = self.alpha
+            self.avg_step_time_s = dt if self.avg_step_time_s is None else (1 - a) * self.avg_step_time_s + a * dt
+        return {
+            "step_time_s": dt,
+            "samples_per_s": samples / dt if dt and samples else None,
+            "tokens_per_s": tokens / dt if dt and tokens else None,
+        }
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The records of one progress file (a torn last line, from a kill, is skipped)."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            with contextlib.suppress(json.JSONDecodeError):
+                out.append(json.loads(line))
+    return out
+
+
+def progress_path(directory: str | os.PathLike, rank: int) -> Path:
+    return Path(directory) / f"progress-r{rank:05d}.jsonl"
+
+
+def heartbeat_path(directory: str | os.PathLike, rank: int) -> Path:
+    return Path(directory) / f"heartbeat-r{rank:05d}.json"

@@ -1,0 +1,456 @@
+"""``Session``: what a training script holds to be stoppable at any step and resumable on any world size.
+
+    from tidal import train
+
+    with train.Session() as s:                              # process group, device, notices, progress
+        model, opt = build(s.device)                        # any layout: DDP, FSDP2, TP x DP, single
+        sampler = train.GlobalBatchSampler(n, global_batch=32, micro_batch=4,
+                                           rank=s.rank, world_size=s.world_size, seed=1)
+        step = s.restore(model, opt, sampler)               # newest committed step, resharded; 0 if none
+        while step < max_steps:
+            loss = train_one_step(sampler.micro_batches(step))
+            step += 1
+            s.step_done(step, loss=loss, samples=32)        # progress; checkpoint when due; stop on notice
+        s.checkpoint(step)                                  # a final checkpoint, if wanted
+
+Call order and collectives: every rank constructs the session, calls ``restore`` once, then
+``step_done`` after every optimizer step with the same ``step``, in the same order (``step_done``
+holds one tiny all-reduce; ``restore`` and ``checkpoint`` are collective). ``step`` counts completed
+optimizer steps: a checkpoint saved as step N holds the state after N steps, and ``restore`` returns
+N, the number of the next step's batch.
+
+On a notice (SIGTERM or ``TIDAL_NOTICE_FILE``) ``step_done`` checkpoints the step just finished, waits
+for the commit and raises :class:`Preempted` (a ``SystemExit`` with code 75): ``finally`` blocks
+run, the ``with`` block ends the process with code 75 (see :mod:`tidal.train.notice`). The variables
+a session reads are documented in :mod:`tidal.train.env`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tidal import ckpt
+from tidal.train.data import GlobalBatchSampler
+from tidal.train.env import EXIT_PREEMPTED, NOTICE_WAIT_CHOICES, Env
+from tidal.train.notice import Notice, process_start_unix
+from tidal.train.progress import Heartbeat, JsonlWriter, Meter, ProgressWriter, heartbeat_path, progress_path
+
+log = logging.getLogger(__name__)
+
+_RESERVED = ("model", "optim", "train")
+
+
+class Preempted(SystemExit):
+    """Raised by ``step_done`` after a notice: the job stopped at ``step``; exit code 75 (resumable)."""
+
+    def __init__(self, step: int, tiers: list[str]) -> None:
+        super().__init__(EXIT_PREEMPTED)
+        self.step = step
+        self.tiers = tiers  # where the final checkpoint committed before the exit ([] if nowhere)
+
+    def __str__(self) -> str:
+        return f"preempted after step {self.step} (checkpoint committed in: {self.tiers or 'none'})"
+
+
+class Session:
+    """The in-job runtime for one process. Arguments left ``None`` come from the environment (:mod:`env`).
+
+    Args:
+        ckpt_url: checkpoint directory (``TIDAL_CKPT_URL``); ``None`` and unset: no checkpoints.
+        ckpt_every_steps: checkpoint every N completed steps (``TIDAL_CKPT_INTERVAL_STEPS``; 0: off).
+        ckpt_every_s: checkpoint when this many seconds passed since the last one
+            (``TIDAL_CKPT_INTERVAL_S``; 0: off). Ranks agree through the per-step all-reduce.
+        keep: committed steps kept on disk (``TIDAL_CKPT_KEEP``).
+        grace_s: seconds from a notice to the forced exit (``TIDAL_GRACE_S``).
+        notice_file: a path whose appearance is a notice (``TIDAL_NOTICE_FILE``).
+        notice_wait: ``"fast"`` or ``"all"`` tiers to wait for before exiting on a notice
+            (``TIDAL_NOTICE_WAIT``).
+        progress_dir: where the per-rank JSONL and heartbeat go (``TIDAL_PROGRESS_DIR``).
+        writers: extra :class:`~tidal.train.progress.ProgressWriter` objects (e.g. an HTTP one).
+        device, backend: override the choice (CUDA ``LOCAL_RANK`` + NCCL if CUDA exists, else CPU + gloo).
+        overlap: checkpoint in the engine's overlapped mode (parameters and optimizer state copied in
+            the background; the next ``optimizer.step()`` waits for the copy).
+        timeout_s: process-group timeout for collectives (default: torch's).
+        env: the parsed environment (default: ``Env.from_environ()``).
+        exit_fn: how the process ends on a notice in ``fast`` mode, a second signal or the end of the
+            grace (default ``os._exit``; tests pass their own).
+    """
+
+    def __init__(self, *, ckpt_url: str | os.PathLike | None = None, ckpt_every_steps: int | None = None,
+                 ckpt_every_s: float | None = None, keep: int | None = None, grace_s: float | None = None,
+                 notice_file: str | os.PathLike | None = None, notice_wait: str | None = None,
+                 progress_dir: str | os.PathLike | None = None, writers: Iterable[ProgressWriter] = (),
+                 device: str | torch.device | None = None, backend: str | None = None, overlap: bool = False,
+                 timeout_s: float | None = None, env: Env | None = None,
+                 exit_fn: Callable[[int], object] = os._exit) -> None:
+        self.env = env if env is not None else Env.from_environ()
+        e = self.env
+        self.ckpt_url = os.fspath(ckpt_url) if ckpt_url is not None else e.ckpt_url
+        self.ckpt_every_steps = e.ckpt_interval_steps if ckpt_every_steps is None else int(ckpt_every_steps)
+        self.ckpt_every_s = e.ckpt_interval_s if ckpt_every_s is None else float(ckpt_every_s)
+        self.keep = e.ckpt_keep if keep is None else int(keep)
+        self.notice_wait = notice_wait or e.notice_wait
+        if self.notice_wait not in NOTICE_WAIT_CHOICES:
+            raise ValueError(f"notice_wait={self.notice_wait!r}: expected one of {list(NOTICE_WAIT_CHOICES)}")
+        self.overlap = overlap
+        self._exit_fn = exit_fn
+
+        # Notices first: a SIGTERM during the rendezvous below is a notice too, not a kill.
+        self.notice = Notice(e.grace_s if grace_s is None else grace_s,
+                             notice_file if notice_file is not None else e.notice_file, exit_fn=exit_fn)
+        self.notice.install()
+
+        # Device and process group.
+        if device is None:
+            device = torch.device("cuda", e.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+        self.device = torch.device(device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
+        self._owns_pg = False
+        if not dist.is_initialized() and e.launched:
+            kwargs: dict[str, Any] = {}
+            if timeout_s is not None:
+                from datetime import timedelta
+
+                kwargs["timeout"] = timedelta(seconds=timeout_s)
+            if self.device.type == "cuda":
+                kwargs["device_id"] = self.device
+            dist.init_process_group(self.backend, **kwargs)
+            self._owns_pg = True
+        self.distributed = dist.is_initialized()
+        if self.distributed:
+            self.backend = dist.get_backend()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world_size = dist.get_world_size() if self.distributed else 1
+        self.local_rank = e.local_rank
+
+        # Progress and checkpoint bookkeeping.
+        pdir = progress_dir if progress_dir is not None else e.progress_dir
+        self.progress_dir = os.fspath(pdir) if pdir is not None else None
+        self._writers: list[ProgressWriter] = list(writers)
+        self._heartbeat: Heartbeat | None = None
+        if self.progress_dir is not None:
+            self._writers.append(JsonlWriter(progress_path(self.progress_dir, self.rank)))
+            self._heartbeat = Heartbeat(heartbeat_path(self.progress_dir, self.rank), rank=self.rank)
+        self.step = 0
+        self.last_loss: float | None = None  # the mean over ranks of the loss passed to the last step_done
+        self.committed: dict[str, int] = {}  # tier -> newest step committed there (as far as we know)
+        self._meter = Meter()
+        self._first_step_reported = False
+        self._cp: ckpt.Checkpointer | None = None
+        self._pending: list[ckpt.SaveHandle] = []
+        self._last: ckpt.SaveHandle | None = None
+        self._last_ckpt_mono = time.monotonic()
+        self._model: torch.nn.Module | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._sampler: GlobalBatchSampler | None = None
+        self._extra: dict[str, Any] = {}
+        self._registered = False
+        self._warned_unregistered = False
+        self._closed = False
+        self._beat("starting", force=True)
+        self._write({"event": "start", "world_size": self.world_size, "pid": os.getpid(),
+                     "host": socket.gethostname(), "device": str(self.device), "backend": self.backend,
+                     "uptime_s": self.uptime_s()})
+
+    # -- properties --------------------------------------------------------------------------------
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def stop_requested(self) -> bool:
+        """Whether *this* rank has been told to stop (ranks agree only in ``step_done``)."""
+        return self.notice.requested()
+
+    @staticmethod
+    def uptime_s() -> float:
+        """Seconds since this process started."""
+        return time.time() - process_start_unix()
+
+    # -- restore -----------------------------------------------------------------------------------
+    def restore(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
+                sampler: GlobalBatchSampler | None = None, *, extra: dict[str, Any] | None = None) -> int:
+        """Register what to checkpoint and load the newest committed step into it; return that step.
+
+        Collective. ``model``/``optimizer`` may be in any layout (DDP, FSDP2, TP, single); the step is
+        resharded onto it. ``sampler``'s settings are checked against the checkpoint's. ``extra`` is a
+        dict of your own tensors (filled in place) and JSON values (replaced in the dict) saved with
+        every checkpoint. Returns 0, loading nothing, when no step is committed (or no checkpoint
+        location is set).
+        """
+        if optimizer is not None and model is None:
+            raise ValueError("restore(optimizer=...) needs the model too")
+        bad = sorted(set(extra or {}) & set(_RESERVED))
+        if bad:
+            raise ValueError(f"extra keys {bad} are reserved ({list(_RESERVED)})")
+        self._model, self._optimizer, self._sampler = model, optimizer, sampler
+        self._extra = extra if extra is not None else {}
+        self._registered = True
+        t0 = time.monotonic()
+        self._beat("restoring", force=True)
+        record: dict[str, Any] = {"event": "restore", "step": 0, "tier": None}
+        if self.ckpt_url is not None:
+            self._ensure_checkpointer()
+            committed = ckpt.steps(self.ckpt_url)
+            # Ranks may see different tiers (another node's memory): agree on a step all of them see.
+            step = self._all_min(committed[-1] if committed else -1)
+            if step >= 0:
+                state = self._state(0)
+                stats = ckpt.LoadStats()
+                got = ckpt.load(self.ckpt_url, state, step=step, stats=stats)
+                if model is not None:
+                    ckpt.apply_training_state(model, optimizer, state)
+                saved = state["train"]
+                if sampler is not None and saved.get("data") is not None:
+                    sampler.load_state_dict(saved["data"])
+                for k in self._extra:
+                    self._extra[k] = state[k]
+                self.step = int(saved["step"])
+                if self.step != got:
+                    log.warning("checkpoint step %d holds train.step=%d; continuing from %d", got, self.step,
+                                self.step)
+                self.committed[stats.manifest_tier] = got
+                record.update(step=self.step, tier=stats.manifest_tier, bytes_read=stats.bytes_read,
+                              read_amplification=round(stats.read_amplification, 4),
+                              fallbacks=stats.fallbacks[:5], saved_world_size=saved.get("world_size"))
+        record.update(duration_s=time.monotonic() - t0, uptime_s=self.uptime_s())
+        self._write(record)
+        if self.is_main:
+            if record["tier"]:
+                log.info("restored step %d from tier %s in %.2f s (saved on %s ranks, now %d)", self.step,
+                         record["tier"], record["duration_s"], record.get("saved_world_size"), self.world_size)
+            else:
+                log.info("no committed checkpoint%s: starting at step 0",
+                         f" at {self.ckpt_url}" if self.ckpt_url else " location (TIDAL_CKPT_URL unset)")
+        self._last_ckpt_mono = time.monotonic()
+        self._meter.reset()
+        self._beat("training", force=True)
+        return self.step
+
+    # -- the per-step hook -------------------------------------------------------------------------
+    def step_done(self, step: int, *, loss: float | torch.Tensor | None = None, samples: int | None = None,
+                  tokens: int | None = None, **fields: Any) -> None:
+        """Report that optimizer step ``step`` (a count of completed steps) is done. Collective.
+
+        Agrees with the other ranks (one all-reduce of three numbers) on whether to stop and whether
+        a time-based checkpoint is due, and on the mean ``loss``; writes a progress record (with your
+        ``fields``) and the heartbeat; checkpoints when due; on a notice checkpoints, waits for the
+        commit and raises :class:`Preempted`. ``samples``/``tokens``: the global counts of this step,
+        for throughput (``samples`` defaults to the sampler's global batch). Every rank passes
+        ``loss`` or none does.
+        """
+        now = time.monotonic()
+        self.step = step
+        self._poll_saves()
+        want_stop = self.notice.requested()
+        time_due = self.ckpt_every_s > 0 and now - self._last_ckpt_mono >= self.ckpt_every_s
+        stop, time_due, loss_mean = self._agree(want_stop, time_due, loss)
+        self.last_loss = loss_mean
+        if samples is None and self._sampler is not None:
+            samples = self._sampler.global_batch
+        rec: dict[str, Any] = {"event": "step", "step": step, "loss": loss_mean,
+                               **self._meter.step(now, samples, tokens), "committed": dict(self.committed)}
+        if not self._first_step_reported:
+            rec["uptime_s"] = self.uptime_s()
+            self._first_step_reported = True
+        rec.update(fields)
+        self._write(rec)
+        self._beat("training")
+        if stop:
+            self._preempt(step)
+        step_due = self.ckpt_every_steps > 0 and step % self.ckpt_every_steps == 0
+        if step_due or time_due:
+            self.checkpoint(step, reason="steps" if step_due else "seconds")
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    def checkpoint(self, step: int | None = None, *, reason: str = "manual",
+                   wait: bool = False) -> ckpt.SaveHandle | None:
+        """Save the registered state as ``step`` (default: the last step done). Collective.
+
+        Returns once the state is captured (the engine persists in the background), or after the commit
+        in every tier with ``wait=True``. ``None`` when there is nothing to save to (no checkpoint
+        location, or ``restore`` was never called). A step already saved is not saved again.
+        """
+        step = self.step if step is None else step
+        if self.ckpt_url is None:
+            return None
+        if not self._registered:
+            if not self._warned_unregistered:
+                log.warning("checkpoint location set but restore() was never called: nothing to save")
+                self._warned_unregistered = True
+            return None
+        if self._last is not None and self._last.step == step and self._last.error is None:
+            h = self._last
+        else:
+            self._beat("checkpointing", force=True)
+            cp = self._ensure_checkpointer()
+            h = cp.save(step, self._state(step))
+            self._pending.append(h)
+            self._last = h
+            self._write({"event": "checkpoint", "step": step, "reason": reason, "stall_s": h.stall_s})
+            self._last_ckpt_mono = time.monotonic()
+            self._meter.reset()
+            self._beat("training", force=True)
+        if wait:
+            h.wait()
+            self._poll_saves()
+        return h
+
+    def _ensure_checkpointer(self) -> ckpt.Checkpointer:
+        if self._cp is None:
+            assert self.ckpt_url is not None
+            guard = self._optimizer if self.overlap and self._optimizer is not None else None
+            self._cp = ckpt.Checkpointer(self.ckpt_url, keep=self.keep, guard=guard)
+        return self._cp
+
+    def _state(self, step: int) -> dict[str, Any]:
+        train = {"step": step, "world_size": self.world_size, "job_id": self.env.job_id,
+                 "data": self._sampler.state_dict() if self._sampler is not None else None}
+        extra = {"train": train, **self._extra}
+        if self._model is None:
+            return extra
+        return ckpt.training_state(self._model, self._optimizer, extra=extra)
+
+    def _poll_saves(self) -> None:
+        for h in list(self._pending):
+            for tier in list(h.committed):
+                if self.committed.get(tier, -1) < h.step:
+                    self.committed[tier] = h.step
+            if not h.done():
+                continue
+            self._pending.remove(h)
+            if h.error is not None:
+                log.warning("checkpoint of step %d failed (committed in: %s): %s", h.step, h.committed or "none",
+                            h.error)
+                self._write({"event": "save_failed", "step": h.step, "tiers": list(h.committed),
+                             "error": str(h.error)[:2000]})
+            else:
+                self._write({"event": "committed", "step": h.step, "tiers": list(h.committed),
+                             "persist_s": h.persist_s})
+
+    # -- stopping ----------------------------------------------------------------------------------
+    def _preempt(self, step: int) -> None:
+        n = self.notice
+        if n.source is None:  # another rank was told; this one stops with it, under its own grace
+            n.trigger("peer")
+        self._write({"event": "notice", "source": n.source, "received": n.received_unix, "step": step})
+        self._beat("stopping", force=True)
+        tiers: list[str] = []
+        h = self.checkpoint(step, reason="notice")
+        if h is not None:
+            while not h.done() and (self.notice_wait == "all" or not h.committed) and n.remaining_s() > 0:
+                time.sleep(min(0.002, max(n.remaining_s(), 0.0)))
+            tiers = list(h.committed)
+        self._poll_saves()
+        assert n.received_unix is not None
+        self._write({"event": "preempted", "step": step, "tiers": tiers, "exit_code": EXIT_PREEMPTED,
+                     "notice_to_exit_s": time.time() - n.received_unix})
+        if self.is_main:
+            log.warning("notice (%s): stopped after step %d; checkpoint committed in %s; exiting with code %d",
+                        n.source, step, tiers or "no tier", EXIT_PREEMPTED)
+        raise Preempted(step, tiers)
+
+    def close(self) -> None:
+        """Wait for pending checkpoints, write the ``end`` record, tear the process group down."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._cp is not None:
+                self._cp.close()
+            self._poll_saves()
+            self._write({"event": "end", "step": self.step})
+        finally:
+            self._teardown()
+
+    def _teardown(self) -> None:
+        self._beat("stopped", force=True)
+        for w in self._writers:
+            with contextlib.suppress(Exception):
+                w.close()
+        self._writers = []
+        self.notice.uninstall()
+        if self._owns_pg and dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+            self._owns_pg = False
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        if exc is None:
+            self.close()
+        elif isinstance(exc, Preempted):
+            self._closed = True
+            if self.notice_wait == "fast":
+                # The fast tier holds the step; slower tiers would only delay handing the GPUs back.
+                self._teardown()
+                for stream in (sys.stdout, sys.stderr):
+                    with contextlib.suppress(Exception):
+                        stream.flush()
+                self._exit_fn(EXIT_PREEMPTED)
+            # "all" mode, or an exit_fn that returned (tests): leave cleanly; the exception goes on.
+            with contextlib.suppress(Exception):
+                if self._cp is not None:
+                    self._cp.close()
+            self._teardown()
+        else:
+            self._closed = True
+            self._write({"event": "error", "step": self.step, "error": f"{type(exc).__name__}: {exc}"[:2000]})
+            if self._cp is not None and self.world_size == 1:
+                with contextlib.suppress(Exception):
+                    self._cp.close()  # no peer can be missing: pending saves finish
+            self._teardown()
+
+    # -- collectives and records -------------------------------------------------------------------
+    def _agree(self, stop: bool, due: bool, loss: float | torch.Tensor | None) -> tuple[bool, bool, float | None]:
+        if not self.distributed:
+            return stop, due, None if loss is None else float(loss)
+        dev = self.device if self.backend == "nccl" else torch.device("cpu")
+        t = torch.zeros(3, dtype=torch.float64, device=dev)
+        t[0], t[1] = float(stop), float(due)
+        if loss is not None:
+            t[2] = loss.detach().to(torch.float64) if isinstance(loss, torch.Tensor) else float(loss)
+        dist.all_reduce(t)
+        s, d, total = t.tolist()
+        return s > 0, d > 0, None if loss is None else total / self.world_size
+
+    def _all_min(self, value: int) -> int:
+        if not self.distributed:
+            return value
+        dev = self.device if self.backend == "nccl" else torch.device("cpu")
+        t = torch.tensor([value], dtype=torch.int64, device=dev)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
+
+    def write(self, event: str, **fields: Any) -> None:
+        """Add a record of your own to this rank's progress stream."""
+        self._write({"event": event, "step": self.step, **fields})
+
+    def _write(self, record: dict[str, Any]) -> None:
+        if not self._writers:
+            return
+        rec = {"event": record["event"], "time": time.time(), "job_id": self.env.job_id, "rank": self.rank,
+               **{k: v for k, v in record.items() if k != "event"}}
+        for w in self._writers:
+            try:
+                w.write(rec)
+            except Exception as e:  # reporting must never stop training
+                log.warning("progress writer %r failed: %s", w, e)
+
+    def _beat(self, phase: str, *, force: bool = False) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.beat(self.step, phase, self._meter.avg_step_time_s, force=force)
