@@ -2,17 +2,20 @@
 
     from tidal import ckpt
     cp = ckpt.Checkpointer(url, process_group=None, keep=3)
+    cp = ckpt.Checkpointer(tiers=["shm", "/nvme/run1", {"url": "s3://bucket/run1", "every": 5}])
     h = cp.save(step, state)     # returns once the state is captured; persisting continues
-    h.wait()                     # this step is committed
+    h.wait()                     # this step is committed (in every tier it was due in)
+    cp.status()                  # which tiers hold which steps; the durable lag
     cp.close()                   # waits for everything pending
-    step = ckpt.load(url, state) # newest committed step; fills `state` in place, resharding
-    ckpt.steps(url)              # committed steps, ascending
+    step = ckpt.load(url, state) # newest committed step in any tier; fills `state` in place, resharding
+    ckpt.steps(url)              # committed steps, ascending (url: a location or a tier list)
 
-See docs/checkpoint.md for the format and the guarantees.
+See docs/checkpoint.md for the format, the tiers and the guarantees.
 """
 
 from tidal.ckpt.api import LoadStats, load, read_manifest, steps
-from tidal.ckpt.checkpointer import Checkpointer, SaveHandle
+from tidal.ckpt.checkpointer import Checkpointer
+from tidal.ckpt.config import TierSpec
 from tidal.ckpt.errors import (
     CheckpointError,
     CorruptionError,
@@ -20,13 +23,18 @@ from tidal.ckpt.errors import (
     NotFoundError,
     SaveError,
     StateError,
+    TierError,
+    TierSpecError,
 )
 from tidal.ckpt.flatten import LocalShard
+from tidal.ckpt.handle import SaveHandle
 from tidal.ckpt.state import apply_training_state, training_state
+from tidal.ckpt.status import CheckpointStatus, StepStatus, TierStatus, read_status
 
 __all__ = [
     "Checkpointer",
     "SaveHandle",
+    "TierSpec",
     "load",
     "steps",
     "read_manifest",
@@ -34,10 +42,16 @@ __all__ = [
     "LocalShard",
     "training_state",
     "apply_training_state",
+    "CheckpointStatus",
+    "TierStatus",
+    "StepStatus",
+    "read_status",
     "CheckpointError",
     "CorruptionError",
     "ManifestError",
     "NotFoundError",
     "SaveError",
     "StateError",
+    "TierError",
+    "TierSpecError",
 ]

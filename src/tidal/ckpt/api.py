@@ -1,32 +1,40 @@
-"""Loading (= resharding) and listing committed steps.
+"""Loading (= resharding) and listing committed steps, from a location or a tier list.
 
 ``load`` is collective when a process group is in use (ranks agree on the step); each rank then
 reads on its own: for every tensor it holds now, it intersects its box with the stored pieces and
-reads exactly the byte runs of those intersections, from the fastest tier that has the piece.
+reads exactly the byte ranges of those intersections, each from the fastest tier that has it
+(``reader``). ``url_or_tiers`` is a directory, an ``s3://bucket/prefix`` URL (each with this
+node's shm tier in front when there is one), or a tier list as given to ``Checkpointer`` (see
+``config``). A tier that cannot be reached is skipped, and said so in ``LoadStats.fallbacks``.
 """
 
 from __future__ import annotations
 
-import contextlib
+import logging
 import os
-import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from tidal.ckpt import comm
 from tidal.ckpt import manifest as mf
-from tidal.ckpt.errors import CorruptionError, NotFoundError, StateError
-from tidal.ckpt.flatten import ST_TO_DTYPE, TensorEntry, flatten, path_name, set_path
-from tidal.ckpt.layout import Box, byte_runs, intersect
-from tidal.ckpt.plan import ITEMSIZE
-from tidal.ckpt.tiers import DirTier, newest_manifest, tiers_for
+from tidal.ckpt.config import describe, read_tiers
+from tidal.ckpt.errors import NotFoundError, StateError
+from tidal.ckpt.flatten import flatten, path_name, set_path
+from tidal.ckpt.protocol import Tier
+from tidal.ckpt.reader import PieceReader
+from tidal.ckpt.tiers import newest_manifest
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
 class LoadStats:
-    """What a ``load`` did on this rank. ``read_amplification`` is 1.0 when only needed bytes were read."""
+    """What a ``load`` did on this rank. ``read_amplification`` is 1.0 when only needed bytes were read.
+
+    ``bytes_by_tier``: bytes read from each tier (by tier name); ``fallbacks``: one line per
+    piece that a faster tier could not serve (missing, truncated, corrupt, unreachable) and per
+    tier that could not even be listed.
+    """
 
     step: int = -1
     manifest_tier: str = ""
@@ -41,17 +49,52 @@ class LoadStats:
         return self.bytes_read / self.bytes_needed if self.bytes_needed else 1.0
 
 
-def steps(url: str | os.PathLike) -> list[int]:
-    """Committed steps at ``url`` in any tier (node shared memory or the directory), ascending."""
-    out: set[int] = set()
-    for t in tiers_for(url):
-        out.update(t.committed_steps())
-    return sorted(out)
+UrlOrTiers = str | os.PathLike | list | tuple
 
 
-def load(url: str | os.PathLike, state: dict, step: int | None = None, process_group: Any = None, *,
+def held_steps(tiers: list[Tier], notes: list[str] | None = None) -> dict[str, set[int]]:
+    """Committed steps per tier name; a tier that cannot be listed is left out (and noted)."""
+    out: dict[str, set[int]] = {}
+    errors = []
+    for t in tiers:
+        try:
+            out[t.name] = set(t.committed_steps())
+        except OSError as e:
+            errors.append(e)
+            log.warning("tier '%s' (%s) is unreachable: %s", t.name, t.location, e)
+            if notes is not None:
+                notes.append(f"{t.name}: unreachable, skipped: {e}")
+    if errors and not out:
+        raise errors[0]
+    return out
+
+
+def steps(url_or_tiers: UrlOrTiers) -> list[int]:
+    """Committed steps in any tier (node shared memory, directories, object storage), ascending."""
+    return sorted(set().union(*held_steps(read_tiers(url_or_tiers)).values()))
+
+
+def _choose(url_or_tiers: UrlOrTiers, step: int | None, process_group: Any,
+            notes: list[str] | None) -> tuple[int, list[Tier]]:
+    """The step to read and the tiers holding it, fastest first."""
+    tiers = read_tiers(url_or_tiers)
+    held = held_steps(tiers, notes)
+    available = sorted(set().union(*held.values()))
+    where = describe(url_or_tiers)
+    if step is None:
+        if not available:
+            raise NotFoundError(f"no committed checkpoint step at {where}")
+        chosen = comm.all_min(available[-1], process_group)
+    else:
+        chosen = step
+    if chosen not in available:
+        raise NotFoundError(f"step {chosen} is not committed at {where}; committed steps: {available[-10:]}")
+    return chosen, [t for t in tiers if chosen in held.get(t.name, ())]
+
+
+def load(url_or_tiers: UrlOrTiers, state: dict, step: int | None = None, process_group: Any = None, *,
          strict: bool = True, verify: bool = True, stats: LoadStats | None = None) -> int:
-    """Fill ``state`` in place from a committed step (the newest by default); return the step.
+    """Fill ``state`` in place from a committed step (the newest in any tier by default); return the step.
 
     Tensors (plain, DTensor, LocalShard) are filled in place with the part this rank holds now,
     whatever layout they were saved from. Non-tensor values are replaced. ``strict`` requires the
@@ -59,25 +102,15 @@ def load(url: str | os.PathLike, state: dict, step: int | None = None, process_g
     every piece read whole (partial reads are verified by ``tidal ckpt verify``).
     """
     stats = stats if stats is not None else LoadStats()
-    tiers = tiers_for(url)
-    available = sorted({s for t in tiers for s in t.committed_steps()})
-    if step is None:
-        if not available:
-            raise NotFoundError(f"no committed checkpoint step at {url}")
-        chosen = comm.all_min(available[-1], process_group)
-    else:
-        chosen = step
-    if chosen not in available:
-        raise NotFoundError(f"step {chosen} is not committed at {url}; committed steps: {available[-10:]}")
-    tier, man = newest_manifest(tiers, chosen)
-    holding = [t for t in tiers if chosen in t.committed_steps()]
+    chosen, holding = _choose(url_or_tiers, step, process_group, stats.fallbacks)
+    tier, man = newest_manifest(holding, chosen)
     holding.sort(key=lambda t: t is not tier)  # the tier whose manifest we read comes first
     stats.step, stats.manifest_tier = chosen, tier.name
     _fill(man, holding, state, strict=strict, verify=verify, stats=stats)
     return chosen
 
 
-def _fill(man: mf.Manifest, tiers: list[DirTier], state: dict, *, strict: bool, verify: bool,
+def _fill(man: mf.Manifest, tiers: list[Tier], state: dict, *, strict: bool, verify: bool,
           stats: LoadStats) -> None:
     tensors, objects = flatten(state)
     stored_objects = {tuple(p): v for p, v in man.objects}
@@ -109,12 +142,9 @@ def _fill(man: mf.Manifest, tiers: list[DirTier], state: dict, *, strict: bool, 
                 f"tensor '{name}': state expects dtype {entry.dtype} shape {list(entry.global_shape)}, "
                 f"step {man.step} stores dtype {st.dtype} shape {list(st.shape)}"
             )
-    reader = _Reader(man, tiers, verify, stats)
+    reader = PieceReader(man, tiers, verify, stats)
     try:
-        for name, entry in want_t.items():
-            st = man.tensors.get(name)
-            if st is not None:
-                reader.fill(entry, st)
+        reader.fill_all([(entry, man.tensors[name]) for name, entry in want_t.items() if name in man.tensors])
     finally:
         reader.close()
     for p, o in want_o.items():
@@ -134,83 +164,7 @@ def _conform(stored: Any, like: Any) -> Any:
     return stored
 
 
-class _Reader:
-    def __init__(self, man: mf.Manifest, tiers: list[DirTier], verify: bool, stats: LoadStats) -> None:
-        self.man, self.tiers, self.verify, self.stats = man, tiers, verify, stats
-        self._fds: dict[tuple[str, str], int] = {}
-
-    def close(self) -> None:
-        for fd in self._fds.values():
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        self._fds.clear()
-
-    def _fd(self, tier: DirTier, file: str) -> int:
-        key = (tier.name, file)
-        if key not in self._fds:
-            self._fds[key] = os.open(tier.step_dir(self.man.step) / file, os.O_RDONLY)
-        return self._fds[key]
-
-    def fill(self, entry: TensorEntry, st: mf.StoredTensor) -> None:
-        local = entry.local
-        self.stats.bytes_needed += entry.box.numel * ITEMSIZE[st.dtype]
-        for piece in st.pieces:
-            sub = intersect(piece.box, entry.box) if entry.box.ndim else piece.box
-            if sub is None or sub.numel == 0:
-                continue
-            data = self._read(st, piece, sub)
-            dst = local[_slices(sub.relative_to(entry.box))] if entry.box.ndim else local
-            with torch.no_grad():
-                dst.copy_(data.view(ST_TO_DTYPE[st.dtype]).view(sub.lengths))
-
-    def _read(self, st: mf.StoredTensor, piece: mf.StoredPiece, sub: Box) -> torch.Tensor:
-        itemsize = ITEMSIZE[st.dtype]
-        runs = byte_runs(piece.box, sub, itemsize)
-        whole = sub == piece.box
-        errors = []
-        for tier in self.tiers:
-            where = f"{tier.step_dir(self.man.step) / piece.file} (step {self.man.step}, tier '{tier.name}')"
-            try:
-                fd = self._fd(tier, piece.file)
-            except OSError as e:
-                errors.append(f"{where}: {e.strerror}")
-                self.stats.fallbacks.append(f"{tier.name}:{piece.file}: {e.strerror}")
-                continue
-            buf = torch.empty(runs.total_bytes, dtype=torch.uint8)
-            mv = memoryview(buf.numpy())
-            try:
-                pos = 0
-                for start in runs.starts:
-                    n = os.preadv(fd, [mv[pos : pos + runs.run_bytes]], piece.start + start)
-                    if n != runs.run_bytes:
-                        raise CorruptionError(f"{where}: file is truncated (tensor '{st.name}' needs bytes "
-                                              f"{piece.start + start}..{piece.start + start + runs.run_bytes})")
-                    pos += n
-                self.stats.bytes_read += runs.total_bytes
-                self.stats.bytes_by_tier[tier.name] = self.stats.bytes_by_tier.get(tier.name, 0) + runs.total_bytes
-                if self.verify and whole and zlib.crc32(mv) != piece.crc32:
-                    raise CorruptionError(f"{where}: checksum mismatch in tensor '{st.name}' "
-                                          f"piece at offsets {list(piece.box.offsets)}")
-            except CorruptionError as e:
-                errors.append(str(e))
-                self.stats.fallbacks.append(str(e))
-                continue
-            self.stats.pieces_read += 1
-            return buf
-        raise CorruptionError("; ".join(errors) or f"tensor '{st.name}': no tier holds {piece.file}")
-
-
-def _slices(box: Box) -> tuple[slice, ...]:
-    return tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths, strict=True))
-
-
-def read_manifest(url: str | os.PathLike, step: int | None = None) -> tuple[DirTier, mf.Manifest]:
+def read_manifest(url_or_tiers: UrlOrTiers, step: int | None = None) -> tuple[Tier, mf.Manifest]:
     """The manifest of ``step`` (newest by default) from the fastest tier holding it."""
-    tiers = tiers_for(url)
-    available = sorted({s for t in tiers for s in t.committed_steps()})
-    if not available:
-        raise NotFoundError(f"no committed checkpoint step at {url}")
-    s = available[-1] if step is None else step
-    if s not in available:
-        raise NotFoundError(f"step {s} is not committed at {url}; committed steps: {available[-10:]}")
-    return newest_manifest(tiers, s)
+    chosen, holding = _choose(url_or_tiers, step, None, None)
+    return newest_manifest(holding, chosen)

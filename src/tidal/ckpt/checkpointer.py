@@ -2,15 +2,24 @@
 
 Call order and threads (every rank calls the same methods in the same order)::
 
-    cp = Checkpointer(url, process_group=pg, keep=3)   # collective-free
+    cp = Checkpointer(url, process_group=pg, keep=3)   # collective-free; checks every tier
+    cp = Checkpointer(tiers=["shm", "/nvme/run1", {"url": "s3://b/run1", "every": 5}])
     h = cp.save(step, state)   # collective: exchanges piece descriptions, copies into a slot
-    ...                        # training continues while the background thread persists
-    h.wait()                   # the step is committed in every tier (or SaveError)
+    ...                        # training continues while background threads persist
+    h.wait()                   # the step is committed in every tier it was due in (or SaveError)
+    cp.status()                # which tiers hold which steps; durable lag (also a JSON file)
     cp.close()                 # waits for everything pending, frees the slots
 
-``save`` is called from the training thread; one background thread per Checkpointer checksums the
-staged slot, writes it to each tier and commits (rank 0 writes manifests). The background thread
-never runs a collective, so it cannot deadlock with training's collectives.
+``save`` is called from the training thread. One persist thread per Checkpointer checksums the
+staged slot and writes it to the *fast* tiers (shm: a hard link; directories: a write from the
+slot), committing each (rank 0 writes manifests); the slot is free again once they are done. Each
+*slow* tier (S3) has its own upload queue and thread (``remote``), fed after the fast tiers with
+the step's local copy, so a slow or unreachable store never holds a slot: saves keep landing in
+the fast tiers while the backlog waits, retrying, and the status shows the lag. No background
+thread runs a collective, so none can deadlock with training's collectives.
+
+Which tiers a save goes to: the ``i``-th save (from 0) goes to each tier whose ``every`` divides
+``i``. Retention (``keep``) is per tier, applied by rank 0 after each commit there.
 
 Overlapped mode (``guard=optimizer``): ``save`` copies module buffers and other unguarded tensors at
 once but leaves the parameters and optimizer state to the background thread and returns; an
@@ -32,7 +41,7 @@ import time
 import uuid
 import zlib
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,47 +49,20 @@ from typing import Any
 
 import torch
 
-from tidal.ckpt import comm
+from tidal.ckpt import comm, commit
 from tidal.ckpt import manifest as mf
-from tidal.ckpt.errors import SaveError, StateError
+from tidal.ckpt.config import build, resolve
+from tidal.ckpt.errors import SaveError, StateError, TierSpecError
 from tidal.ckpt.flatten import TensorEntry, flatten
+from tidal.ckpt.handle import SaveHandle
 from tidal.ckpt.plan import PieceDesc, SavePlan, make_plan
+from tidal.ckpt.protocol import Tier
+from tidal.ckpt.remote import RemoteQueue, Upload
 from tidal.ckpt.staging import Slot, StagingArea, shm_has_room
-from tidal.ckpt.tiers import DirTier, data_name, local_path, shm_root_for, sidecar_name
+from tidal.ckpt.status import CheckpointStatus, Durability
+from tidal.ckpt.tiers import DirTier, data_name, is_s3_url, local_path, shm_root_for, sidecar_name
 
 log = logging.getLogger(__name__)
-
-
-class SaveHandle:
-    """A save in progress. ``stall_s`` is how long ``save`` blocked the caller."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-        self.stall_s = 0.0
-        self.persist_s = 0.0  # from save() return to commit in the last tier
-        self.committed: list[str] = []  # tier names, in commit order
-        self.error: BaseException | None = None
-        self._staged = threading.Event()
-        self._done = threading.Event()
-
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def wait_staged(self, timeout: float | None = None) -> None:
-        if not self._staged.wait(timeout):
-            raise TimeoutError(f"step {self.step}: staging not finished within {timeout} s")
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Block until the step is committed in every tier; raise SaveError if any tier failed."""
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"step {self.step}: not committed within {timeout} s")
-        if self.error is not None:
-            raise SaveError(f"step {self.step} was not committed in every tier "
-                            f"(committed in: {self.committed or 'none'}): {self.error}") from self.error
-
-    def __repr__(self) -> str:
-        state = "failed" if self.error else ("committed" if self.done() else "pending")
-        return f"SaveHandle(step={self.step}, {state}, tiers={self.committed})"
 
 
 @dataclass
@@ -91,7 +73,8 @@ class _Job:
     slot: Slot
     deferred: list[tuple[torch.Tensor, torch.Tensor]]
     objects: list[tuple[tuple, Any]]
-    tiers: list[DirTier]
+    tiers: list[DirTier]  # fast tiers due, fastest first
+    remote: list[RemoteQueue]  # slow tiers due
     handle: SaveHandle
     t_return: float = 0.0
     extra: dict = field(default_factory=dict)
@@ -101,38 +84,76 @@ class Checkpointer:
     """Concurrent, layout-independent checkpoints of a nested training state.
 
     Args:
-        url: checkpoint directory (local or shared filesystem; ``file://`` accepted).
+        url: the job's checkpoint location: a directory (local or shared filesystem; ``file://``
+            accepted) or ``s3://bucket/prefix``; or a tier list (same as ``tiers=``). With
+            ``tiers`` given it may be omitted; if given it must be the first non-shm tier.
         process_group: the group whose ranks save together (``None``: the default group if
             initialised, else single-process).
-        keep: committed steps retained on disk (newest first); 0 keeps all.
+        keep: committed steps retained per durable tier unless the tier says otherwise; 0 keeps all.
+        tiers: where steps go, fastest first (see ``config``), e.g.
+            ``["shm", "/nvme/run1", {"url": "s3://bucket/run1", "every": 5, "keep": 10}]``.
+            Default: ``["shm", url]`` (``[url]`` with ``shm=False``). Every tier is checked here:
+            a malformed spec raises ``TierSpecError``, an unreachable one ``TierError``.
         shm: stage into node shared memory and use it as the first tier (falls back to private
-            memory with a warning when ``/dev/shm`` lacks room).
+            memory with a warning when ``/dev/shm`` lacks room). Ignored when ``tiers`` is given
+            (there, list ``"shm"`` or not).
         guard: an optimizer (or several) enabling overlapped mode; see the module docstring.
         slots: staging buffers; 2 lets one save stage while the previous one persists.
         commit_timeout_s: how long rank 0 waits for the other ranks' files before failing a step.
-        fsync: fsync data and manifests on the disk tier.
+        fsync: fsync data and manifests on directory tiers.
+        status_path: where rank 0 keeps the status JSON (default ``<shm root>/status.json``, see
+            ``tiers.shm_root_for``); ``False`` writes none.
+        retry_max_s: the longest wait between attempts to reach an unreachable slow tier.
     """
 
-    def __init__(self, url: str | os.PathLike, process_group: Any = None, keep: int = 3, *, shm: bool = True,
-                 guard: Any = None, slots: int = 2, commit_timeout_s: float = 600.0, fsync: bool = True) -> None:
+    def __init__(self, url: str | os.PathLike | Sequence[Any] | None = None, process_group: Any = None,
+                 keep: int = 3, *, tiers: Sequence[Any] | None = None, shm: bool = True, guard: Any = None,
+                 slots: int = 2, commit_timeout_s: float = 600.0, fsync: bool = True,
+                 status_path: str | os.PathLike | bool | None = None, retry_max_s: float = 30.0) -> None:
         if not isinstance(keep, int) or keep < 0:
             raise ValueError(f"keep must be an integer >= 0, got {keep!r}")
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots!r}")
-        self.url = os.fspath(url)
-        self.root = local_path(url)
+        if url is not None and not isinstance(url, (str, os.PathLike)):
+            if tiers is not None:
+                raise TierSpecError("pass the tier list either as url or as tiers=, not both")
+            url, tiers = None, url
+        default_tiers = tiers is None
+        if tiers is None:
+            if url is None:
+                raise TypeError("Checkpointer needs a url or tiers=[...]")
+            home_spec = str(url) if is_s3_url(url) else str(local_path(url))
+            tiers = (["shm"] if shm else []) + [home_spec]
+        self.home, self.tier_configs = resolve(tiers, default_keep=keep, home=None if url is None else os.fspath(url))
+        self.url = os.fspath(url) if url is not None else self.home
+        self._read_spec: Any = self.url if default_tiers else list(tiers)  # what steps() reads
         self.group = process_group
         self.keep = keep
         self.commit_timeout_s = commit_timeout_s
         self.rank, self.world_size = comm.world(process_group)
-        self.disk = DirTier("disk", self.root, fsync=fsync)
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.shm_tier: DirTier | None = DirTier("shm", shm_root_for(url), fsync=False) if shm else None
-        self._want_shm = shm
+        self.tiers: list[Tier] = [build(c, self.home, fsync=fsync) for c in self.tier_configs]
+        for t in self.tiers:
+            t.check()  # a typo or an unreachable store fails here, not hours later
+        self._config = {c.name: c for c in self.tier_configs}
+        self.shm_tier: DirTier | None = next((t for t in self.tiers if t.kind == "shm"), None)  # type: ignore[misc]
+        self.dir_tiers: list[DirTier] = [t for t in self.tiers if t.kind == "dir"]  # type: ignore[misc]
+        self.disk: DirTier | None = self.dir_tiers[0] if self.dir_tiers else None
+        self.root = self.disk.root if self.disk is not None else None
+        self._want_shm = self.shm_tier is not None
         self._staging = StagingArea(slots, self.shm_tier.root / "slots" if self.shm_tier else None)
         self._slot_steps: dict[int, int] = {}
         self._in_flight: Counter[int] = Counter()
         self._lock = threading.Lock()
+        self._saves = 0
+        self.status_path = self._status_path(status_path)
+        self._durability = Durability(self.home, [self._tier_info(t) for t in self.tiers], self.status_path)
+        for t in self.tiers:  # what storage already holds (other ranks skip the remote LISTs)
+            if self.rank == 0 or t.kind in ("shm", "dir"):
+                self._durability.seed(t.name, t.committed())
+        self._remote = [RemoteQueue(t, self._config[t.name], rank=self.rank, commit_timeout_s=commit_timeout_s,
+                                    fast_busy=self._fast_busy, lock=self._lock,
+                                    durability=self._durability, retry_max_s=retry_max_s)
+                        for t in self.tiers if t.kind not in ("shm", "dir")]
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._last: SaveHandle | None = None
         self._pending: list[SaveHandle] = []
@@ -145,6 +166,19 @@ class Checkpointer:
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tidal-io-r{self.rank}")
         self._thread = threading.Thread(target=self._worker, name=f"tidal-ckpt-r{self.rank}", daemon=True)
         self._thread.start()
+
+    def _status_path(self, status_path: Any) -> Path | None:
+        if status_path is False or self.rank != 0:
+            return None
+        if status_path is None or status_path is True:
+            return shm_root_for(self.home) / "status.json"
+        return Path(status_path)
+
+    def _tier_info(self, t: Tier) -> dict:
+        c = self._config[t.name]
+        keep = len(self._staging.slots) if t.kind == "shm" else c.keep
+        return {"name": t.name, "kind": t.kind, "location": t.location, "durable": t.durable, "every": c.every,
+                "keep": keep}
 
     # -- public API ----------------------------------------------------------------------------
     @property
@@ -167,6 +201,7 @@ class Checkpointer:
         except BaseException:
             self._done_in_flight(step)
             raise
+        index, self._saves = self._saves, self._saves + 1  # the same on every rank: _agree is collective
         handle = SaveHandle(step)
         slot = self._staging.slots[slot_idx]
         slot.free.wait()  # back-pressure: the save that used this slot is still persisting
@@ -174,7 +209,8 @@ class Checkpointer:
         try:
             if self.shm_tier is not None and slot.path is not None:
                 for s in _steps_linking(self.shm_tier, slot.path):
-                    self.shm_tier.uncommit(s)  # this slot's bytes are about to change
+                    self.shm_tier.remove_file(s, mf.MANIFEST)  # this slot's bytes are about to change
+                    self._durability.removed(self.shm_tier.name, [s])
             rf = plan.files[self.rank]
             shm_dir = self._staging.shm_dir if self.shm_tier is not None else None
             slot.allocate(rf, plan.fingerprint, shm_dir, {n: e.dtype for n, e in plan.entries.items()})
@@ -190,15 +226,22 @@ class Checkpointer:
             slot.free.set()
             self._done_in_flight(step)
             raise
-        tiers = ([self.shm_tier] if use_shm_tier and self.shm_tier is not None else []) + [self.disk]
-        job = _Job(step, save_id, plan, slot, deferred, objs, tiers, handle)
+        def due(t: Tier) -> bool:
+            return self._config[t.name].due(index)
+
+        fast = [t for t in self.tiers if t.kind in ("shm", "dir") and due(t) and (t.kind != "shm" or use_shm_tier)]
+        remote = [q for q in self._remote if due(q.tier)]
+        job = _Job(step, save_id, plan, slot, deferred, objs, fast, remote, handle)  # type: ignore[arg-type]
+        for q in remote:
+            handle._add_part(q.tier.name)
+        self._durability.saved(step, time.time())
         if deferred:
             self._copier.submit(self._copy_deferred, job)
         else:
             handle._staged.set()
         self._last = handle
         self._pending = [h for h in self._pending if not h.done()] + [handle]
-        job.t_return = time.perf_counter()
+        job.t_return = handle._t_return = time.perf_counter()
         handle.stall_s = job.t_return - t0
         self._queue.put(job)
         return handle
@@ -208,19 +251,31 @@ class Checkpointer:
         if self._last is not None:
             self._last._staged.wait()
 
-    def wait(self) -> None:
+    def wait(self, timeout_s: float | None = None) -> None:
         """Block until every pending save is committed or failed (errors are raised by handles)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         for h in list(self._pending):
-            h._done.wait()
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not h._done.wait(left):
+                raise TimeoutError(f"step {h.step} not committed within {timeout_s} s (pending: {h.pending})")
 
-    def close(self) -> None:
-        """Wait for pending saves, stop the background thread and free the staging buffers."""
+    def close(self, timeout_s: float | None = None) -> None:
+        """Wait for pending saves, stop the background threads and free the staging buffers.
+
+        ``timeout_s`` bounds the wait for slow tiers (S3): what they have not taken by then is
+        abandoned (its handles fail; the steps stay in the fast tiers). ``None`` waits as long as
+        it takes.
+        """
         if self._closed:
             return
         self._closed = True
-        self.wait()
-        self._queue.put(None)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self._queue.put(None)  # the persist thread finishes every queued save's fast tiers first
         self._thread.join()
+        for q in self._remote:
+            q.close(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        for h in list(self._pending):
+            h._done.wait()
         self._copier.shutdown(wait=True)
         self._io.shutdown(wait=True)
         for h in self._hooks:
@@ -234,9 +289,16 @@ class Checkpointer:
         self.close()
 
     def steps(self) -> list[int]:
+        """Committed steps in any of this checkpointer's tiers, ascending (lists every tier)."""
         from tidal.ckpt.api import steps
 
-        return steps(self.url)
+        return steps(self._read_spec)
+
+    def status(self) -> CheckpointStatus:
+        """Per step, which tiers hold it committed; per tier, backlog and last error; the age of the
+        newest durable (non-shm) step. Cheap (no I/O). Authoritative on rank 0, which also writes it
+        to ``status_path`` after every change."""
+        return self._durability.snapshot()
 
     # -- planning --------------------------------------------------------------------------------
     def _agree(self, tensors: list[TensorEntry]) -> tuple[SavePlan, int, str, bool]:
@@ -329,6 +391,10 @@ class Checkpointer:
             if self._in_flight[step] <= 0:
                 del self._in_flight[step]
 
+    def _fast_busy(self, step: int) -> bool:
+        """Whether a save of ``step`` is still being written to the fast tiers (call under _lock)."""
+        return self._in_flight.get(step, 0) > 0
+
     # -- background pipeline ---------------------------------------------------------------------
     def _worker(self) -> None:
         while True:
@@ -336,17 +402,20 @@ class Checkpointer:
             if job is None:
                 return
             cleanups: list = []
+            error: BaseException | None = None
             try:
                 self._persist(job, cleanups)
             except BaseException as e:  # recorded on the handle; the thread keeps serving saves
-                job.handle.error = e
+                error = e
+                if not job.extra.get("queued"):  # the slow tiers never got it: nothing to read it from
+                    for q in job.remote:
+                        job.handle._part_done(q.tier.name, SaveError("not queued: persisting failed before"))
             finally:
                 job.handle._staged.set()
                 job.slot.free.set()
-                job.handle.persist_s = time.perf_counter() - job.t_return
-                job.handle._done.set()
-            # Housekeeping after the handle is done, so wait() does not pay for it; the step stays
-            # registered in flight until then so cleanup never races a re-save of it.
+                job.handle._part_done(None, error)
+            # Housekeeping after the handle's fast part is done, so wait() does not pay for it; the
+            # step stays registered in flight until then so cleanup never races a re-save of it.
             for fn in cleanups:
                 try:
                     fn()
@@ -374,20 +443,26 @@ class Checkpointer:
         mv = job.slot.memoryview()
         data = mv[: rf.size_bytes]
         name = data_name(self.rank, job.save_id)
-        # The disk write (the slow part) starts now; checksums and the shm commit overlap with it.
-        disk_write = self._io.submit(self.disk.write_file, job.step, name, data)
+        # The first directory write (the slow part) starts now; checksums and the shm commit overlap it.
+        first_dir = next((t for t in job.tiers if t.kind == "dir"), None)
+        dir_write = self._io.submit(first_dir.write_file, job.step, name, data) if first_dir is not None else None
         try:
             crcs = {p.key: zlib.crc32(mv[p.start : p.start + p.nbytes]) for p in rf.pieces}
         except BaseException:
-            with contextlib.suppress(Exception):
-                disk_write.result()
+            if dir_write is not None:
+                with contextlib.suppress(Exception):
+                    dir_write.result()
             raise
         sidecar = {"rank": self.rank, "step": job.step, "save_id": job.save_id, "crc32": crcs,
                    "size_bytes": rf.size_bytes}
         errors = []
         for tier in job.tiers:
-            if tier is self.disk:
-                write = disk_write.result
+            if tier is first_dir:
+                assert dir_write is not None
+                write = dir_write.result
+            elif tier.kind == "dir":
+                def write(tier: DirTier = tier) -> None:
+                    tier.write_file(job.step, name, data)
             else:
                 assert job.slot.path is not None
                 slot_path = job.slot.path
@@ -397,11 +472,37 @@ class Checkpointer:
 
             try:
                 self._persist_tier(job, tier, write, sidecar, cleanups)
-                job.handle.committed.append(tier.name)
+                job.handle._tier_committed(tier.name)
             except Exception as e:
                 errors.append(f"{tier.name}: {e}")
+        self._queue_remote(job, name, data, sidecar)
         if errors:
             raise SaveError("; ".join(errors))
+
+    def _queue_remote(self, job: _Job, name: str, data: memoryview, sidecar: dict) -> None:
+        """Hand the step to each slow tier's queue: read from a directory tier that committed it, else
+        from a private snapshot of the slot (taken here, before the slot is released)."""
+        if not job.remote:
+            return
+        source = next((t for t in job.tiers if t.kind == "dir" and t.name in job.handle.committed), None)
+        snapshot = bytearray(data) if source is None else None
+        build_manifest = None
+        if self.rank == 0:
+            def build_manifest(docs: list[dict]) -> dict:
+                return self._manifest(job, docs)
+
+        job.extra["queued"] = True  # from here on each queue finishes its part of the handle
+        for q in job.remote:
+            def done(error: BaseException | None, tier: str = q.tier.name) -> None:
+                job.handle._part_done(tier, error)
+
+            q.submit(Upload(job.step, job.save_id, name, len(data), sidecar, job.plan.world_size, done,
+                            source=source, snapshot=snapshot, build_manifest=build_manifest))
+
+    def _manifest(self, job: _Job, docs: list[dict]) -> dict:
+        crcs = {f"{d['rank']}/{k}": int(v) for d in docs for k, v in d["crc32"].items()}
+        names = [data_name(r, job.save_id) for r in range(job.plan.world_size)]
+        return mf.build(job.plan, job.step, job.save_id, time.time(), crcs, job.objects, names)
 
     def _persist_tier(self, job: _Job, tier: DirTier, write: Any, sidecar: dict, cleanups: list) -> None:
         step, sid = job.step, job.save_id
@@ -409,26 +510,28 @@ class Checkpointer:
             write()
             tier.write_json(step, sidecar_name(self.rank, sid), sidecar)
         except Exception as e:
-            with contextlib.suppress(Exception):
-                tier.write_json(step, sidecar_name(self.rank, sid), {"rank": self.rank, "error": str(e)})
+            commit.report_error(tier, step, self.rank, sid, str(e))
             raise
         if self.rank != 0:
-            tier.wait_committed(step, sid, self.commit_timeout_s)
+            commit.wait_committed(tier, step, sid, self.commit_timeout_s)
+            self._durability.committed(tier.name, step)
             return
         try:
-            docs = tier.wait_sidecars(step, sid, job.plan.world_size, self.commit_timeout_s)
-            crcs = {f"{d['rank']}/{k}": int(v) for d in docs for k, v in d["crc32"].items()}
-            names = [data_name(r, sid) for r in range(job.plan.world_size)]
-            doc = mf.build(job.plan, step, sid, time.time(), crcs, job.objects, names)
-            tier.commit(step, doc)
+            docs = commit.wait_sidecars(tier, step, sid, job.plan.world_size, self.commit_timeout_s)
+            commit.commit(tier, step, self._manifest(job, docs))
         except Exception as e:
-            tier.mark_failed(step, sid, str(e))
+            commit.mark_failed(tier, step, sid, str(e))
             raise
-        keep = len(self._staging.slots) if tier is self.shm_tier else self.keep
+        self._durability.committed(tier.name, step)
+        keep = len(self._staging.slots) if tier is self.shm_tier else self._config[tier.name].keep
+
         def busy(s: int) -> bool:  # another save of s is in flight (this job's own entry excluded)
             return self._in_flight.get(s, 0) > (1 if s == step else 0)
 
-        cleanups.append(lambda: tier.cleanup(keep, step, busy, self._lock))
+        def clean(tier: DirTier = tier) -> None:
+            self._durability.removed(tier.name, commit.cleanup(tier, keep, step, busy, self._lock))
+
+        cleanups.append(clean)
         if tier is self.shm_tier:
             slot_dir = self._staging.shm_dir
             cleanups.append(lambda: _drop_stale_slots(slot_dir, job.plan.world_size))

@@ -1,10 +1,12 @@
 """``tidal ckpt``: list, inspect, verify and export checkpoints.
 
-    tidal ckpt ls URL                                   committed steps, tiers, size, saved layout
+    tidal ckpt ls URL [--tier SPEC]...                  committed steps, tiers, size, saved layout, status
     tidal ckpt inspect URL [--step N] [--pieces]        entries, dtypes, shapes, pieces, plain values
     tidal ckpt verify URL [--step N | --all]            re-read every piece in every tier, check CRCs
     tidal ckpt export URL OUT.safetensors [--step N]    one consolidated safetensors file
 
+``ls`` takes a directory or ``s3://bucket/prefix``; for a directory it also lists the job's other
+tiers recorded in this node's status file (see ``status``). The other commands read directories.
 Every command prints Rich tables for people and, with ``--json``, one JSON document on stdout for
 programs. A missing directory, an unknown step or a damaged manifest prints one line on stderr and
 exits 1; ``verify`` exits 1 when it finds any problem. Nothing here unpickles: manifests are JSON
@@ -17,11 +19,10 @@ import contextlib
 import datetime as _dt
 import json
 import os
-import struct
 import sys
-import zlib
+import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
@@ -32,9 +33,12 @@ from rich.text import Text
 
 from tidal.ckpt import manifest as mf
 from tidal.ckpt.api import LoadStats, load, read_manifest
+from tidal.ckpt.config import build, kind_of, normalize, resolve
 from tidal.ckpt.errors import CheckpointError, ManifestError, NotFoundError
 from tidal.ckpt.flatten import ST_TO_DTYPE, path_name
-from tidal.ckpt.tiers import DirTier, local_path, tiers_for
+from tidal.ckpt.status import CheckpointStatus, read_status
+from tidal.ckpt.tiers import DirTier, is_s3_url, local_path, shm_root_for, tiers_for
+from tidal.ckpt.verify import Checked, Problem, _check_step, _read, _verify_tier
 
 app = typer.Typer(
     help="Inspect, verify and export checkpoints.",
@@ -44,12 +48,13 @@ app = typer.Typer(
 )
 
 UrlArg = Annotated[str, typer.Argument(help="Checkpoint directory (a path or file:// URL).", show_default=False)]
+LsUrlArg = Annotated[str, typer.Argument(help="Checkpoint location: a directory (path or file:// URL) or "
+                                              "s3://bucket/prefix.", show_default=False)]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout instead of tables.")]
 StepOpt = Annotated[
     int | None, typer.Option("--step", min=0, help="Step to use (default: the newest committed step).")
 ]
 
-_CHUNK = 16 << 20  # bytes read at a time when checksumming
 
 
 # -- output helpers --------------------------------------------------------------------------------
@@ -123,13 +128,48 @@ def _tiers(url: str) -> list[DirTier]:
     return tiers
 
 
-def _held(tiers: list[DirTier]) -> dict[int, list[DirTier]]:
-    """Committed step -> the tiers holding it, fastest first."""
-    out: dict[int, list[DirTier]] = {}
+def _held(tiers: list, errors: list[str] | None = None) -> dict[int, list]:
+    """Committed step -> the tiers holding it, fastest first. With ``errors``, a tier that cannot be
+    listed is skipped and reported there instead of raising."""
+    out: dict[int, list] = {}
     for t in tiers:
-        for s in t.committed_steps():
+        try:
+            steps = t.committed_steps()
+        except OSError as e:
+            if errors is None:
+                raise
+            errors.append(f"tier '{t.name}' ({t.location}) could not be listed: {e}")
+            continue
+        for s in steps:
             out.setdefault(s, []).append(t)
     return dict(sorted(out.items()))
+
+
+def _ls_tiers(url: str, extra: list[str]) -> tuple[list, CheckpointStatus | None]:
+    """The location's tiers, plus ``extra`` tier specs - by default the job's other durable tiers
+    as recorded in this node's status file for it (so an S3 tier shows up without naming it)."""
+    s3 = is_s3_url(url)
+    tiers = tiers_for(url) if s3 else _tiers(url)
+    home = url.rstrip("/") if s3 else str(local_path(url))
+    status = None
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        status = read_status(shm_root_for(url) / "status.json")
+    specs: list[Any] = list(extra)
+    if not specs and status is not None:
+        specs = [{"url": t.location, "name": t.name} for t in status.tiers if t.kind != "shm"]
+    have = {t.location for t in tiers} | {home}
+    specs = [sp for sp in specs if normalize_location(sp["url"] if isinstance(sp, dict) else sp) not in have]
+    if specs:
+        _, cfgs = resolve(["shm", home, *specs], default_keep=0, home=home)
+        tiers += [build(c, home) for c in cfgs[2:]]
+    return tiers, status
+
+
+def normalize_location(spec: str) -> str:
+    try:
+        return normalize(spec, kind_of(spec, repr(spec)))
+    except (ValueError, CheckpointError):
+        return spec
 
 
 def _pick(url: str, held: dict[int, list[DirTier]], step: int | None) -> int:
@@ -141,19 +181,6 @@ def _pick(url: str, held: dict[int, list[DirTier]], step: int | None) -> int:
         raise NotFoundError(f"step {step} is not committed at {local_path(url)}; "
                             f"committed steps: {sorted(held)[-10:]}")
     return step
-
-
-def _read(tier: DirTier, step: int) -> mf.Manifest:
-    """``tier``'s manifest of ``step``, which must also say that it is ``step``."""
-    m = tier.read_manifest(step)
-    _check_step(tier, m, step)
-    return m
-
-
-def _check_step(tier: DirTier, m: mf.Manifest, step: int) -> None:
-    if m.step != step:
-        raise ManifestError(f"{tier.step_dir(step) / mf.MANIFEST}: field 'step' is {m.step}, but the manifest "
-                            f"lies in the directory of step {step} (moved or edited?)")
 
 
 def _manifests(tiers: list[DirTier], step: int) -> tuple[tuple[DirTier, mf.Manifest] | None, list[str]]:
@@ -173,16 +200,24 @@ def _manifests(tiers: list[DirTier], step: int) -> tuple[tuple[DirTier, mf.Manif
 
 # -- ls --------------------------------------------------------------------------------------------
 
+TierOpt = Annotated[list[str] | None, typer.Option(
+    "--tier", help="Also list this tier (a directory or s3://bucket/prefix); repeatable. Default: the job's "
+                   "other tiers as recorded in this node's status file, if any.", show_default=False)]
+
+
 @app.command("ls")
-def ls_cmd(url: UrlArg, as_json: JsonOpt = False) -> None:
-    """List committed steps: tiers holding each, size, files, creation time, saved layout."""
+def ls_cmd(url: LsUrlArg, tier: TierOpt = None, as_json: JsonOpt = False) -> None:
+    """List committed steps: tiers holding each, size, files, creation time, saved layout; and the
+    job's durability status (newest durable step, its age, backlogs) when this node has it."""
+    errors: list[str] = []
     with _errors():
-        tiers = _tiers(url)
-        held = _held(tiers)
+        tiers, status = _ls_tiers(url, tier or [])
+        held = _held(tiers, errors)
+        where = url if is_s3_url(url) else str(local_path(url))
         if not held:
-            raise NotFoundError(f"no committed checkpoint step at {local_path(url)}")
+            raise NotFoundError(f"no committed checkpoint step at {where}" + (f" ({'; '.join(errors)})"
+                                                                              if errors else ""))
         rows: list[dict] = []
-        errors: list[str] = []
         for step, holding in held.items():
             good, errs = _manifests(holding, step)
             errors += errs
@@ -205,9 +240,10 @@ def ls_cmd(url: UrlArg, as_json: JsonOpt = False) -> None:
                 })
             rows.append(row)
     if as_json:
-        _emit_json({"url": str(local_path(url)), "steps": rows, "errors": errors})
+        _emit_json({"url": where, "tiers": [{"name": t.name, "kind": t.kind, "location": t.location} for t in tiers],
+                    "steps": rows, "status": status.to_dict() if status else None, "errors": errors})
     else:
-        table = Table(title=f"checkpoint {local_path(url)}", title_justify="left")
+        table = Table(title=f"checkpoint {where}", title_justify="left")
         for col, just in (("step", "right"), ("tiers", "left"), ("bytes", "right"), ("files", "right"),
                           ("created", "left"), ("world", "right"), ("saved layout", "left")):
             table.add_column(col, justify=just, overflow="fold")  # type: ignore[arg-type]
@@ -217,9 +253,31 @@ def ls_cmd(url: UrlArg, as_json: JsonOpt = False) -> None:
             else:
                 table.add_row(_t(r["step"]), _t(" + ".join(r["tiers"])), _t(_human(r["bytes"])), _t(r["files"]),
                               _t(_when(r["created_unix_s"])), _t(r["world_size"]), _t(r["layout"]))
-        _console().print(table)
+        con = _console()
+        con.print(table)
+        con.print(Text("tiers: " + "; ".join(f"{t.name} = {t.location}" for t in tiers)), soft_wrap=True)
+        if status is not None:
+            con.print(_status_line(status), soft_wrap=True)
     if errors:
         _fail("; ".join(errors))
+
+
+def _status_line(st: CheckpointStatus) -> Text:
+    """One line from the job's status file: newest durable step and its age, backlogs, errors."""
+    parts = [f"status ({_when(st.updated_unix_s)}):"]
+    if st.newest_durable_step is None:
+        parts.append("no durable step yet")
+    else:
+        age = max(0.0, time.time() - (st.newest_durable_unix_s or st.updated_unix_s))
+        parts.append(f"newest durable step {st.newest_durable_step}, {age:.0f} s old, "
+                     f"{st.durable_lag_steps} newer step(s) not durable")
+    for t in st.tiers:
+        if t.backlog:
+            parts.append(f"{t.name} backlog {list(t.backlog)}")
+        if t.last_error:
+            parts.append(f"{t.name} last error: {_truncate(t.last_error, 160)}")
+    return Text(" ".join(parts[:2]) + ("; " + "; ".join(parts[2:]) if parts[2:] else ""),
+                style="yellow" if st.durable_lag_steps or any(t.last_error for t in st.tiers) else "")
 
 
 # -- inspect ---------------------------------------------------------------------------------------
@@ -302,143 +360,6 @@ def _piece_doc(p: mf.StoredPiece) -> dict:
 
 
 # -- verify ----------------------------------------------------------------------------------------
-
-@dataclass
-class Problem:
-    tier: str
-    step: int
-    file: str | None
-    tensor: str | None
-    problem: str
-
-    def line(self) -> str:
-        parts = [f"tier '{self.tier}' step {self.step}"]
-        if self.file:
-            parts.append(self.file)
-        if self.tensor is not None:
-            parts.append(f"tensor '{self.tensor}'")
-        return ": ".join(parts) + ": " + self.problem
-
-
-@dataclass
-class Checked:
-    tier: str
-    step: int
-    files: int = 0
-    pieces: int = 0
-    bytes: int = 0
-    ok: bool = True
-    note: str = ""
-
-
-def _crc_range(fd: int, start: int, nbytes: int) -> tuple[int, int]:
-    """CRC-32 of up to ``nbytes`` bytes at ``start``; also how many bytes the file had there."""
-    crc, done = 0, 0
-    while done < nbytes:
-        chunk = os.pread(fd, min(_CHUNK, nbytes - done), start + done)
-        if not chunk:
-            break
-        crc = zlib.crc32(chunk, crc)
-        done += len(chunk)
-    return crc, done
-
-
-def _check_safetensors(path: Path, expect: dict[str, tuple[str, str, list[int], int, int]],
-                       problem: Any) -> None:
-    """Parse ``path`` with the safetensors library; compare its keys, dtypes, shapes and offsets.
-
-    ``expect`` maps a piece key to (tensor name, dtype, shape, start, end) from the manifest.
-    """
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            found = {}
-            for k in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                sl = f.get_slice(k)
-                found[k] = (sl.get_dtype(), [int(x) for x in sl.get_shape()])
-    except Exception as e:  # the library raises its own error types; any of them means "unreadable"
-        problem(None, f"does not parse as safetensors: {' '.join(str(e).split())}")
-        return
-    for key, (name, dtype, shape, _, _) in expect.items():
-        if key not in found:
-            problem(name, f"piece key '{key}' is missing from the file")
-        elif found[key] != (dtype, shape):
-            problem(name, f"piece key '{key}' is stored as {found[key][0]} {found[key][1]}, "
-                          f"the manifest says {dtype} {shape}")
-    for key in sorted(set(found) - set(expect)):
-        problem(None, f"holds tensor key '{key}' that the manifest does not list")
-    # Where each piece sits: the header's data offsets are relative to the end of the header.
-    with open(path, "rb") as fh:
-        (n,) = struct.unpack("<Q", fh.read(8))
-        header = json.loads(fh.read(n))
-    base = 8 + n
-    for key, (name, _, _, start, end) in expect.items():
-        h = header.get(key)
-        if not isinstance(h, dict) or key not in found:
-            continue
-        offs = h.get("data_offsets")
-        if offs != [start - base, end - base]:
-            have = f"{base + offs[0]}..{base + offs[1]}" if isinstance(offs, list) and len(offs) == 2 else offs
-            problem(name, f"piece key '{key}' sits at bytes {have} in the file, the manifest says {start}..{end}")
-
-
-def _verify_tier(tier: DirTier, step: int) -> tuple[Checked, list[Problem]]:
-    d = tier.step_dir(step)
-    checked = Checked(tier.name, step)
-    problems: list[Problem] = []
-    try:
-        man = _read(tier, step)
-    except ManifestError as e:
-        problems.append(Problem(tier.name, step, str(d / mf.MANIFEST), None, str(e)))
-        checked.ok = False
-        return checked, problems
-    by_file: dict[str, list[tuple[mf.StoredTensor, mf.StoredPiece]]] = {}
-    for t in sorted(man.tensors.values(), key=lambda t: t.name):
-        for p in t.pieces:
-            by_file.setdefault(p.file, []).append((t, p))
-    for f in man.files:
-        name = f["name"]
-        path = d / name
-        entries = by_file.get(name, [])
-
-        def problem(tensor: str | None, what: str, _path: Path = path) -> None:
-            problems.append(Problem(tier.name, step, str(_path), tensor, what))
-
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError:
-            problem(None, f"data file is missing (it holds {len(entries)} piece(s))")
-            continue
-        checked.files += 1
-        want = f.get("size_bytes")
-        if isinstance(want, int) and size != want:
-            problem(None, f"file is {size} bytes, the manifest says {want}"
-                          + (" (truncated)" if size < want else " (extra bytes)"))
-        expect = {p.key: (t.name, t.dtype, list(p.box.lengths), p.start, p.start + p.nbytes) for t, p in entries}
-        _check_safetensors(path, expect, problem)
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            for t, p in entries:
-                crc, got = _crc_range(fd, p.start, p.nbytes)
-                checked.pieces += 1
-                checked.bytes += got
-                where = f"piece at offsets {list(p.box.offsets)}"
-                if got < p.nbytes:
-                    problem(t.name, f"{where}: bytes {p.start}..{p.start + p.nbytes} lie past the end of the "
-                                    f"file ({size} bytes): truncated")
-                elif crc != p.crc32:
-                    problem(t.name, f"{where}: checksum mismatch (manifest crc32 0x{p.crc32:08x}, "
-                                    f"bytes {p.start}..{p.start + p.nbytes} give 0x{crc:08x})")
-        finally:
-            os.close(fd)
-    if problems and not (d / mf.MANIFEST).exists():
-        # A running job reused this step's shared-memory slot while we read it: not damage.
-        checked.note = "step was removed from this tier while being verified; skipped"
-        return checked, []
-    checked.ok = not problems
-    return checked, problems
-
 
 @app.command("verify")
 def verify_cmd(

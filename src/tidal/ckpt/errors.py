@@ -25,3 +25,11 @@ class NotFoundError(CheckpointError, FileNotFoundError):
 
 class SaveError(CheckpointError):
     """Persisting a step failed; the previous committed step is untouched."""
+
+
+class TierError(CheckpointError, OSError):
+    """A tier is unreachable, misconfigured, or refused a request (names the tier and what to check)."""
+
+
+class TierSpecError(CheckpointError, ValueError):
+    """A tier specification is malformed (names the spec and what was expected)."""

@@ -1,0 +1,172 @@
+"""The commit protocol, cleanup and retention, written once against ``protocol.Tier``.
+
+Commit protocol (same in every tier): every rank writes its data file and then a sidecar JSON with
+its checksums (``r<rank>-<save_id>.json``); rank 0 waits for all sidecars (``wait_sidecars``),
+merges them into ``manifest.json`` and writes it last (``commit``); the other ranks wait for that
+manifest (``wait_committed``). A step directory without a manifest is invisible and is removed by a
+later ``cleanup``. A rank that fails writes an error sidecar, and rank 0 a failure marker, so that
+nobody waits out the timeout for a step that cannot commit.
+
+These functions run on the checkpointer's background threads, never on the training thread, and
+never issue a collective: ranks meet only through the tier.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from tidal.ckpt import manifest as mf
+from tidal.ckpt.errors import SaveError
+from tidal.ckpt.protocol import Tier
+from tidal.ckpt.tiers import failure_name, sidecar_name
+
+log = logging.getLogger(__name__)
+
+
+def write_json(tier: Tier, step: int, name: str, doc: dict) -> None:
+    tier.write_bytes(step, name, json.dumps(doc, separators=(",", ":")).encode())
+
+
+def read_json(tier: Tier, step: int, name: str) -> dict | None:
+    """The JSON object ``name`` of ``step``, or None when it is missing or not a JSON object."""
+    try:
+        doc = json.loads(tier.read_bytes(step, name))
+    except (FileNotFoundError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _sleep(delay: float, tier: Tier) -> float:
+    time.sleep(delay)
+    return min(delay * 2, tier.poll_s[1])
+
+
+def _check_cancel(cancel: threading.Event | None, tier: Tier, step: int) -> None:
+    if cancel is not None and cancel.is_set():
+        raise SaveError(f"step {step}: gave up waiting on tier '{tier.name}' (the checkpointer is closing)")
+
+
+def wait_sidecars(tier: Tier, step: int, save_id: str, world: int, timeout_s: float,
+                  cancel: threading.Event | None = None) -> list[dict]:
+    """Rank 0: wait until every rank's sidecar for this save exists; return them by rank."""
+    deadline = time.monotonic() + timeout_s
+    docs: dict[int, dict] = {}
+    wanted = {sidecar_name(r, save_id): r for r in range(world)}
+    delay = tier.poll_s[0]
+    while True:
+        present = tier.list_files(step) if world > 1 else set(wanted)
+        for name in present & wanted.keys():
+            r = wanted[name]
+            if r in docs:
+                continue
+            doc = read_json(tier, step, name)
+            if doc is None:
+                continue
+            if doc.get("error"):
+                raise SaveError(f"step {step}: rank {r} failed to persist to tier '{tier.name}': {doc['error']}")
+            docs[r] = doc
+        if len(docs) == world:
+            return [docs[r] for r in range(world)]
+        if time.monotonic() > deadline:
+            missing = [r for r in range(world) if r not in docs]
+            raise SaveError(f"step {step}: ranks {missing} did not finish writing to tier '{tier.name}' "
+                            f"within {timeout_s:.0f} s; the step stays uncommitted")
+        _check_cancel(cancel, tier, step)
+        delay = _sleep(delay, tier)
+
+
+def wait_committed(tier: Tier, step: int, save_id: str, timeout_s: float,
+                   cancel: threading.Event | None = None) -> None:
+    """Ranks other than 0: wait until rank 0 committed this save (or reported failure)."""
+    deadline = time.monotonic() + timeout_s
+    delay = tier.poll_s[0]
+    while True:
+        doc = read_json(tier, step, mf.MANIFEST)
+        if doc is not None and doc.get("save_id") == save_id:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            why = tier.read_bytes(step, failure_name(save_id)).decode(errors="replace")
+            raise SaveError(f"step {step}: commit to tier '{tier.name}' failed: {why}")
+        if time.monotonic() > deadline:
+            raise SaveError(f"step {step}: not committed to tier '{tier.name}' within {timeout_s:.0f} s")
+        _check_cancel(cancel, tier, step)
+        delay = _sleep(delay, tier)
+
+
+def commit(tier: Tier, step: int, doc: dict) -> None:
+    """Rank 0: make the step visible by writing its manifest last, atomically."""
+    write_json(tier, step, mf.MANIFEST, doc)
+
+
+def mark_failed(tier: Tier, step: int, save_id: str, why: str) -> None:
+    with contextlib.suppress(OSError):
+        tier.write_bytes(step, failure_name(save_id), why.encode())
+
+
+def report_error(tier: Tier, step: int, rank: int, save_id: str, why: str) -> None:
+    """A rank's error sidecar: rank 0 stops waiting for this rank and fails the step."""
+    with contextlib.suppress(OSError):
+        write_json(tier, step, sidecar_name(rank, save_id), {"rank": rank, "error": why})
+
+
+def cleanup(tier: Tier, keep: int, committed_step: int, busy: Callable[[int], bool] = lambda s: False,
+            lock: threading.Lock | None = None) -> list[int]:
+    """Rank 0, after committing ``committed_step``: drop torn steps, superseded steps, old steps
+    past ``keep``, and stray files. Returns the steps removed.
+
+    * torn: a step directory without a manifest (a crash mid-save, or a failed save);
+    * superseded: a committed step *newer* than the one just committed, left by a run that this
+      job abandoned when it resumed from an older step - kept, it would hijack the next restore;
+    * retention: of the steps up to ``committed_step``, the newest ``keep`` stay (0 keeps all);
+      the step just committed always stays.
+
+    Steps for which ``busy(step)`` is true (this job is still writing them) are never touched; the
+    check and the removal happen under ``lock``, the lock under which ``save`` registers a step
+    before any rank may start writing it.
+    """
+    removed = []
+    lock = lock or threading.Lock()
+
+    def remove(s: int) -> None:
+        with lock:
+            if busy(s):
+                return
+            tier.remove_step(s)
+        removed.append(s)
+
+    files = tier.step_files()
+    committed = sorted(s for s, names in files.items() if mf.MANIFEST in names)
+    for s in sorted(s for s, names in files.items() if mf.MANIFEST not in names):
+        remove(s)
+    for s in committed:
+        if s > committed_step:
+            log.warning("removing step %d from tier '%s': superseded by step %d of the resumed run",
+                        s, tier.name, committed_step)
+            remove(s)
+    older = [s for s in committed if s <= committed_step]
+    if keep > 0:
+        for s in older[:-keep]:
+            if s != committed_step:
+                remove(s)
+    for s in older:
+        if s in removed:
+            continue
+        with lock:
+            if busy(s):
+                continue
+        doc = read_json(tier, s, mf.MANIFEST)
+        try:
+            keep_files = {f["name"] for f in doc["files"]} | {mf.MANIFEST} if doc else None
+        except (TypeError, KeyError):
+            keep_files = None
+        if keep_files is None:
+            continue  # a damaged manifest is left for a person to look at
+        for n in files.get(s, set()) - keep_files:
+            with contextlib.suppress(OSError):
+                tier.remove_file(s, n)
+    return removed

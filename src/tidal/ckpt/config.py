@@ -1,0 +1,226 @@
+"""Tier configuration: the tier list a ``Checkpointer`` persists through and ``load`` reads from.
+
+A tier list is ordered fastest first. Each entry is a string or a dict (or a ``TierSpec``)::
+
+    ["shm", "/local/nvme/run1", "s3://bucket/run1"]
+    ["shm", {"url": "/local/nvme/run1", "keep": 2},
+            {"url": "s3://bucket/run1", "every": 5, "keep": 10, "part_size_bytes": 32 << 20}]
+
+* ``"shm"``: node shared memory (the staging slots themselves; holds at most one step per slot).
+* a directory: an absolute path, ``./relative``, ``~/...`` or ``file:///path``. A bare word such
+  as ``"shmm"`` is refused (it is almost always a typo, not a directory).
+* ``"s3://bucket/prefix"``: S3-compatible object storage (see ``s3``; options in ``s3.OPTIONS``).
+
+``every``: a step is persisted to this tier on every ``every``-th save of the Checkpointer
+(counted from its first save, which goes to every tier). ``keep``: committed steps this tier
+retains (0 keeps all; default: the Checkpointer's ``keep``). ``name``: the label used in stats and
+status (default ``shm``, ``disk``, ``disk-2``, ``s3``, ``s3-2``, ...).
+
+The first non-shm tier is the job's *home*: it names the job's shared-memory directory
+(``tiers.shm_root_for``), so ``load(same_list)`` finds the same shm tier the Checkpointer wrote.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tidal.ckpt.errors import TierSpecError
+from tidal.ckpt.protocol import Tier
+from tidal.ckpt.tiers import DirTier, is_s3_url, local_path, shm_root_for, tiers_for
+
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*):")
+_COMMON = ("url", "every", "keep", "name")
+_DIR_OPTIONS = {"fsync": "fsync data and manifests (default: the Checkpointer's fsync)"}
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    """One entry of a tier list (see the module docstring for the meaning of each field)."""
+
+    url: str
+    every: int = 1
+    keep: int | None = None
+    name: str | None = None
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """A validated tier: its kind, unique name, schedule, retention and normalized location."""
+
+    kind: str  # "shm" | "dir" | "s3"
+    name: str
+    location: str  # "shm", an absolute directory path, or s3://bucket/prefix
+    every: int
+    keep: int
+    options: Mapping[str, Any]
+
+    def due(self, save_index: int) -> bool:
+        """Whether the ``save_index``-th save (0-based) of a Checkpointer is persisted here."""
+        return save_index % self.every == 0
+
+
+def _label(i: int, spec: Any) -> str:
+    return f"tiers[{i}] {spec!r}"
+
+
+def kind_of(url: str, where: str) -> str:
+    """"shm", "dir" or "s3" for a tier URL; TierSpecError naming ``where`` when it is none of them."""
+    if url == "shm":
+        return "shm"
+    if url == "peer":
+        raise TierSpecError(f"{where}: the peer-memory tier is not available yet; expected 'shm', a directory "
+                            "or s3://bucket/prefix")
+    if url.startswith("s3://"):
+        return "s3"
+    if url.startswith("file://"):
+        return "dir"
+    m = _SCHEME.match(url)
+    if m and len(m.group(1)) > 1:  # (one letter would be a Windows drive)
+        raise TierSpecError(f"{where}: unknown scheme '{m.group(1)}:'; expected s3://bucket/prefix, file:///path, "
+                            "a directory path or 'shm'")
+    if not url or ("/" not in url and not url.startswith(("~", "."))):
+        raise TierSpecError(f"{where}: not a tier; expected 'shm', a directory (an absolute path, ./relative, "
+                            "~/..., or file:///...) or s3://bucket/prefix")
+    return "dir"
+
+
+def normalize(url: str, kind: str) -> str:
+    if kind == "dir":
+        return str(local_path(url))
+    if kind == "s3":
+        from tidal.ckpt.s3 import parse_s3_url
+
+        bucket, prefix = parse_s3_url(url)
+        return f"s3://{bucket}/{prefix}".rstrip("/")
+    return url
+
+
+def parse_spec(spec: Any, i: int = 0) -> TierSpec:
+    """One tier-list entry as a ``TierSpec``; TierSpecError naming the entry when malformed."""
+    if isinstance(spec, TierSpec):
+        return spec
+    if isinstance(spec, (str, os.PathLike)):
+        return TierSpec(os.fspath(spec))
+    if isinstance(spec, Mapping):
+        if "url" not in spec:
+            raise TierSpecError(f"{_label(i, spec)}: a dict tier needs 'url' ('shm', a directory or "
+                                "s3://bucket/prefix)")
+        url = spec["url"]
+        if not isinstance(url, (str, os.PathLike)):
+            raise TierSpecError(f"{_label(i, spec)}: 'url' must be a string, got {type(url).__name__}")
+        return TierSpec(os.fspath(url), every=spec.get("every", 1), keep=spec.get("keep"), name=spec.get("name"),
+                        options={k: v for k, v in spec.items() if k not in _COMMON})
+    raise TierSpecError(f"{_label(i, spec)}: expected a string ('shm', a directory, 's3://bucket/prefix'), "
+                        f"a dict or a TierSpec; got {type(spec).__name__}")
+
+
+def resolve(specs: Sequence[Any], *, default_keep: int, home: str | None = None) -> tuple[str, list[TierConfig]]:
+    """Validate a tier list; return the job's home location and one ``TierConfig`` per tier.
+
+    ``home``: the Checkpointer's url when one is given; it must then be the first non-shm tier.
+    """
+    if isinstance(specs, (str, os.PathLike, Mapping, TierSpec)) or not isinstance(specs, Sequence):
+        raise TierSpecError(f"tiers must be a list, got {type(specs).__name__} {specs!r}")
+    if not specs:
+        raise TierSpecError("tiers is empty; expected e.g. ['shm', '/ckpt/run1', 's3://bucket/run1']")
+    out: list[TierConfig] = []
+    counts: dict[str, int] = {}
+    for i, raw in enumerate(specs):
+        spec = parse_spec(raw, i)
+        where = _label(i, spec.url)
+        kind = kind_of(spec.url, where)
+        location = normalize(spec.url, kind)
+        if not isinstance(spec.every, int) or isinstance(spec.every, bool) or spec.every < 1:
+            raise TierSpecError(f"{where}: 'every' must be an integer >= 1 (persist every N-th save), "
+                                f"got {spec.every!r}")
+        if spec.keep is not None and (not isinstance(spec.keep, int) or isinstance(spec.keep, bool) or spec.keep < 0):
+            raise TierSpecError(f"{where}: 'keep' must be an integer >= 0 (0 keeps all), got {spec.keep!r}")
+        if kind == "shm" and spec.keep is not None:
+            raise TierSpecError(f"{where}: the shm tier keeps one step per staging slot; set Checkpointer(slots=N) "
+                                "instead of 'keep'")
+        _check_options(kind, spec.options, where)
+        counts[kind] = counts.get(kind, 0) + 1
+        default_name = {"shm": "shm", "dir": "disk", "s3": "s3"}[kind]
+        name = spec.name or (default_name if counts[kind] == 1 else f"{default_name}-{counts[kind]}")
+        if not isinstance(name, str) or not re.match(r"^[A-Za-z0-9_.\-]+$", name):
+            raise TierSpecError(f"{where}: 'name' must be letters, digits, '.', '_' or '-', got {name!r}")
+        out.append(TierConfig(kind, name, location, spec.every, default_keep if spec.keep is None else spec.keep,
+                              dict(spec.options)))
+    names = [t.name for t in out]
+    for n in names:
+        if names.count(n) > 1:
+            raise TierSpecError(f"tiers: two tiers are named {n!r}; give one a different 'name'")
+    locs = [t.location for t in out]
+    for loc in locs:
+        if locs.count(loc) > 1:
+            raise TierSpecError(f"tiers: {loc!r} appears twice")
+    durable = [t for t in out if t.kind != "shm"]
+    if home is not None:
+        want = normalize(home, "s3" if is_s3_url(home) else "dir")  # any path, even a bare relative one
+        if durable and durable[0].location != want:
+            raise TierSpecError(f"url {home!r} must be the first non-shm tier of tiers (it names the job's shared "
+                                f"memory directory), but that is {durable[0].location!r}; pass "
+                                "Checkpointer(tiers=[...]) without a url, or reorder")
+        return want, out
+    if not durable:
+        raise TierSpecError("tiers: a list of only 'shm' needs a url to name the job; add a directory or "
+                            "s3://bucket/prefix tier, or pass url=")
+    return durable[0].location, out
+
+
+def _check_options(kind: str, options: Mapping[str, Any], where: str) -> None:
+    allowed: dict[str, str] = {}
+    if kind == "dir":
+        allowed = _DIR_OPTIONS
+    elif kind == "s3":
+        from tidal.ckpt.s3 import OPTIONS
+
+        allowed = OPTIONS
+    for k in options:
+        if k not in allowed:
+            expected = ", ".join(list(_COMMON) + list(allowed))
+            raise TierSpecError(f"{where}: unknown option {k!r}; expected one of: {expected}")
+
+
+def build(cfg: TierConfig, home: str, *, fsync: bool = True) -> Tier:
+    """The tier object for a validated config (S3 tiers are not contacted here: see ``Tier.check``)."""
+    if cfg.kind == "shm":
+        return DirTier(cfg.name, shm_root_for(home), fsync=False, kind="shm")
+    if cfg.kind == "dir":
+        return DirTier(cfg.name, cfg.location, fsync=bool(cfg.options.get("fsync", fsync)))
+    from tidal.ckpt.s3 import S3Tier
+
+    try:
+        return S3Tier(cfg.location, name=cfg.name, **dict(cfg.options))
+    except TypeError as e:
+        raise TierSpecError(f"tier {cfg.location!r}: {e}") from None
+
+
+def read_tiers(url_or_tiers: Any) -> list[Tier]:
+    """Tiers to read from, fastest first: a location (directory or ``s3://``) means its shm tier (when
+    this node has one) and the location itself; a tier list means those tiers (shm when present)."""
+    if isinstance(url_or_tiers, (str, os.PathLike)):
+        return tiers_for(url_or_tiers)
+    home, cfgs = resolve(url_or_tiers, default_keep=0)
+    out = []
+    for c in cfgs:
+        if c.kind == "shm" and not shm_root_for(home).exists():
+            continue
+        out.append(build(c, home))
+    return out
+
+
+def describe(url_or_tiers: Any) -> str:
+    """A short name for messages: the location, or the tier locations joined with ' + '."""
+    if isinstance(url_or_tiers, (str, os.PathLike)):
+        s = os.fspath(url_or_tiers)
+        return s if is_s3_url(s) else str(local_path(s))
+    try:
+        return " + ".join(parse_spec(t, i).url for i, t in enumerate(url_or_tiers))
+    except TierSpecError:
+        return repr(url_or_tiers)

@@ -1,0 +1,96 @@
+"""``SaveHandle``: one save in progress, done when every tier it was due in has committed or failed."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from tidal.ckpt.errors import SaveError
+
+
+class SaveHandle:
+    """A save in progress. ``stall_s`` is how long ``save`` blocked the caller.
+
+    A save has parts: the fast tiers (shm, directories; written from the staging slot by the
+    persist thread) and one part per slow tier it is due in (written by that tier's upload queue).
+    The handle is done when every part is; ``committed`` lists the tiers in commit order.
+    Thread-safe: parts finish on different threads.
+    """
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.stall_s = 0.0
+        self.persist_s = 0.0  # from save() return to commit in the last tier
+        self.committed: list[str] = []  # tier names, in commit order
+        self.pending: list[str] = []  # slow tiers this step is still queued for
+        self.error: BaseException | None = None
+        self._staged = threading.Event()
+        self._done = threading.Event()
+        self._fast = threading.Event()
+        self._fast_error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._parts = 1
+        self._errors: list[str] = []
+        self._t_return = 0.0
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        if not self._staged.wait(timeout):
+            raise TimeoutError(f"step {self.step}: staging not finished within {timeout} s")
+
+    def wait(self, timeout: float | None = None, *, fast_only: bool = False) -> None:
+        """Block until the step is committed in every tier it was due in; raise SaveError if any
+        tier failed. ``fast_only``: only until the fast tiers (shm, directories) are done and the
+        slow ones (S3) have it queued - e.g. before exiting on a reclaim notice."""
+        if fast_only:
+            if not self._fast.wait(timeout):
+                raise TimeoutError(f"step {self.step}: not committed in the fast tiers within {timeout} s")
+            if self._fast_error is not None:
+                raise SaveError(f"step {self.step} was not committed in every fast tier (committed in: "
+                                f"{self.committed or 'none'}): {self._fast_error}") from self._fast_error
+            return
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"step {self.step}: not committed within {timeout} s "
+                               f"(committed in: {self.committed or 'none'}; pending: {self.pending})")
+        if self.error is not None:
+            raise SaveError(f"step {self.step} was not committed in every tier "
+                            f"(committed in: {self.committed or 'none'}): {self.error}") from self.error
+
+    def __repr__(self) -> str:
+        state = "failed" if self.error else ("committed" if self.done() else "pending")
+        return f"SaveHandle(step={self.step}, {state}, tiers={self.committed})"
+
+    # -- the checkpointer's side -------------------------------------------------------------------
+    def _add_part(self, tier: str) -> None:
+        with self._lock:
+            self._parts += 1
+            self.pending.append(tier)
+
+    def _tier_committed(self, tier: str) -> None:
+        with self._lock:
+            self.committed.append(tier)
+
+    def _part_done(self, tier: str | None, error: BaseException | None) -> None:
+        """One part finished (``tier`` None: the fast tiers); the last one completes the handle."""
+        with self._lock:
+            if tier is not None:
+                if tier in self.pending:
+                    self.pending.remove(tier)
+                if error is None:
+                    self.committed.append(tier)
+            if error is not None:
+                self._errors.append(f"{tier}: {error}" if tier else str(error))
+                cause = error if self.error is None else self.error
+                self.error = error if len(self._errors) == 1 else SaveError("; ".join(self._errors))
+                if self.error is not error:
+                    self.error.__cause__ = cause
+            self._parts -= 1
+            last = self._parts == 0
+        if tier is None:
+            self._fast_error = error
+            self._fast.set()
+        if last:
+            self.persist_s = time.perf_counter() - self._t_return
+            self._done.set()

