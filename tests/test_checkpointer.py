@@ -224,3 +224,16 @@ def test_save_errors_leave_committed_steps_alone(tmp_path):
             cp.save(2, {"w": torch.ones(4), "bad": object()})
         cp.save(3, {"w": torch.full((4,), 3.0)}).wait()
     assert ckpt.steps(url) == [1, 3]
+
+
+def test_urgent_save_and_wait_tier(tmp_path):
+    url = tmp_path / "c"
+    with ckpt.Checkpointer(url) as cp:
+        h = cp.save(1, {"w": torch.full((1000,), 1.0)}, urgent=True)
+        assert h.wait_tier("shm", timeout=60)
+        h.wait()
+        assert h.committed == ["shm", "disk"]
+        assert h.wait_tier("disk", timeout=0) and not h.wait_tier("s3", timeout=0)
+    target = {"w": torch.zeros(1000)}
+    ckpt.load(url, target)
+    assert torch.equal(target["w"], torch.full((1000,), 1.0))

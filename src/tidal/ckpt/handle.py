@@ -29,6 +29,7 @@ class SaveHandle:
         self._fast = threading.Event()
         self._fast_error: BaseException | None = None
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
         self._parts = 1
         self._errors: list[str] = []
         self._t_return = 0.0
@@ -58,6 +59,19 @@ class SaveHandle:
             raise SaveError(f"step {self.step} was not committed in every tier "
                             f"(committed in: {self.committed or 'none'}): {self.error}") from self.error
 
+    def wait_tier(self, tier: str, timeout: float | None = None) -> bool:
+        """Block until ``tier`` (a tier name, e.g. ``"shm"``) has committed this step; return whether
+        it did (False when the save finished without it, or on timeout)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._changed:
+            while tier not in self.committed and not self._done.is_set() and not (
+                    self._fast.is_set() and tier not in self.pending):
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                self._changed.wait(left)
+            return tier in self.committed
+
     def __repr__(self) -> str:
         state = "failed" if self.error else ("committed" if self.done() else "pending")
         return f"SaveHandle(step={self.step}, {state}, tiers={self.committed})"
@@ -71,6 +85,7 @@ class SaveHandle:
     def _tier_committed(self, tier: str) -> None:
         with self._lock:
             self.committed.append(tier)
+            self._changed.notify_all()
 
     def _part_done(self, tier: str | None, error: BaseException | None) -> None:
         """One part finished (``tier`` None: the fast tiers); the last one completes the handle."""
@@ -94,3 +109,5 @@ class SaveHandle:
         if last:
             self.persist_s = time.perf_counter() - self._t_return
             self._done.set()
+        with self._lock:
+            self._changed.notify_all()

@@ -296,7 +296,7 @@ class Session:
         else:
             self._beat("checkpointing", force=True)
             cp = self._ensure_checkpointer()
-            h = cp.save(step, self._state(step))
+            h = cp.save(step, self._state(step), urgent=reason == "notice")
             self._pending.append(h)
             self._last = h
             self._write({"event": "checkpoint", "step": step, "reason": reason, "stall_s": h.stall_s})
