@@ -1,21 +1,62 @@
-"""The ``tidal`` command line."""
+"""The ``tidal`` command line.
+
+Subcommands live next to the code they drive and are registered lazily: ``tidal jobs`` imports only
+the control-plane client, not torch, so client commands start fast. ``tidal --help`` registers all.
+"""
 
 from __future__ import annotations
+
+import sys
+from collections.abc import Callable
 
 import typer
 
 app = typer.Typer(help="Tidal: train on a shared GPU pool.", no_args_is_help=True, add_completion=False)
 
 
-def _register() -> None:
-    from tidal.bench.cli import app as bench_app
+def _ckpt() -> None:
     from tidal.ckpt.cli import app as ckpt_app
-    from tidal.train.cli import bench_resume, verify_resume
 
     app.add_typer(ckpt_app, name="ckpt", help="Inspect, verify and export checkpoints.")
-    app.add_typer(bench_app, name="bench", help="Benchmarks (side by side, --json).")
-    app.command("verify-resume")(verify_resume)
+
+
+def _bench() -> None:
+    from tidal.bench.cli import app as bench_app
+    from tidal.train.cli import bench_resume
+
     bench_app.command("resume")(bench_resume)
+    app.add_typer(bench_app, name="bench", help="Benchmarks (side by side, --json).")
+
+
+def _train() -> None:
+    from tidal.train.cli import verify_resume
+
+    app.command("verify-resume")(verify_resume)
+
+
+
+
+def _control() -> None:
+    from tidal.control import cli as control
+
+    for name in ("up", "submit", "jobs", "status", "logs", "cancel", "pool", "events"):
+        app.command(name)(getattr(control, name))
+    app.add_typer(control.tenants_app, name="tenants", help="Tenants (admin): create, list.")
+
+
+_COMMANDS: dict[str, Callable[[], None]] = {
+    "ckpt": _ckpt, "bench": _bench, "verify-resume": _train,
+    **{n: _control for n in ("up", "submit", "jobs", "status", "logs", "cancel", "pool", "events", "tenants")},
+}
+
+
+def _register(argv: list[str] | None = None) -> None:
+    """Register the subcommand named in ``argv`` (all of them when none or an unknown one is named)."""
+    args = sys.argv[1:] if argv is None else argv
+    name = next((a for a in args if not a.startswith("-")), None)
+    wanted = [_COMMANDS[name]] if name in _COMMANDS else list(dict.fromkeys(_COMMANDS.values()))
+    for register in wanted:
+        register()
 
 
 def main() -> None:

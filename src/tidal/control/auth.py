@@ -1,0 +1,66 @@
+"""Tenants' bearer tokens: created here, shown once, stored only as a SHA-256 hash.
+
+Tokens are 32 random bytes (``tidal_`` + URL-safe base64), so a plain hash is enough: there is
+nothing to brute-force, and a lookup by hash needs no constant-time comparison. The admin token is
+created at the first start of ``tidal up`` and kept in ``<state dir>/admin.token`` (mode 0600) so
+the command line on the same machine finds it; ``TIDAL_TOKEN`` overrides it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+from pathlib import Path
+
+from tidal.control.store import Store, TenantRow
+
+ADMIN = "admin"
+ADMIN_TOKEN_FILE = "admin.token"
+
+
+def new_token() -> str:
+    return "tidal_" + secrets.token_urlsafe(32)
+
+
+def token_hash(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def authenticate(store: Store, token: str | None) -> TenantRow | None:
+    if not token:
+        return None
+    return store.tenant_by_token_hash(token_hash(token))
+
+
+def create_tenant(store: Store, name: str, *, quota_gpus: int = 0, weight: float = 1.0, now_s: float = 0.0,
+                  admin: bool = False) -> str:
+    """Add a tenant; return its token (the only time it exists in clear)."""
+    token = new_token()
+    store.add_tenant(name, token_hash(token), quota_gpus=quota_gpus, weight=weight, admin=admin, now_s=now_s)
+    return token
+
+
+def ensure_admin(store: Store, state_dir: Path, now_s: float) -> tuple[str, bool]:
+    """The admin token, creating the admin and ``admin.token`` on first start. Returns (token, created).
+
+    A token file from an earlier store is registered in a new one (``--db`` changed); an admin whose
+    token file is gone gets a new token (the old one stops working).
+    """
+    path = Path(state_dir) / ADMIN_TOKEN_FILE
+    token = path.read_text().strip() if path.exists() else None
+    row = store.admin()
+    if row is not None and token is not None and row.token_hash == token_hash(token):
+        return token, False
+    token = token or new_token()
+    if row is None:
+        store.add_tenant(ADMIN, token_hash(token), admin=True, now_s=now_s)
+    else:
+        store.set_tenant_token(row.name, token_hash(token))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    os.replace(tmp, path)
+    return token, True

@@ -1,0 +1,124 @@
+"""A small client of the REST API, over any ``httpx.Client`` (the transport seam).
+
+    c = TidalClient("http://127.0.0.1:8470", token)            # over the network
+    c = TidalClient(http=starlette.testclient.TestClient(app))  # in-process, against the app itself
+    job = c.submit({"name": "gpt", "gpus": 2, "command": ["python", "train.py"]})
+    c.job(job["id"])["state"]
+
+Errors come back as :class:`ApiError` with the HTTP status and, for a spec the server refused,
+one line per field (``gpus.min: Input should be greater than or equal to 1``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+DEFAULT_URL = "http://127.0.0.1:8470"
+API_URL_FILE = "api.url"
+
+
+class ApiError(RuntimeError):
+    def __init__(self, status: int, message: str, errors: list[str] | None = None) -> None:
+        super().__init__(message if not errors else message + ":\n  " + "\n  ".join(errors))
+        self.status, self.errors = status, errors or []
+
+
+def state_dir() -> Path:
+    """``$TIDAL_STATE_DIR``, else ``~/.tidal``: where ``tidal up`` keeps its database, jobs and tokens."""
+    return Path(os.environ.get("TIDAL_STATE_DIR") or Path.home() / ".tidal")
+
+
+def default_url() -> str:
+    """``$TIDAL_API_URL``, else what a local ``tidal up`` wrote into its state dir, else port 8470."""
+    if os.environ.get("TIDAL_API_URL"):
+        return os.environ["TIDAL_API_URL"]
+    f = state_dir() / API_URL_FILE
+    return f.read_text().strip() if f.exists() else DEFAULT_URL
+
+
+def default_token() -> str | None:
+    """``$TIDAL_TOKEN``, else the admin token of a local ``tidal up``."""
+    if os.environ.get("TIDAL_TOKEN"):
+        return os.environ["TIDAL_TOKEN"]
+    f = state_dir() / "admin.token"
+    try:
+        return f.read_text().strip()
+    except OSError:
+        return None
+
+
+class TidalClient:
+    def __init__(self, base_url: str | None = None, token: str | None = None, *, http: httpx.Client | None = None,
+                 timeout_s: float = 30.0) -> None:
+        self.http = http or httpx.Client(base_url=base_url or default_url(), timeout=timeout_s)
+        self.token = token
+
+    def close(self) -> None:
+        self.http.close()
+
+    def _call(self, method: str, path: str, **kw: Any) -> Any:
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        try:
+            r = self.http.request(method, path, headers=headers, **kw)
+        except httpx.TransportError as e:
+            raise ApiError(0, f"cannot reach the Tidal API at {self.http.base_url} ({e}); is `tidal up` running? "
+                              "(TIDAL_API_URL)") from e
+        if r.status_code >= 400:
+            try:
+                doc = r.json()
+            except ValueError:
+                doc = {"detail": r.text}
+            errors = doc.get("errors") if isinstance(doc, dict) else None
+            detail = doc.get("detail") if isinstance(doc, dict) else doc
+            msg = detail if isinstance(detail, str) else f"HTTP {r.status_code}"
+            if r.status_code == 422:
+                msg = "the spec was refused"
+            raise ApiError(r.status_code, msg, errors)
+        return r.json() if r.content else None
+
+    def whoami(self) -> dict:
+        return self._call("GET", "/v1/whoami")
+
+    def submit(self, spec: dict) -> dict:
+        return self._call("POST", "/v1/jobs", json=spec)
+
+    def jobs(self, *, states: list[str] | None = None, tenant: str | None = None) -> list[dict]:
+        params: dict[str, Any] = {}
+        if states:
+            params["state"] = states
+        if tenant:
+            params["tenant"] = tenant
+        return self._call("GET", "/v1/jobs", params=params)
+
+    def job(self, job_id: str) -> dict:
+        return self._call("GET", f"/v1/jobs/{job_id}")
+
+    def cancel(self, job_id: str) -> dict:
+        return self._call("POST", f"/v1/jobs/{job_id}/cancel")
+
+    def logs(self, job_id: str, *, rank: int = 0, offset: int = 0, limit: int = 65536) -> dict:
+        return self._call("GET", f"/v1/jobs/{job_id}/logs", params={"rank": rank, "offset": offset, "limit": limit})
+
+    def events(self, job_id: str | None = None, *, after: int = 0, limit: int = 1000) -> list[dict]:
+        params: dict[str, Any] = {"after": after, "limit": limit}
+        if job_id:
+            params["job"] = job_id
+        return self._call("GET", "/v1/events", params=params)
+
+    def pool(self) -> dict:
+        return self._call("GET", "/v1/pool")
+
+    def tenants(self) -> list[dict]:
+        return self._call("GET", "/v1/tenants")
+
+    def create_tenant(self, name: str, *, quota_gpus: int = 0, weight: float = 1.0) -> dict:
+        return self._call("POST", "/v1/tenants", json={"name": name, "quota_gpus": quota_gpus, "weight": weight})
+
+    def metrics(self) -> str:
+        r = self.http.get("/metrics")
+        r.raise_for_status()
+        return r.text

@@ -1,0 +1,69 @@
+"""Knobs of the live control plane (one table, units in the names); ``tidal up --config FILE`` (YAML).
+
+    scheduler: {min_runtime_before_preempt_s: 60, preempt_grace_s: 60}   # tidal.policy SchedulerConfig
+    restart_backoff_s: 10        # first retry after a failure; doubles per restart, up to max_backoff_s
+    hang_timeout_s: 120          # no heartbeat for this long (and hang_step_times step times) -> hung
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from tidal.policy.scheduler import SchedulerConfig
+
+
+@dataclass(frozen=True)
+class ControlConfig:
+    """How the reconcile loop treats jobs. Seconds everywhere.
+
+    Failures: ``restart_backoff_s`` before the first restart, doubled per restart up to
+    ``max_backoff_s``. Hangs: a running job whose heartbeat (the oldest rank's newest) is older than
+    ``max(hang_timeout_s, hang_step_times x its step time)`` is hung; before its first heartbeat,
+    ``startup_timeout_s`` from launch (also the limit while its heartbeat says ``checkpointing`` or
+    ``stopped``: a final save may take a while to persist). Stopping: SIGKILL ``kill_slack_s`` after the job's own grace
+    (the runtime's watchdog exits with 75 at the grace; this is the backstop). ``loop_interval_s``:
+    time between reconcile steps in ``tidal up``.
+    """
+
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    restart_backoff_s: float = 10.0
+    max_backoff_s: float = 600.0
+    hang_timeout_s: float = 120.0
+    hang_step_times: float = 10.0
+    startup_timeout_s: float = 600.0
+    kill_slack_s: float = 10.0
+    loop_interval_s: float = 0.5
+
+    def backoff_s(self, restarts: int) -> float:
+        """Seconds to wait before restart number ``restarts`` (1 = the first)."""
+        return min(self.max_backoff_s, self.restart_backoff_s * 2 ** max(0, restarts - 1))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], where: str = "config") -> ControlConfig:
+        names = {f.name for f in fields(cls)}
+        for k in d:
+            if k not in names:
+                raise ValueError(f"{where}: unknown field {k!r} (expected one of {sorted(names)})")
+        kw = dict(d)
+        if "scheduler" in kw:
+            sched = kw["scheduler"] or {}
+            snames = {f.name for f in fields(SchedulerConfig)}
+            for k in sched:
+                if k not in snames:
+                    raise ValueError(f"{where}: unknown field scheduler.{k} (expected one of {sorted(snames)})")
+            kw["scheduler"] = SchedulerConfig(**sched)
+        for k, v in kw.items():
+            if k != "scheduler" and (not isinstance(v, int | float) or v < 0):
+                raise ValueError(f"{where}: {k} must be a number of seconds >= 0, got {v!r}")
+        return cls(**kw)
+
+    @classmethod
+    def load(cls, path: str | Path) -> ControlConfig:
+        import yaml
+
+        doc = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(doc, dict):
+            raise ValueError(f"{path}: expected a mapping of settings")
+        return cls.from_dict(doc, str(path))

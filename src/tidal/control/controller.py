@@ -1,0 +1,372 @@
+"""The reconcile loop, as a controller that steps: ``decisions = controller.step(now_s)``.
+
+One step, in order (each numbered part is a method below):
+
+1. **Observe.** Ask the executor for facts about every job it runs: ranks' exit codes, progress,
+   heartbeats (:meth:`tidal.exec.protocol.Executor.observe`).
+2. **Reconcile** each active job with what was observed (:meth:`Controller._reconcile`): record
+   progress; ranks up -> ``running``; every rank exited -> classify the attempt (success, stopped
+   as asked, failure) and move on (``succeeded``; ``pending`` after a preemption; relaunch after a
+   resize; ``backoff`` then ``pending`` after a failure, up to ``max_restarts``; ``failed``); a rank
+   failed while others run, or the job hung (no heartbeat) -> kill it, it is classified once all
+   ranks are gone; a stop whose grace ran out -> SIGKILL; a cancel request -> notice.
+3. **Decide.** Build a :class:`~tidal.model.Snapshot` from the store and call the pure scheduler
+   (:func:`tidal.policy.scheduler.schedule`), the same function the simulator drives.
+4. **Act.** Apply each decision to the store (a checked transition, an event) and carry it out with
+   the executor: ``Admit`` -> launch; ``Preempt``/``Shrink``/``Grow`` -> notice (SIGTERM), the job
+   checkpoints and exits 75, and is requeued or relaunched on its new size (the runtime reshards on
+   restore).
+
+The controller reads no clock: ``now_s`` (Unix seconds, the clock heartbeats use) is an argument,
+so tests step it with a fake clock and a fake executor. It is not thread-safe: one loop calls
+``step``; the API only writes requests (submit, cancel) to the store, which the next step acts on.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from tidal.control.config import ControlConfig
+from tidal.control.states import HELD, STOPPING, State
+from tidal.control.store import JobRow, Store
+from tidal.exec.protocol import EXIT_PREEMPTED, Executor, LaunchRequest, Observation, RankState
+from tidal.model import Admit, Decision, Grow, Job, Node, Preempt, ReturnGpus, Shrink, Snapshot, Tenant
+from tidal.policy.scheduler import schedule
+
+log = logging.getLogger(__name__)
+
+S = State
+RESUMABLE_CODES = frozenset({0, EXIT_PREEMPTED, -15, 128 + 15})  # -15/143: SIGTERM before the session existed
+
+
+class Controller:
+    """Drives the pure scheduler and an executor from the store. See the module docstring."""
+
+    def __init__(self, store: Store, executor: Executor, config: ControlConfig | None = None, *,
+                 ckpt_root: str | Path | None = None) -> None:
+        self.store = store
+        self.executor = executor
+        self.config = config or ControlConfig()
+        self.ckpt_root = Path(ckpt_root) if ckpt_root is not None else None
+        self.nodes: list[Node] = executor.nodes()
+
+    @property
+    def pool_gpus(self) -> int:
+        return sum(n.gpus for n in self.nodes)
+
+    # ------------------------------------------------------------------------------------- recovery
+    def recover(self, now_s: float) -> None:
+        """After a (re)start: re-adopt the workers of every job that holds GPUs, or requeue it.
+
+        A job whose attempt the executor can find is tracked again (its ranks keep running; ranks that
+        ended meanwhile are handled by the next step from their recorded exit codes). A job none of
+        whose ranks can be found (never started, or gone without a trace) goes back to ``pending``
+        and resumes from its newest checkpoint; that is not counted as a failure.
+        """
+        for job in self.store.jobs(states=HELD):
+            found = job.attempt > 0 and self.executor.adopt(job.id, job.attempt, now_s)
+            ob = self.executor.observe(now_s).get(job.id) if found else None
+            if ob is not None and ob.alive:
+                pids = [r.pid for r in ob.alive]
+                self.store.record("adopted", f"control plane restarted: re-adopted attempt {job.attempt}, "
+                                  f"{len(pids)} of {len(ob.ranks)} ranks running (pids {pids})", now_s, job=job,
+                                  data={"attempt": job.attempt, "pids": pids})
+            elif ob is not None and not all(r.vanished for r in ob.ranks):
+                self.store.record("adopted", f"control plane restarted: attempt {job.attempt} ended meanwhile; "
+                                  "its recorded exit codes decide what follows", now_s, job=job)
+            else:
+                if found:
+                    self.executor.release(job.id)
+                why = "its ranks are gone" if found else "its launch was never recorded, so no rank ran"
+                self.store.transition(job.id, S.PENDING, now_s,
+                                      f"control plane restarted: attempt {job.attempt} {why}; requeued to "
+                                      f"resume from checkpoint step {job.ckpt_step or 0}",
+                                      **_requeue_fields(), data={"recovered": True})
+
+    # ----------------------------------------------------------------------------------------- step
+    def step(self, now_s: float) -> list[Decision]:
+        """One reconcile step (see the module docstring); returns the scheduler's decisions."""
+        observed = self.executor.observe(now_s)  # 1. observe
+        for job in self.store.active_jobs():  # 2. reconcile
+            self._reconcile(job, observed.get(job.id), now_s)
+        snap = self.snapshot(now_s)  # 3. decide
+        decisions = schedule(snap, self.config.scheduler)
+        for d in decisions:  # 4. act
+            self._apply(d, now_s)
+        return decisions
+
+    # ------------------------------------------------------------------------------------ reconcile
+    def _reconcile(self, job: JobRow, ob: Observation | None, now_s: float) -> None:
+        st = S(job.state)
+        if st == S.PENDING:
+            if job.cancel_requested:
+                self.store.transition(job.id, S.CANCELLED, now_s, "cancelled while pending", finished_s=now_s)
+            return
+        if st == S.BACKOFF:
+            if job.cancel_requested:
+                self.store.transition(job.id, S.CANCELLED, now_s, "cancelled while waiting to restart",
+                                      finished_s=now_s)
+            elif now_s >= (job.retry_at_s or 0.0):
+                self.store.transition(job.id, S.PENDING, now_s, f"restart {job.restarts}/{job.max_restarts}: "
+                                      f"queued to resume from checkpoint step {job.ckpt_step or 0}", retry_at_s=None)
+            return
+        if ob is None:  # held, but the executor has no trace of it
+            self.store.transition(job.id, S.PENDING, now_s, f"attempt {job.attempt} is unknown to the executor; "
+                                  "requeued", **_requeue_fields())
+            return
+        job = self._record_progress(job, ob)
+        if job.cancel_requested and st != S.CANCELLING:
+            job = self._stop(job, S.CANCELLING, "cancel requested", now_s, job.spec.get("grace_s", 30.0),
+                             reason="cancel")
+            st = S.CANCELLING
+        if ob.done:
+            self._finish(job, ob, now_s)
+            return
+        if job.stop_reason != "failure" and not job.killed:
+            bad = [r for r in ob.ranks if not r.alive and (r.vanished or r.exit_code not in RESUMABLE_CODES)]
+            if bad:
+                self._kill_for_failure(job, _describe(bad[0]), now_s)
+                return
+            hung = self._hang(job, ob, now_s) if st == S.RUNNING else None
+            if hung:
+                self._kill_for_failure(job, hung, now_s, kind="hang")
+                return
+        if st == S.ADMITTED:
+            pids = [r.pid for r in ob.alive]
+            self.store.transition(job.id, S.RUNNING, now_s, f"{len(pids)} ranks running (pids {pids})")
+        elif st in STOPPING and not job.killed and job.stop_deadline_s is not None and now_s >= job.stop_deadline_s:
+            self.executor.kill(job.id)
+            self.store.update(job.id, killed=True)
+            self.store.record("kill", f"grace expired while {st}: SIGKILL to {len(ob.alive)} ranks", now_s, job=job)
+
+    def _hang(self, job: JobRow, ob: Observation, now_s: float) -> str | None:
+        cfg, p = self.config, ob.progress
+        if p.heartbeats < len(ob.ranks):
+            idle = now_s - ob.launched_s
+            if idle > cfg.startup_timeout_s:
+                return (f"hung: {len(ob.ranks) - p.heartbeats} of {len(ob.ranks)} ranks wrote no heartbeat "
+                        f"within {cfg.startup_timeout_s:.0f} s of launch")
+            return None
+        limit = max(cfg.hang_timeout_s, cfg.hang_step_times * (p.step_time_s or 0.0))
+        if p.phase in ("checkpointing", "stopped"):  # a final save may persist to slow tiers for a while
+            limit = max(limit, cfg.startup_timeout_s)
+        idle = now_s - (p.heartbeat_s or ob.launched_s)
+        if idle > limit:
+            return f"hung: no heartbeat for {idle:.0f} s (limit {limit:.0f} s) at step {p.step}, phase {p.phase}"
+        return None
+
+    def _kill_for_failure(self, job: JobRow, why: str, now_s: float, kind: str = "failure") -> None:
+        self.executor.kill(job.id)
+        self.store.update(job.id, stop_reason="failure", killed=True, message=why)
+        self.store.record(kind, f"{why}: killing the other ranks", now_s, job=job)
+
+    def _record_progress(self, job: JobRow, ob: Observation) -> JobRow:
+        p = ob.progress
+        doc = p.to_dict()
+        fields: dict[str, Any] = {}
+        if doc != job.progress:
+            fields["progress"] = doc
+        if p.durable_ckpt_s is not None and p.durable_ckpt_s != job.last_ckpt_s:
+            fields["last_ckpt_s"] = p.durable_ckpt_s
+        if p.ckpt_stall_s is not None and p.ckpt_stall_s != job.ckpt_stall_s:
+            fields["ckpt_stall_s"] = p.ckpt_stall_s
+        if p.ckpt_step is not None and (job.ckpt_step is None or p.ckpt_step > job.ckpt_step):
+            fields["ckpt_step"] = p.ckpt_step
+        return self.store.update(job.id, **fields) if fields else job
+
+    # --------------------------------------------------------------------------- the end of an attempt
+    def _finish(self, job: JobRow, ob: Observation, now_s: float) -> None:
+        """Every rank of the attempt has exited: account for it, then the next state."""
+        outcome, why = self._classify(job, ob)
+        acct = _account(job, ob, now_s, outcome == "success")
+        self.executor.release(job.id)
+        base = {"stop_reason": None, "stop_deadline_s": None, "killed": False, **acct}
+        codes = [r.exit_code for r in ob.ranks]
+        p = ob.progress
+        reached = p.step if p.step is not None else p.start_step
+        data = {"attempt": job.attempt, "exit_codes": codes, "step": reached, "ckpt_step": p.ckpt_step}
+        if outcome == "success":
+            at = f" at step {reached}" if reached is not None else ""
+            self.store.transition(job.id, S.SUCCEEDED, now_s, f"all {len(codes)} ranks exited 0{at}", data=data, finished_s=now_s, placement={}, releasing={},
+                                  **base)
+        elif outcome == "cancelled":
+            self.store.transition(job.id, S.CANCELLED, now_s, f"cancelled; exit codes {codes}", data=data,
+                                  finished_s=now_s, placement={}, releasing={}, **base)
+        elif outcome == "stopped" and S(job.state) == S.RESIZING:
+            left = {n: g - job.releasing.get(n, 0) for n, g in job.placement.items() if g - job.releasing.get(n, 0) > 0}
+            self.store.update(job.id, **base)
+            self._launch(self.store.job(job.id), left, now_s, f"resized: relaunching on {sum(left.values())} GPUs "
+                         f"from checkpoint step {p.ckpt_step}", data=data)
+        elif outcome == "stopped":
+            by_us = S(job.state) == S.PREEMPTING
+            self.store.transition(job.id, S.PENDING, now_s, f"preempted: stopped at step {reached} "
+                                  f"with checkpoint step {p.ckpt_step} (exit codes {codes}); requeued"
+                                  + ("" if by_us else " (the notice came from outside Tidal)"), data=data,
+                                  preemptions=job.preemptions + 1, **_requeue_fields(),
+                                  **({} if by_us else {"last_preempted_s": now_s}), **base)
+        elif job.restarts < job.max_restarts:
+            n = job.restarts + 1
+            wait_s = self.config.backoff_s(n)
+            self.store.transition(job.id, S.BACKOFF, now_s, f"failed: {why}; restart {n}/{job.max_restarts} in "
+                                  f"{wait_s:g} s from checkpoint step {job.ckpt_step or 0}", data=data,
+                                  restarts=n, retry_at_s=now_s + wait_s, **_requeue_fields(), **base)
+        else:
+            self.store.transition(job.id, S.FAILED, now_s, f"failed: {why}; no restarts left "
+                                  f"(max_restarts={job.max_restarts})", data=data, finished_s=now_s,
+                                  placement={}, releasing={}, **base)
+
+    def _classify(self, job: JobRow, ob: Observation) -> tuple[str, str]:
+        codes = [r.exit_code for r in ob.ranks]
+        bad = [r for r in ob.ranks if r.vanished or r.exit_code not in RESUMABLE_CODES]
+        if S(job.state) == S.CANCELLING:
+            return ("success" if codes and all(c == 0 for c in codes) else "cancelled"), ""
+        if job.stop_reason == "failure":
+            return "failure", job.message or "a rank failed"
+        if codes and all(c == 0 for c in codes):
+            return "success", ""
+        if job.stop_reason in ("preempt", "resize") and all(
+                r.exit_code in RESUMABLE_CODES or (job.killed and (r.vanished or (r.exit_code or 0) < 0))
+                for r in ob.ranks):  # SIGKILLed by us after the grace: stopped, not failed
+            return "stopped", ""
+        if not bad and EXIT_PREEMPTED in codes:
+            return "stopped", ""  # preempted by a notice from outside (exit 75 is never a failure)
+        return "failure", _describe(bad[0]) if bad else f"exit codes {codes}"
+
+    # ------------------------------------------------------------------------------------------ act
+    def _apply(self, d: Decision, now_s: float) -> None:
+        if isinstance(d, ReturnGpus):  # no loans in the live plane yet: nothing to return
+            self.store.record("decision", f"ignored {d}", now_s)
+            return
+        job = self.store.job(d.job)
+        grace = float(job.spec.get("grace_s", 30.0))
+        if isinstance(d, Admit):
+            g = sum(d.placement.values())
+            where = ", ".join(f"{n}: {k}" for n, k in d.placement.items())
+            self._launch(job, dict(d.placement), now_s, f"admitted on {g} GPUs ({where})", started_s=now_s)
+        elif isinstance(d, Preempt):
+            why = f"preempted ({d.reason}" + (f", for {d.for_job})" if d.for_job else ")")
+            self._stop(job, S.PREEMPTING, why, now_s, min(grace, max(0.0, d.by_s - now_s)), reason="preempt",
+                       releasing=dict(job.placement), last_preempted_s=now_s)
+        elif isinstance(d, Shrink):
+            why = f"shrink to {d.to_gpus} GPUs ({d.reason}" + (f", for {d.for_job})" if d.for_job else ")")
+            self._stop(job, S.RESIZING, why, now_s, min(grace, max(0.0, d.by_s - now_s)), reason="resize",
+                       releasing=dict(d.release), last_shrunk_s=now_s)
+        elif isinstance(d, Grow):
+            placement = dict(job.placement)
+            for n, k in d.add.items():
+                placement[n] = placement.get(n, 0) + k
+            self._stop(job, S.RESIZING, f"grow to {d.to_gpus} GPUs", now_s, grace, reason="resize",
+                       placement=placement, last_grown_s=now_s)
+
+    def _stop(self, job: JobRow, to: State, why: str, now_s: float, grace_s: float, *, reason: str,
+              **fields: Any) -> JobRow:
+        """Tell the job to stop (SIGTERM, unless it was already told); SIGKILL after the grace."""
+        already = S(job.state) in STOPPING
+        deadline = now_s + grace_s + self.config.kill_slack_s
+        if already and job.stop_deadline_s is not None:
+            deadline = min(deadline, job.stop_deadline_s)
+        if reason == "cancel" or job.stop_reason != "failure":
+            fields["stop_reason"] = reason
+        row = self.store.transition(job.id, to, now_s, why + ("" if already else f": notice sent, grace {grace_s:g} s"),
+                                    stop_deadline_s=deadline, **fields)
+        if not already:
+            self.executor.signal_stop(job.id)
+        return row
+
+    def _launch(self, job: JobRow, placement: dict[str, int], now_s: float, why: str, *, data: dict | None = None,
+                **fields: Any) -> None:
+        """Record the attempt (``admitted``) first, then start it: a crash in between leaves a recorded
+        attempt with no ranks, which ``recover`` requeues; never ranks without a record."""
+        attempt = job.attempt + 1
+        self.store.transition(job.id, S.ADMITTED, now_s, f"{why}; launching attempt {attempt}", data=data,
+                              placement=placement, releasing={}, attempt=attempt, attempt_launched_s=now_s,
+                              stop_reason=None, stop_deadline_s=None, killed=False, handle=None, progress={},
+                              **fields)
+        spec = job.spec
+        req = LaunchRequest(job.id, attempt, tuple(spec["command"]), placement, spec.get("workdir"),
+                            self._env(job))
+        try:
+            handle = self.executor.launch(req, now_s)
+        except Exception as e:  # a launch that fails is a failed attempt (restarts apply)
+            log.warning("launch of %s failed: %s", job.id, e)
+            job = self.store.update(job.id, stop_reason="failure", message=f"launch failed: {e}")
+            self._finish(job, Observation(job.id, attempt, now_s, ()), now_s)
+            return
+        self.store.update(job.id, handle=handle)
+        self.store.record("launch", f"attempt {attempt}: {req.world_size} ranks started", now_s, job=job,
+                          data=handle)
+
+    def _env(self, job: JobRow) -> dict[str, str]:
+        spec = job.spec
+        ck = spec.get("checkpoint") or {}
+        url = ck.get("url") or (str(self.ckpt_root / job.id / "ckpt") if self.ckpt_root else None)
+        env = dict(spec.get("env") or {})
+        env["TIDAL_CKPT_INTERVAL_S"] = f"{job.ckpt_interval_s or ck.get('interval_s', 600.0):g}"
+        env["TIDAL_GRACE_S"] = f"{float(spec.get('grace_s', 30.0)):g}"
+        if url:
+            env["TIDAL_CKPT_URL"] = url
+        return env
+
+    # ------------------------------------------------------------------------------------- snapshot
+    def snapshot(self, now_s: float) -> Snapshot:
+        """The scheduler's view: pending jobs queue, held jobs run (stopping ones release everything)."""
+        tenants = [Tenant(t.name, t.quota_gpus, t.weight) for t in self.store.tenants()]
+        jobs = []
+        for j in self.store.jobs(states={S.PENDING} | HELD):
+            st = S(j.state)
+            held = st in HELD
+            releasing = dict(j.placement) if st in (S.PREEMPTING, S.CANCELLING) else dict(j.releasing or {})
+            jobs.append(Job(j.id, j.tenant, j.kind, j.priority, j.min_gpus, j.max_gpus, j.multiple_of,  # type: ignore[arg-type]
+                            submit_s=j.submit_s, placement=dict(j.placement) if held else {},
+                            releasing=releasing if held else {}, started_s=j.started_s if held else None,
+                            last_preempted_s=j.last_preempted_s, last_grown_s=j.last_grown_s,
+                            last_shrunk_s=j.last_shrunk_s, last_ckpt_s=j.last_ckpt_s, ckpt_stall_s=j.ckpt_stall_s,
+                            ckpt_interval_s=j.ckpt_interval_s))
+        return Snapshot.build(now_s, self.nodes, tenants, jobs)
+
+
+# ----------------------------------------------------------------------------------------- helpers
+def _requeue_fields() -> dict[str, Any]:
+    return {"placement": {}, "releasing": {}, "started_s": None, "handle": None}
+
+
+def _describe(r: RankState) -> str:
+    if r.vanished:
+        return f"rank {r.rank} (pid {r.pid}) vanished without an exit code"
+    c = r.exit_code
+    if c is not None and c < 0:
+        return f"rank {r.rank} was killed by signal {-c}"
+    return f"rank {r.rank} exited with code {c}"
+
+
+def _account(job: JobRow, ob: Observation, now_s: float, success: bool) -> dict[str, Any]:
+    """Add one attempt to the job's totals: seconds held, productive, lost (steps re-run next time)."""
+    p = ob.progress
+    start = p.start_step if p.start_step is not None else (job.ckpt_step or 0)
+    reached = p.step if p.step is not None else start
+    kept = reached if success else min(reached, max(start, p.ckpt_step if p.ckpt_step is not None else start))
+    mean = p.mean_step_s or 0.0
+    return {"held_s": job.held_s + max(0.0, now_s - ob.launched_s),
+            "productive_s": job.productive_s + (kept - start) * mean,
+            "lost_s": job.lost_s + (reached - kept) * mean, "lost_steps": job.lost_steps + (reached - kept)}
+
+
+def job_report(job: JobRow, now_s: float) -> dict[str, Any]:
+    """Restarts, lost work and effective training time ratio (ETTR) of a job, including the attempt in flight.
+
+    ETTR = productive seconds / seconds holding GPUs, where productive means steps that count (not
+    re-run after a failure: steps past the newest checkpoint of a failed attempt are lost) times
+    the attempt's mean step time; start-up, restore and lost steps are what it loses.
+    """
+    held, productive = job.held_s, job.productive_s
+    if S(job.state) in HELD and job.attempt_launched_s is not None:
+        held += max(0.0, now_s - job.attempt_launched_s)
+        p = job.progress or {}
+        mean = p.get("steps_per_s") and 1.0 / p["steps_per_s"]
+        if p.get("step") is not None and mean:
+            productive += (p["step"] - (p.get("start_step") or 0)) * mean
+    return {"restarts": job.restarts, "preemptions": job.preemptions, "lost_work_s": round(job.lost_s, 3),
+            "lost_steps": job.lost_steps, "held_s": round(held, 3), "productive_s": round(productive, 3),
+            "ettr": round(productive / held, 4) if held > 0 else None}

@@ -1,0 +1,102 @@
+"""Prometheus metrics, computed from the store at scrape time (``GET /metrics``).
+
+| metric | type | labels |
+|---|---|---|
+| ``tidal_pool_gpus`` | gauge | ``node``, ``state`` (allocated, draining, free), ``tenant`` ("" when free) |
+| ``tidal_jobs`` | gauge | ``state`` (every state, zeros included) |
+| ``tidal_job_gpus`` | gauge | ``job``, ``tenant`` |
+| ``tidal_job_step`` | gauge | ``job``, ``tenant``: newest completed step |
+| ``tidal_job_steps_per_second`` | gauge | ``job``, ``tenant`` |
+| ``tidal_job_checkpoint_age_seconds`` | gauge | ``job``, ``tenant``, ``tier``: since the newest step in that tier was captured |
+| ``tidal_job_ettr_ratio`` | gauge | ``job``, ``tenant``: effective training time ratio |
+| ``tidal_job_restarts_total`` | counter | ``job``, ``tenant``: restarts after failures |
+| ``tidal_job_preemptions_total`` | counter | ``job``, ``tenant`` |
+| ``tidal_job_lost_work_seconds_total`` | counter | ``job``, ``tenant``: training re-run after failures |
+
+Per-job series exist for active jobs (not yet succeeded, failed or cancelled), so their number
+stays bounded by what runs and waits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from tidal.control.controller import job_report
+from tidal.control.states import ACTIVE, State
+from tidal.control.store import Store
+from tidal.control.views import pool_view
+from tidal.model import Node
+
+
+class PlaneCollector:
+    def __init__(self, store: Store, nodes: list[Node], clock: Callable[[], float]) -> None:
+        self.store, self.nodes, self.clock = store, nodes, clock
+
+    def collect(self) -> Iterator[Metric]:
+        now = self.clock()
+        jobs = self.store.jobs()
+        pool = GaugeMetricFamily("tidal_pool_gpus", "GPUs of the pool by state and owning tenant",
+                                 labels=["node", "state", "tenant"])
+        for n in pool_view(self.nodes, jobs, None)["nodes"]:
+            by: dict[tuple[str, str], int] = {}
+            for h in n["jobs"]:
+                if h["gpus"] - h["draining"]:
+                    by[("allocated", h["tenant"])] = by.get(("allocated", h["tenant"]), 0) + h["gpus"] - h["draining"]
+                if h["draining"]:
+                    by[("draining", h["tenant"])] = by.get(("draining", h["tenant"]), 0) + h["draining"]
+            for (state, tenant), g in sorted(by.items()):
+                pool.add_metric([n["name"], state, tenant], g)
+            pool.add_metric([n["name"], "free", ""], n["free"])
+        yield pool
+        counts = {s.value: 0 for s in State}
+        for j in jobs:
+            counts[j.state] = counts.get(j.state, 0) + 1
+        by_state = GaugeMetricFamily("tidal_jobs", "Jobs by state", labels=["state"])
+        for s, c in counts.items():
+            by_state.add_metric([s], c)
+        yield by_state
+        labels = ["job", "tenant"]
+        gpus = GaugeMetricFamily("tidal_job_gpus", "GPUs a job holds", labels=labels)
+        step = GaugeMetricFamily("tidal_job_step", "Newest completed training step", labels=labels)
+        rate = GaugeMetricFamily("tidal_job_steps_per_second", "Training steps per second (this attempt)",
+                                 labels=labels)
+        age = GaugeMetricFamily("tidal_job_checkpoint_age_seconds",
+                                "Seconds since the newest checkpoint held by a tier was captured",
+                                labels=[*labels, "tier"])
+        ettr = GaugeMetricFamily("tidal_job_ettr_ratio", "Effective training time ratio", labels=labels)
+        restarts = CounterMetricFamily("tidal_job_restarts", "Restarts after failures", labels=labels)
+        preempt = CounterMetricFamily("tidal_job_preemptions", "Preemptions", labels=labels)
+        lost = CounterMetricFamily("tidal_job_lost_work_seconds", "Seconds of training re-run after failures",
+                                   labels=labels)
+        for j in jobs:
+            if j.state not in ACTIVE:
+                continue
+            lv = [j.id, j.tenant]
+            p = j.progress or {}
+            rep = job_report(j, now)
+            gpus.add_metric(lv, j.gpus)
+            if p.get("step") is not None:
+                step.add_metric(lv, p["step"])
+            if p.get("steps_per_s"):
+                rate.add_metric(lv, p["steps_per_s"])
+            for tier, (_, captured_s) in sorted((p.get("tiers") or {}).items()):
+                age.add_metric([*lv, tier], max(0.0, now - captured_s))
+            if rep["ettr"] is not None:
+                ettr.add_metric(lv, rep["ettr"])
+            restarts.add_metric(lv, j.restarts)
+            preempt.add_metric(lv, j.preemptions)
+            lost.add_metric(lv, j.lost_s)
+        yield from (gpus, step, rate, age, ettr, restarts, preempt, lost)
+
+
+def registry(store: Store, nodes: list[Node], clock: Callable[[], float]) -> CollectorRegistry:
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(PlaneCollector(store, nodes, clock))  # type: ignore[arg-type]
+    return reg
+
+
+def render(reg: CollectorRegistry) -> bytes:
+    return generate_latest(reg)

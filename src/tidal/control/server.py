@@ -1,0 +1,120 @@
+"""``tidal up``: the API, the reconcile loop and the local executor in one process.
+
+The loop runs in a thread, calling ``Controller.step(time.time())`` every ``loop_interval_s``; the
+API runs under uvicorn in the main thread. At start the controller re-adopts the workers of jobs
+that were running when the previous process ended (also by ``kill -9``): workers run in their own
+sessions and outlive the control plane. Stopping ``tidal up`` (Ctrl-C, SIGTERM) leaves running jobs
+running; the next ``tidal up`` re-adopts them (``tidal cancel`` stops a job).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tidal.control.api import ApiContext, create_app
+from tidal.control.auth import ensure_admin
+from tidal.control.client import API_URL_FILE
+from tidal.control.config import ControlConfig
+from tidal.control.controller import Controller
+from tidal.control.store import Store, sqlite_url
+from tidal.exec.local import LocalExecutor, detect_gpus
+
+log = logging.getLogger("tidal.control")
+
+
+class ReconcileLoop(threading.Thread):
+    """Steps the controller on the wall clock until ``stop()``; an exception in a step is logged, not fatal."""
+
+    def __init__(self, controller: Controller, interval_s: float) -> None:
+        super().__init__(name="tidal-reconcile", daemon=True)
+        self.controller, self.interval_s = controller, interval_s
+        self._stop_event = threading.Event()
+        self.steps = 0
+
+    def run(self) -> None:
+        while not self._stop_event.is_set():
+            try:
+                self.controller.step(time.time())
+            except Exception:
+                log.exception("reconcile step failed")
+            self.steps += 1
+            self._stop_event.wait(self.interval_s)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+
+@dataclass
+class Plane:
+    """Everything ``tidal up`` runs, built but not started (tests may build one to drive it)."""
+
+    state_dir: Path
+    store: Store
+    executor: LocalExecutor
+    controller: Controller
+    admin_token: str
+    token_created: bool
+    describe: str
+
+    def app(self):
+        ctx = ApiContext(self.store, self.controller.nodes, self.executor.log_path, time.time)
+        return create_app(ctx)
+
+
+def build(state_dir: Path, gpus: str = "auto", db: str | None = None, config: ControlConfig | None = None) -> Plane:
+    state_dir = Path(state_dir).resolve()
+    state_dir.mkdir(parents=True, exist_ok=True)
+    store = Store(db or sqlite_url(str(state_dir / "tidal.db")))
+    token, created = ensure_admin(store, state_dir, time.time())
+    if gpus == "auto":
+        ids = detect_gpus()
+        if not ids:
+            raise SystemExit("tidal up: no NVIDIA GPUs found (nvidia-smi); on a machine without GPUs declare "
+                             "CPU slots with --gpus N")
+        executor = LocalExecutor(state_dir / "jobs", gpu_ids=ids)
+        what = f"{len(ids)} GPUs ({','.join(map(str, ids))})"
+    else:
+        try:
+            n = int(gpus)
+        except ValueError:
+            raise SystemExit(f"tidal up: --gpus must be 'auto' or a number of CPU slots, got {gpus!r}") from None
+        if n < 1:
+            raise SystemExit(f"tidal up: --gpus must be >= 1, got {n}")
+        executor = LocalExecutor(state_dir / "jobs", slots=n)
+        what = f"{n} CPU slots"
+    controller = Controller(store, executor, config, ckpt_root=state_dir / "jobs")
+    return Plane(state_dir, store, executor, controller, token, created, what)
+
+
+def serve(plane: Plane, host: str = "127.0.0.1", port: int = 8470, *, announce=print) -> None:
+    """Recover, start the loop, serve until interrupted. Writes ``<state dir>/api.url`` once listening."""
+    import uvicorn
+
+    plane.controller.recover(time.time())
+    loop = ReconcileLoop(plane.controller, plane.controller.config.loop_interval_s)
+    server = uvicorn.Server(uvicorn.Config(plane.app(), host=host, port=port, log_level="warning",
+                                           access_log=False, lifespan="off"))
+
+    def announce_when_up() -> None:
+        while not server.started and not server.should_exit:
+            time.sleep(0.02)
+        if not server.started:
+            return
+        bound = server.servers[0].sockets[0].getsockname()[1]
+        url = f"http://{host}:{bound}"
+        (plane.state_dir / API_URL_FILE).write_text(url + "\n")
+        announce(f"tidal up: {url} ({plane.describe}); state in {plane.state_dir}")
+        announce(f"admin token {'created in' if plane.token_created else 'in'} {plane.state_dir / 'admin.token'}")
+
+    threading.Thread(target=announce_when_up, name="tidal-announce", daemon=True).start()
+    loop.start()
+    try:
+        server.run()
+    finally:
+        loop.stop()
+        loop.join(timeout=10)
+        plane.store.close()

@@ -1,0 +1,291 @@
+"""The store: tenants, jobs and the event log in one SQL database (SQLAlchemy 2).
+
+Default: SQLite in WAL mode at ``<state dir>/tidal.db`` (readers never wait for the writer);
+any SQLAlchemy URL works, e.g. ``postgresql+psycopg://user@host/tidal`` (install the driver).
+
+Contract:
+
+* Every job state change goes through :meth:`Store.transition`, which checks it against the one
+  table in :mod:`tidal.control.states` (an illegal one raises ``IllegalTransition`` and changes
+  nothing) and records an event in the same transaction.
+* Writes are serialised by one lock (one ``tidal up`` process owns the store; the API's worker
+  threads and the reconcile loop share it); reads run concurrently.
+* Rows returned are detached snapshots (``expire_on_commit=False``): read them freely, change the
+  database only through the methods here.
+* Times are Unix seconds (``*_s``) on the caller's clock, passed in; the store reads no clock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from sqlalchemy import JSON, Boolean, Float, ForeignKey, Integer, String, create_engine, event, select
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+
+from tidal.control.states import ACTIVE, State, check_transition
+
+SCHEMA_VERSION = 1
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class TenantRow(Base):
+    __tablename__ = "tenants"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    quota_gpus: Mapped[int] = mapped_column(Integer, default=0)
+    weight: Mapped[float] = mapped_column(Float, default=1.0)
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True, index=True)
+    admin: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_s: Mapped[float] = mapped_column(Float, default=0.0)
+
+
+class JobRow(Base):
+    """One job. Request fields come from the spec; the rest is its state (see docs/control.md)."""
+
+    __tablename__ = "jobs"
+
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(80), unique=True, index=True, default="")
+    tenant: Mapped[str] = mapped_column(ForeignKey("tenants.name"), index=True)
+    name: Mapped[str] = mapped_column(String(64))
+    spec: Mapped[dict] = mapped_column(JSON)
+    state: Mapped[str] = mapped_column(String(16), index=True, default=State.PENDING.value)
+    kind: Mapped[str] = mapped_column(String(16))
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+    min_gpus: Mapped[int] = mapped_column(Integer)
+    max_gpus: Mapped[int] = mapped_column(Integer)
+    multiple_of: Mapped[int] = mapped_column(Integer, default=1)
+    max_restarts: Mapped[int] = mapped_column(Integer, default=3)
+    submit_s: Mapped[float] = mapped_column(Float)
+    # What the scheduler sees (tidal.model.Job).
+    placement: Mapped[dict] = mapped_column(JSON, default=dict)
+    releasing: Mapped[dict] = mapped_column(JSON, default=dict)
+    started_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    last_preempted_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    last_grown_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    last_shrunk_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    last_ckpt_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    ckpt_stall_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    ckpt_interval_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # Attempts, stopping, failures.
+    attempt: Mapped[int] = mapped_column(Integer, default=0)
+    attempt_launched_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    restarts: Mapped[int] = mapped_column(Integer, default=0)
+    preemptions: Mapped[int] = mapped_column(Integer, default=0)
+    retry_at_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    stop_reason: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    stop_deadline_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    killed: Mapped[bool] = mapped_column(Boolean, default=False)
+    cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    handle: Mapped[dict | None] = mapped_column(JSON, nullable=True)
+    progress: Mapped[dict] = mapped_column(JSON, default=dict)
+    ckpt_step: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # Effective training time: seconds summed over finished attempts.
+    held_s: Mapped[float] = mapped_column(Float, default=0.0)
+    productive_s: Mapped[float] = mapped_column(Float, default=0.0)
+    lost_s: Mapped[float] = mapped_column(Float, default=0.0)
+    lost_steps: Mapped[int] = mapped_column(Integer, default=0)
+    finished_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    message: Mapped[str] = mapped_column(String(2000), default="")
+
+    @property
+    def gpus(self) -> int:
+        return sum(self.placement.values()) if self.placement else 0
+
+
+class EventRow(Base):
+    __tablename__ = "events"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    time_s: Mapped[float] = mapped_column(Float)
+    job_id: Mapped[str | None] = mapped_column(String(80), index=True, nullable=True)
+    tenant: Mapped[str | None] = mapped_column(String(64), index=True, nullable=True)
+    kind: Mapped[str] = mapped_column(String(32))
+    from_state: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    to_state: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    message: Mapped[str] = mapped_column(String(2000), default="")
+    data: Mapped[dict | None] = mapped_column(JSON, nullable=True)
+
+
+class MetaRow(Base):
+    __tablename__ = "meta"
+
+    key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[str] = mapped_column(String(2000))
+
+
+class NotFound(KeyError):
+    pass
+
+
+def sqlite_url(path: str) -> str:
+    return f"sqlite:///{path}"
+
+
+class Store:
+    """Tenants, jobs and events in one database. Thread-safe; see the module docstring."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        kw: dict[str, Any] = {}
+        if url.startswith("sqlite"):
+            kw["connect_args"] = {"check_same_thread": False, "timeout": 30}
+        self.engine = create_engine(url, **kw)
+        if url.startswith("sqlite"):
+            event.listen(self.engine, "connect", _sqlite_pragmas)
+        Base.metadata.create_all(self.engine)
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        self._lock = threading.RLock()
+        with self._write() as s:
+            if s.get(MetaRow, "schema_version") is None:
+                s.add(MetaRow(key="schema_version", value=str(SCHEMA_VERSION)))
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    # -- sessions ------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _write(self) -> Iterator[Session]:
+        with self._lock, self._sessions.begin() as s:
+            yield s
+
+    @contextlib.contextmanager
+    def _read(self) -> Iterator[Session]:
+        with self._sessions() as s:
+            yield s
+
+    # -- tenants -------------------------------------------------------------------------------------
+    def add_tenant(self, name: str, token_hash: str, *, quota_gpus: int = 0, weight: float = 1.0,
+                   admin: bool = False, now_s: float = 0.0) -> TenantRow:
+        with self._write() as s:
+            if s.get(TenantRow, name) is not None:
+                raise ValueError(f"tenant {name!r} exists")
+            row = TenantRow(name=name, quota_gpus=quota_gpus, weight=weight, token_hash=token_hash, admin=admin,
+                            created_s=now_s)
+            s.add(row)
+            s.add(EventRow(time_s=now_s, tenant=name, kind="tenant",
+                           message=f"tenant {name} created (quota {quota_gpus} GPUs, weight {weight:g}"
+                                   f"{', admin' if admin else ''})"))
+        return row
+
+    def set_tenant_token(self, name: str, token_hash: str) -> None:
+        with self._write() as s:
+            row = s.get(TenantRow, name)
+            if row is None:
+                raise NotFound(name)
+            row.token_hash = token_hash
+
+    def tenant(self, name: str) -> TenantRow | None:
+        with self._read() as s:
+            return s.get(TenantRow, name)
+
+    def tenant_by_token_hash(self, token_hash: str) -> TenantRow | None:
+        with self._read() as s:
+            return s.scalars(select(TenantRow).where(TenantRow.token_hash == token_hash)).first()
+
+    def tenants(self) -> list[TenantRow]:
+        with self._read() as s:
+            return list(s.scalars(select(TenantRow).order_by(TenantRow.name)))
+
+    def admin(self) -> TenantRow | None:
+        with self._read() as s:
+            return s.scalars(select(TenantRow).where(TenantRow.admin.is_(True))).first()
+
+    # -- jobs ----------------------------------------------------------------------------------------
+    def submit(self, tenant: str, spec: dict, now_s: float) -> JobRow:
+        """Insert a pending job from a validated spec (``JobSpec.model_dump()``); its id is ``<name>-<seq>``."""
+        g = spec["gpus"]
+        with self._write() as s:
+            row = JobRow(tenant=tenant, name=spec["name"], spec=spec, state=State.PENDING.value, kind=spec["kind"],
+                         priority=spec["priority"], min_gpus=g["min"], max_gpus=g["max"],
+                         multiple_of=g["multiple_of"], max_restarts=spec["max_restarts"], submit_s=now_s,
+                         placement={}, releasing={}, progress={}, message="")
+            s.add(row)
+            s.flush()
+            row.id = f"{spec['name']}-{row.seq}"
+            s.add(EventRow(time_s=now_s, job_id=row.id, tenant=tenant, kind="transition", from_state=None,
+                           to_state=State.PENDING.value, message="submitted"))
+        return row
+
+    def job(self, job_id: str) -> JobRow:
+        with self._read() as s:
+            row = s.scalars(select(JobRow).where(JobRow.id == job_id)).first()
+        if row is None:
+            raise NotFound(job_id)
+        return row
+
+    def jobs(self, *, tenant: str | None = None, states: Iterable[str] | None = None) -> list[JobRow]:
+        """Jobs in submission order, optionally of one tenant and in some states."""
+        q = select(JobRow).order_by(JobRow.seq)
+        if tenant is not None:
+            q = q.where(JobRow.tenant == tenant)
+        if states is not None:
+            q = q.where(JobRow.state.in_([str(x) for x in states]))
+        with self._read() as s:
+            return list(s.scalars(q))
+
+    def active_jobs(self) -> list[JobRow]:
+        return self.jobs(states=ACTIVE)
+
+    def transition(self, job_id: str, to: State, now_s: float, message: str, *, data: dict | None = None,
+                   **fields: Any) -> JobRow:
+        """Move a job to ``to`` (checked against the table), set ``fields``, record the event; atomically."""
+        with self._write() as s:
+            row = self._get(s, job_id)
+            old = row.state
+            check_transition(job_id, old, to)
+            for k, v in fields.items():
+                setattr(row, k, v)
+            row.state = State(to).value
+            row.message = message[:2000]
+            s.add(EventRow(time_s=now_s, job_id=job_id, tenant=row.tenant, kind="transition", from_state=old,
+                           to_state=row.state, message=message[:2000], data=data))
+        return row
+
+    def update(self, job_id: str, **fields: Any) -> JobRow:
+        """Set fields that are not the state (progress, handle, bookkeeping)."""
+        if "state" in fields:
+            raise ValueError("use Store.transition to change a job's state")
+        with self._write() as s:
+            row = self._get(s, job_id)
+            for k, v in fields.items():
+                setattr(row, k, v)
+        return row
+
+    def _get(self, s: Session, job_id: str) -> JobRow:
+        row = s.scalars(select(JobRow).where(JobRow.id == job_id)).first()
+        if row is None:
+            raise NotFound(job_id)
+        return row
+
+    # -- events --------------------------------------------------------------------------------------
+    def record(self, kind: str, message: str, now_s: float, *, job: JobRow | None = None,
+               tenant: str | None = None, data: dict | None = None) -> None:
+        """An event that is not a transition (a decision, an adoption, a kill, a tenant change)."""
+        with self._write() as s:
+            s.add(EventRow(time_s=now_s, job_id=job.id if job else None, tenant=job.tenant if job else tenant,
+                           kind=kind, message=message[:2000], data=data))
+
+    def events(self, *, job_id: str | None = None, tenant: str | None = None, after_id: int = 0,
+               limit: int = 1000) -> list[EventRow]:
+        q = select(EventRow).where(EventRow.id > after_id).order_by(EventRow.id).limit(limit)
+        if job_id is not None:
+            q = q.where(EventRow.job_id == job_id)
+        if tenant is not None:
+            q = q.where(EventRow.tenant == tenant)
+        with self._read() as s:
+            return list(s.scalars(q))
+
+
+def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute("PRAGMA synchronous=NORMAL")
+    cur.execute("PRAGMA foreign_keys=ON")
+    cur.close()

@@ -1,0 +1,284 @@
+"""The local executor: every rank of a job is a process on this machine.
+
+    ex = LocalExecutor(state_dir / "jobs", slots=4)               # 4 CPU slots (gloo)
+    ex = LocalExecutor(state_dir / "jobs", gpu_ids=[0, 1, 2, 3])   # 4 NVIDIA GPUs
+    handle = ex.launch(LaunchRequest("gpt-1", 1, ("python", "train.py"), {"local": 2}), now_s)
+    ex.observe(now_s)["gpt-1"].ranks                               # pids, exit codes
+    ex.signal_stop("gpt-1")                                         # SIGTERM: checkpoint, exit 75
+
+Each rank gets the torchrun contract (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
+``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT``), ``TIDAL_PROGRESS_DIR`` (one directory per
+attempt) and its devices: on GPUs, ``CUDA_VISIBLE_DEVICES`` lists the job's GPUs (rank ``r`` uses
+``cuda:r``); on CPU slots it is empty, so a job never grabs a GPU it was not given. Output of all
+attempts is appended to ``<root>/<job>/logs/rank-<r>.log``, with a header line per attempt.
+
+Files per attempt (``<root>/<job>/attempt-<n>/``): ``launch.json`` (ranks' pids and start times,
+devices; written before any rank starts), ``exit-<r>.json`` (the rank's exit code, by its shim),
+``pid-<r>.json`` (the rank's own pid, under the shim), ``progress/`` (the runtime's records).
+``adopt`` reads them back after a restart of the control plane. See :mod:`tidal.exec.shim` for
+why a rank never runs twice.
+
+Not thread-safe: one reconcile loop drives it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tidal.exec import procs, shim
+from tidal.exec.progress import ProgressReader
+from tidal.exec.protocol import LaunchRequest, Observation, RankState
+from tidal.model import Node
+
+
+class LaunchError(RuntimeError):
+    """A rank could not be started (no free device, a missing working directory, ...)."""
+
+
+def detect_gpus() -> list[int]:
+    """Indices of the NVIDIA GPUs ``nvidia-smi`` sees (none without the tool or a GPU)."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return []
+    try:
+        out = subprocess.run([exe, "--query-gpu=index", "--format=csv,noheader"], capture_output=True, text=True,
+                             timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [int(x) for x in out.split() if x.strip().isdigit()]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class _Rank:
+    rank: int
+    pid: int
+    started: int | None
+    popen: subprocess.Popen | None = None  # None when adopted after a restart
+
+
+@dataclass
+class _Tracked:
+    job_id: str
+    attempt: int
+    launched_s: float
+    devices: list[int]
+    dir: Path
+    ranks: list[_Rank]
+    reader: ProgressReader
+    codes: dict[int, int] = field(default_factory=dict)
+    vanished: set[int] = field(default_factory=set)
+
+
+class LocalExecutor:
+    """Runs ranks as local processes. ``slots`` CPU slots, or the GPUs in ``gpu_ids``."""
+
+    def __init__(self, root: str | os.PathLike, *, slots: int | None = None, gpu_ids: list[int] | None = None,
+                 node: str = "local", python: str = sys.executable) -> None:
+        if (slots is None) == (gpu_ids is None):
+            raise ValueError("give exactly one of slots (CPU) or gpu_ids")
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.gpu = gpu_ids is not None
+        self.devices = list(gpu_ids) if gpu_ids is not None else list(range(slots or 0))
+        if not self.devices:
+            raise ValueError("no GPUs or slots to run on")
+        self.node = node
+        self.python = python
+        self._free = list(self.devices)
+        self._jobs: dict[str, _Tracked] = {}
+
+    # -- layout --------------------------------------------------------------------------------------
+    def job_dir(self, job_id: str) -> Path:
+        return self.root / job_id
+
+    def attempt_dir(self, job_id: str, attempt: int) -> Path:
+        return self.job_dir(job_id) / f"attempt-{attempt}"
+
+    def log_path(self, job_id: str, rank: int) -> str:
+        return str(self.job_dir(job_id) / "logs" / f"rank-{rank}.log")
+
+    def nodes(self) -> list[Node]:
+        return [Node(self.node, len(self.devices))]
+
+    # -- acting --------------------------------------------------------------------------------------
+    def launch(self, req: LaunchRequest, now_s: float) -> dict:
+        if req.job_id in self._jobs:
+            raise LaunchError(f"job {req.job_id}: attempt {self._jobs[req.job_id].attempt} is still tracked")
+        n = req.world_size
+        if set(req.placement) - {self.node}:
+            raise LaunchError(f"job {req.job_id}: placement {dict(req.placement)} names nodes other than {self.node!r}")
+        if n > len(self._free):
+            raise LaunchError(f"job {req.job_id}: needs {n} devices, {len(self._free)} free")
+        if req.workdir is not None and not Path(req.workdir).is_dir():
+            raise LaunchError(f"job {req.job_id}: workdir {req.workdir} is not a directory")
+        devices, self._free = self._free[:n], self._free[n:]
+        adir = self.attempt_dir(req.job_id, req.attempt)
+        (adir / "progress").mkdir(parents=True, exist_ok=True)
+        (self.job_dir(req.job_id) / "logs").mkdir(parents=True, exist_ok=True)
+        port = free_port()
+        ranks: list[_Rank] = []
+        try:
+            for r in range(n):
+                ranks.append(self._spawn(req, r, devices, port, adir))
+            doc = {"job_id": req.job_id, "attempt": req.attempt, "world_size": n, "devices": devices,
+                   "gpu": self.gpu, "master_port": port, "launched_s": now_s,
+                   "ranks": [{"rank": k.rank, "pid": k.pid, "started": k.started} for k in ranks]}
+            _write_json(adir / "launch.json", doc)
+            for k in ranks:  # the second phase: recorded, now run
+                k.popen.stdin.write(b"go\n")  # type: ignore[union-attr]
+                k.popen.stdin.close()  # type: ignore[union-attr]
+        except BaseException:
+            for k in ranks:
+                with contextlib.suppress(OSError):
+                    k.popen.stdin.close()  # type: ignore[union-attr]  # EOF: the shim exits, runs nothing
+                procs.kill_group(k.pid)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    k.popen.wait(timeout=5)  # type: ignore[union-attr]
+            self._free.extend(devices)
+            raise
+        self._jobs[req.job_id] = _Tracked(req.job_id, req.attempt, now_s, devices, adir, ranks,
+                                          ProgressReader(adir / "progress", n))
+        return {"node": self.node, "devices": devices, "master_port": port, "dir": str(adir),
+                "ranks": [{"rank": k.rank, "pid": k.pid} for k in ranks]}
+
+    def _spawn(self, req: LaunchRequest, r: int, devices: list[int], port: int, adir: Path) -> _Rank:
+        n = req.world_size
+        env = os.environ.copy()
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // len(self.devices))))
+        if sys.platform.startswith("linux") and Path("/sys/class/net/lo").exists():
+            env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        env.update(req.env)
+        env.update({"RANK": str(r), "WORLD_SIZE": str(n), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(n),
+                    "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                    "TIDAL_JOB_ID": req.job_id, "TIDAL_PROGRESS_DIR": str(adir / "progress"),
+                    "CUDA_VISIBLE_DEVICES": ",".join(map(str, devices)) if self.gpu else "",
+                    "PYTHONUNBUFFERED": "1"})
+        log = Path(self.log_path(req.job_id, r))
+        with open(log, "ab") as out:
+            out.write(f"=== tidal: {req.job_id} attempt {req.attempt}, rank {r} of {n}, "
+                      f"{time.strftime('%Y-%m-%d %H:%M:%S')} ===\n".encode())
+            out.flush()
+            try:
+                p = subprocess.Popen([self.python, "-I", shim.__file__, str(adir / f"exit-{r}.json"),
+                                      str(adir / f"pid-{r}.json"), "--", *req.command],
+                                     stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, cwd=req.workdir,
+                                     env=env, start_new_session=True)
+            except OSError as e:
+                raise LaunchError(f"job {req.job_id}: cannot start rank {r}: {e}") from e
+        return _Rank(r, p.pid, procs.start_time(p.pid), p)
+
+    def signal_stop(self, job_id: str) -> None:
+        self._signal(job_id, signal.SIGTERM)
+
+    def kill(self, job_id: str) -> None:
+        self._signal(job_id, signal.SIGKILL)
+
+    def _signal(self, job_id: str, sig: int) -> None:
+        t = self._jobs.get(job_id)
+        if t is None:
+            return
+        for k in t.ranks:
+            if k.rank not in t.codes and k.rank not in t.vanished and self._alive(k):
+                procs.signal_group(k.pid, sig)
+
+    def release(self, job_id: str) -> None:
+        t = self._jobs.pop(job_id, None)
+        if t is None:
+            return
+        for k in t.ranks:
+            if k.popen is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    k.popen.wait(timeout=5)
+        self._free.extend(d for d in t.devices if d in self.devices and d not in self._free)
+
+    # -- observing -----------------------------------------------------------------------------------
+    def observe(self, now_s: float) -> dict[str, Observation]:
+        return {job_id: self._observe(t) for job_id, t in self._jobs.items()}
+
+    def _observe(self, t: _Tracked) -> Observation:
+        states = []
+        for k in t.ranks:
+            if k.rank not in t.codes and k.rank not in t.vanished:
+                self._poll_rank(t, k)
+            states.append(RankState(k.rank, k.pid, t.codes.get(k.rank), k.rank in t.vanished))
+        return Observation(t.job_id, t.attempt, t.launched_s, tuple(states), t.reader.read())
+
+    def _poll_rank(self, t: _Tracked, k: _Rank) -> None:
+        if k.popen is not None:
+            code = k.popen.poll()
+            if code is None:
+                return
+        elif self._alive(k):
+            return
+        else:
+            code = None
+        doc = _read_json(t.dir / f"exit-{k.rank}.json")
+        if doc is not None and isinstance(doc.get("code"), int):
+            t.codes[k.rank] = doc["code"]  # the rank's own code, as its shim saw it
+        elif code is not None and code < 0:
+            t.codes[k.rank] = code  # shim and rank killed together (SIGKILL of the group)
+        else:
+            t.vanished.add(k.rank)  # gone, and nobody recorded how
+
+    def _alive(self, k: _Rank) -> bool:
+        if k.popen is not None:
+            return k.popen.poll() is None
+        return procs.alive(k.pid, k.started)
+
+    def worker_pids(self, job_id: str) -> dict[int, int]:
+        """rank -> the rank's own pid (under its shim), for those that started."""
+        t = self._jobs.get(job_id)
+        out = {}
+        for k in t.ranks if t else []:
+            doc = _read_json(t.dir / f"pid-{k.rank}.json")  # type: ignore[union-attr]
+            if doc and isinstance(doc.get("pid"), int):
+                out[k.rank] = doc["pid"]
+        return out
+
+    # -- recovery ------------------------------------------------------------------------------------
+    def adopt(self, job_id: str, attempt: int, now_s: float) -> bool:
+        """Track attempt ``attempt`` of ``job_id`` again from its ``launch.json``; False if there is none
+        (the launch was never recorded, so none of its ranks ever started)."""
+        adir = self.attempt_dir(job_id, attempt)
+        doc = _read_json(adir / "launch.json")
+        if doc is None:
+            return False
+        devices = list(doc["devices"])  # held by the workers whatever this executor was told at start
+        self._free = [d for d in self._free if d not in devices]
+        ranks = [_Rank(r["rank"], r["pid"], r.get("started")) for r in doc["ranks"]]
+        self._jobs[job_id] = _Tracked(job_id, attempt, float(doc["launched_s"]), devices, adir, ranks,
+                                      ProgressReader(adir / "progress", len(ranks)))
+        return True
+
+
+def _write_json(path: Path, doc: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(doc, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        doc = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None

@@ -1,0 +1,148 @@
+"""A job's training progress, folded from the runtime's per-rank files (docs/train.md).
+
+The runtime writes ``progress-rNNNNN.jsonl`` (one record per event) and ``heartbeat-rNNNNN.json``
+per rank into ``TIDAL_PROGRESS_DIR``. :class:`ProgressReader` tails rank 0's records incrementally
+(every rank reports the same step, loss and checkpoints) and reads every rank's heartbeat, and
+turns them into one :class:`Progress` value per observation. Each attempt of a job has its own
+directory, so reading it again from the start (after a restart of the control plane) gives the
+same value.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SHM_TIERS = frozenset({"shm"})  # node memory: survives the process, not the node
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Training progress of one attempt. Times are Unix seconds; ``None``: not reported yet.
+
+    ``start_step``: the step the attempt restored (0: from scratch). ``step``: the newest completed
+    step and ``step_s`` when it completed; ``first_step``/``first_step_s`` the first one this attempt.
+    ``heartbeat_s``: the oldest of the ranks' newest heartbeats (a hang on any rank stalls all of
+    them); ``heartbeats``: how many ranks have written one. ``ckpt_step``/``ckpt_s``: the newest
+    step committed in any tier and when it was captured; ``durable_*``: the same for tiers other
+    than node memory; ``tiers``: tier -> [step, capture time]. ``ckpt_stall_s``: the last save's
+    stall. ``preempted``/``ended``: the runtime wrote its last record.
+    """
+
+    start_step: int | None = None
+    step: int | None = None
+    step_s: float | None = None
+    first_step: int | None = None
+    first_step_s: float | None = None
+    step_time_s: float | None = None
+    loss: float | None = None
+    heartbeat_s: float | None = None
+    heartbeats: int = 0
+    phase: str | None = None
+    ckpt_step: int | None = None
+    ckpt_s: float | None = None
+    durable_ckpt_step: int | None = None
+    durable_ckpt_s: float | None = None
+    ckpt_stall_s: float | None = None
+    tiers: dict[str, list] = field(default_factory=dict)
+    preempted: bool = False
+    ended: bool = False
+
+    @property
+    def mean_step_s(self) -> float | None:
+        """Mean seconds per step over this attempt (first to newest step record)."""
+        if self.step is not None and self.first_step is not None and self.step > self.first_step:
+            return (self.step_s - self.first_step_s) / (self.step - self.first_step)  # type: ignore[operator]
+        return self.step_time_s
+
+    @property
+    def steps_per_s(self) -> float | None:
+        m = self.mean_step_s
+        return 1.0 / m if m else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__} | {"steps_per_s": self.steps_per_s}
+
+
+class ProgressReader:
+    """Incremental reader of one attempt's progress directory (rank 0's records, all heartbeats)."""
+
+    def __init__(self, directory: str | os.PathLike, world_size: int) -> None:
+        self.dir = Path(directory)
+        self.world_size = world_size
+        self._offset = 0
+        self._partial = b""
+        self._f: dict[str, Any] = {}
+        self._captured: dict[int, float] = {}
+
+    def read(self) -> Progress:
+        self._tail()
+        beats = [b for b in (self._heartbeat(r) for r in range(self.world_size)) if b is not None]
+        f = self._f
+        return Progress(
+            start_step=f.get("start_step"), step=f.get("step"), step_s=f.get("step_s"),
+            first_step=f.get("first_step"), first_step_s=f.get("first_step_s"), step_time_s=f.get("step_time_s"),
+            loss=f.get("loss"), heartbeat_s=min((b["time"] for b in beats), default=None), heartbeats=len(beats),
+            phase=beats[0].get("phase") if beats else None, ckpt_step=f.get("ckpt_step"), ckpt_s=f.get("ckpt_s"),
+            durable_ckpt_step=f.get("durable_ckpt_step"), durable_ckpt_s=f.get("durable_ckpt_s"),
+            ckpt_stall_s=f.get("ckpt_stall_s"), tiers=dict(f.get("tiers", {})),
+            preempted=f.get("preempted", False), ended=f.get("ended", False))
+
+    def _tail(self) -> None:
+        path = self.dir / "progress-r00000.jsonl"
+        try:
+            with open(path, "rb") as fh:
+                fh.seek(self._offset)
+                chunk = fh.read()
+        except FileNotFoundError:
+            return
+        self._offset += len(chunk)
+        data = self._partial + chunk
+        lines = data.split(b"\n")
+        self._partial = lines.pop()  # an unfinished last line waits for the rest
+        for line in lines:
+            with contextlib.suppress(ValueError):
+                self._fold(json.loads(line))
+
+    def _fold(self, r: dict[str, Any]) -> None:
+        f, ev, t = self._f, r.get("event"), r.get("time")
+        if ev == "restore":
+            f["start_step"] = int(r.get("step") or 0)
+        elif ev == "step":
+            f["step"], f["step_s"] = r.get("step"), t
+            if f.get("first_step") is None:
+                f["first_step"], f["first_step_s"] = r.get("step"), t
+            if r.get("step_time_s") is not None:
+                f["step_time_s"] = r["step_time_s"]
+            f["loss"] = r.get("loss")
+        elif ev == "checkpoint":
+            self._captured[int(r["step"])] = t
+            f["ckpt_stall_s"] = r.get("stall_s")
+        elif ev == "committed":
+            step = int(r["step"])
+            when = self._captured.get(step, t)
+            tiers = f.setdefault("tiers", {})
+            for name in r.get("tiers", []):
+                if name not in tiers or tiers[name][0] < step:
+                    tiers[name] = [step, when]
+            if f.get("ckpt_step") is None or step > f["ckpt_step"]:
+                f["ckpt_step"], f["ckpt_s"] = step, when
+            if set(r.get("tiers", [])) - SHM_TIERS and (f.get("durable_ckpt_step") or -1) < step:
+                f["durable_ckpt_step"], f["durable_ckpt_s"] = step, when
+        elif ev == "preempted":  # the final checkpoint of a notice, held by ``tiers`` at exit
+            f["preempted"] = True
+            if r.get("tiers") and r.get("step") is not None:
+                self._fold({**r, "event": "committed"})
+        elif ev == "end":
+            f["ended"] = True
+
+    def _heartbeat(self, rank: int) -> dict[str, Any] | None:
+        try:
+            doc = json.loads((self.dir / f"heartbeat-r{rank:05d}.json").read_bytes())
+        except (OSError, ValueError):
+            return None
+        return doc if isinstance(doc, dict) and isinstance(doc.get("time"), int | float) else None

@@ -1,0 +1,118 @@
+"""The executor protocol: what the reconcile loop asks of whatever runs the workers.
+
+Call order (one reconcile step, always from one thread):
+
+1. ``observe(now_s)`` — facts about every job the executor tracks: each rank's pid and exit code
+   (``None`` while it runs; ``vanished`` when the process is gone and its exit code is unknown),
+   and the job's training progress (steps, heartbeats, checkpoints) read from its progress files.
+   The executor judges nothing: the control plane classifies success, preemption and failure.
+2. Acting on decisions: ``launch`` (start all ranks of a new attempt), ``signal_stop`` (a notice:
+   SIGTERM to every rank; the job checkpoints and exits 75), ``kill`` (SIGKILL every rank),
+   ``release`` (forget a job whose ranks all exited; frees its devices).
+
+After a restart of the control plane, ``adopt(job_id, attempt)`` re-tracks an attempt launched
+earlier (from what the executor itself recorded durably) and says whether any of it is left.
+
+Times are Unix seconds (``now_s``) from the caller. Exit codes are the process's: negative means
+killed by that signal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from tidal.exec.progress import Progress
+from tidal.model import Node
+
+# The runtime's "preempted, resumable" exit code (tidal.train.env.EXIT_PREEMPTED, EX_TEMPFAIL). Kept
+# here as a constant so the control plane does not import torch; tests check the two agree.
+EXIT_PREEMPTED = 75
+
+
+@dataclass(frozen=True)
+class LaunchRequest:
+    """Start attempt ``attempt`` of ``job_id``: ``placement`` (node -> GPUs) ranks running ``command``.
+
+    ``env`` holds the job's variables and Tidal's (checkpoint location and interval, grace); the
+    executor adds the torchrun contract, the GPU binding and ``TIDAL_PROGRESS_DIR``.
+    """
+
+    job_id: str
+    attempt: int
+    command: tuple[str, ...]
+    placement: Mapping[str, int]
+    workdir: str | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        return sum(self.placement.values())
+
+
+@dataclass(frozen=True)
+class RankState:
+    rank: int
+    pid: int | None
+    exit_code: int | None = None  # None: still running (or vanished)
+    vanished: bool = False  # gone without a recorded exit code
+
+    @property
+    def alive(self) -> bool:
+        return self.exit_code is None and not self.vanished
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What an executor knows of one job's current attempt at ``now_s``."""
+
+    job_id: str
+    attempt: int
+    launched_s: float
+    ranks: tuple[RankState, ...]
+    progress: Progress = field(default_factory=Progress)
+
+    @property
+    def alive(self) -> list[RankState]:
+        return [r for r in self.ranks if r.alive]
+
+    @property
+    def done(self) -> bool:
+        return not self.alive
+
+
+class Executor(Protocol):
+    """See the module docstring for the call order. Implementations: ``LocalExecutor``, test fakes."""
+
+    def nodes(self) -> list[Node]:
+        """The machines (and their GPUs) this executor runs ranks on."""
+        ...
+
+    def launch(self, req: LaunchRequest, now_s: float) -> dict:
+        """Start every rank; return a JSON-able handle (pids, devices, paths) for display and the store."""
+        ...
+
+    def signal_stop(self, job_id: str) -> None:
+        """Notice to every rank still running (SIGTERM): checkpoint now and exit 75."""
+        ...
+
+    def kill(self, job_id: str) -> None:
+        """SIGKILL every rank still running."""
+        ...
+
+    def observe(self, now_s: float) -> dict[str, Observation]:
+        """Facts about every tracked job."""
+        ...
+
+    def adopt(self, job_id: str, attempt: int, now_s: float) -> bool:
+        """Re-track an attempt launched before a restart; False when nothing of it can be found."""
+        ...
+
+    def release(self, job_id: str) -> None:
+        """Forget a job whose ranks have all exited."""
+        ...
+
+    def log_path(self, job_id: str, rank: int) -> str | None:
+        """Where rank ``rank``'s output goes (all attempts appended), if the executor keeps one."""
+        ...

@@ -1,0 +1,196 @@
+"""The REST API in-process (the client over Starlette's TestClient: our transport seam): auth,
+tenant isolation as a full matrix, 422 naming the field, pool, metrics, OpenAPI."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+with warnings.catch_warnings():  # starlette 1.x suggests another httpx package for its test client
+    warnings.simplefilter("ignore")
+    from fastapi.testclient import TestClient
+
+from control_fakes import FakeClock
+from tidal.control.api import ApiContext, create_app
+from tidal.control.auth import create_tenant, ensure_admin, token_hash
+from tidal.control.client import ApiError, TidalClient
+from tidal.control.store import Store
+from tidal.model import Node
+
+SPEC = {"name": "job", "gpus": 1, "command": ["python", "train.py"], "workdir": "/tmp"}
+
+
+@pytest.fixture
+def api(tmp_path):
+    store = Store(f"sqlite:///{tmp_path}/tidal.db")
+    admin_token, created = ensure_admin(store, tmp_path, 0.0)
+    assert created
+    logs = tmp_path / "logs"
+
+    def log_path(job_id: str, rank: int) -> str:
+        return str(logs / job_id / f"rank-{rank}.log")
+
+    app = create_app(ApiContext(store, [Node("local", 4)], log_path, FakeClock()))
+    http = TestClient(app)
+    tokens = {"admin": admin_token,
+              "a": create_tenant(store, "a", quota_gpus=2, weight=1.0),
+              "b": create_tenant(store, "b", quota_gpus=0, weight=2.0)}
+    clients = {k: TidalClient(http=http, token=t) for k, t in tokens.items()}
+    jobs = {k: clients[k].submit({**SPEC, "name": f"job-{k}"})["id"] for k in ("a", "b")}
+    for k, j in jobs.items():
+        (logs / j).mkdir(parents=True)
+        (logs / j / "rank-0.log").write_text(f"secret of {k}\n")
+    yield clients, jobs, store, http, tmp_path
+    store.close()
+
+
+def test_admin_token_file_and_hashes_only(api):
+    clients, jobs, store, _, tmp_path = api
+    token = (tmp_path / "admin.token").read_text().strip()
+    assert (tmp_path / "admin.token").stat().st_mode & 0o777 == 0o600
+    assert store.admin().token_hash == token_hash(token)
+    assert all(t.token_hash != clients[t.name].token for t in store.tenants())  # never in clear
+    assert ensure_admin(store, tmp_path, 1.0) == (token, False)  # second start: same token
+    assert clients["a"].whoami() == {"tenant": "a", "admin": False, "quota_gpus": 2, "weight": 1.0}
+
+
+@pytest.mark.parametrize("token", [None, "", "tidal_wrong"])
+def test_unauthenticated_is_401(api, token):
+    clients, jobs, _, http, _ = api
+    c = TidalClient(http=http, token=token)
+    for call in (c.whoami, c.jobs, c.pool, lambda: c.job(jobs["a"]), lambda: c.submit(SPEC), c.events):
+        with pytest.raises(ApiError) as e:
+            call()
+        assert e.value.status == 401
+    assert http.get("/v1/jobs", headers={"Authorization": f"Basic {clients['a'].token}"}).status_code == 401
+
+
+def _job_calls(c: TidalClient, job_id: str):
+    return {"get": lambda: c.job(job_id), "logs": lambda: c.logs(job_id), "events": lambda: c.events(job_id),
+            "cancel": lambda: c.cancel(job_id)}
+
+
+@pytest.mark.parametrize("caller", ["a", "b", "admin"])
+@pytest.mark.parametrize("owner", ["a", "b"])
+@pytest.mark.parametrize("endpoint", ["get", "logs", "events", "cancel"])
+def test_isolation_matrix(api, caller, owner, endpoint):
+    clients, jobs, store, _, _ = api
+    call = _job_calls(clients[caller], jobs[owner])[endpoint]
+    if caller in (owner, "admin"):
+        out = call()
+        if endpoint == "logs":
+            assert out["data"] == f"secret of {owner}\n"
+        if endpoint == "cancel":
+            assert store.job(jobs[owner]).cancel_requested
+    else:
+        with pytest.raises(ApiError) as e:
+            call()
+        assert e.value.status == 404 and "not found" in str(e.value)
+        assert not store.job(jobs[owner]).cancel_requested
+
+
+def test_lists_show_only_own_objects(api):
+    clients, jobs, _, _, _ = api
+    assert [j["id"] for j in clients["a"].jobs()] == [jobs["a"]]
+    assert [j["id"] for j in clients["b"].jobs(tenant="a")] == [jobs["b"]]  # tenant filter is admin-only
+    assert [j["id"] for j in clients["admin"].jobs()] == [jobs["a"], jobs["b"]]
+    assert [j["id"] for j in clients["admin"].jobs(tenant="b")] == [jobs["b"]]
+    assert {e["tenant"] for e in clients["a"].events()} == {"a"}
+    assert {e["job"] for e in clients["a"].events() if e["job"]} == {jobs["a"]}
+    assert clients["a"].jobs(states=["running"]) == []
+
+
+def test_tenants_are_admin_only(api):
+    clients, _, _, _, _ = api
+    for who in ("a", "b"):
+        with pytest.raises(ApiError) as e:
+            clients[who].create_tenant("c", quota_gpus=1)
+        assert e.value.status == 403
+        with pytest.raises(ApiError):
+            clients[who].tenants()
+    made = clients["admin"].create_tenant("c", quota_gpus=1, weight=0.5)
+    assert made["token"].startswith("tidal_")
+    assert TidalClient(http=clients["a"].http, token=made["token"]).whoami()["tenant"] == "c"
+    with pytest.raises(ApiError) as e:
+        clients["admin"].create_tenant("c")
+    assert e.value.status == 409
+    with pytest.raises(ApiError) as e:
+        clients["admin"].create_tenant("d", weight=0)
+    assert e.value.status == 422 and e.value.errors == ["weight: Input should be greater than 0"]
+
+
+def test_bad_spec_is_422_naming_the_field(api):
+    clients, _, _, http, _ = api
+    r = http.post("/v1/jobs", json={**SPEC, "gpus": {"min": 0}, "bogus": 1},
+                  headers={"Authorization": f"Bearer {clients['a'].token}"})
+    assert r.status_code == 422
+    body = r.json()
+    assert {d["field"] for d in body["detail"]} == {"gpus.min", "bogus"}
+    assert ["body", "gpus", "min"] in [d["loc"] for d in body["detail"]]
+    with pytest.raises(ApiError) as e:
+        clients["a"].submit({**SPEC, "command": "python train.py"})
+    assert e.value.status == 422 and e.value.errors[0].startswith("command: expected a list of arguments")
+    with pytest.raises(ApiError) as e:
+        clients["a"].submit({**SPEC, "gpus": 5})
+    assert e.value.errors == ["gpus.min: 5 GPUs requested, the pool has 4"]
+    with pytest.raises(ApiError) as e:
+        clients["b"].submit({**SPEC, "kind": "dedicated"})
+    assert "tenant b has a quota of 0" in e.value.errors[0]
+
+
+def test_cancel_twice_and_after_the_end(api):
+    clients, jobs, store, _, _ = api
+    clients["a"].cancel(jobs["a"])
+    clients["a"].cancel(jobs["a"])
+    assert sum(e["kind"] == "cancel" for e in clients["a"].events(jobs["a"])) == 1
+    from tidal.control.states import State
+
+    store.transition(jobs["a"], State.CANCELLED, 1.0, "cancelled")
+    with pytest.raises(ApiError) as e:
+        clients["a"].cancel(jobs["a"])
+    assert e.value.status == 409
+
+
+def test_logs_by_offset_and_missing_rank(api):
+    clients, jobs, _, _, _ = api
+    first = clients["a"].logs(jobs["a"], offset=0, limit=7)
+    assert first["data"] == "secret " and first["offset"] == 7 and first["size"] == 12
+    rest = clients["a"].logs(jobs["a"], offset=first["offset"])
+    assert rest["data"] == "of a\n" and rest["offset"] == 12
+    with pytest.raises(ApiError) as e:
+        clients["a"].logs(jobs["a"], rank=3)
+    assert e.value.status == 404
+
+
+def test_pool_hides_other_tenants_job_ids(api):
+    clients, jobs, store, _, _ = api
+    from tidal.control.states import State
+
+    for j in jobs.values():
+        store.transition(j, State.ADMITTED, 1.0, "x", placement={"local": 1}, attempt=1)
+    pool_a = clients["a"].pool()
+    assert pool_a["allocated"] == 2 and pool_a["free"] == 2
+    assert {(h["job"], h["tenant"]) for h in pool_a["nodes"][0]["jobs"]} == {(jobs["a"], "a"), (None, "b")}
+    assert {h["job"] for h in clients["admin"].pool()["nodes"][0]["jobs"]} == set(jobs.values())
+
+
+def test_metrics_and_openapi(api):
+    clients, jobs, store, http, _ = api
+    from tidal.control.states import State
+
+    store.transition(jobs["a"], State.ADMITTED, 1.0, "x", placement={"local": 1}, attempt=1,
+                     progress={"step": 7, "steps_per_s": 2.0, "tiers": {"shm": [6, 0.5]}})
+    text = clients["a"].metrics()
+    assert 'tidal_pool_gpus{node="local",state="allocated",tenant="a"} 1.0' in text
+    assert 'tidal_pool_gpus{node="local",state="free",tenant=""} 3.0' in text
+    assert 'tidal_jobs{state="pending"} 1.0' in text and 'tidal_jobs{state="admitted"} 1.0' in text
+    assert f'tidal_job_step{{job="{jobs["a"]}",tenant="a"}} 7.0' in text
+    assert f'tidal_job_steps_per_second{{job="{jobs["a"]}",tenant="a"}} 2.0' in text
+    assert f'tidal_job_checkpoint_age_seconds{{job="{jobs["a"]}",tenant="a",tier="shm"}}' in text
+    assert f'tidal_job_restarts_total{{job="{jobs["a"]}",tenant="a"}} 0.0' in text
+    assert "tidal_job_ettr_ratio" in text and "tidal_job_lost_work_seconds_total" in text
+    doc = http.get("/openapi.json").json()
+    assert {"/v1/jobs", "/v1/jobs/{job_id}", "/v1/jobs/{job_id}/cancel", "/v1/jobs/{job_id}/logs", "/v1/events",
+            "/v1/pool", "/v1/tenants", "/metrics"} <= set(doc["paths"])
+    assert "JobSpec" in doc["components"]["schemas"]

@@ -1,0 +1,271 @@
+"""The reconcile loop stepped with a fake clock and a fake executor (our own seam): decisions,
+transitions and events, one step at a time."""
+
+from __future__ import annotations
+
+import pytest
+
+from control_fakes import FakeClock, FakeExecutor, new_store, submit
+from tidal.control.config import ControlConfig
+from tidal.control.controller import Controller, job_report
+from tidal.control.states import State
+from tidal.model import Admit, Preempt, Shrink
+from tidal.policy.scheduler import SchedulerConfig
+
+CFG = ControlConfig(scheduler=SchedulerConfig(min_runtime_before_preempt_s=0, preempt_grace_s=60),
+                    restart_backoff_s=10, max_backoff_s=100, hang_timeout_s=60, hang_step_times=10,
+                    startup_timeout_s=120, kill_slack_s=5)
+
+
+@pytest.fixture
+def world(tmp_path):
+    store = new_store(tmp_path, ("prod", 4, 1.0), ("lab", 0, 1.0))
+    ex = FakeExecutor(gpus=4)
+    ctl = Controller(store, ex, CFG, ckpt_root=tmp_path / "jobs")
+    yield store, ex, ctl, FakeClock()
+    store.close()
+
+
+def transitions(store, job_id):
+    return [(e.from_state, e.to_state) for e in store.events(job_id=job_id) if e.kind == "transition"]
+
+
+def state(store, job_id) -> str:
+    return store.job(job_id).state
+
+
+def test_admit_run_succeed(world):
+    store, ex, ctl, clock = world
+    j = submit(store, "lab", clock(), name="a", gpus=2)
+    assert ctl.step(clock()) == [Admit(j, {"n0": 2})]
+    assert state(store, j) == "admitted" and ex.launches() == [("launch", j, 1, 2)]
+    env = ex.jobs[j].req.env
+    assert env["TIDAL_CKPT_URL"].endswith(f"jobs/{j}/ckpt") and env["TIDAL_GRACE_S"] == "30"
+    assert ctl.step(clock.advance(1)) == []
+    assert state(store, j) == "running"
+    ex.beat(j, clock.advance(1), step=5)
+    ctl.step(clock())
+    assert store.job(j).progress["step"] == 5
+    ex.exit(j, 0)
+    ctl.step(clock.advance(1))
+    assert transitions(store, j) == [(None, "pending"), ("pending", "admitted"), ("admitted", "running"),
+                                     ("running", "succeeded")]
+    assert ("release", j) in ex.calls and store.job(j).placement == {}
+
+
+def test_preempted_for_quota_exit_75_is_not_a_failure(world):
+    store, ex, ctl, clock = world
+    spot = submit(store, "lab", clock(), name="sweep", gpus=4, max_restarts=0)
+    ctl.step(clock())
+    ctl.step(clock.advance(1))
+    ex.beat(spot, clock(), step=3)
+    ded = submit(store, "prod", clock.advance(1), name="pretrain", kind="dedicated", gpus=2)
+    decisions = ctl.step(clock())
+    assert decisions == [Preempt(spot, "quota", clock() + 60, ded)]
+    assert state(store, spot) == "preempting" and ("stop", spot) in ex.calls
+    assert ctl.step(clock.advance(1)) == []  # draining: the need is not acted on twice
+    ex.exit(spot, 75)
+    assert ctl.step(clock.advance(1)) == [Admit(ded, {"n0": 2})]
+    job = store.job(spot)
+    assert job.state == "pending" and job.restarts == 0 and job.preemptions == 1
+    ex.exit(ded, 0)
+    ctl.step(clock.advance(1))  # the dedicated job ends: the spot job comes back, attempt 2
+    assert state(store, spot) == "admitted" and ex.launches(spot)[-1] == ("launch", spot, 2, 4)
+    assert ("preempting", "pending") in transitions(store, spot)
+
+
+def test_failure_restarts_with_backoff_up_to_max_restarts(world):
+    store, ex, ctl, clock = world
+    j = submit(store, "lab", clock(), name="flaky", max_restarts=2)
+    ctl.step(clock())
+    ex.exit(j, 3)
+    ctl.step(clock.advance(1))
+    job = store.job(j)
+    assert job.state == "backoff" and job.restarts == 1 and job.retry_at_s == clock() + 10
+    assert "rank 0 exited with code 3; restart 1/2 in 10 s" in job.message
+    assert ctl.step(clock.advance(5)) == [] and state(store, j) == "backoff"
+    assert ctl.step(clock.advance(5)) == [Admit(j, {"n0": 1})]  # retry time reached: pending, admitted
+    ex.exit(j, 1)
+    ctl.step(clock.advance(1))
+    assert store.job(j).retry_at_s == clock() + 20  # doubled
+    ctl.step(clock.advance(20))
+    ex.exit(j, -11)
+    ctl.step(clock.advance(1))
+    job = store.job(j)
+    assert job.state == "failed" and job.restarts == 2
+    assert "killed by signal 11; no restarts left (max_restarts=2)" in job.message
+    assert len(ex.launches(j)) == 3
+    assert [t for t in transitions(store, j) if t[1] in ("backoff", "failed")] == [
+        ("admitted", "backoff"), ("admitted", "backoff"), ("admitted", "failed")]
+
+
+def test_one_rank_fails_the_rest_are_killed_then_restarted(world):
+    store, ex, ctl, clock = world
+    j = submit(store, "lab", clock(), name="gang", gpus=3)
+    ctl.step(clock())
+    ctl.step(clock.advance(1))
+    ex.exit(j, None, 1, None)
+    ctl.step(clock.advance(1))
+    assert ("kill", j) in ex.calls and state(store, j) == "running"
+    assert any(e.kind == "failure" and "rank 1 exited with code 1" in e.message for e in store.events(job_id=j))
+    ctl.step(clock.advance(1))  # all gone now (killed ranks report -9): classified as the failure
+    assert state(store, j) == "backoff" and "rank 1 exited with code 1" in store.job(j).message
+
+
+def test_vanished_rank_is_a_failure(world):
+    store, ex, ctl, clock = world
+    j = submit(store, "lab", clock(), name="v", gpus=2)
+    ctl.step(clock())
+    ex.jobs[j].vanished.add(0)
+    ctl.step(clock.advance(1))
+    ctl.step(clock.advance(1))
+    assert state(store, j) == "backoff" and "rank 0 (pid 1000) vanished" in store.job(j).message
+
+
+def test_hang_detected_from_heartbeat(world):
+    store, ex, ctl, clock = world
+    j = submit(store, "lab", clock(), name="h", gpus=2)
+    ctl.step(clock())
+    ex.beat(j, clock.advance(1), step=1, step_time_s=2.0)
+    ctl.step(clock())
+    ctl.step(clock.advance(60))  # 60 s silent: at the limit max(60, 10 x 2 s), not past it
+    assert state(store, j) == "running"
+    ctl.step(clock.advance(1))
+    assert ("kill", j) in ex.calls
+    hang = [e for e in store.events(job_id=j) if e.kind == "hang"]
+    assert hang and "no heartbeat for 61 s (limit 60 s) at step 1" in hang[0].message
+    ctl.step(clock.advance(1))
+    assert state(store, j) == "backoff"
+
+
+def test_no_heartbeat_within_startup_timeout_is_a_hang(world):
+    store, ex, ctl, clock = world
+    j = submit(store, "lab", clock(), name="s", max_restarts=0)
+    ctl.step(clock())
+    ctl.step(clock.advance(120))
+    assert state(store, j) == "running"
+    ctl.step(clock.advance(1))
+    ctl.step(clock.advance(1))
+    job = store.job(j)
+    assert job.state == "failed" and "wrote no heartbeat within 120 s of launch" in job.message
+
+
+def test_stop_grace_expires_then_sigkill_still_requeues(world):
+    store, ex, ctl, clock = world
+    spot = submit(store, "lab", clock(), name="slow", gpus=4, grace_s=20)
+    ctl.step(clock())
+    ded = submit(store, "prod", clock.advance(1), name="d", kind="dedicated", gpus=4)
+    ctl.step(clock())
+    assert store.job(spot).stop_deadline_s == clock() + 20 + 5
+    ctl.step(clock.advance(25))
+    assert ("kill", spot) in ex.calls
+    assert ctl.step(clock.advance(1)) == [Admit(ded, {"n0": 4})]
+    assert state(store, spot) == "pending" and store.job(spot).restarts == 0
+
+
+def test_cancel_running_and_pending(world):
+    store, ex, ctl, clock = world
+    a = submit(store, "lab", clock(), name="a", gpus=4)
+    b = submit(store, "lab", clock(), name="b", gpus=4)
+    ctl.step(clock())
+    store.update(a, cancel_requested=True)
+    store.update(b, cancel_requested=True)
+    ctl.step(clock.advance(1))
+    assert state(store, a) == "cancelling" and ("stop", a) in ex.calls and state(store, b) == "cancelled"
+    ex.exit(a, 75)
+    ctl.step(clock.advance(1))
+    assert state(store, a) == "cancelled" and store.job(a).finished_s == clock()
+
+
+def test_shrink_is_stop_and_relaunch_on_the_smaller_size(world):
+    store, ex, ctl, clock = world
+    el = submit(store, "lab", clock(), name="elastic", gpus={"min": 2, "max": 4, "multiple_of": 2})
+    ctl.step(clock())
+    assert store.job(el).placement == {"n0": 4}
+    ctl.step(clock.advance(1))
+    other = submit(store, "lab", clock.advance(1), name="other", gpus=2, priority=1)
+    decisions = ctl.step(clock())
+    assert [type(d) for d in decisions] == [Shrink] and decisions[0].to_gpus == 2
+    assert state(store, el) == "resizing" and store.job(el).releasing == {"n0": 2}
+    ex.exit(el, 75)
+    assert ctl.step(clock.advance(1)) == [Admit(other, {"n0": 2})]
+    job = store.job(el)
+    assert job.state == "admitted" and job.placement == {"n0": 2} and job.releasing == {}
+    assert ex.launches(el) == [("launch", el, 1, 4), ("launch", el, 2, 2)]
+    assert ("resizing", "admitted") in transitions(store, el)
+
+
+def test_launch_error_is_a_failed_attempt(world):
+    store, ex, ctl, clock = world
+    j = submit(store, "lab", clock(), name="nodir", max_restarts=0)
+    ex.fail_launch = "workdir /nope is not a directory"
+    ctl.step(clock())
+    job = store.job(j)
+    assert job.state == "failed" and "launch failed: workdir /nope is not a directory" in job.message
+
+
+def test_lost_work_and_ettr(world):
+    store, ex, ctl, clock = world
+    j = submit(store, "lab", clock(), name="e")
+    t0 = clock()
+    ctl.step(clock())
+    ex.beat(j, clock.advance(10), step=1)
+    ex.beat(j, clock.advance(10), step=11, ckpt_step=6)  # 1 s per step
+    ctl.step(clock())
+    ex.exit(j, 1)
+    ctl.step(clock.advance(0))
+    job = store.job(j)
+    assert job.lost_steps == 5 and job.lost_s == pytest.approx(5.0)
+    assert job.productive_s == pytest.approx(6.0) and job.held_s == pytest.approx(clock() - t0)
+    rep = job_report(job, clock())
+    assert rep["restarts"] == 1 and rep["ettr"] == pytest.approx(6.0 / 20.0)
+
+
+def test_recover_adopts_running_workers_or_requeues(tmp_path):
+    store = new_store(tmp_path, ("lab", 0, 1.0))
+    clock = FakeClock()
+    ex1 = FakeExecutor(gpus=4)
+    ctl = Controller(store, ex1, CFG)
+    a = submit(store, "lab", clock(), name="a", gpus=2)
+    b = submit(store, "lab", clock(), name="b", gpus=2)
+    ctl.step(clock())
+    ctl.step(clock.advance(1))
+    # The control plane dies; a's workers survive, b's are gone. A new process starts.
+    ex2 = FakeExecutor(gpus=4)
+    ex2.survivors[a] = ex1.jobs[a]
+    ctl2 = Controller(store, ex2, CFG)
+    ctl2.recover(clock.advance(5))
+    assert state(store, a) == "running" and state(store, b) == "pending"
+    adopted = [e.message for e in store.events(job_id=a) if e.kind == "adopted"]
+    assert adopted and "re-adopted attempt 1, 2 of 2 ranks running" in adopted[0]
+    assert "requeued to resume from checkpoint" in store.job(b).message
+    assert ctl2.step(clock.advance(1)) == [Admit(b, {"n0": 2})]
+    assert ex2.launches() == [("launch", b, 2, 2)]  # a is never launched again
+    ex2.exit(a, 0)
+    ctl2.step(clock.advance(1))
+    assert state(store, a) == "succeeded"
+    store.close()
+
+
+def test_illegal_transition_leaves_the_job_as_it_was(world):
+    from tidal.control.states import IllegalTransition
+
+    store, ex, ctl, clock = world
+    j = submit(store, "lab", clock(), name="x")
+    with pytest.raises(IllegalTransition, match="pending -> running"):
+        store.transition(j, State.RUNNING, clock(), "nope", attempt=7)
+    job = store.job(j)
+    assert job.state == "pending" and job.attempt == 0
+
+
+def test_cancel_arriving_as_the_ranks_exit(world):
+    store, ex, ctl, clock = world
+    ok = submit(store, "lab", clock(), name="ok", gpus=2)
+    bad = submit(store, "lab", clock(), name="bad", gpus=2)
+    ctl.step(clock())
+    for j, code in ((ok, 0), (bad, 1)):
+        store.update(j, cancel_requested=True)
+        ex.exit(j, code)
+    ctl.step(clock.advance(1))
+    assert state(store, ok) == "succeeded"  # it finished before the notice could matter
+    assert state(store, bad) == "cancelled" and store.job(bad).restarts == 0

@@ -1,0 +1,183 @@
+"""The local executor with real (tiny) processes: the env contract, exit codes, notices, logs, the
+shim's two-phase start, adoption by a second executor after a "crash", and the progress fold."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tidal.exec import procs, shim
+from tidal.exec.local import LaunchError, LocalExecutor
+from tidal.exec.progress import ProgressReader
+from tidal.exec.protocol import LaunchRequest
+
+PY = sys.executable
+
+
+def req(job: str, code: str, n: int = 1, attempt: int = 1, **kw) -> LaunchRequest:
+    return LaunchRequest(job, attempt, (PY, "-c", code), {"local": n}, **kw)
+
+
+def read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def wait_done(ex: LocalExecutor, job: str, timeout_s: float = 30.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        ob = ex.observe(time.time())[job]
+        if ob.done:
+            return ob
+        time.sleep(0.05)
+    ex.kill(job)
+    raise AssertionError(f"{job} still running after {timeout_s} s")
+
+
+@pytest.fixture
+def executors():
+    made: list[LocalExecutor] = []
+
+    def make(root, **kw) -> LocalExecutor:
+        made.append(LocalExecutor(root, **kw))
+        return made[-1]
+
+    yield make
+    for ex in made:  # stop anything a failed test left running (by pid, through the executor)
+        for job in list(ex._jobs):
+            ex.kill(job)
+            ex.release(job)
+
+
+CONTRACT = """
+import json, os, sys
+keys = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TIDAL_JOB_ID",
+        "TIDAL_PROGRESS_DIR", "CUDA_VISIBLE_DEVICES", "MINE"]
+print(json.dumps({k: os.environ.get(k) for k in keys} | {"cwd": os.getcwd()}))
+sys.exit(3 * int(os.environ["RANK"]))
+"""
+
+
+def test_env_contract_exit_codes_and_logs(tmp_path, executors):
+    ex = executors(tmp_path / "jobs", slots=3)
+    handle = ex.launch(req("j", CONTRACT, n=2, workdir=str(tmp_path), env={"MINE": "1"}), time.time())
+    assert handle["devices"] == [0, 1] and len(handle["ranks"]) == 2
+    ob = wait_done(ex, "j")
+    assert [r.exit_code for r in ob.ranks] == [0, 3]
+    seen = []
+    for r in range(2):
+        lines = read(ex.log_path("j", r)).splitlines()
+        assert lines[0].startswith(f"=== tidal: j attempt 1, rank {r} of 2")
+        seen.append(json.loads(lines[1]))
+    port = seen[0]["MASTER_PORT"]
+    for r, env in enumerate(seen):
+        assert env == {"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "2",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "TIDAL_JOB_ID": "j",
+                       "TIDAL_PROGRESS_DIR": str(tmp_path / "jobs" / "j" / "attempt-1" / "progress"),
+                       "CUDA_VISIBLE_DEVICES": "", "MINE": "1", "cwd": str(tmp_path)}
+    with pytest.raises(LaunchError, match="needs 2 devices, 1 free"):
+        ex.launch(req("k", "pass", n=2), time.time())
+    ex.release("j")
+    assert sorted(ex._free) == [0, 1, 2]
+
+
+def test_gpu_binding(tmp_path, executors):
+    ex = executors(tmp_path / "jobs", gpu_ids=[4, 5, 6])
+    ex.launch(req("g", "import os; print(os.environ['CUDA_VISIBLE_DEVICES'])", n=2), time.time())
+    wait_done(ex, "g")
+    assert read(ex.log_path("g", 1)).splitlines()[1] == "4,5"
+
+
+def test_notice_then_kill(tmp_path, executors):
+    ex = executors(tmp_path / "jobs", slots=2)
+    polite = ("import signal, sys, time\n"
+              "signal.signal(signal.SIGTERM, lambda *a: sys.exit(75))\n"
+              "print('ready', flush=True)\n"
+              "time.sleep(60)\n")
+    ex.launch(req("p", polite), time.time())
+    ex.launch(req("q", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                       "print('ready', flush=True); time.sleep(60)"), time.time())
+    for job in ("p", "q"):
+        deadline = time.monotonic() + 30
+        while "ready" not in read(ex.log_path(job, 0)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    ex.signal_stop("p")
+    ex.signal_stop("q")
+    assert [r.exit_code for r in wait_done(ex, "p").ranks] == [75]
+    time.sleep(0.3)
+    assert ex.observe(time.time())["q"].alive  # ignores the notice
+    ex.kill("q")
+    assert [r.exit_code for r in wait_done(ex, "q").ranks] == [-9]
+
+
+def test_launch_errors(tmp_path, executors):
+    ex = executors(tmp_path / "jobs", slots=1)
+    with pytest.raises(LaunchError, match="is not a directory"):
+        ex.launch(req("w", "pass", workdir=str(tmp_path / "nope")), time.time())
+    ex.launch(LaunchRequest("m", 1, ("/no/such/program",), {"local": 1}), time.time())
+    ob = wait_done(ex, "m")
+    assert [r.exit_code for r in ob.ranks] == [127]
+    assert "cannot start '/no/such/program'" in read(ex.log_path("m", 0))
+
+
+def test_shim_runs_nothing_without_go(tmp_path):
+    marker = tmp_path / "ran"
+    p = subprocess.run([PY, "-I", shim.__file__, str(tmp_path / "exit.json"), str(tmp_path / "pid.json"), "--",
+                        PY, "-c", f"open({str(marker)!r}, 'w')"], input=b"", timeout=30)
+    assert p.returncode == 0 and not marker.exists() and not (tmp_path / "exit.json").exists()
+    p = subprocess.run([PY, "-I", shim.__file__, str(tmp_path / "exit.json"), str(tmp_path / "pid.json"), "--",
+                        PY, "-c", f"open({str(marker)!r}, 'w'); raise SystemExit(7)"], input=b"go\n", timeout=30)
+    assert p.returncode == 7 and marker.exists()
+    assert json.loads((tmp_path / "exit.json").read_text())["code"] == 7
+
+
+def test_adopt_after_a_restart(tmp_path, executors):
+    first = executors(tmp_path / "jobs", slots=2)
+    first.launch(req("a", "import time; print('up', flush=True); time.sleep(60)", n=2), time.time())
+    pids = [r.pid for r in first.observe(time.time())["a"].ranks]
+    first._jobs.clear()  # the control plane "dies": nothing is stopped, the new one starts from disk
+    second = executors(tmp_path / "jobs", slots=2)
+    assert not second.adopt("a", 2, time.time())  # no such attempt was ever launched
+    assert second.adopt("a", 1, time.time())
+    ob = second.observe(time.time())["a"]
+    assert [r.pid for r in ob.alive] == pids and second._free == []
+    for pid in pids:
+        assert procs.alive(pid, procs.start_time(pid)) and not procs.alive(pid, 1)  # wrong start time: not ours
+    second.kill("a")
+    ob = wait_done(second, "a")
+    assert all(r.vanished for r in ob.ranks)  # SIGKILL of shim and rank: no exit code was recorded
+    second.release("a")
+    assert sorted(second._free) == [0, 1]
+
+
+def test_progress_fold(tmp_path):
+    d = tmp_path / "progress"
+    d.mkdir()
+    recs = [{"event": "restore", "time": 1.0, "step": 10},
+            {"event": "step", "time": 2.0, "step": 11, "step_time_s": None, "loss": 3.0},
+            {"event": "checkpoint", "time": 2.5, "step": 11, "stall_s": 0.1},
+            {"event": "step", "time": 4.0, "step": 12, "step_time_s": 2.0, "loss": 2.5},
+            {"event": "committed", "time": 4.5, "step": 11, "tiers": ["shm"]},
+            {"event": "committed", "time": 5.0, "step": 11, "tiers": ["shm", "disk"]},
+            {"event": "step", "time": 6.0, "step": 13, "step_time_s": 2.0, "loss": 2.0}]
+    f = d / "progress-r00000.jsonl"
+    f.write_text("\n".join(json.dumps(r) for r in recs) + '\n{"event": "step", "ti')  # a torn last line
+    (d / "heartbeat-r00000.json").write_text(json.dumps({"time": 7.0, "phase": "training"}))
+    reader = ProgressReader(d, world_size=2)
+    p = reader.read()
+    assert (p.start_step, p.step, p.first_step, p.loss, p.mean_step_s) == (10, 13, 11, 2.0, 2.0)
+    assert (p.ckpt_step, p.ckpt_s, p.durable_ckpt_step, p.durable_ckpt_s) == (11, 2.5, 11, 2.5)
+    assert p.tiers == {"shm": [11, 2.5], "disk": [11, 2.5]} and p.ckpt_stall_s == 0.1
+    assert p.heartbeats == 1 and p.heartbeat_s == 7.0
+    with open(f, "a") as fh:  # the rest of the torn line, then the notice's final checkpoint
+        fh.write('me": 8.0, "step": 14, "step_time_s": 2.0}\n')
+        fh.write(json.dumps({"event": "checkpoint", "time": 8.1, "step": 14, "stall_s": 0.1}) + "\n")
+        fh.write(json.dumps({"event": "preempted", "time": 8.5, "step": 14, "tiers": ["shm"]}) + "\n")
+    (d / "heartbeat-r00001.json").write_text(json.dumps({"time": 6.5, "phase": "training"}))
+    p = reader.read()
+    assert p.step == 14 and p.preempted and p.ckpt_step == 14 and p.durable_ckpt_step == 11
+    assert p.heartbeats == 2 and p.heartbeat_s == 6.5  # the oldest rank's newest beat

@@ -1,0 +1,70 @@
+"""The job spec: errors name the field path (in Python, in the CLI's YAML loader, and as HTTP 422)."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from tidal.control.cli import load_spec_file
+from tidal.control.spec import parse_spec, spec_errors
+
+GOOD = {"name": "gpt", "gpus": 2, "command": ["python", "train.py"]}
+
+
+def errors(**changes) -> list[str]:
+    spec = {**GOOD, **changes}
+    spec = {k: v for k, v in spec.items() if v is not ...}
+    with pytest.raises(ValidationError) as e:
+        parse_spec(spec)
+    return spec_errors(e.value)
+
+
+def test_defaults_and_gpu_forms():
+    s = parse_spec(GOOD)
+    assert (s.kind, s.priority, s.max_restarts, s.grace_s) == ("spot", 0, 3, 30.0)
+    assert s.gpus.model_dump() == {"min": 2, "max": 2, "multiple_of": 1}
+    assert s.checkpoint.url is None and s.checkpoint.interval_s == 600.0
+    e = parse_spec({**GOOD, "gpus": {"min": 2, "max": 8, "multiple_of": 2}, "kind": "dedicated"})
+    assert e.gpus.max == 8 and e.kind == "dedicated"
+
+
+@pytest.mark.parametrize(("change", "expected"), [
+    ({"gpus": 0}, "gpus.min: Input should be greater than or equal to 1"),
+    ({"gpus": {"min": 2, "max": 1}}, "gpus: max (1) must be >= min (2)"),
+    ({"gpus": {"min": 2, "max": 5, "multiple_of": 2}}, "gpus: max (5) must be a multiple of multiple_of (2)"),
+    ({"gpus": {"min": 1, "maximum": 4}}, "gpus.maximum: Extra inputs are not permitted"),
+    ({"gpus": "four"}, "gpus: expected a GPU count (e.g. 4) or {min, max, multiple_of}, got str"),
+    ({"gpus": ...}, "gpus: Field required"),
+    ({"command": "python train.py"}, "command: expected a list of arguments"),
+    ({"command": []}, "command: List should have at least 1 item"),
+    ({"command": ["python", 3]}, "command[1]: Input should be a valid string"),
+    ({"kind": "cheap"}, "kind: Input should be 'spot' or 'dedicated'"),
+    ({"name": "no spaces"}, "name: expected 1-63 letters"),
+    ({"env": {"RANK": "3"}}, "env.RANK: RANK is set by the platform"),
+    ({"env": {"X": 1}}, "env.X: Input should be a valid string"),
+    ({"checkpoint": {"interval_s": 0}}, "checkpoint.interval_s: Input should be greater than 0"),
+    ({"checkpoint": {"path": "/x"}}, "checkpoint.path: Extra inputs are not permitted"),
+    ({"max_restarts": -1}, "max_restarts: Input should be greater than or equal to 0"),
+    ({"workdir": "rel/dir"}, "workdir: expected an absolute path"),
+    ({"gpu": 2}, "gpu: Extra inputs are not permitted"),
+])
+def test_errors_name_the_field(change, expected):
+    errs = errors(**change)
+    assert any(e.startswith(expected) for e in errs), errs
+
+
+def test_yaml_paths_are_relative_to_the_file(tmp_path):
+    (tmp_path / "sub").mkdir()
+    f = tmp_path / "sub" / "job.yaml"
+    f.write_text("name: a\ngpus: 1\ncommand: [python, t.py]\ncheckpoint: {url: ck}\n")
+    doc = load_spec_file(f)
+    assert doc["workdir"] == str(tmp_path / "sub") and doc["checkpoint"]["url"] == str(tmp_path / "sub" / "ck")
+    f.write_text("name: a\nworkdir: ..\ngpus: 1\ncommand: [python]\ncheckpoint: {url: 's3://b/x'}\n")
+    doc = load_spec_file(f)
+    assert doc["workdir"] == str(tmp_path) and doc["checkpoint"]["url"] == "s3://b/x"
+    f.write_text("name: [unclosed\n")
+    with pytest.raises(ValueError, match="job.yaml: not valid YAML"):
+        load_spec_file(f)
+    f.write_text("- a list\n")
+    with pytest.raises(ValueError, match="expected a mapping"):
+        load_spec_file(f)
