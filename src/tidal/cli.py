@@ -34,6 +34,11 @@ def _train() -> None:
     app.command("verify-resume")(verify_resume)
 
 
+def _sim() -> None:
+    from tidal.sim.cli import plan_command, sim_command
+
+    app.command("sim")(sim_command)
+    app.command("plan")(plan_command)
 
 
 def _control() -> None:
@@ -45,7 +50,7 @@ def _control() -> None:
 
 
 _COMMANDS: dict[str, Callable[[], None]] = {
-    "ckpt": _ckpt, "bench": _bench, "verify-resume": _train,
+    "ckpt": _ckpt, "bench": _bench, "verify-resume": _train, "sim": _sim, "plan": _sim,
     **{n: _control for n in ("up", "submit", "jobs", "status", "logs", "cancel", "pool", "events", "tenants")},
 }
 

@@ -1,0 +1,158 @@
+"""Every knob of a simulation run, with units in the names. Plain frozen dataclasses.
+
+:class:`SimConfig` holds the pool layout, the cost model of interruptions (:class:`CheckpointModel`,
+the loan plan's :class:`~tidal.policy.loan.LoanTiming`), failures, and the policies' configs that
+must agree with it (the scheduler's ``min_loan_left_s`` is the loan plan's minimum window; the
+checkpoint-interval policy's failure rate is the simulated one). :func:`make_config` builds a
+consistent one from the few numbers a person types on the command line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from tidal.policy.ckpt_interval import LLAMA3_FAILURES_PER_GPU_HOUR, CkptIntervalConfig
+from tidal.policy.loan import LoanTiming
+from tidal.policy.scheduling.config import SchedulerConfig
+
+CkptMode = Literal["sync", "concurrent"]
+ResizeMode = Literal["reshard", "restart-full"]
+CKPT_MODES = ("sync", "concurrent")
+RESIZE_MODES = ("reshard", "restart-full")
+
+
+@dataclass(frozen=True)
+class CheckpointModel:
+    """What a checkpoint and a restart cost a training job. Seconds.
+
+    ``sync``: training stops for the whole write (``persist_s``); the checkpoint is durable when it
+    resumes. ``concurrent`` (Tidal's engine): training stops only for the copy into host memory
+    (``stage_s``); the write to durable storage overlaps the next steps and completes ``persist_s``
+    later. A *final* checkpoint (answering a reclaim notice or a preemption, or before a resize)
+    takes one stall: the job may leave its GPUs once the state is captured (the concurrent engine
+    persists it from host memory afterwards). It must fit between the decision and the deadline
+    (``by_s``), or the job loses the work since its newest durable checkpoint.
+    ``restart_s``: restore from the checkpoint and warm up after an admission, a resize or a failure.
+    """
+
+    mode: CkptMode = "concurrent"
+    persist_s: float = 300.0
+    stage_s: float = 5.0
+    restart_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in CKPT_MODES:
+            raise ValueError(f"CheckpointModel.mode must be one of {CKPT_MODES}, got {self.mode!r}")
+        for name in ("persist_s", "stage_s", "restart_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"CheckpointModel.{name} must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def stall_s(self) -> float:
+        """Training stops this long per checkpoint (periodic or final)."""
+        return self.persist_s if self.mode == "sync" else self.stage_s
+
+    @property
+    def durable_lag_s(self) -> float:
+        """From the end of a capture until the checkpoint survives a failure."""
+        return 0.0 if self.mode == "sync" else self.persist_s
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """A simulation run. Times in seconds, pool sizes in GPUs.
+
+    Pool: ``serving_gpus`` GPUs sized for the trace's peak, on serving nodes of ``gpus_per_node``
+    (the last node smaller if it does not divide), and ``training_gpus`` on training nodes.
+    ``days``: simulated length (the serving trace repeats if shorter); metrics count from
+    ``warmup_days`` on (the forecast learns before that). ``step_s``: the serving grid (``None``:
+    the trace's own step); the loan plan is made once per step.
+
+    Jobs: a job on ``g`` GPUs does ``g ** scaling_exponent`` GPU-seconds of work per second
+    (1.0: linear). ``resize``: ``reshard`` (a job shrinks and grows, restoring its checkpoint on the
+    new number of GPUs) or ``restart-full`` (a job runs only at its gang size ``min_gpus``; a
+    reclaim stops it and it waits until that many GPUs are free again). Failures: a Poisson process
+    of ``failure_rate_per_gpu_hour`` per GPU held (default Llama 3's: 419 interruptions over
+    16,384 GPUs x 54 days); the job restarts in place from its newest durable checkpoint.
+
+    ``sched_period_s``: the scheduler runs at every grid step, at every reclaim notice, when GPUs
+    come back while a reclaim is due, and otherwise at most once per this period after something
+    changed (a submission, a completion, a release) — a reconcile loop's cadence.
+    """
+
+    serving_gpus: int
+    training_gpus: int = 0
+    gpus_per_node: int = 8
+    days: float = 7.0
+    warmup_days: float = 0.0
+    step_s: float | None = None
+    timing: LoanTiming = field(default_factory=LoanTiming)
+    ckpt: CheckpointModel = field(default_factory=CheckpointModel)
+    resize: ResizeMode = "reshard"
+    failure_rate_per_gpu_hour: float = LLAMA3_FAILURES_PER_GPU_HOUR
+    scaling_exponent: float = 1.0
+    sched_period_s: float = 120.0
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    ckpt_interval: CkptIntervalConfig = field(default_factory=CkptIntervalConfig)
+    seed: int = 0
+    record_timeline: bool = True
+
+    def __post_init__(self) -> None:
+        if self.serving_gpus < 1:
+            raise ValueError(f"SimConfig.serving_gpus must be >= 1, got {self.serving_gpus}")
+        if self.training_gpus < 0:
+            raise ValueError(f"SimConfig.training_gpus must be >= 0, got {self.training_gpus}")
+        if self.gpus_per_node < 1:
+            raise ValueError(f"SimConfig.gpus_per_node must be >= 1, got {self.gpus_per_node}")
+        if not self.days > 0:
+            raise ValueError(f"SimConfig.days must be > 0, got {self.days}")
+        if not 0 <= self.warmup_days < self.days:
+            raise ValueError(f"SimConfig.warmup_days must be in [0, days={self.days:g}), got {self.warmup_days}")
+        if self.resize not in RESIZE_MODES:
+            raise ValueError(f"SimConfig.resize must be one of {RESIZE_MODES}, got {self.resize!r}")
+        if not 0 < self.scaling_exponent <= 1:
+            raise ValueError(f"SimConfig.scaling_exponent must be in (0, 1], got {self.scaling_exponent}")
+        if self.failure_rate_per_gpu_hour < 0:
+            raise ValueError(f"SimConfig.failure_rate_per_gpu_hour must be >= 0, got {self.failure_rate_per_gpu_hour}")
+        if self.sched_period_s < 0:
+            raise ValueError(f"SimConfig.sched_period_s must be >= 0, got {self.sched_period_s}")
+
+    @property
+    def end_s(self) -> float:
+        return self.days * 86400.0
+
+    @property
+    def score_from_s(self) -> float:
+        return self.warmup_days * 86400.0
+
+
+def make_config(*, serving_gpus: int, training_gpus: int = 0, gpus_per_node: int = 8, days: float = 7.0,
+                warmup_days: float = 0.0, ckpt_mode: CkptMode = "concurrent", resize: ResizeMode = "reshard",
+                persist_s: float = 300.0, stage_s: float = 5.0, restart_s: float = 300.0,
+                notice_s: float = 120.0, final_checkpoint_s: float = 120.0, release_s: float = 60.0,
+                warmup_s: float = 900.0, failure_rate_per_gpu_hour: float = LLAMA3_FAILURES_PER_GPU_HOUR,
+                scaling_exponent: float = 1.0, sched_period_s: float = 120.0, seed: int = 0,
+                step_s: float | None = None, record_timeline: bool = True) -> SimConfig:
+    """A :class:`SimConfig` whose parts agree.
+
+    The loan plan's timing takes the notice grace, the final-checkpoint allowance, release and
+    serving warm-up as given, and ``restart_cost_s = restart_s`` (the minimum worthwhile loan window
+    follows from it); the scheduler's ``min_loan_left_s`` is that window; the checkpoint-interval
+    policy uses the simulated failure rate.
+    """
+    timing = LoanTiming(notice_s=notice_s, final_checkpoint_s=final_checkpoint_s, release_s=release_s,
+                        warmup_s=warmup_s, restart_cost_s=restart_s)
+    return SimConfig(
+        serving_gpus=serving_gpus, training_gpus=training_gpus, gpus_per_node=gpus_per_node, days=days,
+        warmup_days=warmup_days, step_s=step_s, timing=timing,
+        ckpt=CheckpointModel(mode=ckpt_mode, persist_s=persist_s, stage_s=stage_s, restart_s=restart_s),
+        resize=resize, failure_rate_per_gpu_hour=failure_rate_per_gpu_hour, scaling_exponent=scaling_exponent,
+        sched_period_s=sched_period_s, scheduler=SchedulerConfig(min_loan_left_s=timing.min_loan_window_s),
+        ckpt_interval=CkptIntervalConfig(failure_rate_per_gpu_hour=failure_rate_per_gpu_hour),
+        seed=seed, record_timeline=record_timeline)
+
+
+def with_modes(config: SimConfig, ckpt_mode: CkptMode, resize: ResizeMode) -> SimConfig:
+    """``config`` with another checkpoint mode and resize mode."""
+    return replace(config, ckpt=replace(config.ckpt, mode=ckpt_mode), resize=resize)

@@ -1,0 +1,152 @@
+"""``tidal plan``: the operator's question — how much of the serving pool could train, and when?
+
+From a serving trace and the pool size, by hour of day (hours counted from the trace's start):
+
+* ``mean_demand_gpus`` and ``p99_demand_gpus`` — what serving needs;
+* ``idle_gpu_hours_per_day`` — ``N - demand``, summed over the hour, averaged over days;
+* ``lendable_gpus_at_risk`` — ``N`` minus the ``1 - risk`` quantile of the demand over the hour *and
+  the lead time after it* (a GPU lent in the hour comes back a lead time later): what a fixed
+  schedule could lend in that hour and be short at most ``risk`` of the time (hindsight: the
+  quantile is over the whole trace);
+* ``tidal_lent_gpu_hours_per_day`` — what :class:`~tidal.policy.loan.TidalPolicy` with a shortfall
+  budget of ``risk`` lends in that hour when replayed causally over the trace (every lendable GPU
+  lent), with its realized shortfall ratio over the whole trace in the summary.
+
+And the recommended lead time: notice + final checkpoint + release + serving warm-up (the loan
+plan's :attr:`~tidal.policy.loan.LoanTiming.lead_time_s`), next to the 99th percentile of the rise
+of demand within one lead time — the margin a policy without a forecast needs.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from tidal.policy.forecast import ForecastConfig
+from tidal.policy.loan import LoanContext, LoanTiming, TidalConfig, TidalPolicy
+
+
+def plan_report(demand: np.ndarray, step_s: float, serving_gpus: int, *, risk: float = 0.005,
+                timing: LoanTiming | None = None) -> dict[str, Any]:
+    """The numbers of ``tidal plan`` (see the module docstring). ``demand``: GPUs per step, NaN = gap."""
+    timing = timing or LoanTiming()
+    if not 0 < risk < 1:
+        raise ValueError(f"risk must be in (0, 1), got {risk}")
+    n = serving_gpus
+    d = np.asarray(demand, dtype=float)
+    steps = len(d)
+    lead = max(1, math.ceil(timing.lead_time_s / step_s - 1e-9))
+    days = steps * step_s / 86400.0
+    hour = (np.arange(steps) * step_s // 3600 % 24).astype(int)
+    # demand over the step and the lead after it (what a GPU lent at this step must not be needed for)
+    ahead = np.full(steps, np.nan)
+    for i in range(steps):
+        w = d[i: i + lead + 1]
+        ahead[i] = np.nanmax(w) if np.isfinite(w).any() else np.nan
+    lent = _tidal_fluid(d, step_s, n, risk, timing)
+    away = np.array([lent[max(0, u - lead): u].max() if u else 0 for u in range(steps)])
+    ok = np.isfinite(d)
+    short = np.where(ok, np.maximum(0.0, np.nan_to_num(d) - (n - away)), 0.0)
+    rows = []
+    for h in range(24):
+        m = (hour == h) & ok
+        if not m.any():
+            continue
+        dd = d[m]
+        q = float(np.nanquantile(ahead[m & np.isfinite(ahead)], 1 - risk)) if (m & np.isfinite(ahead)).any() else n
+        rows.append({
+            "hour": h,
+            "mean_demand_gpus": float(dd.mean()),
+            "p99_demand_gpus": float(np.quantile(dd, 0.99)),
+            "idle_gpu_hours_per_day": float(np.maximum(0.0, n - dd).sum() * step_s / 3600.0 / days),
+            "lendable_gpus_at_risk": int(max(0, math.floor(n - q + 1e-9))),
+            "tidal_lent_gpu_hours_per_day": float(lent[hour == h].sum() * step_s / 3600.0 / days),
+        })
+    rises = np.array([np.nanmax(d[i + 1: i + lead + 1]) - d[i] for i in range(steps - lead)
+                      if np.isfinite(d[i]) and np.isfinite(d[i + 1: i + lead + 1]).any()])
+    idle_total = sum(r["idle_gpu_hours_per_day"] for r in rows)
+    return {
+        "serving_gpus": n, "step_s": step_s, "days": days, "risk": risk,
+        "lead_time_s": timing.lead_time_s,
+        "lead_time_parts_s": {"notice": timing.notice_s, "final_checkpoint": timing.final_checkpoint_s,
+                              "release": timing.release_s, "serving_warmup": timing.warmup_s},
+        "min_loan_window_s": timing.min_loan_window_s,
+        "p99_rise_within_lead_gpus": float(np.quantile(rises, 0.99)) if rises.size else math.nan,
+        "mean_demand_over_pool": float(np.nanmean(d) / n),
+        "idle_gpu_hours_per_day": idle_total,
+        "lendable_gpu_hours_per_day_at_risk": float(sum(r["lendable_gpus_at_risk"] for r in rows)),
+        "tidal_lent_gpu_hours_per_day": float(sum(r["tidal_lent_gpu_hours_per_day"] for r in rows)),
+        "tidal_shortfall_ratio": float(short.sum() / np.nansum(d)) if np.nansum(d) > 0 else math.nan,
+        "by_hour": rows,
+    }
+
+
+def _tidal_fluid(d: np.ndarray, step_s: float, n: int, budget: float, timing: LoanTiming) -> np.ndarray:
+    horizon = max(6 * 3600.0, timing.lead_time_s + timing.min_loan_window_s + step_s)
+    pol = TidalPolicy(TidalConfig(shortfall_budget=budget, timing=timing,
+                                  forecast=ForecastConfig(step_s=step_s, horizon_s=horizon)))
+    state = pol.initial_state()
+    lent = np.zeros(len(d), dtype=int)
+    prev = 0
+    for i, y in enumerate(d):
+        plan, state = pol(LoanContext(now_s=i * step_s, serving_gpus=n, demand_gpus=float(y), lent_gpus=prev), state)
+        lent[i] = prev = plan.lendable_gpus
+    return lent
+
+
+def render_plan(rep: dict[str, Any], console: Any) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"serving pool of {rep['serving_gpus']} GPUs over {rep['days']:.1f} days, risk {rep['risk']:g}")
+    for col in ("hour", "mean demand", "p99 demand", "idle GPU-h/day", f"lendable @ {rep['risk']:g}",
+                "tidal lent GPU-h/day"):
+        t.add_column(col, justify="right")
+    for r in rep["by_hour"]:
+        t.add_row(f"{r['hour']:02d}", f"{r['mean_demand_gpus']:.1f}", f"{r['p99_demand_gpus']:.1f}",
+                  f"{r['idle_gpu_hours_per_day']:.1f}", str(r["lendable_gpus_at_risk"]),
+                  f"{r['tidal_lent_gpu_hours_per_day']:.1f}")
+    t.add_section()
+    t.add_row("day", f"{rep['mean_demand_over_pool'] * rep['serving_gpus']:.1f}", "",
+              f"{rep['idle_gpu_hours_per_day']:.0f}", f"{rep['lendable_gpu_hours_per_day_at_risk']:.0f} GPU-h",
+              f"{rep['tidal_lent_gpu_hours_per_day']:.0f}")
+    console.print(t)
+    p = rep["lead_time_parts_s"]
+    console.print(f"recommended lead time: {rep['lead_time_s']:g} s (notice {p['notice']:g} + final checkpoint "
+                  f"{p['final_checkpoint']:g} + release {p['release']:g} + serving warm-up {p['serving_warmup']:g}); "
+                  f"loans shorter than {rep['min_loan_window_s']:g} s are not worth a restart. Within one lead time "
+                  f"demand rose by up to {rep['p99_rise_within_lead_gpus']:.1f} GPUs (p99): the margin a policy "
+                  "without a forecast needs.", highlight=False)
+    console.print(f"tidal (budget {rep['risk']:g}, causal replay, every lendable GPU lent): "
+                  f"{rep['tidal_lent_gpu_hours_per_day']:.0f} GPU-h/day of {rep['idle_gpu_hours_per_day']:.0f} idle, "
+                  f"realized shortfall {rep['tidal_shortfall_ratio']:.4f}.", highlight=False)
+
+
+def plot_plan(rep: dict[str, Any], path: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = rep["by_hour"]
+    h = np.array([r["hour"] for r in rows])
+    fig, ax = plt.subplots(figsize=(12.5, 4.5))
+    n = rep["serving_gpus"]
+    ax.axhline(n, color="0.6", ls=":", lw=0.8, label=f"pool N={n}")
+    ax.plot(h, [r["mean_demand_gpus"] for r in rows], marker="o", ms=3, label="mean demand")
+    ax.plot(h, [r["p99_demand_gpus"] for r in rows], marker="o", ms=3, ls="--", label="p99 demand")
+    ax.bar(h - 0.2, [r["lendable_gpus_at_risk"] for r in rows], width=0.4, alpha=0.5,
+           label=f"lendable at risk {rep['risk']:g} (fixed schedule)")
+    ax.bar(h + 0.2, [r["tidal_lent_gpu_hours_per_day"] for r in rows], width=0.4, alpha=0.5,
+           label="tidal: mean GPUs lent")
+    ax.set_xlabel("hour of day (from the trace start)")
+    ax.set_ylabel("GPUs")
+    ax.set_xticks(range(0, 24, 2))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.set_title(f"idle {rep['idle_gpu_hours_per_day']:.0f} GPU-h/day; lead time {rep['lead_time_s']:g} s", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

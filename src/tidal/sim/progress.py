@@ -1,0 +1,162 @@
+"""One job's training timeline between two changes, in closed form: progress, checkpoints, durability.
+
+The simulator never steps a job second by second and never puts a periodic checkpoint on its event
+queue. A :class:`Segment` describes a job from one change (admission, resize, failure, a new
+checkpoint interval) until the next, and answers any question about a time inside it by arithmetic:
+
+* training starts at ``t0`` (after the restart overhead) at ``rate`` GPU-seconds of work per second;
+* every ``tau_s`` seconds it checkpoints: it trains ``tau_s - stall_s`` seconds, then stalls
+  ``stall_s`` while the state is captured (sync mode: the whole write; concurrent mode: the copy into
+  host memory). Capture ``k`` holds the progress reached at ``t0 + k*tau + (tau - stall)``, is complete
+  at ``t0 + (k+1)*tau`` and becomes *durable* ``lag_s`` later (0 for sync; the background persist time
+  for concurrent);
+* training stops at ``stop_s`` (``inf`` unless the job was told to release GPUs): after it the
+  progress stays where it is while the job writes its final checkpoint.
+
+A failure loses everything after the newest durable checkpoint (:meth:`Segment.durable`); a reclaim
+or preemption loses nothing if the final checkpoint fits before the deadline (decided by the
+caller, :mod:`tidal.sim.world`).
+
+Units: seconds and GPU-seconds of work. A job on ``g`` GPUs has ``rate = g ** scaling_exponent``
+(1.0 = linear scaling: ``g`` GPU-seconds of work per second).
+"""
+
+from __future__ import annotations
+
+import math
+
+EPS = 1e-9
+
+
+class Segment:
+    """A job's training timeline from ``t0`` (see the module docstring). Immutable by convention.
+
+    ``dur_p`` / ``dur_ct``: progress and capture time of the newest checkpoint already durable when
+    the segment began; ``pend_t`` / ``pend_p`` / ``pend_ct``: one capture still being persisted then
+    (durable at ``pend_t``; ``inf`` if none).
+    """
+
+    __slots__ = ("t0", "p0", "rate", "tau", "stall", "lag", "stop", "dur_p", "dur_ct", "pend_t", "pend_p",
+                 "pend_ct")
+
+    def __init__(self, t0: float, p0: float, rate: float, tau_s: float, stall_s: float, lag_s: float,
+                 dur_p: float, dur_ct: float, pend: tuple[float, float, float] | None = None,
+                 stop_s: float = math.inf) -> None:
+        if rate <= 0:
+            raise ValueError(f"Segment: rate must be > 0, got {rate}")
+        self.t0, self.p0, self.rate = t0, p0, rate
+        self.stall = max(0.0, stall_s)
+        self.tau = max(tau_s, self.stall + 1.0)  # a period must leave some training
+        self.lag = max(0.0, lag_s)
+        self.stop = stop_s
+        self.dur_p, self.dur_ct = dur_p, dur_ct
+        if pend is None:
+            self.pend_t, self.pend_p, self.pend_ct = math.inf, dur_p, dur_ct
+        else:
+            self.pend_t, self.pend_p, self.pend_ct = pend
+
+    # ------------------------------------------------------------------------------ progress
+
+    def at(self, t: float) -> float:
+        """Progress (GPU-seconds of work) reached at ``t``."""
+        e = min(t, self.stop) - self.t0
+        if e <= 0:
+            return self.p0
+        c = self.tau - self.stall
+        k = math.floor(e / self.tau)
+        return self.p0 + self.rate * (k * c + min(e - k * self.tau, c))
+
+    def finish_s(self, work: float) -> float:
+        """When progress reaches ``work`` (``inf`` if not before ``stop``)."""
+        need = work - self.p0
+        if need <= EPS:
+            return self.t0
+        c = self.tau - self.stall
+        trained = need / self.rate
+        k = max(0, math.ceil(trained / c - EPS) - 1)
+        t = self.t0 + k * self.tau + (trained - k * c)
+        return t if t <= self.stop + EPS else math.inf
+
+    # ------------------------------------------------------------------------------ checkpoints
+
+    def _last_capture(self, t: float) -> int:
+        """Index of the newest periodic capture durable at ``t`` (-1: none)."""
+        c = self.tau - self.stall
+        k = math.floor((t - self.lag - self.t0) / self.tau + EPS) - 1
+        if self.stop < math.inf:
+            k = min(k, math.floor((self.stop - self.t0 - c) / self.tau + EPS))
+        return k
+
+    def durable(self, t: float) -> tuple[float, float]:
+        """(progress, capture time) of the newest checkpoint durable at ``t``: what a failure keeps."""
+        p, ct = self.dur_p, self.dur_ct
+        if self.pend_t <= t + EPS and self.pend_p >= p:
+            p, ct = self.pend_p, self.pend_ct
+        k = self._last_capture(t)
+        if k >= 0:
+            q = self.p0 + self.rate * (k + 1) * (self.tau - self.stall)
+            if q >= p:
+                p, ct = q, self.t0 + k * self.tau + (self.tau - self.stall)
+        return p, ct
+
+    def durable_time_and_next(self, t: float) -> tuple[float, float]:
+        """(capture time of the newest durable checkpoint at ``t``, :meth:`next_durable_s`) in one go."""
+        k = self._last_capture(t)
+        c = self.tau - self.stall
+        p, ct = self.dur_p, self.dur_ct
+        if self.pend_t <= t + EPS and self.pend_p >= p:
+            p, ct = self.pend_p, self.pend_ct
+        if k >= 0 and self.p0 + self.rate * (k + 1) * c >= p:
+            ct = self.t0 + k * self.tau + c
+        nxt = self.pend_t if self.pend_t > t + EPS else math.inf
+        if self.stop == math.inf or self.t0 + (k + 1) * self.tau + c <= self.stop + EPS:
+            nxt = min(nxt, self.t0 + (k + 2) * self.tau + self.lag)
+        return ct, nxt
+
+    def in_flight(self, t: float) -> tuple[float, float, float] | None:
+        """The newest capture complete at ``t`` but not yet durable: (durable at, progress, capture time)."""
+        if self.lag <= 0:
+            return None
+        c = self.tau - self.stall
+        k = math.floor((t - self.t0) / self.tau + EPS) - 1  # newest capture complete at t
+        if self.stop < math.inf:
+            k = min(k, math.floor((self.stop - self.t0 - c) / self.tau + EPS))
+        if k >= 0:
+            dt = self.t0 + (k + 1) * self.tau + self.lag
+            if dt > t + EPS:
+                return dt, self.p0 + self.rate * (k + 1) * c, self.t0 + k * self.tau + c
+        if self.pend_t > t + EPS and self.pend_t < math.inf:
+            return self.pend_t, self.pend_p, self.pend_ct
+        return None
+
+    def next_durable_s(self, t: float) -> float:
+        """The first time after ``t`` at which :meth:`durable` changes (``inf``: never in this segment)."""
+        nxt = self.pend_t if self.pend_t > t + EPS else math.inf
+        k = self._last_capture(t) + 1
+        c = self.tau - self.stall
+        if self.stop == math.inf or self.t0 + k * self.tau + c <= self.stop + EPS:
+            nxt = min(nxt, self.t0 + (k + 1) * self.tau + self.lag)
+        return nxt
+
+    # ------------------------------------------------------------------------------ changes
+
+    def rebased(self, now: float, *, p0: float, start_s: float, rate: float, tau_s: float,
+                capture: tuple[float, float, float] | None = None, stop_s: float = math.inf) -> Segment:
+        """The segment that follows this one at ``now``: training resumes at ``start_s`` from ``p0``.
+
+        Checkpoints durable at ``now`` and the one in flight carry over; ``capture`` adds a final or
+        resize checkpoint ``(durable at, progress, capture time)`` taken at the change.
+        """
+        dur_p, dur_ct = self.durable(now)
+        pend = self.in_flight(now)
+        if capture is not None:
+            if capture[0] <= now + EPS:
+                if capture[1] >= dur_p:
+                    dur_p, dur_ct = capture[1], capture[2]
+            elif pend is None or capture[1] >= pend[1]:
+                pend = capture
+        if pend is not None and pend[1] > p0 + EPS:  # rolled back (a failure): the write in flight is lost
+            pend = None
+        if dur_p > p0 + EPS:
+            dur_p = p0
+        return Segment(start_s, p0, rate, tau_s, self.stall, self.lag, dur_p, dur_ct, pend, stop_s)

@@ -1,0 +1,194 @@
+"""The serving side of the simulated pool: which serving GPUs are lent, which warm up, what is owed.
+
+This is the serving adapter of the architecture, simulated: it carries out a
+:class:`~tidal.policy.loan.LoanPlan` (it decides nothing the plan did not say) and
+:class:`~tidal.model.ReturnGpus` decisions of the scheduler.
+
+* **Lending.** When the plan's ``lendable_gpus`` exceeds what is lent, the difference is lent at once
+  (every lendable GPU is offered; with a saturated spot queue every one has a taker). Partly lent
+  nodes are filled first, then nodes whose GPUs are warming up (they do not serve yet), then the
+  rest in node order, so loans come in whole nodes where possible.
+* **Owing.** The plan's reclaims become :class:`~tidal.model.Reclaim` instructions for the scheduler:
+  ``reclaim_now_gpus`` is due now; each future ``(gpus, deadline, notice)`` keeps its notice time and
+  gets ``by_s = notice + LoanTiming.notice_s + LoanTiming.final_checkpoint_s`` (the job's grace,
+  then its final checkpoint); release and serving warm-up fill the rest of the lead time, so the
+  GPUs serve again at the deadline. The list is rebuilt from every plan (level-triggered, like the
+  scheduler); between plans a :class:`~tidal.model.ReturnGpus` lowers the earliest one.
+* **Loan ends.** Each loan's ``until_s`` is the notice time of the first of its GPUs the plan wants
+  back (``inf``: none within the horizon); the least used nodes get the earliest times (the
+  scheduler hands idle nodes back first, and starts nothing new on a loan about to end).
+* **Returning.** GPUs handed back serve again after ``release_s + warmup_s``; until then they count
+  neither as lent nor as serving capacity.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Mapping
+
+from tidal.model import Loan, Reclaim
+from tidal.policy.loan import LoanPlan, LoanTiming
+
+
+class ServingPool:
+    """Serving nodes, their loans and warming GPUs, and the outstanding reclaims. Mutable."""
+
+    def __init__(self, nodes: Mapping[str, int], timing: LoanTiming) -> None:
+        self.cap = dict(nodes)  # node -> GPUs
+        self.total = sum(self.cap.values())
+        self.timing = timing
+        self.loans: dict[str, Loan] = {}
+        self.lent = 0
+        self.warming_on: dict[str, list[list[float]]] = {}  # node -> [[ready_s, gpus], ...]
+        self.warming = 0
+        self.reclaims: list[Reclaim] = []
+        self.lendable = 0  # the latest plan's
+        self._until_key: tuple | None = None  # what the loan ends were last computed from
+        self._finite: set[str] = set()  # loaned nodes with a finite until_s
+
+    # ------------------------------------------------------------------------------ queries
+
+    @property
+    def capacity(self) -> int:
+        """GPUs serving now: neither lent nor warming up."""
+        return self.total - self.lent - self.warming
+
+    def lent_on(self, node: str) -> int:
+        ln = self.loans.get(node)
+        return ln.gpus if ln is not None else 0
+
+    # ------------------------------------------------------------------------------ the plan
+
+    def apply_plan(self, plan: LoanPlan, now: float, used: Mapping[str, int]) -> list[float]:
+        """Lend up to the plan, rebuild the reclaims, set loan ends. Returns the reclaim notice times
+        in the future (the caller wakes the scheduler then). ``used``: node -> GPUs jobs hold."""
+        self.lendable = plan.lendable_gpus
+        if plan.lendable_gpus > self.lent:
+            self._lend(plan.lendable_gpus - self.lent)
+        t = self.timing
+        after_notice = t.notice_s + t.final_checkpoint_s
+        reclaims = []
+        if self.lent > plan.lendable_gpus:
+            reclaims.append(Reclaim(self.lent - plan.lendable_gpus, by_s=now + after_notice))
+        for r in plan.reclaims:
+            reclaims.append(Reclaim(r.gpus, by_s=r.notice_s + after_notice, notice_s=r.notice_s))
+        self.reclaims = reclaims
+        self._set_until(plan, now, used)
+        return [r.notice_s for r in plan.reclaims if r.notice_s > now]
+
+    def _lend(self, gpus: int) -> None:
+        """Partly lent nodes first (whole-node loans), then nodes warming up, then the rest in order."""
+        partial = [n for n, ln in self.loans.items() if ln.gpus < self.cap[n]]
+        warming = [n for n, e in self.warming_on.items() if e and self.lent_on(n) < self.cap[n]]
+        seen: set[str] = set()
+        for node in (*partial, *warming, *self.cap):
+            if gpus <= 0:
+                break
+            if node in seen:
+                continue
+            seen.add(node)
+            k = min(gpus, self.cap[node] - self.lent_on(node))
+            if k <= 0:
+                continue
+            self._take_warming(node, k)
+            old = self.loans.get(node)
+            self.loans[node] = Loan(node, (old.gpus if old else 0) + k, until_s=old.until_s if old else math.inf)
+            self.lent += k
+            gpus -= k
+
+    def _take_warming(self, node: str, gpus: int) -> None:
+        """Lent GPUs come from those warming up first (latest-ready first): they do not serve yet."""
+        entries = self.warming_on.get(node)
+        free_serving = self.cap[node] - self.lent_on(node) - sum(w[1] for w in entries or ())
+        take = max(0, gpus - free_serving)
+        while take > 0 and entries:
+            last = entries[-1]
+            k = min(take, int(last[1]))
+            last[1] -= k
+            take -= k
+            self.warming -= k
+            if last[1] <= 0:
+                entries.pop()
+
+    def _set_until(self, plan: LoanPlan, now: float, used: Mapping[str, int]) -> None:
+        if not self.loans:
+            return
+        key = (self.lent, plan.lendable_gpus, tuple((r.notice_s, r.gpus) for r in plan.reclaims), tuple(self.loans))
+        if key == self._until_key:
+            return  # same plan for the same loans: the ends stand (idle vs used order is a preference)
+        self._until_key = key
+        # Notice time per lent GPU, earliest first: GPUs lent beyond the plan (wanted now), then the
+        # plan's groups; the rest have no deadline. The least used nodes take the earliest ends.
+        keep = min(self.lent, plan.lendable_gpus)
+        ends: list[tuple[float, int]] = [(now, self.lent - keep)] if self.lent > keep else []
+        ends += [(r.notice_s, r.gpus) for r in plan.reclaims]
+        finite = sum(g for _, g in ends)
+        if finite and self.loans:
+            order = heapq.nsmallest(finite, self.loans, key=lambda n: (used.get(n, 0), n))
+        else:
+            order = []
+        new_finite: set[str] = set()
+        i, left = 0, ends[0][1] if ends else 0
+        for node in order:
+            if i >= len(ends):
+                break
+            ln = self.loans[node]
+            until = ends[i][0]
+            g = ln.gpus
+            while g > 0 and i < len(ends):
+                k = min(g, left)
+                g -= k
+                left -= k
+                if left <= 0:
+                    i += 1
+                    left = ends[i][1] if i < len(ends) else 0
+            new_finite.add(node)
+            if until != ln.until_s:
+                self.loans[node] = Loan(node, ln.gpus, until_s=until)
+        for node in self._finite - new_finite:
+            ln = self.loans.get(node)
+            if ln is not None and ln.until_s != math.inf:
+                self.loans[node] = Loan(node, ln.gpus, until_s=math.inf)
+        self._finite = new_finite
+
+    # ------------------------------------------------------------------------------ decisions
+
+    def return_gpus(self, node: str, gpus: int, now: float) -> float:
+        """Carry out :class:`~tidal.model.ReturnGpus`; returns when those GPUs serve again."""
+        ln = self.loans.get(node)
+        if ln is None or gpus > ln.gpus or gpus < 1:
+            raise AssertionError(f"ReturnGpus({node!r}, {gpus}): node has {ln.gpus if ln else 0} GPUs on loan")
+        if gpus == ln.gpus:
+            del self.loans[node]
+        else:
+            self.loans[node] = Loan(node, ln.gpus - gpus, until_s=ln.until_s)
+        self.lent -= gpus
+        ready = now + self.timing.release_s + self.timing.warmup_s
+        self.warming_on.setdefault(node, []).append([ready, gpus])
+        self.warming += gpus
+        left = gpus
+        rs = sorted(self.reclaims, key=lambda r: r.by_s)
+        while left and rs:
+            r = rs[0]
+            k = min(left, r.gpus)
+            left -= k
+            rs = ([Reclaim(r.gpus - k, r.by_s, r.notice_s)] if r.gpus > k else []) + rs[1:]
+        self.reclaims = rs
+        return ready
+
+    def warm_done(self, node: str, now: float) -> None:
+        """GPUs of ``node`` whose warm-up ends by ``now`` serve again."""
+        entries = self.warming_on.get(node)
+        if not entries:
+            return
+        keep = []
+        for e in entries:
+            if e[0] <= now + 1e-9:
+                self.warming -= int(e[1])
+            else:
+                keep.append(e)
+        self.warming_on[node] = keep
+
+    def due_reclaim(self, now: float) -> bool:
+        return any(r.due(now) for r in self.reclaims)
