@@ -329,10 +329,11 @@ class Checkpointer:
             key = json.dumps([g["pieces"] for g in gathered])
         if self._plan_cache is not None and self._plan_cache[0] == key:
             plan = self._plan_cache[1]
-        elif self.world_size == 1:
-            plan = make_plan([descs])
         else:
-            plan = make_plan([[PieceDesc.from_json(v) for v in g["pieces"]] for g in gathered])
+            if self.world_size == 1:
+                plan = make_plan([descs])
+            else:
+                plan = make_plan([[PieceDesc.from_json(v) for v in g["pieces"]] for g in gathered])
             self._plan_cache = (key, plan)
             self._check_shm_room(plan)
         same_node = all(g["host"] == gathered[0]["host"] and g["shm"] for g in gathered)

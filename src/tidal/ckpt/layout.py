@@ -24,12 +24,16 @@ class Box:
     def __post_init__(self) -> None:
         if len(self.offsets) != len(self.lengths):
             raise ValueError(f"box offsets {self.offsets} and lengths {self.lengths} differ in rank")
-        if any(o < 0 for o in self.offsets) or any(n < 0 for n in self.lengths):
+        if self.offsets and (min(self.offsets) < 0 or min(self.lengths) < 0):
             raise ValueError(f"box offsets {self.offsets} / lengths {self.lengths} must be >= 0")
 
     @staticmethod
     def whole(shape: Sequence[int]) -> Box:
-        return Box(tuple(0 for _ in shape), tuple(int(s) for s in shape))
+        key = tuple(shape)
+        box = _WHOLE.get(key)
+        if box is None:  # cached: every save describes every replicated tensor as a whole box
+            box = _WHOLE[key] = Box(tuple(0 for _ in key), tuple(int(s) for s in key))
+        return box
 
     @property
     def ndim(self) -> int:
@@ -49,6 +53,9 @@ class Box:
     def relative_to(self, outer: Box) -> Box:
         """This box in the coordinates of ``outer`` (which must contain it)."""
         return Box(tuple(o - p for o, p in zip(self.offsets, outer.offsets, strict=True)), self.lengths)
+
+
+_WHOLE: dict[tuple, Box] = {}
 
 
 def intersect(a: Box, b: Box) -> Box | None:
