@@ -48,7 +48,11 @@ BAD = [
     (["shm", "s3://My_Bucket/run"], r"'My_Bucket' is not a valid bucket name"),
     (["shm", "s3://bucket//run"], r"prefix 'run' has an empty|empty, '\.' or '\.\.' segment"),
     (["shm", "s3://bucket/a/../b"], r"'\.\.' segment"),
-    (["shm", "peer", "/x"], r"tiers\[1\] 'peer': the peer-memory tier is not available yet"),
+    (["shm", "peer"], r"nothing names this job's checkpoints.*'peer://NAME', set TIDAL_JOB_ID"),
+    (["shm", {"kind": "peer", "agent": "localhost"}, "/x"], r"agent 'localhost': expected host:port"),
+    (["shm", {"kind": "pear"}, "/x"], r"tiers\[1\].*unknown kind 'pear'; expected one of shm, dir, s3, peer"),
+    (["shm", {"kind": "peer", "agnet": "h:1"}, "/x"], r"unknown option 'agnet'.*agent, peers"),
+    (["shm", "peer://a b"], r"namespace 'a b' must be letters"),
     (["shm", {"url": "/x", "evry": 5}], r"tiers\[1\] '/x': unknown option 'evry'; expected one of: url, every"),
     (["shm", {"url": "s3://bucket/run", "endpiont": "http://x"}], r"unknown option 'endpiont'.*endpoint"),
     (["shm", {"url": "/x", "every": 0}], r"'every' must be an integer >= 1"),
@@ -70,6 +74,7 @@ BAD = [
 @pytest.mark.parametrize(("tiers", "match"), BAD, ids=[f"bad{i}" for i in range(len(BAD))])
 def test_tier_spec_errors_are_raised_at_construction(tmp_path, monkeypatch, tiers, match):
     monkeypatch.chdir(tmp_path)  # a relative directory a typo could create would land here
+    monkeypatch.delenv("TIDAL_JOB_ID", raising=False)
     with pytest.raises(ckpt.TierSpecError, match=match):
         ckpt.Checkpointer(tiers=tiers)
     assert sorted(os.listdir(tmp_path)) == []  # nothing created, nothing written

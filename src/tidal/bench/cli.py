@@ -38,6 +38,35 @@ def ckpt(
         print(json.dumps(result, indent=2))
 
 
+@app.command("tiers")
+def tiers(
+    size_mb: float = typer.Option(512.0, "--size-mb", min=1.0, help="State size for persist and load, MiB."),
+    repeat: int = typer.Option(5, "--repeat", min=1, help="Timed repeats of persist and load; medians reported."),
+    train_s: float = typer.Option(60.0, "--train-s", min=0.0, help="Seconds per training run (0: skip the "
+                                  "training-overhead part)."),
+    interval_s: float = typer.Option(10.0, "--interval-s", min=0.1, help="Checkpoint interval while training, s."),
+    model_mb: float = typer.Option(32.0, "--model-mb", min=0.1, help="Parameters of the training MLP, MiB "
+                                   "(the checkpoint is 3x: parameters + Adam's two moments)."),
+    batch: int = typer.Option(64, "--batch", min=1, help="Training batch size."),
+    json_out: bool = typer.Option(False, "--json", help="Print a JSON object on stdout (tables to stderr)."),
+    directory: Path | None = typer.Option(None, "--dir", help="Make the scratch directory (disk tier, "
+                                          "SeaweedFS data) under DIR; removed at the end."),
+) -> None:
+    """Each checkpoint tier vs the raw device (disk, S3, peer), loads per tier, and training overhead of
+    checkpointing every 10 s through all tiers vs none vs DCP async_save to S3."""
+    from rich.console import Console
+
+    from tidal.bench.tiers import render, run
+
+    err = Console(stderr=True)
+    out = err if json_out else Console()
+    result = run(size_mb, repeat, train_s, interval_s, model_mb, batch, directory,
+                 log=lambda s: err.print(f"[dim]{s}[/]", highlight=False))
+    render(result, out)
+    if json_out:
+        print(json.dumps(result, indent=2))
+
+
 @app.command("forecast")
 def forecast(
     traces: list[Path] = typer.Argument(None, help="Serving traces (CSV: time, load). Default: "

@@ -11,26 +11,40 @@
     ckpt.steps(url)              # committed steps, ascending (url: a location or a tier list)
 
 See docs/checkpoint.md for the format, the tiers and the guarantees.
+
+Names are imported on first use (PEP 562), so that ``import tidal.ckpt.agent`` - the node agent, a
+process of its own - does not load torch.
 """
 
-from tidal.ckpt.api import LoadStats, load, read_manifest, steps
-from tidal.ckpt.checkpointer import Checkpointer
-from tidal.ckpt.config import TierSpec
-from tidal.ckpt.errors import (
-    CheckpointError,
-    CorruptionError,
-    ManifestError,
-    NotFoundError,
-    SaveError,
-    StateError,
-    TierError,
-    TierSpecError,
-)
-from tidal.ckpt.flatten import LocalShard
-from tidal.ckpt.handle import SaveHandle
-from tidal.ckpt.state import apply_training_state, training_state
-from tidal.ckpt.status import CheckpointStatus, StepStatus, TierStatus, read_status
+from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_WHERE = {
+    "Checkpointer": "checkpointer",
+    "SaveHandle": "handle",
+    "TierSpec": "config",
+    "load": "api",
+    "steps": "api",
+    "read_manifest": "api",
+    "LoadStats": "api",
+    "LocalShard": "flatten",
+    "training_state": "state",
+    "apply_training_state": "state",
+    "CheckpointStatus": "status",
+    "TierStatus": "status",
+    "StepStatus": "status",
+    "read_status": "status",
+    "CheckpointError": "errors",
+    "CorruptionError": "errors",
+    "ManifestError": "errors",
+    "NotFoundError": "errors",
+    "SaveError": "errors",
+    "StateError": "errors",
+    "TierError": "errors",
+    "TierSpecError": "errors",
+}
 __all__ = [
     "Checkpointer",
     "SaveHandle",
@@ -55,3 +69,35 @@ __all__ = [
     "TierError",
     "TierSpecError",
 ]
+
+if TYPE_CHECKING:
+    from tidal.ckpt.api import LoadStats, load, read_manifest, steps
+    from tidal.ckpt.checkpointer import Checkpointer
+    from tidal.ckpt.config import TierSpec
+    from tidal.ckpt.errors import (
+        CheckpointError,
+        CorruptionError,
+        ManifestError,
+        NotFoundError,
+        SaveError,
+        StateError,
+        TierError,
+        TierSpecError,
+    )
+    from tidal.ckpt.flatten import LocalShard
+    from tidal.ckpt.handle import SaveHandle
+    from tidal.ckpt.state import apply_training_state, training_state
+    from tidal.ckpt.status import CheckpointStatus, StepStatus, TierStatus, read_status
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tidal.ckpt' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"tidal.ckpt.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

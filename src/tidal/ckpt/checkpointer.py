@@ -13,9 +13,11 @@ Call order and threads (every rank calls the same methods in the same order)::
 ``save`` is called from the training thread. One persist thread per Checkpointer checksums the
 staged slot and writes it to the *fast* tiers (shm: a hard link; directories: a write from the
 slot), committing each (rank 0 writes manifests); the slot is free again once they are done. Each
-*slow* tier (S3) has its own upload queue and thread (``remote``), fed after the fast tiers with
-the step's local copy, so a slow or unreachable store never holds a slot: saves keep landing in
-the fast tiers while the backlog waits, retrying, and the status shows the lag. No background
+*slow* tier (S3, peer) has its own upload queue and thread (``remote``), fed after the fast tiers
+with the step's local copy, so a slow or unreachable store never holds a slot: saves keep landing
+in the fast tiers while the backlog waits, retrying, and the status shows the lag. A peer tier's
+data file is handed to this node's checkpoint agent (which copies the slot) before the slot is
+released, overlapping the checksums. No background
 thread runs a collective, so none can deadlock with training's collectives.
 
 Which tiers a save goes to: the ``i``-th save (from 0) goes to each tier whose ``every`` divides
@@ -58,7 +60,7 @@ from tidal.ckpt.handle import SaveHandle
 from tidal.ckpt.plan import PieceDesc, SavePlan, make_plan
 from tidal.ckpt.protocol import Tier
 from tidal.ckpt.remote import RemoteQueue, Upload
-from tidal.ckpt.staging import Slot, StagingArea, shm_has_room
+from tidal.ckpt.staging import Slot, StagingArea, drop_stale_slots, shm_has_room, steps_linking
 from tidal.ckpt.status import CheckpointStatus, Durability
 from tidal.ckpt.tiers import DirTier, data_name, is_s3_url, local_path, shm_root_for, sidecar_name
 
@@ -164,6 +166,7 @@ class Checkpointer:
         self._hooks = [opt.register_step_pre_hook(self._pre_step_hook) for opt in self._guards]
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tidal-stage-r{self.rank}")
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tidal-io-r{self.rank}")
+        self._handoff_io = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tidal-handoff-r{self.rank}")
         self._thread = threading.Thread(target=self._worker, name=f"tidal-ckpt-r{self.rank}", daemon=True)
         self._thread.start()
 
@@ -213,7 +216,7 @@ class Checkpointer:
         slot.free.clear()
         try:
             if self.shm_tier is not None and slot.path is not None:
-                for s in _steps_linking(self.shm_tier, slot.path):
+                for s in steps_linking(self.shm_tier, slot.path):
                     self.shm_tier.remove_file(s, mf.MANIFEST)  # this slot's bytes are about to change
                     self._durability.removed(self.shm_tier.name, [s])
             rf = plan.files[self.rank]
@@ -284,6 +287,7 @@ class Checkpointer:
             h._done.wait()
         self._copier.shutdown(wait=True)
         self._io.shutdown(wait=True)
+        self._handoff_io.shutdown(wait=True)
         for h in self._hooks:
             h.remove()
         self._staging.close()
@@ -357,7 +361,7 @@ class Checkpointer:
             held = self._slot_steps.get(slot.index, -1)
             if self.shm_tier is not None:
                 path = self._staging.shm_dir / f"r{self.rank:05d}-slot{slot.index}.safetensors"
-                linked = _steps_linking(self.shm_tier, path)
+                linked = steps_linking(self.shm_tier, path)
                 held = max([held, *linked])
             key = (held, slot.index)
             if best_key is None or key < best_key:
@@ -454,12 +458,16 @@ class Checkpointer:
         first_dir = next((t for t in job.tiers if t.kind == "dir"), None)
         overlap = first_dir is not None and not (job.extra.get("urgent") and any(t.kind == "shm" for t in job.tiers))
         dir_write = self._io.submit(first_dir.write_file, job.step, name, data) if overlap else None
+        # So does handing the slot to the peer tier's agent (it copies the slot file itself).
+        handoffs = {q.tier.name: self._handoff_io.submit(self._handoff, q.tier, job, name, data)
+                    for q in job.remote if hasattr(q.tier, "handoff") and not job.extra.get("urgent")}
         try:
             crcs = {p.key: zlib.crc32(mv[p.start : p.start + p.nbytes]) for p in rf.pieces}
         except BaseException:
-            if dir_write is not None:
-                with contextlib.suppress(Exception):
-                    dir_write.result()
+            for f in [dir_write, *handoffs.values()]:  # nobody may read the slot once it is released
+                if f is not None:
+                    with contextlib.suppress(Exception):
+                        f.result()
             raise
         sidecar = {"rank": self.rank, "step": job.step, "save_id": job.save_id, "crc32": crcs,
                    "size_bytes": rf.size_bytes}
@@ -482,17 +490,22 @@ class Checkpointer:
                 job.handle._tier_committed(tier.name)
             except Exception as e:
                 errors.append(f"{tier.name}: {e}")
-        self._queue_remote(job, name, data, sidecar)
+        self._queue_remote(job, name, data, sidecar, handoffs)
         if errors:
             raise SaveError("; ".join(errors))
 
-    def _queue_remote(self, job: _Job, name: str, data: memoryview, sidecar: dict) -> None:
-        """Hand the step to each slow tier's queue: read from a directory tier that committed it, else
-        from a private snapshot of the slot (taken here, before the slot is released)."""
+    def _queue_remote(self, job: _Job, name: str, data: memoryview, sidecar: dict, handoffs: dict) -> None:
+        """Hand the step to each slow tier's queue. A tier that can take the data file from node memory
+        now does (the peer tier: its agent copies the slot); the others read it from a directory tier
+        that committed it, else from a private snapshot of the slot (taken here, before the slot is
+        released)."""
         if not job.remote:
             return
+        handed = {q.tier.name for q in job.remote
+                  if (handoffs[q.tier.name].result() if q.tier.name in handoffs else self._handoff(q.tier, job, name, data))}
         source = next((t for t in job.tiers if t.kind == "dir" and t.name in job.handle.committed), None)
-        snapshot = bytearray(data) if source is None else None
+        need = source is None and any(q.tier.name not in handed for q in job.remote)
+        snapshot = bytearray(data) if need else None
         build_manifest = None
         if self.rank == 0:
             def build_manifest(docs: list[dict]) -> dict:
@@ -503,8 +516,24 @@ class Checkpointer:
             def done(error: BaseException | None, tier: str = q.tier.name) -> None:
                 job.handle._part_done(tier, error)
 
+            given = q.tier.name in handed
             q.submit(Upload(job.step, job.save_id, name, len(data), sidecar, job.plan.world_size, done,
-                            source=source, snapshot=snapshot, build_manifest=build_manifest))
+                            source=None if given else source, snapshot=None if given else snapshot,
+                            build_manifest=build_manifest, written={"data"} if given else set()))
+
+    def _handoff(self, tier: Tier, job: _Job, name: str, data: memoryview) -> bool:
+        """Give this rank's data file to ``tier`` now if it can take it (``handoff``); False otherwise
+        (then its queue uploads it later, like any slow tier's)."""
+        handoff = getattr(tier, "handoff", None)
+        if handoff is None:
+            return False
+        try:
+            handoff(job.step, name, data, job.slot.path)
+            return True
+        except Exception as e:
+            log.warning("tier '%s' step %d: handoff failed (%s); the upload queue will retry", tier.name, job.step, e)
+            self._durability.error(tier.name, str(e))
+            return False
 
     def _manifest(self, job: _Job, docs: list[dict]) -> dict:
         crcs = {f"{d['rank']}/{k}": int(v) for d in docs for k, v in d["crc32"].items()}
@@ -541,7 +570,7 @@ class Checkpointer:
         cleanups.append(clean)
         if tier is self.shm_tier:
             slot_dir = self._staging.shm_dir
-            cleanups.append(lambda: _drop_stale_slots(slot_dir, job.plan.world_size))
+            cleanups.append(lambda: drop_stale_slots(slot_dir, job.plan.world_size))
 
 
 def _as_list(guard: Any) -> list:
@@ -555,35 +584,3 @@ def _as_list(guard: Any) -> list:
 def _storage_ptr(t: torch.Tensor) -> int:
     local = t.to_local() if hasattr(t, "to_local") else t
     return local.untyped_storage().data_ptr()
-
-
-def _steps_linking(tier: DirTier, path: Path) -> list[int]:
-    """Committed steps of ``tier`` whose data files are hard links to ``path``."""
-    try:
-        ino = os.stat(path).st_ino
-    except FileNotFoundError:
-        return []
-    out = []
-    for s in tier.committed_steps():
-        d = tier.step_dir(s)
-        try:
-            for n in os.listdir(d):
-                if n.endswith(".safetensors") and os.stat(d / n).st_ino == ino:
-                    out.append(s)
-                    break
-        except FileNotFoundError:
-            continue
-    return out
-
-
-def _drop_stale_slots(slot_dir: Path | None, world: int) -> None:
-    """Remove slot files of ranks beyond the current world that no step links to any more."""
-    if slot_dir is None:
-        return
-    with contextlib.suppress(FileNotFoundError):
-        for n in os.listdir(slot_dir):
-            if n.startswith("r") and n[1:6].isdigit() and int(n[1:6]) >= world:
-                p = slot_dir / n
-                with contextlib.suppress(OSError):
-                    if os.stat(p).st_nlink == 1:
-                        p.unlink()

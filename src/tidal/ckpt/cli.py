@@ -4,8 +4,9 @@
     tidal ckpt inspect URL [--step N] [--pieces]        entries, dtypes, shapes, pieces, plain values
     tidal ckpt verify URL [--step N | --all]            re-read every piece in every tier, check CRCs
     tidal ckpt export URL OUT.safetensors [--step N]    one consolidated safetensors file
+    tidal ckpt agent --listen HOST:PORT --mem-dir DIR [--buddy HOST:PORT]   this node's checkpoint agent
 
-``ls`` takes a directory or ``s3://bucket/prefix``; for a directory it also lists the job's other
+``ls`` takes a directory, ``s3://bucket/prefix`` or ``peer://NAME``; for a directory it also lists the job's other
 tiers recorded in this node's status file (see ``status``). The other commands read directories.
 Every command prints Rich tables for people and, with ``--json``, one JSON document on stdout for
 programs. A missing directory, an unknown step or a damaged manifest prints one line on stderr and
@@ -37,7 +38,7 @@ from tidal.ckpt.config import build, kind_of, normalize, resolve
 from tidal.ckpt.errors import CheckpointError, ManifestError, NotFoundError
 from tidal.ckpt.flatten import ST_TO_DTYPE, path_name
 from tidal.ckpt.status import CheckpointStatus, read_status
-from tidal.ckpt.tiers import DirTier, is_s3_url, local_path, shm_root_for, tiers_for
+from tidal.ckpt.tiers import DirTier, is_peer_url, is_s3_url, local_path, shm_root_for, tiers_for
 from tidal.ckpt.verify import Checked, Problem, _check_step, _read, _verify_tier
 
 app = typer.Typer(
@@ -148,7 +149,7 @@ def _held(tiers: list, errors: list[str] | None = None) -> dict[int, list]:
 def _ls_tiers(url: str, extra: list[str]) -> tuple[list, CheckpointStatus | None]:
     """The location's tiers, plus ``extra`` tier specs - by default the job's other durable tiers
     as recorded in this node's status file for it (so an S3 tier shows up without naming it)."""
-    s3 = is_s3_url(url)
+    s3 = is_s3_url(url) or is_peer_url(url)  # (not a directory)
     tiers = tiers_for(url) if s3 else _tiers(url)
     home = url.rstrip("/") if s3 else str(local_path(url))
     status = None
@@ -213,7 +214,7 @@ def ls_cmd(url: LsUrlArg, tier: TierOpt = None, as_json: JsonOpt = False) -> Non
     with _errors():
         tiers, status = _ls_tiers(url, tier or [])
         held = _held(tiers, errors)
-        where = url if is_s3_url(url) else str(local_path(url))
+        where = url if is_s3_url(url) or is_peer_url(url) else str(local_path(url))
         if not held:
             raise NotFoundError(f"no committed checkpoint step at {where}" + (f" ({'; '.join(errors)})"
                                                                               if errors else ""))
@@ -494,3 +495,39 @@ def export_cmd(
 
 if __name__ == "__main__":
     app()
+
+
+# -- agent -----------------------------------------------------------------------------------------
+
+@app.command("agent")
+def agent_cmd(
+    listen: Annotated[str, typer.Option("--listen", help="HOST:PORT to serve on (0.0.0.0:7070 for every "
+                                        "interface; port 0: any free port).", show_default=False)],
+    mem_dir: Annotated[Path, typer.Option("--mem-dir", help="Memory directory that holds the steps, e.g. "
+                                          "/dev/shm/tidal-agent (taken up again after a restart).",
+                                          show_default=False)],
+    buddy: Annotated[str | None, typer.Option("--buddy", help="HOST:PORT of the agent on another node that "
+                                              "keeps a copy of every step handed to this one.")] = None,
+    node: Annotated[str | None, typer.Option("--node", help="This node's name in its buddy's replica tree "
+                                             "(default: the listen address).")] = None,
+    allow_copy_from: Annotated[list[str] | None, typer.Option(
+        "--allow-copy-from", help="Directory staging slots may be copied from; repeatable (default "
+                                  "$TIDAL_SHM_DIR/tidal or /dev/shm/tidal).")] = None,
+    resync_s: Annotated[float, typer.Option("--resync-s", help="Seconds between checks that the buddy holds "
+                                            "every committed step.")] = 2.0,
+    log_level: Annotated[str, typer.Option("--log-level")] = "INFO",
+) -> None:
+    """Run this node's checkpoint agent (the peer-memory tier) in the foreground until SIGTERM.
+
+    It holds the steps this node's ranks hand it (peer tier) in MEM_DIR and pushes each to BUDDY;
+    ``GET /status`` on it says which steps it holds and from which node. The process replaces
+    itself with ``python -m tidal.ckpt.agent`` (same pid), which does not load torch.
+    """
+    args = ["--listen", listen, "--mem-dir", str(mem_dir), "--resync-s", str(resync_s), "--log-level", log_level]
+    args += ["--buddy", buddy] if buddy else []
+    args += ["--node", node] if node else []
+    for d in allow_copy_from or []:
+        args += ["--allow-copy-from", d]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, "-m", "tidal.ckpt.agent", *args])

@@ -10,14 +10,19 @@ A tier list is ordered fastest first. Each entry is a string or a dict (or a ``T
 * a directory: an absolute path, ``./relative``, ``~/...`` or ``file:///path``. A bare word such
   as ``"shmm"`` is refused (it is almost always a typo, not a directory).
 * ``"s3://bucket/prefix"``: S3-compatible object storage (see ``s3``; options in ``s3.OPTIONS``).
+* ``"peer"`` (or ``{"kind": "peer", "agent": "host:port"}``, ``"peer://NAME"``): other nodes' memory,
+  through this node's checkpoint agent (see ``peer``; options in ``peer.OPTIONS``; the agent defaults
+  to ``$TIDAL_CKPT_AGENT``). Its namespace in the agents is ``NAME``, else derived from the job's first
+  directory or S3 tier, else ``$TIDAL_JOB_ID``.
 
 ``every``: a step is persisted to this tier on every ``every``-th save of the Checkpointer
 (counted from its first save, which goes to every tier). ``keep``: committed steps this tier
 retains (0 keeps all; default: the Checkpointer's ``keep``). ``name``: the label used in stats and
 status (default ``shm``, ``disk``, ``disk-2``, ``s3``, ``s3-2``, ...).
 
-The first non-shm tier is the job's *home*: it names the job's shared-memory directory
-(``tiers.shm_root_for``), so ``load(same_list)`` finds the same shm tier the Checkpointer wrote.
+The first directory or S3 tier is the job's *home* (else the first peer tier's ``peer://NAME``): it
+names the job's shared-memory directory (``tiers.shm_root_for``) and its namespace in the peer
+agents, so ``load(same_list)`` finds the same shm and peer tiers the Checkpointer wrote.
 """
 
 from __future__ import annotations
@@ -25,15 +30,17 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tidal.ckpt.errors import TierSpecError
 from tidal.ckpt.protocol import Tier
-from tidal.ckpt.tiers import DirTier, is_s3_url, local_path, shm_root_for, tiers_for
+from tidal.ckpt.tiers import DirTier, is_peer_url, is_s3_url, local_path, peer_job, shm_root_for, tiers_for
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*):")
-_COMMON = ("url", "every", "keep", "name")
+_JOB = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+_KINDS = ("shm", "dir", "s3", "peer")
+_COMMON = ("url", "every", "keep", "name", "kind")
 _DIR_OPTIONS = {"fsync": "fsync data and manifests (default: the Checkpointer's fsync)"}
 
 
@@ -52,9 +59,9 @@ class TierSpec:
 class TierConfig:
     """A validated tier: its kind, unique name, schedule, retention and normalized location."""
 
-    kind: str  # "shm" | "dir" | "s3"
+    kind: str  # "shm" | "dir" | "s3" | "peer"
     name: str
-    location: str  # "shm", an absolute directory path, or s3://bucket/prefix
+    location: str  # "shm", an absolute directory path, s3://bucket/prefix, or peer://<namespace>
     every: int
     keep: int
     options: Mapping[str, Any]
@@ -69,12 +76,11 @@ def _label(i: int, spec: Any) -> str:
 
 
 def kind_of(url: str, where: str) -> str:
-    """"shm", "dir" or "s3" for a tier URL; TierSpecError naming ``where`` when it is none of them."""
+    """"shm", "dir", "s3" or "peer" for a tier URL; TierSpecError naming ``where`` when it is none of them."""
     if url == "shm":
         return "shm"
-    if url == "peer":
-        raise TierSpecError(f"{where}: the peer-memory tier is not available yet; expected 'shm', a directory "
-                            "or s3://bucket/prefix")
+    if url == "peer" or url.startswith("peer://"):
+        return "peer"
     if url.startswith("s3://"):
         return "s3"
     if url.startswith("file://"):
@@ -82,10 +88,10 @@ def kind_of(url: str, where: str) -> str:
     m = _SCHEME.match(url)
     if m and len(m.group(1)) > 1:  # (one letter would be a Windows drive)
         raise TierSpecError(f"{where}: unknown scheme '{m.group(1)}:'; expected s3://bucket/prefix, file:///path, "
-                            "a directory path or 'shm'")
+                            "a directory path, 'shm' or 'peer'")
     if not url or ("/" not in url and not url.startswith(("~", "."))):
         raise TierSpecError(f"{where}: not a tier; expected 'shm', a directory (an absolute path, ./relative, "
-                            "~/..., or file:///...) or s3://bucket/prefix")
+                            "~/..., or file:///...), s3://bucket/prefix or 'peer'")
     return "dir"
 
 
@@ -97,6 +103,11 @@ def normalize(url: str, kind: str) -> str:
 
         bucket, prefix = parse_s3_url(url)
         return f"s3://{bucket}/{prefix}".rstrip("/")
+    if kind == "peer":
+        job = url[len("peer://"):] if url.startswith("peer://") else ""
+        if job and not _JOB.match(job):
+            raise TierSpecError(f"tier {url!r}: namespace {job!r} must be letters, digits, '.', '_' or '-'")
+        return f"peer://{job}"  # "peer://": the namespace is derived from the job's home in resolve()
     return url
 
 
@@ -107,14 +118,29 @@ def parse_spec(spec: Any, i: int = 0) -> TierSpec:
     if isinstance(spec, (str, os.PathLike)):
         return TierSpec(os.fspath(spec))
     if isinstance(spec, Mapping):
+        kind = spec.get("kind")
+        if kind is not None and kind not in _KINDS:
+            raise TierSpecError(f"{_label(i, spec)}: unknown kind {kind!r}; expected one of {', '.join(_KINDS)}")
+        if "url" not in spec and kind in ("shm", "peer"):
+            job = spec.get("job")
+            spec = {**spec, "url": f"peer://{job}" if kind == "peer" and job else kind}
+            spec.pop("job", None)
         if "url" not in spec:
-            raise TierSpecError(f"{_label(i, spec)}: a dict tier needs 'url' ('shm', a directory or "
+            raise TierSpecError(f"{_label(i, spec)}: a dict tier needs 'url' ('shm', 'peer', a directory or "
                                 "s3://bucket/prefix)")
         url = spec["url"]
         if not isinstance(url, (str, os.PathLike)):
             raise TierSpecError(f"{_label(i, spec)}: 'url' must be a string, got {type(url).__name__}")
+        if kind is not None and kind_of(os.fspath(url), _label(i, spec)) != kind:
+            raise TierSpecError(f"{_label(i, spec)}: 'kind' is {kind!r} but 'url' {url!r} is a "
+                                f"{kind_of(os.fspath(url), _label(i, spec))} tier")
+        options = {k: v for k, v in spec.items() if k not in _COMMON}
+        if kind_of(os.fspath(url), _label(i, spec)) == "peer" and "job" in options:
+            if os.fspath(url) != "peer":
+                raise TierSpecError(f"{_label(i, spec)}: give the namespace once: 'peer://NAME' or 'job'")
+            url = f"peer://{options.pop('job')}"
         return TierSpec(os.fspath(url), every=spec.get("every", 1), keep=spec.get("keep"), name=spec.get("name"),
-                        options={k: v for k, v in spec.items() if k not in _COMMON})
+                        options=options)
     raise TierSpecError(f"{_label(i, spec)}: expected a string ('shm', a directory, 's3://bucket/prefix'), "
                         f"a dict or a TierSpec; got {type(spec).__name__}")
 
@@ -145,7 +171,7 @@ def resolve(specs: Sequence[Any], *, default_keep: int, home: str | None = None)
                                 "instead of 'keep'")
         _check_options(kind, spec.options, where)
         counts[kind] = counts.get(kind, 0) + 1
-        default_name = {"shm": "shm", "dir": "disk", "s3": "s3"}[kind]
+        default_name = {"shm": "shm", "dir": "disk", "s3": "s3", "peer": "peer"}[kind]
         name = spec.name or (default_name if counts[kind] == 1 else f"{default_name}-{counts[kind]}")
         if not isinstance(name, str) or not re.match(r"^[A-Za-z0-9_.\-]+$", name):
             raise TierSpecError(f"{where}: 'name' must be letters, digits, '.', '_' or '-', got {name!r}")
@@ -155,22 +181,40 @@ def resolve(specs: Sequence[Any], *, default_keep: int, home: str | None = None)
     for n in names:
         if names.count(n) > 1:
             raise TierSpecError(f"tiers: two tiers are named {n!r}; give one a different 'name'")
+    home = _home(out, home)
+    out = [replace(t, location=f"peer://{peer_job(home)}") if t.location == "peer://" else t for t in out]
     locs = [t.location for t in out]
     for loc in locs:
         if locs.count(loc) > 1:
             raise TierSpecError(f"tiers: {loc!r} appears twice")
-    durable = [t for t in out if t.kind != "shm"]
+    return home, out
+
+
+def _home(out: list[TierConfig], home: str | None) -> str:
+    """The job's home location: ``home`` (a url given to the Checkpointer), else the first directory or
+    S3 tier, else the first peer tier's ``peer://NAME`` (NAME defaulting to ``$TIDAL_JOB_ID``)."""
+    durable = [t for t in out if t.kind in ("dir", "s3")]
     if home is not None:
         want = normalize(home, "s3" if is_s3_url(home) else "dir")  # any path, even a bare relative one
         if durable and durable[0].location != want:
-            raise TierSpecError(f"url {home!r} must be the first non-shm tier of tiers (it names the job's shared "
-                                f"memory directory), but that is {durable[0].location!r}; pass "
+            raise TierSpecError(f"url {home!r} must be the first non-shm tier of tiers, 'peer' aside (it names the "
+                                f"job's shared memory directory), but that is {durable[0].location!r}; pass "
                                 "Checkpointer(tiers=[...]) without a url, or reorder")
-        return want, out
-    if not durable:
+        return want
+    if durable:
+        return durable[0].location
+    peers = [t for t in out if t.kind == "peer"]
+    if not peers:
         raise TierSpecError("tiers: a list of only 'shm' needs a url to name the job; add a directory or "
                             "s3://bucket/prefix tier, or pass url=")
-    return durable[0].location, out
+    named = next((t.location for t in peers if t.location != "peer://"), None)
+    if named is not None:
+        return named
+    job = re.sub(r"[^A-Za-z0-9_.\-]+", "-", os.environ.get("TIDAL_JOB_ID", "")).strip("-.")
+    if not job:
+        raise TierSpecError("tiers: nothing names this job's checkpoints (no directory or S3 tier): use "
+                            "'peer://NAME', set TIDAL_JOB_ID, or pass url=")
+    return f"peer://{job}"
 
 
 def _check_options(kind: str, options: Mapping[str, Any], where: str) -> None:
@@ -181,6 +225,10 @@ def _check_options(kind: str, options: Mapping[str, Any], where: str) -> None:
         from tidal.ckpt.s3 import OPTIONS
 
         allowed = OPTIONS
+    elif kind == "peer":
+        from tidal.ckpt.peer import OPTIONS as PEER_OPTIONS
+
+        allowed = PEER_OPTIONS
     for k in options:
         if k not in allowed:
             expected = ", ".join(list(_COMMON) + list(allowed))
@@ -193,6 +241,10 @@ def build(cfg: TierConfig, home: str, *, fsync: bool = True) -> Tier:
         return DirTier(cfg.name, shm_root_for(home), fsync=False, kind="shm")
     if cfg.kind == "dir":
         return DirTier(cfg.name, cfg.location, fsync=bool(cfg.options.get("fsync", fsync)))
+    if cfg.kind == "peer":
+        from tidal.ckpt.peer import PeerTier
+
+        return PeerTier(cfg.location[len("peer://"):], name=cfg.name, **dict(cfg.options))
     from tidal.ckpt.s3 import S3Tier
 
     try:
@@ -219,7 +271,7 @@ def describe(url_or_tiers: Any) -> str:
     """A short name for messages: the location, or the tier locations joined with ' + '."""
     if isinstance(url_or_tiers, (str, os.PathLike)):
         s = os.fspath(url_or_tiers)
-        return s if is_s3_url(s) else str(local_path(s))
+        return s if is_s3_url(s) or is_peer_url(s) else str(local_path(s))
     try:
         return " + ".join(parse_spec(t, i).url for i, t in enumerate(url_or_tiers))
     except TierSpecError:

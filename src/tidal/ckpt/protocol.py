@@ -2,8 +2,11 @@
 
 A tier stores named objects per step, laid out as ``<root>/step_<12 digits>/<name>`` (see
 ``manifest``): data files (safetensors), per-rank sidecars and the manifest. Implementations:
-``tiers.DirTier`` (a directory: node shared memory or a local/shared filesystem) and
-``s3.S3Tier`` (S3-compatible object storage). Everything above them - the commit protocol,
+``tiers.DirTier`` (a directory: node shared memory or a local/shared filesystem),
+``s3.S3Tier`` (S3-compatible object storage) and ``peer.PeerTier`` (other nodes' memory, through
+checkpoint agents). A tier may also offer ``handoff(step, name, data, path)`` (take a data file
+from node memory before the staging slot is reused) and ``discard(step, name)`` (drop one that
+will not be committed); the checkpointer uses them when present. Everything above them - the commit protocol,
 cleanup and retention (``commit``), loading (``reader``) - is written once against this protocol.
 
 Contract for implementations:
@@ -54,7 +57,7 @@ class Tier(Protocol):
 
     Attributes:
         name: label in stats, status and errors ("shm", "disk", "s3", ...); unique per tier list.
-        kind: "shm", "dir" or "s3".
+        kind: "shm", "dir", "s3" or "peer".
         location: the root, as a person would type it (a path or ``s3://bucket/prefix``).
         durable: survives the node's memory being lost (every kind but "shm").
         poll_s: (first, longest) interval in seconds between polls while waiting for other ranks.

@@ -42,12 +42,12 @@ class PieceReader:
     """Reads the pieces of one step for one ``load`` on one rank.
 
     ``fill_all`` reads pieces one after another when every tier is local, and ``parallel`` at a
-    time when a remote tier (S3) is among them, so that request latency overlaps.
+    time when a remote tier (S3, peer) is among them, so that request latency overlaps.
     """
 
     def __init__(self, man: mf.Manifest, tiers: list[Tier], verify: bool, stats, parallel: int = 8) -> None:
         self.man, self.tiers, self.verify, self.stats = man, tiers, verify, stats
-        self.parallel = parallel if any(t.kind == "s3" for t in tiers) else 1
+        self.parallel = parallel if any(t.kind in ("s3", "peer") for t in tiers) else 1
         self._open: dict[tuple[str, str], RangeReader] = {}
         self._dead: dict[str, str] = {}  # tier name -> why it was given up for this load
         self._lock = threading.Lock()

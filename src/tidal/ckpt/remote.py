@@ -1,4 +1,4 @@
-"""Persisting to slow tiers (object storage) from a queue of their own.
+"""Persisting to slow tiers (object storage, peer memory) from a queue of their own.
 
 Why a queue: the fast tiers (shm, directories) are written from the staging slot, and a slot is
 reused only once they are done, so a save can block on them (back-pressure). A slow or unreachable
@@ -9,6 +9,9 @@ tier gets a ``RemoteQueue`` per rank, fed after the fast tiers committed a step,
   extra memory; the file stays readable while uploading even if retention removes it), else
 * a private snapshot of the slot taken before the slot is released (memory: one rank file per
   snapshot; at most one snapshot waits besides the one uploading - newer ones replace it).
+
+A peer tier's data file is handed to its agent by the persist thread (``Upload.written`` then
+already holds "data"); its queue writes only the sidecar and the manifest.
 
 The queue uploads oldest first and retries with exponential backoff (``retry_s`` up to
 ``retry_max_s``) for as long as the store is unreachable; the status shows the backlog and the
@@ -248,6 +251,9 @@ class RemoteQueue:
     def _finish(self, up: Upload, why: str) -> None:
         """A step dropped from the backlog: tell the handle and (eventually) the other ranks."""
         log.warning("%s", why)
+        discard = getattr(self.tier, "discard", None)  # the data was handed off already (peer tier)
+        if discard is not None and "data" in up.written:
+            discard(up.step, up.name)
         if up.world > 1:
             with self._cond:
                 self._owed.append((up.step, up.save_id, why))

@@ -29,6 +29,7 @@ import torch
 
 from tidal.ckpt.flatten import ST_TO_DTYPE
 from tidal.ckpt.plan import PlannedPiece, RankFile
+from tidal.ckpt.tiers import DirTier
 
 log = logging.getLogger(__name__)
 
@@ -132,3 +133,35 @@ def shm_has_room(path: Path, need_bytes: int) -> bool:
     except OSError:
         return False
     return st.f_bavail * st.f_frsize >= need_bytes * 1.1
+
+
+def steps_linking(tier: DirTier, path: Path) -> list[int]:
+    """Committed steps of ``tier`` whose data files are hard links to ``path``."""
+    try:
+        ino = os.stat(path).st_ino
+    except FileNotFoundError:
+        return []
+    out = []
+    for s in tier.committed_steps():
+        d = tier.step_dir(s)
+        try:
+            for n in os.listdir(d):
+                if n.endswith(".safetensors") and os.stat(d / n).st_ino == ino:
+                    out.append(s)
+                    break
+        except FileNotFoundError:
+            continue
+    return out
+
+
+def drop_stale_slots(slot_dir: Path | None, world: int) -> None:
+    """Remove slot files of ranks beyond the current world that no step links to any more."""
+    if slot_dir is None:
+        return
+    with contextlib.suppress(FileNotFoundError):
+        for n in os.listdir(slot_dir):
+            if n.startswith("r") and n[1:6].isdigit() and int(n[1:6]) >= world:
+                p = slot_dir / n
+                with contextlib.suppress(OSError):
+                    if os.stat(p).st_nlink == 1:
+                        p.unlink()

@@ -5,6 +5,7 @@
   process but not the node. Its data files are hard links to the staging slots, so staging a step
   *is* writing it to this tier (no second copy).
 * ``s3.S3Tier`` - S3-compatible object storage (``s3://bucket/prefix``).
+* ``peer.PeerTier`` - other nodes' memory, through checkpoint agents (``peer://<namespace>``).
 
 Every tier implements ``protocol.Tier``; the commit protocol, cleanup and retention that run on
 top of it are in ``commit``. Thread-safety: a tier object holds no mutable state; concurrent
@@ -200,6 +201,18 @@ def is_s3_url(url: Any) -> bool:
     return isinstance(url, str) and url.startswith("s3://")
 
 
+def is_peer_url(url: Any) -> bool:
+    return isinstance(url, str) and url.startswith("peer://")
+
+
+def peer_job(home: str | os.PathLike) -> str:
+    """The namespace of job ``home`` in the checkpoint agents: the name of a ``peer://NAME`` home, else
+    the same ``<name>-<hash>`` as its shared-memory directory."""
+    if is_peer_url(home):
+        return str(home)[len("peer://"):]
+    return shm_root_for(home).name
+
+
 def local_path(url: str | os.PathLike) -> Path:
     """The directory behind ``url`` (a path or ``file://`` URL); other schemes are an error."""
     s = os.fspath(url)
@@ -215,7 +228,7 @@ def local_path(url: str | os.PathLike) -> Path:
 def shm_root_for(url: str | os.PathLike) -> Path:
     """The node-shared-memory directory that mirrors checkpoint location ``url`` on this node."""
     base = Path(os.environ.get(SHM_BASE_ENV, "/dev/shm"))
-    if is_s3_url(url):
+    if is_s3_url(url) or is_peer_url(url):
         key = str(url).rstrip("/")
         name = key.rsplit("/", 1)[-1] or "root"
     else:
@@ -226,7 +239,7 @@ def shm_root_for(url: str | os.PathLike) -> Path:
 
 
 def tiers_for(url: str | os.PathLike, *, shm: bool = True) -> list[Tier]:
-    """Tiers to read location ``url`` (a directory or ``s3://`` URL) from, fastest first."""
+    """Tiers to read location ``url`` (a directory, ``s3://`` or ``peer://`` URL) from, fastest first."""
     out: list[Tier] = []
     if shm:
         root = shm_root_for(url)
@@ -236,6 +249,10 @@ def tiers_for(url: str | os.PathLike, *, shm: bool = True) -> list[Tier]:
         from tidal.ckpt.s3 import S3Tier
 
         out.append(S3Tier(str(url)))
+    elif is_peer_url(url):
+        from tidal.ckpt.peer import PeerTier
+
+        out.append(PeerTier(peer_job(url)))
     else:
         out.append(DirTier("disk", local_path(url), fsync=True))
     return out

@@ -1,0 +1,580 @@
+"""``tidal bench tiers``: every checkpoint tier against the raw device under it, and what checkpointing
+costs a training loop, on one machine in one run.
+
+    tidal bench tiers                       # 512 MiB state, 5 repeats, 60 s of training per mode
+    tidal bench tiers --size-mb 128 --train-s 20 --json
+
+It starts what the tiers need, on loopback, and stops it at the end (by pid): a SeaweedFS S3 server
+(``tidal.ckpt.seaweed``), two checkpoint agents that are each other's buddy (``agent_proc``), and
+a trivial HTTP receiver (a separate process that writes each PUT body to a file in ``/dev/shm``).
+
+1. **Persist throughput**, each tier versus the raw device, the same bytes (one ``size_mb`` state
+   of fp32 tensors), in alternating order, medians of ``repeat``; each measurement starts after a
+   1 s pause and after the previous save's retention finished, so background work does not overlap:
+
+   * disk: ``Checkpointer(["shm", dir])`` from ``save`` returning to the step committed in the
+     directory (data, sidecar and manifest fsynced) vs a ``dd``-style sequential write of the bytes
+     in 16 MiB blocks + fsync;
+   * s3: ``Checkpointer(["shm", "s3://…"])`` until committed in S3 vs a plain multipart PUT of the
+     bytes with the same obstore client (same part size and concurrency);
+   * peer: ``Checkpointer(["shm", "peer"])`` until the buddy agent holds the step vs one HTTP PUT of
+     the bytes (``http.client``) to the trivial receiver.
+
+2. **Load** from each tier alone (``shm``; ``disk``; ``s3``; ``peer`` through the buddy agent, as
+   after the loss of the node), into tensors of the same shapes and resharded into three uneven
+   ``LocalShard`` row blocks (the three loads' times summed).
+
+3. **Training overhead**: a small MLP + Adam trained on one thread (``torch.set_num_threads(1)``,
+   leaving the second core to I/O, as a GPU job leaves the host CPU to it), ``train_s`` seconds per
+   mode in total, as ``rounds`` segments per mode interleaved in rotating order (so a slow minute
+   of a shared machine does not land on one mode only): no checkpoint; Tidal every ``interval_s``
+   through all tiers (``["shm", "peer", dir, "s3://…"]``, overlapped mode); the same with S3 only
+   every 6th save (``tidal_s3_every_6``: what a per-tier schedule buys); DCP ``async_save``
+   every ``interval_s`` to the same S3 server (``FsspecWriter`` over obstore's fsspec adapter,
+   async staging with a reused ``DefaultStager``, one save in flight at a time). Every segment
+   starts with a save and saves every ``interval_s`` after, so the background work of its saves
+   runs inside it. Each mode warms up first (untimed: two saves, as a job pays slot allocation
+   once). Overhead = 1 - steps/s ÷ steps/s without checkpoints; the spread of the no-checkpoint
+   segments shows the noise of the machine. CPU seconds per second of each mode, of this process,
+   of the two agents and of the S3 server, say where the overhead comes from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tidal import ckpt
+from tidal.bench.ckpt import _map_tensors, _tensors, machine, resharded_states
+from tidal.ckpt.agent_proc import AgentProcess
+from tidal.ckpt.seaweed import SeaweedServer, free_ports
+from tidal.ckpt.tiers import SHM_BASE_ENV
+
+MIB = 1 << 20
+BLOCK = 16 * MIB
+BUCKET = "tidal-bench"
+SETTLE_S = 1.0  # pause before each persist measurement: servers finish deferred work (deletes, page freeing)
+GOALS = {"persist_over_raw_min": 0.9, "overhead_max": 0.03, "overhead_over_dcp_max": 0.5}
+
+RECEIVER = r"""
+import os, socket, sys, uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+port, where = int(sys.argv[1]), sys.argv[2]
+class H(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def setup(self):
+        super().setup()
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    def log_message(self, *a):
+        pass
+    def do_PUT(self):
+        n, got = int(self.headers["Content-Length"]), 0
+        buf = memoryview(bytearray(min(n, 4 << 20)))
+        path = os.path.join(where, uuid.uuid4().hex)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+        while got < n:
+            k = self.rfile.readinto(buf[: min(len(buf), n - got)])
+            w = 0
+            while w < k:
+                w += os.write(fd, buf[w:k])
+            got += k
+        os.close(fd)
+        os.unlink(path)
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
+"""
+
+
+class _Env:
+    """The servers and directories of one run; ``close`` stops every process it started, by pid."""
+
+    def __init__(self, root: Path, shm: Path, log: Callable[[str], None]) -> None:
+        self.root, self.shm, self.procs = root, shm, []
+        self.disk = root / "disk"
+        log("starting SeaweedFS (S3), two checkpoint agents (buddies) and an HTTP receiver on loopback")
+        self.seaweed = SeaweedServer(root / "seaweed", volume_size_limit_mb=1024)
+        self.seaweed.start()
+        self.seaweed.create_bucket(BUCKET)
+        os.environ.update(self.seaweed.env())
+        self.a = AgentProcess(shm / "agent-a", node="a", log_path=root / "agent-a.log")
+        self.b = AgentProcess(shm / "agent-b", node="b", log_path=root / "agent-b.log")
+        self.a.buddy, self.b.buddy = self.b.address, self.a.address
+        self.a.start()
+        self.b.start()
+        self.recv_port = free_ports(1)[0]
+        (shm / "recv").mkdir(parents=True, exist_ok=True)
+        self.receiver = subprocess.Popen([sys.executable, "-c", RECEIVER, str(self.recv_port), str(shm / "recv")],
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        _wait_port(self.recv_port, self.receiver)
+
+    def s3_url(self, name: str) -> str:
+        return f"s3://{BUCKET}/{name}"
+
+    def peer(self, job: str, agent: AgentProcess | None = None, **kw: Any) -> dict:
+        return {"kind": "peer", "agent": (agent or self.a).address, "job": job, **kw}
+
+    def close(self) -> None:
+        for p in (self.a, self.b):
+            with contextlib.suppress(Exception):
+                p.stop()
+        if self.receiver.poll() is None:
+            self.receiver.kill()
+            self.receiver.wait(10)
+        with contextlib.suppress(Exception):
+            self.seaweed.stop()
+
+
+def _wait_port(port: int, proc: subprocess.Popen, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the HTTP receiver on port {port} did not start")
+        time.sleep(0.05)
+
+
+def _payload(size_bytes: int, pieces: int = 8) -> dict:
+    g = torch.Generator().manual_seed(0)
+    n = size_bytes // 4 // pieces
+    rows = max(1, n // 1024)
+    return {f"t{i}": torch.randn(rows, n // rows, generator=g) for i in range(pieces)}
+
+
+def _flat(state: dict) -> memoryview:
+    """The state's bytes, contiguous: what the raw baselines write."""
+    return memoryview(torch.cat([t.reshape(-1).view(torch.uint8) for t in _tensors(state)]).numpy())
+
+
+# -- 1. persist --------------------------------------------------------------------------------------
+
+class _Persist:
+    def __init__(self, env: _Env, state: dict) -> None:
+        from tidal.ckpt.s3 import S3Tier
+
+        self.env, self.state, self.data = env, state, _flat(state)
+        self.step = 0
+        self.cps = {
+            "disk": ckpt.Checkpointer(tiers=["shm", {"url": str(env.disk / "persist"), "keep": 1}], keep=1),
+            "s3": ckpt.Checkpointer(tiers=["shm", {"url": env.s3_url("persist"), "keep": 1}], keep=1),
+            "peer": ckpt.Checkpointer(tiers=["shm", env.peer("persist", keep=1)], keep=1),
+        }
+        self.s3 = S3Tier(env.s3_url("raw"))
+
+    def tidal(self, tier: str) -> float:
+        self.step += 1
+        cp = self.cps[tier]
+        h = cp.save(self.step, self.state)
+        h.wait()
+        if tier not in h.committed:
+            raise RuntimeError(f"step {self.step} was not committed in tier {tier}: {h.committed}")
+        # Let retention (which runs after the commit) finish, so it does not overlap the next measurement.
+        deadline = time.monotonic() + 60
+        while cp.status().tier(tier).steps != (self.step,) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return h.persist_s
+
+    def raw(self, tier: str) -> float:
+        return {"disk": self._dd, "s3": self._put_s3, "peer": self._put_http}[tier]()
+
+    def _dd(self) -> float:
+        path = self.env.disk / "dd.bin"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            for off in range(0, len(self.data), BLOCK):
+                chunk, w = self.data[off : off + BLOCK], 0
+                while w < len(chunk):
+                    w += os.write(fd, chunk[w:])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        dt = time.perf_counter() - t0
+        path.unlink()
+        return dt
+
+    def _put_s3(self) -> float:
+        import obstore
+
+        t0 = time.perf_counter()
+        obstore.put(self.s3._store, "raw.bin", self.data, use_multipart=True, chunk_size=self.s3.part_size_bytes,
+                    max_concurrency=self.s3.concurrency)
+        dt = time.perf_counter() - t0
+        obstore.delete(self.s3._store, "raw.bin")
+        return dt
+
+    def _put_http(self) -> float:
+        conn = http.client.HTTPConnection("127.0.0.1", self.env.recv_port, timeout=300)
+        try:
+            t0 = time.perf_counter()
+            conn.connect()
+            conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.request("PUT", "/raw", body=self.data)
+            resp = conn.getresponse()
+            resp.read()
+            dt = time.perf_counter() - t0
+        finally:
+            conn.close()
+        if resp.status != 200:
+            raise RuntimeError(f"receiver answered HTTP {resp.status}")
+        return dt
+
+    def close(self) -> None:
+        for cp in self.cps.values():
+            with contextlib.suppress(Exception):
+                cp.close()
+
+
+def persist(p: _Persist, repeat: int, log: Callable[[str], None]) -> dict:
+    tiers = list(p.cps)
+    log("persist: warm-up (two saves per Checkpointer: one per staging slot; one raw write each)")
+    for t in tiers:
+        p.tidal(t)
+        p.tidal(t)
+        p.raw(t)
+    samples = {t: {"raw_s": [], "tidal_s": []} for t in tiers}
+    for i in range(repeat):
+        order = tiers[i % 3:] + tiers[: i % 3]
+        log(f"persist repeat {i + 1}/{repeat}: {', '.join(order)}")
+        for t in order:
+            first, second = ("raw", "tidal") if i % 2 == 0 else ("tidal", "raw")
+            for kind in (first, second):
+                time.sleep(SETTLE_S)
+                samples[t][f"{kind}_s"].append(p.raw(t) if kind == "raw" else p.tidal(t))
+    size = len(p.data)
+    out = {}
+    for t, s in samples.items():
+        raw, tid = statistics.median(s["raw_s"]), statistics.median(s["tidal_s"])
+        out[t] = {"raw_mib_s": size / raw / MIB, "tidal_mib_s": size / tid / MIB, "ratio": raw / tid,
+                  "samples": s}
+    return out
+
+
+# -- 2. load -----------------------------------------------------------------------------------------
+
+def loads(env: _Env, p: _Persist, repeat: int, log: Callable[[str], None]) -> dict:
+    sources = {
+        "shm": ["shm", str(env.disk / "persist")],
+        "disk": [str(env.disk / "persist")],
+        "s3": [env.s3_url("persist")],
+        "peer": [env.peer("persist", agent=env.b)],  # the buddy's replica: the node that saved is "gone"
+    }
+    target = _map_tensors(p.state, torch.zeros_like)
+    out: dict[str, dict] = {}
+    size = len(p.data)
+    for tier, spec in sources.items():
+        same, resharded = [], []
+        for i in range(repeat + 1):  # the first round is a warm-up and a check
+            stats = ckpt.LoadStats()
+            t0 = time.perf_counter()
+            ckpt.load(spec, target, stats=stats)
+            dt = time.perf_counter() - t0
+            if set(stats.bytes_by_tier) != {tier}:
+                raise RuntimeError(f"load from {tier} read from {sorted(stats.bytes_by_tier)}")
+            total = 0.0
+            for rank_state in resharded_states(target):
+                t1 = time.perf_counter()
+                ckpt.load(spec, rank_state)
+                total += time.perf_counter() - t1
+            if i == 0:
+                for a, b in zip(_tensors(target), _tensors(p.state), strict=True):
+                    if not torch.equal(a, b):
+                        raise RuntimeError(f"load from {tier}: tensors differ from the saved state")
+                continue
+            same.append(dt)
+            resharded.append(total)
+        log(f"load from {tier}: {size / statistics.median(same) / 1e9:.2f} GB/s")
+        out[tier] = {"same_gb_s": size / statistics.median(same) / 1e9,
+                     "resharded_gb_s": size / statistics.median(resharded) / 1e9,
+                     "samples": {"same_s": same, "resharded_s": resharded}}
+    return out
+
+
+# -- 3. training overhead ------------------------------------------------------------------------------
+
+def _model(model_mb: float) -> tuple[torch.nn.Module, torch.optim.Optimizer, int]:
+    width = max(64, int((model_mb * MIB / 4 / 3) ** 0.5))  # three width x width layers
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, width),
+                                torch.nn.ReLU(), torch.nn.Linear(width, width))
+    return model, torch.optim.Adam(model.parameters(), lr=1e-4), width
+
+
+def _dcp_s3_kwargs(env: _Env) -> dict:
+    """Make DCP's ``FsspecWriter`` write to S3 through obstore's fsspec adapter (s3fs would pull an
+    aiobotocore that pins an older botocore than boto3's). obstore keeps a reference to the buffer a
+    ``write`` gets instead of copying it, and ``torch.save`` reuses its buffers, so writes copy."""
+    import fsspec
+    from obstore.fsspec import BufferedFile, FsspecStore
+
+    class _CopyingFile(BufferedFile):
+        def write(self, data: Any) -> int:
+            return super().write(bytes(data))
+
+    class _Store(FsspecStore):
+        protocol = "s3"
+        asynchronous = False
+
+        def _open(self, path: str, mode: str = "rb", block_size: Any = None, autocommit: Any = True,
+                  cache_options: Any = None, **kwargs: Any) -> BufferedFile:
+            return _CopyingFile(self, path, mode, **kwargs)
+
+    fsspec.register_implementation("s3", _Store, clobber=True)
+    sw = env.seaweed
+    return {"config": {"endpoint": sw.endpoint, "region": sw.region, "access_key_id": sw.access_key,
+                       "secret_access_key": sw.secret_key}, "client_options": {"allow_http": True}}
+
+
+class _Trainer:
+    """One mode's model, optimizer and checkpointing, trained in segments (``segment``) that start with
+    a save and save every ``interval_s`` after, so each save's background work falls inside the timed
+    segment that made it (when it takes less than ``interval_s``)."""
+
+    def __init__(self, mode: str, env: _Env, model_mb: float, batch: int, interval_s: float) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        self.mode, self.env, self.interval_s, self.dcp = mode, env, interval_s, dcp
+        self.model, self.opt, self.width = _model(model_mb)
+        self.x, self.y = torch.randn(batch, self.width), torch.randn(batch, self.width)
+        self.cp: ckpt.Checkpointer | None = None
+        self.stager, self.pending, self.kw = None, None, {}
+        if mode.startswith("tidal"):
+            every = 6 if mode == "tidal_s3_every_6" else 1
+            tiers = ["shm", env.peer(mode, keep=2), {"url": str(env.disk / mode), "keep": 2},
+                     {"url": env.s3_url(mode), "keep": 2, "every": every}]
+            self.cp = ckpt.Checkpointer(tiers=tiers, guard=self.opt)
+        elif mode == "dcp_async":
+            self.kw = _dcp_s3_kwargs(env)
+            self.stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                                       use_async_staging=True, use_non_blocking_copy=False))
+        self.step, self.saves, self.calls, self.rates = 0, 0, [], []
+        self.cpu = {"this process": 0.0, "agents": 0.0, "S3 server": 0.0}  # CPU seconds, summed over segments
+        self.wall = 0.0
+
+    def _train_step(self) -> None:
+        loss = torch.nn.functional.mse_loss(self.model(self.x), self.y)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        staging = getattr(self.pending, "staging_completion", None)
+        if staging is not None and not staging.done():
+            staging.result()  # DCP: the state may change only once staged
+        self.opt.step()
+        self.step += 1
+
+    def _save(self) -> None:
+        state = ckpt.training_state(self.model, self.opt, extra={"step": self.step})
+        t0 = time.perf_counter()
+        if self.cp is not None:
+            self.cp.save(self.step, state)
+        else:
+            from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+            if self.pending is not None:
+                _upload(self.pending).result()  # one async save at a time
+            w = FsspecWriter(self.env.s3_url(f"dcp/step{self.step}"), **self.kw)
+            self.pending = self.dcp.async_save(state, storage_writer=w, async_stager=self.stager, no_dist=True)
+        self.calls.append(time.perf_counter() - t0)
+        self.saves += 1
+
+    def drain(self) -> None:
+        if self.cp is not None:
+            self.cp.wait()
+        elif self.pending is not None:
+            _upload(self.pending).result()
+            self.pending = None
+
+    def warm_up(self) -> None:
+        """Untimed: a few steps, and two saves (one per staging slot; DCP's stager allocates on its first)."""
+        for _ in range(3):
+            self._train_step()
+        if self.mode != "none":
+            for _ in range(2):
+                self._save()
+                self._train_step()
+                self.drain()
+            self.saves, self.calls = 0, []
+
+    def _cpu(self) -> dict[str, float]:
+        e = self.env
+        return {"this process": time.process_time(), "agents": _cpu_s(e.a.pid) + _cpu_s(e.b.pid),
+                "S3 server": _cpu_s(e.seaweed.proc.pid if e.seaweed.proc else None)}
+
+    def segment(self, seconds: float) -> None:
+        c0 = self._cpu()
+        t0 = time.perf_counter()
+        steps0, saved = self.step, 0
+        while (now := time.perf_counter()) - t0 < seconds:
+            if self.mode != "none" and now - t0 >= saved * self.interval_s:
+                self._save()
+                saved += 1
+            self._train_step()
+        self.rates.append((self.step - steps0) / (time.perf_counter() - t0))
+        self.drain()  # normally already done: the last save was interval_s ago
+        self.wall += time.perf_counter() - t0
+        c1 = self._cpu()
+        for k in self.cpu:
+            self.cpu[k] += c1[k] - c0[k]
+
+    def close(self) -> None:
+        if self.cp is not None:
+            self.cp.close()
+        if self.stager is not None:
+            self.stager.close()
+
+    def result(self) -> dict:
+        return {"mode": self.mode, "steps_per_s": statistics.mean(self.rates), "segment_steps_per_s": self.rates,
+                "saves": self.saves, "save_call_s_median": statistics.median(self.calls) if self.calls else 0.0,
+                "state_mib": sum(t.numel() * 4 for t in self.model.parameters()) * 3 / MIB, "width": self.width,
+                "cpu_per_s": {k: v / self.wall for k, v in self.cpu.items()} if self.wall else {}}
+
+
+def _cpu_s(pid: int | None) -> float:
+    """CPU seconds (user + system) used so far by process ``pid`` and its threads; 0 where unknown."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def _upload(resp: Any) -> Any:
+    """The upload future of what ``dcp.async_save`` returned (an AsyncSaveResponse or a Future)."""
+    return getattr(resp, "upload_completion", resp)
+
+
+def train(env: _Env, seconds: float, interval_s: float, model_mb: float, batch: int,
+          log: Callable[[str], None], rounds: int = 3) -> dict:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    modes = ["none", "tidal", "tidal_s3_every_6", "dcp_async"]
+    trainers = {}
+    try:
+        for m in modes:
+            log(f"training: warming up {m}")
+            trainers[m] = _Trainer(m, env, model_mb, batch, interval_s)
+            trainers[m].warm_up()
+        seg = seconds / rounds
+        for r in range(rounds):
+            order = modes[r % len(modes):] + modes[: r % len(modes)]
+            log(f"training round {r + 1}/{rounds}: {seg:g} s each of {', '.join(order)}")
+            for m in order:
+                trainers[m].segment(seg)
+        runs = [t.result() for t in trainers.values()]
+    finally:
+        for t in trainers.values():
+            with contextlib.suppress(Exception):
+                t.close()
+        torch.set_num_threads(threads)
+    base = runs[0]["steps_per_s"]
+    over = {r["mode"]: 1 - r["steps_per_s"] / base for r in runs[1:]}
+    seg_none = runs[0]["segment_steps_per_s"]
+    return {"runs": runs, "baseline_steps_per_s": base, "overhead": over, "rounds": rounds, "segment_s": seg,
+            "baseline_spread": (max(seg_none) - min(seg_none)) / base,
+            "overhead_over_dcp": over["tidal"] / over["dcp_async"] if over["dcp_async"] > 0 else None,
+            "threads": 1, "interval_s": interval_s, "batch": batch}
+
+
+# -- the run ---------------------------------------------------------------------------------------
+
+def run(size_mb: float = 512, repeat: int = 5, train_s: float = 60.0, interval_s: float = 10.0,
+        model_mb: float = 32.0, batch: int = 64, directory: str | os.PathLike | None = None,
+        log: Callable[[str], None] = lambda s: None) -> dict:
+    """Run the benchmark and return the JSON-able result (see the module docstring)."""
+    root = Path(tempfile.mkdtemp(prefix="tidal-bench-tiers-", dir=directory))
+    shm = Path(tempfile.mkdtemp(prefix="tidal-bench-tiers-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+    saved_env = {k: os.environ.get(k) for k in (SHM_BASE_ENV, "AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID",
+                                                "AWS_SECRET_ACCESS_KEY", "AWS_REGION", "AWS_DEFAULT_REGION",
+                                                "AWS_ALLOW_HTTP")}
+    os.environ[SHM_BASE_ENV] = str(shm)  # staging slots and shm tiers here; the agents may copy from here
+    env: _Env | None = None
+    p: _Persist | None = None
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", module=r"torch\.distributed\.checkpoint.*")
+            env = _Env(root, shm, log)
+            log(f"building a {size_mb:g} MiB state")
+            p = _Persist(env, _payload(int(size_mb * MIB)))
+            result_persist = persist(p, repeat, log)
+            result_load = loads(env, p, repeat, log)
+            p.close()
+            p = None
+            result_train = train(env, train_s, interval_s, model_mb, batch, log) if train_s > 0 else None
+    finally:
+        if p is not None:
+            p.close()
+        if env is not None:
+            env.close()
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
+    return {"benchmark": "tiers", "machine": machine(), "size_bytes": int(size_mb * MIB), "repeat": repeat,
+            "persist": result_persist, "load": result_load, "train": result_train, "goals": GOALS}
+
+
+# -- output ------------------------------------------------------------------------------------------
+
+def render(result: dict, console: Any) -> None:
+    from rich.table import Table
+
+    m = result["machine"]
+    caption = f"{m['cpu_count']} CPUs ({m['cpu']}), torch {m['torch']}, CUDA {'yes' if m['cuda'] else 'no'}"
+    t = Table(title=f"persist {result['size_bytes'] / MIB:g} MiB (median of {result['repeat']})", caption=caption)
+    for c in ("tier", "raw device", "raw MiB/s", "tidal MiB/s", "tidal / raw", f"goal ≥ {GOALS['persist_over_raw_min']}"):
+        t.add_column(c, justify="left" if c in ("tier", "raw device") else "right")
+    raw_name = {"disk": "write + fsync (dd)", "s3": "obstore multipart PUT", "peer": "HTTP PUT to a receiver"}
+    for tier, r in result["persist"].items():
+        ok = r["ratio"] >= GOALS["persist_over_raw_min"]
+        t.add_row(tier, raw_name[tier], f"{r['raw_mib_s']:.0f}", f"{r['tidal_mib_s']:.0f}", f"{r['ratio']:.2f}",
+                  "[green]PASS[/]" if ok else "[red]MISS[/]")
+    console.print(t)
+    t = Table(title="load (GB/s, median)")
+    for c in ("tier", "same layout", "resharded (3 row blocks)"):
+        t.add_column(c, justify="left" if c == "tier" else "right")
+    for tier, r in result["load"].items():
+        t.add_row(tier, f"{r['same_gb_s']:.2f}", f"{r['resharded_gb_s']:.2f}")
+    console.print(t)
+    tr = result["train"]
+    if tr is None:
+        return
+    run0 = tr["runs"][0]
+    t = Table(title=f"training overhead: MLP width {run0['width']} + Adam ({run0['state_mib']:.0f} MiB state), "
+                    f"1 thread, checkpoint every {tr['interval_s']:g} s; {tr['rounds']} rounds of "
+                    f"{tr['segment_s']:g} s per mode")
+    for c in ("mode", "steps/s", "saves", "save() call s", "overhead", "CPU s/s: this process", "agents",
+              "S3 server"):
+        t.add_column(c, justify="left" if c == "mode" else "right")
+    for r in tr["runs"]:
+        over = tr["overhead"].get(r["mode"])
+        cpu = r["cpu_per_s"]
+        t.add_row(r["mode"], f"{r['steps_per_s']:.2f}", str(r["saves"]), f"{r['save_call_s_median']:.3f}",
+                  "-" if over is None else f"{over * 100:.1f}%",
+                  *(f"{cpu.get(k, 0):.2f}" for k in ("this process", "agents", "S3 server")))
+    console.print(t)
+    ratio = tr["overhead_over_dcp"]
+    console.print(f"baseline {tr['baseline_steps_per_s']:.2f} steps/s (its rounds spread over "
+                  f"{tr['baseline_spread'] * 100:.1f}%); tidal overhead {tr['overhead']['tidal'] * 100:.1f}% "
+                  f"(goal ≤ {GOALS['overhead_max'] * 100:g}%), DCP async_save {tr['overhead']['dcp_async'] * 100:.1f}%, "
+                  f"tidal / DCP = {'-' if ratio is None else f'{ratio:.2f}'} (goal ≤ {GOALS['overhead_over_dcp_max']})",
+                  highlight=False)

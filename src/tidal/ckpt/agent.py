@@ -1,0 +1,414 @@
+"""The node checkpoint agent: holds this node's recent steps in memory and replicates them to a buddy.
+
+    tidal ckpt agent --listen 0.0.0.0:7070 --mem-dir /dev/shm/tidal-agent --buddy node2:7070
+    python -m tidal.ckpt.agent --listen 127.0.0.1:7070 --mem-dir /dev/shm/a --buddy 127.0.0.1:7071
+
+One agent runs per node (started by the job launcher, or by hand). The training processes of that
+node talk to it through the peer tier (``peer.PeerTier``); every object they hand it is stored
+under the memory directory (``agent_store``) and pushed to the *buddy* agent on another node, so
+losing one node loses no committed step. Started again on the same memory directory, an agent
+takes up what it held (only torn writes are dropped) and pushes its buddy whatever it lacks.
+
+HTTP API (JSON answers; ``<job>`` a peer tier's namespace, ``<step>`` ``step_<12 digits>``):
+
+    GET    /status                                  node, buddy, replication state, steps held (and from whom)
+    GET    /v1/jobs/<job>                           {"steps": {step: {"files": {name: size}, "committed_unix_s"}}}
+    GET    /v1/jobs/<job>/<step>                    one step's files (404: not held)
+    GET    /v1/jobs/<job>/<step>/<name>             the object; a ``Range: bytes=a-b`` request gets exactly that
+    PUT    /v1/jobs/<job>/<step>/<name>[?sync=1]    store; replicate in the background, or (sync) answer only once
+                                                    the buddy holds it and every earlier object of the step
+    POST   /v1/jobs/<job>/<step>/<name>?copy_from=PATH&length=N
+                                                    copy N bytes of a local file (a staging slot) in; the push to
+                                                    the buddy streams behind the copy
+    DELETE /v1/jobs/<job>/<step>[/<name>]           remove from every tree here, and at the buddy
+    GET    /v1/replicas/<origin>                    what this agent holds for agent <origin> (agent to agent)
+    PUT|DELETE /v1/replicas/<origin>/<job>/<step>[/<name>]
+
+A ``manifest.json`` PUT (the commit) is refused with 409 when a data file of a rank whose sidecar
+this agent holds is missing or of the wrong size, and with 503 when the buddy cannot take it (the
+checkpointer's upload queue retries). ``copy_from`` must lie under an allowed root
+(``--allow-copy-from``; default ``$TIDAL_SHM_DIR/tidal`` or ``/dev/shm/tidal``, where staging
+slots live), else 403 and the client sends the bytes instead.
+
+Threads: one per connection (``ThreadingHTTPServer``) and one replicator thread that does every
+push to the buddy in order, and every ``resync_s`` when idle compares the buddy's copy with this
+node's committed steps. Standard library only: an agent starts in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import urllib.parse
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+from tidal.ckpt.agent_replicator import Growing, HTTPError, Replicator
+from tidal.ckpt.agent_store import MANIFEST, Store, check_name, parse_step, step_dirname
+from tidal.ckpt.peer import parse_address
+from tidal.ckpt.tiers import sidecar_name
+
+log = logging.getLogger("tidal.ckpt.agent")
+FORMAT = "tidal-ckpt-agent"
+CHUNK = 16 << 20  # copy granularity, bytes: a push to the buddy follows the copy this far behind
+
+
+def _copy(src: int, dst: int, offset: int, n: int) -> int:
+    """Copy up to ``n`` bytes at ``offset`` from ``src`` to the same offset of ``dst`` in the kernel."""
+    try:
+        return os.copy_file_range(src, dst, n, offset, offset)
+    except OSError:  # (EXDEV, ENOSYS, EINVAL on older kernels): through user space
+        data = os.pread(src, n, offset)
+        return os.pwrite(dst, data, offset) if data else 0
+
+
+def _recv(rfile, fd: int, length: int) -> None:
+    """Read exactly ``length`` body bytes into the file ``fd``, through one reused buffer (measured
+    faster on tmpfs than receiving into an ``mmap`` of the file, which pays a page fault per page)."""
+    buf = memoryview(bytearray(min(length, 4 << 20)))
+    got = 0
+    while got < length:
+        n = rfile.readinto(buf[: min(len(buf), length - got)])
+        if not n:
+            raise HTTPError(400, f"body ended after {got} of {length} bytes")
+        view, w = buf[:n], 0
+        while w < n:
+            w += os.write(fd, view[w:])
+        got += n
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "tidal-ckpt-agent/1"
+    timeout = 120  # an idle kept-alive connection is closed after this many seconds
+    server: _Server
+
+    def setup(self) -> None:
+        super().setup()
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def log_message(self, format: str, *args) -> None:  # noqa: A002 - the base class's name
+        log.debug("%s %s", self.address_string(), format % args)
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        self._dispatch("GET")
+
+    def do_HEAD(self) -> None:  # noqa: N802
+        self._dispatch("HEAD")
+
+    def do_PUT(self) -> None:  # noqa: N802
+        self._dispatch("PUT")
+
+    def do_POST(self) -> None:  # noqa: N802
+        self._dispatch("POST")
+
+    def do_DELETE(self) -> None:  # noqa: N802
+        self._dispatch("DELETE")
+
+    def _dispatch(self, method: str) -> None:
+        url = urllib.parse.urlsplit(self.path)
+        parts = [urllib.parse.unquote(p) for p in url.path.split("/") if p]
+        query = {k: v[-1] for k, v in urllib.parse.parse_qs(url.query).items()}
+        self._body_read = int(self.headers.get("Content-Length") or 0) == 0
+        try:
+            self.server.agent.route(self, method, parts, query)
+        except HTTPError as e:
+            self.send_json(e.status, {"error": str(e)})
+        except FileNotFoundError as e:
+            self.send_json(404, {"error": f"not found: {e.filename or e}"})
+        except ValueError as e:
+            self.send_json(400, {"error": str(e)})
+        except Exception as e:
+            log.exception("%s %s failed", method, self.path)
+            self.send_json(500, {"error": f"{type(e).__name__}: {e}"})
+
+    def send_json(self, status: int, doc: dict) -> None:
+        data = json.dumps(doc, separators=(",", ":")).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        if not self._body_read:  # answering before reading the body: the connection cannot be reused
+            self.send_header("Connection", "close")
+            self.close_connection = True
+        self.end_headers()
+        self.wfile.write(data)
+
+    def body_to(self, fd: int) -> None:
+        if "Content-Length" not in self.headers:
+            raise HTTPError(411, "Content-Length required")
+        _recv(self.rfile, fd, int(self.headers["Content-Length"]))
+        self._body_read = True
+
+    def send_file(self, path: Path, head: bool) -> None:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            start, end, status = 0, size - 1, 200
+            rng = self.headers.get("Range")
+            if rng:
+                unit, _, spec = rng.partition("=")
+                a, _, b = spec.partition("-")
+                if unit.strip() != "bytes" or not a.isdigit() or (b and not b.isdigit()) or "," in spec:
+                    raise HTTPError(400, f"unsupported Range {rng!r}; expected bytes=START-END")
+                start, end, status = int(a), min(int(b) if b else size - 1, size - 1), 206
+                if start >= size:
+                    self.send_response(416)
+                    self.send_header("Content-Range", f"bytes */{size}")
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+            n = max(0, end - start + 1)
+            self.send_response(status)
+            self.send_header("Content-Type", "application/octet-stream")
+            self.send_header("Content-Length", str(n))
+            if status == 206:
+                self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
+            self.end_headers()
+            if not head and n:
+                self.connection.sendfile(f, start, n)
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 128
+    agent: Agent
+
+
+def default_copy_roots() -> list[str]:
+    return [str(Path(os.environ.get("TIDAL_SHM_DIR", "/dev/shm")) / "tidal")]
+
+
+class Agent:
+    """One node's checkpoint agent. ``start`` serves in a background thread; ``close`` stops it."""
+
+    def __init__(self, listen: str, mem_dir: str | os.PathLike, *, buddy: str | None = None, node: str | None = None,
+                 allow_copy_from: list[str] | None = None, resync_s: float = 2.0, sync_timeout_s: float = 240.0,
+                 reserve_bytes: int = 64 << 20) -> None:
+        host, _, port = parse_address(listen, "--listen", any_port=True).rpartition(":")
+        self.store = Store(mem_dir)
+        found = self.store.open()
+        self._server = _Server((host, int(port)), _Handler)
+        self._server.agent = self
+        self.address = f"{host}:{self._server.server_address[1]}"
+        self.node = check_name(node or self.address.replace(":", "_"), "--node")
+        self.buddy = parse_address(buddy, "--buddy") if buddy else None
+        self.copy_roots = [os.path.realpath(p) for p in (allow_copy_from or default_copy_roots())]
+        self.sync_timeout_s, self.reserve_bytes = sync_timeout_s, reserve_bytes
+        self.started_unix_s = time.time()
+        self.copied_bytes = 0  # handed off by copying a staging slot (no bytes through HTTP)
+        self.received_bytes = 0  # received in request bodies (from this node's ranks or other agents)
+        self.replicator = Replicator(self.store, self.node, self.buddy, resync_s=resync_s)
+        self._thread: threading.Thread | None = None
+        log.info("agent %s on %s: memory dir %s (%d steps found), buddy %s", self.node, self.address,
+                 self.store.root, found, self.buddy or "none")
+
+    def start(self) -> Agent:
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.1,), name="tidal-agent",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def serve_forever(self) -> None:
+        self._server.serve_forever(poll_interval=0.1)
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._server.shutdown()
+        self._server.server_close()
+        self.replicator.close()
+
+    # -- the API -----------------------------------------------------------------------------------
+    def status(self) -> dict:
+        rows = []
+        for r in self.store.summary():
+            origin = r.pop("origin")
+            if origin is None:
+                files = self.store.step_files(None, r["job"], r["step"])
+                r.update({"from": "own", "node": self.node,
+                          "replicated": self.replicator.replicated(r["job"], r["step"], files)})
+            else:
+                r.update({"from": "replica", "node": origin})
+            rows.append(r)
+        st = os.statvfs(self.store.root)
+        return {"format": FORMAT, "version": 1, "node": self.node, "address": self.address, "pid": os.getpid(),
+                "mem_dir": str(self.store.root), "started_unix_s": self.started_unix_s, "now_unix_s": time.time(),
+                "buddy": self.replicator.status(), "copied_bytes": self.copied_bytes,
+                "received_bytes": self.received_bytes, "held_bytes": sum(r["bytes"] for r in rows),
+                "free_bytes": st.f_bavail * st.f_frsize, "steps": rows}
+
+    def route(self, h: _Handler, method: str, parts: list[str], query: dict[str, str]) -> None:
+        if parts == ["status"] and method == "GET":
+            return h.send_json(200, self.status())
+        if len(parts) < 3 or parts[0] != "v1" or parts[1] not in ("jobs", "replicas"):
+            raise HTTPError(404, f"no such endpoint: {method} {h.path}")
+        if parts[1] == "replicas":
+            return self._replica(h, method, parts[2:], query)
+        job, rest = check_name(parts[2], "job"), parts[3:]
+        if not rest and method == "GET":
+            return h.send_json(200, {"job": job, "steps": {str(s): i for s, i in self.store.job_index(job).items()}})
+        step = self._step(rest[0]) if rest else None
+        if step is None or len(rest) > 2:
+            raise HTTPError(404, f"no such endpoint: {method} {h.path}")
+        name = check_name(rest[1], "object") if len(rest) == 2 else None
+        if name is None:
+            if method == "GET":
+                info = self.store.step_info(job, step)
+                if info is None:
+                    raise HTTPError(404, f"{job}/{step_dirname(step)}: not held here")
+                return h.send_json(200, info)
+            if method == "DELETE":
+                removed = self.store.remove_step(job, step)
+                self.replicator.forget(job, step, None)
+                return h.send_json(200, {"removed": removed})
+        elif method in ("GET", "HEAD"):
+            path = self.store.locate(job, step, name)
+            if path is None:
+                raise HTTPError(404, f"{job}/{step_dirname(step)}/{name}: not held here")
+            return h.send_file(path, method == "HEAD")
+        elif method == "PUT":
+            return self._put(h, job, step, name, sync=query.get("sync") == "1")
+        elif method == "POST" and "copy_from" in query:
+            return self._copy_in(h, job, step, name, query)
+        elif method == "DELETE":
+            removed = self.store.remove_file(job, step, name)
+            self.replicator.forget(job, step, name)
+            return h.send_json(200, {"removed": removed})
+        raise HTTPError(405, f"{method} not allowed on {h.path}")
+
+    def _step(self, dirname: str) -> int | None:
+        return parse_step(dirname)
+
+    def _room(self, n: int) -> None:
+        st = os.statvfs(self.store.root)
+        if st.f_bavail * st.f_frsize < n + self.reserve_bytes:
+            raise HTTPError(507, f"memory directory {self.store.root} has {st.f_bavail * st.f_frsize} bytes "
+                                 f"free; {n} needed")
+
+    def _put(self, h: _Handler, job: str, step: int, name: str, sync: bool, origin: str | None = None) -> None:
+        self._room(int(h.headers.get("Content-Length") or 0))
+        tmp, final = self.store.temp_path(origin, job, step, name)
+        try:
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                h.body_to(fd)
+            finally:
+                os.close(fd)
+            self.received_bytes += int(h.headers.get("Content-Length") or 0)
+            if origin is None and sync:
+                if name == MANIFEST:
+                    self._check_commit(job, step, tmp)
+                self.replicator.sync(job, step, name, tmp, self.sync_timeout_s)
+            os.replace(tmp, final)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        if origin is None and not sync:
+            self.replicator.push_later(job, step, name, os.open(final, os.O_RDONLY), os.stat(final).st_size)
+        h.send_json(200, {"bytes": os.stat(final).st_size})
+
+    def _check_commit(self, job: str, step: int, manifest: Path) -> None:
+        """Refuse a manifest naming a data file that a rank handed to this agent but is not here whole."""
+        try:
+            doc = json.loads(manifest.read_bytes())
+            files, save_id = doc["files"], doc["save_id"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise HTTPError(400, f"manifest of step {step} is not valid JSON with 'files' and 'save_id': {e}") from None
+        held = self.store.step_files(None, job, step)
+        for f in files:
+            if sidecar_name(int(f["rank"]), save_id) in held and held.get(f["name"]) != f.get("size_bytes"):
+                raise HTTPError(409, f"step {step}: data file {f['name']} of rank {f['rank']} is "
+                                     f"{held.get(f['name'], 'missing')} bytes here, manifest says {f.get('size_bytes')}")
+
+    def _copy_in(self, h: _Handler, job: str, step: int, name: str, query: dict[str, str]) -> None:
+        src, length = query["copy_from"], int(query.get("length", "-1"))
+        real = os.path.realpath(src)
+        if not any(real == r or real.startswith(r + os.sep) for r in self.copy_roots):
+            raise HTTPError(403, f"copy_from {src!r} is outside the allowed roots {self.copy_roots}")
+        sfd = os.open(real, os.O_RDONLY)  # FileNotFoundError -> 404: the client sends the bytes instead
+        try:
+            if length < 0 or os.fstat(sfd).st_size < length:
+                raise HTTPError(400, f"copy_from {src!r}: length {length} outside the file")
+            self._room(length)
+            tmp, final = self.store.temp_path(None, job, step, name)
+            dfd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            growing = Growing(length)
+            self.replicator.push_later(job, step, name, os.open(tmp, os.O_RDONLY), length, growing)
+            try:
+                done = 0
+                while done < length:
+                    n = _copy(sfd, dfd, done, min(CHUNK, length - done))
+                    if n <= 0:
+                        raise HTTPError(400, f"copy_from {src!r} ended after {done} of {length} bytes")
+                    done += n
+                    growing.advance(n)
+                os.replace(tmp, final)
+                self.copied_bytes += length
+            except BaseException as e:
+                growing.fail(str(e))
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+                raise
+            finally:
+                os.close(dfd)
+        finally:
+            os.close(sfd)
+        h.send_json(200, {"bytes": length})
+
+    def _replica(self, h: _Handler, method: str, parts: list[str], query: dict[str, str]) -> None:
+        origin = check_name(parts[0], "origin")
+        if len(parts) == 1 and method == "GET":
+            jobs = {j: {str(s): f for s, f in steps.items()} for j, steps in self.store.tree_index(origin).items()}
+            return h.send_json(200, {"origin": origin, "jobs": jobs})
+        if len(parts) not in (3, 4):
+            raise HTTPError(404, f"no such endpoint: {method} {h.path}")
+        job, step = check_name(parts[1], "job"), self._step(parts[2])
+        if step is None:
+            raise HTTPError(404, f"bad step {parts[2]!r}")
+        name = check_name(parts[3], "object") if len(parts) == 4 else None
+        if method == "PUT" and name is not None:
+            return self._put(h, job, step, name, sync=False, origin=origin)
+        if method == "DELETE":
+            if name is None:
+                removed = self.store.remove_step(job, step, origin=origin)
+            else:
+                removed = self.store.remove_file(job, step, name, origin=origin)
+            return h.send_json(200, {"removed": removed})
+        raise HTTPError(405, f"{method} not allowed on {h.path}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="tidal ckpt agent", description="The node checkpoint agent (peer tier).")
+    p.add_argument("--listen", required=True, help="HOST:PORT to serve on (port 0: any free port)")
+    p.add_argument("--mem-dir", required=True, help="memory directory holding the steps (e.g. under /dev/shm)")
+    p.add_argument("--buddy", help="HOST:PORT of the agent on another node that gets a copy of everything")
+    p.add_argument("--node", help="this node's name in the buddy's replica tree (default: the listen address)")
+    p.add_argument("--allow-copy-from", action="append", help="directory staging slots may be copied from "
+                   "(repeatable; default $TIDAL_SHM_DIR/tidal or /dev/shm/tidal)")
+    p.add_argument("--resync-s", type=float, default=2.0, help="seconds between checks of the buddy's copy")
+    p.add_argument("--log-level", default="INFO")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    agent = Agent(a.listen, a.mem_dir, buddy=a.buddy, node=a.node, allow_copy_from=a.allow_copy_from,
+                  resync_s=a.resync_s)
+
+    def stop(signum, frame) -> None:
+        threading.Thread(target=agent._server.shutdown, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    print(f"tidal ckpt agent {agent.node}: listening on http://{agent.address}, memory dir {agent.store.root}, "
+          f"buddy {agent.buddy or 'none'}", file=sys.stderr, flush=True)
+    agent.serve_forever()
+    agent.close()
+
+
+if __name__ == "__main__":
+    main()

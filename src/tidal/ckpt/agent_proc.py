@@ -1,0 +1,117 @@
+"""Run a checkpoint agent as a child process (tests, benchmarks, a single-machine launcher).
+
+    a = AgentProcess(tmp / "node-a", buddy=b.address)    # port chosen now, free on 127.0.0.1
+    a.start()                                            # python -m tidal.ckpt.agent ...; waits for /status
+    a.status()                                           # its GET /status document
+    a.kill()                                             # SIGKILL by pid: the node is gone
+    a.stop()                                             # SIGTERM, a short wait, then SIGKILL
+
+The agent is its own process (as on a real node) in its own session, so a test can kill it without
+touching anything else; ``stop`` is safe to call twice and after ``kill``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import tidal
+from tidal.ckpt.peer import AgentClient
+from tidal.ckpt.seaweed import free_ports
+
+
+class AgentProcess:
+    """One ``python -m tidal.ckpt.agent`` on 127.0.0.1. Not thread-safe; one owner starts and stops it."""
+
+    def __init__(self, mem_dir: str | os.PathLike, *, buddy: str | None = None, port: int | None = None,
+                 node: str | None = None, env: dict[str, str] | None = None, resync_s: float = 2.0,
+                 log_path: str | os.PathLike | None = None) -> None:
+        self.mem_dir = Path(mem_dir)
+        self.port = port or free_ports(1)[0]
+        self.buddy, self.node, self.resync_s = buddy, node, resync_s
+        self.env = env
+        self.log_path = Path(log_path) if log_path else self.mem_dir.with_name(self.mem_dir.name + ".log")
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self, timeout_s: float = 20.0) -> AgentProcess:
+        if self.running():
+            return self
+        args = [sys.executable, "-m", "tidal.ckpt.agent", "--listen", self.address, "--mem-dir", str(self.mem_dir),
+                "--resync-s", str(self.resync_s)]
+        if self.buddy:
+            args += ["--buddy", self.buddy]
+        if self.node:
+            args += ["--node", self.node]
+        env = dict(os.environ if self.env is None else self.env)
+        src = str(Path(tidal.__file__).resolve().parents[1])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=env, start_new_session=True)
+        client = AgentClient(self.address, timeout_s=2.0, connect_timeout_s=0.5)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with contextlib.suppress(OSError):
+                if client.request("GET", "/status")[0] == 200:
+                    client.drop()
+                    return self
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"agent on {self.address} exited with code {self.proc.returncode}:\n"
+                                   f"{self.log_path.read_text(errors='replace')[-2000:]}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"agent on {self.address} did not answer within {timeout_s:.0f} s "
+                                   f"(log: {self.log_path})")
+            time.sleep(0.05)
+
+    def status(self) -> dict:
+        client = AgentClient(self.address, timeout_s=10.0)
+        try:
+            return client.json("GET", "/status")
+        finally:
+            client.drop()
+
+    def kill(self) -> None:
+        """SIGKILL by pid, as if the node died (its memory directory stays unless the caller removes it)."""
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            proc.wait(10)
+
+    def stop(self, grace_s: float = 3.0) -> None:
+        """SIGTERM, wait up to ``grace_s``, then SIGKILL by pid. Safe to call twice."""
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            proc.wait(10)
+
+    def __enter__(self) -> AgentProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,187 @@
+"""What a checkpoint agent holds: steps of jobs, in a memory directory, by origin node.
+
+Layout under the agent's memory directory (``--mem-dir``, normally under ``/dev/shm``)::
+
+    <mem>/own/<job>/step_000000000120/<name>               # handed over by this node's ranks
+    <mem>/replica/<origin>/<job>/step_000000000120/<name>  # pushed by the agent of node <origin>
+
+``<job>`` is a peer tier's namespace (``peer.PeerTier.job``); ``<name>`` one object of a step (data
+file, sidecar, ``manifest.json``), exactly as in every other tier. A job's view of a step is the
+union over the trees (own first), so the agent answers for the steps it replicates for its
+neighbours too. Every write goes to a hidden temporary name (``.<name>.part-<random>``) and is
+renamed into place, so a reader never sees half an object; hidden names are ignored by listings
+and removed when an agent starts on the directory again (torn writes of the previous run).
+
+This module does no networking and needs nothing but the standard library (an agent starts in
+tenths of a second and stays small). Thread-safe in the sense of the filesystem: concurrent
+writers of one name race, the last rename wins.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+
+MANIFEST = "manifest.json"
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,200}$")
+_STEP = re.compile(r"^step_(\d{12})$")
+
+
+def check_name(value: str, what: str) -> str:
+    """``value`` when it is a safe single path segment (letters, digits, ``._-``, not hidden)."""
+    if not isinstance(value, str) or not _NAME.match(value):
+        raise ValueError(f"{what} {value!r} is not a valid name (letters, digits, '.', '_', '-'; not starting "
+                         "with '.')")
+    return value
+
+
+def step_dirname(step: int) -> str:
+    return f"step_{step:012d}"
+
+
+def parse_step(dirname: str) -> int | None:
+    m = _STEP.match(dirname)
+    return int(m.group(1)) if m else None
+
+
+def _listdir(p: Path) -> list[str]:
+    try:
+        return os.listdir(p)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+class Store:
+    """The trees of one memory directory. ``origin=None`` means this node's own tree."""
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = Path(root)
+        self.own = self.root / "own"
+        self.replicas = self.root / "replica"
+
+    def open(self) -> int:
+        """Create the directory (or take up an existing one); remove torn writes. Returns steps found."""
+        self.own.mkdir(parents=True, exist_ok=True)
+        self.replicas.mkdir(parents=True, exist_ok=True)
+        found = 0
+        for _, tree in self.trees():
+            for job in _listdir(tree):
+                for sd in _listdir(tree / job):
+                    found += 1
+                    for n in _listdir(tree / job / sd):
+                        if n.startswith("."):
+                            with contextlib.suppress(OSError):
+                                os.unlink(tree / job / sd / n)
+        return found
+
+    # -- paths -------------------------------------------------------------------------------------
+    def tree(self, origin: str | None) -> Path:
+        return self.own if origin is None else self.replicas / check_name(origin, "origin")
+
+    def trees(self) -> list[tuple[str | None, Path]]:
+        """Own tree first, then each origin's replica tree (sorted)."""
+        return [(None, self.own)] + [(o, self.replicas / o) for o in sorted(_listdir(self.replicas))
+                                     if not o.startswith(".")]
+
+    def step_dir(self, origin: str | None, job: str, step: int) -> Path:
+        return self.tree(origin) / check_name(job, "job") / step_dirname(step)
+
+    def temp_path(self, origin: str | None, job: str, step: int, name: str) -> tuple[Path, Path]:
+        """(a fresh hidden temporary path, the final path) for writing ``name``; creates the step dir."""
+        d = self.step_dir(origin, job, step)
+        d.mkdir(parents=True, exist_ok=True)
+        check_name(name, "object")
+        return d / f".{name}.part-{uuid.uuid4().hex[:8]}", d / name
+
+    def locate(self, job: str, step: int, name: str) -> Path | None:
+        """The path of ``name`` in the first tree that holds it (own first), or None."""
+        check_name(name, "object")
+        for origin, _ in self.trees():
+            p = self.step_dir(origin, job, step) / name
+            if p.is_file():
+                return p
+        return None
+
+    # -- listing -----------------------------------------------------------------------------------
+    def step_files(self, origin: str | None, job: str, step: int) -> dict[str, int]:
+        """Visible objects of one step in one tree: name -> size in bytes."""
+        d = self.step_dir(origin, job, step)
+        out = {}
+        for n in _listdir(d):
+            if not n.startswith("."):
+                with contextlib.suppress(OSError):
+                    out[n] = os.stat(d / n).st_size
+        return out
+
+    def step_info(self, job: str, step: int) -> dict | None:
+        """Union over trees: {"files": {name: size}, "committed_unix_s": manifest mtime or None}."""
+        files: dict[str, int] = {}
+        committed = None
+        seen = False
+        for origin, _ in self.trees():
+            d = self.step_dir(origin, job, step)
+            if not d.is_dir():
+                continue
+            seen = True
+            for n, size in self.step_files(origin, job, step).items():
+                files.setdefault(n, size)
+            if committed is None:
+                with contextlib.suppress(OSError):
+                    committed = os.stat(d / MANIFEST).st_mtime
+        return {"files": files, "committed_unix_s": committed} if seen else None
+
+    def job_index(self, job: str) -> dict[int, dict]:
+        """Every step of ``job`` held in any tree (committed or not) with its ``step_info``."""
+        check_name(job, "job")
+        steps = {s for _, tree in self.trees() for d in _listdir(tree / job) if (s := parse_step(d)) is not None}
+        return {s: info for s in sorted(steps) if (info := self.step_info(job, s)) is not None}
+
+    def tree_index(self, origin: str | None) -> dict[str, dict[int, dict[str, int]]]:
+        """One tree: job -> step -> {name: size}."""
+        tree = self.tree(origin)
+        out: dict[str, dict[int, dict[str, int]]] = {}
+        for job in _listdir(tree):
+            if job.startswith("."):
+                continue
+            for d in _listdir(tree / job):
+                s = parse_step(d)
+                if s is not None:
+                    out.setdefault(job, {})[s] = self.step_files(origin, job, s)
+        return out
+
+    def summary(self) -> list[dict]:
+        """One row per (job, step, tree) for the status endpoint."""
+        rows = []
+        for origin, _ in self.trees():
+            for job, steps in sorted(self.tree_index(origin).items()):
+                for s, files in sorted(steps.items()):
+                    rows.append({"job": job, "step": s, "origin": origin, "committed": MANIFEST in files,
+                                 "files": len(files), "bytes": sum(files.values())})
+        return rows
+
+    # -- removal -----------------------------------------------------------------------------------
+    def remove_file(self, job: str, step: int, name: str, origin: str | None | bool = False) -> bool:
+        """Remove ``name`` from every tree (``origin`` False) or from one; whether anything was removed."""
+        check_name(name, "object")
+        removed = False
+        for o, _ in self.trees() if origin is False else [(origin, None)]:
+            with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+                os.unlink(self.step_dir(o, job, step) / name)  # type: ignore[arg-type]
+                removed = True
+        return removed
+
+    def remove_step(self, job: str, step: int, origin: str | None | bool = False) -> bool:
+        """Remove a step from every tree (or one): manifests first, so it is never seen half-removed."""
+        trees = self.trees() if origin is False else [(origin, None)]
+        dirs = [self.step_dir(o, job, step) for o, _ in trees]  # type: ignore[arg-type]
+        present = [d for d in dirs if d.is_dir()]
+        for d in present:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(d / MANIFEST)
+        for d in present:
+            shutil.rmtree(d, ignore_errors=True)
+        return bool(present)
