@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import tidal
+from tidal.ckpt.childproc import stop_process
 from tidal.ckpt.peer import AgentClient
 from tidal.ckpt.seaweed import free_ports
 
@@ -99,16 +99,7 @@ class AgentProcess:
     def stop(self, grace_s: float = 3.0) -> None:
         """SIGTERM, wait up to ``grace_s``, then SIGKILL by pid. Safe to call twice."""
         proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            proc.wait(10)
+        stop_process(proc, grace_s)
 
     def __enter__(self) -> AgentProcess:
         return self.start()

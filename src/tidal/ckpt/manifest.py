@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -214,6 +215,20 @@ def read(step_dir: Path) -> Manifest:
     expected = parse_step_dirname(step_dir.name)
     if expected is not None and man.step != expected:
         raise ManifestError(f"{path}: field 'step' is {man.step} but the directory is step {expected} "
+                            "(edited or copied by hand?)")
+    return man
+
+
+def read_object(read_bytes: Callable[[], bytes], where: str, step: int) -> Manifest:
+    """Read and check the manifest of ``step`` from an object-store-like tier (S3, peer agents):
+    ``read_bytes()`` returns its bytes or raises FileNotFoundError; ``where`` names it in errors."""
+    try:
+        data = read_bytes()
+    except FileNotFoundError:
+        raise ManifestError(f"{where}: missing (step not committed)") from None
+    man = parse(data, where)
+    if man.step != step:
+        raise ManifestError(f"{where}: field 'step' is {man.step} but the object lies under step {step} "
                             "(edited or copied by hand?)")
     return man
 

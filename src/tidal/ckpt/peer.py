@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tidal.ckpt import manifest as mf
-from tidal.ckpt.errors import ManifestError, SaveError, TierError, TierSpecError
+from tidal.ckpt.errors import SaveError, TierError, TierSpecError
 from tidal.ckpt.protocol import TruncatedRead
 
 ENV_AGENT = "TIDAL_CKPT_AGENT"
@@ -343,15 +343,7 @@ class PeerTier:
         self._put(step, name, data, "?sync=1")
 
     def read_manifest(self, step: int) -> mf.Manifest:
-        where = self.where(step, mf.MANIFEST)
-        try:
-            data = self.read_bytes(step, mf.MANIFEST)
-        except FileNotFoundError:
-            raise ManifestError(f"{where}: missing (step not committed)") from None
-        man = mf.parse(data, where)
-        if man.step != step:
-            raise ManifestError(f"{where}: field 'step' is {man.step} but the object lies under step {step}")
-        return man
+        return mf.read_object(lambda: self.read_bytes(step, mf.MANIFEST), self.where(step, mf.MANIFEST), step)
 
     # -- data --------------------------------------------------------------------------------------
     def write_file(self, step: int, name: str, data: memoryview) -> None:

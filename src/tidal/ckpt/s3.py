@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from tidal.ckpt import manifest as mf
-from tidal.ckpt.errors import ManifestError, TierError, TierSpecError
+from tidal.ckpt.errors import TierError, TierSpecError
 from tidal.ckpt.protocol import TruncatedRead
 
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
@@ -199,16 +199,7 @@ class S3Tier:
             raise self._fail(e, self.where(step, name)) from None
 
     def read_manifest(self, step: int) -> mf.Manifest:
-        where = self.where(step, mf.MANIFEST)
-        try:
-            data = self.read_bytes(step, mf.MANIFEST)
-        except FileNotFoundError:
-            raise ManifestError(f"{where}: missing (step not committed)") from None
-        man = mf.parse(data, where)
-        if man.step != step:
-            raise ManifestError(f"{where}: field 'step' is {man.step} but the object lies under step {step} "
-                                "(edited or copied by hand?)")
-        return man
+        return mf.read_object(lambda: self.read_bytes(step, mf.MANIFEST), self.where(step, mf.MANIFEST), step)
 
     # -- data --------------------------------------------------------------------------------------
     def write_file(self, step: int, name: str, data: memoryview) -> None:

@@ -28,12 +28,13 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from tidal.ckpt.childproc import stop_process
 
 _PORT_NAMES = ("s3.port", "s3.port.grpc", "master.port", "master.port.grpc", "volume.port",
                "volume.port.grpc", "filer.port", "filer.port.grpc")
@@ -156,15 +157,7 @@ class SeaweedServer:
     def stop(self, grace_s: float = 0.5) -> None:
         """Stop the server: SIGTERM, a short wait, then SIGKILL by pid. Safe to call twice."""
         proc, self.proc = self.proc, None
-        if proc is not None and proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
-                proc.wait(10)
+        stop_process(proc, grace_s)
         if self._log is not None:
             self._log.close()
             self._log = None
