@@ -215,10 +215,11 @@ class Checkpointer:
         slot.free.wait()  # back-pressure: the save that used this slot is still persisting
         slot.free.clear()
         try:
+            uncommitted: list[int] = []
             if self.shm_tier is not None and slot.path is not None:
                 for s in steps_linking(self.shm_tier, slot.path):
                     self.shm_tier.remove_file(s, mf.MANIFEST)  # this slot's bytes are about to change
-                    self._durability.removed(self.shm_tier.name, [s])
+                    uncommitted.append(s)
             rf = plan.files[self.rank]
             shm_dir = self._staging.shm_dir if self.shm_tier is not None else None
             slot.allocate(rf, plan.fingerprint, shm_dir, {n: e.dtype for n, e in plan.entries.items()})
@@ -241,6 +242,7 @@ class Checkpointer:
         remote = [q for q in self._remote if due(q.tier)]
         job = _Job(step, save_id, plan, slot, deferred, objs, fast, remote, handle)  # type: ignore[arg-type]
         job.extra["urgent"] = urgent
+        job.extra["shm_uncommitted"] = uncommitted  # recorded in the status file off the stall path
         for q in remote:
             handle._add_part(q.tier.name)
         self._durability.saved(step, time.time())
@@ -414,6 +416,8 @@ class Checkpointer:
                 return
             cleanups: list = []
             error: BaseException | None = None
+            if job.extra.get("shm_uncommitted") and self.shm_tier is not None:
+                self._durability.removed(self.shm_tier.name, job.extra["shm_uncommitted"])
             try:
                 self._persist(job, cleanups)
             except BaseException as e:  # recorded on the handle; the thread keeps serving saves
