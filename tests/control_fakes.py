@@ -67,6 +67,9 @@ class FakeExecutor:
         j = self.jobs[job_id]
         j.codes = [-9 if c is None and r not in j.vanished else c for r, c in enumerate(j.codes)]
 
+    def configure(self, job_id: str, settings) -> None:
+        self.calls.append(("configure", job_id, dict(settings)))
+
     def observe(self, now_s: float) -> dict[str, Observation]:
         return {k: Observation(k, j.req.attempt, j.launched_s,
                                tuple(RankState(r, 1000 + r, c, r in j.vanished) for r, c in enumerate(j.codes)),

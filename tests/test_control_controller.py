@@ -3,6 +3,8 @@ transitions and events, one step at a time."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from control_fakes import FakeClock, FakeExecutor, new_store, submit
@@ -10,6 +12,7 @@ from tidal.control.config import ControlConfig
 from tidal.control.controller import Controller, job_report
 from tidal.control.states import State
 from tidal.model import Admit, Preempt, Shrink
+from tidal.policy.ckpt_interval import CkptIntervalConfig
 from tidal.policy.scheduler import SchedulerConfig
 
 CFG = ControlConfig(scheduler=SchedulerConfig(min_runtime_before_preempt_s=0, preempt_grace_s=60),
@@ -269,3 +272,47 @@ def test_cancel_arriving_as_the_ranks_exit(world):
     ctl.step(clock.advance(1))
     assert state(store, ok) == "succeeded"  # it finished before the notice could matter
     assert state(store, bad) == "cancelled" and store.job(bad).restarts == 0
+
+
+def test_auto_checkpoint_interval_from_the_measured_stall(world):
+    store, ex, ctl, clock = world
+    # 10 interruptions per GPU-hour: a 2-GPU job is interrupted every 3 minutes, so Daly's interval
+    # for a 30 s stall is well inside [min, max].
+    ctl.config = replace(CFG, ckpt_interval=CkptIntervalConfig(failure_rate_per_gpu_hour=10.0))
+    auto = submit(store, "lab", clock(), name="auto", gpus=2)
+    fixed = submit(store, "lab", clock(), name="fixed", gpus=2, checkpoint={"interval_s": 90})
+    ctl.step(clock())
+    assert ex.jobs[auto].req.env["TIDAL_CKPT_INTERVAL_S"] == "3600"  # the policy's cap until a stall is measured
+    assert ex.jobs[fixed].req.env["TIDAL_CKPT_INTERVAL_S"] == "90"
+    ctl.step(clock.advance(1))
+    for j in (auto, fixed):
+        ex.beat(j, clock.advance(1), step=3, ckpt_stall_s=30.0)
+    decisions = ctl.step(clock())
+    (d,) = [d for d in decisions if type(d).__name__ == "SetCkptInterval"]  # only the auto job
+    assert d.job == auto and 60.0 < d.interval_s < 300
+    assert ("configure", auto, {"ckpt_interval_s": d.interval_s}) in ex.calls
+    assert store.job(auto).ckpt_interval_s == d.interval_s and store.job(fixed).ckpt_interval_s is None
+    (ev,) = [e for e in store.events(job_id=auto) if e.kind == "ckpt_interval"]
+    assert "measured stall 30 s" in ev.message
+    ex.beat(auto, clock.advance(1), step=4, ckpt_stall_s=31.0)  # within the change ratio: no chatter
+    assert [c for c in ex.calls if c[0] == "configure"] == [("configure", auto, {"ckpt_interval_s": d.interval_s})]
+    ctl.step(clock())
+    assert len([c for c in ex.calls if c[0] == "configure"]) == 1
+    # A relaunch (after a failure) starts with the interval the policy set.
+    ex.exit(auto, 1)
+    ctl.step(clock.advance(1))
+    ctl.step(clock.advance(CFG.restart_backoff_s + 1))
+    ctl.step(clock.advance(1))
+    assert ex.jobs[auto].req.attempt == 2 and ex.jobs[auto].req.env["TIDAL_CKPT_INTERVAL_S"] == f"{d.interval_s:g}"
+
+
+def test_tier_list_goes_to_the_ranks(world):
+    store, ex, ctl, clock = world
+    tiers = ["shm", "/ck/a", {"url": "s3://bucket/a", "every": 5}]
+    j = submit(store, "lab", clock(), name="t", gpus=1, checkpoint={"tiers": tiers})
+    ctl.step(clock())
+    env = ex.jobs[j].req.env
+    assert "TIDAL_CKPT_URL" not in env
+    import json
+
+    assert json.loads(env["TIDAL_CKPT_TIERS"]) == tiers

@@ -181,3 +181,37 @@ def test_progress_fold(tmp_path):
     p = reader.read()
     assert p.step == 14 and p.preempted and p.ckpt_step == 14 and p.durable_ckpt_step == 11
     assert p.heartbeats == 2 and p.heartbeat_s == 6.5  # the oldest rank's newest beat
+
+
+INTERVAL = """
+import time
+import torch
+import torch.distributed as dist
+from tidal.train import Session
+with Session(ckpt_every_s=3600) as s:
+    s.restore()
+    for step in range(1, 100000):
+        time.sleep(0.02)
+        s.step_done(step)
+        seen = torch.tensor([float(s.ckpt_every_s != 3600)])
+        dist.all_reduce(seen, op=dist.ReduceOp.MIN)  # stop together, once every rank has the new value
+        if seen.item():
+            print("interval", s.ckpt_every_s, flush=True)
+            break
+"""
+
+
+def test_configure_reaches_the_running_ranks(tmp_path, executors):
+    ex = executors(tmp_path / "jobs", slots=2)
+    ex.configure("not-running", {"ckpt_interval_s": 5})  # ignored
+    ex.launch(req("c", INTERVAL, n=2, env={"TIDAL_CKPT_URL": str(tmp_path / "ck"),
+                                           "TIDAL_SHM_DIR": str(tmp_path / "shm")}), time.time())
+    deadline = time.monotonic() + 60
+    while ex.observe(time.time())["c"].progress.step is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    ex.configure("c", {"ckpt_interval_s": 42.5})
+    ob = wait_done(ex, "c", timeout_s=60)
+    assert [r.exit_code for r in ob.ranks] == [0, 0]
+    for r in range(2):
+        assert "interval 42.5" in read(ex.log_path("c", r))
+    assert json.loads((tmp_path / "jobs" / "c" / "attempt-1" / "control.json").read_text()) == {"ckpt_interval_s": 42.5}

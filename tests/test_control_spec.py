@@ -23,7 +23,7 @@ def test_defaults_and_gpu_forms():
     s = parse_spec(GOOD)
     assert (s.kind, s.priority, s.max_restarts, s.grace_s) == ("spot", 0, 3, 30.0)
     assert s.gpus.model_dump() == {"min": 2, "max": 2, "multiple_of": 1}
-    assert s.checkpoint.url is None and s.checkpoint.interval_s == 600.0
+    assert s.checkpoint.url is None and s.checkpoint.tiers is None and s.checkpoint.interval_s == "auto"
     e = parse_spec({**GOOD, "gpus": {"min": 2, "max": 8, "multiple_of": 2}, "kind": "dedicated"})
     assert e.gpus.max == 8 and e.kind == "dedicated"
 
@@ -42,7 +42,11 @@ def test_defaults_and_gpu_forms():
     ({"name": "no spaces"}, "name: expected 1-63 letters"),
     ({"env": {"RANK": "3"}}, "env.RANK: RANK is set by the platform"),
     ({"env": {"X": 1}}, "env.X: Input should be a valid string"),
-    ({"checkpoint": {"interval_s": 0}}, "checkpoint.interval_s: Input should be greater than 0"),
+    ({"checkpoint": {"interval_s": 0}}, "checkpoint.interval_s: expected a number of seconds > 0 or 'auto'"),
+    ({"checkpoint": {"interval_s": "often"}}, "checkpoint.interval_s: expected a number of seconds > 0 or 'auto'"),
+    ({"checkpoint": {"tiers": ["shm", "/ck", "s3://x/p"]}}, "checkpoint.tiers: tier 's3://x/p': 'x' is not a valid"),
+    ({"checkpoint": {"tiers": ["shmm", "/ck"]}}, "checkpoint.tiers: tiers[0] 'shmm': not a tier"),
+    ({"checkpoint": {"url": "/ck", "tiers": ["shm", "/ck"]}}, "checkpoint: give the location once"),
     ({"checkpoint": {"path": "/x"}}, "checkpoint.path: Extra inputs are not permitted"),
     ({"max_restarts": -1}, "max_restarts: Input should be greater than or equal to 0"),
     ({"workdir": "rel/dir"}, "workdir: expected an absolute path"),
@@ -62,6 +66,11 @@ def test_yaml_paths_are_relative_to_the_file(tmp_path):
     f.write_text("name: a\nworkdir: ..\ngpus: 1\ncommand: [python]\ncheckpoint: {url: 's3://b/x'}\n")
     doc = load_spec_file(f)
     assert doc["workdir"] == str(tmp_path) and doc["checkpoint"]["url"] == "s3://b/x"
+    f.write_text("name: a\ngpus: 1\ncommand: [python]\n"
+                 "checkpoint: {tiers: [shm, ./ck, {url: ../up, every: 2}, 's3://bkt/x'], interval_s: auto}\n")
+    doc = load_spec_file(f)
+    assert doc["checkpoint"]["tiers"] == ["shm", str(tmp_path / "sub" / "ck"), {"url": str(tmp_path / "up"), "every": 2},
+                                          "s3://bkt/x"]
     f.write_text("name: [unclosed\n")
     with pytest.raises(ValueError, match="job.yaml: not valid YAML"):
         load_spec_file(f)

@@ -198,3 +198,75 @@ def test_jsonl_reader_skips_a_torn_last_line(tmp_path):
     with open(tmp_path / "x.jsonl", "a") as f:
         f.write('{"event": "st')
     assert read_jsonl(tmp_path / "x.jsonl") == [{"event": "step", "step": 1}]
+
+
+def test_tier_list_from_the_environment(tmp_path):
+    env = Env.from_environ({"TIDAL_CKPT_TIERS": f"shm, {tmp_path / 'a'} ,{tmp_path / 'b'}"})
+    assert env.ckpt_tiers == ("shm", str(tmp_path / "a"), str(tmp_path / "b"))
+    as_json = json.dumps(["shm", {"url": str(tmp_path / "a")}, {"url": str(tmp_path / "b"), "every": 2}])
+    env = Env.from_environ({"TIDAL_CKPT_TIERS": as_json})
+    assert env.ckpt_tiers[2] == {"url": str(tmp_path / "b"), "every": 2}
+    for raw, msg in [("[1, 2]", "expected a JSON list of strings or objects"), ("[\"shm\"", "not valid JSON"),
+                     ("shm,,/x", "without empty entries")]:
+        with pytest.raises(EnvError, match=r"TIDAL_CKPT_TIERS"):
+            Env.from_environ({"TIDAL_CKPT_TIERS": raw})
+        with pytest.raises(EnvError, match=msg):
+            Env.from_environ({"TIDAL_CKPT_TIERS": raw})
+    with pytest.raises(EnvError, match=r"TIDAL_CKPT_TIERS: .*'shmm'"):  # a typo fails at start, named
+        Session(env=Env.from_environ({"TIDAL_CKPT_TIERS": "shmm,/x"}))
+
+    # Saves go through every tier (the second one every 2nd save); restore reads the newest from any.
+    w = MemoryWriter()
+    model, opt, sampler = make_job()
+    with Session(env=env, ckpt_every_steps=1, ckpt_every_s=0, writers=[w]) as s:
+        assert s.ckpt_url is None and s.restore(model, opt, sampler) == 0
+        for step in range(1, 4):
+            train_step(model, opt, sampler, step - 1)
+            s.step_done(step)
+    assert ckpt.steps(tmp_path / "a") == [1, 2, 3] and ckpt.steps(tmp_path / "b") == [1, 3]
+    import shutil
+
+    shutil.rmtree(tmp_path / "a")  # the disk tier is gone: restore finds step 3 in the other tiers
+    model2, opt2, sampler2 = make_job(seed=5)
+    with Session(env=env, writers=[w]) as s:
+        assert s.restore(model2, opt2, sampler2) == 3
+    assert all(torch.equal(a, b) for a, b in zip(model2.parameters(), model.parameters(), strict=True))
+
+
+def test_notice_during_restore_stops_before_training(tmp_path):
+    url = tmp_path / "c"
+    model, opt, sampler = make_job()
+    with Session(env=Env(), ckpt_url=url, ckpt_every_steps=2, ckpt_every_s=0) as s:
+        s.restore(model, opt, sampler)
+        for step in range(1, 3):
+            train_step(model, opt, sampler, step - 1)
+            s.step_done(step)
+    notice, w, exits = tmp_path / "notice", MemoryWriter(), []
+    model2, opt2, sampler2 = make_job(seed=3)
+    with pytest.raises(Preempted) as e, Session(env=Env(), ckpt_url=url, notice_file=notice, writers=[w],
+                                                exit_fn=exits.append) as s:
+        notice.write_text("reclaim")  # arrives before (or while) the step is read back
+        s.restore(model2, opt2, sampler2)
+        pytest.fail("restore returned although a notice had come")
+    assert e.value.step == 2 and e.value.tiers and exits == [75]
+    assert events(w, "checkpoint") == [] and events(w, "step") == []  # no training, no new save
+    assert ckpt.steps(url) == [2] and events(w, "preempted")[0]["step"] == 2
+
+
+def test_control_file_changes_the_interval_of_a_running_session(tmp_path):
+    control, w = tmp_path / "control.json", MemoryWriter()
+    env = Env.from_environ({"TIDAL_CONTROL_FILE": str(control)})
+    model, opt, sampler = make_job()
+    with Session(env=env, ckpt_url=tmp_path / "c", ckpt_every_s=3600, writers=[w]) as s:
+        s.restore(model, opt, sampler)
+        s.step_done(1)  # no file yet: nothing changes
+        control.write_text("{\"ckpt_interval_s\": \"soon\"}")
+        s.step_done(2)  # a bad file is ignored with a warning; training goes on
+        assert s.ckpt_every_s == 3600
+        control.write_text(json.dumps({"ckpt_interval_s": 0.01}))
+        os.utime(control, ns=(time.time_ns(), time.time_ns() + 1_000_000))  # a new mtime, even on coarse clocks
+        time.sleep(0.02)
+        s.step_done(3)
+    assert s.ckpt_every_s == 0.01
+    assert [(r["ckpt_interval_s"], r["was"]) for r in events(w, "control")] == [(0.01, 3600.0)]
+    assert [(c["step"], c["reason"]) for c in events(w, "checkpoint")] == [(3, "seconds")]

@@ -94,8 +94,15 @@ def load_spec_file(path: Path) -> dict:
     elif isinstance(wd, str) and not wd.startswith("/"):
         doc["workdir"] = str((base / wd).resolve())
     ck = doc.get("checkpoint")
-    if isinstance(ck, dict) and isinstance(ck.get("url"), str) and "://" not in ck["url"] and not ck["url"].startswith("/"):
+    url = ck.get("url") if isinstance(ck, dict) else None
+    if isinstance(url, str) and "://" not in url and not url.startswith(("/", "~")):
         ck["url"] = str((base / ck["url"]).resolve())
+    if isinstance(ck, dict) and isinstance(ck.get("tiers"), list):
+        for i, t in enumerate(ck["tiers"]):  # "./dir" and "../dir" (a bare word is refused as a likely typo)
+            if isinstance(t, str) and t.startswith(("./", "../")):
+                ck["tiers"][i] = str((base / t).resolve())
+            elif isinstance(t, dict) and isinstance(t.get("url"), str) and t["url"].startswith(("./", "../")):
+                t["url"] = str((base / t["url"]).resolve())
     return doc
 
 

@@ -1,6 +1,7 @@
 """Knobs of the live control plane (one table, units in the names); ``tidal up --config FILE`` (YAML).
 
     scheduler: {min_runtime_before_preempt_s: 60, preempt_grace_s: 60}   # tidal.policy SchedulerConfig
+    ckpt_interval: {min_interval_s: 30, max_interval_s: 3600}         # tidal.policy CkptIntervalConfig
     restart_backoff_s: 10        # first retry after a failure; doubles per restart, up to max_backoff_s
     hang_timeout_s: 120          # no heartbeat for this long (and hang_step_times step times) -> hung
 """
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from tidal.policy.ckpt_interval import CkptIntervalConfig
 from tidal.policy.scheduler import SchedulerConfig
 
 
@@ -24,10 +26,12 @@ class ControlConfig:
     ``startup_timeout_s`` from launch (also the limit while its heartbeat says ``checkpointing`` or
     ``stopped``: a final save may take a while to persist). Stopping: SIGKILL ``kill_slack_s`` after the job's own grace
     (the runtime's watchdog exits with 75 at the grace; this is the backstop). ``loop_interval_s``:
-    time between reconcile steps in ``tidal up``.
+    time between reconcile steps in ``tidal up``. ``ckpt_interval``: how jobs with
+    ``checkpoint.interval_s: auto`` get their interval from their measured stall (Young/Daly).
     """
 
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    ckpt_interval: CkptIntervalConfig = field(default_factory=CkptIntervalConfig)
     restart_backoff_s: float = 10.0
     max_backoff_s: float = 600.0
     hang_timeout_s: float = 120.0
@@ -47,15 +51,19 @@ class ControlConfig:
             if k not in names:
                 raise ValueError(f"{where}: unknown field {k!r} (expected one of {sorted(names)})")
         kw = dict(d)
-        if "scheduler" in kw:
-            sched = kw["scheduler"] or {}
-            snames = {f.name for f in fields(SchedulerConfig)}
-            for k in sched:
-                if k not in snames:
-                    raise ValueError(f"{where}: unknown field scheduler.{k} (expected one of {sorted(snames)})")
-            kw["scheduler"] = SchedulerConfig(**sched)
+        nested = {"scheduler": SchedulerConfig, "ckpt_interval": CkptIntervalConfig}
+        for key, kind in nested.items():
+            if key in kw:
+                sub = kw[key] or {}
+                if not isinstance(sub, dict):
+                    raise ValueError(f"{where}: {key} must be a mapping of settings, got {sub!r}")
+                snames = {f.name for f in fields(kind)}
+                for k in sub:
+                    if k not in snames:
+                        raise ValueError(f"{where}: unknown field {key}.{k} (expected one of {sorted(snames)})")
+                kw[key] = kind(**sub)
         for k, v in kw.items():
-            if k != "scheduler" and (not isinstance(v, int | float) or v < 0):
+            if k not in nested and (not isinstance(v, int | float) or v < 0):
                 raise ValueError(f"{where}: {k} must be a number of seconds >= 0, got {v!r}")
         return cls(**kw)
 

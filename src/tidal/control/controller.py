@@ -24,6 +24,7 @@ so tests step it with a fake clock and a fake executor. It is not thread-safe: o
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,20 @@ from tidal.control.config import ControlConfig
 from tidal.control.states import HELD, STOPPING, State
 from tidal.control.store import JobRow, Store
 from tidal.exec.protocol import EXIT_PREEMPTED, Executor, LaunchRequest, Observation, RankState
-from tidal.model import Admit, Decision, Grow, Job, Node, Preempt, ReturnGpus, Shrink, Snapshot, Tenant
+from tidal.model import (
+    Admit,
+    Decision,
+    Grow,
+    Job,
+    Node,
+    Preempt,
+    ReturnGpus,
+    SetCkptInterval,
+    Shrink,
+    Snapshot,
+    Tenant,
+)
+from tidal.policy.ckpt_interval import plan_ckpt_intervals
 from tidal.policy.scheduler import schedule
 
 log = logging.getLogger(__name__)
@@ -92,10 +106,19 @@ class Controller:
         for job in self.store.active_jobs():  # 2. reconcile
             self._reconcile(job, observed.get(job.id), now_s)
         snap = self.snapshot(now_s)  # 3. decide
-        decisions = schedule(snap, self.config.scheduler)
+        decisions: list[Decision] = list(schedule(snap, self.config.scheduler))
+        decisions += self._intervals(snap)
         for d in decisions:  # 4. act
             self._apply(d, now_s)
         return decisions
+
+    def _intervals(self, snap: Snapshot) -> list[SetCkptInterval]:
+        """Checkpoint intervals for running jobs whose spec says ``interval_s: auto``."""
+        auto = {j.id for j in self.store.jobs(states={S.RUNNING})
+                if (j.spec.get("checkpoint") or {}).get("interval_s", "auto") == "auto"}
+        if not auto:
+            return []
+        return [d for d in plan_ckpt_intervals(snap, self.config.ckpt_interval) if d.job in auto]
 
     # ------------------------------------------------------------------------------------ reconcile
     def _reconcile(self, job: JobRow, ob: Observation | None, now_s: float) -> None:
@@ -241,7 +264,15 @@ class Controller:
             return
         job = self.store.job(d.job)
         grace = float(job.spec.get("grace_s", 30.0))
-        if isinstance(d, Admit):
+        if isinstance(d, SetCkptInterval):
+            was = job.ckpt_interval_s
+            self.store.update(job.id, ckpt_interval_s=d.interval_s)
+            self.executor.configure(job.id, {"ckpt_interval_s": d.interval_s})
+            stall = f"{job.ckpt_stall_s:.3g} s" if job.ckpt_stall_s is not None else "unmeasured"
+            self.store.record("ckpt_interval", f"checkpoint every {d.interval_s:.0f} s (was "
+                              f"{f'{was:.0f} s' if was else 'the default'}; measured stall {stall})", now_s,
+                              job=job, data={"interval_s": d.interval_s, "was": was})
+        elif isinstance(d, Admit):
             g = sum(d.placement.values())
             where = ", ".join(f"{n}: {k}" for n, k in d.placement.items())
             self._launch(job, dict(d.placement), now_s, f"admitted on {g} GPUs ({where})", started_s=now_s)
@@ -303,9 +334,14 @@ class Controller:
         ck = spec.get("checkpoint") or {}
         url = ck.get("url") or (str(self.ckpt_root / job.id / "ckpt") if self.ckpt_root else None)
         env = dict(spec.get("env") or {})
-        env["TIDAL_CKPT_INTERVAL_S"] = f"{job.ckpt_interval_s or ck.get('interval_s', 600.0):g}"
+        interval = ck.get("interval_s", "auto")
+        if interval == "auto":  # the policy's interval once the stall is measured; until then the policy's cap
+            interval = job.ckpt_interval_s or self.config.ckpt_interval.max_interval_s
+        env["TIDAL_CKPT_INTERVAL_S"] = f"{float(interval):g}"
         env["TIDAL_GRACE_S"] = f"{float(spec.get('grace_s', 30.0)):g}"
-        if url:
+        if ck.get("tiers"):
+            env["TIDAL_CKPT_TIERS"] = json.dumps(ck["tiers"])
+        elif url:
             env["TIDAL_CKPT_URL"] = url
         return env
 

@@ -7,7 +7,8 @@
     command: [python, train.py, --steps, "2000"]   # an argument list, never a shell string
     workdir: .                 # relative to the YAML file (the CLI resolves it); default: its folder
     env: {WANDB_MODE: offline}
-    checkpoint: {url: /ckpt/gpt-small, interval_s: 300}   # default url: the job's folder in the state dir
+    checkpoint: {url: /ckpt/gpt-small, interval_s: 300}   # default url: the job's folder in the state dir;
+                               # or tiers: [shm, /ckpt/gpt-small, s3://bucket/gpt-small]; interval_s: auto
     max_restarts: 3            # failures restarted from the newest checkpoint (exit 75 is not a failure)
     grace_s: 30                # seconds from a stop notice (SIGTERM) to SIGKILL
 
@@ -88,7 +89,44 @@ def _env_name(k: str) -> str:
 class CheckpointSpec(_Strict):
     url: str | None = Field(default=None, description="checkpoint location (path, file://, s3://); "
                                                       "default: <state dir>/jobs/<job>/ckpt")
-    interval_s: float = Field(default=600.0, gt=0, description="seconds between periodic checkpoints")
+    tiers: list[str | dict[str, Any]] | None = Field(
+        default=None, min_length=1,
+        description="tier list, fastest first, instead of url, e.g. [shm, /ckpt/run1, s3://bucket/run1]")
+    interval_s: float | Literal["auto"] = Field(
+        default="auto", description="seconds between periodic checkpoints, or 'auto': the control plane sets "
+                                    "it from the job's measured save stall and its interruption risk")
+
+    @field_validator("interval_s", mode="before")
+    @classmethod
+    def _interval(cls, v: Any) -> Any:
+        if v == "auto":
+            return v
+        try:
+            ok = not isinstance(v, bool) and float(v) > 0
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise ValueError(f"expected a number of seconds > 0 or 'auto', got {v!r}")
+        return float(v)
+
+    @field_validator("tiers")
+    @classmethod
+    def _tiers(cls, v: list[Any] | None) -> list[Any] | None:
+        if v is not None:
+            from tidal.ckpt.config import resolve
+            from tidal.ckpt.errors import TierSpecError
+
+            try:
+                resolve(v, default_keep=3)
+            except TierSpecError as e:
+                raise ValueError(str(e)) from None
+        return v
+
+    @model_validator(mode="after")
+    def _one_location(self) -> CheckpointSpec:
+        if self.url is not None and self.tiers is not None:
+            raise ValueError("give the location once: 'url' (one directory or bucket) or 'tiers' (a list)")
+        return self
 
 
 class JobSpec(_Strict):

@@ -14,7 +14,8 @@ attempts is appended to ``<root>/<job>/logs/rank-<r>.log``, with a header line p
 
 Files per attempt (``<root>/<job>/attempt-<n>/``): ``launch.json`` (ranks' pids and start times,
 devices; written before any rank starts), ``exit-<r>.json`` (the rank's exit code, by its shim),
-``pid-<r>.json`` (the rank's own pid, under the shim), ``progress/`` (the runtime's records).
+``pid-<r>.json`` (the rank's own pid, under the shim), ``progress/`` (the runtime's records),
+``control.json`` (settings changed while it runs, e.g. the checkpoint interval: ``TIDAL_CONTROL_FILE``).
 ``adopt`` reads them back after a restart of the control plane. See :mod:`tidal.exec.shim` for
 why a rank never runs twice.
 
@@ -32,8 +33,10 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tidal.exec import procs, shim
 from tidal.exec.progress import ProgressReader
@@ -167,6 +170,7 @@ class LocalExecutor:
         env.update({"RANK": str(r), "WORLD_SIZE": str(n), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(n),
                     "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                     "TIDAL_JOB_ID": req.job_id, "TIDAL_PROGRESS_DIR": str(adir / "progress"),
+                    "TIDAL_CONTROL_FILE": str(adir / "control.json"),
                     "CUDA_VISIBLE_DEVICES": ",".join(map(str, devices)) if self.gpu else "",
                     "PYTHONUNBUFFERED": "1"})
         log = Path(self.log_path(req.job_id, r))
@@ -188,6 +192,17 @@ class LocalExecutor:
 
     def kill(self, job_id: str) -> None:
         self._signal(job_id, signal.SIGKILL)
+
+    def configure(self, job_id: str, settings: Mapping[str, Any]) -> None:
+        t = self._jobs.get(job_id)
+        if t is None:
+            return
+        path = self.attempt_dir(job_id, t.attempt) / "control.json"
+        try:
+            current = json.loads(path.read_text())
+        except (OSError, ValueError):
+            current = {}
+        _write_json(path, {**current, **settings})  # atomically: ranks never read half a file
 
     def _signal(self, job_id: str, sig: int) -> None:
         t = self._jobs.get(job_id)

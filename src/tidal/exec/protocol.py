@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from tidal.exec.progress import Progress
 from tidal.model import Node
@@ -99,6 +99,11 @@ class Executor(Protocol):
 
     def kill(self, job_id: str) -> None:
         """SIGKILL every rank still running."""
+        ...
+
+    def configure(self, job_id: str, settings: Mapping[str, Any]) -> None:
+        """Change settings of a running attempt (today ``ckpt_interval_s``); the ranks pick them up
+        between steps (``TIDAL_CONTROL_FILE``). A job not running is ignored."""
         ...
 
     def observe(self, now_s: float) -> dict[str, Observation]:

@@ -16,6 +16,12 @@ MASTER_PORT                    (unset)       rendezvous TCP port of rank 0 (torc
 TIDAL_JOB_ID                   local         job id, written into every progress record
 TIDAL_CKPT_URL                 (unset)       checkpoint directory (path or file://); unset: no checkpoints,
                                              restore() starts at step 0
+TIDAL_CKPT_TIERS               (unset)       tier list, fastest first, instead of TIDAL_CKPT_URL: a JSON list
+                                             (strings or dicts, as Checkpointer(tiers=...) takes) or a comma-
+                                             separated list, e.g. shm,/ckpt/run1,s3://bucket/run1; restore
+                                             reads the newest step committed in any of them
+TIDAL_CONTROL_FILE             (unset)       a JSON file the launcher rewrites to change settings of a running
+                                             job, e.g. {"ckpt_interval_s": 120}; re-read when it changes
 TIDAL_CKPT_INTERVAL_S          600           seconds between periodic checkpoints; 0 turns the timer off
 TIDAL_CKPT_INTERVAL_STEPS      0             steps between periodic checkpoints; 0 turns it off
 TIDAL_CKPT_KEEP                3             committed steps kept on disk (0: all)
@@ -39,9 +45,11 @@ out: the engine never exposes a torn step); anything else is a failure.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL from sysexits.h: "temporary failure, try again"
 NOTICE_WAIT_CHOICES = ("fast", "all")
@@ -63,6 +71,8 @@ class Env:
     master_port: int | None = None
     job_id: str = "local"
     ckpt_url: str | None = None
+    ckpt_tiers: tuple[Any, ...] | None = None
+    control_file: str | None = None
     ckpt_interval_s: float = 600.0
     ckpt_interval_steps: int = 0
     ckpt_keep: int = 3
@@ -90,6 +100,8 @@ class Env:
             master_port=_int(e, "MASTER_PORT", None, lo=1) if e.get("MASTER_PORT") else None,
             job_id=e.get("TIDAL_JOB_ID") or "local",
             ckpt_url=e.get("TIDAL_CKPT_URL") or None,
+            ckpt_tiers=_tiers(e.get("TIDAL_CKPT_TIERS") or ""),
+            control_file=e.get("TIDAL_CONTROL_FILE") or None,
             ckpt_interval_s=_float(e, "TIDAL_CKPT_INTERVAL_S", 600.0),
             ckpt_interval_steps=_int(e, "TIDAL_CKPT_INTERVAL_STEPS", 0, lo=0),
             ckpt_keep=_int(e, "TIDAL_CKPT_KEEP", 3, lo=0),
@@ -108,6 +120,26 @@ class Env:
             raise EnvError(f"WORLD_SIZE={env.world_size} but MASTER_ADDR/MASTER_PORT are not set: start the "
                            "ranks with torchrun or another launcher that sets the rendezvous")
         return env
+
+
+def _tiers(raw: str) -> tuple[Any, ...] | None:
+    """``TIDAL_CKPT_TIERS``: a JSON list, or comma-separated strings; ``None`` when unset."""
+    raw = raw.strip()
+    if not raw:
+        return None
+    if raw.startswith("["):
+        try:
+            tiers = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise EnvError(f"TIDAL_CKPT_TIERS is not valid JSON ({e.msg} at character {e.pos}): {raw!r}") from None
+        if not isinstance(tiers, list) or not all(isinstance(t, (str, dict)) for t in tiers):
+            raise EnvError(f"TIDAL_CKPT_TIERS={raw!r}: expected a JSON list of strings or objects")
+    else:
+        tiers = [t.strip() for t in raw.split(",")]
+    if not tiers or any(t == "" for t in tiers):
+        raise EnvError(f"TIDAL_CKPT_TIERS={raw!r}: expected a non-empty list of tiers without empty entries, "
+                       "e.g. shm,/ckpt/run1,s3://bucket/run1")
+    return tuple(tiers)
 
 
 def _int(e: Mapping[str, str], name: str, default: int | None, *, lo: int) -> int:

@@ -28,20 +28,22 @@ a session reads are documented in :mod:`tidal.train.env`.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import socket
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from tidal import ckpt
+from tidal.ckpt import config as ckpt_config
 from tidal.train.data import GlobalBatchSampler
-from tidal.train.env import EXIT_PREEMPTED, NOTICE_WAIT_CHOICES, Env
+from tidal.train.env import EXIT_PREEMPTED, NOTICE_WAIT_CHOICES, Env, EnvError
 from tidal.train.notice import Notice, process_start_unix
 from tidal.train.progress import Heartbeat, JsonlWriter, Meter, ProgressWriter, heartbeat_path, progress_path
 
@@ -67,6 +69,8 @@ class Session:
 
     Args:
         ckpt_url: checkpoint directory (``TIDAL_CKPT_URL``); ``None`` and unset: no checkpoints.
+        ckpt_tiers: a tier list, fastest first, instead of ``ckpt_url`` (``TIDAL_CKPT_TIERS``), e.g.
+            ``["shm", "/ckpt/run1", "s3://bucket/run1"]``; restore reads the newest step in any tier.
         ckpt_every_steps: checkpoint every N completed steps (``TIDAL_CKPT_INTERVAL_STEPS``; 0: off).
         ckpt_every_s: checkpoint when this many seconds passed since the last one
             (``TIDAL_CKPT_INTERVAL_S``; 0: off). Ranks agree through the per-step all-reduce.
@@ -86,7 +90,8 @@ class Session:
             grace (default ``os._exit``; tests pass their own).
     """
 
-    def __init__(self, *, ckpt_url: str | os.PathLike | None = None, ckpt_every_steps: int | None = None,
+    def __init__(self, *, ckpt_url: str | os.PathLike | None = None, ckpt_tiers: Sequence[Any] | None = None,
+                 ckpt_every_steps: int | None = None,
                  ckpt_every_s: float | None = None, keep: int | None = None, grace_s: float | None = None,
                  notice_file: str | os.PathLike | None = None, notice_wait: str | None = None,
                  progress_dir: str | os.PathLike | None = None, writers: Iterable[ProgressWriter] = (),
@@ -95,10 +100,25 @@ class Session:
                  exit_fn: Callable[[int], object] = os._exit) -> None:
         self.env = env if env is not None else Env.from_environ()
         e = self.env
-        self.ckpt_url = os.fspath(ckpt_url) if ckpt_url is not None else e.ckpt_url
+        if ckpt_url is not None and ckpt_tiers is not None:
+            raise ValueError("give the checkpoint location once: ckpt_url or ckpt_tiers")
+        self.ckpt_tiers: list[Any] | None = None
+        if ckpt_tiers is not None:
+            self.ckpt_tiers = list(ckpt_tiers)
+        elif ckpt_url is None and e.ckpt_tiers is not None:
+            self.ckpt_tiers = list(e.ckpt_tiers)
+        self.ckpt_url = os.fspath(ckpt_url) if ckpt_url is not None else (None if self.ckpt_tiers else e.ckpt_url)
         self.ckpt_every_steps = e.ckpt_interval_steps if ckpt_every_steps is None else int(ckpt_every_steps)
         self.ckpt_every_s = e.ckpt_interval_s if ckpt_every_s is None else float(ckpt_every_s)
         self.keep = e.ckpt_keep if keep is None else int(keep)
+        if self.ckpt_tiers is not None:  # a typo in a tier spec fails now, not at the first save
+            try:
+                ckpt_config.resolve(self.ckpt_tiers, default_keep=self.keep)
+            except ckpt.TierSpecError as err:
+                where = "ckpt_tiers" if ckpt_tiers is not None else "TIDAL_CKPT_TIERS"
+                raise EnvError(f"{where}: {err}") from None
+        self._control_file = e.control_file
+        self._control_mtime: float | None = None
         self.notice_wait = notice_wait or e.notice_wait
         if self.notice_wait not in NOTICE_WAIT_CHOICES:
             raise ValueError(f"notice_wait={self.notice_wait!r}: expected one of {list(NOTICE_WAIT_CHOICES)}")
@@ -170,6 +190,11 @@ class Session:
         return self.rank == 0
 
     @property
+    def ckpt_target(self) -> str | list[Any] | None:
+        """Where checkpoints go and come from: the tier list, else the directory; ``None``: nowhere."""
+        return self.ckpt_tiers if self.ckpt_tiers is not None else self.ckpt_url
+
+    @property
     def stop_requested(self) -> bool:
         """Whether *this* rank has been told to stop (ranks agree only in ``step_done``)."""
         return self.notice.requested()
@@ -201,15 +226,16 @@ class Session:
         t0 = time.monotonic()
         self._beat("restoring", force=True)
         record: dict[str, Any] = {"event": "restore", "step": 0, "tier": None}
-        if self.ckpt_url is not None:
+        target = self.ckpt_target
+        if target is not None:
             self._ensure_checkpointer()
-            committed = ckpt.steps(self.ckpt_url)
+            committed = ckpt.steps(target)
             # Ranks may see different tiers (another node's memory): agree on a step all of them see.
             step = self._all_min(committed[-1] if committed else -1)
             if step >= 0:
                 state = self._state(0)
                 stats = ckpt.LoadStats()
-                got = ckpt.load(self.ckpt_url, state, step=step, stats=stats)
+                got = ckpt.load(target, state, step=step, stats=stats)
                 if model is not None:
                     ckpt.apply_training_state(model, optimizer, state)
                 saved = state["train"]
@@ -233,9 +259,14 @@ class Session:
                          record["tier"], record["duration_s"], record.get("saved_world_size"), self.world_size)
             else:
                 log.info("no committed checkpoint%s: starting at step 0",
-                         f" at {self.ckpt_url}" if self.ckpt_url else " location (TIDAL_CKPT_URL unset)")
+                         f" in {ckpt_config.describe(target)}" if target is not None
+                         else " location (TIDAL_CKPT_URL and TIDAL_CKPT_TIERS unset)")
         self._last_ckpt_mono = time.monotonic()
         self._meter.reset()
+        # A notice that came while restoring: the step just loaded is committed already, so stop now
+        # rather than train one more step first (the ranks agree, as in step_done).
+        if self._agree(self.notice.requested(), False, None)[0]:
+            self._preempt(self.step, save=False)
         self._beat("training", force=True)
         return self.step
 
@@ -254,6 +285,8 @@ class Session:
         now = time.monotonic()
         self.step = step
         self._poll_saves()
+        if self._control_file is not None:
+            self._poll_control()
         want_stop = self.notice.requested()
         time_due = self.ckpt_every_s > 0 and now - self._last_ckpt_mono >= self.ckpt_every_s
         stop, time_due, loss_mean = self._agree(want_stop, time_due, loss)
@@ -274,6 +307,31 @@ class Session:
         if step_due or time_due:
             self.checkpoint(step, reason="steps" if step_due else "seconds")
 
+    def _poll_control(self) -> None:
+        """Apply ``TIDAL_CONTROL_FILE`` when it changed (one ``stat`` per step otherwise)."""
+        assert self._control_file is not None
+        try:
+            mtime = os.stat(self._control_file).st_mtime_ns
+        except OSError:
+            return
+        if mtime == self._control_mtime:
+            return
+        self._control_mtime = mtime
+        try:
+            with open(self._control_file, encoding="utf-8") as f:
+                settings = json.load(f)
+            interval = settings.get("ckpt_interval_s") if isinstance(settings, dict) else None
+            if interval is not None and (not isinstance(interval, (int, float)) or interval < 0):
+                raise ValueError(f"ckpt_interval_s={interval!r}: expected a number of seconds >= 0")
+        except (OSError, ValueError) as err:  # a bad control file must not stop training
+            log.warning("ignoring control file %s: %s", self._control_file, err)
+            return
+        if interval is not None and float(interval) != self.ckpt_every_s:
+            self._write({"event": "control", "ckpt_interval_s": float(interval), "was": self.ckpt_every_s})
+            if self.is_main:
+                log.info("checkpoint interval %g s -> %g s (control file)", self.ckpt_every_s, float(interval))
+            self.ckpt_every_s = float(interval)
+
     # -- checkpoints -------------------------------------------------------------------------------
     def checkpoint(self, step: int | None = None, *, reason: str = "manual",
                    wait: bool = False) -> ckpt.SaveHandle | None:
@@ -284,7 +342,7 @@ class Session:
         location, or ``restore`` was never called). A step already saved is not saved again.
         """
         step = self.step if step is None else step
-        if self.ckpt_url is None:
+        if self.ckpt_target is None:
             return None
         if not self._registered:
             if not self._warned_unregistered:
@@ -310,9 +368,12 @@ class Session:
 
     def _ensure_checkpointer(self) -> ckpt.Checkpointer:
         if self._cp is None:
-            assert self.ckpt_url is not None
+            assert self.ckpt_target is not None
             guard = self._optimizer if self.overlap and self._optimizer is not None else None
-            self._cp = ckpt.Checkpointer(self.ckpt_url, keep=self.keep, guard=guard)
+            if self.ckpt_tiers is not None:
+                self._cp = ckpt.Checkpointer(tiers=self.ckpt_tiers, keep=self.keep, guard=guard)
+            else:
+                self._cp = ckpt.Checkpointer(self.ckpt_url, keep=self.keep, guard=guard)
         return self._cp
 
     def _state(self, step: int) -> dict[str, Any]:
@@ -341,18 +402,20 @@ class Session:
                              "persist_s": h.persist_s})
 
     # -- stopping ----------------------------------------------------------------------------------
-    def _preempt(self, step: int) -> None:
+    def _preempt(self, step: int, *, save: bool = True) -> None:
         n = self.notice
         if n.source is None:  # another rank was told; this one stops with it, under its own grace
             n.trigger("peer")
         self._write({"event": "notice", "source": n.source, "received": n.received_unix, "step": step})
         self._beat("stopping", force=True)
         tiers: list[str] = []
-        h = self.checkpoint(step, reason="notice")
+        h = self.checkpoint(step, reason="notice") if save else None
         if h is not None:
             while not h.done() and (self.notice_wait == "all" or not h.committed) and n.remaining_s() > 0:
                 time.sleep(min(0.002, max(n.remaining_s(), 0.0)))
             tiers = list(h.committed)
+        elif not save:  # stopping right after a restore: the restored step is where it was read from
+            tiers = [t for t, s in self.committed.items() if s == step]
         self._poll_saves()
         assert n.received_unix is not None
         self._write({"event": "preempted", "step": step, "tiers": tiers, "exit_code": EXIT_PREEMPTED,
