@@ -1,0 +1,104 @@
+"""The control plane's store on a real PostgreSQL server (``--db postgresql+psycopg://...``).
+
+A PostgreSQL 16 server from the ``pgserver`` wheel (binaries inside, no system install) is started
+once for this module in a temporary directory, on a Unix socket, and stopped at the end. The same
+controller and API tests that run on SQLite run here again, imported from their modules, each on
+an emptied schema; plus what only a server shows: concurrent submissions from many threads.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import warnings
+
+import pytest
+import sqlalchemy as sa
+
+import test_control_api as api_tests
+import test_control_controller as ctl_tests
+from control_fakes import FakeClock, FakeExecutor, submit
+from tidal.control.auth import create_tenant
+from tidal.control.controller import Controller
+from tidal.control.store import Base, Store
+
+with warnings.catch_warnings():  # platformdirs warns that XDG_RUNTIME_DIR is unset
+    warnings.simplefilter("ignore")
+    import pgserver
+
+
+@pytest.fixture(scope="module")
+def pg_server(tmp_path_factory):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        srv = pgserver.get_server(tmp_path_factory.mktemp("pgdata"), cleanup_mode="stop")
+    try:
+        yield srv.get_uri().replace("postgresql://", "postgresql+psycopg://", 1)
+    finally:
+        srv.cleanup()  # stops the server (pg_ctl stop), also when a test failed
+
+
+@pytest.fixture
+def pg_url(pg_server):
+    engine = sa.create_engine(pg_server)
+    try:
+        Base.metadata.drop_all(engine)  # every test starts from an empty schema
+    finally:
+        engine.dispose()
+    return pg_server
+
+
+def pg_store(url: str, *tenants: tuple[str, int, float]) -> Store:
+    store = Store(url)
+    for name, quota, weight in tenants:
+        create_tenant(store, name, quota_gpus=quota, weight=weight)
+    return store
+
+
+# -- the controller tests, on PostgreSQL ----------------------------------------------------------------
+@pytest.fixture
+def world(pg_url, tmp_path):
+    store = pg_store(pg_url, ("prod", 4, 1.0), ("lab", 0, 1.0))
+    ex = FakeExecutor(gpus=4)
+    ctl = Controller(store, ex, ctl_tests.CFG, ckpt_root=tmp_path / "jobs")
+    yield store, ex, ctl, FakeClock()
+    store.close()
+
+
+for _name in dir(ctl_tests):
+    if _name.startswith("test_"):
+        globals()[f"{_name}_pg"] = getattr(ctl_tests, _name)  # collected here, with this module's fixtures
+
+
+# -- the API tests (auth, isolation matrix, 422s, logs, pool), on PostgreSQL -------------------------------
+@pytest.fixture
+def api(pg_url, tmp_path, monkeypatch):
+    real = api_tests.Store
+    monkeypatch.setattr(api_tests, "Store", lambda url: real(pg_url))
+    gen = api_tests.api.__wrapped__(tmp_path)
+    value = next(gen)
+    assert value[2].url.startswith("postgresql")  # the store under test is the server's
+    yield value
+    gen.close()
+
+
+for _name in dir(api_tests):
+    if _name.startswith("test_"):
+        globals()[f"{_name}_pg"] = getattr(api_tests, _name)
+
+
+# -- only on a server ----------------------------------------------------------------------------------
+def test_concurrent_submissions_get_unique_ids_and_one_event_each(pg_url):
+    store = pg_store(pg_url, ("a", 0, 1.0), ("b", 0, 1.0))
+    try:
+        def one(i: int) -> str:
+            return submit(store, "ab"[i % 2], 1000.0 + i, name="sweep", gpus=1)
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            ids = list(pool.map(one, range(200)))
+        assert len(set(ids)) == 200
+        assert sorted(int(i.rsplit("-", 1)[1]) for i in ids) == list(range(1, 201))
+        assert len(store.jobs(tenant="a")) == 100 and len(store.jobs()) == 200
+        submitted = [e for e in store.events() if e.kind == "transition" and e.to_state == "pending"]
+        assert sorted(e.job_id for e in submitted) == sorted(ids)
+    finally:
+        store.close()
