@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/tidal bench ckpt --size-gb 0.25 --repeat 3
+	$(VENV)/bin/tidal demo
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples

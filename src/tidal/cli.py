@@ -14,6 +14,11 @@ import typer
 app = typer.Typer(help="Tidal: train on a shared GPU pool.", no_args_is_help=True, add_completion=False)
 
 
+@app.callback()
+def _group() -> None:
+    """Tidal: train on a shared GPU pool."""  # keeps `tidal NAME` a subcommand when only NAME is registered
+
+
 def _ckpt() -> None:
     from tidal.ckpt.cli import app as ckpt_app
 
@@ -49,8 +54,14 @@ def _control() -> None:
     app.add_typer(control.tenants_app, name="tenants", help="Tenants (admin): create, list.")
 
 
+def _demo() -> None:
+    from tidal.control.demo import demo
+
+    app.command("demo")(demo)
+
+
 _COMMANDS: dict[str, Callable[[], None]] = {
-    "ckpt": _ckpt, "bench": _bench, "verify-resume": _train, "sim": _sim, "plan": _sim,
+    "ckpt": _ckpt, "bench": _bench, "verify-resume": _train, "sim": _sim, "plan": _sim, "demo": _demo,
     **{n: _control for n in ("up", "submit", "jobs", "status", "logs", "cancel", "pool", "events", "tenants")},
 }
 

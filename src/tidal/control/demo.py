@@ -1,0 +1,661 @@
+"""``tidal demo`` (``make demo``): the platform end to end on this machine, in about two minutes.
+
+    tidal demo                                  # the full story, live
+    tidal demo --steps 200 --json               # the summary as JSON on stdout (the narration on stderr)
+    tidal demo --keep                           # keep the state dir (database, logs, checkpoints)
+
+In order:
+
+1. Start an embedded control plane, the same pieces as ``tidal up`` (REST API under uvicorn on a
+   free loopback port, the reconcile loop, the local executor on ``--gpus`` CPU slots), in this
+   process, with a temporary state dir and a temporary node-memory (``/dev/shm``) dir.
+2. Create a tenant and submit the GPT example (``examples/gpt/train.py``) as a ``kind: spot`` job on
+   every slot (DDP or FSDP2 over gloo) that checkpoints every ``--ckpt-every`` steps.
+3. Show its progress live by polling the API: state, step, loss, samples/s, the newest committed
+   checkpoint per tier, restarts, lost work, ETTR; and each event of the job's log as it appears.
+4. Midway, SIGKILL one rank: the rank's own pid, read from the attempt dir that the job's handle in
+   the API names (``pid-<rank>.json``, checked to be a child of that rank's shim). The platform sees
+   the rank die, kills the rest of the gang, backs off, relaunches, and the new attempt restores the
+   newest committed checkpoint.
+5. Run to the end and print a summary: steps, loss at the first and last step, restarts, steps
+   recomputed and lost work, ETTR, checkpoint steps per tier, time from the kill to training again,
+   wall time.
+
+The exit code is 0 only if the job succeeded *after really recovering*: at least one restart, a
+restore from a checkpoint step > 0, and the requested step reached. Everything started here (the
+server and loop threads, every worker of every attempt, by pid and start time) is stopped on the
+way out, also on Ctrl-C, SIGTERM or an error; the temporary dirs are removed unless ``--keep``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.live import Live
+from rich.panel import Panel
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+
+from tidal.control.client import API_URL_FILE, ApiError, TidalClient
+from tidal.control.config import ControlConfig
+from tidal.exec import procs
+
+TERMINAL = ("succeeded", "failed", "cancelled")
+QUIET_EVENTS = frozenset({"ckpt_interval"})  # in the JSON summary, not narrated: the demo checkpoints by steps
+STATE_STYLE = {"running": "green", "succeeded": "bold green", "failed": "bold red", "cancelled": "dim",
+               "pending": "yellow", "backoff": "red", "admitted": "cyan"}
+# Model sizes of examples/gpt/train.py. "small" takes about 0.1-0.2 s a step on 2 CPU ranks; "tiny" is
+# the test setting (a few ms of compute a step).
+SIZES: dict[str, dict[str, int]] = {
+    "small": {"n-layer": 4, "n-head": 4, "n-embd": 128, "block": 64, "global-batch": 16},
+    "tiny": {"n-layer": 2, "n-head": 2, "n-embd": 32, "block": 32, "global-batch": 12},
+}
+# Fast reactions for a demo: a restart 1 s after a failure, the loop stepping 4 times a second.
+PLANE_CONFIG = ControlConfig(restart_backoff_s=1.0, hang_timeout_s=60.0, startup_timeout_s=180.0,
+                             kill_slack_s=5.0, loop_interval_s=0.25)
+
+
+class DemoError(RuntimeError):
+    """The demo could not run or did not show what it should (the message says which)."""
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    steps: int = 300
+    ckpt_every: int = 25
+    gpus: int = 2
+    parallel: str = "ddp"
+    size: str = "small"
+    kill_at: float = 0.5
+    kill_rank: int | None = None  # default: the last rank
+    timeout_s: float = 600.0
+    poll_s: float = 0.25
+
+    def check(self) -> None:
+        """Refuse settings that cannot show a recovery, naming the option and what was expected."""
+        if self.size not in SIZES:
+            raise DemoError(f"--size {self.size!r}: expected one of {sorted(SIZES)}")
+        if self.parallel not in ("ddp", "fsdp"):
+            raise DemoError(f"--parallel {self.parallel!r}: expected ddp or fsdp")
+        if self.gpus < 2:
+            raise DemoError(f"--gpus {self.gpus}: the demo kills one rank of a gang, so it needs at least 2 slots")
+        gb = SIZES[self.size]["global-batch"]
+        if gb % self.gpus:
+            ok = [n for n in range(2, gb + 1) if gb % n == 0]
+            raise DemoError(f"--gpus {self.gpus}: the global batch of {gb} sequences ({self.size} model) must split "
+                            f"evenly over the ranks; expected one of {ok}")
+        if not 0 < self.kill_at < 1:
+            raise DemoError(f"--kill-at {self.kill_at}: expected a fraction of the steps between 0 and 1")
+        if self.steps < 4:
+            raise DemoError(f"--steps {self.steps}: expected at least 4")
+        if not 1 <= self.ckpt_every < int(self.steps * self.kill_at):
+            raise DemoError(f"--ckpt-every {self.ckpt_every}: expected 1 to {int(self.steps * self.kill_at) - 1}, "
+                            f"so that a checkpoint exists before the kill at step {int(self.steps * self.kill_at)} "
+                            f"(--kill-at {self.kill_at:g} of --steps {self.steps})")
+        if self.kill_rank is not None and not 0 <= self.kill_rank < self.gpus:
+            raise DemoError(f"--kill-rank {self.kill_rank}: expected 0 to {self.gpus - 1}")
+
+    @property
+    def rank_to_kill(self) -> int:
+        return self.gpus - 1 if self.kill_rank is None else self.kill_rank
+
+    @property
+    def kill_step(self) -> int:
+        return int(self.steps * self.kill_at)
+
+    @property
+    def global_batch(self) -> int:
+        return SIZES[self.size]["global-batch"]
+
+
+def example_script() -> Path:
+    """``examples/gpt/train.py`` of this checkout (the package is installed editable), else under the cwd."""
+    for root in (Path(__file__).resolve().parents[3], Path.cwd()):
+        p = root / "examples" / "gpt" / "train.py"
+        if p.is_file():
+            return p
+    raise DemoError("the GPT example examples/gpt/train.py was not found next to the tidal package nor under "
+                    f"{Path.cwd()}: run `tidal demo` from a checkout of the repository")
+
+
+def job_spec(opts: DemoOptions, script: Path, shm_dir: Path) -> dict[str, Any]:
+    """The demo's job: the GPT example as a spot gang on every slot, a checkpoint every few steps."""
+    model = SIZES[opts.size]
+    args = [f"--{k}={v}" for k, v in model.items()]
+    args.append(f"--micro-batch={model['global-batch'] // opts.gpus}")  # one micro-batch per rank
+    return {"name": "gpt-demo", "kind": "spot", "gpus": opts.gpus, "max_restarts": 3, "grace_s": 10,
+            "workdir": str(script.parents[2]),
+            "command": [sys.executable, str(script), "--parallel", opts.parallel, "--steps", str(opts.steps),
+                        "--ckpt-every", str(opts.ckpt_every), "--log-every", str(max(1, opts.steps // 20)),
+                        "--warmup", str(max(1, min(10, opts.steps // 10))), *args],
+            "env": {"OMP_NUM_THREADS": "1", "TIDAL_SHM_DIR": str(shm_dir)}}
+
+
+# ------------------------------------------------------------------------------- the embedded plane
+class EmbeddedPlane:
+    """The pieces of ``tidal up`` in this process: the API (uvicorn in a thread, on a free loopback
+    port), the reconcile loop (a thread) and the local executor on ``gpus`` CPU slots."""
+
+    def __init__(self, state_dir: Path, gpus: int, config: ControlConfig = PLANE_CONFIG) -> None:
+        from tidal.control.server import build
+
+        self.plane = build(state_dir, str(gpus), None, config)
+        self.state_dir = self.plane.state_dir
+        self.url = ""
+        self._loop: Any = None
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def admin_token(self) -> str:
+        return self.plane.admin_token
+
+    def start(self, timeout_s: float = 30.0) -> str:
+        import uvicorn
+
+        from tidal.control.server import ReconcileLoop
+
+        p = self.plane
+        p.controller.recover(time.time())  # a fresh state dir has nothing; a reused --state-dir may
+        self._server = uvicorn.Server(uvicorn.Config(p.app(), host="127.0.0.1", port=0, log_level="warning",
+                                                     access_log=False, lifespan="off"))
+        self._thread = threading.Thread(target=self._server.run, name="tidal-demo-api", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise DemoError(f"the embedded API server did not start on 127.0.0.1 within {timeout_s:g} s")
+            time.sleep(0.02)
+        port = self._server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        (self.state_dir / API_URL_FILE).write_text(self.url + "\n")
+        self._loop = ReconcileLoop(p.controller, p.controller.config.loop_interval_s)
+        self._loop.start()
+        return self.url
+
+    def stop(self) -> list[int]:
+        """Stop the loop, SIGKILL every worker that any attempt started and that still runs, stop the
+        server, close the store. Returns the pids of the process groups it killed."""
+        if self._loop is not None:
+            self._loop.stop()
+            self._loop.join(timeout=15)
+        killed = kill_workers(self.state_dir)
+        for job in self.plane.store.jobs():
+            self.plane.executor.release(job.id)  # reaps the shims this process started
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self.plane.store.close()
+        return killed
+
+
+def kill_workers(state_dir: Path, wait_s: float = 10.0) -> list[int]:
+    """SIGKILL the process group of every rank any attempt under ``state_dir`` recorded (``launch.json``:
+    the shim's pid and start time, so a reused pid is never hit) that still runs; wait until gone."""
+    killed = []
+    for launch in sorted(Path(state_dir).glob("jobs/*/attempt-*/launch.json")):
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            for r in json.loads(launch.read_text())["ranks"]:
+                if procs.alive(r["pid"], r.get("started")):
+                    procs.kill_group(r["pid"])
+                    killed.append(r["pid"])
+    deadline = time.monotonic() + wait_s
+    while any(procs.alive(p) for p in killed) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return killed
+
+
+# ------------------------------------------------------------------------------------ killing a rank
+@dataclass
+class Kill:
+    rank: int
+    pid: int
+    shim_pid: int
+    attempt: int
+    at_step: int
+    ckpt_step: int
+    time_s: float
+
+
+def _parent_pid(pid: int) -> int | None:
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text(errors="replace")
+    except OSError:
+        return None
+    return int(raw[raw.rindex(")") + 2:].split()[1])
+
+
+def kill_rank(job: dict, rank: int) -> Kill | None:
+    """SIGKILL rank ``rank`` of the job's current attempt: its own process (not the shim), found from
+    the handle the API returns (``dir``: the attempt dir, where the shim wrote ``pid-<rank>.json``).
+    None if the rank has exited already (the API's view lags the ranks a little)."""
+    h = job.get("handle") or {}
+    shims = {r["rank"]: r["pid"] for r in h.get("ranks", [])}
+    if "dir" not in h or rank not in shims:
+        raise DemoError(f"job {job['id']}: the API shows no attempt dir or no rank {rank} in its handle: {h}")
+    pid_file = Path(h["dir"]) / f"pid-{rank}.json"
+    try:
+        pid = int(json.loads(pid_file.read_text())["pid"])
+    except (OSError, ValueError, KeyError) as e:
+        raise DemoError(f"cannot read rank {rank}'s pid from {pid_file}: {e}") from None
+    parent = _parent_pid(pid)
+    if parent is not None and parent != shims[rank]:
+        raise DemoError(f"pid {pid} from {pid_file} is not a child of rank {rank}'s shim (pid {shims[rank]}); "
+                        "not killing it")
+    p = job.get("progress") or {}
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return None
+    return Kill(rank, pid, shims[rank], job["attempt"], p.get("step") or 0, job.get("ckpt_step") or 0, time.time())
+
+
+# --------------------------------------------------------------------------------------- the display
+def _state(s: str) -> str:
+    return f"[{STATE_STYLE.get(s, 'magenta')}]{s}[/]"
+
+
+def _clock(t: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(t)) + f".{int(t % 1 * 10)}"
+
+
+def event_line(e: dict) -> str:
+    if e["kind"] == "transition":
+        return f"{e['from'] or 'new'} -> {_state(e['to'])}: {e['message']}"
+    return f"[bold]{e['kind']}[/bold]: {e['message']}"
+
+
+def _tiers(p: dict) -> str:
+    tiers = p.get("tiers") or {}
+    return " · ".join(f"{t} step {v[0]}" for t, v in sorted(tiers.items(), key=lambda kv: kv[0] != "shm")) or "none yet"
+
+
+def _fmt(v: Any, fmt: str = "{:g}", none: str = "-") -> str:
+    return none if v is None else fmt.format(v)
+
+
+def status_panel(j: dict, opts: DemoOptions, elapsed_s: float, kill: Kill | None, initial_loss: float | None) -> Panel:
+    p, r = j.get("progress") or {}, j["report"]
+    step = p.get("step") if p.get("step") is not None else (p.get("start_step") or 0)
+    g = Table.grid(padding=(0, 2))
+    g.add_column(style="bold", no_wrap=True)
+    g.add_column()
+    g.add_row("job", f"{j['id']}: spot, {opts.gpus} ranks ({opts.parallel.upper()} over gloo), tenant {j['tenant']}")
+    g.add_row("state", f"{_state(j['state'])}, attempt {j['attempt']}")
+    bar = Table.grid(padding=(0, 1))
+    bar.add_row(ProgressBar(total=opts.steps, completed=step, width=40), f"step {step}/{opts.steps}")
+    g.add_row("progress", bar)
+    loss = _fmt(p.get("loss"), "{:.3f}")
+    g.add_row("loss", loss + (f"  (first step {initial_loss:.3f})" if initial_loss is not None else ""))
+    sps = p.get("steps_per_s")
+    g.add_row("throughput", f"{sps * opts.global_batch:.0f} samples/s ({sps:.1f} steps/s)" if sps else "-")
+    g.add_row("checkpoint", f"{_tiers(p)}   (every {opts.ckpt_every} steps)")
+    g.add_row("restarts", f"{r['restarts']}   lost {r['lost_steps']} steps ({r['lost_work_s']:.1f} s)   "
+                          f"ETTR {_fmt(r['ettr'], '{:.2f}')}")
+    if kill is not None:
+        g.add_row("killed", f"rank {kill.rank} (pid {kill.pid}) at step {kill.at_step}; newest checkpoint "
+                            f"then: step {kill.ckpt_step}")
+    g.add_row("elapsed", f"{elapsed_s:.0f} s")
+    return Panel(g, title="[bold]tidal demo[/bold]", border_style="cyan", expand=False)
+
+
+def progress_line(j: dict, opts: DemoOptions) -> str:
+    p, r = j.get("progress") or {}, j["report"]
+    sps = p.get("steps_per_s")
+    return (f"  {j['state']} | attempt {j['attempt']} | step {_fmt(p.get('step'))}/{opts.steps} | loss "
+            f"{_fmt(p.get('loss'), '{:.3f}')} | {_fmt(sps and sps * opts.global_batch, '{:.0f}')} samples/s | "
+            f"checkpoint {_tiers(p)} | restarts {r['restarts']}")
+
+
+# ------------------------------------------------------------------------------------ the attempt files
+def attempt_records(state_dir: Path, job_id: str) -> dict[int, list[dict]]:
+    """Rank 0's progress records of every attempt (``jobs/<job>/attempt-<n>/progress/``), by attempt."""
+    out: dict[int, list[dict]] = {}
+    for d in Path(state_dir, "jobs", job_id).glob("attempt-*"):
+        recs = []
+        with contextlib.suppress(OSError):
+            for line in (d / "progress" / "progress-r00000.jsonl").read_text().splitlines():
+                with contextlib.suppress(ValueError):
+                    recs.append(json.loads(line))
+        out[int(d.name.split("-", 1)[1])] = recs
+    return dict(sorted(out.items()))
+
+
+def _reached(records: list[dict]) -> int | None:
+    """The newest step rank 0 completed in one attempt."""
+    return max((int(r["step"]) for r in records if r.get("event") == "step"), default=None)
+
+
+# -------------------------------------------------------------------------------------------- the run
+@dataclass
+class Watch:
+    """What the poll loop has seen."""
+
+    seen_event: int = 0
+    events: list[dict] = field(default_factory=list)
+    announced_ckpt: int = 0
+    running_attempts: set[int] = field(default_factory=set)
+    kill: Kill | None = None
+    resumed_told: bool = False
+    initial_loss: float | None = None
+
+
+def run_demo(opts: DemoOptions, console: Console, *, state_dir: Path | None = None, keep: bool = False) -> dict:
+    """Run the demo; return its summary (see the module docstring). Stops everything it started."""
+    opts.check()
+    script = example_script()
+    t0 = time.monotonic()
+    own_state = state_dir is None
+    sdir = Path(tempfile.mkdtemp(prefix="tidal-demo-")) if state_dir is None else Path(state_dir)
+    sdir.mkdir(parents=True, exist_ok=True)
+    shm_base = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else sdir
+    shm_dir = Path(tempfile.mkdtemp(prefix="tidal-demo-shm-", dir=shm_base))
+    plane: EmbeddedPlane | None = None
+    job_id: str | None = None
+    try:
+        plane = EmbeddedPlane(sdir, opts.gpus)
+        url = plane.start()
+        say = _narrator(console)
+        say(f"control plane up at {url} ({plane.plane.describe}); state in {sdir}")
+        say(f"  (in another terminal: TIDAL_STATE_DIR={sdir} tidal events -f)", style="dim")
+        admin = TidalClient(url, plane.admin_token)
+        tenant = admin.create_tenant("research", quota_gpus=0, weight=1.0)
+        client = TidalClient(url, tenant["token"])
+        spec = job_spec(opts, script, shm_dir)
+        job = client.submit(spec)
+        job_id = job["id"]
+        m = SIZES[opts.size]
+        say(f"submitted [bold]{job_id}[/bold] as tenant research: the GPT example ({opts.size}: {m['n-layer']} "
+            f"layers, d={m['n-embd']}, {m['global-batch']} x {m['block']} bytes a step), kind spot, {opts.gpus} "
+            f"ranks, {opts.steps} steps, a checkpoint every {opts.ckpt_every} steps (node memory, then disk)")
+        say(f"plan: a few steps after step {opts.kill_step}, SIGKILL rank {opts.rank_to_kill} as if its GPU died; "
+            "the platform must restart the gang from the newest checkpoint")
+        w, j = _watch(client, job_id, opts, console, say, plane.state_dir, t0)
+        wall_s = time.monotonic() - t0
+        if j["state"] != "succeeded":  # the state dir may be gone soon: show why, from the ranks' own output
+            for rank in range(opts.gpus):
+                say(f"the end of rank {rank}'s log:", style="red")
+                console.print(log_tail(client, job_id, rank), markup=False, highlight=False)
+        return summarize(j, w, opts, plane.state_dir, wall_s, keep or not own_state)
+    finally:
+        # A second Ctrl-C (or a SIGTERM) must not cut the clean-up short.
+        old = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)} if _main_thread() else {}
+        try:
+            if plane is not None:
+                killed = plane.stop()
+                if killed:
+                    console.print(("" if console.is_terminal else "\n")  # a file's last live render has no newline
+                                  + f"[dim]stopped {len(killed)} worker process groups (pids {killed})[/dim]",
+                                  highlight=False)
+            shutil.rmtree(shm_dir, ignore_errors=True)
+            if own_state and not keep:
+                shutil.rmtree(sdir, ignore_errors=True)
+        finally:
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
+
+
+def log_tail(client: TidalClient, job_id: str, rank: int, limit: int = 3000) -> str:
+    size = client.logs(job_id, rank=rank, offset=0, limit=1)["size"]
+    return client.logs(job_id, rank=rank, offset=max(0, size - limit), limit=limit)["data"].rstrip()
+
+
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+def _narrator(console: Console):
+    def say(msg: str, style: str = "") -> None:
+        line = f"[dim]{_clock(time.time())}[/dim] [bold cyan]demo[/bold cyan] {msg}"
+        console.print(f"[{style}]{line}[/]" if style else line, highlight=False)
+    return say
+
+
+def _watch(client: TidalClient, job_id: str, opts: DemoOptions, console: Console, say, state_dir: Path,
+           t0: float) -> tuple[Watch, dict]:
+    """Poll the API until the job ends: narrate its events, checkpoints, the kill and the recovery."""
+    w = Watch()
+    j = client.job(job_id)
+    live_ok = console.is_terminal
+    last_line = 0.0
+    deadline = time.monotonic() + opts.timeout_s
+    with Live(status_panel(j, opts, 0.0, None, None), console=console, refresh_per_second=4,
+              transient=False, auto_refresh=live_ok) as live:
+        while True:
+            try:
+                j = client.job(job_id)
+                new = client.events(job_id, after=w.seen_event)
+            except ApiError as e:
+                raise DemoError(f"the embedded API failed: {e}") from e
+            for e in new:
+                w.seen_event = e["id"]
+                w.events.append(e)
+                if e["kind"] in QUIET_EVENTS:
+                    continue
+                console.print(f"[dim]{_clock(e['time_s'])}[/dim] {event_line(e)}", highlight=False)
+            _narrate_progress(j, w, opts, say, state_dir)
+            if j["state"] in TERMINAL:
+                live.update(status_panel(j, opts, time.monotonic() - t0, w.kill, w.initial_loss))
+                break
+            if w.kill is None and _due(j, opts):
+                w.kill = k = kill_rank(j, opts.rank_to_kill)
+                if k is not None:
+                    say(f"[bold red]SIGKILL to rank {k.rank} (pid {k.pid})[/bold red], as if its GPU died: attempt "
+                        f"{k.attempt} at step {k.at_step}, newest checkpoint step {k.ckpt_step} (as last reported)")
+            if time.monotonic() > deadline:
+                raise DemoError(f"job {job_id} did not end within --timeout {opts.timeout_s:g} s "
+                                f"(state {j['state']}, step {(j.get('progress') or {}).get('step')})")
+            live.update(status_panel(j, opts, time.monotonic() - t0, w.kill, w.initial_loss))
+            if not live_ok and time.monotonic() - last_line >= 5.0:
+                console.print(progress_line(j, opts), highlight=False)
+                last_line = time.monotonic()
+            time.sleep(opts.poll_s)
+    return w, j
+
+
+def _due(j: dict, opts: DemoOptions) -> bool:
+    """Kill once the first attempt has a committed checkpoint, runs past the kill step, and is a third of
+    the way into a checkpoint interval (so that the steps to recompute show; the reported step lags the
+    ranks by up to a few steps)."""
+    p = j.get("progress") or {}
+    step, ck = p.get("step") or 0, j.get("ckpt_step") or 0
+    return (j["state"] == "running" and j["attempt"] == 1 and ck > 0 and opts.kill_step <= step < opts.steps
+            and step % opts.ckpt_every >= max(1, opts.ckpt_every // 3))
+
+
+def _narrate_progress(j: dict, w: Watch, opts: DemoOptions, say, state_dir: Path) -> None:
+    p = j.get("progress") or {}
+    if w.initial_loss is None and p.get("step"):
+        first = next((r for r in attempt_records(state_dir, j["id"]).get(1, []) if r.get("event") == "step"), None)
+        w.initial_loss = first.get("loss") if first else None
+    if j["state"] == "running" and j["attempt"] not in w.running_attempts and p.get("step"):
+        w.running_attempts.add(j["attempt"])
+        start = p.get("start_step") or 0
+        if j["attempt"] == 1:
+            say(f"training: step {p['step']}, loss {_fmt(p.get('loss'), '{:.3f}')} (from scratch)")
+        elif w.kill is not None and not w.resumed_told:
+            w.resumed_told = True
+            restore = next((r for r in attempt_records(state_dir, j["id"]).get(j["attempt"], [])
+                            if r.get("event") == "restore"), {})
+            after = (p.get("first_step_s") or time.time()) - w.kill.time_s
+            how = (f" from tier {restore['tier']} in {restore.get('duration_s', 0):.2f} s"
+                   if restore.get("tier") else "")
+            reached = _reached(attempt_records(state_dir, j["id"]).get(w.kill.attempt, []))
+            redo = f" (attempt {w.kill.attempt} had reached step {reached}: {reached - start} to recompute)" \
+                if reached is not None else ""
+            say(f"[bold green]recovered[/bold green]: attempt {j['attempt']} restored checkpoint step {start}{how}"
+                f"{redo}; training again {after:.1f} s after the kill")
+    ck = j.get("ckpt_step") or 0
+    if ck > w.announced_ckpt:
+        w.announced_ckpt = ck
+        stall = p.get("ckpt_stall_s")
+        say(f"checkpoint step {ck} committed ({_tiers(p)})"
+            + (f"; training paused {stall * 1000:.0f} ms for it" if stall is not None else ""), style="")
+
+
+# ------------------------------------------------------------------------------------------ the summary
+def summarize(j: dict, w: Watch, opts: DemoOptions, state_dir: Path, wall_s: float, kept: bool) -> dict:
+    """The demo's outcome as a JSON-able dict, from the API's view of the job and its attempt files."""
+    recs = attempt_records(state_dir, j["id"])
+    steps = [r for a in recs.values() for r in a if r.get("event") == "step"]
+    first = next((r for r in recs.get(1, []) if r.get("event") == "step"), None)
+    last = max(steps, key=lambda r: (r.get("time") or 0), default=None)
+    ckpts: dict[str, set[int]] = {}
+    stalls = []
+    for a in recs.values():
+        for r in a:
+            if r.get("event") == "committed":
+                for t in r.get("tiers", []):
+                    ckpts.setdefault(t, set()).add(int(r["step"]))
+            elif r.get("event") == "checkpoint" and r.get("stall_s") is not None:
+                stalls.append(r["stall_s"])
+    k = w.kill
+    after = {a: rs for a, rs in recs.items() if k is not None and a > k.attempt}
+    restore = next((r for a in after.values() for r in a if r.get("event") == "restore"), None)
+    next_step = next((r for a in after.values() for r in a if r.get("event") == "step"), None)
+    for a in recs.values():  # a step restored from a tier was committed there (its record may have died with the rank)
+        for r in a:
+            if r.get("event") == "restore" and r.get("tier") and r.get("step"):
+                ckpts.setdefault(r["tier"], set()).add(int(r["step"]))
+    reached = _reached(recs.get(k.attempt, [])) if k is not None else None
+    resumed = restore.get("step") if restore else None
+    rep = j["report"]
+    final_step = (j.get("progress") or {}).get("step")
+    out: dict[str, Any] = {
+        "job": j["id"], "state": j["state"], "succeeded": j["state"] == "succeeded",
+        "steps": opts.steps, "final_step": final_step,
+        "initial_loss": first.get("loss") if first else None, "final_loss": last.get("loss") if last else None,
+        "restarts": rep["restarts"], "attempts": j["attempt"],
+        "killed": None if k is None else {"rank": k.rank, "pid": k.pid, "attempt": k.attempt, "at_step": k.at_step,
+                                          "ckpt_step": k.ckpt_step, "reached_step": reached},
+        "resumed_from_step": resumed,
+        "restore_tier": restore.get("tier") if restore else None,
+        "restore_s": restore.get("duration_s") if restore else None,
+        "recovery_s": (next_step["time"] - k.time_s) if (next_step and k) else None,
+        "steps_recomputed": (reached - resumed) if (reached is not None and resumed is not None) else None,
+        "lost_steps": rep["lost_steps"], "lost_work_s": rep["lost_work_s"], "ettr": rep["ettr"],
+        "held_s": rep["held_s"], "productive_s": rep["productive_s"],
+        "checkpoints": {t: sorted(s) for t, s in sorted(ckpts.items())},
+        "ckpt_stall_median_s": statistics.median(stalls) if stalls else None,
+        "model": dict(SIZES[opts.size]), "parallel": opts.parallel, "ranks": opts.gpus,
+        "wall_s": round(wall_s, 2),
+        "events": [(f"{e['from'] or 'new'} -> {e['to']}" if e["kind"] == "transition" else e["kind"])
+                   + f": {e['message']}" for e in w.events],
+        "state_dir": str(state_dir) if kept else None,
+    }
+    problems = []
+    if not out["succeeded"]:
+        problems.append(f"the job ended {j['state']}: {j['message']}")
+    if k is None:
+        problems.append("no rank was killed (the job ended before the kill step)")
+    if rep["restarts"] < 1:
+        problems.append("the platform never restarted the job")
+    if not out["resumed_from_step"]:
+        problems.append("the restarted attempt did not restore a checkpoint step > 0 (it started from scratch)")
+    if final_step != opts.steps:
+        problems.append(f"the job reached step {final_step}, not {opts.steps}")
+    out["problems"] = problems
+    out["ok"] = not problems
+    return out
+
+
+def summary_table(s: dict) -> Table:
+    t = Table(title=f"tidal demo: {s['job']} {s['state']}", show_header=False, title_style="bold")
+    t.add_column(style="bold", no_wrap=True)
+    t.add_column()
+    t.add_row("steps", f"{_fmt(s['final_step'])} of {s['steps']} ({s['parallel'].upper()} on {s['ranks']} ranks)")
+    t.add_row("loss", f"{_fmt(s['initial_loss'], '{:.3f}')} at the first step -> {_fmt(s['final_loss'], '{:.3f}')} "
+                      "at the last")
+    k = s["killed"]
+    t.add_row("killed", "nothing" if k is None else f"rank {k['rank']} (pid {k['pid']}, SIGKILL) in attempt "
+                        f"{k['attempt']}, which had reached step {_fmt(k['reached_step'])}")
+    t.add_row("restarts", f"{s['restarts']} ({s['attempts']} attempts)")
+    resumed = "-" if s["resumed_from_step"] is None else f"checkpoint step {s['resumed_from_step']}" + (
+        f" (tier {s['restore_tier']}, read in {s['restore_s']:.2f} s)" if s["restore_tier"] else " (nothing restored)")
+    t.add_row("resumed from", resumed)
+    t.add_row("time to recover", f"{_fmt(s['recovery_s'], '{:.1f} s')} (kill -> first step of the next attempt)")
+    t.add_row("steps recomputed", f"{_fmt(s['steps_recomputed'])} (reached - resumed); the platform's lost-work "
+                                  f"account: {s['lost_steps']} steps, {s['lost_work_s']:.1f} s")
+    t.add_row("ETTR", f"{_fmt(s['ettr'], '{:.2f}')} (productive {s['productive_s']:.1f} s of {s['held_s']:.1f} s "
+                      "holding GPUs)")
+    for tier, steps in s["checkpoints"].items():
+        t.add_row(f"checkpoints ({tier})", f"{len(steps)}: steps {', '.join(map(str, steps))}")
+    t.add_row("checkpoint stall", _fmt(s["ckpt_stall_median_s"] and s["ckpt_stall_median_s"] * 1000,
+                                       "median {:.0f} ms a save"))
+    t.add_row("wall time", f"{s['wall_s']:.0f} s")
+    if s["state_dir"]:
+        t.add_row("state dir", s["state_dir"])
+    verdict = ("[bold green]recovered from a checkpoint and finished[/bold green]" if s["ok"]
+               else "[bold red]FAILED[/bold red]: " + "; ".join(s["problems"]))
+    t.add_row("verdict", verdict)
+    return t
+
+
+# -------------------------------------------------------------------------------------- the command
+def demo(steps: Annotated[int, typer.Option(help="optimizer steps of the job")] = 300,
+         ckpt_every: Annotated[int, typer.Option(help="checkpoint every N steps")] = 25,
+         gpus: Annotated[int, typer.Option(help="CPU slots of the embedded plane; the job runs on all of them")] = 2,
+         parallel: Annotated[str, typer.Option(help="ddp or fsdp (FSDP2), over gloo")] = "ddp",
+         size: Annotated[str, typer.Option(help="model size: small (the demo) or tiny (tests)")] = "small",
+         kill_at: Annotated[float, typer.Option(help="kill a rank once this fraction of the steps is done")] = 0.5,
+         kill_rank: Annotated[int | None, typer.Option(help="which rank to kill (default: the last)")] = None,
+         timeout: Annotated[float, typer.Option(help="give up after this many seconds")] = 600.0,
+         state_dir: Annotated[Path | None, typer.Option(help="use this state dir (kept) instead of a temporary one")] = None,
+         keep: Annotated[bool, typer.Option("--keep", help="keep the temporary state dir and print its path")] = False,
+         json_out: Annotated[bool, typer.Option("--json", help="print the summary as JSON on stdout "
+                                                "(the narration goes to stderr)")] = False) -> None:
+    """The platform end to end: a spot GPT job loses a rank midway and recovers from its checkpoint.
+
+    An embedded control plane (API, reconcile loop, local executor) runs examples/gpt/train.py on CPU
+    slots; one rank is SIGKILLed midway; the platform restarts the job from its newest checkpoint.
+    Exit code 0 only if the job succeeded after resuming from a checkpoint step > 0.
+    """
+    console = Console(stderr=json_out)
+    err = Console(stderr=True)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    opts = DemoOptions(steps=steps, ckpt_every=ckpt_every, gpus=gpus, parallel=parallel, size=size,
+                       kill_at=kill_at, kill_rank=kill_rank, timeout_s=timeout)
+    try:
+        opts.check()
+    except DemoError as e:
+        err.print(f"[red]error:[/red] {e}", highlight=False)
+        raise typer.Exit(2) from None
+
+    def on_term(*_: Any) -> None:
+        raise KeyboardInterrupt
+
+    old_term = signal.signal(signal.SIGTERM, on_term) if _main_thread() else None
+    try:
+        summary = run_demo(opts, console, state_dir=state_dir, keep=keep)
+    except KeyboardInterrupt:
+        err.print("[yellow]interrupted[/yellow]: the control plane and every worker it started were stopped",
+                  highlight=False)
+        raise typer.Exit(130) from None
+    except (DemoError, ApiError) as e:
+        err.print(f"[red]error:[/red] {e}", highlight=False)
+        raise typer.Exit(1) from None
+    finally:
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
+    console.print()
+    console.print(summary_table(summary))
+    if json_out:
+        sys.stdout.write(json.dumps(summary, indent=2) + "\n")
+        sys.stdout.flush()
+    raise typer.Exit(0 if summary["ok"] else 1)
