@@ -181,6 +181,11 @@ def test_progress_fold(tmp_path):
     p = reader.read()
     assert p.step == 14 and p.preempted and p.ckpt_step == 14 and p.durable_ckpt_step == 11
     assert p.heartbeats == 2 and p.heartbeat_s == 6.5  # the oldest rank's newest beat
+    with open(f, "a") as fh:  # one slow save among quick ones does not move the reported stall
+        for i, stall in enumerate([0.1, 0.1, 2.0, 0.12]):
+            fh.write(json.dumps({"event": "checkpoint", "time": 9.0 + i, "step": 15 + i, "stall_s": stall}) + "\n")
+    p = reader.read()
+    assert p.ckpt_stall_s == 0.1  # the median of the last five: 0.1, 0.1, 0.1, 2.0, 0.12
 
 
 INTERVAL = """

@@ -270,3 +270,19 @@ def test_control_file_changes_the_interval_of_a_running_session(tmp_path):
     assert s.ckpt_every_s == 0.01
     assert [(r["ckpt_interval_s"], r["was"]) for r in events(w, "control")] == [(0.01, 3600.0)]
     assert [(c["step"], c["reason"]) for c in events(w, "checkpoint")] == [(3, "seconds")]
+
+
+def test_commits_are_recorded_as_they_happen_not_at_the_next_step(tmp_path):
+    w = MemoryWriter()
+    model, opt, sampler = make_job()
+    with Session(env=Env(), ckpt_url=tmp_path / "c", ckpt_every_steps=2, ckpt_every_s=0, writers=[w]) as s:
+        s.restore(model, opt, sampler)
+        for step in (1, 2):
+            train_step(model, opt, sampler, step - 1)
+            s.step_done(step)
+        deadline = time.monotonic() + 60
+        while not events(w, "committed") and time.monotonic() < deadline:  # no step_done meanwhile
+            time.sleep(0.01)
+        assert [(c["step"], c["tiers"]) for c in events(w, "committed")] == [(2, ["shm", "disk"])]
+        assert s.committed == {"shm": 2, "disk": 2}
+    assert s._watcher is not None and not s._watcher.is_alive()  # stopped with the session

@@ -10,14 +10,17 @@ same value.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 SHM_TIERS = frozenset({"shm"})  # node memory: survives the process, not the node
+STALL_WINDOW = 5  # saves whose median stall is reported
 
 
 @dataclass(frozen=True)
@@ -29,8 +32,8 @@ class Progress:
     ``heartbeat_s``: the oldest of the ranks' newest heartbeats (a hang on any rank stalls all of
     them); ``heartbeats``: how many ranks have written one. ``ckpt_step``/``ckpt_s``: the newest
     step committed in any tier and when it was captured; ``durable_*``: the same for tiers other
-    than node memory; ``tiers``: tier -> [step, capture time]. ``ckpt_stall_s``: the last save's
-    stall. ``preempted``/``ended``: the runtime wrote its last record.
+    than node memory; ``tiers``: tier -> [step, capture time]. ``ckpt_stall_s``: the median stall
+    of the last ``STALL_WINDOW`` saves (one noisy save does not move the interval policy). ``preempted``/``ended``: the runtime wrote its last record.
     """
 
     start_step: int | None = None
@@ -78,6 +81,7 @@ class ProgressReader:
         self._partial = b""
         self._f: dict[str, Any] = {}
         self._captured: dict[int, float] = {}
+        self._stalls: collections.deque[float] = collections.deque(maxlen=STALL_WINDOW)
 
     def read(self) -> Progress:
         self._tail()
@@ -121,7 +125,9 @@ class ProgressReader:
             f["loss"] = r.get("loss")
         elif ev == "checkpoint":
             self._captured[int(r["step"])] = t
-            f["ckpt_stall_s"] = r.get("stall_s")
+            if isinstance(r.get("stall_s"), (int, float)):
+                self._stalls.append(float(r["stall_s"]))
+                f["ckpt_stall_s"] = statistics.median(self._stalls)
         elif ev == "committed":
             step = int(r["step"])
             when = self._captured.get(step, t)

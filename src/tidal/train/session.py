@@ -33,6 +33,7 @@ import logging
 import os
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -170,6 +171,11 @@ class Session:
         self._first_step_reported = False
         self._cp: ckpt.Checkpointer | None = None
         self._pending: list[ckpt.SaveHandle] = []
+        # Saves finish in the engine's threads; a watcher records each commit as it happens (not at
+        # the next step), so the platform's view of the newest checkpoint is current.
+        self._io_lock = threading.RLock()
+        self._watch_stop = threading.Event()
+        self._watcher: threading.Thread | None = None
         self._last: ckpt.SaveHandle | None = None
         self._last_ckpt_mono = time.monotonic()
         self._model: torch.nn.Module | None = None
@@ -355,7 +361,9 @@ class Session:
             self._beat("checkpointing", force=True)
             cp = self._ensure_checkpointer()
             h = cp.save(step, self._state(step), urgent=reason == "notice")
-            self._pending.append(h)
+            with self._io_lock:
+                self._pending.append(h)
+            self._start_watcher()
             self._last = h
             self._write({"event": "checkpoint", "step": step, "reason": reason, "stall_s": h.stall_s})
             self._last_ckpt_mono = time.monotonic()
@@ -384,7 +392,29 @@ class Session:
             return extra
         return ckpt.training_state(self._model, self._optimizer, extra=extra)
 
+    def _start_watcher(self) -> None:
+        if self._watcher is None:
+            self._watcher = threading.Thread(target=self._watch, name="tidal-session-commits", daemon=True)
+            self._watcher.start()
+
+    def _watch(self) -> None:
+        while not self._watch_stop.is_set():
+            with self._io_lock:
+                h = self._pending[0] if self._pending else None
+            if h is None:
+                self._watch_stop.wait(0.05)
+                continue
+            with contextlib.suppress(Exception):  # errors are reported by _poll_saves
+                h.wait(timeout=0.05)
+            if self._watch_stop.is_set():
+                break
+            self._poll_saves()
+
     def _poll_saves(self) -> None:
+        with self._io_lock:
+            self._poll_saves_locked()
+
+    def _poll_saves_locked(self) -> None:
         for h in list(self._pending):
             for tier in list(h.committed):
                 if self.committed.get(tier, -1) < h.step:
@@ -439,6 +469,9 @@ class Session:
             self._teardown()
 
     def _teardown(self) -> None:
+        self._watch_stop.set()
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join(timeout=5.0)
         self._beat("stopped", force=True)
         for w in self._writers:
             with contextlib.suppress(Exception):
@@ -508,11 +541,12 @@ class Session:
             return
         rec = {"event": record["event"], "time": time.time(), "job_id": self.env.job_id, "rank": self.rank,
                **{k: v for k, v in record.items() if k != "event"}}
-        for w in self._writers:
-            try:
-                w.write(rec)
-            except Exception as e:  # reporting must never stop training
-                log.warning("progress writer %r failed: %s", w, e)
+        with self._io_lock:  # the commit watcher writes too
+            for w in self._writers:
+                try:
+                    w.write(rec)
+                except Exception as e:  # reporting must never stop training
+                    log.warning("progress writer %r failed: %s", w, e)
 
     def _beat(self, phase: str, *, force: bool = False) -> None:
         if self._heartbeat is not None:
