@@ -161,8 +161,17 @@ def test_ls_nothing_committed_is_a_clean_error(tmp_path, shm):
     assert r.stderr.strip().count("\n") == 0
     no_traceback(r)
 
-    r = run("inspect", "s3://bucket/x")
-    assert r.exit_code == 1 and "not supported" in r.stderr
+    refused = {"COLUMNS": "200", "AWS_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_ACCESS_KEY_ID": "k",
+               "AWS_SECRET_ACCESS_KEY": "s"}
+    r = runner.invoke(app, ["inspect", "s3://bucket/x"], env=refused)
+    assert r.exit_code == 1 and "no committed checkpoint step at s3://bucket/x" in r.stderr
+    assert "tier 's3' (s3://bucket/x) could not be listed" in r.stderr and "AWS_ENDPOINT_URL" in r.stderr
+    no_traceback(r)
+
+    r = run("inspect", '["shm", "/x", ')
+    assert r.exit_code == 1 and "is not valid JSON" in r.stderr
+    r = run("verify", '["shm", "gs://b/x"]')
+    assert r.exit_code == 1 and "gs://" in r.stderr
     no_traceback(r)
 
 

@@ -112,6 +112,25 @@ def test_node_loss_restores_from_the_buddy_resharded(nodes, tmp_path, shm):
     r = CliRunner().invoke(app, ["ls", f"peer://{job}", "--json"], env={"TIDAL_CKPT_AGENT": b.address})
     assert r.exit_code == 0, r.output
     assert [(s["step"], s["tiers"]) for s in json.loads(r.stdout)["steps"]] == [(2, ["peer"]), (3, ["peer"])]
+    # inspect / verify / export read the peer tier too (Range requests to the buddy's agent).
+    r = CliRunner().invoke(app, ["verify", f"peer://{job}", "--all"], env={"TIDAL_CKPT_AGENT": b.address})
+    assert r.exit_code == 0, r.output
+    assert "OK   step 2 tier peer: 2 piece(s) in 1 file(s)" in r.stdout and "OK   step 3 tier peer" in r.stdout
+    replica = next((b.mem_dir / "replica" / "a" / job / "step_000000000003").glob("*.safetensors"))
+    with open(replica, "r+b") as f:  # flip a byte of the last piece: verify names the object and tensor
+        f.seek(-1, 2)
+        last = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([last[0] ^ 1]))
+    r = CliRunner().invoke(app, ["verify", json.dumps([{"kind": "peer", "agent": b.address, "job": job}]),
+                                 "--json"])
+    doc = json.loads(r.stdout)
+    assert r.exit_code == 1 and [(p["tier"], p["step"], p["file"]) for p in doc["problems"]] == [
+        ("peer", 3, f"peer://{job}/step_000000000003/{replica.name}")]
+    assert "checksum mismatch" in doc["problems"][0]["problem"]
+    with open(replica, "r+b") as f:
+        f.seek(-1, 2)
+        f.write(last)
     # Or from a node that names the dead agent and knows the others (TIDAL_CKPT_PEERS).
     via_peers = ["shm", {"kind": "peer", "agent": a.address, "peers": [c.address, b.address], "job": job}]
     target = {"w": torch.zeros(ROWS, COLS), "b": torch.zeros(COLS, dtype=torch.int64), "step": -1}
@@ -232,6 +251,11 @@ def test_agent_api_ranges_copy_roots_and_commit_check(agent, shm, tmp_path):
     slot.write_bytes(bytes(range(256)) * 4)
     assert call(agent, "POST", f"{p}/r00001-x.safetensors?copy_from={slot}&length=1000")[0] == 200
     assert call(agent, "GET", f"{p}/r00001-x.safetensors")[1] == (bytes(range(256)) * 4)[:1000]
+    # Held (what the peer tier sends): without a buddy the local copy starts at once.
+    assert call(agent, "POST", f"{p}/r00002-x.safetensors?copy_from={slot}&length=24&hold=1")[0] == 202
+    assert json.loads(call(agent, "POST", f"{p}/r00002-x.safetensors?wait=copy")[1])["copied"] is True
+    assert call(agent, "GET", f"{p}/r00002-x.safetensors")[1] == bytes(range(24))
+    assert call(agent, "DELETE", f"{p}/r00002-x.safetensors")[0] == 200
     # A manifest whose data file (of a rank whose sidecar is here) is not whole is refused: 409.
     assert call(agent, "PUT", f"{p}/r00000-x.json?sync=1", b"{}")[0] == 200
     man = {"save_id": "x", "files": [{"name": "r00000-x.safetensors", "rank": 0, "size_bytes": 11}]}
@@ -243,9 +267,67 @@ def test_agent_api_ranges_copy_roots_and_commit_check(agent, shm, tmp_path):
     assert set(idx["steps"]["7"]["files"]) == {"manifest.json", "r00000-x.json", "r00000-x.safetensors",
                                               "r00001-x.safetensors"}
     st = json.loads(call(agent, "GET", "/status")[1])
-    assert st["format"] == "tidal-ckpt-agent" and st["buddy"] is None and st["copied_bytes"] == 1000
+    assert st["format"] == "tidal-ckpt-agent" and st["buddy"] is None and st["copied_bytes"] == 1024
     assert [(r["job"], r["step"], r["from"], r["committed"]) for r in st["steps"]] == [("j", 7, "own", True)]
     assert call(agent, "DELETE", p)[0] == 200 and json.loads(call(agent, "GET", "/v1/jobs/j")[1])["steps"] == {}
+
+
+def test_held_handoff_pushes_first_copies_after_and_commits_on_the_buddy(tmp_path, shm):
+    """hold=1: the agent answers at once, pushes the slot to its buddy, copies it after; the commit
+    needs only the buddy's copy, and the local copy ends before wait=copy answers."""
+    buddy = Agent("127.0.0.1:0", tmp_path / "mem-b").start()
+    ag = Agent("127.0.0.1:0", tmp_path / "mem-a", buddy=buddy.address, allow_copy_from=[str(shm)]).start()
+    try:
+        p = "/v1/jobs/j/step_000000000003"
+        slot = shm / "slot"
+        slot.parent.mkdir(parents=True, exist_ok=True)
+        payload = bytes(range(256)) * 4096
+        slot.write_bytes(payload + b"tail")
+        status, body, _ = call(ag, "POST", f"{p}/r00000-x.safetensors?copy_from={slot}&length={len(payload)}&hold=1")
+        assert status == 202 and json.loads(body) == {"bytes": len(payload), "held": True}
+        assert call(ag, "PUT", f"{p}/r00000-x.json?sync=1", b"{}")[0] == 200  # answered once the buddy has both
+        man = {"save_id": "x", "files": [{"name": "r00000-x.safetensors", "rank": 0, "size_bytes": len(payload)}]}
+        assert call(ag, "PUT", f"{p}/manifest.json?sync=1", json.dumps(man).encode())[0] == 200
+        assert json.loads(call(ag, "POST", f"{p}/r00000-x.safetensors?wait=copy")[1]) == {"copied": True, "error": None}
+        slot.write_bytes(b"x" * len(payload))  # the rank reuses its slot: both copies keep the step's bytes
+        assert call(ag, "GET", f"{p}/r00000-x.safetensors")[1] == payload
+        replica = tmp_path / "mem-b" / "replica" / ag.node / "j" / "step_000000000003"
+        assert (replica / "r00000-x.safetensors").read_bytes() == payload and (replica / "manifest.json").is_file()
+        assert json.loads(call(ag, "GET", "/status")[1])["copied_bytes"] == len(payload)
+        assert call(ag, "POST", f"{p}/nope.safetensors?wait=copy")[0] == 404
+    finally:
+        ag.close()
+        buddy.close()
+
+
+def test_held_handoff_with_a_stalled_buddy_copies_anyway_and_honours_a_removal(tmp_path, shm):
+    """A buddy that takes the connection but never reads: the local copy starts once the push stalls
+    (so the slot is not held for the buddy's sake), and an object removed meanwhile does not reappear."""
+    import socket
+
+    stalled = socket.create_server(("127.0.0.1", 0))  # accepts TCP connections, never answers
+    ag = Agent("127.0.0.1:0", tmp_path / "mem", buddy=f"127.0.0.1:{stalled.getsockname()[1]}",
+               allow_copy_from=[str(shm)]).start()
+    try:
+        ag.stall_s = 0.5
+        slot = shm / "slot"
+        slot.parent.mkdir(parents=True, exist_ok=True)
+        size = 48 << 20  # far more than loopback socket buffers take
+        slot.write_bytes(b"\x01" * size)
+        p = "/v1/jobs/j/step_000000000004"
+        q = f"copy_from={slot}&length={size}&hold=1"
+        assert call(ag, "POST", f"{p}/r00000-x.safetensors?{q}")[0] == 202
+        assert call(ag, "POST", f"{p}/r00001-y.safetensors?{q}")[0] == 202
+        assert call(ag, "DELETE", f"{p}/r00001-y.safetensors")[0] == 200  # e.g. the upload queue dropped it
+        assert json.loads(call(ag, "POST", f"{p}/r00000-x.safetensors?wait=copy")[1])["copied"] is True
+        assert call(ag, "POST", f"{p}/r00001-y.safetensors?wait=copy")[0] == 404
+        files = json.loads(call(ag, "GET", p)[1])["files"]
+        assert files == {"r00000-x.safetensors": size}  # copied here although the push never finished
+        ho = ag.step_handoffs("j", 4)["r00000-x.safetensors"]
+        assert ho.pushed is None and ho.copied == ""
+    finally:
+        stalled.close()  # resets the push; the replicator gives up on it
+        ag.close()
 
 
 def test_cli_agent_serves_status_under_its_own_pid(tmp_path, shm):

@@ -17,8 +17,10 @@ a trivial HTTP receiver (a separate process that writes each PUT body to a file 
      in 16 MiB blocks + fsync;
    * s3: ``Checkpointer(["shm", "s3://…"])`` until committed in S3 vs a plain multipart PUT of the
      bytes with the same obstore client (same part size and concurrency);
-   * peer: ``Checkpointer(["shm", "peer"])`` until the buddy agent holds the step vs one HTTP PUT of
-     the bytes (``http.client``) to the trivial receiver.
+   * peer: ``Checkpointer(["shm", "peer"])`` until the step is committed in the peer tier (the
+     buddy agent holds all of it; the local agent's own copy from the still-held staging slot may
+     end after that, and ends before the next measurement) vs one HTTP PUT of the bytes
+     (``http.client``) to the trivial receiver.
 
 2. **Load** from each tier alone (``shm``; ``disk``; ``s3``; ``peer`` through the buddy agent, as
    after the loss of the node), into tensors of the same shapes and resharded into three uneven

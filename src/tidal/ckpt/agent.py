@@ -17,22 +17,27 @@ HTTP API (JSON answers; ``<job>`` a peer tier's namespace, ``<step>`` ``step_<12
     GET    /v1/jobs/<job>/<step>/<name>             the object; a ``Range: bytes=a-b`` request gets exactly that
     PUT    /v1/jobs/<job>/<step>/<name>[?sync=1]    store; replicate in the background, or (sync) answer only once
                                                     the buddy holds it and every earlier object of the step
-    POST   /v1/jobs/<job>/<step>/<name>?copy_from=PATH&length=N
-                                                    copy N bytes of a local file (a staging slot) in; the push to
-                                                    the buddy streams behind the copy
+    POST   /v1/jobs/<job>/<step>/<name>?copy_from=PATH&length=N[&hold=1]
+                                                    take N bytes of a local file (a staging slot). hold=1: 202 at
+                                                    once; push them to the buddy straight from the file, then copy
+                                                    them here; the caller keeps the file unchanged until wait=copy
+                                                    answers. Without hold: copy, then answer (the push follows)
+    POST   /v1/jobs/<job>/<step>/<name>?wait=copy   answer once a held handoff no longer reads its file
     DELETE /v1/jobs/<job>/<step>[/<name>]           remove from every tree here, and at the buddy
     GET    /v1/replicas/<origin>                    what this agent holds for agent <origin> (agent to agent)
     PUT|DELETE /v1/replicas/<origin>/<job>/<step>[/<name>]
 
 A ``manifest.json`` PUT (the commit) is refused with 409 when a data file of a rank whose sidecar
-this agent holds is missing or of the wrong size, and with 503 when the buddy cannot take it (the
-checkpointer's upload queue retries). ``copy_from`` must lie under an allowed root
+this agent holds is missing or of the wrong size (a held handoff counts once the buddy holds it
+whole: its local copy follows from the slot the rank still holds), and with 503 when the buddy
+cannot take it or a data file is neither at the buddy nor copied here yet (the checkpointer's
+upload queue retries). ``copy_from`` must lie under an allowed root
 (``--allow-copy-from``; default ``$TIDAL_SHM_DIR/tidal`` or ``/dev/shm/tidal``, where staging
 slots live), else 403 and the client sends the bytes instead.
 
-Threads: one per connection (``ThreadingHTTPServer``) and one replicator thread that does every
-push to the buddy in order, and every ``resync_s`` when idle compares the buddy's copy with this
-node's committed steps. Standard library only: an agent starts in a fraction of a second.
+Threads: one per connection (``ThreadingHTTPServer``), one per held handoff while it copies, and
+one replicator thread that does every push to the buddy in order, and every ``resync_s`` when
+idle compares the buddy's copy with this node's committed steps. Standard library only: an agent starts in a fraction of a second.
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from tidal.ckpt.agent_replicator import Growing, HTTPError, Replicator
+from tidal.ckpt.agent_replicator import Growing, Handoff, HTTPError, Replicator
 from tidal.ckpt.agent_store import MANIFEST, Store, check_name, parse_step, step_dirname
 from tidal.ckpt.peer import parse_address
 from tidal.ckpt.tiers import sidecar_name
@@ -59,6 +64,7 @@ from tidal.ckpt.tiers import sidecar_name
 log = logging.getLogger("tidal.ckpt.agent")
 FORMAT = "tidal-ckpt-agent"
 CHUNK = 16 << 20  # copy granularity, bytes: a push to the buddy follows the copy this far behind
+HANDOFF_KEEP_S = 600.0  # how long a held handoff's record is kept after its copy ended (commit checks use it)
 
 
 def _copy(src: int, dst: int, offset: int, n: int) -> int:
@@ -204,7 +210,11 @@ class Agent:
         self.started_unix_s = time.time()
         self.copied_bytes = 0  # handed off by copying a staging slot (no bytes through HTTP)
         self.received_bytes = 0  # received in request bodies (from this node's ranks or other agents)
-        self.replicator = Replicator(self.store, self.node, self.buddy, resync_s=resync_s)
+        self.stall_s = 1.0  # a held handoff's local copy waits at most this long for a push that makes no progress
+        self._handoffs: dict[tuple[str, int, str], Handoff] = {}  # held handoffs, kept a while after they end
+        self._hlock = threading.Lock()
+        self.replicator = Replicator(self.store, self.node, self.buddy, resync_s=resync_s,
+                                     handoffs=self.step_handoffs)
         self._thread: threading.Thread | None = None
         log.info("agent %s on %s: memory dir %s (%d steps found), buddy %s", self.node, self.address,
                  self.store.root, found, self.buddy or "none")
@@ -264,7 +274,9 @@ class Agent:
                     raise HTTPError(404, f"{job}/{step_dirname(step)}: not held here")
                 return h.send_json(200, info)
             if method == "DELETE":
-                removed = self.store.remove_step(job, step)
+                with self._hlock:
+                    self._cancel(job, step, None)
+                    removed = self.store.remove_step(job, step)
                 self.replicator.forget(job, step, None)
                 return h.send_json(200, {"removed": removed})
         elif method in ("GET", "HEAD"):
@@ -276,8 +288,12 @@ class Agent:
             return self._put(h, job, step, name, sync=query.get("sync") == "1")
         elif method == "POST" and "copy_from" in query:
             return self._copy_in(h, job, step, name, query)
+        elif method == "POST" and query.get("wait") == "copy":
+            return self._wait_copy(h, job, step, name)
         elif method == "DELETE":
-            removed = self.store.remove_file(job, step, name)
+            with self._hlock:
+                self._cancel(job, step, name)
+                removed = self.store.remove_file(job, step, name)
             self.replicator.forget(job, step, name)
             return h.send_json(200, {"removed": removed})
         raise HTTPError(405, f"{method} not allowed on {h.path}")
@@ -322,12 +338,31 @@ class Agent:
         except (ValueError, KeyError, TypeError) as e:
             raise HTTPError(400, f"manifest of step {step} is not valid JSON with 'files' and 'save_id': {e}") from None
         held = self.store.step_files(None, job, step)
+        handoffs = self.step_handoffs(job, step)
         for f in files:
-            if sidecar_name(int(f["rank"]), save_id) in held and held.get(f["name"]) != f.get("size_bytes"):
-                raise HTTPError(409, f"step {step}: data file {f['name']} of rank {f['rank']} is "
-                                     f"{held.get(f['name'], 'missing')} bytes here, manifest says {f.get('size_bytes')}")
+            name, size = f["name"], f.get("size_bytes")
+            if sidecar_name(int(f["rank"]), save_id) not in held or held.get(name) == size:
+                continue
+            ho = handoffs.get(name)
+            if ho is not None and ho.size == size and ho.copied is None:
+                if ho.pushed == "":
+                    continue  # whole at the buddy; the local copy from the (still held) slot follows
+                # No buddy, or the push failed: the local copy is what the commit needs (the replicator
+                # then pushes it from there, or answers 503 while the buddy is unreachable).
+                if ho.wait_copied(self.sync_timeout_s) and self.store.step_files(None, job, step).get(name) == size:
+                    continue
+                if ho.copied is None:
+                    raise HTTPError(503, f"step {step}: data file {name} of rank {f['rank']} is still being copied "
+                                         f"in and not at the buddy ({ho.pushed or 'pushing'}); try again")
+            why = f"its copy from the staging slot failed: {ho.copied}" if ho is not None and ho.copied else (
+                f"{held.get(name, 'missing')} bytes here")
+            raise HTTPError(409, f"step {step}: data file {name} of rank {f['rank']} is {why}, manifest says {size}")
 
     def _copy_in(self, h: _Handler, job: str, step: int, name: str, query: dict[str, str]) -> None:
+        """``copy_from``: take a rank's data file from its staging slot. With ``hold=1`` (what the peer
+        tier sends) answer 202 at once, push the slot to the buddy first and copy it here after
+        (``_copy_held``); the rank keeps the slot unchanged until ``wait=copy`` answers. Without it,
+        copy first and answer when copied (the push streams behind the copy)."""
         src, length = query["copy_from"], int(query.get("length", "-1"))
         real = os.path.realpath(src)
         if not any(real == r or real.startswith(r + os.sep) for r in self.copy_roots):
@@ -339,28 +374,91 @@ class Agent:
             self._room(length)
             tmp, final = self.store.temp_path(None, job, step, name)
             dfd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            growing = Growing(length)
-            self.replicator.push_later(job, step, name, os.open(tmp, os.O_RDONLY), length, growing)
-            try:
-                done = 0
-                while done < length:
-                    n = _copy(sfd, dfd, done, min(CHUNK, length - done))
-                    if n <= 0:
-                        raise HTTPError(400, f"copy_from {src!r} ended after {done} of {length} bytes")
-                    done += n
-                    growing.advance(n)
-                os.replace(tmp, final)
-                self.copied_bytes += length
-            except BaseException as e:
-                growing.fail(str(e))
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(tmp)
-                raise
-            finally:
-                os.close(dfd)
+        except BaseException:
+            os.close(sfd)
+            raise
+        if query.get("hold") == "1":
+            ho = Handoff(length)
+            with self._hlock:
+                now = time.monotonic()
+                for k in [k for k, v in self._handoffs.items() if v.finished_at is not None
+                          and now - v.finished_at > HANDOFF_KEEP_S]:
+                    del self._handoffs[k]
+                self._handoffs[(job, step, name)] = ho
+            self.replicator.push_later(job, step, name, os.dup(sfd), length, handoff=ho)
+            threading.Thread(target=self._copy_held, args=(ho, src, sfd, dfd, tmp, final), daemon=True,
+                             name=f"tidal-agent-copy-{step}").start()
+            return h.send_json(202, {"bytes": length, "held": True})
+        growing = Growing(length)
+        self.replicator.push_later(job, step, name, os.open(tmp, os.O_RDONLY), length, growing)
+        try:
+            self._copy_all(src, sfd, dfd, length, growing)
+            os.replace(tmp, final)
+            self.copied_bytes += length
+        except BaseException as e:
+            growing.fail(str(e))
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
         finally:
+            os.close(dfd)
             os.close(sfd)
         h.send_json(200, {"bytes": length})
+
+    @staticmethod
+    def _copy_all(src: str, sfd: int, dfd: int, length: int, growing: Growing | None = None) -> None:
+        done = 0
+        while done < length:
+            n = _copy(sfd, dfd, done, min(CHUNK, length - done))
+            if n <= 0:
+                raise HTTPError(400, f"copy_from {src!r} ended after {done} of {length} bytes")
+            done += n
+            if growing is not None:
+                growing.advance(n)
+
+    def _copy_held(self, ho: Handoff, src: str, sfd: int, dfd: int, tmp: Path, final: Path) -> None:
+        """The local copy of a held handoff, after its push (thread): made visible unless removed meanwhile."""
+        try:
+            ho.wait_push(self.stall_s)
+            self._copy_all(src, sfd, dfd, ho.size)
+            with self._hlock:
+                if ho.cancelled:
+                    os.unlink(tmp)
+                else:
+                    os.replace(tmp, final)
+                    self.copied_bytes += ho.size
+            ho.copy_done(None)
+        except BaseException as e:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            if not ho.cancelled:
+                log.warning("copying %s from %s failed: %s", final, src, e)
+            ho.copy_done(f"{type(e).__name__}: {e}")
+        finally:
+            os.close(dfd)
+            os.close(sfd)
+
+    def _wait_copy(self, h: _Handler, job: str, step: int, name: str) -> None:
+        """Answer once this agent no longer reads the staging slot of a held handoff."""
+        with self._hlock:
+            ho = self._handoffs.get((job, step, name))
+        if ho is None:
+            if self.store.locate(job, step, name) is None:
+                raise HTTPError(404, f"{job}/{step_dirname(step)}/{name}: no handoff of it here")
+            return h.send_json(200, {"copied": True, "error": None})
+        if not ho.wait_copied(self.sync_timeout_s):
+            raise HTTPError(503, f"{job}/{step_dirname(step)}/{name}: still copying after {self.sync_timeout_s:.0f} s")
+        return h.send_json(200, {"copied": ho.copied == "" and not ho.cancelled, "error": ho.copied or None})
+
+    def step_handoffs(self, job: str, step: int) -> dict[str, Handoff]:
+        """Held handoffs of one step (in flight or ended recently), by data file name."""
+        with self._hlock:
+            return {n: ho for (j, s, n), ho in self._handoffs.items() if j == job and s == step and not ho.cancelled}
+
+    def _cancel(self, job: str, step: int, name: str | None) -> None:
+        """Under ``_hlock``: held handoffs of a removed step or object must not reappear when copied."""
+        for key in [k for k in self._handoffs if k[0] == job and k[1] == step and name in (None, k[2])]:
+            self._handoffs.pop(key).cancelled = True
 
     def _replica(self, h: _Handler, method: str, parts: list[str], query: dict[str, str]) -> None:
         origin = check_name(parts[0], "origin")

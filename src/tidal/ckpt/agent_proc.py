@@ -13,6 +13,7 @@ touching anything else; ``stop`` is safe to call twice and after ``kill``.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -68,8 +69,10 @@ class AgentProcess:
         client = AgentClient(self.address, timeout_s=2.0, connect_timeout_s=0.5)
         deadline = time.monotonic() + timeout_s
         while True:
-            with contextlib.suppress(OSError):
-                if client.request("GET", "/status")[0] == 200:
+            with contextlib.suppress(OSError, ValueError):
+                status, body = client.request("GET", "/status")
+                # Ours, not another process that took the port first (then ours exits: port in use).
+                if status == 200 and json.loads(body).get("pid") == self.proc.pid:
                     client.drop()
                     return self
             if self.proc.poll() is not None:

@@ -2,8 +2,10 @@
 
 One thread does every push, in the order objects arrived, so a *sync* request (a sidecar or the
 manifest: the caller waits) is answered only after every earlier object of the step reached the
-buddy. A data file being copied in from a staging slot is pushed *while* it is copied
-(``Growing``: the push sends what has been copied and waits for more). While idle, every
+buddy. A data file handed off from a staging slot (``Handoff``) is pushed straight from the slot,
+before the agent makes its own copy: the commit waits for the buddy, not for the local copy. A
+data file being copied in the older way (copy first) is pushed *while* it is copied (``Growing``:
+the push sends what has been copied and waits for more). While idle, every
 ``resync_s`` it reads the buddy's index of this node's replicas and pushes committed steps the
 buddy lacks (it was down, or restarted empty), manifest last. It never deletes at the buddy on
 its own: removals come only from the job (retention), so an agent restarted on an empty memory
@@ -21,6 +23,7 @@ import threading
 import time
 import urllib.parse
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +31,7 @@ from tidal.ckpt.agent_store import MANIFEST, Store, step_dirname
 from tidal.ckpt.peer import AgentClient
 
 log = logging.getLogger("tidal.ckpt.agent")
+PUSH_CHUNK = 64 << 20  # bytes per sendfile call: how often a push reports progress
 
 
 class HTTPError(Exception):
@@ -66,6 +70,58 @@ class Growing:
 
 
 @dataclass(eq=False)
+class Handoff:
+    """A data file the agent reads from a rank's staging slot: pushed to the buddy first (straight
+    from the slot), then copied into the memory directory. The rank keeps the slot unchanged until
+    ``copied`` is set (it asks with ``wait=copy``), so both reads see the same bytes.
+
+    ``pushed``/``copied``: None while running, then "" on success or why it failed. The local copy
+    starts when the push ends, or once the push has made no progress for ``stall_s`` (a slow buddy
+    must not hold the slot longer than the copy itself takes). Thread-safe.
+    """
+
+    size: int
+    sent: int = 0
+    pushed: str | None = None
+    copied: str | None = None
+    cancelled: bool = False  # removed (retention, discard) while in flight: do not make it visible
+    finished_at: float | None = None  # monotonic time the copy ended
+    cond: threading.Condition = field(default_factory=threading.Condition)
+
+    def progress(self, sent: int) -> None:
+        with self.cond:
+            self.sent = sent
+            self.cond.notify_all()
+
+    def push_done(self, error: str | None) -> None:
+        with self.cond:
+            self.pushed = error or ""
+            self.cond.notify_all()
+
+    def copy_done(self, error: str | None) -> None:
+        with self.cond:
+            self.copied = error or ""
+            self.finished_at = time.monotonic()
+            self.cond.notify_all()
+
+    def wait_push(self, stall_s: float) -> None:
+        """Block until the push ended or made no progress for ``stall_s`` seconds."""
+        with self.cond:
+            last, since = self.sent, time.monotonic()
+            while self.pushed is None:
+                self.cond.wait(stall_s / 4)
+                now = time.monotonic()
+                if self.sent != last:
+                    last, since = self.sent, now
+                elif now - since >= stall_s:
+                    return
+
+    def wait_copied(self, timeout_s: float) -> bool:
+        with self.cond:
+            return self.cond.wait_for(lambda: self.copied is not None, timeout_s)
+
+
+@dataclass(eq=False)
 class _Item:
     kind: str  # "push" (background), "sync" (a caller waits), "delete"
     job: str
@@ -74,6 +130,7 @@ class _Item:
     fd: int | None = None
     size: int = 0
     growing: Growing | None = None
+    handoff: Handoff | None = None
     done: threading.Event | None = None
     error: str | None = None
 
@@ -82,8 +139,9 @@ class Replicator:
     """Pushes this node's objects to the buddy agent, in order, from one thread."""
 
     def __init__(self, store: Store, node: str, buddy: str | None, *, resync_s: float = 2.0,
-                 timeout_s: float = 120.0) -> None:
+                 timeout_s: float = 120.0, handoffs: Callable[[str, int], dict[str, Handoff]] | None = None) -> None:
         self.store, self.node = store, node
+        self._handoffs = handoffs  # (job, step) -> data files of the step being handed off (name -> Handoff)
         self.client = AgentClient(buddy, timeout_s=timeout_s) if buddy else None
         self.resync_s = resync_s
         self._cond = threading.Condition()
@@ -100,12 +158,15 @@ class Replicator:
             self._thread.start()
 
     # -- called by request threads -----------------------------------------------------------------
-    def push_later(self, job: str, step: int, name: str, fd: int, size: int, growing: Growing | None = None) -> None:
-        """Push an object in the background (``fd`` is closed afterwards)."""
+    def push_later(self, job: str, step: int, name: str, fd: int, size: int, growing: Growing | None = None,
+                   handoff: Handoff | None = None) -> None:
+        """Push an object in the background (``fd`` is closed afterwards); ``handoff`` hears how it went."""
         if self.client is None:
             os.close(fd)
+            if handoff is not None:
+                handoff.push_done("no buddy")
             return
-        self._put(_Item("push", job, step, name, fd, size, growing))
+        self._put(_Item("push", job, step, name, fd, size, growing, handoff))
 
     def sync(self, job: str, step: int, name: str, path: Path, timeout_s: float) -> None:
         """Return once the buddy holds every visible object of the step and then ``path`` as ``name``."""
@@ -170,6 +231,8 @@ class Replicator:
             it.error = "the agent is stopping"
             if it.fd is not None:
                 os.close(it.fd)
+            if it.handoff is not None:
+                it.handoff.push_done(it.error)
             if it.done is not None:
                 it.done.set()
 
@@ -190,7 +253,7 @@ class Replicator:
     def _process(self, it: _Item) -> None:
         try:
             if it.kind == "push":
-                it.error = self._guard(self._push, it.job, it.step, it.name, it.fd, it.size, it.growing)
+                it.error = self._guard(self._push, it.job, it.step, it.name, it.fd, it.size, it.growing, it.handoff)
             elif it.kind == "sync":
                 it.error = self._guard(self._sync, it)
             else:
@@ -198,11 +261,23 @@ class Replicator:
         finally:
             if it.fd is not None:
                 os.close(it.fd)
+            if it.handoff is not None:
+                it.handoff.push_done(it.error)
             if it.done is not None:
                 it.done.set()
 
     def _sync(self, it: _Item) -> None:
         self._ensure_step(it.job, it.step)
+        if it.name == MANIFEST and self._handoffs is not None:
+            # A data file handed off from a slot reaches the buddy by its own push (earlier in this
+            # queue, so finished by now) or, when that failed, from the local copy once it is made.
+            for name, h in self._handoffs(it.job, it.step).items():
+                if self._remote_index().get(it.job, {}).get(it.step, {}).get(name) == h.size:
+                    continue
+                if self.store.step_files(None, it.job, it.step).get(name) != h.size:
+                    raise OSError(f"data file {name} is not at the buddy (push: {h.pushed or 'running'}) and "
+                                  "still being copied in here")
+                self._ensure_step(it.job, it.step)  # the local copy is whole now: push it from there
         self._push(it.job, it.step, it.name, it.fd, it.size, None)  # type: ignore[arg-type]
 
     def _remote_index(self) -> dict[str, dict[int, dict[str, int]]]:
@@ -243,7 +318,8 @@ class Replicator:
         p = f"/v1/replicas/{q(self.node, safe='')}/{q(job, safe='')}/{step_dirname(step)}"
         return p + (f"/{q(name, safe='')}" if name else "")
 
-    def _push(self, job: str, step: int, name: str, fd: int, size: int, growing: Growing | None) -> None:
+    def _push(self, job: str, step: int, name: str, fd: int, size: int, growing: Growing | None,
+              handoff: Handoff | None = None) -> None:
         assert self.client is not None
         self.pushing = f"{job}/{step_dirname(step)}/{name}"
         try:
@@ -257,7 +333,9 @@ class Replicator:
                         sent = 0
                         while sent < size:
                             upto = size if growing is None else growing.available(sent)
-                            sent += conn.sock.sendfile(f, sent, upto - sent)
+                            sent += conn.sock.sendfile(f, sent, min(upto - sent, PUSH_CHUNK))
+                            if handoff is not None:
+                                handoff.progress(sent)
                     resp = conn.getresponse()
                     body = resp.read()
                 except OSError:

@@ -427,8 +427,10 @@ class Checkpointer:
                         job.handle._part_done(q.tier.name, SaveError("not queued: persisting failed before"))
             finally:
                 job.handle._staged.set()
-                job.slot.free.set()
                 job.handle._part_done(None, error)
+                for q in job.remote:  # a peer agent may still copy the slot (after its push to the buddy)
+                    getattr(q.tier, "wait_handoff", lambda *a: None)(job.step, data_name(self.rank, job.save_id))
+                job.slot.free.set()
             # Housekeeping after the handle's fast part is done, so wait() does not pay for it; the
             # step stays registered in flight until then so cleanup never races a re-save of it.
             for fn in cleanups:

@@ -6,8 +6,12 @@
     tidal ckpt export URL OUT.safetensors [--step N]    one consolidated safetensors file
     tidal ckpt agent --listen HOST:PORT --mem-dir DIR [--buddy HOST:PORT]   this node's checkpoint agent
 
-``ls`` takes a directory, ``s3://bucket/prefix`` or ``peer://NAME``; for a directory it also lists the job's other
-tiers recorded in this node's status file (see ``status``). The other commands read directories.
+URL is a location - a directory, ``s3://bucket/prefix`` (credentials and endpoint from the standard
+``AWS_*`` variables, as for the S3 tier) or ``peer://NAME`` (agents from ``TIDAL_CKPT_AGENT`` /
+``TIDAL_CKPT_PEERS``) - with this node's shm tier in front when it has one, or a tier list as JSON in
+the syntax ``Checkpointer(tiers=...)`` takes, e.g. ``'["shm", "/ckpt/run1", "s3://bucket/run1"]'``.
+Every command reads through the tier objects (ranged reads from S3 and the agents). For a directory,
+``ls`` also lists the job's other tiers recorded in this node's status file (see ``status``).
 Every command prints Rich tables for people and, with ``--json``, one JSON document on stdout for
 programs. A missing directory, an unknown step or a damaged manifest prints one line on stderr and
 exits 1; ``verify`` exits 1 when it finds any problem. Nothing here unpickles: manifests are JSON
@@ -34,8 +38,8 @@ from rich.text import Text
 
 from tidal.ckpt import manifest as mf
 from tidal.ckpt.api import LoadStats, load, read_manifest
-from tidal.ckpt.config import build, kind_of, normalize, resolve
-from tidal.ckpt.errors import CheckpointError, ManifestError, NotFoundError
+from tidal.ckpt.config import build, describe, kind_of, normalize, read_tiers, resolve
+from tidal.ckpt.errors import CheckpointError, ManifestError, NotFoundError, TierSpecError
 from tidal.ckpt.flatten import ST_TO_DTYPE, path_name
 from tidal.ckpt.status import CheckpointStatus, read_status
 from tidal.ckpt.tiers import DirTier, is_peer_url, is_s3_url, local_path, shm_root_for, tiers_for
@@ -48,9 +52,10 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-UrlArg = Annotated[str, typer.Argument(help="Checkpoint directory (a path or file:// URL).", show_default=False)]
-LsUrlArg = Annotated[str, typer.Argument(help="Checkpoint location: a directory (path or file:// URL) or "
-                                              "s3://bucket/prefix.", show_default=False)]
+_URL_HELP = ("Checkpoint location: a directory (path or file:// URL), s3://bucket/prefix or peer://NAME; or a tier "
+             "list as JSON, e.g. '[\"shm\", \"/ckpt/run1\", \"s3://bucket/run1\"]'.")
+UrlArg = Annotated[str, typer.Argument(help=_URL_HELP, show_default=False)]
+LsUrlArg = UrlArg
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout instead of tables.")]
 StepOpt = Annotated[
     int | None, typer.Option("--step", min=0, help="Step to use (default: the newest committed step).")
@@ -129,9 +134,32 @@ def _tiers(url: str) -> list[DirTier]:
     return tiers
 
 
-def _held(tiers: list, errors: list[str] | None = None) -> dict[int, list]:
+def _tier_list(url: str) -> list | None:
+    """The tier list ``url`` spells as JSON, or None when it is a location."""
+    if not url.lstrip().startswith("["):
+        return None
+    try:
+        specs = json.loads(url)
+    except ValueError as e:
+        raise TierSpecError(f"tier list {url!r} is not valid JSON ({e}); expected e.g. "
+                            '\'["shm", "/ckpt/run1", "s3://bucket/run1"]\'') from None
+    return specs
+
+
+def _source(url: str) -> tuple[str | list, list, str]:
+    """(what ``load`` takes, the tiers to read, fastest first, a name for messages) for a URL argument."""
+    specs = _tier_list(url)
+    if specs is not None:
+        return specs, read_tiers(specs), describe(specs)
+    if is_s3_url(url) or is_peer_url(url):
+        return url, tiers_for(url), url.rstrip("/")
+    return url, _tiers(url), str(local_path(url))
+
+
+def _held(tiers: list, errors: list[str] | None = None,
+          failed: list[tuple[Any, str]] | None = None) -> dict[int, list]:
     """Committed step -> the tiers holding it, fastest first. With ``errors``, a tier that cannot be
-    listed is skipped and reported there instead of raising."""
+    listed is skipped and reported there (and as (tier, why) in ``failed``) instead of raising."""
     out: dict[int, list] = {}
     for t in tiers:
         try:
@@ -140,6 +168,8 @@ def _held(tiers: list, errors: list[str] | None = None) -> dict[int, list]:
             if errors is None:
                 raise
             errors.append(f"tier '{t.name}' ({t.location}) could not be listed: {e}")
+            if failed is not None:
+                failed.append((t, str(e)))
             continue
         for s in steps:
             out.setdefault(s, []).append(t)
@@ -149,9 +179,14 @@ def _held(tiers: list, errors: list[str] | None = None) -> dict[int, list]:
 def _ls_tiers(url: str, extra: list[str]) -> tuple[list, CheckpointStatus | None]:
     """The location's tiers, plus ``extra`` tier specs - by default the job's other durable tiers
     as recorded in this node's status file for it (so an S3 tier shows up without naming it)."""
+    specs_given = _tier_list(url)
     s3 = is_s3_url(url) or is_peer_url(url)  # (not a directory)
-    tiers = tiers_for(url) if s3 else _tiers(url)
-    home = url.rstrip("/") if s3 else str(local_path(url))
+    if specs_given is not None:
+        home = resolve(specs_given, default_keep=0)[0]
+        tiers = read_tiers(specs_given)
+    else:
+        tiers = tiers_for(url) if s3 else _tiers(url)
+        home = url.rstrip("/") if s3 else str(local_path(url))
     status = None
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
         status = read_status(shm_root_for(url) / "status.json")
@@ -173,15 +208,20 @@ def normalize_location(spec: str) -> str:
         return spec
 
 
-def _pick(url: str, held: dict[int, list[DirTier]], step: int | None) -> int:
+def _pick(where: str, held: dict[int, list], step: int | None, notes: list[str] | None = None) -> int:
     if not held:
-        raise NotFoundError(f"no committed checkpoint step at {local_path(url)}")
+        raise NotFoundError(f"no committed checkpoint step at {where}" + (f" ({'; '.join(notes)})" if notes else ""))
     if step is None:
         return max(held)
     if step not in held:
-        raise NotFoundError(f"step {step} is not committed at {local_path(url)}; "
-                            f"committed steps: {sorted(held)[-10:]}")
+        raise NotFoundError(f"step {step} is not committed at {where}; committed steps: {sorted(held)[-10:]}")
     return step
+
+
+def _note(lines: list[str]) -> None:
+    con = _console(stderr=True)
+    for ln in lines:
+        con.print(Text(f"note: {ln}", style="yellow"), soft_wrap=True)
 
 
 def _manifests(tiers: list[DirTier], step: int) -> tuple[tuple[DirTier, mf.Manifest] | None, list[str]]:
@@ -214,7 +254,7 @@ def ls_cmd(url: LsUrlArg, tier: TierOpt = None, as_json: JsonOpt = False) -> Non
     with _errors():
         tiers, status = _ls_tiers(url, tier or [])
         held = _held(tiers, errors)
-        where = url if is_s3_url(url) or is_peer_url(url) else str(local_path(url))
+        where = describe(_tier_list(url) or url)
         if not held:
             raise NotFoundError(f"no committed checkpoint step at {where}" + (f" ({'; '.join(errors)})"
                                                                               if errors else ""))
@@ -295,17 +335,20 @@ def inspect_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """Show a step's entries (name, dtype, global shape, pieces, bytes, saved layout) and plain values."""
+    notes: list[str] = []
     with _errors():
-        held = _held(_tiers(url))
-        s = _pick(url, held, step)
+        _, tiers, where = _source(url)
+        held = _held(tiers, notes)
+        s = _pick(where, held, step, notes)
         good, errors = _manifests(held[s], s)
         if good is None:
             raise ManifestError("; ".join(errors))
+    _note(notes)
     tier, man = good
     tensors = sorted(man.tensors.values(), key=lambda t: t.name)
     if as_json:
         doc = {
-            "step": man.step, "tier": tier.name, "dir": str(tier.step_dir(s)), "save_id": man.save_id,
+            "step": man.step, "tier": tier.name, "dir": tier.where(s), "save_id": man.save_id,
             "created_unix_s": man.created_unix_s, "created": _iso(man.created_unix_s),
             "world_size": man.world_size, "layout": man.layout_summary(), "bytes": man.total_bytes,
             "files": man.files,
@@ -322,7 +365,7 @@ def inspect_cmd(
     else:
         con = _console()
         con.print(Text(
-            f"step {man.step} — tier {tier.name} ({tier.step_dir(s)}), save {man.save_id}, "
+            f"step {man.step} — tier {tier.name} ({tier.where(s)}), save {man.save_id}, "
             f"created {_when(man.created_unix_s)}\n{man.layout_summary()}; {len(tensors)} tensors, "
             f"{_human(man.total_bytes)} in {len(man.files)} file(s), {len(man.objects)} plain value(s)"
         ), soft_wrap=True)
@@ -367,23 +410,33 @@ def verify_cmd(
     url: UrlArg,
     step: StepOpt = None,
     all_steps: Annotated[bool, typer.Option("--all", help="Verify every committed step.")] = False,
-    tier: Annotated[str | None, typer.Option("--tier", help="Only this tier ('shm' or 'disk').")] = None,
+    tier: Annotated[str | None, typer.Option("--tier", help="Only the tier of this name ('shm', 'disk', 's3', "
+                                             "'peer', or a name given in a tier list).")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Re-read every piece from every tier holding the step; check CRC-32s, file sizes, safetensors headers."""
     if step is not None and all_steps:
         _fail("--step and --all cannot be used together")
     with _errors():
-        held = _held(_tiers(url))
-        steps = list(held) if all_steps and held else [_pick(url, held, step)]
+        _, tiers, where = _source(url)
+        if tier is not None and tier not in {t.name for t in tiers}:
+            raise NotFoundError(f"no tier named '{tier}' at {where}; its tiers: {[t.name for t in tiers]}")
+        unreachable: list[str] = []
+        failed: list[tuple[Any, str]] = []
+        held = _held(tiers, unreachable, failed)
+        steps = list(held) if all_steps and held else [_pick(where, held, step, unreachable)]
         results: list[Checked] = []
-        problems: list[Problem] = []
+        problems: list[Problem] = [Problem(t.name, steps[-1], t.location, None, f"tier could not be listed: {e}")
+                                   for t, e in failed if tier is None or t.name == tier]
         for s in steps:
             holding = [t for t in held[s] if tier is None or t.name == tier]
             if tier is not None and not holding:
-                raise NotFoundError(f"step {s} is not committed in tier '{tier}' at {local_path(url)}")
+                raise NotFoundError(f"step {s} is not committed in tier '{tier}' at {where}")
             for t in holding:
-                c, ps = _verify_tier(t, s)
+                try:
+                    c, ps = _verify_tier(t, s)
+                except OSError as e:  # unreachable meanwhile
+                    c, ps = Checked(t.name, s, ok=False), [Problem(t.name, s, t.where(s), None, f"unreadable: {e}")]
                 results.append(c)
                 problems += ps
     if as_json:
@@ -448,9 +501,12 @@ def export_cmd(
     from safetensors.torch import save_file
 
     with _errors():
-        held = _held(_tiers(url))
-        s = _pick(url, held, step)
-        tier, man = read_manifest(url, s)  # the same copy load() reads
+        source, tiers, where = _source(url)
+        notes: list[str] = []
+        held = _held(tiers, notes)
+        s = _pick(where, held, step, notes)
+        _note(notes)
+        tier, man = read_manifest(source, s)  # the same copy load() reads
         _check_step(tier, man, s)
         state: dict = {}
         for t in man.tensors.values():
@@ -458,7 +514,7 @@ def export_cmd(
         for p, v in man.objects:
             _put(state, tuple(p), v)
         stats = LoadStats()
-        load(url, state, step=s, strict=True, verify=True, stats=stats)
+        load(source, state, step=s, strict=True, verify=True, stats=stats)
         tensors = {name: _get(state, tuple(t.path)) for name, t in sorted(man.tensors.items())}
         objects = [{"path": list(p), "value": _get(state, tuple(p))} for p, _ in man.objects]
         metadata = {
@@ -486,7 +542,7 @@ def export_cmd(
                     "bytes_by_tier": stats.bytes_by_tier, "fallbacks": stats.fallbacks})
     else:
         con = _console()
-        con.print(Text(f"exported step {s} of {local_path(url)} ({man.layout_summary()}) to {out}: "
+        con.print(Text(f"exported step {s} of {where} ({man.layout_summary()}) to {out}: "
                        f"{len(tensors)} tensor(s), {_human(nbytes)}; {len(objects)} plain value(s) in metadata "
                        f"'tidal.objects'; file {_human(size)}"), soft_wrap=True)
         for fb in stats.fallbacks:

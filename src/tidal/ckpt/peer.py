@@ -6,12 +6,14 @@ node to its *buddy* agent on another node. ``PeerTier`` is the ``protocol.Tier``
 to them:
 
 * writes go to the node's own agent (``agent``; default ``TIDAL_CKPT_AGENT``). A data file is
-  *handed off* (``handoff``): the agent copies it from the staging slot in ``/dev/shm`` itself
-  (no bytes through this process), or receives it over HTTP when it cannot read the slot. Small
-  objects (sidecars, the manifest) are written *in sync*: the agent answers only once its buddy
-  holds the object and every earlier object of that step. So the manifest - written last, as in
-  every tier - is committed only when the whole step is in two nodes' memory, and losing one node
-  loses no committed step.
+  *handed off* (``handoff``): the agent reads it from the staging slot in ``/dev/shm`` itself (no
+  bytes through this process) - it pushes the slot to its buddy first and copies it into its own
+  memory after, while this rank holds the slot (``wait_handoff``) - or receives it over HTTP when
+  it cannot read the slot. Small objects (sidecars, the manifest) are written *in sync*: the agent
+  answers only once its buddy holds the object and every earlier object of that step. So the
+  manifest - written last, as in every tier - is committed only when the whole step is in two
+  nodes' memory (the buddy's, and this node's: the agent's copy or the slot it is copied from),
+  and losing one node loses no committed step.
 * reads and listings see the union of the agents this tier knows: its own agent, that agent's
   buddy (learned from its ``/status``) and ``peers`` (default ``TIDAL_CKPT_PEERS``, comma-separated;
   a launcher that knows every agent of the job sets it). A step whose node is gone is read from
@@ -28,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import logging
 import os
 import socket
 import threading
@@ -40,6 +43,7 @@ from tidal.ckpt import manifest as mf
 from tidal.ckpt.errors import SaveError, TierError, TierSpecError
 from tidal.ckpt.protocol import TruncatedRead
 
+log = logging.getLogger(__name__)
 ENV_AGENT = "TIDAL_CKPT_AGENT"
 ENV_PEERS = "TIDAL_CKPT_PEERS"
 
@@ -205,6 +209,7 @@ class PeerTier:
         self._lock = threading.Lock()
         self._buddy: str | None = None
         self._buddy_at = -1e9
+        self._held: set[tuple[int, str]] = set()  # handoffs whose slot the local agent may still read
 
     def __repr__(self) -> str:
         return f"PeerTier({self.name!r}, {self.location!r}, agent={self.agent_address!r})"
@@ -309,7 +314,15 @@ class PeerTier:
         return sorted(self.committed())
 
     def list_files(self, step: int) -> set[str]:
-        return {n for _, doc in self._each("GET", self._path(step)) for n in doc["files"]}
+        return set(self.file_sizes(step))
+
+    def file_sizes(self, step: int) -> dict[str, int]:
+        """Object name -> size in bytes, for one step, over every agent (the first agent's size wins)."""
+        out: dict[str, int] = {}
+        for _, doc in self._each("GET", self._path(step)):
+            for n, size in doc["files"].items():
+                out.setdefault(n, int(size))
+        return out
 
     # -- small objects -----------------------------------------------------------------------------
     def read_bytes(self, step: int, name: str) -> bytes:
@@ -351,21 +364,51 @@ class PeerTier:
         self._put(step, name, data)
 
     def handoff(self, step: int, name: str, data: memoryview, path: str | os.PathLike | None = None) -> None:
-        """Give this rank's data file to the local agent now: it copies the first ``len(data)`` bytes
-        of ``path`` (a staging slot on this node) itself, or - when it cannot read ``path`` - gets
-        ``data`` over HTTP. Called by the checkpointer before the slot is reused."""
+        """Give this rank's data file to the local agent now: it reads the first ``len(data)`` bytes
+        of ``path`` (a staging slot on this node) itself - pushing them to its buddy first, then
+        copying them into its memory - or, when it cannot read ``path``, gets ``data`` over HTTP.
+        Called by the checkpointer before the slot is reused; the slot must stay unchanged until
+        ``wait_handoff`` returned (the commit need not wait for that)."""
         if path is not None:
             c = self._local()
-            query = urllib.parse.urlencode({"copy_from": os.fspath(path), "length": len(data)})
+            query = urllib.parse.urlencode({"copy_from": os.fspath(path), "length": len(data), "hold": 1})
             try:
                 status, body = c.request("POST", f"{self._path(step, name)}?{query}")
             except Unreachable as e:
                 raise TierError(f"tier '{self.name}': {e}") from None
-            if status == 200:
+            if status == 202:
+                with self._lock:
+                    self._held.add((step, name))
+                return
+            if status == 200:  # copied before answering
                 return
             if status not in (403, 404):  # 403/404: not allowed to or cannot read the slot; send the bytes
                 raise _error(status, body, f"tier '{self.name}' ({self.where(step, name)})")
         self.write_file(step, name, data)
+
+    def wait_handoff(self, step: int, name: str) -> None:
+        """Return once the local agent no longer reads the staging slot it was handed for ``name``
+        (at once when it was not held). If the agent is gone it reads nothing either; a failed copy
+        is logged by the agent, and the commit's check then refuses or retries the step."""
+        with self._lock:
+            if (step, name) not in self._held:
+                return
+            self._held.discard((step, name))
+        c = self._local()
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                status, body = c.request("POST", f"{self._path(step, name)}?wait=copy")
+            except Unreachable as e:  # gone: it reads nothing any more; or it hangs past timeout_s
+                log.warning("tier '%s': waiting for agent %s to finish reading the slot of %s: %s", self.name,
+                            c.address, self.where(step, name), e)
+                return
+            if status == 503 and time.monotonic() < deadline:
+                continue
+            if status not in (200, 404):  # 404: the object was removed meanwhile, nothing is held
+                log.warning("tier '%s': agent %s on the slot of %s: %s", self.name, c.address,
+                            self.where(step, name), _error(status, body, "wait=copy"))
+            return
 
     def open_file(self, step: int, name: str) -> _PeerReader:
         return _PeerReader(self, self._path(step, name), self.where(step, name))

@@ -11,7 +11,10 @@ tier gets a ``RemoteQueue`` per rank, fed after the fast tiers committed a step,
   snapshot; at most one snapshot waits besides the one uploading - newer ones replace it).
 
 A peer tier's data file is handed to its agent by the persist thread (``Upload.written`` then
-already holds "data"); its queue writes only the sidecar and the manifest.
+already holds "data"); its queue writes only the sidecar and the manifest. The agent may still be
+reading the staging slot then (it pushes the slot to its buddy first and copies it after): the
+commit runs meanwhile, and the checkpointer frees the slot only once the tier's ``wait_handoff``
+returned.
 
 The queue uploads oldest first and retries with exponential backoff (``retry_s`` up to
 ``retry_max_s``) for as long as the store is unreachable; the status shows the backlog and the

@@ -181,6 +181,10 @@ class S3Tier:
     def list_files(self, step: int) -> set[str]:
         return {o["path"].rsplit("/", 1)[-1] for o in self._objects(mf.step_dirname(step) + "/")}
 
+    def file_sizes(self, step: int) -> dict[str, int]:
+        """Object name -> size in bytes, for one step (one LIST)."""
+        return {o["path"].rsplit("/", 1)[-1]: int(o["size"]) for o in self._objects(mf.step_dirname(step) + "/")}
+
     # -- small objects -----------------------------------------------------------------------------
     def read_bytes(self, step: int, name: str) -> bytes:
         import obstore

@@ -95,6 +95,14 @@ class DirTier:
         except (FileNotFoundError, NotADirectoryError):
             return set()
 
+    def file_sizes(self, step: int) -> dict[str, int]:
+        """Object name -> size in bytes, for one step directory (empty when it does not exist)."""
+        out = {}
+        for n in self.list_files(step):
+            with contextlib.suppress(FileNotFoundError):
+                out[n] = os.stat(self.step_dir(step) / n).st_size
+        return out
+
     # -- small objects -----------------------------------------------------------------------------
     def read_bytes(self, step: int, name: str) -> bytes:
         return (self.step_dir(step) / name).read_bytes()

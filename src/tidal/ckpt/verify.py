@@ -1,12 +1,15 @@
-"""Re-reading a step copy in a directory tier: sizes, safetensors headers and every piece's CRC-32.
+"""Re-reading a step copy in one tier: sizes, safetensors headers and every piece's CRC-32.
 
-Used by ``tidal ckpt verify``. Reads every byte of every data file of the step in that tier.
+Used by ``tidal ckpt verify``. Reads every byte range of every piece of the step in that tier,
+through the tier's own reader (``Tier.open_file``: ``preadv`` for a directory, ranged GETs for
+S3, Range requests to the agents for the peer tier), in chunks of at most 16 MiB. A directory
+copy's header is also parsed by the safetensors library; other tiers' headers are read (two
+ranged reads) and checked here.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import struct
 import zlib
 from dataclasses import dataclass
@@ -15,6 +18,7 @@ from typing import Any
 
 from tidal.ckpt import manifest as mf
 from tidal.ckpt.errors import ManifestError
+from tidal.ckpt.protocol import RangeReader, TruncatedRead
 from tidal.ckpt.tiers import DirTier
 
 _CHUNK = 16 << 20  # bytes read at a time when checksumming
@@ -61,16 +65,71 @@ class Checked:
     note: str = ""
 
 
-def _crc_range(fd: int, start: int, nbytes: int) -> tuple[int, int]:
-    """CRC-32 of up to ``nbytes`` bytes at ``start``; also how many bytes the file had there."""
+def _crc_range(reader: RangeReader, start: int, nbytes: int, buf: memoryview) -> tuple[int, int]:
+    """CRC-32 of up to ``nbytes`` bytes at ``start``; also how many bytes the object had there."""
     crc, done = 0, 0
     while done < nbytes:
-        chunk = os.pread(fd, min(_CHUNK, nbytes - done), start + done)
-        if not chunk:
-            break
-        crc = zlib.crc32(chunk, crc)
-        done += len(chunk)
+        n = min(len(buf), nbytes - done)
+        try:
+            reader.read_ranges([(start + done, n)], buf[:n])
+        except TruncatedRead as e:
+            # The reader may have filled part of the range; those bytes are not trusted for the CRC.
+            return crc, done + max(0, min(e.got, n))
+        crc = zlib.crc32(buf[:n], crc)
+        done += n
     return crc, done
+
+
+def _parse_header(reader: RangeReader, size: int) -> tuple[dict[str, Any], int]:
+    """(the safetensors header, where the data starts) read through ``reader``; ValueError if it is not one."""
+    if size < 8:
+        raise ValueError(f"the object is {size} bytes, shorter than a safetensors header length")
+    head = bytearray(8)
+    reader.read_ranges([(0, 8)], memoryview(head))
+    (n,) = struct.unpack("<Q", head)
+    if n > min(size - 8, 100 << 20):
+        raise ValueError(f"header length {n} does not fit in the object ({size} bytes)")
+    raw = bytearray(n)
+    reader.read_ranges([(8, n)], memoryview(raw))
+    try:
+        header = json.loads(raw)
+    except ValueError as e:
+        raise ValueError(f"header is not JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object")
+    end = 0
+    for k, h in header.items():
+        if k == "__metadata__":
+            continue
+        if (not isinstance(h, dict) or not isinstance(h.get("dtype"), str) or not isinstance(h.get("shape"), list)
+                or not isinstance(h.get("data_offsets"), list) or len(h["data_offsets"]) != 2):
+            raise ValueError(f"entry '{k}' lacks dtype, shape or data_offsets")
+        end = max(end, int(h["data_offsets"][1]))
+    if 8 + n + end > size:
+        raise ValueError(f"tensor data ends at byte {8 + n + end}, past the end of the object ({size} bytes)")
+    return header, 8 + n
+
+
+def _compare_header(header: dict[str, Any], base: int, expect: dict[str, tuple[str, str, list[int], int, int]],
+                    problem: Any) -> None:
+    """Compare a parsed header's keys, dtypes, shapes and data offsets with the manifest's pieces."""
+    found = {k: (h["dtype"], [int(x) for x in h["shape"]]) for k, h in header.items() if k != "__metadata__"}
+    for key, (name, dtype, shape, _, _) in expect.items():
+        if key not in found:
+            problem(name, f"piece key '{key}' is missing from the file")
+        elif found[key] != (dtype, shape):
+            problem(name, f"piece key '{key}' is stored as {found[key][0]} {found[key][1]}, "
+                          f"the manifest says {dtype} {shape}")
+    for key in sorted(set(found) - set(expect)):
+        problem(None, f"holds tensor key '{key}' that the manifest does not list")
+    for key, (name, _, _, start, end) in expect.items():
+        h = header.get(key)
+        if not isinstance(h, dict) or key not in found:
+            continue
+        offs = h.get("data_offsets")
+        if offs != [start - base, end - base]:
+            have = f"{base + offs[0]}..{base + offs[1]}" if isinstance(offs, list) and len(offs) == 2 else offs
+            problem(name, f"piece key '{key}' sits at bytes {have} in the file, the manifest says {start}..{end}")
 
 
 def _check_safetensors(path: Path, expect: dict[str, tuple[str, str, list[int], int, int]],
@@ -90,54 +149,38 @@ def _check_safetensors(path: Path, expect: dict[str, tuple[str, str, list[int], 
     except Exception as e:  # the library raises its own error types; any of them means "unreadable"
         problem(None, f"does not parse as safetensors: {' '.join(str(e).split())}")
         return
-    for key, (name, dtype, shape, _, _) in expect.items():
-        if key not in found:
-            problem(name, f"piece key '{key}' is missing from the file")
-        elif found[key] != (dtype, shape):
-            problem(name, f"piece key '{key}' is stored as {found[key][0]} {found[key][1]}, "
-                          f"the manifest says {dtype} {shape}")
-    for key in sorted(set(found) - set(expect)):
-        problem(None, f"holds tensor key '{key}' that the manifest does not list")
-    # Where each piece sits: the header's data offsets are relative to the end of the header.
     with open(path, "rb") as fh:
         (n,) = struct.unpack("<Q", fh.read(8))
         header = json.loads(fh.read(n))
-    base = 8 + n
-    for key, (name, _, _, start, end) in expect.items():
-        h = header.get(key)
-        if not isinstance(h, dict) or key not in found:
-            continue
-        offs = h.get("data_offsets")
-        if offs != [start - base, end - base]:
-            have = f"{base + offs[0]}..{base + offs[1]}" if isinstance(offs, list) and len(offs) == 2 else offs
-            problem(name, f"piece key '{key}' sits at bytes {have} in the file, the manifest says {start}..{end}")
+    _compare_header(header, 8 + n, expect, problem)
 
 
-def _verify_tier(tier: DirTier, step: int) -> tuple[Checked, list[Problem]]:
-    d = tier.step_dir(step)
+def _verify_tier(tier: Any, step: int) -> tuple[Checked, list[Problem]]:
+    """Check one tier's copy of ``step``: every data file's size and header, every piece's CRC-32."""
     checked = Checked(tier.name, step)
     problems: list[Problem] = []
     try:
         man = _read(tier, step)
     except ManifestError as e:
-        problems.append(Problem(tier.name, step, str(d / mf.MANIFEST), None, str(e)))
+        problems.append(Problem(tier.name, step, tier.where(step, mf.MANIFEST), None, str(e)))
         checked.ok = False
         return checked, problems
+    sizes = tier.file_sizes(step)
     by_file: dict[str, list[tuple[mf.StoredTensor, mf.StoredPiece]]] = {}
     for t in sorted(man.tensors.values(), key=lambda t: t.name):
         for p in t.pieces:
             by_file.setdefault(p.file, []).append((t, p))
+    buf = memoryview(bytearray(_CHUNK))
     for f in man.files:
         name = f["name"]
-        path = d / name
+        where = tier.where(step, name)
         entries = by_file.get(name, [])
 
-        def problem(tensor: str | None, what: str, _path: Path = path) -> None:
-            problems.append(Problem(tier.name, step, str(_path), tensor, what))
+        def problem(tensor: str | None, what: str, _where: str = where) -> None:
+            problems.append(Problem(tier.name, step, _where, tensor, what))
 
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError:
+        size = sizes.get(name)
+        if size is None:
             problem(None, f"data file is missing (it holds {len(entries)} piece(s))")
             continue
         checked.files += 1
@@ -146,23 +189,35 @@ def _verify_tier(tier: DirTier, step: int) -> tuple[Checked, list[Problem]]:
             problem(None, f"file is {size} bytes, the manifest says {want}"
                           + (" (truncated)" if size < want else " (extra bytes)"))
         expect = {p.key: (t.name, t.dtype, list(p.box.lengths), p.start, p.start + p.nbytes) for t, p in entries}
-        _check_safetensors(path, expect, problem)
-        fd = os.open(path, os.O_RDONLY)
         try:
+            reader = tier.open_file(step, name)
+        except FileNotFoundError:
+            problem(None, f"data file is missing (it holds {len(entries)} piece(s))")
+            continue
+        try:
+            if isinstance(tier, DirTier):
+                _check_safetensors(Path(where), expect, problem)
+            else:
+                try:
+                    header, base = _parse_header(reader, size)
+                except (ValueError, TruncatedRead) as e:
+                    problem(None, f"does not parse as safetensors: {e}")
+                else:
+                    _compare_header(header, base, expect, problem)
             for t, p in entries:
-                crc, got = _crc_range(fd, p.start, p.nbytes)
+                crc, got = _crc_range(reader, p.start, p.nbytes, buf)
                 checked.pieces += 1
                 checked.bytes += got
-                where = f"piece at offsets {list(p.box.offsets)}"
+                at = f"piece at offsets {list(p.box.offsets)}"
                 if got < p.nbytes:
-                    problem(t.name, f"{where}: bytes {p.start}..{p.start + p.nbytes} lie past the end of the "
+                    problem(t.name, f"{at}: bytes {p.start}..{p.start + p.nbytes} lie past the end of the "
                                     f"file ({size} bytes): truncated")
                 elif crc != p.crc32:
-                    problem(t.name, f"{where}: checksum mismatch (manifest crc32 0x{p.crc32:08x}, "
+                    problem(t.name, f"{at}: checksum mismatch (manifest crc32 0x{p.crc32:08x}, "
                                     f"bytes {p.start}..{p.start + p.nbytes} give 0x{crc:08x})")
         finally:
-            os.close(fd)
-    if problems and not (d / mf.MANIFEST).exists():
+            reader.close()
+    if problems and tier.kind == "shm" and mf.MANIFEST not in tier.list_files(step):
         # A running job reused this step's shared-memory slot while we read it: not damage.
         checked.note = "step was removed from this tier while being verified; skipped"
         return checked, []
