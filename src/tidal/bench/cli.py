@@ -48,6 +48,8 @@ def tiers(
     model_mb: float = typer.Option(32.0, "--model-mb", min=0.1, help="Parameters of the training MLP, MiB "
                                    "(the checkpoint is 3x: parameters + Adam's two moments)."),
     batch: int = typer.Option(64, "--batch", min=1, help="Training batch size."),
+    rounds: int = typer.Option(3, "--rounds", min=1, help="Interleaved rounds the training time of each mode "
+                               "is split into (overheads also reported paired per round, median)."),
     json_out: bool = typer.Option(False, "--json", help="Print a JSON object on stdout (tables to stderr)."),
     directory: Path | None = typer.Option(None, "--dir", help="Make the scratch directory (disk tier, "
                                           "SeaweedFS data) under DIR; removed at the end."),
@@ -61,7 +63,7 @@ def tiers(
     err = Console(stderr=True)
     out = err if json_out else Console()
     result = run(size_mb, repeat, train_s, interval_s, model_mb, batch, directory,
-                 log=lambda s: err.print(f"[dim]{s}[/]", highlight=False))
+                 log=lambda s: err.print(f"[dim]{s}[/]", highlight=False), rounds=rounds)
     render(result, out)
     if json_out:
         print(json.dumps(result, indent=2))

@@ -488,9 +488,15 @@ def train(env: _Env, seconds: float, interval_s: float, model_mb: float, batch: 
     base = runs[0]["steps_per_s"]
     over = {r["mode"]: 1 - r["steps_per_s"] / base for r in runs[1:]}
     seg_none = runs[0]["segment_steps_per_s"]
-    return {"runs": runs, "baseline_steps_per_s": base, "overhead": over, "rounds": rounds, "segment_s": seg,
-            "baseline_spread": (max(seg_none) - min(seg_none)) / base,
+    # Paired: each mode against the no-checkpoint segment of the same round (minutes apart, not the
+    # whole run), median over rounds - robust to the slow drifts of a shared machine.
+    paired = {r["mode"]: statistics.median(1 - a / b for a, b in zip(r["segment_steps_per_s"], seg_none, strict=True))
+              for r in runs[1:]}
+    return {"runs": runs, "baseline_steps_per_s": base, "overhead": over, "overhead_paired": paired,
+            "rounds": rounds, "segment_s": seg, "baseline_spread": (max(seg_none) - min(seg_none)) / base,
             "overhead_over_dcp": over["tidal"] / over["dcp_async"] if over["dcp_async"] > 0 else None,
+            "overhead_paired_over_dcp": (paired["tidal"] / paired["dcp_async"] if paired["dcp_async"] > 0
+                                         else None),
             "threads": 1, "interval_s": interval_s, "batch": batch}
 
 
@@ -498,8 +504,10 @@ def train(env: _Env, seconds: float, interval_s: float, model_mb: float, batch: 
 
 def run(size_mb: float = 512, repeat: int = 5, train_s: float = 60.0, interval_s: float = 10.0,
         model_mb: float = 32.0, batch: int = 64, directory: str | os.PathLike | None = None,
-        log: Callable[[str], None] = lambda s: None) -> dict:
+        log: Callable[[str], None] = lambda s: None, rounds: int = 3) -> dict:
     """Run the benchmark and return the JSON-able result (see the module docstring)."""
+    if directory is not None:
+        Path(directory).mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="tidal-bench-tiers-", dir=directory))
     shm = Path(tempfile.mkdtemp(prefix="tidal-bench-tiers-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
     saved_env = {k: os.environ.get(k) for k in (SHM_BASE_ENV, "AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID",
@@ -518,7 +526,7 @@ def run(size_mb: float = 512, repeat: int = 5, train_s: float = 60.0, interval_s
             result_load = loads(env, p, repeat, log)
             p.close()
             p = None
-            result_train = train(env, train_s, interval_s, model_mb, batch, log) if train_s > 0 else None
+            result_train = train(env, train_s, interval_s, model_mb, batch, log, rounds) if train_s > 0 else None
     finally:
         if p is not None:
             p.close()
@@ -564,19 +572,23 @@ def render(result: dict, console: Any) -> None:
     t = Table(title=f"training overhead: MLP width {run0['width']} + Adam ({run0['state_mib']:.0f} MiB state), "
                     f"1 thread, checkpoint every {tr['interval_s']:g} s; {tr['rounds']} rounds of "
                     f"{tr['segment_s']:g} s per mode")
-    for c in ("mode", "steps/s", "saves", "save() call s", "overhead", "CPU s/s: this process", "agents",
-              "S3 server"):
+    for c in ("mode", "steps/s", "saves", "save() call s", "overhead", "paired (median of rounds)",
+              "CPU s/s: this process", "agents", "S3 server"):
         t.add_column(c, justify="left" if c == "mode" else "right")
+    paired = tr.get("overhead_paired", {})
     for r in tr["runs"]:
-        over = tr["overhead"].get(r["mode"])
+        over, pair = tr["overhead"].get(r["mode"]), paired.get(r["mode"])
         cpu = r["cpu_per_s"]
         t.add_row(r["mode"], f"{r['steps_per_s']:.2f}", str(r["saves"]), f"{r['save_call_s_median']:.3f}",
-                  "-" if over is None else f"{over * 100:.1f}%",
+                  "-" if over is None else f"{over * 100:.1f}%", "-" if pair is None else f"{pair * 100:.1f}%",
                   *(f"{cpu.get(k, 0):.2f}" for k in ("this process", "agents", "S3 server")))
     console.print(t)
     ratio = tr["overhead_over_dcp"]
+    pratio = tr.get("overhead_paired_over_dcp")
     console.print(f"baseline {tr['baseline_steps_per_s']:.2f} steps/s (its rounds spread over "
                   f"{tr['baseline_spread'] * 100:.1f}%); tidal overhead {tr['overhead']['tidal'] * 100:.1f}% "
                   f"(goal ≤ {GOALS['overhead_max'] * 100:g}%), DCP async_save {tr['overhead']['dcp_async'] * 100:.1f}%, "
-                  f"tidal / DCP = {'-' if ratio is None else f'{ratio:.2f}'} (goal ≤ {GOALS['overhead_over_dcp_max']})",
-                  highlight=False)
+                  f"tidal / DCP = {'-' if ratio is None else f'{ratio:.2f}'} (goal ≤ {GOALS['overhead_over_dcp_max']}); "
+                  f"paired: tidal {paired.get('tidal', float('nan')) * 100:.1f}%, DCP "
+                  f"{paired.get('dcp_async', float('nan')) * 100:.1f}%, tidal / DCP "
+                  f"{'-' if pratio is None else f'{pratio:.2f}'}", highlight=False)
