@@ -1,5 +1,5 @@
 """The REST API in-process (the client over Starlette's TestClient: our transport seam): auth,
-tenant isolation as a full matrix, 422 naming the field, pool, metrics, OpenAPI."""
+tenant isolation as a full matrix, 422 naming the field, logs, checkpoints, pool, metrics, OpenAPI."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def api(tmp_path):
     def log_path(job_id: str, rank: int) -> str:
         return str(logs / job_id / f"rank-{rank}.log")
 
-    app = create_app(ApiContext(store, [Node("local", 4)], log_path, FakeClock()))
+    app = create_app(ApiContext(store, [Node("local", 4)], log_path, FakeClock(), ckpt_root=tmp_path / "jobs"))
     http = TestClient(app)
     tokens = {"admin": admin_token,
               "a": create_tenant(store, "a", quota_gpus=2, weight=1.0),
@@ -68,12 +68,12 @@ def test_unauthenticated_is_401(api, token):
 
 def _job_calls(c: TidalClient, job_id: str):
     return {"get": lambda: c.job(job_id), "logs": lambda: c.logs(job_id), "events": lambda: c.events(job_id),
-            "cancel": lambda: c.cancel(job_id)}
+            "cancel": lambda: c.cancel(job_id), "checkpoints": lambda: c.checkpoints(job_id)}
 
 
 @pytest.mark.parametrize("caller", ["a", "b", "admin"])
 @pytest.mark.parametrize("owner", ["a", "b"])
-@pytest.mark.parametrize("endpoint", ["get", "logs", "events", "cancel"])
+@pytest.mark.parametrize("endpoint", ["get", "logs", "events", "cancel", "checkpoints"])
 def test_isolation_matrix(api, caller, owner, endpoint):
     clients, jobs, store, _, _ = api
     call = _job_calls(clients[caller], jobs[owner])[endpoint]
@@ -83,6 +83,8 @@ def test_isolation_matrix(api, caller, owner, endpoint):
             assert out["data"] == f"secret of {owner}\n"
         if endpoint == "cancel":
             assert store.job(jobs[owner]).cancel_requested
+        if endpoint == "checkpoints":
+            assert out["job"] == jobs[owner] and out["url"].endswith(f"/jobs/{jobs[owner]}/ckpt")
     else:
         with pytest.raises(ApiError) as e:
             call()
@@ -167,6 +169,7 @@ def test_pool_hides_other_tenants_job_ids(api):
     clients, jobs, store, _, _ = api
     from tidal.control.states import State
 
+    assert clients["a"].pool()["pending"] == 1 and clients["admin"].pool()["pending"] == 2
     for j in jobs.values():
         store.transition(j, State.ADMITTED, 1.0, "x", placement={"local": 1}, attempt=1)
     pool_a = clients["a"].pool()
@@ -194,3 +197,79 @@ def test_metrics_and_openapi(api):
     assert {"/v1/jobs", "/v1/jobs/{job_id}", "/v1/jobs/{job_id}/cancel", "/v1/jobs/{job_id}/logs", "/v1/events",
             "/v1/pool", "/v1/tenants", "/metrics"} <= set(doc["paths"])
     assert "JobSpec" in doc["components"]["schemas"]
+
+
+def test_token_change_is_seen_at_once(api):
+    clients, _, store, http, _ = api
+    assert clients["a"].whoami()["tenant"] == "a"  # now remembered by the store
+    store.set_tenant_token("a", token_hash("tidal_new"))
+    with pytest.raises(ApiError) as e:
+        clients["a"].whoami()
+    assert e.value.status == 401
+    assert TidalClient(http=http, token="tidal_new").whoami()["tenant"] == "a"
+
+
+def test_logs_never_split_a_character(api, tmp_path):
+    clients, jobs, _, _, _ = api
+    text = "rank 0 \u2192 \u00e9t\u00e9 \U0001f600 ok\n"
+    (tmp_path / "logs" / jobs["a"] / "rank-0.log").write_bytes(text.encode())
+    got, offset = "", 0
+    for _ in range(100):  # 3-byte chunks: most multi-byte characters are cut by the limit
+        c = clients["a"].logs(jobs["a"], offset=offset, limit=3)
+        got, offset = got + c["data"], c["offset"]
+        if offset >= c["size"]:
+            break
+    assert got == text and "\ufffd" not in got
+
+
+def test_checkpoints_reports_real_steps(api, tmp_path, monkeypatch):
+    """Steps written by tidal.ckpt.Checkpointer into the job's default location (and its shm tier,
+    with the status file) come back per tier, with the newest durable step and its age."""
+    import time
+
+    import torch
+
+    from tidal import ckpt
+
+    clients, jobs, store, http, _ = api
+    monkeypatch.setenv("TIDAL_SHM_DIR", str(tmp_path / "shm"))
+    empty = clients["a"].checkpoints(jobs["a"])
+    assert empty["steps"] == [] and empty["newest_durable_step"] is None and empty["tiers"][0]["kind"] == "dir"
+    url = tmp_path / "jobs" / jobs["a"] / "ckpt"
+    state = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "step": 0}
+    t0 = time.time()
+    cp = ckpt.Checkpointer(str(url), keep=2)
+    try:
+        for step in (10, 20, 30):
+            state["step"] = step
+            cp.save(step, state).wait()
+    finally:
+        cp.close()
+    t1 = time.time()
+    out = clients["admin"].checkpoints(jobs["a"])
+    by_kind = {t["kind"]: t for t in out["tiers"]}
+    assert by_kind["dir"]["steps"] == ckpt.steps(str(url)) == [20, 30] and by_kind["dir"]["durable"]
+    assert by_kind["shm"]["steps"] and not by_kind["shm"]["durable"] and by_kind["shm"]["steps"][-1] == 30
+    assert out["steps"] == sorted(set(by_kind["dir"]["steps"]) | set(by_kind["shm"]["steps"]))
+    assert out["newest_step"] == out["newest_durable_step"] == 30
+    assert out["status_file"] and t0 <= out["newest_durable_s"] <= t1
+    assert out["durable_age_s"] == 0.0  # the fixture's fake clock is before the save: never negative
+    later = create_app(ApiContext(store, [Node("local", 4)], lambda j, r: None, FakeClock(t1 + 5.0),
+                                  ckpt_root=tmp_path / "jobs"))
+    aged = TidalClient(http=TestClient(later), token=clients["a"].token).checkpoints(jobs["a"])
+    assert 5.0 <= aged["durable_age_s"] <= 5.0 + (t1 - t0)
+
+    # A spec's own checkpoint.url is where the endpoint looks; nothing there yet.
+    other = clients["b"].submit({**SPEC, "name": "own-url", "checkpoint": {"url": str(tmp_path / "elsewhere")}})
+    assert clients["b"].checkpoints(other["id"])["url"] == str(tmp_path / "elsewhere")
+    assert clients["b"].checkpoints(other["id"])["steps"] == []
+    with pytest.raises(ApiError) as e:
+        clients["a"].checkpoints(other["id"])
+    assert e.value.status == 404
+    # A tier list: its first non-shm tier is the location; each tier is listed.
+    listed = clients["a"].submit({**SPEC, "name": "tiered", "checkpoint": {"tiers": ["shm", str(url),
+                                                                                    str(tmp_path / "t2")]}})
+    out = clients["a"].checkpoints(listed["id"])
+    assert out["url"] == str(url) and [t["location"] for t in out["tiers"] if t["kind"] == "dir"] == [
+        str(url), str(tmp_path / "t2")]
+    assert out["newest_durable_step"] == 30 and [t["steps"] for t in out["tiers"]][-1] == []

@@ -1,7 +1,7 @@
 """The REST API (FastAPI; OpenAPI at ``/openapi.json``, docs at ``/docs``).
 
 Every ``/v1`` call carries ``Authorization: Bearer <token>``. A tenant sees and acts on its own
-jobs, logs and events only (another tenant's job is "not found", never "forbidden", so ids do not
+jobs, logs, checkpoints and events only (another tenant's job is "not found", never "forbidden", so ids do not
 leak); the admin sees everything and manages tenants. ``/healthz`` and ``/metrics`` are open.
 
 | method and path | what |
@@ -10,7 +10,8 @@ leak); the admin sees everything and manages tenants. ``/healthz`` and ``/metric
 | ``GET /v1/jobs`` | jobs (``?state=running``; admin: ``?tenant=``) |
 | ``GET /v1/jobs/{id}`` | one job: state, progress, restarts, lost work, ETTR, spec |
 | ``POST /v1/jobs/{id}/cancel`` | cancel (pending: at once; running: notice, then cancelled) |
-| ``GET /v1/jobs/{id}/logs?rank=0&offset=0`` | a chunk of a rank's log from ``offset`` (bytes); follow by polling with the returned ``offset`` |
+| ``GET /v1/jobs/{id}/logs?rank=0&offset=0`` | a chunk of a rank's log from ``offset`` (bytes, whole UTF-8 characters); follow by polling with the returned ``offset`` |
+| ``GET /v1/jobs/{id}/checkpoints`` | committed checkpoint steps per tier, the newest durable step and its age |
 | ``GET /v1/events?job=&after=`` | the event log (every transition, decision and recovery), oldest first |
 | ``GET /v1/pool`` | GPUs per node: allocated by tenant, draining, free |
 | ``GET /v1/whoami`` | the caller's tenant |
@@ -18,25 +19,34 @@ leak); the admin sees everything and manages tenants. ``/healthz`` and ``/metric
 
 The API writes requests into the store and never touches processes: the reconcile loop acts on
 them at its next step.
+
+Handlers that read the store or files are plain ``def`` (FastAPI runs them in its thread pool) and
+return their JSON already rendered (``_json``), so a call makes one trip to the pool: FastAPI's
+response validation would be a second one, and a synchronous auth dependency a third. The bearer
+token is checked in the event loop against the store's memory of known tokens; only a token not
+seen yet goes to the database, in the pool.
 """
 
-
+import codecs
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request, Response
+from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from tidal.control import metrics
-from tidal.control.auth import authenticate, create_tenant
+from tidal.control.auth import authenticate, create_tenant, token_hash
 from tidal.control.spec import JobSpec, clean_msg, error_path
-from tidal.control.states import TERMINAL, State
+from tidal.control.states import HELD, TERMINAL, State
 from tidal.control.store import NotFound, Store, TenantRow
-from tidal.control.views import event_view, job_view, pool_view
+from tidal.control.views import checkpoint_view, event_view, job_view, pool_view
 from tidal.model import Node
 
 MAX_LOG_CHUNK_BYTES = 1 << 20
@@ -44,12 +54,15 @@ MAX_LOG_CHUNK_BYTES = 1 << 20
 
 @dataclass
 class ApiContext:
-    """What the API needs: the store, the pool's nodes, where rank logs are, a clock (Unix seconds)."""
+    """What the API needs: the store, the pool's nodes, where rank logs are, a clock (Unix seconds), and
+    where jobs without a ``checkpoint.url`` checkpoint (``<ckpt_root>/<job>/ckpt``, as the controller
+    tells their ranks; None: such jobs have no known location)."""
 
     store: Store
     nodes: list[Node]
     log_path: Callable[[str, int], str | None]
     clock: Callable[[], float]
+    ckpt_root: Path | None = None
 
 
 class TenantSpec(BaseModel):
@@ -64,6 +77,20 @@ def _unprocessable(errors: list[dict[str, Any]]) -> JSONResponse:
                                                   "errors": [f"{e['field'] or '(body)'}: {e['msg']}" for e in errors]})
 
 
+def _json(status: int = 200) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Render a handler's result as JSON in the handler's own thread (a ``Response`` passes as is)."""
+
+    def wrap(handler: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(handler)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            out = handler(*args, **kwargs)
+            return out if isinstance(out, Response) else JSONResponse(out, status_code=status)
+
+        return run
+
+    return wrap
+
+
 def create_app(ctx: ApiContext) -> FastAPI:
     app = FastAPI(title="Tidal", version="0.1.0",
                   description="Run training jobs on a shared GPU pool. Bearer auth; see docs/control.md.")
@@ -76,9 +103,11 @@ def create_app(ctx: ApiContext) -> FastAPI:
         return _unprocessable([{"loc": list(e["loc"]), "field": error_path(e["loc"]), "msg": clean_msg(e["msg"]),
                                 "type": e["type"]} for e in exc.errors()])
 
-    def tenant(authorization: Annotated[str | None, Header()] = None) -> TenantRow:
+    async def tenant(authorization: Annotated[str | None, Header()] = None) -> TenantRow:
         token = authorization[7:].strip() if authorization and authorization[:7].lower() == "bearer " else None
-        row = authenticate(store, token)
+        row = store.known_tenant(token_hash(token)) if token else None
+        if row is None and token:
+            row = await run_in_threadpool(authenticate, store, token)
         if row is None:
             raise HTTPException(401, "missing or unknown bearer token (set TIDAL_TOKEN)",
                                 headers={"WWW-Authenticate": "Bearer"})
@@ -86,7 +115,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
 
     Caller = Annotated[TenantRow, Depends(tenant)]
 
-    def admin(me: Caller) -> TenantRow:
+    async def admin(me: Caller) -> TenantRow:
         if not me.admin:
             raise HTTPException(403, "only the admin may do this")
         return me
@@ -109,10 +138,12 @@ def create_app(ctx: ApiContext) -> FastAPI:
         return Response(metrics.render(reg), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/whoami")
+    @_json()
     def whoami(me: Caller) -> dict:
         return {"tenant": me.name, "admin": me.admin, "quota_gpus": me.quota_gpus, "weight": me.weight}
 
     @app.post("/v1/jobs", status_code=201)
+    @_json(201)
     def submit(spec: JobSpec, me: Caller) -> dict:
         problems = []
         if spec.gpus.min > pool_gpus:
@@ -128,6 +159,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
         return job_view(job, ctx.clock(), detail=True)
 
     @app.get("/v1/jobs")
+    @_json()
     def jobs(me: Caller, state: Annotated[list[State] | None, Query()] = None,
              tenant: str | None = None) -> list[dict]:
         who = tenant if me.admin else me.name
@@ -135,10 +167,12 @@ def create_app(ctx: ApiContext) -> FastAPI:
         return [job_view(j, now) for j in store.jobs(tenant=who, states=state)]
 
     @app.get("/v1/jobs/{job_id}")
+    @_json()
     def job(job_id: str, me: Caller) -> dict:
         return job_view(own_job(job_id, me), ctx.clock(), detail=True)
 
     @app.post("/v1/jobs/{job_id}/cancel")
+    @_json()
     def cancel(job_id: str, me: Caller) -> dict:
         j = own_job(job_id, me)
         if State(j.state) in TERMINAL:
@@ -149,6 +183,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
         return job_view(j, ctx.clock())
 
     @app.get("/v1/jobs/{job_id}/logs")
+    @_json()
     def logs(job_id: str, me: Caller, rank: Annotated[int, Query(ge=0)] = 0,
              offset: Annotated[int, Query(ge=0)] = 0,
              limit: Annotated[int, Query(ge=1, le=MAX_LOG_CHUNK_BYTES)] = 65536) -> dict:
@@ -156,16 +191,41 @@ def create_app(ctx: ApiContext) -> FastAPI:
         if rank >= max(j.max_gpus, 1):
             raise HTTPException(404, f"job {job_id} has no rank {rank} (ranks 0-{j.max_gpus - 1})")
         path = ctx.log_path(job_id, rank)
-        data, size = b"", 0
+        done = State(j.state) in TERMINAL
+        # A chunk must not end inside a UTF-8 sequence: ``limit`` may cut one (then up to 3 more bytes
+        # complete it), or the rank is still writing it (then it is left for the next call), so the
+        # returned ``offset`` always follows whole characters and a follower gets every byte.
+        dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        start = size = used = 0
+        text = ""
         if path is not None and os.path.exists(path):
             with open(path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
-                f.seek(min(offset, size))
+                start = min(offset, size)
+                f.seek(start)
                 data = f.read(limit)
-        return {"job": job_id, "rank": rank, "offset": min(offset, size) + len(data), "size": size,
-                "data": data.decode("utf-8", errors="replace"), "done": State(j.state) in TERMINAL}
+                text = dec.decode(data, final=done and start + len(data) >= size)
+                if dec.getstate()[0]:
+                    more = f.read(4 - len(dec.getstate()[0]))
+                    data += more
+                    text += dec.decode(more, final=done and start + len(data) >= size)
+                used = len(data) - len(dec.getstate()[0])
+        return {"job": job_id, "rank": rank, "offset": start + used, "size": size, "data": text, "done": done}
+
+    @app.get("/v1/jobs/{job_id}/checkpoints")
+    @_json()
+    def checkpoints(job_id: str, me: Caller) -> dict:
+        """Committed steps per tier (shm, directory, object storage; read from storage and from the job's
+        status file on this node), the newest durable step and its age in seconds."""
+        j = own_job(job_id, me)
+        ck = (j.spec or {}).get("checkpoint") or {}
+        url = ck.get("url") or (str(ctx.ckpt_root / j.id / "ckpt") if ctx.ckpt_root is not None else None)
+        shm_base = ((j.spec or {}).get("env") or {}).get("TIDAL_SHM_DIR")
+        return checkpoint_view(j.id, None if ck.get("tiers") else url, ctx.clock(), tiers=ck.get("tiers"),
+                               shm_base=shm_base)
 
     @app.get("/v1/events")
+    @_json()
     def events(me: Caller, job: str | None = None, after: Annotated[int, Query(ge=0)] = 0,
                limit: Annotated[int, Query(ge=1, le=10000)] = 1000) -> list[dict]:
         if job is not None:
@@ -174,15 +234,18 @@ def create_app(ctx: ApiContext) -> FastAPI:
         return [event_view(e) for e in rows]
 
     @app.get("/v1/pool")
+    @_json()
     def pool(me: Caller) -> dict:
-        return pool_view(ctx.nodes, store.jobs(), None if me.admin else me.name)
+        return pool_view(ctx.nodes, store.jobs(states=HELD | {State.PENDING}), None if me.admin else me.name)
 
     @app.get("/v1/tenants")
+    @_json()
     def tenants(_: Annotated[TenantRow, Depends(admin)]) -> list[dict]:
         return [{"name": t.name, "quota_gpus": t.quota_gpus, "weight": t.weight, "admin": t.admin}
                 for t in store.tenants()]
 
     @app.post("/v1/tenants", status_code=201)
+    @_json(201)
     def add_tenant(body: TenantSpec, _: Annotated[TenantRow, Depends(admin)]) -> dict:
         if store.tenant(body.name) is not None:
             raise HTTPException(409, f"tenant {body.name} exists")

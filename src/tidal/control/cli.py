@@ -195,11 +195,12 @@ def jobs(state: Annotated[list[str] | None, typer.Option(help="only these states
 
 
 def status(job: Annotated[str, typer.Argument(help="job id")]) -> None:
-    """One job: state, progress, checkpoints, restarts, lost work, ETTR, recent events."""
+    """One job: state, progress, checkpoints per tier, restarts, lost work, ETTR, recent events."""
     c = _client()
     try:
         j = c.job(job)
         evs = c.events(job)
+        ck = c.checkpoints(job)
     except ApiError as e:
         _fail(e)
     p, g = j.get("progress") or {}, j["gpus"]
@@ -214,12 +215,28 @@ def status(job: Annotated[str, typer.Argument(help="job id")]) -> None:
         console.print(f"  step {_num(p.get('step'))} (restored {_num(p.get('start_step'))}), loss "
                       f"{_num(p.get('loss'), '{:.4f}')}, {_num(p.get('steps_per_s'), '{:.2f}')} steps/s, "
                       f"heartbeat phase {p.get('phase') or '-'}; checkpoints: {tiers}", highlight=False)
+    console.print(f"  {_ckpt_line(ck)}", highlight=False)
     if j.get("handle"):
         console.print(f"  attempt {j['attempt']}: pids {[r['pid'] for r in j['handle'].get('ranks', [])]}, "
                       f"devices {j['handle'].get('devices')}", highlight=False)
     _summary(j)
     for e in evs[-12:]:
         console.print(f"  [dim]{_clock(e['time_s'])}[/dim] {_event_line(e)}", highlight=False)
+
+
+def _ckpt_line(ck: dict) -> str:
+    """``checkpoints at URL: shm 40, 50; disk 10..50 (5); newest durable step 50, 3.2 s old``."""
+    if ck.get("url") is None:
+        return "checkpoints: location unknown"
+    parts = []
+    for t in ck["tiers"]:
+        s = t["steps"]
+        held = "none" if not s else ", ".join(map(str, s)) if len(s) <= 3 else f"{s[0]}..{s[-1]} ({len(s)})"
+        parts.append(f"{t['name']} {held}{' (error: ' + t['error'] + ')' if t.get('error') else ''}")
+    line = f"checkpoints at {ck['url']}: {'; '.join(parts) or 'none'}"
+    if ck.get("newest_durable_step") is not None:
+        line += f"; newest durable step {ck['newest_durable_step']}, {_num(ck.get('durable_age_s'), '{:.1f}')} s old"
+    return line
 
 
 def logs(job: Annotated[str, typer.Argument(help="job id")],

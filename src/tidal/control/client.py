@@ -63,7 +63,14 @@ class TidalClient:
     def _call(self, method: str, path: str, **kw: Any) -> Any:
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         try:
-            r = self.http.request(method, path, headers=headers, **kw)
+            try:
+                r = self.http.request(method, path, headers=headers, **kw)
+            except httpx.RemoteProtocolError:
+                if method != "GET":
+                    raise
+                # The server closed an idle keep-alive connection as the request went out: a read is
+                # safe to send again, on a new connection (``tidal logs -f`` must not stop for this).
+                r = self.http.request(method, path, headers=headers, **kw)
         except httpx.TransportError as e:
             raise ApiError(0, f"cannot reach the Tidal API at {self.http.base_url} ({e}); is `tidal up` running? "
                               "(TIDAL_API_URL)") from e
@@ -102,6 +109,10 @@ class TidalClient:
 
     def logs(self, job_id: str, *, rank: int = 0, offset: int = 0, limit: int = 65536) -> dict:
         return self._call("GET", f"/v1/jobs/{job_id}/logs", params={"rank": rank, "offset": offset, "limit": limit})
+
+    def checkpoints(self, job_id: str) -> dict:
+        """Committed checkpoint steps per tier, the newest durable step and its age (``GET .../checkpoints``)."""
+        return self._call("GET", f"/v1/jobs/{job_id}/checkpoints")
 
     def events(self, job_id: str | None = None, *, after: int = 0, limit: int = 1000) -> list[dict]:
         params: dict[str, Any] = {"after": after, "limit": limit}

@@ -61,7 +61,8 @@ class Plane:
     describe: str
 
     def app(self):
-        ctx = ApiContext(self.store, self.controller.nodes, self.executor.log_path, time.time)
+        ctx = ApiContext(self.store, self.controller.nodes, self.executor.log_path, time.time,
+                         ckpt_root=self.controller.ckpt_root)
         return create_app(ctx)
 
 

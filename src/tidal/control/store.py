@@ -13,6 +13,8 @@ Contract:
 * Rows returned are detached snapshots (``expire_on_commit=False``): read them freely, change the
   database only through the methods here.
 * Times are Unix seconds (``*_s``) on the caller's clock, passed in; the store reads no clock.
+* Tenants found by token hash are remembered (every API call authenticates; tenants change only
+  through this object, which forgets a tenant's entry when its token changes).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sess
 from tidal.control.states import ACTIVE, State, check_transition
 
 SCHEMA_VERSION = 1
+POOL_SIZE = 48  # SQLite connections kept open: the API's worker threads (40) and the reconcile loop
 
 
 class Base(DeclarativeBase):
@@ -136,12 +139,18 @@ class Store:
         kw: dict[str, Any] = {}
         if url.startswith("sqlite"):
             kw["connect_args"] = {"check_same_thread": False, "timeout": 30}
+            if ":memory:" not in url and url.rstrip("/") != "sqlite:":
+                # Keep a connection for each thread that may read at once (the API's thread pool has 40,
+                # plus the loop): with the default pool of 5 (+10 overflow, closed on return), a busy API
+                # opened and closed SQLite connections all the time, each running the PRAGMAs below.
+                kw["pool_size"], kw["max_overflow"] = POOL_SIZE, 16
         self.engine = create_engine(url, **kw)
         if url.startswith("sqlite"):
             event.listen(self.engine, "connect", _sqlite_pragmas)
         Base.metadata.create_all(self.engine)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         self._lock = threading.RLock()
+        self._by_token: dict[str, TenantRow] = {}
         with self._write() as s:
             if s.get(MetaRow, "schema_version") is None:
                 s.add(MetaRow(key="schema_version", value=str(SCHEMA_VERSION)))
@@ -180,14 +189,32 @@ class Store:
             if row is None:
                 raise NotFound(name)
             row.token_hash = token_hash
+            self._by_token = {h: t for h, t in self._by_token.items() if t.name != name}
 
     def tenant(self, name: str) -> TenantRow | None:
         with self._read() as s:
             return s.get(TenantRow, name)
 
+    def known_tenant(self, token_hash: str) -> TenantRow | None:
+        """The tenant of a token hash seen before (no I/O); None: ask :meth:`tenant_by_token_hash`."""
+        return self._by_token.get(token_hash)
+
     def tenant_by_token_hash(self, token_hash: str) -> TenantRow | None:
+        row = self._by_token.get(token_hash)
+        if row is not None:
+            return row
         with self._read() as s:
-            return s.scalars(select(TenantRow).where(TenantRow.token_hash == token_hash)).first()
+            row = s.scalars(select(TenantRow).where(TenantRow.token_hash == token_hash)).first()
+        if row is not None:
+            with self._lock:  # not cached across a concurrent token change
+                if row.token_hash == token_hash and self._current(row.name, token_hash):
+                    self._by_token[token_hash] = row
+        return row
+
+    def _current(self, name: str, token_hash: str) -> bool:
+        with self._read() as s:
+            t = s.get(TenantRow, name)
+            return t is not None and t.token_hash == token_hash
 
     def tenants(self) -> list[TenantRow]:
         with self._read() as s:
@@ -274,9 +301,11 @@ class Store:
 
     def events(self, *, job_id: str | None = None, tenant: str | None = None, after_id: int = 0,
                limit: int = 1000) -> list[EventRow]:
-        q = select(EventRow).where(EventRow.id > after_id).order_by(EventRow.id).limit(limit)
-        if job_id is not None:
-            q = q.where(EventRow.job_id == job_id)
+        q = select(EventRow).where(EventRow.id > after_id).limit(limit)
+        if job_id is not None:  # ordered along the job_id index (SQLite would scan every event by id)
+            q = q.where(EventRow.job_id == job_id).order_by(EventRow.job_id, EventRow.id)
+        else:
+            q = q.order_by(EventRow.id)
         if tenant is not None:
             q = q.where(EventRow.tenant == tenant)
         with self._read() as s:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 from tidal.control.controller import job_report
@@ -54,3 +56,89 @@ def pool_view(nodes: list[Node], jobs: list[JobRow], viewer: str | None) -> dict
     alloc = sum(x["allocated"] for x in out)
     return {"nodes": out, "gpus": total, "allocated": alloc, "free": total - alloc,
             "pending": sum(1 for j in jobs if j.state == State.PENDING and (viewer is None or j.tenant == viewer))}
+
+
+def checkpoint_view(job_id: str, url: str | None, now_s: float, *, tiers: list | None = None,
+                    shm_base: str | None = None) -> dict[str, Any]:
+    """A job's committed checkpoint steps per tier, read with ``tidal.ckpt``'s read side: the location's
+    own tier (directory, ``s3://``, ``peer://``; or each tier of the job's tier list ``tiers``, whose
+    first non-shm tier is its location) and this node's shm tier are listed on storage; tiers
+    only named in the job's status file on this node (``<shm root>/status.json``, written by rank 0)
+    come from that file. ``shm_base`` is the job's ``TIDAL_SHM_DIR`` when its spec sets one.
+
+    ``newest_durable_step`` is the newest step held by a durable (non-shm) tier, ``newest_durable_s``
+    when it was captured (the status file's save time; else when the tier committed it), and
+    ``durable_age_s`` is ``now_s`` minus that. A tier that cannot be listed carries its ``error``.
+    """
+    from tidal.ckpt.config import build, resolve
+    from tidal.ckpt.errors import CheckpointError
+    from tidal.ckpt.status import read_status
+    from tidal.ckpt.tiers import SHM_BASE_ENV, DirTier, shm_root_for, tiers_for
+
+    out: dict[str, Any] = {"job": job_id, "url": url, "tiers": [], "steps": [], "newest_step": None,
+                           "newest_durable_step": None, "newest_durable_s": None, "durable_age_s": None,
+                           "status_file": None, "status_updated_s": None}
+    saved: dict[int, float] = {}
+    rows: list[dict[str, Any]] = []
+    listed: list = []
+    try:
+        if tiers:
+            url, cfgs = resolve(tiers, default_keep=0)
+            listed = [build(c, url) for c in cfgs if c.kind != "shm"]
+        elif url is not None:
+            listed = tiers_for(url, shm=False)
+    except (CheckpointError, OSError, ValueError) as e:
+        rows = [{"name": "?", "kind": "?", "location": str(url or tiers), "durable": True, "steps": [],
+                 "committed_s": {}, "source": "storage", "error": f"{type(e).__name__}: {e}"}]
+    out["url"] = url
+    if url is None:
+        out["tiers"] = rows
+        return out
+    base = shm_base or os.environ.get(SHM_BASE_ENV) or "/dev/shm"
+    shm_root = Path(base) / "tidal" / shm_root_for(url).name
+    if shm_root.is_dir():
+        listed.insert(0, DirTier("shm", shm_root, fsync=False))
+    for t in listed:
+        row: dict[str, Any] = {"name": t.name, "kind": t.kind, "location": t.location, "durable": t.durable,
+                               "steps": [], "committed_s": {}, "source": "storage", "error": None}
+        try:
+            committed = t.committed()
+            row["steps"] = sorted(committed)
+            row["committed_s"] = {str(k): v for k, v in sorted(committed.items())}
+        except (CheckpointError, OSError, ValueError) as e:
+            row["error"] = f"{type(e).__name__}: {e}"
+        rows.append(row)
+    status_path = shm_root / "status.json"
+    if status_path.is_file():
+        try:
+            st = read_status(status_path)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            out["status_error"] = f"{status_path}: {e}"
+        else:
+            out["status_file"], out["status_updated_s"] = str(status_path), st.updated_unix_s
+            saved = {s.step: s.saved_unix_s for s in st.steps if s.saved_unix_s is not None}
+            seen = {(r["kind"], _where(r["kind"], r["location"])) for r in rows}
+            for ts in st.tiers:
+                if ts.kind == "shm" or (ts.kind, _where(ts.kind, ts.location)) in seen:
+                    continue
+                rows.append({"name": ts.name, "kind": ts.kind, "location": ts.location, "durable": ts.durable,
+                             "steps": list(ts.steps), "committed_s": {}, "source": "status",
+                             "error": ts.last_error})
+    out["tiers"] = rows
+    steps = sorted(set().union(*(r["steps"] for r in rows))) if rows else []
+    out["steps"] = steps
+    out["newest_step"] = steps[-1] if steps else None
+    durable = [r for r in rows if r["durable"] and r["steps"]]
+    if durable:
+        step = max(r["steps"][-1] for r in durable)
+        when = saved.get(step)
+        if when is None:
+            times = [r["committed_s"][str(step)] for r in durable if str(step) in r["committed_s"]]
+            when = min(times) if times else None
+        out["newest_durable_step"], out["newest_durable_s"] = step, when
+        out["durable_age_s"] = round(max(0.0, now_s - when), 3) if when is not None else None
+    return out
+
+
+def _where(kind: str, location: str) -> str:
+    return os.path.normpath(location) if kind == "dir" else location.rstrip("/")
