@@ -141,6 +141,21 @@ def test_hang_detected_from_heartbeat(world):
     assert state(store, j) == "backoff"
 
 
+def test_starting_and_restoring_phases_get_the_startup_timeout(world):
+    store, ex, ctl, clock = world
+    j = submit(store, "lab", clock(), name="r", max_restarts=0)
+    ctl.step(clock())
+    ex.beat(j, clock.advance(1), step=0)
+    for phase in ("starting", "restoring"):
+        ex.jobs[j].progress = replace(ex.jobs[j].progress, phase=phase, heartbeat_s=clock())
+        ctl.step(clock.advance(100))  # past hang_timeout_s (60), within startup_timeout_s (120)
+        assert state(store, j) == "running" and ("kill", j) not in ex.calls
+    ctl.step(clock.advance(21))
+    assert ("kill", j) in ex.calls
+    (hang,) = [e for e in store.events(job_id=j) if e.kind == "hang"]
+    assert "(limit 120 s) at step 0, phase restoring" in hang.message
+
+
 def test_no_heartbeat_within_startup_timeout_is_a_hang(world):
     store, ex, ctl, clock = world
     j = submit(store, "lab", clock(), name="s", max_restarts=0)

@@ -173,7 +173,9 @@ class Controller:
                         f"within {cfg.startup_timeout_s:.0f} s of launch")
             return None
         limit = max(cfg.hang_timeout_s, cfg.hang_step_times * (p.step_time_s or 0.0))
-        if p.phase in ("checkpointing", "stopped"):  # a final save may persist to slow tiers for a while
+        # Phases that beat once and may last: building the model and joining the rendezvous, reading a
+        # checkpoint back (from S3, say), a final save persisting to slow tiers.
+        if p.phase in ("starting", "restoring", "checkpointing", "stopped"):
             limit = max(limit, cfg.startup_timeout_s)
         idle = now_s - (p.heartbeat_s or ob.launched_s)
         if idle > limit:
