@@ -188,11 +188,20 @@ def test_tidal_constant_demand_step_by_step():
     assert state.commitments[-1] == (600.0, 1800.0, 42)  # serving promised >= 42 GPUs until 30 min
     assert state.shortfall_gpu_s == 0.0
 
-    # Demand doubles without warning: the promise of 42 GPUs falls 38 short for one step.
+    # Demand doubles without warning: the promise of 42 GPUs falls 38 short for one step. All 38 count
+    # against the budget; the calibrator counts at most 3 error scales (3 x 0.4 GPUs at the lead time).
+    before = state
     p, state = pol(LoanContext(now_s=1200.0, serving_gpus=100, demand_gpus=80.0, lent_gpus=58), state)
     assert state.shortfall_gpu_s == pytest.approx(38 * 600)
-    assert state.z == pytest.approx(3.0 + 2 * dz_calm + 0.05 * (600 / 3600) * (38 - 0.008 * 80) / (0.008 * 100))
+    assert state.z == pytest.approx(3.0 + 2 * dz_calm + 0.05 * (600 / 3600) * (3 * 0.4 - 0.008 * 80) / (0.008 * 100))
     assert p.lendable_gpus == 0 and p.reclaim_now_gpus == 58  # the surprise widens the bound past the pool
+
+    # Without the cap the whole 38 GPUs move z (the plain online conformal update).
+    fc = ForecastConfig(step_s=600.0, horizon_s=3600.0)
+    uncapped = TidalPolicy(TidalConfig(shortfall_budget=0.01, forecast=fc, timing=LEAD20,
+                                       shortfall_cap_scales=math.inf))
+    _, s2 = uncapped(LoanContext(now_s=1200.0, serving_gpus=100, demand_gpus=80.0, lent_gpus=58), before)
+    assert s2.z == pytest.approx(3.0 + 2 * dz_calm + 0.05 * (600 / 3600) * (38 - 0.008 * 80) / (0.008 * 100))
 
 
 def test_tidal_reclaims_before_the_daily_rise():

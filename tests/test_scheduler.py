@@ -28,7 +28,7 @@ from tidal.model import (
     Tenant,
     check_snapshot,
 )
-from tidal.policy.scheduler import SchedulerConfig, schedule
+from tidal.policy.scheduler import RunningIndex, SchedulerConfig, schedule
 from tidal.policy.scheduling.placement import View, pack, place
 
 NOW = 10_000.0
@@ -482,3 +482,27 @@ def test_quota_is_honoured_and_reclaims_complete(s, reclaim_gpus):
     for j in s.pending():
         if j.kind == "dedicated":
             assert held[j.tenant] + j.min_gpus > quota[j.tenant], (j, held)
+
+
+@FAST
+@given(worlds(), st.lists(st.tuples(st.booleans(), st.integers(0, 16), st.booleans(), st.booleans()),
+                          min_size=1, max_size=10))
+def test_incremental_index_gives_the_same_decisions(s, script):
+    """``schedule(s, index=RunningIndex())`` kept across calls (the simulator's fast path: per-node and
+    per-tenant sums updated from the jobs that changed) decides exactly what the full walk decides,
+    step after step, including after a snapshot from another world (a fresh index's full rebuild)."""
+    idx = RunningIndex()
+    other = None
+    for drain, reclaim_gpus, now_due, swap in script:
+        if reclaim_gpus and s.loans:
+            r = Reclaim(min(reclaim_gpus, sum(ln.gpus for ln in s.loans)), by_s=s.now_s + 300,
+                        notice_s=None if now_due else s.now_s + 600)
+            s = Snapshot.build(s.now_s, s.nodes, s.tenants, s.jobs(), s.loans, (*s.reclaims, r))
+        if swap and other is not None:
+            assert schedule(other, index=idx) == schedule(other)
+        decisions = schedule(s, index=idx)
+        assert decisions == schedule(s)
+        other = s
+        s = apply(s, decisions)
+        s = settle(s, s.now_s + 400) if drain else Snapshot.build(s.now_s + 100, s.nodes, s.tenants, s.jobs(),
+                                                                   s.loans, s.reclaims)

@@ -363,7 +363,7 @@ def run(traces: list[Path], *, serving_gpus: int = 128, step_s: float = 600.0, l
         "config": {"serving_gpus": serving_gpus, "step_s": step_s, "lead_s": lead_s, "budgets": list(budgets),
                    "quantiles": list(quantiles), "warmup_days": warmup_days, "restart_cost_s": restart_cost_s,
                    "night_hours": night_hours,
-                   "tidal": {k: getattr(TidalConfig(), k) for k in ("aim_fraction", "calibration_rate_per_h",
+                   "tidal": {k: getattr(TidalConfig(), k) for k in ("aim_fraction", "calibration_rate_per_h", "shortfall_cap_scales",
                                                                      "initial_z", "min_z")}},
         "traces": {},
     }

@@ -214,6 +214,11 @@ class TidalConfig:
     calibration_rate_per_h: float = 0.05
     """How fast the margin moves: with no shortfall it falls by this x demand/N per hour; a
     shortfall of s GPUs for dt hours raises it by this x s x dt / (aimed budget x N)."""
+    shortfall_cap_scales: float = 3.0
+    """The calibrator counts a step's shortfall up to this many error scales (the forecast's scale at
+    the lead time, as of the plan before): a jump far beyond any margin (load x3 within 10 min)
+    says little about the margin the next days need, and counted in full it lifts ``z`` for days.
+    The realized shortfall still counts in full against the budget (``TidalState.shortfall_gpu_s``)."""
     min_z: float = 0.0
     """Floor of the margin: never plan below the central forecast."""
     max_z: float = 50.0
@@ -262,13 +267,16 @@ class TidalPolicy:
     2. Score the promise: the supply promised for ``now`` by the plans of the last lead time is the
        smallest ``N - lendable`` among them; ``shortfall = max(0, demand - supply)``.
     3. Calibrate (online conformal risk control, Feldman et al. 2023; Angelopoulos et al. 2023):
-       ``z += rate * dt_h * (shortfall - B' * demand) / (B' * N)`` with ``B' = aim_fraction * budget``,
-       floored at ``min_z``. ``z`` rises after a shortfall and decays while there is none, so the
-       long-run shortfall ratio tracks ``B'``. Guarantee, with no assumption on the demand: summed
-       over any period from the start, ``shortfall - B' * demand`` (GPU-hours) is at most
+       ``z += rate * dt_h * (counted - B' * demand) / (B' * N)`` with ``B' = aim_fraction * budget``,
+       floored at ``min_z``, where ``counted = min(shortfall, shortfall_cap_scales * scale(lead))``
+       (the whole shortfall still counts against the budget in ``shortfall_gpu_s``). ``z`` rises
+       after a shortfall and decays while there is none, so the long-run ratio of *counted*
+       shortfall tracks ``B'``. Guarantee, with no assumption on the demand: summed over any period
+       from the start, ``counted - B' * demand`` (GPU-hours) is at most
        ``B' * N * (z_max - z_0 + jump) / rate``, where ``z_max`` is a margin at which the plan
        lends nothing (so nothing can be short) and ``jump`` the largest single step of z. The bound
-       is loose over days; ``aim_fraction`` < 1 is the practical reserve.
+       is loose over days, and shortfall above the cap is not in it; ``aim_fraction`` < 1 is the
+       practical reserve for both (one freak jump must not lift the margin for days).
     4. Plan from ``upper = center + z * scale`` over the horizon (:func:`plan_loans`) and record the
        new promise.
     """
@@ -283,6 +291,7 @@ class TidalPolicy:
         n = ctx.serving_gpus
         fs = state.forecast
         new_obs = math.isnan(fs.t_s) or ctx.now_s > fs.t_s + EPS
+        cap_unit = self._lead_scale(fs) if cfg.shortfall_cap_scales < math.inf else 0.0
         if new_obs:
             fs = observe(cfg.forecast, fs, ctx.now_s, ctx.demand_gpus)
         z, shortfall_gpu_s, demand_gpu_s = state.z, state.shortfall_gpu_s, state.demand_gpu_s
@@ -294,7 +303,8 @@ class TidalPolicy:
             shortfall_gpu_s += shortfall * dt_s
             demand_gpu_s += y * dt_s
             b = cfg.shortfall_budget * cfg.aim_fraction
-            z += cfg.calibration_rate_per_h * dt_s / 3600.0 * (shortfall - b * y) / (b * n)
+            counted = min(shortfall, cfg.shortfall_cap_scales * cap_unit) if cap_unit > 0 else shortfall
+            z += cfg.calibration_rate_per_h * dt_s / 3600.0 * (counted - b * y) / (b * n)
             z = min(cfg.max_z, max(cfg.min_z, z))
         if fs.n_obs == 0:  # nothing known yet: lend nothing
             fc = None
@@ -306,6 +316,15 @@ class TidalPolicy:
         new_state = replace(state, forecast=fs, z=z, commitments=commitments,
                             shortfall_gpu_s=shortfall_gpu_s, demand_gpu_s=demand_gpu_s)
         return plan, new_state
+
+    def _lead_scale(self, fs: ForecastState) -> float:
+        """The forecast's error scale at the lead time, from the last path (0 if none yet)."""
+        if fs.n_obs == 0:
+            return 0.0
+        i = min(max(round(self.config.timing.lead_time_s / self.config.forecast.step_s) - 1, 0),
+                fs.scale_gpus.size - 1)
+        v = float(fs.scale_gpus[i])
+        return v if v > 0 else 0.0
 
     def _plan(self, ctx: LoanContext, fc: Forecast | None, z: float) -> LoanPlan:
         cfg = self.config

@@ -41,7 +41,7 @@ import numpy as np
 
 from tidal.model import Tenant, check_snapshot
 from tidal.policy.loan import LoanContext
-from tidal.policy.scheduler import schedule
+from tidal.policy.scheduler import RunningIndex, schedule
 from tidal.sim import world as W
 from tidal.sim.config import SimConfig
 from tidal.sim.jobs import BacklogSource, JobSpec, SpotBacklog
@@ -93,6 +93,7 @@ class Engine:
         need = self.n_steps + self.h_steps
         self.demand = np.resize(np.asarray(demand, dtype=float), need) if len(demand) < need else np.asarray(demand)
         self.pstate = self.policy.initial_state() if self.policy is not None else None
+        self.sched_index = RunningIndex()  # the scheduler's incremental per-node sums (same decisions)
         ss = np.random.SeedSequence(config.seed)
         fail_seq, backlog_seq = ss.spawn(2)
         self.heap: list[tuple] = []
@@ -235,7 +236,7 @@ class Engine:
         gc_on = gc.isenabled()
         gc.disable()  # as timeit does: a collection of the simulator's heap is not the decision's latency
         c0, t0 = time.thread_time(), time.perf_counter()
-        decisions = schedule(snap, self.cfg.scheduler)
+        decisions = schedule(snap, self.cfg.scheduler, self.sched_index)
         t1, c1 = time.perf_counter(), time.thread_time()
         if gc_on:
             gc.enable()

@@ -8,4 +8,5 @@
 * ``targets`` — the admission step's preemption path: who may lose GPUs to a waiting job, then acting.
 * ``reclaim`` — returning loaned GPUs to serving.
 * ``growth`` — handing spare GPUs to elastic jobs.
+* ``index`` — :class:`~.index.RunningIndex`, optional incremental per-node sums for repeated calls.
 """

@@ -13,19 +13,23 @@ from collections.abc import Mapping
 
 from tidal.model import Admit, Decision, Grow, Job, Loan, Preempt, Reason, ReturnGpus, Shrink, Snapshot
 from tidal.policy.scheduling.config import SchedulerConfig
+from tidal.policy.scheduling.index import RunningIndex
 from tidal.policy.scheduling.placement import View
 
 
 class Cycle:
     """Indexes of one snapshot plus the decisions made so far in this call."""
 
-    def __init__(self, snap: Snapshot, cfg: SchedulerConfig) -> None:
+    def __init__(self, snap: Snapshot, cfg: SchedulerConfig, index: RunningIndex | None = None) -> None:
         self.snap, self.cfg, self.now = snap, cfg, snap.now_s
         self.decisions: list[Decision] = []
         self.touched: set[str] = set()  # jobs that got a decision this call: not touched again
         self.tenants = {t.name: t for t in snap.tenants}
-        self.pool_of: dict[str, str] = {}  # node -> "training" | "loan" (serving nodes without a loan: absent)
         self.loans: dict[str, Loan] = {ln.node: ln for ln in snap.loans}
+        self.index = index
+        if index is not None and self._from_index(index):
+            return
+        self.pool_of: dict[str, str] = {}  # node -> "training" | "loan" (serving nodes without a loan: absent)
         self.max_node_gpus = 1
         self.training_gpus = 0
         for n in snap.nodes:
@@ -64,6 +68,9 @@ class Cycle:
             else:
                 self.spot_held[j.tenant] += j.gpus - j.releasing_gpus
         self.used, self.draining0 = used, draining
+        self._init_rest(snap)
+
+    def _init_rest(self, snap: Snapshot) -> None:
         self.loaned_gpus = sum(ln.gpus for ln in snap.loans)
         self.training = View("training", self.max_node_gpus)
         self.loan = View("loan", self.max_node_gpus)
@@ -75,12 +82,41 @@ class Cycle:
         self._victim_index: object | None = None  # targets.VictimIndex, built on the first search
         self.allowed_nodes: dict[tuple[str, ...], set[str]] = {}  # view names -> placeable nodes
 
+    def _from_index(self, index: RunningIndex) -> bool:
+        """The same indexes as the walk in ``__init__``, from ``index`` (updated by the jobs that changed
+        since its last call). ``False`` (nothing set) if a running job's tenant is unknown: the walk
+        then raises as it always did."""
+        snap = self.snap
+        if not index.nodes(snap.nodes):
+            return False
+        index.update(snap.running)
+        tenants = self.tenants
+        if any(k and t not in tenants for t, k in index.jobs_of.items()):
+            return False
+        self.max_node_gpus, self.training_gpus = index.max_node_gpus, index.training_gpus
+        self.pool_of = dict(index.training_pool_of)
+        other = index.other_nodes
+        for name in self.loans:
+            if name in other:
+                self.pool_of[name] = "loan"
+        self.ded_held = {t: index.ded_held.get(t, 0) for t in tenants}
+        self.spot_held = {t: index.spot_held.get(t, 0) for t in tenants}
+        self.growable = [j for j in snap.running if not j.releasing_gpus and j.gpus < j.max_gpus]
+        self.ded_low_priority = {t: min(p) for t, p in index.ded_prio.items() if p}
+        self.ded_elastic = {t for t, k in index.ded_elastic.items() if k}
+        self.used, self.draining0 = index.used, index.draining
+        self._init_rest(snap)
+        return True
+
     # ------------------------------------------------------------------------------ views, shares
 
     def build_views(self, blocked_loans: set[str]) -> None:
         """Fill the training and loan views from the node list (O(nodes); ``View.add`` inlined)."""
         used, drain, pool_of, loans = self.used, self.draining0, self.pool_of, self.loans
         tv, lv = self.training, self.loan
+        if self.index is not None and self.used is self.index.used:
+            self._build_views_from_plan(blocked_loans)
+            return
         for n in self.snap.nodes:
             name = n.name
             pool = pool_of.get(name)
@@ -99,6 +135,37 @@ class Cycle:
             if free > 0 and name not in v.blocked:
                 v.buckets[free][name] = None
                 v.total += free
+
+    def _build_views_from_plan(self, blocked_loans: set[str]) -> None:
+        """``build_views`` from the index's per-node free counts: the same views (bucket and draining
+        order included: node order), in O(nodes with free or draining GPUs + loans)."""
+        index = self.index
+        assert index is not None
+        pos, drain, used_get, loans = index.pos, self.draining0, self.used.get, self.loans
+        tv, lv = self.training, self.loan
+        tv.free = dict(index.train_free)
+        tb = tv.buckets
+        total = 0
+        for name in sorted(index.train_open, key=pos.__getitem__):
+            f = tv.free[name]
+            tb[f][name] = None
+            total += f
+        tv.total += total
+        tfree = index.train_free
+        for name in sorted((n for n in drain if n in tfree), key=pos.__getitem__):
+            tv.draining[name] = drain[name]
+        other = index.other_nodes
+        for name in sorted((n for n in loans if n in other), key=pos.__getitem__):
+            free = loans[name].gpus - used_get(name, 0)
+            if name in blocked_loans:
+                lv.blocked.add(name)
+            lv.free[name] = free
+            d = drain.get(name)
+            if d:
+                lv.draining[name] = d
+            if free > 0 and name not in lv.blocked:
+                lv.buckets[free][name] = None
+                lv.total += free
 
     def compute_fair(self, pending_spot_tenants: set[str]) -> None:
         """Fair share of spot capacity per active tenant (after the reclaim step kept its GPUs).

@@ -295,9 +295,13 @@ def preempt_keys(c: Cycle, jobs: Iterable[Job]) -> dict[str, tuple]:
     now, min_rt = c.now, c.cfg.min_runtime_before_preempt_s
     shares = {t: -c.share(t) for t in c.tenants}
     out = {}
-    for j in jobs:
-        started = j.started_s
-        out[j.id] = (started is not None and now - started < min_rt, j.work_lost_gpu_s(now), j.priority,
-                     shares[j.tenant], j.id)
+    for j in jobs:  # Job.work_lost_gpu_s, inlined (the same arithmetic)
+        started, ck = j.started_s, j.last_ckpt_s
+        since = started if started is not None else now
+        if ck is not None and ck > since:
+            since = ck
+        lost = now - since
+        out[j.id] = (started is not None and now - started < min_rt, (lost if lost > 0.0 else 0.0) * j.gpus,
+                     j.priority, shares[j.tenant], j.id)
     return out
 

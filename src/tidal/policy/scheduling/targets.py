@@ -26,6 +26,7 @@ then filters those lists (O(running), simple comparisons) and stops as soon as t
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterable, Iterator, Sequence
 
 from tidal.model import Job, Reason
@@ -60,27 +61,53 @@ class VictimIndex:
         self.on_loan: set[str] = set()  # ... on loaned nodes open to placement
         self.on_any_loan: set[str] = set()  # ... on any loaned node (reclaims)
         pool_of, blocked = c.pool_of, c.loan.blocked
+        # With the caller's RunningIndex, each job's nodes are already split into training and other.
+        where = c.index.where if c.index is not None and c.used is c.index.used else None
+        on_t, on_l, on_a = self.on_training, self.on_loan, self.on_any_loan
         for j in c.snap.running:
             if j.releasing_gpus:
                 continue
             if j.kind == "dedicated":
                 self.dedicated.setdefault(j.tenant, []).append(j)
                 continue
+            if where is not None:
+                training, others = where[id(j)]
+                if training:
+                    on_t.add(j.id)
+                for n in others:
+                    if pool_of.get(n) == "loan":
+                        on_a.add(j.id)
+                        if n not in blocked:
+                            on_l.add(j.id)
+                spot.append(j)
+                continue
             for n in j.placement:
                 p = pool_of.get(n)
                 if p == "training":
-                    self.on_training.add(j.id)
+                    on_t.add(j.id)
                 elif p == "loan":
-                    self.on_any_loan.add(j.id)
+                    on_a.add(j.id)
                     if n not in blocked:
-                        self.on_loan.add(j.id)
+                        on_l.add(j.id)
             spot.append(j)
         keys = preempt_keys(c, spot)
         self.protected = {jid for jid, k in keys.items() if k[0]}
-        self.spot_pre = sorted(spot, key=lambda j: keys[j.id])
+        # Keys end with the (unique) job id, so sorting (key, job) pairs never compares jobs.
+        self.spot_pre = [j for _, j in sorted(zip([keys[j.id] for j in spot], spot, strict=True))]
+        # The spot preemption candidates for a spot job: past their minimum runtime, on a node it may use.
+        on_t, on_l, prot = self.on_training, self.on_loan, self.protected
+        self.spot_pre_open = [j for j in self.spot_pre if j.id not in prot and (j.id in on_t or j.id in on_l)]
         shares = {t: -c.share(t) for t in c.tenants}  # shrink_key, inlined
         self.spot_shrink = sorted((j for j in spot if j.gpus > j.min_gpus),
                                   key=lambda j: (j.priority, shares[j.tenant], j.id))
+        self._pre_training: list[Job] | None = None
+
+    def spot_pre_training(self) -> list[Job]:
+        """``spot_pre`` restricted to jobs with GPUs on training nodes (a dedicated job's candidates)."""
+        if self._pre_training is None:
+            on_t = self.on_training
+            self._pre_training = [j for j in self.spot_pre if j.id in on_t]
+        return self._pre_training
 
 
 def victim_index(c: Cycle) -> VictimIndex:
@@ -129,7 +156,7 @@ def _candidates(c: Cycle, job: Job, quota_short: int) -> tuple[list[Cand], Itera
         own_shrink.sort(key=lambda t: shrink_key(c, t[0]))
         on_t = idx.on_training
         spot_shrink: list[Cand] = [(v, "quota", False) for v in idx.spot_shrink if v.id in on_t and v.id not in touched]
-        spot_pre = ((v, "quota", False) for v in idx.spot_pre if v.id in on_t and v.id not in touched)
+        spot_pre = ((v, "quota", False) for v in idx.spot_pre_training() if v.id not in touched)
         if quota_short:  # only the tenant's own jobs give quota back: try them first
             return own_shrink + spot_shrink, itertools.chain(own_pre, spot_pre)
         return spot_shrink + own_shrink, itertools.chain(spot_pre, own_pre)
@@ -145,14 +172,22 @@ def _spot_pre(c: Cycle, job: Job, e: int) -> Iterator[Cand]:
     idx = victim_index(c)
     gap = c.cfg.preempt_priority_gap
     share_after = c.share(job.tenant, job.min_gpus)
-    on_t, on_l, prot, touched = idx.on_training, idx.on_loan, idx.protected, c.touched
-    for v in idx.spot_pre:
-        if v.priority > e or v.id in prot or v.id in touched or not (v.id in on_t or v.id in on_l):
+    touched, spot_held, fair = c.touched, c.spot_held, c.fair
+    inf = math.inf
+    for v in idx.spot_pre_open:  # not protected, on a node the job may use
+        if v.priority > e or v.id in touched:
             continue
         if v.priority <= e - gap:
             yield (v, "priority", False)
-        elif v.tenant != job.tenant and share_after <= c.share(v.tenant, -v.gpus):
-            yield (v, "fair_share", False)
+        elif v.tenant != job.tenant:
+            held = spot_held[v.tenant] - v.gpus  # c.share(v.tenant, -v.gpus), inlined
+            if held <= 0:
+                after = 0.0
+            else:
+                f = fair.get(v.tenant, 0.0)
+                after = held / f if f > 0 else inf
+            if share_after <= after:
+                yield (v, "fair_share", False)
 
 
 def _focus_nodes(need: GangNeed, shrink: list[Cand], pre: Iterator[Cand]) -> tuple[list[Cand], list[Cand]] | None:
