@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -158,6 +159,62 @@ def test_scale_never_shrinks_with_horizon_on_noise():
                             noise_exponent=0)
     s = run(cfg, 50 + 5 * rng.standard_normal(300))
     assert np.all(np.diff(fc.forecast(cfg, s).scale_gpus) >= -1e-6)
+
+
+def test_context_quantile_of_a_histogram_and_the_factor_per_context():
+    bins = fc._CTX_BINS
+    hist = np.zeros(bins.size - 1)
+    hist[np.searchsorted(bins, 1.0, side="right") - 1] = 10.0  # ten errors in the bin [1.0, 1.1)
+    assert fc._quantile(hist, 0.5) == pytest.approx(1.05)
+    assert math.isnan(fc._quantile(np.zeros_like(hist), 0.5))
+    cfg = fc.ForecastConfig(context_level_edges=(1.0,), context_quantile=0.5, context_prior_n=0)
+    wide = np.zeros_like(hist)
+    wide[np.searchsorted(bins, 3.0, side="right") - 1] = 10.0  # the other context's errors: 3.0 .. 3.1
+    s = replace(fc.initial_state(cfg), ctx_hist=np.stack([hist, wide]))
+    # Pooled median: the top of the first bin (1.1, half the mass at or below it); each context's
+    # median (1.05, 3.05) against it.
+    np.testing.assert_allclose(fc._context_factor(cfg, s), [1.05 / 1.1, 3.05 / 1.1], rtol=1e-6)
+    shrunk = replace(cfg, context_prior_n=1e6, context_quantile=0.25)  # all prior: the pooled quantile
+    np.testing.assert_allclose(fc._context_factor(shrunk, s), 1.0, atol=1e-4)
+
+
+def test_context_quantiles_widen_the_scale_where_errors_are_large():
+    """Level alternates every 7 h (not aligned with the day) between 20 GPUs, noise sd 0.5, and 60
+    GPUs, noise sd 6. One shared error scale cannot tell them apart; a level context can."""
+    rng = np.random.default_rng(1)
+    t = np.arange(6 * 144)
+    high = (t // 42) % 2 == 1
+    y = np.where(high, 60 + 6 * rng.standard_normal(t.size), 20 + 0.5 * rng.standard_normal(t.size))
+    off = fc.ForecastConfig(step_s=600, horizon_s=2 * H, context_level_edges=())
+    on = replace(off, context_level_edges=(1.0,), context_quantile=0.9)
+    assert off.contexts == 1 and on.contexts == 2
+    s_off, s_on = run(off, y), run(on, y)
+    assert s_off.ctx_hist is None
+    factor = fc._context_factor(on, s_on)
+    assert factor[1] > 1.5 * factor[0]  # [below the mean, above it]
+    assert s_on.ctx_hist.sum() > 0 and not s_on.ctx_hist.flags.writeable
+    hist = s_on.ctx_hist.copy()
+    later = fc.observe(on, s_on, s_on.t_s + 600, 5000.0)  # a miss far above the center: pure, and counted
+    np.testing.assert_array_equal(s_on.ctx_hist, hist)
+    assert later.ctx_hist[:, -1].sum() > hist[:, -1].sum()  # beyond the histogram: the end bin
+    # The scale is the context-free one times the factor of each point's context.
+    f = fc.forecast(on, s_on)
+    ctx = s_on.past_ctx[0].astype(int)
+    np.testing.assert_allclose(f.scale_gpus, np.maximum(s_on.past_base[0] * factor[ctx], 0.01 * s_on.mean_gpus))
+    # The contexts only multiply: the center and the scale before the factor are those with them off.
+    np.testing.assert_allclose(f.center_gpus, fc.forecast(off, s_off).center_gpus)
+    np.testing.assert_allclose(s_on.past_base[0], fc.forecast(off, s_off).scale_gpus)
+
+
+@pytest.mark.parametrize(("kw", "match"), [
+    ({"context_level_edges": (1.2, 0.9)}, "context_level_edges must increase"),
+    ({"context_quantile": 1.0}, r"context_quantile must be in \(0, 1\)"),
+    ({"context_tod_buckets": -1}, "context_tod_buckets must be >= 0"),
+    ({"context_max_factor": 0.5}, "context_max_factor >= 1"),
+])
+def test_context_config_errors(kw, match):
+    with pytest.raises(ValueError, match=match):
+        fc.ForecastConfig(**kw)
 
 
 # --- coverage calibration -------------------------------------------------------------------------

@@ -364,7 +364,10 @@ def run(traces: list[Path], *, serving_gpus: int = 128, step_s: float = 600.0, l
                    "quantiles": list(quantiles), "warmup_days": warmup_days, "restart_cost_s": restart_cost_s,
                    "night_hours": night_hours,
                    "tidal": {k: getattr(TidalConfig(), k) for k in ("aim_fraction", "calibration_rate_per_h", "shortfall_cap_scales",
-                                                                     "initial_z", "min_z")}},
+                                                                     "initial_z", "min_z")},
+                   "forecast": {k: getattr(fc.ForecastConfig(), k) for k in (
+                       "noise_exponent", "context_tod_buckets", "context_level_edges", "context_vol_edges",
+                       "context_quantile")}},
         "traces": {},
     }
     started = time.perf_counter()

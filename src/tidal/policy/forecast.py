@@ -4,7 +4,7 @@ Model, for the demand y at time ``t + h * step_s`` seen from the last observatio
 
     center(h) = P(t + h) + (level(t) - P(t)) * 2^(-h step / anomaly_half_life)
                 + trend(t) * step * sum_{i=1..h} 2^(-i step / trend_damping_half_life)
-    scale(h)  = e(h) * (center(h) / mean)^noise_exponent * tod(t + h) * burst(h)
+    scale(h)  = e(h) * (center(h) / mean)^noise_exponent * tod(t + h) * burst(h) * ctx(h)
     upper(h; z) = center(h) + z * scale(h)
 
 * ``P`` is the time-of-day profile: one exponentially weighted mean per ``step_s`` slot of
@@ -25,6 +25,12 @@ Model, for the demand y at time ``t + h * step_s`` seen from the last observatio
   through an ``error_profile_smooth_s`` kernel, shrunk towards 1 while few days are seen). On
   ServeGen m-large most of the large under-forecasts fall in the same evening hours; the margin
   should be wide there and narrow elsewhere.
+* ``ctx`` (conditional error quantiles) multiplies the scale per context (by default the level
+  bucket of ``center / mean``; optionally the target's time of day and the volatility regime):
+  ``Q_c(q) / Q(q)``, the q-quantile of the standardized errors ``(y - center) / scale`` seen in
+  that context over that of all of them, from exponentially weighted histograms of past errors only,
+  each shrunk towards the pooled one. ``e``, ``tod`` and ``burst`` set the error's size; ``ctx``
+  corrects the *tail* where it is heavier or lighter than the size says.
 * ``burst`` widens the scale while the last steps' one-step errors exceed the usual one
   (volatility clusters: a jump is often followed by more); it fades over ``burst_half_life_s``,
   both in time and along the horizon.
@@ -111,6 +117,29 @@ class ForecastConfig:
     """The error scale grows with demand to this power (see the module docstring). 0 (additive):
     on both ServeGen traces the misses that matter do not grow with the level (0.5 lent 1-3 % less
     at the same shortfall in the fluid model of ``tidal bench forecast``)."""
+    context_tod_buckets: int = 0
+    """Conditional error quantiles (0 = off): split the day into this many equal buckets by the
+    target's time of day. With any ``context_*`` on, the scale is multiplied per context by
+    ``Q_c(context_quantile) / Q(context_quantile)``: the quantile of the standardized errors
+    ``(y - center) / scale`` seen in that context over the quantile of all of them, learned online
+    from past errors only (see :func:`_context_factor`)."""
+    context_level_edges: tuple[float, ...] = (0.85, 1.15)
+    """Conditional error quantiles by level: bucket edges on ``center / mean`` (``()`` = off). The
+    default (low / usual / high level) lent more at the same or lower shortfall on both ServeGen
+    traces, in the fluid model and the simulator (docs/loaning.md, "Conditional error quantiles")."""
+    context_vol_edges: tuple[float, ...] = ()
+    """Conditional error quantiles by volatility regime: bucket edges on the burst factor at the
+    time the path is made (e.g. ``(1.3,)``: calm vs. recently surprised)."""
+    context_quantile: float = 0.99
+    """The tail level at which contexts are compared (0.95 and 0.98 lent less on both traces)."""
+    context_horizon_steps: int = 3
+    """Standardized errors of horizons 1..this are pooled into the context histograms."""
+    context_half_life_s: float = 7 * 86400.0
+    """Memory of the context histograms."""
+    context_prior_n: float = 30.0
+    """Each context's histogram is shrunk towards the pooled one by this many pseudo-observations."""
+    context_max_factor: float = 3.0
+    """The context factor is clipped to ``[1 / this, this]``."""
     prior_scale_fraction: float = 0.25
     """Error scale, as a fraction of the level, before any error has been measured."""
     min_scale_fraction: float = 0.01
@@ -130,6 +159,19 @@ class ForecastConfig:
             raise ValueError(f"ForecastConfig.error_clip must be > 0, got {self.error_clip}")
         if self.noise_exponent < 0:
             raise ValueError(f"ForecastConfig.noise_exponent must be >= 0, got {self.noise_exponent}")
+        if self.context_tod_buckets < 0:
+            raise ValueError(f"ForecastConfig.context_tod_buckets must be >= 0, got {self.context_tod_buckets}")
+        for name in ("context_level_edges", "context_vol_edges"):
+            edges = getattr(self, name)
+            if any(b <= a for a, b in zip(edges, edges[1:], strict=False)):
+                raise ValueError(f"ForecastConfig.{name} must increase, got {edges}")
+        if not 0 < self.context_quantile < 1:
+            raise ValueError(f"ForecastConfig.context_quantile must be in (0, 1), got {self.context_quantile}")
+        if self.context_horizon_steps < 1:
+            raise ValueError(f"ForecastConfig.context_horizon_steps must be >= 1, got {self.context_horizon_steps}")
+        if self.context_prior_n < 0 or not self.context_max_factor >= 1:
+            raise ValueError("ForecastConfig.context_prior_n must be >= 0 and context_max_factor >= 1, got "
+                             f"{self.context_prior_n} and {self.context_max_factor}")
 
     @property
     def horizon_steps(self) -> int:
@@ -138,6 +180,12 @@ class ForecastConfig:
     @property
     def slots(self) -> int:
         return round(self.period_s / self.step_s)
+
+    @property
+    def contexts(self) -> int:
+        """Number of conditional-quantile contexts (1 = the feature is off)."""
+        return (max(self.context_tod_buckets, 1) * (len(self.context_level_edges) + 1)
+                * (len(self.context_vol_edges) + 1))
 
 
 @dataclass(frozen=True, eq=False)
@@ -179,6 +227,12 @@ class ForecastState:
     err_profile_n: np.ndarray
     burst: float
     scale_gpus: np.ndarray = field(repr=False)
+    past_base: np.ndarray | None = field(default=None, repr=False)
+    """``past_base[r, h-1]``: the scale before the context factor, for the path of ``past_center``."""
+    past_ctx: np.ndarray | None = field(default=None, repr=False)
+    """``past_ctx[r, h-1]``: the context of that path's point (conditional error quantiles)."""
+    ctx_hist: np.ndarray | None = field(default=None, repr=False)
+    """Per context, an exponentially weighted histogram of standardized errors (``_CTX_BINS``)."""
 
 
 def initial_state(config: ForecastConfig) -> ForecastState:
@@ -190,7 +244,57 @@ def initial_state(config: ForecastConfig) -> ForecastState:
         err_sum=_frozen(np.zeros(h)), err_weight=_frozen(np.zeros(h)),
         past_center=_frozen(np.full((h, h), np.nan)), err_profile=_frozen(np.zeros(config.slots)),
         err_profile_n=_frozen(np.zeros(config.slots)), burst=1.0, scale_gpus=_frozen(np.full(h, np.nan)),
+        past_base=_frozen(np.full((h, h), np.nan)), past_ctx=_frozen(np.zeros((h, h))),
+        ctx_hist=_frozen(np.zeros((config.contexts, _CTX_BINS.size - 1))) if config.contexts > 1 else None,
     )
+
+
+_CTX_BINS = np.linspace(-8.0, 24.0, 321)
+"""Bin edges of the standardized-error histograms (errors beyond fall into the end bins)."""
+
+
+def _context_of(config: ForecastConfig, state: ForecastState, center: np.ndarray,
+                future_slots: np.ndarray) -> np.ndarray:
+    """Context id of each path point: (time-of-day bucket of the target, level bucket, volatility bucket)."""
+    tod = (future_slots * max(config.context_tod_buckets, 1)) // config.slots
+    mean = state.mean_gpus if state.mean_gpus > 0 else 1.0
+    lvl = np.searchsorted(np.asarray(config.context_level_edges, float), center / mean, side="right")
+    vol = int(np.searchsorted(np.asarray(config.context_vol_edges, float), state.burst, side="right"))
+    nl, nv = len(config.context_level_edges) + 1, len(config.context_vol_edges) + 1
+    return (tod * nl + lvl) * nv + vol
+
+
+def _quantile(hist: np.ndarray, q: float) -> float:
+    """The q-quantile of a histogram over ``_CTX_BINS`` (linear inside the bin); NaN if empty."""
+    cum = np.cumsum(hist)
+    if not cum[-1] > 0:
+        return math.nan
+    i = int(np.searchsorted(cum, q * cum[-1]))
+    i = min(i, hist.size - 1)
+    below = cum[i - 1] if i > 0 else 0.0
+    frac = (q * cum[-1] - below) / hist[i] if hist[i] > 0 else 0.5
+    return float(_CTX_BINS[i] + frac * (_CTX_BINS[i + 1] - _CTX_BINS[i]))
+
+
+def _context_factor(config: ForecastConfig, state: ForecastState) -> np.ndarray:
+    """Per context: ``Q_c(quantile) / Q(quantile)`` of the standardized errors, each context's
+    histogram shrunk towards the pooled one by ``context_prior_n`` pseudo-observations; 1 until
+    the pooled quantile is positive."""
+    hist = state.ctx_hist
+    out = np.ones(config.contexts)
+    if hist is None:
+        return out
+    pooled = hist.sum(axis=0)
+    total = float(pooled.sum())
+    q_all = _quantile(pooled, config.context_quantile)
+    if not total > 0 or not q_all > 0:
+        return out
+    prior = config.context_prior_n * pooled / total
+    for c in range(config.contexts):
+        q_c = _quantile(hist[c] + prior, config.context_quantile)
+        if q_c == q_c:
+            out[c] = q_c / q_all
+    return np.clip(out, 1.0 / config.context_max_factor, config.context_max_factor)
 
 
 def slot_of(config: ForecastConfig, t_s: float | np.ndarray) -> np.ndarray:
@@ -257,8 +361,8 @@ def _error_profile_factor(config: ForecastConfig, state: ForecastState) -> np.nd
     return (days * rel + k) / (days + k) if k > 0 else rel
 
 
-def _path(config: ForecastConfig, state: ForecastState) -> tuple[np.ndarray, np.ndarray]:
-    """Center and scale paths from ``state`` (made at ``state.t_s``)."""
+def _path(config: ForecastConfig, state: ForecastState) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Center, scale, base scale (before the context factor) and context paths from ``state``."""
     c = _consts(config)
     hs = c["hs"]
     step = config.step_s
@@ -290,8 +394,14 @@ def _path(config: ForecastConfig, state: ForecastState) -> tuple[np.ndarray, np.
     floor = config.min_scale_fraction * mean if mean > 0 else 0.0
     tod = _error_profile_factor(config, state)[future_slots]
     burst = 1.0 + max(state.burst - 1.0, 0.0) * c["burst_fade"]
-    scale = np.maximum(e * _noise_factor(config, center, mean) * tod * burst, floor)
-    return center, scale
+    base = np.maximum(e * _noise_factor(config, center, mean) * tod * burst, floor)
+    if config.contexts > 1:
+        ctx = _context_of(config, state, center, future_slots)
+        scale = np.maximum(base * _context_factor(config, state)[ctx], floor)
+    else:
+        ctx = np.zeros(hs.shape)
+        scale = base
+    return center, scale, base, ctx
 
 
 def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float) -> ForecastState:
@@ -303,6 +413,7 @@ def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float)
     err_sum, err_weight = state.err_sum, state.err_weight
     eprof, eprof_n = state.err_profile, state.err_profile_n
     burst = state.burst
+    ctx_hist = state.ctx_hist
     if not math.isnan(y) and state.n_obs > 0:
         # Score the paths made 1..H steps ago at their points that target now.
         preds = np.diagonal(state.past_center).copy()
@@ -325,6 +436,18 @@ def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float)
                 eprof, eprof_n = eprof.copy(), eprof_n.copy()
                 eprof_n[s] += 1
                 eprof[s] += max(day_w, 1.0 / eprof_n[s]) * (float(np.mean(err[rel] / before[rel])) - eprof[s])
+            if state.ctx_hist is not None and state.past_base is not None:
+                # Standardized errors of the first context_horizon_steps horizons, into their contexts.
+                k = min(config.context_horizon_steps, h)
+                base = np.diagonal(state.past_base)[:k]
+                ctx = np.diagonal(state.past_ctx)[:k]
+                good = ok[:k] & (base > 0)
+                hist = state.ctx_hist * decay(step, config.context_half_life_s)
+                if good.any():
+                    r = (y - preds[:k][good]) / base[good]
+                    b = np.clip(np.searchsorted(_CTX_BINS, r, side="right") - 1, 0, _CTX_BINS.size - 2)
+                    np.add.at(hist, (ctx[good].astype(int), b), 1.0)
+                ctx_hist = hist
             if rel[0]:
                 # Recent surprise at one step ahead, relative to the usual one-step error.
                 burst += (1.0 - decay(step, config.burst_half_life_s)) * (float(err[0] / before[0]) - burst)
@@ -351,13 +474,19 @@ def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float)
     new = replace(state, t_s=t_s, n_obs=n_obs, level_gpus=level, trend_gpus_per_s=trend, mean_gpus=mean,
                   profile_gpus=_frozen(prof), profile_n=_frozen(prof_n),
                   err_sum=_frozen(np.asarray(err_sum, float)), err_weight=_frozen(np.asarray(err_weight, float)),
-                  err_profile=_frozen(eprof), err_profile_n=_frozen(eprof_n), burst=burst)
+                  err_profile=_frozen(eprof), err_profile_n=_frozen(eprof_n), burst=burst,
+                  ctx_hist=None if ctx_hist is None else _frozen(np.asarray(ctx_hist, float)))
     if n_obs == 0:
-        center = scale = np.full(h, np.nan)
+        center = scale = base = np.full(h, np.nan)
+        ctx = np.zeros(h)
     else:
-        center, scale = _path(config, new)
+        center, scale, base, ctx = _path(config, new)
     past = np.vstack([center[None, :], state.past_center[:-1]])
-    return replace(new, past_center=_frozen(past), scale_gpus=_frozen(scale))
+    past_base = np.vstack([base[None, :], state.past_base[:-1]]) if state.past_base is not None else None
+    past_ctx = np.vstack([np.asarray(ctx, float)[None, :], state.past_ctx[:-1]]) if state.past_ctx is not None else None
+    return replace(new, past_center=_frozen(past), scale_gpus=_frozen(scale),
+                   past_base=None if past_base is None else _frozen(past_base),
+                   past_ctx=None if past_ctx is None else _frozen(past_ctx))
 
 
 def observe(config: ForecastConfig, state: ForecastState, t_s: float, demand_gpus: float) -> ForecastState:
