@@ -506,3 +506,29 @@ def test_incremental_index_gives_the_same_decisions(s, script):
         s = apply(s, decisions)
         s = settle(s, s.now_s + 400) if drain else Snapshot.build(s.now_s + 100, s.nodes, s.tenants, s.jobs(),
                                                                    s.loans, s.reclaims)
+
+
+@FAST
+@given(st.lists(st.tuples(st.integers(0, 2), st.sampled_from([1, 2, 4]), st.integers(0, 1), st.booleans(),
+                          st.sampled_from([None, -2000.0, -500.0, -100.0]),
+                          st.sampled_from([None, -1500.0, -400.0, -100.0, 0.0])), min_size=2, max_size=12))
+def test_victim_orders_are_the_key_sorts(specs):
+    """The victim index orders spot jobs with one ``numpy.lexsort`` over key columns; it must equal
+    sorting by ``preempt_keys`` / ``shrink_key`` (ties in work lost, priority and share broken by id)."""
+    from tidal.policy.scheduling.cycle import Cycle
+    from tidal.policy.scheduling.preemption import preempt_keys, shrink_key
+    from tidal.policy.scheduling.targets import _spot_orders
+
+    jobs = [Job(f"j{9 - k}{k}", f"u{t}", "spot", priority=p, min_gpus=1 if elastic else g, max_gpus=8,
+                placement={f"t{k}": g}, started_s=started, last_ckpt_s=ckpt)
+            for k, (t, g, p, elastic, started, ckpt) in enumerate(specs)]
+    s = Snapshot.build(0.0, nodes((8,) * len(jobs), ()), [Tenant(f"u{i}", 0, 1.0 + i % 2) for i in range(3)], jobs)
+    c = Cycle(s, SchedulerConfig())
+    c.build_views(set())
+    c.compute_fair({j.tenant for j in jobs})
+    keys = preempt_keys(c, jobs)
+    pre, protected, shrink = _spot_orders(c, jobs)
+    assert [j.id for j in pre] == [j.id for j in sorted(jobs, key=lambda j: keys[j.id])]
+    assert protected == {j.id for j in jobs if keys[j.id][0]}
+    assert [j.id for j in shrink] == [j.id for j in sorted((j for j in jobs if j.gpus > j.min_gpus),
+                                                           key=lambda j: shrink_key(c, j))]

@@ -46,7 +46,7 @@ class Cycle:
         draining: dict[str, int] = {}
         self.ded_held = dict.fromkeys(self.tenants, 0)  # dedicated GPUs held (quota is checked on these)
         self.spot_held = dict.fromkeys(self.tenants, 0)  # spot GPUs held minus releasing (fair share)
-        self.growable: list[Job] = []
+        self.growable: list[Job] | None = []  # running jobs below their maximum (None: not listed yet)
         self.ded_low_priority: dict[str, int] = {}  # tenant -> lowest priority of its running dedicated jobs
         self.ded_elastic: set[str] = set()  # tenants with a dedicated job above its minimum
         for j in snap.running:
@@ -101,7 +101,7 @@ class Cycle:
                 self.pool_of[name] = "loan"
         self.ded_held = {t: index.ded_held.get(t, 0) for t in tenants}
         self.spot_held = {t: index.spot_held.get(t, 0) for t in tenants}
-        self.growable = [j for j in snap.running if not j.releasing_gpus and j.gpus < j.max_gpus]
+        self.growable = None  # listed by growable_jobs() only if the grow step runs (spare GPUs)
         self.ded_low_priority = {t: min(p) for t, p in index.ded_prio.items() if p}
         self.ded_elastic = {t for t, k in index.ded_elastic.items() if k}
         self.used, self.draining0 = index.used, index.draining
@@ -146,12 +146,17 @@ class Cycle:
         tv.free = dict(index.train_free)
         tb = tv.buckets
         total = 0
-        for name in sorted(index.train_open, key=pos.__getitem__):
+        tfree = index.train_free
+        opened = index.train_open
+        if 8 * len(opened) > len(tfree):  # many open: filter the node-ordered table instead of sorting
+            ordered = [name for name, f in tfree.items() if f > 0]
+        else:
+            ordered = sorted(opened, key=pos.__getitem__)
+        for name in ordered:
             f = tv.free[name]
             tb[f][name] = None
             total += f
         tv.total += total
-        tfree = index.train_free
         for name in sorted((n for n in drain if n in tfree), key=pos.__getitem__):
             tv.draining[name] = drain[name]
         other = index.other_nodes
@@ -166,6 +171,12 @@ class Cycle:
             if free > 0 and name not in lv.blocked:
                 lv.buckets[free][name] = None
                 lv.total += free
+
+    def growable_jobs(self) -> list[Job]:
+        """Running jobs not releasing and below their maximum, in running order."""
+        if self.growable is None:
+            self.growable = [j for j in self.snap.running if not j.releasing_gpus and j.gpus < j.max_gpus]
+        return self.growable
 
     def compute_fair(self, pending_spot_tenants: set[str]) -> None:
         """Fair share of spot capacity per active tenant (after the reclaim step kept its GPUs).

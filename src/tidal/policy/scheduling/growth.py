@@ -37,7 +37,7 @@ def grow_step(c: Cycle, admitted: dict[str, tuple[int, Job]]) -> None:
     size: dict[str, int] = {}
     jobs: dict[str, Job] = {}
     start: dict[str, Mapping[str, int]] = {}
-    for j in c.growable:
+    for j in c.growable_jobs():
         if j.size_step > spare or j.id in c.touched or (j.last_shrunk_s is not None and now - j.last_shrunk_s < hyst):
             continue
         jobs[j.id], size[j.id], start[j.id] = j, j.gpus, j.placement

@@ -6,7 +6,10 @@ dedicated priority per tenant) and every node (free GPUs per pool). At ~1,500 ru
 nodes that is a third of a call, yet between two calls of a simulator or a reconcile loop only a few
 jobs change. :class:`RunningIndex` remembers the sums of the previous call and updates them from the
 jobs that were added or removed since (by object identity: :class:`~tidal.model.Job` is frozen, a
-changed job is a new object), so the walk costs O(changed jobs) instead of O(running).
+changed job is a new object), so the walk costs O(changed jobs) instead of O(running). It also keeps
+the victim index's inputs (``targets.VictimIndex``): the spot and dedicated jobs not releasing, and
+which of them sit on training or other nodes, so a victim search does not walk every running job's
+placement again.
 
 It is a memo, not a policy: ``schedule(snap, cfg, index=RunningIndex())`` returns exactly what
 ``schedule(snap, cfg)`` returns (``tests/test_scheduler.py`` checks this on random sequences of
@@ -48,7 +51,11 @@ class RunningIndex:
         self.ded_elastic: dict[str, int] = {}  # tenant -> dedicated jobs not releasing above their minimum
         self.train_free: dict[str, int] = dict(self._node_gpus)  # training node -> GPUs free, in node order
         self.train_open: set[str] = {n for n, g in self.train_free.items() if g > 0}  # ... with free GPUs
-        self.where: dict[int, tuple[bool, tuple[str, ...]]] = {}  # id(job) -> (on a training node, other nodes)
+        # The victim index's inputs (``targets.VictimIndex``), over running jobs not releasing:
+        self.spot_jobs: dict[int, Job] = {}  # id(job) -> spot job
+        self.spot_on_training: set[str] = set()  # ids of those spot jobs with GPUs on a training node
+        self.spot_elsewhere: dict[int, tuple[str, tuple[str, ...]]] = {}  # id(job) -> (job id, its other nodes)
+        self.ded_jobs: dict[str, dict[int, Job]] = {}  # tenant -> id(job) -> dedicated job
 
     def nodes(self, nodes: Sequence[Node]) -> bool:
         """Bring the node tables to ``nodes`` (rebuilt, and the job sums with them, unless it is the
@@ -102,10 +109,7 @@ class RunningIndex:
                     self.train_open.discard(node)
             else:
                 others.append(node)
-        if sign > 0:
-            self.where[id(j)] = (on_training, tuple(others))
-        else:
-            self.where.pop(id(j), None)
+        key = id(j)
         rel = j.releasing_gpus
         if rel:
             for node, g in j.releasing.items():
@@ -127,8 +131,24 @@ class RunningIndex:
                     del prios[j.priority]
                 if j.gpus > j.min_gpus:
                     self.ded_elastic[t] = self.ded_elastic.get(t, 0) + sign
+                if sign > 0:
+                    self.ded_jobs.setdefault(t, {})[key] = j
+                else:
+                    self.ded_jobs[t].pop(key, None)
         else:
             self.spot_held[t] = self.spot_held.get(t, 0) + sign * (j.gpus - rel)
+            if not rel:
+                if sign > 0:
+                    self.spot_jobs[key] = j
+                    if on_training:
+                        self.spot_on_training.add(j.id)
+                    if others:
+                        self.spot_elsewhere[key] = (j.id, tuple(others))
+                else:
+                    del self.spot_jobs[key]
+                    if on_training:
+                        self.spot_on_training.discard(j.id)
+                    self.spot_elsewhere.pop(key, None)
 
 
 __all__ = ["RunningIndex"]

@@ -19,15 +19,20 @@ requeued victim that has waited long can never turn around and preempt its preem
   victim's (``fair_share``, Kueue's LessThanOrEqualToFinalShare). The swap back is then never
   allowed: it would need the victim's tenant, holding more, to end at or below the other.
 
-Cost: the first search in a call indexes the running jobs once (sorted by victim key); each search
-then filters those lists (O(running), simple comparisons) and stops as soon as the need is met.
+Cost: the first search in a call indexes the running jobs once (ordered by victim key with one
+``numpy.lexsort``; with the caller's ``RunningIndex`` the jobs come pre-split by kind and pool); each
+search then filters those lists and stops as soon as the need is met. A spot job's search skips whole
+(priority, tenant) groups that cannot yield a victim (see :func:`_spot_pre`).
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 from collections.abc import Iterable, Iterator, Sequence
+
+import numpy as np
 
 from tidal.model import Job, Reason
 from tidal.policy.scheduling.cycle import Cycle
@@ -55,52 +60,65 @@ class VictimIndex:
     """
 
     def __init__(self, c: Cycle) -> None:
-        spot: list[Job] = []
         self.dedicated: dict[str, list[Job]] = {}
-        self.on_training: set[str] = set()  # spot job ids with GPUs on training nodes
+        self.on_training: set[str]  # spot job ids with GPUs on training nodes
         self.on_loan: set[str] = set()  # ... on loaned nodes open to placement
         self.on_any_loan: set[str] = set()  # ... on any loaned node (reclaims)
         pool_of, blocked = c.pool_of, c.loan.blocked
-        # With the caller's RunningIndex, each job's nodes are already split into training and other.
-        where = c.index.where if c.index is not None and c.used is c.index.used else None
-        on_t, on_l, on_a = self.on_training, self.on_loan, self.on_any_loan
-        for j in c.snap.running:
-            if j.releasing_gpus:
-                continue
-            if j.kind == "dedicated":
-                self.dedicated.setdefault(j.tenant, []).append(j)
-                continue
-            if where is not None:
-                training, others = where[id(j)]
-                if training:
-                    on_t.add(j.id)
+        on_l, on_a = self.on_loan, self.on_any_loan
+        index = c.index
+        if index is not None and c.used is index.used:
+            # The caller's RunningIndex keeps these jobs split by kind, and their nodes by pool.
+            self.dedicated = {t: list(d.values()) for t, d in index.ded_jobs.items() if d}
+            self.on_training = index.spot_on_training  # read only; valid for this call
+            for jid, others in index.spot_elsewhere.values():
                 for n in others:
                     if pool_of.get(n) == "loan":
+                        on_a.add(jid)
+                        if n not in blocked:
+                            on_l.add(jid)
+            spot = list(index.spot_jobs.values())
+        else:
+            spot = []
+            self.on_training = on_t = set()
+            for j in c.snap.running:
+                if j.releasing_gpus:
+                    continue
+                if j.kind == "dedicated":
+                    self.dedicated.setdefault(j.tenant, []).append(j)
+                    continue
+                for n in j.placement:
+                    p = pool_of.get(n)
+                    if p == "training":
+                        on_t.add(j.id)
+                    elif p == "loan":
                         on_a.add(j.id)
                         if n not in blocked:
                             on_l.add(j.id)
                 spot.append(j)
-                continue
-            for n in j.placement:
-                p = pool_of.get(n)
-                if p == "training":
-                    on_t.add(j.id)
-                elif p == "loan":
-                    on_a.add(j.id)
-                    if n not in blocked:
-                        on_l.add(j.id)
-            spot.append(j)
-        keys = preempt_keys(c, spot)
-        self.protected = {jid for jid, k in keys.items() if k[0]}
-        # Keys end with the (unique) job id, so sorting (key, job) pairs never compares jobs.
-        self.spot_pre = [j for _, j in sorted(zip([keys[j.id] for j in spot], spot, strict=True))]
+        self.spot_pre, self.protected, self.spot_shrink = _spot_orders(c, spot)
         # The spot preemption candidates for a spot job: past their minimum runtime, on a node it may use.
-        on_t, on_l, prot = self.on_training, self.on_loan, self.protected
+        on_t, prot = self.on_training, self.protected
         self.spot_pre_open = [j for j in self.spot_pre if j.id not in prot and (j.id in on_t or j.id in on_l)]
-        shares = {t: -c.share(t) for t in c.tenants}  # shrink_key, inlined
-        self.spot_shrink = sorted((j for j in spot if j.gpus > j.min_gpus),
-                                  key=lambda j: (j.priority, shares[j.tenant], j.id))
         self._pre_training: list[Job] | None = None
+        self._open_groups: list[tuple[int, str, list[tuple[int, Job]], int]] | None = None
+
+    def open_groups(self) -> list[tuple[int, str, list[tuple[int, Job]], int]]:
+        """``spot_pre_open`` split by (priority, tenant): ``(priority, tenant, [(rank, job)], fewest GPUs)``,
+        each list in ``spot_pre_open`` order (``rank``: the position there), so merging some of them by
+        rank gives ``spot_pre_open`` with the other groups left out."""
+        if self._open_groups is None:
+            groups: dict[tuple[int, str], list] = {}  # (priority, tenant) -> [fewest GPUs, [(rank, job)]]
+            for r, j in enumerate(self.spot_pre_open):
+                g = groups.get((j.priority, j.tenant))
+                if g is None:
+                    groups[(j.priority, j.tenant)] = [j.gpus, [(r, j)]]
+                else:
+                    g[1].append((r, j))
+                    if j.gpus < g[0]:
+                        g[0] = j.gpus
+            self._open_groups = [(p, t, lst, fewest) for (p, t), (fewest, lst) in groups.items()]
+        return self._open_groups
 
     def spot_pre_training(self) -> list[Job]:
         """``spot_pre`` restricted to jobs with GPUs on training nodes (a dedicated job's candidates)."""
@@ -108,6 +126,53 @@ class VictimIndex:
             on_t = self.on_training
             self._pre_training = [j for j in self.spot_pre if j.id in on_t]
         return self._pre_training
+
+
+def _spot_orders(c: Cycle, spot: list[Job]) -> tuple[list[Job], set[str], list[Job]]:
+    """``spot`` in preemption order (:func:`preempt_keys`), the ids of the protected ones, and the
+    elastic ones above their minimum in shrink order (:func:`shrink_key`).
+
+    The same orders as sorting by those keys, computed as one ``numpy.lexsort`` over the key columns
+    (the same float arithmetic; the job id, the last key, as its rank among the ids), so a call pays
+    O(n) Python attribute reads, not O(n log n) tuple comparisons. Ids containing NUL (which numpy's
+    strings would drop) take the plain sort."""
+    shares = {t: -c.share(t) for t in c.tenants}
+    ids = [j.id for j in spot]
+    if len(spot) >= 2 and "\0" not in "".join(ids):
+        try:
+            return _spot_orders_np(c, spot, ids, shares)
+        except OverflowError:  # a priority beyond int64
+            pass
+    keys = preempt_keys(c, spot)
+    # Keys end with the (unique) job id, so sorting (key, job) pairs never compares jobs.
+    pre = [j for _, j in sorted(zip([keys[j.id] for j in spot], spot, strict=True))]
+    shrink = sorted((j for j in spot if j.gpus > j.min_gpus), key=lambda j: (j.priority, shares[j.tenant], j.id))
+    return pre, {jid for jid, k in keys.items() if k[0]}, shrink
+
+
+def _spot_orders_np(c: Cycle, spot: list[Job], ids: list[str], shares: dict[str, float]
+                    ) -> tuple[list[Job], set[str], list[Job]]:
+    now = c.now
+    id_rank = np.empty(len(ids), dtype=np.int64)
+    id_rank[np.argsort(np.array(ids), kind="stable")] = np.arange(len(ids))
+    prio = np.array([j.priority for j in spot], dtype=np.int64)
+    neg_share = np.array([shares[j.tenant] for j in spot], dtype=np.float64)
+    gpus = np.array([j.gpus for j in spot], dtype=np.int64)
+    started = np.array([j.started_s for j in spot], dtype=np.float64)  # None -> NaN
+    ckpt = np.array([j.last_ckpt_s for j in spot], dtype=np.float64)
+    # Job.work_lost_gpu_s, as preempt_keys computes it (NaN compares false, as None is skipped there).
+    since = np.where(np.isnan(started), now, started)
+    since = np.where(ckpt > since, ckpt, since)
+    lost = now - since
+    lost_gpu_s = np.where(lost > 0.0, lost, 0.0) * gpus
+    with np.errstate(invalid="ignore"):
+        prot = (now - started) < c.cfg.min_runtime_before_preempt_s
+    pre = [spot[i] for i in np.lexsort((id_rank, neg_share, prio, lost_gpu_s, prot)).tolist()]
+    protected = {spot[i].id for i in np.flatnonzero(prot).tolist()}
+    elastic = np.flatnonzero(gpus > np.array([j.min_gpus for j in spot], dtype=np.int64))
+    order = np.lexsort((id_rank[elastic], neg_share[elastic], prio[elastic]))
+    shrink = [spot[i] for i in elastic[order].tolist()]
+    return pre, protected, shrink
 
 
 def victim_index(c: Cycle) -> VictimIndex:
@@ -169,25 +234,37 @@ def _candidates(c: Cycle, job: Job, quota_short: int) -> tuple[list[Cand], Itera
 
 
 def _spot_pre(c: Cycle, job: Job, e: int) -> Iterator[Cand]:
+    """``spot_pre_open`` filtered for ``job`` (priority ``e``), lazily, in victim order.
+
+    Whole (priority, tenant) groups that cannot yield are skipped before the walk: priorities above
+    ``e``, and for a ``fair_share`` group, a tenant whose share after losing even its smallest job
+    would stay below the waiting tenant's (the share after losing a job only falls as the job grows).
+    The rest are merged back in victim order and checked one by one as before. Nothing the walk reads
+    changes while a search consumes it (decisions are issued after the search)."""
     idx = victim_index(c)
     gap = c.cfg.preempt_priority_gap
     share_after = c.share(job.tenant, job.min_gpus)
     touched, spot_held, fair = c.touched, c.spot_held, c.fair
     inf = math.inf
-    for v in idx.spot_pre_open:  # not protected, on a node the job may use
+
+    def after(t: str, gpus: int) -> float:  # c.share(t, -gpus), inlined
+        held = spot_held[t] - gpus
+        if held <= 0:
+            return 0.0
+        f = fair.get(t, 0.0)
+        return held / f if f > 0 else inf
+
+    parts = [lst for p, t, lst, fewest in idx.open_groups()
+             if p <= e and (p <= e - gap or (t != job.tenant and share_after <= after(t, fewest)))]
+    if not parts:
+        return
+    for _, v in parts[0] if len(parts) == 1 else heapq.merge(*parts):  # not protected, on a usable node
         if v.priority > e or v.id in touched:
             continue
         if v.priority <= e - gap:
             yield (v, "priority", False)
-        elif v.tenant != job.tenant:
-            held = spot_held[v.tenant] - v.gpus  # c.share(v.tenant, -v.gpus), inlined
-            if held <= 0:
-                after = 0.0
-            else:
-                f = fair.get(v.tenant, 0.0)
-                after = held / f if f > 0 else inf
-            if share_after <= after:
-                yield (v, "fair_share", False)
+        elif v.tenant != job.tenant and share_after <= after(v.tenant, v.gpus):
+            yield (v, "fair_share", False)
 
 
 def _focus_nodes(need: GangNeed, shrink: list[Cand], pre: Iterator[Cand]) -> tuple[list[Cand], list[Cand]] | None:
