@@ -229,8 +229,47 @@ def test_outage_without_a_local_directory_uploads_from_a_snapshot(s3, tmp_path):
         hs[-1].wait(timeout=60)
         with pytest.raises(ckpt.SaveError, match="superseded"):
             hs[1].wait(timeout=10)  # at most one snapshot waits besides the one uploading
-    target = blank()
-    assert ckpt.load(s3.url, target) == 5 and target["step"] == 5
+    target, stats = blank(), ckpt.LoadStats()
+    assert ckpt.load([s3.url], target, stats=stats) == 5 and target["step"] == 5  # S3 alone, not shm
+    assert set(stats.bytes_by_tier) == {"s3"}
+    assert same(target["w"], state(5)["w"]) and same(target["h"], state(5)["h"])  # the snapshot's bytes
+
+
+def test_snapshots_reuse_one_buffer_and_upload_each_steps_own_bytes(s3, tmp_path):
+    """shm + S3: every save's snapshot lands in the same reused buffer, and each step in S3 holds its
+    own state (a buffer handed back before its upload finished would carry the next step's bytes)."""
+    with ckpt.Checkpointer(tiers=["shm", s3.url], keep=3) as cp:
+        bufs = set()
+        for s in (1, 2, 3):
+            cp.save(s, state(s)).wait(timeout=60)
+            assert len(cp._snapshots._idle) == 1  # uploaded: back in the pool, not freed
+            bufs.add(id(cp._snapshots._idle[0]))
+        assert len(bufs) == 1
+        for s in (1, 2, 3):
+            target, stats = blank(), ckpt.LoadStats()
+            assert ckpt.load([s3.url], target, step=s, stats=stats) == s and set(stats.bytes_by_tier) == {"s3"}
+            assert same(target["w"], state(s)["w"]) and same(target["b"], state(s)["b"])
+
+
+def test_snapshot_pool_hands_a_buffer_out_again_only_when_every_queue_released_it():
+    from tidal.ckpt.remote import SnapshotPool
+
+    pool = SnapshotPool(keep=1)
+    a = pool.copy(memoryview(b"a" * 100), refs=2)
+    a.release()
+    b = pool.copy(memoryview(b"b" * 100), refs=1)  # a is still held by one queue: a new buffer
+    assert bytes(a.view()) == b"a" * 100 and bytes(b.view()) == b"b" * 100
+    a.release()
+    with pytest.raises(RuntimeError, match="released"):
+        a.view()
+    c = pool.copy(memoryview(b"c" * 60), refs=1)  # reuses a's buffer; only its own bytes are visible
+    assert bytes(c.view()) == b"c" * 60
+    b.release()
+    c.release()
+    assert len(pool._idle) == 1  # keep=1: one idle buffer, the other freed
+    d = pool.copy(memoryview(torch.arange(64, dtype=torch.int32).numpy()), refs=1)  # not bytes: cast, too big: new
+    assert bytes(d.view()) == torch.arange(64, dtype=torch.int32).numpy().tobytes()
+    assert pool._idle == []  # the idle buffer was too small for it and is dropped
 
 
 def test_close_gives_up_on_an_unreachable_tier_after_its_timeout(s3, tmp_path):

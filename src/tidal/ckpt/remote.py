@@ -8,7 +8,10 @@ tier gets a ``RemoteQueue`` per rank, fed after the fast tiers committed a step,
 * the step's committed copy in a local directory tier, when it has one (read via ``mmap``; no
   extra memory; the file stays readable while uploading even if retention removes it), else
 * a private snapshot of the slot taken before the slot is released (memory: one rank file per
-  snapshot; at most one snapshot waits besides the one uploading - newer ones replace it).
+  snapshot; at most one snapshot waits besides the one uploading - newer ones replace it). The
+  snapshot is copied into a buffer borrowed from a ``SnapshotPool``, which keeps one buffer for
+  the next save: copying 512 MiB into fresh memory costs ~0.5 s of page faults on the project's
+  machine, into a reused one ~0.1 s (the price: one rank file of memory stays allocated).
 
 A peer tier's data file is handed to its agent by the persist thread (``Upload.written`` then
 already holds "data"); its queue writes only the sidecar and the manifest. The agent may still be
@@ -51,6 +54,61 @@ from tidal.ckpt.tiers import DirTier, failure_name, sidecar_name
 log = logging.getLogger(__name__)
 
 
+class Snapshot:
+    """A private copy of one rank file in a buffer borrowed from a ``SnapshotPool``, shared by the
+    queues that upload it; the buffer goes back to the pool when the last of them releases it."""
+
+    def __init__(self, pool: SnapshotPool, buf: bytearray, size: int, refs: int) -> None:
+        self._pool, self._buf, self.size, self._refs = pool, buf, size, refs
+
+    def view(self) -> memoryview:
+        if self._buf is None:
+            raise RuntimeError("snapshot used after it was released")
+        return memoryview(self._buf)[: self.size]
+
+    def release(self) -> None:
+        with self._pool._lock:
+            self._refs -= 1
+            if self._refs > 0 or self._buf is None:
+                return
+            buf, self._buf = self._buf, None
+        self._pool._give(buf)
+
+
+class SnapshotPool:
+    """Reusable snapshot buffers: a buffer is touched once and then reused by later saves.
+
+    Keeps at most ``keep`` idle buffers; one that is too small for a save is dropped and a new one
+    allocated. Thread-safe: the persist thread takes, the upload queues release."""
+
+    def __init__(self, keep: int = 1) -> None:
+        self.keep = keep
+        self._lock = threading.Lock()
+        self._idle: list[bytearray] = []
+
+    def copy(self, data: memoryview, refs: int) -> Snapshot:
+        """A snapshot of ``data`` (bytes) for ``refs`` queues, each of which releases it once."""
+        n = data.nbytes
+        with self._lock:
+            fits = [b for b in self._idle if len(b) >= n]
+            buf = min(fits, key=len) if fits else None
+            self._idle = [b for b in self._idle if b is not buf and len(b) >= n]
+        if buf is None:
+            buf = bytearray(n)
+        src = data if data.format == "B" and data.ndim == 1 else data.cast("B")
+        memoryview(buf)[:n] = src
+        return Snapshot(self, buf, n, refs)
+
+    def _give(self, buf: bytearray) -> None:
+        with self._lock:
+            if len(self._idle) < self.keep:
+                self._idle.append(buf)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._idle = []
+
+
 @dataclass(eq=False)
 class Upload:
     """One rank's share of one step bound for a slow tier."""
@@ -63,10 +121,16 @@ class Upload:
     world: int
     done: Callable[[BaseException | None], None]  # called once: None when committed, else why not
     source: DirTier | None = None  # a tier holding the committed step, read from there
-    snapshot: bytearray | None = None  # else a private copy of the rank file
+    snapshot: Snapshot | None = None  # else a private copy of the rank file
     build_manifest: Callable[[list[dict]], dict] | None = None  # rank 0: sidecars -> manifest
     written: set[str] = field(default_factory=set)  # "data", "sidecar": skipped on retry
     superseded: str | None = None  # set when dropped while an attempt was running
+
+    def release_snapshot(self) -> None:
+        """Let go of the snapshot (uploaded, or the step dropped); idempotent."""
+        snap, self.snapshot = self.snapshot, None
+        if snap is not None:
+            snap.release()
 
 
 class _SourceGone(Exception):  # noqa: N818
@@ -203,7 +267,7 @@ class RemoteQueue:
             with self._source(up) as data:
                 tier.write_file(step, up.name, data)
             up.written.add("data")
-            up.snapshot = None  # uploaded: free the memory before the commit wait
+            up.release_snapshot()  # uploaded: back to the pool before the commit wait
         if "sidecar" not in up.written:
             commit.write_json(tier, step, sidecar_name(self.rank, sid), up.sidecar)
             up.written.add("sidecar")
@@ -217,7 +281,7 @@ class RemoteQueue:
     @contextlib.contextmanager
     def _source(self, up: Upload) -> Iterator[memoryview]:
         if up.snapshot is not None:
-            yield memoryview(up.snapshot)
+            yield up.snapshot.view()
             return
         assert up.source is not None
         try:
@@ -237,6 +301,7 @@ class RemoteQueue:
             os.close(fd)
 
     def _done(self, up: Upload, error: BaseException | None) -> None:
+        up.release_snapshot()
         if error is None and self._status is not None:
             self._status.committed(self.tier.name, up.step)
         up.done(error)
@@ -254,6 +319,7 @@ class RemoteQueue:
     def _finish(self, up: Upload, why: str) -> None:
         """A step dropped from the backlog: tell the handle and (eventually) the other ranks."""
         log.warning("%s", why)
+        up.release_snapshot()
         discard = getattr(self.tier, "discard", None)  # the data was handed off already (peer tier)
         if discard is not None and "data" in up.written:
             discard(up.step, up.name)
