@@ -27,10 +27,10 @@ from tidal.control.demo import (
     Kill,
     Watch,
     demo,
-    kill_workers,
     summarize,
     summary_table,
 )
+from tidal.control.demo_plane import kill_workers
 from tidal.exec import procs
 
 TINY = ["--size", "tiny", "--steps", "100", "--ckpt-every", "10", "--kill-at", "0.3"]  # a wide window to kill in

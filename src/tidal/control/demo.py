@@ -1,4 +1,4 @@
-"""``tidal demo`` (``make demo``): the platform end to end on this machine, in about two minutes.
+"""``tidal demo`` (``make demo``): the platform end to end on this machine, in about a minute.
 
     tidal demo                                  # the full story, live
     tidal demo --steps 200 --json               # the summary as JSON on stdout (the narration on stderr)
@@ -29,7 +29,6 @@ way out, also on Ctrl-C, SIGTERM or an error; the temporary dirs are removed unl
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -51,9 +50,15 @@ from rich.panel import Panel
 from rich.progress_bar import ProgressBar
 from rich.table import Table
 
-from tidal.control.client import API_URL_FILE, ApiError, TidalClient
-from tidal.control.config import ControlConfig
-from tidal.exec import procs
+from tidal.control.client import ApiError, TidalClient
+from tidal.control.demo_plane import (
+    DemoError,
+    EmbeddedPlane,
+    Kill,
+    attempt_records,
+    kill_rank,
+    reached_step,
+)
 
 TERMINAL = ("succeeded", "failed", "cancelled")
 QUIET_EVENTS = frozenset({"ckpt_interval"})  # in the JSON summary, not narrated: the demo checkpoints by steps
@@ -65,13 +70,6 @@ SIZES: dict[str, dict[str, int]] = {
     "small": {"n-layer": 4, "n-head": 4, "n-embd": 128, "block": 64, "global-batch": 16},
     "tiny": {"n-layer": 2, "n-head": 2, "n-embd": 32, "block": 32, "global-batch": 12},
 }
-# Fast reactions for a demo: a restart 1 s after a failure, the loop stepping 4 times a second.
-PLANE_CONFIG = ControlConfig(restart_backoff_s=1.0, hang_timeout_s=60.0, startup_timeout_s=180.0,
-                             kill_slack_s=5.0, loop_interval_s=0.25)
-
-
-class DemoError(RuntimeError):
-    """The demo could not run or did not show what it should (the message says which)."""
 
 
 @dataclass(frozen=True)
@@ -146,126 +144,6 @@ def job_spec(opts: DemoOptions, script: Path, shm_dir: Path) -> dict[str, Any]:
             "env": {"OMP_NUM_THREADS": "1", "TIDAL_SHM_DIR": str(shm_dir)}}
 
 
-# ------------------------------------------------------------------------------- the embedded plane
-class EmbeddedPlane:
-    """The pieces of ``tidal up`` in this process: the API (uvicorn in a thread, on a free loopback
-    port), the reconcile loop (a thread) and the local executor on ``gpus`` CPU slots."""
-
-    def __init__(self, state_dir: Path, gpus: int, config: ControlConfig = PLANE_CONFIG) -> None:
-        from tidal.control.server import build
-
-        self.plane = build(state_dir, str(gpus), None, config)
-        self.state_dir = self.plane.state_dir
-        self.url = ""
-        self._loop: Any = None
-        self._server: Any = None
-        self._thread: threading.Thread | None = None
-
-    @property
-    def admin_token(self) -> str:
-        return self.plane.admin_token
-
-    def start(self, timeout_s: float = 30.0) -> str:
-        import uvicorn
-
-        from tidal.control.server import ReconcileLoop
-
-        p = self.plane
-        p.controller.recover(time.time())  # a fresh state dir has nothing; a reused --state-dir may
-        self._server = uvicorn.Server(uvicorn.Config(p.app(), host="127.0.0.1", port=0, log_level="warning",
-                                                     access_log=False, lifespan="off"))
-        self._thread = threading.Thread(target=self._server.run, name="tidal-demo-api", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise DemoError(f"the embedded API server did not start on 127.0.0.1 within {timeout_s:g} s")
-            time.sleep(0.02)
-        port = self._server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        (self.state_dir / API_URL_FILE).write_text(self.url + "\n")
-        self._loop = ReconcileLoop(p.controller, p.controller.config.loop_interval_s)
-        self._loop.start()
-        return self.url
-
-    def stop(self) -> list[int]:
-        """Stop the loop, SIGKILL every worker that any attempt started and that still runs, stop the
-        server, close the store. Returns the pids of the process groups it killed."""
-        if self._loop is not None:
-            self._loop.stop()
-            self._loop.join(timeout=15)
-        killed = kill_workers(self.state_dir)
-        for job in self.plane.store.jobs():
-            self.plane.executor.release(job.id)  # reaps the shims this process started
-        if self._server is not None:
-            self._server.should_exit = True
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-        self.plane.store.close()
-        return killed
-
-
-def kill_workers(state_dir: Path, wait_s: float = 10.0) -> list[int]:
-    """SIGKILL the process group of every rank any attempt under ``state_dir`` recorded (``launch.json``:
-    the shim's pid and start time, so a reused pid is never hit) that still runs; wait until gone."""
-    killed = []
-    for launch in sorted(Path(state_dir).glob("jobs/*/attempt-*/launch.json")):
-        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-            for r in json.loads(launch.read_text())["ranks"]:
-                if procs.alive(r["pid"], r.get("started")):
-                    procs.kill_group(r["pid"])
-                    killed.append(r["pid"])
-    deadline = time.monotonic() + wait_s
-    while any(procs.alive(p) for p in killed) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return killed
-
-
-# ------------------------------------------------------------------------------------ killing a rank
-@dataclass
-class Kill:
-    rank: int
-    pid: int
-    shim_pid: int
-    attempt: int
-    at_step: int
-    ckpt_step: int
-    time_s: float
-
-
-def _parent_pid(pid: int) -> int | None:
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text(errors="replace")
-    except OSError:
-        return None
-    return int(raw[raw.rindex(")") + 2:].split()[1])
-
-
-def kill_rank(job: dict, rank: int) -> Kill | None:
-    """SIGKILL rank ``rank`` of the job's current attempt: its own process (not the shim), found from
-    the handle the API returns (``dir``: the attempt dir, where the shim wrote ``pid-<rank>.json``).
-    None if the rank has exited already (the API's view lags the ranks a little)."""
-    h = job.get("handle") or {}
-    shims = {r["rank"]: r["pid"] for r in h.get("ranks", [])}
-    if "dir" not in h or rank not in shims:
-        raise DemoError(f"job {job['id']}: the API shows no attempt dir or no rank {rank} in its handle: {h}")
-    pid_file = Path(h["dir"]) / f"pid-{rank}.json"
-    try:
-        pid = int(json.loads(pid_file.read_text())["pid"])
-    except (OSError, ValueError, KeyError) as e:
-        raise DemoError(f"cannot read rank {rank}'s pid from {pid_file}: {e}") from None
-    parent = _parent_pid(pid)
-    if parent is not None and parent != shims[rank]:
-        raise DemoError(f"pid {pid} from {pid_file} is not a child of rank {rank}'s shim (pid {shims[rank]}); "
-                        "not killing it")
-    p = job.get("progress") or {}
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        return None
-    return Kill(rank, pid, shims[rank], job["attempt"], p.get("step") or 0, job.get("ckpt_step") or 0, time.time())
-
-
 # --------------------------------------------------------------------------------------- the display
 def _state(s: str) -> str:
     return f"[{STATE_STYLE.get(s, 'magenta')}]{s}[/]"
@@ -321,25 +199,6 @@ def progress_line(j: dict, opts: DemoOptions) -> str:
     return (f"  {j['state']} | attempt {j['attempt']} | step {_fmt(p.get('step'))}/{opts.steps} | loss "
             f"{_fmt(p.get('loss'), '{:.3f}')} | {_fmt(sps and sps * opts.global_batch, '{:.0f}')} samples/s | "
             f"checkpoint {_tiers(p)} | restarts {r['restarts']}")
-
-
-# ------------------------------------------------------------------------------------ the attempt files
-def attempt_records(state_dir: Path, job_id: str) -> dict[int, list[dict]]:
-    """Rank 0's progress records of every attempt (``jobs/<job>/attempt-<n>/progress/``), by attempt."""
-    out: dict[int, list[dict]] = {}
-    for d in Path(state_dir, "jobs", job_id).glob("attempt-*"):
-        recs = []
-        with contextlib.suppress(OSError):
-            for line in (d / "progress" / "progress-r00000.jsonl").read_text().splitlines():
-                with contextlib.suppress(ValueError):
-                    recs.append(json.loads(line))
-        out[int(d.name.split("-", 1)[1])] = recs
-    return dict(sorted(out.items()))
-
-
-def _reached(records: list[dict]) -> int | None:
-    """The newest step rank 0 completed in one attempt."""
-    return max((int(r["step"]) for r in records if r.get("event") == "step"), default=None)
 
 
 # -------------------------------------------------------------------------------------------- the run
@@ -496,7 +355,7 @@ def _narrate_progress(j: dict, w: Watch, opts: DemoOptions, say, state_dir: Path
             after = (p.get("first_step_s") or time.time()) - w.kill.time_s
             how = (f" from tier {restore['tier']} in {restore.get('duration_s', 0):.2f} s"
                    if restore.get("tier") else "")
-            reached = _reached(attempt_records(state_dir, j["id"]).get(w.kill.attempt, []))
+            reached = reached_step(attempt_records(state_dir, j["id"]).get(w.kill.attempt, []))
             redo = f" (attempt {w.kill.attempt} had reached step {reached}: {reached - start} to recompute)" \
                 if reached is not None else ""
             say(f"[bold green]recovered[/bold green]: attempt {j['attempt']} restored checkpoint step {start}{how}"
@@ -533,7 +392,7 @@ def summarize(j: dict, w: Watch, opts: DemoOptions, state_dir: Path, wall_s: flo
         for r in a:
             if r.get("event") == "restore" and r.get("tier") and r.get("step"):
                 ckpts.setdefault(r["tier"], set()).add(int(r["step"]))
-    reached = _reached(recs.get(k.attempt, [])) if k is not None else None
+    reached = reached_step(recs.get(k.attempt, [])) if k is not None else None
     resumed = restore.get("step") if restore else None
     rep = j["report"]
     final_step = (j.get("progress") or {}).get("step")
