@@ -17,11 +17,10 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import tidal
-from tidal.ckpt.childproc import stop_process
+from tidal.ckpt.childproc import stop_process, wait_ready
 from tidal.ckpt.peer import AgentClient
 from tidal.ckpt.seaweed import free_ports
 
@@ -67,22 +66,20 @@ class AgentProcess:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env=env, start_new_session=True)
         client = AgentClient(self.address, timeout_s=2.0, connect_timeout_s=0.5)
-        deadline = time.monotonic() + timeout_s
-        while True:
+        proc = self.proc
+
+        def ours() -> bool:
             with contextlib.suppress(OSError, ValueError):
                 status, body = client.request("GET", "/status")
                 # Ours, not another process that took the port first (then ours exits: port in use).
-                if status == 200 and json.loads(body).get("pid") == self.proc.pid:
-                    client.drop()
-                    return self
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"agent on {self.address} exited with code {self.proc.returncode}:\n"
-                                   f"{self.log_path.read_text(errors='replace')[-2000:]}")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise TimeoutError(f"agent on {self.address} did not answer within {timeout_s:.0f} s "
-                                   f"(log: {self.log_path})")
-            time.sleep(0.05)
+                return status == 200 and json.loads(body).get("pid") == proc.pid
+            return False
+
+        try:
+            wait_ready(proc, ours, timeout_s, f"agent on {self.address}", self.log_path, self.stop)
+        finally:
+            client.drop()
+        return self
 
     def status(self) -> dict:
         client = AgentClient(self.address, timeout_s=10.0)

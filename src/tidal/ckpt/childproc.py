@@ -1,10 +1,30 @@
-"""Stopping a helper process this code started (a checkpoint agent, a SeaweedFS server)."""
+"""Starting and stopping a helper process this code started (a checkpoint agent, a SeaweedFS server)."""
 
 from __future__ import annotations
 
 import contextlib
 import signal
 import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+
+def wait_ready(proc: subprocess.Popen, ready: Callable[[], bool], timeout_s: float, what: str, log: Path,
+               stop: Callable[[], None], poll_s: float = 0.05) -> None:
+    """Poll ``ready()`` until it is true. If ``proc`` exits first: stop and RuntimeError with the end of
+    its ``log``; past ``timeout_s``: stop and TimeoutError. ``what`` names the process in both."""
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        if proc.poll() is not None:
+            tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+            code = proc.returncode
+            stop()
+            raise RuntimeError(f"{what} exited with code {code}:\n{tail}")
+        if time.monotonic() > deadline:
+            stop()
+            raise TimeoutError(f"{what} did not answer within {timeout_s:.0f} s (log: {log})")
+        time.sleep(poll_s)
 
 
 def stop_process(proc: subprocess.Popen | None, grace_s: float) -> None:

@@ -31,10 +31,9 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from tidal.ckpt.childproc import stop_process
+from tidal.ckpt.childproc import stop_process, wait_ready
 
 _PORT_NAMES = ("s3.port", "s3.port.grpc", "master.port", "master.port.grpc", "volume.port",
                "volume.port.grpc", "filer.port", "filer.port.grpc")
@@ -120,18 +119,8 @@ class SeaweedServer:
         env.update({"AWS_ACCESS_KEY_ID": self.access_key, "AWS_SECRET_ACCESS_KEY": self.secret_key})
         self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env=env, start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        while not self.ready():
-            if self.proc.poll() is not None:
-                tail = (logs / "stdout.log").read_text(errors="replace")[-2000:]
-                self.stop()
-                raise RuntimeError(f"weed server exited with code {self.proc.returncode if self.proc else '?'}:"
-                                   f"\n{tail}")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise TimeoutError(f"SeaweedFS S3 did not answer on {self.endpoint} within {timeout_s:.0f} s "
-                                   f"(logs in {logs})")
-            time.sleep(0.1)
+        wait_ready(self.proc, self.ready, timeout_s, f"SeaweedFS (S3 on {self.endpoint})", logs / "stdout.log",
+                   self.stop, poll_s=0.1)
 
     def ready(self) -> bool:
         """Whether a signed ListBuckets succeeds (the gateway is up and reaches its filer)."""
