@@ -229,12 +229,7 @@ class Replicator:
                 self._process(item)
         for it in left:
             it.error = "the agent is stopping"
-            if it.fd is not None:
-                os.close(it.fd)
-            if it.handoff is not None:
-                it.handoff.push_done(it.error)
-            if it.done is not None:
-                it.done.set()
+            self._finish(it)
 
     def _guard(self, fn, *args) -> str | None:
         try:
@@ -259,12 +254,17 @@ class Replicator:
             else:
                 it.error = self._guard(self._delete, it.job, it.step, it.name)
         finally:
-            if it.fd is not None:
-                os.close(it.fd)
-            if it.handoff is not None:
-                it.handoff.push_done(it.error)
-            if it.done is not None:
-                it.done.set()
+            self._finish(it)
+
+    @staticmethod
+    def _finish(it: _Item) -> None:
+        """Release what an item holds and tell its waiters (with ``it.error``, None when it worked)."""
+        if it.fd is not None:
+            os.close(it.fd)
+        if it.handoff is not None:
+            it.handoff.push_done(it.error)
+        if it.done is not None:
+            it.done.set()
 
     def _sync(self, it: _Item) -> None:
         self._ensure_step(it.job, it.step)
