@@ -114,11 +114,9 @@ class Controller:
 
     def _intervals(self, snap: Snapshot) -> list[SetCkptInterval]:
         """Checkpoint intervals for running jobs whose spec says ``interval_s: auto``."""
-        auto = {j.id for j in self.store.jobs(states={S.RUNNING})
-                if (j.spec.get("checkpoint") or {}).get("interval_s", "auto") == "auto"}
-        if not auto:
-            return []
-        return [d for d in plan_ckpt_intervals(snap, self.config.ckpt_interval) if d.job in auto]
+        planned = plan_ckpt_intervals(snap, self.config.ckpt_interval)  # pure; usually empty
+        return [d for d in planned
+                if (self.store.job(d.job).spec.get("checkpoint") or {}).get("interval_s", "auto") == "auto"]
 
     # ------------------------------------------------------------------------------------ reconcile
     def _reconcile(self, job: JobRow, ob: Observation | None, now_s: float) -> None:
