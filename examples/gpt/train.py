@@ -69,6 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     p.add_argument("--warmup", type=int, default=10, help="linear warmup steps")
+    p.add_argument("--step-pause-s", type=float, default=0.0,
+                   help="sleep this long after each step (paces a tiny model so a demo can watch it)")
     p.add_argument("--seed", type=int, default=1337, help="initialisation and data order")
     p.add_argument("--ckpt-dir", default=None, help="checkpoint directory (default: $TIDAL_CKPT_URL)")
     p.add_argument("--ckpt-every", type=int, default=None,
@@ -206,6 +208,8 @@ def main(argv: list[str] | None = None) -> None:
             step += 1
             fields = {"data_rank": dp_rank, "indices": sampler.local_indices(step - 1)} if args.record_indices else {}
             s.step_done(step, loss=loss_sum / len(micro), tokens=args.global_batch * args.block, **fields)
+            if args.step_pause_s > 0:
+                time.sleep(args.step_pause_s)
             if main_rank and (step % args.log_every == 0 or step == args.steps):
                 dt = (time.monotonic() - t_log) / args.log_every
                 t_log = time.monotonic()

@@ -64,6 +64,9 @@ TERMINAL = ("succeeded", "failed", "cancelled")
 QUIET_EVENTS = frozenset({"ckpt_interval"})  # in the JSON summary, not narrated: the demo checkpoints by steps
 STATE_STYLE = {"running": "green", "succeeded": "bold green", "failed": "bold red", "cancelled": "dim",
                "pending": "yellow", "backoff": "red", "admitted": "cyan"}
+# A pause after each step of the tiny model (a few ms of compute a step on a quiet machine), so the
+# run lasts long enough for the demo to see it and kill a rank midway.
+TINY_STEP_PAUSE_S = 0.05
 # Model sizes of examples/gpt/train.py. "small" takes about 0.1-0.2 s a step on 2 CPU ranks; "tiny" is
 # the test setting (a few ms of compute a step).
 SIZES: dict[str, dict[str, int]] = {
@@ -136,6 +139,8 @@ def job_spec(opts: DemoOptions, script: Path, shm_dir: Path) -> dict[str, Any]:
     model = SIZES[opts.size]
     args = [f"--{k}={v}" for k, v in model.items()]
     args.append(f"--micro-batch={model['global-batch'] // opts.gpus}")  # one micro-batch per rank
+    if opts.size == "tiny":
+        args.append(f"--step-pause-s={TINY_STEP_PAUSE_S}")
     return {"name": "gpt-demo", "kind": "spot", "gpus": opts.gpus, "max_restarts": 3, "grace_s": 10,
             "workdir": str(script.parents[2]),
             "command": [sys.executable, str(script), "--parallel", opts.parallel, "--steps", str(opts.steps),
