@@ -61,7 +61,7 @@ def apply(s: Snapshot, decisions: list[Decision]) -> Snapshot:
         if isinstance(d, Admit):
             j = jobs[d.job]
             assert not j.running, f"{d}: job already running"
-            jobs[d.job] = replace(j, placement=dict(d.placement), started_s=now)
+            jobs[d.job] = replace(j, placement=dict(d.placement), started_s=now, nominated_s=None)
         elif isinstance(d, Grow):
             j = jobs[d.job]
             p = dict(j.placement)
@@ -74,10 +74,12 @@ def apply(s: Snapshot, decisions: list[Decision]) -> Snapshot:
             assert not j.releasing, f"{d}: job already releasing"
             assert j.gpus - sum(d.release.values()) == d.to_gpus, d
             jobs[d.job] = replace(j, releasing=dict(d.release), last_shrunk_s=now)
+            _nominate(jobs, d.for_job, now)
         elif isinstance(d, Preempt):
             j = jobs[d.job]
             assert not j.releasing, f"{d}: job already releasing"
             jobs[d.job] = replace(j, releasing=dict(j.placement), last_preempted_s=now)
+            _nominate(jobs, d.for_job, now)
         elif isinstance(d, ReturnGpus):
             ln = loans[d.node]
             if ln.gpus == d.gpus:
@@ -96,6 +98,12 @@ def apply(s: Snapshot, decisions: list[Decision]) -> Snapshot:
         else:
             raise AssertionError(f"unexpected decision {d}")
     return Snapshot.build(now, s.nodes, s.tenants, jobs.values(), loans.values(), reclaims)
+
+
+def _nominate(jobs: dict, for_job: str | None, now: float) -> None:
+    """The store records that others were made to give GPUs back for pending ``for_job``."""
+    if for_job is not None and not jobs[for_job].running:
+        jobs[for_job] = replace(jobs[for_job], nominated_s=now)
 
 
 def settle(s: Snapshot, now_s: float | None = None) -> Snapshot:

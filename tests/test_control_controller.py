@@ -66,9 +66,12 @@ def test_preempted_for_quota_exit_75_is_not_a_failure(world):
     decisions = ctl.step(clock())
     assert decisions == [Preempt(spot, "quota", clock() + 60, ded)]
     assert state(store, spot) == "preempting" and ("stop", spot) in ex.calls
+    assert store.job(ded).nominated_s == clock()  # the GPUs being freed are for it
+    assert ctl.snapshot(clock()).queues[("prod", "dedicated", 0)][0].nominated_s == clock()
     assert ctl.step(clock.advance(1)) == []  # draining: the need is not acted on twice
     ex.exit(spot, 75)
     assert ctl.step(clock.advance(1)) == [Admit(ded, {"n0": 2})]
+    assert store.job(ded).nominated_s is None  # admitted: the nomination is spent
     job = store.job(spot)
     assert job.state == "pending" and job.restarts == 0 and job.preemptions == 1
     ex.exit(ded, 0)

@@ -89,3 +89,32 @@ def test_exit_code_matches_the_runtime():
     from tidal.train.env import EXIT_PREEMPTED as RUNTIME
 
     assert EXIT_PREEMPTED == RUNTIME
+
+
+def test_store_migrates_an_older_database_and_refuses_a_newer_one(tmp_path):
+    """A database made by the previous schema (no ``jobs.nominated_s``) opens and keeps its jobs; one
+    from a newer tidal is refused with a message naming the versions."""
+    import sqlite3
+
+    from tidal.control.store import SCHEMA_VERSION, Store
+
+    store = new_store(tmp_path, ("lab", 0, 1.0))
+    j = submit(store, "lab", 10.0, name="a")
+    store.close()
+    db = sqlite3.connect(tmp_path / "tidal.db")
+    db.execute("ALTER TABLE jobs DROP COLUMN nominated_s")
+    db.execute("UPDATE meta SET value = '1' WHERE key = 'schema_version'")
+    db.commit()
+    db.close()
+    store = Store(f"sqlite:///{tmp_path}/tidal.db")
+    assert store.job(j).nominated_s is None and store.job(j).state == "pending"
+    store.update(j, nominated_s=20.0)
+    assert store.job(j).nominated_s == 20.0
+    store.close()
+    db = sqlite3.connect(tmp_path / "tidal.db")
+    assert db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == (str(SCHEMA_VERSION),)
+    db.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION + 1),))
+    db.commit()
+    db.close()
+    with pytest.raises(ValueError, match=rf"schema version {SCHEMA_VERSION + 1}, newer than this tidal's"):
+        Store(f"sqlite:///{tmp_path}/tidal.db")

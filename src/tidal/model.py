@@ -13,6 +13,10 @@ proposes them as decisions)::
                           +--Preempt--> stopping (releasing all) --exited--> pending again
                                         (last_preempted_s = now: it queues behind those waiting)
 
+    pending --Shrink/Preempt of others for it--> pending, nominated (nominated_s = now: it goes
+                                        first while its victims drain, so the GPUs freed for it
+                                        are not taken by a job that happens to rank above it later)
+
 * ``Job.placement`` is what a job holds now, ``Job.releasing`` the part of it that it has been told
   to give back (a shrink: part of it; a preemption: all of it). The store removes ``releasing`` from
   ``placement`` once the job confirms, and only then are those GPUs free for anybody else.
@@ -135,7 +139,13 @@ class Job:
     was told to give back and still holds), ``started_s`` (last admission), ``last_preempted_s``,
     ``last_grown_s``, ``last_shrunk_s``, ``last_ckpt_s`` (when the newest *durable* checkpoint was
     captured: work after it is lost if the job dies), ``ckpt_stall_s`` (measured time training stops
-    per save) and ``ckpt_interval_s`` (the interval it uses now).
+    per save) and ``ckpt_interval_s`` (the interval it uses now). ``nominated_s``: when the scheduler
+    last shrank or preempted other jobs to make room for this pending job (a :class:`Shrink` or
+    :class:`Preempt` with ``for_job`` = this job); the store sets it when it applies that decision and
+    clears it on admission. A nominated job stands first in its queue and, for
+    ``SchedulerConfig.nomination_ttl_s``, first in the admission order (Kubernetes' nominated pods):
+    without it, a job that ranks above it by the time the victims have drained (aging moves ranks)
+    could take the GPUs freed for it, and it would preempt again.
 
     Derived: ``gpus`` (held now), ``releasing_gpus``, ``size_step`` (every size is a multiple of it:
     lcm of ``multiple_of`` and ``gpus_per_node``).
@@ -159,6 +169,7 @@ class Job:
     last_ckpt_s: float | None = None
     ckpt_stall_s: float | None = None
     ckpt_interval_s: float | None = None
+    nominated_s: float | None = None
     gpus: int = field(init=False, repr=False, compare=False)
     releasing_gpus: int = field(init=False, repr=False, compare=False)
     size_step: int = field(init=False, repr=False, compare=False)
@@ -224,9 +235,10 @@ def queue_key(job: Job) -> QueueKey:
     return (job.tenant, job.kind, job.priority)
 
 
-def arrival(job: Job) -> tuple[float, str]:
-    """Order within a pending queue: ``(queued_s, id)``."""
-    return (job.queued_s, job.id)
+def arrival(job: Job) -> tuple[bool, float, str]:
+    """Order within a pending queue: nominated jobs first (see ``Job.nominated_s``), then
+    ``(queued_s, id)``."""
+    return (job.nominated_s is None, job.queued_s, job.id)
 
 
 @dataclass(frozen=True)

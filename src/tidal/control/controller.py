@@ -280,16 +280,24 @@ class Controller:
             why = f"preempted ({d.reason}" + (f", for {d.for_job})" if d.for_job else ")")
             self._stop(job, S.PREEMPTING, why, now_s, min(grace, max(0.0, d.by_s - now_s)), reason="preempt",
                        releasing=dict(job.placement), last_preempted_s=now_s)
+            self._nominate(d.for_job, now_s)
         elif isinstance(d, Shrink):
             why = f"shrink to {d.to_gpus} GPUs ({d.reason}" + (f", for {d.for_job})" if d.for_job else ")")
             self._stop(job, S.RESIZING, why, now_s, min(grace, max(0.0, d.by_s - now_s)), reason="resize",
                        releasing=dict(d.release), last_shrunk_s=now_s)
+            self._nominate(d.for_job, now_s)
         elif isinstance(d, Grow):
             placement = dict(job.placement)
             for n, k in d.add.items():
                 placement[n] = placement.get(n, 0) + k
             self._stop(job, S.RESIZING, f"grow to {d.to_gpus} GPUs", now_s, grace, reason="resize",
                        placement=placement, last_grown_s=now_s)
+
+    def _nominate(self, for_job: str | None, now_s: float) -> None:
+        """Others were told to give GPUs back for pending ``for_job``: it goes first while they drain
+        (``tidal.model.Job.nominated_s``)."""
+        if for_job is not None:
+            self.store.update(for_job, nominated_s=now_s)
 
     def _stop(self, job: JobRow, to: State, why: str, now_s: float, grace_s: float, *, reason: str,
               **fields: Any) -> JobRow:
@@ -314,7 +322,7 @@ class Controller:
         self.store.transition(job.id, S.ADMITTED, now_s, f"{why}; launching attempt {attempt}", data=data,
                               placement=placement, releasing={}, attempt=attempt, attempt_launched_s=now_s,
                               stop_reason=None, stop_deadline_s=None, killed=False, handle=None, progress={},
-                              **fields)
+                              nominated_s=None, **fields)
         spec = job.spec
         req = LaunchRequest(job.id, attempt, tuple(spec["command"]), placement, spec.get("workdir"),
                             self._env(job))
@@ -359,7 +367,7 @@ class Controller:
                             releasing=releasing if held else {}, started_s=j.started_s if held else None,
                             last_preempted_s=j.last_preempted_s, last_grown_s=j.last_grown_s,
                             last_shrunk_s=j.last_shrunk_s, last_ckpt_s=j.last_ckpt_s, ckpt_stall_s=j.ckpt_stall_s,
-                            ckpt_interval_s=j.ckpt_interval_s))
+                            ckpt_interval_s=j.ckpt_interval_s, nominated_s=None if held else j.nominated_s))
         return Snapshot.build(now_s, self.nodes, tenants, jobs)
 
 

@@ -24,12 +24,24 @@ import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from sqlalchemy import JSON, Boolean, Float, ForeignKey, Integer, String, create_engine, event, select
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    Float,
+    ForeignKey,
+    Integer,
+    String,
+    create_engine,
+    event,
+    inspect,
+    select,
+    text,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 from tidal.control.states import ACTIVE, State, check_transition
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: jobs.nominated_s
 POOL_SIZE = 48  # SQLite connections kept open: the API's worker threads (40) and the reconcile loop
 
 
@@ -76,6 +88,7 @@ class JobRow(Base):
     last_ckpt_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     ckpt_stall_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     ckpt_interval_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    nominated_s: Mapped[float | None] = mapped_column(Float, nullable=True)  # schema 2
     # Attempts, stopping, failures.
     attempt: Mapped[int] = mapped_column(Integer, default=0)
     attempt_launched_s: Mapped[float | None] = mapped_column(Float, nullable=True)
@@ -152,8 +165,23 @@ class Store:
         self._lock = threading.RLock()
         self._by_token: dict[str, TenantRow] = {}
         with self._write() as s:
-            if s.get(MetaRow, "schema_version") is None:
+            row = s.get(MetaRow, "schema_version")
+            if row is None:
                 s.add(MetaRow(key="schema_version", value=str(SCHEMA_VERSION)))
+            elif int(row.value) > SCHEMA_VERSION:
+                self.engine.dispose()
+                raise ValueError(f"the database at {url!r} has schema version {row.value}, newer than this "
+                                 f"tidal's {SCHEMA_VERSION}: upgrade tidal, or point it at another database")
+            elif int(row.value) < SCHEMA_VERSION:
+                self._migrate(s, int(row.value))
+                row.value = str(SCHEMA_VERSION)
+
+    def _migrate(self, s: Session, version: int) -> None:
+        """Bring a database made by an older tidal up to :data:`SCHEMA_VERSION` (columns added since are
+        nullable: existing rows keep their meaning)."""
+        have = {c["name"] for c in inspect(s.connection()).get_columns("jobs")}
+        if version < 2 and "nominated_s" not in have:
+            s.execute(text("ALTER TABLE jobs ADD COLUMN nominated_s FLOAT"))
 
     def close(self) -> None:
         self.engine.dispose()

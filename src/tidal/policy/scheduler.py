@@ -16,7 +16,8 @@ One call is a cycle of numbered steps (after Kueue's scheduler):
 2. **Reclaim.** Give loaned GPUs back as due reclaims ask: idle ones now, draining ones counted, the
    rest by shrinking, then preempting, spot jobs on loans (:mod:`.scheduling.reclaim`).
 3. **Nominate.** Only pending-queue heads are looked at: one FIFO per (tenant, kind, priority).
-4. **Order.** Dedicated jobs first (guaranteed quota), then spot; each by aged priority, then (spot)
+4. **Order.** Dedicated jobs first (guaranteed quota), then spot; each with jobs nominated lately
+   (others were preempted for them: ``Job.nominated_s``) first, then by aged priority, then (spot)
    the tenant furthest below its weighted fair share, then waiting time (:mod:`.scheduling.ordering`).
 5. **Admit.** All or nothing at the gang minimum, packed onto the fewest nodes. A job that does not fit
    may look for victims (bounded per call); if the need can be met, victims are *computed* first
@@ -81,11 +82,16 @@ def _nominate(c: Cycle) -> list[QueueHeads]:
         if q:
             (ded if key[1] == "dedicated" else spot).append(q)
 
+    ttl = cfg.nomination_ttl_s
+
+    def waiting(j: Job) -> bool:  # not nominated lately (False sorts first)
+        return j.nominated_s is None or now - j.nominated_s > ttl
+
     def ded_key(j: Job) -> tuple:
-        return (-aged_priority(j, now, cfg), j.queued_s, j.id)
+        return (waiting(j), -aged_priority(j, now, cfg), j.queued_s, j.id)
 
     def spot_key(j: Job) -> tuple:
-        return (-aged_priority(j, now, cfg), c.share(j.tenant), j.queued_s, j.id)
+        return (waiting(j), -aged_priority(j, now, cfg), c.share(j.tenant), j.queued_s, j.id)
 
     return [QueueHeads(ded, ded_key), QueueHeads(spot, spot_key)]
 

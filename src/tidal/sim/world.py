@@ -268,11 +268,13 @@ class World:
                 self._grow(d, now)
             elif isinstance(d, Shrink):
                 self._release_order(self.jobs[d.job], "shrink", d.release, d.by_s, now)
+                self._nominate(d.for_job, now)
                 self.counts["shrinks"] += 1
                 self.counts["reclaim_interruptions"] += d.reason == "reclaim"
             elif isinstance(d, Preempt):
                 sj = self.jobs[d.job]
                 self._release_order(sj, "preempt", sj.job.placement, d.by_s, now)
+                self._nominate(d.for_job, now)
                 self.counts["preemptions"] += 1
                 self.counts[f"preempted_for_{d.reason}"] = self.counts.get(f"preempted_for_{d.reason}", 0) + 1
                 self.counts["reclaim_interruptions"] += d.reason == "reclaim"
@@ -287,11 +289,23 @@ class World:
                 raise TypeError(f"unknown decision {d!r}")
         return ready
 
+    def _nominate(self, for_job: str | None, now: float) -> None:
+        """Others were made to give GPUs back for pending ``for_job``: record it (``Job.nominated_s``),
+        which moves it to the front of its queue."""
+        if for_job is None:
+            return
+        sj = self.jobs[for_job]
+        if sj.job.running:
+            return
+        self._dequeue(sj)
+        sj.job = replace(sj.job, nominated_s=now)
+        self._enqueue(sj)
+
     def _admit(self, d: Admit, now: float) -> None:
         sj = self.jobs[d.job]
         transition(sj, "admit")
         self._dequeue(sj)
-        sj.job = replace(sj.job, placement=dict(d.placement), started_s=now)
+        sj.job = replace(sj.job, placement=dict(d.placement), started_s=now, nominated_s=None)
         sj.held_since = now
         self._hold(sj, now, d.placement, +1)
         self.running[d.job] = sj.job

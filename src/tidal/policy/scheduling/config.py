@@ -13,7 +13,11 @@ class SchedulerConfig:
         ``aging_per_s``: priority levels a pending job gains per second of waiting (whole levels:
         ``floor(wait_s * aging_per_s)``), at most ``aging_max_levels``. Aging only orders the queue
         (no starvation behind a stream of newer equal-priority work); it never makes a job eligible to
-        preempt, so a requeued victim cannot preempt its preemptor back.
+        preempt, so a requeued victim cannot preempt its preemptor back. ``nomination_ttl_s``: a pending
+        job for which others were shrunk or preempted (``Job.nominated_s``) is considered first, ahead
+        of aged priority, for this long: the GPUs its victims free go to it and not to whoever ranks
+        first by the time they have drained (with aging, that could be a job it may preempt, and the
+        two would take turns preempting each other).
 
     Preemption
         ``preempt_priority_gap``: a pending job may preempt running jobs whose priority is at least
@@ -40,6 +44,7 @@ class SchedulerConfig:
 
     aging_per_s: float = 1.0 / 3600.0
     aging_max_levels: int = 2
+    nomination_ttl_s: float = 1800.0
     preempt_priority_gap: int = 1
     min_runtime_before_preempt_s: float = 900.0
     preempt_grace_s: float = 120.0

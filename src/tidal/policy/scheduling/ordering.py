@@ -6,7 +6,12 @@ adds the same amount per second of waiting to every job, so within one such queu
 always the most aged one: only queue *heads* ever compete, and :class:`QueueHeads` merges them with a
 heap. A call that admits k jobs from Q queues costs O((Q + k) log Q), whatever the queue lengths.
 
-Keys (smaller first):
+A job for which others were shrunk or preempted (``Job.nominated_s``) stands first in its queue
+(:func:`tidal.model.arrival`) and, within ``SchedulerConfig.nomination_ttl_s``, first in the merge:
+every key below starts with ``nominated lately ? 0 : 1``. (A nomination older than that keeps the
+job at the front of its own queue, where it was anyway when it preempted.)
+
+Keys (smaller first), after that flag:
 
 * dedicated: ``(-aged priority, queued_s, id)``. Each tenant's dedicated jobs only compete for its
   own quota, so fairness between tenants has nothing to order here.
