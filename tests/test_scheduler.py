@@ -531,6 +531,25 @@ def test_quota_is_honoured_and_reclaims_complete(s, reclaim_gpus):
 
 
 @FAST
+@given(worlds(), st.integers(0, 16))
+def test_a_job_others_were_preempted_for_starts_once_they_have_drained(s, reclaim_gpus):
+    """Whenever a call shrinks or preempts jobs for a waiting job, the next call (after they have
+    drained, nothing new submitted) admits that job: the GPUs freed for it are never taken by another
+    and paid for with a second round of preemptions. (Before nominations, aging let a lower-priority
+    job take them; this property found 1 in 3 runs of 150 worlds failing on that code.)"""
+    if reclaim_gpus and s.loans:
+        r = Reclaim(min(reclaim_gpus, sum(ln.gpus for ln in s.loans)), by_s=300.0)
+        s = Snapshot.build(s.now_s, s.nodes, s.tenants, s.jobs(), s.loans, (r,))
+    waiting_for: set[str] = set()
+    for _ in range(16):
+        decisions = schedule(s)
+        admitted = {d.job for d in decisions if isinstance(d, Admit)}
+        assert waiting_for <= admitted, (waiting_for - admitted, decisions)
+        waiting_for = {d.for_job for d in decisions if isinstance(d, (Preempt, Shrink)) and d.for_job}
+        s = settle(apply(s, decisions), s.now_s + 400)
+
+
+@FAST
 @given(worlds(), st.lists(st.tuples(st.booleans(), st.integers(0, 16), st.booleans(), st.booleans()),
                           min_size=1, max_size=10))
 def test_incremental_index_gives_the_same_decisions(s, script):
