@@ -10,7 +10,7 @@ import pytest
 from tidal.model import Admit, Preempt, Shrink, Tenant
 from tidal.sim.config import make_config
 from tidal.sim.jobs import JobSpec
-from tidal.sim.progress import Segment
+from tidal.sim.progress import DurableTable, Segment, durable_times_and_next
 from tidal.sim.world import (
     DONE,
     PENDING,
@@ -149,3 +149,43 @@ def test_durable_time_and_next_agrees_with_the_two_calls():
               seg(lag_s=300.0, pend=(1200.0, 50.0, 90.0))):
         for t in np.linspace(0.0, 5000.0, 101):
             assert s.durable_time_and_next(t) == (s.durable(t)[1], s.next_durable_s(t))
+
+
+def test_durable_table_answers_exactly_what_each_segment_does():
+    """The vectorised refresh (``DurableTable``) gives bit for bit the capture times and next times of
+    ``Segment.durable_time_and_next``, rows due only when their answer may have changed."""
+    rng = np.random.default_rng(5)
+    segs = {}
+    for i in range(300):
+        lag = float(rng.choice([0.0, 5.0, 300.0]))
+        stop = float(rng.choice([math.inf, rng.uniform(0, 9000)]))
+        pend = None if rng.random() < 0.5 else (float(rng.uniform(0, 3000)), float(rng.uniform(0, 900)),
+                                                 float(rng.uniform(0, 800)))
+        segs[f"j{i}"] = seg(t0=float(rng.uniform(0, 2000)), p0=float(rng.uniform(0, 500)),
+                            rate=float(rng.choice([1.0, 8.0, 64.0 ** 0.9])), tau_s=float(rng.uniform(30, 3600)),
+                            stall_s=float(rng.choice([5.0, 10.0, 60.0])), lag_s=lag, stop_s=stop,
+                            dur_p=float(rng.uniform(0, 400)), dur_ct=float(rng.uniform(0, 100)), pend=pend)
+    end = 8000.0
+    table = DurableTable(end)
+    last = {k: math.nan for k in segs}
+    for k, s in segs.items():
+        table.set(k, s, s.next_durable_s(0.0))
+    for k in list(segs)[::7]:  # some leave (a finished job) and one comes back with a new segment
+        table.drop(k)
+        del segs[k]
+    segs["j0"] = seg(t0=50.0, tau_s=700.0, lag_s=300.0)
+    table.set("j0", segs["j0"], segs["j0"].next_durable_s(0.0))
+    rows = np.array([[s.t0, s.p0, s.rate, s.tau, s.stall, s.lag, s.stop, s.dur_p, s.dur_ct, s.pend_t, s.pend_p,
+                      s.pend_ct] for s in segs.values()])
+    for t in np.sort(rng.uniform(0, end, 60)).tolist():
+        ct, nxt = durable_times_and_next(rows.T, t)
+        for (k, s), c, n in zip(segs.items(), ct.tolist(), nxt.tolist(), strict=True):
+            assert (c, n) == s.durable_time_and_next(t), (k, t)
+        keys, cts = table.refresh(t)
+        assert len(set(keys)) == len(keys) and set(keys) <= set(segs)
+        for k, c in zip(keys, cts, strict=True):
+            assert c == segs[k].durable_time_and_next(t)[0]
+            last[k] = c
+        for k, s in segs.items():  # a row not refreshed has not changed since it was
+            if k not in keys and not math.isnan(last[k]):
+                assert last[k] == s.durable(t)[1], (k, t)

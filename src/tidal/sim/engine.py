@@ -94,6 +94,7 @@ class Engine:
         self.demand = np.resize(np.asarray(demand, dtype=float), need) if len(demand) < need else np.asarray(demand)
         self.pstate = self.policy.initial_state() if self.policy is not None else None
         self.sched_index = RunningIndex()  # the scheduler's incremental per-node sums (same decisions)
+        self.last_running: tuple = ()  # the running jobs the index saw last (what the world's changes are since)
         ss = np.random.SeedSequence(config.seed)
         fail_seq, backlog_seq = ss.spawn(2)
         self.heap: list[tuple] = []
@@ -205,8 +206,9 @@ class Engine:
             for notice in w.serving.apply_plan(plan, t, w.used):
                 if notice < t + self.step:
                     self._push(notice, WAKE)
-            inside = plan.times_s <= t + plan.lead_time_s + 1e-9
-            upper = float(np.max(plan.upper_gpus[inside])) if inside.any() else float(plan.upper_gpus[0])
+            if self.cfg.record_timeline:  # the bound within the lead time, for the timeline only
+                inside = plan.times_s <= t + plan.lead_time_s + 1e-9
+                upper = float(np.max(plan.upper_gpus[inside])) if inside.any() else float(plan.upper_gpus[0])
         if self.source is not None:
             src = self.source
             for size in src.sizes:
@@ -230,6 +232,9 @@ class Engine:
         w = self.world
         w.refresh_checkpoints(t)
         snap = w.snapshot(t)
+        added, removed = w.running.take_changes()  # what the index would otherwise find by comparing all
+        self.sched_index.hint(snap.running, self.last_running, added, removed)
+        self.last_running = snap.running
         pending = sum(len(q) for q in snap.queues.values())
         self.max_pending = max(self.max_pending, pending)
         self.pending_per_call.append(pending)

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 EPS = 1e-9
 
 
@@ -160,3 +162,78 @@ class Segment:
         if dur_p > p0 + EPS:
             dur_p = p0
         return Segment(start_s, p0, rate, tau_s, self.stall, self.lag, dur_p, dur_ct, pend, stop_s)
+
+
+class DurableTable:
+    """The newest durable checkpoint of many segments at once, for a caller that asks at many times.
+
+    One row per key (a job): its :class:`Segment`'s parameters and ``due``, the time from which its
+    answer may have changed (``inf``: not before the segment ends). :meth:`refresh` answers every row
+    that is due with :func:`durable_times_and_next` (the arithmetic of
+    :meth:`Segment.durable_time_and_next`, on arrays) and moves ``due`` on, so a call costs a few array
+    operations plus one step per row that changed, not a priority-queue operation per row.
+    """
+
+    def __init__(self, end_s: float) -> None:
+        self.end_s = end_s
+        self.rows = np.zeros((0, 12))  # see _row
+        self.due = np.zeros(0)
+        self.slot: dict[str, int] = {}
+        self.keys: list[str | None] = []
+        self.free: list[int] = []
+
+    def set(self, key: str, seg: Segment, due: float) -> None:
+        """``key``'s segment from now on, first answered at ``due`` (``inf`` if not before ``end_s``)."""
+        i = self.slot.get(key)
+        if i is None:
+            if not self.free:
+                n = len(self.keys)
+                grow = max(64, n)
+                self.rows = np.vstack([self.rows, np.zeros((grow, 12))])
+                self.due = np.concatenate([self.due, np.full(grow, math.inf)])
+                self.keys += [None] * grow
+                self.free = list(range(n + grow - 1, n - 1, -1))
+            i = self.free.pop()
+            self.slot[key] = i
+            self.keys[i] = key
+        self.rows[i] = (seg.t0, seg.p0, seg.rate, seg.tau, seg.stall, seg.lag, seg.stop, seg.dur_p, seg.dur_ct,
+                        seg.pend_t, seg.pend_p, seg.pend_ct)
+        self.due[i] = due if due < self.end_s else math.inf
+
+    def drop(self, key: str) -> None:
+        """``key`` has no segment any more."""
+        i = self.slot.pop(key, None)
+        if i is not None:
+            self.due[i] = math.inf
+            self.keys[i] = None
+            self.free.append(i)
+
+    def refresh(self, now: float) -> tuple[list[str], list[float]]:
+        """The keys due at ``now`` and the capture time of their newest durable checkpoint then."""
+        idx = np.flatnonzero(self.due <= now)
+        if idx.size == 0:
+            return [], []
+        ct, nxt = durable_times_and_next(self.rows[idx].T, now)
+        self.due[idx] = np.where(nxt < self.end_s, nxt, math.inf)
+        keys = self.keys
+        return [keys[i] for i in idx.tolist()], ct.tolist()  # type: ignore[misc]
+
+
+def durable_times_and_next(rows: np.ndarray, t: float) -> tuple[np.ndarray, np.ndarray]:
+    """:meth:`Segment.durable_time_and_next` at ``t`` for the segments in ``rows`` (the columns of
+    :meth:`DurableTable.set`), with the same floating-point operations in the same order."""
+    t0, p0, rate, tau, stall, lag, stop, dur_p, dur_ct, pend_t, pend_p, pend_ct = rows
+    c = tau - stall
+    k = np.floor((t - lag - t0) / tau + EPS) - 1  # _last_capture
+    finite = stop < math.inf
+    if finite.any():
+        with np.errstate(invalid="ignore"):
+            k = np.where(finite, np.minimum(k, np.floor((stop - t0 - c) / tau + EPS)), k)
+    pend = (pend_t <= t + EPS) & (pend_p >= dur_p)
+    p = np.where(pend, pend_p, dur_p)
+    ct = np.where(pend, pend_ct, dur_ct)
+    ct = np.where((k >= 0) & (p0 + rate * (k + 1) * c >= p), t0 + k * tau + c, ct)
+    nxt = np.where(pend_t > t + EPS, pend_t, math.inf)
+    ok = ~finite | (t0 + (k + 1) * tau + c <= stop + EPS)
+    nxt = np.where(ok, np.minimum(nxt, t0 + (k + 2) * tau + lag), nxt)
+    return ct, nxt

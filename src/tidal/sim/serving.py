@@ -23,9 +23,9 @@ This is the serving adapter of the architecture, simulated: it carries out a
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections.abc import Mapping
+from itertools import repeat
 
 from tidal.model import Loan, Reclaim
 from tidal.policy.loan import LoanPlan, LoanTiming
@@ -125,7 +125,10 @@ class ServingPool:
         ends += [(r.notice_s, r.gpus) for r in plan.reclaims]
         finite = sum(g for _, g in ends)
         if finite and self.loans:
-            order = heapq.nsmallest(finite, self.loans, key=lambda n: (used.get(n, 0), n))
+            # the nodes by (GPUs used, name): as heapq.nsmallest(finite, ...) would list them, and the
+            # walk below never takes more than ``finite`` of them (each holds at least one lent GPU)
+            loans = self.loans
+            order = [n for _, n in sorted(zip(map(used.get, loans, repeat(0)), loans, strict=True))]
         else:
             order = []
         new_finite: set[str] = set()

@@ -30,7 +30,6 @@ share of its GPUs on loans; a rollback cuts the record back to where training re
 from __future__ import annotations
 
 import bisect
-import heapq
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import replace
@@ -53,7 +52,7 @@ from tidal.model import (
 from tidal.policy.ckpt_interval import plan_ckpt_intervals
 from tidal.sim.config import SimConfig
 from tidal.sim.jobs import JobSpec
-from tidal.sim.progress import Segment
+from tidal.sim.progress import DurableTable, Segment
 from tidal.sim.serving import ServingPool
 
 NEW, PENDING, RUNNING, SHRINKING, STOPPING, DONE = "new", "pending", "running", "shrinking", "stopping", "done"
@@ -130,6 +129,46 @@ def transition(j: SimJob, event: str) -> None:
 
 
 Push = Callable[[float, int, str, int], None]  # (time_s, event kind, job id, version)
+
+
+class RunningJobs(dict):
+    """The running jobs (job id -> :class:`~tidal.model.Job`) that also note which ``Job`` objects came
+    and went since :meth:`take_changes` (a changed job is a new object): the engine hands that to the
+    scheduler's ``RunningIndex`` (``hint``), so it need not compare every running job each call.
+    Only item assignment and ``del`` are noted: the world changes it no other way."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.added: dict[int, Job] = {}
+        self.removed: dict[int, Job] = {}
+
+    def __setitem__(self, jid: str, job: Job) -> None:
+        old = self.get(jid)
+        if old is not None:
+            self._gone(old)
+        if self.removed.get(id(job)) is job:
+            del self.removed[id(job)]
+        else:
+            self.added[id(job)] = job
+        super().__setitem__(jid, job)
+
+    def __delitem__(self, jid: str) -> None:
+        self._gone(self[jid])
+        super().__delitem__(jid)
+
+    def _gone(self, job: Job) -> None:
+        if self.added.get(id(job)) is job:
+            del self.added[id(job)]
+        else:
+            self.removed[id(job)] = job
+
+    def take_changes(self) -> tuple[list[Job], list[Job]]:
+        """(added, removed) ``Job`` objects since the last call, and start again."""
+        out = list(self.added.values()), list(self.removed.values())
+        self.added, self.removed = {}, {}
+        return out
+
+
 FINISH, FAIL, RELEASE = 1, 2, 0
 
 
@@ -157,13 +196,13 @@ class World:
         self.tenants = tuple(tenants)
         self.push, self.rng = push, rng
         self.jobs: dict[str, SimJob] = {}
-        self.running: dict[str, Job] = {}
+        self.running = RunningJobs()  # id -> Job, with the Job objects that came and went since last asked
         self.queues: dict[tuple, list[Job]] = {}
         self.used: dict[str, int] = {}  # node -> GPUs held by jobs
         self.held_serving = 0
         self.held_total = 0
         self.changed: dict[str, None] = {}  # jobs (re)started or resized since the last interval plan (ordered)
-        self.durable_heap: list[tuple[float, str, int]] = []
+        self.durable = DurableTable(config.end_s)  # job id -> its segment, to refresh Job.last_ckpt_s
         self.pending_synthetic_gpus = 0
         self.pending_synthetic_by_size: dict[int, int] = {}
         self.counts = {"reclaim_interruptions": 0, "preemptions": 0, "shrinks": 0, "failures": 0,
@@ -207,9 +246,7 @@ class World:
             t_fail = now + float(self.rng.exponential(1.0 / lam))
             if t_fail < min(t_fin, sj.rel_at, self.cfg.end_s):
                 self.push(t_fail, FAIL, sj.spec.id, sj.version)
-        nd = seg.next_durable_s(now)
-        if nd < self.cfg.end_s:
-            heapq.heappush(self.durable_heap, (nd, sj.spec.id, sj.version))
+        self.durable.set(sj.spec.id, seg, seg.next_durable_s(now))
 
     def _new_piece(self, sj: SimJob, p0: float, rate: float) -> None:
         ps = sj.pieces
@@ -394,6 +431,7 @@ class World:
             sj.job = replace(sj.job, placement={}, releasing={}, started_s=None)
             sj.seg, sj.kept_p = None, kept
             sj.version += 1
+            self.durable.drop(jid)
             self._enqueue(sj)
             return freed
         sj.job = replace(sj.job, placement=left, releasing={})
@@ -419,6 +457,7 @@ class World:
         sj.seg = None
         sj.end_s = now
         sj.version += 1
+        self.durable.drop(jid)
         return freed
 
     def fail(self, jid: str, version: int, now: float) -> bool:
@@ -470,15 +509,9 @@ class World:
         rebuilding a frozen ``Job`` for each (``dataclasses.replace``, ~20 us) would cost more than the
         rest of the simulator at datacenter scale, so this field (and ``ckpt_interval_s``, in
         :meth:`set_interval`) is updated in place on the store's own object. No snapshot outlives a
-        scheduling call, so no caller sees a job change under it.
+        scheduling call, so no caller sees a job change under it. Which jobs' checkpoints moved, and to
+        what, is answered for all of them at once (:class:`~tidal.sim.progress.DurableTable`).
         """
-        h = self.durable_heap
-        while h and h[0][0] <= now:
-            _, jid, version = heapq.heappop(h)
-            sj = self.jobs[jid]
-            if sj.version != version or sj.seg is None:
-                continue
-            ct, nd = sj.seg.durable_time_and_next(now)
-            object.__setattr__(sj.job, "last_ckpt_s", ct)
-            if nd < self.cfg.end_s:
-                heapq.heappush(h, (nd, jid, version))
+        jobs, set_field = self.jobs, object.__setattr__
+        for jid, ct in zip(*self.durable.refresh(now), strict=True):
+            set_field(jobs[jid].job, "last_ckpt_s", ct)

@@ -9,11 +9,16 @@ jobs that were added or removed since (by object identity: :class:`~tidal.model.
 changed job is a new object), so the walk costs O(changed jobs) instead of O(running). It also keeps
 the victim index's inputs (``targets.VictimIndex``): the spot and dedicated jobs not releasing, and
 which of them sit on training or other nodes, so a victim search does not walk every running job's
-placement again.
+placement again; the spot ones also sorted by job id (the victim keys' last tie-break) with the key
+columns that do not change while a job runs (priority, tenant, GPUs, start time, pool) in a numpy
+table, so a search reads only ``last_ckpt_s`` and the shares anew. A caller that knows which jobs
+changed (the simulator's store) may say so (:meth:`RunningIndex.hint`) and spare the comparison of
+every running job too.
 
 It is a memo, not a policy: ``schedule(snap, cfg, index=RunningIndex())`` returns exactly what
 ``schedule(snap, cfg)`` returns (``tests/test_scheduler.py`` checks this on random sequences of
-snapshots). It holds no clock and does no I/O; it keeps references to the previous call's running
+snapshots; ``tests/test_sim_victim_index.py`` with ids out of order and checkpoints moved in
+place). It holds no clock and does no I/O; it keeps references to the previous call's running
 jobs (so identities stay valid). A caller that mutates a :class:`Job` in place may do so only for
 fields the sums do not read (``last_ckpt_s``, ``ckpt_interval_s``, as the simulator does); changing
 ``placement``, ``releasing``, ``kind``, ``tenant``, ``priority``, ``min_gpus`` or ``max_gpus`` in
@@ -22,7 +27,12 @@ place would leave the sums stale. One index per caller and pool; not thread-safe
 
 from __future__ import annotations
 
+import math
+from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
 
 from tidal.model import Job, Node
 
@@ -38,10 +48,13 @@ class RunningIndex:
         self.max_node_gpus = 1
         self.other_nodes: set[str] = set()  # nodes not in the training pool
         self.pos: dict[str, int] = {}  # node -> its position in the node list
+        self.tenant_code: dict[str, int] = {}  # tenant -> its row in per-tenant vectors (first seen first)
+        self._hint: tuple | None = None  # (running, since, added, removed), see hint()
         self._reset_jobs()
 
     def _reset_jobs(self) -> None:
         self._jobs: dict[int, Job] = {}  # id(job) -> job, the running jobs of the last call
+        self._running: Sequence[Job] | None = None  # the last call's running sequence (the object)
         self.used: dict[str, int] = {}  # node -> GPUs held by running jobs
         self.draining: dict[str, int] = {}  # node -> GPUs being released
         self.jobs_of: dict[str, int] = {}  # tenant -> running jobs
@@ -56,6 +69,17 @@ class RunningIndex:
         self.spot_on_training: set[str] = set()  # ids of those spot jobs with GPUs on a training node
         self.spot_elsewhere: dict[int, tuple[str, tuple[str, ...]]] = {}  # id(job) -> (job id, its other nodes)
         self.ded_jobs: dict[str, dict[int, Job]] = {}  # tenant -> id(job) -> dedicated job
+        # The same spot jobs sorted by job id (the victim keys' last tie-break); the key columns that do
+        # not change while a job runs sit in a numpy table, one reused row per job (spot_columns()).
+        self.spot_ids: list[str] = []
+        self.spot_sorted: list[Job] = []
+        self.spot_rows: list[int] = []  # each one's row in the key table (rows are reused)
+        self.row_of: dict[int, int] = {}  # id(job) -> its row
+        self._table = _Table(np.zeros(0, np.int64), np.zeros(0, np.intp), np.zeros(0, np.int64),
+                             np.zeros(0, np.float64), np.zeros(0, bool), np.zeros(0, bool))
+        self._free: list[int] = []
+        self._overflow: dict[int, Job] = {}  # listed jobs whose priority does not fit int64
+        self._spot_cols: SpotColumns | None = None
 
     def nodes(self, nodes: Sequence[Node]) -> bool:
         """Bring the node tables to ``nodes`` (rebuilt, and the job sums with them, unless it is the
@@ -75,10 +99,32 @@ class RunningIndex:
             return False
         return True
 
+    def hint(self, running: Sequence[Job], since: Sequence[Job], added: Sequence[Job], removed: Sequence[Job]
+             ) -> None:
+        """For a caller that knows what changed (the simulator's store): ``running`` (the very object the
+        next snapshot carries) holds the jobs of ``since`` (the running jobs of the previous call, the
+        very object) minus ``removed`` plus ``added`` (objects). The next :meth:`update` then costs
+        O(changes) instead of O(running). Ignored unless both objects match; a wrong list gives wrong
+        sums (a few cheap checks fall back to the full comparison)."""
+        self._hint = (running, since, added, removed)
+
     def update(self, running: Sequence[Job]) -> None:
         """Bring the sums to ``running`` (this call's running jobs). Call :meth:`nodes` first."""
-        cur = {id(j): j for j in running}
+        hint, self._hint = self._hint, None
         prev = self._jobs
+        if hint is not None and hint[0] is running and hint[1] is self._running and hint[1] is not None:
+            self._running = running
+            added, removed = hint[2], hint[3]
+            if (len(prev) - len(removed) + len(added) == len(running)
+                    and all(prev.get(id(j)) is j for j in removed) and not any(id(j) in prev for j in added)):
+                for j in removed:
+                    del prev[id(j)]
+                    self._account(j, -1)
+                for j in added:
+                    prev[id(j)] = j
+                    self._account(j, +1)
+                return
+        cur = dict(zip(map(id, running), running, strict=True))
         if len(prev) > 2 * len(cur) + 64:  # mostly gone: start over (cheaper than removing one by one)
             self._reset_jobs()
             prev = self._jobs
@@ -87,6 +133,7 @@ class RunningIndex:
         for k in cur.keys() - prev.keys():
             self._account(cur[k], +1)
         self._jobs = cur
+        self._running = running
 
     def _account(self, j: Job, sign: int) -> None:
         used, drain, tfree = self.used, self.draining, self.train_free
@@ -144,11 +191,92 @@ class RunningIndex:
                         self.spot_on_training.add(j.id)
                     if others:
                         self.spot_elsewhere[key] = (j.id, tuple(others))
+                    self._spot_insert(j, on_training)
                 else:
                     del self.spot_jobs[key]
                     if on_training:
                         self.spot_on_training.discard(j.id)
                     self.spot_elsewhere.pop(key, None)
+                    self._spot_remove(j)
+
+    def _spot_insert(self, j: Job, on_training: bool) -> None:
+        i = bisect_right(self.spot_ids, j.id)  # after equal ids: the order they were added in
+        self.spot_ids.insert(i, j.id)
+        self.spot_sorted.insert(i, j)
+        if not self._free:
+            self._grow_table()
+        r = self._free.pop()  # the job's row in the table, for as long as it is listed
+        self.spot_rows.insert(i, r)
+        self.row_of[id(j)] = r
+        t = self._table
+        try:
+            t.priority[r] = j.priority
+        except OverflowError:
+            t.priority[r] = 0
+            self._overflow[id(j)] = j
+        t.tenant[r] = self.tenant_code.setdefault(j.tenant, len(self.tenant_code))
+        t.gpus[r] = j.gpus
+        t.started_s[r] = j.started_s if j.started_s is not None else math.nan
+        t.on_training[r] = on_training
+        t.elastic[r] = j.gpus > j.min_gpus
+        self._spot_cols = None
+
+    def _spot_remove(self, j: Job) -> None:
+        i = bisect_left(self.spot_ids, j.id)
+        while self.spot_sorted[i] is not j:  # equal ids (not a valid snapshot, but kept consistent)
+            i += 1
+        self._free.append(self.spot_rows[i])
+        del self.spot_ids[i], self.spot_sorted[i], self.spot_rows[i], self.row_of[id(j)]
+        self._overflow.pop(id(j), None)
+        self._spot_cols = None
+
+    def _grow_table(self) -> None:
+        t = self._table
+        n = t.gpus.size
+        grow = max(256, n)
+        self._table = _Table(*(np.concatenate([col, np.zeros(grow, dtype=col.dtype)]) for col in t))
+        self._free = list(range(n + grow - 1, n - 1, -1))
+
+    def spot_columns(self) -> SpotColumns | None:
+        """The key columns of ``spot_sorted``, in its order (``None``: a priority beyond int64);
+        ``elastic`` as the positions of the jobs above their minimum."""
+        if self._overflow:
+            return None
+        cols = self._spot_cols
+        if cols is None:
+            rows = np.array(self.spot_rows, dtype=np.intp)
+            t = self._table
+            cols = self._spot_cols = SpotColumns(t.priority[rows], t.tenant[rows], t.gpus[rows], t.started_s[rows],
+                                                 t.on_training[rows], np.flatnonzero(t.elastic[rows]), rows,
+                                                 t.gpus.size)
+        return cols
 
 
-__all__ = ["RunningIndex"]
+class SpotColumns(NamedTuple):
+    """Per spot job of :attr:`RunningIndex.spot_sorted`: priority, tenant code, GPUs, ``started_s``
+    (``None`` as NaN), whether it has GPUs on a training node; ``elastic``: the positions of those
+    above their minimum; ``rows``: each one's row in the index's table (``RunningIndex.row_of``), of
+    ``table_rows`` rows."""
+
+    priority: np.ndarray
+    tenant: np.ndarray
+    gpus: np.ndarray
+    started_s: np.ndarray
+    on_training: np.ndarray
+    elastic: np.ndarray
+    rows: np.ndarray
+    table_rows: int
+
+
+class _Table(NamedTuple):
+    """The key table of :class:`RunningIndex`: one row per listed spot job (rows are reused)."""
+
+    priority: np.ndarray
+    tenant: np.ndarray
+    gpus: np.ndarray
+    started_s: np.ndarray
+    on_training: np.ndarray
+    elastic: np.ndarray  # above its minimum
+
+
+__all__ = ["RunningIndex", "SpotColumns"]

@@ -20,22 +20,25 @@ requeued victim that has waited long can never turn around and preempt its preem
   allowed: it would need the victim's tenant, holding more, to end at or below the other.
 
 Cost: the first search in a call indexes the running jobs once (ordered by victim key with one
-``numpy.lexsort``; with the caller's ``RunningIndex`` the jobs come pre-split by kind and pool); each
-search then filters those lists and stops as soon as the need is met. A spot job's search skips whole
-(priority, tenant) groups that cannot yield a victim (see :func:`_spot_pre`).
+``numpy.lexsort``; with the caller's ``RunningIndex`` the jobs come pre-split by kind and pool, sorted
+by id with their fixed key columns, so only ``last_ckpt_s`` and the shares are read per call and the
+orders stay index arrays until a list is asked for); each search then filters those lists and stops
+as soon as the need is met. A spot job's search skips whole (priority, tenant) groups that cannot
+yield a victim (see :func:`_spot_pre`).
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import math
 from collections.abc import Iterable, Iterator, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
 from tidal.model import Job, Reason
 from tidal.policy.scheduling.cycle import Cycle
+from tidal.policy.scheduling.index import RunningIndex, SpotColumns
 from tidal.policy.scheduling.placement import View, pack
 from tidal.policy.scheduling.preemption import (
     GangNeed,
@@ -57,6 +60,9 @@ class VictimIndex:
     jobs above their minimum by shrink key; ``dedicated``: per tenant. ``on_training`` / ``on_loan``:
     spot job ids with GPUs on training nodes / on loaned nodes open to placement. Keys are computed
     once per call (shares move a little as the call goes on; the order they give is close enough).
+
+    With the caller's ``RunningIndex`` the orders are index arrays over its id-sorted spot jobs and
+    the lists are made only when read (:attr:`spot_pre`, :attr:`protected`, :attr:`spot_pre_open`).
     """
 
     def __init__(self, c: Cycle) -> None:
@@ -67,17 +73,31 @@ class VictimIndex:
         pool_of, blocked = c.pool_of, c.loan.blocked
         on_l, on_a = self.on_loan, self.on_any_loan
         index = c.index
+        self._spot_pre: list[Job] | None = None
+        self._protected: set[str] | None = None
+        self._pre_open: list[Job] | None = None
+        self._pre_training: list[Job] | None = None
+        self._open_groups: list[tuple[int, str, np.ndarray, int]] | None = None
+        self._cols: _Orders | None = None
         if index is not None and c.used is index.used:
             # The caller's RunningIndex keeps these jobs split by kind, and their nodes by pool.
             self.dedicated = {t: list(d.values()) for t, d in index.ded_jobs.items() if d}
             self.on_training = index.spot_on_training  # read only; valid for this call
-            for jid, others in index.spot_elsewhere.values():
+            open_loan: list[int] = []  # id(job) of those on loaned nodes open to placement
+            for key, (jid, others) in index.spot_elsewhere.items():
                 for n in others:
                     if pool_of.get(n) == "loan":
                         on_a.add(jid)
                         if n not in blocked:
                             on_l.add(jid)
-            spot = list(index.spot_jobs.values())
+                            open_loan.append(key)
+            cols = index.spot_columns()
+            if cols is not None:
+                row_of = index.row_of
+                self._cols = _spot_orders_cols(c, index, cols, [row_of[k] for k in open_loan])
+                self.spot_shrink = self._cols.shrink
+                return
+            spot = list(index.spot_sorted)
         else:
             spot = []
             self.on_training = on_t = set()
@@ -96,36 +116,89 @@ class VictimIndex:
                         if n not in blocked:
                             on_l.add(j.id)
                 spot.append(j)
-        self.spot_pre, self.protected, self.spot_shrink = _spot_orders(c, spot)
-        # The spot preemption candidates for a spot job: past their minimum runtime, on a node it may use.
-        on_t, prot = self.on_training, self.protected
-        self.spot_pre_open = [j for j in self.spot_pre if j.id not in prot and (j.id in on_t or j.id in on_l)]
-        self._pre_training: list[Job] | None = None
-        self._open_groups: list[tuple[int, str, list[tuple[int, Job]], int]] | None = None
+        self._spot_pre, self._protected, self.spot_shrink = _spot_orders(c, spot)
 
-    def open_groups(self) -> list[tuple[int, str, list[tuple[int, Job]], int]]:
-        """``spot_pre_open`` split by (priority, tenant): ``(priority, tenant, [(rank, job)], fewest GPUs)``,
-        each list in ``spot_pre_open`` order (``rank``: the position there), so merging some of them by
-        rank gives ``spot_pre_open`` with the other groups left out."""
+    @property
+    def spot_pre(self) -> list[Job]:
+        if self._spot_pre is None:
+            o = self._cols
+            assert o is not None
+            spot = o.spot
+            self._spot_pre = [spot[i] for i in o.order.tolist()]
+        return self._spot_pre
+
+    @property
+    def protected(self) -> set[str]:
+        """Ids of the spot jobs still inside their minimum runtime."""
+        if self._protected is None:
+            o = self._cols
+            assert o is not None
+            spot = o.spot
+            self._protected = {spot[i].id for i in np.flatnonzero(o.prot).tolist()}
+        return self._protected
+
+    @property
+    def spot_pre_open(self) -> list[Job]:
+        """The spot preemption candidates for a spot job: past their minimum runtime, on a node it may use."""
+        if self._pre_open is None:
+            o = self._cols
+            if o is not None:
+                spot = o.spot
+                self._pre_open = [spot[i] for i in o.open_order.tolist()]
+            else:
+                on_t, on_l, prot = self.on_training, self.on_loan, self.protected
+                self._pre_open = [j for j in self.spot_pre if j.id not in prot and (j.id in on_t or j.id in on_l)]
+        return self._pre_open
+
+    def open_groups(self) -> list[tuple[int, str, np.ndarray, int]]:
+        """``spot_pre_open`` split by (priority, tenant): ``(priority, tenant, ranks, fewest GPUs)``,
+        ``ranks`` the ascending positions in ``spot_pre_open`` of the group's jobs, so the sorted union
+        of some groups' ranks gives ``spot_pre_open`` with the other groups left out."""
         if self._open_groups is None:
-            groups: dict[tuple[int, str], list] = {}  # (priority, tenant) -> [fewest GPUs, [(rank, job)]]
-            for r, j in enumerate(self.spot_pre_open):
-                g = groups.get((j.priority, j.tenant))
-                if g is None:
-                    groups[(j.priority, j.tenant)] = [j.gpus, [(r, j)]]
-                else:
-                    g[1].append((r, j))
-                    if j.gpus < g[0]:
-                        g[0] = j.gpus
-            self._open_groups = [(p, t, lst, fewest) for (p, t), (fewest, lst) in groups.items()]
+            o = self._cols
+            if o is not None:
+                self._open_groups = _groups_np(o)
+            else:
+                groups: dict[tuple[int, str], list] = {}  # (priority, tenant) -> [fewest GPUs, [rank]]
+                for r, j in enumerate(self.spot_pre_open):
+                    g = groups.get((j.priority, j.tenant))
+                    if g is None:
+                        groups[(j.priority, j.tenant)] = [j.gpus, [r]]
+                    else:
+                        g[1].append(r)
+                        if j.gpus < g[0]:
+                            g[0] = j.gpus
+                self._open_groups = [(p, t, np.array(lst, dtype=np.intp), fewest)
+                                     for (p, t), (fewest, lst) in groups.items()]
         return self._open_groups
 
     def spot_pre_training(self) -> list[Job]:
         """``spot_pre`` restricted to jobs with GPUs on training nodes (a dedicated job's candidates)."""
         if self._pre_training is None:
-            on_t = self.on_training
-            self._pre_training = [j for j in self.spot_pre if j.id in on_t]
+            o = self._cols
+            if o is not None:
+                spot = o.spot
+                order = o.order
+                self._pre_training = [spot[i] for i in order[o.on_training[order]].tolist()]
+            else:
+                on_t = self.on_training
+                self._pre_training = [j for j in self.spot_pre if j.id in on_t]
         return self._pre_training
+
+
+class _Orders(NamedTuple):
+    """The victim orders of one call as positions in the index's id-sorted spot jobs (``spot``)."""
+
+    spot: list[Job]
+    order: np.ndarray  # preemption order
+    prot: np.ndarray  # inside the minimum runtime (bool, by position)
+    on_training: np.ndarray  # with GPUs on a training node (bool, by position)
+    open_order: np.ndarray  # preemption order, not protected, on a training or open loaned node
+    priority: np.ndarray  # by position
+    tenant: np.ndarray  # tenant code, by position
+    gpus: np.ndarray  # by position
+    tenant_names: list[str]  # code -> tenant
+    shrink: list[Job]
 
 
 def _spot_orders(c: Cycle, spot: list[Job]) -> tuple[list[Job], set[str], list[Job]]:
@@ -175,6 +248,59 @@ def _spot_orders_np(c: Cycle, spot: list[Job], ids: list[str], shares: dict[str,
     return pre, protected, shrink
 
 
+def _spot_orders_cols(c: Cycle, index: RunningIndex, cols: SpotColumns, open_loan_rows: list[int]) -> _Orders:
+    """:func:`_spot_orders` for the caller's ``RunningIndex``: its spot jobs come sorted by job id with
+    their key columns kept across calls, so only ``last_ckpt_s`` (which the caller may move in place)
+    and the shares are read now; ``numpy.lexsort`` is stable, so the id order stands in for the id key."""
+    now = c.now
+    tenants = c.tenants
+    spot = index.spot_sorted
+    codes = index.tenant_code
+    names = list(codes)
+    shares = np.zeros(len(codes), dtype=np.float64)
+    for t, k in codes.items():
+        if t in tenants:
+            shares[k] = -c.share(t)
+    neg_share = shares[cols.tenant]
+    prio, gpus, started = cols.priority, cols.gpus, cols.started_s
+    ckpt = np.array([j.last_ckpt_s for j in spot], dtype=np.float64)
+    # Job.work_lost_gpu_s as preempt_keys computes it: the arithmetic of _spot_orders_np.
+    since = np.where(np.isnan(started), now, started)
+    since = np.where(ckpt > since, ckpt, since)
+    lost = now - since
+    lost_gpu_s = np.where(lost > 0.0, lost, 0.0) * gpus
+    with np.errstate(invalid="ignore"):
+        prot = (now - started) < c.cfg.min_runtime_before_preempt_s
+    order = np.lexsort((neg_share, prio, lost_gpu_s, prot))
+    elastic = cols.elastic
+    shrink_order = elastic[np.lexsort((neg_share[elastic], prio[elastic]))]
+    shrink = [spot[i] for i in shrink_order.tolist()]
+    if open_loan_rows:  # on a training node or on an open loaned node (marked by table row)
+        by_row = np.zeros(cols.table_rows, dtype=bool)
+        by_row[open_loan_rows] = True
+        usable = (cols.on_training | by_row[cols.rows]) & ~prot
+    else:
+        usable = cols.on_training & ~prot
+    return _Orders(spot, order, prot, cols.on_training, order[usable[order]], prio, cols.tenant, gpus, names, shrink)
+
+
+def _groups_np(o: _Orders) -> list[tuple[int, str, np.ndarray, int]]:
+    """:meth:`VictimIndex.open_groups` from the arrays: a stable sort of the open ranks by (priority,
+    tenant) leaves each group's ranks ascending."""
+    pos = o.open_order
+    if pos.size == 0:
+        return []
+    p, t = o.priority[pos], o.tenant[pos]
+    by = np.lexsort((t, p))
+    ps, ts = p[by], t[by]
+    cuts = np.flatnonzero((ps[1:] != ps[:-1]) | (ts[1:] != ts[:-1])) + 1
+    starts = np.concatenate(([0], cuts))
+    fewest = np.minimum.reduceat(o.gpus[pos][by], starts)
+    names = o.tenant_names
+    return [(int(ps[i]), names[ts[i]], ranks, int(f))
+            for i, ranks, f in zip(starts.tolist(), np.split(by, cuts), fewest.tolist(), strict=True)]
+
+
 def victim_index(c: Cycle) -> VictimIndex:
     if c._victim_index is None:
         c._victim_index = VictimIndex(c)
@@ -186,8 +312,8 @@ def _allowed(c: Cycle, views: Sequence[View]) -> set[str]:
     got = c.allowed_nodes.get(key)
     if got is None:
         got = set()
-        for v in views:
-            got.update(n for n in v.free if n not in v.blocked)
+        for v in views:  # the nodes of v.free not in v.blocked (set operations, not a Python loop)
+            got.update(v.free.keys() - v.blocked if v.blocked else v.free)
         c.allowed_nodes[key] = got
     return got
 
@@ -254,11 +380,14 @@ def _spot_pre(c: Cycle, job: Job, e: int) -> Iterator[Cand]:
         f = fair.get(t, 0.0)
         return held / f if f > 0 else inf
 
-    parts = [lst for p, t, lst, fewest in idx.open_groups()
+    parts = [ranks for p, t, ranks, fewest in idx.open_groups()
              if p <= e and (p <= e - gap or (t != job.tenant and share_after <= after(t, fewest)))]
     if not parts:
         return
-    for _, v in parts[0] if len(parts) == 1 else heapq.merge(*parts):  # not protected, on a usable node
+    ranks = parts[0] if len(parts) == 1 else np.sort(np.concatenate(parts))
+    pre_open = idx.spot_pre_open
+    for r in ranks.tolist():  # not protected, on a usable node
+        v = pre_open[r]
         if v.priority > e or v.id in touched:
             continue
         if v.priority <= e - gap:
@@ -278,14 +407,9 @@ def _focus_nodes(need: GangNeed, shrink: list[Cand], pre: Iterator[Cand]) -> tup
     g, allowed, vfree = need.g, need.allowed, need.vfree
     assert g is not None
     missing = need.size // g - need.ok_nodes
-    pot: dict[str, int] = {}
-    done: list[str] = []
-
-    def add(n: str, t: int) -> None:
-        before = pot.get(n, vfree.get(n, 0))
-        pot[n] = before + t
-        if before < g <= before + t:
-            done.append(n)
+    pot: dict[str, int] = {}  # node -> GPUs it could have free (what it has plus what is given back)
+    done: list[str] = []  # nodes that could reach g, in the order they did
+    vget, pget = vfree.get, pot.get
 
     quota = 0  # quota the candidates seen could give back
     for v, _, q in shrink:
@@ -293,8 +417,14 @@ def _focus_nodes(need: GangNeed, shrink: list[Cand], pre: Iterator[Cand]) -> tup
         if q:
             quota += room
         for n, t in v.placement.items():
-            if n in allowed and vfree.get(n, 0) < g:
-                add(n, min(t, room))
+            if n in allowed:
+                f = vget(n, 0)
+                if f < g:  # add what the shrink could give back here (inlined, as below)
+                    before = pget(n, f)
+                    after = before + (t if t < room else room)
+                    pot[n] = after
+                    if before < g <= after:
+                        done.append(n)
     seen: list[Cand] = []
     if len(done) < missing or quota < need.quota_short:
         for x in pre:
@@ -302,8 +432,14 @@ def _focus_nodes(need: GangNeed, shrink: list[Cand], pre: Iterator[Cand]) -> tup
             if x[2]:
                 quota += x[0].gpus
             for n, t in x[0].placement.items():
-                if n in allowed and vfree.get(n, 0) < g:
-                    add(n, t)
+                if n in allowed:
+                    f = vget(n, 0)
+                    if f < g:
+                        before = pget(n, f)
+                        after = before + t
+                        pot[n] = after
+                        if before < g <= after:
+                            done.append(n)
             if len(done) >= missing and quota >= need.quota_short:
                 break
     if len(done) < missing or quota < need.quota_short:

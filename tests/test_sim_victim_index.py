@@ -1,0 +1,92 @@
+"""The scheduler's incremental index as the simulator drives it: victim keys kept across calls.
+
+The simulator keeps one :class:`~tidal.policy.scheduling.index.RunningIndex` for a whole run and moves
+``Job.last_ckpt_s`` in place between calls (``World.refresh_checkpoints``). The index keeps the spot
+jobs sorted by id with their fixed key columns, so a victim search reads only the checkpoint times
+anew; the orders and the decisions must be exactly those of the full walk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sched_fixtures import apply, nodes, settle
+from test_scheduler import FAST, worlds
+from tidal.model import Job, Loan, Reclaim, Snapshot, Tenant
+from tidal.policy.scheduler import RunningIndex, SchedulerConfig, schedule
+from tidal.policy.scheduling.cycle import Cycle
+from tidal.policy.scheduling.targets import VictimIndex
+
+CKPT = st.none() | st.sampled_from([-3000.0, -900.0, -400.0, -100.0, 0.0])
+
+
+def _victim_orders(s: Snapshot, index: RunningIndex | None) -> tuple:
+    c = Cycle(s, SchedulerConfig(), index)
+    c.build_views({"s1"})  # a loan ending soon: closed to placement
+    c.compute_fair({j.tenant for j in s.running if j.kind == "spot"})
+    v = VictimIndex(c)
+    ids = [j.id for j in v.spot_pre], v.protected, [j.id for j in v.spot_shrink], [j.id for j in v.spot_pre_open]
+    return ids, sorted(v.on_training), sorted(v.on_loan), {t: [j.id for j in d] for t, d in v.dedicated.items()}
+
+
+@FAST
+@given(st.lists(st.tuples(st.integers(0, 2), st.sampled_from([1, 2, 4]), st.integers(0, 1), st.booleans(),
+                          st.sampled_from([None, -2000.0, -500.0, -100.0]), CKPT, st.integers(0, 99)),
+                min_size=1, max_size=14),
+       st.lists(st.tuples(st.integers(0, 13), CKPT), max_size=6), st.integers(0, 13))
+def test_kept_victim_orders_equal_the_walk_as_jobs_come_go_and_checkpoint(specs, moves, gone):
+    """Orders from the kept columns (ids inserted out of order, ties in every key but the id) equal
+    the full walk's, after checkpoints move in place and after jobs leave and new ones arrive."""
+    def job(k: int, t: int, g: int, p: int, elastic: bool, started, ckpt, name: int) -> Job:
+        on = {f"t{k}": g}
+        if k % 3 == 0:  # some on a loaned node only (s1's loan ends soon: closed), some on both
+            on = {f"s{k % 2}": min(g, 2)} if k % 2 == 0 or g == 1 else {f"t{k}": g - 1, f"s{k % 2}": 1}
+        size = sum(on.values())
+        return Job(f"j{name:02d}-{k}", f"u{t}", "spot", priority=p, min_gpus=1 if elastic else size, max_gpus=8,
+                   placement=on, started_s=started, last_ckpt_s=ckpt)
+
+    jobs = [job(k, *spec) for k, spec in enumerate(specs)]
+    pool = nodes((8,) * 16, (8, 8))
+    loans = [Loan("s0", 8), Loan("s1", 8, until_s=300.0)]
+    ts = [Tenant(f"u{i}", 0, 1.0 + i % 2) for i in range(3)]
+    idx = RunningIndex()
+    s = Snapshot.build(0.0, pool, ts, jobs, loans)
+    assert _victim_orders(s, idx) == _victim_orders(s, None)
+    for k, ck in moves:  # the simulator's in-place refresh
+        if k < len(jobs):
+            object.__setattr__(jobs[k], "last_ckpt_s", ck)
+    assert _victim_orders(s, idx) == _victim_orders(s, None)
+    if gone < len(jobs):  # one job leaves, one changes (a new object), two arrive
+        jobs = jobs[:gone] + jobs[gone + 1:]
+        if jobs:
+            jobs[0] = replace(jobs[0], priority=jobs[0].priority + 1)
+        jobs += [job(14, 0, 2, 0, True, -1000.0, None, 50), job(15, 1, 1, 1, False, None, -200.0, 1)]
+    s = Snapshot.build(100.0, pool, ts, jobs, loans)
+    assert _victim_orders(s, idx) == _victim_orders(s, None)
+
+
+@FAST
+@given(worlds(), st.permutations(range(10)),
+       st.lists(st.tuples(st.booleans(), st.integers(0, 16), st.booleans(), st.lists(CKPT, max_size=10)),
+                min_size=1, max_size=10))
+def test_index_gives_the_same_decisions_with_checkpoints_moved_in_place(s, perm, script):
+    """``schedule(s, index=...)`` kept across calls decides what the full walk decides while the
+    caller moves ``last_ckpt_s`` of running jobs in place between calls (ids not in arrival order)."""
+    renamed = [replace(j, id=f"x{perm[int(j.id[1:])]}") for j in s.jobs()]
+    s = Snapshot.build(s.now_s, s.nodes, s.tenants, renamed, s.loans, s.reclaims)
+    idx = RunningIndex()
+    for drain, reclaim_gpus, now_due, ckpts in script:
+        if reclaim_gpus and s.loans:
+            r = Reclaim(min(reclaim_gpus, sum(ln.gpus for ln in s.loans)), by_s=s.now_s + 300,
+                        notice_s=None if now_due else s.now_s + 600)
+            s = Snapshot.build(s.now_s, s.nodes, s.tenants, s.jobs(), s.loans, (*s.reclaims, r))
+        for j, ck in zip(s.running, ckpts, strict=False):
+            object.__setattr__(j, "last_ckpt_s", None if ck is None else s.now_s + ck)
+        decisions = schedule(s, index=idx)
+        assert decisions == schedule(s)
+        s = apply(s, decisions)
+        s = settle(s, s.now_s + 700) if drain else Snapshot.build(s.now_s + 300, s.nodes, s.tenants, s.jobs(),
+                                                                   s.loans, s.reclaims)
