@@ -178,6 +178,44 @@ def test_context_quantile_of_a_histogram_and_the_factor_per_context():
     np.testing.assert_allclose(fc._context_factor(shrunk, s), 1.0, atol=1e-4)
 
 
+def test_tail_reserve_from_a_hand_built_histogram():
+    """98 misses of 0 and 2 of one mean (10 GPUs) over a 2-step lead window: E[(m - R)+] = 0.02 (1.005 - R)
+    in units of the mean (bins are 0.01 wide; a miss counts at its bin's center)."""
+    cfg = fc.ForecastConfig(tail_horizon_steps=3)
+    bins = fc._TAIL_BINS
+    row = np.zeros(bins.size - 1)
+    row[np.searchsorted(bins, 0.0, side="right") - 1] = 98.0
+    row[np.searchsorted(bins, 1.0, side="right") - 1] = 2.0
+    hist = np.zeros((3, row.size))
+    hist[1] = hist[2] = row  # lead windows of 2 and 3 steps
+    s = replace(fc.initial_state(cfg), mean_gpus=10.0, tail_hist=hist)
+    assert fc.tail_reserve_gpus(cfg, s, 2, 0.01) == pytest.approx(5.05)  # 0.02 (1.005 - R) = 0.01
+    assert fc.tail_reserve_gpus(cfg, s, 2, 1e-9) == pytest.approx(10.1, abs=1e-3)  # ~ the largest miss
+    assert fc.tail_reserve_gpus(cfg, s, 2, 0.03) == 0.0  # more than E[m+]: no reserve
+    assert fc.tail_reserve_gpus(cfg, s, 1, 1e-9) == 0.0  # nothing scored for 1-step windows
+    assert fc.tail_reserve_gpus(cfg, s, 9, 0.01) == pytest.approx(5.05)  # clipped to tail_horizon_steps
+    # Lumpy misses (2 in 100 samples) over a short period need more: + kappa sd of the period's mean.
+    assert fc.tail_reserve_gpus(cfg, s, 2, 0.01, kappa=1.0, period_steps=100) > 6.0
+
+
+def test_tail_memory_keeps_the_worst_miss_of_each_lead_window():
+    cfg = fc.ForecastConfig(step_s=600, horizon_s=2 * H, period_s=H, tail_horizon_steps=3)  # 6-step period
+    early = run(cfg, [10.0] * 6)  # the first period: misses wait (in GPUs) until the mean is a reference
+    assert early.tail_hist.sum() == 0 and np.isfinite(early.tail_pending).sum() == 3 * 5
+    s = run(cfg, [10.0] * 30)
+    assert s.tail_pending is None
+    assert s.tail_hist.sum() == pytest.approx(3 * 29, rel=1e-2)  # 29 scored steps x 3 window lengths, decayed
+    before = s.tail_hist.copy()
+    jump = fc.observe(cfg, s, s.t_s + 600, 30.0)  # 20 GPUs above every center that targeted it
+    np.testing.assert_array_equal(s.tail_hist, before)  # pure
+    added = jump.tail_hist - before * fc.decay(600, cfg.tail_half_life_s)
+    at = np.searchsorted(fc._TAIL_BINS, 20.0 / s.mean_gpus, side="right") - 1
+    np.testing.assert_allclose(added[:, at], 1.0)
+    assert added.sum() == pytest.approx(3.0)
+    assert fc.tail_reserve_gpus(cfg, jump, 2, 1e-9) == pytest.approx((fc._TAIL_BINS[at + 1]) * jump.mean_gpus,
+                                                                     rel=1e-3)
+
+
 def test_context_quantiles_widen_the_scale_where_errors_are_large():
     """Level alternates every 7 h (not aligned with the day) between 20 GPUs, noise sd 0.5, and 60
     GPUs, noise sd 6. One shared error scale cannot tell them apart; a level context can."""

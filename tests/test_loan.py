@@ -4,6 +4,7 @@ budget calibration under a regime change, and (if present) the real ServeGen tra
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tidal.policy.forecast import ForecastConfig
+from tidal.policy.forecast import ForecastConfig, forecast, tail_reserve_gpus
 from tidal.policy.loan import (
     LoanContext,
     LoanPlan,
@@ -150,8 +151,10 @@ def test_property_tidal_lends_at_most_pool_minus_forecast_plus_margin(demand, bu
         assert state.z >= cfg.min_z
         center = state.forecast.past_center[0]
         scale = state.forecast.scale_gpus
-        # The bound used is the forecast plus a non-negative margin ...
-        np.testing.assert_allclose(p.upper_gpus, center + state.z * scale)
+        # The bound used is the forecast plus a non-negative margin (z scales, or the tail reserve) ...
+        reserve = tail_reserve_gpus(cfg.forecast, state.forecast, 2, cfg.tail_budget_fraction * budget)
+        assert reserve >= 0
+        np.testing.assert_allclose(p.upper_gpus, np.maximum(center + state.z * scale, center + reserve))
         # ... and nothing lent now is needed by it within the lead time.
         in_lead = p.times_s <= 1200.0 + 600.0 * k
         assert p.lendable_gpus <= max(0.0, 100 - float(np.max(p.upper_gpus[in_lead]))) + 1e-9
@@ -299,6 +302,32 @@ def test_tidal_meets_the_budget_through_a_regime_change_without_hindsight(budget
     assert state.shortfall_ratio >= 0.4 * budget  # ... and spends a real part of it (not just hoarding)
     harvest = lent_sum / float(np.sum(100 - demand))
     assert harvest > 0.6
+
+
+def test_tidal_tail_reserve_keeps_the_plan_that_far_above_the_center():
+    """Demand 20 of 100 GPUs with a one-step spike to 60 every 4 hours; z held at 0, so the margin
+    is the tail reserve alone: the smallest R with E[(m - R)+] <= budget * mean over the 2-step
+    lead windows seen, and the plan lends exactly what ``center + R`` spares over the lead time."""
+    demand = np.where(np.arange(3 * 144) % 24 == 23, 60.0, 20.0)[:-3]  # ends three quiet steps after a spike
+    cfg = TidalConfig(shortfall_budget=0.01, forecast=ForecastConfig(horizon_s=3600.0), timing=LEAD20,
+                      initial_z=0.0, calibration_rate_per_h=0.0, tail_budget_fraction=1.0)
+    off = replace(cfg, tail_budget_fraction=0.0)
+    results = {}
+    for name, c in (("on", cfg), ("off", off)):
+        pol = TidalPolicy(c)
+        state, lent = pol.initial_state(), 0
+        for k, d in enumerate(demand):
+            p, state = pol(LoanContext(now_s=600.0 * k, serving_gpus=100, demand_gpus=float(d), lent_gpus=lent), state)
+            lent = p.lendable_gpus
+        results[name] = (p, state)
+    p, state = results["on"]
+    reserve = tail_reserve_gpus(cfg.forecast, state.forecast, 2, 0.01)
+    assert 15.0 < reserve < 40.0  # the spikes miss by ~40 GPUs, one lead window in 12
+    assert p.margin_gpus == pytest.approx(reserve)
+    f = forecast(cfg.forecast, state.forecast)
+    in_lead = f.times_s <= p.now_s + LEAD20.lead_time_s
+    assert p.lendable_gpus == int(np.floor(100 - np.max(f.center_gpus[in_lead] + reserve) + 1e-9))
+    assert results["off"][0].lendable_gpus > p.lendable_gpus + 10  # z = 0 and no reserve: ~ the center
 
 
 # --- baselines -----------------------------------------------------------------------------------

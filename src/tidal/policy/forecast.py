@@ -34,6 +34,10 @@ Model, for the demand y at time ``t + h * step_s`` seen from the last observatio
 * ``burst`` widens the scale while the last steps' one-step errors exceed the usual one
   (volatility clusters: a jump is often followed by more); it fades over ``burst_half_life_s``,
   both in time and along the horizon.
+* the *tail memory* (``ForecastState.tail_hist``, weeks long): a histogram of the worst miss above the
+  center over each lead window of 1..``tail_horizon_steps`` steps, in units of ``mean``. The error
+  scale forgets a rare jump within days; the loan policy's tail reserve (:func:`tail_reserve_gpus`)
+  keeps it.
 * ``z`` is *not* chosen here: it is the calibrated margin, in units of ``scale``. The loan policy
   (:mod:`tidal.policy.loan`) sets it from a shortfall budget; :class:`CoverageCalibrator` sets it
   for a target quantile (adaptive conformal inference). ``upper(h; z)`` is the profile at an upper
@@ -140,6 +144,11 @@ class ForecastConfig:
     """Each context's histogram is shrunk towards the pooled one by this many pseudo-observations."""
     context_max_factor: float = 3.0
     """The context factor is clipped to ``[1 / this, this]``."""
+    tail_horizon_steps: int = 6
+    """Tail memory (see :func:`tail_reserve_gpus`): lead windows of 1..this many steps are kept."""
+    tail_half_life_s: float = 28 * 86400.0
+    """Memory of the tail histograms: long, because the misses they keep (load x3 within 10 min)
+    come once a week or rarer, and the error scale ``e`` (2-day memory) forgets them."""
     prior_scale_fraction: float = 0.25
     """Error scale, as a fraction of the level, before any error has been measured."""
     min_scale_fraction: float = 0.01
@@ -169,6 +178,8 @@ class ForecastConfig:
             raise ValueError(f"ForecastConfig.context_quantile must be in (0, 1), got {self.context_quantile}")
         if self.context_horizon_steps < 1:
             raise ValueError(f"ForecastConfig.context_horizon_steps must be >= 1, got {self.context_horizon_steps}")
+        if self.tail_horizon_steps < 1:
+            raise ValueError(f"ForecastConfig.tail_horizon_steps must be >= 1, got {self.tail_horizon_steps}")
         if self.context_prior_n < 0 or not self.context_max_factor >= 1:
             raise ValueError("ForecastConfig.context_prior_n must be >= 0 and context_max_factor >= 1, got "
                              f"{self.context_prior_n} and {self.context_max_factor}")
@@ -233,6 +244,11 @@ class ForecastState:
     """``past_ctx[r, h-1]``: the context of that path's point (conditional error quantiles)."""
     ctx_hist: np.ndarray | None = field(default=None, repr=False)
     """Per context, an exponentially weighted histogram of standardized errors (``_CTX_BINS``)."""
+    tail_hist: np.ndarray | None = field(default=None, repr=False)
+    """``tail_hist[k-1]``: exponentially weighted histogram (``_TAIL_BINS``) of the worst miss of a
+    lead window of k steps, ``max(y(u) - center made h steps before u, h = 1..k) / mean``."""
+    tail_pending: np.ndarray | None = field(default=None, repr=False)
+    """The first period's worst misses (GPUs, ``-inf`` = none), held until ``mean`` is a reference."""
 
 
 def initial_state(config: ForecastConfig) -> ForecastState:
@@ -246,11 +262,57 @@ def initial_state(config: ForecastConfig) -> ForecastState:
         err_profile_n=_frozen(np.zeros(config.slots)), burst=1.0, scale_gpus=_frozen(np.full(h, np.nan)),
         past_base=_frozen(np.full((h, h), np.nan)), past_ctx=_frozen(np.zeros((h, h))),
         ctx_hist=_frozen(np.zeros((config.contexts, _CTX_BINS.size - 1))) if config.contexts > 1 else None,
+        tail_hist=_frozen(np.zeros((config.tail_horizon_steps, _TAIL_BINS.size - 1))),
+        tail_pending=_frozen(np.full((config.slots, config.tail_horizon_steps), -np.inf)),
     )
+
 
 
 _CTX_BINS = np.linspace(-8.0, 24.0, 321)
 """Bin edges of the standardized-error histograms (errors beyond fall into the end bins)."""
+
+
+_TAIL_BINS = np.linspace(-2.0, 4.0, 601)
+"""Bin edges of the tail histograms, in units of ``mean`` (misses beyond fall into the end bins)."""
+
+
+def tail_reserve_gpus(config: ForecastConfig, state: ForecastState, lead_steps: int, mean_excess: float,
+                      kappa: float = 0.0, period_steps: float = math.inf) -> float:
+    """The smallest reserve R >= 0 (GPUs) above the center such that, by the tail memory,
+    ``E[x] + kappa * sqrt(E[x^2] / period_steps) <= mean_excess * mean`` with ``x = (m - R)+``,
+    m the worst miss over a lead window of ``lead_steps`` (clipped to ``tail_horizon_steps``): what
+    serving would be short at a step if every plan of the lead time before it kept R above its
+    center. With ``kappa = 0`` the expected excess is bounded; ``kappa > 0`` adds ``kappa``
+    standard deviations of the *mean* excess over ``period_steps`` steps, so rare large misses
+    (lumpy: a small budget fits only a few) need a larger reserve. 0 before any miss is scored.
+    """
+    if state.tail_hist is None or not mean_excess > 0 or not state.mean_gpus > 0:
+        return 0.0
+    k = min(max(int(lead_steps), 1), config.tail_horizon_steps)
+    w = state.tail_hist[k - 1]
+    total = float(w.sum())
+    if not total > 0:
+        return 0.0
+    c = 0.5 * (_TAIL_BINS[1:] + _TAIL_BINS[:-1])
+    e = _TAIL_BINS[:-1]  # evaluate at the lower edge e_j of each bin j: only bins i >= j exceed it
+    sw = np.cumsum(w[::-1])[::-1]
+    swc = np.cumsum((w * c)[::-1])[::-1]
+    swc2 = np.cumsum((w * c * c)[::-1])[::-1]
+    ex = (swc - e * sw) / total
+    f = ex
+    if kappa > 0 and period_steps < math.inf:
+        ex2 = np.maximum((swc2 - 2 * e * swc + e * e * sw) / total, 0.0)
+        f = ex + kappa * np.sqrt(ex2 / period_steps)
+    ok = np.flatnonzero(f <= mean_excess)  # f decreases with j
+    if ok.size == 0:
+        q = float(_TAIL_BINS[-1])
+    elif ok[0] == 0:
+        q = float(e[0])
+    else:  # linear between the edges around the crossing
+        j = int(ok[0])
+        a, b = f[j - 1], f[j]
+        q = float(e[j - 1] + (e[j] - e[j - 1]) * (a - mean_excess) / max(a - b, 1e-300))
+    return max(q, 0.0) * state.mean_gpus
 
 
 def _context_of(config: ForecastConfig, state: ForecastState, center: np.ndarray,
@@ -414,6 +476,7 @@ def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float)
     eprof, eprof_n = state.err_profile, state.err_profile_n
     burst = state.burst
     ctx_hist = state.ctx_hist
+    tail_hist, tail_pending = state.tail_hist, state.tail_pending
     if not math.isnan(y) and state.n_obs > 0:
         # Score the paths made 1..H steps ago at their points that target now.
         preds = np.diagonal(state.past_center).copy()
@@ -448,6 +511,31 @@ def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float)
                     b = np.clip(np.searchsorted(_CTX_BINS, r, side="right") - 1, 0, _CTX_BINS.size - 2)
                     np.add.at(hist, (ctx[good].astype(int), b), 1.0)
                 ctx_hist = hist
+            if tail_hist is not None and state.mean_gpus > 0:
+                # Worst miss (GPUs) over lead windows of 1..K steps (scored horizons only), kept in units
+                # of the mean. The mean is no reference before a whole period is seen: the first period's
+                # misses wait in tail_pending (GPUs) and go in, in units of the mean of then, after it.
+                k = min(config.tail_horizon_steps, h)
+                miss = np.full(config.tail_horizon_steps, -np.inf)
+                miss[:k] = np.maximum.accumulate(np.where(ok[:k], y - np.where(ok, preds, 0.0)[:k], -np.inf))
+                keep_t = decay(step, config.tail_half_life_s)
+                if tail_pending is not None and state.n_obs < config.slots:
+                    tail_pending = tail_pending.copy()
+                    tail_pending[state.n_obs] = miss
+                else:
+                    hist = tail_hist * keep_t
+                    rows = [(miss, 1.0)]
+                    if tail_pending is not None:
+                        ages = (state.n_obs - np.arange(config.slots)).clip(min=1)
+                        rows += [(tail_pending[i], keep_t ** ages[i]) for i in range(config.slots)]
+                        tail_pending = None
+                    for m, w in rows:
+                        good = np.isfinite(m)
+                        if good.any():
+                            b = np.clip(np.searchsorted(_TAIL_BINS, m[good] / state.mean_gpus, side="right") - 1,
+                                        0, _TAIL_BINS.size - 2)
+                            hist[np.flatnonzero(good), b] += w
+                    tail_hist = hist
             if rel[0]:
                 # Recent surprise at one step ahead, relative to the usual one-step error.
                 burst += (1.0 - decay(step, config.burst_half_life_s)) * (float(err[0] / before[0]) - burst)
@@ -475,7 +563,9 @@ def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float)
                   profile_gpus=_frozen(prof), profile_n=_frozen(prof_n),
                   err_sum=_frozen(np.asarray(err_sum, float)), err_weight=_frozen(np.asarray(err_weight, float)),
                   err_profile=_frozen(eprof), err_profile_n=_frozen(eprof_n), burst=burst,
-                  ctx_hist=None if ctx_hist is None else _frozen(np.asarray(ctx_hist, float)))
+                  ctx_hist=None if ctx_hist is None else _frozen(np.asarray(ctx_hist, float)),
+                  tail_hist=None if tail_hist is None else _frozen(np.asarray(tail_hist, float)),
+                  tail_pending=None if tail_pending is None else _frozen(tail_pending))
     if n_obs == 0:
         center = scale = base = np.full(h, np.nan)
         ctx = np.zeros(h)
