@@ -9,8 +9,10 @@ It starts what the tiers need, on loopback, and stops it at the end (by pid): a 
 a trivial HTTP receiver (a separate process that writes each PUT body to a file in ``/dev/shm``).
 
 1. **Persist throughput**, each tier versus the raw device, the same bytes (one ``size_mb`` state
-   of fp32 tensors), in alternating order, medians of ``repeat``; each measurement starts after a
-   1 s pause and after the previous save's retention finished, so background work does not overlap:
+   of fp32 tensors), in alternating order, medians of ``repeat``; each tier's timed pair follows one
+   untimed raw write of that tier (the first write after another tier's samples was up to ~4x slower,
+   raw or Tidal alike), and each measurement starts after a ``sync``, a 1 s pause and after the
+   previous save's retention finished, so background work does not overlap:
 
    * disk: ``Checkpointer(["shm", dir])`` from ``save`` returning to the step committed in the
      directory (data, sidecar and manifest fsynced) vs a ``dd``-style sequential write of the bytes
@@ -257,7 +259,13 @@ def persist(p: _Persist, repeat: int, log: Callable[[str], None]) -> dict:
         log(f"persist repeat {i + 1}/{repeat}: {', '.join(order)}")
         for t in order:
             first, second = ("raw", "tidal") if i % 2 == 0 else ("tidal", "raw")
+            # One untimed raw write first: whichever side came first after another tier's work paid
+            # for it (on this VM the first disk write after the S3 or peer samples took ~4x longer
+            # than the next, raw or Tidal alike), so neither timed sample is the first.
+            os.sync()
+            p.raw(t)
             for kind in (first, second):
+                os.sync()  # the previous sample's dirty pages (SeaweedFS's volume too) written back first
                 time.sleep(SETTLE_S)
                 samples[t][f"{kind}_s"].append(p.raw(t) if kind == "raw" else p.tidal(t))
     size = len(p.data)
