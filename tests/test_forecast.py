@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 
 from tidal.policy import forecast as fc
+from tidal.policy import forecast_errors as fe
+from tidal.policy.coverage import CoverageCalibrator
 from tidal.serving.traces import load_trace, parse_time
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
@@ -162,40 +164,40 @@ def test_scale_never_shrinks_with_horizon_on_noise():
 
 
 def test_context_quantile_of_a_histogram_and_the_factor_per_context():
-    bins = fc._CTX_BINS
+    bins = fe.CTX_BINS
     hist = np.zeros(bins.size - 1)
     hist[np.searchsorted(bins, 1.0, side="right") - 1] = 10.0  # ten errors in the bin [1.0, 1.1)
-    assert fc._quantile(hist, 0.5) == pytest.approx(1.05)
-    assert math.isnan(fc._quantile(np.zeros_like(hist), 0.5))
+    assert fe.hist_quantile(hist, 0.5) == pytest.approx(1.05)
+    assert math.isnan(fe.hist_quantile(np.zeros_like(hist), 0.5))
     cfg = fc.ForecastConfig(context_level_edges=(1.0,), context_quantile=0.5, context_prior_n=0)
     wide = np.zeros_like(hist)
     wide[np.searchsorted(bins, 3.0, side="right") - 1] = 10.0  # the other context's errors: 3.0 .. 3.1
     s = replace(fc.initial_state(cfg), ctx_hist=np.stack([hist, wide]))
     # Pooled median: the top of the first bin (1.1, half the mass at or below it); each context's
     # median (1.05, 3.05) against it.
-    np.testing.assert_allclose(fc._context_factor(cfg, s), [1.05 / 1.1, 3.05 / 1.1], rtol=1e-6)
+    np.testing.assert_allclose(fe.context_factor(cfg, s), [1.05 / 1.1, 3.05 / 1.1], rtol=1e-6)
     shrunk = replace(cfg, context_prior_n=1e6, context_quantile=0.25)  # all prior: the pooled quantile
-    np.testing.assert_allclose(fc._context_factor(shrunk, s), 1.0, atol=1e-4)
+    np.testing.assert_allclose(fe.context_factor(shrunk, s), 1.0, atol=1e-4)
 
 
 def test_tail_reserve_from_a_hand_built_histogram():
     """98 misses of 0 and 2 of one mean (10 GPUs) over a 2-step lead window: E[(m - R)+] = 0.02 (1.005 - R)
     in units of the mean (bins are 0.01 wide; a miss counts at its bin's center)."""
     cfg = fc.ForecastConfig(tail_horizon_steps=3)
-    bins = fc._TAIL_BINS
+    bins = fe.TAIL_BINS
     row = np.zeros(bins.size - 1)
     row[np.searchsorted(bins, 0.0, side="right") - 1] = 98.0
     row[np.searchsorted(bins, 1.0, side="right") - 1] = 2.0
     hist = np.zeros((3, row.size))
     hist[1] = hist[2] = row  # lead windows of 2 and 3 steps
     s = replace(fc.initial_state(cfg), mean_gpus=10.0, tail_hist=hist)
-    assert fc.tail_reserve_gpus(cfg, s, 2, 0.01) == pytest.approx(5.05)  # 0.02 (1.005 - R) = 0.01
-    assert fc.tail_reserve_gpus(cfg, s, 2, 1e-9) == pytest.approx(10.1, abs=1e-3)  # ~ the largest miss
-    assert fc.tail_reserve_gpus(cfg, s, 2, 0.03) == 0.0  # more than E[m+]: no reserve
-    assert fc.tail_reserve_gpus(cfg, s, 1, 1e-9) == 0.0  # nothing scored for 1-step windows
-    assert fc.tail_reserve_gpus(cfg, s, 9, 0.01) == pytest.approx(5.05)  # clipped to tail_horizon_steps
+    assert fe.tail_reserve_gpus(cfg, s, 2, 0.01) == pytest.approx(5.05)  # 0.02 (1.005 - R) = 0.01
+    assert fe.tail_reserve_gpus(cfg, s, 2, 1e-9) == pytest.approx(10.1, abs=1e-3)  # ~ the largest miss
+    assert fe.tail_reserve_gpus(cfg, s, 2, 0.03) == 0.0  # more than E[m+]: no reserve
+    assert fe.tail_reserve_gpus(cfg, s, 1, 1e-9) == 0.0  # nothing scored for 1-step windows
+    assert fe.tail_reserve_gpus(cfg, s, 9, 0.01) == pytest.approx(5.05)  # clipped to tail_horizon_steps
     # Lumpy misses (2 in 100 samples) over a short period need more: + kappa sd of the period's mean.
-    assert fc.tail_reserve_gpus(cfg, s, 2, 0.01, kappa=1.0, period_steps=100) > 6.0
+    assert fe.tail_reserve_gpus(cfg, s, 2, 0.01, kappa=1.0, period_steps=100) > 6.0
 
 
 def test_tail_memory_keeps_the_worst_miss_of_each_lead_window():
@@ -209,10 +211,10 @@ def test_tail_memory_keeps_the_worst_miss_of_each_lead_window():
     jump = fc.observe(cfg, s, s.t_s + 600, 30.0)  # 20 GPUs above every center that targeted it
     np.testing.assert_array_equal(s.tail_hist, before)  # pure
     added = jump.tail_hist - before * fc.decay(600, cfg.tail_half_life_s)
-    at = np.searchsorted(fc._TAIL_BINS, 20.0 / s.mean_gpus, side="right") - 1
+    at = np.searchsorted(fe.TAIL_BINS, 20.0 / s.mean_gpus, side="right") - 1
     np.testing.assert_allclose(added[:, at], 1.0)
     assert added.sum() == pytest.approx(3.0)
-    assert fc.tail_reserve_gpus(cfg, jump, 2, 1e-9) == pytest.approx((fc._TAIL_BINS[at + 1]) * jump.mean_gpus,
+    assert fe.tail_reserve_gpus(cfg, jump, 2, 1e-9) == pytest.approx((fe.TAIL_BINS[at + 1]) * jump.mean_gpus,
                                                                      rel=1e-3)
 
 
@@ -228,7 +230,7 @@ def test_context_quantiles_widen_the_scale_where_errors_are_large():
     assert off.contexts == 1 and on.contexts == 2
     s_off, s_on = run(off, y), run(on, y)
     assert s_off.ctx_hist is None
-    factor = fc._context_factor(on, s_on)
+    factor = fe.context_factor(on, s_on)
     assert factor[1] > 1.5 * factor[0]  # [below the mean, above it]
     assert s_on.ctx_hist.sum() > 0 and not s_on.ctx_hist.flags.writeable
     hist = s_on.ctx_hist.copy()
@@ -273,7 +275,7 @@ def regime_change_series(days: int, seed: int) -> np.ndarray:
 def test_adaptive_conformal_tracks_the_target_through_a_regime_change(quantile):
     demand = regime_change_series(days=8, seed=3)
     cfg = fc.ForecastConfig(step_s=600, horizon_s=H)
-    cal = fc.CoverageCalibrator(quantile=quantile, horizon_steps=2)
+    cal = CoverageCalibrator(quantile=quantile, horizon_steps=2)
     s, cs = fc.initial_state(cfg), cal.initial_state()
     misses_by_day = np.zeros(8)
     for i, d in enumerate(demand):

@@ -12,7 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tidal.policy.forecast import ForecastConfig, forecast, tail_reserve_gpus
+from tidal.policy.forecast import ForecastConfig, forecast
+from tidal.policy.forecast_errors import tail_reserve_gpus
 from tidal.policy.loan import (
     LoanContext,
     LoanPlan,

@@ -10,7 +10,7 @@ Two evaluations, both causal (every decision at time t uses data up to t only), 
 ``--quantile`` q. Each method gives an upper bound for the demand ``lead`` ahead:
 
 * ``tidal`` — :mod:`tidal.policy.forecast` (profile + live level/trend, per-horizon error scale),
-  its margin calibrated by adaptive conformal inference (:class:`~tidal.policy.forecast.CoverageCalibrator`);
+  its margin calibrated by adaptive conformal inference (:class:`~tidal.policy.coverage.CoverageCalibrator`);
 * ``last-value`` — demand now; ``seasonal-naive`` — demand one period (a day) before the target;
   ``holt-winters`` — additive level/trend/daily season, smoothing constants picked by grid search
   on the warm-up days only. Each baseline's bound is its point forecast plus the empirical
@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 
 from tidal.policy import forecast as fc
+from tidal.policy.coverage import CoverageCalibrator
 from tidal.policy.loan import (
     LoanContext,
     LoanTiming,
@@ -155,7 +156,7 @@ def evaluate_forecasts(times_s: np.ndarray, demand: np.ndarray, *, step_s: float
     n = len(demand)
     period = round(period_s / step_s)
     cfg = fc.ForecastConfig(step_s=step_s, period_s=period_s, horizon_s=max(lead * step_s, 3600.0))
-    cals = {tau: fc.CoverageCalibrator(quantile=tau, horizon_steps=lead) for tau in quantiles}
+    cals = {tau: CoverageCalibrator(quantile=tau, horizon_steps=lead) for tau in quantiles}
     cal_states = {tau: c.initial_state() for tau, c in cals.items()}
     uppers: dict[str, dict[float, np.ndarray]] = {"tidal": {tau: np.full(n, np.nan) for tau in quantiles}}
     state = fc.initial_state(cfg)

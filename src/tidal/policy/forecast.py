@@ -36,7 +36,7 @@ Model, for the demand y at time ``t + h * step_s`` seen from the last observatio
   both in time and along the horizon.
 * the *tail memory* (``ForecastState.tail_hist``, weeks long): a histogram of the worst miss above the
   center over each lead window of 1..``tail_horizon_steps`` steps, in units of ``mean``. The error
-  scale forgets a rare jump within days; the loan policy's tail reserve (:func:`tail_reserve_gpus`)
+  scale forgets a rare jump within days; the loan policy's tail reserve (:func:`~tidal.policy.forecast_errors.tail_reserve_gpus`)
   keeps it.
 * ``z`` is *not* chosen here: it is the calibrated margin, in units of ``scale``. The loan policy
   (:mod:`tidal.policy.loan`) sets it from a shortfall budget; :class:`CoverageCalibrator` sets it
@@ -60,10 +60,11 @@ from __future__ import annotations
 
 import functools
 import math
-import statistics
 from dataclasses import dataclass, field, replace
 
 import numpy as np
+
+from tidal.policy.forecast_errors import CTX_BINS, TAIL_BINS, context_factor, context_of
 
 
 def decay(dt_s: float, half_life_s: float) -> float:
@@ -126,7 +127,7 @@ class ForecastConfig:
     target's time of day. With any ``context_*`` on, the scale is multiplied per context by
     ``Q_c(context_quantile) / Q(context_quantile)``: the quantile of the standardized errors
     ``(y - center) / scale`` seen in that context over the quantile of all of them, learned online
-    from past errors only (see :func:`_context_factor`)."""
+    from past errors only (see :func:`context_factor`)."""
     context_level_edges: tuple[float, ...] = (0.85, 1.15)
     """Conditional error quantiles by level: bucket edges on ``center / mean`` (``()`` = off). The
     default (low / usual / high level) lent more at the same or lower shortfall on both ServeGen
@@ -145,7 +146,7 @@ class ForecastConfig:
     context_max_factor: float = 3.0
     """The context factor is clipped to ``[1 / this, this]``."""
     tail_horizon_steps: int = 6
-    """Tail memory (see :func:`tail_reserve_gpus`): lead windows of 1..this many steps are kept."""
+    """Tail memory (see :func:`~tidal.policy.forecast_errors.tail_reserve_gpus`): lead windows of 1..this many steps are kept."""
     tail_half_life_s: float = 28 * 86400.0
     """Memory of the tail histograms: long, because the misses they keep (load x3 within 10 min)
     come once a week or rarer, and the error scale ``e`` (2-day memory) forgets them."""
@@ -243,9 +244,9 @@ class ForecastState:
     past_ctx: np.ndarray | None = field(default=None, repr=False)
     """``past_ctx[r, h-1]``: the context of that path's point (conditional error quantiles)."""
     ctx_hist: np.ndarray | None = field(default=None, repr=False)
-    """Per context, an exponentially weighted histogram of standardized errors (``_CTX_BINS``)."""
+    """Per context, an exponentially weighted histogram of standardized errors (``CTX_BINS``)."""
     tail_hist: np.ndarray | None = field(default=None, repr=False)
-    """``tail_hist[k-1]``: exponentially weighted histogram (``_TAIL_BINS``) of the worst miss of a
+    """``tail_hist[k-1]``: exponentially weighted histogram (``TAIL_BINS``) of the worst miss of a
     lead window of k steps, ``max(y(u) - center made h steps before u, h = 1..k) / mean``."""
     tail_pending: np.ndarray | None = field(default=None, repr=False)
     """The first period's worst misses (GPUs, ``-inf`` = none), held until ``mean`` is a reference."""
@@ -261,102 +262,11 @@ def initial_state(config: ForecastConfig) -> ForecastState:
         past_center=_frozen(np.full((h, h), np.nan)), err_profile=_frozen(np.zeros(config.slots)),
         err_profile_n=_frozen(np.zeros(config.slots)), burst=1.0, scale_gpus=_frozen(np.full(h, np.nan)),
         past_base=_frozen(np.full((h, h), np.nan)), past_ctx=_frozen(np.zeros((h, h))),
-        ctx_hist=_frozen(np.zeros((config.contexts, _CTX_BINS.size - 1))) if config.contexts > 1 else None,
-        tail_hist=_frozen(np.zeros((config.tail_horizon_steps, _TAIL_BINS.size - 1))),
+        ctx_hist=_frozen(np.zeros((config.contexts, CTX_BINS.size - 1))) if config.contexts > 1 else None,
+        tail_hist=_frozen(np.zeros((config.tail_horizon_steps, TAIL_BINS.size - 1))),
         tail_pending=_frozen(np.full((config.slots, config.tail_horizon_steps), -np.inf)),
     )
 
-
-
-_CTX_BINS = np.linspace(-8.0, 24.0, 321)
-"""Bin edges of the standardized-error histograms (errors beyond fall into the end bins)."""
-
-
-_TAIL_BINS = np.linspace(-2.0, 4.0, 601)
-"""Bin edges of the tail histograms, in units of ``mean`` (misses beyond fall into the end bins)."""
-
-
-def tail_reserve_gpus(config: ForecastConfig, state: ForecastState, lead_steps: int, mean_excess: float,
-                      kappa: float = 0.0, period_steps: float = math.inf) -> float:
-    """The smallest reserve R >= 0 (GPUs) above the center such that, by the tail memory,
-    ``E[x] + kappa * sqrt(E[x^2] / period_steps) <= mean_excess * mean`` with ``x = (m - R)+``,
-    m the worst miss over a lead window of ``lead_steps`` (clipped to ``tail_horizon_steps``): what
-    serving would be short at a step if every plan of the lead time before it kept R above its
-    center. With ``kappa = 0`` the expected excess is bounded; ``kappa > 0`` adds ``kappa``
-    standard deviations of the *mean* excess over ``period_steps`` steps, so rare large misses
-    (lumpy: a small budget fits only a few) need a larger reserve. 0 before any miss is scored.
-    """
-    if state.tail_hist is None or not mean_excess > 0 or not state.mean_gpus > 0:
-        return 0.0
-    k = min(max(int(lead_steps), 1), config.tail_horizon_steps)
-    w = state.tail_hist[k - 1]
-    total = float(w.sum())
-    if not total > 0:
-        return 0.0
-    c = 0.5 * (_TAIL_BINS[1:] + _TAIL_BINS[:-1])
-    e = _TAIL_BINS[:-1]  # evaluate at the lower edge e_j of each bin j: only bins i >= j exceed it
-    sw = np.cumsum(w[::-1])[::-1]
-    swc = np.cumsum((w * c)[::-1])[::-1]
-    swc2 = np.cumsum((w * c * c)[::-1])[::-1]
-    ex = (swc - e * sw) / total
-    f = ex
-    if kappa > 0 and period_steps < math.inf:
-        ex2 = np.maximum((swc2 - 2 * e * swc + e * e * sw) / total, 0.0)
-        f = ex + kappa * np.sqrt(ex2 / period_steps)
-    ok = np.flatnonzero(f <= mean_excess)  # f decreases with j
-    if ok.size == 0:
-        q = float(_TAIL_BINS[-1])
-    elif ok[0] == 0:
-        q = float(e[0])
-    else:  # linear between the edges around the crossing
-        j = int(ok[0])
-        a, b = f[j - 1], f[j]
-        q = float(e[j - 1] + (e[j] - e[j - 1]) * (a - mean_excess) / max(a - b, 1e-300))
-    return max(q, 0.0) * state.mean_gpus
-
-
-def _context_of(config: ForecastConfig, state: ForecastState, center: np.ndarray,
-                future_slots: np.ndarray) -> np.ndarray:
-    """Context id of each path point: (time-of-day bucket of the target, level bucket, volatility bucket)."""
-    tod = (future_slots * max(config.context_tod_buckets, 1)) // config.slots
-    mean = state.mean_gpus if state.mean_gpus > 0 else 1.0
-    lvl = np.searchsorted(np.asarray(config.context_level_edges, float), center / mean, side="right")
-    vol = int(np.searchsorted(np.asarray(config.context_vol_edges, float), state.burst, side="right"))
-    nl, nv = len(config.context_level_edges) + 1, len(config.context_vol_edges) + 1
-    return (tod * nl + lvl) * nv + vol
-
-
-def _quantile(hist: np.ndarray, q: float) -> float:
-    """The q-quantile of a histogram over ``_CTX_BINS`` (linear inside the bin); NaN if empty."""
-    cum = np.cumsum(hist)
-    if not cum[-1] > 0:
-        return math.nan
-    i = int(np.searchsorted(cum, q * cum[-1]))
-    i = min(i, hist.size - 1)
-    below = cum[i - 1] if i > 0 else 0.0
-    frac = (q * cum[-1] - below) / hist[i] if hist[i] > 0 else 0.5
-    return float(_CTX_BINS[i] + frac * (_CTX_BINS[i + 1] - _CTX_BINS[i]))
-
-
-def _context_factor(config: ForecastConfig, state: ForecastState) -> np.ndarray:
-    """Per context: ``Q_c(quantile) / Q(quantile)`` of the standardized errors, each context's
-    histogram shrunk towards the pooled one by ``context_prior_n`` pseudo-observations; 1 until
-    the pooled quantile is positive."""
-    hist = state.ctx_hist
-    out = np.ones(config.contexts)
-    if hist is None:
-        return out
-    pooled = hist.sum(axis=0)
-    total = float(pooled.sum())
-    q_all = _quantile(pooled, config.context_quantile)
-    if not total > 0 or not q_all > 0:
-        return out
-    prior = config.context_prior_n * pooled / total
-    for c in range(config.contexts):
-        q_c = _quantile(hist[c] + prior, config.context_quantile)
-        if q_c == q_c:
-            out[c] = q_c / q_all
-    return np.clip(out, 1.0 / config.context_max_factor, config.context_max_factor)
 
 
 def slot_of(config: ForecastConfig, t_s: float | np.ndarray) -> np.ndarray:
@@ -458,8 +368,8 @@ def _path(config: ForecastConfig, state: ForecastState) -> tuple[np.ndarray, np.
     burst = 1.0 + max(state.burst - 1.0, 0.0) * c["burst_fade"]
     base = np.maximum(e * _noise_factor(config, center, mean) * tod * burst, floor)
     if config.contexts > 1:
-        ctx = _context_of(config, state, center, future_slots)
-        scale = np.maximum(base * _context_factor(config, state)[ctx], floor)
+        ctx = context_of(config, state, center, future_slots)
+        scale = np.maximum(base * context_factor(config, state)[ctx], floor)
     else:
         ctx = np.zeros(hs.shape)
         scale = base
@@ -508,7 +418,7 @@ def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float)
                 hist = state.ctx_hist * decay(step, config.context_half_life_s)
                 if good.any():
                     r = (y - preds[:k][good]) / base[good]
-                    b = np.clip(np.searchsorted(_CTX_BINS, r, side="right") - 1, 0, _CTX_BINS.size - 2)
+                    b = np.clip(np.searchsorted(CTX_BINS, r, side="right") - 1, 0, CTX_BINS.size - 2)
                     np.add.at(hist, (ctx[good].astype(int), b), 1.0)
                 ctx_hist = hist
             if tail_hist is not None and state.mean_gpus > 0:
@@ -532,8 +442,8 @@ def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float)
                     for m, w in rows:
                         good = np.isfinite(m)
                         if good.any():
-                            b = np.clip(np.searchsorted(_TAIL_BINS, m[good] / state.mean_gpus, side="right") - 1,
-                                        0, _TAIL_BINS.size - 2)
+                            b = np.clip(np.searchsorted(TAIL_BINS, m[good] / state.mean_gpus, side="right") - 1,
+                                        0, TAIL_BINS.size - 2)
                             hist[np.flatnonzero(good), b] += w
                     tail_hist = hist
             if rel[0]:
@@ -606,72 +516,3 @@ def forecast(config: ForecastConfig, state: ForecastState) -> Forecast:
     hs = _consts(config)["hs"]
     return Forecast(t_s=state.t_s, times_s=_frozen(state.t_s + hs * config.step_s),
                     center_gpus=_frozen(state.past_center[0].copy()), scale_gpus=state.scale_gpus)
-
-
-# ---------------------------------------------------------------------------------------------
-# Coverage calibration: adaptive conformal inference on the margin z for one horizon.
-
-
-@dataclass(frozen=True)
-class CoverageCalibrator:
-    """Keeps ``upper(h; z)`` at horizon ``horizon_steps`` above the demand a ``quantile`` of the time.
-
-    Adaptive conformal inference (Gibbs & Candès, 2021) on the margin: after each scored target
-    ``z += gain * (miss - (1 - quantile))``, where ``miss`` is 1 if the demand exceeded the upper
-    bound made ``horizon_steps`` earlier. Over any T scored targets the miss rate is within
-    ``(z_max - z_0 + gain) / (gain * T)`` of ``1 - quantile`` with no assumption on the demand;
-    ``z`` never goes below ``min_z`` (the central forecast). It starts (``initial_z=None``) where a
-    Gaussian error with this mean absolute error would put the quantile:
-    ``sqrt(pi / 2) * Phi^-1(quantile)``.
-
-    Call order: ``cal = CoverageCalibrator(...)``, ``s = cal.initial_state()``; per observation,
-    after ``observe``: ``s = cal.update(s, t_s, demand_gpus)`` then
-    ``upper, s = cal.emit(s, forecast)``.
-    """
-
-    quantile: float = 0.95
-    horizon_steps: int = 2
-    gain: float = 0.1
-    initial_z: float | None = None
-    min_z: float = 0.0
-
-    def __post_init__(self) -> None:
-        if not 0 < self.quantile < 1:
-            raise ValueError(f"CoverageCalibrator.quantile must be in (0, 1), got {self.quantile}")
-        if self.horizon_steps < 1:
-            raise ValueError(f"CoverageCalibrator.horizon_steps must be >= 1, got {self.horizon_steps}")
-
-    def initial_state(self) -> CoverageState:
-        z = self.initial_z
-        if z is None:
-            z = math.sqrt(math.pi / 2) * statistics.NormalDist().inv_cdf(self.quantile)
-        return CoverageState(z=max(self.min_z, z), pending=(), misses=0, scored=0)
-
-    def update(self, state: CoverageState, t_s: float, demand_gpus: float) -> CoverageState:
-        """Score the bound that targeted ``t_s`` (if any) against the observed demand."""
-        due = [p for p in state.pending if p[0] <= t_s + 1e-9]
-        rest = tuple(p for p in state.pending if p[0] > t_s + 1e-9)
-        z, misses, scored = state.z, state.misses, state.scored
-        for target_s, upper in due:
-            if abs(target_s - t_s) > 1e-6 or math.isnan(demand_gpus):
-                continue
-            miss = 1.0 if demand_gpus > upper else 0.0
-            z = max(self.min_z, z + self.gain * (miss - (1.0 - self.quantile)))
-            misses += int(miss)
-            scored += 1
-        return CoverageState(z=z, pending=rest, misses=misses, scored=scored)
-
-    def emit(self, state: CoverageState, fc: Forecast) -> tuple[float, CoverageState]:
-        """The calibrated upper bound at the horizon, remembered for scoring when its target arrives."""
-        i = self.horizon_steps - 1
-        upper = float(fc.center_gpus[i] + state.z * fc.scale_gpus[i])
-        pending = state.pending + ((float(fc.times_s[i]), upper),)
-        return upper, replace(state, pending=pending)
-
-
-@dataclass(frozen=True)
-class CoverageState:
-    z: float
-    pending: tuple[tuple[float, float], ...]
-    misses: int
-    scored: int

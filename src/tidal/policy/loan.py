@@ -49,8 +49,8 @@ from tidal.policy.forecast import (
     forecast,
     initial_state,
     observe,
-    tail_reserve_gpus,
 )
+from tidal.policy.forecast_errors import tail_reserve_gpus
 
 EPS = 1e-9
 
@@ -224,7 +224,7 @@ class TidalConfig:
     tail_budget_fraction: float = 1.0
     """The tail reserve (0 = off): the plan keeps at least ``R`` GPUs above the forecast center, the
     smallest ``R`` whose expected excess miss, by the forecast's long tail memory
-    (:func:`~tidal.policy.forecast.tail_reserve_gpus`, 4-week half-life), is this fraction of the
+    (:func:`~tidal.policy.forecast_errors.tail_reserve_gpus`, 4-week half-life), is this fraction of the
     budget. It covers what the calibrated ``z`` cannot: jumps far beyond the usual errors (load x3
     within 10 min), which ``z`` (counting at most ``shortfall_cap_scales`` of a miss, 2-day error
     memory) does not learn from. With it, m-large meets the 0.2 % budget (it did not) and misses
@@ -298,7 +298,7 @@ class TidalPolicy:
     4. Plan from ``upper = max(center + z * scale, center + R)`` over the horizon (:func:`plan_loans`)
        and record the new promise. ``R`` is the *tail reserve*: the smallest reserve whose expected
        excess, by the forecast's weeks-long memory of the worst miss per lead window, is at most
-       ``tail_budget_fraction`` of the budget (:func:`~tidal.policy.forecast.tail_reserve_gpus`). It
+       ``tail_budget_fraction`` of the budget (:func:`~tidal.policy.forecast_errors.tail_reserve_gpus`). It
        keeps the rare jumps that ``z`` does not learn from (the cap, the error scale's short memory)
        within the budget as far as the history has seen them.
     """
