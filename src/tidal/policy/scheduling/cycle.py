@@ -111,7 +111,7 @@ class Cycle:
     # ------------------------------------------------------------------------------ views, shares
 
     def build_views(self, blocked_loans: set[str]) -> None:
-        """Fill the training and loan views from the node list (O(nodes); ``View.add`` inlined)."""
+        """Fill the training and loan views from the node list (O(nodes))."""
         used, drain, pool_of, loans = self.used, self.draining0, self.pool_of, self.loans
         tv, lv = self.training, self.loan
         if self.index is not None and self.used is self.index.used:
@@ -123,18 +123,9 @@ class Cycle:
             if pool is None:
                 continue
             if pool == "training":
-                v, free = tv, n.gpus - used.get(name, 0)
+                tv.add(name, n.gpus - used.get(name, 0), drain.get(name, 0))
             else:
-                v, free = lv, loans[name].gpus - used.get(name, 0)
-                if name in blocked_loans:
-                    v.blocked.add(name)
-            v.free[name] = free
-            d = drain.get(name)
-            if d:
-                v.draining[name] = d
-            if free > 0 and name not in v.blocked:
-                v.buckets[free][name] = None
-                v.total += free
+                lv.add(name, loans[name].gpus - used.get(name, 0), drain.get(name, 0), name not in blocked_loans)
 
     def _build_views_from_plan(self, blocked_loans: set[str]) -> None:
         """``build_views`` from the index's per-node free counts: the same views (bucket and draining
@@ -161,14 +152,15 @@ class Cycle:
             tv.draining[name] = drain[name]
         other = index.other_nodes
         for name in sorted((n for n in loans if n in other), key=pos.__getitem__):
+            # View.add, inlined: up to every serving node is on loan, on every call of the simulator.
             free = loans[name].gpus - used_get(name, 0)
-            if name in blocked_loans:
-                lv.blocked.add(name)
             lv.free[name] = free
             d = drain.get(name)
             if d:
                 lv.draining[name] = d
-            if free > 0 and name not in lv.blocked:
+            if name in blocked_loans:
+                lv.blocked.add(name)
+            elif free > 0:
                 lv.buckets[free][name] = None
                 lv.total += free
 

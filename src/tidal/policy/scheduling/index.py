@@ -140,11 +140,7 @@ class RunningIndex:
         on_training = False
         others = []
         for node, g in j.placement.items():
-            v = used.get(node, 0) + sign * g
-            if v:
-                used[node] = v
-            else:
-                del used[node]
+            _add(used, node, sign * g)
             f = tfree.get(node)
             if f is not None:
                 on_training = True
@@ -160,11 +156,7 @@ class RunningIndex:
         rel = j.releasing_gpus
         if rel:
             for node, g in j.releasing.items():
-                v = drain.get(node, 0) + sign * g
-                if v:
-                    drain[node] = v
-                else:
-                    del drain[node]
+                _add(drain, node, sign * g)
         t = j.tenant
         self.jobs_of[t] = self.jobs_of.get(t, 0) + sign
         if j.kind == "dedicated":
@@ -280,3 +272,12 @@ class _Table(NamedTuple):
 
 
 __all__ = ["RunningIndex", "SpotColumns"]
+
+
+def _add(counts: dict[str, int], key: str, delta: int) -> None:
+    """``counts[key] += delta``, dropping the key at zero (the sums hold only nonzero entries)."""
+    v = counts.get(key, 0) + delta
+    if v:
+        counts[key] = v
+    else:
+        del counts[key]

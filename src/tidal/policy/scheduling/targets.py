@@ -223,9 +223,22 @@ def _spot_orders(c: Cycle, spot: list[Job]) -> tuple[list[Job], set[str], list[J
     return pre, {jid for jid, k in keys.items() if k[0]}, shrink
 
 
+def _lost_and_protected(c: Cycle, started: np.ndarray, ckpt: np.ndarray, gpus: np.ndarray
+                        ) -> tuple[np.ndarray, np.ndarray]:
+    """Per job: ``Job.work_lost_gpu_s`` as :func:`preempt_keys` computes it (the same float arithmetic;
+    ``None`` times as NaN, which compares false as ``None`` is skipped there), and whether it is inside
+    its minimum runtime."""
+    now = c.now
+    since = np.where(np.isnan(started), now, started)
+    since = np.where(ckpt > since, ckpt, since)
+    lost = now - since
+    with np.errstate(invalid="ignore"):
+        prot = (now - started) < c.cfg.min_runtime_before_preempt_s
+    return np.where(lost > 0.0, lost, 0.0) * gpus, prot
+
+
 def _spot_orders_np(c: Cycle, spot: list[Job], ids: list[str], shares: dict[str, float]
                     ) -> tuple[list[Job], set[str], list[Job]]:
-    now = c.now
     id_rank = np.empty(len(ids), dtype=np.int64)
     id_rank[np.argsort(np.array(ids), kind="stable")] = np.arange(len(ids))
     prio = np.array([j.priority for j in spot], dtype=np.int64)
@@ -233,13 +246,7 @@ def _spot_orders_np(c: Cycle, spot: list[Job], ids: list[str], shares: dict[str,
     gpus = np.array([j.gpus for j in spot], dtype=np.int64)
     started = np.array([j.started_s for j in spot], dtype=np.float64)  # None -> NaN
     ckpt = np.array([j.last_ckpt_s for j in spot], dtype=np.float64)
-    # Job.work_lost_gpu_s, as preempt_keys computes it (NaN compares false, as None is skipped there).
-    since = np.where(np.isnan(started), now, started)
-    since = np.where(ckpt > since, ckpt, since)
-    lost = now - since
-    lost_gpu_s = np.where(lost > 0.0, lost, 0.0) * gpus
-    with np.errstate(invalid="ignore"):
-        prot = (now - started) < c.cfg.min_runtime_before_preempt_s
+    lost_gpu_s, prot = _lost_and_protected(c, started, ckpt, gpus)
     pre = [spot[i] for i in np.lexsort((id_rank, neg_share, prio, lost_gpu_s, prot)).tolist()]
     protected = {spot[i].id for i in np.flatnonzero(prot).tolist()}
     elastic = np.flatnonzero(gpus > np.array([j.min_gpus for j in spot], dtype=np.int64))
@@ -252,7 +259,6 @@ def _spot_orders_cols(c: Cycle, index: RunningIndex, cols: SpotColumns, open_loa
     """:func:`_spot_orders` for the caller's ``RunningIndex``: its spot jobs come sorted by job id with
     their key columns kept across calls, so only ``last_ckpt_s`` (which the caller may move in place)
     and the shares are read now; ``numpy.lexsort`` is stable, so the id order stands in for the id key."""
-    now = c.now
     tenants = c.tenants
     spot = index.spot_sorted
     codes = index.tenant_code
@@ -264,13 +270,7 @@ def _spot_orders_cols(c: Cycle, index: RunningIndex, cols: SpotColumns, open_loa
     neg_share = shares[cols.tenant]
     prio, gpus, started = cols.priority, cols.gpus, cols.started_s
     ckpt = np.array([j.last_ckpt_s for j in spot], dtype=np.float64)
-    # Job.work_lost_gpu_s as preempt_keys computes it: the arithmetic of _spot_orders_np.
-    since = np.where(np.isnan(started), now, started)
-    since = np.where(ckpt > since, ckpt, since)
-    lost = now - since
-    lost_gpu_s = np.where(lost > 0.0, lost, 0.0) * gpus
-    with np.errstate(invalid="ignore"):
-        prot = (now - started) < c.cfg.min_runtime_before_preempt_s
+    lost_gpu_s, prot = _lost_and_protected(c, started, ckpt, gpus)
     order = np.lexsort((neg_share, prio, lost_gpu_s, prot))
     elastic = cols.elastic
     shrink_order = elastic[np.lexsort((neg_share[elastic], prio[elastic]))]
