@@ -92,6 +92,25 @@ def forecast(
         lead_s=lead_s, as_json=json_out)
 
 
+@app.command("forecast-bound")
+def forecast_bound(
+    traces: list[Path] = typer.Argument(None, help="Serving traces (CSV: time, load). Default: "
+                                        "../shared/traces/servegen-*.csv next to the repository."),
+    serving_gpus: int = typer.Option(128, "--serving-gpus", min=1, help="GPUs that serve the trace's peak."),
+    budget: list[float] = typer.Option([0.001, 0.002, 0.005], "--budget", help="Shortfall budgets; repeatable."),
+    tod_buckets: int = typer.Option(6, "--tod-buckets", min=1, help="Time-of-day buckets of the contexts."),
+    json_out: bool = typer.Option(False, "--json", help="Print a JSON object on stdout (the table to stderr)."),
+) -> None:
+    """How far a margin over Tidal's forecast could go if tuned with hindsight (the forecast's shape)."""
+    from tidal.bench.forecast import default_traces
+    from tidal.bench.forecast_bound import run
+
+    traces = list(traces) if traces else default_traces()
+    if not traces:
+        raise typer.BadParameter("no traces given and none found in ../shared/traces", param_hint="TRACES")
+    run(traces, serving_gpus=serving_gpus, budgets=tuple(budget), tod_buckets=tod_buckets, as_json=json_out)
+
+
 def main() -> None:
     """Run ``ckpt`` as a program of its own (``python benchmarks/ckpt.py --size-gb 1``)."""
     typer.run(ckpt)

@@ -1,0 +1,240 @@
+"""``python -m tidal.bench.forecast_bound``: how far could *any* margin over Tidal's forecast go?
+
+    python -m tidal.bench.forecast_bound                   # ../shared/traces/servegen-*.csv
+    python -m tidal.bench.forecast_bound T.csv --budget 0.005 --json
+
+Tidal's loan plan lends ``N - upper`` with ``upper = center + margin`` over the lead time
+(:mod:`tidal.policy.loan`). This program separates the forecast's *shape* (its center and error scale,
+made causally, exactly as the policy makes them) from the *calibration* of the margin, by tuning the
+margin **with hindsight** on the scored period, in the fluid model of :mod:`tidal.bench.forecast`
+(restart cost 0, strict shortfall):
+
+* ``constant z`` — one ``z`` for the whole run, ``upper = center + z * scale`` (bisection to the budget);
+* ``per-context z`` — one ``z`` per context (level bucket of the demand now relative to its mean, times
+  a time-of-day bucket), chosen together by a Lagrangian search on the scored period itself. Tuned
+  in-sample with ``contexts`` free parameters, it overfits by design: it is what a margin rule over
+  this forecast could reach if it knew the period in advance. The search is a heuristic (the best it
+  finds, not a proven optimum); the row reports the better of it and ``constant z``.
+
+Next to them: ``tidal`` (calibrated online, no hindsight: the policy as shipped), the reactive
+policy tuned with hindsight, and the oracle. If even ``per-context z`` stays below a harvest target,
+no causal calibration of the margin over this forecast reaches it; only a better forecast could.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tidal.bench.forecast import (
+    DEFAULT_TRACES_DIR,
+    _reactive_lent,
+    _tune_margin,
+    default_traces,
+    fluid_score,
+    resample,
+    run_policy,
+)
+from tidal.policy import forecast as fc
+from tidal.policy.loan import LoanTiming, OraclePolicy, TidalConfig, TidalPolicy
+from tidal.serving.traces import load_trace
+
+
+def forecast_paths(times_s: np.ndarray, demand: np.ndarray, config: fc.ForecastConfig,
+                   lead: int) -> tuple[np.ndarray, np.ndarray]:
+    """(center, scale), each (steps, lead): the forecast made at each step for the next ``lead`` steps,
+    causally (the same ``observe``/``forecast`` calls as :class:`~tidal.policy.loan.TidalPolicy`).
+    NaN rows before the first observation."""
+    state = fc.initial_state(config)
+    center = np.full((len(demand), lead), np.nan)
+    scale = np.full((len(demand), lead), np.nan)
+    for i, (t, y) in enumerate(zip(times_s, demand, strict=True)):
+        state = fc.observe(config, state, float(t), float(y))
+        if state.n_obs:
+            f = fc.forecast(config, state)
+            center[i], scale[i] = f.center_gpus[:lead], f.scale_gpus[:lead]
+    return center, scale
+
+
+def lent_from_upper(demand: np.ndarray, upper: np.ndarray, n: int) -> np.ndarray:
+    """What the loan plan lends from a bound over the lead time (no minimum loan window): the floor of
+    ``N - max(upper)``, and at most ``N - demand now``. NaN bounds lend nothing."""
+    top = np.nanmax(np.where(np.isnan(upper), np.inf, upper), axis=1) if upper.ndim == 2 else upper
+    free = np.clip(np.floor(n - np.where(np.isfinite(top), top, n) + 1e-9), 0, n)
+    now = np.where(np.isnan(demand), n, np.floor(n - np.nan_to_num(demand) + 1e-9))
+    return np.minimum(free, now).astype(int)
+
+
+def contexts(times_s: np.ndarray, demand: np.ndarray, level_edges: tuple[float, ...],
+             tod_buckets: int) -> np.ndarray:
+    """Context id per step: level bucket of the demand now over its running mean (causal) x
+    time-of-day bucket. Gaps hold the last observation."""
+    last = demand.copy()
+    for i in range(1, len(last)):
+        if math.isnan(last[i]):
+            last[i] = last[i - 1]
+    seen = np.cumsum(np.nan_to_num(demand))
+    count = np.maximum(np.cumsum(~np.isnan(demand)), 1)
+    lvl = np.nan_to_num(last / np.maximum(seen / count, 1e-9), nan=1.0)
+    tod = ((times_s % 86400.0) * tod_buckets // 86400.0).astype(int)
+    return np.searchsorted(np.asarray(level_edges, float), lvl, side="right") * tod_buckets + tod
+
+
+def per_context_z(demand: np.ndarray, center: np.ndarray, scale: np.ndarray, ctx: np.ndarray, n: int,
+                  lead: int, warmup: int, budget: float, grid: np.ndarray) -> tuple[np.ndarray, dict[str, Any]] | None:
+    """Per-context margins (in ``grid`` units of the scale) by a Lagrangian search with hindsight: for a
+    price ``lam`` on shortfall, each context takes the z maximising ``lent - lam * shortfall`` over its
+    scored steps (shortfall approximated per decision as the demand over the lead after it above
+    ``N - lent``); the best combination whose true strict shortfall is within ``budget`` wins."""
+    steps = len(demand)
+    ahead = np.full(steps, np.nan)
+    for h in range(1, lead + 1):
+        ahead[:-h] = np.fmax(ahead[:-h], demand[h:])
+    ahead = np.nan_to_num(ahead)
+    scored = np.arange(steps) >= warmup - lead
+    lent_z = np.stack([lent_from_upper(demand, center + z * scale, n) for z in grid])
+    short_z = np.maximum(0.0, ahead[None, :] - (n - lent_z)) * scored
+    gain = lent_z * scored
+    ids = np.unique(ctx)
+    best: tuple[np.ndarray, dict[str, Any]] | None = None
+    for lam in np.geomspace(0.1, 1000.0, 80):
+        obj = gain - lam * short_z
+        pick = np.zeros(steps, dtype=int)
+        zs = np.zeros(int(ctx.max()) + 1)
+        for c in ids:
+            sel = ctx == c
+            k = int(np.argmax(obj[:, sel].sum(axis=1)))
+            pick[sel] = k
+            zs[c] = grid[k]
+        s = fluid_score(lent_z[pick, np.arange(steps)], demand, n, lead, warmup)
+        if s["shortfall_strict"] <= budget and (best is None or s["harvest"] > best[1]["harvest"]):
+            best = (zs, s)
+    return best
+
+
+def _tune_z(demand: np.ndarray, center: np.ndarray, scale: np.ndarray, n: int, lead: int, warmup: int,
+            budget: float) -> float:
+    """Smallest constant z (to 0.01) whose strict shortfall is within ``budget``."""
+    lo, hi = 0.0, 50.0
+    def short(z: float) -> float:
+        return fluid_score(lent_from_upper(demand, center + z * scale, n), demand, n, lead, warmup)["shortfall_strict"]
+    if short(lo) <= budget:
+        return lo
+    while hi - lo > 0.01:
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if short(mid) <= budget else (mid, hi)
+    return hi
+
+
+def evaluate(times_s: np.ndarray, demand: np.ndarray, *, n: int, step_s: float, lead: int, warmup: int,
+             budgets: tuple[float, ...], level_edges: tuple[float, ...], tod_buckets: int) -> dict[str, Any]:
+    """The rows of the module docstring for one trace, per budget."""
+    timing = LoanTiming(notice_s=0.0, final_checkpoint_s=0.0, release_s=0.0, warmup_s=lead * step_s,
+                        restart_cost_s=0.0)
+    horizon_s = max(6 * 3600.0, timing.lead_time_s + step_s)
+    fcfg = fc.ForecastConfig(step_s=step_s, horizon_s=horizon_s)
+    center, scale = forecast_paths(times_s, demand, fcfg, lead)
+    oracle_lent, _ = run_policy(OraclePolicy(step_s=step_s, horizon_s=horizon_s, timing=timing), times_s, demand,
+                                n, future=True)
+    oracle = fluid_score(oracle_lent, demand, n, lead, warmup)
+    ctx = contexts(times_s, demand, level_edges, tod_buckets)
+    grid = np.arange(0.0, 12.0001, 0.25)
+    out: dict[str, Any] = {"oracle_harvest": oracle["harvest"], "contexts": int(len(np.unique(ctx))), "budgets": {}}
+
+    def row(score: dict[str, Any], margin: str) -> dict[str, Any]:
+        return {"harvest": score["harvest"], "harvest_over_oracle": score["harvest"] / oracle["harvest"],
+                "shortfall_strict": score["shortfall_strict"], "margin": margin}
+
+    for b in budgets:
+        rows: dict[str, Any] = {}
+        tcfg = TidalConfig(shortfall_budget=b, forecast=fcfg, timing=timing)
+        lent, state = run_policy(TidalPolicy(tcfg), times_s, demand, n)
+        rows["tidal (online)"] = row(fluid_score(lent, demand, n, lead, warmup), f"z={state.z:.2f} at end")
+        m = _tune_margin(lambda mg: _reactive_lent(demand, n, mg), demand, n, lead, warmup, b)
+        rows["reactive (hindsight)"] = row(fluid_score(_reactive_lent(demand, n, m), demand, n, lead, warmup),
+                                           f"{m:.2f} GPUs")
+        z = _tune_z(demand, center, scale, n, lead, warmup, b)
+        const = fluid_score(lent_from_upper(demand, center + z * scale, n), demand, n, lead, warmup)
+        rows["constant z (hindsight)"] = row(const, f"z={z:.2f}")
+        found = per_context_z(demand, center, scale, ctx, n, lead, warmup, b, grid)
+        if found is None or found[1]["harvest"] < const["harvest"]:
+            rows["per-context z (hindsight, in-sample)"] = row(const, f"constant z={z:.2f} (search found no better)")
+        else:
+            zs, s = found
+            used = zs[np.unique(ctx)]
+            rows["per-context z (hindsight, in-sample)"] = row(s, f"z in [{used.min():g}, {used.max():g}]")
+        rows["oracle"] = row(oracle, "0")
+        out["budgets"][str(b)] = rows
+    return out
+
+
+def run(traces: list[Path], *, serving_gpus: int = 128, step_s: float = 600.0, lead_s: float = 1200.0,
+        budgets: tuple[float, ...] = (0.001, 0.002, 0.005), warmup_days: float = 2.0,
+        level_edges: tuple[float, ...] = (0.8, 1.2), tod_buckets: int = 6, as_json: bool = False) -> dict[str, Any]:
+    """Evaluate each trace; print a Rich table (stderr with ``as_json``); return the result."""
+    from rich.console import Console
+    from rich.table import Table
+
+    if not traces:
+        raise ValueError(f"no trace given and none found in {DEFAULT_TRACES_DIR}")
+    lead = round(lead_s / step_s)
+    if lead < 1 or abs(lead * step_s - lead_s) > 1e-6:
+        raise ValueError(f"--lead-s {lead_s:g} must be a whole multiple (>= 1) of --step-s {step_s:g}")
+    warmup = round(warmup_days * 86400.0 / step_s)
+    result: dict[str, Any] = {"config": {"serving_gpus": serving_gpus, "step_s": step_s, "lead_s": lead_s,
+                                         "budgets": list(budgets), "warmup_days": warmup_days,
+                                         "level_edges": list(level_edges), "tod_buckets": tod_buckets},
+                              "traces": {}}
+    for path in traces:
+        trace = load_trace(path)
+        times, load, gap = resample(trace, step_s)
+        demand = serving_gpus * load / float(load[~gap].max())
+        demand[gap] = np.nan
+        if len(demand) <= warmup + lead:
+            raise ValueError(f"trace {trace.name!r} ({len(demand)} steps) is not longer than the warm-up")
+        result["traces"][trace.name] = evaluate(times, demand, n=serving_gpus, step_s=step_s, lead=lead,
+                                                warmup=warmup, budgets=budgets, level_edges=level_edges,
+                                                tod_buckets=tod_buckets)
+    console = Console(stderr=as_json, width=150)
+    table = Table(title=f"margin over Tidal's forecast, tuned with hindsight (fluid model, {serving_gpus} serving "
+                        f"GPUs, lead {lead_s / 60:g} min)")
+    for col in ("trace", "budget", "margin rule", "margin"):
+        table.add_column(col)
+    for col in ("shortfall strict", "harvest", "× oracle"):
+        table.add_column(col, justify="right")
+    for name, tr in result["traces"].items():
+        for b, rows in tr["budgets"].items():
+            for rule, r in rows.items():
+                table.add_row(name, b, rule, r["margin"], f"{r['shortfall_strict']:.5f}", f"{r['harvest']:.3f}",
+                              f"{r['harvest_over_oracle']:.3f}")
+            table.add_section()
+    console.print(table)
+    if as_json:
+        print(json.dumps(result, indent=2))
+    return result
+
+
+def main() -> None:
+    """``python -m tidal.bench.forecast_bound [TRACE.csv ...] [options]``."""
+    import typer
+
+    def cli(
+        traces: list[Path] = typer.Argument(None, help="Trace CSVs (default: ../shared/traces/servegen-*.csv)."),
+        serving_gpus: int = typer.Option(128, "--serving-gpus", min=1, help="Serving pool size N."),
+        budget: list[float] = typer.Option([0.001, 0.002, 0.005], "--budget", help="Shortfall budget(s)."),
+        tod_buckets: int = typer.Option(6, "--tod-buckets", min=1, help="Time-of-day buckets of the contexts."),
+        json_out: bool = typer.Option(False, "--json", help="JSON on stdout (the table on stderr)."),
+    ) -> None:
+        """How far a margin over Tidal's forecast could go, tuned with hindsight."""
+        run(list(traces) if traces else default_traces(), serving_gpus=serving_gpus, budgets=tuple(budget),
+            tod_buckets=tod_buckets, as_json=json_out)
+
+    typer.run(cli)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""``tidal.bench.forecast_bound``: margins over Tidal's forecast tuned with hindsight."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+
+from tidal.bench.forecast import fluid_score
+from tidal.bench.forecast_bound import _tune_z, contexts, lent_from_upper, per_context_z, run
+
+
+def test_lent_from_upper_takes_the_highest_bound_of_the_lead_and_the_demand_now():
+    demand = np.array([10.0, 30.0, np.nan, 5.0])
+    upper = np.array([[12.0, 20.5], [25.0, 25.0], [1.0, 1.0], [np.nan, 3.0]])
+    # step 0: floor(64 - 20.5) = 43; step 1: demand now 30 > bound 25 -> 34; step 2: no observation now,
+    # so only the bound limits (as in plan_loans) -> 63; step 3: a NaN bound lends nothing
+    assert lent_from_upper(demand, upper, 64).tolist() == [43, 34, 63, 0]
+
+
+def test_contexts_split_by_level_over_the_running_mean_and_time_of_day():
+    times = np.array([0.0, 6 * 3600.0, 13 * 3600.0, 20 * 3600.0])
+    demand = np.array([10.0, 10.0, 40.0, np.nan])
+    # running means 10, 10, 20, 20 (the gap holds 40): levels 1, 1, 2, 2 -> buckets (edges 0.8, 1.2) 1, 1, 2, 2
+    # time of day in 4 buckets: 0, 1, 2, 3
+    assert contexts(times, demand, (0.8, 1.2), 4).tolist() == [4, 5, 10, 11]
+
+
+def _series(days: int = 4, seed: int = 3) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    t = np.arange(days * 144)
+    d = (30 + 12 * np.sin(2 * np.pi * t / 144)) * np.exp(rng.normal(0, 0.12, t.size))
+    d[(t % 144 == 100) & (t > 144)] *= 1.8  # an evening burst every day
+    return 600.0 * t, d
+
+
+def test_constant_z_is_the_smallest_within_the_budget_and_contexts_never_do_worse():
+    times, demand = _series()
+    n, lead, warmup, budget = 64, 2, 144, 0.01
+    center = np.stack([np.roll(demand, 1), np.roll(demand, 1)], axis=1)  # last value as the center
+    center[0] = np.nan
+    scale = np.full_like(center, 3.0)
+    z = _tune_z(demand, center, scale, n, lead, warmup, budget)
+
+    def short(zz: float) -> float:
+        return fluid_score(lent_from_upper(demand, center + zz * scale, n), demand, n, lead, warmup)["shortfall_strict"]
+
+    assert z > 0 and short(z) <= budget < short(z - 0.02)
+    ctx = contexts(times, demand, (0.8, 1.2), 6)
+    found = per_context_z(demand, center, scale, ctx, n, lead, warmup, budget, np.arange(0.0, 12.0001, 0.25))
+    assert found is not None
+    zs, s = found
+    assert s["shortfall_strict"] <= budget
+    assert len(set(zs[np.unique(ctx)].tolist())) > 1  # it did use the contexts
+
+
+def test_run_reports_every_rule_against_the_oracle(tmp_path, capsys):
+    times, demand = _series()
+    p = tmp_path / "synthetic.csv"
+    p.write_text("seconds,requests_per_second\n" + "".join(f"{t:.0f},{v:.4f}\n" for t, v in zip(times, demand, strict=True)))
+    result = run([p], serving_gpus=64, budgets=(0.01,), warmup_days=1.0, as_json=True)
+    assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(result))
+    rows = result["traces"]["synthetic"]["budgets"]["0.01"]
+    assert list(rows) == ["tidal (online)", "reactive (hindsight)", "constant z (hindsight)",
+                          "per-context z (hindsight, in-sample)", "oracle"]
+    assert rows["oracle"]["harvest_over_oracle"] == 1.0 and rows["oracle"]["shortfall_strict"] == 0.0
+    for rule in ("reactive (hindsight)", "constant z (hindsight)", "per-context z (hindsight, in-sample)"):
+        assert rows[rule]["shortfall_strict"] <= 0.01
+    assert rows["per-context z (hindsight, in-sample)"]["harvest"] >= rows["constant z (hindsight)"]["harvest"]
+    assert all(0.0 <= r["harvest"] <= 1.0 and not math.isnan(r["harvest_over_oracle"]) for r in rows.values())
