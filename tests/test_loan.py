@@ -141,6 +141,43 @@ def test_property_no_gpu_is_out_when_the_bound_needs_it(n, upper, lent, demand_n
     assert p.reclaim_now_gpus == max(0, lent - p.lendable_gpus)
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    n=st.integers(0, 40),
+    upper=st.lists(st.one_of(st.floats(0, 50, allow_nan=False), st.just(math.nan)), min_size=1, max_size=10),
+    lent=st.integers(0, 40),
+    demand_now=st.one_of(st.just(math.nan), st.floats(0, 50)),
+    lead_steps=st.integers(0, 4),
+    window_steps=st.sampled_from([0.0, 0.5, 1.0, 2.0, 3.0]),
+)
+def test_property_plan_matches_the_rule_gpu_by_gpu(n, upper, lent, demand_now, lead_steps, window_steps):
+    """The rule of plan_loans' docstring, applied to each GPU k = 1, 2, ... separately."""
+    timing = LoanTiming(notice_s=0, final_checkpoint_s=0, release_s=0, warmup_s=600.0 * lead_steps,
+                        restart_cost_s=600.0 * window_steps / 2, min_useful_fraction=0.5)
+    now = 1000.0
+    times = now + 600.0 * np.arange(1, len(upper) + 1)
+    p = plan(upper, n=n, lent=lent, demand_now=demand_now, timing=timing, times=times, now=now)
+    free = [max(0, min(n, math.floor(n - (n if math.isnan(u) else u) + 1e-9))) for u in upper]
+    lead = timing.lead_time_s
+    in_lead = [i for i, s in enumerate(times) if s <= now + lead + 1e-9] or [0]
+    safe = min(free[: in_lead[-1] + 1])
+    if not math.isnan(demand_now):
+        safe = min(safe, max(0, math.floor(n - demand_now + 1e-9)))
+
+    def deadline(k: int) -> float:  # first grid time where fewer than k GPUs are free since now
+        return next((float(s) for i, s in enumerate(times) if min(free[: i + 1]) < k), math.inf)
+
+    lendable = min(max(lent, 0), safe)  # loans kept while safe ...
+    while lendable < safe and deadline(lendable + 1) - lead - now >= timing.min_loan_window_s - 1e-9:
+        lendable += 1  # ... then new ones while each can train a minimum window before its notice
+    due: dict[float, int] = {}
+    for k in range(1, lendable + 1):
+        if math.isfinite(deadline(k)):
+            due[deadline(k)] = due.get(deadline(k), 0) + 1
+    assert p.lendable_gpus == lendable
+    assert [(r.deadline_s, r.gpus) for r in p.reclaims] == sorted(due.items())
+
+
 @settings(max_examples=15, deadline=None)
 @given(demand=st.lists(st.floats(0, 100), min_size=3, max_size=30), budget=st.sampled_from([0.001, 0.01, 0.05]))
 def test_property_tidal_lends_at_most_pool_minus_forecast_plus_margin(demand, budget):

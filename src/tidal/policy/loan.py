@@ -177,18 +177,19 @@ def plan_loans(*, now_s: float, serving_gpus: int, lent_gpus: int, demand_now_gp
         safe = min(safe, max(0, int(math.floor(n - demand_now_gpus + EPS))))
 
     # running is non-increasing, so the grid points where the k-th GPU is still free form a prefix;
-    # its length is where serving needs that GPU back (== times.size: not within the horizon).
-    ks = np.arange(1, safe + 1)
-    first_short = np.searchsorted(-running, -ks, side="right")
-    deadlines = np.where(first_short < times.size, times[np.minimum(first_short, times.size - 1)], np.inf)
+    # its end, the first s with running(s) < k, is where serving needs that GPU back (none: not within
+    # the horizon). Deadlines shrink as k grows. The k-th GPU is worth a new loan if its deadline is
+    # at least now + lead + min window, i.e. if k <= running at every grid time before that: the
+    # worthwhile new loans are a prefix after the kept ones. O(horizon), whatever the pool size.
     kept = min(max(lent_gpus, 0), safe)
-    worthwhile = deadlines - lead - now_s >= timing.min_loan_window_s - EPS
-    # Deadlines shrink as k grows, so the worthwhile new loans are a prefix after the kept ones.
-    new_ok = worthwhile[kept:]
-    lendable = kept + (int(np.argmin(new_ok)) if not new_ok.all() else new_ok.size)
-    uniq, counts = np.unique(deadlines[:lendable], return_counts=True)
-    reclaims = tuple(Reclaim(gpus=int(g), deadline_s=float(d), notice_s=float(d) - lead)
-                     for d, g in zip(uniq, counts, strict=True) if np.isfinite(d))
+    late_enough = times - lead - now_s >= timing.min_loan_window_s - EPS  # nondecreasing: False..., True...
+    early = int(np.argmax(late_enough)) if late_enough.any() else times.size
+    worthwhile = int(running[early - 1]) if early > 0 else safe
+    lendable = max(kept, min(safe, worthwhile))
+    # GPUs k in (running(s), min(running(s-), lendable)] are due back at s, where running drops.
+    due = np.maximum(np.minimum(running[:-1], lendable) - running[1:], 0)
+    reclaims = tuple(Reclaim(gpus=int(due[i]), deadline_s=float(times[i + 1]), notice_s=float(times[i + 1]) - lead)
+                     for i in np.flatnonzero(due))
     return LoanPlan(now_s=now_s, lendable_gpus=lendable, reclaims=reclaims,
                     reclaim_now_gpus=max(0, lent_gpus - lendable), times_s=_frozen(times),
                     upper_gpus=_frozen(upper), margin_gpus=float(margin_gpus), lead_time_s=lead,
