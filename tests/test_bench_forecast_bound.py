@@ -6,6 +6,7 @@ import json
 import math
 
 import numpy as np
+import pytest
 
 from tidal.bench.forecast import fluid_score
 from tidal.bench.forecast_bound import _tune_z, contexts, lent_from_upper, per_context_z, run
@@ -69,3 +70,46 @@ def test_run_reports_every_rule_against_the_oracle(tmp_path, capsys):
         assert rows[rule]["shortfall_strict"] <= 0.01
     assert rows["per-context z (hindsight, in-sample)"]["harvest"] >= rows["constant z (hindsight)"]["harvest"]
     assert all(0.0 <= r["harvest"] <= 1.0 and not math.isnan(r["harvest_over_oracle"]) for r in rows.values())
+
+
+# --- tidal.bench.forecast_rotate ------------------------------------------------------------------
+
+
+def test_rotate_days_moves_whole_days_to_the_end():
+    from tidal.bench.forecast_rotate import rotate_days
+
+    d = np.arange(6.0)  # three days of two steps
+    assert rotate_days(d, 1, 2).tolist() == [2, 3, 4, 5, 0, 1]
+    assert rotate_days(d, 0, 2).tolist() == d.tolist()
+    with pytest.raises(ValueError, match="at least one whole day"):
+        rotate_days(d[:1], 0, 2)
+
+
+def test_rotations_report_each_budget_and_reject_days_outside_the_trace(tmp_path, capsys):
+    from tidal.bench.forecast import fluid_score as score
+    from tidal.bench.forecast_rotate import run as rotate_run
+
+    times, demand = _series(days=4)
+    p = tmp_path / "synthetic.csv"
+    p.write_text("seconds,requests_per_second\n" + "".join(f"{t:.0f},{v:.4f}\n" for t, v in zip(times, demand, strict=True)))
+    result = rotate_run([p], serving_gpus=64, budgets=(0.01, 0.05), rotations=[0, 2], warmup_days=1.0, as_json=True)
+    capsys.readouterr()
+    tr = result["traces"]["synthetic"]
+    assert [(r["rotation"], r["budget"]) for r in tr["runs"]] == [(0, 0.01), (0, 0.05), (2, 0.01), (2, 0.05)]
+    s = tr["summary"]["0.01"]
+    assert s["rotations"] == 2 and s["met"] == sum(r["meets_budget"] for r in tr["runs"] if r["budget"] == 0.01)
+    assert s["worst_shortfall"] == max(r["shortfall_strict"] for r in tr["runs"] if r["budget"] == 0.01)
+    # rotation 0 is the trace as recorded: the same as driving the policy directly
+    from tidal.bench.forecast import run_policy
+    from tidal.policy.forecast import ForecastConfig
+    from tidal.policy.loan import LoanTiming, TidalConfig, TidalPolicy
+
+    timing = LoanTiming(notice_s=0, final_checkpoint_s=0, release_s=0, warmup_s=1200.0, restart_cost_s=0)
+    written = np.round(demand, 4)  # as the CSV holds it
+    d = 64 * written / written.max()
+    lent, _ = run_policy(TidalPolicy(TidalConfig(shortfall_budget=0.01, timing=timing,
+                                                 forecast=ForecastConfig(step_s=600.0, horizon_s=6 * 3600.0))),
+                         times, d, 64)
+    assert tr["runs"][0]["shortfall_strict"] == pytest.approx(score(lent, d, 64, 2, 144)["shortfall_strict"])
+    with pytest.raises(ValueError, match=r"--rotations \[4\]: trace 'synthetic' has days 0..3"):
+        rotate_run([p], serving_gpus=64, budgets=(0.01,), rotations=[4], warmup_days=1.0)

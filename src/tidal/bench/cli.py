@@ -111,6 +111,30 @@ def forecast_bound(
     run(traces, serving_gpus=serving_gpus, budgets=tuple(budget), tod_buckets=tod_buckets, as_json=json_out)
 
 
+@app.command("forecast-rotate")
+def forecast_rotate(
+    traces: list[Path] = typer.Argument(None, help="Serving traces (CSV: time, load). Default: "
+                                        "../shared/traces/servegen-*.csv next to the repository."),
+    serving_gpus: int = typer.Option(128, "--serving-gpus", min=1, help="GPUs that serve the trace's peak."),
+    budget: list[float] = typer.Option([0.001, 0.002, 0.005], "--budget", help="Shortfall budgets; repeatable."),
+    rotations: str = typer.Option("", "--rotations", help="Comma-separated day offsets (default: every day)."),
+    json_out: bool = typer.Option(False, "--json", help="Print a JSON object on stdout (the table to stderr)."),
+) -> None:
+    """Tidal's shortfall and harvest on every whole-day rotation of each trace (where the bursts fall)."""
+    from tidal.bench.forecast import default_traces
+    from tidal.bench.forecast_rotate import run
+
+    traces = list(traces) if traces else default_traces()
+    if not traces:
+        raise typer.BadParameter("no traces given and none found in ../shared/traces", param_hint="TRACES")
+    try:
+        rots = [int(x) for x in rotations.split(",")] if rotations.strip() else None
+    except ValueError:
+        raise typer.BadParameter(f"expected comma-separated whole days, got {rotations!r}",
+                                 param_hint="--rotations") from None
+    run(traces, serving_gpus=serving_gpus, budgets=tuple(budget), rotations=rots, as_json=json_out)
+
+
 def main() -> None:
     """Run ``ckpt`` as a program of its own (``python benchmarks/ckpt.py --size-gb 1``)."""
     typer.run(ckpt)
