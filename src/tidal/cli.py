@@ -54,6 +54,12 @@ def _control() -> None:
     app.add_typer(control.tenants_app, name="tenants", help="Tenants (admin): create, list.")
 
 
+def _serving() -> None:
+    from tidal.serving.cli import app as serving_app
+
+    app.add_typer(serving_app, name="serving", help="Serving side: the live loan plan from a trace or Prometheus.")
+
+
 def _demo() -> None:
     from tidal.control.demo import demo
 
@@ -61,7 +67,7 @@ def _demo() -> None:
 
 
 _COMMANDS: dict[str, Callable[[], None]] = {
-    "ckpt": _ckpt, "bench": _bench, "verify-resume": _train, "sim": _sim, "plan": _sim, "demo": _demo,
+    "ckpt": _ckpt, "bench": _bench, "verify-resume": _train, "sim": _sim, "plan": _sim, "demo": _demo, "serving": _serving,
     **{n: _control for n in ("up", "submit", "jobs", "status", "logs", "cancel", "pool", "events", "tenants")},
 }
 

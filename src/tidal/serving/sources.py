@@ -1,0 +1,133 @@
+"""Where live serving demand comes from: a replayed trace, or a Prometheus query.
+
+Every source answers one question, ``demand_gpus(now_s)``: how many GPUs serving needs at ``now_s``,
+or NaN when it cannot tell. A metrics outage is *unknown* demand, never zero demand: the loan policy
+holds its forecast through NaN and lends nothing more because the numbers went missing.
+
+* :class:`TraceReplay` — a recorded trace (:mod:`tidal.serving.traces`) played back on the clock it
+  is given, scaled to a pool sized for the trace's peak; it repeats when the run outlasts it.
+* :class:`PrometheusQuery` — an instant query against the Prometheus HTTP API
+  (``GET /api/v1/query``), e.g. ``sum(vllm:num_requests_running)``, times GPUs per unit of the
+  result. Any failure (connection, HTTP status, ``"status": "error"``, no sample, several series, a
+  negative or non-finite value) reads as NaN and is logged with the query and the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass
+from typing import Protocol
+
+from tidal.serving.traces import Trace
+
+log = logging.getLogger(__name__)
+
+
+class DemandSource(Protocol):
+    def demand_gpus(self, now_s: float) -> float:
+        """GPUs serving needs at ``now_s`` (NaN: unknown)."""
+        ...
+
+
+@dataclass(frozen=True, eq=False)
+class TraceReplay:
+    """Replay ``trace`` so that its first row plays at ``start_s`` (seconds on the caller's clock).
+
+    At ``now_s`` the demand is that of the row covering trace time ``(now_s - start_s) mod length``
+    (each row holds for one trace step), scaled so that ``serving_gpus`` serve the trace's peak; a
+    gap row is NaN, and so is any time before ``start_s``.
+    """
+
+    trace: Trace
+    serving_gpus: int
+    start_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.serving_gpus < 1:
+            raise ValueError(f"TraceReplay.serving_gpus must be >= 1, got {self.serving_gpus}")
+        if len(self.trace.load) == 0:
+            raise ValueError(f"trace {self.trace.name!r} has no rows")
+
+    def demand_gpus(self, now_s: float) -> float:
+        if not now_s >= self.start_s:
+            return math.nan
+        rows = len(self.trace.load)
+        i = int((now_s - self.start_s) // self.trace.step_s) % rows
+        if self.trace.gap[i]:
+            return math.nan
+        return float(self.serving_gpus * self.trace.load[i] / self.trace.peak_load)
+
+
+@dataclass(frozen=True)
+class PrometheusQuery:
+    """``demand = value of query x gpus_per_unit`` from Prometheus at ``url`` (its base URL).
+
+    The query must return one number: a scalar or a vector of exactly one series (aggregate with
+    ``sum(...)``). ``timeout_s`` bounds each request.
+    """
+
+    url: str
+    query: str
+    gpus_per_unit: float = 1.0
+    timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        parts = urllib.parse.urlsplit(self.url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ValueError(f"PrometheusQuery.url must be an http(s) base URL like http://prometheus:9090, "
+                             f"got {self.url!r}")
+        if not self.query.strip():
+            raise ValueError("PrometheusQuery.query must not be empty")
+        if not self.gpus_per_unit > 0 or not self.timeout_s > 0:
+            raise ValueError(f"PrometheusQuery.gpus_per_unit and timeout_s must be > 0, got {self.gpus_per_unit} "
+                             f"and {self.timeout_s}")
+
+    def demand_gpus(self, now_s: float) -> float:
+        try:
+            value = self.value(now_s)
+        except ValueError as e:
+            log.warning("serving demand unknown at %.0f: Prometheus query %r: %s", now_s, self.query, e)
+            return math.nan
+        return value * self.gpus_per_unit
+
+    def value(self, now_s: float) -> float:
+        """The query's value at ``now_s``; ``ValueError`` saying what went wrong."""
+        qs = urllib.parse.urlencode({"query": self.query, "time": f"{now_s:.3f}"})
+        endpoint = f"{self.url.rstrip('/')}/api/v1/query?{qs}"
+        try:
+            with urllib.request.urlopen(endpoint, timeout=self.timeout_s) as resp:  # noqa: S310 (http(s) checked)
+                body = resp.read()
+        except urllib.error.HTTPError as e:
+            raise ValueError(f"HTTP {e.code} from {self.url}") from None
+        except (urllib.error.URLError, OSError) as e:
+            raise ValueError(f"cannot reach {self.url}: {getattr(e, 'reason', e)}") from None
+        try:
+            doc = json.loads(body)
+        except json.JSONDecodeError:
+            raise ValueError(f"{self.url} did not answer JSON") from None
+        if not isinstance(doc, dict) or doc.get("status") != "success":
+            raise ValueError(f"status {doc.get('status') if isinstance(doc, dict) else None!r}: "
+                             f"{doc.get('error') if isinstance(doc, dict) else doc!r}")
+        data = doc.get("data") or {}
+        kind, result = data.get("resultType"), data.get("result")
+        if kind == "scalar":
+            sample = result
+        elif kind == "vector":
+            if not isinstance(result, list) or len(result) != 1:
+                n = len(result) if isinstance(result, list) else 0
+                raise ValueError(f"expected exactly one series, got {n} (aggregate it, e.g. sum(...))")
+            sample = result[0].get("value")
+        else:
+            raise ValueError(f"expected a scalar or a vector result, got {kind!r}")
+        try:
+            v = float(sample[1])
+        except (TypeError, ValueError, IndexError):
+            raise ValueError(f"malformed sample {sample!r}") from None
+        if not math.isfinite(v) or v < 0:
+            raise ValueError(f"value {v} is not a finite number >= 0")
+        return v
