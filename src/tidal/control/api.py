@@ -63,6 +63,8 @@ class ApiContext:
     log_path: Callable[[str, int], str | None]
     clock: Callable[[], float]
     ckpt_root: Path | None = None
+    serving: tuple[Any, str] | None = None
+    """The live loan plan, if configured: (a :class:`tidal.serving.watch.Advisor`, its source described)."""
 
 
 class TenantSpec(BaseModel):
@@ -95,7 +97,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
     app = FastAPI(title="Tidal", version="0.1.0",
                   description="Run training jobs on a shared GPU pool. Bearer auth; see docs/control.md.")
     store = ctx.store
-    reg = metrics.registry(store, ctx.nodes, ctx.clock)
+    reg = metrics.registry(store, ctx.nodes, ctx.clock, ctx.serving[0] if ctx.serving else None)
     pool_gpus = sum(n.gpus for n in ctx.nodes)
 
     @app.exception_handler(RequestValidationError)
@@ -237,6 +239,16 @@ def create_app(ctx: ApiContext) -> FastAPI:
     @_json()
     def pool(me: Caller) -> dict:
         return pool_view(ctx.nodes, store.jobs(states=HELD | {State.PENDING}), None if me.admin else me.name)
+
+    @app.get("/v1/serving")
+    @_json()
+    def serving(_: Caller) -> dict:
+        if ctx.serving is None:
+            raise HTTPException(404, "no serving side configured (serving: in tidal up --config; docs/control.md)")
+        advisor, describe = ctx.serving
+        latest = advisor.latest
+        return {"source": describe, "serving_gpus": advisor.serving_gpus, "step_s": advisor.step_s,
+                "advice_only": True, "latest": latest.as_dict() if latest is not None else None}
 
     @app.get("/v1/tenants")
     @_json()

@@ -123,6 +123,10 @@ class TidalClient:
     def pool(self) -> dict:
         return self._call("GET", "/v1/pool")
 
+    def serving(self) -> dict:
+        """The newest live loan plan (advice) and its source; 404 if the plane has no serving side."""
+        return self._call("GET", "/v1/serving")
+
     def tenants(self) -> list[dict]:
         return self._call("GET", "/v1/tenants")
 

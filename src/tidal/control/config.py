@@ -4,6 +4,12 @@
     ckpt_interval: {min_interval_s: 30, max_interval_s: 3600}         # tidal.policy CkptIntervalConfig
     restart_backoff_s: 10        # first retry after a failure; doubles per restart, up to max_backoff_s
     hang_timeout_s: 120          # no heartbeat for this long (and hang_step_times step times) -> hung
+    serving:                     # optional: the live loan plan, as advice (GET /v1/serving, /metrics)
+      serving_gpus: 128
+      prometheus: http://prometheus:9090     # or  trace: traffic.csv  (+ speedup, start_s)
+      query: sum(vllm:num_requests_running)
+      gpus_per_unit: 0.125
+      shortfall_budget: 0.005
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from typing import Any
 
 from tidal.policy.ckpt_interval import CkptIntervalConfig
 from tidal.policy.scheduler import SchedulerConfig
+from tidal.serving.watch import WatchConfig
 
 
 @dataclass(frozen=True)
@@ -28,6 +35,8 @@ class ControlConfig:
     (the runtime's watchdog exits with 75 at the grace; this is the backstop). ``loop_interval_s``:
     time between reconcile steps in ``tidal up``. ``ckpt_interval``: how jobs with
     ``checkpoint.interval_s: auto`` get their interval from their measured stall (Young/Daly).
+    ``serving``: where serving demand comes from, for the live loan plan (advice only: the plane does
+    not yet place jobs on serving GPUs); ``None``: no serving side.
     """
 
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -39,6 +48,7 @@ class ControlConfig:
     startup_timeout_s: float = 600.0
     kill_slack_s: float = 10.0
     loop_interval_s: float = 0.5
+    serving: WatchConfig | None = None
 
     def backoff_s(self, restarts: int) -> float:
         """Seconds to wait before restart number ``restarts`` (1 = the first)."""
@@ -62,8 +72,10 @@ class ControlConfig:
                     if k not in snames:
                         raise ValueError(f"{where}: unknown field {key}.{k} (expected one of {sorted(snames)})")
                 kw[key] = kind(**sub)
+        if kw.get("serving") is not None:
+            kw["serving"] = WatchConfig.from_dict(kw["serving"], f"{where}: serving")
         for k, v in kw.items():
-            if k not in nested and (not isinstance(v, int | float) or v < 0):
+            if k not in nested and k != "serving" and (not isinstance(v, int | float) or v < 0):
                 raise ValueError(f"{where}: {k} must be a number of seconds >= 0, got {v!r}")
         return cls(**kw)
 
@@ -74,4 +86,7 @@ class ControlConfig:
         doc = yaml.safe_load(Path(path).read_text()) or {}
         if not isinstance(doc, dict):
             raise ValueError(f"{path}: expected a mapping of settings")
+        serving = doc.get("serving")
+        if isinstance(serving, dict) and isinstance(serving.get("trace"), str):  # relative to the file
+            doc = {**doc, "serving": {**serving, "trace": str(Path(path).parent / serving["trace"])}}
         return cls.from_dict(doc, str(path))

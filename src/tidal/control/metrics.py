@@ -12,6 +12,10 @@
 | ``tidal_job_restarts_total`` | counter | ``job``, ``tenant``: restarts after failures |
 | ``tidal_job_preemptions_total`` | counter | ``job``, ``tenant`` |
 | ``tidal_job_lost_work_seconds_total`` | counter | ``job``, ``tenant``: training re-run after failures |
+| ``tidal_serving_demand_gpus`` | gauge | serving demand at the newest plan (absent while unknown) |
+| ``tidal_serving_lendable_gpus`` | gauge | serving GPUs the newest loan plan could lend |
+| ``tidal_serving_margin_gpus`` | gauge | the plan's safety margin at the lead time |
+| ``tidal_serving_reclaim_gpus`` | gauge | ``within``: lent GPUs due back within 1h / 6h (the horizon) |
 
 Per-job series exist for active jobs (not yet succeeded, failed or cancelled), so their number
 stays bounded by what runs and waits.
@@ -20,6 +24,7 @@ stays bounded by what runs and waits.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -32,8 +37,8 @@ from tidal.model import Node
 
 
 class PlaneCollector:
-    def __init__(self, store: Store, nodes: list[Node], clock: Callable[[], float]) -> None:
-        self.store, self.nodes, self.clock = store, nodes, clock
+    def __init__(self, store: Store, nodes: list[Node], clock: Callable[[], float], advisor: Any = None) -> None:
+        self.store, self.nodes, self.clock, self.advisor = store, nodes, clock, advisor
 
     def collect(self) -> Iterator[Metric]:
         now = self.clock()
@@ -90,11 +95,32 @@ class PlaneCollector:
             preempt.add_metric(lv, j.preemptions)
             lost.add_metric(lv, j.lost_s)
         yield from (gpus, step, rate, age, ettr, restarts, preempt, lost)
+        latest = self.advisor.latest if self.advisor is not None else None
+        if latest is not None:
+            yield from _serving_metrics(latest)
 
 
-def registry(store: Store, nodes: list[Node], clock: Callable[[], float]) -> CollectorRegistry:
+def _serving_metrics(s: Any) -> Iterator[Metric]:
+    """Gauges of the newest loan plan (a :class:`tidal.serving.watch.Step`)."""
+    demand = GaugeMetricFamily("tidal_serving_demand_gpus", "Serving demand at the newest plan, GPUs")
+    if s.demand_gpus == s.demand_gpus:  # not NaN
+        demand.add_metric([], s.demand_gpus)
+    yield demand
+    yield GaugeMetricFamily("tidal_serving_lendable_gpus", "Serving GPUs the newest loan plan could lend",
+                            value=s.plan.lendable_gpus)
+    yield GaugeMetricFamily("tidal_serving_margin_gpus", "Safety margin of the newest plan at the lead time",
+                            value=s.plan.margin_gpus)
+    due = GaugeMetricFamily("tidal_serving_reclaim_gpus", "Lent GPUs the newest plan wants back within",
+                            labels=["within"])
+    for label, horizon in (("1h", 3600.0), ("6h", 6 * 3600.0)):
+        due.add_metric([label], sum(r.gpus for r in s.plan.reclaims if r.deadline_s <= s.now_s + horizon)
+                       + s.plan.reclaim_now_gpus)
+    yield due
+
+
+def registry(store: Store, nodes: list[Node], clock: Callable[[], float], advisor: Any = None) -> CollectorRegistry:
     reg = CollectorRegistry(auto_describe=False)
-    reg.register(PlaneCollector(store, nodes, clock))  # type: ignore[arg-type]
+    reg.register(PlaneCollector(store, nodes, clock, advisor))  # type: ignore[arg-type]
     return reg
 
 

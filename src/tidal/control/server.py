@@ -5,6 +5,10 @@ API runs under uvicorn in the main thread. At start the controller re-adopts the
 that were running when the previous process ended (also by ``kill -9``): workers run in their own
 sessions and outlive the control plane. Stopping ``tidal up`` (Ctrl-C, SIGTERM) leaves running jobs
 running; the next ``tidal up`` re-adopts them (``tidal cancel`` stops a job).
+
+With ``serving:`` in the config, a third thread runs the live loan plan (:class:`AdvisorLoop`): every
+step it reads serving demand and plans, and the API shows the newest plan (``GET /v1/serving``,
+``/metrics``). Advice only: nothing is placed on serving GPUs yet.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from tidal.control.config import ControlConfig
 from tidal.control.controller import Controller
 from tidal.control.store import Store, sqlite_url
 from tidal.exec.local import LocalExecutor, detect_gpus
+from tidal.serving.watch import Advisor, WatchConfig
 
 log = logging.getLogger("tidal.control")
 
@@ -48,6 +53,50 @@ class ReconcileLoop(threading.Thread):
         self._stop_event.set()
 
 
+class AdvisorLoop(threading.Thread):
+    """Ticks an :class:`~tidal.serving.watch.Advisor` at its grid points until ``stop()``.
+
+    ``clock()`` is the policy's time (a replayed trace's time, or Unix time); it runs ``speedup``
+    times as fast as the wall clock. A failing step is logged and the loop goes on.
+    """
+
+    def __init__(self, advisor: Advisor, clock, speedup: float = 1.0) -> None:  # noqa: ANN001
+        super().__init__(name="tidal-serving", daemon=True)
+        self.advisor, self.clock, self.speedup = advisor, clock, speedup
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.is_set():
+            try:
+                wait = self.advisor.due_in(self.clock())
+                if wait <= 0:
+                    self.advisor.tick(self.clock())
+                    continue
+            except Exception:
+                log.exception("serving plan step failed")
+                wait = self.advisor.step_s
+            self._stop_event.wait(min(wait / self.speedup, 60.0))
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+
+def serving_advisor(cfg: WatchConfig, wall_s: float) -> tuple[Advisor, object, float]:
+    """(advisor, its clock, speedup) for ``serving:``; a replayed trace runs on the trace's time axis from
+    its first row (or ``start_s``), so the forecast's time of day is the trace's."""
+    if cfg.trace is not None:
+        from tidal.serving.traces import load_trace
+
+        t0 = cfg.start_s if cfg.start_s is not None else float(load_trace(cfg.trace).times_s[0])
+        source = cfg.source(t0)
+
+        def clock() -> float:
+            return t0 + (time.time() - wall_s) * cfg.speedup
+
+        return Advisor(source, cfg.policy(), cfg.serving_gpus), clock, cfg.speedup
+    return Advisor(cfg.source(wall_s), cfg.policy(), cfg.serving_gpus), time.time, 1.0
+
+
 @dataclass
 class Plane:
     """Everything ``tidal up`` runs, built but not started (tests may build one to drive it)."""
@@ -59,10 +108,13 @@ class Plane:
     admin_token: str
     token_created: bool
     describe: str
+    advisor: AdvisorLoop | None = None
 
     def app(self):
+        cfg = self.controller.config.serving
         ctx = ApiContext(self.store, self.controller.nodes, self.executor.log_path, time.time,
-                         ckpt_root=self.controller.ckpt_root)
+                         ckpt_root=self.controller.ckpt_root,
+                         serving=(self.advisor.advisor, cfg.describe()) if self.advisor and cfg else None)
         return create_app(ctx)
 
 
@@ -88,7 +140,15 @@ def build(state_dir: Path, gpus: str = "auto", db: str | None = None, config: Co
         executor = LocalExecutor(state_dir / "jobs", slots=n)
         what = f"{n} CPU slots"
     controller = Controller(store, executor, config, ckpt_root=state_dir / "jobs")
-    return Plane(state_dir, store, executor, controller, token, created, what)
+    advisor = None
+    if config is not None and config.serving is not None:
+        try:
+            adv, clock, speedup = serving_advisor(config.serving, time.time())
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"tidal up: serving: {e}") from None
+        advisor = AdvisorLoop(adv, clock, speedup)
+        what += f"; serving {config.serving.serving_gpus} GPUs, plan from {config.serving.describe()}"
+    return Plane(state_dir, store, executor, controller, token, created, what, advisor)
 
 
 def serve(plane: Plane, host: str = "127.0.0.1", port: int = 8470, *, announce=print) -> None:
@@ -113,9 +173,14 @@ def serve(plane: Plane, host: str = "127.0.0.1", port: int = 8470, *, announce=p
 
     threading.Thread(target=announce_when_up, name="tidal-announce", daemon=True).start()
     loop.start()
+    if plane.advisor is not None:
+        plane.advisor.start()
     try:
         server.run()
     finally:
         loop.stop()
+        if plane.advisor is not None:
+            plane.advisor.stop()
+            plane.advisor.join(timeout=10)
         loop.join(timeout=10)
         plane.store.close()

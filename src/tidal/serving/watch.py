@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
-from tidal.policy.loan import LoanContext, LoanPlan, TidalPolicy, TidalState
+from tidal.policy.forecast import ForecastConfig
+from tidal.policy.loan import LoanContext, LoanPlan, TidalConfig, TidalPolicy, TidalState
 from tidal.serving.sources import DemandSource
 
 
@@ -51,35 +52,124 @@ class Step:
         }
 
 
+class Advisor:
+    """The loan plan, step by step, on the grid of whole steps: :meth:`tick` observes and plans when a
+    grid point has come (see the module docstring) and keeps the newest :class:`Step` in ``latest``
+    (readable from other threads: a reference swapped whole). It assumes every lendable GPU is lent."""
+
+    def __init__(self, source: DemandSource, policy: TidalPolicy, serving_gpus: int,
+                 state: TidalState | None = None) -> None:
+        if serving_gpus < 1:
+            raise ValueError(f"serving_gpus must be >= 1, got {serving_gpus}")
+        self.source, self.policy, self.serving_gpus = source, policy, serving_gpus
+        self.step_s = policy.config.forecast.step_s
+        self.state = state if state is not None else policy.initial_state()
+        self.latest: Step | None = None
+        t = self.state.forecast.t_s
+        self.next_s = t + self.step_s if not math.isnan(t) else math.nan
+
+    def due_in(self, now_s: float) -> float:
+        """Seconds until the next grid point (0: due now)."""
+        if math.isnan(self.next_s):
+            self.next_s = math.ceil(now_s / self.step_s - 1e-9) * self.step_s
+        return max(0.0, self.next_s - now_s)
+
+    def tick(self, now_s: float) -> Step | None:
+        """Observe and plan if a grid point has come by ``now_s`` (the latest one, when several have)."""
+        if self.due_in(now_s) > 0:
+            return None
+        grid = self.next_s
+        if now_s >= grid + self.step_s:  # late by whole steps: the forecast counts the skipped ones as missing
+            grid += math.floor((now_s - grid) / self.step_s) * self.step_s
+        demand = self.source.demand_gpus(grid)
+        lent = self.latest.plan.lendable_gpus if self.latest is not None else 0
+        plan, self.state = self.policy(LoanContext(now_s=grid, serving_gpus=self.serving_gpus, demand_gpus=demand,
+                                                   lent_gpus=lent), self.state)
+        self.latest = Step(grid, demand, plan, self.state.z, self.state.shortfall_ratio)
+        self.next_s = grid + self.step_s
+        return self.latest
+
+
 def watch(source: DemandSource, policy: TidalPolicy, *, serving_gpus: int, clock: Callable[[], float],
           sleep: Callable[[float], None], on_step: Callable[[Step], None], steps: int | None = None,
           state: TidalState | None = None) -> TidalState:
     """Observe, plan and report every ``policy.config.forecast.step_s`` until ``steps`` are done
     (``None``: forever). Returns the policy's state."""
-    if serving_gpus < 1:
-        raise ValueError(f"serving_gpus must be >= 1, got {serving_gpus}")
     if steps is not None and steps < 0:
         raise ValueError(f"steps must be >= 0, got {steps}")
-    step_s = policy.config.forecast.step_s
-    state = state if state is not None else policy.initial_state()
-    lent = 0
+    adv = Advisor(source, policy, serving_gpus, state)
     done = 0
-    # The forecast observes on a grid of whole steps (multiples of step_s, so that time-of-day slots
-    # line up); the next grid point after the last observation, or from now.
-    t = state.forecast.t_s
-    grid = t + step_s if not math.isnan(t) else math.ceil(clock() / step_s - 1e-9) * step_s
     while steps is None or done < steps:
-        now = clock()
-        while now < grid:
-            sleep(grid - now)
-            now = clock()
-        if now >= grid + step_s:  # late by whole steps (a slow source, a suspended process): the
-            grid += math.floor((now - grid) / step_s) * step_s  # forecast counts the skipped ones as missing
-        demand = source.demand_gpus(grid)
-        plan, state = policy(LoanContext(now_s=grid, serving_gpus=serving_gpus, demand_gpus=demand, lent_gpus=lent),
-                             state)
-        lent = plan.lendable_gpus
-        on_step(Step(grid, demand, plan, state.z, state.shortfall_ratio))
-        done += 1
-        grid += step_s
-    return state
+        wait = adv.due_in(clock())
+        if wait > 0:
+            sleep(wait)
+            continue
+        step = adv.tick(clock())
+        if step is not None:
+            on_step(step)
+            done += 1
+    return adv.state
+
+
+@dataclass(frozen=True)
+class WatchConfig:
+    """Where serving demand comes from and the loan policy's knobs (``serving:`` in ``tidal up --config``).
+
+    Exactly one source: ``trace`` (a CSV, replayed from ``start_s`` at ``speedup`` trace seconds per
+    second of the clock) or ``prometheus`` + ``query`` (x ``gpus_per_unit``).
+    """
+
+    serving_gpus: int
+    trace: str | None = None
+    speedup: float = 1.0
+    start_s: float | None = None
+    prometheus: str | None = None
+    query: str | None = None
+    gpus_per_unit: float = 1.0
+    shortfall_budget: float = 0.005
+    step_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.serving_gpus, int) or self.serving_gpus < 1:
+            raise ValueError(f"serving.serving_gpus must be a whole number >= 1, got {self.serving_gpus!r}")
+        if (self.trace is None) == (self.prometheus is None):
+            raise ValueError("serving: give exactly one demand source, trace or prometheus (with query)")
+        if self.prometheus is not None and not self.query:
+            raise ValueError("serving.query is required with serving.prometheus (PromQL giving one number)")
+        for name in ("speedup", "gpus_per_unit", "step_s"):
+            v = getattr(self, name)
+            if not isinstance(v, int | float) or not v > 0:
+                raise ValueError(f"serving.{name} must be a number > 0, got {v!r}")
+        if not isinstance(self.shortfall_budget, int | float) or not 0 < self.shortfall_budget < 1:
+            raise ValueError(f"serving.shortfall_budget must be in (0, 1), got {self.shortfall_budget!r}")
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "serving") -> WatchConfig:
+        if not isinstance(d, dict):
+            raise ValueError(f"{where} must be a mapping of settings, got {d!r}")
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"{where}: unknown field {unknown[0]!r} (expected one of {sorted(names)})")
+        if "serving_gpus" not in d:
+            raise ValueError(f"{where}: serving_gpus is required")
+        return cls(**d)
+
+    def source(self, clock_start_s: float) -> DemandSource:
+        """The demand source; a replay starts at ``start_s`` or else at ``clock_start_s``."""
+        from tidal.serving.sources import PrometheusQuery, TraceReplay
+        from tidal.serving.traces import load_trace
+
+        if self.trace is not None:
+            start = self.start_s if self.start_s is not None else clock_start_s
+            return TraceReplay(load_trace(self.trace), self.serving_gpus, start_s=start)
+        return PrometheusQuery(self.prometheus or "", self.query or "", self.gpus_per_unit)
+
+    def policy(self) -> TidalPolicy:
+        return TidalPolicy(TidalConfig(shortfall_budget=self.shortfall_budget,
+                                       forecast=ForecastConfig(step_s=self.step_s)))
+
+    def describe(self) -> str:
+        if self.trace is not None:
+            return f"trace {self.trace} replayed at {self.speedup:g}x"
+        return f"Prometheus {self.prometheus}: {self.query} x {self.gpus_per_unit:g} GPUs"
