@@ -53,6 +53,7 @@ class _Prom:
 
     def __init__(self) -> None:
         self.reply: tuple[int, bytes] = (200, b"{}")
+        self.truncate = False  # promise more bytes than are sent, then close
         self.queries: list[dict[str, list[str]]] = []
         outer = self
 
@@ -63,7 +64,7 @@ class _Prom:
                 code, body = outer.reply
                 self.send_response(code)
                 self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
+                self.send_header("Content-Length", str(len(body) + (100 if outer.truncate else 0)))
                 self.end_headers()
                 self.wfile.write(body)
 
@@ -126,6 +127,14 @@ def test_prometheus_failures_read_as_unknown_demand_and_say_why(prom, caplog, re
     with caplog.at_level(logging.WARNING, logger="tidal.serving.sources"):
         assert math.isnan(src.demand_gpus(10.0))
     assert "sum(up)" in caplog.text and reason in caplog.text
+
+
+def test_prometheus_cut_off_answer_reads_as_unknown(prom, caplog):
+    prom.answer(vector(5))
+    prom.truncate = True
+    with caplog.at_level(logging.WARNING, logger="tidal.serving.sources"):
+        assert math.isnan(PrometheusQuery(prom.url, "sum(up)", timeout_s=2.0).demand_gpus(10.0))
+    assert "no complete answer" in caplog.text or "cannot reach" in caplog.text  # cut off: while reading, or reset
 
 
 def test_prometheus_unreachable_reads_as_unknown(prom, caplog):

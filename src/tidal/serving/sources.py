@@ -14,6 +14,7 @@ holds its forecast through NaN and lends nothing more because the numbers went m
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import math
@@ -106,6 +107,8 @@ class PrometheusQuery:
             raise ValueError(f"HTTP {e.code} from {self.url}") from None
         except (urllib.error.URLError, OSError) as e:
             raise ValueError(f"cannot reach {self.url}: {getattr(e, 'reason', e)}") from None
+        except http.client.HTTPException as e:  # e.g. the answer was cut off
+            raise ValueError(f"no complete answer from {self.url}: {type(e).__name__}") from None
         try:
             doc = json.loads(body)
         except json.JSONDecodeError:
