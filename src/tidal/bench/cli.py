@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
@@ -83,50 +84,55 @@ def forecast(
     """Serving-demand forecast and loan policies on real traces: Tidal vs baselines vs oracle."""
     from tidal.bench.forecast import run
 
-    if not traces:
-        root = Path(__file__).resolve().parents[4] / "shared" / "traces"
-        traces = sorted(root.glob("servegen-*.csv"))
-        if not traces:
-            raise typer.BadParameter(f"no traces given and none found under {root}", param_hint="TRACES")
-    run(list(traces), serving_gpus=serving_gpus, budgets=tuple(budget), quantiles=tuple(quantile),
+    run(_traces(traces), serving_gpus=serving_gpus, budgets=tuple(budget), quantiles=tuple(quantile),
         lead_s=lead_s, as_json=json_out)
+
+
+def _traces(traces: list[Path] | None) -> list[Path]:
+    """The traces given, or the ServeGen traces next to the repository."""
+    from tidal.bench.forecast import DEFAULT_TRACES_DIR, default_traces
+
+    found = list(traces) if traces else default_traces()
+    if not found:
+        raise typer.BadParameter(f"no traces given and none found in {DEFAULT_TRACES_DIR}", param_hint="TRACES")
+    missing = [str(p) for p in found if not Path(p).is_file()]
+    if missing:
+        raise typer.BadParameter(f"no such trace file: {', '.join(missing)}", param_hint="TRACES")
+    return found
+
+
+Traces = Annotated[list[Path] | None, typer.Argument(help="Serving traces (CSV: time, load). Default: "
+                                                     "../shared/traces/servegen-*.csv next to the repository.")]
+ServingGpus = Annotated[int, typer.Option("--serving-gpus", min=1, help="GPUs that serve the trace's peak.")]
+Budgets = Annotated[list[float], typer.Option("--budget", help="Shortfall budgets; repeatable.")]
+JsonOut = Annotated[bool, typer.Option("--json", help="Print a JSON object on stdout (the table to stderr).")]
+BUDGETS = [0.001, 0.002, 0.005]
 
 
 @app.command("forecast-bound")
 def forecast_bound(
-    traces: list[Path] = typer.Argument(None, help="Serving traces (CSV: time, load). Default: "
-                                        "../shared/traces/servegen-*.csv next to the repository."),
-    serving_gpus: int = typer.Option(128, "--serving-gpus", min=1, help="GPUs that serve the trace's peak."),
-    budget: list[float] = typer.Option([0.001, 0.002, 0.005], "--budget", help="Shortfall budgets; repeatable."),
-    tod_buckets: int = typer.Option(6, "--tod-buckets", min=1, help="Time-of-day buckets of the contexts."),
-    json_out: bool = typer.Option(False, "--json", help="Print a JSON object on stdout (the table to stderr)."),
+    traces: Traces = None, serving_gpus: ServingGpus = 128, budget: Budgets = BUDGETS,  # noqa: B006 (typer reads it)
+    tod_buckets: Annotated[int, typer.Option("--tod-buckets", min=1, help="Time-of-day buckets of the contexts.")] = 6,
+    json_out: JsonOut = False,
 ) -> None:
     """How far a margin over Tidal's forecast could go if tuned with hindsight (the forecast's shape)."""
-    from tidal.bench.forecast import default_traces
     from tidal.bench.forecast_bound import run
 
-    traces = list(traces) if traces else default_traces()
-    if not traces:
-        raise typer.BadParameter("no traces given and none found in ../shared/traces", param_hint="TRACES")
-    run(traces, serving_gpus=serving_gpus, budgets=tuple(budget), tod_buckets=tod_buckets, as_json=json_out)
+    run(_traces(traces), serving_gpus=serving_gpus, budgets=tuple(budget), tod_buckets=tod_buckets,
+        as_json=json_out)
 
 
 @app.command("forecast-rotate")
 def forecast_rotate(
-    traces: list[Path] = typer.Argument(None, help="Serving traces (CSV: time, load). Default: "
-                                        "../shared/traces/servegen-*.csv next to the repository."),
-    serving_gpus: int = typer.Option(128, "--serving-gpus", min=1, help="GPUs that serve the trace's peak."),
-    budget: list[float] = typer.Option([0.001, 0.002, 0.005], "--budget", help="Shortfall budgets; repeatable."),
-    rotations: str = typer.Option("", "--rotations", help="Comma-separated day offsets (default: every day)."),
-    json_out: bool = typer.Option(False, "--json", help="Print a JSON object on stdout (the table to stderr)."),
+    traces: Traces = None, serving_gpus: ServingGpus = 128, budget: Budgets = BUDGETS,  # noqa: B006 (typer reads it)
+    rotations: Annotated[str, typer.Option("--rotations", help="Comma-separated day offsets (default: every "
+                                                               "day).")] = "",
+    json_out: JsonOut = False,
 ) -> None:
     """Tidal's shortfall and harvest on every whole-day rotation of each trace (where the bursts fall)."""
-    from tidal.bench.forecast import default_traces
     from tidal.bench.forecast_rotate import run
 
-    traces = list(traces) if traces else default_traces()
-    if not traces:
-        raise typer.BadParameter("no traces given and none found in ../shared/traces", param_hint="TRACES")
+    traces = _traces(traces)
     try:
         rots = [int(x) for x in rotations.split(",")] if rotations.strip() else None
     except ValueError:

@@ -89,6 +89,26 @@ def resample(trace: Trace, step_s: float) -> tuple[np.ndarray, np.ndarray, np.nd
     return times, load, gap
 
 
+def grid_steps(lead_s: float, step_s: float, warmup_days: float) -> tuple[int, int]:
+    """(lead, warm-up) in steps; the lead must be a whole number (>= 1) of steps."""
+    lead = round(lead_s / step_s)
+    if lead < 1 or abs(lead * step_s - lead_s) > 1e-6:
+        raise ValueError(f"--lead-s {lead_s:g} must be a whole multiple (>= 1) of --step-s {step_s:g}")
+    return lead, round(warmup_days * 86400.0 / step_s)
+
+
+def load_demand(path: Path, serving_gpus: int, step_s: float, min_steps: int) -> tuple[Trace, np.ndarray, np.ndarray]:
+    """(trace, times_s, demand in GPUs) at ``step_s``, a pool of ``serving_gpus`` sized for the trace's
+    peak, gaps NaN; the trace must be longer than ``min_steps`` (the warm-up and the lead)."""
+    trace = load_trace(path)
+    times, load, gap = resample(trace, step_s)
+    demand = serving_gpus * load / float(load[~gap].max())
+    demand[gap] = np.nan
+    if len(demand) <= min_steps:
+        raise ValueError(f"trace {trace.name!r} ({len(demand)} steps) is not longer than the warm-up")
+    return trace, times, demand
+
+
 # ----------------------------------------------------------------------------------------------
 # 1. Forecast quality
 
@@ -356,10 +376,7 @@ def run(traces: list[Path], *, serving_gpus: int = 128, step_s: float = 600.0, l
     out_console = console or (err if as_json else wide(False))
     if not traces:
         raise ValueError(f"no trace given and none found in {DEFAULT_TRACES_DIR}")
-    lead = round(lead_s / step_s)
-    if lead < 1 or abs(lead * step_s - lead_s) > 1e-6:
-        raise ValueError(f"--lead-s {lead_s:g} must be a whole multiple (>= 1) of --step-s {step_s:g}")
-    warmup = round(warmup_days * 86400.0 / step_s)
+    lead, warmup = grid_steps(lead_s, step_s, warmup_days)
     result: dict[str, Any] = {
         "config": {"serving_gpus": serving_gpus, "step_s": step_s, "lead_s": lead_s, "budgets": list(budgets),
                    "quantiles": list(quantiles), "warmup_days": warmup_days, "restart_cost_s": restart_cost_s,
@@ -373,16 +390,11 @@ def run(traces: list[Path], *, serving_gpus: int = 128, step_s: float = 600.0, l
     }
     started = time.perf_counter()
     for path in traces:
-        trace = load_trace(path)
-        times, load, gap = resample(trace, step_s)
-        peak = float(load[~gap].max())
-        demand = serving_gpus * load / peak
-        demand[gap] = np.nan
-        err.print(f"[dim]{trace.name}: {len(demand)} steps, {int(gap.sum())} gap steps[/]", highlight=False)
-        if len(demand) <= warmup + lead:
-            raise ValueError(f"trace {trace.name!r} ({len(demand)} steps) is not longer than the warm-up")
+        trace, times, demand = load_demand(path, serving_gpus, step_s, warmup + lead)
+        gaps = int(np.isnan(demand).sum())
+        err.print(f"[dim]{trace.name}: {len(demand)} steps, {gaps} gap steps[/]", highlight=False)
         entry = {
-            "steps": len(demand), "gap_steps": int(gap.sum()),
+            "steps": len(demand), "gap_steps": gaps,
             "mean_demand_over_pool": float(np.nanmean(demand) / serving_gpus),
             "forecast": evaluate_forecasts(times, demand, step_s=step_s, lead=lead, warmup=warmup,
                                            quantiles=quantiles),

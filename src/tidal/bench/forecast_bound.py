@@ -1,7 +1,7 @@
-"""``python -m tidal.bench.forecast_bound``: how far could *any* margin over Tidal's forecast go?
+"""``tidal bench forecast-bound``: how far could *any* margin over Tidal's forecast go?
 
-    python -m tidal.bench.forecast_bound                   # ../shared/traces/servegen-*.csv
-    python -m tidal.bench.forecast_bound T.csv --budget 0.005 --json
+    tidal bench forecast-bound                   # ../shared/traces/servegen-*.csv
+    tidal bench forecast-bound T.csv --budget 0.005 --json
 
 Tidal's loan plan lends ``N - upper`` with ``upper = center + margin`` over the lead time
 (:mod:`tidal.policy.loan`). This program separates the forecast's *shape* (its center and error scale,
@@ -34,14 +34,13 @@ from tidal.bench.forecast import (
     DEFAULT_TRACES_DIR,
     _reactive_lent,
     _tune_margin,
-    default_traces,
     fluid_score,
-    resample,
+    grid_steps,
+    load_demand,
     run_policy,
 )
 from tidal.policy import forecast as fc
 from tidal.policy.loan import LoanTiming, OraclePolicy, TidalConfig, TidalPolicy
-from tidal.serving.traces import load_trace
 
 
 def forecast_paths(times_s: np.ndarray, demand: np.ndarray, config: fc.ForecastConfig,
@@ -181,21 +180,13 @@ def run(traces: list[Path], *, serving_gpus: int = 128, step_s: float = 600.0, l
 
     if not traces:
         raise ValueError(f"no trace given and none found in {DEFAULT_TRACES_DIR}")
-    lead = round(lead_s / step_s)
-    if lead < 1 or abs(lead * step_s - lead_s) > 1e-6:
-        raise ValueError(f"--lead-s {lead_s:g} must be a whole multiple (>= 1) of --step-s {step_s:g}")
-    warmup = round(warmup_days * 86400.0 / step_s)
+    lead, warmup = grid_steps(lead_s, step_s, warmup_days)
     result: dict[str, Any] = {"config": {"serving_gpus": serving_gpus, "step_s": step_s, "lead_s": lead_s,
                                          "budgets": list(budgets), "warmup_days": warmup_days,
                                          "level_edges": list(level_edges), "tod_buckets": tod_buckets},
                               "traces": {}}
     for path in traces:
-        trace = load_trace(path)
-        times, load, gap = resample(trace, step_s)
-        demand = serving_gpus * load / float(load[~gap].max())
-        demand[gap] = np.nan
-        if len(demand) <= warmup + lead:
-            raise ValueError(f"trace {trace.name!r} ({len(demand)} steps) is not longer than the warm-up")
+        trace, times, demand = load_demand(path, serving_gpus, step_s, warmup + lead)
         result["traces"][trace.name] = evaluate(times, demand, n=serving_gpus, step_s=step_s, lead=lead,
                                                 warmup=warmup, budgets=budgets, level_edges=level_edges,
                                                 tod_buckets=tod_buckets)
@@ -217,24 +208,3 @@ def run(traces: list[Path], *, serving_gpus: int = 128, step_s: float = 600.0, l
         print(json.dumps(result, indent=2))
     return result
 
-
-def main() -> None:
-    """``python -m tidal.bench.forecast_bound [TRACE.csv ...] [options]``."""
-    import typer
-
-    def cli(
-        traces: list[Path] = typer.Argument(None, help="Trace CSVs (default: ../shared/traces/servegen-*.csv)."),
-        serving_gpus: int = typer.Option(128, "--serving-gpus", min=1, help="Serving pool size N."),
-        budget: list[float] = typer.Option([0.001, 0.002, 0.005], "--budget", help="Shortfall budget(s)."),
-        tod_buckets: int = typer.Option(6, "--tod-buckets", min=1, help="Time-of-day buckets of the contexts."),
-        json_out: bool = typer.Option(False, "--json", help="JSON on stdout (the table on stderr)."),
-    ) -> None:
-        """How far a margin over Tidal's forecast could go, tuned with hindsight."""
-        run(list(traces) if traces else default_traces(), serving_gpus=serving_gpus, budgets=tuple(budget),
-            tod_buckets=tod_buckets, as_json=json_out)
-
-    typer.run(cli)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,7 +1,7 @@
-"""``python -m tidal.bench.forecast_rotate``: does Tidal keep its budget wherever the bursts fall?
+"""``tidal bench forecast-rotate``: does Tidal keep its budget wherever the bursts fall?
 
-    python -m tidal.bench.forecast_rotate                  # ../shared/traces/servegen-*.csv, every rotation
-    python -m tidal.bench.forecast_rotate T.csv --budget 0.005 --rotations 0,2,5 --json
+    tidal bench forecast-rotate                  # ../shared/traces/servegen-*.csv, every rotation
+    tidal bench forecast-rotate T.csv --budget 0.005 --rotations 0,2,5 --json
 
 A 14-day trace is one history: where its few large bursts fall (in the warm-up, where they teach the
 policy, or early in the scored period, where they weigh on a small denominator) decides whether a
@@ -21,10 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from tidal.bench.forecast import DEFAULT_TRACES_DIR, default_traces, fluid_score, resample, run_policy
+from tidal.bench.forecast import DEFAULT_TRACES_DIR, fluid_score, grid_steps, load_demand, run_policy
 from tidal.policy import forecast as fc
 from tidal.policy.loan import LoanTiming, OraclePolicy, TidalConfig, TidalPolicy
-from tidal.serving.traces import load_trace
 
 
 def rotate_days(demand: np.ndarray, days: int, day_steps: int) -> np.ndarray:
@@ -75,20 +74,14 @@ def run(traces: list[Path], *, serving_gpus: int = 128, step_s: float = 600.0, l
 
     if not traces:
         raise ValueError(f"no trace given and none found in {DEFAULT_TRACES_DIR}")
-    lead = round(lead_s / step_s)
-    if lead < 1 or abs(lead * step_s - lead_s) > 1e-6:
-        raise ValueError(f"--lead-s {lead_s:g} must be a whole multiple (>= 1) of --step-s {step_s:g}")
-    warmup = round(warmup_days * 86400.0 / step_s)
+    lead, warmup = grid_steps(lead_s, step_s, warmup_days)
     result: dict[str, Any] = {"config": {"serving_gpus": serving_gpus, "step_s": step_s, "lead_s": lead_s,
                                          "budgets": list(budgets), "warmup_days": warmup_days}, "traces": {}}
     for path in traces:
-        trace = load_trace(path)
-        times, load, gap = resample(trace, step_s)
-        demand = serving_gpus * load / float(load[~gap].max())
-        demand[gap] = np.nan
+        trace, times, demand = load_demand(path, serving_gpus, step_s, warmup + lead)
         days = int(len(demand) * step_s // 86400)
-        if days < 1 or len(demand) <= warmup + lead:
-            raise ValueError(f"trace {trace.name!r} ({len(demand)} steps) is not longer than the warm-up")
+        if days < 1:
+            raise ValueError(f"trace {trace.name!r} is shorter than a day")
         rots = list(range(days)) if rotations is None else rotations
         bad = [k for k in rots if not 0 <= k < days]
         if bad:
@@ -112,29 +105,3 @@ def run(traces: list[Path], *, serving_gpus: int = 128, step_s: float = 600.0, l
         print(json.dumps(result, indent=2))
     return result
 
-
-def main() -> None:
-    """``python -m tidal.bench.forecast_rotate [TRACE.csv ...] [options]``."""
-    import typer
-
-    def cli(
-        traces: list[Path] = typer.Argument(None, help="Trace CSVs (default: ../shared/traces/servegen-*.csv)."),
-        serving_gpus: int = typer.Option(128, "--serving-gpus", min=1, help="Serving pool size N."),
-        budget: list[float] = typer.Option([0.001, 0.002, 0.005], "--budget", help="Shortfall budget(s)."),
-        rotations: str = typer.Option("", "--rotations", help="Comma-separated day offsets (default: all)."),
-        json_out: bool = typer.Option(False, "--json", help="JSON on stdout (the table on stderr)."),
-    ) -> None:
-        """Tidal's budget and harvest on every whole-day rotation of each trace."""
-        try:
-            rots = [int(x) for x in rotations.split(",")] if rotations.strip() else None
-        except ValueError:
-            raise typer.BadParameter(f"expected comma-separated whole days, got {rotations!r}",
-                                     param_hint="--rotations") from None
-        run(list(traces) if traces else default_traces(), serving_gpus=serving_gpus, budgets=tuple(budget),
-            rotations=rots, as_json=json_out)
-
-    typer.run(cli)
-
-
-if __name__ == "__main__":
-    main()
