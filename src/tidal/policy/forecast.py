@@ -274,9 +274,28 @@ def slot_of(config: ForecastConfig, t_s: float | np.ndarray) -> np.ndarray:
     return np.round(np.mod(t_s, config.period_s) / config.step_s).astype(int) % config.slots
 
 
-@functools.lru_cache(maxsize=32)
+def _slot(config: ForecastConfig, t_s: float) -> int:
+    """:func:`slot_of` for one finite time, in Python floats (the same arithmetic: a float remainder,
+    round half to even), without numpy's per-call overhead."""
+    return round((t_s % config.period_s) / config.step_s) % config.slots
+
+
+_last_consts: list[tuple] = [(None, None)]  # [(config, its constants)]: the last config asked for, by identity
+
+
 def _consts(config: ForecastConfig) -> dict[str, np.ndarray]:
-    """Per-config constant arrays (read-only): horizon steps, fades, kernel indices."""
+    """Per-config constant arrays (read-only): horizon steps, fades, kernel indices. The last config's
+    are found by identity (one read of one pair: safe with threads), others by the cache's hash."""
+    last = _last_consts[0]
+    if last[0] is config:
+        return last[1]
+    out = _make_consts(config)
+    _last_consts[0] = (config, out)
+    return out
+
+
+@functools.lru_cache(maxsize=32)
+def _make_consts(config: ForecastConfig) -> dict[str, np.ndarray]:
     hs = np.arange(1, config.horizon_steps + 1)
     t = hs * config.step_s
     out = {
@@ -301,6 +320,10 @@ def _box(values: np.ndarray, counts: np.ndarray, idx: np.ndarray) -> tuple[np.nd
     count (how many cycles back it reaches). A slot never seen itself reads NaN / 0 even if its
     neighbours were: on the first day the kernel's edge would otherwise replay a single old value.
     """
+    if counts.min() > 0:  # every slot seen (from the second day on): the weights below are all 1.0,
+        # and x * 1.0 is x, the sum of k ones is k: the same values, without the masks
+        k = float(idx.shape[1])
+        return values[idx].sum(axis=1) / k, counts[idx].sum(axis=1) / k
     seen = (counts > 0).astype(float)[idx]
     den = seen.sum(axis=1)
     known = (counts > 0) & (den > 0)
@@ -340,7 +363,7 @@ def _path(config: ForecastConfig, state: ForecastState) -> tuple[np.ndarray, np.
     step = config.step_s
     level = state.level_gpus
     prof, _ = _box(state.profile_gpus, state.profile_n, c["kernel_profile"])
-    p_now = prof[slot_of(config, state.t_s)]
+    p_now = prof[_slot(config, state.t_s)]
     future_slots = slot_of(config, state.t_s + hs * step)
     p_future = prof[future_slots]
     fade = c["fade"]
@@ -356,17 +379,20 @@ def _path(config: ForecastConfig, state: ForecastState) -> tuple[np.ndarray, np.
     else:
         # Horizons not scored yet borrow from the nearest shorter scored one (or the shortest
         # scored one); then errors never shrink with the horizon.
-        first = int(np.flatnonzero(~np.isnan(e))[0])
-        e[:first] = e[first]
-        for i in range(1, e.size):
-            if np.isnan(e[i]):
-                e[i] = e[i - 1]
-        e = np.maximum.accumulate(e)
+        el = e.tolist()
+        first = next(i for i, x in enumerate(el) if x == x)
+        el[:first] = [el[first]] * first
+        for i in range(first + 1, len(el)):
+            if el[i] != el[i]:  # NaN
+                el[i] = el[i - 1]
+        e = np.maximum.accumulate(np.array(el))
     mean = state.mean_gpus
     floor = config.min_scale_fraction * mean if mean > 0 else 0.0
     tod = _error_profile_factor(config, state)[future_slots]
     burst = 1.0 + max(state.burst - 1.0, 0.0) * c["burst_fade"]
-    base = np.maximum(e * _noise_factor(config, center, mean) * tod * burst, floor)
+    # x * 1.0 is x exactly: with additive noise (the default) the noise factor is left out
+    noisy = e if config.noise_exponent == 0 or not mean > 0 else e * _noise_factor(config, center, mean)
+    base = np.maximum(noisy * tod * burst, floor)
     if config.contexts > 1:
         ctx = context_of(config, state, center, future_slots)
         scale = np.maximum(base * context_factor(config, state)[ctx], floor)
@@ -380,7 +406,7 @@ def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float)
     """One grid step to ``t_s`` with observation ``y`` (NaN = missing)."""
     step = config.step_s
     h = config.horizon_steps
-    s = int(slot_of(config, t_s))
+    s = _slot(config, t_s)
     day_w = 1.0 - decay(config.period_s, config.profile_half_life_s)
     err_sum, err_weight = state.err_sum, state.err_weight
     eprof, eprof_n = state.err_profile, state.err_profile_n
@@ -392,11 +418,14 @@ def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float)
         preds = np.diagonal(state.past_center).copy()
         ok = ~np.isnan(preds)
         if ok.any():
-            norm = _noise_factor(config, np.where(ok, preds, 0.0), state.mean_gpus)
             diff = y - np.where(ok, preds, 0.0)
             if config.error_side == "upper":
                 diff = np.maximum(diff, 0.0)
-            err = np.where(ok, np.abs(diff) / norm, 0.0)
+            if config.noise_exponent == 0 or not state.mean_gpus > 0:  # x / 1.0 is x exactly
+                err = np.where(ok, np.abs(diff), 0.0)
+            else:
+                norm = _noise_factor(config, np.where(ok, preds, 0.0), state.mean_gpus)
+                err = np.where(ok, np.abs(diff) / norm, 0.0)
             before = _error_by_horizon(state)
             if config.error_clip < math.inf:
                 err = np.where(before > 0, np.minimum(err, config.error_clip * np.nan_to_num(before)), err)
@@ -408,7 +437,8 @@ def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float)
                 # How this time of day's errors compare with the usual error at each horizon.
                 eprof, eprof_n = eprof.copy(), eprof_n.copy()
                 eprof_n[s] += 1
-                eprof[s] += max(day_w, 1.0 / eprof_n[s]) * (float(np.mean(err[rel] / before[rel])) - eprof[s])
+                ratio = err[rel] / before[rel]  # its mean as np.mean computes it (sum, then / count)
+                eprof[s] += max(day_w, 1.0 / eprof_n[s]) * (float(np.add.reduce(ratio) / ratio.size) - eprof[s])
             if state.ctx_hist is not None and state.past_base is not None:
                 # Standardized errors of the first context_horizon_steps horizons, into their contexts.
                 k = min(config.context_horizon_steps, h)
@@ -418,7 +448,7 @@ def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float)
                 hist = state.ctx_hist * decay(step, config.context_half_life_s)
                 if good.any():
                     r = (y - preds[:k][good]) / base[good]
-                    b = np.clip(np.searchsorted(CTX_BINS, r, side="right") - 1, 0, CTX_BINS.size - 2)
+                    b = _clip_int(np.searchsorted(CTX_BINS, r, side="right") - 1, CTX_BINS.size - 2)
                     np.add.at(hist, (ctx[good].astype(int), b), 1.0)
                 ctx_hist = hist
             if tail_hist is not None and state.mean_gpus > 0:
@@ -442,8 +472,8 @@ def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float)
                     for m, w in rows:
                         good = np.isfinite(m)
                         if good.any():
-                            b = np.clip(np.searchsorted(TAIL_BINS, m[good] / state.mean_gpus, side="right") - 1,
-                                        0, TAIL_BINS.size - 2)
+                            b = _clip_int(np.searchsorted(TAIL_BINS, m[good] / state.mean_gpus, side="right") - 1,
+                                          TAIL_BINS.size - 2)
                             hist[np.flatnonzero(good), b] += w
                     tail_hist = hist
             if rel[0]:
@@ -481,12 +511,28 @@ def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float)
         ctx = np.zeros(h)
     else:
         center, scale, base, ctx = _path(config, new)
-    past = np.vstack([center[None, :], state.past_center[:-1]])
-    past_base = np.vstack([base[None, :], state.past_base[:-1]]) if state.past_base is not None else None
-    past_ctx = np.vstack([np.asarray(ctx, float)[None, :], state.past_ctx[:-1]]) if state.past_ctx is not None else None
-    return replace(new, past_center=_frozen(past), scale_gpus=_frozen(scale),
-                   past_base=None if past_base is None else _frozen(past_base),
-                   past_ctx=None if past_ctx is None else _frozen(past_ctx))
+    # ``new`` is not seen by anybody yet and _path does not read these fields: set them in place
+    # (one state object per step instead of two).
+    put = object.__setattr__
+    put(new, "past_center", _frozen(_push_row(center, state.past_center)))
+    put(new, "scale_gpus", _frozen(scale))
+    put(new, "past_base", None if state.past_base is None else _frozen(_push_row(base, state.past_base)))
+    put(new, "past_ctx", None if state.past_ctx is None else _frozen(_push_row(ctx, state.past_ctx)))
+    return new
+
+
+def _clip_int(a: np.ndarray, hi: int) -> np.ndarray:
+    """``np.clip(a, 0, hi)`` for integers (the same values) without ``np.clip``'s per-call overhead."""
+    return np.minimum(np.maximum(a, 0), hi)
+
+
+def _push_row(row: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """``np.vstack([row[None, :], rows[:-1]])`` as float (a new array; ``row`` converted as ``np.asarray(row,
+    float)`` would)."""
+    out = np.empty(rows.shape)
+    out[0] = row
+    out[1:] = rows[:-1]
+    return out
 
 
 def observe(config: ForecastConfig, state: ForecastState, t_s: float, demand_gpus: float) -> ForecastState:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from itertools import repeat
+from itertools import chain, repeat
 
 from tidal.model import Loan, Reclaim
 from tidal.policy.loan import LoanPlan, LoanTiming
@@ -82,7 +82,12 @@ class ServingPool:
         partial = [n for n, ln in self.loans.items() if ln.gpus < self.cap[n]]
         warming = [n for n, e in self.warming_on.items() if e and self.lent_on(n) < self.cap[n]]
         seen: set[str] = set()
-        for node in (*partial, *warming, *self.cap):
+        loans = self.loans
+        # The rest in node order: only nodes without a loan can take GPUs there (a partly lent node is
+        # in ``partial``, and only nodes already seen got a loan in this loop), so the others are
+        # skipped here at the cost of a dict lookup (read when reached, as the loop below lends).
+        rest = (n for n in self.cap if n not in loans)
+        for node in chain(partial, warming, rest):
             if gpus <= 0:
                 break
             if node in seen:
@@ -127,8 +132,10 @@ class ServingPool:
         if finite and self.loans:
             # the nodes by (GPUs used, name): as heapq.nsmallest(finite, ...) would list them, and the
             # walk below never takes more than ``finite`` of them (each holds at least one lent GPU)
-            loans = self.loans
-            order = [n for _, n in sorted(zip(map(used.get, loans, repeat(0)), loans, strict=True))]
+            # sorted by (used, name) as two sorts: the names, then stably by use (no tuples compared)
+            names = sorted(self.loans)
+            use = list(map(used.get, names, repeat(0)))
+            order = [names[i] for i in sorted(range(len(names)), key=use.__getitem__)]
         else:
             order = []
         new_finite: set[str] = set()

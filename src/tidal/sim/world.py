@@ -32,7 +32,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import replace
+from dataclasses import fields, replace
 
 from tidal.model import (
     Admit,
@@ -170,6 +170,31 @@ class RunningJobs(dict):
 
 
 FINISH, FAIL, RELEASE = 1, 2, 0
+
+
+_SET = object.__setattr__
+_JOB_FIELDS = tuple(f.name for f in fields(Job))  # every slot, the derived ones (gpus, ...) included
+
+
+def job_with(job: Job, **changes) -> Job:
+    """``dataclasses.replace(job, **changes)`` for the store's frequent changes of a job's state, faster
+    (3x alone, ~1.6x in a month-long run): the request fields (what ``Job.__post_init__`` checks) are
+    copied unchanged, so only the derived GPU counts are recomputed, and ``releasing`` is checked
+    against ``placement`` as there (on failure the real constructor raises its error). ``changes``
+    must not touch the request."""
+    out = object.__new__(Job)
+    for name in _JOB_FIELDS:
+        _SET(out, name, getattr(job, name))
+    for name, v in changes.items():
+        _SET(out, name, v)
+    if "placement" in changes or "releasing" in changes:
+        placement, releasing = out.placement, out.releasing
+        if not all(0 < r <= placement.get(n, 0) for n, r in releasing.items()):
+            replace(job, **changes)  # raises ValueError naming the field
+            raise AssertionError(f"{job.id!r}: releasing {releasing} exceeds placement {placement}")
+        _SET(out, "gpus", sum(placement.values()))
+        _SET(out, "releasing_gpus", sum(releasing.values()) if releasing else 0)
+    return out
 
 
 class World:
@@ -335,14 +360,14 @@ class World:
         if sj.job.running:
             return
         self._dequeue(sj)
-        sj.job = replace(sj.job, nominated_s=now)
+        sj.job = job_with(sj.job, nominated_s=now)
         self._enqueue(sj)
 
     def _admit(self, d: Admit, now: float) -> None:
         sj = self.jobs[d.job]
         transition(sj, "admit")
         self._dequeue(sj)
-        sj.job = replace(sj.job, placement=dict(d.placement), started_s=now, nominated_s=None)
+        sj.job = job_with(sj.job, placement=dict(d.placement), started_s=now, nominated_s=None)
         sj.held_since = now
         self._hold(sj, now, d.placement, +1)
         self.running[d.job] = sj.job
@@ -365,7 +390,7 @@ class World:
         if sum(p.values()) != d.to_gpus:
             raise AssertionError(f"{d}: placement would hold {sum(p.values())} GPUs")
         self._hold(sj, now, d.add, +1)
-        sj.job = replace(sj.job, placement=p, last_grown_s=now)
+        sj.job = job_with(sj.job, placement=p, last_grown_s=now)
         self.running[d.job] = sj.job
         self._resize(sj, now)
 
@@ -392,9 +417,9 @@ class World:
         sj.rel_at, sj.rel_ok = by, ok
         sj.rel_stop = by - self.stall if ok else by
         if event == "shrink":
-            sj.job = replace(sj.job, releasing=dict(release), last_shrunk_s=now)
+            sj.job = job_with(sj.job, releasing=dict(release), last_shrunk_s=now)
         else:
-            sj.job = replace(sj.job, releasing=dict(release), last_preempted_s=now)
+            sj.job = job_with(sj.job, releasing=dict(release), last_preempted_s=now)
         self.running[sj.spec.id] = sj.job
         seg = sj.seg
         assert seg is not None
@@ -428,13 +453,13 @@ class World:
         sj.rel_at, sj.rel_stop, sj.rel_ok = math.inf, math.inf, True
         if stopping:
             del self.running[jid]
-            sj.job = replace(sj.job, placement={}, releasing={}, started_s=None)
+            sj.job = job_with(sj.job, placement={}, releasing={}, started_s=None)
             sj.seg, sj.kept_p = None, kept
             sj.version += 1
             self.durable.drop(jid)
             self._enqueue(sj)
             return freed
-        sj.job = replace(sj.job, placement=left, releasing={})
+        sj.job = job_with(sj.job, placement=left, releasing={})
         self.running[jid] = sj.job
         rate = self.rate(sj.job.gpus)
         sj.seg = seg.rebased(now, p0=kept, start_s=now + self.restart, rate=rate, tau_s=sj.tau, capture=cap)
@@ -452,7 +477,7 @@ class World:
         transition(sj, "finish")
         self._hold(sj, now, sj.job.placement, -1)
         del self.running[jid]
-        sj.job = replace(sj.job, placement={}, releasing={})
+        sj.job = job_with(sj.job, placement={}, releasing={})
         sj.kept_p = sj.spec.work_gpu_s
         sj.seg = None
         sj.end_s = now

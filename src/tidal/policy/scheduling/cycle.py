@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from operator import attrgetter
 
 from tidal.model import Admit, Decision, Grow, Job, Loan, Preempt, Reason, ReturnGpus, Shrink, Snapshot
 from tidal.policy.scheduling.config import SchedulerConfig
 from tidal.policy.scheduling.index import RunningIndex
 from tidal.policy.scheduling.placement import View
+
+_node, _gpus = attrgetter("node"), attrgetter("gpus")
 
 
 class Cycle:
@@ -25,7 +28,7 @@ class Cycle:
         self.decisions: list[Decision] = []
         self.touched: set[str] = set()  # jobs that got a decision this call: not touched again
         self.tenants = {t.name: t for t in snap.tenants}
-        self.loans: dict[str, Loan] = {ln.node: ln for ln in snap.loans}
+        self.loans: dict[str, Loan] = dict(zip(map(_node, snap.loans), snap.loans, strict=True))
         self.index = index
         if index is not None and self._from_index(index):
             return
@@ -71,7 +74,7 @@ class Cycle:
         self._init_rest(snap)
 
     def _init_rest(self, snap: Snapshot) -> None:
-        self.loaned_gpus = sum(ln.gpus for ln in snap.loans)
+        self.loaned_gpus = sum(map(_gpus, snap.loans))
         self.training = View("training", self.max_node_gpus)
         self.loan = View("loan", self.max_node_gpus)
         self.returned: dict[str, int] = {}  # loan node -> GPUs handed back this call
@@ -94,11 +97,17 @@ class Cycle:
         if any(k and t not in tenants for t, k in index.jobs_of.items()):
             return False
         self.max_node_gpus, self.training_gpus = index.max_node_gpus, index.training_gpus
-        self.pool_of = dict(index.training_pool_of)
-        other = index.other_nodes
-        for name in self.loans:
-            if name in other:
-                self.pool_of[name] = "loan"
+        # Read only after this: kept across calls while the loaned nodes stay the same.
+        other, names = index.other_nodes, self.loans.keys()
+        memo = index.memo.get("pool_of")
+        if memo is not None and memo[0] is other and memo[1] is index.training_pool_of and memo[2] == names:
+            self.pool_of = memo[3]
+        else:
+            self.pool_of = dict(index.training_pool_of)
+            for name in self.loans:
+                if name in other:
+                    self.pool_of[name] = "loan"
+            index.memo["pool_of"] = (other, index.training_pool_of, set(names), self.pool_of)
         self.ded_held = {t: index.ded_held.get(t, 0) for t in tenants}
         self.spot_held = {t: index.spot_held.get(t, 0) for t in tenants}
         self.growable = None  # listed by growable_jobs() only if the grow step runs (spare GPUs)
@@ -150,19 +159,28 @@ class Cycle:
         tv.total += total
         for name in sorted((n for n in drain if n in tfree), key=pos.__getitem__):
             tv.draining[name] = drain[name]
+        # View.add for every loaned node in node order, column by column: up to every serving node is on
+        # loan, on every call of the simulator. The node order of the loans is kept while they stay the same.
         other = index.other_nodes
-        for name in sorted((n for n in loans if n in other), key=pos.__getitem__):
-            # View.add, inlined: up to every serving node is on loan, on every call of the simulator.
-            free = loans[name].gpus - used_get(name, 0)
-            lv.free[name] = free
-            d = drain.get(name)
-            if d:
-                lv.draining[name] = d
-            if name in blocked_loans:
-                lv.blocked.add(name)
-            elif free > 0:
-                lv.buckets[free][name] = None
-                lv.total += free
+        key = loans.keys()
+        cached = index.memo.get("loan_order")
+        if cached is not None and cached[0] is other and cached[1] == key:
+            names = cached[2]
+        else:
+            names = sorted((n for n in loans if n in other), key=pos.__getitem__)
+            index.memo["loan_order"] = (other, set(key), names)
+        free_of = [loans[n].gpus - used_get(n, 0) for n in names]
+        lv.free = dict(zip(names, free_of, strict=True))
+        lfree = lv.free
+        for name in sorted((n for n in drain if n in lfree), key=pos.__getitem__):
+            lv.draining[name] = drain[name]  # index.draining holds no zeros
+        lv.blocked = {n for n in blocked_loans if n in lfree}
+        lb, blocked, total = lv.buckets, lv.blocked, 0
+        for name, free in zip(names, free_of, strict=True):
+            if free > 0 and name not in blocked:
+                lb[free][name] = None
+                total += free
+        lv.total += total
 
     def growable_jobs(self) -> list[Job]:
         """Running jobs not releasing and below their maximum, in running order."""

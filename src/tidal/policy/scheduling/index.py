@@ -50,6 +50,7 @@ class RunningIndex:
         self.pos: dict[str, int] = {}  # node -> its position in the node list
         self.tenant_code: dict[str, int] = {}  # tenant -> its row in per-tenant vectors (first seen first)
         self._hint: tuple | None = None  # (running, since, added, removed), see hint()
+        self.memo: dict[str, tuple] = {}  # results a call may reuse while their inputs stay the same
         self._reset_jobs()
 
     def _reset_jobs(self) -> None:
