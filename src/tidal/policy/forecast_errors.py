@@ -19,6 +19,8 @@ CTX_BINS = np.linspace(-8.0, 24.0, 321)
 
 TAIL_BINS = np.linspace(-2.0, 4.0, 601)
 """Bin edges of the tail histograms, in units of ``mean`` (misses beyond fall into the end bins)."""
+_TAIL_MID = 0.5 * (TAIL_BINS[1:] + TAIL_BINS[:-1])
+_TAIL_LOW = TAIL_BINS[:-1]
 
 
 def tail_reserve_gpus(config: ForecastConfig, state: ForecastState, lead_steps: int, mean_excess: float,
@@ -38,14 +40,14 @@ def tail_reserve_gpus(config: ForecastConfig, state: ForecastState, lead_steps: 
     total = float(w.sum())
     if not total > 0:
         return 0.0
-    c = 0.5 * (TAIL_BINS[1:] + TAIL_BINS[:-1])
-    e = TAIL_BINS[:-1]  # evaluate at the lower edge e_j of each bin j: only bins i >= j exceed it
+    c = _TAIL_MID
+    e = _TAIL_LOW  # evaluate at the lower edge e_j of each bin j: only bins i >= j exceed it
     sw = np.cumsum(w[::-1])[::-1]
     swc = np.cumsum((w * c)[::-1])[::-1]
-    swc2 = np.cumsum((w * c * c)[::-1])[::-1]
     ex = (swc - e * sw) / total
     f = ex
     if kappa > 0 and period_steps < math.inf:
+        swc2 = np.cumsum((w * c * c)[::-1])[::-1]
         ex2 = np.maximum((swc2 - 2 * e * swc + e * e * sw) / total, 0.0)
         f = ex + kappa * np.sqrt(ex2 / period_steps)
     ok = np.flatnonzero(f <= mean_excess)  # f decreases with j

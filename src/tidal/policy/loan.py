@@ -37,6 +37,7 @@ Policies:
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field, replace
 
@@ -165,14 +166,16 @@ def plan_loans(*, now_s: float, serving_gpus: int, lent_gpus: int, demand_now_gp
     if times.shape != upper.shape or times.ndim != 1 or times.size == 0:
         raise ValueError(f"times_s and upper_gpus must be 1-D of the same non-zero length, got "
                          f"{times.shape} and {upper.shape}")
-    if np.any(times <= now_s) or np.any(np.diff(times) <= 0):
+    if not times[0] > now_s or (times.size > 1 and not (times[1:] > times[:-1]).all()):
         raise ValueError("times_s must increase and lie after now_s")
     lead = timing.lead_time_s
-    free = np.clip(np.floor(n - np.nan_to_num(upper, nan=float(n)) + EPS), 0, n).astype(int)
-    running = np.minimum.accumulate(free)
-    in_lead = int(np.searchsorted(times, now_s + lead + EPS, side="right"))
-    in_lead = max(in_lead, 1)
-    safe = int(running[in_lead - 1])
+    bound = upper if np.isfinite(upper).all() else np.nan_to_num(upper, nan=float(n))
+    free = np.minimum(np.maximum(np.floor(n - bound + EPS), 0), n).astype(int)  # np.clip, without its overhead
+    # The rest walks the horizon's few dozen points in plain Python (cheaper than numpy calls at this size).
+    running = np.minimum.accumulate(free).tolist()
+    tl = times.tolist()
+    in_lead = max(bisect.bisect_right(tl, now_s + lead + EPS), 1)
+    safe = running[in_lead - 1]
     if not math.isnan(demand_now_gpus):
         safe = min(safe, max(0, int(math.floor(n - demand_now_gpus + EPS))))
 
@@ -182,14 +185,13 @@ def plan_loans(*, now_s: float, serving_gpus: int, lent_gpus: int, demand_now_gp
     # at least now + lead + min window, i.e. if k <= running at every grid time before that: the
     # worthwhile new loans are a prefix after the kept ones. O(horizon), whatever the pool size.
     kept = min(max(lent_gpus, 0), safe)
-    late_enough = times - lead - now_s >= timing.min_loan_window_s - EPS  # nondecreasing: False..., True...
-    early = int(np.argmax(late_enough)) if late_enough.any() else times.size
-    worthwhile = int(running[early - 1]) if early > 0 else safe
+    window = timing.min_loan_window_s - EPS
+    early = next((i for i, t in enumerate(tl) if t - lead - now_s >= window), len(tl))  # the first late enough
+    worthwhile = running[early - 1] if early > 0 else safe
     lendable = max(kept, min(safe, worthwhile))
     # GPUs k in (running(s), min(running(s-), lendable)] are due back at s, where running drops.
-    due = np.maximum(np.minimum(running[:-1], lendable) - running[1:], 0)
-    reclaims = tuple(Reclaim(gpus=int(due[i]), deadline_s=float(times[i + 1]), notice_s=float(times[i + 1]) - lead)
-                     for i in np.flatnonzero(due))
+    reclaims = tuple(Reclaim(gpus=min(a, lendable) - b, deadline_s=t, notice_s=t - lead)
+                     for a, b, t in zip(running[:-1], running[1:], tl[1:], strict=True) if min(a, lendable) > b)
     return LoanPlan(now_s=now_s, lendable_gpus=lendable, reclaims=reclaims,
                     reclaim_now_gpus=max(0, lent_gpus - lendable), times_s=_frozen(times),
                     upper_gpus=_frozen(upper), margin_gpus=float(margin_gpus), lead_time_s=lead,
