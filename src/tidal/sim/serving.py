@@ -46,6 +46,8 @@ class ServingPool:
         self.lendable = 0  # the latest plan's
         self._until_key: tuple | None = None  # what the loan ends were last computed from
         self._finite: set[str] = set()  # loaned nodes with a finite until_s
+        self._sorted_for: tuple[str, ...] = ()  # the loaned nodes whose names _sorted_names holds, sorted
+        self._sorted_names: list[str] = []
 
     # ------------------------------------------------------------------------------ queries
 
@@ -119,7 +121,8 @@ class ServingPool:
     def _set_until(self, plan: LoanPlan, now: float, used: Mapping[str, int]) -> None:
         if not self.loans:
             return
-        key = (self.lent, plan.lendable_gpus, tuple((r.notice_s, r.gpus) for r in plan.reclaims), tuple(self.loans))
+        nodes = tuple(self.loans)
+        key = (self.lent, plan.lendable_gpus, tuple((r.notice_s, r.gpus) for r in plan.reclaims), nodes)
         if key == self._until_key:
             return  # same plan for the same loans: the ends stand (idle vs used order is a preference)
         self._until_key = key
@@ -133,7 +136,9 @@ class ServingPool:
             # the nodes by (GPUs used, name): as heapq.nsmallest(finite, ...) would list them, and the
             # walk below never takes more than ``finite`` of them (each holds at least one lent GPU)
             # sorted by (used, name) as two sorts: the names, then stably by use (no tuples compared)
-            names = sorted(self.loans)
+            if nodes != self._sorted_for:  # the loaned nodes changed: sort their names again
+                self._sorted_for, self._sorted_names = nodes, sorted(nodes)
+            names = self._sorted_names
             use = list(map(used.get, names, repeat(0)))
             order = [names[i] for i in sorted(range(len(names)), key=use.__getitem__)]
         else:
