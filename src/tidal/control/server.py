@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,7 +61,7 @@ class AdvisorLoop(threading.Thread):
     times as fast as the wall clock. A failing step is logged and the loop goes on.
     """
 
-    def __init__(self, advisor: Advisor, clock, speedup: float = 1.0) -> None:  # noqa: ANN001
+    def __init__(self, advisor: Advisor, clock: Callable[[], float], speedup: float = 1.0) -> None:
         super().__init__(name="tidal-serving", daemon=True)
         self.advisor, self.clock, self.speedup = advisor, clock, speedup
         self._stop_event = threading.Event()
@@ -81,7 +82,7 @@ class AdvisorLoop(threading.Thread):
         self._stop_event.set()
 
 
-def serving_advisor(cfg: WatchConfig, wall_s: float) -> tuple[Advisor, object, float]:
+def serving_advisor(cfg: WatchConfig, wall_s: float) -> tuple[Advisor, Callable[[], float], float]:
     """(advisor, its clock, speedup) for ``serving:``; a replayed trace runs on the trace's time axis from
     its first row (or ``start_s``), so the forecast's time of day is the trace's."""
     if cfg.trace is not None:
