@@ -1,7 +1,8 @@
 """Fast paths that must give exactly what the plain code gives (the scale benchmark's speed-ups).
 
 * ``World``'s ``job_with``: ``dataclasses.replace`` for the store's changes of a job's state;
-* the forecast's scalar slot, box kernel with every slot seen, row push and integer clip.
+* the forecast's scalar slot, box kernel with every slot seen, row push and integer clip;
+* ``World.refresh_checkpoints`` naming the jobs it moved (the index keeps their checkpoint times).
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ import dataclasses
 import numpy as np
 import pytest
 
-from tidal.model import Job
+from tidal.model import Admit, Job, Tenant
 from tidal.policy import forecast as F
-from tidal.sim.world import job_with
+from tidal.sim.config import make_config
+from tidal.sim.jobs import JobSpec
+from tidal.sim.world import World, job_with
 
 BASE = Job("j1", "t1", "spot", priority=2, min_gpus=8, max_gpus=32, multiple_of=4, gpus_per_node=8, submit_s=5.0,
            ckpt_stall_s=12.0)
@@ -84,3 +87,22 @@ def test_push_row_and_clip_are_vstack_and_clip() -> None:
         assert np.array_equal(F._push_row(row, rows), np.vstack([np.asarray(row, float)[None, :], rows[:-1]]))
     a = rng.integers(-5, 700, 50)
     assert np.array_equal(F._clip_int(a, 599), np.clip(a, 0, 599))
+
+
+def test_refresh_checkpoints_returns_exactly_the_jobs_it_moved() -> None:
+    """``World.refresh_checkpoints`` hands back the ``Job`` objects whose ``last_ckpt_s`` it moved in place
+    (what the scheduler's ``RunningIndex.ckpt_moved`` is told): every moved one, the store's object."""
+    cfg = make_config(serving_gpus=8, training_gpus=16, days=1, restart_s=100.0)
+    w = World(cfg, [Tenant("a", quota_gpus=16)], lambda *e: None, np.random.default_rng(0))
+    for jid in ("j1", "j2"):
+        w.submit(JobSpec(jid, "a", "spot", 0, 2, 4, 1e9, 0.0), 0.0)
+    w.apply([Admit("j1", {"t0000": 4}), Admit("j2", {"t0001": 4})], 0.0)
+    seen = 0
+    for t in np.arange(0.0, 20000.0, 250.0):
+        before = {jid: w.jobs[jid].job.last_ckpt_s for jid in ("j1", "j2")}
+        moved = w.refresh_checkpoints(float(t))
+        changed = {jid for jid in before if w.jobs[jid].job.last_ckpt_s != before[jid]}
+        assert {j.id for j in moved} >= changed
+        assert all(j is w.jobs[j.id].job for j in moved)
+        seen += len(changed)
+    assert seen >= 4  # checkpoints did move, more than once each

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -29,7 +30,21 @@ def _victim_orders(s: Snapshot, index: RunningIndex | None) -> tuple:
     c.compute_fair({j.tenant for j in s.running if j.kind == "spot"})
     v = VictimIndex(c)
     ids = [j.id for j in v.spot_pre], v.protected, [j.id for j in v.spot_shrink], [j.id for j in v.spot_pre_open]
-    return ids, sorted(v.on_training), sorted(v.on_loan), {t: [j.id for j in d] for t, d in v.dedicated.items()}
+    groups = {(p, t): (ranks.tolist(), fewest) for p, t, ranks, fewest in v.open_groups()}
+    by_code = v.open_group_codes()
+    if by_code is not None:  # the same groups, by the index's codes
+        codes, listed, _ = by_code
+        assert {(p, t): (np.flatnonzero(codes == k).tolist(), fewest) for p, t, k, fewest in listed} == groups
+    return (ids, groups, [j.id for j in v.spot_pre_any_loan()], sorted(v.on_training), sorted(v.on_loan),
+            sorted(v.on_any_loan), {t: [j.id for j in d] for t, d in v.dedicated.items()})
+
+
+def _kept_ckpt_is_the_jobs(idx: RunningIndex) -> None:
+    """The index's own ``last_ckpt_s`` column (kept from the caller's reports) is the jobs' field."""
+    cols = idx.spot_columns()
+    assert cols is not None and cols.last_ckpt_s is not None
+    want = np.array([j.last_ckpt_s for j in idx.spot_sorted], dtype=np.float64)
+    np.testing.assert_array_equal(cols.last_ckpt_s, want)
 
 
 @FAST
@@ -39,7 +54,8 @@ def _victim_orders(s: Snapshot, index: RunningIndex | None) -> tuple:
        st.lists(st.tuples(st.integers(0, 13), CKPT), max_size=6), st.integers(0, 13))
 def test_kept_victim_orders_equal_the_walk_as_jobs_come_go_and_checkpoint(specs, moves, gone):
     """Orders from the kept columns (ids inserted out of order, ties in every key but the id) equal
-    the full walk's, after checkpoints move in place and after jobs leave and new ones arrive."""
+    the full walk's, after checkpoints move in place and after jobs leave and new ones arrive; also
+    with the checkpoint column kept by the index from the caller's reports (``ckpt_moved``)."""
     def job(k: int, t: int, g: int, p: int, elastic: bool, started, ckpt, name: int) -> Job:
         on = {f"t{k}": g}
         if k % 3 == 0:  # some on a loaned node only (s1's loan ends soon: closed), some on both
@@ -52,29 +68,35 @@ def test_kept_victim_orders_equal_the_walk_as_jobs_come_go_and_checkpoint(specs,
     pool = nodes((8,) * 16, (8, 8))
     loans = [Loan("s0", 8), Loan("s1", 8, until_s=300.0)]
     ts = [Tenant(f"u{i}", 0, 1.0 + i % 2) for i in range(3)]
-    idx = RunningIndex()
+    idx, rep = RunningIndex(), RunningIndex()
+    rep.ckpt_moved([])  # from now on it is told of every move
     s = Snapshot.build(0.0, pool, ts, jobs, loans)
-    assert _victim_orders(s, idx) == _victim_orders(s, None)
+    assert _victim_orders(s, idx) == _victim_orders(s, None) == _victim_orders(s, rep)
+    _kept_ckpt_is_the_jobs(rep)
     for k, ck in moves:  # the simulator's in-place refresh
         if k < len(jobs):
             object.__setattr__(jobs[k], "last_ckpt_s", ck)
-    assert _victim_orders(s, idx) == _victim_orders(s, None)
+    rep.ckpt_moved([jobs[k] for k, _ in moves if k < len(jobs)] + [jobs[0]])  # repeats and unmoved: harmless
+    assert _victim_orders(s, idx) == _victim_orders(s, None) == _victim_orders(s, rep)
+    _kept_ckpt_is_the_jobs(rep)
     if gone < len(jobs):  # one job leaves, one changes (a new object), two arrive
         jobs = jobs[:gone] + jobs[gone + 1:]
         if jobs:
             jobs[0] = replace(jobs[0], priority=jobs[0].priority + 1)
         jobs += [job(14, 0, 2, 0, True, -1000.0, None, 50), job(15, 1, 1, 1, False, None, -200.0, 1)]
     s = Snapshot.build(100.0, pool, ts, jobs, loans)
-    assert _victim_orders(s, idx) == _victim_orders(s, None)
+    assert _victim_orders(s, idx) == _victim_orders(s, None) == _victim_orders(s, rep)
+    _kept_ckpt_is_the_jobs(rep)
 
 
 @FAST
 @given(worlds(), st.permutations(range(10)),
        st.lists(st.tuples(st.booleans(), st.integers(0, 16), st.booleans(), st.lists(CKPT, max_size=10)),
-                min_size=1, max_size=10))
-def test_index_gives_the_same_decisions_with_checkpoints_moved_in_place(s, perm, script):
+                min_size=1, max_size=10), st.booleans())
+def test_index_gives_the_same_decisions_with_checkpoints_moved_in_place(s, perm, script, report):
     """``schedule(s, index=...)`` kept across calls decides what the full walk decides while the
-    caller moves ``last_ckpt_s`` of running jobs in place between calls (ids not in arrival order)."""
+    caller moves ``last_ckpt_s`` of running jobs in place between calls (ids not in arrival order),
+    reading the moved times from the jobs or, ``report``, keeping them from ``ckpt_moved``."""
     renamed = [replace(j, id=f"x{perm[int(j.id[1:])]}") for j in s.jobs()]
     s = Snapshot.build(s.now_s, s.nodes, s.tenants, renamed, s.loans, s.reclaims)
     idx = RunningIndex()
@@ -85,8 +107,24 @@ def test_index_gives_the_same_decisions_with_checkpoints_moved_in_place(s, perm,
             s = Snapshot.build(s.now_s, s.nodes, s.tenants, s.jobs(), s.loans, (*s.reclaims, r))
         for j, ck in zip(s.running, ckpts, strict=False):
             object.__setattr__(j, "last_ckpt_s", None if ck is None else s.now_s + ck)
+        if report:
+            idx.ckpt_moved(s.running[:len(ckpts)])
         decisions = schedule(s, index=idx)
         assert decisions == schedule(s)
         s = apply(s, decisions)
         s = settle(s, s.now_s + 700) if drain else Snapshot.build(s.now_s + 300, s.nodes, s.tenants, s.jobs(),
                                                                    s.loans, s.reclaims)
+
+
+def test_repeated_ids_are_counted_as_jobs_come_and_go():
+    """Two listed spot jobs with one id (not a valid snapshot) turn off the by-row loan filter."""
+    a, b, other = (Job(jid, "u0", "spot", min_gpus=1, max_gpus=1, placement={n: 1})
+                   for jid, n in (("x", "t0"), ("x", "t1"), ("y", "t2")))
+    idx = RunningIndex()
+    assert idx.nodes(tuple(nodes((8, 8, 8))))
+    idx.update([a, other])
+    assert idx.repeated_ids == 0
+    idx.update([a, b, other])
+    assert idx.repeated_ids == 1
+    idx.update([b, other])
+    assert idx.repeated_ids == 0

@@ -527,8 +527,9 @@ class World:
         persist = dict.fromkeys((j.id for j in jobs), self.cfg.ckpt.persist_s)
         return list(plan_ckpt_intervals(snap, self.cfg.ckpt_interval, persist))
 
-    def refresh_checkpoints(self, now: float) -> None:
-        """Bring ``Job.last_ckpt_s`` (the scheduler's "least work lost" victim order) up to ``now``.
+    def refresh_checkpoints(self, now: float) -> list[Job]:
+        """Bring ``Job.last_ckpt_s`` (the scheduler's "least work lost" victim order) up to ``now``;
+        returns the jobs it moved (for the scheduler's ``RunningIndex.ckpt_moved``).
 
         The newest durable checkpoint of a running job changes about once per checkpoint interval;
         rebuilding a frozen ``Job`` for each (``dataclasses.replace``, ~20 us) would cost more than the
@@ -538,5 +539,9 @@ class World:
         what, is answered for all of them at once (:class:`~tidal.sim.progress.DurableTable`).
         """
         jobs, set_field = self.jobs, object.__setattr__
+        moved = []
         for jid, ct in zip(*self.durable.refresh(now), strict=True):
-            set_field(jobs[jid].job, "last_ckpt_s", ct)
+            job = jobs[jid].job
+            set_field(job, "last_ckpt_s", ct)
+            moved.append(job)
+        return moved

@@ -13,7 +13,8 @@ placement again; the spot ones also sorted by job id (the victim keys' last tie-
 columns that do not change while a job runs (priority, tenant, GPUs, start time, pool) in a numpy
 table, so a search reads only ``last_ckpt_s`` and the shares anew. A caller that knows which jobs
 changed (the simulator's store) may say so (:meth:`RunningIndex.hint`) and spare the comparison of
-every running job too.
+every running job too; one that moves ``last_ckpt_s`` in place may report the moved jobs
+(:meth:`RunningIndex.ckpt_moved`), and the table then keeps that column too (no per-call read).
 
 It is a memo, not a policy: ``schedule(snap, cfg, index=RunningIndex())`` returns exactly what
 ``schedule(snap, cfg)`` returns (``tests/test_scheduler.py`` checks this on random sequences of
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left, bisect_right
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -49,7 +50,11 @@ class RunningIndex:
         self.other_nodes: set[str] = set()  # nodes not in the training pool
         self.pos: dict[str, int] = {}  # node -> its position in the node list
         self.tenant_code: dict[str, int] = {}  # tenant -> its row in per-tenant vectors (first seen first)
+        self.group_code: dict[tuple[int, str], int] = {}  # (priority, tenant) of spot jobs -> code (first
+        # seen first), kept for the index's life (the table's group column holds these codes)
+        self.group_key: list[tuple[int, str]] = []  # code -> (priority, tenant)
         self._hint: tuple | None = None  # (running, since, added, removed), see hint()
+        self.ckpt_reported = False  # the caller reports every in-place move of last_ckpt_s (ckpt_moved())
         self.memo: dict[str, tuple] = {}  # results a call may reuse while their inputs stay the same
         self._reset_jobs()
 
@@ -73,11 +78,13 @@ class RunningIndex:
         # The same spot jobs sorted by job id (the victim keys' last tie-break); the key columns that do
         # not change while a job runs sit in a numpy table, one reused row per job (spot_columns()).
         self.spot_ids: list[str] = []
+        self.repeated_ids = 0  # listed spot jobs whose id an earlier listed one has (invalid snapshots only)
         self.spot_sorted: list[Job] = []
         self.spot_rows: list[int] = []  # each one's row in the key table (rows are reused)
         self.row_of: dict[int, int] = {}  # id(job) -> its row
         self._table = _Table(np.zeros(0, np.int64), np.zeros(0, np.intp), np.zeros(0, np.int64),
-                             np.zeros(0, np.float64), np.zeros(0, bool), np.zeros(0, bool))
+                             np.zeros(0, np.float64), np.zeros(0, bool), np.zeros(0, bool),
+                             np.zeros(0, np.float64), np.zeros(0, np.intp))
         self._free: list[int] = []
         self._overflow: dict[int, Job] = {}  # listed jobs whose priority does not fit int64
         self._spot_cols: SpotColumns | None = None
@@ -108,6 +115,20 @@ class RunningIndex:
         O(changes) instead of O(running). Ignored unless both objects match; a wrong list gives wrong
         sums (a few cheap checks fall back to the full comparison)."""
         self._hint = (running, since, added, removed)
+
+    def ckpt_moved(self, jobs: Iterable[Job]) -> None:
+        """For a caller that moves ``Job.last_ckpt_s`` in place (the simulator's store): ``jobs`` are
+        those whose checkpoint time moved since it last said so (the objects; others are ignored).
+        From the first report on, the index keeps that column itself instead of reading every listed
+        job's each call, so the caller must then report every such move, before the next call."""
+        self.ckpt_reported = True
+        row_of, ckpt = self.row_of, self._table.ckpt
+        for j in jobs:
+            r = row_of.get(id(j))  # listed: alive, so no other live job has its id
+            if r is not None:
+                c = j.last_ckpt_s
+                ckpt[r] = c if c is not None else math.nan
+                self._spot_cols = None
 
     def update(self, running: Sequence[Job]) -> None:
         """Bring the sums to ``running`` (this call's running jobs). Call :meth:`nodes` first."""
@@ -194,6 +215,8 @@ class RunningIndex:
 
     def _spot_insert(self, j: Job, on_training: bool) -> None:
         i = bisect_right(self.spot_ids, j.id)  # after equal ids: the order they were added in
+        if i and self.spot_ids[i - 1] == j.id:
+            self.repeated_ids += 1
         self.spot_ids.insert(i, j.id)
         self.spot_sorted.insert(i, j)
         if not self._free:
@@ -212,6 +235,12 @@ class RunningIndex:
         t.started_s[r] = j.started_s if j.started_s is not None else math.nan
         t.on_training[r] = on_training
         t.elastic[r] = j.gpus > j.min_gpus
+        t.ckpt[r] = j.last_ckpt_s if j.last_ckpt_s is not None else math.nan
+        g = self.group_code.get((j.priority, j.tenant))
+        if g is None:
+            g = self.group_code[(j.priority, j.tenant)] = len(self.group_key)
+            self.group_key.append((j.priority, j.tenant))
+        t.group[r] = g
         self._spot_cols = None
 
     def _spot_remove(self, j: Job) -> None:
@@ -220,6 +249,8 @@ class RunningIndex:
             i += 1
         self._free.append(self.spot_rows[i])
         del self.spot_ids[i], self.spot_sorted[i], self.spot_rows[i], self.row_of[id(j)]
+        if (i and self.spot_ids[i - 1] == j.id) or (i < len(self.spot_ids) and self.spot_ids[i] == j.id):
+            self.repeated_ids -= 1
         self._overflow.pop(id(j), None)
         self._spot_cols = None
 
@@ -241,7 +272,8 @@ class RunningIndex:
             t = self._table
             cols = self._spot_cols = SpotColumns(t.priority[rows], t.tenant[rows], t.gpus[rows], t.started_s[rows],
                                                  t.on_training[rows], np.flatnonzero(t.elastic[rows]), rows,
-                                                 t.gpus.size)
+                                                 t.gpus.size, t.ckpt[rows] if self.ckpt_reported else None,
+                                                 t.group[rows])
         return cols
 
 
@@ -249,7 +281,9 @@ class SpotColumns(NamedTuple):
     """Per spot job of :attr:`RunningIndex.spot_sorted`: priority, tenant code, GPUs, ``started_s``
     (``None`` as NaN), whether it has GPUs on a training node; ``elastic``: the positions of those
     above their minimum; ``rows``: each one's row in the index's table (``RunningIndex.row_of``), of
-    ``table_rows`` rows."""
+    ``table_rows`` rows; ``last_ckpt_s`` (``None`` as NaN) only while the caller reports its moves
+    (:meth:`RunningIndex.ckpt_moved`), else ``None`` (read it from the jobs); ``group``: the code of
+    its (priority, tenant) (:attr:`RunningIndex.group_key`)."""
 
     priority: np.ndarray
     tenant: np.ndarray
@@ -259,6 +293,8 @@ class SpotColumns(NamedTuple):
     elastic: np.ndarray
     rows: np.ndarray
     table_rows: int
+    last_ckpt_s: np.ndarray | None
+    group: np.ndarray  # (priority, tenant) code (RunningIndex.group_key)
 
 
 class _Table(NamedTuple):
@@ -270,6 +306,8 @@ class _Table(NamedTuple):
     started_s: np.ndarray
     on_training: np.ndarray
     elastic: np.ndarray  # above its minimum
+    ckpt: np.ndarray  # last_ckpt_s (None as NaN), as of insertion or the caller's last report
+    group: np.ndarray  # (priority, tenant) code
 
 
 __all__ = ["RunningIndex", "SpotColumns"]

@@ -21,10 +21,10 @@ requeued victim that has waited long can never turn around and preempt its preem
 
 Cost: the first search in a call indexes the running jobs once (ordered by victim key with one
 ``numpy.lexsort``; with the caller's ``RunningIndex`` the jobs come pre-split by kind and pool, sorted
-by id with their fixed key columns, so only ``last_ckpt_s`` and the shares are read per call and the
-orders stay index arrays until a list is asked for); each search then filters those lists and stops
-as soon as the need is met. A spot job's search skips whole (priority, tenant) groups that cannot
-yield a victim (see :func:`_spot_pre`).
+by id with their fixed key columns, so only ``last_ckpt_s`` (not even that when the caller reports its
+moves) and the shares are read per call and the orders stay index arrays until a list is asked for);
+each search then filters those lists and stops as soon as the need is met. A spot job's search skips
+whole (priority, tenant) groups that cannot yield a victim (see :func:`_spot_pre`).
 """
 
 from __future__ import annotations
@@ -79,15 +79,20 @@ class VictimIndex:
         self._pre_training: list[Job] | None = None
         self._open_groups: list[tuple[int, str, np.ndarray, int]] | None = None
         self._cols: _Orders | None = None
+        self._group_src: tuple[RunningIndex, SpotColumns] | None = None
+        self._group_codes: tuple[np.ndarray, list[tuple[int, str, int, int]], int] | None = None
+        self._any_loan_rows: tuple[list[int], SpotColumns] | None = None  # rows of on_any_loan's jobs
         if index is not None and c.used is index.used:
             # The caller's RunningIndex keeps these jobs split by kind, and their nodes by pool.
             self.dedicated = {t: list(d.values()) for t, d in index.ded_jobs.items() if d}
             self.on_training = index.spot_on_training  # read only; valid for this call
             open_loan: list[int] = []  # id(job) of those on loaned nodes open to placement
+            any_loan: list[int] = []  # ... on any loaned node
             for key, (jid, others) in index.spot_elsewhere.items():
                 for n in others:
                     if pool_of.get(n) == "loan":
                         on_a.add(jid)
+                        any_loan.append(key)
                         if n not in blocked:
                             on_l.add(jid)
                             open_loan.append(key)
@@ -96,6 +101,9 @@ class VictimIndex:
                 row_of = index.row_of
                 self._cols = _spot_orders_cols(c, index, cols, [row_of[k] for k in open_loan])
                 self.spot_shrink = self._cols.shrink
+                self._group_src = (index, cols)
+                if not index.repeated_ids:  # (else an id names more than one job: filter by id below)
+                    self._any_loan_rows = ([row_of[k] for k in any_loan], cols)
                 return
             spot = list(index.spot_sorted)
         else:
@@ -171,6 +179,38 @@ class VictimIndex:
                 self._open_groups = [(p, t, np.array(lst, dtype=np.intp), fewest)
                                      for (p, t), (fewest, lst) in groups.items()]
         return self._open_groups
+
+    def open_group_codes(self) -> tuple[np.ndarray, list[tuple[int, str, int, int]], int] | None:
+        """:meth:`open_groups` by the index's (priority, tenant) codes: each ``spot_pre_open`` job's code
+        (by rank), ``(priority, tenant, code, fewest GPUs)`` per group present, and the number of codes;
+        ``None`` without the index's columns."""
+        if self._group_codes is None:
+            o, got = self._cols, self._group_src
+            if o is None or got is None:
+                return None
+            index, cols = got
+            codes = cols.group[o.open_order]
+            n = len(index.group_key)
+            fewest = np.full(n, np.iinfo(np.int64).max, dtype=np.int64)
+            np.minimum.at(fewest, codes, o.gpus[o.open_order])
+            keys, few = index.group_key, fewest.tolist()
+            present = np.flatnonzero(np.bincount(codes, minlength=n)).tolist()
+            self._group_codes = (codes, [(*keys[k], k, few[k]) for k in present], n)
+        return self._group_codes
+
+    def spot_pre_any_loan(self) -> list[Job]:
+        """``spot_pre`` restricted to jobs with GPUs on a loaned node (:attr:`on_any_loan`, a reclaim's
+        candidates)."""
+        got = self._any_loan_rows
+        o = self._cols
+        if got is None or o is None:
+            on_a = self.on_any_loan
+            return [j for j in self.spot_pre if j.id in on_a]
+        rows, cols = got
+        by_row = np.zeros(cols.table_rows, dtype=bool)
+        by_row[rows] = True
+        order, spot = o.order, o.spot
+        return [spot[i] for i in order[by_row[cols.rows][order]].tolist()]
 
     def spot_pre_training(self) -> list[Job]:
         """``spot_pre`` restricted to jobs with GPUs on training nodes (a dedicated job's candidates)."""
@@ -269,7 +309,9 @@ def _spot_orders_cols(c: Cycle, index: RunningIndex, cols: SpotColumns, open_loa
             shares[k] = -c.share(t)
     neg_share = shares[cols.tenant]
     prio, gpus, started = cols.priority, cols.gpus, cols.started_s
-    ckpt = np.array([j.last_ckpt_s for j in spot], dtype=np.float64)
+    ckpt = cols.last_ckpt_s  # kept by the index while the caller reports its in-place moves
+    if ckpt is None:
+        ckpt = np.array([j.last_ckpt_s for j in spot], dtype=np.float64)
     lost_gpu_s, prot = _lost_and_protected(c, started, ckpt, gpus)
     # np.lexsort((neg_share, prio, lost_gpu_s, prot)) and, over the elastic ones, np.lexsort((neg_share,
     # prio)), in fewer passes: the (prio, neg_share) order once; the elastic jobs in it (a stable sort
@@ -390,14 +432,29 @@ def _spot_pre(c: Cycle, job: Job, e: int) -> Iterator[Cand]:
         f = fair.get(t, 0.0)
         return held / f if f > 0 else inf
 
-    parts = [ranks for p, t, ranks, fewest in idx.open_groups()
-             if p <= e and (p <= e - gap or (t != job.tenant and share_after <= after(t, fewest)))]
-    if not parts:
-        return
-    ranks = parts[0] if len(parts) == 1 else np.sort(np.concatenate(parts))
-    pre_open = idx.spot_pre_open
+    got = idx.open_group_codes()
+    seq: Sequence[Job]
+    if got is not None:  # the groups by code: the ranks of those kept, in one mask
+        codes, groups, n_codes = got
+        keep = np.zeros(n_codes, dtype=bool)
+        for p, t, k, fewest in groups:
+            if p <= e and (p <= e - gap or (t != job.tenant and share_after <= after(t, fewest))):
+                keep[k] = True
+        if not keep.any():
+            return
+        o = idx._cols
+        assert o is not None
+        seq = o.spot  # spot_pre_open[r] is o.spot[o.open_order[r]]: no list of them all is made
+        ranks = o.open_order[keep[codes]]
+    else:
+        parts = [ranks for p, t, ranks, fewest in idx.open_groups()
+                 if p <= e and (p <= e - gap or (t != job.tenant and share_after <= after(t, fewest)))]
+        if not parts:
+            return
+        ranks = parts[0] if len(parts) == 1 else np.sort(np.concatenate(parts))
+        seq = idx.spot_pre_open
     for r in ranks.tolist():  # not protected, on a usable node
-        v = pre_open[r]
+        v = seq[r]
         if v.priority > e or v.id in touched:
             continue
         if v.priority <= e - gap:
