@@ -21,10 +21,10 @@ from tidal.control.api import ApiContext, create_app
 from tidal.control.auth import ensure_admin
 from tidal.control.client import ApiError, TidalClient
 from tidal.control.config import ControlConfig
-from tidal.control.server import AdvisorLoop, serving_advisor
+from tidal.control.server import AdvisorLoop
 from tidal.control.store import Store
 from tidal.model import Node
-from tidal.serving.watch import WatchConfig
+from tidal.serving.watch import WatchConfig, start_advisor
 
 
 def write_trace(path: Path, rows: int = 400) -> Path:
@@ -65,7 +65,7 @@ def _app(tmp_path: Path, serving):
 
 def test_api_and_metrics_show_the_newest_plan(tmp_path):
     cfg = WatchConfig(serving_gpus=64, trace=str(write_trace(tmp_path / "t.csv")), speedup=1.0)
-    adv, clock, _ = serving_advisor(cfg, wall_s=time.time())
+    adv, clock, _ = start_advisor(cfg)
     store, client = _app(tmp_path, (adv, cfg.describe()))
     try:
         got = client.serving()
@@ -97,7 +97,7 @@ def test_without_a_serving_side_the_api_says_how_to_configure_one(tmp_path):
 
 def test_advisor_loop_thread_plans_on_its_own_and_stops(tmp_path):
     cfg = WatchConfig(serving_gpus=32, trace=str(write_trace(tmp_path / "t.csv")), speedup=60_000.0)
-    adv, clock, speedup = serving_advisor(cfg, wall_s=time.time())
+    adv, clock, speedup = start_advisor(cfg)
     loop = AdvisorLoop(adv, clock, speedup)
     loop.start()
     try:

@@ -27,7 +27,7 @@ from tidal.control.config import ControlConfig
 from tidal.control.controller import Controller
 from tidal.control.store import Store, sqlite_url
 from tidal.exec.local import LocalExecutor, detect_gpus
-from tidal.serving.watch import Advisor, WatchConfig
+from tidal.serving.watch import Advisor, start_advisor
 
 log = logging.getLogger("tidal.control")
 
@@ -82,22 +82,6 @@ class AdvisorLoop(threading.Thread):
         self._stop_event.set()
 
 
-def serving_advisor(cfg: WatchConfig, wall_s: float) -> tuple[Advisor, Callable[[], float], float]:
-    """(advisor, its clock, speedup) for ``serving:``; a replayed trace runs on the trace's time axis from
-    its first row (or ``start_s``), so the forecast's time of day is the trace's."""
-    if cfg.trace is not None:
-        from tidal.serving.traces import load_trace
-
-        t0 = cfg.start_s if cfg.start_s is not None else float(load_trace(cfg.trace).times_s[0])
-        source = cfg.source(t0)
-
-        def clock() -> float:
-            return t0 + (time.time() - wall_s) * cfg.speedup
-
-        return Advisor(source, cfg.policy(), cfg.serving_gpus), clock, cfg.speedup
-    return Advisor(cfg.source(wall_s), cfg.policy(), cfg.serving_gpus), time.time, 1.0
-
-
 @dataclass
 class Plane:
     """Everything ``tidal up`` runs, built but not started (tests may build one to drive it)."""
@@ -144,7 +128,7 @@ def build(state_dir: Path, gpus: str = "auto", db: str | None = None, config: Co
     advisor = None
     if config is not None and config.serving is not None:
         try:
-            adv, clock, speedup = serving_advisor(config.serving, time.time())
+            adv, clock, speedup = start_advisor(config.serving)
         except (OSError, ValueError) as e:
             raise SystemExit(f"tidal up: serving: {e}") from None
         advisor = AdvisorLoop(adv, clock, speedup)

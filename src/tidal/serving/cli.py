@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -24,6 +25,20 @@ def _clock_text(t_s: float, absolute: bool) -> str:
         return datetime.fromtimestamp(t_s, UTC).strftime("%Y-%m-%d %H:%M:%S")
     d, rem = divmod(int(t_s), 86400)
     return f"day {d} {rem // 3600:02d}:{rem % 3600 // 60:02d}"
+
+
+def _option_of(message: str) -> str:
+    """The command-line option a settings error is about (the errors name the settings' fields)."""
+    if "demand source" in message:
+        return "--trace / --prometheus"
+    field = re.search(r"serving\.(\w+)", message)
+    if field:
+        return f"--{field.group(1).replace('_', '-')}"
+    for words, option in (("PrometheusQuery", "--prometheus"), ("ForecastConfig", "--step-s"),
+                          ("TidalConfig", "--step-s")):
+        if words in message:
+            return option
+    return "--trace"  # reading the trace file
 
 
 @app.command("watch")
@@ -53,44 +68,22 @@ def watch_command(
     """
     from rich.console import Console
 
-    from tidal.policy.forecast import ForecastConfig
-    from tidal.policy.loan import TidalConfig, TidalPolicy
-    from tidal.serving.sources import PrometheusQuery, TraceReplay
-    from tidal.serving.traces import load_trace
-    from tidal.serving.watch import Step, watch
+    from tidal.serving.sources import TraceReplay
+    from tidal.serving.watch import Step, WatchConfig, start_advisor, watch
 
-    if (trace is None) == (prometheus is None):
-        raise typer.BadParameter("give exactly one demand source: --trace FILE or --prometheus URL --query Q",
-                                 param_hint="--trace / --prometheus")
-    if prometheus is not None and not query:
-        raise typer.BadParameter("--prometheus needs --query (PromQL giving one number)", param_hint="--query")
-    if not 0 < shortfall_budget < 1:
-        raise typer.BadParameter(f"must be in (0, 1), got {shortfall_budget}", param_hint="--shortfall-budget")
-    try:
-        cfg = TidalConfig(shortfall_budget=shortfall_budget, forecast=ForecastConfig(step_s=step_s))
-    except ValueError as e:
-        raise typer.BadParameter(str(e), param_hint="--step-s") from None
-    if trace is not None:
-        try:
-            tr = load_trace(trace)
-        except ValueError as e:
-            raise typer.BadParameter(str(e), param_hint="--trace") from None
-        t0, w0 = float(tr.times_s[0]), time.monotonic()
-        source = TraceReplay(tr, serving_gpus, start_s=t0)
+    try:  # the settings are checked where tidal up's serving: block is checked
+        cfg = WatchConfig(serving_gpus=serving_gpus, trace=None if trace is None else str(trace), speedup=speedup,
+                          prometheus=prometheus, query=query, gpus_per_unit=gpus_per_unit,
+                          shortfall_budget=shortfall_budget, step_s=step_s)
+        adv, clock, speed = start_advisor(cfg)
+    except (OSError, ValueError) as e:
+        raise typer.BadParameter(str(e), param_hint=_option_of(str(e))) from None
 
-        def clock() -> float:
-            return t0 + (time.monotonic() - w0) * speedup
+    def sleep(s: float) -> None:
+        time.sleep(max(0.0, s) / speed)
 
-        def sleep(s: float) -> None:
-            time.sleep(max(0.0, s) / speedup)
-
-        absolute = t0 > 10 * 365 * 86400.0  # Unix times (ISO-8601 traces), else seconds from the start
-    else:
-        try:
-            source = PrometheusQuery(prometheus, query or "", gpus_per_unit)  # type: ignore[arg-type]
-        except ValueError as e:
-            raise typer.BadParameter(str(e), param_hint="--prometheus") from None
-        clock, sleep, absolute = time.time, time.sleep, True
+    # Unix times (Prometheus, ISO-8601 traces), else seconds from the trace's start
+    absolute = not isinstance(adv.source, TraceReplay) or adv.source.start_s > 10 * 365 * 86400.0
 
     out = Console(soft_wrap=True)
 
@@ -109,7 +102,7 @@ def watch_command(
                   + (f"  [red]reclaim now {p.reclaim_now_gpus}[/]" if p.reclaim_now_gpus else ""), highlight=False)
 
     try:
-        watch(source, TidalPolicy(cfg), serving_gpus=serving_gpus, clock=clock, sleep=sleep, on_step=report,
+        watch(adv.source, adv.policy, serving_gpus=serving_gpus, clock=clock, sleep=sleep, on_step=report,
               steps=steps)
     except KeyboardInterrupt:
         raise typer.Exit(130) from None

@@ -7,7 +7,8 @@ those reclaim notices. It assumes every lendable GPU is lent (so the policy scor
 if it had been followed). It acts on nothing: the live control plane does not yet place spot jobs on
 serving GPUs (see docs/loaning.md, "Live").
 
-The loop reads no clock of its own: ``clock()`` gives the time the policy sees (seconds) and
+:func:`watch` reads no clock of its own (:func:`start_advisor` makes one): ``clock()`` gives the
+time the policy sees (seconds) and
 ``sleep(s)`` waits for ``s`` of that time, so a replayed trace can run faster than real time and
 tests run it with a fake clock. Observations fall on a grid of whole steps (``k * step_s``), the
 grid the forecast's time-of-day slots need; the source is asked for the grid time. A loop that falls
@@ -18,13 +19,14 @@ missing observations.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
 from tidal.policy.forecast import ForecastConfig
 from tidal.policy.loan import LoanContext, LoanPlan, TidalConfig, TidalPolicy, TidalState
-from tidal.serving.sources import DemandSource
+from tidal.serving.sources import DemandSource, TraceReplay
 
 
 @dataclass(frozen=True)
@@ -133,7 +135,7 @@ class WatchConfig:
         if not isinstance(self.serving_gpus, int) or self.serving_gpus < 1:
             raise ValueError(f"serving.serving_gpus must be a whole number >= 1, got {self.serving_gpus!r}")
         if (self.trace is None) == (self.prometheus is None):
-            raise ValueError("serving: give exactly one demand source, trace or prometheus (with query)")
+            raise ValueError("give exactly one demand source (serving.trace, or serving.prometheus with a query)")
         if self.prometheus is not None and not self.query:
             raise ValueError("serving.query is required with serving.prometheus (PromQL giving one number)")
         for name in ("speedup", "gpus_per_unit", "step_s"):
@@ -155,14 +157,16 @@ class WatchConfig:
             raise ValueError(f"{where}: serving_gpus is required")
         return cls(**d)
 
-    def source(self, clock_start_s: float) -> DemandSource:
-        """The demand source; a replay starts at ``start_s`` or else at ``clock_start_s``."""
+    def source(self) -> DemandSource:
+        """The demand source; a replay plays on the trace's own time axis, from ``start_s`` or else from
+        its first row (so the forecast's time of day is the trace's)."""
         from tidal.serving.sources import PrometheusQuery, TraceReplay
         from tidal.serving.traces import load_trace
 
         if self.trace is not None:
-            start = self.start_s if self.start_s is not None else clock_start_s
-            return TraceReplay(load_trace(self.trace), self.serving_gpus, start_s=start)
+            trace = load_trace(self.trace)
+            start = self.start_s if self.start_s is not None else float(trace.times_s[0])
+            return TraceReplay(trace, self.serving_gpus, start_s=start)
         return PrometheusQuery(self.prometheus or "", self.query or "", self.gpus_per_unit)
 
     def policy(self) -> TidalPolicy:
@@ -173,3 +177,19 @@ class WatchConfig:
         if self.trace is not None:
             return f"trace {self.trace} replayed at {self.speedup:g}x"
         return f"Prometheus {self.prometheus}: {self.query} x {self.gpus_per_unit:g} GPUs"
+
+
+def start_advisor(cfg: WatchConfig) -> tuple[Advisor, Callable[[], float], float]:
+    """(advisor, the clock its policy sees, speedup) for ``cfg``, starting now: a replayed trace runs on
+    its own time axis from its start, ``speedup`` times as fast as the wall clock; a Prometheus source on
+    Unix time. Raises ``ValueError`` (or ``OSError`` for an unreadable trace) naming what is wrong."""
+    source = cfg.source()
+    advisor = Advisor(source, cfg.policy(), cfg.serving_gpus)
+    if isinstance(source, TraceReplay):
+        t0, m0, speedup = source.start_s, time.monotonic(), cfg.speedup
+
+        def clock() -> float:
+            return t0 + (time.monotonic() - m0) * speedup
+
+        return advisor, clock, speedup
+    return advisor, time.time, 1.0
