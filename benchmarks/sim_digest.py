@@ -18,14 +18,14 @@ import runpy
 import sys
 from pathlib import Path
 
-import tidal.sim.serving as serving
+import tidal.policy.ledger as ledger
 import tidal.sim.world as world
 
 
 def main() -> None:
     h = hashlib.sha256()
     counts = {"decisions": 0, "plans": 0}
-    apply, apply_plan = world.World.apply, serving.ServingPool.apply_plan
+    apply, apply_plan = world.World.apply, ledger.LoanLedger.apply_plan
 
     def digest_apply(self, decisions, now):  # noqa: ANN001, ANN202 (the wrapped method's signature)
         h.update(repr((now, decisions)).encode())
@@ -39,7 +39,7 @@ def main() -> None:
         counts["plans"] += 1
         return out
 
-    world.World.apply, serving.ServingPool.apply_plan = digest_apply, digest_plan
+    world.World.apply, ledger.LoanLedger.apply_plan = digest_apply, digest_plan
     sys.argv = [str(Path(__file__).with_name("sim_scale.py")), *sys.argv[1:]]
     with contextlib.redirect_stdout(io.StringIO()):
         runpy.run_path(sys.argv[0], run_name="__main__")

@@ -50,10 +50,10 @@ from tidal.model import (
     queue_key,
 )
 from tidal.policy.ckpt_interval import plan_ckpt_intervals
+from tidal.policy.ledger import LoanLedger
 from tidal.sim.config import SimConfig
 from tidal.sim.jobs import JobSpec
 from tidal.sim.progress import DurableTable, Segment
-from tidal.sim.serving import ServingPool
 
 NEW, PENDING, RUNNING, SHRINKING, STOPPING, DONE = "new", "pending", "running", "shrinking", "stopping", "done"
 
@@ -217,7 +217,7 @@ class World:
                     serving[self.nodes[-1].name] = g
         self.node_tuple = tuple(self.nodes)
         self.serving_nodes = set(serving)
-        self.serving = ServingPool(serving, config.timing)
+        self.serving = LoanLedger(serving, config.timing)
         self.tenants = tuple(tenants)
         self.push, self.rng = push, rng
         self.jobs: dict[str, SimJob] = {}

@@ -1,8 +1,11 @@
-"""The serving side of the simulated pool: which serving GPUs are lent, which warm up, what is owed.
+"""The loan ledger: which serving GPUs are lent, which warm up, what is owed back and by when. Pure.
 
-This is the serving adapter of the architecture, simulated: it carries out a
+One ledger for the simulator and the live control plane. It carries out a
 :class:`~tidal.policy.loan.LoanPlan` (it decides nothing the plan did not say) and
-:class:`~tidal.model.ReturnGpus` decisions of the scheduler.
+:class:`~tidal.model.ReturnGpus` decisions of the scheduler. It does no I/O and reads no clock:
+time is an argument. The simulator wraps it in its simulated clock; the control plane persists it
+in the store (:meth:`LoanLedger.to_state` / :meth:`LoanLedger.from_state`, JSON-able) after every
+step and carries out what changed through a serving adapter.
 
 * **Lending.** When the plan's ``lendable_gpus`` exceeds what is lent, the difference is lent at once
   (every lendable GPU is offered; with a saturated spot queue every one has a taker). Partly lent
@@ -31,8 +34,8 @@ from tidal.model import Loan, Reclaim
 from tidal.policy.loan import LoanPlan, LoanTiming
 
 
-class ServingPool:
-    """Serving nodes, their loans and warming GPUs, and the outstanding reclaims. Mutable."""
+class LoanLedger:
+    """Serving nodes, their loans and warming GPUs, and the outstanding reclaims. Mutable, no clock."""
 
     def __init__(self, nodes: Mapping[str, int], timing: LoanTiming) -> None:
         self.cap = dict(nodes)  # node -> GPUs
@@ -207,3 +210,53 @@ class ServingPool:
 
     def due_reclaim(self, now: float) -> bool:
         return any(r.due(now) for r in self.reclaims)
+
+    def warming_ready_s(self, node: str) -> list[tuple[float, int]]:
+        """(ready time, GPUs) of ``node``'s GPUs warming up, in the order they were handed back."""
+        return [(float(r), int(g)) for r, g in self.warming_on.get(node, ())]
+
+    def warm_all_done(self, now: float) -> list[tuple[str, int]]:
+        """Every node's GPUs whose warm-up ends by ``now`` serve again; returns (node, GPUs) for each."""
+        done = []
+        for node in list(self.warming_on):
+            before = sum(int(e[1]) for e in self.warming_on[node])
+            self.warm_done(node, now)
+            after = sum(int(e[1]) for e in self.warming_on[node])
+            if before > after:
+                done.append((node, before - after))
+        return done
+
+    # ------------------------------------------------------------------------------ persistence
+
+    def to_state(self) -> dict:
+        """Everything the ledger holds as JSON-able data (``inf`` as ``None``); see :meth:`from_state`."""
+        def t(x: float | None) -> float | None:
+            return None if x is None or math.isinf(x) else float(x)
+        return {"nodes": dict(self.cap), "lendable": self.lendable,
+                "loans": [[ln.node, ln.gpus, t(ln.until_s)] for ln in self.loans.values()],
+                "warming": {n: [[float(r), int(g)] for r, g in e] for n, e in self.warming_on.items() if e},
+                "reclaims": [[r.gpus, r.by_s, r.notice_s] for r in self.reclaims]}
+
+    @classmethod
+    def from_state(cls, state: Mapping, timing: LoanTiming) -> LoanLedger:
+        """The ledger :meth:`to_state` wrote. Raises ``ValueError`` naming the field when it is not
+        consistent (a loan on an unknown node, more lent than the node has)."""
+        led = cls({str(n): int(g) for n, g in state["nodes"].items()}, timing)
+        for node, gpus, until in state.get("loans", ()):
+            if node not in led.cap or not 1 <= int(gpus) <= led.cap[node]:
+                raise ValueError(f"ledger state: loans[{node!r}] = {gpus} GPUs, node has {led.cap.get(node, 0)}")
+            led.loans[node] = Loan(node, int(gpus), until_s=math.inf if until is None else float(until))
+            led.lent += int(gpus)
+        for node, entries in (state.get("warming") or {}).items():
+            if node not in led.cap:
+                raise ValueError(f"ledger state: warming[{node!r}]: unknown node")
+            led.warming_on[node] = [[float(r), int(g)] for r, g in entries]
+            led.warming += sum(int(g) for _, g in entries)
+        for node in led.cap:
+            held = led.lent_on(node) + sum(g for _, g in led.warming_ready_s(node))
+            if held > led.cap[node]:
+                raise ValueError(f"ledger state: node {node!r} has {held} GPUs lent or warming, of {led.cap[node]}")
+        led.reclaims = [Reclaim(int(g), float(by), None if n is None else float(n))
+                        for g, by, n in state.get("reclaims", ())]
+        led.lendable = int(state.get("lendable", 0))
+        return led

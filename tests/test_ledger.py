@@ -1,0 +1,46 @@
+"""The loan ledger (tidal.policy.ledger): persistence round trip and refusal of inconsistent state."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from tidal.policy.ledger import LoanLedger
+from tidal.policy.loan import LoanPlan, LoanTiming
+from tidal.policy.loan import Reclaim as PlanReclaim
+
+TIMING = LoanTiming(notice_s=10, final_checkpoint_s=5, release_s=2, warmup_s=20, restart_cost_s=0)
+
+
+def _plan(lendable: int, reclaims=(), now_gpus: int = 0) -> LoanPlan:
+    return LoanPlan(now_s=0.0, lendable_gpus=lendable, reclaims=tuple(reclaims), reclaim_now_gpus=now_gpus,
+                    times_s=np.zeros(0), upper_gpus=np.zeros(0), margin_gpus=0.0,
+                    lead_time_s=TIMING.lead_time_s, min_loan_window_s=0.0)
+
+
+def test_round_trip_keeps_loans_warming_and_reclaims():
+    led = LoanLedger({"s0": 2, "s1": 2}, TIMING)
+    led.apply_plan(_plan(3, [PlanReclaim(gpus=1, deadline_s=500.0, notice_s=463.0)]), 100.0, {})
+    led.return_gpus("s0", 1, 110.0)
+    state = json.loads(json.dumps(led.to_state()))  # JSON-able
+    back = LoanLedger.from_state(state, TIMING)
+    assert back.to_state() == led.to_state()
+    assert (back.lent, back.warming, back.capacity) == (led.lent, led.warming, led.capacity)
+    assert back.loans == led.loans and back.reclaims == led.reclaims
+    assert math.isinf(back.loans["s1"].until_s) or back.loans["s1"].until_s == led.loans["s1"].until_s
+
+
+def test_from_state_refuses_more_lent_than_the_node_has():
+    led = LoanLedger({"s0": 2}, TIMING)
+    led.apply_plan(_plan(2), 0.0, {})
+    state = led.to_state()
+    state["warming"] = {"s0": [[50.0, 1]]}
+    with pytest.raises(ValueError, match="s0"):
+        LoanLedger.from_state(state, TIMING)
+    state = led.to_state()
+    state["loans"] = [["s9", 1, None]]
+    with pytest.raises(ValueError, match="s9"):
+        LoanLedger.from_state(state, TIMING)
