@@ -79,10 +79,10 @@ def test_env_contract_exit_codes_and_logs(tmp_path, executors):
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "TIDAL_JOB_ID": "j",
                        "TIDAL_PROGRESS_DIR": str(tmp_path / "jobs" / "j" / "attempt-1" / "progress"),
                        "CUDA_VISIBLE_DEVICES": "", "MINE": "1", "cwd": str(tmp_path)}
-    with pytest.raises(LaunchError, match="needs 2 devices, 1 free"):
+    with pytest.raises(LaunchError, match="needs 2 devices on local, 1 free"):
         ex.launch(req("k", "pass", n=2), time.time())
     ex.release("j")
-    assert sorted(ex._free) == [0, 1, 2]
+    assert ex.used() == {"local": 0}
 
 
 def test_gpu_binding(tmp_path, executors):
@@ -144,14 +144,14 @@ def test_adopt_after_a_restart(tmp_path, executors):
     assert not second.adopt("a", 2, time.time())  # no such attempt was ever launched
     assert second.adopt("a", 1, time.time())
     ob = second.observe(time.time())["a"]
-    assert [r.pid for r in ob.alive] == pids and second._free == []
+    assert [r.pid for r in ob.alive] == pids and second.used() == {"local": 2}
     for pid in pids:
         assert procs.alive(pid, procs.start_time(pid)) and not procs.alive(pid, 1)  # wrong start time: not ours
     second.kill("a")
     ob = wait_done(second, "a")
     assert all(r.vanished for r in ob.ranks)  # SIGKILL of shim and rank: no exit code was recorded
     second.release("a")
-    assert sorted(second._free) == [0, 1]
+    assert second.used() == {"local": 0}
 
 
 def test_progress_fold(tmp_path):

@@ -33,7 +33,7 @@ def write_trace(path: Path, rows: int = 400) -> Path:
 
 
 @pytest.mark.parametrize(("serving", "msg"), [
-    ({"trace": "t.csv"}, "serving_gpus is required"),
+    ({"trace": "t.csv"}, r"serving_gpus \(or nodes, to lend them\) is required"),
     ({"serving_gpus": 8}, "exactly one demand source"),
     ({"serving_gpus": 8, "trace": "t.csv", "prometheus": "http://p:9090", "query": "x"}, "exactly one demand source"),
     ({"serving_gpus": 8, "prometheus": "http://p:9090"}, "serving.query is required"),

@@ -65,6 +65,8 @@ class ApiContext:
     ckpt_root: Path | None = None
     serving: tuple[Any, str] | None = None
     """The live loan plan, if configured: (a :class:`tidal.serving.watch.Advisor`, its source described)."""
+    loans: Any = None
+    """Live lending, if configured: a :class:`tidal.control.loans.LiveLoans` (its ``view()``)."""
 
 
 class TenantSpec(BaseModel):
@@ -97,7 +99,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
     app = FastAPI(title="Tidal", version="0.1.0",
                   description="Run training jobs on a shared GPU pool. Bearer auth; see docs/control.md.")
     store = ctx.store
-    reg = metrics.registry(store, ctx.nodes, ctx.clock, ctx.serving[0] if ctx.serving else None)
+    reg = metrics.registry(store, ctx.nodes, ctx.clock, ctx.serving[0] if ctx.serving else None, ctx.loans)
     pool_gpus = sum(n.gpus for n in ctx.nodes)
 
     @app.exception_handler(RequestValidationError)
@@ -243,6 +245,9 @@ def create_app(ctx: ApiContext) -> FastAPI:
     @app.get("/v1/serving")
     @_json()
     def serving(_: Caller) -> dict:
+        if ctx.loans is not None:
+            describe = ctx.serving[1] if ctx.serving else ""
+            return {"source": describe, "lending": True, "advice_only": False, **ctx.loans.view()}
         if ctx.serving is None:
             raise HTTPException(404, "no serving side configured (serving: in tidal up --config; docs/control.md)")
         advisor, describe = ctx.serving

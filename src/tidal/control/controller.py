@@ -10,12 +10,18 @@ One step, in order (each numbered part is a method below):
    resize; ``backoff`` then ``pending`` after a failure, up to ``max_restarts``; ``failed``); a rank
    failed while others run, or the job hung (no heartbeat) -> kill it, it is classified once all
    ranks are gone; a stop whose grace ran out -> SIGKILL; a cancel request -> notice.
-3. **Decide.** Build a :class:`~tidal.model.Snapshot` from the store and call the pure scheduler
-   (:func:`tidal.policy.scheduler.schedule`), the same function the simulator drives.
-4. **Act.** Apply each decision to the store (a checked transition, an event) and carry it out with
+3. **Lend and reclaim** (with a serving side, :class:`tidal.control.loans.LiveLoans`): warm-ups end,
+   serving demand is observed on its grid, the loan plan is made (the simulator's policy) and applied
+   to the loan ledger; newly lent GPUs are released by the serving adapter first.
+4. **Decide.** Build a :class:`~tidal.model.Snapshot` from the store and call the pure scheduler
+   (:func:`tidal.policy.scheduler.schedule`), the same function the simulator drives, with the
+   serving nodes, loans and reclaims in it: spot jobs run on lent GPUs, a due reclaim shrinks or
+   preempts the jobs on them and hands free lent GPUs back (``ReturnGpus``).
+5. **Act.** Apply each decision to the store (a checked transition, an event) and carry it out with
    the executor: ``Admit`` -> launch; ``Preempt``/``Shrink``/``Grow`` -> notice (SIGTERM), the job
    checkpoints and exits 75, and is requeued or relaunched on its new size (the runtime reshards on
-   restore).
+   restore); ``ReturnGpus`` -> the ledger and the serving adapter. The loan state is stored after
+   every step that changed it (one document), so a restarted plane continues the same loans.
 
 The controller reads no clock: ``now_s`` (Unix seconds, the clock heartbeats use) is an argument,
 so tests step it with a fake clock and a fake executor. It is not thread-safe: one loop calls
@@ -30,6 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from tidal.control.config import ControlConfig
+from tidal.control.loans import DOC_KEY as LOANS_DOC
+from tidal.control.loans import LiveLoans
 from tidal.control.states import HELD, STOPPING, State
 from tidal.control.store import JobRow, Store
 from tidal.exec.protocol import EXIT_PREEMPTED, Executor, LaunchRequest, Observation, RankState
@@ -59,12 +67,22 @@ class Controller:
     """Drives the pure scheduler and an executor from the store. See the module docstring."""
 
     def __init__(self, store: Store, executor: Executor, config: ControlConfig | None = None, *,
-                 ckpt_root: str | Path | None = None) -> None:
+                 ckpt_root: str | Path | None = None, loans: LiveLoans | None = None) -> None:
         self.store = store
         self.executor = executor
         self.config = config or ControlConfig()
         self.ckpt_root = Path(ckpt_root) if ckpt_root is not None else None
         self.nodes: list[Node] = executor.nodes()
+        self.loans = loans
+        self._events: list[tuple[str, str, dict | None]] = []  # loan events of this step, stored with the ledger
+        if loans is not None:
+            serving = {n.name: n.gpus for n in self.nodes if n.pool == "serving"}
+            if serving != loans.nodes:
+                raise ValueError(f"the executor's serving nodes {serving} are not the serving adapter's "
+                                 f"{loans.nodes}")
+            doc = store.get_doc(LOANS_DOC)
+            if doc is not None:
+                loans.load(doc)
 
     @property
     def pool_gpus(self) -> int:
@@ -105,12 +123,31 @@ class Controller:
         observed = self.executor.observe(now_s)  # 1. observe
         for job in self.store.active_jobs():  # 2. reconcile
             self._reconcile(job, observed.get(job.id), now_s)
-        snap = self.snapshot(now_s)  # 3. decide
+        if self.loans is not None:  # 3. lend and reclaim
+            self._events = self._events + self.loans.tick(now_s, self._held_by_node())
+        snap = self.snapshot(now_s)  # 4. decide
         decisions: list[Decision] = list(schedule(snap, self.config.scheduler))
         decisions += self._intervals(snap)
-        for d in decisions:  # 4. act
+        for d in decisions:  # 5. act
             self._apply(d, now_s)
+        self._save_loans(now_s)
         return decisions
+
+    def _held_by_node(self) -> dict[str, int]:
+        used: dict[str, int] = {}
+        for j in self.store.jobs(states=HELD):
+            for n, g in (j.placement or {}).items():
+                used[n] = used.get(n, 0) + g
+        return used
+
+    def _save_loans(self, now_s: float) -> None:
+        """The loan document and the step's loan events, in one transaction (only when something changed)."""
+        if self.loans is None:
+            return
+        events, self._events = self._events, []
+        self.loans.refresh(now_s)
+        if self.loans.take_dirty() or events:
+            self.store.put_doc(LOANS_DOC, self.loans.dump(), now_s, events)
 
     def _intervals(self, snap: Snapshot) -> list[SetCkptInterval]:
         """Checkpoint intervals for running jobs whose spec says ``interval_s: auto``."""
@@ -259,8 +296,11 @@ class Controller:
 
     # ------------------------------------------------------------------------------------------ act
     def _apply(self, d: Decision, now_s: float) -> None:
-        if isinstance(d, ReturnGpus):  # no loans in the live plane yet: nothing to return
-            self.store.record("decision", f"ignored {d}", now_s)
+        if isinstance(d, ReturnGpus):
+            if self.loans is None:
+                self.store.record("decision", f"ignored {d}: no serving side", now_s)
+            else:
+                self._events = [*self._events, *self.loans.returned(d.node, d.gpus, now_s)]
             return
         job = self.store.job(d.job)
         grace = float(job.spec.get("grace_s", 30.0))
@@ -368,7 +408,8 @@ class Controller:
                             last_preempted_s=j.last_preempted_s, last_grown_s=j.last_grown_s,
                             last_shrunk_s=j.last_shrunk_s, last_ckpt_s=j.last_ckpt_s, ckpt_stall_s=j.ckpt_stall_s,
                             ckpt_interval_s=j.ckpt_interval_s, nominated_s=None if held else j.nominated_s))
-        return Snapshot.build(now_s, self.nodes, tenants, jobs)
+        loans, reclaims = (self.loans.loans, self.loans.reclaims) if self.loans is not None else ((), ())
+        return Snapshot.build(now_s, self.nodes, tenants, jobs, loans, reclaims)
 
 
 # ----------------------------------------------------------------------------------------- helpers

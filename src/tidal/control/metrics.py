@@ -15,7 +15,18 @@
 | ``tidal_serving_demand_gpus`` | gauge | serving demand at the newest plan (absent while unknown) |
 | ``tidal_serving_lendable_gpus`` | gauge | serving GPUs the newest loan plan could lend |
 | ``tidal_serving_margin_gpus`` | gauge | the plan's safety margin at the lead time |
-| ``tidal_serving_reclaim_gpus`` | gauge | ``within``: lent GPUs due back within 1h / 6h (the horizon) |
+| ``tidal_serving_reclaim_gpus`` | gauge | ``within``: lent GPUs due back within 1h / 6h (advice only) |
+
+With live lending (``serving.nodes``) the plan's gauges above (demand, lendable, margin) and:
+
+| ``tidal_loan_lent_gpus`` / ``tidal_loan_warming_gpus`` | gauge | serving GPUs lent now / warming up after a return |
+| ``tidal_loan_reclaim_gpus`` | gauge | lent GPUs owed back (outstanding reclaims) |
+| ``tidal_loan_reclaims_total`` | counter | ``outcome`` (met, missed): returns before / after their deadline |
+| ``tidal_loan_worst_return_margin_seconds`` | gauge | the smallest margin before a deadline at a return |
+| ``tidal_loan_lent_gpu_seconds_total`` | counter | GPU-seconds lent (control-plane time) |
+| ``tidal_serving_shortfall_gpu_seconds_total`` | counter | serving demand unmet (serving time) |
+| ``tidal_serving_action_failures_total`` | counter | ``action`` (release, restore): adapter failures |
+| ``tidal_serving_unknown_demand_steps_total`` | counter | plan steps with unknown demand (nothing new lent) |
 
 Per-job series exist for active jobs (not yet succeeded, failed or cancelled), so their number
 stays bounded by what runs and waits.
@@ -37,8 +48,9 @@ from tidal.model import Node
 
 
 class PlaneCollector:
-    def __init__(self, store: Store, nodes: list[Node], clock: Callable[[], float], advisor: Any = None) -> None:
-        self.store, self.nodes, self.clock, self.advisor = store, nodes, clock, advisor
+    def __init__(self, store: Store, nodes: list[Node], clock: Callable[[], float], advisor: Any = None,
+                 loans: Any = None) -> None:
+        self.store, self.nodes, self.clock, self.advisor, self.loans = store, nodes, clock, advisor, loans
 
     def collect(self) -> Iterator[Metric]:
         now = self.clock()
@@ -95,6 +107,9 @@ class PlaneCollector:
             preempt.add_metric(lv, j.preemptions)
             lost.add_metric(lv, j.lost_s)
         yield from (gpus, step, rate, age, ettr, restarts, preempt, lost)
+        if self.loans is not None:
+            yield from _loan_metrics(self.loans.view())
+            return
         latest = self.advisor.latest if self.advisor is not None else None
         if latest is not None:
             yield from _serving_metrics(latest)
@@ -118,9 +133,46 @@ def _serving_metrics(s: Any) -> Iterator[Metric]:
     yield due
 
 
-def registry(store: Store, nodes: list[Node], clock: Callable[[], float], advisor: Any = None) -> CollectorRegistry:
+def _loan_metrics(v: dict[str, Any]) -> Iterator[Metric]:
+    """Live lending (:meth:`tidal.control.loans.LiveLoans.view`)."""
+    st = v.get("stats") or {}
+    demand = GaugeMetricFamily("tidal_serving_demand_gpus", "Serving demand at the newest plan, GPUs")
+    if v.get("demand_gpus") is not None:
+        demand.add_metric([], v["demand_gpus"])
+    yield demand
+    yield GaugeMetricFamily("tidal_serving_lendable_gpus", "Serving GPUs the newest loan plan could lend",
+                            value=v.get("lendable_gpus", 0))
+    yield GaugeMetricFamily("tidal_serving_margin_gpus", "Safety margin of the newest plan at the lead time",
+                            value=v.get("margin_gpus", 0.0))
+    yield GaugeMetricFamily("tidal_loan_lent_gpus", "Serving GPUs lent to spot training now", value=v.get("lent_gpus", 0))
+    yield GaugeMetricFamily("tidal_loan_warming_gpus", "Returned GPUs warming up (neither lent nor serving)",
+                            value=v.get("warming_gpus", 0))
+    yield GaugeMetricFamily("tidal_loan_reclaim_gpus", "Lent GPUs owed back (outstanding reclaims)",
+                            value=sum(r["gpus"] for r in v.get("reclaims", ())))
+    rec = CounterMetricFamily("tidal_loan_reclaims", "GPU returns to serving, by whether before the deadline",
+                              labels=["outcome"])
+    rec.add_metric(["met"], st.get("reclaims_met", 0))
+    rec.add_metric(["missed"], st.get("reclaims_missed", 0))
+    yield rec
+    if v.get("worst_margin_s") is not None:
+        yield GaugeMetricFamily("tidal_loan_worst_return_margin_seconds",
+                                "Smallest margin before a reclaim deadline at a return", value=v["worst_margin_s"])
+    yield CounterMetricFamily("tidal_serving_shortfall_gpu_seconds", "Serving demand unmet, GPU-seconds of serving "
+                              "time", value=st.get("shortfall_gpu_s", 0.0))
+    yield CounterMetricFamily("tidal_loan_lent_gpu_seconds", "GPU-seconds lent", value=st.get("lent_gpu_s", 0.0))
+    fails = CounterMetricFamily("tidal_serving_action_failures", "Serving adapter actions that failed",
+                                labels=["action"])
+    fails.add_metric(["release"], st.get("release_failures", 0))
+    fails.add_metric(["restore"], st.get("restore_failures", 0))
+    yield fails
+    yield CounterMetricFamily("tidal_serving_unknown_demand_steps", "Plan steps with unknown serving demand",
+                              value=st.get("unknown_demand_steps", 0))
+
+
+def registry(store: Store, nodes: list[Node], clock: Callable[[], float], advisor: Any = None,
+             loans: Any = None) -> CollectorRegistry:
     reg = CollectorRegistry(auto_describe=False)
-    reg.register(PlaneCollector(store, nodes, clock, advisor))  # type: ignore[arg-type]
+    reg.register(PlaneCollector(store, nodes, clock, advisor, loans))  # type: ignore[arg-type]
     return reg
 
 

@@ -8,11 +8,14 @@ running; the next ``tidal up`` re-adopts them (``tidal cancel`` stops a job).
 
 With ``serving:`` in the config, a third thread runs the live loan plan (:class:`AdvisorLoop`): every
 step it reads serving demand and plans, and the API shows the newest plan (``GET /v1/serving``,
-``/metrics``). Advice only: nothing is placed on serving GPUs yet.
+``/metrics``). With ``serving.nodes`` it lends for real instead: the loan step runs inside the
+reconcile loop (:mod:`tidal.control.loans`), the local executor gets the serving nodes as virtual
+nodes, and spot jobs run on the GPUs serving lends.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -25,6 +28,7 @@ from tidal.control.auth import ensure_admin
 from tidal.control.client import API_URL_FILE
 from tidal.control.config import ControlConfig
 from tidal.control.controller import Controller
+from tidal.control.loans import build_live_loans
 from tidal.control.store import Store, sqlite_url
 from tidal.exec.local import LocalExecutor, detect_gpus
 from tidal.serving.watch import Advisor, start_advisor
@@ -97,15 +101,29 @@ class Plane:
 
     def app(self):
         cfg = self.controller.config.serving
+        loans = self.controller.loans
+        serving = (self.advisor.advisor, cfg.describe()) if self.advisor and cfg else None
+        if loans is not None and cfg is not None:
+            serving = (None, cfg.describe())
         ctx = ApiContext(self.store, self.controller.nodes, self.executor.log_path, time.time,
-                         ckpt_root=self.controller.ckpt_root,
-                         serving=(self.advisor.advisor, cfg.describe()) if self.advisor and cfg else None)
+                         ckpt_root=self.controller.ckpt_root, serving=serving, loans=loans)
         return create_app(ctx)
 
 
 def build(state_dir: Path, gpus: str = "auto", db: str | None = None, config: ControlConfig | None = None) -> Plane:
     state_dir = Path(state_dir).resolve()
     state_dir.mkdir(parents=True, exist_ok=True)
+    loans = None
+    serving_nodes: dict[str, int] = {}
+    if config is not None and config.serving is not None and config.serving.lends:
+        try:
+            loans = build_live_loans(config.serving)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"tidal up: serving: {e}") from None
+        serving_nodes = loans.nodes
+        # nothing starts on a loan about to end: the scheduler's horizon is the plan's shortest loan
+        config = dataclasses.replace(config, scheduler=dataclasses.replace(
+            config.scheduler, min_loan_left_s=loans.timing.min_loan_window_s))
     store = Store(db or sqlite_url(str(state_dir / "tidal.db")))
     token, created = ensure_admin(store, state_dir, time.time())
     if gpus == "auto":
@@ -113,7 +131,7 @@ def build(state_dir: Path, gpus: str = "auto", db: str | None = None, config: Co
         if not ids:
             raise SystemExit("tidal up: no NVIDIA GPUs found (nvidia-smi); on a machine without GPUs declare "
                              "CPU slots with --gpus N")
-        executor = LocalExecutor(state_dir / "jobs", gpu_ids=ids)
+        executor = LocalExecutor(state_dir / "jobs", gpu_ids=ids, serving_nodes=serving_nodes)
         what = f"{len(ids)} GPUs ({','.join(map(str, ids))})"
     else:
         try:
@@ -122,11 +140,18 @@ def build(state_dir: Path, gpus: str = "auto", db: str | None = None, config: Co
             raise SystemExit(f"tidal up: --gpus must be 'auto' or a number of CPU slots, got {gpus!r}") from None
         if n < 1:
             raise SystemExit(f"tidal up: --gpus must be >= 1, got {n}")
-        executor = LocalExecutor(state_dir / "jobs", slots=n)
+        executor = LocalExecutor(state_dir / "jobs", slots=n, serving_nodes=serving_nodes)
         what = f"{n} CPU slots"
-    controller = Controller(store, executor, config, ckpt_root=state_dir / "jobs")
+    try:
+        controller = Controller(store, executor, config, ckpt_root=state_dir / "jobs", loans=loans)
+    except ValueError as e:
+        store.close()
+        raise SystemExit(f"tidal up: {e}") from None
     advisor = None
-    if config is not None and config.serving is not None:
+    if loans is not None and config is not None and config.serving is not None:
+        what += (f"; lending serving nodes {', '.join(f'{k} ({g} GPUs)' for k, g in serving_nodes.items())}, "
+                 f"demand from {config.serving.describe()}")
+    elif config is not None and config.serving is not None:
         try:
             adv, clock, speedup = start_advisor(config.serving)
         except (OSError, ValueError) as e:

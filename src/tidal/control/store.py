@@ -20,6 +20,7 @@ Contract:
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -31,6 +32,7 @@ from sqlalchemy import (
     ForeignKey,
     Integer,
     String,
+    Text,
     create_engine,
     event,
     inspect,
@@ -41,7 +43,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sess
 
 from tidal.control.states import ACTIVE, State, check_transition
 
-SCHEMA_VERSION = 2  # 2: jobs.nominated_s
+SCHEMA_VERSION = 3  # 2: jobs.nominated_s; 3: table docs (the loan ledger and policy state)
 POOL_SIZE = 48  # SQLite connections kept open: the API's worker threads (40) and the reconcile loop
 
 
@@ -134,6 +136,17 @@ class MetaRow(Base):
 
     key: Mapped[str] = mapped_column(String(64), primary_key=True)
     value: Mapped[str] = mapped_column(String(2000))
+
+
+class DocRow(Base):
+    """A document the control plane keeps between runs (``serving``: the loan ledger, the loan policy's
+    state, the serving adapter's). JSON text, written by our own encoder (NaN and infinities kept)."""
+
+    __tablename__ = "docs"
+
+    key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    doc: Mapped[str] = mapped_column(Text)
+    updated_s: Mapped[float] = mapped_column(Float, default=0.0)
 
 
 class NotFound(KeyError):
@@ -326,6 +339,30 @@ class Store:
         with self._write() as s:
             s.add(EventRow(time_s=now_s, job_id=job.id if job else None, tenant=job.tenant if job else tenant,
                            kind=kind, message=message[:2000], data=data))
+
+    def put_doc(self, key: str, doc: Any, now_s: float,
+                events: Iterable[tuple[str, str, dict | None]] = ()) -> None:
+        """Store ``doc`` under ``key`` with ``events`` (kind, message, data) in one transaction."""
+        text_ = json.dumps(doc, separators=(",", ":"))
+        with self._write() as s:
+            row = s.get(DocRow, key)
+            if row is None:
+                s.add(DocRow(key=key, doc=text_, updated_s=now_s))
+            else:
+                row.doc, row.updated_s = text_, now_s
+            for kind, message, data in events:
+                s.add(EventRow(time_s=now_s, kind=kind, message=message[:2000], data=data))
+
+    def get_doc(self, key: str) -> Any | None:
+        """The document stored under ``key`` (``None``: none); ``ValueError`` naming the key if unreadable."""
+        with self._read() as s:
+            row = s.get(DocRow, key)
+            if row is None:
+                return None
+            try:
+                return json.loads(row.doc)
+            except ValueError as e:
+                raise ValueError(f"the store's document {key!r} is not valid JSON: {e}") from None
 
     def events(self, *, job_id: str | None = None, tenant: str | None = None, after_id: int = 0,
                limit: int = 1000) -> list[EventRow]:

@@ -92,18 +92,37 @@ class LocalExecutor:
     """Runs ranks as local processes. ``slots`` CPU slots, or the GPUs in ``gpu_ids``."""
 
     def __init__(self, root: str | os.PathLike, *, slots: int | None = None, gpu_ids: list[int] | None = None,
-                 node: str = "local", python: str = sys.executable) -> None:
+                 node: str = "local", python: str = sys.executable,
+                 serving_nodes: Mapping[str, int] | None = None) -> None:
         if (slots is None) == (gpu_ids is None):
             raise ValueError("give exactly one of slots (CPU) or gpu_ids")
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.gpu = gpu_ids is not None
-        self.devices = list(gpu_ids) if gpu_ids is not None else list(range(slots or 0))
-        if not self.devices:
+        devices = list(gpu_ids) if gpu_ids is not None else list(range(slots or 0))
+        serving = dict(serving_nodes or {})
+        if node in serving:
+            raise ValueError(f"serving node {node!r} has the training node's name")
+        if self.gpu:  # serving nodes take the last GPUs, training keeps the first
+            n_serving = sum(serving.values())
+            if n_serving >= len(devices):
+                raise ValueError(f"serving nodes need {n_serving} of the {len(devices)} GPUs; training needs >= 1")
+            serving_devices = devices[len(devices) - n_serving:]
+            devices = devices[: len(devices) - n_serving]
+        else:  # virtual serving nodes: more CPU slots, numbered after the training ones
+            serving_devices = list(range(len(devices), len(devices) + sum(serving.values())))
+        if not devices:
             raise ValueError("no GPUs or slots to run on")
         self.node = node
         self.python = python
-        self._free = list(self.devices)
+        # node -> (pool, its devices); devices are unique across nodes (CUDA_VISIBLE_DEVICES indices)
+        self.node_devices: dict[str, list[int]] = {node: devices}
+        self.pools: dict[str, str] = {node: "training"}
+        for name, g in serving.items():
+            self.node_devices[name], serving_devices = serving_devices[:g], serving_devices[g:]
+            self.pools[name] = "serving"
+        self.devices = [d for ds in self.node_devices.values() for d in ds]
+        self._free: dict[str, list[int]] = {n: list(ds) for n, ds in self.node_devices.items()}
         self._jobs: dict[str, _Tracked] = {}
 
     # -- layout --------------------------------------------------------------------------------------
@@ -117,20 +136,47 @@ class LocalExecutor:
         return str(self.job_dir(job_id) / "logs" / f"rank-{rank}.log")
 
     def nodes(self) -> list[Node]:
-        return [Node(self.node, len(self.devices))]
+        return [Node(n, len(ds), self.pools[n]) for n, ds in self.node_devices.items()]  # type: ignore[arg-type]
+
+    def used(self) -> dict[str, int]:
+        """Node -> devices held by tracked jobs (launched and not yet released)."""
+        return {n: len(ds) - len(self._free[n]) for n, ds in self.node_devices.items()}
+
+    def placements(self) -> dict[str, dict[str, int]]:
+        """Job -> node -> devices it holds on each node (what the executor has running or not yet released)."""
+        out = {}
+        for job_id, t in self._jobs.items():
+            per: dict[str, int] = {}
+            for d in t.devices:
+                n = self._node_of(d)
+                per[n] = per.get(n, 0) + 1
+            out[job_id] = per
+        return out
+
+    def _node_of(self, device: int) -> str:
+        for n, ds in self.node_devices.items():
+            if device in ds:
+                return n
+        return self.node
 
     # -- acting --------------------------------------------------------------------------------------
     def launch(self, req: LaunchRequest, now_s: float) -> dict:
         if req.job_id in self._jobs:
             raise LaunchError(f"job {req.job_id}: attempt {self._jobs[req.job_id].attempt} is still tracked")
         n = req.world_size
-        if set(req.placement) - {self.node}:
-            raise LaunchError(f"job {req.job_id}: placement {dict(req.placement)} names nodes other than {self.node!r}")
-        if n > len(self._free):
-            raise LaunchError(f"job {req.job_id}: needs {n} devices, {len(self._free)} free")
+        unknown = set(req.placement) - set(self.node_devices)
+        if unknown:
+            raise LaunchError(f"job {req.job_id}: placement {dict(req.placement)} names unknown nodes "
+                              f"{sorted(unknown)} (have {sorted(self.node_devices)})")
+        for node, k in req.placement.items():
+            if k > len(self._free[node]):
+                raise LaunchError(f"job {req.job_id}: needs {k} devices on {node}, {len(self._free[node])} free")
         if req.workdir is not None and not Path(req.workdir).is_dir():
             raise LaunchError(f"job {req.job_id}: workdir {req.workdir} is not a directory")
-        devices, self._free = self._free[:n], self._free[n:]
+        devices = []
+        for node, k in req.placement.items():
+            devices += self._free[node][:k]
+            self._free[node] = self._free[node][k:]
         adir = self.attempt_dir(req.job_id, req.attempt)
         (adir / "progress").mkdir(parents=True, exist_ok=True)
         (self.job_dir(req.job_id) / "logs").mkdir(parents=True, exist_ok=True)
@@ -153,11 +199,11 @@ class LocalExecutor:
                 procs.kill_group(k.pid)
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     k.popen.wait(timeout=5)  # type: ignore[union-attr]
-            self._free.extend(devices)
+            self._give_back(devices)
             raise
         self._jobs[req.job_id] = _Tracked(req.job_id, req.attempt, now_s, devices, adir, ranks,
                                           ProgressReader(adir / "progress", n))
-        return {"node": self.node, "devices": devices, "master_port": port, "dir": str(adir),
+        return {"node": self.node, "placement": dict(req.placement), "devices": devices, "master_port": port, "dir": str(adir),
                 "ranks": [{"rank": k.rank, "pid": k.pid} for k in ranks]}
 
     def _spawn(self, req: LaunchRequest, r: int, devices: list[int], port: int, adir: Path) -> _Rank:
@@ -220,7 +266,13 @@ class LocalExecutor:
             if k.popen is not None:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     k.popen.wait(timeout=5)
-        self._free.extend(d for d in t.devices if d in self.devices and d not in self._free)
+        self._give_back(t.devices)
+
+    def _give_back(self, devices: list[int]) -> None:
+        for d in devices:
+            n = self._node_of(d)
+            if d in self.node_devices.get(n, ()) and d not in self._free[n]:
+                self._free[n].append(d)
 
     # -- observing -----------------------------------------------------------------------------------
     def observe(self, now_s: float) -> dict[str, Observation]:
@@ -275,7 +327,8 @@ class LocalExecutor:
         if doc is None:
             return False
         devices = list(doc["devices"])  # held by the workers whatever this executor was told at start
-        self._free = [d for d in self._free if d not in devices]
+        taken = set(devices)
+        self._free = {n: [d for d in free if d not in taken] for n, free in self._free.items()}
         ranks = [_Rank(r["rank"], r["pid"], r.get("started")) for r in doc["ranks"]]
         self._jobs[job_id] = _Tracked(job_id, attempt, float(doc["launched_s"]), devices, adir, ranks,
                                       ProgressReader(adir / "progress", len(ranks)))

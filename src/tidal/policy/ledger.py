@@ -195,6 +195,19 @@ class LoanLedger:
         self.reclaims = rs
         return ready
 
+    def cancel_loan(self, node: str, gpus: int) -> None:
+        """Undo ``gpus`` of a loan just made on ``node`` that could not be carried out (the serving side
+        refused to release them): they stay serving's, no warm-up."""
+        ln = self.loans.get(node)
+        if ln is None or not 1 <= gpus <= ln.gpus:
+            raise AssertionError(f"cancel_loan({node!r}, {gpus}): node has {ln.gpus if ln else 0} GPUs on loan")
+        if gpus == ln.gpus:
+            del self.loans[node]
+        else:
+            self.loans[node] = Loan(node, ln.gpus - gpus, until_s=ln.until_s)
+        self.lent -= gpus
+        self._until_key = None
+
     def warm_done(self, node: str, now: float) -> None:
         """GPUs of ``node`` whose warm-up ends by ``now`` serve again."""
         entries = self.warming_on.get(node)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from tidal.policy.forecast import ForecastConfig
-from tidal.policy.loan import LoanContext, LoanPlan, TidalConfig, TidalPolicy, TidalState
+from tidal.policy.loan import LoanContext, LoanPlan, LoanTiming, TidalConfig, TidalPolicy, TidalState
 from tidal.serving.sources import DemandSource, TraceReplay
 
 
@@ -119,9 +119,17 @@ class WatchConfig:
 
     Exactly one source: ``trace`` (a CSV, replayed from ``start_s`` at ``speedup`` trace seconds per
     second of the clock) or ``prometheus`` + ``query`` (x ``gpus_per_unit``).
+
+    **Live lending** (``nodes`` given, e.g. ``"2x4"`` or ``{serve-a: 4}``): the plane lends those serving
+    nodes' GPUs to spot jobs and takes them back (:mod:`tidal.control.loans`); ``serving_gpus`` is then
+    their sum. A replayed trace runs on virtual serving nodes of the local executor; with Prometheus,
+    ``actions_url`` (a webhook) or ``actions_command`` (argv) carries out releases and restores. The
+    timing is the plane's, in seconds: ``grace_s`` (notice to stop), ``final_checkpoint_s``,
+    ``release_s``, ``warmup_s`` (serving's, on returned GPUs), ``restart_cost_s`` (a spot job's restore).
+    ``history_days``: days of the replayed trace before ``start_s`` the forecast learns from first.
     """
 
-    serving_gpus: int
+    serving_gpus: int | None = None
     trace: str | None = None
     speedup: float = 1.0
     start_s: float | None = None
@@ -130,8 +138,40 @@ class WatchConfig:
     gpus_per_unit: float = 1.0
     shortfall_budget: float = 0.005
     step_s: float = 600.0
+    nodes: Any = None
+    actions_url: str | None = None
+    actions_command: list[str] | None = None
+    actions_timeout_s: float = 5.0
+    grace_s: float | None = None
+    final_checkpoint_s: float | None = None
+    release_s: float | None = None
+    warmup_s: float | None = None
+    restart_cost_s: float | None = None
+    history_days: float = 0.0
 
     def __post_init__(self) -> None:
+        if self.nodes is not None:
+            from tidal.serving.adapters import parse_nodes
+
+            try:
+                total = sum(parse_nodes(self.nodes).values())
+            except ValueError as e:
+                raise ValueError(f"serving.nodes: {e}") from None
+            if self.serving_gpus is None:
+                object.__setattr__(self, "serving_gpus", total)
+            elif self.serving_gpus != total:
+                raise ValueError(f"serving.serving_gpus ({self.serving_gpus}) must equal the GPUs of serving.nodes "
+                                 f"({total})")
+            if self.prometheus is not None and (self.actions_url is None) == (self.actions_command is None):
+                raise ValueError("serving: lending with prometheus needs exactly one of serving.actions_url "
+                                 "or serving.actions_command (how serving releases and takes back GPUs)")
+        for name in ("grace_s", "final_checkpoint_s", "release_s", "warmup_s", "restart_cost_s",
+                     "history_days"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int | float) or isinstance(v, bool) or not 0 <= v < 1e9):
+                raise ValueError(f"serving.{name} must be a number >= 0, got {v!r}")
+        if not isinstance(self.actions_timeout_s, int | float) or not 0 < self.actions_timeout_s <= 600:
+            raise ValueError(f"serving.actions_timeout_s must be in (0, 600], got {self.actions_timeout_s!r}")
         if not isinstance(self.serving_gpus, int) or self.serving_gpus < 1:
             raise ValueError(f"serving.serving_gpus must be a whole number >= 1, got {self.serving_gpus!r}")
         if (self.trace is None) == (self.prometheus is None):
@@ -153,8 +193,8 @@ class WatchConfig:
         unknown = sorted(set(d) - names)
         if unknown:
             raise ValueError(f"{where}: unknown field {unknown[0]!r} (expected one of {sorted(names)})")
-        if "serving_gpus" not in d:
-            raise ValueError(f"{where}: serving_gpus is required")
+        if "serving_gpus" not in d and "nodes" not in d:
+            raise ValueError(f"{where}: serving_gpus (or nodes, to lend them) is required")
         return cls(**d)
 
     def source(self) -> DemandSource:
@@ -172,6 +212,17 @@ class WatchConfig:
     def policy(self) -> TidalPolicy:
         return TidalPolicy(TidalConfig(shortfall_budget=self.shortfall_budget,
                                        forecast=ForecastConfig(step_s=self.step_s)))
+
+    @property
+    def lends(self) -> bool:
+        """The plane lends serving GPUs (not only advice)."""
+        return self.nodes is not None
+
+    def timing(self) -> LoanTiming:
+        """The plane's loan timing (control-plane seconds); unset fields keep LoanTiming's defaults."""
+        kw = {"notice_s": self.grace_s, "final_checkpoint_s": self.final_checkpoint_s,
+              "release_s": self.release_s, "warmup_s": self.warmup_s, "restart_cost_s": self.restart_cost_s}
+        return LoanTiming(**{k: float(v) for k, v in kw.items() if v is not None})
 
     def describe(self) -> str:
         if self.trace is not None:

@@ -1,0 +1,318 @@
+"""Live loaning: the loan step of the reconcile loop, between the serving adapter and the scheduler.
+
+:meth:`LiveLoans.tick` runs in :meth:`tidal.control.controller.Controller.step` after the jobs are
+reconciled and before the scheduler, in this order:
+
+1. **Warm-ups end.** GPUs handed back earlier serve again once their warm-up is over (the ledger's
+   times); restores the adapter refused earlier are tried again.
+2. **Observe demand** at the next grid point of the serving clock (``step_s`` of serving time):
+   ``adapter.demand_gpus``; NaN (unknown) is never read as zero.
+3. **Plan** with the same :class:`~tidal.policy.loan.TidalPolicy` the simulator evaluates. Unknown
+   demand lends nothing new (the plan is capped at what is lent now).
+4. **Apply the plan to the ledger** (:class:`~tidal.policy.ledger.LoanLedger`, the simulator's), in
+   control-plane time: the plan's serving-clock times are mapped back (``speedup``). GPUs newly lent
+   are released through the adapter *first*; a release that fails is undone in the ledger, so
+   nothing is lent that serving still uses.
+
+The scheduler then sees the loans and reclaims in its snapshot; its :class:`~tidal.model.ReturnGpus`
+decisions come back through :meth:`LiveLoans.returned` (ledger, then ``adapter.restore``; a refused
+restore leaves the GPUs in neither pool and is retried each step). Everything the ledger, the policy
+and the adapter need to continue is one JSON document in the store (:meth:`dump` / :meth:`load`),
+written after every step that changed it, so a ``tidal up`` killed with SIGKILL continues the same
+loans, reclaims and forecast.
+
+Timing: ``timing`` (:class:`~tidal.policy.loan.LoanTiming`) is in control-plane seconds (the jobs'
+grace, their final checkpoint, release, serving warm-up); the policy plans on the serving clock with
+the same durations times ``speedup``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from tidal.model import Loan, Reclaim
+from tidal.policy import codec
+from tidal.policy.forecast import ForecastConfig
+from tidal.policy.ledger import LoanLedger
+from tidal.policy.loan import LoanContext, LoanPlan, LoanTiming, TidalConfig, TidalPolicy
+from tidal.serving.adapters import AdapterError, HookAdapter, ReplayAdapter, ServingAdapter, parse_nodes
+from tidal.serving.watch import WatchConfig
+
+log = logging.getLogger(__name__)
+
+DOC_KEY = "serving"
+Event = tuple[str, str, dict | None]
+
+
+def scaled(timing: LoanTiming, factor: float) -> LoanTiming:
+    """``timing`` with every duration times ``factor`` (the serving clock's view of it)."""
+    return dataclasses.replace(timing, notice_s=timing.notice_s * factor,
+                               final_checkpoint_s=timing.final_checkpoint_s * factor,
+                               release_s=timing.release_s * factor, warmup_s=timing.warmup_s * factor,
+                               restart_cost_s=timing.restart_cost_s * factor)
+
+
+class LiveLoans:
+    """The loan step of the live control plane (see the module docstring). Not thread-safe: the
+    reconcile loop calls it; readers (the API) use :meth:`view`, a dict swapped whole."""
+
+    def __init__(self, adapter: ServingAdapter, timing: LoanTiming, *, shortfall_budget: float = 0.005,
+                 step_s: float = 600.0, warm_history: list[tuple[float, float]] | None = None) -> None:
+        self.adapter = adapter
+        self.timing = timing
+        self.speedup = float(adapter.speedup)
+        self.nodes = adapter.nodes()
+        self.serving_gpus = sum(self.nodes.values())
+        self.policy = TidalPolicy(TidalConfig(shortfall_budget=shortfall_budget,
+                                              forecast=ForecastConfig(step_s=step_s),
+                                              timing=scaled(timing, self.speedup)))
+        self.step_s = step_s
+        self.ledger = LoanLedger(self.nodes, timing)
+        self.state = self.policy.initial_state()
+        self.next_grid = math.nan  # serving time of the next observation
+        self.pending_restores: list[list[Any]] = []  # [node, gpus, lent_after] the adapter refused
+        self.stats: dict[str, float] = {
+            "steps": 0, "unknown_demand_steps": 0, "demand_gpu_s": 0.0, "shortfall_gpu_s": 0.0,
+            "lent_gpu_s": 0.0, "used_gpu_s": 0.0, "reclaims_met": 0, "reclaims_missed": 0,
+            "returned_gpus": 0, "release_failures": 0, "restore_failures": 0, "lent_total_gpus": 0,
+        }
+        self.margins: list[float] = []  # seconds before the deadline at each return (negative: late)
+        self.last_s: float | None = None
+        self.latest: dict[str, Any] = {}
+        self._plan_view: dict[str, Any] = {}
+        self._dirty = True
+        self._warm = list(warm_history or [])
+
+    # -------------------------------------------------------------------------------- persistence
+    def dump(self) -> dict[str, Any]:
+        return {"version": 1, "ledger": self.ledger.to_state(), "policy": codec.encode(self.state),
+                "next_grid": codec.encode(self.next_grid), "pending_restores": self.pending_restores,
+                "stats": self.stats, "margins": self.margins[-1000:], "last_s": self.last_s,
+                "adapter": self.adapter.persist(), "plan_view": self._plan_view}
+
+    def load(self, doc: Mapping[str, Any]) -> None:
+        """Continue from :meth:`dump`'s document (after a restart); ``ValueError`` naming the field."""
+        if doc.get("version") != 1:
+            raise ValueError(f"serving state: unknown version {doc.get('version')!r}")
+        ledger = LoanLedger.from_state(doc["ledger"], self.timing)
+        if ledger.cap != self.nodes:
+            raise ValueError(f"serving state: the stored ledger has serving nodes {ledger.cap}, the adapter "
+                             f"{self.nodes}; remove the serving document or keep the nodes")
+        self.ledger = ledger
+        self.state = codec.decode(doc["policy"], "serving state: policy")
+        self.next_grid = float(codec.decode(doc["next_grid"]))
+        self.pending_restores = [list(p) for p in doc.get("pending_restores", ())]
+        self.stats.update(doc.get("stats") or {})
+        self.margins = list(doc.get("margins") or [])
+        self.last_s = doc.get("last_s")
+        self._plan_view = dict(doc.get("plan_view") or {})
+        self.adapter.resume(doc.get("adapter") or {})
+        self._warm = []
+
+    def take_dirty(self) -> bool:
+        d, self._dirty = self._dirty, False
+        return d
+
+    # ------------------------------------------------------------------------------------ queries
+    @property
+    def loans(self) -> tuple[Loan, ...]:
+        return tuple(self.ledger.loans.values())
+
+    @property
+    def reclaims(self) -> tuple[Reclaim, ...]:
+        return tuple(self.ledger.reclaims)
+
+    def view(self) -> dict[str, Any]:
+        return self.latest
+
+    # --------------------------------------------------------------------------------------- tick
+    def _warm_up(self) -> None:
+        """Feed recorded history to the forecast before the first live step (a replay's earlier days; a
+        production adapter's range query), so the first day is not planned blind."""
+        for t, y in self._warm:
+            ctx = LoanContext(now_s=t, serving_gpus=self.serving_gpus, demand_gpus=y, lent_gpus=0)
+            _, self.state = self.policy(ctx, self.state)
+        self._warm = []
+
+    def tick(self, now_s: float, used: Mapping[str, int]) -> list[Event]:
+        """Steps 1-4 of the module docstring; returns the events to record."""
+        events: list[Event] = []
+        led = self.ledger
+        if self.last_s is not None and now_s > self.last_s:  # GPU-seconds lent and used since the last tick
+            dt = now_s - self.last_s
+            self.stats["lent_gpu_s"] += led.lent * dt
+            self.stats["used_gpu_s"] += sum(min(g, led.lent_on(n)) for n, g in used.items() if n in self.nodes) * dt
+            self._dirty = True
+        self.last_s = now_s
+        for node, g in led.warm_all_done(now_s):  # 1.
+            events.append(("serving_ready", f"{g} GPUs of {node} serve again (warm-up over)",
+                           {"node": node, "gpus": g}))
+            self._dirty = True
+        if self.pending_restores:
+            events += self._retry_restores(now_s)
+        t_serv = self.adapter.serving_time(now_s)
+        if math.isnan(self.next_grid):
+            if self._warm:
+                self._warm_up()
+            self.next_grid = math.ceil(t_serv / self.step_s - 1e-9) * self.step_s
+            self._dirty = True
+        if t_serv + 1e-9 < self.next_grid:
+            return events
+        grid = self.next_grid
+        if t_serv >= grid + self.step_s:  # late by whole steps: the forecast counts skipped ones as missing
+            grid += math.floor((t_serv - grid) / self.step_s) * self.step_s
+        self.next_grid = grid + self.step_s
+        demand = self.adapter.demand_gpus(now_s)  # 2.
+        if not (isinstance(demand, int | float) and (math.isnan(demand) or 0 <= demand < math.inf)):
+            demand = math.nan
+        unknown = math.isnan(demand)
+        capacity = led.capacity
+        self.stats["steps"] += 1
+        if unknown:
+            self.stats["unknown_demand_steps"] += 1
+            events.append(("serving_unknown", "serving demand unknown: lending nothing new", None))
+        else:
+            self.stats["demand_gpu_s"] += demand * self.step_s
+            self.stats["shortfall_gpu_s"] += max(0.0, demand - capacity) * self.step_s
+        ctx = LoanContext(now_s=grid, serving_gpus=self.serving_gpus, demand_gpus=demand, lent_gpus=led.lent)
+        plan, self.state = self.policy(ctx, self.state)  # 3.
+        if unknown and plan.lendable_gpus > led.lent:
+            plan = dataclasses.replace(plan, lendable_gpus=led.lent)
+        events += self._apply(plan, t_serv, now_s, used)  # 4.
+        self._plan_view = self._describe_plan(now_s, t_serv, demand, plan)
+        self._dirty = True
+        return events
+
+    def _apply(self, plan: LoanPlan, t_serv: float, now_s: float, used: Mapping[str, int]) -> list[Event]:
+        led = self.ledger
+        wall = dataclasses.replace(plan, reclaims=tuple(
+            dataclasses.replace(r, notice_s=now_s + (r.notice_s - t_serv) / self.speedup,
+                                deadline_s=now_s + (r.deadline_s - t_serv) / self.speedup)
+            for r in plan.reclaims))
+        before = {n: led.lent_on(n) for n in self.nodes}
+        reclaims_before = sum(r.gpus for r in led.reclaims if r.due(now_s))
+        led.apply_plan(wall, now_s, used)
+        events: list[Event] = []
+        for node in self.nodes:
+            k = led.lent_on(node) - before[node]
+            if k <= 0:
+                continue
+            try:
+                self.adapter.release(node, k, led.lent_on(node), now_s)
+            except AdapterError as e:
+                led.cancel_loan(node, k)
+                self.stats["release_failures"] += 1
+                events.append(("serving_action_failed", f"release of {k} GPUs on {node} failed: {e}; "
+                               "nothing lent there", {"node": node, "gpus": k, "action": "release"}))
+                continue
+            self.stats["lent_total_gpus"] += k
+            events.append(("loan", f"lent {k} GPUs of {node} to spot training ({led.lent_on(node)} lent there)",
+                           {"node": node, "gpus": k, "until_s": _finite(led.loans[node].until_s)}))
+        due = sum(r.gpus for r in led.reclaims if r.due(now_s))
+        if due > reclaims_before:
+            first = min((r.by_s for r in led.reclaims if r.due(now_s)), default=math.nan)
+            events.append(("reclaim", f"reclaim {due} lent GPUs by {first:.1f} (notice now)",
+                           {"gpus": due, "by_s": first}))
+        return events
+
+    def returned(self, node: str, gpus: int, now_s: float) -> list[Event]:
+        """Carry out :class:`~tidal.model.ReturnGpus`: the ledger, then the adapter."""
+        led = self.ledger
+        due = sorted(led.reclaims, key=lambda r: r.by_s)
+        by = due[0].by_s if due else None
+        ready = led.return_gpus(node, gpus, now_s)
+        self.stats["returned_gpus"] += gpus
+        data: dict[str, Any] = {"node": node, "gpus": gpus, "serving_at_s": ready}
+        msg = f"returned {gpus} GPUs of {node} to serving (serving again at {ready:.1f})"
+        if by is not None:
+            margin = by - now_s
+            self.margins.append(margin)
+            self.stats["reclaims_met" if margin >= 0 else "reclaims_missed"] += 1
+            data["margin_s"] = margin
+            msg += f", {margin:.1f} s before the deadline" if margin >= 0 else f", {-margin:.1f} s LATE"
+        events: list[Event] = [("return", msg, data)]
+        events += self._restore(node, gpus, led.lent_on(node), now_s)
+        self._dirty = True
+        return events
+
+    def _restore(self, node: str, gpus: int, lent_after: int, now_s: float) -> list[Event]:
+        try:
+            self.adapter.restore(node, gpus, lent_after, now_s)
+        except AdapterError as e:
+            self.stats["restore_failures"] += 1
+            self.pending_restores.append([node, gpus, lent_after])
+            return [("serving_action_failed", f"restore of {gpus} GPUs on {node} failed: {e}; retrying "
+                     "each step (they serve nobody meanwhile)", {"node": node, "gpus": gpus, "action": "restore"})]
+        return []
+
+    def _retry_restores(self, now_s: float) -> list[Event]:
+        todo, self.pending_restores = self.pending_restores, []
+        events: list[Event] = []
+        for node, gpus, lent_after in todo:
+            try:
+                self.adapter.restore(node, gpus, lent_after, now_s)
+            except AdapterError:
+                self.pending_restores.append([node, gpus, lent_after])
+                continue
+            events.append(("serving_restored", f"restore of {gpus} GPUs on {node} carried out on retry",
+                           {"node": node, "gpus": gpus}))
+        self._dirty = True
+        return events
+
+    def _describe_plan(self, now_s: float, t_serv: float, demand: float, plan: LoanPlan) -> dict[str, Any]:
+        k = min(len(plan.times_s), 36)
+        return {
+            "planned_s": now_s, "serving_time_s": t_serv, "speedup": self.speedup,
+            "demand_gpus": None if math.isnan(demand) else round(demand, 3),
+            "lendable_gpus": plan.lendable_gpus, "margin_gpus": round(plan.margin_gpus, 3),
+            "z": round(float(self.state.z), 4), "shortfall_budget": self.policy.config.shortfall_budget,
+            "forecast": {"times_s": [round(float(x), 1) for x in plan.times_s[:k]],
+                         "upper_gpus": [round(float(x), 2) for x in plan.upper_gpus[:k]]},
+        }
+
+    def refresh(self, now_s: float) -> None:
+        """Swap in a new :meth:`view` (the newest plan, the ledger as it is now)."""
+        led = self.ledger
+        self.latest = {
+            **self._plan_view, "now_s": now_s, "serving_nodes": dict(self.nodes),
+            "serving_gpus": self.serving_gpus, "lent_gpus": led.lent, "warming_gpus": led.warming,
+            "serving_capacity_gpus": led.capacity,
+            "loans": [{"node": ln.node, "gpus": ln.gpus, "until_s": _finite(ln.until_s)} for ln in self.loans],
+            "reclaims": [{"gpus": r.gpus, "by_s": r.by_s, "notice_s": r.notice_s} for r in self.reclaims],
+            "warming": {n: led.warming_ready_s(n) for n in self.nodes if led.warming_ready_s(n)},
+            "stats": dict(self.stats), "worst_margin_s": min(self.margins) if self.margins else None,
+            "pending_restores": [list(p) for p in self.pending_restores], "adapter": self.adapter.health(),
+        }
+
+
+def build_live_loans(cfg: WatchConfig) -> LiveLoans:
+    """The serving adapter and the loan step for a ``serving:`` block that lends (``cfg.nodes`` given).
+    Raises ``ValueError`` (or ``OSError`` for an unreadable trace) naming what is wrong."""
+    from tidal.serving.sources import PrometheusQuery, TraceReplay
+    from tidal.serving.traces import load_trace
+
+    nodes = parse_nodes(cfg.nodes)
+    gpus = sum(nodes.values())
+    adapter: ServingAdapter
+    history: list[tuple[float, float]] = []
+    if cfg.trace is not None:
+        trace = load_trace(cfg.trace)
+        first = float(trace.times_s[0])
+        start = cfg.start_s if cfg.start_s is not None else first + cfg.history_days * 86400.0
+        replay = ReplayAdapter(TraceReplay(trace, gpus, start_s=first), nodes, speedup=cfg.speedup, start_s=start)
+        history = replay.history(cfg.history_days * 86400.0, cfg.step_s)
+        adapter = replay
+    else:
+        source = PrometheusQuery(cfg.prometheus or "", cfg.query or "", cfg.gpus_per_unit)
+        adapter = HookAdapter(source, nodes, url=cfg.actions_url, command=cfg.actions_command,
+                              timeout_s=cfg.actions_timeout_s)
+    return LiveLoans(adapter, cfg.timing(), shortfall_budget=cfg.shortfall_budget, step_s=cfg.step_s,
+                     warm_history=history)
+
+
+def _finite(x: float) -> float | None:
+    return None if math.isinf(x) else x

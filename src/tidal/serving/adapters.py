@@ -1,0 +1,302 @@
+"""Serving adapters: how the control plane lends a serving system's GPUs and takes them back.
+
+A :class:`ServingAdapter` answers for one serving system: which serving nodes (and GPUs) it has, how
+many GPUs it needs now, and it carries out two actions — *release* GPUs of a node for lending (the
+serving system stops using them: fewer replicas there) and *restore* them (serving may use them
+again; it serves on them once warmed up). The control plane (:mod:`tidal.control.loans`) decides
+when, through the pure loan ledger; an adapter decides nothing.
+
+Every action names the node, the GPUs moved and the node's resulting number of lent GPUs
+(``lent_after``), so an operator's hook can act idempotently (set a replica count rather than add to
+it). An action that fails raises :class:`AdapterError`: a failed *release* lends nothing (the GPUs
+stay serving's); a failed *restore* leaves the GPUs in neither pool and is retried every step. No GPU
+is ever counted both as serving and as lent.
+
+Times are the control plane's (Unix seconds). :meth:`ServingAdapter.serving_time` maps them onto the
+serving side's own time axis, where the forecast's time of day lives: production adapters return
+``now_s`` (``speedup`` 1); a replay runs a recorded day faster than real time.
+
+Implementations:
+
+* :class:`ReplayAdapter` — the embedded default: virtual serving nodes on this machine whose demand
+  follows a trace CSV at a chosen speed-up. What is neither lent nor warming up serves.
+* :class:`HookAdapter` — demand from a Prometheus query, actions by an operator-provided HTTP webhook
+  (``POST`` of a JSON body) or command (argv with the same fields in its environment).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+from tidal.serving.sources import DemandSource, TraceReplay
+
+log = logging.getLogger(__name__)
+
+
+class AdapterError(RuntimeError):
+    """A serving action failed (after its retries); the message says which and why."""
+
+
+class ServingAdapter(Protocol):
+    speedup: float
+    """Serving seconds per control-plane second (1 in production)."""
+
+    def nodes(self) -> dict[str, int]:
+        """Serving node -> GPUs it owns."""
+        ...
+
+    def serving_time(self, now_s: float) -> float:
+        """``now_s`` on the serving side's time axis (the forecast's time of day)."""
+        ...
+
+    def demand_gpus(self, now_s: float) -> float:
+        """GPUs serving needs at ``now_s``; NaN when unknown (never a guess)."""
+        ...
+
+    def release(self, node: str, gpus: int, lent_after: int, now_s: float) -> None:
+        """Serving stops using ``gpus`` GPUs of ``node`` (``lent_after`` lent there afterwards)."""
+        ...
+
+    def restore(self, node: str, gpus: int, lent_after: int, now_s: float) -> None:
+        """Serving may use ``gpus`` GPUs of ``node`` again (after its warm-up)."""
+        ...
+
+    def health(self) -> dict[str, Any]:
+        """What the adapter knows of itself (for ``GET /v1/serving``)."""
+        ...
+
+    def persist(self) -> dict[str, Any]:
+        """What the adapter needs to continue after a restart of the control plane (JSON-able)."""
+        ...
+
+    def resume(self, doc: Mapping[str, Any]) -> None:
+        """Continue from :meth:`persist`'s document."""
+        ...
+
+
+def parse_nodes(spec: str | Mapping[str, int], prefix: str = "serve") -> dict[str, int]:
+    """``"2x4"`` (2 nodes of 4 GPUs: serve-0, serve-1), ``"4,4,2"`` or a mapping name -> GPUs."""
+    if isinstance(spec, Mapping):
+        out = {}
+        for name, g in spec.items():
+            if not isinstance(name, str) or not name or not isinstance(g, int) or isinstance(g, bool) or g < 1:
+                raise ValueError(f"serving nodes: {name!r}: GPUs must be a whole number >= 1, got {g!r}")
+            out[name] = g
+        if not out:
+            raise ValueError("serving nodes: none given")
+        return out
+    s = str(spec).strip()
+    try:
+        if "x" in s:
+            n, g = (int(p) for p in s.split("x", 1))
+            sizes = [g] * n
+        else:
+            sizes = [int(p) for p in s.split(",")]
+    except ValueError:
+        raise ValueError(f"serving nodes: expected NxG (e.g. 2x4) or G,G,... , got {spec!r}") from None
+    if not sizes or any(g < 1 for g in sizes) or len(sizes) > 4096:
+        raise ValueError(f"serving nodes: expected 1..4096 nodes of >= 1 GPU, got {spec!r}")
+    return {f"{prefix}-{i}": g for i, g in enumerate(sizes)}
+
+
+class _Released:
+    """Per-node count of GPUs released to lending, checked on every action."""
+
+    def __init__(self, nodes: Mapping[str, int]) -> None:
+        self.cap = dict(nodes)
+        self.released = dict.fromkeys(self.cap, 0)
+
+    def move(self, node: str, gpus: int, lent_after: int, sign: int) -> None:
+        if node not in self.cap:
+            raise AdapterError(f"unknown serving node {node!r} (have {sorted(self.cap)})")
+        if gpus < 1 or not 0 <= lent_after <= self.cap[node]:
+            raise AdapterError(f"{node}: cannot move {gpus} GPUs to {lent_after} lent of {self.cap[node]}")
+        self.released[node] = lent_after
+
+
+class ReplayAdapter:
+    """Virtual serving nodes whose demand replays ``trace`` (see the module docstring).
+
+    Serving time ``start_s`` (the trace's own time axis; default: the replay's start) plays at
+    control-plane time ``origin_s`` (set on first use unless given), and ``speedup`` trace seconds pass
+    per second. ``fail`` (tests, demos): a callable ``(action, node) ->
+    bool`` that makes an action fail, to exercise the control plane's handling.
+    """
+
+    def __init__(self, source: TraceReplay, nodes: Mapping[str, int], *, speedup: float = 1.0,
+                 start_s: float | None = None, origin_s: float | None = None,
+                 fail: Callable[[str, str], bool] | None = None) -> None:
+        if not speedup > 0:
+            raise ValueError(f"speedup must be > 0, got {speedup!r}")
+        if sum(nodes.values()) != source.serving_gpus:
+            raise ValueError(f"serving nodes hold {sum(nodes.values())} GPUs, the replay is scaled to "
+                             f"{source.serving_gpus}")
+        self.source, self.speedup, self.origin_s = source, float(speedup), origin_s
+        self.start_s = float(start_s) if start_s is not None else source.start_s
+        self._nodes = dict(nodes)
+        self.state = _Released(nodes)
+        self.fail = fail
+        self.actions = 0
+
+    def nodes(self) -> dict[str, int]:
+        return dict(self._nodes)
+
+    def serving_time(self, now_s: float) -> float:
+        if self.origin_s is None:
+            self.origin_s = now_s
+        return self.start_s + (now_s - self.origin_s) * self.speedup
+
+    def demand_gpus(self, now_s: float) -> float:
+        return self.source.demand_gpus(self.serving_time(now_s))
+
+    def history(self, seconds: float, step_s: float) -> list[tuple[float, float]]:
+        """(serving time, demand) on the ``step_s`` grid over the ``seconds`` before the replay's start,
+        where the trace has them (the forecast learns them before the first live step)."""
+        first = math.ceil((self.start_s - seconds) / step_s - 1e-9) * step_s
+        n = max(0, int(round((self.start_s - first) / step_s)))
+        pts = [(first + i * step_s, self.source.demand_gpus(first + i * step_s)) for i in range(n)]
+        return [(t, y) for t, y in pts if t >= self.source.start_s]
+
+    def release(self, node: str, gpus: int, lent_after: int, now_s: float) -> None:
+        self._act("release", node, gpus, lent_after, +1)
+
+    def restore(self, node: str, gpus: int, lent_after: int, now_s: float) -> None:
+        self._act("restore", node, gpus, lent_after, -1)
+
+    def _act(self, action: str, node: str, gpus: int, lent_after: int, sign: int) -> None:
+        if self.fail is not None and self.fail(action, node):
+            raise AdapterError(f"{action} of {gpus} GPUs on {node}: refused by the replay's fault injection")
+        self.state.move(node, gpus, lent_after, sign)
+        self.actions += 1
+
+    def released(self) -> dict[str, int]:
+        return dict(self.state.released)
+
+    def health(self) -> dict[str, Any]:
+        return {"kind": "replay", "trace": self.source.trace.name, "speedup": self.speedup,
+                "released": self.released()}
+
+    def persist(self) -> dict[str, Any]:
+        return {"origin_s": self.origin_s, "released": self.released()}
+
+    def resume(self, doc: Mapping[str, Any]) -> None:
+        if doc.get("origin_s") is not None:
+            self.origin_s = float(doc["origin_s"])
+        for node, g in (doc.get("released") or {}).items():
+            if node in self.state.released:
+                self.state.released[node] = int(g)
+
+
+class HookAdapter:
+    """Demand from ``source`` (e.g. :class:`~tidal.serving.sources.PrometheusQuery`), actions carried out
+    by an operator's webhook (``url``: ``POST`` JSON ``{"action", "node", "gpus", "lent_after"}``, any
+    2xx is success) or command (``command``: argv run with ``TIDAL_SERVING_ACTION``, ``_NODE``,
+    ``_GPUS``, ``_LENT_AFTER`` in its environment, exit 0 is success) — the way production
+    controllers scale an inference deployment's replicas. Each action gets ``attempts`` tries of at
+    most ``timeout_s`` each, ``retry_wait_s`` apart; then :class:`AdapterError`.
+    """
+
+    speedup = 1.0
+
+    def __init__(self, source: DemandSource, nodes: Mapping[str, int], *, url: str | None = None,
+                 command: Sequence[str] | None = None, timeout_s: float = 5.0, attempts: int = 2,
+                 retry_wait_s: float = 0.5) -> None:
+        if (url is None) == (command is None):
+            raise ValueError("serving actions: give exactly one of a webhook url or a command")
+        if url is not None and not url.startswith(("http://", "https://")):
+            raise ValueError(f"serving actions: webhook url must be http(s)://..., got {url!r}")
+        if command is not None and (not command or not all(isinstance(a, str) and a for a in command)):
+            raise ValueError(f"serving actions: command must be a non-empty list of strings, got {command!r}")
+        if not timeout_s > 0 or attempts < 1 or retry_wait_s < 0:
+            raise ValueError("serving actions: timeout_s > 0, attempts >= 1 and retry_wait_s >= 0 are required")
+        self.source, self.url = source, url
+        self.command = tuple(command) if command is not None else None
+        self.timeout_s, self.attempts, self.retry_wait_s = float(timeout_s), int(attempts), float(retry_wait_s)
+        self._nodes = dict(nodes)
+        self.state = _Released(nodes)
+        self.failures = 0
+        self.last_error: str | None = None
+
+    def nodes(self) -> dict[str, int]:
+        return dict(self._nodes)
+
+    def serving_time(self, now_s: float) -> float:
+        return now_s
+
+    def demand_gpus(self, now_s: float) -> float:
+        try:
+            v = float(self.source.demand_gpus(now_s))
+        except Exception as e:  # a source that raises is unknown demand, never zero
+            log.warning("serving demand unknown: %s", e)
+            return math.nan
+        return v if math.isfinite(v) and v >= 0 else math.nan
+
+    def release(self, node: str, gpus: int, lent_after: int, now_s: float) -> None:
+        self._act("release", node, gpus, lent_after, +1)
+
+    def restore(self, node: str, gpus: int, lent_after: int, now_s: float) -> None:
+        self._act("restore", node, gpus, lent_after, -1)
+
+    def _act(self, action: str, node: str, gpus: int, lent_after: int, sign: int) -> None:
+        if node not in self._nodes:
+            raise AdapterError(f"unknown serving node {node!r}")
+        body = {"action": action, "node": node, "gpus": gpus, "lent_after": lent_after}
+        why = ""
+        for i in range(self.attempts):
+            if i:
+                time.sleep(self.retry_wait_s)
+            why = self._try(body)
+            if not why:
+                self.state.move(node, gpus, lent_after, sign)
+                self.last_error = None
+                return
+        self.failures += 1
+        self.last_error = f"{action} {gpus} GPUs on {node}: {why} ({self.attempts} attempts)"
+        raise AdapterError(self.last_error)
+
+    def _try(self, body: dict[str, Any]) -> str:
+        """'' on success, else why it failed."""
+        if self.url is not None:
+            req = urllib.request.Request(self.url, data=json.dumps(body).encode(), method="POST",
+                                         headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:  # noqa: S310 (http(s) checked)
+                    resp.read(65536)
+                    return "" if 200 <= resp.status < 300 else f"HTTP {resp.status}"
+            except urllib.error.HTTPError as e:
+                return f"HTTP {e.code} from {self.url}"
+            except (urllib.error.URLError, OSError, ValueError) as e:
+                return f"webhook {self.url}: {getattr(e, 'reason', e)}"
+        env = {**os.environ, "TIDAL_SERVING_ACTION": body["action"], "TIDAL_SERVING_NODE": body["node"],
+               "TIDAL_SERVING_GPUS": str(body["gpus"]), "TIDAL_SERVING_LENT_AFTER": str(body["lent_after"])}
+        try:
+            p = subprocess.run(self.command, env=env, capture_output=True, timeout=self.timeout_s, check=False)  # type: ignore[arg-type]
+        except subprocess.TimeoutExpired:
+            return f"command timed out after {self.timeout_s:g} s"
+        except OSError as e:
+            return f"command {self.command[0]!r}: {e}"  # type: ignore[index]
+        if p.returncode != 0:
+            tail = p.stderr.decode(errors="replace").strip().splitlines()[-1:] or [""]
+            return f"command exited {p.returncode}: {tail[0][:200]}"
+        return ""
+
+    def health(self) -> dict[str, Any]:
+        return {"kind": "hook", "actions": self.url or " ".join(self.command or ()),
+                "failures": self.failures, "last_error": self.last_error, "released": dict(self.state.released)}
+
+    def persist(self) -> dict[str, Any]:
+        return {"released": dict(self.state.released)}
+
+    def resume(self, doc: Mapping[str, Any]) -> None:
+        for node, g in (doc.get("released") or {}).items():
+            if node in self.state.released:
+                self.state.released[node] = int(g)
