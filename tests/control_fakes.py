@@ -39,9 +39,10 @@ class FakeJob:
 
 
 class FakeExecutor:
-    def __init__(self, gpus: int = 4, node: str = "n0") -> None:
+    def __init__(self, gpus: int = 4, node: str = "n0", serving: dict[str, int] | None = None) -> None:
         self.node = node
         self.gpus = gpus
+        self.serving = dict(serving or {})
         self.jobs: dict[str, FakeJob] = {}
         self.calls: list[tuple] = []
         self.survivors: dict[str, FakeJob] = {}  # what adopt() finds after a "restart"
@@ -49,7 +50,7 @@ class FakeExecutor:
 
     # -- the protocol --------------------------------------------------------------------------------
     def nodes(self) -> list[Node]:
-        return [Node(self.node, self.gpus)]
+        return [Node(self.node, self.gpus), *(Node(n, g, "serving") for n, g in self.serving.items())]
 
     def launch(self, req: LaunchRequest, now_s: float) -> dict:
         self.calls.append(("launch", req.job_id, req.attempt, req.world_size))

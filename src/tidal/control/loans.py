@@ -74,7 +74,7 @@ class LiveLoans:
         self.ledger = LoanLedger(self.nodes, timing)
         self.state = self.policy.initial_state()
         self.next_grid = math.nan  # serving time of the next observation
-        self.pending_restores: list[list[Any]] = []  # [node, gpus, lent_after] the adapter refused
+        self.pending_restores: dict[str, int] = {}  # node -> GPUs returned whose restore the adapter refused
         self.stats: dict[str, float] = {
             "steps": 0, "unknown_demand_steps": 0, "demand_gpu_s": 0.0, "shortfall_gpu_s": 0.0,
             "lent_gpu_s": 0.0, "used_gpu_s": 0.0, "reclaims_met": 0, "reclaims_missed": 0,
@@ -90,7 +90,7 @@ class LiveLoans:
     # -------------------------------------------------------------------------------- persistence
     def dump(self) -> dict[str, Any]:
         return {"version": 1, "ledger": self.ledger.to_state(), "policy": codec.encode(self.state),
-                "next_grid": codec.encode(self.next_grid), "pending_restores": self.pending_restores,
+                "next_grid": codec.encode(self.next_grid), "pending_restores": dict(self.pending_restores),
                 "stats": self.stats, "margins": self.margins[-1000:], "last_s": self.last_s,
                 "adapter": self.adapter.persist(), "plan_view": self._plan_view}
 
@@ -105,7 +105,7 @@ class LiveLoans:
         self.ledger = ledger
         self.state = codec.decode(doc["policy"], "serving state: policy")
         self.next_grid = float(codec.decode(doc["next_grid"]))
-        self.pending_restores = [list(p) for p in doc.get("pending_restores", ())]
+        self.pending_restores = {str(n): int(g) for n, g in (doc.get("pending_restores") or {}).items() if g}
         self.stats.update(doc.get("stats") or {})
         self.margins = list(doc.get("margins") or [])
         self.last_s = doc.get("last_s")
@@ -201,8 +201,15 @@ class LiveLoans:
             k = led.lent_on(node) - before[node]
             if k <= 0:
                 continue
+            owed = self.pending_restores.get(node, 0)
+            if owed:  # lent again before serving got them back: they never left lending, no action
+                take = min(k, owed)
+                self._owe(node, owed - take)
+                k -= take
+                if k == 0:
+                    continue
             try:
-                self.adapter.release(node, k, led.lent_on(node), now_s)
+                self.adapter.release(node, k, led.lent_on(node) + self.pending_restores.get(node, 0), now_s)
             except AdapterError as e:
                 led.cancel_loan(node, k)
                 self.stats["release_failures"] += 1
@@ -235,29 +242,31 @@ class LiveLoans:
             data["margin_s"] = margin
             msg += f", {margin:.1f} s before the deadline" if margin >= 0 else f", {-margin:.1f} s LATE"
         events: list[Event] = [("return", msg, data)]
-        events += self._restore(node, gpus, led.lent_on(node), now_s)
+        owed = self.pending_restores.get(node, 0)
+        try:
+            self.adapter.restore(node, gpus, led.lent_on(node) + owed, now_s)
+        except AdapterError as e:
+            self.stats["restore_failures"] += 1
+            self._owe(node, owed + gpus)
+            events.append(("serving_action_failed", f"restore of {gpus} GPUs on {node} failed: {e}; retrying "
+                           "each step (they serve nobody meanwhile)", {"node": node, "gpus": gpus, "action": "restore"}))
         self._dirty = True
         return events
 
-    def _restore(self, node: str, gpus: int, lent_after: int, now_s: float) -> list[Event]:
-        try:
-            self.adapter.restore(node, gpus, lent_after, now_s)
-        except AdapterError as e:
-            self.stats["restore_failures"] += 1
-            self.pending_restores.append([node, gpus, lent_after])
-            return [("serving_action_failed", f"restore of {gpus} GPUs on {node} failed: {e}; retrying "
-                     "each step (they serve nobody meanwhile)", {"node": node, "gpus": gpus, "action": "restore"})]
-        return []
+    def _owe(self, node: str, gpus: int) -> None:
+        if gpus > 0:
+            self.pending_restores[node] = gpus
+        else:
+            self.pending_restores.pop(node, None)
 
     def _retry_restores(self, now_s: float) -> list[Event]:
-        todo, self.pending_restores = self.pending_restores, []
         events: list[Event] = []
-        for node, gpus, lent_after in todo:
+        for node, gpus in list(self.pending_restores.items()):
             try:
-                self.adapter.restore(node, gpus, lent_after, now_s)
+                self.adapter.restore(node, gpus, self.ledger.lent_on(node), now_s)
             except AdapterError:
-                self.pending_restores.append([node, gpus, lent_after])
                 continue
+            self._owe(node, 0)
             events.append(("serving_restored", f"restore of {gpus} GPUs on {node} carried out on retry",
                            {"node": node, "gpus": gpus}))
         self._dirty = True
@@ -285,7 +294,7 @@ class LiveLoans:
             "reclaims": [{"gpus": r.gpus, "by_s": r.by_s, "notice_s": r.notice_s} for r in self.reclaims],
             "warming": {n: led.warming_ready_s(n) for n in self.nodes if led.warming_ready_s(n)},
             "stats": dict(self.stats), "worst_margin_s": min(self.margins) if self.margins else None,
-            "pending_restores": [list(p) for p in self.pending_restores], "adapter": self.adapter.health(),
+            "pending_restores": dict(self.pending_restores), "adapter": self.adapter.health(),
         }
 
 
