@@ -14,9 +14,9 @@ import random
 from pathlib import Path
 
 import pytest
-from control_fakes import FakeClock, FakeExecutor, new_store, submit
 
 import tidal.serving
+from control_fakes import FakeClock, FakeExecutor, new_store, submit
 from tidal.control.config import ControlConfig
 from tidal.control.controller import Controller
 from tidal.control.loans import LiveLoans
