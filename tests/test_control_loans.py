@@ -84,6 +84,7 @@ def _drive(ctl, ex, clock, rng, steps, adapter, stop_delay=1):
         ex.calls = [c for c in ex.calls if c[0] != "stop" or c[1] in told]
         ctl.step(now)
         _check(ctl, adapter)
+        assert ctl.loans.stats["double_counted_steps"] == 0
 
 
 def test_a_replayed_day_lends_reclaims_and_never_double_counts(tmp_path):

@@ -145,7 +145,14 @@ class Controller:
         if self.loans is None:
             return
         events, self._events = self._events, []
-        self.loans.refresh(now_s)
+        held = self._held_by_node()
+        over = {n: (g, self.loans.ledger.lent_on(n)) for n, g in held.items()
+                if n in self.loans.nodes and g > self.loans.ledger.lent_on(n)}
+        if over:  # never expected: the scheduler places only on lent GPUs and returns only free ones
+            self.loans.stats["double_counted_steps"] = self.loans.stats.get("double_counted_steps", 0) + 1
+            log.error("serving GPUs held by jobs beyond what is lent: %s", over)
+            events.append(("invariant", f"jobs hold serving GPUs beyond what is lent: {over}", {"over": over}))
+        self.loans.refresh(now_s, held)
         if self.loans.take_dirty() or events:
             self.store.put_doc(LOANS_DOC, self.loans.dump(), now_s, events)
 

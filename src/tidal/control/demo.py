@@ -472,7 +472,8 @@ def summary_table(s: dict) -> Table:
 
 
 # -------------------------------------------------------------------------------------- the command
-def demo(steps: Annotated[int, typer.Option(help="optimizer steps of the job")] = 300,
+def demo(ctx: typer.Context,
+         steps: Annotated[int, typer.Option(help="optimizer steps of the job")] = 300,
          ckpt_every: Annotated[int, typer.Option(help="checkpoint every N steps")] = 25,
          gpus: Annotated[int, typer.Option(help="CPU slots of the embedded plane; the job runs on all of them")] = 2,
          parallel: Annotated[str, typer.Option(help="ddp or fsdp (FSDP2), over gloo")] = "ddp",
@@ -489,7 +490,10 @@ def demo(steps: Annotated[int, typer.Option(help="optimizer steps of the job")] 
     An embedded control plane (API, reconcile loop, local executor) runs examples/gpt/train.py on CPU
     slots; one rank is SIGKILLed midway; the platform restarts the job from its newest checkpoint.
     Exit code 0 only if the job succeeded after resuming from a checkpoint step > 0.
+    `tidal demo cycle`: a day of lending serving GPUs to spot jobs and taking them back.
     """
+    if ctx.invoked_subcommand is not None:
+        return
     console = Console(stderr=json_out)
     err = Console(stderr=True)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -77,7 +77,7 @@ class LiveLoans:
         self.pending_restores: dict[str, int] = {}  # node -> GPUs returned whose restore the adapter refused
         self.stats: dict[str, float] = {
             "steps": 0, "unknown_demand_steps": 0, "demand_gpu_s": 0.0, "shortfall_gpu_s": 0.0,
-            "lent_gpu_s": 0.0, "used_gpu_s": 0.0, "reclaims_met": 0, "reclaims_missed": 0,
+            "lent_gpu_s": 0.0, "used_gpu_s": 0.0, "reclaims_met": 0, "reclaims_missed": 0, "double_counted_steps": 0,
             "returned_gpus": 0, "release_failures": 0, "restore_failures": 0, "lent_total_gpus": 0,
         }
         self.margins: list[float] = []  # seconds before the deadline at each return (negative: late)
@@ -234,7 +234,7 @@ class LiveLoans:
         ready = led.return_gpus(node, gpus, now_s)
         self.stats["returned_gpus"] += gpus
         data: dict[str, Any] = {"node": node, "gpus": gpus, "serving_at_s": ready}
-        msg = f"returned {gpus} GPUs of {node} to serving (serving again at {ready:.1f})"
+        msg = f"returned {gpus} GPUs of {node} to serving (serving again in {ready - now_s:.0f} s, after warm-up)"
         if by is not None:
             margin = by - now_s
             self.margins.append(margin)
@@ -283,10 +283,12 @@ class LiveLoans:
                          "upper_gpus": [round(float(x), 2) for x in plan.upper_gpus[:k]]},
         }
 
-    def refresh(self, now_s: float) -> None:
-        """Swap in a new :meth:`view` (the newest plan, the ledger as it is now)."""
+    def refresh(self, now_s: float, held: Mapping[str, int] | None = None) -> None:
+        """Swap in a new :meth:`view` (the newest plan, the ledger as it is now, and ``held``: serving
+        node -> GPUs jobs hold there, as the store says at the end of the step)."""
         led = self.ledger
         self.latest = {
+            "held_gpus": {n: g for n, g in (held or {}).items() if n in self.nodes},
             **self._plan_view, "now_s": now_s, "serving_nodes": dict(self.nodes),
             "serving_gpus": self.serving_gpus, "lent_gpus": led.lent, "warming_gpus": led.warming,
             "serving_capacity_gpus": led.capacity,

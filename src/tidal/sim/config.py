@@ -97,6 +97,10 @@ class SimConfig:
     ckpt_interval: CkptIntervalConfig = field(default_factory=CkptIntervalConfig)
     seed: int = 0
     record_timeline: bool = True
+    release_when_captured: bool = False
+    """A job told to shrink or stop gives its GPUs back as soon as its final checkpoint is captured
+    (what ``tidal.train``'s runtime does: it checkpoints on the notice and exits), instead of training
+    on through its notice and leaving at the deadline (the default, and the published results)."""
 
     def __post_init__(self) -> None:
         if self.serving_gpus < 1:

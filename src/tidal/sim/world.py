@@ -414,6 +414,8 @@ class World:
         transition(sj, event)
         by = max(by_s, now)
         ok = by - now >= self.stall - 1e-9
+        if ok and self.cfg.release_when_captured:
+            by = now + self.stall
         sj.rel_at, sj.rel_ok = by, ok
         sj.rel_stop = by - self.stall if ok else by
         if event == "shrink":

@@ -1,0 +1,343 @@
+"""``tidal demo cycle``: a day of lending and reclaiming serving GPUs, live, on this machine.
+
+    tidal demo cycle                       # one day of the shipped serving profile in about 6 minutes
+    tidal demo cycle --hours 12 --json     # the summary as JSON on stdout (the view on stderr)
+
+An embedded control plane (the pieces of ``tidal up``) runs with a ``serving:`` block that lends:
+virtual serving nodes on this machine whose demand replays the shipped daily profile
+(``tidal/serving/data/daily-profile.csv``, derived from ServeGen m-large) ``--speedup`` times as fast
+as the clock, after ``--history-days`` of it for the forecast to learn. Elastic spot jobs (the GPT
+example, 1 to ``--max-ranks`` ranks) start on the one training slot; as traffic falls the plan lends
+serving GPUs and the jobs grow onto them; before the morning rise the jobs get reclaim notices,
+checkpoint, shrink by resharding, and the GPUs go back to serving before the deadline. A live view
+shows demand, the forecast bound, what is lent, the jobs and the next reclaim.
+
+The summary: GPU-hours lent and used (serving time), serving shortfall, reclaims met before their
+deadline (count, worst margin), training steps lost to reclaims, checkpoint tiers used, and the same
+day run through the simulator (:func:`tidal.sim.engine.simulate`) with the same pool, timing and
+policy beside it. Exit code 0 only if GPUs were lent, every return met its deadline and no GPU was
+ever counted both as serving and as lent (checked from the API at every poll).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+import numpy as np
+import typer
+from rich.console import Console, Group
+from rich.live import Live
+from rich.panel import Panel
+from rich.table import Table
+
+import tidal.serving
+from tidal.control.client import TidalClient
+from tidal.control.config import ControlConfig
+from tidal.control.demo import SIZES, example_script
+from tidal.control.demo_plane import PLANE_CONFIG, DemoError, EmbeddedPlane
+from tidal.serving.watch import WatchConfig
+
+PROFILE = Path(tidal.serving.__file__).parent / "data" / "daily-profile.csv"
+DAY = 86400.0
+
+
+@dataclass(frozen=True)
+class CycleOptions:
+    speedup: float = 240.0
+    hours: float = 24.0
+    start_hour: float = 18.0
+    history_days: int = 3
+    serving_nodes: str = "8x2"
+    jobs: int = 2
+    max_ranks: int = 3
+    grace_s: float = 8.0
+    final_checkpoint_s: float = 4.0
+    release_s: float = 2.0
+    warmup_s: float = 6.0
+    restart_cost_s: float = 10.0
+    shortfall_budget: float = 0.005
+    ckpt_every: int = 10
+    size: str = "tiny"
+    trace: str | None = None
+
+    def check(self) -> None:
+        if not 1 <= self.speedup <= 10000:
+            raise DemoError(f"--speedup {self.speedup:g}: expected 1 to 10000")
+        if not 0 < self.hours <= 72:
+            raise DemoError(f"--hours {self.hours:g}: expected more than 0, at most 72")
+        if not 0 <= self.start_hour < 24:
+            raise DemoError(f"--start-hour {self.start_hour:g}: expected 0 to 24")
+        if not 1 <= self.jobs <= 8 or not 1 <= self.max_ranks <= 4:
+            raise DemoError("--jobs must be 1 to 8 and --max-ranks 1 to 4")
+        if SIZES[self.size]["global-batch"] % math.lcm(*range(1, self.max_ranks + 1)):
+            raise DemoError(f"--max-ranks {self.max_ranks}: the global batch must split over every size")
+
+    @property
+    def start_s(self) -> float:
+        """Serving time (the profile's axis) where the live day starts."""
+        return self.history_days * DAY + self.start_hour * 3600.0
+
+    @property
+    def wall_s(self) -> float:
+        return self.hours * 3600.0 / self.speedup
+
+    def serving(self) -> WatchConfig:
+        return WatchConfig(trace=self.trace or str(PROFILE), nodes=self.serving_nodes, speedup=self.speedup,
+                           start_s=self.start_s, history_days=float(self.history_days),
+                           shortfall_budget=self.shortfall_budget, grace_s=self.grace_s,
+                           final_checkpoint_s=self.final_checkpoint_s, release_s=self.release_s,
+                           warmup_s=self.warmup_s, restart_cost_s=self.restart_cost_s)
+
+
+def job_spec(opts: CycleOptions, script: Path, shm_dir: Path, i: int) -> dict[str, Any]:
+    model = SIZES[opts.size]
+    args = [f"--{k}={v}" for k, v in model.items()] + ["--micro-batch=1", "--step-pause-s=0.05"]
+    return {"name": f"spot-{i}", "kind": "spot", "gpus": {"min": 1, "max": opts.max_ranks}, "max_restarts": 20,
+            "grace_s": opts.grace_s, "workdir": str(script.parents[2]),
+            "command": [sys.executable, str(script), "--parallel", "ddp", "--steps", "10000000",
+                        "--ckpt-every", str(opts.ckpt_every), "--log-every", "50", "--warmup", "10", *args],
+            "env": {"OMP_NUM_THREADS": "1", "TIDAL_SHM_DIR": str(shm_dir)}}
+
+
+# ---------------------------------------------------------------------------------------- the view
+def _hhmm(serving_s: float) -> str:
+    t = serving_s % DAY
+    return f"day {int(serving_s // DAY)} {int(t // 3600):02d}:{int(t % 3600 // 60):02d}"
+
+
+def view(s: dict, jobs: list[dict], opts: CycleOptions, elapsed: float) -> Panel:
+    g = Table.grid(padding=(0, 2))
+    g.add_column(style="bold", no_wrap=True)
+    g.add_column()
+    if s.get("serving_time_s") is not None:
+        g.add_row("serving clock", f"{_hhmm(s['serving_time_s'])} ({opts.speedup:g}x; {elapsed:.0f} of "
+                                   f"{opts.wall_s:.0f} s)")
+    n = s.get("serving_gpus", 0)
+    up = (s.get("forecast") or {}).get("upper_gpus") or []
+    band = f"{min(up):.1f}-{max(up):.1f}" if up else "-"
+    g.add_row("demand", f"{s.get('demand_gpus') if s.get('demand_gpus') is not None else 'unknown'} GPUs of {n}; "
+                        f"forecast bound over the horizon {band}; margin {s.get('margin_gpus', 0):.2f}")
+    g.add_row("serving", f"lent {s.get('lent_gpus', 0)}, warming {s.get('warming_gpus', 0)}, serving "
+                         f"{s.get('serving_capacity_gpus', n)} (plan may lend {s.get('lendable_gpus', 0)})")
+    loans = ", ".join(f"{ln['node']}:{ln['gpus']}" for ln in s.get("loans", ())) or "none"
+    g.add_row("loans", loans)
+    rec = s.get("reclaims") or []
+    now = s.get("now_s") or time.time()
+    nxt = min(rec, key=lambda r: r["by_s"]) if rec else None
+    if nxt is None:
+        g.add_row("next reclaim", "none")
+    else:
+        notice = "now" if nxt["notice_s"] is None or nxt["notice_s"] <= now else f"+{nxt['notice_s'] - now:.0f} s"
+        g.add_row("next reclaim", f"{nxt['gpus']} GPUs by +{nxt['by_s'] - now:.0f} s (notice {notice})")
+    st = s.get("stats") or {}
+    g.add_row("returns", f"{st.get('reclaims_met', 0)} met, {st.get('reclaims_missed', 0)} missed; worst margin "
+                         f"{s['worst_margin_s']:.1f} s" if s.get("worst_margin_s") is not None else "none yet")
+    t = Table(box=None, padding=(0, 1))
+    for c in ("job", "state", "ranks", "where", "step", "ckpt"):
+        t.add_column(c)
+    for j in jobs:
+        p = j.get("progress") or {}
+        where = ", ".join(f"{k}:{v}" for k, v in sorted((j.get("placement") or {}).items()))
+        t.add_row(j["id"], j["state"], str(sum((j.get("placement") or {}).values())), where or "-", str(p.get("step", "-")),
+                  str(j.get("ckpt_step") if j.get("ckpt_step") is not None else "-"))
+    return Panel(Group(g, t), title="[bold]tidal demo cycle[/bold]", border_style="cyan", expand=False)
+
+
+# ----------------------------------------------------------------------------------- the simulator
+def simulate_same_day(opts: CycleOptions, training_gpus: int) -> dict[str, Any]:
+    """The same day through the simulator: the same profile, pool, timing (in serving seconds),
+    policy and budget; the same number of elastic spot jobs, submitted at the live start."""
+    from tidal.serving.traces import load_trace
+    from tidal.sim.config import make_config
+    from tidal.sim.engine import simulate
+    from tidal.sim.jobs import JobSpec
+    from tidal.sim.policies import PolicySpec
+
+    trace = load_trace(opts.trace or str(PROFILE))
+    nodes = opts.serving()
+    gpus = nodes.serving_gpus or 0
+    days = (opts.start_s + opts.hours * 3600.0) / DAY
+    reps = int(math.ceil(days * DAY / (len(trace.load) * trace.step_s))) + 1
+    demand = np.tile(gpus * trace.load / trace.peak_load, reps)
+    x = opts.speedup
+    per_node = max(int(p) for p in str(opts.serving_nodes).split("x")[-1:]) if "x" in opts.serving_nodes else 1
+    cfg = make_config(serving_gpus=gpus, training_gpus=training_gpus, gpus_per_node=per_node, days=days,
+                      warmup_days=opts.start_s / DAY, restart_s=opts.restart_cost_s * x, stage_s=0.5 * x,
+                      persist_s=2.0 * x, notice_s=opts.grace_s * x, final_checkpoint_s=opts.final_checkpoint_s * x,
+                      release_s=opts.release_s * x, warmup_s=opts.warmup_s * x, failure_rate_per_gpu_hour=0.0,
+                      step_s=trace.step_s, sched_period_s=PLANE_CONFIG.loop_interval_s * x, record_timeline=False)
+    cfg = dataclasses.replace(cfg, release_when_captured=True)  # as the live runtime: out once captured
+    jobs = [JobSpec(f"spot-{i}", "demo", "spot", 0, 1, opts.max_ranks, 1e12, opts.start_s)
+            for i in range(opts.jobs)]
+    m = simulate(demand, step_s=trace.step_s, policy=PolicySpec("tidal", opts.shortfall_budget), config=cfg,
+                 jobs=jobs).metrics
+    return {"loaned_gpu_hours": m["loaned_gpu_hours"], "used_gpu_hours": m["trained_on_loans_held_gpu_hours"],
+            "shortfall_gpu_hours": m["serving_shortfall_gpu_hours"], "shortfall_ratio": m["shortfall_ratio"],
+            "reclaims": m["reclaims"], "demanded_gpu_hours": m["demanded_gpu_hours"]}
+
+
+# --------------------------------------------------------------------------------------------- run
+def run_cycle(opts: CycleOptions, console: Console, *, keep: bool = False) -> dict[str, Any]:
+    opts.check()
+    script = example_script()
+    sdir = Path(tempfile.mkdtemp(prefix="tidal-cycle-"))
+    shm_base = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else sdir
+    shm_dir = Path(tempfile.mkdtemp(prefix="tidal-cycle-shm-", dir=shm_base))
+    cfg = ControlConfig(**{**{f: getattr(PLANE_CONFIG, f) for f in ("restart_backoff_s", "hang_timeout_s",
+                                                                      "startup_timeout_s", "kill_slack_s",
+                                                                      "loop_interval_s")},
+                           "serving": opts.serving()})
+    plane: EmbeddedPlane | None = None
+    checks: list[str] = []
+    try:
+        plane = EmbeddedPlane(sdir, 1, cfg)
+        url = plane.start()
+        console.print(f"[bold cyan]cycle[/bold cyan] control plane up at {url} ({plane.plane.describe})",
+                      highlight=False)
+        admin = TidalClient(url, plane.admin_token)
+        client = TidalClient(url, admin.create_tenant("research")["token"])
+        ids = [client.submit(job_spec(opts, script, shm_dir, i))["id"] for i in range(opts.jobs)]
+        t0 = time.monotonic()
+        s, jobs = {}, []
+        seen = 0
+        with Live(view({}, [], opts, 0.0), console=console, refresh_per_second=2,
+                  auto_refresh=console.is_terminal) as live:
+            while time.monotonic() - t0 < opts.wall_s:
+                s = client.serving()
+                jobs = [client.job(i) for i in ids]
+                checks += _double_counted(s, jobs)
+                for e in admin.events(after=seen):
+                    seen = e["id"]
+                    if e["kind"] in ("loan", "reclaim", "return", "serving_action_failed") or (
+                            e["kind"] == "transition" and e.get("to") in ("resizing", "preempting")):
+                        console.print(f"[dim]{_hhmm(s.get('serving_time_s') or 0)}[/dim] "
+                                      f"{e.get('job') or ''} {e['message']}", highlight=False)
+                live.update(view(s, jobs, opts, time.monotonic() - t0))
+                time.sleep(0.5)
+        summary = _summary(opts, s, jobs, admin, checks, time.monotonic() - t0)
+        console.print("[dim]running the same day through the simulator...[/dim]")
+        summary["simulator"] = sim = simulate_same_day(opts, training_gpus=1)
+        summary["live_vs_sim"] = {k: _ratio(summary["live"][k], sim[k])
+                                  for k in ("loaned_gpu_hours", "used_gpu_hours", "shortfall_gpu_hours")}
+        return summary
+    finally:
+        old = {sg: signal.signal(sg, signal.SIG_IGN) for sg in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            if plane is not None:
+                plane.stop()
+            shutil.rmtree(shm_dir, ignore_errors=True)
+            if not keep:
+                shutil.rmtree(sdir, ignore_errors=True)
+            else:
+                console.print(f"state kept in {sdir}")
+        finally:
+            for sg, h in old.items():
+                signal.signal(sg, h)
+
+
+def _double_counted(s: dict, jobs: list[dict]) -> list[str]:
+    """Serving nodes where jobs hold more GPUs than are lent, as the plane saw them at the end of its
+    newest step (one consistent view: the store's placements against the ledger)."""
+    lent = {ln["node"]: ln["gpus"] for ln in s.get("loans", ())}
+    return [f"{n}: jobs hold {g}, lent {lent.get(n, 0)}" for n, g in (s.get("held_gpus") or {}).items()
+            if g > lent.get(n, 0)]
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return None if not b else round(a / b, 3)
+
+
+def _summary(opts: CycleOptions, s: dict, jobs: list[dict], client: TidalClient, checks: list[str],
+             wall_s: float) -> dict[str, Any]:
+    st = s.get("stats") or {}
+    h = 3600.0
+    x = opts.speedup
+    events, after = [], 0
+    while True:
+        page = client.events(after=after, limit=10000)
+        events += page
+        if len(page) < 10000:
+            break
+        after = page[-1]["id"]
+    stops = [e for e in events if e["kind"] == "transition" and "(reclaim" in (e.get("message") or "")]
+    tiers: set[str] = set()
+    for j in jobs:
+        tiers |= set((j.get("progress") or {}).get("tiers") or {})
+    lost = sum(j["report"]["lost_steps"] for j in jobs)
+    live = {"loaned_gpu_hours": st.get("lent_gpu_s", 0.0) * x / h, "used_gpu_hours": st.get("used_gpu_s", 0.0) * x / h,
+            "shortfall_gpu_hours": st.get("shortfall_gpu_s", 0.0) / h,
+            "shortfall_ratio": (st.get("shortfall_gpu_s", 0.0) / st["demand_gpu_s"]) if st.get("demand_gpu_s") else None,
+            "demanded_gpu_hours": st.get("demand_gpu_s", 0.0) / h,
+            "reclaim_notices": len(stops), "returns_met": st.get("reclaims_met", 0),
+            "returns_missed": st.get("reclaims_missed", 0), "worst_margin_s": s.get("worst_margin_s"),
+            "returned_gpus": st.get("returned_gpus", 0), "lent_gpus_total": st.get("lent_total_gpus", 0),
+            "lost_steps": lost, "checkpoint_tiers": sorted(tiers),
+            "jobs": [{"id": j["id"], "state": j["state"], "step": (j.get("progress") or {}).get("step"),
+                      "ckpt_step": j.get("ckpt_step"), "preemptions": j["report"]["preemptions"],
+                      "restarts": j["report"]["restarts"]} for j in jobs],
+            "release_failures": st.get("release_failures", 0), "restore_failures": st.get("restore_failures", 0)}
+    live["double_counted_steps"] = st.get("double_counted_steps", 0)
+    ok = live["lent_gpus_total"] > 0 and live["returns_missed"] == 0 and not checks and not live["double_counted_steps"]
+    return {"ok": ok, "wall_s": round(wall_s, 1), "speedup": x, "hours": opts.hours, "live": live,
+            "double_counted": checks[:20]}
+
+
+def print_summary(console: Console, out: dict) -> None:
+    lv, sim = out["live"], out["simulator"]
+    t = Table(title=f"{out['hours']:g} h of serving time at {out['speedup']:g}x ({out['wall_s']:.0f} s)")
+    t.add_column("")
+    t.add_column("live", justify="right")
+    t.add_column("simulator", justify="right")
+    t.add_column("live / sim", justify="right")
+    for k, label in (("loaned_gpu_hours", "GPU-hours lent"), ("used_gpu_hours", "GPU-hours used by jobs"),
+                     ("shortfall_gpu_hours", "serving shortfall, GPU-hours")):
+        r = out["live_vs_sim"][k]
+        t.add_row(label, f"{lv[k]:.2f}", f"{sim[k]:.2f}", "-" if r is None else f"{r:.2f}")
+    t.add_row("reclaim notices", str(lv["reclaim_notices"]), str(sim["reclaims"]), "")
+    console.print(t)
+    wm = lv["worst_margin_s"]
+    console.print(f"returns to serving: {lv['returns_met']} before the deadline, {lv['returns_missed']} late; "
+                  f"worst margin {'-' if wm is None else f'{wm:.1f} s'}; steps lost to reclaims {lv['lost_steps']}; "
+                  f"checkpoint tiers {', '.join(lv['checkpoint_tiers']) or '-'}", highlight=False)
+    if out["double_counted"]:
+        console.print(f"[red]GPU held by serving and a job at once: {out['double_counted'][:3]}[/red]")
+    console.print("[bold green]ok[/bold green]" if out["ok"] else "[bold red]NOT ok[/bold red]")
+
+
+def cycle(speedup: Annotated[float, typer.Option(help="serving seconds per second")] = 240.0,
+          hours: Annotated[float, typer.Option(help="hours of serving time to replay")] = 24.0,
+          start_hour: Annotated[float, typer.Option(help="serving time of day to start at")] = 18.0,
+          jobs: Annotated[int, typer.Option(help="elastic spot jobs")] = 2,
+          max_ranks: Annotated[int, typer.Option(help="largest size of each job")] = 3,
+          serving_nodes: Annotated[str, typer.Option(help="virtual serving nodes, NxG")] = "8x2",
+          trace: Annotated[str | None, typer.Option(help="a serving trace CSV instead of the shipped profile")] = None,
+          keep: Annotated[bool, typer.Option("--keep", help="keep the state dir")] = False,
+          json_out: Annotated[bool, typer.Option("--json", help="the summary as JSON on stdout")] = False) -> None:
+    """A day of live lending: spot jobs grow onto lent serving GPUs at night and give them back in time."""
+    import json
+
+    console = Console(stderr=json_out)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    opts = CycleOptions(speedup=speedup, hours=hours, start_hour=start_hour, jobs=jobs, max_ranks=max_ranks,
+                        serving_nodes=serving_nodes, trace=trace)
+    try:
+        out = run_cycle(opts, console, keep=keep)
+    except DemoError as e:
+        Console(stderr=True).print(f"[red]error:[/red] {e}", highlight=False)
+        raise typer.Exit(2) from None
+    if json_out:
+        print(json.dumps(out, indent=1))
+    else:
+        print_summary(console, out)
+    raise typer.Exit(0 if out["ok"] else 1)
