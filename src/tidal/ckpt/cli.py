@@ -387,20 +387,28 @@ def inspect_cmd(
         if pieces:
             pt = Table(title="pieces", title_justify="left")
             for col, just in (("tensor", "left"), ("offsets", "left"), ("lengths", "left"), ("file", "left"),
-                              ("byte range", "left"), ("crc32", "left")):
+                              ("byte range", "left"), ("checksum", "left")):
                 pt.add_column(col, justify=just, overflow="fold")  # type: ignore[arg-type]
             for t in tensors:
                 for p in t.pieces:
                     pt.add_row(_t(t.name), _t(_shape(p.box.offsets)), _t(_shape(p.box.lengths)), _t(p.file),
-                               _t(f"{p.start}..{p.start + p.nbytes}"), _t(f"0x{p.crc32:08x}"))
+                               _t(f"{p.start}..{p.start + p.nbytes}"), _t(_crc_text(p)))
             con.print(pt)
     if errors:
         _fail("; ".join(errors))
 
 
+def _crc_text(p: mf.StoredPiece) -> str:
+    if p.blocks is None:
+        return f"crc32 0x{p.crc32 or 0:08x}"
+    first = f" 0x{p.blocks[0]:08x}" + (" …" if len(p.blocks) > 1 else "") if len(p.blocks) else ""
+    return f"{len(p.blocks)} block crc32{first}"
+
+
 def _piece_doc(p: mf.StoredPiece) -> dict:
     return {"offsets": list(p.box.offsets), "lengths": list(p.box.lengths), "file": p.file, "key": p.key,
-            "start": p.start, "end": p.start + p.nbytes, "nbytes": p.nbytes, "crc32": p.crc32}
+            "start": p.start, "end": p.start + p.nbytes, "nbytes": p.nbytes, "crc32": p.crc32,
+            "blocks": None if p.blocks is None else len(p.blocks)}
 
 
 # -- verify ----------------------------------------------------------------------------------------
