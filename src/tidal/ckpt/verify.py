@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from tidal.ckpt import manifest as mf
-from tidal.ckpt.errors import ManifestError
+from tidal.ckpt.errors import ManifestError, UnsafeFileError
 from tidal.ckpt.protocol import RangeReader, TruncatedRead
 from tidal.ckpt.tiers import DirTier
 
@@ -216,6 +216,9 @@ def _verify_tier(tier: Any, step: int) -> tuple[Checked, list[Problem]]:
             reader = tier.open_file(step, name)
         except FileNotFoundError:
             problem(None, f"data file is missing (it holds {len(entries)} piece(s))")
+            continue
+        except UnsafeFileError as e:
+            problem(None, f"refused: {e}")
             continue
         try:
             if isinstance(tier, DirTier):
