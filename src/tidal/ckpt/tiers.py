@@ -146,21 +146,27 @@ class DirTier:
             raise UnsafeFileError(f"{path}: is not a plain file (refused)")
         if st.st_nlink <= 1:
             return
-        if self.kind == "shm" and st.st_uid == os.geteuid() and (st.st_dev, st.st_ino) in self._slot_inodes():
-            return  # this tier's own commit: a hard link to one of its staging slots
+        if self.kind == "shm" and st.st_uid == os.geteuid() and self._own_links(st) == st.st_nlink:
+            return  # this tier's own commit: a staging slot hard-linked into its step folders
         raise UnsafeFileError(f"{path}: has {st.st_nlink} hard links (refused: a file of tier '{self.name}' "
                               "may not be linked from outside it)")
 
-    def _slot_inodes(self) -> set[tuple[int, int]]:
-        out = set()
-        slots = self.root / "slots"
-        with contextlib.suppress(OSError):
-            for n in os.listdir(slots):
-                with contextlib.suppress(OSError):
-                    st = os.lstat(slots / n)
-                    if stat.S_ISREG(st.st_mode):
-                        out.add((st.st_dev, st.st_ino))
-        return out
+    def _own_links(self, st: os.stat_result) -> int:
+        """How many names inside this tier (staging slots, step folders) the inode of ``st`` has; 0
+        unless one of them is a staging slot."""
+        names = [self.root / "slots"] + [self.root / n for _, n in self._step_names()]
+        count, slot = 0, False
+        for i, d in enumerate(names):
+            with contextlib.suppress(OSError):
+                if os.path.islink(d):
+                    continue
+                for n in os.listdir(d):
+                    with contextlib.suppress(OSError):
+                        s = os.lstat(d / n)
+                        if (s.st_dev, s.st_ino) == (st.st_dev, st.st_ino) and stat.S_ISREG(s.st_mode):
+                            count += 1
+                            slot = slot or i == 0
+        return count if slot else 0
 
     # -- small objects -----------------------------------------------------------------------------
     def read_bytes(self, step: int, name: str) -> bytes:
