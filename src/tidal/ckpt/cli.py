@@ -39,7 +39,7 @@ from rich.text import Text
 from tidal.ckpt import manifest as mf
 from tidal.ckpt.api import LoadStats, load, read_manifest
 from tidal.ckpt.config import build, describe, kind_of, normalize, read_tiers, resolve
-from tidal.ckpt.errors import CheckpointError, ManifestError, NotFoundError, TierSpecError
+from tidal.ckpt.errors import CheckpointError, CorruptionError, ManifestError, NotFoundError, TierSpecError
 from tidal.ckpt.flatten import ST_TO_DTYPE, path_name
 from tidal.ckpt.status import CheckpointStatus, read_status
 from tidal.ckpt.tiers import DirTier, is_peer_url, is_s3_url, local_path, shm_root_for, tiers_for
@@ -516,6 +516,12 @@ def export_cmd(
         _note(notes)
         tier, man = read_manifest(source, s)  # the same copy load() reads
         _check_step(tier, man, s)
+        # Shapes are bounded by the bytes the manifest lists; those must be present before allocating.
+        sizes = [t.file_sizes(s) for t in held.get(s, [])]
+        for f in man.files:
+            if not any(sz.get(f["name"], -1) >= f["size_bytes"] for sz in sizes):
+                raise CorruptionError(f"{tier.where(s, f['name'])}: the manifest lists {f['size_bytes']} bytes; "
+                                      "no tier holds the file whole")
         state: dict = {}
         for t in man.tensors.values():
             _put(state, tuple(t.path), torch.empty(t.shape, dtype=ST_TO_DTYPE[t.dtype]))
