@@ -195,7 +195,7 @@ def test_inspect_lists_entries_dtypes_shapes_and_objects(url):
     r = run("inspect", url, "--step", 10, "--pieces")
     assert r.exit_code == 0, r.stderr
     p = piece(url, 10, "model/w")
-    assert f"0x{p.crc32:08x}" in r.stdout and f"{p.start}..{p.start + p.nbytes}" in r.stdout
+    assert f"1 block crc32 0x{p.blocks[0]:08x}" in r.stdout and f"{p.start}..{p.start + p.nbytes}" in r.stdout
     assert p.file in r.stdout
 
 
@@ -210,7 +210,8 @@ def test_inspect_json(url):
     assert (w["dtype"], w["shape"], w["num_pieces"], w["bytes"], w["path"]) == ("F32", [8, 4], 1, 128, ["model", "w"])
     p = piece(url, 10, "model/w")
     assert w["pieces"] == [{"offsets": [0, 0], "lengths": [8, 4], "file": p.file, "key": "model/w",
-                            "start": p.start, "end": p.start + p.nbytes, "nbytes": 128, "crc32": p.crc32}]
+                            "start": p.start, "end": p.start + p.nbytes, "nbytes": 128, "crc32": None,
+                            "blocks": 1}]
     objs = {o["name"]: o["value"] for o in doc["objects"]}
     assert objs == {"step": 10, "optim": {"param_groups": [{"lr": 0.1, "betas": [0.9, 0.99]}]}}
 
@@ -328,6 +329,11 @@ def test_hand_edited_manifest_shape(url):
     w = next(t for t in doc["tensors"] if t["name"] == "model/w")
     w["shape"] = [8, 5]
     mpath.write_text(json.dumps(doc))
+    r = run_proc("ls", url)  # the manifest's checksum catches the edit first
+    assert r.returncode == 1 and "field 'checksum' does not match" in r.stderr and str(mpath) in r.stderr
+    assert r.stderr.strip().count("\n") == 0 and "Traceback" not in r.stderr
+    doc["checksum"] = mf.canonical_checksum(doc)  # an edit that also recomputes the checksum
+    mpath.write_text(json.dumps(doc))
 
     r = run_proc("ls", url)
     assert r.returncode == 1
@@ -363,6 +369,7 @@ def test_manifest_moved_to_another_step_directory(url, tmp_path):
     mpath = url / mf.step_dirname(20) / mf.MANIFEST
     doc = json.loads(mpath.read_text())
     doc["step"] = 10
+    doc["checksum"] = mf.canonical_checksum(doc)
     mpath.write_text(json.dumps(doc))
     for cmd in (["ls", url], ["inspect", url], ["export", url, tmp_path / "x.safetensors"]):
         r = run(*cmd)
@@ -440,7 +447,7 @@ def write_two_rank_checkpoint(url: Path, step: int, full: dict[str, torch.Tensor
     names = [data_name(r, save_id) for r in range(2)]
     d = url / mf.step_dirname(step)
     d.mkdir(parents=True)
-    crcs = {}
+    crcs, headers = {}, {}
     for rf in plan.files:
         buf = bytearray(rf.size_bytes)
         buf[: len(rf.header)] = rf.header
@@ -448,9 +455,10 @@ def write_two_rank_checkpoint(url: Path, step: int, full: dict[str, torch.Tensor
             sl = tuple(slice(o, o + n) for o, n in zip(p.box.offsets, p.box.lengths, strict=True))
             data = bits(full[p.name][sl])
             buf[p.start : p.start + p.nbytes] = data
-            crcs[f"{rf.rank}/{p.key}"] = zlib.crc32(data)
+            crcs[f"{rf.rank}/{p.key}"] = mf.block_crcs(data)
+        headers[rf.rank] = zlib.crc32(rf.header)
         (d / names[rf.rank]).write_bytes(bytes(buf))
-    doc = mf.build(plan, step, save_id, time.time(), crcs, [(("step",), step)], names)
+    doc = mf.build(plan, step, save_id, time.time(), crcs, [(("step",), step)], names, headers)
     (d / mf.MANIFEST).write_text(json.dumps(doc))
 
 
@@ -489,7 +497,11 @@ def test_export_assembles_pieces_from_two_ranks(tmp_path, shm):
         assert ckpt.load(u, one, stats=stats) == 3
         assert bits(part) == bits(full["w"][a:b])
         assert bits(one["e"]) == bits(full["e"]) and one["step"] == 3
-        assert stats.read_amplification == 1.0
+        # pieces smaller than one checksum block are read whole (and checked)
+        man = ckpt.read_manifest(u)[1]
+        touched = [p for t in man.tensors.values() for p in t.pieces
+                   if t.name != "w" or (p.box.offsets[0] < b and p.box.offsets[0] + p.box.lengths[0] > a)]
+        assert stats.bytes_read == sum(p.nbytes for p in touched)
 
 
 def test_local_shard_targets_from_a_single_process_checkpoint(url):

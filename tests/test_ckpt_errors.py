@@ -243,6 +243,10 @@ def test_hand_edited_manifest_is_rejected(tmp_path):
     doc = json.loads(m.read_text())
     doc["tensors"][0]["shape"][0] += 1
     m.write_text(json.dumps(doc))
+    with pytest.raises(ckpt.ManifestError, match="field 'checksum' does not match"):
+        ckpt.load(url, state(0))
+    doc["checksum"] = mf.canonical_checksum(doc)  # edited with care: the content is checked too
+    m.write_text(json.dumps(doc))
     with pytest.raises(ckpt.ManifestError, match="do not tile"):
         ckpt.load(url, state(0))
 

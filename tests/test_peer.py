@@ -102,7 +102,9 @@ def test_node_loss_restores_from_the_buddy_resharded(nodes, tmp_path, shm):
         stats = ckpt.LoadStats()
         assert ckpt.load(on_b, target, stats=stats) == 3
         assert torch.equal(part, want["w"][r0:r1]) and torch.equal(target["b"], want["b"]) and target["step"] == 3
-        assert stats.bytes_by_tier == {"peer": stats.bytes_read} and stats.read_amplification == 1.0
+        assert stats.bytes_by_tier == {"peer": stats.bytes_read}
+        # pieces smaller than one checksum block are read whole (and checked), never more
+        assert stats.bytes_needed <= stats.bytes_read <= sum(t.numel() * t.element_size() for t in (want["w"], want["b"]))
         assert stats.manifest_tier == "peer" and stats.fallbacks == []
     assert ckpt.steps(on_b) == [2, 3]
     from typer.testing import CliRunner

@@ -2,7 +2,7 @@
 
 Every case compares, bit for bit, the full model and Adam state gathered after the load (with
 torch.distributed.checkpoint's ``full_state_dict``) against the same gathering done right after the
-save, and requires every rank to read exactly the bytes it needs (read amplification 1.0); the
+save, and requires every rank to read at most the checksum blocks its bytes lie in; the
 workers also check the step and extra values and train one more step after the load
 (tests/workers/reshard_worker.py).
 

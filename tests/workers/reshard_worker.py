@@ -7,7 +7,7 @@ save: train a small model a few steps under ``--layout``, save it with ``tidal.c
       write the full (unsharded) model + Adam state, gathered with torch.distributed.checkpoint, to
       D/ref.safetensors (+ D/ref_param_groups.json) from rank 0.
 load: build the same model under ``--layout`` with a different seed, ``ckpt.load`` + apply, then
-      check: the step and extra values, read amplification 1.0 on every rank, and - on rank 0 - that
+      check: the step and extra values, reads bounded by the checksum blocks touched on every rank, and - on rank 0 - that
       the gathered full state equals the reference bit for bit. Then train one more step.
 
 Each job prints ``RESULT <phase>:<layout>:<dir name> OK|FAIL <details>`` on stdout; a failed check
@@ -200,9 +200,12 @@ def load_job(layout: str, d: Path) -> str:
     if step != STEP or state["step"] != STEP or state["note"] != "x":
         problems.append(f"load returned step {step}, state step {state['step']!r}, note {state['note']!r}; "
                         f"expected {STEP}, {STEP}, 'x'")
-    if stats.bytes_needed <= 0 or stats.bytes_read != stats.bytes_needed:
+    # Reads are widened to the 64 KiB checksum blocks they touch: at most one block more at each end
+    # of a piece's run (these pieces are row blocks, or small enough to be one or two blocks).
+    slack = stats.pieces_read * 2 * (64 << 10)
+    if stats.bytes_needed <= 0 or not stats.bytes_needed <= stats.bytes_read <= stats.bytes_needed + slack:
         problems.append(f"read amplification {stats.read_amplification}: read {stats.bytes_read} bytes "
-                        f"for {stats.bytes_needed} needed")
+                        f"for {stats.bytes_needed} needed (at most {slack} more expected)")
     if stats.fallbacks:
         problems.append(f"load fell back between tiers: {stats.fallbacks}")
     if not math.isfinite(loss):

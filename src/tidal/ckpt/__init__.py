@@ -44,6 +44,7 @@ _WHERE = {
     "StateError": "errors",
     "TierError": "errors",
     "TierSpecError": "errors",
+    "UnsafeFileError": "errors",
 }
 __all__ = [
     "Checkpointer",
@@ -68,6 +69,7 @@ __all__ = [
     "StateError",
     "TierError",
     "TierSpecError",
+    "UnsafeFileError",
 ]
 
 if TYPE_CHECKING:
@@ -83,6 +85,7 @@ if TYPE_CHECKING:
         StateError,
         TierError,
         TierSpecError,
+        UnsafeFileError,
     )
     from tidal.ckpt.flatten import LocalShard
     from tidal.ckpt.handle import SaveHandle

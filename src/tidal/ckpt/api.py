@@ -6,6 +6,11 @@ reads exactly the byte ranges of those intersections, each from the fastest tier
 (``reader``). ``url_or_tiers`` is a directory, an ``s3://bucket/prefix`` URL (each with this
 node's shm tier in front when there is one), or a tier list as given to ``Checkpointer`` (see
 ``config``). A tier that cannot be reached is skipped, and said so in ``LoadStats.fallbacks``.
+
+A step that cannot be read correctly from any tier (a checksum mismatch in every copy of a piece,
+a damaged or crafted manifest everywhere, a missing file) is skipped for the newest older committed
+step, with a warning and a line in ``LoadStats.skipped_steps``; every rank skips together. An
+explicitly requested ``step`` is not skipped unless ``fallback_older=True``.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from typing import Any
 from tidal.ckpt import comm
 from tidal.ckpt import manifest as mf
 from tidal.ckpt.config import describe, read_tiers
-from tidal.ckpt.errors import NotFoundError, StateError
+from tidal.ckpt.errors import CorruptionError, ManifestError, NotFoundError, StateError
 from tidal.ckpt.flatten import flatten, path_name, set_path
 from tidal.ckpt.protocol import Tier
 from tidal.ckpt.reader import PieceReader
@@ -33,7 +38,8 @@ class LoadStats:
 
     ``bytes_by_tier``: bytes read from each tier (by tier name); ``fallbacks``: one line per
     piece that a faster tier could not serve (missing, truncated, corrupt, unreachable) and per
-    tier that could not even be listed.
+    tier that could not even be listed; ``skipped_steps``: one line per newer step that could not be
+    read correctly from any tier and was skipped for an older one (what and why).
     """
 
     step: int = -1
@@ -43,6 +49,7 @@ class LoadStats:
     bytes_by_tier: dict[str, int] = field(default_factory=dict)
     pieces_read: int = 0
     fallbacks: list[str] = field(default_factory=list)
+    skipped_steps: list[str] = field(default_factory=list)
 
     @property
     def read_amplification(self) -> float:
@@ -77,6 +84,12 @@ def steps(url_or_tiers: UrlOrTiers) -> list[int]:
 def _choose(url_or_tiers: UrlOrTiers, step: int | None, process_group: Any,
             notes: list[str] | None) -> tuple[int, list[Tier]]:
     """The step to read and the tiers holding it, fastest first."""
+    chosen, tiers, held = _choose_all(url_or_tiers, step, process_group, notes)
+    return chosen, [t for t in tiers if chosen in held.get(t.name, ())]
+
+
+def _choose_all(url_or_tiers: UrlOrTiers, step: int | None, process_group: Any,
+                notes: list[str] | None) -> tuple[int, list[Tier], dict[str, set[int]]]:
     tiers = read_tiers(url_or_tiers)
     held = held_steps(tiers, notes)
     available = sorted(set().union(*held.values()))
@@ -89,25 +102,49 @@ def _choose(url_or_tiers: UrlOrTiers, step: int | None, process_group: Any,
         chosen = step
     if chosen not in available:
         raise NotFoundError(f"step {chosen} is not committed at {where}; committed steps: {available[-10:]}")
-    return chosen, [t for t in tiers if chosen in held.get(t.name, ())]
+    return chosen, tiers, held
 
 
 def load(url_or_tiers: UrlOrTiers, state: dict, step: int | None = None, process_group: Any = None, *,
-         strict: bool = True, verify: bool = True, stats: LoadStats | None = None) -> int:
+         strict: bool = True, verify: bool = True, stats: LoadStats | None = None,
+         fallback_older: bool | None = None) -> int:
     """Fill ``state`` in place from a committed step (the newest in any tier by default); return the step.
 
     Tensors (plain, DTensor, LocalShard) are filled in place with the part this rank holds now,
     whatever layout they were saved from. Non-tensor values are replaced. ``strict`` requires the
     checkpoint and ``state`` to hold exactly the same entries. ``verify`` checks the CRC-32 of
-    every piece read whole (partial reads are verified by ``tidal ckpt verify``).
+    every block read (format 1: of every piece read whole). ``fallback_older`` (default: when
+    ``step`` is None) skips a step that no tier serves intact for the newest older one; the
+    entries the older step holds are then all overwritten (module docstring).
     """
     stats = stats if stats is not None else LoadStats()
-    chosen, holding = _choose(url_or_tiers, step, process_group, stats.fallbacks)
-    tier, man = newest_manifest(holding, chosen)
-    holding.sort(key=lambda t: t is not tier)  # the tier whose manifest we read comes first
-    stats.step, stats.manifest_tier = chosen, tier.name
-    _fill(man, holding, state, strict=strict, verify=verify, stats=stats)
-    return chosen
+    older_ok = step is None if fallback_older is None else fallback_older
+    chosen, tiers, held = _choose_all(url_or_tiers, step, process_group, stats.fallbacks)
+    available = sorted(set().union(*held.values()))
+    while True:
+        holding = [t for t in tiers if chosen in held.get(t.name, ())]
+        error: CorruptionError | ManifestError | None = None
+        try:
+            tier, man = newest_manifest(holding, chosen)
+            holding.sort(key=lambda t: t is not tier)  # the tier whose manifest we read comes first
+            stats.step, stats.manifest_tier = chosen, tier.name
+            _fill(man, holding, state, strict=strict, verify=verify, stats=stats)
+        except (CorruptionError, ManifestError) as e:
+            if not older_ok:
+                raise
+            error = e
+        if not older_ok or comm.all_min(0 if error else 1, process_group):
+            return chosen
+        older = comm.all_min(max((s for s in available if s < chosen), default=-1), process_group)
+        why = str(error) if error is not None else "another rank could not read it intact"
+        line = f"step {chosen}: skipped: {why}"
+        stats.skipped_steps.append(line)
+        if older < 0:
+            if len(stats.skipped_steps) > 1:
+                why = "; ".join(stats.skipped_steps)
+            raise (type(error) if error is not None else CorruptionError)(f"{why} (no older intact step)")
+        log.warning("checkpoint %s; falling back to step %d", line, older)
+        chosen = older
 
 
 def _fill(man: mf.Manifest, tiers: list[Tier], state: dict, *, strict: bool, verify: bool,

@@ -470,15 +470,16 @@ class Checkpointer:
         handoffs = {q.tier.name: self._handoff_io.submit(self._handoff, q.tier, job, name, data)
                     for q in job.remote if hasattr(q.tier, "handoff") and not job.extra.get("urgent")}
         try:
-            crcs = {p.key: zlib.crc32(mv[p.start : p.start + p.nbytes]) for p in rf.pieces}
+            blocks = {p.key: mf.block_crcs(mv[p.start : p.start + p.nbytes]) for p in rf.pieces}
+            header_crc = zlib.crc32(mv[: len(rf.header)])
         except BaseException:
             for f in [dir_write, *handoffs.values()]:  # nobody may read the slot once it is released
                 if f is not None:
                     with contextlib.suppress(Exception):
                         f.result()
             raise
-        sidecar = {"rank": self.rank, "step": job.step, "save_id": job.save_id, "crc32": crcs,
-                   "size_bytes": rf.size_bytes}
+        sidecar = {"rank": self.rank, "step": job.step, "save_id": job.save_id, "blocks": blocks,
+                   "header_crc32": header_crc, "size_bytes": rf.size_bytes}
         errors = []
         for tier in job.tiers:
             if tier is first_dir and dir_write is not None:
@@ -545,9 +546,10 @@ class Checkpointer:
             return False
 
     def _manifest(self, job: _Job, docs: list[dict]) -> dict:
-        crcs = {f"{d['rank']}/{k}": int(v) for d in docs for k, v in d["crc32"].items()}
+        crcs = {f"{d['rank']}/{k}": str(v) for d in docs for k, v in d["blocks"].items()}
+        headers = {int(d["rank"]): int(d["header_crc32"]) for d in docs}
         names = [data_name(r, job.save_id) for r in range(job.plan.world_size)]
-        return mf.build(job.plan, job.step, job.save_id, time.time(), crcs, job.objects, names)
+        return mf.build(job.plan, job.step, job.save_id, time.time(), crcs, job.objects, names, headers)
 
     def _persist_tier(self, job: _Job, tier: DirTier, write: Any, sidecar: dict, cleanups: list) -> None:
         step, sid = job.step, job.save_id

@@ -39,7 +39,7 @@ from rich.text import Text
 from tidal.ckpt import manifest as mf
 from tidal.ckpt.api import LoadStats, load, read_manifest
 from tidal.ckpt.config import build, describe, kind_of, normalize, read_tiers, resolve
-from tidal.ckpt.errors import CheckpointError, ManifestError, NotFoundError, TierSpecError
+from tidal.ckpt.errors import CheckpointError, CorruptionError, ManifestError, NotFoundError, TierSpecError
 from tidal.ckpt.flatten import ST_TO_DTYPE, path_name
 from tidal.ckpt.status import CheckpointStatus, read_status
 from tidal.ckpt.tiers import DirTier, is_peer_url, is_s3_url, local_path, shm_root_for, tiers_for
@@ -387,20 +387,28 @@ def inspect_cmd(
         if pieces:
             pt = Table(title="pieces", title_justify="left")
             for col, just in (("tensor", "left"), ("offsets", "left"), ("lengths", "left"), ("file", "left"),
-                              ("byte range", "left"), ("crc32", "left")):
+                              ("byte range", "left"), ("checksum", "left")):
                 pt.add_column(col, justify=just, overflow="fold")  # type: ignore[arg-type]
             for t in tensors:
                 for p in t.pieces:
                     pt.add_row(_t(t.name), _t(_shape(p.box.offsets)), _t(_shape(p.box.lengths)), _t(p.file),
-                               _t(f"{p.start}..{p.start + p.nbytes}"), _t(f"0x{p.crc32:08x}"))
+                               _t(f"{p.start}..{p.start + p.nbytes}"), _t(_crc_text(p)))
             con.print(pt)
     if errors:
         _fail("; ".join(errors))
 
 
+def _crc_text(p: mf.StoredPiece) -> str:
+    if p.blocks is None:
+        return f"crc32 0x{p.crc32 or 0:08x}"
+    first = f" 0x{p.blocks[0]:08x}" + (" …" if len(p.blocks) > 1 else "") if len(p.blocks) else ""
+    return f"{len(p.blocks)} block crc32{first}"
+
+
 def _piece_doc(p: mf.StoredPiece) -> dict:
     return {"offsets": list(p.box.offsets), "lengths": list(p.box.lengths), "file": p.file, "key": p.key,
-            "start": p.start, "end": p.start + p.nbytes, "nbytes": p.nbytes, "crc32": p.crc32}
+            "start": p.start, "end": p.start + p.nbytes, "nbytes": p.nbytes, "crc32": p.crc32,
+            "blocks": None if p.blocks is None else len(p.blocks)}
 
 
 # -- verify ----------------------------------------------------------------------------------------
@@ -508,6 +516,12 @@ def export_cmd(
         _note(notes)
         tier, man = read_manifest(source, s)  # the same copy load() reads
         _check_step(tier, man, s)
+        # Shapes are bounded by the bytes the manifest lists; those must be present before allocating.
+        sizes = [t.file_sizes(s) for t in held.get(s, [])]
+        for f in man.files:
+            if not any(sz.get(f["name"], -1) >= f["size_bytes"] for sz in sizes):
+                raise CorruptionError(f"{tier.where(s, f['name'])}: the manifest lists {f['size_bytes']} bytes; "
+                                      "no tier holds the file whole")
         state: dict = {}
         for t in man.tensors.values():
             _put(state, tuple(t.path), torch.empty(t.shape, dtype=ST_TO_DTYPE[t.dtype]))

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 
 from tidal.ckpt import manifest as mf
-from tidal.ckpt.errors import SaveError
+from tidal.ckpt.errors import ManifestError, SaveError
 from tidal.ckpt.protocol import Tier
 from tidal.ckpt.tiers import failure_name, sidecar_name
 
@@ -159,10 +159,10 @@ def cleanup(tier: Tier, keep: int, committed_step: int, busy: Callable[[int], bo
         with lock:
             if busy(s):
                 continue
-        doc = read_json(tier, s, mf.MANIFEST)
-        try:
-            keep_files = {f["name"] for f in doc["files"]} | {mf.MANIFEST} if doc else None
-        except (TypeError, KeyError):
+        try:  # only a manifest whose checksum holds may say which files are stray
+            doc = mf.verified_doc(tier.read_bytes(s, mf.MANIFEST), tier.where(s, mf.MANIFEST))
+            keep_files = {f["name"] for f in doc["files"]} | {mf.MANIFEST}
+        except (OSError, ManifestError, TypeError, KeyError):
             keep_files = None
         if keep_files is None:
             continue  # a damaged manifest is left for a person to look at

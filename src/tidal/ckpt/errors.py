@@ -33,3 +33,8 @@ class TierError(CheckpointError, OSError):
 
 class TierSpecError(CheckpointError, ValueError):
     """A tier specification is malformed (names the spec and what was expected)."""
+
+
+class UnsafeFileError(CheckpointError, OSError):
+    """A step folder or file in a directory tier is a symlink, a hard link out of the tier, or not a
+    plain file: refused (names the path and why). Loads fall back to the next tier as for a bad copy."""

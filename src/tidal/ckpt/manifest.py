@@ -6,25 +6,44 @@ Layout of a checkpoint location (any tier)::
     <root>/step_000000000120/r00000-<save_id>.safetensors
     <root>/step_000000000120/r00000-<save_id>.json  # per-rank sidecar (checksums), merged by rank 0
 
-``manifest.json`` (version 1)::
+``manifest.json`` (version 2)::
 
-    {"format": "tidal-ckpt", "version": 1, "step": 120, "save_id": "…", "created_unix_s": …,
-     "world_size": 4,
+    {"format": "tidal-ckpt", "version": 2, "step": 120, "save_id": "…", "created_unix_s": …,
+     "world_size": 4, "block_bytes": 65536,
      "tensors": [{"name": "model/w", "path": ["model", "w"], "dtype": "F32", "shape": [8, 4],
                   "layout": "[Shard(dim=0)] on mesh (4,)",
                   "pieces": [{"offsets": [0, 0], "lengths": [2, 4], "file": "r00000-….safetensors",
-                              "key": "model/w@0:2,0:4", "start": 128, "nbytes": 32, "crc32": 123}]}],
+                              "key": "model/w@0:2,0:4", "start": 128, "nbytes": 32,
+                              "blocks": "<base64 of one little-endian uint32 CRC-32 per block>"}]}],
      "objects": [{"path": ["step"], "value": 120}],
-     "files": [{"name": "r00000-….safetensors", "rank": 0, "size_bytes": 4096}]}
+     "files": [{"name": "r00000-….safetensors", "rank": 0, "size_bytes": 4096, "header_crc32": 77}],
+     "checksum": "sha256:<hex>"}
 
 ``start`` is the absolute byte offset of the piece in its file, so a reader seeks straight to it.
-Parsing validates every field and names the manifest and the field when something is wrong.
+Each piece is cut into blocks of ``block_bytes`` (counted from its first byte; the last one may be
+shorter) with one CRC-32 each, so a partial read verifies every block it touches and reads at most
+those whole blocks. ``header_crc32`` covers the file's safetensors header (bytes before the first
+piece). ``checksum`` is the SHA-256 of the manifest's canonical JSON without that field (keys
+sorted, no spaces, ASCII), so any change to any value (an object such as the learning rate
+included) is detected before the manifest is used.
+
+Version 1 (before block checksums) has one ``crc32`` per piece and no ``checksum``; it still loads:
+pieces read whole are checked, partial reads are not.
+
+Parsing validates every field and names the manifest and the field when something is wrong, with
+bounded JSON depth and integer sizes; every problem is a ``ManifestError`` with a one-line message.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import hashlib
 import json
 import math
+import sys
+import zlib
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,8 +54,13 @@ from tidal.ckpt.layout import Box, check_tiling
 from tidal.ckpt.plan import ITEMSIZE, SavePlan
 
 FORMAT = "tidal-ckpt"
-VERSION = 1
+VERSION = 2
+VERSIONS = (1, 2)  # what this code reads
 MANIFEST = "manifest.json"
+BLOCK_BYTES = 64 << 10  # checksum block of version-2 pieces (see docs/checkpoint.md for why 64 KiB)
+MAX_DEPTH = 64  # JSON nesting a manifest may have (objects included)
+MAX_INT = (1 << 63) - 1  # every integer in a manifest fits an int64
+MAX_DIMS = 64
 
 
 def step_dirname(step: int) -> str:
@@ -57,7 +81,14 @@ class StoredPiece:
     key: str
     start: int
     nbytes: int
-    crc32: int
+    crc32: int | None  # version 1: the CRC-32 of the whole piece
+    blocks: array | None = None  # version 2: CRC-32 of each block of ``block_bytes``
+    block_bytes: int = BLOCK_BYTES
+
+    def block_span(self, index: int) -> tuple[int, int]:
+        """Absolute ``(offset, length)`` of block ``index`` in the file."""
+        lo = index * self.block_bytes
+        return self.start + lo, min(self.block_bytes, self.nbytes - lo)
 
 
 @dataclass(frozen=True)
@@ -84,6 +115,8 @@ class Manifest:
     objects: list[tuple[tuple, Any]]
     files: list[dict]
     raw: dict
+    version: int = VERSION
+    block_bytes: int = BLOCK_BYTES
 
     @property
     def total_bytes(self) -> int:
@@ -97,11 +130,29 @@ class Manifest:
         return f"world {self.world_size}: " + "; ".join(parts)
 
 
+def block_crcs(data: memoryview | bytes, block_bytes: int = BLOCK_BYTES) -> str:
+    """The ``blocks`` field of a piece: base64 of the little-endian CRC-32 of each block of ``data``."""
+    mv = memoryview(data)
+    crcs = array("I", (zlib.crc32(mv[i : i + block_bytes]) for i in range(0, len(mv), block_bytes)))
+    if sys.byteorder != "little":
+        crcs.byteswap()
+    return base64.b64encode(crcs.tobytes()).decode()
+
+
+def canonical_checksum(doc: dict) -> str:
+    """``sha256:<hex>`` of ``doc``'s canonical JSON without its ``checksum`` field."""
+    body = {k: v for k, v in doc.items() if k != "checksum"}
+    raw = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=True)
+    return "sha256:" + hashlib.sha256(raw.encode()).hexdigest()
+
+
 def build(plan: SavePlan, step: int, save_id: str, created_unix_s: float,
-          crcs: dict[str, int], objects: list[tuple[tuple, Any]], file_names: list[str]) -> dict:
+          crcs: dict[str, str], objects: list[tuple[tuple, Any]], file_names: list[str],
+          header_crcs: dict[int, int] | None = None) -> dict:
     """Assemble the manifest document from the plan, the ranks' checksums and rank 0's objects.
 
-    ``crcs`` maps ``"<rank>/<key>"`` to the CRC-32 of that piece's bytes.
+    ``crcs`` maps ``"<rank>/<key>"`` to that piece's ``blocks`` field (``block_crcs``);
+    ``header_crcs`` maps a rank to the CRC-32 of its file's header.
     """
     tensors = []
     for name, info in plan.entries.items():
@@ -110,41 +161,110 @@ def build(plan: SavePlan, step: int, save_id: str, created_unix_s: float,
             pieces.append({
                 "offsets": list(p.box.offsets), "lengths": list(p.box.lengths),
                 "file": file_names[p.rank], "key": p.key, "start": p.start, "nbytes": p.nbytes,
-                "crc32": crcs[f"{p.rank}/{p.key}"],
+                "blocks": crcs[f"{p.rank}/{p.key}"],
             })
         tensors.append({"name": name, "path": list(info.path), "dtype": info.dtype, "shape": list(info.shape),
                         "layout": info.layout, "pieces": pieces})
-    return {
+    files = []
+    for f in plan.files:
+        entry = {"name": file_names[f.rank], "rank": f.rank, "size_bytes": f.size_bytes}
+        if header_crcs is not None and f.rank in header_crcs:
+            entry["header_crc32"] = int(header_crcs[f.rank])
+        files.append(entry)
+    doc = {
         "format": FORMAT, "version": VERSION, "step": step, "save_id": save_id,
-        "created_unix_s": created_unix_s, "world_size": plan.world_size, "tensors": tensors,
-        "objects": [{"path": list(p), "value": v} for p, v in objects],
-        "files": [{"name": file_names[f.rank], "rank": f.rank, "size_bytes": f.size_bytes} for f in plan.files],
+        "created_unix_s": created_unix_s, "world_size": plan.world_size, "block_bytes": BLOCK_BYTES,
+        "tensors": tensors, "objects": [{"path": list(p), "value": v} for p, v in objects], "files": files,
     }
+    doc = json.loads(json.dumps(doc))  # exactly what a reader will see (tuples -> lists, int keys -> str)
+    doc["checksum"] = canonical_checksum(doc)
+    return doc
+
+
+def verified_doc(data: bytes, where: str) -> dict:
+    """The manifest's JSON object once its form (depth, integer sizes), format, version and (version
+    2) checksum are checked; nothing in it may be used before. Raises ``ManifestError``."""
+    try:
+        doc = json.loads(data)
+    except RecursionError:
+        raise ManifestError(f"{where}: JSON nested too deeply (more than {MAX_DEPTH} levels)") from None
+    except UnicodeDecodeError:
+        raise ManifestError(f"{where}: not valid JSON (not UTF-8; truncated or damaged?)") from None
+    except json.JSONDecodeError as e:
+        raise ManifestError(f"{where}: not valid JSON (truncated or edited?): {e}") from None
+    except ValueError as e:  # e.g. an integer of more than 4300 digits
+        raise ManifestError(f"{where}: not valid JSON: {' '.join(str(e).split())}") from None
+    if not isinstance(doc, dict):
+        raise ManifestError(f"{where}: expected a JSON object at top level")
+    _check_form(doc, where)
+    if doc.get("format") != FORMAT:
+        raise ManifestError(f"{where}: field 'format' is {_short(doc.get('format'))}, expected {FORMAT!r}")
+    version = doc.get("version")
+    if version not in VERSIONS or isinstance(version, bool):
+        raise ManifestError(f"{where}: field 'version' is {_short(version)}, expected one of {list(VERSIONS)} "
+                            "(written by a newer Tidal?)")
+    if version >= 2:
+        got = doc.get("checksum")
+        if not isinstance(got, str):
+            raise ManifestError(f"{where}: field 'checksum' is missing or not a string (version {version} "
+                                "manifests carry one)")
+        want = canonical_checksum(doc)
+        if got != want:
+            raise ManifestError(f"{where}: field 'checksum' does not match the manifest's content "
+                                f"(damaged or edited): it says {_short(got, 80)}, the content gives {want}")
+    return doc
+
+
+def _short(v: Any, limit: int = 60) -> str:
+    r = repr(v)
+    return r if len(r) <= limit else r[: limit - 1] + "…"
+
+
+def _check_form(doc: Any, where: str) -> None:
+    """Bounded nesting and integer sizes, checked without recursion."""
+    stack: list[tuple[Any, int, str]] = [(doc, 1, "")]
+    while stack:
+        v, depth, at = stack.pop()
+        if isinstance(v, dict):
+            if depth > MAX_DEPTH:
+                raise ManifestError(f"{where}: JSON nested too deeply at {at or 'top'} (limit {MAX_DEPTH} levels)")
+            stack.extend((x, depth + 1, f"{at}.{k}" if at else str(k)) for k, x in v.items())
+        elif isinstance(v, list):
+            if depth > MAX_DEPTH:
+                raise ManifestError(f"{where}: JSON nested too deeply at {at or 'top'} (limit {MAX_DEPTH} levels)")
+            stack.extend((x, depth + 1, f"{at}[{i}]") for i, x in enumerate(v))
+        elif isinstance(v, int) and not isinstance(v, bool) and not -MAX_INT - 1 <= v <= MAX_INT:
+            raise ManifestError(f"{where}: field '{at}' is an integer of {len(str(abs(v)))} digits, "
+                                "more than an int64 holds")
 
 
 def parse(data: bytes, where: str) -> Manifest:
-    """Parse and validate a manifest; ``where`` names it in errors (e.g. the file path)."""
-    try:
-        doc = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ManifestError(f"{where}: not valid JSON (truncated or edited?): {e}") from None
-    if not isinstance(doc, dict):
-        raise ManifestError(f"{where}: expected a JSON object at top level")
-    if doc.get("format") != FORMAT:
-        raise ManifestError(f"{where}: field 'format' is {doc.get('format')!r}, expected {FORMAT!r}")
-    if doc.get("version") != VERSION:
-        raise ManifestError(f"{where}: field 'version' is {doc.get('version')!r}, expected {VERSION}")
+    """Parse and validate a manifest; ``where`` names it in errors (e.g. the file path).
+
+    Every problem is a ``ManifestError`` whose message is one line naming ``where`` and the field.
+    """
+    doc = verified_doc(data, where)
+    version = doc["version"]
     step = _int(doc, "step", where)
     world = _int(doc, "world_size", where)
+    block = BLOCK_BYTES
+    if version >= 2:
+        block = _int(doc, "block_bytes", where)
+        if not 1 <= block <= 1 << 30:
+            raise ManifestError(f"{where}: field 'block_bytes' is {block}, expected 1..{1 << 30}")
     files = doc.get("files")
     if not isinstance(files, list):
         raise ManifestError(f"{where}: field 'files' must be a list")
-    file_names = set()
+    file_sizes: dict[str, int] = {}
     for i, f in enumerate(files):
         if not isinstance(f, dict) or not isinstance(f.get("name"), str):
             raise ManifestError(f"{where}: files[{i}] must be an object with a string 'name'")
         _check_file_name(f["name"], f"{where}: files[{i}].name")
-        file_names.add(f["name"])
+        if f["name"] in file_sizes:
+            raise ManifestError(f"{where}: files[{i}].name {_short(f['name'])} is listed twice")
+        file_sizes[f["name"]] = _int(f, "size_bytes", f"{where}: files[{i}]")
+        if "header_crc32" in f:
+            _int(f, "header_crc32", f"{where}: files[{i}]")
     tensors: dict[str, StoredTensor] = {}
     raw_tensors = doc.get("tensors")
     if not isinstance(raw_tensors, list):
@@ -156,11 +276,19 @@ def parse(data: bytes, where: str) -> Manifest:
         name = t.get("name")
         if not isinstance(name, str):
             raise ManifestError(f"{tw}.name must be a string")
-        tw = f"{where}: tensor '{name}'"
+        if name in tensors:
+            raise ManifestError(f"{tw}.name {_short(name)} appears twice")
+        tw = f"{where}: tensor {_short(name)}"
         dtype = t.get("dtype")
-        if dtype not in ITEMSIZE:
-            raise ManifestError(f"{tw}: dtype {dtype!r} is not a known safetensors dtype")
+        if not isinstance(dtype, str) or dtype not in ITEMSIZE:
+            raise ManifestError(f"{tw}: dtype {_short(dtype)} is not a known safetensors dtype")
         shape = _int_list(t, "shape", tw)
+        if len(shape) > MAX_DIMS:
+            raise ManifestError(f"{tw}: field 'shape' has {len(shape)} dimensions (at most {MAX_DIMS})")
+        numel = math.prod(shape)
+        if numel * ITEMSIZE[dtype] > MAX_INT:
+            raise ManifestError(f"{tw}: field 'shape' {_short(shape)} is {numel} elements, more bytes than "
+                                "any file holds")
         path = t.get("path")
         if not isinstance(path, list) or not all(isinstance(p, (str, int)) for p in path):
             raise ManifestError(f"{tw}: 'path' must be a list of strings/ints")
@@ -178,18 +306,25 @@ def parse(data: bytes, where: str) -> Manifest:
             box = Box(tuple(offs), tuple(lens))
             if not box.within(shape):
                 raise ManifestError(f"{pw}: box {offs}+{lens} lies outside shape {shape}")
-            nbytes, start, crc = _int(p, "nbytes", pw), _int(p, "start", pw), _int(p, "crc32", pw)
+            nbytes, start = _int(p, "nbytes", pw), _int(p, "start", pw)
             if nbytes != box.numel * ITEMSIZE[dtype]:
                 raise ManifestError(f"{pw}: nbytes {nbytes} != {box.numel} elements × {ITEMSIZE[dtype]} bytes")
             file = p.get("file")
-            if file not in file_names:
-                raise ManifestError(f"{pw}: file {file!r} is not listed in 'files'")
+            if not isinstance(file, str) or file not in file_sizes:
+                raise ManifestError(f"{pw}: file {_short(file)} is not listed in 'files'")
+            if start < 8 or start + nbytes > file_sizes[file]:
+                raise ManifestError(f"{pw}: bytes {start}..{start + nbytes} do not lie in the data of {file} "
+                                    f"({file_sizes[file]} bytes per 'files')")
             key = p.get("key")
             if not isinstance(key, str):
                 raise ManifestError(f"{pw}: 'key' must be a string")
-            pieces.append(StoredPiece(box, file, key, start, nbytes, crc))
-        problem = check_tiling(shape, [p.box for p in pieces if p.box.numel > 0 or math.prod(shape) == 0])
-        if problem and math.prod(shape) > 0:
+            if version >= 2:
+                blocks = _blocks(p, nbytes, block, pw)
+                pieces.append(StoredPiece(box, file, key, start, nbytes, None, blocks, block))
+            else:
+                pieces.append(StoredPiece(box, file, key, start, nbytes, _int(p, "crc32", pw)))
+        problem = check_tiling(shape, [p.box for p in pieces if p.box.numel > 0 or numel == 0])
+        if problem and numel > 0:
             raise ManifestError(f"{tw}: stored pieces do not tile the tensor: {problem}")
         tensors[name] = StoredTensor(name, tuple(path), dtype, tuple(shape), str(t.get("layout", "")), tuple(pieces))
     objects = []
@@ -199,10 +334,32 @@ def parse(data: bytes, where: str) -> Manifest:
     for i, o in enumerate(raw_objects):
         if not isinstance(o, dict) or not isinstance(o.get("path"), list) or "value" not in o:
             raise ManifestError(f"{where}: objects[{i}] must be an object with 'path' and 'value'")
+        if not all(isinstance(x, (str, int)) and not isinstance(x, bool) for x in o["path"]):
+            raise ManifestError(f"{where}: objects[{i}].path must be a list of strings/ints")
         objects.append((tuple(o["path"]), o["value"]))
     created = doc.get("created_unix_s", 0.0)
-    return Manifest(step, str(doc.get("save_id", "")), float(created) if isinstance(created, (int, float)) else 0.0,
-                    world, tensors, objects, files, doc)
+    created = float(created) if isinstance(created, (int, float)) and not isinstance(created, bool) else 0.0
+    return Manifest(step, str(doc.get("save_id", "")), created, world, tensors, objects, files, doc,
+                    version=version, block_bytes=block)
+
+
+def _blocks(p: dict, nbytes: int, block: int, where: str) -> array:
+    v = p.get("blocks")
+    if not isinstance(v, str):
+        raise ManifestError(f"{where}: field 'blocks' must be a base64 string")
+    try:
+        raw = base64.b64decode(v, validate=True)
+    except (binascii.Error, ValueError):
+        raise ManifestError(f"{where}: field 'blocks' is not valid base64") from None
+    want = -(-nbytes // block)
+    if len(raw) != 4 * want:
+        raise ManifestError(f"{where}: field 'blocks' holds {len(raw) / 4:g} checksums, "
+                            f"{nbytes} bytes in blocks of {block} need {want}")
+    out = array("I")
+    out.frombytes(raw)
+    if sys.byteorder != "little":
+        out.byteswap()
+    return out
 
 
 def read(step_dir: Path) -> Manifest:
@@ -235,15 +392,16 @@ def read_object(read_bytes: Callable[[], bytes], where: str, step: int) -> Manif
 
 def _int(d: dict, key: str, where: str) -> int:
     v = d.get(key)
-    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-        raise ManifestError(f"{where}: field '{key}' must be a non-negative integer, got {v!r}")
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0 or v > MAX_INT:
+        raise ManifestError(f"{where}: field '{key}' must be a non-negative integer, got {_short(v)}")
     return v
 
 
 def _int_list(d: dict, key: str, where: str) -> list[int]:
     v = d.get(key)
-    if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v):
-        raise ManifestError(f"{where}: field '{key}' must be a list of non-negative integers, got {v!r}")
+    if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= MAX_INT
+                                          for x in v):
+        raise ManifestError(f"{where}: field '{key}' must be a list of non-negative integers, got {_short(v)}")
     return v
 
 

@@ -1,11 +1,15 @@
 """Reading pieces of a step for ``load``: exact byte ranges, fastest tier first, with fallback.
 
 For each stored piece that overlaps what this rank needs, the intersection's bytes are a set of
-runs inside the piece (``layout.byte_runs``). Adjacent runs are merged into one range; the ranges
-are read with one ``RangeReader`` call per tier (``preadv`` for directories, ranged GETs for S3),
-never touching a byte outside them, so ``LoadStats.bytes_read == bytes_needed``. A missing or
-truncated file, a checksum mismatch (pieces read whole) or an unreachable tier falls back to the
-next tier holding the step; an unreachable tier is then skipped for the rest of the load.
+runs inside the piece (``layout.byte_runs``). Adjacent runs are merged into one range. In a
+version-2 step every piece carries one CRC-32 per block of ``block_bytes`` (64 KiB), so each range
+is widened to the whole blocks it touches (``widen``), those are read and every block is checked,
+and the needed runs are cut out of them: a partial read is verified like a whole one and reads at
+most the blocks it touches (``LoadStats.bytes_read`` counts them). The ranges are read with one
+``RangeReader`` call per tier (``preadv`` for directories, ranged GETs for S3). A missing or
+truncated file, a checksum mismatch or an unreachable tier falls back to the next tier holding the
+step; an unreachable tier is then skipped for the rest of the load. Version-1 steps (one CRC-32 per
+piece) are checked only where a piece is read whole.
 """
 
 from __future__ import annotations
@@ -24,6 +28,20 @@ from tidal.ckpt.layout import Box, intersect
 from tidal.ckpt.layout import byte_runs as _byte_runs
 from tidal.ckpt.plan import ITEMSIZE
 from tidal.ckpt.protocol import RangeReader, Tier, TruncatedRead
+
+
+def widen(ranges: Sequence[tuple[int, int]], start: int, nbytes: int, block: int) -> list[tuple[int, int]]:
+    """``ranges`` (absolute, sorted) widened to the whole blocks of the piece at ``start`` that they
+    touch, overlapping or adjacent ones merged."""
+    out: list[list[int]] = []
+    for off, n in ranges:
+        lo = start + (off - start) // block * block
+        hi = min(start + -(-(off + n - start) // block) * block, start + nbytes)
+        if out and out[-1][1] >= lo:
+            out[-1][1] = max(out[-1][1], hi)
+        else:
+            out.append([lo, hi])
+    return [(lo, hi - lo) for lo, hi in out]
 
 
 def coalesce(starts: Sequence[int], run_bytes: int, base: int) -> list[tuple[int, int]]:
@@ -99,7 +117,10 @@ class PieceReader:
 
     def _read(self, st: mf.StoredTensor, piece: mf.StoredPiece, sub: Box) -> torch.Tensor:
         runs = _byte_runs(piece.box, sub, ITEMSIZE[st.dtype])
-        ranges = coalesce(runs.starts, runs.run_bytes, piece.start)
+        needed = coalesce(runs.starts, runs.run_bytes, piece.start)
+        blocks = self.verify and piece.blocks is not None
+        ranges = widen(needed, piece.start, piece.nbytes, piece.block_bytes) if blocks else needed
+        total = sum(n for _, n in ranges)
         whole = sub == piece.box
         step = self.man.step
         errors: list[str] = []
@@ -116,7 +137,7 @@ class PieceReader:
                 if isinstance(e, TierError):
                     self._dead[tier.name] = why
                 continue
-            buf = torch.empty(runs.total_bytes, dtype=torch.uint8)
+            buf = torch.empty(total, dtype=torch.uint8)
             mv = memoryview(buf.numpy())
             try:
                 reader.read_ranges(ranges, mv)
@@ -133,16 +154,52 @@ class PieceReader:
                 self._fallback(errors, f"{where}: {e}")
                 continue
             with self._lock:
-                self.stats.bytes_read += runs.total_bytes
-                self.stats.bytes_by_tier[tier.name] = self.stats.bytes_by_tier.get(tier.name, 0) + runs.total_bytes
-            if self.verify and whole and zlib.crc32(mv) != piece.crc32:
+                self.stats.bytes_read += total
+                self.stats.bytes_by_tier[tier.name] = self.stats.bytes_by_tier.get(tier.name, 0) + total
+            if blocks:
+                bad = _bad_block(mv, ranges, piece)
+                if bad is not None:
+                    self._fallback(errors, f"{where}: checksum mismatch in tensor '{st.name}' piece at offsets "
+                                           f"{list(piece.box.offsets)}, block {bad} (bytes "
+                                           f"{piece.block_span(bad)[0]}..{sum(piece.block_span(bad))})")
+                    continue
+            elif self.verify and whole and piece.crc32 is not None and zlib.crc32(mv) != piece.crc32:
                 self._fallback(errors, f"{where}: checksum mismatch in tensor '{st.name}' "
                                        f"piece at offsets {list(piece.box.offsets)}")
                 continue
             with self._lock:
                 self.stats.pieces_read += 1
-            return buf
+            return buf if ranges == needed else _cut(buf, ranges, needed, runs.total_bytes)
         raise CorruptionError("; ".join(errors) or f"tensor '{st.name}': no tier holds {piece.file}")
+
+
+def _bad_block(mv: memoryview, ranges: list[tuple[int, int]], piece: mf.StoredPiece) -> int | None:
+    """The index of the first block in ``mv`` (``ranges`` read back to back, whole blocks of ``piece``)
+    whose CRC-32 differs from the manifest's, or None."""
+    assert piece.blocks is not None
+    block, pos = piece.block_bytes, 0
+    for off, n in ranges:
+        first = (off - piece.start) // block
+        for k in range(-(-n // block)):
+            m = min(block, n - k * block)
+            if zlib.crc32(mv[pos + k * block : pos + k * block + m]) != piece.blocks[first + k]:
+                return first + k
+        pos += n
+    return None
+
+
+def _cut(buf: torch.Tensor, ranges: list[tuple[int, int]], needed: list[tuple[int, int]], size: int) -> torch.Tensor:
+    """The ``needed`` ranges (each inside one of ``ranges``, both sorted), cut out of ``buf``."""
+    out = torch.empty(size, dtype=torch.uint8)
+    k, base, pos = 0, 0, 0
+    for off, n in needed:
+        while off >= ranges[k][0] + ranges[k][1]:
+            base += ranges[k][1]
+            k += 1
+        at = base + off - ranges[k][0]
+        out[pos : pos + n] = buf[at : at + n]
+        pos += n
+    return out
 
 
 def _slices(box: Box) -> tuple[slice, ...]:

@@ -4,6 +4,12 @@
 * ``DirTier("shm", /dev/shm/tidal/<name>-<hash>)`` - node shared memory: survives the training
   process but not the node. Its data files are hard links to the staging slots, so staging a step
   *is* writing it to this tier (no second copy).
+
+Reading a directory tier never follows a link out of it: a step folder or file that is a symlink is
+refused (``O_NOFOLLOW``), and so is a file with more than one hard link, except, in the shm tier, a
+staging slot of this tier (``<root>/slots/``) owned by this user. The tier root itself may be a
+symlink (a mount point chosen by the user). Refusals are ``UnsafeFileError`` (an ``OSError``), so a
+load falls back to the next tier as for any bad copy.
 * ``s3.S3Tier`` - S3-compatible object storage (``s3://bucket/prefix``).
 * ``peer.PeerTier`` - other nodes' memory, through checkpoint agents (``peer://<namespace>``).
 
@@ -15,16 +21,18 @@ readers are fine. Writers are the checkpointer's background threads.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
 import shutil
+import stat
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from tidal.ckpt import manifest as mf
-from tidal.ckpt.errors import ManifestError, TierError
+from tidal.ckpt.errors import ManifestError, TierError, UnsafeFileError
 from tidal.ckpt.protocol import Tier, TruncatedRead
 
 SHM_BASE_ENV = "TIDAL_SHM_DIR"
@@ -103,9 +111,75 @@ class DirTier:
                 out[n] = os.stat(self.step_dir(step) / n).st_size
         return out
 
+    # -- opening without following links ------------------------------------------------------------
+    def _open_safe(self, step: int, name: str) -> int:
+        """An fd of file ``name`` of ``step``, opened without following a symlink (of the step folder
+        or the file) and refused when it is not a plain file or is hard-linked from elsewhere."""
+        d = self.step_dir(step)
+        try:
+            dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError as e:
+            if e.errno == errno.ELOOP or (e.errno == errno.ENOTDIR and os.path.islink(d)):
+                raise UnsafeFileError(f"{d}: the step folder is a symlink (refused: it may point out of "
+                                      f"tier '{self.name}')") from None
+            raise
+        try:
+            try:
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dfd)
+            except OSError as e:
+                if e.errno == errno.ELOOP:
+                    raise UnsafeFileError(f"{d / name}: is a symlink (refused: it may point out of "
+                                          f"tier '{self.name}')") from None
+                raise
+        finally:
+            os.close(dfd)
+        try:
+            self._check_plain(fd, d / name)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _check_plain(self, fd: int, path: Path) -> None:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafeFileError(f"{path}: is not a plain file (refused)")
+        if st.st_nlink <= 1:
+            return
+        if self.kind == "shm" and st.st_uid == os.geteuid() and self._own_links(st) == st.st_nlink:
+            return  # this tier's own commit: a staging slot hard-linked into its step folders
+        raise UnsafeFileError(f"{path}: has {st.st_nlink} hard links (refused: a file of tier '{self.name}' "
+                              "may not be linked from outside it)")
+
+    def _own_links(self, st: os.stat_result) -> int:
+        """How many names inside this tier (staging slots, step folders) the inode of ``st`` has; 0
+        unless one of them is a staging slot."""
+        names = [self.root / "slots"] + [self.root / n for _, n in self._step_names()]
+        count, slot = 0, False
+        for i, d in enumerate(names):
+            with contextlib.suppress(OSError):
+                if os.path.islink(d):
+                    continue
+                for n in os.listdir(d):
+                    with contextlib.suppress(OSError):
+                        s = os.lstat(d / n)
+                        if (s.st_dev, s.st_ino) == (st.st_dev, st.st_ino) and stat.S_ISREG(s.st_mode):
+                            count += 1
+                            slot = slot or i == 0
+        return count if slot else 0
+
     # -- small objects -----------------------------------------------------------------------------
     def read_bytes(self, step: int, name: str) -> bytes:
-        return (self.step_dir(step) / name).read_bytes()
+        fd = self._open_safe(step, name)
+        try:
+            chunks = []
+            while True:
+                b = os.read(fd, 1 << 20)
+                if not b:
+                    return b"".join(chunks)
+                chunks.append(b)
+        finally:
+            os.close(fd)
 
     def write_bytes(self, step: int, name: str, data: bytes) -> None:
         d = self.prepare_step(step)
@@ -123,7 +197,18 @@ class DirTier:
         self.write_bytes(step, name, json.dumps(doc, separators=(",", ":")).encode())
 
     def read_manifest(self, step: int) -> mf.Manifest:
-        return mf.read(self.step_dir(step))
+        where = self.where(step, mf.MANIFEST)
+        try:
+            data = self.read_bytes(step, mf.MANIFEST)
+        except FileNotFoundError:
+            raise ManifestError(f"{where}: missing (step not committed)") from None
+        except UnsafeFileError as e:
+            raise ManifestError(str(e)) from None
+        man = mf.parse(data, where)
+        if man.step != step:
+            raise ManifestError(f"{where}: field 'step' is {man.step} but the directory is step {step} "
+                                "(edited or copied by hand?)")
+        return man
 
     # -- data --------------------------------------------------------------------------------------
     def prepare_step(self, step: int) -> Path:
@@ -149,16 +234,23 @@ class DirTier:
         os.link(source, path)
 
     def open_file(self, step: int, name: str) -> _FileReader:
-        return _FileReader(os.open(self.step_dir(step) / name, os.O_RDONLY))
+        return _FileReader(self._open_safe(step, name))
 
     # -- removal -----------------------------------------------------------------------------------
     def remove_file(self, step: int, name: str) -> None:
+        if os.path.islink(self.step_dir(step)):
+            return  # a linked step folder: what it points at is not this tier's to remove
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.step_dir(step) / name)
 
     def remove_step(self, step: int) -> None:
+        d = self.step_dir(step)
+        if os.path.islink(d):  # never reach through a linked step folder into what it points at
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(d)
+            return
         self.remove_file(step, mf.MANIFEST)
-        shutil.rmtree(self.step_dir(step), ignore_errors=True)
+        shutil.rmtree(d, ignore_errors=True)
 
 
 class _FileReader:

@@ -1,4 +1,5 @@
-"""Re-reading a step copy in one tier: sizes, safetensors headers and every piece's CRC-32.
+"""Re-reading a step copy in one tier: the manifest's checksum, sizes, safetensors headers (and their
+CRC-32) and every block's CRC-32 (version 1: every piece's).
 
 Used by ``tidal ckpt verify``. Reads every byte range of every piece of the step in that tier,
 through the tier's own reader (``Tier.open_file``: ``preadv`` for a directory, ranged GETs for
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from tidal.ckpt import manifest as mf
-from tidal.ckpt.errors import ManifestError
+from tidal.ckpt.errors import ManifestError, UnsafeFileError
 from tidal.ckpt.protocol import RangeReader, TruncatedRead
 from tidal.ckpt.tiers import DirTier
 
@@ -78,6 +79,28 @@ def _crc_range(reader: RangeReader, start: int, nbytes: int, buf: memoryview) ->
         crc = zlib.crc32(buf[:n], crc)
         done += n
     return crc, done
+
+
+def _check_blocks(reader: RangeReader, p: mf.StoredPiece, buf: memoryview) -> tuple[list[int], int]:
+    """(indices of blocks of ``p`` whose CRC-32 differs, bytes read) through ``reader``."""
+    assert p.blocks is not None
+    block = p.block_bytes
+    step = max(block, len(buf) // block * block)
+    if step > len(buf):
+        buf = memoryview(bytearray(step))
+    bad, done = [], 0
+    while done < p.nbytes:
+        n = min(step, p.nbytes - done)
+        try:
+            reader.read_ranges([(p.start + done, n)], buf[:n])
+        except TruncatedRead as e:
+            return bad, done + max(0, min(e.got, n))
+        for k in range(0, n, block):
+            i = (done + k) // block
+            if zlib.crc32(buf[k : min(k + block, n)]) != p.blocks[i]:
+                bad.append(i)
+        done += n
+    return bad, done
 
 
 def _parse_header(reader: RangeReader, size: int) -> tuple[dict[str, Any], int]:
@@ -194,6 +217,9 @@ def _verify_tier(tier: Any, step: int) -> tuple[Checked, list[Problem]]:
         except FileNotFoundError:
             problem(None, f"data file is missing (it holds {len(entries)} piece(s))")
             continue
+        except UnsafeFileError as e:
+            problem(None, f"refused: {e}")
+            continue
         try:
             if isinstance(tier, DirTier):
                 _check_safetensors(Path(where), expect, problem)
@@ -204,16 +230,34 @@ def _verify_tier(tier: Any, step: int) -> tuple[Checked, list[Problem]]:
                     problem(None, f"does not parse as safetensors: {e}")
                 else:
                     _compare_header(header, base, expect, problem)
-            for t, p in entries:
-                crc, got = _crc_range(reader, p.start, p.nbytes, buf)
-                checked.pieces += 1
+            if isinstance(f.get("header_crc32"), int):
+                head = min((p.start for _, p in entries), default=want if isinstance(want, int) else size)
+                crc, got = _crc_range(reader, 0, head, buf)
                 checked.bytes += got
+                if got == head and crc != f["header_crc32"]:
+                    problem(None, f"header checksum mismatch (manifest crc32 0x{f['header_crc32']:08x}, "
+                                  f"bytes 0..{head} give 0x{crc:08x})")
+            for t, p in entries:
                 at = f"piece at offsets {list(p.box.offsets)}"
+                checked.pieces += 1
+                if p.blocks is not None:
+                    bad, got = _check_blocks(reader, p, buf)
+                    checked.bytes += got
+                    if got < p.nbytes:
+                        problem(t.name, f"{at}: bytes {p.start}..{p.start + p.nbytes} lie past the end of the "
+                                        f"file ({size} bytes): truncated")
+                    elif bad:
+                        spans = ", ".join(f"{p.block_span(b)[0]}..{sum(p.block_span(b))}" for b in bad[:3])
+                        problem(t.name, f"{at}: checksum mismatch in {len(bad)} of {len(p.blocks)} block(s) "
+                                        f"(bytes {spans}{' …' if len(bad) > 3 else ''})")
+                    continue
+                crc, got = _crc_range(reader, p.start, p.nbytes, buf)
+                checked.bytes += got
                 if got < p.nbytes:
                     problem(t.name, f"{at}: bytes {p.start}..{p.start + p.nbytes} lie past the end of the "
                                     f"file ({size} bytes): truncated")
                 elif crc != p.crc32:
-                    problem(t.name, f"{at}: checksum mismatch (manifest crc32 0x{p.crc32:08x}, "
+                    problem(t.name, f"{at}: checksum mismatch (manifest crc32 0x{p.crc32 or 0:08x}, "
                                     f"bytes {p.start}..{p.start + p.nbytes} give 0x{crc:08x})")
         finally:
             reader.close()

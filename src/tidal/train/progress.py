@@ -4,7 +4,8 @@ Records (every one carries ``event``, ``time`` (Unix seconds), ``job_id`` and ``
 
 * ``start``: ``world_size``, ``pid``, ``host``, ``device``, ``backend``, ``uptime_s`` (since process start)
 * ``restore``: ``step`` (0: nothing restored), ``duration_s``, ``tier``, ``bytes_read``,
-  ``read_amplification``, ``fallbacks``, ``saved_world_size``, ``uptime_s``
+  ``read_amplification``, ``fallbacks``, ``saved_world_size``, ``uptime_s``, ``skipped_steps`` (newer
+  steps not readable intact from any tier, skipped for an older one; only when there were some)
 * ``step``: ``step``, ``loss`` (mean over ranks), ``step_time_s``, ``samples_per_s``, ``tokens_per_s``,
   ``committed`` ({tier: newest committed step}), ``uptime_s`` on the first step, the caller's fields
 * ``checkpoint``: ``step``, ``reason`` (``steps``, ``seconds``, ``notice``, ``manual``), ``stall_s``

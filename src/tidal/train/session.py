@@ -241,7 +241,7 @@ class Session:
             if step >= 0:
                 state = self._state(0)
                 stats = ckpt.LoadStats()
-                got = ckpt.load(target, state, step=step, stats=stats)
+                got = ckpt.load(target, state, step=step, stats=stats, fallback_older=True)
                 if model is not None:
                     ckpt.apply_training_state(model, optimizer, state)
                 saved = state["train"]
@@ -257,6 +257,8 @@ class Session:
                 record.update(step=self.step, tier=stats.manifest_tier, bytes_read=stats.bytes_read,
                               read_amplification=round(stats.read_amplification, 4),
                               fallbacks=stats.fallbacks[:5], saved_world_size=saved.get("world_size"))
+                if stats.skipped_steps:
+                    record["skipped_steps"] = stats.skipped_steps[:5]
         record.update(duration_s=time.monotonic() - t0, uptime_s=self.uptime_s())
         self._write(record)
         if self.is_main:
