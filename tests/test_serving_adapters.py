@@ -1,0 +1,152 @@
+"""Serving adapters against real servers on loopback: Prometheus for demand, a webhook or a command for
+the actions. A webhook that fails, answers garbage or hangs never makes the plane lend more."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from tidal.control.loans import LiveLoans
+from tidal.policy.loan import LoanTiming
+from tidal.serving.adapters import AdapterError, HookAdapter, parse_nodes
+from tidal.serving.sources import PrometheusQuery
+
+NODES = {"serve-0": 4, "serve-1": 4}
+TIMING = LoanTiming(notice_s=10, final_checkpoint_s=5, release_s=5, warmup_s=10, restart_cost_s=10)
+
+
+class _Server:
+    """Answers Prometheus queries (``demand``) and webhook POSTs (``mode``: ok, fail, hang, garbage)."""
+
+    def __init__(self) -> None:
+        self.demand: float | None = 2.0
+        self.mode = "ok"
+        self.posts: list[dict] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                if outer.demand is None:
+                    body = json.dumps({"status": "error", "error": "down"}).encode()
+                else:
+                    body = json.dumps({"status": "success", "data": {"resultType": "vector", "result": [
+                        {"metric": {}, "value": [time.time(), str(outer.demand)]}]}}).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_POST(self) -> None:  # noqa: N802
+                n = int(self.headers.get("Content-Length", 0))
+                doc = json.loads(self.rfile.read(n))
+                if outer.mode == "hang":
+                    time.sleep(3)
+                outer.posts.append(doc)
+                code = 500 if outer.mode == "fail" else 200
+                body = b"{" if outer.mode == "garbage" else b"{}"
+                try:
+                    self.send_response(code)
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                except OSError:  # the client gave up (the hang case)
+                    pass
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def srv():
+    s = _Server()
+    yield s
+    s.close()
+
+
+def _loans(adapter) -> LiveLoans:
+    return LiveLoans(adapter, TIMING, step_s=60.0)
+
+
+def test_webhook_release_and_restore_carry_node_gpus_and_the_total(srv):
+    a = HookAdapter(PrometheusQuery(srv.url, "sum(x)"), NODES, url=srv.url + "/hook", timeout_s=1, retry_wait_s=0)
+    a.release("serve-0", 2, 2, 0.0)
+    a.restore("serve-0", 1, 1, 0.0)
+    assert srv.posts == [{"action": "release", "node": "serve-0", "gpus": 2, "lent_after": 2},
+                         {"action": "restore", "node": "serve-0", "gpus": 1, "lent_after": 1}]
+    assert a.health()["released"] == {"serve-0": 1, "serve-1": 0}
+
+
+@pytest.mark.parametrize("mode", ["fail", "hang"])
+def test_a_failing_or_hanging_webhook_lends_nothing(srv, mode):
+    srv.mode = mode
+    a = HookAdapter(PrometheusQuery(srv.url, "sum(x)"), NODES, url=srv.url + "/hook", timeout_s=0.5, attempts=2,
+                    retry_wait_s=0)
+    loans = _loans(a)
+    t = 1_000_000.0
+    kinds = set()
+    for k in range(200):  # demand 2 of 8: the plan wants to lend; every release fails
+        kinds |= {e[0] for e in loans.tick(t + 60.0 * k, {})}
+        assert loans.ledger.lent == 0
+        if loans.stats["release_failures"] >= 3:
+            break
+    assert loans.stats["release_failures"] >= 3 and "serving_action_failed" in kinds
+    assert a.health()["last_error"] and a.health()["released"] == {"serve-0": 0, "serve-1": 0}
+
+
+def test_prometheus_outage_lends_nothing_new_and_holds_what_is_lent(srv):
+    a = HookAdapter(PrometheusQuery(srv.url, "sum(x)", timeout_s=1), NODES, url=srv.url + "/hook", timeout_s=1)
+    loans = _loans(a)
+    t = 1_000_000.0
+    k = 0
+    while loans.ledger.lent == 0 and k < 200:
+        loans.tick(t + 60.0 * k, {})
+        k += 1
+    lent = loans.ledger.lent
+    assert lent > 0, "the plan never lent with steady low demand"
+    srv.demand = None  # Prometheus answers "status": "error"
+    for j in range(k, k + 30):
+        loans.tick(t + 60.0 * j, {})
+        assert loans.ledger.lent <= lent
+    assert loans.stats["unknown_demand_steps"] >= 30
+
+
+def test_command_actions(tmp_path):
+    log = tmp_path / "actions.log"
+    script = ("import os,sys; open(sys.argv[1],'a').write(' '.join(os.environ['TIDAL_SERVING_' + k] "
+              "for k in ('ACTION','NODE','GPUS','LENT_AFTER')) + '\\n'); sys.exit(int(os.environ.get('FAIL','0')))")
+    a = HookAdapter(PrometheusQuery("http://127.0.0.1:9", "x"), NODES, command=[sys.executable, "-c", script, str(log)],
+                    timeout_s=10)
+    a.release("serve-1", 3, 3, 0.0)
+    assert log.read_text() == "release serve-1 3 3\n"
+    slow = HookAdapter(PrometheusQuery("http://127.0.0.1:9", "x"), NODES,
+                       command=[sys.executable, "-c", "import time; time.sleep(5)"], timeout_s=0.3, attempts=1)
+    with pytest.raises(AdapterError, match="timed out"):
+        slow.release("serve-0", 1, 1, 0.0)
+    assert math.isnan(a.demand_gpus(0.0))  # nothing listens on port 9: unknown, never zero
+
+
+def test_adapter_and_nodes_refuse_bad_settings():
+    with pytest.raises(ValueError, match="exactly one"):
+        HookAdapter(PrometheusQuery("http://x:1", "q"), NODES)
+    with pytest.raises(ValueError, match="http"):
+        HookAdapter(PrometheusQuery("http://x:1", "q"), NODES, url="file:///etc/passwd")
+    assert parse_nodes("2x4") == {"serve-0": 4, "serve-1": 4}
+    assert parse_nodes("1,2") == {"serve-0": 1, "serve-1": 2}
+    for bad in ("0x4", "2x0", "x", "a,b", {"n": 0}, {"n": True}):
+        with pytest.raises(ValueError, match="serving nodes"):
+            parse_nodes(bad)
