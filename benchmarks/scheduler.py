@@ -39,12 +39,14 @@ from tidal.model import (
     Preempt,
     Reclaim,
     ReturnGpus,
+    SetCkptInterval,
     Shrink,
     Snapshot,
     Tenant,
     arrival,
     queue_key,
 )
+from tidal.policy.apply import admitted, grown, interval_set, nominated, preempted, returned, shrunk
 from tidal.policy.scheduler import SchedulerConfig, schedule
 
 GPUS_PER_NODE = 8
@@ -128,33 +130,25 @@ class Store:
                         self.queues, tuple(self.loans.values()), tuple(self.reclaims))
 
     def apply(self, decisions: list) -> None:
+        """The store's side of each decision (:mod:`tidal.policy.apply`'s per-decision functions, as the
+        simulator uses them), keeping the queues incrementally."""
+        now = self.now
         for d in decisions:
             if isinstance(d, Admit):
                 j = self._dequeue(d.job)
-                self.running[j.id] = replace(j, placement=dict(d.placement), started_s=self.now)
+                self.running[j.id] = admitted(j, d, now)
             elif isinstance(d, Grow):
+                self.running[d.job] = grown(self.running[d.job], d, now)
+            elif isinstance(d, (Shrink, Preempt)):
                 j = self.running[d.job]
-                p = dict(j.placement)
-                for n, g in d.add.items():
-                    p[n] = p.get(n, 0) + g
-                self.running[j.id] = replace(j, placement=p, last_grown_s=self.now)
-            elif isinstance(d, Shrink):
-                self.running[d.job] = replace(self.running[d.job], releasing=dict(d.release), last_shrunk_s=self.now)
-            elif isinstance(d, Preempt):
-                j = self.running[d.job]
-                self.running[d.job] = replace(j, releasing=dict(j.placement), last_preempted_s=self.now)
+                self.running[d.job] = shrunk(j, d, now) if isinstance(d, Shrink) else preempted(j, d, now)
+                if d.for_job is not None and d.for_job not in self.running:
+                    self.submit(nominated(self._dequeue(d.for_job), now))  # to the front of its queue
             elif isinstance(d, ReturnGpus):
-                ln = self.loans[d.node]
-                if ln.gpus == d.gpus:
-                    del self.loans[d.node]
-                else:
-                    self.loans[d.node] = replace(ln, gpus=ln.gpus - d.gpus)
-                left = d.gpus
-                while left and self.reclaims:
-                    r = self.reclaims[0]
-                    k = min(left, r.gpus)
-                    left -= k
-                    self.reclaims = ([replace(r, gpus=r.gpus - k)] if r.gpus > k else []) + self.reclaims[1:]
+                held = sum(j.placement.get(d.node, 0) for j in self.running.values())
+                self.loans, self.reclaims = returned(self.loans, self.reclaims, d, held)
+            elif isinstance(d, SetCkptInterval):
+                self.running[d.job] = interval_set(self.running[d.job], d, now)
 
     def _dequeue(self, job_id: str) -> Job:
         for q in self.queues.values():

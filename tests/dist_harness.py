@@ -26,6 +26,8 @@ import threading
 import time
 from pathlib import Path
 
+from tidal.contract import ENV_SHM_DIR, torchrun_env
+
 TESTS_DIR = Path(__file__).resolve().parent
 WORKERS_DIR = TESTS_DIR / "workers"
 REPO_SRC = TESTS_DIR.parent / "src"
@@ -44,16 +46,15 @@ def free_port() -> int:
 def worker_env(rank: int, world: int, port: int, shm_dir: str | os.PathLike | None,
                extra: dict[str, str] | None = None) -> dict[str, str]:
     env = os.environ.copy()
+    env.update(torchrun_env(rank, world, port))
     env.update({
-        "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
-        "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
         "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
         "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_SRC), env.get("PYTHONPATH", "")) if p),
     })
     if sys.platform.startswith("linux") and Path("/sys/class/net/lo").exists():
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # never depend on how the hostname resolves
     if shm_dir is not None:
-        env["TIDAL_SHM_DIR"] = str(shm_dir)
+        env[ENV_SHM_DIR] = str(shm_dir)
     if extra:
         env.update(extra)
     return env

@@ -60,6 +60,7 @@ from tidal.ckpt.agent_replicator import Growing, Handoff, HTTPError, Replicator
 from tidal.ckpt.agent_store import MANIFEST, Store, check_name, parse_step, step_dirname
 from tidal.ckpt.peer import parse_address
 from tidal.ckpt.tiers import sidecar_name
+from tidal.contract import ENV_SHM_DIR
 
 log = logging.getLogger("tidal.ckpt.agent")
 FORMAT = "tidal-ckpt-agent"
@@ -188,7 +189,7 @@ class _Server(ThreadingHTTPServer):
 
 
 def default_copy_roots() -> list[str]:
-    return [str(Path(os.environ.get("TIDAL_SHM_DIR", "/dev/shm")) / "tidal")]
+    return [str(Path(os.environ.get(ENV_SHM_DIR, "/dev/shm")) / "tidal")]
 
 
 class Agent:

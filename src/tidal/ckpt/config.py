@@ -36,6 +36,7 @@ from typing import Any
 from tidal.ckpt.errors import TierSpecError
 from tidal.ckpt.protocol import Tier
 from tidal.ckpt.tiers import DirTier, is_peer_url, is_s3_url, local_path, peer_job, shm_root_for, tiers_for
+from tidal.contract import ENV_JOB_ID
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*):")
 _JOB = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
@@ -210,7 +211,7 @@ def _home(out: list[TierConfig], home: str | None) -> str:
     named = next((t.location for t in peers if t.location != "peer://"), None)
     if named is not None:
         return named
-    job = re.sub(r"[^A-Za-z0-9_.\-]+", "-", os.environ.get("TIDAL_JOB_ID", "")).strip("-.")
+    job = re.sub(r"[^A-Za-z0-9_.\-]+", "-", os.environ.get(ENV_JOB_ID, "")).strip("-.")
     if not job:
         raise TierSpecError("tiers: nothing names this job's checkpoints (no directory or S3 tier): use "
                             "'peer://NAME', set TIDAL_JOB_ID, or pass url=")

@@ -42,16 +42,17 @@ from typing import Any
 from tidal.ckpt import manifest as mf
 from tidal.ckpt.errors import SaveError, TierError, TierSpecError
 from tidal.ckpt.protocol import TruncatedRead
+from tidal.contract import ENV_CKPT_AGENT, ENV_CKPT_PEERS, ENV_JOB_ID
 
 log = logging.getLogger(__name__)
-ENV_AGENT = "TIDAL_CKPT_AGENT"
-ENV_PEERS = "TIDAL_CKPT_PEERS"
+ENV_AGENT = ENV_CKPT_AGENT
+ENV_PEERS = ENV_CKPT_PEERS
 
 OPTIONS = {
     "agent": f"this node's agent, host:port (default: ${ENV_AGENT})",
     "peers": f"more agents to read from, a list of host:port (default: ${ENV_PEERS}, comma-separated)",
     "job": "the job's namespace in the agents (default: derived from the job's first durable tier, or "
-           "TIDAL_JOB_ID)",
+           f"{ENV_JOB_ID})",
     "timeout_s": "seconds to wait for an agent's answer, e.g. while it replicates a step (default 300; "
                  "an agent gives up on its buddy after 240)",
     "connect_timeout_s": "TCP connect timeout, seconds (default 2)",

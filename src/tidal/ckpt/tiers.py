@@ -34,8 +34,9 @@ from typing import Any
 from tidal.ckpt import manifest as mf
 from tidal.ckpt.errors import ManifestError, TierError, UnsafeFileError
 from tidal.ckpt.protocol import Tier, TruncatedRead
+from tidal.contract import ENV_SHM_DIR
 
-SHM_BASE_ENV = "TIDAL_SHM_DIR"
+SHM_BASE_ENV = ENV_SHM_DIR
 
 
 class DirTier:

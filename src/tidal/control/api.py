@@ -41,6 +41,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from tidal.contract import ENV_SHM_DIR
 from tidal.control import metrics
 from tidal.control.auth import authenticate, create_tenant, token_hash
 from tidal.control.spec import JobSpec, clean_msg, error_path
@@ -224,7 +225,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
         j = own_job(job_id, me)
         ck = (j.spec or {}).get("checkpoint") or {}
         url = ck.get("url") or (str(ctx.ckpt_root / j.id / "ckpt") if ctx.ckpt_root is not None else None)
-        shm_base = ((j.spec or {}).get("env") or {}).get("TIDAL_SHM_DIR")
+        shm_base = ((j.spec or {}).get("env") or {}).get(ENV_SHM_DIR)
         return checkpoint_view(j.id, None if ck.get("tiers") else url, ctx.clock(), tiers=ck.get("tiers"),
                                shm_base=shm_base)
 

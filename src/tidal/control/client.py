@@ -17,6 +17,8 @@ from typing import Any
 
 import httpx
 
+from tidal.contract import ENV_API_URL, ENV_STATE_DIR, ENV_TOKEN
+
 DEFAULT_URL = "http://127.0.0.1:8470"
 API_URL_FILE = "api.url"
 
@@ -29,21 +31,21 @@ class ApiError(RuntimeError):
 
 def state_dir() -> Path:
     """``$TIDAL_STATE_DIR``, else ``~/.tidal``: where ``tidal up`` keeps its database, jobs and tokens."""
-    return Path(os.environ.get("TIDAL_STATE_DIR") or Path.home() / ".tidal")
+    return Path(os.environ.get(ENV_STATE_DIR) or Path.home() / ".tidal")
 
 
 def default_url() -> str:
     """``$TIDAL_API_URL``, else what a local ``tidal up`` wrote into its state dir, else port 8470."""
-    if os.environ.get("TIDAL_API_URL"):
-        return os.environ["TIDAL_API_URL"]
+    if os.environ.get(ENV_API_URL):
+        return os.environ[ENV_API_URL]
     f = state_dir() / API_URL_FILE
     return f.read_text().strip() if f.exists() else DEFAULT_URL
 
 
 def default_token() -> str | None:
     """``$TIDAL_TOKEN``, else the admin token of a local ``tidal up``."""
-    if os.environ.get("TIDAL_TOKEN"):
-        return os.environ["TIDAL_TOKEN"]
+    if os.environ.get(ENV_TOKEN):
+        return os.environ[ENV_TOKEN]
     f = state_dir() / "admin.token"
     try:
         return f.read_text().strip()

@@ -35,6 +35,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from tidal import contract as c
+from tidal.contract import DEFAULT_GRACE_S
 from tidal.control.config import ControlConfig
 from tidal.control.loans import DOC_KEY as LOANS_DOC
 from tidal.control.loans import LiveLoans
@@ -183,7 +185,8 @@ class Controller:
             return
         job = self._record_progress(job, ob)
         if job.cancel_requested and st != S.CANCELLING:
-            job = self._stop(job, S.CANCELLING, "cancel requested", now_s, job.spec.get("grace_s", 30.0),
+            job = self._stop(job, S.CANCELLING, "cancel requested", now_s,
+                             job.spec.get("grace_s", DEFAULT_GRACE_S),
                              reason="cancel")
             st = S.CANCELLING
         if ob.done:
@@ -310,7 +313,7 @@ class Controller:
                 self._events = [*self._events, *self.loans.returned(d.node, d.gpus, now_s)]
             return
         job = self.store.job(d.job)
-        grace = float(job.spec.get("grace_s", 30.0))
+        grace = float(job.spec.get("grace_s", DEFAULT_GRACE_S))
         if isinstance(d, SetCkptInterval):
             was = job.ckpt_interval_s
             self.store.update(job.id, ckpt_interval_s=d.interval_s)
@@ -392,12 +395,12 @@ class Controller:
         interval = ck.get("interval_s", "auto")
         if interval == "auto":  # the policy's interval once the stall is measured; until then the policy's cap
             interval = job.ckpt_interval_s or self.config.ckpt_interval.max_interval_s
-        env["TIDAL_CKPT_INTERVAL_S"] = f"{float(interval):g}"
-        env["TIDAL_GRACE_S"] = f"{float(spec.get('grace_s', 30.0)):g}"
+        env[c.ENV_CKPT_INTERVAL_S] = f"{float(interval):g}"
+        env[c.ENV_GRACE_S] = f"{float(spec.get('grace_s', DEFAULT_GRACE_S)):g}"
         if ck.get("tiers"):
-            env["TIDAL_CKPT_TIERS"] = json.dumps(ck["tiers"])
+            env[c.ENV_CKPT_TIERS] = json.dumps(ck["tiers"])
         elif url:
-            env["TIDAL_CKPT_URL"] = url
+            env[c.ENV_CKPT_URL] = url
         return env
 
     # ------------------------------------------------------------------------------------- snapshot

@@ -50,6 +50,7 @@ from rich.panel import Panel
 from rich.progress_bar import ProgressBar
 from rich.table import Table
 
+from tidal.contract import ENV_SHM_DIR
 from tidal.control.client import ApiError, TidalClient
 from tidal.control.demo_plane import (
     DemoError,
@@ -146,7 +147,7 @@ def job_spec(opts: DemoOptions, script: Path, shm_dir: Path) -> dict[str, Any]:
             "command": [sys.executable, str(script), "--parallel", opts.parallel, "--steps", str(opts.steps),
                         "--ckpt-every", str(opts.ckpt_every), "--log-every", str(max(1, opts.steps // 20)),
                         "--warmup", str(max(1, min(10, opts.steps // 10))), *args],
-            "env": {"OMP_NUM_THREADS": "1", "TIDAL_SHM_DIR": str(shm_dir)}}
+            "env": {"OMP_NUM_THREADS": "1", ENV_SHM_DIR: str(shm_dir)}}
 
 
 # --------------------------------------------------------------------------------------- the display

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tidal.contract import LAUNCH_FILE, PROGRESS_DIRNAME, attempt_dirname, progress_file
+from tidal.contract import pid_file as contract_pid_file
 from tidal.control.client import API_URL_FILE
 from tidal.control.config import ControlConfig
 from tidal.exec import procs
@@ -92,7 +94,7 @@ def kill_workers(state_dir: Path, wait_s: float = 10.0) -> list[int]:
     """SIGKILL the process group of every rank any attempt under ``state_dir`` recorded (``launch.json``:
     the shim's pid and start time, so a reused pid is never hit) that still runs; wait until gone."""
     killed = []
-    for launch in sorted(Path(state_dir).glob("jobs/*/attempt-*/launch.json")):
+    for launch in sorted(Path(state_dir).glob(f"jobs/*/{attempt_dirname('*')}/{LAUNCH_FILE}")):
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
             for r in json.loads(launch.read_text())["ranks"]:
                 if procs.alive(r["pid"], r.get("started")):
@@ -132,7 +134,7 @@ def kill_rank(job: dict, rank: int) -> Kill | None:
     shims = {r["rank"]: r["pid"] for r in h.get("ranks", [])}
     if "dir" not in h or rank not in shims:
         raise DemoError(f"job {job['id']}: the API shows no attempt dir or no rank {rank} in its handle: {h}")
-    pid_file = Path(h["dir"]) / f"pid-{rank}.json"
+    pid_file = Path(h["dir"]) / contract_pid_file(rank)
     try:
         pid = int(json.loads(pid_file.read_text())["pid"])
     except (OSError, ValueError, KeyError) as e:
@@ -153,10 +155,10 @@ def kill_rank(job: dict, rank: int) -> Kill | None:
 def attempt_records(state_dir: Path, job_id: str) -> dict[int, list[dict]]:
     """Rank 0's progress records of every attempt (``jobs/<job>/attempt-<n>/progress/``), by attempt."""
     out: dict[int, list[dict]] = {}
-    for d in Path(state_dir, "jobs", job_id).glob("attempt-*"):
+    for d in Path(state_dir, "jobs", job_id).glob(attempt_dirname("*")):
         recs = []
         with contextlib.suppress(OSError):
-            for line in (d / "progress" / "progress-r00000.jsonl").read_text().splitlines():
+            for line in (d / PROGRESS_DIRNAME / progress_file(0)).read_text().splitlines():
                 with contextlib.suppress(ValueError):
                     recs.append(json.loads(line))
         out[int(d.name.split("-", 1)[1])] = recs

@@ -10,7 +10,7 @@
     checkpoint: {url: /ckpt/gpt-small, interval_s: 300}   # default url: the job's folder in the state dir;
                                # or tiers: [shm, /ckpt/gpt-small, s3://bucket/gpt-small]; interval_s: auto
     max_restarts: 3            # failures restarted from the newest checkpoint (exit 75 is not a failure)
-    grace_s: 30                # seconds from a stop notice (SIGTERM) to SIGKILL
+    grace_s: 30                # notice (SIGTERM) to SIGKILL, seconds (tidal.contract.DEFAULT_GRACE_S)
 
 Validation is pydantic v2 with ``extra="forbid"``: an unknown or invalid field is an error naming
 its path (``gpus.min``, ``env.RANK``) and what was expected. The API returns it as HTTP 422; the CLI
@@ -33,15 +33,10 @@ from pydantic import (
     model_validator,
 )
 
+from tidal.contract import DEFAULT_GRACE_S, RESERVED_ENV  # RESERVED_ENV: set by the platform, not by a job
+
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-
-# Set by the platform for every rank; a job may not override them.
-RESERVED_ENV = frozenset({
-    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
-    "CUDA_VISIBLE_DEVICES", "TIDAL_JOB_ID", "TIDAL_CKPT_URL", "TIDAL_CKPT_INTERVAL_S", "TIDAL_PROGRESS_DIR",
-    "TIDAL_GRACE_S", "TIDAL_API_URL", "TIDAL_TOKEN",
-})
 
 
 class _Strict(BaseModel):
@@ -139,7 +134,8 @@ class JobSpec(_Strict):
     env: dict[Annotated[str, AfterValidator(_env_name)], str] = Field(default_factory=dict)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     max_restarts: int = Field(default=3, ge=0, le=1000)
-    grace_s: float = Field(default=30.0, gt=0, le=3600, description="seconds from a stop notice to SIGKILL")
+    grace_s: float = Field(default=DEFAULT_GRACE_S, gt=0, le=3600,
+                           description="seconds from a stop notice to SIGKILL")
 
     @field_validator("name")
     @classmethod

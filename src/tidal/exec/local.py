@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tidal import contract as c
+from tidal.contract import torchrun_env
 from tidal.exec import procs, shim
 from tidal.exec.progress import ProgressReader
 from tidal.exec.protocol import LaunchRequest, Observation, RankState
@@ -130,7 +132,7 @@ class LocalExecutor:
         return self.root / job_id
 
     def attempt_dir(self, job_id: str, attempt: int) -> Path:
-        return self.job_dir(job_id) / f"attempt-{attempt}"
+        return self.job_dir(job_id) / c.attempt_dirname(attempt)
 
     def log_path(self, job_id: str, rank: int) -> str:
         return str(self.job_dir(job_id) / "logs" / f"rank-{rank}.log")
@@ -178,7 +180,7 @@ class LocalExecutor:
             devices += self._free[node][:k]
             self._free[node] = self._free[node][k:]
         adir = self.attempt_dir(req.job_id, req.attempt)
-        (adir / "progress").mkdir(parents=True, exist_ok=True)
+        (adir / c.PROGRESS_DIRNAME).mkdir(parents=True, exist_ok=True)
         (self.job_dir(req.job_id) / "logs").mkdir(parents=True, exist_ok=True)
         port = free_port()
         ranks: list[_Rank] = []
@@ -188,7 +190,7 @@ class LocalExecutor:
             doc = {"job_id": req.job_id, "attempt": req.attempt, "world_size": n, "devices": devices,
                    "gpu": self.gpu, "master_port": port, "launched_s": now_s,
                    "ranks": [{"rank": k.rank, "pid": k.pid, "started": k.started} for k in ranks]}
-            _write_json(adir / "launch.json", doc)
+            _write_json(adir / c.LAUNCH_FILE, doc)
             for k in ranks:  # the second phase: recorded, now run
                 k.popen.stdin.write(b"go\n")  # type: ignore[union-attr]
                 k.popen.stdin.close()  # type: ignore[union-attr]
@@ -202,8 +204,9 @@ class LocalExecutor:
             self._give_back(devices)
             raise
         self._jobs[req.job_id] = _Tracked(req.job_id, req.attempt, now_s, devices, adir, ranks,
-                                          ProgressReader(adir / "progress", n))
-        return {"node": self.node, "placement": dict(req.placement), "devices": devices, "master_port": port, "dir": str(adir),
+                                          ProgressReader(adir / c.PROGRESS_DIRNAME, n))
+        return {"node": self.node, "placement": dict(req.placement), "devices": devices, "master_port": port,
+                "dir": str(adir),
                 "ranks": [{"rank": k.rank, "pid": k.pid} for k in ranks]}
 
     def _spawn(self, req: LaunchRequest, r: int, devices: list[int], port: int, adir: Path) -> _Rank:
@@ -213,11 +216,10 @@ class LocalExecutor:
         if sys.platform.startswith("linux") and Path("/sys/class/net/lo").exists():
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         env.update(req.env)
-        env.update({"RANK": str(r), "WORLD_SIZE": str(n), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(n),
-                    "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                    "TIDAL_JOB_ID": req.job_id, "TIDAL_PROGRESS_DIR": str(adir / "progress"),
-                    "TIDAL_CONTROL_FILE": str(adir / "control.json"),
-                    "CUDA_VISIBLE_DEVICES": ",".join(map(str, devices)) if self.gpu else "",
+        env.update(torchrun_env(r, n, port))
+        env.update({c.ENV_JOB_ID: req.job_id, c.ENV_PROGRESS_DIR: str(adir / c.PROGRESS_DIRNAME),
+                    c.ENV_CONTROL_FILE: str(adir / c.CONTROL_FILE),
+                    c.ENV_CUDA_VISIBLE_DEVICES: ",".join(map(str, devices)) if self.gpu else "",
                     "PYTHONUNBUFFERED": "1"})
         log = Path(self.log_path(req.job_id, r))
         with open(log, "ab") as out:
@@ -225,8 +227,8 @@ class LocalExecutor:
                       f"{time.strftime('%Y-%m-%d %H:%M:%S')} ===\n".encode())
             out.flush()
             try:
-                p = subprocess.Popen([self.python, "-I", shim.__file__, str(adir / f"exit-{r}.json"),
-                                      str(adir / f"pid-{r}.json"), "--", *req.command],
+                p = subprocess.Popen([self.python, "-I", shim.__file__, str(adir / c.exit_file(r)),
+                                      str(adir / c.pid_file(r)), "--", *req.command],
                                      stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, cwd=req.workdir,
                                      env=env, start_new_session=True)
             except OSError as e:
@@ -243,7 +245,7 @@ class LocalExecutor:
         t = self._jobs.get(job_id)
         if t is None:
             return
-        path = self.attempt_dir(job_id, t.attempt) / "control.json"
+        path = self.attempt_dir(job_id, t.attempt) / c.CONTROL_FILE
         try:
             current = json.loads(path.read_text())
         except (OSError, ValueError):
@@ -295,7 +297,7 @@ class LocalExecutor:
             return
         else:
             code = None
-        doc = _read_json(t.dir / f"exit-{k.rank}.json")
+        doc = _read_json(t.dir / c.exit_file(k.rank))
         if doc is not None and isinstance(doc.get("code"), int):
             t.codes[k.rank] = doc["code"]  # the rank's own code, as its shim saw it
         elif code is not None and code < 0:
@@ -313,7 +315,7 @@ class LocalExecutor:
         t = self._jobs.get(job_id)
         out = {}
         for k in t.ranks if t else []:
-            doc = _read_json(t.dir / f"pid-{k.rank}.json")  # type: ignore[union-attr]
+            doc = _read_json(t.dir / c.pid_file(k.rank))  # type: ignore[union-attr]
             if doc and isinstance(doc.get("pid"), int):
                 out[k.rank] = doc["pid"]
         return out
@@ -323,7 +325,7 @@ class LocalExecutor:
         """Track attempt ``attempt`` of ``job_id`` again from its ``launch.json``; False if there is none
         (the launch was never recorded, so none of its ranks ever started)."""
         adir = self.attempt_dir(job_id, attempt)
-        doc = _read_json(adir / "launch.json")
+        doc = _read_json(adir / c.LAUNCH_FILE)
         if doc is None:
             return False
         devices = list(doc["devices"])  # held by the workers whatever this executor was told at start
@@ -331,7 +333,7 @@ class LocalExecutor:
         self._free = {n: [d for d in free if d not in taken] for n, free in self._free.items()}
         ranks = [_Rank(r["rank"], r["pid"], r.get("started")) for r in doc["ranks"]]
         self._jobs[job_id] = _Tracked(job_id, attempt, float(doc["launched_s"]), devices, adir, ranks,
-                                      ProgressReader(adir / "progress", len(ranks)))
+                                      ProgressReader(adir / c.PROGRESS_DIRNAME, len(ranks)))
         return True
 
 

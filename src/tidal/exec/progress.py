@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tidal.contract import heartbeat_file, progress_file
+
 SHM_TIERS = frozenset({"shm"})  # node memory: survives the process, not the node
 STALL_WINDOW = 5  # saves whose median stall is reported
 
@@ -97,7 +99,7 @@ class ProgressReader:
             preempted=f.get("preempted", False), ended=f.get("ended", False))
 
     def _tail(self) -> None:
-        path = self.dir / "progress-r00000.jsonl"
+        path = self.dir / progress_file(0)
         try:
             with open(path, "rb") as fh:
                 fh.seek(self._offset)
@@ -148,7 +150,7 @@ class ProgressReader:
 
     def _heartbeat(self, rank: int) -> dict[str, Any] | None:
         try:
-            doc = json.loads((self.dir / f"heartbeat-r{rank:05d}.json").read_bytes())
+            doc = json.loads((self.dir / heartbeat_file(rank)).read_bytes())
         except (OSError, ValueError):
             return None
         return doc if isinstance(doc, dict) and isinstance(doc.get("time"), int | float) else None

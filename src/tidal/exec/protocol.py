@@ -23,12 +23,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from tidal.contract import EXIT_PREEMPTED
 from tidal.exec.progress import Progress
 from tidal.model import Node
 
-# The runtime's "preempted, resumable" exit code (tidal.train.env.EXIT_PREEMPTED, EX_TEMPFAIL). Kept
-# here as a constant so the control plane does not import torch; tests check the two agree.
-EXIT_PREEMPTED = 75
+__all__ = ["EXIT_PREEMPTED", "Executor", "LaunchRequest", "Observation", "RankState"]
 
 
 @dataclass(frozen=True)

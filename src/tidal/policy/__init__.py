@@ -11,4 +11,7 @@ advance them one step at a time and a control plane can persist the state betwee
 * :mod:`tidal.policy.loan` — the loan / reclaim plan: how many serving GPUs may be lent now and
   when each must be back, calibrated online to a shortfall budget; baselines with a fixed margin
   (night-window, reactive, oracle) in the same interface.
+* :mod:`tidal.policy.scheduler` — the scheduler: snapshot in, decisions out.
+* :mod:`tidal.policy.apply` — the store's side of those decisions, ``apply(snapshot, decisions)``,
+  shared by the simulator, the tests and the benchmarks.
 """

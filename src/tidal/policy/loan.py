@@ -43,6 +43,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from tidal.contract import DEFAULT_GRACE_S
 from tidal.policy.forecast import (
     Forecast,
     ForecastConfig,
@@ -60,8 +61,9 @@ EPS = 1e-9
 class LoanTiming:
     """How long taking a loan back takes, and what an interruption costs a spot job. Seconds."""
 
-    notice_s: float = 120.0
-    """From the reclaim notice until the spot job must stop (its grace period)."""
+    notice_s: float = DEFAULT_GRACE_S
+    """From the reclaim notice until the spot job must stop (its grace period; default the platform's,
+    :data:`tidal.contract.DEFAULT_GRACE_S`)."""
     final_checkpoint_s: float = 120.0
     """The job's final checkpoint after it stops stepping."""
     release_s: float = 60.0

@@ -17,6 +17,7 @@ from typing import Any
 import typer
 
 from tidal.policy.ckpt_interval import LLAMA3_FAILURES_PER_GPU_HOUR
+from tidal.sim.config import SIM_NOTICE_S
 
 
 def _split(text: str, allowed: tuple[str, ...], what: str) -> list[str]:
@@ -68,7 +69,8 @@ def sim_command(
                                     "(the sync stall)."),
     stage_s: float = typer.Option(5.0, "--stage-s", help="Seconds to copy state to host memory (concurrent stall)."),
     restart_s: float = typer.Option(300.0, "--restart-s", help="Seconds to restore and warm up after a (re)start."),
-    notice_s: float = typer.Option(120.0, "--notice-s", help="Reclaim notice grace, seconds."),
+    notice_s: float = typer.Option(SIM_NOTICE_S, "--notice-s", help="Reclaim notice grace, seconds (the "
+                                   "simulated fleet's, not the platform's default grace)."),
     final_ckpt_s: float = typer.Option(120.0, "--final-ckpt-s", help="Seconds the loan plan allows for the final "
                                        "checkpoint after the grace."),
     release_s: float = typer.Option(60.0, "--release-s", help="Seconds to hand GPUs back to serving."),
@@ -166,7 +168,7 @@ def plan_command(
     serving_gpus: int = typer.Option(..., "--serving-gpus", min=1, help="Serving pool; it serves the trace's peak."),
     risk: float = typer.Option(0.005, "--risk", help="Acceptable shortfall: fraction of the time (fixed schedule) "
                                "or of demanded GPU-hours (tidal)."),
-    notice_s: float = typer.Option(120.0, "--notice-s"),
+    notice_s: float = typer.Option(SIM_NOTICE_S, "--notice-s"),
     final_ckpt_s: float = typer.Option(120.0, "--final-ckpt-s"),
     release_s: float = typer.Option(60.0, "--release-s"),
     warmup_s: float = typer.Option(900.0, "--serving-warmup-s"),

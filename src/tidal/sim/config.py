@@ -21,6 +21,22 @@ ResizeMode = Literal["reshard", "restart-full"]
 CKPT_MODES = ("sync", "concurrent")
 RESIZE_MODES = ("reshard", "restart-full")
 
+SIM_NOTICE_S = 120.0
+"""The simulated fleet's notice, as in the published results (docs/simulator.md): from a reclaim
+notice or a preemption to the job's deadline, i.e. the loan plan's ``LoanTiming.notice_s`` and the
+scheduler's ``preempt_grace_s``. A scenario parameter, deliberately not the platform's default grace
+(:data:`tidal.contract.DEFAULT_GRACE_S`, 30 s): the simulated jobs are large and get longer."""
+
+
+def sim_timing(**changes: float) -> LoanTiming:
+    """The simulated fleet's loan timing: :class:`LoanTiming` with ``notice_s = SIM_NOTICE_S``."""
+    return LoanTiming(**{"notice_s": SIM_NOTICE_S, **changes})
+
+
+def sim_scheduler(**changes: float) -> SchedulerConfig:
+    """The simulated fleet's scheduler: :class:`SchedulerConfig` with ``preempt_grace_s = SIM_NOTICE_S``."""
+    return SchedulerConfig(**{"preempt_grace_s": SIM_NOTICE_S, **changes})
+
 
 @dataclass(frozen=True)
 class CheckpointModel:
@@ -87,13 +103,13 @@ class SimConfig:
     days: float = 7.0
     warmup_days: float = 0.0
     step_s: float | None = None
-    timing: LoanTiming = field(default_factory=LoanTiming)
+    timing: LoanTiming = field(default_factory=sim_timing)
     ckpt: CheckpointModel = field(default_factory=CheckpointModel)
     resize: ResizeMode = "reshard"
     failure_rate_per_gpu_hour: float = LLAMA3_FAILURES_PER_GPU_HOUR
     scaling_exponent: float = 1.0
     sched_period_s: float = 120.0
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    scheduler: SchedulerConfig = field(default_factory=sim_scheduler)
     ckpt_interval: CkptIntervalConfig = field(default_factory=CkptIntervalConfig)
     seed: int = 0
     record_timeline: bool = True
@@ -134,7 +150,7 @@ class SimConfig:
 def make_config(*, serving_gpus: int, training_gpus: int = 0, gpus_per_node: int = 8, days: float = 7.0,
                 warmup_days: float = 0.0, ckpt_mode: CkptMode = "concurrent", resize: ResizeMode = "reshard",
                 persist_s: float = 300.0, stage_s: float = 5.0, restart_s: float = 300.0,
-                notice_s: float = 120.0, final_checkpoint_s: float = 120.0, release_s: float = 60.0,
+                notice_s: float = SIM_NOTICE_S, final_checkpoint_s: float = 120.0, release_s: float = 60.0,
                 warmup_s: float = 900.0, failure_rate_per_gpu_hour: float = LLAMA3_FAILURES_PER_GPU_HOUR,
                 scaling_exponent: float = 1.0, sched_period_s: float = 120.0, seed: int = 0,
                 step_s: float | None = None, record_timeline: bool = True) -> SimConfig:
@@ -152,7 +168,7 @@ def make_config(*, serving_gpus: int, training_gpus: int = 0, gpus_per_node: int
         warmup_days=warmup_days, step_s=step_s, timing=timing,
         ckpt=CheckpointModel(mode=ckpt_mode, persist_s=persist_s, stage_s=stage_s, restart_s=restart_s),
         resize=resize, failure_rate_per_gpu_hour=failure_rate_per_gpu_hour, scaling_exponent=scaling_exponent,
-        sched_period_s=sched_period_s, scheduler=SchedulerConfig(min_loan_left_s=timing.min_loan_window_s),
+        sched_period_s=sched_period_s, scheduler=sim_scheduler(min_loan_left_s=timing.min_loan_window_s),
         ckpt_interval=CkptIntervalConfig(failure_rate_per_gpu_hour=failure_rate_per_gpu_hour),
         seed=seed, record_timeline=record_timeline)
 

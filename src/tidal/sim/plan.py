@@ -26,12 +26,13 @@ import numpy as np
 
 from tidal.policy.forecast import ForecastConfig
 from tidal.policy.loan import LoanContext, LoanTiming, TidalConfig, TidalPolicy
+from tidal.sim.config import sim_timing
 
 
 def plan_report(demand: np.ndarray, step_s: float, serving_gpus: int, *, risk: float = 0.005,
                 timing: LoanTiming | None = None) -> dict[str, Any]:
     """The numbers of ``tidal plan`` (see the module docstring). ``demand``: GPUs per step, NaN = gap."""
-    timing = timing or LoanTiming()
+    timing = timing or sim_timing()
     if not 0 < risk < 1:
         raise ValueError(f"risk must be in (0, 1), got {risk}")
     n = serving_gpus

@@ -2,7 +2,8 @@
 
 A launcher (``torchrun``, Tidal's executor, a test harness) starts one process per rank and tells it
 who it is and what to do through these variables; :class:`tidal.train.Session` reads them. With none
-set, a script runs as a single process without a process group. docs/train.md mirrors this table.
+set, a script runs as a single process without a process group. docs/train.md mirrors this table;
+the names are constants of :mod:`tidal.contract` (``ENV_*``).
 
 variable                       default       meaning (unit)
 -----------------------------  ------------  ------------------------------------------------------------------
@@ -35,12 +36,18 @@ TIDAL_NOTICE_WAIT              fast          on a notice, exit once the final ch
 TIDAL_PROGRESS_DIR             (unset)       directory for progress-rNNNNN.jsonl and heartbeat-rNNNNN.json per
                                              rank; unset: no progress files
 TIDAL_SHM_DIR                  /dev/shm      where the checkpoint engine keeps its node-memory tier
+TIDAL_CKPT_AGENT               (unset)       the peer tier: this node's checkpoint agent, host:port
+TIDAL_CKPT_PEERS               (unset)       the peer tier: more agents to read from, comma-separated
 TIDAL_API_URL                  (unset)       reserved: control-plane URL (progress over HTTP, notices)
 TIDAL_TOKEN                    (unset)       reserved: bearer token for TIDAL_API_URL
 
 Exit codes of a process driven by a session: ``0`` finished; ``75`` (``EX_TEMPFAIL``) preempted,
 resumable from the newest committed checkpoint (also after a second SIGTERM or when the grace ran
 out: the engine never exposes a torn step); anything else is a failure.
+
+The names, the exit code (``EXIT_PREEMPTED``), the default grace (``DEFAULT_GRACE_S``: the 30 above)
+and the progress file names are defined once, in :mod:`tidal.contract`, which the executors and the
+control plane import too. Launchers also set ``GROUP_RANK=0`` and, on GPUs, ``CUDA_VISIBLE_DEVICES``.
 """
 
 from __future__ import annotations
@@ -51,7 +58,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL from sysexits.h: "temporary failure, try again"
+from tidal import contract as c
+from tidal.contract import DEFAULT_GRACE_S, EXIT_PREEMPTED
+
+__all__ = ["EXIT_PREEMPTED", "NOTICE_WAIT_CHOICES", "Env", "EnvError"]
 NOTICE_WAIT_CHOICES = ("fast", "all")
 
 
@@ -77,7 +87,7 @@ class Env:
     ckpt_interval_steps: int = 0
     ckpt_keep: int = 3
     notice_file: str | None = None
-    grace_s: float = 30.0
+    grace_s: float = DEFAULT_GRACE_S
     notice_wait: str = "fast"
     progress_dir: str | None = None
     api_url: str | None = None
@@ -92,30 +102,31 @@ class Env:
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> Env:
         e = os.environ if environ is None else environ
         env = cls(
-            rank=_int(e, "RANK", 0, lo=0),
-            world_size=_int(e, "WORLD_SIZE", 1, lo=1),
-            local_rank=_int(e, "LOCAL_RANK", 0, lo=0),
-            local_world_size=_int(e, "LOCAL_WORLD_SIZE", 1, lo=1),
-            master_addr=e.get("MASTER_ADDR") or None,
-            master_port=_int(e, "MASTER_PORT", None, lo=1) if e.get("MASTER_PORT") else None,
-            job_id=e.get("TIDAL_JOB_ID") or "local",
-            ckpt_url=e.get("TIDAL_CKPT_URL") or None,
-            ckpt_tiers=_tiers(e.get("TIDAL_CKPT_TIERS") or ""),
-            control_file=e.get("TIDAL_CONTROL_FILE") or None,
-            ckpt_interval_s=_float(e, "TIDAL_CKPT_INTERVAL_S", 600.0),
-            ckpt_interval_steps=_int(e, "TIDAL_CKPT_INTERVAL_STEPS", 0, lo=0),
-            ckpt_keep=_int(e, "TIDAL_CKPT_KEEP", 3, lo=0),
-            notice_file=e.get("TIDAL_NOTICE_FILE") or None,
-            grace_s=_float(e, "TIDAL_GRACE_S", 30.0, positive=True),
-            notice_wait=e.get("TIDAL_NOTICE_WAIT") or "fast",
-            progress_dir=e.get("TIDAL_PROGRESS_DIR") or None,
-            api_url=e.get("TIDAL_API_URL") or None,
-            token=e.get("TIDAL_TOKEN") or None,
+            rank=_int(e, c.ENV_RANK, 0, lo=0),
+            world_size=_int(e, c.ENV_WORLD_SIZE, 1, lo=1),
+            local_rank=_int(e, c.ENV_LOCAL_RANK, 0, lo=0),
+            local_world_size=_int(e, c.ENV_LOCAL_WORLD_SIZE, 1, lo=1),
+            master_addr=e.get(c.ENV_MASTER_ADDR) or None,
+            master_port=_int(e, c.ENV_MASTER_PORT, None, lo=1) if e.get(c.ENV_MASTER_PORT) else None,
+            job_id=e.get(c.ENV_JOB_ID) or "local",
+            ckpt_url=e.get(c.ENV_CKPT_URL) or None,
+            ckpt_tiers=_tiers(e.get(c.ENV_CKPT_TIERS) or ""),
+            control_file=e.get(c.ENV_CONTROL_FILE) or None,
+            ckpt_interval_s=_float(e, c.ENV_CKPT_INTERVAL_S, 600.0),
+            ckpt_interval_steps=_int(e, c.ENV_CKPT_INTERVAL_STEPS, 0, lo=0),
+            ckpt_keep=_int(e, c.ENV_CKPT_KEEP, 3, lo=0),
+            notice_file=e.get(c.ENV_NOTICE_FILE) or None,
+            grace_s=_float(e, c.ENV_GRACE_S, DEFAULT_GRACE_S, positive=True),
+            notice_wait=e.get(c.ENV_NOTICE_WAIT) or "fast",
+            progress_dir=e.get(c.ENV_PROGRESS_DIR) or None,
+            api_url=e.get(c.ENV_API_URL) or None,
+            token=e.get(c.ENV_TOKEN) or None,
         )
         if env.rank >= env.world_size:
-            raise EnvError(f"RANK={env.rank} is not below WORLD_SIZE={env.world_size}")
+            raise EnvError(f"{c.ENV_RANK}={env.rank} is not below {c.ENV_WORLD_SIZE}={env.world_size}")
         if env.notice_wait not in NOTICE_WAIT_CHOICES:
-            raise EnvError(f"TIDAL_NOTICE_WAIT={env.notice_wait!r}: expected one of {list(NOTICE_WAIT_CHOICES)}")
+            raise EnvError(f"{c.ENV_NOTICE_WAIT}={env.notice_wait!r}: "
+                           f"expected one of {list(NOTICE_WAIT_CHOICES)}")
         if env.world_size > 1 and not env.launched:
             raise EnvError(f"WORLD_SIZE={env.world_size} but MASTER_ADDR/MASTER_PORT are not set: start the "
                            "ranks with torchrun or another launcher that sets the rendezvous")
@@ -131,13 +142,15 @@ def _tiers(raw: str) -> tuple[Any, ...] | None:
         try:
             tiers = json.loads(raw)
         except json.JSONDecodeError as e:
-            raise EnvError(f"TIDAL_CKPT_TIERS is not valid JSON ({e.msg} at character {e.pos}): {raw!r}") from None
+            raise EnvError(f"{c.ENV_CKPT_TIERS} is not valid JSON ({e.msg} at character {e.pos}): "
+                           f"{raw!r}") from None
         if not isinstance(tiers, list) or not all(isinstance(t, (str, dict)) for t in tiers):
-            raise EnvError(f"TIDAL_CKPT_TIERS={raw!r}: expected a JSON list of strings or objects")
+            raise EnvError(f"{c.ENV_CKPT_TIERS}={raw!r}: expected a JSON list of strings or objects")
     else:
         tiers = [t.strip() for t in raw.split(",")]
     if not tiers or any(t == "" for t in tiers):
-        raise EnvError(f"TIDAL_CKPT_TIERS={raw!r}: expected a non-empty list of tiers without empty entries, "
+        raise EnvError(f"{c.ENV_CKPT_TIERS}={raw!r}: expected a non-empty list of tiers without empty "
+                       "entries, "
                        "e.g. shm,/ckpt/run1,s3://bucket/run1")
     return tuple(tiers)
 

@@ -27,6 +27,8 @@ import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from tidal.contract import EXIT_PREEMPTED, torchrun_env
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -37,9 +39,8 @@ def free_port() -> int:
 def rank_env(rank: int, world_size: int, port: int, extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of one rank: this process's environment plus the torchrun contract."""
     env = os.environ.copy()
-    env.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-                "LOCAL_WORLD_SIZE": str(world_size), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1"})
+    env.update(torchrun_env(rank, world_size, port))
+    env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("OMP_NUM_THREADS", "1")
     if sys.platform.startswith("linux") and Path("/sys/class/net/lo").exists():
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # never depend on how the hostname resolves
@@ -101,7 +102,7 @@ class LocalLaunch:
             codes = self.poll()
             if all(c is not None for c in codes):
                 return [int(c) for c in codes]  # type: ignore[arg-type]
-            if failed_at is None and any(c not in (None, 0, 75) for c in codes):
+            if failed_at is None and any(c not in (None, 0, EXIT_PREEMPTED) for c in codes):
                 failed_at = time.monotonic()
             if failed_at is not None and time.monotonic() - failed_at > after_failure_s:
                 self.kill()

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from tidal.contract import ENV_CKPT_URL
 from tidal.train.runs import Segment, SegmentResult, example_script, job_env, run_segment
 
 
@@ -97,7 +98,8 @@ def run_once(cfg: MeasureConfig, script: Path, work: Path, shm: Path, log: Calla
         target = int(s["stop_step"] or cfg.notice_step) + 2  # the disk tier may hold an older step
         log(f"resume from {name}: {cfg.resume_layout} x{cfg.resume_world}, to step {target}")
         res = run_segment(Segment(cfg.resume_world, cfg.resume_layout), script, cfg.job_args(target),
-                          work / f"resume-{name}", 0, env={**env, "TIDAL_CKPT_URL": str(url)}, timeout_s=cfg.timeout_s)
+                          work / f"resume-{name}", 0, env={**env, ENV_CKPT_URL: str(url)},
+                          timeout_s=cfg.timeout_s)
         resumes[name] = _resume_figures(res)
     return {"notice": notice, "resume": resumes}
 

@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
+from tidal.contract import heartbeat_file, progress_file
+
 
 class ProgressWriter(Protocol):
     """Where progress records go. Called from the training thread only."""
@@ -140,8 +142,8 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
 
 
 def progress_path(directory: str | os.PathLike, rank: int) -> Path:
-    return Path(directory) / f"progress-r{rank:05d}.jsonl"
+    return Path(directory) / progress_file(rank)
 
 
 def heartbeat_path(directory: str | os.PathLike, rank: int) -> Path:
-    return Path(directory) / f"heartbeat-r{rank:05d}.json"
+    return Path(directory) / heartbeat_file(rank)

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import tidal
-from tidal.train.env import EXIT_PREEMPTED
+from tidal import contract as c
+from tidal.contract import EXIT_PREEMPTED
 from tidal.train.launch import LocalLaunch
 from tidal.train.progress import progress_path, read_jsonl
 
@@ -118,10 +119,10 @@ def run_segment(seg: Segment, script: Path, job_args: list[str], work: Path, ind
                 env: dict[str, str], timeout_s: float = 300.0) -> SegmentResult:
     """Launch one segment and wait for its ranks; raise RuntimeError when it did not end as planned."""
     seg_dir = work / f"seg{index}"
-    pdir = seg_dir / "progress"
+    pdir = seg_dir / c.PROGRESS_DIRNAME
     notice_file = seg_dir / "notice"
     cmd = [sys.executable, str(script), "--parallel", seg.layout, *job_args]
-    seg_env = {**env, "TIDAL_PROGRESS_DIR": str(pdir), "TIDAL_NOTICE_FILE": str(notice_file)}
+    seg_env = {**env, c.ENV_PROGRESS_DIR: str(pdir), c.ENV_NOTICE_FILE: str(notice_file)}
     notice_unix = None
     with LocalLaunch(cmd, seg.world, env=seg_env, log_dir=seg_dir / "logs") as job:
         started = job.started_unix
@@ -176,5 +177,5 @@ def per_step(results: list[SegmentResult]) -> dict[int, dict[str, Any]]:
 
 def job_env(work: Path, shm_dir: Path | str, **extra: str) -> dict[str, str]:
     """The Tidal variables every segment of one run shares (checkpoint location, node memory, grace)."""
-    return {"TIDAL_CKPT_URL": str(work / "ckpt"), "TIDAL_SHM_DIR": str(shm_dir), "TIDAL_JOB_ID": work.name,
+    return {c.ENV_CKPT_URL: str(work / "ckpt"), c.ENV_SHM_DIR: str(shm_dir), c.ENV_JOB_ID: work.name,
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **extra}

@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from tidal import ckpt
 from tidal.ckpt import config as ckpt_config
+from tidal.contract import ENV_CKPT_TIERS
 from tidal.train.data import GlobalBatchSampler
 from tidal.train.env import EXIT_PREEMPTED, NOTICE_WAIT_CHOICES, Env, EnvError
 from tidal.train.notice import Notice, process_start_unix
@@ -116,7 +117,7 @@ class Session:
             try:
                 ckpt_config.resolve(self.ckpt_tiers, default_keep=self.keep)
             except ckpt.TierSpecError as err:
-                where = "ckpt_tiers" if ckpt_tiers is not None else "TIDAL_CKPT_TIERS"
+                where = "ckpt_tiers" if ckpt_tiers is not None else ENV_CKPT_TIERS
                 raise EnvError(f"{where}: {err}") from None
         self._control_file = e.control_file
         self._control_mtime: float | None = None

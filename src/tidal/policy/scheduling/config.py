@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from tidal.contract import DEFAULT_GRACE_S
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -24,7 +26,8 @@ class SchedulerConfig:
         this far below its own. ``min_runtime_before_preempt_s``: a job (re)started less than this
         ago is not preempted for priority or fair share (a reclaim and a guaranteed quota override
         it, but still take older victims first). ``preempt_grace_s``: how long a victim has to write
-        its final checkpoint and leave (``by_s = now + grace``; a reclaim sets its own).
+        its final checkpoint and leave (``by_s = now + grace``; a reclaim sets its own); default the
+        platform's grace, :data:`tidal.contract.DEFAULT_GRACE_S`.
 
     Hysteresis
         ``hysteresis_s``: a job shrunk less than this ago does not grow again, and one grown less than
@@ -47,7 +50,7 @@ class SchedulerConfig:
     nomination_ttl_s: float = 1800.0
     preempt_priority_gap: int = 1
     min_runtime_before_preempt_s: float = 900.0
-    preempt_grace_s: float = 120.0
+    preempt_grace_s: float = DEFAULT_GRACE_S
     hysteresis_s: float = 300.0
     min_loan_left_s: float = 600.0
     max_skips_per_cycle: int = 64
