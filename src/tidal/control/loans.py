@@ -279,6 +279,7 @@ class LiveLoans:
             "demand_gpus": None if math.isnan(demand) else round(demand, 3),
             "lendable_gpus": plan.lendable_gpus, "margin_gpus": round(plan.margin_gpus, 3),
             "z": round(float(self.state.z), 4), "shortfall_budget": self.policy.config.shortfall_budget,
+            "forecast_observations": int(self.state.forecast.n_obs),
             "forecast": {"times_s": [round(float(x), 1) for x in plan.times_s[:k]],
                          "upper_gpus": [round(float(x), 2) for x in plan.upper_gpus[:k]]},
         }
