@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tidal-installed
 TORCH := torch==2.13.0
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo demo-cycle test lint bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,10 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/tidal demo
+	@echo "Next: a day of lending serving GPUs to spot jobs and taking them back: make demo-cycle (~6 min)"
+
+demo-cycle: $(STAMP)
+	$(VENV)/bin/tidal demo cycle
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples
