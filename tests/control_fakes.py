@@ -35,6 +35,7 @@ class FakeJob:
     launched_s: float
     codes: list[int | None]
     vanished: set[int] = field(default_factory=set)
+    ended: set[int] = field(default_factory=set)  # ranks whose runtime closed cleanly before exiting
     progress: Progress = field(default_factory=Progress)
 
 
@@ -73,7 +74,8 @@ class FakeExecutor:
 
     def observe(self, now_s: float) -> dict[str, Observation]:
         return {k: Observation(k, j.req.attempt, j.launched_s,
-                               tuple(RankState(r, 1000 + r, c, r in j.vanished) for r, c in enumerate(j.codes)),
+                               tuple(RankState(r, 1000 + r, c, r in j.vanished, r in j.ended)
+                                     for r, c in enumerate(j.codes)),
                                j.progress) for k, j in self.jobs.items()}
 
     def adopt(self, job_id: str, attempt: int, now_s: float) -> bool:

@@ -56,6 +56,21 @@ def test_admit_run_succeed(world):
     assert ("release", j) in ex.calls and store.job(j).placement == {}
 
 
+def test_ranks_that_abort_after_a_clean_close_have_finished(world):
+    """torch 2.13 + gloo: a finished rank may die of SIGABRT in teardown (exit -6) after its end record."""
+    store, ex, ctl, clock = world
+    ok = submit(store, "lab", clock(), name="ok", gpus=2)
+    bad = submit(store, "lab", clock(), name="bad", gpus=2)
+    ctl.step(clock())
+    ctl.step(clock.advance(1))
+    ex.jobs[ok].ended = {0, 1}
+    ex.exit(ok, -6)
+    ex.exit(bad, -6)  # no clean close: a failure (restarted)
+    ctl.step(clock.advance(1))
+    assert state(store, ok) == "succeeded" and "teardown" in store.events(job_id=ok)[-1].message
+    assert state(store, bad) == "backoff"
+
+
 def test_preempted_for_quota_exit_75_is_not_a_failure(world):
     store, ex, ctl, clock = world
     spot = submit(store, "lab", clock(), name="sweep", gpus=4, max_restarts=0)

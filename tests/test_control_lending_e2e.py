@@ -10,9 +10,6 @@ every step) never fires.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,8 +17,8 @@ from pathlib import Path
 import pytest
 
 import tidal.serving
+from plane_proc import Plane
 from tidal.control.client import TidalClient
-from tidal.exec import procs
 
 pytestmark = pytest.mark.slow
 WORKER = Path(__file__).parent / "workers" / "train_worker.py"
@@ -46,47 +43,6 @@ serving:
 """
 
 
-class Plane:
-    def __init__(self, tmp: Path) -> None:
-        self.tmp, self.state = tmp, tmp / "state"
-        (tmp / "config.yaml").write_text(CONFIG)
-        self.proc: subprocess.Popen | None = None
-        self.n = 0
-
-    def start(self) -> None:
-        url_file = self.state / "api.url"
-        url_file.unlink(missing_ok=True)
-        out = self.tmp / f"up-{self.n}.log"
-        self.n += 1
-        with open(out, "wb") as f:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-c", "from tidal.cli import main; main()", "up", "--gpus", "1", "--port", "0",
-                 "--state-dir", str(self.state), "--config", str(self.tmp / "config.yaml")],
-                stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        deadline = time.monotonic() + 60
-        while not url_file.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"tidal up did not start:\n{out.read_text()}")
-            time.sleep(0.05)
-        self.url = url_file.read_text().strip()
-        self.admin = TidalClient(self.url, (self.state / "admin.token").read_text().strip())
-
-    def crash(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)  # type: ignore[union-attr]
-        self.proc.wait(timeout=30)  # type: ignore[union-attr]
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=30)
-        import json
-
-        for launch in self.state.glob("jobs/*/attempt-*/launch.json"):
-            for r in json.loads(launch.read_text())["ranks"]:
-                if procs.alive(r["pid"], r.get("started")):
-                    procs.kill_group(r["pid"])
-
-
 def _wait(what: str, pred, timeout_s: float = 120.0):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -102,7 +58,7 @@ def _on_serving(job: dict) -> int:
 
 
 def test_lending_survives_sigkill_of_the_plane(tmp_path):
-    p = Plane(tmp_path)
+    p = Plane(tmp_path, CONFIG, gpus=1)
     try:
         p.start()
         token = p.admin.create_tenant("t")["token"]

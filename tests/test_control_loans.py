@@ -55,6 +55,7 @@ def _check(ctl: Controller, adapter: ReplayAdapter) -> None:
     for j in ctl.store.jobs(states=HELD):
         for n, g in j.placement.items():
             held[n] = held.get(n, 0) + g
+            assert j.kind == "spot" or n not in NODES, f"dedicated job {j.id} placed on serving node {n}"
     owed = ctl.loans.pending_restores
     for node, cap in NODES.items():
         assert held.get(node, 0) <= led.lent_on(node), f"{node}: jobs hold {held.get(node)} of {led.lent_on(node)} lent"
@@ -88,12 +89,14 @@ def _drive(ctl, ex, clock, rng, steps, adapter, stop_delay=1):
 
 
 def test_a_replayed_day_lends_reclaims_and_never_double_counts(tmp_path):
-    store = new_store(tmp_path, ("a", 0, 1.0))
+    store = new_store(tmp_path, ("a", 0, 1.0), ("d", 2, 1.0))
     clock = FakeClock()
-    ex = FakeExecutor(gpus=1, serving=NODES)
+    ex = FakeExecutor(gpus=2, serving=NODES)
     ctl, adapter = _plane(tmp_path, clock, ex, store)
     for i in range(3):
         submit(store, "a", clock.t, name=f"s{i}", kind="spot", gpus={"min": 1, "max": 4}, max_restarts=50)
+    for i in range(2):  # dedicated jobs: never on a loan, whatever is lent
+        submit(store, "d", clock.t, name=f"d{i}", kind="dedicated", gpus={"min": 1, "max": 2}, max_restarts=50)
     _drive(ctl, ex, clock, random.Random(1), int(DAY / SPEEDUP / 0.5), adapter)
     st = ctl.loans.stats
     assert st["lent_total_gpus"] > 0 and st["returned_gpus"] > 0, st

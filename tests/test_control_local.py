@@ -220,3 +220,31 @@ def test_configure_reaches_the_running_ranks(tmp_path, executors):
     for r in range(2):
         assert "interval 42.5" in read(ex.log_path("c", r))
     assert json.loads((tmp_path / "jobs" / "c" / "attempt-1" / "control.json").read_text()) == {"ckpt_interval_s": 42.5}
+
+
+ABORT_AFTER_CLOSE = """
+import os
+from tidal.train import Session
+with Session(ckpt_every_s=3600) as s:
+    s.step_done(1)
+os.abort()  # what torch 2.13 + gloo sometimes does in the interpreter's teardown after a clean close
+"""
+
+ABORT_BEFORE_CLOSE = """
+import os
+from tidal.train import Session
+s = Session(ckpt_every_s=3600)
+s.step_done(1)
+os.abort()
+"""
+
+
+def test_a_rank_that_aborts_after_closing_cleanly_has_finished(tmp_path, executors):
+    ex = executors(tmp_path / "jobs", slots=2)
+    ex.launch(req("ok", ABORT_AFTER_CLOSE, n=2, env={"TIDAL_SHM_DIR": str(tmp_path / "shm")}), time.time())
+    ob = wait_done(ex, "ok", timeout_s=60)
+    assert [r.exit_code for r in ob.ranks] == [-6, -6] and all(r.ended for r in ob.ranks)
+    ex.release("ok")
+    ex.launch(req("bad", ABORT_BEFORE_CLOSE, n=1, env={"TIDAL_SHM_DIR": str(tmp_path / "shm")}), time.time())
+    ob = wait_done(ex, "bad", timeout_s=60)
+    assert [r.exit_code for r in ob.ranks] == [-6] and not ob.ranks[0].ended

@@ -72,6 +72,13 @@ EXIT_PREEMPTED = 75
 """EX_TEMPFAIL from sysexits.h ("temporary failure, try again"): the job stopped on a notice (or its
 grace ran out) and resumes from its newest committed checkpoint. Never a failure."""
 
+PHASE_ENDED = "ended"
+"""The heartbeat's phase once the runtime has closed cleanly (its ``end`` record written, the process
+group torn down). A rank whose last heartbeat says so *finished*, whatever the interpreter's teardown
+does afterwards: with torch 2.13 + gloo a finished rank sometimes dies of SIGABRT
+(``terminate called without an active exception``) after ``destroy_process_group``; the control
+plane counts such a rank as exited 0."""
+
 # ------------------------------------------------------------------------------ grace
 DEFAULT_GRACE_S = 30.0
 """Seconds from a stop notice (SIGTERM, the notice file, a reclaim) to the forced exit."""

@@ -193,7 +193,7 @@ class Controller:
             self._finish(job, ob, now_s)
             return
         if job.stop_reason != "failure" and not job.killed:
-            bad = [r for r in ob.ranks if not r.alive and (r.vanished or r.exit_code not in RESUMABLE_CODES)]
+            bad = [r for r in ob.ranks if not r.alive and (r.vanished or _code(r) not in RESUMABLE_CODES)]
             if bad:
                 self._kill_for_failure(job, _describe(bad[0]), now_s)
                 return
@@ -259,7 +259,10 @@ class Controller:
         data = {"attempt": job.attempt, "exit_codes": codes, "step": reached, "ckpt_step": p.ckpt_step}
         if outcome == "success":
             at = f" at step {reached}" if reached is not None else ""
-            self.store.transition(job.id, S.SUCCEEDED, now_s, f"all {len(codes)} ranks exited 0{at}", data=data, finished_s=now_s, placement={}, releasing={},
+            torn = [r.rank for r in ob.ranks if r.ended]
+            how = (f"finished{at} (exit codes {codes}: ranks {torn} died in the interpreter's teardown after "
+                   "closing cleanly, counted as 0)") if torn else f"exited 0{at}"
+            self.store.transition(job.id, S.SUCCEEDED, now_s, f"all {len(codes)} ranks {how}", data=data, finished_s=now_s, placement={}, releasing={},
                                   **base)
         elif outcome == "cancelled":
             self.store.transition(job.id, S.CANCELLED, now_s, f"cancelled; exit codes {codes}", data=data,
@@ -288,8 +291,8 @@ class Controller:
                                   placement={}, releasing={}, **base)
 
     def _classify(self, job: JobRow, ob: Observation) -> tuple[str, str]:
-        codes = [r.exit_code for r in ob.ranks]
-        bad = [r for r in ob.ranks if r.vanished or r.exit_code not in RESUMABLE_CODES]
+        codes = [_code(r) for r in ob.ranks]
+        bad = [r for r in ob.ranks if r.vanished or _code(r) not in RESUMABLE_CODES]
         if S(job.state) == S.CANCELLING:
             return ("success" if codes and all(c == 0 for c in codes) else "cancelled"), ""
         if job.stop_reason == "failure":
@@ -297,7 +300,7 @@ class Controller:
         if codes and all(c == 0 for c in codes):
             return "success", ""
         if job.stop_reason in ("preempt", "resize") and all(
-                r.exit_code in RESUMABLE_CODES or (job.killed and (r.vanished or (r.exit_code or 0) < 0))
+                _code(r) in RESUMABLE_CODES or (job.killed and (r.vanished or (r.exit_code or 0) < 0))
                 for r in ob.ranks):  # SIGKILLed by us after the grace: stopped, not failed
             return "stopped", ""
         if not bad and EXIT_PREEMPTED in codes:
@@ -425,6 +428,12 @@ class Controller:
 # ----------------------------------------------------------------------------------------- helpers
 def _requeue_fields() -> dict[str, Any]:
     return {"placement": {}, "releasing": {}, "started_s": None, "handle": None}
+
+
+def _code(r: RankState) -> int | None:
+    """The rank's exit code as the platform counts it: a rank whose runtime closed cleanly first
+    (``RankState.ended``) exited 0, whatever signal the interpreter's teardown raised after."""
+    return 0 if r.ended else r.exit_code
 
 
 def _describe(r: RankState) -> str:

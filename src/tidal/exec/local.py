@@ -285,7 +285,9 @@ class LocalExecutor:
         for k in t.ranks:
             if k.rank not in t.codes and k.rank not in t.vanished:
                 self._poll_rank(t, k)
-            states.append(RankState(k.rank, k.pid, t.codes.get(k.rank), k.rank in t.vanished))
+            code = t.codes.get(k.rank)
+            ended = code is not None and code != 0 and t.reader.phase(k.rank) == c.PHASE_ENDED
+            states.append(RankState(k.rank, k.pid, code, k.rank in t.vanished, ended))
         return Observation(t.job_id, t.attempt, t.launched_s, tuple(states), t.reader.read())
 
     def _poll_rank(self, t: _Tracked, k: _Rank) -> None:

@@ -148,6 +148,11 @@ class ProgressReader:
         elif ev == "end":
             f["ended"] = True
 
+    def phase(self, rank: int) -> str | None:
+        """Rank ``rank``'s newest heartbeat phase (``None``: none yet)."""
+        b = self._heartbeat(rank)
+        return b.get("phase") if b is not None else None
+
     def _heartbeat(self, rank: int) -> dict[str, Any] | None:
         try:
             doc = json.loads((self.dir / heartbeat_file(rank)).read_bytes())

@@ -56,6 +56,7 @@ class RankState:
     pid: int | None
     exit_code: int | None = None  # None: still running (or vanished)
     vanished: bool = False  # gone without a recorded exit code
+    ended: bool = False  # its runtime closed cleanly first (heartbeat phase tidal.contract.PHASE_ENDED)
 
     @property
     def alive(self) -> bool:

@@ -174,14 +174,7 @@ class LoanLedger:
 
     def return_gpus(self, node: str, gpus: int, now: float) -> float:
         """Carry out :class:`~tidal.model.ReturnGpus`; returns when those GPUs serve again."""
-        ln = self.loans.get(node)
-        if ln is None or gpus > ln.gpus or gpus < 1:
-            raise AssertionError(f"ReturnGpus({node!r}, {gpus}): node has {ln.gpus if ln else 0} GPUs on loan")
-        if gpus == ln.gpus:
-            del self.loans[node]
-        else:
-            self.loans[node] = Loan(node, ln.gpus - gpus, until_s=ln.until_s)
-        self.lent -= gpus
+        self._unlend(node, gpus, f"ReturnGpus({node!r}, {gpus})")
         ready = now + self.timing.release_s + self.timing.warmup_s
         self.warming_on.setdefault(node, []).append([ready, gpus])
         self.warming += gpus
@@ -198,15 +191,18 @@ class LoanLedger:
     def cancel_loan(self, node: str, gpus: int) -> None:
         """Undo ``gpus`` of a loan just made on ``node`` that could not be carried out (the serving side
         refused to release them): they stay serving's, no warm-up."""
+        self._unlend(node, gpus, f"cancel_loan({node!r}, {gpus})")
+        self._until_key = None
+
+    def _unlend(self, node: str, gpus: int, what: str) -> None:
         ln = self.loans.get(node)
-        if ln is None or not 1 <= gpus <= ln.gpus:
-            raise AssertionError(f"cancel_loan({node!r}, {gpus}): node has {ln.gpus if ln else 0} GPUs on loan")
+        if ln is None or gpus > ln.gpus or gpus < 1:
+            raise AssertionError(f"{what}: node has {ln.gpus if ln else 0} GPUs on loan")
         if gpus == ln.gpus:
             del self.loans[node]
         else:
             self.loans[node] = Loan(node, ln.gpus - gpus, until_s=ln.until_s)
         self.lent -= gpus
-        self._until_key = None
 
     def warm_done(self, node: str, now: float) -> None:
         """GPUs of ``node`` whose warm-up ends by ``now`` serve again."""

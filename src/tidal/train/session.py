@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from tidal import ckpt
 from tidal.ckpt import config as ckpt_config
-from tidal.contract import ENV_CKPT_TIERS
+from tidal.contract import ENV_CKPT_TIERS, PHASE_ENDED
 from tidal.train.data import GlobalBatchSampler
 from tidal.train.env import EXIT_PREEMPTED, NOTICE_WAIT_CHOICES, Env, EnvError
 from tidal.train.notice import Notice, process_start_unix
@@ -468,14 +468,18 @@ class Session:
                 self._cp.close()
             self._poll_saves()
             self._write({"event": "end", "step": self.step})
+            ended = True
+        except BaseException:
+            ended = False
+            raise
         finally:
-            self._teardown()
+            self._teardown(PHASE_ENDED if ended else "stopped")
 
-    def _teardown(self) -> None:
+    def _teardown(self, phase: str = "stopped") -> None:
         self._watch_stop.set()
         if self._watcher is not None and self._watcher is not threading.current_thread():
             self._watcher.join(timeout=5.0)
-        self._beat("stopped", force=True)
+        self._beat(phase, force=True)
         for w in self._writers:
             with contextlib.suppress(Exception):
                 w.close()

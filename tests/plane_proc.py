@@ -1,0 +1,55 @@
+"""``tidal up`` as a subprocess on a free loopback port, for the end-to-end tests. Kept in one place."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tidal.control.client import TidalClient
+from tidal.exec import procs
+
+
+class Plane:
+    """``tidal up --gpus GPUS --config <tmp>/config.yaml`` with its state in ``<tmp>/state``."""
+
+    def __init__(self, tmp: Path, config: str, gpus: int = 2) -> None:
+        self.tmp, self.state, self.gpus = tmp, tmp / "state", gpus
+        (tmp / "config.yaml").write_text(config)
+        self.proc: subprocess.Popen | None = None
+        self.outputs: list[Path] = []
+
+    def start(self) -> None:
+        url_file = self.state / "api.url"
+        url_file.unlink(missing_ok=True)
+        out = self.tmp / f"up-{len(self.outputs)}.log"
+        self.outputs.append(out)
+        with open(out, "wb") as f:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", "from tidal.cli import main; main()", "up", "--gpus", str(self.gpus),
+                 "--port", "0", "--state-dir", str(self.state), "--config", str(self.tmp / "config.yaml")],
+                stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        deadline = time.monotonic() + 60
+        while not url_file.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"tidal up did not start:\n{out.read_text()}")
+            time.sleep(0.05)
+        self.url = url_file.read_text().strip()
+        self.admin = TidalClient(self.url, (self.state / "admin.token").read_text().strip())
+
+    def crash(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)  # type: ignore[union-attr]
+        self.proc.wait(timeout=30)  # type: ignore[union-attr]
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+        for launch in self.state.glob("jobs/*/attempt-*/launch.json"):  # every worker ever started, by pid
+            for r in json.loads(launch.read_text())["ranks"]:
+                if procs.alive(r["pid"], r.get("started")):
+                    procs.kill_group(r["pid"])
