@@ -256,6 +256,7 @@ class Controller:
         outcome, why = self._classify(job, ob)
         acct = _account(job, ob, now_s, outcome == "success")
         self.executor.release(job.id)
+        self._shm_swept_s = float("-inf")  # the end of this step looks at its shared memory
         base = {"stop_reason": None, "stop_deadline_s": None, "killed": False, **acct}
         codes = [r.exit_code for r in ob.ranks]
         p = ob.progress

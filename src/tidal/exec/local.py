@@ -116,6 +116,13 @@ class LocalExecutor:
         self.uids = Uids(self.root / ".uids.json", iso.uid_base) if iso.uid_base is not None else None
         shm = iso.shm_dir if iso.shm_dir is not None else default_shm_dir(self.root)
         self.shm_root = Path(shm) if shm else None
+        if self.uids is not None:
+            for d in [self.root.resolve(), *([Path(shm).absolute()] if shm else [])]:
+                closed = [p for p in d.parents if not os.stat(p).st_mode & 0o001]
+                if closed:
+                    raise ValueError(f"isolation.uid_base: jobs' uids cannot reach {d}: {closed[0]} is not "
+                                     f"searchable by others (mode {oct(os.stat(closed[0]).st_mode & 0o777)}); "
+                                     "choose a state dir (and shm_dir) under world-searchable directories")
         self.gpu = gpu_ids is not None
         devices = list(gpu_ids) if gpu_ids is not None else list(range(slots or 0))
         serving = dict(serving_nodes or {})

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -65,9 +66,8 @@ def _options(args: list[str]) -> tuple[dict, list[str]] | None:
 
 
 def _limit(rlimits: dict) -> None:
-    """In the child before exec: lower the limits (soft and hard; never raised)."""
-    import resource
-
+    """In the child before exec: lower the limits (soft and hard; never raised). Imports nothing: the
+    child may already run as a uid that cannot read the Python installation."""
     for name, value in rlimits.items():
         res = getattr(resource, RLIMITS[name], None)
         if res is None:
