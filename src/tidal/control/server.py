@@ -142,6 +142,14 @@ def build(state_dir: Path, gpus: str = "auto", db: str | None = None, config: Co
     token, created = ensure_admin(store, state_dir, time.time())
     secure_state_dir(state_dir, config)  # the database as created
     iso = config.isolation if config is not None else None
+    try:
+        return _build(state_dir, gpus, store, token, created, config, iso, loans, serving_nodes)
+    except ValueError as e:
+        store.close()
+        raise SystemExit(f"tidal up: {e}") from None
+
+
+def _build(state_dir, gpus, store, token, created, config, iso, loans, serving_nodes) -> Plane:  # noqa: ANN001
     if gpus == "auto":
         ids = detect_gpus()
         if not ids:
