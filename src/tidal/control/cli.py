@@ -7,6 +7,7 @@ default ``~/.tidal``), so ``tidal up --gpus 2 &`` then ``tidal submit job.yaml -
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -61,6 +62,7 @@ def up(host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.
     from tidal.control.server import build, serve
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    os.umask(0o077)  # the database, logs, tokens and job directories: the plane's own, 0600/0700
     try:
         cfg = ControlConfig.load(config) if config else ControlConfig()
     except (OSError, ValueError, TypeError) as e:

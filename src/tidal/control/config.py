@@ -10,6 +10,7 @@
       query: sum(vllm:num_requests_running)
       gpus_per_unit: 0.125
       shortfall_budget: 0.005
+    isolation: {uid_base: 200000, shm_retention_s: 3600}   # tidal.exec.isolation: how jobs are isolated
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from tidal.exec.isolation import IsolationConfig
 from tidal.policy.ckpt_interval import CkptIntervalConfig
 from tidal.policy.scheduler import SchedulerConfig
 from tidal.serving.watch import WatchConfig
@@ -36,7 +38,8 @@ class ControlConfig:
     time between reconcile steps in ``tidal up``. ``ckpt_interval``: how jobs with
     ``checkpoint.interval_s: auto`` get their interval from their measured stall (Young/Daly).
     ``serving``: where serving demand comes from, for the live loan plan (advice only: the plane does
-    not yet place jobs on serving GPUs); ``None``: no serving side.
+    not yet place jobs on serving GPUs); ``None``: no serving side. ``isolation``: how the local
+    executor isolates jobs (uids, environment, shared-memory retention: :mod:`tidal.exec.isolation`).
     """
 
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -49,6 +52,7 @@ class ControlConfig:
     kill_slack_s: float = 10.0
     loop_interval_s: float = 0.5
     serving: WatchConfig | None = None
+    isolation: IsolationConfig = field(default_factory=IsolationConfig)
 
     def backoff_s(self, restarts: int) -> float:
         """Seconds to wait before restart number ``restarts`` (1 = the first)."""
@@ -74,8 +78,12 @@ class ControlConfig:
                 kw[key] = kind(**sub)
         if kw.get("serving") is not None:
             kw["serving"] = WatchConfig.from_dict(kw["serving"], f"{where}: serving")
+        if "isolation" in kw:
+            if not isinstance(kw["isolation"] or {}, dict):
+                raise ValueError(f"{where}: isolation must be a mapping of settings, got {kw['isolation']!r}")
+            kw["isolation"] = IsolationConfig.from_dict(kw["isolation"], where)
         for k, v in kw.items():
-            if k not in nested and k != "serving" and (not isinstance(v, int | float) or v < 0):
+            if k not in nested and k not in ("serving", "isolation") and (not isinstance(v, int | float) or v < 0):
                 raise ValueError(f"{where}: {k} must be a number of seconds >= 0, got {v!r}")
         return cls(**kw)
 

@@ -40,8 +40,8 @@ from tidal.contract import DEFAULT_GRACE_S
 from tidal.control.config import ControlConfig
 from tidal.control.loans import DOC_KEY as LOANS_DOC
 from tidal.control.loans import LiveLoans
-from tidal.control.states import HELD, STOPPING, State
-from tidal.control.store import JobRow, Store
+from tidal.control.states import HELD, STOPPING, TERMINAL, State
+from tidal.control.store import JobRow, NotFound, Store
 from tidal.exec.protocol import EXIT_PREEMPTED, Executor, LaunchRequest, Observation, RankState
 from tidal.model import (
     Admit,
@@ -62,6 +62,7 @@ from tidal.policy.scheduler import schedule
 log = logging.getLogger(__name__)
 
 S = State
+SHM_SWEEP_S = 5.0  # how often ended jobs' shared-memory directories are looked at
 RESUMABLE_CODES = frozenset({0, EXIT_PREEMPTED, -15, 128 + 15})  # -15/143: SIGTERM before the session existed
 
 
@@ -77,6 +78,7 @@ class Controller:
         self.nodes: list[Node] = executor.nodes()
         self.loans = loans
         self._events: list[tuple[str, str, dict | None]] = []  # loan events of this step, stored with the ledger
+        self._shm_swept_s = float("-inf")
         if loans is not None:
             serving = {n.name: n.gpus for n in self.nodes if n.pool == "serving"}
             if serving != loans.nodes:
@@ -118,6 +120,7 @@ class Controller:
                                       f"control plane restarted: attempt {job.attempt} {why}; requeued to "
                                       f"resume from checkpoint step {job.ckpt_step or 0}",
                                       **_requeue_fields(), data={"recovered": True})
+        self.sweep_shm(now_s, force=True)  # orphans: shm dirs of jobs that ended or that the store does not know
 
     # ----------------------------------------------------------------------------------------- step
     def step(self, now_s: float) -> list[Decision]:
@@ -133,6 +136,7 @@ class Controller:
         for d in decisions:  # 5. act
             self._apply(d, now_s)
         self._save_loans(now_s)
+        self.sweep_shm(now_s)
         return decisions
 
     def _held_by_node(self) -> dict[str, int]:
@@ -252,6 +256,7 @@ class Controller:
         outcome, why = self._classify(job, ob)
         acct = _account(job, ob, now_s, outcome == "success")
         self.executor.release(job.id)
+        self._shm_swept_s = float("-inf")  # the end of this step looks at its shared memory
         base = {"stop_reason": None, "stop_deadline_s": None, "killed": False, **acct}
         codes = [r.exit_code for r in ob.ranks]
         p = ob.progress
@@ -377,8 +382,11 @@ class Controller:
                               stop_reason=None, stop_deadline_s=None, killed=False, handle=None, progress={},
                               nominated_s=None, **fields)
         spec = job.spec
-        req = LaunchRequest(job.id, attempt, tuple(spec["command"]), placement, spec.get("workdir"),
-                            self._env(job))
+        env = self._env(job)
+        default_ckpt = self._default_ckpt(job)
+        own = (default_ckpt,) if default_ckpt is not None and env.get(c.ENV_CKPT_URL) == default_ckpt else ()
+        req = LaunchRequest(job.id, attempt, tuple(spec["command"]), placement, spec.get("workdir"), env,
+                            tenant=job.tenant, own_dirs=own)
         try:
             handle = self.executor.launch(req, now_s)
         except Exception as e:  # a launch that fails is a failed attempt (restarts apply)
@@ -390,10 +398,13 @@ class Controller:
         self.store.record("launch", f"attempt {attempt}: {req.world_size} ranks started", now_s, job=job,
                           data=handle)
 
+    def _default_ckpt(self, job: JobRow) -> str | None:
+        return str(self.ckpt_root / job.id / "ckpt") if self.ckpt_root else None
+
     def _env(self, job: JobRow) -> dict[str, str]:
         spec = job.spec
         ck = spec.get("checkpoint") or {}
-        url = ck.get("url") or (str(self.ckpt_root / job.id / "ckpt") if self.ckpt_root else None)
+        url = ck.get("url") or self._default_ckpt(job)
         env = dict(spec.get("env") or {})
         interval = ck.get("interval_s", "auto")
         if interval == "auto":  # the policy's interval once the stall is measured; until then the policy's cap
@@ -405,6 +416,42 @@ class Controller:
         elif url:
             env[c.ENV_CKPT_URL] = url
         return env
+
+    # ------------------------------------------------------------------------------- shared memory
+    def sweep_shm(self, now_s: float, *, force: bool = False) -> list[str]:
+        """Free the shared-memory directories (node-memory checkpoint tiers) of ended jobs: once the
+        newest checkpoint is in a durable tier (or there is none), else ``isolation.shm_retention_s``
+        after the job ended; a directory of a job the store does not know is an orphan, freed at
+        once. Returns the jobs freed. Every ``SHM_SWEEP_S`` at most, unless ``force``."""
+        if not hasattr(self.executor, "shm_jobs") or (not force and now_s - self._shm_swept_s < SHM_SWEEP_S):
+            return []
+        self._shm_swept_s = now_s
+        freed = []
+        for job_id in self.executor.shm_jobs():  # type: ignore[attr-defined]
+            try:
+                job = self.store.job(job_id)
+            except NotFound:
+                job, why = None, "the store does not know the job"
+            if job is not None:
+                if S(job.state) not in TERMINAL:
+                    continue
+                p = job.progress or {}
+                ckpt, durable = job.ckpt_step, p.get("durable_ckpt_step")
+                if ckpt is None or (durable is not None and durable >= ckpt):
+                    why = f"{job.state}; its newest checkpoint (step {ckpt}) is durable" if ckpt is not None \
+                        else f"{job.state} without a checkpoint"
+                elif now_s - (job.finished_s or now_s) >= self.config.isolation.shm_retention_s:
+                    why = (f"{job.state} {now_s - job.finished_s:.0f} s ago (retention "  # type: ignore[operator]
+                           f"{self.config.isolation.shm_retention_s:g} s); step {ckpt} was only in node memory")
+                else:
+                    continue
+            if self.executor.free_shm(job_id):  # type: ignore[attr-defined]
+                freed.append(job_id)
+                if job is not None:
+                    self.store.record("shm_freed", f"shared-memory tier freed: {why}", now_s, job=job)
+                else:
+                    log.info("freed the orphan shared-memory directory of %s: %s", job_id, why)
+        return freed
 
     # ------------------------------------------------------------------------------------- snapshot
     def snapshot(self, now_s: float) -> Snapshot:

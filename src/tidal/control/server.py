@@ -15,8 +15,10 @@ nodes, and spot jobs run on the GPUs serving lends.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tidal.control.api import ApiContext, create_app
-from tidal.control.auth import ensure_admin
+from tidal.control.auth import ADMIN_TOKEN_FILE, ensure_admin
 from tidal.control.client import API_URL_FILE
 from tidal.control.config import ControlConfig
 from tidal.control.controller import Controller
@@ -110,9 +112,21 @@ class Plane:
         return create_app(ctx)
 
 
+def secure_state_dir(state_dir: Path, config: ControlConfig | None) -> None:
+    """The state dir 0700 (0711 when jobs run as their own uids: they pass through to their own
+    directories, never list or read anything else); its files 0600 (``tidal up`` runs with umask 077)."""
+    state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    iso = config.isolation if config is not None else None
+    os.chmod(state_dir, 0o711 if iso is not None and iso.uid_base is not None else 0o700)
+    for name in ("tidal.db", "tidal.db-journal", "tidal.db-wal", "tidal.db-shm", ADMIN_TOKEN_FILE, API_URL_FILE):
+        p = state_dir / name
+        if p.is_file() and not p.is_symlink():
+            os.chmod(p, 0o600)
+
+
 def build(state_dir: Path, gpus: str = "auto", db: str | None = None, config: ControlConfig | None = None) -> Plane:
     state_dir = Path(state_dir).resolve()
-    state_dir.mkdir(parents=True, exist_ok=True)
+    secure_state_dir(state_dir, config)
     loans = None
     serving_nodes: dict[str, int] = {}
     if config is not None and config.serving is not None and config.serving.lends:
@@ -126,12 +140,22 @@ def build(state_dir: Path, gpus: str = "auto", db: str | None = None, config: Co
             config.scheduler, min_loan_left_s=loans.timing.min_loan_window_s))
     store = Store(db or sqlite_url(str(state_dir / "tidal.db")))
     token, created = ensure_admin(store, state_dir, time.time())
+    secure_state_dir(state_dir, config)  # the database as created
+    iso = config.isolation if config is not None else None
+    try:
+        return _build(state_dir, gpus, store, token, created, config, iso, loans, serving_nodes)
+    except ValueError as e:
+        store.close()
+        raise SystemExit(f"tidal up: {e}") from None
+
+
+def _build(state_dir, gpus, store, token, created, config, iso, loans, serving_nodes) -> Plane:  # noqa: ANN001
     if gpus == "auto":
         ids = detect_gpus()
         if not ids:
             raise SystemExit("tidal up: no NVIDIA GPUs found (nvidia-smi); on a machine without GPUs declare "
                              "CPU slots with --gpus N")
-        executor = LocalExecutor(state_dir / "jobs", gpu_ids=ids, serving_nodes=serving_nodes)
+        executor = LocalExecutor(state_dir / "jobs", gpu_ids=ids, serving_nodes=serving_nodes, isolation=iso)
         what = f"{len(ids)} GPUs ({','.join(map(str, ids))})"
     else:
         try:
@@ -140,7 +164,7 @@ def build(state_dir: Path, gpus: str = "auto", db: str | None = None, config: Co
             raise SystemExit(f"tidal up: --gpus must be 'auto' or a number of CPU slots, got {gpus!r}") from None
         if n < 1:
             raise SystemExit(f"tidal up: --gpus must be >= 1, got {n}")
-        executor = LocalExecutor(state_dir / "jobs", slots=n, serving_nodes=serving_nodes)
+        executor = LocalExecutor(state_dir / "jobs", slots=n, serving_nodes=serving_nodes, isolation=iso)
         what = f"{n} CPU slots"
     try:
         controller = Controller(store, executor, config, ckpt_root=state_dir / "jobs", loans=loans)
@@ -177,7 +201,13 @@ def serve(plane: Plane, host: str = "127.0.0.1", port: int = 8470, *, announce=p
             return
         bound = server.servers[0].sockets[0].getsockname()[1]
         url = f"http://{host}:{bound}"
-        (plane.state_dir / API_URL_FILE).write_text(url + "\n")
+        path = plane.state_dir / API_URL_FILE
+        tmp = path.with_name(f".{path.name}.tmp")
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+            f.write(url + "\n")
+        os.replace(tmp, path)
         announce(f"tidal up: {url} ({plane.describe}); state in {plane.state_dir}")
         announce(f"admin token {'created in' if plane.token_created else 'in'} {plane.state_dir / 'admin.token'}")
 

@@ -19,6 +19,11 @@ devices; written before any rank starts), ``exit-<r>.json`` (the rank's exit cod
 ``adopt`` reads them back after a restart of the control plane. See :mod:`tidal.exec.shim` for
 why a rank never runs twice.
 
+Isolation (:mod:`tidal.exec.isolation`, docs/control.md): ranks get a clean environment, a private
+area ``<root>/<job>/home`` (``HOME``, ``TMPDIR``), a shared-memory directory per job
+(``TIDAL_SHM_DIR``, freed by :meth:`LocalExecutor.free_shm`), 0600/0700 files, and, with
+``isolation.uid_base`` (as root), their own uid.
+
 Not thread-safe: one reconcile loop drives it.
 """
 
@@ -41,6 +46,7 @@ from typing import Any
 from tidal import contract as c
 from tidal.contract import torchrun_env
 from tidal.exec import procs, shim
+from tidal.exec.isolation import IsolationConfig, Uids, default_shm_dir, private_dir
 from tidal.exec.progress import ProgressReader
 from tidal.exec.protocol import LaunchRequest, Observation, RankState
 from tidal.model import Node
@@ -86,6 +92,7 @@ class _Tracked:
     dir: Path
     ranks: list[_Rank]
     reader: ProgressReader
+    owner: tuple[int, int] | None = None  # the ranks' uid and gid when they run as their own user
     codes: dict[int, int] = field(default_factory=dict)
     vanished: set[int] = field(default_factory=set)
 
@@ -95,11 +102,27 @@ class LocalExecutor:
 
     def __init__(self, root: str | os.PathLike, *, slots: int | None = None, gpu_ids: list[int] | None = None,
                  node: str = "local", python: str = sys.executable,
-                 serving_nodes: Mapping[str, int] | None = None) -> None:
+                 serving_nodes: Mapping[str, int] | None = None, isolation: IsolationConfig | None = None) -> None:
         if (slots is None) == (gpu_ids is None):
             raise ValueError("give exactly one of slots (CPU) or gpu_ids")
+        self.isolation = iso = isolation or IsolationConfig()
+        if iso.uid_base is not None and os.geteuid() != 0:
+            raise ValueError(f"isolation.uid_base {iso.uid_base}: running jobs as their own uid needs root "
+                             f"(tidal up runs as uid {os.geteuid()}); remove uid_base")
         self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        # 0711 with uids: a job's uid may pass through to its own directories, never list or read others'
+        self._dir_mode = 0o711 if iso.uid_base is not None else 0o700
+        private_dir(self.root, self._dir_mode)
+        self.uids = Uids(self.root / ".uids.json", iso.uid_base) if iso.uid_base is not None else None
+        shm = iso.shm_dir if iso.shm_dir is not None else default_shm_dir(self.root)
+        self.shm_root = Path(shm) if shm else None
+        if self.uids is not None:
+            for d in [self.root.resolve(), *([Path(shm).absolute()] if shm else [])]:
+                closed = [p for p in d.parents if not os.stat(p).st_mode & 0o001]
+                if closed:
+                    raise ValueError(f"isolation.uid_base: jobs' uids cannot reach {d}: {closed[0]} is not "
+                                     f"searchable by others (mode {oct(os.stat(closed[0]).st_mode & 0o777)}); "
+                                     "choose a state dir (and shm_dir) under world-searchable directories")
         self.gpu = gpu_ids is not None
         devices = list(gpu_ids) if gpu_ids is not None else list(range(slots or 0))
         serving = dict(serving_nodes or {})
@@ -180,15 +203,20 @@ class LocalExecutor:
             devices += self._free[node][:k]
             self._free[node] = self._free[node][k:]
         adir = self.attempt_dir(req.job_id, req.attempt)
-        (adir / c.PROGRESS_DIRNAME).mkdir(parents=True, exist_ok=True)
-        (self.job_dir(req.job_id) / "logs").mkdir(parents=True, exist_ok=True)
+        try:
+            owner = self._owner(req)
+            self._make_dirs(req, adir, owner)
+        except (OSError, RuntimeError) as e:
+            self._give_back(devices)
+            raise LaunchError(f"job {req.job_id}: cannot prepare its directories: {e}") from e
         port = free_port()
         ranks: list[_Rank] = []
         try:
             for r in range(n):
-                ranks.append(self._spawn(req, r, devices, port, adir))
+                ranks.append(self._spawn(req, r, devices, port, adir, owner))
             doc = {"job_id": req.job_id, "attempt": req.attempt, "world_size": n, "devices": devices,
                    "gpu": self.gpu, "master_port": port, "launched_s": now_s,
+                   "owner": list(owner) if owner else None,
                    "ranks": [{"rank": k.rank, "pid": k.pid, "started": k.started} for k in ranks]}
             _write_json(adir / c.LAUNCH_FILE, doc)
             for k in ranks:  # the second phase: recorded, now run
@@ -204,32 +232,115 @@ class LocalExecutor:
             self._give_back(devices)
             raise
         self._jobs[req.job_id] = _Tracked(req.job_id, req.attempt, now_s, devices, adir, ranks,
-                                          ProgressReader(adir / c.PROGRESS_DIRNAME, n))
+                                          ProgressReader(adir / c.PROGRESS_DIRNAME, n), owner)
         return {"node": self.node, "placement": dict(req.placement), "devices": devices, "master_port": port,
-                "dir": str(adir),
+                "dir": str(adir), **({"uid": owner[0]} if owner else {}),
                 "ranks": [{"rank": k.rank, "pid": k.pid} for k in ranks]}
 
-    def _spawn(self, req: LaunchRequest, r: int, devices: list[int], port: int, adir: Path) -> _Rank:
-        n = req.world_size
-        env = os.environ.copy()
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // len(self.devices))))
+    # -- isolation ---------------------------------------------------------------------------------
+    def home_dir(self, job_id: str) -> Path:
+        """The job's private area (``HOME``, ``TMPDIR``; its working directory without ``workdir``)."""
+        return self.job_dir(job_id) / "home"
+
+    def shm_dir(self, job_id: str) -> Path | None:
+        """The job's shared-memory directory (``TIDAL_SHM_DIR`` unless its spec sets one)."""
+        return self.shm_root / job_id if self.shm_root is not None else None
+
+    def _owner(self, req: LaunchRequest) -> tuple[int, int] | None:
+        if self.uids is None:
+            return None
+        key = req.job_id if self.isolation.per == "job" or not req.tenant else f"tenant:{req.tenant}"
+        uid = self.uids.uid(key)
+        return uid, uid
+
+    def _make_dirs(self, req: LaunchRequest, adir: Path, owner: tuple[int, int] | None) -> None:
+        """The job's directories: the plane's (job, logs, attempt) 0711/0700; the job's own (progress,
+        home, shm, ``own_dirs`` under the root) 0700 and, with uids, owned by its uid."""
+        jdir = self.job_dir(req.job_id)
+        private_dir(jdir, self._dir_mode)
+        private_dir(jdir / "logs", 0o700)
+        private_dir(adir, self._dir_mode)
+        private_dir(adir / c.PROGRESS_DIRNAME, 0o700, owner)
+        home = private_dir(self.home_dir(req.job_id), 0o700, owner)
+        private_dir(home / "tmp", 0o700, owner)
+        shm = self.shm_dir(req.job_id)
+        if shm is not None and c.ENV_SHM_DIR not in req.env:
+            private_dir(shm.parent, 0o711 if owner else 0o700)
+            private_dir(shm, 0o700, owner)
+        root = self.root.resolve()
+        for d in req.own_dirs:
+            p = Path(d)
+            if p.resolve().is_relative_to(root) and not p.exists():
+                private_dir(p, 0o700, owner)
+
+    def job_env(self, req: LaunchRequest, r: int, devices: list[int], port: int, adir: Path) -> dict[str, str]:
+        """Rank ``r``'s whole environment: the allow-listed names of this process's environment, the
+        basics (``HOME``, ``TMPDIR`` in the job's private area), the job's ``env``, then the platform's."""
+        iso, home = self.isolation, self.home_dir(req.job_id)
+        env = {k: os.environ[k] for k in iso.pass_env if k in os.environ}
+        env.setdefault("PATH", os.defpath)
+        env.update({"HOME": str(home), "TMPDIR": str(home / "tmp"), "USER": "tidal", "LOGNAME": "tidal",
+                    "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")
+                    or str(max(1, (os.cpu_count() or 1) // len(self.devices)))})
         if sys.platform.startswith("linux") and Path("/sys/class/net/lo").exists():
-            env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            env["GLOO_SOCKET_IFNAME"] = "lo"
+        shm = self.shm_dir(req.job_id)
+        if shm is not None:
+            env[c.ENV_SHM_DIR] = str(shm)
         env.update(req.env)
-        env.update(torchrun_env(r, n, port))
+        env.update(torchrun_env(r, req.world_size, port))
         env.update({c.ENV_JOB_ID: req.job_id, c.ENV_PROGRESS_DIR: str(adir / c.PROGRESS_DIRNAME),
                     c.ENV_CONTROL_FILE: str(adir / c.CONTROL_FILE),
                     c.ENV_CUDA_VISIBLE_DEVICES: ",".join(map(str, devices)) if self.gpu else "",
                     "PYTHONUNBUFFERED": "1"})
+        return env
+
+    def _shim_options(self, owner: tuple[int, int] | None) -> list[str]:
+        iso = self.isolation
+        out = ["--rlimit", "core=0"]
+        if iso.max_file_bytes is not None:
+            out += ["--rlimit", f"fsize={iso.max_file_bytes}"]
+        if owner is not None:
+            out += ["--uid", str(owner[0]), "--gid", str(owner[1])]
+            if iso.max_procs is not None:
+                out += ["--rlimit", f"nproc={iso.max_procs}"]
+        return out
+
+    def shm_jobs(self) -> list[str]:
+        """Jobs that have a shared-memory directory here."""
+        if self.shm_root is None:
+            return []
+        try:
+            return sorted(p.name for p in self.shm_root.iterdir() if p.is_dir() and not p.is_symlink())
+        except OSError:
+            return []
+
+    def free_shm(self, job_id: str) -> bool:
+        """Remove the job's shared-memory directory (its node-memory checkpoint tier); True if it was there."""
+        d = self.shm_dir(job_id)
+        if d is None or job_id in self._jobs or not d.is_dir() or d.is_symlink():
+            return False
+        shutil.rmtree(d, ignore_errors=True)
+        return True
+
+    def _spawn(self, req: LaunchRequest, r: int, devices: list[int], port: int, adir: Path,
+               owner: tuple[int, int] | None = None) -> _Rank:
+        n = req.world_size
+        env = self.job_env(req, r, devices, port, adir)
         log = Path(self.log_path(req.job_id, r))
-        with open(log, "ab") as out:
+        try:
+            fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        except OSError as e:
+            raise LaunchError(f"job {req.job_id}: cannot open its log {log}: {e}") from e
+        with open(fd, "ab") as out:
             out.write(f"=== tidal: {req.job_id} attempt {req.attempt}, rank {r} of {n}, "
                       f"{time.strftime('%Y-%m-%d %H:%M:%S')} ===\n".encode())
             out.flush()
             try:
                 p = subprocess.Popen([self.python, "-I", shim.__file__, str(adir / c.exit_file(r)),
-                                      str(adir / c.pid_file(r)), "--", *req.command],
-                                     stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, cwd=req.workdir,
+                                      str(adir / c.pid_file(r)), *self._shim_options(owner), "--", *req.command],
+                                     stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
+                                     cwd=req.workdir or self.home_dir(req.job_id),
                                      env=env, start_new_session=True)
             except OSError as e:
                 raise LaunchError(f"job {req.job_id}: cannot start rank {r}: {e}") from e
@@ -250,7 +361,7 @@ class LocalExecutor:
             current = json.loads(path.read_text())
         except (OSError, ValueError):
             current = {}
-        _write_json(path, {**current, **settings})  # atomically: ranks never read half a file
+        _write_json(path, {**current, **settings}, t.owner)  # atomically: ranks never read half a file
 
     def _signal(self, job_id: str, sig: int) -> None:
         t = self._jobs.get(job_id)
@@ -334,14 +445,21 @@ class LocalExecutor:
         taken = set(devices)
         self._free = {n: [d for d in free if d not in taken] for n, free in self._free.items()}
         ranks = [_Rank(r["rank"], r["pid"], r.get("started")) for r in doc["ranks"]]
+        owner = tuple(doc["owner"]) if isinstance(doc.get("owner"), list) and len(doc["owner"]) == 2 else None
         self._jobs[job_id] = _Tracked(job_id, attempt, float(doc["launched_s"]), devices, adir, ranks,
-                                      ProgressReader(adir / c.PROGRESS_DIRNAME, len(ranks)))
+                                      ProgressReader(adir / c.PROGRESS_DIRNAME, len(ranks)), owner)  # type: ignore[arg-type]
         return True
 
 
-def _write_json(path: Path, doc: dict) -> None:
+def _write_json(path: Path, doc: dict, owner: tuple[int, int] | None = None) -> None:
+    """Atomically, mode 0600 (and owned by ``owner``: a file the job reads)."""
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with open(fd, "w") as f:
+        if owner is not None:
+            os.fchown(f.fileno(), *owner)
         json.dump(doc, f)
         f.flush()
         os.fsync(f.fileno())

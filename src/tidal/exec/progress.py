@@ -14,6 +14,7 @@ import collections
 import contextlib
 import json
 import os
+import stat
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,10 +102,10 @@ class ProgressReader:
     def _tail(self) -> None:
         path = self.dir / progress_file(0)
         try:
-            with open(path, "rb") as fh:
+            with _open_plain(path) as fh:
                 fh.seek(self._offset)
                 chunk = fh.read()
-        except FileNotFoundError:
+        except OSError:
             return
         self._offset += len(chunk)
         data = self._partial + chunk
@@ -155,7 +156,18 @@ class ProgressReader:
 
     def _heartbeat(self, rank: int) -> dict[str, Any] | None:
         try:
-            doc = json.loads((self.dir / heartbeat_file(rank)).read_bytes())
+            with _open_plain(self.dir / heartbeat_file(rank)) as fh:
+                doc = json.loads(fh.read(1 << 16))
         except (OSError, ValueError):
             return None
         return doc if isinstance(doc, dict) and isinstance(doc.get("time"), int | float) else None
+
+
+def _open_plain(path: Path):
+    """Open a file the job wrote, for reading: never through a symlink, never a FIFO or device (the
+    job owns the directory; the control plane must not read elsewhere or block)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(f"{path}: not a plain file")
+    return open(fd, "rb")

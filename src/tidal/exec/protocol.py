@@ -35,7 +35,8 @@ class LaunchRequest:
     """Start attempt ``attempt`` of ``job_id``: ``placement`` (node -> GPUs) ranks running ``command``.
 
     ``env`` holds the job's variables and Tidal's (checkpoint location and interval, grace); the
-    executor adds the torchrun contract, the GPU binding and ``TIDAL_PROGRESS_DIR``.
+    executor adds the torchrun contract, the GPU binding and ``TIDAL_PROGRESS_DIR``; nothing of its
+    own environment but what its isolation settings pass (:mod:`tidal.exec.isolation`).
     """
 
     job_id: str
@@ -44,6 +45,8 @@ class LaunchRequest:
     placement: Mapping[str, int]
     workdir: str | None = None
     env: Mapping[str, str] = field(default_factory=dict)
+    tenant: str | None = None  # whose job: the local executor may run each tenant as its own uid
+    own_dirs: tuple[str, ...] = ()  # directories the job must own (its default checkpoint directory)
 
     @property
     def world_size(self) -> int:

@@ -1,6 +1,6 @@
 """The per-rank shim: start one rank, wait for it, record its exit code. Standard library only.
 
-    python -I shim.py EXIT_FILE PID_FILE -- PROGRAM ARG...
+    python -I shim.py EXIT_FILE PID_FILE [--uid U --gid G] [--rlimit NAME=N ...] -- PROGRAM ARG...
 
 The local executor starts one shim per rank, in a new session (its own process group), with the
 rank's environment, working directory and log file. Two things make a control-plane crash safe:
@@ -17,12 +17,18 @@ Signals reach the rank directly (the executor signals the whole process group); 
 SIGTERM and SIGINT itself (with a no-op handler, which the rank does not inherit), so it outlives
 the rank to record its code. SIGKILL of the group ends both: then there is no exit file, and the
 control plane knows it killed them. The shim exits with the rank's code (128 + n for signal n).
+
+Isolation (:mod:`tidal.exec.isolation`): the shim itself keeps the executor's user (it writes the exit
+and pid files into the attempt directory, which the job may not write), and starts the rank with
+``--uid``/``--gid`` (no supplementary groups), umask 077 and the ``--rlimit`` limits (``core``,
+``fsize``, ``nproc``, ``nofile``; lowered in the child only, before ``exec``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -36,18 +42,61 @@ def _write(path: str, doc: dict) -> None:
     os.replace(tmp, path)
 
 
+RLIMITS = {"core": "RLIMIT_CORE", "fsize": "RLIMIT_FSIZE", "nproc": "RLIMIT_NPROC", "nofile": "RLIMIT_NOFILE"}
+USAGE = "usage: shim.py EXIT_FILE PID_FILE [--uid U --gid G] [--rlimit NAME=N ...] -- PROGRAM ARG..."
+
+
+def _options(args: list[str]) -> tuple[dict, list[str]] | None:
+    opts: dict = {"rlimits": {}}
+    i = 0
+    while i < len(args) and args[i] != "--":
+        if args[i] in ("--uid", "--gid") and i + 1 < len(args):
+            opts[args[i][2:]] = int(args[i + 1])
+        elif args[i] == "--rlimit" and i + 1 < len(args) and "=" in args[i + 1]:
+            name, _, value = args[i + 1].partition("=")
+            if name not in RLIMITS:
+                return None
+            opts["rlimits"][name] = int(value)
+        else:
+            return None
+        i += 2
+    if i >= len(args) - 1:
+        return None
+    return opts, args[i + 1:]
+
+
+def _limit(rlimits: dict) -> None:
+    """In the child before exec: lower the limits (soft and hard; never raised). Imports nothing: the
+    child may already run as a uid that cannot read the Python installation."""
+    for name, value in rlimits.items():
+        res = getattr(resource, RLIMITS[name], None)
+        if res is None:
+            continue
+        _, hard = resource.getrlimit(res)
+        if hard != resource.RLIM_INFINITY:
+            value = min(value, hard)
+        resource.setrlimit(res, (value, value))
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) < 4 or argv[2] != "--":
-        print("usage: shim.py EXIT_FILE PID_FILE -- PROGRAM ARG...", file=sys.stderr)
+    parsed = _options(argv[2:]) if len(argv) >= 4 else None
+    if parsed is None:
+        print(USAGE, file=sys.stderr)
         return 2
-    exit_file, pid_file, cmd = argv[0], argv[1], argv[3:]
+    exit_file, pid_file, (opts, cmd) = argv[0], argv[1], parsed
+    os.umask(0o077)
     if sys.stdin.readline().strip() != "go":
         return 0  # the control plane went away before recording this launch: run nothing
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     try:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
-    except OSError as e:
+        kw: dict = {}
+        if "uid" in opts:
+            kw.update(user=opts["uid"], group=opts.get("gid", opts["uid"]), extra_groups=[])
+        rlimits = opts["rlimits"]
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, umask=0o077, close_fds=True,
+                                preexec_fn=(lambda: _limit(rlimits)) if rlimits else None, **kw)
+    except (OSError, subprocess.SubprocessError) as e:
         print(f"tidal: cannot start {cmd[0]!r} in {os.getcwd()}: {e}", file=sys.stderr, flush=True)
         _write(exit_file, {"code": 127, "time": time.time(), "error": str(e)})
         return 127

@@ -1,0 +1,130 @@
+"""How the local executor isolates a job from the control plane and from other jobs (docs/control.md).
+
+    isolation:                       # tidal up --config FILE
+      uid_base: 200000               # run jobs as uids 200000+ (needs root); omit: as tidal up's user
+      per: tenant                    # one uid per tenant (default) or per job
+      pass_env: [PATH, LANG]         # names copied from tidal up's environment (nothing else is)
+      shm_retention_s: 3600          # an ended job's /dev/shm tier is freed after this at the latest
+      max_file_bytes: null           # RLIMIT_FSIZE of every rank (null: no cap)
+      max_procs: 4096                # RLIMIT_NPROC of a job's uid (only with uid_base)
+
+Always: a clean environment (the job's ``env``, the platform's variables, the names in ``pass_env``;
+``HOME`` and ``TMPDIR`` in the job's private area), files and directories 0600/0700, no core dumps,
+a shared-memory directory per job (``TIDAL_SHM_DIR``) freed after the job ends. With ``uid_base``
+(``tidal up`` as root): every rank runs as an unprivileged uid/gid with no supplementary groups and
+no ``/etc/passwd`` entry; the job owns its private area, progress directory, shm directory and
+default checkpoint directory; everything else of the state dir stays root's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+DEFAULT_PASS_ENV = ("PATH", "PYTHONPATH", "VIRTUAL_ENV", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "LD_LIBRARY_PATH",
+                    "CUDA_HOME")
+UID_SPAN = 1 << 16  # uids uid_base .. uid_base + UID_SPAN - 1
+
+
+@dataclass(frozen=True)
+class IsolationConfig:
+    """See the module docstring. ``shm_dir``: where jobs' shared-memory directories go (default
+    ``/dev/shm/tidal-jobs-<hash of the jobs dir>``; ``None`` when there is no ``/dev/shm``)."""
+
+    uid_base: int | None = None
+    per: str = "tenant"
+    pass_env: tuple[str, ...] = DEFAULT_PASS_ENV
+    shm_dir: str | None = None
+    shm_retention_s: float = 3600.0
+    max_file_bytes: int | None = None
+    max_procs: int | None = 4096
+
+    def __post_init__(self) -> None:
+        if self.uid_base is not None and (not isinstance(self.uid_base, int) or self.uid_base < 1000):
+            raise ValueError(f"isolation.uid_base must be an integer >= 1000, got {self.uid_base!r}")
+        if self.per not in ("tenant", "job"):
+            raise ValueError(f"isolation.per must be 'tenant' or 'job', got {self.per!r}")
+        if not isinstance(self.shm_retention_s, int | float) or self.shm_retention_s < 0:
+            raise ValueError(f"isolation.shm_retention_s must be seconds >= 0, got {self.shm_retention_s!r}")
+        for k in ("max_file_bytes", "max_procs"):
+            v = getattr(self, k)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ValueError(f"isolation.{k} must be a positive integer or null, got {v!r}")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None, where: str = "config") -> IsolationConfig:
+        d = dict(d or {})
+        names = {f.name for f in fields(cls)}
+        for k in d:
+            if k not in names:
+                raise ValueError(f"{where}: unknown field isolation.{k} (expected one of {sorted(names)})")
+        if "pass_env" in d:
+            if not isinstance(d["pass_env"], list | tuple) or not all(isinstance(x, str) for x in d["pass_env"]):
+                raise ValueError(f"{where}: isolation.pass_env must be a list of variable names")
+            d["pass_env"] = tuple(d["pass_env"])
+        return cls(**d)
+
+
+@dataclass
+class Uids:
+    """Stable uids for tenants (or jobs): ``uid_base + n``, n allocated in order and kept in ``path``
+    (0600), so a tenant keeps its uid across restarts and owns its files from earlier attempts."""
+
+    path: Path
+    base: int
+    _map: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        try:
+            doc = json.loads(self.path.read_text())
+            self._map = {str(k): int(v) for k, v in doc.items()} if isinstance(doc, dict) else {}
+        except (OSError, ValueError):
+            self._map = {}
+
+    def uid(self, key: str) -> int:
+        if key not in self._map:
+            n = max(self._map.values(), default=-1) + 1
+            if n >= UID_SPAN:
+                raise RuntimeError(f"isolation: no uids left in {self.base}..{self.base + UID_SPAN - 1}")
+            self._map[key] = n
+            tmp = self.path.with_name(f".{self.path.name}.tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump(self._map, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        return self.base + self._map[key]
+
+
+def default_shm_dir(jobs_root: Path) -> str | None:
+    """``/dev/shm/tidal-jobs-<12 hex of the jobs dir>`` (one per control plane), or None without /dev/shm."""
+    if not Path("/dev/shm").is_dir():
+        return None
+    return f"/dev/shm/tidal-jobs-{hashlib.sha1(str(jobs_root.resolve()).encode()).hexdigest()[:12]}"
+
+
+def private_dir(path: Path, mode: int = 0o700, owner: tuple[int, int] | None = None) -> Path:
+    """Create ``path`` (and missing parents, 0700) if needed; set its mode and, as root, its owner.
+    Refuses a symlink at ``path`` (a job may not redirect the plane's chown elsewhere)."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    st = os.lstat(path)
+    if not _isdir(st):
+        raise OSError(f"{path}: not a directory (refused)")
+    if owner is None and st.st_uid != os.geteuid():
+        raise OSError(f"{path}: owned by uid {st.st_uid}, not by this process (refused)")
+    if owner is not None and (st.st_uid, st.st_gid) != owner:
+        os.chown(path, *owner, follow_symlinks=False)
+    if st.st_mode & 0o7777 != mode:
+        os.chmod(path, mode)
+    return path
+
+
+def _isdir(st: os.stat_result) -> bool:
+    import stat
+
+    return stat.S_ISDIR(st.st_mode)

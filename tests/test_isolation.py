@@ -1,0 +1,207 @@
+"""Jobs on the local executor are isolated from the control plane and from each other (issue 16).
+
+Real processes through a plane built in-process (``server.build``) and driven step by step: a hostile
+job tries to read the admin token, the database, another tenant's log and checkpoint, and a secret
+in the plane's own environment, and writes what it could read to its own log; as root the jobs run
+as their own uids. File modes of the state dir; an ended job's shared-memory directory is freed;
+orphans are freed at start.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from tidal.control.auth import create_tenant
+from tidal.control.config import ControlConfig
+from tidal.control.server import build
+from tidal.control.spec import parse_spec
+from tidal.exec.isolation import IsolationConfig
+
+pytestmark = pytest.mark.slow
+SECRET = "plane-secret-7f3a9c"
+ROOT = os.geteuid() == 0
+TERMINAL = ("succeeded", "failed", "cancelled")
+
+VICTIM = ('echo "VICTIM-LOG-MARK"; mkdir -p "$TIDAL_CKPT_URL" && echo "VICTIM-CKPT-MARK" > "$TIDAL_CKPT_URL/data"; '
+          'echo "VICTIM-SHM-MARK" > "$TIDAL_SHM_DIR/state"')
+# Reads what it should not, by the paths a tenant can guess and by walking up from its progress dir.
+HOSTILE = r'''
+up="$TIDAL_PROGRESS_DIR/../../../.."
+for f in "$STATE/admin.token" "$up/admin.token" "$STATE/tidal.db" "$STATE/api.url" "$STATE/jobs/.uids.json" \
+         "$STATE/jobs/$VICTIM/logs/rank-0.log" "$STATE/jobs/$VICTIM/ckpt/data" "$VICTIM_SHM/state"; do
+  if c=$(cat "$f" 2>/dev/null); then echo "READ $f: $c"; else echo "denied $f"; fi
+done
+for d in "$STATE" "$up" "$STATE/jobs" "$STATE/jobs/$VICTIM" "$STATE/jobs/$VICTIM/ckpt"; do
+  if l=$(ls -A "$d" 2>/dev/null); then echo "LISTED $d: $l"; else echo "denied listing $d"; fi
+done
+echo "uid $(id -u) gid $(id -g) groups $(id -G)"
+echo "HOME=$HOME"
+env | sort | sed 's/^/ENV /'
+ulimit -c | sed 's/^/CORE /'
+'''
+
+
+def _config(**iso) -> ControlConfig:
+    return ControlConfig(loop_interval_s=0.1, restart_backoff_s=0.1, isolation=IsolationConfig(**iso))
+
+
+def _submit(plane, tenant: str, name: str, script: str, env: dict | None = None) -> str:
+    spec = parse_spec({"name": name, "gpus": 1, "max_restarts": 0, "command": ["/bin/sh", "-c", script],
+                       "env": env or {}})
+    return plane.store.submit(tenant, spec.model_dump(), time.time()).id
+
+
+def _run(plane, *job_ids: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        plane.controller.step(time.time())
+        if all(plane.store.job(j).state in TERMINAL for j in job_ids):
+            return
+        time.sleep(0.05)
+    raise AssertionError({j: (plane.store.job(j).state, plane.store.job(j).message) for j in job_ids})
+
+
+@pytest.fixture
+def plane_factory(monkeypatch):
+    monkeypatch.setenv("TIDAL_TEST_SECRET", SECRET)  # in the plane's environment only
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+    base = Path(tempfile.mkdtemp(prefix="tidal-iso-"))  # under /tmp: other uids may pass through (pytest's
+    base.chmod(0o711)  # tmp_path is under a 0700 directory), list nothing
+    made = []
+
+    def make(**iso):
+        iso.setdefault("shm_dir", str(base / "shm"))
+        p = build(base / "state", "2", None, _config(**iso))
+        p.controller.recover(time.time())
+        made.append(p)
+        return p
+
+    yield make
+    for p in made:
+        for job_id in list(p.executor._jobs):
+            p.executor.kill(job_id)
+        p.store.close()
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def _log(plane, job_id: str) -> str:
+    return Path(plane.executor.log_path(job_id, 0)).read_text()
+
+
+def _hostile_run(plane) -> tuple[str, str, str]:
+    create_tenant(plane.store, "alice", quota_gpus=1)
+    create_tenant(plane.store, "bob", quota_gpus=1)
+    victim = _submit(plane, "alice", "victim", VICTIM)
+    _run(plane, victim)
+    assert plane.store.job(victim).state == "succeeded", _log(plane, victim)
+    assert "VICTIM-LOG-MARK" in _log(plane, victim)
+    shm = plane.executor.shm_dir(victim)
+    hostile = _submit(plane, "bob", "peek", HOSTILE, {"STATE": str(plane.state_dir), "VICTIM": victim,
+                                                      "VICTIM_SHM": str(shm)})
+    _run(plane, hostile)
+    return victim, hostile, _log(plane, hostile)
+
+
+def test_environment_is_an_allow_list(plane_factory):
+    """Whoever runs it: nothing of the plane's environment but the allow-list reaches a job."""
+    plane = plane_factory()
+    _, hostile, log = _hostile_run(plane)
+    env = dict(line[4:].split("=", 1) for line in log.splitlines() if line.startswith("ENV ") and "=" in line)
+    assert SECRET not in log
+    assert "TIDAL_TEST_SECRET" not in env and "AWS_SECRET_ACCESS_KEY" not in env
+    allowed = {"PATH", "PYTHONPATH", "VIRTUAL_ENV", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "LD_LIBRARY_PATH",
+               "CUDA_HOME", "HOME", "TMPDIR", "USER", "LOGNAME", "OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME",
+               "PYTHONUNBUFFERED", "STATE", "VICTIM", "VICTIM_SHM", "PWD", "SHLVL", "_"}
+    assert set(env) - allowed - {k for k in env if k.startswith("TIDAL_")} - {
+        "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+        "CUDA_VISIBLE_DEVICES"} == set()
+    assert env["HOME"] == str(plane.executor.home_dir(hostile))
+    assert env["TIDAL_SHM_DIR"] == str(plane.executor.shm_dir(hostile))
+    assert "TIDAL_TOKEN" not in env and "TIDAL_STATE_DIR" not in env
+    assert "CORE 0" in log  # no core dumps
+
+
+@pytest.mark.skipif(not ROOT, reason="jobs run as their own uid only when tidal up runs as root; as another "
+                    "user they run as that user and can read what it can (docs/control.md)")
+def test_hostile_job_reads_nothing_as_its_own_uid(plane_factory):
+    plane = plane_factory(uid_base=200000)
+    victim, hostile, log = _hostile_run(plane)
+    token = (plane.state_dir / "admin.token").read_text().strip()
+    assert token not in log and SECRET not in log
+    assert "READ " not in log and "LISTED " not in log and log.count("denied ") == 13, log
+    assert "VICTIM-LOG-MARK" not in log and "VICTIM-CKPT-MARK" not in log and "VICTIM-SHM-MARK" not in log
+    ids = {j: plane.store.job(j).handle["uid"] for j in (victim, hostile)}
+    assert ids[victim] != ids[hostile] and all(200000 <= u < 200000 + 65536 for u in ids.values())
+    assert f"uid {ids[hostile]} gid {ids[hostile]} groups {ids[hostile]}\n" in log  # no supplementary groups
+    # the job owns what it writes; the plane (root) still reads it all
+    ex = plane.executor
+    for p in (ex.home_dir(victim), ex.attempt_dir(victim, 1) / "progress", ex.job_dir(victim) / "ckpt"):
+        st = os.stat(p)
+        assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (ids[victim], 0o700), p
+    assert (ex.job_dir(victim) / "ckpt" / "data").read_text() == "VICTIM-CKPT-MARK\n"
+    st = os.stat(ex.log_path(victim, 0))
+    assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (0, 0o600)
+
+
+def test_state_dir_file_modes(plane_factory):
+    plane = plane_factory()
+    victim, _, _ = _hostile_run(plane)
+    sd, ex = plane.state_dir, plane.executor
+    assert stat.S_IMODE(os.stat(sd).st_mode) == 0o700
+    for f in ("admin.token", "tidal.db"):
+        assert stat.S_IMODE(os.stat(sd / f).st_mode) == 0o600, f
+    for d in (sd / "jobs", ex.job_dir(victim), ex.job_dir(victim) / "logs", ex.attempt_dir(victim, 1),
+              ex.home_dir(victim), ex.job_dir(victim) / "ckpt"):
+        assert stat.S_IMODE(os.stat(d).st_mode) == 0o700, d
+    for f in (ex.log_path(victim, 0), ex.attempt_dir(victim, 1) / "launch.json",
+              ex.attempt_dir(victim, 1) / "exit-0.json", ex.attempt_dir(victim, 1) / "pid-0.json"):
+        assert stat.S_IMODE(os.stat(f).st_mode) == 0o600, f
+
+
+def test_shm_of_an_ended_job_is_freed(plane_factory):
+    """No checkpoint (or a durable newest one): freed at the next sweep after it ends; a newest step
+    only in node memory: kept for the retention time, then freed."""
+    plane = plane_factory(shm_retention_s=30)
+    create_tenant(plane.store, "alice", quota_gpus=2)
+    job = _submit(plane, "alice", "shm", 'echo data > "$TIDAL_SHM_DIR/state"; test -s "$TIDAL_SHM_DIR/state"')
+    _run(plane, job)
+    assert plane.store.job(job).state == "succeeded", _log(plane, job)
+    shm = plane.executor.shm_dir(job)
+    assert shm is not None and not shm.exists()  # no checkpoint at all: nothing to keep
+    # a job whose newest step was only in node memory: kept until the retention ends
+    job2 = _submit(plane, "alice", "shm2", 'echo data > "$TIDAL_SHM_DIR/state"; '
+                   'echo \'{"event": "committed", "step": 5, "tiers": ["shm"], "time": 1}\' '
+                   '> "$TIDAL_PROGRESS_DIR/progress-r00000.jsonl"; sleep 0.5')
+    _run(plane, job2)
+    assert plane.store.job(job2).ckpt_step == 5
+    now = time.time()
+    assert plane.controller.sweep_shm(now, force=True) == [] and plane.executor.shm_dir(job2).exists()
+    assert plane.controller.sweep_shm(now + 31, force=True) == [job2]
+    assert not plane.executor.shm_dir(job2).exists()
+    events = [e.message for e in plane.store.events(job_id=job2) if e.kind == "shm_freed"]
+    assert events and "retention" in events[0]
+
+
+def test_orphan_shm_dirs_are_freed_at_start(plane_factory):
+    plane = plane_factory()
+    create_tenant(plane.store, "alice", quota_gpus=2)
+    done = _submit(plane, "alice", "done", "true")
+    _run(plane, done)
+    plane.store.update(done, ckpt_step=3, progress={"ckpt_step": 3, "durable_ckpt_step": 3})
+    waiting = _submit(plane, "alice", "waiting", "true")  # pending: its directory (if any) stays
+    root = plane.executor.shm_root
+    for name in (done, "ghost-99", waiting):
+        (root / name).mkdir(parents=True, exist_ok=True, mode=0o700)
+        (root / name / "state").write_text("x")
+    plane.store.close()
+    again = plane_factory()  # a restart of tidal up on the same state dir
+    assert not (root / done).exists() and not (root / "ghost-99").exists()
+    assert (root / waiting / "state").exists()
+    assert again.executor.shm_root == root
