@@ -8,9 +8,9 @@ import math
 import numpy as np
 import pytest
 
+from tidal.model import Reclaim
 from tidal.policy.ledger import LoanLedger
 from tidal.policy.loan import LoanPlan, LoanTiming
-from tidal.policy.loan import Reclaim as PlanReclaim
 
 TIMING = LoanTiming(notice_s=10, final_checkpoint_s=5, release_s=2, warmup_s=20, restart_cost_s=0)
 
@@ -23,7 +23,7 @@ def _plan(lendable: int, reclaims=(), now_gpus: int = 0) -> LoanPlan:
 
 def test_round_trip_keeps_loans_warming_and_reclaims():
     led = LoanLedger({"s0": 2, "s1": 2}, TIMING)
-    led.apply_plan(_plan(3, [PlanReclaim(gpus=1, deadline_s=500.0, notice_s=463.0)]), 100.0, {})
+    led.apply_plan(_plan(3, [Reclaim(gpus=1, by_s=480.0, notice_s=463.0, deadline_s=500.0)]), 100.0, {})
     led.return_gpus("s0", 1, 110.0)
     state = json.loads(json.dumps(led.to_state()))  # JSON-able
     back = LoanLedger.from_state(state, TIMING)

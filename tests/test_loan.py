@@ -21,7 +21,6 @@ from tidal.policy.loan import (
     NightWindowPolicy,
     OraclePolicy,
     ReactivePolicy,
-    Reclaim,
     TidalConfig,
     TidalPolicy,
     plan_loans,
@@ -34,12 +33,23 @@ LEAD20 = LoanTiming(notice_s=0, final_checkpoint_s=0, release_s=0, warmup_s=1200
 GRID = 600.0 * np.arange(1, 7)  # 10-min grid points of the next hour
 
 
+def rc(p: LoanPlan) -> list[tuple]:
+    """A plan's reclaims as (GPUs, deadline, notice)."""
+    return [(r.gpus, r.deadline_s, r.notice_s) for r in p.reclaims]
+
+
 def plan(upper, *, n=10, lent=0, demand_now=3.0, timing=LEAD20, now=0.0, times=GRID) -> LoanPlan:
     return plan_loans(now_s=now, serving_gpus=n, lent_gpus=lent, demand_now_gpus=demand_now,
                       times_s=np.asarray(times, float), upper_gpus=np.asarray(upper, float), timing=timing)
 
 
 # --- timing ---------------------------------------------------------------------------------------
+
+
+def test_a_reclaim_says_when_jobs_must_be_off_and_when_serving_needs_the_gpus():
+    t = LoanTiming(notice_s=120, final_checkpoint_s=90, release_s=30, warmup_s=960, restart_cost_s=0)
+    p = plan([0, 0, 0, 5, 5, 5], timing=t, times=600.0 * np.arange(1, 7), n=10, demand_now=0.0)
+    assert [(r.gpus, r.notice_s, r.by_s, r.deadline_s) for r in p.reclaims] == [(5, 1200.0, 1410.0, 2400.0)]
 
 
 def test_timing_lead_and_minimum_window():
@@ -62,7 +72,7 @@ def test_plan_lends_what_the_lead_window_spares_and_schedules_reclaim_before_the
     p = plan([4, 4, 4, 7, 7, 7])
     assert p.lendable_gpus == 6  # 10 - 4 through the 20-min lead
     # 3 of them must serve again at 40 min (when the bound rises); notice 20 min earlier.
-    assert p.reclaims == (Reclaim(gpus=3, deadline_s=2400.0, notice_s=1200.0),)
+    assert rc(p) == [(3, 2400.0, 1200.0)]
     assert p.reclaim_now_gpus == 0
     assert p.reclaim_gpus == 3
 
@@ -74,7 +84,7 @@ def test_plan_never_lends_below_current_demand():
 def test_plan_staircase_gives_one_reclaim_per_step():
     p = plan([2, 2, 5, 6, 9, 9], demand_now=2.0)
     assert p.lendable_gpus == 8
-    assert p.reclaims == (Reclaim(3, 1800.0, 600.0), Reclaim(1, 2400.0, 1200.0), Reclaim(3, 3000.0, 1800.0))
+    assert rc(p) == [(3, 1800.0, 600.0), (1, 2400.0, 1200.0), (3, 3000.0, 1800.0)]
 
 
 def test_plan_rise_inside_lead_time_reclaims_now():
@@ -94,7 +104,7 @@ def test_minimum_loan_window_blocks_short_new_loans_but_keeps_existing_ones():
     assert p.lendable_gpus == 3 and p.reclaims == ()  # 800 s needed; only the 3 long-lived GPUs go
     kept = plan(rise_at_30, timing=costly, lent=5)  # already lent: already paid the restart
     assert kept.lendable_gpus == 5
-    assert kept.reclaims == (Reclaim(2, 1800.0, 600.0),)
+    assert rc(kept) == [(2, 1800.0, 600.0)]
 
 
 def test_plan_rounds_fractional_bounds_towards_serving():
@@ -386,7 +396,7 @@ def test_night_window_lends_fixed_hours_and_returns_by_the_window_end():
     pol = NightWindowPolicy(start_s=0, end_s=6 * H, margin_gpus=2.0, step_s=600, horizon_s=4 * H, timing=LEAD20)
     p, _ = pol(LoanContext(now_s=3 * H, serving_gpus=10, demand_gpus=math.nan), None)
     assert p.lendable_gpus == 8
-    assert p.reclaims == (Reclaim(8, 6 * H, 6 * H - 1200),)
+    assert rc(p) == [(8, 6 * H, 6 * H - 1200)]
     p, _ = pol(LoanContext(now_s=5.8 * H, serving_gpus=10, demand_gpus=math.nan, lent_gpus=8), None)
     assert p.lendable_gpus == 0 and p.reclaim_now_gpus == 8  # the window ends within the lead
     p, _ = pol(LoanContext(now_s=12 * H, serving_gpus=10, demand_gpus=math.nan), None)
@@ -400,7 +410,7 @@ def test_oracle_lends_exactly_what_the_future_spares():
     ctx = LoanContext(now_s=0.0, serving_gpus=10, demand_gpus=3.0, future_demand_gpus=np.array([3, 4, 4, 9, 9, 9.0]))
     p, _ = pol(ctx, None)
     assert p.lendable_gpus == 6
-    assert p.reclaims == (Reclaim(5, 2400.0, 1200.0),)
+    assert rc(p) == [(5, 2400.0, 1200.0)]
     with pytest.raises(ValueError, match="future_demand_gpus"):
         pol(LoanContext(now_s=0.0, serving_gpus=10, demand_gpus=3.0), None)
 

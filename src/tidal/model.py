@@ -105,10 +105,12 @@ class Loan:
 class Reclaim:
     """An instruction from the loan plan: ``gpus`` loaned GPUs (any nodes) must be released by ``by_s``.
 
-    ``notice_s``: when to start moving training off them (send notices); ``None``: now. Before it,
-    the scheduler only keeps new work off free loaned GPUs if the notice is near (``min_loan_left_s``).
-    From :class:`tidal.policy.loan.Reclaim` (``deadline_s`` = serving again, ``notice_s``) the caller
-    sets ``notice_s`` to the plan's and ``by_s = notice_s + notice grace + final checkpoint``.
+    The one reclaim type: the loan plan makes them (:func:`tidal.policy.loan.plan_loans`), the loan
+    ledger keeps the outstanding ones, the scheduler acts on them. ``notice_s``: when to start moving
+    training off them (send notices); ``None``: now. Before it, the scheduler only keeps new work off
+    free loaned GPUs if the notice is near (``min_loan_left_s``). ``by_s = notice_s + notice grace +
+    final checkpoint``: the jobs are off the GPUs. ``deadline_s``: serving uses them again (``by_s`` +
+    release + serving warm-up; ``None`` where nobody planned it, e.g. a reclaim due now).
     ``gpus`` is what is still outstanding: the store lowers it as :class:`ReturnGpus` decisions are
     carried out and drops the reclaim at zero.
     """
@@ -116,6 +118,7 @@ class Reclaim:
     gpus: int
     by_s: float
     notice_s: float | None = None
+    deadline_s: float | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         _need(self.gpus >= 1, f"Reclaim by {self.by_s}: gpus must be >= 1, got {self.gpus}")

@@ -191,6 +191,7 @@ class LiveLoans:
         led = self.ledger
         wall = dataclasses.replace(plan, reclaims=tuple(
             dataclasses.replace(r, notice_s=now_s + (r.notice_s - t_serv) / self.speedup,
+                                by_s=now_s + (r.by_s - t_serv) / self.speedup,
                                 deadline_s=now_s + (r.deadline_s - t_serv) / self.speedup)
             for r in plan.reclaims))
         before = {n: led.lent_on(n) for n in self.nodes}

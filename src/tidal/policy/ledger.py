@@ -77,7 +77,8 @@ class LoanLedger:
         if self.lent > plan.lendable_gpus:
             reclaims.append(Reclaim(self.lent - plan.lendable_gpus, by_s=now + after_notice))
         for r in plan.reclaims:
-            reclaims.append(Reclaim(r.gpus, by_s=r.notice_s + after_notice, notice_s=r.notice_s))
+            reclaims.append(Reclaim(r.gpus, by_s=r.notice_s + after_notice, notice_s=r.notice_s,
+                                    deadline_s=r.deadline_s))
         self.reclaims = reclaims
         self._set_until(plan, now, used)
         return [r.notice_s for r in plan.reclaims if r.notice_s > now]
@@ -184,7 +185,7 @@ class LoanLedger:
             r = rs[0]
             k = min(left, r.gpus)
             left -= k
-            rs = ([Reclaim(r.gpus - k, r.by_s, r.notice_s)] if r.gpus > k else []) + rs[1:]
+            rs = ([Reclaim(r.gpus - k, r.by_s, r.notice_s, r.deadline_s)] if r.gpus > k else []) + rs[1:]
         self.reclaims = rs
         return ready
 
@@ -244,7 +245,7 @@ class LoanLedger:
         return {"nodes": dict(self.cap), "lendable": self.lendable,
                 "loans": [[ln.node, ln.gpus, t(ln.until_s)] for ln in self.loans.values()],
                 "warming": {n: [[float(r), int(g)] for r, g in e] for n, e in self.warming_on.items() if e},
-                "reclaims": [[r.gpus, r.by_s, r.notice_s] for r in self.reclaims]}
+                "reclaims": [[r.gpus, r.by_s, r.notice_s, r.deadline_s] for r in self.reclaims]}
 
     @classmethod
     def from_state(cls, state: Mapping, timing: LoanTiming) -> LoanLedger:
@@ -265,7 +266,8 @@ class LoanLedger:
             held = led.lent_on(node) + sum(g for _, g in led.warming_ready_s(node))
             if held > led.cap[node]:
                 raise ValueError(f"ledger state: node {node!r} has {held} GPUs lent or warming, of {led.cap[node]}")
-        led.reclaims = [Reclaim(int(g), float(by), None if n is None else float(n))
-                        for g, by, n in state.get("reclaims", ())]
+        led.reclaims = [Reclaim(int(r[0]), float(r[1]), None if r[2] is None else float(r[2]),
+                                None if len(r) < 4 or r[3] is None else float(r[3]))
+                        for r in state.get("reclaims", ())]
         led.lendable = int(state.get("lendable", 0))
         return led

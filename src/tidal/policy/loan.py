@@ -44,6 +44,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from tidal.contract import DEFAULT_GRACE_S
+from tidal.model import Reclaim
 from tidal.policy.forecast import (
     Forecast,
     ForecastConfig,
@@ -107,15 +108,6 @@ class LoanContext:
     demand_gpus: float
     lent_gpus: int = 0
     future_demand_gpus: np.ndarray | None = None
-
-
-@dataclass(frozen=True)
-class Reclaim:
-    """``gpus`` lent GPUs must be serving again by ``deadline_s``: send the notice at ``notice_s``."""
-
-    gpus: int
-    deadline_s: float
-    notice_s: float
 
 
 @dataclass(frozen=True, eq=False)
@@ -192,7 +184,9 @@ def plan_loans(*, now_s: float, serving_gpus: int, lent_gpus: int, demand_now_gp
     worthwhile = running[early - 1] if early > 0 else safe
     lendable = max(kept, min(safe, worthwhile))
     # GPUs k in (running(s), min(running(s-), lendable)] are due back at s, where running drops.
-    reclaims = tuple(Reclaim(gpus=min(a, lendable) - b, deadline_s=t, notice_s=t - lead)
+    after_notice = timing.notice_s + timing.final_checkpoint_s  # from the notice until the jobs are off
+    reclaims = tuple(Reclaim(gpus=min(a, lendable) - b, by_s=(t - lead) + after_notice, notice_s=t - lead,
+                             deadline_s=t)
                      for a, b, t in zip(running[:-1], running[1:], tl[1:], strict=True) if min(a, lendable) > b)
     return LoanPlan(now_s=now_s, lendable_gpus=lendable, reclaims=reclaims,
                     reclaim_now_gpus=max(0, lent_gpus - lendable), times_s=_frozen(times),
