@@ -15,6 +15,7 @@ from control_fakes import FakeClock
 from tidal.control.api import ApiContext, create_app
 from tidal.control.auth import create_tenant, ensure_admin, token_hash
 from tidal.control.client import ApiError, TidalClient
+from tidal.control.locations import LocationPolicy
 from tidal.control.store import Store
 from tidal.model import Node
 
@@ -31,7 +32,8 @@ def api(tmp_path):
     def log_path(job_id: str, rank: int) -> str:
         return str(logs / job_id / f"rank-{rank}.log")
 
-    app = create_app(ApiContext(store, [Node("local", 4)], log_path, FakeClock(), ckpt_root=tmp_path / "jobs"))
+    app = create_app(ApiContext(store, [Node("local", 4)], log_path, FakeClock(), ckpt_root=tmp_path / "jobs",
+                                locations=LocationPolicy(tmp_path / "tenants")))
     http = TestClient(app)
     tokens = {"admin": admin_token,
               "a": create_tenant(store, "a", quota_gpus=2, weight=1.0),
@@ -52,7 +54,7 @@ def test_admin_token_file_and_hashes_only(api):
     assert store.admin().token_hash == token_hash(token)
     assert all(t.token_hash != clients[t.name].token for t in store.tenants())  # never in clear
     assert ensure_admin(store, tmp_path, 1.0) == (token, False)  # second start: same token
-    assert clients["a"].whoami() == {"tenant": "a", "admin": False, "quota_gpus": 2, "weight": 1.0}
+    assert clients["a"].whoami() == {"tenant": "a", "admin": False, "quota_gpus": 2, "weight": 1.0, "max_priority": 0}
 
 
 @pytest.mark.parametrize("token", [None, "", "tidal_wrong"])
@@ -184,7 +186,7 @@ def test_metrics_and_openapi(api):
 
     store.transition(jobs["a"], State.ADMITTED, 1.0, "x", placement={"local": 1}, attempt=1,
                      progress={"step": 7, "steps_per_s": 2.0, "tiers": {"shm": [6, 0.5]}})
-    text = clients["a"].metrics()
+    text = clients["admin"].metrics()
     assert 'tidal_pool_gpus{node="local",state="allocated",tenant="a"} 1.0' in text
     assert 'tidal_pool_gpus{node="local",state="free",tenant=""} 3.0' in text
     assert 'tidal_jobs{state="pending"} 1.0' in text and 'tidal_jobs{state="admitted"} 1.0' in text
@@ -259,17 +261,18 @@ def test_checkpoints_reports_real_steps(api, tmp_path, monkeypatch):
     aged = TidalClient(http=TestClient(later), token=clients["a"].token).checkpoints(jobs["a"])
     assert 5.0 <= aged["durable_age_s"] <= 5.0 + (t1 - t0)
 
-    # A spec's own checkpoint.url is where the endpoint looks; nothing there yet.
-    other = clients["b"].submit({**SPEC, "name": "own-url", "checkpoint": {"url": str(tmp_path / "elsewhere")}})
-    assert clients["b"].checkpoints(other["id"])["url"] == str(tmp_path / "elsewhere")
+    # A spec's own checkpoint.url (under the tenant's prefix) is where the endpoint looks; nothing there yet.
+    elsewhere = tmp_path / "tenants" / "b" / "elsewhere"
+    other = clients["b"].submit({**SPEC, "name": "own-url", "checkpoint": {"url": str(elsewhere)}})
+    assert clients["b"].checkpoints(other["id"])["url"] == str(elsewhere)
     assert clients["b"].checkpoints(other["id"])["steps"] == []
     with pytest.raises(ApiError) as e:
         clients["a"].checkpoints(other["id"])
     assert e.value.status == 404
-    # A tier list: its first non-shm tier is the location; each tier is listed.
-    listed = clients["a"].submit({**SPEC, "name": "tiered", "checkpoint": {"tiers": ["shm", str(url),
-                                                                                    str(tmp_path / "t2")]}})
-    out = clients["a"].checkpoints(listed["id"])
+    # A tier list: its first non-shm tier is the location; each tier is listed (the admin may name any).
+    listed = clients["admin"].submit({**SPEC, "name": "tiered", "checkpoint": {"tiers": ["shm", str(url),
+                                                                                        str(tmp_path / "t2")]}})
+    out = clients["admin"].checkpoints(listed["id"])
     assert out["url"] == str(url) and [t["location"] for t in out["tiers"] if t["kind"] == "dir"] == [
         str(url), str(tmp_path / "t2")]
     assert out["newest_durable_step"] == 30 and [t["steps"] for t in out["tiers"]][-1] == []

@@ -2,7 +2,8 @@
 
 Every ``/v1`` call carries ``Authorization: Bearer <token>``. A tenant sees and acts on its own
 jobs, logs, checkpoints and events only (another tenant's job is "not found", never "forbidden", so ids do not
-leak); the admin sees everything and manages tenants. ``/healthz`` and ``/metrics`` are open.
+leak); the admin sees everything and manages tenants. ``/healthz`` is open; ``/metrics`` takes the admin's
+token (it names every tenant's jobs).
 
 | method and path | what |
 |---|---|
@@ -16,6 +17,14 @@ leak); the admin sees everything and manages tenants. ``/healthz`` and ``/metric
 | ``GET /v1/pool`` | GPUs per node: allocated by tenant, draining, free |
 | ``GET /v1/whoami`` | the caller's tenant |
 | ``GET, POST /v1/tenants`` | admin: list, create (returns the new tenant's token, once) |
+| ``GET /metrics`` | admin: Prometheus text |
+
+Hostile input: a request body over ``MAX_BODY_BYTES`` is refused with 413 while it is read (a
+``Content-Length`` over it before reading anything); a body that is not UTF-8 or not JSON is a 400
+saying so; every spec field has a size limit and no string may hold a NUL byte or a lone surrogate
+(422 naming the field, :mod:`tidal.control.spec`); a store that fails while submitting answers 500
+and stores nothing, one whose file was deleted answers 503. Responses are rendered so that no stored
+value can make a call fail forever (a lone surrogate is escaped, a NaN becomes null).
 
 The API writes requests into the store and never touches processes: the reconcile loop acts on
 them at its next step.
@@ -29,6 +38,8 @@ seen yet goes to the database, in the pool.
 
 import codecs
 import functools
+import json
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,18 +50,22 @@ from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request, Res
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from sqlalchemy.exc import SQLAlchemyError
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tidal.contract import ENV_SHM_DIR
+from tidal.control import locations as loc_policy
 from tidal.control import metrics
 from tidal.control.auth import authenticate, create_tenant, token_hash
 from tidal.control.spec import JobSpec, clean_msg, error_path
 from tidal.control.states import HELD, TERMINAL, State
-from tidal.control.store import NotFound, Store, TenantRow
+from tidal.control.store import NotFound, Store, StoreUnavailable, TenantRow
 from tidal.control.views import checkpoint_view, event_view, job_view, pool_view
 from tidal.model import Node
 
 MAX_LOG_CHUNK_BYTES = 1 << 20
+MAX_BODY_BYTES = 1 << 20  # a request body (a job spec is a few hundred bytes)
 
 
 @dataclass
@@ -68,18 +83,80 @@ class ApiContext:
     """The live loan plan, if configured: (a :class:`tidal.serving.watch.Advisor`, its source described)."""
     loans: Any = None
     """Live lending, if configured: a :class:`tidal.control.loans.LiveLoans` (its ``view()``)."""
+    locations: loc_policy.LocationPolicy | None = None
+    """Where tenants may checkpoint (None: a policy with no tenant prefix, only grants: none)."""
 
 
 class TenantSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
-    quota_gpus: int = Field(default=0, ge=0, description="training GPUs guaranteed to dedicated jobs")
-    weight: float = Field(default=1.0, gt=0, description="share of spot capacity")
+    quota_gpus: int = Field(default=0, ge=0, le=1 << 20, description="training GPUs guaranteed to dedicated jobs")
+    weight: float = Field(default=1.0, gt=0, le=1e6, allow_inf_nan=False, description="share of spot capacity")
+    max_priority: int = Field(default=0, ge=-1000, le=1000, description="the highest priority its jobs may ask for")
 
 
 def _unprocessable(errors: list[dict[str, Any]]) -> JSONResponse:
     return JSONResponse(status_code=422, content={"detail": errors,
                                                   "errors": [f"{e['field'] or '(body)'}: {e['msg']}" for e in errors]})
+
+
+class SafeJSON(JSONResponse):
+    """JSON that renders whatever the store holds: a lone surrogate (not encodable as UTF-8) is escaped
+    (``\\ud800``), a NaN or infinity becomes null. Plain content takes the fast path."""
+
+    def render(self, content: Any) -> bytes:
+        try:
+            return super().render(content)
+        except (UnicodeEncodeError, ValueError):
+            return json.dumps(_finite(content), ensure_ascii=True, allow_nan=False,
+                              separators=(",", ":")).encode()
+
+
+def _finite(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_finite(v) for v in x]
+    return x
+
+
+class BodyLimit:
+    """Refuse a request body over ``limit`` bytes with 413 naming the limit: at once when its
+    ``Content-Length`` says so, else as soon as the bytes read pass it (nothing more is buffered)."""
+
+    def __init__(self, app: ASGIApp, limit: int = MAX_BODY_BYTES) -> None:
+        self.app, self.limit = app, limit
+
+    def _detail(self) -> str:
+        return f"request body too large: the limit is {self.limit} bytes ({self.limit >> 10} KiB)"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope.get("headers") or ()).get(b"content-length")
+        if length is not None:
+            try:
+                too_big = int(length) > self.limit
+            except ValueError:
+                too_big = False
+            if too_big:
+                await JSONResponse({"detail": self._detail()}, status_code=413)(scope, receive, send)
+                return
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.limit:
+                    raise HTTPException(413, self._detail())
+            return msg
+
+        await self.app(scope, limited, send)
 
 
 def _json(status: int = 200) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -89,7 +166,7 @@ def _json(status: int = 200) -> Callable[[Callable[..., Any]], Callable[..., Any
         @functools.wraps(handler)
         def run(*args: Any, **kwargs: Any) -> Any:
             out = handler(*args, **kwargs)
-            return out if isinstance(out, Response) else JSONResponse(out, status_code=status)
+            return out if isinstance(out, Response) else SafeJSON(out, status_code=status)
 
         return run
 
@@ -97,9 +174,11 @@ def _json(status: int = 200) -> Callable[[Callable[..., Any]], Callable[..., Any
 
 
 def create_app(ctx: ApiContext) -> FastAPI:
-    app = FastAPI(title="Tidal", version="0.1.0",
+    app = FastAPI(title="Tidal", version="0.1.0", default_response_class=SafeJSON,
                   description="Run training jobs on a shared GPU pool. Bearer auth; see docs/control.md.")
+    app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
     store = ctx.store
+    policy = ctx.locations or loc_policy.LocationPolicy()
     reg = metrics.registry(store, ctx.nodes, ctx.clock, ctx.serving[0] if ctx.serving else None, ctx.loans)
     pool_gpus = sum(n.gpus for n in ctx.nodes)
 
@@ -107,6 +186,15 @@ def create_app(ctx: ApiContext) -> FastAPI:
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         return _unprocessable([{"loc": list(e["loc"]), "field": error_path(e["loc"]), "msg": clean_msg(e["msg"]),
                                 "type": e["type"]} for e in exc.errors()])
+
+    @app.exception_handler(StoreUnavailable)
+    async def _gone(_: Request, exc: StoreUnavailable) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=503)
+
+    @app.exception_handler(SQLAlchemyError)
+    async def _storage(_: Request, exc: SQLAlchemyError) -> JSONResponse:
+        return JSONResponse({"detail": f"the store failed ({type(exc).__name__}); nothing was changed"},
+                            status_code=500)
 
     async def tenant(authorization: Annotated[str | None, Header()] = None) -> TenantRow:
         token = authorization[7:].strip() if authorization and authorization[:7].lower() == "bearer " else None
@@ -139,18 +227,48 @@ def create_app(ctx: ApiContext) -> FastAPI:
         return {"ok": True}
 
     @app.get("/metrics")
-    def prometheus() -> Response:
+    def prometheus(_: Annotated[TenantRow, Depends(admin)]) -> Response:
         return Response(metrics.render(reg), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/whoami")
     @_json()
     def whoami(me: Caller) -> dict:
-        return {"tenant": me.name, "admin": me.admin, "quota_gpus": me.quota_gpus, "weight": me.weight}
+        return {"tenant": me.name, "admin": me.admin, "quota_gpus": me.quota_gpus, "weight": me.weight,
+                "max_priority": me.max_priority or 0}
 
-    @app.post("/v1/jobs", status_code=201)
-    @_json(201)
-    def submit(spec: JobSpec, me: Caller) -> dict:
+    spec_schema = JobSpec.model_json_schema(ref_template="#/components/schemas/{model}")
+    spec_defs = spec_schema.pop("$defs", {})
+
+    @app.post("/v1/jobs", status_code=201, openapi_extra={"requestBody": {"required": True, "content": {
+        "application/json": {"schema": {"$ref": "#/components/schemas/JobSpec"}}}}})
+    async def submit(request: Request, me: Caller) -> Response:
+        """Submit a job spec (JSON); 201 with the job. 413 over the body limit, 400 for a body that is not
+        UTF-8 JSON, 422 naming each refused field."""
+        body = bytearray()
+        async for chunk in request.stream():  # BodyLimit stops this past MAX_BODY_BYTES
+            body += chunk
+        try:
+            text_ = bytes(body).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise HTTPException(400, f"the request body is not valid UTF-8 (byte {e.start}: {e.reason})") from None
+        try:
+            data = json.loads(text_, parse_constant=_no_constant)
+        except ValueError as e:
+            raise HTTPException(400, f"the request body is not valid JSON: {e}") from None
+        try:
+            spec = JobSpec.model_validate(data)
+        except ValidationError as e:
+            return _unprocessable([{"loc": ["body", *e_["loc"]], "field": error_path(e_["loc"]),
+                                    "msg": clean_msg(e_["msg"]), "type": e_["type"]} for e_ in e.errors()])
+        return await run_in_threadpool(_submit, spec, me)
+
+    def _submit(spec: JobSpec, me: TenantRow) -> Response:
         problems = []
+        limit = me.max_priority or 0
+        if not me.admin and spec.priority > limit:
+            problems.append({"loc": ["body", "priority"], "field": "priority", "type": "priority_limit",
+                             "msg": f"priority {spec.priority} is above tenant {me.name}'s limit of {limit} "
+                                    "(max_priority, set by the admin)"})
         if spec.gpus.min > pool_gpus:
             problems.append({"loc": ["body", "gpus", "min"], "field": "gpus.min", "type": "capacity",
                              "msg": f"{spec.gpus.min} GPUs requested, the pool has {pool_gpus}"})
@@ -158,10 +276,30 @@ def create_app(ctx: ApiContext) -> FastAPI:
             problems.append({"loc": ["body", "kind"], "field": "kind", "type": "quota",
                              "msg": f"a dedicated job runs inside its tenant's quota: it needs {spec.gpus.min} "
                                     f"GPUs, tenant {me.name} has a quota of {me.quota_gpus} (submit it as spot)"})
+        data = spec.model_dump()
+        found, ck, loc = loc_policy.check(data["checkpoint"], me.name, me.admin, policy, _located, _source)
+        problems += [{"loc": ["body", *f.split(".")], "field": f, "type": "checkpoint_location", "msg": m}
+                     for f, m in found]
         if problems:
-            return _unprocessable(problems)  # type: ignore[return-value]
-        job = store.submit(me.name, spec.model_dump(), ctx.clock())
-        return job_view(job, ctx.clock(), detail=True)
+            return _unprocessable(problems)
+        data["checkpoint"] = ck
+        job = store.submit(me.name, data, ctx.clock(), ckpt_location=loc)
+        return SafeJSON(job_view(job, ctx.clock(), detail=True), status_code=201)
+
+    def _located():
+        return [(j, t, loc, State(st) in TERMINAL) for j, t, loc, st in store.ckpt_locations()]
+
+    def _source(job_id: str):
+        try:
+            j = store.job(job_id)
+        except NotFound:
+            return None
+        ck = dict((j.spec or {}).get("checkpoint") or {})
+        if not ck.get("url") and not ck.get("tiers"):
+            if ctx.ckpt_root is None:
+                return None
+            ck["url"] = str(ctx.ckpt_root / j.id / "ckpt")
+        return j.tenant, j.state, ck
 
     @app.get("/v1/jobs")
     @_json()
@@ -259,15 +397,32 @@ def create_app(ctx: ApiContext) -> FastAPI:
     @app.get("/v1/tenants")
     @_json()
     def tenants(_: Annotated[TenantRow, Depends(admin)]) -> list[dict]:
-        return [{"name": t.name, "quota_gpus": t.quota_gpus, "weight": t.weight, "admin": t.admin}
-                for t in store.tenants()]
+        return [{"name": t.name, "quota_gpus": t.quota_gpus, "weight": t.weight, "admin": t.admin,
+                 "max_priority": t.max_priority or 0} for t in store.tenants()]
 
     @app.post("/v1/tenants", status_code=201)
     @_json(201)
     def add_tenant(body: TenantSpec, _: Annotated[TenantRow, Depends(admin)]) -> dict:
         if store.tenant(body.name) is not None:
             raise HTTPException(409, f"tenant {body.name} exists")
-        token = create_tenant(store, body.name, quota_gpus=body.quota_gpus, weight=body.weight, now_s=ctx.clock())
-        return {"name": body.name, "quota_gpus": body.quota_gpus, "weight": body.weight, "token": token}
+        token = create_tenant(store, body.name, quota_gpus=body.quota_gpus, weight=body.weight, now_s=ctx.clock(),
+                              max_priority=body.max_priority)
+        return {"name": body.name, "quota_gpus": body.quota_gpus, "weight": body.weight,
+                "max_priority": body.max_priority, "token": token}
 
+    base_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schemas = base_openapi().setdefault("components", {}).setdefault("schemas", {})
+            schemas.setdefault("JobSpec", spec_schema)
+            for k, v in spec_defs.items():
+                schemas.setdefault(k, v)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")

@@ -34,10 +34,11 @@ def authenticate(store: Store, token: str | None) -> TenantRow | None:
 
 
 def create_tenant(store: Store, name: str, *, quota_gpus: int = 0, weight: float = 1.0, now_s: float = 0.0,
-                  admin: bool = False) -> str:
+                  admin: bool = False, max_priority: int = 0) -> str:
     """Add a tenant; return its token (the only time it exists in clear)."""
     token = new_token()
-    store.add_tenant(name, token_hash(token), quota_gpus=quota_gpus, weight=weight, admin=admin, now_s=now_s)
+    store.add_tenant(name, token_hash(token), quota_gpus=quota_gpus, weight=weight, admin=admin, now_s=now_s,
+                     max_priority=max_priority)
     return token
 
 

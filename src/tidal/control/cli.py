@@ -328,13 +328,16 @@ def _event_line(e: dict, with_job: bool = False) -> str:
 @tenants_app.command("create")
 def tenants_create(name: Annotated[str, typer.Argument(help="tenant name")],
                    quota: Annotated[int, typer.Option(help="training GPUs guaranteed to dedicated jobs")] = 0,
-                   weight: Annotated[float, typer.Option(help="share of spot capacity")] = 1.0) -> None:
+                   weight: Annotated[float, typer.Option(help="share of spot capacity")] = 1.0,
+                   max_priority: Annotated[int, typer.Option(help="the highest priority its jobs may ask for")] = 0,
+                   ) -> None:
     """Create a tenant and print its token (shown once; only its hash is stored)."""
     try:
-        t = _client().create_tenant(name, quota_gpus=quota, weight=weight)
+        t = _client().create_tenant(name, quota_gpus=quota, weight=weight, max_priority=max_priority)
     except ApiError as e:
         _fail(e)
-    err.print(f"tenant {t['name']}: quota {t['quota_gpus']} GPUs, weight {t['weight']:g}; its token (keep it, "
+    err.print(f"tenant {t['name']}: quota {t['quota_gpus']} GPUs, weight {t['weight']:g}, max priority "
+              f"{t['max_priority']}; its token (keep it, "
               "it is not shown again):", highlight=False)
     print(t["token"])
 
@@ -347,8 +350,9 @@ def tenants_list() -> None:
     except ApiError as e:
         _fail(e)
     t = Table(box=None, header_style="bold")
-    for col in ("TENANT", "QUOTA", "WEIGHT", "ADMIN"):
+    for col in ("TENANT", "QUOTA", "WEIGHT", "MAX PRIORITY", "ADMIN"):
         t.add_column(col)
     for r in rows:
-        t.add_row(r["name"], str(r["quota_gpus"]), f"{r['weight']:g}", "yes" if r["admin"] else "")
+        t.add_row(r["name"], str(r["quota_gpus"]), f"{r['weight']:g}", str(r.get("max_priority", 0)),
+                  "yes" if r["admin"] else "")
     console.print(t)

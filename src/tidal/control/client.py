@@ -132,10 +132,13 @@ class TidalClient:
     def tenants(self) -> list[dict]:
         return self._call("GET", "/v1/tenants")
 
-    def create_tenant(self, name: str, *, quota_gpus: int = 0, weight: float = 1.0) -> dict:
-        return self._call("POST", "/v1/tenants", json={"name": name, "quota_gpus": quota_gpus, "weight": weight})
+    def create_tenant(self, name: str, *, quota_gpus: int = 0, weight: float = 1.0, max_priority: int = 0) -> dict:
+        return self._call("POST", "/v1/tenants", json={"name": name, "quota_gpus": quota_gpus, "weight": weight,
+                                                       "max_priority": max_priority})
 
     def metrics(self) -> str:
-        r = self.http.get("/metrics")
+        """Prometheus text (the admin's token)."""
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        r = self.http.get("/metrics", headers=headers)
         r.raise_for_status()
         return r.text

@@ -4,6 +4,9 @@
     ckpt_interval: {min_interval_s: 30, max_interval_s: 3600}         # tidal.policy CkptIntervalConfig
     restart_backoff_s: 10        # first retry after a failure; doubles per restart, up to max_backoff_s
     hang_timeout_s: 120          # no heartbeat for this long (and hang_step_times step times) -> hung
+    checkpoint_grants: {vision: [/data/vision-ckpt], "*": ["s3://shared-bucket/ckpt"]}  # besides <state>/tenants/<t>/
+    checkpoint_endpoints: [http://seaweed:8333, aws, "agent-host:7070"]  # S3 endpoints, peer agents jobs may name
+    checkpoint_max_timeout_s: 60 # cap on timeouts in a spec's tier options
     serving:                     # optional: the live loan plan, as advice (GET /v1/serving, /metrics)
       serving_gpus: 128
       prometheus: http://prometheus:9090     # or  trace: traffic.csv  (+ speedup, start_s)
@@ -53,6 +56,12 @@ class ControlConfig:
     loop_interval_s: float = 0.5
     serving: WatchConfig | None = None
     isolation: IsolationConfig = field(default_factory=IsolationConfig)
+    checkpoint_grants: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """Checkpoint prefixes (directories, ``s3://bucket/prefix``) a tenant's jobs may use besides their own
+    ``<state dir>/tenants/<tenant>/``; key ``"*"``: every tenant (tidal.control.locations)."""
+    checkpoint_endpoints: tuple[str, ...] = ()
+    """S3 endpoints (``aws``: the AWS default) and checkpoint agents (host:port) a spec may name."""
+    checkpoint_max_timeout_s: float = 60.0
 
     def backoff_s(self, restarts: int) -> float:
         """Seconds to wait before restart number ``restarts`` (1 = the first)."""
@@ -82,7 +91,28 @@ class ControlConfig:
             if not isinstance(kw["isolation"] or {}, dict):
                 raise ValueError(f"{where}: isolation must be a mapping of settings, got {kw['isolation']!r}")
             kw["isolation"] = IsolationConfig.from_dict(kw["isolation"], where)
+        grants = kw.get("checkpoint_grants")
+        if grants is not None:
+            if not isinstance(grants, dict) or not all(
+                    isinstance(t, str) and isinstance(ps, list) and all(isinstance(p, str) and p for p in ps)
+                    for t, ps in grants.items()):
+                raise ValueError(f"{where}: checkpoint_grants must map a tenant (or '*') to a list of directories "
+                                 f"or s3://bucket/prefix, got {grants!r}")
+            for ps in grants.values():
+                for p in ps:
+                    if not (p.startswith(("/", "s3://", "file:///"))):
+                        raise ValueError(f"{where}: checkpoint_grants: {p!r} is not an absolute directory or "
+                                         "s3://bucket/prefix")
+            kw["checkpoint_grants"] = {t: tuple(ps) for t, ps in grants.items()}
+        eps = kw.get("checkpoint_endpoints")
+        if eps is not None:
+            if not isinstance(eps, list) or not all(isinstance(e, str) and e for e in eps):
+                raise ValueError(f"{where}: checkpoint_endpoints must be a list of S3 endpoint URLs, 'aws', or "
+                                 f"agent host:port, got {eps!r}")
+            kw["checkpoint_endpoints"] = tuple(eps)
         for k, v in kw.items():
+            if k in ("checkpoint_grants", "checkpoint_endpoints"):
+                continue
             if k not in nested and k not in ("serving", "isolation") and (not isinstance(v, int | float) or v < 0):
                 raise ValueError(f"{where}: {k} must be a number of seconds >= 0, got {v!r}")
         return cls(**kw)

@@ -31,7 +31,8 @@ from tidal.control.client import API_URL_FILE
 from tidal.control.config import ControlConfig
 from tidal.control.controller import Controller
 from tidal.control.loans import build_live_loans
-from tidal.control.store import Store, sqlite_url
+from tidal.control.locations import LocationPolicy
+from tidal.control.store import Store, sqlite_path, sqlite_url
 from tidal.exec.local import LocalExecutor, detect_gpus
 from tidal.serving.watch import Advisor, start_advisor
 
@@ -107,8 +108,11 @@ class Plane:
         serving = (self.advisor.advisor, cfg.describe()) if self.advisor and cfg else None
         if loans is not None and cfg is not None:
             serving = (None, cfg.describe())
+        cfg_ = self.controller.config
+        policy = LocationPolicy(self.state_dir / "tenants", cfg_.checkpoint_grants, cfg_.checkpoint_endpoints,
+                                cfg_.checkpoint_max_timeout_s)
         ctx = ApiContext(self.store, self.controller.nodes, self.executor.log_path, time.time,
-                         ckpt_root=self.controller.ckpt_root, serving=serving, loans=loans)
+                         ckpt_root=self.controller.ckpt_root, serving=serving, loans=loans, locations=policy)
         return create_app(ctx)
 
 
@@ -138,7 +142,7 @@ def build(state_dir: Path, gpus: str = "auto", db: str | None = None, config: Co
         # nothing starts on a loan about to end: the scheduler's horizon is the plan's shortest loan
         config = dataclasses.replace(config, scheduler=dataclasses.replace(
             config.scheduler, min_loan_left_s=loans.timing.min_loan_window_s))
-    store = Store(db or sqlite_url(str(state_dir / "tidal.db")))
+    store = open_checked(state_dir, db or sqlite_url(str(state_dir / "tidal.db")))
     token, created = ensure_admin(store, state_dir, time.time())
     secure_state_dir(state_dir, config)  # the database as created
     iso = config.isolation if config is not None else None
@@ -183,6 +187,48 @@ def _build(state_dir, gpus, store, token, created, config, iso, loans, serving_n
         advisor = AdvisorLoop(adv, clock, speedup)
         what += f"; serving {config.serving.serving_gpus} GPUs, plan from {config.serving.describe()}"
     return Plane(state_dir, store, executor, controller, token, created, what, advisor)
+
+
+def open_checked(state_dir: Path, url: str) -> Store:
+    """Open the store and check it against the state dir; ``SystemExit`` with one line naming the file
+    and what to do when the database is missing while ``jobs/`` holds jobs, cannot be read, or does not
+    know every job directory in ``jobs/`` (a fresh start over old jobs would reuse their ids, logs and
+    checkpoints)."""
+    from sqlalchemy import text
+    from sqlalchemy.exc import SQLAlchemyError
+
+    jobs_dir = state_dir / "jobs"
+    dirs = sorted(d.name for d in jobs_dir.iterdir() if d.is_dir()) if jobs_dir.is_dir() else []
+    path = sqlite_path(url)
+    where = path or url.split("@")[-1]
+
+    def some(names: list[str]) -> str:
+        return ", ".join(names[:3]) + (f", ... ({len(names)} in all)" if len(names) > 3 else "")
+
+    if path is not None and not Path(path).exists() and dirs:
+        raise SystemExit(f"tidal up: the database {path} is missing but {jobs_dir} holds jobs ({some(dirs)}): restore "
+                         f"the database from a backup, or move {jobs_dir} aside to start afresh")
+    try:
+        store = Store(url)
+        if path is not None:
+            with store.engine.connect() as c:
+                verdict = c.execute(text("PRAGMA quick_check")).scalar()
+            if verdict != "ok":
+                store.close()
+                raise SQLAlchemyError(f"integrity check: {verdict}")
+        known = store.job_ids()
+    except SQLAlchemyError as e:
+        why = str(getattr(e, "orig", None) or e).splitlines()[0]
+        raise SystemExit(f"tidal up: cannot read the database {where} ({why}): restore it from a backup, or move "
+                         f"it aside together with {jobs_dir} to start afresh") from None
+    except ValueError as e:  # a newer schema
+        raise SystemExit(f"tidal up: {e}") from None
+    unknown = [d for d in dirs if d not in known]
+    if unknown:
+        store.close()
+        raise SystemExit(f"tidal up: {jobs_dir} holds jobs the database {where} does not know ({some(unknown)}): it is "
+                         "not the database they ran with; point --db at that one, or move those directories aside")
+    return store
 
 
 def serve(plane: Plane, host: str = "127.0.0.1", port: int = 8470, *, announce=print) -> None:

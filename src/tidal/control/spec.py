@@ -19,6 +19,7 @@ prints it line by line. :func:`spec_errors` turns a ``ValidationError`` into tho
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Annotated, Any, Literal
 
@@ -32,10 +33,24 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from tidal.contract import DEFAULT_GRACE_S, RESERVED_ENV  # RESERVED_ENV: set by the platform, not by a job
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+
+# Size limits (the API also caps the whole request body: api.MAX_BODY_BYTES).
+MAX_ARGS = 1024  # command arguments
+MAX_ARG_CHARS = 32768  # one argument (Linux allows 128 KiB per argument)
+MAX_ENV = 256  # env entries
+MAX_ENV_NAME_CHARS = 256
+MAX_ENV_VALUE_CHARS = 32768
+MAX_PATH_CHARS = 4096  # workdir, checkpoint.url, a tier's url
+MAX_TIERS = 8
+MAX_TEXT_CHARS = 32768  # any other string anywhere in a spec (a tier's options)
+MAX_DEPTH = 6  # nesting of lists and mappings
+MAX_GPUS = 65536
+MAX_INTERVAL_S = 7 * 86400.0
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -47,9 +62,9 @@ class GpuRange(_Strict):
     """GPUs a job runs on: a gang of ``min`` (all or nothing), elastic up to ``max``, sizes multiples
     of ``multiple_of`` (e.g. the tensor x pipeline parallel degree)."""
 
-    min: int = Field(ge=1, description="gang minimum, GPUs")
-    max: int | None = Field(default=None, ge=1, description="elastic maximum, GPUs (default: min)")
-    multiple_of: int = Field(default=1, ge=1, description="every size is a multiple of this")
+    min: int = Field(ge=1, le=MAX_GPUS, description="gang minimum, GPUs")
+    max: int | None = Field(default=None, ge=1, le=MAX_GPUS, description="elastic maximum, GPUs (default: min)")
+    multiple_of: int = Field(default=1, ge=1, le=MAX_GPUS, description="every size is a multiple of this")
 
     @model_validator(mode="after")
     def _sizes(self) -> GpuRange:
@@ -82,10 +97,12 @@ def _env_name(k: str) -> str:
 
 
 class CheckpointSpec(_Strict):
-    url: str | None = Field(default=None, description="checkpoint location (path, file://, s3://); "
-                                                      "default: <state dir>/jobs/<job>/ckpt")
+    url: str | None = Field(default=None, max_length=MAX_PATH_CHARS,
+                            description="checkpoint location (path, file://, s3://); default: "
+                                        "<state dir>/jobs/<job>/ckpt; explicit ones under the tenant's prefix "
+                                        "<state dir>/tenants/<tenant>/ or one the admin granted")
     tiers: list[str | dict[str, Any]] | None = Field(
-        default=None, min_length=1,
+        default=None, min_length=1, max_length=MAX_TIERS,
         description="tier list, fastest first, instead of url, e.g. [shm, /ckpt/run1, s3://bucket/run1]")
     interval_s: float | Literal["auto"] = Field(
         default="auto", description="seconds between periodic checkpoints, or 'auto': the control plane sets "
@@ -97,11 +114,13 @@ class CheckpointSpec(_Strict):
         if v == "auto":
             return v
         try:
-            ok = not isinstance(v, bool) and float(v) > 0
-        except (TypeError, ValueError):
+            ok = not isinstance(v, bool) and math.isfinite(float(v)) and float(v) > 0
+        except (TypeError, ValueError, OverflowError):
             ok = False
         if not ok:
             raise ValueError(f"expected a number of seconds > 0 or 'auto', got {v!r}")
+        if v > MAX_INTERVAL_S:
+            raise ValueError(f"expected at most {MAX_INTERVAL_S:g} seconds, got {v!r}")
         return float(v)
 
     @field_validator("tiers")
@@ -117,10 +136,17 @@ class CheckpointSpec(_Strict):
                 raise ValueError(str(e)) from None
         return v
 
+    resume_from: str | None = Field(
+        default=None, max_length=80,
+        description="the id of an ended job of the same tenant whose checkpoint location this job takes over "
+                    "(and resumes from); without it a job never shares a location with another job")
+
     @model_validator(mode="after")
     def _one_location(self) -> CheckpointSpec:
         if self.url is not None and self.tiers is not None:
             raise ValueError("give the location once: 'url' (one directory or bucket) or 'tiers' (a list)")
+        if self.resume_from is not None and (self.url is not None or self.tiers is not None):
+            raise ValueError("give 'resume_from' alone: the job uses the checkpoint location of the job it resumes")
         return self
 
 
@@ -129,13 +155,29 @@ class JobSpec(_Strict):
     kind: Literal["spot", "dedicated"] = "spot"
     priority: int = Field(default=0, ge=-1000, le=1000)
     gpus: Annotated[GpuRange, BeforeValidator(_gpus)]
-    command: list[str] = Field(min_length=1, description="argument list; never run through a shell")
-    workdir: str | None = Field(default=None, description="absolute directory the ranks start in")
-    env: dict[Annotated[str, AfterValidator(_env_name)], str] = Field(default_factory=dict)
+    command: list[Annotated[str, Field(max_length=MAX_ARG_CHARS)]] = Field(
+        min_length=1, max_length=MAX_ARGS, description="argument list; never run through a shell")
+    workdir: str | None = Field(default=None, max_length=MAX_PATH_CHARS,
+                                description="absolute directory the ranks start in")
+    env: dict[Annotated[str, Field(max_length=MAX_ENV_NAME_CHARS), AfterValidator(_env_name)],
+              Annotated[str, Field(max_length=MAX_ENV_VALUE_CHARS)]] = Field(default_factory=dict,
+                                                                              max_length=MAX_ENV)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     max_restarts: int = Field(default=3, ge=0, le=1000)
     grace_s: float = Field(default=DEFAULT_GRACE_S, gt=0, le=3600,
                            description="seconds from a stop notice to SIGKILL")
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _text(cls, data: Any, handler: Any) -> Any:
+        """Refuse NUL bytes, lone surrogates, oversized strings and deep nesting anywhere, each error at
+        its own path (``command[1]: NUL byte``), before the fields are looked at."""
+        problems = text_problems(data)
+        if problems:
+            raise ValidationError.from_exception_data("JobSpec", [
+                InitErrorDetails(type=PydanticCustomError("text", msg), loc=loc, input=None)
+                for loc, msg in problems])
+        return handler(data)
 
     @field_validator("name")
     @classmethod
@@ -165,6 +207,40 @@ class JobSpec(_Strict):
         if v is not None and not v.startswith("/"):
             raise ValueError(f"expected an absolute path, got {v!r} (the CLI resolves paths relative to the YAML file)")
         return v
+
+
+def text_problems(data: Any, loc: tuple = (), depth: int = 0) -> list[tuple[tuple, str]]:
+    """Where ``data`` (parsed JSON or YAML) holds text no spec may hold: ``[(loc, message)]``.
+
+    A NUL byte (no argument, environment value or path can carry one: the launch would fail), a lone
+    UTF-16 surrogate (not Unicode: it cannot be encoded as UTF-8, so it could not be stored, shown or
+    passed on), a string over ``MAX_TEXT_CHARS``, nesting deeper than ``MAX_DEPTH``."""
+    out: list[tuple[tuple, str]] = []
+    if depth > MAX_DEPTH:
+        return [(loc, f"nested deeper than {MAX_DEPTH} levels")]
+    if isinstance(data, str):
+        if "\x00" in data:
+            out.append((loc, "NUL byte"))
+        if _SURROGATE.search(data):
+            out.append((loc, "lone UTF-16 surrogate (not valid Unicode)"))
+        if len(data) > MAX_TEXT_CHARS and (not loc or loc[0] != "command"):
+            out.append((loc, f"longer than {MAX_TEXT_CHARS} characters"))
+    elif isinstance(data, dict):
+        for k, v in data.items():
+            key_loc = (*loc, str(k) if isinstance(k, str) and not text_problems(k) else "[key]")
+            for kloc, msg in text_problems(k, key_loc, depth + 1):
+                out.append((kloc, f"key: {msg}"))
+            if not isinstance(k, str) or not text_problems(k):
+                out.extend(text_problems(v, (*loc, k if isinstance(k, str) else str(k)), depth + 1))
+    elif isinstance(data, list | tuple):
+        for i, v in enumerate(data):
+            out.extend(text_problems(v, (*loc, i), depth + 1))
+    elif isinstance(data, float) and not math.isfinite(data):
+        out.append((loc, f"{data!r} is not a number"))
+    return out
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def spec_errors(err: ValidationError, prefix: str = "") -> list[str]:

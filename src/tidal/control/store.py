@@ -15,12 +15,20 @@ Contract:
 * Times are Unix seconds (``*_s``) on the caller's clock, passed in; the store reads no clock.
 * Tenants found by token hash are remembered (every API call authenticates; tenants change only
   through this object, which forgets a tenant's entry when its token changes).
+* Job numbers are never reused: ``<name>-<n>`` takes ``n`` from a counter in the ``meta`` table
+  (``job_seq``), which only rises, whatever rows are deleted. The database also gets a random id
+  at creation (``meta.db_id``).
+* A SQLite file is checked on every read and write to be the file opened (same device and inode):
+  deleted or replaced under a running ``tidal up``, every call raises :class:`StoreUnavailable`
+  (the API answers 503) instead of writing into a fresh empty file or into nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
+import secrets
 import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -35,6 +43,7 @@ from sqlalchemy import (
     Text,
     create_engine,
     event,
+    func,
     inspect,
     select,
     text,
@@ -43,7 +52,8 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sess
 
 from tidal.control.states import ACTIVE, State, check_transition
 
-SCHEMA_VERSION = 3  # 2: jobs.nominated_s; 3: table docs (the loan ledger and policy state)
+SCHEMA_VERSION = 4  # 2: jobs.nominated_s; 3: table docs (the loan ledger and policy state);
+# 4: tenants.max_priority, jobs.ckpt_location, meta job_seq (job numbers never reused) and db_id
 POOL_SIZE = 48  # SQLite connections kept open: the API's worker threads (40) and the reconcile loop
 
 
@@ -60,6 +70,7 @@ class TenantRow(Base):
     token_hash: Mapped[str] = mapped_column(String(64), unique=True, index=True)
     admin: Mapped[bool] = mapped_column(Boolean, default=False)
     created_s: Mapped[float] = mapped_column(Float, default=0.0)
+    max_priority: Mapped[int | None] = mapped_column(Integer, nullable=True, default=0)  # schema 4; None: 0
 
 
 class JobRow(Base):
@@ -91,6 +102,8 @@ class JobRow(Base):
     ckpt_stall_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     ckpt_interval_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     nominated_s: Mapped[float | None] = mapped_column(Float, nullable=True)  # schema 2
+    # An explicit checkpoint location (or one taken over with resume_from); None: <ckpt_root>/<id>/ckpt.
+    ckpt_location: Mapped[str | None] = mapped_column(String(4096), nullable=True, index=True)  # schema 4
     # Attempts, stopping, failures.
     attempt: Mapped[int] = mapped_column(Integer, default=0)
     attempt_launched_s: Mapped[float | None] = mapped_column(Float, nullable=True)
@@ -153,8 +166,20 @@ class NotFound(KeyError):
     pass
 
 
+class StoreUnavailable(RuntimeError):
+    """The database file was deleted or replaced while this process had it open."""
+
+
 def sqlite_url(path: str) -> str:
     return f"sqlite:///{path}"
+
+
+def sqlite_path(url: str) -> str | None:
+    """The file behind a SQLite URL (None: another database, or in memory)."""
+    if not url.startswith("sqlite") or ":memory:" in url or "mode=memory" in url:
+        return None
+    path = url.split(":///", 1)[1] if ":///" in url else ""
+    return path.split("?", 1)[0] or None
 
 
 class Store:
@@ -173,7 +198,12 @@ class Store:
         self.engine = create_engine(url, **kw)
         if url.startswith("sqlite"):
             event.listen(self.engine, "connect", _sqlite_pragmas)
+        self.path = sqlite_path(url)
+        self._identity: tuple[int, int] | None = None
         Base.metadata.create_all(self.engine)
+        if self.path is not None:
+            st = os.stat(self.path)
+            self._identity = (st.st_dev, st.st_ino)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         self._lock = threading.RLock()
         self._by_token: dict[str, TenantRow] = {}
@@ -188,6 +218,11 @@ class Store:
             elif int(row.value) < SCHEMA_VERSION:
                 self._migrate(s, int(row.value))
                 row.value = str(SCHEMA_VERSION)
+            if s.get(MetaRow, "job_seq") is None:  # new, or made before schema 4: start past every job
+                top = s.scalar(select(func.max(JobRow.seq))) or 0
+                s.add(MetaRow(key="job_seq", value=str(top)))
+            if s.get(MetaRow, "db_id") is None:
+                s.add(MetaRow(key="db_id", value=secrets.token_hex(8)))
 
     def _migrate(self, s: Session, version: int) -> None:
         """Bring a database made by an older tidal up to :data:`SCHEMA_VERSION` (columns added since are
@@ -195,33 +230,60 @@ class Store:
         have = {c["name"] for c in inspect(s.connection()).get_columns("jobs")}
         if version < 2 and "nominated_s" not in have:
             s.execute(text("ALTER TABLE jobs ADD COLUMN nominated_s FLOAT"))
+        if version < 4:
+            if "ckpt_location" not in have:
+                s.execute(text("ALTER TABLE jobs ADD COLUMN ckpt_location VARCHAR(4096)"))
+                s.execute(text("CREATE INDEX IF NOT EXISTS ix_jobs_ckpt_location ON jobs (ckpt_location)"))
+            if "max_priority" not in {c["name"] for c in inspect(s.connection()).get_columns("tenants")}:
+                s.execute(text("ALTER TABLE tenants ADD COLUMN max_priority INTEGER"))
 
     def close(self) -> None:
         self.engine.dispose()
 
     # -- sessions ------------------------------------------------------------------------------------
+    def check_file(self) -> None:
+        """Raise :class:`StoreUnavailable` if the SQLite file is gone or is another file now."""
+        if self._identity is None:
+            return
+        try:
+            st = os.stat(self.path)  # type: ignore[arg-type]
+        except OSError:
+            st = None
+        if st is None or (st.st_dev, st.st_ino) != self._identity:
+            raise StoreUnavailable(f"the database {self.path} was {'deleted' if st is None else 'replaced'} while "
+                                   "tidal up was running; nothing more is stored: stop tidal up and restore "
+                                   "the file from a backup")
+
+    @property
+    def db_id(self) -> str:
+        with self._read() as s:
+            row = s.get(MetaRow, "db_id")
+            return row.value if row is not None else ""
+
     @contextlib.contextmanager
     def _write(self) -> Iterator[Session]:
+        self.check_file()
         with self._lock, self._sessions.begin() as s:
             yield s
 
     @contextlib.contextmanager
     def _read(self) -> Iterator[Session]:
+        self.check_file()
         with self._sessions() as s:
             yield s
 
     # -- tenants -------------------------------------------------------------------------------------
     def add_tenant(self, name: str, token_hash: str, *, quota_gpus: int = 0, weight: float = 1.0,
-                   admin: bool = False, now_s: float = 0.0) -> TenantRow:
+                   admin: bool = False, now_s: float = 0.0, max_priority: int = 0) -> TenantRow:
         with self._write() as s:
             if s.get(TenantRow, name) is not None:
                 raise ValueError(f"tenant {name!r} exists")
             row = TenantRow(name=name, quota_gpus=quota_gpus, weight=weight, token_hash=token_hash, admin=admin,
-                            created_s=now_s)
+                            created_s=now_s, max_priority=max_priority)
             s.add(row)
             s.add(EventRow(time_s=now_s, tenant=name, kind="tenant",
-                           message=f"tenant {name} created (quota {quota_gpus} GPUs, weight {weight:g}"
-                                   f"{', admin' if admin else ''})"))
+                           message=f"tenant {name} created (quota {quota_gpus} GPUs, weight {weight:g}, "
+                                   f"max priority {max_priority}{', admin' if admin else ''})"))
         return row
 
     def set_tenant_token(self, name: str, token_hash: str) -> None:
@@ -266,14 +328,21 @@ class Store:
             return s.scalars(select(TenantRow).where(TenantRow.admin.is_(True))).first()
 
     # -- jobs ----------------------------------------------------------------------------------------
-    def submit(self, tenant: str, spec: dict, now_s: float) -> JobRow:
-        """Insert a pending job from a validated spec (``JobSpec.model_dump()``); its id is ``<name>-<seq>``."""
+    def submit(self, tenant: str, spec: dict, now_s: float, *, ckpt_location: str | None = None) -> JobRow:
+        """Insert a pending job from a validated spec (``JobSpec.model_dump()``); its id is ``<name>-<n>``,
+        ``n`` from the ``job_seq`` counter (never reused). Nothing is stored if anything fails."""
         g = spec["gpus"]
         with self._write() as s:
-            row = JobRow(tenant=tenant, name=spec["name"], spec=spec, state=State.PENDING.value, kind=spec["kind"],
-                         priority=spec["priority"], min_gpus=g["min"], max_gpus=g["max"],
+            counter = s.get(MetaRow, "job_seq")
+            if counter is None:  # (made by __init__; a database edited under us)
+                counter = MetaRow(key="job_seq", value=str(s.scalar(select(func.max(JobRow.seq))) or 0))
+                s.add(counter)
+            seq = int(counter.value) + 1
+            counter.value = str(seq)
+            row = JobRow(seq=seq, tenant=tenant, name=spec["name"], spec=spec, state=State.PENDING.value,
+                         kind=spec["kind"], priority=spec["priority"], min_gpus=g["min"], max_gpus=g["max"],
                          multiple_of=g["multiple_of"], max_restarts=spec["max_restarts"], submit_s=now_s,
-                         placement={}, releasing={}, progress={}, message="")
+                         placement={}, releasing={}, progress={}, message="", ckpt_location=ckpt_location)
             s.add(row)
             s.flush()
             row.id = f"{spec['name']}-{row.seq}"
@@ -297,6 +366,17 @@ class Store:
             q = q.where(JobRow.state.in_([str(x) for x in states]))
         with self._read() as s:
             return list(s.scalars(q))
+
+    def job_ids(self) -> set[str]:
+        with self._read() as s:
+            return set(s.scalars(select(JobRow.id)))
+
+    def ckpt_locations(self) -> list[tuple[str, str, str, str]]:
+        """(job id, tenant, location, state) of every job with a recorded checkpoint location."""
+        q = select(JobRow.id, JobRow.tenant, JobRow.ckpt_location, JobRow.state).where(
+            JobRow.ckpt_location.is_not(None))
+        with self._read() as s:
+            return [tuple(r) for r in s.execute(q)]  # type: ignore[misc]
 
     def active_jobs(self) -> list[JobRow]:
         return self.jobs(states=ACTIVE)

@@ -60,20 +60,22 @@ def pool_view(nodes: list[Node], jobs: list[JobRow], viewer: str | None) -> dict
 
 def checkpoint_view(job_id: str, url: str | None, now_s: float, *, tiers: list | None = None,
                     shm_base: str | None = None) -> dict[str, Any]:
-    """A job's committed checkpoint steps per tier, read with ``tidal.ckpt``'s read side: the location's
-    own tier (directory, ``s3://``, ``peer://``; or each tier of the job's tier list ``tiers``, whose
-    first non-shm tier is its location) and this node's shm tier are listed on storage; tiers
-    only named in the job's status file on this node (``<shm root>/status.json``, written by rank 0)
-    come from that file. ``shm_base`` is the job's ``TIDAL_SHM_DIR`` when its spec sets one.
+    """A job's committed checkpoint steps per tier: its directory tiers (the location itself, or each
+    directory tier of the job's tier list ``tiers``, whose first non-shm tier is its location) and this
+    node's shm tier are listed on local storage; every other tier (``s3://``, ``peer``) comes from the
+    job's status file on this node (``<shm root>/status.json``, written by rank 0), never from a
+    connection: the API process makes no outbound call a tenant chose (endpoint, agent, timeout).
+    Such a tier not in the status file yet is listed with no steps and ``source: "spec"``.
+    ``shm_base`` is the job's ``TIDAL_SHM_DIR`` when its spec sets one.
 
     ``newest_durable_step`` is the newest step held by a durable (non-shm) tier, ``newest_durable_s``
     when it was captured (the status file's save time; else when the tier committed it), and
     ``durable_age_s`` is ``now_s`` minus that. A tier that cannot be listed carries its ``error``.
     """
-    from tidal.ckpt.config import build, resolve
+    from tidal.ckpt.config import build, kind_of, normalize, resolve
     from tidal.ckpt.errors import CheckpointError
     from tidal.ckpt.status import read_status
-    from tidal.ckpt.tiers import SHM_BASE_ENV, DirTier, shm_root_for, tiers_for
+    from tidal.ckpt.tiers import SHM_BASE_ENV, DirTier, shm_root_for
 
     out: dict[str, Any] = {"job": job_id, "url": url, "tiers": [], "steps": [], "newest_step": None,
                            "newest_durable_step": None, "newest_durable_s": None, "durable_age_s": None,
@@ -81,12 +83,18 @@ def checkpoint_view(job_id: str, url: str | None, now_s: float, *, tiers: list |
     saved: dict[int, float] = {}
     rows: list[dict[str, Any]] = []
     listed: list = []
+    remote: list[tuple[str, str, str]] = []  # (name, kind, location): from the status file only
     try:
         if tiers:
             url, cfgs = resolve(tiers, default_keep=0)
-            listed = [build(c, url) for c in cfgs if c.kind != "shm"]
+            listed = [build(c, url) for c in cfgs if c.kind == "dir"]
+            remote = [(c.name, c.kind, c.location) for c in cfgs if c.kind in ("s3", "peer")]
         elif url is not None:
-            listed = tiers_for(url, shm=False)
+            kind = kind_of(url, "checkpoint.url")
+            if kind == "dir":
+                listed = [DirTier("disk", normalize(url, kind), fsync=False)]
+            else:
+                remote = [({"s3": "s3", "peer": "peer"}.get(kind, kind), kind, normalize(url, kind))]
     except (CheckpointError, OSError, ValueError) as e:
         rows = [{"name": "?", "kind": "?", "location": str(url or tiers), "durable": True, "steps": [],
                  "committed_s": {}, "source": "storage", "error": f"{type(e).__name__}: {e}"}]
@@ -124,6 +132,11 @@ def checkpoint_view(job_id: str, url: str | None, now_s: float, *, tiers: list |
                 rows.append({"name": ts.name, "kind": ts.kind, "location": ts.location, "durable": ts.durable,
                              "steps": list(ts.steps), "committed_s": {}, "source": "status",
                              "error": ts.last_error})
+    seen = {(r["kind"], _where(r["kind"], r["location"])) for r in rows}
+    for name, kind, location in remote:
+        if (kind, _where(kind, location)) not in seen:
+            rows.append({"name": name, "kind": kind, "location": location, "durable": True, "steps": [],
+                         "committed_s": {}, "source": "spec", "error": None})
     out["tiers"] = rows
     steps = sorted(set().union(*(r["steps"] for r in rows))) if rows else []
     out["steps"] = steps

@@ -14,7 +14,9 @@ requeued victim that has waited long can never turn around and preempt its preem
   ``hysteresis_s``) or preempted (priority at least ``preempt_priority_gap`` lower, past the minimum
   runtime). Other tenants' dedicated jobs are never touched.
 * a **spot** job: other spot jobs may be shrunk under the same rule, and preempted past their
-  minimum runtime if their priority is at least the gap lower (``priority``), or equal or lower
+  minimum runtime if they are its own tenant's and their priority is at least the gap lower
+  (``priority``: a tenant chooses its jobs' priorities, so priority never preempts across tenants),
+  or another tenant's of equal or lower priority
   while, after the swap, the waiting job's tenant would be no further over its fair share than the
   victim's (``fair_share``, Kueue's LessThanOrEqualToFinalShare). The swap back is then never
   allowed: it would need the victim's tenant, holding more, to end at or below the other.
@@ -415,7 +417,8 @@ def _spot_pre(c: Cycle, job: Job, e: int) -> Iterator[Cand]:
     """``spot_pre_open`` filtered for ``job`` (priority ``e``), lazily, in victim order.
 
     Whole (priority, tenant) groups that cannot yield are skipped before the walk: priorities above
-    ``e``, and for a ``fair_share`` group, a tenant whose share after losing even its smallest job
+    ``e``, another tenant's group for ``priority`` (priority never preempts across tenants), and for a
+    ``fair_share`` group, a tenant whose share after losing even its smallest job
     would stay below the waiting tenant's (the share after losing a job only falls as the job grows).
     The rest are merged back in victim order and checked one by one as before. Nothing the walk reads
     changes while a search consumes it (decisions are issued after the search)."""
@@ -438,7 +441,7 @@ def _spot_pre(c: Cycle, job: Job, e: int) -> Iterator[Cand]:
         codes, groups, n_codes = got
         keep = np.zeros(n_codes, dtype=bool)
         for p, t, k, fewest in groups:
-            if p <= e and (p <= e - gap or (t != job.tenant and share_after <= after(t, fewest))):
+            if p <= e and ((t == job.tenant and p <= e - gap) or (t != job.tenant and share_after <= after(t, fewest))):
                 keep[k] = True
         if not keep.any():
             return
@@ -448,7 +451,8 @@ def _spot_pre(c: Cycle, job: Job, e: int) -> Iterator[Cand]:
         ranks = o.open_order[keep[codes]]
     else:
         parts = [ranks for p, t, ranks, fewest in idx.open_groups()
-                 if p <= e and (p <= e - gap or (t != job.tenant and share_after <= after(t, fewest)))]
+                 if p <= e and ((t == job.tenant and p <= e - gap)
+                                or (t != job.tenant and share_after <= after(t, fewest)))]
         if not parts:
             return
         ranks = parts[0] if len(parts) == 1 else np.sort(np.concatenate(parts))
@@ -457,9 +461,10 @@ def _spot_pre(c: Cycle, job: Job, e: int) -> Iterator[Cand]:
         v = seq[r]
         if v.priority > e or v.id in touched:
             continue
-        if v.priority <= e - gap:
-            yield (v, "priority", False)
-        elif v.tenant != job.tenant and share_after <= after(v.tenant, v.gpus):
+        if v.tenant == job.tenant:  # priority preempts only within a tenant; across tenants, fair share only
+            if v.priority <= e - gap:
+                yield (v, "priority", False)
+        elif share_after <= after(v.tenant, v.gpus):
             yield (v, "fair_share", False)
 
 

@@ -1,0 +1,183 @@
+"""Checkpoint locations belong to a tenant (checked at submission, in the API process).
+
+* A job without ``checkpoint.url``/``tiers`` uses ``<state dir>/jobs/<job>/ckpt``: its own, since job
+  ids are never reused (``Store.submit``).
+* An explicit directory (``checkpoint.url``, or a directory tier of ``checkpoint.tiers``) must lie under
+  the tenant's prefix ``<state dir>/tenants/<tenant>/`` or under a prefix the admin granted the tenant
+  (``checkpoint_grants`` in ``tidal up --config``: ``{tenant: [prefix, ...]}``, ``"*"`` for every tenant;
+  a prefix is a directory or ``s3://bucket/prefix``). Paths are compared after resolving ``..`` and
+  symbolic links.
+* ``s3://`` and ``peer`` tiers need their endpoint in the admin's ``checkpoint_endpoints`` (S3: the
+  ``endpoint`` option, ``aws`` for the AWS default; peer: the ``agent`` and each of ``peers``, host:port;
+  an explicit ``peer://NAME`` namespace is refused: it is derived from the job's location). Timeouts in
+  tier options are capped by ``checkpoint_max_timeout_s``. Default: only local tiers.
+* Two jobs never share a location (equal or nested) unless the spec says ``checkpoint: {resume_from:
+  JOB}``: an ended job of the same tenant, whose location the new job takes over (retention included).
+  A directory that already holds checkpoint steps is refused unless it is that job's location.
+* The admin's own jobs may use any location (the operator's choice, checked by nobody).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+TIMEOUT_OPTIONS = ("timeout_s", "connect_timeout_s", "retry_timeout_s")
+
+
+@dataclass(frozen=True)
+class LocationPolicy:
+    """What the admin allows (from ``ControlConfig``) and where tenants' own prefixes are."""
+
+    tenants_root: Path | None = None
+    grants: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    endpoints: tuple[str, ...] = ()
+    max_timeout_s: float = 60.0
+
+    def prefixes(self, tenant: str) -> list[str]:
+        out = [str(self.tenants_root / tenant)] if self.tenants_root is not None else []
+        for who in (tenant, "*"):
+            out.extend(self.grants.get(who, ()))
+        return [p if p.startswith("s3://") else _real(p) for p in out]
+
+
+def _real(path: str) -> str:
+    return os.path.realpath(os.path.expanduser(path[len("file://"):] if path.startswith("file://") else path))
+
+
+def _under(loc: str, prefix: str) -> bool:
+    p = prefix.rstrip("/")
+    return loc == p or loc.startswith(p + "/")
+
+
+def overlaps(a: str, b: str) -> bool:
+    return _under(a, b) or _under(b, a)
+
+
+def locations(ck: Mapping[str, Any]) -> tuple[str | None, list[tuple[str, str, dict]]]:
+    """(home, [(kind, location, options)]) of a checkpoint spec with ``url`` or ``tiers``; ValueError."""
+    from tidal.ckpt.config import resolve
+
+    if ck.get("tiers"):
+        home, cfgs = resolve(ck["tiers"], default_keep=0)
+        out = [(c.kind, c.location, dict(c.options)) for c in cfgs if c.kind != "shm"]
+        raw = [t for t in ck["tiers"] if isinstance(t, dict)]
+        for t in raw:  # an explicit namespace is checked here (resolve fills in the derived one)
+            if (t.get("kind") == "peer" or str(t.get("url", "")).startswith("peer")) and (
+                    t.get("job") or str(t.get("url", "")).startswith("peer://")):
+                raise ValueError("a peer tier's namespace is derived from the job's location; "
+                                 "give 'peer' without a name")
+        if any(isinstance(t, str) and t.startswith("peer://") for t in ck["tiers"]):
+            raise ValueError("a peer tier's namespace is derived from the job's location; give 'peer' without a name")
+        return home, out
+    url = ck.get("url")
+    if url is None:
+        return None, []
+    if url.startswith("s3://"):
+        from tidal.ckpt.s3 import parse_s3_url
+
+        bucket, prefix = parse_s3_url(url)
+        loc = f"s3://{bucket}/{prefix}".rstrip("/")
+        return loc, [("s3", loc, {})]
+    if url == "peer" or url.startswith("peer://"):
+        raise ValueError("a peer location needs a tier list: tiers: [shm, <directory>, peer]")
+    from tidal.ckpt.tiers import local_path
+
+    loc = str(local_path(url))
+    return loc, [("dir", loc, {})]
+
+
+def check(ck: Mapping[str, Any], tenant: str, admin: bool, policy: LocationPolicy,
+          others: Callable[[], Iterable[tuple[str, str, str, bool]]],
+          job_location: Callable[[str], tuple[str, str, dict] | None]) -> tuple[list[tuple[str, str]], dict, str | None]:
+    """Check a submitted spec's ``checkpoint`` for ``tenant``: ``(problems, checkpoint, location)``.
+
+    ``problems`` are (field, message); ``checkpoint`` is the spec's checkpoint block as stored (with
+    ``resume_from`` resolved to that job's ``url`` or ``tiers``); ``location`` the job's home to record
+    (None: the default ``<state>/jobs/<job>/ckpt``). ``others()`` yields (job id, tenant, location,
+    ended) of jobs with a recorded location; ``job_location(id)`` gives (tenant, state, checkpoint block)
+    of a job, or None."""
+    ck = dict(ck)
+    resumed: str | None = None
+    if ck.get("resume_from") is not None:
+        rid = ck["resume_from"]
+        got = job_location(rid)
+        if got is None or got[0] != tenant:
+            return [("checkpoint.resume_from", f"no job {rid} of tenant {tenant}")], ck, None
+        _, state, src = got
+        if state not in ("succeeded", "failed", "cancelled"):
+            return [("checkpoint.resume_from", f"job {rid} is {state}: only an ended job's location can be "
+                                               "taken over (cancel it first)")], ck, None
+        ck.update({k: src[k] for k in ("url", "tiers") if src.get(k)})
+        resumed = rid
+    try:
+        home, tiers = locations(ck)
+    except (ValueError, OSError) as e:
+        return [("checkpoint.tiers" if ck.get("tiers") else "checkpoint.url", str(e))], ck, None
+    if home is None:
+        return [], ck, None
+    where = "checkpoint.tiers" if ck.get("tiers") else "checkpoint.url"
+    problems: list[tuple[str, str]] = []
+    prefixes = policy.prefixes(tenant)
+    allowed = set(policy.endpoints)
+    for kind, loc, opts in tiers if resumed is None else ():  # a location taken over was checked for its job
+        if kind == "dir":
+            real = _real(loc)
+            if not admin and not any(not p.startswith("s3://") and _under(real, p) for p in prefixes):
+                problems.append((where, f"{loc} is not under this tenant's checkpoint prefixes "
+                                        f"({', '.join(prefixes) or 'none'}); ask the admin for a grant "
+                                        "(checkpoint_grants)"))
+        elif kind == "s3":
+            if not admin and not any(p.startswith("s3://") and _under(loc, p) for p in prefixes):
+                problems.append((where, f"{loc} is not under a prefix the admin granted this tenant "
+                                        "(checkpoint_grants)"))
+            ep = opts.get("endpoint") or "aws"
+            if ep not in allowed:
+                problems.append((where, f"S3 endpoint {ep!r} is not allowed (checkpoint_endpoints: "
+                                        f"{sorted(allowed) or 'none'})"))
+        elif kind == "peer":
+            peers = opts.get("peers") or []
+            agents = [opts.get("agent")] + (list(peers) if isinstance(peers, list | tuple) else [peers])
+            for a in agents:
+                if a is None and "agent" in opts:
+                    continue
+                if str(a) not in allowed:
+                    problems.append((where, f"checkpoint agent {a if a is not None else '(default)'} is not "
+                                            f"allowed (checkpoint_endpoints: {sorted(allowed) or 'none'})"))
+        for k in TIMEOUT_OPTIONS:
+            v = opts.get(k)
+            if v is not None and (not isinstance(v, int | float) or isinstance(v, bool) or not 0 < v <= policy.max_timeout_s):
+                problems.append((where, f"{k} {v!r}: expected seconds in (0, {policy.max_timeout_s:g}] "
+                                        "(checkpoint_max_timeout_s)"))
+    if problems:
+        return problems, ck, None
+    if admin:  # the operator may point a job anywhere, at existing checkpoints too
+        return [], ck, _real(home) if not home.startswith(("s3://", "peer://")) else home
+    mine = {_real(loc) if kind == "dir" else loc for kind, loc, _ in tiers}
+    for jid, owner, loc, ended in others():
+        if jid == resumed:
+            continue
+        if any(overlaps(m, loc) for m in mine):
+            if resumed is not None and owner == tenant and ended:
+                continue  # an earlier job at the location it takes over, ended
+            return [(where, f"{home} is (or overlaps) the checkpoint location of another job; a job may only "
+                            "take over the location of an ended job of its tenant: checkpoint: {resume_from: JOB}")], \
+                ck, None
+    if resumed is None:
+        for kind, loc, _ in tiers:
+            if kind == "dir" and _holds_steps(loc):
+                return [(where, f"{loc} already holds checkpoint steps of no job of this tenant; choose an empty "
+                                "location (or resume_from the job that wrote them)")], ck, None
+    return [], ck, _real(home) if not home.startswith(("s3://", "peer://")) else home
+
+
+def _holds_steps(loc: str) -> bool:
+    from tidal.ckpt import manifest as mf
+
+    try:
+        return any(mf.parse_step_dirname(n) is not None for n in os.listdir(loc))
+    except OSError:
+        return False
