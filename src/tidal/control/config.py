@@ -40,8 +40,9 @@ class ControlConfig:
     (the runtime's watchdog exits with 75 at the grace; this is the backstop). ``loop_interval_s``:
     time between reconcile steps in ``tidal up``. ``ckpt_interval``: how jobs with
     ``checkpoint.interval_s: auto`` get their interval from their measured stall (Young/Daly).
-    ``serving``: where serving demand comes from, for the live loan plan (advice only: the plane does
-    not yet place jobs on serving GPUs); ``None``: no serving side. ``isolation``: how the local
+    ``serving``: where serving demand comes from and, with ``nodes``, which serving GPUs the plane
+    lends (:mod:`tidal.control.loans`; without ``nodes``: the loan plan as advice); ``None``: no
+    serving side. ``isolation``: how the local
     executor isolates jobs (uids, environment, shared-memory retention: :mod:`tidal.exec.isolation`).
     """
 
