@@ -89,7 +89,7 @@ def test_checkpoints_every_n_steps_and_restores_into_a_fresh_model(tmp_path):
     assert steps[1]["samples_per_s"] > 0 and steps[1]["tokens_per_s"] == pytest.approx(4 * steps[1]["samples_per_s"])
     assert read_jsonl(tmp_path / "p" / "progress-r00000.jsonl")[-1]["event"] == "end"
     beat = json.loads((tmp_path / "p" / "heartbeat-r00000.json").read_text())
-    assert beat["step"] == 5 and beat["phase"] == "stopped" and beat["pid"] == os.getpid()
+    assert beat["step"] == 5 and beat["phase"] == "ended" and beat["pid"] == os.getpid()
 
     model2, opt2, sampler2 = make_job(seed=99)
     extra2 = {"note": "", "ema": torch.zeros(2)}
