@@ -41,6 +41,7 @@ def test_defaults_and_gpu_forms():
     ({"kind": "cheap"}, "kind: Input should be 'spot' or 'dedicated'"),
     ({"name": "no spaces"}, "name: expected 1-63 letters"),
     ({"env": {"RANK": "3"}}, "env.RANK: RANK is set by the platform"),
+    ({"env": {"TIDAL_CKPT_TIERS": "/other/tenant"}}, "env.TIDAL_CKPT_TIERS: TIDAL_CKPT_TIERS is set by the platform"),
     ({"env": {"X": 1}}, "env.X: Input should be a valid string"),
     ({"checkpoint": {"interval_s": 0}}, "checkpoint.interval_s: expected a number of seconds > 0 or 'auto'"),
     ({"checkpoint": {"interval_s": "often"}}, "checkpoint.interval_s: expected a number of seconds > 0 or 'auto'"),

@@ -52,6 +52,7 @@ TORCHRUN_ENV = (ENV_RANK, ENV_WORLD_SIZE, ENV_LOCAL_RANK, ENV_LOCAL_WORLD_SIZE, 
 RESERVED_ENV = frozenset({
     *TORCHRUN_ENV, ENV_CUDA_VISIBLE_DEVICES, ENV_JOB_ID, ENV_CKPT_URL, ENV_CKPT_INTERVAL_S, ENV_PROGRESS_DIR,
     ENV_CONTROL_FILE, ENV_GRACE_S, ENV_API_URL, ENV_TOKEN,
+    ENV_CKPT_TIERS,  # a spec names its tiers in checkpoint.tiers, where the location rules check them
 })
 """Set by the platform for every rank; a job's spec may not set them."""
 
