@@ -223,7 +223,7 @@ class LiveLoans:
         due = sum(r.gpus for r in led.reclaims if r.due(now_s))
         if due > reclaims_before:
             first = min((r.by_s for r in led.reclaims if r.due(now_s)), default=math.nan)
-            events.append(("reclaim", f"reclaim {due} lent GPUs by {first:.1f} (notice now)",
+            events.append(("reclaim", f"reclaim {due} lent GPUs: notice now, off them within {first - now_s:.1f} s",
                            {"gpus": due, "by_s": first}))
         return events
 
