@@ -8,7 +8,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from tidal.control.client import TidalClient
 from tidal.exec import procs
@@ -53,3 +55,16 @@ class Plane:
             for r in json.loads(launch.read_text())["ranks"]:
                 if procs.alive(r["pid"], r.get("started")):
                     procs.kill_group(r["pid"])
+
+
+def wait_until(what: str, pred: Callable[[], Any], timeout_s: float = 90.0,
+               explain: Callable[[], str] = lambda: "") -> Any:
+    """``pred()``'s first truthy value, polled every 0.2 s; ``AssertionError`` naming ``what`` (and
+    ``explain()``) after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}{explain()}")

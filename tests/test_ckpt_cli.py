@@ -14,7 +14,6 @@ import shutil
 import subprocess
 import sys
 import time
-import zlib
 from pathlib import Path
 
 import pytest
@@ -23,13 +22,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
+from ckpt_handmade import write_two_rank_checkpoint
 from tidal import ckpt
 from tidal.ckpt import manifest as mf
 from tidal.ckpt.cli import app
-from tidal.ckpt.flatten import DTYPE_TO_ST
-from tidal.ckpt.layout import Box
-from tidal.ckpt.plan import PieceDesc, make_plan
-from tidal.ckpt.tiers import data_name, shm_root_for
+from tidal.ckpt.tiers import shm_root_for
 
 runner = CliRunner()
 
@@ -422,44 +419,6 @@ def test_export_falls_back_to_disk_when_shm_copy_is_corrupt(url, tmp_path):
     assert r.exit_code == 1 and "checksum mismatch" in r.stderr and "step 20" in r.stderr
     no_traceback(r)
     assert not out.exists()
-
-
-def write_two_rank_checkpoint(url: Path, step: int, full: dict[str, torch.Tensor], cut: dict[str, int]) -> None:
-    """A checkpoint as two ranks would write it: tensors in ``cut`` row-split, the rest replicated.
-
-    Uses the engine's planner and manifest builder; the bytes are laid out exactly as planned.
-    """
-    per_rank: list[list[PieceDesc]] = [[], []]
-    for name, t in full.items():
-        shape = tuple(t.shape)
-        if name in cut:
-            c, rest = cut[name], shape[1:]
-            zeros = (0,) * len(rest)
-            boxes = [Box((0, *zeros), (c, *rest)), Box((c, *zeros), (shape[0] - c, *rest))]
-            layout = "[Shard(dim=0)] on mesh (2,)"
-        else:
-            boxes = [Box.whole(shape)] * 2
-            layout = "[Replicate()] on mesh (2,)"
-        for r in range(2):
-            per_rank[r].append(PieceDesc(name, (name,), DTYPE_TO_ST[t.dtype], shape, boxes[r], layout))
-    plan = make_plan(per_rank)
-    save_id = "handmade0001"
-    names = [data_name(r, save_id) for r in range(2)]
-    d = url / mf.step_dirname(step)
-    d.mkdir(parents=True)
-    crcs, headers = {}, {}
-    for rf in plan.files:
-        buf = bytearray(rf.size_bytes)
-        buf[: len(rf.header)] = rf.header
-        for p in rf.pieces:
-            sl = tuple(slice(o, o + n) for o, n in zip(p.box.offsets, p.box.lengths, strict=True))
-            data = bits(full[p.name][sl])
-            buf[p.start : p.start + p.nbytes] = data
-            crcs[f"{rf.rank}/{p.key}"] = mf.block_crcs(data)
-        headers[rf.rank] = zlib.crc32(rf.header)
-        (d / names[rf.rank]).write_bytes(bytes(buf))
-    doc = mf.build(plan, step, save_id, time.time(), crcs, [(("step",), step)], names, headers)
-    (d / mf.MANIFEST).write_text(json.dumps(doc))
 
 
 def test_export_assembles_pieces_from_two_ranks(tmp_path, shm):

@@ -11,8 +11,6 @@ import json
 import os
 import random
 import shutil
-import time
-import zlib
 from pathlib import Path
 
 import pytest
@@ -21,12 +19,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hs
 from typer.testing import CliRunner
 
+from ckpt_handmade import write_two_rank_checkpoint
 from tidal import ckpt
 from tidal.ckpt import manifest as mf
 from tidal.ckpt.cli import app
-from tidal.ckpt.flatten import DTYPE_TO_ST
 from tidal.ckpt.layout import Box, check_tiling
-from tidal.ckpt.plan import PieceDesc, make_plan
 from tidal.ckpt.tiers import data_name, shm_root_for
 
 DATA = Path(__file__).parent / "data"
@@ -74,37 +71,8 @@ def test_format_1_checkpoint_still_loads_whole_and_resharded(tmp_path):
 
 def write_ranks(url: Path, step: int, full: dict[str, torch.Tensor], cut: dict[str, int],
                 objects: list | None = None) -> None:
-    """A step as two ranks write it: tensors in ``cut`` row-split at that row, the rest replicated.
-    Uses the engine's planner and manifest builder; the bytes are laid out exactly as planned."""
-    per_rank: list[list[PieceDesc]] = [[], []]
-    for name, t in full.items():
-        shape = tuple(t.shape)
-        if name in cut:
-            zeros = (0,) * (len(shape) - 1)
-            boxes = [Box((0, *zeros), (cut[name], *shape[1:])), Box((cut[name], *zeros),
-                                                                   (shape[0] - cut[name], *shape[1:]))]
-        else:
-            boxes = [Box.whole(shape)] * 2
-        for r in range(2):
-            per_rank[r].append(PieceDesc(name, (name,), DTYPE_TO_ST[t.dtype], shape, boxes[r], "hand"))
-    plan = make_plan(per_rank)
-    save_id = f"handmade{step:04d}"
-    names = [data_name(r, save_id) for r in range(2)]
-    d = url / mf.step_dirname(step)
-    d.mkdir(parents=True)
-    crcs, headers = {}, {}
-    for rf in plan.files:
-        buf = bytearray(rf.size_bytes)
-        buf[: len(rf.header)] = rf.header
-        for p in rf.pieces:
-            sl = tuple(slice(o, o + n) for o, n in zip(p.box.offsets, p.box.lengths, strict=True))
-            data = bits(full[p.name][sl])
-            buf[p.start : p.start + p.nbytes] = data
-            crcs[f"{rf.rank}/{p.key}"] = mf.block_crcs(data)
-        headers[rf.rank] = zlib.crc32(rf.header)
-        (d / names[rf.rank]).write_bytes(bytes(buf))
-    doc = mf.build(plan, step, save_id, time.time(), crcs, objects or [(("lr",), 0.001)], names, headers)
-    (d / mf.MANIFEST).write_text(json.dumps(doc, separators=(",", ":")))
+    """A step as two ranks write it (tests/ckpt_handmade.py), with a learning rate among its values."""
+    write_two_rank_checkpoint(url, step, full, cut, objects or [(("lr",), 0.001)])
 
 
 def full_state(seed: int) -> dict[str, torch.Tensor]:
@@ -417,6 +385,15 @@ _json = hs.recursive(hs.none() | hs.booleans() | hs.integers() | hs.floats() | h
 @pytest.fixture(scope="module")
 def sample_doc(tmp_path_factory) -> dict:
     return _doc(tmp_path_factory.mktemp("fuzz"))[1]
+
+
+def test_a_crafted_key_with_a_newline_gives_a_one_line_error(sample_doc):
+    """Found by the fuzz below: a key holding "\n" under a huge integer split the error over lines."""
+    doc = json.loads(json.dumps(sample_doc))
+    doc["format"] = {"\n": 10 ** 18 * 10}  # the form is checked before the checksum
+    with pytest.raises(ckpt.ManifestError) as e:
+        mf.parse(json.dumps(doc).encode(), "M")
+    assert "\n" not in str(e.value) and str(e.value).startswith("M")
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))

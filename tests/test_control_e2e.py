@@ -20,7 +20,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from plane_proc import Plane
+from plane_proc import Plane, wait_until
 from tidal.control import cli as control_cli
 from tidal.control.client import TidalClient
 from tidal.exec import procs
@@ -51,14 +51,10 @@ def plane(tmp_path_factory):
 
 
 def wait_for(what: str, pred, client: TidalClient, timeout_s: float = 90.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.2)
-    lines = "\n".join(f"{e['job']}: {e['kind']} {e['from']}->{e['to']}: {e['message']}" for e in client.events())
-    raise AssertionError(f"timed out waiting for {what}; events:\n{lines}")
+    def explain() -> str:
+        return "; events:\n" + "\n".join(f"{e['job']}: {e['kind']} {e['from']}->{e['to']}: {e['message']}"
+                                        for e in client.events())
+    return wait_until(what, pred, timeout_s, explain)
 
 
 def train_spec(name: str, steps: int, tmp: Path, **kw) -> dict:

@@ -11,13 +11,12 @@ every step) never fires.
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 import tidal.serving
-from plane_proc import Plane
+from plane_proc import Plane, wait_until
 from tidal.control.client import TidalClient
 
 pytestmark = pytest.mark.slow
@@ -43,16 +42,6 @@ serving:
 """
 
 
-def _wait(what: str, pred, timeout_s: float = 120.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def _on_serving(job: dict) -> int:
     return sum(g for n, g in (job.get("placement") or {}).items() if n.startswith("serve-"))
 
@@ -68,7 +57,7 @@ def test_lending_survives_sigkill_of_the_plane(tmp_path):
                              "command": [sys.executable, str(WORKER), "--steps", "10000000"],
                              "env": {"TIDAL_CKPT_INTERVAL_STEPS": "50", "TIDAL_SHM_DIR": str(tmp_path / "shm")}})
         jid = job["id"]
-        _wait("the job running on lent serving GPUs",
+        wait_until("the job running on lent serving GPUs",
               lambda: client.job(jid)["state"] == "running" and _on_serving(client.job(jid)) > 0)
         before = p.admin.serving()
         attempt = client.job(jid)["attempt"]
@@ -84,8 +73,8 @@ def test_lending_survives_sigkill_of_the_plane(tmp_path):
         assert after["stats"]["lent_total_gpus"] >= before["stats"]["lent_total_gpus"]
         assert after["stats"]["steps"] >= before["stats"]["steps"]
         # the morning rise: GPUs go back to serving before their deadline
-        _wait("a return to serving", lambda: p.admin.serving()["stats"]["returned_gpus"] > 0, timeout_s=150)
-        _wait("the job off the serving nodes", lambda: _on_serving(client.job(jid)) == 0, timeout_s=150)
+        wait_until("a return to serving", lambda: p.admin.serving()["stats"]["returned_gpus"] > 0, timeout_s=150)
+        wait_until("the job off the serving nodes", lambda: _on_serving(client.job(jid)) == 0, timeout_s=150)
         final = p.admin.serving()
         st = final["stats"]
         assert st["reclaims_missed"] == 0 and final["worst_margin_s"] >= 0, final

@@ -220,6 +220,14 @@ def _short(v: Any, limit: int = 60) -> str:
     return r if len(r) <= limit else r[: limit - 1] + "…"
 
 
+def _key(k: Any) -> str:
+    """A JSON key for an error message: printable, short (a crafted key must not break the one line)."""
+    s = str(k)
+    if not s.isprintable():
+        s = s.encode("unicode_escape").decode("ascii")
+    return s if len(s) <= 60 else s[:59] + "…"
+
+
 def _check_form(doc: Any, where: str) -> None:
     """Bounded nesting and integer sizes, checked without recursion."""
     stack: list[tuple[Any, int, str]] = [(doc, 1, "")]
@@ -228,7 +236,7 @@ def _check_form(doc: Any, where: str) -> None:
         if isinstance(v, dict):
             if depth > MAX_DEPTH:
                 raise ManifestError(f"{where}: JSON nested too deeply at {at or 'top'} (limit {MAX_DEPTH} levels)")
-            stack.extend((x, depth + 1, f"{at}.{k}" if at else str(k)) for k, x in v.items())
+            stack.extend((x, depth + 1, f"{at}.{_key(k)}" if at else _key(k)) for k, x in v.items())
         elif isinstance(v, list):
             if depth > MAX_DEPTH:
                 raise ManifestError(f"{where}: JSON nested too deeply at {at or 'top'} (limit {MAX_DEPTH} levels)")
