@@ -191,3 +191,17 @@ def test_adapter_refuses_impossible_moves():
     with pytest.raises(AdapterError, match="serve-0"):
         a.release("serve-0", 1, 3, 0.0)
     assert State.RUNNING  # the states module is importable with the loans module (no cycle)
+
+
+def test_serving_keeps_the_gpus_no_spot_job_would_use(tmp_path):
+    store = new_store(tmp_path, ("a", 0, 1.0))
+    clock = FakeClock()
+    ex = FakeExecutor(gpus=1, serving=NODES)
+    ctl, adapter = _plane(tmp_path, clock, ex, store)
+    rng = random.Random(6)
+    _drive(ctl, ex, clock, rng, 50, adapter)  # into the night (the plan lends from ~00:20): no spot job
+    assert ctl.loans.ledger.lent == 0 and ctl.loans.view()["lendable_gpus"] == 0
+    submit(store, "a", clock.t, name="s", kind="spot", gpus={"min": 1, "max": 3}, max_restarts=50)
+    _drive(ctl, ex, clock, rng, 40, adapter)
+    # one GPU on the training slot, at most two more on loans
+    assert 0 < ctl.loans.ledger.lent <= 2, ctl.loans.ledger.lent

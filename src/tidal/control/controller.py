@@ -129,7 +129,7 @@ class Controller:
         for job in self.store.active_jobs():  # 2. reconcile
             self._reconcile(job, observed.get(job.id), now_s)
         if self.loans is not None:  # 3. lend and reclaim
-            self._events = self._events + self.loans.tick(now_s, self._held_by_node())
+            self._events = self._events + self.loans.tick(now_s, self._held_by_node(), self._spot_wants())
         snap = self.snapshot(now_s)  # 4. decide
         decisions: list[Decision] = list(schedule(snap, self.config.scheduler))
         decisions += self._intervals(snap)
@@ -138,6 +138,18 @@ class Controller:
         self._save_loans(now_s)
         self.sweep_shm(now_s)
         return decisions
+
+    def _spot_wants(self) -> int:
+        """Serving GPUs spot jobs could use now: what pending and running spot jobs could still grow
+        by (not those being stopped), less the training GPUs nobody holds."""
+        held_training, want = 0, 0
+        training = {n.name for n in self.nodes if n.pool == "training"}
+        for j in self.store.jobs(states={S.PENDING} | HELD):
+            held_training += sum(g for n, g in (j.placement or {}).items() if n in training)
+            if j.kind == "spot" and S(j.state) in (S.PENDING, S.ADMITTED, S.RUNNING):
+                want += j.max_gpus - (j.gpus if S(j.state) != S.PENDING else 0)
+        free_training = sum(n.gpus for n in self.nodes if n.pool == "training") - held_training
+        return max(0, want - max(0, free_training))
 
     def _held_by_node(self) -> dict[str, int]:
         used: dict[str, int] = {}

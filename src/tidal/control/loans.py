@@ -138,8 +138,11 @@ class LiveLoans:
             _, self.state = self.policy(ctx, self.state)
         self._warm = []
 
-    def tick(self, now_s: float, used: Mapping[str, int]) -> list[Event]:
-        """Steps 1-4 of the module docstring; returns the events to record."""
+    def tick(self, now_s: float, used: Mapping[str, int], wanted: int | None = None) -> list[Event]:
+        """Steps 1-4 of the module docstring; returns the events to record. ``wanted``: how many more
+        serving GPUs spot jobs could use now (``None``: any number, a saturated spot queue, as the
+        simulator assumes); the plan lends no more than that beyond what jobs hold on loans already,
+        so serving keeps the GPUs nobody would train on."""
         events: list[Event] = []
         led = self.ledger
         if self.last_s is not None and now_s > self.last_s:  # GPU-seconds lent and used since the last tick
@@ -182,6 +185,11 @@ class LiveLoans:
         plan, self.state = self.policy(ctx, self.state)  # 3.
         if unknown and plan.lendable_gpus > led.lent:
             plan = dataclasses.replace(plan, lendable_gpus=led.lent)
+        if wanted is not None:  # lend only what spot jobs can use (never takes back what is lent)
+            on_loans = sum(min(g, led.lent_on(n)) for n, g in used.items() if n in self.nodes)
+            cap = max(led.lent, on_loans + max(0, wanted))
+            if plan.lendable_gpus > cap:
+                plan = dataclasses.replace(plan, lendable_gpus=cap)
         events += self._apply(plan, t_serv, now_s, used)  # 4.
         self._plan_view = self._describe_plan(now_s, t_serv, demand, plan)
         self._dirty = True
