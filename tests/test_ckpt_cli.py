@@ -477,3 +477,11 @@ def test_console_script_help():
     assert r.returncode == 0, r.stderr
     for cmd in ("ls", "inspect", "verify", "export"):
         assert cmd in r.stdout
+
+
+def test_every_command_runs_as_a_module_too():
+    """``python -m tidal.ckpt.cli`` knows every command (``agent`` was registered after the
+    ``__main__`` guard, so the module form lacked it)."""
+    for cmd in ("ls", "inspect", "verify", "export", "agent"):
+        r = subprocess.run([sys.executable, "-m", "tidal.ckpt.cli", cmd, "--help"], capture_output=True, text=True)
+        assert r.returncode == 0, (cmd, r.stderr[-500:])
