@@ -205,3 +205,28 @@ def test_serving_keeps_the_gpus_no_spot_job_would_use(tmp_path):
     _drive(ctl, ex, clock, rng, 40, adapter)
     # one GPU on the training slot, at most two more on loans
     assert 0 < ctl.loans.ledger.lent <= 2, ctl.loans.ledger.lent
+
+
+@pytest.mark.parametrize("damage", [
+    lambda d: d.pop("ledger"),
+    lambda d: d.update(policy={"__dc__": "ForecastState"}),
+    lambda d: d.update(policy=[1, 2]),
+    lambda d: d["ledger"].update(loans=[["serve-0", "two", None]]),
+    lambda d: d.update(next_grid="soon"),
+    lambda d: d.update(version=9),
+])
+def test_a_damaged_serving_document_is_one_clear_error_and_changes_nothing(tmp_path, damage):
+    store = new_store(tmp_path, ("a", 0, 1.0))
+    clock = FakeClock()
+    ex = FakeExecutor(gpus=1, serving=NODES)
+    ctl, adapter = _plane(tmp_path, clock, ex, store)
+    _drive(ctl, ex, clock, random.Random(7), 4, adapter)
+    doc = store.get_doc("serving")
+    damage(doc)
+    store.put_doc("serving", doc, clock.t)
+    loans, _ = _loans()
+    before = loans.dump()
+    with pytest.raises(ValueError, match="serving document .* is damaged") as e:
+        Controller(store, FakeExecutor(gpus=1, serving=NODES), ctl.config, loans=loans)
+    assert "\n" not in str(e.value)
+    assert loans.dump()["ledger"] == before["ledger"]

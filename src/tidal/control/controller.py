@@ -129,7 +129,8 @@ class Controller:
         for job in self.store.active_jobs():  # 2. reconcile
             self._reconcile(job, observed.get(job.id), now_s)
         if self.loans is not None:  # 3. lend and reclaim
-            self._events = self._events + self.loans.tick(now_s, self._held_by_node(), self._spot_wants())
+            used, wants = self._holdings(wants=True)
+            self._events = self._events + self.loans.tick(now_s, used, wants)
         snap = self.snapshot(now_s)  # 4. decide
         decisions: list[Decision] = list(schedule(snap, self.config.scheduler))
         decisions += self._intervals(snap)
@@ -139,31 +140,28 @@ class Controller:
         self.sweep_shm(now_s)
         return decisions
 
-    def _spot_wants(self) -> int:
-        """Serving GPUs spot jobs could use now: what pending and running spot jobs could still grow
-        by (not those being stopped), less the training GPUs nobody holds."""
-        held_training, want = 0, 0
-        training = {n.name for n in self.nodes if n.pool == "training"}
-        for j in self.store.jobs(states={S.PENDING} | HELD):
-            held_training += sum(g for n, g in (j.placement or {}).items() if n in training)
-            if j.kind == "spot" and S(j.state) in (S.PENDING, S.ADMITTED, S.RUNNING):
-                want += j.max_gpus - (j.gpus if S(j.state) != S.PENDING else 0)
-        free_training = sum(n.gpus for n in self.nodes if n.pool == "training") - held_training
-        return max(0, want - max(0, free_training))
-
-    def _held_by_node(self) -> dict[str, int]:
+    def _holdings(self, wants: bool = False) -> tuple[dict[str, int], int]:
+        """(node -> GPUs jobs hold, serving GPUs spot jobs could use now) from one read of the store.
+        What spot jobs could use: what pending and running spot jobs could still grow by (not those
+        being stopped), less the training GPUs nobody holds (only computed with ``wants``)."""
         used: dict[str, int] = {}
-        for j in self.store.jobs(states=HELD):
+        want = 0
+        for j in self.store.jobs(states=({S.PENDING} | HELD) if wants else HELD):
             for n, g in (j.placement or {}).items():
                 used[n] = used.get(n, 0) + g
-        return used
+            if wants and j.kind == "spot" and S(j.state) in (S.PENDING, S.ADMITTED, S.RUNNING):
+                want += j.max_gpus - (j.gpus if S(j.state) != S.PENDING else 0)
+        if wants:
+            free_training = sum(n.gpus - used.get(n.name, 0) for n in self.nodes if n.pool == "training")
+            want = max(0, want - max(0, free_training))
+        return used, want
 
     def _save_loans(self, now_s: float) -> None:
         """The loan document and the step's loan events, in one transaction (only when something changed)."""
         if self.loans is None:
             return
         events, self._events = self._events, []
-        held = self._held_by_node()
+        held, _ = self._holdings()
         devices = getattr(self.executor, "used", None)  # what the executor's ranks hold, where it knows
         running = devices() if callable(devices) else {}
         over = {n: (max(held.get(n, 0), running.get(n, 0)), self.loans.ledger.lent_on(n)) for n in self.loans.nodes

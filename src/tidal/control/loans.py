@@ -38,7 +38,7 @@ from tidal.model import Loan, Reclaim
 from tidal.policy import codec
 from tidal.policy.forecast import ForecastConfig
 from tidal.policy.ledger import LoanLedger
-from tidal.policy.loan import LoanContext, LoanPlan, LoanTiming, TidalConfig, TidalPolicy
+from tidal.policy.loan import LoanContext, LoanPlan, LoanTiming, TidalConfig, TidalPolicy, TidalState
 from tidal.serving.adapters import AdapterError, HookAdapter, ReplayAdapter, ServingAdapter, parse_nodes
 from tidal.serving.watch import WatchConfig
 
@@ -95,17 +95,29 @@ class LiveLoans:
                 "adapter": self.adapter.persist(), "plan_view": self._plan_view}
 
     def load(self, doc: Mapping[str, Any]) -> None:
-        """Continue from :meth:`dump`'s document (after a restart); ``ValueError`` naming the field."""
-        if doc.get("version") != 1:
-            raise ValueError(f"serving state: unknown version {doc.get('version')!r}")
+        """Continue from :meth:`dump`'s document (after a restart); ``ValueError`` in one line saying
+        what is wrong with it (nothing is changed then)."""
+        try:
+            self._load(doc)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            what = e if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+            raise ValueError(f"the store's serving document (table docs, key {DOC_KEY!r}) is damaged: {what}; "
+                             "restore the database from a backup, or delete that row to lend afresh "
+                             "(jobs on serving nodes must be stopped first)") from None
+
+    def _load(self, doc: Mapping[str, Any]) -> None:
+        if not isinstance(doc, Mapping) or doc.get("version") != 1:
+            raise ValueError(f"unknown version {doc.get('version') if isinstance(doc, Mapping) else doc!r}")
         ledger = LoanLedger.from_state(doc["ledger"], self.timing)
         if ledger.cap != self.nodes:
             raise ValueError(f"serving state: the stored ledger has serving nodes {ledger.cap}, the adapter "
                              f"{self.nodes}; remove the serving document or keep the nodes")
-        self.ledger = ledger
-        self.state = codec.decode(doc["policy"], "serving state: policy")
-        self.next_grid = float(codec.decode(doc["next_grid"]))
-        self.pending_restores = {str(n): int(g) for n, g in (doc.get("pending_restores") or {}).items() if g}
+        state = codec.decode(doc["policy"], "policy")
+        if not isinstance(state, TidalState):
+            raise ValueError(f"policy: expected a TidalState, got {type(state).__name__}")
+        next_grid = float(codec.decode(doc["next_grid"]))
+        pending = {str(n): int(g) for n, g in (doc.get("pending_restores") or {}).items() if g}
+        self.ledger, self.state, self.next_grid, self.pending_restores = ledger, state, next_grid, pending
         self.stats.update(doc.get("stats") or {})
         self.margins = list(doc.get("margins") or [])
         self.last_s = doc.get("last_s")
