@@ -58,13 +58,15 @@ from tidal.ckpt.errors import SaveError, StateError, TierSpecError
 from tidal.ckpt.flatten import TensorEntry, flatten
 from tidal.ckpt.handle import SaveHandle
 from tidal.ckpt.plan import PieceDesc, SavePlan, make_plan
-from tidal.ckpt.protocol import Tier
+from tidal.ckpt.protocol import HandoffTier, Tier
 from tidal.ckpt.remote import RemoteQueue, SnapshotPool, Upload
-from tidal.ckpt.staging import Slot, StagingArea, drop_stale_slots, shm_has_room, steps_linking
+from tidal.ckpt.staging import Slot, StagingArea, drop_stale_slots, shm_has_room
 from tidal.ckpt.status import CheckpointStatus, Durability
 from tidal.ckpt.tiers import DirTier, data_name, is_s3_url, local_path, shm_root_for, sidecar_name
 
 log = logging.getLogger(__name__)
+
+CLEANUP_IDLE_S = 1.0  # a finished save's housekeeping waits this long for the next save's copy to end
 
 
 @dataclass
@@ -150,18 +152,19 @@ class Checkpointer:
         self.status_path = self._status_path(status_path)
         self._durability = Durability(self.home, [self._tier_info(t) for t in self.tiers], self.status_path)
         for t in self.tiers:  # what storage already holds (other ranks skip the remote LISTs)
-            if self.rank == 0 or t.kind in ("shm", "dir"):
+            if self.rank == 0 or t.fast:
                 self._durability.seed(t.name, t.committed())
         self._snapshots = SnapshotPool()  # buffers of the slow tiers' private copies of a slot, reused
         self._remote = [RemoteQueue(t, self._config[t.name], rank=self.rank, commit_timeout_s=commit_timeout_s,
                                     fast_busy=self._fast_busy, lock=self._lock,
                                     durability=self._durability, retry_max_s=retry_max_s)
-                        for t in self.tiers if t.kind not in ("shm", "dir")]
+                        for t in self.tiers if not t.fast]
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._last: SaveHandle | None = None
         self._pending: list[SaveHandle] = []
         self._closed = False
         self._plan_cache: tuple[str, SavePlan] | None = None
+        self._side_stream: Any = None  # CUDA: the stream of the overlapped mode's background copies
         self._host = socket.gethostname()
         self._guards = _as_list(guard)
         self._hooks = [opt.register_step_pre_hook(self._pre_step_hook) for opt in self._guards]
@@ -217,20 +220,20 @@ class Checkpointer:
         slot.free.clear()
         try:
             uncommitted: list[int] = []
-            if self.shm_tier is not None and slot.path is not None:
-                for s in steps_linking(self.shm_tier, slot.path):
-                    self.shm_tier.remove_file(s, mf.MANIFEST)  # this slot's bytes are about to change
+            if self.shm_tier is not None and slot.reusable(plan.fingerprint):
+                for s in sorted(slot.linked):  # committed shm steps whose data is this slot's bytes
+                    self.shm_tier.remove_file(s, mf.MANIFEST)  # ... which are about to change
                     uncommitted.append(s)
+            slot.linked.clear()
             rf = plan.files[self.rank]
             shm_dir = self._staging.shm_dir if self.shm_tier is not None else None
             slot.allocate(rf, plan.fingerprint, shm_dir, {n: e.dtype for n, e in plan.entries.items()})
+            for idx, held in list(self._slot_steps.items()):  # a step saved again lives in this slot now
+                if held == step:
+                    del self._slot_steps[idx]
             self._slot_steps[slot_idx] = step
             immediate, deferred = self._copies(rf, slot, tensors)
-            with torch.no_grad():
-                for dst, src in immediate:
-                    dst.copy_(src, non_blocking=True)
-                if any(src.is_cuda for _, src in immediate):
-                    torch.cuda.synchronize()
+            _copy_all(immediate)
             objs = [(o.path, json.loads(json.dumps(o.value))) for o in objects] if self.rank == 0 else []
         except BaseException:
             slot.free.set()
@@ -239,7 +242,11 @@ class Checkpointer:
         def due(t: Tier) -> bool:
             return self._config[t.name].due(index)
 
-        fast = [t for t in self.tiers if t.kind in ("shm", "dir") and due(t) and (t.kind != "shm" or use_shm_tier)]
+        fast = [t for t in self.tiers if t.fast and due(t) and (t is not self.shm_tier or use_shm_tier)]
+        if self.shm_tier in fast:  # its commit hard-links this slot: remember which step it holds
+            for other in self._staging.slots:
+                other.linked.discard(step)
+            slot.linked.add(step)
         remote = [q for q in self._remote if due(q.tier)]
         job = _Job(step, save_id, plan, slot, deferred, objs, fast, remote, handle)  # type: ignore[arg-type]
         job.extra["urgent"] = urgent
@@ -248,6 +255,9 @@ class Checkpointer:
             handle._add_part(q.tier.name)
         self._durability.saved(step, time.time())
         if deferred:
+            if any(src.is_cuda for _, src in deferred):  # the copy starts after what is queued now
+                job.extra["ready"] = torch.cuda.Event()
+                job.extra["ready"].record()
             self._copier.submit(self._copy_deferred, job)
         else:
             handle._staged.set()
@@ -362,11 +372,7 @@ class Checkpointer:
         """Rank 0: the slot whose data is oldest (never the one holding the newest step)."""
         best, best_key = 0, None
         for slot in self._staging.slots:
-            held = self._slot_steps.get(slot.index, -1)
-            if self.shm_tier is not None:
-                path = self._staging.shm_dir / f"r{self.rank:05d}-slot{slot.index}.safetensors"
-                linked = steps_linking(self.shm_tier, path)
-                held = max([held, *linked])
+            held = max([self._slot_steps.get(slot.index, -1), *slot.linked])
             key = (held, slot.index)
             if best_key is None or key < best_key:
                 best, best_key = slot.index, key
@@ -378,7 +384,7 @@ class Checkpointer:
         immediate, deferred = [], []
         for p in rf.pieces:
             src = by_name[p.name].local
-            pair = (slot.views[p.key], src.detach())
+            pair = (slot.views[p.key], src)  # copied under no_grad: no detach needed
             if guarded and _storage_ptr(src) in guarded:
                 deferred.append(pair)
             else:
@@ -412,8 +418,19 @@ class Checkpointer:
 
     # -- background pipeline ---------------------------------------------------------------------
     def _worker(self) -> None:
+        # Housekeeping of a finished save (retention, stale slot files) waits for the next save's copy:
+        # run during it, it would compete with the copy for memory bandwidth and the CPU and lengthen
+        # the stall. It runs once the next job is staged, or after CLEANUP_IDLE_S without a save.
+        later: list[tuple[int, list]] = []
         while True:
-            job = self._queue.get()
+            try:
+                job = self._queue.get(timeout=CLEANUP_IDLE_S if later else None)
+            except queue.Empty:
+                self._run_cleanups(later)
+                continue
+            if job is not None:
+                job.handle._staged.wait()
+            self._run_cleanups(later)
             if job is None:
                 return
             cleanups: list = []
@@ -431,24 +448,33 @@ class Checkpointer:
                 job.handle._staged.set()
                 job.handle._part_done(None, error)
                 for q in job.remote:  # a peer agent may still copy the slot (after its push to the buddy)
-                    getattr(q.tier, "wait_handoff", lambda *a: None)(job.step, data_name(self.rank, job.save_id))
+                    if isinstance(q.tier, HandoffTier):
+                        q.tier.wait_handoff(job.step, data_name(self.rank, job.save_id))
                 job.slot.free.set()
-            # Housekeeping after the handle's fast part is done, so wait() does not pay for it; the
-            # step stays registered in flight until then so cleanup never races a re-save of it.
+            self._done_in_flight(job.step)  # a re-save of it registers anew; cleanup skips it then
+            later.append((job.step, cleanups))
+
+    def _run_cleanups(self, later: list[tuple[int, list]]) -> None:
+        """Run the deferred housekeeping of finished saves (best effort; the next save tries again)."""
+        while later:
+            step, cleanups = later.pop(0)
             for fn in cleanups:
                 try:
                     fn()
-                except Exception as e:  # cleanup is best effort; the next save tries again
-                    log.warning("checkpoint cleanup after step %d failed: %s", job.step, e)
-            self._done_in_flight(job.step)
+                except Exception as e:
+                    log.warning("checkpoint cleanup after step %d failed: %s", step, e)
 
     def _copy_deferred(self, job: _Job) -> None:
         try:
-            with torch.no_grad():
-                for dst, src in job.deferred:
-                    dst.copy_(src, non_blocking=True)
-                if any(src.is_cuda for _, src in job.deferred):
-                    torch.cuda.synchronize()
+            ready = job.extra.get("ready")
+            if ready is None:
+                _copy_all(job.deferred)
+            else:  # device-to-host on a side stream, so it overlaps the next forward/backward
+                if self._side_stream is None:
+                    self._side_stream = torch.cuda.Stream()
+                with torch.cuda.stream(self._side_stream):
+                    self._side_stream.wait_event(ready)
+                    _copy_all(job.deferred)
         except BaseException as e:
             job.extra["copy_error"] = e
         finally:
@@ -468,7 +494,7 @@ class Checkpointer:
         dir_write = self._io.submit(first_dir.write_file, job.step, name, data) if overlap else None
         # So does handing the slot to the peer tier's agent (it copies the slot file itself).
         handoffs = {q.tier.name: self._handoff_io.submit(self._handoff, q.tier, job, name, data)
-                    for q in job.remote if hasattr(q.tier, "handoff") and not job.extra.get("urgent")}
+                    for q in job.remote if isinstance(q.tier, HandoffTier) and not job.extra.get("urgent")}
         try:
             blocks = {p.key: mf.block_crcs(mv[p.start : p.start + p.nbytes]) for p in rf.pieces}
             header_crc = zlib.crc32(mv[: len(rf.header)])
@@ -534,11 +560,10 @@ class Checkpointer:
     def _handoff(self, tier: Tier, job: _Job, name: str, data: memoryview) -> bool:
         """Give this rank's data file to ``tier`` now if it can take it (``handoff``); False otherwise
         (then its queue uploads it later, like any slow tier's)."""
-        handoff = getattr(tier, "handoff", None)
-        if handoff is None:
+        if not isinstance(tier, HandoffTier):
             return False
         try:
-            handoff(job.step, name, data, job.slot.path)
+            tier.handoff(job.step, name, data, job.slot.path)
             return True
         except Exception as e:
             log.warning("tier '%s' step %d: handoff failed (%s); the upload queue will retry", tier.name, job.step, e)
@@ -572,8 +597,8 @@ class Checkpointer:
         self._durability.committed(tier.name, step)
         keep = len(self._staging.slots) if tier is self.shm_tier else self._config[tier.name].keep
 
-        def busy(s: int) -> bool:  # another save of s is in flight (this job's own entry excluded)
-            return self._in_flight.get(s, 0) > (1 if s == step else 0)
+        def busy(s: int) -> bool:  # a save of s is in flight (runs deferred: this job's entry is gone)
+            return self._in_flight.get(s, 0) > 0
 
         def clean(tier: DirTier = tier) -> None:
             self._durability.removed(tier.name, commit.cleanup(tier, keep, step, busy, self._lock))
@@ -582,6 +607,23 @@ class Checkpointer:
         if tier is self.shm_tier:
             slot_dir = self._staging.shm_dir
             cleanups.append(lambda: drop_stale_slots(slot_dir, job.plan.world_size))
+
+
+def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy every ``src`` into its slot view ``dst``: host tensors in one batched call (a per-tensor
+    ``copy_`` costs ~1 us of Python each, which adds up for states of thousands of small tensors);
+    device tensors asynchronously, then one synchronize."""
+    if not pairs:
+        return
+    with torch.no_grad():
+        host = [p for p in pairs if p[1].is_cpu]
+        if host:
+            torch._foreach_copy_([d for d, _ in host], [s for _, s in host])
+        device = [p for p in pairs if not p[1].is_cpu] if len(host) < len(pairs) else []
+        for d, s in device:
+            d.copy_(s, non_blocking=True)  # into pinned slot memory: asynchronous DMA
+        if any(s.is_cuda for _, s in device):
+            torch.cuda.current_stream().synchronize()  # the calling thread's stream, not the device
 
 
 def _as_list(guard: Any) -> list:

@@ -91,18 +91,26 @@ def path_name(path: Path) -> str:
 _BOX_CACHE: dict[tuple, tuple] = {}
 
 
+_DTENSOR: list[type | None] = []  # resolved once: an import statement per tensor costs ~2 us
+
+
 def _dtensor_type() -> type | None:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
-        return None
-    return DTensor
+    if not _DTENSOR:
+        try:
+            from torch.distributed.tensor import DTensor
+        except ImportError:  # pragma: no cover - torch without distributed
+            DTensor = None  # noqa: N806
+        _DTENSOR.append(DTensor)
+    return _DTENSOR[0]
 
 
 def describe_tensor(path: Path, value: Any) -> TensorEntry:
     """Describe one tensor leaf (plain, DTensor or LocalShard) as an entry with its box."""
     name = path_name(path)
     DTensor = _dtensor_type()
+    if type(value) is torch.Tensor or isinstance(value, torch.nn.Parameter):  # the common case, first
+        gshape = tuple(value.shape)
+        return TensorEntry(path, value, gshape, Box.whole(gshape), _st_dtype(name, value), "replicated", name)
     if DTensor is not None and isinstance(value, DTensor):
         from torch.distributed.tensor import Replicate, Shard
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -120,7 +128,8 @@ def describe_tensor(path: Path, value: Any) -> TensorEntry:
             raise StateError(f"tensor '{name}': local shape {tuple(local.shape)} != expected {tuple(lshape)}")
         mesh = tuple(int(s) for s in value.device_mesh.shape)
         desc = f"{list(value.placements)} on mesh {mesh}"
-        return TensorEntry(path, local, gshape, Box(tuple(offs), tuple(lshape)), _st_dtype(name, local), desc)
+        return TensorEntry(path, local, gshape, Box(tuple(offs), tuple(lshape)), _st_dtype(name, local), desc,
+                           name)
     if isinstance(value, LocalShard):
         local = value.tensor
         gshape = tuple(int(s) for s in value.global_shape)
@@ -130,10 +139,10 @@ def describe_tensor(path: Path, value: Any) -> TensorEntry:
                 f"tensor '{name}': local shard at offsets {box.offsets} with shape {box.lengths} "
                 f"does not fit global shape {gshape}"
             )
-        return TensorEntry(path, local, gshape, box, _st_dtype(name, local), "LocalShard")
+        return TensorEntry(path, local, gshape, box, _st_dtype(name, local), "LocalShard", name)
     if isinstance(value, torch.Tensor):
         gshape = tuple(int(s) for s in value.shape)
-        return TensorEntry(path, value, gshape, Box.whole(gshape), _st_dtype(name, value), "replicated")
+        return TensorEntry(path, value, gshape, Box.whole(gshape), _st_dtype(name, value), "replicated", name)
     raise TypeError(value)
 
 
@@ -181,6 +190,8 @@ def flatten(state: Any) -> tuple[list[TensorEntry], list[ObjectEntry]]:
     tensors: list[TensorEntry] = []
     objects: list[ObjectEntry] = []
     _walk((), state, tensors, objects)
+    for o in objects:
+        _check_json(o)
     return tensors, objects
 
 
@@ -188,25 +199,40 @@ def _walk(path: Path, v: Any, tensors: list[TensorEntry], objects: list[ObjectEn
     if isinstance(v, (torch.Tensor, LocalShard)):
         tensors.append(describe_tensor(path, v))
         return
-    if isinstance(v, (dict, list, tuple)) and (path == () or _has_tensor(v)):
-        if isinstance(v, tuple):
-            raise StateError(f"entry '{path_name(path)}' is a tuple holding tensors; use a list or a dict "
-                             "so it can be filled in place on load")
+    if isinstance(v, (dict, list, tuple)):
+        # Walk the children into the caller's lists; a container (other than the root) that turns out
+        # to hold no tensor is rolled back and kept whole as one object entry. One pass: each node is
+        # visited once, whatever the depth.
+        n_tensors, n_objects = len(tensors), len(objects)
         items = v.items() if isinstance(v, dict) else enumerate(v)
         for k, x in items:
             if not isinstance(k, (str, int)) or isinstance(k, bool):
-                raise StateError(f"key {k!r} under '{path_name(path)}': keys must be str or int")
+                if path == () or _has_tensor(v):
+                    raise StateError(f"key {k!r} under '{path_name(path)}': keys must be str or int")
+                break  # a tensor-free container: JSON decides below
             _walk((*path, k), x, tensors, objects)
-        return
+        if len(tensors) > n_tensors:
+            if isinstance(v, tuple):
+                del tensors[n_tensors:]
+                raise StateError(f"entry '{path_name(path)}' is a tuple holding tensors; use a list or a "
+                                 "dict so it can be filled in place on load")
+            return
+        del objects[n_objects:]
+        if path == ():
+            objects.extend(ObjectEntry((k,), x) for k, x in v.items())
+            return
+    objects.append(ObjectEntry(path, v))  # JSON-checked once, by flatten
+
+
+def _check_json(o: ObjectEntry) -> None:
     try:
-        json.dumps(v, allow_nan=True)
+        json.dumps(o.value, allow_nan=True)
     except (TypeError, ValueError) as e:
-        bad_path, bad = _find_unjsonable(path, v)
+        bad_path, bad = _find_unjsonable(o.path, o.value)
         raise StateError(
             f"entry '{path_name(bad_path)}': value of type {type(bad).__name__} is neither a tensor nor "
             f"JSON-able ({e})"
         ) from None
-    objects.append(ObjectEntry(path, v))
 
 
 def _find_unjsonable(path: Path, v: Any) -> tuple[Path, Any]:

@@ -193,6 +193,7 @@ class PeerTier:
 
     kind = "peer"
     durable = True  # survives the node (and its memory) being lost: the buddy holds every committed step
+    fast = False  # an upload queue feeds it (remote.RemoteQueue)
     poll_s = (0.002, 0.05)
 
     def __init__(self, job: str, *, name: str = "peer", agent: str | None = None, peers: Sequence[str] | None = None,

@@ -14,6 +14,7 @@ plan, so no further coordination is needed:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -89,8 +90,17 @@ class SavePlan:
     files: list[RankFile]  # index = rank
     fingerprint: str  # same plan <=> same fingerprint (used to reuse staging buffers)
 
+    @functools.cached_property
+    def _by_name(self) -> dict[str, list[PlannedPiece]]:
+        index: dict[str, list[PlannedPiece]] = {}
+        for f in self.files:
+            for p in f.pieces:
+                index.setdefault(p.name, []).append(p)
+        return index
+
     def pieces_of(self, name: str) -> list[PlannedPiece]:
-        return [p for f in self.files for p in f.pieces if p.name == name]
+        """The pieces of one entry, in rank order (indexed once: a manifest asks for every entry)."""
+        return list(self._by_name.get(name, ()))
 
 
 def piece_key(name: str, box: Box, shape: tuple[int, ...]) -> str:

@@ -4,10 +4,12 @@ A tier stores named objects per step, laid out as ``<root>/step_<12 digits>/<nam
 ``manifest``): data files (safetensors), per-rank sidecars and the manifest. Implementations:
 ``tiers.DirTier`` (a directory: node shared memory or a local/shared filesystem),
 ``s3.S3Tier`` (S3-compatible object storage) and ``peer.PeerTier`` (other nodes' memory, through
-checkpoint agents). A tier may also offer ``handoff(step, name, data, path)`` (take a data file
-from node memory before the staging slot is reused) and ``discard(step, name)`` (drop one that
-will not be committed); the checkpointer uses them when present. Everything above them - the commit protocol,
-cleanup and retention (``commit``), loading (``reader``) - is written once against this protocol.
+checkpoint agents). A tier is *fast* (``fast = True``: shm and directories, written by the persist
+thread straight from the staging slot) or slow (S3, peer: each has an upload queue, ``remote``). Optional
+abilities are declared protocols, checked with ``isinstance``: ``HandoffTier`` (take a data file from
+node memory before the staging slot is reused) and ``DiscardTier`` (drop a handed-off file that will
+not be committed). Everything above them - the commit protocol, cleanup and retention (``commit``),
+loading (``reader``) - is written once against these protocols.
 
 Contract for implementations:
 
@@ -24,6 +26,7 @@ Contract for implementations:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
@@ -60,6 +63,8 @@ class Tier(Protocol):
         kind: "shm", "dir", "s3" or "peer".
         location: the root, as a person would type it (a path or ``s3://bucket/prefix``).
         durable: survives the node's memory being lost (every kind but "shm").
+        fast: written by the checkpointer's persist thread straight from the staging slot ("shm",
+            "dir"); a slow tier (``False``) gets an upload queue instead, so it never holds a slot.
         poll_s: (first, longest) interval in seconds between polls while waiting for other ranks.
     """
 
@@ -67,6 +72,7 @@ class Tier(Protocol):
     kind: str
     location: str
     durable: bool
+    fast: bool
     poll_s: tuple[float, float]
 
     def where(self, step: int, name: str | None = None) -> str:
@@ -106,3 +112,21 @@ class Tier(Protocol):
 
     def remove_step(self, step: int) -> None:
         """Remove a step: its manifest first (so it is never seen half-removed), then the rest."""
+
+
+@runtime_checkable
+class HandoffTier(Protocol):
+    """A slow tier that can take a data file from node memory while the staging slot is still held."""
+
+    def handoff(self, step: int, name: str, data: memoryview, path: str | os.PathLike | None = None) -> None:
+        """Start taking ``data`` (the slot file at ``path`` when shm-backed); returns quickly."""
+
+    def wait_handoff(self, step: int, name: str) -> None:
+        """Block until the slot's bytes are no longer needed (after that the slot may be reused)."""
+
+
+@runtime_checkable
+class DiscardTier(Protocol):
+    """A tier holding handed-off data files that must be dropped when their step is abandoned."""
+
+    def discard(self, step: int, name: str) -> None: ...

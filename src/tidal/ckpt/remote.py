@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from tidal.ckpt import commit
 from tidal.ckpt.config import TierConfig
 from tidal.ckpt.errors import SaveError
-from tidal.ckpt.protocol import Tier
+from tidal.ckpt.protocol import DiscardTier, Tier
 from tidal.ckpt.status import Durability
 from tidal.ckpt.tiers import DirTier, failure_name, sidecar_name
 
@@ -320,9 +320,8 @@ class RemoteQueue:
         """A step dropped from the backlog: tell the handle and (eventually) the other ranks."""
         log.warning("%s", why)
         up.release_snapshot()
-        discard = getattr(self.tier, "discard", None)  # the data was handed off already (peer tier)
-        if discard is not None and "data" in up.written:
-            discard(up.step, up.name)
+        if isinstance(self.tier, DiscardTier) and "data" in up.written:  # handed off already (peer)
+            self.tier.discard(up.step, up.name)
         if up.world > 1:
             with self._cond:
                 self._owed.append((up.step, up.save_id, why))

@@ -87,6 +87,7 @@ class S3Tier:
 
     kind = "s3"
     durable = True
+    fast = False  # an upload queue feeds it (remote.RemoteQueue)
     poll_s = (0.02, 0.5)
 
     def __init__(self, url: str, *, name: str = "s3", endpoint: str | None = None, region: str | None = None,

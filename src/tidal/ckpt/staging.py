@@ -29,7 +29,6 @@ import torch
 
 from tidal.ckpt.flatten import ST_TO_DTYPE
 from tidal.ckpt.plan import PlannedPiece, RankFile
-from tidal.ckpt.tiers import DirTier
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +47,13 @@ class Slot:
         self.buffer: torch.Tensor | None = None  # uint8, the whole file image
         self.views: dict[str, torch.Tensor] = {}
         self._pinned = False
+        # Steps of this process whose shm-tier data file is a hard link to this slot's file (kept by
+        # the checkpointer; cleared on re-layout, which makes a new file and leaves those steps intact).
+        self.linked: set[int] = set()
+
+    def reusable(self, fingerprint: str) -> bool:
+        """Whether ``allocate`` with this layout keeps the current file (and overwrites its bytes)."""
+        return self.fingerprint == fingerprint and self.buffer is not None
 
     def memoryview(self) -> memoryview:
         assert self.buffer is not None
@@ -57,7 +63,7 @@ class Slot:
 
     def allocate(self, rf: RankFile, fingerprint: str, shm_dir: Path | None, dtypes: dict[str, str]) -> None:
         """(Re)lay out this slot for ``rf``; a no-op when the layout is unchanged."""
-        if self.fingerprint == fingerprint and self.buffer is not None:
+        if self.reusable(fingerprint):
             return
         self.release()
         size = max(rf.size_bytes, 8)
@@ -105,6 +111,7 @@ class Slot:
                 torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
             self._pinned = False
         self.views = {}
+        self.linked = set()
         self.buffer = None
         self.fingerprint = None
         if self._mmap is not None:
@@ -133,25 +140,6 @@ def shm_has_room(path: Path, need_bytes: int) -> bool:
     except OSError:
         return False
     return st.f_bavail * st.f_frsize >= need_bytes * 1.1
-
-
-def steps_linking(tier: DirTier, path: Path) -> list[int]:
-    """Committed steps of ``tier`` whose data files are hard links to ``path``."""
-    try:
-        ino = os.stat(path).st_ino
-    except FileNotFoundError:
-        return []
-    out = []
-    for s in tier.committed_steps():
-        d = tier.step_dir(s)
-        try:
-            for n in os.listdir(d):
-                if n.endswith(".safetensors") and os.stat(d / n).st_ino == ino:
-                    out.append(s)
-                    break
-        except FileNotFoundError:
-            continue
-    return out
 
 
 def drop_stale_slots(slot_dir: Path | None, world: int) -> None:

@@ -50,6 +50,7 @@ class DirTier:
         self.fsync = fsync
         self.kind = kind or ("shm" if name == "shm" else "dir")
         self.durable = self.kind != "shm"
+        self.fast = True
         self.location = str(self.root)
 
     def __repr__(self) -> str:

@@ -1,0 +1,205 @@
+"""What keeps a save's stall at the copy floor: housekeeping never runs during a copy, slots know which
+steps link them, one flatten pass; and the GPU check script stays runnable without a GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tidal import ckpt
+from tidal.ckpt import checkpointer as cpmod
+from tidal.ckpt import commit
+from tidal.ckpt import manifest as mf
+from tidal.ckpt.errors import StateError
+from tidal.ckpt.flatten import LocalShard, flatten
+from tidal.ckpt.tiers import shm_root_for
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def state(v: float, n: int = 4) -> dict:
+    return {"model": {f"w{i}": torch.full((64, 16), float(v) + i) for i in range(n)}, "step": int(v)}
+
+
+def disk_steps(d: Path) -> list[int]:
+    return sorted(int(p.name.split("_")[1]) for p in d.glob("step_*"))
+
+
+@pytest.fixture
+def shm_cleanup():
+    roots: list[Path] = []
+    yield roots
+    import shutil
+
+    for r in roots:
+        shutil.rmtree(r, ignore_errors=True)
+
+
+def test_cleanup_never_runs_while_a_save_copies(tmp_path, monkeypatch, shm_cleanup):
+    """Retention of step N waits for step N+1's copy: run during it, it would lengthen the stall."""
+    copying = threading.Event()
+    overlaps: list[int] = []
+    real_copy, real_cleanup = cpmod._copy_all, commit.cleanup
+
+    def slow_copy(pairs):
+        copying.set()
+        try:
+            threading.Event().wait(0.05)  # a copy long enough for a racing cleanup to land in it
+            real_copy(pairs)
+        finally:
+            copying.clear()
+
+    def watched_cleanup(tier, keep, step, *a, **kw):
+        if copying.is_set():
+            overlaps.append(step)
+        return real_cleanup(tier, keep, step, *a, **kw)
+
+    monkeypatch.setattr(cpmod, "_copy_all", slow_copy)
+    monkeypatch.setattr(commit, "cleanup", watched_cleanup)
+    d = tmp_path / "ck"
+    shm_cleanup.append(shm_root_for(d))
+    with ckpt.Checkpointer(d, keep=1) as cp:
+        for s in range(6):
+            cp.save(s, state(s)).wait()  # the next save starts right after the commit
+    assert overlaps == []
+    assert disk_steps(d) == [5]  # retention still happened (the last one at close)
+
+
+def test_deferred_cleanup_runs_when_no_save_follows(tmp_path, shm_cleanup):
+    d = tmp_path / "ck"
+    shm_cleanup.append(shm_root_for(d))
+    cp = ckpt.Checkpointer(d, keep=1)
+    try:
+        cp.save(1, state(1)).wait()
+        cp.save(2, state(2)).wait()
+        deadline = cpmod.CLEANUP_IDLE_S * 20
+        import time
+
+        t0 = time.monotonic()
+        while (d / mf.step_dirname(1)).exists() and time.monotonic() - t0 < deadline:
+            time.sleep(0.05)
+        assert disk_steps(d) == [2]
+    finally:
+        cp.close()
+
+
+def test_slot_reuse_uncommits_only_the_step_it_held(tmp_path, shm_cleanup):
+    """A slot overwritten by a new save uncommits the shm step linking it, and no other: a step
+    saved again into the other slot keeps its shm copy."""
+    d = tmp_path / "ck"
+    shm = shm_root_for(d)
+    shm_cleanup.append(shm)
+    with ckpt.Checkpointer(d, keep=0) as cp:
+        cp.save(1, state(1)).wait()  # slot 0
+        cp.save(2, state(2)).wait()  # slot 1
+        cp.save(2, state(2.5)).wait()  # step 2 again, into slot 0: step 1's shm copy is gone
+        shm_steps = sorted(int(p.name.split("_")[1]) for p in shm.glob("step_*") if (p / mf.MANIFEST).exists())
+        assert 1 not in shm_steps and 2 in shm_steps
+        cp.save(3, state(3)).wait()  # slot 1 (held the first step 2, superseded): step 2 stays
+        target, stats = state(0), ckpt.LoadStats()
+        assert ckpt.load(str(d), target, step=2, stats=stats) == 2
+        assert set(stats.bytes_by_tier) == {"shm"}  # served by the slot that holds it
+        assert torch.equal(target["model"]["w0"], state(2.5)["model"]["w0"])
+
+
+# -- flatten: one pass, same result as the obvious recursive definition --------------------------
+
+def reference_flatten(state: dict) -> tuple[list[tuple], list[tuple]]:
+    """The definition: tensors in walk order; a non-root container without tensors is one object."""
+    tensors, objects = [], []
+
+    def has_tensor(v):
+        if isinstance(v, (torch.Tensor, LocalShard)):
+            return True
+        if isinstance(v, dict):
+            return any(has_tensor(x) for x in v.values())
+        if isinstance(v, (list, tuple)):
+            return any(has_tensor(x) for x in v)
+        return False
+
+    def walk(path, v):
+        if isinstance(v, (torch.Tensor, LocalShard)):
+            tensors.append(path)
+        elif isinstance(v, (dict, list)) and (path == () or has_tensor(v)):
+            for k, x in (v.items() if isinstance(v, dict) else enumerate(v)):
+                walk((*path, k), x)
+        else:
+            objects.append((path, v))
+
+    walk((), state)
+    return tensors, objects
+
+
+leaf = st.one_of(st.integers(-5, 5), st.text(max_size=3), st.none(), st.booleans(),
+                 st.builds(lambda n: torch.zeros(n), st.integers(0, 3)))
+nested = st.recursive(leaf, lambda inner: st.one_of(
+    st.lists(inner, max_size=3), st.dictionaries(st.text("abc", min_size=1, max_size=2), inner, max_size=3)),
+    max_leaves=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.text("xyz", min_size=1, max_size=2), nested, max_size=4))
+def test_flatten_matches_the_definition(s):
+    tensors, objects = flatten(s)
+    ref_t, ref_o = reference_flatten(s)
+    assert [e.path for e in tensors] == ref_t
+    assert [(o.path, o.value) for o in objects] == ref_o
+
+
+def test_flatten_errors_still_name_the_entry():
+    with pytest.raises(StateError, match="'a/b' is a tuple holding tensors"):
+        flatten({"a": {"b": (torch.zeros(1),)}})
+    with pytest.raises(StateError, match="entry 'a/1': value of type object"):
+        flatten({"a": [1, object()]})
+    with pytest.raises(StateError, match="keys must be str or int"):
+        flatten({"a": {1.5: torch.zeros(1)}})
+    tensors, objects = flatten({"a": {1.5: "x"}, "t": torch.zeros(2)})  # tensor-free: JSON decides
+    assert [o.path for o in objects] == [("a",)] and [e.name for e in tensors] == ["t"]
+
+
+# -- the GPU check, run on CPU with only what the GPU machine's image has ------------------------
+
+BLOCKER = """
+import runpy, sys
+BLOCK = {"fastapi", "sqlalchemy", "uvicorn", "obstore", "pydantic", "starlette", "ray"}
+class Blocker:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCK:
+            raise ImportError(name + " is not on the GPU machine")
+sys.meta_path.insert(0, Blocker())
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_gpu_check_runs_without_a_gpu_and_without_server_packages(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
+    tiny = "--n-layer 1 --n-embd 16 --n-head 2 --block 16 --global-batch 2 --micro-batch 2 --log-every 1"
+    p = subprocess.run([sys.executable, "-c", BLOCKER, str(REPO / "benchmarks" / "gpu_check.py"),
+                        "--out", str(out), "--device", "cpu", "--sizes-gb", "0.004,0.006", "--d2h-gb", "0.004",
+                        "--repeat", "1", "--width", "256", "--gpt-steps", "2", "--gpt-args", tiny,
+                        "--scratch", str(tmp_path / "scratch")],
+                       env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["errors"] == {} and res["skipped"] == []
+    assert res["d2h"]["pageable"]["gbps"] > 0
+    plain = res["ckpt_0.004gb"]["plain"]
+    assert plain["shm_tier"] and plain["stall_over_floor"] > 0
+    assert res["ckpt_0.004gb"]["overlapped"]["staged_s"]["median"] > 0
+    assert "overlapped" not in res["ckpt_0.006gb"]
+    assert res["reshard"]["equal"] and res["reshard"]["tiers"] == ["disk"]
+    assert res["reshard"]["read_amplification"] >= 1.0
+    g = res["gpt"]
+    assert [g[k]["rc"] for k in ("single", "single_resumed", "fsdp_torchrun")] == [0, 0, 0]
+    assert g["single"]["steps_committed"][-1] == 2 and g["single_resumed"]["steps_committed"][-1] == 4
