@@ -42,7 +42,7 @@ import torch
 
 from tidal import ckpt
 from tidal.bench.ckpt import machine, resharded_states
-from tidal.ckpt.tiers import SHM_BASE_ENV, shm_root_for
+from tidal.ckpt.tiers.directory import SHM_BASE_ENV, shm_root_for
 
 GB = 10**9
 REPO = Path(__file__).resolve().parent.parent

@@ -32,7 +32,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from tidal.ckpt.seaweed import SeaweedServer, weed_binary  # noqa: E402
+from tidal.bench.seaweed import SeaweedServer, weed_binary  # noqa: E402
 
 PART = 16 << 20
 RANGE = 4 << 20

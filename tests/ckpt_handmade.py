@@ -13,11 +13,11 @@ from pathlib import Path
 
 import torch
 
-from tidal.ckpt import manifest as mf
-from tidal.ckpt.flatten import DTYPE_TO_ST
-from tidal.ckpt.layout import Box
-from tidal.ckpt.plan import PieceDesc, make_plan
-from tidal.ckpt.tiers import data_name
+from tidal.ckpt.format import manifest as mf
+from tidal.ckpt.format.flatten import DTYPE_TO_ST
+from tidal.ckpt.format.layout import Box
+from tidal.ckpt.format.plan import PieceDesc, make_plan
+from tidal.ckpt.tiers.directory import data_name
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from tidal.ckpt.seaweed import SeaweedServer, weed_binary
+from tidal.bench.seaweed import SeaweedServer, weed_binary
 
 BUCKET = "tidal-test"
 

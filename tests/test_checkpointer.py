@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 from tidal import ckpt
-from tidal.ckpt.tiers import shm_root_for
+from tidal.ckpt.tiers.directory import DirTier, shm_root_for
 
 
 @pytest.fixture(autouse=True)
@@ -115,7 +115,7 @@ def test_slots_are_reused_and_shm_holds_at_most_two_steps(tmp_path):
             cp.save(step, {"w": torch.full((256,), float(step))}).wait()
         shm = shm_root_for(url)
         assert sorted(os.listdir(shm / "slots")) == ["r00000-slot0.safetensors", "r00000-slot1.safetensors"]
-        shm_steps = ckpt.tiers.DirTier("shm", shm, fsync=False).committed_steps()
+        shm_steps = DirTier("shm", shm, fsync=False).committed_steps()
         assert shm_steps == [3, 4]
     for step in (2, 3, 4):  # older steps come from disk, newer ones from shm: both correct
         target = {"w": torch.zeros(256)}

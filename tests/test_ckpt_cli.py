@@ -24,9 +24,9 @@ from typer.testing import CliRunner
 
 from ckpt_handmade import write_two_rank_checkpoint
 from tidal import ckpt
-from tidal.ckpt import manifest as mf
 from tidal.ckpt.cli import app
-from tidal.ckpt.tiers import shm_root_for
+from tidal.ckpt.format import manifest as mf
+from tidal.ckpt.tiers.directory import shm_root_for
 
 runner = CliRunner()
 

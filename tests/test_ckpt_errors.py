@@ -17,8 +17,8 @@ import torch
 from safetensors import safe_open
 
 from tidal import ckpt
-from tidal.ckpt import manifest as mf
-from tidal.ckpt.tiers import DirTier, shm_root_for
+from tidal.ckpt.format import manifest as mf
+from tidal.ckpt.tiers.directory import DirTier, shm_root_for
 
 
 @pytest.fixture(autouse=True)

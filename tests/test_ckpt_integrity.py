@@ -21,10 +21,10 @@ from typer.testing import CliRunner
 
 from ckpt_handmade import write_two_rank_checkpoint
 from tidal import ckpt
-from tidal.ckpt import manifest as mf
 from tidal.ckpt.cli import app
-from tidal.ckpt.layout import Box, check_tiling
-from tidal.ckpt.tiers import data_name, shm_root_for
+from tidal.ckpt.format import manifest as mf
+from tidal.ckpt.format.layout import Box, check_tiling
+from tidal.ckpt.tiers.directory import data_name, shm_root_for
 
 DATA = Path(__file__).parent / "data"
 

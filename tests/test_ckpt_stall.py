@@ -16,12 +16,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tidal import ckpt
-from tidal.ckpt import checkpointer as cpmod
-from tidal.ckpt import commit
-from tidal.ckpt import manifest as mf
+from tidal.ckpt.engine import checkpointer as cpmod
+from tidal.ckpt.engine import commit
 from tidal.ckpt.errors import StateError
-from tidal.ckpt.flatten import LocalShard, flatten
-from tidal.ckpt.tiers import shm_root_for
+from tidal.ckpt.format import manifest as mf
+from tidal.ckpt.format.flatten import LocalShard, flatten
+from tidal.ckpt.tiers.directory import shm_root_for
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -368,7 +368,7 @@ def test_remote_tiers_need_an_allowed_endpoint_and_bounded_timeouts(api):
 
 
 def test_checkpoint_view_never_connects_to_a_tenants_endpoint(tmp_path, monkeypatch):
-    from tidal.ckpt import peer, s3
+    from tidal.ckpt.tiers import peer, s3
 
     policy = LocationPolicy(tmp_path / "tenants", grants={"a": ("s3://bucket",)},
                             endpoints=("http://127.0.0.1:9", "127.0.0.1:9"), max_timeout_s=30)

@@ -29,7 +29,7 @@ import torch
 
 from dist_harness import WORKERS_DIR, Launch
 from tidal import ckpt
-from tidal.ckpt.tiers import shm_root_for
+from tidal.ckpt.tiers.directory import shm_root_for
 
 pytestmark = pytest.mark.slow
 

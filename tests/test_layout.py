@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from tidal.ckpt.errors import StateError
-from tidal.ckpt.layout import Box, byte_runs, check_tiling, intersect
-from tidal.ckpt.plan import PieceDesc, make_plan
+from tidal.ckpt.format.layout import Box, byte_runs, check_tiling, intersect
+from tidal.ckpt.format.plan import PieceDesc, make_plan
 
 
 def chunks(n: int, parts: int) -> list[tuple[int, int]]:

@@ -19,10 +19,10 @@ import torch
 
 from dist_harness import run_workers
 from tidal import ckpt
-from tidal.ckpt.agent import Agent
-from tidal.ckpt.agent_proc import AgentProcess
-from tidal.ckpt.peer import PeerTier
-from tidal.ckpt.tiers import shm_root_for
+from tidal.ckpt.agent.proc import AgentProcess
+from tidal.ckpt.agent.server import Agent
+from tidal.ckpt.tiers.directory import shm_root_for
+from tidal.ckpt.tiers.peer import PeerTier
 
 ROWS, COLS = 48, 20
 
@@ -208,7 +208,7 @@ def test_peer_spec_errors_name_what_to_set(shm, monkeypatch):
     monkeypatch.setenv("TIDAL_CKPT_AGENT", "127.0.0.1:9")
     with pytest.raises(ckpt.TierError, match=r"127.0.0.1:9 unreachable.*is `tidal ckpt agent` running"):
         ckpt.Checkpointer(tiers=["shm", "peer"])
-    from tidal.ckpt.config import resolve
+    from tidal.ckpt.tiers.config import resolve
 
     home, cfgs = resolve(["shm", "peer"], default_keep=1)
     assert home == "peer://my-job" and cfgs[1].location == "peer://my-job" and cfgs[1].kind == "peer"
@@ -338,8 +338,8 @@ def test_cli_agent_serves_status_under_its_own_pid(tmp_path, shm):
     import subprocess
     import sys
 
-    from tidal.ckpt.peer import AgentClient
-    from tidal.ckpt.seaweed import free_ports
+    from tidal.ckpt.agent.childproc import free_ports
+    from tidal.ckpt.tiers.peer import AgentClient
 
     addr = f"127.0.0.1:{free_ports(1)[0]}"
     log = open(tmp_path / "agent.log", "wb")  # noqa: SIM115 - closed below

@@ -16,9 +16,9 @@ from obstore.store import S3Store
 from safetensors.torch import load as st_load
 
 from tidal import ckpt
-from tidal.ckpt import manifest as mf
-from tidal.ckpt.s3 import parse_s3_url
-from tidal.ckpt.tiers import shm_root_for
+from tidal.ckpt.format import manifest as mf
+from tidal.ckpt.tiers.directory import shm_root_for
+from tidal.ckpt.tiers.s3 import parse_s3_url
 
 
 @pytest.fixture(autouse=True)
@@ -253,7 +253,7 @@ def test_snapshots_reuse_one_buffer_and_upload_each_steps_own_bytes(s3, tmp_path
 
 
 def test_snapshot_pool_hands_a_buffer_out_again_only_when_every_queue_released_it():
-    from tidal.ckpt.remote import SnapshotPool
+    from tidal.ckpt.tiers.remote import SnapshotPool
 
     pool = SnapshotPool(keep=1)
     a = pool.copy(memoryview(b"a" * 100), refs=2)

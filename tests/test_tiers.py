@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from tidal import ckpt
-from tidal.ckpt import manifest as mf
-from tidal.ckpt.config import resolve
-from tidal.ckpt.tiers import shm_root_for
+from tidal.ckpt.format import manifest as mf
+from tidal.ckpt.tiers.config import resolve
+from tidal.ckpt.tiers.directory import shm_root_for
 
 
 @pytest.fixture(autouse=True)
@@ -206,7 +206,7 @@ def test_fast_only_wait_and_close_timeout_without_slow_tiers(tmp_path):
 
 
 def test_adjacent_runs_are_merged_and_gaps_kept():
-    from tidal.ckpt.reader import coalesce
+    from tidal.ckpt.engine.reader import coalesce
 
     assert coalesce([0, 8, 16], 8, 100) == [(100, 24)]  # contiguous rows: one range (one GET)
     assert coalesce([0, 40, 80], 8, 100) == [(100, 8), (140, 8), (180, 8)]  # a column slice: never the gaps
@@ -214,7 +214,7 @@ def test_adjacent_runs_are_merged_and_gaps_kept():
 
 
 def test_s3_urls_parse_or_name_the_problem():
-    from tidal.ckpt.s3 import parse_s3_url
+    from tidal.ckpt.tiers.s3 import parse_s3_url
 
     assert parse_s3_url("s3://bucket/a/b/") == ("bucket", "a/b")
     assert parse_s3_url("s3://my.bucket-1") == ("my.bucket-1", "")

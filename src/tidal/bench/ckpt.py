@@ -53,7 +53,7 @@ from typing import Any
 import torch
 
 from tidal import ckpt
-from tidal.ckpt.tiers import SHM_BASE_ENV, shm_root_for
+from tidal.ckpt.tiers.directory import SHM_BASE_ENV, shm_root_for
 
 GB = 10**9
 RANKS = 3  # simulated ranks of the resharded load

@@ -5,7 +5,7 @@ costs a training loop, on one machine in one run.
     tidal bench tiers --size-mb 128 --train-s 20 --json
 
 It starts what the tiers need, on loopback, and stops it at the end (by pid): a SeaweedFS S3 server
-(``tidal.ckpt.seaweed``), two checkpoint agents that are each other's buddy (``agent_proc``), and
+(``tidal.bench.seaweed``), two checkpoint agents that are each other's buddy (``tidal.ckpt.agent.proc``), and
 a trivial HTTP receiver (a separate process that writes each PUT body to a file in ``/dev/shm``).
 
 1. **Persist throughput**, each tier versus the raw device, the same bytes (one ``size_mb`` state
@@ -64,10 +64,11 @@ import torch
 
 from tidal import ckpt
 from tidal.bench.ckpt import _map_tensors, _tensors, machine, resharded_states
+from tidal.bench.seaweed import SeaweedServer
 from tidal.bench.tiers_train import train
-from tidal.ckpt.agent_proc import AgentProcess
-from tidal.ckpt.seaweed import SeaweedServer, free_ports
-from tidal.ckpt.tiers import SHM_BASE_ENV
+from tidal.ckpt.agent.childproc import free_ports
+from tidal.ckpt.agent.proc import AgentProcess
+from tidal.ckpt.tiers.directory import SHM_BASE_ENV
 
 MIB = 1 << 20
 BLOCK = 16 * MIB
@@ -171,7 +172,7 @@ def _flat(state: dict) -> memoryview:
 
 class _Persist:
     def __init__(self, env: _Env, state: dict) -> None:
-        from tidal.ckpt.s3 import S3Tier
+        from tidal.ckpt.tiers.s3 import S3Tier
 
         self.env, self.state, self.data = env, state, _flat(state)
         self.step = 0

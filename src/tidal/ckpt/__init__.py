@@ -12,7 +12,7 @@
 
 See docs/checkpoint.md for the format, the tiers and the guarantees.
 
-Names are imported on first use (PEP 562), so that ``import tidal.ckpt.agent`` - the node agent, a
+Names are imported on first use (PEP 562), so that ``python -m tidal.ckpt.agent`` - the node agent, a
 process of its own - does not load torch.
 """
 
@@ -22,20 +22,20 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _WHERE = {
-    "Checkpointer": "checkpointer",
-    "SaveHandle": "handle",
-    "TierSpec": "config",
+    "Checkpointer": "engine.checkpointer",
+    "SaveHandle": "engine.handle",
+    "TierSpec": "tiers.config",
     "load": "api",
     "steps": "api",
     "read_manifest": "api",
     "LoadStats": "api",
-    "LocalShard": "flatten",
-    "training_state": "state",
-    "apply_training_state": "state",
-    "CheckpointStatus": "status",
-    "TierStatus": "status",
-    "StepStatus": "status",
-    "read_status": "status",
+    "LocalShard": "format.flatten",
+    "training_state": "engine.state",
+    "apply_training_state": "engine.state",
+    "CheckpointStatus": "engine.status",
+    "TierStatus": "engine.status",
+    "StepStatus": "engine.status",
+    "read_status": "engine.status",
     "CheckpointError": "errors",
     "CorruptionError": "errors",
     "ManifestError": "errors",
@@ -74,8 +74,10 @@ __all__ = [
 
 if TYPE_CHECKING:
     from tidal.ckpt.api import LoadStats, load, read_manifest, steps
-    from tidal.ckpt.checkpointer import Checkpointer
-    from tidal.ckpt.config import TierSpec
+    from tidal.ckpt.engine.checkpointer import Checkpointer
+    from tidal.ckpt.engine.handle import SaveHandle
+    from tidal.ckpt.engine.state import apply_training_state, training_state
+    from tidal.ckpt.engine.status import CheckpointStatus, StepStatus, TierStatus, read_status
     from tidal.ckpt.errors import (
         CheckpointError,
         CorruptionError,
@@ -87,10 +89,8 @@ if TYPE_CHECKING:
         TierSpecError,
         UnsafeFileError,
     )
-    from tidal.ckpt.flatten import LocalShard
-    from tidal.ckpt.handle import SaveHandle
-    from tidal.ckpt.state import apply_training_state, training_state
-    from tidal.ckpt.status import CheckpointStatus, StepStatus, TierStatus, read_status
+    from tidal.ckpt.format.flatten import LocalShard
+    from tidal.ckpt.tiers.config import TierSpec
 
 
 def __getattr__(name: str) -> Any:

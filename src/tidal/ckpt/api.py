@@ -20,14 +20,14 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from tidal.ckpt import comm
-from tidal.ckpt import manifest as mf
-from tidal.ckpt.config import describe, read_tiers
+from tidal.ckpt.engine import comm
+from tidal.ckpt.engine.reader import PieceReader
 from tidal.ckpt.errors import CorruptionError, ManifestError, NotFoundError, StateError
-from tidal.ckpt.flatten import flatten, path_name, set_path
-from tidal.ckpt.protocol import Tier
-from tidal.ckpt.reader import PieceReader
-from tidal.ckpt.tiers import newest_manifest
+from tidal.ckpt.format import manifest as mf
+from tidal.ckpt.format.flatten import flatten, path_name, set_path
+from tidal.ckpt.tiers.config import describe, read_tiers
+from tidal.ckpt.tiers.directory import newest_manifest
+from tidal.ckpt.tiers.protocol import Tier
 
 log = logging.getLogger(__name__)
 

@@ -36,14 +36,14 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from tidal.ckpt import manifest as mf
-from tidal.ckpt.agent_cli import agent_cmd
+from tidal.ckpt.agent.cli import agent_cmd
 from tidal.ckpt.api import LoadStats, load, read_manifest
-from tidal.ckpt.config import build, describe, kind_of, normalize, read_tiers, resolve
+from tidal.ckpt.engine.status import CheckpointStatus, read_status
 from tidal.ckpt.errors import CheckpointError, CorruptionError, ManifestError, NotFoundError, TierSpecError
-from tidal.ckpt.flatten import ST_TO_DTYPE, path_name
-from tidal.ckpt.status import CheckpointStatus, read_status
-from tidal.ckpt.tiers import DirTier, is_peer_url, is_s3_url, local_path, shm_root_for, tiers_for
+from tidal.ckpt.format import manifest as mf
+from tidal.ckpt.format.flatten import ST_TO_DTYPE, path_name
+from tidal.ckpt.tiers.config import build, describe, kind_of, normalize, read_tiers, resolve
+from tidal.ckpt.tiers.directory import DirTier, is_peer_url, is_s3_url, local_path, shm_root_for, tiers_for
 from tidal.ckpt.verify import Checked, Problem, _check_step, _read, _verify_tier
 
 app = typer.Typer(

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tidal.ckpt import manifest as mf
 from tidal.ckpt.errors import ManifestError, UnsafeFileError
-from tidal.ckpt.protocol import RangeReader, TruncatedRead
-from tidal.ckpt.tiers import DirTier
+from tidal.ckpt.format import manifest as mf
+from tidal.ckpt.tiers.directory import DirTier
+from tidal.ckpt.tiers.protocol import RangeReader, TruncatedRead
 
 _CHUNK = 16 << 20  # bytes read at a time when checksumming
 

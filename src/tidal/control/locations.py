@@ -59,7 +59,7 @@ def overlaps(a: str, b: str) -> bool:
 
 def locations(ck: Mapping[str, Any]) -> tuple[str | None, list[tuple[str, str, dict]]]:
     """(home, [(kind, location, options)]) of a checkpoint spec with ``url`` or ``tiers``; ValueError."""
-    from tidal.ckpt.config import resolve
+    from tidal.ckpt.tiers.config import resolve
 
     if ck.get("tiers"):
         home, cfgs = resolve(ck["tiers"], default_keep=0)
@@ -77,14 +77,14 @@ def locations(ck: Mapping[str, Any]) -> tuple[str | None, list[tuple[str, str, d
     if url is None:
         return None, []
     if url.startswith("s3://"):
-        from tidal.ckpt.s3 import parse_s3_url
+        from tidal.ckpt.tiers.s3 import parse_s3_url
 
         bucket, prefix = parse_s3_url(url)
         loc = f"s3://{bucket}/{prefix}".rstrip("/")
         return loc, [("s3", loc, {})]
     if url == "peer" or url.startswith("peer://"):
         raise ValueError("a peer location needs a tier list: tiers: [shm, <directory>, peer]")
-    from tidal.ckpt.tiers import local_path
+    from tidal.ckpt.tiers.directory import local_path
 
     loc = str(local_path(url))
     return loc, [("dir", loc, {})]
@@ -175,7 +175,7 @@ def check(ck: Mapping[str, Any], tenant: str, admin: bool, policy: LocationPolic
 
 
 def _holds_steps(loc: str) -> bool:
-    from tidal.ckpt import manifest as mf
+    from tidal.ckpt.format import manifest as mf
 
     try:
         return any(mf.parse_step_dirname(n) is not None for n in os.listdir(loc))

@@ -127,8 +127,8 @@ class CheckpointSpec(_Strict):
     @classmethod
     def _tiers(cls, v: list[Any] | None) -> list[Any] | None:
         if v is not None:
-            from tidal.ckpt.config import resolve
             from tidal.ckpt.errors import TierSpecError
+            from tidal.ckpt.tiers.config import resolve
 
             try:
                 resolve(v, default_keep=3)

@@ -72,10 +72,10 @@ def checkpoint_view(job_id: str, url: str | None, now_s: float, *, tiers: list |
     when it was captured (the status file's save time; else when the tier committed it), and
     ``durable_age_s`` is ``now_s`` minus that. A tier that cannot be listed carries its ``error``.
     """
-    from tidal.ckpt.config import build, kind_of, normalize, resolve
+    from tidal.ckpt.engine.status import read_status
     from tidal.ckpt.errors import CheckpointError
-    from tidal.ckpt.status import read_status
-    from tidal.ckpt.tiers import SHM_BASE_ENV, DirTier, shm_root_for
+    from tidal.ckpt.tiers.config import build, kind_of, normalize, resolve
+    from tidal.ckpt.tiers.directory import SHM_BASE_ENV, DirTier, shm_root_for
 
     out: dict[str, Any] = {"job": job_id, "url": url, "tiers": [], "steps": [], "newest_step": None,
                            "newest_durable_step": None, "newest_durable_s": None, "durable_age_s": None,

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from tidal import ckpt
-from tidal.ckpt import config as ckpt_config
+from tidal.ckpt.tiers import config as ckpt_config
 from tidal.contract import ENV_CKPT_TIERS, PHASE_ENDED
 from tidal.train.data import GlobalBatchSampler
 from tidal.train.env import EXIT_PREEMPTED, NOTICE_WAIT_CHOICES, Env, EnvError

@@ -28,12 +28,11 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
-from tidal.ckpt.childproc import stop_process, wait_ready
+from tidal.ckpt.agent.childproc import free_ports, stop_process, wait_ready
 
 _PORT_NAMES = ("s3.port", "s3.port.grpc", "master.port", "master.port.grpc", "volume.port",
                "volume.port.grpc", "filer.port", "filer.port.grpc")
@@ -45,21 +44,6 @@ def weed_binary() -> str | None:
     if beside.exists():
         return str(beside)
     return shutil.which("weed")
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct TCP ports free on 127.0.0.1 right now (the OS picks them)."""
-    socks, ports = [], []
-    try:
-        while len(ports) < n:
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-            ports.append(s.getsockname()[1])
-    finally:
-        for s in socks:
-            s.close()
-    return ports
 
 
 class SeaweedServer:

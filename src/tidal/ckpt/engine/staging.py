@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from tidal.ckpt.flatten import ST_TO_DTYPE
-from tidal.ckpt.plan import PlannedPiece, RankFile
+from tidal.ckpt.format.flatten import ST_TO_DTYPE
+from tidal.ckpt.format.plan import PlannedPiece, RankFile
 
 log = logging.getLogger(__name__)
 

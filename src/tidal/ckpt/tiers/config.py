@@ -34,8 +34,16 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tidal.ckpt.errors import TierSpecError
-from tidal.ckpt.protocol import Tier
-from tidal.ckpt.tiers import DirTier, is_peer_url, is_s3_url, local_path, peer_job, shm_root_for, tiers_for
+from tidal.ckpt.tiers.directory import (
+    DirTier,
+    is_peer_url,
+    is_s3_url,
+    local_path,
+    peer_job,
+    shm_root_for,
+    tiers_for,
+)
+from tidal.ckpt.tiers.protocol import Tier
 from tidal.contract import ENV_JOB_ID
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*):")
@@ -100,7 +108,7 @@ def normalize(url: str, kind: str) -> str:
     if kind == "dir":
         return str(local_path(url))
     if kind == "s3":
-        from tidal.ckpt.s3 import parse_s3_url
+        from tidal.ckpt.tiers.s3 import parse_s3_url
 
         bucket, prefix = parse_s3_url(url)
         return f"s3://{bucket}/{prefix}".rstrip("/")
@@ -223,11 +231,11 @@ def _check_options(kind: str, options: Mapping[str, Any], where: str) -> None:
     if kind == "dir":
         allowed = _DIR_OPTIONS
     elif kind == "s3":
-        from tidal.ckpt.s3 import OPTIONS
+        from tidal.ckpt.tiers.s3 import OPTIONS
 
         allowed = OPTIONS
     elif kind == "peer":
-        from tidal.ckpt.peer import OPTIONS as PEER_OPTIONS
+        from tidal.ckpt.tiers.peer import OPTIONS as PEER_OPTIONS
 
         allowed = PEER_OPTIONS
     for k in options:
@@ -243,10 +251,10 @@ def build(cfg: TierConfig, home: str, *, fsync: bool = True) -> Tier:
     if cfg.kind == "dir":
         return DirTier(cfg.name, cfg.location, fsync=bool(cfg.options.get("fsync", fsync)))
     if cfg.kind == "peer":
-        from tidal.ckpt.peer import PeerTier
+        from tidal.ckpt.tiers.peer import PeerTier
 
         return PeerTier(cfg.location[len("peer://"):], name=cfg.name, **dict(cfg.options))
-    from tidal.ckpt.s3 import S3Tier
+    from tidal.ckpt.tiers.s3 import S3Tier
 
     try:
         return S3Tier(cfg.location, name=cfg.name, **dict(cfg.options))

@@ -20,9 +20,8 @@ import sys
 from pathlib import Path
 
 import tidal
-from tidal.ckpt.childproc import stop_process, wait_ready
-from tidal.ckpt.peer import AgentClient
-from tidal.ckpt.seaweed import free_ports
+from tidal.ckpt.agent.childproc import free_ports, stop_process, wait_ready
+from tidal.ckpt.tiers.peer import AgentClient
 
 
 class AgentProcess:

@@ -21,13 +21,13 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 
-from tidal.ckpt import manifest as mf
 from tidal.ckpt.errors import CorruptionError, TierError
-from tidal.ckpt.flatten import ST_TO_DTYPE, TensorEntry
-from tidal.ckpt.layout import Box, intersect
-from tidal.ckpt.layout import byte_runs as _byte_runs
-from tidal.ckpt.plan import ITEMSIZE
-from tidal.ckpt.protocol import RangeReader, Tier, TruncatedRead
+from tidal.ckpt.format import manifest as mf
+from tidal.ckpt.format.flatten import ST_TO_DTYPE, TensorEntry
+from tidal.ckpt.format.layout import Box, intersect
+from tidal.ckpt.format.layout import byte_runs as _byte_runs
+from tidal.ckpt.format.plan import ITEMSIZE
+from tidal.ckpt.tiers.protocol import RangeReader, Tier, TruncatedRead
 
 
 def widen(ranges: Sequence[tuple[int, int]], start: int, nbytes: int, block: int) -> list[tuple[int, int]]:
@@ -65,7 +65,7 @@ class PieceReader:
 
     def __init__(self, man: mf.Manifest, tiers: list[Tier], verify: bool, stats, parallel: int = 8) -> None:
         self.man, self.tiers, self.verify, self.stats = man, tiers, verify, stats
-        self.parallel = parallel if any(t.kind in ("s3", "peer") for t in tiers) else 1
+        self.parallel = parallel if any(not t.fast for t in tiers) else 1
         self._open: dict[tuple[str, str], RangeReader] = {}
         self._dead: dict[str, str] = {}  # tier name -> why it was given up for this load
         self._lock = threading.Lock()

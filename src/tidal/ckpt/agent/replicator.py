@@ -27,8 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tidal.ckpt.agent_store import MANIFEST, Store, step_dirname
-from tidal.ckpt.peer import AgentClient
+from tidal.ckpt.agent.store import MANIFEST, Store, step_dirname
+from tidal.ckpt.tiers.peer import AgentClient
 
 log = logging.getLogger("tidal.ckpt.agent")
 PUSH_CHUNK = 64 << 20  # bytes per sendfile call: how often a push reports progress

@@ -51,18 +51,18 @@ from typing import Any
 
 import torch
 
-from tidal.ckpt import comm, commit
-from tidal.ckpt import manifest as mf
-from tidal.ckpt.config import build, resolve
+from tidal.ckpt.engine import comm, commit
+from tidal.ckpt.engine.handle import SaveHandle
+from tidal.ckpt.engine.staging import Slot, StagingArea, drop_stale_slots, shm_has_room
+from tidal.ckpt.engine.status import CheckpointStatus, Durability
 from tidal.ckpt.errors import SaveError, StateError, TierSpecError
-from tidal.ckpt.flatten import TensorEntry, flatten
-from tidal.ckpt.handle import SaveHandle
-from tidal.ckpt.plan import PieceDesc, SavePlan, make_plan
-from tidal.ckpt.protocol import HandoffTier, Tier
-from tidal.ckpt.remote import RemoteQueue, SnapshotPool, Upload
-from tidal.ckpt.staging import Slot, StagingArea, drop_stale_slots, shm_has_room
-from tidal.ckpt.status import CheckpointStatus, Durability
-from tidal.ckpt.tiers import DirTier, data_name, is_s3_url, local_path, shm_root_for, sidecar_name
+from tidal.ckpt.format import manifest as mf
+from tidal.ckpt.format.flatten import TensorEntry, flatten
+from tidal.ckpt.format.plan import PieceDesc, SavePlan, make_plan
+from tidal.ckpt.tiers.config import build, resolve
+from tidal.ckpt.tiers.directory import DirTier, data_name, is_s3_url, local_path, shm_root_for, sidecar_name
+from tidal.ckpt.tiers.protocol import HandoffTier, Tier
+from tidal.ckpt.tiers.remote import RemoteQueue, SnapshotPool, Upload
 
 log = logging.getLogger(__name__)
 

@@ -39,9 +39,9 @@ import urllib.parse
 from collections.abc import Sequence
 from typing import Any
 
-from tidal.ckpt import manifest as mf
 from tidal.ckpt.errors import SaveError, TierError, TierSpecError
-from tidal.ckpt.protocol import TruncatedRead
+from tidal.ckpt.format import manifest as mf
+from tidal.ckpt.tiers.protocol import TruncatedRead
 from tidal.contract import ENV_CKPT_AGENT, ENV_CKPT_PEERS, ENV_JOB_ID
 
 log = logging.getLogger(__name__)

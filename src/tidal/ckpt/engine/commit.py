@@ -20,10 +20,10 @@ import threading
 import time
 from collections.abc import Callable
 
-from tidal.ckpt import manifest as mf
 from tidal.ckpt.errors import ManifestError, SaveError
-from tidal.ckpt.protocol import Tier
-from tidal.ckpt.tiers import failure_name, sidecar_name
+from tidal.ckpt.format import manifest as mf
+from tidal.ckpt.tiers.directory import failure_name, sidecar_name
+from tidal.ckpt.tiers.protocol import Tier
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ import struct
 from dataclasses import dataclass, field
 
 from tidal.ckpt.errors import StateError
-from tidal.ckpt.layout import Box, check_tiling
+from tidal.ckpt.format.layout import Box, check_tiling
 
 ITEMSIZE = {
     "F64": 8, "I64": 8, "U64": 8, "C64": 8,

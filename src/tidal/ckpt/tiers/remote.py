@@ -44,12 +44,12 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from tidal.ckpt import commit
-from tidal.ckpt.config import TierConfig
+from tidal.ckpt.engine import commit
+from tidal.ckpt.engine.status import Durability
 from tidal.ckpt.errors import SaveError
-from tidal.ckpt.protocol import DiscardTier, Tier
-from tidal.ckpt.status import Durability
-from tidal.ckpt.tiers import DirTier, failure_name, sidecar_name
+from tidal.ckpt.tiers.config import TierConfig
+from tidal.ckpt.tiers.directory import DirTier, failure_name, sidecar_name
+from tidal.ckpt.tiers.protocol import DiscardTier, Tier
 
 log = logging.getLogger(__name__)
 

@@ -50,8 +50,8 @@ from pathlib import Path
 from typing import Any
 
 from tidal.ckpt.errors import ManifestError
-from tidal.ckpt.layout import Box, check_tiling
-from tidal.ckpt.plan import ITEMSIZE, SavePlan
+from tidal.ckpt.format.layout import Box, check_tiling
+from tidal.ckpt.format.plan import ITEMSIZE, SavePlan
 
 FORMAT = "tidal-ckpt"
 VERSION = 2

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from tidal.ckpt.errors import StateError
-from tidal.ckpt.layout import Box
+from tidal.ckpt.format.layout import Box
 
 PathKey = str | int
 Path = tuple[PathKey, ...]

@@ -5,7 +5,7 @@
 
 One agent runs per node (started by the job launcher, or by hand). The training processes of that
 node talk to it through the peer tier (``peer.PeerTier``); every object they hand it is stored
-under the memory directory (``agent_store``) and pushed to the *buddy* agent on another node, so
+under the memory directory (``store``) and pushed to the *buddy* agent on another node, so
 losing one node loses no committed step. Started again on the same memory directory, an agent
 takes up what it held (only torn writes are dropped) and pushes its buddy whatever it lacks.
 
@@ -56,10 +56,10 @@ import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from tidal.ckpt.agent_replicator import Growing, Handoff, HTTPError, Replicator
-from tidal.ckpt.agent_store import MANIFEST, Store, check_name, parse_step, step_dirname
-from tidal.ckpt.peer import parse_address
-from tidal.ckpt.tiers import sidecar_name
+from tidal.ckpt.agent.replicator import Growing, Handoff, HTTPError, Replicator
+from tidal.ckpt.agent.store import MANIFEST, Store, check_name, parse_step, step_dirname
+from tidal.ckpt.tiers.directory import sidecar_name
+from tidal.ckpt.tiers.peer import parse_address
 from tidal.contract import ENV_SHM_DIR
 
 log = logging.getLogger("tidal.ckpt.agent")

@@ -30,7 +30,7 @@ import os
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-from tidal.ckpt import manifest as mf
+from tidal.ckpt.format import manifest as mf
 
 
 class TruncatedRead(Exception):  # noqa: N818 - a condition the reader turns into CorruptionError

@@ -31,9 +31,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tidal.ckpt import manifest as mf
 from tidal.ckpt.errors import ManifestError, TierError, UnsafeFileError
-from tidal.ckpt.protocol import Tier, TruncatedRead
+from tidal.ckpt.format import manifest as mf
+from tidal.ckpt.tiers.protocol import Tier, TruncatedRead
 from tidal.contract import ENV_SHM_DIR
 
 SHM_BASE_ENV = ENV_SHM_DIR
@@ -348,11 +348,11 @@ def tiers_for(url: str | os.PathLike, *, shm: bool = True) -> list[Tier]:
         if root.exists():
             out.append(DirTier("shm", root, fsync=False))
     if is_s3_url(url):
-        from tidal.ckpt.s3 import S3Tier
+        from tidal.ckpt.tiers.s3 import S3Tier
 
         out.append(S3Tier(str(url)))
     elif is_peer_url(url):
-        from tidal.ckpt.peer import PeerTier
+        from tidal.ckpt.tiers.peer import PeerTier
 
         out.append(PeerTier(peer_job(url)))
     else:

@@ -34,9 +34,9 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from tidal.ckpt import manifest as mf
 from tidal.ckpt.errors import TierError, TierSpecError
-from tidal.ckpt.protocol import TruncatedRead
+from tidal.ckpt.format import manifest as mf
+from tidal.ckpt.tiers.protocol import TruncatedRead
 
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
 MIB = 1 << 20

@@ -1,0 +1,7 @@
+"""``python -m tidal.ckpt.agent``: run one node checkpoint agent (see ``server``)."""
+
+import sys
+
+from tidal.ckpt.agent.server import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""The engine: Checkpointer (stage + background persist), staging slots, commit, load, status."""
