@@ -112,7 +112,8 @@ class Plane:
         policy = LocationPolicy(self.state_dir / "tenants", cfg_.checkpoint_grants, cfg_.checkpoint_endpoints,
                                 cfg_.checkpoint_max_timeout_s)
         ctx = ApiContext(self.store, self.controller.nodes, self.executor.log_path, time.time,
-                         ckpt_root=self.controller.ckpt_root, serving=serving, loans=loans, locations=policy)
+                         ckpt_root=self.controller.ckpt_root, serving=serving, loans=loans, locations=policy,
+                         job_dir=self.executor.job_dir)
         return create_app(ctx)
 
 
