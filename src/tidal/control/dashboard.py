@@ -132,6 +132,9 @@ def dashboard_router(ctx: "ApiContext", caller: Callable[..., Any]) -> APIRouter
         """One page of jobs (newest first), filtered; ``total`` counts every match."""
         if kind is not None and kind not in ("spot", "dedicated"):
             raise HTTPException(422, f"kind: must be spot or dedicated, got {kind[:40]!r}")
+        for field, value in (("q", q), ("tenant", tenant)):
+            if value is not None and any(ord(ch) < 32 for ch in value):
+                raise HTTPException(422, f"{field}: must not hold a control character (NUL, newline, ...)")
         who = (tenant or None) if me.admin else me.name
         rows, total = store.jobs_page(tenant=who, states=state, kind=kind, match=q, limit=limit, offset=offset)
         now = ctx.clock()

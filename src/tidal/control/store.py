@@ -378,6 +378,8 @@ class Store:
             conds.append(JobRow.state.in_([str(x) for x in states]))
         if kind is not None:
             conds.append(JobRow.kind == kind)
+        if match and "\x00" in match:  # SQLite's LIKE would stop at the NUL and match every job
+            return [], 0
         if match:
             like = match.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
             conds.append(JobRow.id.like(f"%{like}%", escape="\\"))
