@@ -37,11 +37,17 @@ if TYPE_CHECKING:
     from tidal.control.api import ApiContext
 
 WEB_DIR = Path(__file__).parent / "web"
+DASHBOARD_PATH = "/dashboard"
 PAGE_SIZE_MAX = 200
 CSP = ("default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
        "connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'")
 SECURITY_HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff",
                     "Referrer-Policy": "no-referrer", "X-Frame-Options": "DENY", "Cache-Control": "no-cache"}
+
+
+def dashboard_url(api_url: str) -> str:
+    """The dashboard's address on a ``tidal up`` listening at ``api_url``."""
+    return api_url.rstrip("/") + DASHBOARD_PATH
 
 
 def _assets() -> dict[str, tuple[bytes, str]]:
@@ -79,14 +85,14 @@ def dashboard_router(ctx: "ApiContext", caller: Callable[..., Any]) -> APIRouter
 
     @router.get("/", include_in_schema=False)
     def root() -> Response:
-        return RedirectResponse("/dashboard", status_code=307)
+        return RedirectResponse(DASHBOARD_PATH, status_code=307)
 
-    @router.get("/dashboard", include_in_schema=False)
+    @router.get(DASHBOARD_PATH, include_in_schema=False)
     def page() -> Response:
         body, kind = assets["index.html"]
         return Response(body, media_type=kind, headers=SECURITY_HEADERS)
 
-    @router.get("/dashboard/assets/{name:path}", include_in_schema=False)
+    @router.get(DASHBOARD_PATH + "/assets/{name:path}", include_in_schema=False)
     def asset(name: str) -> Response:
         found = assets.get(name)
         if found is None or name == "index.html":

@@ -47,6 +47,11 @@ function clock(t) {
   if (t === null || t === undefined) return "—";
   return new Date(t * 1000).toLocaleTimeString([], {hour12: false});
 }
+function dayTime(s) {  // a serving-clock time as the time of day it stands for (a replayed trace's day)
+  if (s === null || s === undefined || !isFinite(s)) return "—";
+  const m = Math.floor((((s % 86400) + 86400) % 86400) / 60);
+  return String(Math.floor(m / 60)).padStart(2, "0") + ":" + String(m % 60).padStart(2, "0");
+}
 const stateTag = (s) => el("span", {class: "state " + s}, s);
 const jobLink = (id) => id ? el("a", {href: "#/job/" + encodeURIComponent(id)}, id) : el("span", {class: "muted"}, "(another tenant's)");
 function table(head, rows, numeric = []) {
@@ -163,7 +168,8 @@ function servingPage(root) {
     const reclaims = (v.reclaims || []).slice().sort((a, b) => a.by_s - b.by_s);
     const next = reclaims[0];
     const st = v.stats || {};
-    cards.replaceChildren(stat("serving GPUs", v.serving_gpus), stat("demand now", num(v.demand_gpus, 1)),
+    cards.replaceChildren(stat("serving clock", dayTime(v.serving_time_s)), stat("serving GPUs", v.serving_gpus),
+      stat("demand now", num(v.demand_gpus, 1)),
       stat("lent", v.lent_gpus), stat("warming up", v.warming_gpus), stat("serving capacity", v.serving_capacity_gpus),
       stat("next reclaim", next ? `${next.gpus} GPUs in ${ago(next.by_s - now)}` : "none"),
       stat("reclaims met / missed", `${num(st.reclaims_met)} / ${num(st.reclaims_missed)}`),
