@@ -176,6 +176,8 @@ def test_curves_read_no_link_and_only_the_tail(dash, monkeypatch):
 def test_serving_when_none_configured_and_history_bound(dash):
     _, get, _, _ = dash
     assert get("b", "/v1/dashboard/serving") == {"configured": False, "lending": False, "view": None, "history": []}
+    for bad in ("nan", "inf", "x"):
+        get("b", "/v1/dashboard/serving", 422, after=bad)
     from tidal.control import loans
     assert loans.HISTORY_STEPS <= 5000  # the timeline is bounded in memory
 

@@ -37,6 +37,7 @@ serving:
   warmup_s: 2
   restart_cost_s: 5
 """
+HOSTILE = "<img src=x onerror=\"document.title='owned'\">"
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
 
 
@@ -78,7 +79,14 @@ def test_pages_load_and_a_job_changes_state_live(plane, browser):  # noqa: F811
         assert len(seen) >= 2 and "succeeded" in seen, seen  # seen in another state before, in the same page
         tab.screenshot("jobs")
 
+        # a job writes its own progress records: one crafted as HTML stays text (and the CSP would stop it)
+        records = plane.state / "jobs" / job / "attempt-1" / "progress" / "progress-r00000.jsonl"
+        with open(records, "a") as f:
+            f.write(json.dumps({"event": "restore", "step": 0, "time": 1.0, "tier": HOSTILE}) + "\n")
         tab.go(f"#/job/{job}", "#job-events table")
+        tab.page.wait_for_selector("#job-restarts td:has-text('onerror')")
+        assert HOSTILE in tab.page.inner_text("#job-restarts")
+        assert tab.page.locator("#job-restarts img").count() == 0 and tab.page.title() == "Tidal"
         wait_until("the loss curve", lambda: int(tab.page.get_attribute("#loss-chart", "data-points") or 0) >= 100)
         assert tab.page.locator("#loss-chart canvas").count() == 1
         assert "disk" in tab.page.inner_text("#job-ckpt") and "150" in tab.page.inner_text("#job-ckpt")

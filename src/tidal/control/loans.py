@@ -215,7 +215,8 @@ class LiveLoans:
 
     def _sample(self, now_s: float, t_serv: float, demand: float, plan: LoanPlan) -> None:
         """One point of the dashboard's loan timeline (control-plane time ``t``): demand, the forecast's
-        upper bound for the next step, what the plan lends, what is lent, warming and reclaimed now."""
+        upper bound for the next step, what the plan lends, what is lent, warming, and under reclaim (every
+        reclaim the ledger holds: noticed or planned)."""
         led = self.ledger
         self._history.append({
             "t": round(now_s, 3), "serving_t": round(t_serv, 1),

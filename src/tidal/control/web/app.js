@@ -183,14 +183,15 @@ function servingPage(root) {
     const pad = (arr) => arr.concat(ahead.map(() => null));
     const data = [xs, pad(history.map((h) => h.demand)), pad(history.map((h) => h.upper)).map((x, i) =>
       i < history.length ? x : ahead[i - history.length][1]), pad(history.map((h) => h.lent)),
-      pad(history.map((h) => h.capacity)), pad(history.map((h) => h.reclaiming))];
+      pad(history.map((h) => h.capacity)), pad(history.map((h) => h.warming)), pad(history.map((h) => h.reclaiming))];
     holder.setAttribute("data-points", String(history.filter((h) => h.demand !== null).length));
     chart(holder, "loans", {...timeAxis, title: "Serving demand, forecast bound, lent GPUs", series: [{},
       {label: "demand", stroke: "#0f172a", width: 2},
       {label: "forecast upper bound", stroke: "#a855f7", dash: [6, 4], fill: "rgba(168,85,247,0.08)"},
       {label: "lent", stroke: "#10b981", width: 2, fill: "rgba(16,185,129,0.15)", paths: uPlot.paths.stepped({align: 1})},
       {label: "serving capacity", stroke: "#64748b"},
-      {label: "being reclaimed", stroke: "#ef4444", paths: uPlot.paths.stepped({align: 1})}],
+      {label: "warming up", stroke: "#a855f7", paths: uPlot.paths.stepped({align: 1})},
+      {label: "under reclaim", stroke: "#ef4444", paths: uPlot.paths.stepped({align: 1})}],
       axes: [{}, {label: "GPUs"}]}, data);
     const onLoans = p.nodes.filter((n) => n.pool === "serving").flatMap((n) => n.segments
       .filter((sg) => sg.kind === "job" || sg.kind === "draining").map((sg) => [n.name, jobLink(sg.job), sg.tenant, sg.gpus, sg.kind]));
