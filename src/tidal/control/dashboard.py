@@ -20,6 +20,7 @@ Every refresh costs a page of rows or the active jobs (never every job ever subm
 """
 
 # No ``from __future__ import annotations``: FastAPI reads the routes' annotations, some local (``Caller``).
+import collections
 import mimetypes
 from collections.abc import Callable
 from pathlib import Path
@@ -127,7 +128,8 @@ def dashboard_router(ctx: "ApiContext", caller: Callable[..., Any]) -> APIRouter
         totals = {k: sum(s["gpus"] for n in nodes for s in n["segments"] if s["kind"] == k) for k in kinds}
         return {"now_s": now, "tenant": me.name, "admin": me.admin, "nodes": nodes, "totals": totals,
                 "gpus": sum(n.gpus for n in ctx.nodes), "tenants": usage, "queue": queue,
-                "states": store.state_counts(viewer), "serving": ctx.loans is not None or ctx.serving is not None}
+                "states": dict(collections.Counter(j.state for j in active if viewer is None or j.tenant == viewer)),
+                "serving": ctx.loans is not None or ctx.serving is not None}
 
     @router.get("/v1/dashboard/jobs")
     @_json()

@@ -388,14 +388,6 @@ class Store:
             total = s.scalar(select(func.count()).select_from(JobRow).where(*conds)) or 0
             return list(s.scalars(q)), int(total)
 
-    def state_counts(self, tenant: str | None = None) -> dict[str, int]:
-        """Jobs per state (of one tenant, or all)."""
-        q = select(JobRow.state, func.count()).group_by(JobRow.state)
-        if tenant is not None:
-            q = q.where(JobRow.tenant == tenant)
-        with self._read() as s:
-            return {st: int(n) for st, n in s.execute(q)}
-
     def job_ids(self) -> set[str]:
         with self._read() as s:
             return set(s.scalars(select(JobRow.id)))
