@@ -46,7 +46,7 @@ def dash(tmp_path):
         assert r.status_code == status, r.text
         return r.json()
 
-    yield store, get, http, jobs_root
+    yield store, get, http, jobs_root, tokens
     store.close()
 
 
@@ -56,7 +56,7 @@ def _submit(store: Store, tenant: str, name: str, **kw) -> str:
 
 
 def test_jobs_are_paged_filtered_and_counted(dash):
-    store, get, _, _ = dash
+    store, get, _, _, _ = dash
     ids = [_submit(store, "a" if i % 3 else "b", f"train{i % 2}") for i in range(250)]
     store.transition(ids[10], State.ADMITTED, 2.0, "x", placement={"n1": 1})
     page = get("admin", "/v1/dashboard/jobs", limit=100)
@@ -84,7 +84,7 @@ def test_jobs_are_paged_filtered_and_counted(dash):
 
 
 def test_a_tenant_sees_only_its_own(dash):
-    store, get, _, jobs_root = dash
+    store, get, _, jobs_root, _ = dash
     a = _submit(store, "a", "mine")
     b = _submit(store, "b", "theirs")
     store.transition(b, State.ADMITTED, 2.0, "x", placement={"n1": 2})
@@ -105,7 +105,7 @@ def test_a_tenant_sees_only_its_own(dash):
 
 
 def test_gpu_map_queue_and_fair_share(dash):
-    store, get, _, _ = dash
+    store, get, _, _, _ = dash
     run = _submit(store, "b", "run")
     store.transition(run, State.ADMITTED, 2.0, "x", placement={"n1": 3})
     store.update(run, releasing={"n1": 1})
@@ -120,6 +120,9 @@ def test_gpu_map_queue_and_fair_share(dash):
     assert [r["job"] for r in q["jobs"]] == [ded, big, small] and q["total"] == 3
     assert "quota" in q["jobs"][0]["why"]  # 3 dedicated GPUs, quota 2
     assert "needs 6 GPUs, 5 free" in q["jobs"][1]["why"]
+    # another tenant sees the queue's positions, not that tenant's quota and usage
+    seen_by_b = get("b", "/v1/dashboard/pool")["queue"]["jobs"]
+    assert [r["job"] for r in seen_by_b] == [None, big, None] and seen_by_b[0]["why"] == "its tenant's quota"
     usage = {t["tenant"]: t for t in p["tenants"]}
     # spot capacity 8 (no dedicated held) split 1:3 between a and b, both with spot jobs running or waiting
     assert usage["a"]["fair_share_gpus"] == 2.0 and usage["b"]["fair_share_gpus"] == 6.0
@@ -135,7 +138,7 @@ def _progress(jobs_root: Path, job: str, attempt: int, lines: list) -> Path:
 
 
 def test_curves_from_progress_records(dash):
-    store, get, _, jobs_root = dash
+    store, get, _, jobs_root, _ = dash
     j = _submit(store, "a", "curvy")
     store.update(j, attempt=2)
     _progress(jobs_root, j, 1, [{"event": "restore", "step": 0, "time": 1.0, "tier": None},
@@ -157,7 +160,7 @@ def test_curves_from_progress_records(dash):
 
 
 def test_curves_read_no_link_and_only_the_tail(dash, monkeypatch):
-    store, get, _, jobs_root = dash
+    store, get, _, jobs_root, _ = dash
     j = _submit(store, "a", "linky")
     store.update(j, attempt=1)
     secret = jobs_root.parent / "secret.jsonl"
@@ -174,7 +177,7 @@ def test_curves_read_no_link_and_only_the_tail(dash, monkeypatch):
 
 
 def test_serving_when_none_configured_and_history_bound(dash):
-    _, get, _, _ = dash
+    _, get, _, _, _ = dash
     assert get("b", "/v1/dashboard/serving") == {"configured": False, "lending": False, "view": None, "history": []}
     for bad in ("nan", "inf", "x"):
         get("b", "/v1/dashboard/serving", 422, after=bad)
@@ -183,7 +186,7 @@ def test_serving_when_none_configured_and_history_bound(dash):
 
 
 def test_assets_and_headers(dash):
-    _, _, http, _ = dash
+    _, _, http, _, _ = dash
     r = http.get("/", follow_redirects=False)
     assert r.status_code == 307 and r.headers["location"] == "/dashboard"
     page = http.get("/dashboard")
@@ -209,3 +212,32 @@ def test_vendored_chart_library_matches_its_pins():
         assert f"`{name}` | `{digest}`" in readme, name
     assert "MIT" in (d / "LICENSE").read_text()
     assert "v1.6.32" in (d / "uPlot.iife.min.js").read_text()[:100]
+
+
+def test_fuzzed_queries_never_fail_the_service(dash):
+    """Random filters and page numbers, and stored values JSON cannot hold as they are (a NaN loss, a lone
+    surrogate): always an answer under 500, never another tenant's job."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    store, _, http, _, tokens = dash
+    theirs = _submit(store, "b", "theirs")
+    odd = _submit(store, "a", "odd", command=["python", "\ud800"])
+    store.update(odd, progress={"loss": float("nan"), "step": 3})
+    text = st.one_of(st.text(max_size=12), st.sampled_from(["\x00", "%", "_", "\\", "'", "running", "-1", "1e9"]))
+
+    def as_a(path: str, params: dict):
+        return http.get(path, params=params, headers={"Authorization": f"Bearer {tokens['a']}"})
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(params=st.dictionaries(st.sampled_from(["state", "kind", "tenant", "q", "offset", "limit", "after"]),
+                                  text, max_size=4))
+    def fuzz(params):
+        for path in ("/v1/dashboard/jobs", "/v1/dashboard/pool", "/v1/dashboard/serving"):
+            r = as_a(path, params)
+            assert r.status_code < 500, (path, params, r.text[:200])
+            assert theirs not in r.text
+
+    fuzz()
+    row = next(j for j in as_a("/v1/dashboard/jobs", {}).json()["jobs"] if j["id"] == odd)
+    assert row["loss"] is None and row["step"] == 3

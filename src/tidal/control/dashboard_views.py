@@ -115,17 +115,24 @@ def queue_view(waiting: list[JobRow], usage: list[dict[str, Any]], free_training
         rows.append({"position": pos, "job": j.id if mine else None, "tenant": j.tenant, "kind": j.kind,
                      "priority": j.priority, "state": j.state, "min_gpus": j.min_gpus, "max_gpus": j.max_gpus,
                      "waiting_s": round(max(0.0, now_s - j.submit_s), 1),
-                     "why": _why(j, by_tenant.get(j.tenant), free_training, free_lent, now_s, pos)})
+                     "why": _why(j, by_tenant.get(j.tenant), free_training, free_lent, now_s, pos, mine)})
     return {"total": len(ordered), "shown": len(rows), "jobs": rows}
 
 
-def _why(j: JobRow, u: dict[str, Any] | None, free_training: int, free_lent: int, now_s: float, pos: int) -> str:
+def _why(j: JobRow, u: dict[str, Any] | None, free_training: int, free_lent: int, now_s: float, pos: int,
+         mine: bool = True) -> str:
+    """Why ``j`` waits; for another tenant's job (``mine`` False) without that tenant's quota, usage,
+    share or restarts."""
     if j.state == State.BACKOFF:
+        if not mine:
+            return "restarting after a failure"
         left = (j.retry_at_s or now_s) - now_s
         return f"restarting after a failure (restart {j.restarts}/{j.max_restarts}) in {max(0.0, left):.0f} s"
     if j.nominated_s is not None:
         return "other jobs are being stopped to make room for it"
     if j.kind == "dedicated" and u is not None and u["dedicated_gpus"] + j.min_gpus > u["quota_gpus"]:
+        if not mine:
+            return "its tenant's quota"
         return (f"its tenant's quota: {u['dedicated_gpus']} of {u['quota_gpus']} dedicated GPUs in use, "
                 f"it needs {j.min_gpus}")
     free = free_training + (free_lent if j.kind != "dedicated" else 0)
@@ -134,6 +141,8 @@ def _why(j: JobRow, u: dict[str, Any] | None, free_training: int, free_lent: int
         return f"needs {j.min_gpus} GPUs, {free} {where}"
     if u is not None and j.kind != "dedicated" and u["fair_share_gpus"] is not None \
             and u["spot_gpus"] >= u["fair_share_gpus"]:
+        if not mine:
+            return "its tenant is at its fair share"
         return f"its tenant holds {u['spot_gpus']} spot GPUs, at or over its fair share of {u['fair_share_gpus']:g}"
     return "next scheduling step" if pos == 1 else "behind the jobs ahead of it"
 
