@@ -113,7 +113,7 @@ def main() -> None:
         calls = {"pool": "/v1/dashboard/pool", "jobs page": "/v1/dashboard/jobs?limit=50",
                  "jobs page, filtered": "/v1/dashboard/jobs?limit=50&state=running&q=train3",
                  "job": f"/v1/jobs/{job}", "job curves": f"/v1/dashboard/jobs/{job}/curves",
-                 "job events": f"/v1/events?limit=10000&job={job}"}
+                 "job events": f"/v1/events?limit=1000&job={job}"}
         api: dict[str, dict] = {}
         with httpx.Client(base_url=url, headers=hdr) as c:
             for name, path in calls.items():

@@ -16,7 +16,7 @@ ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts" / "dashboard"
 
 
 def chromium_path() -> str | None:
-    return os.environ.get(CHROMIUM_ENV) or shutil.which("chromium") or shutil.which("chromium-browser")
+    return shutil.which(os.environ.get(CHROMIUM_ENV) or "chromium") or shutil.which("chromium-browser")
 
 
 def _missing(why: str) -> None:
@@ -31,7 +31,7 @@ def _missing(why: str) -> None:
 def browser() -> Iterator:
     path = chromium_path()
     if path is None:
-        _missing("no chromium on PATH")
+        _missing(f"no {os.environ.get(CHROMIUM_ENV) or 'chromium'} found")
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:

@@ -17,6 +17,7 @@ import tidal.serving
 from browser import Tab, browser  # noqa: F401  (the fixture)
 from plane_proc import Plane, wait_until
 from tidal.control.client import TidalClient
+from tidal.control.dashboard import dashboard_url
 
 pytestmark = pytest.mark.slow
 WORKER = Path(__file__).parent / "workers" / "train_worker.py"
@@ -55,8 +56,9 @@ def _state_cell(page, job_id: str):
     return page.locator("#jobs-table tr", has=page.locator(f"a[href='#/job/{job_id}']")).locator(".state")
 
 
-def test_pages_load_and_a_job_changes_state_live(plane, browser):  # noqa: F811
+def test_pages_load_and_a_job_changes_state_live(browser, plane):  # noqa: F811  (browser first: no plane without one)
     lab = TidalClient(plane.url, plane.admin.create_tenant("lab", quota_gpus=1)["token"])
+    assert f"dashboard: {dashboard_url(plane.url)}" in plane.outputs[-1].read_text()  # tidal up prints it
     tab = Tab(browser, plane.url)
     try:
         tab.sign_in(plane.admin.token)
@@ -109,7 +111,7 @@ def test_pages_load_and_a_job_changes_state_live(plane, browser):  # noqa: F811
         tab.close()
 
 
-def test_a_tenant_never_sees_another_tenants_job(plane, browser):  # noqa: F811
+def test_a_tenant_never_sees_another_tenants_job(browser, plane):  # noqa: F811  (browser first: no plane without one)
     a = TidalClient(plane.url, plane.admin.create_tenant("alice")["token"])
     b = TidalClient(plane.url, plane.admin.create_tenant("bob")["token"])
     mine = a.submit({"name": "alices", "gpus": 1, "command": SLEEPER})["id"]
@@ -139,7 +141,7 @@ def test_a_tenant_never_sees_another_tenants_job(plane, browser):  # noqa: F811
         b.cancel(theirs)
 
 
-def test_loan_timeline_draws_the_replayed_trace(plane, browser):  # noqa: F811
+def test_loan_timeline_draws_the_replayed_trace(browser, plane):  # noqa: F811  (browser first: no plane without one)
     tab = Tab(browser, plane.url)
     try:
         tab.sign_in(plane.admin.token)

@@ -251,9 +251,16 @@ function jobPage(root, id) {
   root.append(el("p", {}, el("a", {href: "#/jobs"}, "← jobs")), head, charts, el("h2", {}, "Attempts and restarts"),
               restarts, el("h2", {}, "Checkpoints per tier"), ckpt, el("h2", {}, "Events"), events, spec);
   const enc = encodeURIComponent(id);
+  let ev = [], after = 0;
+  const why = {};  // attempt -> how it ended (from every event seen, also those no longer listed)
   return async () => {
-    const [j, cv, ev, ck] = await Promise.all([api("/v1/jobs/" + enc), api("/v1/dashboard/jobs/" + enc + "/curves"),
-      api("/v1/events?limit=10000&job=" + enc), api("/v1/jobs/" + enc + "/checkpoints")]);
+    const [j, cv, more, ck] = await Promise.all([api("/v1/jobs/" + enc), api("/v1/dashboard/jobs/" + enc + "/curves"),
+      api(`/v1/events?limit=1000&after=${after}&job=` + enc), api("/v1/jobs/" + enc + "/checkpoints")]);
+    for (const e of more) if (e.kind === "transition" && ["backoff", "preempting", "resizing", "pending", "failed"].includes(e.to)) {
+      why[e.data && e.data.attempt !== undefined ? e.data.attempt : "?"] = e.message;
+    }
+    if (more.length) after = more[more.length - 1].id;
+    ev = ev.concat(more).slice(-500);  // the newest events only: a refresh reads those after the last seen
     const p = j.progress || {};
     head.replaceChildren(el("h1", {}, j.id, " ", stateTag(j.state)), el("div", {class: "cards"},
       stat("tenant", j.tenant), stat("kind", j.kind), stat("GPUs now / min / max",
@@ -271,10 +278,6 @@ function jobPage(root, id) {
     chart($("loss-chart"), "loss", {...timeAxis, title: "Loss", series: [{}, {label: "loss", stroke: "#2563eb", width: 2}]}, [xs, loss]);
     chart($("rate-chart"), "rate", {...timeAxis, title: "Throughput", series: [{}, {label: "steps/s", stroke: "#10b981", width: 2}],
       axes: [{}, {label: "steps/s"}]}, [xs, rate]);
-    const why = {};
-    for (const e of ev) if (e.kind === "transition" && ["backoff", "preempting", "resizing", "pending", "failed"].includes(e.to)) {
-      why[e.data && e.data.attempt !== undefined ? e.data.attempt : "?"] = e.message;
-    }
     restarts.replaceChildren(cv.attempts.length ? table(["attempt", "restored step", "from tier", "restore s", "steps recorded",
       "last step", "checkpoints", "how it ended"], cv.attempts.map((a) => [a.attempt,
         a.restore ? num(a.restore.step) : "—", a.restore ? (a.restore.tier || "(none)") : "—",
