@@ -51,7 +51,8 @@ def fill(store: Store, n: int, active: int) -> str:
     for i in range(n):
         tenant = ("alpha", "beta", "gamma")[i % 3]
         spec = {"name": f"train{i % 7}", "kind": "spot", "priority": 0,
-                "gpus": {"min": 1, "max": 2, "multiple_of": 1}, "max_restarts": 3, "command": ["python", "x.py"]}
+                "gpus": {"min": 1, "max": 2, "multiple_of": 1}, "max_restarts": 3,
+                "command": ["python", "x.py"]}
         j = store.submit(tenant, spec, t0 + i)
         k = n - i  # the newest ``active`` are active
         if k <= active // 2:
@@ -69,8 +70,8 @@ def fill(store: Store, n: int, active: int) -> str:
 def serve(app) -> tuple[str, object]:
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", access_log=False,
-                                           lifespan="off"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                                           access_log=False, lifespan="off"))
     threading.Thread(target=server.run, daemon=True).start()
     deadline = time.monotonic() + 30
     while not server.started:
@@ -81,7 +82,8 @@ def serve(app) -> tuple[str, object]:
 
 
 def ms(xs: list[float]) -> dict:
-    return {"median_ms": round(statistics.median(xs) * 1000, 1), "max_ms": round(max(xs) * 1000, 1), "n": len(xs)}
+    return {"median_ms": round(statistics.median(xs) * 1000, 1), "max_ms": round(max(xs) * 1000, 1),
+            "n": len(xs)}
 
 
 def main() -> None:
@@ -93,7 +95,8 @@ def main() -> None:
     a = ap.parse_args()
     chromium = os.environ.get("TIDAL_CHROMIUM") or shutil.which("chromium")
     if chromium is None:
-        raise SystemExit("dashboard_load: no chromium on PATH (apt-get install chromium, or TIDAL_CHROMIUM=...)")
+        raise SystemExit("dashboard_load: no chromium on PATH (apt-get install chromium, or "
+                         "TIDAL_CHROMIUM=...)")
     from playwright.sync_api import sync_playwright
 
     tmp = Path(tempfile.mkdtemp(prefix="tidal-dash-bench-"))
@@ -153,7 +156,8 @@ def main() -> None:
     if a.json:
         print(json.dumps(out, indent=1))
         return
-    print(f"{a.jobs} jobs ({a.active} active) in the store; {os.cpu_count()} CPUs; median / max ms over {a.repeat}")
+    print(f"{a.jobs} jobs ({a.active} active) in the store; {os.cpu_count()} CPUs; "
+          f"median / max ms over {a.repeat}")
     for what in ("load", "refresh"):
         for name, r in out[what].items():
             print(f"  {what:8} {name:22} {r['median_ms']:8.1f} {r['max_ms']:8.1f}")

@@ -39,7 +39,8 @@ def dash(tmp_path):
     app = create_app(ApiContext(store, [Node("n1", 4), Node("n2", 4)], lambda j, r: None, FakeClock(),
                                 ckpt_root=jobs_root, job_dir=lambda j: jobs_root / j))
     http = TestClient(app)
-    tokens = {"admin": admin, "a": create_tenant(store, "a", quota_gpus=2), "b": create_tenant(store, "b", weight=3)}
+    tokens = {"admin": admin, "a": create_tenant(store, "a", quota_gpus=2),
+              "b": create_tenant(store, "b", weight=3)}
 
     def get(who: str, path: str, status: int = 200, **params):
         r = http.get(path, params=params, headers={"Authorization": f"Bearer {tokens[who]}"})
@@ -78,7 +79,8 @@ def test_jobs_are_paged_filtered_and_counted(dash):
     get("admin", "/v1/dashboard/jobs", 422, state="nonsense")
     get("admin", "/v1/dashboard/jobs", 422, q="x" * 81)
     # a NUL would end SQLite's LIKE pattern early and match every job: refused (and matches nothing below)
-    assert "q: must not hold a control character" in get("admin", "/v1/dashboard/jobs", 422, q="a\x00")["detail"]
+    refused = get("admin", "/v1/dashboard/jobs", 422, q="a\x00")["detail"]
+    assert "q: must not hold a control character" in refused
     get("admin", "/v1/dashboard/jobs", 422, tenant="a\nb")
     assert store.jobs_page(match="\x00") == ([], 0)
 
@@ -142,12 +144,14 @@ def test_curves_from_progress_records(dash):
     j = _submit(store, "a", "curvy")
     store.update(j, attempt=2)
     _progress(jobs_root, j, 1, [{"event": "restore", "step": 0, "time": 1.0, "tier": None},
-                               *({"event": "step", "step": s, "time": 1.0 + s, "loss": 1 / s, "step_time_s": 0.5}
-                                 for s in range(1, 11)),
-                               {"event": "checkpoint", "step": 10, "time": 11.0, "stall_s": 0.01, "reason": "steps"},
+                               *({"event": "step", "step": s, "time": 1.0 + s, "loss": 1 / s,
+                                  "step_time_s": 0.5} for s in range(1, 11)),
+                               {"event": "checkpoint", "step": 10, "time": 11.0, "stall_s": 0.01,
+                                "reason": "steps"},
                                b"{not json", b"\x00\xff", {"event": "step", "step": "x"},
                                {"event": "step", "step": 11, "time": 12.0, "loss": float("nan")}])
-    _progress(jobs_root, j, 2, [{"event": "restore", "step": 10, "time": 20.0, "tier": "shm", "duration_s": 0.2}])
+    _progress(jobs_root, j, 2, [{"event": "restore", "step": 10, "time": 20.0, "tier": "shm",
+                                 "duration_s": 0.2}])
     cv = get("a", f"/v1/dashboard/jobs/{j}/curves")
     a1, a2 = cv["attempts"]
     assert a1["steps_recorded"] == 11 and a1["points"][0] == [2.0, 1, 1.0, 0.5, None]
@@ -178,7 +182,8 @@ def test_curves_read_no_link_and_only_the_tail(dash, monkeypatch):
 
 def test_serving_when_none_configured_and_history_bound(dash):
     _, get, _, _, _ = dash
-    assert get("b", "/v1/dashboard/serving") == {"configured": False, "lending": False, "view": None, "history": []}
+    none = {"configured": False, "lending": False, "view": None, "history": []}
+    assert get("b", "/v1/dashboard/serving") == none
     for bad in ("nan", "inf", "x"):
         get("b", "/v1/dashboard/serving", 422, after=bad)
     from tidal.control import loans
@@ -224,14 +229,16 @@ def test_fuzzed_queries_never_fail_the_service(dash):
     theirs = _submit(store, "b", "theirs")
     odd = _submit(store, "a", "odd", command=["python", "\ud800"])
     store.update(odd, progress={"loss": float("nan"), "step": 3})
-    text = st.one_of(st.text(max_size=12), st.sampled_from(["\x00", "%", "_", "\\", "'", "running", "-1", "1e9"]))
+    odd_text = ["\x00", "%", "_", "\\", "'", "running", "-1", "1e9"]
+    text = st.one_of(st.text(max_size=12), st.sampled_from(odd_text))
 
     def as_a(path: str, params: dict):
         return http.get(path, params=params, headers={"Authorization": f"Bearer {tokens['a']}"})
 
+    names = ["state", "kind", "tenant", "q", "offset", "limit", "after"]
+
     @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), database=None)
-    @given(params=st.dictionaries(st.sampled_from(["state", "kind", "tenant", "q", "offset", "limit", "after"]),
-                                  text, max_size=4))
+    @given(params=st.dictionaries(st.sampled_from(names), text, max_size=4))
     def fuzz(params):
         for path in ("/v1/dashboard/jobs", "/v1/dashboard/pool", "/v1/dashboard/serving"):
             r = as_a(path, params)

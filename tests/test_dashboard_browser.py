@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 import tidal.serving
-from browser import Tab, browser  # noqa: F401  (the fixture)
+from browser import Tab, browser  # noqa: F401  (the fixture; tests take it first: no plane without a browser)
 from plane_proc import Plane, wait_until
 from tidal.control.client import TidalClient
 from tidal.control.dashboard import dashboard_url
@@ -56,7 +56,7 @@ def _state_cell(page, job_id: str):
     return page.locator("#jobs-table tr", has=page.locator(f"a[href='#/job/{job_id}']")).locator(".state")
 
 
-def test_pages_load_and_a_job_changes_state_live(browser, plane):  # noqa: F811  (browser first: no plane without one)
+def test_pages_load_and_a_job_changes_state_live(browser, plane):  # noqa: F811
     lab = TidalClient(plane.url, plane.admin.create_tenant("lab", quota_gpus=1)["token"])
     assert f"dashboard: {dashboard_url(plane.url)}" in plane.outputs[-1].read_text()  # tidal up prints it
     tab = Tab(browser, plane.url)
@@ -65,7 +65,8 @@ def test_pages_load_and_a_job_changes_state_live(browser, plane):  # noqa: F811 
         tab.go("#/jobs", "#jobs-range")
         job = lab.submit({"name": "mlp", "gpus": 1, "workdir": str(plane.tmp),
                           "command": [sys.executable, str(WORKER), "--steps", "150", "--pad-mib", "1"],
-                          "env": {"TIDAL_CKPT_INTERVAL_STEPS": "25", "TIDAL_SHM_DIR": str(plane.tmp / "shm")}})["id"]
+                          "env": {"TIDAL_CKPT_INTERVAL_STEPS": "25",
+                                  "TIDAL_SHM_DIR": str(plane.tmp / "shm")}})["id"]
         seen: set[str] = set()
 
         def state_shown() -> str | None:  # the page is never reloaded: its own polling brings each change
@@ -89,7 +90,8 @@ def test_pages_load_and_a_job_changes_state_live(browser, plane):  # noqa: F811 
         tab.page.wait_for_selector("#job-restarts td:has-text('onerror')")
         assert HOSTILE in tab.page.inner_text("#job-restarts")
         assert tab.page.locator("#job-restarts img").count() == 0 and tab.page.title() == "Tidal"
-        wait_until("the loss curve", lambda: int(tab.page.get_attribute("#loss-chart", "data-points") or 0) >= 100)
+        wait_until("the loss curve",
+                   lambda: int(tab.page.get_attribute("#loss-chart", "data-points") or 0) >= 100)
         assert tab.page.locator("#loss-chart canvas").count() == 1
         assert "disk" in tab.page.inner_text("#job-ckpt") and "150" in tab.page.inner_text("#job-ckpt")
         assert "submitted" in tab.page.inner_text("#job-events")
@@ -104,14 +106,15 @@ def test_pages_load_and_a_job_changes_state_live(browser, plane):  # noqa: F811 
         tab.screenshot("serving")
         assert tab.errors == []
         # a bad token goes back to the sign-in form with a clear line
-        tab.page.evaluate("() => { sessionStorage.setItem('tidal.token', 'tidal_wrong'); location.reload(); }")
+        tab.page.evaluate("() => { sessionStorage.setItem('tidal.token', 'tidal_wrong'); "
+                          "location.reload(); }")
         tab.page.wait_for_selector("#login:not([hidden])")
         assert "not known" in tab.page.inner_text("#login-error")
     finally:
         tab.close()
 
 
-def test_a_tenant_never_sees_another_tenants_job(browser, plane):  # noqa: F811  (browser first: no plane without one)
+def test_a_tenant_never_sees_another_tenants_job(browser, plane):  # noqa: F811
     a = TidalClient(plane.url, plane.admin.create_tenant("alice")["token"])
     b = TidalClient(plane.url, plane.admin.create_tenant("bob")["token"])
     mine = a.submit({"name": "alices", "gpus": 1, "command": SLEEPER})["id"]
@@ -141,7 +144,7 @@ def test_a_tenant_never_sees_another_tenants_job(browser, plane):  # noqa: F811 
         b.cancel(theirs)
 
 
-def test_loan_timeline_draws_the_replayed_trace(browser, plane):  # noqa: F811  (browser first: no plane without one)
+def test_loan_timeline_draws_the_replayed_trace(browser, plane):  # noqa: F811
     tab = Tab(browser, plane.url)
     try:
         tab.sign_in(plane.admin.token)

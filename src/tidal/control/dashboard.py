@@ -10,8 +10,8 @@ from this server alone.
 | method and path | what |
 |---|---|
 | ``GET /dashboard`` | the page (``GET /`` redirects here) |
-| ``GET /v1/dashboard/pool`` | GPUs per node by holder, per tenant usage against quota and fair share, the queue |
-| ``GET /v1/dashboard/jobs?state=&kind=&tenant=&q=&offset=&limit=`` | one page of jobs, newest first, and the total |
+| ``GET /v1/dashboard/pool`` | GPUs per node by holder, tenants' usage against quota and fair share, queue |
+| ``GET /v1/dashboard/jobs?state=&kind=&tenant=&q=&offset=&limit=`` | a page of jobs (newest first), total |
 | ``GET /v1/dashboard/jobs/{id}/curves`` | loss and throughput per attempt, restores, checkpoints |
 | ``GET /v1/dashboard/serving?after=`` | the loan step's timeline (bounded, in memory) and the plan now |
 
@@ -128,7 +128,7 @@ def dashboard_router(ctx: "ApiContext", caller: Callable[..., Any]) -> APIRouter
         totals = {k: sum(s["gpus"] for n in nodes for s in n["segments"] if s["kind"] == k) for k in kinds}
         return {"now_s": now, "tenant": me.name, "admin": me.admin, "nodes": nodes, "totals": totals,
                 "gpus": sum(n.gpus for n in ctx.nodes), "tenants": usage, "queue": queue,
-                "states": dict(collections.Counter(j.state for j in active if viewer is None or j.tenant == viewer)),
+                "states": dict(collections.Counter(j.state for j in active if viewer in (None, j.tenant))),
                 "serving": ctx.loans is not None or ctx.serving is not None}
 
     @router.get("/v1/dashboard/jobs")
@@ -144,7 +144,8 @@ def dashboard_router(ctx: "ApiContext", caller: Callable[..., Any]) -> APIRouter
             if value is not None and any(ord(ch) < 32 for ch in value):
                 raise HTTPException(422, f"{field}: must not hold a control character (NUL, newline, ...)")
         who = (tenant or None) if me.admin else me.name
-        rows, total = store.jobs_page(tenant=who, states=state, kind=kind, match=q, limit=limit, offset=offset)
+        rows, total = store.jobs_page(tenant=who, states=state, kind=kind, match=q, limit=limit,
+                                      offset=offset)
         now = ctx.clock()
         return {"total": total, "offset": offset, "limit": limit, "jobs": [compact_job(j, now) for j in rows]}
 

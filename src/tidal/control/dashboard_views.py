@@ -45,7 +45,8 @@ def gpu_map(nodes: list[Node], held: list[JobRow], viewer: str | None, loans: di
             g = (j.placement or {}).get(n.name, 0)
             if not g or State(j.state) not in HELD:
                 continue
-            d = g if State(j.state) in (State.PREEMPTING, State.CANCELLING) else (j.releasing or {}).get(n.name, 0)
+            stopping = State(j.state) in (State.PREEMPTING, State.CANCELLING)
+            d = g if stopping else (j.releasing or {}).get(n.name, 0)
             mine = viewer is None or j.tenant == viewer
             seg = {"kind": "job", "gpus": g - d, "tenant": j.tenant, "job": j.id if mine else None,
                    "state": j.state if mine else None}
@@ -137,13 +138,15 @@ def _why(j: JobRow, u: dict[str, Any] | None, free_training: int, free_lent: int
                 f"it needs {j.min_gpus}")
     free = free_training + (free_lent if j.kind != "dedicated" else 0)
     if j.min_gpus > free:
-        where = "free" + (" (training pool and idle lent GPUs)" if j.kind != "dedicated" and free_lent else "")
+        lent = j.kind != "dedicated" and free_lent
+        where = "free" + (" (training pool and idle lent GPUs)" if lent else "")
         return f"needs {j.min_gpus} GPUs, {free} {where}"
     if u is not None and j.kind != "dedicated" and u["fair_share_gpus"] is not None \
             and u["spot_gpus"] >= u["fair_share_gpus"]:
         if not mine:
             return "its tenant is at its fair share"
-        return f"its tenant holds {u['spot_gpus']} spot GPUs, at or over its fair share of {u['fair_share_gpus']:g}"
+        return (f"its tenant holds {u['spot_gpus']} spot GPUs, at or over its fair share of "
+                f"{u['fair_share_gpus']:g}")
     return "next scheduling step" if pos == 1 else "behind the jobs ahead of it"
 
 
@@ -166,11 +169,13 @@ def curves(job_dir: Path, attempts: int, max_points: int = CURVE_POINTS) -> dict
                 continue
             ev = r.get("event")
             if ev == "step" and isinstance(r.get("step"), int):
-                points.append([_num(r.get("time")), r["step"], _num(r.get("loss")), _num(r.get("step_time_s")),
-                               _num(r.get("samples_per_s"))])
+                points.append([_num(r.get("time")), r["step"], _num(r.get("loss")),
+                               _num(r.get("step_time_s")), _num(r.get("samples_per_s"))])
             elif ev == "restore":
-                restore = {"step": r.get("step"), "tier": _text(r.get("tier")), "duration_s": _num(r.get("duration_s")),
-                           "fallbacks": r.get("fallbacks") if isinstance(r.get("fallbacks"), int) else None}
+                fallbacks = r.get("fallbacks")
+                restore = {"step": r.get("step"), "tier": _text(r.get("tier")),
+                           "duration_s": _num(r.get("duration_s")),
+                           "fallbacks": fallbacks if isinstance(fallbacks, int) else None}
             elif ev == "checkpoint" and isinstance(r.get("step"), int):
                 ckpts.append([_num(r.get("time")), r["step"], _num(r.get("stall_s")), _text(r.get("reason"))])
         n = len(points)

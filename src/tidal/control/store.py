@@ -367,8 +367,9 @@ class Store:
         with self._read() as s:
             return list(s.scalars(q))
 
-    def jobs_page(self, *, tenant: str | None = None, states: Iterable[str] | None = None, kind: str | None = None,
-                  match: str | None = None, limit: int = 50, offset: int = 0) -> tuple[list[JobRow], int]:
+    def jobs_page(self, *, tenant: str | None = None, states: Iterable[str] | None = None,
+                  kind: str | None = None, match: str | None = None, limit: int = 50,
+                  offset: int = 0) -> tuple[list[JobRow], int]:
         """One page of jobs, newest first, and how many match in all (the dashboard's table: a page per
         call, never every row). ``match``: a substring of the job id (``%`` and ``_`` taken literally)."""
         conds = []
