@@ -58,6 +58,7 @@ from tidal.contract import ENV_SHM_DIR
 from tidal.control import locations as loc_policy
 from tidal.control import metrics
 from tidal.control.auth import authenticate, create_tenant, token_hash
+from tidal.control.dashboard import dashboard_router
 from tidal.control.spec import JobSpec, clean_msg, error_path
 from tidal.control.states import HELD, TERMINAL, State
 from tidal.control.store import NotFound, Store, StoreUnavailable, TenantRow
@@ -85,6 +86,8 @@ class ApiContext:
     """Live lending, if configured: a :class:`tidal.control.loans.LiveLoans` (its ``view()``)."""
     locations: loc_policy.LocationPolicy | None = None
     """Where tenants may checkpoint (None: a policy with no tenant prefix, only grants: none)."""
+    job_dir: Callable[[str], Any] | None = None
+    """A job's executor directory (its attempts' progress records, for the dashboard's curves)."""
 
 
 class TenantSpec(BaseModel):
@@ -409,6 +412,8 @@ def create_app(ctx: ApiContext) -> FastAPI:
                               max_priority=body.max_priority)
         return {"name": body.name, "quota_gpus": body.quota_gpus, "weight": body.weight,
                 "max_priority": body.max_priority, "token": token}
+
+    app.include_router(dashboard_router(ctx, tenant))  # the web dashboard (tidal.control.dashboard)
 
     base_openapi = app.openapi
 

@@ -51,7 +51,9 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 
 from tidal.contract import ENV_SHM_DIR
+from tidal.control.auth import ADMIN_TOKEN_FILE
 from tidal.control.client import ApiError, TidalClient
+from tidal.control.dashboard import dashboard_url
 from tidal.control.demo_plane import (
     DemoError,
     EmbeddedPlane,
@@ -239,6 +241,7 @@ def run_demo(opts: DemoOptions, console: Console, *, state_dir: Path | None = No
         say = _narrator(console)
         say(f"control plane up at {url} ({plane.plane.describe}); state in {sdir}")
         say(f"  (in another terminal: TIDAL_STATE_DIR={sdir} tidal events -f)", style="dim")
+        say(f"  dashboard: {dashboard_url(url)} (sign in with the token in {sdir / ADMIN_TOKEN_FILE})", style="dim")
         admin = TidalClient(url, plane.admin_token)
         tenant = admin.create_tenant("research", quota_gpus=0, weight=1.0)
         client = TidalClient(url, tenant["token"])

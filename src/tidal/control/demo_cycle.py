@@ -42,8 +42,10 @@ from rich.panel import Panel
 from rich.table import Table
 
 import tidal.serving
+from tidal.control.auth import ADMIN_TOKEN_FILE
 from tidal.control.client import TidalClient
 from tidal.control.config import ControlConfig
+from tidal.control.dashboard import dashboard_url
 from tidal.control.demo import SIZES, example_script
 from tidal.control.demo_plane import PLANE_CONFIG, DemoError, EmbeddedPlane
 from tidal.serving.watch import WatchConfig
@@ -205,6 +207,8 @@ def run_cycle(opts: CycleOptions, console: Console, *, keep: bool = False) -> di
         url = plane.start()
         console.print(f"[bold cyan]cycle[/bold cyan] control plane up at {url} ({plane.plane.describe})",
                       highlight=False)
+        console.print(f"[dim]  watch the day on the dashboard: {dashboard_url(url)}#/serving (sign in with the "
+                      f"token in {sdir / ADMIN_TOKEN_FILE})[/dim]", highlight=False)
         admin = TidalClient(url, plane.admin_token)
         client = TidalClient(url, admin.create_tenant("research")["token"])
         ids = [client.submit(job_spec(opts, script, shm_dir, i))["id"] for i in range(opts.jobs)]

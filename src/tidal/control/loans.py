@@ -28,6 +28,7 @@ the same durations times ``speedup``.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import math
@@ -45,6 +46,7 @@ from tidal.serving.watch import WatchConfig
 log = logging.getLogger(__name__)
 
 DOC_KEY = "serving"
+HISTORY_STEPS = 2000  # loan steps kept in memory for the dashboard's timeline (not persisted)
 Event = tuple[str, str, dict | None]
 
 
@@ -86,6 +88,9 @@ class LiveLoans:
         self._plan_view: dict[str, Any] = {}
         self._dirty = True
         self._warm = list(warm_history or [])
+        self._history: collections.deque[dict[str, Any]] = collections.deque(maxlen=HISTORY_STEPS)
+        self.history: tuple[dict[str, Any], ...] = ()
+        """The newest loan steps, oldest first (swapped whole; see :meth:`_sample`)."""
 
     # -------------------------------------------------------------------------------- persistence
     def dump(self) -> dict[str, Any]:
@@ -204,8 +209,22 @@ class LiveLoans:
                 plan = dataclasses.replace(plan, lendable_gpus=cap)
         events += self._apply(plan, t_serv, now_s, used)  # 4.
         self._plan_view = self._describe_plan(now_s, t_serv, demand, plan)
+        self._sample(now_s, t_serv, demand, plan)
         self._dirty = True
         return events
+
+    def _sample(self, now_s: float, t_serv: float, demand: float, plan: LoanPlan) -> None:
+        """One point of the dashboard's loan timeline (control-plane time ``t``): demand, the forecast's
+        upper bound for the next step, what the plan lends, what is lent, warming, and under reclaim (every
+        reclaim the ledger holds: noticed or planned)."""
+        led = self.ledger
+        self._history.append({
+            "t": round(now_s, 3), "serving_t": round(t_serv, 1),
+            "demand": None if math.isnan(demand) else round(demand, 3),
+            "upper": _rounded(float(plan.upper_gpus[0])) if len(plan.upper_gpus) else None,
+            "lendable": plan.lendable_gpus, "lent": led.lent, "warming": led.warming,
+            "capacity": led.capacity, "reclaiming": sum(r.gpus for r in led.reclaims)})
+        self.history = tuple(self._history)
 
     def _apply(self, plan: LoanPlan, t_serv: float, now_s: float, used: Mapping[str, int]) -> list[Event]:
         led = self.ledger
@@ -349,3 +368,7 @@ def build_live_loans(cfg: WatchConfig) -> LiveLoans:
 
 def _finite(x: float) -> float | None:
     return None if math.isinf(x) else x
+
+
+def _rounded(x: float) -> float | None:
+    return round(x, 3) if math.isfinite(x) else None

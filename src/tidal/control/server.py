@@ -30,6 +30,7 @@ from tidal.control.auth import ADMIN_TOKEN_FILE, ensure_admin
 from tidal.control.client import API_URL_FILE
 from tidal.control.config import ControlConfig
 from tidal.control.controller import Controller
+from tidal.control.dashboard import dashboard_url
 from tidal.control.loans import build_live_loans
 from tidal.control.locations import LocationPolicy
 from tidal.control.store import Store, sqlite_path, sqlite_url
@@ -112,7 +113,8 @@ class Plane:
         policy = LocationPolicy(self.state_dir / "tenants", cfg_.checkpoint_grants, cfg_.checkpoint_endpoints,
                                 cfg_.checkpoint_max_timeout_s)
         ctx = ApiContext(self.store, self.controller.nodes, self.executor.log_path, time.time,
-                         ckpt_root=self.controller.ckpt_root, serving=serving, loans=loans, locations=policy)
+                         ckpt_root=self.controller.ckpt_root, serving=serving, loans=loans, locations=policy,
+                         job_dir=self.executor.job_dir)
         return create_app(ctx)
 
 
@@ -256,6 +258,7 @@ def serve(plane: Plane, host: str = "127.0.0.1", port: int = 8470, *, announce=p
         os.replace(tmp, path)
         announce(f"tidal up: {url} ({plane.describe}); state in {plane.state_dir}")
         announce(f"admin token {'created in' if plane.token_created else 'in'} {plane.state_dir / 'admin.token'}")
+        announce(f"dashboard: {dashboard_url(url)} (sign in with a tenant's token or the admin's)")
 
     threading.Thread(target=announce_when_up, name="tidal-announce", daemon=True).start()
     loop.start()

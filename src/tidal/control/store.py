@@ -367,6 +367,28 @@ class Store:
         with self._read() as s:
             return list(s.scalars(q))
 
+    def jobs_page(self, *, tenant: str | None = None, states: Iterable[str] | None = None,
+                  kind: str | None = None, match: str | None = None, limit: int = 50,
+                  offset: int = 0) -> tuple[list[JobRow], int]:
+        """One page of jobs, newest first, and how many match in all (the dashboard's table: a page per
+        call, never every row). ``match``: a substring of the job id (``%`` and ``_`` taken literally)."""
+        conds = []
+        if tenant is not None:
+            conds.append(JobRow.tenant == tenant)
+        if states is not None:
+            conds.append(JobRow.state.in_([str(x) for x in states]))
+        if kind is not None:
+            conds.append(JobRow.kind == kind)
+        if match and "\x00" in match:  # SQLite's LIKE would stop at the NUL and match every job
+            return [], 0
+        if match:
+            like = match.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+            conds.append(JobRow.id.like(f"%{like}%", escape="\\"))
+        q = select(JobRow).where(*conds).order_by(JobRow.seq.desc()).limit(limit).offset(offset)
+        with self._read() as s:
+            total = s.scalar(select(func.count()).select_from(JobRow).where(*conds)) or 0
+            return list(s.scalars(q)), int(total)
+
     def job_ids(self) -> set[str]:
         with self._read() as s:
             return set(s.scalars(select(JobRow.id)))

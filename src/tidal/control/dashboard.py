@@ -1,0 +1,181 @@
+"""The web dashboard, served by ``tidal up`` itself: a static page and the read-only JSON it polls.
+
+The page (``GET /dashboard``, assets under ``/dashboard/assets/``) carries no data and needs no token:
+it asks for a bearer token once, keeps it in the tab's ``sessionStorage`` (gone when the tab closes,
+never in a URL, a cookie or a log), and calls the API with ``Authorization: Bearer``, so it sees
+exactly what that token sees through the API: a tenant its own jobs, the admin everything. The page
+is rendered with ``textContent`` only and served with a Content-Security-Policy that allows scripts
+from this server alone.
+
+| method and path | what |
+|---|---|
+| ``GET /dashboard`` | the page (``GET /`` redirects here) |
+| ``GET /v1/dashboard/pool`` | GPUs per node by holder, tenants' usage against quota and fair share, queue |
+| ``GET /v1/dashboard/jobs?state=&kind=&tenant=&q=&offset=&limit=`` | a page of jobs (newest first), total |
+| ``GET /v1/dashboard/jobs/{id}/curves`` | loss and throughput per attempt, restores, checkpoints |
+| ``GET /v1/dashboard/serving?after=`` | the loan step's timeline (bounded, in memory) and the plan now |
+
+The job page also reads ``GET /v1/jobs/{id}``, ``/v1/events?job=`` and ``/v1/jobs/{id}/checkpoints``.
+Every refresh costs a page of rows or the active jobs (never every job ever submitted).
+"""
+
+# No ``from __future__ import annotations``: FastAPI reads the routes' annotations, some local (``Caller``).
+import collections
+import mimetypes
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+from fastapi import APIRouter, Depends, HTTPException, Query, Response
+from fastapi.responses import RedirectResponse
+
+from tidal.control import dashboard_views as dv
+from tidal.control.states import ACTIVE, HELD, State
+from tidal.control.store import NotFound, TenantRow
+from tidal.control.views import job_view
+
+if TYPE_CHECKING:
+    from tidal.control.api import ApiContext
+
+WEB_DIR = Path(__file__).parent / "web"
+DASHBOARD_PATH = "/dashboard"
+PAGE_SIZE_MAX = 200
+CSP = ("default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
+       "connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'")
+SECURITY_HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff",
+                    "Referrer-Policy": "no-referrer", "X-Frame-Options": "DENY", "Cache-Control": "no-cache"}
+
+
+def dashboard_url(api_url: str) -> str:
+    """The dashboard's address on a ``tidal up`` listening at ``api_url``."""
+    return api_url.rstrip("/") + DASHBOARD_PATH
+
+
+def _assets() -> dict[str, tuple[bytes, str]]:
+    """Every file under ``web/`` by its path there, read once: a request names one of these or gets 404
+    (no path from a request ever reaches the filesystem)."""
+    out = {}
+    for p in sorted(WEB_DIR.rglob("*")):
+        if p.is_file() and p.suffix in (".html", ".js", ".css", ".svg"):
+            kind = mimetypes.guess_type(p.name)[0] or "application/octet-stream"
+            if kind.startswith("text/") or kind.endswith("javascript"):
+                kind += "; charset=utf-8"
+            out[p.relative_to(WEB_DIR).as_posix()] = (p.read_bytes(), kind)
+    return out
+
+
+def compact_job(j: Any, now_s: float) -> dict[str, Any]:
+    """A row of the jobs table."""
+    p = j.progress or {}
+    rep = job_view(j, now_s)["report"]
+    return {"id": j.id, "name": j.name, "tenant": j.tenant, "state": j.state, "kind": j.kind,
+            "priority": j.priority, "gpus": j.gpus, "min_gpus": j.min_gpus, "max_gpus": j.max_gpus,
+            "step": p.get("step"), "loss": p.get("loss"), "steps_per_s": p.get("steps_per_s"),
+            "ettr": rep["ettr"], "restarts": j.restarts, "preemptions": j.preemptions, "attempt": j.attempt,
+            "submit_s": j.submit_s, "message": j.message}
+
+
+def dashboard_router(ctx: "ApiContext", caller: Callable[..., Any]) -> APIRouter:
+    """The dashboard's routes; ``caller`` is the API's bearer-token dependency (a :class:`TenantRow`)."""
+    from tidal.control.api import SafeJSON, _json
+
+    store = ctx.store
+    assets = _assets()
+    router = APIRouter()
+    Caller = Annotated[TenantRow, Depends(caller)]
+
+    @router.get("/", include_in_schema=False)
+    def root() -> Response:
+        return RedirectResponse(DASHBOARD_PATH, status_code=307)
+
+    @router.get(DASHBOARD_PATH, include_in_schema=False)
+    def page() -> Response:
+        body, kind = assets["index.html"]
+        return Response(body, media_type=kind, headers=SECURITY_HEADERS)
+
+    @router.get(DASHBOARD_PATH + "/assets/{name:path}", include_in_schema=False)
+    def asset(name: str) -> Response:
+        found = assets.get(name)
+        if found is None or name == "index.html":
+            raise HTTPException(404, f"no dashboard asset {name!r}")
+        return Response(found[0], media_type=found[1], headers=SECURITY_HEADERS)
+
+    def _loans_view() -> dict[str, Any] | None:
+        return ctx.loans.view() if ctx.loans is not None else None
+
+    @router.get("/v1/dashboard/pool")
+    @_json()
+    def pool(me: Caller) -> dict:
+        """GPUs per node by holder, per tenant usage against quota and fair share, and the queue."""
+        viewer = None if me.admin else me.name
+        now = ctx.clock()
+        active = store.jobs(states=ACTIVE)
+        held = [j for j in active if State(j.state) in HELD]
+        waiting = [j for j in active if State(j.state) not in HELD]
+        loans = _loans_view()
+        nodes = dv.gpu_map(ctx.nodes, held, viewer, loans)
+        tenants = store.tenants() if me.admin else [me]
+        usage = dv.tenant_usage(tenants, held, waiting, ctx.nodes, (loans or {}).get("lent_gpus", 0))
+        if not me.admin:
+            usage = [u for u in usage if u["tenant"] == me.name]
+        free_training = sum(s["gpus"] for n in nodes for s in n["segments"] if s["kind"] == "free")
+        free_lent = sum(s["gpus"] for n in nodes for s in n["segments"] if s["kind"] == "lent")
+        # the queue: every tenant's waiting jobs count for positions; others' show no id
+        queue = dv.queue_view(waiting, dv.tenant_usage(store.tenants(), held, waiting, ctx.nodes,
+                                                        (loans or {}).get("lent_gpus", 0)),
+                              free_training, free_lent, now, viewer)
+        kinds = ("job", "draining", "lent", "warming", "serving", "free")
+        totals = {k: sum(s["gpus"] for n in nodes for s in n["segments"] if s["kind"] == k) for k in kinds}
+        return {"now_s": now, "tenant": me.name, "admin": me.admin, "nodes": nodes, "totals": totals,
+                "gpus": sum(n.gpus for n in ctx.nodes), "tenants": usage, "queue": queue,
+                "states": dict(collections.Counter(j.state for j in active if viewer in (None, j.tenant))),
+                "serving": ctx.loans is not None or ctx.serving is not None}
+
+    @router.get("/v1/dashboard/jobs")
+    @_json()
+    def jobs(me: Caller, state: Annotated[list[State] | None, Query()] = None, kind: str | None = None,
+             tenant: str | None = None, q: Annotated[str | None, Query(max_length=80)] = None,
+             offset: Annotated[int, Query(ge=0, le=1 << 31)] = 0,
+             limit: Annotated[int, Query(ge=1, le=PAGE_SIZE_MAX)] = 50) -> dict:
+        """One page of jobs (newest first), filtered; ``total`` counts every match."""
+        if kind is not None and kind not in ("spot", "dedicated"):
+            raise HTTPException(422, f"kind: must be spot or dedicated, got {kind[:40]!r}")
+        for field, value in (("q", q), ("tenant", tenant)):
+            if value is not None and any(ord(ch) < 32 for ch in value):
+                raise HTTPException(422, f"{field}: must not hold a control character (NUL, newline, ...)")
+        who = (tenant or None) if me.admin else me.name
+        rows, total = store.jobs_page(tenant=who, states=state, kind=kind, match=q, limit=limit,
+                                      offset=offset)
+        now = ctx.clock()
+        return {"total": total, "offset": offset, "limit": limit, "jobs": [compact_job(j, now) for j in rows]}
+
+    @router.get("/v1/dashboard/jobs/{job_id}/curves")
+    @_json()
+    def job_curves(job_id: str, me: Caller) -> dict:
+        """Loss and throughput per attempt (rank 0's progress records), restores and checkpoints."""
+        try:
+            j = store.job(job_id)
+        except NotFound:
+            j = None
+        if j is None or (not me.admin and j.tenant != me.name):
+            raise HTTPException(404, f"job {job_id} not found")
+        if ctx.job_dir is None:
+            return {"job": j.id, "attempts": [], "first_attempt": 1}
+        return {"job": j.id, **dv.curves(Path(ctx.job_dir(j.id)), j.attempt)}
+
+    @router.get("/v1/dashboard/serving")
+    @_json()
+    def serving(_: Caller, after: Annotated[float, Query(allow_inf_nan=False)] = 0.0) -> Any:
+        """The loan timeline (steps after ``after``, control-plane seconds) and the plan now; jobs on
+        lent GPUs are named by the pool page only (tenants see no other tenant's job here)."""
+        if ctx.loans is not None:
+            hist = ctx.loans.history
+            return {"configured": True, "lending": True, "view": ctx.loans.view(),
+                    "history": [h for h in hist if h["t"] > after] if after else list(hist)}
+        if ctx.serving is not None and ctx.serving[0] is not None:
+            latest = ctx.serving[0].latest
+            return {"configured": True, "lending": False, "view": latest.as_dict() if latest else None,
+                    "history": []}
+        return SafeJSON({"configured": False, "lending": False, "view": None, "history": []})
+
+    return router
