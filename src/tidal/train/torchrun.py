@@ -1,0 +1,52 @@
+"""``python -m tidal.train.torchrun``: ``torchrun`` whose exit code says "preempted" when it was.
+
+Plain ``torchrun`` folds its ranks' exit codes into its own: ranks that stop on a reclaim notice
+exit 75 (``tidal.contract.EXIT_PREEMPTED``: checkpointed, resumable) and the elastic agent then
+exits 1, as for any failure. This wrapper takes the same arguments, runs torch's own launcher in
+this process, and exits 75 when every rank that did not finish cleanly exited 75 - or was stopped
+by the agent with SIGTERM after another rank had exited 75 (the session checkpoints on SIGTERM too);
+any other failure keeps torchrun's code (1). A scheduler, or a shell loop that restarts only
+resumable runs, can then tell the two apart:
+
+    python -m tidal.train.torchrun --standalone --nproc-per-node 4 train.py --ckpt-every 20
+    echo $?    # 0 finished, 75 preempted (resume it), 1 failed
+
+Tidal's own executors start the ranks themselves and read each rank's code; this is for users of
+plain ``torchrun``.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from collections.abc import Iterable
+
+from tidal.contract import EXIT_PREEMPTED
+
+
+def preempted(exit_codes: Iterable[int]) -> bool:
+    """Whether failed ranks with these codes mean "preempted": at least one 75, the rest 75 or SIGTERM."""
+    codes = set(exit_codes)
+    return EXIT_PREEMPTED in codes and codes <= {EXIT_PREEMPTED, -int(signal.SIGTERM)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        run(args)
+    except ChildFailedError as e:
+        codes = [f.exitcode for f in e.failures.values()]
+        if preempted(codes):
+            print(f"tidal.train.torchrun: ranks exited {sorted(set(codes))}: preempted (exit {EXIT_PREEMPTED})",
+                  file=sys.stderr)
+            return EXIT_PREEMPTED
+        print(f"tidal.train.torchrun: ranks failed with exit codes {sorted(set(codes))}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
