@@ -205,3 +205,14 @@ def test_orphan_shm_dirs_are_freed_at_start(plane_factory):
     assert not (root / done).exists() and not (root / "ghost-99").exists()
     assert (root / waiting / "state").exists()
     assert again.executor.shm_root == root
+
+
+def test_tidal_up_as_root_without_uids_says_jobs_run_as_root():
+    """Root reads any file whatever its mode: without uid_base a job can read the admin token, and
+    `tidal up` says so at start instead of implying the modes protect anything."""
+    from tidal.control.server import isolation_warning
+
+    assert "jobs run as root" in isolation_warning(ControlConfig(), euid=0)
+    assert isolation_warning(None, euid=0) is not None
+    assert isolation_warning(ControlConfig(isolation=IsolationConfig(uid_base=200000)), euid=0) is None
+    assert isolation_warning(ControlConfig(), euid=1000) is None

@@ -118,6 +118,17 @@ class Plane:
         return create_app(ctx)
 
 
+def isolation_warning(config: ControlConfig | None, euid: int | None = None) -> str | None:
+    """One line when jobs will run as root (``tidal up`` as root without ``isolation.uid_base``): root
+    reads every file whatever its mode, so such a job can read the admin token and other jobs' data."""
+    iso = config.isolation if config is not None else None
+    if (os.geteuid() if euid is None else euid) != 0 or (iso is not None and iso.uid_base is not None):
+        return None
+    return ("warning: jobs run as root and can read the state dir (admin token, database) and other jobs' "
+            "files; set isolation.uid_base in the config to run each tenant as its own uid "
+            "(docs/control.md, Isolation)")
+
+
 def secure_state_dir(state_dir: Path, config: ControlConfig | None) -> None:
     """The state dir 0700 (0711 when jobs run as their own uids: they pass through to their own
     directories, never list or read anything else); its files 0600 (``tidal up`` runs with umask 077)."""
@@ -259,6 +270,8 @@ def serve(plane: Plane, host: str = "127.0.0.1", port: int = 8470, *, announce=p
         announce(f"tidal up: {url} ({plane.describe}); state in {plane.state_dir}")
         announce(f"admin token {'created in' if plane.token_created else 'in'} {plane.state_dir / 'admin.token'}")
         announce(f"dashboard: {dashboard_url(url)} (sign in with a tenant's token or the admin's)")
+        if (warning := isolation_warning(plane.controller.config)) is not None:
+            announce(warning)
 
     threading.Thread(target=announce_when_up, name="tidal-announce", daemon=True).start()
     loop.start()
