@@ -203,3 +203,18 @@ def test_gpu_check_runs_without_a_gpu_and_without_server_packages(tmp_path):
     g = res["gpt"]
     assert [g[k]["rc"] for k in ("single", "single_resumed", "fsdp_torchrun")] == [0, 0, 0]
     assert g["single"]["steps_committed"][-1] == 2 and g["single_resumed"]["steps_committed"][-1] == 4
+
+
+def test_relaid_slot_leaves_the_steps_it_held_intact(tmp_path, shm_cleanup):
+    """A slot re-laid out for a new layout is a new file: the shm steps linking the old one keep
+    their bytes and stay committed (nothing to uncommit), and load correctly."""
+    d = tmp_path / "ck"
+    shm_cleanup.append(shm_root_for(d))
+    with ckpt.Checkpointer(d, keep=0) as cp:
+        cp.save(1, state(1)).wait()  # slot 0
+        cp.save(2, state(2)).wait()  # slot 1
+        cp.save(3, state(3, n=6)).wait()  # another layout, into slot 0: a new file
+        target, stats = state(0), ckpt.LoadStats()
+        assert ckpt.load(str(d), target, step=1, stats=stats) == 1
+        assert set(stats.bytes_by_tier) == {"shm"}
+        assert torch.equal(target["model"]["w3"], state(1)["model"]["w3"])
