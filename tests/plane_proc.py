@@ -68,3 +68,26 @@ def wait_until(what: str, pred: Callable[[], Any], timeout_s: float = 90.0,
             return got
         time.sleep(0.2)
     raise AssertionError(f"timed out waiting for {what}{explain()}")
+
+
+def lending_config(nodes: str, **top: float) -> str:
+    """A ``tidal up`` config lending virtual serving nodes (``8x2``: 8 nodes of 2 GPUs) that follow the
+    packaged daily profile from day 2 at 600x speed, with short grace/release/warm-up times; ``top``
+    adds top-level fields (``hang_timeout_s=30``)."""
+    import tidal.serving
+
+    profile = Path(tidal.serving.__file__).parent / "data" / "daily-profile.csv"
+    head = "".join(f"{k}: {v}\n" for k, v in {"restart_backoff_s": 0.2, "startup_timeout_s": 60,
+                                                 "loop_interval_s": 0.2, **top}.items())
+    return head + f"""serving:
+  trace: {profile}
+  nodes: {nodes}
+  speedup: 600
+  start_s: {2 * 86400}
+  history_days: 2
+  grace_s: 5
+  final_checkpoint_s: 2
+  release_s: 1
+  warmup_s: 2
+  restart_cost_s: 5
+"""

@@ -15,31 +15,12 @@ from pathlib import Path
 
 import pytest
 
-import tidal.serving
-from plane_proc import Plane, wait_until
+from plane_proc import Plane, lending_config, wait_until
 from tidal.control.client import TidalClient
 
 pytestmark = pytest.mark.slow
 WORKER = Path(__file__).parent / "workers" / "train_worker.py"
-PROFILE = Path(tidal.serving.__file__).parent / "data" / "daily-profile.csv"
-CONFIG = f"""
-restart_backoff_s: 0.2
-hang_timeout_s: 30
-startup_timeout_s: 60
-kill_slack_s: 3
-loop_interval_s: 0.2
-serving:
-  trace: {PROFILE}
-  nodes: 8x2
-  speedup: 600
-  start_s: {2 * 86400}
-  history_days: 2
-  grace_s: 5
-  final_checkpoint_s: 2
-  release_s: 1
-  warmup_s: 2
-  restart_cost_s: 5
-"""
+CONFIG = lending_config("8x2", hang_timeout_s=30, kill_slack_s=3)
 
 
 def _on_serving(job: dict) -> int:

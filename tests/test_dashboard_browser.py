@@ -13,31 +13,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-import tidal.serving
 from browser import Tab, browser  # noqa: F401  (the fixture; tests take it first: no plane without a browser)
-from plane_proc import Plane, wait_until
+from plane_proc import Plane, lending_config, wait_until
 from tidal.control.client import TidalClient
 from tidal.control.dashboard import dashboard_url
 
 pytestmark = pytest.mark.slow
 WORKER = Path(__file__).parent / "workers" / "train_worker.py"
-PROFILE = Path(tidal.serving.__file__).parent / "data" / "daily-profile.csv"
-CONFIG = f"""
-restart_backoff_s: 0.2
-startup_timeout_s: 60
-loop_interval_s: 0.2
-serving:
-  trace: {PROFILE}
-  nodes: 2x2
-  speedup: 600
-  start_s: {2 * 86400}
-  history_days: 2
-  grace_s: 5
-  final_checkpoint_s: 2
-  release_s: 1
-  warmup_s: 2
-  restart_cost_s: 5
-"""
+CONFIG = lending_config("2x2")
 HOSTILE = "<img src=x onerror=\"document.title='owned'\">"
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
 
