@@ -46,7 +46,8 @@ def _log_erlang_b(c: int, a: float) -> float:
 @pytest.mark.parametrize("a", [150.0, 1234.5, 5000.0, 20000.0])
 def test_large_loads_match_log_space_reference(a):
     """Thousands of servers: the shortened recursion agrees with the log-space sum to ~1e-12."""
-    cs = [int(a - 3 * math.sqrt(a)), int(a), int(a + 2 * math.sqrt(a)), int(a + 6 * math.sqrt(a))]
+    cs = [int(a / 3), int(a - 10 * math.sqrt(a)) + 1, int(a - 3 * math.sqrt(a)), int(a), int(a + 2 * math.sqrt(a)),
+          int(a + 6 * math.sqrt(a))]
     got = erlang_b(cs, a)
     want = np.exp([_log_erlang_b(c, a) for c in cs])
     np.testing.assert_allclose(got, want, rtol=1e-10)
@@ -86,6 +87,10 @@ def test_bad_arguments_say_which():
         gpus_needed(1.0, 1.0, 0.5, gpus_per_replica=0)
     with pytest.raises(ValueError, match="more than 100 servers"):
         servers_needed(1000.0, 1.0, 0.5, max_servers=100)
+    with pytest.raises(ValueError, match="more than 100 servers"):
+        servers_needed(95.0, 1.0, 0.0, 0.9999, max_servers=100)
+    with pytest.raises(ValueError, match="servers at a rate of 1e"):  # no overflow, no hang
+        servers_needed(np.array([1.0, 1e300]), 1e-300, 0.5)
 
 
 def test_vectorised_equals_scalar_and_large_pool():

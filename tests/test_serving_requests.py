@@ -89,7 +89,7 @@ def test_trace_replay_of_request_rates(tmp_path, caplog):
     assert TraceReplay(tr, serving_gpus=96).demand_gpus(600.0 * 4) == 96.0
 
 
-def test_prometheus_request_rate_over_http(prom):  # noqa: F811 (the fixture)
+def test_prometheus_request_rate_over_http(prom, caplog):  # noqa: F811 (the fixture)
     src = PrometheusQuery(prom.url, "sum(rate(vllm:request_success_total[5m]))", requests=model())
     prom.answer(vector(90))
     assert src.demand_gpus(1_700_000_000.0) == gpus_needed(90.0, 3.0, 0.2, 0.99, gpus_per_replica=2)
@@ -97,6 +97,10 @@ def test_prometheus_request_rate_over_http(prom):  # noqa: F811 (the fixture)
     assert src.demand_gpus(1_700_000_600.0) == 0.0
     prom.answer({"status": "error", "error": "boom"})
     assert math.isnan(src.demand_gpus(1_700_001_200.0))  # unknown, never zero
+    prom.answer(vector(1e12))  # a rate no pool meets (1e12 requests/s): unknown, said why, no crash
+    with caplog.at_level(logging.WARNING, logger="tidal.serving.sources"):
+        assert math.isnan(src.demand_gpus(1_700_001_800.0))
+    assert "1e+12 requests/s: the target needs more than" in caplog.text
 
 
 def test_watch_cli_takes_requests(tmp_path):
@@ -114,6 +118,9 @@ def test_watch_cli_takes_requests(tmp_path):
     assert r.exit_code == 2 and "--latency-quantile" in r.output and "must be in (0, 1)" in r.output
     r = CliRunner().invoke(serving_app, args[:-6] + ["--latency-target-s", "0.2"], env=WIDE)
     assert r.exit_code == 2 and "--service-rate-per-gpu" in r.output
+    huge = trace_file(tmp_path, [40.0, 1e12, 50.0])  # a row no pool could serve: refused at start, named
+    r = CliRunner().invoke(serving_app, [*args[:2], str(huge), *args[3:]], env=WIDE)
+    assert r.exit_code == 2 and "trace 't' (rps): the target needs more than 10000000 servers" in r.output
 
 
 def test_plan_cli_takes_requests(tmp_path):

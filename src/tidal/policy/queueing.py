@@ -39,9 +39,12 @@ _START_SIGMAS = 10.0  # start the Erlang B recursion this many sqrt(a) below a (
 MAX_SERVERS = 10_000_000  # servers_needed gives up (ValueError) beyond this many servers
 
 
-def _start(a: np.ndarray) -> np.ndarray:
-    """Where the recursion may start from B = 1 (0 for small loads: exact)."""
-    return np.maximum(0.0, np.floor(a - _START_SIGMAS * np.sqrt(a))).astype(np.int64)
+def _start(a: np.ndarray, c: np.ndarray | None = None) -> np.ndarray:
+    """Where the recursion for B(c, a) may start from B = 1: ``min(c, a) - 10 sqrt(a)`` (0 for small
+    loads: exact). Below ``a`` the slope is also below ``k / c``, so for ``c < a`` the same distance
+    below ``c`` contracts the start's error by ``exp(-50 a / c)`` or more."""
+    top = a if c is None else np.minimum(a, c)
+    return np.maximum(0.0, np.floor(top - _START_SIGMAS * np.sqrt(a))).astype(np.int64)
 
 
 def _check_rates(rate: np.ndarray, service_rate: np.ndarray) -> None:
@@ -57,7 +60,9 @@ def erlang_b(servers, load):
     if np.any(c < 0) or not np.all(a >= 0) or not np.all(np.isfinite(a)):
         raise ValueError("erlang_b needs servers >= 0 and a finite load >= 0")
     shape, c, a = c.shape, c.ravel(), a.ravel()
-    k = np.minimum(_start(a), c)
+    if np.any(a > MAX_SERVERS):
+        raise ValueError(f"erlang_b: load above {MAX_SERVERS} Erlangs")
+    k = _start(a, c)
     b = np.ones(a.shape)
     while True:
         todo = k < c
@@ -159,7 +164,11 @@ def servers_needed(rate, service_rate: float, target_s: float, quantile: float =
     _check_rates(lam, np.asarray(service_rate, dtype=float))
     shape, lam = lam.shape, lam.ravel()
     known = ~np.isnan(lam)
-    a = np.where(known, lam, 0.0) / service_rate
+    with np.errstate(over="ignore"):
+        a = np.where(known, lam, 0.0) / service_rate
+    if np.any(a >= max_servers):
+        raise ValueError(f"the target needs more than {max_servers} servers at a rate of "
+                         f"{float(np.max(lam[known])):g} requests/s")
     k = _start(a)
     b = np.ones(a.shape)
     eps = 1.0 - quantile

@@ -117,7 +117,12 @@ class PrometheusQuery:
             log.warning("serving demand unknown at %.0f: Prometheus query %r: %s", now_s, self.query, e)
             return math.nan
         if self.requests is not None:
-            return float(self.requests.gpus(value))
+            try:
+                return float(self.requests.gpus(value))
+            except ValueError as e:  # a rate no pool meets: nonsense, read as unknown like a negative value
+                log.warning("serving demand unknown at %.0f: Prometheus query %r: %g requests/s: %s", now_s,
+                            self.query, value, e)
+                return math.nan
         return value * self.gpus_per_unit
 
     def value(self, now_s: float) -> float:

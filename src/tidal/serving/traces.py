@@ -86,7 +86,10 @@ class Trace:
         """Demand in GPUs when the load is requests/s: ``model.gpus(load)`` per row, NaN at gaps."""
         from tidal.serving.requests import request_demand_gpus
 
-        return request_demand_gpus(self.load, self.gap, model)
+        try:
+            return request_demand_gpus(self.load, self.gap, model)
+        except ValueError as e:
+            raise ValueError(f"trace {self.name!r} ({self.load_column}): {e}") from None
 
     @property
     def duration_s(self) -> float:

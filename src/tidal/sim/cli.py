@@ -206,8 +206,9 @@ def plan_command(
     try:
         if requests is not None:
             demand, step, _ = request_demand_gpus(traffic, requests, step_s)
+            short = "; [red]the pool cannot meet the target at the peak[/]" if np.nanmax(demand) > serving_gpus else ""
             err.print(f"[dim]{requests.describe()}: demand {np.nanmin(demand):g}-{np.nanmax(demand):g} GPUs "
-                      f"(pool {serving_gpus})[/]", highlight=False)
+                      f"(pool {serving_gpus})[/]{short}", highlight=False)
         else:
             demand, step, _ = demand_gpus(traffic, serving_gpus, step_s)
         timing = LoanTiming(notice_s=notice_s, final_checkpoint_s=final_ckpt_s, release_s=release_s,
