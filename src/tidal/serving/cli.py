@@ -27,11 +27,6 @@ def _clock_text(t_s: float, absolute: bool) -> str:
     return f"day {d} {rem // 3600:02d}:{rem % 3600 // 60:02d}"
 
 
-def request_settings(**options: object) -> dict[str, object]:
-    """The request-rate settings given on the command line (None: not given), as ``serving:`` fields."""
-    return {k: v for k, v in options.items() if v is not None}
-
-
 def option_of(message: str) -> str:
     """The command-line option a settings error is about (the errors name the settings' fields)."""
     if "demand source" in message:
@@ -93,10 +88,9 @@ def watch_command(
         cfg = WatchConfig(serving_gpus=serving_gpus, trace=None if trace is None else str(trace), speedup=speedup,
                           prometheus=prometheus, query=query, gpus_per_unit=gpus_per_unit,
                           shortfall_budget=shortfall_budget, step_s=step_s,
-                          **request_settings(service_rate_per_gpu=service_rate_per_gpu,
-                                             service_rate_per_replica=service_rate_per_replica,
-                                             gpus_per_replica=gpus_per_replica, latency_target_s=latency_target_s,
-                                             latency_quantile=latency_quantile, latency_of=latency_of))
+                          service_rate_per_gpu=service_rate_per_gpu, service_rate_per_replica=service_rate_per_replica,
+                          gpus_per_replica=gpus_per_replica, latency_target_s=latency_target_s,
+                          latency_quantile=latency_quantile, latency_of=latency_of)
         adv, clock, speed = start_advisor(cfg)
     except (OSError, ValueError) as e:
         raise typer.BadParameter(str(e), param_hint=option_of(str(e))) from None
