@@ -355,11 +355,12 @@ def build_live_loans(cfg: WatchConfig) -> LiveLoans:
         trace = load_trace(cfg.trace)
         first = float(trace.times_s[0])
         start = cfg.start_s if cfg.start_s is not None else first + cfg.history_days * 86400.0
-        replay = ReplayAdapter(TraceReplay(trace, gpus, start_s=first), nodes, speedup=cfg.speedup, start_s=start)
+        replay = ReplayAdapter(TraceReplay(trace, gpus, start_s=first, requests=cfg.requests()), nodes,
+                               speedup=cfg.speedup, start_s=start)
         history = replay.history(cfg.history_days * 86400.0, cfg.step_s)
         adapter = replay
     else:
-        source = PrometheusQuery(cfg.prometheus or "", cfg.query or "", cfg.gpus_per_unit)
+        source = PrometheusQuery(cfg.prometheus or "", cfg.query or "", cfg.gpus_per_unit, requests=cfg.requests())
         adapter = HookAdapter(source, nodes, url=cfg.actions_url, command=cfg.actions_command,
                               timeout_s=cfg.actions_timeout_s)
     return LiveLoans(adapter, cfg.timing(), shortfall_budget=cfg.shortfall_budget, step_s=cfg.step_s,

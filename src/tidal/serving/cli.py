@@ -27,7 +27,7 @@ def _clock_text(t_s: float, absolute: bool) -> str:
     return f"day {d} {rem // 3600:02d}:{rem % 3600 // 60:02d}"
 
 
-def _option_of(message: str) -> str:
+def option_of(message: str) -> str:
     """The command-line option a settings error is about (the errors name the settings' fields)."""
     if "demand source" in message:
         return "--trace / --prometheus"
@@ -60,6 +60,19 @@ def watch_command(
                                           "forecast's step).")] = 600.0,
     steps: Annotated[int | None, typer.Option("--steps", min=0, help="Stop after this many steps (default: "
                                               "run until interrupted).")] = None,
+    service_rate_per_gpu: Annotated[float | None, typer.Option(
+        "--service-rate-per-gpu", help="Requests/s one GPU serves: the trace or query is then a request rate "
+        "and demand the GPUs meeting --latency-target-s (Erlang C).")] = None,
+    service_rate_per_replica: Annotated[float | None, typer.Option(
+        "--service-rate-per-replica", help="Requests/s one replica serves (instead of per GPU).")] = None,
+    gpus_per_replica: Annotated[int | None, typer.Option("--gpus-per-replica", help="GPUs per serving "
+                                                         "replica (default 1).")] = None,
+    latency_target_s: Annotated[float | None, typer.Option("--latency-target-s", help="Seconds the latency "
+                                                           "quantile must stay within.")] = None,
+    latency_quantile: Annotated[float | None, typer.Option("--latency-quantile", help="Which quantile "
+                                                           "(default 0.99).")] = None,
+    latency_of: Annotated[str | None, typer.Option("--latency-of", help="queue (waiting for a replica, "
+                                                   "default) or response (waiting + service).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="One JSON object per step on stdout.")] = False,
 ) -> None:
     """Print, every step, how many serving GPUs could be lent now and when they must be back.
@@ -74,10 +87,13 @@ def watch_command(
     try:  # the settings are checked where tidal up's serving: block is checked
         cfg = WatchConfig(serving_gpus=serving_gpus, trace=None if trace is None else str(trace), speedup=speedup,
                           prometheus=prometheus, query=query, gpus_per_unit=gpus_per_unit,
-                          shortfall_budget=shortfall_budget, step_s=step_s)
+                          shortfall_budget=shortfall_budget, step_s=step_s,
+                          service_rate_per_gpu=service_rate_per_gpu, service_rate_per_replica=service_rate_per_replica,
+                          gpus_per_replica=gpus_per_replica, latency_target_s=latency_target_s,
+                          latency_quantile=latency_quantile, latency_of=latency_of)
         adv, clock, speed = start_advisor(cfg)
     except (OSError, ValueError) as e:
-        raise typer.BadParameter(str(e), param_hint=_option_of(str(e))) from None
+        raise typer.BadParameter(str(e), param_hint=option_of(str(e))) from None
 
     def sleep(s: float) -> None:
         time.sleep(max(0.0, s) / speed)

@@ -10,6 +10,11 @@ holds its forecast through NaN and lends nothing more because the numbers went m
   (``GET /api/v1/query``), e.g. ``sum(vllm:num_requests_running)``, times GPUs per unit of the
   result. Any failure (connection, HTTP status, ``"status": "error"``, no sample, several series, a
   negative or non-finite value) reads as NaN and is logged with the query and the reason.
+
+Either source may read a request rate instead (``requests``, a
+:class:`~tidal.serving.requests.RequestModel`): the trace's load or the query's value is then
+requests/s, and demand is the GPUs that meet the model's latency target at that rate (Erlang C),
+not a scaled load.
 """
 
 from __future__ import annotations
@@ -21,9 +26,12 @@ import math
 import urllib.error
 import urllib.parse
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
+
+from tidal.serving.requests import RequestModel
 from tidal.serving.traces import Trace
 
 log = logging.getLogger(__name__)
@@ -41,18 +49,28 @@ class TraceReplay:
 
     At ``now_s`` the demand is that of the row covering trace time ``(now_s - start_s) mod length``
     (each row holds for one trace step), scaled so that ``serving_gpus`` serve the trace's peak; a
-    gap row is NaN, and so is any time before ``start_s``.
+    gap row is NaN, and so is any time before ``start_s``. With ``requests`` the load is requests/s and
+    demand is ``requests.gpus(load)`` (no scaling; it may exceed ``serving_gpus``: a warning says so).
     """
 
     trace: Trace
     serving_gpus: int
     start_s: float = 0.0
+    requests: RequestModel | None = None
+    _request_gpus: np.ndarray | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.serving_gpus < 1:
             raise ValueError(f"TraceReplay.serving_gpus must be >= 1, got {self.serving_gpus}")
         if len(self.trace.load) == 0:
             raise ValueError(f"trace {self.trace.name!r} has no rows")
+        if self.requests is not None:
+            gpus = self.trace.request_demand_gpus(self.requests)
+            object.__setattr__(self, "_request_gpus", gpus)
+            peak = float(np.nanmax(gpus)) if not np.all(np.isnan(gpus)) else 0.0
+            if peak > self.serving_gpus:
+                log.warning("trace %r needs up to %g GPUs for its latency target (%s); the serving pool has %d",
+                            self.trace.name, peak, self.requests.describe(), self.serving_gpus)
 
     def demand_gpus(self, now_s: float) -> float:
         if not now_s >= self.start_s:
@@ -61,12 +79,15 @@ class TraceReplay:
         i = int((now_s - self.start_s) // self.trace.step_s) % rows
         if self.trace.gap[i]:
             return math.nan
+        if self._request_gpus is not None:
+            return float(self._request_gpus[i])
         return float(self.serving_gpus * self.trace.load[i] / self.trace.peak_load)
 
 
 @dataclass(frozen=True)
 class PrometheusQuery:
-    """``demand = value of query x gpus_per_unit`` from Prometheus at ``url`` (its base URL).
+    """``demand = value of query x gpus_per_unit`` from Prometheus at ``url`` (its base URL); with
+    ``requests``, the value is requests/s and ``demand = requests.gpus(value)``.
 
     The query must return one number: a scalar or a vector of exactly one series (aggregate with
     ``sum(...)``). ``timeout_s`` bounds each request.
@@ -76,6 +97,7 @@ class PrometheusQuery:
     query: str
     gpus_per_unit: float = 1.0
     timeout_s: float = 5.0
+    requests: RequestModel | None = None
 
     def __post_init__(self) -> None:
         parts = urllib.parse.urlsplit(self.url)
@@ -94,6 +116,13 @@ class PrometheusQuery:
         except ValueError as e:
             log.warning("serving demand unknown at %.0f: Prometheus query %r: %s", now_s, self.query, e)
             return math.nan
+        if self.requests is not None:
+            try:
+                return float(self.requests.gpus(value))
+            except ValueError as e:  # a rate no pool meets: nonsense, read as unknown like a negative value
+                log.warning("serving demand unknown at %.0f: Prometheus query %r: %g requests/s: %s", now_s,
+                            self.query, value, e)
+                return math.nan
         return value * self.gpus_per_unit
 
     def value(self, now_s: float) -> float:

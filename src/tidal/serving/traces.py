@@ -23,6 +23,12 @@ NaN as "no observation" and evaluations skip those rows when scoring. Pass
 **Demand.** A pool of ``serving_gpus`` GPUs is sized for the trace's own peak (over non-gap rows),
 so demand at time t is ``serving_gpus * load(t) / peak`` GPUs (fractional; capacity comes in whole
 GPUs, the loan plan rounds).
+
+**Requests.** When the load column is a request rate (requests/s, e.g. ServeGen's
+``seconds,requests_per_second``) and the operator states how fast a replica serves and a latency
+target (:class:`tidal.serving.requests.RequestModel`), :meth:`Trace.request_demand_gpus` gives demand
+in GPUs directly, from the Erlang C queue, with no pool scaling: the GPUs that meet the target at
+each row's rate (whole replicas), NaN at gaps.
 """
 
 from __future__ import annotations
@@ -32,8 +38,12 @@ import math
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from tidal.serving.requests import RequestModel
 
 TIME_HINTS = ("time", "second", "date", "timestamp")
 
@@ -71,6 +81,15 @@ class Trace:
         out[self.gap] = np.nan
         out.flags.writeable = False
         return out
+
+    def request_demand_gpus(self, model: RequestModel) -> np.ndarray:
+        """Demand in GPUs when the load is requests/s: ``model.gpus(load)`` per row, NaN at gaps."""
+        from tidal.serving.requests import request_demand_gpus
+
+        try:
+            return request_demand_gpus(self.load, self.gap, model)
+        except ValueError as e:
+            raise ValueError(f"trace {self.name!r} ({self.load_column}): {e}") from None
 
     @property
     def duration_s(self) -> float:

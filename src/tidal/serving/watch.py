@@ -26,6 +26,8 @@ from typing import Any
 
 from tidal.policy.forecast import ForecastConfig
 from tidal.policy.loan import LoanContext, LoanPlan, LoanTiming, TidalConfig, TidalPolicy, TidalState
+from tidal.serving.requests import FIELDS as REQUEST_FIELDS
+from tidal.serving.requests import RequestModel
 from tidal.serving.sources import DemandSource, TraceReplay
 
 
@@ -127,6 +129,11 @@ class WatchConfig:
     timing is the plane's, in seconds: ``grace_s`` (notice to stop), ``final_checkpoint_s``,
     ``release_s``, ``warmup_s`` (serving's, on returned GPUs), ``restart_cost_s`` (a spot job's restore).
     ``history_days``: days of the replayed trace before ``start_s`` the forecast learns from first.
+
+    **Requests, not GPUs** (:mod:`tidal.serving.requests`): with ``service_rate_per_gpu`` or
+    ``service_rate_per_replica`` (requests/s; ``gpus_per_replica``) and ``latency_target_s``
+    (``latency_quantile``, ``latency_of``), the trace's load or the query's value is a request rate and
+    demand is the GPUs that meet the latency target at that rate (Erlang C), not a scaled load.
     """
 
     serving_gpus: int | None = None
@@ -148,6 +155,12 @@ class WatchConfig:
     warmup_s: float | None = None
     restart_cost_s: float | None = None
     history_days: float = 0.0
+    service_rate_per_gpu: float | None = None
+    service_rate_per_replica: float | None = None
+    gpus_per_replica: int | None = None
+    latency_target_s: float | None = None
+    latency_quantile: float | None = None
+    latency_of: str | None = None
 
     def __post_init__(self) -> None:
         if self.nodes is not None:
@@ -184,6 +197,13 @@ class WatchConfig:
                 raise ValueError(f"serving.{name} must be a number > 0, got {v!r}")
         if not isinstance(self.shortfall_budget, int | float) or not 0 < self.shortfall_budget < 1:
             raise ValueError(f"serving.shortfall_budget must be in (0, 1), got {self.shortfall_budget!r}")
+        if self.requests() is not None and self.gpus_per_unit != 1.0:
+            raise ValueError("serving.gpus_per_unit does not apply to a request-rate demand (the latency "
+                             "target sets the GPUs); leave it out")
+
+    def requests(self) -> RequestModel | None:
+        """The request-rate model when its settings are given (``ValueError`` naming a bad one), else None."""
+        return RequestModel.from_settings({name: getattr(self, name) for name in REQUEST_FIELDS})
 
     @classmethod
     def from_dict(cls, d: Any, where: str = "serving") -> WatchConfig:
@@ -206,8 +226,9 @@ class WatchConfig:
         if self.trace is not None:
             trace = load_trace(self.trace)
             start = self.start_s if self.start_s is not None else float(trace.times_s[0])
-            return TraceReplay(trace, self.serving_gpus, start_s=start)
-        return PrometheusQuery(self.prometheus or "", self.query or "", self.gpus_per_unit)
+            return TraceReplay(trace, self.serving_gpus, start_s=start, requests=self.requests())
+        return PrometheusQuery(self.prometheus or "", self.query or "", self.gpus_per_unit,
+                               requests=self.requests())
 
     def policy(self) -> TidalPolicy:
         return TidalPolicy(TidalConfig(shortfall_budget=self.shortfall_budget,
@@ -225,8 +246,11 @@ class WatchConfig:
         return LoanTiming(**{k: float(v) for k, v in kw.items() if v is not None})
 
     def describe(self) -> str:
+        req = self.requests()
         if self.trace is not None:
-            return f"trace {self.trace} replayed at {self.speedup:g}x"
+            return f"trace {self.trace} replayed at {self.speedup:g}x" + (f"; {req.describe()}" if req else "")
+        if req is not None:
+            return f"Prometheus {self.prometheus}: {self.query} ({req.describe()})"
         return f"Prometheus {self.prometheus}: {self.query} x {self.gpus_per_unit:g} GPUs"
 
 

@@ -176,16 +176,41 @@ def plan_command(
     step_s: float | None = typer.Option(None, "--step-s"),
     png: Path | None = typer.Option(None, "--png", help="Write the by-hour plot here."),
     json_out: bool = typer.Option(False, "--json"),
+    service_rate_per_gpu: float | None = typer.Option(None, "--service-rate-per-gpu", help="Requests/s one GPU "
+                                                      "serves: the trace is then requests/s and demand the GPUs "
+                                                      "meeting --latency-target-s (Erlang C), not scaled."),
+    service_rate_per_replica: float | None = typer.Option(None, "--service-rate-per-replica"),
+    gpus_per_replica: int | None = typer.Option(None, "--gpus-per-replica"),
+    latency_target_s: float | None = typer.Option(None, "--latency-target-s"),
+    latency_quantile: float | None = typer.Option(None, "--latency-quantile", help="Default 0.99."),
+    latency_of: str | None = typer.Option(None, "--latency-of", help="queue (default) or response."),
 ) -> None:
     """How much of the serving pool could train, by hour of day, at a given risk; the lead time to plan for."""
+    import numpy as np
+
     from tidal.policy.loan import LoanTiming
+    from tidal.serving.cli import option_of
+    from tidal.serving.requests import RequestModel
     from tidal.sim.plan import plan_report, plot_plan, render_plan
     from tidal.sim.report import clean
-    from tidal.sim.traffic import demand_gpus
+    from tidal.sim.traffic import demand_gpus, request_demand_gpus
 
     out, err = _consoles(json_out)
     try:
-        demand, step, _ = demand_gpus(traffic, serving_gpus, step_s)
+        requests = RequestModel.from_settings(
+            {"service_rate_per_gpu": service_rate_per_gpu, "service_rate_per_replica": service_rate_per_replica,
+             "gpus_per_replica": gpus_per_replica, "latency_target_s": latency_target_s,
+             "latency_quantile": latency_quantile, "latency_of": latency_of})
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint=option_of(str(e))) from None
+    try:
+        if requests is not None:
+            demand, step, _ = request_demand_gpus(traffic, requests, step_s)
+            short = "; [red]the pool cannot meet the target at the peak[/]" if np.nanmax(demand) > serving_gpus else ""
+            err.print(f"[dim]{requests.describe()}: demand {np.nanmin(demand):g}-{np.nanmax(demand):g} GPUs "
+                      f"(pool {serving_gpus})[/]{short}", highlight=False)
+        else:
+            demand, step, _ = demand_gpus(traffic, serving_gpus, step_s)
         timing = LoanTiming(notice_s=notice_s, final_checkpoint_s=final_ckpt_s, release_s=release_s,
                             warmup_s=warmup_s, restart_cost_s=restart_s)
         rep = plan_report(demand, step, serving_gpus, risk=risk, timing=timing)

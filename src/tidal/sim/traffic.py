@@ -12,6 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
+from tidal.serving.requests import RequestModel
+from tidal.serving.requests import request_demand_gpus as request_demand_gpus_of
 from tidal.serving.traces import Trace, load_trace
 
 
@@ -46,3 +48,15 @@ def demand_gpus(path: str | Path, serving_gpus: int, step_s: float | None = None
     if 86400.0 % step > 1e-6:
         raise ValueError(f"{path}: the step ({step:g} s) must divide a day (the forecast's period)")
     return d, step, trace.name
+
+
+def request_demand_gpus(path: str | Path, model: RequestModel,
+                        step_s: float | None = None) -> tuple[np.ndarray, float, str]:
+    """As :func:`demand_gpus` for a trace of request rates (requests/s): demand per step is
+    ``model.gpus(mean rate of the step)`` (Erlang C, :mod:`tidal.serving.requests`), not scaled to a
+    pool; NaN at gaps."""
+    trace = load_trace(path)
+    load, gap, step = resample(trace, step_s)
+    if 86400.0 % step > 1e-6:
+        raise ValueError(f"{path}: the step ({step:g} s) must divide a day (the forecast's period)")
+    return np.array(request_demand_gpus_of(load, gap, model)), step, trace.name
