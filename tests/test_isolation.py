@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import stat
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -216,3 +217,48 @@ def test_tidal_up_as_root_without_uids_says_jobs_run_as_root():
     assert isolation_warning(None, euid=0) is not None
     assert isolation_warning(ControlConfig(isolation=IsolationConfig(uid_base=200000)), euid=0) is None
     assert isolation_warning(ControlConfig(), euid=1000) is None
+
+
+def _memory_cgroups_usable() -> str | None:
+    from tidal.exec import cgroups
+
+    probe = Path(tempfile.mkdtemp(prefix="tidal-cg-"))
+    try:
+        g = cgroups.find(probe)
+        os.rmdir(g.root)
+        return None
+    except (ValueError, OSError) as e:
+        return str(e)
+    finally:
+        shutil.rmtree(probe, ignore_errors=True)
+
+
+HOG = ("import sys; sys.stdout.write('HOG-START\\n'); sys.stdout.flush(); "
+       "b = bytearray(600 * 2**20); b[::4096] = b'x' * len(b[::4096]); print('HOG-SURVIVED')")
+
+
+def test_memory_limit_kills_only_the_rank_over_it(plane_factory):
+    """isolation.max_memory_bytes: a rank that allocates past it is killed by the kernel (its log says
+    so); a rank within it runs; the plane refuses to start when no memory cgroup can be made."""
+    why = _memory_cgroups_usable()
+    if why is not None:  # the refusal is what a user gets then: one line saying why
+        with pytest.raises(SystemExit, match="isolation.max_memory_bytes needs a memory cgroup"):
+            plane_factory(max_memory_bytes=256 * 2**20)
+        pytest.skip(f"no memory cgroup here: {why}")
+    plane = plane_factory(max_memory_bytes=256 * 2**20)
+    create_tenant(plane.store, "alice", quota_gpus=2)
+    hog = _submit(plane, "alice", "hog", f"exec {sys.executable} -c \"{HOG}\"")
+    fine = _submit(plane, "alice", "fine", f"exec {sys.executable} -c \"print('FINE-DONE')\"")
+    _run(plane, hog, fine)
+    assert plane.store.job(fine).state == "succeeded" and "FINE-DONE" in _log(plane, fine)
+    log = _log(plane, hog)
+    assert plane.store.job(hog).state == "failed" and "HOG-START" in log and "HOG-SURVIVED" not in log
+    assert "killed for memory: over isolation.max_memory_bytes (268435456 bytes)" in log
+    assert [p.name for p in plane.executor.cgroups.root.iterdir() if p.is_dir()] == []  # rank cgroups removed
+
+
+def test_memory_limit_is_checked():
+    with pytest.raises(ValueError, match="isolation.max_memory_bytes must be an integer >= 67108864"):
+        IsolationConfig(max_memory_bytes=1000)
+    with pytest.raises(ValueError, match="max_memory_bytes"):
+        IsolationConfig(max_memory_bytes=True)

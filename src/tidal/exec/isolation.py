@@ -7,6 +7,7 @@
       shm_retention_s: 3600          # an ended job's /dev/shm tier is freed after this at the latest
       max_file_bytes: null           # RLIMIT_FSIZE of every rank (null: no cap)
       max_procs: 4096                # RLIMIT_NPROC of a job's uid (only with uid_base)
+      max_memory_bytes: null         # memory cgroup limit of every rank (null: none; tidal.exec.cgroups)
 
 Always: a clean environment (the job's ``env``, the platform's variables, the names in ``pass_env``;
 ``HOME`` and ``TMPDIR`` in the job's private area), files and directories 0600/0700, no core dumps,
@@ -25,6 +26,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from tidal.exec.cgroups import MIN_MEMORY_BYTES
+
 DEFAULT_PASS_ENV = ("PATH", "PYTHONPATH", "VIRTUAL_ENV", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "LD_LIBRARY_PATH",
                     "CUDA_HOME")
 UID_SPAN = 1 << 16  # uids uid_base .. uid_base + UID_SPAN - 1
@@ -42,6 +45,7 @@ class IsolationConfig:
     shm_retention_s: float = 3600.0
     max_file_bytes: int | None = None
     max_procs: int | None = 4096
+    max_memory_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.uid_base is not None and (not isinstance(self.uid_base, int) or self.uid_base < 1000):
@@ -54,6 +58,10 @@ class IsolationConfig:
             v = getattr(self, k)
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"isolation.{k} must be a positive integer or null, got {v!r}")
+        m = self.max_memory_bytes
+        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < MIN_MEMORY_BYTES):
+            raise ValueError(f"isolation.max_memory_bytes must be an integer >= {MIN_MEMORY_BYTES} (64 MiB) or "
+                             f"null, got {m!r}")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None, where: str = "config") -> IsolationConfig:

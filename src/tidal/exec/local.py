@@ -45,7 +45,7 @@ from typing import Any
 
 from tidal import contract as c
 from tidal.contract import torchrun_env
-from tidal.exec import procs, shim
+from tidal.exec import cgroups, procs, shim
 from tidal.exec.isolation import IsolationConfig, Uids, default_shm_dir, private_dir
 from tidal.exec.progress import ProgressReader
 from tidal.exec.protocol import LaunchRequest, Observation, RankState
@@ -123,6 +123,10 @@ class LocalExecutor:
                     raise ValueError(f"isolation.uid_base: jobs' uids cannot reach {d}: {closed[0]} is not "
                                      f"searchable by others (mode {oct(os.stat(closed[0]).st_mode & 0o777)}); "
                                      "choose a state dir (and shm_dir) under world-searchable directories")
+        self.cgroups = None
+        if iso.max_memory_bytes is not None:  # refuse to start rather than drop a limit asked for
+            self.cgroups = cgroups.find(self.root)
+            cgroups.remove_empty(self.cgroups)
         self.gpu = gpu_ids is not None
         devices = list(gpu_ids) if gpu_ids is not None else list(range(slots or 0))
         serving = dict(serving_nodes or {})
@@ -295,9 +299,12 @@ class LocalExecutor:
                     "PYTHONUNBUFFERED": "1"})
         return env
 
-    def _shim_options(self, owner: tuple[int, int] | None) -> list[str]:
+    def _shim_options(self, owner: tuple[int, int] | None, req: LaunchRequest, rank: int) -> list[str]:
         iso = self.isolation
         out = ["--rlimit", "core=0"]
+        if self.cgroups is not None and iso.max_memory_bytes is not None:
+            out += ["--cgroup", str(self.cgroups.rank_dir(req.job_id, req.attempt, rank)),
+                    "--cgroup-version", str(self.cgroups.version), "--memory", str(iso.max_memory_bytes)]
         if iso.max_file_bytes is not None:
             out += ["--rlimit", f"fsize={iso.max_file_bytes}"]
         if owner is not None:
@@ -338,7 +345,8 @@ class LocalExecutor:
             out.flush()
             try:
                 p = subprocess.Popen([self.python, "-I", shim.__file__, str(adir / c.exit_file(r)),
-                                      str(adir / c.pid_file(r)), *self._shim_options(owner), "--", *req.command],
+                                      str(adir / c.pid_file(r)), *self._shim_options(owner, req, r), "--",
+                                      *req.command],
                                      stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
                                      cwd=req.workdir or self.home_dir(req.job_id),
                                      env=env, start_new_session=True)

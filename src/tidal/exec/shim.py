@@ -1,6 +1,7 @@
 """The per-rank shim: start one rank, wait for it, record its exit code. Standard library only.
 
-    python -I shim.py EXIT_FILE PID_FILE [--uid U --gid G] [--rlimit NAME=N ...] -- PROGRAM ARG...
+    python -I shim.py EXIT_FILE PID_FILE [--uid U --gid G] [--rlimit NAME=N ...]
+                      [--cgroup DIR --cgroup-version 1|2 --memory BYTES] -- PROGRAM ARG...
 
 The local executor starts one shim per rank, in a new session (its own process group), with the
 rank's environment, working directory and log file. Two things make a control-plane crash safe:
@@ -21,7 +22,10 @@ control plane knows it killed them. The shim exits with the rank's code (128 + n
 Isolation (:mod:`tidal.exec.isolation`): the shim itself keeps the executor's user (it writes the exit
 and pid files into the attempt directory, which the job may not write), and starts the rank with
 ``--uid``/``--gid`` (no supplementary groups), umask 077 and the ``--rlimit`` limits (``core``,
-``fsize``, ``nproc``, ``nofile``; lowered in the child only, before ``exec``).
+``fsize``, ``nproc``, ``nofile``; lowered in the child only, before ``exec``). With ``--cgroup`` the
+shim creates that memory cgroup, sets its limit, joins it before starting the rank (which inherits it),
+and after the rank ended says in the rank's log when the kernel killed it for memory, then leaves the
+cgroup and removes it (:mod:`tidal.exec.cgroups`).
 """
 
 from __future__ import annotations
@@ -43,15 +47,19 @@ def _write(path: str, doc: dict) -> None:
 
 
 RLIMITS = {"core": "RLIMIT_CORE", "fsize": "RLIMIT_FSIZE", "nproc": "RLIMIT_NPROC", "nofile": "RLIMIT_NOFILE"}
-USAGE = "usage: shim.py EXIT_FILE PID_FILE [--uid U --gid G] [--rlimit NAME=N ...] -- PROGRAM ARG..."
+USAGE = ("usage: shim.py EXIT_FILE PID_FILE [--uid U --gid G] [--rlimit NAME=N ...] "
+         "[--cgroup DIR --cgroup-version 1|2 --memory BYTES] -- PROGRAM ARG...")
+LIMIT_FILE = {1: "memory.limit_in_bytes", 2: "memory.max"}
 
 
 def _options(args: list[str]) -> tuple[dict, list[str]] | None:
     opts: dict = {"rlimits": {}}
     i = 0
     while i < len(args) and args[i] != "--":
-        if args[i] in ("--uid", "--gid") and i + 1 < len(args):
+        if args[i] in ("--uid", "--gid", "--memory", "--cgroup-version") and i + 1 < len(args):
             opts[args[i][2:]] = int(args[i + 1])
+        elif args[i] == "--cgroup" and i + 1 < len(args):
+            opts["cgroup"] = args[i + 1]
         elif args[i] == "--rlimit" and i + 1 < len(args) and "=" in args[i + 1]:
             name, _, value = args[i + 1].partition("=")
             if name not in RLIMITS:
@@ -60,9 +68,48 @@ def _options(args: list[str]) -> tuple[dict, list[str]] | None:
         else:
             return None
         i += 2
-    if i >= len(args) - 1:
+    if i >= len(args) - 1 or ("cgroup" in opts) != ("memory" in opts):
+        return None
+    if "cgroup" in opts and opts.get("cgroup-version") not in LIMIT_FILE:
         return None
     return opts, args[i + 1:]
+
+
+def _join_cgroup(opts: dict) -> None:
+    """Create the rank's memory cgroup, set its limit and move this shim into it (the rank inherits it)."""
+    d = opts["cgroup"]
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, LIMIT_FILE[opts["cgroup-version"]]), "w") as f:
+        f.write(str(opts["memory"]))
+    with open(os.path.join(d, "cgroup.procs"), "w") as f:
+        f.write(str(os.getpid()))
+
+
+def _oom_kills(opts: dict) -> int:
+    """How many processes the kernel killed in the rank's cgroup for memory (v2: memory.events; v1:
+    memory.oom_control's oom_kill, else whether the limit was hit at all: memory.failcnt)."""
+    d = opts["cgroup"]
+    name = "memory.events" if opts["cgroup-version"] == 2 else "memory.oom_control"
+    try:
+        with open(os.path.join(d, name)) as f:
+            fields = dict(line.split() for line in f if len(line.split()) == 2)
+        if "oom_kill" in fields:
+            return int(fields["oom_kill"])
+        with open(os.path.join(d, "memory.failcnt")) as f:
+            return int(f.read().strip() or 0)
+    except (OSError, ValueError):
+        return 0
+
+
+def _leave_cgroup(opts: dict) -> None:
+    """Back to the parent's parent (the plane's own cgroup), then remove the rank's cgroup."""
+    d = opts["cgroup"]
+    try:
+        with open(os.path.join(os.path.dirname(os.path.dirname(d)), "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+        os.rmdir(d)
+    except OSError:
+        pass  # the plane removes empty rank cgroups at start
 
 
 def _limit(rlimits: dict) -> None:
@@ -90,6 +137,8 @@ def main(argv: list[str]) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     try:
+        if "cgroup" in opts:
+            _join_cgroup(opts)
         kw: dict = {}
         if "uid" in opts:
             kw.update(user=opts["uid"], group=opts.get("gid", opts["uid"]), extra_groups=[])
@@ -102,7 +151,13 @@ def main(argv: list[str]) -> int:
         return 127
     _write(pid_file, {"pid": proc.pid, "time": time.time()})
     code = proc.wait()
-    _write(exit_file, {"code": code, "time": time.time()})
+    doc: dict = {"code": code, "time": time.time()}
+    if "cgroup" in opts:
+        if code < 0 and _oom_kills(opts):
+            doc["error"] = f"killed for memory: over isolation.max_memory_bytes ({opts['memory']} bytes)"
+            print(f"tidal: the rank was {doc['error']}", file=sys.stderr, flush=True)
+        _leave_cgroup(opts)
+    _write(exit_file, doc)
     return code if code >= 0 else 128 - code
 
 
