@@ -349,3 +349,28 @@ def test_tier_list_goes_to_the_ranks(world):
     import json
 
     assert json.loads(env["TIDAL_CKPT_TIERS"]) == tiers
+
+
+def test_why_a_job_waits_is_stored_from_the_scheduler_and_cleared_when_it_starts(world, tmp_path):
+    """The controller stores the scheduler's own reason (jobs.waiting), the API shows it, it is cleared
+    once the job runs, and a restarted controller clears one left from before."""
+    from tidal.control.views import job_view
+
+    store, ex, ctl, clock = world
+    a = submit(store, "lab", clock(), name="a", gpus=3)
+    b = submit(store, "lab", clock(), name="b", gpus=2)
+    ctl.step(clock())
+    assert store.job(a).waiting is None
+    w = store.job(b).waiting
+    assert w["reason"].startswith("waiting: needs 2 GPUs, 1 free") and w["until_s"] is None
+    assert job_view(store.job(b), clock())["waiting"] == w
+    ctl.step(clock.advance(1))
+    assert store.job(b).waiting == w
+    ex.exit(a, 0)
+    ctl.step(clock.advance(1))
+    ctl.step(clock.advance(1))
+    assert state(store, b) in ("admitted", "running") and store.job(b).waiting is None
+    store.update(b, waiting={"reason": "stale", "until_s": None})
+    ctl2 = Controller(store, ex, CFG, ckpt_root=tmp_path / "jobs")
+    ctl2.step(clock.advance(1))
+    assert store.job(b).waiting is None

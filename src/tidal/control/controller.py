@@ -30,6 +30,7 @@ so tests step it with a fake clock and a fake executor. It is not thread-safe: o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from pathlib import Path
@@ -55,6 +56,7 @@ from tidal.model import (
     Shrink,
     Snapshot,
     Tenant,
+    Waiting,
 )
 from tidal.policy.ckpt_interval import plan_ckpt_intervals
 from tidal.policy.scheduler import schedule
@@ -79,6 +81,8 @@ class Controller:
         self.loans = loans
         self._events: list[tuple[str, str, dict | None]] = []  # loan events of this step, stored with the ledger
         self._shm_swept_s = float("-inf")
+        # job id -> why it waits or does not grow, as stored (the scheduler's reasons; see _note_waiting)
+        self._waiting: dict[str, dict] = {j.id: j.waiting for j in store.active_jobs() if j.waiting}
         if loans is not None:
             serving = {n.name: n.gpus for n in self.nodes if n.pool == "serving"}
             if serving != loans.nodes:
@@ -132,13 +136,25 @@ class Controller:
             used, wants = self._holdings(wants=True)
             self._events = self._events + self.loans.tick(now_s, used, wants)
         snap = self.snapshot(now_s)  # 4. decide
-        decisions: list[Decision] = list(schedule(snap, self.config.scheduler))
+        why: dict[str, Waiting] = {}
+        decisions: list[Decision] = list(schedule(snap, self.config.scheduler, why=why))
         decisions += self._intervals(snap)
         for d in decisions:  # 5. act
             self._apply(d, now_s)
+        self._note_waiting(why)
         self._save_loans(now_s)
         self.sweep_shm(now_s)
         return decisions
+
+    def _note_waiting(self, why: dict[str, Waiting]) -> None:
+        """Store why each job waits or does not grow (``jobs.waiting``), for the jobs where that changed;
+        a job the scheduler gave no reason (admitted, grown to its maximum, ended) has it cleared."""
+        new = {jid: {"reason": w.reason, "until_s": w.until_s} for jid, w in why.items()}
+        for jid in self._waiting.keys() | new.keys():
+            if self._waiting.get(jid) != new.get(jid):
+                with contextlib.suppress(NotFound):  # deleted meanwhile
+                    self.store.update(jid, waiting=new.get(jid))
+        self._waiting = new
 
     def _holdings(self, wants: bool = False) -> tuple[dict[str, int], int]:
         """(node -> GPUs jobs hold, serving GPUs spot jobs could use now) from one read of the store.

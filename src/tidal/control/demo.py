@@ -46,6 +46,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 from rich.live import Live
+from rich.markup import escape
 from rich.panel import Panel
 from rich.progress_bar import ProgressBar
 from rich.table import Table
@@ -161,8 +162,8 @@ def _clock(t: float) -> str:
 
 def event_line(e: dict) -> str:
     if e["kind"] == "transition":
-        return f"{e['from'] or 'new'} -> {_state(e['to'])}: {e['message']}"
-    return f"[bold]{e['kind']}[/bold]: {e['message']}"
+        return f"{e['from'] or 'new'} -> {_state(e['to'])}: {escape(e['message'])}"
+    return f"[bold]{escape(e['kind'])}[/bold]: {escape(e['message'])}"
 
 
 def _tiers(p: dict) -> str:
@@ -503,7 +504,7 @@ def demo(ctx: typer.Context,
     try:
         opts.check()
     except DemoError as e:
-        err.print(f"[red]error:[/red] {e}", highlight=False)
+        err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False)
         raise typer.Exit(2) from None
 
     def on_term(*_: Any) -> None:
@@ -517,7 +518,7 @@ def demo(ctx: typer.Context,
                   highlight=False)
         raise typer.Exit(130) from None
     except (DemoError, ApiError) as e:
-        err.print(f"[red]error:[/red] {e}", highlight=False)
+        err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False)
         raise typer.Exit(1) from None
     finally:
         if old_term is not None:

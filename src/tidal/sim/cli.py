@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import typer
+from rich.markup import escape
 
 from tidal.policy.ckpt_interval import LLAMA3_FAILURES_PER_GPU_HOUR
 from tidal.sim.config import SIM_NOTICE_S
@@ -102,7 +103,7 @@ def sim_command(
     out, err = _consoles(json_out)
 
     def log(s: str) -> None:
-        err.print(f"[dim]{s}[/]", highlight=False)
+        err.print(f"[dim]{escape(s)}[/]", highlight=False)
 
     names = _split(policy, POLICIES, "--policy")
     ckpts = _split(ckpt, CKPT_MODES, "--ckpt")
@@ -194,7 +195,7 @@ def plan_command(
     render_plan(rep, out)
     if png is not None:
         plot_plan(rep, str(png))
-        err.print(f"[dim]wrote {png}[/]", highlight=False)
+        err.print(f"[dim]wrote {escape(str(png))}[/]", highlight=False)
     if json_out:
         print(json.dumps(clean(rep), indent=2))
 
