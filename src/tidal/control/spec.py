@@ -154,7 +154,7 @@ class JobSpec(_Strict):
     name: str = Field(description="a name: letters, digits, '.', '_', '-' (the job id is <name>-<n>)")
     kind: Literal["spot", "dedicated"] = "spot"
     priority: int = Field(default=0, ge=-1000, le=1000)
-    gpus: Annotated[GpuRange, BeforeValidator(_gpus)]
+    gpus: Annotated[GpuRange, BeforeValidator(_gpus, json_schema_input_type=Annotated[int, Field(ge=1)] | GpuRange)]
     command: list[Annotated[str, Field(max_length=MAX_ARG_CHARS)]] = Field(
         min_length=1, max_length=MAX_ARGS, description="argument list; never run through a shell")
     workdir: str | None = Field(default=None, max_length=MAX_PATH_CHARS,
