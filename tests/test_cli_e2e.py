@@ -140,6 +140,20 @@ def test_submit_wait_in_a_terminal(plane, tmp_path):
     assert "succeeded" in out and "\x1b[" in out  # a terminal gets colours (and the live progress line)
 
 
+# ------------------------------------------------- 10. overrides at submit time, a run: shell script
+def test_overrides_and_a_run_script(plane, tmp_path):
+    f = job_file(tmp_path, "script", 'gpus: 1\nrun: |\n  echo "$GREETING from rank $RANK of $WORLD_SIZE" | tr a-z A-Z\n')
+    r = tidal(plane, "submit", f, "--gpus", "2", "--env", "GREETING=hi", "--name", "shouty", "--wait")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "submitted shouty-" in r.stdout and "(spot, 2 GPUs)" in r.stdout
+    assert "HI FROM RANK 0 OF 2" in r.stdout.splitlines(), r.stdout
+    job = submitted(r.stdout)
+    assert "HI FROM RANK 1 OF 2" in tidal(plane, "logs", job, "--rank", "1").stdout
+    assert plane.admin.job(job)["spec"]["command"][:2] == ["bash", "-c"]
+    r = tidal(plane, "submit", f, "--gpus", "two")
+    assert r.returncode == 1 and "--gpus: expected N or MIN-MAX" in r.stderr
+
+
 # ----------------------------------------------------------- 3. -o json|yaml|wide, --version, completion
 def test_machine_readable_output_version_and_completion(plane, tmp_path):
     r = tidal(plane, "submit", job_file(tmp_path, "out", "gpus: 1\n" + py("print('x')")), "--wait")

@@ -181,11 +181,23 @@ def load_spec_file(path: Path) -> dict:
 def submit(file: Annotated[Path, typer.Argument(help="job spec (YAML)")],
            wait: Annotated[bool, typer.Option("--wait", help="follow the job until it ends")] = False,
            quiet: Annotated[bool, typer.Option("--quiet", "-q", help="with --wait: events only, not the job's output")]
-           = False) -> None:
+           = False,
+           name: Annotated[str | None, typer.Option(help="override the spec's name")] = None,
+           gpus: Annotated[str | None, typer.Option(help="override gpus: N, or MIN-MAX (elastic)")] = None,
+           env: Annotated[list[str] | None, typer.Option("--env", "-e", help="add or override K=V (repeat)")] = None,
+           kind: Annotated[str | None, typer.Option(help="override the kind: spot or dedicated")] = None,
+           priority: Annotated[int | None, typer.Option(help="override the priority")] = None,
+           ) -> None:
     """Submit a job; with --wait, stream its output (rank 0) and events until it ends (exit code 0 if it
-    succeeded; a failure shows the last lines of the failing rank's log)."""
+    succeeded; a failure shows the last lines of the failing rank's log).
+
+    The spec (YAML): name; gpus (N, or min, max, multiple_of); command (an argument list, never run
+    through a shell) or run (a shell script, run as bash -c); kind (spot or dedicated); priority; workdir
+    (default: the YAML's folder); env; checkpoint (url or tiers, interval_s); max_restarts; grace_s.
+    Every field is described in docs/control.md (The job spec). The options above override the file.
+    """
     try:
-        spec = load_spec_file(file)
+        spec = apply_overrides(load_spec_file(file), name=name, gpus=gpus, env=env, kind=kind, priority=priority)
         job = _client().submit(spec)
     except ApiError as e:
         if e.errors:
@@ -201,6 +213,36 @@ def submit(file: Annotated[Path, typer.Argument(help="job spec (YAML)")],
     con.print(f"submitted [bold]{escape(job['id'])}[/bold] ({escape(job['kind'])}, {_gpus(job['gpus'])})")
     if wait:
         raise typer.Exit(_wait(job["id"], con, logs=not quiet))
+
+
+def apply_overrides(doc: dict, *, name: str | None = None, gpus: str | None = None, env: list[str] | None = None,
+                    kind: str | None = None, priority: int | None = None) -> dict:
+    """The spec with the command line's overrides (``--gpus 4`` or ``2-8``, ``--env K=V``, ...); the
+    server checks the result like any spec. ``ValueError`` names a malformed option."""
+    out = dict(doc)
+    if name is not None:
+        out["name"] = name
+    if kind is not None:
+        out["kind"] = kind
+    if priority is not None:
+        out["priority"] = priority
+    if gpus is not None:
+        lo, sep, hi = gpus.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"--gpus: expected N or MIN-MAX (e.g. 4 or 2-8), got {gpus!r}")
+        g = out.get("gpus")
+        keep = {"multiple_of": g["multiple_of"]} if isinstance(g, dict) and "multiple_of" in g else {}
+        out["gpus"] = {"min": int(lo), "max": int(hi), **keep} if sep else (
+            {"min": int(lo), **keep} if keep else int(lo))
+    if env:
+        merged = dict(out.get("env") or {}) if isinstance(out.get("env"), dict) else {}
+        for item in env:
+            k, eq, v = item.partition("=")
+            if not eq or not k:
+                raise ValueError(f"--env: expected K=V, got {item!r}")
+            merged[k] = v
+        out["env"] = merged
+    return out
 
 
 def _wait(job_id: str, con: Console, *, logs: bool = True, poll_s: float = 0.5) -> int:
