@@ -117,7 +117,7 @@ def test_submit_wait_streams_output_and_a_failure_shows_the_failing_rank_log(pla
     assert r.returncode == 0, r.stdout + r.stderr
     lines = r.stdout.splitlines()
     said = lines.index("hello [bold]from[/bold] rank 0")
-    done = next(i for i, ln in enumerate(lines) if ": succeeded — all 1 ranks exited 0" in ln)
+    done = next(i for i, ln in enumerate(lines) if ": succeeded — its only rank exited 0" in ln)
     assert said < done, r.stdout
     assert "submitted hello-" in r.stdout and "(spot, 1 GPU)" in r.stdout
     typo = job_file(tmp_path, "typo", f"gpus: 1\nmax_restarts: 0\ncommand: [{sys.executable}, trian.py]\n")
@@ -152,6 +152,21 @@ def test_overrides_and_a_run_script(plane, tmp_path):
     assert plane.admin.job(job)["spec"]["command"][:2] == ["bash", "-c"]
     r = tidal(plane, "submit", f, "--gpus", "two")
     assert r.returncode == 1 and "--gpus: expected N or MIN-MAX" in r.stderr
+
+
+# --------------------------------------------------------------------------- 7. misleading messages
+def test_a_busy_port_and_a_client_without_its_server_say_so(plane, tmp_path):
+    port = plane.url.rsplit(":", 1)[1]
+    r = subprocess.run([sys.executable, "-c", RUN, "up", "--gpus", "1", "--port", port, "--state-dir",
+                        str(tmp_path / "second")], capture_output=True, text=True, timeout=60, env=env_for(plane))
+    assert r.returncode == 1 and f"port {port} on 127.0.0.1 is already in use (another tidal up?" in r.stderr, r.stderr
+    assert "Errno" not in r.stderr and not (tmp_path / "second" / "tidal.db").exists()
+    lonely = str(tmp_path / "lonely")
+    r = tidal(plane, "jobs", TIDAL_STATE_DIR=lonely)
+    assert r.returncode == 1 and f"the default API address http://127.0.0.1:8470 (no api.url in {lonely}" in r.stderr
+    r = tidal(plane, "jobs", TIDAL_STATE_DIR=lonely, TIDAL_API_URL=plane.url)
+    assert r.returncode == 1 and "missing or unknown bearer token" in r.stderr, r.stderr
+    assert f"API address from $TIDAL_API_URL; no token (no $TIDAL_TOKEN, no admin.token in {lonely})" in r.stderr
 
 
 # ----------------------------------------------------------- 3. -o json|yaml|wide, --version, completion

@@ -140,7 +140,7 @@ def test_cli_against_the_server(plane, tmp_path, monkeypatch):
     assert "hello from rank 0" in run(app, ["logs", job]).output
     assert "succeeded" in run(app, ["status", job]).output
     assert job in run(app, ["jobs"]).output
-    assert "-> succeeded: all 1 ranks exited 0" in run(app, ["events", job]).output
+    assert "-> succeeded: its only rank exited 0" in run(app, ["events", job]).output
     assert "free" in run(app, ["pool"]).output
     (tmp_path / "bad.yaml").write_text("name: bad\ngpus: {min: 0}\ncommand: python x.py\n")
     r = run(app, ["submit", str(tmp_path / "bad.yaml")])

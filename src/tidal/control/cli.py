@@ -25,7 +25,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from tidal.control.client import ApiError, TidalClient, default_token, default_url
+from tidal.control.client import ApiError, TidalClient, default_token, default_url, origin
 from tidal.control.follow import LogFollower, Reconnecting, failing_rank, log_tail
 
 TERMINAL = ("succeeded", "failed", "cancelled")
@@ -64,7 +64,12 @@ def _client() -> TidalClient:
 
 
 def _fail(e: Exception | str) -> None:
-    _console(stderr=True).print(Text.assemble(("error: ", "red"), str(e)), soft_wrap=True)
+    """One line on stderr, exit code 1. An error the client's set-up may explain (no server, a refused
+    token) says where the API address and token came from."""
+    msg = str(e)
+    if isinstance(e, ApiError) and e.status in (0, 401):
+        msg += f" [{origin()}]"
+    _console(stderr=True).print(Text.assemble(("error: ", "red"), msg), soft_wrap=True)
     raise typer.Exit(1)
 
 
@@ -129,12 +134,13 @@ def up(host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.
 
     from tidal.control.client import state_dir as default_state_dir
     from tidal.control.config import ControlConfig
-    from tidal.control.server import build, serve
+    from tidal.control.server import bind, build, serve
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.umask(0o077)  # the database, logs, tokens and job directories: the plane's own, 0600/0700
     try:
         cfg = ControlConfig.load(config) if config else ControlConfig()
+        sock = bind(host, port)
     except (OSError, ValueError, TypeError) as e:
         _fail(e)
     plane = build(state_dir or default_state_dir(), gpus, db, cfg)
@@ -143,7 +149,7 @@ def up(host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.
         _console().print(Text(line), soft_wrap=True)
         sys.stdout.flush()
 
-    serve(plane, host, port, announce=announce)
+    serve(plane, host, port, announce=announce, sock=sock)
 
 
 # --------------------------------------------------------------------------------------- submit

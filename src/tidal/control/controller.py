@@ -111,7 +111,7 @@ class Controller:
             if ob is not None and ob.alive:
                 pids = [r.pid for r in ob.alive]
                 self.store.record("adopted", f"control plane restarted: re-adopted attempt {job.attempt}, "
-                                  f"{len(pids)} of {len(ob.ranks)} ranks running (pids {pids})", now_s, job=job,
+                                  f"{len(pids)} of {_n(len(ob.ranks), 'rank')} running (pids {pids})", now_s, job=job,
                                   data={"attempt": job.attempt, "pids": pids})
             elif ob is not None and not all(r.vanished for r in ob.ranks):
                 self.store.record("adopted", f"control plane restarted: attempt {job.attempt} ended meanwhile; "
@@ -235,11 +235,11 @@ class Controller:
                 return
         if st == S.ADMITTED:
             pids = [r.pid for r in ob.alive]
-            self.store.transition(job.id, S.RUNNING, now_s, f"{len(pids)} ranks running (pids {pids})")
+            self.store.transition(job.id, S.RUNNING, now_s, f"{_n(len(pids), 'rank')} running (pids {pids})")
         elif st in STOPPING and not job.killed and job.stop_deadline_s is not None and now_s >= job.stop_deadline_s:
             self.executor.kill(job.id)
             self.store.update(job.id, killed=True)
-            self.store.record("kill", f"grace expired while {st}: SIGKILL to {len(ob.alive)} ranks", now_s, job=job)
+            self.store.record("kill", f"grace expired while {st}: SIGKILL to {_n(len(ob.alive), 'rank')}", now_s, job=job)
 
     def _hang(self, job: JobRow, ob: Observation, now_s: float) -> str | None:
         cfg, p = self.config, ob.progress
@@ -295,7 +295,7 @@ class Controller:
             torn = [r.rank for r in ob.ranks if r.ended]
             how = (f"finished{at} (exit codes {codes}: ranks {torn} died in the interpreter's teardown after "
                    "closing cleanly, counted as 0)") if torn else f"exited 0{at}"
-            self.store.transition(job.id, S.SUCCEEDED, now_s, f"all {len(codes)} ranks {how}", data=data, finished_s=now_s, placement={}, releasing={},
+            self.store.transition(job.id, S.SUCCEEDED, now_s, ("its only rank " if len(codes) == 1 else f"all {len(codes)} ranks ") + how, data=data, finished_s=now_s, placement={}, releasing={},
                                   **base)
         elif outcome == "cancelled":
             self.store.transition(job.id, S.CANCELLED, now_s, f"cancelled; exit codes {codes}", data=data,
@@ -423,7 +423,7 @@ class Controller:
             self._finish(job, Observation(job.id, attempt, now_s, ()), now_s)
             return
         self.store.update(job.id, handle=handle)
-        self.store.record("launch", f"attempt {attempt}: {req.world_size} ranks started", now_s, job=job,
+        self.store.record("launch", f"attempt {attempt}: {_n(req.world_size, 'rank')} started", now_s, job=job,
                           data=handle)
 
     def _default_ckpt(self, job: JobRow) -> str | None:
@@ -503,6 +503,11 @@ class Controller:
 # ----------------------------------------------------------------------------------------- helpers
 def _requeue_fields() -> dict[str, Any]:
     return {"placement": {}, "releasing": {}, "started_s": None, "handle": None}
+
+
+def _n(n: int, word: str) -> str:
+    """``1 rank``, ``2 ranks``."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
 def _code(r: RankState) -> int | None:
