@@ -409,13 +409,26 @@ def status(job: Annotated[str, typer.Argument(help="job id")],
         con.print(Text(f"  step {_num(p.get('step'))} (restored {_num(p.get('start_step'))}), loss "
                        f"{_num(p.get('loss'), '{:.4f}')}, {_num(p.get('steps_per_s'), '{:.2f}')} steps/s, "
                        f"heartbeat phase {p.get('phase') or '-'}; checkpoints: {tiers}"), soft_wrap=True)
-    con.print(Text(f"  {_ckpt_line(ck)}"), soft_wrap=True)
+    con.print(Text(f"  {_ckpt_line(ck)}; {_cadence(j)}"), soft_wrap=True)
     if j.get("handle"):
         con.print(Text(f"  attempt {j['attempt']}: pids {[r['pid'] for r in j['handle'].get('ranks', [])]}, "
                        f"devices {j['handle'].get('devices')}"), soft_wrap=True)
     _summary(j, con, c, evs)
     for e in evs[-12:]:
         con.print(f"  [dim]{_clock(e['time_s'])}[/dim] {_event_line(e)}", soft_wrap=True)
+
+
+def _cadence(j: dict) -> str:
+    """Which checkpoint cadence is in effect: the job's own steps, the spec's seconds, or the platform's."""
+    own = (j.get("progress") or {}).get("ckpt_every_steps")
+    fixed = ((j.get("spec") or {}).get("checkpoint") or {}).get("interval_s", "auto")
+    if own:
+        return f"cadence: every {own} steps (the job's own)"
+    if fixed != "auto":
+        return f"cadence: every {_num(fixed)} s (the spec's interval_s)"
+    if j.get("ckpt_interval_s"):
+        return f"cadence: every {j['ckpt_interval_s']:.0f} s (the platform's, interval_s: auto)"
+    return "cadence: the platform's (interval_s: auto), set once a save's stall is measured"
 
 
 def _ckpt_line(ck: dict) -> str:

@@ -65,6 +65,7 @@ log = logging.getLogger(__name__)
 
 S = State
 SHM_SWEEP_S = 5.0  # how often ended jobs' shared-memory directories are looked at
+ANNOUNCE_INTERVAL_S = 600.0  # a job's checkpoint-interval changes are announced (as events) at most this often
 RESUMABLE_CODES = frozenset({0, EXIT_PREEMPTED, -15, 128 + 15})  # -15/143: SIGTERM before the session existed
 
 
@@ -81,6 +82,8 @@ class Controller:
         self.loans = loans
         self._events: list[tuple[str, str, dict | None]] = []  # loan events of this step, stored with the ledger
         self._shm_swept_s = float("-inf")
+        self._announced: dict[str, tuple[float, int]] = {}  # job -> (last ckpt_interval event time, changes since)
+        self._own_cadence: set[str] = set()  # jobs told that their own step cadence wins
         # job id -> why it waits or does not grow, as stored (the scheduler's reasons; see _note_waiting)
         self._waiting: dict[str, dict] = {j.id: j.waiting for j in store.active_jobs() if j.waiting}
         if loans is not None:
@@ -138,7 +141,7 @@ class Controller:
         snap = self.snapshot(now_s)  # 4. decide
         why: dict[str, Waiting] = {}
         decisions: list[Decision] = list(schedule(snap, self.config.scheduler, why=why))
-        decisions += self._intervals(snap)
+        decisions += self._intervals(snap, now_s)
         for d in decisions:  # 5. act
             self._apply(d, now_s)
         self._note_waiting(why)
@@ -190,11 +193,28 @@ class Controller:
         if self.loans.take_dirty() or events:
             self.store.put_doc(LOANS_DOC, self.loans.dump(), now_s, events)
 
-    def _intervals(self, snap: Snapshot) -> list[SetCkptInterval]:
-        """Checkpoint intervals for running jobs whose spec says ``interval_s: auto``."""
-        planned = plan_ckpt_intervals(snap, self.config.ckpt_interval)  # pure; usually empty
-        return [d for d in planned
-                if (self.store.job(d.job).spec.get("checkpoint") or {}).get("interval_s", "auto") == "auto"]
+    def _intervals(self, snap: Snapshot, now_s: float) -> list[SetCkptInterval]:
+        """Checkpoint intervals for running jobs whose spec says ``interval_s: auto``, unless the job
+        checkpoints on its own step cadence (its session reports ``ckpt_every_steps``: from
+        ``TIDAL_CKPT_INTERVAL_STEPS`` or its code): that cadence wins, said once in its events, and
+        the platform sends it no interval (its timer stays at the policy's cap)."""
+        out = []
+        for d in plan_ckpt_intervals(snap, self.config.ckpt_interval):  # pure; usually empty
+            job = self.store.job(d.job)
+            if (job.spec.get("checkpoint") or {}).get("interval_s", "auto") != "auto":
+                continue
+            own = (job.progress or {}).get("ckpt_every_steps")
+            if own:
+                if job.id not in self._own_cadence:
+                    self._own_cadence.add(job.id)
+                    cap = job.ckpt_interval_s or self.config.ckpt_interval.max_interval_s
+                    self.store.record("ckpt_interval", f"checkpoint cadence: every {own} steps, the job's own "
+                                      f"(TIDAL_CKPT_INTERVAL_STEPS or its code); the platform's interval is not "
+                                      f"applied (its timer stays at {cap:.0f} s)", now_s, job=job,
+                                      data={"own_steps": own, "interval_s": cap})
+                continue
+            out.append(d)
+        return out
 
     # ------------------------------------------------------------------------------------ reconcile
     def _reconcile(self, job: JobRow, ob: Observation | None, now_s: float) -> None:
@@ -355,9 +375,15 @@ class Controller:
             self.store.update(job.id, ckpt_interval_s=d.interval_s)
             self.executor.configure(job.id, {"ckpt_interval_s": d.interval_s})
             stall = f"{job.ckpt_stall_s:.3g} s" if job.ckpt_stall_s is not None else "unmeasured"
+            last_s, quiet = self._announced.get(job.id, (float("-inf"), 0))
+            if now_s - last_s < ANNOUNCE_INTERVAL_S:  # applied, announced with the next change worth one
+                self._announced[job.id] = (last_s, quiet + 1)
+                return
+            more = f"; {quiet} more change(s) since the last announcement" if quiet else ""
+            self._announced[job.id] = (now_s, 0)
             self.store.record("ckpt_interval", f"checkpoint every {d.interval_s:.0f} s (was "
-                              f"{f'{was:.0f} s' if was else 'the default'}; measured stall {stall})", now_s,
-                              job=job, data={"interval_s": d.interval_s, "was": was})
+                              f"{f'{was:.0f} s' if was else 'the default'}; measured stall {stall}{more})", now_s,
+                              job=job, data={"interval_s": d.interval_s, "was": was, "unannounced": quiet})
         elif isinstance(d, Admit):
             g = sum(d.placement.values())
             where = ", ".join(f"{n}: {k}" for n, k in d.placement.items())

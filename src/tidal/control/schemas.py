@@ -104,6 +104,7 @@ class JobDetail(Job):
     spec: dict[str, Any] = Field(description="the job spec as stored (see JobSpec)")
     handle: dict[str, Any] | None = Field(description="the attempt's ranks (pids) and devices, while it runs")
     retry_at_s: float | None
+    ckpt_interval_s: float | None = Field(description="the interval the platform set (interval_s: auto), if any")
 
 
 class LogChunk(_Answer):

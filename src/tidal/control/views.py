@@ -26,6 +26,7 @@ def job_view(j: JobRow, now_s: float, *, detail: bool = False) -> dict[str, Any]
         out["spec"] = j.spec
         out["handle"] = j.handle
         out["retry_at_s"] = j.retry_at_s
+        out["ckpt_interval_s"] = j.ckpt_interval_s
     return out
 
 
