@@ -87,7 +87,8 @@ def sim_command(
     hindsight: bool = typer.Option(False, "--hindsight", help="Also tune reactive and night-window margins with "
                                    "hindsight to the shortfall budget (bisection over runs) and compare."),
     plot: Path | None = typer.Option(None, "--plot", help="Write a timeline PNG (demand, forecast, lent, training)."),
-    plot_start_day: float = typer.Option(0.0, "--plot-start-day"),
+    plot_start_day: float | None = typer.Option(None, "--plot-start-day",
+                                                help="First day plotted (default: --warmup-days, where scoring starts)."),
     plot_days: float = typer.Option(2.0, "--plot-days"),
     json_out: bool = typer.Option(False, "--json", help="One JSON object on stdout (tables go to stderr)."),
 ) -> None:
@@ -157,9 +158,10 @@ def sim_command(
         report.render_table(rows, out, title=f"at budget {shortfall_budget:g}: tidal vs baselines tuned with hindsight")
         metrics.update({f"{k} @ {shortfall_budget:g}": v for k, v in rows.items() if k != "tidal" and k != "oracle"})
     if plot is not None:
+        first = warmup_days if plot_start_day is None else plot_start_day
         report.plot_timeline({k: v.timeline for k, v in results.items()}, plot, serving_gpus=serving_gpus,
-                             start_day=plot_start_day, days=plot_days, title=title)
-        log(f"wrote {plot}")
+                             start_day=first, days=plot_days, title=title)
+        log(f"wrote {plot} (days {first:g} to {first + plot_days:g}; scored from day {warmup_days:g})")
     if json_out:
         print(report.to_json(metrics))
 
