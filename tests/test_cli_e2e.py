@@ -120,6 +120,7 @@ def test_submit_wait_streams_output_and_a_failure_shows_the_failing_rank_log(pla
     done = next(i for i, ln in enumerate(lines) if ": succeeded — its only rank exited 0" in ln)
     assert said < done, r.stdout
     assert "submitted hello-" in r.stdout and "(spot, 1 GPU)" in r.stdout
+    assert "restarts 0, preemptions 0, shrinks 0, grows 0, lost work 0.0 s (0 steps)" in r.stdout
     typo = job_file(tmp_path, "typo", f"gpus: 1\nmax_restarts: 0\ncommand: [{sys.executable}, trian.py]\n")
     r = tidal(plane, "submit", typo, "--wait")
     assert r.returncode == 1, r.stdout + r.stderr

@@ -261,6 +261,7 @@ def _wait(job_id: str, con: Console, *, logs: bool = True, poll_s: float = 0.5) 
     api = Reconnecting(_client, lambda m: con.print(Text(m, style="yellow"), soft_wrap=True), poll_s)
     follower = LogFollower(job_id, [0])
     seen, shown, shown_at = 0, "", 0.0
+    history: list[dict] = []
     live = Live(console=con, refresh_per_second=4, transient=True) if tty else None
     try:
         if live is not None:
@@ -270,6 +271,7 @@ def _wait(job_id: str, con: Console, *, logs: bool = True, poll_s: float = 0.5) 
                 j = api.call(lambda c: c.job(job_id))
                 for e in api.call(lambda c, after=seen: c.events(job_id, after=after)):
                     seen = e["id"]
+                    history.append(e)
                     con.print(f"[dim]{_clock(e['time_s'])}[/dim] {_event_line(e)}", soft_wrap=True)
                 if logs:
                     for _, line in api.call(follower.poll):
@@ -293,7 +295,7 @@ def _wait(job_id: str, con: Console, *, logs: bool = True, poll_s: float = 0.5) 
             live.stop()
     for _, line in follower.rest():
         con.print(Text(line), soft_wrap=True)
-    _summary(j, con, api.client)
+    _summary(j, con, api.client, history)
     return 0 if j["state"] == "succeeded" else 1
 
 
@@ -316,11 +318,19 @@ def _progress_line(j: dict) -> str:
     return " | ".join(parts)
 
 
+def _resizes(events: list[dict] | None) -> str:
+    """``, shrinks 1, grows 2`` from the job's transitions to resizing (a shrink is not a preemption)."""
+    if events is None:
+        return ""
+    to = [e["message"] for e in events if e.get("kind") == "transition" and e.get("to") == "resizing"]
+    return (f", shrinks {sum(m.startswith('shrink') for m in to)}, grows {sum(m.startswith('grow') for m in to)}")
+
+
 def _summary(j: dict, con: Console, c: TidalClient | None = None, events: list[dict] | None = None) -> None:
     r = j["report"]
     con.print(f"{escape(j['id'])}: {_state(j['state'])}" + (f" — {escape(j['message'])}" if j["message"] else ""),
               soft_wrap=True)
-    con.print(f"  attempts {j['attempt']}, restarts {r['restarts']}, preemptions {r['preemptions']}, "
+    con.print(f"  attempts {j['attempt']}, restarts {r['restarts']}, preemptions {r['preemptions']}{_resizes(events)}, "
               f"lost work {r['lost_work_s']:.1f} s ({_plural(r['lost_steps'], 'step')}), "
               f"ETTR {_num(r['ettr'], '{:.2f}')}", soft_wrap=True)
     if c is not None and j["state"] in ("failed", "backoff"):
