@@ -629,7 +629,7 @@ WHY = [
     pytest.param(nodes((8, 8)), [run("d0", {"t0": 8}, "a", "dedicated"), pend("d1", "a", "dedicated", 8),
                                  pend("d2", "a", "dedicated", 8, submit_s=5)],
                  {"d1": "tenant a's quota is full (8 of 8 GPUs held by its dedicated jobs",
-                  "d2": "queued behind d1 (tenant a's dedicated queue at priority 0)"}, id="quota-full-and-behind"),
+                  "d2": "queued behind earlier jobs in tenant a's dedicated queue at priority 0"}, id="quota-full-and-behind"),
     pytest.param(nodes((8,)), [run("r", {"t0": 2}, "b", priority=5), pend("x", min=8)],
                  {"x": "needs 8 GPUs, 6 free; nothing may be preempted or shrunk for it (spot, priority 0)"},
                  id="no-room-no-victims"),

@@ -30,7 +30,6 @@ so tests step it with a fake clock and a fake executor. It is not thread-safe: o
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 from pathlib import Path
@@ -153,10 +152,8 @@ class Controller:
         """Store why each job waits or does not grow (``jobs.waiting``), for the jobs where that changed;
         a job the scheduler gave no reason (admitted, grown to its maximum, ended) has it cleared."""
         new = {jid: {"reason": w.reason, "until_s": w.until_s} for jid, w in why.items()}
-        for jid in self._waiting.keys() | new.keys():
-            if self._waiting.get(jid) != new.get(jid):
-                with contextlib.suppress(NotFound):  # deleted meanwhile
-                    self.store.update(jid, waiting=new.get(jid))
+        self.store.set_waiting({jid: new.get(jid) for jid in self._waiting.keys() | new.keys()
+                                if self._waiting.get(jid) != new.get(jid)})  # one transaction
         self._waiting = new
 
     def _holdings(self, wants: bool = False) -> tuple[dict[str, int], int]:

@@ -410,6 +410,17 @@ class Store:
                 setattr(row, k, v)
         return row
 
+    def set_waiting(self, changes: dict[str, dict | None]) -> None:
+        """Set ``jobs.waiting`` of many jobs in one transaction (job id -> ``{reason, until_s}`` or None);
+        ids no longer in the store are skipped."""
+        if not changes:
+            return
+        ids = list(changes)
+        with self._write() as s:
+            for i in range(0, len(ids), 500):  # bounded IN lists
+                for row in s.scalars(select(JobRow).where(JobRow.id.in_(ids[i:i + 500]))):
+                    row.waiting = changes[row.id]
+
     def _get(self, s: Session, job_id: str) -> JobRow:
         row = s.scalars(select(JobRow).where(JobRow.id == job_id)).first()
         if row is None:

@@ -201,8 +201,8 @@ def _explain_queues(c: Cycle, admitted: dict[str, tuple[int, Job]]) -> None:
                 elif ahead is None:
                     why[j.id] = Waiting(f"waiting its turn: the scheduler stopped this cycle after "
                                         f"{c.cfg.max_skips_per_cycle} jobs that could not start")
-                else:
-                    why[j.id] = Waiting(f"queued behind {ahead.id} (tenant {tenant}'s {kind} queue at "
-                                        f"priority {prio})")
+                else:  # not naming the job ahead: the reasons of a long queue stay put as its head moves
+                    why[j.id] = Waiting(f"queued behind earlier jobs in tenant {tenant}'s {kind} queue at "
+                                        f"priority {prio}")
             if ahead is None:
                 ahead = j
