@@ -27,7 +27,7 @@ def test_no_command_lists_them_all():
 
 
 def test_the_summary_counts_shrinks_and_grows_apart_from_preemptions():
-    from tidal.control.cli import _resizes
+    from tidal.control.cli_show import resizes as _resizes
 
     evs = [{"kind": "transition", "to": "resizing", "message": "shrink to 1 GPUs (demand, for b-2)"},
            {"kind": "transition", "to": "running", "message": "1 rank running"},

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from tidal.control.cli import load_spec_file
+from tidal.control.jobfile import load_spec_file
 from tidal.control.spec import parse_spec, spec_errors
 
 GOOD = {"name": "gpt", "gpus": 2, "command": ["python", "train.py"]}
@@ -98,7 +98,7 @@ def test_run_is_a_shell_script_run_by_bash():
     ({"env": ["A=1", "B=x=y", "C="]}, {"env": {"KEEP": "k", "A": "1", "B": "x=y", "C": ""}}),
 ])
 def test_submit_overrides(opts, want):
-    from tidal.control.cli import apply_overrides
+    from tidal.control.jobfile import apply_overrides
 
     doc = {"name": "gpt", "gpus": 2, "command": ["python"], "env": {"KEEP": "k", "A": "0"}}
     assert apply_overrides(doc, **opts) == {**doc, **want}
@@ -106,7 +106,7 @@ def test_submit_overrides(opts, want):
 
 
 def test_submit_overrides_keep_multiple_of_and_name_bad_options():
-    from tidal.control.cli import apply_overrides
+    from tidal.control.jobfile import apply_overrides
 
     assert apply_overrides({"gpus": {"min": 2, "multiple_of": 2}}, gpus="4-8")["gpus"] == {
         "min": 4, "max": 8, "multiple_of": 2}
