@@ -4,7 +4,7 @@ for the terminal case) against a real ``tidal up`` on a loopback port, with real
 Covers what a user meets in the first hour (issue 18): bracketed text is printed as written, never
 read as markup; ``submit --wait`` streams the job's output and a failure shows the failing rank's
 last log lines; ``-o json|yaml|wide``, ``--version`` and shell completion; why a job waits, from the
-scheduler; ``logs -f`` through a restart of ``tidal up``, all ranks interleaved; the Prometheus
+scheduler; ``logs -f`` (all ranks interleaved) and ``submit --wait`` through a restart of ``tidal up``; the Prometheus
 label names. Every process started here is stopped at the end, also on failure, by pid.
 """
 
@@ -239,20 +239,29 @@ def test_metrics_use_job_id_not_prometheus_job_label(plane, tmp_path):
 def test_logs_follow_all_ranks_through_a_restart_of_the_plane(plane, tmp_path):
     code = ("import os, time\nr = os.environ['RANK']\nfor i in range(30):\n"
             "    print(f'r{r} line {i}', flush=True); time.sleep(0.25)")
-    job = submitted(tidal(plane, "submit", job_file(tmp_path, "chatty", "gpus: 2\n" + py(code))).stdout)
-    f = subprocess.Popen([sys.executable, "-c", RUN, "logs", job, "-f", "--rank", "all"], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=env_for(plane))
+    w = subprocess.Popen([sys.executable, "-c", RUN, "submit", job_file(tmp_path, "chatty", "gpus: 2\n" + py(code)),
+                          "--wait"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_for(plane))
+    f = None
     try:
+        job = submitted(w.stdout.readline())  # submit --wait and logs -f follow the same job through the restart
+        f = subprocess.Popen([sys.executable, "-c", RUN, "logs", job, "-f", "--rank", "all"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env_for(plane))
         wait_until("the job running", lambda: plane.admin.job(job)["state"] == "running")
         time.sleep(1.0)
         plane.crash()
         time.sleep(1.0)
         plane.start()
         out, err = f.communicate(timeout=120)
+        wout, werr = w.communicate(timeout=120)
     finally:
-        if f.poll() is None:
-            f.kill()
-            f.wait()
+        for proc in (w, f):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert w.returncode == 0, wout + werr
+    assert "lost the Tidal API" in wout and "the Tidal API is back" in wout and "succeeded" in wout, wout
+    streamed = [ln for ln in wout.splitlines() if ln.startswith("r0 line ")]
+    assert streamed == [f"r0 line {i}" for i in range(30)], wout  # rank 0's output, whole, through the restart
     assert f.returncode == 0, err
     assert "lost the Tidal API" in err and "the Tidal API is back" in err, err
     lines = out.splitlines()
