@@ -420,7 +420,8 @@ def test_export_one_entry_without_its_prefix(url, tmp_path):
     assert meta["tidal.entry"] == "model" and json.loads(meta["tidal.objects"]) == []
     assert json.loads(r.stdout)["tensors"] == 4
     r = run("export", url, out, "--entry", "optim")
-    assert r.exit_code == 1 and "--entry 'optim': no tensor under it; the checkpoint's entries: model, scale" in r.output
+    assert r.exit_code == 1
+    assert "--entry 'optim': no tensor under it; the checkpoint's entries: model, scale" in r.output
 
 
 def test_export_falls_back_to_disk_when_shm_copy_is_corrupt(url, tmp_path):

@@ -4,8 +4,8 @@ for the terminal case) against a real ``tidal up`` on a loopback port, with real
 Covers what a user meets in the first hour (issue 18): bracketed text is printed as written, never
 read as markup; ``submit --wait`` streams the job's output and a failure shows the failing rank's
 last log lines; ``-o json|yaml|wide``, ``--version`` and shell completion; why a job waits, from the
-scheduler; ``logs -f`` (all ranks interleaved) and ``submit --wait`` through a restart of ``tidal up``; the Prometheus
-label names. Every process started here is stopped at the end, also on failure, by pid.
+scheduler; ``logs -f`` (all ranks interleaved) and ``submit --wait`` through a restart of ``tidal up``;
+the Prometheus label names. Every process started here is stopped at the end, also on failure, by pid.
 """
 
 from __future__ import annotations
@@ -52,15 +52,26 @@ def env_for(plane: Plane, **extra: str) -> dict[str, str]:
 
 
 def tidal(plane: Plane, *args: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", RUN, *args], capture_output=True, text=True, timeout=timeout,
-                          env=env_for(plane, **env))
+    return subprocess.run(
+        [sys.executable, "-c", RUN, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env_for(plane, **env),
+    )
 
 
 def in_pty(plane: Plane, *args: str, timeout: float = 120) -> tuple[int, str]:
     """Run ``tidal ARGS`` with a pseudo-terminal as stdout and stderr; (exit code, what it printed)."""
     main, sub = pty.openpty()
-    p = subprocess.Popen([sys.executable, "-c", RUN, *args], stdout=sub, stderr=sub, stdin=subprocess.DEVNULL,
-                         env=env_for(plane, TERM="xterm", COLUMNS="200"), close_fds=True)
+    p = subprocess.Popen(
+        [sys.executable, "-c", RUN, *args],
+        stdout=sub,
+        stderr=sub,
+        stdin=subprocess.DEVNULL,
+        env=env_for(plane, TERM="xterm", COLUMNS="200"),
+        close_fds=True,
+    )
     os.close(sub)
     out = b""
     deadline = time.monotonic() + timeout
@@ -129,12 +140,23 @@ def test_submit_wait_streams_output_and_a_failure_shows_the_failing_rank_log(pla
     assert "can't open file" in tail and "trian.py': [Errno 2]" in tail, r.stdout
     job = submitted(r.stdout)
     r = tidal(plane, "status", job)
-    assert r.returncode == 0 and "the last lines of rank 0's log" in r.stdout and "[Errno 2]" in r.stdout, r.stdout
+    assert r.returncode == 0 and "the last lines of rank 0's log" in r.stdout and "[Errno 2]" in r.stdout, (
+        r.stdout
+    )
 
 
 def test_submit_wait_in_a_terminal(plane, tmp_path):
-    code, out = in_pty(plane, "submit", job_file(tmp_path, "tty", "gpus: 1\n" + py(
-        "import time\nfor i in range(3): print(f'tick {i}', flush=True); time.sleep(0.3)")), "--wait")
+    code, out = in_pty(
+        plane,
+        "submit",
+        job_file(
+            tmp_path,
+            "tty",
+            "gpus: 1\n"
+            + py("import time\nfor i in range(3): print(f'tick {i}', flush=True); time.sleep(0.3)"),
+        ),
+        "--wait",
+    )
     assert code == 0, out
     for i in range(3):
         assert f"tick {i}" in out
@@ -143,7 +165,11 @@ def test_submit_wait_in_a_terminal(plane, tmp_path):
 
 # ------------------------------------------------- 10. overrides at submit time, a run: shell script
 def test_overrides_and_a_run_script(plane, tmp_path):
-    f = job_file(tmp_path, "script", 'gpus: 1\nrun: |\n  echo "$GREETING from rank $RANK of $WORLD_SIZE" | tr a-z A-Z\n')
+    f = job_file(
+        tmp_path,
+        "script",
+        'gpus: 1\nrun: |\n  echo "$GREETING from rank $RANK of $WORLD_SIZE" | tr a-z A-Z\n',
+    )
     r = tidal(plane, "submit", f, "--gpus", "2", "--env", "GREETING=hi", "--name", "shouty", "--wait")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "submitted shouty-" in r.stdout and "(spot, 2 GPUs)" in r.stdout
@@ -158,16 +184,39 @@ def test_overrides_and_a_run_script(plane, tmp_path):
 # --------------------------------------------------------------------------- 7. misleading messages
 def test_a_busy_port_and_a_client_without_its_server_say_so(plane, tmp_path):
     port = plane.url.rsplit(":", 1)[1]
-    r = subprocess.run([sys.executable, "-c", RUN, "up", "--gpus", "1", "--port", port, "--state-dir",
-                        str(tmp_path / "second")], capture_output=True, text=True, timeout=60, env=env_for(plane))
-    assert r.returncode == 1 and f"port {port} on 127.0.0.1 is already in use (another tidal up?" in r.stderr, r.stderr
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            RUN,
+            "up",
+            "--gpus",
+            "1",
+            "--port",
+            port,
+            "--state-dir",
+            str(tmp_path / "second"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env_for(plane),
+    )
+    assert (
+        r.returncode == 1 and f"port {port} on 127.0.0.1 is already in use (another tidal up?" in r.stderr
+    ), r.stderr
     assert "Errno" not in r.stderr and not (tmp_path / "second" / "tidal.db").exists()
     lonely = str(tmp_path / "lonely")
     r = tidal(plane, "jobs", TIDAL_STATE_DIR=lonely)
-    assert r.returncode == 1 and f"the default API address http://127.0.0.1:8470 (no api.url in {lonely}" in r.stderr
+    assert (
+        r.returncode == 1
+        and f"the default API address http://127.0.0.1:8470 (no api.url in {lonely}" in r.stderr
+    )
     r = tidal(plane, "jobs", TIDAL_STATE_DIR=lonely, TIDAL_API_URL=plane.url)
     assert r.returncode == 1 and "missing or unknown bearer token" in r.stderr, r.stderr
-    assert f"API address from $TIDAL_API_URL; no token (no $TIDAL_TOKEN, no admin.token in {lonely})" in r.stderr
+    assert (
+        f"API address from $TIDAL_API_URL; no token (no $TIDAL_TOKEN, no admin.token in {lonely})" in r.stderr
+    )
 
 
 # ----------------------------------------------------------- 3. -o json|yaml|wide, --version, completion
@@ -190,8 +239,12 @@ def test_machine_readable_output_version_and_completion(plane, tmp_path):
     r = tidal(plane, "--version")
     assert r.returncode == 0 and r.stdout.startswith("tidal ")
     r = subprocess.run(
-        [sys.executable, "-c", RUN], capture_output=True, text=True, timeout=60,
-        env=env_for(plane, _TIDAL_COMPLETE="complete_bash", COMP_WORDS="tidal jo", COMP_CWORD="1"))
+        [sys.executable, "-c", RUN],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env_for(plane, _TIDAL_COMPLETE="complete_bash", COMP_WORDS="tidal jo", COMP_CWORD="1"),
+    )
     assert "jobs" in r.stdout.split(), r.stdout + r.stderr
     r = tidal(plane, "--show-completion", "bash")
     assert r.returncode == 0 and "_TIDAL_COMPLETE" in r.stdout
@@ -208,25 +261,37 @@ def test_a_waiting_job_says_why(plane, tmp_path):
         table = tidal(plane, "jobs").stdout
         row = next(ln for ln in table.splitlines() if ln.strip().startswith(small))
         assert "waiting: needs 1 GPU, 0 free" in row, table
-        assert "\n  waiting: needs 1 GPU, 0 free; nothing may be preempted" in tidal(plane, "status", small).stdout
+        assert (
+            "\n  waiting: needs 1 GPU, 0 free; nothing may be preempted"
+            in tidal(plane, "status", small).stdout
+        )
         assert plane.admin.job(big)["waiting"] is None
     finally:
         for j in (big, small):
             tidal(plane, "cancel", j)
-        wait_until("both cancelled", lambda: all(plane.admin.job(j)["state"] == "cancelled" for j in (big, small)))
+        wait_until(
+            "both cancelled", lambda: all(plane.admin.job(j)["state"] == "cancelled" for j in (big, small))
+        )
 
 
 # -------------------------------------------------------------------------- 11. Prometheus label names
 def test_metrics_use_job_id_not_prometheus_job_label(plane, tmp_path):
     from prometheus_client.parser import text_string_to_metric_families
 
-    job = submitted(tidal(plane, "submit", job_file(tmp_path, "m", "gpus: 1\n" + py(
-        "import time; time.sleep(600)"))).stdout)
+    job = submitted(
+        tidal(
+            plane, "submit", job_file(tmp_path, "m", "gpus: 1\n" + py("import time; time.sleep(600)"))
+        ).stdout
+    )
     try:
         wait_until("running", lambda: plane.admin.job(job)["state"] == "running")
         fams = list(text_string_to_metric_families(plane.admin.metrics()))
         labels = {k for f in fams for s in f.samples for k in s.labels}
-        assert "job_id" in labels and not labels & {"job", "instance"} and not any(k.startswith("__") for k in labels)
+        assert (
+            "job_id" in labels
+            and not labels & {"job", "instance"}
+            and not any(k.startswith("__") for k in labels)
+        )
         gpus = next(f for f in fams if f.name == "tidal_job_gpus")
         assert any(s.labels["job_id"] == job and s.value == 1 for s in gpus.samples)
         assert all(f.name.startswith("tidal_") for f in fams)
@@ -237,15 +302,29 @@ def test_metrics_use_job_id_not_prometheus_job_label(plane, tmp_path):
 
 # --------------------------------------------- 5. logs -f through a restart of tidal up, all ranks
 def test_logs_follow_all_ranks_through_a_restart_of_the_plane(plane, tmp_path):
-    code = ("import os, time\nr = os.environ['RANK']\nfor i in range(30):\n"
-            "    print(f'r{r} line {i}', flush=True); time.sleep(0.25)")
-    w = subprocess.Popen([sys.executable, "-c", RUN, "submit", job_file(tmp_path, "chatty", "gpus: 2\n" + py(code)),
-                          "--wait"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_for(plane))
+    code = (
+        "import os, time\nr = os.environ['RANK']\nfor i in range(30):\n"
+        "    print(f'r{r} line {i}', flush=True); time.sleep(0.25)"
+    )
+    w = subprocess.Popen(
+        [sys.executable, "-c", RUN, "submit", job_file(tmp_path, "chatty", "gpus: 2\n" + py(code)), "--wait"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env_for(plane),
+    )
     f = None
     try:
-        job = submitted(w.stdout.readline())  # submit --wait and logs -f follow the same job through the restart
-        f = subprocess.Popen([sys.executable, "-c", RUN, "logs", job, "-f", "--rank", "all"], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, env=env_for(plane))
+        job = submitted(
+            w.stdout.readline()
+        )  # submit --wait and logs -f follow the same job through the restart
+        f = subprocess.Popen(
+            [sys.executable, "-c", RUN, "logs", job, "-f", "--rank", "all"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env_for(plane),
+        )
         wait_until("the job running", lambda: plane.admin.job(job)["state"] == "running")
         time.sleep(1.0)
         plane.crash()
@@ -261,7 +340,9 @@ def test_logs_follow_all_ranks_through_a_restart_of_the_plane(plane, tmp_path):
     assert w.returncode == 0, wout + werr
     assert "lost the Tidal API" in wout and "the Tidal API is back" in wout and "succeeded" in wout, wout
     streamed = [ln for ln in wout.splitlines() if ln.startswith("r0 line ")]
-    assert streamed == [f"r0 line {i}" for i in range(30)], wout  # rank 0's output, whole, through the restart
+    assert streamed == [f"r0 line {i}" for i in range(30)], (
+        wout
+    )  # rank 0's output, whole, through the restart
     assert f.returncode == 0, err
     assert "lost the Tidal API" in err and "the Tidal API is back" in err, err
     lines = out.splitlines()

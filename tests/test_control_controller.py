@@ -383,7 +383,8 @@ def test_checkpoint_cadence_the_jobs_own_wins_and_interval_changes_do_not_chatte
     from tidal.control.controller import ANNOUNCE_INTERVAL_S
 
     store, ex, ctl, clock = world
-    ctl.config = replace(CFG, ckpt_interval=CkptIntervalConfig(failure_rate_per_gpu_hour=10.0, change_ratio=0.01))
+    knobs = CkptIntervalConfig(failure_rate_per_gpu_hour=10.0, change_ratio=0.01)
+    ctl.config = replace(CFG, ckpt_interval=knobs)
     own = submit(store, "lab", clock(), name="own", gpus=1)
     auto = submit(store, "lab", clock(), name="auto", gpus=1)
     ctl.step(clock())
@@ -392,8 +393,8 @@ def test_checkpoint_cadence_the_jobs_own_wins_and_interval_changes_do_not_chatte
         ex.beat(auto, clock(), step=i + 1, ckpt_stall_s=5.0 + (i % 2) * 20)  # flips between two intervals
         ctl.step(clock())
     own_events = [e.message for e in store.events(job_id=own) if e.kind == "ckpt_interval"]
-    assert own_events == ["checkpoint cadence: every 25 steps, the job's own (TIDAL_CKPT_INTERVAL_STEPS or its "
-                          "code); the platform's interval is not applied (its timer stays at 3600 s)"]
+    assert own_events == ["checkpoint cadence: every 25 steps, the job's own (TIDAL_CKPT_INTERVAL_STEPS or "
+                          "its code); the platform's interval is not applied (its timer stays at 3600 s)"]
     assert not [c for c in ex.calls if c[0] == "configure" and c[1] == own]
     changes = [c for c in ex.calls if c[0] == "configure" and c[1] == auto]
     told = [e for e in store.events(job_id=auto) if e.kind == "ckpt_interval"]

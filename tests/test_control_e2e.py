@@ -73,8 +73,9 @@ def test_preempt_resume_failures_hang_and_crash(plane):
     lab = TidalClient(plane.url, admin.create_tenant("lab", quota_gpus=0, weight=1.0)["token"])
     spot = lab.submit(train_spec("sweep", 1_000_000, tmp, max_restarts=0))["id"]
     wait_for("a checkpoint of the spot job", lambda: (lab.job(spot)["progress"].get("ckpt_step") or 0) >= 10, admin)
-    assert lab.job(spot)["progress"]["ckpt_every_steps"] == 10  # its own cadence (TIDAL_CKPT_INTERVAL_STEPS) wins:
-    wait_for("the cadence said once", lambda: [e for e in lab.events(spot) if e["kind"] == "ckpt_interval"], admin)
+    assert lab.job(spot)["progress"]["ckpt_every_steps"] == 10  # its own (TIDAL_CKPT_INTERVAL_STEPS) wins:
+    wait_for("the cadence said once", lambda: [e for e in lab.events(spot) if e["kind"] == "ckpt_interval"],
+             admin)
     (cadence,) = [e for e in lab.events(spot) if e["kind"] == "ckpt_interval"]
     assert cadence["message"].startswith("checkpoint cadence: every 10 steps, the job's own")
 

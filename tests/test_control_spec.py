@@ -39,7 +39,7 @@ def test_defaults_and_gpu_forms():
     ({"command": []}, "command: List should have at least 1 item"),
     ({"command": ["python", 3]}, "command[1]: Input should be a valid string"),
     ({"command": ...}, "command: Field required: an argument list, e.g. [python, train.py] (or run: a shell"),
-    ({"run": "python train.py"}, "command: give command (an argument list) or run (a shell script), not both"),
+    ({"run": "python train.py"}, "command: give command (an argument list) or run (a shell script), not"),
     ({"command": ..., "run": ""}, "run: String should have at least 1 character"),
     ({"kind": "cheap"}, "kind: Input should be 'spot' or 'dedicated'"),
     ({"name": "no spaces"}, "name: expected 1-63 letters"),
@@ -111,6 +111,7 @@ def test_submit_overrides_keep_multiple_of_and_name_bad_options():
     assert apply_overrides({"gpus": {"min": 2, "multiple_of": 2}}, gpus="4-8")["gpus"] == {
         "min": 4, "max": 8, "multiple_of": 2}
     for bad, msg in (({"gpus": "four"}, "--gpus: expected N or MIN-MAX"), ({"gpus": "2-"}, "--gpus"),
-                     ({"env": ["NOEQUALS"]}, "--env: expected K=V, got 'NOEQUALS'"), ({"env": ["=v"]}, "--env")):
+                     ({"env": ["NOEQUALS"]}, "--env: expected K=V, got 'NOEQUALS'"),
+                     ({"env": ["=v"]}, "--env")):
         with pytest.raises(ValueError, match=msg):
             apply_overrides({}, **bad)

@@ -37,8 +37,16 @@ class Checked:
         self.doc = doc
         self.seen: set[tuple[str, str, str]] = set()
 
-    def __call__(self, method: str, route: str, want: int, token: str | None = None, *, path: str | None = None,
-                 **kw: Any) -> httpx.Response:
+    def __call__(
+        self,
+        method: str,
+        route: str,
+        want: int,
+        token: str | None = None,
+        *,
+        path: str | None = None,
+        **kw: Any,
+    ) -> httpx.Response:
         headers = {**kw.pop("headers", {}), **({"Authorization": f"Bearer {token}"} if token else {})}
         r = self.http.request(method, path or route, headers=headers, **kw)
         assert r.status_code == want, (method, path or route, r.status_code, r.text)
@@ -48,8 +56,11 @@ class Checked:
         content = declared.get("content", {})
         if r.headers["content-type"].startswith("application/json"):
             schema = content["application/json"]["schema"]
-            jsonschema.validate(r.json(), {**schema, "components": self.doc["components"]},
-                                cls=jsonschema.Draft202012Validator)
+            jsonschema.validate(
+                r.json(),
+                {**schema, "components": self.doc["components"]},
+                cls=jsonschema.Draft202012Validator,
+            )
         else:
             assert "text/plain" in content, (route, r.headers["content-type"])
         self.seen.add((method.lower(), route, str(r.status_code)))
@@ -60,7 +71,10 @@ def test_the_document_is_valid_and_every_answer_matches_it(plane):
     doc = httpx.get(plane.url + "/openapi.json").json()
     validate(doc)
     assert doc["components"]["securitySchemes"]["bearer"] == {
-        "type": "http", "scheme": "bearer", "description": "a tenant's token (TIDAL_TOKEN)"}
+        "type": "http",
+        "scheme": "bearer",
+        "description": "a tenant's token (TIDAL_TOKEN)",
+    }
     gpus = doc["components"]["schemas"]["JobSpec"]["properties"]["gpus"]["anyOf"]
     assert {"minimum": 1, "type": "integer"} in gpus  # gpus: 1 is accepted, and declared
     for path, ops in doc["paths"].items():
@@ -79,8 +93,14 @@ def test_the_document_is_valid_and_every_answer_matches_it(plane):
     call("POST", "/v1/tenants", 409, admin, json={"name": "lab"})
     call("POST", "/v1/tenants", 422, admin, json={"name": "no spaces"})
     call("POST", "/v1/tenants", 403, lab, json={"name": "x"})
-    call("POST", "/v1/tenants", 413, admin, content=b"{" + b" " * (2 << 20) + b"}",
-         headers={"Content-Type": "application/json"})
+    call(
+        "POST",
+        "/v1/tenants",
+        413,
+        admin,
+        content=b"{" + b" " * (2 << 20) + b"}",
+        headers={"Content-Type": "application/json"},
+    )
     call("GET", "/v1/tenants", 200, admin)
     call("GET", "/v1/tenants", 403, lab)
 
@@ -91,8 +111,12 @@ def test_the_document_is_valid_and_every_answer_matches_it(plane):
     call("POST", "/v1/jobs", 413, lab, content=b"[" + b"1," * (1 << 20) + b"1]")
     wait_until("the job to succeed", lambda: plane.admin.job(job)["state"] == "succeeded")
     sleep = [sys.executable, "-c", "import time; time.sleep(600)"]
-    big = call("POST", "/v1/jobs", 201, lab, json={**spec, "name": "big", "gpus": {"min": 2}, "command": sleep})
-    waiting = call("POST", "/v1/jobs", 201, lab, json={**spec, "name": "small", "command": sleep}).json()["id"]
+    big = call(
+        "POST", "/v1/jobs", 201, lab, json={**spec, "name": "big", "gpus": {"min": 2}, "command": sleep}
+    )
+    waiting = call("POST", "/v1/jobs", 201, lab, json={**spec, "name": "small", "command": sleep}).json()[
+        "id"
+    ]
     call("GET", "/v1/jobs", 200, lab)
     call("GET", "/v1/jobs", 422, lab, path="/v1/jobs?state=nonsense")
     wait_until("a reason", lambda: plane.admin.job(waiting)["waiting"])

@@ -27,7 +27,9 @@ RUN = "import sys; from tidal.cli import main; sys.argv[0] = 'tidal'; main()"
 def session() -> tuple[list[str], str]:
     """(the ``tidal up`` line's arguments, the rest of the block)."""
     text = (ROOT / "README.md").read_text()
-    m = re.search(r"<!-- readme-session: begin -->\n```sh\n(.*?)```\n<!-- readme-session: end -->", text, re.S)
+    m = re.search(
+        r"<!-- readme-session: begin -->\n```sh\n(.*?)```\n<!-- readme-session: end -->", text, re.S
+    )
     assert m, "README.md: no readme-session block"
     first, rest = m.group(1).split("\n", 1)
     cmd = shlex.split(first.split("#", 1)[0])
@@ -40,10 +42,15 @@ def test_the_readme_session_runs_as_written(tmp_path, monkeypatch):
     assert up_args[0] == "--gpus"
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name, run in (("tidal", f'-c "{RUN}" '), ("python", "")):  # scripts: a venv's python found by its path
+    for name, run in (
+        ("tidal", f'-c "{RUN}" '),
+        ("python", ""),
+    ):  # scripts: a venv's python found by its path
         (bin_dir / name).write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} {run}"$@"\n')
         (bin_dir / name).chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")  # the plane's jobs find python too
+    monkeypatch.setenv(
+        "PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
+    )  # the plane's jobs find python too
     work = tmp_path / "work"
     work.mkdir()
     (work / "src").symlink_to(ROOT / "src")
@@ -52,9 +59,14 @@ def test_the_readme_session_runs_as_written(tmp_path, monkeypatch):
     try:
         plane.start()
         env = {k: v for k, v in os.environ.items() if k not in ("TIDAL_API_URL", "TIDAL_TOKEN")}
-        r = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=work, capture_output=True, text=True,
-                           timeout=300, env={**env, "TIDAL_STATE_DIR": str(plane.state), "OMP_NUM_THREADS": "1",
-                                             "COLUMNS": "200"})
+        r = subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", script],
+            cwd=work,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**env, "TIDAL_STATE_DIR": str(plane.state), "OMP_NUM_THREADS": "1", "COLUMNS": "200"},
+        )
     finally:
         plane.stop()
     assert r.returncode == 0, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr}"

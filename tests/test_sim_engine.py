@@ -159,7 +159,8 @@ def test_cli_sweep_and_plan(trace, tmp_path):
     rep = json.loads(res.stdout)
     assert rep["lead_time_s"] == 1200 and len(rep["by_hour"]) == 24
     res = CliRunner().invoke(app, ["plan", str(trace), "--serving-gpus", str(N)])
-    assert "columns: idle GPU-h/day = " in res.stdout and "tidal lent GPU-h/day = what the tidal policy" in res.stdout
+    assert "columns: idle GPU-h/day = " in res.stdout
+    assert "tidal lent GPU-h/day = what the tidal policy" in res.stdout
     assert 0 < rep["lendable_gpu_hours_per_day_at_risk"] <= rep["idle_gpu_hours_per_day"]
 
 

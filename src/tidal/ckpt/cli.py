@@ -496,13 +496,15 @@ def _get(state: dict, path: tuple) -> Any:
 
 
 def _entry_prefix(entry: str | None, man: Any) -> tuple:
-    """``--entry model/sub`` as a path prefix; ``ValueError`` naming the entries there are if it holds no tensor."""
+    """``--entry model/sub`` as a path prefix; ``ValueError`` naming the entries there are if it holds
+    no tensor."""
     if entry is None:
         return ()
     prefix = tuple(x for x in entry.strip().strip("/").split("/") if x)
     if not prefix or not any(tuple(t.path[:len(prefix)]) == prefix for t in man.tensors.values()):
         tops = sorted({str(t.path[0]) for t in man.tensors.values() if t.path})
-        raise ValueError(f"--entry {entry!r}: no tensor under it; the checkpoint's entries: {', '.join(tops)}")
+        raise ValueError(f"--entry {entry!r}: no tensor under it; the checkpoint's entries: "
+                         f"{', '.join(tops)}")
     return prefix
 
 

@@ -67,9 +67,10 @@ from tidal.model import Node
 
 MAX_LOG_CHUNK_BYTES = 1 << 20
 MAX_BODY_BYTES = 1 << 20  # a request body (a job spec is a few hundred bytes)
-ERRORS = {400: "the body is not UTF-8 JSON", 401: "missing or unknown bearer token", 403: "only the admin may do this",
-          404: "not found (another tenant's job is not found either)", 409: "conflicts with the current state",
-          413: "request body too large", 422: "refused: each field named", 503: "the store is unavailable"}
+ERRORS = {400: "the body is not UTF-8 JSON", 401: "missing or unknown bearer token",
+          403: "only the admin may do this", 404: "not found (another tenant's job is not found either)",
+          409: "conflicts with the current state", 413: "request body too large",
+          422: "refused: each field named", 503: "the store is unavailable"}
 
 
 @dataclass
@@ -183,7 +184,8 @@ def _doc(ok: Any, *errors: int, status: int = 200) -> dict[str, Any]:
     the real answers against this)."""
     out: dict[int | str, dict[str, Any]] = {status: {"model": ok}} if ok is not None else {}
     for code in (*errors, 503):
-        out[code] = {"model": sc.ValidationProblem if code == 422 else sc.Problem, "description": ERRORS[code]}
+        model = sc.ValidationProblem if code == 422 else sc.Problem
+        out[code] = {"model": model, "description": ERRORS[code]}
     return {"responses": out, "response_model": None}
 
 
@@ -241,7 +243,8 @@ def create_app(ctx: ApiContext) -> FastAPI:
         return {"ok": True}
 
     @app.get("/metrics", response_class=Response, responses={
-        200: {"description": "Prometheus text format 0.0.4", "content": {"text/plain": {"schema": {"type": "string"}}}},
+        200: {"description": "Prometheus text format 0.0.4",
+              "content": {"text/plain": {"schema": {"type": "string"}}}},
         **{k: v for k, v in _doc(None, 401, 403)["responses"].items()}})
     def prometheus(_: Annotated[TenantRow, Depends(admin)]) -> Response:
         return Response(metrics.render(reg), media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -255,7 +258,8 @@ def create_app(ctx: ApiContext) -> FastAPI:
     spec_schema = JobSpec.model_json_schema(ref_template="#/components/schemas/{model}")
     spec_defs = spec_schema.pop("$defs", {})
 
-    @app.post("/v1/jobs", status_code=201, **_doc(sc.JobDetail, 400, 401, 413, 422, status=201), openapi_extra={"requestBody": {"required": True, "content": {
+    @app.post("/v1/jobs", status_code=201, **_doc(sc.JobDetail, 400, 401, 413, 422, status=201),
+              openapi_extra={"requestBody": {"required": True, "content": {
         "application/json": {"schema": {"$ref": "#/components/schemas/JobSpec"}}}}})
     async def submit(request: Request, me: Caller) -> Response:
         """Submit a job spec (JSON); 201 with the job. 413 over the body limit, 400 for a body that is not
@@ -442,7 +446,8 @@ def create_app(ctx: ApiContext) -> FastAPI:
                                                          "description": "a tenant's token (TIDAL_TOKEN)"}}
             for ops in doc["paths"].values():
                 for op in ops.values():
-                    op["parameters"] = [p for p in op.get("parameters", []) if p["name"].lower() != "authorization"]
+                    op["parameters"] = [p for p in op.get("parameters", [])
+                                        if p["name"].lower() != "authorization"]
                     if not op["parameters"]:
                         del op["parameters"]
                     if "401" in op.get("responses", {}):

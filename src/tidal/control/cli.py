@@ -54,13 +54,16 @@ def _fail(e: Exception | str) -> None:
 
 
 # ------------------------------------------------------------------------------------------- up
-def up(host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
-       port: Annotated[int, typer.Option(help="TCP port (0: any free port; see <state dir>/api.url)")] = 8470,
-       gpus: Annotated[str, typer.Option(help="'auto' (NVIDIA GPUs) or N CPU slots")] = "auto",
-       db: Annotated[str | None, typer.Option(help="SQLAlchemy URL (default: SQLite in the state dir)")] = None,
-       state_dir: Annotated[Path | None, typer.Option(help="database, jobs, logs, tokens (default ~/.tidal)")] = None,
-       config: Annotated[Path | None, typer.Option(help="YAML of control-plane knobs (docs/control.md)")] = None,
-       ) -> None:
+def up(
+    host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port (0: any free port; see <state dir>/api.url)")] = 8470,
+    gpus: Annotated[str, typer.Option(help="'auto' (NVIDIA GPUs) or N CPU slots")] = "auto",
+    db: Annotated[str | None, typer.Option(help="SQLAlchemy URL (default: SQLite in the state dir)")] = None,
+    state_dir: Annotated[
+        Path | None, typer.Option(help="database, jobs, logs, tokens (default ~/.tidal)")
+    ] = None,
+    config: Annotated[Path | None, typer.Option(help="YAML of control-plane knobs (docs/control.md)")] = None,
+) -> None:
     """Run the control plane: REST API, reconcile loop and local executor, in one process."""
     import logging
 
@@ -87,16 +90,18 @@ def up(host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.
 # --------------------------------------------------------------------------------------- submit
 
 
-def submit(file: Annotated[Path, typer.Argument(help="job spec (YAML)")],
-           wait: Annotated[bool, typer.Option("--wait", help="follow the job until it ends")] = False,
-           quiet: Annotated[bool, typer.Option("--quiet", "-q", help="with --wait: events only, not the job's output")]
-           = False,
-           name: Annotated[str | None, typer.Option(help="override the spec's name")] = None,
-           gpus: Annotated[str | None, typer.Option(help="override gpus: N, or MIN-MAX (elastic)")] = None,
-           env: Annotated[list[str] | None, typer.Option("--env", "-e", help="add or override K=V (repeat)")] = None,
-           kind: Annotated[str | None, typer.Option(help="override the kind: spot or dedicated")] = None,
-           priority: Annotated[int | None, typer.Option(help="override the priority")] = None,
-           ) -> None:
+def submit(
+    file: Annotated[Path, typer.Argument(help="job spec (YAML)")],
+    wait: Annotated[bool, typer.Option("--wait", help="follow the job until it ends")] = False,
+    quiet: Annotated[
+        bool, typer.Option("--quiet", "-q", help="with --wait: events only, not the job's output")
+    ] = False,
+    name: Annotated[str | None, typer.Option(help="override the spec's name")] = None,
+    gpus: Annotated[str | None, typer.Option(help="override gpus: N, or MIN-MAX (elastic)")] = None,
+    env: Annotated[list[str] | None, typer.Option("--env", "-e", help="add or override K=V (repeat)")] = None,
+    kind: Annotated[str | None, typer.Option(help="override the kind: spot or dedicated")] = None,
+    priority: Annotated[int | None, typer.Option(help="override the priority")] = None,
+) -> None:
     """Submit a job; with --wait, stream its output (rank 0) and events until it ends (exit code 0 if it
     succeeded; a failure shows the last lines of the failing rank's log).
 
@@ -106,7 +111,9 @@ def submit(file: Annotated[Path, typer.Argument(help="job spec (YAML)")],
     Every field is described in docs/control.md (The job spec). The options above override the file.
     """
     try:
-        spec = apply_overrides(load_spec_file(file), name=name, gpus=gpus, env=env, kind=kind, priority=priority)
+        spec = apply_overrides(
+            load_spec_file(file), name=name, gpus=gpus, env=env, kind=kind, priority=priority
+        )
         job = _client().submit(spec)
     except ApiError as e:
         if e.errors:
@@ -173,9 +180,12 @@ def _wait(job_id: str, con: Console, *, logs: bool = True, poll_s: float = 0.5) 
 
 
 # ------------------------------------------------------------------------------------------ jobs
-def jobs(state: Annotated[list[str] | None, typer.Option(help="only these states (repeat)")] = None,
-         tenant: Annotated[str | None, typer.Option(help="admin: only this tenant's jobs")] = None,
-         output: OutputOpt = Fmt.table, as_json: JsonOpt = False) -> None:
+def jobs(
+    state: Annotated[list[str] | None, typer.Option(help="only these states (repeat)")] = None,
+    tenant: Annotated[str | None, typer.Option(help="admin: only this tenant's jobs")] = None,
+    output: OutputOpt = Fmt.table,
+    as_json: JsonOpt = False,
+) -> None:
     """List jobs (yours; the admin sees all), with why each waiting or below-maximum job is so."""
     try:
         rows = _client().jobs(states=state, tenant=tenant)
@@ -196,18 +206,34 @@ def jobs(state: Annotated[list[str] | None, typer.Option(help="only these states
         p, r, g = j.get("progress") or {}, j["report"], j["gpus"]
         held = sum(j["placement"].values()) if j["placement"] else 0
         want = f"{g['min']}" if g["min"] == g["max"] else f"{g['min']}-{g['max']}"
-        cells = [escape(j["id"]), escape(j["tenant"]), show.state(j["state"]), j["kind"], f"{held}/{want}",
-                 show.num(p.get("step")), show.num(p.get("steps_per_s"), "{:.1f}"), show.num(j.get("ckpt_step")),
-                 str(r["restarts"]), show.num(r["ettr"], "{:.2f}")]
+        cells = [
+            escape(j["id"]),
+            escape(j["tenant"]),
+            show.state(j["state"]),
+            j["kind"],
+            f"{held}/{want}",
+            show.num(p.get("step")),
+            show.num(p.get("steps_per_s"), "{:.1f}"),
+            show.num(j.get("ckpt_step")),
+            str(r["restarts"]),
+            show.num(r["ettr"], "{:.2f}"),
+        ]
         if wide:
-            cells += [str(j["priority"]), str(r["preemptions"]), str(r["lost_steps"]),
-                      escape(show.placement(j["placement"]))]
+            cells += [
+                str(j["priority"]),
+                str(r["preemptions"]),
+                str(r["lost_steps"]),
+                escape(show.placement(j["placement"])),
+            ]
         t.add_row(*cells, escape(show.waiting(j)))
     show.console().print(t)
 
 
-def status(job: Annotated[str, typer.Argument(help="job id")],
-           output: OutputOpt = Fmt.table, as_json: JsonOpt = False) -> None:
+def status(
+    job: Annotated[str, typer.Argument(help="job id")],
+    output: OutputOpt = Fmt.table,
+    as_json: JsonOpt = False,
+) -> None:
     """One job: state, why it waits, progress, checkpoints per tier, restarts, lost work, ETTR, recent
     events; a failed job's failing rank's last log lines. -o json: {job, checkpoints, events}."""
     c = _client()
@@ -221,9 +247,13 @@ def status(job: Annotated[str, typer.Argument(help="job id")],
         return
     con = show.console()
     p, g = j.get("progress") or {}, j["gpus"]
-    con.print(f"[bold]{escape(j['id'])}[/bold]  {show.state(j['state'])}  tenant {escape(j['tenant'])}, {j['kind']}, "
-              f"priority {j['priority']}, GPUs {g['min']}-{g['max']} (x{g['multiple_of']}), "
-              f"placement {escape(show.placement(j['placement']))}", soft_wrap=True)
+    con.print(
+        f"[bold]{escape(j['id'])}[/bold]  {show.state(j['state'])}  tenant {escape(j['tenant'])}, "
+        f"{j['kind']}, "
+        f"priority {j['priority']}, GPUs {g['min']}-{g['max']} (x{g['multiple_of']}), "
+        f"placement {escape(show.placement(j['placement']))}",
+        soft_wrap=True,
+    )
     spec = j["spec"]
     what = spec.get("run") if spec.get("run") else spec.get("command")
     con.print(Text(f"  command: {what}  (workdir {spec.get('workdir') or '-'})"), soft_wrap=True)
@@ -233,23 +263,40 @@ def status(job: Annotated[str, typer.Argument(help="job id")],
         con.print(Text(f"  {j['message']}"), soft_wrap=True)
     if p:
         tiers = ", ".join(f"{k}: step {v[0]}" for k, v in (p.get("tiers") or {}).items()) or "none"
-        con.print(Text(f"  step {show.num(p.get('step'))} (restored {show.num(p.get('start_step'))}), loss "
-                       f"{show.num(p.get('loss'), '{:.4f}')}, {show.num(p.get('steps_per_s'), '{:.2f}')} steps/s, "
-                       f"heartbeat phase {p.get('phase') or '-'}; checkpoints: {tiers}"), soft_wrap=True)
+        con.print(
+            Text(
+                f"  step {show.num(p.get('step'))} (restored {show.num(p.get('start_step'))}), loss "
+                f"{show.num(p.get('loss'), '{:.4f}')}, {show.num(p.get('steps_per_s'), '{:.2f}')} steps/s, "
+                f"heartbeat phase {p.get('phase') or '-'}; checkpoints: {tiers}"
+            ),
+            soft_wrap=True,
+        )
     con.print(Text(f"  {show.ckpt_line(ck)}; {show.cadence(j)}"), soft_wrap=True)
     if j.get("handle"):
-        con.print(Text(f"  attempt {j['attempt']}: pids {[r['pid'] for r in j['handle'].get('ranks', [])]}, "
-                       f"devices {j['handle'].get('devices')}"), soft_wrap=True)
+        con.print(
+            Text(
+                f"  attempt {j['attempt']}: pids {[r['pid'] for r in j['handle'].get('ranks', [])]}, "
+                f"devices {j['handle'].get('devices')}"
+            ),
+            soft_wrap=True,
+        )
     show.summary(j, con, c, evs)
     for e in evs[-12:]:
         con.print(f"  [dim]{show.clock(e['time_s'])}[/dim] {show.event_line(e)}", soft_wrap=True)
 
 
-def logs(job: Annotated[str, typer.Argument(help="job id")],
-         follow: Annotated[bool, typer.Option("--follow", "-f", help="keep printing until the job ends "
-                                                                     "(through restarts of tidal up)")] = False,
-         rank: Annotated[str, typer.Option(help="which rank's log: a number, or 'all' (each line prefixed "
-                                                "with its rank)")] = "0") -> None:
+def logs(
+    job: Annotated[str, typer.Argument(help="job id")],
+    follow: Annotated[
+        bool,
+        typer.Option(
+            "--follow", "-f", help="keep printing until the job ends (through restarts of tidal up)"
+        ),
+    ] = False,
+    rank: Annotated[
+        str, typer.Option(help="which rank's log: a number, or 'all' (each line prefixed with its rank)")
+    ] = "0",
+) -> None:
     """A rank's output (stdout and stderr, every attempt), or all ranks' interleaved by line."""
     err = show.console(stderr=True)
     api = Reconnecting(_client, lambda m: err.print(Text(m, style="yellow"), soft_wrap=True))
@@ -308,20 +355,38 @@ def pool(output: OutputOpt = Fmt.table, as_json: JsonOpt = False) -> None:
     for col in ("NODE", "POOL", "GPUS", "ALLOCATED", "DRAINING", "FREE", "HELD BY"):
         t.add_column(col)
     for n in p["nodes"]:
-        held = ", ".join(f"{h['job'] or h['tenant']} ({h['gpus']}{', ' + h['state'] if h['state'] != 'running' else ''})"
-                         for h in n["jobs"]) or "-"
-        t.add_row(escape(n["name"]), n["pool"], str(n["gpus"]), str(n["allocated"]), str(n["draining"]),
-                  str(n["free"]), escape(held))
+        held = (
+            ", ".join(
+                f"{h['job'] or h['tenant']} "
+                f"({h['gpus']}{', ' + h['state'] if h['state'] != 'running' else ''})"
+                for h in n["jobs"]
+            )
+            or "-"
+        )
+        t.add_row(
+            escape(n["name"]),
+            n["pool"],
+            str(n["gpus"]),
+            str(n["allocated"]),
+            str(n["draining"]),
+            str(n["free"]),
+            escape(held),
+        )
     con = show.console()
     con.print(t)
-    con.print(f"{p['allocated']}/{p['gpus']} GPUs allocated, {p['free']} free, "
-              f"{show.plural(p['pending'], 'job')} pending")
+    con.print(
+        f"{p['allocated']}/{p['gpus']} GPUs allocated, {p['free']} free, "
+        f"{show.plural(p['pending'], 'job')} pending"
+    )
 
 
-def events(job: Annotated[str | None, typer.Argument(help="job id (default: all you may see)")] = None,
-           follow: Annotated[bool, typer.Option("--follow", "-f", help="keep printing new events")] = False,
-           last: Annotated[int, typer.Option(help="show the last N events")] = 50,
-           output: OutputOpt = Fmt.table, as_json: JsonOpt = False) -> None:
+def events(
+    job: Annotated[str | None, typer.Argument(help="job id (default: all you may see)")] = None,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="keep printing new events")] = False,
+    last: Annotated[int, typer.Option(help="show the last N events")] = 50,
+    output: OutputOpt = Fmt.table,
+    as_json: JsonOpt = False,
+) -> None:
     """The event log: every transition, decision, adoption and restart (-o json: one object per line
     with --follow)."""
     fmt = show.fmt(output, as_json)
@@ -332,9 +397,14 @@ def events(job: Annotated[str | None, typer.Argument(help="job id (default: all 
             sys.stdout.write(json.dumps(e, ensure_ascii=False) + "\n")
             sys.stdout.flush()
         else:
-            con.print(f"[dim]{show.clock(e['time_s'])}[/dim] {show.event_line(e, with_job=job is None)}", soft_wrap=True)
+            con.print(
+                f"[dim]{show.clock(e['time_s'])}[/dim] {show.event_line(e, with_job=job is None)}",
+                soft_wrap=True,
+            )
 
-    api = Reconnecting(_client, lambda m: show.console(stderr=True).print(Text(m, style="yellow"), soft_wrap=True))
+    api = Reconnecting(
+        _client, lambda m: show.console(stderr=True).print(Text(m, style="yellow"), soft_wrap=True)
+    )
     try:
         rows = api.client.events(job, limit=10000)
         if not follow and show.dump(rows[-last:] if last else [], fmt):
@@ -355,20 +425,26 @@ def events(job: Annotated[str | None, typer.Argument(help="job id (default: all 
 
 # --------------------------------------------------------------------------------------- tenants
 @tenants_app.command("create")
-def tenants_create(name: Annotated[str, typer.Argument(help="tenant name")],
-                   quota: Annotated[int, typer.Option(help="training GPUs guaranteed to dedicated jobs")] = 0,
-                   weight: Annotated[float, typer.Option(help="share of spot capacity")] = 1.0,
-                   max_priority: Annotated[int, typer.Option(help="the highest priority its jobs may ask for")] = 0,
-                   ) -> None:
+def tenants_create(
+    name: Annotated[str, typer.Argument(help="tenant name")],
+    quota: Annotated[int, typer.Option(help="training GPUs guaranteed to dedicated jobs")] = 0,
+    weight: Annotated[float, typer.Option(help="share of spot capacity")] = 1.0,
+    max_priority: Annotated[int, typer.Option(help="the highest priority its jobs may ask for")] = 0,
+) -> None:
     """Create a tenant and print its token on stdout (shown once; only its hash is stored)."""
     try:
         t = _client().create_tenant(name, quota_gpus=quota, weight=weight, max_priority=max_priority)
     except ApiError as e:
         _fail(e)
-    show.console(stderr=True).print(Text(
-        f"tenant {t['name']}: quota {show.plural(t['quota_gpus'], 'GPU')}, weight {t['weight']:g}, max priority "
-        f"{t['max_priority']}; its token (keep it, it is not shown again; give it to the tenant as "
-        "TIDAL_TOKEN):"), soft_wrap=True)
+    show.console(stderr=True).print(
+        Text(
+            f"tenant {t['name']}: quota {show.plural(t['quota_gpus'], 'GPU')}, weight {t['weight']:g}, "
+            "max priority "
+            f"{t['max_priority']}; its token (keep it, it is not shown again; give it to the tenant as "
+            "TIDAL_TOKEN):"
+        ),
+        soft_wrap=True,
+    )
     print(t["token"])
 
 
@@ -385,6 +461,11 @@ def tenants_list(output: OutputOpt = Fmt.table, as_json: JsonOpt = False) -> Non
     for col in ("TENANT", "QUOTA", "WEIGHT", "MAX PRIORITY", "ADMIN"):
         t.add_column(col)
     for r in rows:
-        t.add_row(escape(r["name"]), str(r["quota_gpus"]), f"{r['weight']:g}", str(r.get("max_priority", 0)),
-                  "yes" if r["admin"] else "")
+        t.add_row(
+            escape(r["name"]),
+            str(r["quota_gpus"]),
+            f"{r['weight']:g}",
+            str(r.get("max_priority", 0)),
+            "yes" if r["admin"] else "",
+        )
     show.console().print(t)

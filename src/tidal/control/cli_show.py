@@ -20,9 +20,18 @@ from rich.text import Text
 from tidal.control.client import ApiError, TidalClient
 from tidal.control.follow import failing_rank, log_tail
 
-STATE_STYLE = {"running": "green", "succeeded": "bold green", "failed": "bold red", "cancelled": "dim",
-               "pending": "yellow", "backoff": "red", "preempting": "magenta", "resizing": "magenta",
-               "cancelling": "magenta", "admitted": "cyan"}
+STATE_STYLE = {
+    "running": "green",
+    "succeeded": "bold green",
+    "failed": "bold red",
+    "cancelled": "dim",
+    "pending": "yellow",
+    "backoff": "red",
+    "preempting": "magenta",
+    "resizing": "magenta",
+    "cancelling": "magenta",
+    "admitted": "cyan",
+}
 
 
 TAIL_LINES = 12  # lines of the failing rank's log shown with a failure
@@ -118,16 +127,24 @@ def resizes(events: list[dict] | None) -> str:
     if events is None:
         return ""
     to = [e["message"] for e in events if e.get("kind") == "transition" and e.get("to") == "resizing"]
-    return (f", shrinks {sum(m.startswith('shrink') for m in to)}, grows {sum(m.startswith('grow') for m in to)}")
+    return (
+        f", shrinks {sum(m.startswith('shrink') for m in to)}, grows {sum(m.startswith('grow') for m in to)}"
+    )
 
 
 def summary(j: dict, con: Console, c: TidalClient | None = None, events: list[dict] | None = None) -> None:
     r = j["report"]
-    con.print(f"{escape(j['id'])}: {state(j['state'])}" + (f" — {escape(j['message'])}" if j["message"] else ""),
-              soft_wrap=True)
-    con.print(f"  attempts {j['attempt']}, restarts {r['restarts']}, preemptions {r['preemptions']}{resizes(events)}, "
-              f"lost work {r['lost_work_s']:.1f} s ({plural(r['lost_steps'], 'step')}), "
-              f"ETTR {num(r['ettr'], '{:.2f}')}", soft_wrap=True)
+    con.print(
+        f"{escape(j['id'])}: {state(j['state'])}" + (f" — {escape(j['message'])}" if j["message"] else ""),
+        soft_wrap=True,
+    )
+    con.print(
+        f"  attempts {j['attempt']}, restarts {r['restarts']}, preemptions {r['preemptions']}"
+        f"{resizes(events)}, "
+        f"lost work {r['lost_work_s']:.1f} s ({plural(r['lost_steps'], 'step')}), "
+        f"ETTR {num(r['ettr'], '{:.2f}')}",
+        soft_wrap=True,
+    )
     if c is not None and j["state"] in ("failed", "backoff"):
         failure_tail(j["id"], con, c, events)
 
@@ -145,7 +162,9 @@ def failure_tail(job_id: str, con: Console, c: TidalClient, events: list[dict] |
     if not tail:
         con.print(f"  rank {rank} wrote nothing to its log", soft_wrap=True)
         return
-    con.print(f"  the last lines of rank {rank}'s log (tidal logs {escape(job_id)} --rank {rank}):", soft_wrap=True)
+    con.print(
+        f"  the last lines of rank {rank}'s log (tidal logs {escape(job_id)} --rank {rank}):", soft_wrap=True
+    )
     for line in tail:
         con.print(Text(f"    {line}", style="dim"), soft_wrap=True)
 
@@ -174,7 +193,8 @@ def ckpt_line(ck: dict) -> str:
         parts.append(f"{t['name']} {held}{' (error: ' + t['error'] + ')' if t.get('error') else ''}")
     line = f"checkpoints at {ck['url']}: {'; '.join(parts) or 'none'}"
     if ck.get("newest_durable_step") is not None:
-        line += f"; newest durable step {ck['newest_durable_step']}, {num(ck.get('durable_age_s'), '{:.1f}')} s old"
+        age = num(ck.get("durable_age_s"), "{:.1f}")
+        line += f"; newest durable step {ck['newest_durable_step']}, {age} s old"
     return line
 
 

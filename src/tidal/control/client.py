@@ -62,7 +62,8 @@ def origin() -> str:
     elif (sd / API_URL_FILE).exists():
         url = f"API address from {sd / API_URL_FILE}"
     else:
-        url = f"the default API address {DEFAULT_URL} (no {API_URL_FILE} in {sd}: no tidal up with this state dir)"
+        url = (f"the default API address {DEFAULT_URL} (no {API_URL_FILE} in {sd}: no tidal up with this "
+               "state dir)")
     if os.environ.get(ENV_TOKEN):
         token = f"token from ${ENV_TOKEN}"
     elif (sd / "admin.token").exists():

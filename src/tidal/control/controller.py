@@ -64,7 +64,7 @@ log = logging.getLogger(__name__)
 
 S = State
 SHM_SWEEP_S = 5.0  # how often ended jobs' shared-memory directories are looked at
-ANNOUNCE_INTERVAL_S = 600.0  # a job's checkpoint-interval changes are announced (as events) at most this often
+ANNOUNCE_INTERVAL_S = 600.0  # a job's checkpoint-interval changes are announced (events) at most this often
 RESUMABLE_CODES = frozenset({0, EXIT_PREEMPTED, -15, 128 + 15})  # -15/143: SIGTERM before the session existed
 
 
@@ -81,7 +81,7 @@ class Controller:
         self.loans = loans
         self._events: list[tuple[str, str, dict | None]] = []  # loan events of this step, stored with the ledger
         self._shm_swept_s = float("-inf")
-        self._announced: dict[str, tuple[float, int]] = {}  # job -> (last ckpt_interval event time, changes since)
+        self._announced: dict[str, tuple[float, int]] = {}  # job -> (last ckpt_interval event, changes since)
         self._own_cadence: set[str] = set()  # jobs told that their own step cadence wins
         # job id -> why it waits or does not grow, as stored (the scheduler's reasons; see _note_waiting)
         self._waiting: dict[str, dict] = {j.id: j.waiting for j in store.active_jobs() if j.waiting}
@@ -113,7 +113,8 @@ class Controller:
             if ob is not None and ob.alive:
                 pids = [r.pid for r in ob.alive]
                 self.store.record("adopted", f"control plane restarted: re-adopted attempt {job.attempt}, "
-                                  f"{len(pids)} of {_n(len(ob.ranks), 'rank')} running (pids {pids})", now_s, job=job,
+                                  f"{len(pids)} of {_n(len(ob.ranks), 'rank')} running (pids {pids})", now_s,
+                                  job=job,
                                   data={"attempt": job.attempt, "pids": pids})
             elif ob is not None and not all(r.vanished for r in ob.ranks):
                 self.store.record("adopted", f"control plane restarted: attempt {job.attempt} ended meanwhile; "
@@ -205,9 +206,10 @@ class Controller:
                 if job.id not in self._own_cadence:
                     self._own_cadence.add(job.id)
                     cap = job.ckpt_interval_s or self.config.ckpt_interval.max_interval_s
-                    self.store.record("ckpt_interval", f"checkpoint cadence: every {own} steps, the job's own "
-                                      f"(TIDAL_CKPT_INTERVAL_STEPS or its code); the platform's interval is not "
-                                      f"applied (its timer stays at {cap:.0f} s)", now_s, job=job,
+                    msg = (f"checkpoint cadence: every {own} steps, the job's own (TIDAL_CKPT_INTERVAL_STEPS "
+                           "or its code); the platform's interval is not applied (its timer stays at "
+                           f"{cap:.0f} s)")
+                    self.store.record("ckpt_interval", msg, now_s, job=job,
                                       data={"own_steps": own, "interval_s": cap})
                 continue
             out.append(d)
@@ -256,7 +258,8 @@ class Controller:
         elif st in STOPPING and not job.killed and job.stop_deadline_s is not None and now_s >= job.stop_deadline_s:
             self.executor.kill(job.id)
             self.store.update(job.id, killed=True)
-            self.store.record("kill", f"grace expired while {st}: SIGKILL to {_n(len(ob.alive), 'rank')}", now_s, job=job)
+            self.store.record("kill", f"grace expired while {st}: SIGKILL to {_n(len(ob.alive), 'rank')}",
+                              now_s, job=job)
 
     def _hang(self, job: JobRow, ob: Observation, now_s: float) -> str | None:
         cfg, p = self.config, ob.progress
@@ -312,7 +315,9 @@ class Controller:
             torn = [r.rank for r in ob.ranks if r.ended]
             how = (f"finished{at} (exit codes {codes}: ranks {torn} died in the interpreter's teardown after "
                    "closing cleanly, counted as 0)") if torn else f"exited 0{at}"
-            self.store.transition(job.id, S.SUCCEEDED, now_s, ("its only rank " if len(codes) == 1 else f"all {len(codes)} ranks ") + how, data=data, finished_s=now_s, placement={}, releasing={},
+            who = "its only rank " if len(codes) == 1 else f"all {len(codes)} ranks "
+            self.store.transition(job.id, S.SUCCEEDED, now_s, who + how, data=data, finished_s=now_s,
+                                  placement={}, releasing={},
                                   **base)
         elif outcome == "cancelled":
             self.store.transition(job.id, S.CANCELLED, now_s, f"cancelled; exit codes {codes}", data=data,
@@ -378,9 +383,10 @@ class Controller:
                 return
             more = f"; {quiet} more change(s) since the last announcement" if quiet else ""
             self._announced[job.id] = (now_s, 0)
-            self.store.record("ckpt_interval", f"checkpoint every {d.interval_s:.0f} s (was "
-                              f"{f'{was:.0f} s' if was else 'the default'}; measured stall {stall}{more})", now_s,
-                              job=job, data={"interval_s": d.interval_s, "was": was, "unannounced": quiet})
+            before = f"{was:.0f} s" if was else "the default"
+            self.store.record("ckpt_interval", f"checkpoint every {d.interval_s:.0f} s (was {before}; "
+                              f"measured stall {stall}{more})", now_s, job=job,
+                              data={"interval_s": d.interval_s, "was": was, "unannounced": quiet})
         elif isinstance(d, Admit):
             g = sum(d.placement.values())
             where = ", ".join(f"{n}: {k}" for n, k in d.placement.items())
@@ -446,7 +452,8 @@ class Controller:
             self._finish(job, Observation(job.id, attempt, now_s, ()), now_s)
             return
         self.store.update(job.id, handle=handle)
-        self.store.record("launch", f"attempt {attempt}: {_n(req.world_size, 'rank')} started", now_s, job=job,
+        self.store.record("launch", f"attempt {attempt}: {_n(req.world_size, 'rank')} started", now_s,
+                          job=job,
                           data=handle)
 
     def _default_ckpt(self, job: JobRow) -> str | None:

@@ -195,7 +195,8 @@ def status_panel(j: dict, opts: DemoOptions, elapsed_s: float, kill: Kill | None
                           f"ETTR {_fmt(r['ettr'], '{:.2f}')}")
     if kill is not None:
         g.add_row("killed", f"rank {kill.rank} (pid {kill.pid}, child of shim pid {kill.shim_pid}) when step "
-                            f"{kill.at_step} was last reported; newest checkpoint then: step {kill.ckpt_step}")
+                            f"{kill.at_step} was last reported; newest checkpoint then: step "
+                            f"{kill.ckpt_step}")
     g.add_row("elapsed", f"{elapsed_s:.0f} s")
     return Panel(g, title="[bold]tidal demo[/bold]", border_style="cyan", expand=False)
 
@@ -322,10 +323,10 @@ def _watch(client: TidalClient, job_id: str, opts: DemoOptions, console: Console
             if w.kill is None and _due(j, opts):
                 w.kill = k = kill_rank(j, opts.rank_to_kill)
                 if k is not None:
-                    say(f"[bold red]SIGKILL to rank {k.rank} (pid {k.pid}, the child of its shim pid {k.shim_pid} "
-                        f"named in the events)[/bold red], as if its GPU died: attempt {k.attempt}, last reported at "
-                        f"step {k.at_step} with newest checkpoint step {k.ckpt_step} (the summary gives the step it "
-                        "had reached, from its own records)")
+                    say(f"[bold red]SIGKILL to rank {k.rank} (pid {k.pid}, the child of its shim pid "
+                        f"{k.shim_pid} named in the events)[/bold red], as if its GPU died: attempt "
+                        f"{k.attempt}, last reported at step {k.at_step} with newest checkpoint step "
+                        f"{k.ckpt_step} (the summary gives the step it had reached, from its own records)")
             if time.monotonic() > deadline:
                 raise DemoError(f"job {job_id} did not end within --timeout {opts.timeout_s:g} s "
                                 f"(state {j['state']}, step {(j.get('progress') or {}).get('step')})")
@@ -410,8 +411,8 @@ def summarize(j: dict, w: Watch, opts: DemoOptions, state_dir: Path, wall_s: flo
         "steps": opts.steps, "final_step": final_step,
         "initial_loss": first.get("loss") if first else None, "final_loss": last.get("loss") if last else None,
         "restarts": rep["restarts"], "attempts": j["attempt"],
-        "killed": None if k is None else {"rank": k.rank, "pid": k.pid, "shim_pid": k.shim_pid, "attempt": k.attempt,
-                                          "at_step": k.at_step,
+        "killed": None if k is None else {"rank": k.rank, "pid": k.pid, "shim_pid": k.shim_pid,
+                                          "attempt": k.attempt, "at_step": k.at_step,
                                           "ckpt_step": k.ckpt_step, "reached_step": reached},
         "resumed_from_step": resumed,
         "restore_tier": restore.get("tier") if restore else None,

@@ -7,7 +7,7 @@
 | ``tidal_job_gpus`` | gauge | ``job_id``, ``tenant`` |
 | ``tidal_job_step`` | gauge | ``job_id``, ``tenant``: newest completed step |
 | ``tidal_job_steps_per_second`` | gauge | ``job_id``, ``tenant`` |
-| ``tidal_job_checkpoint_age_seconds`` | gauge | ``job_id``, ``tenant``, ``tier``: since the newest step in that tier was captured |
+| ``tidal_job_checkpoint_age_seconds`` | gauge | ``job_id``, ``tenant``, ``tier``: age of its newest step |
 | ``tidal_job_ettr_ratio`` | gauge | ``job_id``, ``tenant``: effective training time ratio |
 | ``tidal_job_restarts_total`` | counter | ``job_id``, ``tenant``: restarts after failures |
 | ``tidal_job_preemptions_total`` | counter | ``job_id``, ``tenant`` |

@@ -94,7 +94,9 @@ class Job(_Answer):
     finished_s: float | None
     cancel_requested: bool
     message: str
-    progress: dict[str, Any] = Field(description="step, loss, steps_per_s, checkpoint tiers, heartbeat phase...")
+    progress: dict[str, Any] = Field(
+        description="step, loss, steps_per_s, checkpoint tiers, heartbeat phase..."
+    )
     ckpt_step: int | None
     report: Report
     waiting: Waiting | None
@@ -104,7 +106,9 @@ class JobDetail(Job):
     spec: dict[str, Any] = Field(description="the job spec as stored (see JobSpec)")
     handle: dict[str, Any] | None = Field(description="the attempt's ranks (pids) and devices, while it runs")
     retry_at_s: float | None
-    ckpt_interval_s: float | None = Field(description="the interval the platform set (interval_s: auto), if any")
+    ckpt_interval_s: float | None = Field(
+        description="the interval the platform set (interval_s: auto), if any"
+    )
 
 
 class LogChunk(_Answer):

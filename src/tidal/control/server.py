@@ -248,7 +248,8 @@ def bind(host: str, port: int) -> socket.socket:
         sock.close()
         if e.errno == errno.EADDRINUSE:
             raise OSError(f"port {port} on {host} is already in use (another tidal up? its address is in "
-                          f"<state dir>/{API_URL_FILE}); stop it, or choose --port (0: any free port)") from None
+                          f"<state dir>/{API_URL_FILE}); stop it, or choose --port (0: any free port)"
+                          ) from None
         raise OSError(f"cannot listen on {host}:{port}: {e.strerror}") from None
     return sock
 

@@ -155,7 +155,8 @@ class JobSpec(_Strict):
     name: str = Field(description="a name: letters, digits, '.', '_', '-' (the job id is <name>-<n>)")
     kind: Literal["spot", "dedicated"] = "spot"
     priority: int = Field(default=0, ge=-1000, le=1000)
-    gpus: Annotated[GpuRange, BeforeValidator(_gpus, json_schema_input_type=Annotated[int, Field(ge=1)] | GpuRange)]
+    gpus: Annotated[GpuRange, BeforeValidator(
+        _gpus, json_schema_input_type=Annotated[int, Field(ge=1)] | GpuRange)]  # declared as accepted
     command: list[Annotated[str, Field(max_length=MAX_ARG_CHARS)]] | None = Field(
         default=None, min_length=1, max_length=MAX_ARGS,
         description="argument list; never run through a shell (give this or run)")
@@ -209,8 +210,9 @@ class JobSpec(_Strict):
     def _run_or_command(self) -> JobSpec:
         """Exactly one of ``command`` and ``run``; a ``run`` script becomes ``command: [bash, -c, RUN]``."""
         if (self.command is None) == (self.run is None):
-            msg = ("give command (an argument list) or run (a shell script), not both" if self.run is not None else
-                   "Field required: an argument list, e.g. [python, train.py] (or run: a shell script)")
+            both = "give command (an argument list) or run (a shell script), not both"
+            none = "Field required: an argument list, e.g. [python, train.py] (or run: a shell script)"
+            msg = both if self.run is not None else none
             raise ValidationError.from_exception_data("JobSpec", [
                 InitErrorDetails(type=PydanticCustomError("command", msg), loc=("command",), input=None)])
         if self.run is not None:

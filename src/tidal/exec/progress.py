@@ -38,7 +38,8 @@ class Progress:
     than node memory; ``tiers``: tier -> [step, capture time]. ``ckpt_stall_s``: the median stall
     of the last ``STALL_WINDOW`` saves (one noisy save does not move the interval policy).
     ``ckpt_every_steps``: the attempt's own step cadence (the session's ``ckpt_every_steps``, from
-    ``TIDAL_CKPT_INTERVAL_STEPS`` or the script; 0: none). ``preempted``/``ended``: the runtime wrote its last record.
+    ``TIDAL_CKPT_INTERVAL_STEPS`` or the script; 0: none). ``preempted``/``ended``: the runtime wrote
+    its last record.
     """
 
     start_step: int | None = None

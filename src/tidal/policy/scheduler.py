@@ -166,8 +166,10 @@ def _freeing(issued: list) -> str:
     stops = [d for d in issued if isinstance(d, Preempt | Shrink)]
     if not stops:
         return "waiting: GPUs other jobs are releasing now are kept for it"
-    what = ", ".join((f"preempting {d.job}" if isinstance(d, Preempt) else f"shrinking {d.job} to {d.to_gpus}")
-                     + f" ({d.reason})" for d in stops[:3]) + (f" and {len(stops) - 3} more" if len(stops) > 3 else "")
+    what = ", ".join((f"preempting {d.job}" if isinstance(d, Preempt) else f"shrinking {d.job} to "
+                      f"{d.to_gpus}") + f" ({d.reason})" for d in stops[:3])
+    if len(stops) > 3:
+        what += f" and {len(stops) - 3} more"
     return f"waiting: GPUs are being freed for it ({what})"
 
 

@@ -87,8 +87,8 @@ def sim_command(
     hindsight: bool = typer.Option(False, "--hindsight", help="Also tune reactive and night-window margins with "
                                    "hindsight to the shortfall budget (bisection over runs) and compare."),
     plot: Path | None = typer.Option(None, "--plot", help="Write a timeline PNG (demand, forecast, lent, training)."),
-    plot_start_day: float | None = typer.Option(None, "--plot-start-day",
-                                                help="First day plotted (default: --warmup-days, where scoring starts)."),
+    plot_start_day: float | None = typer.Option(
+        None, "--plot-start-day", help="First day plotted (default: --warmup-days, where scoring starts)."),
     plot_days: float = typer.Option(2.0, "--plot-days"),
     json_out: bool = typer.Option(False, "--json", help="One JSON object on stdout (tables go to stderr)."),
 ) -> None:

@@ -127,7 +127,8 @@ def plot_timeline(timelines: Mapping[str, Mapping[str, np.ndarray]], path: str |
         # can lie on the capacity line; training on loans is a dotted line inside the lent band's size.
         ax.fill_between(x, warm_top, serving_gpus, step="post", color="C2", alpha=0.22, lw=0,
                         label="lent to training (pool - capacity)")
-        ax.fill_between(x, cap, warm_top, step="post", color="C4", alpha=0.3, lw=0, label="warming up after a return")
+        ax.fill_between(x, cap, warm_top, step="post", color="C4", alpha=0.3, lw=0,
+                        label="warming up after a return")
         ax.step(x, cap, where="post", color="C3", lw=1.0, label="serving capacity")
         ax.step(x, tl["training_on_loans_gpus"][m], where="post", color="C2", lw=1.0, ls=":",
                 label="training on loans (GPUs)")

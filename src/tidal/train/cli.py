@@ -55,7 +55,8 @@ def verify_resume(
     except ValueError as e:
         err.print(f"[red]error:[/] {escape(str(e))}", highlight=False)
         raise typer.Exit(2) from None
-    result = verify.run(cfg, workdir=workdir, script=script, log=lambda s: err.print(f"[dim]{escape(s)}[/]", highlight=False))
+    result = verify.run(cfg, workdir=workdir, script=script,
+                        log=lambda s: err.print(f"[dim]{escape(s)}[/]", highlight=False))
     try:
         result["plot"] = str(verify.plot(result, plot_path))
     except ImportError:

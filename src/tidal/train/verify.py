@@ -203,7 +203,7 @@ def render(result: dict[str, Any], console: Any) -> None:
     console.print(
         f"{verdict}: data order {'identical' if result['indices_identical'] else 'DIFFERENT'} on all "
         f"{len(rows)} steps"
-        + ("" if result["first_index_mismatch_step"] is None else f" (first mismatch at step {result['first_index_mismatch_step']})")
+        + ("" if (bad := result["first_index_mismatch_step"]) is None else f" (first mismatch at step {bad})")
         + "; max relative loss difference "
         f"{result['max_rel_loss_diff']:.2e} at step {result['max_rel_loss_diff_step']} (tolerance "
         f"{result['rtol']:.0e}); bitwise equal before the first world-size change: "
