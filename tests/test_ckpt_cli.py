@@ -404,6 +404,26 @@ def test_export_roundtrip_bitwise(url, tmp_path):
     assert bits(load_file(str(out))["model/w"]) == bits(make_state(10)["model"]["w"])
 
 
+def test_export_one_entry_without_its_prefix(url, tmp_path):
+    """--entry model: that entry's tensors only, named as its own state dict names them (what
+    from_pretrained or load_state_dict expect), bit for bit; an entry with no tensor names the entries."""
+    out = tmp_path / "model.safetensors"
+    r = run("export", url, out, "--entry", "model", "--json")
+    assert r.exit_code == 0, r.output
+    got = load_file(str(out))
+    want = make_state(20)["model"]
+    assert set(got) == set(want)
+    for k, t in want.items():
+        assert bits(got[k]) == bits(t) and got[k].dtype == t.dtype, k
+    with safe_open(str(out), framework="pt") as f:
+        meta = f.metadata()
+    assert meta["tidal.entry"] == "model" and json.loads(meta["tidal.objects"]) == []
+    assert json.loads(r.stdout)["tensors"] == 4
+    r = run("export", url, out, "--entry", "optim")
+    assert r.exit_code == 1
+    assert "--entry 'optim': no tensor under it; the checkpoint's entries: model, scale" in r.output
+
+
 def test_export_falls_back_to_disk_when_shm_copy_is_corrupt(url, tmp_path):
     man = mf.read(url / mf.step_dirname(20))
     flip(shm_root_for(url) / mf.step_dirname(20) / man.files[0]["name"], man.tensors["model/w"].pieces[0].start)

@@ -24,3 +24,15 @@ def test_no_command_lists_them_all():
     assert out.returncode == 0, out.stderr
     for name in _COMMANDS:
         assert name in out.stdout
+
+
+def test_the_summary_counts_shrinks_and_grows_apart_from_preemptions():
+    from tidal.control.cli_show import resizes as _resizes
+
+    evs = [{"kind": "transition", "to": "resizing", "message": "shrink to 1 GPUs (demand, for b-2)"},
+           {"kind": "transition", "to": "running", "message": "1 rank running"},
+           {"kind": "transition", "to": "resizing", "message": "grow to 2 GPUs"},
+           {"kind": "transition", "to": "resizing", "message": "shrink to 1 GPUs (reclaim)"},
+           {"kind": "ckpt_interval", "to": None, "message": "shrink"}]
+    assert _resizes(evs) == ", shrinks 2, grows 1"
+    assert _resizes(None) == ""

@@ -190,10 +190,10 @@ def test_metrics_and_openapi(api):
     assert 'tidal_pool_gpus{node="local",state="allocated",tenant="a"} 1.0' in text
     assert 'tidal_pool_gpus{node="local",state="free",tenant=""} 3.0' in text
     assert 'tidal_jobs{state="pending"} 1.0' in text and 'tidal_jobs{state="admitted"} 1.0' in text
-    assert f'tidal_job_step{{job="{jobs["a"]}",tenant="a"}} 7.0' in text
-    assert f'tidal_job_steps_per_second{{job="{jobs["a"]}",tenant="a"}} 2.0' in text
-    assert f'tidal_job_checkpoint_age_seconds{{job="{jobs["a"]}",tenant="a",tier="shm"}}' in text
-    assert f'tidal_job_restarts_total{{job="{jobs["a"]}",tenant="a"}} 0.0' in text
+    assert f'tidal_job_step{{job_id="{jobs["a"]}",tenant="a"}} 7.0' in text
+    assert f'tidal_job_steps_per_second{{job_id="{jobs["a"]}",tenant="a"}} 2.0' in text
+    assert f'tidal_job_checkpoint_age_seconds{{job_id="{jobs["a"]}",tenant="a",tier="shm"}}' in text
+    assert f'tidal_job_restarts_total{{job_id="{jobs["a"]}",tenant="a"}} 0.0' in text
     assert "tidal_job_ettr_ratio" in text and "tidal_job_lost_work_seconds_total" in text
     doc = http.get("/openapi.json").json()
     assert {"/v1/jobs", "/v1/jobs/{job_id}", "/v1/jobs/{job_id}/cancel", "/v1/jobs/{job_id}/logs", "/v1/events",

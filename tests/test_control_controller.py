@@ -349,3 +349,55 @@ def test_tier_list_goes_to_the_ranks(world):
     import json
 
     assert json.loads(env["TIDAL_CKPT_TIERS"]) == tiers
+
+
+def test_why_a_job_waits_is_stored_from_the_scheduler_and_cleared_when_it_starts(world, tmp_path):
+    """The controller stores the scheduler's own reason (jobs.waiting), the API shows it, it is cleared
+    once the job runs, and a restarted controller clears one left from before."""
+    from tidal.control.views import job_view
+
+    store, ex, ctl, clock = world
+    a = submit(store, "lab", clock(), name="a", gpus=3)
+    b = submit(store, "lab", clock(), name="b", gpus=2)
+    ctl.step(clock())
+    assert store.job(a).waiting is None
+    w = store.job(b).waiting
+    assert w["reason"].startswith("waiting: needs 2 GPUs, 1 free") and w["until_s"] is None
+    assert job_view(store.job(b), clock())["waiting"] == w
+    ctl.step(clock.advance(1))
+    assert store.job(b).waiting == w
+    ex.exit(a, 0)
+    ctl.step(clock.advance(1))
+    ctl.step(clock.advance(1))
+    assert state(store, b) in ("admitted", "running") and store.job(b).waiting is None
+    store.update(b, waiting={"reason": "stale", "until_s": None})
+    ctl2 = Controller(store, ex, CFG, ckpt_root=tmp_path / "jobs")
+    ctl2.step(clock.advance(1))
+    assert store.job(b).waiting is None
+
+
+def test_checkpoint_cadence_the_jobs_own_wins_and_interval_changes_do_not_chatter(world):
+    """A job that checkpoints on its own step cadence gets no interval from the platform, and one event
+    saying so; a platform-driven job's interval changes are announced at most every ANNOUNCE_INTERVAL_S
+    (each applied at once), the next announcement counting the ones in between."""
+    from tidal.control.controller import ANNOUNCE_INTERVAL_S
+
+    store, ex, ctl, clock = world
+    knobs = CkptIntervalConfig(failure_rate_per_gpu_hour=10.0, change_ratio=0.01)
+    ctl.config = replace(CFG, ckpt_interval=knobs)
+    own = submit(store, "lab", clock(), name="own", gpus=1)
+    auto = submit(store, "lab", clock(), name="auto", gpus=1)
+    ctl.step(clock())
+    for i in range(90):  # 900 s: two announcements at most
+        ex.beat(own, clock.advance(10), step=i + 1, ckpt_stall_s=5.0, ckpt_every_steps=25)
+        ex.beat(auto, clock(), step=i + 1, ckpt_stall_s=5.0 + (i % 2) * 20)  # flips between two intervals
+        ctl.step(clock())
+    own_events = [e.message for e in store.events(job_id=own) if e.kind == "ckpt_interval"]
+    assert own_events == ["checkpoint cadence: every 25 steps, the job's own (TIDAL_CKPT_INTERVAL_STEPS or "
+                          "its code); the platform's interval is not applied (its timer stays at 3600 s)"]
+    assert not [c for c in ex.calls if c[0] == "configure" and c[1] == own]
+    changes = [c for c in ex.calls if c[0] == "configure" and c[1] == auto]
+    told = [e for e in store.events(job_id=auto) if e.kind == "ckpt_interval"]
+    assert len(changes) >= 80 and len(told) == 2 and told[1].time_s - told[0].time_s >= ANNOUNCE_INTERVAL_S
+    assert "more change(s) since the last announcement" in told[-1].message
+    assert store.job(auto).ckpt_interval_s == changes[-1][2]["ckpt_interval_s"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from tidal.control.cli import load_spec_file
+from tidal.control.jobfile import load_spec_file
 from tidal.control.spec import parse_spec, spec_errors
 
 GOOD = {"name": "gpt", "gpus": 2, "command": ["python", "train.py"]}
@@ -38,6 +38,9 @@ def test_defaults_and_gpu_forms():
     ({"command": "python train.py"}, "command: expected a list of arguments"),
     ({"command": []}, "command: List should have at least 1 item"),
     ({"command": ["python", 3]}, "command[1]: Input should be a valid string"),
+    ({"command": ...}, "command: Field required: an argument list, e.g. [python, train.py] (or run: a shell"),
+    ({"run": "python train.py"}, "command: give command (an argument list) or run (a shell script), not"),
+    ({"command": ..., "run": ""}, "run: String should have at least 1 character"),
     ({"kind": "cheap"}, "kind: Input should be 'spot' or 'dedicated'"),
     ({"name": "no spaces"}, "name: expected 1-63 letters"),
     ({"env": {"RANK": "3"}}, "env.RANK: RANK is set by the platform"),
@@ -78,3 +81,37 @@ def test_yaml_paths_are_relative_to_the_file(tmp_path):
     f.write_text("- a list\n")
     with pytest.raises(ValueError, match="expected a mapping"):
         load_spec_file(f)
+
+
+def test_run_is_a_shell_script_run_by_bash():
+    from tidal.control.spec import JobSpec
+
+    spec = JobSpec.model_validate({"name": "a", "gpus": 1, "run": "pip install -e . && python train.py"})
+    assert spec.command == ["bash", "-c", "pip install -e . && python train.py"]
+    assert spec.model_dump()["run"] == "pip install -e . && python train.py"
+
+
+@pytest.mark.parametrize(("opts", "want"), [
+    ({"gpus": "4"}, {"gpus": 4}),
+    ({"gpus": "2-8"}, {"gpus": {"min": 2, "max": 8}}),
+    ({"name": "x", "kind": "dedicated", "priority": 3}, {"name": "x", "kind": "dedicated", "priority": 3}),
+    ({"env": ["A=1", "B=x=y", "C="]}, {"env": {"KEEP": "k", "A": "1", "B": "x=y", "C": ""}}),
+])
+def test_submit_overrides(opts, want):
+    from tidal.control.jobfile import apply_overrides
+
+    doc = {"name": "gpt", "gpus": 2, "command": ["python"], "env": {"KEEP": "k", "A": "0"}}
+    assert apply_overrides(doc, **opts) == {**doc, **want}
+    assert doc["env"] == {"KEEP": "k", "A": "0"}  # the file's dict is not changed
+
+
+def test_submit_overrides_keep_multiple_of_and_name_bad_options():
+    from tidal.control.jobfile import apply_overrides
+
+    assert apply_overrides({"gpus": {"min": 2, "multiple_of": 2}}, gpus="4-8")["gpus"] == {
+        "min": 4, "max": 8, "multiple_of": 2}
+    for bad, msg in (({"gpus": "four"}, "--gpus: expected N or MIN-MAX"), ({"gpus": "2-"}, "--gpus"),
+                     ({"env": ["NOEQUALS"]}, "--env: expected K=V, got 'NOEQUALS'"),
+                     ({"env": ["=v"]}, "--env")):
+        with pytest.raises(ValueError, match=msg):
+            apply_overrides({}, **bad)

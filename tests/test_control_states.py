@@ -103,13 +103,14 @@ def test_store_migrates_an_older_database_and_refuses_a_newer_one(tmp_path):
     store.close()
     db = sqlite3.connect(tmp_path / "tidal.db")
     db.execute("ALTER TABLE jobs DROP COLUMN nominated_s")
+    db.execute("ALTER TABLE jobs DROP COLUMN waiting")
     db.execute("UPDATE meta SET value = '1' WHERE key = 'schema_version'")
     db.commit()
     db.close()
     store = Store(f"sqlite:///{tmp_path}/tidal.db")
     assert store.job(j).nominated_s is None and store.job(j).state == "pending"
-    store.update(j, nominated_s=20.0)
-    assert store.job(j).nominated_s == 20.0
+    store.update(j, nominated_s=20.0, waiting={"reason": "waiting: why", "until_s": None})
+    assert store.job(j).nominated_s == 20.0 and store.job(j).waiting["reason"] == "waiting: why"
     store.close()
     db = sqlite3.connect(tmp_path / "tidal.db")
     assert db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == (str(SCHEMA_VERSION),)

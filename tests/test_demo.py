@@ -88,6 +88,10 @@ def test_demo_kills_a_rank_and_recovers_from_a_checkpoint(tmp_path):
                for e in s["events"])
     assert s["events"][-1] == "running -> succeeded: all 2 ranks exited 0 at step 100"
     assert "SIGKILL to rank 1" in narration and "recovered" in narration
+    # The killed process is named with its shim, whose pid the events print (so it can be found there).
+    said = " ".join(narration.split())
+    assert f"(pid {k['pid']}, the child of its shim pid {k['shim_pid']} named in the events)" in said
+    assert any("ranks running (pids [" in e and str(k["shim_pid"]) in e for e in s["events"])
     assert all(not procs.alive(pid, started) for pid, started in worker_pids(state))
 
 

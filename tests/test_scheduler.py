@@ -434,6 +434,20 @@ def check_decisions(s: Snapshot, decisions: list) -> None:
             assert isinstance(d, Preempt) and not j.releasing, d
 
 
+def check_why(s: Snapshot, decisions: list, why: dict) -> None:
+    """Every pending job not admitted, and every running job left below its maximum (not releasing, not
+    acted on), has a reason; an admitted job has none."""
+    acted = {d.job: d for d in decisions if hasattr(d, "job")}
+    for q in s.queues.values():
+        for j in q:
+            assert (j.id in why) != isinstance(acted.get(j.id), Admit), (j, why.get(j.id))
+    for j in s.running:
+        d = acted.get(j.id)
+        size = d.to_gpus if isinstance(d, Grow) else j.gpus
+        if not j.releasing and size < j.max_gpus and (d is None or isinstance(d, Grow)):
+            assert j.id in why, (j, d)
+
+
 def dedicated_held(s: Snapshot) -> Counter:
     return Counter({t.name: 0 for t in s.tenants}) + Counter(
         {t: sum(j.gpus for j in s.running if j.kind == "dedicated" and j.tenant == t) for t in {j.tenant for j in s.running}})
@@ -453,9 +467,11 @@ def test_invariants_hold_step_after_step(s, script):
             r = Reclaim(min(reclaim_gpus, sum(ln.gpus for ln in s.loans)), by_s=s.now_s + 300,
                         notice_s=None if now_due else s.now_s + 600)
             s = Snapshot.build(s.now_s, s.nodes, s.tenants, s.jobs(), s.loans, (*s.reclaims, r))
-        decisions = schedule(s)
+        why: dict = {}
+        decisions = schedule(s, why=why)
         assert decisions == schedule(s)
         check_decisions(s, decisions)
+        check_why(s, decisions, why)
         s = apply(s, decisions)
         check_snapshot(s)
         held = dedicated_held(s)
@@ -597,3 +613,50 @@ def test_victim_orders_are_the_key_sorts(specs):
     assert protected == {j.id for j in jobs if keys[j.id][0]}
     assert [j.id for j in shrink] == [j.id for j in sorted((j for j in jobs if j.gpus > j.min_gpus),
                                                            key=lambda j: shrink_key(c, j))]
+
+
+# ------------------------------------------------------------------------------------ why it waits
+
+
+def why_of(s: Snapshot, **knobs) -> dict:
+    why: dict = {}
+    out = schedule(s, SchedulerConfig(**knobs), why=why)
+    assert out == schedule(s, SchedulerConfig(**knobs)), "asking why changed the decisions"
+    return {k: (w.reason, w.until_s) for k, w in why.items()}
+
+
+WHY = [
+    pytest.param(nodes((8, 8)), [run("d0", {"t0": 8}, "a", "dedicated"), pend("d1", "a", "dedicated", 8),
+                                 pend("d2", "a", "dedicated", 8, submit_s=5)],
+                 {"d1": "tenant a's quota is full (8 of 8 GPUs held by its dedicated jobs",
+                  "d2": "queued behind earlier jobs in tenant a's dedicated queue at priority 0"},
+                 id="quota-full-and-behind"),
+    pytest.param(nodes((8,)), [run("r", {"t0": 2}, "b", priority=5), pend("x", min=8)],
+                 {"x": "needs 8 GPUs, 6 free; nothing may be preempted or shrunk for it (spot, priority 0)"},
+                 id="no-room-no-victims"),
+    pytest.param(nodes((8, 8)), [spot("lo", {"t0": 8, "t1": 8}), pend("hi", "b", priority=2, min=8)],
+                 {"hi": "GPUs are being freed for it (preempting lo (priority))"}, id="victims-draining"),
+    pytest.param(nodes((8,)), [spot("x", {"t0": 4}, releasing={"t0": 4}),
+                               pend("hi", "b", priority=2, min=8, nominated_s=NOW - 10)],
+                 {"hi": "GPUs other jobs are releasing now are kept for it"}, id="victims-draining-already"),
+    pytest.param(nodes((8, 8)), [elastic(last_shrunk_s=NOW - 100)],
+                 {"e": "at 4 of 16 GPUs: grow held after its shrink (hysteresis_s 300)"},
+                 id="grow-hysteresis"),
+    pytest.param(nodes((8,)), [elastic(on={"t0": 4}), run("f", {"t0": 4}, "a")],
+                 {"e": "at 4 of 16 GPUs: no GPU free to grow into"}, id="grow-no-gpu"),
+    pytest.param(nodes((8, 8)), [elastic(max=32)],
+                 {"e": "at 16 of 32 GPUs: no more GPU free to grow into"}, id="grown-but-still-below-max"),
+]
+
+
+@pytest.mark.parametrize(("node_list", "jobs", "want"), WHY)
+def test_why_a_job_waits_comes_from_the_decision(node_list, jobs, want):
+    got = why_of(snap(NOW, node_list, AB, jobs))
+    assert set(got) == set(want), got
+    for job, text in want.items():
+        assert text in got[job][0], (job, got[job])
+
+
+def test_grow_hold_says_when_it_ends():
+    got = why_of(snap(NOW, nodes((8, 8)), AB, [elastic(last_shrunk_s=NOW - 100)]))
+    assert got["e"][1] == NOW - 100 + SchedulerConfig().hysteresis_s

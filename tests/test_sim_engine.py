@@ -136,8 +136,9 @@ def test_trace_repeats_when_shorter_than_the_run(demand):
 def test_cli_json_has_every_metric_for_every_policy(trace, tmp_path):
     res = CliRunner().invoke(app, ["sim", "--traffic", str(trace), "--spot-backlog", "--serving-gpus", str(N),
                                    "--training-gpus", str(M), "--days", "1", "--policy", "none,reactive,oracle",
-                                   "--json", "--plot", str(tmp_path / "t.png")])
+                                   "--json", "--plot", str(tmp_path / "t.png"), "--warmup-days", "0.25"])
     assert res.exit_code == 0, res.output
+    assert "(days 0.25 to 2.25; scored from day 0.25)" in res.stderr  # the plot starts where scoring does
     out = json.loads(res.stdout)
     assert list(out) == ["none", "reactive", "oracle"]
     for m in out.values():
@@ -157,9 +158,23 @@ def test_cli_sweep_and_plan(trace, tmp_path):
     assert res.exit_code == 0, res.output
     rep = json.loads(res.stdout)
     assert rep["lead_time_s"] == 1200 and len(rep["by_hour"]) == 24
+    res = CliRunner().invoke(app, ["plan", str(trace), "--serving-gpus", str(N)])
+    assert "columns: idle GPU-h/day = " in res.stdout
+    assert "tidal lent GPU-h/day = what the tidal policy" in res.stdout
     assert 0 < rep["lendable_gpu_hours_per_day_at_risk"] <= rep["idle_gpu_hours_per_day"]
 
 
 def test_cli_names_bad_input(trace):
     res = CliRunner().invoke(app, ["sim", "--traffic", str(trace), "--serving-gpus", "8", "--policy", "greedy"])
     assert res.exit_code != 0 and "greedy" in res.output
+
+
+def test_timeline_bands_never_lie_on_the_capacity_line():
+    """The plot shows lent and warming GPUs as bands from serving's capacity up to the pool, so they
+    cannot overlap the capacity line (they did as lines: lent = capacity whenever half the pool was lent)."""
+    from tidal.sim.report import serving_bands
+
+    tl = {"lent_gpus": np.array([0, 4, 8, 6]), "warming_gpus": np.array([0, 0, 0, 2])}
+    cap, top = serving_bands(tl, 8)
+    assert cap.tolist() == [8, 4, 0, 0] and top.tolist() == [8, 4, 0, 2]
+    assert ((8 - top) == tl["lent_gpus"]).all() and ((top - cap) == tl["warming_gpus"]).all()

@@ -8,14 +8,28 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from typing import Annotated
 
 import typer
 
-app = typer.Typer(help="Tidal: train on a shared GPU pool.", no_args_is_help=True, add_completion=False)
+app = typer.Typer(help="Tidal: train on a shared GPU pool.", no_args_is_help=True)
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            v = version("tidal")
+        except PackageNotFoundError:
+            v = "unknown (not installed)"
+        print(f"tidal {v}")
+        raise typer.Exit()
 
 
 @app.callback()
-def _group() -> None:
+def _group(_: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                           help="print the version and exit")] = False) -> None:
     """Tidal: train on a shared GPU pool."""  # keeps `tidal NAME` a subcommand when only NAME is registered
 
 

@@ -420,3 +420,13 @@ class SetCkptInterval:
 
 
 Decision = Admit | Grow | Shrink | Preempt | ReturnGpus | SetCkptInterval
+
+
+@dataclass(frozen=True, slots=True)
+class Waiting:
+    """Why a pending job did not start in a scheduling call, or why a running job below its maximum did
+    not grow (``schedule(..., why=)`` fills these in; they are the decisions' own reasons, not a guess).
+    ``until_s``: when a hold for a time ends (the grow hysteresis), else None."""
+
+    reason: str
+    until_s: float | None = None

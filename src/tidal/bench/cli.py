@@ -28,12 +28,13 @@ def ckpt(
 ) -> None:
     """Checkpoint stall, commit and load time: Tidal vs memcpy, torch.save and DCP, on one state."""
     from rich.console import Console
+    from rich.markup import escape
 
     from tidal.bench.ckpt import render, run
 
     err = Console(stderr=True)
     out = err if json_out else Console()
-    result = run(size_gb, repeat, directory, log=lambda s: err.print(f"[dim]{s}[/]", highlight=False))
+    result = run(size_gb, repeat, directory, log=lambda s: err.print(f"[dim]{escape(s)}[/]", highlight=False))
     render(result, out)
     if json_out:
         print(json.dumps(result, indent=2))
@@ -58,13 +59,14 @@ def tiers(
     """Each checkpoint tier vs the raw device (disk, S3, peer), loads per tier, and training overhead of
     checkpointing every 10 s through all tiers vs none vs DCP async_save to S3."""
     from rich.console import Console
+    from rich.markup import escape
 
     from tidal.bench.tiers import render, run
 
     err = Console(stderr=True)
     out = err if json_out else Console()
     result = run(size_mb, repeat, train_s, interval_s, model_mb, batch, directory,
-                 log=lambda s: err.print(f"[dim]{s}[/]", highlight=False), rounds=rounds)
+                 log=lambda s: err.print(f"[dim]{escape(s)}[/]", highlight=False), rounds=rounds)
     render(result, out)
     if json_out:
         print(json.dumps(result, indent=2))

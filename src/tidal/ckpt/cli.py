@@ -3,7 +3,7 @@
     tidal ckpt ls URL [--tier SPEC]...                  committed steps, tiers, size, saved layout, status
     tidal ckpt inspect URL [--step N] [--pieces]        entries, dtypes, shapes, pieces, plain values
     tidal ckpt verify URL [--step N | --all]            re-read every piece in every tier, check CRCs
-    tidal ckpt export URL OUT.safetensors [--step N]    one consolidated safetensors file
+    tidal ckpt export URL OUT.safetensors [--step N] [--entry model]   one consolidated safetensors file
     tidal ckpt agent --listen HOST:PORT --mem-dir DIR [--buddy HOST:PORT]   this node's checkpoint agent
 
 URL is a location - a directory, ``s3://bucket/prefix`` (credentials and endpoint from the standard
@@ -495,16 +495,35 @@ def _get(state: dict, path: tuple) -> Any:
     return cur
 
 
+def _entry_prefix(entry: str | None, man: Any) -> tuple:
+    """``--entry model/sub`` as a path prefix; ``ValueError`` naming the entries there are if it holds
+    no tensor."""
+    if entry is None:
+        return ()
+    prefix = tuple(x for x in entry.strip().strip("/").split("/") if x)
+    if not prefix or not any(tuple(t.path[:len(prefix)]) == prefix for t in man.tensors.values()):
+        tops = sorted({str(t.path[0]) for t in man.tensors.values() if t.path})
+        raise ValueError(f"--entry {entry!r}: no tensor under it; the checkpoint's entries: "
+                         f"{', '.join(tops)}")
+    return prefix
+
+
 @app.command("export")
 def export_cmd(
     url: UrlArg,
     out: Annotated[Path, typer.Argument(help="Output .safetensors file (overwritten).", show_default=False)],
     step: StepOpt = None,
     as_json: JsonOpt = False,
+    entry: Annotated[str | None, typer.Option(
+        "--entry", help="Only this entry (e.g. model, or optim/state), its prefix stripped from the names: "
+                        "a training_state checkpoint's --entry model is a plain state dict, as Hugging Face "
+                        "tools load it.")] = None,
 ) -> None:
     """Write one consolidated safetensors file: every tensor assembled to its global shape.
 
     Plain (non-tensor) values go into the file's metadata as JSON under the key "tidal.objects".
+    Names are the entries' paths joined by "/" (model/w); with --entry model, only that entry's
+    tensors, named without the prefix (w).
     """
     import torch
     from safetensors.torch import save_file
@@ -523,21 +542,26 @@ def export_cmd(
             if not any(sz.get(f["name"], -1) >= f["size_bytes"] for sz in sizes):
                 raise CorruptionError(f"{tier.where(s, f['name'])}: the manifest lists {f['size_bytes']} bytes; "
                                       "no tier holds the file whole")
+        prefix = _entry_prefix(entry, man)
+        picked = {n: t for n, t in man.tensors.items() if tuple(t.path[:len(prefix)]) == prefix}
+        plain = [(p, v) for p, v in man.objects if tuple(p[:len(prefix)]) == prefix and len(p) > len(prefix)]
         state: dict = {}
-        for t in man.tensors.values():
+        for t in picked.values():
             _put(state, tuple(t.path), torch.empty(t.shape, dtype=ST_TO_DTYPE[t.dtype]))
-        for p, v in man.objects:
+        for p, v in plain:
             _put(state, tuple(p), v)
         stats = LoadStats()
-        load(source, state, step=s, strict=True, verify=True, stats=stats)
-        tensors = {name: _get(state, tuple(t.path)) for name, t in sorted(man.tensors.items())}
-        objects = [{"path": list(p), "value": _get(state, tuple(p))} for p, _ in man.objects]
+        load(source, state, step=s, strict=not prefix, verify=True, stats=stats)  # reads only what is picked
+        tensors = {("/".join(map(str, t.path[len(prefix):])) if prefix else name): _get(state, tuple(t.path))
+                   for name, t in sorted(picked.items())}
+        objects = [{"path": list(p[len(prefix):]), "value": _get(state, tuple(p))} for p, _ in plain]
         metadata = {
             "format": "pt",
             "tidal.objects": json.dumps(objects),
             "tidal.step": str(s),
             "tidal.save_id": man.save_id,
             "tidal.layout": man.layout_summary(),
+            **({"tidal.entry": "/".join(prefix)} if prefix else {}),
         }
         out = out.expanduser()
         if out.is_dir():

@@ -57,6 +57,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tidal.contract import ENV_SHM_DIR
 from tidal.control import locations as loc_policy
 from tidal.control import metrics
+from tidal.control import schemas as sc
 from tidal.control.auth import authenticate, create_tenant, token_hash
 from tidal.control.dashboard import dashboard_router
 from tidal.control.spec import JobSpec, clean_msg, error_path
@@ -67,6 +68,10 @@ from tidal.model import Node
 
 MAX_LOG_CHUNK_BYTES = 1 << 20
 MAX_BODY_BYTES = 1 << 20  # a request body (a job spec is a few hundred bytes)
+ERRORS = {400: "the body is not UTF-8 JSON", 401: "missing or unknown bearer token",
+          403: "only the admin may do this", 404: "not found (another tenant's job is not found either)",
+          409: "conflicts with the current state", 413: "request body too large",
+          422: "refused: each field named", 503: "the store is unavailable"}
 
 
 @dataclass
@@ -176,6 +181,17 @@ def _json(status: int = 200) -> Callable[[Callable[..., Any]], Callable[..., Any
     return wrap
 
 
+def _doc(ok: Any, *errors: int, status: int = 200) -> dict[str, Any]:
+    """OpenAPI for a route: its answer's model and the errors it gives, each with its ``{"detail": ...}``
+    body (the handlers render their own JSON, so nothing is validated twice; tests/test_openapi.py checks
+    the real answers against this)."""
+    out: dict[int | str, dict[str, Any]] = {status: {"model": ok}} if ok is not None else {}
+    for code in (*errors, 503):
+        model = sc.ValidationProblem if code == 422 else sc.Problem
+        out[code] = {"model": model, "description": ERRORS[code]}
+    return {"responses": out, "response_model": None}
+
+
 def create_app(ctx: ApiContext) -> FastAPI:
     app = FastAPI(title="Tidal", version="0.1.0", default_response_class=SafeJSON,
                   description="Run training jobs on a shared GPU pool. Bearer auth; see docs/control.md.")
@@ -225,15 +241,18 @@ def create_app(ctx: ApiContext) -> FastAPI:
             raise HTTPException(404, f"job {job_id} not found")
         return job
 
-    @app.get("/healthz")
+    @app.get("/healthz", **_doc(sc.Health))
     def healthz() -> dict:
         return {"ok": True}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses={
+        200: {"description": "Prometheus text format 0.0.4",
+              "content": {"text/plain": {"schema": {"type": "string"}}}},
+        **{k: v for k, v in _doc(None, 401, 403)["responses"].items()}})
     def prometheus(_: Annotated[TenantRow, Depends(admin)]) -> Response:
         return Response(metrics.render(reg), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/v1/whoami")
+    @app.get("/v1/whoami", **_doc(sc.WhoAmI, 401))
     @_json()
     def whoami(me: Caller) -> dict:
         return {"tenant": me.name, "admin": me.admin, "quota_gpus": me.quota_gpus, "weight": me.weight,
@@ -242,7 +261,8 @@ def create_app(ctx: ApiContext) -> FastAPI:
     spec_schema = JobSpec.model_json_schema(ref_template="#/components/schemas/{model}")
     spec_defs = spec_schema.pop("$defs", {})
 
-    @app.post("/v1/jobs", status_code=201, openapi_extra={"requestBody": {"required": True, "content": {
+    @app.post("/v1/jobs", status_code=201, **_doc(sc.JobDetail, 400, 401, 413, 422, status=201),
+              openapi_extra={"requestBody": {"required": True, "content": {
         "application/json": {"schema": {"$ref": "#/components/schemas/JobSpec"}}}}})
     async def submit(request: Request, me: Caller) -> Response:
         """Submit a job spec (JSON); 201 with the job. 413 over the body limit, 400 for a body that is not
@@ -304,7 +324,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
             ck["url"] = str(ctx.ckpt_root / j.id / "ckpt")
         return j.tenant, j.state, ck
 
-    @app.get("/v1/jobs")
+    @app.get("/v1/jobs", **_doc(list[sc.Job], 401, 422))
     @_json()
     def jobs(me: Caller, state: Annotated[list[State] | None, Query()] = None,
              tenant: str | None = None) -> list[dict]:
@@ -312,12 +332,12 @@ def create_app(ctx: ApiContext) -> FastAPI:
         now = ctx.clock()
         return [job_view(j, now) for j in store.jobs(tenant=who, states=state)]
 
-    @app.get("/v1/jobs/{job_id}")
+    @app.get("/v1/jobs/{job_id}", **_doc(sc.JobDetail, 401, 404))
     @_json()
     def job(job_id: str, me: Caller) -> dict:
         return job_view(own_job(job_id, me), ctx.clock(), detail=True)
 
-    @app.post("/v1/jobs/{job_id}/cancel")
+    @app.post("/v1/jobs/{job_id}/cancel", **_doc(sc.Job, 401, 404, 409))
     @_json()
     def cancel(job_id: str, me: Caller) -> dict:
         j = own_job(job_id, me)
@@ -328,7 +348,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
             store.record("cancel", f"cancel requested by {me.name}", ctx.clock(), job=j)
         return job_view(j, ctx.clock())
 
-    @app.get("/v1/jobs/{job_id}/logs")
+    @app.get("/v1/jobs/{job_id}/logs", **_doc(sc.LogChunk, 401, 404, 422))
     @_json()
     def logs(job_id: str, me: Caller, rank: Annotated[int, Query(ge=0)] = 0,
              offset: Annotated[int, Query(ge=0)] = 0,
@@ -358,7 +378,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
                 used = len(data) - len(dec.getstate()[0])
         return {"job": job_id, "rank": rank, "offset": start + used, "size": size, "data": text, "done": done}
 
-    @app.get("/v1/jobs/{job_id}/checkpoints")
+    @app.get("/v1/jobs/{job_id}/checkpoints", **_doc(sc.Checkpoints, 401, 404))
     @_json()
     def checkpoints(job_id: str, me: Caller) -> dict:
         """Committed steps per tier (shm, directory, object storage; read from storage and from the job's
@@ -370,7 +390,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
         return checkpoint_view(j.id, None if ck.get("tiers") else url, ctx.clock(), tiers=ck.get("tiers"),
                                shm_base=shm_base)
 
-    @app.get("/v1/events")
+    @app.get("/v1/events", **_doc(list[sc.Event], 401, 404, 422))
     @_json()
     def events(me: Caller, job: str | None = None, after: Annotated[int, Query(ge=0)] = 0,
                limit: Annotated[int, Query(ge=1, le=10000)] = 1000) -> list[dict]:
@@ -379,12 +399,12 @@ def create_app(ctx: ApiContext) -> FastAPI:
         rows = store.events(job_id=job, tenant=None if me.admin else me.name, after_id=after, limit=limit)
         return [event_view(e) for e in rows]
 
-    @app.get("/v1/pool")
+    @app.get("/v1/pool", **_doc(sc.Pool, 401))
     @_json()
     def pool(me: Caller) -> dict:
         return pool_view(ctx.nodes, store.jobs(states=HELD | {State.PENDING}), None if me.admin else me.name)
 
-    @app.get("/v1/serving")
+    @app.get("/v1/serving", **_doc(sc.Serving, 401, 404))
     @_json()
     def serving(_: Caller) -> dict:
         if ctx.loans is not None:
@@ -397,13 +417,13 @@ def create_app(ctx: ApiContext) -> FastAPI:
         return {"source": describe, "serving_gpus": advisor.serving_gpus, "step_s": advisor.step_s,
                 "advice_only": True, "latest": latest.as_dict() if latest is not None else None}
 
-    @app.get("/v1/tenants")
+    @app.get("/v1/tenants", **_doc(list[sc.Tenant], 401, 403))
     @_json()
     def tenants(_: Annotated[TenantRow, Depends(admin)]) -> list[dict]:
         return [{"name": t.name, "quota_gpus": t.quota_gpus, "weight": t.weight, "admin": t.admin,
                  "max_priority": t.max_priority or 0} for t in store.tenants()]
 
-    @app.post("/v1/tenants", status_code=201)
+    @app.post("/v1/tenants", status_code=201, **_doc(sc.TenantCreated, 401, 403, 409, 413, 422, status=201))
     @_json(201)
     def add_tenant(body: TenantSpec, _: Annotated[TenantRow, Depends(admin)]) -> dict:
         if store.tenant(body.name) is not None:
@@ -419,10 +439,24 @@ def create_app(ctx: ApiContext) -> FastAPI:
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            schemas = base_openapi().setdefault("components", {}).setdefault("schemas", {})
+            doc = base_openapi()
+            components = doc.setdefault("components", {})
+            schemas = components.setdefault("schemas", {})
             schemas.setdefault("JobSpec", spec_schema)
             for k, v in spec_defs.items():
                 schemas.setdefault(k, v)
+            # The bearer token is checked by a dependency reading the header: declare it as the scheme
+            # it is, on every route that answers 401, instead of as an ``authorization`` parameter.
+            components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer",
+                                                         "description": "a tenant's token (TIDAL_TOKEN)"}}
+            for ops in doc["paths"].values():
+                for op in ops.values():
+                    op["parameters"] = [p for p in op.get("parameters", [])
+                                        if p["name"].lower() != "authorization"]
+                    if not op["parameters"]:
+                        del op["parameters"]
+                    if "401" in op.get("responses", {}):
+                        op["security"] = [{"bearer": []}]
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]

@@ -3,261 +3,331 @@
 The client commands talk to the API at ``$TIDAL_API_URL`` with ``$TIDAL_TOKEN``; on the machine
 running ``tidal up`` both default to what it wrote into its state dir (``$TIDAL_STATE_DIR``,
 default ``~/.tidal``), so ``tidal up --gpus 2 &`` then ``tidal submit job.yaml --wait`` just works.
+
+Text from users and from the server (job names, commands, messages, log lines, errors) is never read
+as Rich markup: it is escaped (``escape``) or printed as a ``Text``, so ``[python, train.py]`` prints
+as written. ``-o json|yaml`` prints what the API returned, for scripts; ``-o wide`` adds columns.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
-from tidal.control.client import ApiError, TidalClient, default_token, default_url
+from tidal.control import cli_show as show
+from tidal.control.cli_show import Fmt
+from tidal.control.client import ApiError, TidalClient, default_token, default_url, origin
+from tidal.control.follow import LogFollower, Reconnecting
+from tidal.control.jobfile import apply_overrides, load_spec_file
 
-console = Console()
-err = Console(stderr=True)
 TERMINAL = ("succeeded", "failed", "cancelled")
-STATE_STYLE = {"running": "green", "succeeded": "bold green", "failed": "bold red", "cancelled": "dim",
-               "pending": "yellow", "backoff": "red", "preempting": "magenta", "resizing": "magenta",
-               "cancelling": "magenta", "admitted": "cyan"}
 
 tenants_app = typer.Typer(help="Tenants (admin): create, list.", no_args_is_help=True)
+
+
+OutputOpt = Annotated[Fmt, typer.Option("--output", "-o", help="table, wide (more columns), json or yaml")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="the same as -o json")]
 
 
 def _client() -> TidalClient:
     return TidalClient(default_url(), default_token())
 
 
-def _fail(e: Exception) -> None:
-    err.print(f"[red]error:[/red] {e}", highlight=False)
+def _fail(e: Exception | str) -> None:
+    """One line on stderr, exit code 1. An error the client's set-up may explain (no server, a refused
+    token) says where the API address and token came from."""
+    msg = str(e)
+    if isinstance(e, ApiError) and e.status in (0, 401):
+        msg += f" [{origin()}]"
+    show.console(stderr=True).print(Text.assemble(("error: ", "red"), msg), soft_wrap=True)
     raise typer.Exit(1)
 
 
-def _state(s: str) -> str:
-    return f"[{STATE_STYLE.get(s, 'white')}]{s}[/]"
-
-
-def _num(v: Any, fmt: str = "{:g}") -> str:
-    return "-" if v is None else fmt.format(v)
-
-
 # ------------------------------------------------------------------------------------------- up
-def up(host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
-       port: Annotated[int, typer.Option(help="TCP port (0: any free port; see <state dir>/api.url)")] = 8470,
-       gpus: Annotated[str, typer.Option(help="'auto' (NVIDIA GPUs) or N CPU slots")] = "auto",
-       db: Annotated[str | None, typer.Option(help="SQLAlchemy URL (default: SQLite in the state dir)")] = None,
-       state_dir: Annotated[Path | None, typer.Option(help="database, jobs, logs, tokens (default ~/.tidal)")] = None,
-       config: Annotated[Path | None, typer.Option(help="YAML of control-plane knobs (docs/control.md)")] = None,
-       ) -> None:
+def up(
+    host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port (0: any free port; see <state dir>/api.url)")] = 8470,
+    gpus: Annotated[str, typer.Option(help="'auto' (NVIDIA GPUs) or N CPU slots")] = "auto",
+    db: Annotated[str | None, typer.Option(help="SQLAlchemy URL (default: SQLite in the state dir)")] = None,
+    state_dir: Annotated[
+        Path | None, typer.Option(help="database, jobs, logs, tokens (default ~/.tidal)")
+    ] = None,
+    config: Annotated[Path | None, typer.Option(help="YAML of control-plane knobs (docs/control.md)")] = None,
+) -> None:
     """Run the control plane: REST API, reconcile loop and local executor, in one process."""
     import logging
 
     from tidal.control.client import state_dir as default_state_dir
     from tidal.control.config import ControlConfig
-    from tidal.control.server import build, serve
+    from tidal.control.server import bind, build, serve
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.umask(0o077)  # the database, logs, tokens and job directories: the plane's own, 0600/0700
     try:
         cfg = ControlConfig.load(config) if config else ControlConfig()
+        sock = bind(host, port)
     except (OSError, ValueError, TypeError) as e:
         _fail(e)
     plane = build(state_dir or default_state_dir(), gpus, db, cfg)
 
     def announce(line: str) -> None:
-        console.print(line, highlight=False)
+        show.console().print(Text(line), soft_wrap=True)
         sys.stdout.flush()
 
-    serve(plane, host, port, announce=announce)
+    serve(plane, host, port, announce=announce, sock=sock)
 
 
 # --------------------------------------------------------------------------------------- submit
-def load_spec_file(path: Path) -> dict:
-    """Parse a job YAML; paths in it (workdir, a local checkpoint url) are relative to the file."""
-    import yaml
 
+
+def submit(
+    file: Annotated[Path, typer.Argument(help="job spec (YAML)")],
+    wait: Annotated[bool, typer.Option("--wait", help="follow the job until it ends")] = False,
+    quiet: Annotated[
+        bool, typer.Option("--quiet", "-q", help="with --wait: events only, not the job's output")
+    ] = False,
+    name: Annotated[str | None, typer.Option(help="override the spec's name")] = None,
+    gpus: Annotated[str | None, typer.Option(help="override gpus: N, or MIN-MAX (elastic)")] = None,
+    env: Annotated[list[str] | None, typer.Option("--env", "-e", help="add or override K=V (repeat)")] = None,
+    kind: Annotated[str | None, typer.Option(help="override the kind: spot or dedicated")] = None,
+    priority: Annotated[int | None, typer.Option(help="override the priority")] = None,
+) -> None:
+    """Submit a job; with --wait, stream its output (rank 0) and events until it ends (exit code 0 if it
+    succeeded; a failure shows the last lines of the failing rank's log).
+
+    The spec (YAML): name; gpus (N, or min, max, multiple_of); command (an argument list, never run
+    through a shell) or run (a shell script, run as bash -c); kind (spot or dedicated); priority; workdir
+    (default: the YAML's folder); env; checkpoint (url or tiers, interval_s); max_restarts; grace_s.
+    Every field is described in docs/control.md (The job spec). The options above override the file.
+    """
     try:
-        doc = yaml.safe_load(path.read_text())
-    except OSError as e:
-        raise ValueError(f"{path}: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise ValueError(f"{path}: not valid YAML: {e}") from None
-    if not isinstance(doc, dict):
-        raise ValueError(f"{path}: expected a mapping (name, gpus, command, ...), got {type(doc).__name__}")
-    base = path.resolve().parent
-    wd = doc.get("workdir")
-    if wd is None:
-        doc["workdir"] = str(base)
-    elif isinstance(wd, str) and not wd.startswith("/"):
-        doc["workdir"] = str((base / wd).resolve())
-    ck = doc.get("checkpoint")
-    url = ck.get("url") if isinstance(ck, dict) else None
-    if isinstance(url, str) and "://" not in url and not url.startswith(("/", "~")):
-        ck["url"] = str((base / ck["url"]).resolve())
-    if isinstance(ck, dict) and isinstance(ck.get("tiers"), list):
-        for i, t in enumerate(ck["tiers"]):  # "./dir" and "../dir" (a bare word is refused as a likely typo)
-            if isinstance(t, str) and t.startswith(("./", "../")):
-                ck["tiers"][i] = str((base / t).resolve())
-            elif isinstance(t, dict) and isinstance(t.get("url"), str) and t["url"].startswith(("./", "../")):
-                t["url"] = str((base / t["url"]).resolve())
-    return doc
-
-
-def submit(file: Annotated[Path, typer.Argument(help="job spec (YAML)")],
-           wait: Annotated[bool, typer.Option("--wait", help="follow the job until it ends")] = False) -> None:
-    """Submit a job; with --wait, show its progress until it ends (exit code 0 if it succeeded)."""
-    try:
-        spec = load_spec_file(file)
+        spec = apply_overrides(
+            load_spec_file(file), name=name, gpus=gpus, env=env, kind=kind, priority=priority
+        )
         job = _client().submit(spec)
     except ApiError as e:
         if e.errors:
-            err.print(f"[red]error:[/red] {file}: the spec was refused:", highlight=False)
+            err = show.console(stderr=True)
+            err.print(Text.assemble(("error: ", "red"), f"{file}: the spec was refused:"), soft_wrap=True)
             for line in e.errors:
-                err.print(f"  {line}", highlight=False)
+                err.print(Text(f"  {line}"), soft_wrap=True)
             raise typer.Exit(1) from None
         _fail(e)
     except ValueError as e:
         _fail(e)
-    console.print(f"submitted [bold]{job['id']}[/bold] ({job['kind']}, {job['gpus']['min']}"
-                  f"{'-' + str(job['gpus']['max']) if job['gpus']['max'] != job['gpus']['min'] else ''} GPUs)")
+    con = show.console()
+    con.print(f"submitted [bold]{escape(job['id'])}[/bold] ({escape(job['kind'])}, {show.gpus(job['gpus'])})")
     if wait:
-        raise typer.Exit(_wait(job["id"]))
+        raise typer.Exit(_wait(job["id"], con, logs=not quiet))
 
 
-def _wait(job_id: str, poll_s: float = 1.0) -> int:
+def _wait(job_id: str, con: Console, *, logs: bool = True, poll_s: float = 0.5) -> int:
+    """Follow a job to its end: its events, rank 0's output (``logs``), a progress line (a live one on a
+    terminal; elsewhere printed when it changes, at most every ``cli_show.PROGRESS_EVERY_S``). Retries through
+    restarts of ``tidal up``. Returns the exit code: 0 if the job succeeded."""
     from rich.live import Live
 
-    c = _client()
-    seen = 0
-    with Live(console=console, refresh_per_second=4, transient=True) as live:
+    tty = con.is_terminal
+    api = Reconnecting(_client, lambda m: con.print(Text(m, style="yellow"), soft_wrap=True), poll_s)
+    follower = LogFollower(job_id, [0])
+    seen, shown, shown_at = 0, "", 0.0
+    history: list[dict] = []
+    live = Live(console=con, refresh_per_second=4, transient=True) if tty else None
+    try:
+        if live is not None:
+            live.start()
         while True:
             try:
-                j = c.job(job_id)
-                for e in c.events(job_id, after=seen):
+                j = api.call(lambda c: c.job(job_id))
+                for e in api.call(lambda c, after=seen: c.events(job_id, after=after)):
                     seen = e["id"]
-                    live.console.print(f"[dim]{_clock(e['time_s'])}[/dim] {_event_line(e)}", highlight=False)
+                    history.append(e)
+                    con.print(f"[dim]{show.clock(e['time_s'])}[/dim] {show.event_line(e)}", soft_wrap=True)
+                if logs:
+                    for _, line in api.call(follower.poll):
+                        con.print(Text(line), soft_wrap=True)
             except ApiError as e:
-                live.console.print(f"[yellow]{e}; retrying[/yellow]")
-                time.sleep(poll_s)
-                continue
-            live.update(_progress_line(j))
-            if j["state"] in TERMINAL:
+                _fail(e)
+            line = show.progress_line(j)
+            if live is not None:
+                live.update(line)
+            elif line != shown and time.monotonic() - shown_at >= show.PROGRESS_EVERY_S:
+                con.print(line, soft_wrap=True)
+                shown, shown_at = line, time.monotonic()
+            if j["state"] in TERMINAL and (not logs or follower.done):
                 break
             time.sleep(poll_s)
-    _summary(j)
+    except KeyboardInterrupt:
+        con.print(f"stopped following {escape(job_id)}; it goes on (tidal cancel {escape(job_id)} stops it)")
+        return 130
+    finally:
+        if live is not None:
+            live.stop()
+    for _, line in follower.rest():
+        con.print(Text(line), soft_wrap=True)
+    show.summary(j, con, api.client, history)
     return 0 if j["state"] == "succeeded" else 1
 
 
-def _progress_line(j: dict) -> str:
-    p = j.get("progress") or {}
-    parts = [f"{j['id']}: {_state(j['state'])}"]
-    if p.get("step") is not None:
-        parts.append(f"step {p['step']}")
-    if p.get("loss") is not None:
-        parts.append(f"loss {p['loss']:.4f}")
-    if p.get("steps_per_s"):
-        parts.append(f"{p['steps_per_s']:.2f} steps/s")
-    if p.get("ckpt_step") is not None:
-        parts.append(f"checkpoint {p['ckpt_step']}")
-    return " | ".join(parts)
-
-
-def _summary(j: dict) -> None:
-    r = j["report"]
-    console.print(f"{j['id']}: {_state(j['state'])} — {j['message']}", highlight=False)
-    console.print(f"  attempts {j['attempt']}, restarts {r['restarts']}, preemptions {r['preemptions']}, "
-                  f"lost work {r['lost_work_s']:.1f} s ({r['lost_steps']} steps), "
-                  f"ETTR {_num(r['ettr'], '{:.2f}')}", highlight=False)
-
-
 # ------------------------------------------------------------------------------------------ jobs
-def jobs(state: Annotated[list[str] | None, typer.Option(help="only these states (repeat)")] = None,
-         tenant: Annotated[str | None, typer.Option(help="admin: only this tenant's jobs")] = None) -> None:
-    """List jobs (yours; the admin sees all)."""
+def jobs(
+    state: Annotated[list[str] | None, typer.Option(help="only these states (repeat)")] = None,
+    tenant: Annotated[str | None, typer.Option(help="admin: only this tenant's jobs")] = None,
+    output: OutputOpt = Fmt.table,
+    as_json: JsonOpt = False,
+) -> None:
+    """List jobs (yours; the admin sees all), with why each waiting or below-maximum job is so."""
     try:
         rows = _client().jobs(states=state, tenant=tenant)
     except ApiError as e:
         _fail(e)
+    fmt = show.fmt(output, as_json)
+    if show.dump(rows, fmt):
+        return
+    wide = fmt == Fmt.wide
     t = Table(box=None, header_style="bold")
-    for col in ("JOB", "TENANT", "STATE", "KIND", "GPUS", "STEP", "STEPS/S", "CKPT", "RESTARTS", "ETTR"):
+    cols = ["JOB", "TENANT", "STATE", "KIND", "GPUS", "STEP", "STEPS/S", "CKPT", "RESTARTS", "ETTR"]
+    if wide:
+        cols += ["PRIORITY", "PREEMPTIONS", "LOST STEPS", "PLACEMENT"]
+    for col in cols:
         t.add_column(col, no_wrap=True)
+    t.add_column("WHY")
     for j in rows:
         p, r, g = j.get("progress") or {}, j["report"], j["gpus"]
         held = sum(j["placement"].values()) if j["placement"] else 0
         want = f"{g['min']}" if g["min"] == g["max"] else f"{g['min']}-{g['max']}"
-        t.add_row(j["id"], j["tenant"], _state(j["state"]), j["kind"], f"{held}/{want}",
-                  _num(p.get("step")), _num(p.get("steps_per_s"), "{:.1f}"), _num(j.get("ckpt_step")),
-                  str(r["restarts"]), _num(r["ettr"], "{:.2f}"))
-    console.print(t)
+        cells = [
+            escape(j["id"]),
+            escape(j["tenant"]),
+            show.state(j["state"]),
+            j["kind"],
+            f"{held}/{want}",
+            show.num(p.get("step")),
+            show.num(p.get("steps_per_s"), "{:.1f}"),
+            show.num(j.get("ckpt_step")),
+            str(r["restarts"]),
+            show.num(r["ettr"], "{:.2f}"),
+        ]
+        if wide:
+            cells += [
+                str(j["priority"]),
+                str(r["preemptions"]),
+                str(r["lost_steps"]),
+                escape(show.placement(j["placement"])),
+            ]
+        t.add_row(*cells, escape(show.waiting(j)))
+    show.console().print(t)
 
 
-def status(job: Annotated[str, typer.Argument(help="job id")]) -> None:
-    """One job: state, progress, checkpoints per tier, restarts, lost work, ETTR, recent events."""
+def status(
+    job: Annotated[str, typer.Argument(help="job id")],
+    output: OutputOpt = Fmt.table,
+    as_json: JsonOpt = False,
+) -> None:
+    """One job: state, why it waits, progress, checkpoints per tier, restarts, lost work, ETTR, recent
+    events; a failed job's failing rank's last log lines. -o json: {job, checkpoints, events}."""
     c = _client()
     try:
         j = c.job(job)
-        evs = c.events(job)
+        evs = c.events(job, limit=10000)
         ck = c.checkpoints(job)
     except ApiError as e:
         _fail(e)
+    if show.dump({"job": j, "checkpoints": ck, "events": evs}, show.fmt(output, as_json)):
+        return
+    con = show.console()
     p, g = j.get("progress") or {}, j["gpus"]
-    console.print(f"[bold]{j['id']}[/bold]  {_state(j['state'])}  tenant {j['tenant']}, {j['kind']}, "
-                  f"priority {j['priority']}, GPUs {g['min']}-{g['max']} (x{g['multiple_of']}), "
-                  f"placement {j['placement'] or '-'}", highlight=False)
-    console.print(f"  command: {j['spec']['command']}  (workdir {j['spec'].get('workdir') or '-'})", highlight=False)
+    con.print(
+        f"[bold]{escape(j['id'])}[/bold]  {show.state(j['state'])}  tenant {escape(j['tenant'])}, "
+        f"{j['kind']}, "
+        f"priority {j['priority']}, GPUs {g['min']}-{g['max']} (x{g['multiple_of']}), "
+        f"placement {escape(show.placement(j['placement']))}",
+        soft_wrap=True,
+    )
+    spec = j["spec"]
+    what = spec.get("run") if spec.get("run") else spec.get("command")
+    con.print(Text(f"  command: {what}  (workdir {spec.get('workdir') or '-'})"), soft_wrap=True)
+    if show.waiting(j):
+        con.print(Text(f"  {show.waiting(j)}", style="yellow"), soft_wrap=True)
     if j["message"]:
-        console.print(f"  {j['message']}", highlight=False)
+        con.print(Text(f"  {j['message']}"), soft_wrap=True)
     if p:
         tiers = ", ".join(f"{k}: step {v[0]}" for k, v in (p.get("tiers") or {}).items()) or "none"
-        console.print(f"  step {_num(p.get('step'))} (restored {_num(p.get('start_step'))}), loss "
-                      f"{_num(p.get('loss'), '{:.4f}')}, {_num(p.get('steps_per_s'), '{:.2f}')} steps/s, "
-                      f"heartbeat phase {p.get('phase') or '-'}; checkpoints: {tiers}", highlight=False)
-    console.print(f"  {_ckpt_line(ck)}", highlight=False)
+        con.print(
+            Text(
+                f"  step {show.num(p.get('step'))} (restored {show.num(p.get('start_step'))}), loss "
+                f"{show.num(p.get('loss'), '{:.4f}')}, {show.num(p.get('steps_per_s'), '{:.2f}')} steps/s, "
+                f"heartbeat phase {p.get('phase') or '-'}; checkpoints: {tiers}"
+            ),
+            soft_wrap=True,
+        )
+    con.print(Text(f"  {show.ckpt_line(ck)}; {show.cadence(j)}"), soft_wrap=True)
     if j.get("handle"):
-        console.print(f"  attempt {j['attempt']}: pids {[r['pid'] for r in j['handle'].get('ranks', [])]}, "
-                      f"devices {j['handle'].get('devices')}", highlight=False)
-    _summary(j)
+        con.print(
+            Text(
+                f"  attempt {j['attempt']}: pids {[r['pid'] for r in j['handle'].get('ranks', [])]}, "
+                f"devices {j['handle'].get('devices')}"
+            ),
+            soft_wrap=True,
+        )
+    show.summary(j, con, c, evs)
     for e in evs[-12:]:
-        console.print(f"  [dim]{_clock(e['time_s'])}[/dim] {_event_line(e)}", highlight=False)
+        con.print(f"  [dim]{show.clock(e['time_s'])}[/dim] {show.event_line(e)}", soft_wrap=True)
 
 
-def _ckpt_line(ck: dict) -> str:
-    """``checkpoints at URL: shm 40, 50; disk 10..50 (5); newest durable step 50, 3.2 s old``."""
-    if ck.get("url") is None:
-        return "checkpoints: location unknown"
-    parts = []
-    for t in ck["tiers"]:
-        s = t["steps"]
-        held = "none" if not s else ", ".join(map(str, s)) if len(s) <= 3 else f"{s[0]}..{s[-1]} ({len(s)})"
-        parts.append(f"{t['name']} {held}{' (error: ' + t['error'] + ')' if t.get('error') else ''}")
-    line = f"checkpoints at {ck['url']}: {'; '.join(parts) or 'none'}"
-    if ck.get("newest_durable_step") is not None:
-        line += f"; newest durable step {ck['newest_durable_step']}, {_num(ck.get('durable_age_s'), '{:.1f}')} s old"
-    return line
-
-
-def logs(job: Annotated[str, typer.Argument(help="job id")],
-         follow: Annotated[bool, typer.Option("--follow", "-f", help="keep printing until the job ends")] = False,
-         rank: Annotated[int, typer.Option(help="which rank's log")] = 0) -> None:
-    """A rank's output (stdout and stderr, every attempt)."""
-    c = _client()
-    offset = 0
+def logs(
+    job: Annotated[str, typer.Argument(help="job id")],
+    follow: Annotated[
+        bool,
+        typer.Option(
+            "--follow", "-f", help="keep printing until the job ends (through restarts of tidal up)"
+        ),
+    ] = False,
+    rank: Annotated[
+        str, typer.Option(help="which rank's log: a number, or 'all' (each line prefixed with its rank)")
+    ] = "0",
+) -> None:
+    """A rank's output (stdout and stderr, every attempt), or all ranks' interleaved by line."""
+    err = show.console(stderr=True)
+    api = Reconnecting(_client, lambda m: err.print(Text(m, style="yellow"), soft_wrap=True))
     try:
+        if rank == "all":
+            j = api.call(lambda c: c.job(job))
+            ranks = list(range(max(j["gpus"]["max"], 1)))
+        elif rank.isdigit():
+            ranks = [int(rank)]
+        else:
+            _fail(f"--rank: expected a rank number or 'all', got {rank!r}")
+        prefix = len(ranks) > 1
+        follower = LogFollower(job, ranks)
+
+        def emit(lines: list[tuple[int, str]], end: str = "\n") -> None:
+            for r, line in lines:
+                sys.stdout.write(f"[rank {r}] {line}{end}" if prefix else line + end)
+            sys.stdout.flush()
+
         while True:
-            chunk = c.logs(job, rank=rank, offset=offset)
-            if chunk["data"]:
-                sys.stdout.write(chunk["data"])
-                sys.stdout.flush()
-            offset = chunk["offset"]
-            if not follow or (chunk["done"] and offset >= chunk["size"]):
+            if follow:
+                emit(api.call(follower.poll))
+            else:
+                try:
+                    emit(follower.poll(api.client))
+                except ApiError as e:
+                    _fail(e)
+            if not follow or follower.done:
                 break
-            if offset >= chunk["size"]:
-                time.sleep(0.5)
+            time.sleep(0.5)
+        emit(follower.rest(), end="")
     except ApiError as e:
         _fail(e)
     except KeyboardInterrupt:
@@ -270,89 +340,132 @@ def cancel(job: Annotated[str, typer.Argument(help="job id")]) -> None:
         j = _client().cancel(job)
     except ApiError as e:
         _fail(e)
-    console.print(f"{j['id']}: cancel requested ({j['state']})")
+    show.console().print(f"{escape(j['id'])}: cancel requested ({escape(j['state'])})")
 
 
-def pool() -> None:
+def pool(output: OutputOpt = Fmt.table, as_json: JsonOpt = False) -> None:
     """GPUs per node: who holds them, what is draining, what is free."""
     try:
         p = _client().pool()
     except ApiError as e:
         _fail(e)
+    if show.dump(p, show.fmt(output, as_json)):
+        return
     t = Table(box=None, header_style="bold")
     for col in ("NODE", "POOL", "GPUS", "ALLOCATED", "DRAINING", "FREE", "HELD BY"):
         t.add_column(col)
     for n in p["nodes"]:
-        held = ", ".join(f"{h['job'] or h['tenant']} ({h['gpus']}{', ' + h['state'] if h['state'] != 'running' else ''})"
-                         for h in n["jobs"]) or "-"
-        t.add_row(n["name"], n["pool"], str(n["gpus"]), str(n["allocated"]), str(n["draining"]), str(n["free"]), held)
-    console.print(t)
-    console.print(f"{p['allocated']}/{p['gpus']} GPUs allocated, {p['free']} free, {p['pending']} jobs pending")
+        held = (
+            ", ".join(
+                f"{h['job'] or h['tenant']} "
+                f"({h['gpus']}{', ' + h['state'] if h['state'] != 'running' else ''})"
+                for h in n["jobs"]
+            )
+            or "-"
+        )
+        t.add_row(
+            escape(n["name"]),
+            n["pool"],
+            str(n["gpus"]),
+            str(n["allocated"]),
+            str(n["draining"]),
+            str(n["free"]),
+            escape(held),
+        )
+    con = show.console()
+    con.print(t)
+    con.print(
+        f"{p['allocated']}/{p['gpus']} GPUs allocated, {p['free']} free, "
+        f"{show.plural(p['pending'], 'job')} pending"
+    )
 
 
-def events(job: Annotated[str | None, typer.Argument(help="job id (default: all you may see)")] = None,
-           follow: Annotated[bool, typer.Option("--follow", "-f", help="keep printing new events")] = False,
-           last: Annotated[int, typer.Option(help="show the last N events")] = 50) -> None:
-    """The event log: every transition, decision, adoption and restart."""
-    c = _client()
+def events(
+    job: Annotated[str | None, typer.Argument(help="job id (default: all you may see)")] = None,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="keep printing new events")] = False,
+    last: Annotated[int, typer.Option(help="show the last N events")] = 50,
+    output: OutputOpt = Fmt.table,
+    as_json: JsonOpt = False,
+) -> None:
+    """The event log: every transition, decision, adoption and restart (-o json: one object per line
+    with --follow)."""
+    fmt = show.fmt(output, as_json)
+    con = show.console()
+
+    def emit(e: dict) -> None:
+        if fmt in (Fmt.json, Fmt.yaml) and follow:
+            sys.stdout.write(json.dumps(e, ensure_ascii=False) + "\n")
+            sys.stdout.flush()
+        else:
+            con.print(
+                f"[dim]{show.clock(e['time_s'])}[/dim] {show.event_line(e, with_job=job is None)}",
+                soft_wrap=True,
+            )
+
+    api = Reconnecting(
+        _client, lambda m: show.console(stderr=True).print(Text(m, style="yellow"), soft_wrap=True)
+    )
     try:
-        rows = c.events(job, limit=10000)
-        for e in rows[-last:]:
-            console.print(f"[dim]{_clock(e['time_s'])}[/dim] {_event_line(e, with_job=job is None)}", highlight=False)
+        rows = api.client.events(job, limit=10000)
+        if not follow and show.dump(rows[-last:] if last else [], fmt):
+            return
+        for e in rows[-last:] if last else []:
+            emit(e)
         seen = rows[-1]["id"] if rows else 0
         while follow:
             time.sleep(0.5)
-            for e in c.events(job, after=seen):
+            for e in api.call(lambda c, after=seen: c.events(job, after=after)):
                 seen = e["id"]
-                console.print(f"[dim]{_clock(e['time_s'])}[/dim] {_event_line(e, with_job=job is None)}",
-                              highlight=False)
+                emit(e)
     except ApiError as e:
         _fail(e)
     except KeyboardInterrupt:
         pass
 
 
-def _clock(t: float) -> str:
-    return time.strftime("%H:%M:%S", time.localtime(t)) + f".{int(t % 1 * 10)}"
-
-
-def _event_line(e: dict, with_job: bool = False) -> str:
-    who = f"{e['job']} " if with_job and e.get("job") else ""
-    if e["kind"] == "transition":
-        arrow = f"{e['from'] or 'new'} -> {_state(e['to'])}"
-        return f"{who}{arrow}: {e['message']}"
-    return f"{who}[bold]{e['kind']}[/bold]: {e['message']}"
-
-
 # --------------------------------------------------------------------------------------- tenants
 @tenants_app.command("create")
-def tenants_create(name: Annotated[str, typer.Argument(help="tenant name")],
-                   quota: Annotated[int, typer.Option(help="training GPUs guaranteed to dedicated jobs")] = 0,
-                   weight: Annotated[float, typer.Option(help="share of spot capacity")] = 1.0,
-                   max_priority: Annotated[int, typer.Option(help="the highest priority its jobs may ask for")] = 0,
-                   ) -> None:
-    """Create a tenant and print its token (shown once; only its hash is stored)."""
+def tenants_create(
+    name: Annotated[str, typer.Argument(help="tenant name")],
+    quota: Annotated[int, typer.Option(help="training GPUs guaranteed to dedicated jobs")] = 0,
+    weight: Annotated[float, typer.Option(help="share of spot capacity")] = 1.0,
+    max_priority: Annotated[int, typer.Option(help="the highest priority its jobs may ask for")] = 0,
+) -> None:
+    """Create a tenant and print its token on stdout (shown once; only its hash is stored)."""
     try:
         t = _client().create_tenant(name, quota_gpus=quota, weight=weight, max_priority=max_priority)
     except ApiError as e:
         _fail(e)
-    err.print(f"tenant {t['name']}: quota {t['quota_gpus']} GPUs, weight {t['weight']:g}, max priority "
-              f"{t['max_priority']}; its token (keep it, "
-              "it is not shown again):", highlight=False)
+    show.console(stderr=True).print(
+        Text(
+            f"tenant {t['name']}: quota {show.plural(t['quota_gpus'], 'GPU')}, weight {t['weight']:g}, "
+            "max priority "
+            f"{t['max_priority']}; its token (keep it, it is not shown again; give it to the tenant as "
+            "TIDAL_TOKEN):"
+        ),
+        soft_wrap=True,
+    )
     print(t["token"])
 
 
 @tenants_app.command("list")
-def tenants_list() -> None:
+def tenants_list(output: OutputOpt = Fmt.table, as_json: JsonOpt = False) -> None:
     """Tenants with their quotas and weights."""
     try:
         rows = _client().tenants()
     except ApiError as e:
         _fail(e)
+    if show.dump(rows, show.fmt(output, as_json)):
+        return
     t = Table(box=None, header_style="bold")
     for col in ("TENANT", "QUOTA", "WEIGHT", "MAX PRIORITY", "ADMIN"):
         t.add_column(col)
     for r in rows:
-        t.add_row(r["name"], str(r["quota_gpus"]), f"{r['weight']:g}", str(r.get("max_priority", 0)),
-                  "yes" if r["admin"] else "")
-    console.print(t)
+        t.add_row(
+            escape(r["name"]),
+            str(r["quota_gpus"]),
+            f"{r['weight']:g}",
+            str(r.get("max_priority", 0)),
+            "yes" if r["admin"] else "",
+        )
+    show.console().print(t)

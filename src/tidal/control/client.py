@@ -53,6 +53,26 @@ def default_token() -> str | None:
         return None
 
 
+def origin() -> str:
+    """Where the API address and the token come from (for an error they may explain: a client whose state
+    dir has no ``api.url`` reaches whatever listens on the default port, with a token that is not its)."""
+    sd = state_dir()
+    if os.environ.get(ENV_API_URL):
+        url = f"API address from ${ENV_API_URL}"
+    elif (sd / API_URL_FILE).exists():
+        url = f"API address from {sd / API_URL_FILE}"
+    else:
+        url = (f"the default API address {DEFAULT_URL} (no {API_URL_FILE} in {sd}: no tidal up with this "
+               "state dir)")
+    if os.environ.get(ENV_TOKEN):
+        token = f"token from ${ENV_TOKEN}"
+    elif (sd / "admin.token").exists():
+        token = f"token from {sd / 'admin.token'}"
+    else:
+        token = f"no token (no ${ENV_TOKEN}, no admin.token in {sd})"
+    return f"{url}; {token}"
+
+
 class TidalClient:
     def __init__(self, base_url: str | None = None, token: str | None = None, *, http: httpx.Client | None = None,
                  timeout_s: float = 30.0) -> None:

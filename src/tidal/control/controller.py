@@ -55,6 +55,7 @@ from tidal.model import (
     Shrink,
     Snapshot,
     Tenant,
+    Waiting,
 )
 from tidal.policy.ckpt_interval import plan_ckpt_intervals
 from tidal.policy.scheduler import schedule
@@ -63,6 +64,7 @@ log = logging.getLogger(__name__)
 
 S = State
 SHM_SWEEP_S = 5.0  # how often ended jobs' shared-memory directories are looked at
+ANNOUNCE_INTERVAL_S = 600.0  # a job's checkpoint-interval changes are announced (events) at most this often
 RESUMABLE_CODES = frozenset({0, EXIT_PREEMPTED, -15, 128 + 15})  # -15/143: SIGTERM before the session existed
 
 
@@ -79,6 +81,10 @@ class Controller:
         self.loans = loans
         self._events: list[tuple[str, str, dict | None]] = []  # loan events of this step, stored with the ledger
         self._shm_swept_s = float("-inf")
+        self._announced: dict[str, tuple[float, int]] = {}  # job -> (last ckpt_interval event, changes since)
+        self._own_cadence: set[str] = set()  # jobs told that their own step cadence wins
+        # job id -> why it waits or does not grow, as stored (the scheduler's reasons; see _note_waiting)
+        self._waiting: dict[str, dict] = {j.id: j.waiting for j in store.active_jobs() if j.waiting}
         if loans is not None:
             serving = {n.name: n.gpus for n in self.nodes if n.pool == "serving"}
             if serving != loans.nodes:
@@ -107,7 +113,8 @@ class Controller:
             if ob is not None and ob.alive:
                 pids = [r.pid for r in ob.alive]
                 self.store.record("adopted", f"control plane restarted: re-adopted attempt {job.attempt}, "
-                                  f"{len(pids)} of {len(ob.ranks)} ranks running (pids {pids})", now_s, job=job,
+                                  f"{len(pids)} of {_n(len(ob.ranks), 'rank')} running (pids {pids})", now_s,
+                                  job=job,
                                   data={"attempt": job.attempt, "pids": pids})
             elif ob is not None and not all(r.vanished for r in ob.ranks):
                 self.store.record("adopted", f"control plane restarted: attempt {job.attempt} ended meanwhile; "
@@ -132,13 +139,23 @@ class Controller:
             used, wants = self._holdings(wants=True)
             self._events = self._events + self.loans.tick(now_s, used, wants)
         snap = self.snapshot(now_s)  # 4. decide
-        decisions: list[Decision] = list(schedule(snap, self.config.scheduler))
-        decisions += self._intervals(snap)
+        why: dict[str, Waiting] = {}
+        decisions: list[Decision] = list(schedule(snap, self.config.scheduler, why=why))
+        decisions += self._intervals(snap, now_s)
         for d in decisions:  # 5. act
             self._apply(d, now_s)
+        self._note_waiting(why)
         self._save_loans(now_s)
         self.sweep_shm(now_s)
         return decisions
+
+    def _note_waiting(self, why: dict[str, Waiting]) -> None:
+        """Store why each job waits or does not grow (``jobs.waiting``), for the jobs where that changed;
+        a job the scheduler gave no reason (admitted, grown to its maximum, ended) has it cleared."""
+        new = {jid: {"reason": w.reason, "until_s": w.until_s} for jid, w in why.items()}
+        self.store.set_waiting({jid: new.get(jid) for jid in self._waiting.keys() | new.keys()
+                                if self._waiting.get(jid) != new.get(jid)})  # one transaction
+        self._waiting = new
 
     def _holdings(self, wants: bool = False) -> tuple[dict[str, int], int]:
         """(node -> GPUs jobs hold, serving GPUs spot jobs could use now) from one read of the store.
@@ -174,11 +191,29 @@ class Controller:
         if self.loans.take_dirty() or events:
             self.store.put_doc(LOANS_DOC, self.loans.dump(), now_s, events)
 
-    def _intervals(self, snap: Snapshot) -> list[SetCkptInterval]:
-        """Checkpoint intervals for running jobs whose spec says ``interval_s: auto``."""
-        planned = plan_ckpt_intervals(snap, self.config.ckpt_interval)  # pure; usually empty
-        return [d for d in planned
-                if (self.store.job(d.job).spec.get("checkpoint") or {}).get("interval_s", "auto") == "auto"]
+    def _intervals(self, snap: Snapshot, now_s: float) -> list[SetCkptInterval]:
+        """Checkpoint intervals for running jobs whose spec says ``interval_s: auto``, unless the job
+        checkpoints on its own step cadence (its session reports ``ckpt_every_steps``: from
+        ``TIDAL_CKPT_INTERVAL_STEPS`` or its code): that cadence wins, said once in its events, and
+        the platform sends it no interval (its timer stays at the policy's cap)."""
+        out = []
+        for d in plan_ckpt_intervals(snap, self.config.ckpt_interval):  # pure; usually empty
+            job = self.store.job(d.job)
+            if (job.spec.get("checkpoint") or {}).get("interval_s", "auto") != "auto":
+                continue
+            own = (job.progress or {}).get("ckpt_every_steps")
+            if own:
+                if job.id not in self._own_cadence:
+                    self._own_cadence.add(job.id)
+                    cap = job.ckpt_interval_s or self.config.ckpt_interval.max_interval_s
+                    msg = (f"checkpoint cadence: every {own} steps, the job's own (TIDAL_CKPT_INTERVAL_STEPS "
+                           "or its code); the platform's interval is not applied (its timer stays at "
+                           f"{cap:.0f} s)")
+                    self.store.record("ckpt_interval", msg, now_s, job=job,
+                                      data={"own_steps": own, "interval_s": cap})
+                continue
+            out.append(d)
+        return out
 
     # ------------------------------------------------------------------------------------ reconcile
     def _reconcile(self, job: JobRow, ob: Observation | None, now_s: float) -> None:
@@ -219,11 +254,12 @@ class Controller:
                 return
         if st == S.ADMITTED:
             pids = [r.pid for r in ob.alive]
-            self.store.transition(job.id, S.RUNNING, now_s, f"{len(pids)} ranks running (pids {pids})")
+            self.store.transition(job.id, S.RUNNING, now_s, f"{_n(len(pids), 'rank')} running (pids {pids})")
         elif st in STOPPING and not job.killed and job.stop_deadline_s is not None and now_s >= job.stop_deadline_s:
             self.executor.kill(job.id)
             self.store.update(job.id, killed=True)
-            self.store.record("kill", f"grace expired while {st}: SIGKILL to {len(ob.alive)} ranks", now_s, job=job)
+            self.store.record("kill", f"grace expired while {st}: SIGKILL to {_n(len(ob.alive), 'rank')}",
+                              now_s, job=job)
 
     def _hang(self, job: JobRow, ob: Observation, now_s: float) -> str | None:
         cfg, p = self.config, ob.progress
@@ -279,7 +315,9 @@ class Controller:
             torn = [r.rank for r in ob.ranks if r.ended]
             how = (f"finished{at} (exit codes {codes}: ranks {torn} died in the interpreter's teardown after "
                    "closing cleanly, counted as 0)") if torn else f"exited 0{at}"
-            self.store.transition(job.id, S.SUCCEEDED, now_s, f"all {len(codes)} ranks {how}", data=data, finished_s=now_s, placement={}, releasing={},
+            who = "its only rank " if len(codes) == 1 else f"all {len(codes)} ranks "
+            self.store.transition(job.id, S.SUCCEEDED, now_s, who + how, data=data, finished_s=now_s,
+                                  placement={}, releasing={},
                                   **base)
         elif outcome == "cancelled":
             self.store.transition(job.id, S.CANCELLED, now_s, f"cancelled; exit codes {codes}", data=data,
@@ -339,9 +377,16 @@ class Controller:
             self.store.update(job.id, ckpt_interval_s=d.interval_s)
             self.executor.configure(job.id, {"ckpt_interval_s": d.interval_s})
             stall = f"{job.ckpt_stall_s:.3g} s" if job.ckpt_stall_s is not None else "unmeasured"
-            self.store.record("ckpt_interval", f"checkpoint every {d.interval_s:.0f} s (was "
-                              f"{f'{was:.0f} s' if was else 'the default'}; measured stall {stall})", now_s,
-                              job=job, data={"interval_s": d.interval_s, "was": was})
+            last_s, quiet = self._announced.get(job.id, (float("-inf"), 0))
+            if now_s - last_s < ANNOUNCE_INTERVAL_S:  # applied, announced with the next change worth one
+                self._announced[job.id] = (last_s, quiet + 1)
+                return
+            more = f"; {quiet} more change(s) since the last announcement" if quiet else ""
+            self._announced[job.id] = (now_s, 0)
+            before = f"{was:.0f} s" if was else "the default"
+            self.store.record("ckpt_interval", f"checkpoint every {d.interval_s:.0f} s (was {before}; "
+                              f"measured stall {stall}{more})", now_s, job=job,
+                              data={"interval_s": d.interval_s, "was": was, "unannounced": quiet})
         elif isinstance(d, Admit):
             g = sum(d.placement.values())
             where = ", ".join(f"{n}: {k}" for n, k in d.placement.items())
@@ -407,7 +452,8 @@ class Controller:
             self._finish(job, Observation(job.id, attempt, now_s, ()), now_s)
             return
         self.store.update(job.id, handle=handle)
-        self.store.record("launch", f"attempt {attempt}: {req.world_size} ranks started", now_s, job=job,
+        self.store.record("launch", f"attempt {attempt}: {_n(req.world_size, 'rank')} started", now_s,
+                          job=job,
                           data=handle)
 
     def _default_ckpt(self, job: JobRow) -> str | None:
@@ -487,6 +533,11 @@ class Controller:
 # ----------------------------------------------------------------------------------------- helpers
 def _requeue_fields() -> dict[str, Any]:
     return {"placement": {}, "releasing": {}, "started_s": None, "handle": None}
+
+
+def _n(n: int, word: str) -> str:
+    """``1 rank``, ``2 ranks``."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
 def _code(r: RankState) -> int | None:

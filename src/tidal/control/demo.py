@@ -46,6 +46,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 from rich.live import Live
+from rich.markup import escape
 from rich.panel import Panel
 from rich.progress_bar import ProgressBar
 from rich.table import Table
@@ -163,8 +164,8 @@ def _clock(t: float) -> str:
 
 def event_line(e: dict) -> str:
     if e["kind"] == "transition":
-        return f"{e['from'] or 'new'} -> {_state(e['to'])}: {e['message']}"
-    return f"[bold]{e['kind']}[/bold]: {e['message']}"
+        return f"{e['from'] or 'new'} -> {_state(e['to'])}: {escape(e['message'])}"
+    return f"[bold]{escape(e['kind'])}[/bold]: {escape(e['message'])}"
 
 
 def _tiers(p: dict) -> str:
@@ -195,8 +196,9 @@ def status_panel(j: dict, opts: DemoOptions, elapsed_s: float, kill: Kill | None
     g.add_row("restarts", f"{r['restarts']}   lost {r['lost_steps']} steps ({r['lost_work_s']:.1f} s)   "
                           f"ETTR {_fmt(r['ettr'], '{:.2f}')}")
     if kill is not None:
-        g.add_row("killed", f"rank {kill.rank} (pid {kill.pid}) at step {kill.at_step}; newest checkpoint "
-                            f"then: step {kill.ckpt_step}")
+        g.add_row("killed", f"rank {kill.rank} (pid {kill.pid}, child of shim pid {kill.shim_pid}) when step "
+                            f"{kill.at_step} was last reported; newest checkpoint then: step "
+                            f"{kill.ckpt_step}")
     g.add_row("elapsed", f"{elapsed_s:.0f} s")
     return Panel(g, title="[bold]tidal demo[/bold]", border_style="cyan", expand=False)
 
@@ -324,8 +326,10 @@ def _watch(client: TidalClient, job_id: str, opts: DemoOptions, console: Console
             if w.kill is None and _due(j, opts):
                 w.kill = k = kill_rank(j, opts.rank_to_kill)
                 if k is not None:
-                    say(f"[bold red]SIGKILL to rank {k.rank} (pid {k.pid})[/bold red], as if its GPU died: attempt "
-                        f"{k.attempt} at step {k.at_step}, newest checkpoint step {k.ckpt_step} (as last reported)")
+                    say(f"[bold red]SIGKILL to rank {k.rank} (pid {k.pid}, the child of its shim pid "
+                        f"{k.shim_pid} named in the events)[/bold red], as if its GPU died: attempt "
+                        f"{k.attempt}, last reported at step {k.at_step} with newest checkpoint step "
+                        f"{k.ckpt_step} (the summary gives the step it had reached, from its own records)")
             if time.monotonic() > deadline:
                 raise DemoError(f"job {job_id} did not end within --timeout {opts.timeout_s:g} s "
                                 f"(state {j['state']}, step {(j.get('progress') or {}).get('step')})")
@@ -410,7 +414,8 @@ def summarize(j: dict, w: Watch, opts: DemoOptions, state_dir: Path, wall_s: flo
         "steps": opts.steps, "final_step": final_step,
         "initial_loss": first.get("loss") if first else None, "final_loss": last.get("loss") if last else None,
         "restarts": rep["restarts"], "attempts": j["attempt"],
-        "killed": None if k is None else {"rank": k.rank, "pid": k.pid, "attempt": k.attempt, "at_step": k.at_step,
+        "killed": None if k is None else {"rank": k.rank, "pid": k.pid, "shim_pid": k.shim_pid,
+                                          "attempt": k.attempt, "at_step": k.at_step,
                                           "ckpt_step": k.ckpt_step, "reached_step": reached},
         "resumed_from_step": resumed,
         "restore_tier": restore.get("tier") if restore else None,
@@ -451,8 +456,9 @@ def summary_table(s: dict) -> Table:
     t.add_row("loss", f"{_fmt(s['initial_loss'], '{:.3f}')} at the first step -> {_fmt(s['final_loss'], '{:.3f}')} "
                       "at the last")
     k = s["killed"]
-    t.add_row("killed", "nothing" if k is None else f"rank {k['rank']} (pid {k['pid']}, SIGKILL) in attempt "
-                        f"{k['attempt']}, which had reached step {_fmt(k['reached_step'])}")
+    t.add_row("killed", "nothing" if k is None else f"rank {k['rank']} (pid {k['pid']}, child of shim pid "
+                        f"{k['shim_pid']}; SIGKILL) in attempt {k['attempt']}, which had reached step "
+                        f"{_fmt(k['reached_step'])} (step {k['at_step']} was the last reported)")
     t.add_row("restarts", f"{s['restarts']} ({s['attempts']} attempts)")
     resumed = "-" if s["resumed_from_step"] is None else f"checkpoint step {s['resumed_from_step']}" + (
         f" (tier {s['restore_tier']}, read in {s['restore_s']:.2f} s)" if s["restore_tier"] else " (nothing restored)")
@@ -506,7 +512,7 @@ def demo(ctx: typer.Context,
     try:
         opts.check()
     except DemoError as e:
-        err.print(f"[red]error:[/red] {e}", highlight=False)
+        err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False)
         raise typer.Exit(2) from None
 
     def on_term(*_: Any) -> None:
@@ -520,7 +526,7 @@ def demo(ctx: typer.Context,
                   highlight=False)
         raise typer.Exit(130) from None
     except (DemoError, ApiError) as e:
-        err.print(f"[red]error:[/red] {e}", highlight=False)
+        err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False)
         raise typer.Exit(1) from None
     finally:
         if old_term is not None:

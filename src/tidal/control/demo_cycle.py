@@ -38,6 +38,7 @@ import numpy as np
 import typer
 from rich.console import Console, Group
 from rich.live import Live
+from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 
@@ -338,7 +339,7 @@ def cycle(speedup: Annotated[float, typer.Option(help="serving seconds per secon
     try:
         out = run_cycle(opts, console, keep=keep)
     except DemoError as e:
-        Console(stderr=True).print(f"[red]error:[/red] {e}", highlight=False)
+        Console(stderr=True).print(f"[red]error:[/red] {escape(str(e))}", highlight=False)
         raise typer.Exit(2) from None
     if json_out:
         print(json.dumps(out, indent=1))

@@ -4,14 +4,14 @@
 |---|---|---|
 | ``tidal_pool_gpus`` | gauge | ``node``, ``state`` (allocated, draining, free), ``tenant`` ("" when free) |
 | ``tidal_jobs`` | gauge | ``state`` (every state, zeros included) |
-| ``tidal_job_gpus`` | gauge | ``job``, ``tenant`` |
-| ``tidal_job_step`` | gauge | ``job``, ``tenant``: newest completed step |
-| ``tidal_job_steps_per_second`` | gauge | ``job``, ``tenant`` |
-| ``tidal_job_checkpoint_age_seconds`` | gauge | ``job``, ``tenant``, ``tier``: since the newest step in that tier was captured |
-| ``tidal_job_ettr_ratio`` | gauge | ``job``, ``tenant``: effective training time ratio |
-| ``tidal_job_restarts_total`` | counter | ``job``, ``tenant``: restarts after failures |
-| ``tidal_job_preemptions_total`` | counter | ``job``, ``tenant`` |
-| ``tidal_job_lost_work_seconds_total`` | counter | ``job``, ``tenant``: training re-run after failures |
+| ``tidal_job_gpus`` | gauge | ``job_id``, ``tenant`` |
+| ``tidal_job_step`` | gauge | ``job_id``, ``tenant``: newest completed step |
+| ``tidal_job_steps_per_second`` | gauge | ``job_id``, ``tenant`` |
+| ``tidal_job_checkpoint_age_seconds`` | gauge | ``job_id``, ``tenant``, ``tier``: age of its newest step |
+| ``tidal_job_ettr_ratio`` | gauge | ``job_id``, ``tenant``: effective training time ratio |
+| ``tidal_job_restarts_total`` | counter | ``job_id``, ``tenant``: restarts after failures |
+| ``tidal_job_preemptions_total`` | counter | ``job_id``, ``tenant`` |
+| ``tidal_job_lost_work_seconds_total`` | counter | ``job_id``, ``tenant``: training re-run after failures |
 | ``tidal_serving_demand_gpus`` | gauge | serving demand at the newest plan (absent while unknown) |
 | ``tidal_serving_lendable_gpus`` | gauge | serving GPUs the newest loan plan could lend |
 | ``tidal_serving_margin_gpus`` | gauge | the plan's safety margin at the lead time |
@@ -75,7 +75,7 @@ class PlaneCollector:
         for s, c in counts.items():
             by_state.add_metric([s], c)
         yield by_state
-        labels = ["job", "tenant"]
+        labels = ["job_id", "tenant"]  # not "job": Prometheus sets that label to the scrape job
         gpus = GaugeMetricFamily("tidal_job_gpus", "GPUs a job holds", labels=labels)
         step = GaugeMetricFamily("tidal_job_step", "Newest completed training step", labels=labels)
         rate = GaugeMetricFamily("tidal_job_steps_per_second", "Training steps per second (this attempt)",

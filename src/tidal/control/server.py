@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -244,10 +246,34 @@ def open_checked(state_dir: Path, url: str) -> Store:
     return store
 
 
-def serve(plane: Plane, host: str = "127.0.0.1", port: int = 8470, *, announce=print) -> None:
-    """Recover, start the loop, serve until interrupted. Writes ``<state dir>/api.url`` once listening."""
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before anything else starts: a port in use is one clear ``OSError``
+    (not uvicorn's bare ``[Errno 98]`` after the plane has started)."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise OSError(f"--host {host!r}: {e.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise OSError(f"port {port} on {host} is already in use (another tidal up? its address is in "
+                          f"<state dir>/{API_URL_FILE}); stop it, or choose --port (0: any free port)"
+                          ) from None
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    return sock
+
+
+def serve(plane: Plane, host: str = "127.0.0.1", port: int = 8470, *, announce=print,
+          sock: socket.socket | None = None) -> None:
+    """Recover, start the loop, serve until interrupted. Writes ``<state dir>/api.url`` once listening.
+    ``sock``: already bound by :func:`bind` (else bound here)."""
     import uvicorn
 
+    sock = sock or bind(host, port)
     plane.controller.recover(time.time())
     loop = ReconcileLoop(plane.controller, plane.controller.config.loop_interval_s)
     server = uvicorn.Server(uvicorn.Config(plane.app(), host=host, port=port, log_level="warning",
@@ -278,7 +304,7 @@ def serve(plane: Plane, host: str = "127.0.0.1", port: int = 8470, *, announce=p
     if plane.advisor is not None:
         plane.advisor.start()
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         loop.stop()
         if plane.advisor is not None:

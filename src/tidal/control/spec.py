@@ -5,6 +5,7 @@
     priority: 0                # higher first
     gpus: 4                    # or {min: 2, max: 8, multiple_of: 2} (elastic)
     command: [python, train.py, --steps, "2000"]   # an argument list, never a shell string
+    # or, instead of command, a shell script: run: "pip install -e . && python train.py" (run as bash -c RUN)
     workdir: .                 # relative to the YAML file (the CLI resolves it); default: its folder
     env: {WANDB_MODE: offline}
     checkpoint: {url: /ckpt/gpt-small, interval_s: 300}   # default url: the job's folder in the state dir;
@@ -154,9 +155,13 @@ class JobSpec(_Strict):
     name: str = Field(description="a name: letters, digits, '.', '_', '-' (the job id is <name>-<n>)")
     kind: Literal["spot", "dedicated"] = "spot"
     priority: int = Field(default=0, ge=-1000, le=1000)
-    gpus: Annotated[GpuRange, BeforeValidator(_gpus)]
-    command: list[Annotated[str, Field(max_length=MAX_ARG_CHARS)]] = Field(
-        min_length=1, max_length=MAX_ARGS, description="argument list; never run through a shell")
+    gpus: Annotated[GpuRange, BeforeValidator(
+        _gpus, json_schema_input_type=Annotated[int, Field(ge=1)] | GpuRange)]  # declared as accepted
+    command: list[Annotated[str, Field(max_length=MAX_ARG_CHARS)]] | None = Field(
+        default=None, min_length=1, max_length=MAX_ARGS,
+        description="argument list; never run through a shell (give this or run)")
+    run: str | None = Field(default=None, min_length=1, max_length=MAX_ARG_CHARS,
+                            description="a shell script, instead of command: run as [bash, -c, RUN]")
     workdir: str | None = Field(default=None, max_length=MAX_PATH_CHARS,
                                 description="absolute directory the ranks start in")
     env: dict[Annotated[str, Field(max_length=MAX_ENV_NAME_CHARS), AfterValidator(_env_name)],
@@ -191,15 +196,28 @@ class JobSpec(_Strict):
     def _command(cls, v: Any) -> Any:
         if isinstance(v, str):
             raise ValueError("expected a list of arguments, e.g. [python, train.py, --steps, '100'] "
-                             "(a command is never run through a shell)")
+                             "(a command is never run through a shell; for a shell script, use run: instead)")
         return v
 
     @field_validator("command")
     @classmethod
-    def _command_items(cls, v: list[str]) -> list[str]:
-        if not v[0]:
+    def _command_items(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and not v[0]:
             raise ValueError("the program (first argument) must not be empty")
         return v
+
+    @model_validator(mode="after")
+    def _run_or_command(self) -> JobSpec:
+        """Exactly one of ``command`` and ``run``; a ``run`` script becomes ``command: [bash, -c, RUN]``."""
+        if (self.command is None) == (self.run is None):
+            both = "give command (an argument list) or run (a shell script), not both"
+            none = "Field required: an argument list, e.g. [python, train.py] (or run: a shell script)"
+            msg = both if self.run is not None else none
+            raise ValidationError.from_exception_data("JobSpec", [
+                InitErrorDetails(type=PydanticCustomError("command", msg), loc=("command",), input=None)])
+        if self.run is not None:
+            object.__setattr__(self, "command", ["bash", "-c", self.run])
+        return self
 
     @field_validator("workdir")
     @classmethod
@@ -223,7 +241,7 @@ def text_problems(data: Any, loc: tuple = (), depth: int = 0) -> list[tuple[tupl
             out.append((loc, "NUL byte"))
         if _SURROGATE.search(data):
             out.append((loc, "lone UTF-16 surrogate (not valid Unicode)"))
-        if len(data) > MAX_TEXT_CHARS and (not loc or loc[0] != "command"):
+        if len(data) > MAX_TEXT_CHARS and (not loc or loc[0] not in ("command", "run")):
             out.append((loc, f"longer than {MAX_TEXT_CHARS} characters"))
     elif isinstance(data, dict):
         for k, v in data.items():

@@ -52,8 +52,9 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sess
 
 from tidal.control.states import ACTIVE, State, check_transition
 
-SCHEMA_VERSION = 4  # 2: jobs.nominated_s; 3: table docs (the loan ledger and policy state);
-# 4: tenants.max_priority, jobs.ckpt_location, meta job_seq (job numbers never reused) and db_id
+SCHEMA_VERSION = 5  # 2: jobs.nominated_s; 3: table docs (the loan ledger and policy state);
+# 4: tenants.max_priority, jobs.ckpt_location, meta job_seq (job numbers never reused) and db_id;
+# 5: jobs.waiting (why a job waits or does not grow, from the scheduler)
 POOL_SIZE = 48  # SQLite connections kept open: the API's worker threads (40) and the reconcile loop
 
 
@@ -124,6 +125,7 @@ class JobRow(Base):
     lost_steps: Mapped[int] = mapped_column(Integer, default=0)
     finished_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     message: Mapped[str] = mapped_column(String(2000), default="")
+    waiting: Mapped[dict | None] = mapped_column(JSON, nullable=True)  # schema 5: {reason, until_s}
 
     @property
     def gpus(self) -> int:
@@ -236,6 +238,8 @@ class Store:
                 s.execute(text("CREATE INDEX IF NOT EXISTS ix_jobs_ckpt_location ON jobs (ckpt_location)"))
             if "max_priority" not in {c["name"] for c in inspect(s.connection()).get_columns("tenants")}:
                 s.execute(text("ALTER TABLE tenants ADD COLUMN max_priority INTEGER"))
+        if version < 5 and "waiting" not in have:
+            s.execute(text("ALTER TABLE jobs ADD COLUMN waiting JSON"))
 
     def close(self) -> None:
         self.engine.dispose()
@@ -427,6 +431,17 @@ class Store:
             for k, v in fields.items():
                 setattr(row, k, v)
         return row
+
+    def set_waiting(self, changes: dict[str, dict | None]) -> None:
+        """Set ``jobs.waiting`` of many jobs in one transaction (job id -> ``{reason, until_s}`` or None);
+        ids no longer in the store are skipped."""
+        if not changes:
+            return
+        ids = list(changes)
+        with self._write() as s:
+            for i in range(0, len(ids), 500):  # bounded IN lists
+                for row in s.scalars(select(JobRow).where(JobRow.id.in_(ids[i:i + 500]))):
+                    row.waiting = changes[row.id]
 
     def _get(self, s: Session, job_id: str) -> JobRow:
         row = s.scalars(select(JobRow).where(JobRow.id == job_id)).first()

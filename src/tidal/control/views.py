@@ -20,11 +20,13 @@ def job_view(j: JobRow, now_s: float, *, detail: bool = False) -> dict[str, Any]
         "preemptions": j.preemptions, "submit_s": j.submit_s, "started_s": j.started_s,
         "finished_s": j.finished_s, "cancel_requested": j.cancel_requested, "message": j.message,
         "progress": j.progress or {}, "ckpt_step": j.ckpt_step, "report": job_report(j, now_s),
+        "waiting": j.waiting if State(j.state) in (State.PENDING, State.RUNNING) else None,
     }
     if detail:
         out["spec"] = j.spec
         out["handle"] = j.handle
         out["retry_at_s"] = j.retry_at_s
+        out["ckpt_interval_s"] = j.ckpt_interval_s
     return out
 
 

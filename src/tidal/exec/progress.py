@@ -36,7 +36,10 @@ class Progress:
     them); ``heartbeats``: how many ranks have written one. ``ckpt_step``/``ckpt_s``: the newest
     step committed in any tier and when it was captured; ``durable_*``: the same for tiers other
     than node memory; ``tiers``: tier -> [step, capture time]. ``ckpt_stall_s``: the median stall
-    of the last ``STALL_WINDOW`` saves (one noisy save does not move the interval policy). ``preempted``/``ended``: the runtime wrote its last record.
+    of the last ``STALL_WINDOW`` saves (one noisy save does not move the interval policy).
+    ``ckpt_every_steps``: the attempt's own step cadence (the session's ``ckpt_every_steps``, from
+    ``TIDAL_CKPT_INTERVAL_STEPS`` or the script; 0: none). ``preempted``/``ended``: the runtime wrote
+    its last record.
     """
 
     start_step: int | None = None
@@ -54,6 +57,7 @@ class Progress:
     durable_ckpt_step: int | None = None
     durable_ckpt_s: float | None = None
     ckpt_stall_s: float | None = None
+    ckpt_every_steps: int | None = None
     tiers: dict[str, list] = field(default_factory=dict)
     preempted: bool = False
     ended: bool = False
@@ -96,7 +100,8 @@ class ProgressReader:
             loss=f.get("loss"), heartbeat_s=min((b["time"] for b in beats), default=None), heartbeats=len(beats),
             phase=beats[0].get("phase") if beats else None, ckpt_step=f.get("ckpt_step"), ckpt_s=f.get("ckpt_s"),
             durable_ckpt_step=f.get("durable_ckpt_step"), durable_ckpt_s=f.get("durable_ckpt_s"),
-            ckpt_stall_s=f.get("ckpt_stall_s"), tiers=dict(f.get("tiers", {})),
+            ckpt_stall_s=f.get("ckpt_stall_s"), ckpt_every_steps=f.get("ckpt_every_steps"),
+            tiers=dict(f.get("tiers", {})),
             preempted=f.get("preempted", False), ended=f.get("ended", False))
 
     def _tail(self) -> None:
@@ -117,7 +122,9 @@ class ProgressReader:
 
     def _fold(self, r: dict[str, Any]) -> None:
         f, ev, t = self._f, r.get("event"), r.get("time")
-        if ev == "restore":
+        if ev == "start" and isinstance(r.get("ckpt_every_steps"), int):
+            f["ckpt_every_steps"] = r["ckpt_every_steps"]
+        elif ev == "restore":
             f["start_step"] = int(r.get("step") or 0)
         elif ev == "step":
             f["step"], f["step_s"] = r.get("step"), t

@@ -27,11 +27,16 @@ One call is a cycle of numbered steps (after Kueue's scheduler):
    cycle stops looking, so a call considers about as many pending jobs as there are free GPUs.
 6. **Grow.** Spare GPUs go to elastic jobs below their maximum (:mod:`.scheduling.growth`).
 7. **Requeue.** Everything not admitted simply stays in its queue: nothing to emit.
+
+With ``why`` (a dict), the call also says why each pending job did not start and each running job
+below its maximum did not grow (:class:`~tidal.model.Waiting`), from the very checks above: the
+quota, the free GPUs it needs, the victims being stopped for it, its place in its queue, the grow
+hysteresis. Without it nothing extra is computed.
 """
 
 from __future__ import annotations
 
-from tidal.model import Decision, Job, Snapshot
+from tidal.model import Decision, Job, Preempt, Shrink, Snapshot, Waiting
 from tidal.policy.scheduling.config import SchedulerConfig
 from tidal.policy.scheduling.cycle import Cycle
 from tidal.policy.scheduling.growth import grow_step
@@ -44,18 +49,22 @@ from tidal.policy.scheduling.targets import preempt_for
 __all__ = ["RunningIndex", "SchedulerConfig", "schedule"]
 
 
-def schedule(snapshot: Snapshot, config: SchedulerConfig | None = None, index: RunningIndex | None = None
-             ) -> list[Decision]:
+def schedule(snapshot: Snapshot, config: SchedulerConfig | None = None, index: RunningIndex | None = None,
+             why: dict[str, Waiting] | None = None) -> list[Decision]:
     """Decide what to admit, grow, shrink, preempt and return to serving now. Pure; see the module doc.
 
     ``index`` (optional, :class:`~tidal.policy.scheduling.index.RunningIndex`): a caller that schedules
     the same pool call after call may keep one and pass it every time; step 1 then costs O(jobs
     changed since the last call) instead of O(running jobs). The decisions are the same with or without.
+
+    ``why`` (optional, a dict, filled in): job id -> :class:`~tidal.model.Waiting` for every pending job
+    not admitted and every running job below its maximum not grown (O(pending jobs) more when given).
     """
     cfg = config or SchedulerConfig()
     now = snapshot.now_s
     # 1. Snapshot.
     c = Cycle(snapshot, cfg, index)
+    c.why = why
     blocked = {ln.node for ln in snapshot.loans if ln.until_s - now < cfg.min_loan_left_s}
     c.build_views(blocked)
     pending_spot = {key[0] for key, q in snapshot.queues.items() if key[1] == "spot" and q}
@@ -70,6 +79,8 @@ def schedule(snapshot: Snapshot, config: SchedulerConfig | None = None, index: R
     # 6. Grow.
     grow_step(c, admitted)
     # 7. Requeue: implicit.
+    if why is not None:
+        _explain_queues(c, admitted)
     return c.decisions
 
 
@@ -114,14 +125,21 @@ def _admit(c: Cycle, phases: list[QueueHeads]) -> dict[str, tuple[int, Job]]:
                 break
             if job.kind == "dedicated" and c.quota_room(job.tenant) <= 0 and not c.quota_can_free(job):
                 heads.drop_queue_of_last()  # its tenant's quota is full: nothing in this queue can start
+                c.wait(job, _quota_full(c, job))
                 continue
             if _try_place(c, job):
                 admitted[job.id] = (len(c.decisions) - 1, job)
                 continue
-            if attempts < cfg.max_preemption_attempts_per_cycle:
+            searched = attempts < cfg.max_preemption_attempts_per_cycle
+            if searched:
                 attempts += 1
+                before = len(c.decisions)
                 if preempt_for(c, job):
+                    if c.why is not None:
+                        c.wait(job, _freeing(c.decisions[before:]))
                     continue
+            if c.why is not None:
+                c.wait(job, _no_room(c, job, searched))
             skips += 1
     return admitted
 
@@ -135,3 +153,58 @@ def _try_place(c: Cycle, job: Job) -> bool:
             c.issue_admit(job, place(views, size, g))  # type: ignore[arg-type]
             return True
     return False
+
+
+# ------------------------------------------------------------------------------------ why it waits
+def _quota_full(c: Cycle, job: Job) -> str:
+    t = c.tenants[job.tenant]
+    return (f"waiting: tenant {job.tenant}'s quota is full ({c.ded_held[job.tenant]} of {t.quota_gpus} "
+            "GPUs held by its dedicated jobs, none of which may give way)")
+
+
+def _freeing(issued: list) -> str:
+    stops = [d for d in issued if isinstance(d, Preempt | Shrink)]
+    if not stops:
+        return "waiting: GPUs other jobs are releasing now are kept for it"
+    what = ", ".join((f"preempting {d.job}" if isinstance(d, Preempt) else f"shrinking {d.job} to "
+                      f"{d.to_gpus}") + f" ({d.reason})" for d in stops[:3])
+    if len(stops) > 3:
+        what += f" and {len(stops) - 3} more"
+    return f"waiting: GPUs are being freed for it ({what})"
+
+
+def _no_room(c: Cycle, job: Job, searched: bool) -> str:
+    size, free = job.min_gpus, c.free_for(job)
+    need = f"needs {size} GPU{'s' if size != 1 else ''}"
+    if job.gpus_per_node:
+        need += f" ({job.gpus_per_node} per node)"
+    if job.kind == "dedicated" and c.quota_room(job.tenant) < size:
+        why = f"{need} of tenant {job.tenant}'s quota, {max(0, c.quota_room(job.tenant))} left"
+    else:
+        why = f"{need}, {free} free" + (" where it may run" if free >= size else "")
+    if not searched:
+        return f"waiting: {why} (no more victim searches this cycle)"
+    return f"waiting: {why}; nothing may be preempted or shrunk for it ({job.kind}, priority {job.priority})"
+
+
+def _explain_queues(c: Cycle, admitted: dict[str, tuple[int, Job]]) -> None:
+    """Pending jobs the admit step did not get to: each queue's first such job waits behind the cycle's
+    limit, the rest behind the job ahead of them in their queue."""
+    why = c.why
+    assert why is not None
+    for (tenant, kind, prio), q in c.snap.queues.items():
+        ahead: Job | None = None
+        for j in q:
+            if j.id in admitted:
+                continue
+            if j.id not in why:
+                if ahead is None and c.free_for(j) == 0:
+                    why[j.id] = Waiting("waiting: no GPU free, and no more victim searches this cycle")
+                elif ahead is None:
+                    why[j.id] = Waiting(f"waiting its turn: the scheduler stopped this cycle after "
+                                        f"{c.cfg.max_skips_per_cycle} jobs that could not start")
+                else:  # not naming the job ahead: the reasons of a long queue stay put as its head moves
+                    why[j.id] = Waiting(f"queued behind earlier jobs in tenant {tenant}'s {kind} queue at "
+                                        f"priority {prio}")
+            if ahead is None:
+                ahead = j

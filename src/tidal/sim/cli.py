@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import typer
+from rich.markup import escape
 
 from tidal.policy.ckpt_interval import LLAMA3_FAILURES_PER_GPU_HOUR
 from tidal.sim.config import SIM_NOTICE_S
@@ -86,7 +87,8 @@ def sim_command(
     hindsight: bool = typer.Option(False, "--hindsight", help="Also tune reactive and night-window margins with "
                                    "hindsight to the shortfall budget (bisection over runs) and compare."),
     plot: Path | None = typer.Option(None, "--plot", help="Write a timeline PNG (demand, forecast, lent, training)."),
-    plot_start_day: float = typer.Option(0.0, "--plot-start-day"),
+    plot_start_day: float | None = typer.Option(
+        None, "--plot-start-day", help="First day plotted (default: --warmup-days, where scoring starts)."),
     plot_days: float = typer.Option(2.0, "--plot-days"),
     json_out: bool = typer.Option(False, "--json", help="One JSON object on stdout (tables go to stderr)."),
 ) -> None:
@@ -102,7 +104,7 @@ def sim_command(
     out, err = _consoles(json_out)
 
     def log(s: str) -> None:
-        err.print(f"[dim]{s}[/]", highlight=False)
+        err.print(f"[dim]{escape(s)}[/]", highlight=False)
 
     names = _split(policy, POLICIES, "--policy")
     ckpts = _split(ckpt, CKPT_MODES, "--ckpt")
@@ -156,9 +158,10 @@ def sim_command(
         report.render_table(rows, out, title=f"at budget {shortfall_budget:g}: tidal vs baselines tuned with hindsight")
         metrics.update({f"{k} @ {shortfall_budget:g}": v for k, v in rows.items() if k != "tidal" and k != "oracle"})
     if plot is not None:
+        first = warmup_days if plot_start_day is None else plot_start_day
         report.plot_timeline({k: v.timeline for k, v in results.items()}, plot, serving_gpus=serving_gpus,
-                             start_day=plot_start_day, days=plot_days, title=title)
-        log(f"wrote {plot}")
+                             start_day=first, days=plot_days, title=title)
+        log(f"wrote {plot} (days {first:g} to {first + plot_days:g}; scored from day {warmup_days:g})")
     if json_out:
         print(report.to_json(metrics))
 
@@ -219,7 +222,7 @@ def plan_command(
     render_plan(rep, out)
     if png is not None:
         plot_plan(rep, str(png))
-        err.print(f"[dim]wrote {png}[/]", highlight=False)
+        err.print(f"[dim]wrote {escape(str(png))}[/]", highlight=False)
     if json_out:
         print(json.dumps(clean(rep), indent=2))
 

@@ -113,6 +113,13 @@ def render_plan(rep: dict[str, Any], console: Any) -> None:
               f"{rep['idle_gpu_hours_per_day']:.0f}", f"{rep['lendable_gpu_hours_per_day_at_risk']:.0f} GPU-h",
               f"{rep['tidal_lent_gpu_hours_per_day']:.0f}")
     console.print(t)
+    risk = rep["risk"]
+    console.print(f"columns: idle GPU-h/day = the pool less its demand in that hour; lendable @ {risk:g} = "
+                  "GPUs a fixed daily schedule could lend for that hour (they come back a lead time later) "
+                  f"with demand above what is left at most {risk:.1%} of the time, chosen with hindsight "
+                  "over the whole trace; tidal lent GPU-h/day = what the tidal policy lent in that hour "
+                  "replaying the trace, knowing only the past (its forecast), at the same risk budget.",
+                  highlight=False)
     p = rep["lead_time_parts_s"]
     console.print(f"recommended lead time: {rep['lead_time_s']:g} s (notice {p['notice']:g} + final checkpoint "
                   f"{p['final_checkpoint']:g} + release {p['release']:g} + serving warm-up {p['serving_warmup']:g}); "

@@ -92,10 +92,19 @@ def _plt() -> Any:
     return plt
 
 
+def serving_bands(tl: Mapping[str, np.ndarray], serving_gpus: int, mask: Any = slice(None)
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """(serving capacity, capacity + warming GPUs) per step: the plot's lent band runs from the second to
+    the pool's size, its warming band from the first to the second."""
+    cap = serving_gpus - np.asarray(tl["lent_gpus"])[mask] - np.asarray(tl["warming_gpus"])[mask]
+    return cap, cap + np.asarray(tl["warming_gpus"])[mask]
+
+
 def plot_timeline(timelines: Mapping[str, Mapping[str, np.ndarray]], path: str | Path, *, serving_gpus: int,
                   start_day: float = 0.0, days: float = 2.0, title: str = "") -> Path:
     """One panel per policy over ``[start_day, start_day + days)``: demand, the plan's upper bound
-    ("forecast"), GPUs lent, and training GPUs on loans. Returns the path written."""
+    ("forecast"), serving capacity, the GPUs lent and warming as bands above it up to the pool's size,
+    and training GPUs on loans. Returns the path written."""
     plt = _plt()
     names = [n for n, tl in timelines.items() if len(tl.get("t_s", ()))]
     if not names:
@@ -113,11 +122,16 @@ def plot_timeline(timelines: Mapping[str, Mapping[str, np.ndarray]], path: str |
         ax.step(x, tl["demand_gpus"][m], where="post", color="C0", lw=1.2, label="demand")
         if np.isfinite(tl["upper_gpus"][m]).any():
             ax.step(x, tl["upper_gpus"][m], where="post", color="C1", lw=1.0, ls="--", label="forecast (plan's bound)")
-        ax.step(x, tl["lent_gpus"][m], where="post", color="C2", lw=1.0, label="lent GPUs")
-        ax.fill_between(x, 0, tl["training_on_loans_gpus"][m], step="post", color="C2", alpha=0.25,
-                        label="training on loans")
-        ax.step(x, serving_gpus - tl["lent_gpus"][m] - tl["warming_gpus"][m], where="post", color="C3", lw=0.8,
-                alpha=0.8, label="serving capacity")
+        cap, warm_top = serving_bands(tl, serving_gpus, m)
+        # Lent and warming GPUs are bands between serving's capacity and the pool, so no line of theirs
+        # can lie on the capacity line; training on loans is a dotted line inside the lent band's size.
+        ax.fill_between(x, warm_top, serving_gpus, step="post", color="C2", alpha=0.22, lw=0,
+                        label="lent to training (pool - capacity)")
+        ax.fill_between(x, cap, warm_top, step="post", color="C4", alpha=0.3, lw=0,
+                        label="warming up after a return")
+        ax.step(x, cap, where="post", color="C3", lw=1.0, label="serving capacity")
+        ax.step(x, tl["training_on_loans_gpus"][m], where="post", color="C2", lw=1.0, ls=":",
+                label="training on loans (GPUs)")
         ax.set_ylabel("GPUs")
         ax.set_ylim(0, 1.35 * serving_gpus)  # a forecast bound far above the pool is clipped
         ax.set_title(name, fontsize=10, loc="left")

@@ -41,6 +41,7 @@ def verify_resume(
     mismatch.
     """
     from rich.console import Console
+    from rich.markup import escape
 
     from tidal.train import verify
 
@@ -52,9 +53,10 @@ def verify_resume(
                                   micro_batch=micro_batch, n_embd=n_embd, n_layer=n_layer, block=block)
         cfg.check()
     except ValueError as e:
-        err.print(f"[red]error:[/] {e}")
+        err.print(f"[red]error:[/] {escape(str(e))}", highlight=False)
         raise typer.Exit(2) from None
-    result = verify.run(cfg, workdir=workdir, script=script, log=lambda s: err.print(f"[dim]{s}[/]", highlight=False))
+    result = verify.run(cfg, workdir=workdir, script=script,
+                        log=lambda s: err.print(f"[dim]{escape(s)}[/]", highlight=False))
     try:
         result["plot"] = str(verify.plot(result, plot_path))
     except ImportError:
@@ -89,6 +91,7 @@ def bench_resume(
     from disk.
     """
     from rich.console import Console
+    from rich.markup import escape
 
     from tidal.train import measure
 
@@ -97,7 +100,7 @@ def bench_resume(
     result = measure.run(measure.MeasureConfig(world=world, layout=layout, resume_world=resume_world,
                                                resume_layout=resume_layout, n_embd=n_embd, n_layer=n_layer,
                                                repeat=repeat),
-                         script=script, log=lambda s: err.print(f"[dim]{s}[/]", highlight=False))
+                         script=script, log=lambda s: err.print(f"[dim]{escape(s)}[/]", highlight=False))
     measure.render(result, out)
     if json_out:
         print(json.dumps(result, indent=2))

@@ -189,7 +189,8 @@ class Session:
         self._beat("starting", force=True)
         self._write({"event": "start", "world_size": self.world_size, "pid": os.getpid(),
                      "host": socket.gethostname(), "device": str(self.device), "backend": self.backend,
-                     "uptime_s": self.uptime_s()})
+                     "uptime_s": self.uptime_s(), "ckpt_every_steps": self.ckpt_every_steps,
+                     "ckpt_every_s": self.ckpt_every_s})
 
     # -- properties --------------------------------------------------------------------------------
     @property

@@ -202,7 +202,9 @@ def render(result: dict[str, Any], console: Any) -> None:
     verdict = "[green]PASS[/]" if result["ok"] else "[red]FAIL[/]"
     console.print(
         f"{verdict}: data order {'identical' if result['indices_identical'] else 'DIFFERENT'} on all "
-        f"{len(rows)} steps (first mismatch: {result['first_index_mismatch_step']}); max relative loss difference "
+        f"{len(rows)} steps"
+        + ("" if (bad := result["first_index_mismatch_step"]) is None else f" (first mismatch at step {bad})")
+        + "; max relative loss difference "
         f"{result['max_rel_loss_diff']:.2e} at step {result['max_rel_loss_diff_step']} (tolerance "
         f"{result['rtol']:.0e}); bitwise equal before the first world-size change: "
         f"{result['bitwise_equal_before_first_change']}")

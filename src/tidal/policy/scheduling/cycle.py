@@ -12,7 +12,19 @@ import math
 from collections.abc import Mapping
 from operator import attrgetter
 
-from tidal.model import Admit, Decision, Grow, Job, Loan, Preempt, Reason, ReturnGpus, Shrink, Snapshot
+from tidal.model import (
+    Admit,
+    Decision,
+    Grow,
+    Job,
+    Loan,
+    Preempt,
+    Reason,
+    ReturnGpus,
+    Shrink,
+    Snapshot,
+    Waiting,
+)
 from tidal.policy.scheduling.config import SchedulerConfig
 from tidal.policy.scheduling.index import RunningIndex
 from tidal.policy.scheduling.placement import View
@@ -26,6 +38,7 @@ class Cycle:
     def __init__(self, snap: Snapshot, cfg: SchedulerConfig, index: RunningIndex | None = None) -> None:
         self.snap, self.cfg, self.now = snap, cfg, snap.now_s
         self.decisions: list[Decision] = []
+        self.why: dict[str, Waiting] | None = None  # job id -> why it waits (only when asked)
         self.touched: set[str] = set()  # jobs that got a decision this call: not touched again
         self.tenants = {t.name: t for t in snap.tenants}
         self.loans: dict[str, Loan] = dict(zip(map(_node, snap.loans), snap.loans, strict=True))
@@ -226,6 +239,15 @@ class Cycle:
         their minimum)? If not and its quota is full, nothing in its queue can start now."""
         t = job.tenant
         return t in self.ded_elastic or self.ded_low_priority.get(t, job.priority) < job.priority
+
+    def wait(self, job: Job, reason: str, until_s: float | None = None) -> None:
+        """Note why ``job`` did not start (or grow) in this call; the first reason found wins."""
+        if self.why is not None and job.id not in self.why:
+            self.why[job.id] = Waiting(reason, until_s)
+
+    def free_for(self, job: Job) -> int:
+        """Free GPUs in the pools ``job`` may use (training; spot also loaned serving GPUs)."""
+        return self.training.total + (self.loan.total if job.kind == "spot" else 0)
 
     # ------------------------------------------------------------------------------ acting
 

@@ -11,6 +11,9 @@ step (``Job.size_step``) at a time, water-filling:
 Not grown: jobs shrunk less than ``hysteresis_s`` ago (no ping-pong), jobs with GPUs being released,
 jobs acted on earlier in this call. Loaned GPUs the loan plan wants back soon are not in the views,
 so nothing grows into them. Jobs admitted in this call grow inside their :class:`Admit`.
+
+When asked (``Cycle.why``), each job left below its maximum gets the reason it did not grow: no GPU
+free, the hysteresis (with when it ends), a step larger than what is free, no room or no quota left.
 """
 
 from __future__ import annotations
@@ -32,13 +35,24 @@ def grow_step(c: Cycle, admitted: dict[str, tuple[int, Job]]) -> None:
     """
     spare = c.training.total + c.loan.total
     if spare == 0:
+        if c.why is not None:
+            for j in c.growable_jobs():
+                if j.id not in c.touched:
+                    c.wait(j, f"at {j.gpus} of {j.max_gpus} GPUs: no GPU free to grow into")
         return
     now, hyst = c.now, c.cfg.hysteresis_s
     size: dict[str, int] = {}
     jobs: dict[str, Job] = {}
     start: dict[str, Mapping[str, int]] = {}
     for j in c.growable_jobs():
-        if j.size_step > spare or j.id in c.touched or (j.last_shrunk_s is not None and now - j.last_shrunk_s < hyst):
+        if j.id in c.touched:
+            continue
+        if j.last_shrunk_s is not None and now - j.last_shrunk_s < hyst:
+            c.wait(j, f"at {j.gpus} of {j.max_gpus} GPUs: grow held after its shrink (hysteresis_s {hyst:g})",
+                   until_s=j.last_shrunk_s + hyst)
+            continue
+        if j.size_step > spare:
+            c.wait(j, f"at {j.gpus} of {j.max_gpus} GPUs: grows {j.size_step} at a time, {spare} free")
             continue
         jobs[j.id], size[j.id], start[j.id] = j, j.gpus, j.placement
     for jid, (i, j) in admitted.items():
@@ -83,6 +97,12 @@ def grow_step(c: Cycle, admitted: dict[str, tuple[int, Job]]) -> None:
                     break
         if add is None:  # full, out of quota, or nothing fits it any more
             heapq.heappop(heap)
+            if c.why is not None and size[jid] < j.max_gpus and jid not in admitted:
+                quota = j.kind == "dedicated" and c.quota_room(j.tenant) < unit
+                c.wait(j, f"at {size[jid]} of {j.max_gpus} GPUs: " + (
+                    f"tenant {j.tenant}'s quota is full" if quota else
+                    f"no room for {unit} more GPU{'s' if unit != 1 else ''}"
+                    + (f" ({g} per node)" if g else "") + f", {sum(v.total for v in views)} free"))
             continue
         n = sum(add.values())
         size[jid] += n
@@ -93,6 +113,11 @@ def grow_step(c: Cycle, admitted: dict[str, tuple[int, Job]]) -> None:
             cur[node] = cur.get(node, 0) + t
             a[node] = a.get(node, 0) + t
         heapq.heapreplace(heap, (key(j), jid))
+    if c.why is not None:
+        for _, jid in heap:  # spare ran out before these were full
+            j = jobs[jid]
+            if size[jid] < j.max_gpus and jid not in admitted:
+                c.wait(j, f"at {size[jid]} of {j.max_gpus} GPUs: no more GPU free to grow into")
     for jid, add in added.items():
         if jid in admitted:
             i, _ = admitted[jid]

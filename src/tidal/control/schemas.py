@@ -1,0 +1,208 @@
+"""What the REST API answers, as pydantic models: the OpenAPI document's response schemas.
+
+The handlers render their JSON themselves (:mod:`tidal.control.api`: one trip to the thread pool per
+call), so these models document the answers rather than validate them one by one; the contract is kept
+by ``tests/test_openapi.py``, which checks every route's real answers, errors included, against the
+document. Models forbid fields they do not name, so a field added to a view and not here fails that test.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tidal.control.states import State
+
+StateName = Literal[tuple(s.value for s in State)]  # type: ignore[valid-type]
+
+
+class _Answer(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Problem(_Answer):
+    """Every error but a refused request body: one line saying what is wrong."""
+
+    detail: str
+
+
+class FieldError(_Answer):
+    loc: list[str | int]
+    field: str = Field(description="the field's path, e.g. gpus.min or command[2]; empty for the whole body")
+    msg: str
+    type: str
+
+
+class ValidationProblem(_Answer):
+    """422: each refused field, and the same as one line per field (``errors``)."""
+
+    detail: list[FieldError]
+    errors: list[str]
+
+
+class Health(_Answer):
+    ok: bool
+
+
+class WhoAmI(_Answer):
+    tenant: str
+    admin: bool
+    quota_gpus: int
+    weight: float
+    max_priority: int
+
+
+class Gpus(_Answer):
+    min: int
+    max: int
+    multiple_of: int
+
+
+class Report(_Answer):
+    restarts: int
+    preemptions: int
+    lost_work_s: float
+    lost_steps: int
+    held_s: float
+    productive_s: float
+    ettr: float | None = Field(description="productive seconds / seconds holding GPUs (null before any)")
+
+
+class Waiting(_Answer):
+    """Why a pending job waits, or a running one below its maximum does not grow (the scheduler's reason)."""
+
+    reason: str
+    until_s: float | None = Field(description="when a hold for a time ends (Unix seconds), else null")
+
+
+class Job(_Answer):
+    id: str
+    name: str
+    tenant: str
+    state: StateName
+    kind: Literal["spot", "dedicated"]
+    priority: int
+    gpus: Gpus
+    placement: dict[str, int] = Field(description="node -> GPUs held")
+    attempt: int
+    restarts: int
+    max_restarts: int
+    preemptions: int
+    submit_s: float
+    started_s: float | None
+    finished_s: float | None
+    cancel_requested: bool
+    message: str
+    progress: dict[str, Any] = Field(
+        description="step, loss, steps_per_s, checkpoint tiers, heartbeat phase..."
+    )
+    ckpt_step: int | None
+    report: Report
+    waiting: Waiting | None
+
+
+class JobDetail(Job):
+    spec: dict[str, Any] = Field(description="the job spec as stored (see JobSpec)")
+    handle: dict[str, Any] | None = Field(description="the attempt's ranks (pids) and devices, while it runs")
+    retry_at_s: float | None
+    ckpt_interval_s: float | None = Field(
+        description="the interval the platform set (interval_s: auto), if any"
+    )
+
+
+class LogChunk(_Answer):
+    job: str
+    rank: int
+    offset: int = Field(description="where the next call should start (bytes; after whole UTF-8 characters)")
+    size: int = Field(description="the log's size now, bytes")
+    data: str
+    done: bool = Field(description="the job has ended: nothing more will be written")
+
+
+class CheckpointTier(_Answer):
+    name: str
+    kind: str
+    location: str
+    durable: bool
+    steps: list[int]
+    committed_s: dict[str, float]
+    source: Literal["storage", "status", "spec"]
+    error: str | None
+
+
+class Checkpoints(_Answer):
+    job: str
+    url: str | None
+    tiers: list[CheckpointTier]
+    steps: list[int]
+    newest_step: int | None
+    newest_durable_step: int | None
+    newest_durable_s: float | None
+    durable_age_s: float | None
+    status_file: str | None
+    status_updated_s: float | None
+    status_error: str | None = None
+
+
+class Event(_Answer):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    id: int
+    time_s: float
+    job: str | None
+    tenant: str | None
+    kind: str
+    from_: str | None = Field(alias="from")
+    to: str | None
+    message: str
+    data: dict[str, Any] | None
+
+
+class PoolHolder(_Answer):
+    job: str | None = Field(description="null for another tenant's job")
+    tenant: str
+    gpus: int
+    draining: int
+    state: str
+
+
+class PoolNode(_Answer):
+    name: str
+    pool: str
+    gpus: int
+    allocated: int
+    draining: int
+    free: int
+    jobs: list[PoolHolder]
+
+
+class Pool(_Answer):
+    nodes: list[PoolNode]
+    gpus: int
+    allocated: int
+    free: int
+    pending: int
+
+
+class Tenant(_Answer):
+    name: str
+    quota_gpus: int
+    weight: float
+    admin: bool
+    max_priority: int
+
+
+class TenantCreated(_Answer):
+    name: str
+    quota_gpus: int
+    weight: float
+    max_priority: int
+    token: str = Field(description="the tenant's bearer token: shown once, only its hash is stored")
+
+
+class Serving(BaseModel):
+    """The live loan plan (advice only), or live lending's state; see docs/control.md."""
+
+    model_config = ConfigDict(extra="allow")
+    source: str
+    advice_only: bool
