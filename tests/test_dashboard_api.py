@@ -125,6 +125,12 @@ def test_gpu_map_queue_and_fair_share(dash):
     # another tenant sees the queue's positions, not that tenant's quota and usage
     seen_by_b = get("b", "/v1/dashboard/pool")["queue"]["jobs"]
     assert [r["job"] for r in seen_by_b] == [None, big, None] and seen_by_b[0]["why"] == "its tenant's quota"
+    # once the scheduler has said why (jobs.waiting), its owner and the admin read that, others do not
+    store.set_waiting({ded: {"reason": "waiting: quota of tenant a full (2 of 2 GPUs)", "until_s": None}})
+    told = get("admin", "/v1/dashboard/pool")["queue"]["jobs"][0]["why"]
+    assert told == "waiting: quota of tenant a full (2 of 2 GPUs)"
+    assert get("a", "/v1/dashboard/pool")["queue"]["jobs"][0]["why"] == told
+    assert get("b", "/v1/dashboard/pool")["queue"]["jobs"][0]["why"] == "its tenant's quota"
     usage = {t["tenant"]: t for t in p["tenants"]}
     # spot capacity 8 (no dedicated held) split 1:3 between a and b, both with spot jobs running or waiting
     assert usage["a"]["fair_share_gpus"] == 2.0 and usage["b"]["fair_share_gpus"] == 6.0

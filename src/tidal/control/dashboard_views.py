@@ -4,7 +4,8 @@
   up after a reclaim, serving, free, draining).
 * :func:`tenant_usage`: per tenant, GPUs held (dedicated, spot), quota, and the weighted fair share of
   spot capacity as the scheduler splits it (docs/scheduling.md).
-* :func:`queue_view`: waiting jobs in about the order the scheduler looks at them, each with why it waits.
+* :func:`queue_view`: waiting jobs in about the order the scheduler looks at them, each with why it waits
+  (the scheduler's own reason for the viewer's jobs when it gave one; else from the pool's numbers).
 * :func:`curves`: a job's loss and throughput per attempt from rank 0's progress records, and where each
   attempt restored from; bounded in bytes read and points returned.
 """
@@ -131,6 +132,9 @@ def _why(j: JobRow, u: dict[str, Any] | None, free_training: int, free_lent: int
         return f"restarting after a failure (restart {j.restarts}/{j.max_restarts}) in {max(0.0, left):.0f} s"
     if j.nominated_s is not None:
         return "other jobs are being stopped to make room for it"
+    told = (j.waiting or {}).get("reason") if isinstance(j.waiting, dict) else None
+    if mine and isinstance(told, str) and told:
+        return told  # the scheduler's own reason, from the checks that decided (jobs.waiting)
     if j.kind == "dedicated" and u is not None and u["dedicated_gpus"] + j.min_gpus > u["quota_gpus"]:
         if not mine:
             return "its tenant's quota"
