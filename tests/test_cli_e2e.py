@@ -14,6 +14,7 @@ import json
 import os
 import pty
 import select
+import shlex
 import subprocess
 import sys
 import time
@@ -246,8 +247,10 @@ def test_machine_readable_output_version_and_completion(plane, tmp_path):
         env=env_for(plane, _TIDAL_COMPLETE="complete_bash", COMP_WORDS="tidal jo", COMP_CWORD="1"),
     )
     assert "jobs" in r.stdout.split(), r.stdout + r.stderr
-    r = tidal(plane, "--show-completion", "bash")
-    assert r.returncode == 0 and "_TIDAL_COMPLETE" in r.stdout
+    # --show-completion finds the user's shell among its parent processes: run it from bash, as a user does
+    r = subprocess.run(["bash", "-c", shlex.join([sys.executable, "-c", RUN, "--show-completion"])],
+                       capture_output=True, text=True, timeout=120, env=env_for(plane))
+    assert r.returncode == 0 and "_TIDAL_COMPLETE" in r.stdout, r.stderr
 
 
 # ------------------------------------------------------------------- 4. why a job waits (the scheduler's)

@@ -433,7 +433,9 @@ def create_app(ctx: ApiContext) -> FastAPI:
         return {"name": body.name, "quota_gpus": body.quota_gpus, "weight": body.weight,
                 "max_priority": body.max_priority, "token": token}
 
-    app.include_router(dashboard_router(ctx, tenant))  # the web dashboard (tidal.control.dashboard)
+    # The web dashboard (tidal.control.dashboard): its JSON feeds are the page's own, shaped for it and
+    # free to change with it, so they are not part of the API's OpenAPI contract.
+    app.include_router(dashboard_router(ctx, tenant), include_in_schema=False)
 
     base_openapi = app.openapi
 
