@@ -53,8 +53,12 @@ def up(host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.
        db: Annotated[str | None, typer.Option(help="SQLAlchemy URL (default: SQLite in the state dir)")] = None,
        state_dir: Annotated[Path | None, typer.Option(help="database, jobs, logs, tokens (default ~/.tidal)")] = None,
        config: Annotated[Path | None, typer.Option(help="YAML of control-plane knobs (docs/control.md)")] = None,
+       executor: Annotated[str, typer.Option(help="'local' (this machine) or 'ray' (the nodes of a Ray cluster)")]
+       = "local",
+       ray_address: Annotated[str | None, typer.Option(help="with --executor ray: the cluster to join ('auto', "
+                                                            "HOST:PORT); default: start a local Ray")] = None,
        ) -> None:
-    """Run the control plane: REST API, reconcile loop and local executor, in one process."""
+    """Run the control plane: REST API, reconcile loop and an executor (local or Ray), in one process."""
     import logging
 
     from tidal.control.client import state_dir as default_state_dir
@@ -67,7 +71,7 @@ def up(host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.
         cfg = ControlConfig.load(config) if config else ControlConfig()
     except (OSError, ValueError, TypeError) as e:
         _fail(e)
-    plane = build(state_dir or default_state_dir(), gpus, db, cfg)
+    plane = build(state_dir or default_state_dir(), gpus, db, cfg, executor=executor, ray_address=ray_address)
 
     def announce(line: str) -> None:
         console.print(line, highlight=False)

@@ -46,7 +46,7 @@ from typing import Any
 from tidal import contract as c
 from tidal.contract import torchrun_env
 from tidal.exec import procs, shim
-from tidal.exec.isolation import IsolationConfig, Uids, default_shm_dir, private_dir
+from tidal.exec.isolation import IsolationConfig, Uids, clean_env, default_shm_dir, private_dir
 from tidal.exec.progress import ProgressReader
 from tidal.exec.protocol import LaunchRequest, Observation, RankState
 from tidal.model import Node
@@ -276,24 +276,18 @@ class LocalExecutor:
     def job_env(self, req: LaunchRequest, r: int, devices: list[int], port: int, adir: Path) -> dict[str, str]:
         """Rank ``r``'s whole environment: the allow-listed names of this process's environment, the
         basics (``HOME``, ``TMPDIR`` in the job's private area), the job's ``env``, then the platform's."""
-        iso, home = self.isolation, self.home_dir(req.job_id)
-        env = {k: os.environ[k] for k in iso.pass_env if k in os.environ}
-        env.setdefault("PATH", os.defpath)
-        env.update({"HOME": str(home), "TMPDIR": str(home / "tmp"), "USER": "tidal", "LOGNAME": "tidal",
-                    "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")
-                    or str(max(1, (os.cpu_count() or 1) // len(self.devices)))})
+        base = {}
         if sys.platform.startswith("linux") and Path("/sys/class/net/lo").exists():
-            env["GLOO_SOCKET_IFNAME"] = "lo"
+            base["GLOO_SOCKET_IFNAME"] = "lo"
         shm = self.shm_dir(req.job_id)
         if shm is not None:
-            env[c.ENV_SHM_DIR] = str(shm)
-        env.update(req.env)
-        env.update(torchrun_env(r, req.world_size, port))
-        env.update({c.ENV_JOB_ID: req.job_id, c.ENV_PROGRESS_DIR: str(adir / c.PROGRESS_DIRNAME),
+            base[c.ENV_SHM_DIR] = str(shm)
+        platform = {**torchrun_env(r, req.world_size, port),
+                    c.ENV_JOB_ID: req.job_id, c.ENV_PROGRESS_DIR: str(adir / c.PROGRESS_DIRNAME),
                     c.ENV_CONTROL_FILE: str(adir / c.CONTROL_FILE),
-                    c.ENV_CUDA_VISIBLE_DEVICES: ",".join(map(str, devices)) if self.gpu else "",
-                    "PYTHONUNBUFFERED": "1"})
-        return env
+                    c.ENV_CUDA_VISIBLE_DEVICES: ",".join(map(str, devices)) if self.gpu else ""}
+        return clean_env(self.isolation, self.home_dir(req.job_id), req.env, platform,
+                         omp_threads=(os.cpu_count() or 1) // len(self.devices), base=base)
 
     def _shim_options(self, owner: tuple[int, int] | None) -> list[str]:
         iso = self.isolation
