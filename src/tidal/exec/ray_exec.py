@@ -109,7 +109,9 @@ class RayExecutor:
     local Ray (with ``num_gpus`` GPUs declared, if given) unless ``RAY_ADDRESS`` names one."""
 
     def __init__(self, root: str | os.PathLike, *, address: str | None = None, num_gpus: int | None = None,
-                 isolation: IsolationConfig | None = None, namespace: str | None = None) -> None:
+                 isolation: IsolationConfig | None = None, namespace: str | None = None,
+                 ready_timeout_s: float = READY_TIMEOUT_S) -> None:
+        self.ready_timeout_s = ready_timeout_s
         self.isolation = iso = isolation or IsolationConfig()
         if iso.uid_base is not None:
             raise ValueError(f"isolation.uid_base {iso.uid_base}: the Ray executor runs ranks as the Ray "
@@ -181,11 +183,15 @@ class RayExecutor:
     def launch(self, req: LaunchRequest, now_s: float) -> dict:
         if req.job_id in self._jobs:
             raise LaunchError(f"job {req.job_id}: attempt {self._jobs[req.job_id].attempt} is still tracked")
-        self.nodes()
-        unknown = sorted(set(req.placement) - set(self._ids))
+        have = {n.name: n.gpus for n in self.nodes()}
+        unknown = sorted(set(req.placement) - set(have))
         if unknown:
             raise LaunchError(f"job {req.job_id}: placement {dict(req.placement)} names nodes not in the Ray "
-                              f"cluster: {unknown} (have {sorted(self._ids)})")
+                              f"cluster: {unknown} (have {sorted(have)})")
+        over = {n: k for n, k in req.placement.items() if k > have[n]}
+        if over:
+            raise LaunchError(f"job {req.job_id}: placement {dict(req.placement)} asks more GPUs than nodes have: "
+                              + ", ".join(f"{n} has {have[n]}" for n in over))
         if req.workdir is not None and not Path(req.workdir).is_dir():
             raise LaunchError(f"job {req.job_id}: workdir {req.workdir} is not a directory")
         adir = self.attempt_dir(req.job_id, req.attempt)
@@ -226,22 +232,22 @@ class RayExecutor:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         try:
-            ray.get(pg.ready(), timeout=READY_TIMEOUT_S)
+            ray.get(pg.ready(), timeout=self.ready_timeout_s)
         except ray.exceptions.GetTimeoutError:
             raise LaunchError(f"job {req.job_id}: Ray could not reserve {dict(req.placement)} within "
-                              f"{READY_TIMEOUT_S:g} s") from None
+                              f"{self.ready_timeout_s:g} s (GPUs held outside Tidal?)") from None
         for r, (node, nid) in enumerate(plan):
             actor = self._remote.options(
                 name=actor_name(req.job_id, req.attempt, r), namespace=self.namespace, lifetime="detached",
                 num_cpus=0, num_gpus=1, max_restarts=0, max_task_retries=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r)).remote()
             ranks.append(_Rank(r, node, nid, actor))
-        infos = ray.get([k.actor.info.remote() for k in ranks], timeout=READY_TIMEOUT_S)
+        infos = ray.get([k.actor.info.remote() for k in ranks], timeout=self.ready_timeout_s)
         for k, info in zip(ranks, infos, strict=True):
             if info["node_id"] != k.node_id:  # never expected: the bundle is pinned to the node
                 raise LaunchError(f"job {req.job_id}: rank {k.rank} landed on Ray node {info['node_id'][:12]}, "
                                   f"not on {k.node}")
-        port = ray.get(ranks[0].actor.free_port.remote(), timeout=READY_TIMEOUT_S)
+        port = ray.get(ranks[0].actor.free_port.remote(), timeout=self.ready_timeout_s)
         master = infos[0]["ip"]
         on_node: dict[str, list[int]] = {}
         for k in ranks:
@@ -263,7 +269,7 @@ class RayExecutor:
             starts.append(k.actor.start.remote(list(req.command), env, req.workdir or str(self.home_dir(req.job_id)),
                                                self.log_path(req.job_id, k.rank), header,
                                                str(adir / c.pid_file(k.rank))))
-        for k, pid in zip(ranks, ray.get(starts, timeout=READY_TIMEOUT_S), strict=True):
+        for k, pid in zip(ranks, ray.get(starts, timeout=self.ready_timeout_s), strict=True):
             k.pid = pid
         doc = {**doc, "master_addr": master, "master_port": port,
                "ranks": [{**d, "pid": k.pid, "gpu_ids": infos[k.rank]["gpu_ids"]} for d, k in zip(doc["ranks"], ranks,

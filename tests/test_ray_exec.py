@@ -1,0 +1,116 @@
+"""The Ray executor on a real multi-node Ray cluster (tests/ray_cluster.py): ranks placed on the nodes
+asked for, the torchrun contract across nodes, notices and kills reaching every rank, adoption by a
+new executor (a restarted plane), no second copy of an attempt, release freeing Ray's GPUs."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from plane_proc import wait_until
+from tidal.exec import procs
+from tidal.exec.local import LaunchError
+from tidal.exec.protocol import LaunchRequest
+
+pytestmark = pytest.mark.slow
+
+RANK = """
+import json, os, signal, sys, time
+keys = ["RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+        "CUDA_VISIBLE_DEVICES", "TIDAL_JOB_ID", "TIDAL_PROGRESS_DIR", "TIDAL_CONTROL_FILE", "HOME", "JOB_VAR",
+        "TIDAL_TEST_SECRET"]
+print("ENV " + json.dumps({k: os.environ.get(k) for k in keys}), flush=True)
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(75))
+time.sleep(600)
+"""
+
+
+def envs(ex, job: str, n: int) -> list[dict]:
+    def read():
+        out = []
+        for r in range(n):
+            lines = [ln for ln in Path(ex.log_path(job, r)).read_text().splitlines() if ln.startswith("ENV ")] \
+                if Path(ex.log_path(job, r)).exists() else []
+            if not lines:
+                return None
+            out.append(json.loads(lines[-1][4:]))
+        return out
+    return wait_until(f"the ranks of {job} to print their environment", read, 60)
+
+
+def observe_until_done(ex, job: str):
+    return wait_until(f"every rank of {job} to exit", lambda: (ob := ex.observe(time.time())[job]).done and ob, 60)
+
+
+def gpus_free() -> float:
+    import ray
+
+    return ray.available_resources().get("GPU", 0.0)
+
+
+def test_ranks_across_nodes_stop_adopt_never_twice_kill_release(ray_cluster, tmp_path, monkeypatch):
+    import ray
+
+    from tidal.exec.ray_exec import RayExecutor, actor_name
+
+    ray_cluster.state_roots.append(tmp_path / "jobs")
+    monkeypatch.setenv("TIDAL_TEST_SECRET", "plane-only")
+    ex = RayExecutor(tmp_path / "jobs", address=ray_cluster.address, ready_timeout_s=60)
+    assert sorted((n.name, n.gpus) for n in ex.nodes()) == [("n1", 2), ("n2", 1), ("n3", 1)]
+    total = gpus_free()
+    cmd = (sys.executable, "-c", RANK)
+
+    # Placement order makes the ranks: n2's GPU is rank 0 (the rendezvous), n1's two GPUs ranks 1 and 2.
+    h = ex.launch(LaunchRequest("j", 1, cmd, {"n2": 1, "n1": 2}, env={"JOB_VAR": "x"}), time.time())
+    assert [(r["rank"], r["node"]) for r in h["ranks"]] == [(0, "n2"), (1, "n1"), (2, "n1")]
+    e = envs(ex, "j", 3)
+    assert [(x["RANK"], x["LOCAL_RANK"], x["LOCAL_WORLD_SIZE"], x["GROUP_RANK"]) for x in e] == [
+        ("0", "0", "1", "0"), ("1", "0", "2", "1"), ("2", "1", "2", "1")]
+    assert {x["MASTER_ADDR"] for x in e} == {h["master_addr"]} and {x["MASTER_PORT"] for x in e} == {
+        str(h["master_port"])}
+    assert e[0]["CUDA_VISIBLE_DEVICES"] == "0" and sorted(e[1]["CUDA_VISIBLE_DEVICES"].split(",")) == ["0", "1"]
+    assert e[1]["CUDA_VISIBLE_DEVICES"] == e[2]["CUDA_VISIBLE_DEVICES"]  # rank r uses cuda:LOCAL_RANK
+    assert all(x["WORLD_SIZE"] == "3" and x["TIDAL_JOB_ID"] == "j" and x["JOB_VAR"] == "x" for x in e)
+    assert all(x["TIDAL_TEST_SECRET"] is None for x in e)  # a clean environment: nothing of the plane's
+    assert e[0]["TIDAL_PROGRESS_DIR"] == str(tmp_path / "jobs" / "j" / "attempt-1" / "progress")
+    wait_until("Ray to count the 3 GPUs held", lambda: gpus_free() == total - 3, 30)
+
+    # A restarted plane (a new executor) finds the attempt by its actors' names; a notice stops every rank.
+    ex2 = RayExecutor(tmp_path / "jobs", address=ray_cluster.address, ready_timeout_s=60)
+    assert not ex2.adopt("j", 7, time.time())  # never launched: nothing to find
+    assert ex2.adopt("j", 1, time.time())
+    ob = ex2.observe(time.time())["j"]
+    assert [r.pid for r in ob.alive] == [r["pid"] for r in h["ranks"]] and [r.node for r in ob.ranks] == [
+        "n2", "n1", "n1"]
+    ex2.signal_stop("j")
+    assert [r.exit_code for r in observe_until_done(ex2, "j").ranks] == [75, 75, 75]
+
+    # Attempt 2 launched by yet another executor while attempt 1's actors are still there (a plane that
+    # crashed before releasing): attempt 1 is removed first, never two copies in the cluster.
+    ex3 = RayExecutor(tmp_path / "jobs", address=ray_cluster.address, ready_timeout_s=60)
+    h2 = ex3.launch(LaunchRequest("j", 2, cmd, {"n3": 1}), time.time())
+    names = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == ex3.namespace}
+    assert names == {actor_name("j", 2, 0)}
+    assert envs(ex3, "j", 1)[0]["CUDA_VISIBLE_DEVICES"] == "0"
+    ex3.kill("j")
+    assert [r.exit_code for r in observe_until_done(ex3, "j").ranks] == [-signal.SIGKILL]
+    ex3.release("j")
+    wait_until("the GPUs back in Ray", lambda: gpus_free() == total, 30)
+    assert not any(a["namespace"] == ex3.namespace for a in ray.util.list_named_actors(all_namespaces=True))
+    wait_until("every rank process gone", lambda: not any(procs.alive(r["pid"]) for r in h["ranks"] + h2["ranks"]),
+               30)
+
+    # Bad placements are one clear error each, and leave nothing behind.
+    with pytest.raises(LaunchError, match=r"names nodes not in the Ray cluster: \['n9'\]"):
+        ex3.launch(LaunchRequest("k", 1, cmd, {"n9": 1}), time.time())
+    with pytest.raises(LaunchError, match="asks more GPUs than nodes have: n2 has 1"):
+        ex3.launch(LaunchRequest("k", 1, cmd, {"n2": 2}), time.time())
+    with pytest.raises(LaunchError, match="workdir /nonexistent"):
+        ex3.launch(LaunchRequest("k", 1, cmd, {"n2": 1}, workdir="/nonexistent"), time.time())
+    assert gpus_free() == total and ex3.observe(time.time()) == {}
+    ex.close()
