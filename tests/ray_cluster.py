@@ -5,20 +5,21 @@ a head node with no GPUs and three worker nodes with declared (virtual) GPUs, la
 ``n1`` (2 GPUs), ``n2`` (1) and ``n3`` (1), one CPU each. Ray's health checks are tightened (a node
 that stops answering is dead after ~3 s instead of ~30 s) so node-loss tests are quick; nothing calls
 the network (usage stats off, no dashboard). At the end: ``ray.shutdown()``, ``cluster.shutdown()``,
-every rank recorded under the tests' state dirs SIGKILLed, and a check that no raylet or GCS started
+every rank recorded under the tests' state dirs SIGKILLed, their node-memory directories removed, and a check that no raylet or GCS started
 here is left.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tidal.exec import procs
-from tidal.exec.ray_exec import NODE_LABEL, QUIET_ENV, kill_ranks
+from tidal.exec.ray_exec import NODE_LABEL, QUIET_ENV, kill_ranks, namespace_for, shm_base
 
 NODES = {"n1": 2, "n2": 1, "n3": 1}
 HEALTH = {"health_check_period_ms": 500, "health_check_timeout_ms": 500, "health_check_failure_threshold": 4}
@@ -75,6 +76,9 @@ def stop(rc: RayCluster) -> None:
         rc.cluster.shutdown()
         for root in rc.state_roots:
             kill_ranks(root)
+            shm = shm_base(namespace_for(root))
+            if shm is not None:
+                shutil.rmtree(shm, ignore_errors=True)
     deadline = time.monotonic() + 10
     while any(procs.alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -23,19 +23,21 @@ RANK = """
 import json, os, signal, sys, time
 keys = ["RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
         "CUDA_VISIBLE_DEVICES", "TIDAL_JOB_ID", "TIDAL_PROGRESS_DIR", "TIDAL_CONTROL_FILE", "HOME", "JOB_VAR",
-        "TIDAL_TEST_SECRET"]
+        "TIDAL_TEST_SECRET", "TIDAL_CKPT_URL", "TIDAL_CKPT_TIERS", "TIDAL_SHM_DIR"]
 print("ENV " + json.dumps({k: os.environ.get(k) for k in keys}), flush=True)
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(75))
 time.sleep(600)
 """
 
 
-def envs(ex, job: str, n: int) -> list[dict]:
+def envs(ex, job: str, n: int, attempt: int = 1) -> list[dict]:
+    """What each rank of the attempt printed of its environment (the log is appended across attempts)."""
     def read():
         out = []
         for r in range(n):
-            lines = [ln for ln in Path(ex.log_path(job, r)).read_text().splitlines() if ln.startswith("ENV ")] \
-                if Path(ex.log_path(job, r)).exists() else []
+            log = Path(ex.log_path(job, r))
+            text = log.read_text().split(f"=== tidal: {job} attempt {attempt},")[-1] if log.exists() else ""
+            lines = [ln for ln in text.splitlines() if ln.startswith("ENV ")]
             if not lines:
                 return None
             out.append(json.loads(lines[-1][4:]))
@@ -66,7 +68,8 @@ def test_ranks_across_nodes_stop_adopt_never_twice_kill_release(ray_cluster, tmp
     cmd = (sys.executable, "-c", RANK)
 
     # Placement order makes the ranks: n2's GPU is rank 0 (the rendezvous), n1's two GPUs ranks 1 and 2.
-    h = ex.launch(LaunchRequest("j", 1, cmd, {"n2": 1, "n1": 2}, env={"JOB_VAR": "x"}), time.time())
+    h = ex.launch(LaunchRequest("j", 1, cmd, {"n2": 1, "n1": 2}, env={"JOB_VAR": "x", "TIDAL_CKPT_URL": "/c/j"}),
+                  time.time())
     assert [(r["rank"], r["node"]) for r in h["ranks"]] == [(0, "n2"), (1, "n1"), (2, "n1")]
     e = envs(ex, "j", 3)
     assert [(x["RANK"], x["LOCAL_RANK"], x["LOCAL_WORLD_SIZE"], x["GROUP_RANK"]) for x in e] == [
@@ -78,6 +81,9 @@ def test_ranks_across_nodes_stop_adopt_never_twice_kill_release(ray_cluster, tmp
     assert all(x["WORLD_SIZE"] == "3" and x["TIDAL_JOB_ID"] == "j" and x["JOB_VAR"] == "x" for x in e)
     assert all(x["TIDAL_TEST_SECRET"] is None for x in e)  # a clean environment: nothing of the plane's
     assert e[0]["TIDAL_PROGRESS_DIR"] == str(tmp_path / "jobs" / "j" / "attempt-1" / "progress")
+    # Across nodes: no node-memory tier (its commit needs every rank in one tier); each node its own shm dir.
+    assert all(x["TIDAL_CKPT_URL"] is None and json.loads(x["TIDAL_CKPT_TIERS"]) == ["/c/j"] for x in e)
+    assert [Path(x["TIDAL_SHM_DIR"]).parts[-2:] for x in e] == [("n2", "j"), ("n1", "j"), ("n1", "j")]
     wait_until("Ray to count the 3 GPUs held", lambda: gpus_free() == total - 3, 30)
 
     # A restarted plane (a new executor) finds the attempt by its actors' names; a notice stops every rank.
@@ -93,10 +99,11 @@ def test_ranks_across_nodes_stop_adopt_never_twice_kill_release(ray_cluster, tmp
     # Attempt 2 launched by yet another executor while attempt 1's actors are still there (a plane that
     # crashed before releasing): attempt 1 is removed first, never two copies in the cluster.
     ex3 = RayExecutor(tmp_path / "jobs", address=ray_cluster.address, ready_timeout_s=60)
-    h2 = ex3.launch(LaunchRequest("j", 2, cmd, {"n3": 1}), time.time())
+    h2 = ex3.launch(LaunchRequest("j", 2, cmd, {"n3": 1}, env={"TIDAL_CKPT_URL": "/c/j"}), time.time())
     names = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == ex3.namespace}
     assert names == {actor_name("j", 2, 0)}
-    assert envs(ex3, "j", 1)[0]["CUDA_VISIBLE_DEVICES"] == "0"
+    e = envs(ex3, "j", 1, attempt=2)[0]
+    assert e["CUDA_VISIBLE_DEVICES"] == "0" and e["TIDAL_CKPT_URL"] == "/c/j" and e["TIDAL_CKPT_TIERS"] is None
     ex3.kill("j")
     assert [r.exit_code for r in observe_until_done(ex3, "j").ranks] == [-signal.SIGKILL]
     ex3.release("j")
@@ -114,3 +121,16 @@ def test_ranks_across_nodes_stop_adopt_never_twice_kill_release(ray_cluster, tmp
         ex3.launch(LaunchRequest("k", 1, cmd, {"n2": 1}, workdir="/nonexistent"), time.time())
     assert gpus_free() == total and ex3.observe(time.time()) == {}
     ex.close()
+
+
+def test_an_attempt_across_nodes_has_no_node_memory_tier():
+    from tidal.exec.ray_exec import across_nodes
+
+    assert across_nodes({"TIDAL_CKPT_URL": "/c", "X": "1"}) == {"TIDAL_CKPT_TIERS": '["/c"]', "X": "1"}
+    tiers = json.dumps(["shm", "/nvme/r", {"url": "shm"}, {"url": "s3://b/r", "every": 5}])
+    assert json.loads(across_nodes({"TIDAL_CKPT_TIERS": tiers})["TIDAL_CKPT_TIERS"]) == [
+        "/nvme/r", {"url": "s3://b/r", "every": 5}]
+    assert json.loads(across_nodes({"TIDAL_CKPT_TIERS": "shm,/d"})["TIDAL_CKPT_TIERS"]) == ["/d"]
+    with pytest.raises(LaunchError, match="needs a tier other than node memory"):
+        across_nodes({"TIDAL_CKPT_TIERS": '["shm"]'})
+    assert across_nodes({}) == {} and across_nodes({"TIDAL_CKPT_TIERS": '{"a": 1}'}) == {"TIDAL_CKPT_TIERS": '{"a": 1}'}

@@ -34,14 +34,19 @@ from it (``--ray-address``; a Ray that ``tidal up`` started itself ends with it)
 actor died with it, is reported ``vanished`` and ``lost`` (:class:`~tidal.exec.protocol.RankState`);
 the controller stops the other ranks and requeues the job on the remaining GPUs.
 
-Not isolated here (docs/control.md): ranks run as the Ray workers' user (no ``isolation.uid_base``),
-with no per-job shared-memory directory by default. Not thread-safe: one reconcile loop drives it.
+**Node memory.** Each rank's ``TIDAL_SHM_DIR`` is ``<base>/<node>/<job>`` (:func:`shm_base`): the
+checkpoint engine's node-memory tier, which a lost node takes with it. An attempt that spans nodes
+checkpoints to its durable tiers only (:func:`across_nodes`).
+
+Not isolated here (docs/control.md): ranks run as the Ray workers' user (no ``isolation.uid_base``);
+node-memory directories on the nodes are not freed by the plane. Not thread-safe: one reconcile loop drives it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import os
 import signal
@@ -68,6 +73,49 @@ NODE_ID_LABEL = "ray.io/node-id"  # Ray's own label of every node: what bundles 
 QUIET_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_DISABLE_DOCKER_CPU_WARNING": "1"}  # nothing calls home
 POLL_TIMEOUT_S = 0.5  # one step waits this long at most for the ranks' answers
 READY_TIMEOUT_S = 120.0  # placement group reserved and actors up, or the launch fails
+
+
+def namespace_for(root: str | os.PathLike) -> str:
+    """The Ray namespace of the plane whose jobs live in ``root`` (two planes on one cluster never meet)."""
+    return f"tidal-{hashlib.sha1(str(Path(root).resolve()).encode()).hexdigest()[:12]}"
+
+
+def shm_base(namespace: str, shm_dir: str | None = None) -> Path | None:
+    """Where ranks of this plane keep their node-memory checkpoint tier on each node: ``TIDAL_SHM_DIR`` =
+    ``<base>/<node>/<job>`` (``/dev/shm/tidal-ray-<namespace>`` unless ``isolation.shm_dir``); None
+    without ``/dev/shm``. The node's name is in the path so that nodes sharing one machine (a test
+    cluster) keep apart what separate machines would."""
+    if shm_dir is not None:
+        return Path(shm_dir)
+    return Path(f"/dev/shm/tidal-ray-{namespace}") if Path("/dev/shm").is_dir() else None
+
+
+def across_nodes(env: Mapping[str, str]) -> dict[str, str]:
+    """The job's variables for an attempt that spans nodes: no node-memory checkpoint tier. The
+    engine's commit protocol meets all ranks in one tier, and a node's memory holds only its own
+    ranks' files (a tier across nodes' memory is the peer agents' job): ``TIDAL_CKPT_URL`` becomes a
+    ``TIDAL_CKPT_TIERS`` of that location alone, and ``shm`` leaves a tier list. ``LaunchError`` when
+    nothing durable is left."""
+    out = dict(env)
+    url = out.pop(c.ENV_CKPT_URL, None)
+    raw = out.get(c.ENV_CKPT_TIERS)
+    if raw:
+        try:
+            tiers = json.loads(raw)
+        except ValueError:
+            tiers = [t.strip() for t in raw.split(",")]
+        if not isinstance(tiers, list):
+            return dict(env)  # the runtime reports the malformed value
+        kept = [t for t in tiers if t != "shm" and not (isinstance(t, dict) and t.get("url") == "shm")]
+        if not kept:
+            raise LaunchError(f"{c.ENV_CKPT_TIERS}={raw}: a job across nodes needs a tier other than node "
+                              "memory (shm)")
+        out[c.ENV_CKPT_TIERS] = json.dumps(kept)
+        if url is not None:
+            out[c.ENV_CKPT_URL] = url
+    elif url:
+        out[c.ENV_CKPT_TIERS] = json.dumps([url])
+    return out
 
 
 def actor_name(job_id: str, attempt: int, rank: int) -> str:
@@ -118,7 +166,8 @@ class RayExecutor:
                              "workers' user; remove uid_base")
         self.root = Path(root)
         private_dir(self.root, 0o700)
-        self.namespace = namespace or f"tidal-{hashlib.sha1(str(self.root.resolve()).encode()).hexdigest()[:12]}"
+        self.namespace = namespace or namespace_for(self.root)
+        self.shm_root = shm_base(self.namespace, iso.shm_dir)
         for k, v in QUIET_ENV.items():
             os.environ.setdefault(k, v)
         import ray
@@ -253,6 +302,7 @@ class RayExecutor:
         for k in ranks:
             on_node.setdefault(k.node, []).append(k.rank)
         groups = list(on_node)
+        job_env = across_nodes(req.env) if len(groups) > 1 else dict(req.env)
         starts = []
         n = len(ranks)
         for k in ranks:
@@ -262,8 +312,9 @@ class RayExecutor:
                                        local_world_size=len(local), group_rank=groups.index(k.node)),
                         c.ENV_JOB_ID: req.job_id, c.ENV_PROGRESS_DIR: str(adir / c.PROGRESS_DIRNAME),
                         c.ENV_CONTROL_FILE: str(adir / c.CONTROL_FILE), c.ENV_CUDA_VISIBLE_DEVICES: gpus}
-            env = clean_env(self.isolation, self.home_dir(req.job_id), req.env, platform,
-                            omp_threads=(os.cpu_count() or 1) // max(1, len(local)))
+            base = {c.ENV_SHM_DIR: str(self.shm_root / k.node / req.job_id)} if self.shm_root is not None else {}
+            env = clean_env(self.isolation, self.home_dir(req.job_id), job_env, platform,
+                            omp_threads=(os.cpu_count() or 1) // max(1, len(local)), base=base)
             header = (f"=== tidal: {req.job_id} attempt {req.attempt}, rank {k.rank} of {n} on {k.node}, "
                       f"{time.strftime('%Y-%m-%d %H:%M:%S')} ===\n")
             starts.append(k.actor.start.remote(list(req.command), env, req.workdir or str(self.home_dir(req.job_id)),
