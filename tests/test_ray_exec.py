@@ -134,3 +134,31 @@ def test_an_attempt_across_nodes_has_no_node_memory_tier():
     with pytest.raises(LaunchError, match="needs a tier other than node memory"):
         across_nodes({"TIDAL_CKPT_TIERS": '["shm"]'})
     assert across_nodes({}) == {} and across_nodes({"TIDAL_CKPT_TIERS": '{"a": 1}'}) == {"TIDAL_CKPT_TIERS": '{"a": 1}'}
+
+
+def test_tidal_up_ray_options_bad_input_is_one_clear_error(tmp_path):
+    """``tidal up --executor ...``: every wrong combination is one line naming the option, at once
+    (an address nobody answers at too: ray.init alone would retry for minutes)."""
+    ray = pytest.importorskip("ray")
+    import yaml
+
+    from tidal.control.config import ControlConfig
+    from tidal.control.server import build
+
+    if ray.is_initialized():
+        ray.shutdown()
+    cases = [({"executor": "k8s"}, "--executor must be 'local' or 'ray', got 'k8s'"),
+             ({"ray_address": "auto"}, "--ray-address needs --executor ray"),
+             ({"executor": "ray", "ray_address": "127.0.0.1:1"}, "cannot join the Ray cluster at 127.0.0.1:1: "
+                                                                 "nothing answers there"),
+             ({"executor": "ray", "ray_address": "x:y"}, "--ray-address 'x:y': expected HOST:PORT"),
+             ({"executor": "ray", "ray_address": "127.0.0.1:1", "gpus": "4"}, "--gpus N declares the GPUs of a Ray")]
+    for i, (kw, msg) in enumerate(cases):
+        with pytest.raises(SystemExit) as e:
+            build(tmp_path / f"s{i}", kw.pop("gpus", "auto"), **kw)
+        assert msg in str(e.value) and "\n" not in str(e.value), (kw, e.value)
+    profile = Path(__file__).parents[1] / "src" / "tidal" / "serving" / "data" / "daily-profile.csv"
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump({"serving": {"trace": str(profile), "nodes": "2x2"}}))
+    with pytest.raises(SystemExit, match="serving.nodes .live lending. runs on the local executor only"):
+        build(tmp_path / "s9", "auto", config=ControlConfig.load(tmp_path / "c.yaml"), executor="ray")
+    assert not ray.is_initialized()

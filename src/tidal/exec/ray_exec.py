@@ -50,6 +50,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -73,6 +74,21 @@ NODE_ID_LABEL = "ray.io/node-id"  # Ray's own label of every node: what bundles 
 QUIET_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_DISABLE_DOCKER_CPU_WARNING": "1"}  # nothing calls home
 POLL_TIMEOUT_S = 0.5  # one step waits this long at most for the ranks' answers
 READY_TIMEOUT_S = 120.0  # placement group reserved and actors up, or the launch fails
+
+
+def _check_reachable(address: str | None) -> None:
+    """A ``HOST:PORT`` address whose GCS does not answer is one clear error now (``ray.init`` would
+    retry for minutes)."""
+    if not address or "://" in address or address == "auto" or ":" not in address:
+        return
+    host, _, port = address.rpartition(":")
+    if not port.isdigit() or not host:
+        raise ValueError(f"--ray-address {address!r}: expected HOST:PORT, 'auto' or ray://HOST:PORT")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+    except OSError as e:
+        raise ValueError(f"cannot join the Ray cluster at {address}: nothing answers there ({e.strerror or e})"
+                         ) from None
 
 
 def namespace_for(root: str | os.PathLike) -> str:
@@ -175,6 +191,7 @@ class RayExecutor:
         self._ray = ray
         self._owns_ray = False
         if not ray.is_initialized():
+            _check_reachable(address)
             kw: dict[str, Any] = {}
             if address is None and not os.environ.get("RAY_ADDRESS"):
                 kw = {"include_dashboard": False, **({"num_gpus": num_gpus} if num_gpus is not None else {})}
