@@ -97,20 +97,25 @@ def test_ranks_across_nodes_stop_adopt_never_twice_kill_release(ray_cluster, tmp
     assert [r.exit_code for r in observe_until_done(ex2, "j").ranks] == [75, 75, 75]
 
     # Attempt 2 launched by yet another executor while attempt 1's actors are still there (a plane that
-    # crashed before releasing): attempt 1 is removed first, never two copies in the cluster.
+    # crashed before releasing): attempt 1 is removed first, never two copies in the cluster; a job whose
+    # name merely starts like it keeps its actors.
     ex3 = RayExecutor(tmp_path / "jobs", address=ray_cluster.address, ready_timeout_s=60)
-    h2 = ex3.launch(LaunchRequest("j", 2, cmd, {"n3": 1}, env={"TIDAL_CKPT_URL": "/c/j"}), time.time())
+    h3 = ex3.launch(LaunchRequest("j.a9-1", 1, cmd, {"n3": 1}), time.time())
+    h2 = ex3.launch(LaunchRequest("j", 2, cmd, {"n2": 1}, env={"TIDAL_CKPT_URL": "/c/j"}), time.time())
     names = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == ex3.namespace}
-    assert names == {actor_name("j", 2, 0)}
+    assert names == {actor_name("j", 2, 0), actor_name("j.a9-1", 1, 0)}
     e = envs(ex3, "j", 1, attempt=2)[0]
     assert e["CUDA_VISIBLE_DEVICES"] == "0" and e["TIDAL_CKPT_URL"] == "/c/j" and e["TIDAL_CKPT_TIERS"] is None
     ex3.kill("j")
+    ex3.kill("j.a9-1")
     assert [r.exit_code for r in observe_until_done(ex3, "j").ranks] == [-signal.SIGKILL]
+    assert [r.exit_code for r in observe_until_done(ex3, "j.a9-1").ranks] == [-signal.SIGKILL]
     ex3.release("j")
+    ex3.release("j.a9-1")
     wait_until("the GPUs back in Ray", lambda: gpus_free() == total, 30)
     assert not any(a["namespace"] == ex3.namespace for a in ray.util.list_named_actors(all_namespaces=True))
-    wait_until("every rank process gone", lambda: not any(procs.alive(r["pid"]) for r in h["ranks"] + h2["ranks"]),
-               30)
+    wait_until("every rank process gone", lambda: not any(procs.alive(r["pid"]) for r in
+                                                          h["ranks"] + h2["ranks"] + h3["ranks"]), 30)
 
     # Bad placements are one clear error each, and leave nothing behind.
     with pytest.raises(LaunchError, match=r"names nodes not in the Ray cluster: \['n9'\]"):
@@ -121,6 +126,17 @@ def test_ranks_across_nodes_stop_adopt_never_twice_kill_release(ray_cluster, tmp
         ex3.launch(LaunchRequest("k", 1, cmd, {"n2": 1}, workdir="/nonexistent"), time.time())
     assert gpus_free() == total and ex3.observe(time.time()) == {}
     ex.close()
+
+
+def test_leftovers_are_matched_by_whole_job_id_never_by_prefix():
+    """Job names may hold dots: launching ``foo-1`` must not take ``foo-1.a2-3``'s actors for its own."""
+    from tidal.exec.ray_exec import _pg_name, actor_name, job_of_actor, job_of_pg
+
+    assert job_of_actor(actor_name("foo-1", 2, 0)) == "foo-1"
+    assert job_of_actor(actor_name("foo-1.a2-3", 1, 0)) == "foo-1.a2-3"
+    assert job_of_actor("tidal.foo-1") is None and job_of_actor("other.foo-1.a1.r0") is None
+    assert job_of_pg("tidal-ab", _pg_name("tidal-ab", "foo-1.a2-3", 4)) == "foo-1.a2-3"
+    assert job_of_pg("tidal-ab", _pg_name("tidal-xy", "foo-1", 4)) is None
 
 
 def test_an_attempt_across_nodes_has_no_node_memory_tier():
@@ -162,3 +178,29 @@ def test_tidal_up_ray_options_bad_input_is_one_clear_error(tmp_path):
     with pytest.raises(SystemExit, match="serving.nodes .live lending. runs on the local executor only"):
         build(tmp_path / "s9", "auto", config=ControlConfig.load(tmp_path / "c.yaml"), executor="ray")
     assert not ray.is_initialized()
+
+
+def test_adopting_an_attempt_cut_short_by_a_crash_mid_launch(ray_cluster, tmp_path):
+    """The plane died after recording the launch, with one rank's actor created but its command never
+    started and the other's actor never created: adopted, both ranks vanished (not lost: their nodes
+    are up), nothing runs; release removes the actor."""
+    import ray
+
+    from tidal.contract import LAUNCH_FILE
+    from tidal.exec.ray_exec import RayExecutor, _write_json, actor_name
+
+    ex = RayExecutor(tmp_path / "jobs", address=ray_cluster.address, ready_timeout_s=60)
+    ex.nodes()
+    adir = ex.attempt_dir("m", 1)
+    adir.mkdir(parents=True)
+    _write_json(adir / LAUNCH_FILE, {"job_id": "m", "attempt": 1, "launched_s": time.time(), "ranks": [
+        {"rank": r, "node": n, "node_id": ex._ids[n], "actor": actor_name("m", 1, r)} for r, n in enumerate(["n2", "n3"])]})
+    a = ex._remote.options(name=actor_name("m", 1, 0), namespace=ex.namespace, lifetime="detached",
+                           num_cpus=0).remote()
+    ray.get(a.info.remote(), timeout=60)
+    assert ex.adopt("m", 1, time.time())
+    ob = wait_until("both ranks vanished", lambda: (o := ex.observe(time.time())["m"]).done and o, 30)
+    assert [(r.vanished, r.lost, r.exit_code) for r in ob.ranks] == [(True, False, None), (True, False, None)]
+    ex.release("m")
+    wait_until("the actor gone", lambda: not any(x["namespace"] == ex.namespace
+                                                 for x in ray.util.list_named_actors(all_namespaces=True)), 30)

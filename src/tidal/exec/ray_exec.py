@@ -49,6 +49,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import time
@@ -140,6 +141,21 @@ def actor_name(job_id: str, attempt: int, rank: int) -> str:
 
 def _pg_name(namespace: str, job_id: str, attempt: int) -> str:
     return f"{namespace}.{job_id}.a{attempt}"
+
+
+_ACTOR_RE = re.compile(r"^tidal\.(?P<job>.+)\.a\d+\.r\d+$")
+
+
+def job_of_actor(name: str) -> str | None:
+    """The job a rank actor's name belongs to (job names may hold dots: matched whole, never by prefix)."""
+    m = _ACTOR_RE.match(name)
+    return m.group("job") if m else None
+
+
+def job_of_pg(namespace: str, name: str) -> str | None:
+    """The job of a placement group named by :func:`_pg_name` in ``namespace``."""
+    m = re.match(rf"^{re.escape(namespace)}\.(?P<job>.+)\.a\d+$", name)
+    return m.group("job") if m else None
 
 
 @dataclass
@@ -363,15 +379,13 @@ class RayExecutor:
         """Actors and placement groups of the job's earlier attempts that are still in the cluster (a
         plane that crashed mid-launch, a release that did not reach Ray): removed, never run twice."""
         ray = self._ray
-        prefix = f"tidal.{job_id}.a"
         for a in ray.util.list_named_actors(all_namespaces=True):
-            if a.get("namespace") == self.namespace and a.get("name", "").startswith(prefix):
+            if a.get("namespace") == self.namespace and job_of_actor(a.get("name", "")) == job_id:
                 with contextlib.suppress(ValueError):
                     self._kill_actor(ray.get_actor(a["name"], namespace=self.namespace))
                     log.warning("removed the leftover rank actor %s", a["name"])
-        pg_prefix = _pg_name(self.namespace, job_id, 0)[:-1]
         for pg_id, info in ray.util.placement_group_table().items():
-            if str(info.get("name", "")).startswith(pg_prefix) and info.get("state") != "REMOVED":
+            if job_of_pg(self.namespace, str(info.get("name", ""))) == job_id and info.get("state") != "REMOVED":
                 self._remove_pg_id(pg_id)
                 log.warning("removed the leftover placement group %s", info.get("name"))
 
