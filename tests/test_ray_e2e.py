@@ -7,7 +7,7 @@ the shared disk; ``tidal up`` is killed with SIGKILL and started again: it re-ad
 ranks (named actors), launches nothing; the node holding two of its ranks is removed from the
 cluster (its raylet SIGKILLed): the plane notices, kills the other ranks, requeues the job (not a
 failure) and relaunches it on the 2 GPUs left, resharded from the newest checkpoint on disk; the node
-comes back, and the job grows back onto it. Detection and recovery times are printed (``pytest -s``).
+comes back and is seen. Detection and recovery times are printed (``pytest -s``).
 """
 
 from __future__ import annotations
@@ -95,15 +95,10 @@ def test_node_loss_requeues_and_resumes_resharded(ray_cluster, tmp_path):
               f"{d['world_size']} ranks from step {d['start_step']} (tier {d['restore_tier']}), "
               f"{d['lost_steps']} steps redone")
 
-        # The node returns: the plane sees it and the elastic job grows back to 3 GPUs (a notice, a final
-        # checkpoint, a relaunch that reshards 2 -> 3).
+        # The node returns: the plane sees it (the job growing back onto it: tests/test_ray_long.py).
         ray_cluster.add(big)
         wait_for("the node back", lambda: any(e["kind"] == "node" and (e["data"] or {}).get("joined")
                                               for e in admin.events()), 60)
-        wait_for("the job grown back", lambda: (j := lab.job(job))["attempt"] == 3 and j["state"] == "running"
-                 and (j["progress"].get("step") or 0) > (j["progress"].get("start_step") or 1e9), 120)
-        j = lab.job(job)
-        assert sum(j["placement"].values()) == 3 and big in j["placement"] and j["restarts"] == 0
         lab.cancel(job)
         wait_for("the cancel", lambda: lab.job(job)["state"] == "cancelled", 60)
     finally:

@@ -165,6 +165,7 @@ def test_tidal_up_ray_options_bad_input_is_one_clear_error(tmp_path):
         ray.shutdown()
     cases = [({"executor": "k8s"}, "--executor must be 'local' or 'ray', got 'k8s'"),
              ({"ray_address": "auto"}, "--ray-address needs --executor ray"),
+             ({"ckpt_agents": True}, "--ckpt-agents needs --executor ray"),
              ({"executor": "ray", "ray_address": "127.0.0.1:1"}, "cannot join the Ray cluster at 127.0.0.1:1: "
                                                                  "nothing answers there"),
              ({"executor": "ray", "ray_address": "x:y"}, "--ray-address 'x:y': expected HOST:PORT"),

@@ -57,6 +57,9 @@ def up(host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.
        = "local",
        ray_address: Annotated[str | None, typer.Option(help="with --executor ray: the cluster to join ('auto', "
                                                             "HOST:PORT); default: start a local Ray")] = None,
+       ckpt_agents: Annotated[bool, typer.Option("--ckpt-agents", help="with --executor ray: run a checkpoint "
+                                                 "agent (the peer-memory tier) on every node, in a buddy ring")]
+       = False,
        ) -> None:
     """Run the control plane: REST API, reconcile loop and an executor (local or Ray), in one process."""
     import logging
@@ -71,7 +74,8 @@ def up(host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.
         cfg = ControlConfig.load(config) if config else ControlConfig()
     except (OSError, ValueError, TypeError) as e:
         _fail(e)
-    plane = build(state_dir or default_state_dir(), gpus, db, cfg, executor=executor, ray_address=ray_address)
+    plane = build(state_dir or default_state_dir(), gpus, db, cfg, executor=executor, ray_address=ray_address,
+                  ckpt_agents=ckpt_agents)
 
     def announce(line: str) -> None:
         console.print(line, highlight=False)

@@ -133,11 +133,13 @@ def secure_state_dir(state_dir: Path, config: ControlConfig | None) -> None:
 
 
 def build(state_dir: Path, gpus: str = "auto", db: str | None = None, config: ControlConfig | None = None, *,
-          executor: str = "local", ray_address: str | None = None) -> Plane:
+          executor: str = "local", ray_address: str | None = None, ckpt_agents: bool = False) -> Plane:
     if executor not in ("local", "ray"):
         raise SystemExit(f"tidal up: --executor must be 'local' or 'ray', got {executor!r}")
     if ray_address is not None and executor != "ray":
         raise SystemExit("tidal up: --ray-address needs --executor ray")
+    if ckpt_agents and executor != "ray":
+        raise SystemExit("tidal up: --ckpt-agents needs --executor ray (on one machine run `tidal ckpt agent`)")
     if executor == "ray" and config is not None and config.serving is not None and config.serving.lends:
         raise SystemExit("tidal up: serving.nodes (live lending) runs on the local executor only; remove "
                          "serving.nodes or use --executor local")
@@ -160,7 +162,7 @@ def build(state_dir: Path, gpus: str = "auto", db: str | None = None, config: Co
     iso = config.isolation if config is not None else None
     try:
         if executor == "ray":
-            return _build_ray(state_dir, gpus, store, token, created, config, iso, ray_address)
+            return _build_ray(state_dir, gpus, store, token, created, config, iso, ray_address, ckpt_agents)
         return _build(state_dir, gpus, store, token, created, config, iso, loans, serving_nodes)
     except ValueError as e:
         store.close()
@@ -203,7 +205,7 @@ def _build(state_dir, gpus, store, token, created, config, iso, loans, serving_n
     return Plane(state_dir, store, executor, controller, token, created, what, advisor)
 
 
-def _build_ray(state_dir, gpus, store, token, created, config, iso, address) -> Plane:  # noqa: ANN001
+def _build_ray(state_dir, gpus, store, token, created, config, iso, address, agents) -> Plane:  # noqa: ANN001
     from tidal.exec.ray_exec import RayExecutor
 
     num_gpus = None
@@ -215,10 +217,10 @@ def _build_ray(state_dir, gpus, store, token, created, config, iso, address) -> 
         if address is not None:
             raise SystemExit("tidal up: --gpus N declares the GPUs of a Ray that tidal up starts; with "
                              "--ray-address the cluster's nodes say how many they have")
-    executor = RayExecutor(state_dir / "jobs", address=address, num_gpus=num_gpus, isolation=iso)
+    executor = RayExecutor(state_dir / "jobs", address=address, num_gpus=num_gpus, isolation=iso, ckpt_agents=agents)
     nodes = executor.nodes()
     what = (f"Ray executor on {address or 'a local Ray'}: {len(nodes)} nodes with GPUs, "
-            f"{sum(n.gpus for n in nodes)} GPUs")
+            f"{sum(n.gpus for n in nodes)} GPUs" + (", a checkpoint agent on each" if agents else ""))
     controller = Controller(store, executor, config, ckpt_root=state_dir / "jobs")
     return Plane(state_dir, store, executor, controller, token, created, what, None)
 

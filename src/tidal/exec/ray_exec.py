@@ -34,6 +34,10 @@ from it (``--ray-address``; a Ray that ``tidal up`` started itself ends with it)
 actor died with it, is reported ``vanished`` and ``lost`` (:class:`~tidal.exec.protocol.RankState`);
 the controller stops the other ranks and requeues the job on the remaining GPUs.
 
+**Checkpoint agents** (``ckpt_agents=True``, ``tidal up --ckpt-agents``): one per node, in a buddy
+ring, started and supervised from :meth:`RayExecutor.nodes` (:mod:`tidal.exec.ray_agents`); ranks get
+``TIDAL_CKPT_AGENT``/``TIDAL_CKPT_PEERS``, so a job's ``peer`` tier survives the loss of a node.
+
 **Node memory.** Each rank's ``TIDAL_SHM_DIR`` is ``<base>/<node>/<job>`` (:func:`shm_base`): the
 checkpoint engine's node-memory tier, which a lost node takes with it. An attempt that spans nodes
 checkpoints to its durable tiers only (:func:`across_nodes`).
@@ -190,7 +194,7 @@ class RayExecutor:
 
     def __init__(self, root: str | os.PathLike, *, address: str | None = None, num_gpus: int | None = None,
                  isolation: IsolationConfig | None = None, namespace: str | None = None,
-                 ready_timeout_s: float = READY_TIMEOUT_S) -> None:
+                 ready_timeout_s: float = READY_TIMEOUT_S, ckpt_agents: bool = False) -> None:
         self.ready_timeout_s = ready_timeout_s
         self.isolation = iso = isolation or IsolationConfig()
         if iso.uid_base is not None:
@@ -222,6 +226,13 @@ class RayExecutor:
         self._remote = ray.remote(RankActor)
         self._ids: dict[str, str] = {}  # node name -> Ray node id (of the newest nodes() call)
         self._jobs: dict[str, _Tracked] = {}
+        self.agents = None
+        if ckpt_agents:
+            if self.shm_root is None:
+                raise ValueError("checkpoint agents on Ray nodes need /dev/shm (or isolation.shm_dir)")
+            from tidal.exec.ray_agents import RayAgents
+
+            self.agents = RayAgents(ray, self.namespace, self.shm_root, self.root)
 
     def close(self) -> None:
         """Disconnect from Ray (a local Ray this executor started ends; detached actors on a cluster do not)."""
@@ -259,6 +270,8 @@ class RayExecutor:
             ids[name] = n["NodeID"]
             out.append(Node(name, gpus))
         self._ids = ids
+        if self.agents is not None:
+            self.agents.ensure(ids)
         return out
 
     # -- acting --------------------------------------------------------------------------------------
@@ -346,6 +359,8 @@ class RayExecutor:
                         c.ENV_JOB_ID: req.job_id, c.ENV_PROGRESS_DIR: str(adir / c.PROGRESS_DIRNAME),
                         c.ENV_CONTROL_FILE: str(adir / c.CONTROL_FILE), c.ENV_CUDA_VISIBLE_DEVICES: gpus}
             base = {c.ENV_SHM_DIR: str(self.shm_root / k.node / req.job_id)} if self.shm_root is not None else {}
+            if self.agents is not None:
+                base.update(self.agents.env(k.node))
             env = clean_env(self.isolation, self.home_dir(req.job_id), job_env, platform,
                             omp_threads=(os.cpu_count() or 1) // max(1, len(local)), base=base)
             header = (f"=== tidal: {req.job_id} attempt {req.attempt}, rank {k.rank} of {n} on {k.node}, "
