@@ -11,7 +11,7 @@ from control_fakes import FakeClock, FakeExecutor, new_store, submit
 from tidal.control.config import ControlConfig
 from tidal.control.controller import Controller, job_report
 from tidal.control.states import State
-from tidal.model import Admit, Preempt, Shrink
+from tidal.model import Admit, Grow, Preempt, Shrink
 from tidal.policy.ckpt_interval import CkptIntervalConfig
 from tidal.policy.scheduler import SchedulerConfig
 
@@ -392,8 +392,9 @@ def test_node_loss_requeues_on_the_remaining_gpus_not_a_failure(tmp_path):
     ctl.step(clock.advance(1))
     assert len([e for e in store.events(job_id=j) if e.kind == "recovered"]) == 1
 
-    ex.more["b"] = 2  # the node returns
-    ctl.step(clock.advance(1))
+    ex.more["b"] = 2  # the node returns: the elastic job grows back onto it
+    decisions = ctl.step(clock.advance(1))
+    assert [(d.job, dict(d.add)) for d in decisions if isinstance(d, Grow)] == [(j, {"b": 2})]
     joined = [e for e in store.events() if e.kind == "node" and (e.data or {}).get("joined")]
     assert [e.data["node"] for e in joined] == ["b"] and [(n.name, n.gpus) for n in ctl.nodes] == [("a", 2), ("b", 2)]
     store.close()
