@@ -27,7 +27,7 @@ from tidal.train.verify import VerifyConfig, compare
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray_long,
               pytest.mark.skipif(os.environ.get("TIDAL_RAY_LONG") != "1",
-                                 reason="the longest Ray scenario (~4 min per layout): TIDAL_RAY_LONG=1 runs it")]
+                                 reason="the longest Ray scenario (~2-2.5 min per layout): TIDAL_RAY_LONG=1 runs it")]
 CONFIG = """
 restart_backoff_s: 0.2
 hang_timeout_s: 120
