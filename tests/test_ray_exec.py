@@ -14,8 +14,7 @@ import pytest
 
 from plane_proc import wait_until
 from tidal.exec import procs
-from tidal.exec.local import LaunchError
-from tidal.exec.protocol import LaunchRequest
+from tidal.exec.protocol import LaunchError, LaunchRequest
 
 pytestmark = pytest.mark.slow
 
@@ -188,13 +187,14 @@ def test_adopting_an_attempt_cut_short_by_a_crash_mid_launch(ray_cluster, tmp_pa
     import ray
 
     from tidal.contract import LAUNCH_FILE
-    from tidal.exec.ray_exec import RayExecutor, _write_json, actor_name
+    from tidal.exec.files import write_json
+    from tidal.exec.ray_exec import RayExecutor, actor_name
 
     ex = RayExecutor(tmp_path / "jobs", address=ray_cluster.address, ready_timeout_s=60)
     ex.nodes()
     adir = ex.attempt_dir("m", 1)
     adir.mkdir(parents=True)
-    _write_json(adir / LAUNCH_FILE, {"job_id": "m", "attempt": 1, "launched_s": time.time(), "ranks": [
+    write_json(adir / LAUNCH_FILE, {"job_id": "m", "attempt": 1, "launched_s": time.time(), "ranks": [
         {"rank": r, "node": n, "node_id": ex._ids[n], "actor": actor_name("m", 1, r)} for r, n in enumerate(["n2", "n3"])]})
     a = ex._remote.options(name=actor_name("m", 1, 0), namespace=ex.namespace, lifetime="detached",
                            num_cpus=0).remote()

@@ -28,7 +28,11 @@ from tidal.contract import EXIT_PREEMPTED
 from tidal.exec.progress import Progress
 from tidal.model import Node
 
-__all__ = ["EXIT_PREEMPTED", "Executor", "LaunchRequest", "Observation", "RankState"]
+__all__ = ["EXIT_PREEMPTED", "Executor", "LaunchError", "LaunchRequest", "Observation", "RankState"]
+
+
+class LaunchError(RuntimeError):
+    """A rank could not be started (no free device, a missing working directory, an unknown node, ...)."""
 
 
 @dataclass(frozen=True)

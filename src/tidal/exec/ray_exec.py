@@ -65,10 +65,10 @@ from typing import Any
 from tidal import contract as c
 from tidal.contract import torchrun_env
 from tidal.exec import procs
+from tidal.exec.files import read_json, write_json
 from tidal.exec.isolation import IsolationConfig, clean_env, private_dir
-from tidal.exec.local import LaunchError, _read_json, _write_json
 from tidal.exec.progress import ProgressReader
-from tidal.exec.protocol import LaunchRequest, Observation, RankState
+from tidal.exec.protocol import LaunchError, LaunchRequest, Observation, RankState
 from tidal.exec.ray_rank import RankActor
 from tidal.model import Node
 
@@ -305,7 +305,7 @@ class RayExecutor:
                "placement": dict(req.placement), "namespace": self.namespace, "placement_group": pg.id.hex(),
                "ranks": [{"rank": r, "node": node, "node_id": nid, "actor": actor_name(req.job_id, req.attempt, r)}
                          for r, (node, nid) in enumerate(plan)]}
-        _write_json(adir / c.LAUNCH_FILE, doc)  # before any actor exists: a restarted plane finds them all
+        write_json(adir / c.LAUNCH_FILE, doc)  # before any actor exists: a restarted plane finds them all
         ranks: list[_Rank] = []
         try:
             handle = self._start(req, adir, plan, pg, ranks, doc)
@@ -373,7 +373,7 @@ class RayExecutor:
         doc = {**doc, "master_addr": master, "master_port": port,
                "ranks": [{**d, "pid": k.pid, "gpu_ids": infos[k.rank]["gpu_ids"]} for d, k in zip(doc["ranks"], ranks,
                                                                                                   strict=True)]}
-        _write_json(adir / c.LAUNCH_FILE, doc)
+        write_json(adir / c.LAUNCH_FILE, doc)
         return {"executor": "ray", "placement": dict(req.placement), "master_addr": master, "master_port": port,
                 "dir": str(adir), "placement_group": doc["placement_group"],
                 "ranks": [{"rank": k.rank, "pid": k.pid, "node": k.node, "gpu_ids": infos[k.rank]["gpu_ids"]}
@@ -439,8 +439,8 @@ class RayExecutor:
         if t is None:
             return
         path = t.dir / c.CONTROL_FILE
-        current = _read_json(path) or {}
-        _write_json(path, {**current, **settings})
+        current = read_json(path) or {}
+        write_json(path, {**current, **settings})
 
     def release(self, job_id: str) -> None:
         t = self._jobs.pop(job_id, None)
@@ -512,7 +512,7 @@ class RayExecutor:
         """Track attempt ``attempt`` again: its actors found by name (a rank whose actor is gone is
         reported vanished); False without its ``launch.json`` (no actor of it was ever created)."""
         adir = self.attempt_dir(job_id, attempt)
-        doc = _read_json(adir / c.LAUNCH_FILE)
+        doc = read_json(adir / c.LAUNCH_FILE)
         if doc is None or not isinstance(doc.get("ranks"), list):
             return False
         ranks = []
@@ -533,7 +533,7 @@ def rank_pids(root: str | os.PathLike) -> list[int]:
     leave no process behind on a one-machine cluster."""
     out = []
     for p in Path(root).glob(f"*/{c.attempt_dirname('*')}/pid-*.json"):
-        doc = _read_json(p)
+        doc = read_json(p)
         if doc and isinstance(doc.get("pid"), int):
             out.append(doc["pid"])
     return out
