@@ -203,5 +203,12 @@ def test_adopting_an_attempt_cut_short_by_a_crash_mid_launch(ray_cluster, tmp_pa
     ob = wait_until("both ranks vanished", lambda: (o := ex.observe(time.time())["m"]).done and o, 30)
     assert [(r.vanished, r.lost, r.exit_code) for r in ob.ranks] == [(True, False, None), (True, False, None)]
     ex.release("m")
+
+    # A command that cannot start on the node: exit code 127 and the reason in the rank's log.
+    ex.launch(LaunchRequest("q", 1, ("/nonexistent/python", "-c", "pass"), {"n2": 1}), time.time())
+    ob = wait_until("the rank's end", lambda: (o := ex.observe(time.time())["q"]).done and o, 30)
+    assert [r.exit_code for r in ob.ranks] == [127] and "cannot start '/nonexistent/python'" in Path(
+        ex.log_path("q", 0)).read_text()
+    ex.release("q")
     wait_until("the actor gone", lambda: not any(x["namespace"] == ex.namespace
                                                  for x in ray.util.list_named_actors(all_namespaces=True)), 30)
