@@ -40,6 +40,7 @@ from tidal.contract import DEFAULT_GRACE_S
 from tidal.control.config import ControlConfig
 from tidal.control.loans import DOC_KEY as LOANS_DOC
 from tidal.control.loans import LiveLoans
+from tidal.control.node_watch import NodeWatch
 from tidal.control.states import HELD, STOPPING, TERMINAL, State
 from tidal.control.store import JobRow, NotFound, Store
 from tidal.exec.protocol import EXIT_PREEMPTED, Executor, LaunchRequest, Observation, RankState
@@ -78,8 +79,7 @@ class Controller:
         self.nodes: list[Node] = executor.nodes()
         self.loans = loans
         self._events: list[tuple[str, str, dict | None]] = []  # loan events of this step, stored with the ledger
-        self._lost: dict[str, dict] = {}  # job -> its node loss, until it trains again (the recovered event)
-        self._departed: set[str] = set()  # nodes that left and still show (jobs hold GPUs there)
+        self.watch = NodeWatch(store, executor, self.nodes)  # nodes joining and leaving; jobs losing one
         self._shm_swept_s = float("-inf")
         if loans is not None:
             serving = {n.name: n.gpus for n in self.nodes if n.pool == "serving"}
@@ -130,7 +130,7 @@ class Controller:
         observed = self.executor.observe(now_s)  # 1. observe
         for job in self.store.active_jobs():  # 2. reconcile
             self._reconcile(job, observed.get(job.id), now_s)
-        self.refresh_nodes(now_s)  # after reconcile: a lost node stays only while jobs still hold it
+        self.watch.refresh(now_s)  # after reconcile: a lost node stays only while jobs still hold it
         if self.loans is not None:  # 3. lend and reclaim
             used, wants = self._holdings(wants=True)
             self._events = self._events + self.loans.tick(now_s, used, wants)
@@ -142,37 +142,6 @@ class Controller:
         self._save_loans(now_s)
         self.sweep_shm(now_s)
         return decisions
-
-    def refresh_nodes(self, now_s: float) -> None:
-        """The executor's nodes, read every step (on a cluster nodes join and leave). A node that left
-        stays in the list while jobs still hold GPUs on it, with only those GPUs (none free), so the
-        scheduler's view stays whole and never places anything there. Joins and leaves are events.
-        ``self.nodes`` is changed in place (the API holds the same list)."""
-        live = self.executor.nodes()
-        if live == self.nodes:
-            return
-        names = {n.name for n in live}
-        held: dict[str, int] = {}
-        for j in self.store.jobs(states=HELD) if any(n.name not in names for n in self.nodes) else ():
-            for n, g in (j.placement or {}).items():
-                held[n] = held.get(n, 0) + g
-        gone = [Node(n.name, held[n.name], n.pool) for n in self.nodes if n.name not in names and held.get(n.name)]
-        new = [*live, *gone]
-        before = {n.name for n in self.nodes}
-        for n in live:
-            if n.name not in before or n.name in self._departed:
-                self._departed.discard(n.name)
-                self.store.record("node", f"node {n.name} joined ({n.gpus} GPUs, {n.pool} pool)", now_s,
-                                  data={"node": n.name, "gpus": n.gpus, "joined": True})
-        for n in self.nodes:
-            if n.name not in names and n.name not in self._departed:
-                self._departed.add(n.name)
-                jobs = sorted(j.id for j in self.store.jobs(states=HELD) if n.name in (j.placement or {}))
-                self.store.record("node", f"node {n.name} ({n.gpus} GPUs) left the cluster"
-                                  + (f"; jobs on it: {', '.join(jobs)}" if jobs else ""), now_s,
-                                  data={"node": n.name, "gpus": n.gpus, "left": True, "jobs": jobs})
-        self.nodes[:] = new
-        self._departed &= {n.name for n in gone}
 
     def _holdings(self, wants: bool = False) -> tuple[dict[str, int], int]:
         """(node -> GPUs jobs hold, serving GPUs spot jobs could use now) from one read of the store.
@@ -234,10 +203,10 @@ class Controller:
                                   "requeued", **_requeue_fields())
             return
         job = self._record_progress(job, ob)
-        self._recovered(job, ob, now_s)
+        self.watch.recovered(job, ob, now_s)
         lost = [r for r in ob.ranks if r.lost]
         if lost and job.stop_reason != "node_lost" and st != S.CANCELLING:
-            job = self._node_lost(job, ob, lost, now_s)
+            job = self.watch.node_lost(job, ob, lost, now_s)
         if job.cancel_requested and st != S.CANCELLING:
             job = self._stop(job, S.CANCELLING, "cancel requested", now_s,
                              job.spec.get("grace_s", DEFAULT_GRACE_S),
@@ -262,40 +231,6 @@ class Controller:
             self.executor.kill(job.id)
             self.store.update(job.id, killed=True)
             self.store.record("kill", f"grace expired while {st}: SIGKILL to {len(ob.alive)} ranks", now_s, job=job)
-
-    def _node_lost(self, job: JobRow, ob: Observation, lost: list[RankState], now_s: float) -> JobRow:
-        """Ranks went with their node: stop the others (SIGKILL; nothing to wait for, the gang is broken)
-        and requeue the job, once all are gone, to resume on the remaining GPUs (not a failure)."""
-        nodes = sorted({r.node or "?" for r in lost})
-        p = ob.progress
-        beat = f"; last heartbeat {now_s - p.heartbeat_s:.1f} s ago" if p.heartbeat_s is not None else ""
-        why = (f"node {', '.join(nodes)} lost with ranks {[r.rank for r in lost]} at step {p.step} "
-               f"(newest checkpoint step {p.ckpt_step}{beat})")
-        self.executor.kill(job.id)
-        self._lost[job.id] = {"detected_s": now_s, "attempt": job.attempt, "nodes": nodes, "step": p.step,
-                              "ckpt_step": p.ckpt_step, "world_size": len(ob.ranks)}
-        self.store.record("node_lost", f"{why}: killing the other {len(ob.alive)} ranks", now_s, job=job,
-                          data={**self._lost[job.id], "ranks": [r.rank for r in lost],
-                                "since_heartbeat_s": None if p.heartbeat_s is None else now_s - p.heartbeat_s})
-        return self.store.update(job.id, stop_reason="node_lost", killed=True, message=why)
-
-    def _recovered(self, job: JobRow, ob: Observation, now_s: float) -> None:
-        """A job requeued after a node loss trains again: the ``recovered`` event (detection to the first
-        step of the new attempt, where it restored from)."""
-        info = self._lost.get(job.id)
-        p = ob.progress
-        if info is None or ob.attempt <= info["attempt"] or p.first_step is None:
-            return
-        del self._lost[job.id]
-        took = (p.first_step_s or now_s) - info["detected_s"]
-        lost_steps = (info["step"] or 0) - (p.start_step or 0)
-        self.store.record("recovered", f"training again {took:.1f} s after the loss of node "
-                          f"{', '.join(info['nodes'])} was detected: {len(ob.ranks)} ranks (were "
-                          f"{info['world_size']}), restored step {p.start_step} from tier {p.restore_tier}; "
-                          f"{lost_steps} steps to redo", now_s, job=job,
-                          data={"recovery_s": took, "detected_s": info["detected_s"], "world_size": len(ob.ranks),
-                                "was_world_size": info["world_size"], "start_step": p.start_step,
-                                "restore_tier": p.restore_tier, "lost_steps": lost_steps, "nodes": info["nodes"]})
 
     def _hang(self, job: JobRow, ob: Observation, now_s: float) -> str | None:
         cfg, p = self.config, ob.progress
@@ -339,7 +274,7 @@ class Controller:
         """Every rank of the attempt has exited: account for it, then the next state."""
         outcome, why = self._classify(job, ob)
         if outcome in ("success", "cancelled") or (outcome == "failure" and job.restarts >= job.max_restarts):
-            self._lost.pop(job.id, None)  # over: it will not train again
+            self.watch.forget(job.id)  # over: it will not train again
         acct = _account(job, ob, now_s, outcome == "success")
         self.executor.release(job.id)
         self._shm_swept_s = float("-inf")  # the end of this step looks at its shared memory
