@@ -43,6 +43,12 @@ class RayCluster:
         """The node goes (non-graceful: its raylet is SIGKILLed, Ray's health checks notice)."""
         self.cluster.remove_node(self.nodes.pop(name), allow_graceful=graceful)
 
+    def restore(self) -> None:
+        """Every node of ``NODES`` back (a test that removed one and failed before adding it again)."""
+        for name in NODES:
+            if name not in self.nodes:
+                self.add(name)
+
     def pids(self) -> list[int]:
         """Ray's own processes of every node of this cluster (raylets, GCS, ...)."""
         out = []

@@ -64,5 +64,4 @@ def test_agents_in_a_ring_and_a_restore_from_the_lost_nodes_buddy(ray_cluster, t
     finally:
         if ex.agents is not None:
             ex.agents.stop_all()
-        if "n3" not in ray_cluster.nodes:
-            ray_cluster.add("n3")
+        ray_cluster.restore()

@@ -103,3 +103,4 @@ def test_node_loss_requeues_and_resumes_resharded(ray_cluster, tmp_path):
         wait_for("the cancel", lambda: lab.job(job)["state"] == "cancelled", 60)
     finally:
         p.stop()
+        ray_cluster.restore()

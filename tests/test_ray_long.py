@@ -89,6 +89,7 @@ def test_gpt_survives_node_loss_and_resumes_the_same_curve(ray_cluster, tmp_path
         assert [r.segment.world for r in resumed][:2] == [3, 2]
     finally:
         p.stop()
+        ray_cluster.restore()
     work = tmp_path / "baseline"
     shm = Path(tempfile.mkdtemp(prefix="tidal-ray-long-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
     try:
