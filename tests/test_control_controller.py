@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 
 from control_fakes import FakeClock, FakeExecutor, new_store, submit
+from tidal.control import metrics
 from tidal.control.config import ControlConfig
 from tidal.control.controller import Controller, job_report
 from tidal.control.states import State
@@ -391,6 +392,9 @@ def test_node_loss_requeues_on_the_remaining_gpus_not_a_failure(tmp_path):
     assert rec[0].data["restore_tier"] == "disk" and rec[0].data["start_step"] == 10
     ctl.step(clock.advance(1))
     assert len([e for e in store.events(job_id=j) if e.kind == "recovered"]) == 1
+    text = metrics.render(metrics.registry(store, ctl.nodes, clock)).decode()
+    assert "tidal_node_losses_total 1.0" in text and "tidal_node_loss_recovery_seconds_count 1.0" in text
+    assert "tidal_node_loss_recovery_seconds_sum 4.0" in text and "tidal_node_loss_heartbeat_age_seconds_sum 1.0" in text
 
     ex.more["b"] = 2  # the node returns: the elastic job grows back onto it
     decisions = ctl.step(clock.advance(1))

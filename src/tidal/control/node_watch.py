@@ -6,6 +6,10 @@ went with their node (:attr:`tidal.exec.protocol.RankState.lost`), calls :meth:`
 (kill the others; the job is requeued, not failed, once all are gone) and later
 :meth:`NodeWatch.recovered` (the ``recovered`` event once its next attempt trains). What a loss was
 is kept in memory until then: a plane restarted in between records no ``recovered`` event.
+
+Totals for the metrics (:mod:`tidal.control.metrics`: ``tidal_node_losses_total``, the summaries
+``tidal_node_loss_heartbeat_age_seconds`` and ``tidal_node_loss_recovery_seconds``) are one document
+in the store (:data:`DOC_KEY`), kept across restarts.
 """
 
 from __future__ import annotations
@@ -14,6 +18,18 @@ from tidal.control.states import HELD
 from tidal.control.store import JobRow, Store
 from tidal.exec.protocol import Executor, Observation, RankState
 from tidal.model import Node
+
+DOC_KEY = "node_loss"
+ZERO = {"losses": 0, "heartbeat_age_count": 0, "heartbeat_age_sum_s": 0.0, "recoveries": 0, "recovery_sum_s": 0.0}
+
+
+def totals(store: Store) -> dict:
+    """Node losses of jobs so far: counts and sums (see the module docstring)."""
+    try:
+        doc = store.get_doc(DOC_KEY)
+    except ValueError:
+        doc = None
+    return {**ZERO, **(doc if isinstance(doc, dict) else {})}
 
 
 class NodeWatch:
@@ -66,9 +82,15 @@ class NodeWatch:
         self.executor.kill(job.id)
         self.lost[job.id] = {"detected_s": now_s, "attempt": job.attempt, "nodes": nodes, "step": p.step,
                               "ckpt_step": p.ckpt_step, "world_size": len(ob.ranks)}
+        age = None if p.heartbeat_s is None else now_s - p.heartbeat_s
         self.store.record("node_lost", f"{why}: killing the other {len(ob.alive)} ranks", now_s, job=job,
-                          data={**self.lost[job.id], "ranks": [r.rank for r in lost],
-                                "since_heartbeat_s": None if p.heartbeat_s is None else now_s - p.heartbeat_s})
+                          data={**self.lost[job.id], "ranks": [r.rank for r in lost], "since_heartbeat_s": age})
+        t = totals(self.store)
+        t["losses"] += 1
+        if age is not None:
+            t["heartbeat_age_count"] += 1
+            t["heartbeat_age_sum_s"] += age
+        self.store.put_doc(DOC_KEY, t, now_s)
         return self.store.update(job.id, stop_reason="node_lost", killed=True, message=why)
 
     def recovered(self, job: JobRow, ob: Observation, now_s: float) -> None:
@@ -88,6 +110,10 @@ class NodeWatch:
                           data={"recovery_s": took, "detected_s": info["detected_s"], "world_size": len(ob.ranks),
                                 "was_world_size": info["world_size"], "start_step": p.start_step,
                                 "restore_tier": p.restore_tier, "lost_steps": lost_steps, "nodes": info["nodes"]})
+        t = totals(self.store)
+        t["recoveries"] += 1
+        t["recovery_sum_s"] += took
+        self.store.put_doc(DOC_KEY, t, now_s)
 
     def forget(self, job_id: str) -> None:
         """The job ended for good: it will not train again."""
