@@ -90,6 +90,8 @@ def test_node_loss_requeues_and_resumes_resharded(ray_cluster, tmp_path):
         assert d["start_step"] >= at_loss["durable_ckpt_step"] and d["restore_tier"] == "disk"  # n1's memory went with it
         assert [e["data"]["node"] for e in admin.events() if e["kind"] == "node"
                 and (e["data"] or {}).get("left")] == [big]
+        m = admin.metrics()
+        assert "tidal_node_losses_total 1.0" in m and "tidal_node_loss_recovery_seconds_count 1.0" in m
         print(f"\nnode loss ({big}, raylet SIGKILLed): detected {detect_s:.2f} s after the kill; training again "
               f"{d['recovery_s']:.2f} s after detection ({detect_s + d['recovery_s']:.2f} s in all) on "
               f"{d['world_size']} ranks from step {d['start_step']} (tier {d['restore_tier']}), "
