@@ -53,3 +53,17 @@ def s3(seaweed: SeaweedServer, monkeypatch, request) -> S3Env:
         seaweed.start()
     name = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:40]
     return S3Env(seaweed, f"s3://{BUCKET}/{name}-{uuid.uuid4().hex[:6]}")
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One multi-node Ray cluster for the session's Ray tests (tests/ray_cluster.py); skipped without ray."""
+    pytest.importorskip("ray", reason="ray is not installed (pip install 'tidal[ray]'; `make test` installs it)")
+    import ray_cluster as rcm
+
+    rc = rcm.start()
+    atexit.register(rc.cluster.shutdown)
+    try:
+        yield rc
+    finally:
+        rcm.stop(rc)

@@ -36,13 +36,16 @@ class FakeJob:
     codes: list[int | None]
     vanished: set[int] = field(default_factory=set)
     ended: set[int] = field(default_factory=set)  # ranks whose runtime closed cleanly before exiting
+    lost: set[int] = field(default_factory=set)  # ranks that went with their node
     progress: Progress = field(default_factory=Progress)
 
 
 class FakeExecutor:
-    def __init__(self, gpus: int = 4, node: str = "n0", serving: dict[str, int] | None = None) -> None:
+    def __init__(self, gpus: int = 4, node: str = "n0", serving: dict[str, int] | None = None,
+                 more: dict[str, int] | None = None) -> None:
         self.node = node
         self.gpus = gpus
+        self.more = dict(more or {})  # more training nodes (a cluster: see lose_node)
         self.serving = dict(serving or {})
         self.jobs: dict[str, FakeJob] = {}
         self.calls: list[tuple] = []
@@ -51,7 +54,8 @@ class FakeExecutor:
 
     # -- the protocol --------------------------------------------------------------------------------
     def nodes(self) -> list[Node]:
-        return [Node(self.node, self.gpus), *(Node(n, g, "serving") for n, g in self.serving.items())]
+        return [*([Node(self.node, self.gpus)] if self.gpus else []), *(Node(n, g) for n, g in self.more.items()),
+                *(Node(n, g, "serving") for n, g in self.serving.items())]
 
     def launch(self, req: LaunchRequest, now_s: float) -> dict:
         self.calls.append(("launch", req.job_id, req.attempt, req.world_size))
@@ -74,7 +78,8 @@ class FakeExecutor:
 
     def observe(self, now_s: float) -> dict[str, Observation]:
         return {k: Observation(k, j.req.attempt, j.launched_s,
-                               tuple(RankState(r, 1000 + r, c, r in j.vanished, r in j.ended)
+                               tuple(RankState(r, 1000 + r, c, r in j.vanished, r in j.ended, r in j.lost,
+                                               self.rank_node(j, r))
                                      for r, c in enumerate(j.codes)),
                                j.progress) for k, j in self.jobs.items()}
 
@@ -106,6 +111,23 @@ class FakeExecutor:
                              step_time_s=step_time_s, start_step=p.start_step if p.start_step is not None else 0,
                              first_step=p.first_step if p.first_step is not None else step,
                              first_step_s=p.first_step_s if p.first_step_s is not None else t, phase="training", **kw)
+
+    @staticmethod
+    def rank_node(j: FakeJob, rank: int) -> str:
+        """Ranks are numbered in placement order (as the Ray executor does)."""
+        nodes = [n for n, k in j.req.placement.items() for _ in range(k)]
+        return nodes[rank]
+
+    def lose_node(self, node: str) -> None:
+        """The node leaves the cluster: its ranks vanish with it (``lost``)."""
+        if node == self.node:
+            self.gpus = 0
+        self.more.pop(node, None)
+        for j in self.jobs.values():
+            for r in range(len(j.codes)):
+                if self.rank_node(j, r) == node and j.codes[r] is None:
+                    j.vanished.add(r)
+                    j.lost.add(r)
 
     def launches(self, job_id: str | None = None) -> list[tuple]:
         return [c for c in self.calls if c[0] == "launch" and (job_id is None or c[1] == job_id)]

@@ -17,10 +17,11 @@ from tidal.exec import procs
 
 
 class Plane:
-    """``tidal up --gpus GPUS --config <tmp>/config.yaml`` with its state in ``<tmp>/state``."""
+    """``tidal up --gpus GPUS --config <tmp>/config.yaml [ARGS]`` with its state in ``<tmp>/state``
+    (``gpus=None``: no ``--gpus``)."""
 
-    def __init__(self, tmp: Path, config: str, gpus: int = 2) -> None:
-        self.tmp, self.state, self.gpus = tmp, tmp / "state", gpus
+    def __init__(self, tmp: Path, config: str, gpus: int | None = 2, args: tuple[str, ...] = ()) -> None:
+        self.tmp, self.state, self.gpus, self.args = tmp, tmp / "state", gpus, tuple(args)
         (tmp / "config.yaml").write_text(config)
         self.proc: subprocess.Popen | None = None
         self.outputs: list[Path] = []
@@ -32,8 +33,10 @@ class Plane:
         self.outputs.append(out)
         with open(out, "wb") as f:
             self.proc = subprocess.Popen(
-                [sys.executable, "-c", "from tidal.cli import main; main()", "up", "--gpus", str(self.gpus),
-                 "--port", "0", "--state-dir", str(self.state), "--config", str(self.tmp / "config.yaml")],
+                [sys.executable, "-c", "from tidal.cli import main; main()", "up",
+                 *(["--gpus", str(self.gpus)] if self.gpus is not None else []),
+                 "--port", "0", "--state-dir", str(self.state), "--config", str(self.tmp / "config.yaml"),
+                 *self.args],
                 stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
         deadline = time.monotonic() + 60
         while not url_file.exists():
@@ -53,7 +56,7 @@ class Plane:
             self.proc.wait(timeout=30)
         for launch in self.state.glob("jobs/*/attempt-*/launch.json"):  # every worker ever started, by pid
             for r in json.loads(launch.read_text())["ranks"]:
-                if procs.alive(r["pid"], r.get("started")):
+                if isinstance(r.get("pid"), int) and procs.alive(r["pid"], r.get("started")):
                     procs.kill_group(r["pid"])
 
 

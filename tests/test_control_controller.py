@@ -8,10 +8,11 @@ from dataclasses import replace
 import pytest
 
 from control_fakes import FakeClock, FakeExecutor, new_store, submit
+from tidal.control import metrics
 from tidal.control.config import ControlConfig
 from tidal.control.controller import Controller, job_report
 from tidal.control.states import State
-from tidal.model import Admit, Preempt, Shrink
+from tidal.model import Admit, Grow, Preempt, Shrink
 from tidal.policy.ckpt_interval import CkptIntervalConfig
 from tidal.policy.scheduler import SchedulerConfig
 
@@ -151,8 +152,9 @@ def test_hang_detected_from_heartbeat(world):
     ctl.step(clock())
     ctl.step(clock.advance(60))  # 60 s silent: at the limit max(60, 10 x 2 s), not past it
     assert state(store, j) == "running"
+    other = submit(store, "lab", clock(), name="other", kind="spot", gpus=3, command=["python", "x.py"])
     ctl.step(clock.advance(1))
-    assert ("kill", j) in ex.calls
+    assert ("kill", j) in ex.calls and state(store, other) == "pending"  # nothing placed on the lost node
     hang = [e for e in store.events(job_id=j) if e.kind == "hang"]
     assert hang and "no heartbeat for 61 s (limit 60 s) at step 1" in hang[0].message
     ctl.step(clock.advance(1))
@@ -401,3 +403,54 @@ def test_checkpoint_cadence_the_jobs_own_wins_and_interval_changes_do_not_chatte
     assert len(changes) >= 80 and len(told) == 2 and told[1].time_s - told[0].time_s >= ANNOUNCE_INTERVAL_S
     assert "more change(s) since the last announcement" in told[-1].message
     assert store.job(auto).ckpt_interval_s == changes[-1][2]["ckpt_interval_s"]
+
+
+def test_node_loss_requeues_on_the_remaining_gpus_not_a_failure(tmp_path):
+    """A node leaves with ranks of a running job: the others are killed, the job is requeued (no restart
+    counted) and relaunched on the GPUs left; the lost node is never placed on; events name it all."""
+    store = new_store(tmp_path, ("lab", 0, 1.0))
+    ex = FakeExecutor(gpus=2, node="a", more={"b": 2})
+    ctl, clock = Controller(store, ex, CFG, ckpt_root=tmp_path / "jobs"), FakeClock()
+    j = submit(store, "lab", clock(), name="elastic", kind="spot", gpus={"min": 2, "max": 4})
+    ctl.step(clock())
+    assert store.job(j).placement == {"a": 2, "b": 2}
+    ctl.step(clock.advance(1))
+    ex.beat(j, clock.advance(1), step=14, ckpt_step=10)
+    ctl.step(clock())
+
+    ex.lose_node("b")
+    other = submit(store, "lab", clock(), name="other", kind="spot", gpus=3, command=["python", "x.py"])
+    ctl.step(clock.advance(1))
+    assert ("kill", j) in ex.calls and state(store, other) == "pending"  # nothing placed on the lost node
+    left = [e for e in store.events() if e.kind == "node" and (e.data or {}).get("left")]
+    assert len(left) == 1 and left[0].data["jobs"] == [j] and "node b (2 GPUs) left the cluster" in left[0].message
+    lost = [e for e in store.events(job_id=j) if e.kind == "node_lost"]
+    assert len(lost) == 1 and lost[0].data["ranks"] == [2, 3] and lost[0].data["ckpt_step"] == 10
+    assert [n.name for n in ctl.nodes] == ["a", "b"] and ctl.nodes[1].gpus == 4 - 2  # held, none free
+    ctl.step(clock.advance(1))  # all ranks gone: requeued, then admitted on what is left
+    job = store.job(j)
+    assert job.restarts == 0 and job.state == "admitted" and job.attempt == 2 and job.lost_steps == 4
+    assert sum(job.placement.values()) >= 2 and "b" not in job.placement and [n.name for n in ctl.nodes] == ["a"]
+    requeue = [e for e in store.events(job_id=j) if e.to_state == "pending" and e.from_state][0]
+    assert requeue.data["node_lost"] and "node b lost with ranks [2, 3] at step 14" in requeue.message
+
+    ctl.step(clock.advance(1))
+    ex.jobs[j].progress = replace(ex.jobs[j].progress, start_step=10, restore_tier="disk")
+    ex.beat(j, clock.advance(2), step=11)
+    ctl.step(clock.advance(1))
+    rec = [e for e in store.events(job_id=j) if e.kind == "recovered"]
+    assert len(rec) == 1 and rec[0].data["recovery_s"] == pytest.approx(4.0)
+    assert rec[0].data["world_size"] == sum(job.placement.values()) and rec[0].data["was_world_size"] == 4
+    assert rec[0].data["restore_tier"] == "disk" and rec[0].data["start_step"] == 10
+    ctl.step(clock.advance(1))
+    assert len([e for e in store.events(job_id=j) if e.kind == "recovered"]) == 1
+    text = metrics.render(metrics.registry(store, ctl.nodes, clock)).decode()
+    assert "tidal_node_losses_total 1.0" in text and "tidal_node_loss_recovery_seconds_count 1.0" in text
+    assert "tidal_node_loss_recovery_seconds_sum 4.0" in text and "tidal_node_loss_heartbeat_age_seconds_sum 1.0" in text
+
+    ex.more["b"] = 2  # the node returns: the elastic job grows back onto it
+    decisions = ctl.step(clock.advance(1))
+    assert [(d.job, dict(d.add)) for d in decisions if isinstance(d, Grow)] == [(j, {"b": 2})]
+    joined = [e for e in store.events() if e.kind == "node" and (e.data or {}).get("joined")]
+    assert [e.data["node"] for e in joined] == ["b"] and [(n.name, n.gpus) for n in ctl.nodes] == [("a", 2), ("b", 2)]
+    store.close()

@@ -77,11 +77,13 @@ def _serving() -> None:
 def _demo() -> None:
     from tidal.control.demo import demo
     from tidal.control.demo_cycle import cycle
+    from tidal.control.demo_ray import demo_ray
 
     demo_app = typer.Typer(invoke_without_command=True, no_args_is_help=False,
                            help="End-to-end demos on this machine (no subcommand: a job loses a rank and recovers).")
     demo_app.callback()(demo)
     demo_app.command("cycle")(cycle)
+    demo_app.command("ray")(demo_ray)
     app.add_typer(demo_app, name="demo")
 
 

@@ -63,8 +63,15 @@ def up(
         Path | None, typer.Option(help="database, jobs, logs, tokens (default ~/.tidal)")
     ] = None,
     config: Annotated[Path | None, typer.Option(help="YAML of control-plane knobs (docs/control.md)")] = None,
+    executor: Annotated[str, typer.Option(help="'local' (this machine) or 'ray' (the nodes of a Ray cluster)")]
+    = "local",
+    ray_address: Annotated[str | None, typer.Option(help="with --executor ray: the cluster to join ('auto', "
+                                                         "HOST:PORT); default: start a local Ray")] = None,
+    ckpt_agents: Annotated[bool, typer.Option("--ckpt-agents", help="with --executor ray: run a checkpoint "
+                                              "agent (the peer-memory tier) on every node, in a buddy ring")]
+    = False,
 ) -> None:
-    """Run the control plane: REST API, reconcile loop and local executor, in one process."""
+    """Run the control plane: REST API, reconcile loop and an executor (local or Ray), in one process."""
     import logging
 
     from tidal.control.client import state_dir as default_state_dir
@@ -78,7 +85,8 @@ def up(
         sock = bind(host, port)
     except (OSError, ValueError, TypeError) as e:
         _fail(e)
-    plane = build(state_dir or default_state_dir(), gpus, db, cfg)
+    plane = build(state_dir or default_state_dir(), gpus, db, cfg, executor=executor, ray_address=ray_address,
+                  ckpt_agents=ckpt_agents)
 
     def announce(line: str) -> None:
         show.console().print(Text(line), soft_wrap=True)

@@ -40,6 +40,7 @@ from tidal.contract import DEFAULT_GRACE_S
 from tidal.control.config import ControlConfig
 from tidal.control.loans import DOC_KEY as LOANS_DOC
 from tidal.control.loans import LiveLoans
+from tidal.control.node_watch import NodeWatch
 from tidal.control.states import HELD, STOPPING, TERMINAL, State
 from tidal.control.store import JobRow, NotFound, Store
 from tidal.exec.protocol import EXIT_PREEMPTED, Executor, LaunchRequest, Observation, RankState
@@ -80,6 +81,7 @@ class Controller:
         self.nodes: list[Node] = executor.nodes()
         self.loans = loans
         self._events: list[tuple[str, str, dict | None]] = []  # loan events of this step, stored with the ledger
+        self.watch = NodeWatch(store, executor, self.nodes)  # nodes joining and leaving; jobs losing one
         self._shm_swept_s = float("-inf")
         self._announced: dict[str, tuple[float, int]] = {}  # job -> (last ckpt_interval event, changes since)
         self._own_cadence: set[str] = set()  # jobs told that their own step cadence wins
@@ -135,6 +137,7 @@ class Controller:
         observed = self.executor.observe(now_s)  # 1. observe
         for job in self.store.active_jobs():  # 2. reconcile
             self._reconcile(job, observed.get(job.id), now_s)
+        self.watch.refresh(now_s)  # after reconcile: a lost node stays only while jobs still hold it
         if self.loans is not None:  # 3. lend and reclaim
             used, wants = self._holdings(wants=True)
             self._events = self._events + self.loans.tick(now_s, used, wants)
@@ -235,6 +238,10 @@ class Controller:
                                   "requeued", **_requeue_fields())
             return
         job = self._record_progress(job, ob)
+        self.watch.recovered(job, ob, now_s)
+        lost = [r for r in ob.ranks if r.lost]
+        if lost and job.stop_reason != "node_lost" and st != S.CANCELLING:
+            job = self.watch.node_lost(job, ob, lost, now_s)
         if job.cancel_requested and st != S.CANCELLING:
             job = self._stop(job, S.CANCELLING, "cancel requested", now_s,
                              job.spec.get("grace_s", DEFAULT_GRACE_S),
@@ -302,6 +309,8 @@ class Controller:
     def _finish(self, job: JobRow, ob: Observation, now_s: float) -> None:
         """Every rank of the attempt has exited: account for it, then the next state."""
         outcome, why = self._classify(job, ob)
+        if outcome in ("success", "cancelled") or (outcome == "failure" and job.restarts >= job.max_restarts):
+            self.watch.forget(job.id)  # over: it will not train again
         acct = _account(job, ob, now_s, outcome == "success")
         self.executor.release(job.id)
         self._shm_swept_s = float("-inf")  # the end of this step looks at its shared memory
@@ -322,6 +331,10 @@ class Controller:
         elif outcome == "cancelled":
             self.store.transition(job.id, S.CANCELLED, now_s, f"cancelled; exit codes {codes}", data=data,
                                   finished_s=now_s, placement={}, releasing={}, **base)
+        elif outcome == "lost":
+            self.store.transition(job.id, S.PENDING, now_s, f"{why}; requeued to resume from checkpoint step "
+                                  f"{p.ckpt_step if p.ckpt_step is not None else job.ckpt_step or 0} on the "
+                                  "remaining GPUs", data={**data, "node_lost": True}, **_requeue_fields(), **base)
         elif outcome == "stopped" and S(job.state) == S.RESIZING:
             left = {n: g - job.releasing.get(n, 0) for n, g in job.placement.items() if g - job.releasing.get(n, 0) > 0}
             self.store.update(job.id, **base)
@@ -352,6 +365,8 @@ class Controller:
             return ("success" if codes and all(c == 0 for c in codes) else "cancelled"), ""
         if job.stop_reason == "failure":
             return "failure", job.message or "a rank failed"
+        if job.stop_reason == "node_lost":
+            return "lost", job.message or "a node was lost"
         if codes and all(c == 0 for c in codes):
             return "success", ""
         if job.stop_reason in ("preempt", "resize") and all(

@@ -36,10 +36,10 @@ class EmbeddedPlane:
     """The pieces of ``tidal up`` in this process: the API (uvicorn in a thread, on a free loopback
     port), the reconcile loop (a thread) and the local executor on ``gpus`` CPU slots."""
 
-    def __init__(self, state_dir: Path, gpus: int, config: ControlConfig = PLANE_CONFIG) -> None:
+    def __init__(self, state_dir: Path, gpus: int | str, config: ControlConfig = PLANE_CONFIG, **build_kw: Any) -> None:
         from tidal.control.server import build
 
-        self.plane = build(state_dir, str(gpus), None, config)
+        self.plane = build(state_dir, str(gpus), None, config, **build_kw)  # build_kw: executor="ray", ...
         self.state_dir = self.plane.state_dir
         self.url = ""
         self._loop: Any = None
@@ -87,6 +87,9 @@ class EmbeddedPlane:
         if self._thread is not None:
             self._thread.join(timeout=10)
         self.plane.store.close()
+        close = getattr(self.plane.executor, "close", None)
+        if callable(close):
+            close()
         return killed
 
 

@@ -7,11 +7,14 @@
 | ``tidal_job_gpus`` | gauge | ``job_id``, ``tenant`` |
 | ``tidal_job_step`` | gauge | ``job_id``, ``tenant``: newest completed step |
 | ``tidal_job_steps_per_second`` | gauge | ``job_id``, ``tenant`` |
-| ``tidal_job_checkpoint_age_seconds`` | gauge | ``job_id``, ``tenant``, ``tier``: age of its newest step |
+| ``tidal_job_checkpoint_age_seconds`` | gauge | ``job_id``, ``tenant``, ``tier``: since the newest step in that tier was captured |
 | ``tidal_job_ettr_ratio`` | gauge | ``job_id``, ``tenant``: effective training time ratio |
 | ``tidal_job_restarts_total`` | counter | ``job_id``, ``tenant``: restarts after failures |
 | ``tidal_job_preemptions_total`` | counter | ``job_id``, ``tenant`` |
 | ``tidal_job_lost_work_seconds_total`` | counter | ``job_id``, ``tenant``: training re-run after failures |
+| ``tidal_node_losses_total`` | counter | jobs that lost ranks with a node (executors across machines: Ray) |
+| ``tidal_node_loss_heartbeat_age_seconds`` | summary | at each loss, the age of the lost ranks' newest heartbeat (bounds the detection time) |
+| ``tidal_node_loss_recovery_seconds`` | summary | from a loss detected to the job's next attempt training |
 | ``tidal_serving_demand_gpus`` | gauge | serving demand at the newest plan (absent while unknown) |
 | ``tidal_serving_lendable_gpus`` | gauge | serving GPUs the newest loan plan could lend |
 | ``tidal_serving_margin_gpus`` | gauge | the plan's safety margin at the lead time |
@@ -38,9 +41,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 
 from tidal.control.controller import job_report
+from tidal.control.node_watch import totals as node_totals
 from tidal.control.states import ACTIVE, State
 from tidal.control.store import Store
 from tidal.control.views import pool_view
@@ -107,12 +111,22 @@ class PlaneCollector:
             preempt.add_metric(lv, j.preemptions)
             lost.add_metric(lv, j.lost_s)
         yield from (gpus, step, rate, age, ettr, restarts, preempt, lost)
+        yield from _node_loss_metrics(node_totals(self.store))
         if self.loans is not None:
             yield from _loan_metrics(self.loans.view())
             return
         latest = self.advisor.latest if self.advisor is not None else None
         if latest is not None:
             yield from _serving_metrics(latest)
+
+
+def _node_loss_metrics(t: dict) -> Iterator[Metric]:
+    yield CounterMetricFamily("tidal_node_losses", "Jobs that lost ranks with a node", value=t["losses"])
+    yield SummaryMetricFamily("tidal_node_loss_heartbeat_age_seconds", "Age of the lost ranks' newest heartbeat "
+                              "when the loss was detected", count_value=t["heartbeat_age_count"],
+                              sum_value=t["heartbeat_age_sum_s"])
+    yield SummaryMetricFamily("tidal_node_loss_recovery_seconds", "From a node loss detected to the job training "
+                              "again", count_value=t["recoveries"], sum_value=t["recovery_sum_s"])
 
 
 def _serving_metrics(s: Any) -> Iterator[Metric]:

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tidal.control.api import ApiContext, create_app
 from tidal.control.auth import ADMIN_TOKEN_FILE, ensure_admin
@@ -37,6 +38,9 @@ from tidal.control.loans import build_live_loans
 from tidal.control.locations import LocationPolicy
 from tidal.control.store import Store, sqlite_path, sqlite_url
 from tidal.exec.local import LocalExecutor, detect_gpus
+
+if TYPE_CHECKING:
+    from tidal.exec.ray_exec import RayExecutor
 from tidal.serving.watch import Advisor, start_advisor
 
 log = logging.getLogger("tidal.control")
@@ -98,7 +102,7 @@ class Plane:
 
     state_dir: Path
     store: Store
-    executor: LocalExecutor
+    executor: LocalExecutor | RayExecutor
     controller: Controller
     admin_token: str
     token_created: bool
@@ -143,7 +147,17 @@ def secure_state_dir(state_dir: Path, config: ControlConfig | None) -> None:
             os.chmod(p, 0o600)
 
 
-def build(state_dir: Path, gpus: str = "auto", db: str | None = None, config: ControlConfig | None = None) -> Plane:
+def build(state_dir: Path, gpus: str = "auto", db: str | None = None, config: ControlConfig | None = None, *,
+          executor: str = "local", ray_address: str | None = None, ckpt_agents: bool = False) -> Plane:
+    if executor not in ("local", "ray"):
+        raise SystemExit(f"tidal up: --executor must be 'local' or 'ray', got {executor!r}")
+    if ray_address is not None and executor != "ray":
+        raise SystemExit("tidal up: --ray-address needs --executor ray")
+    if ckpt_agents and executor != "ray":
+        raise SystemExit("tidal up: --ckpt-agents needs --executor ray (on one machine run `tidal ckpt agent`)")
+    if executor == "ray" and config is not None and config.serving is not None and config.serving.lends:
+        raise SystemExit("tidal up: serving.nodes (live lending) runs on the local executor only; remove "
+                         "serving.nodes or use --executor local")
     state_dir = Path(state_dir).resolve()
     secure_state_dir(state_dir, config)
     loans = None
@@ -162,6 +176,8 @@ def build(state_dir: Path, gpus: str = "auto", db: str | None = None, config: Co
     secure_state_dir(state_dir, config)  # the database as created
     iso = config.isolation if config is not None else None
     try:
+        if executor == "ray":
+            return _build_ray(state_dir, gpus, store, token, created, config, iso, ray_address, ckpt_agents)
         return _build(state_dir, gpus, store, token, created, config, iso, loans, serving_nodes)
     except ValueError as e:
         store.close()
@@ -202,6 +218,26 @@ def _build(state_dir, gpus, store, token, created, config, iso, loans, serving_n
         advisor = AdvisorLoop(adv, clock, speedup)
         what += f"; serving {config.serving.serving_gpus} GPUs, plan from {config.serving.describe()}"
     return Plane(state_dir, store, executor, controller, token, created, what, advisor)
+
+
+def _build_ray(state_dir, gpus, store, token, created, config, iso, address, agents) -> Plane:  # noqa: ANN001
+    from tidal.exec.ray_exec import RayExecutor
+
+    num_gpus = None
+    if gpus != "auto":
+        try:
+            num_gpus = int(gpus)
+        except ValueError:
+            raise SystemExit(f"tidal up: --gpus must be 'auto' or a number of GPUs, got {gpus!r}") from None
+        if address is not None:
+            raise SystemExit("tidal up: --gpus N declares the GPUs of a Ray that tidal up starts; with "
+                             "--ray-address the cluster's nodes say how many they have")
+    executor = RayExecutor(state_dir / "jobs", address=address, num_gpus=num_gpus, isolation=iso, ckpt_agents=agents)
+    nodes = executor.nodes()
+    what = (f"Ray executor on {address or 'a local Ray'}: {len(nodes)} nodes with GPUs, "
+            f"{sum(n.gpus for n in nodes)} GPUs" + (", a checkpoint agent on each" if agents else ""))
+    controller = Controller(store, executor, config, ckpt_root=state_dir / "jobs")
+    return Plane(state_dir, store, executor, controller, token, created, what, None)
 
 
 def open_checked(state_dir: Path, url: str) -> Store:
@@ -312,3 +348,6 @@ def serve(plane: Plane, host: str = "127.0.0.1", port: int = 8470, *, announce=p
             plane.advisor.join(timeout=10)
         loop.join(timeout=10)
         plane.store.close()
+        close = getattr(plane.executor, "close", None)
+        if callable(close):
+            close()

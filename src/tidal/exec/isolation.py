@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -107,6 +108,23 @@ class Uids:
                 os.fsync(f.fileno())
             os.replace(tmp, self.path)
         return self.base + self._map[key]
+
+
+def clean_env(iso: IsolationConfig, home: Path, job_env: Mapping[str, str], platform: Mapping[str, str], *,
+              omp_threads: int, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """A rank's whole environment, in order of precedence (later wins): the names in ``iso.pass_env``
+    found in this process's environment, the basics (``HOME``, ``TMPDIR`` in the job's private area
+    ``home``, ``OMP_NUM_THREADS``), ``base`` (an executor's defaults), the job's ``env``, then the
+    platform's variables (``platform``: the torchrun contract, ``TIDAL_*``, the GPU binding)."""
+    env = {k: os.environ[k] for k in iso.pass_env if k in os.environ}
+    env.setdefault("PATH", os.defpath)
+    env.update({"HOME": str(home), "TMPDIR": str(home / "tmp"), "USER": "tidal", "LOGNAME": "tidal",
+                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(max(1, omp_threads))})
+    env.update(base or {})
+    env.update(job_env)
+    env.update(platform)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
 
 
 def default_shm_dir(jobs_root: Path) -> str | None:

@@ -46,14 +46,11 @@ from typing import Any
 from tidal import contract as c
 from tidal.contract import torchrun_env
 from tidal.exec import cgroups, procs, shim
-from tidal.exec.isolation import IsolationConfig, Uids, default_shm_dir, private_dir
+from tidal.exec.files import read_json, write_json
+from tidal.exec.isolation import IsolationConfig, Uids, clean_env, default_shm_dir, private_dir
 from tidal.exec.progress import ProgressReader
-from tidal.exec.protocol import LaunchRequest, Observation, RankState
+from tidal.exec.protocol import LaunchError, LaunchRequest, Observation, RankState
 from tidal.model import Node
-
-
-class LaunchError(RuntimeError):
-    """A rank could not be started (no free device, a missing working directory, ...)."""
 
 
 def detect_gpus() -> list[int]:
@@ -222,7 +219,7 @@ class LocalExecutor:
                    "gpu": self.gpu, "master_port": port, "launched_s": now_s,
                    "owner": list(owner) if owner else None,
                    "ranks": [{"rank": k.rank, "pid": k.pid, "started": k.started} for k in ranks]}
-            _write_json(adir / c.LAUNCH_FILE, doc)
+            write_json(adir / c.LAUNCH_FILE, doc)
             for k in ranks:  # the second phase: recorded, now run
                 k.popen.stdin.write(b"go\n")  # type: ignore[union-attr]
                 k.popen.stdin.close()  # type: ignore[union-attr]
@@ -280,24 +277,18 @@ class LocalExecutor:
     def job_env(self, req: LaunchRequest, r: int, devices: list[int], port: int, adir: Path) -> dict[str, str]:
         """Rank ``r``'s whole environment: the allow-listed names of this process's environment, the
         basics (``HOME``, ``TMPDIR`` in the job's private area), the job's ``env``, then the platform's."""
-        iso, home = self.isolation, self.home_dir(req.job_id)
-        env = {k: os.environ[k] for k in iso.pass_env if k in os.environ}
-        env.setdefault("PATH", os.defpath)
-        env.update({"HOME": str(home), "TMPDIR": str(home / "tmp"), "USER": "tidal", "LOGNAME": "tidal",
-                    "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")
-                    or str(max(1, (os.cpu_count() or 1) // len(self.devices)))})
+        base = {}
         if sys.platform.startswith("linux") and Path("/sys/class/net/lo").exists():
-            env["GLOO_SOCKET_IFNAME"] = "lo"
+            base["GLOO_SOCKET_IFNAME"] = "lo"
         shm = self.shm_dir(req.job_id)
         if shm is not None:
-            env[c.ENV_SHM_DIR] = str(shm)
-        env.update(req.env)
-        env.update(torchrun_env(r, req.world_size, port))
-        env.update({c.ENV_JOB_ID: req.job_id, c.ENV_PROGRESS_DIR: str(adir / c.PROGRESS_DIRNAME),
+            base[c.ENV_SHM_DIR] = str(shm)
+        platform = {**torchrun_env(r, req.world_size, port),
+                    c.ENV_JOB_ID: req.job_id, c.ENV_PROGRESS_DIR: str(adir / c.PROGRESS_DIRNAME),
                     c.ENV_CONTROL_FILE: str(adir / c.CONTROL_FILE),
-                    c.ENV_CUDA_VISIBLE_DEVICES: ",".join(map(str, devices)) if self.gpu else "",
-                    "PYTHONUNBUFFERED": "1"})
-        return env
+                    c.ENV_CUDA_VISIBLE_DEVICES: ",".join(map(str, devices)) if self.gpu else ""}
+        return clean_env(self.isolation, self.home_dir(req.job_id), req.env, platform,
+                         omp_threads=(os.cpu_count() or 1) // len(self.devices), base=base)
 
     def _shim_options(self, owner: tuple[int, int] | None, req: LaunchRequest, rank: int) -> list[str]:
         iso = self.isolation
@@ -369,7 +360,7 @@ class LocalExecutor:
             current = json.loads(path.read_text())
         except (OSError, ValueError):
             current = {}
-        _write_json(path, {**current, **settings}, t.owner)  # atomically: ranks never read half a file
+        write_json(path, {**current, **settings}, t.owner)  # atomically: ranks never read half a file
 
     def _signal(self, job_id: str, sig: int) -> None:
         t = self._jobs.get(job_id)
@@ -418,7 +409,7 @@ class LocalExecutor:
             return
         else:
             code = None
-        doc = _read_json(t.dir / c.exit_file(k.rank))
+        doc = read_json(t.dir / c.exit_file(k.rank))
         if doc is not None and isinstance(doc.get("code"), int):
             t.codes[k.rank] = doc["code"]  # the rank's own code, as its shim saw it
         elif code is not None and code < 0:
@@ -436,7 +427,7 @@ class LocalExecutor:
         t = self._jobs.get(job_id)
         out = {}
         for k in t.ranks if t else []:
-            doc = _read_json(t.dir / c.pid_file(k.rank))  # type: ignore[union-attr]
+            doc = read_json(t.dir / c.pid_file(k.rank))  # type: ignore[union-attr]
             if doc and isinstance(doc.get("pid"), int):
                 out[k.rank] = doc["pid"]
         return out
@@ -446,7 +437,7 @@ class LocalExecutor:
         """Track attempt ``attempt`` of ``job_id`` again from its ``launch.json``; False if there is none
         (the launch was never recorded, so none of its ranks ever started)."""
         adir = self.attempt_dir(job_id, attempt)
-        doc = _read_json(adir / c.LAUNCH_FILE)
+        doc = read_json(adir / c.LAUNCH_FILE)
         if doc is None:
             return False
         devices = list(doc["devices"])  # held by the workers whatever this executor was told at start
@@ -457,26 +448,3 @@ class LocalExecutor:
         self._jobs[job_id] = _Tracked(job_id, attempt, float(doc["launched_s"]), devices, adir, ranks,
                                       ProgressReader(adir / c.PROGRESS_DIRNAME, len(ranks)), owner)  # type: ignore[arg-type]
         return True
-
-
-def _write_json(path: Path, doc: dict, owner: tuple[int, int] | None = None) -> None:
-    """Atomically, mode 0600 (and owned by ``owner``: a file the job reads)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(tmp)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with open(fd, "w") as f:
-        if owner is not None:
-            os.fchown(f.fileno(), *owner)
-        json.dump(doc, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _read_json(path: Path) -> dict | None:
-    try:
-        doc = json.loads(path.read_bytes())
-    except (OSError, ValueError):
-        return None
-    return doc if isinstance(doc, dict) else None

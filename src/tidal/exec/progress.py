@@ -30,7 +30,8 @@ STALL_WINDOW = 5  # saves whose median stall is reported
 class Progress:
     """Training progress of one attempt. Times are Unix seconds; ``None``: not reported yet.
 
-    ``start_step``: the step the attempt restored (0: from scratch). ``step``: the newest completed
+    ``start_step``: the step the attempt restored (0: from scratch), ``restore_tier`` the tier it read.
+    ``step``: the newest completed
     step and ``step_s`` when it completed; ``first_step``/``first_step_s`` the first one this attempt.
     ``heartbeat_s``: the oldest of the ranks' newest heartbeats (a hang on any rank stalls all of
     them); ``heartbeats``: how many ranks have written one. ``ckpt_step``/``ckpt_s``: the newest
@@ -43,6 +44,7 @@ class Progress:
     """
 
     start_step: int | None = None
+    restore_tier: str | None = None
     step: int | None = None
     step_s: float | None = None
     first_step: int | None = None
@@ -95,7 +97,8 @@ class ProgressReader:
         beats = [b for b in (self._heartbeat(r) for r in range(self.world_size)) if b is not None]
         f = self._f
         return Progress(
-            start_step=f.get("start_step"), step=f.get("step"), step_s=f.get("step_s"),
+            start_step=f.get("start_step"), restore_tier=f.get("restore_tier"), step=f.get("step"),
+            step_s=f.get("step_s"),
             first_step=f.get("first_step"), first_step_s=f.get("first_step_s"), step_time_s=f.get("step_time_s"),
             loss=f.get("loss"), heartbeat_s=min((b["time"] for b in beats), default=None), heartbeats=len(beats),
             phase=beats[0].get("phase") if beats else None, ckpt_step=f.get("ckpt_step"), ckpt_s=f.get("ckpt_s"),
@@ -126,6 +129,7 @@ class ProgressReader:
             f["ckpt_every_steps"] = r["ckpt_every_steps"]
         elif ev == "restore":
             f["start_step"] = int(r.get("step") or 0)
+            f["restore_tier"] = r.get("tier") if isinstance(r.get("tier"), str) else None
         elif ev == "step":
             f["step"], f["step_s"] = r.get("step"), t
             if f.get("first_step") is None:

@@ -3,7 +3,8 @@
 Call order (one reconcile step, always from one thread):
 
 1. ``observe(now_s)`` — facts about every job the executor tracks: each rank's pid and exit code
-   (``None`` while it runs; ``vanished`` when the process is gone and its exit code is unknown),
+   (``None`` while it runs; ``vanished`` when the process is gone and its exit code is unknown;
+   ``lost`` too when its node left the cluster),
    and the job's training progress (steps, heartbeats, checkpoints) read from its progress files.
    The executor judges nothing: the control plane classifies success, preemption and failure.
 2. Acting on decisions: ``launch`` (start all ranks of a new attempt), ``signal_stop`` (a notice:
@@ -27,7 +28,11 @@ from tidal.contract import EXIT_PREEMPTED
 from tidal.exec.progress import Progress
 from tidal.model import Node
 
-__all__ = ["EXIT_PREEMPTED", "Executor", "LaunchRequest", "Observation", "RankState"]
+__all__ = ["EXIT_PREEMPTED", "Executor", "LaunchError", "LaunchRequest", "Observation", "RankState"]
+
+
+class LaunchError(RuntimeError):
+    """A rank could not be started (no free device, a missing working directory, an unknown node, ...)."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,8 @@ class RankState:
     exit_code: int | None = None  # None: still running (or vanished)
     vanished: bool = False  # gone without a recorded exit code
     ended: bool = False  # its runtime closed cleanly first (heartbeat phase tidal.contract.PHASE_ENDED)
+    lost: bool = False  # vanished with the machine it ran on (its node left the cluster)
+    node: str | None = None  # where it runs, when the executor spans several machines
 
     @property
     def alive(self) -> bool:
@@ -86,7 +93,9 @@ class Observation:
 
 
 class Executor(Protocol):
-    """See the module docstring for the call order. Implementations: ``LocalExecutor``, test fakes."""
+    """See the module docstring for the call order. Implementations: ``LocalExecutor``,
+    ``RayExecutor`` (:mod:`tidal.exec.ray_exec`), test fakes. ``nodes()`` is read every step: nodes
+    may join and leave."""
 
     def nodes(self) -> list[Node]:
         """The machines (and their GPUs) this executor runs ranks on."""

@@ -1,0 +1,203 @@
+"""``tidal demo ray``: a job across the nodes of a Ray cluster loses a node and recovers on the rest.
+
+    tidal demo ray                      # ~2 min on 2 cores
+    tidal demo ray --json               # the summary as JSON on stdout (the narration on stderr)
+
+In order:
+
+1. Start a Ray cluster on this machine (``ray.cluster_utils.Cluster``: a head without GPUs and three
+   nodes with declared GPUs, ``n1`` 2, ``n2`` 1, ``n3`` 1; health checks every 0.5 s) and an embedded
+   control plane driving it (``tidal up --executor ray``).
+2. Submit the GPT example as an elastic spot job of 2-3 GPUs checkpointing every ``--ckpt-every``
+   steps (to disk, the state dir being shared by the nodes); the scheduler places it across two nodes.
+3. Once a checkpoint is committed and ``--kill-at`` of the steps are done, SIGKILL the raylet of the
+   node with two of its ranks (``cluster.remove_node``): the plane notices, kills the other ranks,
+   requeues the job (not a failure) and relaunches it on the 2 GPUs left, resharded.
+4. Bring the node back; the job grows back onto it and runs to the end.
+5. Print a summary: node-loss detection (from the kill) and recovery (from detection to training
+   again) times, the tier restored from, world sizes per attempt, steps redone, loss first and last.
+
+Exit code 0 only if the job succeeded after a node loss it recovered from. Everything is stopped on
+the way out (plane, ranks, agents, the Ray cluster), also on errors and Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from tidal.control.client import ApiError, TidalClient
+from tidal.control.demo import SIZES, example_script
+from tidal.control.demo_plane import PLANE_CONFIG, DemoError, EmbeddedPlane, attempt_records
+
+NODES = {"n1": 2, "n2": 1, "n3": 1}
+HEALTH = {"health_check_period_ms": 500, "health_check_timeout_ms": 500, "health_check_failure_threshold": 4}
+
+
+class LocalRayCluster:
+    """Three GPU nodes (declared GPUs) and a head, on this machine; ``remove``/``add`` by Tidal node name."""
+
+    def __init__(self) -> None:
+        from tidal.exec.ray_exec import NODE_LABEL, QUIET_ENV
+
+        for k, v in QUIET_ENV.items():
+            os.environ.setdefault(k, v)
+        from ray.cluster_utils import Cluster
+
+        self._label = NODE_LABEL
+        self.cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 1, "num_gpus": 0, "include_dashboard": False, "_system_config": HEALTH})
+        self.nodes: dict[str, Any] = {}
+        for name in NODES:
+            self.add(name)
+        self.cluster.wait_for_nodes()
+
+    def add(self, name: str) -> None:
+        self.nodes[name] = self.cluster.add_node(num_cpus=1, num_gpus=NODES[name], labels={self._label: name},
+                                                 include_dashboard=False)
+
+    def remove(self, name: str) -> None:
+        self.cluster.remove_node(self.nodes.pop(name), allow_graceful=False)  # its raylet SIGKILLed
+
+    def shutdown(self) -> None:
+        import ray
+
+        ray.shutdown()
+        self.cluster.shutdown()
+
+
+def job_spec(steps: int, ckpt_every: int, parallel: str) -> dict[str, Any]:
+    model = SIZES["tiny"]
+    args = [f"--{k}={v}" for k, v in model.items()]
+    script = example_script()
+    return {"name": "gpt-ray", "kind": "spot", "gpus": {"min": 2, "max": 3}, "max_restarts": 0, "grace_s": 20,
+            "workdir": str(script.parents[2]),
+            "command": [sys.executable, str(script), "--parallel", parallel, "--steps", str(steps),
+                        "--ckpt-every", str(ckpt_every), "--micro-batch=2", "--log-every", str(max(1, steps // 10)),
+                        "--warmup", "3", *args],
+            "env": {"OMP_NUM_THREADS": "1"}}
+
+
+def _events(c: TidalClient, job: str, kind: str) -> list[dict]:
+    return [e for e in c.events(job) if e["kind"] == kind]
+
+
+def run(steps: int, ckpt_every: int, parallel: str, kill_at: float, timeout_s: float, say) -> dict[str, Any]:  # noqa: ANN001
+    """The whole story; the summary. ``DemoError`` when the job did not recover."""
+    t_start = time.time()
+    work = Path(tempfile.mkdtemp(prefix="tidal-demo-ray-"))
+    say("starting a Ray cluster on this machine: a head and nodes n1 (2 GPUs), n2 (1), n3 (1)")
+    cluster = LocalRayCluster()
+    plane = None
+    try:
+        plane = EmbeddedPlane(work / "state", "auto", PLANE_CONFIG, executor="ray", ray_address=cluster.cluster.address)
+        url = plane.start()
+        admin = TidalClient(url, plane.admin_token)
+        say(f"control plane on {url}: {plane.plane.describe}")
+        lab = TidalClient(url, admin.create_tenant("lab", quota_gpus=0, weight=1.0)["token"])
+        job = lab.submit(job_spec(steps, ckpt_every, parallel))["id"]
+        deadline = time.monotonic() + timeout_s
+
+        def wait(what: str, pred, poll_s: float = 0.2):  # noqa: ANN001, ANN202
+            while time.monotonic() < deadline:
+                got = pred()
+                if got:
+                    return got
+                time.sleep(poll_s)
+            raise DemoError(f"timed out after {timeout_s:g} s waiting for {what}")
+
+        kill_step = max(ckpt_every + 1, int(steps * kill_at))
+        wait("the job to train past the kill step with a checkpoint",
+             lambda: ((p := lab.job(job)["progress"]).get("step") or 0) >= kill_step and (p.get("ckpt_step") or 0) > 0)
+        j = lab.job(job)
+        placement = j["placement"]
+        say(f"{job} runs on {placement} ({parallel}), step {j['progress']['step']}, newest checkpoint step "
+            f"{j['progress'].get('ckpt_step')} (tiers {sorted(j['progress'].get('tiers') or {})})")
+        big = max(placement, key=lambda n: placement[n])
+        t_kill = time.time()
+        say(f"killing node {big} (its raylet, SIGKILL) with {placement[big]} of the job's ranks")
+        cluster.remove(big)
+        lost = wait("the node loss to be noticed", lambda: _events(admin, job, "node_lost"))[0]
+        say(f"noticed {lost['time_s'] - t_kill:.2f} s after the kill: {lost['message']}")
+        rec = wait("training again", lambda: _events(admin, job, "recovered"))[0]
+        say(f"recovered: {rec['message']}")
+        say(f"node {big} comes back")
+        cluster.add(big)
+        wait("the job to finish", lambda: lab.job(job)["state"] in ("succeeded", "failed", "cancelled"), 0.5)
+        j = lab.job(job)
+        records = attempt_records(plane.state_dir, job)
+        losses = [(r["step"], r.get("loss")) for recs in records.values() for r in recs if r.get("event") == "step"]
+        worlds = {}
+        for a in records:
+            doc = json.loads((plane.state_dir / "jobs" / job / f"attempt-{a}" / "launch.json").read_text())
+            worlds[a] = doc["world_size"]
+        d = rec["data"]
+        summary = {"job": job, "state": j["state"], "steps": steps, "parallel": parallel, "node_lost": big,
+                   "detection_s": round(lost["time_s"] - t_kill, 3), "recovery_s": round(d["recovery_s"], 3),
+                   "restored_step": d["start_step"], "restore_tier": d["restore_tier"], "steps_redone": d["lost_steps"],
+                   "world_sizes": worlds, "restarts": j["restarts"], "attempts": j["attempt"],
+                   "loss_first": losses[0][1] if losses else None, "loss_last": losses[-1][1] if losses else None,
+                   "wall_s": round(time.time() - t_start, 1)}
+        if j["state"] != "succeeded" or j["restarts"] != 0:
+            raise DemoError(f"{job} ended {j['state']} ({j['message']}) after the node loss; summary {summary}")
+        return summary
+    finally:
+        if plane is not None:
+            plane.stop()
+        from tidal.exec.ray_exec import kill_ranks, namespace_for, shm_base
+
+        kill_ranks(work / "state" / "jobs")
+        shm = shm_base(namespace_for(work / "state" / "jobs"))
+        cluster.shutdown()
+        if shm is not None:
+            shutil.rmtree(shm, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def demo_ray(steps: Annotated[int, typer.Option(help="optimizer steps of the job")] = 60,
+             ckpt_every: Annotated[int, typer.Option(help="checkpoint every N steps")] = 5,
+             parallel: Annotated[str, typer.Option(help="ddp or fsdp (FSDP2), over gloo")] = "ddp",
+             kill_at: Annotated[float, typer.Option(help="kill the node once this fraction of the steps is done")]
+             = 0.4,
+             timeout: Annotated[float, typer.Option(help="give up after this many seconds")] = 600.0,
+             json_out: Annotated[bool, typer.Option("--json", help="print the summary as JSON on stdout")] = False,
+             ) -> None:
+    """Node loss on Ray: a GPT job across a local 3-node Ray cluster loses a node and recovers on the rest."""
+    console, err = Console(stderr=json_out), Console(stderr=True)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if parallel not in ("ddp", "fsdp"):
+        err.print(f"[red]error:[/red] --parallel {parallel!r}: expected ddp or fsdp", highlight=False)
+        raise typer.Exit(2)
+    if not 0 < kill_at < 1 or steps < 2 * ckpt_every + 2 or ckpt_every < 1:
+        err.print(f"[red]error:[/red] --steps {steps}, --ckpt-every {ckpt_every}, --kill-at {kill_at}: expected "
+                  "0 < kill-at < 1 and steps >= 2 x ckpt-every + 2", highlight=False)
+        raise typer.Exit(2)
+    t0 = time.time()
+
+    def say(line: str) -> None:
+        console.print(f"[dim]{time.time() - t0:6.1f}s[/dim] {line}", highlight=False)
+
+    try:
+        s = run(steps, ckpt_every, parallel, kill_at, timeout, say)
+    except (DemoError, ApiError, OSError, ValueError) as e:
+        err.print(f"[red]demo failed:[/red] {e}", highlight=False)
+        raise typer.Exit(1) from None
+    if json_out:
+        print(json.dumps(s, indent=2))
+        return
+    console.print(f"\n[bold]{s['job']}[/bold] {s['state']}: {s['steps']} steps ({s['parallel']}), world sizes per "
+                  f"attempt {s['world_sizes']}, restarts {s['restarts']}", highlight=False)
+    console.print(f"node {s['node_lost']} lost: noticed in [bold]{s['detection_s']:.2f} s[/bold], training again "
+                  f"[bold]{s['recovery_s']:.2f} s[/bold] later from step {s['restored_step']} (tier "
+                  f"{s['restore_tier']}), {s['steps_redone']} steps redone", highlight=False)
+    console.print(f"loss {s['loss_first']:.3f} -> {s['loss_last']:.3f}; wall {s['wall_s']:.0f} s", highlight=False)

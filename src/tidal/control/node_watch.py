@@ -1,0 +1,120 @@
+"""Nodes joining and leaving the executor's pool, and jobs that lose one (the controller's helper).
+
+The controller (:mod:`tidal.control.controller`) reads the executor's nodes every step through
+:meth:`NodeWatch.refresh` (on a cluster they join and leave: ``node`` events) and, when a job's ranks
+went with their node (:attr:`tidal.exec.protocol.RankState.lost`), calls :meth:`NodeWatch.node_lost`
+(kill the others; the job is requeued, not failed, once all are gone) and later
+:meth:`NodeWatch.recovered` (the ``recovered`` event once its next attempt trains). What a loss was
+is kept in memory until then: a plane restarted in between records no ``recovered`` event.
+
+Totals for the metrics (:mod:`tidal.control.metrics`: ``tidal_node_losses_total``, the summaries
+``tidal_node_loss_heartbeat_age_seconds`` and ``tidal_node_loss_recovery_seconds``) are one document
+in the store (:data:`DOC_KEY`), kept across restarts.
+"""
+
+from __future__ import annotations
+
+from tidal.control.states import HELD
+from tidal.control.store import JobRow, Store
+from tidal.exec.protocol import Executor, Observation, RankState
+from tidal.model import Node
+
+DOC_KEY = "node_loss"
+ZERO = {"losses": 0, "heartbeat_age_count": 0, "heartbeat_age_sum_s": 0.0, "recoveries": 0, "recovery_sum_s": 0.0}
+
+
+def totals(store: Store) -> dict:
+    """Node losses of jobs so far: counts and sums (see the module docstring)."""
+    try:
+        doc = store.get_doc(DOC_KEY)
+    except ValueError:
+        doc = None
+    return {**ZERO, **(doc if isinstance(doc, dict) else {})}
+
+
+class NodeWatch:
+    """See the module docstring. ``nodes`` is the controller's list, changed in place."""
+
+    def __init__(self, store: Store, executor: Executor, nodes: list[Node]) -> None:
+        self.store, self.executor, self.nodes = store, executor, nodes
+        self.lost: dict[str, dict] = {}  # job -> its node loss, until it trains again
+        self.departed: set[str] = set()  # nodes that left and still show (jobs hold GPUs there)
+
+    def refresh(self, now_s: float) -> None:
+        """The executor's nodes, read every step (on a cluster nodes join and leave). A node that left
+        stays in the list while jobs still hold GPUs on it, with only those GPUs (none free), so the
+        scheduler's view stays whole and never places anything there. Joins and leaves are events.
+        ``self.nodes`` (the controller's list, which the API holds too) is changed in place."""
+        live = self.executor.nodes()
+        if live == self.nodes:
+            return
+        names = {n.name for n in live}
+        held: dict[str, int] = {}
+        for j in self.store.jobs(states=HELD) if any(n.name not in names for n in self.nodes) else ():
+            for n, g in (j.placement or {}).items():
+                held[n] = held.get(n, 0) + g
+        gone = [Node(n.name, held[n.name], n.pool) for n in self.nodes if n.name not in names and held.get(n.name)]
+        new = [*live, *gone]
+        before = {n.name for n in self.nodes}
+        for n in live:
+            if n.name not in before or n.name in self.departed:
+                self.departed.discard(n.name)
+                self.store.record("node", f"node {n.name} joined ({n.gpus} GPUs, {n.pool} pool)", now_s,
+                                  data={"node": n.name, "gpus": n.gpus, "joined": True})
+        for n in self.nodes:
+            if n.name not in names and n.name not in self.departed:
+                self.departed.add(n.name)
+                jobs = sorted(j.id for j in self.store.jobs(states=HELD) if n.name in (j.placement or {}))
+                self.store.record("node", f"node {n.name} ({n.gpus} GPUs) left the cluster"
+                                  + (f"; jobs on it: {', '.join(jobs)}" if jobs else ""), now_s,
+                                  data={"node": n.name, "gpus": n.gpus, "left": True, "jobs": jobs})
+        self.nodes[:] = new
+        self.departed &= {n.name for n in gone}
+
+    def node_lost(self, job: JobRow, ob: Observation, lost: list[RankState], now_s: float) -> JobRow:
+        """Ranks went with their node: stop the others (SIGKILL; nothing to wait for, the gang is broken)
+        and requeue the job, once all are gone, to resume on the remaining GPUs (not a failure)."""
+        nodes = sorted({r.node or "?" for r in lost})
+        p = ob.progress
+        beat = f"; last heartbeat {now_s - p.heartbeat_s:.1f} s ago" if p.heartbeat_s is not None else ""
+        why = (f"node {', '.join(nodes)} lost with ranks {[r.rank for r in lost]} at step {p.step} "
+               f"(newest checkpoint step {p.ckpt_step}{beat})")
+        self.executor.kill(job.id)
+        self.lost[job.id] = {"detected_s": now_s, "attempt": job.attempt, "nodes": nodes, "step": p.step,
+                              "ckpt_step": p.ckpt_step, "world_size": len(ob.ranks)}
+        age = None if p.heartbeat_s is None else now_s - p.heartbeat_s
+        self.store.record("node_lost", f"{why}: killing the other {len(ob.alive)} ranks", now_s, job=job,
+                          data={**self.lost[job.id], "ranks": [r.rank for r in lost], "since_heartbeat_s": age})
+        t = totals(self.store)
+        t["losses"] += 1
+        if age is not None:
+            t["heartbeat_age_count"] += 1
+            t["heartbeat_age_sum_s"] += age
+        self.store.put_doc(DOC_KEY, t, now_s)
+        return self.store.update(job.id, stop_reason="node_lost", killed=True, message=why)
+
+    def recovered(self, job: JobRow, ob: Observation, now_s: float) -> None:
+        """A job requeued after a node loss trains again: the ``recovered`` event (detection to the first
+        step of the new attempt, where it restored from)."""
+        info = self.lost.get(job.id)
+        p = ob.progress
+        if info is None or ob.attempt <= info["attempt"] or p.first_step is None:
+            return
+        del self.lost[job.id]
+        took = (p.first_step_s or now_s) - info["detected_s"]
+        lost_steps = (info["step"] or 0) - (p.start_step or 0)
+        self.store.record("recovered", f"training again {took:.1f} s after the loss of node "
+                          f"{', '.join(info['nodes'])} was detected: {len(ob.ranks)} ranks (were "
+                          f"{info['world_size']}), restored step {p.start_step} from tier {p.restore_tier}; "
+                          f"{lost_steps} steps to redo", now_s, job=job,
+                          data={"recovery_s": took, "detected_s": info["detected_s"], "world_size": len(ob.ranks),
+                                "was_world_size": info["world_size"], "start_step": p.start_step,
+                                "restore_tier": p.restore_tier, "lost_steps": lost_steps, "nodes": info["nodes"]})
+        t = totals(self.store)
+        t["recoveries"] += 1
+        t["recovery_sum_s"] += took
+        self.store.put_doc(DOC_KEY, t, now_s)
+
+    def forget(self, job_id: str) -> None:
+        """The job ended for good: it will not train again."""
+        self.lost.pop(job_id, None)

@@ -1,0 +1,179 @@
+"""Checkpoint agents of the peer-memory tier, one per Ray node, started and supervised by the Ray executor.
+
+Every alive GPU node of the cluster runs one agent (``python -m tidal.ckpt.agent``, see
+:mod:`tidal.ckpt.agent`) under a detached, named actor pinned to that node (:class:`AgentActor`,
+``tidal.agent.<node>``). The agents form a ring in node-name order, each pushing what its node's
+ranks hand it to the next node's agent (its *buddy*), so losing one node loses no committed step of
+the peer tier. :meth:`RayAgents.ensure`, called with the cluster's nodes on every step (at most
+every ``check_s``), starts missing agents, restarts dead ones and re-points buddies when nodes join
+or leave (an agent restarted on the same memory directory and port keeps what it held, and its
+ranks' ``TIDAL_CKPT_AGENT`` stays right). Ranks get ``TIDAL_CKPT_AGENT`` (their node's agent) and
+``TIDAL_CKPT_PEERS`` (every other agent) from :meth:`RayAgents.env`.
+
+Memory directory of a node's agent: ``<shm base>/<node>/agent``; it may copy staging slots from
+``<shm base>/<node>`` (where that node's ranks stage). There is no authentication on an agent: bind
+the cluster network only (docs/checkpoint.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from tidal import contract as c
+from tidal.exec.ray_rank import _child_setup
+
+log = logging.getLogger(__name__)
+
+AGENT_PREFIX = "tidal.agent."
+CHECK_S = 2.0  # the supervisor looks at the agents this often at most
+CALL_TIMEOUT_S = 30.0
+
+
+def ring(names: list[str]) -> dict[str, str | None]:
+    """Each node's buddy: the next node in name order (none for a single node)."""
+    order = sorted(names)
+    return {n: (order[(i + 1) % len(order)] if len(order) > 1 else None) for i, n in enumerate(order)}
+
+
+class AgentActor:
+    """One node's agent process (see the module docstring). Methods are quick but for ``start``."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+        self.port: int | None = None
+        self.buddy: str | None = None
+        self.addr: str | None = None
+
+    def reserve(self) -> dict:
+        """This node's agent address (a port chosen once, kept across restarts) and its state:
+        ``{"address", "buddy", "running"}``."""
+        import ray
+
+        if self.addr is None:
+            ip = ray.util.get_node_ip_address()
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind((ip, 0))
+                self.port = s.getsockname()[1]
+            self.addr = f"{ip}:{self.port}"
+        return {"address": self.addr, "buddy": self.buddy,
+                "running": self.proc is not None and self.proc.poll() is None}
+
+    def start(self, node: str, mem_dir: str, allow: str, buddy: str | None, log_path: str) -> str:
+        """Run (or re-run, with a new buddy) the agent; its address once it answers ``/status``."""
+        self.reserve()
+        running = self.proc is not None and self.proc.poll() is None
+        if running and buddy == self.buddy:
+            return self.addr  # type: ignore[return-value]
+        if running:
+            self.stop()
+        Path(mem_dir).mkdir(parents=True, exist_ok=True, mode=0o700)
+        cmd = [sys.executable, "-m", "tidal.ckpt.agent", "--listen", self.addr, "--mem-dir", mem_dir,
+               "--node", node, "--allow-copy-from", allow, *(["--buddy", buddy] if buddy else [])]
+        parent = os.getpid()
+        with open(os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600), "ab") as out:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True, preexec_fn=lambda: _child_setup(parent))
+        self.buddy = buddy
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the checkpoint agent on {node} exited with {self.proc.returncode} "
+                                   f"(log {log_path})")
+            with contextlib.suppress(OSError, ValueError), \
+                    urllib.request.urlopen(f"http://{self.addr}/status", timeout=1) as r:
+                if json.loads(r.read()).get("pid") == self.proc.pid:
+                    return self.addr
+            time.sleep(0.1)
+        raise RuntimeError(f"the checkpoint agent on {node} did not answer within 20 s (log {log_path})")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+class RayAgents:
+    """The supervisor: one :class:`AgentActor` per GPU node, in a buddy ring. Driven by ``RayExecutor``."""
+
+    def __init__(self, ray: Any, namespace: str, shm_root: Path, log_dir: Path, check_s: float = CHECK_S) -> None:
+        self._ray, self.namespace, self.shm_root, self.log_dir = ray, namespace, shm_root, log_dir
+        self.check_s = check_s
+        self._remote = ray.remote(AgentActor)
+        self._checked = float("-inf")
+        self.addresses: dict[str, str] = {}  # node -> agent host:port (of the newest check)
+        self.buddies: dict[str, str | None] = {}
+
+    def ensure(self, nodes: dict[str, str], *, force: bool = False) -> dict[str, str]:
+        """``nodes``: name -> Ray node id of the alive GPU nodes. Agents started, restarted or re-pointed as
+        needed; agents of nodes that left are forgotten (their actors went with the node). Returns
+        node -> agent address."""
+        now = time.monotonic()
+        if not force and now - self._checked < self.check_s and set(nodes) == set(self.addresses):
+            return self.addresses
+        self._checked = now
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        buddies = ring(list(nodes))
+        actors, states = {}, {}
+        for name, node_id in nodes.items():
+            actor_name = AGENT_PREFIX + name
+            try:
+                actors[name] = self._ray.get_actor(actor_name, namespace=self.namespace)
+            except ValueError:
+                actors[name] = self._remote.options(
+                    name=actor_name, namespace=self.namespace, lifetime="detached", num_cpus=0, max_restarts=0,
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
+        refs = {n: a.reserve.remote() for n, a in actors.items()}
+        for n, ref in refs.items():
+            try:
+                states[n] = self._ray.get(ref, timeout=CALL_TIMEOUT_S)
+            except Exception as e:  # an actor on a node going away: the next check
+                log.warning("checkpoint agent on %s does not answer: %s", n, e)
+        addresses = {n: s["address"] for n, s in states.items()}
+        starts = {}
+        for n, s in states.items():
+            buddy = addresses.get(buddies[n]) if buddies[n] else None
+            if not s["running"] or s["buddy"] != buddy:  # an agent tolerates a buddy not up yet (it retries)
+                node_dir = self.shm_root / n
+                starts[n] = actors[n].start.remote(n, str(node_dir / "agent"), str(node_dir), buddy,
+                                                   str(self.log_dir / f"agent-{n}.log"))
+        for n, ref in starts.items():
+            try:
+                self._ray.get(ref, timeout=CALL_TIMEOUT_S)
+            except Exception as e:
+                addresses.pop(n, None)
+                log.warning("checkpoint agent on %s did not start: %s", n, e)
+        self.addresses = {n: a for n, a in addresses.items() if n in nodes}
+        self.buddies = buddies
+        return self.addresses
+
+    def env(self, node: str) -> dict[str, str]:
+        """A rank's variables on ``node``: its agent and the others (nothing without an agent there)."""
+        own = self.addresses.get(node)
+        if own is None:
+            return {}
+        others = [a for n, a in sorted(self.addresses.items()) if n != node]
+        return {c.ENV_CKPT_AGENT: own, **({c.ENV_CKPT_PEERS: ",".join(others)} if others else {})}
+
+    def stop_all(self) -> None:
+        """Kill every agent actor of this plane (their processes die with them)."""
+        for a in self._ray.util.list_named_actors(all_namespaces=True):
+            if a.get("namespace") == self.namespace and a.get("name", "").startswith(AGENT_PREFIX):
+                with contextlib.suppress(Exception):
+                    self._ray.kill(self._ray.get_actor(a["name"], namespace=self.namespace), no_restart=True)
+        self.addresses = {}

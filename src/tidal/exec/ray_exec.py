@@ -1,0 +1,552 @@
+"""The Ray executor: the ranks of a job run on the nodes of a Ray cluster (``tidal up --executor ray``).
+
+    ex = RayExecutor(state_dir / "jobs", address="ray://head:10001")   # or "auto", or None: a local Ray
+    ex.nodes()                    # the cluster's alive nodes with GPUs, read again on every call
+    ex.launch(LaunchRequest("gpt-1", 1, ("python", "train.py"), {"n1": 2, "n2": 2}), now_s)
+
+**Nodes.** Every alive Ray node with ``GPU`` resources is a training node; its name is its label
+``tidal.io/node`` (``ray start --labels tidal.io/node=gpu-7``) or ``ray-<first 12 hex of its node id>``.
+:meth:`RayExecutor.nodes` asks the cluster each time (the controller calls it every step): nodes
+join and leave.
+
+**An attempt** is one placement group with one ``{"GPU": 1}`` bundle per rank, each bundle pinned to
+the node the scheduler chose (``bundle_label_selector`` on the node id: strict, Ray places nothing
+elsewhere), and one detached, named actor per rank in its bundle (:class:`tidal.exec.ray_rank.RankActor`)
+that runs the user's command as a child process. Ranks are numbered in placement order: the first
+node's ranks are 0..k-1 (``GROUP_RANK`` 0), and so on. Each rank gets the torchrun contract with
+``MASTER_ADDR`` = rank 0's node address and a free port there, ``LOCAL_RANK``/``LOCAL_WORLD_SIZE``
+on its node, ``CUDA_VISIBLE_DEVICES`` = the GPUs Ray gave the job's ranks on that node (in local-rank
+order: rank ``r`` uses ``cuda:LOCAL_RANK``), and Tidal's variables, exactly as on the local executor.
+
+**Files.** The attempt's directory under ``root`` (``launch.json``, ``progress/``, ``control.json``,
+``pid-<r>.json``) and the logs (``<root>/<job>/logs/rank-<r>.log``) are written by the ranks on their
+nodes at the paths the plane names: the state dir must be on a filesystem every node mounts (NFS, a
+shared volume; on a one-machine test cluster it is simply shared). ``launch.json`` names the actors
+and the placement group and is written before either exists.
+
+**Never twice.** Actors are named ``tidal.<job>.a<attempt>.r<rank>`` in a namespace of this state dir;
+a rank actor runs its command once; before launching an attempt every actor and placement group left
+of the job's earlier attempts is removed. A restarted plane re-adopts an attempt by finding its
+actors by name (:meth:`RayExecutor.adopt`); they outlive the plane when the Ray cluster runs apart
+from it (``--ray-address``; a Ray that ``tidal up`` started itself ends with it).
+
+**Node loss.** A rank whose node is no longer alive in the cluster (Ray's health checks), or whose
+actor died with it, is reported ``vanished`` and ``lost`` (:class:`~tidal.exec.protocol.RankState`);
+the controller stops the other ranks and requeues the job on the remaining GPUs.
+
+**Checkpoint agents** (``ckpt_agents=True``, ``tidal up --ckpt-agents``): one per node, in a buddy
+ring, started and supervised from :meth:`RayExecutor.nodes` (:mod:`tidal.exec.ray_agents`); ranks get
+``TIDAL_CKPT_AGENT``/``TIDAL_CKPT_PEERS``, so a job's ``peer`` tier survives the loss of a node.
+
+**Node memory.** Each rank's ``TIDAL_SHM_DIR`` is ``<base>/<node>/<job>`` (:func:`shm_base`): the
+checkpoint engine's node-memory tier, which a lost node takes with it. An attempt that spans nodes
+checkpoints to its durable tiers only (:func:`across_nodes`).
+
+Not isolated here (docs/control.md): ranks run as the Ray workers' user (no ``isolation.uid_base``);
+node-memory directories on the nodes are not freed by the plane. Not thread-safe: one reconcile loop drives it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import re
+import signal
+import socket
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tidal import contract as c
+from tidal.contract import torchrun_env
+from tidal.exec import procs
+from tidal.exec.files import read_json, write_json
+from tidal.exec.isolation import IsolationConfig, clean_env, private_dir
+from tidal.exec.progress import ProgressReader
+from tidal.exec.protocol import LaunchError, LaunchRequest, Observation, RankState
+from tidal.exec.ray_rank import RankActor
+from tidal.model import Node
+
+log = logging.getLogger(__name__)
+
+NODE_LABEL = "tidal.io/node"  # a node's name for Tidal, when set (else ray-<node id prefix>)
+NODE_ID_LABEL = "ray.io/node-id"  # Ray's own label of every node: what bundles are pinned with
+QUIET_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_DISABLE_DOCKER_CPU_WARNING": "1"}  # nothing calls home
+POLL_TIMEOUT_S = 0.5  # one step waits this long at most for the ranks' answers
+READY_TIMEOUT_S = 120.0  # placement group reserved and actors up, or the launch fails
+
+
+def _check_reachable(address: str | None) -> None:
+    """A ``HOST:PORT`` address whose GCS does not answer is one clear error now (``ray.init`` would
+    retry for minutes)."""
+    if not address or "://" in address or address == "auto" or ":" not in address:
+        return
+    host, _, port = address.rpartition(":")
+    if not port.isdigit() or not host:
+        raise ValueError(f"--ray-address {address!r}: expected HOST:PORT, 'auto' or ray://HOST:PORT")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+    except OSError as e:
+        raise ValueError(f"cannot join the Ray cluster at {address}: nothing answers there ({e.strerror or e})"
+                         ) from None
+
+
+def namespace_for(root: str | os.PathLike) -> str:
+    """The Ray namespace of the plane whose jobs live in ``root`` (two planes on one cluster never meet)."""
+    return f"tidal-{hashlib.sha1(str(Path(root).resolve()).encode()).hexdigest()[:12]}"
+
+
+def shm_base(namespace: str, shm_dir: str | None = None) -> Path | None:
+    """Where ranks of this plane keep their node-memory checkpoint tier on each node: ``TIDAL_SHM_DIR`` =
+    ``<base>/<node>/<job>`` (``/dev/shm/tidal-ray-<namespace>`` unless ``isolation.shm_dir``); None
+    without ``/dev/shm``. The node's name is in the path so that nodes sharing one machine (a test
+    cluster) keep apart what separate machines would."""
+    if shm_dir is not None:
+        return Path(shm_dir)
+    return Path(f"/dev/shm/tidal-ray-{namespace}") if Path("/dev/shm").is_dir() else None
+
+
+def across_nodes(env: Mapping[str, str]) -> dict[str, str]:
+    """The job's variables for an attempt that spans nodes: no node-memory checkpoint tier. The
+    engine's commit protocol meets all ranks in one tier, and a node's memory holds only its own
+    ranks' files (a tier across nodes' memory is the peer agents' job): ``TIDAL_CKPT_URL`` becomes a
+    ``TIDAL_CKPT_TIERS`` of that location alone, and ``shm`` leaves a tier list. ``LaunchError`` when
+    nothing durable is left."""
+    out = dict(env)
+    url = out.pop(c.ENV_CKPT_URL, None)
+    raw = out.get(c.ENV_CKPT_TIERS)
+    if raw:
+        try:
+            tiers = json.loads(raw)
+        except ValueError:
+            tiers = [t.strip() for t in raw.split(",")]
+        if not isinstance(tiers, list):
+            return dict(env)  # the runtime reports the malformed value
+        kept = [t for t in tiers if t != "shm" and not (isinstance(t, dict) and t.get("url") == "shm")]
+        if not kept:
+            raise LaunchError(f"{c.ENV_CKPT_TIERS}={raw}: a job across nodes needs a tier other than node "
+                              "memory (shm)")
+        out[c.ENV_CKPT_TIERS] = json.dumps(kept)
+        if url is not None:
+            out[c.ENV_CKPT_URL] = url
+    elif url:
+        out[c.ENV_CKPT_TIERS] = json.dumps([url])
+    return out
+
+
+def actor_name(job_id: str, attempt: int, rank: int) -> str:
+    return f"tidal.{job_id}.a{attempt}.r{rank}"
+
+
+def _pg_name(namespace: str, job_id: str, attempt: int) -> str:
+    return f"{namespace}.{job_id}.a{attempt}"
+
+
+_ACTOR_RE = re.compile(r"^tidal\.(?P<job>.+)\.a\d+\.r\d+$")
+
+
+def job_of_actor(name: str) -> str | None:
+    """The job a rank actor's name belongs to (job names may hold dots: matched whole, never by prefix)."""
+    m = _ACTOR_RE.match(name)
+    return m.group("job") if m else None
+
+
+def job_of_pg(namespace: str, name: str) -> str | None:
+    """The job of a placement group named by :func:`_pg_name` in ``namespace``."""
+    m = re.match(rf"^{re.escape(namespace)}\.(?P<job>.+)\.a\d+$", name)
+    return m.group("job") if m else None
+
+
+@dataclass
+class _Rank:
+    rank: int
+    node: str
+    node_id: str
+    actor: Any | None  # None: not found (never created, or gone)
+    pid: int | None = None
+    inflight: Any | None = None  # an unanswered poll
+
+
+@dataclass
+class _Tracked:
+    job_id: str
+    attempt: int
+    launched_s: float
+    dir: Path
+    ranks: list[_Rank]
+    pg_id: str | None
+    reader: ProgressReader
+    codes: dict[int, int] = field(default_factory=dict)
+    vanished: set[int] = field(default_factory=set)
+    lost: set[int] = field(default_factory=set)
+
+
+class RayExecutor:
+    """Runs ranks as processes under rank actors on a Ray cluster. See the module docstring.
+
+    ``address``: the cluster to join (``"auto"``, ``"HOST:PORT"``, ``"ray://..."``); ``None`` starts a
+    local Ray (with ``num_gpus`` GPUs declared, if given) unless ``RAY_ADDRESS`` names one."""
+
+    def __init__(self, root: str | os.PathLike, *, address: str | None = None, num_gpus: int | None = None,
+                 isolation: IsolationConfig | None = None, namespace: str | None = None,
+                 ready_timeout_s: float = READY_TIMEOUT_S, ckpt_agents: bool = False) -> None:
+        self.ready_timeout_s = ready_timeout_s
+        self.isolation = iso = isolation or IsolationConfig()
+        if iso.uid_base is not None:
+            raise ValueError(f"isolation.uid_base {iso.uid_base}: the Ray executor runs ranks as the Ray "
+                             "workers' user; remove uid_base")
+        self.root = Path(root)
+        private_dir(self.root, 0o700)
+        self.namespace = namespace or namespace_for(self.root)
+        self.shm_root = shm_base(self.namespace, iso.shm_dir)
+        for k, v in QUIET_ENV.items():
+            os.environ.setdefault(k, v)
+        import ray
+
+        self._ray = ray
+        self._owns_ray = False
+        if not ray.is_initialized():
+            _check_reachable(address)
+            kw: dict[str, Any] = {}
+            if address is None and not os.environ.get("RAY_ADDRESS"):
+                kw = {"include_dashboard": False, **({"num_gpus": num_gpus} if num_gpus is not None else {})}
+            try:
+                ray.init(address=address, namespace=self.namespace, log_to_driver=False,
+                         logging_level=logging.WARNING, configure_logging=False, **kw)
+            except (ConnectionError, RuntimeError, ValueError) as e:
+                raise ValueError(f"cannot join the Ray cluster at {address or 'a new local Ray'}: "
+                                 f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+            self._owns_ray = True
+        self.address = address
+        self._remote = ray.remote(RankActor)
+        self._ids: dict[str, str] = {}  # node name -> Ray node id (of the newest nodes() call)
+        self._jobs: dict[str, _Tracked] = {}
+        self.agents = None
+        if ckpt_agents:
+            if self.shm_root is None:
+                raise ValueError("checkpoint agents on Ray nodes need /dev/shm (or isolation.shm_dir)")
+            from tidal.exec.ray_agents import RayAgents
+
+            self.agents = RayAgents(ray, self.namespace, self.shm_root, self.root)
+
+    def close(self) -> None:
+        """Disconnect from Ray (a local Ray this executor started ends; detached actors on a cluster do not)."""
+        if self._owns_ray:
+            self._ray.shutdown()
+            self._owns_ray = False
+
+    # -- layout --------------------------------------------------------------------------------------
+    def job_dir(self, job_id: str) -> Path:
+        return self.root / job_id
+
+    def attempt_dir(self, job_id: str, attempt: int) -> Path:
+        return self.job_dir(job_id) / c.attempt_dirname(attempt)
+
+    def home_dir(self, job_id: str) -> Path:
+        return self.job_dir(job_id) / "home"
+
+    def log_path(self, job_id: str, rank: int) -> str:
+        return str(self.job_dir(job_id) / "logs" / f"rank-{rank}.log")
+
+    # -- the cluster ---------------------------------------------------------------------------------
+    def _alive(self) -> list[dict]:
+        return [n for n in self._ray.nodes() if n.get("Alive")]
+
+    def nodes(self) -> list[Node]:
+        out, ids = [], {}
+        for n in sorted(self._alive(), key=lambda n: n["NodeID"]):
+            gpus = int(n.get("Resources", {}).get("GPU", 0))
+            if gpus < 1:
+                continue
+            name = (n.get("Labels") or {}).get(NODE_LABEL) or f"ray-{n['NodeID'][:12]}"
+            if name in ids:
+                log.warning("two Ray nodes carry the label %s=%s; naming the second by its id", NODE_LABEL, name)
+                name = f"ray-{n['NodeID'][:12]}"
+            ids[name] = n["NodeID"]
+            out.append(Node(name, gpus))
+        self._ids = ids
+        if self.agents is not None:
+            self.agents.ensure(ids)
+        return out
+
+    # -- acting --------------------------------------------------------------------------------------
+    def launch(self, req: LaunchRequest, now_s: float) -> dict:
+        if req.job_id in self._jobs:
+            raise LaunchError(f"job {req.job_id}: attempt {self._jobs[req.job_id].attempt} is still tracked")
+        have = {n.name: n.gpus for n in self.nodes()}
+        unknown = sorted(set(req.placement) - set(have))
+        if unknown:
+            raise LaunchError(f"job {req.job_id}: placement {dict(req.placement)} names nodes not in the Ray "
+                              f"cluster: {unknown} (have {sorted(have)})")
+        over = {n: k for n, k in req.placement.items() if k > have[n]}
+        if over:
+            raise LaunchError(f"job {req.job_id}: placement {dict(req.placement)} asks more GPUs than nodes have: "
+                              + ", ".join(f"{n} has {have[n]}" for n in over))
+        if req.workdir is not None and not Path(req.workdir).is_dir():
+            raise LaunchError(f"job {req.job_id}: workdir {req.workdir} is not a directory")
+        adir = self.attempt_dir(req.job_id, req.attempt)
+        try:
+            self._make_dirs(req, adir)
+        except OSError as e:
+            raise LaunchError(f"job {req.job_id}: cannot prepare its directories: {e}") from e
+        self._remove_leftovers(req.job_id)
+        plan = [(node, self._ids[node]) for node, k in req.placement.items() for _ in range(k)]
+        from ray.util.placement_group import placement_group
+
+        pg = placement_group([{"GPU": 1} for _ in plan], strategy="PACK", lifetime="detached",
+                             name=_pg_name(self.namespace, req.job_id, req.attempt),
+                             bundle_label_selector=[{NODE_ID_LABEL: nid} for _, nid in plan])
+        doc = {"job_id": req.job_id, "attempt": req.attempt, "world_size": len(plan), "launched_s": now_s,
+               "placement": dict(req.placement), "namespace": self.namespace, "placement_group": pg.id.hex(),
+               "ranks": [{"rank": r, "node": node, "node_id": nid, "actor": actor_name(req.job_id, req.attempt, r)}
+                         for r, (node, nid) in enumerate(plan)]}
+        write_json(adir / c.LAUNCH_FILE, doc)  # before any actor exists: a restarted plane finds them all
+        ranks: list[_Rank] = []
+        try:
+            handle = self._start(req, adir, plan, pg, ranks, doc)
+        except BaseException as e:
+            for k in ranks:
+                self._kill_actor(k.actor)
+            self._remove_pg(pg)
+            if isinstance(e, LaunchError | KeyboardInterrupt | SystemExit):
+                raise
+            raise LaunchError(f"job {req.job_id}: cannot start on Ray: {type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''}") from e
+        self._jobs[req.job_id] = _Tracked(req.job_id, req.attempt, now_s, adir, ranks, pg.id.hex(),
+                                          ProgressReader(adir / c.PROGRESS_DIRNAME, len(plan)))
+        return handle
+
+    def _start(self, req: LaunchRequest, adir: Path, plan: list[tuple[str, str]], pg: Any, ranks: list[_Rank],
+               doc: dict) -> dict:
+        ray = self._ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        try:
+            ray.get(pg.ready(), timeout=self.ready_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise LaunchError(f"job {req.job_id}: Ray could not reserve {dict(req.placement)} within "
+                              f"{self.ready_timeout_s:g} s (GPUs held outside Tidal?)") from None
+        for r, (node, nid) in enumerate(plan):
+            actor = self._remote.options(
+                name=actor_name(req.job_id, req.attempt, r), namespace=self.namespace, lifetime="detached",
+                num_cpus=0, num_gpus=1, max_restarts=0, max_task_retries=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r)).remote()
+            ranks.append(_Rank(r, node, nid, actor))
+        infos = ray.get([k.actor.info.remote() for k in ranks], timeout=self.ready_timeout_s)
+        for k, info in zip(ranks, infos, strict=True):
+            if info["node_id"] != k.node_id:  # never expected: the bundle is pinned to the node
+                raise LaunchError(f"job {req.job_id}: rank {k.rank} landed on Ray node {info['node_id'][:12]}, "
+                                  f"not on {k.node}")
+        port = ray.get(ranks[0].actor.free_port.remote(), timeout=self.ready_timeout_s)
+        master = infos[0]["ip"]
+        on_node: dict[str, list[int]] = {}
+        for k in ranks:
+            on_node.setdefault(k.node, []).append(k.rank)
+        groups = list(on_node)
+        job_env = across_nodes(req.env) if len(groups) > 1 else dict(req.env)
+        starts = []
+        n = len(ranks)
+        for k in ranks:
+            local = on_node[k.node]
+            gpus = ",".join(g for r in local for g in infos[r]["gpu_ids"])
+            platform = {**torchrun_env(k.rank, n, port, master_addr=master, local_rank=local.index(k.rank),
+                                       local_world_size=len(local), group_rank=groups.index(k.node)),
+                        c.ENV_JOB_ID: req.job_id, c.ENV_PROGRESS_DIR: str(adir / c.PROGRESS_DIRNAME),
+                        c.ENV_CONTROL_FILE: str(adir / c.CONTROL_FILE), c.ENV_CUDA_VISIBLE_DEVICES: gpus}
+            base = {c.ENV_SHM_DIR: str(self.shm_root / k.node / req.job_id)} if self.shm_root is not None else {}
+            if self.agents is not None:
+                base.update(self.agents.env(k.node))
+            env = clean_env(self.isolation, self.home_dir(req.job_id), job_env, platform,
+                            omp_threads=(os.cpu_count() or 1) // max(1, len(local)), base=base)
+            header = (f"=== tidal: {req.job_id} attempt {req.attempt}, rank {k.rank} of {n} on {k.node}, "
+                      f"{time.strftime('%Y-%m-%d %H:%M:%S')} ===\n")
+            starts.append(k.actor.start.remote(list(req.command), env, req.workdir or str(self.home_dir(req.job_id)),
+                                               self.log_path(req.job_id, k.rank), header,
+                                               str(adir / c.pid_file(k.rank))))
+        for k, pid in zip(ranks, ray.get(starts, timeout=self.ready_timeout_s), strict=True):
+            k.pid = pid
+        doc = {**doc, "master_addr": master, "master_port": port,
+               "ranks": [{**d, "pid": k.pid, "gpu_ids": infos[k.rank]["gpu_ids"]} for d, k in zip(doc["ranks"], ranks,
+                                                                                                  strict=True)]}
+        write_json(adir / c.LAUNCH_FILE, doc)
+        return {"executor": "ray", "placement": dict(req.placement), "master_addr": master, "master_port": port,
+                "dir": str(adir), "placement_group": doc["placement_group"],
+                "ranks": [{"rank": k.rank, "pid": k.pid, "node": k.node, "gpu_ids": infos[k.rank]["gpu_ids"]}
+                          for k in ranks]}
+
+    def _make_dirs(self, req: LaunchRequest, adir: Path) -> None:
+        jdir = self.job_dir(req.job_id)
+        for d in (jdir, jdir / "logs", adir, adir / c.PROGRESS_DIRNAME, self.home_dir(req.job_id),
+                  self.home_dir(req.job_id) / "tmp"):
+            private_dir(d, 0o700)
+        root = self.root.resolve()
+        for d in req.own_dirs:
+            p = Path(d)
+            if p.resolve().is_relative_to(root) and not p.exists():
+                private_dir(p, 0o700)
+
+    def _remove_leftovers(self, job_id: str) -> None:
+        """Actors and placement groups of the job's earlier attempts that are still in the cluster (a
+        plane that crashed mid-launch, a release that did not reach Ray): removed, never run twice."""
+        ray = self._ray
+        for a in ray.util.list_named_actors(all_namespaces=True):
+            if a.get("namespace") == self.namespace and job_of_actor(a.get("name", "")) == job_id:
+                with contextlib.suppress(ValueError):
+                    self._kill_actor(ray.get_actor(a["name"], namespace=self.namespace))
+                    log.warning("removed the leftover rank actor %s", a["name"])
+        for pg_id, info in ray.util.placement_group_table().items():
+            if job_of_pg(self.namespace, str(info.get("name", ""))) == job_id and info.get("state") != "REMOVED":
+                self._remove_pg_id(pg_id)
+                log.warning("removed the leftover placement group %s", info.get("name"))
+
+    def _kill_actor(self, actor: Any) -> None:
+        if actor is not None:
+            with contextlib.suppress(Exception):
+                self._ray.kill(actor, no_restart=True)
+
+    def _remove_pg(self, pg: Any) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        with contextlib.suppress(Exception):
+            remove_placement_group(pg)
+
+    def _remove_pg_id(self, pg_id: str) -> None:
+        from ray._raylet import PlacementGroupID
+        from ray.util.placement_group import PlacementGroup
+
+        with contextlib.suppress(Exception):
+            self._remove_pg(PlacementGroup(PlacementGroupID(bytes.fromhex(pg_id))))
+
+    def signal_stop(self, job_id: str) -> None:
+        self._signal(job_id, signal.SIGTERM)
+
+    def kill(self, job_id: str) -> None:
+        self._signal(job_id, signal.SIGKILL)
+
+    def _signal(self, job_id: str, sig: int) -> None:
+        t = self._jobs.get(job_id)
+        for k in t.ranks if t else []:
+            if k.actor is not None and k.rank not in t.codes and k.rank not in t.vanished:  # type: ignore[union-attr]
+                k.actor.signal.remote(int(sig))  # not waited for: observe() sees the rank exit
+
+    def configure(self, job_id: str, settings: Mapping[str, Any]) -> None:
+        t = self._jobs.get(job_id)
+        if t is None:
+            return
+        path = t.dir / c.CONTROL_FILE
+        current = read_json(path) or {}
+        write_json(path, {**current, **settings})
+
+    def release(self, job_id: str) -> None:
+        t = self._jobs.pop(job_id, None)
+        if t is None:
+            return
+        for k in t.ranks:
+            self._kill_actor(k.actor)
+        if t.pg_id:
+            self._remove_pg_id(t.pg_id)
+
+    # -- observing -----------------------------------------------------------------------------------
+    def observe(self, now_s: float) -> dict[str, Observation]:
+        if not self._jobs:
+            return {}
+        ray = self._ray
+        alive = {n["NodeID"] for n in self._alive()}
+        asked = []
+        for t in self._jobs.values():
+            for k in t.ranks:
+                if k.rank in t.codes or k.rank in t.vanished:
+                    continue
+                if k.node_id not in alive:  # the node left the cluster: the rank went with it
+                    t.vanished.add(k.rank)
+                    t.lost.add(k.rank)
+                elif k.actor is None:
+                    t.vanished.add(k.rank)
+                else:
+                    if k.inflight is None:
+                        k.inflight = k.actor.poll.remote()
+                    asked.append((t, k))
+        if asked:
+            ray.wait([k.inflight for _, k in asked], num_returns=len(asked), timeout=POLL_TIMEOUT_S)
+        for t, k in asked:
+            ready, _ = ray.wait([k.inflight], timeout=0)
+            if not ready:
+                continue  # no answer yet: still running as far as anyone knows
+            ref, k.inflight = k.inflight, None
+            try:
+                res = ray.get(ref)
+            except ray.exceptions.ActorUnavailableError:
+                continue  # unreachable for now (restarting, network): asked again next step
+            except ray.exceptions.RayActorError:
+                t.vanished.add(k.rank)  # the actor died (with its node, or killed from outside)
+                if k.node_id not in {n["NodeID"] for n in self._alive()}:
+                    t.lost.add(k.rank)
+                continue
+            k.pid = res.get("pid") or k.pid
+            if not res.get("started"):
+                t.vanished.add(k.rank)  # its actor exists but the launch never got to start it
+            elif res.get("code") is not None:
+                t.codes[k.rank] = int(res["code"])
+        return {job_id: self._observation(t) for job_id, t in self._jobs.items()}
+
+    def _observation(self, t: _Tracked) -> Observation:
+        states = []
+        for k in t.ranks:
+            code = t.codes.get(k.rank)
+            ended = code is not None and code != 0 and t.reader.phase(k.rank) == c.PHASE_ENDED
+            states.append(RankState(k.rank, k.pid, code, k.rank in t.vanished, ended, k.rank in t.lost, k.node))
+        return Observation(t.job_id, t.attempt, t.launched_s, tuple(states), t.reader.read())
+
+    def worker_pids(self, job_id: str) -> dict[int, int]:
+        """rank -> the rank's pid on its node, for those that started."""
+        t = self._jobs.get(job_id)
+        return {k.rank: k.pid for k in (t.ranks if t else []) if k.pid is not None}
+
+    # -- recovery ------------------------------------------------------------------------------------
+    def adopt(self, job_id: str, attempt: int, now_s: float) -> bool:
+        """Track attempt ``attempt`` again: its actors found by name (a rank whose actor is gone is
+        reported vanished); False without its ``launch.json`` (no actor of it was ever created)."""
+        adir = self.attempt_dir(job_id, attempt)
+        doc = read_json(adir / c.LAUNCH_FILE)
+        if doc is None or not isinstance(doc.get("ranks"), list):
+            return False
+        ranks = []
+        for d in doc["ranks"]:
+            try:
+                actor = self._ray.get_actor(str(d["actor"]), namespace=self.namespace)
+            except ValueError:
+                actor = None
+            ranks.append(_Rank(int(d["rank"]), str(d["node"]), str(d["node_id"]), actor, d.get("pid")))
+        self._jobs[job_id] = _Tracked(job_id, attempt, float(doc["launched_s"]), adir, ranks,
+                                      doc.get("placement_group"), ProgressReader(adir / c.PROGRESS_DIRNAME,
+                                                                                 len(ranks)))
+        return True
+
+
+def rank_pids(root: str | os.PathLike) -> list[int]:
+    """Every rank pid recorded under ``root`` (``pid-<r>.json`` of every attempt): for tests that must
+    leave no process behind on a one-machine cluster."""
+    out = []
+    for p in Path(root).glob(f"*/{c.attempt_dirname('*')}/pid-*.json"):
+        doc = read_json(p)
+        if doc and isinstance(doc.get("pid"), int):
+            out.append(doc["pid"])
+    return out
+
+
+def kill_ranks(root: str | os.PathLike) -> int:
+    """SIGKILL the process group of every recorded rank still running on this machine; how many."""
+    n = 0
+    for pid in rank_pids(root):
+        if procs.alive(pid):
+            procs.kill_group(pid)
+            n += 1
+    return n
+
+
+__all__ = ["NODE_LABEL", "RayExecutor", "actor_name", "kill_ranks", "rank_pids"]

@@ -1,0 +1,112 @@
+"""One rank of a job on a Ray node: a detached, named actor that runs the user's command as a process.
+
+The Ray executor (:mod:`tidal.exec.ray_exec`) creates one :class:`RankActor` per rank, in the bundle of
+the attempt's placement group that sits on the node the scheduler chose. The actor holds the rank's
+GPU in Ray's accounting (``num_gpus=1``) and runs nothing of the job itself: :meth:`RankActor.start`
+starts the command as a child process (its own session, so a notice reaches the whole process group)
+with the environment the executor composed, its output appended to the rank's log file. The actor
+keeps the child's exit code, so a restarted control plane that finds the actor by name learns how
+the rank ended.
+
+The child dies with the actor: it is started with ``PR_SET_PDEATHSIG`` = SIGKILL, so ``ray.kill`` of
+the actor, or the death of its worker process with the node, never leaves a rank running unwatched.
+:meth:`RankActor.start` runs a command once: a second call returns the first one's pid.
+
+Standard library and ``ray`` only (no torch): the module is imported by every Ray worker that hosts a rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import resource
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+
+PR_SET_PDEATHSIG = 1
+try:  # resolved before any fork: the child only calls it
+    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux
+    _PRCTL = None
+
+
+def _child_setup(parent: int) -> None:
+    """In the child before exec: die with the actor's worker, no core dumps."""
+    if _PRCTL is not None:
+        _PRCTL(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the actor died between fork and prctl
+        os._exit(137)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+class RankActor:
+    """See the module docstring. Methods are quick (no waiting on the rank): the executor calls them
+    from its reconcile step."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+        self.code: int | None = None
+        self.error: str | None = None
+
+    def info(self) -> dict:
+        """Where this rank runs: Ray node id, the node's address, the GPUs Ray gave it, the actor's pid."""
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return {"node_id": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(),
+                "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "pid": os.getpid()}
+
+    def free_port(self) -> int:
+        """A free TCP port on this node (rank 0's: the rendezvous, ``MASTER_PORT``)."""
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+
+    def start(self, command: Sequence[str], env: Mapping[str, str], cwd: str, log_path: str, header: str,
+              pid_path: str | None = None) -> int | None:
+        """Run ``command`` (once); its pid, or None if it could not start (the reason is in the log and
+        :meth:`poll`)."""
+        if self.proc is not None or self.error is not None:
+            return self.proc.pid if self.proc is not None else None
+        fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        with open(fd, "ab") as out:
+            out.write(header.encode())
+            out.flush()
+            parent = os.getpid()
+            try:
+                self.proc = subprocess.Popen(list(command), stdin=subprocess.DEVNULL, stdout=out,
+                                             stderr=subprocess.STDOUT, cwd=cwd, env=dict(env), umask=0o077,
+                                             start_new_session=True, close_fds=True,
+                                             preexec_fn=lambda: _child_setup(parent))
+            except (OSError, subprocess.SubprocessError) as e:
+                self.error, self.code = f"cannot start {command[0]!r} in {cwd}: {e}", 127
+                out.write(f"tidal: {self.error}\n".encode())
+                return None
+        if pid_path is not None:
+            with contextlib.suppress(OSError):
+                tmp = f"{pid_path}.tmp"
+                with open(tmp, "w") as f:
+                    json.dump({"pid": self.proc.pid, "time": time.time()}, f)
+                os.replace(tmp, pid_path)
+        return self.proc.pid
+
+    def poll(self) -> dict:
+        """``{"started", "pid", "code"}``: ``code`` None while the rank runs (negative: killed by that signal)."""
+        if self.proc is not None and self.code is None:
+            self.code = self.proc.poll()
+        return {"started": self.proc is not None or self.error is not None,
+                "pid": self.proc.pid if self.proc is not None else None, "code": self.code, "error": self.error}
+
+    def signal(self, sig: int) -> bool:
+        """Send ``sig`` to the rank's process group while it runs; True if sent."""
+        if self.proc is None or self.proc.poll() is not None:
+            return False
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, sig)
+            return True
+        return False

@@ -1,0 +1,92 @@
+"""A real multi-node Ray cluster on this machine for the Ray executor's tests (``ray.cluster_utils.Cluster``).
+
+One per test session (``ray_cluster`` in conftest.py), started on first use (~5-15 s on 2 busy cores):
+a head node with no GPUs and three worker nodes with declared (virtual) GPUs, labelled for Tidal
+``n1`` (2 GPUs), ``n2`` (1) and ``n3`` (1), one CPU each. Ray's health checks are tightened (a node
+that stops answering is dead after ~3 s instead of ~30 s) so node-loss tests are quick; nothing calls
+the network (usage stats off, no dashboard). At the end: ``ray.shutdown()``, ``cluster.shutdown()``,
+every rank recorded under the tests' state dirs SIGKILLed, their node-memory directories removed, and a check that no raylet or GCS started
+here is left.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tidal.exec import procs
+from tidal.exec.ray_exec import NODE_LABEL, QUIET_ENV, kill_ranks, namespace_for, shm_base
+
+NODES = {"n1": 2, "n2": 1, "n3": 1}
+HEALTH = {"health_check_period_ms": 500, "health_check_timeout_ms": 500, "health_check_failure_threshold": 4}
+
+
+@dataclass
+class RayCluster:
+    cluster: Any
+    nodes: dict[str, Any] = field(default_factory=dict)  # Tidal name -> ray node handle
+    state_roots: list[Path] = field(default_factory=list)  # jobs dirs whose ranks are killed at the end
+
+    @property
+    def address(self) -> str:
+        return self.cluster.address
+
+    def add(self, name: str) -> None:
+        self.nodes[name] = self.cluster.add_node(num_cpus=1, num_gpus=NODES[name], labels={NODE_LABEL: name},
+                                                 include_dashboard=False)
+
+    def remove(self, name: str, graceful: bool = False) -> None:
+        """The node goes (non-graceful: its raylet is SIGKILLed, Ray's health checks notice)."""
+        self.cluster.remove_node(self.nodes.pop(name), allow_graceful=graceful)
+
+    def restore(self) -> None:
+        """Every node of ``NODES`` back (a test that removed one and failed before adding it again)."""
+        for name in NODES:
+            if name not in self.nodes:
+                self.add(name)
+
+    def pids(self) -> list[int]:
+        """Ray's own processes of every node of this cluster (raylets, GCS, ...)."""
+        out = []
+        for node in [self.cluster.head_node, *self.cluster.worker_nodes]:
+            for infos in getattr(node, "all_processes", {}).values():
+                out += [i.process.pid for i in infos if getattr(i, "process", None) is not None]
+        return out
+
+
+def start() -> RayCluster:
+    for k, v in QUIET_ENV.items():
+        os.environ.setdefault(k, v)
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0, "include_dashboard": False,
+                                                      "_system_config": HEALTH})
+    rc = RayCluster(c)
+    for name in NODES:
+        rc.add(name)
+    c.wait_for_nodes()
+    return rc
+
+
+def stop(rc: RayCluster) -> None:
+    import ray
+
+    pids = rc.pids()
+    try:
+        ray.shutdown()
+    finally:
+        rc.cluster.shutdown()
+        for root in rc.state_roots:
+            kill_ranks(root)
+            shm = shm_base(namespace_for(root))
+            if shm is not None:
+                shutil.rmtree(shm, ignore_errors=True)
+    deadline = time.monotonic() + 10
+    while any(procs.alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [p for p in pids if procs.alive(p)]
+    assert not left, f"Ray processes left behind: {left}"

@@ -1,0 +1,40 @@
+"""``tidal demo ray``: bad options are one clear error before anything starts; the whole demo (its own
+3-node Ray cluster, ~1.5 min) only with TIDAL_RAY_LONG=1 (not in make test)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from tidal.control.demo_ray import demo_ray
+
+
+def app() -> typer.Typer:
+    a = typer.Typer()
+    a.command()(demo_ray)
+    return a
+
+
+@pytest.mark.parametrize("args, msg", [(["--parallel", "tp"], "--parallel 'tp': expected ddp or fsdp"),
+                                       (["--kill-at", "1.5"], "expected 0 < kill-at < 1"),
+                                       (["--steps", "8", "--ckpt-every", "5"], "steps >= 2 x ckpt-every + 2")])
+def test_bad_options_are_one_clear_error(args, msg):
+    r = CliRunner().invoke(app(), args)
+    assert r.exit_code == 2 and msg in " ".join(r.output.split()), r.output
+
+
+@pytest.mark.slow
+@pytest.mark.ray_long
+@pytest.mark.skipif(os.environ.get("TIDAL_RAY_LONG") != "1", reason="starts its own Ray cluster (~1.5 min): "
+                    "TIDAL_RAY_LONG=1 runs it")
+def test_the_demo_recovers_from_a_node_loss():
+    pytest.importorskip("ray")
+    r = CliRunner().invoke(app(), ["--json", "--steps", "40"])
+    assert r.exit_code == 0, r.output
+    s = json.loads(r.stdout[r.stdout.index("{"):])
+    assert s["state"] == "succeeded" and s["restarts"] == 0 and s["world_sizes"]["1"] == 3
+    assert s["world_sizes"]["2"] == 2 and s["restored_step"] > 0 and s["detection_s"] > 0
