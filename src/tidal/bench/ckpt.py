@@ -464,5 +464,9 @@ def _render_peers(result: dict, console: Any) -> None:
                                   f"{r:.2f}× ({key.split('_over_')[1]})" if r is not None else "")
         table.add_section()
     console.print(table)
+    for entry in result["peers"].values():
+        for name, e in entry.get("engines", {}).items():
+            for note in e.get("notes", []) if e["status"] == "ok" else []:
+                console.print(f"• {name}: {note}", highlight=False)
     for line in peer_lines(result):
         console.print(f"[yellow]• {line}[/]", highlight=False)
