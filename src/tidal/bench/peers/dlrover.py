@@ -4,7 +4,8 @@
 shared-memory buffer (the stall) and queues the step to DLRover's saver process, which ``torch.save``s the
 buffer to ``path`` and then writes the step into ``dlrover_latest.txt`` (fsynced; the data file is not).
 Without ``dlrover-run`` the checkpointer starts that saver process itself (what its docs describe for
-plain ``torchrun``/``python``); this adapter does that.
+plain ``torchrun``/``python``); this adapter starts it the same way (``start_saver_process``), but before
+the state is built, where ``dlrover-run``'s agent would have it.
 
 * ``stall_s``: ``save_checkpoint`` returned (the shared-memory copy is done; training may go on).
 * ``tracker_s``: ``dlrover_latest.txt`` names the step (polled every millisecond, not with
@@ -18,6 +19,7 @@ plain ``torchrun``/``python``); this adapter does that.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import shutil
@@ -104,21 +106,39 @@ class FlashDisk(Engine):
         return {"load_disk_s": time.perf_counter() - t0}
 
     def close(self) -> None:
-        """Close, and remove what DLRover leaves behind: its shared-memory buffer and its sockets."""
-        from dlrover.python.common.multi_process import SOCKET_TMP_DIR
-
         self.cp._engine.close()
-        run_id = os.environ[RUN_ID_ENV]
-        for p in Path("/dev/shm").glob(f"{run_id}_*"):
-            p.unlink(missing_ok=True)
-        shutil.rmtree(Path(SOCKET_TMP_DIR) / run_id, ignore_errors=True)
-        with contextlib.suppress(OSError):
-            Path(SOCKET_TMP_DIR).rmdir()  # only if no other run's sockets are there
+        remove_leftovers()
+
+
+def remove_leftovers() -> None:
+    """Remove what DLRover leaves behind for this run: its shared-memory buffer and its sockets."""
+    from dlrover.python.common.multi_process import SOCKET_TMP_DIR
+
+    run_id = os.environ.get(RUN_ID_ENV)
+    if not run_id:
+        return
+    for p in Path("/dev/shm").glob(f"{run_id}_*"):
+        p.unlink(missing_ok=True)
+    shutil.rmtree(Path(SOCKET_TMP_DIR) / run_id, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        Path(SOCKET_TMP_DIR).rmdir()  # only if no other run's sockets are there
+
+
+def start_saver() -> None:
+    """Start DLRover's saver process before the state exists, as ``dlrover-run``'s agent would have.
+
+    Left to the checkpointer, it is forked from the process already holding the state and its torch
+    threads; there, under load, its sockets once took longer than DLRover's fixed 60 s to come up.
+    """
+    from dlrover.trainer.torch.flash_checkpoint.engine import CheckpointEngine, start_saver_process
+
+    # Names of DLRover's shared-memory buffers and sockets carry the run id: one of its own per run.
+    os.environ[RUN_ID_ENV] = f"tidal-bench-{uuid.uuid4().hex[:8]}"
+    atexit.register(remove_leftovers)  # also when an engine fails before it could be closed
+    CheckpointEngine.saver_proc = start_saver_process()  # the engine starts none while this is set
 
 
 def open_engines(ctx: Context) -> dict[str, Engine | BaseException]:
-    # Names of DLRover's shared-memory buffers and sockets carry the run id: one of its own per run.
-    os.environ[RUN_ID_ENV] = f"tidal-bench-{uuid.uuid4().hex[:8]}"
     try:
         return {"dlrover_flash": FlashDisk(ctx)}
     except Exception as e:  # noqa: BLE001 (reported as the reason it cannot run here)
@@ -126,4 +146,4 @@ def open_engines(ctx: Context) -> dict[str, Engine | BaseException]:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main("dlrover", ["dlrover"], open_engines))
+    raise SystemExit(main("dlrover", ["dlrover"], open_engines, prepare=start_saver))

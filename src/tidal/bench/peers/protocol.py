@@ -227,8 +227,12 @@ def measure(engines: dict[str, Engine | BaseException], ctx: Context, repeat: in
 
 
 def main(peer: str, dists: list[str], open_engines: Callable[[Context], dict[str, Engine | BaseException]],
-         argv: list[str] | None = None) -> int:
-    """Parse the runner's arguments, measure, write the JSON document to ``--out``; 0 once written."""
+         argv: list[str] | None = None, prepare: Callable[[], object] | None = None) -> int:
+    """Parse the runner's arguments, measure, write the JSON document to ``--out``; 0 once written.
+
+    ``prepare`` runs before the state is built: what a launcher would have started before training
+    (DLRover's saver process, which ``dlrover-run``'s agent owns).
+    """
     ap = argparse.ArgumentParser(prog=f"tidal.bench.peers ({peer})")
     ap.add_argument("--size-bytes", type=int, required=True)
     ap.add_argument("--seed", type=int, default=0)
@@ -245,12 +249,17 @@ def main(peer: str, dists: list[str], open_engines: Callable[[Context], dict[str
     root = args.dir
     root.mkdir(parents=True, exist_ok=True)
     try:
+        failed: BaseException | None = None
+        try:
+            if prepare is not None:
+                prepare()
+        except Exception as e:  # noqa: BLE001 (reported as the reason the peer cannot run here)
+            failed = e
         model, opt, state, shape = build_state(args.size_bytes, args.seed)
         ctx = Context(state, model, opt, root, args.size_bytes, args.seed)
         try:
-            engines = open_engines(ctx)
+            engines = {peer: failed} if failed is not None else open_engines(ctx)
         except Exception as e:  # noqa: BLE001 (the import or set-up of the peer itself failed)
-            log(traceback.format_exc())
             engines = {peer: e}
         memcpy, results = measure(engines, ctx, args.repeat, log)
         doc = {
