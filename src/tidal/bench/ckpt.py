@@ -25,6 +25,11 @@ stepped once so its state exists; the state comes from :func:`tidal.ckpt.trainin
   ``LocalShard`` row blocks as three ranks of a different layout would hold them
   (``load_resharded_s``, the three loads run one after another here and their times are summed),
   and ``dcp.load``.
+* peers — the other open engines (ByteCheckpoint, DLRover's flash checkpoint, nvidia-resiliency-ext),
+  each in its own venv made by ``benchmarks/peers/setup.sh``, run after the competitors above by
+  :mod:`tidal.bench.peers` on the same state (``tidal.bench.ckpt_state.build_state``, same size and
+  seed) with the same protocol; ``--no-peers`` skips them. A peer that is not installed, or an engine
+  of it that cannot run here (needs CUDA, ...), is one line saying why (``result["peers"]``).
 
 Why this way: all competitors run in one process on the same tensors, alternating within every
 repeat (the order rotates from one repeat to the next) after one untimed warm-up round, and each
