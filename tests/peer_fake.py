@@ -4,7 +4,8 @@ Run as ``python tests/peer_fake.py <protocol args>``; ``FAKE_PEER_MODE`` picks w
 
 * ``ok`` (default): three engines through :func:`tidal.bench.peers.protocol.main`: ``fake_save``
   (``torch.save`` + fsync, loaded back with ``torch.load``), ``fake_cuda`` (cannot be opened: "needs
-  CUDA"), ``fake_wrong`` (saves, but its load returns other values, so the warm-up check refuses it);
+  CUDA"), ``fake_wrong`` (saves, but its load returns other values, so the warm-up check refuses it),
+  ``fake_flaky`` (fails in the second timed save round);
 * ``crash``: prints a line to stderr and exits 3;   ``garbage``: writes a document that is not JSON;
 * ``hang``: sleeps (the runner's timeout ends it), after starting a child process that sleeps too
   (which the runner must end as well: its pid goes to ``FAKE_PEER_CHILD_PID``).
@@ -71,9 +72,27 @@ class FakeSave(Engine):
         return {"load_disk_s": time.perf_counter() - t0}
 
 
+class Flaky(FakeSave):
+    """Saves in the warm-up, then fails in the second timed round (and its close fails too)."""
+
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
+        self.path = ctx.root / "flaky.pt"
+        self.saves = 0
+
+    def save(self, step: int) -> dict[str, float]:
+        self.saves += 1
+        if self.saves == 3:
+            raise OSError("disk full")
+        return super().save(step)
+
+    def close(self) -> None:
+        raise RuntimeError("already broken")
+
+
 def open_engines(ctx: Context) -> dict[str, Engine | BaseException]:
     return {"fake_save": FakeSave(ctx), "fake_cuda": RuntimeError("needs CUDA\nsecond line"),
-            "fake_wrong": FakeSave(ctx, wrong=True)}
+            "fake_wrong": FakeSave(ctx, wrong=True), "fake_flaky": Flaky(ctx)}
 
 
 TIDAL_ONLY_DEPS = ["safetensors", "typer", "rich", "obstore", "matplotlib", "fastapi", "uvicorn", "pydantic",

@@ -63,6 +63,9 @@ def test_fake_peer_merged(tmp_path, monkeypatch):
     wrong = fake["engines"]["fake_wrong"]
     assert wrong["status"] == "unavailable" and "warm-up load disk" in wrong["reason"]
     assert "differ from the saved state" in wrong["reason"] and "save" not in wrong
+    # An engine failing in a timed round is reported with the round; the others were timed to the end.
+    assert fake["engines"]["fake_flaky"] == {"status": "unavailable", "notes": ["torch.save + fsync"],
+                                             "reason": "failed in save repeat 2: OSError: disk full"}
 
     ratios = result["peer_ratios"]
     stall = ok["save"]["stall_s"]["median"]
@@ -72,12 +75,13 @@ def test_fake_peer_merged(tmp_path, monkeypatch):
     assert ratios["fake_save_stall_over_its_memcpy"] == pytest.approx(stall / fake["memcpy"]["copy_s"]["median"])
     assert ratios["fake_save_load_disk_over_tidal_load_disk"] == pytest.approx(
         ok["load"]["load_disk_s"]["median"] / 0.02)
-    assert not any(k.startswith(("fake_cuda", "fake_wrong")) for k in ratios)
+    assert not any(k.startswith(("fake_cuda", "fake_wrong", "fake_flaky")) for k in ratios)
 
     lines = peer_lines(result)
     assert lines == [f"absent: not installed: {missing['absent']}",
                      "fake / fake_cuda: cannot run here: RuntimeError: needs CUDA",
-                     f"fake / fake_wrong: cannot run here: {wrong['reason']}"]
+                     f"fake / fake_wrong: cannot run here: {wrong['reason']}",
+                     "fake / fake_flaky: cannot run here: failed in save repeat 2: OSError: disk full"]
     # The table shows the peer's rows and, one line each, what could not run here.
     from rich.console import Console
 
@@ -212,3 +216,24 @@ def test_one_line_names_a_bare_assert(tmp_path):
         mod.check(type("T", (), {"is_cuda": False})())
     assert one_line(info.value) == "AssertionError at peerlib.py:2 (assert t.is_cuda)"
     assert one_line(RuntimeError("x" * 1000)) == "RuntimeError: " + "x" * 385 + "…"
+
+
+def test_adapter_prepare_failure_is_the_reason(tmp_path):
+    """An adapter whose set-up before the state (a launcher's part) fails still writes its document."""
+    import json
+
+    from tidal.bench.peers.protocol import main
+
+    def prepare():
+        raise ConnectionError("saver did not start")
+
+    def never(ctx):
+        raise AssertionError("open_engines must not run after prepare failed")
+
+    out = tmp_path / "doc.json"
+    argv = ["--size-bytes", "20000", "--repeat", "1", "--dir", str(tmp_path / "w"), "--out", str(out)]
+    assert main("p", [], never, argv, prepare=prepare) == 0
+    doc = json.loads(out.read_text())
+    assert doc["engines"] == {"p": {"status": "unavailable", "reason": "ConnectionError: saver did not start"}}
+    assert check_document(doc, doc["size_bytes"], doc["tensors"]) is None
+    assert not (tmp_path / "w").exists()
