@@ -25,6 +25,11 @@ stepped once so its state exists; the state comes from :func:`tidal.ckpt.trainin
   ``LocalShard`` row blocks as three ranks of a different layout would hold them
   (``load_resharded_s``, the three loads run one after another here and their times are summed),
   and ``dcp.load``.
+* peers — the other open engines (ByteCheckpoint, DLRover's flash checkpoint, nvidia-resiliency-ext),
+  each in its own venv made by ``benchmarks/peers/setup.sh``, run after the competitors above by
+  :mod:`tidal.bench.peers` on the same state (``tidal.bench.ckpt_state.build_state``, same size and
+  seed) with the same protocol; ``--no-peers`` skips them. A peer that is not installed, or an engine
+  of it that cannot run here (needs CUDA, ...), is one line saying why (``result["peers"]``).
 
 Why this way: all competitors run in one process on the same tensors, alternating within every
 repeat (the order rotates from one repeat to the next) after one untimed warm-up round, and each
@@ -38,26 +43,34 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import math
 import os
-import platform
 import shutil
 import statistics
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from tidal import ckpt
+from tidal.bench.ckpt_state import (
+    GB,
+    RANKS,
+    build_state,
+    check_equal,
+    machine,
+    map_tensors,
+    row_blocks,
+    state_bytes,
+    tensors,
+    zero,
+)
 from tidal.ckpt.tiers.directory import SHM_BASE_ENV, shm_root_for
 
-GB = 10**9
-RANKS = 3  # simulated ranks of the resharded load
-ROW_SPLIT = (1, 2, 3)  # uneven row blocks: 1/6, 2/6 and 3/6 of the rows
+__all__ = ["GB", "RANKS", "build_state", "machine", "resharded_states", "run", "render", "state_bytes"]
 
 # (competitor, metric) pairs in report order; every one is a dict {"samples": [...], "median": x}.
 SAVE_METRICS: dict[str, tuple[str, ...]] = {
@@ -110,62 +123,9 @@ NOTES = [
 ]
 
 
-# -- the state -----------------------------------------------------------------------------------
+# -- the state (tidal.bench.ckpt_state, shared with the peer adapters) ----------------------------
 
-def build_state(size_bytes: int, seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict, dict]:
-    """A stack of ``nn.Linear`` + Adam whose fp32 params, exp_avg and exp_avg_sq total ~``size_bytes``.
-
-    Returns ``(model, optimizer, state, shape)`` with ``state = ckpt.training_state(model, optimizer)``.
-    """
-    params = max(1, size_bytes // 12)  # 4 bytes x (param + exp_avg + exp_avg_sq)
-    width = 1024 if params >= 8 * (1024 * 1024 + 1024) else max(4, int(math.sqrt(params / 8)))
-    layers = max(1, round(params / (width * width + width)))
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    for p in model.parameters():
-        p.grad = torch.randn_like(p)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    state = ckpt.training_state(model, opt)
-    return model, opt, state, {"layers": layers, "width": width}
-
-
-def _tensors(v: Any) -> Iterator[torch.Tensor]:
-    if isinstance(v, torch.Tensor):
-        yield v
-    elif isinstance(v, dict):
-        for x in v.values():
-            yield from _tensors(x)
-    elif isinstance(v, (list, tuple)):
-        for x in v:
-            yield from _tensors(x)
-
-
-def _map_tensors(v: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    if isinstance(v, torch.Tensor):
-        return fn(v)
-    if isinstance(v, dict):
-        return {k: _map_tensors(x, fn) for k, x in v.items()}
-    if isinstance(v, list):
-        return [_map_tensors(x, fn) for x in v]
-    if isinstance(v, tuple):
-        return tuple(_map_tensors(x, fn) for x in v)
-    return v
-
-
-def state_bytes(state: dict) -> int:
-    return sum(t.numel() * t.element_size() for t in _tensors(state))
-
-
-def _row_blocks(rows: int) -> list[tuple[int, int]]:
-    """(start, length) of the uneven row blocks of each simulated rank."""
-    total = sum(ROW_SPLIT)
-    bounds = [0]
-    for w in ROW_SPLIT[:-1]:
-        bounds.append(bounds[-1] + rows * w // total)
-    bounds.append(rows)
-    return [(a, b - a) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+_tensors, _map_tensors = tensors, map_tensors  # the names tidal.bench.tiers imports
 
 
 def resharded_states(target: dict) -> list[dict]:
@@ -175,28 +135,10 @@ def resharded_states(target: dict) -> list[dict]:
         def piece(t: torch.Tensor, r: int = r) -> Any:
             if t.dim() == 0 or t.shape[0] < RANKS:
                 return t
-            start, n = _row_blocks(t.shape[0])[r]
+            start, n = row_blocks(t.shape[0])[r]
             return ckpt.LocalShard(t[start : start + n], (start,) + (0,) * (t.dim() - 1), tuple(t.shape))
         out.append(_map_tensors(target, piece))
     return out
-
-
-def machine() -> dict:
-    cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    return {
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "cpu": cpu,
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cuda": torch.cuda.is_available(),
-    }
 
 
 # -- the competitors -----------------------------------------------------------------------------
@@ -347,18 +289,6 @@ class _Bench:
         return {"load_s": time.perf_counter() - t0}
 
 
-def _zero(state: dict) -> None:
-    with torch.no_grad():
-        for t in _tensors(state):
-            t.zero_()
-
-
-def _check_equal(target: dict, state: dict, what: str) -> None:
-    for a, b in zip(_tensors(target), _tensors(state), strict=True):
-        if not torch.equal(a, b):
-            raise RuntimeError(f"{what}: loaded tensors differ from the saved state")
-
-
 def _summary(samples: list[float]) -> dict:
     return {"samples": samples, "median": statistics.median(samples)}
 
@@ -420,14 +350,14 @@ def run(size_gb: float = 1.0, repeat: int = 5, directory: str | os.PathLike | No
                 ("dcp", bench.dcp_load),
             ]
             for fn in (f for _, f in loads):  # warm-up, and a check that every load is right
-                _zero(target)
+                zero(target)
                 fn(target)
-                _check_equal(target, state, fn.__name__)
+                check_equal(target, state, fn.__name__)
             for i in range(repeat):
                 log(f"load repeat {i + 1}/{repeat}")
                 k = i % len(loads)
                 for group, fn in loads[k:] + loads[:k]:
-                    _zero(target)
+                    zero(target)
                     gc.collect()
                     for metric, value in fn(target).items():
                         samples["load"][group][metric].append(value)
@@ -500,5 +430,48 @@ def render(result: dict, console: Any) -> None:
         verdict = ("[green]PASS[/]" if t["pass"] else "[red]MISS[/]") if t else ""
         ratios.add_row(name, "-" if value is None else f"{value:.3f}×", f"≤ {t['target_max']:g}×" if t else "", verdict)
     console.print(ratios)
+    if "peers" in result:
+        _render_peers(result, console)
     for note in result["notes"]:
         console.print(f"• {note}", highlight=False)
+
+
+def _render_peers(result: dict, console: Any) -> None:
+    """The peers' medians (run in their own venvs, same state, same run) with their ratio to Tidal's."""
+    from rich.table import Table
+
+    from tidal.bench.peers.runner import peer_lines
+
+    size = result["size_bytes"]
+    table = Table(title="peers (each in its own venv, same state and protocol, after Tidal in this run)")
+    for col in ("engine", "metric"):
+        table.add_column(col)
+    for col in ("median s", "min s", "max s", "GB/s", "÷ Tidal"):
+        table.add_column(col, justify="right")
+    ratios = result.get("peer_ratios", {})
+    for peer, entry in result["peers"].items():
+        if entry["status"] != "ok":
+            continue
+        floor = entry["memcpy"]["copy_s"]
+        table.add_row(f"{peer}: memcpy", "copy_s", f"{floor['median']:.4f}", f"{min(floor['samples']):.4f}",
+                      f"{max(floor['samples']):.4f}", f"{size / floor['median'] / GB:.2f}", "")
+        for name, e in entry["engines"].items():
+            if e["status"] != "ok":
+                continue
+            for group in ("save", "load"):
+                for metric, s in e[group].items():
+                    med = s["median"]
+                    key = next((k for k in ratios if k.startswith(f"{name}_{metric[:-2]}_over_tidal")), None)
+                    r = ratios.get(key) if key else None
+                    table.add_row(name if group == "save" else f"{name} (load)", metric, f"{med:.4f}",
+                                  f"{min(s['samples']):.4f}", f"{max(s['samples']):.4f}",
+                                  f"{size / med / GB:.2f}" if med > 0 else "-",
+                                  f"{r:.2f}× ({key.split('_over_')[1]})" if r is not None else "")
+        table.add_section()
+    console.print(table)
+    for entry in result["peers"].values():
+        for name, e in entry.get("engines", {}).items():
+            for note in e.get("notes", []) if e["status"] == "ok" else []:
+                console.print(f"• {name}: {note}", highlight=False)
+    for line in peer_lines(result):
+        console.print(f"[yellow]• {line}[/]", highlight=False)

@@ -25,8 +25,11 @@ def ckpt(
                                   "to stderr)."),
     directory: Path | None = typer.Option(None, "--dir", help="Make the scratch directory under DIR "
                                           "(default: the system temp directory); removed at the end."),
+    peers: bool = typer.Option(True, "--peers/--no-peers", help="Also run the peer engines installed by "
+                               "benchmarks/peers/setup.sh (ByteCheckpoint, DLRover, nvidia-resiliency-ext), "
+                               "each in its venv, on the same state; the others are listed as not installed."),
 ) -> None:
-    """Checkpoint stall, commit and load time: Tidal vs memcpy, torch.save and DCP, on one state."""
+    """Checkpoint stall, commit and load time: Tidal vs memcpy, torch.save, DCP and the peers, on one state."""
     from rich.console import Console
     from rich.markup import escape
 
@@ -34,7 +37,16 @@ def ckpt(
 
     err = Console(stderr=True)
     out = err if json_out else Console()
-    result = run(size_gb, repeat, directory, log=lambda s: err.print(f"[dim]{escape(s)}[/]", highlight=False))
+
+    def log(s: str) -> None:
+        err.print(f"[dim]{escape(s)}[/]", highlight=False)
+
+    result = run(size_gb, repeat, directory, log=log)
+    if peers:
+        from tidal.bench.peers.runner import find_peers, run_peers
+
+        found, missing = find_peers()
+        run_peers(result, peers=found, missing=missing, directory=directory, log=log)
     render(result, out)
     if json_out:
         print(json.dumps(result, indent=2))
