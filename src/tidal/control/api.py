@@ -58,7 +58,7 @@ from tidal.contract import ENV_SHM_DIR
 from tidal.control import locations as loc_policy
 from tidal.control import metrics
 from tidal.control import schemas as sc
-from tidal.control.auth import authenticate, create_tenant, token_hash
+from tidal.control.auth import authenticate, create_tenant, token_hash, visible_job
 from tidal.control.dashboard import dashboard_router
 from tidal.control.spec import JobSpec, clean_msg, error_path
 from tidal.control.states import HELD, TERMINAL, State
@@ -233,11 +233,8 @@ def create_app(ctx: ApiContext) -> FastAPI:
         return me
 
     def own_job(job_id: str, me: TenantRow):
-        try:
-            job = store.job(job_id)
-        except NotFound:
-            job = None
-        if job is None or (not me.admin and job.tenant != me.name):
+        job = visible_job(store, job_id, me)
+        if job is None:
             raise HTTPException(404, f"job {job_id} not found")
         return job
 

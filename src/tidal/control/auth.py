@@ -13,7 +13,7 @@ import os
 import secrets
 from pathlib import Path
 
-from tidal.control.store import Store, TenantRow
+from tidal.control.store import JobRow, NotFound, Store, TenantRow
 
 ADMIN = "admin"
 ADMIN_TOKEN_FILE = "admin.token"
@@ -65,3 +65,13 @@ def ensure_admin(store: Store, state_dir: Path, now_s: float) -> tuple[str, bool
         f.write(token + "\n")
     os.replace(tmp, path)
     return token, True
+
+
+def visible_job(store: Store, job_id: str, caller: TenantRow) -> JobRow | None:
+    """The job if ``caller`` may see it (its tenant's, or the admin), else None: a job of another tenant
+    answers exactly as a job that does not exist (the API's 404), so ids are not probed."""
+    try:
+        job = store.job(job_id)
+    except NotFound:
+        return None
+    return job if caller.admin or job.tenant == caller.name else None

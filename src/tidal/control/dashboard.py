@@ -30,8 +30,9 @@ from fastapi import APIRouter, Depends, HTTPException, Query, Response
 from fastapi.responses import RedirectResponse
 
 from tidal.control import dashboard_views as dv
+from tidal.control.auth import visible_job
 from tidal.control.states import ACTIVE, HELD, State
-from tidal.control.store import NotFound, TenantRow
+from tidal.control.store import TenantRow
 from tidal.control.views import job_view
 
 if TYPE_CHECKING:
@@ -153,11 +154,8 @@ def dashboard_router(ctx: "ApiContext", caller: Callable[..., Any]) -> APIRouter
     @_json()
     def job_curves(job_id: str, me: Caller) -> dict:
         """Loss and throughput per attempt (rank 0's progress records), restores and checkpoints."""
-        try:
-            j = store.job(job_id)
-        except NotFound:
-            j = None
-        if j is None or (not me.admin and j.tenant != me.name):
+        j = visible_job(store, job_id, me)
+        if j is None:
             raise HTTPException(404, f"job {job_id} not found")
         if ctx.job_dir is None:
             return {"job": j.id, "attempts": [], "first_attempt": 1}
