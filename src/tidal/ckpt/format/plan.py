@@ -6,8 +6,11 @@ plan, so no further coordination is needed:
 
 * pieces held by several ranks (replicas) are written once, by the holder with the fewest bytes
   assigned so far, so replicated state is spread over the ranks;
-* each rank writes one safetensors file; its pieces are ordered by element size (8, 4, 2, 1 bytes)
-  so every piece is naturally aligned, and the header is padded to 8 bytes;
+* each rank writes one safetensors file; the header is padded to ``DATA_ALIGN`` (64) bytes and the
+  pieces whose size is a multiple of 64 bytes come first, so each of them starts on a cache line
+  (a copy into a misaligned destination runs ~25 % slower: that was most of the gap between a save's
+  stall and a memcpy); then the others, ordered by element size (8, 4, 2, 1 bytes), so every piece is
+  at least naturally aligned (safetensors allows no holes between tensors, so no padding between them);
 * the file layout depends only on the pieces, never on the step, so a staging buffer laid out for
   one save is reused by the next one.
 """
@@ -24,6 +27,7 @@ from dataclasses import dataclass, field
 from tidal.ckpt.errors import StateError
 from tidal.ckpt.format.layout import Box, check_tiling
 
+DATA_ALIGN = 64  # the data region starts on a cache line; so does every piece whose size is a multiple of it
 ITEMSIZE = {
     "F64": 8, "I64": 8, "U64": 8, "C64": 8,
     "F32": 4, "I32": 4, "U32": 4,
@@ -153,7 +157,8 @@ def make_plan(per_rank: list[list[PieceDesc]]) -> SavePlan:
 
     files = []
     for rank in range(world):
-        items = sorted(assigned[rank], key=lambda t: (-ITEMSIZE[entries[t[0]].dtype], t[0], t[1].offsets))
+        items = sorted(assigned[rank], key=lambda t: (t[2] % DATA_ALIGN != 0, -ITEMSIZE[entries[t[0]].dtype],
+                                                      t[0], t[1].offsets))
         files.append(_layout_file(rank, items, entries))
     h = hashlib.sha256()
     for f in files:
@@ -175,7 +180,7 @@ def _layout_file(rank: int, items: list[tuple[str, Box, int]], entries: dict[str
         keyed.append((name, box, key, pos, nb))
         pos += nb
     raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * ((8 - (len(raw) + 8) % 8) % 8)
+    raw += b" " * ((DATA_ALIGN - (len(raw) + 8) % DATA_ALIGN) % DATA_ALIGN)  # JSON may end in spaces
     head = struct.pack("<Q", len(raw)) + raw
     pieces = [PlannedPiece(n, b, rank, k, len(head) + p, nb) for n, b, k, p, nb in keyed]
     return RankFile(rank, pieces, head)
