@@ -54,6 +54,18 @@ def gpus_free() -> float:
     return ray.available_resources().get("GPU", 0.0)
 
 
+def all_gpus_free() -> float:
+    """Wait until every GPU of the cluster is free (an earlier test's placement groups are released
+    asynchronously after it ended) and return their number: the tests count from there."""
+    import ray
+
+    def idle() -> float:
+        total = ray.cluster_resources().get("GPU", 0.0)
+        return total if total and gpus_free() == total else 0.0
+
+    return wait_until("every GPU of the cluster free (nothing left held by an earlier test)", idle, 90)
+
+
 def test_ranks_across_nodes_stop_adopt_never_twice_kill_release(ray_cluster, tmp_path, monkeypatch):
     import ray
 
@@ -63,7 +75,7 @@ def test_ranks_across_nodes_stop_adopt_never_twice_kill_release(ray_cluster, tmp
     monkeypatch.setenv("TIDAL_TEST_SECRET", "plane-only")
     ex = RayExecutor(tmp_path / "jobs", address=ray_cluster.address, ready_timeout_s=60)
     assert sorted((n.name, n.gpus) for n in ex.nodes()) == [("n1", 2), ("n2", 1), ("n3", 1)]
-    total = gpus_free()
+    total = all_gpus_free()
     cmd = (sys.executable, "-c", RANK)
 
     # Placement order makes the ranks: n2's GPU is rank 0 (the rendezvous), n1's two GPUs ranks 1 and 2.
@@ -191,6 +203,7 @@ def test_adopting_an_attempt_cut_short_by_a_crash_mid_launch(ray_cluster, tmp_pa
     from tidal.exec.ray_exec import RayExecutor, actor_name
 
     ex = RayExecutor(tmp_path / "jobs", address=ray_cluster.address, ready_timeout_s=60)
+    all_gpus_free()
     ex.nodes()
     adir = ex.attempt_dir("m", 1)
     adir.mkdir(parents=True)
