@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
 import typer
-from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
@@ -45,6 +44,7 @@ from tidal.ckpt.format.flatten import ST_TO_DTYPE, path_name
 from tidal.ckpt.tiers.config import build, describe, kind_of, normalize, read_tiers, resolve
 from tidal.ckpt.tiers.directory import DirTier, is_peer_url, is_s3_url, local_path, shm_root_for, tiers_for
 from tidal.ckpt.verify import Checked, Problem, _check_step, _read, _verify_tier
+from tidal.console import console
 
 app = typer.Typer(
     help="Inspect, verify and export checkpoints.",
@@ -63,22 +63,10 @@ StepOpt = Annotated[
 ]
 
 
-
 # -- output helpers --------------------------------------------------------------------------------
 
-def _console(stderr: bool = False) -> Console:
-    stream = sys.stderr if stderr else sys.stdout
-    try:
-        tty = stream.isatty()
-    except (AttributeError, ValueError):
-        tty = False
-    # Piped output is not cut at 80 columns (unless COLUMNS says so); a terminal uses its width.
-    width = None if tty or "COLUMNS" in os.environ else 200
-    return Console(stderr=stderr, width=width, highlight=False)
-
-
 def _fail(msg: str) -> NoReturn:
-    _console(stderr=True).print(Text.assemble(("error: ", "bold red"), " ".join(msg.split())), soft_wrap=True)
+    console(stderr=True).print(Text.assemble(("error: ", "bold red"), " ".join(msg.split())), soft_wrap=True)
     raise typer.Exit(1)
 
 
@@ -220,7 +208,7 @@ def _pick(where: str, held: dict[int, list], step: int | None, notes: list[str] 
 
 
 def _note(lines: list[str]) -> None:
-    con = _console(stderr=True)
+    con = console(stderr=True)
     for ln in lines:
         con.print(Text(f"note: {ln}", style="yellow"), soft_wrap=True)
 
@@ -295,7 +283,7 @@ def ls_cmd(url: LsUrlArg, tier: TierOpt = None, as_json: JsonOpt = False) -> Non
             else:
                 table.add_row(_t(r["step"]), _t(" + ".join(r["tiers"])), _t(_human(r["bytes"])), _t(r["files"]),
                               _t(_when(r["created_unix_s"])), _t(r["world_size"]), _t(r["layout"]))
-        con = _console()
+        con = console()
         con.print(table)
         con.print(Text("tiers: " + "; ".join(f"{t.name} = {t.location}" for t in tiers)), soft_wrap=True)
         if status is not None:
@@ -364,7 +352,7 @@ def inspect_cmd(
         }
         _emit_json(doc)
     else:
-        con = _console()
+        con = console()
         con.print(Text(
             f"step {man.step} — tier {tier.name} ({tier.where(s)}), save {man.save_id}, "
             f"created {_when(man.created_unix_s)}\n{man.layout_summary()}; {len(tensors)} tensors, "
@@ -452,7 +440,7 @@ def verify_cmd(
         _emit_json({"ok": not problems, "checked": [asdict(c) for c in results],
                     "problems": [asdict(p) for p in problems]})
     else:
-        con = _console()
+        con = console()
         for c in results:
             if c.note:
                 con.print(Text.assemble(("SKIP ", "yellow"), f"step {c.step} tier {c.tier}: {c.note}"),
@@ -580,7 +568,7 @@ def export_cmd(
                     "bytes": nbytes, "file_bytes": size, "bytes_read": stats.bytes_read,
                     "bytes_by_tier": stats.bytes_by_tier, "fallbacks": stats.fallbacks})
     else:
-        con = _console()
+        con = console()
         con.print(Text(f"exported step {s} of {where} ({man.layout_summary()}) to {out}: "
                        f"{len(tensors)} tensor(s), {_human(nbytes)}; {len(objects)} plain value(s) in metadata "
                        f"'tidal.objects'; file {_human(size)}"), soft_wrap=True)

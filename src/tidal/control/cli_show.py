@@ -7,7 +7,6 @@ brackets. ``dump`` prints what the API returned as JSON or YAML (``-o json|yaml`
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from enum import StrEnum
@@ -17,6 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.text import Text
 
+from tidal.console import console  # noqa: F401  (the commands' console, re-exported)
 from tidal.control.client import ApiError, TidalClient
 from tidal.control.follow import failing_rank, log_tail
 
@@ -47,15 +47,6 @@ class Fmt(StrEnum):
     yaml = "yaml"
 
 
-def console(stderr: bool = False) -> Console:
-    """A terminal gets its width and colours; piped output is not cut at 80 columns (unless COLUMNS says)."""
-    stream = sys.stderr if stderr else sys.stdout
-    try:
-        tty = stream.isatty()
-    except (AttributeError, ValueError):
-        tty = False
-    width = None if tty or "COLUMNS" in os.environ else 200
-    return Console(stderr=stderr, width=width, highlight=False)
 
 
 def fmt(output: Fmt, as_json: bool) -> Fmt:
