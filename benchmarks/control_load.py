@@ -98,8 +98,10 @@ class Conn:
         if params:
             path += "?" + urlencode(params, doseq=True)
         body = json.dumps(json_body).encode() if json_body is not None else b""
-        head = (f"{method} {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nAuthorization: Bearer {token}\r\n"
-                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+        head = (
+            f"{method} {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nAuthorization: Bearer {token}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        ).encode()
         for attempt in (0, 1):
             fresh = self.writer is None
             if fresh:
@@ -217,7 +219,9 @@ class Server:
 
 
 # ---------------------------------------------------------------------------------------- phases
-async def submissions(srv: Server, tokens: list[str], n: int, concurrency: int) -> tuple[Calls, float, list[str]]:
+async def submissions(
+    srv: Server, tokens: list[str], n: int, concurrency: int
+) -> tuple[Calls, float, list[str]]:
     calls, ids, nxt = Calls("submit"), [], iter(range(n))
 
     async def submitter() -> None:
@@ -292,7 +296,9 @@ async def follow_phase(srv: Server, tokens: list[str], a: argparse.Namespace) ->
         buf, offset, conn = bytearray(), 0, Conn(srv.url)
         got[k] = buf
         while True:
-            c = await timed(conn, logs, "GET", f"/v1/jobs/{job}/logs", tok, params={"rank": rank, "offset": offset})
+            c = await timed(
+                conn, logs, "GET", f"/v1/jobs/{job}/logs", tok, params={"rank": rank, "offset": offset}
+            )
             if not isinstance(c, dict):
                 await asyncio.sleep(a.poll_s)
                 continue
@@ -353,7 +359,13 @@ def machine() -> str:
         cpu = next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                    if ln.startswith("model name"))
     with contextlib.suppress(OSError, StopIteration, ValueError):
-        kb = int(next(ln.split()[1] for ln in Path("/proc/meminfo").read_text().splitlines() if ln.startswith("MemTotal")))
+        kb = int(
+            next(
+                ln.split()[1]
+                for ln in Path("/proc/meminfo").read_text().splitlines()
+                if ln.startswith("MemTotal")
+            )
+        )
         mem = f", {kb / 2**20:.0f} GiB"
     return f"{os.cpu_count()} CPUs {cpu}{mem}, Python {platform.python_version()}"
 
@@ -401,9 +413,14 @@ def _row(name: str, s: dict) -> str:
 def report(r: dict) -> None:
     a, s, d, f = r["args"], r["submit"], r["drain"], r["follow"]
     load = r.get("load_avg_1m")
-    print(f"machine: {r['machine']}" + (f"; 1-min load average {load[0]} at start, {load[1]} at end" if load else ""))
+    print(
+        f"machine: {r['machine']}"
+        + (f"; 1-min load average {load[0]} at start, {load[1]} at end" if load else "")
+    )
     print(f"tidal up --gpus {a['slots']} (CPU slots); {a['tenants']} tenants")
-    print(f"{'calls':<34} {'n':>7} {'per s':>8} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'max ms':>8} {'errors':>6}")
+    print(
+        f"{'calls':<34} {'n':>7} {'per s':>8} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'max ms':>8} {'errors':>6}"
+    )
     print(_row(f"submit ({a['submitters']} concurrent)", s))
     print(_row(f"cancel, drain ({a['submitters']} concurrent)", d["cancel"]))
     print(_row(f"logs, {f['followers']} followers", f["logs"]))
@@ -411,9 +428,11 @@ def report(r: dict) -> None:
     print(f"submit: {s['jobs']} jobs in {s['wall_s']} s, server CPU {s['server_cpu_s']} s "
           f"(client {s.get('client_cpu_s', '-')} s); queue drained "
           f"{d['until_empty_s']} s after the cancels began ({d['states']})")
-    print(f"follow: {f['wall_s']} s over {f['log_streams']} rank logs, {f['bytes_followed']} bytes, server CPU "
-          f"{f['server_cpu_s']} s (client {f.get('client_cpu_s', '-')} s); followers with every byte: {f['followers_complete']}/{f['followers']}, "
-          f"every line in order: {f['followers_all_lines']}/{f['followers']}; talkers {f['talker_states']}")
+    print(
+        f"follow: {f['wall_s']} s over {f['log_streams']} rank logs, {f['bytes_followed']} bytes, server CPU "
+        f"{f['server_cpu_s']} s (client {f.get('client_cpu_s', '-')} s); followers with every byte: {f['followers_complete']}/{f['followers']}, "
+        f"every line in order: {f['followers_all_lines']}/{f['followers']}; talkers {f['talker_states']}"
+    )
     for name, x in (("submit", s), ("cancel", d["cancel"]), ("logs", f["logs"]), ("other", f["other"])):
         for e in x["first_errors"]:
             print(f"  {name} error: {e}")
@@ -431,7 +450,9 @@ def main() -> None:
     p.add_argument("--lines", type=int, default=400, help="lines per rank")
     p.add_argument("--line-interval-s", type=float, default=0.05)
     p.add_argument("--pad", type=int, default=100, help="filler characters per line")
-    p.add_argument("--poll-s", type=float, default=0.5, help="follower's sleep when caught up (tidal logs -f: 0.5)")
+    p.add_argument(
+        "--poll-s", type=float, default=0.5, help="follower's sleep when caught up (tidal logs -f: 0.5)"
+    )
     p.add_argument("--background", type=int, default=4, help="clients calling jobs/status/pool meanwhile")
     p.add_argument("--think-s", type=float, default=0.1, help="pause between a background client's calls")
     p.add_argument("--keep", action="store_true", help="keep the temporary state dir")

@@ -137,7 +137,9 @@ def tensors(v: Any) -> list[torch.Tensor]:
     return []
 
 
-def ckpt_size(size: int, device: torch.device, repeat: int, scratch: Path, overlapped: bool, width: int) -> dict:
+def ckpt_size(
+    size: int, device: torch.device, repeat: int, scratch: Path, overlapped: bool, width: int
+) -> dict:
     model, opt, state = build(size, device, width)
     ts = tensors(state)
     nbytes = sum(t.numel() * t.element_size() for t in ts)
@@ -247,8 +249,22 @@ def gpt(device: torch.device, scratch: Path, steps: int, extra: list[str]) -> di
     runs = [
         ("single", [sys.executable, str(script), "--parallel", "single", "--steps", str(steps)]),
         ("single_resumed", [sys.executable, str(script), "--parallel", "single", "--steps", str(steps * 2)]),
-        ("fsdp_torchrun", [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-                           str(script), "--parallel", "fsdp", "--steps", str(steps)]),
+        (
+            "fsdp_torchrun",
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                "1",
+                str(script),
+                "--parallel",
+                "fsdp",
+                "--steps",
+                str(steps),
+            ],
+        ),
     ]
     for name, argv in runs:
         ck = d / ("fsdp" if name.startswith("fsdp") else "single")
@@ -273,7 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--width", type=int, default=8192, help="nn.Linear width of the state")
     ap.add_argument("--gpt-steps", type=int, default=200)
     ap.add_argument("--gpt-args", default="", help="extra arguments for examples/gpt/train.py")
-    ap.add_argument("--budget-s", type=float, default=420.0, help="skip sections once this much time is spent")
+    ap.add_argument(
+        "--budget-s", type=float, default=420.0, help="skip sections once this much time is spent"
+    )
     ap.add_argument("--scratch", type=Path, default=None)
     a = ap.parse_args(argv)
     device = torch.device(a.device)

@@ -44,7 +44,9 @@ def boto3_client():
     import boto3
     from botocore.config import Config
 
-    return boto3.client("s3", config=Config(s3={"addressing_style": "path"}, max_pool_connections=THREADS * 2))
+    return boto3.client(
+        "s3", config=Config(s3={"addressing_style": "path"}, max_pool_connections=THREADS * 2)
+    )
 
 
 def obstore_store(bucket: str):
@@ -131,9 +133,15 @@ def run(client: str, bucket: str, data: memoryview, repeat: int) -> dict:
             get(i * step, mv[: SMALL])
         small_s.append(time.perf_counter() - t)
     mib = size / 2**20
-    return {"client": client, "put_mib_s": mib / statistics.median(put_s),
-            "get_big_mib_s": mib / statistics.median(big_s), "get_small_req_s": 256 / statistics.median(small_s),
-            "put_s": put_s, "get_big_s": big_s, "get_small_s": small_s}
+    return {
+        "client": client,
+        "put_mib_s": mib / statistics.median(put_s),
+        "get_big_mib_s": mib / statistics.median(big_s),
+        "get_small_req_s": 256 / statistics.median(small_s),
+        "put_s": put_s,
+        "get_big_s": big_s,
+        "get_small_s": small_s,
+    }
 
 
 def main() -> None:

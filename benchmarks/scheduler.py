@@ -109,7 +109,11 @@ class Store:
                 if j.kind == "dedicated" and n.startswith("s"):
                     continue
                 f = free[n]
-                t = (j.gpus_per_node if f >= (j.gpus_per_node or 1) else 0) if j.gpus_per_node else min(f, need)
+                t = (
+                    (j.gpus_per_node if f >= (j.gpus_per_node or 1) else 0)
+                    if j.gpus_per_node
+                    else min(f, need)
+                )
                 if t:
                     place[n] = t
                     need -= t
@@ -165,7 +169,9 @@ class Store:
         self.now += dt_s
         for jid, j in list(self.running.items()):
             if j.releasing:
-                p = {n: g - j.releasing.get(n, 0) for n, g in j.placement.items() if g > j.releasing.get(n, 0)}
+                p = {
+                    n: g - j.releasing.get(n, 0) for n, g in j.placement.items() if g > j.releasing.get(n, 0)
+                }
                 if p:
                     self.running[jid] = replace(j, placement=p, releasing={})
                 else:

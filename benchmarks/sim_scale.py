@@ -72,15 +72,19 @@ def main() -> None:
         deep = np.array(e.decision_ms)[np.array(e.pending_per_call) >= 0.9 * args.jobs]
         out["policies"][p] = {k: r.metrics[k] for k in SHOW}
         out["policies"][p]["calls_with_90pct_pending"] = int(deep.size)
-        out["policies"][p]["decision_p99_ms_90pct_pending"] = float(np.percentile(deep, 99)) if deep.size else None
+        out["policies"][p]["decision_p99_ms_90pct_pending"] = (
+            float(np.percentile(deep, 99)) if deep.size else None
+        )
         metrics[p] = r.metrics
     if args.json:
         for p, m in metrics.items():  # every metric (a change meant to be faster must leave them all equal)
             out["policies"][p]["metrics"] = m
         print(json.dumps(clean(out), indent=2))
         return
-    print(f"{args.nodes} nodes x {g} GPUs ({serving} serving, {training} training), {args.days:g} days, "
-          f"{args.jobs} jobs submitted within {args.submit_hours:g} h, scheduler period {args.sched_period_s:g} s")
+    print(
+        f"{args.nodes} nodes x {g} GPUs ({serving} serving, {training} training), {args.days:g} days, "
+        f"{args.jobs} jobs submitted within {args.submit_hours:g} h, scheduler period {args.sched_period_s:g} s"
+    )
     names = list(out["policies"])
     print(f"{'':<30}" + "".join(f"{p:>14}" for p in names))
     for k in (*SHOW, "calls_with_90pct_pending", "decision_p99_ms_90pct_pending"):
@@ -88,10 +92,12 @@ def main() -> None:
         print(f"{k:<30}" + "".join(f"{v:>14.4g}" if isinstance(v, float) else f"{v!s:>14}" for v in vals))
     for p, m in out["policies"].items():
         deep = m["decision_p99_ms_90pct_pending"]
-        print(f"{p}: wall {m['wall_s']:.1f} s (target <= 30: {'PASS' if m['wall_s'] <= 30 else 'MISS'}); decision "
-              f"p99 {m['decision_p99_ms']:.1f} ms over the run, {deep if deep is None else round(deep, 1)} ms over the "
-              f"{m['calls_with_90pct_pending']} calls with >= 90% of the jobs pending (target <= 10 with 10,000 "
-              f"pending); deepest queue {m['max_pending_jobs']} jobs")
+        print(
+            f"{p}: wall {m['wall_s']:.1f} s (target <= 30: {'PASS' if m['wall_s'] <= 30 else 'MISS'}); decision "
+            f"p99 {m['decision_p99_ms']:.1f} ms over the run, {deep if deep is None else round(deep, 1)} ms over the "
+            f"{m['calls_with_90pct_pending']} calls with >= 90% of the jobs pending (target <= 10 with 10,000 "
+            f"pending); deepest queue {m['max_pending_jobs']} jobs"
+        )
 
 
 if __name__ == "__main__":

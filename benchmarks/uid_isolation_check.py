@@ -18,7 +18,9 @@ sys.path.insert(0, str(REPO / "tests"))
 from plane_proc import Plane, wait_until  # noqa: E402
 from tidal.control.client import TidalClient  # noqa: E402
 
-CONFIG = "restart_backoff_s: 0.2\nloop_interval_s: 0.2\nisolation:\n  uid_base: 200000\n  shm_dir: {base}/shm\n"
+CONFIG = (
+    "restart_backoff_s: 0.2\nloop_interval_s: 0.2\nisolation:\n  uid_base: 200000\n  shm_dir: {base}/shm\n"
+)
 TINY = ["--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--block", "16", "--global-batch", "4",
         "--micro-batch", "2", "--log-every", "5"]
 
@@ -30,9 +32,25 @@ def main() -> None:
     p.start()
     try:
         c = TidalClient(p.url, p.admin.create_tenant("alice", quota_gpus=2)["token"])
-        jid = c.submit({"name": "gpt", "gpus": 2, "max_restarts": 0, "workdir": str(REPO),
-                        "command": [sys.executable, "examples/gpt/train.py", "--parallel", "ddp", "--steps", "20",
-                                    "--ckpt-every", "10", *TINY]})["id"]
+        jid = c.submit(
+            {
+                "name": "gpt",
+                "gpus": 2,
+                "max_restarts": 0,
+                "workdir": str(REPO),
+                "command": [
+                    sys.executable,
+                    "examples/gpt/train.py",
+                    "--parallel",
+                    "ddp",
+                    "--steps",
+                    "20",
+                    "--ckpt-every",
+                    "10",
+                    *TINY,
+                ],
+            }
+        )["id"]
         wait_until("job ends", lambda: c.job(jid)["state"] in ("succeeded", "failed", "cancelled"), 300)
         job = c.job(jid)
         print("state", job["state"], job.get("message"))

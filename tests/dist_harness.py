@@ -82,9 +82,14 @@ class Launch:
         try:
             for rank in range(nprocs):
                 err = open(self.log_dir / f"rank{rank}.stderr", "wb")  # noqa: SIM115 - closed in wait()
-                p = subprocess.Popen([sys.executable, str(path), *args], stdout=subprocess.PIPE, stderr=err,
-                                     env=worker_env(rank, nprocs, self.port, shm_dir, env), cwd=TESTS_DIR.parent,
-                                     start_new_session=True)
+                p = subprocess.Popen(
+                    [sys.executable, str(path), *args],
+                    stdout=subprocess.PIPE,
+                    stderr=err,
+                    env=worker_env(rank, nprocs, self.port, shm_dir, env),
+                    cwd=TESTS_DIR.parent,
+                    start_new_session=True,
+                )
                 err.close()
                 self.procs.append(p)
                 t = threading.Thread(target=self._read, args=(rank, p), daemon=True)
@@ -126,8 +131,10 @@ class Launch:
                         return t, line
                 seen = len(self.lines[rank])
                 if self.procs[rank].poll() is not None and not self._readers[rank].is_alive():
-                    raise self._error(f"rank {rank} exited (code {self.procs[rank].returncode}) before printing "
-                                      "the awaited line")
+                    raise self._error(
+                        f"rank {rank} exited (code {self.procs[rank].returncode}) before printing "
+                        "the awaited line"
+                    )
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise self._error(f"rank {rank} did not print the awaited line within {timeout:.0f} s")

@@ -47,7 +47,9 @@ def settle(s: Snapshot, now_s: float | None = None) -> Snapshot:
     out = []
     for j in s.jobs():
         if j.releasing:
-            p = {n: g - j.releasing.get(n, 0) for n, g in j.placement.items() if g - j.releasing.get(n, 0) > 0}
+            p = {
+                n: g - j.releasing.get(n, 0) for n, g in j.placement.items() if g - j.releasing.get(n, 0) > 0
+            }
             started = j.started_s if p else None
             j = replace(j, placement=p, releasing={}, started_s=started)
         out.append(j)

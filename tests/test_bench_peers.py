@@ -27,13 +27,23 @@ def _result(repeat: int = 2) -> dict:
     _, _, state, _ = build_state(int(SIZE_GB * 10**9))
     med = {"samples": [0.01], "median": 0.01}
     return {
-        "benchmark": "ckpt", "size_gb_requested": SIZE_GB, "size_bytes": state_bytes(state),
-        "tensors": len(list(tensors(state))), "repeat": repeat, "warmup_rounds": 1, "model": {},
+        "benchmark": "ckpt",
+        "size_gb_requested": SIZE_GB,
+        "size_bytes": state_bytes(state),
+        "tensors": len(list(tensors(state))),
+        "repeat": repeat,
+        "warmup_rounds": 1,
+        "model": {},
         "machine": {"cpu_count": 2, "cpu": "x", "torch": "t", "cuda": False, "platform": "p"},
-        "save": {"memcpy": {"copy_s": med}, "tidal": {"stall_s": med, "commit_s": {"samples": [0.1], "median": 0.1}},
-                 "tidal_overlapped": {"stall_s": {"samples": [0.002], "median": 0.002}}},
+        "save": {
+            "memcpy": {"copy_s": med},
+            "tidal": {"stall_s": med, "commit_s": {"samples": [0.1], "median": 0.1}},
+            "tidal_overlapped": {"stall_s": {"samples": [0.002], "median": 0.002}},
+        },
         "load": {"tidal": {"load_s": med, "load_disk_s": {"samples": [0.02], "median": 0.02}}},
-        "ratios": {}, "targets": {}, "notes": [],
+        "ratios": {},
+        "targets": {},
+        "notes": [],
     }
 
 
@@ -71,8 +81,12 @@ def test_fake_peer_merged(tmp_path, monkeypatch):
     stall = ok["save"]["stall_s"]["median"]
     assert ratios["fake_save_stall_over_tidal_stall"] == pytest.approx(stall / 0.01)
     assert ratios["fake_save_stall_over_tidal_overlapped_stall"] == pytest.approx(stall / 0.002)
-    assert ratios["fake_save_durable_over_tidal_commit"] == pytest.approx(ok["save"]["durable_s"]["median"] / 0.1)
-    assert ratios["fake_save_stall_over_its_memcpy"] == pytest.approx(stall / fake["memcpy"]["copy_s"]["median"])
+    assert ratios["fake_save_durable_over_tidal_commit"] == pytest.approx(
+        ok["save"]["durable_s"]["median"] / 0.1
+    )
+    assert ratios["fake_save_stall_over_its_memcpy"] == pytest.approx(
+        stall / fake["memcpy"]["copy_s"]["median"]
+    )
     assert ratios["fake_save_load_disk_over_tidal_load_disk"] == pytest.approx(
         ok["load"]["load_disk_s"]["median"] / 0.02)
     assert not any(k.startswith(("fake_cuda", "fake_wrong", "fake_flaky")) for k in ratios)
@@ -234,6 +248,8 @@ def test_adapter_prepare_failure_is_the_reason(tmp_path):
     argv = ["--size-bytes", "20000", "--repeat", "1", "--dir", str(tmp_path / "w"), "--out", str(out)]
     assert main("p", [], never, argv, prepare=prepare) == 0
     doc = json.loads(out.read_text())
-    assert doc["engines"] == {"p": {"status": "unavailable", "reason": "ConnectionError: saver did not start"}}
+    assert doc["engines"] == {
+        "p": {"status": "unavailable", "reason": "ConnectionError: saver did not start"}
+    }
     assert check_document(doc, doc["size_bytes"], doc["tensors"]) is None
     assert not (tmp_path / "w").exists()

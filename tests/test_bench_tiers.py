@@ -15,10 +15,31 @@ import pytest
 def test_bench_tiers_json(tmp_path):
     env = {**os.environ, "TIDAL_SHM_DIR": str(tmp_path / "shm")}
     proc = subprocess.run(
-        [sys.executable, "-c", "from tidal.bench.cli import app; app()", "tiers", "--size-mb", "2", "--repeat", "1",
-         "--train-s", "2", "--rounds", "2", "--interval-s", "0.5", "--model-mb", "0.25", "--json",
-         "--dir", str(tmp_path / "scratch")],
-        capture_output=True, text=True, env=env, timeout=600,
+        [
+            sys.executable,
+            "-c",
+            "from tidal.bench.cli import app; app()",
+            "tiers",
+            "--size-mb",
+            "2",
+            "--repeat",
+            "1",
+            "--train-s",
+            "2",
+            "--rounds",
+            "2",
+            "--interval-s",
+            "0.5",
+            "--model-mb",
+            "0.25",
+            "--json",
+            "--dir",
+            str(tmp_path / "scratch"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     r = json.loads(proc.stdout)

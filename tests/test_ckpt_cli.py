@@ -204,7 +204,13 @@ def test_inspect_json(url):
     by_name = {t["name"]: t for t in doc["tensors"]}
     assert set(by_name) == set(tensors_of(make_state(10)))
     w = by_name["model/w"]
-    assert (w["dtype"], w["shape"], w["num_pieces"], w["bytes"], w["path"]) == ("F32", [8, 4], 1, 128, ["model", "w"])
+    assert (w["dtype"], w["shape"], w["num_pieces"], w["bytes"], w["path"]) == (
+        "F32",
+        [8, 4],
+        1,
+        128,
+        ["model", "w"],
+    )
     p = piece(url, 10, "model/w")
     assert w["pieces"] == [{"offsets": [0, 0], "lengths": [8, 4], "file": p.file, "key": "model/w",
                             "start": p.start, "end": p.start + p.nbytes, "nbytes": 128, "crc32": None,
@@ -426,7 +432,9 @@ def test_export_one_entry_without_its_prefix(url, tmp_path):
 
 def test_export_falls_back_to_disk_when_shm_copy_is_corrupt(url, tmp_path):
     man = mf.read(url / mf.step_dirname(20))
-    flip(shm_root_for(url) / mf.step_dirname(20) / man.files[0]["name"], man.tensors["model/w"].pieces[0].start)
+    flip(
+        shm_root_for(url) / mf.step_dirname(20) / man.files[0]["name"], man.tensors["model/w"].pieces[0].start
+    )
     out = tmp_path / "o.safetensors"
     r = run("export", url, out)
     assert r.exit_code == 0, r.stderr
@@ -451,7 +459,11 @@ def test_export_assembles_pieces_from_two_ranks(tmp_path, shm):
     r = run("inspect", u, "--json")
     assert r.exit_code == 0, r.stderr
     by_name = {t["name"]: t for t in json.loads(r.stdout)["tensors"]}
-    assert by_name["w"]["num_pieces"] == 2 and by_name["e"]["num_pieces"] == 2 and by_name["b"]["num_pieces"] == 1
+    assert (
+        by_name["w"]["num_pieces"] == 2
+        and by_name["e"]["num_pieces"] == 2
+        and by_name["b"]["num_pieces"] == 1
+    )
     assert by_name["w"]["layout"] == "[Shard(dim=0)] on mesh (2,)"
     doc = json.loads(run("ls", u, "--json").stdout)
     assert doc["steps"][0]["world_size"] == 2 and doc["steps"][0]["files"] == 2
@@ -503,5 +515,7 @@ def test_every_command_runs_as_a_module_too():
     """``python -m tidal.ckpt.cli`` knows every command (``agent`` was registered after the
     ``__main__`` guard, so the module form lacked it)."""
     for cmd in ("ls", "inspect", "verify", "export", "agent"):
-        r = subprocess.run([sys.executable, "-m", "tidal.ckpt.cli", cmd, "--help"], capture_output=True, text=True)
+        r = subprocess.run(
+            [sys.executable, "-m", "tidal.ckpt.cli", cmd, "--help"], capture_output=True, text=True
+        )
         assert r.returncode == 0, (cmd, r.stderr[-500:])

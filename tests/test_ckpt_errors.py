@@ -135,7 +135,10 @@ def test_non_json_leaf_inside_a_plain_container_is_named(tmp_path):
 
 
 def test_unsupported_dtype_fails_at_save(tmp_path):
-    with ckpt.Checkpointer(tmp_path / "c") as cp, pytest.raises(ckpt.StateError, match="tensor 'z'.*complex128"):
+    with (
+        ckpt.Checkpointer(tmp_path / "c") as cp,
+        pytest.raises(ckpt.StateError, match="tensor 'z'.*complex128"),
+    ):
         cp.save(1, {"z": torch.zeros(2, dtype=torch.complex128)})
     assert ckpt.steps(tmp_path / "c") == []
 
@@ -186,7 +189,9 @@ def test_corrupt_shm_copy_falls_back_to_disk(tmp_path):
     assert same(target["model"]["b"], state(5)["model"]["b"])
     assert same(target["model"]["w"], state(5)["model"]["w"])
     assert stats.manifest_tier == "shm"
-    assert len(stats.fallbacks) == 1 and "model/b" in stats.fallbacks[0] and str(shm_file) in stats.fallbacks[0]
+    assert (
+        len(stats.fallbacks) == 1 and "model/b" in stats.fallbacks[0] and str(shm_file) in stats.fallbacks[0]
+    )
     assert stats.bytes_by_tier["disk"] == 6 * 4  # only the damaged piece came from disk
 
 

@@ -337,7 +337,11 @@ def test_crafted_manifests_give_one_line_errors_naming_file_and_field(tmp_path):
     deep = json.loads(json.dumps(doc))
     deep["objects"] = [{"path": ["x"], "value": json.loads("[" * 200 + "]" * 200)}]
     refused(signed(deep), "nested too deeply", "objects[0].value")
-    refused(json.dumps(doc).replace('"step": 5,', '"step": ' + "9" * 5000 + ",").encode(), "not valid JSON", "digits")
+    refused(
+        json.dumps(doc).replace('"step": 5,', '"step": ' + "9" * 5000 + ",").encode(),
+        "not valid JSON",
+        "digits",
+    )
     big = signed(dict(doc, step=1 << 70))
     refused(big, "field 'step'", "int64")
     absurd = json.loads(json.dumps(doc))
@@ -444,18 +448,49 @@ def test_tiling_of_4000_pieces_is_n_log_n():
     assert check_tiling((800, 400), grid, ops) is None and ops[0] < 4000 * 13 * 4
     assert "no piece covers" in check_tiling((800, 400), grid[:-1] + [Box((790, 391), (10, 8))])
     # a manifest of 4000 pieces parses
-    m = {"format": "tidal-ckpt", "version": 2, "step": 1, "save_id": "x", "world_size": 4000, "block_bytes": 65536,
-         "files": [{"name": "f.safetensors", "rank": 0, "size_bytes": 8 + 12000 * 64 * 4}],
-         "tensors": [{"name": "w", "path": ["w"], "dtype": "F32", "shape": [12000, 64], "layout": "",
-                      "pieces": [{"offsets": [i * 3, 0], "lengths": [3, 64], "file": "f.safetensors", "key": f"k{i}",
-                                  "start": 8 + i * 768, "nbytes": 768, "blocks": "AAAAAA=="[:8]}
-                                 for i in range(4000)]}], "objects": []}
+    m = {
+        "format": "tidal-ckpt",
+        "version": 2,
+        "step": 1,
+        "save_id": "x",
+        "world_size": 4000,
+        "block_bytes": 65536,
+        "files": [{"name": "f.safetensors", "rank": 0, "size_bytes": 8 + 12000 * 64 * 4}],
+        "tensors": [
+            {
+                "name": "w",
+                "path": ["w"],
+                "dtype": "F32",
+                "shape": [12000, 64],
+                "layout": "",
+                "pieces": [
+                    {
+                        "offsets": [i * 3, 0],
+                        "lengths": [3, 64],
+                        "file": "f.safetensors",
+                        "key": f"k{i}",
+                        "start": 8 + i * 768,
+                        "nbytes": 768,
+                        "blocks": "AAAAAA=="[:8],
+                    }
+                    for i in range(4000)
+                ],
+            }
+        ],
+        "objects": [],
+    }
     m["checksum"] = mf.canonical_checksum(m)
     assert len(mf.parse(json.dumps(m).encode(), "M").tensors["w"].pieces) == 4000
 
 
 def test_pinwheel_tiling_and_its_overlap():
-    pinwheel = [Box((0, 0), (2, 1)), Box((0, 1), (1, 2)), Box((1, 2), (2, 1)), Box((2, 0), (1, 2)), Box((1, 1), (1, 1))]
+    pinwheel = [
+        Box((0, 0), (2, 1)),
+        Box((0, 1), (1, 2)),
+        Box((1, 2), (2, 1)),
+        Box((2, 0), (1, 2)),
+        Box((1, 1), (1, 1)),
+    ]
     assert check_tiling((3, 3), pinwheel) is None
     bad = pinwheel[:4] + [Box((1, 1), (1, 1))]
     bad[0] = Box((0, 0), (2, 2))

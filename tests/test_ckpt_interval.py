@@ -32,25 +32,41 @@ def test_mtti(gpus, rate, risk, want_s):
     assert mtti_s(gpus, rate, risk) == pytest.approx(want_s)
 
 
-@pytest.mark.parametrize(("stall_s", "mtti", "young_s", "daly_s"), [
-    # sqrt(2 * 60 * 86400) = 3219.94; Daly adds (1/3) sqrt(x) + x/9 with x = 60 / 172800.
-    (60.0, 86_400.0, 3219.94 + 60, 3219.94 * (1 + math.sqrt(60 / 172_800) / 3 + 60 / 172_800 / 9)),
-    (1.0, 11_136.0, math.sqrt(2 * 11_136) + 1, math.sqrt(2 * 11_136) * (1 + math.sqrt(1 / 22_272) / 3 + 1 / 22_272 / 9)),
-    (0.0, 3600.0, 0.0, 0.0),
-    (500.0, 200.0, math.sqrt(2 * 500 * 200) + 500, 200.0 + 500.0),  # stall >= 2 MTTI: Daly's tau = M
-])
+@pytest.mark.parametrize(
+    ("stall_s", "mtti", "young_s", "daly_s"),
+    [
+        # sqrt(2 * 60 * 86400) = 3219.94; Daly adds (1/3) sqrt(x) + x/9 with x = 60 / 172800.
+        (60.0, 86_400.0, 3219.94 + 60, 3219.94 * (1 + math.sqrt(60 / 172_800) / 3 + 60 / 172_800 / 9)),
+        (
+            1.0,
+            11_136.0,
+            math.sqrt(2 * 11_136) + 1,
+            math.sqrt(2 * 11_136) * (1 + math.sqrt(1 / 22_272) / 3 + 1 / 22_272 / 9),
+        ),
+        (0.0, 3600.0, 0.0, 0.0),
+        (500.0, 200.0, math.sqrt(2 * 500 * 200) + 500, 200.0 + 500.0),  # stall >= 2 MTTI: Daly's tau = M
+    ],
+)
 def test_young_and_daly(stall_s, mtti, young_s, daly_s):
     assert young_interval_s(stall_s, mtti) == pytest.approx(young_s, rel=1e-5)
     assert daly_interval_s(stall_s, mtti) == pytest.approx(daly_s, rel=1e-5)
 
 
-@pytest.mark.parametrize(("stall_s", "mtti", "persist_s", "want_s"), [
-    (0.0, 3600.0, 0.0, 30.0),  # free saves: as often as the floor allows
-    (0.05, 1e9, 0.0, 3600.0),  # almost no risk: the ceiling bounds unmodelled losses
-    (0.5, 11_136.0, 0.0, pytest.approx(math.sqrt(2 * 0.5 * 11_136) * (1 + math.sqrt(0.5 / 22_272) / 3 + 0.5 / 22_272 / 9))),
-    (0.5, 11_136.0, 200.0, 200.0),  # not faster than the durable tier can take a checkpoint
-    (1.0, math.inf, 0.0, 3600.0),
-])
+@pytest.mark.parametrize(
+    ("stall_s", "mtti", "persist_s", "want_s"),
+    [
+        (0.0, 3600.0, 0.0, 30.0),  # free saves: as often as the floor allows
+        (0.05, 1e9, 0.0, 3600.0),  # almost no risk: the ceiling bounds unmodelled losses
+        (
+            0.5,
+            11_136.0,
+            0.0,
+            pytest.approx(math.sqrt(2 * 0.5 * 11_136) * (1 + math.sqrt(0.5 / 22_272) / 3 + 0.5 / 22_272 / 9)),
+        ),
+        (0.5, 11_136.0, 200.0, 200.0),  # not faster than the durable tier can take a checkpoint
+        (1.0, math.inf, 0.0, 3600.0),
+    ],
+)
 def test_clamped_interval(stall_s, mtti, persist_s, want_s):
     assert checkpoint_interval_s(stall_s, mtti, CkptIntervalConfig(), persist_s) == want_s
 

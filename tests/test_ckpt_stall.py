@@ -102,7 +102,9 @@ def test_slot_reuse_uncommits_only_the_step_it_held(tmp_path, shm_cleanup):
         cp.save(1, state(1)).wait()  # slot 0
         cp.save(2, state(2)).wait()  # slot 1
         cp.save(2, state(2.5)).wait()  # step 2 again, into slot 0: step 1's shm copy is gone
-        shm_steps = sorted(int(p.name.split("_")[1]) for p in shm.glob("step_*") if (p / mf.MANIFEST).exists())
+        shm_steps = sorted(
+            int(p.name.split("_")[1]) for p in shm.glob("step_*") if (p / mf.MANIFEST).exists()
+        )
         assert 1 not in shm_steps and 2 in shm_steps
         cp.save(3, state(3)).wait()  # slot 1 (held the first step 2, superseded): step 2 stays
         target, stats = state(0), ckpt.LoadStats()
@@ -185,11 +187,37 @@ def test_gpu_check_runs_without_a_gpu_and_without_server_packages(tmp_path):
     out = tmp_path / "gpu_check.json"
     env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
     tiny = "--n-layer 1 --n-embd 16 --n-head 2 --block 16 --global-batch 2 --micro-batch 2 --log-every 1"
-    p = subprocess.run([sys.executable, "-c", BLOCKER, str(REPO / "benchmarks" / "gpu_check.py"),
-                        "--out", str(out), "--device", "cpu", "--sizes-gb", "0.004,0.006", "--d2h-gb", "0.004",
-                        "--repeat", "1", "--width", "256", "--gpt-steps", "2", "--gpt-args", tiny,
-                        "--scratch", str(tmp_path / "scratch")],
-                       env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            BLOCKER,
+            str(REPO / "benchmarks" / "gpu_check.py"),
+            "--out",
+            str(out),
+            "--device",
+            "cpu",
+            "--sizes-gb",
+            "0.004,0.006",
+            "--d2h-gb",
+            "0.004",
+            "--repeat",
+            "1",
+            "--width",
+            "256",
+            "--gpt-steps",
+            "2",
+            "--gpt-args",
+            tiny,
+            "--scratch",
+            str(tmp_path / "scratch"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["errors"] == {} and res["skipped"] == []
@@ -229,10 +257,17 @@ def test_pieces_start_on_cache_lines_and_the_file_stays_plain_safetensors(tmp_pa
     from tidal.ckpt.format.flatten import flatten as flat
     from tidal.ckpt.format.plan import DATA_ALIGN, ITEMSIZE, PieceDesc, make_plan
 
-    st = {"a": torch.zeros(3, dtype=torch.float64), "b": torch.ones(16, 16), "c": torch.zeros(5, dtype=torch.int8),
-          "d": torch.full((7,), 2.0, dtype=torch.bfloat16), "e": torch.ones(64, dtype=torch.float16)}
+    st = {
+        "a": torch.zeros(3, dtype=torch.float64),
+        "b": torch.ones(16, 16),
+        "c": torch.zeros(5, dtype=torch.int8),
+        "d": torch.full((7,), 2.0, dtype=torch.bfloat16),
+        "e": torch.ones(64, dtype=torch.float16),
+    }
     tensors, _ = flat(st)
-    plan = make_plan([[PieceDesc(e.name, e.path, e.dtype, e.global_shape, e.box, e.placement) for e in tensors]])
+    plan = make_plan(
+        [[PieceDesc(e.name, e.path, e.dtype, e.global_shape, e.box, e.placement) for e in tensors]]
+    )
     rf = plan.files[0]
     assert len(rf.header) % DATA_ALIGN == 0
     for p in rf.pieces:

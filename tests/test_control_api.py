@@ -54,7 +54,13 @@ def test_admin_token_file_and_hashes_only(api):
     assert store.admin().token_hash == token_hash(token)
     assert all(t.token_hash != clients[t.name].token for t in store.tenants())  # never in clear
     assert ensure_admin(store, tmp_path, 1.0) == (token, False)  # second start: same token
-    assert clients["a"].whoami() == {"tenant": "a", "admin": False, "quota_gpus": 2, "weight": 1.0, "max_priority": 0}
+    assert clients["a"].whoami() == {
+        "tenant": "a",
+        "admin": False,
+        "quota_gpus": 2,
+        "weight": 1.0,
+        "max_priority": 0,
+    }
 
 
 @pytest.mark.parametrize("token", [None, "", "tidal_wrong"])
@@ -196,8 +202,16 @@ def test_metrics_and_openapi(api):
     assert f'tidal_job_restarts_total{{job_id="{jobs["a"]}",tenant="a"}} 0.0' in text
     assert "tidal_job_ettr_ratio" in text and "tidal_job_lost_work_seconds_total" in text
     doc = http.get("/openapi.json").json()
-    assert {"/v1/jobs", "/v1/jobs/{job_id}", "/v1/jobs/{job_id}/cancel", "/v1/jobs/{job_id}/logs", "/v1/events",
-            "/v1/pool", "/v1/tenants", "/metrics"} <= set(doc["paths"])
+    assert {
+        "/v1/jobs",
+        "/v1/jobs/{job_id}",
+        "/v1/jobs/{job_id}/cancel",
+        "/v1/jobs/{job_id}/logs",
+        "/v1/events",
+        "/v1/pool",
+        "/v1/tenants",
+        "/metrics",
+    } <= set(doc["paths"])
     assert "JobSpec" in doc["components"]["schemas"]
 
 
@@ -236,7 +250,9 @@ def test_checkpoints_reports_real_steps(api, tmp_path, monkeypatch):
     clients, jobs, store, http, _ = api
     monkeypatch.setenv("TIDAL_SHM_DIR", str(tmp_path / "shm"))
     empty = clients["a"].checkpoints(jobs["a"])
-    assert empty["steps"] == [] and empty["newest_durable_step"] is None and empty["tiers"][0]["kind"] == "dir"
+    assert (
+        empty["steps"] == [] and empty["newest_durable_step"] is None and empty["tiers"][0]["kind"] == "dir"
+    )
     url = tmp_path / "jobs" / jobs["a"] / "ckpt"
     state = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "step": 0}
     t0 = time.time()
@@ -270,8 +286,9 @@ def test_checkpoints_reports_real_steps(api, tmp_path, monkeypatch):
         clients["a"].checkpoints(other["id"])
     assert e.value.status == 404
     # A tier list: its first non-shm tier is the location; each tier is listed (the admin may name any).
-    listed = clients["admin"].submit({**SPEC, "name": "tiered", "checkpoint": {"tiers": ["shm", str(url),
-                                                                                        str(tmp_path / "t2")]}})
+    listed = clients["admin"].submit(
+        {**SPEC, "name": "tiered", "checkpoint": {"tiers": ["shm", str(url), str(tmp_path / "t2")]}}
+    )
     out = clients["admin"].checkpoints(listed["id"])
     assert out["url"] == str(url) and [t["location"] for t in out["tiers"] if t["kind"] == "dir"] == [
         str(url), str(tmp_path / "t2")]

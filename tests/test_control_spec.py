@@ -28,34 +28,55 @@ def test_defaults_and_gpu_forms():
     assert e.gpus.max == 8 and e.kind == "dedicated"
 
 
-@pytest.mark.parametrize(("change", "expected"), [
-    ({"gpus": 0}, "gpus.min: Input should be greater than or equal to 1"),
-    ({"gpus": {"min": 2, "max": 1}}, "gpus: max (1) must be >= min (2)"),
-    ({"gpus": {"min": 2, "max": 5, "multiple_of": 2}}, "gpus: max (5) must be a multiple of multiple_of (2)"),
-    ({"gpus": {"min": 1, "maximum": 4}}, "gpus.maximum: Extra inputs are not permitted"),
-    ({"gpus": "four"}, "gpus: expected a GPU count (e.g. 4) or {min, max, multiple_of}, got str"),
-    ({"gpus": ...}, "gpus: Field required"),
-    ({"command": "python train.py"}, "command: expected a list of arguments"),
-    ({"command": []}, "command: List should have at least 1 item"),
-    ({"command": ["python", 3]}, "command[1]: Input should be a valid string"),
-    ({"command": ...}, "command: Field required: an argument list, e.g. [python, train.py] (or run: a shell"),
-    ({"run": "python train.py"}, "command: give command (an argument list) or run (a shell script), not"),
-    ({"command": ..., "run": ""}, "run: String should have at least 1 character"),
-    ({"kind": "cheap"}, "kind: Input should be 'spot' or 'dedicated'"),
-    ({"name": "no spaces"}, "name: expected 1-63 letters"),
-    ({"env": {"RANK": "3"}}, "env.RANK: RANK is set by the platform"),
-    ({"env": {"TIDAL_CKPT_TIERS": "/other/tenant"}}, "env.TIDAL_CKPT_TIERS: TIDAL_CKPT_TIERS is set by the platform"),
-    ({"env": {"X": 1}}, "env.X: Input should be a valid string"),
-    ({"checkpoint": {"interval_s": 0}}, "checkpoint.interval_s: expected a number of seconds > 0 or 'auto'"),
-    ({"checkpoint": {"interval_s": "often"}}, "checkpoint.interval_s: expected a number of seconds > 0 or 'auto'"),
-    ({"checkpoint": {"tiers": ["shm", "/ck", "s3://x/p"]}}, "checkpoint.tiers: tier 's3://x/p': 'x' is not a valid"),
-    ({"checkpoint": {"tiers": ["shmm", "/ck"]}}, "checkpoint.tiers: tiers[0] 'shmm': not a tier"),
-    ({"checkpoint": {"url": "/ck", "tiers": ["shm", "/ck"]}}, "checkpoint: give the location once"),
-    ({"checkpoint": {"path": "/x"}}, "checkpoint.path: Extra inputs are not permitted"),
-    ({"max_restarts": -1}, "max_restarts: Input should be greater than or equal to 0"),
-    ({"workdir": "rel/dir"}, "workdir: expected an absolute path"),
-    ({"gpu": 2}, "gpu: Extra inputs are not permitted"),
-])
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ({"gpus": 0}, "gpus.min: Input should be greater than or equal to 1"),
+        ({"gpus": {"min": 2, "max": 1}}, "gpus: max (1) must be >= min (2)"),
+        (
+            {"gpus": {"min": 2, "max": 5, "multiple_of": 2}},
+            "gpus: max (5) must be a multiple of multiple_of (2)",
+        ),
+        ({"gpus": {"min": 1, "maximum": 4}}, "gpus.maximum: Extra inputs are not permitted"),
+        ({"gpus": "four"}, "gpus: expected a GPU count (e.g. 4) or {min, max, multiple_of}, got str"),
+        ({"gpus": ...}, "gpus: Field required"),
+        ({"command": "python train.py"}, "command: expected a list of arguments"),
+        ({"command": []}, "command: List should have at least 1 item"),
+        ({"command": ["python", 3]}, "command[1]: Input should be a valid string"),
+        (
+            {"command": ...},
+            "command: Field required: an argument list, e.g. [python, train.py] (or run: a shell",
+        ),
+        ({"run": "python train.py"}, "command: give command (an argument list) or run (a shell script), not"),
+        ({"command": ..., "run": ""}, "run: String should have at least 1 character"),
+        ({"kind": "cheap"}, "kind: Input should be 'spot' or 'dedicated'"),
+        ({"name": "no spaces"}, "name: expected 1-63 letters"),
+        ({"env": {"RANK": "3"}}, "env.RANK: RANK is set by the platform"),
+        (
+            {"env": {"TIDAL_CKPT_TIERS": "/other/tenant"}},
+            "env.TIDAL_CKPT_TIERS: TIDAL_CKPT_TIERS is set by the platform",
+        ),
+        ({"env": {"X": 1}}, "env.X: Input should be a valid string"),
+        (
+            {"checkpoint": {"interval_s": 0}},
+            "checkpoint.interval_s: expected a number of seconds > 0 or 'auto'",
+        ),
+        (
+            {"checkpoint": {"interval_s": "often"}},
+            "checkpoint.interval_s: expected a number of seconds > 0 or 'auto'",
+        ),
+        (
+            {"checkpoint": {"tiers": ["shm", "/ck", "s3://x/p"]}},
+            "checkpoint.tiers: tier 's3://x/p': 'x' is not a valid",
+        ),
+        ({"checkpoint": {"tiers": ["shmm", "/ck"]}}, "checkpoint.tiers: tiers[0] 'shmm': not a tier"),
+        ({"checkpoint": {"url": "/ck", "tiers": ["shm", "/ck"]}}, "checkpoint: give the location once"),
+        ({"checkpoint": {"path": "/x"}}, "checkpoint.path: Extra inputs are not permitted"),
+        ({"max_restarts": -1}, "max_restarts: Input should be greater than or equal to 0"),
+        ({"workdir": "rel/dir"}, "workdir: expected an absolute path"),
+        ({"gpu": 2}, "gpu: Extra inputs are not permitted"),
+    ],
+)
 def test_errors_name_the_field(change, expected):
     errs = errors(**change)
     assert any(e.startswith(expected) for e in errs), errs
@@ -66,15 +87,21 @@ def test_yaml_paths_are_relative_to_the_file(tmp_path):
     f = tmp_path / "sub" / "job.yaml"
     f.write_text("name: a\ngpus: 1\ncommand: [python, t.py]\ncheckpoint: {url: ck}\n")
     doc = load_spec_file(f)
-    assert doc["workdir"] == str(tmp_path / "sub") and doc["checkpoint"]["url"] == str(tmp_path / "sub" / "ck")
+    assert doc["workdir"] == str(tmp_path / "sub") and doc["checkpoint"]["url"] == str(
+        tmp_path / "sub" / "ck"
+    )
     f.write_text("name: a\nworkdir: ..\ngpus: 1\ncommand: [python]\ncheckpoint: {url: 's3://b/x'}\n")
     doc = load_spec_file(f)
     assert doc["workdir"] == str(tmp_path) and doc["checkpoint"]["url"] == "s3://b/x"
     f.write_text("name: a\ngpus: 1\ncommand: [python]\n"
                  "checkpoint: {tiers: [shm, ./ck, {url: ../up, every: 2}, 's3://bkt/x'], interval_s: auto}\n")
     doc = load_spec_file(f)
-    assert doc["checkpoint"]["tiers"] == ["shm", str(tmp_path / "sub" / "ck"), {"url": str(tmp_path / "up"), "every": 2},
-                                          "s3://bkt/x"]
+    assert doc["checkpoint"]["tiers"] == [
+        "shm",
+        str(tmp_path / "sub" / "ck"),
+        {"url": str(tmp_path / "up"), "every": 2},
+        "s3://bkt/x",
+    ]
     f.write_text("name: [unclosed\n")
     with pytest.raises(ValueError, match="job.yaml: not valid YAML"):
         load_spec_file(f)

@@ -63,7 +63,9 @@ def test_everything_else_is_illegal():
         if (a, b) not in legal:
             with pytest.raises(IllegalTransition):
                 check_transition("j", a, b)
-    with pytest.raises(IllegalTransition, match=r"pending -> running \(from pending: \['admitted', 'cancelled'\]\)"):
+    with pytest.raises(
+        IllegalTransition, match=r"pending -> running \(from pending: \['admitted', 'cancelled'\]\)"
+    ):
         check_transition("j-1", "pending", "running")
     with pytest.raises(IllegalTransition):
         check_transition("j", "pending", "exploded")
@@ -113,7 +115,9 @@ def test_store_migrates_an_older_database_and_refuses_a_newer_one(tmp_path):
     assert store.job(j).nominated_s == 20.0 and store.job(j).waiting["reason"] == "waiting: why"
     store.close()
     db = sqlite3.connect(tmp_path / "tidal.db")
-    assert db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == (str(SCHEMA_VERSION),)
+    assert db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == (
+        str(SCHEMA_VERSION),
+    )
     db.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION + 1),))
     db.commit()
     db.close()

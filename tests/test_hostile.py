@@ -51,8 +51,9 @@ class Api:
     def post(self, who: str, body, **kw):
         if not isinstance(body, bytes) and not hasattr(body, "__next__"):
             return self.http.post("/v1/jobs", json=body, headers=self.h(who), **kw)
-        return self.http.post("/v1/jobs", content=body, headers={**self.h(who), "Content-Type": "application/json"},
-                              **kw)
+        return self.http.post(
+            "/v1/jobs", content=body, headers={**self.h(who), "Content-Type": "application/json"}, **kw
+        )
 
     def count(self) -> int:
         return len(self.store.jobs())
@@ -152,35 +153,90 @@ def test_storage_error_while_submitting_is_500_and_stores_nothing(api):
 
 def test_a_stored_spec_that_cannot_be_encoded_never_makes_get_fail(api):
     """A job stored before validation refused such specs (a lone surrogate; a NaN loss in progress)."""
-    row = api.store.submit("a", {**SPEC, "name": "old", "command": ["python", "\ud800"], "kind": "spot",
-                                 "priority": 0, "gpus": {"min": 1, "max": 1, "multiple_of": 1}, "max_restarts": 3},
-                           0.0)
+    row = api.store.submit(
+        "a",
+        {
+            **SPEC,
+            "name": "old",
+            "command": ["python", "\ud800"],
+            "kind": "spot",
+            "priority": 0,
+            "gpus": {"min": 1, "max": 1, "multiple_of": 1},
+            "max_restarts": 3,
+        },
+        0.0,
+    )
     api.store.update(row.id, progress={"loss": float("nan")})
     r = api.http.get(f"/v1/jobs/{row.id}", headers=api.h("a"))
-    assert r.status_code == 200 and r.json()["spec"]["command"][1] == "\ud800" and r.json()["progress"]["loss"] is None
+    assert (
+        r.status_code == 200
+        and r.json()["spec"]["command"][1] == "\ud800"
+        and r.json()["progress"]["loss"] is None
+    )
     assert api.http.get("/v1/jobs", headers=api.h("a")).status_code == 200
 
 
-_text = st.one_of(st.text(max_size=12), st.sampled_from(["\x00", "\ud800", "a\udfffb", "x" * 40000, "", "shm",
-                                                         "/tmp/x", "s3://b/x", "peer", "peer://n", "..", "RANK"]))
+_text = st.one_of(
+    st.text(max_size=12),
+    st.sampled_from(
+        [
+            "\x00",
+            "\ud800",
+            "a\udfffb",
+            "x" * 40000,
+            "",
+            "shm",
+            "/tmp/x",
+            "s3://b/x",
+            "peer",
+            "peer://n",
+            "..",
+            "RANK",
+        ]
+    ),
+)
 _scalar = st.one_of(st.none(), st.booleans(), st.integers(-10 ** 20, 10 ** 20), st.floats(), _text)
-_value = st.recursive(_scalar, lambda c: st.one_of(st.lists(c, max_size=4), st.dictionaries(_text, c, max_size=4)),
-                      max_leaves=12)
+_value = st.recursive(
+    _scalar,
+    lambda c: st.one_of(st.lists(c, max_size=4), st.dictionaries(_text, c, max_size=4)),
+    max_leaves=12,
+)
 _spec = st.fixed_dictionaries(
-    {}, optional={"name": st.one_of(st.sampled_from(["job", "a.b-c", ""]), _text),
-                  "kind": st.one_of(st.sampled_from(["spot", "dedicated"]), _value),
-                  "priority": st.one_of(st.integers(-2000, 2000), _value),
-                  "gpus": st.one_of(st.integers(-2, 10), st.fixed_dictionaries(
-                      {"min": st.integers(-1, 5)}, optional={"max": st.integers(-1, 10 ** 19),
-                                                              "multiple_of": st.integers(0, 3)}), _value),
-                  "command": st.one_of(st.lists(_text, max_size=5), _value),
-                  "workdir": st.one_of(st.just("/tmp"), _value),
-                  "env": st.one_of(st.dictionaries(_text, _text, max_size=4), _value),
-                  "checkpoint": st.one_of(st.fixed_dictionaries({}, optional={
-                      "url": _text, "tiers": st.lists(st.one_of(_text, st.dictionaries(_text, _value, max_size=3)),
-                                                      max_size=3),
-                      "interval_s": st.one_of(st.floats(), _text), "resume_from": _text}), _value),
-                  "max_restarts": _value, "grace_s": st.one_of(st.floats(), _value), "extra": _value})
+    {},
+    optional={
+        "name": st.one_of(st.sampled_from(["job", "a.b-c", ""]), _text),
+        "kind": st.one_of(st.sampled_from(["spot", "dedicated"]), _value),
+        "priority": st.one_of(st.integers(-2000, 2000), _value),
+        "gpus": st.one_of(
+            st.integers(-2, 10),
+            st.fixed_dictionaries(
+                {"min": st.integers(-1, 5)},
+                optional={"max": st.integers(-1, 10**19), "multiple_of": st.integers(0, 3)},
+            ),
+            _value,
+        ),
+        "command": st.one_of(st.lists(_text, max_size=5), _value),
+        "workdir": st.one_of(st.just("/tmp"), _value),
+        "env": st.one_of(st.dictionaries(_text, _text, max_size=4), _value),
+        "checkpoint": st.one_of(
+            st.fixed_dictionaries(
+                {},
+                optional={
+                    "url": _text,
+                    "tiers": st.lists(
+                        st.one_of(_text, st.dictionaries(_text, _value, max_size=3)), max_size=3
+                    ),
+                    "interval_s": st.one_of(st.floats(), _text),
+                    "resume_from": _text,
+                },
+            ),
+            _value,
+        ),
+        "max_restarts": _value,
+        "grace_s": st.one_of(st.floats(), _value),
+        "extra": _value,
+    },
+)
 
 
 def test_fuzz_the_api_no_500_and_no_refused_job_stored(tmp_path):
@@ -207,9 +263,19 @@ def test_fuzz_the_api_no_500_and_no_refused_job_stored(tmp_path):
                 check(api.post(who, spec))
 
     @settings(max_examples=500, deadline=None, suppress_health_check=list(HealthCheck), database=None)
-    @given(body=st.binary(max_size=64), path=st.sampled_from(["/v1/jobs/{}", "/v1/jobs/{}/logs", "/v1/events?job={}",
-                                                              "/v1/jobs/{}/checkpoints", "/v1/jobs?state={}"]),
-           arg=st.text(max_size=10))
+    @given(
+        body=st.binary(max_size=64),
+        path=st.sampled_from(
+            [
+                "/v1/jobs/{}",
+                "/v1/jobs/{}/logs",
+                "/v1/events?job={}",
+                "/v1/jobs/{}/checkpoints",
+                "/v1/jobs?state={}",
+            ]
+        ),
+        arg=st.text(max_size=10),
+    )
     def fuzz_requests(body, path, arg):
         check(api.post("a", body))
         r = api.http.get(path.format(urllib.parse.quote(arg, safe="")), headers=api.h("a"))
@@ -220,7 +286,9 @@ def test_fuzz_the_api_no_500_and_no_refused_job_stored(tmp_path):
         fuzz_requests()
     finally:
         api.store.close()
-    assert calls["n"] >= 1500  # examples hypothesis generated as duplicates or NaN bodies httpx refuses are not sent
+    assert (
+        calls["n"] >= 1500
+    )  # examples hypothesis generated as duplicates or NaN bodies httpx refuses are not sent
 
 
 # ------------------------------------------------------------------------------- B: ids and the store
@@ -238,7 +306,13 @@ def test_job_numbers_are_never_reused(api):
 def test_schema_3_database_is_migrated_and_numbers_continue(tmp_path):
     store = Store(f"sqlite:///{tmp_path}/tidal.db")
     create_tenant(store, "a")
-    spec = {**SPEC, "kind": "spot", "priority": 0, "gpus": {"min": 1, "max": 1, "multiple_of": 1}, "max_restarts": 3}
+    spec = {
+        **SPEC,
+        "kind": "spot",
+        "priority": 0,
+        "gpus": {"min": 1, "max": 1, "multiple_of": 1},
+        "max_restarts": 3,
+    }
     store.submit("a", spec, 0.0)
     store.submit("a", spec, 0.0)
     store.close()
@@ -262,7 +336,13 @@ def _state_with_jobs(tmp_path: Path) -> Path:
     state = tmp_path / "state"
     store = open_checked(state if state.mkdir() is None else state, f"sqlite:///{state}/tidal.db")
     create_tenant(store, "a")
-    spec = {**SPEC, "kind": "spot", "priority": 0, "gpus": {"min": 1, "max": 1, "multiple_of": 1}, "max_restarts": 3}
+    spec = {
+        **SPEC,
+        "kind": "spot",
+        "priority": 0,
+        "gpus": {"min": 1, "max": 1, "multiple_of": 1},
+        "max_restarts": 3,
+    }
     for _ in range(2):
         j = store.submit("a", spec, 0.0)
         (state / "jobs" / j.id / "logs").mkdir(parents=True)
@@ -388,7 +468,11 @@ def test_checkpoint_view_never_connects_to_a_tenants_endpoint(tmp_path, monkeypa
     monkeypatch.setattr(s3.S3Tier, "__init__", no)
     monkeypatch.setattr(peer.PeerTier, "__init__", no)
     out = api.http.get(f"/v1/jobs/{job.json()['id']}/checkpoints", headers=api.h("a")).json()
-    assert [(t["kind"], t["source"]) for t in out["tiers"]] == [("dir", "storage"), ("s3", "spec"), ("peer", "spec")]
+    assert [(t["kind"], t["source"]) for t in out["tiers"]] == [
+        ("dir", "storage"),
+        ("s3", "spec"),
+        ("peer", "spec"),
+    ]
     api.store.close()
 
 

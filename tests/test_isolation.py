@@ -30,8 +30,10 @@ SECRET = "plane-secret-7f3a9c"
 ROOT = os.geteuid() == 0
 TERMINAL = ("succeeded", "failed", "cancelled")
 
-VICTIM = ('echo "VICTIM-LOG-MARK"; mkdir -p "$TIDAL_CKPT_URL" && echo "VICTIM-CKPT-MARK" > "$TIDAL_CKPT_URL/data"; '
-          'echo "VICTIM-SHM-MARK" > "$TIDAL_SHM_DIR/state"')
+VICTIM = (
+    'echo "VICTIM-LOG-MARK"; mkdir -p "$TIDAL_CKPT_URL" && echo "VICTIM-CKPT-MARK" > "$TIDAL_CKPT_URL/data"; '
+    'echo "VICTIM-SHM-MARK" > "$TIDAL_SHM_DIR/state"'
+)
 # Reads what it should not, by the paths a tenant can guess and by walking up from its progress dir.
 HOSTILE = r'''
 up="$TIDAL_PROGRESS_DIR/../../../.."

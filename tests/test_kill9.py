@@ -89,7 +89,9 @@ def printed_steps(launch: Launch, word: str) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize(("ranks", "seed", "aim"), SCENARIOS, ids=[f"{n}rank-seed{s}" for n, s, _ in SCENARIOS])
+@pytest.mark.parametrize(
+    ("ranks", "seed", "aim"), SCENARIOS, ids=[f"{n}rank-seed{s}" for n, s, _ in SCENARIOS]
+)
 def test_kill9_mid_save(tmp_path, monkeypatch, ranks: int, seed: int, aim: float) -> None:
     rng = random.Random(seed)
     d = tmp_path / "ckpt"

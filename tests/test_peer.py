@@ -86,7 +86,9 @@ def test_node_loss_restores_from_the_buddy_resharded(nodes, tmp_path, shm):
         (2, "own", True, True), (3, "own", True, True)]
     assert [(r["step"], r["from"], r["committed"]) for r in rows_of(sb, "a", job)] == [(2, "replica", True),
                                                                                       (3, "replica", True)]
-    assert sa["copied_bytes"] >= 3 * ROWS * COLS * 4 and sa["received_bytes"] < 20_000  # sidecars and manifests
+    assert (
+        sa["copied_bytes"] >= 3 * ROWS * COLS * 4 and sa["received_bytes"] < 20_000
+    )  # sidecars and manifests
     assert sa["buddy"]["address"] == b.address and sa["buddy"]["reachable"] and not c.status()["steps"]
 
     a.kill()  # node A is gone: its agent, its memory, the job's shared memory
@@ -97,14 +99,25 @@ def test_node_loss_restores_from_the_buddy_resharded(nodes, tmp_path, shm):
     want = state(3)
     for r0, r1 in [(0, 7), (7, 30), (30, 48)]:
         part = torch.full((r1 - r0, COLS), float("nan"))
-        target = {"w": ckpt.LocalShard(part, (r0, 0), (ROWS, COLS)), "b": torch.zeros(COLS, dtype=torch.int64),
-                  "step": -1}
+        target = {
+            "w": ckpt.LocalShard(part, (r0, 0), (ROWS, COLS)),
+            "b": torch.zeros(COLS, dtype=torch.int64),
+            "step": -1,
+        }
         stats = ckpt.LoadStats()
         assert ckpt.load(on_b, target, stats=stats) == 3
-        assert torch.equal(part, want["w"][r0:r1]) and torch.equal(target["b"], want["b"]) and target["step"] == 3
+        assert (
+            torch.equal(part, want["w"][r0:r1])
+            and torch.equal(target["b"], want["b"])
+            and target["step"] == 3
+        )
         assert stats.bytes_by_tier == {"peer": stats.bytes_read}
         # pieces smaller than one checksum block are read whole (and checked), never more
-        assert stats.bytes_needed <= stats.bytes_read <= sum(t.numel() * t.element_size() for t in (want["w"], want["b"]))
+        assert (
+            stats.bytes_needed
+            <= stats.bytes_read
+            <= sum(t.numel() * t.element_size() for t in (want["w"], want["b"]))
+        )
         assert stats.manifest_tier == "peer" and stats.fallbacks == []
     assert ckpt.steps(on_b) == [2, 3]
     from typer.testing import CliRunner
@@ -117,7 +130,9 @@ def test_node_loss_restores_from_the_buddy_resharded(nodes, tmp_path, shm):
     # inspect / verify / export read the peer tier too (Range requests to the buddy's agent).
     r = CliRunner().invoke(app, ["verify", f"peer://{job}", "--all"], env={"TIDAL_CKPT_AGENT": b.address})
     assert r.exit_code == 0, r.output
-    assert "OK   step 2 tier peer: 2 piece(s) in 1 file(s)" in r.stdout and "OK   step 3 tier peer" in r.stdout
+    assert (
+        "OK   step 2 tier peer: 2 piece(s) in 1 file(s)" in r.stdout and "OK   step 3 tier peer" in r.stdout
+    )
     replica = next((b.mem_dir / "replica" / "a" / job / "step_000000000003").glob("*.safetensors"))
     with open(replica, "r+b") as f:  # flip a byte of the last piece: verify names the object and tensor
         f.seek(-1, 2)
@@ -239,7 +254,10 @@ def call(ag: Agent, method: str, path: str, body: bytes | None = None, headers: 
 def test_agent_api_ranges_copy_roots_and_commit_check(agent, shm, tmp_path):
     p = "/v1/jobs/j/step_000000000007"
     assert call(agent, "PUT", f"{p}/r00000-x.safetensors", b"0123456789")[0] == 200
-    assert call(agent, "GET", f"{p}/r00000-x.safetensors", headers={"Range": "bytes=2-5"})[:2] == (206, b"2345")
+    assert call(agent, "GET", f"{p}/r00000-x.safetensors", headers={"Range": "bytes=2-5"})[:2] == (
+        206,
+        b"2345",
+    )
     assert call(agent, "GET", f"{p}/r00000-x.safetensors", headers={"Range": "bytes=8-20"})[1] == b"89"
     assert call(agent, "GET", f"{p}/r00000-x.safetensors", headers={"Range": "bytes=10-11"})[0] == 416
     assert call(agent, "GET", f"{p}/nope")[0] == 404
@@ -271,7 +289,9 @@ def test_agent_api_ranges_copy_roots_and_commit_check(agent, shm, tmp_path):
     st = json.loads(call(agent, "GET", "/status")[1])
     assert st["format"] == "tidal-ckpt-agent" and st["buddy"] is None and st["copied_bytes"] == 1024
     assert [(r["job"], r["step"], r["from"], r["committed"]) for r in st["steps"]] == [("j", 7, "own", True)]
-    assert call(agent, "DELETE", p)[0] == 200 and json.loads(call(agent, "GET", "/v1/jobs/j")[1])["steps"] == {}
+    assert (
+        call(agent, "DELETE", p)[0] == 200 and json.loads(call(agent, "GET", "/v1/jobs/j")[1])["steps"] == {}
+    )
 
 
 def test_held_handoff_pushes_first_copies_after_and_commits_on_the_buddy(tmp_path, shm):
@@ -285,16 +305,28 @@ def test_held_handoff_pushes_first_copies_after_and_commits_on_the_buddy(tmp_pat
         slot.parent.mkdir(parents=True, exist_ok=True)
         payload = bytes(range(256)) * 4096
         slot.write_bytes(payload + b"tail")
-        status, body, _ = call(ag, "POST", f"{p}/r00000-x.safetensors?copy_from={slot}&length={len(payload)}&hold=1")
+        status, body, _ = call(
+            ag, "POST", f"{p}/r00000-x.safetensors?copy_from={slot}&length={len(payload)}&hold=1"
+        )
         assert status == 202 and json.loads(body) == {"bytes": len(payload), "held": True}
-        assert call(ag, "PUT", f"{p}/r00000-x.json?sync=1", b"{}")[0] == 200  # answered once the buddy has both
-        man = {"save_id": "x", "files": [{"name": "r00000-x.safetensors", "rank": 0, "size_bytes": len(payload)}]}
+        assert (
+            call(ag, "PUT", f"{p}/r00000-x.json?sync=1", b"{}")[0] == 200
+        )  # answered once the buddy has both
+        man = {
+            "save_id": "x",
+            "files": [{"name": "r00000-x.safetensors", "rank": 0, "size_bytes": len(payload)}],
+        }
         assert call(ag, "PUT", f"{p}/manifest.json?sync=1", json.dumps(man).encode())[0] == 200
-        assert json.loads(call(ag, "POST", f"{p}/r00000-x.safetensors?wait=copy")[1]) == {"copied": True, "error": None}
+        assert json.loads(call(ag, "POST", f"{p}/r00000-x.safetensors?wait=copy")[1]) == {
+            "copied": True,
+            "error": None,
+        }
         slot.write_bytes(b"x" * len(payload))  # the rank reuses its slot: both copies keep the step's bytes
         assert call(ag, "GET", f"{p}/r00000-x.safetensors")[1] == payload
         replica = tmp_path / "mem-b" / "replica" / ag.node / "j" / "step_000000000003"
-        assert (replica / "r00000-x.safetensors").read_bytes() == payload and (replica / "manifest.json").is_file()
+        assert (replica / "r00000-x.safetensors").read_bytes() == payload and (
+            replica / "manifest.json"
+        ).is_file()
         assert json.loads(call(ag, "GET", "/status")[1])["copied_bytes"] == len(payload)
         assert call(ag, "POST", f"{p}/nope.safetensors?wait=copy")[0] == 404
     finally:
@@ -343,9 +375,23 @@ def test_cli_agent_serves_status_under_its_own_pid(tmp_path, shm):
 
     addr = f"127.0.0.1:{free_ports(1)[0]}"
     log = open(tmp_path / "agent.log", "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen([sys.executable, "-c", "from tidal.ckpt.cli import app; app()", "agent", "--listen", addr,
-                             "--mem-dir", str(tmp_path / "mem"), "--node", "n1"], stdout=log, stderr=log,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "from tidal.ckpt.cli import app; app()",
+            "agent",
+            "--listen",
+            addr,
+            "--mem-dir",
+            str(tmp_path / "mem"),
+            "--node",
+            "n1",
+        ],
+        stdout=log,
+        stderr=log,
+        start_new_session=True,
+    )
     try:
         client = AgentClient(addr, timeout_s=5, connect_timeout_s=0.5)
 

@@ -40,8 +40,14 @@ def test_each_decision():
                     SetCkptInterval("r", 60.0), ReturnGpus("s0", 4)])
     check_snapshot(out)
     j = jobs_of(out)
-    assert j["r"].placement == {"t0": 8, "t1": 4} and j["r"].last_grown_s == NOW and j["r"].ckpt_interval_s == 60
-    assert j["v"].placement == {"t1": 4, "s0": 4} and j["v"].releasing == {"s0": 4} and j["v"].last_shrunk_s == NOW
+    assert (
+        j["r"].placement == {"t0": 8, "t1": 4} and j["r"].last_grown_s == NOW and j["r"].ckpt_interval_s == 60
+    )
+    assert (
+        j["v"].placement == {"t1": 4, "s0": 4}
+        and j["v"].releasing == {"s0": 4}
+        and j["v"].last_shrunk_s == NOW
+    )
     assert j["w"].nominated_s == NOW and j["p"].nominated_s is None
     assert [[j.id for j in q] for q in out.queues.values()] == [["w", "p"]]  # nominated first
     assert out.loans == (Loan("s0", 4, until_s=9e9, reclaim_risk_per_hour=0.5),)
@@ -50,7 +56,9 @@ def test_each_decision():
 
     out = apply(out, [Preempt("r", "priority", NOW + 30, for_job="p")])
     j = jobs_of(out)
-    assert j["r"].releasing == j["r"].placement and j["r"].last_preempted_s == NOW and j["p"].nominated_s == NOW
+    assert (
+        j["r"].releasing == j["r"].placement and j["r"].last_preempted_s == NOW and j["p"].nominated_s == NOW
+    )
 
 
 def test_admit_clears_the_nomination():
@@ -71,8 +79,13 @@ def test_admit_clears_the_nomination():
 ])
 def test_illegal_decisions_raise(decision, match):
     stopping = Job("x", "a", min_gpus=8, placement={"t1": 7, "s0": 1}, releasing={"t1": 7, "s0": 1})
-    s = snap(NOW, nodes((8, 8), serving=(2,)), tenants(("a", 0)), [run("r", {"t0": 8}, max=16), stopping, pend("p")],
-             loans=[Loan("s0", 2)])
+    s = snap(
+        NOW,
+        nodes((8, 8), serving=(2,)),
+        tenants(("a", 0)),
+        [run("r", {"t0": 8}, max=16), stopping, pend("p")],
+        loans=[Loan("s0", 2)],
+    )
     with pytest.raises(IllegalDecision, match=match):
         apply(s, [decision])
 

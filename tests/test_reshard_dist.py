@@ -27,12 +27,28 @@ pytestmark = pytest.mark.slow
 # Launches sharing an shm dir share the node: they load from the shm tier. "E" runs on a node
 # without it (as after a reboot) and loads from the disk tier.
 LAUNCHES: dict[str, tuple[int, list[tuple[str, str, str]], str]] = {
-    "A": (4, [("save", "fsdp", "fsdp4"), ("save", "tp_dp", "tp2dp2"), ("save", "fsdp_tp", "fsdp2x2tp")], "node"),
+    "A": (
+        4,
+        [("save", "fsdp", "fsdp4"), ("save", "tp_dp", "tp2dp2"), ("save", "fsdp_tp", "fsdp2x2tp")],
+        "node",
+    ),
     "B": (1, [("load", "single", "fsdp4"), ("save", "single", "single")], "node"),
     "C": (2, [("load", "fsdp", "single"), ("load", "fsdp", "fsdp4"), ("save", "ddp", "ddp2")], "node"),
-    "D": (3, [("load", "fsdp", "fsdp4"), ("load", "fsdp", "tp2dp2"), ("save", "fsdp", "fsdp3"),
-              ("load", "fsdp", "fsdp2x2tp")], "node"),
-    "E": (4, [("load", "tp_dp", "fsdp3"), ("load", "fsdp", "ddp2"), ("load", "fsdp_tp", "fsdp3")], "rebooted"),
+    "D": (
+        3,
+        [
+            ("load", "fsdp", "fsdp4"),
+            ("load", "fsdp", "tp2dp2"),
+            ("save", "fsdp", "fsdp3"),
+            ("load", "fsdp", "fsdp2x2tp"),
+        ],
+        "node",
+    ),
+    "E": (
+        4,
+        [("load", "tp_dp", "fsdp3"), ("load", "fsdp", "ddp2"), ("load", "fsdp_tp", "fsdp3")],
+        "rebooted",
+    ),
 }
 
 # FSDP2 over dp on top of TP (the usual 2-D layout) shards `up` on dim 0 twice, which DTensor
@@ -68,7 +84,9 @@ class Runs:
 
     @staticmethod
     def saver(name: str) -> str:
-        return next(k for k, (_, jobs, _) in LAUNCHES.items() if any(j[0] == "save" and j[2] == name for j in jobs))
+        return next(
+            k for k, (_, jobs, _) in LAUNCHES.items() if any(j[0] == "save" and j[2] == name for j in jobs)
+        )
 
     def run(self, launch: str) -> dict[str, list[tuple[str, str]]]:
         if launch in self.results:

@@ -76,7 +76,12 @@ def test_round_trip_resharded_straight_from_s3(s3, tmp_path):
             h.wait()
             assert h.committed == ["shm", "disk", "s3"]
     want = state(2)
-    for (r0, r1), (c0, c1) in [((0, 48), (0, 20)), ((5, 17), (0, 20)), ((0, 48), (3, 9)), ((40, 48), (13, 20))]:
+    for (r0, r1), (c0, c1) in [
+        ((0, 48), (0, 20)),
+        ((5, 17), (0, 20)),
+        ((0, 48), (3, 9)),
+        ((40, 48), (13, 20)),
+    ]:
         part = torch.full((r1 - r0, c1 - c0), float("nan"))
         target = {"w": ckpt.LocalShard(part, (r0, c0), (48, 20)), "b": torch.zeros(20, dtype=torch.int64),
                   "h": torch.zeros(7, dtype=torch.bfloat16), "step": 0, "note": ""}
@@ -85,7 +90,9 @@ def test_round_trip_resharded_straight_from_s3(s3, tmp_path):
         assert same(part, want["w"][r0:r1, c0:c1])
         assert same(target["b"], want["b"]) and same(target["h"], want["h"]) and target["note"] == "s2"
         # every piece is smaller than one 64 KiB checksum block: each touched is read whole, and checked
-        assert stats.bytes_read == 48 * 20 * 4 + 20 * 8 + 7 * 2 and stats.bytes_by_tier == {"s3": stats.bytes_read}
+        assert stats.bytes_read == 48 * 20 * 4 + 20 * 8 + 7 * 2 and stats.bytes_by_tier == {
+            "s3": stats.bytes_read
+        }
         assert stats.manifest_tier == "s3" and stats.fallbacks == []
     # The same tier list reads from the fastest tier that holds the step.
     target = blank()
@@ -163,7 +170,11 @@ def test_retention_and_schedule_per_tier(s3, tmp_path):
     assert sorted(p.name for p in disk.iterdir()) == [mf.step_dirname(15), mf.step_dirname(16)]
     assert len(keys(s3.url)) == 4  # two steps, manifest + data each
     st = cp.status()
-    assert st.tier("s3").steps == (13, 16) and st.tier("disk").steps == (15, 16) and st.tier("shm").steps == (15, 16)
+    assert (
+        st.tier("s3").steps == (13, 16)
+        and st.tier("disk").steps == (15, 16)
+        and st.tier("shm").steps == (15, 16)
+    )
     assert (st.tier("s3").every, st.tier("s3").keep, st.tier("disk").keep) == (3, 2, 2)
     assert [(s.step, s.tiers) for s in st.steps] == [(13, ("s3",)), (15, ("shm", "disk")),
                                                     (16, ("shm", "disk", "s3"))]
@@ -248,7 +259,9 @@ def test_snapshots_reuse_one_buffer_and_upload_each_steps_own_bytes(s3, tmp_path
         assert len(bufs) == 1
         for s in (1, 2, 3):
             target, stats = blank(), ckpt.LoadStats()
-            assert ckpt.load([s3.url], target, step=s, stats=stats) == s and set(stats.bytes_by_tier) == {"s3"}
+            assert ckpt.load([s3.url], target, step=s, stats=stats) == s and set(stats.bytes_by_tier) == {
+                "s3"
+            }
             assert same(target["w"], state(s)["w"]) and same(target["b"], state(s)["b"])
 
 
@@ -268,7 +281,9 @@ def test_snapshot_pool_hands_a_buffer_out_again_only_when_every_queue_released_i
     b.release()
     c.release()
     assert len(pool._idle) == 1  # keep=1: one idle buffer, the other freed
-    d = pool.copy(memoryview(torch.arange(64, dtype=torch.int32).numpy()), refs=1)  # not bytes: cast, too big: new
+    d = pool.copy(
+        memoryview(torch.arange(64, dtype=torch.int32).numpy()), refs=1
+    )  # not bytes: cast, too big: new
     assert bytes(d.view()) == torch.arange(64, dtype=torch.int32).numpy().tobytes()
     assert pool._idle == []  # the idle buffer was too small for it and is dropped
 
@@ -301,7 +316,9 @@ def test_wrong_bucket_credentials_or_endpoint_fail_at_construction(s3, tmp_path,
         ckpt.Checkpointer(tiers=["shm", disk, s3.url])
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3.server.secret_key)
     with pytest.raises(ckpt.TierError, match=r"reachable\? \(AWS_ENDPOINT_URL\)"):
-        ckpt.Checkpointer(tiers=["shm", disk, {"url": s3.url, "endpoint": "http://127.0.0.1:9", "retries": 0}])
+        ckpt.Checkpointer(
+            tiers=["shm", disk, {"url": s3.url, "endpoint": "http://127.0.0.1:9", "retries": 0}]
+        )
     assert not (tmp_path / "disk").exists() or not any((tmp_path / "disk").iterdir())
 
 
@@ -340,7 +357,9 @@ def test_cli_ls_shows_the_tiers_of_each_step(s3, tmp_path):
     assert [(s["step"], s["tiers"]) for s in json.loads(r.stdout)["steps"]] == [(1, ["s3"]), (3, ["s3"])]
     r = runner.invoke(app, ["ls", str(disk), "--tier", s3.url], env={"COLUMNS": "200"})
     assert r.exit_code == 0, r.output
-    assert "shm + disk + s3" in r.stdout and f"s3 = {s3.url}" in r.stdout and "newest durable step 3" in r.stdout
+    assert (
+        "shm + disk + s3" in r.stdout and f"s3 = {s3.url}" in r.stdout and "newest durable step 3" in r.stdout
+    )
 
 
 def test_cli_inspect_verify_export_read_s3_and_tier_lists(s3, tmp_path):
@@ -382,14 +401,18 @@ def test_cli_inspect_verify_export_read_s3_and_tier_lists(s3, tmp_path):
     assert "checksum mismatch" in out["problems"][0]["problem"]
 
     man = mf.read(disk / mf.step_dirname(5))
-    with open(disk / mf.step_dirname(5) / man.files[0]["name"], "r+b") as f:  # now the disk copy is damaged too,
+    with open(
+        disk / mf.step_dirname(5) / man.files[0]["name"], "r+b"
+    ) as f:  # now the disk copy is damaged too,
         f.seek(man.tensors["b"].pieces[0].start)                              # in another tensor
         f.write(b"\xff")
     r = run("export", tiers, tmp_path / "out.safetensors", "--json")
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     assert doc["bytes_by_tier"] == {"disk": 4014, "s3": 160}  # w, h and the bad b from disk; b again from S3
-    assert len(doc["fallbacks"]) == 1 and "tier 'disk'): checksum mismatch in tensor 'b'" in doc["fallbacks"][0]
+    assert (
+        len(doc["fallbacks"]) == 1 and "tier 'disk'): checksum mismatch in tensor 'b'" in doc["fallbacks"][0]
+    )
     got = load_file(str(tmp_path / "out.safetensors"))
     assert same(got["b"], state(5)["b"]) and same(got["w"], state(5)["w"]) and same(got["h"], state(5)["h"])
 
@@ -451,4 +474,6 @@ def test_two_processes_commit_to_s3_and_one_reshards_from_it(s3, tmp_path):
         assert ckpt.load(s3.url, target, stats=stats) == 2
         assert torch.equal(part, full[a:b]) and torch.equal(target["rep"], torch.full((5,), 2.0))
         # pieces smaller than one checksum block are read whole (and checked), never more
-        assert stats.bytes_needed <= stats.bytes_read <= 40 * 12 * 4 + 5 * 4 and set(stats.bytes_by_tier) == {"s3"}
+        assert stats.bytes_needed <= stats.bytes_read <= 40 * 12 * 4 + 5 * 4 and set(stats.bytes_by_tier) == {
+            "s3"
+        }

@@ -83,9 +83,13 @@ def test_admission(node_list, jobs, want):
 
 
 def test_dedicated_jobs_blocked_on_quota_do_not_starve_spot():
-    jobs = [pend(f"d{i}", "a", "dedicated", 16, submit_s=i) for i in range(100)] + [pend("x", "b", min=8, submit_s=500)]
+    jobs = [pend(f"d{i}", "a", "dedicated", 16, submit_s=i) for i in range(100)] + [
+        pend("x", "b", min=8, submit_s=500)
+    ]
     assert decide(snap(NOW, nodes((8,)), tenants(("a", 0), ("b", 0)), jobs)) == [Admit("x", {"t0": 8})]
-    jobs = [pend(f"d{i}", "a", "dedicated", 16, submit_s=i) for i in range(3)] + [pend("x", "b", min=8, submit_s=500)]
+    jobs = [pend(f"d{i}", "a", "dedicated", 16, submit_s=i) for i in range(3)] + [
+        pend("x", "b", min=8, submit_s=500)
+    ]
     assert decide(snap(NOW, nodes((8,)), AB, jobs), max_skips_per_cycle=1) == [Admit("x", {"t0": 8})]
 
 
@@ -101,30 +105,71 @@ def test_loan_ending_soon_takes_no_new_work():
 
 ORDERING = [
     pytest.param(
-        nodes((8,)), AB, [pend("x", "a", priority=1, min=8, submit_s=100), pend("y", "b", min=8, submit_s=0)],
-        {}, "x", id="priority-first"),
+        nodes((8,)),
+        AB,
+        [pend("x", "a", priority=1, min=8, submit_s=100), pend("y", "b", min=8, submit_s=0)],
+        {},
+        "x",
+        id="priority-first",
+    ),
     pytest.param(
-        nodes((8, 8)), AB,
+        nodes((8, 8)),
+        AB,
         [run("r", {"t0": 8}, "a"), pend("x", "a", min=8, submit_s=0), pend("y", "b", min=8, submit_s=50)],
-        {}, "y", id="fair-share-breaks-priority-ties"),
+        {},
+        "y",
+        id="fair-share-breaks-priority-ties",
+    ),
     pytest.param(
-        nodes((8,)), AB, [pend("x", "a", min=8, submit_s=NOW - 7200), pend("y", "a", priority=1, min=8, submit_s=NOW)],
-        {}, "x", id="aging-lifts-old-jobs"),
+        nodes((8,)),
+        AB,
+        [pend("x", "a", min=8, submit_s=NOW - 7200), pend("y", "a", priority=1, min=8, submit_s=NOW)],
+        {},
+        "x",
+        id="aging-lifts-old-jobs",
+    ),
     pytest.param(
-        nodes((8,)), AB, [pend("x", "a", min=8, submit_s=NOW - 7200), pend("y", "a", priority=1, min=8, submit_s=NOW)],
-        {"aging_per_s": 0.0}, "y", id="no-aging"),
+        nodes((8,)),
+        AB,
+        [pend("x", "a", min=8, submit_s=NOW - 7200), pend("y", "a", priority=1, min=8, submit_s=NOW)],
+        {"aging_per_s": 0.0},
+        "y",
+        id="no-aging",
+    ),
     pytest.param(
-        nodes((8, 8)), tenants(("a", 0, 3.0), ("b", 0, 1.0)),
-        [run("r", {"t0": 8}, "a"), run("q", {"t1": 4}, "b"), pend("y", "b", min=4, submit_s=0), pend("x", "a", min=4, submit_s=1)],
-        {}, "x", id="weight-3-tenant-is-further-below-its-share"),
+        nodes((8, 8)),
+        tenants(("a", 0, 3.0), ("b", 0, 1.0)),
+        [
+            run("r", {"t0": 8}, "a"),
+            run("q", {"t1": 4}, "b"),
+            pend("y", "b", min=4, submit_s=0),
+            pend("x", "a", min=4, submit_s=1),
+        ],
+        {},
+        "x",
+        id="weight-3-tenant-is-further-below-its-share",
+    ),
     pytest.param(
-        nodes((8, 8)), tenants(("a", 0, 1.0), ("b", 0, 1.0)),
-        [run("r", {"t0": 8}, "a"), run("q", {"t1": 4}, "b"), pend("y", "b", min=4, submit_s=0), pend("x", "a", min=4, submit_s=1)],
-        {}, "y", id="equal-weights"),
+        nodes((8, 8)),
+        tenants(("a", 0, 1.0), ("b", 0, 1.0)),
+        [
+            run("r", {"t0": 8}, "a"),
+            run("q", {"t1": 4}, "b"),
+            pend("y", "b", min=4, submit_s=0),
+            pend("x", "a", min=4, submit_s=1),
+        ],
+        {},
+        "y",
+        id="equal-weights",
+    ),
     pytest.param(
-        nodes((8,)), AB,
+        nodes((8,)),
+        AB,
         [pend("x", "a", min=8, submit_s=0, last_preempted_s=NOW - 60), pend("y", "a", min=8, submit_s=100)],
-        {}, "y", id="preempted-job-requeues-at-the-back"),
+        {},
+        "y",
+        id="preempted-job-requeues-at-the-back",
+    ),
 ]
 
 
@@ -144,11 +189,20 @@ def elastic(id="e", on=None, tenant="b", kind="spot", min=4, max=16, **kw) -> Jo
 GROWTH = [
     pytest.param([elastic()], [Grow("e", 16, {"t0": 4, "t1": 8})], id="own-node-first-then-pack"),
     pytest.param([elastic(last_shrunk_s=NOW - 100)], [], id="no-regrow-within-hysteresis"),
-    pytest.param([elastic(last_shrunk_s=NOW - 400)], [Grow("e", 16, {"t0": 4, "t1": 8})], id="regrow-after-hysteresis"),
-    pytest.param([elastic(tenant="a", kind="dedicated")], [Grow("e", 8, {"t0": 4})], id="dedicated-within-quota"),
-    pytest.param([pend("x", min=4, max=16)], [Admit("x", {"t0": 8, "t1": 8})], id="admitted-job-grows-in-its-admit"),
-    pytest.param([elastic(min=4, max=12, multiple_of=4, gpus_per_node=4)], [Grow("e", 12, {"t1": 4, "t2": 4})],
-                 id="gpus-per-node-growth-takes-new-nodes"),
+    pytest.param(
+        [elastic(last_shrunk_s=NOW - 400)], [Grow("e", 16, {"t0": 4, "t1": 8})], id="regrow-after-hysteresis"
+    ),
+    pytest.param(
+        [elastic(tenant="a", kind="dedicated")], [Grow("e", 8, {"t0": 4})], id="dedicated-within-quota"
+    ),
+    pytest.param(
+        [pend("x", min=4, max=16)], [Admit("x", {"t0": 8, "t1": 8})], id="admitted-job-grows-in-its-admit"
+    ),
+    pytest.param(
+        [elastic(min=4, max=12, multiple_of=4, gpus_per_node=4)],
+        [Grow("e", 12, {"t1": 4, "t2": 4})],
+        id="gpus-per-node-growth-takes-new-nodes",
+    ),
     pytest.param([elastic(releasing={"t0": 2}, on={"t0": 6}, min=4)], [], id="releasing-job-does-not-grow"),
 ]
 
@@ -179,51 +233,99 @@ def spot(id, on, tenant="b", **kw) -> Job:
 
 PREEMPTION = [
     pytest.param(
-        [spot("s", {"t0": 8, "t1": 4}, min=4, max=12, multiple_of=4), spot("r", {"t1": 4}),
-         pend("d", "a", "dedicated", 8)],
-        [Shrink("s", 4, {"t0": 8}, "quota", GRACE, "d")], id="quota-shrinks-elastic-spot-first"),
+        [
+            spot("s", {"t0": 8, "t1": 4}, min=4, max=12, multiple_of=4),
+            spot("r", {"t1": 4}),
+            pend("d", "a", "dedicated", 8),
+        ],
+        [Shrink("s", 4, {"t0": 8}, "quota", GRACE, "d")],
+        id="quota-shrinks-elastic-spot-first",
+    ),
     pytest.param(
-        [spot("x", {"t0": 8}, last_ckpt_s=NOW - 600), spot("y", {"t1": 8}, last_ckpt_s=NOW - 60),
-         pend("d", "a", "dedicated", 8)],
-        [Preempt("y", "quota", GRACE, "d")], id="quota-preempts-least-work-lost"),
+        [
+            spot("x", {"t0": 8}, last_ckpt_s=NOW - 600),
+            spot("y", {"t1": 8}, last_ckpt_s=NOW - 60),
+            pend("d", "a", "dedicated", 8),
+        ],
+        [Preempt("y", "quota", GRACE, "d")],
+        id="quota-preempts-least-work-lost",
+    ),
     pytest.param(
-        [spot("x", {"t0": 8}, started_s=NOW - 10), spot("y", {"t1": 8}, started_s=NOW - 5000, last_ckpt_s=NOW - 3000),
-         pend("d", "a", "dedicated", 8)],
-        [Preempt("y", "quota", GRACE, "d")], id="quota-prefers-victims-past-min-runtime"),
+        [
+            spot("x", {"t0": 8}, started_s=NOW - 10),
+            spot("y", {"t1": 8}, started_s=NOW - 5000, last_ckpt_s=NOW - 3000),
+            pend("d", "a", "dedicated", 8),
+        ],
+        [Preempt("y", "quota", GRACE, "d")],
+        id="quota-prefers-victims-past-min-runtime",
+    ),
     pytest.param(
         [spot("x", {"t0": 8, "t1": 8}, started_s=NOW - 10), pend("d", "a", "dedicated", 8)],
-        [Preempt("x", "quota", GRACE, "d")], id="quota-overrides-min-runtime"),
+        [Preempt("x", "quota", GRACE, "d")],
+        id="quota-overrides-min-runtime",
+    ),
     pytest.param(
         [spot("lo", {"t0": 8, "t1": 8}, started_s=NOW - 100), pend("hi", "b", priority=2, min=8)],
-        [], id="min-runtime-protects-from-priority"),
+        [],
+        id="min-runtime-protects-from-priority",
+    ),
     pytest.param(
         [spot("lo", {"t0": 8, "t1": 8}), pend("hi", "b", priority=2, min=8)],
-        [Preempt("lo", "priority", GRACE, "hi")], id="priority-preemption"),
+        [Preempt("lo", "priority", GRACE, "hi")],
+        id="priority-preemption",
+    ),
     pytest.param(
         [spot("lo", {"t0": 8, "t1": 8}, priority=1), pend("hi", "b", priority=1, min=8, submit_s=NOW - 7200)],
-        [], id="aging-never-makes-a-preemptor"),
+        [],
+        id="aging-never-makes-a-preemptor",
+    ),
     pytest.param(
-        [spot("x", {"t0": 8}, "a", last_ckpt_s=NOW - 10), spot("y", {"t1": 8}, "a", last_ckpt_s=NOW - 500),
-         pend("z", "b", min=8)],
-        [Preempt("x", "fair_share", GRACE, "z")], id="fair-share-preemption"),
+        [
+            spot("x", {"t0": 8}, "a", last_ckpt_s=NOW - 10),
+            spot("y", {"t1": 8}, "a", last_ckpt_s=NOW - 500),
+            pend("z", "b", min=8),
+        ],
+        [Preempt("x", "fair_share", GRACE, "z")],
+        id="fair-share-preemption",
+    ),
     pytest.param(
         [spot("x", {"t0": 8}, "a"), spot("y", {"t1": 8}, "b"), pend("z", "b", min=8)],
-        [], id="no-fair-share-preemption-by-the-tenant-holding-more"),
+        [],
+        id="no-fair-share-preemption-by-the-tenant-holding-more",
+    ),
     pytest.param(
-        [spot("x", {"t0": 8}, "a"), spot("y", {"t1": 8}, "b", priority=5), pend("z", "b", priority=2, min=16)],
-        [], id="no-partial-damage-when-the-need-cannot-be-met"),
+        [
+            spot("x", {"t0": 8}, "a"),
+            spot("y", {"t1": 8}, "b", priority=5),
+            pend("z", "b", priority=2, min=16),
+        ],
+        [],
+        id="no-partial-damage-when-the-need-cannot-be-met",
+    ),
     pytest.param(
         [spot("x", {"t0": 8, "t1": 8}, min=8, max=16), pend("z", "a", min=8)],
-        [Shrink("x", 8, {"t0": 8}, "demand", GRACE, "z")], id="equal-priority-demand-shrinks-elastic-extras"),
+        [Shrink("x", 8, {"t0": 8}, "demand", GRACE, "z")],
+        id="equal-priority-demand-shrinks-elastic-extras",
+    ),
     pytest.param(
         [spot("x", {"t0": 8, "t1": 8}, min=8, max=16, last_grown_s=NOW - 60), pend("z", "a", min=8)],
-        [], id="no-shrink-right-after-growth"),
+        [],
+        id="no-shrink-right-after-growth",
+    ),
     pytest.param(
-        [run("d0", {"t0": 8}, "a", "dedicated"), spot("f", {"t1": 8}), pend("d1", "a", "dedicated", 8, priority=1)],
-        [Preempt("d0", "priority", GRACE, "d1")], id="own-dedicated-by-priority-for-quota"),
+        [
+            run("d0", {"t0": 8}, "a", "dedicated"),
+            spot("f", {"t1": 8}),
+            pend("d1", "a", "dedicated", 8, priority=1),
+        ],
+        [Preempt("d0", "priority", GRACE, "d1")],
+        id="own-dedicated-by-priority-for-quota",
+    ),
     pytest.param(
         [spot("x", {"t0": 8}, releasing={"t0": 8}), spot("y", {"t1": 8}), pend("d", "a", "dedicated", 8)],
-        [], id="draining-victim-is-not-preempted-twice"),
+        [],
+        id="draining-victim-is-not-preempted-twice",
+    ),
 ]
 
 
@@ -235,14 +337,21 @@ def test_preemption(jobs, want):
 def test_waiting_preemptor_holds_its_place():
     """A job waiting for its victims to drain keeps the free GPUs it will use: a later, smaller job
     does not take them (otherwise the preemptor could wait forever)."""
-    jobs = [spot("x", {"t0": 4}, releasing={"t0": 4}), pend("hi", "b", priority=2, min=8), pend("lo", "b", min=4)]
+    jobs = [
+        spot("x", {"t0": 4}, releasing={"t0": 4}),
+        pend("hi", "b", priority=2, min=8),
+        pend("lo", "b", min=4),
+    ]
     s = snap(NOW, nodes((8,)), AB, jobs)
     assert decide(s) == []
     assert decide(settle(s)) == [Admit("hi", {"t0": 8})]
 
 
 def test_shrink_respects_multiple_of_and_gpus_per_node():
-    jobs = [spot("s", {"t0": 8, "t1": 8}, min=8, max=16, multiple_of=8, gpus_per_node=8), pend("d", "a", "dedicated", 4)]
+    jobs = [
+        spot("s", {"t0": 8, "t1": 8}, min=8, max=16, multiple_of=8, gpus_per_node=8),
+        pend("d", "a", "dedicated", 4),
+    ]
     assert decide(snap(NOW, nodes((8, 8)), AB, jobs)) == [Shrink("s", 8, {"t0": 8}, "quota", GRACE, "d")]
     jobs = [spot("s", {"t0": 8, "t1": 4}, min=6, max=12, multiple_of=6), spot("r", {"t1": 4}),
             pend("d", "a", "dedicated", 4)]
@@ -253,7 +362,11 @@ def test_shrink_respects_multiple_of_and_gpus_per_node():
 
 
 SERVING = nodes((), (8, 8, 8))
-LOANS = [Loan("s0", 8, until_s=NOW + 9000), Loan("s1", 8, until_s=NOW + 5000), Loan("s2", 8, until_s=NOW + 3000)]
+LOANS = [
+    Loan("s0", 8, until_s=NOW + 9000),
+    Loan("s1", 8, until_s=NOW + 5000),
+    Loan("s2", 8, until_s=NOW + 3000),
+]
 BY = NOW + 300
 
 
@@ -262,26 +375,66 @@ def due(gpus: int) -> Reclaim:
 
 
 RECLAIM = [
-    pytest.param([run("r", {"s0": 4})], due(12), [ReturnGpus("s2", 8), ReturnGpus("s1", 4)],
-                 id="idle-whole-nodes-first-earliest-loan-end-first"),
-    pytest.param([spot("e", {"s0": 8, "s1": 8}, min=8, max=16), run("r", {"s2": 8})], due(8),
-                 [Shrink("e", 8, {"s0": 8}, "reclaim", BY)], id="shrink-before-preempt"),
-    pytest.param([spot("x", {"s0": 8}, last_ckpt_s=NOW - 30), spot("y", {"s1": 8}, last_ckpt_s=NOW - 900),
-                  run("r", {"s2": 8}, last_ckpt_s=NOW - 900)], due(8),
-                 [Preempt("x", "reclaim", BY)], id="preempt-least-work-lost"),
-    pytest.param([spot("x", {"s0": 8}, started_s=NOW - 5), run("r1", {"s1": 8}, last_ckpt_s=NOW - 900),
-                  run("r2", {"s2": 8}, last_ckpt_s=NOW - 900)], due(8),
-                 [Preempt("r1", "reclaim", BY)], id="prefers-victims-past-min-runtime"),
-    pytest.param([spot("x", {"s0": 8}, started_s=NOW - 5), run("r1", {"s1": 8}, last_ckpt_s=NOW - 900),
-                  run("r2", {"s2": 8}, last_ckpt_s=NOW - 900)], due(24),
-                 [Preempt("r1", "reclaim", BY), Preempt("r2", "reclaim", BY), Preempt("x", "reclaim", BY)],
-                 id="overrides-min-runtime"),
-    pytest.param([spot("x", {"s0": 8}, releasing={"s0": 8}), run("r1", {"s1": 8}), run("r2", {"s2": 8})], due(8),
-                 [], id="draining-counts-no-double-action"),
-    pytest.param([spot("e", {"s0": 8, "s1": 4}, min=4, max=12, multiple_of=4), run("r", {"s2": 8})], due(8),
-                 [ReturnGpus("s1", 4), Shrink("e", 8, {"s1": 4}, "reclaim", BY)], id="idle-part-then-shrink"),
-    pytest.param([run("r1", {"s0": 8}), run("r2", {"s1": 8})], Reclaim(8, by_s=NOW + 700, notice_s=NOW + 400),
-                 [], id="not-yet-due-keeps-idle-gpus-displaces-nobody"),
+    pytest.param(
+        [run("r", {"s0": 4})],
+        due(12),
+        [ReturnGpus("s2", 8), ReturnGpus("s1", 4)],
+        id="idle-whole-nodes-first-earliest-loan-end-first",
+    ),
+    pytest.param(
+        [spot("e", {"s0": 8, "s1": 8}, min=8, max=16), run("r", {"s2": 8})],
+        due(8),
+        [Shrink("e", 8, {"s0": 8}, "reclaim", BY)],
+        id="shrink-before-preempt",
+    ),
+    pytest.param(
+        [
+            spot("x", {"s0": 8}, last_ckpt_s=NOW - 30),
+            spot("y", {"s1": 8}, last_ckpt_s=NOW - 900),
+            run("r", {"s2": 8}, last_ckpt_s=NOW - 900),
+        ],
+        due(8),
+        [Preempt("x", "reclaim", BY)],
+        id="preempt-least-work-lost",
+    ),
+    pytest.param(
+        [
+            spot("x", {"s0": 8}, started_s=NOW - 5),
+            run("r1", {"s1": 8}, last_ckpt_s=NOW - 900),
+            run("r2", {"s2": 8}, last_ckpt_s=NOW - 900),
+        ],
+        due(8),
+        [Preempt("r1", "reclaim", BY)],
+        id="prefers-victims-past-min-runtime",
+    ),
+    pytest.param(
+        [
+            spot("x", {"s0": 8}, started_s=NOW - 5),
+            run("r1", {"s1": 8}, last_ckpt_s=NOW - 900),
+            run("r2", {"s2": 8}, last_ckpt_s=NOW - 900),
+        ],
+        due(24),
+        [Preempt("r1", "reclaim", BY), Preempt("r2", "reclaim", BY), Preempt("x", "reclaim", BY)],
+        id="overrides-min-runtime",
+    ),
+    pytest.param(
+        [spot("x", {"s0": 8}, releasing={"s0": 8}), run("r1", {"s1": 8}), run("r2", {"s2": 8})],
+        due(8),
+        [],
+        id="draining-counts-no-double-action",
+    ),
+    pytest.param(
+        [spot("e", {"s0": 8, "s1": 4}, min=4, max=12, multiple_of=4), run("r", {"s2": 8})],
+        due(8),
+        [ReturnGpus("s1", 4), Shrink("e", 8, {"s1": 4}, "reclaim", BY)],
+        id="idle-part-then-shrink",
+    ),
+    pytest.param(
+        [run("r1", {"s0": 8}), run("r2", {"s1": 8})],
+        Reclaim(8, by_s=NOW + 700, notice_s=NOW + 400),
+        [],
+        id="not-yet-due-keeps-idle-gpus-displaces-nobody",
+    ),
 ]
 
 
@@ -352,7 +505,11 @@ def test_check_snapshot(jobs, loans, match):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.integers(0, 8), min_size=1, max_size=12), st.integers(1, 40), st.sampled_from([None, 1, 2, 4, 8]))
+@given(
+    st.lists(st.integers(0, 8), min_size=1, max_size=12),
+    st.integers(1, 40),
+    st.sampled_from([None, 1, 2, 4, 8]),
+)
 def test_packing_is_valid_and_uses_fewest_nodes(frees, size, g):
     """``place`` (bucketed views, admission) and ``pack`` (plain maps, preemption) agree on feasibility,
     never over-take a node, give exactly ``g`` per node, and use the fewest nodes possible."""
@@ -402,9 +559,19 @@ def worlds(draw, dedicated_spread: bool = True) -> Snapshot:
             g = None
         step = math.lcm(mult, g or 1)
         mn = step * draw(st.integers(1, 2))
-        jobs.append(Job(f"j{k}", f"u{draw(st.integers(0, len(tenant_list) - 1))}", kind,
-                        priority=draw(st.integers(0, 2)), min_gpus=mn, max_gpus=mn + step * draw(st.integers(0, 3)),
-                        multiple_of=mult, gpus_per_node=g, submit_s=-float(draw(st.integers(0, 8000)))))
+        jobs.append(
+            Job(
+                f"j{k}",
+                f"u{draw(st.integers(0, len(tenant_list) - 1))}",
+                kind,
+                priority=draw(st.integers(0, 2)),
+                min_gpus=mn,
+                max_gpus=mn + step * draw(st.integers(0, 3)),
+                multiple_of=mult,
+                gpus_per_node=g,
+                submit_s=-float(draw(st.integers(0, 8000))),
+            )
+        )
     return Snapshot.build(0.0, node_list, tenant_list, jobs, loans)
 
 
@@ -424,10 +591,15 @@ def check_decisions(s: Snapshot, decisions: list) -> None:
             assert g is None or set(d.placement.values()) == {g}, d
             assert j.kind == "spot" or {pool[n] for n in d.placement} == {"training"}, d
         elif isinstance(d, Grow):
-            assert d.to_gpus == j.gpus + sum(d.add.values()) <= j.max_gpus and d.to_gpus % j.size_step == 0, (d, j)
+            assert d.to_gpus == j.gpus + sum(d.add.values()) <= j.max_gpus and d.to_gpus % j.size_step == 0, (
+                d,
+                j,
+            )
             assert g is None or all(v == g and n not in j.placement for n, v in d.add.items()), d
         elif isinstance(d, Shrink):
-            assert j.min_gpus <= d.to_gpus == j.gpus - sum(d.release.values()) and d.to_gpus % j.size_step == 0, (d, j)
+            assert (
+                j.min_gpus <= d.to_gpus == j.gpus - sum(d.release.values()) and d.to_gpus % j.size_step == 0
+            ), (d, j)
             assert not j.releasing and all(0 < v <= j.placement[n] for n, v in d.release.items()), d
             assert g is None or set(d.release.values()) == {g}, d
         else:
@@ -450,14 +622,20 @@ def check_why(s: Snapshot, decisions: list, why: dict) -> None:
 
 def dedicated_held(s: Snapshot) -> Counter:
     return Counter({t.name: 0 for t in s.tenants}) + Counter(
-        {t: sum(j.gpus for j in s.running if j.kind == "dedicated" and j.tenant == t) for t in {j.tenant for j in s.running}})
+        {
+            t: sum(j.gpus for j in s.running if j.kind == "dedicated" and j.tenant == t)
+            for t in {j.tenant for j in s.running}
+        }
+    )
 
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @FAST
-@given(worlds(), st.lists(st.tuples(st.booleans(), st.integers(0, 16), st.booleans()), min_size=1, max_size=8))
+@given(
+    worlds(), st.lists(st.tuples(st.booleans(), st.integers(0, 16), st.booleans()), min_size=1, max_size=8)
+)
 def test_invariants_hold_step_after_step(s, script):
     """Never more GPUs allocated than exist (or than serving lent), gangs never below their minimum,
     sizes on their step, per-node shares exact, dedicated work inside quota — after every step,
@@ -603,7 +781,9 @@ def test_victim_orders_are_the_key_sorts(specs):
     jobs = [Job(f"j{9 - k}{k}", f"u{t}", "spot", priority=p, min_gpus=1 if elastic else g, max_gpus=8,
                 placement={f"t{k}": g}, started_s=started, last_ckpt_s=ckpt)
             for k, (t, g, p, elastic, started, ckpt) in enumerate(specs)]
-    s = Snapshot.build(0.0, nodes((8,) * len(jobs), ()), [Tenant(f"u{i}", 0, 1.0 + i % 2) for i in range(3)], jobs)
+    s = Snapshot.build(
+        0.0, nodes((8,) * len(jobs), ()), [Tenant(f"u{i}", 0, 1.0 + i % 2) for i in range(3)], jobs
+    )
     c = Cycle(s, SchedulerConfig())
     c.build_views(set())
     c.compute_fair({j.tenant for j in jobs})

@@ -51,9 +51,20 @@ def cfg(**kw):
 
 
 def trace_jobs() -> list[JobSpec]:
-    return [JobSpec(f"j{i:03d}", "a" if i % 2 else "b", "dedicated" if i % 5 == 0 else "spot", i % 2, g, 2 * g,
-                    g * 3600.0 * (1 + i % 4), i * 1800.0, gpus_per_node=8 if g == 8 else None)
-            for i, g in enumerate([1, 2, 4, 8, 2, 1, 4, 8, 2, 4] * 3)]
+    return [
+        JobSpec(
+            f"j{i:03d}",
+            "a" if i % 2 else "b",
+            "dedicated" if i % 5 == 0 else "spot",
+            i % 2,
+            g,
+            2 * g,
+            g * 3600.0 * (1 + i % 4),
+            i * 1800.0,
+            gpus_per_node=8 if g == 8 else None,
+        )
+        for i, g in enumerate([1, 2, 4, 8, 2, 1, 4, 8, 2, 4] * 3)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +84,9 @@ def test_every_policy_runs_and_reports_every_metric(runs):
 
 def test_none_lends_nothing(runs):
     m = runs["none"][1].metrics
-    assert m["loaned_gpu_hours"] == 0 and m["harvested_gpu_hours"] == 0 and m["serving_shortfall_gpu_hours"] == 0
+    assert (
+        m["loaned_gpu_hours"] == 0 and m["harvested_gpu_hours"] == 0 and m["serving_shortfall_gpu_hours"] == 0
+    )
     assert m["training_kept_gpu_hours"] > 0  # the training pool still trains
 
 
@@ -87,9 +100,15 @@ def test_conservation_and_bounds(runs):
     for name, (e, r) in runs.items():
         m = r.metrics
         w = e.world
-        held_by_jobs = sum(sj.held_gpu_s + sj.job.gpus * (e.cfg.end_s - sj.held_since) for sj in w.jobs.values())
+        held_by_jobs = sum(
+            sj.held_gpu_s + sj.job.gpus * (e.cfg.end_s - sj.held_since) for sj in w.jobs.values()
+        )
         assert held_by_jobs / 3600 == pytest.approx(e.meter.held_gpu_s / 3600, rel=1e-6), name
-        assert m["harvested_gpu_hours"] <= m["trained_on_loans_held_gpu_hours"] + 1e-6 <= m["loaned_gpu_hours"] + 2e-6
+        assert (
+            m["harvested_gpu_hours"]
+            <= m["trained_on_loans_held_gpu_hours"] + 1e-6
+            <= m["loaned_gpu_hours"] + 2e-6
+        )
         assert e.meter.held_gpu_s <= (e.meter.lent_gpu_s + M * e.meter.scored_s) * (1 + 1e-9)
         assert m["training_kept_gpu_hours"] <= e.meter.held_gpu_s / 3600 + 1e-6
         # serving: what is met plus what is short is what was demanded
@@ -107,22 +126,38 @@ def test_serving_never_lent_beyond_what_the_plan_allowed(runs):
 
 
 def test_same_seed_same_result(demand):
-    a = simulate(demand, step_s=600.0, policy=PolicySpec("tidal"), config=cfg(days=1.0), backlog=SpotBacklog())
-    b = simulate(demand, step_s=600.0, policy=PolicySpec("tidal"), config=cfg(days=1.0), backlog=SpotBacklog())
+    a = simulate(
+        demand, step_s=600.0, policy=PolicySpec("tidal"), config=cfg(days=1.0), backlog=SpotBacklog()
+    )
+    b = simulate(
+        demand, step_s=600.0, policy=PolicySpec("tidal"), config=cfg(days=1.0), backlog=SpotBacklog()
+    )
     keys = [k for k in a.metrics if not any(x in k for x in ("ms", "wall", "cpu"))]
     assert {k: a.metrics[k] for k in keys} == {k: b.metrics[k] for k in keys}
 
 
 def test_checkpoint_and_resize_modes(demand):
     c = cfg(days=1.0, failure_rate_per_gpu_hour=0.01)  # many failures: durability matters
-    sync = simulate(demand, step_s=600.0, policy=PolicySpec("oracle"), config=with_modes(c, "sync", "reshard"),
-                    backlog=SpotBacklog()).metrics
-    conc = simulate(demand, step_s=600.0, policy=PolicySpec("oracle"), config=c, backlog=SpotBacklog()).metrics
+    sync = simulate(
+        demand,
+        step_s=600.0,
+        policy=PolicySpec("oracle"),
+        config=with_modes(c, "sync", "reshard"),
+        backlog=SpotBacklog(),
+    ).metrics
+    conc = simulate(
+        demand, step_s=600.0, policy=PolicySpec("oracle"), config=c, backlog=SpotBacklog()
+    ).metrics
     assert sync["failures"] > 0 and conc["failures"] > 0
     assert sync["final_ckpt_missed"] > 0 and conc["final_ckpt_missed"] == 0  # a 300 s stall misses the grace
     assert sync["harvested_gpu_hours"] < conc["harvested_gpu_hours"]
-    rigid = simulate(demand, step_s=600.0, policy=PolicySpec("oracle"), config=cfg(days=1.0, resize="restart-full"),
-                     backlog=SpotBacklog()).metrics
+    rigid = simulate(
+        demand,
+        step_s=600.0,
+        policy=PolicySpec("oracle"),
+        config=cfg(days=1.0, resize="restart-full"),
+        backlog=SpotBacklog(),
+    ).metrics
     assert rigid["shrinks"] == 0
 
 
@@ -134,9 +169,28 @@ def test_trace_repeats_when_shorter_than_the_run(demand):
 
 
 def test_cli_json_has_every_metric_for_every_policy(trace, tmp_path):
-    res = CliRunner().invoke(app, ["sim", "--traffic", str(trace), "--spot-backlog", "--serving-gpus", str(N),
-                                   "--training-gpus", str(M), "--days", "1", "--policy", "none,reactive,oracle",
-                                   "--json", "--plot", str(tmp_path / "t.png"), "--warmup-days", "0.25"])
+    res = CliRunner().invoke(
+        app,
+        [
+            "sim",
+            "--traffic",
+            str(trace),
+            "--spot-backlog",
+            "--serving-gpus",
+            str(N),
+            "--training-gpus",
+            str(M),
+            "--days",
+            "1",
+            "--policy",
+            "none,reactive,oracle",
+            "--json",
+            "--plot",
+            str(tmp_path / "t.png"),
+            "--warmup-days",
+            "0.25",
+        ],
+    )
     assert res.exit_code == 0, res.output
     assert "(days 0.25 to 2.25; scored from day 0.25)" in res.stderr  # the plot starts where scoring does
     out = json.loads(res.stdout)
@@ -149,8 +203,24 @@ def test_cli_json_has_every_metric_for_every_policy(trace, tmp_path):
 
 def test_cli_sweep_and_plan(trace, tmp_path):
     png = tmp_path / "sweep.png"
-    res = CliRunner().invoke(app, ["sim", "--traffic", str(trace), "--spot-backlog", "--serving-gpus", str(N),
-                                   "--days", "0.5", "--policy", "oracle,none", "--sweep", "--sweep-png", str(png)])
+    res = CliRunner().invoke(
+        app,
+        [
+            "sim",
+            "--traffic",
+            str(trace),
+            "--spot-backlog",
+            "--serving-gpus",
+            str(N),
+            "--days",
+            "0.5",
+            "--policy",
+            "oracle,none",
+            "--sweep",
+            "--sweep-png",
+            str(png),
+        ],
+    )
     assert res.exit_code == 0, res.output
     assert png.stat().st_size > 10_000 and "oracle" in res.stdout
     res = CliRunner().invoke(app, ["plan", str(trace), "--serving-gpus", str(N), "--json",
@@ -165,7 +235,9 @@ def test_cli_sweep_and_plan(trace, tmp_path):
 
 
 def test_cli_names_bad_input(trace):
-    res = CliRunner().invoke(app, ["sim", "--traffic", str(trace), "--serving-gpus", "8", "--policy", "greedy"])
+    res = CliRunner().invoke(
+        app, ["sim", "--traffic", str(trace), "--serving-gpus", "8", "--policy", "greedy"]
+    )
     assert res.exit_code != 0 and "greedy" in res.output
 
 

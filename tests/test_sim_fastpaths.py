@@ -18,8 +18,18 @@ from tidal.sim.config import make_config
 from tidal.sim.jobs import JobSpec
 from tidal.sim.world import World, job_with
 
-BASE = Job("j1", "t1", "spot", priority=2, min_gpus=8, max_gpus=32, multiple_of=4, gpus_per_node=8, submit_s=5.0,
-           ckpt_stall_s=12.0)
+BASE = Job(
+    "j1",
+    "t1",
+    "spot",
+    priority=2,
+    min_gpus=8,
+    max_gpus=32,
+    multiple_of=4,
+    gpus_per_node=8,
+    submit_s=5.0,
+    ckpt_stall_s=12.0,
+)
 RUNNING = dataclasses.replace(BASE, placement={"n1": 8, "n2": 8}, started_s=100.0)
 
 CHANGES = [
@@ -51,7 +61,9 @@ def test_job_with_rejects_releasing_more_than_held() -> None:
 def test_scalar_slot_is_slot_of() -> None:
     cfg = F.ForecastConfig(step_s=600.0)
     rng = np.random.default_rng(3)
-    times = np.concatenate([np.arange(0, 3 * 86400, 300.0), rng.uniform(0, 1e7, 2000), [86399.999, 1e9 + 0.5]])
+    times = np.concatenate(
+        [np.arange(0, 3 * 86400, 300.0), rng.uniform(0, 1e7, 2000), [86399.999, 1e9 + 0.5]]
+    )
     for t in times.tolist():
         assert F._slot(cfg, t) == int(F.slot_of(cfg, t)), t
 

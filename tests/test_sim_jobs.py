@@ -21,7 +21,14 @@ def test_native_csv(tmp_path):
     jobs = load_jobs(p)
     assert [j.tenant for j in jobs] == ["vision", "nlp"]  # in submission order
     v, n = jobs
-    assert (v.kind, v.priority, v.min_gpus, v.max_gpus, v.gpus_per_node, v.work_gpu_s) == ("dedicated", 1, 8, 8, 8, 2.88e6)
+    assert (v.kind, v.priority, v.min_gpus, v.max_gpus, v.gpus_per_node, v.work_gpu_s) == (
+        "dedicated",
+        1,
+        8,
+        8,
+        8,
+        2.88e6,
+    )
     assert (n.min_gpus, n.max_gpus, n.gpus_per_node, n.submit_s) == (4, 32, None, 600.0)
 
 

@@ -29,7 +29,12 @@ def _victim_orders(s: Snapshot, index: RunningIndex | None) -> tuple:
     c.build_views({"s1"})  # a loan ending soon: closed to placement
     c.compute_fair({j.tenant for j in s.running if j.kind == "spot"})
     v = VictimIndex(c)
-    ids = [j.id for j in v.spot_pre], v.protected, [j.id for j in v.spot_shrink], [j.id for j in v.spot_pre_open]
+    ids = (
+        [j.id for j in v.spot_pre],
+        v.protected,
+        [j.id for j in v.spot_shrink],
+        [j.id for j in v.spot_pre_open],
+    )
     groups = {(p, t): (ranks.tolist(), fewest) for p, t, ranks, fewest in v.open_groups()}
     by_code = v.open_group_codes()
     if by_code is not None:  # the same groups, by the index's codes
@@ -61,8 +66,17 @@ def test_kept_victim_orders_equal_the_walk_as_jobs_come_go_and_checkpoint(specs,
         if k % 3 == 0:  # some on a loaned node only (s1's loan ends soon: closed), some on both
             on = {f"s{k % 2}": min(g, 2)} if k % 2 == 0 or g == 1 else {f"t{k}": g - 1, f"s{k % 2}": 1}
         size = sum(on.values())
-        return Job(f"j{name:02d}-{k}", f"u{t}", "spot", priority=p, min_gpus=1 if elastic else size, max_gpus=8,
-                   placement=on, started_s=started, last_ckpt_s=ckpt)
+        return Job(
+            f"j{name:02d}-{k}",
+            f"u{t}",
+            "spot",
+            priority=p,
+            min_gpus=1 if elastic else size,
+            max_gpus=8,
+            placement=on,
+            started_s=started,
+            last_ckpt_s=ckpt,
+        )
 
     jobs = [job(k, *spec) for k, spec in enumerate(specs)]
     pool = nodes((8,) * 16, (8, 8))

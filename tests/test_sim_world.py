@@ -161,10 +161,18 @@ def test_durable_table_answers_exactly_what_each_segment_does():
         stop = float(rng.choice([math.inf, rng.uniform(0, 9000)]))
         pend = None if rng.random() < 0.5 else (float(rng.uniform(0, 3000)), float(rng.uniform(0, 900)),
                                                  float(rng.uniform(0, 800)))
-        segs[f"j{i}"] = seg(t0=float(rng.uniform(0, 2000)), p0=float(rng.uniform(0, 500)),
-                            rate=float(rng.choice([1.0, 8.0, 64.0 ** 0.9])), tau_s=float(rng.uniform(30, 3600)),
-                            stall_s=float(rng.choice([5.0, 10.0, 60.0])), lag_s=lag, stop_s=stop,
-                            dur_p=float(rng.uniform(0, 400)), dur_ct=float(rng.uniform(0, 100)), pend=pend)
+        segs[f"j{i}"] = seg(
+            t0=float(rng.uniform(0, 2000)),
+            p0=float(rng.uniform(0, 500)),
+            rate=float(rng.choice([1.0, 8.0, 64.0**0.9])),
+            tau_s=float(rng.uniform(30, 3600)),
+            stall_s=float(rng.choice([5.0, 10.0, 60.0])),
+            lag_s=lag,
+            stop_s=stop,
+            dur_p=float(rng.uniform(0, 400)),
+            dur_ct=float(rng.uniform(0, 100)),
+            pend=pend,
+        )
     end = 8000.0
     table = DurableTable(end)
     last = {k: math.nan for k in segs}
@@ -175,8 +183,25 @@ def test_durable_table_answers_exactly_what_each_segment_does():
         del segs[k]
     segs["j0"] = seg(t0=50.0, tau_s=700.0, lag_s=300.0)
     table.set("j0", segs["j0"], segs["j0"].next_durable_s(0.0))
-    rows = np.array([[s.t0, s.p0, s.rate, s.tau, s.stall, s.lag, s.stop, s.dur_p, s.dur_ct, s.pend_t, s.pend_p,
-                      s.pend_ct] for s in segs.values()])
+    rows = np.array(
+        [
+            [
+                s.t0,
+                s.p0,
+                s.rate,
+                s.tau,
+                s.stall,
+                s.lag,
+                s.stop,
+                s.dur_p,
+                s.dur_ct,
+                s.pend_t,
+                s.pend_p,
+                s.pend_ct,
+            ]
+            for s in segs.values()
+        ]
+    )
     for t in np.sort(rng.uniform(0, end, 60)).tolist():
         ct, nxt = durable_times_and_next(rows.T, t)
         for (k, s), c, n in zip(segs.items(), ct.tolist(), nxt.tolist(), strict=True):

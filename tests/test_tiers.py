@@ -53,7 +53,10 @@ BAD = [
     (["shm", {"kind": "pear"}, "/x"], r"tiers\[1\].*unknown kind 'pear'; expected one of shm, dir, s3, peer"),
     (["shm", {"kind": "peer", "agnet": "h:1"}, "/x"], r"unknown option 'agnet'.*agent, peers"),
     (["shm", "peer://a b"], r"namespace 'a b' must be letters"),
-    (["shm", {"url": "/x", "evry": 5}], r"tiers\[1\] '/x': unknown option 'evry'; expected one of: url, every"),
+    (
+        ["shm", {"url": "/x", "evry": 5}],
+        r"tiers\[1\] '/x': unknown option 'evry'; expected one of: url, every",
+    ),
     (["shm", {"url": "s3://bucket/run", "endpiont": "http://x"}], r"unknown option 'endpiont'.*endpoint"),
     (["shm", {"url": "/x", "every": 0}], r"'every' must be an integer >= 1"),
     (["shm", {"url": "/x", "every": "5"}], r"'every' must be an integer >= 1"),
@@ -97,10 +100,17 @@ def test_a_relative_url_still_works(tmp_path, monkeypatch):
 
 
 def test_defaults_names_and_schedule():
-    home, cfgs = resolve(["shm", "/a", "./b", {"url": "s3://bkt/run", "every": 5}, "s3://bkt/other"], default_keep=3)
+    home, cfgs = resolve(
+        ["shm", "/a", "./b", {"url": "s3://bkt/run", "every": 5}, "s3://bkt/other"], default_keep=3
+    )
     assert home == "/a"
     assert [(c.name, c.kind, c.every, c.keep) for c in cfgs] == [
-        ("shm", "shm", 1, 3), ("disk", "dir", 1, 3), ("disk-2", "dir", 1, 3), ("s3", "s3", 5, 3), ("s3-2", "s3", 1, 3)]
+        ("shm", "shm", 1, 3),
+        ("disk", "dir", 1, 3),
+        ("disk-2", "dir", 1, 3),
+        ("s3", "s3", 5, 3),
+        ("s3-2", "s3", 1, 3),
+    ]
     assert cfgs[2].location == os.path.abspath("b")
     assert [i for i in range(12) if cfgs[3].due(i)] == [0, 5, 10]
 

@@ -30,13 +30,17 @@ def test_order_is_pinned():
     assert s.global_indices(1) == [792, 593, 842, 178, 401, 185, 551, 895]
 
 
-@pytest.mark.parametrize("world,micro", [(1, 1), (1, 24), (2, 3), (3, 2), (4, 2), (6, 1), (8, 3), (12, 2), (24, 1)])
+@pytest.mark.parametrize(
+    "world,micro", [(1, 1), (1, 24), (2, 3), (3, 2), (4, 2), (6, 1), (8, 3), (12, 2), (24, 1)]
+)
 def test_rank_slices_reassemble_the_same_global_batch_on_any_world_size(world, micro):
     samplers = [GlobalBatchSampler(500, 24, micro, rank=r, world_size=world, seed=3) for r in range(world)]
     reference = GlobalBatchSampler(500, 24, 1, seed=3)
     for step in (0, 1, 20, 21):  # 20 * 24 = 480: step 20 crosses into the second epoch
         parts = [s.micro_batches(step) for s in samplers]
-        assert all(len(p) == s.accum_steps == 24 // (world * micro) for p, s in zip(parts, samplers, strict=True))
+        assert all(
+            len(p) == s.accum_steps == 24 // (world * micro) for p, s in zip(parts, samplers, strict=True)
+        )
         assert all(len(mb) == micro for p in parts for mb in p)
         flat = [i for p in parts for mb in p for i in mb]
         assert flat == reference.global_indices(step) == samplers[0].global_indices(step)

@@ -50,7 +50,9 @@ def by_step(pdir: Path, world: int) -> dict[int, dict]:
 
 
 def example_num_samples(block: int = 32) -> int:
-    spec = importlib.util.spec_from_file_location("gpt_train", Path(__file__).parents[1] / "examples/gpt/train.py")
+    spec = importlib.util.spec_from_file_location(
+        "gpt_train", Path(__file__).parents[1] / "examples/gpt/train.py"
+    )
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -82,8 +84,13 @@ def stop_resume(tmp_path_factory):
                 env={**env, "TIDAL_PROGRESS_DIR": str(tmp / "p2")}) as job:
         job.wait(timeout=90)
     base_env = {"TIDAL_SHM_DIR": str(tmp / "shm-base"), "TIDAL_PROGRESS_DIR": str(tmp / "base")}
-    with Launch("train_example", 2, ["--parallel", "fsdp", "--steps", str(final), *TINY], shm_dir=tmp / "shm-base",
-                env=base_env) as job:
+    with Launch(
+        "train_example",
+        2,
+        ["--parallel", "fsdp", "--steps", str(final), *TINY],
+        shm_dir=tmp / "shm-base",
+        env=base_env,
+    ) as job:
         job.wait(timeout=90)
     out["final"] = final
     return out
@@ -109,7 +116,9 @@ def test_resume_on_three_ranks_continues_from_the_stopped_step(stop_resume):
         rest = records(tmp / "p2", rank, "restore")[0]
         assert rest["step"] == s1 and rest["saved_world_size"] == 2
         assert rest["read_amplification"] == 1.0
-        assert [x["step"] for x in records(tmp / "p2", rank, "step")] == list(range(s1 + 1, stop_resume["final"] + 1))
+        assert [x["step"] for x in records(tmp / "p2", rank, "step")] == list(
+            range(s1 + 1, stop_resume["final"] + 1)
+        )
 
 
 def test_data_order_is_identical_and_loss_matches_the_uninterrupted_run(stop_resume):

@@ -50,16 +50,35 @@ def events(w: MemoryWriter, name: str) -> list[dict]:
 
 def test_env_defaults_and_errors_name_the_variable():
     e = Env.from_environ({})
-    assert (e.rank, e.world_size, e.launched, e.ckpt_url, e.grace_s, e.notice_wait) == (0, 1, False, None, 30.0, "fast")
+    assert (e.rank, e.world_size, e.launched, e.ckpt_url, e.grace_s, e.notice_wait) == (
+        0,
+        1,
+        False,
+        None,
+        30.0,
+        "fast",
+    )
     e = Env.from_environ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "29500",
                           "TIDAL_CKPT_URL": "/c", "TIDAL_CKPT_INTERVAL_STEPS": "50", "TIDAL_GRACE_S": "7.5"})
-    assert (e.rank, e.world_size, e.launched, e.ckpt_url, e.ckpt_interval_steps, e.grace_s) == (1, 2, True, "/c", 50, 7.5)
-    bad = [({"WORLD_SIZE": "2"}, "MASTER_ADDR/MASTER_PORT are not set"),
-           ({"TIDAL_GRACE_S": "soon"}, "TIDAL_GRACE_S='soon': expected a number of seconds"),
-           ({"TIDAL_GRACE_S": "0"}, "TIDAL_GRACE_S='0'"),
-           ({"TIDAL_NOTICE_WAIT": "later"}, "TIDAL_NOTICE_WAIT='later': expected one of"),
-           ({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "RANK=2 is not below WORLD_SIZE=2"),
-           ({"TIDAL_CKPT_KEEP": "-1"}, "TIDAL_CKPT_KEEP='-1': expected an integer >= 0")]
+    assert (e.rank, e.world_size, e.launched, e.ckpt_url, e.ckpt_interval_steps, e.grace_s) == (
+        1,
+        2,
+        True,
+        "/c",
+        50,
+        7.5,
+    )
+    bad = [
+        ({"WORLD_SIZE": "2"}, "MASTER_ADDR/MASTER_PORT are not set"),
+        ({"TIDAL_GRACE_S": "soon"}, "TIDAL_GRACE_S='soon': expected a number of seconds"),
+        ({"TIDAL_GRACE_S": "0"}, "TIDAL_GRACE_S='0'"),
+        ({"TIDAL_NOTICE_WAIT": "later"}, "TIDAL_NOTICE_WAIT='later': expected one of"),
+        (
+            {"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"},
+            "RANK=2 is not below WORLD_SIZE=2",
+        ),
+        ({"TIDAL_CKPT_KEEP": "-1"}, "TIDAL_CKPT_KEEP='-1': expected an integer >= 0"),
+    ]
     for environ, msg in bad:
         with pytest.raises(EnvError, match=msg.replace("(", r"\(").replace("/", "/")):
             Env.from_environ(environ)
@@ -81,12 +100,20 @@ def test_checkpoints_every_n_steps_and_restores_into_a_fresh_model(tmp_path):
             params_at[step] = [p.detach().clone() for p in model.parameters()]
             s.step_done(step, loss=loss, tokens=8 * 4)
     assert [c["step"] for c in events(w, "checkpoint")] == [2, 4]
-    assert [(c["step"], c["tiers"]) for c in events(w, "committed")] == [(2, ["shm", "disk"]), (4, ["shm", "disk"])]
+    assert [(c["step"], c["tiers"]) for c in events(w, "committed")] == [
+        (2, ["shm", "disk"]),
+        (4, ["shm", "disk"]),
+    ]
     steps = events(w, "step")
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5]
-    assert set(steps[-1]["committed"].values()) <= {2, 4}  # as far as known then: saves persist in the background
+    assert set(steps[-1]["committed"].values()) <= {
+        2,
+        4,
+    }  # as far as known then: saves persist in the background
     assert s.committed == {"shm": 4, "disk": 4}  # close() waited for them
-    assert steps[1]["samples_per_s"] > 0 and steps[1]["tokens_per_s"] == pytest.approx(4 * steps[1]["samples_per_s"])
+    assert steps[1]["samples_per_s"] > 0 and steps[1]["tokens_per_s"] == pytest.approx(
+        4 * steps[1]["samples_per_s"]
+    )
     assert read_jsonl(tmp_path / "p" / "progress-r00000.jsonl")[-1]["event"] == "end"
     beat = json.loads((tmp_path / "p" / "heartbeat-r00000.json").read_text())
     assert beat["step"] == 5 and beat["phase"] == "ended" and beat["pid"] == os.getpid()
@@ -264,7 +291,9 @@ def test_control_file_changes_the_interval_of_a_running_session(tmp_path):
         s.step_done(2)  # a bad file is ignored with a warning; training goes on
         assert s.ckpt_every_s == 3600
         control.write_text(json.dumps({"ckpt_interval_s": 0.01}))
-        os.utime(control, ns=(time.time_ns(), time.time_ns() + 1_000_000))  # a new mtime, even on coarse clocks
+        os.utime(
+            control, ns=(time.time_ns(), time.time_ns() + 1_000_000)
+        )  # a new mtime, even on coarse clocks
         time.sleep(0.02)
         s.step_done(3)
     assert s.ckpt_every_s == 0.01

@@ -41,8 +41,12 @@ def test_compare_checks_every_step_s_global_batch_and_the_loss():
     cfg = VerifyConfig(steps=3, baseline=(2, "fsdp"), plan=[(2, "fsdp"), (1, "ddp")], rtol=1e-3)
     base = [result(Segment(2, "fsdp"), {1: ([[0, 1], [2, 3]], 5.0), 2: ([[4, 5], [6, 7]], 4.0),
                                         3: ([[8, 9], [10, 11]], 3.0)})]
-    ok = [result(Segment(2, "fsdp", stop_at=1), {1: ([[0, 1], [2, 3]], 5.0), 2: ([[4, 5], [6, 7]], 4.0)}, [75, 75]),
-          result(Segment(1, "ddp"), {3: ([[8, 9, 10, 11]], 3.0 * (1 + 1e-5))})]
+    ok = [
+        result(
+            Segment(2, "fsdp", stop_at=1), {1: ([[0, 1], [2, 3]], 5.0), 2: ([[4, 5], [6, 7]], 4.0)}, [75, 75]
+        ),
+        result(Segment(1, "ddp"), {3: ([[8, 9, 10, 11]], 3.0 * (1 + 1e-5))}),
+    ]
     assert per_step(ok)[3] == {"indices": [8, 9, 10, 11], "loss": 3.0 * (1 + 1e-5), "segment": 1}
     r = compare(cfg, base, ok)
     assert r["ok"] and r["indices_identical"] and r["bitwise_equal_before_first_change"]

@@ -202,14 +202,21 @@ class Job:
               f"{me}: gpus_per_node must be >= 1 or None, got {self.gpus_per_node}")
         step = math.lcm(self.multiple_of, self.gpus_per_node or 1)
         _need(self.min_gpus >= 1, f"{me}: min_gpus must be >= 1, got {self.min_gpus}")
-        _need(self.max_gpus >= self.min_gpus, f"{me}: max_gpus ({self.max_gpus}) < min_gpus ({self.min_gpus})")
+        _need(
+            self.max_gpus >= self.min_gpus, f"{me}: max_gpus ({self.max_gpus}) < min_gpus ({self.min_gpus})"
+        )
         for name in ("min_gpus", "max_gpus"):
             v = getattr(self, name)
-            _need(v % step == 0, f"{me}: {name}={v} is not a multiple of {step} "
-                                 f"(lcm of multiple_of={self.multiple_of}, gpus_per_node={self.gpus_per_node})")
+            _need(
+                v % step == 0,
+                f"{me}: {name}={v} is not a multiple of {step} "
+                f"(lcm of multiple_of={self.multiple_of}, gpus_per_node={self.gpus_per_node})",
+            )
         for node, g in self.releasing.items():
-            _need(0 < g <= self.placement.get(node, 0),
-                  f"{me}: releasing[{node!r}]={g} must be > 0 and <= placement there ({self.placement.get(node, 0)})")
+            _need(
+                0 < g <= self.placement.get(node, 0),
+                f"{me}: releasing[{node!r}]={g} must be > 0 and <= placement there ({self.placement.get(node, 0)})",
+            )
         raise AssertionError(f"{me}: invalid, but no check names why")  # the two lists of checks disagree
 
     @property
@@ -328,8 +335,10 @@ def check_snapshot(s: Snapshot) -> None:
         _need(j.id not in ids, f"Job {j.id!r} listed twice")
         ids.add(j.id)
         step, g = j.size_step, j.gpus_per_node
-        _need(j.gpus % step == 0 and j.min_gpus <= j.gpus <= j.max_gpus,
-              f"Job {j.id!r}: holds {j.gpus} GPUs, expected a multiple of {step} in [{j.min_gpus}, {j.max_gpus}]")
+        _need(
+            j.gpus % step == 0 and j.min_gpus <= j.gpus <= j.max_gpus,
+            f"Job {j.id!r}: holds {j.gpus} GPUs, expected a multiple of {step} in [{j.min_gpus}, {j.max_gpus}]",
+        )
         for node, k in j.placement.items():
             n = nodes.get(node)
             _need(n is not None, f"Job {j.id!r}: placed on unknown node {node!r}")

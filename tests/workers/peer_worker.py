@@ -22,8 +22,11 @@ rows, part = 40, 40 // world
 with ckpt.Checkpointer(tiers=["shm", {"kind": "peer", "agent": agent, "job": job}]) as cp:
     for step in (1, 2):
         full = torch.arange(rows * 12, dtype=torch.float32).reshape(rows, 12) + step
-        st = {"w": ckpt.LocalShard(full[rank * part : (rank + 1) * part].clone(), (rank * part, 0), (rows, 12)),
-              "rep": torch.full((5,), float(step)), "step": step}
+        st = {
+            "w": ckpt.LocalShard(full[rank * part : (rank + 1) * part].clone(), (rank * part, 0), (rows, 12)),
+            "rep": torch.full((5,), float(step)),
+            "step": step,
+        }
         h = cp.save(step, st)
         h.wait()
         print("committed", step, "+".join(h.committed), flush=True)

@@ -160,7 +160,9 @@ def compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> list
     for k in sorted(set(got) & set(want)):
         a, b = got[k], want[k]
         if a.dtype != b.dtype or a.shape != b.shape:
-            problems.append(f"{k}: dtype/shape {a.dtype} {list(a.shape)} != reference {b.dtype} {list(b.shape)}")
+            problems.append(
+                f"{k}: dtype/shape {a.dtype} {list(a.shape)} != reference {b.dtype} {list(b.shape)}"
+            )
         elif not bitwise_equal(a, b):
             n = int((a.reshape(-1).view(torch.uint8) != b.reshape(-1).view(torch.uint8)).sum())
             problems.append(f"{k}: {n} bytes differ from the reference")

@@ -62,7 +62,9 @@ def main() -> None:
     ap.add_argument("--die-rank", type=int, default=1)
     args = ap.parse_args()
     rank = int(os.environ.get("RANK", "0"))
-    writers = [DieAtCheckpoint(args.die_at_checkpoint)] if args.die_at_checkpoint and rank == args.die_rank else []
+    writers = (
+        [DieAtCheckpoint(args.die_at_checkpoint)] if args.die_at_checkpoint and rank == args.die_rank else []
+    )
     with train.Session(writers=writers) as s:
         torch.manual_seed(SEED)
         model: nn.Module = nn.Sequential(nn.Linear(DIM, 32), nn.Tanh(), nn.Linear(32, 1))

@@ -88,11 +88,22 @@ LOAD_METRICS: dict[str, tuple[str, ...]] = {
 # name -> (numerator (group, competitor, metric), denominator, target or None)
 RATIOS: dict[str, tuple[tuple[str, str, str], tuple[str, str, str], float | None]] = {
     "tidal_stall_over_memcpy": (("save", "tidal", "stall_s"), ("save", "memcpy", "copy_s"), 1.1),
-    "overlapped_stall_over_memcpy": (("save", "tidal_overlapped", "stall_s"), ("save", "memcpy", "copy_s"), 0.1),
+    "overlapped_stall_over_memcpy": (
+        ("save", "tidal_overlapped", "stall_s"),
+        ("save", "memcpy", "copy_s"),
+        0.1,
+    ),
     "tidal_stall_over_dcp_async_stall": (("save", "tidal", "stall_s"), ("save", "dcp_async", "stall_s"), 0.5),
     "overlapped_stall_over_dcp_async_stall": (
-        ("save", "tidal_overlapped", "stall_s"), ("save", "dcp_async", "stall_s"), None),
-    "tidal_commit_over_dcp_async_total": (("save", "tidal", "commit_s"), ("save", "dcp_async", "total_s"), None),
+        ("save", "tidal_overlapped", "stall_s"),
+        ("save", "dcp_async", "stall_s"),
+        None,
+    ),
+    "tidal_commit_over_dcp_async_total": (
+        ("save", "tidal", "commit_s"),
+        ("save", "dcp_async", "total_s"),
+        None,
+    ),
     "tidal_load_over_dcp_load": (("load", "tidal", "load_s"), ("load", "dcp", "load_s"), None),
     "tidal_load_disk_over_dcp_load": (("load", "tidal", "load_disk_s"), ("load", "dcp", "load_s"), None),
 }
@@ -281,7 +292,10 @@ class _Bench:
             ckpt.load(self.tidal_dir, rank_state, stats=stats)
             total += time.perf_counter() - t0
             needed, read = needed + stats.bytes_needed, read + stats.bytes_read
-        return {"load_resharded_s": total, "load_resharded_read_amplification": read / needed if needed else 1.0}
+        return {
+            "load_resharded_s": total,
+            "load_resharded_read_amplification": read / needed if needed else 1.0,
+        }
 
     def dcp_load(self, target: dict) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -428,7 +442,9 @@ def render(result: dict, console: Any) -> None:
     for name, value in result["ratios"].items():
         t = result["targets"].get(name)
         verdict = ("[green]PASS[/]" if t["pass"] else "[red]MISS[/]") if t else ""
-        ratios.add_row(name, "-" if value is None else f"{value:.3f}×", f"≤ {t['target_max']:g}×" if t else "", verdict)
+        ratios.add_row(
+            name, "-" if value is None else f"{value:.3f}×", f"≤ {t['target_max']:g}×" if t else "", verdict
+        )
     console.print(ratios)
     if "peers" in result:
         _render_peers(result, console)

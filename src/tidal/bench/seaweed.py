@@ -52,8 +52,15 @@ class SeaweedServer:
     Not thread-safe; one owner starts and stops it. ``start`` is idempotent while running.
     """
 
-    def __init__(self, data_dir: str | os.PathLike, *, access_key: str = "tidal", secret_key: str = "tidal-secret",
-                 region: str = "us-east-1", volume_size_limit_mb: int = 256) -> None:
+    def __init__(
+        self,
+        data_dir: str | os.PathLike,
+        *,
+        access_key: str = "tidal",
+        secret_key: str = "tidal-secret",
+        region: str = "us-east-1",
+        volume_size_limit_mb: int = 256,
+    ) -> None:
         self.data_dir = Path(data_dir)
         self.access_key, self.secret_key, self.region = access_key, secret_key, region
         self.volume_size_limit_mb = volume_size_limit_mb
@@ -89,22 +96,46 @@ class SeaweedServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         logs = self.data_dir / "logs"
         logs.mkdir(exist_ok=True)
-        args = [exe, f"-logdir={logs}", "server", f"-dir={self.data_dir / 'data'}", "-ip=127.0.0.1",
-                "-ip.bind=127.0.0.1", "-s3", "-master.resumeState=false",
-                f"-master.volumeSizeLimitMB={self.volume_size_limit_mb}", "-volume.max=64",
-                "-s3.port.iceberg=0", "-s3.port.lance=0",
-                f"-s3.localSocket={self.data_dir / 's3.sock'}", f"-filer.localSocket={self.data_dir / 'filer.sock'}",
-                *(f"-{k}={v}" for k, v in self.ports.items())]
+        args = [
+            exe,
+            f"-logdir={logs}",
+            "server",
+            f"-dir={self.data_dir / 'data'}",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            "-s3",
+            "-master.resumeState=false",
+            f"-master.volumeSizeLimitMB={self.volume_size_limit_mb}",
+            "-volume.max=64",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            f"-s3.localSocket={self.data_dir / 's3.sock'}",
+            f"-filer.localSocket={self.data_dir / 'filer.sock'}",
+            *(f"-{k}={v}" for k, v in self.ports.items()),
+        ]
         (self.data_dir / "data").mkdir(exist_ok=True)
         self._log = open(logs / "stdout.log", "ab")  # noqa: SIM115 - closed in stop()
         # weed reads AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY from its environment and then admits
         # only that identity; without them it admits any key. Give it exactly ours.
         env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
         env.update({"AWS_ACCESS_KEY_ID": self.access_key, "AWS_SECRET_ACCESS_KEY": self.secret_key})
-        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=env, start_new_session=True)
-        wait_ready(self.proc, self.ready, timeout_s, f"SeaweedFS (S3 on {self.endpoint})", logs / "stdout.log",
-                   self.stop, poll_s=0.1)
+        self.proc = subprocess.Popen(
+            args,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
+        wait_ready(
+            self.proc,
+            self.ready,
+            timeout_s,
+            f"SeaweedFS (S3 on {self.endpoint})",
+            logs / "stdout.log",
+            self.stop,
+            poll_s=0.1,
+        )
 
     def ready(self) -> bool:
         """Whether a signed ListBuckets succeeds (the gateway is up and reaches its filer)."""

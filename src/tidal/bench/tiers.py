@@ -125,8 +125,11 @@ class _Env:
         self.b.start()
         self.recv_port = free_ports(1)[0]
         (shm / "recv").mkdir(parents=True, exist_ok=True)
-        self.receiver = subprocess.Popen([sys.executable, "-c", RECEIVER, str(self.recv_port), str(shm / "recv")],
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        self.receiver = subprocess.Popen(
+            [sys.executable, "-c", RECEIVER, str(self.recv_port), str(shm / "recv")],
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         _wait_port(self.recv_port, self.receiver)
 
     def s3_url(self, name: str) -> str:
@@ -220,8 +223,14 @@ class _Persist:
         import obstore
 
         t0 = time.perf_counter()
-        obstore.put(self.s3._store, "raw.bin", self.data, use_multipart=True, chunk_size=self.s3.part_size_bytes,
-                    max_concurrency=self.s3.concurrency)
+        obstore.put(
+            self.s3._store,
+            "raw.bin",
+            self.data,
+            use_multipart=True,
+            chunk_size=self.s3.part_size_bytes,
+            max_concurrency=self.s3.concurrency,
+        )
         dt = time.perf_counter() - t0
         obstore.delete(self.s3._store, "raw.bin")
         return dt
@@ -328,7 +337,9 @@ def run(size_mb: float = 512, repeat: int = 5, train_s: float = 60.0, interval_s
     if directory is not None:
         Path(directory).mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="tidal-bench-tiers-", dir=directory))
-    shm = Path(tempfile.mkdtemp(prefix="tidal-bench-tiers-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+    shm = Path(
+        tempfile.mkdtemp(prefix="tidal-bench-tiers-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
+    )
     saved_env = {k: os.environ.get(k) for k in (SHM_BASE_ENV, "AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID",
                                                 "AWS_SECRET_ACCESS_KEY", "AWS_REGION", "AWS_DEFAULT_REGION",
                                                 "AWS_ALLOW_HTTP")}
@@ -345,7 +356,9 @@ def run(size_mb: float = 512, repeat: int = 5, train_s: float = 60.0, interval_s
             result_load = loads(env, p, repeat, log)
             p.close()
             p = None
-            result_train = train(env, train_s, interval_s, model_mb, batch, log, rounds) if train_s > 0 else None
+            result_train = (
+                train(env, train_s, interval_s, model_mb, batch, log, rounds) if train_s > 0 else None
+            )
     finally:
         if p is not None:
             p.close()
@@ -369,14 +382,29 @@ def render(result: dict, console: Any) -> None:
 
     m = result["machine"]
     caption = f"{m['cpu_count']} CPUs ({m['cpu']}), torch {m['torch']}, CUDA {'yes' if m['cuda'] else 'no'}"
-    t = Table(title=f"persist {result['size_bytes'] / MIB:g} MiB (median of {result['repeat']})", caption=caption)
-    for c in ("tier", "raw device", "raw MiB/s", "tidal MiB/s", "tidal / raw", f"goal ≥ {GOALS['persist_over_raw_min']}"):
+    t = Table(
+        title=f"persist {result['size_bytes'] / MIB:g} MiB (median of {result['repeat']})", caption=caption
+    )
+    for c in (
+        "tier",
+        "raw device",
+        "raw MiB/s",
+        "tidal MiB/s",
+        "tidal / raw",
+        f"goal ≥ {GOALS['persist_over_raw_min']}",
+    ):
         t.add_column(c, justify="left" if c in ("tier", "raw device") else "right")
     raw_name = {"disk": "write + fsync (dd)", "s3": "obstore multipart PUT", "peer": "HTTP PUT to a receiver"}
     for tier, r in result["persist"].items():
         ok = r["ratio"] >= GOALS["persist_over_raw_min"]
-        t.add_row(tier, raw_name[tier], f"{r['raw_mib_s']:.0f}", f"{r['tidal_mib_s']:.0f}", f"{r['ratio']:.2f}",
-                  "[green]PASS[/]" if ok else "[red]MISS[/]")
+        t.add_row(
+            tier,
+            raw_name[tier],
+            f"{r['raw_mib_s']:.0f}",
+            f"{r['tidal_mib_s']:.0f}",
+            f"{r['ratio']:.2f}",
+            "[green]PASS[/]" if ok else "[red]MISS[/]",
+        )
     console.print(t)
     t = Table(title="load (GB/s, median)")
     for c in ("tier", "same layout", "resharded (3 row blocks)"):
@@ -388,9 +416,11 @@ def render(result: dict, console: Any) -> None:
     if tr is None:
         return
     run0 = tr["runs"][0]
-    t = Table(title=f"training overhead: MLP width {run0['width']} + Adam ({run0['state_mib']:.0f} MiB state), "
-                    f"1 thread, checkpoint every {tr['interval_s']:g} s; {tr['rounds']} rounds of "
-                    f"{tr['segment_s']:g} s per mode")
+    t = Table(
+        title=f"training overhead: MLP width {run0['width']} + Adam ({run0['state_mib']:.0f} MiB state), "
+        f"1 thread, checkpoint every {tr['interval_s']:g} s; {tr['rounds']} rounds of "
+        f"{tr['segment_s']:g} s per mode"
+    )
     for c in ("mode", "steps/s", "saves", "save() call s", "overhead", "paired (median of rounds)",
               "CPU s/s: this process", "agents", "S3 server"):
         t.add_column(c, justify="left" if c == "mode" else "right")
@@ -398,16 +428,25 @@ def render(result: dict, console: Any) -> None:
     for r in tr["runs"]:
         over, pair = tr["overhead"].get(r["mode"]), paired.get(r["mode"])
         cpu = r["cpu_per_s"]
-        t.add_row(r["mode"], f"{r['steps_per_s']:.2f}", str(r["saves"]), f"{r['save_call_s_median']:.3f}",
-                  "-" if over is None else f"{over * 100:.1f}%", "-" if pair is None else f"{pair * 100:.1f}%",
-                  *(f"{cpu.get(k, 0):.2f}" for k in ("this process", "agents", "S3 server")))
+        t.add_row(
+            r["mode"],
+            f"{r['steps_per_s']:.2f}",
+            str(r["saves"]),
+            f"{r['save_call_s_median']:.3f}",
+            "-" if over is None else f"{over * 100:.1f}%",
+            "-" if pair is None else f"{pair * 100:.1f}%",
+            *(f"{cpu.get(k, 0):.2f}" for k in ("this process", "agents", "S3 server")),
+        )
     console.print(t)
     ratio = tr["overhead_over_dcp"]
     pratio = tr.get("overhead_paired_over_dcp")
-    console.print(f"baseline {tr['baseline_steps_per_s']:.2f} steps/s (its rounds spread over "
-                  f"{tr['baseline_spread'] * 100:.1f}%); tidal overhead {tr['overhead']['tidal'] * 100:.1f}% "
-                  f"(goal ≤ {GOALS['overhead_max'] * 100:g}%), DCP async_save {tr['overhead']['dcp_async'] * 100:.1f}%, "
-                  f"tidal / DCP = {'-' if ratio is None else f'{ratio:.2f}'} (goal ≤ {GOALS['overhead_over_dcp_max']}); "
-                  f"paired: tidal {paired.get('tidal', float('nan')) * 100:.1f}%, DCP "
-                  f"{paired.get('dcp_async', float('nan')) * 100:.1f}%, tidal / DCP "
-                  f"{'-' if pratio is None else f'{pratio:.2f}'}", highlight=False)
+    console.print(
+        f"baseline {tr['baseline_steps_per_s']:.2f} steps/s (its rounds spread over "
+        f"{tr['baseline_spread'] * 100:.1f}%); tidal overhead {tr['overhead']['tidal'] * 100:.1f}% "
+        f"(goal ≤ {GOALS['overhead_max'] * 100:g}%), DCP async_save {tr['overhead']['dcp_async'] * 100:.1f}%, "
+        f"tidal / DCP = {'-' if ratio is None else f'{ratio:.2f}'} (goal ≤ {GOALS['overhead_over_dcp_max']}); "
+        f"paired: tidal {paired.get('tidal', float('nan')) * 100:.1f}%, DCP "
+        f"{paired.get('dcp_async', float('nan')) * 100:.1f}%, tidal / DCP "
+        f"{'-' if pratio is None else f'{pratio:.2f}'}",
+        highlight=False,
+    )

@@ -160,8 +160,12 @@ def _fill(man: mf.Manifest, tiers: list[Tier], state: dict, *, strict: bool, ver
             raise StateError(f"entry '{name}': state holds a tensor but step {man.step} stores a plain value")
     for p in want_o:
         if path_name(p) in man.tensors:
-            raise StateError(f"entry '{path_name(p)}': state holds a plain value but step {man.step} stores a tensor")
-    missing = [n for n in want_t if n not in man.tensors] + [path_name(p) for p in want_o if p not in stored_objects]
+            raise StateError(
+                f"entry '{path_name(p)}': state holds a plain value but step {man.step} stores a tensor"
+            )
+    missing = [n for n in want_t if n not in man.tensors] + [
+        path_name(p) for p in want_o if p not in stored_objects
+    ]
     unexpected = [n for n in man.tensors if n not in want_t] + [
         path_name(p) for p in stored_objects if p not in want_o and path_name(p) not in want_t]
     if strict and (missing or unexpected):

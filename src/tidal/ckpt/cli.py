@@ -53,8 +53,10 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-_URL_HELP = ("Checkpoint location: a directory (path or file:// URL), s3://bucket/prefix or peer://NAME; or a tier "
-             "list as JSON, e.g. '[\"shm\", \"/ckpt/run1\", \"s3://bucket/run1\"]'.")
+_URL_HELP = (
+    "Checkpoint location: a directory (path or file:// URL), s3://bucket/prefix or peer://NAME; or a tier "
+    'list as JSON, e.g. \'["shm", "/ckpt/run1", "s3://bucket/run1"]\'.'
+)
 UrlArg = Annotated[str, typer.Argument(help=_URL_HELP, show_default=False)]
 LsUrlArg = UrlArg
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout instead of tables.")]
@@ -199,7 +201,9 @@ def normalize_location(spec: str) -> str:
 
 def _pick(where: str, held: dict[int, list], step: int | None, notes: list[str] | None = None) -> int:
     if not held:
-        raise NotFoundError(f"no committed checkpoint step at {where}" + (f" ({'; '.join(notes)})" if notes else ""))
+        raise NotFoundError(
+            f"no committed checkpoint step at {where}" + (f" ({'; '.join(notes)})" if notes else "")
+        )
     if step is None:
         return max(held)
     if step not in held:
@@ -270,8 +274,15 @@ def ls_cmd(url: LsUrlArg, tier: TierOpt = None, as_json: JsonOpt = False) -> Non
                 })
             rows.append(row)
     if as_json:
-        _emit_json({"url": where, "tiers": [{"name": t.name, "kind": t.kind, "location": t.location} for t in tiers],
-                    "steps": rows, "status": status.to_dict() if status else None, "errors": errors})
+        _emit_json(
+            {
+                "url": where,
+                "tiers": [{"name": t.name, "kind": t.kind, "location": t.location} for t in tiers],
+                "steps": rows,
+                "status": status.to_dict() if status else None,
+                "errors": errors,
+            }
+        )
     else:
         table = Table(title=f"checkpoint {where}", title_justify="left")
         for col, just in (("step", "right"), ("tiers", "left"), ("bytes", "right"), ("files", "right"),
@@ -281,8 +292,15 @@ def ls_cmd(url: LsUrlArg, tier: TierOpt = None, as_json: JsonOpt = False) -> Non
             if "error" in r:
                 table.add_row(_t(r["step"]), _t(" + ".join(r["tiers"])), *[_t("")] * 4, _t(r["error"], "red"))
             else:
-                table.add_row(_t(r["step"]), _t(" + ".join(r["tiers"])), _t(_human(r["bytes"])), _t(r["files"]),
-                              _t(_when(r["created_unix_s"])), _t(r["world_size"]), _t(r["layout"]))
+                table.add_row(
+                    _t(r["step"]),
+                    _t(" + ".join(r["tiers"])),
+                    _t(_human(r["bytes"])),
+                    _t(r["files"]),
+                    _t(_when(r["created_unix_s"])),
+                    _t(r["world_size"]),
+                    _t(r["layout"]),
+                )
         con = console()
         con.print(table)
         con.print(Text("tiers: " + "; ".join(f"{t.name} = {t.location}" for t in tiers)), soft_wrap=True)
@@ -363,8 +381,14 @@ def inspect_cmd(
                           ("bytes", "right"), ("saved layout", "left")):
             table.add_column(col, justify=just, overflow="fold")  # type: ignore[arg-type]
         for t in tensors:
-            table.add_row(_t(t.name), _t(t.dtype), _t(_shape(t.shape)), _t(len(t.pieces)), _t(_human(t.nbytes)),
-                          _t(t.layout))
+            table.add_row(
+                _t(t.name),
+                _t(t.dtype),
+                _t(_shape(t.shape)),
+                _t(len(t.pieces)),
+                _t(_human(t.nbytes)),
+                _t(t.layout),
+            )
         con.print(table)
         if man.objects:
             ot = Table(title="plain values", title_justify="left")
@@ -407,8 +431,13 @@ def verify_cmd(
     url: UrlArg,
     step: StepOpt = None,
     all_steps: Annotated[bool, typer.Option("--all", help="Verify every committed step.")] = False,
-    tier: Annotated[str | None, typer.Option("--tier", help="Only the tier of this name ('shm', 'disk', 's3', "
-                                             "'peer', or a name given in a tier list).")] = None,
+    tier: Annotated[
+        str | None,
+        typer.Option(
+            "--tier",
+            help="Only the tier of this name ('shm', 'disk', 's3', 'peer', or a name given in a tier list).",
+        ),
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Re-read every piece from every tier holding the step; check CRC-32s, file sizes, safetensors headers."""
@@ -423,8 +452,11 @@ def verify_cmd(
         held = _held(tiers, unreachable, failed)
         steps = list(held) if all_steps and held else [_pick(where, held, step, unreachable)]
         results: list[Checked] = []
-        problems: list[Problem] = [Problem(t.name, steps[-1], t.location, None, f"tier could not be listed: {e}")
-                                   for t, e in failed if tier is None or t.name == tier]
+        problems: list[Problem] = [
+            Problem(t.name, steps[-1], t.location, None, f"tier could not be listed: {e}")
+            for t, e in failed
+            if tier is None or t.name == tier
+        ]
         for s in steps:
             holding = [t for t in held[s] if tier is None or t.name == tier]
             if tier is not None and not holding:
@@ -433,7 +465,10 @@ def verify_cmd(
                 try:
                     c, ps = _verify_tier(t, s)
                 except OSError as e:  # unreachable meanwhile
-                    c, ps = Checked(t.name, s, ok=False), [Problem(t.name, s, t.where(s), None, f"unreadable: {e}")]
+                    c, ps = (
+                        Checked(t.name, s, ok=False),
+                        [Problem(t.name, s, t.where(s), None, f"unreadable: {e}")],
+                    )
                 results.append(c)
                 problems += ps
     if as_json:
@@ -446,8 +481,14 @@ def verify_cmd(
                 con.print(Text.assemble(("SKIP ", "yellow"), f"step {c.step} tier {c.tier}: {c.note}"),
                           soft_wrap=True)
             elif c.ok:
-                con.print(Text.assemble(("OK   ", "green"), f"step {c.step} tier {c.tier}: {c.pieces} piece(s) in "
-                                        f"{c.files} file(s), {_human(c.bytes)} checked"), soft_wrap=True)
+                con.print(
+                    Text.assemble(
+                        ("OK   ", "green"),
+                        f"step {c.step} tier {c.tier}: {c.pieces} piece(s) in "
+                        f"{c.files} file(s), {_human(c.bytes)} checked",
+                    ),
+                    soft_wrap=True,
+                )
         for p in problems:
             con.print(Text.assemble(("FAIL ", "bold red"), p.line()), soft_wrap=True)
         if problems:
@@ -528,8 +569,10 @@ def export_cmd(
         sizes = [t.file_sizes(s) for t in held.get(s, [])]
         for f in man.files:
             if not any(sz.get(f["name"], -1) >= f["size_bytes"] for sz in sizes):
-                raise CorruptionError(f"{tier.where(s, f['name'])}: the manifest lists {f['size_bytes']} bytes; "
-                                      "no tier holds the file whole")
+                raise CorruptionError(
+                    f"{tier.where(s, f['name'])}: the manifest lists {f['size_bytes']} bytes; "
+                    "no tier holds the file whole"
+                )
         prefix = _entry_prefix(entry, man)
         picked = {n: t for n, t in man.tensors.items() if tuple(t.path[:len(prefix)]) == prefix}
         plain = [(p, v) for p, v in man.objects if tuple(p[:len(prefix)]) == prefix and len(p) > len(prefix)]
@@ -564,14 +607,30 @@ def export_cmd(
         size = out.stat().st_size
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     if as_json:
-        _emit_json({"step": s, "tier": tier.name, "out": str(out), "tensors": len(tensors), "objects": len(objects),
-                    "bytes": nbytes, "file_bytes": size, "bytes_read": stats.bytes_read,
-                    "bytes_by_tier": stats.bytes_by_tier, "fallbacks": stats.fallbacks})
+        _emit_json(
+            {
+                "step": s,
+                "tier": tier.name,
+                "out": str(out),
+                "tensors": len(tensors),
+                "objects": len(objects),
+                "bytes": nbytes,
+                "file_bytes": size,
+                "bytes_read": stats.bytes_read,
+                "bytes_by_tier": stats.bytes_by_tier,
+                "fallbacks": stats.fallbacks,
+            }
+        )
     else:
         con = console()
-        con.print(Text(f"exported step {s} of {where} ({man.layout_summary()}) to {out}: "
-                       f"{len(tensors)} tensor(s), {_human(nbytes)}; {len(objects)} plain value(s) in metadata "
-                       f"'tidal.objects'; file {_human(size)}"), soft_wrap=True)
+        con.print(
+            Text(
+                f"exported step {s} of {where} ({man.layout_summary()}) to {out}: "
+                f"{len(tensors)} tensor(s), {_human(nbytes)}; {len(objects)} plain value(s) in metadata "
+                f"'tidal.objects'; file {_human(size)}"
+            ),
+            soft_wrap=True,
+        )
         for fb in stats.fallbacks:
             con.print(Text(f"note: fell back to another tier: {fb}", style="yellow"), soft_wrap=True)
 

@@ -124,8 +124,13 @@ def _parse_header(reader: RangeReader, size: int) -> tuple[dict[str, Any], int]:
     for k, h in header.items():
         if k == "__metadata__":
             continue
-        if (not isinstance(h, dict) or not isinstance(h.get("dtype"), str) or not isinstance(h.get("shape"), list)
-                or not isinstance(h.get("data_offsets"), list) or len(h["data_offsets"]) != 2):
+        if (
+            not isinstance(h, dict)
+            or not isinstance(h.get("dtype"), str)
+            or not isinstance(h.get("shape"), list)
+            or not isinstance(h.get("data_offsets"), list)
+            or len(h["data_offsets"]) != 2
+        ):
             raise ValueError(f"entry '{k}' lacks dtype, shape or data_offsets")
         end = max(end, int(h["data_offsets"][1]))
     if 8 + n + end > size:
@@ -133,8 +138,9 @@ def _parse_header(reader: RangeReader, size: int) -> tuple[dict[str, Any], int]:
     return header, 8 + n
 
 
-def _compare_header(header: dict[str, Any], base: int, expect: dict[str, tuple[str, str, list[int], int, int]],
-                    problem: Any) -> None:
+def _compare_header(
+    header: dict[str, Any], base: int, expect: dict[str, tuple[str, str, list[int], int, int]], problem: Any
+) -> None:
     """Compare a parsed header's keys, dtypes, shapes and data offsets with the manifest's pieces."""
     found = {k: (h["dtype"], [int(x) for x in h["shape"]]) for k, h in header.items() if k != "__metadata__"}
     for key, (name, dtype, shape, _, _) in expect.items():
@@ -151,8 +157,12 @@ def _compare_header(header: dict[str, Any], base: int, expect: dict[str, tuple[s
             continue
         offs = h.get("data_offsets")
         if offs != [start - base, end - base]:
-            have = f"{base + offs[0]}..{base + offs[1]}" if isinstance(offs, list) and len(offs) == 2 else offs
-            problem(name, f"piece key '{key}' sits at bytes {have} in the file, the manifest says {start}..{end}")
+            have = (
+                f"{base + offs[0]}..{base + offs[1]}" if isinstance(offs, list) and len(offs) == 2 else offs
+            )
+            problem(
+                name, f"piece key '{key}' sits at bytes {have} in the file, the manifest says {start}..{end}"
+            )
 
 
 def _check_safetensors(path: Path, expect: dict[str, tuple[str, str, list[int], int, int]],
@@ -211,7 +221,9 @@ def _verify_tier(tier: Any, step: int) -> tuple[Checked, list[Problem]]:
         if isinstance(want, int) and size != want:
             problem(None, f"file is {size} bytes, the manifest says {want}"
                           + (" (truncated)" if size < want else " (extra bytes)"))
-        expect = {p.key: (t.name, t.dtype, list(p.box.lengths), p.start, p.start + p.nbytes) for t, p in entries}
+        expect = {
+            p.key: (t.name, t.dtype, list(p.box.lengths), p.start, p.start + p.nbytes) for t, p in entries
+        }
         try:
             reader = tier.open_file(step, name)
         except FileNotFoundError:
@@ -244,8 +256,11 @@ def _verify_tier(tier: Any, step: int) -> tuple[Checked, list[Problem]]:
                     bad, got = _check_blocks(reader, p, buf)
                     checked.bytes += got
                     if got < p.nbytes:
-                        problem(t.name, f"{at}: bytes {p.start}..{p.start + p.nbytes} lie past the end of the "
-                                        f"file ({size} bytes): truncated")
+                        problem(
+                            t.name,
+                            f"{at}: bytes {p.start}..{p.start + p.nbytes} lie past the end of the "
+                            f"file ({size} bytes): truncated",
+                        )
                     elif bad:
                         spans = ", ".join(f"{p.block_span(b)[0]}..{sum(p.block_span(b))}" for b in bad[:3])
                         problem(t.name, f"{at}: checksum mismatch in {len(bad)} of {len(p.blocks)} block(s) "

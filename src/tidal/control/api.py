@@ -98,14 +98,22 @@ class ApiContext:
 class TenantSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
-    quota_gpus: int = Field(default=0, ge=0, le=1 << 20, description="training GPUs guaranteed to dedicated jobs")
-    weight: float = Field(default=1.0, gt=0, le=1e6, allow_inf_nan=False, description="share of spot capacity")
-    max_priority: int = Field(default=0, ge=-1000, le=1000, description="the highest priority its jobs may ask for")
+    quota_gpus: int = Field(
+        default=0, ge=0, le=1 << 20, description="training GPUs guaranteed to dedicated jobs"
+    )
+    weight: float = Field(
+        default=1.0, gt=0, le=1e6, allow_inf_nan=False, description="share of spot capacity"
+    )
+    max_priority: int = Field(
+        default=0, ge=-1000, le=1000, description="the highest priority its jobs may ask for"
+    )
 
 
 def _unprocessable(errors: list[dict[str, Any]]) -> JSONResponse:
-    return JSONResponse(status_code=422, content={"detail": errors,
-                                                  "errors": [f"{e['field'] or '(body)'}: {e['msg']}" for e in errors]})
+    return JSONResponse(
+        status_code=422,
+        content={"detail": errors, "errors": [f"{e['field'] or '(body)'}: {e['msg']}" for e in errors]},
+    )
 
 
 class SafeJSON(JSONResponse):
@@ -203,8 +211,17 @@ def create_app(ctx: ApiContext) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _unprocessable([{"loc": list(e["loc"]), "field": error_path(e["loc"]), "msg": clean_msg(e["msg"]),
-                                "type": e["type"]} for e in exc.errors()])
+        return _unprocessable(
+            [
+                {
+                    "loc": list(e["loc"]),
+                    "field": error_path(e["loc"]),
+                    "msg": clean_msg(e["msg"]),
+                    "type": e["type"],
+                }
+                for e in exc.errors()
+            ]
+        )
 
     @app.exception_handler(StoreUnavailable)
     async def _gone(_: Request, exc: StoreUnavailable) -> JSONResponse:
@@ -216,7 +233,9 @@ def create_app(ctx: ApiContext) -> FastAPI:
                             status_code=500)
 
     async def tenant(authorization: Annotated[str | None, Header()] = None) -> TenantRow:
-        token = authorization[7:].strip() if authorization and authorization[:7].lower() == "bearer " else None
+        token = (
+            authorization[7:].strip() if authorization and authorization[:7].lower() == "bearer " else None
+        )
         row = store.known_tenant(token_hash(token)) if token else None
         if row is None and token:
             row = await run_in_threadpool(authenticate, store, token)
@@ -270,7 +289,9 @@ def create_app(ctx: ApiContext) -> FastAPI:
         try:
             text_ = bytes(body).decode("utf-8")
         except UnicodeDecodeError as e:
-            raise HTTPException(400, f"the request body is not valid UTF-8 (byte {e.start}: {e.reason})") from None
+            raise HTTPException(
+                400, f"the request body is not valid UTF-8 (byte {e.start}: {e.reason})"
+            ) from None
         try:
             data = json.loads(text_, parse_constant=_no_constant)
         except ValueError as e:
@@ -293,9 +314,15 @@ def create_app(ctx: ApiContext) -> FastAPI:
             problems.append({"loc": ["body", "gpus", "min"], "field": "gpus.min", "type": "capacity",
                              "msg": f"{spec.gpus.min} GPUs requested, the pool has {pool_gpus}"})
         if spec.kind == "dedicated" and spec.gpus.min > me.quota_gpus:
-            problems.append({"loc": ["body", "kind"], "field": "kind", "type": "quota",
-                             "msg": f"a dedicated job runs inside its tenant's quota: it needs {spec.gpus.min} "
-                                    f"GPUs, tenant {me.name} has a quota of {me.quota_gpus} (submit it as spot)"})
+            problems.append(
+                {
+                    "loc": ["body", "kind"],
+                    "field": "kind",
+                    "type": "quota",
+                    "msg": f"a dedicated job runs inside its tenant's quota: it needs {spec.gpus.min} "
+                    f"GPUs, tenant {me.name} has a quota of {me.quota_gpus} (submit it as spot)",
+                }
+            )
         data = spec.model_dump()
         found, ck, loc = loc_policy.check(data["checkpoint"], me.name, me.admin, policy, _located, _source)
         problems += [{"loc": ["body", *f.split(".")], "field": f, "type": "checkpoint_location", "msg": m}
@@ -408,7 +435,9 @@ def create_app(ctx: ApiContext) -> FastAPI:
             describe = ctx.serving[1] if ctx.serving else ""
             return {"source": describe, "lending": True, "advice_only": False, **ctx.loans.view()}
         if ctx.serving is None:
-            raise HTTPException(404, "no serving side configured (serving: in tidal up --config; docs/control.md)")
+            raise HTTPException(
+                404, "no serving side configured (serving: in tidal up --config; docs/control.md)"
+            )
         advisor, describe = ctx.serving
         latest = advisor.latest
         return {"source": describe, "serving_gpus": advisor.serving_gpus, "step_s": advisor.step_s,
@@ -425,8 +454,14 @@ def create_app(ctx: ApiContext) -> FastAPI:
     def add_tenant(body: TenantSpec, _: Annotated[TenantRow, Depends(admin)]) -> dict:
         if store.tenant(body.name) is not None:
             raise HTTPException(409, f"tenant {body.name} exists")
-        token = create_tenant(store, body.name, quota_gpus=body.quota_gpus, weight=body.weight, now_s=ctx.clock(),
-                              max_priority=body.max_priority)
+        token = create_tenant(
+            store,
+            body.name,
+            quota_gpus=body.quota_gpus,
+            weight=body.weight,
+            now_s=ctx.clock(),
+            max_priority=body.max_priority,
+        )
         return {"name": body.name, "quota_gpus": body.quota_gpus, "weight": body.weight,
                 "max_priority": body.max_priority, "token": token}
 

@@ -74,8 +74,14 @@ def origin() -> str:
 
 
 class TidalClient:
-    def __init__(self, base_url: str | None = None, token: str | None = None, *, http: httpx.Client | None = None,
-                 timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        base_url: str | None = None,
+        token: str | None = None,
+        *,
+        http: httpx.Client | None = None,
+        timeout_s: float = 30.0,
+    ) -> None:
         self.http = http or httpx.Client(base_url=base_url or default_url(), timeout=timeout_s)
         self.token = token
 
@@ -94,8 +100,11 @@ class TidalClient:
                 # safe to send again, on a new connection (``tidal logs -f`` must not stop for this).
                 r = self.http.request(method, path, headers=headers, **kw)
         except httpx.TransportError as e:
-            raise ApiError(0, f"cannot reach the Tidal API at {self.http.base_url} ({e}); is `tidal up` running? "
-                              "(TIDAL_API_URL)") from e
+            raise ApiError(
+                0,
+                f"cannot reach the Tidal API at {self.http.base_url} ({e}); is `tidal up` running? "
+                "(TIDAL_API_URL)",
+            ) from e
         if r.status_code >= 400:
             try:
                 doc = r.json()
@@ -130,7 +139,9 @@ class TidalClient:
         return self._call("POST", f"/v1/jobs/{job_id}/cancel")
 
     def logs(self, job_id: str, *, rank: int = 0, offset: int = 0, limit: int = 65536) -> dict:
-        return self._call("GET", f"/v1/jobs/{job_id}/logs", params={"rank": rank, "offset": offset, "limit": limit})
+        return self._call(
+            "GET", f"/v1/jobs/{job_id}/logs", params={"rank": rank, "offset": offset, "limit": limit}
+        )
 
     def checkpoints(self, job_id: str) -> dict:
         """Committed checkpoint steps per tier, the newest durable step and its age (``GET .../checkpoints``)."""
@@ -152,9 +163,14 @@ class TidalClient:
     def tenants(self) -> list[dict]:
         return self._call("GET", "/v1/tenants")
 
-    def create_tenant(self, name: str, *, quota_gpus: int = 0, weight: float = 1.0, max_priority: int = 0) -> dict:
-        return self._call("POST", "/v1/tenants", json={"name": name, "quota_gpus": quota_gpus, "weight": weight,
-                                                       "max_priority": max_priority})
+    def create_tenant(
+        self, name: str, *, quota_gpus: int = 0, weight: float = 1.0, max_priority: int = 0
+    ) -> dict:
+        return self._call(
+            "POST",
+            "/v1/tenants",
+            json={"name": name, "quota_gpus": quota_gpus, "weight": weight, "max_priority": max_priority},
+        )
 
     def metrics(self) -> str:
         """Prometheus text (the admin's token)."""

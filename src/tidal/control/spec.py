@@ -64,7 +64,9 @@ class GpuRange(_Strict):
     of ``multiple_of`` (e.g. the tensor x pipeline parallel degree)."""
 
     min: int = Field(ge=1, le=MAX_GPUS, description="gang minimum, GPUs")
-    max: int | None = Field(default=None, ge=1, le=MAX_GPUS, description="elastic maximum, GPUs (default: min)")
+    max: int | None = Field(
+        default=None, ge=1, le=MAX_GPUS, description="elastic maximum, GPUs (default: min)"
+    )
     multiple_of: int = Field(default=1, ge=1, le=MAX_GPUS, description="every size is a multiple of this")
 
     @model_validator(mode="after")
@@ -75,7 +77,9 @@ class GpuRange(_Strict):
             raise ValueError(f"max ({self.max}) must be >= min ({self.min})")
         for name in ("min", "max"):
             if getattr(self, name) % self.multiple_of:
-                raise ValueError(f"{name} ({getattr(self, name)}) must be a multiple of multiple_of ({self.multiple_of})")
+                raise ValueError(
+                    f"{name} ({getattr(self, name)}) must be a multiple of multiple_of ({self.multiple_of})"
+                )
         return self
 
 
@@ -98,10 +102,13 @@ def _env_name(k: str) -> str:
 
 
 class CheckpointSpec(_Strict):
-    url: str | None = Field(default=None, max_length=MAX_PATH_CHARS,
-                            description="checkpoint location (path, file://, s3://); default: "
-                                        "<state dir>/jobs/<job>/ckpt; explicit ones under the tenant's prefix "
-                                        "<state dir>/tenants/<tenant>/ or one the admin granted")
+    url: str | None = Field(
+        default=None,
+        max_length=MAX_PATH_CHARS,
+        description="checkpoint location (path, file://, s3://); default: "
+        "<state dir>/jobs/<job>/ckpt; explicit ones under the tenant's prefix "
+        "<state dir>/tenants/<tenant>/ or one the admin granted",
+    )
     tiers: list[str | dict[str, Any]] | None = Field(
         default=None, min_length=1, max_length=MAX_TIERS,
         description="tier list, fastest first, instead of url, e.g. [shm, /ckpt/run1, s3://bucket/run1]")
@@ -147,7 +154,9 @@ class CheckpointSpec(_Strict):
         if self.url is not None and self.tiers is not None:
             raise ValueError("give the location once: 'url' (one directory or bucket) or 'tiers' (a list)")
         if self.resume_from is not None and (self.url is not None or self.tiers is not None):
-            raise ValueError("give 'resume_from' alone: the job uses the checkpoint location of the job it resumes")
+            raise ValueError(
+                "give 'resume_from' alone: the job uses the checkpoint location of the job it resumes"
+            )
         return self
 
 
@@ -188,7 +197,9 @@ class JobSpec(_Strict):
     @classmethod
     def _name(cls, v: str) -> str:
         if not NAME_RE.match(v):
-            raise ValueError("expected 1-63 letters, digits, '.', '_' or '-', starting with a letter or digit")
+            raise ValueError(
+                "expected 1-63 letters, digits, '.', '_' or '-', starting with a letter or digit"
+            )
         return v
 
     @field_validator("command", mode="before")
@@ -223,7 +234,9 @@ class JobSpec(_Strict):
     @classmethod
     def _workdir(cls, v: str | None) -> str | None:
         if v is not None and not v.startswith("/"):
-            raise ValueError(f"expected an absolute path, got {v!r} (the CLI resolves paths relative to the YAML file)")
+            raise ValueError(
+                f"expected an absolute path, got {v!r} (the CLI resolves paths relative to the YAML file)"
+            )
         return v
 
 

@@ -254,9 +254,11 @@ class Store:
         except OSError:
             st = None
         if st is None or (st.st_dev, st.st_ino) != self._identity:
-            raise StoreUnavailable(f"the database {self.path} was {'deleted' if st is None else 'replaced'} while "
-                                   "tidal up was running; nothing more is stored: stop tidal up and restore "
-                                   "the file from a backup")
+            raise StoreUnavailable(
+                f"the database {self.path} was {'deleted' if st is None else 'replaced'} while "
+                "tidal up was running; nothing more is stored: stop tidal up and restore "
+                "the file from a backup"
+            )
 
     @property
     def db_id(self) -> str:
@@ -282,8 +284,15 @@ class Store:
         with self._write() as s:
             if s.get(TenantRow, name) is not None:
                 raise ValueError(f"tenant {name!r} exists")
-            row = TenantRow(name=name, quota_gpus=quota_gpus, weight=weight, token_hash=token_hash, admin=admin,
-                            created_s=now_s, max_priority=max_priority)
+            row = TenantRow(
+                name=name,
+                quota_gpus=quota_gpus,
+                weight=weight,
+                token_hash=token_hash,
+                admin=admin,
+                created_s=now_s,
+                max_priority=max_priority,
+            )
             s.add(row)
             s.add(EventRow(time_s=now_s, tenant=name, kind="tenant",
                            message=f"tenant {name} created (quota {quota_gpus} GPUs, weight {weight:g}, "

@@ -14,12 +14,26 @@ from tidal.model import Node
 
 def job_view(j: JobRow, now_s: float, *, detail: bool = False) -> dict[str, Any]:
     out: dict[str, Any] = {
-        "id": j.id, "name": j.name, "tenant": j.tenant, "state": j.state, "kind": j.kind, "priority": j.priority,
-        "gpus": {"min": j.min_gpus, "max": j.max_gpus, "multiple_of": j.multiple_of}, "placement": j.placement,
-        "attempt": j.attempt, "restarts": j.restarts, "max_restarts": j.max_restarts,
-        "preemptions": j.preemptions, "submit_s": j.submit_s, "started_s": j.started_s,
-        "finished_s": j.finished_s, "cancel_requested": j.cancel_requested, "message": j.message,
-        "progress": j.progress or {}, "ckpt_step": j.ckpt_step, "report": job_report(j, now_s),
+        "id": j.id,
+        "name": j.name,
+        "tenant": j.tenant,
+        "state": j.state,
+        "kind": j.kind,
+        "priority": j.priority,
+        "gpus": {"min": j.min_gpus, "max": j.max_gpus, "multiple_of": j.multiple_of},
+        "placement": j.placement,
+        "attempt": j.attempt,
+        "restarts": j.restarts,
+        "max_restarts": j.max_restarts,
+        "preemptions": j.preemptions,
+        "submit_s": j.submit_s,
+        "started_s": j.started_s,
+        "finished_s": j.finished_s,
+        "cancel_requested": j.cancel_requested,
+        "message": j.message,
+        "progress": j.progress or {},
+        "ckpt_step": j.ckpt_step,
+        "report": job_report(j, now_s),
         "waiting": j.waiting if State(j.state) in (State.PENDING, State.RUNNING) else None,
     }
     if detail:
@@ -46,18 +60,45 @@ def pool_view(nodes: list[Node], jobs: list[JobRow], viewer: str | None) -> dict
             g = (j.placement or {}).get(n.name, 0)
             if not g or State(j.state) not in HELD:
                 continue
-            d = g if State(j.state) in (State.PREEMPTING, State.CANCELLING) else (j.releasing or {}).get(n.name, 0)
+            d = (
+                g
+                if State(j.state) in (State.PREEMPTING, State.CANCELLING)
+                else (j.releasing or {}).get(n.name, 0)
+            )
             allocated += g
             draining += d
             mine = viewer is None or j.tenant == viewer
-            holders.append({"job": j.id if mine else None, "tenant": j.tenant, "gpus": g, "draining": d,
-                            "state": j.state if mine else ("stopping" if State(j.state) in STOPPING else "running")})
-        out.append({"name": n.name, "pool": n.pool, "gpus": n.gpus, "allocated": allocated, "draining": draining,
-                    "free": n.gpus - allocated, "jobs": holders})
+            holders.append(
+                {
+                    "job": j.id if mine else None,
+                    "tenant": j.tenant,
+                    "gpus": g,
+                    "draining": d,
+                    "state": j.state if mine else ("stopping" if State(j.state) in STOPPING else "running"),
+                }
+            )
+        out.append(
+            {
+                "name": n.name,
+                "pool": n.pool,
+                "gpus": n.gpus,
+                "allocated": allocated,
+                "draining": draining,
+                "free": n.gpus - allocated,
+                "jobs": holders,
+            }
+        )
     total = sum(n.gpus for n in nodes)
     alloc = sum(x["allocated"] for x in out)
-    return {"nodes": out, "gpus": total, "allocated": alloc, "free": total - alloc,
-            "pending": sum(1 for j in jobs if j.state == State.PENDING and (viewer is None or j.tenant == viewer))}
+    return {
+        "nodes": out,
+        "gpus": total,
+        "allocated": alloc,
+        "free": total - alloc,
+        "pending": sum(
+            1 for j in jobs if j.state == State.PENDING and (viewer is None or j.tenant == viewer)
+        ),
+    }
 
 
 def checkpoint_view(job_id: str, url: str | None, now_s: float, *, tiers: list | None = None,

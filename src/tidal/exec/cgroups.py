@@ -48,7 +48,9 @@ def find(jobs_dir: Path, fs: Path = CGROUP_FS) -> MemoryCgroups:
     try:
         proc = Path("/proc/self/cgroup").read_text()
     except OSError as e:
-        raise ValueError(f"isolation.max_memory_bytes: cannot read /proc/self/cgroup ({e.strerror})") from None
+        raise ValueError(
+            f"isolation.max_memory_bytes: cannot read /proc/self/cgroup ({e.strerror})"
+        ) from None
     name = "tidal-" + hashlib.sha256(str(jobs_dir.resolve()).encode()).hexdigest()[:12]
     tried = []
     candidates = []

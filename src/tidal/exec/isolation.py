@@ -29,8 +29,17 @@ from typing import Any
 
 from tidal.exec.cgroups import MIN_MEMORY_BYTES
 
-DEFAULT_PASS_ENV = ("PATH", "PYTHONPATH", "VIRTUAL_ENV", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "LD_LIBRARY_PATH",
-                    "CUDA_HOME")
+DEFAULT_PASS_ENV = (
+    "PATH",
+    "PYTHONPATH",
+    "VIRTUAL_ENV",
+    "LANG",
+    "LC_ALL",
+    "LC_CTYPE",
+    "TZ",
+    "LD_LIBRARY_PATH",
+    "CUDA_HOME",
+)
 UID_SPAN = 1 << 16  # uids uid_base .. uid_base + UID_SPAN - 1
 
 
@@ -61,8 +70,10 @@ class IsolationConfig:
                 raise ValueError(f"isolation.{k} must be a positive integer or null, got {v!r}")
         m = self.max_memory_bytes
         if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < MIN_MEMORY_BYTES):
-            raise ValueError(f"isolation.max_memory_bytes must be an integer >= {MIN_MEMORY_BYTES} (64 MiB) or "
-                             f"null, got {m!r}")
+            raise ValueError(
+                f"isolation.max_memory_bytes must be an integer >= {MIN_MEMORY_BYTES} (64 MiB) or "
+                f"null, got {m!r}"
+            )
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None, where: str = "config") -> IsolationConfig:
@@ -72,7 +83,9 @@ class IsolationConfig:
             if k not in names:
                 raise ValueError(f"{where}: unknown field isolation.{k} (expected one of {sorted(names)})")
         if "pass_env" in d:
-            if not isinstance(d["pass_env"], list | tuple) or not all(isinstance(x, str) for x in d["pass_env"]):
+            if not isinstance(d["pass_env"], list | tuple) or not all(
+                isinstance(x, str) for x in d["pass_env"]
+            ):
                 raise ValueError(f"{where}: isolation.pass_env must be a list of variable names")
             d["pass_env"] = tuple(d["pass_env"])
         return cls(**d)

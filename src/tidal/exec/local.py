@@ -59,8 +59,13 @@ def detect_gpus() -> list[int]:
     if exe is None:
         return []
     try:
-        out = subprocess.run([exe, "--query-gpu=index", "--format=csv,noheader"], capture_output=True, text=True,
-                             timeout=30, check=True).stdout
+        out = subprocess.run(
+            [exe, "--query-gpu=index", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return []
     return [int(x) for x in out.split() if x.strip().isdigit()]
@@ -97,9 +102,17 @@ class _Tracked:
 class LocalExecutor:
     """Runs ranks as local processes. ``slots`` CPU slots, or the GPUs in ``gpu_ids``."""
 
-    def __init__(self, root: str | os.PathLike, *, slots: int | None = None, gpu_ids: list[int] | None = None,
-                 node: str = "local", python: str = sys.executable,
-                 serving_nodes: Mapping[str, int] | None = None, isolation: IsolationConfig | None = None) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        *,
+        slots: int | None = None,
+        gpu_ids: list[int] | None = None,
+        node: str = "local",
+        python: str = sys.executable,
+        serving_nodes: Mapping[str, int] | None = None,
+        isolation: IsolationConfig | None = None,
+    ) -> None:
         if (slots is None) == (gpu_ids is None):
             raise ValueError("give exactly one of slots (CPU) or gpu_ids")
         self.isolation = iso = isolation or IsolationConfig()
@@ -117,9 +130,11 @@ class LocalExecutor:
             for d in [self.root.resolve(), *([Path(shm).absolute()] if shm else [])]:
                 closed = [p for p in d.parents if not os.stat(p).st_mode & 0o001]
                 if closed:
-                    raise ValueError(f"isolation.uid_base: jobs' uids cannot reach {d}: {closed[0]} is not "
-                                     f"searchable by others (mode {oct(os.stat(closed[0]).st_mode & 0o777)}); "
-                                     "choose a state dir (and shm_dir) under world-searchable directories")
+                    raise ValueError(
+                        f"isolation.uid_base: jobs' uids cannot reach {d}: {closed[0]} is not "
+                        f"searchable by others (mode {oct(os.stat(closed[0]).st_mode & 0o777)}); "
+                        "choose a state dir (and shm_dir) under world-searchable directories"
+                    )
         self.cgroups = None
         if iso.max_memory_bytes is not None:  # refuse to start rather than drop a limit asked for
             self.cgroups = cgroups.find(self.root)
@@ -132,7 +147,9 @@ class LocalExecutor:
         if self.gpu:  # serving nodes take the last GPUs, training keeps the first
             n_serving = sum(serving.values())
             if n_serving >= len(devices):
-                raise ValueError(f"serving nodes need {n_serving} of the {len(devices)} GPUs; training needs >= 1")
+                raise ValueError(
+                    f"serving nodes need {n_serving} of the {len(devices)} GPUs; training needs >= 1"
+                )
             serving_devices = devices[len(devices) - n_serving:]
             devices = devices[: len(devices) - n_serving]
         else:  # virtual serving nodes: more CPU slots, numbered after the training ones
@@ -196,7 +213,9 @@ class LocalExecutor:
                               f"{sorted(unknown)} (have {sorted(self.node_devices)})")
         for node, k in req.placement.items():
             if k > len(self._free[node]):
-                raise LaunchError(f"job {req.job_id}: needs {k} devices on {node}, {len(self._free[node])} free")
+                raise LaunchError(
+                    f"job {req.job_id}: needs {k} devices on {node}, {len(self._free[node])} free"
+                )
         if req.workdir is not None and not Path(req.workdir).is_dir():
             raise LaunchError(f"job {req.job_id}: workdir {req.workdir} is not a directory")
         devices = []
@@ -274,7 +293,9 @@ class LocalExecutor:
             if p.resolve().is_relative_to(root) and not p.exists():
                 private_dir(p, 0o700, owner)
 
-    def job_env(self, req: LaunchRequest, r: int, devices: list[int], port: int, adir: Path) -> dict[str, str]:
+    def job_env(
+        self, req: LaunchRequest, r: int, devices: list[int], port: int, adir: Path
+    ) -> dict[str, str]:
         """Rank ``r``'s whole environment: the allow-listed names of this process's environment, the
         basics (``HOME``, ``TMPDIR`` in the job's private area), the job's ``env``, then the platform's."""
         base = {}

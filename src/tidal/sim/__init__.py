@@ -24,6 +24,16 @@ from tidal.sim.jobs import JobSpec, SpotBacklog, load_jobs, load_native, load_ph
 from tidal.sim.policies import POLICIES, PolicySpec
 
 __all__ = [
-    "POLICIES", "CheckpointModel", "JobSpec", "PolicySpec", "SimConfig", "SimResult", "SpotBacklog", "load_jobs",
-    "load_native", "load_philly", "make_config", "simulate",
+    "POLICIES",
+    "CheckpointModel",
+    "JobSpec",
+    "PolicySpec",
+    "SimConfig",
+    "SimResult",
+    "SpotBacklog",
+    "load_jobs",
+    "load_native",
+    "load_philly",
+    "make_config",
+    "simulate",
 ]

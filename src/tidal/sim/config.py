@@ -128,13 +128,17 @@ class SimConfig:
         if not self.days > 0:
             raise ValueError(f"SimConfig.days must be > 0, got {self.days}")
         if not 0 <= self.warmup_days < self.days:
-            raise ValueError(f"SimConfig.warmup_days must be in [0, days={self.days:g}), got {self.warmup_days}")
+            raise ValueError(
+                f"SimConfig.warmup_days must be in [0, days={self.days:g}), got {self.warmup_days}"
+            )
         if self.resize not in RESIZE_MODES:
             raise ValueError(f"SimConfig.resize must be one of {RESIZE_MODES}, got {self.resize!r}")
         if not 0 < self.scaling_exponent <= 1:
             raise ValueError(f"SimConfig.scaling_exponent must be in (0, 1], got {self.scaling_exponent}")
         if self.failure_rate_per_gpu_hour < 0:
-            raise ValueError(f"SimConfig.failure_rate_per_gpu_hour must be >= 0, got {self.failure_rate_per_gpu_hour}")
+            raise ValueError(
+                f"SimConfig.failure_rate_per_gpu_hour must be >= 0, got {self.failure_rate_per_gpu_hour}"
+            )
         if self.sched_period_s < 0:
             raise ValueError(f"SimConfig.sched_period_s must be >= 0, got {self.sched_period_s}")
 

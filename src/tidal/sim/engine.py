@@ -88,10 +88,14 @@ class Engine:
                  check: bool = False, night_hours: float = 8.0) -> None:
         self.cfg, self.step, self.spec, self.check = config, step_s, policy, check
         self.n_steps = math.ceil(config.end_s / step_s - 1e-9)
-        self.policy = build(policy, config, step_s, np.asarray(demand[: self.n_steps]), night_hours=night_hours)
+        self.policy = build(
+            policy, config, step_s, np.asarray(demand[: self.n_steps]), night_hours=night_hours
+        )
         self.h_steps = horizon_steps(self.policy, step_s) if self.policy is not None else 1
         need = self.n_steps + self.h_steps
-        self.demand = np.resize(np.asarray(demand, dtype=float), need) if len(demand) < need else np.asarray(demand)
+        self.demand = (
+            np.resize(np.asarray(demand, dtype=float), need) if len(demand) < need else np.asarray(demand)
+        )
         self.pstate = self.policy.initial_state() if self.policy is not None else None
         self.sched_index = RunningIndex()  # the scheduler's incremental per-node sums (same decisions)
         self.last_running: tuple = ()  # the running jobs the index saw last (what the world's changes are since)
@@ -107,8 +111,9 @@ class Engine:
                                      max_gpus=config.serving_gpus + config.training_gpus)
                        if backlog is not None else None)
         pool = config.serving_gpus + config.training_gpus
-        self.backlog_target = (backlog.pending_gpus if backlog is not None and backlog.pending_gpus is not None
-                               else pool)
+        self.backlog_target = (
+            backlog.pending_gpus if backlog is not None and backlog.pending_gpus is not None else pool
+        )
         self.meter = Meter(config.serving_gpus, config.score_from_s)
         self.next_job = 0
         self.dirty = False
@@ -172,7 +177,11 @@ class Engine:
                     self.sched_pending = False
             if urgent or (self.dirty and t >= self.last_sched + cfg.sched_period_s):
                 self._schedule(t)
-            elif self.dirty and not self.sched_pending and self.last_sched + cfg.sched_period_s < self.next_tick_s:
+            elif (
+                self.dirty
+                and not self.sched_pending
+                and self.last_sched + cfg.sched_period_s < self.next_tick_s
+            ):
                 self._push(self.last_sched + cfg.sched_period_s, SCHED)  # (else the next tick runs it)
                 self.sched_pending = True
         self.meter.advance(end, w.serving.capacity, w.serving.lent, w.held_serving, w.held_total)
@@ -219,8 +228,20 @@ class Engine:
             self.dirty = True
         if self.cfg.record_timeline:
             tl = self.timeline
-            for k, v in zip(TIMELINE_FIELDS, (t, d, upper, w.serving.lendable, w.serving.lent, w.serving.warming,
-                                              w.held_serving, w.held_total), strict=True):
+            for k, v in zip(
+                TIMELINE_FIELDS,
+                (
+                    t,
+                    d,
+                    upper,
+                    w.serving.lendable,
+                    w.serving.lent,
+                    w.serving.warming,
+                    w.held_serving,
+                    w.held_total,
+                ),
+                strict=True,
+            ):
                 tl[k].append(v)
         if i + 1 < self.n_steps:
             self.next_tick_s = t + self.step
@@ -266,9 +287,15 @@ class Engine:
             raise AssertionError(f"t={t:g}: {e}") from None
         s = w.serving
         assert 0 <= s.lent <= s.total, f"t={t:g}: lent {s.lent} of {s.total}"
-        assert s.warming >= 0 and s.lent + s.warming <= s.total, f"t={t:g}: lent {s.lent} + warming {s.warming}"
+        assert s.warming >= 0 and s.lent + s.warming <= s.total, (
+            f"t={t:g}: lent {s.lent} + warming {s.warming}"
+        )
         for node, used in w.used.items():
-            cap = s.lent_on(node) if node in w.serving_nodes else next(n.gpus for n in w.nodes if n.name == node)
+            cap = (
+                s.lent_on(node)
+                if node in w.serving_nodes
+                else next(n.gpus for n in w.nodes if n.name == node)
+            )
             assert 0 <= used <= cap, f"t={t:g}: node {node} has {used} GPUs held, {cap} available"
 
     # ------------------------------------------------------------------------------ the end
@@ -283,8 +310,9 @@ class Engine:
             training_gpus=self.cfg.training_gpus, weights={t.name: t.weight for t in self.tenants},
             counts=counts, decision_ms=self.decision_ms, plan_ms=self.plan_ms, wall_s=wall_s)
         metrics["max_pending_jobs"] = self.max_pending
-        metrics["decision_wall_p99_ms"] = float(np.percentile(self.decision_wall_ms, 99)) if self.decision_wall_ms \
-            else math.nan
+        metrics["decision_wall_p99_ms"] = (
+            float(np.percentile(self.decision_wall_ms, 99)) if self.decision_wall_ms else math.nan
+        )
         metrics["schedule_cpu_s"] = sum(self.decision_ms) / 1e3
         if self.spec.name == "tidal" and self.pstate is not None:
             metrics["tidal_final_z"] = float(self.pstate.z)
@@ -297,4 +325,6 @@ def simulate(demand: np.ndarray, *, step_s: float, policy: PolicySpec, config: S
              tenants: list[Tenant] | None = None, check: bool = False, night_hours: float = 8.0) -> SimResult:
     """Run one policy over ``demand`` (GPUs per ``step_s`` from time 0; NaN = unknown; repeats if
     shorter than the run). See :class:`Engine`."""
-    return Engine(demand, step_s, policy, config, list(jobs or []), backlog, tenants, check, night_hours).run()
+    return Engine(
+        demand, step_s, policy, config, list(jobs or []), backlog, tenants, check, night_hours
+    ).run()

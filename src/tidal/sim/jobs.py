@@ -75,8 +75,10 @@ def _num(path: Path, line: int, row: dict[str, str], col: str, kind: type, lo: f
     try:
         v = kind(float(text)) if kind is int and "." in text else kind(text)
     except ValueError:
-        raise ValueError(f"{path}:{line}: column {col!r} must be {'an integer' if kind is int else 'a number'}, "
-                         f"got {text!r}") from None
+        raise ValueError(
+            f"{path}:{line}: column {col!r} must be {'an integer' if kind is int else 'a number'}, "
+            f"got {text!r}"
+        ) from None
     if kind is float and not math.isfinite(v):
         raise ValueError(f"{path}:{line}: column {col!r} must be finite, got {text!r}")
     if lo is not None and v < lo:
@@ -112,11 +114,20 @@ def load_native(path: str | Path) -> list[JobSpec]:
         if mn % step or mx % step:
             raise ValueError(f"{path}:{line}: min_gpus and max_gpus must be multiples of {step} "
                              f"(gpus_per_node={gpn}, multiple_of={mult})")
-        out.append(JobSpec(
-            id=r.get("id") or f"j{i:06d}", tenant=r["tenant"], kind=kind,
-            priority=int(_num(path, line, r, "priority", int)), min_gpus=mn, max_gpus=mx,
-            work_gpu_s=_num(path, line, r, "work_gpu_s", float, 0), submit_s=_num(path, line, r, "submit_s", float, 0),
-            gpus_per_node=gpn, multiple_of=mult))
+        out.append(
+            JobSpec(
+                id=r.get("id") or f"j{i:06d}",
+                tenant=r["tenant"],
+                kind=kind,
+                priority=int(_num(path, line, r, "priority", int)),
+                min_gpus=mn,
+                max_gpus=mx,
+                work_gpu_s=_num(path, line, r, "work_gpu_s", float, 0),
+                submit_s=_num(path, line, r, "submit_s", float, 0),
+                gpus_per_node=gpn,
+                multiple_of=mult,
+            )
+        )
     if len({j.id for j in out}) != len(out):
         raise ValueError(f"{path}: job ids must be unique")
     out.sort(key=lambda j: (j.submit_s, j.id))
@@ -137,9 +148,18 @@ def load_philly(path: str | Path, kind: str = "dedicated", priority: int = 1) ->
     for line, r in rows:
         g = int(_num(path, line, r, "num_gpu", int, 1))
         dur = _num(path, line, r, "duration", float, 0)
-        out.append(JobSpec(id=f"p{int(_num(path, line, r, 'job_id', int)):06d}", tenant=r.get("model_name") or "philly",
-                           kind=kind, priority=priority, min_gpus=g, max_gpus=g, work_gpu_s=g * dur,
-                           submit_s=_num(path, line, r, "submit_time", float, 0)))
+        out.append(
+            JobSpec(
+                id=f"p{int(_num(path, line, r, 'job_id', int)):06d}",
+                tenant=r.get("model_name") or "philly",
+                kind=kind,
+                priority=priority,
+                min_gpus=g,
+                max_gpus=g,
+                work_gpu_s=g * dur,
+                submit_s=_num(path, line, r, "submit_time", float, 0),
+            )
+        )
     out.sort(key=lambda j: (j.submit_s, j.id))
     return out
 
@@ -183,10 +203,16 @@ class SpotBacklog:
     pending_per_size: int = 4
 
     def __post_init__(self) -> None:
-        if len(self.sizes) != len(self.size_weights) or len(self.elastic_factors) != len(self.elastic_weights):
-            raise ValueError("SpotBacklog: sizes/size_weights and elastic_factors/elastic_weights must pair up")
+        if len(self.sizes) != len(self.size_weights) or len(self.elastic_factors) != len(
+            self.elastic_weights
+        ):
+            raise ValueError(
+                "SpotBacklog: sizes/size_weights and elastic_factors/elastic_weights must pair up"
+            )
         if self.tenants < 1 or self.duration_alpha <= 0 or self.duration_min_h <= 0:
-            raise ValueError("SpotBacklog: tenants >= 1, duration_alpha > 0 and duration_min_h > 0 are required")
+            raise ValueError(
+                "SpotBacklog: tenants >= 1, duration_alpha > 0 and duration_min_h > 0 are required"
+            )
 
 
 class BacklogSource:
@@ -196,7 +222,9 @@ class BacklogSource:
                  max_gpus: int | None = None) -> None:
         self.b, self.gpn, self.rng = backlog, gpus_per_node, rng
         sizes = [s for s in backlog.sizes if max_gpus is None or s <= max_gpus] or [1]
-        w = np.array([backlog.size_weights[backlog.sizes.index(s)] if s in backlog.sizes else 1.0 for s in sizes])
+        w = np.array(
+            [backlog.size_weights[backlog.sizes.index(s)] if s in backlog.sizes else 1.0 for s in sizes]
+        )
         self.sizes, self.size_p = sizes, w / w.sum()
         fw = np.asarray(backlog.elastic_weights, dtype=float)
         self.factor_p = fw / fw.sum()
@@ -216,9 +244,18 @@ class BacklogSource:
         if gpn is None and mx > self.gpn and size < self.gpn:
             mx = max(size, self.gpn // size * size)  # a small gang stays within a node
         hours = min(b.duration_max_h, b.duration_min_h * (1.0 + r.pareto(b.duration_alpha)))
-        spec = JobSpec(id=f"b{self.seq:07d}", tenant=f"spot{int(r.integers(b.tenants))}", kind="spot", priority=0,
-                       min_gpus=size, max_gpus=mx, work_gpu_s=hours * 3600.0 * size, submit_s=now_s,
-                       gpus_per_node=gpn, synthetic=True)
+        spec = JobSpec(
+            id=f"b{self.seq:07d}",
+            tenant=f"spot{int(r.integers(b.tenants))}",
+            kind="spot",
+            priority=0,
+            min_gpus=size,
+            max_gpus=mx,
+            work_gpu_s=hours * 3600.0 * size,
+            submit_s=now_s,
+            gpus_per_node=gpn,
+            synthetic=True,
+        )
         self.seq += 1
         return spec
 
@@ -239,9 +276,19 @@ def synthetic_trace(n_jobs: int, *, days: float, gpus_per_node: int, seed: int, 
     for i, t in enumerate(times):
         s = src.draw(float(t))
         ded = rng.random() < dedicated_fraction
-        out.append(JobSpec(id=f"j{i:06d}", tenant=f"team{s.tenant[4:]}", kind="dedicated" if ded else "spot",
-                           priority=1 if ded else 0, min_gpus=s.min_gpus, max_gpus=s.min_gpus if ded else s.max_gpus,
-                           work_gpu_s=s.work_gpu_s, submit_s=s.submit_s, gpus_per_node=s.gpus_per_node))
+        out.append(
+            JobSpec(
+                id=f"j{i:06d}",
+                tenant=f"team{s.tenant[4:]}",
+                kind="dedicated" if ded else "spot",
+                priority=1 if ded else 0,
+                min_gpus=s.min_gpus,
+                max_gpus=s.min_gpus if ded else s.max_gpus,
+                work_gpu_s=s.work_gpu_s,
+                submit_s=s.submit_s,
+                gpus_per_node=s.gpus_per_node,
+            )
+        )
     if total_work_gpu_s is not None and out:
         k = total_work_gpu_s / sum(j.work_gpu_s for j in out)
         out = [replace(j, work_gpu_s=j.work_gpu_s * k) for j in out]

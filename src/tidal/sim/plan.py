@@ -56,7 +56,11 @@ def plan_report(demand: np.ndarray, step_s: float, serving_gpus: int, *, risk: f
         if not m.any():
             continue
         dd = d[m]
-        q = float(np.nanquantile(ahead[m & np.isfinite(ahead)], 1 - risk)) if (m & np.isfinite(ahead)).any() else n
+        q = (
+            float(np.nanquantile(ahead[m & np.isfinite(ahead)], 1 - risk))
+            if (m & np.isfinite(ahead)).any()
+            else n
+        )
         rows.append({
             "hour": h,
             "mean_demand_gpus": float(dd.mean()),
@@ -92,7 +96,9 @@ def _tidal_fluid(d: np.ndarray, step_s: float, n: int, budget: float, timing: Lo
     lent = np.zeros(len(d), dtype=int)
     prev = 0
     for i, y in enumerate(d):
-        plan, state = pol(LoanContext(now_s=i * step_s, serving_gpus=n, demand_gpus=float(y), lent_gpus=prev), state)
+        plan, state = pol(
+            LoanContext(now_s=i * step_s, serving_gpus=n, demand_gpus=float(y), lent_gpus=prev), state
+        )
         lent[i] = prev = plan.lendable_gpus
     return lent
 
@@ -100,7 +106,9 @@ def _tidal_fluid(d: np.ndarray, step_s: float, n: int, budget: float, timing: Lo
 def render_plan(rep: dict[str, Any], console: Any) -> None:
     from rich.table import Table
 
-    t = Table(title=f"serving pool of {rep['serving_gpus']} GPUs over {rep['days']:.1f} days, risk {rep['risk']:g}")
+    t = Table(
+        title=f"serving pool of {rep['serving_gpus']} GPUs over {rep['days']:.1f} days, risk {rep['risk']:g}"
+    )
     for col in ("hour", "mean demand", "p99 demand", "idle GPU-h/day", f"lendable @ {rep['risk']:g}",
                 "tidal lent GPU-h/day"):
         t.add_column(col, justify="right")
@@ -109,9 +117,14 @@ def render_plan(rep: dict[str, Any], console: Any) -> None:
                   f"{r['idle_gpu_hours_per_day']:.1f}", str(r["lendable_gpus_at_risk"]),
                   f"{r['tidal_lent_gpu_hours_per_day']:.1f}")
     t.add_section()
-    t.add_row("day", f"{rep['mean_demand_over_pool'] * rep['serving_gpus']:.1f}", "",
-              f"{rep['idle_gpu_hours_per_day']:.0f}", f"{rep['lendable_gpu_hours_per_day_at_risk']:.0f} GPU-h",
-              f"{rep['tidal_lent_gpu_hours_per_day']:.0f}")
+    t.add_row(
+        "day",
+        f"{rep['mean_demand_over_pool'] * rep['serving_gpus']:.1f}",
+        "",
+        f"{rep['idle_gpu_hours_per_day']:.0f}",
+        f"{rep['lendable_gpu_hours_per_day_at_risk']:.0f} GPU-h",
+        f"{rep['tidal_lent_gpu_hours_per_day']:.0f}",
+    )
     console.print(t)
     risk = rep["risk"]
     console.print(f"columns: idle GPU-h/day = the pool less its demand in that hour; lendable @ {risk:g} = "
@@ -121,14 +134,20 @@ def render_plan(rep: dict[str, Any], console: Any) -> None:
                   "replaying the trace, knowing only the past (its forecast), at the same risk budget.",
                   highlight=False)
     p = rep["lead_time_parts_s"]
-    console.print(f"recommended lead time: {rep['lead_time_s']:g} s (notice {p['notice']:g} + final checkpoint "
-                  f"{p['final_checkpoint']:g} + release {p['release']:g} + serving warm-up {p['serving_warmup']:g}); "
-                  f"loans shorter than {rep['min_loan_window_s']:g} s are not worth a restart. Within one lead time "
-                  f"demand rose by up to {rep['p99_rise_within_lead_gpus']:.1f} GPUs (p99): the margin a policy "
-                  "without a forecast needs.", highlight=False)
-    console.print(f"tidal (budget {rep['risk']:g}, causal replay, every lendable GPU lent): "
-                  f"{rep['tidal_lent_gpu_hours_per_day']:.0f} GPU-h/day of {rep['idle_gpu_hours_per_day']:.0f} idle, "
-                  f"realized shortfall {rep['tidal_shortfall_ratio']:.4f}.", highlight=False)
+    console.print(
+        f"recommended lead time: {rep['lead_time_s']:g} s (notice {p['notice']:g} + final checkpoint "
+        f"{p['final_checkpoint']:g} + release {p['release']:g} + serving warm-up {p['serving_warmup']:g}); "
+        f"loans shorter than {rep['min_loan_window_s']:g} s are not worth a restart. Within one lead time "
+        f"demand rose by up to {rep['p99_rise_within_lead_gpus']:.1f} GPUs (p99): the margin a policy "
+        "without a forecast needs.",
+        highlight=False,
+    )
+    console.print(
+        f"tidal (budget {rep['risk']:g}, causal replay, every lendable GPU lent): "
+        f"{rep['tidal_lent_gpu_hours_per_day']:.0f} GPU-h/day of {rep['idle_gpu_hours_per_day']:.0f} idle, "
+        f"realized shortfall {rep['tidal_shortfall_ratio']:.4f}.",
+        highlight=False,
+    )
 
 
 def plot_plan(rep: dict[str, Any], path: str) -> str:
@@ -153,7 +172,9 @@ def plot_plan(rep: dict[str, Any], path: str) -> str:
     ax.set_xticks(range(0, 24, 2))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    ax.set_title(f"idle {rep['idle_gpu_hours_per_day']:.0f} GPU-h/day; lead time {rep['lead_time_s']:g} s", fontsize=10)
+    ax.set_title(
+        f"idle {rep['idle_gpu_hours_per_day']:.0f} GPU-h/day; lead time {rep['lead_time_s']:g} s", fontsize=10
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

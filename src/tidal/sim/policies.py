@@ -74,7 +74,9 @@ def knob_label(spec: PolicySpec, serving_gpus: int) -> str:
     return f"B={k:g}" if spec.name == "tidal" else f"margin={k:g}"
 
 
-def night_window(demand: np.ndarray, step_s: float, hours: float, period_s: float = 86400.0) -> tuple[float, float]:
+def night_window(
+    demand: np.ndarray, step_s: float, hours: float, period_s: float = 86400.0
+) -> tuple[float, float]:
     """(start_s, end_s), positions in the day from the trace start, of the ``hours`` with the lowest mean
     demand over the whole series (hindsight: the operator picked the hours from past traffic)."""
     period = round(period_s / step_s)

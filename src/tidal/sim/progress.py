@@ -196,8 +196,20 @@ class DurableTable:
             i = self.free.pop()
             self.slot[key] = i
             self.keys[i] = key
-        self.rows[i] = (seg.t0, seg.p0, seg.rate, seg.tau, seg.stall, seg.lag, seg.stop, seg.dur_p, seg.dur_ct,
-                        seg.pend_t, seg.pend_p, seg.pend_ct)
+        self.rows[i] = (
+            seg.t0,
+            seg.p0,
+            seg.rate,
+            seg.tau,
+            seg.stall,
+            seg.lag,
+            seg.stop,
+            seg.dur_p,
+            seg.dur_ct,
+            seg.pend_t,
+            seg.pend_p,
+            seg.pend_ct,
+        )
         self.due[i] = due if due < self.end_s else math.inf
 
     def drop(self, key: str) -> None:

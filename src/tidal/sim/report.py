@@ -18,13 +18,21 @@ import numpy as np
 from tidal.sim.metrics import METRIC_KEYS
 
 TABLE_COLUMNS = (
-    ("harvest_ratio", "harvest", "{:.3f}"), ("x_oracle", "× oracle", "{:.3f}"),
-    ("harvested_gpu_hours", "harvested GPU-h", "{:,.0f}"), ("loaned_gpu_hours", "loaned GPU-h", "{:,.0f}"),
+    ("harvest_ratio", "harvest", "{:.3f}"),
+    ("x_oracle", "× oracle", "{:.3f}"),
+    ("harvested_gpu_hours", "harvested GPU-h", "{:,.0f}"),
+    ("loaned_gpu_hours", "loaned GPU-h", "{:,.0f}"),
     ("shortfall_ratio", "shortfall", "{:.4f}"),
-    ("reclaims", "reclaims", "{:,}"), ("lost_gpu_hours", "lost GPU-h", "{:,.1f}"),
-    ("pool_goodput", "goodput", "{:.3f}"), ("ettr_mean", "ETTR", "{:.3f}"), ("ettr_p10", "ETTR p10", "{:.3f}"),
-    ("jain_fairness", "Jain", "{:.3f}"), ("mean_queue_s", "queue s", "{:,.0f}"),
-    ("mean_jct_s", "JCT s", "{:,.0f}"), ("decision_p99_ms", "p99 ms", "{:.1f}"), ("wall_s", "wall s", "{:.1f}"),
+    ("reclaims", "reclaims", "{:,}"),
+    ("lost_gpu_hours", "lost GPU-h", "{:,.1f}"),
+    ("pool_goodput", "goodput", "{:.3f}"),
+    ("ettr_mean", "ETTR", "{:.3f}"),
+    ("ettr_p10", "ETTR p10", "{:.3f}"),
+    ("jain_fairness", "Jain", "{:.3f}"),
+    ("mean_queue_s", "queue s", "{:,.0f}"),
+    ("mean_jct_s", "JCT s", "{:,.0f}"),
+    ("decision_p99_ms", "p99 ms", "{:.1f}"),
+    ("wall_s", "wall s", "{:.1f}"),
 )
 
 
@@ -121,7 +129,15 @@ def plot_timeline(timelines: Mapping[str, Mapping[str, np.ndarray]], path: str |
         ax.axhline(serving_gpus, color="0.6", lw=0.8, ls=":", label=f"serving pool N={serving_gpus}")
         ax.step(x, tl["demand_gpus"][m], where="post", color="C0", lw=1.2, label="demand")
         if np.isfinite(tl["upper_gpus"][m]).any():
-            ax.step(x, tl["upper_gpus"][m], where="post", color="C1", lw=1.0, ls="--", label="forecast (plan's bound)")
+            ax.step(
+                x,
+                tl["upper_gpus"][m],
+                where="post",
+                color="C1",
+                lw=1.0,
+                ls="--",
+                label="forecast (plan's bound)",
+            )
         cap, warm_top = serving_bands(tl, serving_gpus, m)
         # Lent and warming GPUs are bands between serving's capacity and the pool, so no line of theirs
         # can lie on the capacity line; training on loans is a dotted line inside the lent band's size.

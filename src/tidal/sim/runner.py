@@ -51,9 +51,17 @@ class Scenario:
     name: str = ""
 
     def run(self, spec: PolicySpec, config: SimConfig | None = None, check: bool = False) -> SimResult:
-        res = simulate(self.demand, step_s=self.step_s, policy=spec, config=config or self.config,
-                       jobs=list(self.jobs), backlog=self.backlog, tenants=list(self.tenants) or None, check=check,
-                       night_hours=self.night_hours)
+        res = simulate(
+            self.demand,
+            step_s=self.step_s,
+            policy=spec,
+            config=config or self.config,
+            jobs=list(self.jobs),
+            backlog=self.backlog,
+            tenants=list(self.tenants) or None,
+            check=check,
+            night_hours=self.night_hours,
+        )
         res.metrics["knob"] = knob_of(spec, self.config.serving_gpus)
         res.metrics["knob_label"] = knob_label(spec, self.config.serving_gpus)
         return res
@@ -120,7 +128,9 @@ def tune_margin(scenario: Scenario, name: str, budget: float, *, steps: int = 7,
 
     def run(margin: float) -> dict[str, Any]:
         m = scenario.run(PolicySpec(name, round(margin, 2)), cfg).metrics
-        log(f"tune {name} margin {margin:.2f}: shortfall {m['shortfall_ratio']:.4f}, harvest {m['harvest_ratio']:.3f}")
+        log(
+            f"tune {name} margin {margin:.2f}: shortfall {m['shortfall_ratio']:.4f}, harvest {m['harvest_ratio']:.3f}"
+        )
         return m
 
     lo, hi = 0.0, n

@@ -35,7 +35,9 @@ def resample(trace: Trace, step_s: float | None) -> tuple[np.ndarray, np.ndarray
     return load, gap, float(step_s)
 
 
-def demand_gpus(path: str | Path, serving_gpus: int, step_s: float | None = None) -> tuple[np.ndarray, float, str]:
+def demand_gpus(
+    path: str | Path, serving_gpus: int, step_s: float | None = None
+) -> tuple[np.ndarray, float, str]:
     """(demand per step in GPUs with NaN at gaps, step_s, trace name) for a pool of ``serving_gpus``."""
     trace = load_trace(path)
     load, gap, step = resample(trace, step_s)

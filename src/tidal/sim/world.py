@@ -57,7 +57,14 @@ from tidal.sim.config import SimConfig
 from tidal.sim.jobs import JobSpec
 from tidal.sim.progress import DurableTable, Segment
 
-NEW, PENDING, RUNNING, SHRINKING, STOPPING, DONE = "new", "pending", "running", "shrinking", "stopping", "done"
+NEW, PENDING, RUNNING, SHRINKING, STOPPING, DONE = (
+    "new",
+    "pending",
+    "running",
+    "shrinking",
+    "stopping",
+    "done",
+)
 
 TRANSITIONS: dict[tuple[str, str], str] = {
     (NEW, "submit"): PENDING,
@@ -186,7 +193,10 @@ class World:
         gpn = config.gpus_per_node
         self.nodes: list[Node] = []
         serving = {}
-        for pool, total, prefix in (("serving", config.serving_gpus, "s"), ("training", config.training_gpus, "t")):
+        for pool, total, prefix in (
+            ("serving", config.serving_gpus, "s"),
+            ("training", config.training_gpus, "t"),
+        ):
             for i in range(math.ceil(total / gpn)):
                 g = min(gpn, total - i * gpn)
                 self.nodes.append(Node(f"{prefix}{i:04d}", g, pool))  # type: ignore[arg-type]
@@ -203,7 +213,9 @@ class World:
         self.used: dict[str, int] = {}  # node -> GPUs held by jobs
         self.held_serving = 0
         self.held_total = 0
-        self.changed: dict[str, None] = {}  # jobs (re)started or resized since the last interval plan (ordered)
+        self.changed: dict[
+            str, None
+        ] = {}  # jobs (re)started or resized since the last interval plan (ordered)
         self.durable = DurableTable(config.end_s)  # job id -> its segment, to refresh Job.last_ckpt_s
         self.pending_synthetic_gpus = 0
         self.pending_synthetic_by_size: dict[int, int] = {}
@@ -395,8 +407,18 @@ class World:
         self.running[sj.spec.id] = sj.job
         seg = sj.seg
         assert seg is not None
-        sj.seg = Segment(seg.t0, seg.p0, seg.rate, seg.tau, seg.stall, seg.lag, seg.dur_p, seg.dur_ct,
-                         (seg.pend_t, seg.pend_p, seg.pend_ct) if seg.pend_t < math.inf else None, sj.rel_stop)
+        sj.seg = Segment(
+            seg.t0,
+            seg.p0,
+            seg.rate,
+            seg.tau,
+            seg.stall,
+            seg.lag,
+            seg.dur_p,
+            seg.dur_ct,
+            (seg.pend_t, seg.pend_p, seg.pend_ct) if seg.pend_t < math.inf else None,
+            sj.rel_stop,
+        )
         self._schedule_events(sj, now)
         self.push(by, RELEASE, sj.spec.id, 0)
 
@@ -481,10 +503,22 @@ class World:
         sj.tau = interval_s
         object.__setattr__(sj.job, "ckpt_interval_s", interval_s)  # in place, as refresh_checkpoints
         if now < seg.t0:
-            sj.seg = Segment(seg.t0, seg.p0, seg.rate, interval_s, seg.stall, seg.lag, seg.dur_p, seg.dur_ct,
-                             (seg.pend_t, seg.pend_p, seg.pend_ct) if seg.pend_t < math.inf else None, seg.stop)
+            sj.seg = Segment(
+                seg.t0,
+                seg.p0,
+                seg.rate,
+                interval_s,
+                seg.stall,
+                seg.lag,
+                seg.dur_p,
+                seg.dur_ct,
+                (seg.pend_t, seg.pend_p, seg.pend_ct) if seg.pend_t < math.inf else None,
+                seg.stop,
+            )
         else:
-            sj.seg = seg.rebased(now, p0=seg.at(now), start_s=now, rate=seg.rate, tau_s=interval_s, stop_s=seg.stop)
+            sj.seg = seg.rebased(
+                now, p0=seg.at(now), start_s=now, rate=seg.rate, tau_s=interval_s, stop_s=seg.stop
+            )
         self._schedule_events(sj, now)
 
     # ------------------------------------------------------------------------------ between calls

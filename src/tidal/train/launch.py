@@ -65,7 +65,10 @@ class LocalLaunch:
         self.procs: list[subprocess.Popen] = []
         try:
             for r in range(world_size):
-                with open(self.log_dir / f"rank{r}.out", "wb") as out, open(self.log_dir / f"rank{r}.err", "wb") as err:
+                with (
+                    open(self.log_dir / f"rank{r}.out", "wb") as out,
+                    open(self.log_dir / f"rank{r}.err", "wb") as err,
+                ):
                     self.procs.append(subprocess.Popen(self.cmd, stdout=out, stderr=err, cwd=cwd,
                                                        env=rank_env(r, world_size, self.port, env),
                                                        start_new_session=True))
@@ -90,7 +93,9 @@ class LocalLaunch:
             codes.append(c)
         return codes
 
-    def wait(self, timeout_s: float = 300.0, *, poll_s: float = 0.01, after_failure_s: float = 10.0) -> list[int]:
+    def wait(
+        self, timeout_s: float = 300.0, *, poll_s: float = 0.01, after_failure_s: float = 10.0
+    ) -> list[int]:
         """Exit codes of every rank, once all exited; kills all and raises TimeoutError after ``timeout_s``.
 
         A rank that fails (not 0, not 75) makes the others wait on it in a collective until their
@@ -109,8 +114,10 @@ class LocalLaunch:
                 continue
             if time.monotonic() > deadline:
                 self.kill()
-                raise TimeoutError(f"{self.cmd[1:2]} x{self.world_size}: still running after {timeout_s:.0f} s; "
-                                   f"logs in {self.log_dir}\n{self.tails()}")
+                raise TimeoutError(
+                    f"{self.cmd[1:2]} x{self.world_size}: still running after {timeout_s:.0f} s; "
+                    f"logs in {self.log_dir}\n{self.tails()}"
+                )
             time.sleep(poll_s)
 
     def kill(self) -> None:

@@ -65,11 +65,20 @@ def _ckpt_bytes(url: Path) -> int:
     return sum(p.nbytes for t in man.tensors.values() for p in t.pieces)
 
 
-def run_once(cfg: MeasureConfig, script: Path, work: Path, shm: Path, log: Callable[[str], None]) -> dict[str, Any]:
+def run_once(
+    cfg: MeasureConfig, script: Path, work: Path, shm: Path, log: Callable[[str], None]
+) -> dict[str, Any]:
     env = job_env(work, shm)
     log(f"notice: {cfg.layout} x{cfg.world}, SIGTERM to every rank once step {cfg.notice_step} is reported")
-    stop = run_segment(Segment(cfg.world, cfg.layout, stop_at=cfg.notice_step), script, cfg.job_args(10**6), work,
-                       0, env=env, timeout_s=cfg.timeout_s)
+    stop = run_segment(
+        Segment(cfg.world, cfg.layout, stop_at=cfg.notice_step),
+        script,
+        cfg.job_args(10**6),
+        work,
+        0,
+        env=env,
+        timeout_s=cfg.timeout_s,
+    )
     s = stop.summary()
     steps = stop.events("step")
     step_times = [r["step_time_s"] for r in steps if r.get("step_time_s")]
@@ -82,15 +91,22 @@ def run_once(cfg: MeasureConfig, script: Path, work: Path, shm: Path, log: Calla
     persist = [c["persist_s"] for c in stop.events("committed") if c.get("persist_s")]
     notice = {
         "persist_s": statistics.median(persist) if persist else None,
-        "stop_step": s["stop_step"], "committed_tiers": s["stop_tiers"], "exit_codes": s["exit_codes"],
+        "stop_step": s["stop_step"],
+        "committed_tiers": s["stop_tiers"],
+        "exit_codes": s["exit_codes"],
         "notice_to_exit_s": s["notice_to_exit_s"],
         "notice_to_commit_s": (pre["time"] - stop.notice_unix) if pre and stop.notice_unix else None,
-        "step_s": step_s, "save_stall_s": stall,
-        "signal_to_step_end_s": (notice_rec["time"] - stop.notice_unix) if notice_rec and stop.notice_unix else None,
+        "step_s": step_s,
+        "save_stall_s": stall,
+        "signal_to_step_end_s": (notice_rec["time"] - stop.notice_unix)
+        if notice_rec and stop.notice_unix
+        else None,
         "goal_s": (step_s or 0.0) + stall + 1.0,
         "checkpoint_bytes": _ckpt_bytes(work / "ckpt"),
     }
-    notice["within_goal"] = notice["notice_to_exit_s"] is not None and notice["notice_to_exit_s"] <= notice["goal_s"]
+    notice["within_goal"] = (
+        notice["notice_to_exit_s"] is not None and notice["notice_to_exit_s"] <= notice["goal_s"]
+    )
     disk_copy = work / "ckpt-disk-only"
     shutil.copytree(work / "ckpt", disk_copy)  # another URL: no node-memory tier holds it
     resumes = {}
@@ -122,7 +138,9 @@ def _resume_figures(res: SegmentResult) -> dict[str, Any]:
     }
 
 
-def run(cfg: MeasureConfig, *, script: Path | None = None, log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+def run(
+    cfg: MeasureConfig, *, script: Path | None = None, log: Callable[[str], None] = lambda s: None
+) -> dict[str, Any]:
     script = script or example_script()
     if not script.exists():
         raise FileNotFoundError(f"example job not found at {script}; pass --script")
@@ -147,7 +165,9 @@ def run(cfg: MeasureConfig, *, script: Path | None = None, log: Callable[[str], 
         "goal_s": med(lambda r: r["notice"]["goal_s"]),
         "step_s": med(lambda r: r["notice"]["step_s"]),
         "save_stall_s": med(lambda r: r["notice"]["save_stall_s"]),
-        "start_to_first_step_node_memory_s": med(lambda r: r["resume"]["node_memory"]["start_to_first_step_s"]),
+        "start_to_first_step_node_memory_s": med(
+            lambda r: r["resume"]["node_memory"]["start_to_first_step_s"]
+        ),
         "start_to_first_step_disk_s": med(lambda r: r["resume"]["disk"]["start_to_first_step_s"]),
         "restore_node_memory_s": med(lambda r: r["resume"]["node_memory"]["restore_s"]),
         "restore_disk_s": med(lambda r: r["resume"]["disk"]["restore_s"]),
@@ -173,24 +193,66 @@ def render(result: dict[str, Any], console: Any) -> None:
 
     t = Table(title=f"reclaim notice → exit ({cfg['layout']} x{cfg['world']}, {m['cpus']} CPUs, "
                     f"gpu: {m['gpu'] or 'none'}; seconds)", title_justify="left")
-    for col in ("run", "ckpt MB", "step", "stall", "persist", "signal→step end", "→ committed", "→ exit", "goal",
-                "tiers", "exit"):
+    for col in (
+        "run",
+        "ckpt MB",
+        "step",
+        "stall",
+        "persist",
+        "signal→step end",
+        "→ committed",
+        "→ exit",
+        "goal",
+        "tiers",
+        "exit",
+    ):
         t.add_column(col, justify="right")
     for i, r in enumerate(result["runs"]):
         n = r["notice"]
-        t.add_row(str(i), f(n["checkpoint_bytes"] / 1e6, "{:.0f}"), f(n["step_s"]), f(n["save_stall_s"], "{:.3f}"),
-                  f(n["persist_s"]), f(n["signal_to_step_end_s"]), f(n["notice_to_commit_s"]), f(n["notice_to_exit_s"]),
-                  f(n["goal_s"]) + (" ok" if n["within_goal"] else " MISSED"), ",".join(n["committed_tiers"] or []),
-                  ",".join(map(str, n["exit_codes"])))
+        t.add_row(
+            str(i),
+            f(n["checkpoint_bytes"] / 1e6, "{:.0f}"),
+            f(n["step_s"]),
+            f(n["save_stall_s"], "{:.3f}"),
+            f(n["persist_s"]),
+            f(n["signal_to_step_end_s"]),
+            f(n["notice_to_commit_s"]),
+            f(n["notice_to_exit_s"]),
+            f(n["goal_s"]) + (" ok" if n["within_goal"] else " MISSED"),
+            ",".join(n["committed_tiers"] or []),
+            ",".join(map(str, n["exit_codes"])),
+        )
     console.print(t)
-    t2 = Table(title=f"process start → first step after a resharded restore ({cfg['layout']} x{cfg['world']} → "
-                     f"{cfg['resume_layout']} x{cfg['resume_world']}; seconds)", title_justify="left")
-    for col in ("run", "from", "tier", "step", "start→session", "setup", "restore", "1st step", "start→1st step"):
+    t2 = Table(
+        title=f"process start → first step after a resharded restore ({cfg['layout']} x{cfg['world']} → "
+        f"{cfg['resume_layout']} x{cfg['resume_world']}; seconds)",
+        title_justify="left",
+    )
+    for col in (
+        "run",
+        "from",
+        "tier",
+        "step",
+        "start→session",
+        "setup",
+        "restore",
+        "1st step",
+        "start→1st step",
+    ):
         t2.add_column(col, justify="right")
     for i, r in enumerate(result["runs"]):
         for name, x in r["resume"].items():
-            t2.add_row(str(i), name.replace("node_memory", "node mem"), str(x["tier"]), str(x["restored_step"]), f(x["start_to_session_s"]),
-                       f(x["setup_s"]), f(x["restore_s"], "{:.3f}"), f(x["first_step_s"]), f(x["start_to_first_step_s"]))
+            t2.add_row(
+                str(i),
+                name.replace("node_memory", "node mem"),
+                str(x["tier"]),
+                str(x["restored_step"]),
+                f(x["start_to_session_s"]),
+                f(x["setup_s"]),
+                f(x["restore_s"], "{:.3f}"),
+                f(x["first_step_s"]),
+                f(x["start_to_first_step_s"]),
+            )
     console.print(t2)
 
 

@@ -123,7 +123,9 @@ class Meter:
         self._prev = now
         if dt is not None and dt > 0:
             a = self.alpha
-            self.avg_step_time_s = dt if self.avg_step_time_s is None else (1 - a) * self.avg_step_time_s + a * dt
+            self.avg_step_time_s = (
+                dt if self.avg_step_time_s is None else (1 - a) * self.avg_step_time_s + a * dt
+            )
         return {
             "step_time_s": dt,
             "samples_per_s": samples / dt if dt and samples else None,

@@ -149,8 +149,10 @@ def run_segment(seg: Segment, script: Path, job_args: list[str], work: Path, ind
         result.records[r] = read_jsonl(p) if p.exists() else []
     want = EXIT_PREEMPTED if seg.stop_at is not None else 0
     if any(c != want for c in codes):
-        raise RuntimeError(f"segment {index} ({seg.describe()}) exited with codes {codes}, expected {want} on "
-                           f"every rank; logs in {seg_dir / 'logs'}\n{tails}")
+        raise RuntimeError(
+            f"segment {index} ({seg.describe()}) exited with codes {codes}, expected {want} on "
+            f"every rank; logs in {seg_dir / 'logs'}\n{tails}"
+        )
     return result
 
 
@@ -171,7 +173,11 @@ def per_step(results: list[SegmentResult]) -> dict[int, dict[str, Any]]:
                     loss[s] = r.get("loss")
         for s in sorted(set(by_step) | set(loss)):
             slices = by_step.get(s, {})
-            out[s] = {"indices": [x for d in sorted(slices) for x in slices[d]], "loss": loss.get(s), "segment": i}
+            out[s] = {
+                "indices": [x for d in sorted(slices) for x in slices[d]],
+                "loss": loss.get(s),
+                "segment": i,
+            }
     return out
 
 

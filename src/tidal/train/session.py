@@ -109,7 +109,9 @@ class Session:
             self.ckpt_tiers = list(ckpt_tiers)
         elif ckpt_url is None and e.ckpt_tiers is not None:
             self.ckpt_tiers = list(e.ckpt_tiers)
-        self.ckpt_url = os.fspath(ckpt_url) if ckpt_url is not None else (None if self.ckpt_tiers else e.ckpt_url)
+        self.ckpt_url = (
+            os.fspath(ckpt_url) if ckpt_url is not None else (None if self.ckpt_tiers else e.ckpt_url)
+        )
         self.ckpt_every_steps = e.ckpt_interval_steps if ckpt_every_steps is None else int(ckpt_every_steps)
         self.ckpt_every_s = e.ckpt_interval_s if ckpt_every_s is None else float(ckpt_every_s)
         self.keep = e.ckpt_keep if keep is None else int(keep)
@@ -265,8 +267,14 @@ class Session:
         self._write(record)
         if self.is_main:
             if record["tier"]:
-                log.info("restored step %d from tier %s in %.2f s (saved on %s ranks, now %d)", self.step,
-                         record["tier"], record["duration_s"], record.get("saved_world_size"), self.world_size)
+                log.info(
+                    "restored step %d from tier %s in %.2f s (saved on %s ranks, now %d)",
+                    self.step,
+                    record["tier"],
+                    record["duration_s"],
+                    record.get("saved_world_size"),
+                    self.world_size,
+                )
             else:
                 log.info("no committed checkpoint%s: starting at step 0",
                          f" in {ckpt_config.describe(target)}" if target is not None
@@ -339,7 +347,9 @@ class Session:
         if interval is not None and float(interval) != self.ckpt_every_s:
             self._write({"event": "control", "ckpt_interval_s": float(interval), "was": self.ckpt_every_s})
             if self.is_main:
-                log.info("checkpoint interval %g s -> %g s (control file)", self.ckpt_every_s, float(interval))
+                log.info(
+                    "checkpoint interval %g s -> %g s (control file)", self.ckpt_every_s, float(interval)
+                )
             self.ckpt_every_s = float(interval)
 
     # -- checkpoints -------------------------------------------------------------------------------
@@ -427,8 +437,12 @@ class Session:
                 continue
             self._pending.remove(h)
             if h.error is not None:
-                log.warning("checkpoint of step %d failed (committed in: %s): %s", h.step, h.committed or "none",
-                            h.error)
+                log.warning(
+                    "checkpoint of step %d failed (committed in: %s): %s",
+                    h.step,
+                    h.committed or "none",
+                    h.error,
+                )
                 self._write({"event": "save_failed", "step": h.step, "tiers": list(h.committed),
                              "error": str(h.error)[:2000]})
             else:
@@ -455,8 +469,13 @@ class Session:
         self._write({"event": "preempted", "step": step, "tiers": tiers, "exit_code": EXIT_PREEMPTED,
                      "notice_to_exit_s": time.time() - n.received_unix})
         if self.is_main:
-            log.warning("notice (%s): stopped after step %d; checkpoint committed in %s; exiting with code %d",
-                        n.source, step, tiers or "no tier", EXIT_PREEMPTED)
+            log.warning(
+                "notice (%s): stopped after step %d; checkpoint committed in %s; exiting with code %d",
+                n.source,
+                step,
+                tiers or "no tier",
+                EXIT_PREEMPTED,
+            )
         raise Preempted(step, tiers)
 
     def close(self) -> None:
@@ -520,7 +539,9 @@ class Session:
             self._teardown()
 
     # -- collectives and records -------------------------------------------------------------------
-    def _agree(self, stop: bool, due: bool, loss: float | torch.Tensor | None) -> tuple[bool, bool, float | None]:
+    def _agree(
+        self, stop: bool, due: bool, loss: float | torch.Tensor | None
+    ) -> tuple[bool, bool, float | None]:
         if not self.distributed:
             return stop, due, None if loss is None else float(loss)
         dev = self.device if self.backend == "nccl" else torch.device("cpu")

@@ -79,7 +79,9 @@ class VerifyConfig:
                 raise ValueError(f"layout 'single' runs on 1 rank, not {world}")
             dp = world // 2 if layout == "tp" else world
             if layout == "tp" and (world % 2 or self.n_head % 2):
-                raise ValueError(f"layout 'tp' (tp=2) needs an even world size and n_head, got {world}, {self.n_head}")
+                raise ValueError(
+                    f"layout 'tp' (tp=2) needs an even world size and n_head, got {world}, {self.n_head}"
+                )
             check_batch(self.global_batch, self.micro_batch, dp)
 
 
@@ -101,7 +103,9 @@ def run(cfg: VerifyConfig, *, workdir: Path | None = None, script: Path | None =
     cfg.check()
     script = script or example_script()
     if not script.exists():
-        raise FileNotFoundError(f"example job not found at {script}; pass --script PATH/TO/examples/gpt/train.py")
+        raise FileNotFoundError(
+            f"example job not found at {script}; pass --script PATH/TO/examples/gpt/train.py"
+        )
     own = workdir is None
     work = Path(tempfile.mkdtemp(prefix="tidal-verify-")) if workdir is None else Path(workdir)
     work.mkdir(parents=True, exist_ok=True)
@@ -115,8 +119,17 @@ def run(cfg: VerifyConfig, *, workdir: Path | None = None, script: Path | None =
         resumed: list[SegmentResult] = []
         for i, seg in enumerate(cfg.segments()):
             log(f"segment {i}: {seg.describe()}")
-            resumed.append(run_segment(seg, script, cfg.job_args(), work / "resumed", i,
-                                       env=job_env(work / "resumed", shm / "resumed"), timeout_s=cfg.timeout_s))
+            resumed.append(
+                run_segment(
+                    seg,
+                    script,
+                    cfg.job_args(),
+                    work / "resumed",
+                    i,
+                    env=job_env(work / "resumed", shm / "resumed"),
+                    timeout_s=cfg.timeout_s,
+                )
+            )
         return compare(cfg, base, resumed, work=work if not own else None)
     finally:
         shutil.rmtree(shm, ignore_errors=True)
@@ -142,8 +155,16 @@ def compare(cfg: VerifyConfig, base: list[SegmentResult], resumed: list[SegmentR
         rel = abs(lb - lr) / max(abs(lb), 1e-12) if lb is not None and lr is not None else None
         if rel is not None and rel >= max_rel:
             max_rel, max_rel_step = rel, s
-        rows.append({"step": s, "baseline_loss": lb, "resumed_loss": lr, "rel_diff": rel, "same_indices": same,
-                     "segment": r[s]["segment"]})
+        rows.append(
+            {
+                "step": s,
+                "baseline_loss": lb,
+                "resumed_loss": lr,
+                "rel_diff": rel,
+                "same_indices": same,
+                "segment": r[s]["segment"],
+            }
+        )
     # Steps before the first world-size change ran in the same world and layout: they must match exactly.
     seg0 = [row for row in rows if row["segment"] == 0]
     same_layout = base[0].segment.world == resumed[0].segment.world and \
@@ -183,9 +204,16 @@ def render(result: dict[str, Any], console: Any) -> None:
 
     for name, segs in (("baseline", result["baseline"]), ("resumed", result["segments"])):
         for i, s in enumerate(segs):
-            t.add_row(name if name == "baseline" else f"resumed {i}", f"{s['layout']} x{s['world']}", s["ending"],
-                      f"{s['restored_step']}→{f(s['last_step'], '{}')}", ",".join(map(str, s["exit_codes"])),
-                      f(s["notice_to_exit_s"]), f(s["restore_s"]), f(s["start_to_first_step_s"]))
+            t.add_row(
+                name if name == "baseline" else f"resumed {i}",
+                f"{s['layout']} x{s['world']}",
+                s["ending"],
+                f"{s['restored_step']}→{f(s['last_step'], '{}')}",
+                ",".join(map(str, s["exit_codes"])),
+                f(s["notice_to_exit_s"]),
+                f(s["restore_s"]),
+                f(s["start_to_first_step_s"]),
+            )
     console.print(t)
     rows = result["steps"]
     st = Table(title="loss per step (around each resume, and a sample)", title_justify="left")

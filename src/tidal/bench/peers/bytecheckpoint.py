@@ -56,7 +56,9 @@ class FastSaving(Engine):
         self.dir = ctx.root / "bytecheckpoint"
         self.dir.mkdir(parents=True, exist_ok=True)
         if not dist.is_initialized():
-            dist.init_process_group("gloo", init_method=f"file://{ctx.root / 'pg-store'}", rank=0, world_size=1)
+            dist.init_process_group(
+                "gloo", init_method=f"file://{ctx.root / 'pg-store'}", rank=0, world_size=1
+            )
         self.last: int | None = None
         self._other: tuple | None = None
 

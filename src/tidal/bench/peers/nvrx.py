@@ -33,8 +33,10 @@ def _process_group(ctx: Context) -> None:
 
 
 class AsyncTorchSave(Engine):
-    notes = ("stall_s: TorchAsyncCheckpoint.async_save(state, path) returned; durable_s: "
-             "finalize_async_save(blocking=True) + fsync of the file; no resharded load (one torch.save file)",)
+    notes = (
+        "stall_s: TorchAsyncCheckpoint.async_save(state, path) returned; durable_s: "
+        "finalize_async_save(blocking=True) + fsync of the file; no resharded load (one torch.save file)",
+    )
 
     def __init__(self, ctx: Context) -> None:
         from nvidia_resiliency_ext.checkpointing.async_ckpt.torch_ckpt import TorchAsyncCheckpoint

@@ -30,7 +30,10 @@ from tidal.bench.peers import PEERS, PROTOCOL, SETUP_SCRIPT, src_dir, venvs_root
 
 # peer save metric -> Tidal's (competitor, metric) it is divided by
 SAVE_RATIOS: dict[str, list[tuple[str, str, str]]] = {
-    "stall_s": [("tidal_stall", "tidal", "stall_s"), ("tidal_overlapped_stall", "tidal_overlapped", "stall_s")],
+    "stall_s": [
+        ("tidal_stall", "tidal", "stall_s"),
+        ("tidal_overlapped_stall", "tidal_overlapped", "stall_s"),
+    ],
     "durable_s": [("tidal_commit", "tidal", "commit_s")],
 }
 # peer load metric -> Tidal's load metric of the same source
@@ -191,13 +194,22 @@ def run_peers(result: dict, *, peers: list[Peer], missing: dict[str, str], seed:
     size_gb = result["size_gb_requested"]
     if timeout_s is None:  # generous: the slowest peer here writes ~0.1 GB/s, twice per round
         timeout_s = 300 + 60 * size_gb * (result["repeat"] + 2) * 2
-    entries: dict[str, dict] = {name: {"status": "not installed", "reason": why} for name, why in missing.items()}
+    entries: dict[str, dict] = {
+        name: {"status": "not installed", "reason": why} for name, why in missing.items()
+    }
     with tempfile.TemporaryDirectory(prefix="tidal-bench-peers-", dir=directory) as tmp:
         for peer in peers:
             log(f"peer {peer.name}: running its adapter ({' '.join(peer.command[-2:])})")
             entries[peer.name] = run_peer(
-                peer, size_bytes=int(size_gb * 10**9), expect=(result["size_bytes"], result["tensors"]), seed=seed,
-                repeat=result["repeat"], scratch=Path(tmp), timeout_s=timeout_s, log=log)
+                peer,
+                size_bytes=int(size_gb * 10**9),
+                expect=(result["size_bytes"], result["tensors"]),
+                seed=seed,
+                repeat=result["repeat"],
+                scratch=Path(tmp),
+                timeout_s=timeout_s,
+                log=log,
+            )
             if entries[peer.name]["status"] != "ok":
                 log(f"peer {peer.name}: {entries[peer.name]['reason']}")
     result["peers"] = entries

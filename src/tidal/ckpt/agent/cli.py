@@ -37,7 +37,16 @@ def agent_cmd(
     ``GET /status`` on it says which steps it holds and from which node. The process replaces
     itself with ``python -m tidal.ckpt.agent`` (same pid), which does not load torch.
     """
-    args = ["--listen", listen, "--mem-dir", str(mem_dir), "--resync-s", str(resync_s), "--log-level", log_level]
+    args = [
+        "--listen",
+        listen,
+        "--mem-dir",
+        str(mem_dir),
+        "--resync-s",
+        str(resync_s),
+        "--log-level",
+        log_level,
+    ]
     args += ["--buddy", buddy] if buddy else []
     args += ["--node", node] if node else []
     for d in allow_copy_from or []:

@@ -51,8 +51,17 @@ class AgentProcess:
     def start(self, timeout_s: float = 20.0) -> AgentProcess:
         if self.running():
             return self
-        args = [sys.executable, "-m", "tidal.ckpt.agent", "--listen", self.address, "--mem-dir", str(self.mem_dir),
-                "--resync-s", str(self.resync_s)]
+        args = [
+            sys.executable,
+            "-m",
+            "tidal.ckpt.agent",
+            "--listen",
+            self.address,
+            "--mem-dir",
+            str(self.mem_dir),
+            "--resync-s",
+            str(self.resync_s),
+        ]
         if self.buddy:
             args += ["--buddy", self.buddy]
         if self.node:

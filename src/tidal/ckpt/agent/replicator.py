@@ -138,8 +138,16 @@ class _Item:
 class Replicator:
     """Pushes this node's objects to the buddy agent, in order, from one thread."""
 
-    def __init__(self, store: Store, node: str, buddy: str | None, *, resync_s: float = 2.0,
-                 timeout_s: float = 120.0, handoffs: Callable[[str, int], dict[str, Handoff]] | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        node: str,
+        buddy: str | None,
+        *,
+        resync_s: float = 2.0,
+        timeout_s: float = 120.0,
+        handoffs: Callable[[str, int], dict[str, Handoff]] | None = None,
+    ) -> None:
         self.store, self.node = store, node
         self._handoffs = handoffs  # (job, step) -> data files of the step being handed off (name -> Handoff)
         self.client = AgentClient(buddy, timeout_s=timeout_s) if buddy else None
@@ -176,7 +184,9 @@ class Replicator:
         item = _Item("sync", job, step, name, fd, os.fstat(fd).st_size, done=threading.Event())
         self._put(item)
         if not item.done.wait(timeout_s):  # type: ignore[union-attr]
-            raise HTTPError(503, f"buddy {self.client.address} did not take step {step} within {timeout_s:.0f} s")
+            raise HTTPError(
+                503, f"buddy {self.client.address} did not take step {step} within {timeout_s:.0f} s"
+            )
         if item.error is not None:
             raise HTTPError(503, f"buddy {self.client.address}: {item.error}")
 
@@ -248,7 +258,9 @@ class Replicator:
     def _process(self, it: _Item) -> None:
         try:
             if it.kind == "push":
-                it.error = self._guard(self._push, it.job, it.step, it.name, it.fd, it.size, it.growing, it.handoff)
+                it.error = self._guard(
+                    self._push, it.job, it.step, it.name, it.fd, it.size, it.growing, it.handoff
+                )
             elif it.kind == "sync":
                 it.error = self._guard(self._sync, it)
             else:
@@ -284,7 +296,9 @@ class Replicator:
         if self._remote is None:
             assert self.client is not None
             doc = self.client.json("GET", f"/v1/replicas/{urllib.parse.quote(self.node, safe='')}")
-            self._remote = {j: {int(s): dict(f) for s, f in steps.items()} for j, steps in doc["jobs"].items()}
+            self._remote = {
+                j: {int(s): dict(f) for s, f in steps.items()} for j, steps in doc["jobs"].items()
+            }
             self.reachable = True
         return self._remote
 

@@ -195,9 +195,18 @@ def default_copy_roots() -> list[str]:
 class Agent:
     """One node's checkpoint agent. ``start`` serves in a background thread; ``close`` stops it."""
 
-    def __init__(self, listen: str, mem_dir: str | os.PathLike, *, buddy: str | None = None, node: str | None = None,
-                 allow_copy_from: list[str] | None = None, resync_s: float = 2.0, sync_timeout_s: float = 240.0,
-                 reserve_bytes: int = 64 << 20) -> None:
+    def __init__(
+        self,
+        listen: str,
+        mem_dir: str | os.PathLike,
+        *,
+        buddy: str | None = None,
+        node: str | None = None,
+        allow_copy_from: list[str] | None = None,
+        resync_s: float = 2.0,
+        sync_timeout_s: float = 240.0,
+        reserve_bytes: int = 64 << 20,
+    ) -> None:
         host, _, port = parse_address(listen, "--listen", any_port=True).rpartition(":")
         self.store = Store(mem_dir)
         found = self.store.open()
@@ -211,7 +220,9 @@ class Agent:
         self.started_unix_s = time.time()
         self.copied_bytes = 0  # handed off by copying a staging slot (no bytes through HTTP)
         self.received_bytes = 0  # received in request bodies (from this node's ranks or other agents)
-        self.stall_s = 1.0  # a held handoff's local copy waits at most this long for a push that makes no progress
+        self.stall_s = (
+            1.0  # a held handoff's local copy waits at most this long for a push that makes no progress
+        )
         self._handoffs: dict[tuple[str, int, str], Handoff] = {}  # held handoffs, kept a while after they end
         self._hlock = threading.Lock()
         self.replicator = Replicator(self.store, self.node, self.buddy, resync_s=resync_s,
@@ -248,11 +259,22 @@ class Agent:
                 r.update({"from": "replica", "node": origin})
             rows.append(r)
         st = os.statvfs(self.store.root)
-        return {"format": FORMAT, "version": 1, "node": self.node, "address": self.address, "pid": os.getpid(),
-                "mem_dir": str(self.store.root), "started_unix_s": self.started_unix_s, "now_unix_s": time.time(),
-                "buddy": self.replicator.status(), "copied_bytes": self.copied_bytes,
-                "received_bytes": self.received_bytes, "held_bytes": sum(r["bytes"] for r in rows),
-                "free_bytes": st.f_bavail * st.f_frsize, "steps": rows}
+        return {
+            "format": FORMAT,
+            "version": 1,
+            "node": self.node,
+            "address": self.address,
+            "pid": os.getpid(),
+            "mem_dir": str(self.store.root),
+            "started_unix_s": self.started_unix_s,
+            "now_unix_s": time.time(),
+            "buddy": self.replicator.status(),
+            "copied_bytes": self.copied_bytes,
+            "received_bytes": self.received_bytes,
+            "held_bytes": sum(r["bytes"] for r in rows),
+            "free_bytes": st.f_bavail * st.f_frsize,
+            "steps": rows,
+        }
 
     def route(self, h: _Handler, method: str, parts: list[str], query: dict[str, str]) -> None:
         if parts == ["status"] and method == "GET":
@@ -263,7 +285,9 @@ class Agent:
             return self._replica(h, method, parts[2:], query)
         job, rest = check_name(parts[2], "job"), parts[3:]
         if not rest and method == "GET":
-            return h.send_json(200, {"job": job, "steps": {str(s): i for s, i in self.store.job_index(job).items()}})
+            return h.send_json(
+                200, {"job": job, "steps": {str(s): i for s, i in self.store.job_index(job).items()}}
+            )
         step = self._step(rest[0]) if rest else None
         if step is None or len(rest) > 2:
             raise HTTPError(404, f"no such endpoint: {method} {h.path}")
@@ -308,7 +332,9 @@ class Agent:
             raise HTTPError(507, f"memory directory {self.store.root} has {st.f_bavail * st.f_frsize} bytes "
                                  f"free; {n} needed")
 
-    def _put(self, h: _Handler, job: str, step: int, name: str, sync: bool, origin: str | None = None) -> None:
+    def _put(
+        self, h: _Handler, job: str, step: int, name: str, sync: bool, origin: str | None = None
+    ) -> None:
         self._room(int(h.headers.get("Content-Length") or 0))
         tmp, final = self.store.temp_path(origin, job, step, name)
         try:
@@ -337,7 +363,9 @@ class Agent:
             doc = json.loads(manifest.read_bytes())
             files, save_id = doc["files"], doc["save_id"]
         except (ValueError, KeyError, TypeError) as e:
-            raise HTTPError(400, f"manifest of step {step} is not valid JSON with 'files' and 'save_id': {e}") from None
+            raise HTTPError(
+                400, f"manifest of step {step} is not valid JSON with 'files' and 'save_id': {e}"
+            ) from None
         held = self.store.step_files(None, job, step)
         handoffs = self.step_handoffs(job, step)
         for f in files:
@@ -350,14 +378,22 @@ class Agent:
                     continue  # whole at the buddy; the local copy from the (still held) slot follows
                 # No buddy, or the push failed: the local copy is what the commit needs (the replicator
                 # then pushes it from there, or answers 503 while the buddy is unreachable).
-                if ho.wait_copied(self.sync_timeout_s) and self.store.step_files(None, job, step).get(name) == size:
+                if (
+                    ho.wait_copied(self.sync_timeout_s)
+                    and self.store.step_files(None, job, step).get(name) == size
+                ):
                     continue
                 if ho.copied is None:
-                    raise HTTPError(503, f"step {step}: data file {name} of rank {f['rank']} is still being copied "
-                                         f"in and not at the buddy ({ho.pushed or 'pushing'}); try again")
+                    raise HTTPError(
+                        503,
+                        f"step {step}: data file {name} of rank {f['rank']} is still being copied "
+                        f"in and not at the buddy ({ho.pushed or 'pushing'}); try again",
+                    )
             why = f"its copy from the staging slot failed: {ho.copied}" if ho is not None and ho.copied else (
                 f"{held.get(name, 'missing')} bytes here")
-            raise HTTPError(409, f"step {step}: data file {name} of rank {f['rank']} is {why}, manifest says {size}")
+            raise HTTPError(
+                409, f"step {step}: data file {name} of rank {f['rank']} is {why}, manifest says {size}"
+            )
 
     def _copy_in(self, h: _Handler, job: str, step: int, name: str, query: dict[str, str]) -> None:
         """``copy_from``: take a rank's data file from its staging slot. With ``hold=1`` (what the peer
@@ -448,13 +484,19 @@ class Agent:
                 raise HTTPError(404, f"{job}/{step_dirname(step)}/{name}: no handoff of it here")
             return h.send_json(200, {"copied": True, "error": None})
         if not ho.wait_copied(self.sync_timeout_s):
-            raise HTTPError(503, f"{job}/{step_dirname(step)}/{name}: still copying after {self.sync_timeout_s:.0f} s")
+            raise HTTPError(
+                503, f"{job}/{step_dirname(step)}/{name}: still copying after {self.sync_timeout_s:.0f} s"
+            )
         return h.send_json(200, {"copied": ho.copied == "" and not ho.cancelled, "error": ho.copied or None})
 
     def step_handoffs(self, job: str, step: int) -> dict[str, Handoff]:
         """Held handoffs of one step (in flight or ended recently), by data file name."""
         with self._hlock:
-            return {n: ho for (j, s, n), ho in self._handoffs.items() if j == job and s == step and not ho.cancelled}
+            return {
+                n: ho
+                for (j, s, n), ho in self._handoffs.items()
+                if j == job and s == step and not ho.cancelled
+            }
 
     def _cancel(self, job: str, step: int, name: str | None) -> None:
         """Under ``_hlock``: held handoffs of a removed step or object must not reappear when copied."""
@@ -464,7 +506,9 @@ class Agent:
     def _replica(self, h: _Handler, method: str, parts: list[str], query: dict[str, str]) -> None:
         origin = check_name(parts[0], "origin")
         if len(parts) == 1 and method == "GET":
-            jobs = {j: {str(s): f for s, f in steps.items()} for j, steps in self.store.tree_index(origin).items()}
+            jobs = {
+                j: {str(s): f for s, f in steps.items()} for j, steps in self.store.tree_index(origin).items()
+            }
             return h.send_json(200, {"origin": origin, "jobs": jobs})
         if len(parts) not in (3, 4):
             raise HTTPError(404, f"no such endpoint: {method} {h.path}")
@@ -486,9 +530,13 @@ class Agent:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="tidal ckpt agent", description="The node checkpoint agent (peer tier).")
     p.add_argument("--listen", required=True, help="HOST:PORT to serve on (port 0: any free port)")
-    p.add_argument("--mem-dir", required=True, help="memory directory holding the steps (e.g. under /dev/shm)")
+    p.add_argument(
+        "--mem-dir", required=True, help="memory directory holding the steps (e.g. under /dev/shm)"
+    )
     p.add_argument("--buddy", help="HOST:PORT of the agent on another node that gets a copy of everything")
-    p.add_argument("--node", help="this node's name in the buddy's replica tree (default: the listen address)")
+    p.add_argument(
+        "--node", help="this node's name in the buddy's replica tree (default: the listen address)"
+    )
     p.add_argument("--allow-copy-from", action="append", help="directory staging slots may be copied from "
                    "(repeatable; default $TIDAL_SHM_DIR/tidal or /dev/shm/tidal)")
     p.add_argument("--resync-s", type=float, default=2.0, help="seconds between checks of the buddy's copy")
@@ -503,8 +551,12 @@ def main(argv: list[str] | None = None) -> None:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    print(f"tidal ckpt agent {agent.node}: listening on http://{agent.address}, memory dir {agent.store.root}, "
-          f"buddy {agent.buddy or 'none'}", file=sys.stderr, flush=True)
+    print(
+        f"tidal ckpt agent {agent.node}: listening on http://{agent.address}, memory dir {agent.store.root}, "
+        f"buddy {agent.buddy or 'none'}",
+        file=sys.stderr,
+        flush=True,
+    )
     agent.serve_forever()
     agent.close()
 

@@ -128,7 +128,9 @@ class Checkpointer:
                 raise TypeError("Checkpointer needs a url or tiers=[...]")
             home_spec = str(url) if is_s3_url(url) else str(local_path(url))
             tiers = (["shm"] if shm else []) + [home_spec]
-        self.home, self.tier_configs = resolve(tiers, default_keep=keep, home=None if url is None else os.fspath(url))
+        self.home, self.tier_configs = resolve(
+            tiers, default_keep=keep, home=None if url is None else os.fspath(url)
+        )
         self.url = os.fspath(url) if url is not None else self.home
         self._read_spec: Any = self.url if default_tiers else list(tiers)  # what steps() reads
         self.group = process_group
@@ -155,10 +157,20 @@ class Checkpointer:
             if self.rank == 0 or t.fast:
                 self._durability.seed(t.name, t.committed())
         self._snapshots = SnapshotPool()  # buffers of the slow tiers' private copies of a slot, reused
-        self._remote = [RemoteQueue(t, self._config[t.name], rank=self.rank, commit_timeout_s=commit_timeout_s,
-                                    fast_busy=self._fast_busy, lock=self._lock,
-                                    durability=self._durability, retry_max_s=retry_max_s)
-                        for t in self.tiers if not t.fast]
+        self._remote = [
+            RemoteQueue(
+                t,
+                self._config[t.name],
+                rank=self.rank,
+                commit_timeout_s=commit_timeout_s,
+                fast_busy=self._fast_busy,
+                lock=self._lock,
+                durability=self._durability,
+                retry_max_s=retry_max_s,
+            )
+            for t in self.tiers
+            if not t.fast
+        ]
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._last: SaveHandle | None = None
         self._pending: list[SaveHandle] = []
@@ -184,8 +196,14 @@ class Checkpointer:
     def _tier_info(self, t: Tier) -> dict:
         c = self._config[t.name]
         keep = len(self._staging.slots) if t.kind == "shm" else c.keep
-        return {"name": t.name, "kind": t.kind, "location": t.location, "durable": t.durable, "every": c.every,
-                "keep": keep}
+        return {
+            "name": t.name,
+            "kind": t.kind,
+            "location": t.location,
+            "durable": t.durable,
+            "every": c.every,
+            "keep": keep,
+        }
 
     # -- public API ----------------------------------------------------------------------------
     @property
@@ -355,7 +373,12 @@ class Checkpointer:
             self._plan_cache = (key, plan)
             self._check_shm_room(plan)
         same_node = all(g["host"] == gathered[0]["host"] and g["shm"] for g in gathered)
-        return plan, int(gathered[0]["slot"]), str(gathered[0]["save_id"]), same_node and self.shm_tier is not None
+        return (
+            plan,
+            int(gathered[0]["slot"]),
+            str(gathered[0]["save_id"]),
+            same_node and self.shm_tier is not None,
+        )
 
     def _check_shm_room(self, plan: SavePlan) -> None:
         if self.shm_tier is None:
@@ -490,7 +513,9 @@ class Checkpointer:
         name = data_name(self.rank, job.save_id)
         # The first directory write (the slow part) starts now; checksums and the shm commit overlap it.
         first_dir = next((t for t in job.tiers if t.kind == "dir"), None)
-        overlap = first_dir is not None and not (job.extra.get("urgent") and any(t.kind == "shm" for t in job.tiers))
+        overlap = first_dir is not None and not (
+            job.extra.get("urgent") and any(t.kind == "shm" for t in job.tiers)
+        )
         dir_write = self._io.submit(first_dir.write_file, job.step, name, data) if overlap else None
         # So does handing the slot to the peer tier's agent (it copies the slot file itself).
         handoffs = {q.tier.name: self._handoff_io.submit(self._handoff, q.tier, job, name, data)
@@ -536,8 +561,15 @@ class Checkpointer:
         released)."""
         if not job.remote:
             return
-        handed = {q.tier.name for q in job.remote
-                  if (handoffs[q.tier.name].result() if q.tier.name in handoffs else self._handoff(q.tier, job, name, data))}
+        handed = {
+            q.tier.name
+            for q in job.remote
+            if (
+                handoffs[q.tier.name].result()
+                if q.tier.name in handoffs
+                else self._handoff(q.tier, job, name, data)
+            )
+        }
         source = next((t for t in job.tiers if t.kind == "dir" and t.name in job.handle.committed), None)
         takers = 0 if source is not None else sum(q.tier.name not in handed for q in job.remote)
         # Into a reused buffer: a copy into fresh memory costs 10x more (page faults) than the copy itself.
@@ -566,7 +598,9 @@ class Checkpointer:
             tier.handoff(job.step, name, data, job.slot.path)
             return True
         except Exception as e:
-            log.warning("tier '%s' step %d: handoff failed (%s); the upload queue will retry", tier.name, job.step, e)
+            log.warning(
+                "tier '%s' step %d: handoff failed (%s); the upload queue will retry", tier.name, job.step, e
+            )
             self._durability.error(tier.name, str(e))
             return False
 

@@ -159,9 +159,12 @@ class PieceReader:
             if blocks:
                 bad = _bad_block(mv, ranges, piece)
                 if bad is not None:
-                    self._fallback(errors, f"{where}: checksum mismatch in tensor '{st.name}' piece at offsets "
-                                           f"{list(piece.box.offsets)}, block {bad} (bytes "
-                                           f"{piece.block_span(bad)[0]}..{sum(piece.block_span(bad))})")
+                    self._fallback(
+                        errors,
+                        f"{where}: checksum mismatch in tensor '{st.name}' piece at offsets "
+                        f"{list(piece.box.offsets)}, block {bad} (bytes "
+                        f"{piece.block_span(bad)[0]}..{sum(piece.block_span(bad))})",
+                    )
                     continue
             elif self.verify and whole and piece.crc32 is not None and zlib.crc32(mv) != piece.crc32:
                 self._fallback(errors, f"{where}: checksum mismatch in tensor '{st.name}' "
@@ -188,7 +191,9 @@ def _bad_block(mv: memoryview, ranges: list[tuple[int, int]], piece: mf.StoredPi
     return None
 
 
-def _cut(buf: torch.Tensor, ranges: list[tuple[int, int]], needed: list[tuple[int, int]], size: int) -> torch.Tensor:
+def _cut(
+    buf: torch.Tensor, ranges: list[tuple[int, int]], needed: list[tuple[int, int]], size: int
+) -> torch.Tensor:
     """The ``needed`` ranges (each inside one of ``ranges``, both sorted), cut out of ``buf``."""
     out = torch.empty(size, dtype=torch.uint8)
     k, base, pos = 0, 0, 0

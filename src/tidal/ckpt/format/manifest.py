@@ -201,8 +201,10 @@ def verified_doc(data: bytes, where: str) -> dict:
         raise ManifestError(f"{where}: field 'format' is {_short(doc.get('format'))}, expected {FORMAT!r}")
     version = doc.get("version")
     if version not in VERSIONS or isinstance(version, bool):
-        raise ManifestError(f"{where}: field 'version' is {_short(version)}, expected one of {list(VERSIONS)} "
-                            "(written by a newer Tidal?)")
+        raise ManifestError(
+            f"{where}: field 'version' is {_short(version)}, expected one of {list(VERSIONS)} "
+            "(written by a newer Tidal?)"
+        )
     if version >= 2:
         got = doc.get("checksum")
         if not isinstance(got, str):
@@ -235,11 +237,15 @@ def _check_form(doc: Any, where: str) -> None:
         v, depth, at = stack.pop()
         if isinstance(v, dict):
             if depth > MAX_DEPTH:
-                raise ManifestError(f"{where}: JSON nested too deeply at {at or 'top'} (limit {MAX_DEPTH} levels)")
+                raise ManifestError(
+                    f"{where}: JSON nested too deeply at {at or 'top'} (limit {MAX_DEPTH} levels)"
+                )
             stack.extend((x, depth + 1, f"{at}.{_key(k)}" if at else _key(k)) for k, x in v.items())
         elif isinstance(v, list):
             if depth > MAX_DEPTH:
-                raise ManifestError(f"{where}: JSON nested too deeply at {at or 'top'} (limit {MAX_DEPTH} levels)")
+                raise ManifestError(
+                    f"{where}: JSON nested too deeply at {at or 'top'} (limit {MAX_DEPTH} levels)"
+                )
             stack.extend((x, depth + 1, f"{at}[{i}]") for i, x in enumerate(v))
         elif isinstance(v, int) and not isinstance(v, bool) and not -MAX_INT - 1 <= v <= MAX_INT:
             raise ManifestError(f"{where}: field '{at}' is an integer of {len(str(abs(v)))} digits, "
@@ -316,7 +322,9 @@ def parse(data: bytes, where: str) -> Manifest:
                 raise ManifestError(f"{pw}: box {offs}+{lens} lies outside shape {shape}")
             nbytes, start = _int(p, "nbytes", pw), _int(p, "start", pw)
             if nbytes != box.numel * ITEMSIZE[dtype]:
-                raise ManifestError(f"{pw}: nbytes {nbytes} != {box.numel} elements × {ITEMSIZE[dtype]} bytes")
+                raise ManifestError(
+                    f"{pw}: nbytes {nbytes} != {box.numel} elements × {ITEMSIZE[dtype]} bytes"
+                )
             file = p.get("file")
             if not isinstance(file, str) or file not in file_sizes:
                 raise ManifestError(f"{pw}: file {_short(file)} is not listed in 'files'")
@@ -334,7 +342,9 @@ def parse(data: bytes, where: str) -> Manifest:
         problem = check_tiling(shape, [p.box for p in pieces if p.box.numel > 0 or numel == 0])
         if problem and numel > 0:
             raise ManifestError(f"{tw}: stored pieces do not tile the tensor: {problem}")
-        tensors[name] = StoredTensor(name, tuple(path), dtype, tuple(shape), str(t.get("layout", "")), tuple(pieces))
+        tensors[name] = StoredTensor(
+            name, tuple(path), dtype, tuple(shape), str(t.get("layout", "")), tuple(pieces)
+        )
     objects = []
     raw_objects = doc.get("objects", [])
     if not isinstance(raw_objects, list):
@@ -409,7 +419,9 @@ def _int_list(d: dict, key: str, where: str) -> list[int]:
     v = d.get(key)
     if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= MAX_INT
                                           for x in v):
-        raise ManifestError(f"{where}: field '{key}' must be a list of non-negative integers, got {_short(v)}")
+        raise ManifestError(
+            f"{where}: field '{key}' must be a list of non-negative integers, got {_short(v)}"
+        )
     return v
 
 

@@ -147,7 +147,9 @@ def make_plan(per_rank: list[list[PieceDesc]]) -> SavePlan:
 
     # Assign writers: biggest pieces first, each to the least-loaded holder.
     load = [0] * world
-    order = sorted(holders.items(), key=lambda kv: (-_nbytes(entries[kv[0][0]], kv[0][1]), kv[0][0], kv[0][1].offsets))
+    order = sorted(
+        holders.items(), key=lambda kv: (-_nbytes(entries[kv[0][0]], kv[0][1]), kv[0][0], kv[0][1].offsets)
+    )
     assigned: list[list[tuple[str, Box, int]]] = [[] for _ in range(world)]
     for (name, box), ranks in order:
         nb = _nbytes(entries[name], box)
@@ -176,7 +178,11 @@ def _layout_file(rank: int, items: list[tuple[str, Box, int]], entries: dict[str
     keyed = []
     for name, box, nb in items:
         key = piece_key(name, box, entries[name].shape)
-        header[key] = {"dtype": entries[name].dtype, "shape": list(box.lengths), "data_offsets": [pos, pos + nb]}
+        header[key] = {
+            "dtype": entries[name].dtype,
+            "shape": list(box.lengths),
+            "data_offsets": [pos, pos + nb],
+        }
         keyed.append((name, box, key, pos, nb))
         pos += nb
     raw = json.dumps(header, separators=(",", ":")).encode()

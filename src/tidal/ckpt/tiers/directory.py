@@ -67,7 +67,9 @@ class DirTier:
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise TierError(f"tier '{self.name}' ({self.root}): cannot create the directory: {e.strerror}") from None
+            raise TierError(
+                f"tier '{self.name}' ({self.root}): cannot create the directory: {e.strerror}"
+            ) from None
         if not os.access(self.root, os.W_OK | os.X_OK):
             raise TierError(f"tier '{self.name}' ({self.root}): the directory is not writable")
 

@@ -67,7 +67,13 @@ def parse_address(value: Any, where: str = "agent", *, any_port: bool = False) -
         s = s[len("http://"):]
     s = s.rstrip("/")
     host, sep, port = s.rpartition(":")
-    if not sep or not host or not port.isdigit() or not (0 if any_port else 1) <= int(port) < 65536 or "/" in host:
+    if (
+        not sep
+        or not host
+        or not port.isdigit()
+        or not (0 if any_port else 1) <= int(port) < 65536
+        or "/" in host
+    ):
         raise TierSpecError(f"{where} {value!r}: expected host:port, e.g. 127.0.0.1:7070")
     return f"{host}:{int(port)}"
 
@@ -101,7 +107,9 @@ class AgentClient:
         host, _, port = address.rpartition(":")
         self.host, self.port = host.strip("[]"), int(port)
         self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
-        self.failed_at: float | None = None  # monotonic time of the last failure to reach it, None after a success
+        self.failed_at: float | None = (
+            None  # monotonic time of the last failure to reach it, None after a success
+        )
         self._local = threading.local()
 
     def __repr__(self) -> str:
@@ -175,7 +183,9 @@ def _error(status: int, data: Any, what: str) -> Exception:
     try:
         msg = json.loads(data)["error"]
     except Exception:
-        msg = bytes(data or b"")[:300].decode(errors="replace") if isinstance(data, (bytes, bytearray)) else ""
+        msg = (
+            bytes(data or b"")[:300].decode(errors="replace") if isinstance(data, (bytes, bytearray)) else ""
+        )
     text = f"{what}: HTTP {status}: {msg}"
     if status == 404:
         return FileNotFoundError(2, text, what)
@@ -196,8 +206,16 @@ class PeerTier:
     fast = False  # an upload queue feeds it (remote.RemoteQueue)
     poll_s = (0.002, 0.05)
 
-    def __init__(self, job: str, *, name: str = "peer", agent: str | None = None, peers: Sequence[str] | None = None,
-                 timeout_s: float = 300.0, connect_timeout_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        job: str,
+        *,
+        name: str = "peer",
+        agent: str | None = None,
+        peers: Sequence[str] | None = None,
+        timeout_s: float = 300.0,
+        connect_timeout_s: float = 2.0,
+    ) -> None:
         self.name, self.job = name, job
         self.location = f"peer://{job}"
         address = agent or os.environ.get(ENV_AGENT) or None
@@ -253,7 +271,9 @@ class PeerTier:
         try:
             st = c.json("GET", "/status")
         except Unreachable as e:
-            raise TierError(f"tier '{self.name}': {e}; is `tidal ckpt agent` running there? ({ENV_AGENT})") from None
+            raise TierError(
+                f"tier '{self.name}': {e}; is `tidal ckpt agent` running there? ({ENV_AGENT})"
+            ) from None
         with self._lock:
             self._buddy = (st.get("buddy") or {}).get("address")
             self._buddy_at = time.monotonic()
@@ -290,8 +310,10 @@ class PeerTier:
                 raise _error(status, data, f"tier '{self.name}' ({c.address})")
             out.append((c, json.loads(data)))
         if not answered:
-            raise TierError(f"tier '{self.name}' ({self.location}): no agent answered: {'; '.join(errors)}; is "
-                            f"`tidal ckpt agent` running? ({ENV_AGENT}, {ENV_PEERS})")
+            raise TierError(
+                f"tier '{self.name}' ({self.location}): no agent answered: {'; '.join(errors)}; is "
+                f"`tidal ckpt agent` running? ({ENV_AGENT}, {ENV_PEERS})"
+            )
         return out
 
     # -- listing -----------------------------------------------------------------------------------
@@ -341,8 +363,12 @@ class PeerTier:
             if status != 404:
                 raise _error(status, data, f"tier '{self.name}' ({self.where(step, name)})")
         if answered:
-            raise FileNotFoundError(2, f"{self.where(step, name)}: not found in any agent", self.where(step, name))
-        raise TierError(f"tier '{self.name}' ({self.where(step, name)}): no agent answered: {'; '.join(errors)}")
+            raise FileNotFoundError(
+                2, f"{self.where(step, name)}: not found in any agent", self.where(step, name)
+            )
+        raise TierError(
+            f"tier '{self.name}' ({self.where(step, name)}): no agent answered: {'; '.join(errors)}"
+        )
 
     def _put(self, step: int, name: str, data: Any, query: str = "") -> None:
         c = self._local()

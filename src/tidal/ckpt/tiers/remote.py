@@ -200,12 +200,16 @@ class RemoteQueue:
         keep = self.cfg.keep
         if keep > 0 and len(self._pending) > keep:
             drop += self._pending[: len(self._pending) - keep]
-        snaps = [u for u in self._pending if u.snapshot is not None and u is not self._active and u not in drop]
+        snaps = [
+            u for u in self._pending if u.snapshot is not None and u is not self._active and u not in drop
+        ]
         drop += snaps[:-1]
         out = []
         for u in drop:
-            why = (f"step {u.step} was not persisted to tier '{self.tier.name}': superseded by newer steps while "
-                   f"the tier was behind (keep={keep}, backlog {[p.step for p in self._pending]})")
+            why = (
+                f"step {u.step} was not persisted to tier '{self.tier.name}': superseded by newer steps while "
+                f"the tier was behind (keep={keep}, backlog {[p.step for p in self._pending]})"
+            )
             if u is self._active:
                 u.superseded = why
             else:
@@ -287,9 +291,11 @@ class RemoteQueue:
         try:
             fd = os.open(up.source.step_dir(up.step) / up.name, os.O_RDONLY)
         except FileNotFoundError:
-            raise _SourceGone(f"step {up.step} was not persisted to tier '{self.tier.name}': its copy in tier "
-                              f"'{up.source.name}' was removed by retention before its turn (the tier was "
-                              "behind)") from None
+            raise _SourceGone(
+                f"step {up.step} was not persisted to tier '{self.tier.name}': its copy in tier "
+                f"'{up.source.name}' was removed by retention before its turn (the tier was "
+                "behind)"
+            ) from None
         try:
             with mmap.mmap(fd, up.size_bytes, prot=mmap.PROT_READ) as m:
                 mv = memoryview(m)
@@ -337,7 +343,9 @@ class RemoteQueue:
                 if self.rank == 0:
                     self.tier.write_bytes(step, failure_name(sid), why.encode())
                 else:
-                    commit.write_json(self.tier, step, sidecar_name(self.rank, sid), {"rank": self.rank, "error": why})
+                    commit.write_json(
+                        self.tier, step, sidecar_name(self.rank, sid), {"rank": self.rank, "error": why}
+                    )
             except Exception:
                 still.append((step, sid, why))
         with self._cond:
@@ -348,5 +356,7 @@ class RemoteQueue:
             return
         with self._cond:
             steps = [u.step for u in self._pending if u.superseded is None]
-            active = self._active.step if self._active is not None and self._active.superseded is None else None
+            active = (
+                self._active.step if self._active is not None and self._active.superseded is None else None
+            )
         self._status.backlog(self.tier.name, steps, active)

@@ -59,8 +59,10 @@ def parse_s3_url(url: str) -> tuple[str, str]:
     rest = url[len("s3://"):]
     bucket, _, prefix = rest.partition("/")
     if not _BUCKET.match(bucket) or ".." in bucket:
-        raise TierSpecError(f"tier {url!r}: {bucket!r} is not a valid bucket name (3-63 characters: lowercase "
-                            "letters, digits, '.', '-'); expected s3://bucket/prefix")
+        raise TierSpecError(
+            f"tier {url!r}: {bucket!r} is not a valid bucket name (3-63 characters: lowercase "
+            "letters, digits, '.', '-'); expected s3://bucket/prefix"
+        )
     prefix = prefix[:-1] if prefix.endswith("/") else prefix
     parts = prefix.split("/") if prefix else []
     if any(p in ("", ".", "..") for p in parts):
@@ -101,17 +103,26 @@ class S3Tier:
         self.bucket, self.prefix = parse_s3_url(url)
         self.location = f"s3://{self.bucket}/{self.prefix}".rstrip("/")
         if part_size_bytes < 5 * MIB:
-            raise TierSpecError(f"tier {url!r}: part_size_bytes must be >= 5 MiB (an S3 limit), got {part_size_bytes}")
+            raise TierSpecError(
+                f"tier {url!r}: part_size_bytes must be >= 5 MiB (an S3 limit), got {part_size_bytes}"
+            )
         if concurrency < 1:
             raise TierSpecError(f"tier {url!r}: concurrency must be >= 1, got {concurrency}")
         self.part_size_bytes, self.concurrency = int(part_size_bytes), int(concurrency)
-        self.endpoint = endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        self.endpoint = (
+            endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        )
         config: dict[str, Any] = {}
         if self.endpoint:
             config["endpoint"] = self.endpoint
-        config["region"] = region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
-        client = {"allow_http": bool(self.endpoint and self.endpoint.startswith("http://")),
-                  "connect_timeout": _seconds(connect_timeout_s), "timeout": _seconds(max(60.0, retry_timeout_s))}
+        config["region"] = (
+            region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+        )
+        client = {
+            "allow_http": bool(self.endpoint and self.endpoint.startswith("http://")),
+            "connect_timeout": _seconds(connect_timeout_s),
+            "timeout": _seconds(max(60.0, retry_timeout_s)),
+        }
         retry = {"max_retries": int(retries), "retry_timeout": _seconds(retry_timeout_s),
                  "backoff": {"init_backoff": _seconds(0.05), "max_backoff": _seconds(2.0), "base": 2}}
         try:
@@ -184,7 +195,9 @@ class S3Tier:
 
     def file_sizes(self, step: int) -> dict[str, int]:
         """Object name -> size in bytes, for one step (one LIST)."""
-        return {o["path"].rsplit("/", 1)[-1]: int(o["size"]) for o in self._objects(mf.step_dirname(step) + "/")}
+        return {
+            o["path"].rsplit("/", 1)[-1]: int(o["size"]) for o in self._objects(mf.step_dirname(step) + "/")
+        }
 
     # -- small objects -----------------------------------------------------------------------------
     def read_bytes(self, step: int, name: str) -> bytes:

@@ -45,7 +45,9 @@ class Cycle:
         self.index = index
         if index is not None and self._from_index(index):
             return
-        self.pool_of: dict[str, str] = {}  # node -> "training" | "loan" (serving nodes without a loan: absent)
+        self.pool_of: dict[
+            str, str
+        ] = {}  # node -> "training" | "loan" (serving nodes without a loan: absent)
         self.max_node_gpus = 1
         self.training_gpus = 0
         for n in snap.nodes:
@@ -147,7 +149,9 @@ class Cycle:
             if pool == "training":
                 tv.add(name, n.gpus - used.get(name, 0), drain.get(name, 0))
             else:
-                lv.add(name, loans[name].gpus - used.get(name, 0), drain.get(name, 0), name not in blocked_loans)
+                lv.add(
+                    name, loans[name].gpus - used.get(name, 0), drain.get(name, 0), name not in blocked_loans
+                )
 
     def _build_views_from_plan(self, blocked_loans: set[str]) -> None:
         """``build_views`` from the index's per-node free counts: the same views (bucket and draining
@@ -207,8 +211,12 @@ class Cycle:
         Spot capacity = training GPUs not held by dedicated jobs + loaned GPUs not promised back.
         Active tenants are those with spot jobs running or waiting; they split it by weight.
         """
-        kept = (sum(self.reserved.values()) + sum(self.returned.values()) + sum(self.claimed_draining.values())
-                + self.reclaim_victim_gpus)
+        kept = (
+            sum(self.reserved.values())
+            + sum(self.returned.values())
+            + sum(self.claimed_draining.values())
+            + self.reclaim_victim_gpus
+        )
         spot_capacity = self.training_gpus - sum(self.ded_held.values()) + self.loaned_gpus - kept
         active = [t for t in self.tenants if self.spot_held[t] > 0 or t in pending_spot_tenants]
         weights = sum(self.tenants[t].weight for t in active)

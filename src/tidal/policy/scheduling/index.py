@@ -73,7 +73,9 @@ class RunningIndex:
         # The victim index's inputs (``targets.VictimIndex``), over running jobs not releasing:
         self.spot_jobs: dict[int, Job] = {}  # id(job) -> spot job
         self.spot_on_training: set[str] = set()  # ids of those spot jobs with GPUs on a training node
-        self.spot_elsewhere: dict[int, tuple[str, tuple[str, ...]]] = {}  # id(job) -> (job id, its other nodes)
+        self.spot_elsewhere: dict[
+            int, tuple[str, tuple[str, ...]]
+        ] = {}  # id(job) -> (job id, its other nodes)
         self.ded_jobs: dict[str, dict[int, Job]] = {}  # tenant -> id(job) -> dedicated job
         # The same spot jobs sorted by job id (the victim keys' last tie-break); the key columns that do
         # not change while a job runs sit in a numpy table, one reused row per job (spot_columns()).
@@ -270,10 +272,18 @@ class RunningIndex:
         if cols is None:
             rows = np.array(self.spot_rows, dtype=np.intp)
             t = self._table
-            cols = self._spot_cols = SpotColumns(t.priority[rows], t.tenant[rows], t.gpus[rows], t.started_s[rows],
-                                                 t.on_training[rows], np.flatnonzero(t.elastic[rows]), rows,
-                                                 t.gpus.size, t.ckpt[rows] if self.ckpt_reported else None,
-                                                 t.group[rows])
+            cols = self._spot_cols = SpotColumns(
+                t.priority[rows],
+                t.tenant[rows],
+                t.gpus[rows],
+                t.started_s[rows],
+                t.on_training[rows],
+                np.flatnonzero(t.elastic[rows]),
+                rows,
+                t.gpus.size,
+                t.ckpt[rows] if self.ckpt_reported else None,
+                t.group[rows],
+            )
         return cols
 
 

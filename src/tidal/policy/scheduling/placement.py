@@ -146,7 +146,9 @@ def place(views: Sequence[View], size: int, g: int | None, skip: Mapping[str, in
     return out
 
 
-def place_more(views: Sequence[View], add: int, g: int | None, current: Mapping[str, int]) -> dict[str, int] | None:
+def place_more(
+    views: Sequence[View], add: int, g: int | None, current: Mapping[str, int]
+) -> dict[str, int] | None:
     """Take ``add`` more GPUs for a job on ``current``: its own nodes first (locality), then packing."""
     if g is not None:
         return place(views, add, g, skip=current)

@@ -169,7 +169,9 @@ def _shrink_release(job: Job, need: Need, quota: bool) -> dict[str, int]:
     done = need.fits if quota else need.room_fits  # GPUs that give no quota back only help the room
     if room < unit or done():
         return out
-    nodes = sorted((n for n in job.placement if need.helps(n)), key=lambda n: (need.want(n) == 0, -need.level(n), n))
+    nodes = sorted(
+        (n for n in job.placement if need.helps(n)), key=lambda n: (need.want(n) == 0, -need.level(n), n)
+    )
     if not nodes:
         return out
     g = job.gpus_per_node

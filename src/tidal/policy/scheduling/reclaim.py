@@ -76,7 +76,9 @@ def _displace(c: Cycle, need_gpus: int, by_s: float) -> None:
     nodes = c.loan.free  # every loaned node (blocked ones too)
     idx = victim_index(c)
     on_loan, touched = idx.on_any_loan, c.touched
-    shrink: list[Cand] = [(j, "reclaim", False) for j in idx.spot_shrink if j.id in on_loan and j.id not in touched]
+    shrink: list[Cand] = [
+        (j, "reclaim", False) for j in idx.spot_shrink if j.id in on_loan and j.id not in touched
+    ]
     pre: list[Cand] = [(j, "reclaim", False) for j in idx.spot_pre_any_loan() if j.id not in touched]
     victims = find_victims(CountNeed(nodes, need_gpus, c.used), shrink, pre)
     if victims is None:  # the reclaim asks for more than training holds on loans: clear them all

@@ -157,7 +157,9 @@ class VictimIndex:
                 self._pre_open = [spot[i] for i in o.open_order.tolist()]
             else:
                 on_t, on_l, prot = self.on_training, self.on_loan, self.protected
-                self._pre_open = [j for j in self.spot_pre if j.id not in prot and (j.id in on_t or j.id in on_l)]
+                self._pre_open = [
+                    j for j in self.spot_pre if j.id not in prot and (j.id in on_t or j.id in on_l)
+                ]
         return self._pre_open
 
     def open_groups(self) -> list[tuple[int, str, np.ndarray, int]]:
@@ -261,7 +263,9 @@ def _spot_orders(c: Cycle, spot: list[Job]) -> tuple[list[Job], set[str], list[J
     keys = preempt_keys(c, spot)
     # Keys end with the (unique) job id, so sorting (key, job) pairs never compares jobs.
     pre = [j for _, j in sorted(zip([keys[j.id] for j in spot], spot, strict=True))]
-    shrink = sorted((j for j in spot if j.gpus > j.min_gpus), key=lambda j: (j.priority, shares[j.tenant], j.id))
+    shrink = sorted(
+        (j for j in spot if j.gpus > j.min_gpus), key=lambda j: (j.priority, shares[j.tenant], j.id)
+    )
     return pre, {jid for jid, k in keys.items() if k[0]}, shrink
 
 
@@ -332,7 +336,9 @@ def _spot_orders_cols(c: Cycle, index: RunningIndex, cols: SpotColumns, open_loa
         usable = (cols.on_training | by_row[cols.rows]) & ~prot
     else:
         usable = cols.on_training & ~prot
-    return _Orders(spot, order, prot, cols.on_training, order[usable[order]], prio, cols.tenant, gpus, names, shrink)
+    return _Orders(
+        spot, order, prot, cols.on_training, order[usable[order]], prio, cols.tenant, gpus, names, shrink
+    )
 
 
 def _groups_np(o: _Orders) -> list[tuple[int, str, np.ndarray, int]]:
@@ -400,7 +406,9 @@ def _candidates(c: Cycle, job: Job, quota_short: int) -> tuple[list[Cand], Itera
             return None  # even all of the tenant's own jobs would not make room in its quota
         own_shrink.sort(key=lambda t: shrink_key(c, t[0]))
         on_t = idx.on_training
-        spot_shrink: list[Cand] = [(v, "quota", False) for v in idx.spot_shrink if v.id in on_t and v.id not in touched]
+        spot_shrink: list[Cand] = [
+            (v, "quota", False) for v in idx.spot_shrink if v.id in on_t and v.id not in touched
+        ]
         spot_pre = ((v, "quota", False) for v in idx.spot_pre_training() if v.id not in touched)
         if quota_short:  # only the tenant's own jobs give quota back: try them first
             return own_shrink + spot_shrink, itertools.chain(own_pre, spot_pre)
@@ -408,7 +416,12 @@ def _candidates(c: Cycle, job: Job, quota_short: int) -> tuple[list[Cand], Itera
     on_t, on_l = idx.on_training, idx.on_loan
     shrink: list[Cand] = []
     for v in idx.spot_shrink:
-        if v.priority <= e and (v.id in on_t or v.id in on_l) and v.id not in touched and not recently_grown(c, v):
+        if (
+            v.priority <= e
+            and (v.id in on_t or v.id in on_l)
+            and v.id not in touched
+            and not recently_grown(c, v)
+        ):
             shrink.append((v, "demand", False))
     return shrink, _spot_pre(c, job, e)
 
@@ -441,7 +454,9 @@ def _spot_pre(c: Cycle, job: Job, e: int) -> Iterator[Cand]:
         codes, groups, n_codes = got
         keep = np.zeros(n_codes, dtype=bool)
         for p, t, k, fewest in groups:
-            if p <= e and ((t == job.tenant and p <= e - gap) or (t != job.tenant and share_after <= after(t, fewest))):
+            if p <= e and (
+                (t == job.tenant and p <= e - gap) or (t != job.tenant and share_after <= after(t, fewest))
+            ):
                 keep[k] = True
         if not keep.any():
             return
@@ -468,7 +483,9 @@ def _spot_pre(c: Cycle, job: Job, e: int) -> Iterator[Cand]:
             yield (v, "fair_share", False)
 
 
-def _focus_nodes(need: GangNeed, shrink: list[Cand], pre: Iterator[Cand]) -> tuple[list[Cand], list[Cand]] | None:
+def _focus_nodes(
+    need: GangNeed, shrink: list[Cand], pre: Iterator[Cand]
+) -> tuple[list[Cand], list[Cand]] | None:
     """For a ``gpus_per_node`` gang: the nodes to clear and the candidates on them.
 
     The greedy victim order alone is blind to nodes and would release GPUs all over the pool before
