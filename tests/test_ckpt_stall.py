@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from tidal import ckpt
 from tidal.ckpt.engine import checkpointer as cpmod
-from tidal.ckpt.engine import commit
+from tidal.ckpt.engine import commit, persist
 from tidal.ckpt.errors import StateError
 from tidal.ckpt.format import manifest as mf
 from tidal.ckpt.format.flatten import LocalShard, flatten
@@ -81,7 +81,7 @@ def test_deferred_cleanup_runs_when_no_save_follows(tmp_path, shm_cleanup):
     try:
         cp.save(1, state(1)).wait()
         cp.save(2, state(2)).wait()
-        deadline = cpmod.CLEANUP_IDLE_S * 20
+        deadline = persist.CLEANUP_IDLE_S * 20
         import time
 
         t0 = time.monotonic()

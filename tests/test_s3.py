@@ -254,8 +254,8 @@ def test_snapshots_reuse_one_buffer_and_upload_each_steps_own_bytes(s3, tmp_path
         bufs = set()
         for s in (1, 2, 3):
             cp.save(s, state(s)).wait(timeout=60)
-            assert len(cp._snapshots._idle) == 1  # uploaded: back in the pool, not freed
-            bufs.add(id(cp._snapshots._idle[0]))
+            assert len(cp._persister._snapshots._idle) == 1  # uploaded: back in the pool, not freed
+            bufs.add(id(cp._persister._snapshots._idle[0]))
         assert len(bufs) == 1
         for s in (1, 2, 3):
             target, stats = blank(), ckpt.LoadStats()

@@ -10,15 +10,15 @@ Call order and threads (every rank calls the same methods in the same order)::
     cp.status()                # which tiers hold which steps; durable lag (also a JSON file)
     cp.close()                 # waits for everything pending, frees the slots
 
-``save`` is called from the training thread. One persist thread per Checkpointer checksums the
-staged slot and writes it to the *fast* tiers (shm: a hard link; directories: a write from the
-slot), committing each (rank 0 writes manifests); the slot is free again once they are done. Each
-*slow* tier (S3, peer) has its own upload queue and thread (``remote``), fed after the fast tiers
+``save`` is called from the training thread. One persist thread per Checkpointer (``persist.py``)
+checksums the staged slot and writes it to the *fast* tiers (shm: a hard link; directories: a write
+from the slot), committing each (rank 0 writes manifests); the slot is free again once they are done.
+Each *slow* tier (S3, peer) has its own upload queue and thread (``remote``), fed after the fast tiers
 with the step's local copy, so a slow or unreachable store never holds a slot: saves keep landing
 in the fast tiers while the backlog waits, retrying, and the status shows the lag. A peer tier's
 data file is handed to this node's checkpoint agent (which copies the slot) before the slot is
-released, overlapping the checksums. No background
-thread runs a collective, so none can deadlock with training's collectives.
+released, overlapping the checksums. No background thread runs a collective, so none can deadlock
+with training's collectives.
 
 Which tiers a save goes to: the ``i``-th save (from 0) goes to each tier whose ``every`` divides
 ``i``. Retention (``keep``) is per tier, applied by rank 0 after each commit there.
@@ -32,57 +32,34 @@ only through ``optimizer.step()`` until then.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
-import queue
 import socket
-import threading
 import time
 import uuid
-import zlib
-from collections import Counter
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tidal.ckpt.engine import comm, commit
+from tidal.ckpt.engine import comm
 from tidal.ckpt.engine.handle import SaveHandle
-from tidal.ckpt.engine.staging import Slot, StagingArea, drop_stale_slots, shm_has_room
+from tidal.ckpt.engine.persist import Persister, PersistJob
+from tidal.ckpt.engine.staging import Slot, StagingArea, shm_has_room
 from tidal.ckpt.engine.status import CheckpointStatus, Durability
-from tidal.ckpt.errors import SaveError, StateError, TierSpecError
+from tidal.ckpt.errors import StateError, TierSpecError
 from tidal.ckpt.format import manifest as mf
 from tidal.ckpt.format.flatten import TensorEntry, flatten
 from tidal.ckpt.format.plan import PieceDesc, SavePlan, make_plan
 from tidal.ckpt.tiers.config import build, resolve
-from tidal.ckpt.tiers.directory import DirTier, data_name, is_s3_url, local_path, shm_root_for, sidecar_name
-from tidal.ckpt.tiers.protocol import HandoffTier, Tier
-from tidal.ckpt.tiers.remote import RemoteQueue, SnapshotPool, Upload
+from tidal.ckpt.tiers.directory import DirTier, is_s3_url, local_path, shm_root_for
+from tidal.ckpt.tiers.protocol import Tier
+from tidal.ckpt.tiers.remote import RemoteQueue
 
 log = logging.getLogger(__name__)
-
-CLEANUP_IDLE_S = 1.0  # a finished save's housekeeping waits this long for the next save's copy to end
-
-
-@dataclass
-class _Job:
-    step: int
-    save_id: str
-    plan: SavePlan
-    slot: Slot
-    deferred: list[tuple[torch.Tensor, torch.Tensor]]
-    objects: list[tuple[tuple, Any]]
-    tiers: list[DirTier]  # fast tiers due, fastest first
-    remote: list[RemoteQueue]  # slow tiers due
-    handle: SaveHandle
-    t_return: float = 0.0
-    extra: dict = field(default_factory=dict)
-
 
 class Checkpointer:
     """Concurrent, layout-independent checkpoints of a nested training state.
@@ -148,30 +125,28 @@ class Checkpointer:
         self._want_shm = self.shm_tier is not None
         self._staging = StagingArea(slots, self.shm_tier.root / "slots" if self.shm_tier else None)
         self._slot_steps: dict[int, int] = {}
-        self._in_flight: Counter[int] = Counter()
-        self._lock = threading.Lock()
         self._saves = 0
         self.status_path = self._status_path(status_path)
         self._durability = Durability(self.home, [self._tier_info(t) for t in self.tiers], self.status_path)
         for t in self.tiers:  # what storage already holds (other ranks skip the remote LISTs)
             if self.rank == 0 or t.fast:
                 self._durability.seed(t.name, t.committed())
-        self._snapshots = SnapshotPool()  # buffers of the slow tiers' private copies of a slot, reused
+        self._persister = Persister(rank=self.rank, commit_timeout_s=commit_timeout_s,
+                                    durability=self._durability, config=self._config)
         self._remote = [
             RemoteQueue(
                 t,
                 self._config[t.name],
                 rank=self.rank,
                 commit_timeout_s=commit_timeout_s,
-                fast_busy=self._fast_busy,
-                lock=self._lock,
+                fast_busy=self._persister.busy,
+                lock=self._persister.lock,
                 durability=self._durability,
                 retry_max_s=retry_max_s,
             )
             for t in self.tiers
             if not t.fast
         ]
-        self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._last: SaveHandle | None = None
         self._pending: list[SaveHandle] = []
         self._closed = False
@@ -181,10 +156,6 @@ class Checkpointer:
         self._guards = _as_list(guard)
         self._hooks = [opt.register_step_pre_hook(self._pre_step_hook) for opt in self._guards]
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tidal-stage-r{self.rank}")
-        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tidal-io-r{self.rank}")
-        self._handoff_io = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tidal-handoff-r{self.rank}")
-        self._thread = threading.Thread(target=self._worker, name=f"tidal-ckpt-r{self.rank}", daemon=True)
-        self._thread.start()
 
     def _status_path(self, status_path: Any) -> Path | None:
         if status_path is False or self.rank != 0:
@@ -223,13 +194,12 @@ class Checkpointer:
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
         self.wait_staged()
-        with self._lock:
-            self._in_flight[step] += 1
+        self._persister.begin(step)
         try:
             tensors, objects = flatten(state)
             plan, slot_idx, save_id, use_shm_tier = self._agree(tensors)
         except BaseException:
-            self._done_in_flight(step)
+            self._persister.done(step)
             raise
         index, self._saves = self._saves, self._saves + 1  # the same on every rank: _agree is collective
         handle = SaveHandle(step)
@@ -255,7 +225,7 @@ class Checkpointer:
             objs = [(o.path, json.loads(json.dumps(o.value))) for o in objects] if self.rank == 0 else []
         except BaseException:
             slot.free.set()
-            self._done_in_flight(step)
+            self._persister.done(step)
             raise
         def due(t: Tier) -> bool:
             return self._config[t.name].due(index)
@@ -266,16 +236,17 @@ class Checkpointer:
                 other.linked.discard(step)
             slot.linked.add(step)
         remote = [q for q in self._remote if due(q.tier)]
-        job = _Job(step, save_id, plan, slot, deferred, objs, fast, remote, handle)  # type: ignore[arg-type]
-        job.extra["urgent"] = urgent
-        job.extra["shm_uncommitted"] = uncommitted  # recorded in the status file off the stall path
+        job = PersistJob(step, save_id, plan, slot, deferred, objs, fast, remote, handle,  # type: ignore[arg-type]
+                         shm_tier=self.shm_tier, slot_dir=self._staging.shm_dir,
+                         shm_keep=len(self._staging.slots), urgent=urgent,
+                         shm_uncommitted=uncommitted)  # recorded in the status file off the stall path
         for q in remote:
             handle._add_part(q.tier.name)
         self._durability.saved(step, time.time())
         if deferred:
             if any(src.is_cuda for _, src in deferred):  # the copy starts after what is queued now
-                job.extra["ready"] = torch.cuda.Event()
-                job.extra["ready"].record()
+                job.ready = torch.cuda.Event()
+                job.ready.record()
             self._copier.submit(self._copy_deferred, job)
         else:
             handle._staged.set()
@@ -283,7 +254,7 @@ class Checkpointer:
         self._pending = [h for h in self._pending if not h.done()] + [handle]
         job.t_return = handle._t_return = time.perf_counter()
         handle.stall_s = job.t_return - t0
-        self._queue.put(job)
+        self._persister.submit(job)
         return handle
 
     def wait_staged(self) -> None:
@@ -310,19 +281,16 @@ class Checkpointer:
             return
         self._closed = True
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        self._queue.put(None)  # the persist thread finishes every queued save's fast tiers first
-        self._thread.join()
+        self._persister.close()  # the persist thread finishes every queued save's fast tiers first
         for q in self._remote:
             q.close(None if deadline is None else max(0.0, deadline - time.monotonic()))
         for h in list(self._pending):
             h._done.wait()
         self._copier.shutdown(wait=True)
-        self._io.shutdown(wait=True)
-        self._handoff_io.shutdown(wait=True)
         for h in self._hooks:
             h.remove()
         self._staging.close()
-        self._snapshots.clear()  # the reused snapshot buffer (S3 without a directory tier)
+        self._persister.free()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -429,67 +397,10 @@ class Checkpointer:
     def _pre_step_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.wait_staged()
 
-    def _done_in_flight(self, step: int) -> None:
-        with self._lock:
-            self._in_flight[step] -= 1
-            if self._in_flight[step] <= 0:
-                del self._in_flight[step]
-
-    def _fast_busy(self, step: int) -> bool:
-        """Whether a save of ``step`` is still being written to the fast tiers (call under _lock)."""
-        return self._in_flight.get(step, 0) > 0
-
-    # -- background pipeline ---------------------------------------------------------------------
-    def _worker(self) -> None:
-        # Housekeeping of a finished save (retention, stale slot files) waits for the next save's copy:
-        # run during it, it would compete with the copy for memory bandwidth and the CPU and lengthen
-        # the stall. It runs once the next job is staged, or after CLEANUP_IDLE_S without a save.
-        later: list[tuple[int, list]] = []
-        while True:
-            try:
-                job = self._queue.get(timeout=CLEANUP_IDLE_S if later else None)
-            except queue.Empty:
-                self._run_cleanups(later)
-                continue
-            if job is not None:
-                job.handle._staged.wait()
-            self._run_cleanups(later)
-            if job is None:
-                return
-            cleanups: list = []
-            error: BaseException | None = None
-            if job.extra.get("shm_uncommitted") and self.shm_tier is not None:
-                self._durability.removed(self.shm_tier.name, job.extra["shm_uncommitted"])
-            try:
-                self._persist(job, cleanups)
-            except BaseException as e:  # recorded on the handle; the thread keeps serving saves
-                error = e
-                if not job.extra.get("queued"):  # the slow tiers never got it: nothing to read it from
-                    for q in job.remote:
-                        job.handle._part_done(q.tier.name, SaveError("not queued: persisting failed before"))
-            finally:
-                job.handle._staged.set()
-                job.handle._part_done(None, error)
-                for q in job.remote:  # a peer agent may still copy the slot (after its push to the buddy)
-                    if isinstance(q.tier, HandoffTier):
-                        q.tier.wait_handoff(job.step, data_name(self.rank, job.save_id))
-                job.slot.free.set()
-            self._done_in_flight(job.step)  # a re-save of it registers anew; cleanup skips it then
-            later.append((job.step, cleanups))
-
-    def _run_cleanups(self, later: list[tuple[int, list]]) -> None:
-        """Run the deferred housekeeping of finished saves (best effort; the next save tries again)."""
-        while later:
-            step, cleanups = later.pop(0)
-            for fn in cleanups:
-                try:
-                    fn()
-                except Exception as e:
-                    log.warning("checkpoint cleanup after step %d failed: %s", step, e)
-
-    def _copy_deferred(self, job: _Job) -> None:
+    # -- background copy (overlapped mode) ------------------------------------------------------
+    def _copy_deferred(self, job: PersistJob) -> None:
         try:
-            ready = job.extra.get("ready")
+            ready = job.ready
             if ready is None:
                 _copy_all(job.deferred)
             else:  # device-to-host on a side stream, so it overlaps the next forward/backward
@@ -499,148 +410,9 @@ class Checkpointer:
                     self._side_stream.wait_event(ready)
                     _copy_all(job.deferred)
         except BaseException as e:
-            job.extra["copy_error"] = e
+            job.copy_error = e
         finally:
             job.handle._staged.set()
-
-    def _persist(self, job: _Job, cleanups: list) -> None:
-        job.handle._staged.wait()
-        if "copy_error" in job.extra:
-            raise SaveError(f"copying the state failed: {job.extra['copy_error']}")
-        rf = job.plan.files[self.rank]
-        mv = job.slot.memoryview()
-        data = mv[: rf.size_bytes]
-        name = data_name(self.rank, job.save_id)
-        # The first directory write (the slow part) starts now; checksums and the shm commit overlap it.
-        first_dir = next((t for t in job.tiers if t.kind == "dir"), None)
-        overlap = first_dir is not None and not (
-            job.extra.get("urgent") and any(t.kind == "shm" for t in job.tiers)
-        )
-        dir_write = self._io.submit(first_dir.write_file, job.step, name, data) if overlap else None
-        # So does handing the slot to the peer tier's agent (it copies the slot file itself).
-        handoffs = {q.tier.name: self._handoff_io.submit(self._handoff, q.tier, job, name, data)
-                    for q in job.remote if isinstance(q.tier, HandoffTier) and not job.extra.get("urgent")}
-        try:
-            blocks = {p.key: mf.block_crcs(mv[p.start : p.start + p.nbytes]) for p in rf.pieces}
-            header_crc = zlib.crc32(mv[: len(rf.header)])
-        except BaseException:
-            for f in [dir_write, *handoffs.values()]:  # nobody may read the slot once it is released
-                if f is not None:
-                    with contextlib.suppress(Exception):
-                        f.result()
-            raise
-        sidecar = {"rank": self.rank, "step": job.step, "save_id": job.save_id, "blocks": blocks,
-                   "header_crc32": header_crc, "size_bytes": rf.size_bytes}
-        errors = []
-        for tier in job.tiers:
-            if tier is first_dir and dir_write is not None:
-                write = dir_write.result
-            elif tier.kind == "dir":
-                def write(tier: DirTier = tier) -> None:
-                    tier.write_file(job.step, name, data)
-            else:
-                assert job.slot.path is not None
-                slot_path = job.slot.path
-
-                def write(tier: DirTier = tier, slot_path: Path = slot_path) -> None:
-                    tier.link_file(job.step, name, slot_path)
-
-            try:
-                self._persist_tier(job, tier, write, sidecar, cleanups)
-                job.handle._tier_committed(tier.name)
-            except Exception as e:
-                errors.append(f"{tier.name}: {e}")
-        self._queue_remote(job, name, data, sidecar, handoffs)
-        if errors:
-            raise SaveError("; ".join(errors))
-
-    def _queue_remote(self, job: _Job, name: str, data: memoryview, sidecar: dict, handoffs: dict) -> None:
-        """Hand the step to each slow tier's queue. A tier that can take the data file from node memory
-        now does (the peer tier: its agent copies the slot); the others read it from a directory tier
-        that committed it, else from a private snapshot of the slot (taken here, before the slot is
-        released)."""
-        if not job.remote:
-            return
-        handed = {
-            q.tier.name
-            for q in job.remote
-            if (
-                handoffs[q.tier.name].result()
-                if q.tier.name in handoffs
-                else self._handoff(q.tier, job, name, data)
-            )
-        }
-        source = next((t for t in job.tiers if t.kind == "dir" and t.name in job.handle.committed), None)
-        takers = 0 if source is not None else sum(q.tier.name not in handed for q in job.remote)
-        # Into a reused buffer: a copy into fresh memory costs 10x more (page faults) than the copy itself.
-        snapshot = self._snapshots.copy(data, takers) if takers else None
-        build_manifest = None
-        if self.rank == 0:
-            def build_manifest(docs: list[dict]) -> dict:
-                return self._manifest(job, docs)
-
-        job.extra["queued"] = True  # from here on each queue finishes its part of the handle
-        for q in job.remote:
-            def done(error: BaseException | None, tier: str = q.tier.name) -> None:
-                job.handle._part_done(tier, error)
-
-            given = q.tier.name in handed
-            q.submit(Upload(job.step, job.save_id, name, len(data), sidecar, job.plan.world_size, done,
-                            source=None if given else source, snapshot=None if given else snapshot,
-                            build_manifest=build_manifest, written={"data"} if given else set()))
-
-    def _handoff(self, tier: Tier, job: _Job, name: str, data: memoryview) -> bool:
-        """Give this rank's data file to ``tier`` now if it can take it (``handoff``); False otherwise
-        (then its queue uploads it later, like any slow tier's)."""
-        if not isinstance(tier, HandoffTier):
-            return False
-        try:
-            tier.handoff(job.step, name, data, job.slot.path)
-            return True
-        except Exception as e:
-            log.warning(
-                "tier '%s' step %d: handoff failed (%s); the upload queue will retry", tier.name, job.step, e
-            )
-            self._durability.error(tier.name, str(e))
-            return False
-
-    def _manifest(self, job: _Job, docs: list[dict]) -> dict:
-        crcs = {f"{d['rank']}/{k}": str(v) for d in docs for k, v in d["blocks"].items()}
-        headers = {int(d["rank"]): int(d["header_crc32"]) for d in docs}
-        names = [data_name(r, job.save_id) for r in range(job.plan.world_size)]
-        return mf.build(job.plan, job.step, job.save_id, time.time(), crcs, job.objects, names, headers)
-
-    def _persist_tier(self, job: _Job, tier: DirTier, write: Any, sidecar: dict, cleanups: list) -> None:
-        step, sid = job.step, job.save_id
-        try:
-            write()
-            tier.write_json(step, sidecar_name(self.rank, sid), sidecar)
-        except Exception as e:
-            commit.report_error(tier, step, self.rank, sid, str(e))
-            raise
-        if self.rank != 0:
-            commit.wait_committed(tier, step, sid, self.commit_timeout_s)
-            self._durability.committed(tier.name, step)
-            return
-        try:
-            docs = commit.wait_sidecars(tier, step, sid, job.plan.world_size, self.commit_timeout_s)
-            commit.commit(tier, step, self._manifest(job, docs))
-        except Exception as e:
-            commit.mark_failed(tier, step, sid, str(e))
-            raise
-        self._durability.committed(tier.name, step)
-        keep = len(self._staging.slots) if tier is self.shm_tier else self._config[tier.name].keep
-
-        def busy(s: int) -> bool:  # a save of s is in flight (runs deferred: this job's entry is gone)
-            return self._in_flight.get(s, 0) > 0
-
-        def clean(tier: DirTier = tier) -> None:
-            self._durability.removed(tier.name, commit.cleanup(tier, keep, step, busy, self._lock))
-
-        cleanups.append(clean)
-        if tier is self.shm_tier:
-            slot_dir = self._staging.shm_dir
-            cleanups.append(lambda: drop_stale_slots(slot_dir, job.plan.world_size))
 
 
 def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
