@@ -419,7 +419,8 @@ def report(r: dict) -> None:
     )
     print(f"tidal up --gpus {a['slots']} (CPU slots); {a['tenants']} tenants")
     print(
-        f"{'calls':<34} {'n':>7} {'per s':>8} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'max ms':>8} {'errors':>6}"
+        f"{'calls':<34} {'n':>7} {'per s':>8} {'p50 ms':>8} {'p95 ms':>8} "
+        f"{'p99 ms':>8} {'max ms':>8} {'errors':>6}"
     )
     print(_row(f"submit ({a['submitters']} concurrent)", s))
     print(_row(f"cancel, drain ({a['submitters']} concurrent)", d["cancel"]))
@@ -430,7 +431,8 @@ def report(r: dict) -> None:
           f"{d['until_empty_s']} s after the cancels began ({d['states']})")
     print(
         f"follow: {f['wall_s']} s over {f['log_streams']} rank logs, {f['bytes_followed']} bytes, server CPU "
-        f"{f['server_cpu_s']} s (client {f.get('client_cpu_s', '-')} s); followers with every byte: {f['followers_complete']}/{f['followers']}, "
+        f"{f['server_cpu_s']} s (client {f.get('client_cpu_s', '-')} s); "
+        f"followers with every byte: {f['followers_complete']}/{f['followers']}, "
         f"every line in order: {f['followers_all_lines']}/{f['followers']}; talkers {f['talker_states']}"
     )
     for name, x in (("submit", s), ("cancel", d["cancel"]), ("logs", f["logs"]), ("other", f["other"])):

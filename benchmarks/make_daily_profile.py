@@ -6,7 +6,8 @@
 Per 10-minute slot of the day, the median request rate over the trace's days (gap rows, under 1 % of
 the median load, left out), smoothed by a centered one-hour circular mean, normalized to the
 profile's peak (1.0), written as one day of ``seconds,load`` rows. m-large's median day has the
-shape the demo shows: a night trough (0.67 of peak, 06-09 h trace time) and a steep morning rise. The source (alibaba/ServeGen, Apache-2.0) is named in the data folder's README.
+shape the demo shows: a night trough (0.67 of peak, 06-09 h trace time) and a steep morning rise.
+The source (alibaba/ServeGen, Apache-2.0) is named in the data folder's README.
 """
 
 from __future__ import annotations

@@ -215,7 +215,8 @@ class Job:
         for node, g in self.releasing.items():
             _need(
                 0 < g <= self.placement.get(node, 0),
-                f"{me}: releasing[{node!r}]={g} must be > 0 and <= placement there ({self.placement.get(node, 0)})",
+                f"{me}: releasing[{node!r}]={g} must be > 0 and <= placement there "
+                f"({self.placement.get(node, 0)})",
             )
         raise AssertionError(f"{me}: invalid, but no check names why")  # the two lists of checks disagree
 
@@ -337,7 +338,8 @@ def check_snapshot(s: Snapshot) -> None:
         step, g = j.size_step, j.gpus_per_node
         _need(
             j.gpus % step == 0 and j.min_gpus <= j.gpus <= j.max_gpus,
-            f"Job {j.id!r}: holds {j.gpus} GPUs, expected a multiple of {step} in [{j.min_gpus}, {j.max_gpus}]",
+            f"Job {j.id!r}: holds {j.gpus} GPUs, expected a multiple of {step} "
+            f"in [{j.min_gpus}, {j.max_gpus}]",
         )
         for node, k in j.placement.items():
             n = nodes.get(node)

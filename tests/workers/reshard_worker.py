@@ -7,8 +7,9 @@ save: train a small model a few steps under ``--layout``, save it with ``tidal.c
       write the full (unsharded) model + Adam state, gathered with torch.distributed.checkpoint, to
       D/ref.safetensors (+ D/ref_param_groups.json) from rank 0.
 load: build the same model under ``--layout`` with a different seed, ``ckpt.load`` + apply, then
-      check: the step and extra values, reads bounded by the checksum blocks touched on every rank, and - on rank 0 - that
-      the gathered full state equals the reference bit for bit. Then train one more step.
+      check: the step and extra values, reads bounded by the checksum blocks touched on every rank,
+      and - on rank 0 - that the gathered full state equals the reference bit for bit. Then train one
+      more step.
 
 Each job prints ``RESULT <phase>:<layout>:<dir name> OK|FAIL <details>`` on stdout; a failed check
 lets the remaining jobs run (all collectives of the job are done by then), an exception stops the

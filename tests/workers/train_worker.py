@@ -4,9 +4,10 @@
 
 A small MLP (DDP when WORLD_SIZE > 1) learns a fixed function of synthetic samples (sample ``i`` is
 computed from ``i``, so any rank can produce any sample). The checkpoint also holds ``pad``,
-``--pad-mib`` MiB split over the ranks, so that persisting a save takes every rank a while. Data: ``GlobalBatchSampler(1000, global_batch=12, micro_batch=2, seed=7)``.
-Checkpoint location, interval and progress directory come from the environment (TIDAL_*); every
-step record carries ``data_rank`` and ``indices``.
+``--pad-mib`` MiB split over the ranks, so that persisting a save takes every rank a while. Data:
+``GlobalBatchSampler(1000, global_batch=12, micro_batch=2, seed=7)``. Checkpoint location, interval
+and progress directory come from the environment (TIDAL_*); every step record carries ``data_rank``
+and ``indices``.
 
 ``--die-at-checkpoint K``: rank ``--die-rank`` SIGKILLs itself from a progress writer the moment the
 session has captured its save of step K (``cp.save`` returned; checksums and commits are running in

@@ -124,8 +124,8 @@ NOTES = [
     "modify the state only then; used in the ratios), total_s = upload future done",
     "torch_save save_s does not include an fsync (torch.save does none); durable_s adds os.fsync",
     "tidal load_s reads the fastest tier holding the step (node shared memory) and checks the CRC-32 of "
-    "every 64 KiB block read; load_disk_s hides the shared-memory tier; files were just written, so disk reads "
-    "(Tidal and DCP) are likely served from the page cache",
+    "every 64 KiB block read; load_disk_s hides the shared-memory tier; files were just written, "
+    "so disk reads (Tidal and DCP) are likely served from the page cache",
     f"tidal load_resharded_s: every tensor with >= {RANKS} rows split into {RANKS} uneven row blocks "
     f"(1/6, 2/6, 3/6) given as ckpt.LocalShard to {RANKS} simulated ranks, loaded one after another in "
     "this process; the sum of the three times (smaller tensors are whole on every rank; partial reads "

@@ -443,8 +443,10 @@ def render(result: dict, console: Any) -> None:
     console.print(
         f"baseline {tr['baseline_steps_per_s']:.2f} steps/s (its rounds spread over "
         f"{tr['baseline_spread'] * 100:.1f}%); tidal overhead {tr['overhead']['tidal'] * 100:.1f}% "
-        f"(goal ≤ {GOALS['overhead_max'] * 100:g}%), DCP async_save {tr['overhead']['dcp_async'] * 100:.1f}%, "
-        f"tidal / DCP = {'-' if ratio is None else f'{ratio:.2f}'} (goal ≤ {GOALS['overhead_over_dcp_max']}); "
+        f"(goal ≤ {GOALS['overhead_max'] * 100:g}%), "
+        f"DCP async_save {tr['overhead']['dcp_async'] * 100:.1f}%, "
+        f"tidal / DCP = {'-' if ratio is None else f'{ratio:.2f}'} "
+        f"(goal ≤ {GOALS['overhead_over_dcp_max']}); "
         f"paired: tidal {paired.get('tidal', float('nan')) * 100:.1f}%, DCP "
         f"{paired.get('dcp_async', float('nan')) * 100:.1f}%, tidal / DCP "
         f"{'-' if pratio is None else f'{pratio:.2f}'}",

@@ -5,19 +5,18 @@ jobs, logs, checkpoints and events only (another tenant's job is "not found", ne
 leak); the admin sees everything and manages tenants. ``/healthz`` is open; ``/metrics`` takes the admin's
 token (it names every tenant's jobs).
 
-| method and path | what |
-|---|---|
-| ``POST /v1/jobs`` | submit a job spec (JSON of the YAML); 201 with the job; 422 names the field |
-| ``GET /v1/jobs`` | jobs (``?state=running``; admin: ``?tenant=``) |
-| ``GET /v1/jobs/{id}`` | one job: state, progress, restarts, lost work, ETTR, spec |
-| ``POST /v1/jobs/{id}/cancel`` | cancel (pending: at once; running: notice, then cancelled) |
-| ``GET /v1/jobs/{id}/logs?rank=0&offset=0`` | a chunk of a rank's log from ``offset`` (bytes, whole UTF-8 characters); follow by polling with the returned ``offset`` |
-| ``GET /v1/jobs/{id}/checkpoints`` | committed checkpoint steps per tier, the newest durable step and its age |
-| ``GET /v1/events?job=&after=`` | the event log (every transition, decision and recovery), oldest first |
-| ``GET /v1/pool`` | GPUs per node: allocated by tenant, draining, free |
-| ``GET /v1/whoami`` | the caller's tenant |
-| ``GET, POST /v1/tenants`` | admin: list, create (returns the new tenant's token, once) |
-| ``GET /metrics`` | admin: Prometheus text |
+* ``POST /v1/jobs`` — submit a job spec (JSON of the YAML); 201 with the job; 422 names the field
+* ``GET /v1/jobs`` — jobs (``?state=running``; admin: ``?tenant=``)
+* ``GET /v1/jobs/{id}`` — one job: state, progress, restarts, lost work, ETTR, spec
+* ``POST /v1/jobs/{id}/cancel`` — cancel (pending: at once; running: notice, then cancelled)
+* ``GET /v1/jobs/{id}/logs?rank=0&offset=0`` — a chunk of a rank's log from ``offset`` (bytes, whole UTF-8
+  characters); follow by polling with the returned ``offset``
+* ``GET /v1/jobs/{id}/checkpoints`` — committed checkpoint steps per tier, the newest durable step and its age
+* ``GET /v1/events?job=&after=`` — the event log (every transition, decision and recovery), oldest first
+* ``GET /v1/pool`` — GPUs per node: allocated by tenant, draining, free
+* ``GET /v1/whoami`` — the caller's tenant
+* ``GET, POST /v1/tenants`` — admin: list, create (returns the new tenant's token, once)
+* ``GET /metrics`` — admin: Prometheus text
 
 Hostile input: a request body over ``MAX_BODY_BYTES`` is refused with 413 while it is read (a
 ``Content-Length`` over it before reading anything); a body that is not UTF-8 or not JSON is a 400

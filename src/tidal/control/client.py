@@ -144,7 +144,8 @@ class TidalClient:
         )
 
     def checkpoints(self, job_id: str) -> dict:
-        """Committed checkpoint steps per tier, the newest durable step and its age (``GET .../checkpoints``)."""
+        """Committed checkpoint steps per tier, the newest durable step and its age
+        (``GET .../checkpoints``)."""
         return self._call("GET", f"/v1/jobs/{job_id}/checkpoints")
 
     def events(self, job_id: str | None = None, *, after: int = 0, limit: int = 1000) -> list[dict]:

@@ -186,7 +186,8 @@ class LocalExecutor:
         return {n: len(ds) - len(self._free[n]) for n, ds in self.node_devices.items()}
 
     def placements(self) -> dict[str, dict[str, int]]:
-        """Job -> node -> devices it holds on each node (what the executor has running or not yet released)."""
+        """Job -> node -> devices it holds on each node (what the executor has running or not yet
+        released)."""
         out = {}
         for job_id, t in self._jobs.items():
             per: dict[str, int] = {}
@@ -335,7 +336,8 @@ class LocalExecutor:
             return []
 
     def free_shm(self, job_id: str) -> bool:
-        """Remove the job's shared-memory directory (its node-memory checkpoint tier); True if it was there."""
+        """Remove the job's shared-memory directory (its node-memory checkpoint tier); True if it was
+        there."""
         d = self.shm_dir(job_id)
         if d is None or job_id in self._jobs or not d.is_dir() or d.is_symlink():
             return False

@@ -5,7 +5,9 @@
 
     demand, step_s, _ = demand_gpus("servegen-language-m-large.csv", serving_gpus=128)
     cfg = make_config(serving_gpus=128, training_gpus=64, days=14, warmup_days=2)
-    result = simulate(demand, step_s=step_s, policy=PolicySpec("tidal", 0.005), config=cfg, backlog=SpotBacklog())
+    result = simulate(
+        demand, step_s=step_s, policy=PolicySpec("tidal", 0.005), config=cfg, backlog=SpotBacklog()
+    )
     result.metrics["harvest_ratio"], result.metrics["shortfall_ratio"]
 
 Modules: ``config`` (knobs), ``jobs`` (job traces, Philly loader, spot backlog), ``traffic`` (serving

@@ -281,7 +281,7 @@ def plan_command(
     latency_quantile: float | None = typer.Option(None, "--latency-quantile", help="Default 0.99."),
     latency_of: str | None = typer.Option(None, "--latency-of", help="queue (default) or response."),
 ) -> None:
-    """How much of the serving pool could train, by hour of day, at a given risk; the lead time to plan for."""
+    """How much of the serving pool could train by hour of day, at a given risk; the lead time to plan for."""
     import numpy as np
 
     from tidal.policy.loan import LoanTiming

@@ -98,7 +98,8 @@ class Engine:
         )
         self.pstate = self.policy.initial_state() if self.policy is not None else None
         self.sched_index = RunningIndex()  # the scheduler's incremental per-node sums (same decisions)
-        self.last_running: tuple = ()  # the running jobs the index saw last (what the world's changes are since)
+        # the running jobs the index saw last (what the world's changes are since)
+        self.last_running: tuple = ()
         ss = np.random.SeedSequence(config.seed)
         fail_seq, backlog_seq = ss.spawn(2)
         self.heap: list[tuple] = []

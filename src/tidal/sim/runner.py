@@ -129,7 +129,8 @@ def tune_margin(scenario: Scenario, name: str, budget: float, *, steps: int = 7,
     def run(margin: float) -> dict[str, Any]:
         m = scenario.run(PolicySpec(name, round(margin, 2)), cfg).metrics
         log(
-            f"tune {name} margin {margin:.2f}: shortfall {m['shortfall_ratio']:.4f}, harvest {m['harvest_ratio']:.3f}"
+            f"tune {name} margin {margin:.2f}: shortfall {m['shortfall_ratio']:.4f}, "
+            f"harvest {m['harvest_ratio']:.3f}"
         )
         return m
 

@@ -3,8 +3,9 @@
 The scheduler proposes; this module carries decisions out the way the control plane's store will,
 and records what each costs. How a decision changes the job itself is :mod:`tidal.policy.apply`'s
 (``admitted``, ``grown``, ``shrunk``, ``preempted``, ``nominated``), shared with the pure
-``apply(snapshot, decisions)``; this store adds queues, timelines and costs. Every change of a job's state goes through :func:`transition` and the
-one table :data:`TRANSITIONS`; anything else raises :class:`IllegalTransition`::
+``apply(snapshot, decisions)``; this store adds queues, timelines and costs. Every change of a job's
+state goes through :func:`transition` and the one table :data:`TRANSITIONS`; anything else raises
+:class:`IllegalTransition`::
 
     new ──submit──► pending ──admit──► running ──grow──► running
                        ▲                  │──shrink──► shrinking ──released──► running (smaller)

@@ -136,7 +136,8 @@ class GlobalBatchSampler:
         return [self.sample(p) for p in range(start, start + self.local_batch)]
 
     def micro_batches(self, step: int) -> list[list[int]]:
-        """This rank's slice of ``step``'s global batch as ``accum_steps`` lists of ``micro_batch`` indices."""
+        """This rank's slice of ``step``'s global batch as ``accum_steps`` lists of ``micro_batch``
+        indices."""
         idx = self.local_indices(step)
         m = self.micro_batch
         return [idx[k : k + m] for k in range(0, len(idx), m)]

@@ -6,7 +6,7 @@ set, a script runs as a single process without a process group. docs/train.md mi
 the names are constants of :mod:`tidal.contract` (``ENV_*``).
 
 variable                       default       meaning (unit)
------------------------------  ------------  ------------------------------------------------------------------
+-----------------------------  ------------  -----------------------------------------------------------------
 RANK                           0             this process's rank in the job (torchrun contract)
 WORLD_SIZE                     1             number of ranks; when set together with MASTER_ADDR/PORT the
                                              session forms a process group (even of one rank)

@@ -21,10 +21,10 @@ per record. The control plane will add an HTTP writer.
 
 The heartbeat (``heartbeat-rNNNNN.json``, replaced atomically) says when the training thread last
 made progress: ``time``, ``step``, ``phase`` (``starting``, ``restoring``, ``training``,
-``checkpointing``, ``stopping``, ``stopped``), ``step_time_s`` (moving average) and ``pid``. It is written from the
-training thread only — never from a background thread — so a job stuck in a collective stops
-beating. A platform calls a job *hung* when the heartbeat is older than a few step times (and a
-minute), and *slow* when it beats but ``step_time_s`` grew.
+``checkpointing``, ``stopping``, ``stopped``), ``step_time_s`` (moving average) and ``pid``. It is
+written from the training thread only — never from a background thread — so a job stuck in a
+collective stops beating. A platform calls a job *hung* when the heartbeat is older than a few step
+times (and a minute), and *slow* when it beats but ``step_time_s`` grew.
 """
 
 from __future__ import annotations
@@ -78,7 +78,8 @@ class MemoryWriter:
 
 
 class Heartbeat:
-    """``heartbeat-rNNNNN.json``: the training thread's last sign of progress, at most every ``min_interval_s``."""
+    """``heartbeat-rNNNNN.json``: the training thread's last sign of progress, at most every
+    ``min_interval_s``."""
 
     def __init__(self, path: str | os.PathLike, *, rank: int, min_interval_s: float = 1.0) -> None:
         self.path = Path(path)

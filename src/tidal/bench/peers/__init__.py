@@ -1,12 +1,13 @@
-"""Other open checkpoint engines next to Tidal in ``tidal bench ckpt``, each in a virtual environment of its own.
+"""Other open checkpoint engines next to Tidal in ``tidal bench ckpt``, each in a venv of its own.
 
 A peer is an engine users would pick instead of Tidal (ByteCheckpoint, DLRover's flash checkpoint, NVIDIA's
 nvidia-resiliency-ext). Their pins clash with Tidal's (and with each other's), so each is installed in its
 own venv by ``benchmarks/peers/setup.sh`` under :func:`venvs_root` and run there by an *adapter*: a module of
 this package (``python -m tidal.bench.peers.<adapter>``, ``PYTHONPATH`` = Tidal's ``src``) that builds the
 same state as the main benchmark (:func:`tidal.bench.ckpt_state.build_state`), times the engine with the
-same protocol (:mod:`tidal.bench.peers.protocol`) and writes one JSON document. :mod:`tidal.bench.peers.runner`
-starts the adapters one after another and merges what they wrote into the benchmark's result.
+same protocol (:mod:`tidal.bench.peers.protocol`) and writes one JSON document.
+:mod:`tidal.bench.peers.runner` starts the adapters one after another and merges what they wrote into the
+benchmark's result.
 
 This module and the runner use the standard library only; the adapters need torch and their engine.
 """

@@ -1,4 +1,5 @@
-"""ByteCheckpoint (PyPI ``bytecheckpoint``) under the protocol: ``bytecheckpoint.save(..., fast_saving=True)``.
+"""ByteCheckpoint (PyPI ``bytecheckpoint``) under the protocol:
+``bytecheckpoint.save(..., fast_saving=True)``.
 
 ByteCheckpoint 0.0.2 declares ``torch<=2.5.0``; it is installed with ``--no-deps`` next to torch 2.13 (its
 own check, ``torch.__version__ < "2.6.0"``, compares strings and lets "2.13.0" through). It needs a

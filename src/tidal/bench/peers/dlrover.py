@@ -1,4 +1,5 @@
-"""DLRover's flash checkpoint (``dlrover.trainer.torch.flash_checkpoint``, PyPI ``dlrover``) under the protocol.
+"""DLRover's flash checkpoint (``dlrover.trainer.torch.flash_checkpoint``, PyPI ``dlrover``)
+under the protocol.
 
 ``DdpCheckpointer(dir).save_checkpoint(step, state, path, StorageType.DISK)`` copies the state into a
 shared-memory buffer (the stall) and queues the step to DLRover's saver process, which ``torch.save``s the

@@ -1,4 +1,5 @@
-"""The adapter's side of the peer protocol: build the state, time each engine like ``tidal bench ckpt``, write JSON.
+"""The adapter's side of the peer protocol: build the state, time each engine like ``tidal bench ckpt``,
+write JSON.
 
 An adapter module defines ``open_engines(ctx) -> dict[name, Engine | Exception]`` and calls
 :func:`main`. An :class:`Engine` saves the state (``save(step)`` returns at least ``stall_s``, the time

@@ -12,16 +12,20 @@ takes up what it held (only torn writes are dropped) and pushes its buddy whatev
 HTTP API (JSON answers; ``<job>`` a peer tier's namespace, ``<step>`` ``step_<12 digits>``):
 
     GET    /status                                  node, buddy, replication state, steps held (and from whom)
-    GET    /v1/jobs/<job>                           {"steps": {step: {"files": {name: size}, "committed_unix_s"}}}
+    GET    /v1/jobs/<job>                           {"steps": {step: {"files": {name: size},
+                                                    "committed_unix_s"}}}
     GET    /v1/jobs/<job>/<step>                    one step's files (404: not held)
-    GET    /v1/jobs/<job>/<step>/<name>             the object; a ``Range: bytes=a-b`` request gets exactly that
-    PUT    /v1/jobs/<job>/<step>/<name>[?sync=1]    store; replicate in the background, or (sync) answer only once
-                                                    the buddy holds it and every earlier object of the step
+    GET    /v1/jobs/<job>/<step>/<name>             the object; a ``Range: bytes=a-b`` request gets exactly
+                                                    that range
+    PUT    /v1/jobs/<job>/<step>/<name>[?sync=1]    store; replicate in the background, or (sync) answer only
+                                                    once the buddy holds it and every earlier object of the
+                                                    step
     POST   /v1/jobs/<job>/<step>/<name>?copy_from=PATH&length=N[&hold=1]
-                                                    take N bytes of a local file (a staging slot). hold=1: 202 at
-                                                    once; push them to the buddy straight from the file, then copy
-                                                    them here; the caller keeps the file unchanged until wait=copy
-                                                    answers. Without hold: copy, then answer (the push follows)
+                                                    take N bytes of a local file (a staging slot). hold=1: 202
+                                                    at once; push them to the buddy straight from the file,
+                                                    then copy them here; the caller keeps the file unchanged
+                                                    until wait=copy answers. Without hold: copy, then answer
+                                                    (the push follows)
     POST   /v1/jobs/<job>/<step>/<name>?wait=copy   answer once a held handoff no longer reads its file
     DELETE /v1/jobs/<job>/<step>[/<name>]           remove from every tree here, and at the buddy
     GET    /v1/replicas/<origin>                    what this agent holds for agent <origin> (agent to agent)
@@ -37,7 +41,8 @@ slots live), else 403 and the client sends the bytes instead.
 
 Threads: one per connection (``ThreadingHTTPServer``), one per held handoff while it copies, and
 one replicator thread that does every push to the buddy in order, and every ``resync_s`` when
-idle compares the buddy's copy with this node's committed steps. Standard library only: an agent starts in a fraction of a second.
+idle compares the buddy's copy with this node's committed steps. Standard library only: an agent
+starts in a fraction of a second.
 """
 
 from __future__ import annotations
@@ -454,7 +459,8 @@ class Agent:
                 growing.advance(n)
 
     def _copy_held(self, ho: Handoff, src: str, sfd: int, dfd: int, tmp: Path, final: Path) -> None:
-        """The local copy of a held handoff, after its push (thread): made visible unless removed meanwhile."""
+        """The local copy of a held handoff, after its push (thread): made visible unless removed
+        meanwhile."""
         try:
             ho.wait_push(self.stall_s)
             self._copy_all(src, sfd, dfd, ho.size)

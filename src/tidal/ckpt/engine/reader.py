@@ -45,7 +45,8 @@ def widen(ranges: Sequence[tuple[int, int]], start: int, nbytes: int, block: int
 
 
 def coalesce(starts: Sequence[int], run_bytes: int, base: int) -> list[tuple[int, int]]:
-    """``(offset, length)`` ranges covering runs of ``run_bytes`` at ``base + start``, adjacent ones merged."""
+    """``(offset, length)`` ranges covering runs of ``run_bytes`` at ``base + start``, adjacent ones
+    merged."""
     out: list[list[int]] = []
     for s in starts:
         off = base + s

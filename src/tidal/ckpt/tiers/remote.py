@@ -207,8 +207,8 @@ class RemoteQueue:
         out = []
         for u in drop:
             why = (
-                f"step {u.step} was not persisted to tier '{self.tier.name}': superseded by newer steps while "
-                f"the tier was behind (keep={keep}, backlog {[p.step for p in self._pending]})"
+                f"step {u.step} was not persisted to tier '{self.tier.name}': superseded by newer steps "
+                f"while the tier was behind (keep={keep}, backlog {[p.step for p in self._pending]})"
             )
             if u is self._active:
                 u.superseded = why
