@@ -776,7 +776,7 @@ def test_victim_orders_are_the_key_sorts(specs):
     sorting by ``preempt_keys`` / ``shrink_key`` (ties in work lost, priority and share broken by id)."""
     from tidal.policy.scheduling.cycle import Cycle
     from tidal.policy.scheduling.preemption import preempt_keys, shrink_key
-    from tidal.policy.scheduling.targets import _spot_orders
+    from tidal.policy.scheduling.victims import _spot_orders
 
     jobs = [Job(f"j{9 - k}{k}", f"u{t}", "spot", priority=p, min_gpus=1 if elastic else g, max_gpus=8,
                 placement={f"t{k}": g}, started_s=started, last_ckpt_s=ckpt)

@@ -19,7 +19,7 @@ from test_scheduler import FAST, worlds
 from tidal.model import Job, Loan, Reclaim, Snapshot, Tenant
 from tidal.policy.scheduler import RunningIndex, SchedulerConfig, schedule
 from tidal.policy.scheduling.cycle import Cycle
-from tidal.policy.scheduling.targets import VictimIndex
+from tidal.policy.scheduling.victims import VictimIndex
 
 CKPT = st.none() | st.sampled_from([-3000.0, -900.0, -400.0, -100.0, 0.0])
 

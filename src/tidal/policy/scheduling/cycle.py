@@ -97,7 +97,7 @@ class Cycle:
         self.claimed_draining: dict[str, int] = {}  # loan node -> draining GPUs counted toward a reclaim
         self.reclaim_victim_gpus = 0  # loaned GPUs that reclaim victims will release
         self.fair: dict[str, float] = {}
-        self._victim_index: object | None = None  # targets.VictimIndex, built on the first search
+        self._victim_index: object | None = None  # victims.VictimIndex, built on the first search
         self.allowed_nodes: dict[tuple[str, ...], set[str]] = {}  # view names -> placeable nodes
 
     def _from_index(self, index: RunningIndex) -> bool:

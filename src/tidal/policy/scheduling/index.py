@@ -7,7 +7,7 @@ nodes that is a third of a call, yet between two calls of a simulator or a recon
 jobs change. :class:`RunningIndex` remembers the sums of the previous call and updates them from the
 jobs that were added or removed since (by object identity: :class:`~tidal.model.Job` is frozen, a
 changed job is a new object), so the walk costs O(changed jobs) instead of O(running). It also keeps
-the victim index's inputs (``targets.VictimIndex``): the spot and dedicated jobs not releasing, and
+the victim index's inputs (``victims.VictimIndex``): the spot and dedicated jobs not releasing, and
 which of them sit on training or other nodes, so a victim search does not walk every running job's
 placement again; the spot ones also sorted by job id (the victim keys' last tie-break) with the key
 columns that do not change while a job runs (priority, tenant, GPUs, start time, pool) in a numpy
@@ -70,7 +70,7 @@ class RunningIndex:
         self.ded_elastic: dict[str, int] = {}  # tenant -> dedicated jobs not releasing above their minimum
         self.train_free: dict[str, int] = dict(self._node_gpus)  # training node -> GPUs free, in node order
         self.train_open: set[str] = {n for n, g in self.train_free.items() if g > 0}  # ... with free GPUs
-        # The victim index's inputs (``targets.VictimIndex``), over running jobs not releasing:
+        # The victim index's inputs (``victims.VictimIndex``), over running jobs not releasing:
         self.spot_jobs: dict[int, Job] = {}  # id(job) -> spot job
         self.spot_on_training: set[str] = set()  # ids of those spot jobs with GPUs on a training node
         self.spot_elsewhere: dict[

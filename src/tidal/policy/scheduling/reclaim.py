@@ -24,7 +24,8 @@ import math
 
 from tidal.policy.scheduling.cycle import Cycle
 from tidal.policy.scheduling.preemption import CountNeed, Victim, find_victims
-from tidal.policy.scheduling.targets import Cand, victim_index
+from tidal.policy.scheduling.targets import Cand
+from tidal.policy.scheduling.victims import victim_index
 
 
 def reclaim_step(c: Cycle) -> None:

@@ -1,0 +1,334 @@
+"""The victim index: running jobs that could give GPUs back, ordered once per scheduling call.
+
+The admission step's preemption search (:mod:`tidal.policy.scheduling.targets`) asks, per pending
+job, for victims in key order (least work lost first); ordering every running job per question
+would be quadratic, so the first search of a call indexes them once (one ``numpy.lexsort``; with the
+caller's :class:`~tidal.policy.scheduling.index.RunningIndex` the jobs come pre-split by kind and
+pool, sorted by id with their fixed key columns, and the orders stay index arrays until a list is
+asked for). ``_spot_orders`` is the rule in plain Python; ``_spot_orders_np`` and
+``_spot_orders_cols`` are its fast forms, tested to agree (tests/test_scheduler.py,
+tests/test_sim_victim_index.py).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from tidal.model import Job
+from tidal.policy.scheduling.cycle import Cycle
+from tidal.policy.scheduling.index import RunningIndex, SpotColumns
+from tidal.policy.scheduling.preemption import preempt_keys
+
+
+class VictimIndex:
+    """Running jobs that could give GPUs back in this call, indexed on the first search.
+
+    ``spot_pre``: spot jobs by preemption key (least work lost first); ``spot_shrink``: elastic spot
+    jobs above their minimum by shrink key; ``dedicated``: per tenant. ``on_training`` / ``on_loan``:
+    spot job ids with GPUs on training nodes / on loaned nodes open to placement. Keys are computed
+    once per call (shares move a little as the call goes on; the order they give is close enough).
+
+    With the caller's ``RunningIndex`` the orders are index arrays over its id-sorted spot jobs and
+    the lists are made only when read (:attr:`spot_pre`, :attr:`protected`, :attr:`spot_pre_open`).
+    """
+
+    def __init__(self, c: Cycle) -> None:
+        self.dedicated: dict[str, list[Job]] = {}
+        self.on_training: set[str]  # spot job ids with GPUs on training nodes
+        self.on_loan: set[str] = set()  # ... on loaned nodes open to placement
+        self.on_any_loan: set[str] = set()  # ... on any loaned node (reclaims)
+        pool_of, blocked = c.pool_of, c.loan.blocked
+        on_l, on_a = self.on_loan, self.on_any_loan
+        index = c.index
+        self._spot_pre: list[Job] | None = None
+        self._protected: set[str] | None = None
+        self._pre_open: list[Job] | None = None
+        self._pre_training: list[Job] | None = None
+        self._open_groups: list[tuple[int, str, np.ndarray, int]] | None = None
+        self._cols: _Orders | None = None
+        self._group_src: tuple[RunningIndex, SpotColumns] | None = None
+        self._group_codes: tuple[np.ndarray, list[tuple[int, str, int, int]], int] | None = None
+        self._any_loan_rows: tuple[list[int], SpotColumns] | None = None  # rows of on_any_loan's jobs
+        if index is not None and c.used is index.used:
+            # The caller's RunningIndex keeps these jobs split by kind, and their nodes by pool.
+            self.dedicated = {t: list(d.values()) for t, d in index.ded_jobs.items() if d}
+            self.on_training = index.spot_on_training  # read only; valid for this call
+            open_loan: list[int] = []  # id(job) of those on loaned nodes open to placement
+            any_loan: list[int] = []  # ... on any loaned node
+            for key, (jid, others) in index.spot_elsewhere.items():
+                for n in others:
+                    if pool_of.get(n) == "loan":
+                        on_a.add(jid)
+                        any_loan.append(key)
+                        if n not in blocked:
+                            on_l.add(jid)
+                            open_loan.append(key)
+            cols = index.spot_columns()
+            if cols is not None:
+                row_of = index.row_of
+                self._cols = _spot_orders_cols(c, index, cols, [row_of[k] for k in open_loan])
+                self.spot_shrink = self._cols.shrink
+                self._group_src = (index, cols)
+                if not index.repeated_ids:  # (else an id names more than one job: filter by id below)
+                    self._any_loan_rows = ([row_of[k] for k in any_loan], cols)
+                return
+            spot = list(index.spot_sorted)
+        else:
+            spot = []
+            self.on_training = on_t = set()
+            for j in c.snap.running:
+                if j.releasing_gpus:
+                    continue
+                if j.kind == "dedicated":
+                    self.dedicated.setdefault(j.tenant, []).append(j)
+                    continue
+                for n in j.placement:
+                    p = pool_of.get(n)
+                    if p == "training":
+                        on_t.add(j.id)
+                    elif p == "loan":
+                        on_a.add(j.id)
+                        if n not in blocked:
+                            on_l.add(j.id)
+                spot.append(j)
+        self._spot_pre, self._protected, self.spot_shrink = _spot_orders(c, spot)
+
+    @property
+    def spot_pre(self) -> list[Job]:
+        if self._spot_pre is None:
+            o = self._cols
+            assert o is not None
+            spot = o.spot
+            self._spot_pre = [spot[i] for i in o.order.tolist()]
+        return self._spot_pre
+
+    @property
+    def protected(self) -> set[str]:
+        """Ids of the spot jobs still inside their minimum runtime."""
+        if self._protected is None:
+            o = self._cols
+            assert o is not None
+            spot = o.spot
+            self._protected = {spot[i].id for i in np.flatnonzero(o.prot).tolist()}
+        return self._protected
+
+    @property
+    def spot_pre_open(self) -> list[Job]:
+        """The spot preemption candidates for a spot job: past their minimum runtime, on a node it may use."""
+        if self._pre_open is None:
+            o = self._cols
+            if o is not None:
+                spot = o.spot
+                self._pre_open = [spot[i] for i in o.open_order.tolist()]
+            else:
+                on_t, on_l, prot = self.on_training, self.on_loan, self.protected
+                self._pre_open = [
+                    j for j in self.spot_pre if j.id not in prot and (j.id in on_t or j.id in on_l)
+                ]
+        return self._pre_open
+
+    def open_groups(self) -> list[tuple[int, str, np.ndarray, int]]:
+        """``spot_pre_open`` split by (priority, tenant): ``(priority, tenant, ranks, fewest GPUs)``,
+        ``ranks`` the ascending positions in ``spot_pre_open`` of the group's jobs, so the sorted union
+        of some groups' ranks gives ``spot_pre_open`` with the other groups left out."""
+        if self._open_groups is None:
+            o = self._cols
+            if o is not None:
+                self._open_groups = _groups_np(o)
+            else:
+                groups: dict[tuple[int, str], list] = {}  # (priority, tenant) -> [fewest GPUs, [rank]]
+                for r, j in enumerate(self.spot_pre_open):
+                    g = groups.get((j.priority, j.tenant))
+                    if g is None:
+                        groups[(j.priority, j.tenant)] = [j.gpus, [r]]
+                    else:
+                        g[1].append(r)
+                        if j.gpus < g[0]:
+                            g[0] = j.gpus
+                self._open_groups = [(p, t, np.array(lst, dtype=np.intp), fewest)
+                                     for (p, t), (fewest, lst) in groups.items()]
+        return self._open_groups
+
+    def open_group_codes(self) -> tuple[np.ndarray, list[tuple[int, str, int, int]], int] | None:
+        """:meth:`open_groups` by the index's (priority, tenant) codes: each ``spot_pre_open`` job's code
+        (by rank), ``(priority, tenant, code, fewest GPUs)`` per group present, and the number of codes;
+        ``None`` without the index's columns."""
+        if self._group_codes is None:
+            o, got = self._cols, self._group_src
+            if o is None or got is None:
+                return None
+            index, cols = got
+            codes = cols.group[o.open_order]
+            n = len(index.group_key)
+            fewest = np.full(n, np.iinfo(np.int64).max, dtype=np.int64)
+            np.minimum.at(fewest, codes, o.gpus[o.open_order])
+            keys, few = index.group_key, fewest.tolist()
+            present = np.flatnonzero(np.bincount(codes, minlength=n)).tolist()
+            self._group_codes = (codes, [(*keys[k], k, few[k]) for k in present], n)
+        return self._group_codes
+
+    def spot_pre_any_loan(self) -> list[Job]:
+        """``spot_pre`` restricted to jobs with GPUs on a loaned node (:attr:`on_any_loan`, a reclaim's
+        candidates)."""
+        got = self._any_loan_rows
+        o = self._cols
+        if got is None or o is None:
+            on_a = self.on_any_loan
+            return [j for j in self.spot_pre if j.id in on_a]
+        rows, cols = got
+        by_row = np.zeros(cols.table_rows, dtype=bool)
+        by_row[rows] = True
+        order, spot = o.order, o.spot
+        return [spot[i] for i in order[by_row[cols.rows][order]].tolist()]
+
+    def spot_pre_training(self) -> list[Job]:
+        """``spot_pre`` restricted to jobs with GPUs on training nodes (a dedicated job's candidates)."""
+        if self._pre_training is None:
+            o = self._cols
+            if o is not None:
+                spot = o.spot
+                order = o.order
+                self._pre_training = [spot[i] for i in order[o.on_training[order]].tolist()]
+            else:
+                on_t = self.on_training
+                self._pre_training = [j for j in self.spot_pre if j.id in on_t]
+        return self._pre_training
+
+
+class _Orders(NamedTuple):
+    """The victim orders of one call as positions in the index's id-sorted spot jobs (``spot``)."""
+
+    spot: list[Job]
+    order: np.ndarray  # preemption order
+    prot: np.ndarray  # inside the minimum runtime (bool, by position)
+    on_training: np.ndarray  # with GPUs on a training node (bool, by position)
+    open_order: np.ndarray  # preemption order, not protected, on a training or open loaned node
+    priority: np.ndarray  # by position
+    tenant: np.ndarray  # tenant code, by position
+    gpus: np.ndarray  # by position
+    tenant_names: list[str]  # code -> tenant
+    shrink: list[Job]
+
+
+def _spot_orders(c: Cycle, spot: list[Job]) -> tuple[list[Job], set[str], list[Job]]:
+    """``spot`` in preemption order (:func:`preempt_keys`), the ids of the protected ones, and the
+    elastic ones above their minimum in shrink order (:func:`shrink_key`).
+
+    The same orders as sorting by those keys, computed as one ``numpy.lexsort`` over the key columns
+    (the same float arithmetic; the job id, the last key, as its rank among the ids), so a call pays
+    O(n) Python attribute reads, not O(n log n) tuple comparisons. Ids containing NUL (which numpy's
+    strings would drop) take the plain sort."""
+    shares = {t: -c.share(t) for t in c.tenants}
+    ids = [j.id for j in spot]
+    if len(spot) >= 2 and "\0" not in "".join(ids):
+        try:
+            return _spot_orders_np(c, spot, ids, shares)
+        except OverflowError:  # a priority beyond int64
+            pass
+    keys = preempt_keys(c, spot)
+    # Keys end with the (unique) job id, so sorting (key, job) pairs never compares jobs.
+    pre = [j for _, j in sorted(zip([keys[j.id] for j in spot], spot, strict=True))]
+    shrink = sorted(
+        (j for j in spot if j.gpus > j.min_gpus), key=lambda j: (j.priority, shares[j.tenant], j.id)
+    )
+    return pre, {jid for jid, k in keys.items() if k[0]}, shrink
+
+
+def _lost_and_protected(c: Cycle, started: np.ndarray, ckpt: np.ndarray, gpus: np.ndarray
+                        ) -> tuple[np.ndarray, np.ndarray]:
+    """Per job: ``Job.work_lost_gpu_s`` as :func:`preempt_keys` computes it (the same float arithmetic;
+    ``None`` times as NaN, which compares false as ``None`` is skipped there), and whether it is inside
+    its minimum runtime."""
+    now = c.now
+    since = np.where(np.isnan(started), now, started)
+    since = np.where(ckpt > since, ckpt, since)
+    lost = now - since
+    with np.errstate(invalid="ignore"):
+        prot = (now - started) < c.cfg.min_runtime_before_preempt_s
+    return np.where(lost > 0.0, lost, 0.0) * gpus, prot
+
+
+def _spot_orders_np(c: Cycle, spot: list[Job], ids: list[str], shares: dict[str, float]
+                    ) -> tuple[list[Job], set[str], list[Job]]:
+    id_rank = np.empty(len(ids), dtype=np.int64)
+    id_rank[np.argsort(np.array(ids), kind="stable")] = np.arange(len(ids))
+    prio = np.array([j.priority for j in spot], dtype=np.int64)
+    neg_share = np.array([shares[j.tenant] for j in spot], dtype=np.float64)
+    gpus = np.array([j.gpus for j in spot], dtype=np.int64)
+    started = np.array([j.started_s for j in spot], dtype=np.float64)  # None -> NaN
+    ckpt = np.array([j.last_ckpt_s for j in spot], dtype=np.float64)
+    lost_gpu_s, prot = _lost_and_protected(c, started, ckpt, gpus)
+    pre = [spot[i] for i in np.lexsort((id_rank, neg_share, prio, lost_gpu_s, prot)).tolist()]
+    protected = {spot[i].id for i in np.flatnonzero(prot).tolist()}
+    elastic = np.flatnonzero(gpus > np.array([j.min_gpus for j in spot], dtype=np.int64))
+    order = np.lexsort((id_rank[elastic], neg_share[elastic], prio[elastic]))
+    shrink = [spot[i] for i in elastic[order].tolist()]
+    return pre, protected, shrink
+
+
+def _spot_orders_cols(c: Cycle, index: RunningIndex, cols: SpotColumns, open_loan_rows: list[int]) -> _Orders:
+    """:func:`_spot_orders` for the caller's ``RunningIndex``: its spot jobs come sorted by job id with
+    their key columns kept across calls, so only ``last_ckpt_s`` (which the caller may move in place)
+    and the shares are read now; ``numpy.lexsort`` is stable, so the id order stands in for the id key."""
+    tenants = c.tenants
+    spot = index.spot_sorted
+    codes = index.tenant_code
+    names = list(codes)
+    shares = np.zeros(len(codes), dtype=np.float64)
+    for t, k in codes.items():
+        if t in tenants:
+            shares[k] = -c.share(t)
+    neg_share = shares[cols.tenant]
+    prio, gpus, started = cols.priority, cols.gpus, cols.started_s
+    ckpt = cols.last_ckpt_s  # kept by the index while the caller reports its in-place moves
+    if ckpt is None:
+        ckpt = np.array([j.last_ckpt_s for j in spot], dtype=np.float64)
+    lost_gpu_s, prot = _lost_and_protected(c, started, ckpt, gpus)
+    # np.lexsort((neg_share, prio, lost_gpu_s, prot)) and, over the elastic ones, np.lexsort((neg_share,
+    # prio)), in fewer passes: the (prio, neg_share) order once; the elastic jobs in it (a stable sort
+    # keeps a subset's relative order); that order stably by lost_gpu_s; then the unprotected first.
+    base = np.lexsort((neg_share, prio))
+    is_elastic = np.zeros(len(spot), dtype=bool)
+    is_elastic[cols.elastic] = True
+    shrink_order = base[is_elastic[base]]
+    by_lost = base[np.argsort(lost_gpu_s[base], kind="stable")]
+    p = prot[by_lost]
+    order = np.concatenate((by_lost[~p], by_lost[p])) if p.any() else by_lost
+    shrink = [spot[i] for i in shrink_order.tolist()]
+    if open_loan_rows:  # on a training node or on an open loaned node (marked by table row)
+        by_row = np.zeros(cols.table_rows, dtype=bool)
+        by_row[open_loan_rows] = True
+        usable = (cols.on_training | by_row[cols.rows]) & ~prot
+    else:
+        usable = cols.on_training & ~prot
+    return _Orders(
+        spot, order, prot, cols.on_training, order[usable[order]], prio, cols.tenant, gpus, names, shrink
+    )
+
+
+def _groups_np(o: _Orders) -> list[tuple[int, str, np.ndarray, int]]:
+    """:meth:`VictimIndex.open_groups` from the arrays: a stable sort of the open ranks by (priority,
+    tenant) leaves each group's ranks ascending."""
+    pos = o.open_order
+    if pos.size == 0:
+        return []
+    p, t = o.priority[pos], o.tenant[pos]
+    by = np.lexsort((t, p))
+    ps, ts = p[by], t[by]
+    cuts = np.flatnonzero((ps[1:] != ps[:-1]) | (ts[1:] != ts[:-1])) + 1
+    starts = np.concatenate(([0], cuts))
+    fewest = np.minimum.reduceat(o.gpus[pos][by], starts)
+    names = o.tenant_names
+    starts_l = starts.tolist()
+    ends = [*starts_l[1:], len(by)]
+    ps_l, ts_l = ps.tolist(), ts.tolist()
+    return [(ps_l[a], names[ts_l[a]], by[a:b], f)  # by[a:b]: np.split(by, cuts) without its overhead
+            for a, b, f in zip(starts_l, ends, fewest.tolist(), strict=True)]
+
+
+def victim_index(c: Cycle) -> VictimIndex:
+    if c._victim_index is None:
+        c._victim_index = VictimIndex(c)
+    return c._victim_index  # type: ignore[return-value]
