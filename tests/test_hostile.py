@@ -440,11 +440,27 @@ def test_a_location_holding_steps_of_no_known_job_is_refused(api):
 def test_remote_tiers_need_an_allowed_endpoint_and_bounded_timeouts(api):
     own = str(api.dir / "tenants" / "a" / "r")
     for tier in ({"url": "s3://bucket/x", "endpoint": "http://10.0.0.1:9000"}, "s3://bucket/x",
-                 {"kind": "peer", "agent": "169.254.169.254:80"}, "peer"):
+                 {"kind": "peer", "agent": "169.254.169.254:80"}):
         r = api.post("a", {**SPEC, "checkpoint": {"tiers": ["shm", own, tier]}})
         assert r.status_code == 422 and "not allowed" in " ".join(_errors(r)), (tier, r.text)
+    # A peer tier naming no agent means the executor's own agents; this plane runs none.
+    r = api.post("a", {**SPEC, "checkpoint": {"tiers": ["shm", own, "peer"]}})
+    assert r.status_code == 422 and "runs none" in " ".join(_errors(r)), r.text
     r = api.post("a", {**SPEC, "checkpoint": {"url": "s3://bucket/x"}})
     assert r.status_code == 422
+
+
+def test_a_peer_tier_without_an_agent_uses_the_executors_agents_when_it_runs_them(tmp_path):
+    """With the executor's own agents (Ray, --ckpt-agents) a tenant's plain ``peer`` tier is accepted;
+    an agent the tenant names still has to be allowed."""
+    api = Api(tmp_path, LocationPolicy(tmp_path / "tenants", own_agents=True))
+    own = str(tmp_path / "tenants" / "a" / "r")
+    r = api.post("a", {**SPEC, "checkpoint": {"tiers": ["shm", own, "peer"]}})
+    assert r.status_code == 201, r.text
+    r = api.post("a", {**SPEC, "checkpoint": {"tiers": ["shm", str(tmp_path / "tenants" / "a" / "r2"),
+                                                         {"kind": "peer", "peers": ["10.1.2.3:7000"]}]}})
+    assert r.status_code == 422 and "10.1.2.3:7000 is not allowed" in " ".join(_errors(r)), r.text
+    api.store.close()
 
 
 def test_checkpoint_view_never_connects_to_a_tenants_endpoint(tmp_path, monkeypatch):

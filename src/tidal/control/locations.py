@@ -36,6 +36,9 @@ class LocationPolicy:
     grants: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     endpoints: tuple[str, ...] = ()
     max_timeout_s: float = 60.0
+    own_agents: bool = False
+    """The executor runs a checkpoint agent on each node and gives ranks their addresses (``tidal up
+    --executor ray --ckpt-agents``): a ``peer`` tier naming no agent uses those, which tenants may."""
 
     def prefixes(self, tenant: str) -> list[str]:
         out = [str(self.tenants_root / tenant)] if self.tenants_root is not None else []
@@ -140,13 +143,16 @@ def check(ck: Mapping[str, Any], tenant: str, admin: bool, policy: LocationPolic
                                         f"{sorted(allowed) or 'none'})"))
         elif kind == "peer":
             peers = opts.get("peers") or []
-            agents = [opts.get("agent")] + (list(peers) if isinstance(peers, list | tuple) else [peers])
-            for a in agents:
-                if a is None and "agent" in opts:
-                    continue
+            named = [a for a in [opts.get("agent")] + (list(peers) if isinstance(peers, list | tuple) else [peers])
+                     if a is not None]
+            if not named and not policy.own_agents:  # the ranks' own agent, from the executor: none here
+                problems.append((where, "a peer tier without an agent uses the executor's checkpoint agents, "
+                                        "and this plane runs none (tidal up --executor ray --ckpt-agents); "
+                                        "name an allowed agent (checkpoint_endpoints) or drop the peer tier"))
+            for a in named:
                 if str(a) not in allowed:
-                    problems.append((where, f"checkpoint agent {a if a is not None else '(default)'} is not "
-                                            f"allowed (checkpoint_endpoints: {sorted(allowed) or 'none'})"))
+                    problems.append((where, f"checkpoint agent {a} is not allowed (checkpoint_endpoints: "
+                                            f"{sorted(allowed) or 'none'})"))
         for k in TIMEOUT_OPTIONS:
             v = opts.get(k)
             if v is not None and (not isinstance(v, int | float) or isinstance(v, bool) or not 0 < v <= policy.max_timeout_s):

@@ -108,6 +108,7 @@ class Plane:
     token_created: bool
     describe: str
     advisor: AdvisorLoop | None = None
+    own_agents: bool = False  # the executor runs a checkpoint agent per node (Ray, --ckpt-agents)
 
     def app(self):
         cfg = self.controller.config.serving
@@ -117,7 +118,7 @@ class Plane:
             serving = (None, cfg.describe())
         cfg_ = self.controller.config
         policy = LocationPolicy(self.state_dir / "tenants", cfg_.checkpoint_grants, cfg_.checkpoint_endpoints,
-                                cfg_.checkpoint_max_timeout_s)
+                                cfg_.checkpoint_max_timeout_s, own_agents=self.own_agents)
         ctx = ApiContext(self.store, self.controller.nodes, self.executor.log_path, time.time,
                          ckpt_root=self.controller.ckpt_root, serving=serving, loans=loans, locations=policy,
                          job_dir=self.executor.job_dir)
@@ -237,7 +238,7 @@ def _build_ray(state_dir, gpus, store, token, created, config, iso, address, age
     what = (f"Ray executor on {address or 'a local Ray'}: {len(nodes)} nodes with GPUs, "
             f"{sum(n.gpus for n in nodes)} GPUs" + (", a checkpoint agent on each" if agents else ""))
     controller = Controller(store, executor, config, ckpt_root=state_dir / "jobs")
-    return Plane(state_dir, store, executor, controller, token, created, what, None)
+    return Plane(state_dir, store, executor, controller, token, created, what, None, own_agents=agents)
 
 
 def open_checked(state_dir: Path, url: str) -> Store:
