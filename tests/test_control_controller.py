@@ -407,7 +407,8 @@ def test_checkpoint_cadence_the_jobs_own_wins_and_interval_changes_do_not_chatte
 
 def test_node_loss_requeues_on_the_remaining_gpus_not_a_failure(tmp_path):
     """A node leaves with ranks of a running job: the others are killed, the job is requeued (no restart
-    counted) and relaunched on the GPUs left; the lost node is never placed on; events name it all."""
+    counted) and relaunched on the GPUs left; the lost node is never placed on; events name it all,
+    the ``recovered`` one too when the plane restarted between the loss and the recovery."""
     store = new_store(tmp_path, ("lab", 0, 1.0))
     ex = FakeExecutor(gpus=2, node="a", more={"b": 2})
     ctl, clock = Controller(store, ex, CFG, ckpt_root=tmp_path / "jobs"), FakeClock()
@@ -434,6 +435,7 @@ def test_node_loss_requeues_on_the_remaining_gpus_not_a_failure(tmp_path):
     requeue = [e for e in store.events(job_id=j) if e.to_state == "pending" and e.from_state][0]
     assert requeue.data["node_lost"] and "node b lost with ranks [2, 3] at step 14" in requeue.message
 
+    ctl = Controller(store, ex, CFG, ckpt_root=tmp_path / "jobs")  # the plane restarts before recovery
     ctl.step(clock.advance(1))
     ex.jobs[j].progress = replace(ex.jobs[j].progress, start_step=10, restore_tier="disk")
     ex.beat(j, clock.advance(2), step=11)

@@ -310,7 +310,7 @@ class Controller:
         """Every rank of the attempt has exited: account for it, then the next state."""
         outcome, why = self._classify(job, ob)
         if outcome in ("success", "cancelled") or (outcome == "failure" and job.restarts >= job.max_restarts):
-            self.watch.forget(job.id)  # over: it will not train again
+            self.watch.forget(job.id, now_s)  # over: it will not train again
         acct = _account(job, ob, now_s, outcome == "success")
         self.executor.release(job.id)
         self._shm_swept_s = float("-inf")  # the end of this step looks at its shared memory

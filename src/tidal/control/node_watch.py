@@ -4,12 +4,12 @@ The controller (:mod:`tidal.control.controller`) reads the executor's nodes ever
 :meth:`NodeWatch.refresh` (on a cluster they join and leave: ``node`` events) and, when a job's ranks
 went with their node (:attr:`tidal.exec.protocol.RankState.lost`), calls :meth:`NodeWatch.node_lost`
 (kill the others; the job is requeued, not failed, once all are gone) and later
-:meth:`NodeWatch.recovered` (the ``recovered`` event once its next attempt trains). What a loss was
-is kept in memory until then: a plane restarted in between records no ``recovered`` event.
+:meth:`NodeWatch.recovered` (the ``recovered`` event once its next attempt trains).
 
 Totals for the metrics (:mod:`tidal.control.metrics`: ``tidal_node_losses_total``, the summaries
-``tidal_node_loss_heartbeat_age_seconds`` and ``tidal_node_loss_recovery_seconds``) are one document
-in the store (:data:`DOC_KEY`), kept across restarts.
+``tidal_node_loss_heartbeat_age_seconds`` and ``tidal_node_loss_recovery_seconds``) and the losses
+not yet recovered from (``pending``: what each was, so a plane restarted in between still records the
+``recovered`` event) are one document in the store (:data:`DOC_KEY`), kept across restarts.
 """
 
 from __future__ import annotations
@@ -29,7 +29,18 @@ def totals(store: Store) -> dict:
         doc = store.get_doc(DOC_KEY)
     except ValueError:
         doc = None
-    return {**ZERO, **(doc if isinstance(doc, dict) else {})}
+    out = {**ZERO, **(doc if isinstance(doc, dict) else {})}
+    out.pop("pending", None)
+    return out
+
+
+def _pending(store: Store) -> dict[str, dict]:
+    try:
+        doc = store.get_doc(DOC_KEY)
+    except ValueError:
+        return {}
+    got = doc.get("pending") if isinstance(doc, dict) else None
+    return {str(k): v for k, v in got.items() if isinstance(v, dict)} if isinstance(got, dict) else {}
 
 
 class NodeWatch:
@@ -37,7 +48,7 @@ class NodeWatch:
 
     def __init__(self, store: Store, executor: Executor, nodes: list[Node]) -> None:
         self.store, self.executor, self.nodes = store, executor, nodes
-        self.lost: dict[str, dict] = {}  # job -> its node loss, until it trains again
+        self.lost: dict[str, dict] = _pending(store)  # job -> its node loss, until it trains again
         self.departed: set[str] = set()  # nodes that left and still show (jobs hold GPUs there)
 
     def refresh(self, now_s: float) -> None:
@@ -90,7 +101,7 @@ class NodeWatch:
         if age is not None:
             t["heartbeat_age_count"] += 1
             t["heartbeat_age_sum_s"] += age
-        self.store.put_doc(DOC_KEY, t, now_s)
+        self._save(t, now_s)
         return self.store.update(job.id, stop_reason="node_lost", killed=True, message=why)
 
     def recovered(self, job: JobRow, ob: Observation, now_s: float) -> None:
@@ -113,8 +124,12 @@ class NodeWatch:
         t = totals(self.store)
         t["recoveries"] += 1
         t["recovery_sum_s"] += took
-        self.store.put_doc(DOC_KEY, t, now_s)
+        self._save(t, now_s)
 
-    def forget(self, job_id: str) -> None:
+    def forget(self, job_id: str, now_s: float | None = None) -> None:
         """The job ended for good: it will not train again."""
-        self.lost.pop(job_id, None)
+        if self.lost.pop(job_id, None) is not None and now_s is not None:
+            self._save(totals(self.store), now_s)
+
+    def _save(self, t: dict, now_s: float) -> None:
+        self.store.put_doc(DOC_KEY, {**t, "pending": self.lost}, now_s)
