@@ -43,7 +43,7 @@ from tidal.control.loans import LiveLoans
 from tidal.control.node_watch import NodeWatch
 from tidal.control.states import HELD, STOPPING, TERMINAL, State
 from tidal.control.store import JobRow, NotFound, Store
-from tidal.exec.protocol import EXIT_PREEMPTED, Executor, LaunchRequest, Observation, RankState
+from tidal.exec.protocol import EXIT_PREEMPTED, Executor, LaunchRequest, NodeMemory, Observation, RankState
 from tidal.model import (
     Admit,
     Decision,
@@ -496,11 +496,11 @@ class Controller:
         newest checkpoint is in a durable tier (or there is none), else ``isolation.shm_retention_s``
         after the job ended; a directory of a job the store does not know is an orphan, freed at
         once. Returns the jobs freed. Every ``SHM_SWEEP_S`` at most, unless ``force``."""
-        if not hasattr(self.executor, "shm_jobs") or (not force and now_s - self._shm_swept_s < SHM_SWEEP_S):
+        if not isinstance(self.executor, NodeMemory) or (not force and now_s - self._shm_swept_s < SHM_SWEEP_S):
             return []
         self._shm_swept_s = now_s
         freed = []
-        for job_id in self.executor.shm_jobs():  # type: ignore[attr-defined]
+        for job_id in self.executor.shm_jobs():
             try:
                 job = self.store.job(job_id)
             except NotFound:
@@ -518,7 +518,7 @@ class Controller:
                            f"{self.config.isolation.shm_retention_s:g} s); step {ckpt} was only in node memory")
                 else:
                     continue
-            if self.executor.free_shm(job_id):  # type: ignore[attr-defined]
+            if self.executor.free_shm(job_id):
                 freed.append(job_id)
                 if job is not None:
                     self.store.record("shm_freed", f"shared-memory tier freed: {why}", now_s, job=job)

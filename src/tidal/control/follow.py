@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from tidal.contract import EXIT_PREEMPTED
 from tidal.control.client import ApiError, TidalClient
 
 T = TypeVar("T")
@@ -115,7 +116,7 @@ def failing_rank(events: list[dict]) -> int | None:
             continue
         codes = (e.get("data") or {}).get("exit_codes") or []
         for test in (
-            lambda c: c is not None and c > 0 and c != 75,
+            lambda c: c is not None and c > 0 and c != EXIT_PREEMPTED,
             lambda c: c is None,
             lambda c: c is not None and c < 0 and c not in (-9, -15),
         ):

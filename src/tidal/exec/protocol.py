@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from tidal.contract import EXIT_PREEMPTED
 from tidal.exec.progress import Progress
@@ -132,4 +132,18 @@ class Executor(Protocol):
 
     def log_path(self, job_id: str, rank: int) -> str | None:
         """Where rank ``rank``'s output goes (all attempts appended), if the executor keeps one."""
+        ...
+
+
+@runtime_checkable
+class NodeMemory(Protocol):
+    """An executor that keeps jobs' node-memory checkpoint tiers (shared-memory directories) and frees
+    them when the control plane says the job no longer needs them (``Controller.sweep_shm``)."""
+
+    def shm_jobs(self) -> list[str]:
+        """Jobs that have a shared-memory directory on this executor's nodes."""
+        ...
+
+    def free_shm(self, job_id: str) -> bool:
+        """Remove the job's shared-memory directories (never of a tracked job); True if any was there."""
         ...
