@@ -225,3 +225,30 @@ def test_adopting_an_attempt_cut_short_by_a_crash_mid_launch(ray_cluster, tmp_pa
     ex.release("q")
     wait_until("the actor gone", lambda: not any(x["namespace"] == ex.namespace
                                                  for x in ray.util.list_named_actors(all_namespaces=True)), 30)
+
+
+def test_node_memory_of_jobs_is_listed_and_freed_on_each_node(ray_cluster, tmp_path):
+    """The plane's sweep (the NodeMemory protocol) reaches every node through tasks pinned there: the
+    jobs' directories are listed (never the checkpoint agent's, never a symbolic link) and freed."""
+    from tidal.exec.isolation import IsolationConfig
+    from tidal.exec.protocol import NodeMemory
+    from tidal.exec.ray_exec import RayExecutor
+
+    base = tmp_path / "shm"
+    ex = RayExecutor(tmp_path / "jobs", address=ray_cluster.address,
+                     isolation=IsolationConfig(shm_dir=str(base)))
+    assert isinstance(ex, NodeMemory)
+    for node, job in [("n1", "old-1"), ("n2", "old-1"), ("n3", "other-2"), ("n1", "agent")]:
+        (base / node / job).mkdir(parents=True)
+        (base / node / job / "data").write_bytes(b"x")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_bytes(b"y")
+    (base / "n2" / "link-3").symlink_to(outside)
+    assert ex.shm_jobs() == ["old-1", "other-2"]
+    assert ex.free_shm("old-1")
+    assert not (base / "n1" / "old-1").exists() and not (base / "n2" / "old-1").exists()
+    assert (base / "n3" / "other-2" / "data").exists() and (base / "n1" / "agent" / "data").exists()
+    assert not ex.free_shm("old-1") and not ex.free_shm("link-3") and (outside / "keep").exists()
+    assert ex.shm_jobs() == ["other-2"]
+    ex.close()

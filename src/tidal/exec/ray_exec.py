@@ -42,8 +42,11 @@ ring, started and supervised from :meth:`RayExecutor.nodes` (:mod:`tidal.exec.ra
 checkpoint engine's node-memory tier, which a lost node takes with it. An attempt that spans nodes
 checkpoints to its durable tiers only (:func:`across_nodes`).
 
-Not isolated here (docs/control.md): ranks run as the Ray workers' user (no ``isolation.uid_base``);
-node-memory directories on the nodes are not freed by the plane. Not thread-safe: one reconcile loop drives it.
+The plane frees a job's node-memory directories on every node once it no longer needs them (the
+controller's sweep, through small tasks on the nodes: :mod:`tidal.exec.ray_shm`).
+
+Not isolated here (docs/control.md): ranks run as the Ray workers' user (no ``isolation.uid_base``).
+Not thread-safe: one reconcile loop drives it.
 """
 
 from __future__ import annotations
@@ -226,6 +229,7 @@ class RayExecutor:
         self._remote = ray.remote(RankActor)
         self._ids: dict[str, str] = {}  # node name -> Ray node id (of the newest nodes() call)
         self._jobs: dict[str, _Tracked] = {}
+        self._shm_where: dict[str, list[str]] = {}  # job -> nodes with its node memory (last shm_jobs)
         self.agents = None
         if ckpt_agents:
             if self.shm_root is None:
@@ -501,6 +505,26 @@ class RayExecutor:
             ended = code is not None and code != 0 and t.reader.phase(k.rank) == c.PHASE_ENDED
             states.append(RankState(k.rank, k.pid, code, k.rank in t.vanished, ended, k.rank in t.lost, k.node))
         return Observation(t.job_id, t.attempt, t.launched_s, tuple(states), t.reader.read())
+
+    # -- node memory (the NodeMemory protocol; tasks on the nodes: tidal.exec.ray_shm) -----------------
+    def shm_jobs(self) -> list[str]:
+        """Jobs with a node-memory directory on an alive node (asked of each node)."""
+        if self.shm_root is None:
+            return []
+        from tidal.exec import ray_shm
+
+        self.nodes()  # the alive nodes' ids, fresh
+        self._shm_where = ray_shm.shm_jobs(self._ray, self._ids, self.shm_root)
+        return sorted(self._shm_where)
+
+    def free_shm(self, job_id: str) -> bool:
+        """Remove the job's node-memory directories on the nodes holding one (never of a tracked job)."""
+        if self.shm_root is None or job_id in self._jobs:
+            return False
+        from tidal.exec import ray_shm
+
+        where = self._shm_where.pop(job_id, None) or list(self._ids)
+        return ray_shm.free(self._ray, self._ids, self.shm_root, job_id, where)
 
     def worker_pids(self, job_id: str) -> dict[int, int]:
         """rank -> the rank's pid on its node, for those that started."""

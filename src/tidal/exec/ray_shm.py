@@ -1,0 +1,77 @@
+"""Node memory on Ray nodes: which jobs keep a shared-memory directory on each node, and freeing them.
+
+A rank's node-memory checkpoint tier on a Ray node is ``<base>/<node>/<job>`` on *that* node
+(:func:`tidal.exec.ray_exec.shm_base`); the plane cannot see another machine's ``/dev/shm``, so each
+question is a small Ray task pinned to the node (``NodeAffinitySchedulingStrategy``, not soft; no CPU
+reserved, so a node busy with ranks still answers). A node that does not answer within
+``CALL_TIMEOUT_S`` is skipped this time (the controller sweeps again later); a node that left took
+its memory with it.
+
+Called by :class:`~tidal.exec.ray_exec.RayExecutor` (``shm_jobs``/``free_shm``, the
+:class:`~tidal.exec.protocol.NodeMemory` protocol) from the controller's sweep, at most every
+``SHM_SWEEP_S``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+CALL_TIMEOUT_S = 5.0  # one sweep waits this long at most for the nodes' answers
+
+
+def _list(node_dir: str) -> list[str]:
+    """On the node: the job directories under ``node_dir`` (never following a symbolic link)."""
+    try:
+        return sorted(e.name for e in os.scandir(node_dir) if e.is_dir(follow_symlinks=False) and e.name != "agent")
+    except OSError:
+        return []
+
+
+def _free(job_dir: str) -> bool:
+    """On the node: remove ``job_dir`` if it is a real directory; True if it was there."""
+    p = Path(job_dir)
+    if p.is_symlink() or not p.is_dir():
+        return False
+    shutil.rmtree(p, ignore_errors=True)
+    return True
+
+
+def _run_on_nodes(ray: Any, nodes: Mapping[str, str], fn: Any, args: Mapping[str, tuple]) -> dict[str, Any]:
+    """``fn(*args[node])`` as a task on each node in ``args`` (name -> Ray node id in ``nodes``); the
+    answers that came back within ``CALL_TIMEOUT_S``."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    task = ray.remote(fn)
+    refs = {name: task.options(num_cpus=0, max_retries=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
+        nodes[name], soft=False)).remote(*a) for name, a in args.items() if name in nodes}
+    out: dict[str, Any] = {}
+    for name, ref in refs.items():
+        try:
+            out[name] = ray.get(ref, timeout=CALL_TIMEOUT_S)
+        except Exception as e:  # a node going away, or too busy to answer now: the next sweep
+            log.warning("node memory on %s: no answer (%s)", name, type(e).__name__)
+            ray.cancel(ref, force=True)
+    return out
+
+
+def shm_jobs(ray: Any, nodes: Mapping[str, str], base: Path) -> dict[str, list[str]]:
+    """Job -> the nodes (names) where it has a node-memory directory, over the alive ``nodes``."""
+    answers = _run_on_nodes(ray, nodes, _list, {n: (str(base / n),) for n in nodes})
+    out: dict[str, list[str]] = {}
+    for node, jobs in sorted(answers.items()):
+        for job in jobs:
+            out.setdefault(job, []).append(node)
+    return out
+
+
+def free(ray: Any, nodes: Mapping[str, str], base: Path, job_id: str, where: list[str]) -> bool:
+    """Remove ``job_id``'s node-memory directory on each node of ``where``; True if any was there."""
+    answers = _run_on_nodes(ray, nodes, _free, {n: (str(base / n / job_id),) for n in where})
+    return any(answers.values())
