@@ -9,8 +9,9 @@ import pytest
 
 from control_fakes import FakeClock, FakeExecutor, new_store, submit
 from tidal.control import metrics
+from tidal.control.accounting import job_report
 from tidal.control.config import ControlConfig
-from tidal.control.controller import Controller, job_report
+from tidal.control.controller import Controller
 from tidal.control.states import State
 from tidal.model import Admit, Grow, Preempt, Shrink
 from tidal.policy.ckpt_interval import CkptIntervalConfig

@@ -37,12 +37,14 @@ from typing import Any
 
 from tidal import contract as c
 from tidal.contract import DEFAULT_GRACE_S
+from tidal.control import node_memory
+from tidal.control.accounting import account
 from tidal.control.config import ControlConfig
 from tidal.control.loans import DOC_KEY as LOANS_DOC
 from tidal.control.loans import LiveLoans
 from tidal.control.node_watch import NodeWatch
-from tidal.control.states import HELD, STOPPING, TERMINAL, State
-from tidal.control.store import JobRow, NotFound, Store
+from tidal.control.states import HELD, STOPPING, State
+from tidal.control.store import JobRow, Store
 from tidal.exec.protocol import EXIT_PREEMPTED, Executor, LaunchRequest, NodeMemory, Observation, RankState
 from tidal.model import (
     Admit,
@@ -311,7 +313,7 @@ class Controller:
         outcome, why = self._classify(job, ob)
         if outcome in ("success", "cancelled") or (outcome == "failure" and job.restarts >= job.max_restarts):
             self.watch.forget(job.id, now_s)  # over: it will not train again
-        acct = _account(job, ob, now_s, outcome == "success")
+        acct = account(job, ob, now_s, outcome == "success")
         self.executor.release(job.id)
         self._shm_swept_s = float("-inf")  # the end of this step looks at its shared memory
         base = {"stop_reason": None, "stop_deadline_s": None, "killed": False, **acct}
@@ -499,32 +501,7 @@ class Controller:
         if not isinstance(self.executor, NodeMemory) or (not force and now_s - self._shm_swept_s < SHM_SWEEP_S):
             return []
         self._shm_swept_s = now_s
-        freed = []
-        for job_id in self.executor.shm_jobs():
-            try:
-                job = self.store.job(job_id)
-            except NotFound:
-                job, why = None, "the store does not know the job"
-            if job is not None:
-                if S(job.state) not in TERMINAL:
-                    continue
-                p = job.progress or {}
-                ckpt, durable = job.ckpt_step, p.get("durable_ckpt_step")
-                if ckpt is None or (durable is not None and durable >= ckpt):
-                    why = f"{job.state}; its newest checkpoint (step {ckpt}) is durable" if ckpt is not None \
-                        else f"{job.state} without a checkpoint"
-                elif now_s - (job.finished_s or now_s) >= self.config.isolation.shm_retention_s:
-                    why = (f"{job.state} {now_s - job.finished_s:.0f} s ago (retention "  # type: ignore[operator]
-                           f"{self.config.isolation.shm_retention_s:g} s); step {ckpt} was only in node memory")
-                else:
-                    continue
-            if self.executor.free_shm(job_id):
-                freed.append(job_id)
-                if job is not None:
-                    self.store.record("shm_freed", f"shared-memory tier freed: {why}", now_s, job=job)
-                else:
-                    log.info("freed the orphan shared-memory directory of %s: %s", job_id, why)
-        return freed
+        return node_memory.sweep(self.store, self.executor, self.config.isolation.shm_retention_s, now_s)
 
     # ------------------------------------------------------------------------------------- snapshot
     def snapshot(self, now_s: float) -> Snapshot:
@@ -568,34 +545,3 @@ def _describe(r: RankState) -> str:
     if c is not None and c < 0:
         return f"rank {r.rank} was killed by signal {-c}"
     return f"rank {r.rank} exited with code {c}"
-
-
-def _account(job: JobRow, ob: Observation, now_s: float, success: bool) -> dict[str, Any]:
-    """Add one attempt to the job's totals: seconds held, productive, lost (steps re-run next time)."""
-    p = ob.progress
-    start = p.start_step if p.start_step is not None else (job.ckpt_step or 0)
-    reached = p.step if p.step is not None else start
-    kept = reached if success else min(reached, max(start, p.ckpt_step if p.ckpt_step is not None else start))
-    mean = p.mean_step_s or 0.0
-    return {"held_s": job.held_s + max(0.0, now_s - ob.launched_s),
-            "productive_s": job.productive_s + (kept - start) * mean,
-            "lost_s": job.lost_s + (reached - kept) * mean, "lost_steps": job.lost_steps + (reached - kept)}
-
-
-def job_report(job: JobRow, now_s: float) -> dict[str, Any]:
-    """Restarts, lost work and effective training time ratio (ETTR) of a job, including the attempt in flight.
-
-    ETTR = productive seconds / seconds holding GPUs, where productive means steps that count (not
-    re-run after a failure: steps past the newest checkpoint of a failed attempt are lost) times
-    the attempt's mean step time; start-up, restore and lost steps are what it loses.
-    """
-    held, productive = job.held_s, job.productive_s
-    if S(job.state) in HELD and job.attempt_launched_s is not None:
-        held += max(0.0, now_s - job.attempt_launched_s)
-        p = job.progress or {}
-        mean = p.get("steps_per_s") and 1.0 / p["steps_per_s"]
-        if p.get("step") is not None and mean:
-            productive += (p["step"] - (p.get("start_step") or 0)) * mean
-    return {"restarts": job.restarts, "preemptions": job.preemptions, "lost_work_s": round(job.lost_s, 3),
-            "lost_steps": job.lost_steps, "held_s": round(held, 3), "productive_s": round(productive, 3),
-            "ettr": round(productive / held, 4) if held > 0 else None}

@@ -46,7 +46,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 
-from tidal.control.controller import job_report
+from tidal.control.accounting import job_report
 from tidal.control.node_watch import totals as node_totals
 from tidal.control.states import ACTIVE, State
 from tidal.control.store import Store

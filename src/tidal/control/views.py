@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from tidal.control.controller import job_report
+from tidal.control.accounting import job_report
 from tidal.control.states import HELD, STOPPING, State
 from tidal.control.store import EventRow, JobRow
 from tidal.model import Node
