@@ -518,12 +518,13 @@ class RayExecutor:
         return sorted(self._shm_where)
 
     def free_shm(self, job_id: str) -> bool:
-        """Remove the job's node-memory directories on the nodes holding one (never of a tracked job)."""
-        if self.shm_root is None or job_id in self._jobs:
+        """Remove the job's node-memory directories on the nodes the last ``shm_jobs`` saw them on (never
+        of a tracked job)."""
+        where = self._shm_where.pop(job_id, None)
+        if self.shm_root is None or job_id in self._jobs or not where:
             return False
         from tidal.exec import ray_shm
 
-        where = self._shm_where.pop(job_id, None) or list(self._ids)
         return ray_shm.free(self._ray, self._ids, self.shm_root, job_id, where)
 
     def worker_pids(self, job_id: str) -> dict[int, int]:

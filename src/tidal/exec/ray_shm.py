@@ -2,10 +2,10 @@
 
 A rank's node-memory checkpoint tier on a Ray node is ``<base>/<node>/<job>`` on *that* node
 (:func:`tidal.exec.ray_exec.shm_base`); the plane cannot see another machine's ``/dev/shm``, so each
-question is a small Ray task pinned to the node (``NodeAffinitySchedulingStrategy``, not soft; no CPU
-reserved, so a node busy with ranks still answers). A node that does not answer within
-``CALL_TIMEOUT_S`` is skipped this time (the controller sweeps again later); a node that left took
-its memory with it.
+question is a small Ray task pinned to each node (``NodeAffinitySchedulingStrategy``, not soft; no
+CPU reserved, so a node busy with ranks still answers), all nodes at once. A listing not answered
+within ``CALL_TIMEOUT_S`` is cancelled (that node is asked again at the next sweep); a removal is
+left to finish. A node that left took its memory with it.
 
 Called by :class:`~tidal.exec.ray_exec.RayExecutor` (``shm_jobs``/``free_shm``, the
 :class:`~tidal.exec.protocol.NodeMemory` protocol) from the controller's sweep, at most every
@@ -43,27 +43,40 @@ def _free(job_dir: str) -> bool:
     return True
 
 
-def _run_on_nodes(ray: Any, nodes: Mapping[str, str], fn: Any, args: Mapping[str, tuple]) -> dict[str, Any]:
-    """``fn(*args[node])`` as a task on each node in ``args`` (name -> Ray node id in ``nodes``); the
-    answers that came back within ``CALL_TIMEOUT_S``."""
+def _run_on_nodes(ray: Any, nodes: Mapping[str, str], fn: Any, args: Mapping[str, tuple],
+                  cancel_late: bool) -> tuple[dict[str, Any], list[str]]:
+    """``fn(*args[node])`` as a task on each node in ``args`` (name -> Ray node id in ``nodes``), all at
+    once: (the answers that came back within ``CALL_TIMEOUT_S`` in all, the nodes still working).
+    ``cancel_late``: cancel what has not answered (a listing; a removal is left to finish)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     task = ray.remote(fn)
     refs = {name: task.options(num_cpus=0, max_retries=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
         nodes[name], soft=False)).remote(*a) for name, a in args.items() if name in nodes}
+    if not refs:
+        return {}, []
+    done, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=CALL_TIMEOUT_S)
+    finished = {r.hex() for r in done}
     out: dict[str, Any] = {}
+    late: list[str] = []
     for name, ref in refs.items():
+        if ref.hex() not in finished:
+            late.append(name)
+            log.warning("node memory on %s: no answer within %g s", name, CALL_TIMEOUT_S)
+            if cancel_late:
+                ray.cancel(ref, force=True)
+            continue
         try:
-            out[name] = ray.get(ref, timeout=CALL_TIMEOUT_S)
-        except Exception as e:  # a node going away, or too busy to answer now: the next sweep
-            log.warning("node memory on %s: no answer (%s)", name, type(e).__name__)
-            ray.cancel(ref, force=True)
-    return out
+            out[name] = ray.get(ref)
+        except Exception as e:  # the node went away meanwhile: the next sweep
+            log.warning("node memory on %s: %s", name, type(e).__name__)
+    return out, late
 
 
 def shm_jobs(ray: Any, nodes: Mapping[str, str], base: Path) -> dict[str, list[str]]:
-    """Job -> the nodes (names) where it has a node-memory directory, over the alive ``nodes``."""
-    answers = _run_on_nodes(ray, nodes, _list, {n: (str(base / n),) for n in nodes})
+    """Job -> the nodes (names) where it has a node-memory directory, over the alive ``nodes`` that
+    answered (the others are asked again at the next sweep)."""
+    answers, _ = _run_on_nodes(ray, nodes, _list, {n: (str(base / n),) for n in nodes}, cancel_late=True)
     out: dict[str, list[str]] = {}
     for node, jobs in sorted(answers.items()):
         for job in jobs:
@@ -72,6 +85,8 @@ def shm_jobs(ray: Any, nodes: Mapping[str, str], base: Path) -> dict[str, list[s
 
 
 def free(ray: Any, nodes: Mapping[str, str], base: Path, job_id: str, where: list[str]) -> bool:
-    """Remove ``job_id``'s node-memory directory on each node of ``where``; True if any was there."""
-    answers = _run_on_nodes(ray, nodes, _free, {n: (str(base / n / job_id),) for n in where})
-    return any(answers.values())
+    """Remove ``job_id``'s node-memory directory on each node of ``where``: True if one was there, or a
+    node is still at it (its removal runs to the end; the next listing shows what is left)."""
+    answers, late = _run_on_nodes(ray, nodes, _free, {n: (str(base / n / job_id),) for n in where},
+                                  cancel_late=False)
+    return any(answers.values()) or bool(late)
