@@ -302,10 +302,11 @@ def test_bench_forecast_runs_on_a_small_trace(tmp_path, capsys):
               name="synthetic.csv")
     result = bench_run([p], serving_gpus=64, budgets=(0.01,), quantiles=(0.9,), warmup_days=1.0, as_json=True)
     out = json.loads(capsys.readouterr().out)
-    assert out["traces"]["synthetic"]["forecast"]["methods"].keys() == {"tidal", "last-value", "seasonal-naive",
-                                                                        "holt-winters"}
+    assert out["traces"]["synthetic"]["forecast"]["methods"].keys() == {
+        "tidal", "tidal (lead quantile)", "last-value", "seasonal-naive", "holt-winters"}
     rows = result["traces"]["synthetic"]["harvest"]["budgets"]["0.01"]
-    assert set(rows) == {"tidal", "reactive (hindsight)", "night-window (hindsight)", "oracle"}
+    assert set(rows) == {"tidal", "tidal (lead quantile)", "tidal (lead quantile, no tail reserve)",
+                         "reactive (hindsight)", "night-window (hindsight)", "oracle"}
     assert rows["oracle"]["shortfall_strict"] == 0.0 and rows["oracle"]["harvest_over_oracle"] == 1.0
     for r in rows.values():
         assert r["shortfall_issue"] <= r["shortfall_strict"] + 1e-12

@@ -64,6 +64,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from tidal.policy import forecast_quantile as lq
 from tidal.policy.forecast_errors import CTX_BINS, TAIL_BINS, context_factor, context_of
 
 
@@ -150,6 +151,22 @@ class ForecastConfig:
     tail_half_life_s: float = 28 * 86400.0
     """Memory of the tail histograms: long, because the misses they keep (load x3 within 10 min)
     come once a week or rarer, and the error scale ``e`` (2-day memory) forgets them."""
+    lead_quantile: float = 0.0
+    """The lead-window quantile (0 = off): learn online the ``lead_quantile``-quantile of the peak miss over
+    the next ``quantile_window_steps`` (``max y - max center`` over the window) by pinball-loss SGD on
+    features of the path (:mod:`tidal.policy.forecast_quantile`), and rescale the error-scale path so that
+    ``z = 1`` over the window is that quantile. Chosen on ServeGen m-large: 0.9."""
+    quantile_window_steps: int = 2
+    """The window of the lead-window quantile, in steps: the loan lead time (20 min at 10-min steps)."""
+    quantile_lr: float = 0.05
+    """Adagrad's step size for the lead-window quantile's weights."""
+    quantile_init: float = 1.5
+    """The lead-window quantile before any update: this many error scales (at the window's end)."""
+    quantile_z: float = 1.0
+    """Over the window, ``center + quantile_z * scale`` is the learned quantile (the error-scale path is
+    rescaled to ``quantile / quantile_z``): sets the units of the loan policy's calibrated ``z``."""
+    quantile_rho_range: tuple[float, float] = (0.2, 5.0)
+    """The rescaling of the error-scale path by the lead-window quantile stays within this range."""
     prior_scale_fraction: float = 0.25
     """Error scale, as a fraction of the level, before any error has been measured."""
     min_scale_fraction: float = 0.01
@@ -181,6 +198,17 @@ class ForecastConfig:
             raise ValueError(f"ForecastConfig.context_horizon_steps must be >= 1, got {self.context_horizon_steps}")
         if self.tail_horizon_steps < 1:
             raise ValueError(f"ForecastConfig.tail_horizon_steps must be >= 1, got {self.tail_horizon_steps}")
+        if not 0 <= self.lead_quantile < 1:
+            raise ValueError(f"ForecastConfig.lead_quantile must be in [0, 1) (0 = off), got {self.lead_quantile}")
+        if self.quantile_window_steps < 1 or (self.lead_quantile > 0
+                                               and self.quantile_window_steps > self.horizon_steps):
+            raise ValueError(f"ForecastConfig.quantile_window_steps must be in [1, horizon steps "
+                             f"({self.horizon_steps})], got {self.quantile_window_steps}")
+        lo, hi = self.quantile_rho_range
+        if not (self.quantile_lr > 0 and self.quantile_init > 0 and self.quantile_z > 0 and 0 < lo <= hi):
+            raise ValueError("ForecastConfig.quantile_lr, quantile_init, quantile_z must be > 0 and quantile_rho_range "
+                             f"(lo, hi) with 0 < lo <= hi, got {self.quantile_lr}, {self.quantile_init} and "
+                             f"{self.quantile_rho_range}")
         if self.context_prior_n < 0 or not self.context_max_factor >= 1:
             raise ValueError("ForecastConfig.context_prior_n must be >= 0 and context_max_factor >= 1, got "
                              f"{self.context_prior_n} and {self.context_max_factor}")
@@ -250,6 +278,11 @@ class ForecastState:
     lead window of k steps, ``max(y(u) - center made h steps before u, h = 1..k) / mean``."""
     tail_pending: np.ndarray | None = field(default=None, repr=False)
     """The first period's worst misses (GPUs, ``-inf`` = none), held until ``mean`` is a reference."""
+    lq_model: np.ndarray | None = field(default=None, repr=False)
+    """The lead-window quantile's weights and optimiser state (:mod:`tidal.policy.forecast_quantile`);
+    None when ``lead_quantile`` is off."""
+    lq_pending: np.ndarray | None = field(default=None, repr=False)
+    """The last ``quantile_window_steps`` paths' features, waiting for their window's demand."""
 
 
 def initial_state(config: ForecastConfig) -> ForecastState:
@@ -265,6 +298,8 @@ def initial_state(config: ForecastConfig) -> ForecastState:
         ctx_hist=_frozen(np.zeros((config.contexts, CTX_BINS.size - 1))) if config.contexts > 1 else None,
         tail_hist=_frozen(np.zeros((config.tail_horizon_steps, TAIL_BINS.size - 1))),
         tail_pending=_frozen(np.full((config.slots, config.tail_horizon_steps), -np.inf)),
+        lq_model=_frozen(lq.initial_model(config.quantile_init)) if config.lead_quantile > 0 else None,
+        lq_pending=_frozen(lq.initial_pending(config.quantile_window_steps)) if config.lead_quantile > 0 else None,
     )
 
 
@@ -356,8 +391,10 @@ def _error_profile_factor(config: ForecastConfig, state: ForecastState) -> np.nd
     return (days * rel + k) / (days + k) if k > 0 else rel
 
 
-def _path(config: ForecastConfig, state: ForecastState) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Center, scale, base scale (before the context factor) and context paths from ``state``."""
+def _path(config: ForecastConfig, state: ForecastState, y: float = math.nan
+          ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """Center, scale, base scale (before the context factor) and context paths from ``state``, and the
+    lead-window quantile's features of this path (None when off); ``y`` is the demand just observed."""
     c = _consts(config)
     hs = c["hs"]
     step = config.step_s
@@ -399,7 +436,16 @@ def _path(config: ForecastConfig, state: ForecastState) -> tuple[np.ndarray, np.
     else:
         ctx = np.zeros(hs.shape)
         scale = base
-    return center, scale, base, ctx
+    x = None
+    if state.lq_model is not None:
+        k = config.quantile_window_steps
+        scale_k, center_max = float(scale[k - 1]), float(center[:k].max())
+        x = lq.features(scale_k, center_max, mean, y, float(state.lq_model[2, 0]), state.burst)
+        if mean > 0 and scale_k > 0:
+            lo, hi = config.quantile_rho_range
+            rho = min(max(lq.predict(state.lq_model, x) * mean / (scale_k * config.quantile_z), lo), hi)
+            scale = np.maximum(scale * rho, floor)
+    return center, scale, base, ctx, x
 
 
 def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float) -> ForecastState:
@@ -413,6 +459,9 @@ def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float)
     burst = state.burst
     ctx_hist = state.ctx_hist
     tail_hist, tail_pending = state.tail_hist, state.tail_pending
+    lq_model, lq_pending = state.lq_model, state.lq_pending
+    if lq_model is not None:
+        lq_model, lq_pending = lq.observe(lq_model, lq_pending, y, config.lead_quantile, config.quantile_lr)
     if not math.isnan(y) and state.n_obs > 0:
         # Score the paths made 1..H steps ago at their points that target now.
         preds = np.diagonal(state.past_center).copy()
@@ -505,12 +554,18 @@ def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float)
                   err_profile=_frozen(eprof), err_profile_n=_frozen(eprof_n), burst=burst,
                   ctx_hist=None if ctx_hist is None else _frozen(np.asarray(ctx_hist, float)),
                   tail_hist=None if tail_hist is None else _frozen(np.asarray(tail_hist, float)),
-                  tail_pending=None if tail_pending is None else _frozen(tail_pending))
+                  tail_pending=None if tail_pending is None else _frozen(tail_pending),
+                  lq_model=None if lq_model is None else _frozen(lq_model))
+    x = None
     if n_obs == 0:
         center = scale = base = np.full(h, np.nan)
         ctx = np.zeros(h)
     else:
-        center, scale, base, ctx = _path(config, new)
+        center, scale, base, ctx, x = _path(config, new, y)
+    if lq_model is not None:  # the path's features wait for its window; y is the next path's last demand
+        lq_model = lq.seen(lq_model, y)
+        center_max = float(np.max(center[: config.quantile_window_steps]))
+        lq_pending = lq.push(lq_pending, np.full(lq.FEATURES, math.nan) if x is None else x, center_max, mean)
     # ``new`` is not seen by anybody yet and _path does not read these fields: set them in place
     # (one state object per step instead of two).
     put = object.__setattr__
@@ -518,6 +573,9 @@ def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float)
     put(new, "scale_gpus", _frozen(scale))
     put(new, "past_base", None if state.past_base is None else _frozen(_push_row(base, state.past_base)))
     put(new, "past_ctx", None if state.past_ctx is None else _frozen(_push_row(ctx, state.past_ctx)))
+    if lq_model is not None:
+        put(new, "lq_model", _frozen(lq_model))
+        put(new, "lq_pending", _frozen(lq_pending))
     return new
 
 

@@ -1,0 +1,118 @@
+"""The lead-window quantile (tidal.policy.forecast_quantile): pinball-loss SGD learns known quantiles,
+the forecast's bound over the window covers at the quantile, the state persists through the codec, and
+the benchmark's library competitors say "not installed" when missing."""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import replace
+from statistics import NormalDist
+
+import numpy as np
+import pytest
+
+from tidal.policy import codec
+from tidal.policy import forecast as fc
+from tidal.policy import forecast_quantile as lq
+
+
+def _learn(xs: np.ndarray, rs: np.ndarray, tau: float, lr: float = 0.05) -> np.ndarray:
+    """Feed (features, target) pairs through a one-step window; the predictions made before each update."""
+    model, pending = lq.initial_model(0.0), lq.initial_pending(1)
+    out = np.empty(len(rs))
+    for i, (x, r) in enumerate(zip(xs, rs, strict=True)):
+        out[i] = lq.predict(model, x)
+        pending = lq.push(pending, x, 0.0, 1.0)     # center 0, mean 1: the target is the peak itself
+        model, pending = lq.observe(model, pending, float(r), tau, lr)
+    return out
+
+
+def test_pinball_sgd_learns_a_heteroscedastic_quantile():
+    rng = np.random.default_rng(0)
+    n = 10_000
+    s = rng.choice([0.5, 2.0], size=n)                      # two noise regimes, told by feature 1
+    xs = np.zeros((n, lq.FEATURES))
+    xs[:, 0], xs[:, 1] = 1.0, s
+    rs = s * rng.normal(size=n)
+    tau = 0.9
+    q = _learn(xs, rs, tau, lr=0.5)
+    late = slice(n // 2, None)
+    for regime in (0.5, 2.0):
+        sel = s[late] == regime
+        under = float(np.mean(rs[late][sel] > q[late][sel]))
+        assert abs(under - (1 - tau)) < 0.015, (regime, under)
+        true_q = regime * NormalDist().inv_cdf(tau)
+        assert abs(float(np.median(q[late][sel])) - true_q) < 0.1 * true_q
+
+
+def test_window_peak_waits_for_the_whole_window_and_skips_missing_demand():
+    model, pending = lq.initial_model(0.0), lq.initial_pending(2)
+    x = np.zeros(lq.FEATURES)
+    x[0] = 1.0
+    pending = lq.push(pending, x, center_max=10.0, mean=5.0)   # made at t; window t+1, t+2
+    model, pending = lq.observe(model, pending, 30.0, 0.9, 0.1)  # t+1: not complete yet
+    assert model[2, 1] == 0 and pending[0, lq.FEATURES + 1] == 30.0
+    pending = lq.push(pending, x, 10.0, 5.0)
+    model, pending = lq.observe(model, pending, math.nan, 0.9, 0.1)  # t+2 missing: peak 30 from t+1
+    assert model[2, 1] == 1 and model[0, 0] > 0  # (30 - 10) / 5 = 4 > 0: the quantile moved up
+
+
+def _noisy(days: int, seed: int, sd: float) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    t = np.arange(days * 144)
+    return 60 + 20 * np.sin(2 * np.pi * t / 144) + sd * rng.normal(size=t.size)
+
+
+def test_forecast_bound_over_the_window_covers_at_the_lead_quantile():
+    tau = 0.9
+    cfg = fc.ForecastConfig(lead_quantile=tau, quantile_window_steps=2)
+    y = _noisy(8, 1, 5.0)
+    state = fc.initial_state(cfg)
+    under = []
+    for i, v in enumerate(y[:-2]):
+        state = fc.observe(cfg, state, 600.0 * i, float(v))
+        if i >= 3 * 144:
+            f = fc.forecast(cfg, state)
+            bound = float(np.max(f.upper(cfg.quantile_z)[:2]))
+            under.append(max(y[i + 1], y[i + 2]) > bound)
+    assert abs(float(np.mean(under)) - (1 - tau)) < 0.035
+    assert state.lq_model[2, 1] > 1000  # updated at every step
+
+
+def test_lead_quantile_state_round_trips_through_the_codec_and_off_changes_nothing():
+    cfg = fc.ForecastConfig(lead_quantile=0.9)
+    y = _noisy(1, 2, 3.0)
+    on, off = fc.initial_state(cfg), fc.initial_state(fc.ForecastConfig())
+    for i, v in enumerate(y):
+        on = fc.observe(cfg, on, 600.0 * i, float(v))
+        off = fc.observe(fc.ForecastConfig(), off, 600.0 * i, float(v))
+    back = codec.decode(codec.encode(on))
+    np.testing.assert_array_equal(back.lq_model, on.lq_model)
+    np.testing.assert_array_equal(back.lq_pending, on.lq_pending)
+    nxt = fc.observe(cfg, back, 600.0 * len(y), 70.0)
+    np.testing.assert_array_equal(nxt.scale_gpus, fc.observe(cfg, on, 600.0 * len(y), 70.0).scale_gpus)
+    assert off.lq_model is None and off.lq_pending is None
+    np.testing.assert_array_equal(fc.forecast(cfg, on).center_gpus, fc.forecast(fc.ForecastConfig(), off).center_gpus)
+
+
+@pytest.mark.parametrize(("kw", "match"), [
+    (dict(lead_quantile=1.0), "lead_quantile"),
+    (dict(lead_quantile=0.9, quantile_window_steps=0), "quantile_window_steps"),
+    (dict(lead_quantile=0.9, quantile_window_steps=10_000), "quantile_window_steps"),
+    (dict(quantile_z=0.0), "quantile_z"),
+    (dict(quantile_rho_range=(2.0, 1.0)), "quantile_rho_range"),
+])
+def test_bad_lead_quantile_settings_are_refused_by_name(kw, match):
+    with pytest.raises(ValueError, match=match):
+        replace(fc.ForecastConfig(), **kw)
+
+
+def test_missing_forecasting_libraries_are_reported_not_raised(monkeypatch):
+    from tidal.bench.forecast_libs import library_forecasts
+
+    monkeypatch.setitem(sys.modules, "statsforecast", None)  # import fails as if not installed
+    monkeypatch.setitem(sys.modules, "lightgbm", None)
+    y = _noisy(3, 3, 2.0)
+    out = library_forecasts(600.0 * np.arange(y.size), y, lead=2, warmup=288, quantiles=(0.9,), step_s=600.0)
+    assert out and all(isinstance(v, str) and v.startswith("not installed") for v in out.values())
