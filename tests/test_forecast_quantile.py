@@ -116,3 +116,43 @@ def test_missing_forecasting_libraries_are_reported_not_raised(monkeypatch):
     y = _noisy(3, 3, 2.0)
     out = library_forecasts(600.0 * np.arange(y.size), y, lead=2, warmup=288, quantiles=(0.9,), step_s=600.0)
     assert out and all(isinstance(v, str) and v.startswith("not installed") for v in out.values())
+
+
+# --- weekly structure and level shifts (tidal.policy.forecast) ------------------------------------------
+
+HOURLY = dict(step_s=3600.0, horizon_s=6 * 3600.0, profile_smooth_s=3600.0)
+
+
+def _six_hours_ahead_error(cfg: fc.ForecastConfig, y: np.ndarray, from_step: int) -> np.ndarray:
+    state, err = fc.initial_state(cfg), []
+    for i in range(len(y) - 6):
+        state = fc.observe(cfg, state, cfg.step_s * i, float(y[i]))
+        if i >= from_step:
+            err.append(abs(fc.forecast(cfg, state).center_gpus[5] - y[i + 6]))
+    return np.array(err)
+
+
+def test_weekly_departures_are_learnt_and_change_nothing_before_a_week():
+    rng = np.random.default_rng(4)
+    t = np.arange(3 * 168)  # three weeks, hourly
+    weekend = (t // 24) % 7 >= 5
+    y = np.where(weekend, 40.0, 100.0) + 15 * np.sin(2 * np.pi * t / 24) + 3 * rng.normal(size=t.size)
+    daily, weekly = fc.ForecastConfig(**HOURLY), fc.ForecastConfig(**HOURLY, week_s=7 * 86400.0)
+    first_week = _six_hours_ahead_error(weekly, y[:170], 0)
+    np.testing.assert_array_equal(first_week[:160], _six_hours_ahead_error(daily, y[:170], 0)[:160])
+    off, on = _six_hours_ahead_error(daily, y, 2 * 168), _six_hours_ahead_error(weekly, y, 2 * 168)
+    assert on.mean() < 0.6 * off.mean()  # the third week's weekend is expected, not a surprise
+
+
+def test_a_level_shift_is_rebased_within_a_few_steps():
+    rng = np.random.default_rng(5)
+    start = 3 * 24
+    y = np.where(np.arange(5 * 24) >= start, 80.0, 50.0) + 2 * rng.normal(size=5 * 24)
+    cfg = fc.ForecastConfig(**HOURLY, shift_half_life_s=2 * 3600.0)
+    for c, within in ((cfg, True), (fc.ForecastConfig(**HOURLY), False)):
+        state = fc.initial_state(c)
+        for i in range(start + 4):
+            state = fc.observe(c, state, 3600.0 * i, float(y[i]))
+        far = fc.forecast(c, state).center_gpus[5]  # 6 h ahead, 4 h after the shift
+        assert bool(abs(far - 80.0) < 5.0) is within, far
+    assert state.shift_count == 0

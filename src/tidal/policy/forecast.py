@@ -151,20 +151,39 @@ class ForecastConfig:
     tail_half_life_s: float = 28 * 86400.0
     """Memory of the tail histograms: long, because the misses they keep (load x3 within 10 min)
     come once a week or rarer, and the error scale ``e`` (2-day memory) forgets them."""
+    shift_half_life_s: float = 0.0
+    """Level shifts (0 = off): an exponentially weighted mean (this half-life) of the anomaly ``y - P`` is
+    kept; when it exceeds ``shift_threshold`` one-step errors, the whole profile is re-based by it (a
+    lasting shift is then forecast at every horizon, instead of fading back into the old profile over
+    ``anomaly_half_life_s`` and being learnt by the profile over days), and the mean restarts at 0."""
+    shift_threshold: float = 3.0
+    """The anomaly's mean, in one-step mean absolute errors, that re-bases the profile."""
+    week_s: float = 0.0
+    """Weekly structure (0 = off; 7 days = 604800): learn, per ``step_s`` slot of the week, how demand there
+    departs from the daily profile (an exponentially weighted mean of ``y - P``, ``week_half_life_s``), and
+    add it to the profile, shrunk by ``n / (n + week_shrink)`` with n the weeks seen at that slot (read
+    through the profile's kernel). Before a whole week is seen it changes nothing. A multiple of ``period_s``."""
+    week_half_life_s: float = 28 * 86400.0
+    """Memory of the weekly departures."""
+    week_shrink: float = 1.0
+    """The weekly departures count as this many weeks of none (one week seen: half of it is used)."""
     lead_quantile: float = 0.0
     """The lead-window quantile (0 = off): learn online the ``lead_quantile``-quantile of the peak miss over
     the next ``quantile_window_steps`` (``max y - max center`` over the window) by pinball-loss SGD on
     features of the path (:mod:`tidal.policy.forecast_quantile`), and rescale the error-scale path so that
-    ``z = 1`` over the window is that quantile. Chosen on ServeGen m-large: 0.9."""
+    ``z = quantile_z`` over the window is that quantile. 0.8 was chosen on each ServeGen trace alone (the
+    same on both; docs/loaning.md, "Lead-window quantile")."""
     quantile_window_steps: int = 2
     """The window of the lead-window quantile, in steps: the loan lead time (20 min at 10-min steps)."""
     quantile_lr: float = 0.05
     """Adagrad's step size for the lead-window quantile's weights."""
     quantile_init: float = 1.5
     """The lead-window quantile before any update: this many error scales (at the window's end)."""
-    quantile_z: float = 1.0
+    quantile_z: float = 2.5
     """Over the window, ``center + quantile_z * scale`` is the learned quantile (the error-scale path is
-    rescaled to ``quantile / quantile_z``): sets the units of the loan policy's calibrated ``z``."""
+    rescaled to ``quantile / quantile_z``): sets the units of the loan policy's calibrated ``z``, whose
+    start (``initial_z`` = 3), step size and shortfall cap (3 scales) are in those units. 2.5 is about the
+    ``z`` the loan policy holds at 0.5 % with the plain scale."""
     quantile_rho_range: tuple[float, float] = (0.2, 5.0)
     """The rescaling of the error-scale path by the lead-window quantile stays within this range."""
     prior_scale_fraction: float = 0.25
@@ -198,6 +217,13 @@ class ForecastConfig:
             raise ValueError(f"ForecastConfig.context_horizon_steps must be >= 1, got {self.context_horizon_steps}")
         if self.tail_horizon_steps < 1:
             raise ValueError(f"ForecastConfig.tail_horizon_steps must be >= 1, got {self.tail_horizon_steps}")
+        if self.shift_half_life_s < 0 or not self.shift_threshold > 0:
+            raise ValueError(f"ForecastConfig.shift_half_life_s must be >= 0 (0 = off) and shift_threshold > 0, got "
+                             f"{self.shift_half_life_s} and {self.shift_threshold}")
+        weeks = self.week_s / self.period_s
+        if self.week_s < 0 or abs(weeks - round(weeks)) > 1e-9 or not self.week_half_life_s > 0 or self.week_shrink < 0:
+            raise ValueError(f"ForecastConfig.week_s ({self.week_s:g}) must be 0 (off) or a multiple of period_s "
+                             f"({self.period_s:g}), week_half_life_s > 0 and week_shrink >= 0")
         if not 0 <= self.lead_quantile < 1:
             raise ValueError(f"ForecastConfig.lead_quantile must be in [0, 1) (0 = off), got {self.lead_quantile}")
         if self.quantile_window_steps < 1 or (self.lead_quantile > 0
@@ -220,6 +246,11 @@ class ForecastConfig:
     @property
     def slots(self) -> int:
         return round(self.period_s / self.step_s)
+
+    @property
+    def week_slots(self) -> int:
+        """Slots of the week (0 = weekly structure off)."""
+        return round(self.week_s / self.step_s)
 
     @property
     def contexts(self) -> int:
@@ -278,6 +309,15 @@ class ForecastState:
     lead window of k steps, ``max(y(u) - center made h steps before u, h = 1..k) / mean``."""
     tail_pending: np.ndarray | None = field(default=None, repr=False)
     """The first period's worst misses (GPUs, ``-inf`` = none), held until ``mean`` is a reference."""
+    shift_gpus: float = 0.0
+    """The exponentially weighted anomaly ``y - P`` since the last re-basing (level shifts; GPUs)."""
+    shift_count: int = 0
+    """How many times the profile was re-based."""
+    week_dev: np.ndarray | None = field(default=None, repr=False)
+    """Per slot of the week: the exponentially weighted departure of demand from the daily profile (GPUs);
+    None when ``week_s`` is 0."""
+    week_n: np.ndarray | None = field(default=None, repr=False)
+    """Per slot of the week: observations seen there (weeks)."""
     lq_model: np.ndarray | None = field(default=None, repr=False)
     """The lead-window quantile's weights and optimiser state (:mod:`tidal.policy.forecast_quantile`);
     None when ``lead_quantile`` is off."""
@@ -298,6 +338,8 @@ def initial_state(config: ForecastConfig) -> ForecastState:
         ctx_hist=_frozen(np.zeros((config.contexts, CTX_BINS.size - 1))) if config.contexts > 1 else None,
         tail_hist=_frozen(np.zeros((config.tail_horizon_steps, TAIL_BINS.size - 1))),
         tail_pending=_frozen(np.full((config.slots, config.tail_horizon_steps), -np.inf)),
+        week_dev=_frozen(np.zeros(config.week_slots)) if config.week_slots else None,
+        week_n=_frozen(np.zeros(config.week_slots)) if config.week_slots else None,
         lq_model=_frozen(lq.initial_model(config.quantile_init)) if config.lead_quantile > 0 else None,
         lq_pending=_frozen(lq.initial_pending(config.quantile_window_steps)) if config.lead_quantile > 0 else None,
     )
@@ -403,6 +445,9 @@ def _path(config: ForecastConfig, state: ForecastState, y: float = math.nan
     p_now = prof[_slot(config, state.t_s)]
     future_slots = slot_of(config, state.t_s + hs * step)
     p_future = prof[future_slots]
+    if state.week_dev is not None and state.n_obs > config.week_slots:  # from the second week on
+        w = _week_departure(config, state, state.t_s + np.arange(hs.size + 1) * step)
+        p_now, p_future = p_now + w[0], p_future + w[1:]
     fade = c["fade"]
     if math.isnan(p_now):
         base = np.full(hs.shape, level)
@@ -446,6 +491,20 @@ def _path(config: ForecastConfig, state: ForecastState, y: float = math.nan
             rho = min(max(lq.predict(state.lq_model, x) * mean / (scale_k * config.quantile_z), lo), hi)
             scale = np.maximum(scale * rho, floor)
     return center, scale, base, ctx, x
+
+
+def _week_departure(config: ForecastConfig, state: ForecastState, times_s: np.ndarray) -> np.ndarray:
+    """The weekly departure from the daily profile at ``times_s`` (GPUs): read through the profile's box
+    kernel over the week's slots, shrunk by ``n / (n + week_shrink)``; 0 where no week was seen."""
+    half = max(0, int(round(config.profile_smooth_s / config.step_s / 2)))
+    ws = np.round(np.mod(times_s, config.week_s) / config.step_s).astype(int)
+    idx = (ws[:, None] + np.arange(-half, half + 1)[None, :]) % config.week_slots
+    n = state.week_n[idx]
+    seen = n > 0
+    k = np.maximum(seen.sum(axis=1), 1)
+    dev = np.where(seen, state.week_dev[idx], 0.0).sum(axis=1) / k
+    weeks = n.sum(axis=1) / k
+    return np.where(seen.any(axis=1), dev * weeks / (weeks + config.week_shrink), 0.0)
 
 
 def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float) -> ForecastState:
@@ -532,6 +591,7 @@ def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float)
     level, trend, mean = state.level_gpus, state.trend_gpus_per_s, state.mean_gpus
     prof, prof_n = state.profile_gpus, state.profile_n
     n_obs = state.n_obs
+    week_upd = shift_upd = None
     if not math.isnan(y):
         if n_obs == 0:
             level, mean = y, y
@@ -543,6 +603,25 @@ def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float)
             level = new_level
             m = 1.0 - decay(step, config.profile_half_life_s)
             mean = mean + max(m, 1.0 / (n_obs + 1)) * (y - mean)
+        shift, shifts = state.shift_gpus, state.shift_count
+        if config.shift_half_life_s > 0 and prof_n.min() > 0 and state.err_weight[0] > 0:
+            # Level shifts: the anomaly against the profile (as read), averaged; past the threshold, re-base.
+            anomaly = y - float(prof[_consts(config)["kernel_profile"][s]].mean())
+            shift += (1.0 - decay(step, config.shift_half_life_s)) * (anomaly - shift)
+            if abs(shift) > config.shift_threshold * float(state.err_sum[0] / state.err_weight[0]):
+                # by the mean anomaly, or by the anomaly now if it goes further the same way (the mean lags)
+                by = math.copysign(max(abs(shift), math.copysign(1.0, shift) * anomaly), shift)
+                prof = _frozen(prof + by)
+                shift, shifts = 0.0, shifts + 1
+            shift_upd = (shift, shifts)
+        if state.week_dev is not None and prof_n[s] > 0:
+            # How this slot of the week departs from the daily profile (as it stood before this observation).
+            ws = round((t_s % config.week_s) / step) % config.week_slots
+            week_dev, week_n = state.week_dev.copy(), state.week_n.copy()
+            week_n[ws] += 1
+            week_w = 1.0 - decay(config.week_s, config.week_half_life_s)
+            week_dev[ws] += max(week_w, 1.0 / week_n[ws]) * (y - prof[s] - week_dev[ws])
+            week_upd = (week_dev, week_n)
         prof, prof_n = prof.copy(), prof_n.copy()
         prof_n[s] += 1
         prof[s] += max(day_w, 1.0 / prof_n[s]) * (y - prof[s])
@@ -556,6 +635,10 @@ def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float)
                   tail_hist=None if tail_hist is None else _frozen(np.asarray(tail_hist, float)),
                   tail_pending=None if tail_pending is None else _frozen(tail_pending),
                   lq_model=None if lq_model is None else _frozen(lq_model))
+    if week_upd is not None:
+        new = replace(new, week_dev=_frozen(week_upd[0]), week_n=_frozen(week_upd[1]))
+    if shift_upd is not None:
+        new = replace(new, shift_gpus=shift_upd[0], shift_count=shift_upd[1])
     x = None
     if n_obs == 0:
         center = scale = base = np.full(h, np.nan)
