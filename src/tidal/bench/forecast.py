@@ -191,8 +191,10 @@ def _tidal_uppers(times_s: np.ndarray, demand: np.ndarray, cfg: fc.ForecastConfi
 
 
 LEAD_QUANTILE = 0.8
-"""``ForecastConfig.lead_quantile`` of the ``tidal (lead quantile)`` rows (chosen on each trace alone: the
-same on both, docs/loaning.md)."""
+"""``ForecastConfig.lead_quantile`` of the lead-quantile rows (chosen on each trace alone: the same on
+both, docs/loaning.md)."""
+TIDAL_ROWS = {"tidal (lead quantile off)": 0.0, f"tidal (lead quantile {LEAD_QUANTILE:g})": LEAD_QUANTILE}
+"""Tidal's rows, with the lead-window quantile off (the forecast before it) and on, whatever the default."""
 
 
 def evaluate_forecasts(times_s: np.ndarray, demand: np.ndarray, *, step_s: float, lead: int, warmup: int,
@@ -205,9 +207,8 @@ def evaluate_forecasts(times_s: np.ndarray, demand: np.ndarray, *, step_s: float
     period = round(period_s / step_s)
     cfg = fc.ForecastConfig(step_s=step_s, period_s=period_s, horizon_s=max(lead * step_s, 3600.0))
     uppers: dict[str, dict[float, np.ndarray]] = {
-        "tidal": _tidal_uppers(times_s, demand, cfg, lead, quantiles),
-        "tidal (lead quantile)": _tidal_uppers(
-            times_s, demand, replace(cfg, lead_quantile=LEAD_QUANTILE, quantile_window_steps=lead), lead, quantiles)}
+        name: _tidal_uppers(times_s, demand, replace(cfg, lead_quantile=tau, quantile_window_steps=lead), lead,
+                            quantiles) for name, tau in TIDAL_ROWS.items()}
 
     points = {"last-value": np.array(demand, dtype=float), "seasonal-naive": np.full(n, np.nan)}
     points["seasonal-naive"][max(0, period - lead):] = demand[: n - max(0, period - lead)]
@@ -370,23 +371,17 @@ def evaluate_harvest(times_s: np.ndarray, demand: np.ndarray, *, n: int, step_s:
     out: dict[str, Any] = {"oracle": oracle, "night_window_s": [start_s, end_s], "budgets": {}}
     for b in budgets:
         rows: dict[str, Any] = {}
-        log(f"  budget {b:g}: tidal")
-        tcfg = TidalConfig(shortfall_budget=b, forecast=fc.ForecastConfig(step_s=step_s, horizon_s=horizon_s),
+        base = TidalConfig(shortfall_budget=b, forecast=fc.ForecastConfig(step_s=step_s, horizon_s=horizon_s),
                            timing=timing)
-        lent, state = run_policy(TidalPolicy(tcfg), times_s, demand, n)
-        rows["tidal"] = {**fluid_score(lent, demand, n, lead, warmup), "margin": f"z={state.z:.2f} at end",
-                         "self_reported_shortfall": state.shortfall_ratio}
-        log(f"  budget {b:g}: tidal (lead quantile)")
-        lq_cfg = replace(tcfg, forecast=replace(tcfg.forecast, lead_quantile=LEAD_QUANTILE,
-                                                quantile_window_steps=lead))
-        lent, state = run_policy(TidalPolicy(lq_cfg), times_s, demand, n)
-        rows["tidal (lead quantile)"] = {**fluid_score(lent, demand, n, lead, warmup),
-                                         "margin": f"z={state.z:.2f} at end",
-                                         "self_reported_shortfall": state.shortfall_ratio}
-        lent, state = run_policy(TidalPolicy(replace(lq_cfg, tail_budget_fraction=0.0)), times_s, demand, n)
-        rows["tidal (lead quantile, no tail reserve)"] = {**fluid_score(lent, demand, n, lead, warmup),
-                                                          "margin": f"z={state.z:.2f} at end",
-                                                          "self_reported_shortfall": state.shortfall_ratio}
+        variants = [(name, replace(base, forecast=replace(base.forecast, lead_quantile=tau, quantile_window_steps=lead)))
+                    for name, tau in TIDAL_ROWS.items()]
+        name, cfg = variants[-1]
+        variants.append((f"{name[:-1]}, no tail reserve)", replace(cfg, tail_budget_fraction=0.0)))
+        for name, cfg in variants:
+            log(f"  budget {b:g}: {name}")
+            lent, state = run_policy(TidalPolicy(cfg), times_s, demand, n)
+            rows[name] = {**fluid_score(lent, demand, n, lead, warmup), "margin": f"z={state.z:.2f} at end",
+                          "self_reported_shortfall": state.shortfall_ratio}
 
         log(f"  budget {b:g}: reactive (hindsight)")
         m = _tune_margin(lambda mg: _reactive_lent(demand, n, mg), demand, n, lead, warmup, b)
@@ -532,7 +527,7 @@ def render(result: dict[str, Any], console: Any) -> None:
         console.print(f"• {lib}: {why}", highlight=False)
     for name, tr in result["traces"].items():
         for b, rows in tr["harvest"]["budgets"].items():
-            r = rows["tidal"]
+            r = rows[next(iter(TIDAL_ROWS))]
             if not r["meets_budget"]:
                 w = r["worst_day"]
                 console.print(f"• {name} at {b}: tidal's shortfall exceeds the budget; day {w['day']} alone holds "
