@@ -156,3 +156,39 @@ def test_a_level_shift_is_rebased_within_a_few_steps():
         far = fc.forecast(c, state).center_gpus[5]  # 6 h ahead, 4 h after the shift
         assert bool(abs(far - 80.0) < 5.0) is within, far
     assert state.shift_count == 0
+
+
+def test_a_state_stored_before_the_options_existed_decodes_and_switching_them_on_later_starts_them():
+    cfg_off = fc.ForecastConfig()
+    y = _noisy(1, 6, 3.0)
+    state = fc.initial_state(cfg_off)
+    for i, v in enumerate(y):
+        state = fc.observe(cfg_off, state, 600.0 * i, float(v))
+    doc = codec.encode(state)
+    for name in ("lq_model", "lq_pending", "week_dev", "week_n", "shift_gpus", "shift_count"):
+        del doc[name]  # as an older version stored it
+    old = codec.decode(doc)
+    assert old.lq_model is None and old.shift_count == 0
+    with pytest.raises(ValueError, match="missing or unknown"):  # a field without a default is still required
+        codec.decode({k: v for k, v in doc.items() if k != "level_gpus"})
+    on = fc.ForecastConfig(lead_quantile=0.8, week_s=7 * 86400.0)
+    nxt = fc.observe(on, old, 600.0 * len(y), 60.0)
+    assert nxt.lq_model is not None and nxt.week_dev.size == 7 * 144 and np.isfinite(nxt.scale_gpus).all()
+    back_off = fc.observe(cfg_off, nxt, 600.0 * (len(y) + 1), 61.0)
+    assert back_off.lq_model is None and back_off.week_dev is None
+
+
+def test_gaps_zeros_and_spikes_keep_every_option_finite():
+    rng = np.random.default_rng(7)
+    y = _noisy(3, 7, 8.0).clip(min=0)
+    y[rng.random(y.size) < 0.05] = math.nan
+    y[100:130] = 0.0
+    y[300:303] = 5000.0
+    cfg = fc.ForecastConfig(lead_quantile=0.8, week_s=7 * 86400.0, shift_half_life_s=3600.0)
+    state = fc.initial_state(cfg)
+    for i, v in enumerate(y):
+        state = fc.observe(cfg, state, 600.0 * i, float(v))
+        if state.n_obs:
+            f = fc.forecast(cfg, state)
+            assert np.isfinite(f.center_gpus).all() and (f.scale_gpus > 0).all() and np.isfinite(f.scale_gpus).all()
+    assert np.isfinite(state.lq_model).all()

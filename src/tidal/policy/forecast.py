@@ -676,6 +676,26 @@ def _push_row(row: np.ndarray, rows: np.ndarray) -> np.ndarray:
     return out
 
 
+def _with_options(config: ForecastConfig, state: ForecastState) -> ForecastState:
+    """``state`` with the optional parts (lead-window quantile, weekly departures) as ``config`` asks: started
+    afresh when switched on, resized or missing (a state stored by a version without them), dropped when
+    switched off. The same object when nothing changes."""
+    change: dict[str, np.ndarray | None] = {}
+    k = config.quantile_window_steps
+    if config.lead_quantile > 0:
+        if state.lq_model is None or state.lq_pending is None or state.lq_pending.shape[0] != k:
+            change.update(lq_model=_frozen(lq.initial_model(config.quantile_init)),
+                          lq_pending=_frozen(lq.initial_pending(k)))
+    elif state.lq_model is not None or state.lq_pending is not None:
+        change.update(lq_model=None, lq_pending=None)
+    w = config.week_slots
+    if w and (state.week_dev is None or state.week_n is None or state.week_dev.size != w):
+        change.update(week_dev=_frozen(np.zeros(w)), week_n=_frozen(np.zeros(w)))
+    elif not w and (state.week_dev is not None or state.week_n is not None):
+        change.update(week_dev=None, week_n=None)
+    return replace(state, **change) if change else state
+
+
 def observe(config: ForecastConfig, state: ForecastState, t_s: float, demand_gpus: float) -> ForecastState:
     """The state after observing ``demand_gpus`` (NaN = missing) at ``t_s``; ``state`` is unchanged.
 
@@ -685,6 +705,7 @@ def observe(config: ForecastConfig, state: ForecastState, t_s: float, demand_gpu
     y = float(demand_gpus)
     if y < 0 or math.isinf(y):
         raise ValueError(f"demand_gpus must be finite and >= 0 (or NaN for missing), got {demand_gpus}")
+    state = _with_options(config, state)
     if math.isnan(state.t_s):
         return _advance(config, state, float(t_s), y)
     k = (t_s - state.t_s) / config.step_s
