@@ -57,14 +57,15 @@ def ets_forecasts(demand: np.ndarray, *, lead: int, warmup: int, quantiles: tupl
     upper = {q: np.full(n, np.nan) for q in quantiles}
     center = np.full((n, lead), np.nan)
     scale = np.full((n, lead), np.nan)
-    model, seasonal = None, False
+    model = None
     for t in range(max(warmup - lead, 10), n):
-        if model is None or not seasonal or (t - warmup) % refit_steps == 0:
-            try:  # the seasonal model needs more than two seasons of data; until then, none
-                model, seasonal = AutoETS(season_length=period, model="ZZA").fit(y[: t + 1]), True
+        if model is None or (t - warmup) % refit_steps == 0:
+            try:  # with too little data the seasonal model cannot be fitted; then none, until the next refit
+                model = AutoETS(season_length=period, model="ZZA").fit(y[: t + 1])
             except Exception:  # statsforecast raises a bare Exception ("no model able to be fitted")
-                if model is None:
-                    model = AutoETS(model="ZZN").fit(y[: t + 1])
+                model = None
+            if model is None:
+                model = AutoETS(model="ZZN").fit(y[: t + 1])
         r = model.forward(y[: t + 1], h=lead, level=[90, *(int(v) if v == int(v) else v for v in levels.values())])
         center[t] = np.maximum(r["mean"], 0.0)
         scale[t] = np.maximum(r["hi-90"] - r["mean"], 0.0) / z90
