@@ -43,6 +43,16 @@ Model, for the demand y at time ``t + h * step_s`` seen from the last observatio
   for a target quantile (adaptive conformal inference). ``upper(h; z)`` is the profile at an upper
   quantile, corrected by the live level and trend.
 
+Optional parts (off by default; docs/loaning.md, "Lead-window quantile, weeks and level shifts"):
+
+* ``lead_quantile`` — a quantile forecast of the lead window's peak, learned online by pinball-loss SGD
+  (:mod:`tidal.policy.forecast_quantile`); the scale path is rescaled so that ``quantile_z`` scales over
+  the window are that quantile.
+* ``week_s`` — per slot of the week, the learned departure from the daily profile, added to ``P`` from
+  the second week on (shrunk while few weeks are seen).
+* ``shift_half_life_s`` — level shifts: when the mean anomaly ``y - P`` passes ``shift_threshold``
+  one-step errors, the whole profile is re-based, so a lasting shift is forecast at every horizon.
+
 Why this shape: on the traces an optimal policy for a shortfall *budget* lends down to one fixed
 conditional quantile of demand (the Lagrangian of "minimise margin subject to expected shortfall
 <= B" is minimised pointwise at a constant quantile level), so the forecaster's job is a
