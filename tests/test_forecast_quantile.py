@@ -118,6 +118,20 @@ def test_missing_forecasting_libraries_are_reported_not_raised(monkeypatch):
     assert out and all(isinstance(v, str) and v.startswith("not installed") for v in out.values())
 
 
+def test_the_benchmark_says_not_installed_in_one_line_per_missing_library(monkeypatch, tmp_path, capsys):
+    from tidal.bench.forecast import run as bench_run
+
+    monkeypatch.setitem(sys.modules, "statsforecast", None)
+    monkeypatch.setitem(sys.modules, "lightgbm", None)
+    y = _noisy(2, 8, 2.0).clip(min=1)
+    p = tmp_path / "syn.csv"
+    p.write_text("seconds,requests_per_second\n" + "".join(f"{600 * i},{v:.3f}\n" for i, v in enumerate(y)))
+    result = bench_run([p], serving_gpus=32, budgets=(0.01,), quantiles=(0.9,), warmup_days=1.0, libraries=True)
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "not installed" in ln]
+    assert len(lines) == 2 and all("forecast-bench" in ln for ln in lines), lines
+    assert set(result["traces"]["syn"]["libraries_missing"]) == {"ets (statsforecast AutoETS)", "lightgbm (quantile)"}
+
+
 # --- weekly structure and level shifts (tidal.policy.forecast) ------------------------------------------
 
 HOURLY = dict(step_s=3600.0, horizon_s=6 * 3600.0, profile_smooth_s=3600.0)

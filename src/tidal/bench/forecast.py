@@ -524,7 +524,7 @@ def render(result: dict[str, Any], console: Any) -> None:
     console.print(t2)
     missing = {lib: why for tr in result["traces"].values() for lib, why in tr.get("libraries_missing", {}).items()}
     for lib, why in missing.items():
-        console.print(f"• {lib}: {why}", highlight=False)
+        console.print(f"• {lib}: {why}", highlight=False, markup=False)
     for name, tr in result["traces"].items():
         for b, rows in tr["harvest"]["budgets"].items():
             r = rows[next(iter(TIDAL_ROWS))]
