@@ -95,7 +95,7 @@ def forecast(
     lead_s: float = typer.Option(1200.0, "--lead-s", help="Reclaim lead time in seconds."),
     json_out: bool = typer.Option(False, "--json", help="Print a JSON object on stdout (tables to stderr)."),
     libraries: bool = typer.Option(True, "--libraries/--no-libraries", help="Forecasting libraries as competitors "
-                                   "(statsforecast, LightGBM: pip install -e '.[forecast-bench]'; ~2 min a trace)."),
+                                   "(statsforecast, LightGBM: the forecast-bench extra; ~2 min a trace)."),
 ) -> None:
     """Serving-demand forecast and loan policies on real traces: Tidal vs baselines vs oracle."""
     from tidal.bench.forecast import run
