@@ -94,12 +94,14 @@ def forecast(
     quantile: list[float] = typer.Option([0.95, 0.99], "--quantile", help="Forecast quantiles; repeatable."),
     lead_s: float = typer.Option(1200.0, "--lead-s", help="Reclaim lead time in seconds."),
     json_out: bool = typer.Option(False, "--json", help="Print a JSON object on stdout (tables to stderr)."),
+    libraries: bool = typer.Option(True, "--libraries/--no-libraries", help="Forecasting libraries as competitors "
+                                   "(statsforecast, LightGBM: the forecast-bench extra; ~2 min a trace)."),
 ) -> None:
     """Serving-demand forecast and loan policies on real traces: Tidal vs baselines vs oracle."""
     from tidal.bench.forecast import run
 
     run(_traces(traces), serving_gpus=serving_gpus, budgets=tuple(budget), quantiles=tuple(quantile),
-        lead_s=lead_s, as_json=json_out)
+        lead_s=lead_s, as_json=json_out, libraries=libraries)
 
 
 def _traces(traces: list[Path] | None) -> list[Path]:

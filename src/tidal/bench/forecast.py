@@ -170,15 +170,14 @@ def _fit_holt_winters(demand: np.ndarray, period: int, lead: int, warmup: int) -
     return best
 
 
-def evaluate_forecasts(times_s: np.ndarray, demand: np.ndarray, *, step_s: float, lead: int, warmup: int,
-                       quantiles: tuple[float, ...], period_s: float = 86400.0) -> dict[str, Any]:
-    """Under-forecast rate and pinball loss (/ mean demand) per method and quantile (see module doc)."""
+def _tidal_uppers(times_s: np.ndarray, demand: np.ndarray, cfg: fc.ForecastConfig, lead: int,
+                  quantiles: tuple[float, ...]) -> dict[float, np.ndarray]:
+    """Tidal's bound for the demand ``lead`` ahead at each quantile: its forecast with the margin calibrated
+    by adaptive conformal inference."""
     n = len(demand)
-    period = round(period_s / step_s)
-    cfg = fc.ForecastConfig(step_s=step_s, period_s=period_s, horizon_s=max(lead * step_s, 3600.0))
     cals = {tau: CoverageCalibrator(quantile=tau, horizon_steps=lead) for tau in quantiles}
     cal_states = {tau: c.initial_state() for tau, c in cals.items()}
-    uppers: dict[str, dict[float, np.ndarray]] = {"tidal": {tau: np.full(n, np.nan) for tau in quantiles}}
+    out = {tau: np.full(n, np.nan) for tau in quantiles}
     state = fc.initial_state(cfg)
     for t in range(n):
         state = fc.observe(cfg, state, times_s[t], demand[t])
@@ -187,12 +186,39 @@ def evaluate_forecasts(times_s: np.ndarray, demand: np.ndarray, *, step_s: float
         if state.n_obs:
             f = fc.forecast(cfg, state)
             for tau, cal in cals.items():
-                uppers["tidal"][tau][t], cal_states[tau] = cal.emit(cal_states[tau], f)
+                out[tau][t], cal_states[tau] = cal.emit(cal_states[tau], f)
+    return out
+
+
+LEAD_QUANTILE = 0.8
+"""``ForecastConfig.lead_quantile`` of the lead-quantile rows (chosen on each trace alone: the same on
+both, docs/loaning.md)."""
+TIDAL_ROWS = {"tidal (lead quantile off)": 0.0, f"tidal (lead quantile {LEAD_QUANTILE:g})": LEAD_QUANTILE}
+"""Tidal's rows, with the lead-window quantile off (the forecast before it) and on, whatever the default."""
+
+
+def evaluate_forecasts(times_s: np.ndarray, demand: np.ndarray, *, step_s: float, lead: int, warmup: int,
+                       quantiles: tuple[float, ...], period_s: float = 86400.0,
+                       libraries: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Under-forecast rate and pinball loss (/ mean demand) per method and quantile (see module doc).
+    ``libraries``: the forecasts of :func:`tidal.bench.forecast_libs.library_forecasts` (their native
+    bounds, and each point forecast with the same split-conformal bound as the baselines here)."""
+    n = len(demand)
+    period = round(period_s / step_s)
+    cfg = fc.ForecastConfig(step_s=step_s, period_s=period_s, horizon_s=max(lead * step_s, 3600.0))
+    uppers: dict[str, dict[float, np.ndarray]] = {
+        name: _tidal_uppers(times_s, demand, replace(cfg, lead_quantile=tau, quantile_window_steps=lead), lead,
+                            quantiles) for name, tau in TIDAL_ROWS.items()}
 
     points = {"last-value": np.array(demand, dtype=float), "seasonal-naive": np.full(n, np.nan)}
     points["seasonal-naive"][max(0, period - lead):] = demand[: n - max(0, period - lead)]
     alpha, beta, gamma = _fit_holt_winters(demand, period, lead, warmup)
     points["holt-winters"] = _holt_winters(demand, period, lead, alpha, beta, gamma)
+    for name, lib in (libraries or {}).items():
+        if isinstance(lib, dict):
+            uppers[f"{name}, native"] = {tau: lib["upper"][tau] for tau in quantiles}
+            if lib["scale"].any():  # a point forecast to put a conformal bound on
+                points[f"{name}, conformal"] = lib["center"][:, lead - 1]
     for name, p in points.items():
         uppers[name] = {tau: _conformal_upper(p, demand, lead, tau) for tau in quantiles}
 
@@ -310,10 +336,29 @@ def night_window(demand: np.ndarray, step_s: float, hours: float, period_s: floa
     return s * step_s, ((s + width) % period) * step_s
 
 
+def _tune_offset(make: Callable[[float], np.ndarray], demand: np.ndarray, n: int, lead: int, warmup: int,
+                 budget: float, lo: float, hi: float) -> float:
+    """Smallest ``x`` in ``[lo, hi]`` (to 0.01) whose strict shortfall is within ``budget`` (hindsight; ``hi``
+    if none)."""
+    def ok(x: float) -> bool:
+        return fluid_score(make(x), demand, n, lead, warmup)["shortfall_strict"] <= budget
+    if ok(lo):
+        return lo
+    while hi - lo > 0.01:
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if ok(mid) else (mid, hi)
+    return hi
+
+
 def evaluate_harvest(times_s: np.ndarray, demand: np.ndarray, *, n: int, step_s: float, lead: int, warmup: int,
                      budgets: tuple[float, ...], restart_cost_s: float, night_hours: float,
-                     log: Callable[[str], None]) -> dict[str, Any]:
-    """Tidal vs reactive / night-window (hindsight-tuned) vs oracle, per budget (see module doc)."""
+                     log: Callable[[str], None], libraries: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Tidal vs reactive / night-window (hindsight-tuned) vs oracle, per budget (see module doc); with
+    ``libraries`` (:func:`tidal.bench.forecast_libs.library_forecasts`), each library's bound on the lead
+    window with its margin tuned with hindsight: ``center + z * scale`` (z >= 0) where it has a scale,
+    else ``center + m`` (m in GPUs, may be negative)."""
+    from tidal.bench.forecast_bound import lent_from_upper
+
     timing = LoanTiming(notice_s=0.0, final_checkpoint_s=0.0, release_s=0.0, warmup_s=lead * step_s,
                         restart_cost_s=restart_cost_s)
     horizon_s = max(6 * 3600.0, timing.lead_time_s + timing.min_loan_window_s + step_s)
@@ -326,12 +371,17 @@ def evaluate_harvest(times_s: np.ndarray, demand: np.ndarray, *, n: int, step_s:
     out: dict[str, Any] = {"oracle": oracle, "night_window_s": [start_s, end_s], "budgets": {}}
     for b in budgets:
         rows: dict[str, Any] = {}
-        log(f"  budget {b:g}: tidal")
-        tcfg = TidalConfig(shortfall_budget=b, forecast=fc.ForecastConfig(step_s=step_s, horizon_s=horizon_s),
+        base = TidalConfig(shortfall_budget=b, forecast=fc.ForecastConfig(step_s=step_s, horizon_s=horizon_s),
                            timing=timing)
-        lent, state = run_policy(TidalPolicy(tcfg), times_s, demand, n)
-        rows["tidal"] = {**fluid_score(lent, demand, n, lead, warmup), "margin": f"z={state.z:.2f} at end",
-                         "self_reported_shortfall": state.shortfall_ratio}
+        variants = [(name, replace(base, forecast=replace(base.forecast, lead_quantile=tau, quantile_window_steps=lead)))
+                    for name, tau in TIDAL_ROWS.items()]
+        name, cfg = variants[-1]
+        variants.append((f"{name[:-1]}, no tail reserve)", replace(cfg, tail_budget_fraction=0.0)))
+        for name, cfg in variants:
+            log(f"  budget {b:g}: {name}")
+            lent, state = run_policy(TidalPolicy(cfg), times_s, demand, n)
+            rows[name] = {**fluid_score(lent, demand, n, lead, warmup), "margin": f"z={state.z:.2f} at end",
+                          "self_reported_shortfall": state.shortfall_ratio}
 
         log(f"  budget {b:g}: reactive (hindsight)")
         m = _tune_margin(lambda mg: _reactive_lent(demand, n, mg), demand, n, lead, warmup, b)
@@ -347,6 +397,21 @@ def evaluate_harvest(times_s: np.ndarray, demand: np.ndarray, *, n: int, step_s:
         if restart_cost_s == 0 and not np.array_equal(lent, _night_lent(night, times_s, n, m, lead)):
             raise AssertionError("vectorized night-window model disagrees with NightWindowPolicy")
         rows["night-window (hindsight)"] = {**fluid_score(lent, demand, n, lead, warmup), "margin": f"{m:.2f} GPUs"}
+        for name, lib in (libraries or {}).items():
+            if not isinstance(lib, dict):
+                continue
+            log(f"  budget {b:g}: {name} (hindsight)")
+            center, scale = lib["center"], lib["scale"]
+            if scale.any():
+                z = _tune_offset(lambda x, c=center, s_=scale: lent_from_upper(demand, c + x * s_, n), demand, n,
+                                 lead, warmup, b, 0.0, 50.0)
+                lent, margin = lent_from_upper(demand, center + z * scale, n), f"z={z:.2f}"
+            else:
+                m = _tune_offset(lambda x, c=center: lent_from_upper(demand, c + x, n), demand, n, lead, warmup, b,
+                                 -float(n), float(n))
+                lent, margin = lent_from_upper(demand, center + m, n), f"{m:+.2f} GPUs"
+            lent[:warmup] = 0  # NaN bounds lend nothing; before the warm-up nothing is scored
+            rows[f"{name} (hindsight)"] = {**fluid_score(lent, demand, n, lead, warmup), "margin": margin}
         rows["oracle"] = {**oracle, "margin": "0"}
         for r in rows.values():
             r["harvest_over_oracle"] = r["harvest"] / oracle["harvest"] if oracle["harvest"] > 0 else math.nan
@@ -361,10 +426,12 @@ def evaluate_harvest(times_s: np.ndarray, demand: np.ndarray, *, n: int, step_s:
 def run(traces: list[Path], *, serving_gpus: int = 128, step_s: float = 600.0, lead_s: float = 1200.0,
         budgets: tuple[float, ...] = (0.001, 0.005), quantiles: tuple[float, ...] = (0.95, 0.99),
         warmup_days: float = 2.0, restart_cost_s: float = 0.0, night_hours: float = 8.0,
-        as_json: bool = False, console: Any = None) -> dict[str, Any]:
+        as_json: bool = False, console: Any = None, libraries: bool = False) -> dict[str, Any]:
     """Evaluate forecasts and loan policies on each trace; print Rich tables; return the result.
 
-    With ``as_json`` the tables go to stderr and the result is printed as JSON on stdout.
+    With ``as_json`` the tables go to stderr and the result is printed as JSON on stdout. With
+    ``libraries``, forecasting libraries compete too (:mod:`tidal.bench.forecast_libs`; a missing one is
+    reported as "not installed").
     """
     from rich.console import Console
 
@@ -385,7 +452,8 @@ def run(traces: list[Path], *, serving_gpus: int = 128, step_s: float = 600.0, l
                                                                      "initial_z", "min_z")},
                    "forecast": {k: getattr(fc.ForecastConfig(), k) for k in (
                        "noise_exponent", "context_tod_buckets", "context_level_edges", "context_vol_edges",
-                       "context_quantile")}},
+                       "context_quantile", "quantile_z", "quantile_lr")},
+                   "lead_quantile": LEAD_QUANTILE, "libraries": libraries},
         "traces": {},
     }
     started = time.perf_counter()
@@ -393,14 +461,21 @@ def run(traces: list[Path], *, serving_gpus: int = 128, step_s: float = 600.0, l
         trace, times, demand = load_demand(path, serving_gpus, step_s, warmup + lead)
         gaps = int(np.isnan(demand).sum())
         err.print(f"[dim]{trace.name}: {len(demand)} steps, {gaps} gap steps[/]", highlight=False)
+        libs: dict[str, Any] = {}
+        if libraries:
+            from tidal.bench.forecast_libs import library_forecasts
+
+            err.print("[dim]  forecasting libraries (refit daily, applied every step)[/]", highlight=False)
+            libs = library_forecasts(times, demand, lead=lead, warmup=warmup, quantiles=quantiles, step_s=step_s)
         entry = {
             "steps": len(demand), "gap_steps": gaps,
             "mean_demand_over_pool": float(np.nanmean(demand) / serving_gpus),
+            "libraries_missing": {k: v for k, v in libs.items() if isinstance(v, str)},
             "forecast": evaluate_forecasts(times, demand, step_s=step_s, lead=lead, warmup=warmup,
-                                           quantiles=quantiles),
+                                           quantiles=quantiles, libraries=libs),
             "harvest": evaluate_harvest(times, demand, n=serving_gpus, step_s=step_s, lead=lead, warmup=warmup,
                                         budgets=budgets, restart_cost_s=restart_cost_s, night_hours=night_hours,
-                                        log=lambda s: err.print(f"[dim]{s}[/]", highlight=False)),
+                                        log=lambda s: err.print(f"[dim]{s}[/]", highlight=False), libraries=libs),
         }
         result["traces"][trace.name] = entry
     result["elapsed_s"] = time.perf_counter() - started
@@ -447,9 +522,12 @@ def render(result: dict[str, Any], console: Any) -> None:
                            f"{r['harvest']:.3f}", f"{r['harvest_over_oracle']:.3f}", verdict)
             t2.add_section()
     console.print(t2)
+    missing = {lib: why for tr in result["traces"].values() for lib, why in tr.get("libraries_missing", {}).items()}
+    for lib, why in missing.items():
+        console.print(f"• {lib}: {why}", highlight=False, markup=False)
     for name, tr in result["traces"].items():
         for b, rows in tr["harvest"]["budgets"].items():
-            r = rows["tidal"]
+            r = rows[next(iter(TIDAL_ROWS))]
             if not r["meets_budget"]:
                 w = r["worst_day"]
                 console.print(f"• {name} at {b}: tidal's shortfall exceeds the budget; day {w['day']} alone holds "
@@ -479,11 +557,13 @@ def main() -> None:
                                              "minimum loan window (0 = the issue's fluid model)."),
         night_hours: float = typer.Option(8.0, "--night-hours", help="Length of the night-window baseline."),
         json_out: bool = typer.Option(False, "--json", help="JSON on stdout (tables on stderr)."),
+        libraries: bool = typer.Option(True, "--libraries/--no-libraries", help="Forecasting libraries as "
+                                       "competitors (statsforecast, LightGBM: the forecast-bench extra)."),
     ) -> None:
         """Serving forecast and loan policies on real traces: Tidal vs baselines."""
         run(list(traces) if traces else default_traces(), serving_gpus=serving_gpus, step_s=step_s, lead_s=lead_s,
             budgets=tuple(budget), quantiles=tuple(quantile), warmup_days=warmup_days,
-            restart_cost_s=restart_cost_s, night_hours=night_hours, as_json=json_out)
+            restart_cost_s=restart_cost_s, night_hours=night_hours, as_json=json_out, libraries=libraries)
 
     typer.run(cli)
 

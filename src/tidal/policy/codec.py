@@ -3,7 +3,7 @@
 ``encode(state)`` turns a (nested) frozen dataclass of floats, ints, tuples and numpy arrays into
 JSON-able data; ``decode(doc)`` rebuilds it, exactly (arrays bit for bit, NaN and infinities kept).
 Only the classes registered in :data:`CLASSES` are rebuilt, so a stored document never names code
-to run. Arrays decode read-only, as the forecaster keeps them.
+to run. Fields with a default may be missing (a state stored by an older version). Arrays decode read-only, as the forecaster keeps them.
 """
 
 from __future__ import annotations
@@ -51,9 +51,14 @@ def decode(doc: Any, where: str = "state") -> Any:
             if cls is None:
                 raise ValueError(f"{where}: unknown state class {doc['__dc__']!r}")
             names = {f.name for f in dataclasses.fields(cls)}
+            # Fields with a default may be absent: a state stored before they existed (the option they
+            # serve starts afresh).
+            optional = {f.name for f in dataclasses.fields(cls)
+                        if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
             kw = {k: decode(v, f"{where}.{k}") for k, v in doc.items() if k != "__dc__"}
-            if set(kw) != names:
-                raise ValueError(f"{where}: {cls.__name__} fields {sorted(set(kw) ^ names)} missing or unknown")
+            if set(kw) - names or names - optional - set(kw):
+                raise ValueError(f"{where}: {cls.__name__} fields {sorted((set(kw) - names) | (names - optional - set(kw)))}"
+                                 " missing or unknown")
             return cls(**kw)
         if "__nd__" in doc:
             dtype, shape, data = doc["__nd__"]

@@ -43,6 +43,16 @@ Model, for the demand y at time ``t + h * step_s`` seen from the last observatio
   for a target quantile (adaptive conformal inference). ``upper(h; z)`` is the profile at an upper
   quantile, corrected by the live level and trend.
 
+Optional parts (off by default; docs/loaning.md, "Lead-window quantile, weeks and level shifts"):
+
+* ``lead_quantile`` — a quantile forecast of the lead window's peak, learned online by pinball-loss SGD
+  (:mod:`tidal.policy.forecast_quantile`); the scale path is rescaled so that ``quantile_z`` scales over
+  the window are that quantile.
+* ``week_s`` — per slot of the week, the learned departure from the daily profile, added to ``P`` from
+  the second week on (shrunk while few weeks are seen).
+* ``shift_half_life_s`` — level shifts: when the mean anomaly ``y - P`` passes ``shift_threshold``
+  one-step errors, the whole profile is re-based, so a lasting shift is forecast at every horizon.
+
 Why this shape: on the traces an optimal policy for a shortfall *budget* lends down to one fixed
 conditional quantile of demand (the Lagrangian of "minimise margin subject to expected shortfall
 <= B" is minimised pointwise at a constant quantile level), so the forecaster's job is a
@@ -64,6 +74,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from tidal.policy import forecast_quantile as lq
 from tidal.policy.forecast_errors import CTX_BINS, TAIL_BINS, context_factor, context_of
 
 
@@ -150,6 +161,41 @@ class ForecastConfig:
     tail_half_life_s: float = 28 * 86400.0
     """Memory of the tail histograms: long, because the misses they keep (load x3 within 10 min)
     come once a week or rarer, and the error scale ``e`` (2-day memory) forgets them."""
+    shift_half_life_s: float = 0.0
+    """Level shifts (0 = off): an exponentially weighted mean (this half-life) of the anomaly ``y - P`` is
+    kept; when it exceeds ``shift_threshold`` one-step errors, the whole profile is re-based by it (a
+    lasting shift is then forecast at every horizon, instead of fading back into the old profile over
+    ``anomaly_half_life_s`` and being learnt by the profile over days), and the mean restarts at 0."""
+    shift_threshold: float = 3.0
+    """The anomaly's mean, in one-step mean absolute errors, that re-bases the profile."""
+    week_s: float = 0.0
+    """Weekly structure (0 = off; 7 days = 604800): learn, per ``step_s`` slot of the week, how demand there
+    departs from the daily profile (an exponentially weighted mean of ``y - P``, ``week_half_life_s``), and
+    add it to the profile, shrunk by ``n / (n + week_shrink)`` with n the weeks seen at that slot (read
+    through the profile's kernel). Before a whole week is seen it changes nothing. A multiple of ``period_s``."""
+    week_half_life_s: float = 28 * 86400.0
+    """Memory of the weekly departures."""
+    week_shrink: float = 1.0
+    """The weekly departures count as this many weeks of none (one week seen: half of it is used)."""
+    lead_quantile: float = 0.0
+    """The lead-window quantile (0 = off): learn online the ``lead_quantile``-quantile of the peak miss over
+    the next ``quantile_window_steps`` (``max y - max center`` over the window) by pinball-loss SGD on
+    features of the path (:mod:`tidal.policy.forecast_quantile`), and rescale the error-scale path so that
+    ``z = quantile_z`` over the window is that quantile. 0.8 was chosen on each ServeGen trace alone (the
+    same on both; docs/loaning.md, "Lead-window quantile")."""
+    quantile_window_steps: int = 2
+    """The window of the lead-window quantile, in steps: the loan lead time (20 min at 10-min steps)."""
+    quantile_lr: float = 0.05
+    """Adagrad's step size for the lead-window quantile's weights."""
+    quantile_init: float = 1.5
+    """The lead-window quantile before any update: this many error scales (at the window's end)."""
+    quantile_z: float = 2.5
+    """Over the window, ``center + quantile_z * scale`` is the learned quantile (the error-scale path is
+    rescaled to ``quantile / quantile_z``): sets the units of the loan policy's calibrated ``z``, whose
+    start (``initial_z`` = 3), step size and shortfall cap (3 scales) are in those units. 2.5 is about the
+    ``z`` the loan policy holds at 0.5 % with the plain scale."""
+    quantile_rho_range: tuple[float, float] = (0.2, 5.0)
+    """The rescaling of the error-scale path by the lead-window quantile stays within this range."""
     prior_scale_fraction: float = 0.25
     """Error scale, as a fraction of the level, before any error has been measured."""
     min_scale_fraction: float = 0.01
@@ -181,6 +227,24 @@ class ForecastConfig:
             raise ValueError(f"ForecastConfig.context_horizon_steps must be >= 1, got {self.context_horizon_steps}")
         if self.tail_horizon_steps < 1:
             raise ValueError(f"ForecastConfig.tail_horizon_steps must be >= 1, got {self.tail_horizon_steps}")
+        if self.shift_half_life_s < 0 or not self.shift_threshold > 0:
+            raise ValueError(f"ForecastConfig.shift_half_life_s must be >= 0 (0 = off) and shift_threshold > 0, got "
+                             f"{self.shift_half_life_s} and {self.shift_threshold}")
+        weeks = self.week_s / self.period_s
+        if self.week_s < 0 or abs(weeks - round(weeks)) > 1e-9 or not self.week_half_life_s > 0 or self.week_shrink < 0:
+            raise ValueError(f"ForecastConfig.week_s ({self.week_s:g}) must be 0 (off) or a multiple of period_s "
+                             f"({self.period_s:g}), week_half_life_s > 0 and week_shrink >= 0")
+        if not 0 <= self.lead_quantile < 1:
+            raise ValueError(f"ForecastConfig.lead_quantile must be in [0, 1) (0 = off), got {self.lead_quantile}")
+        if self.quantile_window_steps < 1 or (self.lead_quantile > 0
+                                               and self.quantile_window_steps > self.horizon_steps):
+            raise ValueError(f"ForecastConfig.quantile_window_steps must be in [1, horizon steps "
+                             f"({self.horizon_steps})], got {self.quantile_window_steps}")
+        lo, hi = self.quantile_rho_range
+        if not (self.quantile_lr > 0 and self.quantile_init > 0 and self.quantile_z > 0 and 0 < lo <= hi):
+            raise ValueError("ForecastConfig.quantile_lr, quantile_init, quantile_z must be > 0 and quantile_rho_range "
+                             f"(lo, hi) with 0 < lo <= hi, got {self.quantile_lr}, {self.quantile_init} and "
+                             f"{self.quantile_rho_range}")
         if self.context_prior_n < 0 or not self.context_max_factor >= 1:
             raise ValueError("ForecastConfig.context_prior_n must be >= 0 and context_max_factor >= 1, got "
                              f"{self.context_prior_n} and {self.context_max_factor}")
@@ -192,6 +256,11 @@ class ForecastConfig:
     @property
     def slots(self) -> int:
         return round(self.period_s / self.step_s)
+
+    @property
+    def week_slots(self) -> int:
+        """Slots of the week (0 = weekly structure off)."""
+        return round(self.week_s / self.step_s)
 
     @property
     def contexts(self) -> int:
@@ -250,6 +319,20 @@ class ForecastState:
     lead window of k steps, ``max(y(u) - center made h steps before u, h = 1..k) / mean``."""
     tail_pending: np.ndarray | None = field(default=None, repr=False)
     """The first period's worst misses (GPUs, ``-inf`` = none), held until ``mean`` is a reference."""
+    shift_gpus: float = 0.0
+    """The exponentially weighted anomaly ``y - P`` since the last re-basing (level shifts; GPUs)."""
+    shift_count: int = 0
+    """How many times the profile was re-based."""
+    week_dev: np.ndarray | None = field(default=None, repr=False)
+    """Per slot of the week: the exponentially weighted departure of demand from the daily profile (GPUs);
+    None when ``week_s`` is 0."""
+    week_n: np.ndarray | None = field(default=None, repr=False)
+    """Per slot of the week: observations seen there (weeks)."""
+    lq_model: np.ndarray | None = field(default=None, repr=False)
+    """The lead-window quantile's weights and optimiser state (:mod:`tidal.policy.forecast_quantile`);
+    None when ``lead_quantile`` is off."""
+    lq_pending: np.ndarray | None = field(default=None, repr=False)
+    """The last ``quantile_window_steps`` paths' features, waiting for their window's demand."""
 
 
 def initial_state(config: ForecastConfig) -> ForecastState:
@@ -265,6 +348,10 @@ def initial_state(config: ForecastConfig) -> ForecastState:
         ctx_hist=_frozen(np.zeros((config.contexts, CTX_BINS.size - 1))) if config.contexts > 1 else None,
         tail_hist=_frozen(np.zeros((config.tail_horizon_steps, TAIL_BINS.size - 1))),
         tail_pending=_frozen(np.full((config.slots, config.tail_horizon_steps), -np.inf)),
+        week_dev=_frozen(np.zeros(config.week_slots)) if config.week_slots else None,
+        week_n=_frozen(np.zeros(config.week_slots)) if config.week_slots else None,
+        lq_model=_frozen(lq.initial_model(config.quantile_init)) if config.lead_quantile > 0 else None,
+        lq_pending=_frozen(lq.initial_pending(config.quantile_window_steps)) if config.lead_quantile > 0 else None,
     )
 
 
@@ -356,8 +443,10 @@ def _error_profile_factor(config: ForecastConfig, state: ForecastState) -> np.nd
     return (days * rel + k) / (days + k) if k > 0 else rel
 
 
-def _path(config: ForecastConfig, state: ForecastState) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Center, scale, base scale (before the context factor) and context paths from ``state``."""
+def _path(config: ForecastConfig, state: ForecastState, y: float = math.nan
+          ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """Center, scale, base scale (before the context factor) and context paths from ``state``, and the
+    lead-window quantile's features of this path (None when off); ``y`` is the demand just observed."""
     c = _consts(config)
     hs = c["hs"]
     step = config.step_s
@@ -366,6 +455,9 @@ def _path(config: ForecastConfig, state: ForecastState) -> tuple[np.ndarray, np.
     p_now = prof[_slot(config, state.t_s)]
     future_slots = slot_of(config, state.t_s + hs * step)
     p_future = prof[future_slots]
+    if state.week_dev is not None and state.n_obs > config.week_slots:  # from the second week on
+        w = _week_departure(config, state, state.t_s + np.arange(hs.size + 1) * step)
+        p_now, p_future = p_now + w[0], p_future + w[1:]
     fade = c["fade"]
     if math.isnan(p_now):
         base = np.full(hs.shape, level)
@@ -399,7 +491,30 @@ def _path(config: ForecastConfig, state: ForecastState) -> tuple[np.ndarray, np.
     else:
         ctx = np.zeros(hs.shape)
         scale = base
-    return center, scale, base, ctx
+    x = None
+    if state.lq_model is not None:
+        k = config.quantile_window_steps
+        scale_k, center_max = float(scale[k - 1]), float(center[:k].max())
+        x = lq.features(scale_k, center_max, mean, y, float(state.lq_model[2, 0]), state.burst)
+        if mean > 0 and scale_k > 0:
+            lo, hi = config.quantile_rho_range
+            rho = min(max(lq.predict(state.lq_model, x) * mean / (scale_k * config.quantile_z), lo), hi)
+            scale = np.maximum(scale * rho, floor)
+    return center, scale, base, ctx, x
+
+
+def _week_departure(config: ForecastConfig, state: ForecastState, times_s: np.ndarray) -> np.ndarray:
+    """The weekly departure from the daily profile at ``times_s`` (GPUs): read through the profile's box
+    kernel over the week's slots, shrunk by ``n / (n + week_shrink)``; 0 where no week was seen."""
+    half = max(0, int(round(config.profile_smooth_s / config.step_s / 2)))
+    ws = np.round(np.mod(times_s, config.week_s) / config.step_s).astype(int)
+    idx = (ws[:, None] + np.arange(-half, half + 1)[None, :]) % config.week_slots
+    n = state.week_n[idx]
+    seen = n > 0
+    k = np.maximum(seen.sum(axis=1), 1)
+    dev = np.where(seen, state.week_dev[idx], 0.0).sum(axis=1) / k
+    weeks = n.sum(axis=1) / k
+    return np.where(seen.any(axis=1), dev * weeks / (weeks + config.week_shrink), 0.0)
 
 
 def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float) -> ForecastState:
@@ -413,6 +528,9 @@ def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float)
     burst = state.burst
     ctx_hist = state.ctx_hist
     tail_hist, tail_pending = state.tail_hist, state.tail_pending
+    lq_model, lq_pending = state.lq_model, state.lq_pending
+    if lq_model is not None:
+        lq_model, lq_pending = lq.observe(lq_model, lq_pending, y, config.lead_quantile, config.quantile_lr)
     if not math.isnan(y) and state.n_obs > 0:
         # Score the paths made 1..H steps ago at their points that target now.
         preds = np.diagonal(state.past_center).copy()
@@ -483,6 +601,7 @@ def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float)
     level, trend, mean = state.level_gpus, state.trend_gpus_per_s, state.mean_gpus
     prof, prof_n = state.profile_gpus, state.profile_n
     n_obs = state.n_obs
+    week_upd = shift_upd = None
     if not math.isnan(y):
         if n_obs == 0:
             level, mean = y, y
@@ -494,6 +613,25 @@ def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float)
             level = new_level
             m = 1.0 - decay(step, config.profile_half_life_s)
             mean = mean + max(m, 1.0 / (n_obs + 1)) * (y - mean)
+        shift, shifts = state.shift_gpus, state.shift_count
+        if config.shift_half_life_s > 0 and prof_n.min() > 0 and state.err_weight[0] > 0:
+            # Level shifts: the anomaly against the profile (as read), averaged; past the threshold, re-base.
+            anomaly = y - float(prof[_consts(config)["kernel_profile"][s]].mean())
+            shift += (1.0 - decay(step, config.shift_half_life_s)) * (anomaly - shift)
+            if abs(shift) > config.shift_threshold * float(state.err_sum[0] / state.err_weight[0]):
+                # by the mean anomaly, or by the anomaly now if it goes further the same way (the mean lags)
+                by = math.copysign(max(abs(shift), math.copysign(1.0, shift) * anomaly), shift)
+                prof = _frozen(prof + by)
+                shift, shifts = 0.0, shifts + 1
+            shift_upd = (shift, shifts)
+        if state.week_dev is not None and prof_n[s] > 0:
+            # How this slot of the week departs from the daily profile (as it stood before this observation).
+            ws = round((t_s % config.week_s) / step) % config.week_slots
+            week_dev, week_n = state.week_dev.copy(), state.week_n.copy()
+            week_n[ws] += 1
+            week_w = 1.0 - decay(config.week_s, config.week_half_life_s)
+            week_dev[ws] += max(week_w, 1.0 / week_n[ws]) * (y - prof[s] - week_dev[ws])
+            week_upd = (week_dev, week_n)
         prof, prof_n = prof.copy(), prof_n.copy()
         prof_n[s] += 1
         prof[s] += max(day_w, 1.0 / prof_n[s]) * (y - prof[s])
@@ -505,12 +643,22 @@ def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float)
                   err_profile=_frozen(eprof), err_profile_n=_frozen(eprof_n), burst=burst,
                   ctx_hist=None if ctx_hist is None else _frozen(np.asarray(ctx_hist, float)),
                   tail_hist=None if tail_hist is None else _frozen(np.asarray(tail_hist, float)),
-                  tail_pending=None if tail_pending is None else _frozen(tail_pending))
+                  tail_pending=None if tail_pending is None else _frozen(tail_pending),
+                  lq_model=None if lq_model is None else _frozen(lq_model))
+    if week_upd is not None:
+        new = replace(new, week_dev=_frozen(week_upd[0]), week_n=_frozen(week_upd[1]))
+    if shift_upd is not None:
+        new = replace(new, shift_gpus=shift_upd[0], shift_count=shift_upd[1])
+    x = None
     if n_obs == 0:
         center = scale = base = np.full(h, np.nan)
         ctx = np.zeros(h)
     else:
-        center, scale, base, ctx = _path(config, new)
+        center, scale, base, ctx, x = _path(config, new, y)
+    if lq_model is not None:  # the path's features wait for its window; y is the next path's last demand
+        lq_model = lq.seen(lq_model, y)
+        center_max = float(np.max(center[: config.quantile_window_steps]))
+        lq_pending = lq.push(lq_pending, np.full(lq.FEATURES, math.nan) if x is None else x, center_max, mean)
     # ``new`` is not seen by anybody yet and _path does not read these fields: set them in place
     # (one state object per step instead of two).
     put = object.__setattr__
@@ -518,6 +666,9 @@ def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float)
     put(new, "scale_gpus", _frozen(scale))
     put(new, "past_base", None if state.past_base is None else _frozen(_push_row(base, state.past_base)))
     put(new, "past_ctx", None if state.past_ctx is None else _frozen(_push_row(ctx, state.past_ctx)))
+    if lq_model is not None:
+        put(new, "lq_model", _frozen(lq_model))
+        put(new, "lq_pending", _frozen(lq_pending))
     return new
 
 
@@ -535,6 +686,26 @@ def _push_row(row: np.ndarray, rows: np.ndarray) -> np.ndarray:
     return out
 
 
+def _with_options(config: ForecastConfig, state: ForecastState) -> ForecastState:
+    """``state`` with the optional parts (lead-window quantile, weekly departures) as ``config`` asks: started
+    afresh when switched on, resized or missing (a state stored by a version without them), dropped when
+    switched off. The same object when nothing changes."""
+    change: dict[str, np.ndarray | None] = {}
+    k = config.quantile_window_steps
+    if config.lead_quantile > 0:
+        if state.lq_model is None or state.lq_pending is None or state.lq_pending.shape[0] != k:
+            change.update(lq_model=_frozen(lq.initial_model(config.quantile_init)),
+                          lq_pending=_frozen(lq.initial_pending(k)))
+    elif state.lq_model is not None or state.lq_pending is not None:
+        change.update(lq_model=None, lq_pending=None)
+    w = config.week_slots
+    if w and (state.week_dev is None or state.week_n is None or state.week_dev.size != w):
+        change.update(week_dev=_frozen(np.zeros(w)), week_n=_frozen(np.zeros(w)))
+    elif not w and (state.week_dev is not None or state.week_n is not None):
+        change.update(week_dev=None, week_n=None)
+    return replace(state, **change) if change else state
+
+
 def observe(config: ForecastConfig, state: ForecastState, t_s: float, demand_gpus: float) -> ForecastState:
     """The state after observing ``demand_gpus`` (NaN = missing) at ``t_s``; ``state`` is unchanged.
 
@@ -544,6 +715,7 @@ def observe(config: ForecastConfig, state: ForecastState, t_s: float, demand_gpu
     y = float(demand_gpus)
     if y < 0 or math.isinf(y):
         raise ValueError(f"demand_gpus must be finite and >= 0 (or NaN for missing), got {demand_gpus}")
+    state = _with_options(config, state)
     if math.isnan(state.t_s):
         return _advance(config, state, float(t_s), y)
     k = (t_s - state.t_s) / config.step_s
