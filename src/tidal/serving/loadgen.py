@@ -104,9 +104,12 @@ def arrivals(rate: Callable[[float], float], duration_s: float, max_rate: float,
 
 async def generate(url: str, rate: Callable[[float], float], duration_s: float, *, max_rate: float | None = None,
                    body: bytes = b"{}", timeout_s: float = 30.0, seed: int = 0,
-                   on_record: Callable[[Record], None] | None = None) -> list[Record]:
+                   on_record: Callable[[Record], None] | None = None, start: float | None = None,
+                   stop: Callable[[], bool] | None = None) -> list[Record]:
     """Send the arrivals of ``rate`` over ``duration_s`` to ``url`` (``POST body``); every request's
-    :class:`Record`, in send order. ``max_rate``: the largest ``rate(t)`` (default: sampled every 0.1 s)."""
+    :class:`Record`, in send order. ``max_rate``: the largest ``rate(t)`` (default: sampled every 0.1 s).
+    ``start``: the ``time.perf_counter()`` of second 0 (default: now); ``stop()`` true ends the sending
+    early (what was sent is still awaited)."""
     if not url.startswith(("http://", "https://")):
         raise ValueError(f"url must be http(s)://..., got {url!r}")
     if not (duration_s > 0 and math.isfinite(duration_s)):
@@ -118,7 +121,7 @@ async def generate(url: str, rate: Callable[[float], float], duration_s: float, 
     limits = httpx.Limits(max_connections=MAX_IN_FLIGHT, max_keepalive_connections=256)
     in_flight = 0
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
-        start = time.perf_counter()
+        start = time.perf_counter() if start is None else start
 
         async def one(i: int, t: float) -> None:
             nonlocal in_flight
@@ -142,6 +145,8 @@ async def generate(url: str, rate: Callable[[float], float], duration_s: float, 
 
         tasks = []
         for i, t in enumerate(times):
+            if stop is not None and stop():
+                break
             delay = start + t - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)

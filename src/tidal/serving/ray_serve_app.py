@@ -131,7 +131,8 @@ def _q(xs: list[float], q: float) -> float | None:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
 
 
-@serve.deployment(name="sleep-model", max_ongoing_requests=1, ray_actor_options={"num_cpus": 0})
+@serve.deployment(name="sleep-model", max_ongoing_requests=1, ray_actor_options={"num_cpus": 0},
+                  graceful_shutdown_wait_loop_s=0.5)
 class SleepModel:
     """A toy model: every request takes ``service_s`` seconds (an ``asyncio.sleep``) and answers with the
     node it ran on."""
