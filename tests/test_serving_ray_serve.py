@@ -55,12 +55,22 @@ def test_ray_serve_fields_only_with_its_adapter():
         WatchConfig.from_dict({"trace": "x.csv", "nodes": "1x2", "app": "toy"})
 
 
-def test_config_builds_the_adapter_without_touching_ray():
+def test_config_builds_the_adapter_without_connecting_to_ray():
+    import ray
+
     cfg = WatchConfig.from_dict({**BASE, "init_kwargs": {"service_s": 0.02}, "warmup_s": 1})
     assert cfg.serving_gpus == 4 and cfg.requests() is None and "toy" in cfg.describe()
+    connected = ray.is_initialized()
     loans = build_live_loans(cfg)
+    assert ray.is_initialized() == connected  # the application is deployed on the first loan step
     assert isinstance(loans.adapter, RayServeAdapter) and isinstance(loans.adapter, ReadyAdapter)
     assert loans.nodes == NODES and loans.adapter.targets() == {"n1": 2, "n2": 1, "n3": 1}
+    for path, why in (("tidal.serving.nope:model", "ModuleNotFoundError"),
+                      ("tidal.serving.ray_serve_app:nope", "AttributeError"),
+                      ("tidal.serving.ray_serve_app:ROUTER", "is a str, not a Serve deployment")):
+        with pytest.raises(ValueError, match=f"serving.deployment '{path}'.*{why}") as e:
+            build_live_loans(WatchConfig.from_dict({**BASE, "deployment": path}))
+        assert "\n" not in str(e.value)
 
 
 # ------------------------------------------------------------------------------------ bookkeeping

@@ -365,7 +365,9 @@ def build_live_loans(cfg: WatchConfig, ray_address: str | None = None) -> LiveLo
     if cfg.adapter == "ray-serve":
         from tidal.serving.ray_serve import RayServeAdapter, RayServeSettings
 
-        adapter = RayServeAdapter(RayServeSettings.from_config(cfg), address=ray_address)
+        rs = RayServeAdapter(RayServeSettings.from_config(cfg), address=ray_address)
+        rs.check()
+        adapter = rs
     elif cfg.trace is not None:
         trace = load_trace(cfg.trace)
         first = float(trace.times_s[0])

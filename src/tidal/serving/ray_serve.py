@@ -189,6 +189,14 @@ class RayServeAdapter:
             ray.init(address=self.address or "auto", log_to_driver=False)
         return ray
 
+    def check(self) -> None:
+        """``ValueError`` naming ``serving.deployment`` when it does not import as a Serve deployment (at
+        ``tidal up``, not at the first loan step)."""
+        try:
+            self._load_deployment()
+        except AdapterError as e:
+            raise ValueError(str(e)) from None
+
     def _load_deployment(self) -> Any:
         from ray import serve
 
@@ -196,7 +204,7 @@ class RayServeAdapter:
         try:
             obj = getattr(importlib.import_module(mod), attr)
         except (ImportError, AttributeError) as e:
-            raise AdapterError(f"serving.deployment {self.s.deployment!r}: {e}") from None
+            raise AdapterError(f"serving.deployment {self.s.deployment!r}: {type(e).__name__}: {e}") from None
         if not isinstance(obj, serve.Deployment):
             raise AdapterError(f"serving.deployment {self.s.deployment!r} is a {type(obj).__name__}, not a Serve "
                                "deployment (a class decorated with @serve.deployment)")
@@ -346,7 +354,7 @@ class RayServeAdapter:
         unknown."""
         try:
             self.ensure()
-            st = self._sync(None)
+            st = self._sync(self.slots(self._running_or_targets()))  # also heals a restarted router's slots
         except AdapterError as e:
             self.failures += 1
             self.last_error = str(e)
