@@ -7,6 +7,7 @@ no request failed."""
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import threading
 import time
@@ -183,7 +184,7 @@ def test_warm_up_ends_only_when_the_adapter_says_ready():
 
 
 # --------------------------------------------------------------------------------- load generator
-def test_load_generator_open_loop_poisson_records_latency_and_failures():
+def test_load_generator_open_loop_poisson_records_latency_and_failures(tmp_path):
     class H(BaseHTTPRequestHandler):
         def do_POST(self):  # noqa: N802
             n = int(self.headers.get("Content-Length", 0))
@@ -208,11 +209,23 @@ def test_load_generator_open_loop_poisson_records_latency_and_failures():
         assert 25 <= first["requests"] <= 80 and 100 <= second["requests"] <= 200, (first, second)
         assert first["failed"] == 0 and first["p50_s"] >= 0.01
         bad = asyncio.run(loadgen.generate(url + "/fail", loadgen.constant(20), 0.5, seed=2))
-        assert bad and all(not r.ok and r.status == 503 for r in bad)
+        assert bad and all(not r.ok and r.status == 503 and r.error == "HTTP 503: ok" for r in bad)
+        from typer.testing import CliRunner
+
+        from tidal.serving.cli import app
+
+        res = CliRunner().invoke(app, ["load", url + "/", "--rate", "30", "--duration-s", "0.6",
+                                       "--json", "--records", str(tmp_path / "r.jsonl")])
+        assert res.exit_code == 0, res.output
+        doc = json.loads(res.output)
+        assert doc["total"]["failed"] == 0 and doc["total"]["requests"] == len(
+            (tmp_path / "r.jsonl").read_text().splitlines()) > 3
+        res = CliRunner().invoke(app, ["load", url + "/fail", "--rate", "30", "--duration-s", "0.3"])
+        assert res.exit_code == 1 and "error: HTTP 503: ok" in res.output
     finally:
         srv.shutdown()
         srv.server_close()
-    down = asyncio.run(loadgen.generate(url + "/", loadgen.constant(20), 0.3, seed=3, timeout_s=2))
+    down = asyncio.run(loadgen.generate(url + "/", loadgen.constant(20), 0.3, seed=3, timeout_s=0.5))
     assert down and all(r.status == 0 and r.error and not r.ok for r in down)
     with pytest.raises(ValueError, match="url"):
         asyncio.run(loadgen.generate("ftp://x", rate, 1.0))

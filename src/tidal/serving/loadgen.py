@@ -134,9 +134,10 @@ async def generate(url: str, rate: Callable[[float], float], duration_s: float, 
                 r = await client.post(url, content=body)
                 await r.aread()
                 rec = Record(sent - start, time.perf_counter() - sent, r.status_code,
-                             "" if r.is_success else r.text[:200])
+                             "" if r.is_success else f"HTTP {r.status_code}: {' '.join(r.text.split())[:160]}")
             except httpx.HTTPError as e:
-                rec = Record(sent - start, time.perf_counter() - sent, 0, f"{type(e).__name__}: {e}"[:200])
+                rec = Record(sent - start, time.perf_counter() - sent, 0,
+                             " ".join(f"{type(e).__name__}: {e}".split())[:200])
             finally:
                 in_flight -= 1
             out[i] = rec
