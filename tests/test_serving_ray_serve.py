@@ -173,7 +173,8 @@ def test_warm_up_ends_only_when_the_adapter_says_ready():
     timing = LoanTiming(notice_s=1, final_checkpoint_s=1, release_s=0, warmup_s=2, restart_cost_s=1)
     ad = Gated(TraceReplay(load_trace(PROFILE), 4, start_s=0.0), nodes, speedup=1.0, origin_s=0.0)
     loans = LiveLoans(ad, timing, step_s=600.0)
-    loans.ledger = LoanLedger.from_state({"nodes": nodes, "loans": [], "warming": {"s0": [[10.0, 2]]}}, timing)
+    state = {"nodes": nodes, "loans": [], "warming": {"s0": [[10.0, 2]]}}
+    loans.ledger = LoanLedger.from_state(state, timing)
     loans.tick(5.0, {})
     assert loans.ledger.warming == 2 and ad.asked == []  # not over by time: not asked
     loans.tick(11.0, {})
@@ -250,8 +251,8 @@ def test_lend_and_reclaim_a_node_under_load_within_the_slo(ray_cluster, tmp_path
     total = all_gpus_free()
     port = free_port()
     s = RayServeSettings(app="toy", deployment="tidal.serving.ray_serve_app:sleep_model", nodes=dict(NODES),
-                         latency_target_s=0.25, init_kwargs={"service_s": 0.03}, http_port=port, rate_window_s=5.0,
-                         min_samples=10)
+                         latency_target_s=0.25, init_kwargs={"service_s": 0.03}, http_port=port,
+                         rate_window_s=5.0, min_samples=10)
     ad = RayServeAdapter(s)
     phases: dict[str, float] = {}
     try:
@@ -284,20 +285,25 @@ def test_lend_and_reclaim_a_node_under_load_within_the_slo(ray_cluster, tmp_path
         spot = Spot.options(label_selector={"tidal.io/node": "n2"}).remote()
         assert ray.get(spot.where.remote(), timeout=60) == "n2"  # the replica left, the GPU is the job's
         assert ad.running()["n2"] == 0 and ad.last_stats["slots"]["n2"] == 0
+        lent_served = ad._sync(None)["served"]["n2"]
+        time.sleep(1.0)
         ray.kill(spot)  # the job's ranks left: reclaim
+        assert ad._sync(None)["served"]["n2"] == lent_served  # nothing went to the lent node
         ad.restore("n2", 1, 0, time.time())
         wait_until("the n2 replica healthy again", lambda: ad.ready("n2"), 90)
         mark("back")
         assert ad.last_stats["slots"]["n2"] == 1
         time.sleep(3.0)
         done.set()
+        assert ad._sync(None)["served"]["n2"] > lent_served  # the new replica serves
         load.join(60)
         recs = out["r"]
         table = {"before": loadgen.summary(recs, 0, phases["lend"]),
                  "lent": loadgen.summary(recs, phases["lend"], phases["back"]),
                  "after": loadgen.summary(recs, phases["back"])}
-        print("\nray-serve lend/reclaim at", RATE, "req/s:", {k: {f: v[f] for f in ("requests", "failed", "p50_s",
-                                                                                  "p99_s")} for k, v in table.items()})
+        cols = ("requests", "failed", "p50_s", "p99_s")
+        print(f"\nray-serve lend/reclaim at {RATE} req/s; demand {ad.last_demand}\n",
+              {k: {f: v[f] for f in cols} for k, v in table.items()})
         for name, sm in table.items():
             assert sm["requests"] >= 10, (name, sm)
             assert sm["failed"] == 0, (name, sm)

@@ -72,7 +72,7 @@ def _serving() -> None:
     from tidal.serving.cli import app as serving_app
 
     app.add_typer(serving_app, name="serving",
-                  help="Serving side: the live loan plan from a trace or Prometheus; load against an endpoint.")
+                  help="Serving side: the live loan plan from a trace or Prometheus; load on an endpoint.")
 
 
 def _demo() -> None:

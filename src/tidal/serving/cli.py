@@ -126,10 +126,11 @@ def watch_command(
 
 @app.command("load")
 def load_command(
-    url: Annotated[str, typer.Argument(help="The Serve application's HTTP endpoint, e.g. http://127.0.0.1:8000/.")],
+    url: Annotated[str, typer.Argument(help="The Serve application's HTTP endpoint, e.g. "
+                                         "http://127.0.0.1:8000/.")],
     duration_s: Annotated[float, typer.Option("--duration-s", min=0.001, help="Seconds of load.")] = 60.0,
-    rate: Annotated[float | None, typer.Option("--rate", min=0.0, help="A constant request rate (requests/s).")
-                    ] = None,
+    rate: Annotated[float | None, typer.Option("--rate", min=0.0,
+                                               help="A constant request rate (requests/s).")] = None,
     trace: Annotated[Path | None, typer.Option("--trace", help="Replay this trace's request rate (its load "
                                                "column, requests/s).", exists=True, dir_okay=False)] = None,
     speedup: Annotated[float, typer.Option("--speedup", min=1e-6, help="Trace seconds per second.")] = 1.0,
@@ -139,11 +140,13 @@ def load_command(
     timeout_s: Annotated[float, typer.Option("--timeout-s", min=0.01, help="A request unanswered this long "
                                              "fails.")] = 30.0,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the Poisson arrivals.")] = 0,
-    records: Annotated[Path | None, typer.Option("--records", help="Write every request (t_s, latency_s, "
-                                                 "status, error) as JSON lines here.", dir_okay=False)] = None,
+    records: Annotated[Path | None, typer.Option(
+        "--records", help="Write every request (t_s, latency_s, status, error) as JSON lines here.",
+        dir_okay=False)] = None,
     json_out: Annotated[bool, typer.Option("--json", help="The summary as JSON.")] = False,
 ) -> None:
-    """Open-loop Poisson load at a constant or a trace's (scaled) request rate; p50/p99 latency per interval."""
+    """Open-loop Poisson load at a constant or a trace's (scaled) request rate; p50/p99 latency per
+    interval."""
     import asyncio
 
     from tidal.serving import loadgen
@@ -176,7 +179,8 @@ def load_command(
             return "-" if x is None else f"{1000 * x:.1f}"
         print(f"{'from_s':>8} {'requests':>9} {'failed':>7} {'p50_ms':>8} {'p99_ms':>8}")
         for p in [*parts, total | {"from_s": "all"}]:
-            print(f"{p['from_s']!s:>8} {p['requests']:>9} {p['failed']:>7} {ms(p['p50_s']):>8} {ms(p['p99_s']):>8}")
+            print(f"{p['from_s']!s:>8} {p['requests']:>9} {p['failed']:>7} {ms(p['p50_s']):>8} "
+                  f"{ms(p['p99_s']):>8}")
         for err in total["errors"]:
             print(f"error: {err}")
     if total["failed"]:

@@ -50,7 +50,7 @@ def constant(rate: float) -> Callable[[float], float]:
 
 
 def steps(points: Sequence[tuple[float, float]]) -> Callable[[float], float]:
-    """A rate that is ``r`` from second ``t`` on, for each ``(t, r)`` (sorted by ``t``; 0 before the first)."""
+    """A rate that is ``r`` from second ``t`` on, for each ``(t, r)`` (0 before the first)."""
     pts = sorted((float(t), float(r)) for t, r in points)
     if any(not (math.isfinite(r) and r >= 0) for _, r in pts):
         raise ValueError("rates must be finite numbers >= 0 (requests/s)")
@@ -102,7 +102,8 @@ def arrivals(rate: Callable[[float], float], duration_s: float, max_rate: float,
             out.append(t)
 
 
-async def generate(url: str, rate: Callable[[float], float], duration_s: float, *, max_rate: float | None = None,
+async def generate(url: str, rate: Callable[[float], float], duration_s: float, *,
+                   max_rate: float | None = None,
                    body: bytes = b"{}", timeout_s: float = 30.0, seed: int = 0,
                    on_record: Callable[[Record], None] | None = None, start: float | None = None,
                    stop: Callable[[], bool] | None = None) -> list[Record]:
@@ -133,8 +134,8 @@ async def generate(url: str, rate: Callable[[float], float], duration_s: float, 
             try:
                 r = await client.post(url, content=body)
                 await r.aread()
-                rec = Record(sent - start, time.perf_counter() - sent, r.status_code,
-                             "" if r.is_success else f"HTTP {r.status_code}: {' '.join(r.text.split())[:160]}")
+                why = "" if r.is_success else f"HTTP {r.status_code}: {' '.join(r.text.split())[:160]}"
+                rec = Record(sent - start, time.perf_counter() - sent, r.status_code, why)
             except httpx.HTTPError as e:
                 rec = Record(sent - start, time.perf_counter() - sent, 0,
                              " ".join(f"{type(e).__name__}: {e}".split())[:200])

@@ -77,7 +77,8 @@ class RayServeSettings:
     def __post_init__(self) -> None:
         w = "serving"
         if not isinstance(self.app, str) or not _NAME.match(self.app):
-            raise ValueError(f"{w}.app must name the Serve application (letters, digits, . _ -), got {self.app!r}")
+            raise ValueError(f"{w}.app must name the Serve application (letters, digits, . _ -), got "
+                             f"{self.app!r}")
         if not isinstance(self.deployment, str) or not _IMPORT.match(self.deployment):
             raise ValueError(f"{w}.deployment must be an import path module:attribute of a Serve deployment, "
                              f"got {self.deployment!r}")
@@ -94,7 +95,8 @@ class RayServeSettings:
                              f"serving.gpus_per_replica ({g})")
         if not isinstance(self.route_prefix, str) or not self.route_prefix.startswith("/"):
             raise ValueError(f"{w}.route_prefix must start with '/', got {self.route_prefix!r}")
-        if not isinstance(self.http_port, int) or isinstance(self.http_port, bool) or not 0 < self.http_port < 65536:
+        port = self.http_port
+        if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
             raise ValueError(f"{w}.http_port must be a port number, got {self.http_port!r}")
         if not isinstance(self.init_kwargs, dict) or not all(isinstance(k, str) for k in self.init_kwargs):
             raise ValueError(f"{w}.init_kwargs must be a mapping of the deployment's constructor arguments")
@@ -102,7 +104,8 @@ class RayServeSettings:
             v = getattr(self, name)
             if not isinstance(v, int | float) or isinstance(v, bool) or not lo <= v <= hi:
                 raise ValueError(f"{w}.{name} must be a number in [{lo:g}, {hi:g}], got {v!r}")
-        if not isinstance(self.min_samples, int) or isinstance(self.min_samples, bool) or self.min_samples < 1:
+        k = self.min_samples
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"{w}.min_samples must be a whole number >= 1, got {self.min_samples!r}")
         if self.latency_target_s is None:
             raise ValueError(f"{w}.latency_target_s is required with adapter ray-serve (the SLO demand is "
@@ -179,7 +182,8 @@ class RayServeAdapter:
     def slots(self, running: Mapping[str, int] | None = None) -> dict[str, int]:
         """Router slots per node: ready replicas (``running``, capped at the target) x concurrency."""
         conc = self.concurrency
-        return {n: min(t, running.get(n, 0) if running is not None else t) * conc for n, t in self.targets().items()}
+        return {n: min(t, running.get(n, 0) if running is not None else t) * conc
+                for n, t in self.targets().items()}
 
     # --------------------------------------------------------------------------------- Ray
     def _ray(self) -> Any:
@@ -206,8 +210,8 @@ class RayServeAdapter:
         except (ImportError, AttributeError) as e:
             raise AdapterError(f"serving.deployment {self.s.deployment!r}: {type(e).__name__}: {e}") from None
         if not isinstance(obj, serve.Deployment):
-            raise AdapterError(f"serving.deployment {self.s.deployment!r} is a {type(obj).__name__}, not a Serve "
-                               "deployment (a class decorated with @serve.deployment)")
+            raise AdapterError(f"serving.deployment {self.s.deployment!r} is a {type(obj).__name__}, not a "
+                               "Serve deployment (a class decorated with @serve.deployment)")
         return obj
 
     def ensure(self) -> None:
@@ -227,7 +231,8 @@ class RayServeAdapter:
         try:
             ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
         except ValueError:
-            serve.start(proxy_location="HeadOnly", http_options={"host": self.s.http_host, "port": self.s.http_port})
+            serve.start(proxy_location="HeadOnly",
+                        http_options={"host": self.s.http_host, "port": self.s.http_port})
         app = serve.status().applications.get(self.s.app)
         names = {self.s.deployment_name(n, self.base) for n in self._nodes} | {ROUTER}
         if app is not None and set(app.deployments) != names:
@@ -324,7 +329,8 @@ class RayServeAdapter:
         self.last_error = None
 
     def ready(self, node: str) -> bool:
-        """Every replica ``node`` should run is RUNNING and its deployment HEALTHY; then its router slots open."""
+        """Every replica ``node`` should run is RUNNING and its deployment HEALTHY; then its router slots
+        open."""
         try:
             self.ensure()
             running = self.running()
@@ -340,7 +346,7 @@ class RayServeAdapter:
     def _running_or_targets(self) -> dict[str, int]:
         try:
             return self.running()
-        except Exception:  # noqa: BLE001 (status unknown: assume the targets; the router only closes slots here)
+        except Exception:  # noqa: BLE001 (status unknown: the targets; the router only closes slots here)
             return self.targets()
 
     def _fail(self, msg: str) -> None:
@@ -394,7 +400,8 @@ class RayServeAdapter:
         st = self.last_stats
         return {"kind": ADAPTER, "app": self.s.app, "deployment": self.base or self.s.deployment,
                 "targets": self.targets(), "released": self.released(), "demand": self.last_demand,
-                "latency": {k: st.get(k) for k in ("response_p50_s", "response_p99_s", "wait_p99_s")} if st else {},
+                "latency": {k: st.get(k) for k in ("response_p50_s", "response_p99_s", "wait_p99_s")}
+                if st else {},
                 "failures": self.failures, "last_error": self.last_error}
 
     def persist(self) -> dict[str, Any]:

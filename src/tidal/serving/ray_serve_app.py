@@ -41,6 +41,7 @@ class Router:
         self.arrivals: collections.deque[float] = collections.deque(maxlen=MAX_SAMPLES)
         self.done: collections.deque[tuple[float, float, float, bool]] = collections.deque(maxlen=MAX_SAMPLES)
         self.total = {"arrivals": 0, "ok": 0, "failed": 0}
+        self.served = dict.fromkeys(self.handles, 0)  # requests answered per node, ever
 
     # --------------------------------------------------------------------------- the queue
     def _free_node(self) -> str | None:
@@ -91,6 +92,7 @@ class Router:
         try:
             out = await self.handles[node].remote(body)
             ok = True
+            self.served[node] += 1
             return out
         finally:
             t2 = time.monotonic()
@@ -102,7 +104,8 @@ class Router:
     def sync(self, slots: dict[str, int] | None = None) -> dict[str, Any]:
         """Set the slots per node (``None``: keep them) and return the window's counts: ``arrivals``,
         ``window_s`` (the window, or the router's age if younger), ``service_s``/``wait_s`` (sorted
-        samples are not sent: their sum, count and quantiles), ``busy``, ``queued``, ``slots``."""
+        samples are not sent: their sum, count and quantiles), ``busy``, ``queued``, ``slots``, ``served``
+        (answered per node, ever)."""
         if slots is not None:
             for n in self.handles:
                 self.slots[n] = max(0, int(slots.get(n, 0)))
@@ -123,7 +126,7 @@ class Router:
             "wait_p99_s": _q(sorted(d[1] for d in served), 0.99),
             "response_p50_s": _q(response, 0.5), "response_p99_s": _q(response, 0.99),
             "busy": dict(self.busy), "queued": len(self.waiters), "slots": dict(self.slots),
-            "total": dict(self.total), "pid": os.getpid(),
+            "total": dict(self.total), "served": dict(self.served), "pid": os.getpid(),
         }
 
 

@@ -32,7 +32,8 @@ from tidal.serving.requests import RequestModel
 from tidal.serving.sources import DemandSource, TraceReplay
 
 ADAPTERS = (None, "replay", "hook", "ray-serve")  # serving.adapter (None: replay with a trace, else hook)
-RAY_SERVE_FIELDS = ("app", "deployment", "init_kwargs", "route_prefix", "http_host", "http_port", "rate_window_s")
+RAY_SERVE_FIELDS = ("app", "deployment", "init_kwargs", "route_prefix", "http_host", "http_port",
+                    "rate_window_s")
 
 
 @dataclass(frozen=True)
@@ -229,19 +230,21 @@ class WatchConfig:
         settings are checked by building them (errors name the field)."""
         from tidal.serving.ray_serve import RayServeSettings
 
-        for name in ("trace", "prometheus", "query", "actions_url", "actions_command", "service_rate_per_gpu"):
+        for name in ("trace", "prometheus", "query", "actions_url", "actions_command",
+                     "service_rate_per_gpu"):
             if getattr(self, name) is not None:
-                raise ValueError(f"serving.{name} does not apply to adapter ray-serve (demand is the request rate "
-                                 "Serve sees; service rate measured, serving.service_rate_per_replica a prior)")
+                raise ValueError(f"serving.{name} does not apply to adapter ray-serve (demand is the request "
+                                 "rate Serve sees; service rate measured, serving.service_rate_per_replica a "
+                                 "prior)")
         RayServeSettings.from_config(self)
         total = sum(parse_nodes(self.nodes).values())
         if self.serving_gpus is None:
             object.__setattr__(self, "serving_gpus", total)
         elif self.serving_gpus != total:
-            raise ValueError(f"serving.serving_gpus ({self.serving_gpus}) must equal the GPUs of serving.nodes "
-                             f"({total})")
-        for name in ("grace_s", "final_checkpoint_s", "release_s", "warmup_s", "restart_cost_s", "shortfall_budget",
-                     "step_s"):
+            raise ValueError(f"serving.serving_gpus ({self.serving_gpus}) must equal the GPUs of "
+                             f"serving.nodes ({total})")
+        for name in ("grace_s", "final_checkpoint_s", "release_s", "warmup_s", "restart_cost_s",
+                     "shortfall_budget", "step_s"):
             v = getattr(self, name)
             ok = v is None or (isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v < 1e9)
             if not ok or (name in ("shortfall_budget", "step_s") and not v > 0):
@@ -296,8 +299,10 @@ class WatchConfig:
 
     def describe(self) -> str:
         if self.adapter == "ray-serve":
-            return (f"Ray Serve application {self.app} ({self.deployment} per node): p{100 * (self.latency_quantile or 0.99):g} "
-                    f"{self.latency_of or 'queue'} time <= {self.latency_target_s:g} s at the request rate Serve sees")
+            q = 100 * (self.latency_quantile or 0.99)
+            return (f"Ray Serve application {self.app} ({self.deployment} per node): p{q:g} "
+                    f"{self.latency_of or 'queue'} time <= {self.latency_target_s:g} s at the request rate "
+                    "Serve sees")
         req = self.requests()
         if self.trace is not None:
             return f"trace {self.trace} replayed at {self.speedup:g}x" + (f"; {req.describe()}" if req else "")
