@@ -272,8 +272,14 @@ def test_lend_and_reclaim_a_node_under_load_within_the_slo(ray_cluster, tmp_path
         time.sleep(3.0)
         demand = ad.demand_gpus(time.time())
         assert 1 <= demand <= 3, ad.last_demand  # the SLO needs fewer GPUs than serve: one can be lent
+        seen = ad.last_demand
         mark("lend")
         ad.release("n2", 1, 1, time.time())
+        router_pid = ad.last_stats["pid"]
+        ad = RayServeAdapter(s)  # a restarted plane: adopts the running application, redeploys nothing
+        ad.resume({"released": {"n2": 1}})
+        ad.ensure()
+        assert ad.targets() == {"n1": 2, "n2": 0, "n3": 1} and ad._sync(None)["pid"] == router_pid
 
         @ray.remote(num_gpus=1, num_cpus=0)
         class Spot:  # what a spot job's rank is to Ray: an actor holding the lent GPU on n2
@@ -302,7 +308,7 @@ def test_lend_and_reclaim_a_node_under_load_within_the_slo(ray_cluster, tmp_path
                  "lent": loadgen.summary(recs, phases["lend"], phases["back"]),
                  "after": loadgen.summary(recs, phases["back"])}
         cols = ("requests", "failed", "p50_s", "p99_s")
-        print(f"\nray-serve lend/reclaim at {RATE} req/s; demand {ad.last_demand}\n",
+        print(f"\nray-serve lend/reclaim at {RATE} req/s; demand before the loan {seen}\n",
               {k: {f: v[f] for f in cols} for k, v in table.items()})
         for name, sm in table.items():
             assert sm["requests"] >= 10, (name, sm)
