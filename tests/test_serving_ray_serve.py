@@ -67,11 +67,24 @@ def test_config_builds_the_adapter_without_connecting_to_ray():
     assert isinstance(loans.adapter, RayServeAdapter) and isinstance(loans.adapter, ReadyAdapter)
     assert loans.nodes == NODES and loans.adapter.targets() == {"n1": 2, "n2": 1, "n3": 1}
     for path, why in (("tidal.serving.nope:model", "ModuleNotFoundError"),
+                      ("test_serving_ray_serve:autoscaled", "has an autoscaling_config"),
                       ("tidal.serving.ray_serve_app:nope", "AttributeError"),
                       ("tidal.serving.ray_serve_app:ROUTER", "is a str, not a Serve deployment")):
         with pytest.raises(ValueError, match=f"serving.deployment '{path}'.*{why}") as e:
             build_live_loans(WatchConfig.from_dict({**BASE, "deployment": path}))
         assert "\n" not in str(e.value)
+
+
+def __getattr__(name: str) -> Any:
+    """``test_serving_ray_serve:autoscaled``: a Serve deployment with autoscaling (made on first use)."""
+    if name != "autoscaled":
+        raise AttributeError(name)
+    from ray import serve
+
+    @serve.deployment(autoscaling_config={"min_replicas": 1, "max_replicas": 2})
+    class Autoscaled:
+        pass
+    return Autoscaled
 
 
 # ------------------------------------------------------------------------------------ bookkeeping
@@ -137,6 +150,20 @@ def test_a_failed_action_changes_nothing_and_says_why():
     b.resume(a.persist())
     assert b.targets() == {"n1": 2, "n2": 0, "n3": 1} and b.slots({"n1": 2, "n2": 1, "n3": 0}) == {
         "n1": 2, "n2": 0, "n3": 0}
+
+
+def test_serve_failing_is_an_adapter_error_in_one_line_never_a_crash_of_the_loop():
+    class Broken(RayServeAdapter):
+        def _ensure(self) -> None:
+            raise RuntimeError("GCS unreachable\n  at line 2")
+
+    a = Broken(RayServeSettings(app="toy", deployment="m:d", nodes=dict(NODES), latency_target_s=0.2))
+    with pytest.raises(AdapterError) as e:
+        a.release("n1", 1, 1, 0.0)
+    assert "RuntimeError: GCS unreachable at line 2" in str(e.value) and "\n" not in str(e.value)
+    assert a.released()["n1"] == 0
+    assert math.isnan(a.demand_gpus(0.0)) and not a.ready("n1") and a.failures == 3
+    assert "GCS unreachable" in a.health()["last_error"]
 
 
 def test_demand_from_the_routers_counts():

@@ -212,13 +212,26 @@ class RayServeAdapter:
         if not isinstance(obj, serve.Deployment):
             raise AdapterError(f"serving.deployment {self.s.deployment!r} is a {type(obj).__name__}, not a "
                                "Serve deployment (a class decorated with @serve.deployment)")
+        if obj._deployment_config.autoscaling_config is not None:
+            raise AdapterError(f"serving.deployment {self.s.deployment!r} has an autoscaling_config: Tidal sets "
+                               "its replicas per node (remove autoscaling_config; demand comes from the SLO)")
         return obj
 
     def ensure(self) -> None:
         """Serve running with the application deployed (or adopted): at most a few quick RPCs; the replicas
-        start in the background. ``AdapterError`` saying why not."""
+        start in the background. ``AdapterError`` saying why not (never another exception: the reconcile
+        loop calls this)."""
         if self.deployed:
             return
+        try:
+            self._ensure()
+        except AdapterError:
+            raise
+        except Exception as e:  # noqa: BLE001 (Ray and Serve raise many kinds; each is one failed step)
+            raise AdapterError(f"deploying Serve application {self.s.app!r}: {type(e).__name__}: "
+                               f"{' '.join(str(e).split())[:300]}") from None
+
+    def _ensure(self) -> None:
         ray = self._ray()
         from ray import serve
         from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
@@ -290,7 +303,10 @@ class RayServeAdapter:
 
         t, st = self._status
         if fresh or time.monotonic() - t > STATUS_TTL_S:
-            st = serve.status().applications.get(self.s.app)
+            try:
+                st = serve.status().applications.get(self.s.app)
+            except Exception as e:  # noqa: BLE001
+                raise AdapterError(f"serve.status(): {type(e).__name__}: {str(e)[:200]}") from None
             self._status = (time.monotonic(), st)
         return st
 
