@@ -43,6 +43,9 @@ BASE = {"adapter": "ray-serve", "app": "toy", "deployment": "tidal.serving.ray_s
     ({"rate_window_s": 0}, "serving.rate_window_s"),
     ({"init_kwargs": [1]}, "serving.init_kwargs"),
     ({"adapter": "ray_serve"}, "serving.adapter"),
+    ({"history_days": 2}, "serving.history_days"),
+    ({"speedup": 0}, "serving.speedup"),
+    ({"start_s": "noon"}, "serving.start_s"),
 ])
 def test_bad_settings_one_line_naming_the_field(change, field):
     with pytest.raises(ValueError) as e:
@@ -131,7 +134,7 @@ def test_release_closes_slots_before_scaling_down_restore_opens_them_when_health
     assert not a.ready("n1")
     a.up["n1"] = 2
     assert a.ready("n1") and a.calls[-1] == ("slots", {"n1": 2, "n2": 1, "n3": 1})
-    assert a.persist() == {"released": {"n1": 0, "n2": 0, "n3": 0}}
+    assert a.persist() == {"released": {"n1": 0, "n2": 0, "n3": 0}, "origin_s": None}
 
 
 def test_a_failed_action_changes_nothing_and_says_why():
@@ -164,6 +167,16 @@ def test_serve_failing_is_an_adapter_error_in_one_line_never_a_crash_of_the_loop
     assert a.released()["n1"] == 0
     assert math.isnan(a.demand_gpus(0.0)) and not a.ready("n1") and a.failures == 3
     assert "GCS unreachable" in a.health()["last_error"]
+
+
+def test_serving_clock_real_time_or_a_compressed_day():
+    a = Recorded()
+    assert a.serving_time(1000.0) == 1000.0 and a.speedup == 1.0
+    b = Recorded(speedup=240.0, start_s=79200.0)  # 22:00, a day in 6 min
+    assert b.serving_time(1000.0) == 79200.0 and b.serving_time(1001.5) == 79200.0 + 360.0
+    c = Recorded(speedup=240.0, start_s=79200.0)
+    c.resume(b.persist())  # a restarted plane keeps the clock
+    assert c.serving_time(1003.0) == 79200.0 + 720.0
 
 
 def test_demand_from_the_routers_counts():

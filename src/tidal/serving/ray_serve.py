@@ -73,6 +73,8 @@ class RayServeSettings:
     rate_window_s: float = 30.0
     min_samples: int = 20
     actions_timeout_s: float = 5.0
+    speedup: float = 1.0  # serving seconds per control-plane second (a compressed day in a demo)
+    start_s: float | None = None  # the serving clock at the first call (default: the control plane's time)
 
     def __post_init__(self) -> None:
         w = "serving"
@@ -104,6 +106,10 @@ class RayServeSettings:
             v = getattr(self, name)
             if not isinstance(v, int | float) or isinstance(v, bool) or not lo <= v <= hi:
                 raise ValueError(f"{w}.{name} must be a number in [{lo:g}, {hi:g}], got {v!r}")
+        if not isinstance(self.speedup, int | float) or isinstance(self.speedup, bool) or not 0 < self.speedup < 1e6:
+            raise ValueError(f"{w}.speedup must be a number > 0, got {self.speedup!r}")
+        if self.start_s is not None and (not isinstance(self.start_s, int | float) or not math.isfinite(self.start_s)):
+            raise ValueError(f"{w}.start_s must be a number (seconds on the serving clock), got {self.start_s!r}")
         k = self.min_samples
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"{w}.min_samples must be a whole number >= 1, got {self.min_samples!r}")
@@ -131,7 +137,7 @@ class RayServeSettings:
                 raise ValueError(f"serving.{name} is required with adapter ray-serve")
         kw = {name: getattr(cfg, name) for name in (
             "latency_quantile", "latency_of", "gpus_per_replica", "service_rate_per_replica", "init_kwargs",
-            "route_prefix", "http_host", "http_port", "rate_window_s", "actions_timeout_s")
+            "route_prefix", "http_host", "http_port", "rate_window_s", "actions_timeout_s", "speedup", "start_s")
             if getattr(cfg, name, None) is not None}
         return cls(app=cfg.app, deployment=cfg.deployment, nodes=parse_nodes(cfg.nodes),
                    latency_target_s=cfg.latency_target_s, **kw)
@@ -147,10 +153,10 @@ class RayServeAdapter:
     Nothing touches Ray until the first call that needs it (so building the adapter never blocks).
     """
 
-    speedup = 1.0
-
     def __init__(self, settings: RayServeSettings, *, address: str | None = None) -> None:
         self.s = settings
+        self.speedup = float(settings.speedup)
+        self.origin_s: float | None = None  # control-plane time of serving time start_s
         self.address = address
         self._nodes = dict(settings.nodes)
         self.state = _Released(settings.nodes)
@@ -170,7 +176,14 @@ class RayServeAdapter:
         return dict(self._nodes)
 
     def serving_time(self, now_s: float) -> float:
-        return now_s
+        """``now_s`` in production; with ``speedup``/``start_s`` (a demo's compressed day) the serving clock
+        runs from ``start_s`` at ``speedup`` x from the first call (the request rate stays real: per second)."""
+        if self.speedup == 1.0 and self.s.start_s is None:
+            return now_s
+        if self.origin_s is None:
+            self.origin_s = now_s
+        start = self.s.start_s if self.s.start_s is not None else self.origin_s
+        return start + (now_s - self.origin_s) * self.speedup
 
     def target(self, node: str) -> int:
         """Replicas ``<deployment>-<node>`` should run: those its unlent GPUs hold (whole replicas)."""
@@ -421,9 +434,11 @@ class RayServeAdapter:
                 "failures": self.failures, "last_error": self.last_error}
 
     def persist(self) -> dict[str, Any]:
-        return {"released": self.released()}
+        return {"released": self.released(), "origin_s": self.origin_s}
 
     def resume(self, doc: Mapping[str, Any]) -> None:
+        if doc.get("origin_s") is not None:
+            self.origin_s = float(doc["origin_s"])
         for node, g in (doc.get("released") or {}).items():
             if node in self.state.released:
                 self.state.released[node] = int(g)

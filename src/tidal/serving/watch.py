@@ -236,6 +236,10 @@ class WatchConfig:
                 raise ValueError(f"serving.{name} does not apply to adapter ray-serve (demand is the request "
                                  "rate Serve sees; service rate measured, serving.service_rate_per_replica a "
                                  "prior)")
+        for name, default in (("history_days", 0.0), ("gpus_per_unit", 1.0)):
+            if getattr(self, name) != default:
+                raise ValueError(f"serving.{name} does not apply to adapter ray-serve (no trace to learn from; "
+                                 "demand is the SLO's GPUs)")
         RayServeSettings.from_config(self)
         total = sum(parse_nodes(self.nodes).values())
         if self.serving_gpus is None:
