@@ -46,6 +46,7 @@ BASE = {"adapter": "ray-serve", "app": "toy", "deployment": "tidal.serving.ray_s
     ({"history_days": 2}, "serving.history_days"),
     ({"speedup": 0}, "serving.speedup"),
     ({"start_s": "noon"}, "serving.start_s"),
+    ({"min_replicas": 5}, "serving.min_replicas"),
 ])
 def test_bad_settings_one_line_naming_the_field(change, field):
     with pytest.raises(ValueError) as e:
@@ -190,7 +191,9 @@ def test_demand_from_the_routers_counts():
     assert math.isnan(a.demand_from({**st, "window_s": 0.2}))
     b = Recorded(service_rate_per_replica=10.0)
     assert b.demand_from({**st, "completed": 5}) == b.s.model(10.0).gpus(40.0)
-    assert b.demand_from({"window_s": 10.0, "arrivals": 0, "completed": 0, "service_sum_s": 0.0}) == 0.0
+    idle = {"window_s": 10.0, "arrivals": 0, "completed": 0, "service_sum_s": 0.0}
+    assert b.demand_from(idle) == 1.0  # min_replicas (1): serving is never lent away whole
+    assert Recorded(service_rate_per_replica=10.0, min_replicas=0).demand_from(idle) == 0.0
 
 
 class Gated(ReplayAdapter):

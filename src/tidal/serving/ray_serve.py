@@ -73,6 +73,7 @@ class RayServeSettings:
     rate_window_s: float = 30.0
     min_samples: int = 20
     actions_timeout_s: float = 5.0
+    min_replicas: int = 1  # demand never below this many replicas (serving is never lent away whole)
     speedup: float = 1.0  # serving seconds per control-plane second (a compressed day in a demo)
     start_s: float | None = None  # the serving clock at the first call (default: the control plane's time)
 
@@ -106,10 +107,16 @@ class RayServeSettings:
             v = getattr(self, name)
             if not isinstance(v, int | float) or isinstance(v, bool) or not lo <= v <= hi:
                 raise ValueError(f"{w}.{name} must be a number in [{lo:g}, {hi:g}], got {v!r}")
-        if not isinstance(self.speedup, int | float) or isinstance(self.speedup, bool) or not 0 < self.speedup < 1e6:
+        sp = self.speedup
+        if not isinstance(sp, int | float) or isinstance(sp, bool) or not 0 < sp < 1e6:
             raise ValueError(f"{w}.speedup must be a number > 0, got {self.speedup!r}")
-        if self.start_s is not None and (not isinstance(self.start_s, int | float) or not math.isfinite(self.start_s)):
-            raise ValueError(f"{w}.start_s must be a number (seconds on the serving clock), got {self.start_s!r}")
+        t0 = self.start_s
+        if t0 is not None and (not isinstance(t0, int | float) or isinstance(t0, bool) or not math.isfinite(t0)):
+            raise ValueError(f"{w}.start_s must be a number (seconds on the serving clock), got {t0!r}")
+        r = self.min_replicas
+        if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r <= sum(self.nodes.values()) // g:
+            raise ValueError(f"{w}.min_replicas must be a whole number from 0 to the replicas the nodes hold "
+                             f"({sum(self.nodes.values()) // g}), got {r!r}")
         k = self.min_samples
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"{w}.min_samples must be a whole number >= 1, got {self.min_samples!r}")
@@ -137,7 +144,8 @@ class RayServeSettings:
                 raise ValueError(f"serving.{name} is required with adapter ray-serve")
         kw = {name: getattr(cfg, name) for name in (
             "latency_quantile", "latency_of", "gpus_per_replica", "service_rate_per_replica", "init_kwargs",
-            "route_prefix", "http_host", "http_port", "rate_window_s", "actions_timeout_s", "speedup", "start_s")
+            "route_prefix", "http_host", "http_port", "rate_window_s", "actions_timeout_s", "speedup", "start_s",
+            "min_replicas")
             if getattr(cfg, name, None) is not None}
         return cls(app=cfg.app, deployment=cfg.deployment, nodes=parse_nodes(cfg.nodes),
                    latency_target_s=cfg.latency_target_s, **kw)
@@ -177,7 +185,8 @@ class RayServeAdapter:
 
     def serving_time(self, now_s: float) -> float:
         """``now_s`` in production; with ``speedup``/``start_s`` (a demo's compressed day) the serving clock
-        runs from ``start_s`` at ``speedup`` x from the first call (the request rate stays real: per second)."""
+        runs from ``start_s`` at ``speedup`` x from the first call (the request rate stays real: per
+        second)."""
         if self.speedup == 1.0 and self.s.start_s is None:
             return now_s
         if self.origin_s is None:
@@ -417,6 +426,7 @@ class RayServeAdapter:
         except ValueError as e:  # e.g. a target below the measured service time's quantile
             self.last_error = f"demand: {e}"
             return math.nan
+        gpus = max(gpus, float(self.s.min_replicas * self.s.gpus_per_replica))
         self.last_demand = {"rate": round(rate, 3), "service_rate": round(mu, 3), "service_rate_from": source,
                             "gpus": gpus}
         return gpus

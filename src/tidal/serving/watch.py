@@ -33,7 +33,7 @@ from tidal.serving.sources import DemandSource, TraceReplay
 
 ADAPTERS = (None, "replay", "hook", "ray-serve")  # serving.adapter (None: replay with a trace, else hook)
 RAY_SERVE_FIELDS = ("app", "deployment", "init_kwargs", "route_prefix", "http_host", "http_port",
-                    "rate_window_s")
+                    "rate_window_s", "min_replicas")
 
 
 @dataclass(frozen=True)
@@ -174,6 +174,7 @@ class WatchConfig:
     http_host: str | None = None
     http_port: int | None = None
     rate_window_s: float | None = None
+    min_replicas: int | None = None
 
     def __post_init__(self) -> None:
         if self.adapter not in ADAPTERS:
@@ -238,8 +239,8 @@ class WatchConfig:
                                  "prior)")
         for name, default in (("history_days", 0.0), ("gpus_per_unit", 1.0)):
             if getattr(self, name) != default:
-                raise ValueError(f"serving.{name} does not apply to adapter ray-serve (no trace to learn from; "
-                                 "demand is the SLO's GPUs)")
+                raise ValueError(f"serving.{name} does not apply to adapter ray-serve (no trace to learn "
+                                 "from; demand is the SLO's GPUs)")
         RayServeSettings.from_config(self)
         total = sum(parse_nodes(self.nodes).values())
         if self.serving_gpus is None:
