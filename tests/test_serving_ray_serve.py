@@ -277,7 +277,8 @@ def test_load_generator_open_loop_poisson_records_latency_and_failures(tmp_path)
 
 # ---------------------------------------------------------------------------- on a real cluster
 SLO_P99_S = 1.0  # end-to-end p99 the test holds the application to (service time 0.03 s)
-RATE = 8.0  # requests/s offered (the three replicas left while n2 is lent serve ~60/s)
+RATE = 8.0  # requests/s offered (the one replica left while n2 is lent serves ~20/s)
+SERVE_ON = {"n2": 1, "n3": 1}  # two replicas (each replica's worker start is seconds on 2 busy cores)
 
 
 @pytest.mark.slow
@@ -293,15 +294,15 @@ def test_lend_and_reclaim_a_node_under_load_within_the_slo(ray_cluster, tmp_path
         ray.init(address=ray_cluster.address, log_to_driver=False)
     total = all_gpus_free()
     port = free_port()
-    s = RayServeSettings(app="toy", deployment="tidal.serving.ray_serve_app:sleep_model", nodes=dict(NODES),
-                         latency_target_s=0.25, init_kwargs={"service_s": 0.03}, http_port=port,
+    s = RayServeSettings(app="toy", deployment="tidal.serving.ray_serve_app:sleep_model", nodes=dict(SERVE_ON),
+                         latency_target_s=0.5, init_kwargs={"service_s": 0.03}, http_port=port,
                          rate_window_s=5.0, min_samples=10)
     ad = RayServeAdapter(s)
     phases: dict[str, float] = {}
     try:
         ad.ensure()
-        wait_until("every replica up", lambda: all(ad.ready(n) for n in NODES), 120)
-        assert ray.available_resources().get("GPU", 0.0) == total - 4
+        wait_until("every replica up", lambda: all(ad.ready(n) for n in SERVE_ON), 120)
+        assert ray.available_resources().get("GPU", 0.0) == total - 2
         done = threading.Event()
         out: dict[str, Any] = {}
         t0 = time.perf_counter() + 0.05
@@ -314,7 +315,7 @@ def test_lend_and_reclaim_a_node_under_load_within_the_slo(ray_cluster, tmp_path
 
         time.sleep(3.0)
         demand = ad.demand_gpus(time.time())
-        assert 1 <= demand <= 3, ad.last_demand  # the SLO needs fewer GPUs than serve: one can be lent
+        assert demand == 1.0, ad.last_demand  # the SLO needs one of the two GPUs: the other can be lent
         seen = ad.last_demand
         mark("lend")
         ad.release("n2", 1, 1, time.time())
@@ -322,7 +323,7 @@ def test_lend_and_reclaim_a_node_under_load_within_the_slo(ray_cluster, tmp_path
         ad = RayServeAdapter(s)  # a restarted plane: adopts the running application, redeploys nothing
         ad.resume({"released": {"n2": 1}})
         ad.ensure()
-        assert ad.targets() == {"n1": 2, "n2": 0, "n3": 1} and ad._sync(None)["pid"] == router_pid
+        assert ad.targets() == {"n2": 0, "n3": 1} and ad._sync(None)["pid"] == router_pid
 
         @ray.remote(num_gpus=1, num_cpus=0)
         class Spot:  # what a spot job's rank is to Ray: an actor holding the lent GPU on n2
