@@ -91,6 +91,15 @@ def __getattr__(name: str) -> Any:
     return Autoscaled
 
 
+def test_tidal_up_on_the_local_executor_refuses_the_ray_serve_adapter(tmp_path):
+    from tidal.control.config import ControlConfig
+    from tidal.control.server import build
+
+    with pytest.raises(SystemExit, match="serving.adapter ray-serve lends the GPUs of Ray nodes: it needs "
+                       "--executor ray"):
+        build(tmp_path / "state", gpus="2", config=ControlConfig.from_dict({"serving": BASE}))
+
+
 # ------------------------------------------------------------------------------------ bookkeeping
 class Recorded(RayServeAdapter):
     """The adapter with Serve's RPCs (our seams: ensure, _scale, _sync, running) recorded, not sent."""
