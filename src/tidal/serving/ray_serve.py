@@ -287,10 +287,10 @@ class RayServeAdapter:
                            wait_for_ingress_deployment_creation=False, wait_for_applications_running=False)
             log.info("ray-serve: deployed %s (%s per node) on %s", self.s.app, self.base, sorted(self._nodes))
         self._controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
-        self.deployed = True
-        if app is not None:  # adopted after a restart: the counts this plane's loans say
-            for n in self._nodes:
+        if app is not None:  # adopted after a restart: the counts this plane's loans say (until they are
+            for n in self._nodes:  # set, every call tries again)
                 self._scale(n, self.target(n))
+        self.deployed = True
 
     def _scale(self, node: str, replicas: int) -> None:
         from ray.serve._private.common import DeploymentID
