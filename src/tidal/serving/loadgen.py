@@ -31,12 +31,15 @@ MAX_IN_FLIGHT = 4096  # requests outstanding at most (beyond: a request is recor
 
 @dataclass(frozen=True)
 class Record:
-    """One request: sent ``t_s`` seconds after the start; ``latency_s`` until its answer was read."""
+    """One request, due ``t_s`` seconds after the start (its Poisson arrival) and sent ``late_s`` after
+    that (the generator's own lag: large only when this machine cannot keep up); ``latency_s`` from
+    sending until its answer was read."""
 
     t_s: float
     latency_s: float
     status: int
     error: str = ""
+    late_s: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -128,17 +131,18 @@ async def generate(url: str, rate: Callable[[float], float], duration_s: float, 
             nonlocal in_flight
             sent = time.perf_counter()
             if in_flight >= MAX_IN_FLIGHT:
-                out[i] = Record(t, 0.0, 0, f"not sent: {MAX_IN_FLIGHT} requests outstanding")
+                out[i] = Record(t, 0.0, 0, f"not sent: {MAX_IN_FLIGHT} requests outstanding",
+                                sent - start - t)
                 return
             in_flight += 1
             try:
                 r = await client.post(url, content=body)
                 await r.aread()
                 why = "" if r.is_success else f"HTTP {r.status_code}: {' '.join(r.text.split())[:160]}"
-                rec = Record(sent - start, time.perf_counter() - sent, r.status_code, why)
+                rec = Record(t, time.perf_counter() - sent, r.status_code, why, sent - start - t)
             except httpx.HTTPError as e:
-                rec = Record(sent - start, time.perf_counter() - sent, 0,
-                             " ".join(f"{type(e).__name__}: {e}".split())[:200])
+                why = " ".join(f"{type(e).__name__}: {e}".split())[:200]
+                rec = Record(t, time.perf_counter() - sent, 0, why, sent - start - t)
             finally:
                 in_flight -= 1
             out[i] = rec
@@ -159,7 +163,8 @@ async def generate(url: str, rate: Callable[[float], float], duration_s: float, 
 
 
 def summary(records: Sequence[Record], start_s: float = 0.0, end_s: float = math.inf) -> dict[str, Any]:
-    """Requests sent in ``[start_s, end_s)``: count, failed, and the latency quantiles of those answered."""
+    """Requests due in ``[start_s, end_s)``: count, failed, the latency quantiles of those answered, and
+    the generator's largest lag (``late_max_s``)."""
     sel = [r for r in records if start_s <= r.t_s < end_s]
     lat = np.array([r.latency_s for r in sel if r.ok], dtype=float)
     q = (lambda p: round(float(np.quantile(lat, p)), 4)) if len(lat) else (lambda p: None)
@@ -167,6 +172,7 @@ def summary(records: Sequence[Record], start_s: float = 0.0, end_s: float = math
     return {"requests": len(sel), "failed": sum(1 for r in sel if not r.ok),
             "rate": round(len(sel) / span, 2) if span > 0 else None,
             "p50_s": q(0.5), "p99_s": q(0.99), "max_s": round(float(lat.max()), 4) if len(lat) else None,
+            "late_max_s": round(max((r.late_s for r in sel), default=0.0), 4),
             "errors": sorted({r.error or f"HTTP {r.status}" for r in sel if not r.ok})[:5]}
 
 

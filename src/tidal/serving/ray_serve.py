@@ -42,12 +42,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from tidal.contract import RAY_NODE_LABEL as NODE_LABEL
 from tidal.serving.adapters import AdapterError, _Released, parse_nodes
 from tidal.serving.requests import RequestModel
 
 log = logging.getLogger(__name__)
 
-NODE_LABEL = "tidal.io/node"  # = tidal.exec.ray_exec.NODE_LABEL (not imported: that module imports ray)
 ADAPTER = "ray-serve"
 STATUS_TTL_S = 0.25  # serve.status() is read at most this often
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")

@@ -22,6 +22,8 @@ from typing import Any
 
 from ray import serve
 
+from tidal.contract import RAY_NODE_LABEL
+
 ROUTER = "tidal-router"  # the router deployment's name in the application
 MAX_SAMPLES = 200_000  # finished requests kept for the window (bounded memory at any rate)
 
@@ -144,7 +146,8 @@ class SleepModel:
         import ray
 
         self.service_s = float(service_s)
-        self.node = ray.get_runtime_context().get_node_labels().get("tidal.io/node", "?")
+        label = ray.get_runtime_context().get_node_labels().get(RAY_NODE_LABEL, "?")
+        self.node = label[0] if isinstance(label, list) else label
 
     async def __call__(self, body: bytes) -> dict[str, Any]:
         await asyncio.sleep(self.service_s)
