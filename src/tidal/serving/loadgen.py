@@ -8,8 +8,8 @@ Open loop: the next request is sent at its arrival time whether or not earlier o
 answered (a closed loop would slow down exactly when serving does, hiding the latency a user sees).
 Arrivals are a Poisson process of rate ``rate(t)`` (``t``: seconds since the start), drawn by thinning
 against the largest rate, so a rate that changes within a gap is followed exactly. Each request is
-``POST body``; its :class:`Record` keeps the send time, the latency (send to full answer), the HTTP
-status (0: no answer) and the error.
+``POST body``; its :class:`Record` keeps its due time, how late the generator sent it, the latency
+(send to full answer), the HTTP status (0: no answer) and the error.
 """
 
 from __future__ import annotations
