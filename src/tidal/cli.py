@@ -71,7 +71,8 @@ def _control() -> None:
 def _serving() -> None:
     from tidal.serving.cli import app as serving_app
 
-    app.add_typer(serving_app, name="serving", help="Serving side: the live loan plan from a trace or Prometheus.")
+    app.add_typer(serving_app, name="serving",
+                  help="Serving side: the live loan plan from a trace or Prometheus; load on an endpoint.")
 
 
 def _demo() -> None:

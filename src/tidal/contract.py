@@ -70,6 +70,7 @@ def torchrun_env(rank: int, world_size: int, master_port: int, *, master_addr: s
 
 # ------------------------------------------------------------------------------ exit codes
 EXIT_PREEMPTED = 75
+RAY_NODE_LABEL = "tidal.io/node"  # a Ray node's name for Tidal (ray start --labels tidal.io/node=NAME)
 """EX_TEMPFAIL from sysexits.h ("temporary failure, try again"): the job stopped on a notice (or its
 grace ran out) and resumes from its newest committed checkpoint. Never a failure."""
 

@@ -4,7 +4,8 @@
 reconciled and before the scheduler, in this order:
 
 1. **Warm-ups end.** GPUs handed back earlier serve again once their warm-up is over (the ledger's
-   times); restores the adapter refused earlier are tried again.
+   times and, for a :class:`~tidal.serving.adapters.ReadyAdapter`, its ``ready(node)``: e.g. the new
+   Serve replica is healthy); restores the adapter refused earlier are tried again.
 2. **Observe demand** at the next grid point of the serving clock (``step_s`` of serving time):
    ``adapter.demand_gpus``; NaN (unknown) is never read as zero.
 3. **Plan** with the same :class:`~tidal.policy.loan.TidalPolicy` the simulator evaluates. Unknown
@@ -40,7 +41,14 @@ from tidal.policy import codec
 from tidal.policy.forecast import ForecastConfig
 from tidal.policy.ledger import LoanLedger
 from tidal.policy.loan import LoanContext, LoanPlan, LoanTiming, TidalConfig, TidalPolicy, TidalState
-from tidal.serving.adapters import AdapterError, HookAdapter, ReplayAdapter, ServingAdapter, parse_nodes
+from tidal.serving.adapters import (
+    AdapterError,
+    HookAdapter,
+    ReadyAdapter,
+    ReplayAdapter,
+    ServingAdapter,
+    parse_nodes,
+)
 from tidal.serving.watch import WatchConfig
 
 log = logging.getLogger(__name__)
@@ -168,7 +176,8 @@ class LiveLoans:
             self.stats["used_gpu_s"] += sum(min(g, led.lent_on(n)) for n, g in used.items() if n in self.nodes) * dt
             self._dirty = True
         self.last_s = now_s
-        for node, g in led.warm_all_done(now_s):  # 1.
+        gate = self.adapter.ready if isinstance(self.adapter, ReadyAdapter) else None
+        for node, g in led.warm_all_done(now_s, gate):  # 1.
             events.append(("serving_ready", f"{g} GPUs of {node} serve again (warm-up over)",
                            {"node": node, "gpus": g}))
             self._dirty = True
@@ -341,9 +350,11 @@ class LiveLoans:
         }
 
 
-def build_live_loans(cfg: WatchConfig) -> LiveLoans:
-    """The serving adapter and the loan step for a ``serving:`` block that lends (``cfg.nodes`` given).
-    Raises ``ValueError`` (or ``OSError`` for an unreadable trace) naming what is wrong."""
+def build_live_loans(cfg: WatchConfig, ray_address: str | None = None) -> LiveLoans:
+    """The serving adapter and the loan step for a ``serving:`` block that lends (``cfg.nodes`` given):
+    ``serving.adapter`` ``ray-serve`` (joining ``ray_address`` unless this process is connected to Ray
+    already), else a replay of ``trace`` or the hook adapter. Raises ``ValueError`` (or ``OSError`` for
+    an unreadable trace) naming what is wrong."""
     from tidal.serving.sources import PrometheusQuery, TraceReplay
     from tidal.serving.traces import load_trace
 
@@ -351,7 +362,13 @@ def build_live_loans(cfg: WatchConfig) -> LiveLoans:
     gpus = sum(nodes.values())
     adapter: ServingAdapter
     history: list[tuple[float, float]] = []
-    if cfg.trace is not None:
+    if cfg.adapter == "ray-serve":
+        from tidal.serving.ray_serve import RayServeAdapter, RayServeSettings
+
+        rs = RayServeAdapter(RayServeSettings.from_config(cfg), address=ray_address)
+        rs.check()
+        adapter = rs
+    elif cfg.trace is not None:
         trace = load_trace(cfg.trace)
         first = float(trace.times_s[0])
         start = cfg.start_s if cfg.start_s is not None else first + cfg.history_days * 86400.0

@@ -186,6 +186,9 @@ def build(state_dir: Path, gpus: str = "auto", db: str | None = None, config: Co
 
 
 def _build(state_dir, gpus, store, token, created, config, iso, loans, serving_nodes) -> Plane:  # noqa: ANN001
+    if loans is not None and config.serving.adapter == "ray-serve":
+        store.close()
+        raise SystemExit("tidal up: serving.adapter ray-serve lends the GPUs of Ray nodes: it needs --executor ray")
     if gpus == "auto":
         ids = detect_gpus()
         if not ids:

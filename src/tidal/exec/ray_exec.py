@@ -77,7 +77,7 @@ from tidal.model import Node
 
 log = logging.getLogger(__name__)
 
-NODE_LABEL = "tidal.io/node"  # a node's name for Tidal, when set (else ray-<node id prefix>)
+NODE_LABEL = c.RAY_NODE_LABEL  # a node's name for Tidal, when set (else ray-<node id prefix>)
 NODE_ID_LABEL = "ray.io/node-id"  # Ray's own label of every node: what bundles are pinned with
 QUIET_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_DISABLE_DOCKER_CPU_WARNING": "1"}  # nothing calls home
 POLL_TIMEOUT_S = 0.5  # one step waits this long at most for the ranks' answers

@@ -27,7 +27,7 @@ step and carries out what changed through a serving adapter.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from itertools import chain, repeat
 
 from tidal.model import Loan, Reclaim
@@ -225,10 +225,15 @@ class LoanLedger:
         """(ready time, GPUs) of ``node``'s GPUs warming up, in the order they were handed back."""
         return [(float(r), int(g)) for r, g in self.warming_on.get(node, ())]
 
-    def warm_all_done(self, now: float) -> list[tuple[str, int]]:
-        """Every node's GPUs whose warm-up ends by ``now`` serve again; returns (node, GPUs) for each."""
+    def warm_all_done(self, now: float, ready: Callable[[str], bool] | None = None) -> list[tuple[str, int]]:
+        """Every node's GPUs whose warm-up ends by ``now`` serve again; returns (node, GPUs) for each.
+        ``ready``: also asked, for a node with some warm-up over by time, whether it serves again (the
+        serving system's word; False keeps all its GPUs warming)."""
         done = []
         for node in list(self.warming_on):
+            timed_out = any(float(e[0]) <= now for e in self.warming_on[node])
+            if ready is not None and (not timed_out or not ready(node)):
+                continue
             before = sum(int(e[1]) for e in self.warming_on[node])
             self.warm_done(node, now)
             after = sum(int(e[1]) for e in self.warming_on[node])

@@ -22,6 +22,8 @@ Implementations:
   follows a trace CSV at a chosen speed-up. What is neither lent nor warming up serves.
 * :class:`HookAdapter` — demand from a Prometheus query, actions by an operator-provided HTTP webhook
   (``POST`` of a JSON body) or command (argv with the same fields in its environment).
+* :class:`tidal.serving.ray_serve.RayServeAdapter` — a Ray Serve application: replicas per node,
+  demand from the requests Serve sees (also a :class:`ReadyAdapter`).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from tidal.serving.sources import DemandSource, TraceReplay
 
@@ -80,6 +82,18 @@ class ServingAdapter(Protocol):
 
     def resume(self, doc: Mapping[str, Any]) -> None:
         """Continue from :meth:`persist`'s document."""
+        ...
+
+
+@runtime_checkable
+class ReadyAdapter(Protocol):
+    """An adapter that knows when GPUs it got back serve again (e.g. the new replica is healthy): the
+    plane ends a warm-up only when its time is over *and* :meth:`ready` says so. Without it, warm-ups
+    end by time (``LoanTiming.warmup_s``)."""
+
+    def ready(self, node: str) -> bool:
+        """Every GPU restored on ``node`` serves again. Quick (the reconcile loop calls it each step while
+        the node warms up); False when unknown."""
         ...
 
 

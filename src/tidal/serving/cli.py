@@ -17,7 +17,7 @@ app = typer.Typer(no_args_is_help=True, add_completion=False)
 
 @app.callback()
 def _group() -> None:
-    """Serving side: live demand and the loan plan."""
+    """Serving side: live demand, the loan plan, and load against a serving endpoint."""
 
 
 def _clock_text(t_s: float, absolute: bool) -> str:
@@ -122,3 +122,66 @@ def watch_command(
               steps=steps)
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
+
+
+@app.command("load")
+def load_command(
+    url: Annotated[str, typer.Argument(help="The Serve application's HTTP endpoint, e.g. "
+                                         "http://127.0.0.1:8000/.")],
+    duration_s: Annotated[float, typer.Option("--duration-s", min=0.001, help="Seconds of load.")] = 60.0,
+    rate: Annotated[float | None, typer.Option("--rate", min=0.0,
+                                               help="A constant request rate (requests/s).")] = None,
+    trace: Annotated[Path | None, typer.Option("--trace", help="Replay this trace's request rate (its load "
+                                               "column, requests/s).", exists=True, dir_okay=False)] = None,
+    speedup: Annotated[float, typer.Option("--speedup", min=1e-6, help="Trace seconds per second.")] = 1.0,
+    scale: Annotated[float, typer.Option("--scale", min=0.0, help="Times the trace's rate.")] = 1.0,
+    every_s: Annotated[float, typer.Option("--every-s", min=0.1, help="Report latency per interval of this "
+                                           "many seconds.")] = 10.0,
+    timeout_s: Annotated[float, typer.Option("--timeout-s", min=0.01, help="A request unanswered this long "
+                                             "fails.")] = 30.0,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the Poisson arrivals.")] = 0,
+    records: Annotated[Path | None, typer.Option(
+        "--records", help="Write every request (t_s, latency_s, status, error) as JSON lines here.",
+        dir_okay=False)] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="The summary as JSON.")] = False,
+) -> None:
+    """Open-loop Poisson load at a constant or a trace's (scaled) request rate; p50/p99 latency per
+    interval."""
+    import asyncio
+
+    from tidal.serving import loadgen
+
+    if (rate is None) == (trace is None):
+        raise typer.BadParameter("give exactly one of --rate or --trace", param_hint="--rate / --trace")
+    try:
+        if trace is not None:
+            from tidal.serving.traces import load_trace
+
+            fn = loadgen.trace_rate(load_trace(trace), speedup=speedup, scale=scale)
+        else:
+            fn = loadgen.constant(float(rate or 0.0))
+        recs = asyncio.run(loadgen.generate(url, fn, duration_s, timeout_s=timeout_s, seed=seed))
+    except (OSError, ValueError) as e:
+        raise typer.BadParameter(str(e), param_hint="--trace" if isinstance(e, OSError) else "URL") from None
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+    if records is not None:
+        with open(records, "w") as f:
+            for d in loadgen.as_dicts(recs):
+                f.write(json.dumps(d) + "\n")
+    parts = [loadgen.summary(recs, a, a + every_s) | {"from_s": a} for a in
+             (i * every_s for i in range(math.ceil(duration_s / every_s)))]
+    total = loadgen.summary(recs)
+    if json_out:
+        print(json.dumps({"intervals": parts, "total": total}))
+    else:
+        def ms(x: float | None) -> str:
+            return "-" if x is None else f"{1000 * x:.1f}"
+        print(f"{'from_s':>8} {'requests':>9} {'failed':>7} {'p50_ms':>8} {'p99_ms':>8}")
+        for p in [*parts, total | {"from_s": "all"}]:
+            print(f"{p['from_s']!s:>8} {p['requests']:>9} {p['failed']:>7} {ms(p['p50_s']):>8} "
+                  f"{ms(p['p99_s']):>8}")
+        for err in total["errors"]:
+            print(f"error: {err}")
+    if total["failed"]:
+        raise typer.Exit(1)

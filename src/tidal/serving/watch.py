@@ -26,9 +26,14 @@ from typing import Any
 
 from tidal.policy.forecast import ForecastConfig
 from tidal.policy.loan import LoanContext, LoanPlan, LoanTiming, TidalConfig, TidalPolicy, TidalState
+from tidal.serving.adapters import parse_nodes
 from tidal.serving.requests import FIELDS as REQUEST_FIELDS
 from tidal.serving.requests import RequestModel
 from tidal.serving.sources import DemandSource, TraceReplay
+
+ADAPTERS = (None, "replay", "hook", "ray-serve")  # serving.adapter (None: replay with a trace, else hook)
+RAY_SERVE_FIELDS = ("app", "deployment", "init_kwargs", "route_prefix", "http_host", "http_port",
+                    "rate_window_s", "min_replicas")
 
 
 @dataclass(frozen=True)
@@ -161,11 +166,31 @@ class WatchConfig:
     latency_target_s: float | None = None
     latency_quantile: float | None = None
     latency_of: str | None = None
+    adapter: str | None = None
+    app: str | None = None
+    deployment: str | None = None
+    init_kwargs: dict | None = None
+    route_prefix: str | None = None
+    http_host: str | None = None
+    http_port: int | None = None
+    rate_window_s: float | None = None
+    min_replicas: int | None = None
 
     def __post_init__(self) -> None:
+        if self.adapter not in ADAPTERS:
+            raise ValueError(f"serving.adapter must be one of {', '.join(a for a in ADAPTERS if a)}, got "
+                             f"{self.adapter!r}")
+        if self.adapter == "ray-serve":
+            self._check_ray_serve()
+            return
+        given = [n for n in RAY_SERVE_FIELDS if getattr(self, n) is not None]
+        if given:
+            raise ValueError(f"serving.{given[0]} applies only to adapter: ray-serve")
+        if self.adapter == "replay" and self.trace is None:
+            raise ValueError("serving.trace is required with adapter replay")
+        if self.adapter == "hook" and self.prometheus is None:
+            raise ValueError("serving.prometheus (and a query) is required with adapter hook")
         if self.nodes is not None:
-            from tidal.serving.adapters import parse_nodes
-
             try:
                 total = sum(parse_nodes(self.nodes).values())
             except ValueError as e:
@@ -201,8 +226,40 @@ class WatchConfig:
             raise ValueError("serving.gpus_per_unit does not apply to a request-rate demand (the latency "
                              "target sets the GPUs); leave it out")
 
+    def _check_ray_serve(self) -> None:
+        """``adapter: ray-serve``: demand comes from Serve itself (no trace, no query); the adapter's
+        settings are checked by building them (errors name the field)."""
+        from tidal.serving.ray_serve import RayServeSettings
+
+        for name in ("trace", "prometheus", "query", "actions_url", "actions_command",
+                     "service_rate_per_gpu"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"serving.{name} does not apply to adapter ray-serve (demand is the request "
+                                 "rate Serve sees; service rate measured, serving.service_rate_per_replica a "
+                                 "prior)")
+        for name, default in (("history_days", 0.0), ("gpus_per_unit", 1.0)):
+            if getattr(self, name) != default:
+                raise ValueError(f"serving.{name} does not apply to adapter ray-serve (no trace to learn "
+                                 "from; demand is the SLO's GPUs)")
+        RayServeSettings.from_config(self)
+        total = sum(parse_nodes(self.nodes).values())
+        if self.serving_gpus is None:
+            object.__setattr__(self, "serving_gpus", total)
+        elif self.serving_gpus != total:
+            raise ValueError(f"serving.serving_gpus ({self.serving_gpus}) must equal the GPUs of "
+                             f"serving.nodes ({total})")
+        for name in ("grace_s", "final_checkpoint_s", "release_s", "warmup_s", "restart_cost_s",
+                     "shortfall_budget", "step_s"):
+            v = getattr(self, name)
+            ok = v is None or (isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v < 1e9)
+            if not ok or (name in ("shortfall_budget", "step_s") and not v > 0):
+                raise ValueError(f"serving.{name} must be a number >= 0, got {v!r}")
+
     def requests(self) -> RequestModel | None:
-        """The request-rate model when its settings are given (``ValueError`` naming a bad one), else None."""
+        """The request-rate model when its settings are given (``ValueError`` naming a bad one), else None
+        (also for ray-serve, whose adapter measures the service rate)."""
+        if self.adapter == "ray-serve":
+            return None
         return RequestModel.from_settings({name: getattr(self, name) for name in REQUEST_FIELDS})
 
     @classmethod
@@ -246,6 +303,11 @@ class WatchConfig:
         return LoanTiming(**{k: float(v) for k, v in kw.items() if v is not None})
 
     def describe(self) -> str:
+        if self.adapter == "ray-serve":
+            q = 100 * (self.latency_quantile or 0.99)
+            return (f"Ray Serve application {self.app} ({self.deployment} per node): p{q:g} "
+                    f"{self.latency_of or 'queue'} time <= {self.latency_target_s:g} s at the request rate "
+                    "Serve sees")
         req = self.requests()
         if self.trace is not None:
             return f"trace {self.trace} replayed at {self.speedup:g}x" + (f"; {req.describe()}" if req else "")

@@ -1,0 +1,180 @@
+"""A load generator: open-loop Poisson arrivals at a (changing) request rate against an HTTP endpoint.
+
+    rate = trace_rate(load_trace("day.csv"), speedup=600, scale=0.01)   # requests/s at second t
+    records = asyncio.run(generate("http://127.0.0.1:8000/", rate, duration_s=60))
+    summary(records)   # count, failures, p50/p99 latency
+
+Open loop: the next request is sent at its arrival time whether or not earlier ones have been
+answered (a closed loop would slow down exactly when serving does, hiding the latency a user sees).
+Arrivals are a Poisson process of rate ``rate(t)`` (``t``: seconds since the start), drawn by thinning
+against the largest rate, so a rate that changes within a gap is followed exactly. Each request is
+``POST body``; its :class:`Record` keeps its due time, how late the generator sent it, the latency
+(send to full answer), the HTTP status (0: no answer) and the error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import numpy as np
+
+MAX_IN_FLIGHT = 4096  # requests outstanding at most (beyond: a request is recorded as failed, not sent)
+
+
+@dataclass(frozen=True)
+class Record:
+    """One request, due ``t_s`` seconds after the start (its Poisson arrival) and sent ``late_s`` after
+    that (the generator's own lag: large only when this machine cannot keep up); ``latency_s`` from
+    sending until its answer was read."""
+
+    t_s: float
+    latency_s: float
+    status: int
+    error: str = ""
+    late_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return 200 <= self.status < 300 and not self.error
+
+
+def constant(rate: float) -> Callable[[float], float]:
+    if not (math.isfinite(rate) and rate >= 0):
+        raise ValueError(f"rate must be a finite number >= 0 (requests/s), got {rate!r}")
+    return lambda t: rate
+
+
+def steps(points: Sequence[tuple[float, float]]) -> Callable[[float], float]:
+    """A rate that is ``r`` from second ``t`` on, for each ``(t, r)`` (0 before the first)."""
+    pts = sorted((float(t), float(r)) for t, r in points)
+    if any(not (math.isfinite(r) and r >= 0) for _, r in pts):
+        raise ValueError("rates must be finite numbers >= 0 (requests/s)")
+    ts = [t for t, _ in pts]
+
+    def rate(t: float) -> float:
+        import bisect
+
+        i = bisect.bisect_right(ts, t) - 1
+        return pts[i][1] if i >= 0 else 0.0
+    return rate
+
+
+def trace_rate(trace: Any, *, speedup: float = 1.0, scale: float = 1.0, start_s: float | None = None
+               ) -> Callable[[float], float]:
+    """The request rate of a :class:`~tidal.serving.traces.Trace` (its load column, requests/s) times
+    ``scale``, played from ``start_s`` (default: its first row) at ``speedup`` trace seconds per second;
+    gaps (telemetry outages) replay as the rate before them; past the end, the last row's."""
+    if not (speedup > 0 and scale >= 0 and math.isfinite(speedup) and math.isfinite(scale)):
+        raise ValueError(f"speedup must be > 0 and scale >= 0, got {speedup!r}, {scale!r}")
+    times = np.asarray(trace.times_s, dtype=float)
+    load = np.asarray(trace.load, dtype=float).copy()
+    for i in range(1, len(load)):  # a gap keeps the rate before it
+        if trace.gap[i]:
+            load[i] = load[i - 1]
+    t0 = float(times[0]) if start_s is None else float(start_s)
+
+    def rate(t: float) -> float:
+        x = t0 + t * speedup
+        i = int(np.searchsorted(times, x, side="right")) - 1
+        return float(load[max(0, min(i, len(load) - 1))]) * scale
+    return rate
+
+
+def arrivals(rate: Callable[[float], float], duration_s: float, max_rate: float,
+             rng: random.Random) -> list[float]:
+    """Poisson arrival times in ``[0, duration_s)`` for ``rate(t) <= max_rate`` (thinning)."""
+    if not max_rate > 0:
+        return []
+    out, t = [], 0.0
+    while True:
+        t += rng.expovariate(max_rate)
+        if t >= duration_s:
+            return out
+        r = rate(t)
+        if r > max_rate * (1 + 1e-9):
+            raise ValueError(f"rate {r:g} at t={t:.3f} s is above max_rate {max_rate:g}")
+        if rng.random() * max_rate < r:
+            out.append(t)
+
+
+async def generate(url: str, rate: Callable[[float], float], duration_s: float, *,
+                   max_rate: float | None = None,
+                   body: bytes = b"{}", timeout_s: float = 30.0, seed: int = 0,
+                   on_record: Callable[[Record], None] | None = None, start: float | None = None,
+                   stop: Callable[[], bool] | None = None) -> list[Record]:
+    """Send the arrivals of ``rate`` over ``duration_s`` to ``url`` (``POST body``); every request's
+    :class:`Record`, in send order. ``max_rate``: the largest ``rate(t)`` (default: sampled every 0.1 s).
+    ``start``: the ``time.perf_counter()`` of second 0 (default: now); ``stop()`` true ends the sending
+    early (what was sent is still awaited)."""
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"url must be http(s)://..., got {url!r}")
+    if not (duration_s > 0 and math.isfinite(duration_s)):
+        raise ValueError(f"duration_s must be a finite number > 0, got {duration_s!r}")
+    if max_rate is None:
+        max_rate = max(rate(i * 0.1) for i in range(int(duration_s * 10) + 1))
+    times = arrivals(rate, duration_s, max_rate, random.Random(seed))
+    out: list[Record | None] = [None] * len(times)
+    limits = httpx.Limits(max_connections=MAX_IN_FLIGHT, max_keepalive_connections=256)
+    in_flight = 0
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+        start = time.perf_counter() if start is None else start
+
+        async def one(i: int, t: float) -> None:
+            nonlocal in_flight
+            sent = time.perf_counter()
+            if in_flight >= MAX_IN_FLIGHT:
+                out[i] = Record(t, 0.0, 0, f"not sent: {MAX_IN_FLIGHT} requests outstanding",
+                                sent - start - t)
+                return
+            in_flight += 1
+            try:
+                r = await client.post(url, content=body)
+                await r.aread()
+                why = "" if r.is_success else f"HTTP {r.status_code}: {' '.join(r.text.split())[:160]}"
+                rec = Record(t, time.perf_counter() - sent, r.status_code, why, sent - start - t)
+            except httpx.HTTPError as e:
+                why = " ".join(f"{type(e).__name__}: {e}".split())[:200]
+                rec = Record(t, time.perf_counter() - sent, 0, why, sent - start - t)
+            finally:
+                in_flight -= 1
+            out[i] = rec
+            if on_record is not None:
+                on_record(rec)
+
+        tasks = []
+        for i, t in enumerate(times):
+            if stop is not None and stop():
+                break
+            delay = start + t - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(i, t)))
+        if tasks:
+            await asyncio.gather(*tasks)
+    return [r for r in out if r is not None]
+
+
+def summary(records: Sequence[Record], start_s: float = 0.0, end_s: float = math.inf) -> dict[str, Any]:
+    """Requests due in ``[start_s, end_s)``: count, failed, the latency quantiles of those answered, and
+    the generator's largest lag (``late_max_s``)."""
+    sel = [r for r in records if start_s <= r.t_s < end_s]
+    lat = np.array([r.latency_s for r in sel if r.ok], dtype=float)
+    q = (lambda p: round(float(np.quantile(lat, p)), 4)) if len(lat) else (lambda p: None)
+    span = (min(end_s, max((r.t_s for r in sel), default=start_s)) - start_s) if sel else 0.0
+    return {"requests": len(sel), "failed": sum(1 for r in sel if not r.ok),
+            "rate": round(len(sel) / span, 2) if span > 0 else None,
+            "p50_s": q(0.5), "p99_s": q(0.99), "max_s": round(float(lat.max()), 4) if len(lat) else None,
+            "late_max_s": round(max((r.late_s for r in sel), default=0.0), 4),
+            "errors": sorted({r.error or f"HTTP {r.status}" for r in sel if not r.ok})[:5]}
+
+
+def as_dicts(records: Sequence[Record]) -> list[dict[str, Any]]:
+    return [dataclasses.asdict(r) for r in records]

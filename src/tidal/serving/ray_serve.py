@@ -1,0 +1,454 @@
+"""A Ray Serve deployment as the serving side: :class:`RayServeAdapter` (``serving: {adapter: ray-serve}``).
+
+**The application.** The adapter deploys (or, after a restart of the plane, adopts) one Serve
+application ``app``: an HTTP ingress, the router (:class:`tidal.serving.ray_serve_app.Router`, CPU
+only), in front of one copy of the operator's model deployment per serving node,
+``<deployment name>-<node>``, whose replicas Ray places only on that node (``ray_actor_options``
+``label_selector`` on the node label ``tidal.io/node``: a node's Tidal name, as for the Ray executor),
+``num_gpus = gpus_per_replica`` each. One Serve deployment for all nodes would not do: Serve picks
+which replica to stop when its count falls (fewest replicas per node first), and changing a
+deployment's placement options restarts every replica; per-node copies move only the node lent.
+
+**Lend / reclaim.** Replica counts change through Serve's external scaler API
+(``external_scaler_enabled``; the Serve controller's ``update_deployment_replicas``, what
+``POST /api/v1/applications/<app>/deployments/<d>/scale`` calls): a lightweight update, no replica
+restarts. :meth:`~RayServeAdapter.release` first closes the node's slots at the router (no new
+requests go there), then lowers ``<deployment>-<node>`` to the replicas its unlent GPUs hold; Serve
+drains and stops the replica, and Ray frees the GPU for the spot job's placement group (Ray's own
+accounting: a rank cannot start on a GPU a replica still holds). :meth:`~RayServeAdapter.restore`
+raises the count (the plane calls it once the job's ranks there have left); the node serves again
+when :meth:`~RayServeAdapter.ready` sees every replica of it ``RUNNING`` and the deployment
+``HEALTHY`` (``serve.status()``), which also opens its slots at the router. No call waits for Serve
+to finish: each issues the update (two quick RPCs at most) and later steps poll.
+
+**Demand** comes from the router's own counts (one RPC, :meth:`Router.sync`): arrivals over the last
+``rate_window_s`` (λ) and the mean service time of the requests finished in it (dispatch to answer:
+``μ = max_ongoing_requests / mean`` per replica), turned into GPUs by the Erlang C model of
+:mod:`tidal.serving.requests` for ``latency_target_s`` at ``latency_quantile``. The router is the
+queue the model describes (requests wait there, FCFS, for a free replica), so it measures exactly
+what the model needs; Serve's Prometheus metrics would need a scrape pipeline, and its autoscaling
+metrics are internal. Before ``min_samples`` requests have finished, ``service_rate_per_replica``
+(if given) stands in for μ; without it, demand is unknown (NaN: nothing new is lent).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import math
+import re
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from tidal.contract import RAY_NODE_LABEL as NODE_LABEL
+from tidal.serving.adapters import AdapterError, _Released, parse_nodes
+from tidal.serving.requests import RequestModel
+
+log = logging.getLogger(__name__)
+
+ADAPTER = "ray-serve"
+STATUS_TTL_S = 0.25  # serve.status() is read at most this often
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+_IMPORT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+@dataclass(frozen=True)
+class RayServeSettings:
+    """The ``serving:`` block's fields for ``adapter: ray-serve`` (see docs/loaning.md)."""
+
+    app: str
+    deployment: str  # import path "module:attribute" of a serve.Deployment
+    nodes: dict[str, int]
+    latency_target_s: float
+    latency_quantile: float = 0.99
+    latency_of: str = "queue"
+    gpus_per_replica: int = 1
+    service_rate_per_replica: float | None = None  # prior for μ until measured
+    init_kwargs: dict[str, Any] = field(default_factory=dict)
+    route_prefix: str = "/"
+    http_host: str = "127.0.0.1"
+    http_port: int = 8000
+    rate_window_s: float = 30.0
+    min_samples: int = 20
+    actions_timeout_s: float = 5.0
+    min_replicas: int = 1  # demand never below this many replicas (serving is never lent away whole)
+    speedup: float = 1.0  # serving seconds per control-plane second (a compressed day in a demo)
+    start_s: float | None = None  # the serving clock at the first call (default: the control plane's time)
+
+    def __post_init__(self) -> None:
+        w = "serving"
+        if not isinstance(self.app, str) or not _NAME.match(self.app):
+            raise ValueError(f"{w}.app must name the Serve application (letters, digits, . _ -), got "
+                             f"{self.app!r}")
+        if not isinstance(self.deployment, str) or not _IMPORT.match(self.deployment):
+            raise ValueError(f"{w}.deployment must be an import path module:attribute of a Serve deployment, "
+                             f"got {self.deployment!r}")
+        for n in self.nodes:
+            if not _NAME.match(n):
+                raise ValueError(f"{w}.nodes: {n!r} is not usable as a Ray Serve deployment suffix (letters, "
+                                 "digits, . _ -)")
+        g = self.gpus_per_replica
+        if not isinstance(g, int) or isinstance(g, bool) or g < 1:
+            raise ValueError(f"{w}.gpus_per_replica must be a whole number >= 1, got {g!r}")
+        bad = [n for n, c in self.nodes.items() if c % g]
+        if bad:
+            raise ValueError(f"{w}.nodes: {bad[0]} has {self.nodes[bad[0]]} GPUs, not a multiple of "
+                             f"serving.gpus_per_replica ({g})")
+        if not isinstance(self.route_prefix, str) or not self.route_prefix.startswith("/"):
+            raise ValueError(f"{w}.route_prefix must start with '/', got {self.route_prefix!r}")
+        port = self.http_port
+        if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+            raise ValueError(f"{w}.http_port must be a port number, got {self.http_port!r}")
+        if not isinstance(self.init_kwargs, dict) or not all(isinstance(k, str) for k in self.init_kwargs):
+            raise ValueError(f"{w}.init_kwargs must be a mapping of the deployment's constructor arguments")
+        for name, lo, hi in (("rate_window_s", 1.0, 86400.0), ("actions_timeout_s", 0.1, 600.0)):
+            v = getattr(self, name)
+            if not isinstance(v, int | float) or isinstance(v, bool) or not lo <= v <= hi:
+                raise ValueError(f"{w}.{name} must be a number in [{lo:g}, {hi:g}], got {v!r}")
+        sp = self.speedup
+        if not isinstance(sp, int | float) or isinstance(sp, bool) or not 0 < sp < 1e6:
+            raise ValueError(f"{w}.speedup must be a number > 0, got {self.speedup!r}")
+        t0 = self.start_s
+        if t0 is not None and (not isinstance(t0, int | float) or isinstance(t0, bool) or not math.isfinite(t0)):
+            raise ValueError(f"{w}.start_s must be a number (seconds on the serving clock), got {t0!r}")
+        r = self.min_replicas
+        if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r <= sum(self.nodes.values()) // g:
+            raise ValueError(f"{w}.min_replicas must be a whole number from 0 to the replicas the nodes hold "
+                             f"({sum(self.nodes.values()) // g}), got {r!r}")
+        k = self.min_samples
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"{w}.min_samples must be a whole number >= 1, got {self.min_samples!r}")
+        if self.latency_target_s is None:
+            raise ValueError(f"{w}.latency_target_s is required with adapter ray-serve (the SLO demand is "
+                             "computed for)")
+        self.model(self.service_rate_per_replica or 1.0)  # checks the latency settings, naming the field
+
+    def model(self, service_rate_per_replica: float) -> RequestModel:
+        m = RequestModel.from_settings({
+            "service_rate_per_replica": service_rate_per_replica, "gpus_per_replica": self.gpus_per_replica,
+            "latency_target_s": self.latency_target_s, "latency_quantile": self.latency_quantile,
+            "latency_of": self.latency_of})
+        assert m is not None
+        return m
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> RayServeSettings:
+        """From a :class:`~tidal.serving.watch.WatchConfig` (its fields of the same names)."""
+        if cfg.nodes is None:
+            raise ValueError("serving.nodes is required with adapter ray-serve (the Ray nodes, by their "
+                             "tidal.io/node label, whose GPUs serve)")
+        for name in ("app", "deployment"):
+            if getattr(cfg, name) is None:
+                raise ValueError(f"serving.{name} is required with adapter ray-serve")
+        kw = {name: getattr(cfg, name) for name in (
+            "latency_quantile", "latency_of", "gpus_per_replica", "service_rate_per_replica", "init_kwargs",
+            "route_prefix", "http_host", "http_port", "rate_window_s", "actions_timeout_s", "speedup", "start_s",
+            "min_replicas")
+            if getattr(cfg, name, None) is not None}
+        return cls(app=cfg.app, deployment=cfg.deployment, nodes=parse_nodes(cfg.nodes),
+                   latency_target_s=cfg.latency_target_s, **kw)
+
+    def deployment_name(self, node: str, base: str) -> str:
+        return f"{base}-{node}"
+
+
+class RayServeAdapter:
+    """Lends the GPUs of a Ray Serve application's per-node deployments (see the module docstring).
+
+    ``address``: the Ray cluster to join when this process is not connected yet (``None``: ``auto``).
+    Nothing touches Ray until the first call that needs it (so building the adapter never blocks).
+    """
+
+    def __init__(self, settings: RayServeSettings, *, address: str | None = None) -> None:
+        self.s = settings
+        self.speedup = float(settings.speedup)
+        self.origin_s: float | None = None  # control-plane time of serving time start_s
+        self.address = address
+        self._nodes = dict(settings.nodes)
+        self.state = _Released(settings.nodes)
+        self.deployed = False
+        self.base = ""  # the model deployment's own name (set on deploy/adopt)
+        self.last_error: str | None = None
+        self.last_stats: dict[str, Any] = {}
+        self.last_demand: dict[str, Any] = {}
+        self.failures = 0
+        self._status: tuple[float, Any] = (-math.inf, None)
+        self._router: Any = None
+        self._controller: Any = None
+        self.concurrency = 1  # the model's max_ongoing_requests: router slots per replica
+
+    # ------------------------------------------------------------------------------- targets
+    def nodes(self) -> dict[str, int]:
+        return dict(self._nodes)
+
+    def serving_time(self, now_s: float) -> float:
+        """``now_s`` in production; with ``speedup``/``start_s`` (a demo's compressed day) the serving clock
+        runs from ``start_s`` at ``speedup`` x from the first call (the request rate stays real: per
+        second)."""
+        if self.speedup == 1.0 and self.s.start_s is None:
+            return now_s
+        if self.origin_s is None:
+            self.origin_s = now_s
+        start = self.s.start_s if self.s.start_s is not None else self.origin_s
+        return start + (now_s - self.origin_s) * self.speedup
+
+    def target(self, node: str) -> int:
+        """Replicas ``<deployment>-<node>`` should run: those its unlent GPUs hold (whole replicas)."""
+        return (self._nodes[node] - self.state.released[node]) // self.s.gpus_per_replica
+
+    def targets(self) -> dict[str, int]:
+        return {n: self.target(n) for n in self._nodes}
+
+    def slots(self, running: Mapping[str, int] | None = None) -> dict[str, int]:
+        """Router slots per node: ready replicas (``running``, capped at the target) x concurrency."""
+        conc = self.concurrency
+        return {n: min(t, running.get(n, 0) if running is not None else t) * conc
+                for n, t in self.targets().items()}
+
+    # --------------------------------------------------------------------------------- Ray
+    def _ray(self) -> Any:
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(address=self.address or "auto", log_to_driver=False)
+        return ray
+
+    def check(self) -> None:
+        """``ValueError`` naming ``serving.deployment`` when it does not import as a Serve deployment (at
+        ``tidal up``, not at the first loan step)."""
+        try:
+            self._load_deployment()
+        except AdapterError as e:
+            raise ValueError(str(e)) from None
+
+    def _load_deployment(self) -> Any:
+        from ray import serve
+
+        mod, _, attr = self.s.deployment.partition(":")
+        try:
+            obj = getattr(importlib.import_module(mod), attr)
+        except (ImportError, AttributeError) as e:
+            raise AdapterError(f"serving.deployment {self.s.deployment!r}: {type(e).__name__}: {e}") from None
+        if not isinstance(obj, serve.Deployment):
+            raise AdapterError(f"serving.deployment {self.s.deployment!r} is a {type(obj).__name__}, not a "
+                               "Serve deployment (a class decorated with @serve.deployment)")
+        if obj._deployment_config.autoscaling_config is not None:
+            raise AdapterError(f"serving.deployment {self.s.deployment!r} has an autoscaling_config: Tidal sets "
+                               "its replicas per node (remove autoscaling_config; demand comes from the SLO)")
+        return obj
+
+    def ensure(self) -> None:
+        """Serve running with the application deployed (or adopted): at most a few quick RPCs; the replicas
+        start in the background. ``AdapterError`` saying why not (never another exception: the reconcile
+        loop calls this)."""
+        if self.deployed:
+            return
+        try:
+            self._ensure()
+        except AdapterError:
+            raise
+        except Exception as e:  # noqa: BLE001 (Ray and Serve raise many kinds; each is one failed step)
+            raise AdapterError(f"deploying Serve application {self.s.app!r}: {type(e).__name__}: "
+                               f"{' '.join(str(e).split())[:300]}") from None
+
+    def _ensure(self) -> None:
+        ray = self._ray()
+        from ray import serve
+        from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+        from tidal.serving.ray_serve_app import ROUTER, Router
+
+        dep = self._load_deployment()
+        self.base = dep.name
+        self.concurrency = max(1, int(dep.max_ongoing_requests or 1))
+        try:
+            ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+        except ValueError:
+            serve.start(proxy_location="HeadOnly",
+                        http_options={"host": self.s.http_host, "port": self.s.http_port})
+        app = serve.status().applications.get(self.s.app)
+        names = {self.s.deployment_name(n, self.base) for n in self._nodes} | {ROUTER}
+        if app is not None and set(app.deployments) != names:
+            raise AdapterError(f"serving.app {self.s.app!r}: a Serve application of that name runs other "
+                               f"deployments ({sorted(app.deployments)}); give another name or delete it")
+        if app is None:
+            opts = dict(dep.ray_actor_options or {})
+            handles = {}
+            for n in self._nodes:
+                handles[n] = dep.options(
+                    name=self.s.deployment_name(n, self.base), num_replicas=self.target(n),
+                    ray_actor_options={**opts, "num_gpus": self.s.gpus_per_replica,
+                                       "label_selector": {NODE_LABEL: n}}).bind(**self.s.init_kwargs)
+            router = Router.bind(handles, self.slots(), self.s.rate_window_s)
+            serve.run_many([serve.RunTarget(router, name=self.s.app, route_prefix=self.s.route_prefix,
+                                            external_scaler_enabled=True)],
+                           wait_for_ingress_deployment_creation=False, wait_for_applications_running=False)
+            log.info("ray-serve: deployed %s (%s per node) on %s", self.s.app, self.base, sorted(self._nodes))
+        self._controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+        if app is not None:  # adopted after a restart: the counts this plane's loans say (until they are
+            for n in self._nodes:  # set, every call tries again)
+                self._scale(n, self.target(n))
+        self.deployed = True
+
+    def _scale(self, node: str, replicas: int) -> None:
+        from ray.serve._private.common import DeploymentID
+
+        ray = self._ray()
+        ref = self._controller.update_deployment_replicas.remote(
+            DeploymentID(name=self.s.deployment_name(node, self.base), app_name=self.s.app), replicas)
+        try:
+            ray.get(ref, timeout=self.s.actions_timeout_s)
+        except Exception as e:  # noqa: BLE001 (Ray raises many kinds; all mean the scale did not happen)
+            raise AdapterError(f"scaling {self.s.deployment_name(node, self.base)} to {replicas} replicas: "
+                               f"{type(e).__name__}: {str(e)[:200]}") from None
+
+    def _sync(self, slots: Mapping[str, int] | None) -> dict[str, Any]:
+        from ray import serve
+
+        from tidal.serving.ray_serve_app import ROUTER
+
+        try:
+            if self._router is None:  # the application is deployed without waiting: it may not exist yet
+                self._router = serve.get_deployment_handle(ROUTER, app_name=self.s.app)
+            st = self._router.sync.remote(dict(slots) if slots is not None else None).result(
+                timeout_s=self.s.actions_timeout_s)
+        except Exception as e:  # noqa: BLE001
+            raise AdapterError(f"the router of {self.s.app}: {type(e).__name__}: {str(e)[:200]}") from None
+        self.last_stats = st
+        return st
+
+    def status(self, fresh: bool = False) -> Any:
+        """``serve.status()``'s view of the application (cached for :data:`STATUS_TTL_S`); None if absent."""
+        from ray import serve
+
+        t, st = self._status
+        if fresh or time.monotonic() - t > STATUS_TTL_S:
+            try:
+                st = serve.status().applications.get(self.s.app)
+            except Exception as e:  # noqa: BLE001
+                raise AdapterError(f"serve.status(): {type(e).__name__}: {str(e)[:200]}") from None
+            self._status = (time.monotonic(), st)
+        return st
+
+    def running(self) -> dict[str, int]:
+        """Replicas RUNNING per node whose deployment is HEALTHY (0 while it is not)."""
+        app = self.status()
+        out = {}
+        for n in self._nodes:
+            d = app.deployments.get(self.s.deployment_name(n, self.base)) if app is not None else None
+            ok = d is not None and str(getattr(d.status, "value", d.status)) == "HEALTHY"
+            out[n] = int(d.replica_states.get("RUNNING", 0)) if ok else 0
+        return out
+
+    # ------------------------------------------------------------------------------ actions
+    def release(self, node: str, gpus: int, lent_after: int, now_s: float) -> None:
+        before = self.state.released.get(node)
+        self.state.move(node, gpus, lent_after, +1)  # checks the node and the counts
+        try:
+            self.ensure()
+            self._sync(self.slots(self._running_or_targets()))  # no new requests to the lent replicas
+            self._scale(node, self.target(node))
+        except AdapterError as e:
+            self.state.released[node] = before  # type: ignore[assignment]
+            self._fail(f"release of {gpus} GPUs on {node}: {e}")
+        self.last_error = None
+
+    def restore(self, node: str, gpus: int, lent_after: int, now_s: float) -> None:
+        before = self.state.released.get(node)
+        self.state.move(node, gpus, lent_after, -1)
+        try:
+            self.ensure()
+            self._scale(node, self.target(node))  # its slots open in ready(), once the replicas run
+        except AdapterError as e:
+            self.state.released[node] = before  # type: ignore[assignment]
+            self._fail(f"restore of {gpus} GPUs on {node}: {e}")
+        self.last_error = None
+
+    def ready(self, node: str) -> bool:
+        """Every replica ``node`` should run is RUNNING and its deployment HEALTHY; then its router slots
+        open."""
+        try:
+            self.ensure()
+            running = self.running()
+            if running.get(node, 0) < self.target(node):
+                return False
+            self._sync(self.slots(running))
+        except AdapterError as e:
+            self.failures += 1
+            self.last_error = str(e)
+            return False
+        return True
+
+    def _running_or_targets(self) -> dict[str, int]:
+        try:
+            return self.running()
+        except Exception:  # noqa: BLE001 (status unknown: the targets; the router only closes slots here)
+            return self.targets()
+
+    def _fail(self, msg: str) -> None:
+        self.failures += 1
+        self.last_error = msg
+        raise AdapterError(msg)
+
+    # ------------------------------------------------------------------------------- demand
+    def demand_gpus(self, now_s: float) -> float:
+        """GPUs the latency target needs at the request rate the router saw (module docstring); NaN when
+        unknown."""
+        try:
+            self.ensure()
+            st = self._sync(self.slots(self._running_or_targets()))  # also heals a restarted router's slots
+        except AdapterError as e:
+            self.failures += 1
+            self.last_error = str(e)
+            log.warning("serving demand unknown: %s", e)
+            return math.nan
+        return self.demand_from(st)
+
+    def demand_from(self, st: Mapping[str, Any]) -> float:
+        """Demand for one :meth:`Router.sync` answer (pure; see the module docstring)."""
+        window = float(st.get("window_s") or 0.0)
+        if window < 1.0:
+            return math.nan
+        rate = float(st.get("arrivals", 0)) / window
+        done, busy_s = int(st.get("completed", 0)), float(st.get("service_sum_s") or 0.0)
+        if done >= self.s.min_samples and busy_s > 0:
+            mu = self.concurrency * done / busy_s
+            source = "measured"
+        elif self.s.service_rate_per_replica:
+            mu, source = float(self.s.service_rate_per_replica), "configured"
+        else:
+            self.last_demand = {"rate": rate, "service_rate": None, "gpus": None}
+            return math.nan
+        try:
+            gpus = float(self.s.model(mu).gpus(rate))
+        except ValueError as e:  # e.g. a target below the measured service time's quantile
+            self.last_error = f"demand: {e}"
+            return math.nan
+        gpus = max(gpus, float(self.s.min_replicas * self.s.gpus_per_replica))
+        self.last_demand = {"rate": round(rate, 3), "service_rate": round(mu, 3), "service_rate_from": source,
+                            "gpus": gpus}
+        return gpus
+
+    # --------------------------------------------------------------------------- reporting
+    def released(self) -> dict[str, int]:
+        return dict(self.state.released)
+
+    def health(self) -> dict[str, Any]:
+        st = self.last_stats
+        return {"kind": ADAPTER, "app": self.s.app, "deployment": self.base or self.s.deployment,
+                "targets": self.targets(), "released": self.released(), "demand": self.last_demand,
+                "latency": {k: st.get(k) for k in ("response_p50_s", "response_p99_s", "wait_p99_s")}
+                if st else {},
+                "failures": self.failures, "last_error": self.last_error}
+
+    def persist(self) -> dict[str, Any]:
+        return {"released": self.released(), "origin_s": self.origin_s}
+
+    def resume(self, doc: Mapping[str, Any]) -> None:
+        if doc.get("origin_s") is not None:
+            self.origin_s = float(doc["origin_s"])
+        for node, g in (doc.get("released") or {}).items():
+            if node in self.state.released:
+                self.state.released[node] = int(g)

@@ -1,0 +1,385 @@
+"""The Ray Serve adapter (tidal.serving.ray_serve): settings errors, its bookkeeping at our own seams
+(the Serve RPCs recorded), warm-ups that end only when the new replica is healthy, the load
+generator against a real HTTP server, and one scenario on the session's real multi-node Ray cluster
+with Ray Serve: lend a node under load, a GPU actor takes its GPU, reclaim, latency within the SLO and
+no request failed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from tidal.contract import RAY_NODE_LABEL
+from tidal.control.loans import LiveLoans, build_live_loans
+from tidal.policy.ledger import LoanLedger
+from tidal.policy.loan import LoanTiming
+from tidal.serving import loadgen
+from tidal.serving.adapters import AdapterError, ReadyAdapter, ReplayAdapter
+from tidal.serving.ray_serve import RayServeAdapter, RayServeSettings
+from tidal.serving.watch import WatchConfig
+
+NODES = {"n1": 2, "n2": 1, "n3": 1}
+BASE = {"adapter": "ray-serve", "app": "toy", "deployment": "tidal.serving.ray_serve_app:sleep_model",
+        "nodes": NODES, "latency_target_s": 0.2}
+
+
+# ---------------------------------------------------------------------------------------- settings
+@pytest.mark.parametrize("change, field", [
+    ({"app": "a b"}, "serving.app"),
+    ({"deployment": "no_colon"}, "serving.deployment"),
+    ({"latency_target_s": None}, "serving.latency_target_s"),
+    ({"latency_quantile": 1.5}, "serving.latency_quantile"),
+    ({"gpus_per_replica": 2}, "serving.nodes"),  # n2 has 1 GPU: not a multiple of 2
+    ({"nodes": None}, "serving.nodes"),
+    ({"nodes": {"n/1": 1}}, "serving.nodes"),
+    ({"trace": "day.csv"}, "serving.trace"),
+    ({"http_port": 70000}, "serving.http_port"),
+    ({"rate_window_s": 0}, "serving.rate_window_s"),
+    ({"init_kwargs": [1]}, "serving.init_kwargs"),
+    ({"adapter": "ray_serve"}, "serving.adapter"),
+    ({"history_days": 2}, "serving.history_days"),
+    ({"speedup": 0}, "serving.speedup"),
+    ({"start_s": "noon"}, "serving.start_s"),
+    ({"min_replicas": 5}, "serving.min_replicas"),
+])
+def test_bad_settings_one_line_naming_the_field(change, field):
+    with pytest.raises(ValueError) as e:
+        WatchConfig.from_dict({**BASE, **change})
+    msg = str(e.value)
+    assert field in msg and "\n" not in msg, msg
+
+
+def test_ray_serve_fields_only_with_its_adapter():
+    with pytest.raises(ValueError, match="serving.app applies only to adapter: ray-serve"):
+        WatchConfig.from_dict({"trace": "x.csv", "nodes": "1x2", "app": "toy"})
+
+
+def test_config_builds_the_adapter_without_connecting_to_ray():
+    import ray
+
+    cfg = WatchConfig.from_dict({**BASE, "init_kwargs": {"service_s": 0.02}, "warmup_s": 1})
+    assert cfg.serving_gpus == 4 and cfg.requests() is None and "toy" in cfg.describe()
+    connected = ray.is_initialized()
+    loans = build_live_loans(cfg)
+    assert ray.is_initialized() == connected  # the application is deployed on the first loan step
+    assert isinstance(loans.adapter, RayServeAdapter) and isinstance(loans.adapter, ReadyAdapter)
+    assert loans.nodes == NODES and loans.adapter.targets() == {"n1": 2, "n2": 1, "n3": 1}
+    for path, why in (("tidal.serving.nope:model", "ModuleNotFoundError"),
+                      ("test_serving_ray_serve:autoscaled", "has an autoscaling_config"),
+                      ("tidal.serving.ray_serve_app:nope", "AttributeError"),
+                      ("tidal.serving.ray_serve_app:ROUTER", "is a str, not a Serve deployment")):
+        with pytest.raises(ValueError, match=f"serving.deployment '{path}'.*{why}") as e:
+            build_live_loans(WatchConfig.from_dict({**BASE, "deployment": path}))
+        assert "\n" not in str(e.value)
+
+
+def __getattr__(name: str) -> Any:
+    """``test_serving_ray_serve:autoscaled``: a Serve deployment with autoscaling (made on first use)."""
+    if name != "autoscaled":
+        raise AttributeError(name)
+    from ray import serve
+
+    @serve.deployment(autoscaling_config={"min_replicas": 1, "max_replicas": 2})
+    class Autoscaled:
+        pass
+    return Autoscaled
+
+
+def test_tidal_up_on_the_local_executor_refuses_the_ray_serve_adapter(tmp_path):
+    from tidal.control.config import ControlConfig
+    from tidal.control.server import build
+
+    with pytest.raises(SystemExit, match="serving.adapter ray-serve lends the GPUs of Ray nodes: it needs "
+                       "--executor ray"):
+        build(tmp_path / "state", gpus="2", config=ControlConfig.from_dict({"serving": BASE}))
+
+
+# ------------------------------------------------------------------------------------ bookkeeping
+class Recorded(RayServeAdapter):
+    """The adapter with Serve's RPCs (our seams: ensure, _scale, _sync, running) recorded, not sent."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(RayServeSettings(**{"app": "toy", "deployment": "m:d", "nodes": dict(NODES),
+                                             "latency_target_s": 0.2, **kw}))
+        self.calls: list[tuple] = []
+        self.up = dict(NODES)  # replicas RUNNING per node
+        self.fail_scale = False
+
+    def ensure(self) -> None:
+        self.deployed = True
+
+    def _scale(self, node: str, replicas: int) -> None:
+        if self.fail_scale:
+            raise AdapterError("controller unreachable")
+        self.calls.append(("scale", node, replicas))
+
+    def _sync(self, slots):
+        self.calls.append(("slots", dict(slots) if slots is not None else None))
+        return {}
+
+    def running(self) -> dict[str, int]:
+        return dict(self.up)
+
+
+def test_release_closes_slots_before_scaling_down_restore_opens_them_when_healthy():
+    a = Recorded()
+    a.release("n1", 1, 1, 0.0)
+    assert a.calls == [("slots", {"n1": 1, "n2": 1, "n3": 1}), ("scale", "n1", 1)]
+    assert a.released() == {"n1": 1, "n2": 0, "n3": 0}
+    a.up["n1"] = 1
+    a.release("n1", 1, 2, 0.0)
+    assert a.calls[-1] == ("scale", "n1", 0) and a.calls[-2] == ("slots", {"n1": 0, "n2": 1, "n3": 1})
+    a.up["n1"] = 0
+    a.calls.clear()
+    a.restore("n1", 2, 0, 1.0)
+    assert a.calls == [("scale", "n1", 2)]  # no slots opened yet: nothing runs there
+    assert not a.ready("n1") and a.calls == [("scale", "n1", 2)]
+    a.up["n1"] = 1
+    assert not a.ready("n1")
+    a.up["n1"] = 2
+    assert a.ready("n1") and a.calls[-1] == ("slots", {"n1": 2, "n2": 1, "n3": 1})
+    assert a.persist() == {"released": {"n1": 0, "n2": 0, "n3": 0}, "origin_s": None}
+
+
+def test_a_failed_action_changes_nothing_and_says_why():
+    a = Recorded()
+    a.fail_scale = True
+    with pytest.raises(AdapterError, match="release of 1 GPUs on n2: controller unreachable"):
+        a.release("n2", 1, 1, 0.0)
+    assert a.released() == {"n1": 0, "n2": 0, "n3": 0} and a.failures == 1
+    with pytest.raises(AdapterError, match="unknown serving node 'n9'"):
+        a.release("n9", 1, 1, 0.0)
+    with pytest.raises(AdapterError, match="cannot move"):
+        a.release("n2", 1, 2, 0.0)
+    a.fail_scale = False
+    a.release("n2", 1, 1, 0.0)
+    b = Recorded()
+    b.resume(a.persist())
+    assert b.targets() == {"n1": 2, "n2": 0, "n3": 1} and b.slots({"n1": 2, "n2": 1, "n3": 0}) == {
+        "n1": 2, "n2": 0, "n3": 0}
+
+
+def test_serve_failing_is_an_adapter_error_in_one_line_never_a_crash_of_the_loop():
+    class Broken(RayServeAdapter):
+        def _ensure(self) -> None:
+            raise RuntimeError("GCS unreachable\n  at line 2")
+
+    a = Broken(RayServeSettings(app="toy", deployment="m:d", nodes=dict(NODES), latency_target_s=0.2))
+    with pytest.raises(AdapterError) as e:
+        a.release("n1", 1, 1, 0.0)
+    assert "RuntimeError: GCS unreachable at line 2" in str(e.value) and "\n" not in str(e.value)
+    assert a.released()["n1"] == 0
+    assert math.isnan(a.demand_gpus(0.0)) and not a.ready("n1") and a.failures == 3
+    assert "GCS unreachable" in a.health()["last_error"]
+
+
+def test_serving_clock_real_time_or_a_compressed_day():
+    a = Recorded()
+    assert a.serving_time(1000.0) == 1000.0 and a.speedup == 1.0
+    b = Recorded(speedup=240.0, start_s=79200.0)  # 22:00, a day in 6 min
+    assert b.serving_time(1000.0) == 79200.0 and b.serving_time(1001.5) == 79200.0 + 360.0
+    c = Recorded(speedup=240.0, start_s=79200.0)
+    c.resume(b.persist())  # a restarted plane keeps the clock
+    assert c.serving_time(1003.0) == 79200.0 + 720.0
+
+
+def test_demand_from_the_routers_counts():
+    a = Recorded()
+    # 40 requests/s, 0.05 s each (20/s per replica): Erlang C for p99 queue wait <= 0.2 s
+    st = {"window_s": 10.0, "arrivals": 400, "completed": 390, "service_sum_s": 390 * 0.05}
+    g = a.demand_from(st)
+    assert g == a.s.model(20.0).gpus(40.0) and 3 <= g <= 4
+    assert a.last_demand["service_rate_from"] == "measured"
+    assert math.isnan(a.demand_from({**st, "completed": 5}))  # too few samples and no prior: unknown
+    assert math.isnan(a.demand_from({**st, "window_s": 0.2}))
+    b = Recorded(service_rate_per_replica=10.0)
+    assert b.demand_from({**st, "completed": 5}) == b.s.model(10.0).gpus(40.0)
+    idle = {"window_s": 10.0, "arrivals": 0, "completed": 0, "service_sum_s": 0.0}
+    assert b.demand_from(idle) == 1.0  # min_replicas (1): serving is never lent away whole
+    assert Recorded(service_rate_per_replica=10.0, min_replicas=0).demand_from(idle) == 0.0
+
+
+class Gated(ReplayAdapter):
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.is_ready = False
+        self.asked: list[str] = []
+
+    def ready(self, node: str) -> bool:
+        self.asked.append(node)
+        return self.is_ready
+
+
+def test_warm_up_ends_only_when_the_adapter_says_ready():
+    from test_control_loans import PROFILE
+    from tidal.serving.sources import TraceReplay
+    from tidal.serving.traces import load_trace
+
+    nodes = {"s0": 2, "s1": 2}
+    timing = LoanTiming(notice_s=1, final_checkpoint_s=1, release_s=0, warmup_s=2, restart_cost_s=1)
+    ad = Gated(TraceReplay(load_trace(PROFILE), 4, start_s=0.0), nodes, speedup=1.0, origin_s=0.0)
+    loans = LiveLoans(ad, timing, step_s=600.0)
+    state = {"nodes": nodes, "loans": [], "warming": {"s0": [[10.0, 2]]}}
+    loans.ledger = LoanLedger.from_state(state, timing)
+    loans.tick(5.0, {})
+    assert loans.ledger.warming == 2 and ad.asked == []  # not over by time: not asked
+    loans.tick(11.0, {})
+    assert loans.ledger.warming == 2 and ad.asked == ["s0"]  # over by time, replica not healthy
+    ad.is_ready = True
+    events = loans.tick(12.0, {})
+    assert loans.ledger.warming == 0 and any(e[0] == "serving_ready" for e in events)
+
+
+# --------------------------------------------------------------------------------- load generator
+def test_load_generator_open_loop_poisson_records_latency_and_failures(tmp_path):
+    class H(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            n = int(self.headers.get("Content-Length", 0))
+            self.rfile.read(n)
+            time.sleep(0.01)
+            code = 503 if self.path == "/fail" else 200
+            self.send_response(code)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"ok")
+
+        def log_message(self, *a):
+            pass
+
+    # the arrivals follow the rate (pure: Poisson by thinning; counts within ~4 sigma)
+    rate = loadgen.steps([(0.0, 50.0), (1.0, 400.0)])
+    times = loadgen.arrivals(rate, 2.0, 400.0, random.Random(1))
+    first, second = sum(t < 1 for t in times), sum(t >= 1 for t in times)
+    assert 22 <= first <= 78 and 320 <= second <= 480 and times == sorted(times), (first, second)
+
+    class Server(ThreadingHTTPServer):
+        request_queue_size = 256
+
+    srv = Server(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{srv.server_address[1]}"
+        low_high = loadgen.steps([(0.0, 20.0), (0.5, 40.0)])
+        recs = asyncio.run(loadgen.generate(url + "/", low_high, 1.0, seed=1))
+        assert len(recs) == len(loadgen.arrivals(low_high, 1.0, 40.0, random.Random(1)))
+        whole = loadgen.summary(recs)
+        assert whole["failed"] == 0 and whole["p50_s"] >= 0.01 and whole["late_max_s"] >= 0, whole
+        assert [r.t_s for r in recs] == sorted(r.t_s for r in recs)
+        bad = asyncio.run(loadgen.generate(url + "/fail", loadgen.constant(20), 0.5, seed=2))
+        assert bad and all(not r.ok and r.status == 503 and r.error == "HTTP 503: ok" for r in bad)
+        from typer.testing import CliRunner
+
+        from tidal.serving.cli import app
+
+        res = CliRunner().invoke(app, ["load", url + "/", "--rate", "30", "--duration-s", "0.6",
+                                       "--json", "--records", str(tmp_path / "r.jsonl")])
+        assert res.exit_code == 0, res.output
+        doc = json.loads(res.output)
+        assert doc["total"]["failed"] == 0 and doc["total"]["requests"] == len(
+            (tmp_path / "r.jsonl").read_text().splitlines()) > 3
+        res = CliRunner().invoke(app, ["load", url + "/fail", "--rate", "30", "--duration-s", "0.3"])
+        assert res.exit_code == 1 and "error: HTTP 503: ok" in res.output
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    down = asyncio.run(loadgen.generate(url + "/", loadgen.constant(20), 0.3, seed=3, timeout_s=0.5))
+    assert down and all(r.status == 0 and r.error and not r.ok for r in down)
+    with pytest.raises(ValueError, match="url"):
+        asyncio.run(loadgen.generate("ftp://x", rate, 1.0))
+
+
+# ---------------------------------------------------------------------------- on a real cluster
+SLO_P99_S = 1.0  # end-to-end p99 the test holds the application to (service time 0.03 s)
+RATE = 8.0  # requests/s offered (the one replica left while n2 is lent serves ~20/s)
+SERVE_ON = {"n2": 1, "n3": 1}  # two replicas (each replica's worker start is seconds on 2 busy cores)
+
+
+@pytest.mark.slow
+def test_lend_and_reclaim_a_node_under_load_within_the_slo(ray_cluster, tmp_path):
+    import ray
+    from ray import serve
+
+    from plane_proc import wait_until
+    from test_ray_exec import all_gpus_free
+    from tidal.exec.local import free_port
+
+    if not ray.is_initialized():
+        ray.init(address=ray_cluster.address, log_to_driver=False)
+    total = all_gpus_free()
+    port = free_port()
+    s = RayServeSettings(app="toy", deployment="tidal.serving.ray_serve_app:sleep_model", nodes=dict(SERVE_ON),
+                         latency_target_s=0.5, init_kwargs={"service_s": 0.03}, http_port=port,
+                         rate_window_s=5.0, min_samples=10)
+    ad = RayServeAdapter(s)
+    phases: dict[str, float] = {}
+    try:
+        ad.ensure()
+        wait_until("every replica up", lambda: all(ad.ready(n) for n in SERVE_ON), 120)
+        assert ray.available_resources().get("GPU", 0.0) == total - 2
+        done = threading.Event()
+        out: dict[str, Any] = {}
+        t0 = time.perf_counter() + 0.05
+        load = threading.Thread(target=lambda: out.update(r=asyncio.run(loadgen.generate(
+            f"http://127.0.0.1:{port}/", loadgen.constant(RATE), 120.0, start=t0, stop=done.is_set))))
+        load.start()
+
+        def mark(name: str) -> None:
+            phases[name] = time.perf_counter() - t0
+
+        time.sleep(3.0)
+        demand = ad.demand_gpus(time.time())
+        assert demand == 1.0, ad.last_demand  # the SLO needs one of the two GPUs: the other can be lent
+        seen = ad.last_demand
+        mark("lend")
+        ad.release("n2", 1, 1, time.time())
+        router_pid = ad.last_stats["pid"]
+        ad = RayServeAdapter(s)  # a restarted plane: adopts the running application, redeploys nothing
+        ad.resume({"released": {"n2": 1}})
+        ad.ensure()
+        assert ad.targets() == {"n2": 0, "n3": 1} and ad._sync(None)["pid"] == router_pid
+
+        @ray.remote(num_gpus=1, num_cpus=0)
+        class Spot:  # what a spot job's rank is to Ray: an actor holding the lent GPU on n2
+            def where(self) -> str:
+                labels = ray.get_runtime_context().get_node_labels()
+                v = labels.get(RAY_NODE_LABEL)
+                return v[0] if isinstance(v, list) else v
+
+        spot = Spot.options(label_selector={RAY_NODE_LABEL: "n2"}).remote()
+        assert ray.get(spot.where.remote(), timeout=60) == "n2"  # the replica left, the GPU is the job's
+        assert ad.running()["n2"] == 0 and ad.last_stats["slots"]["n2"] == 0
+        lent_served = ad._sync(None)["served"]["n2"]
+        time.sleep(1.0)
+        ray.kill(spot)  # the job's ranks left: reclaim
+        assert ad._sync(None)["served"]["n2"] == lent_served  # nothing went to the lent node
+        ad.restore("n2", 1, 0, time.time())
+        wait_until("the n2 replica healthy again", lambda: ad.ready("n2"), 90)
+        mark("back")
+        assert ad.last_stats["slots"]["n2"] == 1
+        time.sleep(3.0)
+        done.set()
+        assert ad._sync(None)["served"]["n2"] > lent_served  # the new replica serves
+        load.join(60)
+        recs = out["r"]
+        table = {"before": loadgen.summary(recs, 0, phases["lend"]),
+                 "lent": loadgen.summary(recs, phases["lend"], phases["back"]),
+                 "after": loadgen.summary(recs, phases["back"])}
+        cols = ("requests", "failed", "p50_s", "p99_s")
+        print(f"\nray-serve lend/reclaim at {RATE} req/s; demand before the loan {seen}\n",
+              {k: {f: v[f] for f in cols} for k, v in table.items()})
+        for name, sm in table.items():
+            assert sm["requests"] >= 10, (name, sm)
+            assert sm["failed"] == 0, (name, sm)
+            assert sm["p99_s"] <= SLO_P99_S, (name, sm)
+        assert sum(r.ok for r in recs) == len(recs)
+    finally:
+        serve.shutdown()
+    all_gpus_free()
