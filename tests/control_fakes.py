@@ -54,8 +54,11 @@ class FakeExecutor:
 
     # -- the protocol --------------------------------------------------------------------------------
     def nodes(self) -> list[Node]:
-        return [*([Node(self.node, self.gpus)] if self.gpus else []), *(Node(n, g) for n, g in self.more.items()),
-                *(Node(n, g, "serving") for n, g in self.serving.items())]
+        return [
+            *([Node(self.node, self.gpus)] if self.gpus else []),
+            *(Node(n, g) for n, g in self.more.items()),
+            *(Node(n, g, "serving") for n, g in self.serving.items()),
+        ]
 
     def launch(self, req: LaunchRequest, now_s: float) -> dict:
         self.calls.append(("launch", req.job_id, req.attempt, req.world_size))
@@ -107,10 +110,19 @@ class FakeExecutor:
     def beat(self, job_id: str, t: float, step: int, *, step_time_s: float = 1.0, **kw) -> None:
         j = self.jobs[job_id]
         p = j.progress
-        j.progress = replace(p, step=step, step_s=t, heartbeat_s=t, heartbeats=len(j.codes),
-                             step_time_s=step_time_s, start_step=p.start_step if p.start_step is not None else 0,
-                             first_step=p.first_step if p.first_step is not None else step,
-                             first_step_s=p.first_step_s if p.first_step_s is not None else t, phase="training", **kw)
+        j.progress = replace(
+            p,
+            step=step,
+            step_s=t,
+            heartbeat_s=t,
+            heartbeats=len(j.codes),
+            step_time_s=step_time_s,
+            start_step=p.start_step if p.start_step is not None else 0,
+            first_step=p.first_step if p.first_step is not None else step,
+            first_step_s=p.first_step_s if p.first_step_s is not None else t,
+            phase="training",
+            **kw,
+        )
 
     @staticmethod
     def rank_node(j: FakeJob, rank: int) -> str:

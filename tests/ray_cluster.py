@@ -5,8 +5,8 @@ a head node with no GPUs and three worker nodes with declared (virtual) GPUs, la
 ``n1`` (2 GPUs), ``n2`` (1) and ``n3`` (1), one CPU each. Ray's health checks are tightened (a node
 that stops answering is dead after ~3 s instead of ~30 s) so node-loss tests are quick; nothing calls
 the network (usage stats off, no dashboard). At the end: ``ray.shutdown()``, ``cluster.shutdown()``,
-every rank recorded under the tests' state dirs SIGKILLed, their node-memory directories removed, and a check that no raylet or GCS started
-here is left.
+every rank recorded under the tests' state dirs SIGKILLed, their node-memory directories removed, and a
+check that no raylet or GCS started here is left.
 """
 
 from __future__ import annotations
@@ -63,8 +63,10 @@ def start() -> RayCluster:
         os.environ.setdefault(k, v)
     from ray.cluster_utils import Cluster
 
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0, "include_dashboard": False,
-                                                      "_system_config": HEALTH})
+    c = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 1, "num_gpus": 0, "include_dashboard": False, "_system_config": HEALTH},
+    )
     rc = RayCluster(c)
     for name in NODES:
         rc.add(name)

@@ -23,7 +23,8 @@ def test_lent_from_upper_takes_the_highest_bound_of_the_lead_and_the_demand_now(
 def test_contexts_split_by_level_over_the_running_mean_and_time_of_day():
     times = np.array([0.0, 6 * 3600.0, 13 * 3600.0, 20 * 3600.0])
     demand = np.array([10.0, 10.0, 40.0, np.nan])
-    # running means 10, 10, 20, 20 (the gap holds 40): levels 1, 1, 2, 2 -> buckets (edges 0.8, 1.2) 1, 1, 2, 2
+    # running means 10, 10, 20, 20 (the gap holds 40): levels 1, 1, 2, 2 -> buckets (edges 0.8, 1.2) 1, 1, 2,
+    # 2
     # time of day in 4 buckets: 0, 1, 2, 3
     assert contexts(times, demand, (0.8, 1.2), 4).tolist() == [4, 5, 10, 11]
 
@@ -45,7 +46,9 @@ def test_constant_z_is_the_smallest_within_the_budget_and_contexts_never_do_wors
     z = _tune_z(demand, center, scale, n, lead, warmup, budget)
 
     def short(zz: float) -> float:
-        return fluid_score(lent_from_upper(demand, center + zz * scale, n), demand, n, lead, warmup)["shortfall_strict"]
+        return fluid_score(lent_from_upper(demand, center + zz * scale, n), demand, n, lead, warmup)[
+            "shortfall_strict"
+        ]
 
     assert z > 0 and short(z) <= budget < short(z - 0.02)
     ctx = contexts(times, demand, (0.8, 1.2), 6)
@@ -59,7 +62,10 @@ def test_constant_z_is_the_smallest_within_the_budget_and_contexts_never_do_wors
 def test_run_reports_every_rule_against_the_oracle(tmp_path, capsys):
     times, demand = _series()
     p = tmp_path / "synthetic.csv"
-    p.write_text("seconds,requests_per_second\n" + "".join(f"{t:.0f},{v:.4f}\n" for t, v in zip(times, demand, strict=True)))
+    p.write_text(
+        "seconds,requests_per_second\n"
+        + "".join(f"{t:.0f},{v:.4f}\n" for t, v in zip(times, demand, strict=True))
+    )
     result = run([p], serving_gpus=64, budgets=(0.01,), warmup_days=1.0, as_json=True)
     assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(result))
     rows = result["traces"]["synthetic"]["budgets"]["0.01"]
@@ -68,7 +74,9 @@ def test_run_reports_every_rule_against_the_oracle(tmp_path, capsys):
     assert rows["oracle"]["harvest_over_oracle"] == 1.0 and rows["oracle"]["shortfall_strict"] == 0.0
     for rule in ("reactive (hindsight)", "constant z (hindsight)", "per-context z (hindsight, in-sample)"):
         assert rows[rule]["shortfall_strict"] <= 0.01
-    assert rows["per-context z (hindsight, in-sample)"]["harvest"] >= rows["constant z (hindsight)"]["harvest"]
+    assert (
+        rows["per-context z (hindsight, in-sample)"]["harvest"] >= rows["constant z (hindsight)"]["harvest"]
+    )
     assert all(0.0 <= r["harvest"] <= 1.0 and not math.isnan(r["harvest_over_oracle"]) for r in rows.values())
 
 
@@ -91,13 +99,20 @@ def test_rotations_report_each_budget_and_reject_days_outside_the_trace(tmp_path
 
     times, demand = _series(days=4)
     p = tmp_path / "synthetic.csv"
-    p.write_text("seconds,requests_per_second\n" + "".join(f"{t:.0f},{v:.4f}\n" for t, v in zip(times, demand, strict=True)))
-    result = rotate_run([p], serving_gpus=64, budgets=(0.01, 0.05), rotations=[0, 2], warmup_days=1.0, as_json=True)
+    p.write_text(
+        "seconds,requests_per_second\n"
+        + "".join(f"{t:.0f},{v:.4f}\n" for t, v in zip(times, demand, strict=True))
+    )
+    result = rotate_run(
+        [p], serving_gpus=64, budgets=(0.01, 0.05), rotations=[0, 2], warmup_days=1.0, as_json=True
+    )
     capsys.readouterr()
     tr = result["traces"]["synthetic"]
     assert [(r["rotation"], r["budget"]) for r in tr["runs"]] == [(0, 0.01), (0, 0.05), (2, 0.01), (2, 0.05)]
     s = tr["summary"]["0.01"]
-    assert s["rotations"] == 2 and s["met"] == sum(r["meets_budget"] for r in tr["runs"] if r["budget"] == 0.01)
+    assert s["rotations"] == 2 and s["met"] == sum(
+        r["meets_budget"] for r in tr["runs"] if r["budget"] == 0.01
+    )
     assert s["worst_shortfall"] == max(r["shortfall_strict"] for r in tr["runs"] if r["budget"] == 0.01)
     # rotation 0 is the trace as recorded: the same as driving the policy directly
     from tidal.bench.forecast import run_policy
@@ -107,9 +122,18 @@ def test_rotations_report_each_budget_and_reject_days_outside_the_trace(tmp_path
     timing = LoanTiming(notice_s=0, final_checkpoint_s=0, release_s=0, warmup_s=1200.0, restart_cost_s=0)
     written = np.round(demand, 4)  # as the CSV holds it
     d = 64 * written / written.max()
-    lent, _ = run_policy(TidalPolicy(TidalConfig(shortfall_budget=0.01, timing=timing,
-                                                 forecast=ForecastConfig(step_s=600.0, horizon_s=6 * 3600.0))),
-                         times, d, 64)
+    lent, _ = run_policy(
+        TidalPolicy(
+            TidalConfig(
+                shortfall_budget=0.01,
+                timing=timing,
+                forecast=ForecastConfig(step_s=600.0, horizon_s=6 * 3600.0),
+            )
+        ),
+        times,
+        d,
+        64,
+    )
     assert tr["runs"][0]["shortfall_strict"] == pytest.approx(score(lent, d, 64, 2, 144)["shortfall_strict"])
     with pytest.raises(ValueError, match=r"--rotations \[4\]: trace 'synthetic' has days 0..3"):
         rotate_run([p], serving_gpus=64, budgets=(0.01,), rotations=[4], warmup_days=1.0)

@@ -14,7 +14,9 @@ RUN = "import sys; from tidal.cli import main; sys.argv[0] = 'tidal'; main()"
 
 @pytest.mark.parametrize("name", sorted(_COMMANDS))
 def test_every_subcommand_answers_help(name):
-    out = subprocess.run([sys.executable, "-c", RUN, name, "--help"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", RUN, name, "--help"], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     assert "Usage: tidal " + name in " ".join(out.stdout.split())
 

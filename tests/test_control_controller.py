@@ -130,7 +130,9 @@ def test_one_rank_fails_the_rest_are_killed_then_restarted(world):
     ex.exit(j, None, 1, None)
     ctl.step(clock.advance(1))
     assert ("kill", j) in ex.calls and state(store, j) == "running"
-    assert any(e.kind == "failure" and "rank 1 exited with code 1" in e.message for e in store.events(job_id=j))
+    assert any(
+        e.kind == "failure" and "rank 1 exited with code 1" in e.message for e in store.events(job_id=j)
+    )
     ctl.step(clock.advance(1))  # all gone now (killed ranks report -9): classified as the failure
     assert state(store, j) == "backoff" and "rank 1 exited with code 1" in store.job(j).message
 
@@ -318,7 +320,9 @@ def test_auto_checkpoint_interval_from_the_measured_stall(world):
     auto = submit(store, "lab", clock(), name="auto", gpus=2)
     fixed = submit(store, "lab", clock(), name="fixed", gpus=2, checkpoint={"interval_s": 90})
     ctl.step(clock())
-    assert ex.jobs[auto].req.env["TIDAL_CKPT_INTERVAL_S"] == "3600"  # the policy's cap until a stall is measured
+    assert (
+        ex.jobs[auto].req.env["TIDAL_CKPT_INTERVAL_S"] == "3600"
+    )  # the policy's cap until a stall is measured
     assert ex.jobs[fixed].req.env["TIDAL_CKPT_INTERVAL_S"] == "90"
     ctl.step(clock.advance(1))
     for j in (auto, fixed):
@@ -331,7 +335,9 @@ def test_auto_checkpoint_interval_from_the_measured_stall(world):
     (ev,) = [e for e in store.events(job_id=auto) if e.kind == "ckpt_interval"]
     assert "measured stall 30 s" in ev.message
     ex.beat(auto, clock.advance(1), step=4, ckpt_stall_s=31.0)  # within the change ratio: no chatter
-    assert [c for c in ex.calls if c[0] == "configure"] == [("configure", auto, {"ckpt_interval_s": d.interval_s})]
+    assert [c for c in ex.calls if c[0] == "configure"] == [
+        ("configure", auto, {"ckpt_interval_s": d.interval_s})
+    ]
     ctl.step(clock())
     assert len([c for c in ex.calls if c[0] == "configure"]) == 1
     # A relaunch (after a failure) starts with the interval the policy set.
@@ -339,7 +345,10 @@ def test_auto_checkpoint_interval_from_the_measured_stall(world):
     ctl.step(clock.advance(1))
     ctl.step(clock.advance(CFG.restart_backoff_s + 1))
     ctl.step(clock.advance(1))
-    assert ex.jobs[auto].req.attempt == 2 and ex.jobs[auto].req.env["TIDAL_CKPT_INTERVAL_S"] == f"{d.interval_s:g}"
+    assert (
+        ex.jobs[auto].req.attempt == 2
+        and ex.jobs[auto].req.env["TIDAL_CKPT_INTERVAL_S"] == f"{d.interval_s:g}"
+    )
 
 
 def test_tier_list_goes_to_the_ranks(world):
@@ -425,14 +434,20 @@ def test_node_loss_requeues_on_the_remaining_gpus_not_a_failure(tmp_path):
     ctl.step(clock.advance(1))
     assert ("kill", j) in ex.calls and state(store, other) == "pending"  # nothing placed on the lost node
     left = [e for e in store.events() if e.kind == "node" and (e.data or {}).get("left")]
-    assert len(left) == 1 and left[0].data["jobs"] == [j] and "node b (2 GPUs) left the cluster" in left[0].message
+    assert (
+        len(left) == 1
+        and left[0].data["jobs"] == [j]
+        and "node b (2 GPUs) left the cluster" in left[0].message
+    )
     lost = [e for e in store.events(job_id=j) if e.kind == "node_lost"]
     assert len(lost) == 1 and lost[0].data["ranks"] == [2, 3] and lost[0].data["ckpt_step"] == 10
     assert [n.name for n in ctl.nodes] == ["a", "b"] and ctl.nodes[1].gpus == 4 - 2  # held, none free
     ctl.step(clock.advance(1))  # all ranks gone: requeued, then admitted on what is left
     job = store.job(j)
     assert job.restarts == 0 and job.state == "admitted" and job.attempt == 2 and job.lost_steps == 4
-    assert sum(job.placement.values()) >= 2 and "b" not in job.placement and [n.name for n in ctl.nodes] == ["a"]
+    assert (
+        sum(job.placement.values()) >= 2 and "b" not in job.placement and [n.name for n in ctl.nodes] == ["a"]
+    )
     requeue = [e for e in store.events(job_id=j) if e.to_state == "pending" and e.from_state][0]
     assert requeue.data["node_lost"] and "node b lost with ranks [2, 3] at step 14" in requeue.message
 
@@ -449,11 +464,17 @@ def test_node_loss_requeues_on_the_remaining_gpus_not_a_failure(tmp_path):
     assert len([e for e in store.events(job_id=j) if e.kind == "recovered"]) == 1
     text = metrics.render(metrics.registry(store, ctl.nodes, clock)).decode()
     assert "tidal_node_losses_total 1.0" in text and "tidal_node_loss_recovery_seconds_count 1.0" in text
-    assert "tidal_node_loss_recovery_seconds_sum 4.0" in text and "tidal_node_loss_heartbeat_age_seconds_sum 1.0" in text
+    assert (
+        "tidal_node_loss_recovery_seconds_sum 4.0" in text
+        and "tidal_node_loss_heartbeat_age_seconds_sum 1.0" in text
+    )
 
     ex.more["b"] = 2  # the node returns: the elastic job grows back onto it
     decisions = ctl.step(clock.advance(1))
     assert [(d.job, dict(d.add)) for d in decisions if isinstance(d, Grow)] == [(j, {"b": 2})]
     joined = [e for e in store.events() if e.kind == "node" and (e.data or {}).get("joined")]
-    assert [e.data["node"] for e in joined] == ["b"] and [(n.name, n.gpus) for n in ctl.nodes] == [("a", 2), ("b", 2)]
+    assert [e.data["node"] for e in joined] == ["b"] and [(n.name, n.gpus) for n in ctl.nodes] == [
+        ("a", 2),
+        ("b", 2),
+    ]
     store.close()

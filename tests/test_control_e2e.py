@@ -35,9 +35,11 @@ kill_slack_s: 5
 loop_interval_s: 0.2
 scheduler: {min_runtime_before_preempt_s: 0, preempt_grace_s: 30}
 """
-HANG = ("import json, os, time; d = os.environ['TIDAL_PROGRESS_DIR']; "
-        "open(os.path.join(d, 'heartbeat-r00000.json'), 'w').write(json.dumps({'time': time.time(), 'step': 1, "
-        "'phase': 'training'})); print('beat once, now stuck', flush=True); time.sleep(600)")
+HANG = (
+    "import json, os, time; d = os.environ['TIDAL_PROGRESS_DIR']; "
+    "open(os.path.join(d, 'heartbeat-r00000.json'), 'w').write(json.dumps({'time': time.time(), 'step': 1, "
+    "'phase': 'training'})); print('beat once, now stuck', flush=True); time.sleep(600)"
+)
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +74,9 @@ def test_preempt_resume_failures_hang_and_crash(plane):
     prod = TidalClient(plane.url, admin.create_tenant("prod", quota_gpus=1, weight=1.0)["token"])
     lab = TidalClient(plane.url, admin.create_tenant("lab", quota_gpus=0, weight=1.0)["token"])
     spot = lab.submit(train_spec("sweep", 1_000_000, tmp, max_restarts=0))["id"]
-    wait_for("a checkpoint of the spot job", lambda: (lab.job(spot)["progress"].get("ckpt_step") or 0) >= 10, admin)
+    wait_for(
+        "a checkpoint of the spot job", lambda: (lab.job(spot)["progress"].get("ckpt_step") or 0) >= 10, admin
+    )
     assert lab.job(spot)["progress"]["ckpt_every_steps"] == 10  # its own (TIDAL_CKPT_INTERVAL_STEPS) wins:
     wait_for("the cadence said once", lambda: [e for e in lab.events(spot) if e["kind"] == "ckpt_interval"],
              admin)
@@ -83,7 +87,9 @@ def test_preempt_resume_failures_hang_and_crash(plane):
     ded = prod.submit(train_spec("urgent", 30, tmp, kind="dedicated", gpus=1))["id"]
     flaky = lab.submit({"name": "flaky", "gpus": 1, "max_restarts": 2,
                         "command": [sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"]})["id"]
-    stuck = lab.submit({"name": "stuck", "gpus": 1, "max_restarts": 0, "command": [sys.executable, "-c", HANG]})["id"]
+    stuck = lab.submit(
+        {"name": "stuck", "gpus": 1, "max_restarts": 0, "command": [sys.executable, "-c", HANG]}
+    )["id"]
     wait_for("the preemption", lambda: lab.job(spot)["preemptions"] == 1, admin)
     job = lab.job(spot)
     assert job["restarts"] == 0 and ("running", "preempting") in transitions(lab, spot)
@@ -95,14 +101,20 @@ def test_preempt_resume_failures_hang_and_crash(plane):
     wait_for("the dedicated job to succeed", lambda: prod.job(ded)["state"] == "succeeded", admin)
     wait_for("the failing job to fail", lambda: lab.job(flaky)["state"] == "failed", admin)
     f = lab.job(flaky)
-    assert f["restarts"] == 2 and f["attempt"] == 3 and "rank 0 exited with code 3; no restarts left" in f["message"]
+    assert (
+        f["restarts"] == 2
+        and f["attempt"] == 3
+        and "rank 0 exited with code 3; no restarts left" in f["message"]
+    )
     assert len([t for t in transitions(lab, flaky) if t[1] == "backoff"]) == 2
     assert lab.logs(flaky)["data"].count("boom") == 3
     wait_for("the hang to be detected", lambda: lab.job(stuck)["state"] == "failed", admin)
     assert any(e["kind"] == "hang" and "no heartbeat for" in e["message"] for e in lab.events(stuck))
 
     # The spot job resumes from the step it stopped at.
-    wait_for("the spot job to resume", lambda: (lab.job(spot)["progress"].get("step") or 0) > stopped_at + 5, admin)
+    wait_for(
+        "the spot job to resume", lambda: (lab.job(spot)["progress"].get("step") or 0) > stopped_at + 5, admin
+    )
     job = lab.job(spot)
     assert job["attempt"] == 2 and job["progress"]["start_step"] == stopped_at
 
@@ -113,11 +125,15 @@ def test_preempt_resume_failures_hang_and_crash(plane):
     assert all(procs.alive(p) for p in pids)
     plane.start()
     admin, lab = plane.admin, TidalClient(plane.url, lab.token)
-    adopted = wait_for("the adoption", lambda: [e for e in admin.events(spot) if e["kind"] == "adopted"], admin)
+    adopted = wait_for(
+        "the adoption", lambda: [e for e in admin.events(spot) if e["kind"] == "adopted"], admin
+    )
     assert f"re-adopted attempt 2, 2 of 2 ranks running (pids {pids})" in adopted[0]["message"]
     before = lab.job(spot)["progress"]["step"]
     wait_for("progress after the adoption", lambda: lab.job(spot)["progress"]["step"] > before + 5, admin)
-    assert lab.job(spot)["attempt"] == 2 and len([e for e in admin.events(spot) if e["kind"] == "launch"]) == 2
+    assert (
+        lab.job(spot)["attempt"] == 2 and len([e for e in admin.events(spot) if e["kind"] == "launch"]) == 2
+    )
 
     lab.cancel(spot)
     wait_for("the cancel", lambda: lab.job(spot)["state"] == "cancelled", admin)
@@ -125,7 +141,10 @@ def test_preempt_resume_failures_hang_and_crash(plane):
     report = lab.job(spot)["report"]
     assert report["preemptions"] == 1 and report["restarts"] == 0 and 0 < report["ettr"] <= 1
     metrics = admin.metrics()
-    assert 'tidal_jobs{state="failed"} 2.0' in metrics and 'tidal_pool_gpus{node="local",state="free",tenant=""} 2.0' in metrics
+    assert (
+        'tidal_jobs{state="failed"} 2.0' in metrics
+        and 'tidal_pool_gpus{node="local",state="free",tenant=""} 2.0' in metrics
+    )
 
 
 def test_cli_against_the_server(plane, tmp_path, monkeypatch):
@@ -150,7 +169,10 @@ def test_cli_against_the_server(plane, tmp_path, monkeypatch):
     (tmp_path / "bad.yaml").write_text("name: bad\ngpus: {min: 0}\ncommand: python x.py\n")
     r = run(app, ["submit", str(tmp_path / "bad.yaml")])
     assert r.exit_code == 1
-    assert "gpus.min: Input should be greater than or equal to 1" in r.output and "command: expected a list" in r.output
+    assert (
+        "gpus.min: Input should be greater than or equal to 1" in r.output
+        and "command: expected a list" in r.output
+    )
     r = run(app, ["tenants", "create", "cli-team", "--quota", "1", "--weight", "2"])
     assert r.exit_code == 0 and "tidal_" in r.output
     r = run(app, ["cancel", job])

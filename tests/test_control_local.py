@@ -126,11 +126,37 @@ def test_launch_errors(tmp_path, executors):
 
 def test_shim_runs_nothing_without_go(tmp_path):
     marker = tmp_path / "ran"
-    p = subprocess.run([PY, "-I", shim.__file__, str(tmp_path / "exit.json"), str(tmp_path / "pid.json"), "--",
-                        PY, "-c", f"open({str(marker)!r}, 'w')"], input=b"", timeout=30)
+    p = subprocess.run(
+        [
+            PY,
+            "-I",
+            shim.__file__,
+            str(tmp_path / "exit.json"),
+            str(tmp_path / "pid.json"),
+            "--",
+            PY,
+            "-c",
+            f"open({str(marker)!r}, 'w')",
+        ],
+        input=b"",
+        timeout=30,
+    )
     assert p.returncode == 0 and not marker.exists() and not (tmp_path / "exit.json").exists()
-    p = subprocess.run([PY, "-I", shim.__file__, str(tmp_path / "exit.json"), str(tmp_path / "pid.json"), "--",
-                        PY, "-c", f"open({str(marker)!r}, 'w'); raise SystemExit(7)"], input=b"go\n", timeout=30)
+    p = subprocess.run(
+        [
+            PY,
+            "-I",
+            shim.__file__,
+            str(tmp_path / "exit.json"),
+            str(tmp_path / "pid.json"),
+            "--",
+            PY,
+            "-c",
+            f"open({str(marker)!r}, 'w'); raise SystemExit(7)",
+        ],
+        input=b"go\n",
+        timeout=30,
+    )
     assert p.returncode == 7 and marker.exists()
     assert json.loads((tmp_path / "exit.json").read_text())["code"] == 7
 
@@ -146,7 +172,9 @@ def test_adopt_after_a_restart(tmp_path, executors):
     ob = second.observe(time.time())["a"]
     assert [r.pid for r in ob.alive] == pids and second.used() == {"local": 2}
     for pid in pids:
-        assert procs.alive(pid, procs.start_time(pid)) and not procs.alive(pid, 1)  # wrong start time: not ours
+        assert procs.alive(pid, procs.start_time(pid)) and not procs.alive(
+            pid, 1
+        )  # wrong start time: not ours
     second.kill("a")
     ob = wait_done(second, "a")
     assert all(r.vanished for r in ob.ranks)  # SIGKILL of shim and rank: no exit code was recorded
@@ -183,7 +211,9 @@ def test_progress_fold(tmp_path):
     assert p.heartbeats == 2 and p.heartbeat_s == 6.5  # the oldest rank's newest beat
     with open(f, "a") as fh:  # one slow save among quick ones does not move the reported stall
         for i, stall in enumerate([0.1, 0.1, 2.0, 0.12]):
-            fh.write(json.dumps({"event": "checkpoint", "time": 9.0 + i, "step": 15 + i, "stall_s": stall}) + "\n")
+            fh.write(
+                json.dumps({"event": "checkpoint", "time": 9.0 + i, "step": 15 + i, "stall_s": stall}) + "\n"
+            )
     p = reader.read()
     assert p.ckpt_stall_s == 0.1  # the median of the last five: 0.1, 0.1, 0.1, 2.0, 0.12
 
@@ -219,7 +249,9 @@ def test_configure_reaches_the_running_ranks(tmp_path, executors):
     assert [r.exit_code for r in ob.ranks] == [0, 0]
     for r in range(2):
         assert "interval 42.5" in read(ex.log_path("c", r))
-    assert json.loads((tmp_path / "jobs" / "c" / "attempt-1" / "control.json").read_text()) == {"ckpt_interval_s": 42.5}
+    assert json.loads((tmp_path / "jobs" / "c" / "attempt-1" / "control.json").read_text()) == {
+        "ckpt_interval_s": 42.5
+    }
 
 
 ABORT_AFTER_CLOSE = """

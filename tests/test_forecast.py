@@ -240,7 +240,9 @@ def test_context_quantiles_widen_the_scale_where_errors_are_large():
     # The scale is the context-free one times the factor of each point's context.
     f = fc.forecast(on, s_on)
     ctx = s_on.past_ctx[0].astype(int)
-    np.testing.assert_allclose(f.scale_gpus, np.maximum(s_on.past_base[0] * factor[ctx], 0.01 * s_on.mean_gpus))
+    np.testing.assert_allclose(
+        f.scale_gpus, np.maximum(s_on.past_base[0] * factor[ctx], 0.01 * s_on.mean_gpus)
+    )
     # The contexts only multiply: the center and the scale before the factor are those with them off.
     np.testing.assert_allclose(f.center_gpus, fc.forecast(off, s_off).center_gpus)
     np.testing.assert_allclose(s_on.past_base[0], fc.forecast(off, s_off).scale_gpus)
@@ -298,12 +300,20 @@ def test_bench_forecast_runs_on_a_small_trace(tmp_path, capsys):
     from tidal.bench.forecast import run as bench_run
 
     demand = regime_change_series(days=3, seed=1)
-    p = write(tmp_path, "seconds,requests_per_second\n" + "".join(f"{600 * i},{v:.4f}\n" for i, v in enumerate(demand)),
-              name="synthetic.csv")
+    p = write(
+        tmp_path,
+        "seconds,requests_per_second\n" + "".join(f"{600 * i},{v:.4f}\n" for i, v in enumerate(demand)),
+        name="synthetic.csv",
+    )
     result = bench_run([p], serving_gpus=64, budgets=(0.01,), quantiles=(0.9,), warmup_days=1.0, as_json=True)
     out = json.loads(capsys.readouterr().out)
     assert out["traces"]["synthetic"]["forecast"]["methods"].keys() == {
-        "tidal (lead quantile off)", "tidal (lead quantile 0.8)", "last-value", "seasonal-naive", "holt-winters"}
+        "tidal (lead quantile off)",
+        "tidal (lead quantile 0.8)",
+        "last-value",
+        "seasonal-naive",
+        "holt-winters",
+    }
     rows = result["traces"]["synthetic"]["harvest"]["budgets"]["0.01"]
     assert set(rows) == {"tidal (lead quantile off)", "tidal (lead quantile 0.8)",
                          "tidal (lead quantile 0.8, no tail reserve)", "reactive (hindsight)",
@@ -324,7 +334,9 @@ def test_real_trace_forecast_is_calibrated_and_beats_seasonal_naive():
 
     tr = load_trace(TRACES / "servegen-language-m-large.csv")
     demand = tr.demand_gpus(128)[: 5 * 144]
-    r = evaluate_forecasts(tr.times_s[: 5 * 144], demand, step_s=600.0, lead=2, warmup=2 * 144, quantiles=(0.95,))
+    r = evaluate_forecasts(
+        tr.times_s[: 5 * 144], demand, step_s=600.0, lead=2, warmup=2 * 144, quantiles=(0.95,)
+    )
     m = r["methods"]
     for name in ("tidal (lead quantile off)", "tidal (lead quantile 0.8)"):
         assert 0.02 <= m[name]["0.95"]["under_rate"] <= 0.09

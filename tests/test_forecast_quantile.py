@@ -93,7 +93,9 @@ def test_lead_quantile_state_round_trips_through_the_codec_and_off_changes_nothi
     nxt = fc.observe(cfg, back, 600.0 * len(y), 70.0)
     np.testing.assert_array_equal(nxt.scale_gpus, fc.observe(cfg, on, 600.0 * len(y), 70.0).scale_gpus)
     assert off.lq_model is None and off.lq_pending is None
-    np.testing.assert_array_equal(fc.forecast(cfg, on).center_gpus, fc.forecast(fc.ForecastConfig(), off).center_gpus)
+    np.testing.assert_array_equal(
+        fc.forecast(cfg, on).center_gpus, fc.forecast(fc.ForecastConfig(), off).center_gpus
+    )
 
 
 @pytest.mark.parametrize(("kw", "match"), [
@@ -126,10 +128,15 @@ def test_the_benchmark_says_not_installed_in_one_line_per_missing_library(monkey
     y = _noisy(2, 8, 2.0).clip(min=1)
     p = tmp_path / "syn.csv"
     p.write_text("seconds,requests_per_second\n" + "".join(f"{600 * i},{v:.3f}\n" for i, v in enumerate(y)))
-    result = bench_run([p], serving_gpus=32, budgets=(0.01,), quantiles=(0.9,), warmup_days=1.0, libraries=True)
+    result = bench_run(
+        [p], serving_gpus=32, budgets=(0.01,), quantiles=(0.9,), warmup_days=1.0, libraries=True
+    )
     lines = [ln for ln in capsys.readouterr().out.splitlines() if "not installed" in ln]
     assert len(lines) == 2 and all("forecast-bench" in ln for ln in lines), lines
-    assert set(result["traces"]["syn"]["libraries_missing"]) == {"ets (statsforecast AutoETS)", "lightgbm (quantile)"}
+    assert set(result["traces"]["syn"]["libraries_missing"]) == {
+        "ets (statsforecast AutoETS)",
+        "lightgbm (quantile)",
+    }
 
 
 # --- weekly structure and level shifts (tidal.policy.forecast) ------------------------------------------
@@ -204,5 +211,9 @@ def test_gaps_zeros_and_spikes_keep_every_option_finite():
         state = fc.observe(cfg, state, 600.0 * i, float(v))
         if state.n_obs:
             f = fc.forecast(cfg, state)
-            assert np.isfinite(f.center_gpus).all() and (f.scale_gpus > 0).all() and np.isfinite(f.scale_gpus).all()
+            assert (
+                np.isfinite(f.center_gpus).all()
+                and (f.scale_gpus > 0).all()
+                and np.isfinite(f.scale_gpus).all()
+            )
     assert np.isfinite(state.lq_model).all()

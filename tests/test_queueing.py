@@ -46,8 +46,14 @@ def _log_erlang_b(c: int, a: float) -> float:
 @pytest.mark.parametrize("a", [150.0, 1234.5, 5000.0, 20000.0])
 def test_large_loads_match_log_space_reference(a):
     """Thousands of servers: the shortened recursion agrees with the log-space sum to ~1e-12."""
-    cs = [int(a / 3), int(a - 10 * math.sqrt(a)) + 1, int(a - 3 * math.sqrt(a)), int(a), int(a + 2 * math.sqrt(a)),
-          int(a + 6 * math.sqrt(a))]
+    cs = [
+        int(a / 3),
+        int(a - 10 * math.sqrt(a)) + 1,
+        int(a - 3 * math.sqrt(a)),
+        int(a),
+        int(a + 2 * math.sqrt(a)),
+        int(a + 6 * math.sqrt(a)),
+    ]
     got = erlang_b(cs, a)
     want = np.exp([_log_erlang_b(c, a) for c in cs])
     np.testing.assert_allclose(got, want, rtol=1e-10)

@@ -41,8 +41,15 @@ def test_agents_in_a_ring_and_a_restore_from_the_lost_nodes_buddy(ray_cluster, t
         env = {"TIDAL_CKPT_TIERS": '["peer://p-test"]', "TIDAL_CKPT_INTERVAL_STEPS": "10"}
         cmd = (sys.executable, str(WORKER), "--steps", "1000000", "--pad-mib", "1")
         ex.launch(LaunchRequest("p", 1, cmd, {"n2": 1, "n3": 1}, env=env), time.time())
-        ob = wait_until("a step committed in the peer tier", lambda: (o := ex.observe(time.time())["p"]).progress
-                        .tiers.get("peer") and o.progress.tiers["peer"][0] >= 20 and o, 120)
+        ob = wait_until(
+            "a step committed in the peer tier",
+            lambda: (
+                (o := ex.observe(time.time())["p"]).progress.tiers.get("peer")
+                and o.progress.tiers["peer"][0] >= 20
+                and o
+            ),
+            120,
+        )
         at = ob.progress.tiers["peer"][0]
 
         ray_cluster.remove("n3")  # rank 1's agent and memory go with it; its buddy n1 holds a copy
@@ -50,13 +57,22 @@ def test_agents_in_a_ring_and_a_restore_from_the_lost_nodes_buddy(ray_cluster, t
         ex.kill("p")
         wait_until("every rank gone", lambda: ex.observe(time.time())["p"].done, 60)
         ex.release("p")
-        wait_until("the ring closed over n1 and n2", lambda: sorted(ex.nodes() and ex.agents.addresses) == ["n1", "n2"]
-                   and status(addrs["n2"])["buddy"]["address"] == addrs["n1"], 60)
+        wait_until(
+            "the ring closed over n1 and n2",
+            lambda: (
+                sorted(ex.nodes() and ex.agents.addresses) == ["n1", "n2"]
+                and status(addrs["n2"])["buddy"]["address"] == addrs["n1"]
+            ),
+            60,
+        )
         assert status(addrs["n1"])["buddy"]["address"] == addrs["n2"]
 
         ex.launch(LaunchRequest("p", 2, cmd, {"n1": 1, "n2": 1}, env=env), time.time())
-        p = wait_until("the next attempt training", lambda: (o := ex.observe(time.time())["p"]).progress.first_step
-                       and o.progress, 120)
+        p = wait_until(
+            "the next attempt training",
+            lambda: (o := ex.observe(time.time())["p"]).progress.first_step and o.progress,
+            120,
+        )
         assert p.restore_tier == "peer" and p.start_step >= at, p
         ex.kill("p")
         wait_until("every rank gone", lambda: ex.observe(time.time())["p"].done, 60)

@@ -51,10 +51,17 @@ def test_node_loss_requeues_and_resumes_resharded(ray_cluster, tmp_path):
         pool = admin.pool()
         assert sorted((n["name"], n["gpus"]) for n in pool["nodes"]) == [("n1", 2), ("n2", 1), ("n3", 1)]
         lab = TidalClient(p.url, admin.create_tenant("lab", quota_gpus=0, weight=1.0)["token"])
-        job = lab.submit({"name": "elastic", "kind": "spot", "gpus": {"min": 2, "max": 3}, "workdir": str(tmp_path),
-                          "max_restarts": 0,
-                          "command": [sys.executable, str(WORKER), "--steps", "1000000", "--pad-mib", "1"],
-                          "env": {"TIDAL_CKPT_INTERVAL_STEPS": "10"}})["id"]
+        job = lab.submit(
+            {
+                "name": "elastic",
+                "kind": "spot",
+                "gpus": {"min": 2, "max": 3},
+                "workdir": str(tmp_path),
+                "max_restarts": 0,
+                "command": [sys.executable, str(WORKER), "--steps", "1000000", "--pad-mib", "1"],
+                "env": {"TIDAL_CKPT_INTERVAL_STEPS": "10"},
+            }
+        )["id"]
         wait_for("a checkpoint", lambda: (lab.job(job)["progress"].get("ckpt_step") or 0) >= 10)
         j = lab.job(job)
         placement = j["placement"]
@@ -87,15 +94,20 @@ def test_node_loss_requeues_and_resumes_resharded(ray_cluster, tmp_path):
         assert requeue and requeue[0]["data"]["node_lost"]
         d = rec["data"]
         assert d["world_size"] == 2 and d["was_world_size"] == 3
-        assert d["start_step"] >= at_loss["durable_ckpt_step"] and d["restore_tier"] == "disk"  # n1's memory went with it
+        assert (
+            d["start_step"] >= at_loss["durable_ckpt_step"] and d["restore_tier"] == "disk"
+        )  # n1's memory went with it
         assert [e["data"]["node"] for e in admin.events() if e["kind"] == "node"
                 and (e["data"] or {}).get("left")] == [big]
         m = admin.metrics()
         assert "tidal_node_losses_total 1.0" in m and "tidal_node_loss_recovery_seconds_count 1.0" in m
-        print(f"\nnode loss ({big}, raylet SIGKILLed): detected {detect_s:.2f} s after the kill; training again "
-              f"{d['recovery_s']:.2f} s after detection ({detect_s + d['recovery_s']:.2f} s in all) on "
-              f"{d['world_size']} ranks from step {d['start_step']} (tier {d['restore_tier']}), "
-              f"{d['lost_steps']} steps redone")
+        print(
+            f"\nnode loss ({big}, raylet SIGKILLed): detected {detect_s:.2f} s after the kill; "
+            "training again "
+            f"{d['recovery_s']:.2f} s after detection ({detect_s + d['recovery_s']:.2f} s in all) on "
+            f"{d['world_size']} ranks from step {d['start_step']} (tier {d['restore_tier']}), "
+            f"{d['lost_steps']} steps redone"
+        )
 
         # The node returns: the plane sees it (the job growing back onto it: tests/test_ray_long.py).
         ray_cluster.add(big)

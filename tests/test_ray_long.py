@@ -1,4 +1,5 @@
-"""The longest Ray scenario, not run by ``make test`` (CI): ``TIDAL_RAY_LONG=1 pytest -s tests/test_ray_long.py``.
+"""The longest Ray scenario, not run by ``make test`` (CI):
+``TIDAL_RAY_LONG=1 pytest -s tests/test_ray_long.py``.
 
 The GPT example (examples/gpt/train.py), FSDP2 and DDP, as a spot job of 2-3 GPUs through ``tidal up
 --executor ray`` across nodes of the session's Ray cluster (tests/ray_cluster.py): the node holding
@@ -25,9 +26,14 @@ from tidal.control.client import TidalClient
 from tidal.train.runs import Segment, SegmentResult, example_script, job_env, run_segment
 from tidal.train.verify import VerifyConfig, compare
 
-pytestmark = [pytest.mark.slow, pytest.mark.ray_long,
-              pytest.mark.skipif(os.environ.get("TIDAL_RAY_LONG") != "1",
-                                 reason="the longest Ray scenario (~2-2.5 min per layout): TIDAL_RAY_LONG=1 runs it")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.ray_long,
+    pytest.mark.skipif(
+        os.environ.get("TIDAL_RAY_LONG") != "1",
+        reason="the longest Ray scenario (~2-2.5 min per layout): TIDAL_RAY_LONG=1 runs it",
+    ),
+]
 CONFIG = """
 restart_backoff_s: 0.2
 hang_timeout_s: 120
@@ -46,7 +52,9 @@ def attempts(jobs_dir: Path, job: str) -> list[SegmentResult]:
         records = {}
         for r in range(launch["world_size"]):
             p = adir / "progress" / f"progress-r{r:05d}.jsonl"
-            records[r] = [json.loads(x) for x in p.read_text().splitlines() if x.strip()] if p.exists() else []
+            records[r] = (
+                [json.loads(x) for x in p.read_text().splitlines() if x.strip()] if p.exists() else []
+            )
         out.append(SegmentResult(Segment(launch["world_size"], "?"), [], 0.0, None, 0.0, records))
     return out
 
@@ -67,31 +75,47 @@ def test_gpt_survives_node_loss_and_resumes_the_same_curve(ray_cluster, tmp_path
                 f"{e['job']}: {e['kind']} {e['from']}->{e['to']}: {e['message']}" for e in admin.events()))
 
         lab = TidalClient(p.url, admin.create_tenant("lab", quota_gpus=0, weight=1.0)["token"])
-        job = lab.submit({"name": f"gpt-{layout}", "kind": "spot", "gpus": {"min": 2, "max": 3},
-                          "workdir": str(script.parent), "max_restarts": 0,
-                          "command": [sys.executable, str(script), "--parallel", layout, *cfg.job_args()]})["id"]
+        job = lab.submit(
+            {
+                "name": f"gpt-{layout}",
+                "kind": "spot",
+                "gpus": {"min": 2, "max": 3},
+                "workdir": str(script.parent),
+                "max_restarts": 0,
+                "command": [sys.executable, str(script), "--parallel", layout, *cfg.job_args()],
+            }
+        )["id"]
         wait_for("a checkpoint", lambda: (lab.job(job)["progress"].get("durable_ckpt_step") or 0) >= 10)
         placement = lab.job(job)["placement"]
         big = max(placement, key=lambda n: placement[n])
         t0 = time.time()
         ray_cluster.remove(big)
-        lost = wait_for("the node loss", lambda: [e for e in admin.events(job) if e["kind"] == "node_lost"])[0]
-        rec = wait_for("training again", lambda: [e for e in admin.events(job) if e["kind"] == "recovered"])[0]
+        lost = wait_for("the node loss", lambda: [e for e in admin.events(job) if e["kind"] == "node_lost"])[
+            0
+        ]
+        rec = wait_for("training again", lambda: [e for e in admin.events(job) if e["kind"] == "recovered"])[
+            0
+        ]
         ray_cluster.add(big)
         wait_for("the end", lambda: lab.job(job)["state"] in ("succeeded", "failed", "cancelled"), 600)
         j = lab.job(job)
         assert j["state"] == "succeeded" and j["restarts"] == 0, j["message"]
         d = rec["data"]
-        print(f"\n{layout}: node {big} lost, detected {lost['time_s'] - t0:.2f} s after the kill, training again "
-              f"{d['recovery_s']:.2f} s later on {d['world_size']} ranks from step {d['start_step']} "
-              f"(tier {d['restore_tier']}); attempts {j['attempt']}")
+        print(
+            f"\n{layout}: node {big} lost, detected {lost['time_s'] - t0:.2f} s after the kill, "
+            "training again "
+            f"{d['recovery_s']:.2f} s later on {d['world_size']} ranks from step {d['start_step']} "
+            f"(tier {d['restore_tier']}); attempts {j['attempt']}"
+        )
         resumed = attempts(p.state / "jobs", job)
         assert [r.segment.world for r in resumed][:2] == [3, 2]
     finally:
         p.stop()
         ray_cluster.restore()
     work = tmp_path / "baseline"
-    shm = Path(tempfile.mkdtemp(prefix="tidal-ray-long-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+    shm = Path(
+        tempfile.mkdtemp(prefix="tidal-ray-long-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
+    )
     try:
         base = [run_segment(Segment(3, layout), script, cfg.job_args(), work, 0, env=job_env(work, shm),
                             timeout_s=600)]
@@ -101,5 +125,13 @@ def test_gpt_survives_node_loss_and_resumes_the_same_curve(ray_cluster, tmp_path
     print(f"{layout}: same global batch at every step: {result['indices_identical']}; max relative loss "
           f"difference {result['max_rel_loss_diff']:.2e} at step {result['max_rel_loss_diff_step']} "
           f"(rtol {result['rtol']})")
-    assert result["ok"], {k: result[k] for k in ("indices_identical", "first_index_mismatch_step", "missing_steps",
-                                                 "max_rel_loss_diff", "max_rel_loss_diff_step")}
+    assert result["ok"], {
+        k: result[k]
+        for k in (
+            "indices_identical",
+            "first_index_mismatch_step",
+            "missing_steps",
+            "max_rel_loss_diff",
+            "max_rel_loss_diff_step",
+        )
+    }

@@ -48,26 +48,37 @@ def test_model_meets_the_target_with_whole_replicas():
         gpus = m.gpus(rate)
         replicas = int(gpus) // 2
         assert gpus == 2 * replicas
-        assert latency_exceeds(replicas, rate, 3.0, 0.2) <= 0.01 < latency_exceeds(replicas - 1, rate, 3.0, 0.2)
+        assert (
+            latency_exceeds(replicas, rate, 3.0, 0.2) <= 0.01 < latency_exceeds(replicas - 1, rate, 3.0, 0.2)
+        )
     assert RequestModel.from_settings({}) is None
     assert RequestModel.from_settings({"latency_quantile": None}) is None
 
 
-@pytest.mark.parametrize(("extra", "msg"), [
-    ({"latency_target_s": 0.2}, "serving.service_rate_per_gpu or serving.service_rate_per_replica (exactly one)"),
-    ({**REQ, "service_rate_per_replica": 3.0}, "(not both)"),
-    ({"service_rate_per_gpu": 1.5}, "serving.latency_target_s is required"),
-    ({**REQ, "service_rate_per_gpu": 0}, "serving.service_rate_per_gpu must be a number > 0"),
-    ({**REQ, "service_rate_per_gpu": float("nan")}, "serving.service_rate_per_gpu must be a number > 0"),
-    ({**REQ, "service_rate_per_gpu": "fast"}, "serving.service_rate_per_gpu must be a number > 0"),
-    ({**REQ, "gpus_per_replica": 1.5}, "serving.gpus_per_replica must be a whole number >= 1"),
-    ({**REQ, "gpus_per_replica": 0}, "serving.gpus_per_replica must be a whole number >= 1"),
-    ({**REQ, "latency_target_s": -1}, "serving.latency_target_s must be a number >= 0"),
-    ({**REQ, "latency_quantile": 1}, "serving.latency_quantile must be in (0, 1)"),
-    ({**REQ, "latency_of": "ttft"}, "serving.latency_of must be one of queue, response"),
-    ({**REQ, "latency_of": "response"}, "serving.latency_target_s: target_s 0.2 s is below the 0.99-quantile"),
-    ({**REQ, "gpus_per_unit": 0.5}, "serving.gpus_per_unit does not apply to a request-rate demand"),
-])
+@pytest.mark.parametrize(
+    ("extra", "msg"),
+    [
+        (
+            {"latency_target_s": 0.2},
+            "serving.service_rate_per_gpu or serving.service_rate_per_replica (exactly one)",
+        ),
+        ({**REQ, "service_rate_per_replica": 3.0}, "(not both)"),
+        ({"service_rate_per_gpu": 1.5}, "serving.latency_target_s is required"),
+        ({**REQ, "service_rate_per_gpu": 0}, "serving.service_rate_per_gpu must be a number > 0"),
+        ({**REQ, "service_rate_per_gpu": float("nan")}, "serving.service_rate_per_gpu must be a number > 0"),
+        ({**REQ, "service_rate_per_gpu": "fast"}, "serving.service_rate_per_gpu must be a number > 0"),
+        ({**REQ, "gpus_per_replica": 1.5}, "serving.gpus_per_replica must be a whole number >= 1"),
+        ({**REQ, "gpus_per_replica": 0}, "serving.gpus_per_replica must be a whole number >= 1"),
+        ({**REQ, "latency_target_s": -1}, "serving.latency_target_s must be a number >= 0"),
+        ({**REQ, "latency_quantile": 1}, "serving.latency_quantile must be in (0, 1)"),
+        ({**REQ, "latency_of": "ttft"}, "serving.latency_of must be one of queue, response"),
+        (
+            {**REQ, "latency_of": "response"},
+            "serving.latency_target_s: target_s 0.2 s is below the 0.99-quantile",
+        ),
+        ({**REQ, "gpus_per_unit": 0.5}, "serving.gpus_per_unit does not apply to a request-rate demand"),
+    ],
+)
 def test_serving_block_errors_name_the_field(extra, msg):
     with pytest.raises(ValueError) as e:
         ControlConfig.from_dict({"serving": {"serving_gpus": 64, "trace": "t.csv", **extra}})
@@ -132,7 +143,9 @@ def test_plan_cli_takes_requests(tmp_path):
     rates = load_trace(p).load
     want = gpus_needed(rates, 3.0, 0.2, 0.99, gpus_per_replica=2)
     assert rep["mean_demand_over_pool"] * 64 == pytest.approx(float(np.mean(want)))
-    r = CliRunner().invoke(sim_app, [*common, "--service-rate-per-replica", "3", "--latency-of", "ttft"], env=WIDE)
+    r = CliRunner().invoke(
+        sim_app, [*common, "--service-rate-per-replica", "3", "--latency-of", "ttft"], env=WIDE
+    )
     assert r.exit_code == 2 and "--latency-of" in r.output
 
 
@@ -151,19 +164,39 @@ def test_live_loan_step_reads_requests(tmp_path):
 def test_tidal_up_plans_from_request_rates(tmp_path):
     """A real ``tidal up`` on a loopback port whose ``serving:`` block gives requests, not GPUs."""
     trace_file(tmp_path, [40.0 + (i * 7) % 23 for i in range(400)])
-    (tmp_path / "c.yaml").write_text("serving:\n  serving_gpus: 64\n  trace: t.csv\n  speedup: 6000\n"
-                                     "  service_rate_per_gpu: 1.5\n  gpus_per_replica: 2\n  latency_target_s: 0.2\n")
+    (tmp_path / "c.yaml").write_text(
+        "serving:\n  serving_gpus: 64\n  trace: t.csv\n  speedup: 6000\n"
+        "  service_rate_per_gpu: 1.5\n  gpus_per_replica: 2\n  latency_target_s: 0.2\n"
+    )
     state, out = tmp_path / "state", tmp_path / "up.log"
     with open(out, "wb") as f:
-        proc = subprocess.Popen([sys.executable, "-c", "from tidal.cli import main; main()", "up", "--gpus", "1",
-                                 "--port", "0", "--state-dir", str(state), "--config", str(tmp_path / "c.yaml")],
-                                stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                "from tidal.cli import main; main()",
+                "up",
+                "--gpus",
+                "1",
+                "--port",
+                "0",
+                "--state-dir",
+                str(state),
+                "--config",
+                str(tmp_path / "c.yaml"),
+            ],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
     try:
         deadline = time.monotonic() + 60
         while not (state / "api.url").exists():
             assert proc.poll() is None and time.monotonic() < deadline, out.read_text()
             time.sleep(0.05)
-        client = TidalClient((state / "api.url").read_text().strip(), (state / "admin.token").read_text().strip())
+        client = TidalClient(
+            (state / "api.url").read_text().strip(), (state / "admin.token").read_text().strip()
+        )
         while (got := client.serving())["latest"] is None or got["latest"]["now_s"] < 1200:
             assert time.monotonic() < deadline, got
             time.sleep(0.1)

@@ -80,8 +80,11 @@ def _demo() -> None:
     from tidal.control.demo_cycle import cycle
     from tidal.control.demo_ray import demo_ray
 
-    demo_app = typer.Typer(invoke_without_command=True, no_args_is_help=False,
-                           help="End-to-end demos on this machine (no subcommand: a job loses a rank and recovers).")
+    demo_app = typer.Typer(
+        invoke_without_command=True,
+        no_args_is_help=False,
+        help="End-to-end demos on this machine (no subcommand: a job loses a rank and recovers).",
+    )
     demo_app.callback()(demo)
     demo_app.command("cycle")(cycle)
     demo_app.command("ray")(demo_ray)
@@ -89,8 +92,16 @@ def _demo() -> None:
 
 
 _COMMANDS: dict[str, Callable[[], None]] = {
-    "ckpt": _ckpt, "bench": _bench, "verify-resume": _train, "sim": _sim, "plan": _sim, "demo": _demo, "serving": _serving,
-    **{n: _control for n in ("up", "submit", "jobs", "status", "logs", "cancel", "pool", "events", "tenants")},
+    "ckpt": _ckpt,
+    "bench": _bench,
+    "verify-resume": _train,
+    "sim": _sim,
+    "plan": _sim,
+    "demo": _demo,
+    "serving": _serving,
+    **{
+        n: _control for n in ("up", "submit", "jobs", "status", "logs", "cancel", "pool", "events", "tenants")
+    },
 }
 
 

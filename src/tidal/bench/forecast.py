@@ -97,7 +97,9 @@ def grid_steps(lead_s: float, step_s: float, warmup_days: float) -> tuple[int, i
     return lead, round(warmup_days * 86400.0 / step_s)
 
 
-def load_demand(path: Path, serving_gpus: int, step_s: float, min_steps: int) -> tuple[Trace, np.ndarray, np.ndarray]:
+def load_demand(
+    path: Path, serving_gpus: int, step_s: float, min_steps: int
+) -> tuple[Trace, np.ndarray, np.ndarray]:
     """(trace, times_s, demand in GPUs) at ``step_s``, a pool of ``serving_gpus`` sized for the trace's
     peak, gaps NaN; the trace must be longer than ``min_steps`` (the warm-up and the lead)."""
     trace = load_trace(path)
@@ -119,7 +121,8 @@ def _pinball(y: np.ndarray, q: np.ndarray, tau: float) -> float:
 
 
 def _conformal_upper(point: np.ndarray, demand: np.ndarray, lead: int, tau: float) -> np.ndarray:
-    """point[t] + the tau-quantile of all errors ``demand[s + lead] - point[s]`` known at t (s + lead <= t)."""
+    """point[t] + the tau-quantile of all errors ``demand[s + lead] - point[s]`` known at t
+    (s + lead <= t)."""
     n = len(demand)
     err = np.full(n, np.nan)
     err[: n - lead] = demand[lead:] - point[: n - lead]
@@ -207,8 +210,11 @@ def evaluate_forecasts(times_s: np.ndarray, demand: np.ndarray, *, step_s: float
     period = round(period_s / step_s)
     cfg = fc.ForecastConfig(step_s=step_s, period_s=period_s, horizon_s=max(lead * step_s, 3600.0))
     uppers: dict[str, dict[float, np.ndarray]] = {
-        name: _tidal_uppers(times_s, demand, replace(cfg, lead_quantile=tau, quantile_window_steps=lead), lead,
-                            quantiles) for name, tau in TIDAL_ROWS.items()}
+        name: _tidal_uppers(
+            times_s, demand, replace(cfg, lead_quantile=tau, quantile_window_steps=lead), lead, quantiles
+        )
+        for name, tau in TIDAL_ROWS.items()
+    }
 
     points = {"last-value": np.array(demand, dtype=float), "seasonal-naive": np.full(n, np.nan)}
     points["seasonal-naive"][max(0, period - lead):] = demand[: n - max(0, period - lead)]
@@ -230,8 +236,11 @@ def evaluate_forecasts(times_s: np.ndarray, demand: np.ndarray, *, step_s: float
         for a in u.values():
             scored &= ~np.isnan(a)
     y = target[scored]
-    out: dict[str, Any] = {"scored_points": int(scored.sum()),
-                           "holt_winters_params": {"alpha": alpha, "beta": beta, "gamma": gamma}, "methods": {}}
+    out: dict[str, Any] = {
+        "scored_points": int(scored.sum()),
+        "holt_winters_params": {"alpha": alpha, "beta": beta, "gamma": gamma},
+        "methods": {},
+    }
     for name, by_tau in uppers.items():
         out["methods"][name] = {
             str(tau): {"under_rate": float(np.mean(y > a[scored])),
@@ -262,7 +271,10 @@ def fluid_score(lent: np.ndarray, demand: np.ndarray, n: int, lead: int, warmup:
     by_day = np.bincount(idx // day_steps, weights=short)
     worst = int(np.argmax(by_day))
     return {
-        "worst_day": {"day": worst, "share_of_shortfall": float(by_day[worst] / short.sum()) if short.sum() else 0.0},
+        "worst_day": {
+            "day": worst,
+            "share_of_shortfall": float(by_day[worst] / short.sum()) if short.sum() else 0.0,
+        },
         "shortfall_strict": float(short.sum()) / demand_sum,
         "shortfall_issue": float(np.maximum(0.0, d[idx] - (n - away_issue)).sum()) / demand_sum,
         "harvest": float(lent[idx].sum()) / float((n - d[idx]).sum()),
@@ -282,8 +294,13 @@ def run_policy(policy: Any, times_s: np.ndarray, demand: np.ndarray, n: int,
         if future:
             k = max(1, math.ceil(horizon / (times_s[1] - times_s[0]) - 1e-9))
             fut = demand[t + 1: t + 1 + k]
-        ctx = LoanContext(now_s=float(times_s[t]), serving_gpus=n, demand_gpus=float(demand[t]), lent_gpus=prev,
-                          future_demand_gpus=fut)
+        ctx = LoanContext(
+            now_s=float(times_s[t]),
+            serving_gpus=n,
+            demand_gpus=float(demand[t]),
+            lent_gpus=prev,
+            future_demand_gpus=fut,
+        )
         plan, state = policy(ctx, state)
         lent[t] = prev = plan.lendable_gpus
     return lent, state
@@ -316,7 +333,9 @@ def _reactive_lent(demand: np.ndarray, n: int, margin: float) -> np.ndarray:
     return np.minimum(free, now_cap).astype(int)
 
 
-def _night_lent(policy: NightWindowPolicy, times_s: np.ndarray, n: int, margin: float, lead: int) -> np.ndarray:
+def _night_lent(
+    policy: NightWindowPolicy, times_s: np.ndarray, n: int, margin: float, lead: int
+) -> np.ndarray:
     """Vectorized :class:`NightWindowPolicy` with no minimum loan window: lend ``N - margin`` when
     every grid point of the next lead time is inside the window."""
     step = times_s[1] - times_s[0]
@@ -325,8 +344,11 @@ def _night_lent(policy: NightWindowPolicy, times_s: np.ndarray, n: int, margin: 
     return np.where(inside, np.clip(np.floor(n - min(float(n), margin) + 1e-9), 0, n), 0).astype(int)
 
 
-def night_window(demand: np.ndarray, step_s: float, hours: float, period_s: float = 86400.0) -> tuple[float, float]:
-    """(start_s, end_s) of the lowest-mean-demand ``hours`` of the period, from the whole series (hindsight)."""
+def night_window(
+    demand: np.ndarray, step_s: float, hours: float, period_s: float = 86400.0
+) -> tuple[float, float]:
+    """(start_s, end_s) of the lowest-mean-demand ``hours`` of the period, from the whole series
+    (hindsight)."""
     period = round(period_s / step_s)
     width = max(1, round(hours * 3600 / step_s))
     n = len(demand) // period * period
@@ -350,9 +372,20 @@ def _tune_offset(make: Callable[[float], np.ndarray], demand: np.ndarray, n: int
     return hi
 
 
-def evaluate_harvest(times_s: np.ndarray, demand: np.ndarray, *, n: int, step_s: float, lead: int, warmup: int,
-                     budgets: tuple[float, ...], restart_cost_s: float, night_hours: float,
-                     log: Callable[[str], None], libraries: dict[str, Any] | None = None) -> dict[str, Any]:
+def evaluate_harvest(
+    times_s: np.ndarray,
+    demand: np.ndarray,
+    *,
+    n: int,
+    step_s: float,
+    lead: int,
+    warmup: int,
+    budgets: tuple[float, ...],
+    restart_cost_s: float,
+    night_hours: float,
+    log: Callable[[str], None],
+    libraries: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Tidal vs reactive / night-window (hindsight-tuned) vs oracle, per budget (see module doc); with
     ``libraries`` (:func:`tidal.bench.forecast_libs.library_forecasts`), each library's bound on the lead
     window with its margin tuned with hindsight: ``center + z * scale`` (z >= 0) where it has a scale,
@@ -373,8 +406,13 @@ def evaluate_harvest(times_s: np.ndarray, demand: np.ndarray, *, n: int, step_s:
         rows: dict[str, Any] = {}
         base = TidalConfig(shortfall_budget=b, forecast=fc.ForecastConfig(step_s=step_s, horizon_s=horizon_s),
                            timing=timing)
-        variants = [(name, replace(base, forecast=replace(base.forecast, lead_quantile=tau, quantile_window_steps=lead)))
-                    for name, tau in TIDAL_ROWS.items()]
+        variants = [
+            (
+                name,
+                replace(base, forecast=replace(base.forecast, lead_quantile=tau, quantile_window_steps=lead)),
+            )
+            for name, tau in TIDAL_ROWS.items()
+        ]
         name, cfg = variants[-1]
         variants.append((f"{name[:-1]}, no tail reserve)", replace(cfg, tail_budget_fraction=0.0)))
         for name, cfg in variants:
@@ -388,7 +426,10 @@ def evaluate_harvest(times_s: np.ndarray, demand: np.ndarray, *, n: int, step_s:
         lent, _ = run_policy(ReactivePolicy(margin_gpus=m, **common), times_s, demand, n)
         if restart_cost_s == 0 and not np.array_equal(lent, _reactive_lent(demand, n, m)):
             raise AssertionError("vectorized reactive model disagrees with ReactivePolicy")
-        rows["reactive (hindsight)"] = {**fluid_score(lent, demand, n, lead, warmup), "margin": f"{m:.2f} GPUs"}
+        rows["reactive (hindsight)"] = {
+            **fluid_score(lent, demand, n, lead, warmup),
+            "margin": f"{m:.2f} GPUs",
+        }
 
         log(f"  budget {b:g}: night-window (hindsight)")
         m = _tune_margin(lambda mg: _night_lent(night0, times_s, n, mg, lead), demand, n, lead, warmup, b)
@@ -396,19 +437,38 @@ def evaluate_harvest(times_s: np.ndarray, demand: np.ndarray, *, n: int, step_s:
         lent, _ = run_policy(night, times_s, demand, n)
         if restart_cost_s == 0 and not np.array_equal(lent, _night_lent(night, times_s, n, m, lead)):
             raise AssertionError("vectorized night-window model disagrees with NightWindowPolicy")
-        rows["night-window (hindsight)"] = {**fluid_score(lent, demand, n, lead, warmup), "margin": f"{m:.2f} GPUs"}
+        rows["night-window (hindsight)"] = {
+            **fluid_score(lent, demand, n, lead, warmup),
+            "margin": f"{m:.2f} GPUs",
+        }
         for name, lib in (libraries or {}).items():
             if not isinstance(lib, dict):
                 continue
             log(f"  budget {b:g}: {name} (hindsight)")
             center, scale = lib["center"], lib["scale"]
             if scale.any():
-                z = _tune_offset(lambda x, c=center, s_=scale: lent_from_upper(demand, c + x * s_, n), demand, n,
-                                 lead, warmup, b, 0.0, 50.0)
+                z = _tune_offset(
+                    lambda x, c=center, s_=scale: lent_from_upper(demand, c + x * s_, n),
+                    demand,
+                    n,
+                    lead,
+                    warmup,
+                    b,
+                    0.0,
+                    50.0,
+                )
                 lent, margin = lent_from_upper(demand, center + z * scale, n), f"z={z:.2f}"
             else:
-                m = _tune_offset(lambda x, c=center: lent_from_upper(demand, c + x, n), demand, n, lead, warmup, b,
-                                 -float(n), float(n))
+                m = _tune_offset(
+                    lambda x, c=center: lent_from_upper(demand, c + x, n),
+                    demand,
+                    n,
+                    lead,
+                    warmup,
+                    b,
+                    -float(n),
+                    float(n),
+                )
                 lent, margin = lent_from_upper(demand, center + m, n), f"{m:+.2f} GPUs"
             lent[:warmup] = 0  # NaN bounds lend nothing; before the warm-up nothing is scored
             rows[f"{name} (hindsight)"] = {**fluid_score(lent, demand, n, lead, warmup), "margin": margin}
@@ -445,15 +505,40 @@ def run(traces: list[Path], *, serving_gpus: int = 128, step_s: float = 600.0, l
         raise ValueError(f"no trace given and none found in {DEFAULT_TRACES_DIR}")
     lead, warmup = grid_steps(lead_s, step_s, warmup_days)
     result: dict[str, Any] = {
-        "config": {"serving_gpus": serving_gpus, "step_s": step_s, "lead_s": lead_s, "budgets": list(budgets),
-                   "quantiles": list(quantiles), "warmup_days": warmup_days, "restart_cost_s": restart_cost_s,
-                   "night_hours": night_hours,
-                   "tidal": {k: getattr(TidalConfig(), k) for k in ("aim_fraction", "calibration_rate_per_h", "shortfall_cap_scales",
-                                                                     "initial_z", "min_z")},
-                   "forecast": {k: getattr(fc.ForecastConfig(), k) for k in (
-                       "noise_exponent", "context_tod_buckets", "context_level_edges", "context_vol_edges",
-                       "context_quantile", "quantile_z", "quantile_lr")},
-                   "lead_quantile": LEAD_QUANTILE, "libraries": libraries},
+        "config": {
+            "serving_gpus": serving_gpus,
+            "step_s": step_s,
+            "lead_s": lead_s,
+            "budgets": list(budgets),
+            "quantiles": list(quantiles),
+            "warmup_days": warmup_days,
+            "restart_cost_s": restart_cost_s,
+            "night_hours": night_hours,
+            "tidal": {
+                k: getattr(TidalConfig(), k)
+                for k in (
+                    "aim_fraction",
+                    "calibration_rate_per_h",
+                    "shortfall_cap_scales",
+                    "initial_z",
+                    "min_z",
+                )
+            },
+            "forecast": {
+                k: getattr(fc.ForecastConfig(), k)
+                for k in (
+                    "noise_exponent",
+                    "context_tod_buckets",
+                    "context_level_edges",
+                    "context_vol_edges",
+                    "context_quantile",
+                    "quantile_z",
+                    "quantile_lr",
+                )
+            },
+            "lead_quantile": LEAD_QUANTILE,
+            "libraries": libraries,
+        },
         "traces": {},
     }
     started = time.perf_counter()
@@ -466,16 +551,30 @@ def run(traces: list[Path], *, serving_gpus: int = 128, step_s: float = 600.0, l
             from tidal.bench.forecast_libs import library_forecasts
 
             err.print("[dim]  forecasting libraries (refit daily, applied every step)[/]", highlight=False)
-            libs = library_forecasts(times, demand, lead=lead, warmup=warmup, quantiles=quantiles, step_s=step_s)
+            libs = library_forecasts(
+                times, demand, lead=lead, warmup=warmup, quantiles=quantiles, step_s=step_s
+            )
         entry = {
-            "steps": len(demand), "gap_steps": gaps,
+            "steps": len(demand),
+            "gap_steps": gaps,
             "mean_demand_over_pool": float(np.nanmean(demand) / serving_gpus),
             "libraries_missing": {k: v for k, v in libs.items() if isinstance(v, str)},
-            "forecast": evaluate_forecasts(times, demand, step_s=step_s, lead=lead, warmup=warmup,
-                                           quantiles=quantiles, libraries=libs),
-            "harvest": evaluate_harvest(times, demand, n=serving_gpus, step_s=step_s, lead=lead, warmup=warmup,
-                                        budgets=budgets, restart_cost_s=restart_cost_s, night_hours=night_hours,
-                                        log=lambda s: err.print(f"[dim]{s}[/]", highlight=False), libraries=libs),
+            "forecast": evaluate_forecasts(
+                times, demand, step_s=step_s, lead=lead, warmup=warmup, quantiles=quantiles, libraries=libs
+            ),
+            "harvest": evaluate_harvest(
+                times,
+                demand,
+                n=serving_gpus,
+                step_s=step_s,
+                lead=lead,
+                warmup=warmup,
+                budgets=budgets,
+                restart_cost_s=restart_cost_s,
+                night_hours=night_hours,
+                log=lambda s: err.print(f"[dim]{s}[/]", highlight=False),
+                libraries=libs,
+            ),
         }
         result["traces"][trace.name] = entry
     result["elapsed_s"] = time.perf_counter() - started
@@ -518,11 +617,22 @@ def render(result: dict[str, Any], console: Any) -> None:
         for b, rows in tr["harvest"]["budgets"].items():
             for pol, r in rows.items():
                 verdict = "" if pol == "oracle" else ("[green]≤ B[/]" if r["meets_budget"] else "[red]> B[/]")
-                t2.add_row(name, b, pol, r["margin"], f"{r['shortfall_strict']:.4f}", f"{r['shortfall_issue']:.4f}",
-                           f"{r['harvest']:.3f}", f"{r['harvest_over_oracle']:.3f}", verdict)
+                t2.add_row(
+                    name,
+                    b,
+                    pol,
+                    r["margin"],
+                    f"{r['shortfall_strict']:.4f}",
+                    f"{r['shortfall_issue']:.4f}",
+                    f"{r['harvest']:.3f}",
+                    f"{r['harvest_over_oracle']:.3f}",
+                    verdict,
+                )
             t2.add_section()
     console.print(t2)
-    missing = {lib: why for tr in result["traces"].values() for lib, why in tr.get("libraries_missing", {}).items()}
+    missing = {
+        lib: why for tr in result["traces"].values() for lib, why in tr.get("libraries_missing", {}).items()
+    }
     for lib, why in missing.items():
         console.print(f"• {lib}: {why}", highlight=False, markup=False)
     for name, tr in result["traces"].items():
@@ -530,12 +640,19 @@ def render(result: dict[str, Any], console: Any) -> None:
             r = rows[next(iter(TIDAL_ROWS))]
             if not r["meets_budget"]:
                 w = r["worst_day"]
-                console.print(f"• {name} at {b}: tidal's shortfall exceeds the budget; day {w['day']} alone holds "
-                              f"{w['share_of_shortfall']:.0%} of it ({w['share_of_shortfall'] * r['shortfall_strict'] / float(b):.2f}"
-                              " x the budget of the whole scored period)", highlight=False)
-    console.print("tidal's margin z (in units of its forecast error scale) is calibrated online and moves; the "
-                  "baselines' margins were tuned with hindsight. harvest = lent / idle GPU-hours; shortfall = "
-                  f"unmet / demanded GPU-hours. elapsed {result['elapsed_s']:.1f} s", highlight=False)
+                console.print(
+                    f"• {name} at {b}: tidal's shortfall exceeds the budget; day {w['day']} alone holds "
+                    f"{w['share_of_shortfall']:.0%} of it "
+                    f"({w['share_of_shortfall'] * r['shortfall_strict'] / float(b):.2f}"
+                    " x the budget of the whole scored period)",
+                    highlight=False,
+                )
+    console.print(
+        "tidal's margin z (in units of its forecast error scale) is calibrated online and moves; the "
+        "baselines' margins were tuned with hindsight. harvest = lent / idle GPU-hours; shortfall = "
+        f"unmet / demanded GPU-hours. elapsed {result['elapsed_s']:.1f} s",
+        highlight=False,
+    )
 
 
 def main() -> None:
@@ -543,27 +660,55 @@ def main() -> None:
     import typer
 
     def cli(
-        traces: list[Path] = typer.Argument(None, help="Trace CSVs (default: ../shared/traces/servegen-*.csv)."),
-        serving_gpus: int = typer.Option(128, "--serving-gpus", min=1, help="Serving pool size N (sized for the "
-                                         "trace's peak)."),
-        step_s: float = typer.Option(600.0, "--step-s", help="Resolution in seconds (a multiple of the trace's)."),
-        lead_s: float = typer.Option(1200.0, "--lead-s", help="Lead time in seconds (notice + final checkpoint "
-                                     "+ release + serving warm-up); a multiple of --step-s."),
-        budget: list[float] = typer.Option([0.001, 0.005], "--budget", help="Shortfall budget(s) (fraction of "
-                                           "demanded GPU-hours)."),
-        quantile: list[float] = typer.Option([0.95, 0.99], "--quantile", help="Forecast quantile(s) to score."),
+        traces: list[Path] = typer.Argument(
+            None, help="Trace CSVs (default: ../shared/traces/servegen-*.csv)."
+        ),
+        serving_gpus: int = typer.Option(
+            128, "--serving-gpus", min=1, help="Serving pool size N (sized for the trace's peak)."
+        ),
+        step_s: float = typer.Option(
+            600.0, "--step-s", help="Resolution in seconds (a multiple of the trace's)."
+        ),
+        lead_s: float = typer.Option(
+            1200.0,
+            "--lead-s",
+            help="Lead time in seconds (notice + final checkpoint "
+            "+ release + serving warm-up); a multiple of --step-s.",
+        ),
+        budget: list[float] = typer.Option(
+            [0.001, 0.005], "--budget", help="Shortfall budget(s) (fraction of demanded GPU-hours)."
+        ),
+        quantile: list[float] = typer.Option(
+            [0.95, 0.99], "--quantile", help="Forecast quantile(s) to score."
+        ),
         warmup_days: float = typer.Option(2.0, "--warmup-days", help="Days before scoring starts."),
-        restart_cost_s: float = typer.Option(0.0, "--restart-cost-s", help="Spot-job restart cost; sets the "
-                                             "minimum loan window (0 = the issue's fluid model)."),
+        restart_cost_s: float = typer.Option(
+            0.0,
+            "--restart-cost-s",
+            help="Spot-job restart cost; sets the minimum loan window (0 = the issue's fluid model).",
+        ),
         night_hours: float = typer.Option(8.0, "--night-hours", help="Length of the night-window baseline."),
         json_out: bool = typer.Option(False, "--json", help="JSON on stdout (tables on stderr)."),
-        libraries: bool = typer.Option(True, "--libraries/--no-libraries", help="Forecasting libraries as "
-                                       "competitors (statsforecast, LightGBM: the forecast-bench extra)."),
+        libraries: bool = typer.Option(
+            True,
+            "--libraries/--no-libraries",
+            help="Forecasting libraries as competitors (statsforecast, LightGBM: the forecast-bench extra).",
+        ),
     ) -> None:
         """Serving forecast and loan policies on real traces: Tidal vs baselines."""
-        run(list(traces) if traces else default_traces(), serving_gpus=serving_gpus, step_s=step_s, lead_s=lead_s,
-            budgets=tuple(budget), quantiles=tuple(quantile), warmup_days=warmup_days,
-            restart_cost_s=restart_cost_s, night_hours=night_hours, as_json=json_out, libraries=libraries)
+        run(
+            list(traces) if traces else default_traces(),
+            serving_gpus=serving_gpus,
+            step_s=step_s,
+            lead_s=lead_s,
+            budgets=tuple(budget),
+            quantiles=tuple(quantile),
+            warmup_days=warmup_days,
+            restart_cost_s=restart_cost_s,
+            night_hours=night_hours,
+            as_json=json_out,
+            libraries=libraries,
+        )
 
     typer.run(cli)
 

@@ -83,8 +83,17 @@ def contexts(times_s: np.ndarray, demand: np.ndarray, level_edges: tuple[float, 
     return np.searchsorted(np.asarray(level_edges, float), lvl, side="right") * tod_buckets + tod
 
 
-def per_context_z(demand: np.ndarray, center: np.ndarray, scale: np.ndarray, ctx: np.ndarray, n: int,
-                  lead: int, warmup: int, budget: float, grid: np.ndarray) -> tuple[np.ndarray, dict[str, Any]] | None:
+def per_context_z(
+    demand: np.ndarray,
+    center: np.ndarray,
+    scale: np.ndarray,
+    ctx: np.ndarray,
+    n: int,
+    lead: int,
+    warmup: int,
+    budget: float,
+    grid: np.ndarray,
+) -> tuple[np.ndarray, dict[str, Any]] | None:
     """Per-context margins (in ``grid`` units of the scale) by a Lagrangian search with hindsight: for a
     price ``lam`` on shortfall, each context takes the z maximising ``lent - lam * shortfall`` over its
     scored steps (shortfall approximated per decision as the demand over the lead after it above
@@ -120,7 +129,10 @@ def _tune_z(demand: np.ndarray, center: np.ndarray, scale: np.ndarray, n: int, l
     """Smallest constant z (to 0.01) whose strict shortfall is within ``budget``."""
     lo, hi = 0.0, 50.0
     def short(z: float) -> float:
-        return fluid_score(lent_from_upper(demand, center + z * scale, n), demand, n, lead, warmup)["shortfall_strict"]
+        return fluid_score(lent_from_upper(demand, center + z * scale, n), demand, n, lead, warmup)[
+            "shortfall_strict"
+        ]
+
     if short(lo) <= budget:
         return lo
     while hi - lo > 0.01:
@@ -137,12 +149,17 @@ def evaluate(times_s: np.ndarray, demand: np.ndarray, *, n: int, step_s: float, 
     horizon_s = max(6 * 3600.0, timing.lead_time_s + step_s)
     fcfg = fc.ForecastConfig(step_s=step_s, horizon_s=horizon_s)
     center, scale = forecast_paths(times_s, demand, fcfg, lead)
-    oracle_lent, _ = run_policy(OraclePolicy(step_s=step_s, horizon_s=horizon_s, timing=timing), times_s, demand,
-                                n, future=True)
+    oracle_lent, _ = run_policy(
+        OraclePolicy(step_s=step_s, horizon_s=horizon_s, timing=timing), times_s, demand, n, future=True
+    )
     oracle = fluid_score(oracle_lent, demand, n, lead, warmup)
     ctx = contexts(times_s, demand, level_edges, tod_buckets)
     grid = np.arange(0.0, 12.0001, 0.25)
-    out: dict[str, Any] = {"oracle_harvest": oracle["harvest"], "contexts": int(len(np.unique(ctx))), "budgets": {}}
+    out: dict[str, Any] = {
+        "oracle_harvest": oracle["harvest"],
+        "contexts": int(len(np.unique(ctx))),
+        "budgets": {},
+    }
 
     def row(score: dict[str, Any], margin: str) -> dict[str, Any]:
         return {"harvest": score["harvest"], "harvest_over_oracle": score["harvest"] / oracle["harvest"],
@@ -161,7 +178,9 @@ def evaluate(times_s: np.ndarray, demand: np.ndarray, *, n: int, step_s: float, 
         rows["constant z (hindsight)"] = row(const, f"z={z:.2f}")
         found = per_context_z(demand, center, scale, ctx, n, lead, warmup, b, grid)
         if found is None or found[1]["harvest"] < const["harvest"]:
-            rows["per-context z (hindsight, in-sample)"] = row(const, f"constant z={z:.2f} (search found no better)")
+            rows["per-context z (hindsight, in-sample)"] = row(
+                const, f"constant z={z:.2f} (search found no better)"
+            )
         else:
             zs, s = found
             used = zs[np.unique(ctx)]
@@ -171,9 +190,18 @@ def evaluate(times_s: np.ndarray, demand: np.ndarray, *, n: int, step_s: float, 
     return out
 
 
-def run(traces: list[Path], *, serving_gpus: int = 128, step_s: float = 600.0, lead_s: float = 1200.0,
-        budgets: tuple[float, ...] = (0.001, 0.002, 0.005), warmup_days: float = 2.0,
-        level_edges: tuple[float, ...] = (0.8, 1.2), tod_buckets: int = 6, as_json: bool = False) -> dict[str, Any]:
+def run(
+    traces: list[Path],
+    *,
+    serving_gpus: int = 128,
+    step_s: float = 600.0,
+    lead_s: float = 1200.0,
+    budgets: tuple[float, ...] = (0.001, 0.002, 0.005),
+    warmup_days: float = 2.0,
+    level_edges: tuple[float, ...] = (0.8, 1.2),
+    tod_buckets: int = 6,
+    as_json: bool = False,
+) -> dict[str, Any]:
     """Evaluate each trace; print a Rich table (stderr with ``as_json``); return the result."""
     from rich.console import Console
     from rich.table import Table
@@ -191,8 +219,10 @@ def run(traces: list[Path], *, serving_gpus: int = 128, step_s: float = 600.0, l
                                                 warmup=warmup, budgets=budgets, level_edges=level_edges,
                                                 tod_buckets=tod_buckets)
     console = Console(stderr=as_json, width=150)
-    table = Table(title=f"margin over Tidal's forecast, tuned with hindsight (fluid model, {serving_gpus} serving "
-                        f"GPUs, lead {lead_s / 60:g} min)")
+    table = Table(
+        title=f"margin over Tidal's forecast, tuned with hindsight (fluid model, {serving_gpus} serving "
+        f"GPUs, lead {lead_s / 60:g} min)"
+    )
     for col in ("trace", "budget", "margin rule", "margin"):
         table.add_column(col)
     for col in ("shortfall strict", "harvest", "× oracle"):
@@ -200,8 +230,15 @@ def run(traces: list[Path], *, serving_gpus: int = 128, step_s: float = 600.0, l
     for name, tr in result["traces"].items():
         for b, rows in tr["budgets"].items():
             for rule, r in rows.items():
-                table.add_row(name, b, rule, r["margin"], f"{r['shortfall_strict']:.5f}", f"{r['harvest']:.3f}",
-                              f"{r['harvest_over_oracle']:.3f}")
+                table.add_row(
+                    name,
+                    b,
+                    rule,
+                    r["margin"],
+                    f"{r['shortfall_strict']:.5f}",
+                    f"{r['harvest']:.3f}",
+                    f"{r['harvest_over_oracle']:.3f}",
+                )
             table.add_section()
     console.print(table)
     if as_json:

@@ -66,7 +66,9 @@ def ets_forecasts(demand: np.ndarray, *, lead: int, warmup: int, quantiles: tupl
                 model = None
             if model is None:
                 model = AutoETS(model="ZZN").fit(y[: t + 1])
-        r = model.forward(y[: t + 1], h=lead, level=[90, *(int(v) if v == int(v) else v for v in levels.values())])
+        r = model.forward(
+            y[: t + 1], h=lead, level=[90, *(int(v) if v == int(v) else v for v in levels.values())]
+        )
         center[t] = np.maximum(r["mean"], 0.0)
         scale[t] = np.maximum(r["hi-90"] - r["mean"], 0.0) / z90
         for q in quantiles:
@@ -91,8 +93,20 @@ def _lgb_features(y: np.ndarray, times_s: np.ndarray, period: int) -> np.ndarray
 
     tod = 2 * np.pi * (times_s % 86400.0) / 86400.0
     dow = (times_s // 86400.0) % 7
-    cols = [y, y - lag(1), y - lag(2), y - lag(3), roll(6, np.mean) - y, roll(36, np.mean) - y, roll(6, np.std),
-            np.sin(tod), np.cos(tod), dow, lag(period - 2) - y, lag(week - 2) - y]
+    cols = [
+        y,
+        y - lag(1),
+        y - lag(2),
+        y - lag(3),
+        roll(6, np.mean) - y,
+        roll(36, np.mean) - y,
+        roll(6, np.std),
+        np.sin(tod),
+        np.cos(tod),
+        dow,
+        lag(period - 2) - y,
+        lag(week - 2) - y,
+    ]
     return np.column_stack(cols)
 
 
@@ -130,8 +144,16 @@ def lightgbm_forecasts(demand: np.ndarray, times_s: np.ndarray, *, lead: int, wa
     return {"upper": upper, "center": (y + preds["peak"])[:, None], "scale": np.zeros((n, 1))}
 
 
-def library_forecasts(times_s: np.ndarray, demand: np.ndarray, *, lead: int, warmup: int,
-                      quantiles: tuple[float, ...], step_s: float, period_s: float = 86400.0) -> dict[str, Any]:
+def library_forecasts(
+    times_s: np.ndarray,
+    demand: np.ndarray,
+    *,
+    lead: int,
+    warmup: int,
+    quantiles: tuple[float, ...],
+    step_s: float,
+    period_s: float = 86400.0,
+) -> dict[str, Any]:
     """``{name: forecasts}`` for each library, or ``{name: "not installed (...)"}`` where it is missing."""
     period = round(period_s / step_s)
     refit = period

@@ -44,8 +44,9 @@ def evaluate(times_s: np.ndarray, demand: np.ndarray, *, n: int, step_s: float, 
     runs: list[dict[str, Any]] = []
     for k in rotations:
         d = rotate_days(demand, k, day_steps)
-        oracle_lent, _ = run_policy(OraclePolicy(step_s=step_s, horizon_s=horizon_s, timing=timing), times_s, d, n,
-                                    future=True)
+        oracle_lent, _ = run_policy(
+            OraclePolicy(step_s=step_s, horizon_s=horizon_s, timing=timing), times_s, d, n, future=True
+        )
         oracle = fluid_score(oracle_lent, d, n, lead, warmup)["harvest"]
         for b in budgets:
             lent, _ = run_policy(TidalPolicy(TidalConfig(shortfall_budget=b, forecast=fcfg, timing=timing)),
@@ -58,17 +59,22 @@ def evaluate(times_s: np.ndarray, demand: np.ndarray, *, n: int, step_s: float, 
     for b in budgets:
         rs = [r for r in runs if r["budget"] == b]
         h = np.array([r["harvest_over_oracle"] for r in rs])
-        summary[str(b)] = {"rotations": len(rs), "met": sum(r["meets_budget"] for r in rs),
-                           "worst_shortfall": max(r["shortfall_strict"] for r in rs),
-                           "worst_rotation": max(rs, key=lambda r: r["shortfall_strict"])["rotation"],
-                           "harvest_over_oracle_min": float(h.min()), "harvest_over_oracle_median": float(np.median(h))}
+        summary[str(b)] = {
+            "rotations": len(rs),
+            "met": sum(r["meets_budget"] for r in rs),
+            "worst_shortfall": max(r["shortfall_strict"] for r in rs),
+            "worst_rotation": max(rs, key=lambda r: r["shortfall_strict"])["rotation"],
+            "harvest_over_oracle_min": float(h.min()),
+            "harvest_over_oracle_median": float(np.median(h)),
+        }
     return {"runs": runs, "summary": summary}
 
 
 def run(traces: list[Path], *, serving_gpus: int = 128, step_s: float = 600.0, lead_s: float = 1200.0,
         budgets: tuple[float, ...] = (0.001, 0.002, 0.005), rotations: list[int] | None = None,
         warmup_days: float = 2.0, as_json: bool = False) -> dict[str, Any]:
-    """Evaluate each trace (every whole-day rotation unless ``rotations``); print a table; return the result."""
+    """Evaluate each trace (every whole-day rotation unless ``rotations``); print a table; return the
+    result."""
     from rich.console import Console
     from rich.table import Table
 
@@ -89,8 +95,10 @@ def run(traces: list[Path], *, serving_gpus: int = 128, step_s: float = 600.0, l
         result["traces"][trace.name] = evaluate(times, demand, n=serving_gpus, step_s=step_s, lead=lead,
                                                 warmup=warmup, budgets=budgets, rotations=rots)
     console = Console(stderr=as_json, width=150)
-    table = Table(title=f"Tidal on whole-day rotations of each trace (fluid model, {serving_gpus} serving GPUs, "
-                        f"lead {lead_s / 60:g} min, {warmup_days:g} warm-up days)")
+    table = Table(
+        title=f"Tidal on whole-day rotations of each trace (fluid model, {serving_gpus} serving GPUs, "
+        f"lead {lead_s / 60:g} min, {warmup_days:g} warm-up days)"
+    )
     for col in ("trace", "budget", "rotations meeting it", "worst shortfall (rotation)", "× oracle: lowest",
                 "median"):
         table.add_column(col, justify="left" if col in ("trace", "budget") else "right")

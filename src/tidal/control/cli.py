@@ -63,13 +63,23 @@ def up(
         Path | None, typer.Option(help="database, jobs, logs, tokens (default ~/.tidal)")
     ] = None,
     config: Annotated[Path | None, typer.Option(help="YAML of control-plane knobs (docs/control.md)")] = None,
-    executor: Annotated[str, typer.Option(help="'local' (this machine) or 'ray' (the nodes of a Ray cluster)")]
-    = "local",
-    ray_address: Annotated[str | None, typer.Option(help="with --executor ray: the cluster to join ('auto', "
-                                                         "HOST:PORT); default: start a local Ray")] = None,
-    ckpt_agents: Annotated[bool, typer.Option("--ckpt-agents", help="with --executor ray: run a checkpoint "
-                                              "agent (the peer-memory tier) on every node, in a buddy ring")]
-    = False,
+    executor: Annotated[
+        str, typer.Option(help="'local' (this machine) or 'ray' (the nodes of a Ray cluster)")
+    ] = "local",
+    ray_address: Annotated[
+        str | None,
+        typer.Option(
+            help="with --executor ray: the cluster to join ('auto', HOST:PORT); default: start a local Ray"
+        ),
+    ] = None,
+    ckpt_agents: Annotated[
+        bool,
+        typer.Option(
+            "--ckpt-agents",
+            help="with --executor ray: run a checkpoint "
+            "agent (the peer-memory tier) on every node, in a buddy ring",
+        ),
+    ] = False,
 ) -> None:
     """Run the control plane: REST API, reconcile loop and an executor (local or Ray), in one process."""
     import logging
@@ -343,7 +353,8 @@ def logs(
 
 
 def cancel(job: Annotated[str, typer.Argument(help="job id")]) -> None:
-    """Cancel a job: a pending one at once; a running one gets a notice (checkpoint, exit), then is cancelled."""
+    """Cancel a job: a pending one at once; a running one gets a notice (checkpoint, exit), then is
+    cancelled."""
     try:
         j = _client().cancel(job)
     except ApiError as e:

@@ -82,7 +82,9 @@ class Controller:
         self.ckpt_root = Path(ckpt_root) if ckpt_root is not None else None
         self.nodes: list[Node] = executor.nodes()
         self.loans = loans
-        self._events: list[tuple[str, str, dict | None]] = []  # loan events of this step, stored with the ledger
+        self._events: list[
+            tuple[str, str, dict | None]
+        ] = []  # loan events of this step, stored with the ledger
         self.watch = NodeWatch(store, executor, self.nodes)  # nodes joining and leaving; jobs losing one
         self._shm_swept_s = float("-inf")
         self._announced: dict[str, tuple[float, int]] = {}  # job -> (last ckpt_interval event, changes since)
@@ -121,8 +123,13 @@ class Controller:
                                   job=job,
                                   data={"attempt": job.attempt, "pids": pids})
             elif ob is not None and not all(r.vanished for r in ob.ranks):
-                self.store.record("adopted", f"control plane restarted: attempt {job.attempt} ended meanwhile; "
-                                  "its recorded exit codes decide what follows", now_s, job=job)
+                self.store.record(
+                    "adopted",
+                    f"control plane restarted: attempt {job.attempt} ended meanwhile; "
+                    "its recorded exit codes decide what follows",
+                    now_s,
+                    job=job,
+                )
             else:
                 if found:
                     self.executor.release(job.id)
@@ -131,7 +138,9 @@ class Controller:
                                       f"control plane restarted: attempt {job.attempt} {why}; requeued to "
                                       f"resume from checkpoint step {job.ckpt_step or 0}",
                                       **_requeue_fields(), data={"recovered": True})
-        self.sweep_shm(now_s, force=True)  # orphans: shm dirs of jobs that ended or that the store does not know
+        self.sweep_shm(
+            now_s, force=True
+        )  # orphans: shm dirs of jobs that ended or that the store does not know
 
     # ----------------------------------------------------------------------------------------- step
     def step(self, now_s: float) -> list[Decision]:
@@ -186,12 +195,17 @@ class Controller:
         held, _ = self._holdings()
         devices = getattr(self.executor, "used", None)  # what the executor's ranks hold, where it knows
         running = devices() if callable(devices) else {}
-        over = {n: (max(held.get(n, 0), running.get(n, 0)), self.loans.ledger.lent_on(n)) for n in self.loans.nodes
-                if max(held.get(n, 0), running.get(n, 0)) > self.loans.ledger.lent_on(n)}
+        over = {
+            n: (max(held.get(n, 0), running.get(n, 0)), self.loans.ledger.lent_on(n))
+            for n in self.loans.nodes
+            if max(held.get(n, 0), running.get(n, 0)) > self.loans.ledger.lent_on(n)
+        }
         if over:  # never expected: the scheduler places only on lent GPUs and returns only free ones
             self.loans.stats["double_counted_steps"] = self.loans.stats.get("double_counted_steps", 0) + 1
             log.error("serving GPUs held by jobs beyond what is lent: %s", over)
-            events.append(("invariant", f"jobs hold serving GPUs beyond what is lent: {over}", {"over": over}))
+            events.append(
+                ("invariant", f"jobs hold serving GPUs beyond what is lent: {over}", {"over": over})
+            )
         self.loans.refresh(now_s, held)
         if self.loans.take_dirty() or events:
             self.store.put_doc(LOANS_DOC, self.loans.dump(), now_s, events)
@@ -232,12 +246,23 @@ class Controller:
                 self.store.transition(job.id, S.CANCELLED, now_s, "cancelled while waiting to restart",
                                       finished_s=now_s)
             elif now_s >= (job.retry_at_s or 0.0):
-                self.store.transition(job.id, S.PENDING, now_s, f"restart {job.restarts}/{job.max_restarts}: "
-                                      f"queued to resume from checkpoint step {job.ckpt_step or 0}", retry_at_s=None)
+                self.store.transition(
+                    job.id,
+                    S.PENDING,
+                    now_s,
+                    f"restart {job.restarts}/{job.max_restarts}: "
+                    f"queued to resume from checkpoint step {job.ckpt_step or 0}",
+                    retry_at_s=None,
+                )
             return
         if ob is None:  # held, but the executor has no trace of it
-            self.store.transition(job.id, S.PENDING, now_s, f"attempt {job.attempt} is unknown to the executor; "
-                                  "requeued", **_requeue_fields())
+            self.store.transition(
+                job.id,
+                S.PENDING,
+                now_s,
+                f"attempt {job.attempt} is unknown to the executor; requeued",
+                **_requeue_fields(),
+            )
             return
         job = self._record_progress(job, ob)
         self.watch.recovered(job, ob, now_s)
@@ -264,7 +289,12 @@ class Controller:
         if st == S.ADMITTED:
             pids = [r.pid for r in ob.alive]
             self.store.transition(job.id, S.RUNNING, now_s, f"{_n(len(pids), 'rank')} running (pids {pids})")
-        elif st in STOPPING and not job.killed and job.stop_deadline_s is not None and now_s >= job.stop_deadline_s:
+        elif (
+            st in STOPPING
+            and not job.killed
+            and job.stop_deadline_s is not None
+            and now_s >= job.stop_deadline_s
+        ):
             self.executor.kill(job.id)
             self.store.update(job.id, killed=True)
             self.store.record("kill", f"grace expired while {st}: SIGKILL to {_n(len(ob.alive), 'rank')}",
@@ -285,7 +315,9 @@ class Controller:
             limit = max(limit, cfg.startup_timeout_s)
         idle = now_s - (p.heartbeat_s or ob.launched_s)
         if idle > limit:
-            return f"hung: no heartbeat for {idle:.0f} s (limit {limit:.0f} s) at step {p.step}, phase {p.phase}"
+            return (
+                f"hung: no heartbeat for {idle:.0f} s (limit {limit:.0f} s) at step {p.step}, phase {p.phase}"
+            )
         return None
 
     def _kill_for_failure(self, job: JobRow, why: str, now_s: float, kind: str = "failure") -> None:
@@ -334,14 +366,31 @@ class Controller:
             self.store.transition(job.id, S.CANCELLED, now_s, f"cancelled; exit codes {codes}", data=data,
                                   finished_s=now_s, placement={}, releasing={}, **base)
         elif outcome == "lost":
-            self.store.transition(job.id, S.PENDING, now_s, f"{why}; requeued to resume from checkpoint step "
-                                  f"{p.ckpt_step if p.ckpt_step is not None else job.ckpt_step or 0} on the "
-                                  "remaining GPUs", data={**data, "node_lost": True}, **_requeue_fields(), **base)
+            self.store.transition(
+                job.id,
+                S.PENDING,
+                now_s,
+                f"{why}; requeued to resume from checkpoint step "
+                f"{p.ckpt_step if p.ckpt_step is not None else job.ckpt_step or 0} on the "
+                "remaining GPUs",
+                data={**data, "node_lost": True},
+                **_requeue_fields(),
+                **base,
+            )
         elif outcome == "stopped" and S(job.state) == S.RESIZING:
-            left = {n: g - job.releasing.get(n, 0) for n, g in job.placement.items() if g - job.releasing.get(n, 0) > 0}
+            left = {
+                n: g - job.releasing.get(n, 0)
+                for n, g in job.placement.items()
+                if g - job.releasing.get(n, 0) > 0
+            }
             self.store.update(job.id, **base)
-            self._launch(self.store.job(job.id), left, now_s, f"resized: relaunching on {sum(left.values())} GPUs "
-                         f"from checkpoint step {p.ckpt_step}", data=data)
+            self._launch(
+                self.store.job(job.id),
+                left,
+                now_s,
+                f"resized: relaunching on {sum(left.values())} GPUs from checkpoint step {p.ckpt_step}",
+                data=data,
+            )
         elif outcome == "stopped":
             by_us = S(job.state) == S.PREEMPTING
             self.store.transition(job.id, S.PENDING, now_s, f"preempted: stopped at step {reached} "
@@ -352,9 +401,18 @@ class Controller:
         elif job.restarts < job.max_restarts:
             n = job.restarts + 1
             wait_s = self.config.backoff_s(n)
-            self.store.transition(job.id, S.BACKOFF, now_s, f"failed: {why}; restart {n}/{job.max_restarts} in "
-                                  f"{wait_s:g} s from checkpoint step {job.ckpt_step or 0}", data=data,
-                                  restarts=n, retry_at_s=now_s + wait_s, **_requeue_fields(), **base)
+            self.store.transition(
+                job.id,
+                S.BACKOFF,
+                now_s,
+                f"failed: {why}; restart {n}/{job.max_restarts} in "
+                f"{wait_s:g} s from checkpoint step {job.ckpt_step or 0}",
+                data=data,
+                restarts=n,
+                retry_at_s=now_s + wait_s,
+                **_requeue_fields(),
+                **base,
+            )
         else:
             self.store.transition(job.id, S.FAILED, now_s, f"failed: {why}; no restarts left "
                                   f"(max_restarts={job.max_restarts})", data=data, finished_s=now_s,
@@ -440,14 +498,28 @@ class Controller:
             deadline = min(deadline, job.stop_deadline_s)
         if reason == "cancel" or job.stop_reason != "failure":
             fields["stop_reason"] = reason
-        row = self.store.transition(job.id, to, now_s, why + ("" if already else f": notice sent, grace {grace_s:g} s"),
-                                    stop_deadline_s=deadline, **fields)
+        row = self.store.transition(
+            job.id,
+            to,
+            now_s,
+            why + ("" if already else f": notice sent, grace {grace_s:g} s"),
+            stop_deadline_s=deadline,
+            **fields,
+        )
         if not already:
             self.executor.signal_stop(job.id)
         return row
 
-    def _launch(self, job: JobRow, placement: dict[str, int], now_s: float, why: str, *, data: dict | None = None,
-                **fields: Any) -> None:
+    def _launch(
+        self,
+        job: JobRow,
+        placement: dict[str, int],
+        now_s: float,
+        why: str,
+        *,
+        data: dict | None = None,
+        **fields: Any,
+    ) -> None:
         """Record the attempt (``admitted``) first, then start it: a crash in between leaves a recorded
         attempt with no ranks, which ``recover`` requeues; never ranks without a record."""
         attempt = job.attempt + 1
@@ -482,7 +554,9 @@ class Controller:
         url = ck.get("url") or self._default_ckpt(job)
         env = dict(spec.get("env") or {})
         interval = ck.get("interval_s", "auto")
-        if interval == "auto":  # the policy's interval once the stall is measured; until then the policy's cap
+        if (
+            interval == "auto"
+        ):  # the policy's interval once the stall is measured; until then the policy's cap
             interval = job.ckpt_interval_s or self.config.ckpt_interval.max_interval_s
         env[c.ENV_CKPT_INTERVAL_S] = f"{float(interval):g}"
         env[c.ENV_GRACE_S] = f"{float(spec.get('grace_s', DEFAULT_GRACE_S)):g}"
@@ -498,7 +572,9 @@ class Controller:
         newest checkpoint is in a durable tier (or there is none), else ``isolation.shm_retention_s``
         after the job ended; a directory of a job the store does not know is an orphan, freed at
         once. Returns the jobs freed. Every ``SHM_SWEEP_S`` at most, unless ``force``."""
-        if not isinstance(self.executor, NodeMemory) or (not force and now_s - self._shm_swept_s < SHM_SWEEP_S):
+        if not isinstance(self.executor, NodeMemory) or (
+            not force and now_s - self._shm_swept_s < SHM_SWEEP_S
+        ):
             return []
         self._shm_swept_s = now_s
         return node_memory.sweep(self.store, self.executor, self.config.isolation.shm_retention_s, now_s)
@@ -512,12 +588,28 @@ class Controller:
             st = S(j.state)
             held = st in HELD
             releasing = dict(j.placement) if st in (S.PREEMPTING, S.CANCELLING) else dict(j.releasing or {})
-            jobs.append(Job(j.id, j.tenant, j.kind, j.priority, j.min_gpus, j.max_gpus, j.multiple_of,  # type: ignore[arg-type]
-                            submit_s=j.submit_s, placement=dict(j.placement) if held else {},
-                            releasing=releasing if held else {}, started_s=j.started_s if held else None,
-                            last_preempted_s=j.last_preempted_s, last_grown_s=j.last_grown_s,
-                            last_shrunk_s=j.last_shrunk_s, last_ckpt_s=j.last_ckpt_s, ckpt_stall_s=j.ckpt_stall_s,
-                            ckpt_interval_s=j.ckpt_interval_s, nominated_s=None if held else j.nominated_s))
+            jobs.append(
+                Job(
+                    j.id,
+                    j.tenant,
+                    j.kind,
+                    j.priority,
+                    j.min_gpus,
+                    j.max_gpus,
+                    j.multiple_of,  # type: ignore[arg-type]
+                    submit_s=j.submit_s,
+                    placement=dict(j.placement) if held else {},
+                    releasing=releasing if held else {},
+                    started_s=j.started_s if held else None,
+                    last_preempted_s=j.last_preempted_s,
+                    last_grown_s=j.last_grown_s,
+                    last_shrunk_s=j.last_shrunk_s,
+                    last_ckpt_s=j.last_ckpt_s,
+                    ckpt_stall_s=j.ckpt_stall_s,
+                    ckpt_interval_s=j.ckpt_interval_s,
+                    nominated_s=None if held else j.nominated_s,
+                )
+            )
         loans, reclaims = (self.loans.loans, self.loans.reclaims) if self.loans is not None else ((), ())
         return Snapshot.build(now_s, self.nodes, tenants, jobs, loans, reclaims)
 

@@ -20,7 +20,13 @@ from tidal.exec.protocol import Executor, Observation, RankState
 from tidal.model import Node
 
 DOC_KEY = "node_loss"
-ZERO = {"losses": 0, "heartbeat_age_count": 0, "heartbeat_age_sum_s": 0.0, "recoveries": 0, "recovery_sum_s": 0.0}
+ZERO = {
+    "losses": 0,
+    "heartbeat_age_count": 0,
+    "heartbeat_age_sum_s": 0.0,
+    "recoveries": 0,
+    "recovery_sum_s": 0.0,
+}
 
 
 def totals(store: Store) -> dict:
@@ -64,7 +70,9 @@ class NodeWatch:
         for j in self.store.jobs(states=HELD) if any(n.name not in names for n in self.nodes) else ():
             for n, g in (j.placement or {}).items():
                 held[n] = held.get(n, 0) + g
-        gone = [Node(n.name, held[n.name], n.pool) for n in self.nodes if n.name not in names and held.get(n.name)]
+        gone = [
+            Node(n.name, held[n.name], n.pool) for n in self.nodes if n.name not in names and held.get(n.name)
+        ]
         new = [*live, *gone]
         before = {n.name for n in self.nodes}
         for n in live:
@@ -94,8 +102,13 @@ class NodeWatch:
         self.lost[job.id] = {"detected_s": now_s, "attempt": job.attempt, "nodes": nodes, "step": p.step,
                               "ckpt_step": p.ckpt_step, "world_size": len(ob.ranks)}
         age = None if p.heartbeat_s is None else now_s - p.heartbeat_s
-        self.store.record("node_lost", f"{why}: killing the other {len(ob.alive)} ranks", now_s, job=job,
-                          data={**self.lost[job.id], "ranks": [r.rank for r in lost], "since_heartbeat_s": age})
+        self.store.record(
+            "node_lost",
+            f"{why}: killing the other {len(ob.alive)} ranks",
+            now_s,
+            job=job,
+            data={**self.lost[job.id], "ranks": [r.rank for r in lost], "since_heartbeat_s": age},
+        )
         t = totals(self.store)
         t["losses"] += 1
         if age is not None:
@@ -114,13 +127,25 @@ class NodeWatch:
         del self.lost[job.id]
         took = (p.first_step_s or now_s) - info["detected_s"]
         lost_steps = (info["step"] or 0) - (p.start_step or 0)
-        self.store.record("recovered", f"training again {took:.1f} s after the loss of node "
-                          f"{', '.join(info['nodes'])} was detected: {len(ob.ranks)} ranks (were "
-                          f"{info['world_size']}), restored step {p.start_step} from tier {p.restore_tier}; "
-                          f"{lost_steps} steps to redo", now_s, job=job,
-                          data={"recovery_s": took, "detected_s": info["detected_s"], "world_size": len(ob.ranks),
-                                "was_world_size": info["world_size"], "start_step": p.start_step,
-                                "restore_tier": p.restore_tier, "lost_steps": lost_steps, "nodes": info["nodes"]})
+        self.store.record(
+            "recovered",
+            f"training again {took:.1f} s after the loss of node "
+            f"{', '.join(info['nodes'])} was detected: {len(ob.ranks)} ranks (were "
+            f"{info['world_size']}), restored step {p.start_step} from tier {p.restore_tier}; "
+            f"{lost_steps} steps to redo",
+            now_s,
+            job=job,
+            data={
+                "recovery_s": took,
+                "detected_s": info["detected_s"],
+                "world_size": len(ob.ranks),
+                "was_world_size": info["world_size"],
+                "start_step": p.start_step,
+                "restore_tier": p.restore_tier,
+                "lost_steps": lost_steps,
+                "nodes": info["nodes"],
+            },
+        )
         t = totals(self.store)
         t["recoveries"] += 1
         t["recovery_sum_s"] += took

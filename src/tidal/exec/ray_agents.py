@@ -81,7 +81,9 @@ class AgentActor:
         cmd = [sys.executable, "-m", "tidal.ckpt.agent", "--listen", self.addr, "--mem-dir", mem_dir,
                "--node", node, "--allow-copy-from", allow, *(["--buddy", buddy] if buddy else [])]
         parent = os.getpid()
-        with open(os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600), "ab") as out:
+        with open(
+            os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600), "ab"
+        ) as out:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                          start_new_session=True, preexec_fn=lambda: _child_setup(parent))
         self.buddy = buddy
@@ -110,7 +112,9 @@ class AgentActor:
 class RayAgents:
     """The supervisor: one :class:`AgentActor` per GPU node, in a buddy ring. Driven by ``RayExecutor``."""
 
-    def __init__(self, ray: Any, namespace: str, shm_root: Path, log_dir: Path, check_s: float = CHECK_S) -> None:
+    def __init__(
+        self, ray: Any, namespace: str, shm_root: Path, log_dir: Path, check_s: float = CHECK_S
+    ) -> None:
         self._ray, self.namespace, self.shm_root, self.log_dir = ray, namespace, shm_root, log_dir
         self.check_s = check_s
         self._remote = ray.remote(AgentActor)
@@ -136,8 +140,13 @@ class RayAgents:
                 actors[name] = self._ray.get_actor(actor_name, namespace=self.namespace)
             except ValueError:
                 actors[name] = self._remote.options(
-                    name=actor_name, namespace=self.namespace, lifetime="detached", num_cpus=0, max_restarts=0,
-                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
+                    name=actor_name,
+                    namespace=self.namespace,
+                    lifetime="detached",
+                    num_cpus=0,
+                    max_restarts=0,
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+                ).remote()
         refs = {n: a.reserve.remote() for n, a in actors.items()}
         for n, ref in refs.items():
             try:

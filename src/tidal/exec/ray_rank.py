@@ -96,11 +96,16 @@ class RankActor:
         return self.proc.pid
 
     def poll(self) -> dict:
-        """``{"started", "pid", "code"}``: ``code`` None while the rank runs (negative: killed by that signal)."""
+        """``{"started", "pid", "code"}``: ``code`` None while the rank runs (negative: killed by that
+        signal)."""
         if self.proc is not None and self.code is None:
             self.code = self.proc.poll()
-        return {"started": self.proc is not None or self.error is not None,
-                "pid": self.proc.pid if self.proc is not None else None, "code": self.code, "error": self.error}
+        return {
+            "started": self.proc is not None or self.error is not None,
+            "pid": self.proc.pid if self.proc is not None else None,
+            "code": self.code,
+            "error": self.error,
+        }
 
     def signal(self, sig: int) -> bool:
         """Send ``sig`` to the rank's process group while it runs; True if sent."""

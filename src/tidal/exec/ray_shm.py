@@ -29,7 +29,9 @@ CALL_TIMEOUT_S = 5.0  # one sweep waits this long at most for the nodes' answers
 def _list(node_dir: str) -> list[str]:
     """On the node: the job directories under ``node_dir`` (never following a symbolic link)."""
     try:
-        return sorted(e.name for e in os.scandir(node_dir) if e.is_dir(follow_symlinks=False) and e.name != "agent")
+        return sorted(
+            e.name for e in os.scandir(node_dir) if e.is_dir(follow_symlinks=False) and e.name != "agent"
+        )
     except OSError:
         return []
 

@@ -36,8 +36,8 @@ Model, for the demand y at time ``t + h * step_s`` seen from the last observatio
   both in time and along the horizon.
 * the *tail memory* (``ForecastState.tail_hist``, weeks long): a histogram of the worst miss above the
   center over each lead window of 1..``tail_horizon_steps`` steps, in units of ``mean``. The error
-  scale forgets a rare jump within days; the loan policy's tail reserve (:func:`~tidal.policy.forecast_errors.tail_reserve_gpus`)
-  keeps it.
+  scale forgets a rare jump within days; the loan policy's tail reserve
+  (:func:`~tidal.policy.forecast_errors.tail_reserve_gpus`) keeps it.
 * ``z`` is *not* chosen here: it is the calibrated margin, in units of ``scale``. The loan policy
   (:mod:`tidal.policy.loan`) sets it from a shortfall budget; :class:`CoverageCalibrator` sets it
   for a target quantile (adaptive conformal inference). ``upper(h; z)`` is the profile at an upper
@@ -157,7 +157,8 @@ class ForecastConfig:
     context_max_factor: float = 3.0
     """The context factor is clipped to ``[1 / this, this]``."""
     tail_horizon_steps: int = 6
-    """Tail memory (see :func:`~tidal.policy.forecast_errors.tail_reserve_gpus`): lead windows of 1..this many steps are kept."""
+    """Tail memory (see :func:`~tidal.policy.forecast_errors.tail_reserve_gpus`): lead windows of 1..this
+    many steps are kept."""
     tail_half_life_s: float = 28 * 86400.0
     """Memory of the tail histograms: long, because the misses they keep (load x3 within 10 min)
     come once a week or rarer, and the error scale ``e`` (2-day memory) forgets them."""
@@ -172,7 +173,8 @@ class ForecastConfig:
     """Weekly structure (0 = off; 7 days = 604800): learn, per ``step_s`` slot of the week, how demand there
     departs from the daily profile (an exponentially weighted mean of ``y - P``, ``week_half_life_s``), and
     add it to the profile, shrunk by ``n / (n + week_shrink)`` with n the weeks seen at that slot (read
-    through the profile's kernel). Before a whole week is seen it changes nothing. A multiple of ``period_s``."""
+    through the profile's kernel). Before a whole week is seen it changes nothing. A multiple of
+    ``period_s``."""
     week_half_life_s: float = 28 * 86400.0
     """Memory of the weekly departures."""
     week_shrink: float = 1.0
@@ -216,35 +218,54 @@ class ForecastConfig:
         if self.noise_exponent < 0:
             raise ValueError(f"ForecastConfig.noise_exponent must be >= 0, got {self.noise_exponent}")
         if self.context_tod_buckets < 0:
-            raise ValueError(f"ForecastConfig.context_tod_buckets must be >= 0, got {self.context_tod_buckets}")
+            raise ValueError(
+                f"ForecastConfig.context_tod_buckets must be >= 0, got {self.context_tod_buckets}"
+            )
         for name in ("context_level_edges", "context_vol_edges"):
             edges = getattr(self, name)
             if any(b <= a for a, b in zip(edges, edges[1:], strict=False)):
                 raise ValueError(f"ForecastConfig.{name} must increase, got {edges}")
         if not 0 < self.context_quantile < 1:
-            raise ValueError(f"ForecastConfig.context_quantile must be in (0, 1), got {self.context_quantile}")
+            raise ValueError(
+                f"ForecastConfig.context_quantile must be in (0, 1), got {self.context_quantile}"
+            )
         if self.context_horizon_steps < 1:
-            raise ValueError(f"ForecastConfig.context_horizon_steps must be >= 1, got {self.context_horizon_steps}")
+            raise ValueError(
+                f"ForecastConfig.context_horizon_steps must be >= 1, got {self.context_horizon_steps}"
+            )
         if self.tail_horizon_steps < 1:
             raise ValueError(f"ForecastConfig.tail_horizon_steps must be >= 1, got {self.tail_horizon_steps}")
         if self.shift_half_life_s < 0 or not self.shift_threshold > 0:
-            raise ValueError(f"ForecastConfig.shift_half_life_s must be >= 0 (0 = off) and shift_threshold > 0, got "
-                             f"{self.shift_half_life_s} and {self.shift_threshold}")
+            raise ValueError(
+                f"ForecastConfig.shift_half_life_s must be >= 0 (0 = off) and shift_threshold > 0, got "
+                f"{self.shift_half_life_s} and {self.shift_threshold}"
+            )
         weeks = self.week_s / self.period_s
-        if self.week_s < 0 or abs(weeks - round(weeks)) > 1e-9 or not self.week_half_life_s > 0 or self.week_shrink < 0:
-            raise ValueError(f"ForecastConfig.week_s ({self.week_s:g}) must be 0 (off) or a multiple of period_s "
-                             f"({self.period_s:g}), week_half_life_s > 0 and week_shrink >= 0")
+        if (
+            self.week_s < 0
+            or abs(weeks - round(weeks)) > 1e-9
+            or not self.week_half_life_s > 0
+            or self.week_shrink < 0
+        ):
+            raise ValueError(
+                f"ForecastConfig.week_s ({self.week_s:g}) must be 0 (off) or a multiple of period_s "
+                f"({self.period_s:g}), week_half_life_s > 0 and week_shrink >= 0"
+            )
         if not 0 <= self.lead_quantile < 1:
-            raise ValueError(f"ForecastConfig.lead_quantile must be in [0, 1) (0 = off), got {self.lead_quantile}")
+            raise ValueError(
+                f"ForecastConfig.lead_quantile must be in [0, 1) (0 = off), got {self.lead_quantile}"
+            )
         if self.quantile_window_steps < 1 or (self.lead_quantile > 0
                                                and self.quantile_window_steps > self.horizon_steps):
             raise ValueError(f"ForecastConfig.quantile_window_steps must be in [1, horizon steps "
                              f"({self.horizon_steps})], got {self.quantile_window_steps}")
         lo, hi = self.quantile_rho_range
         if not (self.quantile_lr > 0 and self.quantile_init > 0 and self.quantile_z > 0 and 0 < lo <= hi):
-            raise ValueError("ForecastConfig.quantile_lr, quantile_init, quantile_z must be > 0 and quantile_rho_range "
-                             f"(lo, hi) with 0 < lo <= hi, got {self.quantile_lr}, {self.quantile_init} and "
-                             f"{self.quantile_rho_range}")
+            raise ValueError(
+                "ForecastConfig.quantile_lr, quantile_init, quantile_z must be > 0 and quantile_rho_range "
+                f"(lo, hi) with 0 < lo <= hi, got {self.quantile_lr}, {self.quantile_init} and "
+                f"{self.quantile_rho_range}"
+            )
         if self.context_prior_n < 0 or not self.context_max_factor >= 1:
             raise ValueError("ForecastConfig.context_prior_n must be >= 0 and context_max_factor >= 1, got "
                              f"{self.context_prior_n} and {self.context_max_factor}")
@@ -339,19 +360,31 @@ def initial_state(config: ForecastConfig) -> ForecastState:
     """The state before any observation."""
     h = config.horizon_steps
     return ForecastState(
-        t_s=math.nan, n_obs=0, level_gpus=math.nan, trend_gpus_per_s=0.0, mean_gpus=math.nan,
-        profile_gpus=_frozen(np.zeros(config.slots)), profile_n=_frozen(np.zeros(config.slots)),
-        err_sum=_frozen(np.zeros(h)), err_weight=_frozen(np.zeros(h)),
-        past_center=_frozen(np.full((h, h), np.nan)), err_profile=_frozen(np.zeros(config.slots)),
-        err_profile_n=_frozen(np.zeros(config.slots)), burst=1.0, scale_gpus=_frozen(np.full(h, np.nan)),
-        past_base=_frozen(np.full((h, h), np.nan)), past_ctx=_frozen(np.zeros((h, h))),
+        t_s=math.nan,
+        n_obs=0,
+        level_gpus=math.nan,
+        trend_gpus_per_s=0.0,
+        mean_gpus=math.nan,
+        profile_gpus=_frozen(np.zeros(config.slots)),
+        profile_n=_frozen(np.zeros(config.slots)),
+        err_sum=_frozen(np.zeros(h)),
+        err_weight=_frozen(np.zeros(h)),
+        past_center=_frozen(np.full((h, h), np.nan)),
+        err_profile=_frozen(np.zeros(config.slots)),
+        err_profile_n=_frozen(np.zeros(config.slots)),
+        burst=1.0,
+        scale_gpus=_frozen(np.full(h, np.nan)),
+        past_base=_frozen(np.full((h, h), np.nan)),
+        past_ctx=_frozen(np.zeros((h, h))),
         ctx_hist=_frozen(np.zeros((config.contexts, CTX_BINS.size - 1))) if config.contexts > 1 else None,
         tail_hist=_frozen(np.zeros((config.tail_horizon_steps, TAIL_BINS.size - 1))),
         tail_pending=_frozen(np.full((config.slots, config.tail_horizon_steps), -np.inf)),
         week_dev=_frozen(np.zeros(config.week_slots)) if config.week_slots else None,
         week_n=_frozen(np.zeros(config.week_slots)) if config.week_slots else None,
         lq_model=_frozen(lq.initial_model(config.quantile_init)) if config.lead_quantile > 0 else None,
-        lq_pending=_frozen(lq.initial_pending(config.quantile_window_steps)) if config.lead_quantile > 0 else None,
+        lq_pending=_frozen(lq.initial_pending(config.quantile_window_steps))
+        if config.lead_quantile > 0
+        else None,
     )
 
 
@@ -367,7 +400,9 @@ def _slot(config: ForecastConfig, t_s: float) -> int:
     return round((t_s % config.period_s) / config.step_s) % config.slots
 
 
-_last_consts: list[tuple] = [(None, None)]  # [(config, its constants)]: the last config asked for, by identity
+_last_consts: list[tuple] = [
+    (None, None)
+]  # [(config, its constants)]: the last config asked for, by identity
 
 
 def _consts(config: ForecastConfig) -> dict[str, np.ndarray]:
@@ -392,7 +427,10 @@ def _make_consts(config: ForecastConfig) -> dict[str, np.ndarray]:
                               if config.trend_damping_half_life_s > 0 else 0.0 * t),
         "burst_fade": 2.0 ** (-t / config.burst_half_life_s) if config.burst_half_life_s > 0 else 0.0 * t,
     }
-    for name, width_s in (("kernel_profile", config.profile_smooth_s), ("kernel_error", config.error_profile_smooth_s)):
+    for name, width_s in (
+        ("kernel_profile", config.profile_smooth_s),
+        ("kernel_error", config.error_profile_smooth_s),
+    ):
         half = max(0, int(round(width_s / config.step_s / 2)))
         out[name] = (np.arange(config.slots)[:, None] + np.arange(-half, half + 1)[None, :]) % config.slots
     for a in out.values():
@@ -556,7 +594,9 @@ def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float)
                 eprof, eprof_n = eprof.copy(), eprof_n.copy()
                 eprof_n[s] += 1
                 ratio = err[rel] / before[rel]  # its mean as np.mean computes it (sum, then / count)
-                eprof[s] += max(day_w, 1.0 / eprof_n[s]) * (float(np.add.reduce(ratio) / ratio.size) - eprof[s])
+                eprof[s] += max(day_w, 1.0 / eprof_n[s]) * (
+                    float(np.add.reduce(ratio) / ratio.size) - eprof[s]
+                )
             if state.ctx_hist is not None and state.past_base is not None:
                 # Standardized errors of the first context_horizon_steps horizons, into their contexts.
                 k = min(config.context_horizon_steps, h)
@@ -590,8 +630,10 @@ def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float)
                     for m, w in rows:
                         good = np.isfinite(m)
                         if good.any():
-                            b = _clip_int(np.searchsorted(TAIL_BINS, m[good] / state.mean_gpus, side="right") - 1,
-                                          TAIL_BINS.size - 2)
+                            b = _clip_int(
+                                np.searchsorted(TAIL_BINS, m[good] / state.mean_gpus, side="right") - 1,
+                                TAIL_BINS.size - 2,
+                            )
                             hist[np.flatnonzero(good), b] += w
                     tail_hist = hist
             if rel[0]:
@@ -637,14 +679,25 @@ def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float)
         prof[s] += max(day_w, 1.0 / prof_n[s]) * (y - prof[s])
         n_obs += 1
 
-    new = replace(state, t_s=t_s, n_obs=n_obs, level_gpus=level, trend_gpus_per_s=trend, mean_gpus=mean,
-                  profile_gpus=_frozen(prof), profile_n=_frozen(prof_n),
-                  err_sum=_frozen(np.asarray(err_sum, float)), err_weight=_frozen(np.asarray(err_weight, float)),
-                  err_profile=_frozen(eprof), err_profile_n=_frozen(eprof_n), burst=burst,
-                  ctx_hist=None if ctx_hist is None else _frozen(np.asarray(ctx_hist, float)),
-                  tail_hist=None if tail_hist is None else _frozen(np.asarray(tail_hist, float)),
-                  tail_pending=None if tail_pending is None else _frozen(tail_pending),
-                  lq_model=None if lq_model is None else _frozen(lq_model))
+    new = replace(
+        state,
+        t_s=t_s,
+        n_obs=n_obs,
+        level_gpus=level,
+        trend_gpus_per_s=trend,
+        mean_gpus=mean,
+        profile_gpus=_frozen(prof),
+        profile_n=_frozen(prof_n),
+        err_sum=_frozen(np.asarray(err_sum, float)),
+        err_weight=_frozen(np.asarray(err_weight, float)),
+        err_profile=_frozen(eprof),
+        err_profile_n=_frozen(eprof_n),
+        burst=burst,
+        ctx_hist=None if ctx_hist is None else _frozen(np.asarray(ctx_hist, float)),
+        tail_hist=None if tail_hist is None else _frozen(np.asarray(tail_hist, float)),
+        tail_pending=None if tail_pending is None else _frozen(tail_pending),
+        lq_model=None if lq_model is None else _frozen(lq_model),
+    )
     if week_upd is not None:
         new = replace(new, week_dev=_frozen(week_upd[0]), week_n=_frozen(week_upd[1]))
     if shift_upd is not None:

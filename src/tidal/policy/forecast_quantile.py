@@ -33,7 +33,8 @@ FEATURES = 6
 
 def initial_model(init_scale: float) -> np.ndarray:
     """``lq_model`` before any update: row 0 the weights (``q = init_scale * scale_k / mean``), row 1
-    Adagrad's sums of squared gradients, row 2 ``[last demand seen (NaN = missing), updates so far, 0...]``."""
+    Adagrad's sums of squared gradients, row 2 ``[last demand seen (NaN = missing), updates so far,
+    0...]``."""
     m = np.zeros((3, FEATURES))
     m[0, 1] = init_scale
     m[2, 0] = math.nan
@@ -47,7 +48,9 @@ def initial_pending(window_steps: int) -> np.ndarray:
     return np.full((window_steps, FEATURES + 3), math.nan)
 
 
-def features(scale_k: float, center_max: float, mean: float, y: float, last_y: float, burst: float) -> np.ndarray:
+def features(
+    scale_k: float, center_max: float, mean: float, y: float, last_y: float, burst: float
+) -> np.ndarray:
     """``x(t)``; zeros but the intercept while ``mean`` is unknown."""
     x = np.zeros(FEATURES)
     x[0] = 1.0

@@ -177,12 +177,18 @@ def load_trace(path: str | Path, *, time_column: str | None = None, load_column:
     off = np.abs(dt - step) > 1e-6 * step + 1e-9
     if np.any(off):
         bad = int(np.argmax(off)) + 3
-        raise ValueError(f"{path}:{bad}: rows must be evenly spaced every {step:g} s; this row is "
-                         f"{dt[bad - 3]:g} s after the previous one (fill missing rows with 0 load to mark a gap)")
+        raise ValueError(
+            f"{path}:{bad}: rows must be evenly spaced every {step:g} s; this row is "
+            f"{dt[bad - 3]:g} s after the previous one (fill missing rows with 0 load to mark a gap)"
+        )
     load = np.asarray(loads, dtype=float)
     if not 0 <= gap_below_fraction < 1:
         raise ValueError(f"gap_below_fraction must be in [0, 1), got {gap_below_fraction}")
-    gap = load < gap_below_fraction * float(np.median(load)) if gap_below_fraction > 0 else np.zeros_like(load, bool)
+    gap = (
+        load < gap_below_fraction * float(np.median(load))
+        if gap_below_fraction > 0
+        else np.zeros_like(load, bool)
+    )
     for a in (t_arr, load, gap):
         a.flags.writeable = False
     return Trace(name=name or path.stem, times_s=t_arr, load=load, gap=gap, step_s=step,
