@@ -48,10 +48,19 @@ from typing import Any
 
 import numpy as np
 
+from tidal.bench.fluid import (  # the fluid model and the baselines tuned with hindsight
+    _night_lent,
+    _reactive_lent,
+    _tune_margin,
+    _tune_offset,
+    fluid_score,
+    night_window,
+    run_policy,
+)
+from tidal.bench.forecast_baselines import _conformal_upper, _fit_holt_winters, _holt_winters, _pinball
 from tidal.policy import forecast as fc
 from tidal.policy.coverage import CoverageCalibrator
 from tidal.policy.loan import (
-    LoanContext,
     LoanTiming,
     NightWindowPolicy,
     OraclePolicy,
@@ -113,64 +122,6 @@ def load_demand(
 
 # ----------------------------------------------------------------------------------------------
 # 1. Forecast quality
-
-
-def _pinball(y: np.ndarray, q: np.ndarray, tau: float) -> float:
-    d = y - q
-    return float(np.mean(np.maximum(tau * d, (tau - 1.0) * d)))
-
-
-def _conformal_upper(point: np.ndarray, demand: np.ndarray, lead: int, tau: float) -> np.ndarray:
-    """point[t] + the tau-quantile of all errors ``demand[s + lead] - point[s]`` known at t
-    (s + lead <= t)."""
-    n = len(demand)
-    err = np.full(n, np.nan)
-    err[: n - lead] = demand[lead:] - point[: n - lead]
-    out = np.full(n, np.nan)
-    for t in range(n):
-        known = err[: max(0, t - lead + 1)]
-        known = known[~np.isnan(known)]
-        if known.size >= 10 and not math.isnan(point[t]):
-            out[t] = point[t] + np.quantile(known, tau)
-    return out
-
-
-def _holt_winters(demand: np.ndarray, period: int, lead: int, alpha: float, beta: float,
-                  gamma: float) -> np.ndarray:
-    """Additive Holt-Winters; returns the lead-step point forecast made at each t (NaN before a period)."""
-    n = len(demand)
-    out = np.full(n, np.nan)
-    first = demand[:period]
-    if np.isnan(first).all():
-        return out
-    level = float(np.nanmean(first))
-    trend = 0.0
-    season = np.nan_to_num(first - level)
-    for t in range(period, n):
-        y = demand[t]
-        s = t % period
-        if not math.isnan(y):
-            prev = level
-            level = alpha * (y - season[s]) + (1 - alpha) * (level + trend)
-            trend = beta * (level - prev) + (1 - beta) * trend
-            season[s] = gamma * (y - level) + (1 - gamma) * season[s]
-        out[t] = max(0.0, level + lead * trend + season[(t + lead) % period])
-    return out
-
-
-def _fit_holt_winters(demand: np.ndarray, period: int, lead: int, warmup: int) -> tuple[float, float, float]:
-    """Smoothing constants with the least squared lead-step error on the warm-up only."""
-    best, best_err = (0.3, 0.01, 0.1), math.inf
-    head = demand[:warmup]
-    for a in (0.1, 0.3, 0.5, 0.7):
-        for b in (0.0, 0.01, 0.05):
-            for g in (0.05, 0.2, 0.4):
-                f = _holt_winters(head, period, lead, a, b, g)
-                e = head[lead:] - f[:-lead]
-                e = e[~np.isnan(e)]
-                if e.size and float(np.mean(e**2)) < best_err:
-                    best, best_err = (a, b, g), float(np.mean(e**2))
-    return best
 
 
 def _tidal_uppers(times_s: np.ndarray, demand: np.ndarray, cfg: fc.ForecastConfig, lead: int,
@@ -251,125 +202,6 @@ def evaluate_forecasts(times_s: np.ndarray, demand: np.ndarray, *, step_s: float
 
 # ----------------------------------------------------------------------------------------------
 # 2. Harvest in the fluid model
-
-
-def fluid_score(lent: np.ndarray, demand: np.ndarray, n: int, lead: int, warmup: int,
-                day_steps: int = 144) -> dict[str, Any]:
-    """Shortfall ratios (issue's and strict) and harvest of a lent series; see the module docstring.
-
-    ``worst_day`` is the scored day (index from the trace start, ``day_steps`` long) whose strict
-    shortfall is the largest share of the whole scored period's shortfall.
-    """
-    d = np.nan_to_num(demand)
-    ok = ~np.isnan(demand)
-    idx = np.arange(warmup, len(d))
-    idx = idx[ok[idx]]
-    away_strict = np.array([lent[u - lead: u].max() for u in idx])
-    away_issue = lent[idx - lead]
-    demand_sum = float(d[idx].sum())
-    short = np.maximum(0.0, d[idx] - (n - away_strict))
-    by_day = np.bincount(idx // day_steps, weights=short)
-    worst = int(np.argmax(by_day))
-    return {
-        "worst_day": {
-            "day": worst,
-            "share_of_shortfall": float(by_day[worst] / short.sum()) if short.sum() else 0.0,
-        },
-        "shortfall_strict": float(short.sum()) / demand_sum,
-        "shortfall_issue": float(np.maximum(0.0, d[idx] - (n - away_issue)).sum()) / demand_sum,
-        "harvest": float(lent[idx].sum()) / float((n - d[idx]).sum()),
-        "mean_lent_gpus": float(lent[idx].mean()),
-    }
-
-
-def run_policy(policy: Any, times_s: np.ndarray, demand: np.ndarray, n: int,
-               future: bool = False) -> tuple[np.ndarray, Any]:
-    """Drive ``policy`` over the series; every lendable GPU is lent. Returns (lent per step, final state)."""
-    state = policy.initial_state()
-    lent = np.zeros(len(demand), dtype=int)
-    prev = 0
-    horizon = getattr(policy, "horizon_s", 0.0)
-    for t in range(len(demand)):
-        fut = None
-        if future:
-            k = max(1, math.ceil(horizon / (times_s[1] - times_s[0]) - 1e-9))
-            fut = demand[t + 1: t + 1 + k]
-        ctx = LoanContext(
-            now_s=float(times_s[t]),
-            serving_gpus=n,
-            demand_gpus=float(demand[t]),
-            lent_gpus=prev,
-            future_demand_gpus=fut,
-        )
-        plan, state = policy(ctx, state)
-        lent[t] = prev = plan.lendable_gpus
-    return lent, state
-
-
-def _tune_margin(make: Callable[[float], np.ndarray], demand: np.ndarray, n: int, lead: int, warmup: int,
-                 budget: float) -> float:
-    """Smallest margin (GPUs, to 0.01) whose strict shortfall is within ``budget`` (hindsight)."""
-    lo, hi = 0.0, float(n)
-    if fluid_score(make(lo), demand, n, lead, warmup)["shortfall_strict"] <= budget:
-        return lo
-    while hi - lo > 0.01:
-        mid = (lo + hi) / 2
-        if fluid_score(make(mid), demand, n, lead, warmup)["shortfall_strict"] <= budget:
-            hi = mid
-        else:
-            lo = mid
-    return hi
-
-
-def _reactive_lent(demand: np.ndarray, n: int, margin: float) -> np.ndarray:
-    """Vectorized :class:`ReactivePolicy` with no minimum loan window (checked against it below)."""
-    last = demand.copy()
-    for t in range(1, len(last)):  # hold the last observation through gaps
-        if math.isnan(last[t]):
-            last[t] = last[t - 1]
-    up = np.where(np.isnan(last), float(n), last + margin)
-    free = np.clip(np.floor(n - up + 1e-9), 0, n)
-    now_cap = np.where(np.isnan(demand), n, np.floor(n - np.nan_to_num(demand) + 1e-9))
-    return np.minimum(free, now_cap).astype(int)
-
-
-def _night_lent(
-    policy: NightWindowPolicy, times_s: np.ndarray, n: int, margin: float, lead: int
-) -> np.ndarray:
-    """Vectorized :class:`NightWindowPolicy` with no minimum loan window: lend ``N - margin`` when
-    every grid point of the next lead time is inside the window."""
-    step = times_s[1] - times_s[0]
-    ahead = times_s[:, None] + step * np.arange(1, lead + 1)[None, :]
-    inside = policy.in_window(ahead).all(axis=1)
-    return np.where(inside, np.clip(np.floor(n - min(float(n), margin) + 1e-9), 0, n), 0).astype(int)
-
-
-def night_window(
-    demand: np.ndarray, step_s: float, hours: float, period_s: float = 86400.0
-) -> tuple[float, float]:
-    """(start_s, end_s) of the lowest-mean-demand ``hours`` of the period, from the whole series
-    (hindsight)."""
-    period = round(period_s / step_s)
-    width = max(1, round(hours * 3600 / step_s))
-    n = len(demand) // period * period
-    prof = np.nanmean(demand[:n].reshape(-1, period), axis=0)
-    sums = [np.nansum(prof[(np.arange(width) + s) % period]) for s in range(period)]
-    s = int(np.argmin(sums))
-    return s * step_s, ((s + width) % period) * step_s
-
-
-def _tune_offset(make: Callable[[float], np.ndarray], demand: np.ndarray, n: int, lead: int, warmup: int,
-                 budget: float, lo: float, hi: float) -> float:
-    """Smallest ``x`` in ``[lo, hi]`` (to 0.01) whose strict shortfall is within ``budget`` (hindsight; ``hi``
-    if none)."""
-    def ok(x: float) -> bool:
-        return fluid_score(make(x), demand, n, lead, warmup)["shortfall_strict"] <= budget
-    if ok(lo):
-        return lo
-    while hi - lo > 0.01:
-        mid = (lo + hi) / 2
-        lo, hi = (lo, mid) if ok(mid) else (mid, hi)
-    return hi
 
 
 def evaluate_harvest(
