@@ -9,7 +9,9 @@
   symbolic links.
 * ``s3://`` and ``peer`` tiers need their endpoint in the admin's ``checkpoint_endpoints`` (S3: the
   ``endpoint`` option, ``aws`` for the AWS default; peer: the ``agent`` and each of ``peers``, host:port;
-  an explicit ``peer://NAME`` namespace is refused: it is derived from the job's location). Timeouts in
+  an explicit ``peer://NAME`` namespace is refused: it is derived from the job's location). A ``peer``
+  tier without an ``agent`` (and ``peers``) uses the agents the executor gives each rank: allowed when
+  the plane runs its own (``tidal up --executor ray --ckpt-agents``: ``own_agents``). Timeouts in
   tier options are capped by ``checkpoint_max_timeout_s``. Default: only local tiers.
 * Two jobs never share a location (equal or nested) unless the spec says ``checkpoint: {resume_from:
   JOB}``: an ended job of the same tenant, whose location the new job takes over (retention included).
@@ -36,6 +38,7 @@ class LocationPolicy:
     grants: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     endpoints: tuple[str, ...] = ()
     max_timeout_s: float = 60.0
+    own_agents: bool = False  # the executor runs checkpoint agents and tells each rank its node's
 
     def prefixes(self, tenant: str) -> list[str]:
         out = [str(self.tenants_root / tenant)] if self.tenants_root is not None else []
@@ -142,7 +145,7 @@ def check(ck: Mapping[str, Any], tenant: str, admin: bool, policy: LocationPolic
             peers = opts.get("peers") or []
             agents = [opts.get("agent")] + (list(peers) if isinstance(peers, list | tuple) else [peers])
             for a in agents:
-                if a is None and "agent" in opts:
+                if a is None and ("agent" in opts or policy.own_agents):
                     continue
                 if str(a) not in allowed:
                     problems.append((where, f"checkpoint agent {a if a is not None else '(default)'} is not "
