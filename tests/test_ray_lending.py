@@ -118,3 +118,18 @@ def test_a_spot_job_on_a_lent_gpu_of_a_ray_node_is_reclaimed(ray_cluster, tmp_pa
             from tidal.exec.ray_exec import RayExecutor
 
             RayExecutor(p.state / "jobs", address=ray_cluster.address)._remove_leftovers(job)
+
+
+def test_a_peer_tier_may_use_the_executors_own_agents_only(tmp_path):
+    """``tiers: [peer, DIR]`` with no agent named: refused unless the plane runs its own agents (``tidal up
+    --executor ray --ckpt-agents``); an agent the tenant names still needs ``checkpoint_endpoints``."""
+    from tidal.control.locations import LocationPolicy, check
+
+    own = str(tmp_path / "tenants" / "a" / "run")
+    for tier, own_agents, ok in [("peer", False, False), ("peer", True, True),
+                                 ({"kind": "peer", "agent": "10.0.0.9:7000"}, True, False),
+                                 ({"kind": "peer", "peers": ["10.0.0.9:7000"]}, True, False)]:
+        policy = LocationPolicy(tmp_path / "tenants", own_agents=own_agents)
+        problems, _, home = check({"tiers": [tier, own]}, "a", False, policy, lambda: [], lambda _: None)
+        assert (not problems) == ok, (tier, own_agents, problems)
+        assert ok or "is not allowed (checkpoint_endpoints" in problems[0][1]
