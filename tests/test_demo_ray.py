@@ -24,7 +24,7 @@ def app() -> typer.Typer:
                                        (["--steps", "8", "--ckpt-every", "5"], "steps >= 2 x ckpt-every + 2"),
                                        (["--cycle", "--kill-hour", "25"], "--kill-hour 25: expected 0 to 24"),
                                        (["--cycle", "--hours", "3", "--kill-hour", "4"],
-                                        "--kill-hour 4 is not within the 3 h replayed from 20:00"),
+                                        "--kill-hour 4 is not within the 3 h replayed from 22:00"),
                                        (["--cycle", "--speedup", "600"], "serving: TidalConfig.forecast.horizon_s"),
                                        (["--cycle", "--jobs", "9"], "--jobs must be 1 to 8")])
 def test_bad_options_are_one_clear_error(args, msg):

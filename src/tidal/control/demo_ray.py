@@ -177,10 +177,10 @@ def demo_ray(steps: Annotated[int, typer.Option(help="optimizer steps of the job
              cycle: Annotated[bool, typer.Option("--cycle", help="the day cycle of lending on a 4-node Ray cluster, "
                                                  "a node lost at night (tidal.control.demo_ray_cycle)")] = False,
              speedup: Annotated[float, typer.Option(help="--cycle: serving seconds per second (at most 480: the "
-                                                    "forecast's horizon must cover the scaled timing)")] = 480.0,
-             hours: Annotated[float, typer.Option(help="--cycle: hours of serving time to replay")] = 16.0,
-             start_hour: Annotated[float, typer.Option(help="--cycle: serving time of day to start at")] = 20.0,
-             kill_hour: Annotated[float, typer.Option(help="--cycle: serving time of day to kill a node at")] = 2.5,
+                                                    "forecast's horizon must cover the scaled timing)")] = 360.0,
+             hours: Annotated[float, typer.Option(help="--cycle: hours of serving time to replay")] = 14.0,
+             start_hour: Annotated[float, typer.Option(help="--cycle: serving time of day to start at")] = 22.0,
+             kill_hour: Annotated[float, typer.Option(help="--cycle: serving time of day to kill a node at")] = 2.0,
              jobs: Annotated[int, typer.Option(help="--cycle: elastic spot jobs")] = 2,
              max_ranks: Annotated[int, typer.Option(help="--cycle: largest size of each job")] = 2,
              keep: Annotated[bool, typer.Option("--keep", help="--cycle: keep the state dir")] = False,

@@ -1,7 +1,7 @@
 """``tidal demo ray --cycle``: the compressed day of lending on a local multi-node Ray cluster, with a
 node lost in the night.
 
-    tidal demo ray --cycle                  # 16 h of serving time (20:00 to 12:00) at 480x: ~3 min
+    tidal demo ray --cycle                  # 14 h of serving time (22:00 to 12:00) at 360x: ~3.5 min
     tidal demo ray --cycle --json           # the summary as JSON on stdout (the view on stderr)
 
 What ``tidal demo cycle`` does on one machine, here across the nodes of a Ray cluster started on this
@@ -72,7 +72,7 @@ BACK_AFTER_S = 60.0
 log = logging.getLogger(__name__)
 
 
-def options(speedup: float = 480.0, hours: float = 16.0, start_hour: float = 20.0, jobs: int = 2,
+def options(speedup: float = 360.0, hours: float = 14.0, start_hour: float = 22.0, jobs: int = 2,
             max_ranks: int = 2) -> CycleOptions:
     return CycleOptions(speedup=speedup, hours=hours, start_hour=start_hour, jobs=jobs, max_ranks=max_ranks,
                         serving_nodes=SERVING_NODES)
@@ -102,6 +102,7 @@ class NodeLoss:
     recovered: dict | None = None  # the recovered event
     back: bool = False
     killer: threading.Thread | None = None
+    tiers: dict | None = None  # the job's newest committed step per tier when the node was killed
 
     def bring_back(self, now_s: float) -> bool:
         """The node returns once the job trains again (or a minute after the loss was noticed, if it does
@@ -112,8 +113,8 @@ class NodeLoss:
 
     def pick(self, jobs: list[dict], serving_s: float) -> tuple[str, dict] | None:
         """A running job spanning nodes, one of them a training node, whose attempt has committed a step to
-        the peer tier (after an hour of serving time without one: any checkpoint of the job will do)."""
-        late = serving_s >= self.at_s + 3600.0
+        the peer tier (after two hours of serving time without one: any checkpoint of the job will do)."""
+        late = serving_s >= self.at_s + 7200.0
         for j in jobs:
             pl = j.get("placement") or {}
             peer = ((j.get("progress") or {}).get("tiers") or {}).get("peer")
@@ -123,7 +124,7 @@ class NodeLoss:
         return None
 
     def summary(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"node": self.node, "job": self.job, "placement": self.placement,
+        out: dict[str, Any] = {"node": self.node, "job": self.job, "placement": self.placement, "tiers": self.tiers,
                                "detected": self.lost is not None, "recovered": self.recovered is not None}
         if self.lost is not None and self.killed_s is not None:
             out["detection_s"] = round(self.lost["time_s"] - self.killed_s, 3)
@@ -257,10 +258,10 @@ def _kill(loss: NodeLoss, jobs: list[dict], serving_s: float, cluster: LocalRayC
     node, j = got
     loss.node, loss.job, loss.placement = node, j["id"], dict(j["placement"])
     p = j.get("progress") or {}
+    loss.tiers = {k: v[0] if isinstance(v, list) else v for k, v in (p.get("tiers") or {}).items()}
     console.print(f"[bold red]ray cycle[/bold red] killing node {node} (raylet SIGKILLed, its node memory "
-                  f"deleted): {j['id']} runs on {loss.placement}, step {p.get('step')}, newest checkpoint "
-                  f"{ {k: v[0] if isinstance(v, list) else v for k, v in (p.get('tiers') or {}).items()} }",
-                  highlight=False)
+                  f"deleted): {j['id']} runs on {loss.placement}, step {p.get('step')}, newest step per tier "
+                  f"{loss.tiers}", highlight=False)
     shm = plane.plane.executor.shm_root
 
     def kill() -> None:  # Ray waits for the node's processes to be gone: the view goes on meanwhile

@@ -265,6 +265,14 @@ class RayExecutor:
         return [n for n in self._ray.nodes() if n.get("Alive")]
 
     def nodes(self) -> list[Node]:
+        out, ids = self._read_nodes()
+        self._ids = ids
+        if self.agents is not None:
+            self.agents.ensure(ids)
+        return out
+
+    def _read_nodes(self) -> tuple[list[Node], dict[str, str]]:
+        """The alive GPU nodes and node name -> Ray node id (see the module docstring)."""
         out, ids = [], {}
         for n in sorted(self._alive(), key=lambda n: n["NodeID"]):
             gpus = int(n.get("Resources", {}).get("GPU", 0))
@@ -276,15 +284,12 @@ class RayExecutor:
                 name = f"ray-{n['NodeID'][:12]}"
             ids[name] = n["NodeID"]
             out.append(Node(name, gpus, "serving" if name in self.serving_nodes else "training"))
-        self._ids = ids
-        if self.agents is not None:
-            self.agents.ensure(ids)
-        return out
+        return out, ids
 
     def check_serving(self) -> None:
         """``ValueError`` in one line when a serving node is not an alive GPU node of the cluster (by its
         ``tidal.io/node`` label) or has other GPUs there than the serving side says."""
-        have = {n.name: n.gpus for n in self.nodes()}
+        have = {n.name: n.gpus for n in self._read_nodes()[0]}  # no agents started for a plane that will not run
         missing = sorted(set(self.serving_nodes) - set(have))
         if missing:
             raise ValueError(f"serving.nodes: {', '.join(missing)} not in the Ray cluster (a serving node is the "
