@@ -47,7 +47,7 @@ def test_the_demo_recovers_from_a_node_loss():
 
 @pytest.mark.slow
 @pytest.mark.ray_long
-@pytest.mark.skipif(os.environ.get("TIDAL_RAY_LONG") != "1", reason="starts its own 4-node Ray cluster (~2.5 min): "
+@pytest.mark.skipif(os.environ.get("TIDAL_RAY_LONG") != "1", reason="starts its own 4-node Ray cluster (~3-4 min): "
                     "TIDAL_RAY_LONG=1 runs it")
 def test_the_day_cycle_on_ray_lends_reclaims_and_survives_a_node_loss():
     pytest.importorskip("ray")
