@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 import os
 import shutil
 import signal
@@ -69,11 +68,10 @@ SERVING_NODES = "2x8"  # serve-0 and serve-1, 8 declared GPUs each (parse_nodes 
 DISK_EVERY = 3  # every 3rd save also goes to disk; the peer tier holds every one
 TENANT = "research"
 BACK_AFTER_S = 60.0
-log = logging.getLogger(__name__)
 
 
-def options(speedup: float = 360.0, hours: float = 14.0, start_hour: float = 22.0, jobs: int = 2,
-            max_ranks: int = 2) -> CycleOptions:
+def options(speedup: float, hours: float, start_hour: float, jobs: int, max_ranks: int) -> CycleOptions:
+    """The day's options (the defaults are ``tidal demo ray``'s); the serving nodes are the Ray cluster's."""
     return CycleOptions(speedup=speedup, hours=hours, start_hour=start_hour, jobs=jobs, max_ranks=max_ranks,
                         serving_nodes=SERVING_NODES)
 
