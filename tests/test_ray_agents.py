@@ -2,11 +2,12 @@
 (tidal.exec.ray_agents), on the session's real 3-node Ray cluster: a buddy ring over the nodes, ranks
 told their node's agent and the others, a job that checkpoints to the peer tier only losing a node,
 the ring closing over the nodes left, and the job's next attempt restoring the lost node's shards
-from its buddy's memory."""
+from its buddy's memory (the lost node's own memory directory deleted, as if the machine were gone)."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import time
 import urllib.request
@@ -53,6 +54,7 @@ def test_agents_in_a_ring_and_a_restore_from_the_lost_nodes_buddy(ray_cluster, t
         at = ob.progress.tiers["peer"][0]
 
         ray_cluster.remove("n3")  # rank 1's agent and memory go with it; its buddy n1 holds a copy
+        shutil.rmtree(ex.shm_root / "n3")  # as if the machine were gone: its memory (agent, staging) too
         wait_until("rank 1 lost", lambda: ex.observe(time.time())["p"].ranks[1].lost, 60)
         ex.kill("p")
         wait_until("every rank gone", lambda: ex.observe(time.time())["p"].done, 60)

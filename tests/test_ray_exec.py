@@ -167,9 +167,6 @@ def test_tidal_up_ray_options_bad_input_is_one_clear_error(tmp_path):
     """``tidal up --executor ...``: every wrong combination is one line naming the option, at once
     (an address nobody answers at too: ray.init alone would retry for minutes)."""
     ray = pytest.importorskip("ray")
-    import yaml
-
-    from tidal.control.config import ControlConfig
     from tidal.control.server import build
 
     if ray.is_initialized():
@@ -185,10 +182,6 @@ def test_tidal_up_ray_options_bad_input_is_one_clear_error(tmp_path):
         with pytest.raises(SystemExit) as e:
             build(tmp_path / f"s{i}", kw.pop("gpus", "auto"), **kw)
         assert msg in str(e.value) and "\n" not in str(e.value), (kw, e.value)
-    profile = Path(__file__).parents[1] / "src" / "tidal" / "serving" / "data" / "daily-profile.csv"
-    (tmp_path / "c.yaml").write_text(yaml.safe_dump({"serving": {"trace": str(profile), "nodes": "2x2"}}))
-    with pytest.raises(SystemExit, match="serving.nodes .live lending. runs on the local executor only"):
-        build(tmp_path / "s9", "auto", config=ControlConfig.load(tmp_path / "c.yaml"), executor="ray")
     assert not ray.is_initialized()
 
 

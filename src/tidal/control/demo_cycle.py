@@ -119,7 +119,8 @@ def _hhmm(serving_s: float) -> str:
     return f"day {int(serving_s // DAY)} {int(t // 3600):02d}:{int(t % 3600 // 60):02d}"
 
 
-def view(s: dict, jobs: list[dict], opts: CycleOptions, elapsed: float) -> Panel:
+def view(s: dict, jobs: list[dict], opts: CycleOptions, elapsed: float, title: str = "tidal demo cycle",
+         extra: tuple[tuple[str, str], ...] = ()) -> Panel:
     g = Table.grid(padding=(0, 2))
     g.add_column(style="bold", no_wrap=True)
     g.add_column()
@@ -146,6 +147,8 @@ def view(s: dict, jobs: list[dict], opts: CycleOptions, elapsed: float) -> Panel
     st = s.get("stats") or {}
     g.add_row("returns", f"{st.get('reclaims_met', 0)} met, {st.get('reclaims_missed', 0)} missed; worst margin "
                          f"{s['worst_margin_s']:.1f} s" if s.get("worst_margin_s") is not None else "none yet")
+    for k, v in extra:
+        g.add_row(k, v)
     t = Table(box=None, padding=(0, 1))
     for c in ("job", "state", "ranks", "where", "step", "ckpt"):
         t.add_column(c)
@@ -154,7 +157,7 @@ def view(s: dict, jobs: list[dict], opts: CycleOptions, elapsed: float) -> Panel
         where = ", ".join(f"{k}:{v}" for k, v in sorted((j.get("placement") or {}).items()))
         t.add_row(j["id"], j["state"], str(sum((j.get("placement") or {}).values())), where or "-", str(p.get("step", "-")),
                   str(j.get("ckpt_step") if j.get("ckpt_step") is not None else "-"))
-    return Panel(Group(g, t), title="[bold]tidal demo cycle[/bold]", border_style="cyan", expand=False)
+    return Panel(Group(g, t), title=f"[bold]{title}[/bold]", border_style="cyan", expand=False)
 
 
 # ----------------------------------------------------------------------------------- the simulator

@@ -2,6 +2,7 @@
 
     tidal demo ray                      # ~2 min on 2 cores
     tidal demo ray --json               # the summary as JSON on stdout (the narration on stderr)
+    tidal demo ray --cycle              # the day cycle of lending on Ray, a node lost at night (demo_ray_cycle)
 
 In order:
 
@@ -45,9 +46,10 @@ HEALTH = {"health_check_period_ms": 500, "health_check_timeout_ms": 500, "health
 
 
 class LocalRayCluster:
-    """Three GPU nodes (declared GPUs) and a head, on this machine; ``remove``/``add`` by Tidal node name."""
+    """GPU nodes (declared GPUs; ``nodes``: Tidal name -> GPUs) and a head, on this machine;
+    ``remove``/``add`` by Tidal node name."""
 
-    def __init__(self) -> None:
+    def __init__(self, nodes: dict[str, int] | None = None) -> None:
         from tidal.exec.ray_exec import NODE_LABEL, QUIET_ENV
 
         for k, v in QUIET_ENV.items():
@@ -57,13 +59,14 @@ class LocalRayCluster:
         self._label = NODE_LABEL
         self.cluster = Cluster(initialize_head=True, head_node_args={
             "num_cpus": 1, "num_gpus": 0, "include_dashboard": False, "_system_config": HEALTH})
+        self.gpus = dict(nodes or NODES)
         self.nodes: dict[str, Any] = {}
-        for name in NODES:
+        for name in self.gpus:
             self.add(name)
         self.cluster.wait_for_nodes()
 
     def add(self, name: str) -> None:
-        self.nodes[name] = self.cluster.add_node(num_cpus=1, num_gpus=NODES[name], labels={self._label: name},
+        self.nodes[name] = self.cluster.add_node(num_cpus=1, num_gpus=self.gpus[name], labels={self._label: name},
                                                  include_dashboard=False)
 
     def remove(self, name: str) -> None:
@@ -171,10 +174,25 @@ def demo_ray(steps: Annotated[int, typer.Option(help="optimizer steps of the job
              = 0.4,
              timeout: Annotated[float, typer.Option(help="give up after this many seconds")] = 600.0,
              json_out: Annotated[bool, typer.Option("--json", help="print the summary as JSON on stdout")] = False,
+             cycle: Annotated[bool, typer.Option("--cycle", help="the day cycle of lending on a 4-node Ray cluster, "
+                                                 "a node lost at night (tidal.control.demo_ray_cycle)")] = False,
+             speedup: Annotated[float, typer.Option(help="--cycle: serving seconds per second (at most 480: the "
+                                                    "forecast's horizon must cover the scaled timing)")] = 360.0,
+             hours: Annotated[float, typer.Option(help="--cycle: hours of serving time to replay")] = 14.0,
+             start_hour: Annotated[float, typer.Option(help="--cycle: serving time of day to start at")] = 22.0,
+             kill_hour: Annotated[float, typer.Option(help="--cycle: serving time of day to kill a node at")] = 2.0,
+             jobs: Annotated[int, typer.Option(help="--cycle: elastic spot jobs")] = 2,
+             max_ranks: Annotated[int, typer.Option(help="--cycle: largest size of each job")] = 2,
+             keep: Annotated[bool, typer.Option("--keep", help="--cycle: keep the state dir")] = False,
              ) -> None:
-    """Node loss on Ray: a GPT job across a local 3-node Ray cluster loses a node and recovers on the rest."""
+    """Node loss on Ray: a GPT job across a local 3-node Ray cluster loses a node and recovers on the rest
+    (--cycle: a day of lending serving GPUs across Ray nodes, a node lost at night)."""
     console, err = Console(stderr=json_out), Console(stderr=True)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if cycle:
+        from tidal.control.demo_ray_cycle import main
+
+        raise typer.Exit(main(speedup, hours, start_hour, kill_hour, jobs, max_ranks, keep, json_out))
     if parallel not in ("ddp", "fsdp"):
         err.print(f"[red]error:[/red] --parallel {parallel!r}: expected ddp or fsdp", highlight=False)
         raise typer.Exit(2)
@@ -187,8 +205,11 @@ def demo_ray(steps: Annotated[int, typer.Option(help="optimizer steps of the job
     def say(line: str) -> None:
         console.print(f"[dim]{time.time() - t0:6.1f}s[/dim] {line}", highlight=False)
 
+    from tidal.control.demo_ray_cycle import stdout_to_stderr
+
     try:
-        s = run(steps, ckpt_every, parallel, kill_at, timeout, say)
+        with stdout_to_stderr(json_out):  # Ray prints a killed raylet's last log lines on stdout
+            s = run(steps, ckpt_every, parallel, kill_at, timeout, say)
     except (DemoError, ApiError, OSError, ValueError) as e:
         err.print(f"[red]demo failed:[/red] {e}", highlight=False)
         raise typer.Exit(1) from None

@@ -91,6 +91,7 @@ class LiveLoans:
             "returned_gpus": 0, "release_failures": 0, "restore_failures": 0, "lent_total_gpus": 0,
         }
         self.margins: list[float] = []  # seconds before the deadline at each return (negative: late)
+        self._due_gpus = 0  # lent GPUs due back (notice time come) as of the last step, less those returned since
         self.last_s: float | None = None
         self.latest: dict[str, Any] = {}
         self._plan_view: dict[str, Any] = {}
@@ -137,6 +138,7 @@ class LiveLoans:
         self._plan_view = dict(doc.get("plan_view") or {})
         self.adapter.resume(doc.get("adapter") or {})
         self._warm = []
+        self._due_gpus = sum(r.gpus for r in ledger.reclaims if self.last_s is not None and r.due(self.last_s))
 
     def take_dirty(self) -> bool:
         d, self._dirty = self._dirty, False
@@ -190,7 +192,7 @@ class LiveLoans:
             self.next_grid = math.ceil(t_serv / self.step_s - 1e-9) * self.step_s
             self._dirty = True
         if t_serv + 1e-9 < self.next_grid:
-            return events
+            return events + self._announce(now_s)
         grid = self.next_grid
         if t_serv >= grid + self.step_s:  # late by whole steps: the forecast counts skipped ones as missing
             grid += math.floor((t_serv - grid) / self.step_s) * self.step_s
@@ -217,6 +219,7 @@ class LiveLoans:
             if plan.lendable_gpus > cap:
                 plan = dataclasses.replace(plan, lendable_gpus=cap)
         events += self._apply(plan, t_serv, now_s, used)  # 4.
+        events += self._announce(now_s)
         self._plan_view = self._describe_plan(now_s, t_serv, demand, plan)
         self._sample(now_s, t_serv, demand, plan)
         self._dirty = True
@@ -243,7 +246,6 @@ class LiveLoans:
                                 deadline_s=now_s + (r.deadline_s - t_serv) / self.speedup)
             for r in plan.reclaims))
         before = {n: led.lent_on(n) for n in self.nodes}
-        reclaims_before = sum(r.gpus for r in led.reclaims if r.due(now_s))
         led.apply_plan(wall, now_s, used)
         events: list[Event] = []
         for node in self.nodes:
@@ -268,12 +270,19 @@ class LiveLoans:
             self.stats["lent_total_gpus"] += k
             events.append(("loan", f"lent {k} GPUs of {node} to spot training ({led.lent_on(node)} lent there)",
                            {"node": node, "gpus": k, "until_s": _finite(led.loans[node].until_s)}))
-        due = sum(r.gpus for r in led.reclaims if r.due(now_s))
-        if due > reclaims_before:
-            first = min((r.by_s for r in led.reclaims if r.due(now_s)), default=math.nan)
-            events.append(("reclaim", f"reclaim {due} lent GPUs: notice now, off them within {first - now_s:.1f} s",
-                           {"gpus": due, "by_s": first}))
         return events
+
+    def _announce(self, now_s: float) -> list[Event]:
+        """A ``reclaim`` event when more lent GPUs are due back than at the last step (a reclaim planned
+        ahead whose notice time has come, or one due at once); GPUs returned meanwhile are subtracted."""
+        due = [r for r in self.ledger.reclaims if r.due(now_s)]
+        gpus = sum(r.gpus for r in due)
+        new, self._due_gpus = gpus - self._due_gpus, gpus
+        if new <= 0:
+            return []
+        first = min(r.by_s for r in due)
+        return [("reclaim", f"reclaim {new} lent GPUs: notice now, off them within {first - now_s:.1f} s",
+                 {"gpus": new, "by_s": first})]
 
     def returned(self, node: str, gpus: int, now_s: float) -> list[Event]:
         """Carry out :class:`~tidal.model.ReturnGpus`: the ledger, then the adapter."""
@@ -281,6 +290,7 @@ class LiveLoans:
         due = sorted(led.reclaims, key=lambda r: r.by_s)
         by = due[0].by_s if due else None
         ready = led.return_gpus(node, gpus, now_s)
+        self._due_gpus = max(0, self._due_gpus - gpus)
         self.stats["returned_gpus"] += gpus
         data: dict[str, Any] = {"node": node, "gpus": gpus, "serving_at_s": ready}
         msg = f"returned {gpus} GPUs of {node} to serving (serving again in {ready - now_s:.0f} s, after warm-up)"

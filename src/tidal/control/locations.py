@@ -9,7 +9,9 @@
   symbolic links.
 * ``s3://`` and ``peer`` tiers need their endpoint in the admin's ``checkpoint_endpoints`` (S3: the
   ``endpoint`` option, ``aws`` for the AWS default; peer: the ``agent`` and each of ``peers``, host:port;
-  an explicit ``peer://NAME`` namespace is refused: it is derived from the job's location). Timeouts in
+  an explicit ``peer://NAME`` namespace is refused: it is derived from the job's location). A ``peer``
+  tier without an ``agent`` (and ``peers``) uses the agents the executor gives each rank: allowed when
+  the plane runs its own (``tidal up --executor ray --ckpt-agents``: ``own_agents``). Timeouts in
   tier options are capped by ``checkpoint_max_timeout_s``. Default: only local tiers.
 * Two jobs never share a location (equal or nested) unless the spec says ``checkpoint: {resume_from:
   JOB}``: an ended job of the same tenant, whose location the new job takes over (retention included).

@@ -10,7 +10,8 @@ With ``serving:`` in the config, a third thread runs the live loan plan (:class:
 step it reads serving demand and plans, and the API shows the newest plan (``GET /v1/serving``,
 ``/metrics``). With ``serving.nodes`` it lends for real instead: the loan step runs inside the
 reconcile loop (:mod:`tidal.control.loans`), the local executor gets the serving nodes as virtual
-nodes, and spot jobs run on the GPUs serving lends.
+nodes (the Ray executor: they are the Ray nodes of those names, checked at start), and spot jobs run
+on the GPUs serving lends.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from tidal.control.client import API_URL_FILE
 from tidal.control.config import ControlConfig
 from tidal.control.controller import Controller
 from tidal.control.dashboard import dashboard_url
-from tidal.control.loans import build_live_loans
+from tidal.control.loans import LiveLoans, build_live_loans
 from tidal.control.locations import LocationPolicy
 from tidal.control.store import Store, sqlite_path, sqlite_url
 from tidal.exec.local import LocalExecutor, detect_gpus
@@ -156,9 +157,6 @@ def build(state_dir: Path, gpus: str = "auto", db: str | None = None, config: Co
         raise SystemExit("tidal up: --ray-address needs --executor ray")
     if ckpt_agents and executor != "ray":
         raise SystemExit("tidal up: --ckpt-agents needs --executor ray (on one machine run `tidal ckpt agent`)")
-    if executor == "ray" and config is not None and config.serving is not None and config.serving.lends:
-        raise SystemExit("tidal up: serving.nodes (live lending) runs on the local executor only; remove "
-                         "serving.nodes or use --executor local")
     state_dir = Path(state_dir).resolve()
     secure_state_dir(state_dir, config)
     loans = None
@@ -178,7 +176,7 @@ def build(state_dir: Path, gpus: str = "auto", db: str | None = None, config: Co
     iso = config.isolation if config is not None else None
     try:
         if executor == "ray":
-            return _build_ray(state_dir, gpus, store, token, created, config, iso, ray_address, ckpt_agents)
+            return _build_ray(state_dir, gpus, store, token, created, config, iso, ray_address, ckpt_agents, loans)
         return _build(state_dir, gpus, store, token, created, config, iso, loans, serving_nodes)
     except ValueError as e:
         store.close()
@@ -210,21 +208,26 @@ def _build(state_dir, gpus, store, token, created, config, iso, loans, serving_n
     except ValueError as e:
         store.close()
         raise SystemExit(f"tidal up: {e}") from None
-    advisor = None
-    if loans is not None and config is not None and config.serving is not None:
-        what += (f"; lending serving nodes {', '.join(f'{k} ({g} GPUs)' for k, g in serving_nodes.items())}, "
-                 f"demand from {config.serving.describe()}")
-    elif config is not None and config.serving is not None:
-        try:
-            adv, clock, speedup = start_advisor(config.serving)
-        except (OSError, ValueError) as e:
-            raise SystemExit(f"tidal up: serving: {e}") from None
-        advisor = AdvisorLoop(adv, clock, speedup)
-        what += f"; serving {config.serving.serving_gpus} GPUs, plan from {config.serving.describe()}"
-    return Plane(state_dir, store, executor, controller, token, created, what, advisor)
+    advisor, more = _serving(config, loans)
+    return Plane(state_dir, store, executor, controller, token, created, what + more, advisor)
 
 
-def _build_ray(state_dir, gpus, store, token, created, config, iso, address, agents) -> Plane:  # noqa: ANN001
+def _serving(config: ControlConfig | None, loans: LiveLoans | None) -> tuple[AdvisorLoop | None, str]:
+    """The advisor thread (a ``serving:`` block without nodes) and what to say of the serving side."""
+    if config is None or config.serving is None:
+        return None, ""
+    if loans is not None:
+        return None, (f"; lending serving nodes {', '.join(f'{k} ({g} GPUs)' for k, g in loans.nodes.items())}, "
+                      f"demand from {config.serving.describe()}")
+    try:
+        adv, clock, speedup = start_advisor(config.serving)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"tidal up: serving: {e}") from None
+    return AdvisorLoop(adv, clock, speedup), (f"; serving {config.serving.serving_gpus} GPUs, plan from "
+                                              f"{config.serving.describe()}")
+
+
+def _build_ray(state_dir, gpus, store, token, created, config, iso, address, agents, loans) -> Plane:  # noqa: ANN001
     from tidal.exec.ray_exec import RayExecutor
 
     num_gpus = None
@@ -236,12 +239,24 @@ def _build_ray(state_dir, gpus, store, token, created, config, iso, address, age
         if address is not None:
             raise SystemExit("tidal up: --gpus N declares the GPUs of a Ray that tidal up starts; with "
                              "--ray-address the cluster's nodes say how many they have")
-    executor = RayExecutor(state_dir / "jobs", address=address, num_gpus=num_gpus, isolation=iso, ckpt_agents=agents)
+    executor = RayExecutor(state_dir / "jobs", address=address, num_gpus=num_gpus, isolation=iso, ckpt_agents=agents,
+                           serving_nodes=loans.nodes if loans is not None else None)
+    try:
+        executor.check_serving()  # a serving node the cluster lacks: one line now, not a loop failing later
+    except ValueError:
+        executor.close()
+        raise
     nodes = executor.nodes()
     what = (f"Ray executor on {address or 'a local Ray'}: {len(nodes)} nodes with GPUs, "
             f"{sum(n.gpus for n in nodes)} GPUs" + (", a checkpoint agent on each" if agents else ""))
-    controller = Controller(store, executor, config, ckpt_root=state_dir / "jobs")
-    return Plane(state_dir, store, executor, controller, token, created, what, None, own_agents=agents)
+    try:
+        controller = Controller(store, executor, config, ckpt_root=state_dir / "jobs", loans=loans)
+    except ValueError:
+        executor.close()
+        raise
+    advisor, more = _serving(config, loans)
+    return Plane(state_dir, store, executor, controller, token, created, what + more, advisor,
+                 own_agents=agents)
 
 
 def open_checked(state_dir: Path, url: str) -> Store:

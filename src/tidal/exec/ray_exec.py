@@ -34,6 +34,11 @@ from it (``--ray-address``; a Ray that ``tidal up`` started itself ends with it)
 actor died with it, is reported ``vanished`` and ``lost`` (:class:`~tidal.exec.protocol.RankState`);
 the controller stops the other ranks and requeues the job on the remaining GPUs.
 
+**Serving nodes** (``serving_nodes``: Tidal node name -> GPUs, from the ``serving:`` block that lends):
+those Ray nodes are in the serving pool (:class:`~tidal.model.Node` ``pool="serving"``); the scheduler
+places spot jobs only on the GPUs serving has lent there, pinned to the node like any placement.
+:meth:`RayExecutor.check_serving` names a serving node the cluster does not have (or with other GPUs).
+
 **Checkpoint agents** (``ckpt_agents=True``, ``tidal up --ckpt-agents``): one per node, in a buddy
 ring, started and supervised from :meth:`RayExecutor.nodes` (:mod:`tidal.exec.ray_agents`); ranks get
 ``TIDAL_CKPT_AGENT``/``TIDAL_CKPT_PEERS``, so a job's ``peer`` tier survives the loss of a node.
@@ -197,8 +202,10 @@ class RayExecutor:
 
     def __init__(self, root: str | os.PathLike, *, address: str | None = None, num_gpus: int | None = None,
                  isolation: IsolationConfig | None = None, namespace: str | None = None,
-                 ready_timeout_s: float = READY_TIMEOUT_S, ckpt_agents: bool = False) -> None:
+                 ready_timeout_s: float = READY_TIMEOUT_S, ckpt_agents: bool = False,
+                 serving_nodes: Mapping[str, int] | None = None) -> None:
         self.ready_timeout_s = ready_timeout_s
+        self.serving_nodes = dict(serving_nodes or {})
         self.isolation = iso = isolation or IsolationConfig()
         if iso.uid_base is not None:
             raise ValueError(f"isolation.uid_base {iso.uid_base}: the Ray executor runs ranks as the Ray "
@@ -262,6 +269,14 @@ class RayExecutor:
         return [n for n in self._ray.nodes() if n.get("Alive")]
 
     def nodes(self) -> list[Node]:
+        out, ids = self._read_nodes()
+        self._ids = ids
+        if self.agents is not None:
+            self.agents.ensure(ids)
+        return out
+
+    def _read_nodes(self) -> tuple[list[Node], dict[str, str]]:
+        """The alive GPU nodes and node name -> Ray node id (see the module docstring)."""
         out, ids = [], {}
         for n in sorted(self._alive(), key=lambda n: n["NodeID"]):
             gpus = int(n.get("Resources", {}).get("GPU", 0))
@@ -272,10 +287,28 @@ class RayExecutor:
                 log.warning("two Ray nodes carry the label %s=%s; naming the second by its id", NODE_LABEL, name)
                 name = f"ray-{n['NodeID'][:12]}"
             ids[name] = n["NodeID"]
-            out.append(Node(name, gpus))
-        self._ids = ids
-        if self.agents is not None:
-            self.agents.ensure(ids)
+            out.append(Node(name, gpus, "serving" if name in self.serving_nodes else "training"))
+        return out, ids
+
+    def check_serving(self) -> None:
+        """``ValueError`` in one line when a serving node is not an alive GPU node of the cluster (by its
+        ``tidal.io/node`` label) or has other GPUs there than the serving side says."""
+        have = {n.name: n.gpus for n in self._read_nodes()[0]}  # no agents started for a plane that will not run
+        missing = sorted(set(self.serving_nodes) - set(have))
+        if missing:
+            raise ValueError(f"serving.nodes: {', '.join(missing)} not in the Ray cluster (a serving node is the "
+                             f"Ray node labelled {NODE_LABEL}=NAME; the cluster has {sorted(have) or 'no GPU nodes'})")
+        other = {n: (g, have[n]) for n, g in self.serving_nodes.items() if have[n] != g}
+        if other:
+            raise ValueError("serving.nodes: " + "; ".join(f"{n} has {g} GPUs there but {h} in the Ray cluster"
+                                                          for n, (g, h) in sorted(other.items())))
+
+    def used(self) -> dict[str, int]:
+        """Node -> GPUs held by tracked attempts (launched and not yet released), by their ranks' bundles."""
+        out: dict[str, int] = {}
+        for t in self._jobs.values():
+            for k in t.ranks:
+                out[k.node] = out.get(k.node, 0) + 1
         return out
 
     # -- acting --------------------------------------------------------------------------------------

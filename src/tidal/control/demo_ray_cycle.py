@@ -1,0 +1,329 @@
+"""``tidal demo ray --cycle``: the compressed day of lending on a local multi-node Ray cluster, with a
+node lost in the night.
+
+    tidal demo ray --cycle                  # 14 h of serving time (22:00 to 12:00) at 360x: ~3.5 min
+    tidal demo ray --cycle --json           # the summary as JSON on stdout (the view on stderr)
+
+What ``tidal demo cycle`` does on one machine, here across the nodes of a Ray cluster started on this
+machine (``ray.cluster_utils.Cluster``, declared GPUs, health checks every 0.5 s): two training nodes
+``train-0``/``train-1`` (1 GPU each) and two serving nodes ``serve-0``/``serve-1`` (8 GPUs each),
+driven by an embedded control plane with the Ray executor and a checkpoint agent on every node. The
+serving side is the ``serving:`` block of the plane's config (:meth:`CycleOptions.serving`: the
+shipped daily profile replayed on ``serve-0``/``serve-1``; a serving node is the Ray node of that
+name), so another adapter built from that block plugs in unchanged. Elastic spot jobs (the GPT
+example, 1 to ``--max-ranks`` ranks) checkpoint to the peer tier (other nodes' memory) every
+``ckpt_every`` steps and to disk every ``DISK_EVERY``-th of those; at night they grow onto lent GPUs
+of the serving nodes, and before the morning rise they get reclaim notices and shrink off them.
+
+At ``--kill-hour`` (serving time) the training node of a job that spans nodes and has a step in the
+peer tier is killed (its raylet SIGKILLed) and its node memory deleted, as if the machine were gone:
+the plane notices, stops the job's other ranks, requeues it, and it trains again on the rest,
+restored from the newest step in the surviving buddy's memory (the tier is in the ``recovered``
+event). The node comes back once the job trains again.
+
+The summary is the single-machine day's (GPU-hours lent and used, shortfall, reclaims met, steps
+lost, the simulator beside it) plus the node loss: detection (from the kill), recovery (from
+detection to training again), the tier and step restored from, world sizes, steps redone. Exit code
+0 only if GPUs were lent, every return met its deadline, no GPU was counted twice, and the node loss
+was detected and recovered from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.live import Live
+
+from tidal.control.client import TidalClient
+from tidal.control.config import ControlConfig
+from tidal.control.demo import SIZES, example_script
+from tidal.control.demo_cycle import (
+    CycleOptions,
+    _double_counted,
+    _hhmm,
+    _ratio,
+    _summary,
+    print_summary,
+    simulate_same_day,
+    view,
+)
+from tidal.control.demo_plane import PLANE_CONFIG, DemoError, EmbeddedPlane
+from tidal.control.demo_ray import LocalRayCluster
+from tidal.control.loans import build_live_loans
+
+TRAINING = {"train-0": 1, "train-1": 1}
+SERVING_NODES = "2x8"  # serve-0 and serve-1, 8 declared GPUs each (parse_nodes names them)
+DISK_EVERY = 3  # every 3rd save also goes to disk; the peer tier holds every one
+TENANT = "research"
+BACK_AFTER_S = 60.0
+
+
+def options(speedup: float, hours: float, start_hour: float, jobs: int, max_ranks: int) -> CycleOptions:
+    """The day's options (the defaults are ``tidal demo ray``'s); the serving nodes are the Ray cluster's."""
+    return CycleOptions(speedup=speedup, hours=hours, start_hour=start_hour, jobs=jobs, max_ranks=max_ranks,
+                        serving_nodes=SERVING_NODES)
+
+
+def job_spec(opts: CycleOptions, script: Path, ckpt_dir: Path, i: int) -> dict[str, Any]:
+    model = SIZES[opts.size]
+    args = [f"--{k}={v}" for k, v in model.items()] + ["--micro-batch=1", "--step-pause-s=0.05"]
+    return {"name": f"spot-{i}", "kind": "spot", "gpus": {"min": 1, "max": opts.max_ranks}, "max_restarts": 20,
+            "grace_s": opts.grace_s, "workdir": str(script.parents[2]),
+            "command": [sys.executable, str(script), "--parallel", "ddp", "--steps", "10000000",
+                        "--ckpt-every", str(opts.ckpt_every), "--log-every", "50", "--warmup", "10", *args],
+            "checkpoint": {"tiers": ["peer", {"url": str(ckpt_dir), "every": DISK_EVERY}]},
+            "env": {"OMP_NUM_THREADS": "1"}}
+
+
+@dataclasses.dataclass
+class NodeLoss:
+    """The night's node loss as it happens (see the module docstring)."""
+
+    at_s: float  # serving time to kill at
+    node: str | None = None
+    job: str | None = None
+    killed_s: float | None = None
+    placement: dict[str, int] | None = None
+    lost: dict | None = None  # the node_lost event
+    recovered: dict | None = None  # the recovered event
+    back: bool = False
+    killer: threading.Thread | None = None
+    tiers: dict | None = None  # the job's newest committed step per tier when the node was killed
+
+    def bring_back(self, now_s: float) -> bool:
+        """The node returns once the job trains again (or a minute after the loss was noticed, if it does
+        not: the day goes on, the summary says so)."""
+        if self.back or self.node is None or self.lost is None or (self.killer and self.killer.is_alive()):
+            return False
+        return self.recovered is not None or now_s - self.lost["time_s"] > BACK_AFTER_S
+
+    def pick(self, jobs: list[dict], serving_s: float) -> tuple[str, dict] | None:
+        """A running job spanning nodes, one of them a training node, whose attempt has committed a step to
+        the peer tier (after two hours of serving time without one: any checkpoint of the job will do)."""
+        late = serving_s >= self.at_s + 7200.0
+        for j in jobs:
+            pl = j.get("placement") or {}
+            peer = ((j.get("progress") or {}).get("tiers") or {}).get("peer")
+            if (j["state"] == "running" and len(pl) > 1 and any(n in TRAINING for n in pl)
+                    and (peer or (late and j.get("ckpt_step")))):
+                return next(n for n in sorted(pl) if n in TRAINING), j
+        return None
+
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"node": self.node, "job": self.job, "placement": self.placement, "tiers": self.tiers,
+                               "detected": self.lost is not None, "recovered": self.recovered is not None}
+        if self.lost is not None and self.killed_s is not None:
+            out["detection_s"] = round(self.lost["time_s"] - self.killed_s, 3)
+            out["ckpt_step_at_loss"] = (self.lost.get("data") or {}).get("ckpt_step")
+        if self.recovered is not None:
+            d = self.recovered.get("data") or {}
+            out.update(recovery_s=round(d.get("recovery_s", 0.0), 3), restore_tier=d.get("restore_tier"),
+                       restored_step=d.get("start_step"), steps_redone=d.get("lost_steps"),
+                       world_size=d.get("world_size"), was_world_size=d.get("was_world_size"))
+        return out
+
+
+def run(opts: CycleOptions, kill_hour: float, console: Console, *, keep: bool = False) -> dict[str, Any]:
+    opts.check()
+    if not 0 <= kill_hour < 24:
+        raise DemoError(f"--kill-hour {kill_hour:g}: expected 0 to 24")
+    script = example_script()
+    sdir = Path(tempfile.mkdtemp(prefix="tidal-ray-cycle-"))
+    serving = opts.serving()  # the plane's serving: block; its adapter is built from it (tidal.control.loans)
+    cfg = ControlConfig(**{**{f: getattr(PLANE_CONFIG, f) for f in ("restart_backoff_s", "hang_timeout_s",
+                                                                      "startup_timeout_s", "kill_slack_s",
+                                                                      "loop_interval_s")}, "serving": serving})
+    loss = NodeLoss(opts.start_s + ((kill_hour - opts.start_hour) % 24) * 3600.0)
+    if loss.at_s >= opts.start_s + opts.hours * 3600.0:
+        raise DemoError(f"--kill-hour {kill_hour:g} is not within the {opts.hours:g} h replayed from "
+                        f"{opts.start_hour:g}:00")
+    try:
+        build_live_loans(serving)  # what tidal up would refuse, said before a cluster starts
+    except (ValueError, OSError) as e:
+        raise DemoError(f"serving: {e}") from None
+    nodes = {**TRAINING, **serving_nodes(serving)}
+    console.print("[bold cyan]ray cycle[/bold cyan] starting a Ray cluster on this machine: "
+                  + ", ".join(f"{n} ({g} GPU{'s' if g > 1 else ''})" for n, g in nodes.items()), highlight=False)
+    cluster = LocalRayCluster(nodes)
+    plane: EmbeddedPlane | None = None
+    checks: list[str] = []
+    try:
+        plane = EmbeddedPlane(sdir / "state", "auto", cfg, executor="ray", ray_address=cluster.cluster.address,
+                              ckpt_agents=True)
+        url = plane.start()
+        console.print(f"[bold cyan]ray cycle[/bold cyan] control plane up at {url} ({plane.plane.describe})",
+                      highlight=False)
+        admin = TidalClient(url, plane.admin_token)
+        client = TidalClient(url, admin.create_tenant(TENANT)["token"])
+        ids = [client.submit(job_spec(opts, script, plane.state_dir / "tenants" / TENANT / f"spot-{i}", i))["id"]
+               for i in range(opts.jobs)]
+        t0 = time.monotonic()
+        s: dict = {}
+        jobs: list[dict] = []
+        seen = 0
+
+        def extra() -> tuple[tuple[str, str], ...]:
+            if loss.node is None:
+                return (("node loss", f"at {_hhmm(loss.at_s)}"),)
+            what = f"{loss.node} killed ({loss.job})"
+            if loss.lost is not None and loss.killed_s is not None:
+                what += f"; noticed in {loss.lost['time_s'] - loss.killed_s:.1f} s"
+            if loss.recovered is not None:
+                d = loss.recovered["data"]
+                what += f"; training again {d['recovery_s']:.1f} s later from tier {d['restore_tier']}"
+            return (("node loss", what),)
+
+        with Live(view({}, [], opts, 0.0, "tidal demo ray --cycle"), console=console, refresh_per_second=2,
+                  auto_refresh=console.is_terminal) as live:
+            while time.monotonic() - t0 < opts.wall_s:
+                s = client.serving()
+                jobs = [client.job(i) for i in ids]
+                checks += _double_counted(s, jobs)
+                for e in admin.events(after=seen):
+                    seen = e["id"]
+                    if e["kind"] == "node_lost" and e.get("job") == loss.job and loss.lost is None:
+                        loss.lost = e
+                    if e["kind"] == "recovered" and e.get("job") == loss.job and loss.recovered is None:
+                        loss.recovered = e
+                    if e["kind"] in ("loan", "reclaim", "return", "serving_action_failed", "node_lost", "recovered",
+                                     "node") or (e["kind"] == "transition" and e.get("to") in ("resizing",
+                                                                                             "preempting")):
+                        console.print(f"[dim]{_hhmm(s.get('serving_time_s') or 0)}[/dim] "
+                                      f"{e.get('job') or ''} {e['message']}", highlight=False)
+                if loss.node is None and (s.get("serving_time_s") or 0) >= loss.at_s:
+                    _kill(loss, jobs, s["serving_time_s"], cluster, plane, console)
+                if loss.bring_back(time.time()):
+                    cluster.add(loss.node)  # type: ignore[arg-type]
+                    loss.back = True
+                    console.print(f"[bold cyan]ray cycle[/bold cyan] node {loss.node} comes back", highlight=False)
+                live.update(view(s, jobs, opts, time.monotonic() - t0, "tidal demo ray --cycle", extra()))
+                time.sleep(0.5)
+        summary = _summary(opts, s, jobs, admin, checks, time.monotonic() - t0)
+        summary["nodes"] = nodes
+        summary["node_loss"] = nl = loss.summary()
+        summary["ok"] = bool(summary["ok"] and nl["detected"] and nl["recovered"])
+        console.print("[dim]running the same day through the simulator...[/dim]")
+        summary["simulator"] = sim = simulate_same_day(opts, training_gpus=sum(TRAINING.values()))
+        summary["live_vs_sim"] = {k: _ratio(summary["live"][k], sim[k])
+                                  for k in ("loaned_gpu_hours", "used_gpu_hours", "shortfall_gpu_hours")}
+        return summary
+    finally:
+        old = {sg: signal.signal(sg, signal.SIG_IGN) for sg in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            shm = None
+            if plane is not None:
+                shm = plane.plane.executor.shm_root
+                plane.stop()
+            from tidal.exec.ray_exec import kill_ranks
+
+            kill_ranks(sdir / "state" / "jobs")
+            cluster.shutdown()
+            if shm is not None:
+                shutil.rmtree(shm, ignore_errors=True)
+            if not keep:
+                shutil.rmtree(sdir, ignore_errors=True)
+            else:
+                console.print(f"state kept in {sdir}")
+        finally:
+            for sg, h in old.items():
+                signal.signal(sg, h)
+
+
+def serving_nodes(serving: Any) -> dict[str, int]:
+    from tidal.serving.adapters import parse_nodes
+
+    return parse_nodes(serving.nodes)
+
+
+def _kill(loss: NodeLoss, jobs: list[dict], serving_s: float, cluster: LocalRayCluster, plane: EmbeddedPlane,
+          console: Console) -> None:
+    """Kill the training node of a job that qualifies (:meth:`NodeLoss.pick`), and delete its node memory."""
+    got = loss.pick(jobs, serving_s)
+    if got is None:
+        return  # asked again at the next poll
+    node, j = got
+    loss.node, loss.job, loss.placement = node, j["id"], dict(j["placement"])
+    p = j.get("progress") or {}
+    loss.tiers = {k: v[0] if isinstance(v, list) else v for k, v in (p.get("tiers") or {}).items()}
+    console.print(f"[bold red]ray cycle[/bold red] killing node {node} (raylet SIGKILLed, its node memory "
+                  f"deleted): {j['id']} runs on {loss.placement}, step {p.get('step')}, newest step per tier "
+                  f"{loss.tiers}", highlight=False)
+    shm = plane.plane.executor.shm_root
+
+    def kill() -> None:  # Ray waits for the node's processes to be gone: the view goes on meanwhile
+        loss.killed_s = time.time()
+        cluster.remove(node)
+        if shm is not None:
+            shutil.rmtree(shm / node, ignore_errors=True)
+
+    loss.killer = threading.Thread(target=kill, name="tidal-demo-kill", daemon=True)
+    loss.killer.start()
+
+
+def print_node_loss(console: Console, out: dict) -> None:
+    nl = out["node_loss"]
+    if nl["node"] is None:
+        console.print("[red]no node was killed: no job ran across nodes with a peer checkpoint at the kill "
+                      "hour[/red]")
+        return
+    line = f"node {nl['node']} lost ({nl['job']} on {nl['placement']}): "
+    line += f"noticed in [bold]{nl['detection_s']:.2f} s[/bold]" if nl.get("detection_s") is not None else "NOT noticed"
+    if nl["recovered"]:
+        line += (f", training again [bold]{nl['recovery_s']:.2f} s[/bold] later on {nl['world_size']} ranks "
+                 f"(were {nl['was_world_size']}) from step {nl['restored_step']} (tier {nl['restore_tier']}), "
+                 f"{nl['steps_redone']} steps redone")
+    else:
+        line += ", NOT recovered"
+    console.print(line, highlight=False)
+
+
+@contextlib.contextmanager
+def stdout_to_stderr(on: bool = True) -> Iterator[None]:
+    """File descriptor 1 goes to 2 meanwhile (for ``--json``: stdout carries the summary alone)."""
+    if not on:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def main(speedup: float, hours: float, start_hour: float, kill_hour: float, jobs: int, max_ranks: int, keep: bool,
+         json_out: bool) -> int:
+    """The ``--cycle`` variant of ``tidal demo ray``; the exit code."""
+    import json
+
+    console = Console(stderr=json_out)
+    try:
+        with stdout_to_stderr(json_out):  # Ray prints a killed raylet's last log lines on stdout
+            out = run(options(speedup, hours, start_hour, jobs, max_ranks), kill_hour, console, keep=keep)
+    except DemoError as e:
+        Console(stderr=True).print(f"[red]error:[/red] {e}", highlight=False)
+        return 2
+    if json_out:
+        print(json.dumps(out, indent=1))
+    else:
+        print_summary(console, out)
+        print_node_loss(console, out)
+    return 0 if out["ok"] else 1
+
+
+__all__ = ["NodeLoss", "job_spec", "main", "options", "run"]
