@@ -21,7 +21,8 @@ import typer
 from rich.console import Console
 from typer.testing import CliRunner
 
-from tidal.control.demo import (
+from tidal.demo.plane import kill_workers
+from tidal.demo.single import (
     DemoError,
     DemoOptions,
     Kill,
@@ -30,7 +31,6 @@ from tidal.control.demo import (
     summarize,
     summary_table,
 )
-from tidal.control.demo_plane import kill_workers
 from tidal.exec import procs
 
 TINY = ["--size", "tiny", "--steps", "100", "--ckpt-every", "10", "--kill-at", "0.3"]  # a wide window to kill in

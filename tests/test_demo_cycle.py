@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from rich.console import Console
 
-from tidal.control.demo_cycle import CycleOptions, run_cycle
+from tidal.demo.cycle import CycleOptions, run_cycle
 
 pytestmark = pytest.mark.slow
 

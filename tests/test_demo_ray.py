@@ -10,7 +10,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from tidal.control.demo_ray import demo_ray
+from tidal.demo.on_ray import demo_ray
 
 
 def app() -> typer.Typer:

@@ -76,9 +76,9 @@ def _serving() -> None:
 
 
 def _demo() -> None:
-    from tidal.control.demo import demo
-    from tidal.control.demo_cycle import cycle
-    from tidal.control.demo_ray import demo_ray
+    from tidal.demo.cycle import cycle
+    from tidal.demo.on_ray import demo_ray
+    from tidal.demo.single import demo
 
     demo_app = typer.Typer(
         invoke_without_command=True,

@@ -48,8 +48,8 @@ from rich.live import Live
 
 from tidal.control.client import TidalClient
 from tidal.control.config import ControlConfig
-from tidal.control.demo import SIZES, example_script
-from tidal.control.demo_cycle import (
+from tidal.control.loans import build_live_loans
+from tidal.demo.cycle import (
     CycleOptions,
     _double_counted,
     _hhmm,
@@ -59,9 +59,9 @@ from tidal.control.demo_cycle import (
     simulate_same_day,
     view,
 )
-from tidal.control.demo_plane import PLANE_CONFIG, DemoError, EmbeddedPlane
-from tidal.control.demo_ray import LocalRayCluster
-from tidal.control.loans import build_live_loans
+from tidal.demo.on_ray import LocalRayCluster
+from tidal.demo.plane import PLANE_CONFIG, DemoError, EmbeddedPlane
+from tidal.demo.single import SIZES, example_script
 
 TRAINING = {"train-0": 1, "train-1": 1}
 SERVING_NODES = "2x8"  # serve-0 and serve-1, 8 declared GPUs each (parse_nodes names them)

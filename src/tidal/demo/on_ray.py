@@ -38,8 +38,8 @@ import typer
 from rich.console import Console
 
 from tidal.control.client import ApiError, TidalClient
-from tidal.control.demo import SIZES, example_script
-from tidal.control.demo_plane import PLANE_CONFIG, DemoError, EmbeddedPlane, attempt_records
+from tidal.demo.plane import PLANE_CONFIG, DemoError, EmbeddedPlane, attempt_records
+from tidal.demo.single import SIZES, example_script
 
 NODES = {"n1": 2, "n2": 1, "n3": 1}
 HEALTH = {"health_check_period_ms": 500, "health_check_timeout_ms": 500, "health_check_failure_threshold": 4}
@@ -175,7 +175,7 @@ def demo_ray(steps: Annotated[int, typer.Option(help="optimizer steps of the job
              timeout: Annotated[float, typer.Option(help="give up after this many seconds")] = 600.0,
              json_out: Annotated[bool, typer.Option("--json", help="print the summary as JSON on stdout")] = False,
              cycle: Annotated[bool, typer.Option("--cycle", help="the day cycle of lending on a 4-node Ray cluster, "
-                                                 "a node lost at night (tidal.control.demo_ray_cycle)")] = False,
+                                                 "a node lost at night (tidal.demo.ray_cycle)")] = False,
              speedup: Annotated[float, typer.Option(help="--cycle: serving seconds per second (at most 480: the "
                                                     "forecast's horizon must cover the scaled timing)")] = 360.0,
              hours: Annotated[float, typer.Option(help="--cycle: hours of serving time to replay")] = 14.0,
@@ -190,7 +190,7 @@ def demo_ray(steps: Annotated[int, typer.Option(help="optimizer steps of the job
     console, err = Console(stderr=json_out), Console(stderr=True)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if cycle:
-        from tidal.control.demo_ray_cycle import main
+        from tidal.demo.ray_cycle import main
 
         raise typer.Exit(main(speedup, hours, start_hour, kill_hour, jobs, max_ranks, keep, json_out))
     if parallel not in ("ddp", "fsdp"):
@@ -205,7 +205,7 @@ def demo_ray(steps: Annotated[int, typer.Option(help="optimizer steps of the job
     def say(line: str) -> None:
         console.print(f"[dim]{time.time() - t0:6.1f}s[/dim] {line}", highlight=False)
 
-    from tidal.control.demo_ray_cycle import stdout_to_stderr
+    from tidal.demo.ray_cycle import stdout_to_stderr
 
     try:
         with stdout_to_stderr(json_out):  # Ray prints a killed raylet's last log lines on stdout

@@ -1,4 +1,4 @@
-"""The machinery behind ``tidal demo`` (:mod:`tidal.control.demo`): an embedded control plane in this
+"""The machinery behind ``tidal demo`` (:mod:`tidal.demo.single`): an embedded control plane in this
 process, finding and SIGKILLing one rank of a running job, reading the attempts' progress files, and
 stopping every worker any attempt started. The demo's options, display and summary stay in ``demo``.
 """

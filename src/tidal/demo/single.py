@@ -55,7 +55,7 @@ from tidal.contract import ENV_SHM_DIR
 from tidal.control.auth import ADMIN_TOKEN_FILE
 from tidal.control.client import ApiError, TidalClient
 from tidal.control.dashboard import dashboard_url
-from tidal.control.demo_plane import (
+from tidal.demo.plane import (
     DemoError,
     EmbeddedPlane,
     Kill,
