@@ -160,6 +160,7 @@ def generalize(
     traces: Traces = None, serving_gpus: ServingGpus = 128,
     budget: Budgets = [0.005, 0.01],  # noqa: B006 (typer reads it)
     lead_s: Annotated[float, typer.Option("--lead-s", help="Reclaim lead time in seconds.")] = 1200.0,
+    warmup_days: Annotated[float, typer.Option("--warmup-days", min=0.0, help="Days before scoring starts.")] = 2.0,
     rotations: Annotated[bool, typer.Option("--rotations/--no-rotations", help="Every whole-day rotation of "
                                             "each held-out trace (or only as recorded).")] = True,
     stress: Annotated[str, typer.Option("--stress", help="Comma-separated synthetic stress traces "
@@ -185,7 +186,8 @@ def generalize(
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--tidal") from None
     err = Console(stderr=True)
-    run(_traces(traces), serving_gpus=serving_gpus, budgets=tuple(budget), lead_s=lead_s, rotations=rotations,
+    run(_traces(traces), serving_gpus=serving_gpus, budgets=tuple(budget), lead_s=lead_s, warmup_days=warmup_days,
+        rotations=rotations,
         stress=names, stress_rotation_step=stress_rotation_step, seed=seed, tidal=overrides,
         workers=workers or None, as_json=json_out, log=lambda s: err.print(f"[dim]{escape(s)}[/]", highlight=False))
 

@@ -9,7 +9,7 @@ multiplicative AR(1) noise (10-min correlation 0.7, ~6 % per step) plus a few sm
 * ``burst`` — on day 9, at a quiet evening hour, load jumps x3 within one step and stays there for
   an hour: larger than any burst the history holds (it becomes the trace's peak).
 * ``level-shift`` — from day 7 on, load is x1.8 for good (a new tenant moves in).
-* ``holiday-week`` — 21 days; days 7-13 run at 40 % of the usual level with no weekday/weekend
+* ``holiday-week`` — 21 days; days 7-13 peak at 40 % of the usual peak, with no weekday/weekend
   difference and a flatter day, then the usual traffic returns at once on day 14.
 * ``multi-model`` — a pool of four models whose daily peaks fall at 3, 9, 15 and 21 h, each with its
   own level, noise and bursts; the pool's load is their sum.

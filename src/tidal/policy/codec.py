@@ -2,7 +2,8 @@
 
 ``encode(state)`` turns a (nested) frozen dataclass of floats, ints, tuples and numpy arrays into
 JSON-able data; ``decode(doc)`` rebuilds it, exactly (arrays bit for bit, NaN and infinities kept).
-Only the classes registered in :data:`CLASSES` are rebuilt, so a stored document never names code
+A field with a default may be absent (states persisted before it was added load with
+the default). Only the classes registered in :data:`CLASSES` are rebuilt, so a stored document never names code
 to run. Arrays decode read-only, as the forecaster keeps them.
 """
 
@@ -50,10 +51,15 @@ def decode(doc: Any, where: str = "state") -> Any:
             cls = CLASSES.get(doc["__dc__"])
             if cls is None:
                 raise ValueError(f"{where}: unknown state class {doc['__dc__']!r}")
-            names = {f.name for f in dataclasses.fields(cls)}
+            fs = dataclasses.fields(cls)
+            names = {f.name for f in fs}
+            # a field added later with a default may be absent (a state persisted by an older version)
+            required = {f.name for f in fs
+                        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
             kw = {k: decode(v, f"{where}.{k}") for k, v in doc.items() if k != "__dc__"}
-            if set(kw) != names:
-                raise ValueError(f"{where}: {cls.__name__} fields {sorted(set(kw) ^ names)} missing or unknown")
+            if not required <= set(kw) <= names:
+                bad = sorted((set(kw) - names) | (required - set(kw)))
+                raise ValueError(f"{where}: {cls.__name__} fields {bad} missing or unknown")
             return cls(**kw)
         if "__nd__" in doc:
             dtype, shape, data = doc["__nd__"]
