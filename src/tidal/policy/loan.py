@@ -242,18 +242,19 @@ class TidalConfig:
     max_z: float = 50.0
     """Cap of the margin, against runaway after a freak event. The budget guarantee needs a margin
     of ``max_z`` error scales to cover the pool, which it does unless the error scale is tiny."""
-    ledger_allowance_pool_h: float = math.inf
+    ledger_allowance_pool_h: float = 48.0
     """The budget ledger (:mod:`tidal.policy.budget`; ``inf`` = off): lend only while the realized
     shortfall over ``ledger_fraction x budget`` so far, plus the worst case the loans out now could
     still cause, fits an allowance of ``A = budget x N x this`` GPU-hours. Then, whatever the demand,
     shortfall <= ``ledger_fraction x budget x demand + A`` from the start, for every horizon
-    (docs/loaning.md, "The guarantee")."""
+    (docs/loaning.md, "The guarantee"). 48 (two days of the whole pool's budget) leaves the harvest
+    on the ServeGen traces as it was (``tidal bench generalize``); smaller allowances lend less."""
     ledger_fraction: float = 1.0
     """The ledger's rate ``B_l`` as a fraction of ``shortfall_budget``. Below 1, the ratio is within the
     budget over any period whose demand is at least ``N x allowance / (1 - this)`` GPU-hours."""
-    ledger_bank_pool_h: float = 0.0
+    ledger_bank_pool_h: float = 48.0
     """How much unspent budget the ledger may bank (``budget x N x this`` GPU-hours; 0 = none): more
-    harvest after quiet days, and the any-window bound grows by it."""
+    harvest after quiet days; the bound over any window (not only from the start) grows by it."""
 
     def __post_init__(self) -> None:
         if not 0 < self.shortfall_budget < 1:
