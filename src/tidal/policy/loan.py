@@ -29,7 +29,8 @@ Policies:
   of the forecast's own error scale) calibrated online to a *shortfall budget*: at most
   ``shortfall_budget`` of the demanded serving GPU-hours may go unmet. No hindsight: the margin
   moves only on shortfalls the policy's own past plans caused, plus a *tail reserve* from a long
-  memory of rare large misses (see :class:`TidalPolicy`).
+  memory of rare large misses, and a *budget ledger* that bounds the shortfall on any demand (see
+  :class:`TidalPolicy`).
 * :class:`ReactivePolicy` — lend what is idle now minus a fixed margin; reclaim when that shrinks.
 * :class:`NightWindowPolicy` — lend a fixed number of GPUs during fixed hours of the day.
 * :class:`OraclePolicy` — knows the future demand (``ctx.future_demand_gpus``): the upper bound.
@@ -324,6 +325,9 @@ class TidalPolicy:
        ``tail_budget_fraction`` of the budget (:func:`~tidal.policy.forecast_errors.tail_reserve_gpus`). It
        keeps the rare jumps that ``z`` does not learn from (the cap, the error scale's short memory)
        within the budget as far as the history has seen them.
+    5. Cap the loans by the *budget ledger* (:mod:`tidal.policy.budget`, ``ledger_*``): whatever the
+       demand, shortfall since the start <= ``ledger_fraction x budget x demand + allowance``, the
+       worst case of what is on loan now included (docs/loaning.md, "The guarantee").
     """
 
     config: TidalConfig = field(default_factory=TidalConfig)
