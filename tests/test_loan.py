@@ -260,7 +260,8 @@ def test_tidal_reclaims_before_the_daily_rise():
     the rise is forecast: the notice goes out at 7:00, the GPUs serve at 8:00, nothing is short."""
     fc = ForecastConfig(step_s=H, horizon_s=6 * H, profile_smooth_s=0, error_profile_smooth_s=0)
     timing = LoanTiming(notice_s=0, final_checkpoint_s=0, release_s=0, warmup_s=H, restart_cost_s=0)
-    pol = TidalPolicy(TidalConfig(shortfall_budget=0.01, forecast=fc, timing=timing))
+    # the budget ledger off: on day 0 it would hold back half the loans (tested in test_loan_budget.py)
+    pol = TidalPolicy(TidalConfig(shortfall_budget=0.01, forecast=fc, timing=timing, ledger_allowance_pool_h=math.inf))
     state, lent = pol.initial_state(), 0
     plans: dict[int, LoanPlan] = {}
     short_after_day0 = None
@@ -358,7 +359,8 @@ def test_tidal_tail_reserve_keeps_the_plan_that_far_above_the_center():
     lead windows seen, and the plan lends exactly what ``center + R`` spares over the lead time."""
     demand = np.where(np.arange(3 * 144) % 24 == 23, 60.0, 20.0)[:-3]  # ends three quiet steps after a spike
     cfg = TidalConfig(shortfall_budget=0.01, forecast=ForecastConfig(horizon_s=3600.0), timing=LEAD20,
-                      initial_z=0.0, calibration_rate_per_h=0.0, tail_budget_fraction=1.0)
+                      initial_z=0.0, calibration_rate_per_h=0.0, tail_budget_fraction=1.0,
+                      ledger_allowance_pool_h=math.inf)  # the reserve alone (the ledger would cap "off")
     off = replace(cfg, tail_budget_fraction=0.0)
     results = {}
     for name, c in (("on", cfg), ("off", off)):

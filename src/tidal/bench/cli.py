@@ -157,6 +157,43 @@ def forecast_rotate(
     run(traces, serving_gpus=serving_gpus, budgets=tuple(budget), rotations=rots, as_json=json_out)
 
 
+@app.command("generalize")
+def generalize(
+    traces: Traces = None, serving_gpus: ServingGpus = 128,
+    budget: Budgets = [0.005, 0.01],  # noqa: B006 (typer reads it)
+    lead_s: Annotated[float, typer.Option("--lead-s", help="Reclaim lead time in seconds.")] = 1200.0,
+    warmup_days: Annotated[float, typer.Option("--warmup-days", min=0.0, help="Days before scoring starts.")] = 2.0,
+    rotations: Annotated[bool, typer.Option("--rotations/--no-rotations", help="Every whole-day rotation of "
+                                            "each held-out trace (or only as recorded).")] = True,
+    stress: Annotated[str, typer.Option("--stress", help="Comma-separated synthetic stress traces "
+                                        "(burst, level-shift, holiday-week, multi-model; '' = none).")]
+    = "burst,level-shift,holiday-week,multi-model",
+    stress_rotation_step: Annotated[int, typer.Option("--stress-rotation-step", min=1, help="Days between the "
+                                                      "stress traces' rotations.")] = 2,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the stress traces.")] = 0,
+    tidal: Annotated[list[str], typer.Option("--tidal", help="KEY=NUMBER: a TidalConfig setting for every "
+                                             "trace; repeatable.")] = [],  # noqa: B006
+    workers: Annotated[int, typer.Option("--workers", min=0, help="Processes (0: up to 2).")] = 0,
+    json_out: JsonOut = False,
+) -> None:
+    """Leave-one-trace-out, every rotation, stress traces: Tidal vs baselines tuned on another trace."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    from tidal.bench.generalize import parse_overrides, run
+
+    names = tuple(x.strip() for x in stress.split(",") if x.strip())
+    try:
+        overrides = parse_overrides(tidal)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--tidal") from None
+    err = Console(stderr=True)
+    run(_traces(traces), serving_gpus=serving_gpus, budgets=tuple(budget), lead_s=lead_s, warmup_days=warmup_days,
+        rotations=rotations,
+        stress=names, stress_rotation_step=stress_rotation_step, seed=seed, tidal=overrides,
+        workers=workers or None, as_json=json_out, log=lambda s: err.print(f"[dim]{escape(s)}[/]", highlight=False))
+
+
 def main() -> None:
     """Run ``ckpt`` as a program of its own (``python benchmarks/ckpt.py --size-gb 1``)."""
     typer.run(ckpt)

@@ -2,8 +2,9 @@
 
 ``encode(state)`` turns a (nested) frozen dataclass of floats, ints, tuples and numpy arrays into
 JSON-able data; ``decode(doc)`` rebuilds it, exactly (arrays bit for bit, NaN and infinities kept).
-Only the classes registered in :data:`CLASSES` are rebuilt, so a stored document never names code
-to run. Fields with a default may be missing (a state stored by an older version). Arrays decode read-only, as the forecaster keeps them.
+A field with a default may be absent (states persisted before it was added load with the
+default). Only the classes registered in :data:`CLASSES` are rebuilt, so a stored document never
+names code to run. Arrays decode read-only, as the forecaster keeps them.
 """
 
 from __future__ import annotations
@@ -50,15 +51,15 @@ def decode(doc: Any, where: str = "state") -> Any:
             cls = CLASSES.get(doc["__dc__"])
             if cls is None:
                 raise ValueError(f"{where}: unknown state class {doc['__dc__']!r}")
-            names = {f.name for f in dataclasses.fields(cls)}
-            # Fields with a default may be absent: a state stored before they existed (the option they
-            # serve starts afresh).
-            optional = {f.name for f in dataclasses.fields(cls)
-                        if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
+            fs = dataclasses.fields(cls)
+            names = {f.name for f in fs}
+            # a field added later with a default may be absent (a state persisted by an older version)
+            required = {f.name for f in fs
+                        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
             kw = {k: decode(v, f"{where}.{k}") for k, v in doc.items() if k != "__dc__"}
-            if set(kw) - names or names - optional - set(kw):
-                raise ValueError(f"{where}: {cls.__name__} fields {sorted((set(kw) - names) | (names - optional - set(kw)))}"
-                                 " missing or unknown")
+            if not required <= set(kw) <= names:
+                bad = sorted((set(kw) - names) | (required - set(kw)))
+                raise ValueError(f"{where}: {cls.__name__} fields {bad} missing or unknown")
             return cls(**kw)
         if "__nd__" in doc:
             dtype, shape, data = doc["__nd__"]

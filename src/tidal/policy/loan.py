@@ -29,7 +29,8 @@ Policies:
   of the forecast's own error scale) calibrated online to a *shortfall budget*: at most
   ``shortfall_budget`` of the demanded serving GPU-hours may go unmet. No hindsight: the margin
   moves only on shortfalls the policy's own past plans caused, plus a *tail reserve* from a long
-  memory of rare large misses (see :class:`TidalPolicy`).
+  memory of rare large misses, and a *budget ledger* that bounds the shortfall on any demand (see
+  :class:`TidalPolicy`).
 * :class:`ReactivePolicy` — lend what is idle now minus a fixed margin; reclaim when that shrinks.
 * :class:`NightWindowPolicy` — lend a fixed number of GPUs during fixed hours of the day.
 * :class:`OraclePolicy` — knows the future demand (``ctx.future_demand_gpus``): the upper bound.
@@ -45,6 +46,7 @@ import numpy as np
 
 from tidal.contract import DEFAULT_GRACE_S
 from tidal.model import Reclaim
+from tidal.policy.budget import ledger_update, max_lendable
 from tidal.policy.forecast import (
     Forecast,
     ForecastConfig,
@@ -145,12 +147,13 @@ def _frozen(a: np.ndarray) -> np.ndarray:
 
 def plan_loans(*, now_s: float, serving_gpus: int, lent_gpus: int, demand_now_gpus: float,
                times_s: np.ndarray, upper_gpus: np.ndarray, timing: LoanTiming,
-               margin_gpus: float = 0.0) -> LoanPlan:
+               margin_gpus: float = 0.0, max_lendable_gpus: int | None = None) -> LoanPlan:
     """Turn an upper bound on demand at ``times_s`` (increasing, all > ``now_s``) into a plan.
 
     See the module docstring for the rule. ``demand_now_gpus`` may be NaN (no observation). The
     plan never lends more than ``N - ceil(upper(s))`` for any ``s`` in ``(now, now + lead]`` (the
-    first grid time if none falls inside), nor more than ``N - ceil(demand now)``.
+    first grid time if none falls inside), nor more than ``N - ceil(demand now)``, nor more than
+    ``max_lendable_gpus`` (the budget ledger's cap, :mod:`tidal.policy.budget`; None = no cap).
     """
     n = int(serving_gpus)
     if n < 0:
@@ -183,6 +186,8 @@ def plan_loans(*, now_s: float, serving_gpus: int, lent_gpus: int, demand_now_gp
     early = next((i for i, t in enumerate(tl) if t - lead - now_s >= window), len(tl))  # the first late enough
     worthwhile = running[early - 1] if early > 0 else safe
     lendable = max(kept, min(safe, worthwhile))
+    if max_lendable_gpus is not None:
+        lendable = min(lendable, max(0, int(max_lendable_gpus)))
     # GPUs k in (running(s), min(running(s-), lendable)] are due back at s, where running drops.
     after_notice = timing.notice_s + timing.final_checkpoint_s  # from the notice until the jobs are off
     reclaims = tuple(Reclaim(gpus=min(a, lendable) - b, by_s=(t - lead) + after_notice, notice_s=t - lead,
@@ -238,6 +243,19 @@ class TidalConfig:
     max_z: float = 50.0
     """Cap of the margin, against runaway after a freak event. The budget guarantee needs a margin
     of ``max_z`` error scales to cover the pool, which it does unless the error scale is tiny."""
+    ledger_allowance_pool_h: float = 48.0
+    """The budget ledger (:mod:`tidal.policy.budget`; ``inf`` = off): lend only while the realized
+    shortfall over ``ledger_fraction x budget`` so far, plus the worst case the loans out now could
+    still cause, fits an allowance of ``A = budget x N x this`` GPU-hours. Then, whatever the demand,
+    shortfall <= ``ledger_fraction x budget x demand + A`` from the start, for every horizon
+    (docs/loaning.md, "The guarantee"). 48 (two days of the whole pool's budget) leaves the harvest
+    on the ServeGen traces as it was (``tidal bench generalize``); smaller allowances lend less."""
+    ledger_fraction: float = 1.0
+    """The ledger's rate ``B_l`` as a fraction of ``shortfall_budget``. Below 1, the ratio is within the
+    budget over any period whose demand is at least ``N x allowance / (1 - this)`` GPU-hours."""
+    ledger_bank_pool_h: float = 48.0
+    """How much unspent budget the ledger may bank (``budget x N x this`` GPU-hours; 0 = none): more
+    harvest after quiet days; the bound over any window (not only from the start) grows by it."""
 
     def __post_init__(self) -> None:
         if not 0 < self.shortfall_budget < 1:
@@ -247,6 +265,11 @@ class TidalConfig:
                              f"got {self.tail_budget_fraction}, {self.tail_kappa} and {self.tail_period_s}")
         if not 0 < self.aim_fraction <= 1:
             raise ValueError(f"TidalConfig.aim_fraction must be in (0, 1], got {self.aim_fraction}")
+        if not self.ledger_allowance_pool_h > 0 or not 0 < self.ledger_fraction <= 1 \
+                or not 0 <= self.ledger_bank_pool_h < math.inf:
+            raise ValueError("TidalConfig.ledger_allowance_pool_h must be > 0 (inf = off), ledger_fraction in "
+                             "(0, 1] and ledger_bank_pool_h finite and >= 0, got "
+                             f"{self.ledger_allowance_pool_h}, {self.ledger_fraction} and {self.ledger_bank_pool_h}")
         horizon_needed = self.timing.lead_time_s + self.timing.min_loan_window_s
         if self.forecast.horizon_s < horizon_needed:
             raise ValueError(f"TidalConfig.forecast.horizon_s ({self.forecast.horizon_s:g}) must cover the lead "
@@ -260,7 +283,8 @@ class TidalState:
     ``z`` is the calibrated margin; ``commitments`` are ``(decided_at_s, until_s, supply_gpus)``:
     each plan promised serving at least ``N - lendable`` GPUs through ``until_s`` (its lead
     time). ``shortfall_gpu_s`` / ``demand_gpu_s`` add up realized shortfall against those promises
-    and demand, in GPU-seconds (assuming every lendable GPU was lent).
+    and demand, in GPU-seconds (assuming every lendable GPU was lent). ``ledger_gpu_s`` is the budget
+    ledger ``G`` (:mod:`tidal.policy.budget`; stays 0 while the ledger is off).
     """
 
     forecast: ForecastState
@@ -268,6 +292,7 @@ class TidalState:
     commitments: tuple[tuple[float, float, int], ...] = ()
     shortfall_gpu_s: float = 0.0
     demand_gpu_s: float = 0.0
+    ledger_gpu_s: float = 0.0
 
     @property
     def shortfall_ratio(self) -> float:
@@ -300,6 +325,9 @@ class TidalPolicy:
        ``tail_budget_fraction`` of the budget (:func:`~tidal.policy.forecast_errors.tail_reserve_gpus`). It
        keeps the rare jumps that ``z`` does not learn from (the cap, the error scale's short memory)
        within the budget as far as the history has seen them.
+    5. Cap the loans by the *budget ledger* (:mod:`tidal.policy.budget`, ``ledger_*``): whatever the
+       demand, shortfall since the start <= ``ledger_fraction x budget x demand + allowance``, the
+       worst case of what is on loan now included (docs/loaning.md, "The guarantee").
     """
 
     config: TidalConfig = field(default_factory=TidalConfig)
@@ -316,6 +344,8 @@ class TidalPolicy:
         if new_obs:
             fs = observe(cfg.forecast, fs, ctx.now_s, ctx.demand_gpus)
         z, shortfall_gpu_s, demand_gpu_s = state.z, state.shortfall_gpu_s, state.demand_gpu_s
+        ledger = state.ledger_gpu_s
+        ledger_on = cfg.ledger_allowance_pool_h < math.inf
         covering = [c for c in state.commitments if c[0] < ctx.now_s - EPS and ctx.now_s <= c[1] + EPS]
         y = ctx.demand_gpus
         if new_obs and not math.isnan(y) and n > 0:
@@ -327,17 +357,33 @@ class TidalPolicy:
             counted = min(shortfall, cfg.shortfall_cap_scales * cap_unit) if cap_unit > 0 else shortfall
             z += cfg.calibration_rate_per_h * dt_s / 3600.0 * (counted - b * y) / (b * n)
             z = min(cfg.max_z, max(cfg.min_z, z))
+            if ledger_on:  # the loans' part of the shortfall: demand beyond the pool is not theirs
+                own = max(0.0, min(y, n) - min(c[2] for c in covering)) if covering else 0.0
+                ledger = ledger_update(ledger, own, y, dt_s, cfg.ledger_fraction * cfg.shortfall_budget,
+                                       cfg.shortfall_budget * n * cfg.ledger_bank_pool_h * 3600.0)
         if fs.n_obs == 0:  # nothing known yet: lend nothing
             fc = None
         else:
             fc = forecast(cfg.forecast, fs)
         reserve = self._reserve(fs)
-        plan = self._plan(ctx, fc, z, reserve)
         commitments = tuple(c for c in state.commitments if c[1] > ctx.now_s + EPS)
+        cap = self._ledger_cap(ctx.now_s, n, ledger, commitments) if ledger_on else None
+        plan = self._plan(ctx, fc, z, reserve, cap)
         commitments += ((ctx.now_s, ctx.now_s + cfg.timing.lead_time_s, n - plan.lendable_gpus),)
         new_state = replace(state, forecast=fs, z=z, commitments=commitments,
-                            shortfall_gpu_s=shortfall_gpu_s, demand_gpu_s=demand_gpu_s)
+                            shortfall_gpu_s=shortfall_gpu_s, demand_gpu_s=demand_gpu_s, ledger_gpu_s=ledger)
         return plan, new_state
+
+    def _ledger_cap(self, now_s: float, n: int, ledger: float,
+                    commitments: tuple[tuple[float, float, int], ...]) -> int:
+        """The most GPUs the budget ledger lets be on loan now (:func:`~tidal.policy.budget.max_lendable`)."""
+        cfg = self.config
+        step = cfg.forecast.step_s
+        grid = [now_s + step * j for j in range(1, int(math.floor(cfg.timing.lead_time_s / step + EPS)) + 1)]
+        committed = [max([n - c[2] for c in commitments if c[0] < u - EPS and u <= c[1] + EPS], default=0)
+                     for u in grid]
+        allowance = cfg.shortfall_budget * n * cfg.ledger_allowance_pool_h * 3600.0
+        return max_lendable(ledger, allowance, [float(max(c, 0)) for c in committed], step, n)
 
     def _lead_scale(self, fs: ForecastState) -> float:
         """The forecast's error scale at the lead time, from the last path (0 if none yet)."""
@@ -357,7 +403,8 @@ class TidalPolicy:
         return tail_reserve_gpus(cfg.forecast, fs, lead_steps, cfg.tail_budget_fraction * cfg.shortfall_budget,
                                  kappa=cfg.tail_kappa, period_steps=cfg.tail_period_s / cfg.forecast.step_s)
 
-    def _plan(self, ctx: LoanContext, fc: Forecast | None, z: float, reserve: float = 0.0) -> LoanPlan:
+    def _plan(self, ctx: LoanContext, fc: Forecast | None, z: float, reserve: float = 0.0,
+              cap: int | None = None) -> LoanPlan:
         cfg = self.config
         step = cfg.forecast.step_s
         if fc is None:
@@ -372,7 +419,7 @@ class TidalPolicy:
             margin = max(float(z * fc.scale_gpus[keep][max(lead_i, 0)]), reserve)
         return plan_loans(now_s=ctx.now_s, serving_gpus=ctx.serving_gpus, lent_gpus=ctx.lent_gpus,
                           demand_now_gpus=ctx.demand_gpus, times_s=times, upper_gpus=upper,
-                          timing=cfg.timing, margin_gpus=margin)
+                          timing=cfg.timing, margin_gpus=margin, max_lendable_gpus=cap)
 
 
 # ---------------------------------------------------------------------------------------------

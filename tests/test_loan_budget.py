@@ -1,0 +1,153 @@
+"""The budget ledger (tidal.policy.budget) and the guarantee it gives TidalPolicy, on any demand.
+
+The property tests drive the real TidalPolicy over generated demand (bursts larger than anything
+before, level shifts, gaps, and an adversary that sends demand to the whole pool right after each
+loan), recompute the shortfall independently of the policy (the fluid model's strict shortfall: a
+GPU lent in the plan made at t is away through t + lead), and check the bound of docs/loaning.md,
+"The guarantee", for every generated series.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tidal.policy import codec
+from tidal.policy.budget import exposure_gpu_s, ledger_update, max_lendable
+from tidal.policy.forecast import ForecastConfig
+from tidal.policy.loan import LoanContext, LoanTiming, TidalConfig, TidalPolicy
+
+STEP = 1800.0
+LEAD_STEPS = 2
+N = 40
+TIMING = LoanTiming(notice_s=0, final_checkpoint_s=0, release_s=0, warmup_s=LEAD_STEPS * STEP, restart_cost_s=0)
+
+
+def config(**kw) -> TidalConfig:
+    base = dict(shortfall_budget=0.01, forecast=ForecastConfig(step_s=STEP, horizon_s=6 * 3600.0), timing=TIMING,
+                ledger_allowance_pool_h=2.0, ledger_fraction=0.8, ledger_bank_pool_h=1.0)
+    return TidalConfig(**{**base, **kw})
+
+
+def drive(cfg: TidalConfig, demand: list[float], adversary: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(lent per step, demand per step); with ``adversary``, demand jumps to the pool (and beyond)
+    at every step where GPUs are away, i.e. right after each loan."""
+    policy = TidalPolicy(cfg)
+    state = policy.initial_state()
+    lent = np.zeros(len(demand), dtype=int)
+    seen = np.array(demand, dtype=float)
+    for t in range(len(demand)):
+        if adversary and t > 0 and lent[max(0, t - LEAD_STEPS): t].max() > 0 and not math.isnan(seen[t]):
+            seen[t] = N * 1.2  # beyond the pool: only the pool's part counts against the loans
+        plan, state = policy(LoanContext(now_s=t * STEP, serving_gpus=N, demand_gpus=float(seen[t]),
+                                         lent_gpus=int(lent[t - 1]) if t else 0), state)
+        lent[t] = plan.lendable_gpus
+    assert codec.decode(codec.encode(state)).ledger_gpu_s == state.ledger_gpu_s
+    return lent, seen
+
+
+def check_bound(cfg: TidalConfig, lent: np.ndarray, demand: np.ndarray) -> None:
+    """The shortfall the loans caused, recomputed here, within the guarantee from the start and in any window."""
+    ok = ~np.isnan(demand)
+    d = np.where(ok, np.minimum(np.nan_to_num(demand), N), 0.0)
+    away = np.array([lent[max(0, u - LEAD_STEPS): u].max() if u else 0 for u in range(len(lent))])
+    short = np.where(ok, np.maximum(0.0, d - (N - away)), 0.0)
+    rate = cfg.ledger_fraction * cfg.shortfall_budget
+    allowance = cfg.shortfall_budget * N * cfg.ledger_allowance_pool_h * 3600.0 / STEP  # GPU-steps
+    bank = cfg.shortfall_budget * N * cfg.ledger_bank_pool_h * 3600.0 / STEP
+    excess = np.cumsum(short - rate * np.where(ok, np.nan_to_num(demand), 0.0))  # demand counts in full
+    assert excess.max() <= allowance + 1e-6, (excess.max(), allowance)
+    worst_window = (excess - np.minimum.accumulate(np.concatenate([[0.0], excess[:-1]]))).max()
+    assert worst_window <= allowance + bank + 1e-6, (worst_window, allowance + bank)
+
+
+def series(draw) -> list[float]:
+    """A demand series: a daily cycle, a level shift, bursts far beyond the history, gaps."""
+    steps = draw(st.integers(96, 200))
+    base = draw(st.floats(0.1, 0.6)) * N
+    t = np.arange(steps)
+    d = base * (1 + 0.3 * np.sin(2 * np.pi * t / 48))
+    shift_at = draw(st.integers(0, steps))
+    d[shift_at:] *= draw(st.floats(0.3, 2.5))
+    for _ in range(draw(st.integers(0, 6))):
+        at, length = draw(st.integers(0, steps - 1)), draw(st.integers(1, 8))
+        d[at:at + length] = draw(st.floats(0.5, 1.5)) * N
+    d = np.minimum(d, 2 * N)
+    for _ in range(draw(st.integers(0, 3))):
+        at = draw(st.integers(0, steps - 1))
+        d[at:at + draw(st.integers(1, 6))] = math.nan
+    return d.tolist()
+
+
+SETTINGS = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@SETTINGS
+@given(data=st.data(), adversary=st.booleans(), budget=st.sampled_from([0.005, 0.01, 0.05]),
+       fraction=st.sampled_from([0.5, 1.0]), bank=st.sampled_from([0.0, 2.0]))
+def test_property_the_ledger_bounds_the_shortfall_on_any_demand(data, adversary, budget, fraction, bank):
+    cfg = config(shortfall_budget=budget, ledger_fraction=fraction, ledger_bank_pool_h=bank,
+                 ledger_allowance_pool_h=data.draw(st.sampled_from([1.0, 4.0])))
+    lent, demand = drive(cfg, data.draw(st.composite(lambda draw: series(draw))()), adversary)
+    check_bound(cfg, lent, demand)
+
+
+def test_without_the_ledger_the_adversary_breaks_the_bound():
+    """The property above fails when the guarantee is removed: same adversary, ledger off."""
+    demand = (0.3 * N * (1 + 0.2 * np.sin(2 * np.pi * np.arange(150) / 48))).tolist()
+    cfg = config()
+    lent, seen = drive(cfg, demand, adversary=True)
+    check_bound(cfg, lent, seen)
+    assert lent.sum() > 0  # it still lends
+    off = config(ledger_allowance_pool_h=math.inf)
+    lent, seen = drive(off, demand, adversary=True)
+    with pytest.raises(AssertionError):
+        check_bound(cfg, lent, seen)
+
+
+def test_max_lendable_is_the_largest_fitting_loan():
+    # allowance 10 GPU-steps, nothing spent: two grid steps of the lead -> 5 GPUs.
+    assert max_lendable(0.0, 10.0, [0.0, 0.0], 1.0, 100) == 5
+    # 6 GPUs still away at the first step (an earlier loan): 6 + L + ... : max(6, L) + L <= 10 -> 4.
+    assert max_lendable(0.0, 10.0, [6.0, 0.0], 1.0, 100) == 4
+    assert max_lendable(0.0, 13.0, [6.0, 0.0], 1.0, 100) == 6  # max(6, 6) + 6 = 12 <= 13; 7 + 7 > 13
+    assert max_lendable(4.0, 10.0, [6.0, 0.0], 1.0, 100) == 0  # the earlier loan alone uses the room
+    assert max_lendable(5.0, 10.0, [6.0, 0.0], 1.0, 100) == 0  # ... and more than it: nothing new
+    assert max_lendable(0.0, 1e9, [0.0, 0.0], 1.0, 100) == 100  # never more than the pool
+    assert max_lendable(0.0, 0.0, [], 1.0, 7) == 7  # lead shorter than a step: nothing is at risk
+    for c, room in [([3.0, 9.0, 1.0], 40.0), ([0.0, 0.0, 5.0], 17.0), ([2.5, 2.5], 9.9)]:
+        best = max_lendable(0.0, room, c, 1.0, 1000)
+        assert exposure_gpu_s(c, best, 1.0) <= room and exposure_gpu_s(c, best + 1, 1.0) > room
+
+
+def test_ledger_update_is_a_floored_cusum():
+    assert ledger_update(0.0, 2.0, 100.0, 10.0, 0.01, 5.0) == pytest.approx(10.0)  # (2 - 1) * 10
+    assert ledger_update(0.0, 0.0, 100.0, 10.0, 0.01, 5.0) == -5.0  # banks at most 5
+    assert ledger_update(0.0, 0.0, 100.0, 10.0, 0.01, 0.0) == 0.0
+
+
+def test_ledger_config_is_checked():
+    with pytest.raises(ValueError, match="ledger_allowance_pool_h"):
+        config(ledger_allowance_pool_h=0.0)
+    with pytest.raises(ValueError, match="ledger_fraction"):
+        config(ledger_fraction=1.5)
+    with pytest.raises(ValueError, match="ledger_bank_pool_h"):
+        config(ledger_bank_pool_h=math.inf)
+
+
+def test_a_state_persisted_before_the_ledger_loads_with_it_at_zero():
+    policy = TidalPolicy(config())
+    _, state = policy(LoanContext(now_s=0.0, serving_gpus=N, demand_gpus=10.0), policy.initial_state())
+    doc = codec.encode(state)
+    del doc["ledger_gpu_s"]  # what the live plane stored before this field existed
+    assert codec.decode(doc).ledger_gpu_s == 0.0
+    doc["bogus"] = 1.0
+    with pytest.raises(ValueError, match=r"fields \['bogus'\] missing or unknown"):
+        codec.decode(doc)
+    del doc["bogus"], doc["z"]  # a field without a default is still required
+    with pytest.raises(ValueError, match=r"fields \['z'\] missing or unknown"):
+        codec.decode(doc)
