@@ -49,12 +49,30 @@ BASE = {"adapter": "ray-serve", "app": "toy", "deployment": "tidal.serving.ray_s
     ({"speedup": 0}, "serving.speedup"),
     ({"start_s": "noon"}, "serving.start_s"),
     ({"min_replicas": 5}, "serving.min_replicas"),
+    # attacks: a trailing newline passed `$`; Serve would refuse these only at the first loan step
+    ({"app": "toy\n"}, "serving.app"),
+    ({"deployment": "tidal.serving.ray_serve_app:sleep_model\n"}, "serving.deployment"),
+    ({"nodes": {"n1\n": 2}}, "serving.nodes"),
+    ({"http_host": "127.0.0.1\x00"}, "serving.http_host"),
+    ({"http_host": 5}, "serving.http_host"),
+    ({"route_prefix": "/llm/"}, "serving.route_prefix"),
+    ({"route_prefix": "/{x}"}, "serving.route_prefix"),
+    ({"route_prefix": "/a\x00b"}, "serving.route_prefix"),
+    ({"shortfall_budget": 2}, "serving.shortfall_budget"),
+    ({"latency_of": "response", "latency_target_s": 0}, "serving.latency_target_s"),
 ])
 def test_bad_settings_one_line_naming_the_field(change, field):
     with pytest.raises(ValueError) as e:
         WatchConfig.from_dict({**BASE, **change})
     msg = str(e.value)
     assert field in msg and "\n" not in msg, msg
+
+
+def test_a_response_time_target_needs_no_service_rate_prior():
+    # was refused: the check assumed 1 request/s per replica (p99 service 4.6 s) when no prior was given
+    cfg = WatchConfig.from_dict({**BASE, "latency_of": "response", "latency_target_s": 0.5,
+                                 "route_prefix": "/llm", "http_host": "::1"})
+    assert RayServeSettings.from_config(cfg).latency_of == "response"
 
 
 def test_ray_serve_fields_only_with_its_adapter():
@@ -207,6 +225,74 @@ def test_demand_from_the_routers_counts():
     assert Recorded(service_rate_per_replica=10.0, min_replicas=0).demand_from(idle) == 0.0
 
 
+def test_demand_no_replica_count_meets_is_every_serving_gpu_not_unknown():
+    # unknown (NaN) would keep every loan: a flood or a service slower than the target must reclaim
+    a = Recorded(latency_of="response", latency_target_s=0.05)
+    slow = {"window_s": 10.0, "arrivals": 400, "completed": 390, "service_sum_s": 390 * 0.05}
+    assert a.demand_from(slow) == 4.0 and "all serving GPUs" in a.last_error
+    flood = {"window_s": 10.0, "arrivals": 10**15, "completed": 390, "service_sum_s": 390 * 0.05}
+    assert Recorded().demand_from(flood) == 4.0
+
+
+def test_the_router_rate_counts_what_it_kept_when_more_arrived(monkeypatch):
+    from tidal.serving import ray_serve_app
+
+    monkeypatch.setattr(ray_serve_app, "MAX_SAMPLES", 100)
+    r = ray_serve_app.Router.func_or_class({"n1": None}, {"n1": 1}, window_s=3600.0)
+    r.started -= 7200.0
+    now = time.monotonic()
+    for i in range(1000):  # 10 requests/s over the last 100 s; only the newest 100 are kept
+        r.arrivals.append(now - 100.0 + i / 10)
+    st = r.sync(None)
+    assert st["arrivals"] == 100 and 9.0 <= st["arrivals"] / st["window_s"] <= 11.0, st
+
+
+class Healing(RayServeAdapter):
+    """Serve's application as a field (None: deleted by someone else); the router call fails on demand."""
+
+    def __init__(self) -> None:
+        super().__init__(RayServeSettings(app="toy", deployment="m:d", nodes=dict(NODES), latency_target_s=0.2))
+        self.deploys = 0
+        self.app: Any = "running"
+        self.router_down = False
+        self.scaled: list[tuple[str, int]] = []
+
+    def _ensure(self) -> None:
+        self.deploys += 1
+        self.app = "running"
+        self.deployed = True
+
+    def status(self, fresh: bool = False) -> Any:
+        if self.app is None:
+            return None
+        states = {"status": "HEALTHY", "replica_states": {"RUNNING": 2}}
+        deps = {f"-{n}": type("D", (), states)() for n in NODES}
+        return type("A", (), {"deployments": deps})()
+
+    def _scale(self, node: str, replicas: int) -> None:
+        self.scaled.append((node, replicas))
+
+    def _sync(self, slots):
+        if self.router_down:
+            self._forget()
+            raise AdapterError("the router of toy: RayActorError: dead")
+        return {}
+
+
+def test_an_application_deleted_or_broken_under_the_adapter_is_deployed_or_checked_again():
+    a = Healing()
+    assert a.ready("n1") and a.deploys == 1
+    a.app = None  # serve delete toy
+    assert not a.ready("n1") and not a.deployed
+    assert a.ready("n1") and a.deploys == 2  # deployed again, serving again
+    a.router_down = True
+    with pytest.raises(AdapterError, match="router of toy"):
+        a.release("n1", 1, 1, 0.0)
+    a.router_down = False
+    a.release("n1", 1, 1, 0.0)  # checked again (adopted: the counts re-applied), then lent
+    assert a.deploys == 3 and a.released()["n1"] == 1 and a.scaled == [("n1", 1)]
+
+
 class Gated(ReplayAdapter):
     def __init__(self, *a: Any, **kw: Any) -> None:
         super().__init__(*a, **kw)
@@ -294,6 +380,28 @@ def test_load_generator_open_loop_poisson_records_latency_and_failures(tmp_path)
     assert down and all(r.status == 0 and r.error and not r.ok for r in down)
     with pytest.raises(ValueError, match="url"):
         asyncio.run(loadgen.generate("ftp://x", rate, 1.0))
+
+
+@pytest.mark.parametrize("args, hint, says", [
+    (["http://[::1", "--rate", "5"], "URL", "Invalid port"),  # was a traceback (httpx.InvalidURL)
+    (["http://127.0.0.1:99999/", "--rate", "5"], "URL", "http(s)://host"),  # was OverflowError per request
+    (["http://", "--rate", "5"], "URL", "http(s)://host"),
+    (["http://127.0.0.1:1/", "--rate", "1e300"], "--rate / --duration-s", "more than"),  # hung drawing
+    (["http://127.0.0.1:1/", "--rate", "5", "--duration-s", "1e12"], "--rate / --duration-s", "more than"),
+    (["http://127.0.0.1:1/", "--rate", "5", "--records", "/nonexistent/r.jsonl"], "--records", "No such"),
+    (["http://127.0.0.1:1/", "--trace", "{bad}"], "--trace", "bad.csv"),  # was blamed on the URL
+])
+def test_load_generator_bad_input_one_clear_error_before_any_load(tmp_path, args, hint, says):
+    from typer.testing import CliRunner
+
+    from tidal.serving.cli import app
+
+    (tmp_path / "bad.csv").write_text("time,load\nnoon,x\n")
+    args = [a.replace("{bad}", str(tmp_path / "bad.csv")) for a in args]
+    res = CliRunner().invoke(app, ["load", *args])
+    text = " ".join(res.output.replace("│", " ").split())
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert f"Invalid value for {hint}:" in text and says in text, text
 
 
 # ---------------------------------------------------------------------------- on a real cluster

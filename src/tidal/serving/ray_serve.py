@@ -50,8 +50,10 @@ log = logging.getLogger(__name__)
 
 ADAPTER = "ray-serve"
 STATUS_TTL_S = 0.25  # serve.status() is read at most this often
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
-_IMPORT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")  # all patterns: fullmatch (no trailing newline)
+_IMPORT = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", re.ASCII)
+_PREFIX = re.compile(r"/|(/[A-Za-z0-9._~-]+)+")  # what Serve accepts (no trailing /, no {wildcards}), URL-safe
+_HOST = re.compile(r"[A-Za-z0-9.:_-]{1,253}")  # a host name or an IPv4/IPv6 address
 
 
 @dataclass(frozen=True)
@@ -79,14 +81,14 @@ class RayServeSettings:
 
     def __post_init__(self) -> None:
         w = "serving"
-        if not isinstance(self.app, str) or not _NAME.match(self.app):
+        if not isinstance(self.app, str) or not _NAME.fullmatch(self.app):
             raise ValueError(f"{w}.app must name the Serve application (letters, digits, . _ -), got "
                              f"{self.app!r}")
-        if not isinstance(self.deployment, str) or not _IMPORT.match(self.deployment):
+        if not isinstance(self.deployment, str) or not _IMPORT.fullmatch(self.deployment):
             raise ValueError(f"{w}.deployment must be an import path module:attribute of a Serve deployment, "
                              f"got {self.deployment!r}")
         for n in self.nodes:
-            if not _NAME.match(n):
+            if not isinstance(n, str) or not _NAME.fullmatch(n):
                 raise ValueError(f"{w}.nodes: {n!r} is not usable as a Ray Serve deployment suffix (letters, "
                                  "digits, . _ -)")
         g = self.gpus_per_replica
@@ -96,8 +98,11 @@ class RayServeSettings:
         if bad:
             raise ValueError(f"{w}.nodes: {bad[0]} has {self.nodes[bad[0]]} GPUs, not a multiple of "
                              f"serving.gpus_per_replica ({g})")
-        if not isinstance(self.route_prefix, str) or not self.route_prefix.startswith("/"):
-            raise ValueError(f"{w}.route_prefix must start with '/', got {self.route_prefix!r}")
+        if not isinstance(self.route_prefix, str) or not _PREFIX.fullmatch(self.route_prefix):
+            raise ValueError(f"{w}.route_prefix must be '/' or a URL path like /llm (letters, digits, . _ ~ -; "
+                             f"no trailing /), got {self.route_prefix!r}")
+        if not isinstance(self.http_host, str) or not _HOST.fullmatch(self.http_host):
+            raise ValueError(f"{w}.http_host must be a host name or IP address, got {self.http_host!r}")
         port = self.http_port
         if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
             raise ValueError(f"{w}.http_port must be a port number, got {self.http_port!r}")
@@ -123,7 +128,8 @@ class RayServeSettings:
         if self.latency_target_s is None:
             raise ValueError(f"{w}.latency_target_s is required with adapter ray-serve (the SLO demand is "
                              "computed for)")
-        self.model(self.service_rate_per_replica or 1.0)  # checks the latency settings, naming the field
+        # checks the latency settings, naming the field; without a prior, only what no service rate meets
+        self.model(self.service_rate_per_replica or 1e12)
 
     def model(self, service_rate_per_replica: float) -> RequestModel:
         m = RequestModel.from_settings({
@@ -301,6 +307,7 @@ class RayServeAdapter:
         try:
             ray.get(ref, timeout=self.s.actions_timeout_s)
         except Exception as e:  # noqa: BLE001 (Ray raises many kinds; all mean the scale did not happen)
+            self._forget()
             raise AdapterError(f"scaling {self.s.deployment_name(node, self.base)} to {replicas} replicas: "
                                f"{type(e).__name__}: {str(e)[:200]}") from None
 
@@ -315,9 +322,17 @@ class RayServeAdapter:
             st = self._router.sync.remote(dict(slots) if slots is not None else None).result(
                 timeout_s=self.s.actions_timeout_s)
         except Exception as e:  # noqa: BLE001
+            self._forget()
             raise AdapterError(f"the router of {self.s.app}: {type(e).__name__}: {str(e)[:200]}") from None
         self.last_stats = st
         return st
+
+    def _forget(self) -> None:
+        """After a failed RPC: the next call checks the application again (:meth:`ensure`: deploys it if
+        someone deleted it, refuses one replaced by other deployments, re-applies the replica counts)."""
+        self.deployed = False
+        self._router = None
+        self._status = (-math.inf, None)
 
     def status(self, fresh: bool = False) -> Any:
         """``serve.status()``'s view of the application (cached for :data:`STATUS_TTL_S`); None if absent."""
@@ -335,6 +350,8 @@ class RayServeAdapter:
     def running(self) -> dict[str, int]:
         """Replicas RUNNING per node whose deployment is HEALTHY (0 while it is not)."""
         app = self.status()
+        if app is None and self.deployed:  # deleted under us (serve delete, serve.shutdown): deploy it again
+            self._forget()
         out = {}
         for n in self._nodes:
             d = app.deployments.get(self.s.deployment_name(n, self.base)) if app is not None else None
@@ -423,9 +440,9 @@ class RayServeAdapter:
             return math.nan
         try:
             gpus = float(self.s.model(mu).gpus(rate))
-        except ValueError as e:  # e.g. a target below the measured service time's quantile
-            self.last_error = f"demand: {e}"
-            return math.nan
+        except ValueError as e:  # no number of replicas meets the target (a target below the measured service
+            self.last_error = f"demand: {e}; all serving GPUs"  # time's quantile; a flood): serve with all
+            gpus = float(sum(self._nodes.values()))
         gpus = max(gpus, float(self.s.min_replicas * self.s.gpus_per_replica))
         self.last_demand = {"rate": round(rate, 3), "service_rate": round(mu, 3), "service_rate_from": source,
                             "gpus": gpus}

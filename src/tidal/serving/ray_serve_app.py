@@ -105,7 +105,8 @@ class Router:
     # ------------------------------------------------------------------------- control
     def sync(self, slots: dict[str, int] | None = None) -> dict[str, Any]:
         """Set the slots per node (``None``: keep them) and return the window's counts: ``arrivals``,
-        ``window_s`` (the window, or the router's age if younger), ``service_s``/``wait_s`` (sorted
+        ``window_s`` (the window; the router's age if younger; the span of the newest :data:`MAX_SAMPLES`
+        arrivals if more came), ``service_s``/``wait_s`` (sorted
         samples are not sent: their sum, count and quantiles), ``busy``, ``queued``, ``slots``, ``served``
         (answered per node, ever)."""
         if slots is not None:
@@ -121,8 +122,11 @@ class Router:
         served = [d for d in self.done if d[3]]
         service = sorted(d[2] for d in served)
         response = sorted(d[1] + d[2] for d in served)
+        window = min(self.window_s, now - self.started)
+        if len(self.arrivals) == self.arrivals.maxlen:  # more arrivals than are kept: the rate over those kept
+            window = min(window, now - self.arrivals[0])
         return {
-            "window_s": min(self.window_s, now - self.started), "arrivals": len(self.arrivals),
+            "window_s": window, "arrivals": len(self.arrivals),
             "completed": len(served), "failed": sum(1 for d in self.done if not d[3]),
             "service_sum_s": sum(service), "service_p50_s": _q(service, 0.5),
             "wait_p99_s": _q(sorted(d[1] for d in served), 0.99),
