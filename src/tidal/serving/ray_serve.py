@@ -28,7 +28,13 @@ to finish: each issues the update (two quick RPCs at most) and later steps poll.
 queue the model describes (requests wait there, FCFS, for a free replica), so it measures exactly
 what the model needs; Serve's Prometheus metrics would need a scrape pipeline, and its autoscaling
 metrics are internal. Before ``min_samples`` requests have finished, ``service_rate_per_replica``
-(if given) stands in for μ; without it, demand is unknown (NaN: nothing new is lent).
+(if given) stands in for μ; without it, demand is unknown (NaN: nothing new is lent). When no number
+of replicas meets the target (a flood; a measured service slower than a ``response`` target), demand
+is every serving GPU, never unknown (unknown would keep the loans).
+
+**Healing.** A failed RPC, or the application missing from ``serve.status()``, makes the next call run
+:meth:`~RayServeAdapter.ensure` again: it deploys a deleted application, re-applies the counts to an
+adopted one, and refuses one whose deployments are not ours.
 """
 
 from __future__ import annotations
