@@ -2,7 +2,7 @@
 (the Serve RPCs recorded), warm-ups that end only when the new replica is healthy, the load
 generator against a real HTTP server, and one scenario on the session's real multi-node Ray cluster
 with Ray Serve: lend a node under load, a GPU actor takes its GPU, reclaim, latency within the SLO and
-no request failed."""
+no request failed; the application deleted under the adapter is deployed again."""
 
 from __future__ import annotations
 
@@ -488,6 +488,9 @@ def test_lend_and_reclaim_a_node_under_load_within_the_slo(ray_cluster, tmp_path
             assert sm["failed"] == 0, (name, sm)
             assert sm["p99_s"] <= SLO_P99_S, (name, sm)
         assert sum(r.ok for r in recs) == len(recs)
+        serve.delete(s.app)  # someone deletes the application: the adapter deploys it again
+        wait_until("the application deployed again", lambda: all(ad.ready(n) for n in SERVE_ON), 120)
+        assert ad._sync(None)["pid"] != router_pid and ray.available_resources().get("GPU") == total - 2
     finally:
         serve.shutdown()
     all_gpus_free()
