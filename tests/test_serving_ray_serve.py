@@ -223,6 +223,9 @@ def test_demand_from_the_routers_counts():
     idle = {"window_s": 10.0, "arrivals": 0, "completed": 0, "service_sum_s": 0.0}
     assert b.demand_from(idle) == 1.0  # min_replicas (1): serving is never lent away whole
     assert Recorded(service_rate_per_replica=10.0, min_replicas=0).demand_from(idle) == 0.0
+    # no prior, nothing measured: an idle window still needs only min_replicas (was unknown: never lent)
+    assert a.demand_from(idle) == 1.0 and a.last_demand["service_rate_from"] == "idle"
+    assert math.isnan(a.demand_from({**idle, "queued": 3}))  # a stuck queue is not idle
 
 
 def test_demand_no_replica_count_meets_is_every_serving_gpu_not_unknown():

@@ -28,7 +28,8 @@ to finish: each issues the update (two quick RPCs at most) and later steps poll.
 queue the model describes (requests wait there, FCFS, for a free replica), so it measures exactly
 what the model needs; Serve's Prometheus metrics would need a scrape pipeline, and its autoscaling
 metrics are internal. Before ``min_samples`` requests have finished, ``service_rate_per_replica``
-(if given) stands in for μ; without it, demand is unknown (NaN: nothing new is lent). When no number
+(if given) stands in for μ; without it, demand is unknown (NaN: nothing new is lent) unless no request
+came in the window (then none is needed, whatever μ is: ``min_replicas``). When no number
 of replicas meets the target (a flood; a measured service slower than a ``response`` target), demand
 is every serving GPU, never unknown (unknown would keep the loans).
 
@@ -441,17 +442,19 @@ class RayServeAdapter:
             source = "measured"
         elif self.s.service_rate_per_replica:
             mu, source = float(self.s.service_rate_per_replica), "configured"
+        elif rate == 0 and not st.get("queued"):  # idle (a quiet night): no replica needed, whatever μ is
+            mu, source = math.nan, "idle"
         else:
             self.last_demand = {"rate": rate, "service_rate": None, "gpus": None}
             return math.nan
         try:
-            gpus = float(self.s.model(mu).gpus(rate))
+            gpus = 0.0 if source == "idle" else float(self.s.model(mu).gpus(rate))
         except ValueError as e:  # no number of replicas meets the target (a target below the measured service
             self.last_error = f"demand: {e}; all serving GPUs"  # time's quantile; a flood): serve with all
             gpus = float(sum(self._nodes.values()))
         gpus = max(gpus, float(self.s.min_replicas * self.s.gpus_per_replica))
-        self.last_demand = {"rate": round(rate, 3), "service_rate": round(mu, 3), "service_rate_from": source,
-                            "gpus": gpus}
+        self.last_demand = {"rate": round(rate, 3), "service_rate": None if source == "idle" else round(mu, 3),
+                            "service_rate_from": source, "gpus": gpus}
         return gpus
 
     # --------------------------------------------------------------------------- reporting
