@@ -99,6 +99,17 @@ def test_config_builds_the_adapter_without_connecting_to_ray():
         assert "\n" not in str(e.value)
 
 
+def test_a_deployment_module_that_fails_to_import_is_one_line_at_tidal_up(tmp_path, monkeypatch):
+    # was a traceback out of tidal up: only ImportError/AttributeError were caught
+    (tmp_path / "g_boom.py").write_text("raise RuntimeError('no GPU driver\\n  here')\n")
+    (tmp_path / "g_syntax.py").write_text("def f(:\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for path, why in (("g_boom:m", "RuntimeError: no GPU driver here"), ("g_syntax:m", "SyntaxError")):
+        with pytest.raises(ValueError, match=f"serving.deployment '{path}': {why}") as e:
+            build_live_loans(WatchConfig.from_dict({**BASE, "deployment": path}))
+        assert "\n" not in str(e.value)
+
+
 def __getattr__(name: str) -> Any:
     """``test_serving_ray_serve:autoscaled``: a Serve deployment with autoscaling (made on first use)."""
     if name != "autoscaled":

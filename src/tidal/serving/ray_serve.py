@@ -242,8 +242,9 @@ class RayServeAdapter:
         mod, _, attr = self.s.deployment.partition(":")
         try:
             obj = getattr(importlib.import_module(mod), attr)
-        except (ImportError, AttributeError) as e:
-            raise AdapterError(f"serving.deployment {self.s.deployment!r}: {type(e).__name__}: {e}") from None
+        except Exception as e:  # noqa: BLE001 (the operator's module may raise anything at import)
+            why = " ".join(str(e).split())[:300]
+            raise AdapterError(f"serving.deployment {self.s.deployment!r}: {type(e).__name__}: {why}") from None
         if not isinstance(obj, serve.Deployment):
             raise AdapterError(f"serving.deployment {self.s.deployment!r} is a {type(obj).__name__}, not a "
                                "Serve deployment (a class decorated with @serve.deployment)")
