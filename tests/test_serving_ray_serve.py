@@ -261,6 +261,47 @@ def test_the_router_rate_counts_what_it_kept_when_more_arrived(monkeypatch):
     assert st["arrivals"] == 100 and 9.0 <= st["arrivals"] / st["window_s"] <= 11.0, st
 
 
+def test_the_router_refuses_a_huge_body_and_measures_only_answered_requests(monkeypatch):
+    from tidal.serving import ray_serve_app as rsa
+
+    monkeypatch.setattr(rsa, "MAX_BODY_BYTES", 1000)
+
+    class Req:  # what the router reads of a Starlette request
+        def __init__(self, body: bytes, length: int | None = None) -> None:
+            self.body, self.headers = body, {"content-length": str(len(body) if length is None else length)}
+
+        async def stream(self):
+            for i in range(0, len(self.body), 300):
+                yield self.body[i:i + 300]
+
+    class Model:  # a model deployment's handle: 10 ms per request, b"fail" raises
+        async def call(self, body: bytes) -> bytes:
+            await asyncio.sleep(0.01)
+            if body == b"fail":
+                raise RuntimeError("model error")
+            return body
+
+        def remote(self, body: bytes) -> Any:
+            return self.call(body)
+
+    async def scenario() -> dict[str, Any]:
+        r = rsa.Router.func_or_class({"n1": Model()}, {"n1": 1}, window_s=60.0)
+        assert (await r(Req(b"x" * 2000))).status_code == 413  # was read whole into the one router
+        assert (await r(Req(b"x" * 2000, length=10))).status_code == 413  # a lying Content-Length
+        outs = await asyncio.gather(r(Req(b"a")), r(Req(b"fail")), r(Req(b"b" * 1000)), return_exceptions=True)
+        assert outs[0] == b"a" and isinstance(outs[1], RuntimeError) and outs[2] == b"b" * 1000
+        first, gone = asyncio.create_task(r(Req(b"c"))), asyncio.create_task(r(Req(b"d")))
+        await asyncio.sleep(0.002)
+        gone.cancel()  # the client went away while queued: its slot is not leaked
+        assert await first == b"c"
+        assert await r(Req(b"e")) == b"e"
+        return r.sync(None)
+
+    st = asyncio.run(scenario())
+    assert st["busy"] == {"n1": 0} and st["queued"] == 0 and st["completed"] == 4 and st["failed"] == 1, st
+    assert st["total"]["too_large"] == 2 and st["arrivals"] == 6 and st["service_sum_s"] >= 4 * 0.01, st
+
+
 class Healing(RayServeAdapter):
     """Serve's application as a field (None: deleted by someone else); the router call fails on demand."""
 
