@@ -311,6 +311,8 @@ class Healing(RayServeAdapter):
         self.app: Any = "running"
         self.router_down = False
         self.scaled: list[tuple[str, int]] = []
+        self.dep_status: dict[str, str] = {}
+        self.up: dict[str, int] = {}
 
     def _ensure(self) -> None:
         self.deploys += 1
@@ -320,8 +322,11 @@ class Healing(RayServeAdapter):
     def status(self, fresh: bool = False) -> Any:
         if self.app is None:
             return None
-        states = {"status": "HEALTHY", "replica_states": {"RUNNING": 2}}
-        deps = {f"-{n}": type("D", (), states)() for n in NODES}
+        def dep(n: str) -> Any:
+            st = self.dep_status.get(n, "HEALTHY")
+            return type("D", (), {"status": st, "replica_states": {"RUNNING": self.up.get(n, NODES[n])},
+                                  "message": "__init__() got an unexpected keyword\n 'x'" if st != "HEALTHY" else ""})()
+        deps = {f"-{n}": dep(n) for n in NODES}
         return type("A", (), {"deployments": deps})()
 
     def _scale(self, node: str, replicas: int) -> None:
@@ -346,6 +351,20 @@ def test_an_application_deleted_or_broken_under_the_adapter_is_deployed_or_check
     a.router_down = False
     a.release("n1", 1, 1, 0.0)  # checked again (adopted: the counts re-applied), then lent
     assert a.deploys == 3 and a.released()["n1"] == 1 and a.scaled == [("n1", 1)]
+
+
+def test_a_node_partly_lent_keeps_its_running_replicas_slots_while_its_deployment_settles():
+    a = Healing()
+    a.ensure()
+    a.release("n1", 1, 1, 0.0)
+    a.dep_status["n1"], a.up["n1"] = "UPDATING", 2  # draining the lent replica; both still RUNNING
+    assert a.slots(a.running()) == {"n1": 1, "n2": 1, "n3": 1}  # was n1: 0 (only HEALTHY counted)
+    a.restore("n1", 1, 0, 1.0)
+    assert not a.ready("n1")  # RUNNING enough, but not settled: the warm-up goes on
+    a.dep_status["n1"] = "DEPLOY_FAILED"
+    assert not a.ready("n1") and "DEPLOY_FAILED: __init__() got an unexpected keyword 'x'" in a.last_error
+    a.dep_status.clear()
+    assert a.ready("n1")
 
 
 class Gated(ReplayAdapter):

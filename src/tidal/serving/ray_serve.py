@@ -18,7 +18,9 @@ drains and stops the replica, and Ray frees the GPU for the spot job's placement
 accounting: a rank cannot start on a GPU a replica still holds). :meth:`~RayServeAdapter.restore`
 raises the count (the plane calls it once the job's ranks there have left); the node serves again
 when :meth:`~RayServeAdapter.ready` sees every replica of it ``RUNNING`` and the deployment
-``HEALTHY`` (``serve.status()``), which also opens its slots at the router. No call waits for Serve
+``HEALTHY`` (``serve.status()``). The router's slots follow each node's ``RUNNING`` replicas (capped at
+its target), also while its deployment scales (a node partly lent keeps its other replicas' slots while
+the lent one drains). No call waits for Serve
 to finish: each issues the update (two quick RPCs at most) and later steps poll.
 
 **Demand** comes from the router's own counts (one RPC, :meth:`Router.sync`): arrivals over the last
@@ -191,6 +193,7 @@ class RayServeAdapter:
         self._router: Any = None
         self._controller: Any = None
         self.concurrency = 1  # the model's max_ongoing_requests: router slots per replica
+        self.unsettled: dict[str, str] = {}  # node -> its deployment's status and message, when not HEALTHY
 
     # ------------------------------------------------------------------------------- targets
     def nodes(self) -> dict[str, int]:
@@ -356,15 +359,20 @@ class RayServeAdapter:
         return st
 
     def running(self) -> dict[str, int]:
-        """Replicas RUNNING per node whose deployment is HEALTHY (0 while it is not)."""
+        """Replicas RUNNING per node (they serve, also while their deployment scales: a node partly lent
+        keeps its other replicas' slots); ``unsettled`` says which nodes' deployments are not HEALTHY."""
         app = self.status()
         if app is None and self.deployed:  # deleted under us (serve delete, serve.shutdown): deploy it again
             self._forget()
-        out = {}
+        out, unsettled = {}, {}
         for n in self._nodes:
             d = app.deployments.get(self.s.deployment_name(n, self.base)) if app is not None else None
-            ok = d is not None and str(getattr(d.status, "value", d.status)) == "HEALTHY"
-            out[n] = int(d.replica_states.get("RUNNING", 0)) if ok else 0
+            status = "MISSING" if d is None else str(getattr(d.status, "value", d.status))
+            if status != "HEALTHY":
+                msg = " ".join(str(getattr(d, "message", "") or "").split())[:200]
+                unsettled[n] = f"{status}: {msg}" if msg else status
+            out[n] = int(d.replica_states.get("RUNNING", 0)) if d is not None else 0
+        self.unsettled = unsettled
         return out
 
     # ------------------------------------------------------------------------------ actions
@@ -397,7 +405,10 @@ class RayServeAdapter:
         try:
             self.ensure()
             running = self.running()
-            if running.get(node, 0) < self.target(node):
+            if running.get(node, 0) < self.target(node) or node in self.unsettled:
+                why = self.unsettled.get(node, "")
+                if why.startswith(("UNHEALTHY", "DEPLOY_FAILED")):  # e.g. the constructor raises: say so
+                    self.last_error = f"{self.s.deployment_name(node, self.base)}: {why}"
                 return False
             self._sync(self.slots(running))
         except AdapterError as e:
