@@ -2,7 +2,7 @@
 (the Serve RPCs recorded), warm-ups that end only when the new replica is healthy, the load
 generator against a real HTTP server, and one scenario on the session's real multi-node Ray cluster
 with Ray Serve: lend a node under load, a GPU actor takes its GPU, reclaim, latency within the SLO and
-no request failed."""
+no request failed; the application deleted under the adapter is deployed again."""
 
 from __future__ import annotations
 
@@ -49,12 +49,30 @@ BASE = {"adapter": "ray-serve", "app": "toy", "deployment": "tidal.serving.ray_s
     ({"speedup": 0}, "serving.speedup"),
     ({"start_s": "noon"}, "serving.start_s"),
     ({"min_replicas": 5}, "serving.min_replicas"),
+    # attacks: a trailing newline passed `$`; Serve would refuse these only at the first loan step
+    ({"app": "toy\n"}, "serving.app"),
+    ({"deployment": "tidal.serving.ray_serve_app:sleep_model\n"}, "serving.deployment"),
+    ({"nodes": {"n1\n": 2}}, "serving.nodes"),
+    ({"http_host": "127.0.0.1\x00"}, "serving.http_host"),
+    ({"http_host": 5}, "serving.http_host"),
+    ({"route_prefix": "/llm/"}, "serving.route_prefix"),
+    ({"route_prefix": "/{x}"}, "serving.route_prefix"),
+    ({"route_prefix": "/a\x00b"}, "serving.route_prefix"),
+    ({"shortfall_budget": 2}, "serving.shortfall_budget"),
+    ({"latency_of": "response", "latency_target_s": 0}, "serving.latency_target_s"),
 ])
 def test_bad_settings_one_line_naming_the_field(change, field):
     with pytest.raises(ValueError) as e:
         WatchConfig.from_dict({**BASE, **change})
     msg = str(e.value)
     assert field in msg and "\n" not in msg, msg
+
+
+def test_a_response_time_target_needs_no_service_rate_prior():
+    # was refused: the check assumed 1 request/s per replica (p99 service 4.6 s) when no prior was given
+    cfg = WatchConfig.from_dict({**BASE, "latency_of": "response", "latency_target_s": 0.5,
+                                 "route_prefix": "/llm", "http_host": "::1"})
+    assert RayServeSettings.from_config(cfg).latency_of == "response"
 
 
 def test_ray_serve_fields_only_with_its_adapter():
@@ -77,6 +95,17 @@ def test_config_builds_the_adapter_without_connecting_to_ray():
                       ("tidal.serving.ray_serve_app:nope", "AttributeError"),
                       ("tidal.serving.ray_serve_app:ROUTER", "is a str, not a Serve deployment")):
         with pytest.raises(ValueError, match=f"serving.deployment '{path}'.*{why}") as e:
+            build_live_loans(WatchConfig.from_dict({**BASE, "deployment": path}))
+        assert "\n" not in str(e.value)
+
+
+def test_a_deployment_module_that_fails_to_import_is_one_line_at_tidal_up(tmp_path, monkeypatch):
+    # was a traceback out of tidal up: only ImportError/AttributeError were caught
+    (tmp_path / "g_boom.py").write_text("raise RuntimeError('no GPU driver\\n  here')\n")
+    (tmp_path / "g_syntax.py").write_text("def f(:\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for path, why in (("g_boom:m", "RuntimeError: no GPU driver here"), ("g_syntax:m", "SyntaxError")):
+        with pytest.raises(ValueError, match=f"serving.deployment '{path}': {why}") as e:
             build_live_loans(WatchConfig.from_dict({**BASE, "deployment": path}))
         assert "\n" not in str(e.value)
 
@@ -205,6 +234,137 @@ def test_demand_from_the_routers_counts():
     idle = {"window_s": 10.0, "arrivals": 0, "completed": 0, "service_sum_s": 0.0}
     assert b.demand_from(idle) == 1.0  # min_replicas (1): serving is never lent away whole
     assert Recorded(service_rate_per_replica=10.0, min_replicas=0).demand_from(idle) == 0.0
+    # no prior, nothing measured: an idle window still needs only min_replicas (was unknown: never lent)
+    assert a.demand_from(idle) == 1.0 and a.last_demand["service_rate_from"] == "idle"
+    assert math.isnan(a.demand_from({**idle, "queued": 3}))  # a stuck queue is not idle
+
+
+def test_demand_no_replica_count_meets_is_every_serving_gpu_not_unknown():
+    # unknown (NaN) would keep every loan: a flood or a service slower than the target must reclaim
+    a = Recorded(latency_of="response", latency_target_s=0.05)
+    slow = {"window_s": 10.0, "arrivals": 400, "completed": 390, "service_sum_s": 390 * 0.05}
+    assert a.demand_from(slow) == 4.0 and "all serving GPUs" in a.last_error
+    flood = {"window_s": 10.0, "arrivals": 10**15, "completed": 390, "service_sum_s": 390 * 0.05}
+    assert Recorded().demand_from(flood) == 4.0
+
+
+def test_the_router_rate_counts_what_it_kept_when_more_arrived(monkeypatch):
+    from tidal.serving import ray_serve_app
+
+    monkeypatch.setattr(ray_serve_app, "MAX_SAMPLES", 100)
+    r = ray_serve_app.Router.func_or_class({"n1": None}, {"n1": 1}, window_s=3600.0)
+    r.started -= 7200.0
+    now = time.monotonic()
+    for i in range(1000):  # 10 requests/s over the last 100 s; only the newest 100 are kept
+        r.arrivals.append(now - 100.0 + i / 10)
+    st = r.sync(None)
+    assert st["arrivals"] == 100 and 9.0 <= st["arrivals"] / st["window_s"] <= 11.0, st
+
+
+def test_the_router_refuses_a_huge_body_and_measures_only_answered_requests(monkeypatch):
+    from tidal.serving import ray_serve_app as rsa
+
+    monkeypatch.setattr(rsa, "MAX_BODY_BYTES", 1000)
+
+    class Req:  # what the router reads of a Starlette request
+        def __init__(self, body: bytes, length: int | None = None) -> None:
+            self.body, self.headers = body, {"content-length": str(len(body) if length is None else length)}
+
+        async def stream(self):
+            for i in range(0, len(self.body), 300):
+                yield self.body[i:i + 300]
+
+    class Model:  # a model deployment's handle: 10 ms per request, b"fail" raises
+        async def call(self, body: bytes) -> bytes:
+            await asyncio.sleep(0.01)
+            if body == b"fail":
+                raise RuntimeError("model error")
+            return body
+
+        def remote(self, body: bytes) -> Any:
+            return self.call(body)
+
+    async def scenario() -> dict[str, Any]:
+        r = rsa.Router.func_or_class({"n1": Model()}, {"n1": 1}, window_s=60.0)
+        assert (await r(Req(b"x" * 2000))).status_code == 413  # was read whole into the one router
+        assert (await r(Req(b"x" * 2000, length=10))).status_code == 413  # a lying Content-Length
+        outs = await asyncio.gather(r(Req(b"a")), r(Req(b"fail")), r(Req(b"b" * 1000)), return_exceptions=True)
+        assert outs[0] == b"a" and isinstance(outs[1], RuntimeError) and outs[2] == b"b" * 1000
+        first, gone = asyncio.create_task(r(Req(b"c"))), asyncio.create_task(r(Req(b"d")))
+        await asyncio.sleep(0.002)
+        gone.cancel()  # the client went away while queued: its slot is not leaked
+        assert await first == b"c"
+        assert await r(Req(b"e")) == b"e"
+        return r.sync(None)
+
+    st = asyncio.run(scenario())
+    assert st["busy"] == {"n1": 0} and st["queued"] == 0 and st["completed"] == 4 and st["failed"] == 1, st
+    assert st["total"]["too_large"] == 2 and st["arrivals"] == 6 and st["service_sum_s"] >= 4 * 0.01, st
+
+
+class Healing(RayServeAdapter):
+    """Serve's application as a field (None: deleted by someone else); the router call fails on demand."""
+
+    def __init__(self) -> None:
+        super().__init__(RayServeSettings(app="toy", deployment="m:d", nodes=dict(NODES), latency_target_s=0.2))
+        self.deploys = 0
+        self.app: Any = "running"
+        self.router_down = False
+        self.scaled: list[tuple[str, int]] = []
+        self.dep_status: dict[str, str] = {}
+        self.up: dict[str, int] = {}
+
+    def _ensure(self) -> None:
+        self.deploys += 1
+        self.app = "running"
+        self.deployed = True
+
+    def status(self, fresh: bool = False) -> Any:
+        if self.app is None:
+            return None
+        def dep(n: str) -> Any:
+            st = self.dep_status.get(n, "HEALTHY")
+            return type("D", (), {"status": st, "replica_states": {"RUNNING": self.up.get(n, NODES[n])},
+                                  "message": "__init__() got an unexpected keyword\n 'x'" if st != "HEALTHY" else ""})()
+        deps = {f"-{n}": dep(n) for n in NODES}
+        return type("A", (), {"deployments": deps})()
+
+    def _scale(self, node: str, replicas: int) -> None:
+        self.scaled.append((node, replicas))
+
+    def _sync(self, slots):
+        if self.router_down:
+            self._forget()
+            raise AdapterError("the router of toy: RayActorError: dead")
+        return {}
+
+
+def test_an_application_deleted_or_broken_under_the_adapter_is_deployed_or_checked_again():
+    a = Healing()
+    assert a.ready("n1") and a.deploys == 1
+    a.app = None  # serve delete toy
+    assert not a.ready("n1") and not a.deployed
+    assert a.ready("n1") and a.deploys == 2  # deployed again, serving again
+    a.router_down = True
+    with pytest.raises(AdapterError, match="router of toy"):
+        a.release("n1", 1, 1, 0.0)
+    a.router_down = False
+    a.release("n1", 1, 1, 0.0)  # checked again (adopted: the counts re-applied), then lent
+    assert a.deploys == 3 and a.released()["n1"] == 1 and a.scaled == [("n1", 1)]
+
+
+def test_a_node_partly_lent_keeps_its_running_replicas_slots_while_its_deployment_settles():
+    a = Healing()
+    a.ensure()
+    a.release("n1", 1, 1, 0.0)
+    a.dep_status["n1"], a.up["n1"] = "UPDATING", 2  # draining the lent replica; both still RUNNING
+    assert a.slots(a.running()) == {"n1": 1, "n2": 1, "n3": 1}  # was n1: 0 (only HEALTHY counted)
+    a.restore("n1", 1, 0, 1.0)
+    assert not a.ready("n1")  # RUNNING enough, but not settled: the warm-up goes on
+    a.dep_status["n1"] = "DEPLOY_FAILED"
+    assert not a.ready("n1") and "DEPLOY_FAILED: __init__() got an unexpected keyword 'x'" in a.last_error
+    a.dep_status.clear()
+    assert a.ready("n1")
 
 
 class Gated(ReplayAdapter):
@@ -296,6 +456,28 @@ def test_load_generator_open_loop_poisson_records_latency_and_failures(tmp_path)
         asyncio.run(loadgen.generate("ftp://x", rate, 1.0))
 
 
+@pytest.mark.parametrize("args, hint, says", [
+    (["http://[::1", "--rate", "5"], "URL", "Invalid port"),  # was a traceback (httpx.InvalidURL)
+    (["http://127.0.0.1:99999/", "--rate", "5"], "URL", "http(s)://host"),  # was OverflowError per request
+    (["http://", "--rate", "5"], "URL", "http(s)://host"),
+    (["http://127.0.0.1:1/", "--rate", "1e300"], "--rate / --duration-s", "more than"),  # hung drawing
+    (["http://127.0.0.1:1/", "--rate", "5", "--duration-s", "1e12"], "--rate / --duration-s", "more than"),
+    (["http://127.0.0.1:1/", "--rate", "5", "--records", "/nonexistent/r.jsonl"], "--records", "No such"),
+    (["http://127.0.0.1:1/", "--trace", "{bad}"], "--trace", "bad.csv"),  # was blamed on the URL
+])
+def test_load_generator_bad_input_one_clear_error_before_any_load(tmp_path, args, hint, says):
+    from typer.testing import CliRunner
+
+    from tidal.serving.cli import app
+
+    (tmp_path / "bad.csv").write_text("time,load\nnoon,x\n")
+    args = [a.replace("{bad}", str(tmp_path / "bad.csv")) for a in args]
+    res = CliRunner().invoke(app, ["load", *args])
+    text = " ".join(res.output.replace("│", " ").split())
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert f"Invalid value for {hint}:" in text and says in text, text
+
+
 # ---------------------------------------------------------------------------- on a real cluster
 SLO_P99_S = 1.0  # end-to-end p99 the test holds the application to (service time 0.03 s)
 RATE = 8.0  # requests/s offered (the one replica left while n2 is lent serves ~20/s)
@@ -380,6 +562,9 @@ def test_lend_and_reclaim_a_node_under_load_within_the_slo(ray_cluster, tmp_path
             assert sm["failed"] == 0, (name, sm)
             assert sm["p99_s"] <= SLO_P99_S, (name, sm)
         assert sum(r.ok for r in recs) == len(recs)
+        serve.delete(s.app)  # someone deletes the application: the adapter deploys it again
+        wait_until("the application deployed again", lambda: all(ad.ready(n) for n in SERVE_ON), 120)
+        assert ad._sync(None)["pid"] != router_pid and ray.available_resources().get("GPU") == total - 2
     finally:
         serve.shutdown()
     all_gpus_free()

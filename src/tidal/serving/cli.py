@@ -153,16 +153,29 @@ def load_command(
 
     if (rate is None) == (trace is None):
         raise typer.BadParameter("give exactly one of --rate or --trace", param_hint="--rate / --trace")
+    hint = "URL"
     try:
+        loadgen.check_url(url)
         if trace is not None:
             from tidal.serving.traces import load_trace
 
+            hint = "--trace"
             fn = loadgen.trace_rate(load_trace(trace), speedup=speedup, scale=scale)
         else:
+            hint = "--rate"
             fn = loadgen.constant(float(rate or 0.0))
-        recs = asyncio.run(loadgen.generate(url, fn, duration_s, timeout_s=timeout_s, seed=seed))
+        hint = f"{'--trace / --scale' if trace is not None else '--rate'} / --duration-s"
+        if records is not None:
+            with open(records, "w"):  # unwritable: said before the load, not after it
+                pass
     except (OSError, ValueError) as e:
-        raise typer.BadParameter(str(e), param_hint="--trace" if isinstance(e, OSError) else "URL") from None
+        if isinstance(e, OSError) and records is not None and getattr(e, "filename", None) == str(records):
+            hint = "--records"
+        raise typer.BadParameter(" ".join(str(e).split()), param_hint=hint) from None
+    try:
+        recs = asyncio.run(loadgen.generate(url, fn, duration_s, timeout_s=timeout_s, seed=seed))
+    except ValueError as e:  # the rate x duration too large
+        raise typer.BadParameter(" ".join(str(e).split()), param_hint=hint) from None
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
     if records is not None:

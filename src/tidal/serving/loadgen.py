@@ -27,6 +27,8 @@ import httpx
 import numpy as np
 
 MAX_IN_FLIGHT = 4096  # requests outstanding at most (beyond: a request is recorded as failed, not sent)
+MAX_REQUESTS = 10_000_000  # arrivals drawn up front at most (max_rate x duration_s): a bad rate is an error
+MAX_RATE_SAMPLES = 100_000  # a rate without a known maximum is sampled at most this often
 
 
 @dataclass(frozen=True)
@@ -47,9 +49,27 @@ class Record:
 
 
 def constant(rate: float) -> Callable[[float], float]:
+    """``rate`` requests/s throughout (its ``max_rate`` attribute: ``rate``)."""
     if not (math.isfinite(rate) and rate >= 0):
         raise ValueError(f"rate must be a finite number >= 0 (requests/s), got {rate!r}")
-    return lambda t: rate
+    return _with_max(lambda t: rate, rate)
+
+
+def _with_max(fn: Callable[[float], float], top: float) -> Callable[[float], float]:
+    fn.max_rate = float(top)  # type: ignore[attr-defined]  # read by generate()
+    return fn
+
+
+def check_url(url: str) -> str:
+    """``url`` when it is an http(s) URL with a host (and a valid port), else ``ValueError`` saying why."""
+    try:
+        u = httpx.URL(url)
+        port = u.port
+    except (httpx.InvalidURL, TypeError, ValueError) as e:
+        raise ValueError(f"url {url!r} is not a URL: {e}") from None
+    if u.scheme not in ("http", "https") or not u.host or (port is not None and not 0 < port < 65536):
+        raise ValueError(f"url must be http(s)://host[:port]/..., got {url!r}")
+    return url
 
 
 def steps(points: Sequence[tuple[float, float]]) -> Callable[[float], float]:
@@ -64,7 +84,7 @@ def steps(points: Sequence[tuple[float, float]]) -> Callable[[float], float]:
 
         i = bisect.bisect_right(ts, t) - 1
         return pts[i][1] if i >= 0 else 0.0
-    return rate
+    return _with_max(rate, max((r for _, r in pts), default=0.0))
 
 
 def trace_rate(trace: Any, *, speedup: float = 1.0, scale: float = 1.0, start_s: float | None = None
@@ -85,7 +105,7 @@ def trace_rate(trace: Any, *, speedup: float = 1.0, scale: float = 1.0, start_s:
         x = t0 + t * speedup
         i = int(np.searchsorted(times, x, side="right")) - 1
         return float(load[max(0, min(i, len(load) - 1))]) * scale
-    return rate
+    return _with_max(rate, float(np.max(load)) * scale)
 
 
 def arrivals(rate: Callable[[float], float], duration_s: float, max_rate: float,
@@ -114,12 +134,17 @@ async def generate(url: str, rate: Callable[[float], float], duration_s: float, 
     :class:`Record`, in send order. ``max_rate``: the largest ``rate(t)`` (default: sampled every 0.1 s).
     ``start``: the ``time.perf_counter()`` of second 0 (default: now); ``stop()`` true ends the sending
     early (what was sent is still awaited)."""
-    if not url.startswith(("http://", "https://")):
-        raise ValueError(f"url must be http(s)://..., got {url!r}")
+    check_url(url)
     if not (duration_s > 0 and math.isfinite(duration_s)):
         raise ValueError(f"duration_s must be a finite number > 0, got {duration_s!r}")
     if max_rate is None:
-        max_rate = max(rate(i * 0.1) for i in range(int(duration_s * 10) + 1))
+        max_rate = getattr(rate, "max_rate", None)
+    if max_rate is None:
+        n = min(int(duration_s * 10), MAX_RATE_SAMPLES)
+        max_rate = max(rate(i * duration_s / max(n, 1)) for i in range(n + 1))
+    if not (math.isfinite(max_rate) and max_rate * duration_s <= MAX_REQUESTS):
+        raise ValueError(f"a rate of up to {max_rate:g} requests/s for {duration_s:g} s is more than "
+                         f"{MAX_REQUESTS} requests: lower the rate (or scale) or the duration")
     times = arrivals(rate, duration_s, max_rate, random.Random(seed))
     out: list[Record | None] = [None] * len(times)
     limits = httpx.Limits(max_connections=MAX_IN_FLIGHT, max_keepalive_connections=256)
@@ -140,7 +165,7 @@ async def generate(url: str, rate: Callable[[float], float], duration_s: float, 
                 await r.aread()
                 why = "" if r.is_success else f"HTTP {r.status_code}: {' '.join(r.text.split())[:160]}"
                 rec = Record(t, time.perf_counter() - sent, r.status_code, why, sent - start - t)
-            except httpx.HTTPError as e:
+            except Exception as e:  # noqa: BLE001 (any failure is this request's, recorded, never a crash)
                 why = " ".join(f"{type(e).__name__}: {e}".split())[:200]
                 rec = Record(t, time.perf_counter() - sent, 0, why, sent - start - t)
             finally:

@@ -18,7 +18,9 @@ drains and stops the replica, and Ray frees the GPU for the spot job's placement
 accounting: a rank cannot start on a GPU a replica still holds). :meth:`~RayServeAdapter.restore`
 raises the count (the plane calls it once the job's ranks there have left); the node serves again
 when :meth:`~RayServeAdapter.ready` sees every replica of it ``RUNNING`` and the deployment
-``HEALTHY`` (``serve.status()``), which also opens its slots at the router. No call waits for Serve
+``HEALTHY`` (``serve.status()``). The router's slots follow each node's ``RUNNING`` replicas (capped at
+its target), also while its deployment scales (a node partly lent keeps its other replicas' slots while
+the lent one drains). No call waits for Serve
 to finish: each issues the update (two quick RPCs at most) and later steps poll.
 
 **Demand** comes from the router's own counts (one RPC, :meth:`Router.sync`): arrivals over the last
@@ -28,7 +30,14 @@ to finish: each issues the update (two quick RPCs at most) and later steps poll.
 queue the model describes (requests wait there, FCFS, for a free replica), so it measures exactly
 what the model needs; Serve's Prometheus metrics would need a scrape pipeline, and its autoscaling
 metrics are internal. Before ``min_samples`` requests have finished, ``service_rate_per_replica``
-(if given) stands in for μ; without it, demand is unknown (NaN: nothing new is lent).
+(if given) stands in for μ; without it, demand is unknown (NaN: nothing new is lent) unless no request
+came in the window (then none is needed, whatever μ is: ``min_replicas``). When no number
+of replicas meets the target (a flood; a measured service slower than a ``response`` target), demand
+is every serving GPU, never unknown (unknown would keep the loans).
+
+**Healing.** A failed RPC, or the application missing from ``serve.status()``, makes the next call run
+:meth:`~RayServeAdapter.ensure` again: it deploys a deleted application, re-applies the counts to an
+adopted one, and refuses one whose deployments are not ours.
 """
 
 from __future__ import annotations
@@ -50,8 +59,10 @@ log = logging.getLogger(__name__)
 
 ADAPTER = "ray-serve"
 STATUS_TTL_S = 0.25  # serve.status() is read at most this often
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
-_IMPORT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")  # all patterns: fullmatch (no trailing newline)
+_IMPORT = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", re.ASCII)
+_PREFIX = re.compile(r"/|(/[A-Za-z0-9._~-]+)+")  # what Serve accepts (no trailing /, no {wildcards}), URL-safe
+_HOST = re.compile(r"[A-Za-z0-9.:_-]{1,253}")  # a host name or an IPv4/IPv6 address
 
 
 @dataclass(frozen=True)
@@ -79,14 +90,14 @@ class RayServeSettings:
 
     def __post_init__(self) -> None:
         w = "serving"
-        if not isinstance(self.app, str) or not _NAME.match(self.app):
+        if not isinstance(self.app, str) or not _NAME.fullmatch(self.app):
             raise ValueError(f"{w}.app must name the Serve application (letters, digits, . _ -), got "
                              f"{self.app!r}")
-        if not isinstance(self.deployment, str) or not _IMPORT.match(self.deployment):
+        if not isinstance(self.deployment, str) or not _IMPORT.fullmatch(self.deployment):
             raise ValueError(f"{w}.deployment must be an import path module:attribute of a Serve deployment, "
                              f"got {self.deployment!r}")
         for n in self.nodes:
-            if not _NAME.match(n):
+            if not isinstance(n, str) or not _NAME.fullmatch(n):
                 raise ValueError(f"{w}.nodes: {n!r} is not usable as a Ray Serve deployment suffix (letters, "
                                  "digits, . _ -)")
         g = self.gpus_per_replica
@@ -96,8 +107,11 @@ class RayServeSettings:
         if bad:
             raise ValueError(f"{w}.nodes: {bad[0]} has {self.nodes[bad[0]]} GPUs, not a multiple of "
                              f"serving.gpus_per_replica ({g})")
-        if not isinstance(self.route_prefix, str) or not self.route_prefix.startswith("/"):
-            raise ValueError(f"{w}.route_prefix must start with '/', got {self.route_prefix!r}")
+        if not isinstance(self.route_prefix, str) or not _PREFIX.fullmatch(self.route_prefix):
+            raise ValueError(f"{w}.route_prefix must be '/' or a URL path like /llm (letters, digits, . _ ~ -; "
+                             f"no trailing /), got {self.route_prefix!r}")
+        if not isinstance(self.http_host, str) or not _HOST.fullmatch(self.http_host):
+            raise ValueError(f"{w}.http_host must be a host name or IP address, got {self.http_host!r}")
         port = self.http_port
         if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
             raise ValueError(f"{w}.http_port must be a port number, got {self.http_port!r}")
@@ -123,7 +137,8 @@ class RayServeSettings:
         if self.latency_target_s is None:
             raise ValueError(f"{w}.latency_target_s is required with adapter ray-serve (the SLO demand is "
                              "computed for)")
-        self.model(self.service_rate_per_replica or 1.0)  # checks the latency settings, naming the field
+        # checks the latency settings, naming the field; without a prior, only what no service rate meets
+        self.model(self.service_rate_per_replica or 1e12)
 
     def model(self, service_rate_per_replica: float) -> RequestModel:
         m = RequestModel.from_settings({
@@ -178,6 +193,7 @@ class RayServeAdapter:
         self._router: Any = None
         self._controller: Any = None
         self.concurrency = 1  # the model's max_ongoing_requests: router slots per replica
+        self.unsettled: dict[str, str] = {}  # node -> its deployment's status and message, when not HEALTHY
 
     # ------------------------------------------------------------------------------- targets
     def nodes(self) -> dict[str, int]:
@@ -229,8 +245,9 @@ class RayServeAdapter:
         mod, _, attr = self.s.deployment.partition(":")
         try:
             obj = getattr(importlib.import_module(mod), attr)
-        except (ImportError, AttributeError) as e:
-            raise AdapterError(f"serving.deployment {self.s.deployment!r}: {type(e).__name__}: {e}") from None
+        except Exception as e:  # noqa: BLE001 (the operator's module may raise anything at import)
+            why = " ".join(str(e).split())[:300]
+            raise AdapterError(f"serving.deployment {self.s.deployment!r}: {type(e).__name__}: {why}") from None
         if not isinstance(obj, serve.Deployment):
             raise AdapterError(f"serving.deployment {self.s.deployment!r} is a {type(obj).__name__}, not a "
                                "Serve deployment (a class decorated with @serve.deployment)")
@@ -301,6 +318,7 @@ class RayServeAdapter:
         try:
             ray.get(ref, timeout=self.s.actions_timeout_s)
         except Exception as e:  # noqa: BLE001 (Ray raises many kinds; all mean the scale did not happen)
+            self._forget()
             raise AdapterError(f"scaling {self.s.deployment_name(node, self.base)} to {replicas} replicas: "
                                f"{type(e).__name__}: {str(e)[:200]}") from None
 
@@ -315,9 +333,17 @@ class RayServeAdapter:
             st = self._router.sync.remote(dict(slots) if slots is not None else None).result(
                 timeout_s=self.s.actions_timeout_s)
         except Exception as e:  # noqa: BLE001
+            self._forget()
             raise AdapterError(f"the router of {self.s.app}: {type(e).__name__}: {str(e)[:200]}") from None
         self.last_stats = st
         return st
+
+    def _forget(self) -> None:
+        """After a failed RPC: the next call checks the application again (:meth:`ensure`: deploys it if
+        someone deleted it, refuses one replaced by other deployments, re-applies the replica counts)."""
+        self.deployed = False
+        self._router = None
+        self._status = (-math.inf, None)
 
     def status(self, fresh: bool = False) -> Any:
         """``serve.status()``'s view of the application (cached for :data:`STATUS_TTL_S`); None if absent."""
@@ -333,13 +359,20 @@ class RayServeAdapter:
         return st
 
     def running(self) -> dict[str, int]:
-        """Replicas RUNNING per node whose deployment is HEALTHY (0 while it is not)."""
+        """Replicas RUNNING per node (they serve, also while their deployment scales: a node partly lent
+        keeps its other replicas' slots); ``unsettled`` says which nodes' deployments are not HEALTHY."""
         app = self.status()
-        out = {}
+        if app is None and self.deployed:  # deleted under us (serve delete, serve.shutdown): deploy it again
+            self._forget()
+        out, unsettled = {}, {}
         for n in self._nodes:
             d = app.deployments.get(self.s.deployment_name(n, self.base)) if app is not None else None
-            ok = d is not None and str(getattr(d.status, "value", d.status)) == "HEALTHY"
-            out[n] = int(d.replica_states.get("RUNNING", 0)) if ok else 0
+            status = "MISSING" if d is None else str(getattr(d.status, "value", d.status))
+            if status != "HEALTHY":
+                msg = " ".join(str(getattr(d, "message", "") or "").split())[:200]
+                unsettled[n] = f"{status}: {msg}" if msg else status
+            out[n] = int(d.replica_states.get("RUNNING", 0)) if d is not None else 0
+        self.unsettled = unsettled
         return out
 
     # ------------------------------------------------------------------------------ actions
@@ -372,7 +405,10 @@ class RayServeAdapter:
         try:
             self.ensure()
             running = self.running()
-            if running.get(node, 0) < self.target(node):
+            if running.get(node, 0) < self.target(node) or node in self.unsettled:
+                why = self.unsettled.get(node, "")
+                if why.startswith(("UNHEALTHY", "DEPLOY_FAILED")):  # e.g. the constructor raises: say so
+                    self.last_error = f"{self.s.deployment_name(node, self.base)}: {why}"
                 return False
             self._sync(self.slots(running))
         except AdapterError as e:
@@ -418,17 +454,19 @@ class RayServeAdapter:
             source = "measured"
         elif self.s.service_rate_per_replica:
             mu, source = float(self.s.service_rate_per_replica), "configured"
+        elif rate == 0 and not st.get("queued"):  # idle (a quiet night): no replica needed, whatever μ is
+            mu, source = math.nan, "idle"
         else:
             self.last_demand = {"rate": rate, "service_rate": None, "gpus": None}
             return math.nan
         try:
-            gpus = float(self.s.model(mu).gpus(rate))
-        except ValueError as e:  # e.g. a target below the measured service time's quantile
-            self.last_error = f"demand: {e}"
-            return math.nan
+            gpus = 0.0 if source == "idle" else float(self.s.model(mu).gpus(rate))
+        except ValueError as e:  # no number of replicas meets the target (a target below the measured service
+            self.last_error = f"demand: {e}; all serving GPUs"  # time's quantile; a flood): serve with all
+            gpus = float(sum(self._nodes.values()))
         gpus = max(gpus, float(self.s.min_replicas * self.s.gpus_per_replica))
-        self.last_demand = {"rate": round(rate, 3), "service_rate": round(mu, 3), "service_rate_from": source,
-                            "gpus": gpus}
+        self.last_demand = {"rate": round(rate, 3), "service_rate": None if source == "idle" else round(mu, 3),
+                            "service_rate_from": source, "gpus": gpus}
         return gpus
 
     # --------------------------------------------------------------------------- reporting

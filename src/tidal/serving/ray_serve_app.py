@@ -26,6 +26,7 @@ from tidal.contract import RAY_NODE_LABEL
 
 ROUTER = "tidal-router"  # the router deployment's name in the application
 MAX_SAMPLES = 200_000  # finished requests kept for the window (bounded memory at any rate)
+MAX_BODY_BYTES = 64 << 20  # a larger request body is refused (413): one router holds every request's body
 
 
 @serve.deployment(name=ROUTER, num_replicas=1, max_ongoing_requests=100_000,
@@ -42,7 +43,7 @@ class Router:
         self.started = time.monotonic()
         self.arrivals: collections.deque[float] = collections.deque(maxlen=MAX_SAMPLES)
         self.done: collections.deque[tuple[float, float, float, bool]] = collections.deque(maxlen=MAX_SAMPLES)
-        self.total = {"arrivals": 0, "ok": 0, "failed": 0}
+        self.total = {"arrivals": 0, "ok": 0, "failed": 0, "too_large": 0}
         self.served = dict.fromkeys(self.handles, 0)  # requests answered per node, ever
 
     # --------------------------------------------------------------------------- the queue
@@ -84,7 +85,12 @@ class Router:
         self._dispatch()
 
     async def __call__(self, request: Any) -> Any:
-        body = await request.body()
+        body = await _body(request)
+        if body is None:  # refused before it is queued or counted as demand
+            from starlette.responses import PlainTextResponse
+
+            self.total["too_large"] += 1
+            return PlainTextResponse(f"request body over {MAX_BODY_BYTES} bytes", status_code=413)
         t0 = time.monotonic()
         self.arrivals.append(t0)
         self.total["arrivals"] += 1
@@ -105,7 +111,8 @@ class Router:
     # ------------------------------------------------------------------------- control
     def sync(self, slots: dict[str, int] | None = None) -> dict[str, Any]:
         """Set the slots per node (``None``: keep them) and return the window's counts: ``arrivals``,
-        ``window_s`` (the window, or the router's age if younger), ``service_s``/``wait_s`` (sorted
+        ``window_s`` (the window; the router's age if younger; the span of the newest :data:`MAX_SAMPLES`
+        arrivals if more came), ``service_s``/``wait_s`` (sorted
         samples are not sent: their sum, count and quantiles), ``busy``, ``queued``, ``slots``, ``served``
         (answered per node, ever)."""
         if slots is not None:
@@ -121,8 +128,11 @@ class Router:
         served = [d for d in self.done if d[3]]
         service = sorted(d[2] for d in served)
         response = sorted(d[1] + d[2] for d in served)
+        window = min(self.window_s, now - self.started)
+        if len(self.arrivals) == self.arrivals.maxlen:  # more arrivals than are kept: the rate over those kept
+            window = min(window, now - self.arrivals[0])
         return {
-            "window_s": min(self.window_s, now - self.started), "arrivals": len(self.arrivals),
+            "window_s": window, "arrivals": len(self.arrivals),
             "completed": len(served), "failed": sum(1 for d in self.done if not d[3]),
             "service_sum_s": sum(service), "service_p50_s": _q(service, 0.5),
             "wait_p99_s": _q(sorted(d[1] for d in served), 0.99),
@@ -130,6 +140,22 @@ class Router:
             "busy": dict(self.busy), "queued": len(self.waiters), "slots": dict(self.slots),
             "total": dict(self.total), "served": dict(self.served), "pid": os.getpid(),
         }
+
+
+async def _body(request: Any) -> bytes | None:
+    """The request's body, or None once it is over :data:`MAX_BODY_BYTES` (read no further)."""
+    try:
+        if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
+            return None
+    except ValueError:
+        pass  # a bad header: the stream's length decides
+    parts, n = [], 0
+    async for chunk in request.stream():
+        n += len(chunk)
+        if n > MAX_BODY_BYTES:
+            return None
+        parts.append(chunk)
+    return b"".join(parts)
 
 
 def _q(xs: list[float], q: float) -> float | None:

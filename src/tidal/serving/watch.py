@@ -252,8 +252,10 @@ class WatchConfig:
                      "shortfall_budget", "step_s"):
             v = getattr(self, name)
             ok = v is None or (isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v < 1e9)
-            if not ok or (name in ("shortfall_budget", "step_s") and not v > 0):
+            if not ok or (name == "step_s" and not v > 0):
                 raise ValueError(f"serving.{name} must be a number >= 0, got {v!r}")
+        if self.shortfall_budget is None or not 0 < self.shortfall_budget < 1:
+            raise ValueError(f"serving.shortfall_budget must be in (0, 1), got {self.shortfall_budget!r}")
 
     def requests(self) -> RequestModel | None:
         """The request-rate model when its settings are given (``ValueError`` naming a bad one), else None
