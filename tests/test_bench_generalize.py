@@ -1,4 +1,5 @@
-"""`tidal bench generalize`: the stress traces, the vectorized oracle, the protocol end to end on small files."""
+"""`tidal bench generalize`: the stress traces, the vectorized oracle, the protocol end to end on small
+files."""
 
 from __future__ import annotations
 
@@ -42,8 +43,13 @@ def test_vectorized_oracle_is_the_oracle_policy():
     d[[5, 6, 100, 299]] = np.nan
     times = 600.0 * np.arange(300)
     for lead in (1, 2, 3):
-        lent, _ = run_policy(OraclePolicy(step_s=600.0, horizon_s=6 * 3600.0, timing=_timing(lead, 600.0)), times,
-                             d, 128, future=True)
+        lent, _ = run_policy(
+            OraclePolicy(step_s=600.0, horizon_s=6 * 3600.0, timing=_timing(lead, 600.0)),
+            times,
+            d,
+            128,
+            future=True,
+        )
         assert np.array_equal(lent, oracle_lent(d, 128, lead))
 
 
@@ -59,7 +65,9 @@ def _trace(path, seed: int, days: int = 4) -> None:
     rng = np.random.default_rng(seed)
     t = 600 * np.arange(days * 144)
     load = 100 + 50 * np.sin(2 * np.pi * t / DAY_S + seed) + rng.normal(0, 8, t.size)
-    path.write_text("seconds,requests_per_second\n" + "".join(f"{a},{b:.3f}\n" for a, b in zip(t, load, strict=True)))
+    path.write_text(
+        "seconds,requests_per_second\n" + "".join(f"{a},{b:.3f}\n" for a, b in zip(t, load, strict=True))
+    )
 
 
 def test_generalize_end_to_end_on_two_traces(tmp_path):

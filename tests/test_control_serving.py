@@ -32,17 +32,23 @@ def write_trace(path: Path, rows: int = 400) -> Path:
     return path
 
 
-@pytest.mark.parametrize(("serving", "msg"), [
-    ({"trace": "t.csv"}, r"serving_gpus \(or nodes, to lend them\) is required"),
-    ({"serving_gpus": 8}, "exactly one demand source"),
-    ({"serving_gpus": 8, "trace": "t.csv", "prometheus": "http://p:9090", "query": "x"}, "exactly one demand source"),
-    ({"serving_gpus": 8, "prometheus": "http://p:9090"}, "serving.query is required"),
-    ({"serving_gpus": 0, "trace": "t.csv"}, "serving.serving_gpus must be a whole number >= 1"),
-    ({"serving_gpus": 8, "trace": "t.csv", "shortfall_budget": 2}, "serving.shortfall_budget must be in"),
-    ({"serving_gpus": 8, "trace": "t.csv", "speedup": 0}, "serving.speedup must be a number > 0"),
-    ({"serving_gpus": 8, "trace": "t.csv", "lead": 3}, "config: serving: unknown field 'lead'"),
-    ("yes", "config: serving must be a mapping"),
-])
+@pytest.mark.parametrize(
+    ("serving", "msg"),
+    [
+        ({"trace": "t.csv"}, r"serving_gpus \(or nodes, to lend them\) is required"),
+        ({"serving_gpus": 8}, "exactly one demand source"),
+        (
+            {"serving_gpus": 8, "trace": "t.csv", "prometheus": "http://p:9090", "query": "x"},
+            "exactly one demand source",
+        ),
+        ({"serving_gpus": 8, "prometheus": "http://p:9090"}, "serving.query is required"),
+        ({"serving_gpus": 0, "trace": "t.csv"}, "serving.serving_gpus must be a whole number >= 1"),
+        ({"serving_gpus": 8, "trace": "t.csv", "shortfall_budget": 2}, "serving.shortfall_budget must be in"),
+        ({"serving_gpus": 8, "trace": "t.csv", "speedup": 0}, "serving.speedup must be a number > 0"),
+        ({"serving_gpus": 8, "trace": "t.csv", "lead": 3}, "config: serving: unknown field 'lead'"),
+        ("yes", "config: serving must be a mapping"),
+    ],
+)
 def test_serving_config_errors_name_the_field(serving, msg):
     with pytest.raises(ValueError, match=msg):
         ControlConfig.from_dict({"serving": serving})
@@ -50,9 +56,13 @@ def test_serving_config_errors_name_the_field(serving, msg):
 
 def test_serving_config_trace_is_relative_to_the_config_file(tmp_path):
     (tmp_path / "conf").mkdir()
-    (tmp_path / "conf" / "c.yaml").write_text("serving:\n  serving_gpus: 16\n  trace: traffic.csv\n  speedup: 60\n")
+    (tmp_path / "conf" / "c.yaml").write_text(
+        "serving:\n  serving_gpus: 16\n  trace: traffic.csv\n  speedup: 60\n"
+    )
     cfg = ControlConfig.load(tmp_path / "conf" / "c.yaml")
-    assert cfg.serving == WatchConfig(serving_gpus=16, trace=str(tmp_path / "conf" / "traffic.csv"), speedup=60.0)
+    assert cfg.serving == WatchConfig(
+        serving_gpus=16, trace=str(tmp_path / "conf" / "traffic.csv"), speedup=60.0
+    )
     assert ControlConfig.from_dict({}).serving is None
 
 
@@ -118,15 +128,33 @@ def test_tidal_up_serves_the_plan_from_a_replayed_trace(tmp_path):
     state = tmp_path / "state"
     out = tmp_path / "up.log"
     with open(out, "wb") as f:
-        proc = subprocess.Popen([sys.executable, "-c", "from tidal.cli import main; main()", "up", "--gpus", "1",
-                                 "--port", "0", "--state-dir", str(state), "--config", str(tmp_path / "c.yaml")],
-                                stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                "from tidal.cli import main; main()",
+                "up",
+                "--gpus",
+                "1",
+                "--port",
+                "0",
+                "--state-dir",
+                str(state),
+                "--config",
+                str(tmp_path / "c.yaml"),
+            ],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
     try:
         deadline = time.monotonic() + 60
         while not (state / "api.url").exists():
             assert proc.poll() is None and time.monotonic() < deadline, out.read_text()
             time.sleep(0.05)
-        client = TidalClient((state / "api.url").read_text().strip(), (state / "admin.token").read_text().strip())
+        client = TidalClient(
+            (state / "api.url").read_text().strip(), (state / "admin.token").read_text().strip()
+        )
         while True:
             got = client.serving()
             if got["latest"] is not None and got["latest"]["now_s"] >= 3000:

@@ -33,7 +33,16 @@ from tidal.demo.single import (
 )
 from tidal.exec import procs
 
-TINY = ["--size", "tiny", "--steps", "100", "--ckpt-every", "10", "--kill-at", "0.3"]  # a wide window to kill in
+TINY = [
+    "--size",
+    "tiny",
+    "--steps",
+    "100",
+    "--ckpt-every",
+    "10",
+    "--kill-at",
+    "0.3",
+]  # a wide window to kill in
 
 
 def start_demo(args: list[str], out: Path) -> subprocess.Popen:
@@ -98,8 +107,10 @@ def test_demo_kills_a_rank_and_recovers_from_a_checkpoint(tmp_path):
 @pytest.mark.slow
 def test_ctrl_c_stops_the_plane_and_every_worker(tmp_path):
     state = tmp_path / "state"
-    proc = start_demo(["--size", "tiny", "--steps", "1000000", "--ckpt-every", "10", "--state-dir", str(state),
-                       "--json"], tmp_path / "demo.err")  # --json: all the narration goes to stderr
+    proc = start_demo(
+        ["--size", "tiny", "--steps", "1000000", "--ckpt-every", "10", "--state-dir", str(state), "--json"],
+        tmp_path / "demo.err",
+    )  # --json: all the narration goes to stderr
     try:
         deadline = time.monotonic() + 90
         while len(list(state.glob("jobs/*/attempt-1/pid-*.json"))) < 2:  # both ranks started
@@ -118,11 +129,17 @@ def test_ctrl_c_stops_the_plane_and_every_worker(tmp_path):
 
 
 def test_options_that_cannot_show_a_recovery_are_refused():
-    with pytest.raises(DemoError, match=r"--ckpt-every 50: expected 1 to 49, so that a checkpoint exists before "
-                                        r"the kill at step 50"):
+    with pytest.raises(
+        DemoError,
+        match=r"--ckpt-every 50: expected 1 to 49, so that a checkpoint exists before "
+        r"the kill at step 50",
+    ):
         DemoOptions(steps=100, ckpt_every=50).check()
-    with pytest.raises(DemoError, match=r"--gpus 5: the global batch of 16 sequences \(small model\) must split "
-                                        r"evenly over the ranks; expected one of \[2, 4, 8, 16\]"):
+    with pytest.raises(
+        DemoError,
+        match=r"--gpus 5: the global batch of 16 sequences \(small model\) must split "
+        r"evenly over the ranks; expected one of \[2, 4, 8, 16\]",
+    ):
         DemoOptions(gpus=5).check()
     with pytest.raises(DemoError, match="--gpus 1: the demo kills one rank of a gang"):
         DemoOptions(gpus=1).check()
@@ -135,11 +152,19 @@ def test_options_that_cannot_show_a_recovery_are_refused():
 def test_the_verdict_refuses_a_restart_from_scratch(tmp_path):
     """Attempt 2 restored nothing (step 0): the job succeeded, but that is no recovery, so not ok."""
     prog = tmp_path / "jobs" / "gpt-demo-1"
-    recs = {1: [{"event": "restore", "step": 0, "tier": None}, {"event": "step", "step": 1, "loss": 5.5, "time": 1.0},
-                {"event": "committed", "step": 10, "tiers": ["shm", "disk"]},
-                {"event": "step", "step": 12, "loss": 4.0, "time": 2.0}],
-            2: [{"event": "restore", "step": 0, "tier": None}, {"event": "step", "step": 1, "loss": 5.5, "time": 9.0},
-                {"event": "step", "step": 20, "loss": 3.0, "time": 10.0}]}
+    recs = {
+        1: [
+            {"event": "restore", "step": 0, "tier": None},
+            {"event": "step", "step": 1, "loss": 5.5, "time": 1.0},
+            {"event": "committed", "step": 10, "tiers": ["shm", "disk"]},
+            {"event": "step", "step": 12, "loss": 4.0, "time": 2.0},
+        ],
+        2: [
+            {"event": "restore", "step": 0, "tier": None},
+            {"event": "step", "step": 1, "loss": 5.5, "time": 9.0},
+            {"event": "step", "step": 20, "loss": 3.0, "time": 10.0},
+        ],
+    }
     for a, rs in recs.items():
         (prog / f"attempt-{a}" / "progress").mkdir(parents=True)
         (prog / f"attempt-{a}" / "progress" / "progress-r00000.jsonl").write_text(
@@ -150,7 +175,9 @@ def test_the_verdict_refuses_a_restart_from_scratch(tmp_path):
     w = Watch(kill=Kill(rank=1, pid=123, shim_pid=122, attempt=1, at_step=12, ckpt_step=10, time_s=5.0))
     s = summarize(job, w, DemoOptions(steps=20, ckpt_every=5, size="tiny"), tmp_path, 10.0, kept=False)
     assert not s["ok"] and s["resumed_from_step"] == 0
-    assert s["problems"] == ["the restarted attempt did not restore a checkpoint step > 0 (it started from scratch)"]
+    assert s["problems"] == [
+        "the restarted attempt did not restore a checkpoint step > 0 (it started from scratch)"
+    ]
     assert s["killed"]["reached_step"] == 12 and s["checkpoints"] == {"disk": [10], "shm": [10]}
     assert s["initial_loss"] == 5.5 and s["final_loss"] == 3.0 and s["recovery_s"] == 4.0
     out = Console(record=True, width=200, file=open(os.devnull, "w"))  # noqa: SIM115

@@ -17,9 +17,20 @@ pytestmark = pytest.mark.slow
 
 
 def test_a_short_night_lends_and_takes_back_in_time(tmp_path):
-    opts = CycleOptions(speedup=600.0, hours=10.0, start_hour=0.0, history_days=2, serving_nodes="4x2", jobs=2,
-                        max_ranks=3, grace_s=5.0, final_checkpoint_s=2.0, release_s=1.0, warmup_s=2.0,
-                        restart_cost_s=5.0)
+    opts = CycleOptions(
+        speedup=600.0,
+        hours=10.0,
+        start_hour=0.0,
+        history_days=2,
+        serving_nodes="4x2",
+        jobs=2,
+        max_ranks=3,
+        grace_s=5.0,
+        final_checkpoint_s=2.0,
+        release_s=1.0,
+        warmup_s=2.0,
+        restart_cost_s=5.0,
+    )
     out = run_cycle(opts, Console(file=open(tmp_path / "view.txt", "w")))  # noqa: SIM115 (closed at exit)
     live = out["live"]
     assert not out["double_counted"], out["double_counted"]

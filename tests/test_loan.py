@@ -189,7 +189,9 @@ def test_property_plan_matches_the_rule_gpu_by_gpu(n, upper, lent, demand_now, l
 
 
 @settings(max_examples=15, deadline=None)
-@given(demand=st.lists(st.floats(0, 100), min_size=3, max_size=30), budget=st.sampled_from([0.001, 0.01, 0.05]))
+@given(
+    demand=st.lists(st.floats(0, 100), min_size=3, max_size=30), budget=st.sampled_from([0.001, 0.01, 0.05])
+)
 def test_property_tidal_lends_at_most_pool_minus_forecast_plus_margin(demand, budget):
     cfg = TidalConfig(shortfall_budget=budget, forecast=ForecastConfig(horizon_s=3600.0), timing=LEAD20)
     pol = TidalPolicy(cfg)
@@ -244,7 +246,9 @@ def test_tidal_constant_demand_step_by_step():
     before = state
     p, state = pol(LoanContext(now_s=1200.0, serving_gpus=100, demand_gpus=80.0, lent_gpus=58), state)
     assert state.shortfall_gpu_s == pytest.approx(38 * 600)
-    assert state.z == pytest.approx(3.0 + 2 * dz_calm + 0.05 * (600 / 3600) * (3 * 0.4 - 0.008 * 80) / (0.008 * 100))
+    assert state.z == pytest.approx(
+        3.0 + 2 * dz_calm + 0.05 * (600 / 3600) * (3 * 0.4 - 0.008 * 80) / (0.008 * 100)
+    )
     assert p.lendable_gpus == 0 and p.reclaim_now_gpus == 58  # the surprise widens the bound past the pool
 
     # Without the cap the whole 38 GPUs move z (the plain online conformal update).
@@ -261,7 +265,9 @@ def test_tidal_reclaims_before_the_daily_rise():
     fc = ForecastConfig(step_s=H, horizon_s=6 * H, profile_smooth_s=0, error_profile_smooth_s=0)
     timing = LoanTiming(notice_s=0, final_checkpoint_s=0, release_s=0, warmup_s=H, restart_cost_s=0)
     # the budget ledger off: on day 0 it would hold back half the loans (tested in test_loan_budget.py)
-    pol = TidalPolicy(TidalConfig(shortfall_budget=0.01, forecast=fc, timing=timing, ledger_allowance_pool_h=math.inf))
+    pol = TidalPolicy(
+        TidalConfig(shortfall_budget=0.01, forecast=fc, timing=timing, ledger_allowance_pool_h=math.inf)
+    )
     state, lent = pol.initial_state(), 0
     plans: dict[int, LoanPlan] = {}
     short_after_day0 = None
@@ -292,11 +298,15 @@ def test_tidal_treats_missing_demand_as_unknown_not_zero():
     pol = tidal()
     state, lent = pol.initial_state(), 0
     for k in range(6):
-        p, state = pol(LoanContext(now_s=600.0 * k, serving_gpus=100, demand_gpus=60.0, lent_gpus=lent), state)
+        p, state = pol(
+            LoanContext(now_s=600.0 * k, serving_gpus=100, demand_gpus=60.0, lent_gpus=lent), state
+        )
         lent = p.lendable_gpus
     before = lent
     for k in range(6, 12):  # a metrics outage
-        p, state = pol(LoanContext(now_s=600.0 * k, serving_gpus=100, demand_gpus=math.nan, lent_gpus=lent), state)
+        p, state = pol(
+            LoanContext(now_s=600.0 * k, serving_gpus=100, demand_gpus=math.nan, lent_gpus=lent), state
+        )
         lent = p.lendable_gpus
         assert lent <= before  # never lends more because the numbers went missing
     assert state.forecast.level_gpus == pytest.approx(60.0)
@@ -341,10 +351,14 @@ def noisy_series(days: int, seed: int) -> np.ndarray:
 @pytest.mark.parametrize("budget", [0.005, 0.02])
 def test_tidal_meets_the_budget_through_a_regime_change_without_hindsight(budget):
     demand = noisy_series(days=7, seed=1)
-    pol = TidalPolicy(TidalConfig(shortfall_budget=budget, forecast=ForecastConfig(horizon_s=3600.0), timing=LEAD20))
+    pol = TidalPolicy(
+        TidalConfig(shortfall_budget=budget, forecast=ForecastConfig(horizon_s=3600.0), timing=LEAD20)
+    )
     state, lent, lent_sum = pol.initial_state(), 0, 0
     for k, d in enumerate(demand):
-        p, state = pol(LoanContext(now_s=600.0 * k, serving_gpus=100, demand_gpus=float(d), lent_gpus=lent), state)
+        p, state = pol(
+            LoanContext(now_s=600.0 * k, serving_gpus=100, demand_gpus=float(d), lent_gpus=lent), state
+        )
         lent = p.lendable_gpus
         lent_sum += lent
     assert state.shortfall_ratio <= budget
@@ -367,7 +381,9 @@ def test_tidal_tail_reserve_keeps_the_plan_that_far_above_the_center():
         pol = TidalPolicy(c)
         state, lent = pol.initial_state(), 0
         for k, d in enumerate(demand):
-            p, state = pol(LoanContext(now_s=600.0 * k, serving_gpus=100, demand_gpus=float(d), lent_gpus=lent), state)
+            p, state = pol(
+                LoanContext(now_s=600.0 * k, serving_gpus=100, demand_gpus=float(d), lent_gpus=lent), state
+            )
             lent = p.lendable_gpus
         results[name] = (p, state)
     p, state = results["on"]
@@ -395,7 +411,9 @@ def test_reactive_lends_idle_minus_margin_and_reclaims_only_after_the_fact():
 
 
 def test_night_window_lends_fixed_hours_and_returns_by_the_window_end():
-    pol = NightWindowPolicy(start_s=0, end_s=6 * H, margin_gpus=2.0, step_s=600, horizon_s=4 * H, timing=LEAD20)
+    pol = NightWindowPolicy(
+        start_s=0, end_s=6 * H, margin_gpus=2.0, step_s=600, horizon_s=4 * H, timing=LEAD20
+    )
     p, _ = pol(LoanContext(now_s=3 * H, serving_gpus=10, demand_gpus=math.nan), None)
     assert p.lendable_gpus == 8
     assert rc(p) == [(8, 6 * H, 6 * H - 1200)]
@@ -409,7 +427,9 @@ def test_night_window_lends_fixed_hours_and_returns_by_the_window_end():
 
 def test_oracle_lends_exactly_what_the_future_spares():
     pol = OraclePolicy(step_s=600, horizon_s=3600, timing=LEAD20)
-    ctx = LoanContext(now_s=0.0, serving_gpus=10, demand_gpus=3.0, future_demand_gpus=np.array([3, 4, 4, 9, 9, 9.0]))
+    ctx = LoanContext(
+        now_s=0.0, serving_gpus=10, demand_gpus=3.0, future_demand_gpus=np.array([3, 4, 4, 9, 9, 9.0])
+    )
     p, _ = pol(ctx, None)
     assert p.lendable_gpus == 6
     assert rc(p) == [(5, 2400.0, 1200.0)]
@@ -425,10 +445,14 @@ def test_tidal_on_servegen_m_mid_meets_half_percent_budget():
     from tidal.serving.traces import load_trace
 
     demand = load_trace(TRACES / "servegen-language-m-mid.csv").demand_gpus(128)[: 7 * 144]
-    pol = TidalPolicy(TidalConfig(shortfall_budget=0.005, forecast=ForecastConfig(horizon_s=3600.0), timing=LEAD20))
+    pol = TidalPolicy(
+        TidalConfig(shortfall_budget=0.005, forecast=ForecastConfig(horizon_s=3600.0), timing=LEAD20)
+    )
     state, lent, lent_sum, idle_sum = pol.initial_state(), 0, 0, 0.0
     for k, d in enumerate(demand):
-        p, state = pol(LoanContext(now_s=600.0 * k, serving_gpus=128, demand_gpus=float(d), lent_gpus=lent), state)
+        p, state = pol(
+            LoanContext(now_s=600.0 * k, serving_gpus=128, demand_gpus=float(d), lent_gpus=lent), state
+        )
         lent = p.lendable_gpus
         if not math.isnan(d):
             lent_sum += lent

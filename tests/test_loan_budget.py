@@ -24,12 +24,20 @@ from tidal.policy.loan import LoanContext, LoanTiming, TidalConfig, TidalPolicy
 STEP = 1800.0
 LEAD_STEPS = 2
 N = 40
-TIMING = LoanTiming(notice_s=0, final_checkpoint_s=0, release_s=0, warmup_s=LEAD_STEPS * STEP, restart_cost_s=0)
+TIMING = LoanTiming(
+    notice_s=0, final_checkpoint_s=0, release_s=0, warmup_s=LEAD_STEPS * STEP, restart_cost_s=0
+)
 
 
 def config(**kw) -> TidalConfig:
-    base = dict(shortfall_budget=0.01, forecast=ForecastConfig(step_s=STEP, horizon_s=6 * 3600.0), timing=TIMING,
-                ledger_allowance_pool_h=2.0, ledger_fraction=0.8, ledger_bank_pool_h=1.0)
+    base = dict(
+        shortfall_budget=0.01,
+        forecast=ForecastConfig(step_s=STEP, horizon_s=6 * 3600.0),
+        timing=TIMING,
+        ledger_allowance_pool_h=2.0,
+        ledger_fraction=0.8,
+        ledger_bank_pool_h=1.0,
+    )
     return TidalConfig(**{**base, **kw})
 
 
@@ -51,7 +59,8 @@ def drive(cfg: TidalConfig, demand: list[float], adversary: bool) -> tuple[np.nd
 
 
 def check_bound(cfg: TidalConfig, lent: np.ndarray, demand: np.ndarray) -> None:
-    """The shortfall the loans caused, recomputed here, within the guarantee from the start and in any window."""
+    """The shortfall the loans caused, recomputed here, within the guarantee from the start and in any
+    window."""
     ok = ~np.isnan(demand)
     d = np.where(ok, np.minimum(np.nan_to_num(demand), N), 0.0)
     away = np.array([lent[max(0, u - LEAD_STEPS): u].max() if u else 0 for u in range(len(lent))])

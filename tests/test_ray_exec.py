@@ -45,7 +45,9 @@ def envs(ex, job: str, n: int, attempt: int = 1) -> list[dict]:
 
 
 def observe_until_done(ex, job: str):
-    return wait_until(f"every rank of {job} to exit", lambda: (ob := ex.observe(time.time())[job]).done and ob, 60)
+    return wait_until(
+        f"every rank of {job} to exit", lambda: (ob := ex.observe(time.time())[job]).done and ob, 60
+    )
 
 
 def gpus_free() -> float:
@@ -79,15 +81,20 @@ def test_ranks_across_nodes_stop_adopt_never_twice_kill_release(ray_cluster, tmp
     cmd = (sys.executable, "-c", RANK)
 
     # Placement order makes the ranks: n2's GPU is rank 0 (the rendezvous), n1's two GPUs ranks 1 and 2.
-    h = ex.launch(LaunchRequest("j", 1, cmd, {"n2": 1, "n1": 2}, env={"JOB_VAR": "x", "TIDAL_CKPT_URL": "/c/j"}),
-                  time.time())
+    h = ex.launch(
+        LaunchRequest("j", 1, cmd, {"n2": 1, "n1": 2}, env={"JOB_VAR": "x", "TIDAL_CKPT_URL": "/c/j"}),
+        time.time(),
+    )
     assert [(r["rank"], r["node"]) for r in h["ranks"]] == [(0, "n2"), (1, "n1"), (2, "n1")]
     e = envs(ex, "j", 3)
     assert [(x["RANK"], x["LOCAL_RANK"], x["LOCAL_WORLD_SIZE"], x["GROUP_RANK"]) for x in e] == [
         ("0", "0", "1", "0"), ("1", "0", "2", "1"), ("2", "1", "2", "1")]
     assert {x["MASTER_ADDR"] for x in e} == {h["master_addr"]} and {x["MASTER_PORT"] for x in e} == {
         str(h["master_port"])}
-    assert e[0]["CUDA_VISIBLE_DEVICES"] == "0" and sorted(e[1]["CUDA_VISIBLE_DEVICES"].split(",")) == ["0", "1"]
+    assert e[0]["CUDA_VISIBLE_DEVICES"] == "0" and sorted(e[1]["CUDA_VISIBLE_DEVICES"].split(",")) == [
+        "0",
+        "1",
+    ]
     assert e[1]["CUDA_VISIBLE_DEVICES"] == e[2]["CUDA_VISIBLE_DEVICES"]  # rank r uses cuda:LOCAL_RANK
     assert all(x["WORLD_SIZE"] == "3" and x["TIDAL_JOB_ID"] == "j" and x["JOB_VAR"] == "x" for x in e)
     assert all(x["TIDAL_TEST_SECRET"] is None for x in e)  # a clean environment: nothing of the plane's
@@ -113,10 +120,14 @@ def test_ranks_across_nodes_stop_adopt_never_twice_kill_release(ray_cluster, tmp
     ex3 = RayExecutor(tmp_path / "jobs", address=ray_cluster.address, ready_timeout_s=60)
     h3 = ex3.launch(LaunchRequest("j.a9-1", 1, cmd, {"n3": 1}), time.time())
     h2 = ex3.launch(LaunchRequest("j", 2, cmd, {"n2": 1}, env={"TIDAL_CKPT_URL": "/c/j"}), time.time())
-    names = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == ex3.namespace}
+    names = {
+        a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == ex3.namespace
+    }
     assert names == {actor_name("j", 2, 0), actor_name("j.a9-1", 1, 0)}
     e = envs(ex3, "j", 1, attempt=2)[0]
-    assert e["CUDA_VISIBLE_DEVICES"] == "0" and e["TIDAL_CKPT_URL"] == "/c/j" and e["TIDAL_CKPT_TIERS"] is None
+    assert (
+        e["CUDA_VISIBLE_DEVICES"] == "0" and e["TIDAL_CKPT_URL"] == "/c/j" and e["TIDAL_CKPT_TIERS"] is None
+    )
     ex3.kill("j")
     ex3.kill("j.a9-1")
     assert [r.exit_code for r in observe_until_done(ex3, "j").ranks] == [-signal.SIGKILL]
@@ -160,7 +171,9 @@ def test_an_attempt_across_nodes_has_no_node_memory_tier():
     assert json.loads(across_nodes({"TIDAL_CKPT_TIERS": "shm,/d"})["TIDAL_CKPT_TIERS"]) == ["/d"]
     with pytest.raises(LaunchError, match="needs a tier other than node memory"):
         across_nodes({"TIDAL_CKPT_TIERS": '["shm"]'})
-    assert across_nodes({}) == {} and across_nodes({"TIDAL_CKPT_TIERS": '{"a": 1}'}) == {"TIDAL_CKPT_TIERS": '{"a": 1}'}
+    assert across_nodes({}) == {} and across_nodes({"TIDAL_CKPT_TIERS": '{"a": 1}'}) == {
+        "TIDAL_CKPT_TIERS": '{"a": 1}'
+    }
 
 
 def test_tidal_up_ray_options_bad_input_is_one_clear_error(tmp_path):
@@ -171,13 +184,20 @@ def test_tidal_up_ray_options_bad_input_is_one_clear_error(tmp_path):
 
     if ray.is_initialized():
         ray.shutdown()
-    cases = [({"executor": "k8s"}, "--executor must be 'local' or 'ray', got 'k8s'"),
-             ({"ray_address": "auto"}, "--ray-address needs --executor ray"),
-             ({"ckpt_agents": True}, "--ckpt-agents needs --executor ray"),
-             ({"executor": "ray", "ray_address": "127.0.0.1:1"}, "cannot join the Ray cluster at 127.0.0.1:1: "
-                                                                 "nothing answers there"),
-             ({"executor": "ray", "ray_address": "x:y"}, "--ray-address 'x:y': expected HOST:PORT"),
-             ({"executor": "ray", "ray_address": "127.0.0.1:1", "gpus": "4"}, "--gpus N declares the GPUs of a Ray")]
+    cases = [
+        ({"executor": "k8s"}, "--executor must be 'local' or 'ray', got 'k8s'"),
+        ({"ray_address": "auto"}, "--ray-address needs --executor ray"),
+        ({"ckpt_agents": True}, "--ckpt-agents needs --executor ray"),
+        (
+            {"executor": "ray", "ray_address": "127.0.0.1:1"},
+            "cannot join the Ray cluster at 127.0.0.1:1: nothing answers there",
+        ),
+        ({"executor": "ray", "ray_address": "x:y"}, "--ray-address 'x:y': expected HOST:PORT"),
+        (
+            {"executor": "ray", "ray_address": "127.0.0.1:1", "gpus": "4"},
+            "--gpus N declares the GPUs of a Ray",
+        ),
+    ]
     for i, (kw, msg) in enumerate(cases):
         with pytest.raises(SystemExit) as e:
             build(tmp_path / f"s{i}", kw.pop("gpus", "auto"), **kw)
@@ -200,8 +220,18 @@ def test_adopting_an_attempt_cut_short_by_a_crash_mid_launch(ray_cluster, tmp_pa
     ex.nodes()
     adir = ex.attempt_dir("m", 1)
     adir.mkdir(parents=True)
-    write_json(adir / LAUNCH_FILE, {"job_id": "m", "attempt": 1, "launched_s": time.time(), "ranks": [
-        {"rank": r, "node": n, "node_id": ex._ids[n], "actor": actor_name("m", 1, r)} for r, n in enumerate(["n2", "n3"])]})
+    write_json(
+        adir / LAUNCH_FILE,
+        {
+            "job_id": "m",
+            "attempt": 1,
+            "launched_s": time.time(),
+            "ranks": [
+                {"rank": r, "node": n, "node_id": ex._ids[n], "actor": actor_name("m", 1, r)}
+                for r, n in enumerate(["n2", "n3"])
+            ],
+        },
+    )
     a = ex._remote.options(name=actor_name("m", 1, 0), namespace=ex.namespace, lifetime="detached",
                            num_cpus=0).remote()
     ray.get(a.info.remote(), timeout=60)
@@ -216,8 +246,13 @@ def test_adopting_an_attempt_cut_short_by_a_crash_mid_launch(ray_cluster, tmp_pa
     assert [r.exit_code for r in ob.ranks] == [127] and "cannot start '/nonexistent/python'" in Path(
         ex.log_path("q", 0)).read_text()
     ex.release("q")
-    wait_until("the actor gone", lambda: not any(x["namespace"] == ex.namespace
-                                                 for x in ray.util.list_named_actors(all_namespaces=True)), 30)
+    wait_until(
+        "the actor gone",
+        lambda: (
+            not any(x["namespace"] == ex.namespace for x in ray.util.list_named_actors(all_namespaces=True))
+        ),
+        30,
+    )
 
 
 def test_node_memory_of_jobs_is_listed_and_freed_on_each_node(ray_cluster, tmp_path):

@@ -45,11 +45,25 @@ def night_trace(path: Path, days: int = 3) -> Path:
 
 def config(trace: Path, nodes: dict) -> dict:
     """Replayed from 22:00 of its third day at 1000x: about 20 s of quiet night before the notice."""
-    return {"restart_backoff_s": 0.2, "hang_timeout_s": 60, "startup_timeout_s": 120, "kill_slack_s": 5,
-            "loop_interval_s": 0.2,
-            "serving": {"trace": str(trace), "nodes": nodes, "speedup": 1000, "start_s": 2 * DAY + 22 * 3600,
-                        "history_days": 2, "grace_s": 3, "final_checkpoint_s": 1, "release_s": 0.5, "warmup_s": 1,
-                        "restart_cost_s": 2}}
+    return {
+        "restart_backoff_s": 0.2,
+        "hang_timeout_s": 60,
+        "startup_timeout_s": 120,
+        "kill_slack_s": 5,
+        "loop_interval_s": 0.2,
+        "serving": {
+            "trace": str(trace),
+            "nodes": nodes,
+            "speedup": 1000,
+            "start_s": 2 * DAY + 22 * 3600,
+            "history_days": 2,
+            "grace_s": 3,
+            "final_checkpoint_s": 1,
+            "release_s": 0.5,
+            "warmup_s": 1,
+            "restart_cost_s": 2,
+        },
+    }
 
 
 def test_serving_nodes_unknown_to_ray_are_one_line_at_start(ray_cluster, tmp_path):
@@ -57,10 +71,17 @@ def test_serving_nodes_unknown_to_ray_are_one_line_at_start(ray_cluster, tmp_pat
     from tidal.control.server import build
 
     trace = night_trace(tmp_path / "night.csv")
-    for i, (nodes, msg) in enumerate([({"serve-0": 2}, "serving.nodes: serve-0 not in the Ray cluster (a serving node "
-                                                       "is the Ray node labelled tidal.io/node=NAME; the cluster has "
-                                                       "['n1', 'n2', 'n3'])"),
-                                      ({"n1": 4}, "serving.nodes: n1 has 4 GPUs there but 2 in the Ray cluster")]):
+    for i, (nodes, msg) in enumerate(
+        [
+            (
+                {"serve-0": 2},
+                "serving.nodes: serve-0 not in the Ray cluster (a serving node "
+                "is the Ray node labelled tidal.io/node=NAME; the cluster has "
+                "['n1', 'n2', 'n3'])",
+            ),
+            ({"n1": 4}, "serving.nodes: n1 has 4 GPUs there but 2 in the Ray cluster"),
+        ]
+    ):
         (tmp_path / "c.yaml").write_text(yaml.safe_dump(config(trace, nodes)))
         with pytest.raises(SystemExit) as e:
             build(tmp_path / f"s{i}", "auto", config=ControlConfig.load(tmp_path / "c.yaml"), executor="ray",
@@ -99,8 +120,12 @@ def test_a_spot_job_on_a_lent_gpu_of_a_ray_node_is_reclaimed(ray_cluster, tmp_pa
         pids = [r["pid"] for r in j["handle"]["ranks"]]
 
         # The morning rise: a notice, the ranks leave (exit 75 after a checkpoint), the GPU serves again.
-        ret = wait_for("the GPU returned to serving", lambda: [e for e in admin.events() if e["kind"] == "return"])[0]
-        assert ret["data"]["node"] == lent_node and ret["data"]["gpus"] == 1 and ret["data"]["margin_s"] >= 0, ret
+        ret = wait_for(
+            "the GPU returned to serving", lambda: [e for e in admin.events() if e["kind"] == "return"]
+        )[0]
+        assert (
+            ret["data"]["node"] == lent_node and ret["data"]["gpus"] == 1 and ret["data"]["margin_s"] >= 0
+        ), ret
         kinds = [e["kind"] for e in admin.events() if e["kind"] in ("loan", "reclaim", "return")]
         assert kinds[:3] == ["loan", "reclaim", "return"], admin.events()
         stops = [e for e in lab.events(job) if e["to"] == "preempting"]
@@ -108,7 +133,9 @@ def test_a_spot_job_on_a_lent_gpu_of_a_ray_node_is_reclaimed(ray_cluster, tmp_pa
         assert not [pid for pid in pids if procs.alive(pid)]
         j = lab.job(job)
         assert j["state"] == "pending" and j["restarts"] == 0 and (j["ckpt_step"] or 0) > 0, j
-        s = wait_for("the GPU serving again", lambda: (s := admin.serving())["serving_capacity_gpus"] == 3 and s)
+        s = wait_for(
+            "the GPU serving again", lambda: (s := admin.serving())["serving_capacity_gpus"] == 3 and s
+        )
         st = s["stats"]
         assert s["lent_gpus"] == 0 and st["reclaims_missed"] == 0 and st["double_counted_steps"] == 0, s
         assert s["adapter"]["released"] == {"n1": 0, "n3": 0}

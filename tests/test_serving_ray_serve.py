@@ -288,7 +288,9 @@ def test_the_router_refuses_a_huge_body_and_measures_only_answered_requests(monk
         r = rsa.Router.func_or_class({"n1": Model()}, {"n1": 1}, window_s=60.0)
         assert (await r(Req(b"x" * 2000))).status_code == 413  # was read whole into the one router
         assert (await r(Req(b"x" * 2000, length=10))).status_code == 413  # a lying Content-Length
-        outs = await asyncio.gather(r(Req(b"a")), r(Req(b"fail")), r(Req(b"b" * 1000)), return_exceptions=True)
+        outs = await asyncio.gather(
+            r(Req(b"a")), r(Req(b"fail")), r(Req(b"b" * 1000)), return_exceptions=True
+        )
         assert outs[0] == b"a" and isinstance(outs[1], RuntimeError) and outs[2] == b"b" * 1000
         first, gone = asyncio.create_task(r(Req(b"c"))), asyncio.create_task(r(Req(b"d")))
         await asyncio.sleep(0.002)
@@ -306,7 +308,9 @@ class Healing(RayServeAdapter):
     """Serve's application as a field (None: deleted by someone else); the router call fails on demand."""
 
     def __init__(self) -> None:
-        super().__init__(RayServeSettings(app="toy", deployment="m:d", nodes=dict(NODES), latency_target_s=0.2))
+        super().__init__(
+            RayServeSettings(app="toy", deployment="m:d", nodes=dict(NODES), latency_target_s=0.2)
+        )
         self.deploys = 0
         self.app: Any = "running"
         self.router_down = False
@@ -324,8 +328,16 @@ class Healing(RayServeAdapter):
             return None
         def dep(n: str) -> Any:
             st = self.dep_status.get(n, "HEALTHY")
-            return type("D", (), {"status": st, "replica_states": {"RUNNING": self.up.get(n, NODES[n])},
-                                  "message": "__init__() got an unexpected keyword\n 'x'" if st != "HEALTHY" else ""})()
+            return type(
+                "D",
+                (),
+                {
+                    "status": st,
+                    "replica_states": {"RUNNING": self.up.get(n, NODES[n])},
+                    "message": "__init__() got an unexpected keyword\n 'x'" if st != "HEALTHY" else "",
+                },
+            )()
+
         deps = {f"-{n}": dep(n) for n in NODES}
         return type("A", (), {"deployments": deps})()
 
@@ -497,9 +509,16 @@ def test_lend_and_reclaim_a_node_under_load_within_the_slo(ray_cluster, tmp_path
         ray.init(address=ray_cluster.address, log_to_driver=False)
     total = all_gpus_free()
     port = free_port()
-    s = RayServeSettings(app="toy", deployment="tidal.serving.ray_serve_app:sleep_model", nodes=dict(SERVE_ON),
-                         latency_target_s=0.5, init_kwargs={"service_s": 0.03}, http_port=port,
-                         rate_window_s=5.0, min_samples=10)
+    s = RayServeSettings(
+        app="toy",
+        deployment="tidal.serving.ray_serve_app:sleep_model",
+        nodes=dict(SERVE_ON),
+        latency_target_s=0.5,
+        init_kwargs={"service_s": 0.03},
+        http_port=port,
+        rate_window_s=5.0,
+        min_samples=10,
+    )
     ad = RayServeAdapter(s)
     phases: dict[str, float] = {}
     try:

@@ -134,7 +134,9 @@ def test_prometheus_cut_off_answer_reads_as_unknown(prom, caplog):
     prom.truncate = True
     with caplog.at_level(logging.WARNING, logger="tidal.serving.sources"):
         assert math.isnan(PrometheusQuery(prom.url, "sum(up)", timeout_s=2.0).demand_gpus(10.0))
-    assert "no complete answer" in caplog.text or "cannot reach" in caplog.text  # cut off: while reading, or reset
+    assert (
+        "no complete answer" in caplog.text or "cannot reach" in caplog.text
+    )  # cut off: while reading, or reset
 
 
 def test_prometheus_unreachable_reads_as_unknown(prom, caplog):
@@ -178,7 +180,9 @@ def test_watch_plans_on_the_step_grid_with_the_policy_the_simulator_uses(tmp_pat
     cfg = TidalConfig(shortfall_budget=0.01, forecast=ForecastConfig(step_s=600.0))
     clock = FakeClock(17.0)  # between grid points: the first observation waits for 600
     seen = []
-    watch(src, TidalPolicy(cfg), serving_gpus=64, clock=clock, sleep=clock.sleep, on_step=seen.append, steps=200)
+    watch(
+        src, TidalPolicy(cfg), serving_gpus=64, clock=clock, sleep=clock.sleep, on_step=seen.append, steps=200
+    )
     assert [s.now_s for s in seen] == [600.0 * k for k in range(1, 201)]
     assert clock.slept[0] == 583.0
     # the same plans as driving the policy directly with the same observations
@@ -217,8 +221,10 @@ def test_cli_prints_one_json_plan_per_step_and_rejects_two_sources(tmp_path):
     times = [row["now_s"] for row in rows]
     assert len(rows) == 3 and all(t % 600 == 0 for t in times) and times == sorted(set(times))
     assert all({"demand_gpus", "lendable_gpus", "reclaims", "reclaim_now_gpus"} <= set(row) for row in rows)
-    r = runner.invoke(serving_app, ["watch", "--trace", str(p), "--prometheus", "http://p:9090", "--query", "x",
-                                    "--serving-gpus", "64"])
+    r = runner.invoke(
+        serving_app,
+        ["watch", "--trace", str(p), "--prometheus", "http://p:9090", "--query", "x", "--serving-gpus", "64"],
+    )
     assert r.exit_code == 2 and "exactly one demand source" in r.output
     r = runner.invoke(serving_app, ["watch", "--prometheus", "http://p:9090", "--serving-gpus", "64"])
     assert r.exit_code == 2 and "--query" in r.output

@@ -100,7 +100,9 @@ class Corpus:
         return (len(self.tokens) - 1) // self.block
 
     def batch(self, indices: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        windows = torch.stack([self.tokens[i * self.block : (i + 1) * self.block + 1] for i in indices]).long()
+        windows = torch.stack(
+            [self.tokens[i * self.block : (i + 1) * self.block + 1] for i in indices]
+        ).long()
         return windows[:, :-1].to(device), windows[:, 1:].to(device)
 
 
@@ -180,9 +182,14 @@ def main(argv: list[str] | None = None) -> None:
         extra = {"corpus": dict(corpus.info), "schedule": dict(schedule)}
         step = s.restore(model, opt, sampler, extra=extra)  # JSON values in `extra` now hold the saved ones
         if extra["corpus"] != corpus.info:
-            raise SystemExit(f"error: the checkpoint was trained on another corpus: {extra['corpus']} != {corpus.info}")
+            raise SystemExit(
+                f"error: the checkpoint was trained on another corpus: {extra['corpus']} != {corpus.info}"
+            )
         if extra["schedule"] != schedule and main_rank:
-            print(f"warning: the learning-rate schedule changed from {extra['schedule']} to {schedule}", flush=True)
+            print(
+                f"warning: the learning-rate schedule changed from {extra['schedule']} to {schedule}",
+                flush=True,
+            )
         extra["schedule"] = schedule
         if main_rank:
             print(f"gpt: {n_params / 1e6:.2f}M parameters, {args.parallel} on {s.world_size} rank(s) "
@@ -206,7 +213,11 @@ def main(argv: list[str] | None = None) -> None:
             opt.step()
             opt.zero_grad(set_to_none=True)
             step += 1
-            fields = {"data_rank": dp_rank, "indices": sampler.local_indices(step - 1)} if args.record_indices else {}
+            fields = (
+                {"data_rank": dp_rank, "indices": sampler.local_indices(step - 1)}
+                if args.record_indices
+                else {}
+            )
             s.step_done(step, loss=loss_sum / len(micro), tokens=args.global_batch * args.block, **fields)
             if args.step_pause_s > 0:
                 time.sleep(args.step_pause_s)

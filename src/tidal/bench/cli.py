@@ -18,18 +18,30 @@ def _group() -> None:
 
 @app.command("ckpt")
 def ckpt(
-    size_gb: float = typer.Option(1.0, "--size-gb", min=0.0001, help="State size in GB (1e9 bytes): "
-                                  "parameters + Adam exp_avg + exp_avg_sq, fp32."),
+    size_gb: float = typer.Option(
+        1.0,
+        "--size-gb",
+        min=0.0001,
+        help="State size in GB (1e9 bytes): parameters + Adam exp_avg + exp_avg_sq, fp32.",
+    ),
     repeat: int = typer.Option(5, "--repeat", min=1, help="Timed repeats; medians are reported."),
-    json_out: bool = typer.Option(False, "--json", help="Print a JSON object on stdout (the table goes "
-                                  "to stderr)."),
-    directory: Path | None = typer.Option(None, "--dir", help="Make the scratch directory under DIR "
-                                          "(default: the system temp directory); removed at the end."),
-    peers: bool = typer.Option(True, "--peers/--no-peers", help="Also run the peer engines installed by "
-                               "benchmarks/peers/setup.sh (ByteCheckpoint, DLRover, nvidia-resiliency-ext), "
-                               "each in its venv, on the same state; the others are listed as not installed."),
+    json_out: bool = typer.Option(
+        False, "--json", help="Print a JSON object on stdout (the table goes to stderr)."
+    ),
+    directory: Path | None = typer.Option(
+        None,
+        "--dir",
+        help="Make the scratch directory under DIR (default: the system temp directory); removed at the end.",
+    ),
+    peers: bool = typer.Option(
+        True,
+        "--peers/--no-peers",
+        help="Also run the peer engines installed by "
+        "benchmarks/peers/setup.sh (ByteCheckpoint, DLRover, nvidia-resiliency-ext), "
+        "each in its venv, on the same state; the others are listed as not installed.",
+    ),
 ) -> None:
-    """Checkpoint stall, commit and load time: Tidal vs memcpy, torch.save, DCP and the peers, on one state."""
+    """Checkpoint stall, commit and load: Tidal vs memcpy, torch.save, DCP and the peers, on one state."""
     from rich.console import Console
     from rich.markup import escape
 
@@ -55,18 +67,35 @@ def ckpt(
 @app.command("tiers")
 def tiers(
     size_mb: float = typer.Option(512.0, "--size-mb", min=1.0, help="State size for persist and load, MiB."),
-    repeat: int = typer.Option(5, "--repeat", min=1, help="Timed repeats of persist and load; medians reported."),
-    train_s: float = typer.Option(60.0, "--train-s", min=0.0, help="Seconds per training run (0: skip the "
-                                  "training-overhead part)."),
-    interval_s: float = typer.Option(10.0, "--interval-s", min=0.1, help="Checkpoint interval while training, s."),
-    model_mb: float = typer.Option(32.0, "--model-mb", min=0.1, help="Parameters of the training MLP, MiB "
-                                   "(the checkpoint is 3x: parameters + Adam's two moments)."),
+    repeat: int = typer.Option(
+        5, "--repeat", min=1, help="Timed repeats of persist and load; medians reported."
+    ),
+    train_s: float = typer.Option(
+        60.0, "--train-s", min=0.0, help="Seconds per training run (0: skip the training-overhead part)."
+    ),
+    interval_s: float = typer.Option(
+        10.0, "--interval-s", min=0.1, help="Checkpoint interval while training, s."
+    ),
+    model_mb: float = typer.Option(
+        32.0,
+        "--model-mb",
+        min=0.1,
+        help="Parameters of the training MLP, MiB (the checkpoint is 3x: parameters + Adam's two moments).",
+    ),
     batch: int = typer.Option(64, "--batch", min=1, help="Training batch size."),
-    rounds: int = typer.Option(3, "--rounds", min=1, help="Interleaved rounds the training time of each mode "
-                               "is split into (overheads also reported paired per round, median)."),
+    rounds: int = typer.Option(
+        3,
+        "--rounds",
+        min=1,
+        help="Interleaved rounds the training time of each mode "
+        "is split into (overheads also reported paired per round, median).",
+    ),
     json_out: bool = typer.Option(False, "--json", help="Print a JSON object on stdout (tables to stderr)."),
-    directory: Path | None = typer.Option(None, "--dir", help="Make the scratch directory (disk tier, "
-                                          "SeaweedFS data) under DIR; removed at the end."),
+    directory: Path | None = typer.Option(
+        None,
+        "--dir",
+        help="Make the scratch directory (disk tier, SeaweedFS data) under DIR; removed at the end.",
+    ),
 ) -> None:
     """Each checkpoint tier vs the raw device (disk, S3, peer), loads per tier, and training overhead of
     checkpointing every 10 s through all tiers vs none vs DCP async_save to S3."""
@@ -86,16 +115,26 @@ def tiers(
 
 @app.command("forecast")
 def forecast(
-    traces: list[Path] = typer.Argument(None, help="Serving traces (CSV: time, load). Default: "
-                                        "../shared/traces/servegen-*.csv next to the repository."),
+    traces: list[Path] = typer.Argument(
+        None,
+        help="Serving traces (CSV: time, load). Default: "
+        "../shared/traces/servegen-*.csv next to the repository.",
+    ),
     serving_gpus: int = typer.Option(128, "--serving-gpus", min=1, help="GPUs that serve the trace's peak."),
-    budget: list[float] = typer.Option([0.001, 0.005], "--budget", help="Shortfall budgets (fraction of "
-                                       "demanded serving GPU-hours); repeatable."),
+    budget: list[float] = typer.Option(
+        [0.001, 0.005],
+        "--budget",
+        help="Shortfall budgets (fraction of demanded serving GPU-hours); repeatable.",
+    ),
     quantile: list[float] = typer.Option([0.95, 0.99], "--quantile", help="Forecast quantiles; repeatable."),
     lead_s: float = typer.Option(1200.0, "--lead-s", help="Reclaim lead time in seconds."),
     json_out: bool = typer.Option(False, "--json", help="Print a JSON object on stdout (tables to stderr)."),
-    libraries: bool = typer.Option(True, "--libraries/--no-libraries", help="Forecasting libraries as competitors "
-                                   "(statsforecast, LightGBM: the forecast-bench extra; ~2 min a trace)."),
+    libraries: bool = typer.Option(
+        True,
+        "--libraries/--no-libraries",
+        help="Forecasting libraries as competitors "
+        "(statsforecast, LightGBM: the forecast-bench extra; ~2 min a trace).",
+    ),
 ) -> None:
     """Serving-demand forecast and loan policies on real traces: Tidal vs baselines vs oracle."""
     from tidal.bench.forecast import run
@@ -110,15 +149,22 @@ def _traces(traces: list[Path] | None) -> list[Path]:
 
     found = list(traces) if traces else default_traces()
     if not found:
-        raise typer.BadParameter(f"no traces given and none found in {DEFAULT_TRACES_DIR}", param_hint="TRACES")
+        raise typer.BadParameter(
+            f"no traces given and none found in {DEFAULT_TRACES_DIR}", param_hint="TRACES"
+        )
     missing = [str(p) for p in found if not Path(p).is_file()]
     if missing:
         raise typer.BadParameter(f"no such trace file: {', '.join(missing)}", param_hint="TRACES")
     return found
 
 
-Traces = Annotated[list[Path] | None, typer.Argument(help="Serving traces (CSV: time, load). Default: "
-                                                     "../shared/traces/servegen-*.csv next to the repository.")]
+Traces = Annotated[
+    list[Path] | None,
+    typer.Argument(
+        help="Serving traces (CSV: time, load). Default: "
+        "../shared/traces/servegen-*.csv next to the repository."
+    ),
+]
 ServingGpus = Annotated[int, typer.Option("--serving-gpus", min=1, help="GPUs that serve the trace's peak.")]
 Budgets = Annotated[list[float], typer.Option("--budget", help="Shortfall budgets; repeatable.")]
 JsonOut = Annotated[bool, typer.Option("--json", help="Print a JSON object on stdout (the table to stderr).")]
@@ -127,8 +173,12 @@ BUDGETS = [0.001, 0.002, 0.005]
 
 @app.command("forecast-bound")
 def forecast_bound(
-    traces: Traces = None, serving_gpus: ServingGpus = 128, budget: Budgets = BUDGETS,  # noqa: B006 (typer reads it)
-    tod_buckets: Annotated[int, typer.Option("--tod-buckets", min=1, help="Time-of-day buckets of the contexts.")] = 6,
+    traces: Traces = None,
+    serving_gpus: ServingGpus = 128,
+    budget: Budgets = BUDGETS,  # noqa: B006 (typer reads it)
+    tod_buckets: Annotated[
+        int, typer.Option("--tod-buckets", min=1, help="Time-of-day buckets of the contexts.")
+    ] = 6,
     json_out: JsonOut = False,
 ) -> None:
     """How far a margin over Tidal's forecast could go if tuned with hindsight (the forecast's shape)."""
@@ -159,20 +209,36 @@ def forecast_rotate(
 
 @app.command("generalize")
 def generalize(
-    traces: Traces = None, serving_gpus: ServingGpus = 128,
+    traces: Traces = None,
+    serving_gpus: ServingGpus = 128,
     budget: Budgets = [0.005, 0.01],  # noqa: B006 (typer reads it)
     lead_s: Annotated[float, typer.Option("--lead-s", help="Reclaim lead time in seconds.")] = 1200.0,
-    warmup_days: Annotated[float, typer.Option("--warmup-days", min=0.0, help="Days before scoring starts.")] = 2.0,
-    rotations: Annotated[bool, typer.Option("--rotations/--no-rotations", help="Every whole-day rotation of "
-                                            "each held-out trace (or only as recorded).")] = True,
-    stress: Annotated[str, typer.Option("--stress", help="Comma-separated synthetic stress traces "
-                                        "(burst, level-shift, holiday-week, multi-model; '' = none).")]
-    = "burst,level-shift,holiday-week,multi-model",
-    stress_rotation_step: Annotated[int, typer.Option("--stress-rotation-step", min=1, help="Days between the "
-                                                      "stress traces' rotations.")] = 2,
+    warmup_days: Annotated[
+        float, typer.Option("--warmup-days", min=0.0, help="Days before scoring starts.")
+    ] = 2.0,
+    rotations: Annotated[
+        bool,
+        typer.Option(
+            "--rotations/--no-rotations",
+            help="Every whole-day rotation of each held-out trace (or only as recorded).",
+        ),
+    ] = True,
+    stress: Annotated[
+        str,
+        typer.Option(
+            "--stress",
+            help="Comma-separated synthetic stress traces "
+            "(burst, level-shift, holiday-week, multi-model; '' = none).",
+        ),
+    ] = "burst,level-shift,holiday-week,multi-model",
+    stress_rotation_step: Annotated[
+        int, typer.Option("--stress-rotation-step", min=1, help="Days between the stress traces' rotations.")
+    ] = 2,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the stress traces.")] = 0,
-    tidal: Annotated[list[str], typer.Option("--tidal", help="KEY=NUMBER: a TidalConfig setting for every "
-                                             "trace; repeatable.")] = [],  # noqa: B006
+    tidal: Annotated[
+        list[str],
+        typer.Option("--tidal", help="KEY=NUMBER: a TidalConfig setting for every trace; repeatable."),
+    ] = [],  # noqa: B006
     workers: Annotated[int, typer.Option("--workers", min=0, help="Processes (0: up to 2).")] = 0,
     json_out: JsonOut = False,
 ) -> None:
@@ -188,10 +254,21 @@ def generalize(
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--tidal") from None
     err = Console(stderr=True)
-    run(_traces(traces), serving_gpus=serving_gpus, budgets=tuple(budget), lead_s=lead_s, warmup_days=warmup_days,
+    run(
+        _traces(traces),
+        serving_gpus=serving_gpus,
+        budgets=tuple(budget),
+        lead_s=lead_s,
+        warmup_days=warmup_days,
         rotations=rotations,
-        stress=names, stress_rotation_step=stress_rotation_step, seed=seed, tidal=overrides,
-        workers=workers or None, as_json=json_out, log=lambda s: err.print(f"[dim]{escape(s)}[/]", highlight=False))
+        stress=names,
+        stress_rotation_step=stress_rotation_step,
+        seed=seed,
+        tidal=overrides,
+        workers=workers or None,
+        as_json=json_out,
+        log=lambda s: err.print(f"[dim]{escape(s)}[/]", highlight=False),
+    )
 
 
 def main() -> None:

@@ -55,23 +55,35 @@ DAY_S = 86400.0
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
-    """``["ledger_fraction=0.8", ...]`` -> TidalConfig keyword arguments (numbers only); clear errors."""
+    """``["ledger_fraction=0.8", "forecast.lead_quantile=0.8", ...]`` -> TidalConfig keyword arguments
+    (numbers only; ``forecast.KEY`` a ForecastConfig setting, under the key ``forecast``); clear errors."""
     known = {f.name for f in fields(TidalConfig)} - {"shortfall_budget", "forecast", "timing"}
+    known_fc = {f"forecast.{f.name}" for f in fields(fc.ForecastConfig)} - {
+        "forecast.step_s",
+        "forecast.horizon_s",
+    }
     out: dict[str, Any] = {}
     for item in items:
         key, sep, value = item.partition("=")
         key = key.strip()
-        if not sep or key not in known:
-            raise ValueError(f"--tidal {item!r}: expected KEY=NUMBER with KEY one of {sorted(known)}")
+        if not sep or key not in known | known_fc:
+            raise ValueError(f"--tidal {item!r}: expected KEY=NUMBER with KEY one of {sorted(known)} or "
+                             "forecast.<a ForecastConfig setting>")
         try:
-            out[key] = float(value)
+            number = float(value)
         except ValueError:
             raise ValueError(f"--tidal {item!r}: {value!r} is not a number") from None
+        if key in known_fc:
+            out.setdefault("forecast", {})[key.removeprefix("forecast.")] = number
+        else:
+            out[key] = number
     return out
 
 
 def _timing(lead: int, step_s: float) -> LoanTiming:
-    return LoanTiming(notice_s=0.0, final_checkpoint_s=0.0, release_s=0.0, warmup_s=lead * step_s, restart_cost_s=0.0)
+    return LoanTiming(
+        notice_s=0.0, final_checkpoint_s=0.0, release_s=0.0, warmup_s=lead * step_s, restart_cost_s=0.0
+    )
 
 
 def tune_baselines(demand: np.ndarray, times_s: np.ndarray, *, n: int, step_s: float, lead: int, warmup: int,
@@ -83,9 +95,12 @@ def tune_baselines(demand: np.ndarray, times_s: np.ndarray, *, n: int, step_s: f
     out: dict[str, Any] = {"night_window_s": [night.start_s, night.end_s], "budgets": {}}
     for b in budgets:
         out["budgets"][str(b)] = {
-            "reactive_margin": _tune_margin(lambda m: _reactive_lent(demand, n, m), demand, n, lead, warmup, b),
-            "night_margin": _tune_margin(lambda m: _night_lent(night, times_s, n, m, lead), demand, n, lead,
-                                         warmup, b),
+            "reactive_margin": _tune_margin(
+                lambda m: _reactive_lent(demand, n, m), demand, n, lead, warmup, b
+            ),
+            "night_margin": _tune_margin(
+                lambda m: _night_lent(night, times_s, n, m, lead), demand, n, lead, warmup, b
+            ),
         }
     return out
 
@@ -108,31 +123,41 @@ def short(name: str) -> str:
     return name.removeprefix("servegen-language-")
 
 
-def _score(lent: np.ndarray, demand: np.ndarray, n: int, lead: int, warmup: int, oracle: float) -> dict[str, float]:
+def _score(
+    lent: np.ndarray, demand: np.ndarray, n: int, lead: int, warmup: int, oracle: float
+) -> dict[str, float]:
     s = fluid_score(lent, demand, n, lead, warmup)
     return {"shortfall": s["shortfall_strict"],
             "x_oracle": s["harvest"] / oracle if oracle > 0 else math.nan}
 
 
 def evaluate_rotation(job: dict[str, Any]) -> dict[str, Any]:
-    """One held-out trace at one rotation: tidal at each budget, the baselines of each tuning trace, oracle."""
+    """One held-out trace at one rotation: tidal at each budget, the baselines of each tuning trace,
+    oracle."""
     n, step_s, lead, warmup = job["n"], job["step_s"], job["lead"], job["warmup"]
     times, demand = job["times_s"], job["demand"]
     timing = _timing(lead, step_s)
     horizon_s = max(6 * 3600.0, timing.lead_time_s + step_s)
     oracle = fluid_score(oracle_lent(demand, n, lead), demand, n, lead, warmup)["harvest"]
-    fcfg = fc.ForecastConfig(step_s=step_s, horizon_s=horizon_s)
+    tidal = dict(job["tidal"])
+    fcfg = fc.ForecastConfig(step_s=step_s, horizon_s=horizon_s, **tidal.pop("forecast", {}))
     rows: dict[str, dict[str, Any]] = {}
     for b in job["budgets"]:
         r: dict[str, Any] = {}
-        cfg = TidalConfig(shortfall_budget=b, forecast=fcfg, timing=timing, **job["tidal"])
+        cfg = TidalConfig(shortfall_budget=b, forecast=fcfg, timing=timing, **tidal)
         lent, state = run_policy(TidalPolicy(cfg), times, demand, n)
-        r["tidal"] = {**_score(lent, demand, n, lead, warmup, oracle), "ledger_gpu_h": state.ledger_gpu_s / 3600.0}
+        r["tidal"] = {
+            **_score(lent, demand, n, lead, warmup, oracle),
+            "ledger_gpu_h": state.ledger_gpu_s / 3600.0,
+        }
         for tuned_on, tb in job["tuned"].items():
             knobs = tb["budgets"][str(b)]
-            night = NightWindowPolicy(start_s=tb["night_window_s"][0], end_s=tb["night_window_s"][1], step_s=step_s)
-            r[f"reactive (tuned: {short(tuned_on)})"] = _score(_reactive_lent(demand, n, knobs["reactive_margin"]), demand,
-                                                          n, lead, warmup, oracle)
+            night = NightWindowPolicy(
+                start_s=tb["night_window_s"][0], end_s=tb["night_window_s"][1], step_s=step_s
+            )
+            r[f"reactive (tuned: {short(tuned_on)})"] = _score(
+                _reactive_lent(demand, n, knobs["reactive_margin"]), demand, n, lead, warmup, oracle
+            )
             r[f"night-window (tuned: {short(tuned_on)})"] = _score(
                 _night_lent(night, times, n, knobs["night_margin"], lead), demand, n, lead, warmup, oracle)
         rows[str(b)] = r
@@ -166,9 +191,12 @@ def run(traces: list[Path], *, serving_gpus: int = 128, step_s: float = 600.0, l
 
     started = time.perf_counter()
     tidal = dict(tidal or {})
-    TidalConfig(**tidal)  # a bad override fails here, once, with the config's own message
+    checked = dict(tidal)  # a bad override fails here, once, with the config's own message
+    TidalConfig(forecast=fc.ForecastConfig(**checked.pop("forecast", {})), **checked)
     if len(traces) < 2:
-        raise ValueError("leave-one-trace-out needs at least two real traces (tune on one, report on the others)")
+        raise ValueError(
+            "leave-one-trace-out needs at least two real traces (tune on one, report on the others)"
+        )
     if stress_rotation_step < 1:
         raise ValueError(f"--stress-rotation-step must be >= 1, got {stress_rotation_step}")
     lead, warmup = grid_steps(lead_s, step_s, warmup_days)
@@ -231,11 +259,21 @@ def render(result: dict[str, Any], console: Any) -> None:
     from rich.table import Table
 
     c = result["config"]
-    table = Table(title=f"unseen traffic: fluid model, {c['serving_gpus']} serving GPUs, lead {c['lead_s'] / 60:g} min, "
-                        f"{c['warmup_days']:g} warm-up days; baselines tuned with hindsight on the other trace")
+    table = Table(
+        title=f"unseen traffic: fluid model, {c['serving_gpus']} serving GPUs, "
+        f"lead {c['lead_s'] / 60:g} min, "
+        f"{c['warmup_days']:g} warm-up days; baselines tuned with hindsight on the other trace"
+    )
     for col in ("trace", "budget", "policy"):
         table.add_column(col)
-    for col in ("× oracle", "shortfall", "held", "rotations held", "worst shortfall (rot)", "lowest × oracle"):
+    for col in (
+        "× oracle",
+        "shortfall",
+        "held",
+        "rotations held",
+        "worst shortfall (rot)",
+        "lowest × oracle",
+    ):
         table.add_column(col, justify="right")
     for name, tr in result["traces"].items():
         for b, per in tr["summary"].items():
@@ -243,14 +281,31 @@ def render(result: dict[str, Any], console: Any) -> None:
                 r0 = s["rotation0"]
                 ok = r0["shortfall"] <= float(b) + 1e-12
                 all_ok = s["held"] == s["rotations"]
-                table.add_row(short(name), f"{float(b):.1%}", pol, f"{r0['x_oracle']:.3f}", f"{r0['shortfall']:.5f}",
-                              "[green]yes[/]" if ok else "[red]no[/]",
-                              f"{'[green]' if all_ok else '[red]'}{s['held']} of {s['rotations']}[/]",
-                              f"{s['worst_shortfall']:.5f} ({s['worst_rotation']})", f"{s['min_x_oracle']:.3f}")
+                table.add_row(
+                    short(name),
+                    f"{float(b):.1%}",
+                    pol,
+                    f"{r0['x_oracle']:.3f}",
+                    f"{r0['shortfall']:.5f}",
+                    "[green]yes[/]" if ok else "[red]no[/]",
+                    f"{'[green]' if all_ok else '[red]'}{s['held']} of {s['rotations']}[/]",
+                    f"{s['worst_shortfall']:.5f} ({s['worst_rotation']})",
+                    f"{s['min_x_oracle']:.3f}",
+                )
             table.add_section()
     console.print(table)
-    console.print(f"× oracle and shortfall: rotation 0 (as recorded); held: shortfall ≤ budget. tidal settings: "
-                  f"{c['tidal'] or 'defaults'}. elapsed {result['elapsed_s']:.0f} s", highlight=False)
+    console.print(
+        f"× oracle and shortfall: rotation 0 (as recorded); held: shortfall ≤ budget. tidal settings: "
+        f"{c['tidal'] or 'defaults'}. elapsed {result['elapsed_s']:.0f} s",
+        highlight=False,
+    )
 
 
-__all__ = ["evaluate_rotation", "oracle_lent", "parse_overrides", "run", "tune_baselines", "DEFAULT_TRACES_DIR"]
+__all__ = [
+    "evaluate_rotation",
+    "oracle_lent",
+    "parse_overrides",
+    "run",
+    "tune_baselines",
+    "DEFAULT_TRACES_DIR",
+]

@@ -71,12 +71,16 @@ def burst(rng: np.random.Generator, days: int = 14, step_s: float = 600.0) -> tu
     return t, load
 
 
-def level_shift(rng: np.random.Generator, days: int = 14, step_s: float = 600.0) -> tuple[np.ndarray, np.ndarray]:
+def level_shift(
+    rng: np.random.Generator, days: int = 14, step_s: float = 600.0
+) -> tuple[np.ndarray, np.ndarray]:
     t, load = _base(rng, days, step_s)
     return t, np.where(t >= min(7, days - 1) * DAY_S, 1.8, 1.0) * load
 
 
-def holiday_week(rng: np.random.Generator, days: int = 21, step_s: float = 600.0) -> tuple[np.ndarray, np.ndarray]:
+def holiday_week(
+    rng: np.random.Generator, days: int = 21, step_s: float = 600.0
+) -> tuple[np.ndarray, np.ndarray]:
     t, load = _base(rng, days, step_s)
     hol = (t >= 7 * DAY_S) & (t < 14 * DAY_S)
     hours = (t % DAY_S) / 3600.0
@@ -86,7 +90,9 @@ def holiday_week(rng: np.random.Generator, days: int = 21, step_s: float = 600.0
     return t, np.where(hol, load * flat / week, load)
 
 
-def multi_model(rng: np.random.Generator, days: int = 14, step_s: float = 600.0) -> tuple[np.ndarray, np.ndarray]:
+def multi_model(
+    rng: np.random.Generator, days: int = 14, step_s: float = 600.0
+) -> tuple[np.ndarray, np.ndarray]:
     n = round(days * DAY_S / step_s)
     t = step_s * np.arange(n)
     hours = (t % DAY_S) / 3600.0

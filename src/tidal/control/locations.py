@@ -76,7 +76,9 @@ def locations(ck: Mapping[str, Any]) -> tuple[str | None, list[tuple[str, str, d
                 raise ValueError("a peer tier's namespace is derived from the job's location; "
                                  "give 'peer' without a name")
         if any(isinstance(t, str) and t.startswith("peer://") for t in ck["tiers"]):
-            raise ValueError("a peer tier's namespace is derived from the job's location; give 'peer' without a name")
+            raise ValueError(
+                "a peer tier's namespace is derived from the job's location; give 'peer' without a name"
+            )
         return home, out
     url = ck.get("url")
     if url is None:
@@ -95,9 +97,14 @@ def locations(ck: Mapping[str, Any]) -> tuple[str | None, list[tuple[str, str, d
     return loc, [("dir", loc, {})]
 
 
-def check(ck: Mapping[str, Any], tenant: str, admin: bool, policy: LocationPolicy,
-          others: Callable[[], Iterable[tuple[str, str, str, bool]]],
-          job_location: Callable[[str], tuple[str, str, dict] | None]) -> tuple[list[tuple[str, str]], dict, str | None]:
+def check(
+    ck: Mapping[str, Any],
+    tenant: str,
+    admin: bool,
+    policy: LocationPolicy,
+    others: Callable[[], Iterable[tuple[str, str, str, bool]]],
+    job_location: Callable[[str], tuple[str, str, dict] | None],
+) -> tuple[list[tuple[str, str]], dict, str | None]:
     """Check a submitted spec's ``checkpoint`` for ``tenant``: ``(problems, checkpoint, location)``.
 
     ``problems`` are (field, message); ``checkpoint`` is the spec's checkpoint block as stored (with
@@ -145,8 +152,11 @@ def check(ck: Mapping[str, Any], tenant: str, admin: bool, policy: LocationPolic
                                         f"{sorted(allowed) or 'none'})"))
         elif kind == "peer":
             peers = opts.get("peers") or []
-            named = [a for a in [opts.get("agent")] + (list(peers) if isinstance(peers, list | tuple) else [peers])
-                     if a is not None]
+            named = [
+                a
+                for a in [opts.get("agent")] + (list(peers) if isinstance(peers, list | tuple) else [peers])
+                if a is not None
+            ]
             if not named and not policy.own_agents:  # the ranks' own agent, from the executor: none here
                 problems.append((where, "a peer tier without an agent uses the executor's checkpoint agents, "
                                         "and this plane runs none (tidal up --executor ray --ckpt-agents); "
@@ -157,7 +167,9 @@ def check(ck: Mapping[str, Any], tenant: str, admin: bool, policy: LocationPolic
                                             f"{sorted(allowed) or 'none'})"))
         for k in TIMEOUT_OPTIONS:
             v = opts.get(k)
-            if v is not None and (not isinstance(v, int | float) or isinstance(v, bool) or not 0 < v <= policy.max_timeout_s):
+            if v is not None and (
+                not isinstance(v, int | float) or isinstance(v, bool) or not 0 < v <= policy.max_timeout_s
+            ):
                 problems.append((where, f"{k} {v!r}: expected seconds in (0, {policy.max_timeout_s:g}] "
                                         "(checkpoint_max_timeout_s)"))
     if problems:
@@ -171,14 +183,32 @@ def check(ck: Mapping[str, Any], tenant: str, admin: bool, policy: LocationPolic
         if any(overlaps(m, loc) for m in mine):
             if resumed is not None and owner == tenant and ended:
                 continue  # an earlier job at the location it takes over, ended
-            return [(where, f"{home} is (or overlaps) the checkpoint location of another job; a job may only "
-                            "take over the location of an ended job of its tenant: checkpoint: {resume_from: JOB}")], \
-                ck, None
+            return (
+                [
+                    (
+                        where,
+                        f"{home} is (or overlaps) the checkpoint location of another job; a job may "
+                        "only take over the location of an ended job of its tenant: "
+                        "checkpoint: {resume_from: JOB}",
+                    )
+                ],
+                ck,
+                None,
+            )
     if resumed is None:
         for kind, loc, _ in tiers:
             if kind == "dir" and _holds_steps(loc):
-                return [(where, f"{loc} already holds checkpoint steps of no job of this tenant; choose an empty "
-                                "location (or resume_from the job that wrote them)")], ck, None
+                return (
+                    [
+                        (
+                            where,
+                            f"{loc} already holds checkpoint steps of no job of this tenant; choose an empty "
+                            "location (or resume_from the job that wrote them)",
+                        )
+                    ],
+                    ck,
+                    None,
+                )
     return [], ck, _real(home) if not home.startswith(("s3://", "peer://")) else home
 
 

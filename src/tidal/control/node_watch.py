@@ -126,7 +126,9 @@ class NodeWatch:
             return
         del self.lost[job.id]
         took = (p.first_step_s or now_s) - info["detected_s"]
-        lost_steps = max(0, (info["step"] or 0) - (p.start_step or 0))  # none when the attempt had not stepped
+        lost_steps = max(
+            0, (info["step"] or 0) - (p.start_step or 0)
+        )  # none when the attempt had not stepped
         self.store.record(
             "recovered",
             f"training again {took:.1f} s after the loss of node "

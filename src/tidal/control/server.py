@@ -48,7 +48,8 @@ log = logging.getLogger("tidal.control")
 
 
 class ReconcileLoop(threading.Thread):
-    """Steps the controller on the wall clock until ``stop()``; an exception in a step is logged, not fatal."""
+    """Steps the controller on the wall clock until ``stop()``; an exception in a step is logged, not
+    fatal."""
 
     def __init__(self, controller: Controller, interval_s: float) -> None:
         super().__init__(name="tidal-reconcile", daemon=True)
@@ -143,7 +144,14 @@ def secure_state_dir(state_dir: Path, config: ControlConfig | None) -> None:
     state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     iso = config.isolation if config is not None else None
     os.chmod(state_dir, 0o711 if iso is not None and iso.uid_base is not None else 0o700)
-    for name in ("tidal.db", "tidal.db-journal", "tidal.db-wal", "tidal.db-shm", ADMIN_TOKEN_FILE, API_URL_FILE):
+    for name in (
+        "tidal.db",
+        "tidal.db-journal",
+        "tidal.db-wal",
+        "tidal.db-shm",
+        ADMIN_TOKEN_FILE,
+        API_URL_FILE,
+    ):
         p = state_dir / name
         if p.is_file() and not p.is_symlink():
             os.chmod(p, 0o600)
@@ -156,7 +164,9 @@ def build(state_dir: Path, gpus: str = "auto", db: str | None = None, config: Co
     if ray_address is not None and executor != "ray":
         raise SystemExit("tidal up: --ray-address needs --executor ray")
     if ckpt_agents and executor != "ray":
-        raise SystemExit("tidal up: --ckpt-agents needs --executor ray (on one machine run `tidal ckpt agent`)")
+        raise SystemExit(
+            "tidal up: --ckpt-agents needs --executor ray (on one machine run `tidal ckpt agent`)"
+        )
     state_dir = Path(state_dir).resolve()
     secure_state_dir(state_dir, config)
     loans = None
@@ -176,7 +186,9 @@ def build(state_dir: Path, gpus: str = "auto", db: str | None = None, config: Co
     iso = config.isolation if config is not None else None
     try:
         if executor == "ray":
-            return _build_ray(state_dir, gpus, store, token, created, config, iso, ray_address, ckpt_agents, loans)
+            return _build_ray(
+                state_dir, gpus, store, token, created, config, iso, ray_address, ckpt_agents, loans
+            )
         return _build(state_dir, gpus, store, token, created, config, iso, loans, serving_nodes)
     except ValueError as e:
         store.close()
@@ -186,7 +198,9 @@ def build(state_dir: Path, gpus: str = "auto", db: str | None = None, config: Co
 def _build(state_dir, gpus, store, token, created, config, iso, loans, serving_nodes) -> Plane:  # noqa: ANN001
     if loans is not None and config.serving.adapter == "ray-serve":
         store.close()
-        raise SystemExit("tidal up: serving.adapter ray-serve lends the GPUs of Ray nodes: it needs --executor ray")
+        raise SystemExit(
+            "tidal up: serving.adapter ray-serve lends the GPUs of Ray nodes: it needs --executor ray"
+        )
     if gpus == "auto":
         ids = detect_gpus()
         if not ids:
@@ -198,7 +212,9 @@ def _build(state_dir, gpus, store, token, created, config, iso, loans, serving_n
         try:
             n = int(gpus)
         except ValueError:
-            raise SystemExit(f"tidal up: --gpus must be 'auto' or a number of CPU slots, got {gpus!r}") from None
+            raise SystemExit(
+                f"tidal up: --gpus must be 'auto' or a number of CPU slots, got {gpus!r}"
+            ) from None
         if n < 1:
             raise SystemExit(f"tidal up: --gpus must be >= 1, got {n}")
         executor = LocalExecutor(state_dir / "jobs", slots=n, serving_nodes=serving_nodes, isolation=iso)
@@ -217,8 +233,10 @@ def _serving(config: ControlConfig | None, loans: LiveLoans | None) -> tuple[Adv
     if config is None or config.serving is None:
         return None, ""
     if loans is not None:
-        return None, (f"; lending serving nodes {', '.join(f'{k} ({g} GPUs)' for k, g in loans.nodes.items())}, "
-                      f"demand from {config.serving.describe()}")
+        return None, (
+            f"; lending serving nodes {', '.join(f'{k} ({g} GPUs)' for k, g in loans.nodes.items())}, "
+            f"demand from {config.serving.describe()}"
+        )
     try:
         adv, clock, speedup = start_advisor(config.serving)
     except (OSError, ValueError) as e:
@@ -239,8 +257,14 @@ def _build_ray(state_dir, gpus, store, token, created, config, iso, address, age
         if address is not None:
             raise SystemExit("tidal up: --gpus N declares the GPUs of a Ray that tidal up starts; with "
                              "--ray-address the cluster's nodes say how many they have")
-    executor = RayExecutor(state_dir / "jobs", address=address, num_gpus=num_gpus, isolation=iso, ckpt_agents=agents,
-                           serving_nodes=loans.nodes if loans is not None else None)
+    executor = RayExecutor(
+        state_dir / "jobs",
+        address=address,
+        num_gpus=num_gpus,
+        isolation=iso,
+        ckpt_agents=agents,
+        serving_nodes=loans.nodes if loans is not None else None,
+    )
     try:
         executor.check_serving()  # a serving node the cluster lacks: one line now, not a loop failing later
     except ValueError:
@@ -276,8 +300,10 @@ def open_checked(state_dir: Path, url: str) -> Store:
         return ", ".join(names[:3]) + (f", ... ({len(names)} in all)" if len(names) > 3 else "")
 
     if path is not None and not Path(path).exists() and dirs:
-        raise SystemExit(f"tidal up: the database {path} is missing but {jobs_dir} holds jobs ({some(dirs)}): restore "
-                         f"the database from a backup, or move {jobs_dir} aside to start afresh")
+        raise SystemExit(
+            f"tidal up: the database {path} is missing but {jobs_dir} holds jobs ({some(dirs)}): restore "
+            f"the database from a backup, or move {jobs_dir} aside to start afresh"
+        )
     try:
         store = Store(url)
         if path is not None:
@@ -289,15 +315,19 @@ def open_checked(state_dir: Path, url: str) -> Store:
         known = store.job_ids()
     except SQLAlchemyError as e:
         why = str(getattr(e, "orig", None) or e).splitlines()[0]
-        raise SystemExit(f"tidal up: cannot read the database {where} ({why}): restore it from a backup, or move "
-                         f"it aside together with {jobs_dir} to start afresh") from None
+        raise SystemExit(
+            f"tidal up: cannot read the database {where} ({why}): restore it from a backup, or move "
+            f"it aside together with {jobs_dir} to start afresh"
+        ) from None
     except ValueError as e:  # a newer schema
         raise SystemExit(f"tidal up: {e}") from None
     unknown = [d for d in dirs if d not in known]
     if unknown:
         store.close()
-        raise SystemExit(f"tidal up: {jobs_dir} holds jobs the database {where} does not know ({some(unknown)}): it is "
-                         "not the database they ran with; point --db at that one, or move those directories aside")
+        raise SystemExit(
+            f"tidal up: {jobs_dir} holds jobs the database {where} does not know ({some(unknown)}): it is "
+            "not the database they ran with; point --db at that one, or move those directories aside"
+        )
     return store
 
 
@@ -349,7 +379,9 @@ def serve(plane: Plane, host: str = "127.0.0.1", port: int = 8470, *, announce=p
             f.write(url + "\n")
         os.replace(tmp, path)
         announce(f"tidal up: {url} ({plane.describe}); state in {plane.state_dir}")
-        announce(f"admin token {'created in' if plane.token_created else 'in'} {plane.state_dir / 'admin.token'}")
+        announce(
+            f"admin token {'created in' if plane.token_created else 'in'} {plane.state_dir / 'admin.token'}"
+        )
         announce(f"dashboard: {dashboard_url(url)} (sign in with a tenant's token or the admin's)")
         if (warning := isolation_warning(plane.controller.config)) is not None:
             announce(warning)

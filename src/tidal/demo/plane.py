@@ -36,7 +36,9 @@ class EmbeddedPlane:
     """The pieces of ``tidal up`` in this process: the API (uvicorn in a thread, on a free loopback
     port), the reconcile loop (a thread) and the local executor on ``gpus`` CPU slots."""
 
-    def __init__(self, state_dir: Path, gpus: int | str, config: ControlConfig = PLANE_CONFIG, **build_kw: Any) -> None:
+    def __init__(
+        self, state_dir: Path, gpus: int | str, config: ControlConfig = PLANE_CONFIG, **build_kw: Any
+    ) -> None:
         from tidal.control.server import build
 
         self.plane = build(state_dir, str(gpus), None, config, **build_kw)  # build_kw: executor="ray", ...
@@ -144,14 +146,18 @@ def kill_rank(job: dict, rank: int) -> Kill | None:
         raise DemoError(f"cannot read rank {rank}'s pid from {pid_file}: {e}") from None
     parent = _parent_pid(pid)
     if parent is not None and parent != shims[rank]:
-        raise DemoError(f"pid {pid} from {pid_file} is not a child of rank {rank}'s shim (pid {shims[rank]}); "
-                        "not killing it")
+        raise DemoError(
+            f"pid {pid} from {pid_file} is not a child of rank {rank}'s shim (pid {shims[rank]}); "
+            "not killing it"
+        )
     p = job.get("progress") or {}
     try:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         return None
-    return Kill(rank, pid, shims[rank], job["attempt"], p.get("step") or 0, job.get("ckpt_step") or 0, time.time())
+    return Kill(
+        rank, pid, shims[rank], job["attempt"], p.get("step") or 0, job.get("ckpt_step") or 0, time.time()
+    )
 
 
 # ------------------------------------------------------------------------------------ the attempt files

@@ -79,12 +79,31 @@ def options(speedup: float, hours: float, start_hour: float, jobs: int, max_rank
 def job_spec(opts: CycleOptions, script: Path, ckpt_dir: Path, i: int) -> dict[str, Any]:
     model = SIZES[opts.size]
     args = [f"--{k}={v}" for k, v in model.items()] + ["--micro-batch=1", "--step-pause-s=0.05"]
-    return {"name": f"spot-{i}", "kind": "spot", "gpus": {"min": 1, "max": opts.max_ranks}, "max_restarts": 20,
-            "grace_s": opts.grace_s, "workdir": str(script.parents[2]),
-            "command": [sys.executable, str(script), "--parallel", "ddp", "--steps", "10000000",
-                        "--ckpt-every", str(opts.ckpt_every), "--log-every", "50", "--warmup", "10", *args],
-            "checkpoint": {"tiers": ["peer", {"url": str(ckpt_dir), "every": DISK_EVERY}]},
-            "env": {"OMP_NUM_THREADS": "1"}}
+    return {
+        "name": f"spot-{i}",
+        "kind": "spot",
+        "gpus": {"min": 1, "max": opts.max_ranks},
+        "max_restarts": 20,
+        "grace_s": opts.grace_s,
+        "workdir": str(script.parents[2]),
+        "command": [
+            sys.executable,
+            str(script),
+            "--parallel",
+            "ddp",
+            "--steps",
+            "10000000",
+            "--ckpt-every",
+            str(opts.ckpt_every),
+            "--log-every",
+            "50",
+            "--warmup",
+            "10",
+            *args,
+        ],
+        "checkpoint": {"tiers": ["peer", {"url": str(ckpt_dir), "every": DISK_EVERY}]},
+        "env": {"OMP_NUM_THREADS": "1"},
+    }
 
 
 @dataclasses.dataclass
@@ -122,8 +141,14 @@ class NodeLoss:
         return None
 
     def summary(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"node": self.node, "job": self.job, "placement": self.placement, "tiers": self.tiers,
-                               "detected": self.lost is not None, "recovered": self.recovered is not None}
+        out: dict[str, Any] = {
+            "node": self.node,
+            "job": self.job,
+            "placement": self.placement,
+            "tiers": self.tiers,
+            "detected": self.lost is not None,
+            "recovered": self.recovered is not None,
+        }
         if self.lost is not None and self.killed_s is not None:
             out["detection_s"] = round(self.lost["time_s"] - self.killed_s, 3)
             out["ckpt_step_at_loss"] = (self.lost.get("data") or {}).get("ckpt_step")
@@ -142,9 +167,21 @@ def run(opts: CycleOptions, kill_hour: float, console: Console, *, keep: bool = 
     script = example_script()
     sdir = Path(tempfile.mkdtemp(prefix="tidal-ray-cycle-"))
     serving = opts.serving()  # the plane's serving: block; its adapter is built from it (tidal.control.loans)
-    cfg = ControlConfig(**{**{f: getattr(PLANE_CONFIG, f) for f in ("restart_backoff_s", "hang_timeout_s",
-                                                                      "startup_timeout_s", "kill_slack_s",
-                                                                      "loop_interval_s")}, "serving": serving})
+    cfg = ControlConfig(
+        **{
+            **{
+                f: getattr(PLANE_CONFIG, f)
+                for f in (
+                    "restart_backoff_s",
+                    "hang_timeout_s",
+                    "startup_timeout_s",
+                    "kill_slack_s",
+                    "loop_interval_s",
+                )
+            },
+            "serving": serving,
+        }
+    )
     loss = NodeLoss(opts.start_s + ((kill_hour - opts.start_hour) % 24) * 3600.0)
     if loss.at_s >= opts.start_s + opts.hours * 3600.0:
         raise DemoError(f"--kill-hour {kill_hour:g} is not within the {opts.hours:g} h replayed from "
@@ -154,21 +191,27 @@ def run(opts: CycleOptions, kill_hour: float, console: Console, *, keep: bool = 
     except (ValueError, OSError) as e:
         raise DemoError(f"serving: {e}") from None
     nodes = {**TRAINING, **serving_nodes(serving)}
-    console.print("[bold cyan]ray cycle[/bold cyan] starting a Ray cluster on this machine: "
-                  + ", ".join(f"{n} ({g} GPU{'s' if g > 1 else ''})" for n, g in nodes.items()), highlight=False)
+    console.print(
+        "[bold cyan]ray cycle[/bold cyan] starting a Ray cluster on this machine: "
+        + ", ".join(f"{n} ({g} GPU{'s' if g > 1 else ''})" for n, g in nodes.items()),
+        highlight=False,
+    )
     cluster = LocalRayCluster(nodes)
     plane: EmbeddedPlane | None = None
     checks: list[str] = []
     try:
-        plane = EmbeddedPlane(sdir / "state", "auto", cfg, executor="ray", ray_address=cluster.cluster.address,
-                              ckpt_agents=True)
+        plane = EmbeddedPlane(
+            sdir / "state", "auto", cfg, executor="ray", ray_address=cluster.cluster.address, ckpt_agents=True
+        )
         url = plane.start()
         console.print(f"[bold cyan]ray cycle[/bold cyan] control plane up at {url} ({plane.plane.describe})",
                       highlight=False)
         admin = TidalClient(url, plane.admin_token)
         client = TidalClient(url, admin.create_tenant(TENANT)["token"])
-        ids = [client.submit(job_spec(opts, script, plane.state_dir / "tenants" / TENANT / f"spot-{i}", i))["id"]
-               for i in range(opts.jobs)]
+        ids = [
+            client.submit(job_spec(opts, script, plane.state_dir / "tenants" / TENANT / f"spot-{i}", i))["id"]
+            for i in range(opts.jobs)
+        ]
         t0 = time.monotonic()
         s: dict = {}
         jobs: list[dict] = []
@@ -197,9 +240,15 @@ def run(opts: CycleOptions, kill_hour: float, console: Console, *, keep: bool = 
                         loss.lost = e
                     if e["kind"] == "recovered" and e.get("job") == loss.job and loss.recovered is None:
                         loss.recovered = e
-                    if e["kind"] in ("loan", "reclaim", "return", "serving_action_failed", "node_lost", "recovered",
-                                     "node") or (e["kind"] == "transition" and e.get("to") in ("resizing",
-                                                                                             "preempting")):
+                    if e["kind"] in (
+                        "loan",
+                        "reclaim",
+                        "return",
+                        "serving_action_failed",
+                        "node_lost",
+                        "recovered",
+                        "node",
+                    ) or (e["kind"] == "transition" and e.get("to") in ("resizing", "preempting")):
                         console.print(f"[dim]{_hhmm(s.get('serving_time_s') or 0)}[/dim] "
                                       f"{e.get('job') or ''} {e['message']}", highlight=False)
                 if loss.node is None and (s.get("serving_time_s") or 0) >= loss.at_s:
@@ -207,7 +256,9 @@ def run(opts: CycleOptions, kill_hour: float, console: Console, *, keep: bool = 
                 if loss.bring_back(time.time()):
                     cluster.add(loss.node)  # type: ignore[arg-type]
                     loss.back = True
-                    console.print(f"[bold cyan]ray cycle[/bold cyan] node {loss.node} comes back", highlight=False)
+                    console.print(
+                        f"[bold cyan]ray cycle[/bold cyan] node {loss.node} comes back", highlight=False
+                    )
                 live.update(view(s, jobs, opts, time.monotonic() - t0, "tidal demo ray --cycle", extra()))
                 time.sleep(0.5)
         summary = _summary(opts, s, jobs, admin, checks, time.monotonic() - t0)
@@ -279,11 +330,17 @@ def print_node_loss(console: Console, out: dict) -> None:
                       "hour[/red]")
         return
     line = f"node {nl['node']} lost ({nl['job']} on {nl['placement']}): "
-    line += f"noticed in [bold]{nl['detection_s']:.2f} s[/bold]" if nl.get("detection_s") is not None else "NOT noticed"
+    line += (
+        f"noticed in [bold]{nl['detection_s']:.2f} s[/bold]"
+        if nl.get("detection_s") is not None
+        else "NOT noticed"
+    )
     if nl["recovered"]:
-        line += (f", training again [bold]{nl['recovery_s']:.2f} s[/bold] later on {nl['world_size']} ranks "
-                 f"(were {nl['was_world_size']}) from step {nl['restored_step']} (tier {nl['restore_tier']}), "
-                 f"{nl['steps_redone']} steps redone")
+        line += (
+            f", training again [bold]{nl['recovery_s']:.2f} s[/bold] later on {nl['world_size']} ranks "
+            f"(were {nl['was_world_size']}) from step {nl['restored_step']} (tier {nl['restore_tier']}), "
+            f"{nl['steps_redone']} steps redone"
+        )
     else:
         line += ", NOT recovered"
     console.print(line, highlight=False)
@@ -306,8 +363,16 @@ def stdout_to_stderr(on: bool = True) -> Iterator[None]:
         os.close(saved)
 
 
-def main(speedup: float, hours: float, start_hour: float, kill_hour: float, jobs: int, max_ranks: int, keep: bool,
-         json_out: bool) -> int:
+def main(
+    speedup: float,
+    hours: float,
+    start_hour: float,
+    kill_hour: float,
+    jobs: int,
+    max_ranks: int,
+    keep: bool,
+    json_out: bool,
+) -> int:
     """The ``--cycle`` variant of ``tidal demo ray``; the exit code."""
     import json
 

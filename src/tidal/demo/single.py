@@ -65,7 +65,9 @@ from tidal.demo.plane import (
 )
 
 TERMINAL = ("succeeded", "failed", "cancelled")
-QUIET_EVENTS = frozenset({"ckpt_interval"})  # in the JSON summary, not narrated: the demo checkpoints by steps
+QUIET_EVENTS = frozenset(
+    {"ckpt_interval"}
+)  # in the JSON summary, not narrated: the demo checkpoints by steps
 STATE_STYLE = {"running": "green", "succeeded": "bold green", "failed": "bold red", "cancelled": "dim",
                "pending": "yellow", "backoff": "red", "admitted": "cyan"}
 # A pause after each step of the tiny model (a few ms of compute a step on a quiet machine), so the
@@ -98,20 +100,26 @@ class DemoOptions:
         if self.parallel not in ("ddp", "fsdp"):
             raise DemoError(f"--parallel {self.parallel!r}: expected ddp or fsdp")
         if self.gpus < 2:
-            raise DemoError(f"--gpus {self.gpus}: the demo kills one rank of a gang, so it needs at least 2 slots")
+            raise DemoError(
+                f"--gpus {self.gpus}: the demo kills one rank of a gang, so it needs at least 2 slots"
+            )
         gb = SIZES[self.size]["global-batch"]
         if gb % self.gpus:
             ok = [n for n in range(2, gb + 1) if gb % n == 0]
-            raise DemoError(f"--gpus {self.gpus}: the global batch of {gb} sequences ({self.size} model) must split "
-                            f"evenly over the ranks; expected one of {ok}")
+            raise DemoError(
+                f"--gpus {self.gpus}: the global batch of {gb} sequences ({self.size} model) must split "
+                f"evenly over the ranks; expected one of {ok}"
+            )
         if not 0 < self.kill_at < 1:
             raise DemoError(f"--kill-at {self.kill_at}: expected a fraction of the steps between 0 and 1")
         if self.steps < 4:
             raise DemoError(f"--steps {self.steps}: expected at least 4")
         if not 1 <= self.ckpt_every < int(self.steps * self.kill_at):
-            raise DemoError(f"--ckpt-every {self.ckpt_every}: expected 1 to {int(self.steps * self.kill_at) - 1}, "
-                            f"so that a checkpoint exists before the kill at step {int(self.steps * self.kill_at)} "
-                            f"(--kill-at {self.kill_at:g} of --steps {self.steps})")
+            raise DemoError(
+                f"--ckpt-every {self.ckpt_every}: expected 1 to {int(self.steps * self.kill_at) - 1}, "
+                f"so that a checkpoint exists before the kill at step {int(self.steps * self.kill_at)} "
+                f"(--kill-at {self.kill_at:g} of --steps {self.steps})"
+            )
         if self.kill_rank is not None and not 0 <= self.kill_rank < self.gpus:
             raise DemoError(f"--kill-rank {self.kill_rank}: expected 0 to {self.gpus - 1}")
 
@@ -170,20 +178,27 @@ def event_line(e: dict) -> str:
 
 def _tiers(p: dict) -> str:
     tiers = p.get("tiers") or {}
-    return " · ".join(f"{t} step {v[0]}" for t, v in sorted(tiers.items(), key=lambda kv: kv[0] != "shm")) or "none yet"
+    return (
+        " · ".join(f"{t} step {v[0]}" for t, v in sorted(tiers.items(), key=lambda kv: kv[0] != "shm"))
+        or "none yet"
+    )
 
 
 def _fmt(v: Any, fmt: str = "{:g}", none: str = "-") -> str:
     return none if v is None else fmt.format(v)
 
 
-def status_panel(j: dict, opts: DemoOptions, elapsed_s: float, kill: Kill | None, initial_loss: float | None) -> Panel:
+def status_panel(
+    j: dict, opts: DemoOptions, elapsed_s: float, kill: Kill | None, initial_loss: float | None
+) -> Panel:
     p, r = j.get("progress") or {}, j["report"]
     step = p.get("step") if p.get("step") is not None else (p.get("start_step") or 0)
     g = Table.grid(padding=(0, 2))
     g.add_column(style="bold", no_wrap=True)
     g.add_column()
-    g.add_row("job", f"{j['id']}: spot, {opts.gpus} ranks ({opts.parallel.upper()} over gloo), tenant {j['tenant']}")
+    g.add_row(
+        "job", f"{j['id']}: spot, {opts.gpus} ranks ({opts.parallel.upper()} over gloo), tenant {j['tenant']}"
+    )
     g.add_row("state", f"{_state(j['state'])}, attempt {j['attempt']}")
     bar = Table.grid(padding=(0, 1))
     bar.add_row(ProgressBar(total=opts.steps, completed=step, width=40), f"step {step}/{opts.steps}")
@@ -206,9 +221,11 @@ def status_panel(j: dict, opts: DemoOptions, elapsed_s: float, kill: Kill | None
 def progress_line(j: dict, opts: DemoOptions) -> str:
     p, r = j.get("progress") or {}, j["report"]
     sps = p.get("steps_per_s")
-    return (f"  {j['state']} | attempt {j['attempt']} | step {_fmt(p.get('step'))}/{opts.steps} | loss "
-            f"{_fmt(p.get('loss'), '{:.3f}')} | {_fmt(sps and sps * opts.global_batch, '{:.0f}')} samples/s | "
-            f"checkpoint {_tiers(p)} | restarts {r['restarts']}")
+    return (
+        f"  {j['state']} | attempt {j['attempt']} | step {_fmt(p.get('step'))}/{opts.steps} | loss "
+        f"{_fmt(p.get('loss'), '{:.3f}')} | {_fmt(sps and sps * opts.global_batch, '{:.0f}')} samples/s | "
+        f"checkpoint {_tiers(p)} | restarts {r['restarts']}"
+    )
 
 
 # -------------------------------------------------------------------------------------------- the run
@@ -225,7 +242,9 @@ class Watch:
     initial_loss: float | None = None
 
 
-def run_demo(opts: DemoOptions, console: Console, *, state_dir: Path | None = None, keep: bool = False) -> dict:
+def run_demo(
+    opts: DemoOptions, console: Console, *, state_dir: Path | None = None, keep: bool = False
+) -> dict:
     """Run the demo; return its summary (see the module docstring). Stops everything it started."""
     opts.check()
     script = example_script()
@@ -243,7 +262,10 @@ def run_demo(opts: DemoOptions, console: Console, *, state_dir: Path | None = No
         say = _narrator(console)
         say(f"control plane up at {url} ({plane.plane.describe}); state in {sdir}")
         say(f"  (in another terminal: TIDAL_STATE_DIR={sdir} tidal events -f)", style="dim")
-        say(f"  dashboard: {dashboard_url(url)} (sign in with the token in {sdir / ADMIN_TOKEN_FILE})", style="dim")
+        say(
+            f"  dashboard: {dashboard_url(url)} (sign in with the token in {sdir / ADMIN_TOKEN_FILE})",
+            style="dim",
+        )
         admin = TidalClient(url, plane.admin_token)
         tenant = admin.create_tenant("research", quota_gpus=0, weight=1.0)
         client = TidalClient(url, tenant["token"])
@@ -251,11 +273,17 @@ def run_demo(opts: DemoOptions, console: Console, *, state_dir: Path | None = No
         job = client.submit(spec)
         job_id = job["id"]
         m = SIZES[opts.size]
-        say(f"submitted [bold]{job_id}[/bold] as tenant research: the GPT example ({opts.size}: {m['n-layer']} "
-            f"layers, d={m['n-embd']}, {m['global-batch']} x {m['block']} bytes a step), kind spot, {opts.gpus} "
-            f"ranks, {opts.steps} steps, a checkpoint every {opts.ckpt_every} steps (node memory, then disk)")
-        say(f"plan: a few steps after step {opts.kill_step}, SIGKILL rank {opts.rank_to_kill} as if its GPU died; "
-            "the platform must restart the gang from the newest checkpoint")
+        say(
+            f"submitted [bold]{job_id}[/bold] as tenant research: the GPT example ({opts.size}: "
+            f"{m['n-layer']} layers, d={m['n-embd']}, {m['global-batch']} x {m['block']} bytes a step), "
+            f"kind spot, {opts.gpus} "
+            f"ranks, {opts.steps} steps, a checkpoint every {opts.ckpt_every} steps (node memory, then disk)"
+        )
+        say(
+            f"plan: a few steps after step {opts.kill_step}, SIGKILL rank {opts.rank_to_kill} as if its GPU "
+            "died; "
+            "the platform must restart the gang from the newest checkpoint"
+        )
         w, j = _watch(client, job_id, opts, console, say, plane.state_dir, t0)
         wall_s = time.monotonic() - t0
         if j["state"] != "succeeded":  # the state dir may be gone soon: show why, from the ranks' own output
@@ -265,14 +293,20 @@ def run_demo(opts: DemoOptions, console: Console, *, state_dir: Path | None = No
         return summarize(j, w, opts, plane.state_dir, wall_s, keep or not own_state)
     finally:
         # A second Ctrl-C (or a SIGTERM) must not cut the clean-up short.
-        old = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)} if _main_thread() else {}
+        old = (
+            {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+            if _main_thread()
+            else {}
+        )
         try:
             if plane is not None:
                 killed = plane.stop()
                 if killed:
-                    console.print(("" if console.is_terminal else "\n")  # a file's last live render has no newline
-                                  + f"[dim]stopped {len(killed)} worker process groups (pids {killed})[/dim]",
-                                  highlight=False)
+                    console.print(
+                        ("" if console.is_terminal else "\n")  # a file's last live render has no newline
+                        + f"[dim]stopped {len(killed)} worker process groups (pids {killed})[/dim]",
+                        highlight=False,
+                    )
             shutil.rmtree(shm_dir, ignore_errors=True)
             if own_state and not keep:
                 shutil.rmtree(sdir, ignore_errors=True)
@@ -354,7 +388,9 @@ def _due(j: dict, opts: DemoOptions) -> bool:
 def _narrate_progress(j: dict, w: Watch, opts: DemoOptions, say, state_dir: Path) -> None:
     p = j.get("progress") or {}
     if w.initial_loss is None and p.get("step"):
-        first = next((r for r in attempt_records(state_dir, j["id"]).get(1, []) if r.get("event") == "step"), None)
+        first = next(
+            (r for r in attempt_records(state_dir, j["id"]).get(1, []) if r.get("event") == "step"), None
+        )
         w.initial_loss = first.get("loss") if first else None
     if j["state"] == "running" and j["attempt"] not in w.running_attempts and p.get("step"):
         w.running_attempts.add(j["attempt"])
@@ -371,8 +407,11 @@ def _narrate_progress(j: dict, w: Watch, opts: DemoOptions, say, state_dir: Path
             reached = reached_step(attempt_records(state_dir, j["id"]).get(w.kill.attempt, []))
             redo = f" (attempt {w.kill.attempt} had reached step {reached}: {reached - start} to recompute)" \
                 if reached is not None else ""
-            say(f"[bold green]recovered[/bold green]: attempt {j['attempt']} restored checkpoint step {start}{how}"
-                f"{redo}; training again {after:.1f} s after the kill")
+            say(
+                f"[bold green]recovered[/bold green]: attempt {j['attempt']} restored checkpoint step "
+                f"{start}{how}"
+                f"{redo}; training again {after:.1f} s after the kill"
+            )
     ck = j.get("ckpt_step") or 0
     if ck > w.announced_ckpt:
         w.announced_ckpt = ck
@@ -401,7 +440,9 @@ def summarize(j: dict, w: Watch, opts: DemoOptions, state_dir: Path, wall_s: flo
     after = {a: rs for a, rs in recs.items() if k is not None and a > k.attempt}
     restore = next((r for a in after.values() for r in a if r.get("event") == "restore"), None)
     next_step = next((r for a in after.values() for r in a if r.get("event") == "step"), None)
-    for a in recs.values():  # a step restored from a tier was committed there (its record may have died with the rank)
+    for a in (
+        recs.values()
+    ):  # a step restored from a tier was committed there (its record may have died with the rank)
         for r in a:
             if r.get("event") == "restore" and r.get("tier") and r.get("step"):
                 ckpts.setdefault(r["tier"], set()).add(int(r["step"]))
@@ -410,26 +451,47 @@ def summarize(j: dict, w: Watch, opts: DemoOptions, state_dir: Path, wall_s: flo
     rep = j["report"]
     final_step = (j.get("progress") or {}).get("step")
     out: dict[str, Any] = {
-        "job": j["id"], "state": j["state"], "succeeded": j["state"] == "succeeded",
-        "steps": opts.steps, "final_step": final_step,
-        "initial_loss": first.get("loss") if first else None, "final_loss": last.get("loss") if last else None,
-        "restarts": rep["restarts"], "attempts": j["attempt"],
-        "killed": None if k is None else {"rank": k.rank, "pid": k.pid, "shim_pid": k.shim_pid,
-                                          "attempt": k.attempt, "at_step": k.at_step,
-                                          "ckpt_step": k.ckpt_step, "reached_step": reached},
+        "job": j["id"],
+        "state": j["state"],
+        "succeeded": j["state"] == "succeeded",
+        "steps": opts.steps,
+        "final_step": final_step,
+        "initial_loss": first.get("loss") if first else None,
+        "final_loss": last.get("loss") if last else None,
+        "restarts": rep["restarts"],
+        "attempts": j["attempt"],
+        "killed": None
+        if k is None
+        else {
+            "rank": k.rank,
+            "pid": k.pid,
+            "shim_pid": k.shim_pid,
+            "attempt": k.attempt,
+            "at_step": k.at_step,
+            "ckpt_step": k.ckpt_step,
+            "reached_step": reached,
+        },
         "resumed_from_step": resumed,
         "restore_tier": restore.get("tier") if restore else None,
         "restore_s": restore.get("duration_s") if restore else None,
         "recovery_s": (next_step["time"] - k.time_s) if (next_step and k) else None,
         "steps_recomputed": (reached - resumed) if (reached is not None and resumed is not None) else None,
-        "lost_steps": rep["lost_steps"], "lost_work_s": rep["lost_work_s"], "ettr": rep["ettr"],
-        "held_s": rep["held_s"], "productive_s": rep["productive_s"],
+        "lost_steps": rep["lost_steps"],
+        "lost_work_s": rep["lost_work_s"],
+        "ettr": rep["ettr"],
+        "held_s": rep["held_s"],
+        "productive_s": rep["productive_s"],
         "checkpoints": {t: sorted(s) for t, s in sorted(ckpts.items())},
         "ckpt_stall_median_s": statistics.median(stalls) if stalls else None,
-        "model": dict(SIZES[opts.size]), "parallel": opts.parallel, "ranks": opts.gpus,
+        "model": dict(SIZES[opts.size]),
+        "parallel": opts.parallel,
+        "ranks": opts.gpus,
         "wall_s": round(wall_s, 2),
-        "events": [(f"{e['from'] or 'new'} -> {e['to']}" if e["kind"] == "transition" else e["kind"])
-                   + f": {e['message']}" for e in w.events],
+        "events": [
+            (f"{e['from'] or 'new'} -> {e['to']}" if e["kind"] == "transition" else e["kind"])
+            + f": {e['message']}"
+            for e in w.events
+        ],
         "state_dir": str(state_dir) if kept else None,
     }
     problems = []
@@ -440,7 +502,9 @@ def summarize(j: dict, w: Watch, opts: DemoOptions, state_dir: Path, wall_s: flo
     if rep["restarts"] < 1:
         problems.append("the platform never restarted the job")
     if not out["resumed_from_step"]:
-        problems.append("the restarted attempt did not restore a checkpoint step > 0 (it started from scratch)")
+        problems.append(
+            "the restarted attempt did not restore a checkpoint step > 0 (it started from scratch)"
+        )
     if final_step != opts.steps:
         problems.append(f"the job reached step {final_step}, not {opts.steps}")
     out["problems"] = problems
@@ -452,22 +516,43 @@ def summary_table(s: dict) -> Table:
     t = Table(title=f"tidal demo: {s['job']} {s['state']}", show_header=False, title_style="bold")
     t.add_column(style="bold", no_wrap=True)
     t.add_column()
-    t.add_row("steps", f"{_fmt(s['final_step'])} of {s['steps']} ({s['parallel'].upper()} on {s['ranks']} ranks)")
-    t.add_row("loss", f"{_fmt(s['initial_loss'], '{:.3f}')} at the first step -> {_fmt(s['final_loss'], '{:.3f}')} "
-                      "at the last")
+    t.add_row(
+        "steps", f"{_fmt(s['final_step'])} of {s['steps']} ({s['parallel'].upper()} on {s['ranks']} ranks)"
+    )
+    t.add_row(
+        "loss",
+        f"{_fmt(s['initial_loss'], '{:.3f}')} at the first step -> {_fmt(s['final_loss'], '{:.3f}')} "
+        "at the last",
+    )
     k = s["killed"]
     t.add_row("killed", "nothing" if k is None else f"rank {k['rank']} (pid {k['pid']}, child of shim pid "
                         f"{k['shim_pid']}; SIGKILL) in attempt {k['attempt']}, which had reached step "
                         f"{_fmt(k['reached_step'])} (step {k['at_step']} was the last reported)")
     t.add_row("restarts", f"{s['restarts']} ({s['attempts']} attempts)")
-    resumed = "-" if s["resumed_from_step"] is None else f"checkpoint step {s['resumed_from_step']}" + (
-        f" (tier {s['restore_tier']}, read in {s['restore_s']:.2f} s)" if s["restore_tier"] else " (nothing restored)")
+    resumed = (
+        "-"
+        if s["resumed_from_step"] is None
+        else f"checkpoint step {s['resumed_from_step']}"
+        + (
+            f" (tier {s['restore_tier']}, read in {s['restore_s']:.2f} s)"
+            if s["restore_tier"]
+            else " (nothing restored)"
+        )
+    )
     t.add_row("resumed from", resumed)
-    t.add_row("time to recover", f"{_fmt(s['recovery_s'], '{:.1f} s')} (kill -> first step of the next attempt)")
-    t.add_row("steps recomputed", f"{_fmt(s['steps_recomputed'])} (reached - resumed); the platform's lost-work "
-                                  f"account: {s['lost_steps']} steps, {s['lost_work_s']:.1f} s")
-    t.add_row("ETTR", f"{_fmt(s['ettr'], '{:.2f}')} (productive {s['productive_s']:.1f} s of {s['held_s']:.1f} s "
-                      "holding GPUs)")
+    t.add_row(
+        "time to recover", f"{_fmt(s['recovery_s'], '{:.1f} s')} (kill -> first step of the next attempt)"
+    )
+    t.add_row(
+        "steps recomputed",
+        f"{_fmt(s['steps_recomputed'])} (reached - resumed); the platform's lost-work "
+        f"account: {s['lost_steps']} steps, {s['lost_work_s']:.1f} s",
+    )
+    t.add_row(
+        "ETTR",
+        f"{_fmt(s['ettr'], '{:.2f}')} (productive {s['productive_s']:.1f} s of {s['held_s']:.1f} s "
+        "holding GPUs)",
+    )
     for tier, steps in s["checkpoints"].items():
         t.add_row(f"checkpoints ({tier})", f"{len(steps)}: steps {', '.join(map(str, steps))}")
     t.add_row("checkpoint stall", _fmt(s["ckpt_stall_median_s"] and s["ckpt_stall_median_s"] * 1000,
@@ -482,19 +567,29 @@ def summary_table(s: dict) -> Table:
 
 
 # -------------------------------------------------------------------------------------- the command
-def demo(ctx: typer.Context,
-         steps: Annotated[int, typer.Option(help="optimizer steps of the job")] = 300,
-         ckpt_every: Annotated[int, typer.Option(help="checkpoint every N steps")] = 25,
-         gpus: Annotated[int, typer.Option(help="CPU slots of the embedded plane; the job runs on all of them")] = 2,
-         parallel: Annotated[str, typer.Option(help="ddp or fsdp (FSDP2), over gloo")] = "ddp",
-         size: Annotated[str, typer.Option(help="model size: small (the demo) or tiny (tests)")] = "small",
-         kill_at: Annotated[float, typer.Option(help="kill a rank once this fraction of the steps is done")] = 0.5,
-         kill_rank: Annotated[int | None, typer.Option(help="which rank to kill (default: the last)")] = None,
-         timeout: Annotated[float, typer.Option(help="give up after this many seconds")] = 600.0,
-         state_dir: Annotated[Path | None, typer.Option(help="use this state dir (kept) instead of a temporary one")] = None,
-         keep: Annotated[bool, typer.Option("--keep", help="keep the temporary state dir and print its path")] = False,
-         json_out: Annotated[bool, typer.Option("--json", help="print the summary as JSON on stdout "
-                                                "(the narration goes to stderr)")] = False) -> None:
+def demo(
+    ctx: typer.Context,
+    steps: Annotated[int, typer.Option(help="optimizer steps of the job")] = 300,
+    ckpt_every: Annotated[int, typer.Option(help="checkpoint every N steps")] = 25,
+    gpus: Annotated[
+        int, typer.Option(help="CPU slots of the embedded plane; the job runs on all of them")
+    ] = 2,
+    parallel: Annotated[str, typer.Option(help="ddp or fsdp (FSDP2), over gloo")] = "ddp",
+    size: Annotated[str, typer.Option(help="model size: small (the demo) or tiny (tests)")] = "small",
+    kill_at: Annotated[float, typer.Option(help="kill a rank once this fraction of the steps is done")] = 0.5,
+    kill_rank: Annotated[int | None, typer.Option(help="which rank to kill (default: the last)")] = None,
+    timeout: Annotated[float, typer.Option(help="give up after this many seconds")] = 600.0,
+    state_dir: Annotated[
+        Path | None, typer.Option(help="use this state dir (kept) instead of a temporary one")
+    ] = None,
+    keep: Annotated[
+        bool, typer.Option("--keep", help="keep the temporary state dir and print its path")
+    ] = False,
+    json_out: Annotated[
+        bool,
+        typer.Option("--json", help="print the summary as JSON on stdout (the narration goes to stderr)"),
+    ] = False,
+) -> None:
     """The platform end to end: a spot GPT job loses a rank midway and recovers from its checkpoint.
 
     An embedded control plane (API, reconcile loop, local executor) runs examples/gpt/train.py on CPU

@@ -100,8 +100,9 @@ def _check_reachable(address: str | None) -> None:
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
     except OSError as e:
-        raise ValueError(f"cannot join the Ray cluster at {address}: nothing answers there ({e.strerror or e})"
-                         ) from None
+        raise ValueError(
+            f"cannot join the Ray cluster at {address}: nothing answers there ({e.strerror or e})"
+        ) from None
 
 
 def namespace_for(root: str | os.PathLike) -> str:
@@ -246,7 +247,8 @@ class RayExecutor:
             self.agents = RayAgents(ray, self.namespace, self.shm_root, self.root)
 
     def close(self) -> None:
-        """Disconnect from Ray (a local Ray this executor started ends; detached actors on a cluster do not)."""
+        """Disconnect from Ray (a local Ray this executor started ends; detached actors on a cluster do
+        not)."""
         if self._owns_ray:
             self._ray.shutdown()
             self._owns_ray = False
@@ -284,7 +286,9 @@ class RayExecutor:
                 continue
             name = (n.get("Labels") or {}).get(NODE_LABEL) or f"ray-{n['NodeID'][:12]}"
             if name in ids:
-                log.warning("two Ray nodes carry the label %s=%s; naming the second by its id", NODE_LABEL, name)
+                log.warning(
+                    "two Ray nodes carry the label %s=%s; naming the second by its id", NODE_LABEL, name
+                )
                 name = f"ray-{n['NodeID'][:12]}"
             ids[name] = n["NodeID"]
             out.append(Node(name, gpus, "serving" if name in self.serving_nodes else "training"))
@@ -293,15 +297,24 @@ class RayExecutor:
     def check_serving(self) -> None:
         """``ValueError`` in one line when a serving node is not an alive GPU node of the cluster (by its
         ``tidal.io/node`` label) or has other GPUs there than the serving side says."""
-        have = {n.name: n.gpus for n in self._read_nodes()[0]}  # no agents started for a plane that will not run
+        have = {
+            n.name: n.gpus for n in self._read_nodes()[0]
+        }  # no agents started for a plane that will not run
         missing = sorted(set(self.serving_nodes) - set(have))
         if missing:
-            raise ValueError(f"serving.nodes: {', '.join(missing)} not in the Ray cluster (a serving node is the "
-                             f"Ray node labelled {NODE_LABEL}=NAME; the cluster has {sorted(have) or 'no GPU nodes'})")
+            raise ValueError(
+                f"serving.nodes: {', '.join(missing)} not in the Ray cluster (a serving node is the "
+                f"Ray node labelled {NODE_LABEL}=NAME; the cluster has {sorted(have) or 'no GPU nodes'})"
+            )
         other = {n: (g, have[n]) for n, g in self.serving_nodes.items() if have[n] != g}
         if other:
-            raise ValueError("serving.nodes: " + "; ".join(f"{n} has {g} GPUs there but {h} in the Ray cluster"
-                                                          for n, (g, h) in sorted(other.items())))
+            raise ValueError(
+                "serving.nodes: "
+                + "; ".join(
+                    f"{n} has {g} GPUs there but {h} in the Ray cluster"
+                    for n, (g, h) in sorted(other.items())
+                )
+            )
 
     def used(self) -> dict[str, int]:
         """Node -> GPUs held by tracked attempts (launched and not yet released), by their ranks' bundles."""
@@ -322,8 +335,10 @@ class RayExecutor:
                               f"cluster: {unknown} (have {sorted(have)})")
         over = {n: k for n, k in req.placement.items() if k > have[n]}
         if over:
-            raise LaunchError(f"job {req.job_id}: placement {dict(req.placement)} asks more GPUs than nodes have: "
-                              + ", ".join(f"{n} has {have[n]}" for n in over))
+            raise LaunchError(
+                f"job {req.job_id}: placement {dict(req.placement)} asks more GPUs than nodes have: "
+                + ", ".join(f"{n} has {have[n]}" for n in over)
+            )
         if req.workdir is not None and not Path(req.workdir).is_dir():
             raise LaunchError(f"job {req.job_id}: workdir {req.workdir} is not a directory")
         adir = self.attempt_dir(req.job_id, req.attempt)
@@ -338,10 +353,19 @@ class RayExecutor:
         pg = placement_group([{"GPU": 1} for _ in plan], strategy="PACK", lifetime="detached",
                              name=_pg_name(self.namespace, req.job_id, req.attempt),
                              bundle_label_selector=[{NODE_ID_LABEL: nid} for _, nid in plan])
-        doc = {"job_id": req.job_id, "attempt": req.attempt, "world_size": len(plan), "launched_s": now_s,
-               "placement": dict(req.placement), "namespace": self.namespace, "placement_group": pg.id.hex(),
-               "ranks": [{"rank": r, "node": node, "node_id": nid, "actor": actor_name(req.job_id, req.attempt, r)}
-                         for r, (node, nid) in enumerate(plan)]}
+        doc = {
+            "job_id": req.job_id,
+            "attempt": req.attempt,
+            "world_size": len(plan),
+            "launched_s": now_s,
+            "placement": dict(req.placement),
+            "namespace": self.namespace,
+            "placement_group": pg.id.hex(),
+            "ranks": [
+                {"rank": r, "node": node, "node_id": nid, "actor": actor_name(req.job_id, req.attempt, r)}
+                for r, (node, nid) in enumerate(plan)
+            ],
+        }
         write_json(adir / c.LAUNCH_FILE, doc)  # before any actor exists: a restarted plane finds them all
         ranks: list[_Rank] = []
         try:
@@ -370,15 +394,23 @@ class RayExecutor:
                               f"{self.ready_timeout_s:g} s (GPUs held outside Tidal?)") from None
         for r, (node, nid) in enumerate(plan):
             actor = self._remote.options(
-                name=actor_name(req.job_id, req.attempt, r), namespace=self.namespace, lifetime="detached",
-                num_cpus=0, num_gpus=1, max_restarts=0, max_task_retries=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r)).remote()
+                name=actor_name(req.job_id, req.attempt, r),
+                namespace=self.namespace,
+                lifetime="detached",
+                num_cpus=0,
+                num_gpus=1,
+                max_restarts=0,
+                max_task_retries=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r),
+            ).remote()
             ranks.append(_Rank(r, node, nid, actor))
         infos = ray.get([k.actor.info.remote() for k in ranks], timeout=self.ready_timeout_s)
         for k, info in zip(ranks, infos, strict=True):
             if info["node_id"] != k.node_id:  # never expected: the bundle is pinned to the node
-                raise LaunchError(f"job {req.job_id}: rank {k.rank} landed on Ray node {info['node_id'][:12]}, "
-                                  f"not on {k.node}")
+                raise LaunchError(
+                    f"job {req.job_id}: rank {k.rank} landed on Ray node {info['node_id'][:12]}, "
+                    f"not on {k.node}"
+                )
         port = ray.get(ranks[0].actor.free_port.remote(), timeout=self.ready_timeout_s)
         master = infos[0]["ip"]
         on_node: dict[str, list[int]] = {}
@@ -395,26 +427,49 @@ class RayExecutor:
                                        local_world_size=len(local), group_rank=groups.index(k.node)),
                         c.ENV_JOB_ID: req.job_id, c.ENV_PROGRESS_DIR: str(adir / c.PROGRESS_DIRNAME),
                         c.ENV_CONTROL_FILE: str(adir / c.CONTROL_FILE), c.ENV_CUDA_VISIBLE_DEVICES: gpus}
-            base = {c.ENV_SHM_DIR: str(self.shm_root / k.node / req.job_id)} if self.shm_root is not None else {}
+            base = (
+                {c.ENV_SHM_DIR: str(self.shm_root / k.node / req.job_id)} if self.shm_root is not None else {}
+            )
             if self.agents is not None:
                 base.update(self.agents.env(k.node))
             env = clean_env(self.isolation, self.home_dir(req.job_id), job_env, platform,
                             omp_threads=(os.cpu_count() or 1) // max(1, len(local)), base=base)
             header = (f"=== tidal: {req.job_id} attempt {req.attempt}, rank {k.rank} of {n} on {k.node}, "
                       f"{time.strftime('%Y-%m-%d %H:%M:%S')} ===\n")
-            starts.append(k.actor.start.remote(list(req.command), env, req.workdir or str(self.home_dir(req.job_id)),
-                                               self.log_path(req.job_id, k.rank), header,
-                                               str(adir / c.pid_file(k.rank))))
+            starts.append(
+                k.actor.start.remote(
+                    list(req.command),
+                    env,
+                    req.workdir or str(self.home_dir(req.job_id)),
+                    self.log_path(req.job_id, k.rank),
+                    header,
+                    str(adir / c.pid_file(k.rank)),
+                )
+            )
         for k, pid in zip(ranks, ray.get(starts, timeout=self.ready_timeout_s), strict=True):
             k.pid = pid
-        doc = {**doc, "master_addr": master, "master_port": port,
-               "ranks": [{**d, "pid": k.pid, "gpu_ids": infos[k.rank]["gpu_ids"]} for d, k in zip(doc["ranks"], ranks,
-                                                                                                  strict=True)]}
+        doc = {
+            **doc,
+            "master_addr": master,
+            "master_port": port,
+            "ranks": [
+                {**d, "pid": k.pid, "gpu_ids": infos[k.rank]["gpu_ids"]}
+                for d, k in zip(doc["ranks"], ranks, strict=True)
+            ],
+        }
         write_json(adir / c.LAUNCH_FILE, doc)
-        return {"executor": "ray", "placement": dict(req.placement), "master_addr": master, "master_port": port,
-                "dir": str(adir), "placement_group": doc["placement_group"],
-                "ranks": [{"rank": k.rank, "pid": k.pid, "node": k.node, "gpu_ids": infos[k.rank]["gpu_ids"]}
-                          for k in ranks]}
+        return {
+            "executor": "ray",
+            "placement": dict(req.placement),
+            "master_addr": master,
+            "master_port": port,
+            "dir": str(adir),
+            "placement_group": doc["placement_group"],
+            "ranks": [
+                {"rank": k.rank, "pid": k.pid, "node": k.node, "gpu_ids": infos[k.rank]["gpu_ids"]}
+                for k in ranks
+            ],
+        }
 
     def _make_dirs(self, req: LaunchRequest, adir: Path) -> None:
         jdir = self.job_dir(req.job_id)
@@ -437,7 +492,10 @@ class RayExecutor:
                     self._kill_actor(ray.get_actor(a["name"], namespace=self.namespace))
                     log.warning("removed the leftover rank actor %s", a["name"])
         for pg_id, info in ray.util.placement_group_table().items():
-            if job_of_pg(self.namespace, str(info.get("name", ""))) == job_id and info.get("state") != "REMOVED":
+            if (
+                job_of_pg(self.namespace, str(info.get("name", ""))) == job_id
+                and info.get("state") != "REMOVED"
+            ):
                 self._remove_pg_id(pg_id)
                 log.warning("removed the leftover placement group %s", info.get("name"))
 
@@ -536,7 +594,9 @@ class RayExecutor:
         for k in t.ranks:
             code = t.codes.get(k.rank)
             ended = code is not None and code != 0 and t.reader.phase(k.rank) == c.PHASE_ENDED
-            states.append(RankState(k.rank, k.pid, code, k.rank in t.vanished, ended, k.rank in t.lost, k.node))
+            states.append(
+                RankState(k.rank, k.pid, code, k.rank in t.vanished, ended, k.rank in t.lost, k.node)
+            )
         return Observation(t.job_id, t.attempt, t.launched_s, tuple(states), t.reader.read())
 
     # -- node memory (the NodeMemory protocol; tasks on the nodes: tidal.exec.ray_shm) -----------------

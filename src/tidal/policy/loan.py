@@ -83,7 +83,9 @@ class LoanTiming:
             if getattr(self, name) < 0:
                 raise ValueError(f"LoanTiming.{name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.min_useful_fraction < 1:
-            raise ValueError(f"LoanTiming.min_useful_fraction must be in [0, 1), got {self.min_useful_fraction}")
+            raise ValueError(
+                f"LoanTiming.min_useful_fraction must be in [0, 1), got {self.min_useful_fraction}"
+            )
 
     @property
     def lead_time_s(self) -> float:
@@ -167,7 +169,9 @@ def plan_loans(*, now_s: float, serving_gpus: int, lent_gpus: int, demand_now_gp
         raise ValueError("times_s must increase and lie after now_s")
     lead = timing.lead_time_s
     bound = upper if np.isfinite(upper).all() else np.nan_to_num(upper, nan=float(n))
-    free = np.minimum(np.maximum(np.floor(n - bound + EPS), 0), n).astype(int)  # np.clip, without its overhead
+    free = np.minimum(np.maximum(np.floor(n - bound + EPS), 0), n).astype(
+        int
+    )  # np.clip, without its overhead
     # The rest walks the horizon's few dozen points in plain Python (cheaper than numpy calls at this size).
     running = np.minimum.accumulate(free).tolist()
     tl = times.tolist()
@@ -183,16 +187,20 @@ def plan_loans(*, now_s: float, serving_gpus: int, lent_gpus: int, demand_now_gp
     # worthwhile new loans are a prefix after the kept ones. O(horizon), whatever the pool size.
     kept = min(max(lent_gpus, 0), safe)
     window = timing.min_loan_window_s - EPS
-    early = next((i for i, t in enumerate(tl) if t - lead - now_s >= window), len(tl))  # the first late enough
+    early = next(
+        (i for i, t in enumerate(tl) if t - lead - now_s >= window), len(tl)
+    )  # the first late enough
     worthwhile = running[early - 1] if early > 0 else safe
     lendable = max(kept, min(safe, worthwhile))
     if max_lendable_gpus is not None:
         lendable = min(lendable, max(0, int(max_lendable_gpus)))
     # GPUs k in (running(s), min(running(s-), lendable)] are due back at s, where running drops.
     after_notice = timing.notice_s + timing.final_checkpoint_s  # from the notice until the jobs are off
-    reclaims = tuple(Reclaim(gpus=min(a, lendable) - b, by_s=(t - lead) + after_notice, notice_s=t - lead,
-                             deadline_s=t)
-                     for a, b, t in zip(running[:-1], running[1:], tl[1:], strict=True) if min(a, lendable) > b)
+    reclaims = tuple(
+        Reclaim(gpus=min(a, lendable) - b, by_s=(t - lead) + after_notice, notice_s=t - lead, deadline_s=t)
+        for a, b, t in zip(running[:-1], running[1:], tl[1:], strict=True)
+        if min(a, lendable) > b
+    )
     return LoanPlan(now_s=now_s, lendable_gpus=lendable, reclaims=reclaims,
                     reclaim_now_gpus=max(0, lent_gpus - lendable), times_s=_frozen(times),
                     upper_gpus=_frozen(upper), margin_gpus=float(margin_gpus), lead_time_s=lead,
@@ -261,19 +269,25 @@ class TidalConfig:
         if not 0 < self.shortfall_budget < 1:
             raise ValueError(f"TidalConfig.shortfall_budget must be in (0, 1), got {self.shortfall_budget}")
         if not self.tail_budget_fraction >= 0 or not self.tail_kappa >= 0 or not self.tail_period_s > 0:
-            raise ValueError(f"TidalConfig.tail_budget_fraction and tail_kappa must be >= 0 and tail_period_s > 0, "
-                             f"got {self.tail_budget_fraction}, {self.tail_kappa} and {self.tail_period_s}")
+            raise ValueError(
+                f"TidalConfig.tail_budget_fraction and tail_kappa must be >= 0 and tail_period_s > 0, "
+                f"got {self.tail_budget_fraction}, {self.tail_kappa} and {self.tail_period_s}"
+            )
         if not 0 < self.aim_fraction <= 1:
             raise ValueError(f"TidalConfig.aim_fraction must be in (0, 1], got {self.aim_fraction}")
         if not self.ledger_allowance_pool_h > 0 or not 0 < self.ledger_fraction <= 1 \
                 or not 0 <= self.ledger_bank_pool_h < math.inf:
-            raise ValueError("TidalConfig.ledger_allowance_pool_h must be > 0 (inf = off), ledger_fraction in "
-                             "(0, 1] and ledger_bank_pool_h finite and >= 0, got "
-                             f"{self.ledger_allowance_pool_h}, {self.ledger_fraction} and {self.ledger_bank_pool_h}")
+            raise ValueError(
+                "TidalConfig.ledger_allowance_pool_h must be > 0 (inf = off), ledger_fraction in "
+                "(0, 1] and ledger_bank_pool_h finite and >= 0, got "
+                f"{self.ledger_allowance_pool_h}, {self.ledger_fraction} and {self.ledger_bank_pool_h}"
+            )
         horizon_needed = self.timing.lead_time_s + self.timing.min_loan_window_s
         if self.forecast.horizon_s < horizon_needed:
-            raise ValueError(f"TidalConfig.forecast.horizon_s ({self.forecast.horizon_s:g}) must cover the lead "
-                             f"time plus the minimum loan window ({horizon_needed:g} s)")
+            raise ValueError(
+                f"TidalConfig.forecast.horizon_s ({self.forecast.horizon_s:g}) must cover the lead "
+                f"time plus the minimum loan window ({horizon_needed:g} s)"
+            )
 
 
 @dataclass(frozen=True, eq=False)
@@ -400,8 +414,14 @@ class TidalPolicy:
         if cfg.tail_budget_fraction <= 0 or fs.n_obs == 0:
             return 0.0
         lead_steps = max(1, math.ceil(cfg.timing.lead_time_s / cfg.forecast.step_s - EPS))
-        return tail_reserve_gpus(cfg.forecast, fs, lead_steps, cfg.tail_budget_fraction * cfg.shortfall_budget,
-                                 kappa=cfg.tail_kappa, period_steps=cfg.tail_period_s / cfg.forecast.step_s)
+        return tail_reserve_gpus(
+            cfg.forecast,
+            fs,
+            lead_steps,
+            cfg.tail_budget_fraction * cfg.shortfall_budget,
+            kappa=cfg.tail_kappa,
+            period_steps=cfg.tail_period_s / cfg.forecast.step_s,
+        )
 
     def _plan(self, ctx: LoanContext, fc: Forecast | None, z: float, reserve: float = 0.0,
               cap: int | None = None) -> LoanPlan:
@@ -415,7 +435,9 @@ class TidalPolicy:
             keep = fc.times_s > ctx.now_s + EPS
             times = fc.times_s[keep]
             upper = np.maximum(fc.upper(z), fc.center_gpus + reserve)[keep]
-            lead_i = min(int(np.searchsorted(times, ctx.now_s + cfg.timing.lead_time_s + EPS)) - 1, times.size - 1)
+            lead_i = min(
+                int(np.searchsorted(times, ctx.now_s + cfg.timing.lead_time_s + EPS)) - 1, times.size - 1
+            )
             margin = max(float(z * fc.scale_gpus[keep][max(lead_i, 0)]), reserve)
         return plan_loans(now_s=ctx.now_s, serving_gpus=ctx.serving_gpus, lent_gpus=ctx.lent_gpus,
                           demand_now_gpus=ctx.demand_gpus, times_s=times, upper_gpus=upper,
@@ -451,9 +473,16 @@ class ReactivePolicy:
         last = state if math.isnan(ctx.demand_gpus) else float(ctx.demand_gpus)
         times = _grid(ctx.now_s, self.step_s, self.horizon_s)
         level = float(ctx.serving_gpus) if math.isnan(last) else last + self.margin_gpus
-        plan = plan_loans(now_s=ctx.now_s, serving_gpus=ctx.serving_gpus, lent_gpus=ctx.lent_gpus,
-                          demand_now_gpus=ctx.demand_gpus, times_s=times, upper_gpus=np.full(times.shape, level),
-                          timing=self.timing, margin_gpus=self.margin_gpus)
+        plan = plan_loans(
+            now_s=ctx.now_s,
+            serving_gpus=ctx.serving_gpus,
+            lent_gpus=ctx.lent_gpus,
+            demand_now_gpus=ctx.demand_gpus,
+            times_s=times,
+            upper_gpus=np.full(times.shape, level),
+            timing=self.timing,
+            margin_gpus=self.margin_gpus,
+        )
         return plan, last
 
 

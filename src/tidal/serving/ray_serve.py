@@ -61,7 +61,9 @@ ADAPTER = "ray-serve"
 STATUS_TTL_S = 0.25  # serve.status() is read at most this often
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")  # all patterns: fullmatch (no trailing newline)
 _IMPORT = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", re.ASCII)
-_PREFIX = re.compile(r"/|(/[A-Za-z0-9._~-]+)+")  # what Serve accepts (no trailing /, no {wildcards}), URL-safe
+_PREFIX = re.compile(
+    r"/|(/[A-Za-z0-9._~-]+)+"
+)  # what Serve accepts (no trailing /, no {wildcards}), URL-safe
 _HOST = re.compile(r"[A-Za-z0-9.:_-]{1,253}")  # a host name or an IPv4/IPv6 address
 
 
@@ -108,8 +110,10 @@ class RayServeSettings:
             raise ValueError(f"{w}.nodes: {bad[0]} has {self.nodes[bad[0]]} GPUs, not a multiple of "
                              f"serving.gpus_per_replica ({g})")
         if not isinstance(self.route_prefix, str) or not _PREFIX.fullmatch(self.route_prefix):
-            raise ValueError(f"{w}.route_prefix must be '/' or a URL path like /llm (letters, digits, . _ ~ -; "
-                             f"no trailing /), got {self.route_prefix!r}")
+            raise ValueError(
+                f"{w}.route_prefix must be '/' or a URL path like /llm (letters, digits, . _ ~ -; "
+                f"no trailing /), got {self.route_prefix!r}"
+            )
         if not isinstance(self.http_host, str) or not _HOST.fullmatch(self.http_host):
             raise ValueError(f"{w}.http_host must be a host name or IP address, got {self.http_host!r}")
         port = self.http_port
@@ -125,7 +129,9 @@ class RayServeSettings:
         if not isinstance(sp, int | float) or isinstance(sp, bool) or not 0 < sp < 1e6:
             raise ValueError(f"{w}.speedup must be a number > 0, got {self.speedup!r}")
         t0 = self.start_s
-        if t0 is not None and (not isinstance(t0, int | float) or isinstance(t0, bool) or not math.isfinite(t0)):
+        if t0 is not None and (
+            not isinstance(t0, int | float) or isinstance(t0, bool) or not math.isfinite(t0)
+        ):
             raise ValueError(f"{w}.start_s must be a number (seconds on the serving clock), got {t0!r}")
         r = self.min_replicas
         if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r <= sum(self.nodes.values()) // g:
@@ -157,11 +163,25 @@ class RayServeSettings:
         for name in ("app", "deployment"):
             if getattr(cfg, name) is None:
                 raise ValueError(f"serving.{name} is required with adapter ray-serve")
-        kw = {name: getattr(cfg, name) for name in (
-            "latency_quantile", "latency_of", "gpus_per_replica", "service_rate_per_replica", "init_kwargs",
-            "route_prefix", "http_host", "http_port", "rate_window_s", "actions_timeout_s", "speedup", "start_s",
-            "min_replicas")
-            if getattr(cfg, name, None) is not None}
+        kw = {
+            name: getattr(cfg, name)
+            for name in (
+                "latency_quantile",
+                "latency_of",
+                "gpus_per_replica",
+                "service_rate_per_replica",
+                "init_kwargs",
+                "route_prefix",
+                "http_host",
+                "http_port",
+                "rate_window_s",
+                "actions_timeout_s",
+                "speedup",
+                "start_s",
+                "min_replicas",
+            )
+            if getattr(cfg, name, None) is not None
+        }
         return cls(app=cfg.app, deployment=cfg.deployment, nodes=parse_nodes(cfg.nodes),
                    latency_target_s=cfg.latency_target_s, **kw)
 
@@ -247,13 +267,17 @@ class RayServeAdapter:
             obj = getattr(importlib.import_module(mod), attr)
         except Exception as e:  # noqa: BLE001 (the operator's module may raise anything at import)
             why = " ".join(str(e).split())[:300]
-            raise AdapterError(f"serving.deployment {self.s.deployment!r}: {type(e).__name__}: {why}") from None
+            raise AdapterError(
+                f"serving.deployment {self.s.deployment!r}: {type(e).__name__}: {why}"
+            ) from None
         if not isinstance(obj, serve.Deployment):
             raise AdapterError(f"serving.deployment {self.s.deployment!r} is a {type(obj).__name__}, not a "
                                "Serve deployment (a class decorated with @serve.deployment)")
         if obj._deployment_config.autoscaling_config is not None:
-            raise AdapterError(f"serving.deployment {self.s.deployment!r} has an autoscaling_config: Tidal sets "
-                               "its replicas per node (remove autoscaling_config; demand comes from the SLO)")
+            raise AdapterError(
+                f"serving.deployment {self.s.deployment!r} has an autoscaling_config: Tidal sets "
+                "its replicas per node (remove autoscaling_config; demand comes from the SLO)"
+            )
         return obj
 
     def ensure(self) -> None:
@@ -465,8 +489,12 @@ class RayServeAdapter:
             self.last_error = f"demand: {e}; all serving GPUs"  # time's quantile; a flood): serve with all
             gpus = float(sum(self._nodes.values()))
         gpus = max(gpus, float(self.s.min_replicas * self.s.gpus_per_replica))
-        self.last_demand = {"rate": round(rate, 3), "service_rate": None if source == "idle" else round(mu, 3),
-                            "service_rate_from": source, "gpus": gpus}
+        self.last_demand = {
+            "rate": round(rate, 3),
+            "service_rate": None if source == "idle" else round(mu, 3),
+            "service_rate_from": source,
+            "gpus": gpus,
+        }
         return gpus
 
     # --------------------------------------------------------------------------- reporting

@@ -53,7 +53,9 @@ class Step:
             "demand_gpus": None if math.isnan(self.demand_gpus) else round(self.demand_gpus, 3),
             "lendable_gpus": p.lendable_gpus,
             "reclaim_now_gpus": p.reclaim_now_gpus,
-            "reclaims": [{"gpus": r.gpus, "deadline_s": r.deadline_s, "notice_s": r.notice_s} for r in p.reclaims],
+            "reclaims": [
+                {"gpus": r.gpus, "deadline_s": r.deadline_s, "notice_s": r.notice_s} for r in p.reclaims
+            ],
             "margin_gpus": round(p.margin_gpus, 3),
             "lead_time_s": p.lead_time_s,
             "z": round(self.z, 4),
@@ -88,12 +90,16 @@ class Advisor:
         if self.due_in(now_s) > 0:
             return None
         grid = self.next_s
-        if now_s >= grid + self.step_s:  # late by whole steps: the forecast counts the skipped ones as missing
+        if (
+            now_s >= grid + self.step_s
+        ):  # late by whole steps: the forecast counts the skipped ones as missing
             grid += math.floor((now_s - grid) / self.step_s) * self.step_s
         demand = self.source.demand_gpus(grid)
         lent = self.latest.plan.lendable_gpus if self.latest is not None else 0
-        plan, self.state = self.policy(LoanContext(now_s=grid, serving_gpus=self.serving_gpus, demand_gpus=demand,
-                                                   lent_gpus=lent), self.state)
+        plan, self.state = self.policy(
+            LoanContext(now_s=grid, serving_gpus=self.serving_gpus, demand_gpus=demand, lent_gpus=lent),
+            self.state,
+        )
         self.latest = Step(grid, demand, plan, self.state.z, self.state.shortfall_ratio)
         self.next_s = grid + self.step_s
         return self.latest
@@ -198,8 +204,10 @@ class WatchConfig:
             if self.serving_gpus is None:
                 object.__setattr__(self, "serving_gpus", total)
             elif self.serving_gpus != total:
-                raise ValueError(f"serving.serving_gpus ({self.serving_gpus}) must equal the GPUs of serving.nodes "
-                                 f"({total})")
+                raise ValueError(
+                    f"serving.serving_gpus ({self.serving_gpus}) must equal the GPUs of serving.nodes "
+                    f"({total})"
+                )
             if self.prometheus is not None and (self.actions_url is None) == (self.actions_command is None):
                 raise ValueError("serving: lending with prometheus needs exactly one of serving.actions_url "
                                  "or serving.actions_command (how serving releases and takes back GPUs)")
@@ -213,7 +221,9 @@ class WatchConfig:
         if not isinstance(self.serving_gpus, int) or self.serving_gpus < 1:
             raise ValueError(f"serving.serving_gpus must be a whole number >= 1, got {self.serving_gpus!r}")
         if (self.trace is None) == (self.prometheus is None):
-            raise ValueError("give exactly one demand source (serving.trace, or serving.prometheus with a query)")
+            raise ValueError(
+                "give exactly one demand source (serving.trace, or serving.prometheus with a query)"
+            )
         if self.prometheus is not None and not self.query:
             raise ValueError("serving.query is required with serving.prometheus (PromQL giving one number)")
         for name in ("speedup", "gpus_per_unit", "step_s"):
@@ -312,7 +322,9 @@ class WatchConfig:
                     "Serve sees")
         req = self.requests()
         if self.trace is not None:
-            return f"trace {self.trace} replayed at {self.speedup:g}x" + (f"; {req.describe()}" if req else "")
+            return f"trace {self.trace} replayed at {self.speedup:g}x" + (
+                f"; {req.describe()}" if req else ""
+            )
         if req is not None:
             return f"Prometheus {self.prometheus}: {self.query} ({req.describe()})"
         return f"Prometheus {self.prometheus}: {self.query} x {self.gpus_per_unit:g} GPUs"
