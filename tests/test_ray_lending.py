@@ -54,6 +54,10 @@ def config(trace: Path, nodes: dict) -> dict:
         "serving": {
             "trace": str(trace),
             "nodes": nodes,
+            # 3 serving GPUs and a 1.5 h lead (serving time): at the default 0.5 % the budget ledger's
+            # guarantee lets nothing be lent (one GPU away risks more than two days of budget; see
+            # docs/loaning.md, "Small pools lend nothing under it").
+            "shortfall_budget": 0.05,
             "speedup": 1000,
             "start_s": 2 * DAY + 22 * 3600,
             "history_days": 2,

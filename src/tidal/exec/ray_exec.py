@@ -57,11 +57,8 @@ Not thread-safe: one reconcile loop drives it.
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import logging
 import os
-import re
 import signal
 import socket
 import time
@@ -72,11 +69,21 @@ from typing import Any
 
 from tidal import contract as c
 from tidal.contract import torchrun_env
-from tidal.exec import procs
 from tidal.exec.files import read_json, write_json
 from tidal.exec.isolation import IsolationConfig, clean_env, private_dir
 from tidal.exec.progress import ProgressReader
 from tidal.exec.protocol import LaunchError, LaunchRequest, Observation, RankState
+from tidal.exec.ray_names import (  # what the plane's objects are called on the cluster, where they live
+    _pg_name,
+    across_nodes,
+    actor_name,
+    job_of_actor,
+    job_of_pg,
+    kill_ranks,
+    namespace_for,
+    rank_pids,
+    shm_base,
+)
 from tidal.exec.ray_rank import RankActor
 from tidal.model import Node
 
@@ -103,72 +110,6 @@ def _check_reachable(address: str | None) -> None:
         raise ValueError(
             f"cannot join the Ray cluster at {address}: nothing answers there ({e.strerror or e})"
         ) from None
-
-
-def namespace_for(root: str | os.PathLike) -> str:
-    """The Ray namespace of the plane whose jobs live in ``root`` (two planes on one cluster never meet)."""
-    return f"tidal-{hashlib.sha1(str(Path(root).resolve()).encode()).hexdigest()[:12]}"
-
-
-def shm_base(namespace: str, shm_dir: str | None = None) -> Path | None:
-    """Where ranks of this plane keep their node-memory checkpoint tier on each node: ``TIDAL_SHM_DIR`` =
-    ``<base>/<node>/<job>`` (``/dev/shm/tidal-ray-<namespace>`` unless ``isolation.shm_dir``); None
-    without ``/dev/shm``. The node's name is in the path so that nodes sharing one machine (a test
-    cluster) keep apart what separate machines would."""
-    if shm_dir is not None:
-        return Path(shm_dir)
-    return Path(f"/dev/shm/tidal-ray-{namespace}") if Path("/dev/shm").is_dir() else None
-
-
-def across_nodes(env: Mapping[str, str]) -> dict[str, str]:
-    """The job's variables for an attempt that spans nodes: no node-memory checkpoint tier. The
-    engine's commit protocol meets all ranks in one tier, and a node's memory holds only its own
-    ranks' files (a tier across nodes' memory is the peer agents' job): ``TIDAL_CKPT_URL`` becomes a
-    ``TIDAL_CKPT_TIERS`` of that location alone, and ``shm`` leaves a tier list. ``LaunchError`` when
-    nothing durable is left."""
-    out = dict(env)
-    url = out.pop(c.ENV_CKPT_URL, None)
-    raw = out.get(c.ENV_CKPT_TIERS)
-    if raw:
-        try:
-            tiers = json.loads(raw)
-        except ValueError:
-            tiers = [t.strip() for t in raw.split(",")]
-        if not isinstance(tiers, list):
-            return dict(env)  # the runtime reports the malformed value
-        kept = [t for t in tiers if t != "shm" and not (isinstance(t, dict) and t.get("url") == "shm")]
-        if not kept:
-            raise LaunchError(f"{c.ENV_CKPT_TIERS}={raw}: a job across nodes needs a tier other than node "
-                              "memory (shm)")
-        out[c.ENV_CKPT_TIERS] = json.dumps(kept)
-        if url is not None:
-            out[c.ENV_CKPT_URL] = url
-    elif url:
-        out[c.ENV_CKPT_TIERS] = json.dumps([url])
-    return out
-
-
-def actor_name(job_id: str, attempt: int, rank: int) -> str:
-    return f"tidal.{job_id}.a{attempt}.r{rank}"
-
-
-def _pg_name(namespace: str, job_id: str, attempt: int) -> str:
-    return f"{namespace}.{job_id}.a{attempt}"
-
-
-_ACTOR_RE = re.compile(r"^tidal\.(?P<job>.+)\.a\d+\.r\d+$")
-
-
-def job_of_actor(name: str) -> str | None:
-    """The job a rank actor's name belongs to (job names may hold dots: matched whole, never by prefix)."""
-    m = _ACTOR_RE.match(name)
-    return m.group("job") if m else None
-
-
-def job_of_pg(namespace: str, name: str) -> str | None:
-    """The job of a placement group named by :func:`_pg_name` in ``namespace``."""
-    m = re.match(rf"^{re.escape(namespace)}\.(?P<job>.+)\.a\d+$", name)
-    return m.group("job") if m else None
 
 
 @dataclass
@@ -644,27 +585,6 @@ class RayExecutor:
                                       doc.get("placement_group"), ProgressReader(adir / c.PROGRESS_DIRNAME,
                                                                                  len(ranks)))
         return True
-
-
-def rank_pids(root: str | os.PathLike) -> list[int]:
-    """Every rank pid recorded under ``root`` (``pid-<r>.json`` of every attempt): for tests that must
-    leave no process behind on a one-machine cluster."""
-    out = []
-    for p in Path(root).glob(f"*/{c.attempt_dirname('*')}/pid-*.json"):
-        doc = read_json(p)
-        if doc and isinstance(doc.get("pid"), int):
-            out.append(doc["pid"])
-    return out
-
-
-def kill_ranks(root: str | os.PathLike) -> int:
-    """SIGKILL the process group of every recorded rank still running on this machine; how many."""
-    n = 0
-    for pid in rank_pids(root):
-        if procs.alive(pid):
-            procs.kill_group(pid)
-            n += 1
-    return n
 
 
 __all__ = ["NODE_LABEL", "RayExecutor", "actor_name", "kill_ranks", "rank_pids"]
