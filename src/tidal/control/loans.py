@@ -306,6 +306,9 @@ class LiveLoans:
                 k -= take
                 if k == 0:
                     continue
+            if self.releasing.get(node):  # one release in flight per node, so each lent_after holds
+                led.cancel_loan(node, k)  # whatever its outcome: the plan lends there again next step
+                continue
             events += self._act("release", node, k, now_s)
         due = sum(r.gpus for r in led.reclaims if r.due(now_s))
         if due > reclaims_before:

@@ -8,9 +8,10 @@ when, through the pure loan ledger; an adapter decides nothing.
 
 Every action names the node, the GPUs moved and the node's resulting number of lent GPUs
 (``lent_after``), so an operator's hook can act idempotently (set a replica count rather than add to
-it). An action that fails raises :class:`AdapterError`: a failed *release* lends nothing (the GPUs
-stay serving's); a failed *restore* leaves the GPUs in neither pool and is retried every step. No GPU
-is ever counted both as serving and as lent.
+it). An action that fails raises :class:`AdapterError` (a :class:`QueuedAdapter` reports it later
+through ``done()`` instead): a failed *release* lends nothing (the GPUs stay serving's); a failed
+*restore* leaves the GPUs in neither pool and is retried every step. No GPU is ever counted both as
+serving and as lent.
 
 Times are the control plane's (Unix seconds). :meth:`ServingAdapter.serving_time` maps them onto the
 serving side's own time axis, where the forecast's time of day lives: production adapters return
