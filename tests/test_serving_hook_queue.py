@@ -213,3 +213,55 @@ def test_a_slow_prometheus_is_unknown_demand_and_its_late_answer_is_kept(hook):
     hook.prom_open.clear()  # the next query hangs: the late answer, 30 s old, stands in
     assert a.demand_gpus(T0 + 30) == 2.0
     assert math.isnan(a.demand_gpus(T0 + 120))  # too old
+
+
+def test_a_plane_killed_while_a_restore_is_in_flight_sends_it_again_before_serving(hook):
+    a = hook.adapter()
+    loans = LiveLoans(a, TIMING, step_s=600.0)
+    t, _ = _until_queued(loans)
+    assert a.settle(10)
+    loans.tick(t + 1.0, {})
+    node = loans.loans[0].node
+    hook.open.clear()
+    loans.returned(node, 1, t + 2.0)
+    doc = json.loads(json.dumps(loans.dump()))
+    a2 = hook.adapter()
+    loans2 = LiveLoans(a2, TIMING, step_s=600.0)
+    loans2.load(doc)
+    assert loans2.restoring == {node: 1}
+    warm = loans2.ledger.warming
+    events = loans2.tick(t + 30.0, {})  # past the warm-up: sent again, and not serving before it succeeded
+    assert a2.queued == 1 and loans2.ledger.warming == warm and "serving_ready" not in {e[0] for e in events}
+    hook.open.set()
+    assert a2.settle(10)
+    kinds = [e[0] for e in loans2.tick(t + 31.0, {})]
+    assert kinds == ["serving_restored", "serving_ready"] and loans2.ledger.warming == warm - 1
+    assert a2.health()["released"][node] == loans2.ledger.lent_on(node)
+    restores = [p for p in hook.posts if p["action"] == "restore"]
+    assert len(restores) == 2 and restores[0] == restores[1]
+
+
+def test_one_release_in_flight_per_node(hook):
+    """A second release on a node waits for the first's outcome, so every ``lent_after`` the hook gets
+    holds whatever the first's outcome is."""
+    hook.open.clear()
+    a = hook.adapter()
+    loans = LiveLoans(a, TIMING, step_s=60.0)
+    t = T0
+    for _ in range(100):  # spot jobs could use one GPU: one is lent
+        loans.tick(t, {}, wanted=1)
+        if loans.releasing:
+            break
+        t += 60.0
+    assert loans.releasing == {"serve-0": 1}
+    for k in range(1, 4):  # now they could use more: nothing more is lent on serve-0 meanwhile
+        loans.tick(t + 60.0 * k, {}, wanted=2)
+        assert loans.releasing == {"serve-0": 1} and loans.ledger.lent_on("serve-0") == 1
+    hook.open.set()
+    assert a.settle(10)
+    loans.tick(t + 241.0, {}, wanted=2)
+    assert loans.lent == 1
+    for k in range(1, 4):
+        loans.tick(t + 241.0 + 60.0 * k, {}, wanted=2)
+        assert a.settle(10)
+    assert loans.ledger.lent_on("serve-0") == 2 and [p["lent_after"] for p in hook.posts] == [1, 2]
