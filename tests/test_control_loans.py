@@ -214,6 +214,8 @@ def test_serving_keeps_the_gpus_no_spot_job_would_use(tmp_path):
     lambda d: d["ledger"].update(loans=[["serve-0", "two", None]]),
     lambda d: d.update(next_grid="soon"),
     lambda d: d.update(version=9),
+    lambda d: d.update(releasing={"serve-0": 9}),  # more in flight than is lent there
+    lambda d: d.update(restoring={"serve-0": "x"}),
 ])
 def test_a_damaged_serving_document_is_one_clear_error_and_changes_nothing(tmp_path, damage):
     store = new_store(tmp_path, ("a", 0, 1.0))

@@ -86,6 +86,9 @@ def test_webhook_release_and_restore_carry_node_gpus_and_the_total(srv):
     a = HookAdapter(PrometheusQuery(srv.url, "sum(x)"), NODES, url=srv.url + "/hook", timeout_s=1, retry_wait_s=0)
     a.release("serve-0", 2, 2, 0.0)
     a.restore("serve-0", 1, 1, 0.0)
+    assert a.health()["released"] == {"serve-0": 0, "serve-1": 0}  # counted once done() reports them
+    assert a.settle(10)
+    assert [(d.action, d.error) for d in a.done()] == [("release", None), ("restore", None)]
     assert srv.posts == [{"action": "release", "node": "serve-0", "gpus": 2, "lent_after": 2},
                          {"action": "restore", "node": "serve-0", "gpus": 1, "lent_after": 1}]
     assert a.health()["released"] == {"serve-0": 1, "serve-1": 0}
@@ -101,7 +104,8 @@ def test_a_failing_or_hanging_webhook_lends_nothing(srv, mode):
     kinds = set()
     for k in range(200):  # demand 2 of 8: the plan wants to lend; every release fails
         kinds |= {e[0] for e in loans.tick(t + 60.0 * k, {})}
-        assert loans.ledger.lent == 0
+        assert loans.lent == 0 and not loans.loans
+        assert a.settle(10)
         if loans.stats["release_failures"] >= 3:
             break
     assert loans.stats["release_failures"] >= 3 and "serving_action_failed" in kinds
@@ -113,15 +117,16 @@ def test_prometheus_outage_lends_nothing_new_and_holds_what_is_lent(srv):
     loans = _loans(a)
     t = 1_000_000.0
     k = 0
-    while loans.ledger.lent == 0 and k < 200:
+    while loans.lent == 0 and k < 200:
         loans.tick(t + 60.0 * k, {})
+        assert a.settle(10)
         k += 1
-    lent = loans.ledger.lent
+    lent = loans.ledger.lent  # with releases still in flight
     assert lent > 0, "the plan never lent with steady low demand"
     srv.demand = None  # Prometheus answers "status": "error"
     for j in range(k, k + 30):
         loans.tick(t + 60.0 * j, {})
-        assert loans.ledger.lent <= lent
+        assert loans.ledger.lent <= lent and loans.lent <= lent
     assert loans.stats["unknown_demand_steps"] >= 30
 
 
@@ -132,11 +137,15 @@ def test_command_actions(tmp_path):
     a = HookAdapter(PrometheusQuery("http://127.0.0.1:9", "x"), NODES, command=[sys.executable, "-c", script, str(log)],
                     timeout_s=10)
     a.release("serve-1", 3, 3, 0.0)
+    assert a.settle(20) and [d.error for d in a.done()] == [None]
     assert log.read_text() == "release serve-1 3 3\n"
     slow = HookAdapter(PrometheusQuery("http://127.0.0.1:9", "x"), NODES,
                        command=[sys.executable, "-c", "import time; time.sleep(5)"], timeout_s=0.3, attempts=1)
-    with pytest.raises(AdapterError, match="timed out"):
-        slow.release("serve-0", 1, 1, 0.0)
+    slow.release("serve-0", 1, 1, 0.0)
+    assert slow.settle(20)
+    assert "timed out" in (slow.done()[0].error or "") and slow.health()["released"]["serve-0"] == 0
+    with pytest.raises(AdapterError, match="cannot move"):  # refused before it is queued
+        slow.release("serve-0", 1, 9, 0.0)
     assert math.isnan(a.demand_gpus(0.0))  # nothing listens on port 9: unknown, never zero
 
 

@@ -196,9 +196,9 @@ class Controller:
         devices = getattr(self.executor, "used", None)  # what the executor's ranks hold, where it knows
         running = devices() if callable(devices) else {}
         over = {
-            n: (max(held.get(n, 0), running.get(n, 0)), self.loans.ledger.lent_on(n))
+            n: (max(held.get(n, 0), running.get(n, 0)), self.loans.lent_on(n))
             for n in self.loans.nodes
-            if max(held.get(n, 0), running.get(n, 0)) > self.loans.ledger.lent_on(n)
+            if max(held.get(n, 0), running.get(n, 0)) > self.loans.lent_on(n)
         }
         if over:  # never expected: the scheduler places only on lent GPUs and returns only free ones
             self.loans.stats["double_counted_steps"] = self.loans.stats.get("double_counted_steps", 0) + 1

@@ -15,6 +15,16 @@ reconciled and before the scheduler, in this order:
    are released through the adapter *first*; a release that fails is undone in the ledger, so
    nothing is lent that serving still uses.
 
+A :class:`~tidal.serving.adapters.QueuedAdapter` (the operator's hook) carries its actions out on a
+worker thread, so the step never waits on it: a queued release keeps its GPUs in neither pool (in
+the ledger's loan, but not among the loans the scheduler sees, nor serving) until the adapter reports
+success (then they are lent: a ``loan`` event) or failure (then the loan is undone: they serve again,
+an event says why); restored GPUs end their warm-up only once the restore succeeded (a failure owes
+the restore, retried each step). Outcomes are collected at the start of each step. The actions in
+flight are part of the stored document: a plane killed meanwhile sends them again on its first step
+(the hook gets ``lent_after``, so a repeat is harmless) and keeps the GPUs out of both pools until
+they succeed.
+
 The scheduler then sees the loans and reclaims in its snapshot; its :class:`~tidal.model.ReturnGpus`
 decisions come back through :meth:`LiveLoans.returned` (ledger, then ``adapter.restore``; a refused
 restore leaves the GPUs in neither pool and is retried each step). Everything the ledger, the policy
@@ -44,6 +54,7 @@ from tidal.policy.loan import LoanContext, LoanPlan, LoanTiming, TidalConfig, Ti
 from tidal.serving.adapters import (
     AdapterError,
     HookAdapter,
+    QueuedAdapter,
     ReadyAdapter,
     ReplayAdapter,
     ServingAdapter,
@@ -85,6 +96,9 @@ class LiveLoans:
         self.state = self.policy.initial_state()
         self.next_grid = math.nan  # serving time of the next observation
         self.pending_restores: dict[str, int] = {}  # node -> GPUs returned whose restore the adapter refused
+        self.releasing: dict[str, int] = {}  # node -> GPUs whose release a QueuedAdapter has not finished
+        self.restoring: dict[str, int] = {}  # node -> GPUs whose restore a QueuedAdapter has not finished
+        self._resend = False  # actions in flight when the plane stopped: sent again on the first step
         self.stats: dict[str, float] = {
             "steps": 0, "unknown_demand_steps": 0, "demand_gpu_s": 0.0, "shortfall_gpu_s": 0.0,
             "lent_gpu_s": 0.0, "used_gpu_s": 0.0, "reclaims_met": 0, "reclaims_missed": 0, "double_counted_steps": 0,
@@ -105,6 +119,7 @@ class LiveLoans:
     def dump(self) -> dict[str, Any]:
         return {"version": 1, "ledger": self.ledger.to_state(), "policy": codec.encode(self.state),
                 "next_grid": codec.encode(self.next_grid), "pending_restores": dict(self.pending_restores),
+                "releasing": dict(self.releasing), "restoring": dict(self.restoring),
                 "stats": self.stats, "margins": self.margins[-1000:], "last_s": self.last_s,
                 "adapter": self.adapter.persist(), "plan_view": self._plan_view}
 
@@ -131,7 +146,15 @@ class LiveLoans:
             raise ValueError(f"policy: expected a TidalState, got {type(state).__name__}")
         next_grid = float(codec.decode(doc["next_grid"]))
         pending = {str(n): int(g) for n, g in (doc.get("pending_restores") or {}).items() if g}
+        releasing = {str(n): int(g) for n, g in (doc.get("releasing") or {}).items() if g}
+        restoring = {str(n): int(g) for n, g in (doc.get("restoring") or {}).items() if g}
+        for what, book in (("releasing", releasing), ("restoring", restoring)):
+            for n, g in book.items():
+                top = ledger.lent_on(n) if what == "releasing" else ledger.cap.get(n, 0)
+                if not 1 <= g <= top:
+                    raise ValueError(f"{what}[{n!r}] = {g} GPUs, outside 1..{top}")
         self.ledger, self.state, self.next_grid, self.pending_restores = ledger, state, next_grid, pending
+        self.releasing, self.restoring, self._resend = releasing, restoring, bool(releasing or restoring)
         self.stats.update(doc.get("stats") or {})
         self.margins = list(doc.get("margins") or [])
         self.last_s = doc.get("last_s")
@@ -145,13 +168,36 @@ class LiveLoans:
         return d
 
     # ------------------------------------------------------------------------------------ queries
+    def lent_on(self, node: str) -> int:
+        """GPUs of ``node`` lent to jobs: the ledger's loan less a release still in flight."""
+        return self.ledger.lent_on(node) - self.releasing.get(node, 0)
+
+    @property
+    def lent(self) -> int:
+        return self.ledger.lent - sum(self.releasing.values())
+
     @property
     def loans(self) -> tuple[Loan, ...]:
-        return tuple(self.ledger.loans.values())
+        """The loans jobs may use (what the scheduler sees): without GPUs whose release is in flight."""
+        if not self.releasing:
+            return tuple(self.ledger.loans.values())
+        return tuple(dataclasses.replace(ln, gpus=self.lent_on(ln.node)) for ln in self.ledger.loans.values()
+                     if self.lent_on(ln.node) > 0)
 
     @property
     def reclaims(self) -> tuple[Reclaim, ...]:
-        return tuple(self.ledger.reclaims)
+        """The ledger's reclaims, earliest first less GPUs whose release is in flight (nobody holds them;
+        once lent, the next step's reclaims ask for them, idle)."""
+        hide = sum(self.releasing.values())
+        if not hide:
+            return tuple(self.ledger.reclaims)
+        out = []
+        for r in sorted(self.ledger.reclaims, key=lambda r: r.by_s):
+            k = min(hide, r.gpus)
+            hide -= k
+            if r.gpus > k:
+                out.append(dataclasses.replace(r, gpus=r.gpus - k))
+        return tuple(out)
 
     def view(self) -> dict[str, Any]:
         return self.latest
@@ -174,12 +220,15 @@ class LiveLoans:
         led = self.ledger
         if self.last_s is not None and now_s > self.last_s:  # GPU-seconds lent and used since the last tick
             dt = now_s - self.last_s
-            self.stats["lent_gpu_s"] += led.lent * dt
-            self.stats["used_gpu_s"] += sum(min(g, led.lent_on(n)) for n, g in used.items() if n in self.nodes) * dt
+            self.stats["lent_gpu_s"] += self.lent * dt
+            self.stats["used_gpu_s"] += sum(min(g, self.lent_on(n)) for n, g in used.items() if n in self.nodes) * dt
             self._dirty = True
         self.last_s = now_s
-        gate = self.adapter.ready if isinstance(self.adapter, ReadyAdapter) else None
-        for node, g in led.warm_all_done(now_s, gate):  # 1.
+        if isinstance(self.adapter, QueuedAdapter):
+            events += self._collect()
+        if self._resend:
+            events += self._send_again(now_s)
+        for node, g in led.warm_all_done(now_s, self._ready):  # 1.
             events.append(("serving_ready", f"{g} GPUs of {node} serve again (warm-up over)",
                            {"node": node, "gpus": g}))
             self._dirty = True
@@ -259,17 +308,10 @@ class LiveLoans:
                 k -= take
                 if k == 0:
                     continue
-            try:
-                self.adapter.release(node, k, led.lent_on(node) + self.pending_restores.get(node, 0), now_s)
-            except AdapterError as e:
-                led.cancel_loan(node, k)
-                self.stats["release_failures"] += 1
-                events.append(("serving_action_failed", f"release of {k} GPUs on {node} failed: {e}; "
-                               "nothing lent there", {"node": node, "gpus": k, "action": "release"}))
+            if self.releasing.get(node):  # one release in flight per node, so each lent_after holds
+                led.cancel_loan(node, k)  # whatever its outcome: the plan lends there again next step
                 continue
-            self.stats["lent_total_gpus"] += k
-            events.append(("loan", f"lent {k} GPUs of {node} to spot training ({led.lent_on(node)} lent there)",
-                           {"node": node, "gpus": k, "until_s": _finite(led.loans[node].until_s)}))
+            events += self._act("release", node, k, now_s)
         return events
 
     def _announce(self, now_s: float) -> list[Event]:
@@ -300,15 +342,81 @@ class LiveLoans:
             self.stats["reclaims_met" if margin >= 0 else "reclaims_missed"] += 1
             data["margin_s"] = margin
             msg += f", {margin:.1f} s before the deadline" if margin >= 0 else f", {-margin:.1f} s LATE"
-        events: list[Event] = [("return", msg, data)]
-        owed = self.pending_restores.get(node, 0)
+        events: list[Event] = [("return", msg, data), *self._act("restore", node, gpus, now_s)]
+        self._dirty = True
+        return events
+
+    def _act(self, action: str, node: str, gpus: int, now_s: float, retry: bool = False) -> list[Event]:
+        """Release or restore through the adapter; a :class:`QueuedAdapter`'s outcome comes later
+        (:meth:`_collect`), anyone else's now; both end in :meth:`_finish`."""
+        lent_after = self.ledger.lent_on(node) + self.pending_restores.get(node, 0)
         try:
-            self.adapter.restore(node, gpus, led.lent_on(node) + owed, now_s)
+            (self.adapter.release if action == "release" else self.adapter.restore)(node, gpus, lent_after, now_s)
         except AdapterError as e:
-            self.stats["restore_failures"] += 1
-            self._owe(node, owed + gpus)
-            events.append(("serving_action_failed", f"restore of {gpus} GPUs on {node} failed: {e}; retrying "
-                           "each step (they serve nobody meanwhile)", {"node": node, "gpus": gpus, "action": "restore"}))
+            return self._finish(action, node, gpus, str(e), retry)
+        if isinstance(self.adapter, QueuedAdapter):
+            book = self.releasing if action == "release" else self.restoring
+            book[node] = book.get(node, 0) + gpus
+            self._dirty = True
+            return []
+        return self._finish(action, node, gpus, None, retry)
+
+    def _collect(self) -> list[Event]:
+        """The outcomes of the queued actions that finished since the last step."""
+        events: list[Event] = []
+        for done in self.adapter.done():  # type: ignore[attr-defined] (a QueuedAdapter)
+            book = self.releasing if done.action == "release" else self.restoring
+            left = book.get(done.node, 0) - done.gpus
+            if left > 0:
+                book[done.node] = left
+            else:
+                book.pop(done.node, None)
+            events += self._finish(done.action, done.node, done.gpus, done.error, retry=False)
+            self._dirty = True
+        return events
+
+    def _finish(self, action: str, node: str, gpus: int, error: str | None, retry: bool) -> list[Event]:
+        led = self.ledger
+        data = {"node": node, "gpus": gpus, "action": action}
+        if action == "release" and error is None:
+            self.stats["lent_total_gpus"] += gpus
+            ln = led.loans.get(node)
+            return [("loan", f"lent {gpus} GPUs of {node} to spot training ({self.lent_on(node)} lent there)",
+                     {"node": node, "gpus": gpus, "until_s": _finite(ln.until_s) if ln else None})]
+        if action == "release":
+            k = min(gpus, led.lent_on(node) - self.releasing.get(node, 0))
+            if k > 0:
+                led.cancel_loan(node, k)
+            self.stats["release_failures"] += 1
+            return [("serving_action_failed", f"release of {gpus} GPUs on {node} failed: {error}; nothing lent "
+                     "there", data)]
+        queued = isinstance(self.adapter, QueuedAdapter)
+        if error is None:  # said when it was retried or is the outcome of a queued one
+            return [("serving_restored", f"restore of {gpus} GPUs on {node} carried out{' on retry' * retry}",
+                     {"node": node, "gpus": gpus})] if retry or queued else []
+        self._owe(node, self.pending_restores.get(node, 0) + gpus)
+        if retry and not queued:  # a synchronous retry that fails again: owed, quietly
+            return []
+        self.stats["restore_failures"] += 1
+        return [("serving_action_failed", f"restore of {gpus} GPUs on {node} failed: {error}; retrying "
+                 "each step (they serve nobody meanwhile)", data)]
+
+    def _ready(self, node: str) -> bool:
+        """Whether ``node``'s GPUs whose warm-up time is over serve again: no restore owed or in flight
+        there, and a :class:`ReadyAdapter` says so."""
+        if self.restoring.get(node) or self.pending_restores.get(node):
+            return False
+        return self.adapter.ready(node) if isinstance(self.adapter, ReadyAdapter) else True
+
+    def _send_again(self, now_s: float) -> list[Event]:
+        """Actions in flight when the plane stopped (:meth:`load`): sent again, the GPUs still in neither
+        pool until they succeed."""
+        self._resend = False
+        events: list[Event] = []
+        for action, book in (("release", self.releasing), ("restore", self.restoring)):
+            for node, g in list(book.items()):
+                del book[node]
+                events += self._act(action, node, g, now_s, retry=True)
         self._dirty = True
         return events
 
@@ -321,13 +429,8 @@ class LiveLoans:
     def _retry_restores(self, now_s: float) -> list[Event]:
         events: list[Event] = []
         for node, gpus in list(self.pending_restores.items()):
-            try:
-                self.adapter.restore(node, gpus, self.ledger.lent_on(node), now_s)
-            except AdapterError:
-                continue
-            self._owe(node, 0)
-            events.append(("serving_restored", f"restore of {gpus} GPUs on {node} carried out on retry",
-                           {"node": node, "gpus": gpus}))
+            self._owe(node, 0)  # owed again by _finish if it fails
+            events += self._act("restore", node, gpus, now_s, retry=True)
         self._dirty = True
         return events
 
@@ -350,8 +453,9 @@ class LiveLoans:
         self.latest = {
             "held_gpus": {n: g for n, g in (held or {}).items() if n in self.nodes},
             **self._plan_view, "now_s": now_s, "serving_nodes": dict(self.nodes),
-            "serving_gpus": self.serving_gpus, "lent_gpus": led.lent, "warming_gpus": led.warming,
-            "serving_capacity_gpus": led.capacity,
+            "serving_gpus": self.serving_gpus, "lent_gpus": self.lent, "warming_gpus": led.warming,
+            "serving_capacity_gpus": led.capacity, "releasing": dict(self.releasing),
+            "restoring": dict(self.restoring),
             "loans": [{"node": ln.node, "gpus": ln.gpus, "until_s": _finite(ln.until_s)} for ln in self.loans],
             "reclaims": [{"gpus": r.gpus, "by_s": r.by_s, "notice_s": r.notice_s} for r in self.reclaims],
             "warming": {n: led.warming_ready_s(n) for n in self.nodes if led.warming_ready_s(n)},

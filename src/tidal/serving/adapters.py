@@ -8,9 +8,10 @@ when, through the pure loan ledger; an adapter decides nothing.
 
 Every action names the node, the GPUs moved and the node's resulting number of lent GPUs
 (``lent_after``), so an operator's hook can act idempotently (set a replica count rather than add to
-it). An action that fails raises :class:`AdapterError`: a failed *release* lends nothing (the GPUs
-stay serving's); a failed *restore* leaves the GPUs in neither pool and is retried every step. No GPU
-is ever counted both as serving and as lent.
+it). An action that fails raises :class:`AdapterError` (a :class:`QueuedAdapter` reports it later
+through ``done()`` instead): a failed *release* lends nothing (the GPUs stay serving's); a failed
+*restore* leaves the GPUs in neither pool and is retried every step. No GPU is ever counted both as
+serving and as lent.
 
 Times are the control plane's (Unix seconds). :meth:`ServingAdapter.serving_time` maps them onto the
 serving side's own time axis, where the forecast's time of day lives: production adapters return
@@ -21,18 +22,23 @@ Implementations:
 * :class:`ReplayAdapter` — the embedded default: virtual serving nodes on this machine whose demand
   follows a trace CSV at a chosen speed-up. What is neither lent nor warming up serves.
 * :class:`HookAdapter` — demand from a Prometheus query, actions by an operator-provided HTTP webhook
-  (``POST`` of a JSON body) or command (argv with the same fields in its environment).
+  (``POST`` of a JSON body) or command (argv with the same fields in its environment). A
+  :class:`QueuedAdapter`: its actions run in order on a worker thread, so a slow or hanging hook never
+  holds up the reconcile loop; its demand query waits at most ``demand_wait_s``.
 * :class:`tidal.serving.ray_serve.RayServeAdapter` — a Ray Serve application: replicas per node,
   demand from the requests Serve sees (also a :class:`ReadyAdapter`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
 import os
+import queue
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -94,6 +100,31 @@ class ReadyAdapter(Protocol):
     def ready(self, node: str) -> bool:
         """Every GPU restored on ``node`` serves again. Quick (the reconcile loop calls it each step while
         the node warms up); False when unknown."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class ActionDone:
+    """The outcome of an action a :class:`QueuedAdapter` carried out: ``error`` is None on success, else
+    why it failed (after its retries)."""
+
+    action: str  # "release" or "restore"
+    node: str
+    gpus: int
+    lent_after: int
+    error: str | None = None
+
+
+@runtime_checkable
+class QueuedAdapter(Protocol):
+    """An adapter whose :meth:`~ServingAdapter.release` and :meth:`~ServingAdapter.restore` only check
+    the action and queue it (they return at once; :class:`AdapterError` means it was refused before it
+    was queued); the actions run in the order given, and :meth:`done` reports each outcome once. Until
+    then the plane counts the GPUs in neither pool: a release lends nothing before it succeeded; restored
+    GPUs do not end their warm-up before the restore succeeded."""
+
+    def done(self) -> list[ActionDone]:
+        """Outcomes of the actions finished since the last call, in the order they were queued. Quick."""
         ...
 
 
@@ -216,14 +247,18 @@ class HookAdapter:
     2xx is success) or command (``command``: argv run with ``TIDAL_SERVING_ACTION``, ``_NODE``,
     ``_GPUS``, ``_LENT_AFTER`` in its environment, exit 0 is success) — the way production
     controllers scale an inference deployment's replicas. Each action gets ``attempts`` tries of at
-    most ``timeout_s`` each, ``retry_wait_s`` apart; then :class:`AdapterError`.
+    most ``timeout_s`` each, ``retry_wait_s`` apart.
+
+    A :class:`QueuedAdapter`: ``release``/``restore`` check the action and queue it for one worker
+    thread (in order), :meth:`done` reports the outcomes (a failure after the last try carries its
+    reason) and only then moves the released counts. Demand: see :meth:`demand_gpus`.
     """
 
     speedup = 1.0
 
     def __init__(self, source: DemandSource, nodes: Mapping[str, int], *, url: str | None = None,
                  command: Sequence[str] | None = None, timeout_s: float = 5.0, attempts: int = 2,
-                 retry_wait_s: float = 0.5) -> None:
+                 retry_wait_s: float = 0.5, demand_wait_s: float = 0.1, demand_max_age_s: float = 60.0) -> None:
         if (url is None) == (command is None):
             raise ValueError("serving actions: give exactly one of a webhook url or a command")
         if url is not None and not url.startswith(("http://", "https://")):
@@ -235,10 +270,20 @@ class HookAdapter:
         self.source, self.url = source, url
         self.command = tuple(command) if command is not None else None
         self.timeout_s, self.attempts, self.retry_wait_s = float(timeout_s), int(attempts), float(retry_wait_s)
+        if not demand_wait_s >= 0 or not demand_max_age_s >= 0:
+            raise ValueError("serving demand: demand_wait_s and demand_max_age_s must be >= 0")
+        self.demand_wait_s, self.demand_max_age_s = float(demand_wait_s), float(demand_max_age_s)
         self._nodes = dict(nodes)
         self.state = _Released(nodes)
         self.failures = 0
         self.last_error: str | None = None
+        self._todo: queue.SimpleQueue[ActionDone] = queue.SimpleQueue()
+        self._done: queue.SimpleQueue[ActionDone] = queue.SimpleQueue()
+        self.queued = 0  # actions queued whose outcome done() has not reported yet
+        self._worker: threading.Thread | None = None
+        self._demand_lock = threading.Lock()
+        self._demand: tuple[float, float] | None = None  # (asked for now_s, value) of the newest answer
+        self._fetching: threading.Thread | None = None
 
     def nodes(self) -> dict[str, int]:
         return dict(self._nodes)
@@ -247,35 +292,90 @@ class HookAdapter:
         return now_s
 
     def demand_gpus(self, now_s: float) -> float:
+        """Asks the source on a thread of its own (one at a time) and waits at most ``demand_wait_s``;
+        a late answer is kept and used while no older than ``demand_max_age_s``; else NaN."""
+        if self._fetching is None or not self._fetching.is_alive():
+            self._fetching = threading.Thread(target=self._fetch, args=(now_s,), daemon=True,
+                                              name="tidal-serving-demand")
+            self._fetching.start()
+        self._fetching.join(self.demand_wait_s)
+        with self._demand_lock:
+            got = self._demand
+        if got is None or not abs(now_s - got[0]) <= self.demand_max_age_s:
+            if self._fetching.is_alive():
+                log.warning("serving demand unknown: the source has not answered within %g s", self.demand_wait_s)
+            return math.nan
+        return got[1]
+
+    def _fetch(self, now_s: float) -> None:
         try:
             v = float(self.source.demand_gpus(now_s))
         except Exception as e:  # a source that raises is unknown demand, never zero
             log.warning("serving demand unknown: %s", e)
-            return math.nan
-        return v if math.isfinite(v) and v >= 0 else math.nan
+            v = math.nan
+        with self._demand_lock:
+            self._demand = (now_s, v if math.isfinite(v) and v >= 0 else math.nan)
 
     def release(self, node: str, gpus: int, lent_after: int, now_s: float) -> None:
-        self._act("release", node, gpus, lent_after, +1)
+        self._queue(ActionDone("release", node, gpus, lent_after))
 
     def restore(self, node: str, gpus: int, lent_after: int, now_s: float) -> None:
-        self._act("restore", node, gpus, lent_after, -1)
+        self._queue(ActionDone("restore", node, gpus, lent_after))
 
-    def _act(self, action: str, node: str, gpus: int, lent_after: int, sign: int) -> None:
-        if node not in self._nodes:
-            raise AdapterError(f"unknown serving node {node!r}")
-        body = {"action": action, "node": node, "gpus": gpus, "lent_after": lent_after}
+    def _queue(self, act: ActionDone) -> None:
+        if act.node not in self._nodes:
+            raise AdapterError(f"unknown serving node {act.node!r}")
+        if act.gpus < 1 or not 0 <= act.lent_after <= self._nodes[act.node]:
+            raise AdapterError(f"{act.node}: cannot move {act.gpus} GPUs to {act.lent_after} lent of "
+                               f"{self._nodes[act.node]}")
+        if self._worker is None or not self._worker.is_alive():
+            self._worker = threading.Thread(target=self._work, daemon=True, name="tidal-serving-actions")
+            self._worker.start()
+        self.queued += 1
+        self._todo.put(act)
+
+    def _work(self) -> None:
+        """The worker thread: one action at a time, in order; it touches nothing but the two queues."""
+        while True:
+            act = self._todo.get()
+            self._done.put(dataclasses.replace(act, error=self._carry_out(act)))
+
+    def _carry_out(self, act: ActionDone) -> str | None:
+        body = {"action": act.action, "node": act.node, "gpus": act.gpus, "lent_after": act.lent_after}
         why = ""
         for i in range(self.attempts):
             if i:
                 time.sleep(self.retry_wait_s)
             why = self._try(body)
             if not why:
-                self.state.move(node, gpus, lent_after, sign)
+                return None
+        return f"{act.action} {act.gpus} GPUs on {act.node}: {why} ({self.attempts} attempts)"
+
+    def done(self) -> list[ActionDone]:
+        out = []
+        while True:
+            try:
+                act = self._done.get_nowait()
+            except queue.Empty:
+                return out
+            self.queued -= 1
+            if act.error is None:
+                self.state.move(act.node, act.gpus, act.lent_after, +1 if act.action == "release" else -1)
                 self.last_error = None
-                return
-        self.failures += 1
-        self.last_error = f"{action} {gpus} GPUs on {node}: {why} ({self.attempts} attempts)"
-        raise AdapterError(self.last_error)
+            else:
+                self.failures += 1
+                self.last_error = act.error
+            out.append(act)
+
+    def settle(self, timeout_s: float) -> bool:
+        """Wait until every queued action has finished (its outcome waits for :meth:`done`) or
+        ``timeout_s`` passed; whether they all finished (tests, scripts; the plane never waits)."""
+        deadline = time.monotonic() + timeout_s
+        while self._done.qsize() < self.queued:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+        return True
 
     def _try(self, body: dict[str, Any]) -> str:
         """'' on success, else why it failed."""
@@ -304,7 +404,7 @@ class HookAdapter:
         return ""
 
     def health(self) -> dict[str, Any]:
-        return {"kind": "hook", "actions": self.url or " ".join(self.command or ()),
+        return {"kind": "hook", "actions": self.url or " ".join(self.command or ()), "queued": self.queued,
                 "failures": self.failures, "last_error": self.last_error, "released": dict(self.state.released)}
 
     def persist(self) -> dict[str, Any]:
