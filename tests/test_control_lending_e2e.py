@@ -33,10 +33,18 @@ def test_lending_survives_sigkill_of_the_plane(tmp_path):
         p.start()
         token = p.admin.create_tenant("t")["token"]
         client = TidalClient(p.url, token)
-        job = client.submit({"name": "spot", "kind": "spot", "gpus": {"min": 1, "max": 3}, "grace_s": 5,
-                             "max_restarts": 20, "workdir": str(tmp_path),
-                             "command": [sys.executable, str(WORKER), "--steps", "10000000"],
-                             "env": {"TIDAL_CKPT_INTERVAL_STEPS": "50", "TIDAL_SHM_DIR": str(tmp_path / "shm")}})
+        job = client.submit(
+            {
+                "name": "spot",
+                "kind": "spot",
+                "gpus": {"min": 1, "max": 3},
+                "grace_s": 5,
+                "max_restarts": 20,
+                "workdir": str(tmp_path),
+                "command": [sys.executable, str(WORKER), "--steps", "10000000"],
+                "env": {"TIDAL_CKPT_INTERVAL_STEPS": "50", "TIDAL_SHM_DIR": str(tmp_path / "shm")},
+            }
+        )
         jid = job["id"]
         wait_until("the job running on lent serving GPUs",
               lambda: client.job(jid)["state"] == "running" and _on_serving(client.job(jid)) > 0)
@@ -54,7 +62,9 @@ def test_lending_survives_sigkill_of_the_plane(tmp_path):
         assert after["stats"]["lent_total_gpus"] >= before["stats"]["lent_total_gpus"]
         assert after["stats"]["steps"] >= before["stats"]["steps"]
         # the morning rise: GPUs go back to serving before their deadline
-        wait_until("a return to serving", lambda: p.admin.serving()["stats"]["returned_gpus"] > 0, timeout_s=150)
+        wait_until(
+            "a return to serving", lambda: p.admin.serving()["stats"]["returned_gpus"] > 0, timeout_s=150
+        )
         wait_until("the job off the serving nodes", lambda: _on_serving(client.job(jid)) == 0, timeout_s=150)
         final = p.admin.serving()
         st = final["stats"]

@@ -58,7 +58,9 @@ def _check(ctl: Controller, adapter: ReplayAdapter) -> None:
             assert j.kind == "spot" or n not in NODES, f"dedicated job {j.id} placed on serving node {n}"
     owed = ctl.loans.pending_restores
     for node, cap in NODES.items():
-        assert held.get(node, 0) <= led.lent_on(node), f"{node}: jobs hold {held.get(node)} of {led.lent_on(node)} lent"
+        assert held.get(node, 0) <= led.lent_on(node), (
+            f"{node}: jobs hold {held.get(node)} of {led.lent_on(node)} lent"
+        )
         assert adapter.released()[node] == led.lent_on(node) + owed.get(node, 0), node
         warming = sum(g for _, g in led.warming_ready_s(node))
         assert led.lent_on(node) + warming <= cap
@@ -96,7 +98,9 @@ def test_a_replayed_day_lends_reclaims_and_never_double_counts(tmp_path):
     for i in range(3):
         submit(store, "a", clock.t, name=f"s{i}", kind="spot", gpus={"min": 1, "max": 4}, max_restarts=50)
     for i in range(2):  # dedicated jobs: never on a loan, whatever is lent
-        submit(store, "d", clock.t, name=f"d{i}", kind="dedicated", gpus={"min": 1, "max": 2}, max_restarts=50)
+        submit(
+            store, "d", clock.t, name=f"d{i}", kind="dedicated", gpus={"min": 1, "max": 2}, max_restarts=50
+        )
     _drive(ctl, ex, clock, random.Random(1), int(DAY / SPEEDUP / 0.5), adapter)
     st = ctl.loans.stats
     assert st["lent_total_gpus"] > 0 and st["returned_gpus"] > 0, st

@@ -83,7 +83,9 @@ def _loans(adapter) -> LiveLoans:
 
 
 def test_webhook_release_and_restore_carry_node_gpus_and_the_total(srv):
-    a = HookAdapter(PrometheusQuery(srv.url, "sum(x)"), NODES, url=srv.url + "/hook", timeout_s=1, retry_wait_s=0)
+    a = HookAdapter(
+        PrometheusQuery(srv.url, "sum(x)"), NODES, url=srv.url + "/hook", timeout_s=1, retry_wait_s=0
+    )
     a.release("serve-0", 2, 2, 0.0)
     a.restore("serve-0", 1, 1, 0.0)
     assert a.health()["released"] == {"serve-0": 0, "serve-1": 0}  # counted once done() reports them
@@ -97,8 +99,14 @@ def test_webhook_release_and_restore_carry_node_gpus_and_the_total(srv):
 @pytest.mark.parametrize("mode", ["fail", "hang"])
 def test_a_failing_or_hanging_webhook_lends_nothing(srv, mode):
     srv.mode = mode
-    a = HookAdapter(PrometheusQuery(srv.url, "sum(x)"), NODES, url=srv.url + "/hook", timeout_s=0.5, attempts=2,
-                    retry_wait_s=0)
+    a = HookAdapter(
+        PrometheusQuery(srv.url, "sum(x)"),
+        NODES,
+        url=srv.url + "/hook",
+        timeout_s=0.5,
+        attempts=2,
+        retry_wait_s=0,
+    )
     loans = _loans(a)
     t = 1_000_000.0
     kinds = set()
@@ -113,7 +121,9 @@ def test_a_failing_or_hanging_webhook_lends_nothing(srv, mode):
 
 
 def test_prometheus_outage_lends_nothing_new_and_holds_what_is_lent(srv):
-    a = HookAdapter(PrometheusQuery(srv.url, "sum(x)", timeout_s=1), NODES, url=srv.url + "/hook", timeout_s=1)
+    a = HookAdapter(
+        PrometheusQuery(srv.url, "sum(x)", timeout_s=1), NODES, url=srv.url + "/hook", timeout_s=1
+    )
     loans = _loans(a)
     t = 1_000_000.0
     k = 0
@@ -132,15 +142,26 @@ def test_prometheus_outage_lends_nothing_new_and_holds_what_is_lent(srv):
 
 def test_command_actions(tmp_path):
     log = tmp_path / "actions.log"
-    script = ("import os,sys; open(sys.argv[1],'a').write(' '.join(os.environ['TIDAL_SERVING_' + k] "
-              "for k in ('ACTION','NODE','GPUS','LENT_AFTER')) + '\\n'); sys.exit(int(os.environ.get('FAIL','0')))")
-    a = HookAdapter(PrometheusQuery("http://127.0.0.1:9", "x"), NODES, command=[sys.executable, "-c", script, str(log)],
-                    timeout_s=10)
+    script = (
+        "import os,sys; open(sys.argv[1],'a').write(' '.join(os.environ['TIDAL_SERVING_' + k] "
+        "for k in ('ACTION','NODE','GPUS','LENT_AFTER')) + '\\n'); sys.exit(int(os.environ.get('FAIL','0')))"
+    )
+    a = HookAdapter(
+        PrometheusQuery("http://127.0.0.1:9", "x"),
+        NODES,
+        command=[sys.executable, "-c", script, str(log)],
+        timeout_s=10,
+    )
     a.release("serve-1", 3, 3, 0.0)
     assert a.settle(20) and [d.error for d in a.done()] == [None]
     assert log.read_text() == "release serve-1 3 3\n"
-    slow = HookAdapter(PrometheusQuery("http://127.0.0.1:9", "x"), NODES,
-                       command=[sys.executable, "-c", "import time; time.sleep(5)"], timeout_s=0.3, attempts=1)
+    slow = HookAdapter(
+        PrometheusQuery("http://127.0.0.1:9", "x"),
+        NODES,
+        command=[sys.executable, "-c", "import time; time.sleep(5)"],
+        timeout_s=0.3,
+        attempts=1,
+    )
     slow.release("serve-0", 1, 1, 0.0)
     assert slow.settle(20)
     assert "timed out" in (slow.done()[0].error or "") and slow.health()["released"]["serve-0"] == 0

@@ -100,12 +100,24 @@ class LiveLoans:
         self.restoring: dict[str, int] = {}  # node -> GPUs whose restore a QueuedAdapter has not finished
         self._resend = False  # actions in flight when the plane stopped: sent again on the first step
         self.stats: dict[str, float] = {
-            "steps": 0, "unknown_demand_steps": 0, "demand_gpu_s": 0.0, "shortfall_gpu_s": 0.0,
-            "lent_gpu_s": 0.0, "used_gpu_s": 0.0, "reclaims_met": 0, "reclaims_missed": 0, "double_counted_steps": 0,
-            "returned_gpus": 0, "release_failures": 0, "restore_failures": 0, "lent_total_gpus": 0,
+            "steps": 0,
+            "unknown_demand_steps": 0,
+            "demand_gpu_s": 0.0,
+            "shortfall_gpu_s": 0.0,
+            "lent_gpu_s": 0.0,
+            "used_gpu_s": 0.0,
+            "reclaims_met": 0,
+            "reclaims_missed": 0,
+            "double_counted_steps": 0,
+            "returned_gpus": 0,
+            "release_failures": 0,
+            "restore_failures": 0,
+            "lent_total_gpus": 0,
         }
         self.margins: list[float] = []  # seconds before the deadline at each return (negative: late)
-        self._due_gpus = 0  # lent GPUs due back (notice time come) as of the last step, less those returned since
+        self._due_gpus = (
+            0  # lent GPUs due back (notice time come) as of the last step, less those returned since
+        )
         self.last_s: float | None = None
         self.latest: dict[str, Any] = {}
         self._plan_view: dict[str, Any] = {}
@@ -130,9 +142,11 @@ class LiveLoans:
             self._load(doc)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             what = e if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
-            raise ValueError(f"the store's serving document (table docs, key {DOC_KEY!r}) is damaged: {what}; "
-                             "restore the database from a backup, or delete that row to lend afresh "
-                             "(jobs on serving nodes must be stopped first)") from None
+            raise ValueError(
+                f"the store's serving document (table docs, key {DOC_KEY!r}) is damaged: {what}; "
+                "restore the database from a backup, or delete that row to lend afresh "
+                "(jobs on serving nodes must be stopped first)"
+            ) from None
 
     def _load(self, doc: Mapping[str, Any]) -> None:
         if not isinstance(doc, Mapping) or doc.get("version") != 1:
@@ -161,7 +175,9 @@ class LiveLoans:
         self._plan_view = dict(doc.get("plan_view") or {})
         self.adapter.resume(doc.get("adapter") or {})
         self._warm = []
-        self._due_gpus = sum(r.gpus for r in ledger.reclaims if self.last_s is not None and r.due(self.last_s))
+        self._due_gpus = sum(
+            r.gpus for r in ledger.reclaims if self.last_s is not None and r.due(self.last_s)
+        )
 
     def take_dirty(self) -> bool:
         d, self._dirty = self._dirty, False
@@ -221,7 +237,9 @@ class LiveLoans:
         if self.last_s is not None and now_s > self.last_s:  # GPU-seconds lent and used since the last tick
             dt = now_s - self.last_s
             self.stats["lent_gpu_s"] += self.lent * dt
-            self.stats["used_gpu_s"] += sum(min(g, self.lent_on(n)) for n, g in used.items() if n in self.nodes) * dt
+            self.stats["used_gpu_s"] += (
+                sum(min(g, self.lent_on(n)) for n, g in used.items() if n in self.nodes) * dt
+            )
             self._dirty = True
         self.last_s = now_s
         if isinstance(self.adapter, QueuedAdapter):
@@ -335,7 +353,8 @@ class LiveLoans:
         self._due_gpus = max(0, self._due_gpus - gpus)
         self.stats["returned_gpus"] += gpus
         data: dict[str, Any] = {"node": node, "gpus": gpus, "serving_at_s": ready}
-        msg = f"returned {gpus} GPUs of {node} to serving (serving again in {ready - now_s:.0f} s, after warm-up)"
+        msg = (f"returned {gpus} GPUs of {node} to serving (serving again in {ready - now_s:.0f} s, "
+               "after warm-up)")
         if by is not None:
             margin = by - now_s
             self.margins.append(margin)
@@ -351,7 +370,9 @@ class LiveLoans:
         (:meth:`_collect`), anyone else's now; both end in :meth:`_finish`."""
         lent_after = self.ledger.lent_on(node) + self.pending_restores.get(node, 0)
         try:
-            (self.adapter.release if action == "release" else self.adapter.restore)(node, gpus, lent_after, now_s)
+            (self.adapter.release if action == "release" else self.adapter.restore)(
+                node, gpus, lent_after, now_s
+            )
         except AdapterError as e:
             return self._finish(action, node, gpus, str(e), retry)
         if isinstance(self.adapter, QueuedAdapter):
@@ -388,8 +409,13 @@ class LiveLoans:
             if k > 0:
                 led.cancel_loan(node, k)
             self.stats["release_failures"] += 1
-            return [("serving_action_failed", f"release of {gpus} GPUs on {node} failed: {error}; nothing lent "
-                     "there", data)]
+            return [
+                (
+                    "serving_action_failed",
+                    f"release of {gpus} GPUs on {node} failed: {error}; nothing lent there",
+                    data,
+                )
+            ]
         queued = isinstance(self.adapter, QueuedAdapter)
         if error is None:  # said when it was retried or is the outcome of a queued one
             return [("serving_restored", f"restore of {gpus} GPUs on {node} carried out{' on retry' * retry}",
@@ -452,15 +478,24 @@ class LiveLoans:
         led = self.ledger
         self.latest = {
             "held_gpus": {n: g for n, g in (held or {}).items() if n in self.nodes},
-            **self._plan_view, "now_s": now_s, "serving_nodes": dict(self.nodes),
-            "serving_gpus": self.serving_gpus, "lent_gpus": self.lent, "warming_gpus": led.warming,
-            "serving_capacity_gpus": led.capacity, "releasing": dict(self.releasing),
+            **self._plan_view,
+            "now_s": now_s,
+            "serving_nodes": dict(self.nodes),
+            "serving_gpus": self.serving_gpus,
+            "lent_gpus": self.lent,
+            "warming_gpus": led.warming,
+            "serving_capacity_gpus": led.capacity,
+            "releasing": dict(self.releasing),
             "restoring": dict(self.restoring),
-            "loans": [{"node": ln.node, "gpus": ln.gpus, "until_s": _finite(ln.until_s)} for ln in self.loans],
+            "loans": [
+                {"node": ln.node, "gpus": ln.gpus, "until_s": _finite(ln.until_s)} for ln in self.loans
+            ],
             "reclaims": [{"gpus": r.gpus, "by_s": r.by_s, "notice_s": r.notice_s} for r in self.reclaims],
             "warming": {n: led.warming_ready_s(n) for n in self.nodes if led.warming_ready_s(n)},
-            "stats": dict(self.stats), "worst_margin_s": min(self.margins) if self.margins else None,
-            "pending_restores": dict(self.pending_restores), "adapter": self.adapter.health(),
+            "stats": dict(self.stats),
+            "worst_margin_s": min(self.margins) if self.margins else None,
+            "pending_restores": dict(self.pending_restores),
+            "adapter": self.adapter.health(),
         }
 
 
@@ -491,7 +526,9 @@ def build_live_loans(cfg: WatchConfig, ray_address: str | None = None) -> LiveLo
         history = replay.history(cfg.history_days * 86400.0, cfg.step_s)
         adapter = replay
     else:
-        source = PrometheusQuery(cfg.prometheus or "", cfg.query or "", cfg.gpus_per_unit, requests=cfg.requests())
+        source = PrometheusQuery(
+            cfg.prometheus or "", cfg.query or "", cfg.gpus_per_unit, requests=cfg.requests()
+        )
         adapter = HookAdapter(source, nodes, url=cfg.actions_url, command=cfg.actions_command,
                               timeout_s=cfg.actions_timeout_s)
     return LiveLoans(adapter, cfg.timing(), shortfall_budget=cfg.shortfall_budget, step_s=cfg.step_s,

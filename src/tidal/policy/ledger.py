@@ -104,7 +104,9 @@ class LoanLedger:
                 continue
             self._take_warming(node, k)
             old = self.loans.get(node)
-            self.loans[node] = Loan(node, (old.gpus if old else 0) + k, until_s=old.until_s if old else math.inf)
+            self.loans[node] = Loan(
+                node, (old.gpus if old else 0) + k, until_s=old.until_s if old else math.inf
+            )
             self.lent += k
             gpus -= k
 
@@ -259,7 +261,9 @@ class LoanLedger:
         led = cls({str(n): int(g) for n, g in state["nodes"].items()}, timing)
         for node, gpus, until in state.get("loans", ()):
             if node not in led.cap or not 1 <= int(gpus) <= led.cap[node]:
-                raise ValueError(f"ledger state: loans[{node!r}] = {gpus} GPUs, node has {led.cap.get(node, 0)}")
+                raise ValueError(
+                    f"ledger state: loans[{node!r}] = {gpus} GPUs, node has {led.cap.get(node, 0)}"
+                )
             led.loans[node] = Loan(node, int(gpus), until_s=math.inf if until is None else float(until))
             led.lent += int(gpus)
         for node, entries in (state.get("warming") or {}).items():
@@ -270,7 +274,9 @@ class LoanLedger:
         for node in led.cap:
             held = led.lent_on(node) + sum(g for _, g in led.warming_ready_s(node))
             if held > led.cap[node]:
-                raise ValueError(f"ledger state: node {node!r} has {held} GPUs lent or warming, of {led.cap[node]}")
+                raise ValueError(
+                    f"ledger state: node {node!r} has {held} GPUs lent or warming, of {led.cap[node]}"
+                )
         led.reclaims = [Reclaim(int(r[0]), float(r[1]), None if r[2] is None else float(r[2]),
                                 None if len(r) < 4 or r[3] is None else float(r[3]))
                         for r in state.get("reclaims", ())]

@@ -133,7 +133,13 @@ def parse_nodes(spec: str | Mapping[str, int], prefix: str = "serve") -> dict[st
     if isinstance(spec, Mapping):
         out = {}
         for name, g in spec.items():
-            if not isinstance(name, str) or not name or not isinstance(g, int) or isinstance(g, bool) or g < 1:
+            if (
+                not isinstance(name, str)
+                or not name
+                or not isinstance(g, int)
+                or isinstance(g, bool)
+                or g < 1
+            ):
                 raise ValueError(f"serving nodes: {name!r}: GPUs must be a whole number >= 1, got {g!r}")
             out[name] = g
         if not out:
@@ -256,9 +262,19 @@ class HookAdapter:
 
     speedup = 1.0
 
-    def __init__(self, source: DemandSource, nodes: Mapping[str, int], *, url: str | None = None,
-                 command: Sequence[str] | None = None, timeout_s: float = 5.0, attempts: int = 2,
-                 retry_wait_s: float = 0.5, demand_wait_s: float = 0.1, demand_max_age_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        source: DemandSource,
+        nodes: Mapping[str, int],
+        *,
+        url: str | None = None,
+        command: Sequence[str] | None = None,
+        timeout_s: float = 5.0,
+        attempts: int = 2,
+        retry_wait_s: float = 0.5,
+        demand_wait_s: float = 0.1,
+        demand_max_age_s: float = 60.0,
+    ) -> None:
         if (url is None) == (command is None):
             raise ValueError("serving actions: give exactly one of a webhook url or a command")
         if url is not None and not url.startswith(("http://", "https://")):
@@ -266,10 +282,16 @@ class HookAdapter:
         if command is not None and (not command or not all(isinstance(a, str) and a for a in command)):
             raise ValueError(f"serving actions: command must be a non-empty list of strings, got {command!r}")
         if not timeout_s > 0 or attempts < 1 or retry_wait_s < 0:
-            raise ValueError("serving actions: timeout_s > 0, attempts >= 1 and retry_wait_s >= 0 are required")
+            raise ValueError(
+                "serving actions: timeout_s > 0, attempts >= 1 and retry_wait_s >= 0 are required"
+            )
         self.source, self.url = source, url
         self.command = tuple(command) if command is not None else None
-        self.timeout_s, self.attempts, self.retry_wait_s = float(timeout_s), int(attempts), float(retry_wait_s)
+        self.timeout_s, self.attempts, self.retry_wait_s = (
+            float(timeout_s),
+            int(attempts),
+            float(retry_wait_s),
+        )
         if not demand_wait_s >= 0 or not demand_max_age_s >= 0:
             raise ValueError("serving demand: demand_wait_s and demand_max_age_s must be >= 0")
         self.demand_wait_s, self.demand_max_age_s = float(demand_wait_s), float(demand_max_age_s)
@@ -303,7 +325,9 @@ class HookAdapter:
             got = self._demand
         if got is None or not abs(now_s - got[0]) <= self.demand_max_age_s:
             if self._fetching.is_alive():
-                log.warning("serving demand unknown: the source has not answered within %g s", self.demand_wait_s)
+                log.warning(
+                    "serving demand unknown: the source has not answered within %g s", self.demand_wait_s
+                )
             return math.nan
         return got[1]
 
@@ -393,7 +417,9 @@ class HookAdapter:
         env = {**os.environ, "TIDAL_SERVING_ACTION": body["action"], "TIDAL_SERVING_NODE": body["node"],
                "TIDAL_SERVING_GPUS": str(body["gpus"]), "TIDAL_SERVING_LENT_AFTER": str(body["lent_after"])}
         try:
-            p = subprocess.run(self.command, env=env, capture_output=True, timeout=self.timeout_s, check=False)  # type: ignore[arg-type]
+            p = subprocess.run(
+                self.command, env=env, capture_output=True, timeout=self.timeout_s, check=False
+            )  # type: ignore[arg-type]
         except subprocess.TimeoutExpired:
             return f"command timed out after {self.timeout_s:g} s"
         except OSError as e:
@@ -404,8 +430,14 @@ class HookAdapter:
         return ""
 
     def health(self) -> dict[str, Any]:
-        return {"kind": "hook", "actions": self.url or " ".join(self.command or ()), "queued": self.queued,
-                "failures": self.failures, "last_error": self.last_error, "released": dict(self.state.released)}
+        return {
+            "kind": "hook",
+            "actions": self.url or " ".join(self.command or ()),
+            "queued": self.queued,
+            "failures": self.failures,
+            "last_error": self.last_error,
+            "released": dict(self.state.released),
+        }
 
     def persist(self) -> dict[str, Any]:
         return {"released": dict(self.state.released)}

@@ -69,8 +69,13 @@ class TraceReplay:
             object.__setattr__(self, "_request_gpus", gpus)
             peak = float(np.nanmax(gpus)) if not np.all(np.isnan(gpus)) else 0.0
             if peak > self.serving_gpus:
-                log.warning("trace %r needs up to %g GPUs for its latency target (%s); the serving pool has %d",
-                            self.trace.name, peak, self.requests.describe(), self.serving_gpus)
+                log.warning(
+                    "trace %r needs up to %g GPUs for its latency target (%s); the serving pool has %d",
+                    self.trace.name,
+                    peak,
+                    self.requests.describe(),
+                    self.serving_gpus,
+                )
 
     def demand_gpus(self, now_s: float) -> float:
         if not now_s >= self.start_s:
@@ -107,8 +112,10 @@ class PrometheusQuery:
         if not self.query.strip():
             raise ValueError("PrometheusQuery.query must not be empty")
         if not self.gpus_per_unit > 0 or not self.timeout_s > 0:
-            raise ValueError(f"PrometheusQuery.gpus_per_unit and timeout_s must be > 0, got {self.gpus_per_unit} "
-                             f"and {self.timeout_s}")
+            raise ValueError(
+                f"PrometheusQuery.gpus_per_unit and timeout_s must be > 0, got {self.gpus_per_unit} "
+                f"and {self.timeout_s}"
+            )
 
     def demand_gpus(self, now_s: float) -> float:
         try:
