@@ -30,7 +30,6 @@ so tests step it with a fake clock and a fake executor. It is not thread-safe: o
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -40,6 +39,7 @@ from tidal.contract import DEFAULT_GRACE_S
 from tidal.control import node_memory
 from tidal.control.accounting import account
 from tidal.control.config import ControlConfig
+from tidal.control.job_views import default_ckpt, job_env, scheduler_view
 from tidal.control.loans import DOC_KEY as LOANS_DOC
 from tidal.control.loans import LiveLoans
 from tidal.control.node_watch import NodeWatch
@@ -50,14 +50,12 @@ from tidal.model import (
     Admit,
     Decision,
     Grow,
-    Job,
     Node,
     Preempt,
     ReturnGpus,
     SetCkptInterval,
     Shrink,
     Snapshot,
-    Tenant,
     Waiting,
 )
 from tidal.policy.ckpt_interval import plan_ckpt_intervals
@@ -546,25 +544,10 @@ class Controller:
                           data=handle)
 
     def _default_ckpt(self, job: JobRow) -> str | None:
-        return str(self.ckpt_root / job.id / "ckpt") if self.ckpt_root else None
+        return default_ckpt(self.ckpt_root, job)
 
     def _env(self, job: JobRow) -> dict[str, str]:
-        spec = job.spec
-        ck = spec.get("checkpoint") or {}
-        url = ck.get("url") or self._default_ckpt(job)
-        env = dict(spec.get("env") or {})
-        interval = ck.get("interval_s", "auto")
-        if (
-            interval == "auto"
-        ):  # the policy's interval once the stall is measured; until then the policy's cap
-            interval = job.ckpt_interval_s or self.config.ckpt_interval.max_interval_s
-        env[c.ENV_CKPT_INTERVAL_S] = f"{float(interval):g}"
-        env[c.ENV_GRACE_S] = f"{float(spec.get('grace_s', DEFAULT_GRACE_S)):g}"
-        if ck.get("tiers"):
-            env[c.ENV_CKPT_TIERS] = json.dumps(ck["tiers"])
-        elif url:
-            env[c.ENV_CKPT_URL] = url
-        return env
+        return job_env(job, self.ckpt_root, self.config.ckpt_interval.max_interval_s)
 
     # ------------------------------------------------------------------------------- shared memory
     def sweep_shm(self, now_s: float, *, force: bool = False) -> list[str]:
@@ -582,36 +565,8 @@ class Controller:
     # ------------------------------------------------------------------------------------- snapshot
     def snapshot(self, now_s: float) -> Snapshot:
         """The scheduler's view: pending jobs queue, held jobs run (stopping ones release everything)."""
-        tenants = [Tenant(t.name, t.quota_gpus, t.weight) for t in self.store.tenants()]
-        jobs = []
-        for j in self.store.jobs(states={S.PENDING} | HELD):
-            st = S(j.state)
-            held = st in HELD
-            releasing = dict(j.placement) if st in (S.PREEMPTING, S.CANCELLING) else dict(j.releasing or {})
-            jobs.append(
-                Job(
-                    j.id,
-                    j.tenant,
-                    j.kind,
-                    j.priority,
-                    j.min_gpus,
-                    j.max_gpus,
-                    j.multiple_of,  # type: ignore[arg-type]
-                    submit_s=j.submit_s,
-                    placement=dict(j.placement) if held else {},
-                    releasing=releasing if held else {},
-                    started_s=j.started_s if held else None,
-                    last_preempted_s=j.last_preempted_s,
-                    last_grown_s=j.last_grown_s,
-                    last_shrunk_s=j.last_shrunk_s,
-                    last_ckpt_s=j.last_ckpt_s,
-                    ckpt_stall_s=j.ckpt_stall_s,
-                    ckpt_interval_s=j.ckpt_interval_s,
-                    nominated_s=None if held else j.nominated_s,
-                )
-            )
         loans, reclaims = (self.loans.loans, self.loans.reclaims) if self.loans is not None else ((), ())
-        return Snapshot.build(now_s, self.nodes, tenants, jobs, loans, reclaims)
+        return Snapshot.build(now_s, self.nodes, *scheduler_view(self.store), loans, reclaims)
 
 
 # ----------------------------------------------------------------------------------------- helpers

@@ -1,0 +1,74 @@
+"""What the store's job rows become for the others: the scheduler's jobs and tenants
+(:func:`scheduler_view`) and an attempt's environment for the executor (:func:`job_env`: the
+checkpoint location, interval and grace the runtime reads). Called by the controller each step and at
+each launch."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tidal import contract as c
+from tidal.contract import DEFAULT_GRACE_S
+from tidal.control.states import HELD
+from tidal.control.states import State as S
+from tidal.control.store import JobRow, Store
+from tidal.model import Job, Tenant
+
+
+def scheduler_view(store: Store) -> tuple[list[Tenant], list[Job]]:
+    """The scheduler's view of the store: pending jobs queue, held jobs run (stopping ones release
+    everything they hold)."""
+    tenants = [Tenant(t.name, t.quota_gpus, t.weight) for t in store.tenants()]
+    jobs = []
+    for j in store.jobs(states={S.PENDING} | HELD):
+        st = S(j.state)
+        held = st in HELD
+        releasing = dict(j.placement) if st in (S.PREEMPTING, S.CANCELLING) else dict(j.releasing or {})
+        jobs.append(
+            Job(
+                j.id,
+                j.tenant,
+                j.kind,
+                j.priority,
+                j.min_gpus,
+                j.max_gpus,
+                j.multiple_of,  # type: ignore[arg-type]
+                submit_s=j.submit_s,
+                placement=dict(j.placement) if held else {},
+                releasing=releasing if held else {},
+                started_s=j.started_s if held else None,
+                last_preempted_s=j.last_preempted_s,
+                last_grown_s=j.last_grown_s,
+                last_shrunk_s=j.last_shrunk_s,
+                last_ckpt_s=j.last_ckpt_s,
+                ckpt_stall_s=j.ckpt_stall_s,
+                ckpt_interval_s=j.ckpt_interval_s,
+                nominated_s=None if held else j.nominated_s,
+            )
+        )
+    return tenants, jobs
+
+
+def default_ckpt(ckpt_root: Path | None, job: JobRow) -> str | None:
+    """The job's checkpoint location when its spec names none: ``<ckpt_root>/<job>/ckpt``."""
+    return str(ckpt_root / job.id / "ckpt") if ckpt_root else None
+
+
+def job_env(job: JobRow, ckpt_root: Path | None, max_interval_s: float) -> dict[str, str]:
+    """The job's own variables plus the runtime's: checkpoint interval (``auto``: the policy's once the
+    stall is measured, until then ``max_interval_s``), grace, and the checkpoint tiers or location."""
+    spec = job.spec
+    ck = spec.get("checkpoint") or {}
+    url = ck.get("url") or default_ckpt(ckpt_root, job)
+    env = dict(spec.get("env") or {})
+    interval = ck.get("interval_s", "auto")
+    if interval == "auto":
+        interval = job.ckpt_interval_s or max_interval_s
+    env[c.ENV_CKPT_INTERVAL_S] = f"{float(interval):g}"
+    env[c.ENV_GRACE_S] = f"{float(spec.get('grace_s', DEFAULT_GRACE_S)):g}"
+    if ck.get("tiers"):
+        env[c.ENV_CKPT_TIERS] = json.dumps(ck["tiers"])
+    elif url:
+        env[c.ENV_CKPT_URL] = url
+    return env
