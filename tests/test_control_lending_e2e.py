@@ -62,7 +62,8 @@ def test_lending_survives_sigkill_of_the_plane(tmp_path):
         # one after `attempt` was read) was launched once, before the restart.
         again = adopted[-1]["data"]["attempt"]
         assert again >= attempt
-        launches = [e for e in events if e["kind"] == "launch" and e["message"].startswith(f"attempt {again}:")]
+        launches = [e for e in events
+                    if e["kind"] == "launch" and e["message"].startswith(f"attempt {again}:")]
         assert len(launches) == 1
         assert after["forecast_observations"] >= before["forecast_observations"]
         assert after["stats"]["lent_total_gpus"] >= before["stats"]["lent_total_gpus"]
