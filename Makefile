@@ -31,7 +31,7 @@ demo-cycle: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadgroup tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples

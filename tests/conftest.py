@@ -71,3 +71,11 @@ def ray_cluster():
         yield rc
     finally:
         rcm.stop(rc)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (``make test`` runs two workers, ``--dist loadgroup``), every test on the
+    session's Ray cluster runs on one worker: one cluster per run, as without xdist."""
+    for item in items:
+        if "ray_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("ray"))
