@@ -43,6 +43,7 @@ from rich.panel import Panel
 from rich.table import Table
 
 import tidal.serving
+from tidal.contract import ENV_SHM_DIR
 from tidal.control.auth import ADMIN_TOKEN_FILE
 from tidal.control.client import TidalClient
 from tidal.control.config import ControlConfig
@@ -103,7 +104,10 @@ class CycleOptions:
                            warmup_s=self.warmup_s, restart_cost_s=self.restart_cost_s)
 
 
-def job_spec(opts: CycleOptions, script: Path, shm_dir: Path, i: int) -> dict[str, Any]:
+def job_spec(opts: CycleOptions, script: Path, shm_dir: Path | None, i: int) -> dict[str, Any]:
+    """The i-th spot job of the cycle: the GPT example, elastic 1..``max_ranks``, checkpointing every
+    ``ckpt_every`` steps (node memory in ``shm_dir`` when given; ``tidal demo ray --cycle`` adds its
+    tiers)."""
     model = SIZES[opts.size]
     args = [f"--{k}={v}" for k, v in model.items()] + ["--micro-batch=1", "--step-pause-s=0.05"]
     return {
@@ -128,7 +132,7 @@ def job_spec(opts: CycleOptions, script: Path, shm_dir: Path, i: int) -> dict[st
             "10",
             *args,
         ],
-        "env": {"OMP_NUM_THREADS": "1", "TIDAL_SHM_DIR": str(shm_dir)},
+        "env": {"OMP_NUM_THREADS": "1", **({ENV_SHM_DIR: str(shm_dir)} if shm_dir is not None else {})},
     }
 
 

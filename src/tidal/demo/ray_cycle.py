@@ -59,9 +59,12 @@ from tidal.demo.cycle import (
     simulate_same_day,
     view,
 )
+from tidal.demo.cycle import (
+    job_spec as cycle_job_spec,
+)
 from tidal.demo.on_ray import LocalRayCluster
 from tidal.demo.plane import PLANE_CONFIG, DemoError, EmbeddedPlane
-from tidal.demo.single import SIZES, example_script
+from tidal.demo.single import example_script
 
 TRAINING = {"train-0": 1, "train-1": 1}
 SERVING_NODES = "2x8"  # serve-0 and serve-1, 8 declared GPUs each (parse_nodes names them)
@@ -77,33 +80,10 @@ def options(speedup: float, hours: float, start_hour: float, jobs: int, max_rank
 
 
 def job_spec(opts: CycleOptions, script: Path, ckpt_dir: Path, i: int) -> dict[str, Any]:
-    model = SIZES[opts.size]
-    args = [f"--{k}={v}" for k, v in model.items()] + ["--micro-batch=1", "--step-pause-s=0.05"]
-    return {
-        "name": f"spot-{i}",
-        "kind": "spot",
-        "gpus": {"min": 1, "max": opts.max_ranks},
-        "max_restarts": 20,
-        "grace_s": opts.grace_s,
-        "workdir": str(script.parents[2]),
-        "command": [
-            sys.executable,
-            str(script),
-            "--parallel",
-            "ddp",
-            "--steps",
-            "10000000",
-            "--ckpt-every",
-            str(opts.ckpt_every),
-            "--log-every",
-            "50",
-            "--warmup",
-            "10",
-            *args,
-        ],
-        "checkpoint": {"tiers": ["peer", {"url": str(ckpt_dir), "every": DISK_EVERY}]},
-        "env": {"OMP_NUM_THREADS": "1"},
-    }
+    """The single-machine cycle's job, checkpointing to the agents' memory and, every ``DISK_EVERY``
+    saves, to ``ckpt_dir`` (a job across nodes has no node-memory tier)."""
+    return {**cycle_job_spec(opts, script, None, i),
+            "checkpoint": {"tiers": ["peer", {"url": str(ckpt_dir), "every": DISK_EVERY}]}}
 
 
 @dataclasses.dataclass
