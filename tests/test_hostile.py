@@ -244,12 +244,12 @@ def test_fuzz_the_api_no_500_and_no_refused_job_stored(tmp_path):
     api = Api(tmp_path)
     calls = {"n": 0, "created": 0}
 
-    def check(r) -> None:
+    def check(r, who: str = "a") -> None:
         calls["n"] += 1
         assert r.status_code < 500, (r.status_code, r.text[:300])
-        if r.status_code == 201:
+        if r.status_code == 201:  # stored, and its submitter sees it (another tenant would get a 404)
             calls["created"] += 1
-            got = api.http.get(f"/v1/jobs/{r.json()['id']}", headers=api.h("a"))
+            got = api.http.get(f"/v1/jobs/{r.json()['id']}", headers=api.h(who))
             assert got.status_code == 200
         assert api.count() == calls["created"]
 
@@ -257,10 +257,10 @@ def test_fuzz_the_api_no_500_and_no_refused_job_stored(tmp_path):
     @given(spec=st.one_of(_spec, _value), raw=st.booleans(), who=st.sampled_from(["a", "b", "admin"]))
     def fuzz_specs(spec, raw, who):
         if raw:  # as JSON text that Python can write (NaN, lone surrogates as escapes)
-            check(api.post(who, json.dumps(spec, ensure_ascii=True, allow_nan=True).encode()))
+            check(api.post(who, json.dumps(spec, ensure_ascii=True, allow_nan=True).encode()), who)
         else:
             with contextlib.suppress(ValueError):  # httpx refuses to send a NaN itself
-                check(api.post(who, spec))
+                check(api.post(who, spec), who)
 
     @settings(max_examples=500, deadline=None, suppress_health_check=list(HealthCheck), database=None)
     @given(

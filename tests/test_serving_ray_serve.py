@@ -484,7 +484,7 @@ def test_load_generator_bad_input_one_clear_error_before_any_load(tmp_path, args
 
     (tmp_path / "bad.csv").write_text("time,load\nnoon,x\n")
     args = [a.replace("{bad}", str(tmp_path / "bad.csv")) for a in args]
-    res = CliRunner().invoke(app, ["load", *args])
+    res = CliRunner().invoke(app, ["load", *args], env={"COLUMNS": "1000"})  # no path folded mid-name
     text = " ".join(res.output.replace("│", " ").split())
     assert res.exit_code == 2 and "Traceback" not in res.output, res.output
     assert f"Invalid value for {hint}:" in text and says in text, text
