@@ -45,6 +45,7 @@ from tidal.control.loans import LiveLoans
 from tidal.control.node_watch import NodeWatch
 from tidal.control.states import HELD, STOPPING, State
 from tidal.control.store import JobRow, Store
+from tidal.exec.progress import Progress
 from tidal.exec.protocol import EXIT_PREEMPTED, Executor, LaunchRequest, NodeMemory, Observation, RankState
 from tidal.model import (
     Admit,
@@ -369,7 +370,7 @@ class Controller:
                 S.PENDING,
                 now_s,
                 f"{why}; requeued to resume from checkpoint step "
-                f"{p.ckpt_step if p.ckpt_step is not None else job.ckpt_step or 0} on the "
+                f"{_resume_step(p, job)} on the "
                 "remaining GPUs",
                 data={**data, "node_lost": True},
                 **_requeue_fields(),
@@ -386,7 +387,8 @@ class Controller:
                 self.store.job(job.id),
                 left,
                 now_s,
-                f"resized: relaunching on {sum(left.values())} GPUs from checkpoint step {p.ckpt_step}",
+                f"resized: relaunching on {sum(left.values())} GPUs from checkpoint step "
+                f"{_resume_step(p, job)}",
                 data=data,
             )
         elif outcome == "stopped":
@@ -572,6 +574,12 @@ class Controller:
 # ----------------------------------------------------------------------------------------- helpers
 def _requeue_fields() -> dict[str, Any]:
     return {"placement": {}, "releasing": {}, "started_s": None, "handle": None}
+
+
+def _resume_step(p: Progress, job: JobRow) -> int:
+    """The checkpoint step the next attempt resumes from: the ended attempt's newest, else the job's
+    (an attempt stopped before it saved resumes from what an earlier one committed)."""
+    return p.ckpt_step if p.ckpt_step is not None else job.ckpt_step or 0
 
 
 def _n(n: int, word: str) -> str:

@@ -12,13 +12,12 @@ from rich.panel import Panel
 from rich.progress_bar import ProgressBar
 from rich.table import Table
 
+from tidal.control.cli_show import STATE_STYLE  # one palette for job states, CLI and demo
 from tidal.demo.plane import Kill
 
 if TYPE_CHECKING:
     from tidal.demo.single import DemoOptions
 
-STATE_STYLE = {"running": "green", "succeeded": "bold green", "failed": "bold red", "cancelled": "dim",
-               "pending": "yellow", "backoff": "red", "admitted": "cyan"}
 
 
 def _state(s: str) -> str:
