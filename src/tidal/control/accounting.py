@@ -11,7 +11,7 @@ from typing import Any
 from tidal.control.states import HELD
 from tidal.control.states import State as S
 from tidal.control.store import JobRow
-from tidal.exec.protocol import Observation
+from tidal.exec.protocol import Observation, RankState
 
 
 def account(job: JobRow, ob: Observation, now_s: float, success: bool) -> dict[str, Any]:
@@ -43,3 +43,19 @@ def job_report(job: JobRow, now_s: float) -> dict[str, Any]:
     return {"restarts": job.restarts, "preemptions": job.preemptions, "lost_work_s": round(job.lost_s, 3),
             "lost_steps": job.lost_steps, "held_s": round(held, 3), "productive_s": round(productive, 3),
             "ettr": round(productive / held, 4) if held > 0 else None}
+
+
+def rank_code(r: RankState) -> int | None:
+    """The rank's exit code as the platform counts it: a rank whose runtime closed cleanly first
+    (``RankState.ended``) exited 0, whatever signal the interpreter's teardown raised after."""
+    return 0 if r.ended else r.exit_code
+
+
+def describe_rank(r: RankState) -> str:
+    """One line on how a rank ended, for the job's message and events."""
+    if r.vanished:
+        return f"rank {r.rank} (pid {r.pid}) vanished without an exit code"
+    c = r.exit_code
+    if c is not None and c < 0:
+        return f"rank {r.rank} was killed by signal {-c}"
+    return f"rank {r.rank} exited with code {c}"

@@ -37,7 +37,7 @@ from typing import Any
 from tidal import contract as c
 from tidal.contract import DEFAULT_GRACE_S
 from tidal.control import node_memory
-from tidal.control.accounting import account
+from tidal.control.accounting import account, describe_rank, rank_code
 from tidal.control.config import ControlConfig
 from tidal.control.job_views import default_ckpt, job_env, scheduler_view
 from tidal.control.loans import DOC_KEY as LOANS_DOC
@@ -46,7 +46,7 @@ from tidal.control.node_watch import NodeWatch
 from tidal.control.states import HELD, STOPPING, State
 from tidal.control.store import JobRow, Store
 from tidal.exec.progress import Progress
-from tidal.exec.protocol import EXIT_PREEMPTED, Executor, LaunchRequest, NodeMemory, Observation, RankState
+from tidal.exec.protocol import EXIT_PREEMPTED, Executor, LaunchRequest, NodeMemory, Observation
 from tidal.model import (
     Admit,
     Decision,
@@ -277,9 +277,9 @@ class Controller:
             self._finish(job, ob, now_s)
             return
         if job.stop_reason != "failure" and not job.killed:
-            bad = [r for r in ob.ranks if not r.alive and (r.vanished or _code(r) not in RESUMABLE_CODES)]
+            bad = [r for r in ob.ranks if not r.alive and (r.vanished or rank_code(r) not in RESUMABLE_CODES)]
             if bad:
-                self._kill_for_failure(job, _describe(bad[0]), now_s)
+                self._kill_for_failure(job, describe_rank(bad[0]), now_s)
                 return
             hung = self._hang(job, ob, now_s) if st == S.RUNNING else None
             if hung:
@@ -419,8 +419,8 @@ class Controller:
                                   placement={}, releasing={}, **base)
 
     def _classify(self, job: JobRow, ob: Observation) -> tuple[str, str]:
-        codes = [_code(r) for r in ob.ranks]
-        bad = [r for r in ob.ranks if r.vanished or _code(r) not in RESUMABLE_CODES]
+        codes = [rank_code(r) for r in ob.ranks]
+        bad = [r for r in ob.ranks if r.vanished or rank_code(r) not in RESUMABLE_CODES]
         if S(job.state) == S.CANCELLING:
             return ("success" if codes and all(c == 0 for c in codes) else "cancelled"), ""
         if job.stop_reason == "failure":
@@ -430,12 +430,12 @@ class Controller:
         if codes and all(c == 0 for c in codes):
             return "success", ""
         if job.stop_reason in ("preempt", "resize") and all(
-                _code(r) in RESUMABLE_CODES or (job.killed and (r.vanished or (r.exit_code or 0) < 0))
+                rank_code(r) in RESUMABLE_CODES or (job.killed and (r.vanished or (r.exit_code or 0) < 0))
                 for r in ob.ranks):  # SIGKILLed by us after the grace: stopped, not failed
             return "stopped", ""
         if not bad and EXIT_PREEMPTED in codes:
             return "stopped", ""  # preempted by a notice from outside (exit 75 is never a failure)
-        return "failure", _describe(bad[0]) if bad else f"exit codes {codes}"
+        return "failure", describe_rank(bad[0]) if bad else f"exit codes {codes}"
 
     # ------------------------------------------------------------------------------------------ act
     def _apply(self, d: Decision, now_s: float) -> None:
@@ -585,18 +585,3 @@ def _resume_step(p: Progress, job: JobRow) -> int:
 def _n(n: int, word: str) -> str:
     """``1 rank``, ``2 ranks``."""
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
-
-
-def _code(r: RankState) -> int | None:
-    """The rank's exit code as the platform counts it: a rank whose runtime closed cleanly first
-    (``RankState.ended``) exited 0, whatever signal the interpreter's teardown raised after."""
-    return 0 if r.ended else r.exit_code
-
-
-def _describe(r: RankState) -> str:
-    if r.vanished:
-        return f"rank {r.rank} (pid {r.pid}) vanished without an exit code"
-    c = r.exit_code
-    if c is not None and c < 0:
-        return f"rank {r.rank} was killed by signal {-c}"
-    return f"rank {r.rank} exited with code {c}"

@@ -26,7 +26,6 @@ import logging
 import math
 import os
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -48,7 +47,7 @@ from tidal.control.auth import ADMIN_TOKEN_FILE
 from tidal.control.client import TidalClient
 from tidal.control.config import ControlConfig
 from tidal.control.dashboard import dashboard_url
-from tidal.demo.plane import PLANE_CONFIG, DemoError, EmbeddedPlane
+from tidal.demo.plane import PLANE_CONFIG, DemoError, EmbeddedPlane, uninterrupted
 from tidal.demo.single import SIZES, example_script
 from tidal.serving.watch import WatchConfig
 
@@ -297,8 +296,7 @@ def run_cycle(opts: CycleOptions, console: Console, *, keep: bool = False) -> di
                                   for k in ("loaned_gpu_hours", "used_gpu_hours", "shortfall_gpu_hours")}
         return summary
     finally:
-        old = {sg: signal.signal(sg, signal.SIG_IGN) for sg in (signal.SIGINT, signal.SIGTERM)}
-        try:
+        with uninterrupted():  # a second Ctrl-C must not cut the clean-up short
             if plane is not None:
                 plane.stop()
             shutil.rmtree(shm_dir, ignore_errors=True)
@@ -306,9 +304,6 @@ def run_cycle(opts: CycleOptions, console: Console, *, keep: bool = False) -> di
                 shutil.rmtree(sdir, ignore_errors=True)
             else:
                 console.print(f"state kept in {sdir}")
-        finally:
-            for sg, h in old.items():
-                signal.signal(sg, h)
 
 
 def _double_counted(s: dict, jobs: list[dict]) -> list[str]:

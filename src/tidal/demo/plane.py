@@ -112,6 +112,19 @@ def kill_workers(state_dir: Path, wait_s: float = 10.0) -> list[int]:
 
 
 # ------------------------------------------------------------------------------------ killing a rank
+@contextlib.contextmanager
+def uninterrupted():
+    """Ignore SIGINT and SIGTERM inside (a second Ctrl-C must not cut a demo's clean-up short); only in
+    the main thread, where Python handles signals."""
+    main = threading.current_thread() is threading.main_thread()
+    old = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
 @dataclass
 class Kill:
     rank: int

@@ -34,7 +34,6 @@ import contextlib
 import dataclasses
 import os
 import shutil
-import signal
 import sys
 import tempfile
 import threading
@@ -63,7 +62,7 @@ from tidal.demo.cycle import (
     job_spec as cycle_job_spec,
 )
 from tidal.demo.on_ray import LocalRayCluster
-from tidal.demo.plane import PLANE_CONFIG, DemoError, EmbeddedPlane
+from tidal.demo.plane import PLANE_CONFIG, DemoError, EmbeddedPlane, uninterrupted
 from tidal.demo.single import example_script
 
 TRAINING = {"train-0": 1, "train-1": 1}
@@ -251,8 +250,7 @@ def run(opts: CycleOptions, kill_hour: float, console: Console, *, keep: bool = 
                                   for k in ("loaned_gpu_hours", "used_gpu_hours", "shortfall_gpu_hours")}
         return summary
     finally:
-        old = {sg: signal.signal(sg, signal.SIG_IGN) for sg in (signal.SIGINT, signal.SIGTERM)}
-        try:
+        with uninterrupted():  # a second Ctrl-C must not cut the clean-up short
             shm = None
             if plane is not None:
                 shm = plane.plane.executor.shm_root
@@ -267,9 +265,6 @@ def run(opts: CycleOptions, kill_hour: float, console: Console, *, keep: bool = 
                 shutil.rmtree(sdir, ignore_errors=True)
             else:
                 console.print(f"state kept in {sdir}")
-        finally:
-            for sg, h in old.items():
-                signal.signal(sg, h)
 
 
 def serving_nodes(serving: Any) -> dict[str, int]:

@@ -59,6 +59,7 @@ from tidal.demo.plane import (
     attempt_records,
     kill_rank,
     reached_step,
+    uninterrupted,
 )
 from tidal.demo.show import _clock, _fmt, _tiers, event_line, progress_line, status_panel, summary_table
 
@@ -221,13 +222,7 @@ def run_demo(
                 console.print(log_tail(client, job_id, rank), markup=False, highlight=False)
         return summarize(j, w, opts, plane.state_dir, wall_s, keep or not own_state)
     finally:
-        # A second Ctrl-C (or a SIGTERM) must not cut the clean-up short.
-        old = (
-            {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
-            if _main_thread()
-            else {}
-        )
-        try:
+        with uninterrupted():  # a second Ctrl-C (or a SIGTERM) must not cut the clean-up short
             if plane is not None:
                 killed = plane.stop()
                 if killed:
@@ -239,9 +234,6 @@ def run_demo(
             shutil.rmtree(shm_dir, ignore_errors=True)
             if own_state and not keep:
                 shutil.rmtree(sdir, ignore_errors=True)
-        finally:
-            for sig, handler in old.items():
-                signal.signal(sig, handler)
 
 
 def log_tail(client: TidalClient, job_id: str, rank: int, limit: int = 3000) -> str:
