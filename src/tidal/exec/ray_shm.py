@@ -14,6 +14,7 @@ Called by :class:`~tidal.exec.ray_exec.RayExecutor` (``shm_jobs``/``free_shm``, 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -45,6 +46,12 @@ def _free(job_dir: str) -> bool:
     return True
 
 
+@functools.cache
+def _remote(ray: Any, fn: Any) -> Any:
+    """``fn`` as a Ray remote function, made once per process (not at every sweep)."""
+    return ray.remote(fn)
+
+
 def _run_on_nodes(ray: Any, nodes: Mapping[str, str], fn: Any, args: Mapping[str, tuple],
                   cancel_late: bool) -> tuple[dict[str, Any], list[str]]:
     """``fn(*args[node])`` as a task on each node in ``args`` (name -> Ray node id in ``nodes``), all at
@@ -52,7 +59,7 @@ def _run_on_nodes(ray: Any, nodes: Mapping[str, str], fn: Any, args: Mapping[str
     ``cancel_late``: cancel what has not answered (a listing; a removal is left to finish)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    task = ray.remote(fn)
+    task = _remote(ray, fn)
     refs = {name: task.options(num_cpus=0, max_retries=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
         nodes[name], soft=False)).remote(*a) for name, a in args.items() if name in nodes}
     if not refs:
