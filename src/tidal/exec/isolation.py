@@ -19,14 +19,16 @@ default checkpoint directory; everything else of the state dir stays root's.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from tidal.contract import PROGRESS_DIRNAME
 from tidal.exec.cgroups import MIN_MEMORY_BYTES
 
 DEFAULT_PASS_ENV = (
@@ -122,6 +124,69 @@ class Uids:
             os.replace(tmp, self.path)
         return self.base + self._map[key]
 
+    def owner(self, per: str, job_id: str, tenant: str | None) -> tuple[int, int]:
+        """The uid and gid a job's ranks run as: its tenant's (``per: tenant``, if it has one) or its own."""
+        uid = self.uid(job_id if per == "job" or not tenant else f"tenant:{tenant}")
+        return uid, uid
+
+
+def recorded_owner(launch: Mapping[str, Any]) -> tuple[int, int] | None:
+    """The ranks' uid and gid as an attempt's ``launch.json`` records them (``owner``), or None."""
+    o = launch.get("owner")
+    return (int(o[0]), int(o[1])) if isinstance(o, list) and len(o) == 2 else None
+
+
+def require_root(iso: IsolationConfig) -> None:
+    """``ValueError`` in one line when ``uid_base`` is set and this process is not root (it chowns the
+    jobs' directories to their uids)."""
+    if iso.uid_base is not None and os.geteuid() != 0:
+        raise ValueError(f"isolation.uid_base {iso.uid_base}: running jobs as their own uid needs root "
+                         f"(tidal up runs as uid {os.geteuid()}); remove uid_base")
+
+
+def check_reachable(*dirs: Path) -> None:
+    """``ValueError`` in one line when a parent of one of ``dirs`` is not searchable by others: the jobs'
+    uids could not reach their own directories there."""
+    for d in dirs:
+        closed = [p for p in d.parents if not os.stat(p).st_mode & 0o001]
+        if closed:
+            raise ValueError(
+                f"isolation.uid_base: jobs' uids cannot reach {d}: {closed[0]} is not "
+                f"searchable by others (mode {oct(os.stat(closed[0]).st_mode & 0o777)}); "
+                "choose a state dir (and shm_dir) under world-searchable directories"
+            )
+
+
+def make_job_dirs(root: Path, job_dir: Path, attempt_dir: Path, home: Path, own_dirs: Iterable[str],
+                  owner: tuple[int, int] | None) -> None:
+    """A job's directories in the state dir, on either executor: the plane's (job, logs, attempt) 0711
+    with uids (a job's uid passes through to its own directories, lists nothing) else 0700, logs 0700;
+    the job's own (``progress/``, its private area ``home`` and ``home/tmp``, the ``own_dirs`` under
+    ``root`` not there yet, e.g. its default checkpoint directory) 0700 and owned by its uid."""
+    mode = 0o711 if owner is not None else 0o700
+    private_dir(job_dir, mode)
+    private_dir(job_dir / "logs", 0o700)
+    private_dir(attempt_dir, mode)
+    private_dir(attempt_dir / PROGRESS_DIRNAME, 0o700, owner)
+    private_dir(home, 0o700, owner)
+    private_dir(home / "tmp", 0o700, owner)
+    real = root.resolve()
+    for d in own_dirs:
+        p = Path(d)
+        if p.resolve().is_relative_to(real) and not p.exists():
+            private_dir(p, 0o700, owner)
+
+
+def rank_rlimits(iso: IsolationConfig, owner: tuple[int, int] | None) -> dict[str, int]:
+    """The limits a rank runs under (names of :data:`tidal.exec.shim.RLIMITS`): no core dumps,
+    ``max_file_bytes``, and with its own uid ``max_procs``."""
+    out = {"core": 0}
+    if iso.max_file_bytes is not None:
+        out["fsize"] = iso.max_file_bytes
+    if owner is not None and iso.max_procs is not None:
+        out["nproc"] = iso.max_procs
+    return out
+
 
 def clean_env(iso: IsolationConfig, home: Path, job_env: Mapping[str, str], platform: Mapping[str, str], *,
               omp_threads: int, base: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -151,19 +216,20 @@ def private_dir(path: Path, mode: int = 0o700, owner: tuple[int, int] | None = N
     """Create ``path`` (and missing parents, 0700) if needed; set its mode and, as root, its owner.
     Refuses a symlink at ``path`` (a job may not redirect the plane's chown elsewhere)."""
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    st = os.lstat(path)
-    if not _isdir(st):
-        raise OSError(f"{path}: not a directory (refused)")
-    if owner is None and st.st_uid != os.geteuid():
-        raise OSError(f"{path}: owned by uid {st.st_uid}, not by this process (refused)")
-    if owner is not None and (st.st_uid, st.st_gid) != owner:
-        os.chown(path, *owner, follow_symlinks=False)
-    if st.st_mode & 0o7777 != mode:
-        os.chmod(path, mode)
+    try:  # through one descriptor: a job swapping in a symbolic link after a check gets nothing changed
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as e:
+        if e.errno in (errno.ENOTDIR, errno.ELOOP):
+            raise OSError(f"{path}: not a directory (refused)") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if owner is None and st.st_uid != os.geteuid():
+            raise OSError(f"{path}: owned by uid {st.st_uid}, not by this process (refused)")
+        if owner is not None and (st.st_uid, st.st_gid) != owner:
+            os.fchown(fd, *owner)
+        if st.st_mode & 0o7777 != mode:
+            os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
     return path
-
-
-def _isdir(st: os.stat_result) -> bool:
-    import stat
-
-    return stat.S_ISDIR(st.st_mode)

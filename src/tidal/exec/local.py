@@ -47,7 +47,18 @@ from tidal import contract as c
 from tidal.contract import torchrun_env
 from tidal.exec import cgroups, procs, shim
 from tidal.exec.files import read_json, write_json
-from tidal.exec.isolation import IsolationConfig, Uids, clean_env, default_shm_dir, private_dir
+from tidal.exec.isolation import (
+    IsolationConfig,
+    Uids,
+    check_reachable,
+    clean_env,
+    default_shm_dir,
+    make_job_dirs,
+    private_dir,
+    rank_rlimits,
+    recorded_owner,
+    require_root,
+)
 from tidal.exec.progress import ProgressReader
 from tidal.exec.protocol import LaunchError, LaunchRequest, Observation, RankState
 from tidal.model import Node
@@ -116,9 +127,7 @@ class LocalExecutor:
         if (slots is None) == (gpu_ids is None):
             raise ValueError("give exactly one of slots (CPU) or gpu_ids")
         self.isolation = iso = isolation or IsolationConfig()
-        if iso.uid_base is not None and os.geteuid() != 0:
-            raise ValueError(f"isolation.uid_base {iso.uid_base}: running jobs as their own uid needs root "
-                             f"(tidal up runs as uid {os.geteuid()}); remove uid_base")
+        require_root(iso)
         self.root = Path(root)
         # 0711 with uids: a job's uid may pass through to its own directories, never list or read others'
         self._dir_mode = 0o711 if iso.uid_base is not None else 0o700
@@ -127,14 +136,7 @@ class LocalExecutor:
         shm = iso.shm_dir if iso.shm_dir is not None else default_shm_dir(self.root)
         self.shm_root = Path(shm) if shm else None
         if self.uids is not None:
-            for d in [self.root.resolve(), *([Path(shm).absolute()] if shm else [])]:
-                closed = [p for p in d.parents if not os.stat(p).st_mode & 0o001]
-                if closed:
-                    raise ValueError(
-                        f"isolation.uid_base: jobs' uids cannot reach {d}: {closed[0]} is not "
-                        f"searchable by others (mode {oct(os.stat(closed[0]).st_mode & 0o777)}); "
-                        "choose a state dir (and shm_dir) under world-searchable directories"
-                    )
+            check_reachable(self.root.resolve(), *([Path(shm).absolute()] if shm else []))
         self.cgroups = None
         if iso.max_memory_bytes is not None:  # refuse to start rather than drop a limit asked for
             self.cgroups = cgroups.find(self.root)
@@ -268,31 +270,17 @@ class LocalExecutor:
         return self.shm_root / job_id if self.shm_root is not None else None
 
     def _owner(self, req: LaunchRequest) -> tuple[int, int] | None:
-        if self.uids is None:
-            return None
-        key = req.job_id if self.isolation.per == "job" or not req.tenant else f"tenant:{req.tenant}"
-        uid = self.uids.uid(key)
-        return uid, uid
+        return self.uids.owner(self.isolation.per, req.job_id, req.tenant) if self.uids is not None else None
 
     def _make_dirs(self, req: LaunchRequest, adir: Path, owner: tuple[int, int] | None) -> None:
-        """The job's directories: the plane's (job, logs, attempt) 0711/0700; the job's own (progress,
-        home, shm, ``own_dirs`` under the root) 0700 and, with uids, owned by its uid."""
-        jdir = self.job_dir(req.job_id)
-        private_dir(jdir, self._dir_mode)
-        private_dir(jdir / "logs", 0o700)
-        private_dir(adir, self._dir_mode)
-        private_dir(adir / c.PROGRESS_DIRNAME, 0o700, owner)
-        home = private_dir(self.home_dir(req.job_id), 0o700, owner)
-        private_dir(home / "tmp", 0o700, owner)
+        """The job's directories (:func:`~tidal.exec.isolation.make_job_dirs`) and its shm directory (0700,
+        with uids owned by its uid)."""
+        make_job_dirs(self.root, self.job_dir(req.job_id), adir, self.home_dir(req.job_id), req.own_dirs,
+                      owner)
         shm = self.shm_dir(req.job_id)
         if shm is not None and c.ENV_SHM_DIR not in req.env:
             private_dir(shm.parent, 0o711 if owner else 0o700)
             private_dir(shm, 0o700, owner)
-        root = self.root.resolve()
-        for d in req.own_dirs:
-            p = Path(d)
-            if p.resolve().is_relative_to(root) and not p.exists():
-                private_dir(p, 0o700, owner)
 
     def job_env(
         self, req: LaunchRequest, r: int, devices: list[int], port: int, adir: Path
@@ -314,16 +302,12 @@ class LocalExecutor:
 
     def _shim_options(self, owner: tuple[int, int] | None, req: LaunchRequest, rank: int) -> list[str]:
         iso = self.isolation
-        out = ["--rlimit", "core=0"]
+        out = [x for k, v in rank_rlimits(iso, owner).items() for x in ("--rlimit", f"{k}={v}")]
         if self.cgroups is not None and iso.max_memory_bytes is not None:
             out += ["--cgroup", str(self.cgroups.rank_dir(req.job_id, req.attempt, rank)),
                     "--cgroup-version", str(self.cgroups.version), "--memory", str(iso.max_memory_bytes)]
-        if iso.max_file_bytes is not None:
-            out += ["--rlimit", f"fsize={iso.max_file_bytes}"]
         if owner is not None:
             out += ["--uid", str(owner[0]), "--gid", str(owner[1])]
-            if iso.max_procs is not None:
-                out += ["--rlimit", f"nproc={iso.max_procs}"]
         return out
 
     def shm_jobs(self) -> list[str]:
@@ -467,7 +451,7 @@ class LocalExecutor:
         taken = set(devices)
         self._free = {n: [d for d in free if d not in taken] for n, free in self._free.items()}
         ranks = [_Rank(r["rank"], r["pid"], r.get("started")) for r in doc["ranks"]]
-        owner = tuple(doc["owner"]) if isinstance(doc.get("owner"), list) and len(doc["owner"]) == 2 else None
         self._jobs[job_id] = _Tracked(job_id, attempt, float(doc["launched_s"]), devices, adir, ranks,
-                                      ProgressReader(adir / c.PROGRESS_DIRNAME, len(ranks)), owner)  # type: ignore[arg-type]
+                                      ProgressReader(adir / c.PROGRESS_DIRNAME, len(ranks)),
+                                      recorded_owner(doc))
         return True

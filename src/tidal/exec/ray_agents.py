@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from tidal import contract as c
+from tidal.exec.isolation import private_dir
 from tidal.exec.ray_rank import _child_setup
 
 log = logging.getLogger(__name__)
@@ -69,17 +70,24 @@ class AgentActor:
         return {"address": self.addr, "buddy": self.buddy,
                 "running": self.proc is not None and self.proc.poll() is None}
 
-    def start(self, node: str, mem_dir: str, allow: str, buddy: str | None, log_path: str) -> str:
-        """Run (or re-run, with a new buddy) the agent; its address once it answers ``/status``."""
+    def start(self, node: str, mem_dir: str, allow: str | None, buddy: str | None, log_path: str) -> str:
+        """Run (or re-run, with a new buddy) the agent; its address once it answers ``/status``.
+        ``allow``: the directory it may copy staging slots from; None: none (jobs run as their own
+        uids: the agent, root, would read any job's file a rank names), and the node's directories
+        are 0711 (a job's uid passes through to its own)."""
         self.reserve()
         running = self.proc is not None and self.proc.poll() is None
         if running and buddy == self.buddy:
             return self.addr  # type: ignore[return-value]
         if running:
             self.stop()
-        Path(mem_dir).mkdir(parents=True, exist_ok=True, mode=0o700)
+        node_dir = Path(mem_dir).parent
+        for d in (node_dir.parent, node_dir):
+            private_dir(d, 0o700 if allow is not None else 0o711)
+        private_dir(Path(mem_dir), 0o700)
+        copy = ["--allow-copy-from", allow] if allow is not None else ["--no-copy-from"]
         cmd = [sys.executable, "-m", "tidal.ckpt.agent", "--listen", self.addr, "--mem-dir", mem_dir,
-               "--node", node, "--allow-copy-from", allow, *(["--buddy", buddy] if buddy else [])]
+               "--node", node, *copy, *(["--buddy", buddy] if buddy else [])]
         parent = os.getpid()
         with open(
             os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600), "ab"
@@ -113,9 +121,11 @@ class RayAgents:
     """The supervisor: one :class:`AgentActor` per GPU node, in a buddy ring. Driven by ``RayExecutor``."""
 
     def __init__(
-        self, ray: Any, namespace: str, shm_root: Path, log_dir: Path, check_s: float = CHECK_S
+        self, ray: Any, namespace: str, shm_root: Path, log_dir: Path, check_s: float = CHECK_S, *,
+        uids: bool = False,
     ) -> None:
         self._ray, self.namespace, self.shm_root, self.log_dir = ray, namespace, shm_root, log_dir
+        self.uids = uids  # jobs run as their own uids: agents copy no staging slot (see AgentActor.start)
         self.check_s = check_s
         self._remote = ray.remote(AgentActor)
         self._checked = float("-inf")
@@ -159,7 +169,8 @@ class RayAgents:
             buddy = addresses.get(buddies[n]) if buddies[n] else None
             if not s["running"] or s["buddy"] != buddy:  # an agent tolerates a buddy not up yet (it retries)
                 node_dir = self.shm_root / n
-                starts[n] = actors[n].start.remote(n, str(node_dir / "agent"), str(node_dir), buddy,
+                starts[n] = actors[n].start.remote(n, str(node_dir / "agent"),
+                                                   None if self.uids else str(node_dir), buddy,
                                                    str(self.log_dir / f"agent-{n}.log"))
         for n, ref in starts.items():
             try:

@@ -50,7 +50,11 @@ checkpoints to its durable tiers only (:func:`across_nodes`).
 The plane frees a job's node-memory directories on every node once it no longer needs them (the
 controller's sweep, through small tasks on the nodes: :mod:`tidal.exec.ray_shm`).
 
-Not isolated here (docs/control.md): ranks run as the Ray workers' user (no ``isolation.uid_base``).
+**Isolation** as on the local executor (:mod:`tidal.exec.isolation`): a clean environment, the job's
+private area, 0600/0700 files, rlimits, and with ``isolation.uid_base`` (``tidal up`` and the Ray
+workers as root, checked on every node at start: :mod:`tidal.exec.ray_checks`) each rank as its job's
+uid, which owns the job's directories here and its node-memory directory on each node. Not isolated:
+the Ray cluster itself (docs/control.md).
 Not thread-safe: one reconcile loop drives it.
 """
 
@@ -60,7 +64,6 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -70,9 +73,20 @@ from typing import Any
 from tidal import contract as c
 from tidal.contract import torchrun_env
 from tidal.exec.files import read_json, write_json
-from tidal.exec.isolation import IsolationConfig, clean_env, private_dir
+from tidal.exec.isolation import (
+    IsolationConfig,
+    Uids,
+    check_reachable,
+    clean_env,
+    make_job_dirs,
+    private_dir,
+    rank_rlimits,
+    recorded_owner,
+    require_root,
+)
 from tidal.exec.progress import ProgressReader
 from tidal.exec.protocol import LaunchError, LaunchRequest, Observation, RankState
+from tidal.exec.ray_checks import check_reachable_address, check_workers_root
 from tidal.exec.ray_names import (  # what the plane's objects are called on the cluster, where they live
     _pg_name,
     across_nodes,
@@ -96,22 +110,6 @@ POLL_TIMEOUT_S = 0.5  # one step waits this long at most for the ranks' answers
 READY_TIMEOUT_S = 120.0  # placement group reserved and actors up, or the launch fails
 
 
-def _check_reachable(address: str | None) -> None:
-    """A ``HOST:PORT`` address whose GCS does not answer is one clear error now (``ray.init`` would
-    retry for minutes)."""
-    if not address or "://" in address or address == "auto" or ":" not in address:
-        return
-    host, _, port = address.rpartition(":")
-    if not port.isdigit() or not host:
-        raise ValueError(f"--ray-address {address!r}: expected HOST:PORT, 'auto' or ray://HOST:PORT")
-    try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
-    except OSError as e:
-        raise ValueError(
-            f"cannot join the Ray cluster at {address}: nothing answers there ({e.strerror or e})"
-        ) from None
-
-
 @dataclass
 class _Rank:
     rank: int
@@ -131,6 +129,7 @@ class _Tracked:
     ranks: list[_Rank]
     pg_id: str | None
     reader: ProgressReader
+    owner: tuple[int, int] | None = None  # the ranks' uid and gid when they run as their own user
     codes: dict[int, int] = field(default_factory=dict)
     vanished: set[int] = field(default_factory=set)
     lost: set[int] = field(default_factory=set)
@@ -149,13 +148,14 @@ class RayExecutor:
         self.ready_timeout_s = ready_timeout_s
         self.serving_nodes = dict(serving_nodes or {})
         self.isolation = iso = isolation or IsolationConfig()
-        if iso.uid_base is not None:
-            raise ValueError(f"isolation.uid_base {iso.uid_base}: the Ray executor runs ranks as the Ray "
-                             "workers' user; remove uid_base")
+        require_root(iso)
         self.root = Path(root)
-        private_dir(self.root, 0o700)
+        private_dir(self.root, 0o711 if iso.uid_base is not None else 0o700)
+        self.uids = Uids(self.root / ".uids.json", iso.uid_base) if iso.uid_base is not None else None
         self.namespace = namespace or namespace_for(self.root)
         self.shm_root = shm_base(self.namespace, iso.shm_dir)
+        if self.uids is not None:
+            check_reachable(self.root.resolve(), *([Path(iso.shm_dir).absolute()] if iso.shm_dir else []))
         for k, v in QUIET_ENV.items():
             os.environ.setdefault(k, v)
         import ray
@@ -163,7 +163,7 @@ class RayExecutor:
         self._ray = ray
         self._owns_ray = False
         if not ray.is_initialized():
-            _check_reachable(address)
+            check_reachable_address(address)
             kw: dict[str, Any] = {}
             if address is None and not os.environ.get("RAY_ADDRESS"):
                 kw = {"include_dashboard": False, **({"num_gpus": num_gpus} if num_gpus is not None else {})}
@@ -180,12 +180,19 @@ class RayExecutor:
         self._jobs: dict[str, _Tracked] = {}
         self._shm_where: dict[str, list[str]] = {}  # job -> nodes with its node memory (last shm_jobs)
         self.agents = None
-        if ckpt_agents:
-            if self.shm_root is None:
-                raise ValueError("checkpoint agents on Ray nodes need /dev/shm (or isolation.shm_dir)")
-            from tidal.exec.ray_agents import RayAgents
+        try:
+            if self.uids is not None:  # asked of a worker on each node, never assumed
+                check_workers_root(ray, self._read_nodes()[1])
+            if ckpt_agents:
+                if self.shm_root is None:
+                    raise ValueError("checkpoint agents on Ray nodes need /dev/shm (or isolation.shm_dir)")
+                from tidal.exec.ray_agents import RayAgents
 
-            self.agents = RayAgents(ray, self.namespace, self.shm_root, self.root)
+                self.agents = RayAgents(ray, self.namespace, self.shm_root, self.root,
+                                        uids=self.uids is not None)
+        except ValueError:
+            self.close()
+            raise
 
     def close(self) -> None:
         """Disconnect from Ray (a local Ray this executor started ends; detached actors on a cluster do
@@ -284,8 +291,10 @@ class RayExecutor:
             raise LaunchError(f"job {req.job_id}: workdir {req.workdir} is not a directory")
         adir = self.attempt_dir(req.job_id, req.attempt)
         try:
-            self._make_dirs(req, adir)
-        except OSError as e:
+            owner = self.uids.owner(self.isolation.per, req.job_id, req.tenant) if self.uids else None
+            make_job_dirs(self.root, self.job_dir(req.job_id), adir, self.home_dir(req.job_id), req.own_dirs,
+                          owner)
+        except (OSError, RuntimeError) as e:
             raise LaunchError(f"job {req.job_id}: cannot prepare its directories: {e}") from e
         self._remove_leftovers(req.job_id)
         plan = [(node, self._ids[node]) for node, k in req.placement.items() for _ in range(k)]
@@ -302,6 +311,7 @@ class RayExecutor:
             "placement": dict(req.placement),
             "namespace": self.namespace,
             "placement_group": pg.id.hex(),
+            "owner": list(owner) if owner else None,
             "ranks": [
                 {"rank": r, "node": node, "node_id": nid, "actor": actor_name(req.job_id, req.attempt, r)}
                 for r, (node, nid) in enumerate(plan)
@@ -310,7 +320,7 @@ class RayExecutor:
         write_json(adir / c.LAUNCH_FILE, doc)  # before any actor exists: a restarted plane finds them all
         ranks: list[_Rank] = []
         try:
-            handle = self._start(req, adir, plan, pg, ranks, doc)
+            handle = self._start(req, adir, plan, pg, ranks, doc, owner)
         except BaseException as e:
             for k in ranks:
                 self._kill_actor(k.actor)
@@ -320,11 +330,11 @@ class RayExecutor:
             raise LaunchError(f"job {req.job_id}: cannot start on Ray: {type(e).__name__}: "
                               f"{str(e).splitlines()[0] if str(e) else ''}") from e
         self._jobs[req.job_id] = _Tracked(req.job_id, req.attempt, now_s, adir, ranks, pg.id.hex(),
-                                          ProgressReader(adir / c.PROGRESS_DIRNAME, len(plan)))
+                                          ProgressReader(adir / c.PROGRESS_DIRNAME, len(plan)), owner)
         return handle
 
     def _start(self, req: LaunchRequest, adir: Path, plan: list[tuple[str, str]], pg: Any, ranks: list[_Rank],
-               doc: dict) -> dict:
+               doc: dict, owner: tuple[int, int] | None) -> dict:
         ray = self._ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -361,6 +371,7 @@ class RayExecutor:
         job_env = across_nodes(req.env) if len(groups) > 1 else dict(req.env)
         starts = []
         n = len(ranks)
+        rlimits = rank_rlimits(self.isolation, owner)
         for k in ranks:
             local = on_node[k.node]
             gpus = ",".join(g for r in local for g in infos[r]["gpu_ids"])
@@ -368,9 +379,8 @@ class RayExecutor:
                                        local_world_size=len(local), group_rank=groups.index(k.node)),
                         c.ENV_JOB_ID: req.job_id, c.ENV_PROGRESS_DIR: str(adir / c.PROGRESS_DIRNAME),
                         c.ENV_CONTROL_FILE: str(adir / c.CONTROL_FILE), c.ENV_CUDA_VISIBLE_DEVICES: gpus}
-            base = (
-                {c.ENV_SHM_DIR: str(self.shm_root / k.node / req.job_id)} if self.shm_root is not None else {}
-            )
+            shm = str(self.shm_root / k.node / req.job_id) if self.shm_root is not None else None
+            base = {c.ENV_SHM_DIR: shm} if shm is not None else {}
             if self.agents is not None:
                 base.update(self.agents.env(k.node))
             env = clean_env(self.isolation, self.home_dir(req.job_id), job_env, platform,
@@ -385,6 +395,9 @@ class RayExecutor:
                     self.log_path(req.job_id, k.rank),
                     header,
                     str(adir / c.pid_file(k.rank)),
+                    owner,
+                    rlimits,
+                    shm if c.ENV_SHM_DIR not in job_env else None,
                 )
             )
         for k, pid in zip(ranks, ray.get(starts, timeout=self.ready_timeout_s), strict=True):
@@ -400,28 +413,15 @@ class RayExecutor:
         }
         write_json(adir / c.LAUNCH_FILE, doc)
         return {
-            "executor": "ray",
-            "placement": dict(req.placement),
-            "master_addr": master,
-            "master_port": port,
+            "executor": "ray", "placement": dict(req.placement), "master_addr": master, "master_port": port,
             "dir": str(adir),
+            **({"uid": owner[0]} if owner else {}),
             "placement_group": doc["placement_group"],
             "ranks": [
                 {"rank": k.rank, "pid": k.pid, "node": k.node, "gpu_ids": infos[k.rank]["gpu_ids"]}
                 for k in ranks
             ],
         }
-
-    def _make_dirs(self, req: LaunchRequest, adir: Path) -> None:
-        jdir = self.job_dir(req.job_id)
-        for d in (jdir, jdir / "logs", adir, adir / c.PROGRESS_DIRNAME, self.home_dir(req.job_id),
-                  self.home_dir(req.job_id) / "tmp"):
-            private_dir(d, 0o700)
-        root = self.root.resolve()
-        for d in req.own_dirs:
-            p = Path(d)
-            if p.resolve().is_relative_to(root) and not p.exists():
-                private_dir(p, 0o700)
 
     def _remove_leftovers(self, job_id: str) -> None:
         """Actors and placement groups of the job's earlier attempts that are still in the cluster (a
@@ -476,7 +476,7 @@ class RayExecutor:
             return
         path = t.dir / c.CONTROL_FILE
         current = read_json(path) or {}
-        write_json(path, {**current, **settings})
+        write_json(path, {**current, **settings}, t.owner)  # the job's uid reads it
 
     def release(self, job_id: str) -> None:
         t = self._jobs.pop(job_id, None)
@@ -581,9 +581,9 @@ class RayExecutor:
             except ValueError:
                 actor = None
             ranks.append(_Rank(int(d["rank"]), str(d["node"]), str(d["node_id"]), actor, d.get("pid")))
+        reader = ProgressReader(adir / c.PROGRESS_DIRNAME, len(ranks))
         self._jobs[job_id] = _Tracked(job_id, attempt, float(doc["launched_s"]), adir, ranks,
-                                      doc.get("placement_group"), ProgressReader(adir / c.PROGRESS_DIRNAME,
-                                                                                 len(ranks)))
+                                      doc.get("placement_group"), reader, recorded_owner(doc))
         return True
 
 

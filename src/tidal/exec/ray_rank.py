@@ -12,7 +12,8 @@ The child dies with the actor: it is started with ``PR_SET_PDEATHSIG`` = SIGKILL
 the actor, or the death of its worker process with the node, never leaves a rank running unwatched.
 :meth:`RankActor.start` runs a command once: a second call returns the first one's pid.
 
-Standard library and ``ray`` only (no torch): the module is imported by every Ray worker that hosts a rank.
+Standard library, ``ray`` and small parts of :mod:`tidal.exec` only (no torch): the module is imported by
+every Ray worker that hosts a rank.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ import socket
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from tidal.exec.isolation import private_dir
+from tidal.exec.shim import set_limits
 
 PR_SET_PDEATHSIG = 1
 try:  # resolved before any fork: the child only calls it
@@ -35,13 +40,26 @@ except (OSError, AttributeError):  # not Linux
     _PRCTL = None
 
 
-def _child_setup(parent: int) -> None:
-    """In the child before exec: die with the actor's worker, no core dumps."""
+def _child_setup(parent: int, rlimits: Mapping[str, int] | None = None) -> None:
+    """In the child before exec (after ``Popen`` switched to the rank's uid: a change of uid clears the
+    parent-death signal): die with the actor's worker, no core dumps, the rank's ``rlimits``."""
     if _PRCTL is not None:
         _PRCTL(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:  # the actor died between fork and prctl
         os._exit(137)
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    if rlimits:
+        set_limits(dict(rlimits))
+
+
+def _node_shm_dir(shm_dir: str, owner: tuple[int, int]) -> None:
+    """On the node: the job's node-memory directory ``<base>/<node>/<job>`` 0700 and owned by the job's
+    uid, ``<base>`` and ``<base>/<node>`` root's 0711 (a job's uid passes through to its own, lists
+    nothing)."""
+    d = Path(shm_dir)
+    private_dir(d.parent.parent, 0o711)
+    private_dir(d.parent, 0o711)
+    private_dir(d, 0o700, owner)
 
 
 class RankActor:
@@ -68,9 +86,12 @@ class RankActor:
             return s.getsockname()[1]
 
     def start(self, command: Sequence[str], env: Mapping[str, str], cwd: str, log_path: str, header: str,
-              pid_path: str | None = None) -> int | None:
+              pid_path: str | None = None, owner: Sequence[int] | None = None,
+              rlimits: Mapping[str, int] | None = None, shm_dir: str | None = None) -> int | None:
         """Run ``command`` (once); its pid, or None if it could not start (the reason is in the log and
-        :meth:`poll`)."""
+        :meth:`poll`). ``owner``: the uid and gid to run it as (no supplementary groups; the worker must
+        be root), whose node-memory directory ``shm_dir`` is made here first; ``rlimits``: see
+        :func:`tidal.exec.isolation.rank_rlimits`."""
         if self.proc is not None or self.error is not None:
             return self.proc.pid if self.proc is not None else None
         fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
@@ -78,11 +99,21 @@ class RankActor:
             out.write(header.encode())
             out.flush()
             parent = os.getpid()
+            kw: dict = {}
             try:
+                if owner is not None:
+                    uid, gid = int(owner[0]), int(owner[1])
+                    if os.geteuid() != 0:
+                        raise PermissionError(f"the Ray worker on this node runs as uid {os.geteuid()}, "
+                                              f"not root: it cannot run the rank as uid {uid} "
+                                              "(isolation.uid_base)")
+                    if shm_dir is not None:
+                        _node_shm_dir(shm_dir, (uid, gid))
+                    kw = {"user": uid, "group": gid, "extra_groups": []}
                 self.proc = subprocess.Popen(list(command), stdin=subprocess.DEVNULL, stdout=out,
                                              stderr=subprocess.STDOUT, cwd=cwd, env=dict(env), umask=0o077,
                                              start_new_session=True, close_fds=True,
-                                             preexec_fn=lambda: _child_setup(parent))
+                                             preexec_fn=lambda: _child_setup(parent, rlimits), **kw)
             except (OSError, subprocess.SubprocessError) as e:
                 self.error, self.code = f"cannot start {command[0]!r} in {cwd}: {e}", 127
                 out.write(f"tidal: {self.error}\n".encode())

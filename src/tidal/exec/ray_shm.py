@@ -52,10 +52,10 @@ def _remote(ray: Any, fn: Any) -> Any:
     return ray.remote(fn)
 
 
-def _run_on_nodes(ray: Any, nodes: Mapping[str, str], fn: Any, args: Mapping[str, tuple],
-                  cancel_late: bool) -> tuple[dict[str, Any], list[str]]:
+def run_on_nodes(ray: Any, nodes: Mapping[str, str], fn: Any, args: Mapping[str, tuple],
+                 cancel_late: bool, timeout_s: float = CALL_TIMEOUT_S) -> tuple[dict[str, Any], list[str]]:
     """``fn(*args[node])`` as a task on each node in ``args`` (name -> Ray node id in ``nodes``), all at
-    once: (the answers that came back within ``CALL_TIMEOUT_S`` in all, the nodes still working).
+    once: (the answers that came back within ``timeout_s`` in all, the nodes still working).
     ``cancel_late``: cancel what has not answered (a listing; a removal is left to finish)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -64,28 +64,28 @@ def _run_on_nodes(ray: Any, nodes: Mapping[str, str], fn: Any, args: Mapping[str
         nodes[name], soft=False)).remote(*a) for name, a in args.items() if name in nodes}
     if not refs:
         return {}, []
-    done, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=CALL_TIMEOUT_S)
+    done, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
     finished = {r.hex() for r in done}
     out: dict[str, Any] = {}
     late: list[str] = []
     for name, ref in refs.items():
         if ref.hex() not in finished:
             late.append(name)
-            log.warning("node memory on %s: no answer within %g s", name, CALL_TIMEOUT_S)
+            log.warning("%s on %s: no answer within %g s", fn.__name__, name, timeout_s)
             if cancel_late:
                 ray.cancel(ref, force=True)
             continue
         try:
             out[name] = ray.get(ref)
         except Exception as e:  # the node went away meanwhile: the next sweep
-            log.warning("node memory on %s: %s", name, type(e).__name__)
+            log.warning("%s on %s: %s", fn.__name__, name, type(e).__name__)
     return out, late
 
 
 def shm_jobs(ray: Any, nodes: Mapping[str, str], base: Path) -> dict[str, list[str]]:
     """Job -> the nodes (names) where it has a node-memory directory, over the alive ``nodes`` that
     answered (the others are asked again at the next sweep)."""
-    answers, _ = _run_on_nodes(ray, nodes, _list, {n: (str(base / n),) for n in nodes}, cancel_late=True)
+    answers, _ = run_on_nodes(ray, nodes, _list, {n: (str(base / n),) for n in nodes}, cancel_late=True)
     out: dict[str, list[str]] = {}
     for node, jobs in sorted(answers.items()):
         for job in jobs:
@@ -96,6 +96,6 @@ def shm_jobs(ray: Any, nodes: Mapping[str, str], base: Path) -> dict[str, list[s
 def free(ray: Any, nodes: Mapping[str, str], base: Path, job_id: str, where: list[str]) -> bool:
     """Remove ``job_id``'s node-memory directory on each node of ``where``: True if one was there, or a
     node is still at it (its removal runs to the end; the next listing shows what is left)."""
-    answers, late = _run_on_nodes(ray, nodes, _free, {n: (str(base / n / job_id),) for n in where},
+    answers, late = run_on_nodes(ray, nodes, _free, {n: (str(base / n / job_id),) for n in where},
                                   cancel_late=False)
     return any(answers.values()) or bool(late)

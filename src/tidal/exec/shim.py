@@ -112,7 +112,7 @@ def _leave_cgroup(opts: dict) -> None:
         pass  # the plane removes empty rank cgroups at start
 
 
-def _limit(rlimits: dict) -> None:
+def set_limits(rlimits: dict) -> None:
     """In the child before exec: lower the limits (soft and hard; never raised). Imports nothing: the
     child may already run as a uid that cannot read the Python installation."""
     for name, value in rlimits.items():
@@ -144,7 +144,7 @@ def main(argv: list[str]) -> int:
             kw.update(user=opts["uid"], group=opts.get("gid", opts["uid"]), extra_groups=[])
         rlimits = opts["rlimits"]
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, umask=0o077, close_fds=True,
-                                preexec_fn=(lambda: _limit(rlimits)) if rlimits else None, **kw)
+                                preexec_fn=(lambda: set_limits(rlimits)) if rlimits else None, **kw)
     except (OSError, subprocess.SubprocessError) as e:
         print(f"tidal: cannot start {cmd[0]!r} in {os.getcwd()}: {e}", file=sys.stderr, flush=True)
         _write(exit_file, {"code": 127, "time": time.time(), "error": str(e)})

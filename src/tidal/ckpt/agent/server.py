@@ -220,7 +220,8 @@ class Agent:
         self.address = f"{host}:{self._server.server_address[1]}"
         self.node = check_name(node or self.address.replace(":", "_"), "--node")
         self.buddy = parse_address(buddy, "--buddy") if buddy else None
-        self.copy_roots = [os.path.realpath(p) for p in (allow_copy_from or default_copy_roots())]
+        roots = default_copy_roots() if allow_copy_from is None else allow_copy_from  # []: copy nothing
+        self.copy_roots = [os.path.realpath(p) for p in roots]
         self.sync_timeout_s, self.reserve_bytes = sync_timeout_s, reserve_bytes
         self.started_unix_s = time.time()
         self.copied_bytes = 0  # handed off by copying a staging slot (no bytes through HTTP)
@@ -545,11 +546,17 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--allow-copy-from", action="append", help="directory staging slots may be copied from "
                    "(repeatable; default $TIDAL_SHM_DIR/tidal or /dev/shm/tidal)")
+    p.add_argument("--no-copy-from", action="store_true", help="copy no file a client names (ranks send "
+                   "the bytes): for an agent that can read files its clients may not, e.g. as root with jobs "
+                   "under their own uids")
     p.add_argument("--resync-s", type=float, default=2.0, help="seconds between checks of the buddy's copy")
     p.add_argument("--log-level", default="INFO")
     a = p.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    agent = Agent(a.listen, a.mem_dir, buddy=a.buddy, node=a.node, allow_copy_from=a.allow_copy_from,
+    if a.no_copy_from and a.allow_copy_from:
+        p.error("--no-copy-from and --allow-copy-from exclude each other")
+    agent = Agent(a.listen, a.mem_dir, buddy=a.buddy, node=a.node,
+                  allow_copy_from=[] if a.no_copy_from else a.allow_copy_from,
                   resync_s=a.resync_s)
 
     def stop(signum, frame) -> None:

@@ -1,0 +1,68 @@
+"""What ``tidal up --executor ray`` checks of the cluster at start, each a one-line ``ValueError``: that
+an address answers (:func:`check_reachable_address`), and with ``isolation.uid_base`` (jobs as their own
+uids) that the Ray workers run as root (:func:`check_workers_root`).
+
+A rank actor (:class:`tidal.exec.ray_rank.RankActor`) starts its rank as the job's uid, which only a
+worker running as root can. :func:`check_workers_root` asks a worker on every node at start (a task
+pinned to each, no CPU reserved), so ``tidal up`` refuses in one line rather than failing every launch
+later; a node that joins afterwards with other workers fails the rank's start with that reason in its
+log (the actor checks again).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from typing import Any
+
+from tidal.exec.ray_shm import run_on_nodes
+
+CHECK_TIMEOUT_S = 60.0  # a cold node starts a worker first (seconds on a busy machine)
+
+
+def check_reachable_address(address: str | None) -> None:
+    """A ``HOST:PORT`` address whose GCS does not answer is one clear error now (``ray.init`` would
+    retry for minutes)."""
+    if not address or "://" in address or address == "auto" or ":" not in address:
+        return
+    host, _, port = address.rpartition(":")
+    if not port.isdigit() or not host:
+        raise ValueError(f"--ray-address {address!r}: expected HOST:PORT, 'auto' or ray://HOST:PORT")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+    except OSError as e:
+        raise ValueError(
+            f"cannot join the Ray cluster at {address}: nothing answers there ({e.strerror or e})"
+        ) from None
+
+
+def _euid() -> int:
+    """On the node: the uid the Ray worker runs as."""
+    return os.geteuid()
+
+
+def check_workers_root(ray: Any, nodes: Mapping[str, str], timeout_s: float = CHECK_TIMEOUT_S) -> None:
+    """``ValueError`` in one line unless a worker on every node of ``nodes`` (name -> Ray node id)
+    answers that it runs as root."""
+    answers, late = run_on_nodes(ray, nodes, _euid, {n: () for n in nodes}, cancel_late=True,
+                                 timeout_s=timeout_s)
+    msg = verdict(answers, late, list(nodes), timeout_s)
+    if msg is not None:
+        raise ValueError(msg)
+
+
+def verdict(euids: Mapping[str, int], late: list[str], nodes: list[str],
+            timeout_s: float = CHECK_TIMEOUT_S) -> str | None:
+    """What ``tidal up`` says of the workers' uids per node (``euids``; ``late``: not answered in
+    time), in one line; None when every node of ``nodes`` answered root."""
+    missing = sorted(set(nodes) - set(euids))
+    if missing:
+        return (f"isolation.uid_base: no Ray worker answered on {', '.join(missing)} within {timeout_s:g} s "
+                "(each node's workers must run as root to start ranks as jobs' uids)")
+    other = {n: u for n, u in sorted(euids.items()) if u != 0}
+    if other:
+        return ("isolation.uid_base: the Ray workers run as "
+                + ", ".join(f"uid {u} on {n}" for n, u in other.items())
+                + ", not root: they cannot start ranks as jobs' uids (start Ray as root, or remove uid_base)")
+    return None

@@ -1,0 +1,165 @@
+"""Jobs on the Ray executor run as their own uids (``isolation.uid_base``; docs/control.md, Isolation).
+
+A plane built in-process with the Ray executor on the session's Ray cluster (tests/ray_cluster.py,
+whose workers run as root here) and driven step by step. A victim job (tenant alice) leaves a log, a
+checkpoint, a file in its private area, a progress record and node memory; a hostile job (tenant bob)
+tries to read them, the admin token, the database and the plane's environment, to list the state dir,
+to signal the plane and its own rank actor, to widen what it does not own, and leaves a symbolic link in
+its private area for the next attempt to follow. It writes what it managed into its log. The ranks run
+``/bin/sh`` (this project's interpreter lives under /root, 0700: other uids cannot run it).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from plane_proc import wait_until
+from tidal.control.auth import ADMIN_TOKEN_FILE
+from tidal.exec.ray_checks import verdict
+
+pytestmark = pytest.mark.slow
+ROOT = os.geteuid() == 0
+TERMINAL = ("succeeded", "failed", "cancelled")
+SECRET = "plane-secret-4d2e81"
+
+VICTIM = (
+    'echo VICTIM-LOG-MARK; mkdir -p "$TIDAL_CKPT_URL" && echo VICTIM-CKPT-MARK > "$TIDAL_CKPT_URL/data" && '
+    'echo VICTIM-HOME-MARK > "$HOME/secret" && echo VICTIM-SHM-MARK > "$TIDAL_SHM_DIR/state" && '
+    "echo '{\"event\": \"committed\", \"step\": 5, \"tiers\": [\"shm\"], \"time\": 1}' "
+    '> "$TIDAL_PROGRESS_DIR/progress-r00000.jsonl" && echo "uid $(id -u)"'
+)
+HOSTILE = r'''
+base=$(dirname "$(dirname "$TIDAL_SHM_DIR")")
+v="$STATE/jobs/$VICTIM"
+ln -s "$STATE/$TOKEN" "$HOME/token-link"
+for f in "$STATE/$TOKEN" "$HOME/token-link" "$STATE/tidal.db" "$STATE/jobs/.uids.json" "$v/logs/rank-0.log" \
+         "$v/ckpt/data" "$v/home/secret" "$v/attempt-1/progress/progress-r00000.jsonl" \
+         "$v/attempt-1/launch.json" \
+         "$base/n1/$VICTIM/state" "$base/n2/$VICTIM/state" "$base/n3/$VICTIM/state" \
+         "/proc/$PLANE_PID/environ" "/proc/$PPID/environ"; do
+  if c=$(cat "$f" 2>/dev/null); then echo "READ $f: $c"; else echo "denied $f"; fi
+done
+for d in "$STATE" "$STATE/jobs" "$v" "$v/ckpt" "$base" "$(dirname "$TIDAL_SHM_DIR")"; do
+  if l=$(ls -A "$d" 2>/dev/null); then echo "LISTED $d: $l"; else echo "denied listing $d"; fi
+done
+for p in "$PLANE_PID" "$PPID"; do
+  if kill -0 "$p" 2>/dev/null; then echo "SIGNALLED $p"; else echo "denied signal $p"; fi
+done
+for f in "$STATE/jobs/$TIDAL_JOB_ID" "$STATE/jobs/$TIDAL_JOB_ID/attempt-1" \
+         "$STATE/jobs/$TIDAL_JOB_ID/logs/rank-0.log" "$base"; do
+  if chmod 0777 "$f" 2>/dev/null; then echo "CHMODDED $f"; else echo "denied chmod $f"; fi
+done
+chmod 0777 "$HOME" "$TIDAL_PROGRESS_DIR" "$TIDAL_SHM_DIR" && echo "own dirs opened"
+echo "uid $(id -u) gid $(id -g) groups $(id -G) nproc $(ulimit -p) core $(ulimit -c)"
+rm -rf "$HOME/tmp" && ln -s "$STATE" "$HOME/tmp" && echo "home/tmp now links to the state dir"
+exit 1
+'''
+
+
+def _job(plane, tenant: str, name: str, script: str, env: dict, restarts: int = 0) -> str:
+    from tidal.control.spec import parse_spec
+
+    spec = parse_spec({"name": name, "gpus": 1, "max_restarts": restarts,
+                       "command": ["/bin/sh", "-c", script], "env": env})
+    return plane.store.submit(tenant, spec.model_dump(), time.time()).id
+
+
+def _run(plane, job_id: str) -> None:
+    def ended():
+        plane.controller.step(time.time())
+        return plane.store.job(job_id).state in TERMINAL
+
+    wait_until(f"{job_id} to end", ended, 90)
+
+
+def _log(plane, job_id: str) -> str:
+    return Path(plane.executor.log_path(job_id, 0)).read_text()
+
+
+def _mode(p: Path) -> tuple[int, int]:
+    st = os.lstat(p)
+    return st.st_uid, stat.S_IMODE(st.st_mode)
+
+
+@pytest.mark.skipif(not ROOT, reason="jobs run as their own uids only when tidal up and the Ray workers "
+                    "run as root (docs/control.md, Isolation)")
+def test_a_hostile_job_on_ray_reads_nothing_as_its_own_uid(ray_cluster, monkeypatch):
+    from tidal.control.auth import create_tenant
+    from tidal.control.config import ControlConfig
+    from tidal.control.server import build
+    from tidal.exec.isolation import IsolationConfig
+
+    monkeypatch.setenv("TIDAL_TEST_SECRET", SECRET)  # in the plane's environment only
+    base = Path(tempfile.mkdtemp(prefix="tidal-rayiso-"))  # other uids may pass through /tmp (not pytest's
+    base.chmod(0o711)  # tmp_path, under a 0700 directory)
+    ray_cluster.state_roots.append(base / "state" / "jobs")
+    cfg = ControlConfig(loop_interval_s=0.1, restart_backoff_s=0.1,
+                        isolation=IsolationConfig(uid_base=210000))
+    plane = build(base / "state", "auto", None, cfg, executor="ray", ray_address=ray_cluster.address)
+    ex, sd = plane.executor, plane.state_dir
+    try:
+        plane.controller.recover(time.time())
+        create_tenant(plane.store, "alice", quota_gpus=1)
+        create_tenant(plane.store, "bob", quota_gpus=1)
+        victim = _job(plane, "alice", "victim", VICTIM, {})
+        _run(plane, victim)
+        vlog = _log(plane, victim)
+        assert plane.store.job(victim).state == "succeeded", vlog
+        uid_v = plane.store.job(victim).handle["uid"]
+        assert f"uid {uid_v}\n" in vlog and 210000 <= uid_v < 210000 + 65536
+        # its own checkpoint, progress, private area and node memory work under its uid
+        assert plane.store.job(victim).ckpt_step == 5
+        assert (ex.job_dir(victim) / "ckpt" / "data").read_text() == "VICTIM-CKPT-MARK\n"
+        node = plane.store.job(victim).handle["ranks"][0]["node"]
+        shm = ex.shm_root / node / victim
+        assert (shm / "state").read_text() == "VICTIM-SHM-MARK\n"
+        for p in (ex.home_dir(victim), ex.attempt_dir(victim, 1) / "progress", ex.job_dir(victim) / "ckpt",
+                  shm):
+            assert _mode(p) == (uid_v, 0o700), p
+        for p in (sd, sd / "jobs", ex.job_dir(victim), ex.attempt_dir(victim, 1), ex.shm_root, shm.parent):
+            assert _mode(p) == (0, 0o711), p
+        assert _mode(Path(ex.log_path(victim, 0))) == (0, 0o600)
+        assert _mode(sd / ADMIN_TOKEN_FILE) == (0, 0o600)
+
+        env = {"STATE": str(sd), "VICTIM": victim, "TOKEN": ADMIN_TOKEN_FILE, "PLANE_PID": str(os.getpid())}
+        hostile = _job(plane, "bob", "peek", HOSTILE, env, restarts=1)
+        _run(plane, hostile)
+        log = _log(plane, hostile)
+        token = (sd / ADMIN_TOKEN_FILE).read_text().strip()
+        assert token not in log and SECRET not in log and "MARK" not in log, log
+        assert not any(w in log for w in ("READ ", "LISTED ", "SIGNALLED ", "CHMODDED ")), log
+        assert log.count("denied ") == 14 + 6 + 2 + 4, log
+        uid_h = ex.uids.owner("tenant", hostile, "bob")[0]  # bob's (the handle went with the failed launch)
+        assert f"uid {uid_h} gid {uid_h} groups {uid_h} nproc 4096 core 0\n" in log and uid_h != uid_v, log
+        assert "own dirs opened" in log and "home/tmp now links to the state dir" in log
+        # The restart refused to follow the link (a chown of the state dir to bob), and closed the home again.
+        job = plane.store.job(hostile)
+        assert job.state == "failed" and "not a directory (refused)" in (job.message or ""), job.message
+        assert _mode(sd) == (0, 0o711) and _mode(sd / ADMIN_TOKEN_FILE) == (0, 0o600)
+        assert _mode(ex.home_dir(hostile)) == (uid_h, 0o700)
+        assert log.count("=== tidal: ") == 1  # attempt 2 never ran
+    finally:
+        for job_id in list(ex._jobs):
+            ex.kill(job_id)
+            ex.release(job_id)
+        plane.store.close()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_workers_not_root_is_one_line():
+    """What ``tidal up`` says when the Ray workers (asked on each node at start) cannot switch uids."""
+    assert verdict({"n1": 0, "n2": 0}, [], ["n1", "n2"]) is None
+    msg = verdict({"n1": 0, "n2": 1000}, [], ["n1", "n2"])
+    assert msg == ("isolation.uid_base: the Ray workers run as uid 1000 on n2, not root: they cannot start "
+                   "ranks as jobs' uids (start Ray as root, or remove uid_base)")
+    msg = verdict({"n1": 0}, ["n2"], ["n1", "n2"], timeout_s=60)
+    assert msg is not None and msg.startswith("isolation.uid_base: no Ray worker answered on n2 within 60 s")
+    for answers, late in [({}, ["n1", "n2"]), ({"n1": 5}, [])]:
+        assert "\n" not in (verdict(answers, late, ["n1", "n2"]) or "-")
