@@ -251,6 +251,27 @@ def call(ag: Agent, method: str, path: str, body: bytes | None = None, headers: 
         conn.close()
 
 
+def test_an_agent_with_no_copy_from_reads_no_file_a_client_names(shm, tmp_path):
+    """``--no-copy-from`` (an agent as root while jobs run as their own uids, on Ray): a staging slot even
+    under the default root is refused (403: the peer tier then sends the bytes), bytes sent are taken."""
+    from tidal.ckpt.agent.server import main
+
+    slot = shm / "tidal" / "slot"
+    slot.parent.mkdir(parents=True)
+    slot.write_bytes(b"x" * 64)
+    ag = Agent("127.0.0.1:0", tmp_path / "mem", allow_copy_from=[]).start()
+    try:
+        p = "/v1/jobs/j/step_000000000001/r00000-x.safetensors"
+        status, body, _ = call(ag, "POST", f"{p}?copy_from={slot}&length=64&hold=1")
+        assert status == 403 and b"outside the allowed roots []" in body
+        assert call(ag, "PUT", p, b"y" * 64)[0] == 200 and call(ag, "GET", p)[1] == b"y" * 64
+    finally:
+        ag.close()
+    with pytest.raises(SystemExit):
+        main(["--listen", "127.0.0.1:0", "--mem-dir", str(tmp_path / "m2"), "--no-copy-from",
+              "--allow-copy-from", str(shm)])
+
+
 def test_agent_api_ranges_copy_roots_and_commit_check(agent, shm, tmp_path):
     p = "/v1/jobs/j/step_000000000007"
     assert call(agent, "PUT", f"{p}/r00000-x.safetensors", b"0123456789")[0] == 200

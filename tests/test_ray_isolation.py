@@ -22,7 +22,8 @@ import pytest
 
 from plane_proc import wait_until
 from tidal.control.auth import ADMIN_TOKEN_FILE
-from tidal.exec.ray_checks import verdict
+from tidal.exec.isolation import IsolationConfig
+from tidal.exec.ray_checks import open_cluster_warning, verdict
 
 pytestmark = pytest.mark.slow
 ROOT = os.geteuid() == 0
@@ -93,8 +94,7 @@ def _mode(p: Path) -> tuple[int, int]:
 def test_a_hostile_job_on_ray_reads_nothing_as_its_own_uid(ray_cluster, monkeypatch):
     from tidal.control.auth import create_tenant
     from tidal.control.config import ControlConfig
-    from tidal.control.server import build
-    from tidal.exec.isolation import IsolationConfig
+    from tidal.control.server import build, isolation_warning
 
     monkeypatch.setenv("TIDAL_TEST_SECRET", SECRET)  # in the plane's environment only
     base = Path(tempfile.mkdtemp(prefix="tidal-rayiso-"))  # other uids may pass through /tmp (not pytest's
@@ -105,6 +105,8 @@ def test_a_hostile_job_on_ray_reads_nothing_as_its_own_uid(ray_cluster, monkeypa
     plane = build(base / "state", "auto", None, cfg, executor="ray", ray_address=ray_cluster.address)
     ex, sd = plane.executor, plane.state_dir
     try:
+        # this test cluster has no Ray token authentication: tidal up says what that leaves open
+        assert ex.token_auth or isolation_warning(cfg, executor=ex) == open_cluster_warning()
         plane.controller.recover(time.time())
         create_tenant(plane.store, "alice", quota_gpus=1)
         create_tenant(plane.store, "bob", quota_gpus=1)
@@ -154,7 +156,10 @@ def test_a_hostile_job_on_ray_reads_nothing_as_its_own_uid(ray_cluster, monkeypa
 
 
 def test_workers_not_root_is_one_line():
-    """What ``tidal up`` says when the Ray workers (asked on each node at start) cannot switch uids."""
+    """What ``tidal up`` says when the Ray workers (asked on each node at start) cannot switch uids; the
+    cluster's token never goes to jobs."""
+    with pytest.raises(ValueError, match="isolation.pass_env: RAY_AUTH_TOKEN would hand every job"):
+        IsolationConfig(pass_env=("PATH", "RAY_AUTH_TOKEN"))
     assert verdict({"n1": 0, "n2": 0}, [], ["n1", "n2"]) is None
     msg = verdict({"n1": 0, "n2": 1000}, [], ["n1", "n2"])
     assert msg == ("isolation.uid_base: the Ray workers run as uid 1000 on n2, not root: they cannot start "

@@ -127,10 +127,17 @@ class Plane:
         return create_app(ctx)
 
 
-def isolation_warning(config: ControlConfig | None, euid: int | None = None) -> str | None:
+def isolation_warning(config: ControlConfig | None, euid: int | None = None,
+                      executor: object = None) -> str | None:
     """One line when jobs will run as root (``tidal up`` as root without ``isolation.uid_base``): root
-    reads every file whatever its mode, so such a job can read the admin token and other jobs' data."""
+    reads every file whatever its mode, so such a job can read the admin token and other jobs' data; or
+    (``executor`` a Ray executor running jobs as their uids) when the Ray cluster has no token
+    authentication, through which a job could run code as the workers' user."""
     iso = config.isolation if config is not None else None
+    if getattr(executor, "token_auth", True) is False and getattr(executor, "uids", None) is not None:
+        from tidal.exec.ray_checks import open_cluster_warning
+
+        return open_cluster_warning()
     if (os.geteuid() if euid is None else euid) != 0 or (iso is not None and iso.uid_base is not None):
         return None
     return ("warning: jobs run as root and can read the state dir (admin token, database) and other jobs' "
@@ -383,7 +390,7 @@ def serve(plane: Plane, host: str = "127.0.0.1", port: int = 8470, *, announce=p
             f"admin token {'created in' if plane.token_created else 'in'} {plane.state_dir / 'admin.token'}"
         )
         announce(f"dashboard: {dashboard_url(url)} (sign in with a tenant's token or the admin's)")
-        if (warning := isolation_warning(plane.controller.config)) is not None:
+        if (warning := isolation_warning(plane.controller.config, executor=plane.executor)) is not None:
             announce(warning)
 
     threading.Thread(target=announce_when_up, name="tidal-announce", daemon=True).start()

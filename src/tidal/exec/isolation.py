@@ -70,6 +70,9 @@ class IsolationConfig:
             v = getattr(self, k)
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"isolation.{k} must be a positive integer or null, got {v!r}")
+        if "RAY_AUTH_TOKEN" in self.pass_env:
+            raise ValueError("isolation.pass_env: RAY_AUTH_TOKEN would hand every job the Ray cluster's "
+                             "token (with it a job runs code as the Ray workers' user)")
         m = self.max_memory_bytes
         if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < MIN_MEMORY_BYTES):
             raise ValueError(

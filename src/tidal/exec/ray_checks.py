@@ -37,6 +37,25 @@ def check_reachable_address(address: str | None) -> None:
         ) from None
 
 
+def token_auth_enabled() -> bool:
+    """Whether this process talks to its Ray cluster with Ray's token authentication (``RAY_AUTH_MODE=token``,
+    Ray >= 2.52); False when it cannot tell."""
+    try:
+        from ray._private.authentication.authentication_utils import is_token_auth_enabled
+
+        return bool(is_token_auth_enabled())
+    except Exception:  # an older Ray, or the private API moved
+        return False
+
+
+def open_cluster_warning() -> str:
+    """What ``tidal up`` says at start when jobs run as their own uids on a Ray cluster without token
+    authentication."""
+    return ("warning: the Ray cluster has no token authentication: a job that reaches its ports and speaks "
+            "Ray's protocol runs code as the workers' user (root) on any node, whatever its own uid; start "
+            "Ray with RAY_AUTH_MODE=token (docs/control.md, Isolation)")
+
+
 def _euid() -> int:
     """On the node: the uid the Ray worker runs as."""
     return os.geteuid()

@@ -86,7 +86,7 @@ from tidal.exec.isolation import (
 )
 from tidal.exec.progress import ProgressReader
 from tidal.exec.protocol import LaunchError, LaunchRequest, Observation, RankState
-from tidal.exec.ray_checks import check_reachable_address, check_workers_root
+from tidal.exec.ray_checks import check_reachable_address, check_workers_root, token_auth_enabled
 from tidal.exec.ray_names import (  # what the plane's objects are called on the cluster, where they live
     _pg_name,
     across_nodes,
@@ -180,6 +180,7 @@ class RayExecutor:
         self._jobs: dict[str, _Tracked] = {}
         self._shm_where: dict[str, list[str]] = {}  # job -> nodes with its node memory (last shm_jobs)
         self.agents = None
+        self.token_auth = token_auth_enabled()
         try:
             if self.uids is not None:  # asked of a worker on each node, never assumed
                 check_workers_root(ray, self._read_nodes()[1])
