@@ -4,8 +4,9 @@ A plane built in-process with the Ray executor on the session's Ray cluster (tes
 whose workers run as root here) and driven step by step. A victim job (tenant alice) leaves a log, a
 checkpoint, a file in its private area, a progress record and node memory; a hostile job (tenant bob)
 tries to read them, the admin token, the database and the plane's environment, to list the state dir,
-to signal the plane and its own rank actor, to widen what it does not own, and leaves a symbolic link in
-its private area for the next attempt to follow. It writes what it managed into its log. The ranks run
+to signal the plane and its own rank actor, to widen what it does not own, to have the checkpoint agents
+(root) copy the victim's node memory, and leaves a symbolic link in its private area for the next attempt
+to follow. It writes what it managed into its log. The ranks run
 ``/bin/sh`` (this project's interpreter lives under /root, 0700: other uids cannot run it).
 """
 
@@ -34,8 +35,32 @@ VICTIM = (
     'echo VICTIM-LOG-MARK; mkdir -p "$TIDAL_CKPT_URL" && echo VICTIM-CKPT-MARK > "$TIDAL_CKPT_URL/data" && '
     'echo VICTIM-HOME-MARK > "$HOME/secret" && echo VICTIM-SHM-MARK > "$TIDAL_SHM_DIR/state" && '
     "echo '{\"event\": \"committed\", \"step\": 5, \"tiers\": [\"shm\"], \"time\": 1}' "
-    '> "$TIDAL_PROGRESS_DIR/progress-r00000.jsonl" && echo "uid $(id -u)"'
+    '> "$TIDAL_PROGRESS_DIR/progress-r00000.jsonl" && echo "uid $(id -u)" && '
+    'if [ -x "$PY" ]; then "$PY" -I -c "$PEER"; fi'
 )
+# A plain Python (not this project's, which other uids cannot run) talks to the checkpoint agents.
+PY = "/usr/bin/python3"
+PEER = '''
+import os, urllib.request as u
+url = f"http://{os.environ['TIDAL_CKPT_AGENT']}/v1/jobs/{os.environ['TIDAL_JOB_ID']}/step_000000000005/r0.bin"
+u.urlopen(u.Request(url, data=b"VICTIM-PEER-MARK", method="PUT"), timeout=30).read()
+print("peer tier:", u.urlopen(url, timeout=30).read().decode())
+'''
+# Asks every node's agent (root) to copy the victim's node memory on every node into its own peer tier.
+STEAL = '''
+import os, urllib.error, urllib.request as u
+agents = [os.environ["TIDAL_CKPT_AGENT"], *filter(None, os.environ.get("TIDAL_CKPT_PEERS", "").split(","))]
+base = os.path.dirname(os.path.dirname(os.environ["TIDAL_SHM_DIR"]))
+for a in agents:
+    for n in ("n1", "n2", "n3"):
+        q = f"copy_from={base}/{n}/{os.environ['VICTIM']}/state&length=16"
+        url = f"http://{a}/v1/jobs/{os.environ['TIDAL_JOB_ID']}/step_000000000001/{n}.bin"
+        try:
+            u.urlopen(u.Request(f"{url}?{q}", method="POST"), timeout=30).read()
+            print("COPIED", n, "by", a, u.urlopen(url, timeout=30).read())
+        except urllib.error.HTTPError as e:
+            print("refused copy", e.code)
+'''
 HOSTILE = r'''
 base=$(dirname "$(dirname "$TIDAL_SHM_DIR")")
 v="$STATE/jobs/$VICTIM"
@@ -59,6 +84,7 @@ for f in "$STATE/jobs/$TIDAL_JOB_ID" "$STATE/jobs/$TIDAL_JOB_ID/attempt-1" \
 done
 chmod 0777 "$HOME" "$TIDAL_PROGRESS_DIR" "$TIDAL_SHM_DIR" && echo "own dirs opened"
 echo "uid $(id -u) gid $(id -g) groups $(id -G) nproc $(ulimit -p) core $(ulimit -c)"
+if [ -x "$PY" ]; then "$PY" -I -c "$STEAL"; fi
 rm -rf "$HOME/tmp" && ln -s "$STATE" "$HOME/tmp" && echo "home/tmp now links to the state dir"
 exit 1
 '''
@@ -102,7 +128,9 @@ def test_a_hostile_job_on_ray_reads_nothing_as_its_own_uid(ray_cluster, monkeypa
     ray_cluster.state_roots.append(base / "state" / "jobs")
     cfg = ControlConfig(loop_interval_s=0.1, restart_backoff_s=0.1,
                         isolation=IsolationConfig(uid_base=210000))
-    plane = build(base / "state", "auto", None, cfg, executor="ray", ray_address=ray_cluster.address)
+    plane = build(base / "state", "auto", None, cfg, executor="ray", ray_address=ray_cluster.address,
+                  ckpt_agents=True)
+    py = os.access(PY, os.X_OK)
     ex, sd = plane.executor, plane.state_dir
     try:
         # this test cluster has no Ray token authentication: tidal up says what that leaves open
@@ -110,12 +138,13 @@ def test_a_hostile_job_on_ray_reads_nothing_as_its_own_uid(ray_cluster, monkeypa
         plane.controller.recover(time.time())
         create_tenant(plane.store, "alice", quota_gpus=1)
         create_tenant(plane.store, "bob", quota_gpus=1)
-        victim = _job(plane, "alice", "victim", VICTIM, {})
+        victim = _job(plane, "alice", "victim", VICTIM, {"PY": PY, "PEER": PEER})
         _run(plane, victim)
         vlog = _log(plane, victim)
         assert plane.store.job(victim).state == "succeeded", vlog
         uid_v = plane.store.job(victim).handle["uid"]
         assert f"uid {uid_v}\n" in vlog and 210000 <= uid_v < 210000 + 65536
+        assert not py or "peer tier: VICTIM-PEER-MARK\n" in vlog  # its node's agent takes its bytes
         # its own checkpoint, progress, private area and node memory work under its uid
         assert plane.store.job(victim).ckpt_step == 5
         assert (ex.job_dir(victim) / "ckpt" / "data").read_text() == "VICTIM-CKPT-MARK\n"
@@ -130,13 +159,15 @@ def test_a_hostile_job_on_ray_reads_nothing_as_its_own_uid(ray_cluster, monkeypa
         assert _mode(Path(ex.log_path(victim, 0))) == (0, 0o600)
         assert _mode(sd / ADMIN_TOKEN_FILE) == (0, 0o600)
 
-        env = {"STATE": str(sd), "VICTIM": victim, "TOKEN": ADMIN_TOKEN_FILE, "PLANE_PID": str(os.getpid())}
+        env = {"STATE": str(sd), "VICTIM": victim, "TOKEN": ADMIN_TOKEN_FILE, "PLANE_PID": str(os.getpid()),
+               "PY": PY, "STEAL": STEAL}
         hostile = _job(plane, "bob", "peek", HOSTILE, env, restarts=1)
         _run(plane, hostile)
         log = _log(plane, hostile)
         token = (sd / ADMIN_TOKEN_FILE).read_text().strip()
         assert token not in log and SECRET not in log and "MARK" not in log, log
-        assert not any(w in log for w in ("READ ", "LISTED ", "SIGNALLED ", "CHMODDED ")), log
+        assert not any(w in log for w in ("READ ", "LISTED ", "SIGNALLED ", "CHMODDED ", "COPIED ")), log
+        assert not py or log.count("refused copy 403\n") == 9, log  # no agent copies a file a rank names
         assert log.count("denied ") == 14 + 6 + 2 + 4, log
         uid_h = ex.uids.owner("tenant", hostile, "bob")[0]  # bob's (the handle went with the failed launch)
         assert f"uid {uid_h} gid {uid_h} groups {uid_h} nproc 4096 core 0\n" in log and uid_h != uid_v, log
@@ -151,6 +182,8 @@ def test_a_hostile_job_on_ray_reads_nothing_as_its_own_uid(ray_cluster, monkeypa
         for job_id in list(ex._jobs):
             ex.kill(job_id)
             ex.release(job_id)
+        if ex.agents is not None:
+            ex.agents.stop_all()
         plane.store.close()
         shutil.rmtree(base, ignore_errors=True)
 
