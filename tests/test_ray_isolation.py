@@ -193,6 +193,10 @@ def test_workers_not_root_is_one_line():
     cluster's token never goes to jobs."""
     with pytest.raises(ValueError, match="isolation.pass_env: RAY_AUTH_TOKEN would hand every job"):
         IsolationConfig(pass_env=("PATH", "RAY_AUTH_TOKEN"))
+    from tidal.exec.ray_exec import RayExecutor
+
+    with pytest.raises(ValueError, match="isolation.max_memory_bytes: the Ray executor sets no memory"):
+        RayExecutor("/nonexistent/jobs", isolation=IsolationConfig(max_memory_bytes=2**30))
     assert verdict({"n1": 0, "n2": 0}, [], ["n1", "n2"]) is None
     msg = verdict({"n1": 0, "n2": 1000}, [], ["n1", "n2"])
     assert msg == ("isolation.uid_base: the Ray workers run as uid 1000 on n2, not root: they cannot start "

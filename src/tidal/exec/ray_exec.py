@@ -149,6 +149,9 @@ class RayExecutor:
         self.serving_nodes = dict(serving_nodes or {})
         self.isolation = iso = isolation or IsolationConfig()
         require_root(iso)
+        if iso.max_memory_bytes is not None:  # a limit asked for is never dropped silently
+            raise ValueError("isolation.max_memory_bytes: the Ray executor sets no memory cgroups (the local "
+                             "executor does); remove it")
         self.root = Path(root)
         private_dir(self.root, 0o711 if iso.uid_base is not None else 0o700)
         self.uids = Uids(self.root / ".uids.json", iso.uid_base) if iso.uid_base is not None else None

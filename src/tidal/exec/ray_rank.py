@@ -12,6 +12,11 @@ The child dies with the actor: it is started with ``PR_SET_PDEATHSIG`` = SIGKILL
 the actor, or the death of its worker process with the node, never leaves a rank running unwatched.
 :meth:`RankActor.start` runs a command once: a second call returns the first one's pid.
 
+With ``isolation.uid_base`` the executor names the job's uid and gid (``owner``): the actor (which must
+run as root) makes the job's node-memory directory on its node, owned by that uid, and starts the
+rank as that uid with no supplementary groups and the job's rlimits, exactly as the local executor's
+shim (:mod:`tidal.exec.shim`) does; its log and pid file stay root's.
+
 Standard library, ``ray`` and small parts of :mod:`tidal.exec` only (no torch): the module is imported by
 every Ray worker that hosts a rank.
 """
