@@ -153,6 +153,32 @@ def test_hostile_job_reads_nothing_as_its_own_uid(plane_factory):
     assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (0, 0o600)
 
 
+@pytest.mark.skipif(not ROOT, reason="jobs run as their own uid only when tidal up runs as root")
+def test_a_location_under_the_tenants_prefix_is_made_for_its_uid(plane_factory):
+    """A checkpoint directory under ``<state dir>/tenants/<tenant>/`` (its own prefix): the plane makes it
+    for the job's uid (which cannot create anything in the state dir), under root's 0711 directories;
+    another tenant's job cannot read or list it."""
+    plane = plane_factory(uid_base=200000)
+    create_tenant(plane.store, "alice", quota_gpus=1)
+    create_tenant(plane.store, "bob", quota_gpus=1)
+    loc = plane.state_dir / "tenants" / "alice" / "runs" / "a"
+    spec = parse_spec({"name": "own", "gpus": 1, "max_restarts": 0, "checkpoint": {"url": str(loc)},
+                       "command": ["/bin/sh", "-c", 'echo ALICE-CKPT > "$TIDAL_CKPT_URL/data"']})
+    job = plane.store.submit("alice", spec.model_dump(), time.time()).id
+    _run(plane, job)
+    assert plane.store.job(job).state == "succeeded", _log(plane, job)
+    uid = plane.store.job(job).handle["uid"]
+    assert (loc / "data").read_text() == "ALICE-CKPT\n"
+    assert (os.stat(loc).st_uid, stat.S_IMODE(os.stat(loc).st_mode)) == (uid, 0o700)
+    for d in (loc.parent, loc.parent.parent, loc.parent.parent.parent):
+        assert (os.stat(d).st_uid, stat.S_IMODE(os.stat(d).st_mode)) == (0, 0o711), d
+    peek = _submit(plane, "bob", "peek",
+                   f'cat {loc}/data || echo "denied read"; ls {loc.parent} || echo "denied ls"')
+    _run(plane, peek)
+    log = _log(plane, peek)
+    assert "ALICE-CKPT" not in log and "denied read" in log and "denied ls" in log, log
+
+
 def test_state_dir_file_modes(plane_factory):
     plane = plane_factory()
     victim, _, _ = _hostile_run(plane)

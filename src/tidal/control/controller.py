@@ -34,12 +34,11 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from tidal import contract as c
 from tidal.contract import DEFAULT_GRACE_S
 from tidal.control import node_memory
 from tidal.control.accounting import account, describe_rank, rank_code
 from tidal.control.config import ControlConfig
-from tidal.control.job_views import default_ckpt, job_env, scheduler_view
+from tidal.control.job_views import job_env, own_dirs, scheduler_view
 from tidal.control.loans import DOC_KEY as LOANS_DOC
 from tidal.control.loans import LiveLoans
 from tidal.control.node_watch import NodeWatch
@@ -529,10 +528,8 @@ class Controller:
                               nominated_s=None, **fields)
         spec = job.spec
         env = self._env(job)
-        default_ckpt = self._default_ckpt(job)
-        own = (default_ckpt,) if default_ckpt is not None and env.get(c.ENV_CKPT_URL) == default_ckpt else ()
         req = LaunchRequest(job.id, attempt, tuple(spec["command"]), placement, spec.get("workdir"), env,
-                            tenant=job.tenant, own_dirs=own)
+                            tenant=job.tenant, own_dirs=own_dirs(job, self.ckpt_root))
         try:
             handle = self.executor.launch(req, now_s)
         except Exception as e:  # a launch that fails is a failed attempt (restarts apply)
@@ -544,9 +541,6 @@ class Controller:
         self.store.record("launch", f"attempt {attempt}: {_n(req.world_size, 'rank')} started", now_s,
                           job=job,
                           data=handle)
-
-    def _default_ckpt(self, job: JobRow) -> str | None:
-        return default_ckpt(self.ckpt_root, job)
 
     def _env(self, job: JobRow) -> dict[str, str]:
         return job_env(job, self.ckpt_root, self.config.ckpt_interval.max_interval_s)

@@ -55,6 +55,28 @@ def default_ckpt(ckpt_root: Path | None, job: JobRow) -> str | None:
     return str(ckpt_root / job.id / "ckpt") if ckpt_root else None
 
 
+def own_dirs(job: JobRow, ckpt_root: Path | None) -> tuple[str, ...]:
+    """The checkpoint directories the executor makes for the job before its ranks start (owned by its
+    uid with ``isolation.uid_base``: that uid cannot create them in the state dir itself): its default
+    location when it uses it, and each directory location of its spec under its tenant's own prefix
+    ``<state dir>/tenants/<tenant>/`` (checked at submission; a granted prefix elsewhere is the admin's
+    to prepare)."""
+    ck = job.spec.get("checkpoint") or {}
+    default = default_ckpt(ckpt_root, job)
+    if ck.get("tiers") is None and ck.get("url") in (None, default):
+        return (default,) if default else ()
+    if ckpt_root is None:
+        return ()
+    from tidal.control.locations import TENANTS_DIRNAME, locations
+
+    prefix = (ckpt_root.parent / TENANTS_DIRNAME / job.tenant).resolve()
+    try:
+        _, locs = locations(ck)
+    except ValueError:
+        return ()
+    return tuple(loc for kind, loc, _ in locs if kind == "dir" and Path(loc).resolve().is_relative_to(prefix))
+
+
 def job_env(job: JobRow, ckpt_root: Path | None, max_interval_s: float) -> dict[str, str]:
     """The job's own variables plus the runtime's: checkpoint interval (``auto``: the policy's once the
     stall is measured, until then ``max_interval_s``), grace, and the checkpoint tiers or location."""

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 TIMEOUT_OPTIONS = ("timeout_s", "connect_timeout_s", "retry_timeout_s")
+TENANTS_DIRNAME = "tenants"  # <state dir>/tenants/<tenant>/: each tenant's own prefix
 
 
 @dataclass(frozen=True)

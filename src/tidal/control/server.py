@@ -36,7 +36,7 @@ from tidal.control.config import ControlConfig
 from tidal.control.controller import Controller
 from tidal.control.dashboard import dashboard_url
 from tidal.control.loans import LiveLoans, build_live_loans
-from tidal.control.locations import LocationPolicy
+from tidal.control.locations import TENANTS_DIRNAME, LocationPolicy
 from tidal.control.store import Store, sqlite_path, sqlite_url
 from tidal.exec.local import LocalExecutor, detect_gpus
 
@@ -119,8 +119,9 @@ class Plane:
         if loans is not None and cfg is not None:
             serving = (None, cfg.describe())
         cfg_ = self.controller.config
-        policy = LocationPolicy(self.state_dir / "tenants", cfg_.checkpoint_grants, cfg_.checkpoint_endpoints,
-                                cfg_.checkpoint_max_timeout_s, own_agents=self.own_agents)
+        policy = LocationPolicy(self.state_dir / TENANTS_DIRNAME, cfg_.checkpoint_grants,
+                                cfg_.checkpoint_endpoints, cfg_.checkpoint_max_timeout_s,
+                                own_agents=self.own_agents)
         ctx = ApiContext(self.store, self.controller.nodes, self.executor.log_path, time.time,
                          ckpt_root=self.controller.ckpt_root, serving=serving, loans=loans, locations=policy,
                          job_dir=self.executor.job_dir)

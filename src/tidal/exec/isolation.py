@@ -162,10 +162,11 @@ def check_reachable(*dirs: Path) -> None:
 
 def make_job_dirs(root: Path, job_dir: Path, attempt_dir: Path, home: Path, own_dirs: Iterable[str],
                   owner: tuple[int, int] | None) -> None:
-    """A job's directories in the state dir, on either executor: the plane's (job, logs, attempt) 0711
-    with uids (a job's uid passes through to its own directories, lists nothing) else 0700, logs 0700;
-    the job's own (``progress/``, its private area ``home`` and ``home/tmp``, the ``own_dirs`` under
-    ``root`` not there yet, e.g. its default checkpoint directory) 0700 and owned by its uid."""
+    """A job's directories in the state dir (``root``'s parent), on either executor: the plane's (job,
+    logs, attempt) 0711 with uids (a job's uid passes through to its own directories, lists nothing) else
+    0700, logs 0700; the job's own (``progress/``, its private area ``home`` and ``home/tmp``, the
+    ``own_dirs`` in the state dir not there yet: its checkpoint directories) 0700 and owned by its uid,
+    under directories of the plane's like the job's."""
     mode = 0o711 if owner is not None else 0o700
     private_dir(job_dir, mode)
     private_dir(job_dir / "logs", 0o700)
@@ -173,10 +174,12 @@ def make_job_dirs(root: Path, job_dir: Path, attempt_dir: Path, home: Path, own_
     private_dir(attempt_dir / PROGRESS_DIRNAME, 0o700, owner)
     private_dir(home, 0o700, owner)
     private_dir(home / "tmp", 0o700, owner)
-    real = root.resolve()
+    state = root.resolve().parent
     for d in own_dirs:
-        p = Path(d)
-        if p.resolve().is_relative_to(real) and not p.exists():
+        p = Path(d).resolve()
+        if p.is_relative_to(state) and p != state and not p.exists():
+            for parent in reversed([q for q in p.parents if q.is_relative_to(state) and q != state]):
+                private_dir(parent, mode)  # e.g. tenants/ and tenants/<tenant>/: root's, passed through
             private_dir(p, 0o700, owner)
 
 
