@@ -179,6 +179,27 @@ def test_a_location_under_the_tenants_prefix_is_made_for_its_uid(plane_factory):
     assert "ALICE-CKPT" not in log and "denied read" in log and "denied ls" in log, log
 
 
+@pytest.mark.skipif(not ROOT, reason="needs root to switch uids")
+def test_a_file_the_plane_writes_for_a_job_is_read_only_to_it(tmp_path):
+    """``control.json``: the job's uid reads it (its group), cannot change or grow it."""
+    import subprocess
+
+    from tidal.exec.files import write_json
+
+    d = Path(tempfile.mkdtemp(prefix="tidal-ro-"))
+    try:
+        d.chmod(0o711)
+        f = d / "control.json"
+        write_json(f, {"ckpt_interval_s": 5}, (200123, 200123))
+        st = os.stat(f)
+        assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (0, 200123, 0o640)
+        out = subprocess.run(["/bin/sh", "-c", f'cat {f}; echo junk >> {f} && echo WROTE || echo denied'],
+                             user=200123, group=200123, extra_groups=[], capture_output=True, text=True)
+        assert out.stdout == '{"ckpt_interval_s": 5}denied\n', out
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def test_state_dir_file_modes(plane_factory):
     plane = plane_factory()
     victim, _, _ = _hostile_run(plane)
