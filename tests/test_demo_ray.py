@@ -1,5 +1,6 @@
-"""``tidal demo ray``: bad options are one clear error before anything starts; the whole demo (its own
-3-node Ray cluster, ~1.5 min) only with TIDAL_RAY_LONG=1 (not in make test)."""
+"""``tidal demo ray``: bad options are one clear error before anything starts; the whole demos (their own
+Ray clusters: ~1.5 min, the day cycle ~4 min, with Ray Serve ~5 min) only with TIDAL_RAY_LONG=1 (not in
+make test)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ def app() -> typer.Typer:
         ),
         (["--cycle", "--speedup", "600"], "serving: TidalConfig.forecast.horizon_s"),
         (["--cycle", "--jobs", "9"], "--jobs must be 1 to 8"),
+        (["--serve"], "--serve goes with --cycle"),
+        (["--cycle", "--serve", "--speedup", "600"], "serving: TidalConfig.forecast.horizon_s"),
     ],
 )
 def test_bad_options_are_one_clear_error(args, msg):
@@ -72,3 +75,22 @@ def test_the_day_cycle_on_ray_lends_reclaims_and_survives_a_node_loss():
     )
     assert nl["node"] in ("train-0", "train-1") and nl["detected"] and nl["recovered"], nl
     assert nl["restore_tier"] == "peer" and nl["restored_step"] > 0 and nl["detection_s"] > 0, nl
+
+
+@pytest.mark.slow
+@pytest.mark.ray_long
+@pytest.mark.skipif(
+    os.environ.get("TIDAL_RAY_LONG") != "1",
+    reason="starts its own 4-node Ray cluster with Ray Serve (~5 min): TIDAL_RAY_LONG=1 runs it",
+)
+def test_the_day_cycle_with_ray_serve_replicas_serves_every_request_across_the_reclaims():
+    pytest.importorskip("ray")
+    r = CliRunner().invoke(app(), ["--cycle", "--serve", "--json"])
+    assert r.exit_code == 0, r.output
+    s = json.loads(r.stdout[r.stdout.index("{"):])
+    lv, nl, sv = s["live"], s["node_loss"], s["serve"]
+    assert s["ok"] and lv["lent_gpus_total"] > 0 and lv["returns_missed"] == 0, lv
+    assert nl["detected"] and nl["recovered"] and nl["restore_tier"] == "peer", nl
+    lat = sv["latency"]
+    assert sv["ok"] and lat["total"]["failed"] == 0 and lat["total"]["requests"] > 100, sv
+    assert sv["reclaim_at_s"] is not None and lat["during"]["requests"] > 0, sv

@@ -7,7 +7,10 @@ reconciled and before the scheduler, in this order:
    times and, for a :class:`~tidal.serving.adapters.ReadyAdapter`, its ``ready(node)``: e.g. the new
    Serve replica is healthy); restores the adapter refused earlier are tried again.
 2. **Observe demand** at the next grid point of the serving clock (``step_s`` of serving time):
-   ``adapter.demand_gpus``; NaN (unknown) is never read as zero.
+   ``adapter.demand_gpus``; NaN (unknown) is never read as zero. Before the first one, the forecast
+   learns the history there is (``warm_history``, a replay's earlier days, or a
+   :class:`~tidal.serving.adapters.HistoryAdapter`'s, read after that first observation so that a
+   service rate just measured applies).
 3. **Plan** with the same :class:`~tidal.policy.loan.TidalPolicy` the simulator evaluates. Unknown
    demand lends nothing new (the plan is capped at what is lent now).
 4. **Apply the plan to the ledger** (:class:`~tidal.policy.ledger.LoanLedger`, the simulator's), in
@@ -240,10 +243,10 @@ class LiveLoans:
             return f"is off the {self.step_s:g} s grid (last observation at {fs.t_s:g})"
         return ""
 
-    def _warm_up(self, grid: float) -> int:
+    def _warm_up(self, grid: float) -> list[Event]:
         """Feed recorded history before the first live grid point ``grid`` to the forecast (a replay's
         earlier days; a :class:`~tidal.serving.adapters.HistoryAdapter`'s trace of earlier days and its own
-        measured demand), so the first day is not planned blind. Returns the points fed."""
+        measured demand), so the first day is not planned blind; an event says how much."""
         pts = self._warm
         if not pts and isinstance(self.adapter, HistoryAdapter):
             try:
@@ -261,7 +264,9 @@ class LiveLoans:
             _, self.state = self.policy(ctx, self.state)
             n += 1
         self._warm = []
-        return n
+        why, self._relearn = (f"the stored forecast {self._relearn}; " if self._relearn else ""), ""
+        return [("serving_history", f"{why}the forecast learned {n} steps of history", {"steps": n})] if (
+            n or why) else []
 
     def tick(self, now_s: float, used: Mapping[str, int], wanted: int | None = None) -> list[Event]:
         """Steps 1-4 of the module docstring; returns the events to record. ``wanted``: how many more
@@ -291,13 +296,6 @@ class LiveLoans:
         t_serv = self.adapter.serving_time(now_s)
         if math.isnan(self.next_grid):
             self.next_grid = math.ceil(t_serv / self.step_s - 1e-9) * self.step_s
-            if self.state.forecast.n_obs == 0:
-                fed = self._warm_up(self.next_grid)
-                if self._relearn or fed:
-                    why = f"the stored forecast {self._relearn}; " if self._relearn else ""
-                    events.append(("serving_history", f"{why}the forecast learned {fed} steps of history",
-                                   {"steps": fed}))
-                self._relearn = ""
             self._dirty = True
         if t_serv + 1e-9 < self.next_grid:
             return events + self._announce(now_s)
@@ -306,6 +304,8 @@ class LiveLoans:
             grid += math.floor((t_serv - grid) / self.step_s) * self.step_s
         self.next_grid = grid + self.step_s
         demand = self.adapter.demand_gpus(now_s)  # 2.
+        if self.state.forecast.n_obs == 0 and math.isnan(self.state.forecast.t_s):  # history first (read
+            events += self._warm_up(grid)  # after this demand: at the service rate just measured)
         if not (isinstance(demand, int | float) and (math.isnan(demand) or 0 <= demand < math.inf)):
             demand = math.nan
         unknown = math.isnan(demand)
