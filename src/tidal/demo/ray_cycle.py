@@ -110,13 +110,15 @@ class NodeLoss:
 
     def pick(self, jobs: list[dict], serving_s: float) -> tuple[str, dict] | None:
         """A running job spanning nodes, one of them a training node, whose attempt has committed a step to
-        the peer tier (after two hours of serving time without one: any checkpoint of the job will do)."""
+        the peer tier (after two hours of serving time without one: any checkpoint of the job will do, once
+        the attempt trains: killing one still starting shows no recovery)."""
         late = serving_s >= self.at_s + 7200.0
         for j in jobs:
             pl = j.get("placement") or {}
-            peer = ((j.get("progress") or {}).get("tiers") or {}).get("peer")
+            p = j.get("progress") or {}
+            peer = (p.get("tiers") or {}).get("peer")
             if (j["state"] == "running" and len(pl) > 1 and any(n in TRAINING for n in pl)
-                    and (peer or (late and j.get("ckpt_step")))):
+                    and (peer or (late and j.get("ckpt_step") and p.get("step") is not None))):
                 return next(n for n in sorted(pl) if n in TRAINING), j
         return None
 
@@ -148,6 +150,7 @@ def run(opts: CycleOptions, kill_hour: float, console: Console, *, keep: bool = 
     script = example_script()
     sdir = Path(tempfile.mkdtemp(prefix="tidal-ray-cycle-"))
     traffic: st.Traffic | None = None
+    warm: st.Traffic | None = None
     if serve:  # Ray Serve replicas serving generated traffic (tidal.demo.serve_traffic)
         from tidal.exec.local import free_port
 
@@ -198,8 +201,14 @@ def run(opts: CycleOptions, kill_hour: float, console: Console, *, keep: bool = 
             took = st.deploy(serving)
             console.print(f"[bold cyan]ray cycle[/bold cyan] every replica healthy after {took:.0f} s",
                           highlight=False)
-            traffic = _start_traffic(serving, sdir / "requests.csv", opts, console)  # before the first plan:
-        url = plane.start()  # the day starts with traffic (an idle router would read as demand 0)
+            # traffic before the plane's first step (an idle router reads as no demand: everything lent)
+            warm = st.Traffic(f"http://127.0.0.1:{serving.http_port}/",
+                              st.trace_rate(sdir / "requests.csv", opts.start_s, 1e-9), 600.0)
+            warm.start()
+        url = plane.start()
+        if warm is not None:
+            traffic = _start_traffic(plane, serving, sdir / "requests.csv", opts, console)
+            warm.stop()
         console.print(f"[bold cyan]ray cycle[/bold cyan] control plane up at {url} ({plane.plane.describe})",
                       highlight=False)
         admin = TidalClient(url, plane.admin_token)
@@ -272,7 +281,7 @@ def run(opts: CycleOptions, kill_hour: float, console: Console, *, keep: bool = 
         demand = None
         if traffic is not None:
             traffic.stop()
-            summary["serve"] = sv = _serve_summary(traffic, serving, s, reclaim_s, ready_s, opts)
+            summary["serve"] = sv = _serve_summary(traffic, warm, serving, s, reclaim_s, ready_s)
             summary["ok"] = bool(summary["ok"] and sv["ok"])
             demand = _trace_gpus(serving)
         console.print("[dim]running the same day through the simulator...[/dim]")
@@ -283,8 +292,9 @@ def run(opts: CycleOptions, kill_hour: float, console: Console, *, keep: bool = 
         return summary
     finally:
         with uninterrupted():  # a second Ctrl-C must not cut the clean-up short
-            if traffic is not None:
-                traffic.stop(10.0)
+            for t in (warm, traffic):
+                if t is not None:
+                    t.stop(10.0)
             if serve:
                 _serve_shutdown()
             shm = None
@@ -303,12 +313,19 @@ def run(opts: CycleOptions, kill_hour: float, console: Console, *, keep: bool = 
                 console.print(f"state kept in {sdir}")
 
 
-def _start_traffic(serving: Any, rate_trace: Path, opts: CycleOptions, console: Console) -> st.Traffic:
-    """The load generator from the day's start (the plane's serving clock starts at its first step, a moment
-    later: the summary says by how much)."""
-    now_serving = opts.start_s
+def _start_traffic(plane: EmbeddedPlane, serving: Any, rate_trace: Path, opts: CycleOptions,
+                   console: Console) -> st.Traffic:
+    """The load generator at the trace's rate from the serving clock's time now (the adapter's clock, which
+    starts at the plane's first step)."""
+    adapter = plane.plane.controller.loans.adapter
+    deadline = time.monotonic() + 60.0
+    while adapter.origin_s is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if adapter.origin_s is None:
+        raise DemoError("the plane took no loan step within 60 s: the serving clock has not started")
+    now_serving = adapter.serving_time(time.time())
     url = f"http://127.0.0.1:{serving.http_port}/"
-    traffic = st.Traffic(url, rate_trace, now_serving, opts.speedup, opts.wall_s + 60.0)
+    traffic = st.Traffic(url, st.trace_rate(rate_trace, now_serving, opts.speedup), opts.wall_s + 60.0)
     traffic.start()
     console.print(f"[bold cyan]ray cycle[/bold cyan] traffic to {url}: Poisson at the trace's rate from "
                   f"{_hhmm(now_serving)} at {opts.speedup:g}x ({traffic.rate(0.0):.1f} requests/s now)",
@@ -316,18 +333,17 @@ def _start_traffic(serving: Any, rate_trace: Path, opts: CycleOptions, console: 
     return traffic
 
 
-def _serve_summary(traffic: st.Traffic, serving: Any, s: dict, reclaim_s: float | None,
-                   ready_s: float | None, opts: CycleOptions) -> dict[str, Any]:
+def _serve_summary(traffic: st.Traffic, warm: st.Traffic | None, serving: Any, s: dict,
+                   reclaim_s: float | None, ready_s: float | None) -> dict[str, Any]:
     ph = traffic.phases(reclaim_s, ready_s)
     total = ph["total"]
-    lag = None  # serving minutes the plane's clock is behind the traffic's (it starts at the first step)
-    if s.get("planned_s") is not None:
-        lag = round((opts.start_s + traffic.at(s["planned_s"]) * opts.speedup - s["serving_time_s"]) / 60, 1)
-    return {"ok": traffic.error is None and total["requests"] > 0 and total["failed"] == 0,
-            "error": traffic.error, "latency": ph, "reclaim_at_s": reclaim_s, "ready_again_at_s": ready_s,
+    first = warm.phases(None, None)["total"] if warm is not None else None  # until the first step
+    ok = traffic.error is None and total["requests"] > 0 and total["failed"] == 0
+    ok = ok and (first is None or (warm.error is None and first["failed"] == 0))
+    return {"ok": ok, "error": traffic.error or (warm.error if warm else None), "latency": ph,
+            "until_the_first_step": first, "reclaim_at_s": reclaim_s, "ready_again_at_s": ready_s,
             "slo": f"p99 queue wait <= {serving.latency_target_s:g} s", "service_s": st.SERVICE_S,
-            "gpus_per_replica": serving.gpus_per_replica, "clock_lag_min": lag,
-            "adapter": (s.get("adapter") or {})}
+            "gpus_per_replica": serving.gpus_per_replica, "adapter": (s.get("adapter") or {})}
 
 
 def _trace_gpus(serving: Any) -> Any:

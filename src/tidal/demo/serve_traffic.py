@@ -32,11 +32,11 @@ from tidal.serving.watch import WatchConfig
 
 APP = "tidal-demo"
 DEPLOYMENT = "tidal.serving.ray_serve_app:sleep_model"
-SERVICE_S = 0.2  # the toy model's service time per request (one request at a time per replica)
-LATENCY_TARGET_S = 0.5  # the SLO: p99 of the wait for a replica
+SERVICE_S = 1.0  # the toy model's service time per request (one at a time per replica: an LLM-like second)
+LATENCY_TARGET_S = 2.5  # the SLO: p99 of the wait for a replica
 GPUS_PER_REPLICA = 2  # four replicas per 8-GPU serving node (eight worker processes in all)
-PEAK_RATE_PER_S = 26.0  # requests/s at the peak: 7-8 replicas by day, 6 at night (measured μ ~4.6/s)
-RATE_WINDOW_S = 6.0  # the router's window (real seconds; 36 min of serving time at 360x: Poisson noise ~8 %)
+PEAK_RATE_PER_S = 5.2  # requests/s at the peak: 7-8 replicas by day, 6 at night (few requests: 2 busy cores)
+RATE_WINDOW_S = 10.0  # the router's window (real seconds; an hour of serving time at 360x)
 
 
 def write_rate_trace(opts: CycleOptions, path: Path, peak_rate_per_s: float = PEAK_RATE_PER_S) -> Path:
@@ -82,15 +82,19 @@ def deploy(cfg: WatchConfig, timeout_s: float = 240.0) -> float:
     raise DemoError(f"the Serve application was not healthy after {timeout_s:g} s: {ad.last_error}")
 
 
+def trace_rate(rate_trace: Path, start_serving_s: float, speedup: float) -> Any:
+    """requests/s at second t: the trace's rate from serving time ``start_serving_s`` at ``speedup``."""
+    from tidal.serving.traces import load_trace
+
+    return loadgen.trace_rate(load_trace(rate_trace), speedup=speedup, start_s=start_serving_s)
+
+
 class Traffic:
-    """Open-loop load at ``rate_trace``'s rate from serving time ``start_serving_s`` on, at ``speedup``
-    trace seconds per second, against ``url`` for at most ``duration_s`` (a thread; :meth:`stop`)."""
+    """Open-loop load at ``rate(t)`` requests/s against ``url`` for at most ``duration_s`` (a thread;
+    :meth:`stop`)."""
 
-    def __init__(self, url: str, rate_trace: Path, start_serving_s: float, speedup: float,
-                 duration_s: float) -> None:
-        from tidal.serving.traces import load_trace
-
-        self.rate = loadgen.trace_rate(load_trace(rate_trace), speedup=speedup, start_s=start_serving_s)
+    def __init__(self, url: str, rate: Any, duration_s: float) -> None:
+        self.rate = rate
         self.url, self.duration_s = url, duration_s
         self.records: list[loadgen.Record] = []
         self.error: str | None = None
