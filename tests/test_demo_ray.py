@@ -94,3 +94,31 @@ def test_the_day_cycle_with_ray_serve_replicas_serves_every_request_across_the_r
     lat = sv["latency"]
     assert sv["ok"] and lat["total"]["failed"] == 0 and lat["total"]["requests"] > 100, sv
     assert sv["reclaim_at_s"] is not None and lat["during"]["requests"] > 0, sv
+
+
+def test_the_serve_days_history_and_traffic_are_one_request_rate_trace(tmp_path):
+    """``--serve`` without a cluster: the plane accepts its serving block, the forecast's three earlier
+    days and the load generator's live day come from one written trace, and the latency phases split
+    at the reclaim notice and at serving ready again."""
+    from tidal.control.loans import build_live_loans
+    from tidal.demo import serve_traffic as st
+    from tidal.demo.ray_cycle import options
+    from tidal.serving.loadgen import Record, constant
+
+    opts = options(360.0, 14.0, 22.0, 2, 2)
+    p = st.write_rate_trace(opts, tmp_path / "requests.csv")
+    cfg = st.serving_config(opts, p, 8000)
+    loans = build_live_loans(cfg)  # no Ray contacted
+    hist = dict(loans.adapter.forecast_history(opts.start_s, cfg.step_s))
+    assert len(hist) == 3 * 144 and min(hist) == opts.start_s - 3 * 86400
+    night, evening = hist[2 * 86400 + 4 * 3600], hist[2 * 86400 + 22 * 3600]
+    assert night < evening <= 16, (night, evening)  # the night needs fewer replicas: GPUs to lend
+    rate = st.trace_rate(p, opts.start_s, opts.speedup)
+    assert 0.9 * st.PEAK_RATE_PER_S < rate(0.0) <= st.PEAK_RATE_PER_S  # 22:00, near the peak
+    assert rate(6 * 3600 / opts.speedup) < rate(0.0)  # 04:00
+    t = st.Traffic("http://127.0.0.1:9/", constant(1.0), 1.0)
+    t.records = [Record(0.5, 1.1, 200), Record(5.0, 2.0, 200), Record(12.0, 0.0, 0, "refused")]
+    ph = t.phases(2.0, 10.0)
+    assert [ph[k]["requests"] for k in ("before", "during", "after")] == [1, 1, 1]
+    assert ph["after"]["failed"] == 1 and ph["total"]["failed"] == 1 and ph["during"]["p50_s"] == 2.0
+    assert t.phases(None, None)["before"]["requests"] == 3
