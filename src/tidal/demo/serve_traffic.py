@@ -35,7 +35,7 @@ DEPLOYMENT = "tidal.serving.ray_serve_app:sleep_model"
 SERVICE_S = 1.0  # the toy model's service time per request (one at a time per replica: an LLM-like second)
 LATENCY_TARGET_S = 2.5  # the SLO: p99 of the wait for a replica
 GPUS_PER_REPLICA = 2  # four replicas per 8-GPU serving node (eight worker processes in all)
-PEAK_RATE_PER_S = 5.2  # requests/s at the peak: 7-8 replicas by day, 6 at night (few requests: 2 busy cores)
+PEAK_RATE_PER_S = 5.2  # requests/s at the peak: 7-8 replicas by day, 6 at night (2 busy cores)
 RATE_WINDOW_S = 10.0  # the router's window (real seconds; an hour of serving time at 360x)
 
 
