@@ -188,7 +188,11 @@ def run(opts: CycleOptions, kill_hour: float, console: Console, *, keep: bool = 
         + ", ".join(f"{n} ({g} GPU{'s' if g > 1 else ''})" for n, g in nodes.items()),
         highlight=False,
     )
-    cluster = LocalRayCluster(nodes)
+    try:
+        cluster = LocalRayCluster(nodes)
+    except BaseException:  # e.g. a node timed out starting on a busy machine: no state dir left behind
+        shutil.rmtree(sdir, ignore_errors=True)
+        raise
     plane: EmbeddedPlane | None = None
     checks: list[str] = []
     try:
