@@ -1,5 +1,6 @@
-"""``tidal demo ray``: bad options are one clear error before anything starts; the whole demo (its own
-3-node Ray cluster, ~1.5 min) only with TIDAL_RAY_LONG=1 (not in make test)."""
+"""``tidal demo ray``: bad options are one clear error before anything starts; the whole demos (their own
+Ray clusters: ~1.5 min, the day cycle ~4 min, with Ray Serve ~5 min) only with TIDAL_RAY_LONG=1 (not in
+make test)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ def app() -> typer.Typer:
         ),
         (["--cycle", "--speedup", "600"], "serving: TidalConfig.forecast.horizon_s"),
         (["--cycle", "--jobs", "9"], "--jobs must be 1 to 8"),
+        (["--serve"], "--serve goes with --cycle"),
+        (["--cycle", "--serve", "--speedup", "600"], "serving: TidalConfig.forecast.horizon_s"),
     ],
 )
 def test_bad_options_are_one_clear_error(args, msg):
@@ -72,3 +75,50 @@ def test_the_day_cycle_on_ray_lends_reclaims_and_survives_a_node_loss():
     )
     assert nl["node"] in ("train-0", "train-1") and nl["detected"] and nl["recovered"], nl
     assert nl["restore_tier"] == "peer" and nl["restored_step"] > 0 and nl["detection_s"] > 0, nl
+
+
+@pytest.mark.slow
+@pytest.mark.ray_long
+@pytest.mark.skipif(
+    os.environ.get("TIDAL_RAY_LONG") != "1",
+    reason="starts its own 4-node Ray cluster with Ray Serve (~5 min): TIDAL_RAY_LONG=1 runs it",
+)
+def test_the_day_cycle_with_ray_serve_replicas_serves_every_request_across_the_reclaims():
+    pytest.importorskip("ray")
+    r = CliRunner().invoke(app(), ["--cycle", "--serve", "--json"])
+    assert r.exit_code == 0, r.output
+    s = json.loads(r.stdout[r.stdout.index("{"):])
+    lv, nl, sv = s["live"], s["node_loss"], s["serve"]
+    assert s["ok"] and lv["lent_gpus_total"] > 0 and lv["returns_missed"] == 0, lv
+    assert nl["detected"] and nl["recovered"] and nl["restore_tier"] == "peer", nl
+    lat = sv["latency"]
+    assert sv["ok"] and lat["total"]["failed"] == 0 and lat["total"]["requests"] > 100, sv
+    assert sv["reclaim_at_s"] is not None and lat["during"]["requests"] > 0, sv
+
+
+def test_the_serve_days_history_and_traffic_are_one_request_rate_trace(tmp_path):
+    """``--serve`` without a cluster: the plane accepts its serving block, the forecast's three earlier
+    days and the load generator's live day come from one written trace, and the latency phases split
+    at the reclaim notice and at serving ready again."""
+    from tidal.control.loans import build_live_loans
+    from tidal.demo import serve_traffic as st
+    from tidal.demo.ray_cycle import options
+    from tidal.serving.loadgen import Record, constant
+
+    opts = options(360.0, 14.0, 22.0, 2, 2)
+    p = st.write_rate_trace(opts, tmp_path / "requests.csv")
+    cfg = st.serving_config(opts, p, 8000)
+    loans = build_live_loans(cfg)  # no Ray contacted
+    hist = dict(loans.adapter.forecast_history(opts.start_s, cfg.step_s))
+    assert len(hist) == 3 * 144 and min(hist) == opts.start_s - 3 * 86400
+    night, evening = hist[2 * 86400 + 4 * 3600], hist[2 * 86400 + 22 * 3600]
+    assert night < evening <= 16, (night, evening)  # the night needs fewer replicas: GPUs to lend
+    rate = st.trace_rate(p, opts.start_s, opts.speedup)
+    assert 0.9 * st.PEAK_RATE_PER_S < rate(0.0) <= st.PEAK_RATE_PER_S  # 22:00, near the peak
+    assert rate(6 * 3600 / opts.speedup) < rate(0.0)  # 04:00
+    t = st.Traffic("http://127.0.0.1:9/", constant(1.0), 1.0)
+    t.records = [Record(0.5, 1.1, 200), Record(5.0, 2.0, 200), Record(12.0, 0.0, 0, "refused")]
+    ph = t.phases(2.0, 10.0)
+    assert [ph[k]["requests"] for k in ("before", "during", "after")] == [1, 1, 1]
+    assert ph["after"]["failed"] == 1 and ph["total"]["failed"] == 1 and ph["during"]["p50_s"] == 2.0
+    assert t.phases(None, None)["before"]["requests"] == 3

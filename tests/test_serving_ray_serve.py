@@ -175,7 +175,7 @@ def test_release_closes_slots_before_scaling_down_restore_opens_them_when_health
     assert not a.ready("n1")
     a.up["n1"] = 2
     assert a.ready("n1") and a.calls[-1] == ("slots", {"n1": 2, "n2": 1, "n3": 1})
-    assert a.persist() == {"released": {"n1": 0, "n2": 0, "n3": 0}, "origin_s": None}
+    assert a.persist() == {"released": {"n1": 0, "n2": 0, "n3": 0}, "origin_s": None, "measured": []}
 
 
 def test_a_failed_action_changes_nothing_and_says_why():

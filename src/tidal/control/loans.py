@@ -7,7 +7,10 @@ reconciled and before the scheduler, in this order:
    times and, for a :class:`~tidal.serving.adapters.ReadyAdapter`, its ``ready(node)``: e.g. the new
    Serve replica is healthy); restores the adapter refused earlier are tried again.
 2. **Observe demand** at the next grid point of the serving clock (``step_s`` of serving time):
-   ``adapter.demand_gpus``; NaN (unknown) is never read as zero.
+   ``adapter.demand_gpus``; NaN (unknown) is never read as zero. Before the first one, the forecast
+   learns the history there is (``warm_history``, a replay's earlier days, or a
+   :class:`~tidal.serving.adapters.HistoryAdapter`'s, read after that first observation so that a
+   service rate just measured applies).
 3. **Plan** with the same :class:`~tidal.policy.loan.TidalPolicy` the simulator evaluates. Unknown
    demand lends nothing new (the plan is capped at what is lent now).
 4. **Apply the plan to the ledger** (:class:`~tidal.policy.ledger.LoanLedger`, the simulator's), in
@@ -53,6 +56,7 @@ from tidal.policy.ledger import LoanLedger
 from tidal.policy.loan import LoanContext, LoanPlan, LoanTiming, TidalConfig, TidalPolicy, TidalState
 from tidal.serving.adapters import (
     AdapterError,
+    HistoryAdapter,
     HookAdapter,
     QueuedAdapter,
     ReadyAdapter,
@@ -123,6 +127,7 @@ class LiveLoans:
         self._plan_view: dict[str, Any] = {}
         self._dirty = True
         self._warm = list(warm_history or [])
+        self._relearn = ""  # why a stored forecast was dropped at load (said in the first step's events)
         self._history: collections.deque[dict[str, Any]] = collections.deque(maxlen=HISTORY_STEPS)
         self.history: tuple[dict[str, Any], ...] = ()
         """The newest loan steps, oldest first (swapped whole; see :meth:`_sample`)."""
@@ -159,6 +164,12 @@ class LiveLoans:
         if not isinstance(state, TidalState):
             raise ValueError(f"policy: expected a TidalState, got {type(state).__name__}")
         next_grid = float(codec.decode(doc["next_grid"]))
+        misfit = self._misfit(state)
+        if misfit:  # e.g. serving.step_s changed: learn afresh (from the adapter's history) rather than crash
+            log.warning("serving: the stored forecast %s; it learns afresh from the serving side's history",
+                        misfit)
+            self._relearn = misfit
+            state, next_grid = self.policy.initial_state(), math.nan
         pending = {str(n): int(g) for n, g in (doc.get("pending_restores") or {}).items() if g}
         releasing = {str(n): int(g) for n, g in (doc.get("releasing") or {}).items() if g}
         restoring = {str(n): int(g) for n, g in (doc.get("restoring") or {}).items() if g}
@@ -174,7 +185,8 @@ class LiveLoans:
         self.last_s = doc.get("last_s")
         self._plan_view = dict(doc.get("plan_view") or {})
         self.adapter.resume(doc.get("adapter") or {})
-        self._warm = []
+        if not misfit:
+            self._warm = []
         self._due_gpus = sum(
             r.gpus for r in ledger.reclaims if self.last_s is not None and r.due(self.last_s)
         )
@@ -219,13 +231,42 @@ class LiveLoans:
         return self.latest
 
     # --------------------------------------------------------------------------------------- tick
-    def _warm_up(self) -> None:
-        """Feed recorded history to the forecast before the first live step (a replay's earlier days; a
-        production adapter's range query), so the first day is not planned blind."""
-        for t, y in self._warm:
+    def _misfit(self, state: TidalState) -> str:
+        """Why a stored policy state does not fit this policy's configuration ('' when it does)."""
+        fresh, fs = self.policy.initial_state().forecast, state.forecast
+        for f in dataclasses.fields(fs):
+            a, b = getattr(fs, f.name), getattr(fresh, f.name)
+            if hasattr(a, "shape") and hasattr(b, "shape") and a.shape != b.shape:
+                return f"was made for another step_s or horizon ({f.name} {a.shape}, now {b.shape})"
+        k = fs.t_s / self.step_s
+        if math.isfinite(k) and abs(k - round(k)) > 1e-6:
+            return f"is off the {self.step_s:g} s grid (last observation at {fs.t_s:g})"
+        return ""
+
+    def _warm_up(self, grid: float) -> list[Event]:
+        """Feed recorded history before the first live grid point ``grid`` to the forecast (a replay's
+        earlier days; a :class:`~tidal.serving.adapters.HistoryAdapter`'s trace of earlier days and its own
+        measured demand), so the first day is not planned blind; an event says how much."""
+        pts = self._warm
+        if not pts and isinstance(self.adapter, HistoryAdapter):
+            try:
+                pts = self.adapter.forecast_history(grid, self.step_s)
+            except (ValueError, OSError) as e:  # never a crash of the loop: planned blind, and said
+                log.warning("serving: no forecast history: %s", e)
+                pts = []
+        n = 0
+        for t, y in sorted(pts):
+            if not t < grid or not (math.isnan(y) or 0 <= y < math.inf):
+                continue
+            if not math.isnan(self.state.forecast.t_s) and not t > self.state.forecast.t_s:
+                continue
             ctx = LoanContext(now_s=t, serving_gpus=self.serving_gpus, demand_gpus=y, lent_gpus=0)
             _, self.state = self.policy(ctx, self.state)
+            n += 1
         self._warm = []
+        why, self._relearn = (f"the stored forecast {self._relearn}; " if self._relearn else ""), ""
+        return [("serving_history", f"{why}the forecast learned {n} steps of history", {"steps": n})] if (
+            n or why) else []
 
     def tick(self, now_s: float, used: Mapping[str, int], wanted: int | None = None) -> list[Event]:
         """Steps 1-4 of the module docstring; returns the events to record. ``wanted``: how many more
@@ -254,8 +295,6 @@ class LiveLoans:
             events += self._retry_restores(now_s)
         t_serv = self.adapter.serving_time(now_s)
         if math.isnan(self.next_grid):
-            if self._warm:
-                self._warm_up()
             self.next_grid = math.ceil(t_serv / self.step_s - 1e-9) * self.step_s
             self._dirty = True
         if t_serv + 1e-9 < self.next_grid:
@@ -265,6 +304,8 @@ class LiveLoans:
             grid += math.floor((t_serv - grid) / self.step_s) * self.step_s
         self.next_grid = grid + self.step_s
         demand = self.adapter.demand_gpus(now_s)  # 2.
+        if self.state.forecast.n_obs == 0 and math.isnan(self.state.forecast.t_s):  # history first (read
+            events += self._warm_up(grid)  # after this demand: at the service rate just measured)
         if not (isinstance(demand, int | float) and (math.isnan(demand) or 0 <= demand < math.inf)):
             demand = math.nan
         unknown = math.isnan(demand)
@@ -514,7 +555,13 @@ def build_live_loans(cfg: WatchConfig, ray_address: str | None = None) -> LiveLo
     if cfg.adapter == "ray-serve":
         from tidal.serving.ray_serve import RayServeAdapter, RayServeSettings
 
-        rs = RayServeAdapter(RayServeSettings.from_config(cfg), address=ray_address)
+        settings, earlier = RayServeSettings.from_config(cfg), None
+        if cfg.trace is not None:  # earlier days' requests/s: read now, so tidal up names what is wrong
+            earlier = load_trace(cfg.trace)
+            if not (~earlier.gap).any():
+                raise ValueError(f"serving.trace {cfg.trace}: no request rate outside gaps to learn from")
+            earlier.request_demand_gpus(settings.model(settings.service_rate_per_replica or 0.0))
+        rs = RayServeAdapter(settings, address=ray_address, trace=earlier)
         rs.check()
         adapter = rs
     elif cfg.trace is not None:

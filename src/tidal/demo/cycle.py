@@ -199,9 +199,12 @@ def view(s: dict, jobs: list[dict], opts: CycleOptions, elapsed: float, title: s
 
 
 # ----------------------------------------------------------------------------------- the simulator
-def simulate_same_day(opts: CycleOptions, training_gpus: int) -> dict[str, Any]:
+def simulate_same_day(opts: CycleOptions, training_gpus: int, demand_gpus: np.ndarray | None = None
+                      ) -> dict[str, Any]:
     """The same day through the simulator: the same profile, pool, timing (in serving seconds),
-    policy and budget; the same number of elastic spot jobs, submitted at the live start."""
+    policy and budget; the same number of elastic spot jobs, submitted at the live start.
+    ``demand_gpus``: the demand series on the profile's step from its first row (default: the profile
+    scaled to the pool)."""
     from tidal.serving.traces import load_trace
     from tidal.sim.config import make_config
     from tidal.sim.engine import simulate
@@ -213,7 +216,8 @@ def simulate_same_day(opts: CycleOptions, training_gpus: int) -> dict[str, Any]:
     gpus = nodes.serving_gpus or 0
     days = (opts.start_s + opts.hours * 3600.0) / DAY
     reps = int(math.ceil(days * DAY / (len(trace.load) * trace.step_s))) + 1
-    demand = np.tile(gpus * trace.load / trace.peak_load, reps)
+    demand = np.tile(gpus * trace.load / trace.peak_load, reps) if demand_gpus is None else np.asarray(
+        demand_gpus, dtype=float)
     x = opts.speedup
     per_node = (
         max(int(p) for p in str(opts.serving_nodes).split("x")[-1:]) if "x" in opts.serving_nodes else 1

@@ -3,6 +3,7 @@
     tidal demo ray                      # ~2 min on 2 cores
     tidal demo ray --json               # the summary as JSON on stdout (the narration on stderr)
     tidal demo ray --cycle              # the day of lending on Ray, a node lost at night (ray_cycle.py)
+    tidal demo ray --cycle --serve      # ... with Ray Serve replicas serving generated traffic
 
 In order:
 
@@ -240,6 +241,14 @@ def demo_ray(
     jobs: Annotated[int, typer.Option(help="--cycle: elastic spot jobs")] = 2,
     max_ranks: Annotated[int, typer.Option(help="--cycle: largest size of each job")] = 2,
     keep: Annotated[bool, typer.Option("--keep", help="--cycle: keep the state dir")] = False,
+    serve: Annotated[
+        bool,
+        typer.Option(
+            "--serve",
+            help="--cycle: Ray Serve replicas (a toy model) on the serving nodes serve generated traffic "
+            "that follows the day (tidal.demo.serve_traffic); latency before/during/after the reclaims",
+        ),
+    ] = False,
 ) -> None:
     """Node loss on Ray: a GPT job across a local 3-node Ray cluster loses a node and recovers on the rest
     (--cycle: a day of lending serving GPUs across Ray nodes, a node lost at night)."""
@@ -248,7 +257,10 @@ def demo_ray(
     if cycle:
         from tidal.demo.ray_cycle import main
 
-        raise typer.Exit(main(speedup, hours, start_hour, kill_hour, jobs, max_ranks, keep, json_out))
+        raise typer.Exit(main(speedup, hours, start_hour, kill_hour, jobs, max_ranks, keep, json_out, serve))
+    if serve:
+        err.print("[red]error:[/red] --serve goes with --cycle (the day of lending)", highlight=False)
+        raise typer.Exit(2)
     if parallel not in ("ddp", "fsdp"):
         err.print(f"[red]error:[/red] --parallel {parallel!r}: expected ddp or fsdp", highlight=False)
         raise typer.Exit(2)

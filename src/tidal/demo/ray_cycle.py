@@ -48,6 +48,7 @@ from rich.live import Live
 from tidal.control.client import TidalClient
 from tidal.control.config import ControlConfig
 from tidal.control.loans import build_live_loans
+from tidal.demo import serve_traffic as st
 from tidal.demo.cycle import (
     CycleOptions,
     _double_counted,
@@ -109,13 +110,15 @@ class NodeLoss:
 
     def pick(self, jobs: list[dict], serving_s: float) -> tuple[str, dict] | None:
         """A running job spanning nodes, one of them a training node, whose attempt has committed a step to
-        the peer tier (after two hours of serving time without one: any checkpoint of the job will do)."""
+        the peer tier (after two hours of serving time without one: any checkpoint of the job will do, once
+        the attempt trains: killing one still starting shows no recovery)."""
         late = serving_s >= self.at_s + 7200.0
         for j in jobs:
             pl = j.get("placement") or {}
-            peer = ((j.get("progress") or {}).get("tiers") or {}).get("peer")
+            p = j.get("progress") or {}
+            peer = (p.get("tiers") or {}).get("peer")
             if (j["state"] == "running" and len(pl) > 1 and any(n in TRAINING for n in pl)
-                    and (peer or (late and j.get("ckpt_step")))):
+                    and (peer or (late and j.get("ckpt_step") and p.get("step") is not None))):
                 return next(n for n in sorted(pl) if n in TRAINING), j
         return None
 
@@ -139,13 +142,22 @@ class NodeLoss:
         return out
 
 
-def run(opts: CycleOptions, kill_hour: float, console: Console, *, keep: bool = False) -> dict[str, Any]:
+def run(opts: CycleOptions, kill_hour: float, console: Console, *, keep: bool = False,
+        serve: bool = False) -> dict[str, Any]:
     opts.check()
     if not 0 <= kill_hour < 24:
         raise DemoError(f"--kill-hour {kill_hour:g}: expected 0 to 24")
     script = example_script()
     sdir = Path(tempfile.mkdtemp(prefix="tidal-ray-cycle-"))
-    serving = opts.serving()  # the plane's serving: block; its adapter is built from it (tidal.control.loans)
+    traffic: st.Traffic | None = None
+    warm: st.Traffic | None = None
+    if serve:  # Ray Serve replicas serving generated traffic (tidal.demo.serve_traffic)
+        from tidal.exec.local import free_port
+
+        rate_trace = st.write_rate_trace(opts, sdir / "requests.csv")
+        serving = st.serving_config(opts, rate_trace, free_port())
+    else:
+        serving = opts.serving()  # the plane's serving: block; its adapter is built from it (control.loans)
     cfg = ControlConfig(
         **{
             **{
@@ -168,6 +180,7 @@ def run(opts: CycleOptions, kill_hour: float, console: Console, *, keep: bool = 
     try:
         build_live_loans(serving)  # what tidal up would refuse, said before a cluster starts
     except (ValueError, OSError) as e:
+        shutil.rmtree(sdir, ignore_errors=True)
         raise DemoError(f"serving: {e}") from None
     nodes = {**TRAINING, **serving_nodes(serving)}
     console.print(
@@ -175,14 +188,31 @@ def run(opts: CycleOptions, kill_hour: float, console: Console, *, keep: bool = 
         + ", ".join(f"{n} ({g} GPU{'s' if g > 1 else ''})" for n, g in nodes.items()),
         highlight=False,
     )
-    cluster = LocalRayCluster(nodes)
+    try:
+        cluster = LocalRayCluster(nodes)
+    except BaseException:  # e.g. a node timed out starting on a busy machine: no state dir left behind
+        shutil.rmtree(sdir, ignore_errors=True)
+        raise
     plane: EmbeddedPlane | None = None
     checks: list[str] = []
     try:
         plane = EmbeddedPlane(
             sdir / "state", "auto", cfg, executor="ray", ray_address=cluster.cluster.address, ckpt_agents=True
         )
+        if serve:
+            console.print(f"[bold cyan]ray cycle[/bold cyan] deploying Ray Serve application {st.APP} on "
+                          f"{', '.join(serving_nodes(serving))} ({serving.describe()})", highlight=False)
+            took = st.deploy(serving)
+            console.print(f"[bold cyan]ray cycle[/bold cyan] every replica healthy after {took:.0f} s",
+                          highlight=False)
+            # traffic before the plane's first step (an idle router reads as no demand: everything lent)
+            warm = st.Traffic(f"http://127.0.0.1:{serving.http_port}/",
+                              st.trace_rate(sdir / "requests.csv", opts.start_s, 1e-9), 600.0)
+            warm.start()
         url = plane.start()
+        if warm is not None:
+            traffic = _start_traffic(plane, serving, sdir / "requests.csv", opts, console)
+            warm.stop()
         console.print(f"[bold cyan]ray cycle[/bold cyan] control plane up at {url} ({plane.plane.describe})",
                       highlight=False)
         admin = TidalClient(url, plane.admin_token)
@@ -195,6 +225,8 @@ def run(opts: CycleOptions, kill_hour: float, console: Console, *, keep: bool = 
         s: dict = {}
         jobs: list[dict] = []
         seen = 0
+        reclaim_s: float | None = None  # traffic seconds of the first reclaim notice
+        ready_s: float | None = None  # ... and of serving ready again after the newest return
 
         def extra() -> tuple[tuple[str, str], ...]:
             if loss.node is None:
@@ -219,6 +251,10 @@ def run(opts: CycleOptions, kill_hour: float, console: Console, *, keep: bool = 
                         loss.lost = e
                     if e["kind"] == "recovered" and e.get("job") == loss.job and loss.recovered is None:
                         loss.recovered = e
+                    if traffic is not None and e["kind"] == "reclaim" and reclaim_s is None:
+                        reclaim_s = traffic.at(e["time_s"])
+                    if traffic is not None and e["kind"] == "serving_ready" and reclaim_s is not None:
+                        ready_s = traffic.at(e["time_s"])
                     if e["kind"] in (
                         "loan",
                         "reclaim",
@@ -227,6 +263,8 @@ def run(opts: CycleOptions, kill_hour: float, console: Console, *, keep: bool = 
                         "node_lost",
                         "recovered",
                         "node",
+                        "serving_ready",
+                        "serving_history",
                     ) or (e["kind"] == "transition" and e.get("to") in ("resizing", "preempting")):
                         console.print(f"[dim]{_hhmm(s.get('serving_time_s') or 0)}[/dim] "
                                       f"{e.get('job') or ''} {e['message']}", highlight=False)
@@ -244,13 +282,25 @@ def run(opts: CycleOptions, kill_hour: float, console: Console, *, keep: bool = 
         summary["nodes"] = nodes
         summary["node_loss"] = nl = loss.summary()
         summary["ok"] = bool(summary["ok"] and nl["detected"] and nl["recovered"])
+        demand = None
+        if traffic is not None:
+            traffic.stop()
+            summary["serve"] = sv = _serve_summary(traffic, warm, serving, s, reclaim_s, ready_s)
+            summary["ok"] = bool(summary["ok"] and sv["ok"])
+            demand = _trace_gpus(serving)
         console.print("[dim]running the same day through the simulator...[/dim]")
-        summary["simulator"] = sim = simulate_same_day(opts, training_gpus=sum(TRAINING.values()))
+        summary["simulator"] = sim = simulate_same_day(opts, training_gpus=sum(TRAINING.values()),
+                                                       demand_gpus=demand)
         summary["live_vs_sim"] = {k: _ratio(summary["live"][k], sim[k])
                                   for k in ("loaned_gpu_hours", "used_gpu_hours", "shortfall_gpu_hours")}
         return summary
     finally:
         with uninterrupted():  # a second Ctrl-C must not cut the clean-up short
+            for t in (warm, traffic):
+                if t is not None:
+                    t.stop(10.0)
+            if serve:
+                _serve_shutdown()
             shm = None
             if plane is not None:
                 shm = plane.plane.executor.shm_root
@@ -265,6 +315,59 @@ def run(opts: CycleOptions, kill_hour: float, console: Console, *, keep: bool = 
                 shutil.rmtree(sdir, ignore_errors=True)
             else:
                 console.print(f"state kept in {sdir}")
+
+
+def _start_traffic(plane: EmbeddedPlane, serving: Any, rate_trace: Path, opts: CycleOptions,
+                   console: Console) -> st.Traffic:
+    """The load generator at the trace's rate from the serving clock's time now (the adapter's clock, which
+    starts at the plane's first step)."""
+    adapter = plane.plane.controller.loans.adapter
+    deadline = time.monotonic() + 60.0
+    while adapter.origin_s is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if adapter.origin_s is None:
+        raise DemoError("the plane took no loan step within 60 s: the serving clock has not started")
+    now_serving = adapter.serving_time(time.time())
+    url = f"http://127.0.0.1:{serving.http_port}/"
+    traffic = st.Traffic(url, st.trace_rate(rate_trace, now_serving, opts.speedup), opts.wall_s + 60.0)
+    traffic.start()
+    console.print(f"[bold cyan]ray cycle[/bold cyan] traffic to {url}: Poisson at the trace's rate from "
+                  f"{_hhmm(now_serving)} at {opts.speedup:g}x ({traffic.rate(0.0):.1f} requests/s now)",
+                  highlight=False)
+    return traffic
+
+
+def _serve_summary(traffic: st.Traffic, warm: st.Traffic | None, serving: Any, s: dict,
+                   reclaim_s: float | None, ready_s: float | None) -> dict[str, Any]:
+    ph = traffic.phases(reclaim_s, ready_s)
+    total = ph["total"]
+    first = warm.phases(None, None)["total"] if warm is not None else None  # until the first step
+    ok = traffic.error is None and total["requests"] > 0 and total["failed"] == 0
+    ok = ok and (first is None or (warm.error is None and first["failed"] == 0))
+    return {"ok": ok, "error": traffic.error or (warm.error if warm else None), "latency": ph,
+            "until_the_first_step": first, "reclaim_at_s": reclaim_s, "ready_again_at_s": ready_s,
+            "slo": f"p99 queue wait <= {serving.latency_target_s:g} s", "service_s": st.SERVICE_S,
+            "gpus_per_replica": serving.gpus_per_replica, "adapter": (s.get("adapter") or {})}
+
+
+def _trace_gpus(serving: Any) -> Any:
+    """The rate trace's demand in GPUs through the adapter's request model (the simulator's demand)."""
+    import numpy as np
+
+    from tidal.serving.ray_serve import RayServeSettings
+    from tidal.serving.traces import load_trace
+
+    model = RayServeSettings.from_config(serving).model(serving.service_rate_per_replica)
+    return np.minimum(load_trace(serving.trace).request_demand_gpus(model), float(serving.serving_gpus))
+
+
+def _serve_shutdown() -> None:
+    try:
+        from ray import serve
+
+        serve.shutdown()
+    except Exception:  # noqa: BLE001 (the cluster goes next anyway)
+        pass
 
 
 def serving_nodes(serving: Any) -> dict[str, int]:
@@ -321,6 +424,24 @@ def print_node_loss(console: Console, out: dict) -> None:
     console.print(line, highlight=False)
 
 
+def print_serve(console: Console, sv: dict) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"Ray Serve latency (toy model {sv['service_s']:g} s per request; SLO {sv['slo']})")
+    for c in ("phase", "requests", "failed", "p50", "p99", "max"):
+        t.add_column(c, justify="right" if c != "phase" else "left")
+    names = {"before": "before the reclaims", "during": "reclaims until serving again", "after": "after",
+             "total": "the whole day"}
+    for k, label in names.items():
+        v = sv["latency"][k]
+        ms = (lambda x: "-" if x is None else f"{1000 * x:.0f} ms")  # noqa: E731
+        t.add_row(label, str(v["requests"]), str(v["failed"]), ms(v["p50_s"]), ms(v["p99_s"]), ms(v["max_s"]))
+    console.print(t)
+    if sv["error"] or sv["latency"]["total"]["failed"]:
+        why = sv["error"] or sv["latency"]["total"]["errors"]
+        console.print(f"[red]traffic: {why}[/red]", highlight=False)
+
+
 @contextlib.contextmanager
 def stdout_to_stderr(on: bool = True) -> Iterator[None]:
     """File descriptor 1 goes to 2 meanwhile (for ``--json``: stdout carries the summary alone)."""
@@ -347,6 +468,7 @@ def main(
     max_ranks: int,
     keep: bool,
     json_out: bool,
+    serve: bool = False,
 ) -> int:
     """The ``--cycle`` variant of ``tidal demo ray``; the exit code."""
     import json
@@ -354,7 +476,8 @@ def main(
     console = Console(stderr=json_out)
     try:
         with stdout_to_stderr(json_out):  # Ray prints a killed raylet's last log lines on stdout
-            out = run(options(speedup, hours, start_hour, jobs, max_ranks), kill_hour, console, keep=keep)
+            out = run(options(speedup, hours, start_hour, jobs, max_ranks), kill_hour, console, keep=keep,
+                      serve=serve)
     except DemoError as e:
         Console(stderr=True).print(f"[red]error:[/red] {e}", highlight=False)
         return 2
@@ -363,6 +486,8 @@ def main(
     else:
         print_summary(console, out)
         print_node_loss(console, out)
+        if "serve" in out:
+            print_serve(console, out["serve"])
     return 0 if out["ok"] else 1
 
 

@@ -103,6 +103,18 @@ class ReadyAdapter(Protocol):
         ...
 
 
+@runtime_checkable
+class HistoryAdapter(Protocol):
+    """An adapter that knows serving demand before the plane's first live step (earlier days' request
+    rates, what it measured before a restart): the loan step feeds it to a forecast that has seen nothing
+    yet, so the first day is not planned blind (:mod:`tidal.serving.serve_history`)."""
+
+    def forecast_history(self, until_s: float, step_s: float) -> list[tuple[float, float]]:
+        """``(serving time, GPUs or NaN)`` on the ``step_s`` grid before ``until_s`` (excluded), oldest
+        first; bounded in length."""
+        ...
+
+
 @dataclasses.dataclass(frozen=True)
 class ActionDone:
     """The outcome of an action a :class:`QueuedAdapter` carried out: ``error`` is None on success, else

@@ -54,6 +54,8 @@ from typing import Any
 from tidal.contract import RAY_NODE_LABEL as NODE_LABEL
 from tidal.serving.adapters import AdapterError, _Released, parse_nodes
 from tidal.serving.requests import RequestModel
+from tidal.serving.serve_history import MAX_HISTORY_DAYS, MeasuredHistory, forecast_history
+from tidal.serving.traces import Trace
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +91,7 @@ class RayServeSettings:
     min_replicas: int = 1  # demand never below this many replicas (serving is never lent away whole)
     speedup: float = 1.0  # serving seconds per control-plane second (a compressed day in a demo)
     start_s: float | None = None  # the serving clock at the first call (default: the control plane's time)
+    history_days: float = 0.0  # days of the request-rate trace (serving.trace) the forecast learns first
 
     def __post_init__(self) -> None:
         w = "serving"
@@ -137,6 +140,16 @@ class RayServeSettings:
         if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r <= sum(self.nodes.values()) // g:
             raise ValueError(f"{w}.min_replicas must be a whole number from 0 to the replicas the nodes hold "
                              f"({sum(self.nodes.values()) // g}), got {r!r}")
+        h = self.history_days
+        if not isinstance(h, int | float) or isinstance(h, bool) or not 0 <= h <= MAX_HISTORY_DAYS:
+            raise ValueError(f"{w}.history_days must be a number from 0 to {MAX_HISTORY_DAYS:g} (days of "
+                             f"serving.trace the forecast learns first), got {h!r}")
+        mu = self.service_rate_per_replica
+        if mu is not None and (
+            not isinstance(mu, int | float) or isinstance(mu, bool) or not 0 < mu < math.inf
+        ):
+            raise ValueError(f"{w}.service_rate_per_replica must be a number > 0 (requests/s one replica "
+                             f"serves), got {mu!r}")
         k = self.min_samples
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"{w}.min_samples must be a whole number >= 1, got {self.min_samples!r}")
@@ -179,6 +192,7 @@ class RayServeSettings:
                 "speedup",
                 "start_s",
                 "min_replicas",
+                "history_days",
             )
             if getattr(cfg, name, None) is not None
         }
@@ -193,11 +207,15 @@ class RayServeAdapter:
     """Lends the GPUs of a Ray Serve application's per-node deployments (see the module docstring).
 
     ``address``: the Ray cluster to join when this process is not connected yet (``None``: ``auto``).
+    ``trace``: a request-rate trace of earlier days (``serving.trace``) for :meth:`forecast_history`.
     Nothing touches Ray until the first call that needs it (so building the adapter never blocks).
     """
 
-    def __init__(self, settings: RayServeSettings, *, address: str | None = None) -> None:
+    def __init__(self, settings: RayServeSettings, *, address: str | None = None,
+                 trace: Trace | None = None) -> None:
         self.s = settings
+        self.trace = trace
+        self.measured = MeasuredHistory()  # the demand it observed (persisted; tidal.serving.serve_history)
         self.speedup = float(settings.speedup)
         self.origin_s: float | None = None  # control-plane time of serving time start_s
         self.address = address
@@ -322,7 +340,9 @@ class RayServeAdapter:
                     name=self.s.deployment_name(n, self.base), num_replicas=self.target(n),
                     ray_actor_options={**opts, "num_gpus": self.s.gpus_per_replica,
                                        "label_selector": {NODE_LABEL: n}}).bind(**self.s.init_kwargs)
-            router = Router.bind(handles, self.slots(), self.s.rate_window_s)
+            on = {NODE_LABEL: f"in({','.join(sorted(self._nodes))})"}  # never on a training node that is lost
+            router = Router.options(ray_actor_options={"num_cpus": 0, "label_selector": on}).bind(
+                handles, self.slots(), self.s.rate_window_s)
             serve.run_many([serve.RunTarget(router, name=self.s.app, route_prefix=self.s.route_prefix,
                                             external_scaler_enabled=True)],
                            wait_for_ingress_deployment_creation=False, wait_for_applications_running=False)
@@ -464,10 +484,11 @@ class RayServeAdapter:
             self.last_error = str(e)
             log.warning("serving demand unknown: %s", e)
             return math.nan
-        return self.demand_from(st)
+        return self.demand_from(st, self.serving_time(now_s))
 
-    def demand_from(self, st: Mapping[str, Any]) -> float:
-        """Demand for one :meth:`Router.sync` answer (pure; see the module docstring)."""
+    def demand_from(self, st: Mapping[str, Any], serving_s: float | None = None) -> float:
+        """Demand for one :meth:`Router.sync` answer (see the module docstring); a known one observed at
+        serving time ``serving_s`` is kept in :attr:`measured`."""
         window = float(st.get("window_s") or 0.0)
         if window < 1.0:
             return math.nan
@@ -495,7 +516,19 @@ class RayServeAdapter:
             "service_rate_from": source,
             "gpus": gpus,
         }
+        if serving_s is not None:
+            self.measured.add(serving_s, rate, mu if source == "measured" else None, gpus)
         return gpus
+
+    def forecast_history(self, until_s: float, step_s: float) -> list[tuple[float, float]]:
+        """``(serving time, GPUs)`` before the first live grid point ``until_s``: what this adapter measured
+        (kept across restarts), else the request-rate trace of earlier days read at the measured service
+        rate (the prior before one is measured); see :mod:`tidal.serving.serve_history`."""
+        mu = self.measured.service_rate() or self.s.service_rate_per_replica
+        model = self.s.model(mu) if mu and self.trace is not None else None
+        days = self.s.history_days if self.trace is not None else MAX_HISTORY_DAYS
+        return forecast_history(until_s, step_s, days=days, trace=self.trace, model=model,
+                                measured=self.measured, max_gpus=float(sum(self._nodes.values())))
 
     # --------------------------------------------------------------------------- reporting
     def released(self) -> dict[str, int]:
@@ -510,9 +543,12 @@ class RayServeAdapter:
                 "failures": self.failures, "last_error": self.last_error}
 
     def persist(self) -> dict[str, Any]:
-        return {"released": self.released(), "origin_s": self.origin_s}
+        return {"released": self.released(), "origin_s": self.origin_s, "measured": self.measured.to_doc()}
 
     def resume(self, doc: Mapping[str, Any]) -> None:
+        """Continue from :meth:`persist`'s document (``ValueError`` naming a damaged part)."""
+        if "measured" in doc:
+            self.measured = MeasuredHistory.from_doc(doc["measured"])
         if doc.get("origin_s") is not None:
             self.origin_s = float(doc["origin_s"])
         for node, g in (doc.get("released") or {}).items():

@@ -139,7 +139,10 @@ class WatchConfig:
     ``actions_url`` (a webhook) or ``actions_command`` (argv) carries out releases and restores. The
     timing is the plane's, in seconds: ``grace_s`` (notice to stop), ``final_checkpoint_s``,
     ``release_s``, ``warmup_s`` (serving's, on returned GPUs), ``restart_cost_s`` (a spot job's restore).
-    ``history_days``: days of the replayed trace before ``start_s`` the forecast learns from first.
+    ``history_days``: days of the replayed trace before ``start_s`` the forecast learns from first (at most
+    ``MAX_HISTORY_DAYS``); with ``adapter: ray-serve``, ``trace`` is a request-rate trace of earlier days
+    on the serving clock and ``history_days`` how much of it the forecast learns before the first live step
+    (:mod:`tidal.serving.serve_history`).
 
     **Requests, not GPUs** (:mod:`tidal.serving.requests`): with ``service_rate_per_gpu`` or
     ``service_rate_per_replica`` (requests/s; ``gpus_per_replica``) and ``latency_target_s``
@@ -211,11 +214,11 @@ class WatchConfig:
             if self.prometheus is not None and (self.actions_url is None) == (self.actions_command is None):
                 raise ValueError("serving: lending with prometheus needs exactly one of serving.actions_url "
                                  "or serving.actions_command (how serving releases and takes back GPUs)")
-        for name in ("grace_s", "final_checkpoint_s", "release_s", "warmup_s", "restart_cost_s",
-                     "history_days"):
+        for name in ("grace_s", "final_checkpoint_s", "release_s", "warmup_s", "restart_cost_s"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int | float) or isinstance(v, bool) or not 0 <= v < 1e9):
                 raise ValueError(f"serving.{name} must be a number >= 0, got {v!r}")
+        _check_history_days(self.history_days)
         if not isinstance(self.actions_timeout_s, int | float) or not 0 < self.actions_timeout_s <= 600:
             raise ValueError(f"serving.actions_timeout_s must be in (0, 600], got {self.actions_timeout_s!r}")
         if not isinstance(self.serving_gpus, int) or self.serving_gpus < 1:
@@ -241,16 +244,22 @@ class WatchConfig:
         settings are checked by building them (errors name the field)."""
         from tidal.serving.ray_serve import RayServeSettings
 
-        for name in ("trace", "prometheus", "query", "actions_url", "actions_command",
-                     "service_rate_per_gpu"):
+        for name in ("prometheus", "query", "actions_url", "actions_command", "service_rate_per_gpu"):
             if getattr(self, name) is not None:
                 raise ValueError(f"serving.{name} does not apply to adapter ray-serve (demand is the request "
                                  "rate Serve sees; service rate measured, serving.service_rate_per_replica a "
                                  "prior)")
-        for name, default in (("history_days", 0.0), ("gpus_per_unit", 1.0)):
-            if getattr(self, name) != default:
-                raise ValueError(f"serving.{name} does not apply to adapter ray-serve (no trace to learn "
-                                 "from; demand is the SLO's GPUs)")
+        if self.gpus_per_unit != 1.0:
+            raise ValueError("serving.gpus_per_unit does not apply to adapter ray-serve (demand is the SLO's "
+                             "GPUs)")
+        _check_history_days(self.history_days)
+        if (self.trace is None) != (self.history_days == 0):
+            raise ValueError("serving.trace and serving.history_days go together with adapter ray-serve: a "
+                             "request-rate trace of earlier days and how many days of it the forecast learns "
+                             f"first (got trace {self.trace!r}, history_days {self.history_days!r})")
+        if self.trace is not None and self.service_rate_per_replica is None:
+            raise ValueError("serving.trace with adapter ray-serve needs serving.service_rate_per_replica: "
+                             "the service rate its requests/s are read at until Serve has measured one")
         RayServeSettings.from_config(self)
         total = sum(parse_nodes(self.nodes).values())
         if self.serving_gpus is None:
@@ -319,7 +328,8 @@ class WatchConfig:
             q = 100 * (self.latency_quantile or 0.99)
             return (f"Ray Serve application {self.app} ({self.deployment} per node): p{q:g} "
                     f"{self.latency_of or 'queue'} time <= {self.latency_target_s:g} s at the request rate "
-                    "Serve sees")
+                    "Serve sees" + (f"; the forecast first learns {self.history_days:g} days of {self.trace}"
+                                    if self.trace else ""))
         req = self.requests()
         if self.trace is not None:
             return f"trace {self.trace} replayed at {self.speedup:g}x" + (
@@ -328,6 +338,14 @@ class WatchConfig:
         if req is not None:
             return f"Prometheus {self.prometheus}: {self.query} ({req.describe()})"
         return f"Prometheus {self.prometheus}: {self.query} x {self.gpus_per_unit:g} GPUs"
+
+
+def _check_history_days(v: Any) -> None:
+    from tidal.serving.serve_history import MAX_HISTORY_DAYS
+
+    if not isinstance(v, int | float) or isinstance(v, bool) or not 0 <= v <= MAX_HISTORY_DAYS:
+        raise ValueError(f"serving.history_days must be a number from 0 to {MAX_HISTORY_DAYS:g} (days the "
+                         f"forecast learns before the first live step), got {v!r}")
 
 
 def start_advisor(cfg: WatchConfig) -> tuple[Advisor, Callable[[], float], float]:
