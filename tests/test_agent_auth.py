@@ -177,7 +177,18 @@ def test_a_job_reaches_only_its_own_steps(agents, tmp_path, monkeypatch):
         assert torch.equal(target["w"], state(1)["w"]) and target["step"] == 1
         if agent is a:
             a.kill()
-    # The plane (agent token) can free A's steps.
+    # The operator's `tidal ckpt ls` with the plane's key lists A's steps; the plane (agent token) frees them.
+    from typer.testing import CliRunner
+
+    from tidal.ckpt.cli import app
+
+    monkeypatch.delenv(ENV_CKPT_AGENT_TOKEN)
+    for env, code in [({ENV_CKPT_AGENT_KEY: key.hex()}, 0), ({ENV_CKPT_AGENT_TOKEN: tok_b}, 1)]:
+        r = CliRunner().invoke(app, ["ls", f"peer://{A}", "--json"],
+                               env={"TIDAL_CKPT_AGENT": b.address, **env})
+        assert r.exit_code == code, r.output
+        assert code or [s["step"] for s in json.loads(r.stdout)["steps"]] == [1]
+        assert not code or "403" in r.output
     assert PeerTier(A, agent=b.address, token=plane).committed_steps() == [1]
     PeerTier(A, agent=b.address, token=plane).remove_step(1)
     assert PeerTier(A, agent=b.address, token=tok_a).committed_steps() == []

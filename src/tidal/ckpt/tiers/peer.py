@@ -23,7 +23,8 @@ to them:
 
 Agents with a key (the executor's, ``tidal up --ckpt-agents``) answer only requests with the job's
 token (``TIDAL_CKPT_AGENT_TOKEN``, which the executor gives each rank: valid for the namespace its
-checkpoint location derives) or the agent token; see ``tidal.ckpt.agent.auth``. A refused request
+checkpoint location derives) or the agent token (derived from ``TIDAL_CKPT_AGENT_KEY`` when that is
+set: an operator's ``tidal ckpt ls peer://NAME``); see ``tidal.ckpt.agent.auth``. A refused request
 (403) is a ``TierError`` naming the reason.
 
 Agents unreachable during a listing or read are skipped; ``TierError`` is raised only when none of
@@ -44,11 +45,18 @@ import urllib.parse
 from collections.abc import Sequence
 from typing import Any
 
+from tidal.ckpt.agent.auth import agent_token, parse_key
 from tidal.ckpt.agent.auth import headers as auth_headers
 from tidal.ckpt.errors import SaveError, TierError, TierSpecError
 from tidal.ckpt.format import manifest as mf
 from tidal.ckpt.tiers.protocol import TruncatedRead
-from tidal.contract import ENV_CKPT_AGENT, ENV_CKPT_AGENT_TOKEN, ENV_CKPT_PEERS, ENV_JOB_ID
+from tidal.contract import (
+    ENV_CKPT_AGENT,
+    ENV_CKPT_AGENT_KEY,
+    ENV_CKPT_AGENT_TOKEN,
+    ENV_CKPT_PEERS,
+    ENV_JOB_ID,
+)
 
 log = logging.getLogger(__name__)
 ENV_AGENT = ENV_CKPT_AGENT
@@ -82,6 +90,16 @@ def parse_address(value: Any, where: str = "agent", *, any_port: bool = False) -
     ):
         raise TierSpecError(f"{where} {value!r}: expected host:port, e.g. 127.0.0.1:7070")
     return f"{host}:{int(port)}"
+
+
+def env_token() -> str | None:
+    """What to show the agents: ``$TIDAL_CKPT_AGENT_TOKEN`` (a job's, from its executor), else the
+    agent token of ``$TIDAL_CKPT_AGENT_KEY`` (the plane's key: an operator's ``tidal ckpt``), else none."""
+    token = os.environ.get(ENV_CKPT_AGENT_TOKEN)
+    if token:
+        return token
+    key = os.environ.get(ENV_CKPT_AGENT_KEY)
+    return agent_token(parse_key(key, f"${ENV_CKPT_AGENT_KEY}")) if key else None
 
 
 def env_peers() -> list[str]:
@@ -226,7 +244,7 @@ class PeerTier:
         token: str | None = None,
     ) -> None:
         self.name, self.job = name, job
-        self.token = token or os.environ.get(ENV_CKPT_AGENT_TOKEN) or None  # the job's, for namespace ``job``
+        self.token = token or env_token()
         self.location = f"peer://{job}"
         address = agent or os.environ.get(ENV_AGENT) or None
         self.agent_address = parse_address(address, f"tier '{name}': agent") if address else None
