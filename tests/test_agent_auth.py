@@ -219,3 +219,25 @@ def test_key_files_and_an_agent_given_a_bad_key(tmp_path):
         r = subprocess.run([*base, *extra], capture_output=True, text=True, timeout=60,
                            env={**env, **({ENV_CKPT_AGENT_KEY: env_key} if env_key else {})})
         assert r.returncode == 2 and want in r.stderr.strip().splitlines()[-1], r.stderr
+
+
+@pytest.mark.parametrize("tiers, job", [
+    (["shm", "/ckpt/jobs/j1/ckpt", "peer"], "j1"),
+    (["peer", {"url": "s3://bucket/runs/r7", "every": 3}], "j2"),
+    (["peer"], "j 3/x"),
+    (["shm", "peer://p-test"], "p"),
+])
+def test_the_executor_signs_the_namespace_the_ranks_peer_tier_uses(tiers, job, monkeypatch):
+    """``agent_namespace`` (what the executor signs for a rank) is the namespace of the peer tier that
+    rank builds from its ``TIDAL_CKPT_TIERS`` and ``TIDAL_JOB_ID``."""
+    from tidal.ckpt.tiers.config import build, resolve
+    from tidal.exec.ray_names import agent_namespace
+
+    monkeypatch.setenv("TIDAL_JOB_ID", job)
+    home, cfgs = resolve(tiers, default_keep=0)
+    peer = build(next(c for c in cfgs if c.kind == "peer"), home)
+    monkeypatch.setenv("TIDAL_JOB_ID", "another-job")  # the executor's own environment says nothing
+    assert agent_namespace({"TIDAL_CKPT_TIERS": json.dumps(tiers)}, job) == peer.job
+    assert agent_namespace({"TIDAL_CKPT_URL": "/ckpt/jobs/j1/ckpt"}, "j1") == "ckpt-" + hashlib.sha1(
+        b"/ckpt/jobs/j1/ckpt").hexdigest()[:12]
+    assert agent_namespace({"TIDAL_CKPT_TIERS": "{not json"}, "j1") == "j1"  # the runtime fails on it
