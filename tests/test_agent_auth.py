@@ -211,12 +211,15 @@ def test_key_files_and_an_agent_given_a_bad_key(tmp_path):
     (tmp_path / "short").chmod(0o600)
     with pytest.raises(ValueError, match="expected 64 hex digits"):
         read_key(tmp_path / "short")
-    base = [sys.executable, "-m", "tidal.ckpt.agent", "--listen", "127.0.0.1:0", "--mem-dir",
-            str(tmp_path / "m")]
+    cmd = [sys.executable, "-m", "tidal.ckpt.agent", "--listen", "127.0.0.1:0", "--mem-dir",
+           str(tmp_path / "m")]
     env = {k: v for k, v in os.environ.items() if k != ENV_CKPT_AGENT_KEY}
-    for extra, env_key, want in [(["--key-file", str(tmp_path / "short")], None, "expected 64 hex digits"),
-                                 ([], "zz" * 32, "$TIDAL_CKPT_AGENT_KEY: expected 64 hex digits")]:
-        r = subprocess.run([*base, *extra], capture_output=True, text=True, timeout=60,
+    for extra, env_key, want in [
+        (["--no-copy-from", "--key-file", str(tmp_path / "short")], None,
+         f"key file {tmp_path / 'short'}: expected 64 hex digits"),
+        ([], "zz" * 32, "$TIDAL_CKPT_AGENT_KEY: expected 64 hex digits"),
+    ]:
+        r = subprocess.run([*cmd, *extra], capture_output=True, text=True, timeout=60,
                            env={**env, **({ENV_CKPT_AGENT_KEY: env_key} if env_key else {})})
         assert r.returncode == 2 and want in r.stderr.strip().splitlines()[-1], r.stderr
 
