@@ -200,6 +200,7 @@ def test_key_files_and_an_agent_given_a_bad_key(tmp_path):
     key = load_or_create_key(tmp_path)
     path = tmp_path / KEY_FILE
     assert read_key(path) == key and len(key) == 32
+    assert [p.name for p in tmp_path.iterdir()] == [KEY_FILE]  # (written through a temporary file)
     path.chmod(0o644)
     with pytest.raises(ValueError, match=r"key file .*: mode 0o644; expected 0600"):
         load_or_create_key(tmp_path)

@@ -58,17 +58,26 @@ def read_key(path: str | os.PathLike) -> bytes:
 
 
 def load_or_create_key(directory: str | os.PathLike) -> bytes:
-    """The plane's key in ``directory``/:data:`KEY_FILE`, created (0600) if there is none yet."""
+    """The plane's key in ``directory``/:data:`KEY_FILE`, created (0600) if there is none yet: written
+    whole to a temporary file first, then linked into place (never a torn key; a racing start reads
+    the winner's)."""
     path = Path(directory) / KEY_FILE
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    except FileExistsError:
+    if os.path.lexists(path):
         return read_key(path)
     key = secrets.token_bytes(KEY_BYTES)
-    with os.fdopen(fd, "w") as f:
-        f.write(key.hex() + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    tmp = path.with_name(f"{KEY_FILE}.{os.getpid()}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(key.hex() + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return read_key(path)
+    finally:
+        os.unlink(tmp)
     return key
 
 
