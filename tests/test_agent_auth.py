@@ -24,7 +24,7 @@ import torch
 from tidal import ckpt
 from tidal.ckpt.agent.auth import KEY_FILE, agent_token, job_token, load_or_create_key, read_key
 from tidal.ckpt.agent.proc import AgentProcess
-from tidal.ckpt.errors import TierError
+from tidal.ckpt.errors import TierError, TierSpecError
 from tidal.ckpt.tiers.peer import PeerTier
 from tidal.contract import ENV_CKPT_AGENT_KEY, ENV_CKPT_AGENT_TOKEN
 
@@ -116,6 +116,12 @@ def test_a_job_reaches_only_its_own_steps(agents, tmp_path, monkeypatch):
         bob.discard(1, "manifest.json")  # best effort: refused quietly
         for c in bob._clients.values():
             c.drop()
+    for k, v, why in [(ENV_CKPT_AGENT_TOKEN, "ab\r\nX-Evil: 1", "TOKEN: expected the hex token"),
+                      (ENV_CKPT_AGENT_KEY, "12", "KEY: expected 64 hex digits")]:
+        monkeypatch.setenv(k, v)
+        with pytest.raises(TierSpecError, match=why):
+            PeerTier(A, agent=a.address)
+        monkeypatch.delenv(k)
     # B's token is good for B's own namespace, and nothing of A's shows there.
     assert PeerTier(B, agent=a.address, token=tok_b).committed() == {}
 

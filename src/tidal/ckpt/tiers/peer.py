@@ -97,9 +97,14 @@ def env_token() -> str | None:
     agent token of ``$TIDAL_CKPT_AGENT_KEY`` (the plane's key: an operator's ``tidal ckpt``), else none."""
     token = os.environ.get(ENV_CKPT_AGENT_TOKEN)
     if token:
+        if not token.isascii() or not token.isalnum():
+            raise TierSpecError(f"${ENV_CKPT_AGENT_TOKEN}: expected the hex token the executor sets")
         return token
     key = os.environ.get(ENV_CKPT_AGENT_KEY)
-    return agent_token(parse_key(key, f"${ENV_CKPT_AGENT_KEY}")) if key else None
+    try:
+        return agent_token(parse_key(key, f"${ENV_CKPT_AGENT_KEY}")) if key else None
+    except ValueError as e:
+        raise TierSpecError(str(e)) from None
 
 
 def env_peers() -> list[str]:
