@@ -519,3 +519,5 @@ def test_every_command_runs_as_a_module_too():
             [sys.executable, "-m", "tidal.ckpt.cli", cmd, "--help"], capture_output=True, text=True
         )
         assert r.returncode == 0, (cmd, r.stderr[-500:])
+        if cmd == "agent":  # the module's own options, every one (it hands its arguments over)
+            assert all(o in r.stdout for o in ("--no-copy-from", "--key-file", "--allow-copy-from")), r.stdout

@@ -10,6 +10,7 @@ import json
 import shutil
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -38,6 +39,10 @@ def test_agents_in_a_ring_and_a_restore_from_the_lost_nodes_buddy(ray_cluster, t
         assert sorted(addrs) == ["n1", "n2", "n3"]
         ring = {n: status(a)["buddy"]["address"] for n, a in addrs.items()}
         assert ring == {"n1": addrs["n2"], "n2": addrs["n3"], "n3": addrs["n1"]}
+        # They run with the plane's key (kept in the state dir): without the job's token, 403.
+        assert all(status(a)["auth"] for a in addrs.values())
+        with pytest.raises(urllib.error.HTTPError, match="403"):
+            urllib.request.urlopen(f"http://{addrs['n1']}/v1/jobs/p-test", timeout=5)
 
         env = {"TIDAL_CKPT_TIERS": '["peer://p-test"]', "TIDAL_CKPT_INTERVAL_STEPS": "10"}
         cmd = (sys.executable, str(WORKER), "--steps", "1000000", "--pad-mib", "1")
@@ -76,6 +81,13 @@ def test_agents_in_a_ring_and_a_restore_from_the_lost_nodes_buddy(ray_cluster, t
             120,
         )
         assert p.restore_tier == "peer" and p.start_step >= at, p
+        # A plane restarted on the same state dir has the same key: its agents keep running as they are
+        # (an agent given another key is restarted), and the job's token stays valid.
+        pids = {n: status(a)["pid"] for n, a in ex.agents.addresses.items()}
+        again = RayExecutor(tmp_path / "jobs", address=ray_cluster.address, ready_timeout_s=60,
+                            ckpt_agents=True)
+        again.nodes()
+        assert {n: status(a)["pid"] for n, a in again.agents.addresses.items()} == pids
         ex.kill("p")
         wait_until("every rank gone", lambda: ex.observe(time.time())["p"].done, 60)
         ex.release("p")

@@ -5,7 +5,8 @@ whose workers run as root here) and driven step by step. A victim job (tenant al
 checkpoint, a file in its private area, a progress record and node memory; a hostile job (tenant bob)
 tries to read them, the admin token, the database and the plane's environment, to list the state dir,
 to signal the plane and its own rank actor, to widen what it does not own, to have the checkpoint agents
-(root) copy the victim's node memory, and leaves a symbolic link in its private area for the next attempt
+(root) copy the victim's node memory, to read, overwrite, list or delete the victim's peer-tier step with
+its own agent token or none, and leaves a symbolic link in its private area for the next attempt
 to follow. It writes what it managed into its log. The ranks run
 ``/bin/sh`` (this project's interpreter lives under /root, 0700: other uids cannot run it).
 """
@@ -17,11 +18,13 @@ import shutil
 import stat
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 
 from plane_proc import wait_until
+from tidal.ckpt.tiers.directory import peer_job
 from tidal.control.auth import ADMIN_TOKEN_FILE
 from tidal.exec.isolation import IsolationConfig
 from tidal.exec.ray_checks import open_cluster_warning, verdict
@@ -40,26 +43,43 @@ VICTIM = (
 )
 # A plain Python (not this project's, which other uids cannot run) talks to the checkpoint agents.
 PY = "/usr/bin/python3"
-PEER = '''
-import os, urllib.request as u
-url = f"http://{os.environ['TIDAL_CKPT_AGENT']}/v1/jobs/{os.environ['TIDAL_JOB_ID']}/step_000000000005/r0.bin"
-u.urlopen(u.Request(url, data=b"VICTIM-PEER-MARK", method="PUT"), timeout=30).read()
-print("peer tier:", u.urlopen(url, timeout=30).read().decode())
+# Its namespace in the agents is its peer tier's (tidal.ckpt.tiers.directory.peer_job of its location),
+# its token the executor's (TIDAL_CKPT_AGENT_TOKEN).
+NAMESPACE = '''
+import hashlib, os, urllib.error, urllib.request as u
+d = os.environ["TIDAL_CKPT_URL"]
+ns = f"{os.path.basename(d)}-{hashlib.sha1(d.encode()).hexdigest()[:12]}"
+auth = {"Authorization": "Bearer " + os.environ["TIDAL_CKPT_AGENT_TOKEN"]}
+'''
+PEER = NAMESPACE + '''
+url = f"http://{os.environ['TIDAL_CKPT_AGENT']}/v1/jobs/{ns}/step_000000000005/r0.bin"
+u.urlopen(u.Request(url, data=b"VICTIM-PEER-MARK", method="PUT", headers=auth), timeout=30).read()
+print("peer tier:", u.urlopen(u.Request(url, headers=auth), timeout=30).read().decode())
 '''
 # Asks every node's agent (root) to copy the victim's node memory on every node into its own peer tier.
-STEAL = '''
-import os, urllib.error, urllib.request as u
+# Then, with its own token and with none, reads, lists, overwrites and deletes the victim's step there.
+STEAL = NAMESPACE + '''
 agents = [os.environ["TIDAL_CKPT_AGENT"], *filter(None, os.environ.get("TIDAL_CKPT_PEERS", "").split(","))]
 base = os.path.dirname(os.path.dirname(os.environ["TIDAL_SHM_DIR"]))
 for a in agents:
     for n in ("n1", "n2", "n3"):
         q = f"copy_from={base}/{n}/{os.environ['VICTIM']}/state&length=16"
-        url = f"http://{a}/v1/jobs/{os.environ['TIDAL_JOB_ID']}/step_000000000001/{n}.bin"
+        url = f"http://{a}/v1/jobs/{ns}/step_000000000001/{n}.bin"
         try:
-            u.urlopen(u.Request(f"{url}?{q}", method="POST"), timeout=30).read()
-            print("COPIED", n, "by", a, u.urlopen(url, timeout=30).read())
+            u.urlopen(u.Request(f"{url}?{q}", method="POST", headers=auth), timeout=30).read()
+            print("COPIED", n, "by", a, u.urlopen(u.Request(url, headers=auth), timeout=30).read())
         except urllib.error.HTTPError as e:
             print("refused copy", e.code)
+    v = f"http://{a}/v1/jobs/{os.environ['VNS']}"
+    s = v + "/step_000000000005"
+    for h in (auth, {}):
+        for m, url, body in [("GET", v, None), ("GET", s + "/r0.bin", None), ("PUT", s + "/r0.bin", b"BOB"),
+                             ("DELETE", s, None)]:
+            try:
+                r = u.urlopen(u.Request(url, data=body, method=m, headers=h), timeout=30)
+                print("GOT VICTIM", m, r.read())
+            except urllib.error.HTTPError as e:
+                print("refused victim", e.code)
 '''
 HOSTILE = r'''
 base=$(dirname "$(dirname "$TIDAL_SHM_DIR")")
@@ -159,8 +179,9 @@ def test_a_hostile_job_on_ray_reads_nothing_as_its_own_uid(ray_cluster, monkeypa
         assert _mode(Path(ex.log_path(victim, 0))) == (0, 0o600)
         assert _mode(sd / ADMIN_TOKEN_FILE) == (0, 0o600)
 
+        vns = peer_job(str(ex.job_dir(victim) / "ckpt"))
         env = {"STATE": str(sd), "VICTIM": victim, "TOKEN": ADMIN_TOKEN_FILE, "PLANE_PID": str(os.getpid()),
-               "PY": PY, "STEAL": STEAL}
+               "PY": PY, "STEAL": STEAL, "VNS": vns}
         hostile = _job(plane, "bob", "peek", HOSTILE, env, restarts=1)
         _run(plane, hostile)
         log = _log(plane, hostile)
@@ -168,6 +189,13 @@ def test_a_hostile_job_on_ray_reads_nothing_as_its_own_uid(ray_cluster, monkeypa
         assert token not in log and SECRET not in log and "MARK" not in log, log
         assert not any(w in log for w in ("READ ", "LISTED ", "SIGNALLED ", "CHMODDED ", "COPIED ")), log
         assert not py or log.count("refused copy 403\n") == 9, log  # no agent copies a file a rank names
+        assert not py or log.count("refused victim 403\n") == 3 * 2 * 4, log  # nor touches another's steps
+        if py:  # the victim's step is whole at its agent (as the plane sees it, with the agents' token)
+            agent = ex.agents.addresses[node]
+            req = urllib.request.Request(f"http://{agent}/v1/jobs/{vns}/step_000000000005/r0.bin",
+                                         headers={"Authorization": f"Bearer {ex.agents.agent_token}"})
+            with urllib.request.urlopen(req, timeout=30) as r:
+                assert r.read() == b"VICTIM-PEER-MARK"
         assert log.count("denied ") == 14 + 6 + 2 + 4, log
         uid_h = ex.uids.owner("tenant", hostile, "bob")[0]  # bob's (the handle went with the failed launch)
         assert f"uid {uid_h} gid {uid_h} groups {uid_h} nproc 4096 core 0\n" in log and uid_h != uid_v, log

@@ -30,6 +30,7 @@ from rich.table import Table
 from rich.text import Text
 
 from tidal.ckpt import cli_common as cc
+from tidal.ckpt.agent.cli import SETTINGS as AGENT_SETTINGS
 from tidal.ckpt.agent.cli import agent_cmd
 from tidal.ckpt.cli_common import JsonOpt, StepOpt, UrlArg
 from tidal.ckpt.cli_export import export_cmd
@@ -333,7 +334,7 @@ def verify_cmd(
 
 # -- export (cli_export.py) and agent (it only hands over to ``python -m tidal.ckpt.agent``) ------------
 app.command("export")(export_cmd)
-app.command("agent")(agent_cmd)
+app.command("agent", context_settings=AGENT_SETTINGS, add_help_option=False)(agent_cmd)
 
 
 if __name__ == "__main__":

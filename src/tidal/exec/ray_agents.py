@@ -11,13 +11,18 @@ ranks' ``TIDAL_CKPT_AGENT`` stays right). Ranks get ``TIDAL_CKPT_AGENT`` (their 
 ``TIDAL_CKPT_PEERS`` (every other agent) from :meth:`RayAgents.env`.
 
 Memory directory of a node's agent: ``<shm base>/<node>/agent``; it may copy staging slots from
-``<shm base>/<node>`` (where that node's ranks stage). There is no authentication on an agent: bind
-the cluster network only (docs/checkpoint.md).
+``<shm base>/<node>`` (where that node's ranks stage).
+
+Authentication (:mod:`tidal.ckpt.agent.auth`): the executor's key (``<root>/.ckpt-agent.key``, created
+once) goes to each actor with ``start`` and from there into its agent's own environment, never onto a
+command line; each rank gets the token of its job's namespace in the agents (:meth:`RayAgents.token`),
+so a job reads, writes, lists and deletes only its own steps.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -31,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from tidal import contract as c
+from tidal.ckpt.agent.auth import agent_token, job_token
 from tidal.exec.isolation import private_dir
 from tidal.exec.ray_rank import _child_setup
 
@@ -39,6 +45,11 @@ log = logging.getLogger(__name__)
 AGENT_PREFIX = "tidal.agent."
 CHECK_S = 2.0  # the supervisor looks at the agents this often at most
 CALL_TIMEOUT_S = 30.0
+
+
+def key_id(key: bytes | None) -> str | None:
+    """A short fingerprint of a key (which key an agent runs with, without the key)."""
+    return hashlib.sha256(b"tidal-ckpt-agent/id\0" + key).hexdigest()[:16] if key is not None else None
 
 
 def ring(names: list[str]) -> dict[str, str | None]:
@@ -55,6 +66,7 @@ class AgentActor:
         self.port: int | None = None
         self.buddy: str | None = None
         self.addr: str | None = None
+        self.key: str | None = None  # the key (hex) the running agent was given
 
     def reserve(self) -> dict:
         """This node's agent address (a port chosen once, kept across restarts) and its state:
@@ -68,16 +80,19 @@ class AgentActor:
                 self.port = s.getsockname()[1]
             self.addr = f"{ip}:{self.port}"
         return {"address": self.addr, "buddy": self.buddy,
-                "running": self.proc is not None and self.proc.poll() is None}
+                "running": self.proc is not None and self.proc.poll() is None,
+                "key": key_id(bytes.fromhex(self.key)) if self.key is not None else None}
 
-    def start(self, node: str, mem_dir: str, allow: str | None, buddy: str | None, log_path: str) -> str:
-        """Run (or re-run, with a new buddy) the agent; its address once it answers ``/status``.
+    def start(self, node: str, mem_dir: str, allow: str | None, buddy: str | None, log_path: str,
+              key: str | None = None) -> str:
+        """Run (or re-run, with a new buddy or key) the agent; its address once it answers ``/status``.
+        ``key``: hex, handed to the agent in its own environment (None: an open agent).
         ``allow``: the directory it may copy staging slots from; None: none (jobs run as their own
         uids: the agent, root, would read any job's file a rank names), and the node's directories
         are 0711 (a job's uid passes through to its own)."""
         self.reserve()
         running = self.proc is not None and self.proc.poll() is None
-        if running and buddy == self.buddy:
+        if running and buddy == self.buddy and key == self.key:
             return self.addr  # type: ignore[return-value]
         if running:
             self.stop()
@@ -89,12 +104,16 @@ class AgentActor:
         cmd = [sys.executable, "-m", "tidal.ckpt.agent", "--listen", self.addr, "--mem-dir", mem_dir,
                "--node", node, *copy, *(["--buddy", buddy] if buddy else [])]
         parent = os.getpid()
+        env = {k: v for k, v in os.environ.items() if k != c.ENV_CKPT_AGENT_KEY}
+        if key is not None:
+            env[c.ENV_CKPT_AGENT_KEY] = key
         with open(
             os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600), "ab"
         ) as out:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                         start_new_session=True, preexec_fn=lambda: _child_setup(parent))
-        self.buddy = buddy
+                                         env=env, start_new_session=True,
+                                         preexec_fn=lambda: _child_setup(parent))
+        self.buddy, self.key = buddy, key
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -122,11 +141,12 @@ class RayAgents:
 
     def __init__(
         self, ray: Any, namespace: str, shm_root: Path, log_dir: Path, check_s: float = CHECK_S, *,
-        uids: bool = False,
+        uids: bool = False, key: bytes | None = None,
     ) -> None:
         self._ray, self.namespace, self.shm_root, self.log_dir = ray, namespace, shm_root, log_dir
         self.uids = uids  # jobs run as their own uids: agents copy no staging slot (see AgentActor.start)
         self.check_s = check_s
+        self.key = key  # None: open agents (every request accepted)
         self._remote = ray.remote(AgentActor)
         self._checked = float("-inf")
         self.addresses: dict[str, str] = {}  # node -> agent host:port (of the newest check)
@@ -167,11 +187,13 @@ class RayAgents:
         starts = {}
         for n, s in states.items():
             buddy = addresses.get(buddies[n]) if buddies[n] else None
-            if not s["running"] or s["buddy"] != buddy:  # an agent tolerates a buddy not up yet (it retries)
+            # (an agent tolerates a buddy not up yet: it retries)
+            if not s["running"] or s["buddy"] != buddy or s.get("key") != key_id(self.key):
                 node_dir = self.shm_root / n
                 starts[n] = actors[n].start.remote(n, str(node_dir / "agent"),
                                                    None if self.uids else str(node_dir), buddy,
-                                                   str(self.log_dir / f"agent-{n}.log"))
+                                                   str(self.log_dir / f"agent-{n}.log"),
+                                                   self.key.hex() if self.key is not None else None)
         for n, ref in starts.items():
             try:
                 self._ray.get(ref, timeout=CALL_TIMEOUT_S)
@@ -189,6 +211,15 @@ class RayAgents:
             return {}
         others = [a for n, a in sorted(self.addresses.items()) if n != node]
         return {c.ENV_CKPT_AGENT: own, **({c.ENV_CKPT_PEERS: ",".join(others)} if others else {})}
+
+    def token(self, namespace: str) -> str | None:
+        """The token of a job's ``namespace`` at these agents (None: they are open)."""
+        return job_token(self.key, namespace) if self.key is not None else None
+
+    @property
+    def agent_token(self) -> str | None:
+        """The plane's own token: accepted by every agent for every job's steps."""
+        return agent_token(self.key) if self.key is not None else None
 
     def stop_all(self) -> None:
         """Kill every agent actor of this plane (their processes die with them)."""

@@ -91,6 +91,7 @@ from tidal.exec.ray_names import (  # what the plane's objects are called on the
     _pg_name,
     across_nodes,
     actor_name,
+    agent_namespace,
     job_of_actor,
     job_of_pg,
     kill_ranks,
@@ -190,10 +191,11 @@ class RayExecutor:
             if ckpt_agents:
                 if self.shm_root is None:
                     raise ValueError("checkpoint agents on Ray nodes need /dev/shm (or isolation.shm_dir)")
+                from tidal.ckpt.agent.auth import load_or_create_key
                 from tidal.exec.ray_agents import RayAgents
 
                 self.agents = RayAgents(ray, self.namespace, self.shm_root, self.root,
-                                        uids=self.uids is not None)
+                                        uids=self.uids is not None, key=load_or_create_key(self.root))
         except ValueError:
             self.close()
             raise
@@ -375,6 +377,7 @@ class RayExecutor:
         job_env = across_nodes(req.env) if len(groups) > 1 else dict(req.env)
         starts = []
         n = len(ranks)
+        token = self.agents.token(agent_namespace(req.env, req.job_id)) if self.agents is not None else None
         rlimits = rank_rlimits(self.isolation, owner)
         for k in ranks:
             local = on_node[k.node]
@@ -387,6 +390,8 @@ class RayExecutor:
             base = {c.ENV_SHM_DIR: shm} if shm is not None else {}
             if self.agents is not None:
                 base.update(self.agents.env(k.node))
+                if token is not None:
+                    platform[c.ENV_CKPT_AGENT_TOKEN] = token
             env = clean_env(self.isolation, self.home_dir(req.job_id), job_env, platform,
                             omp_threads=(os.cpu_count() or 1) // max(1, len(local)), base=base)
             header = (f"=== tidal: {req.job_id} attempt {req.attempt}, rank {k.rank} of {n} on {k.node}, "

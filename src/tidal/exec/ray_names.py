@@ -11,6 +11,7 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from tidal import contract as c
 from tidal.exec import procs
@@ -33,6 +34,30 @@ def shm_base(namespace: str, shm_dir: str | None = None) -> Path | None:
     return Path(f"/dev/shm/tidal-ray-{namespace}") if Path("/dev/shm").is_dir() else None
 
 
+def _tier_list(raw: str) -> Any:
+    """``TIDAL_CKPT_TIERS`` as the runtime reads it: JSON, else comma-separated names."""
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return [t.strip() for t in raw.split(",")]
+
+
+def agent_namespace(env: Mapping[str, str], job_id: str) -> str:
+    """A job's namespace in the checkpoint agents, from its variables (``TIDAL_CKPT_TIERS``, else
+    ``TIDAL_CKPT_URL``), as its runtime's peer tier derives it; the job id's when they are malformed
+    (the runtime then fails on them itself)."""
+    from tidal.ckpt.errors import CheckpointError
+    from tidal.ckpt.tiers.config import peer_namespace
+
+    raw = env.get(c.ENV_CKPT_TIERS)
+    tiers = _tier_list(raw) if raw else None
+    try:
+        return peer_namespace(env.get(c.ENV_CKPT_URL) or None, tiers if isinstance(tiers, list) else None,
+                              job_id)
+    except (CheckpointError, ValueError, TypeError):
+        return peer_namespace(None, None, job_id)
+
+
 def across_nodes(env: Mapping[str, str]) -> dict[str, str]:
     """The job's variables for an attempt that spans nodes: no node-memory checkpoint tier. The
     engine's commit protocol meets all ranks in one tier, and a node's memory holds only its own
@@ -43,10 +68,7 @@ def across_nodes(env: Mapping[str, str]) -> dict[str, str]:
     url = out.pop(c.ENV_CKPT_URL, None)
     raw = out.get(c.ENV_CKPT_TIERS)
     if raw:
-        try:
-            tiers = json.loads(raw)
-        except ValueError:
-            tiers = [t.strip() for t in raw.split(",")]
+        tiers = _tier_list(raw)
         if not isinstance(tiers, list):
             return dict(env)  # the runtime reports the malformed value
         kept = [t for t in tiers if t != "shm" and not (isinstance(t, dict) and t.get("url") == "shm")]

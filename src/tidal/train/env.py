@@ -38,6 +38,8 @@ TIDAL_PROGRESS_DIR             (unset)       directory for progress-rNNNNN.jsonl
 TIDAL_SHM_DIR                  /dev/shm      where the checkpoint engine keeps its node-memory tier
 TIDAL_CKPT_AGENT               (unset)       the peer tier: this node's checkpoint agent, host:port
 TIDAL_CKPT_PEERS               (unset)       the peer tier: more agents to read from, comma-separated
+TIDAL_CKPT_AGENT_TOKEN         (unset)       the peer tier: this job's token at agents that have a key (set
+                                             by the executor; docs/checkpoint.md, Authentication)
 TIDAL_API_URL                  (unset)       reserved: control-plane URL (progress over HTTP, notices)
 TIDAL_TOKEN                    (unset)       reserved: bearer token for TIDAL_API_URL
 

@@ -20,8 +20,10 @@ import sys
 from pathlib import Path
 
 import tidal
+from tidal.ckpt.agent.auth import agent_token
 from tidal.ckpt.agent.childproc import free_ports, stop_process, wait_ready
 from tidal.ckpt.tiers.peer import AgentClient
+from tidal.contract import ENV_CKPT_AGENT_KEY
 
 
 class AgentProcess:
@@ -29,11 +31,13 @@ class AgentProcess:
 
     def __init__(self, mem_dir: str | os.PathLike, *, buddy: str | None = None, port: int | None = None,
                  node: str | None = None, env: dict[str, str] | None = None, resync_s: float = 2.0,
-                 log_path: str | os.PathLike | None = None) -> None:
+                 log_path: str | os.PathLike | None = None, key: bytes | None = None) -> None:
         self.mem_dir = Path(mem_dir)
         self.port = port or free_ports(1)[0]
         self.buddy, self.node, self.resync_s = buddy, node, resync_s
         self.env = env
+        self.key = key  # given to the agent in its own environment (None: an open agent)
+        self.token = agent_token(key) if key is not None else None  # what status() asks with
         self.log_path = Path(log_path) if log_path else self.mem_dir.with_name(self.mem_dir.name + ".log")
         self.proc: subprocess.Popen | None = None
 
@@ -69,11 +73,14 @@ class AgentProcess:
         env = dict(os.environ if self.env is None else self.env)
         src = str(Path(tidal.__file__).resolve().parents[1])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
+        env.pop(ENV_CKPT_AGENT_KEY, None)
+        if self.key is not None:
+            env[ENV_CKPT_AGENT_KEY] = self.key.hex()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env=env, start_new_session=True)
-        client = AgentClient(self.address, timeout_s=2.0, connect_timeout_s=0.5)
+        client = AgentClient(self.address, timeout_s=2.0, connect_timeout_s=0.5, token=self.token)
         proc = self.proc
 
         def ours() -> bool:
@@ -90,7 +97,7 @@ class AgentProcess:
         return self
 
     def status(self) -> dict:
-        client = AgentClient(self.address, timeout_s=10.0)
+        client = AgentClient(self.address, timeout_s=10.0, token=self.token)
         try:
             return client.json("GET", "/status")
         finally:

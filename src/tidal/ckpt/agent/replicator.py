@@ -11,8 +11,9 @@ buddy lacks (it was down, or restarted empty), manifest last. It never deletes a
 its own: removals come only from the job (retention), so an agent restarted on an empty memory
 directory cannot wipe the only remaining copies.
 
-Buddy protocol (agent to agent): ``GET /v1/replicas/<node>`` (what the buddy holds for us),
-``PUT`` / ``DELETE /v1/replicas/<node>/<job>/<step>[/<name>]``; bodies are sent with ``sendfile``.
+Buddy protocol (agent to agent; with the agent token when the agents have a key, see ``auth``):
+``GET /v1/replicas/<node>`` (what the buddy holds for us), ``PUT`` /
+``DELETE /v1/replicas/<node>/<job>/<step>[/<name>]``; bodies are sent with ``sendfile``.
 """
 
 from __future__ import annotations
@@ -147,10 +148,11 @@ class Replicator:
         resync_s: float = 2.0,
         timeout_s: float = 120.0,
         handoffs: Callable[[str, int], dict[str, Handoff]] | None = None,
+        token: str | None = None,
     ) -> None:
         self.store, self.node = store, node
         self._handoffs = handoffs  # (job, step) -> data files of the step being handed off (name -> Handoff)
-        self.client = AgentClient(buddy, timeout_s=timeout_s) if buddy else None
+        self.client = AgentClient(buddy, timeout_s=timeout_s, token=token) if buddy else None
         self.resync_s = resync_s
         self._cond = threading.Condition()
         self._items: deque[_Item] = deque()
@@ -342,6 +344,8 @@ class Replicator:
                 try:
                     conn.putrequest("PUT", self._path(job, step, name), skip_accept_encoding=True)
                     conn.putheader("Content-Length", str(size))
+                    for k, v in self.client.headers.items():
+                        conn.putheader(k, v)
                     conn.endheaders()
                     with open(fd, "rb", closefd=False) as f:
                         sent = 0

@@ -31,6 +31,13 @@ HTTP API (JSON answers; ``<job>`` a peer tier's namespace, ``<step>`` ``step_<12
     GET    /v1/replicas/<origin>                    what this agent holds for agent <origin> (agent to agent)
     PUT|DELETE /v1/replicas/<origin>/<job>/<step>[/<name>]
 
+**Authentication.** An agent given a key (``--key-file``, or ``TIDAL_CKPT_AGENT_KEY`` in its own
+environment: what the executor does, see ``auth``) answers ``/v1/jobs/<job>/...`` only with that
+namespace's token or the agent token (``Authorization: Bearer ...``), ``/v1/replicas/...`` only with
+the agent token, and ``GET /status`` without its ``steps`` unless with the agent token; anything else
+gets 403 with a one-line reason, before any body is read and with nothing stored or removed. Without a
+key it is open: every request is accepted (an agent started by hand, as before).
+
 A ``manifest.json`` PUT (the commit) is refused with 409 when a data file of a rank whose sidecar
 this agent holds is missing or of the wrong size (a held handoff counts once the buddy holds it
 whole: its local copy follows from the slot the rank still holds), and with 503 when the buddy
@@ -61,11 +68,12 @@ import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from tidal.ckpt.agent.auth import Guard, agent_token, parse_key, read_key
 from tidal.ckpt.agent.replicator import Growing, Handoff, HTTPError, Replicator
 from tidal.ckpt.agent.store import MANIFEST, Store, check_name, parse_step, step_dirname
 from tidal.ckpt.tiers.directory import sidecar_name
 from tidal.ckpt.tiers.peer import parse_address
-from tidal.contract import ENV_SHM_DIR
+from tidal.contract import ENV_CKPT_AGENT_KEY, ENV_SHM_DIR
 
 log = logging.getLogger("tidal.ckpt.agent")
 FORMAT = "tidal-ckpt-agent"
@@ -211,6 +219,7 @@ class Agent:
         resync_s: float = 2.0,
         sync_timeout_s: float = 240.0,
         reserve_bytes: int = 64 << 20,
+        key: bytes | None = None,
     ) -> None:
         host, _, port = parse_address(listen, "--listen", any_port=True).rpartition(":")
         self.store = Store(mem_dir)
@@ -231,11 +240,14 @@ class Agent:
         )
         self._handoffs: dict[tuple[str, int, str], Handoff] = {}  # held handoffs, kept a while after they end
         self._hlock = threading.Lock()
+        self.guard = Guard(key)  # no key: open
         self.replicator = Replicator(self.store, self.node, self.buddy, resync_s=resync_s,
-                                     handoffs=self.step_handoffs)
+                                     handoffs=self.step_handoffs,
+                                     token=agent_token(key) if key is not None else None)
         self._thread: threading.Thread | None = None
-        log.info("agent %s on %s: memory dir %s (%d steps found), buddy %s", self.node, self.address,
-                 self.store.root, found, self.buddy or "none")
+        log.info("agent %s on %s: memory dir %s (%d steps found), buddy %s, %s", self.node, self.address,
+                 self.store.root, found, self.buddy or "none",
+                 "open (no key)" if key is None else "tokens required")
 
     def start(self) -> Agent:
         self._thread = threading.Thread(target=self._server.serve_forever, args=(0.1,), name="tidal-agent",
@@ -253,7 +265,8 @@ class Agent:
         self.replicator.close()
 
     # -- the API -----------------------------------------------------------------------------------
-    def status(self) -> dict:
+    def status(self, steps: bool = True) -> dict:
+        """``GET /status``; ``steps`` False: without the steps held (a caller without the agent token)."""
         rows = []
         for r in self.store.summary():
             origin = r.pop("origin")
@@ -279,17 +292,20 @@ class Agent:
             "received_bytes": self.received_bytes,
             "held_bytes": sum(r["bytes"] for r in rows),
             "free_bytes": st.f_bavail * st.f_frsize,
-            "steps": rows,
+            "auth": not self.guard.open,
+            **({"steps": rows} if steps else {}),
         }
 
     def route(self, h: _Handler, method: str, parts: list[str], query: dict[str, str]) -> None:
         if parts == ["status"] and method == "GET":
-            return h.send_json(200, self.status())
+            return h.send_json(200, self.status(steps=self.guard.is_agent(h.headers.get("Authorization"))))
         if len(parts) < 3 or parts[0] != "v1" or parts[1] not in ("jobs", "replicas"):
             raise HTTPError(404, f"no such endpoint: {method} {h.path}")
         if parts[1] == "replicas":
+            self._authorize(h, None)
             return self._replica(h, method, parts[2:], query)
         job, rest = check_name(parts[2], "job"), parts[3:]
+        self._authorize(h, job)
         if not rest and method == "GET":
             return h.send_json(
                 200, {"job": job, "steps": {str(s): i for s, i in self.store.job_index(job).items()}}
@@ -328,6 +344,12 @@ class Agent:
             self.replicator.forget(job, step, name)
             return h.send_json(200, {"removed": removed})
         raise HTTPError(405, f"{method} not allowed on {h.path}")
+
+    def _authorize(self, h: _Handler, job: str | None) -> None:
+        """403 unless the request's token may touch ``job``'s steps (None: the agents' endpoints)."""
+        why = self.guard.refusal(h.headers.get("Authorization"), job)
+        if why is not None:
+            raise HTTPError(403, why)
 
     def _step(self, dirname: str) -> int | None:
         return parse_step(dirname)
@@ -549,15 +571,27 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-copy-from", action="store_true", help="copy no file a client names (ranks send "
                    "the bytes): for an agent that can read files its clients may not, e.g. as root with jobs "
                    "under their own uids")
+    p.add_argument("--key-file", help="file with the key that job tokens are checked with (64 hex digits, "
+                   "mode 0600; what `tidal up --ckpt-agents` keeps in <state dir>/jobs/.ckpt-agent.key). "
+                   f"Also ${ENV_CKPT_AGENT_KEY} in the agent's environment. Without either the agent is "
+                   "open: anyone who reaches its port reads, writes and deletes every job's steps")
     p.add_argument("--resync-s", type=float, default=2.0, help="seconds between checks of the buddy's copy")
     p.add_argument("--log-level", default="INFO")
     a = p.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if a.no_copy_from and a.allow_copy_from:
         p.error("--no-copy-from and --allow-copy-from exclude each other")
+    env_key = os.environ.pop(ENV_CKPT_AGENT_KEY, None)  # read once; nothing this process starts inherits it
+    if a.key_file and env_key:
+        p.error(f"--key-file and ${ENV_CKPT_AGENT_KEY} exclude each other")
+    try:
+        key = read_key(a.key_file) if a.key_file else (
+            parse_key(env_key, f"${ENV_CKPT_AGENT_KEY}") if env_key else None)
+    except ValueError as e:
+        p.error(str(e))
     agent = Agent(a.listen, a.mem_dir, buddy=a.buddy, node=a.node,
                   allow_copy_from=[] if a.no_copy_from else a.allow_copy_from,
-                  resync_s=a.resync_s)
+                  resync_s=a.resync_s, key=key)
 
     def stop(signum, frame) -> None:
         threading.Thread(target=agent._server.shutdown, daemon=True).start()
@@ -566,7 +600,7 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGINT, stop)
     print(
         f"tidal ckpt agent {agent.node}: listening on http://{agent.address}, memory dir {agent.store.root}, "
-        f"buddy {agent.buddy or 'none'}",
+        f"buddy {agent.buddy or 'none'}, {'tokens required' if key else 'open: no key, no authentication'}",
         file=sys.stderr,
         flush=True,
     )

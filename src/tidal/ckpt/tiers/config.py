@@ -166,11 +166,12 @@ def parse_spec(spec: Any, i: int = 0) -> TierSpec:
 
 
 def resolve(
-    specs: Sequence[Any], *, default_keep: int, home: str | None = None
+    specs: Sequence[Any], *, default_keep: int, home: str | None = None, job_id: str | None = None
 ) -> tuple[str, list[TierConfig]]:
     """Validate a tier list; return the job's home location and one ``TierConfig`` per tier.
 
     ``home``: the Checkpointer's url when one is given; it must then be the first non-shm tier.
+    ``job_id``: the job's id, when not this process's ``TIDAL_JOB_ID`` (an executor asking for a rank).
     """
     if isinstance(specs, (str, os.PathLike, Mapping, TierSpec)) or not isinstance(specs, Sequence):
         raise TierSpecError(f"tiers must be a list, got {type(specs).__name__} {specs!r}")
@@ -215,7 +216,7 @@ def resolve(
     for n in names:
         if names.count(n) > 1:
             raise TierSpecError(f"tiers: two tiers are named {n!r}; give one a different 'name'")
-    home = _home(out, home)
+    home = _home(out, home, job_id)
     out = [replace(t, location=f"peer://{peer_job(home)}") if t.location == "peer://" else t for t in out]
     locs = [t.location for t in out]
     for loc in locs:
@@ -224,7 +225,7 @@ def resolve(
     return home, out
 
 
-def _home(out: list[TierConfig], home: str | None) -> str:
+def _home(out: list[TierConfig], home: str | None, job_id: str | None = None) -> str:
     """The job's home location: ``home`` (a url given to the Checkpointer), else the first directory or
     S3 tier, else the first peer tier's ``peer://NAME`` (NAME defaulting to ``$TIDAL_JOB_ID``)."""
     durable = [t for t in out if t.kind in ("dir", "s3")]
@@ -246,11 +247,30 @@ def _home(out: list[TierConfig], home: str | None) -> str:
     named = next((t.location for t in peers if t.location != "peer://"), None)
     if named is not None:
         return named
-    job = re.sub(r"[^A-Za-z0-9_.\-]+", "-", os.environ.get(ENV_JOB_ID, "")).strip("-.")
+    job = _job_name(os.environ.get(ENV_JOB_ID, "") if job_id is None else job_id)
     if not job:
         raise TierSpecError("tiers: nothing names this job's checkpoints (no directory or S3 tier): use "
                             "'peer://NAME', set TIDAL_JOB_ID, or pass url=")
     return f"peer://{job}"
+
+
+def _job_name(job_id: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.\-]+", "-", job_id).strip("-.")
+
+
+def peer_namespace(url: str | None, tiers: Sequence[Any] | None, job_id: str) -> str:
+    """The namespace in the checkpoint agents of a job with checkpoint location ``url`` or tier list
+    ``tiers`` (what its ranks' ``TIDAL_CKPT_URL`` / ``TIDAL_CKPT_TIERS`` say; ``tiers`` wins): the
+    one its peer tier uses (``peer_job`` of its home), or ``job_id``'s when it names no location.
+    The executor gives each rank the token of this namespace. ``TierSpecError`` if ``tiers`` is
+    malformed."""
+    if tiers:
+        home = resolve(tiers, default_keep=0, job_id=job_id)[0]
+    elif url:
+        home = normalize(url, kind_of(url, "checkpoint url"))
+    else:
+        home = f"peer://{_job_name(job_id)}"
+    return peer_job(home)
 
 
 def _check_options(kind: str, options: Mapping[str, Any], where: str) -> None:

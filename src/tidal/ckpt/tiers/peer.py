@@ -21,6 +21,12 @@ to them:
 * removal (retention, torn steps) goes to every agent known; each agent also forwards it to its
   buddy.
 
+Agents with a key (the executor's, ``tidal up --ckpt-agents``) answer only requests with the job's
+token (``TIDAL_CKPT_AGENT_TOKEN``, which the executor gives each rank: valid for the namespace its
+checkpoint location derives) or the agent token (derived from ``TIDAL_CKPT_AGENT_KEY`` when that is
+set: an operator's ``tidal ckpt ls peer://NAME``); see ``tidal.ckpt.agent.auth``. A refused request
+(403) is a ``TierError`` naming the reason.
+
 Agents unreachable during a listing or read are skipped; ``TierError`` is raised only when none of
 them answers. Thread-safe: one kept-alive HTTP connection per thread and agent.
 """
@@ -39,10 +45,18 @@ import urllib.parse
 from collections.abc import Sequence
 from typing import Any
 
+from tidal.ckpt.agent.auth import agent_token, parse_key
+from tidal.ckpt.agent.auth import headers as auth_headers
 from tidal.ckpt.errors import SaveError, TierError, TierSpecError
 from tidal.ckpt.format import manifest as mf
 from tidal.ckpt.tiers.protocol import TruncatedRead
-from tidal.contract import ENV_CKPT_AGENT, ENV_CKPT_PEERS, ENV_JOB_ID
+from tidal.contract import (
+    ENV_CKPT_AGENT,
+    ENV_CKPT_AGENT_KEY,
+    ENV_CKPT_AGENT_TOKEN,
+    ENV_CKPT_PEERS,
+    ENV_JOB_ID,
+)
 
 log = logging.getLogger(__name__)
 ENV_AGENT = ENV_CKPT_AGENT
@@ -78,6 +92,21 @@ def parse_address(value: Any, where: str = "agent", *, any_port: bool = False) -
     return f"{host}:{int(port)}"
 
 
+def env_token() -> str | None:
+    """What to show the agents: ``$TIDAL_CKPT_AGENT_TOKEN`` (a job's, from its executor), else the
+    agent token of ``$TIDAL_CKPT_AGENT_KEY`` (the plane's key: an operator's ``tidal ckpt``), else none."""
+    token = os.environ.get(ENV_CKPT_AGENT_TOKEN)
+    if token:
+        if not token.isascii() or not token.isalnum():
+            raise TierSpecError(f"${ENV_CKPT_AGENT_TOKEN}: expected the hex token the executor sets")
+        return token
+    key = os.environ.get(ENV_CKPT_AGENT_KEY)
+    try:
+        return agent_token(parse_key(key, f"${ENV_CKPT_AGENT_KEY}")) if key else None
+    except ValueError as e:
+        raise TierSpecError(str(e)) from None
+
+
 def env_peers() -> list[str]:
     return [p.strip() for p in os.environ.get(ENV_PEERS, "").split(",") if p.strip()]
 
@@ -102,8 +131,10 @@ class Unreachable(TierError):
 class AgentClient:
     """Requests to one agent, one kept-alive connection per thread. Thread-safe."""
 
-    def __init__(self, address: str, *, timeout_s: float = 120.0, connect_timeout_s: float = 2.0) -> None:
+    def __init__(self, address: str, *, timeout_s: float = 120.0, connect_timeout_s: float = 2.0,
+                 token: str | None = None) -> None:
         self.address = address
+        self.headers = auth_headers(token)  # sent with every request (``Authorization``; none: open agents)
         host, _, port = address.rpartition(":")
         self.host, self.port = host.strip("[]"), int(port)
         self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
@@ -141,7 +172,7 @@ class AgentClient:
         for attempt in (0, 1):
             conn, reused = self.connection(fresh=attempt == 1)
             try:
-                conn.request(method, path, body=body, headers=headers or {})
+                conn.request(method, path, body=body, headers={**(headers or {}), **self.headers})
                 resp = conn.getresponse()
                 if into is not None and 200 <= resp.status < 300:
                     got = _read_into(resp, into)
@@ -215,8 +246,10 @@ class PeerTier:
         peers: Sequence[str] | None = None,
         timeout_s: float = 300.0,
         connect_timeout_s: float = 2.0,
+        token: str | None = None,
     ) -> None:
         self.name, self.job = name, job
+        self.token = token or env_token()
         self.location = f"peer://{job}"
         address = agent or os.environ.get(ENV_AGENT) or None
         self.agent_address = parse_address(address, f"tier '{name}': agent") if address else None
@@ -239,7 +272,8 @@ class PeerTier:
             c = self._clients.get(address)
             if c is None:
                 c = self._clients[address] = AgentClient(address, timeout_s=self.timeout_s,
-                                                         connect_timeout_s=self.connect_timeout_s)
+                                                         connect_timeout_s=self.connect_timeout_s,
+                                                         token=self.token)
             return c
 
     def _local(self) -> AgentClient:

@@ -1,0 +1,135 @@
+"""Credentials of the checkpoint agents (standard library only).
+
+A plane that starts agents (``tidal up --executor ray --ckpt-agents``) keeps one secret **key**
+(:data:`KEY_FILE` in the executor's root, ``<state dir>/jobs``: 32 random bytes as hex, 0600, created
+once and kept across restarts). Its agents get the key from their own environment
+(``TIDAL_CKPT_AGENT_KEY``, read and removed at start) or a file (``--key-file``), never on their
+command line. Each job gets a **token** for its namespace in the agents (``TIDAL_CKPT_AGENT_TOKEN``):
+``HMAC-SHA256(key, "tidal-ckpt-agent/job" NUL namespace)`` as hex, so no job can derive another's.
+Agents talk to each other, and the plane to them, with the **agent token** (HMAC of the key with
+another label), which every endpoint accepts. Requests carry ``Authorization: Bearer <token>``.
+
+An agent started without a key is open (every request is accepted), as one started by hand.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+import stat
+from pathlib import Path
+
+KEY_FILE = ".ckpt-agent.key"  # in the executor's root (<state dir>/jobs), 0600
+KEY_BYTES = 32
+HEADER = "Authorization"
+SCHEME = "Bearer "
+_JOB = b"tidal-ckpt-agent/job\0"
+_AGENT = b"tidal-ckpt-agent/agent\0"
+
+
+def parse_key(text: str, where: str) -> bytes:
+    """The key written as hex (surrounding whitespace ignored); ValueError naming ``where``."""
+    s = text.strip()
+    try:
+        key = bytes.fromhex(s)
+    except ValueError:
+        key = b""
+    if len(key) != KEY_BYTES:
+        raise ValueError(f"{where}: expected {KEY_BYTES * 2} hex digits (a checkpoint agent key)")
+    return key
+
+
+def read_key(path: str | os.PathLike) -> bytes:
+    """The key in ``path`` (a regular file, not a link, that no other user may read or write)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as e:
+        raise ValueError(f"key file {path}: {e.strerror}") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"key file {path}: not a regular file")
+        if st.st_mode & 0o077:
+            raise ValueError(f"key file {path}: mode {oct(stat.S_IMODE(st.st_mode))}; expected 0600 "
+                             "(no access for others)")
+        return parse_key(f.read(4096).decode("ascii", "replace"), f"key file {path}")
+
+
+def load_or_create_key(directory: str | os.PathLike) -> bytes:
+    """The plane's key in ``directory``/:data:`KEY_FILE`, created (0600) if there is none yet: written
+    whole to a temporary file first, then linked into place (never a torn key; a racing start reads
+    the winner's)."""
+    path = Path(directory) / KEY_FILE
+    if os.path.lexists(path):
+        return read_key(path)
+    key = secrets.token_bytes(KEY_BYTES)
+    tmp = path.with_name(f"{KEY_FILE}.{os.getpid()}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(key.hex() + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return read_key(path)
+    finally:
+        os.unlink(tmp)
+    return key
+
+
+def job_token(key: bytes, namespace: str) -> str:
+    """The token for the steps of ``namespace`` (a job's namespace in the agents)."""
+    return hmac.new(key, _JOB + namespace.encode(), hashlib.sha256).hexdigest()
+
+
+def agent_token(key: bytes) -> str:
+    """The token of the agents themselves and of the plane: accepted for everything."""
+    return hmac.new(key, _AGENT, hashlib.sha256).hexdigest()
+
+
+def headers(token: str | None) -> dict[str, str]:
+    return {HEADER: SCHEME + token} if token else {}
+
+
+class Guard:
+    """An agent's check of a request's token (``key`` None: everything is allowed)."""
+
+    def __init__(self, key: bytes | None) -> None:
+        self.key = key
+        self._agent = agent_token(key).encode() if key is not None else b""
+
+    @property
+    def open(self) -> bool:
+        return self.key is None
+
+    @staticmethod
+    def _given(value: str | None) -> bytes | None:
+        if not value or not value.startswith(SCHEME):
+            return None
+        return value[len(SCHEME):].strip().encode("latin-1", "replace")
+
+    def is_agent(self, value: str | None) -> bool:
+        """Whether the ``Authorization`` header ``value`` carries the agent token (or no key is set)."""
+        if self.key is None:
+            return True
+        given = self._given(value)
+        return given is not None and hmac.compare_digest(given, self._agent)
+
+    def refusal(self, value: str | None, namespace: str | None) -> str | None:
+        """Why a request with ``Authorization`` header ``value`` may not touch ``namespace``'s steps
+        (None: the agents' own endpoints), or None when it may."""
+        if self.key is None or self.is_agent(value):
+            return None
+        given = self._given(value)
+        if namespace is None:
+            return "this endpoint is the agents' own: " + ("no token given" if given is None else
+                                                           "the token given is not theirs")
+        if given is None:
+            return f"the steps of {namespace!r} need a token (Authorization: Bearer $TIDAL_CKPT_AGENT_TOKEN)"
+        if hmac.compare_digest(given, job_token(self.key, namespace).encode()):
+            return None
+        return f"the steps of {namespace!r}: the token given is not valid for them"
