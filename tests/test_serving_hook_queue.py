@@ -265,3 +265,41 @@ def test_one_release_in_flight_per_node(hook):
         loans.tick(t + 241.0 + 60.0 * k, {}, wanted=2)
         assert a.settle(10)
     assert loans.ledger.lent_on("serve-0") == 2 and [p["lent_after"] for p in hook.posts] == [1, 2]
+
+
+def test_a_release_that_fails_after_a_queued_restore_leaves_the_hook_at_the_true_count(hook):
+    """serve-0 has 1 GPU lent (confirmed); a second is released (the hook holds its answer), then the job
+    hands the first back: the restore is queued behind the release with ``lent_after`` = 1, which
+    assumed the release would succeed. It fails: serve-0 has 0 lent, so the hook is told so again (a
+    corrective restore of the GPU whose release failed); before, it was left at 1, one GPU serving
+    nobody and counted as serving."""
+    a = hook.adapter()
+    loans = LiveLoans(a, TIMING, step_s=60.0)
+    t = T0
+    for _ in range(100):
+        loans.tick(t, {}, wanted=1)
+        if loans.releasing:
+            break
+        t += 60.0
+    assert a.settle(10)
+    loans.tick(t + 1.0, {}, wanted=1)
+    assert loans.lent_on("serve-0") == 1 and not loans.releasing
+    hook.open.clear()
+    hook.codes = [500]  # the next POST (the release) is refused
+    t += 60.0
+    loans.tick(t, {"serve-0": 1}, wanted=1)  # one more could be used: serve-0 (partly lent) first
+    assert loans.releasing == {"serve-0": 1}
+    loans.returned("serve-0", 1, t + 1.0)  # the job hands back the confirmed one
+    assert [p["action"] for p in hook.posts] == ["release", "release"] or a.queued == 2
+    hook.open.set()
+    for k in range(20):
+        assert a.settle(10)
+        events = loans.tick(t + 2.0 + k, {}, wanted=0)
+        assert loans.lent_on("serve-0") == 0 or k == 0
+        _assert_pools(loans)
+        if not a.queued and not loans.restoring and not loans.pending_restores:
+            break
+    assert ("release", 500) in hook.answered
+    assert [p["lent_after"] for p in hook.posts if p["node"] == "serve-0"][-1] == 0, hook.posts
+    assert a.health()["released"]["serve-0"] == 0 == loans.ledger.lent_on("serve-0")
+    assert loans.stats["release_failures"] == 1 and events is not None

@@ -99,6 +99,7 @@ class LiveLoans:
         self.releasing: dict[str, int] = {}  # node -> GPUs whose release a QueuedAdapter has not finished
         self.restoring: dict[str, int] = {}  # node -> GPUs whose restore a QueuedAdapter has not finished
         self._resend = False  # actions in flight when the plane stopped: sent again on the first step
+        self._queued_on: dict[str, int] = {}  # node -> actions a QueuedAdapter has not reported yet
         self.stats: dict[str, float] = {
             "steps": 0,
             "unknown_demand_steps": 0,
@@ -243,7 +244,7 @@ class LiveLoans:
             self._dirty = True
         self.last_s = now_s
         if isinstance(self.adapter, QueuedAdapter):
-            events += self._collect()
+            events += self._collect(now_s)
         if self._resend:
             events += self._send_again(now_s)
         for node, g in led.warm_all_done(now_s, self._ready):  # 1.
@@ -374,15 +375,16 @@ class LiveLoans:
                 node, gpus, lent_after, now_s
             )
         except AdapterError as e:
-            return self._finish(action, node, gpus, str(e), retry)
+            return self._finish(action, node, gpus, str(e), retry, now_s)
         if isinstance(self.adapter, QueuedAdapter):
             book = self.releasing if action == "release" else self.restoring
             book[node] = book.get(node, 0) + gpus
+            self._queued_on[node] = self._queued_on.get(node, 0) + 1
             self._dirty = True
             return []
-        return self._finish(action, node, gpus, None, retry)
+        return self._finish(action, node, gpus, None, retry, now_s)
 
-    def _collect(self) -> list[Event]:
+    def _collect(self, now_s: float) -> list[Event]:
         """The outcomes of the queued actions that finished since the last step."""
         events: list[Event] = []
         for done in self.adapter.done():  # type: ignore[attr-defined] (a QueuedAdapter)
@@ -392,11 +394,17 @@ class LiveLoans:
                 book[done.node] = left
             else:
                 book.pop(done.node, None)
-            events += self._finish(done.action, done.node, done.gpus, done.error, retry=False)
+            n = self._queued_on.get(done.node, 0) - 1
+            if n > 0:
+                self._queued_on[done.node] = n
+            else:
+                self._queued_on.pop(done.node, None)
+            events += self._finish(done.action, done.node, done.gpus, done.error, False, now_s)
             self._dirty = True
         return events
 
-    def _finish(self, action: str, node: str, gpus: int, error: str | None, retry: bool) -> list[Event]:
+    def _finish(self, action: str, node: str, gpus: int, error: str | None, retry: bool,
+                now_s: float) -> list[Event]:
         led = self.ledger
         data = {"node": node, "gpus": gpus, "action": action}
         if action == "release" and error is None:
@@ -405,10 +413,19 @@ class LiveLoans:
             return [("loan", f"lent {gpus} GPUs of {node} to spot training ({self.lent_on(node)} lent there)",
                      {"node": node, "gpus": gpus, "until_s": _finite(ln.until_s) if ln else None})]
         if action == "release":
+            self.stats["release_failures"] += 1
             k = min(gpus, led.lent_on(node) - self.releasing.get(node, 0))
+            if k > 0 and self._queued_on.get(node):
+                # Actions queued after this one told the hook a lent count that assumed it succeeded
+                # (a restore's lent_after): tell it the true count again, after them. Until that
+                # restore succeeds the GPUs are in neither pool, as for any restore.
+                led.return_gpus(node, k, now_s)
+                return [("serving_action_failed",
+                         f"release of {gpus} GPUs on {node} failed: {error}; nothing lent there (a later "
+                         f"action counted them as lent: restoring {k} to set {node} back)", data),
+                        *self._act("restore", node, k, now_s)]
             if k > 0:
                 led.cancel_loan(node, k)
-            self.stats["release_failures"] += 1
             return [
                 (
                     "serving_action_failed",
