@@ -43,9 +43,10 @@ import collections
 import dataclasses
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from tidal.control import loan_nodes
 from tidal.model import Loan, Reclaim
 from tidal.policy import codec
 from tidal.policy.forecast import ForecastConfig
@@ -86,8 +87,7 @@ class LiveLoans:
         self.adapter = adapter
         self.timing = timing
         self.speedup = float(adapter.speedup)
-        self.nodes = adapter.nodes()
-        self.serving_gpus = sum(self.nodes.values())
+        self.nodes = adapter.nodes()  # as configured (serving.nodes); the pool now is the ledger's
         self.policy = TidalPolicy(TidalConfig(shortfall_budget=shortfall_budget,
                                               forecast=ForecastConfig(step_s=step_s),
                                               timing=scaled(timing, self.speedup)))
@@ -99,7 +99,11 @@ class LiveLoans:
         self.releasing: dict[str, int] = {}  # node -> GPUs whose release a QueuedAdapter has not finished
         self.restoring: dict[str, int] = {}  # node -> GPUs whose restore a QueuedAdapter has not finished
         self._resend = False  # actions in flight when the plane stopped: sent again on the first step
-        self._queued_on: dict[str, int] = {}  # node -> actions a QueuedAdapter has not reported yet
+        self.queued_on: dict[str, int] = {}  # node -> actions a QueuedAdapter has not reported yet
+        self.gone: dict[str, dict] = {}  # serving nodes lost (tidal.control.loan_nodes)
+        self.returning: dict[str, dict] = {}  # serving nodes back, not yet serving again
+        self.stale: dict[str, int] = {}  # node -> outcomes to ignore (actions sent before it was lost)
+        self.jobs_seen: dict[str, list[str]] = {}  # node -> jobs holding GPUs there at the last step
         self.stats: dict[str, float] = {
             "steps": 0,
             "unknown_demand_steps": 0,
@@ -129,8 +133,20 @@ class LiveLoans:
         """The newest loan steps, oldest first (swapped whole; see :meth:`_sample`)."""
 
     # -------------------------------------------------------------------------------- persistence
+    @property
+    def serving_gpus(self) -> int:
+        """The pool now: GPUs of the serving nodes present and warmed in (lost ones are not in it)."""
+        return self.ledger.total
+
+    def dirty(self) -> None:
+        self._dirty = True
+
     def dump(self) -> dict[str, Any]:
-        return {"version": 1, "ledger": self.ledger.to_state(), "policy": codec.encode(self.state),
+        keep = ("since_s", "gpus", "ready_s", "told")
+        back = {n: {k: v for k, v in b.items() if k in keep} for n, b in self.returning.items()}
+        return {"version": 1, "nodes": dict(self.nodes), "ledger": self.ledger.to_state(),
+                "gone": self.gone, "returning": back,
+                "policy": codec.encode(self.state),
                 "next_grid": codec.encode(self.next_grid), "pending_restores": dict(self.pending_restores),
                 "releasing": dict(self.releasing), "restoring": dict(self.restoring),
                 "stats": self.stats, "margins": self.margins[-1000:], "last_s": self.last_s,
@@ -153,9 +169,7 @@ class LiveLoans:
         if not isinstance(doc, Mapping) or doc.get("version") != 1:
             raise ValueError(f"unknown version {doc.get('version') if isinstance(doc, Mapping) else doc!r}")
         ledger = LoanLedger.from_state(doc["ledger"], self.timing)
-        if ledger.cap != self.nodes:
-            raise ValueError(f"serving state: the stored ledger has serving nodes {ledger.cap}, the adapter "
-                             f"{self.nodes}; remove the serving document or keep the nodes")
+        gone, returning = loan_nodes.check_doc(self.nodes, ledger.cap, doc.get("gone"), doc.get("returning"))
         state = codec.decode(doc["policy"], "policy")
         if not isinstance(state, TidalState):
             raise ValueError(f"policy: expected a TidalState, got {type(state).__name__}")
@@ -166,10 +180,13 @@ class LiveLoans:
         for what, book in (("releasing", releasing), ("restoring", restoring)):
             for n, g in book.items():
                 top = ledger.lent_on(n) if what == "releasing" else ledger.cap.get(n, 0)
+                if n in returning or n in gone:
+                    raise ValueError(f"{what}[{n!r}]: the node is lost or not back in the pool")
                 if not 1 <= g <= top:
                     raise ValueError(f"{what}[{n!r}] = {g} GPUs, outside 1..{top}")
         self.ledger, self.state, self.next_grid, self.pending_restores = ledger, state, next_grid, pending
         self.releasing, self.restoring, self._resend = releasing, restoring, bool(releasing or restoring)
+        self.gone, self.returning = gone, returning
         self.stats.update(doc.get("stats") or {})
         self.margins = list(doc.get("margins") or [])
         self.last_s = doc.get("last_s")
@@ -228,11 +245,15 @@ class LiveLoans:
             _, self.state = self.policy(ctx, self.state)
         self._warm = []
 
-    def tick(self, now_s: float, used: Mapping[str, int], wanted: int | None = None) -> list[Event]:
+    def tick(self, now_s: float, used: Mapping[str, int], wanted: int | None = None, *,
+             present: Mapping[str, int] | None = None,
+             jobs_on: Mapping[str, Sequence[str]] | None = None) -> list[Event]:
         """Steps 1-4 of the module docstring; returns the events to record. ``wanted``: how many more
         serving GPUs spot jobs could use now (``None``: any number, a saturated spot queue, as the
         simulator assumes); the plan lends no more than that beyond what jobs hold on loans already,
-        so serving keeps the GPUs nobody would train on."""
+        so serving keeps the GPUs nobody would train on. ``present``: the serving nodes the executor
+        has now (node -> GPUs; ``None``: all of them, as configured) and ``jobs_on`` the jobs holding
+        GPUs on each: nodes lost and back (:mod:`tidal.control.loan_nodes`)."""
         events: list[Event] = []
         led = self.ledger
         if self.last_s is not None and now_s > self.last_s:  # GPU-seconds lent and used since the last tick
@@ -247,6 +268,8 @@ class LiveLoans:
             events += self._collect(now_s)
         if self._resend:
             events += self._send_again(now_s)
+        if present is not None or self.gone or self.returning:
+            events += loan_nodes.track(self, self.nodes if present is None else present, jobs_on or {}, now_s)
         for node, g in led.warm_all_done(now_s, self._ready):  # 1.
             events.append(("serving_ready", f"{g} GPUs of {node} serve again (warm-up over)",
                            {"node": node, "gpus": g}))
@@ -348,6 +371,9 @@ class LiveLoans:
     def returned(self, node: str, gpus: int, now_s: float) -> list[Event]:
         """Carry out :class:`~tidal.model.ReturnGpus`: the ledger, then the adapter."""
         led = self.ledger
+        if gpus < 1 or led.lent_on(node) - self.releasing.get(node, 0) < gpus:  # e.g. the node was lost
+            return [("decision", f"ignored ReturnGpus({node!r}, {gpus}): {self.lent_on(node)} GPUs lent there"
+                     + (" (the node was lost)" if node in self.gone else ""), {"node": node, "gpus": gpus})]
         due = sorted(led.reclaims, key=lambda r: r.by_s)
         by = due[0].by_s if due else None
         ready = led.return_gpus(node, gpus, now_s)
@@ -369,7 +395,8 @@ class LiveLoans:
     def _act(self, action: str, node: str, gpus: int, now_s: float, retry: bool = False) -> list[Event]:
         """Release or restore through the adapter; a :class:`QueuedAdapter`'s outcome comes later
         (:meth:`_collect`), anyone else's now; both end in :meth:`_finish`."""
-        lent_after = self.ledger.lent_on(node) + self.pending_restores.get(node, 0)
+        lent_after = (self.ledger.lent_on(node) + self.pending_restores.get(node, 0)
+                      + loan_nodes.missing(self, node))
         try:
             (self.adapter.release if action == "release" else self.adapter.restore)(
                 node, gpus, lent_after, now_s
@@ -379,7 +406,7 @@ class LiveLoans:
         if isinstance(self.adapter, QueuedAdapter):
             book = self.releasing if action == "release" else self.restoring
             book[node] = book.get(node, 0) + gpus
-            self._queued_on[node] = self._queued_on.get(node, 0) + 1
+            self.queued_on[node] = self.queued_on.get(node, 0) + 1
             self._dirty = True
             return []
         return self._finish(action, node, gpus, None, retry, now_s)
@@ -388,17 +415,22 @@ class LiveLoans:
         """The outcomes of the queued actions that finished since the last step."""
         events: list[Event] = []
         for done in self.adapter.done():  # type: ignore[attr-defined] (a QueuedAdapter)
+            n = self.queued_on.get(done.node, 0) - 1
+            if n > 0:
+                self.queued_on[done.node] = n
+            else:
+                self.queued_on.pop(done.node, None)
+            mine = loan_nodes.outcome(self, done.node, done.action, done.error)
+            if mine is not None:  # sent before the node was lost, or telling the adapter it is back
+                events += mine
+                self._dirty = True
+                continue
             book = self.releasing if done.action == "release" else self.restoring
             left = book.get(done.node, 0) - done.gpus
             if left > 0:
                 book[done.node] = left
             else:
                 book.pop(done.node, None)
-            n = self._queued_on.get(done.node, 0) - 1
-            if n > 0:
-                self._queued_on[done.node] = n
-            else:
-                self._queued_on.pop(done.node, None)
             events += self._finish(done.action, done.node, done.gpus, done.error, False, now_s)
             self._dirty = True
         return events
@@ -415,7 +447,7 @@ class LiveLoans:
         if action == "release":
             self.stats["release_failures"] += 1
             k = min(gpus, led.lent_on(node) - self.releasing.get(node, 0))
-            if k > 0 and self._queued_on.get(node):
+            if k > 0 and self.queued_on.get(node):
                 # Actions queued after this one told the hook a lent count that assumed it succeeded
                 # (a restore's lent_after): tell it the true count again, after them. Until that
                 # restore succeeds the GPUs are in neither pool, as for any restore.
@@ -489,15 +521,23 @@ class LiveLoans:
                          "upper_gpus": [round(float(x), 2) for x in plan.upper_gpus[:k]]},
         }
 
-    def refresh(self, now_s: float, held: Mapping[str, int] | None = None) -> None:
+    def refresh(self, now_s: float, held: Mapping[str, int] | None = None,
+                jobs_on: Mapping[str, Sequence[str]] | None = None) -> None:
         """Swap in a new :meth:`view` (the newest plan, the ledger as it is now, and ``held``: serving
-        node -> GPUs jobs hold there, as the store says at the end of the step)."""
+        node -> GPUs jobs hold there, as the store says at the end of the step; ``jobs_on``: the jobs
+        holding them, remembered to name them if the node is lost before the next step)."""
         led = self.ledger
+        if jobs_on is not None:
+            self.jobs_seen = {n: sorted(j) for n, j in jobs_on.items() if j and n in self.nodes}
         self.latest = {
             "held_gpus": {n: g for n, g in (held or {}).items() if n in self.nodes},
             **self._plan_view,
             "now_s": now_s,
             "serving_nodes": dict(self.nodes),
+            "pool_nodes": dict(led.cap),
+            "lost_nodes": {n: dict(v) for n, v in self.gone.items()},
+            "returning_nodes": {n: {"gpus": v["gpus"], "ready_s": v["ready_s"], "told": bool(v.get("told"))}
+                                for n, v in self.returning.items()},
             "serving_gpus": self.serving_gpus,
             "lent_gpus": self.lent,
             "warming_gpus": led.warming,
@@ -508,12 +548,20 @@ class LiveLoans:
                 {"node": ln.node, "gpus": ln.gpus, "until_s": _finite(ln.until_s)} for ln in self.loans
             ],
             "reclaims": [{"gpus": r.gpus, "by_s": r.by_s, "notice_s": r.notice_s} for r in self.reclaims],
-            "warming": {n: led.warming_ready_s(n) for n in self.nodes if led.warming_ready_s(n)},
+            "warming": {n: led.warming_ready_s(n) for n in led.cap if led.warming_ready_s(n)},
             "stats": dict(self.stats),
             "worst_margin_s": min(self.margins) if self.margins else None,
             "pending_restores": dict(self.pending_restores),
             "adapter": self.adapter.health(),
         }
+
+
+def lent_before(doc: Any, nodes: Mapping[str, int]) -> set[str]:
+    """Serving nodes that may be missing from the cluster (or have other GPUs) when a plane starts: with
+    a stored loan document written for the same ``serving.nodes``, all of them (a node lost, before or
+    while the plane was down, is the loan step's to handle: :mod:`tidal.control.loan_nodes`); else
+    none (a fresh start checks the nodes strictly)."""
+    return set(nodes) if isinstance(doc, Mapping) and doc.get("nodes") == dict(nodes) else set()
 
 
 def build_live_loans(cfg: WatchConfig, ray_address: str | None = None) -> LiveLoans:
