@@ -303,3 +303,36 @@ def test_a_release_that_fails_after_a_queued_restore_leaves_the_hook_at_the_true
     assert [p["lent_after"] for p in hook.posts if p["node"] == "serve-0"][-1] == 0, hook.posts
     assert a.health()["released"]["serve-0"] == 0 == loans.ledger.lent_on("serve-0")
     assert loans.stats["release_failures"] == 1 and events is not None
+
+
+def test_a_node_lost_with_a_release_in_flight_lends_nothing_and_is_told_when_it_is_back(hook):
+    """The hook's answer to a release sent before the node was lost is ignored (nothing is lent on a
+    node that is gone); back, the node gets a restore with its GPUs and serves only once the hook said
+    yes and its warm-up is over."""
+    hook.open.clear()
+    a = hook.adapter()
+    loans = LiveLoans(a, TIMING, step_s=60.0)
+    t, _ = _until_queued(loans)
+    node = next(iter(loans.releasing))
+    rest = {n: g for n, g in NODES.items() if n != node}
+    events = loans.tick(t + 1.0, {}, present=rest)
+    (lost,) = [e for e in events if e[0] == "serving_node_lost"]
+    assert lost[2]["node"] == node and lost[2]["releasing"] >= 1
+    assert node not in loans.releasing and loans.serving_gpus == sum(rest.values())
+    hook.open.set()
+    assert a.settle(10)
+    events = loans.tick(t + 2.0, {}, present=rest)
+    assert not [e for e in events if e[0] == "loan" and e[2]["node"] == node]
+    assert loans.lent_on(node) == 0 and node not in loans.ledger.cap
+    events = loans.tick(t + 3.0, {}, present=NODES)  # back: the restore is queued at once
+    assert [e[0] for e in events if e[0].startswith("serving_node")] == ["serving_node_back"]
+    assert loans.returning[node]["told"] is False and a.queued >= 1
+    assert a.settle(10)
+    events = loans.tick(t + 4.0, {}, present=NODES)
+    assert ("serving_restored", node) in {(e[0], e[2]["node"]) for e in events if e[2]}
+    assert hook.posts[-1] == {"action": "restore", "node": node, "gpus": NODES[node], "lent_after": 0}
+    assert node in loans.returning  # warm-up not over (release_s + warmup_s = 15 s)
+    events = loans.tick(t + 3.0 + 15.0, {}, present=NODES)
+    assert any(e[0] == "serving_ready" and e[2].get("rejoined") for e in events)
+    assert node in loans.ledger.cap and loans.serving_gpus == sum(NODES.values())
+    _assert_pools(loans)
