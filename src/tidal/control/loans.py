@@ -1,7 +1,8 @@
 """Live loaning: the loan step of the reconcile loop, between the serving adapter and the scheduler.
 
 :meth:`LiveLoans.tick` runs in :meth:`tidal.control.controller.Controller.step` after the jobs are
-reconciled and before the scheduler, in this order:
+reconciled and before the scheduler, in this order (after the serving nodes lost and back:
+:mod:`tidal.control.loan_nodes`):
 
 1. **Warm-ups end.** GPUs handed back earlier serve again once their warm-up is over (the ledger's
    times and, for a :class:`~tidal.serving.adapters.ReadyAdapter`, its ``ready(node)``: e.g. the new
