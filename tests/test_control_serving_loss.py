@@ -90,6 +90,10 @@ def _kinds(store, kind: str) -> list:
     return [e for e in store.events(limit=100000) if e.kind == kind]
 
 
+def _returns(store, node: str) -> int:
+    return sum(1 for e in _kinds(store, "return") if e.data["node"] == node)
+
+
 def _lent_with_a_job(ctl) -> str | None:
     for j in ctl.store.jobs(states=HELD):
         for n in j.placement:
@@ -146,6 +150,15 @@ def test_a_lent_serving_node_lost_ends_its_loans_and_serves_again_only_after_its
     assert any(e.data.get("rejoined") and e.data["node"] == node for e in _kinds(store, "serving_ready"))
     # and lendable again: the night goes on lending, on it too once the plan asks for more
     _drive(ctl, ex, clock, 400, adapter, until=lambda c: c.loans.lent_on(node) > 0)
+    # lost again with a reclaim in flight there (a burst: every lent GPU due back): nothing owed from it
+    adapter.demand_gpus = lambda now_s: float(sum(NODES.values()))
+    _drive(ctl, ex, clock, 40, adapter, until=lambda c: any(r.due(clock.t) for r in c.loans.ledger.reclaims))
+    assert ctl.loans.lent_on(node) > 0
+    missed, returns = ctl.loans.stats["reclaims_missed"], _returns(store, node)
+    ex.lose_node(node)
+    _drive(ctl, ex, clock, 10, adapter)
+    assert len(_kinds(store, "serving_node_lost")) == 2 and ctl.loans.stats["reclaims_missed"] == missed
+    assert _returns(store, node) == returns and not ctl.loans.ledger.reclaims
 
 
 def test_lost_during_its_warm_up_twice_in_a_row_back_with_fewer_gpus_and_at_random(tmp_path):
@@ -181,6 +194,12 @@ def test_lost_during_its_warm_up_twice_in_a_row_back_with_fewer_gpus_and_at_rand
         _drive(ctl, ex, clock, rng.randint(1, 8), adapter)
     ex.serving.update(NODES)
     _drive(ctl, ex, clock, 300, adapter, until=lambda c: not c.loans.gone and not c.loans.returning)
+    # back with other GPUs between two steps (never seen gone): lost and back at once
+    node = sorted(NODES)[1]
+    ex.serving[node] = NODES[node] - 1
+    _drive(ctl, ex, clock, 1, adapter)
+    assert node in ctl.loans.returning and ctl.loans.returning[node]["gpus"] == NODES[node] - 1
+    assert [e.data["node"] for e in _kinds(store, "serving_node_back")][-1] == node
 
 
 def test_a_plane_killed_between_the_loss_and_the_return_continues(tmp_path):

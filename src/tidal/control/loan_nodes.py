@@ -42,18 +42,26 @@ def track(lo: LiveLoans, present: Mapping[str, int], jobs_on: Mapping[str, Seque
             events += _lose(lo, node, jobs_on, now_s)
         elif node in present and node in lo.gone:
             events += _back(lo, node, int(present[node]), now_s)
+        elif node in present and _gpus(lo, node) not in (None, min(int(present[node]), lo.nodes[node])):
+            # back with other GPUs between two steps (never seen gone): lost and back at once
+            events += _lose(lo, node, jobs_on, now_s) + _back(lo, node, int(present[node]), now_s)
     for node in list(lo.returning):
         events += _rejoin(lo, node, now_s)
     return events
 
 
+def _gpus(lo: LiveLoans, node: str) -> int | None:
+    """The GPUs ``node`` serves with (in the pool or warming in); None when it is lost."""
+    if node in lo.ledger.cap:
+        return lo.ledger.cap[node]
+    return int(lo.returning[node]["gpus"]) if node in lo.returning else None
+
+
 def missing(lo: LiveLoans, node: str) -> int:
     """GPUs ``node`` lacks against ``serving.nodes`` (it came back with fewer): the adapter counts them
     as not serving (``lent_after`` includes them)."""
-    have = lo.ledger.cap.get(node)
-    if have is None:
-        have = int(lo.returning[node]["gpus"]) if node in lo.returning else lo.nodes.get(node, 0)
-    return max(0, lo.nodes.get(node, 0) - have)
+    have = _gpus(lo, node)
+    return max(0, lo.nodes.get(node, 0) - (lo.nodes.get(node, 0) if have is None else have))
 
 
 def outcome(lo: LiveLoans, node: str, action: str, error: str | None) -> list[Event] | None:
