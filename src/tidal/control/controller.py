@@ -40,8 +40,9 @@ from tidal.control import node_memory
 from tidal.control.accounting import account, describe_rank, rank_code
 from tidal.control.config import ControlConfig
 from tidal.control.job_views import default_ckpt, job_env, scheduler_view
+from tidal.control.loan_nodes import lent_before
 from tidal.control.loans import DOC_KEY as LOANS_DOC
-from tidal.control.loans import LiveLoans, lent_before
+from tidal.control.loans import LiveLoans
 from tidal.control.node_watch import NodeWatch
 from tidal.control.states import HELD, STOPPING, State
 from tidal.control.store import JobRow, Store

@@ -170,6 +170,21 @@ def _rejoin(lo: LiveLoans, node: str, now_s: float) -> list[Event]:
     return [("serving_ready", msg, {"node": node, "gpus": gpus, "rejoined": True})]
 
 
+def view(lo: LiveLoans) -> dict[str, Any]:
+    """The pool now and the serving nodes lost or back, for ``GET /v1/serving``."""
+    return {"pool_nodes": dict(lo.ledger.cap), "lost_nodes": {n: dict(v) for n, v in lo.gone.items()},
+            "returning_nodes": {n: {"gpus": v["gpus"], "ready_s": v["ready_s"], "told": bool(v.get("told"))}
+                                for n, v in lo.returning.items()}}
+
+
+def lent_before(doc: Any, nodes: Mapping[str, int]) -> set[str]:
+    """Serving nodes that may be missing from the cluster (or have other GPUs) when a plane starts: with
+    a stored loan document written for the same ``serving.nodes``, all of them (a node lost, before or
+    while the plane was down, is the loan step's to handle); else none (a fresh start checks the nodes
+    strictly)."""
+    return set(nodes) if isinstance(doc, Mapping) and doc.get("nodes") == dict(nodes) else set()
+
+
 def check_doc(nodes: Mapping[str, int], pool: Mapping[str, int], gone: Any, returning: Any
               ) -> tuple[dict[str, dict], dict[str, dict]]:
     """The stored ``gone`` and ``returning`` of a loan document, checked against the configured

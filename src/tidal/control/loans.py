@@ -535,10 +535,7 @@ class LiveLoans:
             **self._plan_view,
             "now_s": now_s,
             "serving_nodes": dict(self.nodes),
-            "pool_nodes": dict(led.cap),
-            "lost_nodes": {n: dict(v) for n, v in self.gone.items()},
-            "returning_nodes": {n: {"gpus": v["gpus"], "ready_s": v["ready_s"], "told": bool(v.get("told"))}
-                                for n, v in self.returning.items()},
+            **loan_nodes.view(self),
             "serving_gpus": self.serving_gpus,
             "lent_gpus": self.lent,
             "warming_gpus": led.warming,
@@ -555,14 +552,6 @@ class LiveLoans:
             "pending_restores": dict(self.pending_restores),
             "adapter": self.adapter.health(),
         }
-
-
-def lent_before(doc: Any, nodes: Mapping[str, int]) -> set[str]:
-    """Serving nodes that may be missing from the cluster (or have other GPUs) when a plane starts: with
-    a stored loan document written for the same ``serving.nodes``, all of them (a node lost, before or
-    while the plane was down, is the loan step's to handle: :mod:`tidal.control.loan_nodes`); else
-    none (a fresh start checks the nodes strictly)."""
-    return set(nodes) if isinstance(doc, Mapping) and doc.get("nodes") == dict(nodes) else set()
 
 
 def build_live_loans(cfg: WatchConfig, ray_address: str | None = None) -> LiveLoans:
