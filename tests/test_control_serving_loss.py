@@ -14,6 +14,7 @@ import random
 
 from control_fakes import FakeClock, FakeExecutor, new_store, submit
 from test_control_loans import NODES, PROFILE, SPEEDUP, TIMING
+from tidal.control import metrics
 from tidal.control.config import ControlConfig
 from tidal.control.controller import Controller
 from tidal.control.loans import LiveLoans
@@ -125,6 +126,9 @@ def test_a_lent_serving_node_lost_ends_its_loans_and_serves_again_only_after_its
     assert "nothing is reclaimed from it" in ev.message and node in ev.message
     assert node in ctl.loans.gone and node not in ctl.loans.ledger.cap
     assert ctl.loans.serving_gpus == sum(NODES.values()) - NODES[node]
+    text = metrics.render(metrics.registry(store, ctl.nodes, clock, loans=ctl.loans)).decode()
+    assert f"tidal_serving_pool_gpus {float(ctl.loans.serving_gpus)}" in text
+    assert "tidal_serving_node_losses_total 1.0" in text
     assert not _kinds(store, "return") or all(e.data["node"] != node for e in _kinds(store, "return"))
     # a reclaim in flight when it went: its ReturnGpus (had the scheduler sent one) gives nothing back
     events = ctl.loans.returned(node, 1, clock.t)

@@ -100,7 +100,8 @@ def _lose(lo: LiveLoans, node: str, jobs_on: Mapping[str, Sequence[str]], now_s:
     held = lent - releasing  # what jobs could use there
     lo.gone[node] = {"since_s": now_s, "lent": held, "jobs": jobs}
     lo.stats["nodes_lost"] = lo.stats.get("nodes_lost", 0) + 1
-    parts = [f"its loans end ({held} GPUs lent" + (f", held by {', '.join(jobs)})" if jobs else ")")]
+    parts = [f"its loans end ({held} GPUs lent" + (f", held by {', '.join(jobs)})" if jobs else ")")
+             if held else "nothing lent there"]
     if warming:
         parts.append(f"{warming} GPUs warming up there go with it")
     if releasing or restoring or owed:
