@@ -37,14 +37,15 @@ def track(lo: LiveLoans, present: Mapping[str, int], jobs_on: Mapping[str, Seque
           now_s: float) -> list[Event]:
     """Losses, returns and rejoins of serving nodes (module docstring); the events to record."""
     events: list[Event] = []
+    present = {n: int(g) for n, g in present.items() if int(g) >= 1}  # a node with no GPUs serves nothing
     for node in lo.nodes:
         if node not in present and node not in lo.gone:
             events += _lose(lo, node, jobs_on, now_s)
         elif node in present and node in lo.gone:
-            events += _back(lo, node, int(present[node]), now_s)
-        elif node in present and _gpus(lo, node) not in (None, min(int(present[node]), lo.nodes[node])):
+            events += _back(lo, node, present[node], now_s)
+        elif node in present and _gpus(lo, node) not in (None, min(present[node], lo.nodes[node])):
             # back with other GPUs between two steps (never seen gone): lost and back at once
-            events += _lose(lo, node, jobs_on, now_s) + _back(lo, node, int(present[node]), now_s)
+            events += _lose(lo, node, jobs_on, now_s) + _back(lo, node, present[node], now_s)
     for node in list(lo.returning):
         events += _rejoin(lo, node, now_s)
     return events
