@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from tidal.policy import codec
@@ -209,7 +209,7 @@ def flapping(steps: int, start: int, period: int, low: int) -> list[int]:
 def pools(draw, steps: int) -> list[int]:
     """N(t): nodes lost and back at random steps (down to a quarter of the pool, up to half again), or
     a pool that flaps."""
-    if draw(st.booleans()):
+    if draw(st.sampled_from([True, True, False])):
         return flapping(steps, draw(st.integers(1, steps - 1)), draw(st.integers(1, 8)),
                         draw(st.sampled_from([N // 4, N // 2, N - 8])))
     pool = [N] * steps
@@ -220,14 +220,18 @@ def pools(draw, steps: int) -> list[int]:
     return pool
 
 
-@SETTINGS
-@given(data=st.data(), adversary=st.booleans(), budget=st.sampled_from([0.005, 0.01, 0.05]),
+@settings(SETTINGS, phases=[Phase.explicit, Phase.reuse, Phase.generate])  # no shrinking: see the fixed case
+@given(data=st.data(), adversary=st.sampled_from([True, True, False]), budget=st.sampled_from([0.01, 0.05]),
        fraction=st.sampled_from([0.5, 1.0]), bank=st.sampled_from([0.0, 2.0]))
 def test_property_the_ledger_bounds_the_shortfall_while_the_pool_shrinks_and_grows(
         data, adversary, budget, fraction, bank):
     cfg = config(shortfall_budget=budget, ledger_fraction=fraction, ledger_bank_pool_h=bank,
                  ledger_allowance_pool_h=data.draw(st.sampled_from([1.0, 4.0])))
-    demand = data.draw(st.composite(lambda draw: series(draw))())
+    if data.draw(st.sampled_from([True, True, False])):  # a quiet cycle: the plan lends, a shrink hits loans
+        level = data.draw(st.floats(0.2, 0.5)) * N
+        demand = (level * (1 + 0.2 * np.sin(2 * np.pi * np.arange(150) / 48))).tolist()
+    else:
+        demand = data.draw(st.composite(lambda draw: series(draw))())
     pool = data.draw(st.composite(lambda draw: pools(draw, len(demand)))())
     lent = drive_pool(cfg, demand, pool, adversary)
     check_pool_bound(cfg, lent, demand, pool)
