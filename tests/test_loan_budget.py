@@ -220,7 +220,8 @@ def pools(draw, steps: int) -> list[int]:
     return pool
 
 
-@settings(SETTINGS, phases=[Phase.explicit, Phase.reuse, Phase.generate])  # no shrinking: see the fixed case
+@settings(SETTINGS, max_examples=12, phases=[Phase.explicit, Phase.reuse, Phase.generate])  # no shrinking:
+# the fixed case below is the one to read
 @given(data=st.data(), adversary=st.sampled_from([True, True, False]), budget=st.sampled_from([0.01, 0.05]),
        fraction=st.sampled_from([0.5, 1.0]), bank=st.sampled_from([0.0, 2.0]))
 def test_property_the_ledger_bounds_the_shortfall_while_the_pool_shrinks_and_grows(
