@@ -432,12 +432,13 @@ class LiveLoans:
                 book[done.node] = left
             else:
                 book.pop(done.node, None)
-            events += self._finish(done.action, done.node, done.gpus, done.error, False, now_s)
+            events += self._finish(done.action, done.node, done.gpus, done.error, False, now_s,
+                                   after=self.queued_on.get(done.node, 0))
             self._dirty = True
         return events
 
     def _finish(self, action: str, node: str, gpus: int, error: str | None, retry: bool,
-                now_s: float) -> list[Event]:
+                now_s: float, after: int = 0) -> list[Event]:  # after: actions queued after it there
         led = self.ledger
         data = {"node": node, "gpus": gpus, "action": action}
         if action == "release" and error is None:
@@ -448,7 +449,7 @@ class LiveLoans:
         if action == "release":
             self.stats["release_failures"] += 1
             k = min(gpus, led.lent_on(node) - self.releasing.get(node, 0))
-            if k > 0 and self.queued_on.get(node):
+            if k > 0 and after:
                 # Actions queued after this one told the hook a lent count that assumed it succeeded
                 # (a restore's lent_after): tell it the true count again, after them. Until that
                 # restore succeeds the GPUs are in neither pool, as for any restore.
