@@ -135,6 +135,7 @@ class FakeExecutor:
         if node == self.node:
             self.gpus = 0
         self.more.pop(node, None)
+        self.serving.pop(node, None)
         for j in self.jobs.values():
             for r in range(len(j.codes)):
                 if self.rank_node(j, r) == node and j.codes[r] is None:

@@ -220,6 +220,9 @@ def test_serving_keeps_the_gpus_no_spot_job_would_use(tmp_path):
     lambda d: d.update(version=9),
     lambda d: d.update(releasing={"serve-0": 9}),  # more in flight than is lent there
     lambda d: d.update(restoring={"serve-0": "x"}),
+    lambda d: d.update(gone={"serve-9": {"since_s": 1.0}}),  # not a serving node
+    lambda d: d.update(gone={"serve-0": {"since_s": 1.0}}),  # lost and in the pool at once
+    lambda d: d.update(returning={"serve-1": {"gpus": 7, "ready_s": 1.0}}),  # more GPUs than it has
 ])
 def test_a_damaged_serving_document_is_one_clear_error_and_changes_nothing(tmp_path, damage):
     store = new_store(tmp_path, ("a", 0, 1.0))

@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from tidal.policy import codec
@@ -160,3 +160,111 @@ def test_a_state_persisted_before_the_ledger_loads_with_it_at_zero():
     del doc["bogus"], doc["z"]  # a field without a default is still required
     with pytest.raises(ValueError, match=r"fields \['z'\] missing or unknown"):
         codec.decode(doc)
+
+
+# ---------------------------------------------------------------------------------- a changing pool
+def drive_pool(cfg: TidalConfig, demand: list[float], pool: list[int], adversary: bool) -> np.ndarray:
+    """As :func:`drive`, with the pool ``pool[t]`` GPUs at step t (serving nodes lost and back); the
+    adversary sends demand to 1.2 x the pool of that step."""
+    policy = TidalPolicy(cfg)
+    state = policy.initial_state()
+    lent = np.zeros(len(demand), dtype=int)
+    for t in range(len(demand)):
+        if adversary and t > 0 and lent[max(0, t - LEAD_STEPS): t].max() > 0 and not math.isnan(demand[t]):
+            demand[t] = pool[t] * 1.2
+        held = min(int(lent[t - 1]), pool[t]) if t else 0  # a lost node's loans are gone with it
+        plan, state = policy(LoanContext(now_s=t * STEP, serving_gpus=pool[t], demand_gpus=float(demand[t]),
+                                         lent_gpus=held), state)
+        assert 0 <= plan.lendable_gpus <= pool[t]
+        lent[t] = plan.lendable_gpus
+    return lent
+
+
+def check_pool_bound(cfg: TidalConfig, lent: np.ndarray, demand: list[float], pool: list[int]) -> None:
+    """docs/loaning.md, "The guarantee" with a changing pool: the shortfall the loans caused (the lost
+    GPUs counted as the serving ones, the worst case), against the largest allowance (and bank) so far."""
+    n = np.array(pool, dtype=float)
+    dem = np.array(demand, dtype=float)
+    ok = ~np.isnan(dem)
+    d = np.where(ok, np.minimum(np.nan_to_num(dem), n), 0.0)
+    away = np.array([min(pool[u], lent[max(0, u - LEAD_STEPS): u].max()) if u else 0
+                     for u in range(len(lent))])
+    short = np.where(ok, np.maximum(0.0, d - (n - away)), 0.0)
+    rate = cfg.ledger_fraction * cfg.shortfall_budget
+    allowance = np.maximum.accumulate(cfg.shortfall_budget * n * cfg.ledger_allowance_pool_h * 3600.0 / STEP)
+    bank = np.maximum.accumulate(cfg.shortfall_budget * n * cfg.ledger_bank_pool_h * 3600.0 / STEP)
+    excess = np.cumsum(short - rate * np.where(ok, np.nan_to_num(dem), 0.0))
+    over = excess - allowance
+    assert over.max() <= 1e-6, (over.max(), int(over.argmax()))
+    window = excess - np.minimum.accumulate(np.concatenate([[0.0], excess[:-1]]))
+    assert (window - allowance - bank).max() <= 1e-6
+
+
+def flapping(steps: int, start: int, period: int, low: int) -> list[int]:
+    """N(t): the whole pool until ``start``, then ``low`` and the whole pool by turns, ``period`` steps each
+    (a serving node lost and back, again and again)."""
+    return [N if k < start or ((k - start) // period) % 2 else low for k in range(steps)]
+
+
+def pools(draw, steps: int) -> list[int]:
+    """N(t): nodes lost and back at random steps (down to a quarter of the pool, up to half again), or
+    a pool that flaps."""
+    if draw(st.sampled_from([True, True, False])):
+        return flapping(steps, draw(st.integers(1, steps - 1)), draw(st.integers(1, 8)),
+                        draw(st.sampled_from([N // 4, N // 2, N - 8])))
+    pool = [N] * steps
+    for _ in range(draw(st.integers(1, 6))):
+        at = draw(st.integers(1, steps - 1))
+        size = draw(st.sampled_from([N // 4, N // 2, N - 4, N, N + 8, N + 20]))
+        pool[at:] = [size] * (steps - at)
+    return pool
+
+
+@settings(SETTINGS, max_examples=12, phases=[Phase.explicit, Phase.reuse, Phase.generate])  # no shrinking:
+# the fixed case below is the one to read
+@given(data=st.data(), adversary=st.sampled_from([True, True, False]), budget=st.sampled_from([0.01, 0.05]),
+       fraction=st.sampled_from([0.5, 1.0]), bank=st.sampled_from([0.0, 2.0]))
+def test_property_the_ledger_bounds_the_shortfall_while_the_pool_shrinks_and_grows(
+        data, adversary, budget, fraction, bank):
+    cfg = config(shortfall_budget=budget, ledger_fraction=fraction, ledger_bank_pool_h=bank,
+                 ledger_allowance_pool_h=data.draw(st.sampled_from([1.0, 4.0])))
+    if data.draw(st.sampled_from([True, True, False])):  # a quiet cycle: the plan lends, a shrink hits loans
+        level = data.draw(st.floats(0.2, 0.5)) * N
+        demand = (level * (1 + 0.2 * np.sin(2 * np.pi * np.arange(150) / 48))).tolist()
+    else:
+        demand = data.draw(st.composite(lambda draw: series(draw))())
+    pool = data.draw(st.composite(lambda draw: pools(draw, len(demand)))())
+    lent = drive_pool(cfg, demand, pool, adversary)
+    check_pool_bound(cfg, lent, demand, pool)
+
+
+def test_a_pool_that_flaps_under_its_loans_is_counted_by_what_is_lent_not_by_the_supply_promised():
+    """The old ledger kept the supply each plan promised (N - lent) and read the GPUs away as N - supply
+    with today's N: right after the pool lost half its GPUs, 10 lent read as none away, so it lent again
+    and counted no shortfall. A fixed case of the property above (it broke the bound before)."""
+    demand = (0.3 * N * (1 + 0.2 * np.sin(2 * np.pi * np.arange(150) / 48))).tolist()
+    pool = flapping(150, 22, 2, N // 2)
+    cfg = config(shortfall_budget=0.05)
+    lent = drive_pool(cfg, demand, pool, adversary=True)
+    check_pool_bound(cfg, lent, demand, pool)
+    assert lent[:22].sum() > 0 and lent[22:].sum() > 0  # it lends before the pool flaps and after
+
+
+def test_a_state_stored_with_three_field_commitments_plans_as_before():
+    """Commitments stored before the pool was kept in them (a live plane's store) read with today's pool."""
+    policy = TidalPolicy(config())
+    _, state = policy(LoanContext(now_s=0.0, serving_gpus=N, demand_gpus=10.0), policy.initial_state())
+    doc = codec.encode(state)
+    doc["commitments"] = {"__t__": [{"__t__": c["__t__"][:3]} for c in doc["commitments"]["__t__"]]}
+    old = codec.decode(doc)
+    assert all(len(c) == 3 for c in old.commitments)
+    ctx = LoanContext(now_s=STEP, serving_gpus=N, demand_gpus=11.0, lent_gpus=0)
+    (p_new, s_new), (p_old, s_old) = policy(ctx, state), policy(ctx, old)
+    assert p_new.lendable_gpus == p_old.lendable_gpus and s_new.ledger_gpu_s == s_old.ledger_gpu_s
+
+
+def test_the_ledger_floor_never_raises_it():
+    """A bank that shrank with the pool stops G from falling further; it never takes back what was banked."""
+    assert ledger_update(-8.0, 0.0, 100.0, 10.0, 0.01, 5.0) == -8.0  # below the new floor: stays
+    assert ledger_update(-8.0, 1.0, 100.0, 10.0, 0.01, 5.0) == -8.0  # shortfall 1 = rate x demand
+    assert ledger_update(-8.0, 2.0, 100.0, 10.0, 0.01, 5.0) == pytest.approx(2.0)  # -8 + (2 - 1) x 10

@@ -165,3 +165,64 @@ def test_a_peer_tier_may_use_the_executors_own_agents_only(tmp_path):
         assert (not problems) == ok, (tier, own_agents, problems)
         assert ok or ("this plane runs none" if tier == "peer" else "is not allowed (checkpoint_endpoints") \
             in problems[0][1]
+
+
+def test_a_lent_ray_node_removed_ends_its_loans_and_serves_again_after_it_is_back(ray_cluster, tmp_path):
+    """The serving node the spot job's rank runs on (its raylet SIGKILLed): its loans end, the job is
+    requeued as on any node loss; the plane is SIGKILLed while the node is gone and a new one starts
+    without it; the node comes back and serves again after its warm-up (then it may be lent again)."""
+    trace = night_trace(tmp_path / "night.csv")
+    cfg = config(trace, SERVING)
+    cfg["serving"]["speedup"] = 400  # about a minute of night: a loss, a plane restart and a return fit in it
+    p = Plane(tmp_path, yaml.safe_dump(cfg), gpus=None,
+              args=("--executor", "ray", "--ray-address", ray_cluster.address))
+    ray_cluster.state_roots.append(p.state / "jobs")
+    job = lent_node = None
+    try:
+        p.start()
+        admin = p.admin
+
+        def wait_for(what, pred, timeout_s=60.0):
+            return wait_until(what, pred, timeout_s, lambda: "; events:\n" + "\n".join(
+                f"{e['job']}: {e['kind']} {e['from']}->{e['to']}: {e['message']}" for e in admin.events()))
+
+        def kind(k):
+            return [e for e in admin.events() if e["kind"] == k]
+
+        lab = TidalClient(p.url, admin.create_tenant("lab", quota_gpus=0, weight=1.0)["token"])
+        job = lab.submit({"name": "spot", "kind": "spot", "gpus": 2, "workdir": str(tmp_path), "grace_s": 3,
+                          "max_restarts": 0, "command": [sys.executable, str(WORKER), "--steps", "1000000",
+                                                         "--pad-mib", "1"]})["id"]
+        j = wait_for("the job running on a lent GPU", lambda: (j := lab.job(job))["state"] == "running" and j)
+        lent_node = next(n for n in j["placement"] if n in SERVING)
+        ray_cluster.remove(lent_node)
+        (lost,) = wait_for("the serving node lost", lambda: kind("serving_node_lost"))
+        assert lost["data"]["node"] == lent_node and lost["data"]["jobs"] == [job], lost
+        assert lost["data"]["lent_gpus"] == 1 and "nothing is reclaimed" in lost["message"]
+        s = admin.serving()
+        assert lent_node in s["lost_nodes"] and s["serving_gpus"] == 3 - SERVING[lent_node], s
+        assert all(ln["node"] != lent_node for ln in s["loans"]) and not kind("return")
+        wait_for("the job requeued after the node loss", lambda: kind("node_lost") and
+                 lab.job(job)["state"] in ("pending", "admitted", "running")
+                 and lent_node not in (lab.job(job)["placement"] or {}))
+        p.crash()  # SIGKILL between the loss and the return: the node is still gone at the restart
+        p.start()
+        admin = p.admin
+        s = admin.serving()
+        assert lent_node in s["lost_nodes"] and len(kind("serving_node_lost")) == 1, s
+        ray_cluster.add(lent_node)
+        wait_for("the node back", lambda: kind("serving_node_back"))
+        ready = wait_for("the node serving again", lambda: [e for e in kind("serving_ready")
+                                                             if e["data"].get("rejoined")])
+        assert ready[0]["data"]["node"] == lent_node
+        s = admin.serving()
+        assert lent_node in s["pool_nodes"] and s["serving_gpus"] == 3 and not s["lost_nodes"], s
+        assert s["stats"]["double_counted_steps"] == 0 and s["stats"]["reclaims_missed"] == 0, s
+    finally:
+        p.stop()
+        if lent_node is not None and lent_node not in ray_cluster.nodes:
+            ray_cluster.add(lent_node)
+        if job is not None:
+            from tidal.exec.ray_exec import RayExecutor
+
+            RayExecutor(p.state / "jobs", address=ray_cluster.address)._remove_leftovers(job)

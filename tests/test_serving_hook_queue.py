@@ -265,3 +265,74 @@ def test_one_release_in_flight_per_node(hook):
         loans.tick(t + 241.0 + 60.0 * k, {}, wanted=2)
         assert a.settle(10)
     assert loans.ledger.lent_on("serve-0") == 2 and [p["lent_after"] for p in hook.posts] == [1, 2]
+
+
+def test_a_release_that_fails_after_a_queued_restore_leaves_the_hook_at_the_true_count(hook):
+    """serve-0 has 1 GPU lent (confirmed); a second is released (the hook holds its answer), then the job
+    hands the first back: the restore is queued behind the release with ``lent_after`` = 1, which
+    assumed the release would succeed. It fails: serve-0 has 0 lent, so the hook is told so again (a
+    corrective restore of the GPU whose release failed); before, it was left at 1, one GPU serving
+    nobody and counted as serving."""
+    a = hook.adapter()
+    loans = LiveLoans(a, TIMING, step_s=60.0)
+    t = T0
+    for _ in range(100):
+        loans.tick(t, {}, wanted=1)
+        if loans.releasing:
+            break
+        t += 60.0
+    assert a.settle(10)
+    loans.tick(t + 1.0, {}, wanted=1)
+    assert loans.lent_on("serve-0") == 1 and not loans.releasing
+    hook.open.clear()
+    hook.codes = [500]  # the next POST (the release) is refused
+    t += 60.0
+    loans.tick(t, {"serve-0": 1}, wanted=1)  # one more could be used: serve-0 (partly lent) first
+    assert loans.releasing == {"serve-0": 1}
+    loans.returned("serve-0", 1, t + 1.0)  # the job hands back the confirmed one
+    assert [p["action"] for p in hook.posts] == ["release", "release"] or a.queued == 2
+    hook.open.set()
+    for k in range(20):
+        assert a.settle(10)
+        events = loans.tick(t + 2.0 + k, {}, wanted=0)
+        assert loans.lent_on("serve-0") == 0 or k == 0
+        _assert_pools(loans)
+        if not a.queued and not loans.restoring and not loans.pending_restores:
+            break
+    assert ("release", 500) in hook.answered
+    assert [p["lent_after"] for p in hook.posts if p["node"] == "serve-0"][-1] == 0, hook.posts
+    assert a.health()["released"]["serve-0"] == 0 == loans.ledger.lent_on("serve-0")
+    assert loans.stats["release_failures"] == 1 and events is not None
+
+
+def test_a_node_lost_with_a_release_in_flight_lends_nothing_and_is_told_when_it_is_back(hook):
+    """The hook's answer to a release sent before the node was lost is ignored (nothing is lent on a
+    node that is gone); back, the node gets a restore with its GPUs and serves only once the hook said
+    yes and its warm-up is over."""
+    hook.open.clear()
+    a = hook.adapter()
+    loans = LiveLoans(a, TIMING, step_s=60.0)
+    t, _ = _until_queued(loans)
+    node = next(iter(loans.releasing))
+    rest = {n: g for n, g in NODES.items() if n != node}
+    events = loans.tick(t + 1.0, {}, present=rest)
+    (lost,) = [e for e in events if e[0] == "serving_node_lost"]
+    assert lost[2]["node"] == node and lost[2]["releasing"] >= 1
+    assert node not in loans.releasing and loans.serving_gpus == sum(rest.values())
+    hook.open.set()
+    assert a.settle(10)
+    events = loans.tick(t + 2.0, {}, present=rest)
+    assert not [e for e in events if e[0] == "loan" and e[2]["node"] == node]
+    assert loans.lent_on(node) == 0 and node not in loans.ledger.cap
+    events = loans.tick(t + 3.0, {}, present=NODES)  # back: the restore is queued at once
+    assert [e[0] for e in events if e[0].startswith("serving_node")] == ["serving_node_back"]
+    assert loans.returning[node]["told"] is False and a.queued >= 1
+    assert a.settle(10)
+    events = loans.tick(t + 4.0, {}, present=NODES)
+    assert ("serving_restored", node) in {(e[0], e[2]["node"]) for e in events if e[2]}
+    assert hook.posts[-1] == {"action": "restore", "node": node, "gpus": NODES[node], "lent_after": 0}
+    assert node in loans.returning  # warm-up not over (release_s + warmup_s = 15 s)
+    events = loans.tick(t + 3.0 + 15.0, {}, present=NODES)
+    assert any(e[0] == "serving_ready" and e[2].get("rejoined") for e in events)
+    assert node in loans.ledger.cap and loans.serving_gpus == sum(NODES.values())
+    _assert_pools(loans)

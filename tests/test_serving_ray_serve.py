@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import random
 import threading
 import time
@@ -587,3 +588,38 @@ def test_lend_and_reclaim_a_node_under_load_within_the_slo(ray_cluster, tmp_path
     finally:
         serve.shutdown()
     all_gpus_free()
+
+
+@pytest.mark.ray_long
+@pytest.mark.skipif(os.environ.get("TIDAL_RAY_LONG") != "1", reason="a Serve node lost and back (~1-2 min): "
+                    "TIDAL_RAY_LONG=1 runs it")
+def test_a_serving_node_lost_and_back_serves_again_through_the_adapter(ray_cluster, tmp_path):
+    """What the loan step relies on (tidal.control.loan_nodes) with Ray Serve: the replica of a node that is
+    lost stops counting (no router slot, not ready), and once the node is back the restore the plane sends
+    brings its replica up again, and ``ready`` says so."""
+    import ray
+    from ray import serve
+
+    from plane_proc import wait_until
+    from tidal.exec.local import free_port
+
+    if not ray.is_initialized():
+        ray.init(address=ray_cluster.address, log_to_driver=False)
+    s = RayServeSettings(app="toy", deployment="tidal.serving.ray_serve_app:sleep_model",
+                         nodes=dict(SERVE_ON), latency_target_s=0.5, init_kwargs={"service_s": 0.03},
+                         http_port=free_port())
+    ad = RayServeAdapter(s)
+    try:
+        ad.ensure()
+        wait_until("every replica up", lambda: all(ad.ready(n) for n in SERVE_ON), 120)
+        ray_cluster.remove("n3")
+        wait_until("n3's replica gone", lambda: ad.running()["n3"] == 0 and not ad.ready("n3"), 60)
+        assert ad.ready("n2") and ad._sync(ad.slots(ad.running()))["slots"]["n3"] == 0
+        ray_cluster.add("n3")
+        ad.restore("n3", 1, 0, time.time())  # what the plane sends when the node is back
+        wait_until("n3 serving again", lambda: ad.ready("n3"), 120)
+        assert ad.last_stats["slots"]["n3"] >= 1
+    finally:
+        if "n3" not in ray_cluster.nodes:
+            ray_cluster.add("n3")
+        serve.shutdown()

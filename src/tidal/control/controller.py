@@ -39,6 +39,7 @@ from tidal.control import node_memory
 from tidal.control.accounting import account, describe_rank, rank_code
 from tidal.control.config import ControlConfig
 from tidal.control.job_views import job_env, own_dirs, scheduler_view
+from tidal.control.loan_nodes import lent_before
 from tidal.control.loans import DOC_KEY as LOANS_DOC
 from tidal.control.loans import LiveLoans
 from tidal.control.node_watch import NodeWatch
@@ -91,10 +92,12 @@ class Controller:
         self._waiting: dict[str, dict] = {j.id: j.waiting for j in store.active_jobs() if j.waiting}
         if loans is not None:
             serving = {n.name: n.gpus for n in self.nodes if n.pool == "serving"}
-            if serving != loans.nodes:
+            doc = store.get_doc(LOANS_DOC)
+            lost_ok = lent_before(doc, loans.nodes)  # nodes lost (or back) since: the loan step's to handle
+            if {n: g for n, g in serving.items() if n not in lost_ok} != {
+                    n: g for n, g in loans.nodes.items() if n not in lost_ok}:
                 raise ValueError(f"the executor's serving nodes {serving} are not the serving adapter's "
                                  f"{loans.nodes}")
-            doc = store.get_doc(LOANS_DOC)
             if doc is not None:
                 loans.load(doc)
 
@@ -147,9 +150,11 @@ class Controller:
         for job in self.store.active_jobs():  # 2. reconcile
             self._reconcile(job, observed.get(job.id), now_s)
         self.watch.refresh(now_s)  # after reconcile: a lost node stays only while jobs still hold it
-        if self.loans is not None:  # 3. lend and reclaim
-            used, wants = self._holdings(wants=True)
-            self._events = self._events + self.loans.tick(now_s, used, wants)
+        if self.loans is not None:  # 3. lend and reclaim (serving nodes lost or back first)
+            used, wants, on = self._holdings(wants=True)
+            present = {n.name: n.gpus for n in self.nodes
+                       if n.pool == "serving" and n.name not in self.watch.departed}
+            self._events = self._events + self.loans.tick(now_s, used, wants, present=present, jobs_on=on)
         snap = self.snapshot(now_s)  # 4. decide
         why: dict[str, Waiting] = {}
         decisions: list[Decision] = list(schedule(snap, self.config.scheduler, why=why))
@@ -169,34 +174,38 @@ class Controller:
                                 if self._waiting.get(jid) != new.get(jid)})  # one transaction
         self._waiting = new
 
-    def _holdings(self, wants: bool = False) -> tuple[dict[str, int], int]:
-        """(node -> GPUs jobs hold, serving GPUs spot jobs could use now) from one read of the store.
-        What spot jobs could use: what pending and running spot jobs could still grow by (not those
-        being stopped), less the training GPUs nobody holds (only computed with ``wants``)."""
+    def _holdings(self, wants: bool = False) -> tuple[dict[str, int], int, dict[str, list[str]]]:
+        """(node -> GPUs jobs hold, serving GPUs spot jobs could use now, node -> the jobs holding GPUs
+        there) from one read of the store. What spot jobs could use: what pending and running spot jobs
+        could still grow by (not those being stopped), less the training GPUs nobody holds (only
+        computed with ``wants``)."""
         used: dict[str, int] = {}
+        on: dict[str, list[str]] = {}
         want = 0
         for j in self.store.jobs(states=({S.PENDING} | HELD) if wants else HELD):
             for n, g in (j.placement or {}).items():
                 used[n] = used.get(n, 0) + g
+                on.setdefault(n, []).append(j.id)
             if wants and j.kind == "spot" and S(j.state) in (S.PENDING, S.ADMITTED, S.RUNNING):
                 want += j.max_gpus - (j.gpus if S(j.state) != S.PENDING else 0)
         if wants:
             free_training = sum(n.gpus - used.get(n.name, 0) for n in self.nodes if n.pool == "training")
             want = max(0, want - max(0, free_training))
-        return used, want
+        return used, want, on
 
     def _save_loans(self, now_s: float) -> None:
         """The loan document and the step's loan events, in one transaction (only when something changed)."""
         if self.loans is None:
             return
         events, self._events = self._events, []
-        held, _ = self._holdings()
+        held, _, on = self._holdings()
         devices = getattr(self.executor, "used", None)  # what the executor's ranks hold, where it knows
         running = devices() if callable(devices) else {}
         over = {
             n: (max(held.get(n, 0), running.get(n, 0)), self.loans.lent_on(n))
             for n in self.loans.nodes
-            if max(held.get(n, 0), running.get(n, 0)) > self.loans.lent_on(n)
+            if n not in self.loans.gone  # a lost node's jobs hold GPUs there until their ranks are gone
+            and max(held.get(n, 0), running.get(n, 0)) > self.loans.lent_on(n)
         }
         if over:  # never expected: the scheduler places only on lent GPUs and returns only free ones
             self.loans.stats["double_counted_steps"] = self.loans.stats.get("double_counted_steps", 0) + 1
@@ -204,7 +213,7 @@ class Controller:
             events.append(
                 ("invariant", f"jobs hold serving GPUs beyond what is lent: {over}", {"over": over})
             )
-        self.loans.refresh(now_s, held)
+        self.loans.refresh(now_s, held, on)
         if self.loans.take_dirty() or events:
             self.store.put_doc(LOANS_DOC, self.loans.dump(), now_s, events)
 

@@ -1,7 +1,8 @@
 """Live loaning: the loan step of the reconcile loop, between the serving adapter and the scheduler.
 
 :meth:`LiveLoans.tick` runs in :meth:`tidal.control.controller.Controller.step` after the jobs are
-reconciled and before the scheduler, in this order:
+reconciled and before the scheduler, in this order (after the serving nodes lost and back:
+:mod:`tidal.control.loan_nodes`):
 
 1. **Warm-ups end.** GPUs handed back earlier serve again once their warm-up is over (the ledger's
    times and, for a :class:`~tidal.serving.adapters.ReadyAdapter`, its ``ready(node)``: e.g. the new
@@ -46,9 +47,10 @@ import collections
 import dataclasses
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from tidal.control import loan_nodes
 from tidal.model import Loan, Reclaim
 from tidal.policy import codec
 from tidal.policy.forecast import ForecastConfig
@@ -90,8 +92,7 @@ class LiveLoans:
         self.adapter = adapter
         self.timing = timing
         self.speedup = float(adapter.speedup)
-        self.nodes = adapter.nodes()
-        self.serving_gpus = sum(self.nodes.values())
+        self.nodes = adapter.nodes()  # as configured (serving.nodes); the pool now is the ledger's
         self.policy = TidalPolicy(TidalConfig(shortfall_budget=shortfall_budget,
                                               forecast=ForecastConfig(step_s=step_s),
                                               timing=scaled(timing, self.speedup)))
@@ -103,6 +104,11 @@ class LiveLoans:
         self.releasing: dict[str, int] = {}  # node -> GPUs whose release a QueuedAdapter has not finished
         self.restoring: dict[str, int] = {}  # node -> GPUs whose restore a QueuedAdapter has not finished
         self._resend = False  # actions in flight when the plane stopped: sent again on the first step
+        self.queued_on: dict[str, int] = {}  # node -> actions a QueuedAdapter has not reported yet
+        self.gone: dict[str, dict] = {}  # serving nodes lost (tidal.control.loan_nodes)
+        self.returning: dict[str, dict] = {}  # serving nodes back, not yet serving again
+        self.stale: dict[str, int] = {}  # node -> outcomes to ignore (actions sent before it was lost)
+        self.jobs_seen: dict[str, list[str]] = {}  # node -> jobs holding GPUs there at the last step
         self.stats: dict[str, float] = {
             "steps": 0,
             "unknown_demand_steps": 0,
@@ -133,8 +139,20 @@ class LiveLoans:
         """The newest loan steps, oldest first (swapped whole; see :meth:`_sample`)."""
 
     # -------------------------------------------------------------------------------- persistence
+    @property
+    def serving_gpus(self) -> int:
+        """The pool now: GPUs of the serving nodes present and warmed in (lost ones are not in it)."""
+        return self.ledger.total
+
+    def dirty(self) -> None:
+        self._dirty = True
+
     def dump(self) -> dict[str, Any]:
-        return {"version": 1, "ledger": self.ledger.to_state(), "policy": codec.encode(self.state),
+        keep = ("since_s", "gpus", "ready_s", "told")
+        back = {n: {k: v for k, v in b.items() if k in keep} for n, b in self.returning.items()}
+        return {"version": 1, "nodes": dict(self.nodes), "ledger": self.ledger.to_state(),
+                "gone": self.gone, "returning": back,
+                "policy": codec.encode(self.state),
                 "next_grid": codec.encode(self.next_grid), "pending_restores": dict(self.pending_restores),
                 "releasing": dict(self.releasing), "restoring": dict(self.restoring),
                 "stats": self.stats, "margins": self.margins[-1000:], "last_s": self.last_s,
@@ -157,9 +175,7 @@ class LiveLoans:
         if not isinstance(doc, Mapping) or doc.get("version") != 1:
             raise ValueError(f"unknown version {doc.get('version') if isinstance(doc, Mapping) else doc!r}")
         ledger = LoanLedger.from_state(doc["ledger"], self.timing)
-        if ledger.cap != self.nodes:
-            raise ValueError(f"serving state: the stored ledger has serving nodes {ledger.cap}, the adapter "
-                             f"{self.nodes}; remove the serving document or keep the nodes")
+        gone, returning = loan_nodes.check_doc(self.nodes, ledger.cap, doc.get("gone"), doc.get("returning"))
         state = codec.decode(doc["policy"], "policy")
         if not isinstance(state, TidalState):
             raise ValueError(f"policy: expected a TidalState, got {type(state).__name__}")
@@ -176,10 +192,13 @@ class LiveLoans:
         for what, book in (("releasing", releasing), ("restoring", restoring)):
             for n, g in book.items():
                 top = ledger.lent_on(n) if what == "releasing" else ledger.cap.get(n, 0)
+                if n in returning or n in gone:
+                    raise ValueError(f"{what}[{n!r}]: the node is lost or not back in the pool")
                 if not 1 <= g <= top:
                     raise ValueError(f"{what}[{n!r}] = {g} GPUs, outside 1..{top}")
         self.ledger, self.state, self.next_grid, self.pending_restores = ledger, state, next_grid, pending
         self.releasing, self.restoring, self._resend = releasing, restoring, bool(releasing or restoring)
+        self.gone, self.returning = gone, returning
         self.stats.update(doc.get("stats") or {})
         self.margins = list(doc.get("margins") or [])
         self.last_s = doc.get("last_s")
@@ -268,11 +287,15 @@ class LiveLoans:
         return [("serving_history", f"{why}the forecast learned {n} steps of history", {"steps": n})] if (
             n or why) else []
 
-    def tick(self, now_s: float, used: Mapping[str, int], wanted: int | None = None) -> list[Event]:
+    def tick(self, now_s: float, used: Mapping[str, int], wanted: int | None = None, *,
+             present: Mapping[str, int] | None = None,
+             jobs_on: Mapping[str, Sequence[str]] | None = None) -> list[Event]:
         """Steps 1-4 of the module docstring; returns the events to record. ``wanted``: how many more
         serving GPUs spot jobs could use now (``None``: any number, a saturated spot queue, as the
         simulator assumes); the plan lends no more than that beyond what jobs hold on loans already,
-        so serving keeps the GPUs nobody would train on."""
+        so serving keeps the GPUs nobody would train on. ``present``: the serving nodes the executor
+        has now (node -> GPUs; ``None``: all of them, as configured) and ``jobs_on`` the jobs holding
+        GPUs on each: nodes lost and back (:mod:`tidal.control.loan_nodes`)."""
         events: list[Event] = []
         led = self.ledger
         if self.last_s is not None and now_s > self.last_s:  # GPU-seconds lent and used since the last tick
@@ -284,9 +307,11 @@ class LiveLoans:
             self._dirty = True
         self.last_s = now_s
         if isinstance(self.adapter, QueuedAdapter):
-            events += self._collect()
+            events += self._collect(now_s)
         if self._resend:
             events += self._send_again(now_s)
+        if present is not None or self.gone or self.returning:
+            events += loan_nodes.track(self, self.nodes if present is None else present, jobs_on or {}, now_s)
         for node, g in led.warm_all_done(now_s, self._ready):  # 1.
             events.append(("serving_ready", f"{g} GPUs of {node} serve again (warm-up over)",
                            {"node": node, "gpus": g}))
@@ -388,6 +413,9 @@ class LiveLoans:
     def returned(self, node: str, gpus: int, now_s: float) -> list[Event]:
         """Carry out :class:`~tidal.model.ReturnGpus`: the ledger, then the adapter."""
         led = self.ledger
+        if gpus < 1 or led.lent_on(node) - self.releasing.get(node, 0) < gpus:  # e.g. the node was lost
+            return [("decision", f"ignored ReturnGpus({node!r}, {gpus}): {self.lent_on(node)} GPUs lent there"
+                     + (" (the node was lost)" if node in self.gone else ""), {"node": node, "gpus": gpus})]
         due = sorted(led.reclaims, key=lambda r: r.by_s)
         by = due[0].by_s if due else None
         ready = led.return_gpus(node, gpus, now_s)
@@ -409,35 +437,49 @@ class LiveLoans:
     def _act(self, action: str, node: str, gpus: int, now_s: float, retry: bool = False) -> list[Event]:
         """Release or restore through the adapter; a :class:`QueuedAdapter`'s outcome comes later
         (:meth:`_collect`), anyone else's now; both end in :meth:`_finish`."""
-        lent_after = self.ledger.lent_on(node) + self.pending_restores.get(node, 0)
+        lent_after = (self.ledger.lent_on(node) + self.pending_restores.get(node, 0)
+                      + loan_nodes.missing(self, node))
         try:
             (self.adapter.release if action == "release" else self.adapter.restore)(
                 node, gpus, lent_after, now_s
             )
         except AdapterError as e:
-            return self._finish(action, node, gpus, str(e), retry)
+            return self._finish(action, node, gpus, str(e), retry, now_s)
         if isinstance(self.adapter, QueuedAdapter):
             book = self.releasing if action == "release" else self.restoring
             book[node] = book.get(node, 0) + gpus
+            self.queued_on[node] = self.queued_on.get(node, 0) + 1
             self._dirty = True
             return []
-        return self._finish(action, node, gpus, None, retry)
+        return self._finish(action, node, gpus, None, retry, now_s)
 
-    def _collect(self) -> list[Event]:
+    def _collect(self, now_s: float) -> list[Event]:
         """The outcomes of the queued actions that finished since the last step."""
         events: list[Event] = []
         for done in self.adapter.done():  # type: ignore[attr-defined] (a QueuedAdapter)
+            n = self.queued_on.get(done.node, 0) - 1
+            if n > 0:
+                self.queued_on[done.node] = n
+            else:
+                self.queued_on.pop(done.node, None)
+            mine = loan_nodes.outcome(self, done.node, done.action, done.error)
+            if mine is not None:  # sent before the node was lost, or telling the adapter it is back
+                events += mine
+                self._dirty = True
+                continue
             book = self.releasing if done.action == "release" else self.restoring
             left = book.get(done.node, 0) - done.gpus
             if left > 0:
                 book[done.node] = left
             else:
                 book.pop(done.node, None)
-            events += self._finish(done.action, done.node, done.gpus, done.error, retry=False)
+            events += self._finish(done.action, done.node, done.gpus, done.error, False, now_s,
+                                   after=self.queued_on.get(done.node, 0))
             self._dirty = True
         return events
 
-    def _finish(self, action: str, node: str, gpus: int, error: str | None, retry: bool) -> list[Event]:
+    def _finish(self, action: str, node: str, gpus: int, error: str | None, retry: bool,
+                now_s: float, after: int = 0) -> list[Event]:  # after: actions queued after it there
         led = self.ledger
         data = {"node": node, "gpus": gpus, "action": action}
         if action == "release" and error is None:
@@ -446,10 +488,19 @@ class LiveLoans:
             return [("loan", f"lent {gpus} GPUs of {node} to spot training ({self.lent_on(node)} lent there)",
                      {"node": node, "gpus": gpus, "until_s": _finite(ln.until_s) if ln else None})]
         if action == "release":
+            self.stats["release_failures"] += 1
             k = min(gpus, led.lent_on(node) - self.releasing.get(node, 0))
+            if k > 0 and after:
+                # Actions queued after this one told the hook a lent count that assumed it succeeded
+                # (a restore's lent_after): tell it the true count again, after them. Until that
+                # restore succeeds the GPUs are in neither pool, as for any restore.
+                led.return_gpus(node, k, now_s)
+                return [("serving_action_failed",
+                         f"release of {gpus} GPUs on {node} failed: {error}; nothing lent there (a later "
+                         f"action counted them as lent: restoring {k} to set {node} back)", data),
+                        *self._act("restore", node, k, now_s)]
             if k > 0:
                 led.cancel_loan(node, k)
-            self.stats["release_failures"] += 1
             return [
                 (
                     "serving_action_failed",
@@ -513,15 +564,20 @@ class LiveLoans:
                          "upper_gpus": [round(float(x), 2) for x in plan.upper_gpus[:k]]},
         }
 
-    def refresh(self, now_s: float, held: Mapping[str, int] | None = None) -> None:
+    def refresh(self, now_s: float, held: Mapping[str, int] | None = None,
+                jobs_on: Mapping[str, Sequence[str]] | None = None) -> None:
         """Swap in a new :meth:`view` (the newest plan, the ledger as it is now, and ``held``: serving
-        node -> GPUs jobs hold there, as the store says at the end of the step)."""
+        node -> GPUs jobs hold there, as the store says at the end of the step; ``jobs_on``: the jobs
+        holding them, remembered to name them if the node is lost before the next step)."""
         led = self.ledger
+        if jobs_on is not None:
+            self.jobs_seen = {n: sorted(j) for n, j in jobs_on.items() if j and n in self.nodes}
         self.latest = {
             "held_gpus": {n: g for n, g in (held or {}).items() if n in self.nodes},
             **self._plan_view,
             "now_s": now_s,
             "serving_nodes": dict(self.nodes),
+            **loan_nodes.view(self),
             "serving_gpus": self.serving_gpus,
             "lent_gpus": self.lent,
             "warming_gpus": led.warming,
@@ -532,7 +588,7 @@ class LiveLoans:
                 {"node": ln.node, "gpus": ln.gpus, "until_s": _finite(ln.until_s)} for ln in self.loans
             ],
             "reclaims": [{"gpus": r.gpus, "by_s": r.by_s, "notice_s": r.notice_s} for r in self.reclaims],
-            "warming": {n: led.warming_ready_s(n) for n in self.nodes if led.warming_ready_s(n)},
+            "warming": {n: led.warming_ready_s(n) for n in led.cap if led.warming_ready_s(n)},
             "stats": dict(self.stats),
             "worst_margin_s": min(self.margins) if self.margins else None,
             "pending_restores": dict(self.pending_restores),

@@ -33,6 +33,9 @@ With live lending (``serving.nodes``) the plan's gauges above (demand, lendable,
 * ``tidal_serving_shortfall_gpu_seconds_total`` (counter) — serving demand unmet (serving time)
 * ``tidal_serving_action_failures_total`` (counter) — ``action`` (release, restore): adapter failures
 * ``tidal_serving_unknown_demand_steps_total`` (counter) — plan steps with unknown demand (nothing new lent)
+* ``tidal_serving_pool_gpus`` (gauge) — serving GPUs in the pool now (lost nodes and nodes back but still
+  warming up are not)
+* ``tidal_serving_node_losses_total`` (counter) — serving nodes lost (while lending or not)
 
 Per-job series exist for active jobs (not yet succeeded, failed or cancelled), so their number
 stays bounded by what runs and waits.
@@ -203,6 +206,10 @@ def _loan_metrics(v: dict[str, Any]) -> Iterator[Metric]:
     yield fails
     yield CounterMetricFamily("tidal_serving_unknown_demand_steps", "Plan steps with unknown serving demand",
                               value=st.get("unknown_demand_steps", 0))
+    yield GaugeMetricFamily("tidal_serving_pool_gpus", "Serving GPUs in the pool now (lost nodes are not)",
+                            value=v.get("serving_gpus", 0))
+    yield CounterMetricFamily("tidal_serving_node_losses", "Serving nodes lost",
+                              value=st.get("nodes_lost", 0))
 
 
 def registry(store: Store, nodes: list[Node], clock: Callable[[], float], advisor: Any = None,

@@ -35,6 +35,8 @@ from tidal.control.client import API_URL_FILE
 from tidal.control.config import ControlConfig
 from tidal.control.controller import Controller
 from tidal.control.dashboard import dashboard_url
+from tidal.control.loan_nodes import lent_before
+from tidal.control.loans import DOC_KEY as LOANS_DOC
 from tidal.control.loans import LiveLoans, build_live_loans
 from tidal.control.locations import TENANTS_DIRNAME, LocationPolicy
 from tidal.control.store import Store, sqlite_path, sqlite_url
@@ -274,7 +276,9 @@ def _build_ray(state_dir, gpus, store, token, created, config, iso, address, age
         serving_nodes=loans.nodes if loans is not None else None,
     )
     try:
-        executor.check_serving()  # a serving node the cluster lacks: one line now, not a loop failing later
+        # a serving node the cluster lacks: one line now, not a loop failing later (unless the plane lent
+        # before with these nodes: then it is a node lost, the loan step's to handle)
+        executor.check_serving(tolerate=lent_before(store.get_doc(LOANS_DOC), loans.nodes) if loans else ())
     except ValueError:
         executor.close()
         raise

@@ -65,7 +65,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -248,19 +248,21 @@ class RayExecutor:
             out.append(Node(name, gpus, "serving" if name in self.serving_nodes else "training"))
         return out, ids
 
-    def check_serving(self) -> None:
+    def check_serving(self, tolerate: Collection[str] = ()) -> None:
         """``ValueError`` in one line when a serving node is not an alive GPU node of the cluster (by its
-        ``tidal.io/node`` label) or has other GPUs there than the serving side says."""
+        ``tidal.io/node`` label) or has other GPUs there than the serving side says; nodes in
+        ``tolerate`` may (a restarted plane's serving nodes lost meanwhile)."""
         have = {
             n.name: n.gpus for n in self._read_nodes()[0]
         }  # no agents started for a plane that will not run
-        missing = sorted(set(self.serving_nodes) - set(have))
+        missing = sorted(set(self.serving_nodes) - set(have) - set(tolerate))
         if missing:
             raise ValueError(
                 f"serving.nodes: {', '.join(missing)} not in the Ray cluster (a serving node is the "
                 f"Ray node labelled {NODE_LABEL}=NAME; the cluster has {sorted(have) or 'no GPU nodes'})"
             )
-        other = {n: (g, have[n]) for n, g in self.serving_nodes.items() if have[n] != g}
+        other = {n: (g, have[n]) for n, g in self.serving_nodes.items()
+                 if n in have and have[n] != g and n not in tolerate}
         if other:
             raise ValueError(
                 "serving.nodes: "

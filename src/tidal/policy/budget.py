@@ -25,7 +25,13 @@ exposure. So at every step ``G(t) <= A``, which gives, for every window ``[a, b]
 cause, ``max(0, min(demand, N) - supply)`` (demand beyond the pool is not a loan's doing); a GPU on
 loan in the plan made at ``s`` serves again by ``s + lead`` (reclaims complete within the lead
 time, as the plans' promises say); demand is observed every step (a gap step counts neither
-shortfall nor demand); the pool size ``N`` is constant.
+shortfall nor demand).
+
+*A pool that changes size* (serving nodes lost and back: ``N(t)``): the plans remember how many GPUs
+they lent (not the supply they promised), the GPUs away at a step are at most today's ``N``, the
+allowance and the bank follow the pool (``A(t)``, ``K(t)`` from ``N(t)``), and the floor never raises
+``G``. Then ``G`` grows only by shortfall and never above the largest allowance so far, so both bounds
+hold with ``max A`` and ``max K`` over ``[0, b]`` (docs/loaning.md, "A pool that changes size").
 """
 
 from __future__ import annotations
@@ -37,8 +43,11 @@ EPS = 1e-9
 
 def ledger_update(g_gpu_s: float, shortfall_gpus: float, demand_gpus: float, dt_s: float, rate: float,
                   bank_gpu_s: float) -> float:
-    """``G`` after one observed step: ``max(-bank, G + (shortfall - rate * demand) * dt)``."""
-    return max(-bank_gpu_s, g_gpu_s + (shortfall_gpus - rate * demand_gpus) * dt_s)
+    """``G`` after one observed step: ``max(min(-bank, G), G + (shortfall - rate * demand) * dt)``. The
+    floor never raises ``G`` (a bank that shrank with the pool stops ``G`` from falling further, it does
+    not take back what was banked), so ``G`` only ever grows by shortfall; with a constant bank it is
+    ``max(-bank, G + ...)``."""
+    return max(min(-bank_gpu_s, g_gpu_s), g_gpu_s + (shortfall_gpus - rate * demand_gpus) * dt_s)
 
 
 def exposure_gpu_s(committed_gpus: list[float], lend_gpus: float, dt_s: float) -> float:

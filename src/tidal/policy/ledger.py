@@ -22,12 +22,16 @@ step and carries out what changed through a serving adapter.
   scheduler hands idle nodes back first, and starts nothing new on a loan about to end).
 * **Returning.** GPUs handed back serve again after ``release_s + warmup_s``; until then they count
   neither as lent nor as serving capacity.
+* **Nodes lost and back.** :meth:`LoanLedger.drop_node` takes a serving node out (it was lost): its
+  loans end, its warming GPUs go with it, and the reclaims shrink by what was lent there (those GPUs
+  cannot be handed back; the next plan asks again with the smaller pool). :meth:`LoanLedger.add_node`
+  puts one (back) in, every GPU serving. The pool (``total``) follows.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from itertools import chain, repeat
 
 from tidal.model import Loan, Reclaim
@@ -181,14 +185,7 @@ class LoanLedger:
         ready = now + self.timing.release_s + self.timing.warmup_s
         self.warming_on.setdefault(node, []).append([ready, gpus])
         self.warming += gpus
-        left = gpus
-        rs = sorted(self.reclaims, key=lambda r: r.by_s)
-        while left and rs:
-            r = rs[0]
-            k = min(left, r.gpus)
-            left -= k
-            rs = ([Reclaim(r.gpus - k, r.by_s, r.notice_s, r.deadline_s)] if r.gpus > k else []) + rs[1:]
-        self.reclaims = rs
+        self.reclaims = _lower(self.reclaims, gpus)
         return ready
 
     def cancel_loan(self, node: str, gpus: int) -> None:
@@ -219,6 +216,33 @@ class LoanLedger:
             else:
                 keep.append(e)
         self.warming_on[node] = keep
+
+    def drop_node(self, node: str) -> tuple[int, int]:
+        """``node`` left the pool (lost): its loans end, its warming GPUs go, the earliest reclaims shrink by
+        what was lent there. Returns (GPUs that were lent, GPUs that were warming) there."""
+        if node not in self.cap:
+            raise AssertionError(f"drop_node({node!r}): not in the pool")
+        lent = self.lent_on(node)
+        if lent:
+            self._unlend(node, lent, f"drop_node({node!r})")
+        warming = sum(int(e[1]) for e in self.warming_on.pop(node, ()))
+        self.warming -= warming
+        self.total -= self.cap.pop(node)
+        self.reclaims = _lower(self.reclaims, lent)
+        self._until_key = None
+        self._finite.discard(node)
+        return lent, warming
+
+    def add_node(self, node: str, gpus: int, order: Sequence[str] = ()) -> None:
+        """``node`` joins the pool (back after a loss) with ``gpus`` GPUs, all serving; ``order``: the
+        nodes' order to keep (loans go to the rest in node order), else it comes last."""
+        if node in self.cap or gpus < 1:
+            raise AssertionError(f"add_node({node!r}, {gpus}): already in the pool or no GPUs")
+        self.cap[node] = int(gpus)
+        self.total += int(gpus)
+        rank = {n: i for i, n in enumerate(order)}
+        self.cap = dict(sorted(self.cap.items(), key=lambda kv: rank.get(kv[0], len(rank))))
+        self._until_key = None
 
     def due_reclaim(self, now: float) -> bool:
         return any(r.due(now) for r in self.reclaims)
@@ -282,3 +306,15 @@ class LoanLedger:
                         for r in state.get("reclaims", ())]
         led.lendable = int(state.get("lendable", 0))
         return led
+
+
+def _lower(reclaims: list[Reclaim], gpus: int) -> list[Reclaim]:
+    """``reclaims`` with ``gpus`` fewer GPUs asked back, taken from the earliest."""
+    left = gpus
+    rs = sorted(reclaims, key=lambda r: r.by_s)
+    while left and rs:
+        r = rs[0]
+        k = min(left, r.gpus)
+        left -= k
+        rs = ([Reclaim(r.gpus - k, r.by_s, r.notice_s, r.deadline_s)] if r.gpus > k else []) + rs[1:]
+    return rs

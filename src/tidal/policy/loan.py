@@ -294,16 +294,18 @@ class TidalConfig:
 class TidalState:
     """What :class:`TidalPolicy` carries between steps.
 
-    ``z`` is the calibrated margin; ``commitments`` are ``(decided_at_s, until_s, supply_gpus)``:
-    each plan promised serving at least ``N - lendable`` GPUs through ``until_s`` (its lead
-    time). ``shortfall_gpu_s`` / ``demand_gpu_s`` add up realized shortfall against those promises
-    and demand, in GPU-seconds (assuming every lendable GPU was lent). ``ledger_gpu_s`` is the budget
-    ledger ``G`` (:mod:`tidal.policy.budget`; stays 0 while the ledger is off).
+    ``z`` is the calibrated margin; ``commitments`` are ``(decided_at_s, until_s, supply_gpus, pool_gpus)``:
+    each plan promised serving at least ``N - lendable`` GPUs of its pool ``N`` through ``until_s`` (its
+    lead time), i.e. lent at most ``N - supply`` (states stored before ``pool_gpus`` was kept hold
+    3-tuples, read with today's ``N``). ``shortfall_gpu_s`` / ``demand_gpu_s`` add up realized
+    shortfall against those promises and demand, in GPU-seconds (assuming every lendable GPU was lent).
+    ``ledger_gpu_s`` is the budget ledger ``G`` (:mod:`tidal.policy.budget`; stays 0 while the ledger
+    is off).
     """
 
     forecast: ForecastState
     z: float
-    commitments: tuple[tuple[float, float, int], ...] = ()
+    commitments: tuple[tuple[float, ...], ...] = ()
     shortfall_gpu_s: float = 0.0
     demand_gpu_s: float = 0.0
     ledger_gpu_s: float = 0.0
@@ -311,6 +313,13 @@ class TidalState:
     @property
     def shortfall_ratio(self) -> float:
         return self.shortfall_gpu_s / self.demand_gpu_s if self.demand_gpu_s > 0 else 0.0
+
+
+def _lent(commitment: tuple, n: int) -> int:
+    """GPUs a plan lent, from its commitment ``(decided_at_s, until_s, supply, pool)``: ``pool - supply``
+    (a commitment stored before the pool was kept in it, ``(decided_at_s, until_s, supply)``: ``n - supply``
+    with today's pool, as then)."""
+    return int(commitment[3] if len(commitment) > 3 else n) - int(commitment[2])
 
 
 @dataclass(frozen=True)
@@ -364,7 +373,10 @@ class TidalPolicy:
         y = ctx.demand_gpus
         if new_obs and not math.isnan(y) and n > 0:
             dt_s = cfg.forecast.step_s
-            shortfall = max(0.0, y - min(c[2] for c in covering)) if covering else 0.0
+            # GPUs away now: the most any plan of the last lead time lent, at most today's pool (a pool
+            # that shrank may have lost lent GPUs or serving ones: the worst case, serving ones)
+            away = min(n, max(_lent(c, n) for c in covering)) if covering else 0
+            shortfall = max(0.0, y - (n - away)) if covering else 0.0
             shortfall_gpu_s += shortfall * dt_s
             demand_gpu_s += y * dt_s
             b = cfg.shortfall_budget * cfg.aim_fraction
@@ -372,7 +384,7 @@ class TidalPolicy:
             z += cfg.calibration_rate_per_h * dt_s / 3600.0 * (counted - b * y) / (b * n)
             z = min(cfg.max_z, max(cfg.min_z, z))
             if ledger_on:  # the loans' part of the shortfall: demand beyond the pool is not theirs
-                own = max(0.0, min(y, n) - min(c[2] for c in covering)) if covering else 0.0
+                own = max(0.0, min(y, n) - (n - away)) if covering else 0.0
                 ledger = ledger_update(ledger, own, y, dt_s, cfg.ledger_fraction * cfg.shortfall_budget,
                                        cfg.shortfall_budget * n * cfg.ledger_bank_pool_h * 3600.0)
         if fs.n_obs == 0:  # nothing known yet: lend nothing
@@ -383,18 +395,18 @@ class TidalPolicy:
         commitments = tuple(c for c in state.commitments if c[1] > ctx.now_s + EPS)
         cap = self._ledger_cap(ctx.now_s, n, ledger, commitments) if ledger_on else None
         plan = self._plan(ctx, fc, z, reserve, cap)
-        commitments += ((ctx.now_s, ctx.now_s + cfg.timing.lead_time_s, n - plan.lendable_gpus),)
+        commitments += ((ctx.now_s, ctx.now_s + cfg.timing.lead_time_s, n - plan.lendable_gpus, n),)
         new_state = replace(state, forecast=fs, z=z, commitments=commitments,
                             shortfall_gpu_s=shortfall_gpu_s, demand_gpu_s=demand_gpu_s, ledger_gpu_s=ledger)
         return plan, new_state
 
     def _ledger_cap(self, now_s: float, n: int, ledger: float,
-                    commitments: tuple[tuple[float, float, int], ...]) -> int:
+                    commitments: tuple[tuple[float, ...], ...]) -> int:
         """The most GPUs the budget ledger lets be on loan now (:func:`~tidal.policy.budget.max_lendable`)."""
         cfg = self.config
         step = cfg.forecast.step_s
         grid = [now_s + step * j for j in range(1, int(math.floor(cfg.timing.lead_time_s / step + EPS)) + 1)]
-        committed = [max([n - c[2] for c in commitments if c[0] < u - EPS and u <= c[1] + EPS], default=0)
+        committed = [max([_lent(c, n) for c in commitments if c[0] < u - EPS and u <= c[1] + EPS], default=0)
                      for u in grid]
         allowance = cfg.shortfall_budget * n * cfg.ledger_allowance_pool_h * 3600.0
         return max_lendable(ledger, allowance, [float(max(c, 0)) for c in committed], step, n)
