@@ -200,6 +200,34 @@ def test_tail_reserve_from_a_hand_built_histogram():
     assert fe.tail_reserve_gpus(cfg, s, 2, 0.01, kappa=1.0, period_steps=100) > 6.0
 
 
+def test_tail_reserve_prior_weighs_while_the_history_is_short_or_quiet():
+    """The prior: ``prior_steps`` lead windows missed by ``prior_miss`` x mean, never decaying."""
+    cfg = fc.ForecastConfig(tail_horizon_steps=3)
+    bins = fe.TAIL_BINS
+    quiet = np.zeros((3, bins.size - 1))
+    quiet[:, np.searchsorted(bins, 0.0, side="right") - 1] = 98.0  # 98 windows, no miss at all
+    s = replace(fc.initial_state(cfg), mean_gpus=10.0, tail_hist=quiet)
+    assert fe.tail_reserve_gpus(cfg, s, 2, 0.01) == 0.0  # nothing seen, nothing kept
+    # + 2 windows missed by one mean (bin 1.00 .. 1.01, center 1.005): 0.02 (1.005 - R) = 0.01
+    assert fe.tail_reserve_gpus(cfg, s, 2, 0.01, prior_miss=1.0, prior_steps=2.0) == pytest.approx(5.05)
+    assert fe.tail_reserve_gpus(cfg, s, 2, 0.01, prior_miss=1.0, prior_steps=0.0) == 0.0  # off
+    assert fe.tail_reserve_gpus(cfg, s, 2, 0.01, prior_miss=0.0, prior_steps=2.0) == 0.0  # off
+    # The same prior after 100 times the history: it weighs 1/100 as much, no reserve needed.
+    long = replace(s, tail_hist=quiet * 100)
+    assert fe.tail_reserve_gpus(cfg, long, 2, 0.01, prior_miss=1.0, prior_steps=2.0) == 0.0
+    # A history whose own misses already need a reserve above the prior's miss: the prior changes nothing
+    # but the total the expected excess is over (its windows count there).
+    big = quiet.copy()
+    big[:, np.searchsorted(bins, 2.0, side="right") - 1] = 2.0
+    b = replace(s, tail_hist=big)
+    assert fe.tail_reserve_gpus(cfg, b, 2, 1e-4, prior_miss=1.0, prior_steps=2.0) == pytest.approx(
+        fe.tail_reserve_gpus(cfg, b, 2, 1e-4), rel=1e-3)
+    # A prior beyond the histogram's range counts in its last bin; an empty history keeps the prior alone.
+    empty = replace(s, tail_hist=np.zeros_like(quiet))
+    assert fe.tail_reserve_gpus(cfg, empty, 2, 1e-9, prior_miss=99.0, prior_steps=1.0) == pytest.approx(
+        bins[-1] * 10.0, rel=1e-3)
+
+
 def test_tail_memory_keeps_the_worst_miss_of_each_lead_window():
     cfg = fc.ForecastConfig(step_s=600, horizon_s=2 * H, period_s=H, tail_horizon_steps=3)  # 6-step period
     early = run(cfg, [10.0] * 6)  # the first period: misses wait (in GPUs) until the mean is a reference

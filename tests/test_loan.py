@@ -202,7 +202,8 @@ def test_property_tidal_lends_at_most_pool_minus_forecast_plus_margin(demand, bu
         center = state.forecast.past_center[0]
         scale = state.forecast.scale_gpus
         # The bound used is the forecast plus a non-negative margin (z scales, or the tail reserve) ...
-        reserve = tail_reserve_gpus(cfg.forecast, state.forecast, 2, cfg.tail_budget_fraction * budget)
+        reserve = tail_reserve_gpus(cfg.forecast, state.forecast, 2, cfg.tail_budget_fraction * budget,
+                                    prior_miss=cfg.tail_prior_miss, prior_steps=cfg.tail_prior_steps)
         assert reserve >= 0
         np.testing.assert_allclose(p.upper_gpus, np.maximum(center + state.z * scale, center + reserve))
         # ... and nothing lent now is needed by it within the lead time.
@@ -216,8 +217,10 @@ def test_property_tidal_lends_at_most_pool_minus_forecast_plus_margin(demand, bu
 
 
 def tidal(budget=0.01, **forecast) -> TidalPolicy:
+    """Step-by-step figures of the margin alone: the tail reserve's cautious-start prior off (it would
+    set the plan on the first steps; tested on its own in test_tidal_cautious_start_...)."""
     fc = ForecastConfig(**{"step_s": 600.0, "horizon_s": 3600.0, **forecast})
-    return TidalPolicy(TidalConfig(shortfall_budget=budget, forecast=fc, timing=LEAD20))
+    return TidalPolicy(TidalConfig(shortfall_budget=budget, forecast=fc, timing=LEAD20, tail_prior_steps=0.0))
 
 
 def test_tidal_constant_demand_step_by_step():
@@ -264,9 +267,12 @@ def test_tidal_reclaims_before_the_daily_rise():
     the rise is forecast: the notice goes out at 7:00, the GPUs serve at 8:00, nothing is short."""
     fc = ForecastConfig(step_s=H, horizon_s=6 * H, profile_smooth_s=0, error_profile_smooth_s=0)
     timing = LoanTiming(notice_s=0, final_checkpoint_s=0, release_s=0, warmup_s=H, restart_cost_s=0)
-    # the budget ledger off: on day 0 it would hold back half the loans (tested in test_loan_budget.py)
+    # the budget ledger off: on day 0 it would hold back half the loans (tested in test_loan_budget.py);
+    # so is the tail reserve's prior (a reserve against a jump of half the mean while the history is
+    # short: this test is about the forecast's deadlines)
     pol = TidalPolicy(
-        TidalConfig(shortfall_budget=0.01, forecast=fc, timing=timing, ledger_allowance_pool_h=math.inf)
+        TidalConfig(shortfall_budget=0.01, forecast=fc, timing=timing, ledger_allowance_pool_h=math.inf,
+                    tail_prior_steps=0.0)
     )
     state, lent = pol.initial_state(), 0
     plans: dict[int, LoanPlan] = {}
@@ -364,7 +370,32 @@ def test_tidal_meets_the_budget_through_a_regime_change_without_hindsight(budget
     assert state.shortfall_ratio <= budget
     assert state.shortfall_ratio >= 0.4 * budget  # ... and spends a real part of it (not just hoarding)
     harvest = lent_sum / float(np.sum(100 - demand))
-    assert harvest > 0.6
+    assert harvest > 0.55  # 0.59 / 0.70 (0.61 / 0.71 without the tail prior, which lends less on day 0 only)
+
+
+def test_tidal_cautious_start_keeps_a_reserve_while_the_history_is_quiet_then_fades():
+    """Quiet demand (40 GPUs, sd 0.5): no miss in the history says a jump cannot come. With the prior
+    (default: two lead windows missed by half the mean) the first day lends far less; once the history
+    outweighs the prior, the plan is within a few GPUs of the one without it."""
+    rng = np.random.default_rng(0)
+    demand = 40 + rng.normal(0, 0.5, 3 * 144)
+    lent_by, reserves = {}, {}
+    for steps in (0.0, TidalConfig().tail_prior_steps):
+        cfg = TidalConfig(shortfall_budget=0.005, forecast=ForecastConfig(horizon_s=3600.0), timing=LEAD20,
+                          tail_prior_steps=steps)
+        pol = TidalPolicy(cfg)
+        state, lent, lents = pol.initial_state(), 0, []
+        for k, d in enumerate(demand):
+            ctx = LoanContext(now_s=600.0 * k, serving_gpus=100, demand_gpus=float(d), lent_gpus=lent)
+            p, state = pol(ctx, state)
+            lent = p.lendable_gpus
+            lents.append(lent)
+        lent_by[steps] = np.array(lents)
+        reserves[steps] = pol._reserve(state.forecast)
+    off, on = lent_by[0.0], lent_by[TidalConfig().tail_prior_steps]
+    assert reserves[TidalConfig().tail_prior_steps] > reserves[0.0] + 0.2  # three quiet days on: 0.53 vs 0.26
+    assert on[:144].mean() < off[:144].mean() - 10  # day 0: ~39 against ~58 GPUs lent
+    assert abs(on[-72:].mean() - off[-72:].mean()) < 4  # day 2's second half: the history outweighs it
 
 
 def test_tidal_tail_reserve_keeps_the_plan_that_far_above_the_center():
@@ -387,7 +418,8 @@ def test_tidal_tail_reserve_keeps_the_plan_that_far_above_the_center():
             lent = p.lendable_gpus
         results[name] = (p, state)
     p, state = results["on"]
-    reserve = tail_reserve_gpus(cfg.forecast, state.forecast, 2, 0.01)
+    reserve = tail_reserve_gpus(cfg.forecast, state.forecast, 2, 0.01, prior_miss=cfg.tail_prior_miss,
+                                prior_steps=cfg.tail_prior_steps)
     assert 15.0 < reserve < 40.0  # the spikes miss by ~40 GPUs, one lead window in 12
     assert p.margin_gpus == pytest.approx(reserve)
     f = forecast(cfg.forecast, state.forecast)
