@@ -36,7 +36,7 @@ SERVICE_S = 1.0  # the toy model's service time per request (one at a time per r
 LATENCY_TARGET_S = 2.5  # the SLO: p99 of the wait for a replica
 GPUS_PER_REPLICA = 2  # four replicas per 8-GPU serving node (eight worker processes in all)
 PEAK_RATE_PER_S = 5.2  # requests/s at the peak: 7-8 replicas by day, 6 at night (2 busy cores)
-NIGHT_DEPTH = 2.5  # load' = 1 - 2.5 (1 - load): GPUs to lend from about 00:00 to 10:00 (see below)
+NIGHT_DEPTH = 3.0  # load' = 1 - 3 (1 - load): GPUs to lend from about 00:00 to 10:00 (see below)
 NIGHT_FLOOR = 0.2  # ... and never under a fifth of the peak
 RATE_WINDOW_S = 10.0  # the router's window (real seconds; an hour of serving time at 360x)
 
@@ -48,7 +48,7 @@ def write_rate_trace(opts: CycleOptions, path: Path, peak_rate_per_s: float = PE
     Erlang C needs 12 of the 16 GPUs until 08:00, so the margin on a measured demand left GPUs to lend only
     from about 02:50, too late on two busy cores for a job to grow onto them, lose a node and train again
     (two restarts of 20-30 s, 2-3 hours of serving time each at 360x) before the morning's reclaims.
-    Deepened, the night needs 12 GPUs at 00:00-01:00 and 6-8 from 02:00 until the rise at 10:00."""
+    Deepened, the night needs 12 GPUs at 00:00, 10 at 01:00 and 6-8 from 02:00 until the rise at 10:00."""
     raw = np.loadtxt(opts.trace or PROFILE, delimiter=",", skiprows=1, ndmin=2)
     t, load = raw[:, 0] - raw[0, 0], raw[:, 1] / raw[:, 1].max()
     load = np.maximum(NIGHT_FLOOR, 1.0 - NIGHT_DEPTH * (1.0 - load))
