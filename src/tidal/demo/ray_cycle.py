@@ -154,6 +154,10 @@ def run(opts: CycleOptions, kill_hour: float, console: Console, *, keep: bool = 
     opts.check()
     if not 0 <= kill_hour < 24:
         raise DemoError(f"--kill-hour {kill_hour:g}: expected 0 to 24")
+    loss = NodeLoss(opts.start_s + ((kill_hour - opts.start_hour) % 24) * 3600.0)
+    if loss.at_s >= opts.start_s + opts.hours * 3600.0:
+        raise DemoError(f"--kill-hour {kill_hour:g} is not within the {opts.hours:g} h replayed from "
+                        f"{opts.start_hour:g}:00")
     script = example_script()
     sdir = Path(tempfile.mkdtemp(prefix="tidal-ray-cycle-"))
     traffic: st.Traffic | None = None
@@ -180,10 +184,6 @@ def run(opts: CycleOptions, kill_hour: float, console: Console, *, keep: bool = 
             "serving": serving,
         }
     )
-    loss = NodeLoss(opts.start_s + ((kill_hour - opts.start_hour) % 24) * 3600.0)
-    if loss.at_s >= opts.start_s + opts.hours * 3600.0:
-        raise DemoError(f"--kill-hour {kill_hour:g} is not within the {opts.hours:g} h replayed from "
-                        f"{opts.start_hour:g}:00")
     try:
         build_live_loans(serving)  # what tidal up would refuse, said before a cluster starts
     except (ValueError, OSError) as e:

@@ -38,7 +38,8 @@ GPUS_PER_REPLICA = 2  # four replicas per 8-GPU serving node (eight worker proce
 PEAK_RATE_PER_S = 5.2  # requests/s at the peak: 7-8 replicas by day, 6 at night (2 busy cores)
 NIGHT_DEPTH = 3.0  # load' = 1 - 3 (1 - load): GPUs to lend from about 00:00 to 10:00 (see below)
 NIGHT_FLOOR = 0.2  # ... and never under a fifth of the peak
-RATE_WINDOW_S = 10.0  # the router's window (real seconds; an hour of serving time at 360x)
+RATE_WINDOW_S = 10.0  # the router's window (real seconds; half an hour of serving time at 180x)
+RATE_SMOOTHING_S = RATE_WINDOW_S  # the adapter's EWMA of the window's rate and service time over its steps
 
 
 def write_rate_trace(opts: CycleOptions, path: Path, peak_rate_per_s: float = PEAK_RATE_PER_S) -> Path:
@@ -65,7 +66,8 @@ def serving_config(opts: CycleOptions, rate_trace: Path, port: int) -> WatchConf
     return WatchConfig(
         adapter="ray-serve", app=APP, deployment=DEPLOYMENT, init_kwargs={"service_s": SERVICE_S},
         nodes=opts.serving_nodes, gpus_per_replica=GPUS_PER_REPLICA, latency_target_s=LATENCY_TARGET_S,
-        service_rate_per_replica=1.0 / SERVICE_S, rate_window_s=RATE_WINDOW_S, http_port=port,
+        service_rate_per_replica=1.0 / SERVICE_S, rate_window_s=RATE_WINDOW_S,
+        rate_smoothing_s=RATE_SMOOTHING_S, http_port=port,
         speedup=opts.speedup, start_s=opts.start_s, trace=str(rate_trace),
         history_days=float(opts.history_days), shortfall_budget=opts.shortfall_budget, grace_s=opts.grace_s,
         final_checkpoint_s=opts.final_checkpoint_s, release_s=opts.release_s, warmup_s=opts.warmup_s,
