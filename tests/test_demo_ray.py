@@ -37,9 +37,13 @@ def app() -> typer.Typer:
         (["--cycle", "--serve", "--speedup", "600"], "serving: TidalConfig.forecast.horizon_s"),
     ],
 )
-def test_bad_options_are_one_clear_error(args, msg):
+def test_bad_options_are_one_clear_error(args, msg, tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     r = CliRunner().invoke(app(), args)
     assert r.exit_code == 2 and msg in " ".join(r.output.split()), r.output
+    assert list(tmp_path.iterdir()) == []  # no state dir left behind
 
 
 @pytest.mark.slow
@@ -81,7 +85,7 @@ def test_the_day_cycle_on_ray_lends_reclaims_and_survives_a_node_loss():
 @pytest.mark.ray_long
 @pytest.mark.skipif(
     os.environ.get("TIDAL_RAY_LONG") != "1",
-    reason="starts its own 4-node Ray cluster with Ray Serve (~5 min): TIDAL_RAY_LONG=1 runs it",
+    reason="starts its own 4-node Ray cluster with Ray Serve (~7 min): TIDAL_RAY_LONG=1 runs it",
 )
 def test_the_day_cycle_with_ray_serve_replicas_serves_every_request_across_the_reclaims():
     pytest.importorskip("ray")
@@ -89,6 +93,8 @@ def test_the_day_cycle_with_ray_serve_replicas_serves_every_request_across_the_r
     assert r.exit_code == 0, r.output
     s = json.loads(r.stdout[r.stdout.index("{"):])
     lv, nl, sv = s["live"], s["node_loss"], s["serve"]
+    print(json.dumps({"node_loss": nl, "latency": sv["latency"], "demand": sv["adapter"].get("demand"),
+                      "live": {k: v for k, v in lv.items() if k != "jobs"}, "simulator": s["simulator"]}))
     assert s["ok"] and lv["lent_gpus_total"] > 0 and lv["returns_missed"] == 0, lv
     assert nl["detected"] and nl["recovered"] and nl["restore_tier"] == "peer", nl
     lat = sv["latency"]
@@ -109,6 +115,7 @@ def test_the_serve_days_history_and_traffic_are_one_request_rate_trace(tmp_path)
     p = st.write_rate_trace(opts, tmp_path / "requests.csv")
     cfg = st.serving_config(opts, p, 8000)
     loans = build_live_loans(cfg)  # no Ray contacted
+    assert loans.adapter.s.rate_smoothing_s == st.RATE_SMOOTHING_S > 0  # the demand's noise smoothed
     hist = dict(loans.adapter.forecast_history(opts.start_s, cfg.step_s))
     assert len(hist) == 3 * 144 and min(hist) == opts.start_s - 3 * 86400
     night, evening = hist[2 * 86400 + 4 * 3600], hist[2 * 86400 + 22 * 3600]
@@ -122,3 +129,22 @@ def test_the_serve_days_history_and_traffic_are_one_request_rate_trace(tmp_path)
     assert [ph[k]["requests"] for k in ("before", "during", "after")] == [1, 1, 1]
     assert ph["after"]["failed"] == 1 and ph["total"]["failed"] == 1 and ph["during"]["p50_s"] == 2.0
     assert t.phases(None, None)["before"]["requests"] == 3
+
+
+def test_the_node_loss_picks_an_attempt_with_its_own_peer_step_not_the_jobs_older_checkpoint():
+    """A job grown onto lent GPUs restarted from its notice checkpoint (the job's ``ckpt_step``); its new
+    attempt's progress has no step per tier (``{}``) until it commits one: killing it then restores from
+    the notice checkpoint's tier, not from the peer tier, so it is not picked, even two hours late."""
+    from tidal.demo.ray_cycle import NodeLoss
+
+    loss = NodeLoss(at_s=1000.0)
+    job = {"id": "spot-0-1", "state": "running", "placement": {"train-0": 1, "serve-0": 1}, "ckpt_step": 68,
+           "progress": {"step": 70, "tiers": {}}}
+    assert loss.pick([job], 1000.0) is None and loss.pick([job], 1000.0 + 7200.0) is None
+    disk = {**job, "progress": {"step": 71, "tiers": {"disk": [70, 1.0]}}}
+    assert loss.pick([disk], 1000.0) is None  # no peer step: only late
+    assert loss.pick([disk], 1000.0 + 7200.0) == ("train-0", disk)
+    peer = {**job, "progress": {"step": 81, "tiers": {"peer": [80, 2.0], "disk": [70, 1.0]}}}
+    one_node = {**peer, "placement": {"serve-0": 2}}
+    starting = {**peer, "state": "starting"}
+    assert loss.pick([one_node, starting, peer], 1000.0) == ("train-0", peer)

@@ -44,6 +44,8 @@ BASE = {"adapter": "ray-serve", "app": "toy", "deployment": "tidal.serving.ray_s
     ({"trace": "day.csv"}, "serving.trace"),
     ({"http_port": 70000}, "serving.http_port"),
     ({"rate_window_s": 0}, "serving.rate_window_s"),
+    ({"rate_smoothing_s": -1}, "serving.rate_smoothing_s"),
+    ({"rate_smoothing_s": float("nan")}, "serving.rate_smoothing_s"),
     ({"init_kwargs": [1]}, "serving.init_kwargs"),
     ({"adapter": "ray_serve"}, "serving.adapter"),
     ({"history_days": 2}, "serving.history_days"),
@@ -238,6 +240,41 @@ def test_demand_from_the_routers_counts():
     # no prior, nothing measured: an idle window still needs only min_replicas (was unknown: never lent)
     assert a.demand_from(idle) == 1.0 and a.last_demand["service_rate_from"] == "idle"
     assert math.isnan(a.demand_from({**idle, "queued": 3}))  # a stuck queue is not idle
+
+
+def test_demand_smoothing_averages_noisy_windows_and_follows_a_lasting_change():
+    """``rate_smoothing_s``: λ and the service time are EWMAs over the calls (control-plane seconds; the
+    serving clock at a demo's speed-up): windows that jump between 20 and 40 requests/s read as about 30,
+    a lasting change is followed within a few time constants, and 0 is the window alone."""
+    def window(rate: float, service_s: float = 0.05) -> dict:
+        return {"window_s": 10.0, "arrivals": int(rate * 10), "completed": int(rate * 10),
+                "service_sum_s": int(rate * 10) * service_s}
+
+    smooth = Recorded(rate_smoothing_s=10.0, speedup=360.0, start_s=0.0)
+    plain = Recorded(speedup=360.0, start_s=0.0)
+    got: dict[str, list[float]] = {"smooth": [], "plain": []}
+    for i in range(60):  # a call a second of plane time (360 serving seconds)
+        w = window(20.0 if i % 2 else 40.0)
+        got["smooth"].append(smooth.demand_from(w, i * 360.0))
+        got["plain"].append(plain.demand_from(w, i * 360.0))
+    model = smooth.s.model(20.0)
+    assert set(got["plain"][20:]) == {model.gpus(20.0), model.gpus(40.0)}  # the noise, as measured
+    assert model.gpus(20.0) < model.gpus(40.0)
+    assert set(got["smooth"][20:]) == {model.gpus(smooth.last_demand["rate"])}  # one count, steady
+    assert 28.0 < smooth.last_demand["rate"] < 32.0 and smooth.last_demand["service_rate"] == 20.0
+    for i in range(60, 120):  # a lasting rise to 50/s: followed
+        smooth.demand_from(window(50.0), i * 360.0)
+    assert smooth.last_demand["rate"] > 49.5
+    # the service time over many windows' requests: the ratio of the averages
+    for i in range(120, 180):
+        smooth.demand_from(window(50.0, 0.1), i * 360.0)
+    assert 9.9 < smooth.last_demand["service_rate"] <= 10.05
+    # a clock that went back (a restarted plane) starts the averages again; no serving time: as measured
+    assert smooth.demand_from(window(20.0), 0.0) == model.gpus(20.0)
+    assert smooth.demand_from(window(40.0)) == model.gpus(40.0)
+    # idle is the window's: no arrivals now reads idle even while the average still decays
+    idle = {"window_s": 10.0, "arrivals": 0, "completed": 0, "service_sum_s": 0.0}
+    assert Recorded(rate_smoothing_s=10.0).demand_from(idle, 5.0) == 1.0
 
 
 def test_demand_no_replica_count_meets_is_every_serving_gpu_not_unknown():

@@ -229,12 +229,13 @@ def demo_ray(
         ),
     ] = False,
     speedup: Annotated[
-        float,
+        float | None,
         typer.Option(
-            help="--cycle: serving seconds per second (at most 480: the "
-            "forecast's horizon must cover the scaled timing)"
+            help="--cycle: serving seconds per second (default 360, 180 with --serve; at most 480: the "
+            "forecast's horizon must cover the scaled timing)",
+            show_default=False,
         ),
-    ] = 360.0,
+    ] = None,
     hours: Annotated[float, typer.Option(help="--cycle: hours of serving time to replay")] = 14.0,
     start_hour: Annotated[float, typer.Option(help="--cycle: serving time of day to start at")] = 22.0,
     kill_hour: Annotated[float, typer.Option(help="--cycle: serving time of day to kill a node at")] = 2.0,
@@ -255,8 +256,10 @@ def demo_ray(
     console, err = Console(stderr=json_out), Console(stderr=True)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if cycle:
-        from tidal.demo.ray_cycle import main
+        from tidal.demo.ray_cycle import SERVE_SPEEDUP, SPEEDUP, main
 
+        if speedup is None:
+            speedup = SERVE_SPEEDUP if serve else SPEEDUP
         raise typer.Exit(main(speedup, hours, start_hour, kill_hour, jobs, max_ranks, keep, json_out, serve))
     if serve:
         err.print("[red]error:[/red] --serve goes with --cycle (the day of lending)", highlight=False)

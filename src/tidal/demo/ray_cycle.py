@@ -2,6 +2,7 @@
 node lost in the night.
 
     tidal demo ray --cycle                  # 14 h of serving time (22:00 to 12:00) at 360x: ~3.5 min
+    tidal demo ray --cycle --serve          # ... Ray Serve replicas serving traffic, at 180x: ~7 min
     tidal demo ray --cycle --json           # the summary as JSON on stdout (the view on stderr)
 
 What ``tidal demo cycle`` does on one machine, here across the nodes of a Ray cluster started on this
@@ -71,6 +72,10 @@ SERVING_NODES = "2x8"  # serve-0 and serve-1, 8 declared GPUs each (parse_nodes 
 DISK_EVERY = 3  # every 3rd save also goes to disk; the peer tier holds every one
 TENANT = "research"
 BACK_AFTER_S = 60.0
+SPEEDUP = 360.0  # the day's default speed-up (serving seconds per second)
+# ... with --serve: a job grows onto lent GPUs (a restart), loses its node and trains again (another) before
+# the morning's reclaims; a restart takes 20-40 s on two busy cores, 2-4 hours of serving time at 360x
+SERVE_SPEEDUP = 180.0
 
 
 def options(speedup: float, hours: float, start_hour: float, jobs: int, max_ranks: int) -> CycleOptions:
@@ -110,15 +115,17 @@ class NodeLoss:
 
     def pick(self, jobs: list[dict], serving_s: float) -> tuple[str, dict] | None:
         """A running job spanning nodes, one of them a training node, whose attempt has committed a step to
-        the peer tier (after two hours of serving time without one: any checkpoint of the job will do, once
-        the attempt trains: killing one still starting shows no recovery)."""
+        the peer tier (after two hours of serving time without one: a step committed to any tier by the
+        attempt will do). The attempt's own commit, not the job's newest checkpoint: a job that grew onto
+        lent GPUs restarted from its notice checkpoint (committed to one tier by the attempt before), and
+        killing the new attempt before it commits a step restores from that one, not from the peer tier;
+        its progress has no step per tier yet (``{}``)."""
         late = serving_s >= self.at_s + 7200.0
         for j in jobs:
             pl = j.get("placement") or {}
-            p = j.get("progress") or {}
-            peer = (p.get("tiers") or {}).get("peer")
+            tiers = (j.get("progress") or {}).get("tiers") or {}
             if (j["state"] == "running" and len(pl) > 1 and any(n in TRAINING for n in pl)
-                    and (peer or (late and j.get("ckpt_step") and p.get("step") is not None))):
+                    and (tiers.get("peer") or (late and tiers))):
                 return next(n for n in sorted(pl) if n in TRAINING), j
         return None
 
@@ -147,6 +154,10 @@ def run(opts: CycleOptions, kill_hour: float, console: Console, *, keep: bool = 
     opts.check()
     if not 0 <= kill_hour < 24:
         raise DemoError(f"--kill-hour {kill_hour:g}: expected 0 to 24")
+    loss = NodeLoss(opts.start_s + ((kill_hour - opts.start_hour) % 24) * 3600.0)
+    if loss.at_s >= opts.start_s + opts.hours * 3600.0:
+        raise DemoError(f"--kill-hour {kill_hour:g} is not within the {opts.hours:g} h replayed from "
+                        f"{opts.start_hour:g}:00")
     script = example_script()
     sdir = Path(tempfile.mkdtemp(prefix="tidal-ray-cycle-"))
     traffic: st.Traffic | None = None
@@ -173,10 +184,6 @@ def run(opts: CycleOptions, kill_hour: float, console: Console, *, keep: bool = 
             "serving": serving,
         }
     )
-    loss = NodeLoss(opts.start_s + ((kill_hour - opts.start_hour) % 24) * 3600.0)
-    if loss.at_s >= opts.start_s + opts.hours * 3600.0:
-        raise DemoError(f"--kill-hour {kill_hour:g} is not within the {opts.hours:g} h replayed from "
-                        f"{opts.start_hour:g}:00")
     try:
         build_live_loans(serving)  # what tidal up would refuse, said before a cluster starts
     except (ValueError, OSError) as e:
@@ -387,8 +394,9 @@ def _kill(loss: NodeLoss, jobs: list[dict], serving_s: float, cluster: LocalRayC
     p = j.get("progress") or {}
     loss.tiers = {k: v[0] if isinstance(v, list) else v for k, v in (p.get("tiers") or {}).items()}
     console.print(f"[bold red]ray cycle[/bold red] killing node {node} (raylet SIGKILLed, its node memory "
-                  f"deleted): {j['id']} runs on {loss.placement}, step {p.get('step')}, newest step per tier "
-                  f"{loss.tiers}", highlight=False)
+                  f"deleted): {j['id']} runs on {loss.placement}, step {p.get('step')}, this attempt's "
+                  f"newest step per tier {loss.tiers} (the job's newest: step {j.get('ckpt_step')})",
+                  highlight=False)
     shm = plane.plane.executor.shm_root
 
     def kill() -> None:  # Ray waits for the node's processes to be gone: the view goes on meanwhile

@@ -1,10 +1,10 @@
 """The serving side of ``tidal demo ray --cycle --serve``: Ray Serve replicas of a toy model on the serving
 nodes, serving generated traffic that follows the day's trace.
 
-* :func:`write_rate_trace`: the daily profile (its load, 0..1) times ``peak_rate_per_s``, repeated over
-  the history days and the live day, written as a request-rate CSV (``seconds,requests_per_second``) on
-  the serving clock. One real file is both what the forecast learns first (``serving.trace``) and what the
-  load generator plays.
+* :func:`write_rate_trace`: the daily profile (its load, 0..1) with its night deepened (``NIGHT_DEPTH``)
+  times ``peak_rate_per_s``, repeated over the history days and the live day, written as a request-rate
+  CSV (``seconds,requests_per_second``) on the serving clock. One real file is both what the forecast
+  learns first (``serving.trace``) and what the load generator plays.
 * :func:`serving_config`: the ``serving:`` block (``adapter: ray-serve``, the toy
   :class:`~tidal.serving.ray_serve_app.SleepModel`, the SLO) the plane is built with.
 * :func:`deploy`: the application deployed and every replica healthy *before* the plane's first step,
@@ -36,13 +36,23 @@ SERVICE_S = 1.0  # the toy model's service time per request (one at a time per r
 LATENCY_TARGET_S = 2.5  # the SLO: p99 of the wait for a replica
 GPUS_PER_REPLICA = 2  # four replicas per 8-GPU serving node (eight worker processes in all)
 PEAK_RATE_PER_S = 5.2  # requests/s at the peak: 7-8 replicas by day, 6 at night (2 busy cores)
-RATE_WINDOW_S = 10.0  # the router's window (real seconds; an hour of serving time at 360x)
+NIGHT_DEPTH = 3.0  # load' = 1 - 3 (1 - load): GPUs to lend from about 00:00 to 10:00 (see below)
+NIGHT_FLOOR = 0.2  # ... and never under a fifth of the peak
+RATE_WINDOW_S = 10.0  # the router's window (real seconds; half an hour of serving time at 180x)
+RATE_SMOOTHING_S = RATE_WINDOW_S  # the adapter's EWMA of the window's rate and service time over its steps
 
 
 def write_rate_trace(opts: CycleOptions, path: Path, peak_rate_per_s: float = PEAK_RATE_PER_S) -> Path:
-    """The profile as requests/s over the history days and the live day (see the module docstring)."""
+    """The profile as requests/s over the history days and the live day (see the module docstring).
+
+    The night is deepened: the shipped profile only dips to 0.64 of its peak, which through the SLO's
+    Erlang C needs 12 of the 16 GPUs until 08:00, so the margin on a measured demand left GPUs to lend only
+    from about 02:50, too late on two busy cores for a job to grow onto them, lose a node and train again
+    (two restarts of 20-30 s, 2-3 hours of serving time each at 360x) before the morning's reclaims.
+    Deepened, the night needs 12 GPUs at 00:00, 10 at 01:00 and 6-8 from 02:00 until the rise at 10:00."""
     raw = np.loadtxt(opts.trace or PROFILE, delimiter=",", skiprows=1, ndmin=2)
     t, load = raw[:, 0] - raw[0, 0], raw[:, 1] / raw[:, 1].max()
+    load = np.maximum(NIGHT_FLOOR, 1.0 - NIGHT_DEPTH * (1.0 - load))
     days = int(math.ceil((opts.start_s + opts.hours * 3600.0) / DAY)) + 1
     rows = ["seconds,requests_per_second"]
     for d in range(days):
@@ -56,7 +66,8 @@ def serving_config(opts: CycleOptions, rate_trace: Path, port: int) -> WatchConf
     return WatchConfig(
         adapter="ray-serve", app=APP, deployment=DEPLOYMENT, init_kwargs={"service_s": SERVICE_S},
         nodes=opts.serving_nodes, gpus_per_replica=GPUS_PER_REPLICA, latency_target_s=LATENCY_TARGET_S,
-        service_rate_per_replica=1.0 / SERVICE_S, rate_window_s=RATE_WINDOW_S, http_port=port,
+        service_rate_per_replica=1.0 / SERVICE_S, rate_window_s=RATE_WINDOW_S,
+        rate_smoothing_s=RATE_SMOOTHING_S, http_port=port,
         speedup=opts.speedup, start_s=opts.start_s, trace=str(rate_trace),
         history_days=float(opts.history_days), shortfall_budget=opts.shortfall_budget, grace_s=opts.grace_s,
         final_checkpoint_s=opts.final_checkpoint_s, release_s=opts.release_s, warmup_s=opts.warmup_s,

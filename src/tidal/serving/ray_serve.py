@@ -86,6 +86,7 @@ class RayServeSettings:
     http_host: str = "127.0.0.1"
     http_port: int = 8000
     rate_window_s: float = 30.0
+    rate_smoothing_s: float = 0.0  # EWMA time constant of λ and the service time (control-plane s; 0: none)
     min_samples: int = 20
     actions_timeout_s: float = 5.0
     min_replicas: int = 1  # demand never below this many replicas (serving is never lent away whole)
@@ -124,7 +125,8 @@ class RayServeSettings:
             raise ValueError(f"{w}.http_port must be a port number, got {self.http_port!r}")
         if not isinstance(self.init_kwargs, dict) or not all(isinstance(k, str) for k in self.init_kwargs):
             raise ValueError(f"{w}.init_kwargs must be a mapping of the deployment's constructor arguments")
-        for name, lo, hi in (("rate_window_s", 1.0, 86400.0), ("actions_timeout_s", 0.1, 600.0)):
+        for name, lo, hi in (("rate_window_s", 1.0, 86400.0), ("rate_smoothing_s", 0.0, 86400.0),
+                             ("actions_timeout_s", 0.1, 600.0)):
             v = getattr(self, name)
             if not isinstance(v, int | float) or isinstance(v, bool) or not lo <= v <= hi:
                 raise ValueError(f"{w}.{name} must be a number in [{lo:g}, {hi:g}], got {v!r}")
@@ -188,6 +190,7 @@ class RayServeSettings:
                 "http_host",
                 "http_port",
                 "rate_window_s",
+                "rate_smoothing_s",
                 "actions_timeout_s",
                 "speedup",
                 "start_s",
@@ -227,6 +230,7 @@ class RayServeAdapter:
         self.last_stats: dict[str, Any] = {}
         self.last_demand: dict[str, Any] = {}
         self.failures = 0
+        self._ewma: tuple[float, float, float, float] | None = None  # serving time, λ, finished, busy s
         self._status: tuple[float, Any] = (-math.inf, None)
         self._router: Any = None
         self._controller: Any = None
@@ -492,14 +496,15 @@ class RayServeAdapter:
         window = float(st.get("window_s") or 0.0)
         if window < 1.0:
             return math.nan
-        rate = float(st.get("arrivals", 0)) / window
-        done, busy_s = int(st.get("completed", 0)), float(st.get("service_sum_s") or 0.0)
+        raw = float(st.get("arrivals", 0)) / window
+        rate, done, busy_s = self._smooth(raw, int(st.get("completed", 0)),
+                                          float(st.get("service_sum_s") or 0.0), serving_s)
         if done >= self.s.min_samples and busy_s > 0:
             mu = self.concurrency * done / busy_s
             source = "measured"
         elif self.s.service_rate_per_replica:
             mu, source = float(self.s.service_rate_per_replica), "configured"
-        elif rate == 0 and not st.get("queued"):  # idle (a quiet night): no replica needed, whatever μ is
+        elif raw == 0 and not st.get("queued"):  # idle (a quiet night): no replica needed, whatever μ is
             mu, source = math.nan, "idle"
         else:
             self.last_demand = {"rate": rate, "service_rate": None, "gpus": None}
@@ -519,6 +524,27 @@ class RayServeAdapter:
         if serving_s is not None:
             self.measured.add(serving_s, rate, mu if source == "measured" else None, gpus)
         return gpus
+
+    def _smooth(self, rate: float, done: float, busy_s: float,
+                serving_s: float | None) -> tuple[float, float, float]:
+        """The window's λ, finished requests and their service seconds as exponentially weighted moving
+        averages over the calls (time constant ``rate_smoothing_s`` of control-plane time; μ is then the
+        ratio of the two averages, a service time over many windows' requests). Poisson arrivals counted
+        over a short window, read in whole-replica steps, jump between neighbouring replica counts: noise
+        the forecast's error scale, and so the policy's margin, would pay for in GPUs not lent. As given
+        without a smoothing time or a serving time; the first call (and one whose clock went back) starts
+        the averages."""
+        tau = self.s.rate_smoothing_s
+        if not tau or serving_s is None:
+            return rate, done, busy_s
+        prev = self._ewma
+        if prev is None or serving_s <= prev[0]:
+            now = (rate, done, busy_s)
+        else:
+            a = 1.0 - math.exp(-(serving_s - prev[0]) / self.speedup / tau)
+            now = tuple(p + a * (x - p) for p, x in zip(prev[1:], (rate, done, busy_s), strict=True))
+        self._ewma = (serving_s, *now)
+        return now  # type: ignore[return-value]
 
     def forecast_history(self, until_s: float, step_s: float) -> list[tuple[float, float]]:
         """``(serving time, GPUs)`` before the first live grid point ``until_s``: what this adapter measured

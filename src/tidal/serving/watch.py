@@ -33,7 +33,7 @@ from tidal.serving.sources import DemandSource, TraceReplay
 
 ADAPTERS = (None, "replay", "hook", "ray-serve")  # serving.adapter (None: replay with a trace, else hook)
 RAY_SERVE_FIELDS = ("app", "deployment", "init_kwargs", "route_prefix", "http_host", "http_port",
-                    "rate_window_s", "min_replicas")
+                    "rate_window_s", "rate_smoothing_s", "min_replicas")
 
 
 @dataclass(frozen=True)
@@ -183,6 +183,7 @@ class WatchConfig:
     http_host: str | None = None
     http_port: int | None = None
     rate_window_s: float | None = None
+    rate_smoothing_s: float | None = None
     min_replicas: int | None = None
 
     def __post_init__(self) -> None:
