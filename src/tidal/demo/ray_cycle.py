@@ -78,7 +78,7 @@ SERVING_NODES = "2x8"  # serve-0 and serve-1, 8 declared GPUs each (parse_nodes 
 DISK_EVERY = 3  # every 3rd save also goes to disk; the peer tier holds every one
 TENANT = "research"
 BACK_AFTER_S = 60.0
-LATE_S = 7200.0  # serving seconds after the kill hour from which any moment (any checkpoint) will do
+LATE_S = 4 * 3600.0  # serving seconds after the kill hour from which any moment (any checkpoint) will do
 
 
 def options(speedup: float, hours: float, start_hour: float, jobs: int, max_ranks: int) -> CycleOptions:
@@ -123,7 +123,7 @@ class NodeLoss:
 
     def pick(self, jobs: list[dict], serving_s: float) -> tuple[str, dict] | None:
         """A running job spanning nodes, one of them a training node, whose attempt has committed a step to
-        the peer tier (after two hours of serving time without one: any checkpoint of the job will do)."""
+        the peer tier (after ``LATE_S`` of serving time without one: any checkpoint of the job will do)."""
         late = serving_s >= self.at_s + LATE_S
         for j in jobs:
             pl = j.get("placement") or {}

@@ -179,6 +179,18 @@ class RayAgents:
         others = [a for n, a in sorted(self.addresses.items()) if n != node]
         return {c.ENV_CKPT_AGENT: own, **({c.ENV_CKPT_PEERS: ",".join(others)} if others else {})}
 
+    def held_jobs(self) -> list[str]:
+        """Peer namespaces of which an agent (of the newest check) holds a step."""
+        from tidal.exec.agent_memory import held_jobs
+
+        return sorted(held_jobs(self.addresses.values()))
+
+    def free_job(self, namespace: str) -> bool:
+        """Every step of ``namespace`` removed from every agent; True if any was there."""
+        from tidal.exec.agent_memory import free_job
+
+        return free_job(self.addresses.values(), namespace) > 0
+
     def stop_all(self) -> None:
         """Kill every agent actor of this plane (their processes die with them)."""
         for a in self._ray.util.list_named_actors(all_namespaces=True):
