@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from plane_proc import wait_until
+from tidal.control.node_memory import agent_namespaces
 from tidal.demo.node_loss import kill_when_peer_newest, worth_a_look
 from tidal.exec import procs
 from tidal.exec.protocol import LaunchRequest
@@ -99,6 +100,10 @@ def test_agents_in_a_ring_and_a_restore_from_the_lost_nodes_buddy(ray_cluster, t
         ex.kill("p")
         wait_until("every rank gone", lambda: ex.observe(time.time())["p"].done, 60)
         ex.release("p")
+        # The plane's sweep frees an ended job's steps from every agent (the AgentMemory protocol).
+        (ns,) = agent_namespaces({"checkpoint": {"tiers": json.loads(env["TIDAL_CKPT_TIERS"])}})
+        assert ns in ex.agent_jobs() and ex.free_agent_job(ns)
+        assert ns not in ex.agent_jobs() and not ex.free_agent_job(ns)
     finally:
         if ex.agents is not None:
             ex.agents.stop_all()
