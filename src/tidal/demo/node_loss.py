@@ -18,8 +18,9 @@ committed there outlives the node, so restore reads the newest step of *any* tie
 memory is the tier it comes from only when it holds that newest step.
 :func:`kill_when_peer_newest` is how the demos pick their moment: freeze the node, let what the others
 were committing land (``settle_s``), look, and kill only when the surviving agents hold a step newer
-than the disk's and nothing newer is being written; else thaw the node (it stopped for tenths of a
-second, shorter than Ray's health checks notice) and let the caller try again later.
+than the disk's (not ``strict``: as new; restore then reads the agents too, the faster tier) and
+nothing newer is being written; else thaw the node (it stopped for tenths of a second, shorter than
+Ray's health checks notice) and let the caller try again later.
 """
 
 from __future__ import annotations
@@ -97,28 +98,33 @@ def tier_steps(home: str, agents: Sequence[str]) -> dict[str, TierSteps]:
     return out
 
 
-def peer_newest(held: dict[str, TierSteps]) -> bool:
-    """Whether the peer tier holds the newest committed step, newer than the disk's, with nothing newer
+def peer_newest(held: dict[str, TierSteps], strict: bool = True) -> bool:
+    """Whether the peer tier holds the newest committed step - newer than the disk's, or (not ``strict``)
+    at least as new: a restore then reads it from the agents too, the faster tier - with nothing newer
     being written in either."""
     peer, disk = held.get("peer"), held.get("disk")
     if peer is None or peer.committed is None or peer.writing or (disk is not None and disk.writing):
         return False
-    return disk is None or disk.committed is None or peer.committed > disk.committed
+    if disk is None or disk.committed is None:
+        return True
+    return peer.committed > disk.committed if strict else peer.committed >= disk.committed
 
 
-def worth_a_look(reported: dict[str, Any], looked: int | None) -> int | None:
+def worth_a_look(reported: dict[str, Any], looked: int | None, strict: bool = True) -> int | None:
     """A look stops the job too, so look only when it is likely to succeed: the job's newest peer step
-    when its progress (``tiers``: tier -> [step, time]) reports one newer than its disk's, other than
-    ``looked`` (the one of the last look); else None."""
+    when its progress (``tiers``: tier -> [step, time]) reports one newer than its disk's (not
+    ``strict``: as new), other than ``looked`` (the one of the last look); else None."""
     peer, disk = (reported.get("peer") or [None])[0], (reported.get("disk") or [-1])[0]
-    return peer if peer is not None and peer > disk and peer != looked else None
+    if peer is None or peer == looked:
+        return None
+    return peer if (peer > disk if strict else peer >= disk) else None
 
 
 def kill_when_peer_newest(cluster: Any, node: Any, home: str, agents: Sequence[str], *, force: bool = False,
-                          settle_s: float = SETTLE_S) -> dict[str, TierSteps] | None:
+                          strict: bool = True, settle_s: float = SETTLE_S) -> dict[str, TierSteps] | None:
     """Freeze ``node``; after ``settle_s``, if the surviving ``agents`` hold the job's newest step
-    (:func:`peer_newest`) or ``force``: kill it (:func:`kill_node`) and return what the tiers held; else
-    thaw it and return None."""
+    (:func:`peer_newest`, ``strict``) or ``force``: kill it (:func:`kill_node`) and return what the tiers
+    held; else thaw it and return None."""
     frozen = freeze_node(node)
     try:
         time.sleep(settle_s)
@@ -126,7 +132,7 @@ def kill_when_peer_newest(cluster: Any, node: Any, home: str, agents: Sequence[s
     except BaseException:
         procs.thaw(frozen)
         raise
-    if not (force or peer_newest(held)):
+    if not (force or peer_newest(held, strict)):
         procs.thaw(frozen)
         return None
     kill_node(cluster, node, frozen)

@@ -17,9 +17,10 @@ of the serving nodes, and before the morning rise they get reclaim notices and s
 
 At ``--kill-hour`` (serving time) the training node of a job that spans nodes and has a step in the
 peer tier is killed as a machine dies - every process on it at one instant, its node memory deleted
-(:mod:`tidal.demo.node_loss`) - at a moment the other nodes' agents hold a newer committed step of the
-job than its disk tier and nothing newer is being written (the node is frozen for a look, and let go
-on when that does not hold; after ``LATE_S`` of serving time without such a moment, at any moment):
+(:mod:`tidal.demo.node_loss`) - at a moment the other nodes' agents hold the job's newest committed
+step (its disk no newer one) and nothing newer is being written (the node is frozen for a look, and
+let go on when that does not hold; after ``LATE_S`` of serving time without such a moment, at any
+moment):
 the plane notices, stops the job's other ranks, requeues it, and it trains again on the rest,
 restored from that step in the surviving buddy's memory (the tier is in the ``recovered`` event).
 The moment matters because the disk tier is the plane's state directory, shared by the nodes: a step
@@ -305,14 +306,14 @@ def _kill(loss: NodeLoss, jobs: list[dict], serving_s: float, cluster: LocalRayC
     """Kill the training node of a job that qualifies (:meth:`NodeLoss.pick`) as a machine dies, at a
     moment the other nodes' agents hold the job's newest checkpoint (after ``LATE_S`` of serving time
     without one: at any moment), and delete its node memory. On a thread (the view goes on): it freezes
-    the node, looks, and kills it or lets it go on; looked at again once the job reports a newer step
-    in the peer tier than on disk (each look stops the job for ``SETTLE_S``)."""
+    the node, looks, and kills it or lets it go on; looked at again once the job reports a new step in
+    the peer tier, its disk's no newer (each look stops the job for ``SETTLE_S``)."""
     got = loss.pick(jobs, serving_s)
     if got is None:
         return  # asked again at the next poll
     node, j = got
     force = serving_s >= loss.at_s + LATE_S
-    peer = worth_a_look((j.get("progress") or {}).get("tiers") or {}, loss.looked)
+    peer = worth_a_look((j.get("progress") or {}).get("tiers") or {}, loss.looked, strict=False)
     if peer is None and not force:
         return
     loss.looked, loss.looks = peer, loss.looks + 1
@@ -323,7 +324,7 @@ def _kill(loss: NodeLoss, jobs: list[dict], serving_s: float, cluster: LocalRayC
     def kill() -> None:
         frozen_s = time.time()
         held = kill_when_peer_newest(cluster.cluster, cluster.nodes[node], str(homes[j["id"]]), agents,
-                                     force=force)
+                                     force=force, strict=False)
         if held is None:
             return
         cluster.nodes.pop(node)
