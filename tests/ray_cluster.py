@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tidal.demo.node_loss import kill_node, node_pids
 from tidal.exec import procs
 from tidal.exec.ray_exec import NODE_LABEL, QUIET_ENV, kill_ranks, namespace_for, shm_base
 
@@ -40,8 +41,13 @@ class RayCluster:
                                                  include_dashboard=False)
 
     def remove(self, name: str, graceful: bool = False) -> None:
-        """The node goes (non-graceful: its raylet is SIGKILLed, Ray's health checks notice)."""
-        self.cluster.remove_node(self.nodes.pop(name), allow_graceful=graceful)
+        """The node goes. Non-graceful: as a machine is lost, every process on it (Ray's, the ranks', the
+        checkpoint agent's) is SIGKILLed at one instant (``kill_node``); Ray's health checks notice."""
+        node = self.nodes.pop(name)
+        if graceful:
+            self.cluster.remove_node(node, allow_graceful=True)
+        else:
+            kill_node(self.cluster, node)
 
     def restore(self) -> None:
         """Every node of ``NODES`` back (a test that removed one and failed before adding it again)."""
@@ -51,11 +57,7 @@ class RayCluster:
 
     def pids(self) -> list[int]:
         """Ray's own processes of every node of this cluster (raylets, GCS, ...)."""
-        out = []
-        for node in [self.cluster.head_node, *self.cluster.worker_nodes]:
-            for infos in getattr(node, "all_processes", {}).values():
-                out += [i.process.pid for i in infos if getattr(i, "process", None) is not None]
-        return out
+        return [p for node in [self.cluster.head_node, *self.cluster.worker_nodes] for p in node_pids(node)]
 
 
 def start() -> RayCluster:

@@ -1,8 +1,15 @@
 """Checkpoint agents of the peer-memory tier, one per Ray node, supervised by the Ray executor
 (tidal.exec.ray_agents), on the session's real 3-node Ray cluster: a buddy ring over the nodes, ranks
-told their node's agent and the others, a job that checkpoints to the peer tier only losing a node,
-the ring closing over the nodes left, and the job's next attempt restoring the lost node's shards
-from its buddy's memory (the lost node's own memory directory deleted, as if the machine were gone)."""
+told their node's agent and the others, a job that checkpoints to the peer tier (every save) and to a
+shared disk (every third) losing a node at a moment the agents left hold a newer step than the disk,
+the ring closing over the nodes left, and the job's next attempt restoring that step - the lost
+node's shards from its buddy's memory (the lost node's own memory directory deleted, as if the machine
+were gone), not an older or a later step from the disk.
+
+The loss is a machine's: every process of the node stops at one instant (``node_loss``). With Ray's
+``remove_node`` alone the node's rank and agent went on for ~0.75 s: the rank trained on and committed
+a step to the shared disk that its dead agent never got, and the next attempt restored it from the
+disk (the ``tidal demo ray --cycle`` failure of issue 13)."""
 
 from __future__ import annotations
 
@@ -17,6 +24,9 @@ from pathlib import Path
 import pytest
 
 from plane_proc import wait_until
+from tidal.control.node_memory import agent_namespaces
+from tidal.demo.node_loss import kill_when_peer_newest, worth_a_look
+from tidal.exec import procs
 from tidal.exec.protocol import LaunchRequest
 
 pytestmark = pytest.mark.slow
@@ -44,21 +54,32 @@ def test_agents_in_a_ring_and_a_restore_from_the_lost_nodes_buddy(ray_cluster, t
         with pytest.raises(urllib.error.HTTPError, match="403"):
             urllib.request.urlopen(f"http://{addrs['n1']}/v1/jobs/p-test", timeout=5)
 
-        env = {"TIDAL_CKPT_TIERS": '["peer://p-test"]', "TIDAL_CKPT_INTERVAL_STEPS": "10"}
+        home = str(tmp_path / "disk")  # every node sees it: a step committed there outlives the node
+        env = {"TIDAL_CKPT_TIERS": json.dumps(["peer", {"url": home, "every": 3}]),
+               "TIDAL_CKPT_INTERVAL_STEPS": "10"}
         cmd = (sys.executable, str(WORKER), "--steps", "1000000", "--pad-mib", "1")
-        ex.launch(LaunchRequest("p", 1, cmd, {"n2": 1, "n3": 1}, env=env), time.time())
-        ob = wait_until(
+        handle = ex.launch(LaunchRequest("p", 1, cmd, {"n2": 1, "n3": 1}, env=env), time.time())
+        on_n3 = [r["pid"] for r in handle["ranks"] if r["node"] == "n3"] + [status(addrs["n3"])["pid"]]
+        wait_until(
             "a step committed in the peer tier",
-            lambda: (
-                (o := ex.observe(time.time())["p"]).progress.tiers.get("peer")
-                and o.progress.tiers["peer"][0] >= 20
-                and o
-            ),
+            lambda: (ex.observe(time.time())["p"].progress.tiers.get("peer") or [0])[0] >= 20,
             120,
         )
-        at = ob.progress.tiers["peer"][0]
+        looked = {"peer": None}
 
-        ray_cluster.remove("n3")  # rank 1's agent and memory go with it; its buddy n1 holds a copy
+        def look() -> dict | None:  # rank 1's agent and memory go with n3; its buddy n1 holds a copy
+            peer = worth_a_look(ex.observe(time.time())["p"].progress.tiers, looked["peer"])
+            if peer is None:
+                return None
+            looked["peer"] = peer
+            return kill_when_peer_newest(ray_cluster.cluster, ray_cluster.nodes["n3"], home,
+                                         [addrs["n1"], addrs["n2"]], token=ex.agents.agent_token)
+
+        held = wait_until("a moment the agents of n1 and n2 hold a newer step than the disk", look, 60)
+        ray_cluster.nodes.pop("n3")
+        assert not [p for p in on_n3 if procs.alive(p)], "a process of the lost node still runs"
+        at = held["peer"].committed
+        assert at is not None and at > (held["disk"].committed or -1) and at >= 20, held
         shutil.rmtree(ex.shm_root / "n3")  # as if the machine were gone: its memory (agent, staging) too
         wait_until("rank 1 lost", lambda: ex.observe(time.time())["p"].ranks[1].lost, 60)
         ex.kill("p")
@@ -80,7 +101,7 @@ def test_agents_in_a_ring_and_a_restore_from_the_lost_nodes_buddy(ray_cluster, t
             lambda: (o := ex.observe(time.time())["p"]).progress.first_step and o.progress,
             120,
         )
-        assert p.restore_tier == "peer" and p.start_step >= at, p
+        assert p.restore_tier == "peer" and p.start_step == at, (p, held)
         # A plane restarted on the same state dir has the same key: its agents keep running as they are
         # (an agent given another key is restarted), and the job's token stays valid.
         pids = {n: status(a)["pid"] for n, a in ex.agents.addresses.items()}
@@ -91,6 +112,10 @@ def test_agents_in_a_ring_and_a_restore_from_the_lost_nodes_buddy(ray_cluster, t
         ex.kill("p")
         wait_until("every rank gone", lambda: ex.observe(time.time())["p"].done, 60)
         ex.release("p")
+        # The plane's sweep frees an ended job's steps from every agent (the AgentMemory protocol).
+        (ns,) = agent_namespaces({"checkpoint": {"tiers": json.loads(env["TIDAL_CKPT_TIERS"])}})
+        assert ns in ex.agent_jobs() and ex.free_agent_job(ns)
+        assert ns not in ex.agent_jobs() and not ex.free_agent_job(ns)
     finally:
         if ex.agents is not None:
             ex.agents.stop_all()

@@ -46,7 +46,7 @@ from tidal.control.node_watch import NodeWatch
 from tidal.control.states import HELD, STOPPING, State
 from tidal.control.store import JobRow, Store
 from tidal.exec.progress import Progress
-from tidal.exec.protocol import EXIT_PREEMPTED, Executor, LaunchRequest, NodeMemory, Observation
+from tidal.exec.protocol import EXIT_PREEMPTED, AgentMemory, Executor, LaunchRequest, NodeMemory, Observation
 from tidal.model import (
     Admit,
     Decision,
@@ -559,13 +559,17 @@ class Controller:
         """Free the shared-memory directories (node-memory checkpoint tiers) of ended jobs: once the
         newest checkpoint is in a durable tier (or there is none), else ``isolation.shm_retention_s``
         after the job ended; a directory of a job the store does not know is an orphan, freed at
-        once. Returns the jobs freed. Every ``SHM_SWEEP_S`` at most, unless ``force``."""
-        if not isinstance(self.executor, NodeMemory) or (
-            not force and now_s - self._shm_swept_s < SHM_SWEEP_S
-        ):
+        once; and, by the same rule, the steps the executor's checkpoint agents keep of ended jobs
+        (``node_memory.sweep_agents``). Returns the jobs whose directories were freed. Every
+        ``SHM_SWEEP_S`` at most, unless ``force``."""
+        mem, agents = isinstance(self.executor, NodeMemory), isinstance(self.executor, AgentMemory)
+        if not (mem or agents) or (not force and now_s - self._shm_swept_s < SHM_SWEEP_S):
             return []
         self._shm_swept_s = now_s
-        return node_memory.sweep(self.store, self.executor, self.config.isolation.shm_retention_s, now_s)
+        retention_s = self.config.isolation.shm_retention_s
+        if agents:  # the steps the checkpoint agents keep of ended jobs, by the same rule
+            node_memory.sweep_agents(self.store, self.executor, retention_s, now_s)  # type: ignore[arg-type]
+        return node_memory.sweep(self.store, self.executor, retention_s, now_s) if mem else []  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------------------------- snapshot
     def snapshot(self, now_s: float) -> Snapshot:

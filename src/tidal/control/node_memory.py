@@ -1,18 +1,24 @@
-"""Freeing jobs' node-memory checkpoint tiers (shared-memory directories) once nobody needs them.
+"""Freeing jobs' node-memory checkpoint tiers (shared-memory directories), and the steps the checkpoint
+agents keep of them (the peer tier), once nobody needs them.
 
-The controller calls :func:`sweep` every ``SHM_SWEEP_S`` at most (and once at the end of a step that
-ended an attempt), for an executor that keeps node memory (:class:`~tidal.exec.protocol.NodeMemory`:
-the local executor, and the Ray executor on each of its nodes).
+The controller calls :func:`sweep` and :func:`sweep_agents` every ``SHM_SWEEP_S`` at most (and once at
+start), for an executor that keeps node memory (:class:`~tidal.exec.protocol.NodeMemory`: the local
+executor, and the Ray executor on each of its nodes) or runs checkpoint agents
+(:class:`~tidal.exec.protocol.AgentMemory`: the Ray executor with ``--ckpt-agents``). Both wait
+``isolation.shm_retention_s`` after a job ended unless its newest checkpoint is in a tier that
+outlives them.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
 
 from tidal.control.states import TERMINAL
 from tidal.control.states import State as S
-from tidal.control.store import NotFound, Store
-from tidal.exec.protocol import NodeMemory
+from tidal.control.store import JobRow, NotFound, Store
+from tidal.exec.protocol import AgentMemory, NodeMemory
 
 log = logging.getLogger(__name__)
 
@@ -46,4 +52,66 @@ def sweep(store: Store, executor: NodeMemory, retention_s: float, now_s: float) 
                 store.record("shm_freed", f"shared-memory tier freed: {why}", now_s, job=job)
             else:
                 log.info("freed the orphan shared-memory directory of %s: %s", job_id, why)
+    return freed
+
+
+def agent_namespaces(spec: dict) -> dict[str, list[str]]:
+    """A job's peer namespaces in the executor's own checkpoint agents (a peer tier naming an agent of its
+    own is not the plane's to free), each with the names of the job's tiers of its own (directories, S3)
+    that outlive the agents; {} without a peer tier, or for a spec the checkpoint config refuses."""
+    tiers = (spec.get("checkpoint") or {}).get("tiers")
+    return _namespaces(json.dumps(tiers, sort_keys=True)) if tiers else {}
+
+
+@functools.lru_cache(maxsize=4096)
+def _namespaces(tiers_json: str) -> dict[str, list[str]]:  # every sweep reads every job's spec
+    from tidal.ckpt.errors import TierSpecError
+    from tidal.ckpt.tiers.config import resolve
+
+    try:
+        _, cfgs = resolve(json.loads(tiers_json), default_keep=0)
+    except (TierSpecError, ValueError, TypeError):
+        return {}
+    durable = [c.name for c in cfgs if c.kind in ("dir", "s3")]
+    own = [c for c in cfgs if c.kind == "peer" and not c.options.get("agent")]
+    return {c.location[len("peer://"):]: durable for c in own}
+
+
+def _agent_why(job: JobRow, durable: list[str], retention_s: float, now_s: float) -> str | None:
+    """Why the agents' copy of an ended job may go now, or None (it runs, or may still be restored from)."""
+    if S(job.state) not in TERMINAL:
+        return None
+    ckpt, tiers = job.ckpt_step, (job.progress or {}).get("tiers") or {}
+    also = [t for t in durable if isinstance(tiers.get(t), list) and ckpt is not None and tiers[t][0] >= ckpt]
+    if ckpt is None or also:
+        return (f"{job.state}; its newest checkpoint (step {ckpt}) is also in tier {also[0]}" if also
+                else f"{job.state} without a checkpoint")
+    if now_s - (job.finished_s or now_s) >= retention_s:
+        return (f"{job.state} {now_s - job.finished_s:.0f} s ago (retention {retention_s:g} s); step "  # type: ignore[operator]
+                f"{ckpt} was only in the agents' memory")
+    return None
+
+
+def sweep_agents(store: Store, executor: AgentMemory, retention_s: float, now_s: float) -> list[str]:
+    """Free the steps ended jobs keep in the executor's checkpoint agents (the peer tier), as :func:`sweep`
+    does their node memory: once the newest checkpoint is also in a tier of the job's own that outlives
+    the agents (a directory, S3) or there is none, else ``retention_s`` after the job ended. A namespace
+    that no job of the store names is left alone (the agents may serve jobs outside this plane); one
+    that several jobs name (a location used again) is freed only once none of them needs it. Returns
+    the namespaces freed; each freeing is an ``agent_freed`` event of every job naming it."""
+    named: dict[str, list[tuple[JobRow, list[str]]]] = {}
+    for job in store.jobs():
+        for ns, durable in agent_namespaces(job.spec).items():
+            named.setdefault(ns, []).append((job, durable))
+    if not any(S(job.state) in TERMINAL for jobs in named.values() for job, _ in jobs):
+        return []  # nothing to free: the agents are not even asked
+    held = set(executor.agent_jobs())
+    freed = []
+    for ns, jobs in sorted((ns, jobs) for ns, jobs in named.items() if ns in held):
+        whys = [_agent_why(job, durable, retention_s, now_s) for job, durable in jobs]
+        if None in whys or not executor.free_agent_job(ns):
+            continue
+        freed.append(ns)
+        for (job, _), why in zip(jobs, whys, strict=True):
+            store.record("agent_freed", f"checkpoint agents' memory ({ns}) freed: {why}", now_s, job=job)
     return freed

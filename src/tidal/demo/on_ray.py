@@ -12,8 +12,9 @@ In order:
    control plane driving it (``tidal up --executor ray``).
 2. Submit the GPT example as an elastic spot job of 2-3 GPUs checkpointing every ``--ckpt-every``
    steps (to disk, the state dir being shared by the nodes); the scheduler places it across two nodes.
-3. Once a checkpoint is committed and ``--kill-at`` of the steps are done, SIGKILL the raylet of the
-   node with two of its ranks (``cluster.remove_node``): the plane notices, kills the other ranks,
+3. Once a checkpoint is committed and ``--kill-at`` of the steps are done, kill the node with two of its
+   ranks (every process on it at one instant, its raylet among them: ``node_loss.kill_node``; Ray's
+   health checks notice): the plane notices, kills the other ranks,
    requeues the job (not a failure) and relaunches it on the 2 GPUs left, resharded.
 4. Bring the node back; the job grows back onto it and runs to the end.
 5. Print a summary: node-loss detection (from the kill) and recovery (from detection to training
@@ -72,7 +73,11 @@ class LocalRayCluster:
         )
 
     def remove(self, name: str) -> None:
-        self.cluster.remove_node(self.nodes.pop(name), allow_graceful=False)  # its raylet SIGKILLed
+        """The node is lost as a machine is: every process on it SIGKILLed at one instant (Ray's, the
+        ranks', its checkpoint agent's; :func:`tidal.demo.node_loss.kill_node`)."""
+        from tidal.demo.node_loss import kill_node
+
+        kill_node(self.cluster, self.nodes.pop(name))
 
     def shutdown(self) -> None:
         import ray

@@ -17,10 +17,18 @@ example, 1 to ``--max-ranks`` ranks) checkpoint to the peer tier (other nodes' m
 of the serving nodes, and before the morning rise they get reclaim notices and shrink off them.
 
 At ``--kill-hour`` (serving time) the training node of a job that spans nodes and has a step in the
-peer tier is killed (its raylet SIGKILLed) and its node memory deleted, as if the machine were gone:
+peer tier is killed as a machine dies - every process on it at one instant, its node memory deleted
+(:mod:`tidal.demo.node_loss`) - at a moment the other nodes' agents hold the job's newest committed
+step (its disk no newer one) and nothing newer is being written (the node is frozen for a look, and
+let go on when that does not hold; after ``LATE_S`` of serving time without such a moment, at any
+moment):
 the plane notices, stops the job's other ranks, requeues it, and it trains again on the rest,
-restored from the newest step in the surviving buddy's memory (the tier is in the ``recovered``
-event). The node comes back once the job trains again.
+restored from that step in the surviving buddy's memory (the tier is in the ``recovered`` event).
+The moment matters because the disk tier is the plane's state directory, shared by the nodes: a step
+committed there outlives the node, and restore reads the newest step of any tier, so the disk wins
+whenever it holds a newer step (every ``DISK_EVERY``-th save and every attempt's first go there too,
+and an exit checkpoint waits only for the first tier to commit: the disk, when due). The node comes
+back once the job trains again.
 
 The summary is the single-machine day's (GPU-hours lent and used, shortfall, reclaims met, steps
 lost, the simulator beside it) plus the node loss: detection (from the kill), recovery (from
@@ -63,6 +71,7 @@ from tidal.demo.cycle import (
 from tidal.demo.cycle import (
     job_spec as cycle_job_spec,
 )
+from tidal.demo.node_loss import kill_when_peer_newest, worth_a_look
 from tidal.demo.on_ray import LocalRayCluster
 from tidal.demo.plane import PLANE_CONFIG, DemoError, EmbeddedPlane, uninterrupted
 from tidal.demo.single import example_script
@@ -76,6 +85,7 @@ SPEEDUP = 360.0  # the day's default speed-up (serving seconds per second)
 # ... with --serve: a job grows onto lent GPUs (a restart), loses its node and trains again (another) before
 # the morning's reclaims; a restart takes 20-40 s on two busy cores, 2-4 hours of serving time at 360x
 SERVE_SPEEDUP = 180.0
+LATE_S = 4 * 3600.0  # serving seconds after the kill hour from which any moment (any checkpoint) will do
 
 
 def options(speedup: float, hours: float, start_hour: float, jobs: int, max_ranks: int) -> CycleOptions:
@@ -103,8 +113,13 @@ class NodeLoss:
     lost: dict | None = None  # the node_lost event
     recovered: dict | None = None  # the recovered event
     back: bool = False
-    killer: threading.Thread | None = None
+    killer: threading.Thread | None = None  # freezes the node, looks at the tiers, kills it or not
     tiers: dict | None = None  # the job's newest committed step per tier when the node was killed
+    step: int | None = None  # the job's step as last reported before the kill
+    forced: bool = False  # killed at any moment (LATE_S passed without one the agents held the newest)
+    announced: bool = False
+    looked: int | None = None  # the job's newest peer step (as it reported it) at the last look
+    looks: int = 0  # times the node was frozen for a look
 
     def bring_back(self, now_s: float) -> bool:
         """The node returns once the job trains again (or a minute after the loss was noticed, if it does
@@ -115,12 +130,12 @@ class NodeLoss:
 
     def pick(self, jobs: list[dict], serving_s: float) -> tuple[str, dict] | None:
         """A running job spanning nodes, one of them a training node, whose attempt has committed a step to
-        the peer tier (after two hours of serving time without one: a step committed to any tier by the
+        the peer tier (after ``LATE_S`` of serving time without one: a step committed to any tier by the
         attempt will do). The attempt's own commit, not the job's newest checkpoint: a job that grew onto
         lent GPUs restarted from its notice checkpoint (committed to one tier by the attempt before), and
         killing the new attempt before it commits a step restores from that one, not from the peer tier;
         its progress has no step per tier yet (``{}``)."""
-        late = serving_s >= self.at_s + 7200.0
+        late = serving_s >= self.at_s + LATE_S
         for j in jobs:
             pl = j.get("placement") or {}
             tiers = (j.get("progress") or {}).get("tiers") or {}
@@ -129,12 +144,20 @@ class NodeLoss:
                 return next(n for n in sorted(pl) if n in TRAINING), j
         return None
 
+    def announcement(self) -> str:
+        forced = " (forced: no moment found with the newest step in the other nodes' agents)"
+        return (f"[bold red]ray cycle[/bold red] killed node {self.node} (every process on it at once; "
+                f"its node memory deleted): {self.job} ran on {self.placement}, step {self.step}; newest "
+                f"step per tier then: {self.tiers}{forced if self.forced else ''}")
+
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "node": self.node,
             "job": self.job,
             "placement": self.placement,
             "tiers": self.tiers,
+            "forced": self.forced,
+            "looks": self.looks,
             "detected": self.lost is not None,
             "recovered": self.recovered is not None,
         }
@@ -224,10 +247,11 @@ def run(opts: CycleOptions, kill_hour: float, console: Console, *, keep: bool = 
                       highlight=False)
         admin = TidalClient(url, plane.admin_token)
         client = TidalClient(url, admin.create_tenant(TENANT)["token"])
-        ids = [
-            client.submit(job_spec(opts, script, plane.state_dir / "tenants" / TENANT / f"spot-{i}", i))["id"]
-            for i in range(opts.jobs)
-        ]
+        homes = {}  # job -> its disk tier
+        for i in range(opts.jobs):
+            home = plane.state_dir / "tenants" / TENANT / f"spot-{i}"
+            homes[client.submit(job_spec(opts, script, home, i))["id"]] = home
+        ids = list(homes)
         t0 = time.monotonic()
         s: dict = {}
         jobs: list[dict] = []
@@ -275,8 +299,12 @@ def run(opts: CycleOptions, kill_hour: float, console: Console, *, keep: bool = 
                     ) or (e["kind"] == "transition" and e.get("to") in ("resizing", "preempting")):
                         console.print(f"[dim]{_hhmm(s.get('serving_time_s') or 0)}[/dim] "
                                       f"{e.get('job') or ''} {e['message']}", highlight=False)
-                if loss.node is None and (s.get("serving_time_s") or 0) >= loss.at_s:
-                    _kill(loss, jobs, s["serving_time_s"], cluster, plane, console)
+                trying = loss.killer is not None and loss.killer.is_alive()
+                if loss.node is None and not trying and (s.get("serving_time_s") or 0) >= loss.at_s:
+                    _kill(loss, jobs, s["serving_time_s"], cluster, plane, homes)
+                if loss.node is not None and not loss.announced:
+                    loss.announced = True
+                    console.print(loss.announcement(), highlight=False)
                 if loss.bring_back(time.time()):
                     cluster.add(loss.node)  # type: ignore[arg-type]
                     loss.back = True
@@ -384,26 +412,39 @@ def serving_nodes(serving: Any) -> dict[str, int]:
 
 
 def _kill(loss: NodeLoss, jobs: list[dict], serving_s: float, cluster: LocalRayCluster, plane: EmbeddedPlane,
-          console: Console) -> None:
-    """Kill the training node of a job that qualifies (:meth:`NodeLoss.pick`), and delete its node memory."""
+          homes: dict[str, Path]) -> None:
+    """Kill the training node of a job that qualifies (:meth:`NodeLoss.pick`) as a machine dies, at a
+    moment the other nodes' agents hold the job's newest checkpoint (after ``LATE_S`` of serving time
+    without one: at any moment), and delete its node memory. On a thread (the view goes on): it freezes
+    the node, looks, and kills it or lets it go on; looked at again once the job reports a new step in
+    the peer tier, its disk's no newer (each look stops the job for ``SETTLE_S``)."""
     got = loss.pick(jobs, serving_s)
     if got is None:
         return  # asked again at the next poll
     node, j = got
-    loss.node, loss.job, loss.placement = node, j["id"], dict(j["placement"])
-    p = j.get("progress") or {}
-    loss.tiers = {k: v[0] if isinstance(v, list) else v for k, v in (p.get("tiers") or {}).items()}
-    console.print(f"[bold red]ray cycle[/bold red] killing node {node} (raylet SIGKILLed, its node memory "
-                  f"deleted): {j['id']} runs on {loss.placement}, step {p.get('step')}, this attempt's "
-                  f"newest step per tier {loss.tiers} (the job's newest: step {j.get('ckpt_step')})",
-                  highlight=False)
-    shm = plane.plane.executor.shm_root
+    force = serving_s >= loss.at_s + LATE_S
+    peer = worth_a_look((j.get("progress") or {}).get("tiers") or {}, loss.looked, strict=False)
+    if peer is None and not force:
+        return
+    loss.looked, loss.looks = peer, loss.looks + 1
+    ex = plane.plane.executor
+    addresses = ex.agents.addresses if ex.agents is not None else {}
+    agents = [a for n, a in sorted(addresses.items()) if n != node]
 
-    def kill() -> None:  # Ray waits for the node's processes to be gone: the view goes on meanwhile
-        loss.killed_s = time.time()
-        cluster.remove(node)
-        if shm is not None:
-            shutil.rmtree(shm / node, ignore_errors=True)
+    def kill() -> None:
+        frozen_s = time.time()
+        held = kill_when_peer_newest(cluster.cluster, cluster.nodes[node], str(homes[j["id"]]), agents,
+                                     force=force, strict=False,
+                                     token=ex.agents.agent_token if ex.agents is not None else None)
+        if held is None:
+            return
+        cluster.nodes.pop(node)
+        loss.killed_s, loss.forced = frozen_s, force  # nothing ran on the node after it was frozen
+        loss.tiers = {k: v.committed for k, v in held.items()}
+        loss.step = (j.get("progress") or {}).get("step")
+        loss.node, loss.job, loss.placement = node, j["id"], dict(j["placement"])
+        if ex.shm_root is not None:
+            shutil.rmtree(ex.shm_root / node, ignore_errors=True)
 
     loss.killer = threading.Thread(target=kill, name="tidal-demo-kill", daemon=True)
     loss.killer.start()

@@ -1,10 +1,13 @@
-"""Processes by pid *and* start time: a pid alone can be reused by an unrelated process."""
+"""Processes by pid *and* start time (a pid alone can be reused by an unrelated process), and whole
+process trees stopped and killed at one instant (a machine lost: ``tidal.demo.node_loss``)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import signal
+import time
+from collections.abc import Iterable
 
 
 def _stat(pid: int) -> list[str] | None:
@@ -49,3 +52,76 @@ def signal_group(pid: int, sig: int) -> None:
 
 def kill_group(pid: int) -> None:
     signal_group(pid, signal.SIGKILL)
+
+
+def processes() -> dict[int, tuple[int, str]]:
+    """Every process: pid -> (parent pid, state letter), from ``/proc`` (empty where there is none)."""
+    out = {}
+    for name in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if name.isdigit() and (st := _stat(int(name))) is not None:
+            out[int(name)] = (int(st[1]), st[0])
+    return out
+
+
+def descendants(roots: Iterable[int]) -> set[int]:
+    """``roots`` that still run and every process below them (children, their children, ...); zombies
+    (ended, not reaped yet) left out."""
+    table = processes()
+    below: dict[int, list[int]] = {}
+    for pid, (ppid, _) in table.items():
+        below.setdefault(ppid, []).append(pid)
+    found, todo = set(), [p for p in roots if p in table]
+    while todo:
+        p = todo.pop()
+        if p not in found and table.get(p, (0, "X"))[1] not in ("Z", "X"):
+            found.add(p)
+            todo += below.get(p, [])
+    return found
+
+
+_STOPPED = (None, "T", "t", "Z", "X")  # stopped, or gone
+
+
+def state(pid: int) -> str | None:
+    """The process's state letter (``R`` running, ``S`` sleeping, ``T`` stopped, ``Z`` zombie, ...); None if
+    gone."""
+    st = _stat(pid)
+    return st[0] if st else None
+
+
+def freeze(roots: Iterable[int], timeout_s: float = 10.0) -> list[int]:
+    """SIGSTOP the trees under ``roots`` (a machine that stops dead) and wait until each is stopped (a
+    signal takes effect when its process is next scheduled; on a busy machine that is a while); pass
+    after pass, until a pass finds no process not stopped yet (one may have forked before it stopped;
+    a stopped one forks no more). Returns the pids stopped; :func:`thaw` lets them go on,
+    :func:`kill_all` ends them."""
+    roots = list(roots)
+    stopped: set[int] = set()
+    deadline = time.monotonic() + timeout_s
+    while new := descendants(roots) - stopped:
+        for p in new:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(p, signal.SIGSTOP)
+        stopped |= new
+        while any(state(p) not in _STOPPED for p in stopped) and time.monotonic() < deadline:
+            time.sleep(0.001)
+    return sorted(p for p in stopped if alive(p))  # not those that ended on their own meanwhile
+
+
+def thaw(pids: Iterable[int]) -> None:
+    for p in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(p, signal.SIGCONT)
+
+
+def kill_all(pids: Iterable[int], wait_s: float = 10.0) -> list[int]:
+    """SIGKILL each of ``pids`` (stopped ones too) and wait up to ``wait_s`` until none runs (a killed
+    process takes a moment to go: the kernel frees its memory first). Returns those still there."""
+    pids = list(pids)
+    for p in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(p, signal.SIGKILL)
+    deadline = time.monotonic() + wait_s
+    while (left := [p for p in pids if alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return left

@@ -147,3 +147,18 @@ class NodeMemory(Protocol):
     def free_shm(self, job_id: str) -> bool:
         """Remove the job's shared-memory directories (never of a tracked job); True if any was there."""
         ...
+
+
+@runtime_checkable
+class AgentMemory(Protocol):
+    """An executor that runs the checkpoint agents of the peer tier and frees the steps they hold of a
+    job when the control plane says it no longer needs them (``Controller.sweep_shm``). Keyed by the
+    job's peer namespace (``tidal.exec.agent_memory``), not its id."""
+
+    def agent_jobs(self) -> list[str]:
+        """Peer namespaces of which the executor's agents hold a step."""
+        ...
+
+    def free_agent_job(self, namespace: str) -> bool:
+        """Remove every step of ``namespace`` from every agent; True if any was there."""
+        ...

@@ -221,6 +221,18 @@ class RayAgents:
         """The plane's own token: accepted by every agent for every job's steps."""
         return agent_token(self.key) if self.key is not None else None
 
+    def held_jobs(self) -> list[str]:
+        """Peer namespaces of which an agent (of the newest check) holds a step."""
+        from tidal.exec.agent_memory import held_jobs
+
+        return sorted(held_jobs(self.addresses.values(), self.agent_token))
+
+    def free_job(self, namespace: str) -> bool:
+        """Every step of ``namespace`` removed from every agent; True if any was there."""
+        from tidal.exec.agent_memory import free_job
+
+        return free_job(self.addresses.values(), namespace, self.agent_token) > 0
+
     def stop_all(self) -> None:
         """Kill every agent actor of this plane (their processes die with them)."""
         for a in self._ray.util.list_named_actors(all_namespaces=True):

@@ -572,6 +572,13 @@ class RayExecutor:
 
         return ray_shm.free(self._ray, self._ids, self.shm_root, job_id, where)
 
+    # -- the agents' memory of jobs (the AgentMemory protocol: tidal.exec.agent_memory) ----------------
+    def agent_jobs(self) -> list[str]:
+        return self.agents.held_jobs() if self.agents is not None else []
+
+    def free_agent_job(self, namespace: str) -> bool:
+        return self.agents is not None and self.agents.free_job(namespace)
+
     def worker_pids(self, job_id: str) -> dict[int, int]:
         """rank -> the rank's pid on its node, for those that started."""
         t = self._jobs.get(job_id)

@@ -140,6 +140,10 @@ class _Handler(BaseHTTPRequestHandler):
         self._body_read = int(self.headers.get("Content-Length") or 0) == 0
         try:
             self.server.agent.route(self, method, parts, query)
+        except ConnectionError as e:  # the client went away mid-request (a rank or agent killed): normal
+            self.close_connection = True
+            log.info("%s %s: %s closed the connection (%s)", method, self.path, self.address_string(),
+                     type(e).__name__)
         except HTTPError as e:
             self.send_json(e.status, {"error": str(e)})
         except FileNotFoundError as e:
@@ -199,6 +203,15 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 128
     agent: Agent
+
+    def handle_error(self, request, client_address) -> None:  # noqa: ANN001 - socketserver's signature
+        """A peer that closes or resets its connection (between requests, or a rank or agent killed) is
+        one line; anything else keeps its traceback (socketserver would print every one to stderr)."""
+        e = sys.exc_info()[1]
+        if isinstance(e, (ConnectionError, TimeoutError)):
+            log.info("connection from %s:%s closed: %s", *client_address[:2], type(e).__name__)
+        else:
+            log.error("request from %s:%s failed", *client_address[:2], exc_info=True)
 
 
 def default_copy_roots() -> list[str]:

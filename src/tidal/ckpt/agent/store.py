@@ -119,7 +119,8 @@ class Store:
         return out
 
     def step_info(self, job: str, step: int) -> dict | None:
-        """Union over trees: {"files": {name: size}, "committed_unix_s": manifest mtime or None}."""
+        """Union over trees: {"files": {name: size}, "committed_unix_s": manifest mtime or None}; None when
+        no tree holds a visible object of it."""
         files: dict[str, int] = {}
         committed = None
         seen = False
@@ -133,7 +134,9 @@ class Store:
             if committed is None:
                 with contextlib.suppress(OSError):
                     committed = os.stat(d / MANIFEST).st_mtime
-        return {"files": files, "committed_unix_s": committed} if seen else None
+        # A step directory with nothing visible in it (a write that failed, a client gone mid-upload) is
+        # no step: listing it would read as a save under way.
+        return {"files": files, "committed_unix_s": committed} if seen and files else None
 
     def job_index(self, job: str) -> dict[int, dict]:
         """Every step of ``job`` held in any tree (committed or not) with its ``step_info``."""
@@ -144,7 +147,7 @@ class Store:
         return {s: info for s in sorted(steps) if (info := self.step_info(job, s)) is not None}
 
     def tree_index(self, origin: str | None) -> dict[str, dict[int, dict[str, int]]]:
-        """One tree: job -> step -> {name: size}."""
+        """One tree: job -> step -> {name: size} (steps with a visible object)."""
         tree = self.tree(origin)
         out: dict[str, dict[int, dict[str, int]]] = {}
         for job in _listdir(tree):
@@ -152,8 +155,8 @@ class Store:
                 continue
             for d in _listdir(tree / job):
                 s = parse_step(d)
-                if s is not None:
-                    out.setdefault(job, {})[s] = self.step_files(origin, job, s)
+                if s is not None and (files := self.step_files(origin, job, s)):
+                    out.setdefault(job, {})[s] = files
         return out
 
     def summary(self) -> list[dict]:

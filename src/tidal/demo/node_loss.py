@@ -1,0 +1,141 @@
+"""A node of a local Ray cluster lost as a machine is lost, and what the nodes left hold of a job's
+checkpoints at that instant (``tidal demo ray``, the Ray tests).
+
+    pids = freeze_node(node)          # every process of the node stopped dead, at one instant
+    held = tier_steps(home, agents)   # the job's tiers as the surviving agents and the disk see them
+    kill_node(cluster, node, pids)    # SIGKILL them all; Ray is told (its raylet is among them)
+
+Why not ``Cluster.remove_node(node, allow_graceful=False)`` alone: it SIGKILLs Ray's own processes of
+the node (the raylet, ...) and returns, but the workers, and the ranks and checkpoint agent they
+started, notice only later (measured ~0.75 s on this machine) and go on meanwhile: a rank of the "lost"
+node trained and committed a step to the shared disk that its dead agent never got, so the job
+restored from the disk, not from the buddy's memory (``tidal demo ray --cycle``, issue 13). A real
+machine that dies stops everything on it at once; :func:`freeze_node` does that (SIGSTOP over the
+node's process tree), and :func:`kill_node` ends what it froze before telling Ray.
+
+The disk tier of the demos is a directory every node sees (the plane's state directory): a step
+committed there outlives the node, so restore reads the newest step of *any* tier, and the buddy's
+memory is the tier it comes from only when it holds that newest step.
+:func:`kill_when_peer_newest` is how the demos pick their moment: freeze the node, let what the others
+were committing land (``settle_s``), look, and kill only when the surviving agents hold a step newer
+than the disk's (not ``strict``: as new; restore then reads the agents too, the faster tier) and
+nothing newer is being written; else thaw the node (it stopped for tenths of a second, shorter than
+Ray's health checks notice) and let the caller try again later.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tidal.ckpt.format import manifest as mf
+from tidal.exec import procs
+
+log = logging.getLogger(__name__)
+
+SETTLE_S = 0.3  # after the freeze: what the other nodes' ranks were writing lands (or cannot any more)
+AGENT_TIMEOUT_S = 2.0  # one listing of a surviving agent
+
+
+def node_pids(node: Any) -> list[int]:
+    """Ray's own processes of one node of a ``ray.cluster_utils.Cluster`` (its raylet, ...); the workers,
+    and what they start, run below them."""
+    return [i.process.pid for infos in getattr(node, "all_processes", {}).values() for i in infos
+            if getattr(i, "process", None) is not None]
+
+
+def freeze_node(node: Any) -> list[int]:
+    """Stop every process of ``node`` dead (SIGSTOP over its process tree); the pids stopped."""
+    return procs.freeze(node_pids(node))
+
+
+def kill_node(cluster: Any, node: Any, frozen: Sequence[int] | None = None) -> None:
+    """The machine is gone: every process of ``node`` SIGKILLed (``frozen`` by :func:`freeze_node`, or frozen
+    now) and gone when this returns, then ``cluster.remove_node`` (Ray's health checks notice the raylet
+    is gone)."""
+    left = procs.kill_all(freeze_node(node) if frozen is None else frozen)
+    if left:
+        log.warning("processes %s of a killed Ray node are still there (stopped, killed)", left)
+    cluster.remove_node(node, allow_graceful=False)
+
+
+@dataclass(frozen=True)
+class TierSteps:
+    """One tier as seen now: its newest committed step (None: none), and whether a newer step is being
+    written there (files of it, no manifest yet)."""
+
+    committed: int | None
+    writing: bool
+
+
+def tier_steps(home: str, agents: Sequence[str], token: str | None = None) -> dict[str, TierSteps]:
+    """The job whose checkpoints live in directory ``home`` (its disk tier, named "disk") and in the agents
+    ``agents`` (host:port; the peer tier, "peer", as those agents alone see it: no other agent is asked;
+    ``token``: the agents' token when they have a key, ``tidal.ckpt.agent.auth``). A tier that cannot be
+    listed is left out."""
+    from tidal.ckpt.tiers.config import read_tiers
+    from tidal.ckpt.tiers.peer import PeerTier
+
+    disk = read_tiers([home])[0]
+    tiers = [disk]
+    if agents:
+        peer = read_tiers(["peer", home])[0]
+        # No local agent: its buddy (perhaps the lost node's) is never asked.
+        tiers.insert(0, PeerTier(peer.job, name="peer", agent=None, peers=list(agents), token=token,
+                                 timeout_s=AGENT_TIMEOUT_S, connect_timeout_s=AGENT_TIMEOUT_S / 4))
+    out = {}
+    for t in tiers:
+        try:
+            files = t.step_files()
+        except OSError:
+            continue
+        done = [s for s, names in files.items() if mf.MANIFEST in names]
+        newest = max(done, default=None)
+        out[t.name] = TierSteps(newest, any(s > (newest if newest is not None else -1)
+                                            for s, names in files.items() if mf.MANIFEST not in names))
+    return out
+
+
+def peer_newest(held: dict[str, TierSteps], strict: bool = True) -> bool:
+    """Whether the peer tier holds the newest committed step - newer than the disk's, or (not ``strict``)
+    at least as new: a restore then reads it from the agents too, the faster tier - with nothing newer
+    being written in either."""
+    peer, disk = held.get("peer"), held.get("disk")
+    if peer is None or peer.committed is None or peer.writing or (disk is not None and disk.writing):
+        return False
+    if disk is None or disk.committed is None:
+        return True
+    return peer.committed > disk.committed if strict else peer.committed >= disk.committed
+
+
+def worth_a_look(reported: dict[str, Any], looked: int | None, strict: bool = True) -> int | None:
+    """A look stops the job too, so look only when it is likely to succeed: the job's newest peer step
+    when its progress (``tiers``: tier -> [step, time]) reports one newer than its disk's (not
+    ``strict``: as new), other than ``looked`` (the one of the last look); else None."""
+    peer, disk = (reported.get("peer") or [None])[0], (reported.get("disk") or [-1])[0]
+    if peer is None or peer == looked:
+        return None
+    return peer if (peer > disk if strict else peer >= disk) else None
+
+
+def kill_when_peer_newest(cluster: Any, node: Any, home: str, agents: Sequence[str], *, force: bool = False,
+                          strict: bool = True, settle_s: float = SETTLE_S,
+                          token: str | None = None) -> dict[str, TierSteps] | None:
+    """Freeze ``node``; after ``settle_s``, if the surviving ``agents`` hold the job's newest step
+    (:func:`peer_newest`, ``strict``; asked with ``token``, see :func:`tier_steps`) or ``force``: kill it
+    (:func:`kill_node`) and return what the tiers held; else thaw it and return None."""
+    frozen = freeze_node(node)
+    try:
+        time.sleep(settle_s)
+        held = tier_steps(home, agents, token)
+    except BaseException:
+        procs.thaw(frozen)
+        raise
+    if not (force or peer_newest(held, strict)):
+        procs.thaw(frozen)
+        return None
+    kill_node(cluster, node, frozen)
+    return held
