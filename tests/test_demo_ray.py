@@ -139,16 +139,16 @@ def test_the_serve_days_history_and_traffic_are_one_request_rate_trace(tmp_path)
 def test_the_node_loss_picks_an_attempt_with_its_own_peer_step_not_the_jobs_older_checkpoint():
     """A job grown onto lent GPUs restarted from its notice checkpoint (the job's ``ckpt_step``); its new
     attempt's progress has no step per tier (``{}``) until it commits one: killing it then restores from
-    the notice checkpoint's tier, not from the peer tier, so it is not picked, even two hours late."""
-    from tidal.demo.ray_cycle import NodeLoss
+    the notice checkpoint's tier, not from the peer tier, so it is not picked, even ``LATE_S`` late."""
+    from tidal.demo.ray_cycle import LATE_S, NodeLoss
 
     loss = NodeLoss(at_s=1000.0)
     job = {"id": "spot-0-1", "state": "running", "placement": {"train-0": 1, "serve-0": 1}, "ckpt_step": 68,
            "progress": {"step": 70, "tiers": {}}}
-    assert loss.pick([job], 1000.0) is None and loss.pick([job], 1000.0 + 7200.0) is None
+    assert loss.pick([job], 1000.0) is None and loss.pick([job], 1000.0 + LATE_S) is None
     disk = {**job, "progress": {"step": 71, "tiers": {"disk": [70, 1.0]}}}
     assert loss.pick([disk], 1000.0) is None  # no peer step: only late
-    assert loss.pick([disk], 1000.0 + 7200.0) == ("train-0", disk)
+    assert loss.pick([disk], 1000.0 + LATE_S) == ("train-0", disk)
     peer = {**job, "progress": {"step": 81, "tiers": {"peer": [80, 2.0], "disk": [70, 1.0]}}}
     one_node = {**peer, "placement": {"serve-0": 2}}
     starting = {**peer, "state": "starting"}
