@@ -50,7 +50,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tidal.control import loan_nodes
+from tidal.control import loan_nodes, loan_view
 from tidal.model import Loan, Reclaim
 from tidal.policy import codec
 from tidal.policy.forecast import ForecastConfig
@@ -59,13 +59,11 @@ from tidal.policy.loan import LoanContext, LoanPlan, LoanTiming, TidalConfig, Ti
 from tidal.serving.adapters import (
     AdapterError,
     HistoryAdapter,
-    HookAdapter,
     QueuedAdapter,
     ReadyAdapter,
-    ReplayAdapter,
     ServingAdapter,
-    parse_nodes,
 )
+from tidal.serving.build import build_adapter
 from tidal.serving.watch import WatchConfig
 
 log = logging.getLogger(__name__)
@@ -353,7 +351,7 @@ class LiveLoans:
                 plan = dataclasses.replace(plan, lendable_gpus=cap)
         events += self._apply(plan, t_serv, now_s, used)  # 4.
         events += self._announce(now_s)
-        self._plan_view = self._describe_plan(now_s, t_serv, demand, plan)
+        self._plan_view = loan_view.plan_view(self, now_s, t_serv, demand, plan)
         self._sample(now_s, t_serv, demand, plan)
         self._dirty = True
         return events
@@ -486,7 +484,7 @@ class LiveLoans:
             self.stats["lent_total_gpus"] += gpus
             ln = led.loans.get(node)
             return [("loan", f"lent {gpus} GPUs of {node} to spot training ({self.lent_on(node)} lent there)",
-                     {"node": node, "gpus": gpus, "until_s": _finite(ln.until_s) if ln else None})]
+                     {"node": node, "gpus": gpus, "until_s": loan_view.finite(ln.until_s) if ln else None})]
         if action == "release":
             self.stats["release_failures"] += 1
             k = min(gpus, led.lent_on(node) - self.releasing.get(node, 0))
@@ -552,94 +550,23 @@ class LiveLoans:
         self._dirty = True
         return events
 
-    def _describe_plan(self, now_s: float, t_serv: float, demand: float, plan: LoanPlan) -> dict[str, Any]:
-        k = min(len(plan.times_s), 36)
-        return {
-            "planned_s": now_s, "serving_time_s": t_serv, "speedup": self.speedup,
-            "demand_gpus": None if math.isnan(demand) else round(demand, 3),
-            "lendable_gpus": plan.lendable_gpus, "margin_gpus": round(plan.margin_gpus, 3),
-            "z": round(float(self.state.z), 4), "shortfall_budget": self.policy.config.shortfall_budget,
-            "forecast_observations": int(self.state.forecast.n_obs),
-            "forecast": {"times_s": [round(float(x), 1) for x in plan.times_s[:k]],
-                         "upper_gpus": [round(float(x), 2) for x in plan.upper_gpus[:k]]},
-        }
-
     def refresh(self, now_s: float, held: Mapping[str, int] | None = None,
                 jobs_on: Mapping[str, Sequence[str]] | None = None) -> None:
         """Swap in a new :meth:`view` (the newest plan, the ledger as it is now, and ``held``: serving
         node -> GPUs jobs hold there, as the store says at the end of the step; ``jobs_on``: the jobs
         holding them, remembered to name them if the node is lost before the next step)."""
-        led = self.ledger
         if jobs_on is not None:
             self.jobs_seen = {n: sorted(j) for n, j in jobs_on.items() if j and n in self.nodes}
-        self.latest = {
-            "held_gpus": {n: g for n, g in (held or {}).items() if n in self.nodes},
-            **self._plan_view,
-            "now_s": now_s,
-            "serving_nodes": dict(self.nodes),
-            **loan_nodes.view(self),
-            "serving_gpus": self.serving_gpus,
-            "lent_gpus": self.lent,
-            "warming_gpus": led.warming,
-            "serving_capacity_gpus": led.capacity,
-            "releasing": dict(self.releasing),
-            "restoring": dict(self.restoring),
-            "loans": [
-                {"node": ln.node, "gpus": ln.gpus, "until_s": _finite(ln.until_s)} for ln in self.loans
-            ],
-            "reclaims": [{"gpus": r.gpus, "by_s": r.by_s, "notice_s": r.notice_s} for r in self.reclaims],
-            "warming": {n: led.warming_ready_s(n) for n in led.cap if led.warming_ready_s(n)},
-            "stats": dict(self.stats),
-            "worst_margin_s": min(self.margins) if self.margins else None,
-            "pending_restores": dict(self.pending_restores),
-            "adapter": self.adapter.health(),
-        }
+        self.latest = loan_view.state_view(self, now_s, held)
 
 
 def build_live_loans(cfg: WatchConfig, ray_address: str | None = None) -> LiveLoans:
-    """The serving adapter and the loan step for a ``serving:`` block that lends (``cfg.nodes`` given):
-    ``serving.adapter`` ``ray-serve`` (joining ``ray_address`` unless this process is connected to Ray
-    already), else a replay of ``trace`` or the hook adapter. Raises ``ValueError`` (or ``OSError`` for
-    an unreadable trace) naming what is wrong."""
-    from tidal.serving.sources import PrometheusQuery, TraceReplay
-    from tidal.serving.traces import load_trace
-
-    nodes = parse_nodes(cfg.nodes)
-    gpus = sum(nodes.values())
-    adapter: ServingAdapter
-    history: list[tuple[float, float]] = []
-    if cfg.adapter == "ray-serve":
-        from tidal.serving.ray_serve import RayServeAdapter, RayServeSettings
-
-        settings, earlier = RayServeSettings.from_config(cfg), None
-        if cfg.trace is not None:  # earlier days' requests/s: read now, so tidal up names what is wrong
-            earlier = load_trace(cfg.trace)
-            if not (~earlier.gap).any():
-                raise ValueError(f"serving.trace {cfg.trace}: no request rate outside gaps to learn from")
-            earlier.request_demand_gpus(settings.model(settings.service_rate_per_replica or 0.0))
-        rs = RayServeAdapter(settings, address=ray_address, trace=earlier)
-        rs.check()
-        adapter = rs
-    elif cfg.trace is not None:
-        trace = load_trace(cfg.trace)
-        first = float(trace.times_s[0])
-        start = cfg.start_s if cfg.start_s is not None else first + cfg.history_days * 86400.0
-        replay = ReplayAdapter(TraceReplay(trace, gpus, start_s=first, requests=cfg.requests()), nodes,
-                               speedup=cfg.speedup, start_s=start)
-        history = replay.history(cfg.history_days * 86400.0, cfg.step_s)
-        adapter = replay
-    else:
-        source = PrometheusQuery(
-            cfg.prometheus or "", cfg.query or "", cfg.gpus_per_unit, requests=cfg.requests()
-        )
-        adapter = HookAdapter(source, nodes, url=cfg.actions_url, command=cfg.actions_command,
-                              timeout_s=cfg.actions_timeout_s)
+    """The serving adapter (:func:`tidal.serving.build.build_adapter`) and the loan step for a
+    ``serving:`` block that lends (``cfg.nodes`` given). Raises ``ValueError`` (or ``OSError`` for an
+    unreadable trace) naming what is wrong."""
+    adapter, history = build_adapter(cfg, ray_address)
     return LiveLoans(adapter, cfg.timing(), shortfall_budget=cfg.shortfall_budget, step_s=cfg.step_s,
                      warm_history=history)
-
-
-def _finite(x: float) -> float | None:
-    return None if math.isinf(x) else x
 
 
 def _rounded(x: float) -> float | None:

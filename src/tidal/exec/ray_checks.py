@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
+from tidal.contract import RAY_NODE_LABEL as NODE_LABEL
 from tidal.exec.ray_shm import run_on_nodes
 
 CHECK_TIMEOUT_S = 60.0  # a cold node starts a worker first (seconds on a busy machine)
@@ -85,3 +86,20 @@ def verdict(euids: Mapping[str, int], late: list[str], nodes: list[str],
                 + ", ".join(f"uid {u} on {n}" for n, u in other.items())
                 + ", not root: they cannot start ranks as jobs' uids (start Ray as root, or remove uid_base)")
     return None
+
+
+def check_serving(serving: Mapping[str, int], have: Mapping[str, int],
+                  tolerate: Collection[str] = ()) -> None:
+    """``ValueError`` in one line when a serving node (name -> GPUs the serving side says) is not among
+    ``have`` (the cluster's alive GPU nodes by their ``tidal.io/node`` label -> GPUs) or has other GPUs
+    there; nodes in ``tolerate`` may."""
+    missing = sorted(set(serving) - set(have) - set(tolerate))
+    if missing:
+        raise ValueError(
+            f"serving.nodes: {', '.join(missing)} not in the Ray cluster (a serving node is the "
+            f"Ray node labelled {NODE_LABEL}=NAME; the cluster has {sorted(have) or 'no GPU nodes'})"
+        )
+    other = {n: (g, have[n]) for n, g in serving.items() if n in have and have[n] != g and n not in tolerate}
+    if other:
+        raise ValueError("serving.nodes: " + "; ".join(
+            f"{n} has {g} GPUs there but {h} in the Ray cluster" for n, (g, h) in sorted(other.items())))

@@ -72,6 +72,7 @@ from typing import Any
 
 from tidal import contract as c
 from tidal.contract import torchrun_env
+from tidal.exec import ray_checks
 from tidal.exec.files import read_json, write_json
 from tidal.exec.isolation import (
     IsolationConfig,
@@ -252,25 +253,8 @@ class RayExecutor:
         """``ValueError`` in one line when a serving node is not an alive GPU node of the cluster (by its
         ``tidal.io/node`` label) or has other GPUs there than the serving side says; nodes in
         ``tolerate`` may (a restarted plane's serving nodes lost meanwhile)."""
-        have = {
-            n.name: n.gpus for n in self._read_nodes()[0]
-        }  # no agents started for a plane that will not run
-        missing = sorted(set(self.serving_nodes) - set(have) - set(tolerate))
-        if missing:
-            raise ValueError(
-                f"serving.nodes: {', '.join(missing)} not in the Ray cluster (a serving node is the "
-                f"Ray node labelled {NODE_LABEL}=NAME; the cluster has {sorted(have) or 'no GPU nodes'})"
-            )
-        other = {n: (g, have[n]) for n, g in self.serving_nodes.items()
-                 if n in have and have[n] != g and n not in tolerate}
-        if other:
-            raise ValueError(
-                "serving.nodes: "
-                + "; ".join(
-                    f"{n} has {g} GPUs there but {h} in the Ray cluster"
-                    for n, (g, h) in sorted(other.items())
-                )
-            )
+        have = {n.name: n.gpus for n in self._read_nodes()[0]}  # no agents started for a plane that won't run
+        ray_checks.check_serving(self.serving_nodes, have, tolerate)
 
     def used(self) -> dict[str, int]:
         """Node -> GPUs held by tracked attempts (launched and not yet released), by their ranks' bundles."""

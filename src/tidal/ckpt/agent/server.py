@@ -60,15 +60,13 @@ import json
 import logging
 import os
 import signal
-import socket
 import sys
 import threading
 import time
-import urllib.parse
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from tidal.ckpt.agent.auth import Guard, agent_token, parse_key, read_key
+from tidal.ckpt.agent.handler import Handler, Server
 from tidal.ckpt.agent.replicator import Growing, Handoff, HTTPError, Replicator
 from tidal.ckpt.agent.store import MANIFEST, Store, check_name, parse_step, step_dirname
 from tidal.ckpt.tiers.directory import sidecar_name
@@ -88,130 +86,6 @@ def _copy(src: int, dst: int, offset: int, n: int) -> int:
     except OSError:  # (EXDEV, ENOSYS, EINVAL on older kernels): through user space
         data = os.pread(src, n, offset)
         return os.pwrite(dst, data, offset) if data else 0
-
-
-def _recv(rfile, fd: int, length: int) -> None:
-    """Read exactly ``length`` body bytes into the file ``fd``, through one reused buffer (measured
-    faster on tmpfs than receiving into an ``mmap`` of the file, which pays a page fault per page)."""
-    buf = memoryview(bytearray(min(length, 4 << 20)))
-    got = 0
-    while got < length:
-        n = rfile.readinto(buf[: min(len(buf), length - got)])
-        if not n:
-            raise HTTPError(400, f"body ended after {got} of {length} bytes")
-        view, w = buf[:n], 0
-        while w < n:
-            w += os.write(fd, view[w:])
-        got += n
-
-
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    server_version = "tidal-ckpt-agent/1"
-    timeout = 120  # an idle kept-alive connection is closed after this many seconds
-    server: _Server
-
-    def setup(self) -> None:
-        super().setup()
-        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-    def log_message(self, format: str, *args) -> None:  # noqa: A002 - the base class's name
-        log.debug("%s %s", self.address_string(), format % args)
-
-    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-        self._dispatch("GET")
-
-    def do_HEAD(self) -> None:  # noqa: N802
-        self._dispatch("HEAD")
-
-    def do_PUT(self) -> None:  # noqa: N802
-        self._dispatch("PUT")
-
-    def do_POST(self) -> None:  # noqa: N802
-        self._dispatch("POST")
-
-    def do_DELETE(self) -> None:  # noqa: N802
-        self._dispatch("DELETE")
-
-    def _dispatch(self, method: str) -> None:
-        url = urllib.parse.urlsplit(self.path)
-        parts = [urllib.parse.unquote(p) for p in url.path.split("/") if p]
-        query = {k: v[-1] for k, v in urllib.parse.parse_qs(url.query).items()}
-        self._body_read = int(self.headers.get("Content-Length") or 0) == 0
-        try:
-            self.server.agent.route(self, method, parts, query)
-        except ConnectionError as e:  # the client went away mid-request (a rank or agent killed): normal
-            self.close_connection = True
-            log.info("%s %s: %s closed the connection (%s)", method, self.path, self.address_string(),
-                     type(e).__name__)
-        except HTTPError as e:
-            self.send_json(e.status, {"error": str(e)})
-        except FileNotFoundError as e:
-            self.send_json(404, {"error": f"not found: {e.filename or e}"})
-        except ValueError as e:
-            self.send_json(400, {"error": str(e)})
-        except Exception as e:
-            log.exception("%s %s failed", method, self.path)
-            self.send_json(500, {"error": f"{type(e).__name__}: {e}"})
-
-    def send_json(self, status: int, doc: dict) -> None:
-        data = json.dumps(doc, separators=(",", ":")).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        if not self._body_read:  # answering before reading the body: the connection cannot be reused
-            self.send_header("Connection", "close")
-            self.close_connection = True
-        self.end_headers()
-        self.wfile.write(data)
-
-    def body_to(self, fd: int) -> None:
-        if "Content-Length" not in self.headers:
-            raise HTTPError(411, "Content-Length required")
-        _recv(self.rfile, fd, int(self.headers["Content-Length"]))
-        self._body_read = True
-
-    def send_file(self, path: Path, head: bool) -> None:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            start, end, status = 0, size - 1, 200
-            rng = self.headers.get("Range")
-            if rng:
-                unit, _, spec = rng.partition("=")
-                a, _, b = spec.partition("-")
-                if unit.strip() != "bytes" or not a.isdigit() or (b and not b.isdigit()) or "," in spec:
-                    raise HTTPError(400, f"unsupported Range {rng!r}; expected bytes=START-END")
-                start, end, status = int(a), min(int(b) if b else size - 1, size - 1), 206
-                if start >= size:
-                    self.send_response(416)
-                    self.send_header("Content-Range", f"bytes */{size}")
-                    self.send_header("Content-Length", "0")
-                    self.end_headers()
-                    return
-            n = max(0, end - start + 1)
-            self.send_response(status)
-            self.send_header("Content-Type", "application/octet-stream")
-            self.send_header("Content-Length", str(n))
-            if status == 206:
-                self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
-            self.end_headers()
-            if not head and n:
-                self.connection.sendfile(f, start, n)
-
-
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    request_queue_size = 128
-    agent: Agent
-
-    def handle_error(self, request, client_address) -> None:  # noqa: ANN001 - socketserver's signature
-        """A peer that closes or resets its connection (between requests, or a rank or agent killed) is
-        one line; anything else keeps its traceback (socketserver would print every one to stderr)."""
-        e = sys.exc_info()[1]
-        if isinstance(e, (ConnectionError, TimeoutError)):
-            log.info("connection from %s:%s closed: %s", *client_address[:2], type(e).__name__)
-        else:
-            log.error("request from %s:%s failed", *client_address[:2], exc_info=True)
 
 
 def default_copy_roots() -> list[str]:
@@ -237,7 +111,7 @@ class Agent:
         host, _, port = parse_address(listen, "--listen", any_port=True).rpartition(":")
         self.store = Store(mem_dir)
         found = self.store.open()
-        self._server = _Server((host, int(port)), _Handler)
+        self._server = Server((host, int(port)), Handler)
         self._server.agent = self
         self.address = f"{host}:{self._server.server_address[1]}"
         self.node = check_name(node or self.address.replace(":", "_"), "--node")
@@ -309,7 +183,7 @@ class Agent:
             **({"steps": rows} if steps else {}),
         }
 
-    def route(self, h: _Handler, method: str, parts: list[str], query: dict[str, str]) -> None:
+    def route(self, h: Handler, method: str, parts: list[str], query: dict[str, str]) -> None:
         if parts == ["status"] and method == "GET":
             return h.send_json(200, self.status(steps=self.guard.is_agent(h.headers.get("Authorization"))))
         if len(parts) < 3 or parts[0] != "v1" or parts[1] not in ("jobs", "replicas"):
@@ -358,7 +232,7 @@ class Agent:
             return h.send_json(200, {"removed": removed})
         raise HTTPError(405, f"{method} not allowed on {h.path}")
 
-    def _authorize(self, h: _Handler, job: str | None) -> None:
+    def _authorize(self, h: Handler, job: str | None) -> None:
         """403 unless the request's token may touch ``job``'s steps (None: the agents' endpoints)."""
         why = self.guard.refusal(h.headers.get("Authorization"), job)
         if why is not None:
@@ -374,7 +248,7 @@ class Agent:
                                  f"free; {n} needed")
 
     def _put(
-        self, h: _Handler, job: str, step: int, name: str, sync: bool, origin: str | None = None
+        self, h: Handler, job: str, step: int, name: str, sync: bool, origin: str | None = None
     ) -> None:
         self._room(int(h.headers.get("Content-Length") or 0))
         tmp, final = self.store.temp_path(origin, job, step, name)
@@ -436,7 +310,7 @@ class Agent:
                 409, f"step {step}: data file {name} of rank {f['rank']} is {why}, manifest says {size}"
             )
 
-    def _copy_in(self, h: _Handler, job: str, step: int, name: str, query: dict[str, str]) -> None:
+    def _copy_in(self, h: Handler, job: str, step: int, name: str, query: dict[str, str]) -> None:
         """``copy_from``: take a rank's data file from its staging slot. With ``hold=1`` (what the peer
         tier sends) answer 202 at once, push the slot to the buddy first and copy it here after
         (``_copy_held``); the rank keeps the slot unchanged until ``wait=copy`` answers. Without it,
@@ -517,7 +391,7 @@ class Agent:
             os.close(dfd)
             os.close(sfd)
 
-    def _wait_copy(self, h: _Handler, job: str, step: int, name: str) -> None:
+    def _wait_copy(self, h: Handler, job: str, step: int, name: str) -> None:
         """Answer once this agent no longer reads the staging slot of a held handoff."""
         with self._hlock:
             ho = self._handoffs.get((job, step, name))
@@ -545,7 +419,7 @@ class Agent:
         for key in [k for k in self._handoffs if k[0] == job and k[1] == step and name in (None, k[2])]:
             self._handoffs.pop(key).cancelled = True
 
-    def _replica(self, h: _Handler, method: str, parts: list[str], query: dict[str, str]) -> None:
+    def _replica(self, h: Handler, method: str, parts: list[str], query: dict[str, str]) -> None:
         origin = check_name(parts[0], "origin")
         if len(parts) == 1 and method == "GET":
             jobs = {

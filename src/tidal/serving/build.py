@@ -1,0 +1,50 @@
+"""The serving adapter a ``serving:`` block names (docs/loaning.md): ``adapter: ray-serve`` (a Ray Serve
+application, :mod:`tidal.serving.ray_serve`), else a replay of ``trace`` (:class:`ReplayAdapter`), else
+the hook adapter (Prometheus demand, webhook or command actions: :class:`HookAdapter`)."""
+
+from __future__ import annotations
+
+from tidal.serving.adapters import HookAdapter, ReplayAdapter, ServingAdapter, parse_nodes
+from tidal.serving.watch import WatchConfig
+
+
+def build_adapter(cfg: WatchConfig, ray_address: str | None = None
+                  ) -> tuple[ServingAdapter, list[tuple[float, float]]]:
+    """The adapter for ``cfg`` (the Ray Serve one joins ``ray_address`` unless this process is connected
+    to Ray already) and the demand history (time, GPUs) to warm the forecast with (a replay's earlier
+    days; the Ray Serve adapter gives its own). Raises ``ValueError`` (or ``OSError`` for an unreadable
+    trace) naming what is wrong."""
+    from tidal.serving.sources import PrometheusQuery, TraceReplay
+    from tidal.serving.traces import load_trace
+
+    nodes = parse_nodes(cfg.nodes)
+    gpus = sum(nodes.values())
+    adapter: ServingAdapter
+    history: list[tuple[float, float]] = []
+    if cfg.adapter == "ray-serve":
+        from tidal.serving.ray_serve import RayServeAdapter, RayServeSettings
+
+        settings, earlier = RayServeSettings.from_config(cfg), None
+        if cfg.trace is not None:  # earlier days' requests/s: read now, so tidal up names what is wrong
+            earlier = load_trace(cfg.trace)
+            if not (~earlier.gap).any():
+                raise ValueError(f"serving.trace {cfg.trace}: no request rate outside gaps to learn from")
+            earlier.request_demand_gpus(settings.model(settings.service_rate_per_replica or 0.0))
+        rs = RayServeAdapter(settings, address=ray_address, trace=earlier)
+        rs.check()
+        adapter = rs
+    elif cfg.trace is not None:
+        trace = load_trace(cfg.trace)
+        first = float(trace.times_s[0])
+        start = cfg.start_s if cfg.start_s is not None else first + cfg.history_days * 86400.0
+        replay = ReplayAdapter(TraceReplay(trace, gpus, start_s=first, requests=cfg.requests()), nodes,
+                               speedup=cfg.speedup, start_s=start)
+        history = replay.history(cfg.history_days * 86400.0, cfg.step_s)
+        adapter = replay
+    else:
+        source = PrometheusQuery(
+            cfg.prometheus or "", cfg.query or "", cfg.gpus_per_unit, requests=cfg.requests()
+        )
+        adapter = HookAdapter(source, nodes, url=cfg.actions_url, command=cfg.actions_command,
+                              timeout_s=cfg.actions_timeout_s)
+    return adapter, history
