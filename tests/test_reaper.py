@@ -8,14 +8,17 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
 from tidal.exec import procs
+from tidal.exec.isolation import IsolationConfig
 from tidal.exec.local import LocalExecutor
 from tidal.exec.protocol import LaunchRequest
 
@@ -97,3 +100,46 @@ def test_nothing_a_rank_detaches_outlives_it_locally(tmp_path, end):
             ex.kill("j")
         ex.release("j")
     assert left_alive(pids) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.access("/usr/bin/python3", os.X_OK),
+                    reason="ranks as their own uid need root, and a Python other uids may run")
+def test_a_rank_as_its_own_uid_leaves_nothing_after_kill():
+    """The shim (root) reaps what a rank running as a job's uid detached."""
+    base = Path(tempfile.mkdtemp(prefix="tidal-reap-"))  # other uids may pass through (not tmp_path's)
+    base.chmod(0o711)
+    ex = LocalExecutor(base / "jobs", slots=1, isolation=IsolationConfig(uid_base=200000))
+    pid_file = ex.home_dir("u") / "pids.json"  # the only place the job's uid may write
+    ex.launch(LaunchRequest("u", 1, ("/usr/bin/python3", "-c", RANK), {"local": 1},
+                            env={"PIDS": str(pid_file)}), time.time())
+    try:
+        pids = helpers(pid_file)
+        assert {os.stat(f"/proc/{p}").st_uid for p in pids} == {200000}
+        ex.kill("u")
+        assert wait_for(lambda: ex.observe(time.time())["u"].done)
+    finally:
+        ex.kill("u")
+        ex.release("u")
+        shutil.rmtree(base, ignore_errors=True)
+    assert left_alive(pids) == []
+
+
+def test_the_memory_cgroup_is_the_backstop_when_a_shim_was_killed(tmp_path):
+    """A shim SIGKILLed by another than the executor (its rank and the rank's helpers went to init):
+    the release kills what is still in the rank's memory cgroup."""
+    try:
+        ex = LocalExecutor(tmp_path / "jobs", slots=1, isolation=IsolationConfig(max_memory_bytes=2**30))
+    except ValueError as e:
+        pytest.skip(str(e))
+    pid_file = tmp_path / "pids.json"
+    handle = ex.launch(LaunchRequest("m", 1, (sys.executable, "-c", RANK), {"local": 1},
+                                     env={"PIDS": str(pid_file)}), time.time())
+    try:
+        pids = helpers(pid_file) + list(ex.worker_pids("m").values())
+        os.kill(handle["ranks"][0]["pid"], signal.SIGKILL)  # the shim alone
+        assert wait_for(lambda: ex.observe(time.time())["m"].done)
+        assert all(procs.alive(p) for p in pids)  # orphans now: the shim cannot reap them
+    finally:
+        ex.release("m")
+    assert left_alive(pids) == []
+    assert [p.name for p in ex.cgroups.root.iterdir() if p.is_dir()] == []

@@ -386,7 +386,10 @@ class LocalExecutor:
         with memory cgroups, what is still in a rank's cgroup (a job's uid cannot leave it)."""
         if self.cgroups is not None:
             for k in t.ranks:
-                procs.kill_tree(cgroups.members(self.cgroups.rank_dir(t.job_id, t.attempt, k.rank)))
+                d = self.cgroups.rank_dir(t.job_id, t.attempt, k.rank)
+                procs.kill_tree(cgroups.members(d))
+                with contextlib.suppress(OSError):  # gone, or a shim still in it (it removes it)
+                    os.rmdir(d)
 
     def release(self, job_id: str) -> None:
         t = self._jobs.pop(job_id, None)
