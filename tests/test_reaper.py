@@ -143,3 +143,29 @@ def test_the_memory_cgroup_is_the_backstop_when_a_shim_was_killed(tmp_path):
         ex.release("m")
     assert left_alive(pids) == []
     assert [p.name for p in ex.cgroups.root.iterdir() if p.is_dir()] == []
+
+
+@pytest.mark.slow
+def test_nothing_a_rank_detaches_outlives_it_on_ray(ray_cluster, tmp_path):
+    """On Ray: the rank actor reaps what its rank left when the rank exits by itself, and on release of a
+    running rank (``end`` before the actor is killed, whose death alone would leave them to init)."""
+    from tidal.exec.ray_exec import RayExecutor
+
+    ray_cluster.state_roots.append(tmp_path / "jobs")
+    ex = RayExecutor(tmp_path / "jobs", address=ray_cluster.address, ready_timeout_s=60)
+    files = {end: tmp_path / f"pids-{end}.json" for end in ("exit", "release")}
+    for end, f in files.items():
+        ex.launch(LaunchRequest(end, 1, (sys.executable, "-c", RANK), {"n1": 1},
+                                env={"PIDS": str(f), "END": end}), time.time())
+    pids: dict[str, list[int]] = {}
+    try:
+        pids = {end: helpers(f) for end, f in files.items()}
+        assert wait_for(lambda: ex.observe(time.time())["exit"].done)
+        assert ex.observe(time.time())["exit"].ranks[0].exit_code == 0
+        after_exit = left_alive(pids["exit"])
+        assert all(procs.alive(p) for p in pids["release"])
+    finally:
+        ex.release("exit")
+        ex.release("release")
+        after_release = left_alive(pids.get("release", []))
+    assert (after_exit, after_release) == ([], [])
