@@ -152,10 +152,12 @@ def children(pid: int) -> list[int]:
     return sorted(p for p, (ppid, st) in processes().items() if ppid == pid and st not in ("Z", "X"))
 
 
-def kill_tree(roots: Iterable[int], wait_s: float = 10.0) -> list[int]:
+def kill_tree(roots: Iterable[int], wait_s: float = 2.0) -> list[int]:
     """End ``roots`` and every process below them, whatever session or process group each is in: stop
     the whole tree first (:func:`freeze`: a stopped process forks no more, and none escapes between
-    the listing and the kill), then SIGKILL it. Returns those still there after ``wait_s``."""
+    the listing and the kill), then SIGKILL it. Returns those still there after ``wait_s`` (a process
+    in uninterruptible sleep, e.g. in a GPU driver call, goes when the call returns); waits at most
+    ``wait_s`` for the stop and as long for the kill, so a caller's loop is never held long."""
     return kill_all(freeze(roots, timeout_s=wait_s), wait_s)
 
 
