@@ -65,7 +65,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -435,13 +435,14 @@ class RayExecutor:
                 self._remove_pg_id(pg_id)
                 log.warning("removed the leftover placement group %s", info.get("name"))
 
-    def _kill_actors(self, actors: list[Any]) -> None:
+    def _kill_actors(self, actors: list[Any], lost: Sequence[Any] = ()) -> None:
         """End what each rank left (:meth:`~tidal.exec.ray_rank.RankActor.end`, all at once, waited for up
-        to ``END_TIMEOUT_S``: a worker's death alone would leave the processes a rank detached to init),
-        then the actors."""
+        to ``END_TIMEOUT_S``: a worker's death alone would leave the processes a rank detached to init;
+        not asked of the ``lost`` ones, whose node left), then the actors."""
         actors = [a for a in actors if a is not None]
         with contextlib.suppress(Exception):
-            self._ray.wait([a.end.remote() for a in actors], num_returns=len(actors), timeout=END_TIMEOUT_S)
+            if asked := [a.end.remote() for a in actors if not any(a is x for x in lost)]:
+                self._ray.wait(asked, num_returns=len(asked), timeout=END_TIMEOUT_S)
         for a in actors:
             with contextlib.suppress(Exception):
                 self._ray.kill(a, no_restart=True)
@@ -483,7 +484,7 @@ class RayExecutor:
         t = self._jobs.pop(job_id, None)
         if t is None:
             return
-        self._kill_actors([k.actor for k in t.ranks])
+        self._kill_actors([k.actor for k in t.ranks], [k.actor for k in t.ranks if k.rank in t.lost])
         if t.pg_id:
             self._remove_pg_id(t.pg_id)
 
