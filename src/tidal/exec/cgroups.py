@@ -86,6 +86,14 @@ def find(jobs_dir: Path, fs: Path = CGROUP_FS) -> MemoryCgroups:
     raise ValueError(f"isolation.max_memory_bytes needs a memory cgroup this user may create ({why})")
 
 
+def members(d: Path) -> list[int]:
+    """The pids in the cgroup ``d`` (none when it is gone)."""
+    try:
+        return [int(x) for x in (d / "cgroup.procs").read_text().split()]
+    except (OSError, ValueError):
+        return []
+
+
 def remove_empty(groups: MemoryCgroups) -> None:
     """Remove rank cgroups left empty (by shims that were killed), then nothing else."""
     try:

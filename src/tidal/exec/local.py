@@ -375,16 +375,33 @@ class LocalExecutor:
             return
         for k in t.ranks:
             if k.rank not in t.codes and k.rank not in t.vanished and self._alive(k):
+                if sig == signal.SIGKILL:  # the shim's whole tree: what the rank detached is in it too
+                    procs.kill_tree([k.pid])
                 procs.signal_group(k.pid, sig)
+        if sig == signal.SIGKILL:
+            self._kill_cgroups(t)
+
+    def _kill_cgroups(self, t: _Tracked) -> None:
+        """The backstop where a shim was killed by another than the executor (its orphans went to init):
+        with memory cgroups, what is still in a rank's cgroup (a job's uid cannot leave it)."""
+        if self.cgroups is not None:
+            for k in t.ranks:
+                d = self.cgroups.rank_dir(t.job_id, t.attempt, k.rank)
+                procs.kill_tree(cgroups.members(d))
+                with contextlib.suppress(OSError):  # gone, or a shim still in it (it removes it)
+                    os.rmdir(d)
 
     def release(self, job_id: str) -> None:
         t = self._jobs.pop(job_id, None)
         if t is None:
             return
         for k in t.ranks:
+            if self._alive(k):  # released while it runs: nothing of it outlives the release
+                procs.kill_tree([k.pid])
             if k.popen is not None:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     k.popen.wait(timeout=5)
+        self._kill_cgroups(t)
         self._give_back(t.devices)
 
     def _give_back(self, devices: list[int]) -> None:

@@ -1,9 +1,15 @@
 """Processes by pid *and* start time (a pid alone can be reused by an unrelated process), and whole
-process trees stopped and killed at one instant (a machine lost: ``tidal.demo.node_loss``)."""
+process trees stopped and killed at one instant (a machine lost: ``tidal.demo.node_loss``; a rank's
+attempt ended: :func:`kill_tree`, with :func:`become_subreaper` so that nothing a rank starts escapes the
+tree, however it detaches).
+
+Standard library only: the shim (:mod:`tidal.exec.shim`, run with ``python -I``) loads this file by path.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import time
@@ -125,3 +131,50 @@ def kill_all(pids: Iterable[int], wait_s: float = 10.0) -> list[int]:
     while (left := [p for p in pids if alive(p)]) and time.monotonic() < deadline:
         time.sleep(0.01)
     return left
+
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper() -> bool:
+    """Make this process a child subreaper (``prctl(PR_SET_CHILD_SUBREAPER)``, Linux 3.4+): a descendant
+    whose parent ends (a daemon that double-forked, ``setsid``, ``nohup ... &``) re-parents to this
+    process, not to init, so it stays in :func:`descendants` of it. False where the kernel has none."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` and that still run (zombies left out)."""
+    return sorted(p for p, (ppid, st) in processes().items() if ppid == pid and st not in ("Z", "X"))
+
+
+def kill_tree(roots: Iterable[int], wait_s: float = 2.0) -> list[int]:
+    """End ``roots`` and every process below them, whatever session or process group each is in: stop
+    the whole tree first (:func:`freeze`: a stopped process forks no more, and none escapes between
+    the listing and the kill), then SIGKILL it. Returns those still there after ``wait_s`` (a process
+    in uninterruptible sleep, e.g. in a GPU driver call, goes when the call returns); waits at most
+    ``wait_s`` for the stop and as long for the kill, so a caller's loop is never held long."""
+    return kill_all(freeze(roots, timeout_s=wait_s), wait_s)
+
+
+def reap_orphans(keep: Iterable[int] = (), wait_s: float = 10.0) -> list[int]:
+    """In a subreaper: kill every process below this one except ``keep`` (and their trees), until none is
+    left (one may re-parent here while the others end), and reap them. Returns the pids killed."""
+    me, keep, killed = os.getpid(), set(keep), []
+    for _ in range(100):
+        left = [p for p in children(me) if p not in keep]
+        if not left:
+            break
+        killed += left
+        kill_tree(left, wait_s)
+        for p in left:
+            with contextlib.suppress(ChildProcessError, OSError):
+                os.waitpid(p, os.WNOHANG)
+    with contextlib.suppress(ChildProcessError, OSError):  # the zombies of the others killed below
+        while os.waitpid(-1, os.WNOHANG)[0] > 0:
+            pass
+    return killed

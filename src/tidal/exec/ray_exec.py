@@ -65,7 +65,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -110,6 +110,7 @@ NODE_ID_LABEL = "ray.io/node-id"  # Ray's own label of every node: what bundles 
 QUIET_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_DISABLE_DOCKER_CPU_WARNING": "1"}  # nothing calls home
 POLL_TIMEOUT_S = 0.5  # one step waits this long at most for the ranks' answers
 READY_TIMEOUT_S = 120.0  # placement group reserved and actors up, or the launch fails
+END_TIMEOUT_S = 5.0  # a release waits this long at most for the actors to kill what their ranks left
 
 
 @dataclass
@@ -314,8 +315,7 @@ class RayExecutor:
         try:
             handle = self._start(req, adir, plan, pg, ranks, doc, owner)
         except BaseException as e:
-            for k in ranks:
-                self._kill_actor(k.actor)
+            self._kill_actors([k.actor for k in ranks])
             self._remove_pg(pg)
             if isinstance(e, LaunchError | KeyboardInterrupt | SystemExit):
                 raise
@@ -425,7 +425,7 @@ class RayExecutor:
         for a in ray.util.list_named_actors(all_namespaces=True):
             if a.get("namespace") == self.namespace and job_of_actor(a.get("name", "")) == job_id:
                 with contextlib.suppress(ValueError):
-                    self._kill_actor(ray.get_actor(a["name"], namespace=self.namespace))
+                    self._kill_actors([ray.get_actor(a["name"], namespace=self.namespace)])
                     log.warning("removed the leftover rank actor %s", a["name"])
         for pg_id, info in ray.util.placement_group_table().items():
             if (
@@ -435,10 +435,17 @@ class RayExecutor:
                 self._remove_pg_id(pg_id)
                 log.warning("removed the leftover placement group %s", info.get("name"))
 
-    def _kill_actor(self, actor: Any) -> None:
-        if actor is not None:
+    def _kill_actors(self, actors: list[Any], lost: Sequence[Any] = ()) -> None:
+        """End what each rank left (:meth:`~tidal.exec.ray_rank.RankActor.end`, all at once, waited for up
+        to ``END_TIMEOUT_S``: a worker's death alone would leave the processes a rank detached to init;
+        not asked of the ``lost`` ones, whose node left), then the actors."""
+        actors = [a for a in actors if a is not None]
+        with contextlib.suppress(Exception):
+            if asked := [a.end.remote() for a in actors if not any(a is x for x in lost)]:
+                self._ray.wait(asked, num_returns=len(asked), timeout=END_TIMEOUT_S)
+        for a in actors:
             with contextlib.suppress(Exception):
-                self._ray.kill(actor, no_restart=True)
+                self._ray.kill(a, no_restart=True)
 
     def _remove_pg(self, pg: Any) -> None:
         from ray.util.placement_group import remove_placement_group
@@ -477,8 +484,7 @@ class RayExecutor:
         t = self._jobs.pop(job_id, None)
         if t is None:
             return
-        for k in t.ranks:
-            self._kill_actor(k.actor)
+        self._kill_actors([k.actor for k in t.ranks], [k.actor for k in t.ranks if k.rank in t.lost])
         if t.pg_id:
             self._remove_pg_id(t.pg_id)
 

@@ -10,6 +10,11 @@ the rank ended.
 
 The child dies with the actor: it is started with ``PR_SET_PDEATHSIG`` = SIGKILL, so ``ray.kill`` of
 the actor, or the death of its worker process with the node, never leaves a rank running unwatched.
+What the rank itself starts ends with it too, however it detaches (``setsid``, a double fork): the
+actor's worker is a child subreaper (:func:`tidal.exec.procs.become_subreaper`), so such a process
+re-parents to it, and the actor kills every process left below it when the rank has ended (seen by
+:meth:`RankActor.poll`), on a kill (:meth:`RankActor.signal` with SIGKILL stops and kills the whole
+tree) and on :meth:`RankActor.end`, which the executor calls before it kills the actor.
 :meth:`RankActor.start` runs a command once: a second call returns the first one's pid.
 
 With ``isolation.uid_base`` the executor names the job's uid and gid (``owner``): the actor (which must
@@ -35,6 +40,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from tidal.exec import procs
 from tidal.exec.isolation import private_dir
 from tidal.exec.shim import set_limits
 
@@ -115,6 +121,7 @@ class RankActor:
                     if shm_dir is not None:
                         _node_shm_dir(shm_dir, (uid, gid))
                     kw = {"user": uid, "group": gid, "extra_groups": []}
+                procs.become_subreaper()  # what the rank detaches stays below this worker
                 self.proc = subprocess.Popen(list(command), stdin=subprocess.DEVNULL, stdout=out,
                                              stderr=subprocess.STDOUT, cwd=cwd, env=dict(env), umask=0o077,
                                              start_new_session=True, close_fds=True,
@@ -136,6 +143,8 @@ class RankActor:
         signal)."""
         if self.proc is not None and self.code is None:
             self.code = self.proc.poll()
+            if self.code is not None:
+                procs.reap_orphans()  # the rank ended: what it left running (a setsid'd daemon) too
         return {
             "started": self.proc is not None or self.error is not None,
             "pid": self.proc.pid if self.proc is not None else None,
@@ -143,10 +152,24 @@ class RankActor:
             "error": self.error,
         }
 
+    def end(self) -> None:
+        """Kill the rank and every process below this actor (however it detached), and reap them: the
+        executor calls it before it kills the actor (whose death would leave them to init)."""
+        if self.proc is not None:
+            procs.kill_tree([self.proc.pid, *procs.children(os.getpid())])
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=5)
+            self.poll()
+        procs.reap_orphans()
+
     def signal(self, sig: int) -> bool:
-        """Send ``sig`` to the rank's process group while it runs; True if sent."""
+        """Send ``sig`` to the rank's process group while it runs (SIGKILL: to every process below this
+        actor, :meth:`end`); True if sent."""
         if self.proc is None or self.proc.poll() is not None:
             return False
+        if sig == signal.SIGKILL:
+            self.end()
+            return True
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, sig)
             return True

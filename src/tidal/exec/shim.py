@@ -16,8 +16,15 @@ rank's environment, working directory and log file. Two things make a control-pl
 
 Signals reach the rank directly (the executor signals the whole process group); the shim ignores
 SIGTERM and SIGINT itself (with a no-op handler, which the rank does not inherit), so it outlives
-the rank to record its code. SIGKILL of the group ends both: then there is no exit file, and the
-control plane knows it killed them. The shim exits with the rank's code (128 + n for signal n).
+the rank to record its code. The executor's kill stops and then SIGKILLs the shim's whole process tree
+(:func:`tidal.exec.procs.kill_tree`): then there is no exit file, and the control plane knows it
+killed them. The shim exits with the rank's code (128 + n for signal n).
+
+**Nothing outlives the rank.** The shim is a child subreaper (``PR_SET_CHILD_SUBREAPER``): whatever
+the rank starts stays below the shim however it detaches (``setsid``, a double fork, ``nohup``), so
+when the rank ends the shim kills every process left below it (SIGKILL, as the executor's user: it may
+signal a rank's uid) before it writes the exit file; and the executor's kill finds them all in the
+shim's tree.
 
 Isolation (:mod:`tidal.exec.isolation`): the shim itself keeps the executor's user (it writes the exit
 and pid files into the attempt directory, which the job may not write), and starts the rank with
@@ -30,6 +37,7 @@ cgroup and removes it (:mod:`tidal.exec.cgroups`).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import resource
@@ -37,6 +45,16 @@ import signal
 import subprocess
 import sys
 import time
+
+
+def _procs():
+    """:mod:`tidal.exec.procs` (standard library only), loaded from beside this file: under ``python -I``
+    the package is not importable."""
+    spec = importlib.util.spec_from_file_location("_tidal_procs", os.path.join(os.path.dirname(
+        os.path.abspath(__file__)), "procs.py"))
+    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return mod
 
 
 def _write(path: str, doc: dict) -> None:
@@ -136,6 +154,8 @@ def main(argv: list[str]) -> int:
         return 0  # the control plane went away before recording this launch: run nothing
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
+    procs = _procs()
+    procs.become_subreaper()
     try:
         if "cgroup" in opts:
             _join_cgroup(opts)
@@ -151,6 +171,7 @@ def main(argv: list[str]) -> int:
         return 127
     _write(pid_file, {"pid": proc.pid, "time": time.time()})
     code = proc.wait()
+    procs.reap_orphans()  # what the rank left running (a daemon, a setsid'd helper) ends with it
     doc: dict = {"code": code, "time": time.time()}
     if "cgroup" in opts:
         if code < 0 and _oom_kills(opts):

@@ -1,0 +1,171 @@
+"""Nothing a rank starts outlives its attempt, however it detaches: a ``setsid`` child, a daemon that
+double-forked into its own session, a process in its own group that ignores SIGTERM. Real processes,
+checked by pid in /proc after the rank exits by itself, after a notice, after kill and after release,
+on the local executor (its shim, a child subreaper) and on the Ray executor (the rank actor)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from tidal.exec import procs
+from tidal.exec.isolation import IsolationConfig
+from tidal.exec.local import LocalExecutor
+from tidal.exec.protocol import LaunchRequest
+
+# The rank: three detached helpers, their pids in PIDS, then "ready"; exits by itself with END=exit,
+# with 75 on SIGTERM, else waits to be killed.
+RANK = r"""
+import json, os, signal, subprocess, sys, time
+out = os.environ["PIDS"]
+pids = []
+pids.append(subprocess.Popen(["sleep", "1000"], start_new_session=True).pid)             # setsid
+r, w = os.pipe()
+if os.fork() == 0:                                                                     # double fork
+    os.setsid()
+    if os.fork() == 0:
+        os.write(w, str(os.getpid()).encode()); os.close(w)
+        os.execvp("sleep", ["sleep", "1000"])
+    os._exit(0)
+os.close(w)
+os.wait()
+pids.append(int(os.read(r, 32)))
+pids.append(subprocess.Popen([sys.executable, "-c", "import signal, time; "                # no SIGTERM
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(1000)"], process_group=0).pid)
+with open(out + ".tmp", "w") as f:
+    json.dump(pids, f)
+os.replace(out + ".tmp", out)
+signal.signal(signal.SIGTERM, lambda *a: sys.exit(75))
+print("ready", flush=True)
+if os.environ.get("END") == "exit":
+    sys.exit(0)
+time.sleep(1000)
+"""
+
+
+def wait_for(cond, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return cond()
+
+
+def helpers(path: Path) -> list[int]:
+    assert wait_for(path.exists), "the rank never wrote its helpers' pids"
+    pids = json.loads(path.read_text())
+    assert len(pids) == 3 and all(procs.alive(p) for p in pids)
+    return pids
+
+
+def left_alive(pids: list[int]) -> list[int]:
+    """The helpers still running once the attempt is over (given a moment to go); those are then
+    killed here, so a failing run leaks nothing."""
+    wait_for(lambda: not any(procs.alive(p) for p in pids), 5.0)
+    alive = [p for p in pids if procs.alive(p)]
+    for p in alive:
+        with contextlib.suppress(OSError):
+            os.kill(p, signal.SIGKILL)
+    return alive
+
+
+@pytest.mark.parametrize("end", ["exit", "notice", "kill", "release"])
+def test_nothing_a_rank_detaches_outlives_it_locally(tmp_path, end):
+    ex = LocalExecutor(tmp_path / "jobs", slots=1)
+    pid_file = tmp_path / "pids.json"
+    ex.launch(LaunchRequest("j", 1, (sys.executable, "-c", RANK), {"local": 1},
+                            env={"PIDS": str(pid_file), "END": end}), time.time())
+    try:
+        pids = helpers(pid_file)
+        if end == "notice":
+            ex.signal_stop("j")
+        elif end == "kill":
+            ex.kill("j")
+        if end != "release":
+            assert wait_for(lambda: ex.observe(time.time())["j"].done)
+            code = ex.observe(time.time())["j"].ranks[0].exit_code
+            assert code == {"exit": 0, "notice": 75, "kill": -9}[end]
+    finally:
+        if end != "release":
+            ex.kill("j")
+        ex.release("j")
+    assert left_alive(pids) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.access("/usr/bin/python3", os.X_OK),
+                    reason="ranks as their own uid need root, and a Python other uids may run")
+def test_a_rank_as_its_own_uid_leaves_nothing_after_kill():
+    """The shim (root) reaps what a rank running as a job's uid detached."""
+    base = Path(tempfile.mkdtemp(prefix="tidal-reap-"))  # other uids may pass through (not tmp_path's)
+    base.chmod(0o711)
+    ex = LocalExecutor(base / "jobs", slots=1, isolation=IsolationConfig(uid_base=200000))
+    pid_file = ex.home_dir("u") / "pids.json"  # the only place the job's uid may write
+    ex.launch(LaunchRequest("u", 1, ("/usr/bin/python3", "-c", RANK), {"local": 1},
+                            env={"PIDS": str(pid_file)}), time.time())
+    try:
+        pids = helpers(pid_file)
+        assert {os.stat(f"/proc/{p}").st_uid for p in pids} == {200000}
+        ex.kill("u")
+        assert wait_for(lambda: ex.observe(time.time())["u"].done)
+    finally:
+        ex.kill("u")
+        ex.release("u")
+        shutil.rmtree(base, ignore_errors=True)
+    assert left_alive(pids) == []
+
+
+def test_the_memory_cgroup_is_the_backstop_when_a_shim_was_killed(tmp_path):
+    """A shim SIGKILLed by another than the executor (its rank and the rank's helpers went to init):
+    the release kills what is still in the rank's memory cgroup."""
+    try:
+        ex = LocalExecutor(tmp_path / "jobs", slots=1, isolation=IsolationConfig(max_memory_bytes=2**30))
+    except ValueError as e:
+        pytest.skip(str(e))
+    pid_file = tmp_path / "pids.json"
+    handle = ex.launch(LaunchRequest("m", 1, (sys.executable, "-c", RANK), {"local": 1},
+                                     env={"PIDS": str(pid_file)}), time.time())
+    try:
+        pids = helpers(pid_file) + list(ex.worker_pids("m").values())
+        os.kill(handle["ranks"][0]["pid"], signal.SIGKILL)  # the shim alone
+        assert wait_for(lambda: ex.observe(time.time())["m"].done)
+        assert all(procs.alive(p) for p in pids)  # orphans now: the shim cannot reap them
+    finally:
+        ex.release("m")
+    assert left_alive(pids) == []
+    assert [p.name for p in ex.cgroups.root.iterdir() if p.is_dir()] == []
+
+
+@pytest.mark.slow
+def test_nothing_a_rank_detaches_outlives_it_on_ray(ray_cluster, tmp_path):
+    """On Ray: the rank actor reaps what its rank left when the rank exits by itself, and on release of a
+    running rank (``end`` before the actor is killed, whose death alone would leave them to init)."""
+    from tidal.exec.ray_exec import RayExecutor
+
+    ray_cluster.state_roots.append(tmp_path / "jobs")
+    ex = RayExecutor(tmp_path / "jobs", address=ray_cluster.address, ready_timeout_s=60)
+    files = {end: tmp_path / f"pids-{end}.json" for end in ("exit", "release")}
+    for end, f in files.items():
+        ex.launch(LaunchRequest(end, 1, (sys.executable, "-c", RANK), {"n1": 1},
+                                env={"PIDS": str(f), "END": end}), time.time())
+    pids: dict[str, list[int]] = {}
+    try:
+        pids = {end: helpers(f) for end, f in files.items()}
+        assert wait_for(lambda: ex.observe(time.time())["exit"].done)
+        assert ex.observe(time.time())["exit"].ranks[0].exit_code == 0
+        after_exit = left_alive(pids["exit"])
+        assert all(procs.alive(p) for p in pids["release"])
+    finally:
+        ex.release("exit")
+        ex.release("release")
+        after_release = left_alive(pids.get("release", []))
+    assert (after_exit, after_release) == ([], [])
