@@ -1,6 +1,7 @@
 """What ``tidal up --executor ray`` checks of the cluster at start, each a one-line ``ValueError``: that
 an address answers (:func:`check_reachable_address`), and with ``isolation.uid_base`` (jobs as their own
-uids) that the Ray workers run as root (:func:`check_workers_root`).
+uids) that the cluster refuses clients without its token (:func:`check_open_cluster`) and that the Ray
+workers run as root (:func:`check_workers_root`).
 
 A rank actor (:class:`tidal.exec.ray_rank.RankActor`) starts its rank as the job's uid, which only a
 worker running as root can. :func:`check_workers_root` asks a worker on every node at start (a task
@@ -17,6 +18,7 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 from tidal.contract import RAY_NODE_LABEL as NODE_LABEL
+from tidal.exec.ray_auth import anonymous_refused, gcs_address
 from tidal.exec.ray_shm import run_on_nodes
 
 CHECK_TIMEOUT_S = 60.0  # a cold node starts a worker first (seconds on a busy machine)
@@ -49,12 +51,35 @@ def token_auth_enabled() -> bool:
         return False
 
 
+def cluster_authenticates(ray: Any) -> bool:
+    """Whether the connected cluster refuses a client without its token: its GCS asked without one
+    (:func:`tidal.exec.ray_auth.anonymous_refused`); where that cannot tell (a Ray Client connection, no
+    answer), whether this driver sends a token."""
+    address = gcs_address(ray)
+    refused = anonymous_refused(address) if address else None
+    return token_auth_enabled() if refused is None else refused
+
+
+OPEN_OPTION = "isolation.ray_open_cluster"
+
+
+def check_open_cluster(authenticated: bool, allowed: bool) -> None:
+    """``ValueError`` in one line when jobs would run as their own uids on a cluster without token
+    authentication, unless the operator said so (``isolation.ray_open_cluster: true``)."""
+    if not authenticated and not allowed:
+        raise ValueError(
+            "isolation.uid_base: the Ray cluster accepts clients without a token, so a job could run code "
+            "as root on any node: start Ray with RAY_AUTH_MODE=token and give tidal up the token "
+            f"(RAY_AUTH_TOKEN_PATH), or set {OPEN_OPTION}: true to run anyway (docs/control.md, Isolation)"
+        )
+
+
 def open_cluster_warning() -> str:
     """What ``tidal up`` says at start when jobs run as their own uids on a Ray cluster without token
-    authentication."""
+    authentication (allowed by ``isolation.ray_open_cluster``)."""
     return ("warning: the Ray cluster has no token authentication: a job that reaches its ports and speaks "
             "Ray's protocol runs code as the workers' user (root) on any node, whatever its own uid; start "
-            "Ray with RAY_AUTH_MODE=token (docs/control.md, Isolation)")
+            f"Ray with RAY_AUTH_MODE=token ({OPEN_OPTION} is set; docs/control.md, Isolation)")
 
 
 def _euid() -> int:
