@@ -29,7 +29,13 @@ from tidal.ckpt.tiers.directory import peer_job
 from tidal.control.auth import ADMIN_TOKEN_FILE
 from tidal.exec.isolation import IsolationConfig
 from tidal.exec.ray_auth import anonymous_refused
-from tidal.exec.ray_checks import OPEN_OPTION, check_open_cluster, open_cluster_warning, verdict
+from tidal.exec.ray_checks import (
+    OPEN_OPTION,
+    check_open_cluster,
+    check_token_file,
+    open_cluster_warning,
+    verdict,
+)
 
 pytestmark = pytest.mark.slow
 ROOT = os.geteuid() == 0
@@ -251,6 +257,36 @@ def test_the_cluster_refuses_a_client_without_its_token(ray_cluster):
     assert _check_alive(ray_cluster.address, token) == "OK"
     env = clean_env(IsolationConfig(uid_base=210000), Path("/nonexistent/home"), {}, {}, omp_threads=1)
     assert not any(k.startswith("RAY_AUTH") for k in env) and token not in str(env), env
+
+
+def test_a_token_file_others_can_read_is_refused():
+    """Ray's token in a file any user can read (Ray writes ``~/.ray/auth_token`` with the umask's mode)
+    would hand it to every job: ``tidal up`` with uids refuses it in one line; 0600, or a directory
+    others cannot pass, is fine."""
+    base = Path(tempfile.mkdtemp(prefix="tidal-raytoken-"))  # under /tmp, which others may pass
+    try:
+        base.chmod(0o755)
+        d = base / "etc-ray"
+        d.mkdir(mode=0o755)
+        f = d / "auth-token"
+        f.write_text("t" * 64)
+        f.chmod(0o644)
+        msg = (r"^isolation.uid_base: Ray's token file .* is readable by every user \(mode 0644\): a job "
+               r"could read it and run code as root on any node; chmod 600 it$")
+        with pytest.raises(ValueError, match=msg):
+            check_token_file(f)
+        (base / "link").symlink_to(f)
+        with pytest.raises(ValueError, match=msg):
+            check_token_file(base / "link")
+        f.chmod(0o600)
+        check_token_file(f)
+        f.chmod(0o644)
+        d.chmod(0o750)
+        check_token_file(f)
+        check_token_file(None)
+        check_token_file(base / "missing")
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def test_workers_not_root_is_one_line():

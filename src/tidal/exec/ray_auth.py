@@ -76,6 +76,29 @@ def enable_local(directory: Path) -> Path:
     return path
 
 
+def token_file() -> Path | None:
+    """The file Ray reads the token from in this process: ``RAY_AUTH_TOKEN_PATH``, else
+    ``~/.ray/auth_token`` when it exists; None when the token is in ``RAY_AUTH_TOKEN`` (Ray's order)."""
+    if os.environ.get(TOKEN_ENV):
+        return None
+    if os.environ.get(TOKEN_PATH_ENV):
+        return Path(os.environ[TOKEN_PATH_ENV])
+    default = Path.home() / ".ray" / "auth_token"
+    return default if default.exists() else None
+
+
+def readable_by_others(path: Path) -> bool:
+    """Whether any user may read ``path``: it is world-readable and every directory above it may be
+    passed through by others (a job's uid has no group of the file's: no supplementary groups)."""
+    try:
+        real = path.resolve(strict=True)
+        if not os.stat(real).st_mode & 0o004:
+            return False
+        return all(os.stat(d).st_mode & 0o001 for d in real.parents)
+    except OSError:
+        return False
+
+
 def gcs_address(ray: Any) -> str | None:
     """The connected cluster's GCS ``HOST:PORT``; None for a Ray Client (``ray://``) connection."""
     try:

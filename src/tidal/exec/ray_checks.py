@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import os
 import socket
+import stat
 from collections.abc import Collection, Mapping
+from pathlib import Path
 from typing import Any
 
 from tidal.contract import RAY_NODE_LABEL as NODE_LABEL
-from tidal.exec.ray_auth import anonymous_refused, gcs_address
+from tidal.exec.ray_auth import anonymous_refused, gcs_address, readable_by_others
 from tidal.exec.ray_shm import run_on_nodes
 
 CHECK_TIMEOUT_S = 60.0  # a cold node starts a worker first (seconds on a busy machine)
@@ -72,6 +74,15 @@ def check_open_cluster(authenticated: bool, allowed: bool) -> None:
             "as root on any node: start Ray with RAY_AUTH_MODE=token and give tidal up the token "
             f"(RAY_AUTH_TOKEN_PATH), or set {OPEN_OPTION}: true to run anyway (docs/control.md, Isolation)"
         )
+
+
+def check_token_file(path: Path | None) -> None:
+    """``ValueError`` in one line when the file Ray reads its token from here (``RAY_AUTH_TOKEN_PATH``,
+    ``~/.ray/auth_token``) can be read by other users, among them the jobs' uids."""
+    if path is not None and readable_by_others(path):
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+        raise ValueError(f"isolation.uid_base: Ray's token file {path} is readable by every user (mode "
+                         f"{mode:04o}): a job could read it and run code as root on any node; chmod 600 it")
 
 
 def open_cluster_warning() -> str:

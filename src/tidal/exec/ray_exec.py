@@ -87,10 +87,11 @@ from tidal.exec.isolation import (
 )
 from tidal.exec.progress import ProgressReader
 from tidal.exec.protocol import LaunchError, LaunchRequest, Observation, RankState
-from tidal.exec.ray_auth import anonymous_refused, use_token_from_env
+from tidal.exec.ray_auth import anonymous_refused, token_file, use_token_from_env
 from tidal.exec.ray_checks import (
     check_open_cluster,
     check_reachable_address,
+    check_token_file,
     check_workers_root,
     cluster_authenticates,
 )
@@ -201,6 +202,7 @@ class RayExecutor:
             self.token_auth = cluster_authenticates(ray)  # asked of the cluster without a token
             if self.uids is not None:  # asked of a worker on each node, never assumed
                 check_open_cluster(self.token_auth, iso.ray_open_cluster)
+                check_token_file(token_file())
                 check_workers_root(ray, self._read_nodes()[1])
             if ckpt_agents:
                 if self.shm_root is None:
