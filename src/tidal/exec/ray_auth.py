@@ -30,13 +30,15 @@ TOKEN_FILE = "ray-auth-token"  # enable_local's file (0600) in its directory (07
 
 
 def _set_mode(mode: str) -> None:
-    """Token mode (or ``disabled``) for this process and what it starts from now on; Ray's config in this
-    process is read again (it was cached at import)."""
+    """Token mode (or ``disabled``) for this process and what it starts from now on; Ray's config and
+    token in this process are read again (both are cached: a second local cluster with a new token
+    would not start)."""
     os.environ[MODE_ENV] = mode
     try:
-        from ray._raylet import Config
+        from ray._raylet import AuthenticationTokenLoader, Config
 
         Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
     except Exception:  # ray not imported yet (it reads the environment then) or its private API moved
         pass
 
