@@ -17,6 +17,8 @@ from __future__ import annotations
 import os
 import shutil
 import stat
+import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -51,6 +53,7 @@ VICTIM = (
 )
 # A plain Python (not this project's, which other uids cannot run) talks to the checkpoint agents.
 PY = "/usr/bin/python3"
+SRC = Path(__file__).resolve().parents[1] / "src"
 # Its namespace in the agents is its peer tier's (tidal.ckpt.tiers.directory.peer_job of its location),
 # its token the executor's (TIDAL_CKPT_AGENT_TOKEN).
 NAMESPACE = '''
@@ -257,6 +260,20 @@ def test_the_cluster_refuses_a_client_without_its_token(ray_cluster):
     assert _check_alive(ray_cluster.address, token) == "OK"
     env = clean_env(IsolationConfig(uid_base=210000), Path("/nonexistent/home"), {}, {}, omp_threads=1)
     assert not any(k.startswith("RAY_AUTH") for k in env) and token not in str(env), env
+
+
+def test_tidal_up_without_the_clusters_token_is_one_line(ray_cluster, tmp_path):
+    """``tidal up --executor ray`` joining the session's cluster in token mode without its token (none in
+    the environment, no ``~/.ray/auth_token``): one line that says what is missing."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    env.update({"RAY_AUTH_MODE": "token", "HOME": str(tmp_path), "PYTHONPATH": str(SRC)})
+    jobs = str(tmp_path / "jobs")
+    code = (f"from tidal.exec.ray_exec import RayExecutor\ntry:\n    RayExecutor({jobs!r}, address="
+            f"{ray_cluster.address!r})\nexcept ValueError as e:\n    print('ERROR', e)")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert (f"ERROR cannot join the Ray cluster at {ray_cluster.address}: it refuses clients without its "
+            "token (RAY_AUTH_MODE=token; give the cluster's token in RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN)\n"
+            ) in out.stdout, out.stdout + out.stderr
 
 
 def test_a_token_file_others_can_read_is_refused():
