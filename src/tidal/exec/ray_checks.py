@@ -19,8 +19,9 @@ from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
+from tidal.contract import RAY_AUTH_MODE_ENV, RAY_AUTH_TOKEN_ENV, RAY_AUTH_TOKEN_PATH_ENV
 from tidal.contract import RAY_NODE_LABEL as NODE_LABEL
-from tidal.exec.ray_auth import anonymous_refused, gcs_address, readable_by_others
+from tidal.exec.ray_auth import anonymous_refused, gcs_address, readable_by_others, token_file
 from tidal.exec.ray_shm import run_on_nodes
 
 CHECK_TIMEOUT_S = 60.0  # a cold node starts a worker first (seconds on a busy machine)
@@ -63,6 +64,28 @@ def cluster_authenticates(ray: Any) -> bool:
 
 
 OPEN_OPTION = "isolation.ray_open_cluster"
+
+
+def check_auth(ray: Any, uids: bool, allow_open: bool) -> bool:
+    """Whether the connected cluster refuses clients without its token; with ``uids`` (jobs as their own
+    uids) ``ValueError`` in one line when it does not (unless ``allow_open``) or when the token's file
+    here is readable by every user."""
+    authenticated = cluster_authenticates(ray)
+    if uids:
+        check_open_cluster(authenticated, allow_open)
+        check_token_file(token_file())
+    return authenticated
+
+
+def join_error(address: str | None, e: BaseException) -> ValueError:
+    """What ``tidal up`` says when ``ray.init`` fails with ``e``: Ray's first line, or that the cluster
+    refuses clients without its token when its GCS says so."""
+    why = str(e).splitlines()[0] if str(e) else type(e).__name__
+    if address and "://" not in address and ":" in address and anonymous_refused(address, 2.0):
+        why = (f"it refuses clients without its token ({RAY_AUTH_MODE_ENV}="
+               f"{os.environ.get(RAY_AUTH_MODE_ENV, 'unset')}; give the cluster's token in "
+               f"{RAY_AUTH_TOKEN_PATH_ENV} or {RAY_AUTH_TOKEN_ENV})")
+    return ValueError(f"cannot join the Ray cluster at {address or 'a new local Ray'}: {why}")
 
 
 def check_open_cluster(authenticated: bool, allowed: bool) -> None:

@@ -87,14 +87,8 @@ from tidal.exec.isolation import (
 )
 from tidal.exec.progress import ProgressReader
 from tidal.exec.protocol import LaunchError, LaunchRequest, Observation, RankState
-from tidal.exec.ray_auth import anonymous_refused, token_file, use_token_from_env
-from tidal.exec.ray_checks import (
-    check_open_cluster,
-    check_reachable_address,
-    check_token_file,
-    check_workers_root,
-    cluster_authenticates,
-)
+from tidal.exec.ray_auth import use_token_from_env
+from tidal.exec.ray_checks import check_auth, check_reachable_address, check_workers_root, join_error
 from tidal.exec.ray_names import (  # what the plane's objects are called on the cluster, where they live
     _pg_name,
     across_nodes,
@@ -184,13 +178,7 @@ class RayExecutor:
                 ray.init(address=address, namespace=self.namespace, log_to_driver=False,
                          logging_level=logging.WARNING, configure_logging=False, **kw)
             except (ConnectionError, RuntimeError, ValueError, ray.exceptions.RayError) as e:
-                why = str(e).splitlines()[0] if str(e) else type(e).__name__
-                if address and "://" not in address and ":" in address and anonymous_refused(address, 2.0):
-                    why = (f"it refuses clients without its token ({c.RAY_AUTH_MODE_ENV}="
-                           f"{os.environ.get(c.RAY_AUTH_MODE_ENV, 'unset')}; give the cluster's token in "
-                           f"{c.RAY_AUTH_TOKEN_PATH_ENV} or {c.RAY_AUTH_TOKEN_ENV})")
-                where = address or "a new local Ray"
-                raise ValueError(f"cannot join the Ray cluster at {where}: {why}") from None
+                raise join_error(address, e) from None
             self._owns_ray = True
         self.address = address
         self._remote = ray.remote(RankActor)
@@ -199,10 +187,8 @@ class RayExecutor:
         self._shm_where: dict[str, list[str]] = {}  # job -> nodes with its node memory (last shm_jobs)
         self.agents = None
         try:
-            self.token_auth = cluster_authenticates(ray)  # asked of the cluster without a token
+            self.token_auth = check_auth(ray, self.uids is not None, iso.ray_open_cluster)
             if self.uids is not None:  # asked of a worker on each node, never assumed
-                check_open_cluster(self.token_auth, iso.ray_open_cluster)
-                check_token_file(token_file())
                 check_workers_root(ray, self._read_nodes()[1])
             if ckpt_agents:
                 if self.shm_root is None:
