@@ -1,25 +1,29 @@
 """A real multi-node Ray cluster on this machine for the Ray executor's tests (``ray.cluster_utils.Cluster``).
 
-One per test session (``ray_cluster`` in conftest.py), started on first use (~5-15 s on 2 busy cores):
-a head node with no GPUs and three worker nodes with declared (virtual) GPUs, labelled for Tidal
-``n1`` (2 GPUs), ``n2`` (1) and ``n3`` (1), one CPU each. Ray's health checks are tightened (a node
-that stops answering is dead after ~3 s instead of ~30 s) so node-loss tests are quick; nothing calls
-the network (usage stats off, no dashboard). At the end: ``ray.shutdown()``, ``cluster.shutdown()``,
-every rank recorded under the tests' state dirs SIGKILLed, their node-memory directories removed, and a
-check that no raylet or GCS started here is left.
+One per test session (``ray_cluster`` in conftest.py), started on first use (~5-15 s on 2 busy cores): a
+head node with no GPUs and three worker nodes with declared (virtual) GPUs, labelled for Tidal ``n1`` (2
+GPUs), ``n2`` (1) and ``n3`` (1), one CPU each, with Ray's token authentication (a fresh token in a 0600
+file named by ``RAY_AUTH_TOKEN_PATH`` in this process's environment; ``tidal.exec.ray_auth``). Ray's health
+checks are tightened (a node that stops answering is dead after ~3 s instead of ~30 s) so node-loss tests
+are quick; nothing calls the network (usage stats off, no dashboard). At the end: ``ray.shutdown()``,
+``cluster.shutdown()``, every rank recorded under the tests' state dirs SIGKILLed, their node-memory
+directories removed, and a check that no raylet or GCS started here is left.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tidal.contract import RAY_AUTH_TOKEN_PATH_ENV
 from tidal.demo.node_loss import kill_node, node_pids
 from tidal.exec import procs
+from tidal.exec.ray_auth import enable_local
 from tidal.exec.ray_exec import NODE_LABEL, QUIET_ENV, kill_ranks, namespace_for, shm_base
 
 NODES = {"n1": 2, "n2": 1, "n3": 1}
@@ -31,6 +35,7 @@ class RayCluster:
     cluster: Any
     nodes: dict[str, Any] = field(default_factory=dict)  # Tidal name -> ray node handle
     state_roots: list[Path] = field(default_factory=list)  # jobs dirs whose ranks are killed at the end
+    token_file: Path | None = None  # Ray's token (0600, in a 0700 directory of its own)
 
     @property
     def address(self) -> str:
@@ -63,13 +68,14 @@ class RayCluster:
 def start() -> RayCluster:
     for k, v in QUIET_ENV.items():
         os.environ.setdefault(k, v)
+    enable_local(Path(tempfile.mkdtemp(prefix="tidal-ray-auth-")))  # the cluster refuses clients without it
     from ray.cluster_utils import Cluster
 
     c = Cluster(
         initialize_head=True,
         head_node_args={"num_cpus": 1, "num_gpus": 0, "include_dashboard": False, "_system_config": HEALTH},
     )
-    rc = RayCluster(c)
+    rc = RayCluster(c, token_file=Path(os.environ[RAY_AUTH_TOKEN_PATH_ENV]))
     for name in NODES:
         rc.add(name)
     c.wait_for_nodes()
@@ -89,6 +95,8 @@ def stop(rc: RayCluster) -> None:
             shm = shm_base(namespace_for(root))
             if shm is not None:
                 shutil.rmtree(shm, ignore_errors=True)
+        if rc.token_file is not None:
+            shutil.rmtree(rc.token_file.parent, ignore_errors=True)
     deadline = time.monotonic() + 10
     while any(procs.alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)

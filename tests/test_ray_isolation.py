@@ -3,7 +3,8 @@
 A plane built in-process with the Ray executor on the session's Ray cluster (tests/ray_cluster.py,
 whose workers run as root here) and driven step by step. A victim job (tenant alice) leaves a log, a
 checkpoint, a file in its private area, a progress record and node memory; a hostile job (tenant bob)
-tries to read them, the admin token, the database and the plane's environment, to list the state dir,
+tries to read them, the admin token, the database, the plane's environment and the Ray cluster's token
+(file or environment), to list the state dir,
 to signal the plane and its own rank actor, to widen what it does not own, to have the checkpoint agents
 (root) copy the victim's node memory, to read, overwrite, list or delete the victim's peer-tier step with
 its own agent token or none, and leaves a symbolic link in its private area for the next attempt
@@ -16,6 +17,8 @@ from __future__ import annotations
 import os
 import shutil
 import stat
+import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -27,7 +30,14 @@ from plane_proc import wait_until
 from tidal.ckpt.tiers.directory import peer_job
 from tidal.control.auth import ADMIN_TOKEN_FILE
 from tidal.exec.isolation import IsolationConfig
-from tidal.exec.ray_checks import open_cluster_warning, verdict
+from tidal.exec.ray_auth import anonymous_refused
+from tidal.exec.ray_checks import (
+    OPEN_OPTION,
+    check_open_cluster,
+    check_token_file,
+    open_cluster_warning,
+    verdict,
+)
 
 pytestmark = pytest.mark.slow
 ROOT = os.geteuid() == 0
@@ -43,6 +53,7 @@ VICTIM = (
 )
 # A plain Python (not this project's, which other uids cannot run) talks to the checkpoint agents.
 PY = "/usr/bin/python3"
+SRC = Path(__file__).resolve().parents[1] / "src"
 # Its namespace in the agents is its peer tier's (tidal.ckpt.tiers.directory.peer_job of its location),
 # its token the executor's (TIDAL_CKPT_AGENT_TOKEN).
 NAMESPACE = '''
@@ -89,7 +100,7 @@ for f in "$STATE/$TOKEN" "$HOME/token-link" "$STATE/tidal.db" "$STATE/jobs/.uids
          "$v/ckpt/data" "$v/home/secret" "$v/attempt-1/progress/progress-r00000.jsonl" \
          "$v/attempt-1/launch.json" \
          "$base/n1/$VICTIM/state" "$base/n2/$VICTIM/state" "$base/n3/$VICTIM/state" \
-         "/proc/$PLANE_PID/environ" "/proc/$PPID/environ"; do
+         "/proc/$PLANE_PID/environ" "/proc/$PPID/environ" "$RAY_TOKEN_FILE"; do
   if c=$(cat "$f" 2>/dev/null); then echo "READ $f: $c"; else echo "denied $f"; fi
 done
 for d in "$STATE" "$STATE/jobs" "$v" "$v/ckpt" "$base" "$(dirname "$TIDAL_SHM_DIR")"; do
@@ -104,6 +115,7 @@ for f in "$STATE/jobs/$TIDAL_JOB_ID" "$STATE/jobs/$TIDAL_JOB_ID/attempt-1" \
 done
 chmod 0777 "$HOME" "$TIDAL_PROGRESS_DIR" "$TIDAL_SHM_DIR" && echo "own dirs opened"
 echo "uid $(id -u) gid $(id -g) groups $(id -G) nproc $(ulimit -p) core $(ulimit -c)"
+env | grep -q '^RAY_AUTH_TOKEN' && echo "READ Ray's token variables: $(env | grep '^RAY_AUTH_TOKEN')"
 if [ -x "$PY" ]; then "$PY" -I -c "$STEAL"; fi
 rm -rf "$HOME/tmp" && ln -s "$STATE" "$HOME/tmp" && echo "home/tmp now links to the state dir"
 exit 1
@@ -153,8 +165,8 @@ def test_a_hostile_job_on_ray_reads_nothing_as_its_own_uid(ray_cluster, monkeypa
     py = os.access(PY, os.X_OK)
     ex, sd = plane.executor, plane.state_dir
     try:
-        # this test cluster has no Ray token authentication: tidal up says what that leaves open
-        assert ex.token_auth or isolation_warning(cfg, executor=ex) == open_cluster_warning()
+        # the test cluster has Ray's token authentication: tidal up runs jobs as their uids and says nothing
+        assert ex.token_auth and isolation_warning(cfg, executor=ex) is None
         plane.controller.recover(time.time())
         create_tenant(plane.store, "alice", quota_gpus=1)
         create_tenant(plane.store, "bob", quota_gpus=1)
@@ -181,12 +193,13 @@ def test_a_hostile_job_on_ray_reads_nothing_as_its_own_uid(ray_cluster, monkeypa
 
         vns = peer_job(str(ex.job_dir(victim) / "ckpt"))
         env = {"STATE": str(sd), "VICTIM": victim, "TOKEN": ADMIN_TOKEN_FILE, "PLANE_PID": str(os.getpid()),
-               "PY": PY, "STEAL": STEAL, "VNS": vns}
+               "PY": PY, "STEAL": STEAL, "VNS": vns, "RAY_TOKEN_FILE": str(ray_cluster.token_file)}
         hostile = _job(plane, "bob", "peek", HOSTILE, env, restarts=1)
         _run(plane, hostile)
         log = _log(plane, hostile)
         token = (sd / ADMIN_TOKEN_FILE).read_text().strip()
-        assert token not in log and SECRET not in log and "MARK" not in log, log
+        ray_token = ray_cluster.token_file.read_text()
+        assert token not in log and SECRET not in log and "MARK" not in log and ray_token not in log, log
         assert not any(w in log for w in ("READ ", "LISTED ", "SIGNALLED ", "CHMODDED ", "COPIED ")), log
         assert not py or log.count("refused copy 403\n") == 9, log  # no agent copies a file a rank names
         assert not py or log.count("refused victim 403\n") == 3 * 2 * 4, log  # nor touches another's steps
@@ -196,7 +209,7 @@ def test_a_hostile_job_on_ray_reads_nothing_as_its_own_uid(ray_cluster, monkeypa
                                          headers={"Authorization": f"Bearer {ex.agents.agent_token}"})
             with urllib.request.urlopen(req, timeout=30) as r:
                 assert r.read() == b"VICTIM-PEER-MARK"
-        assert log.count("denied ") == 14 + 6 + 2 + 4, log
+        assert log.count("denied ") == 15 + 6 + 2 + 4, log
         uid_h = ex.uids.owner("tenant", hostile, "bob")[0]  # bob's (the handle went with the failed launch)
         assert f"uid {uid_h} gid {uid_h} groups {uid_h} nproc 4096 core 0\n" in log and uid_h != uid_v, log
         assert "own dirs opened" in log and "home/tmp now links to the state dir" in log
@@ -216,6 +229,83 @@ def test_a_hostile_job_on_ray_reads_nothing_as_its_own_uid(ray_cluster, monkeypa
         shutil.rmtree(base, ignore_errors=True)
 
 
+def _check_alive(address: str, token: str | None) -> str:
+    """The GCS's answer to a call with ``token`` in Ray's header (or none): OK or the gRPC status."""
+    import grpc
+    from ray.core.generated import gcs_service_pb2 as pb
+    from ray.core.generated import gcs_service_pb2_grpc as pb_grpc
+
+    meta = (("authorization", f"Bearer {token}"),) if token is not None else None
+    with grpc.insecure_channel(address) as ch:
+        try:
+            pb_grpc.NodeInfoGcsServiceStub(ch).CheckAlive(pb.CheckAliveRequest(), timeout=10, metadata=meta)
+        except grpc.RpcError as e:
+            return e.code().name
+    return "OK"
+
+
+def test_the_cluster_refuses_a_client_without_its_token(ray_cluster):
+    """The session's cluster runs with Ray's token authentication: its GCS answers a call with the token
+    and refuses one without it or with another (so a job, which has no token, cannot submit tasks that run
+    as root); the token is a 0600 file of root's in a 0700 directory, named by a variable a job's clean
+    environment never carries."""
+    from tidal.exec.isolation import clean_env
+
+    path = ray_cluster.token_file
+    token = path.read_text()
+    assert _mode(path) == (os.geteuid(), 0o600) and _mode(path.parent) == (os.geteuid(), 0o700)
+    assert anonymous_refused(ray_cluster.address) is True
+    assert _check_alive(ray_cluster.address, None) == "UNAUTHENTICATED"
+    assert _check_alive(ray_cluster.address, "0" * len(token)) == "UNAUTHENTICATED"
+    assert _check_alive(ray_cluster.address, token) == "OK"
+    env = clean_env(IsolationConfig(uid_base=210000), Path("/nonexistent/home"), {}, {}, omp_threads=1)
+    assert not any(k.startswith("RAY_AUTH") for k in env) and token not in str(env), env
+
+
+def test_tidal_up_without_the_clusters_token_is_one_line(ray_cluster, tmp_path):
+    """``tidal up --executor ray`` joining the session's cluster in token mode without its token (none in
+    the environment, no ``~/.ray/auth_token``): one line that says what is missing."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    env.update({"RAY_AUTH_MODE": "token", "HOME": str(tmp_path), "PYTHONPATH": str(SRC)})
+    jobs = str(tmp_path / "jobs")
+    code = (f"from tidal.exec.ray_exec import RayExecutor\ntry:\n    RayExecutor({jobs!r}, address="
+            f"{ray_cluster.address!r})\nexcept ValueError as e:\n    print('ERROR', e)")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert (f"ERROR cannot join the Ray cluster at {ray_cluster.address}: it refuses clients without its "
+            "token (RAY_AUTH_MODE=token; give the cluster's token in RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN)\n"
+            ) in out.stdout, out.stdout + out.stderr
+
+
+def test_a_token_file_others_can_read_is_refused():
+    """Ray's token in a file any user can read (Ray writes ``~/.ray/auth_token`` with the umask's mode)
+    would hand it to every job: ``tidal up`` with uids refuses it in one line; 0600, or a directory
+    others cannot pass, is fine."""
+    base = Path(tempfile.mkdtemp(prefix="tidal-raytoken-"))  # under /tmp, which others may pass
+    try:
+        base.chmod(0o755)
+        d = base / "etc-ray"
+        d.mkdir(mode=0o755)
+        f = d / "auth-token"
+        f.write_text("t" * 64)
+        f.chmod(0o644)
+        msg = (r"^isolation.uid_base: Ray's token file .* is readable by every user \(mode 0644\): a job "
+               r"could read it and run code as root on any node; chmod 600 it$")
+        with pytest.raises(ValueError, match=msg):
+            check_token_file(f)
+        (base / "link").symlink_to(f)
+        with pytest.raises(ValueError, match=msg):
+            check_token_file(base / "link")
+        f.chmod(0o600)
+        check_token_file(f)
+        f.chmod(0o644)
+        d.chmod(0o750)
+        check_token_file(f)
+        check_token_file(None)
+        check_token_file(base / "missing")
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
 def test_workers_not_root_is_one_line():
     """What ``tidal up`` says when the Ray workers (asked on each node at start) cannot switch uids; the
     cluster's token never goes to jobs."""
@@ -225,6 +315,23 @@ def test_workers_not_root_is_one_line():
 
     with pytest.raises(ValueError, match="isolation.max_memory_bytes: the Ray executor sets no memory"):
         RayExecutor("/nonexistent/jobs", isolation=IsolationConfig(max_memory_bytes=2**30))
+    # a cluster without token authentication: refused with uid_base, unless the operator opts out
+    with pytest.raises(ValueError, match=r"^isolation.uid_base: the Ray cluster accepts clients without a tok"
+                       ) as e:
+        check_open_cluster(False, False)
+    assert "\n" not in str(e.value) and f"{OPEN_OPTION}: true" in str(e.value)
+    check_open_cluster(False, True)
+    check_open_cluster(True, False)
+    assert IsolationConfig.from_dict({"ray_open_cluster": True}).ray_open_cluster
+    with pytest.raises(ValueError, match="isolation.ray_open_cluster must be true or false, got 'yes'"):
+        IsolationConfig.from_dict({"ray_open_cluster": "yes"})
+    from tidal.control.server import isolation_warning
+
+    class Open:
+        token_auth, uids = False, object()
+
+    assert isolation_warning(None, executor=Open()) == open_cluster_warning()
+    assert OPEN_OPTION in open_cluster_warning()
     assert verdict({"n1": 0, "n2": 0}, [], ["n1", "n2"]) is None
     msg = verdict({"n1": 0, "n2": 1000}, [], ["n1", "n2"])
     assert msg == ("isolation.uid_base: the Ray workers run as uid 1000 on n2, not root: they cannot start "

@@ -76,6 +76,11 @@ EXIT_PREEMPTED = 75
 RAY_NODE_LABEL = "tidal.io/node"  # a Ray node's name for Tidal (ray start --labels tidal.io/node=NAME)
 """EX_TEMPFAIL from sysexits.h ("temporary failure, try again"): the job stopped on a notice (or its
 grace ran out) and resumes from its newest committed checkpoint. Never a failure."""
+# Ray's token authentication (Ray >= 2.52; docs/control.md, Isolation on Ray): the mode ("token") and the
+# token, given in the environment or as a file (0600) that only Ray's own user reads. Never a job's.
+RAY_AUTH_MODE_ENV = "RAY_AUTH_MODE"
+RAY_AUTH_TOKEN_ENV = "RAY_AUTH_TOKEN"
+RAY_AUTH_TOKEN_PATH_ENV = "RAY_AUTH_TOKEN_PATH"
 
 PHASE_ENDED = "ended"
 """The heartbeat's phase once the runtime has closed cleanly (its ``end`` record written, the process

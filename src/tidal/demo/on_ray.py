@@ -48,14 +48,18 @@ HEALTH = {"health_check_period_ms": 500, "health_check_timeout_ms": 500, "health
 
 
 class LocalRayCluster:
-    """GPU nodes (declared GPUs; ``nodes``: Tidal name -> GPUs) and a head, on this machine;
+    """GPU nodes (declared GPUs; ``nodes``: Tidal name -> GPUs) and a head, on this machine, with Ray's
+    token authentication (a fresh 0600 token file; ``tidal.exec.ray_auth.enable_local``);
     ``remove``/``add`` by Tidal node name."""
 
     def __init__(self, nodes: dict[str, int] | None = None) -> None:
+        from tidal.exec.ray_auth import enable_local
         from tidal.exec.ray_exec import NODE_LABEL, QUIET_ENV
 
         for k, v in QUIET_ENV.items():
             os.environ.setdefault(k, v)
+        self._auth_dir = Path(tempfile.mkdtemp(prefix="tidal-ray-auth-"))
+        enable_local(self._auth_dir)  # the cluster refuses clients without its token (docs/control.md)
         from ray.cluster_utils import Cluster
 
         self._label = NODE_LABEL
@@ -84,6 +88,7 @@ class LocalRayCluster:
 
         ray.shutdown()
         self.cluster.shutdown()
+        shutil.rmtree(self._auth_dir, ignore_errors=True)
 
 
 def job_spec(steps: int, ckpt_every: int, parallel: str) -> dict[str, Any]:

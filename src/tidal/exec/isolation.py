@@ -8,6 +8,7 @@
       max_file_bytes: null           # RLIMIT_FSIZE of every rank (null: no cap)
       max_procs: 4096                # RLIMIT_NPROC of a job's uid (only with uid_base)
       max_memory_bytes: null         # memory cgroup limit of every rank (null: none; tidal.exec.cgroups)
+      ray_open_cluster: false        # Ray executor with uid_base: run on a cluster without token auth
 
 Always: a clean environment (the job's ``env``, the platform's variables, the names in ``pass_env``;
 ``HOME`` and ``TMPDIR`` in the job's private area), files and directories 0600/0700, no core dumps,
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from tidal.contract import PROGRESS_DIRNAME
+from tidal.contract import PROGRESS_DIRNAME, RAY_AUTH_TOKEN_ENV
 from tidal.exec.cgroups import MIN_MEMORY_BYTES
 
 DEFAULT_PASS_ENV = (
@@ -58,6 +59,7 @@ class IsolationConfig:
     max_file_bytes: int | None = None
     max_procs: int | None = 4096
     max_memory_bytes: int | None = None
+    ray_open_cluster: bool = False
 
     def __post_init__(self) -> None:
         if self.uid_base is not None and (not isinstance(self.uid_base, int) or self.uid_base < 1000):
@@ -70,9 +72,12 @@ class IsolationConfig:
             v = getattr(self, k)
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"isolation.{k} must be a positive integer or null, got {v!r}")
-        if "RAY_AUTH_TOKEN" in self.pass_env:
-            raise ValueError("isolation.pass_env: RAY_AUTH_TOKEN would hand every job the Ray cluster's "
-                             "token (with it a job runs code as the Ray workers' user)")
+        if not isinstance(self.ray_open_cluster, bool):
+            got = self.ray_open_cluster
+            raise ValueError(f"isolation.ray_open_cluster must be true or false, got {got!r}")
+        if RAY_AUTH_TOKEN_ENV in self.pass_env:
+            raise ValueError(f"isolation.pass_env: {RAY_AUTH_TOKEN_ENV} would hand every job the Ray "
+                             "cluster's token (with it a job runs code as the Ray workers' user)")
         m = self.max_memory_bytes
         if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < MIN_MEMORY_BYTES):
             raise ValueError(

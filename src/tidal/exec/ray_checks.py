@@ -1,6 +1,7 @@
 """What ``tidal up --executor ray`` checks of the cluster at start, each a one-line ``ValueError``: that
 an address answers (:func:`check_reachable_address`), and with ``isolation.uid_base`` (jobs as their own
-uids) that the Ray workers run as root (:func:`check_workers_root`).
+uids) that the cluster refuses clients without its token (:func:`check_open_cluster`) and that the Ray
+workers run as root (:func:`check_workers_root`).
 
 A rank actor (:class:`tidal.exec.ray_rank.RankActor`) starts its rank as the job's uid, which only a
 worker running as root can. :func:`check_workers_root` asks a worker on every node at start (a task
@@ -13,10 +14,14 @@ from __future__ import annotations
 
 import os
 import socket
+import stat
 from collections.abc import Collection, Mapping
+from pathlib import Path
 from typing import Any
 
+from tidal.contract import RAY_AUTH_MODE_ENV, RAY_AUTH_TOKEN_ENV, RAY_AUTH_TOKEN_PATH_ENV
 from tidal.contract import RAY_NODE_LABEL as NODE_LABEL
+from tidal.exec.ray_auth import anonymous_refused, gcs_address, readable_by_others, token_file
 from tidal.exec.ray_shm import run_on_nodes
 
 CHECK_TIMEOUT_S = 60.0  # a cold node starts a worker first (seconds on a busy machine)
@@ -49,12 +54,66 @@ def token_auth_enabled() -> bool:
         return False
 
 
+def cluster_authenticates(ray: Any) -> bool:
+    """Whether the connected cluster refuses a client without its token: its GCS asked without one
+    (:func:`tidal.exec.ray_auth.anonymous_refused`); where that cannot tell (a Ray Client connection, no
+    answer), whether this driver sends a token."""
+    address = gcs_address(ray)
+    refused = anonymous_refused(address) if address else None
+    return token_auth_enabled() if refused is None else refused
+
+
+OPEN_OPTION = "isolation.ray_open_cluster"
+
+
+def check_auth(ray: Any, uids: bool, allow_open: bool) -> bool:
+    """Whether the connected cluster refuses clients without its token; with ``uids`` (jobs as their own
+    uids) ``ValueError`` in one line when it does not (unless ``allow_open``) or when the token's file
+    here is readable by every user."""
+    authenticated = cluster_authenticates(ray)
+    if uids:
+        check_open_cluster(authenticated, allow_open)
+        check_token_file(token_file())
+    return authenticated
+
+
+def join_error(address: str | None, e: BaseException) -> ValueError:
+    """What ``tidal up`` says when ``ray.init`` fails with ``e``: Ray's first line, or that the cluster
+    refuses clients without its token when its GCS says so."""
+    why = str(e).splitlines()[0] if str(e) else type(e).__name__
+    if address and "://" not in address and ":" in address and anonymous_refused(address, 2.0):
+        why = (f"it refuses clients without its token ({RAY_AUTH_MODE_ENV}="
+               f"{os.environ.get(RAY_AUTH_MODE_ENV, 'unset')}; give the cluster's token in "
+               f"{RAY_AUTH_TOKEN_PATH_ENV} or {RAY_AUTH_TOKEN_ENV})")
+    return ValueError(f"cannot join the Ray cluster at {address or 'a new local Ray'}: {why}")
+
+
+def check_open_cluster(authenticated: bool, allowed: bool) -> None:
+    """``ValueError`` in one line when jobs would run as their own uids on a cluster without token
+    authentication, unless the operator said so (``isolation.ray_open_cluster: true``)."""
+    if not authenticated and not allowed:
+        raise ValueError(
+            "isolation.uid_base: the Ray cluster accepts clients without a token, so a job could run code "
+            "as root on any node: start Ray with RAY_AUTH_MODE=token and give tidal up the token "
+            f"(RAY_AUTH_TOKEN_PATH), or set {OPEN_OPTION}: true to run anyway (docs/control.md, Isolation)"
+        )
+
+
+def check_token_file(path: Path | None) -> None:
+    """``ValueError`` in one line when the file Ray reads its token from here (``RAY_AUTH_TOKEN_PATH``,
+    ``~/.ray/auth_token``) can be read by other users, among them the jobs' uids."""
+    if path is not None and readable_by_others(path):
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+        raise ValueError(f"isolation.uid_base: Ray's token file {path} is readable by every user (mode "
+                         f"{mode:04o}): a job could read it and run code as root on any node; chmod 600 it")
+
+
 def open_cluster_warning() -> str:
     """What ``tidal up`` says at start when jobs run as their own uids on a Ray cluster without token
-    authentication."""
+    authentication (allowed by ``isolation.ray_open_cluster``)."""
     return ("warning: the Ray cluster has no token authentication: a job that reaches its ports and speaks "
             "Ray's protocol runs code as the workers' user (root) on any node, whatever its own uid; start "
-            "Ray with RAY_AUTH_MODE=token (docs/control.md, Isolation)")
+            f"Ray with RAY_AUTH_MODE=token ({OPEN_OPTION} is set; docs/control.md, Isolation)")
 
 
 def _euid() -> int:

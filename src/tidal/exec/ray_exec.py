@@ -87,7 +87,8 @@ from tidal.exec.isolation import (
 )
 from tidal.exec.progress import ProgressReader
 from tidal.exec.protocol import LaunchError, LaunchRequest, Observation, RankState
-from tidal.exec.ray_checks import check_reachable_address, check_workers_root, token_auth_enabled
+from tidal.exec.ray_auth import use_token_from_env
+from tidal.exec.ray_checks import check_auth, check_reachable_address, check_workers_root, join_error
 from tidal.exec.ray_names import (  # what the plane's objects are called on the cluster, where they live
     _pg_name,
     across_nodes,
@@ -164,6 +165,7 @@ class RayExecutor:
             check_reachable(self.root.resolve(), *([Path(iso.shm_dir).absolute()] if iso.shm_dir else []))
         for k, v in QUIET_ENV.items():
             os.environ.setdefault(k, v)
+        use_token_from_env()
         import ray
 
         self._ray = ray
@@ -176,9 +178,8 @@ class RayExecutor:
             try:
                 ray.init(address=address, namespace=self.namespace, log_to_driver=False,
                          logging_level=logging.WARNING, configure_logging=False, **kw)
-            except (ConnectionError, RuntimeError, ValueError) as e:
-                raise ValueError(f"cannot join the Ray cluster at {address or 'a new local Ray'}: "
-                                 f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+            except (ConnectionError, RuntimeError, ValueError, ray.exceptions.RayError) as e:
+                raise join_error(address, e) from None
             self._owns_ray = True
         self.address = address
         self._remote = ray.remote(RankActor)
@@ -186,8 +187,8 @@ class RayExecutor:
         self._jobs: dict[str, _Tracked] = {}
         self._shm_where: dict[str, list[str]] = {}  # job -> nodes with its node memory (last shm_jobs)
         self.agents = None
-        self.token_auth = token_auth_enabled()
         try:
+            self.token_auth = check_auth(ray, self.uids is not None, iso.ray_open_cluster)
             if self.uids is not None:  # asked of a worker on each node, never assumed
                 check_workers_root(ray, self._read_nodes()[1])
             if ckpt_agents:
