@@ -38,6 +38,12 @@ def load(t: float) -> float:
     return 0.1 if h < 5 or h >= 22 else ramp((h - 5) / 3) if h < 8 else 1.0 if h < 19 else ramp((22 - h) / 3)
 
 
+def wait_with_events(admin, what, pred, timeout_s=60.0):
+    """``wait_until`` that prints the plane's events when it times out."""
+    return wait_until(what, pred, timeout_s, lambda: "; events:\n" + "\n".join(
+        f"{e['job']}: {e['kind']} {e['from']}->{e['to']}: {e['message']}" for e in admin.events()))
+
+
 def night_trace(path: Path, days: int = 3) -> Path:
     path.write_text("seconds,load\n" + "".join(f"{t},{load(t):.4f}\n" for t in range(0, days * DAY, 600)))
     return path
@@ -108,8 +114,7 @@ def test_a_spot_job_on_a_lent_gpu_of_a_ray_node_is_reclaimed(ray_cluster, tmp_pa
         admin = p.admin
 
         def wait_for(what, pred, timeout_s=60.0):
-            return wait_until(what, pred, timeout_s, lambda: "; events:\n" + "\n".join(
-                f"{e['job']}: {e['kind']} {e['from']}->{e['to']}: {e['message']}" for e in admin.events()))
+            return wait_with_events(admin, what, pred, timeout_s)
 
         pool = {n["name"]: (n["gpus"], n["pool"]) for n in admin.pool()["nodes"]}
         assert pool == {"n1": (2, "serving"), "n2": (1, "training"), "n3": (1, "serving")}, pool
@@ -187,8 +192,7 @@ def test_a_lent_ray_node_removed_ends_its_loans_and_serves_again_after_it_is_bac
         admin = p.admin
 
         def wait_for(what, pred, timeout_s=60.0):
-            return wait_until(what, pred, timeout_s, lambda: "; events:\n" + "\n".join(
-                f"{e['job']}: {e['kind']} {e['from']}->{e['to']}: {e['message']}" for e in admin.events()))
+            return wait_with_events(admin, what, pred, timeout_s)
 
         def kind(k):
             return [e for e in admin.events() if e["kind"] == k]
