@@ -39,7 +39,7 @@ def state_view(ll: LiveLoans, now_s: float, held: Mapping[str, int] | None) -> d
     led = ll.ledger
     return {
         "held_gpus": {n: g for n, g in (held or {}).items() if n in ll.nodes},
-        **ll._plan_view,
+        **ll.plan_shown,
         "now_s": now_s,
         "serving_nodes": dict(ll.nodes),
         **loan_nodes.view(ll),

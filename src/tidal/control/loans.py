@@ -128,7 +128,7 @@ class LiveLoans:
         )
         self.last_s: float | None = None
         self.latest: dict[str, Any] = {}
-        self._plan_view: dict[str, Any] = {}
+        self.plan_shown: dict[str, Any] = {}
         self._dirty = True
         self._warm = list(warm_history or [])
         self._relearn = ""  # why a stored forecast was dropped at load (said in the first step's events)
@@ -154,7 +154,7 @@ class LiveLoans:
                 "next_grid": codec.encode(self.next_grid), "pending_restores": dict(self.pending_restores),
                 "releasing": dict(self.releasing), "restoring": dict(self.restoring),
                 "stats": self.stats, "margins": self.margins[-1000:], "last_s": self.last_s,
-                "adapter": self.adapter.persist(), "plan_view": self._plan_view}
+                "adapter": self.adapter.persist(), "plan_view": self.plan_shown}
 
     def load(self, doc: Mapping[str, Any]) -> None:
         """Continue from :meth:`dump`'s document (after a restart); ``ValueError`` in one line saying
@@ -200,7 +200,7 @@ class LiveLoans:
         self.stats.update(doc.get("stats") or {})
         self.margins = list(doc.get("margins") or [])
         self.last_s = doc.get("last_s")
-        self._plan_view = dict(doc.get("plan_view") or {})
+        self.plan_shown = dict(doc.get("plan_view") or {})
         self.adapter.resume(doc.get("adapter") or {})
         if not misfit:
             self._warm = []
@@ -351,7 +351,7 @@ class LiveLoans:
                 plan = dataclasses.replace(plan, lendable_gpus=cap)
         events += self._apply(plan, t_serv, now_s, used)  # 4.
         events += self._announce(now_s)
-        self._plan_view = loan_view.plan_view(self, now_s, t_serv, demand, plan)
+        self.plan_shown = loan_view.plan_view(self, now_s, t_serv, demand, plan)
         self._sample(now_s, t_serv, demand, plan)
         self._dirty = True
         return events

@@ -45,6 +45,7 @@ import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from tidal.serving.serve_history import history_grid
 from tidal.serving.sources import DemandSource, TraceReplay
 
 log = logging.getLogger(__name__)
@@ -224,9 +225,7 @@ class ReplayAdapter:
     def history(self, seconds: float, step_s: float) -> list[tuple[float, float]]:
         """(serving time, demand) on the ``step_s`` grid over the ``seconds`` before the replay's start,
         where the trace has them (the forecast learns them before the first live step)."""
-        first = math.ceil((self.start_s - seconds) / step_s - 1e-9) * step_s
-        n = max(0, int(round((self.start_s - first) / step_s)))
-        pts = [(first + i * step_s, self.source.demand_gpus(first + i * step_s)) for i in range(n)]
+        pts = [(t, self.source.demand_gpus(t)) for t in history_grid(self.start_s, seconds, step_s)]
         return [(t, y) for t, y in pts if t >= self.source.start_s]
 
     def release(self, node: str, gpus: int, lent_after: int, now_s: float) -> None:

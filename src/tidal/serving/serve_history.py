@@ -86,6 +86,13 @@ class MeasuredHistory:
         return len(self.rows)
 
 
+def history_grid(until_s: float, seconds: float, step_s: float) -> list[float]:
+    """The points of the ``step_s`` grid (multiples of it) in the ``seconds`` before ``until_s`` (excluded):
+    where a forecast is warmed with recorded demand before the first live step."""
+    first = math.ceil((until_s - seconds) / step_s - 1e-9) * step_s
+    return [first + i * step_s for i in range(max(0, int(round((until_s - first) / step_s))))]
+
+
 def forecast_history(until_s: float, step_s: float, *, days: float, trace: Trace | None,
                      model: RequestModel | None, measured: MeasuredHistory,
                      max_gpus: float) -> list[tuple[float, float]]:
@@ -94,9 +101,8 @@ def forecast_history(until_s: float, step_s: float, *, days: float, trace: Trace
     it converted by ``model`` (NaN in a gap; capped at ``max_gpus``, the serving pool). Points neither
     covers are left out (the forecast counts them as missing)."""
     days = min(days, MAX_HISTORY_DAYS)
-    first = math.ceil((until_s - days * DAY_S) / step_s - 1e-9) * step_s
-    n = max(0, int(round((until_s - first) / step_s)))
-    grid = [first + i * step_s for i in range(n)]
+    grid = history_grid(until_s, days * DAY_S, step_s)
+    first, n = (grid[0] if grid else until_s), len(grid)
     seen: dict[int, float] = {}
     for t, _, _, g in measured.rows:
         k = round((t - first) / step_s)
