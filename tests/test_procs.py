@@ -19,7 +19,9 @@ def test_a_forking_tree_is_frozen_whole_thawed_and_killed_whole():
         wait_until("the shell and its children", lambda: len(procs.descendants([sh.pid])) >= 4, 10)
         frozen = procs.freeze([sh.pid])
         assert sh.pid in frozen and len(frozen) >= 3  # the shell, its two sleeps, perhaps the loop's
-        assert {procs.state(p) for p in frozen} == {"T"}, {p: procs.state(p) for p in frozen}
+        # "D": the shell waiting on a vforked child that was stopped before its exec
+        states = {p: procs.state(p) for p in frozen}
+        assert "T" in states.values() and set(states.values()) <= {"T", "D"}, states
         time.sleep(0.1)  # stopped dead: nothing new forks
         assert procs.descendants([sh.pid]) == set(frozen)
 

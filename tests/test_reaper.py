@@ -22,8 +22,9 @@ from tidal.exec.isolation import IsolationConfig
 from tidal.exec.local import LocalExecutor
 from tidal.exec.protocol import LaunchRequest
 
-# The rank: three detached helpers, their pids in PIDS, then "ready"; exits by itself with END=exit,
-# with 75 on SIGTERM, else waits to be killed.
+# The rank: three detached helpers, their pids in PIDS, then "ready"; with END=exit it exits by itself
+# once the test has seen the helpers alive (the file PIDS.go; the shim reaps them the moment the rank
+# ends), with 75 on SIGTERM, else waits to be killed.
 RANK = r"""
 import json, os, signal, subprocess, sys, time
 out = os.environ["PIDS"]
@@ -47,6 +48,8 @@ os.replace(out + ".tmp", out)
 signal.signal(signal.SIGTERM, lambda *a: sys.exit(75))
 print("ready", flush=True)
 if os.environ.get("END") == "exit":
+    while not os.path.exists(out + ".go"):
+        time.sleep(0.01)
     sys.exit(0)
 time.sleep(1000)
 """
@@ -62,9 +65,11 @@ def wait_for(cond, timeout_s: float = 30.0) -> bool:
 
 
 def helpers(path: Path) -> list[int]:
+    """The rank's helpers, seen alive; then a rank with END=exit may exit (``PIDS.go``)."""
     assert wait_for(path.exists), "the rank never wrote its helpers' pids"
     pids = json.loads(path.read_text())
     assert len(pids) == 3 and all(procs.alive(p) for p in pids)
+    Path(f"{path}.go").touch()
     return pids
 
 

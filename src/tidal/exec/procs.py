@@ -85,7 +85,11 @@ def descendants(roots: Iterable[int]) -> set[int]:
     return found
 
 
-_STOPPED = (None, "T", "t", "Z", "X")  # stopped, or gone
+# Stopped, or gone, or in the kernel with the stop pending: a process in uninterruptible sleep ("D")
+# runs no code of its own again before the SIGSTOP takes effect (signals are taken on the way back to
+# user space, and a fork with a signal pending is restarted), and it may stay there as long as another
+# process lets it: a shell that vforked waits in "D" until its child, stopped before its exec, goes on.
+_STOPPED = (None, "T", "t", "Z", "X", "D")
 
 
 def state(pid: int) -> str | None:
