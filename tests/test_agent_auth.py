@@ -248,6 +248,25 @@ def test_the_executor_signs_the_namespace_the_ranks_peer_tier_uses(tiers, job, m
     peer = build(next(c for c in cfgs if c.kind == "peer"), home)
     monkeypatch.setenv("TIDAL_JOB_ID", "another-job")  # the executor's own environment says nothing
     assert agent_namespace({"TIDAL_CKPT_TIERS": json.dumps(tiers)}, job) == peer.job
-    assert agent_namespace({"TIDAL_CKPT_URL": "/ckpt/jobs/j1/ckpt"}, "j1") == "ckpt-" + hashlib.sha1(
-        b"/ckpt/jobs/j1/ckpt").hexdigest()[:12]
+    assert agent_namespace({"TIDAL_CKPT_URL": "/ckpt/jobs/j1/ckpt"}, "j1") == "ckpt-" + hashlib.sha256(
+        b"/ckpt/jobs/j1/ckpt").hexdigest()[:32]
     assert agent_namespace({"TIDAL_CKPT_TIERS": "{not json"}, "j1") == "j1"  # the runtime fails on it
+
+
+def test_a_jobs_namespace_is_too_wide_to_search_for_and_always_a_valid_name(tmp_path, monkeypatch):
+    """A job's namespace (the one its token is made for) is its location's name and a 128-bit digest:
+    a tenant cannot search for a location of its own that has another job's name and digest (48 bits,
+    as it was, are within reach). A location whose name is as long as a name may be still gives a
+    directory name the filesystem takes."""
+    from tidal.ckpt.tiers.config import peer_namespace
+    from tidal.ckpt.tiers.directory import shm_root_for
+
+    monkeypatch.setenv("TIDAL_SHM_DIR", str(tmp_path / "shm"))
+    ns = peer_namespace(str(tmp_path / "tenants" / "a" / "run"), None, "j")
+    name, digest = ns.rsplit("-", 1)
+    assert name == "run" and len(digest) * 4 >= 128 and int(digest, 16) >= 0
+    assert ns != peer_namespace(str(tmp_path / "tenants" / "b" / "run"), None, "k")
+    long = tmp_path / ("x" * 255)
+    root = shm_root_for(long)
+    root.mkdir(parents=True)  # ENAMETOOLONG with the whole name before the digest
+    assert root.name.endswith(peer_namespace(str(long), None, "j")[-32:])

@@ -59,7 +59,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 NAMESPACE = '''
 import hashlib, os, urllib.error, urllib.request as u
 d = os.environ["TIDAL_CKPT_URL"]
-ns = f"{os.path.basename(d)}-{hashlib.sha1(d.encode()).hexdigest()[:12]}"
+ns = f"{os.path.basename(d)[:64]}-{hashlib.sha256(d.encode()).hexdigest()[:32]}"
 auth = {"Authorization": "Bearer " + os.environ["TIDAL_CKPT_AGENT_TOKEN"]}
 '''
 PEER = NAMESPACE + '''

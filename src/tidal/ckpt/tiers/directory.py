@@ -329,6 +329,10 @@ def local_path(url: str | os.PathLike) -> Path:
     return Path(s).expanduser().absolute()
 
 
+SHM_DIGEST_HEX = 32  # hex digits of the location's digest in its shared-memory directory's name
+SHM_NAME_CHARS = 64  # at most this much of the location's own name before it (a name is <= 255 bytes)
+
+
 def shm_root_for(url: str | os.PathLike) -> Path:
     """The node-shared-memory directory that mirrors checkpoint location ``url`` on this node."""
     base = Path(os.environ.get(SHM_BASE_ENV, "/dev/shm"))
@@ -338,8 +342,11 @@ def shm_root_for(url: str | os.PathLike) -> Path:
     else:
         p = local_path(url)
         key, name = str(p), p.name or "root"
-    digest = hashlib.sha1(key.encode()).hexdigest()[:12]
-    return base / "tidal" / f"{name}-{digest}"
+    # 128 bits: the name is also the job's namespace in the checkpoint agents, and so what its agent
+    # token is made for (ckpt/agent/auth.py); a tenant who found a location of the same name and digest
+    # as another job's would hold that job's token (48 bits, as before, are within reach of a GPU).
+    digest = hashlib.sha256(key.encode()).hexdigest()[:SHM_DIGEST_HEX]
+    return base / "tidal" / f"{name[:SHM_NAME_CHARS]}-{digest}"
 
 
 def tiers_for(url: str | os.PathLike, *, shm: bool = True) -> list[Tier]:
