@@ -2,16 +2,17 @@
 local executor on 2 CPU slots) and real training workers (tests/workers/train_worker.py).
 
 One scenario, in order: a spot job trains and checkpoints; a dedicated job of another tenant
-preempts it (SIGTERM, exit 75: requeued, not a failure); meanwhile a job that always fails is
-restarted up to max_restarts and fails, and a job that stops beating is detected as hung; the
-spot job resumes from the step it stopped at; ``tidal up`` is killed with SIGKILL and started
-again: the spot job's workers are re-adopted, not run twice; it is cancelled. Then the command
-line against the same server. Every process started here is stopped at the end, also on failure,
+preempts it (SIGTERM, exit 75: requeued, not a failure); the spot job resumes from the step it
+stopped at; ``tidal up`` is killed with SIGKILL and started again: the spot job's workers are
+re-adopted, not run twice; it is cancelled. Then a job that always fails is restarted up to
+max_restarts and fails, and a job that stops beating is detected as hung. Then the command line
+against the same server (a failure before leaves no job holding the GPUs it would wait for). Every process started here is stopped at the end, also on failure,
 by pid.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -70,6 +71,19 @@ def transitions(client: TidalClient, job: str) -> list[tuple]:
 
 
 def test_preempt_resume_failures_hang_and_crash(plane):
+    try:
+        preempt_resume_crash_then_failures(plane)
+    finally:  # a failure here leaves no job holding the plane's GPUs for the next test (whose --wait waits)
+        for j in plane.admin.jobs():
+            if j["state"] not in ENDED:
+                with contextlib.suppress(Exception):
+                    plane.admin.cancel(j["id"])
+
+
+ENDED = ("succeeded", "failed", "cancelled")
+
+
+def preempt_resume_crash_then_failures(plane):
     admin, tmp = plane.admin, plane.tmp
     prod = TidalClient(plane.url, admin.create_tenant("prod", quota_gpus=1, weight=1.0)["token"])
     lab = TidalClient(plane.url, admin.create_tenant("lab", quota_gpus=0, weight=1.0)["token"])
@@ -83,13 +97,8 @@ def test_preempt_resume_failures_hang_and_crash(plane):
     (cadence,) = [e for e in lab.events(spot) if e["kind"] == "ckpt_interval"]
     assert cadence["message"].startswith("checkpoint cadence: every 10 steps, the job's own")
 
-    # A dedicated job inside its tenant's quota preempts the spot gang; a failing and a hanging job come too.
+    # A dedicated job inside its tenant's quota preempts the spot gang.
     ded = prod.submit(train_spec("urgent", 30, tmp, kind="dedicated", gpus=1))["id"]
-    flaky = lab.submit({"name": "flaky", "gpus": 1, "max_restarts": 2,
-                        "command": [sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"]})["id"]
-    stuck = lab.submit(
-        {"name": "stuck", "gpus": 1, "max_restarts": 0, "command": [sys.executable, "-c", HANG]}
-    )["id"]
     wait_for("the preemption", lambda: lab.job(spot)["preemptions"] == 1, admin)
     job = lab.job(spot)
     assert job["restarts"] == 0 and ("running", "preempting") in transitions(lab, spot)
@@ -97,19 +106,7 @@ def test_preempt_resume_failures_hang_and_crash(plane):
     assert requeued and requeued[0]["data"]["exit_codes"] == [75, 75]
     stopped_at = requeued[0]["data"]["step"]
     assert requeued[0]["data"]["ckpt_step"] == stopped_at  # the notice's final checkpoint: nothing lost
-
     wait_for("the dedicated job to succeed", lambda: prod.job(ded)["state"] == "succeeded", admin)
-    wait_for("the failing job to fail", lambda: lab.job(flaky)["state"] == "failed", admin)
-    f = lab.job(flaky)
-    assert (
-        f["restarts"] == 2
-        and f["attempt"] == 3
-        and "rank 0 exited with code 3; no restarts left" in f["message"]
-    )
-    assert len([t for t in transitions(lab, flaky) if t[1] == "backoff"]) == 2
-    assert lab.logs(flaky)["data"].count("boom") == 3
-    wait_for("the hang to be detected", lambda: lab.job(stuck)["state"] == "failed", admin)
-    assert any(e["kind"] == "hang" and "no heartbeat for" in e["message"] for e in lab.events(stuck))
 
     # The spot job resumes from the step it stopped at.
     wait_for(
@@ -140,6 +137,25 @@ def test_preempt_resume_failures_hang_and_crash(plane):
     assert transitions(lab, spot)[-2:] == [("running", "cancelling"), ("cancelling", "cancelled")]
     report = lab.job(spot)["report"]
     assert report["preemptions"] == 1 and report["restarts"] == 0 and 0 < report["ettr"] <= 1
+
+    # A failing and a hanging job, once the spot job has let the GPUs go (submitted beside it, the failing
+    # one's last attempt could come after the resumed spot job had taken both GPUs, and wait behind it).
+    flaky = lab.submit({"name": "flaky", "gpus": 1, "max_restarts": 2,
+                        "command": [sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"]})["id"]
+    stuck = lab.submit(
+        {"name": "stuck", "gpus": 1, "max_restarts": 0, "command": [sys.executable, "-c", HANG]}
+    )["id"]
+    wait_for("the failing job to fail", lambda: lab.job(flaky)["state"] == "failed", admin)
+    f = lab.job(flaky)
+    assert (
+        f["restarts"] == 2
+        and f["attempt"] == 3
+        and "rank 0 exited with code 3; no restarts left" in f["message"]
+    )
+    assert len([t for t in transitions(lab, flaky) if t[1] == "backoff"]) == 2
+    assert lab.logs(flaky)["data"].count("boom") == 3
+    wait_for("the hang to be detected", lambda: lab.job(stuck)["state"] == "failed", admin)
+    assert any(e["kind"] == "hang" and "no heartbeat for" in e["message"] for e in lab.events(stuck))
     metrics = admin.metrics()
     assert (
         'tidal_jobs{state="failed"} 2.0' in metrics
