@@ -169,7 +169,7 @@ def main(argv: list[str]) -> int:
         print(f"tidal: cannot start {cmd[0]!r} in {os.getcwd()}: {e}", file=sys.stderr, flush=True)
         _write(exit_file, {"code": 127, "time": time.time(), "error": str(e)})
         return 127
-    _write(pid_file, {"pid": proc.pid, "time": time.time()})
+    _write(pid_file, {"pid": proc.pid, "time": time.time(), "started": procs.start_time(proc.pid)})
     code = proc.wait()
     procs.reap_orphans()  # what the rank left running (a daemon, a setsid'd helper) ends with it
     doc: dict = {"code": code, "time": time.time()}
