@@ -109,6 +109,7 @@ class _Tracked:
     codes: dict[int, int] = field(default_factory=dict)
     vanished: set[int] = field(default_factory=set)
     lost: set[int] = field(default_factory=set)  # ranks whose shim ended and recorded nothing (killed)
+    shim_ended: dict[int, int] = field(default_factory=dict)  # rank -> when its shim, a child, was seen ended
 
 
 class LocalExecutor:
@@ -411,6 +412,8 @@ class LocalExecutor:
             return True
         if k.rank in t.codes or self._alive(k):
             return False
+        if k.popen is not None:
+            t.shim_ended.setdefault(k.rank, procs.boot_ticks())
         doc = read_json(t.dir / c.exit_file(k.rank))
         return not (doc is not None and isinstance(doc.get("code"), int))
 
@@ -420,7 +423,8 @@ class LocalExecutor:
             doc = read_json(t.dir / c.pid_file(k.rank))
             if doc and isinstance(doc.get("pid"), int) and isinstance(doc.get("started"), int):
                 ranks.add((doc["pid"], doc["started"]))
-        return orphans.Marks(frozenset(k.pid for k in t.ranks), frozenset(ranks),
+        sessions = frozenset((k.pid, t.shim_ended[k.rank]) for k in t.ranks if k.rank in t.shim_ended)
+        return orphans.Marks(sessions, frozenset(ranks),
                              t.owner[0] if t.owner else None, str(t.dir / c.PROGRESS_DIRNAME))
 
     def _kill_orphans(self, t: _Tracked) -> list[int]:
@@ -476,6 +480,7 @@ class LocalExecutor:
             code = k.popen.poll()
             if code is None:
                 return
+            t.shim_ended.setdefault(k.rank, procs.boot_ticks())
         elif self._alive(k):
             return
         else:

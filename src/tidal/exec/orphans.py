@@ -17,9 +17,12 @@ What can be trusted, and why no job can make this kill another job's processes:
 * ``uid``: with ``isolation.uid_base`` a rank runs as the job's uid, which only a privileged process can
   change: an orphan of that uid is the job's (or, with ``per: tenant``, an orphan of another attempt of
   the same tenant whose shim is gone: to be killed as well).
-* ``sessions``: the shim starts in a session of its own and the rank inherits it; the kernel gives no new
-  process a session's id while a member of it lives, and a process can only leave (``setsid``), never
-  join another. A process in a shim's session is that attempt's.
+* ``sessions``: the shim starts in a session of its own and the rank inherits it; a process can only
+  leave it (``setsid``), never join another, and the kernel gives no new process the session's id while
+  the shim or a member of it lives. Once all are gone the id may be reused, by a session that began
+  later: so this mark counts only for a shim that was the executor's child, and only for a process
+  that started before its shim was seen ended (within one observe). For an adopted attempt, whose
+  shim may have ended long before the plane restarted, it does not count.
 * ``ranks``: the rank's own pid and start time, as its shim wrote them (the job cannot write there).
 * ``marker``: ``TIDAL_PROGRESS_DIR`` as the executor set it (one per attempt) in the environment the
   process started with: what a rank detaches inherits it, but a process can rewrite its own. A forged
@@ -47,13 +50,14 @@ class Marks:
     """What marks the processes of one attempt's ranks (see the module's docstring for what each is
     worth)."""
 
-    sessions: frozenset[int]  # its shims' pids (each leads its session)
+    sessions: frozenset[tuple[int, int]]  # (pid, when seen ended) of its shims that were children
     ranks: frozenset[tuple[int, int]]  # (pid, start time) of its ranks, as their shims recorded them
     uid: int | None  # the ranks' own uid (isolation.uid_base), None when they run as the plane's user
     marker: str  # TIDAL_PROGRESS_DIR as the executor set it for this attempt
 
     def carried_by(self, pid: int, p: procs.Proc) -> bool:
-        if p.session in self.sessions or (pid, p.started) in self.ranks:
+        if (pid, p.started) in self.ranks or any(p.session == sid and p.started <= ended
+                                                  for sid, ended in self.sessions):
             return True
         if self.uid is not None and procs.real_uid(pid) == self.uid:
             return True

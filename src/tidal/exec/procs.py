@@ -33,6 +33,15 @@ def start_time(pid: int) -> int | None:
     return int(st[19]) if st else None
 
 
+def boot_ticks() -> int:
+    """Now, in the clock ticks since boot that :func:`start_time` counts in (0 without ``/proc``)."""
+    try:
+        with open("/proc/uptime") as f:
+            return int(float(f.read().split()[0]) * os.sysconf("SC_CLK_TCK")) + 1
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def alive(pid: int, started: int | None = None) -> bool:
     """True if ``pid`` runs (not a zombie) and, when ``started`` is given, is the same process."""
     st = _stat(pid)
