@@ -24,6 +24,10 @@ area ``<root>/<job>/home`` (``HOME``, ``TMPDIR``), a shared-memory directory per
 (``TIDAL_SHM_DIR``, freed by :meth:`LocalExecutor.free_shm`), 0600/0700 files, and, with
 ``isolation.uid_base`` (as root), their own uid.
 
+Nothing a rank starts outlives its attempt: its shim reaps what the rank left; with ``subreaper=True``
+(``tidal up``) this process is a child subreaper too, and what a shim killed by another left is killed
+on the next ``observe`` (or ``kill``, ``release``) by the attempt's marks (:mod:`tidal.exec.orphans`).
+
 Not thread-safe: one reconcile loop drives it.
 """
 

@@ -24,7 +24,8 @@ killed them. The shim exits with the rank's code (128 + n for signal n).
 the rank starts stays below the shim however it detaches (``setsid``, a double fork, ``nohup``), so
 when the rank ends the shim kills every process left below it (SIGKILL, as the executor's user: it may
 signal a rank's uid) before it writes the exit file; and the executor's kill finds them all in the
-shim's tree.
+shim's tree. A shim SIGKILLed by another leaves them to ``tidal up`` (a subreaper too), which kills them
+by the attempt's marks (:mod:`tidal.exec.orphans`; the pid file holds the rank's start time for that).
 
 Isolation (:mod:`tidal.exec.isolation`): the shim itself keeps the executor's user (it writes the exit
 and pid files into the attempt directory, which the job may not write), and starts the rank with
