@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 
 import tidal
+from plane_proc import Plane, wait_until
+from tidal.control.client import TidalClient
 from tidal.exec import procs
 from tidal.exec.isolation import IsolationConfig
 from tidal.exec.local import LocalExecutor
@@ -319,4 +321,30 @@ def test_a_killed_shims_orphans_without_their_mark_end_by_their_uid():
         ex.release("u")
         ex.close()
         shutil.rmtree(base, ignore_errors=True)
+    assert left_alive(pids) == []
+
+
+def test_tidal_up_is_the_subreaper_of_what_a_killed_shim_left(tmp_path):
+    """A real ``tidal up``: a job's shim SIGKILLed by hand; its rank re-parents to the plane (not init),
+    the reconcile loop's observe ends all the rank left, and the plane collects their zombies."""
+    plane = Plane(tmp_path, "loop_interval_s: 0.5\nstartup_timeout_s: 60\n", gpus=1)
+    pids: list[int] = []
+    try:
+        plane.start()
+        lab = TidalClient(plane.url, plane.admin.create_tenant("lab", quota_gpus=1, weight=1.0)["token"])
+        job = lab.submit({"name": "reap", "gpus": 1, "max_restarts": 0,
+                          "command": [sys.executable, "-c", RANK],
+                          "env": {"PIDS": str(tmp_path / "pids-{rank}.json")}})["id"]
+        pids = helpers(tmp_path / "pids-0.json")
+        adir = plane.state / "jobs" / job / "attempt-1"
+        shim = json.loads((adir / "launch.json").read_text())["ranks"][0]["pid"]
+        pids.append(rank := json.loads((adir / "pid-0.json").read_text())["pid"])
+        os.kill(shim, signal.SIGKILL)
+        while (p := procs.table().get(rank)) is not None and p.ppid == shim:
+            time.sleep(0.001)
+        assert p is None or p.state == "Z" or p.ppid == plane.proc.pid  # type: ignore[union-attr]
+        wait_until("the rank's leftovers gone", lambda: all(procs.state(q) is None for q in pids), 30)
+        wait_until("the job failed", lambda: lab.job(job)["state"] == "failed", 30)
+    finally:
+        plane.stop()
     assert left_alive(pids) == []

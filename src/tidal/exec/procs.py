@@ -70,15 +70,6 @@ def kill_group(pid: int) -> None:
     signal_group(pid, signal.SIGKILL)
 
 
-def processes() -> dict[int, tuple[int, str]]:
-    """Every process: pid -> (parent pid, state letter), from ``/proc`` (empty where there is none)."""
-    out = {}
-    for name in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if name.isdigit() and (st := _stat(int(name))) is not None:
-            out[int(name)] = (int(st[1]), st[0])
-    return out
-
-
 class Proc(NamedTuple):
     ppid: int
     state: str  # the state letter (``Z``: ended, not reaped yet)
@@ -131,6 +122,11 @@ def environ_value(pid: int, name: str, limit: int = 1 << 20) -> str | None:
         if entry.startswith(key):
             return entry[len(key):].decode(errors="replace")
     return None
+
+
+def processes() -> dict[int, tuple[int, str]]:
+    """Every process: pid -> (parent pid, state letter), from ``/proc`` (empty where there is none)."""
+    return {pid: (p.ppid, p.state) for pid, p in table().items()}
 
 
 def descendants(roots: Iterable[int]) -> set[int]:
