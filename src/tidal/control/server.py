@@ -233,10 +233,13 @@ def _build(state_dir, gpus, store, token, created, config, iso, loans, serving_n
         what = f"{n} CPU slots"
     try:
         controller = Controller(store, executor, config, ckpt_root=state_dir / "jobs", loans=loans)
-    except ValueError as e:
+        advisor, more = _serving(config, loans)
+    except (ValueError, SystemExit) as e:
         store.close()
+        executor.close()  # no longer the subreaper of anything (a caller may go on)
+        if isinstance(e, SystemExit):
+            raise
         raise SystemExit(f"tidal up: {e}") from None
-    advisor, more = _serving(config, loans)
     return Plane(state_dir, store, executor, controller, token, created, what + more, advisor)
 
 
