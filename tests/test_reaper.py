@@ -213,6 +213,14 @@ def test_a_killed_shims_orphans_end_without_a_memory_cgroup(tmp_path, then):
     for job, f in files.items():
         ex.launch(LaunchRequest(job, 1, (sys.executable, "-c", RANK), {"local": 2 if job == "k" else 1},
                                 env={"PIDS": str(f), **(forged if job == "h" else {})}), time.time())
+    # The executor's process's own children, no job's: one in its session and one in a session of its own
+    # that ended (their Popen must still read their exit codes), an agent and a daemon (re-parented here).
+    own = [subprocess.Popen(["sh", "-c", "exit 3"]),
+           subprocess.Popen(["sh", "-c", "exit 4"], start_new_session=True)]
+    agent = subprocess.Popen(["sleep", "1000"], start_new_session=True)
+    daemon = int(subprocess.run(["sh", "-c", "sleep 1000 >/dev/null 2>&1 & echo $!"], capture_output=True,
+                                text=True).stdout)
+    legit = [agent.pid, daemon]
     try:
         def tree(job: str, rank: int) -> list[int]:  # the rank's helpers, the rank, its shim
             return (helpers(Path(str(files[job]).format(rank=rank))) + [ex.worker_pids(job)[rank]]
@@ -221,6 +229,7 @@ def test_a_killed_shims_orphans_end_without_a_memory_cgroup(tmp_path, then):
         k0, k1, h = tree("k", 0)[:-1], tree("k", 1), tree("h", 0)
         killed_shim(ex, "k")
         assert all(procs.alive(p) for p in k0)  # orphans, with nothing to reap them
+        assert wait_for(lambda: all(procs.state(p.pid) == "Z" for p in own))
         if then == "observe":
             ranks = ex.observe(time.time())["k"].ranks
             assert ranks[0].exit_code == -9 and ranks[1].alive
@@ -228,12 +237,18 @@ def test_a_killed_shims_orphans_end_without_a_memory_cgroup(tmp_path, then):
         else:
             ex.release("k")
         assert [p for p in k0 if procs.state(p) is not None] == []  # killed, and no zombie left
-        assert all(procs.alive(p) for p in h)
+        assert all(procs.alive(p) for p in h + legit)
+        assert [p.wait(10) for p in own] == [3, 4]
     finally:
         for job in ("k", "h"):
             ex.kill(job)
             ex.release(job)
         ex.close()
+        agent.kill()
+        agent.wait(10)
+        with contextlib.suppress(OSError):
+            os.kill(daemon, signal.SIGKILL)
+            os.waitpid(daemon, 0)  # re-parented here
     assert left_alive(k0 + k1 + h) == []
 
 

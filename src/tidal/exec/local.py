@@ -435,10 +435,10 @@ class LocalExecutor:
         """Kill what the attempt's killed shims left (:mod:`tidal.exec.orphans`), sparing the live shims
         of every attempt; as a subreaper, collect the zombies taken in."""
         tracked = [k for u in (*self._jobs.values(), t) for k in u.ranks]
-        found = orphans.kill(self._marks(t), keep=[k.pid for k in tracked if self._alive(k)])
+        killed = orphans.kill(self._marks(t), keep=[k.pid for k in tracked if self._alive(k)])
         if self.subreaper:
-            procs.reap_zombies(keep=[k.pid for k in tracked if k.popen is not None])
-        return found
+            procs.reap_zombies(keep=[k.pid for k in tracked if k.popen is not None], killed=killed)
+        return killed
 
     def release(self, job_id: str) -> None:
         t = self._jobs.pop(job_id, None)

@@ -31,8 +31,9 @@ What can be trusted, and why no job can make this kill another job's processes:
   anyway: there the marks guard against accidents (an OOM kill, a ``kill -9`` of a shim), not a hostile
   rank; with uids (or memory cgroups, :mod:`tidal.exec.cgroups`) nothing escapes.
 
-The executor's own children started in its session (a serving hook's command) carry no mark and are
-never killed; zombies are collected only in other sessions (:func:`tidal.exec.procs.reap_zombies`).
+The executor's own other children (a serving hook's command, in its session; one started in a session
+of its own) carry no mark and are never killed, nor their exit status taken: the zombies collected
+are those killed here and orphans taken in (:func:`tidal.exec.procs.reap_zombies`).
 """
 
 from __future__ import annotations
@@ -76,13 +77,15 @@ def find(marks: Marks, keep: Iterable[int] = ()) -> list[int]:
 
 
 def kill(marks: Marks, keep: Iterable[int] = (), wait_s: float = 2.0) -> list[int]:
-    """Stop and kill the whole tree of each orphan that carries ``marks`` (a second pass for one that
-    re-parented meanwhile). Returns the orphans found (the roots of what was killed)."""
+    """Stop and kill the whole tree of each orphan that carries ``marks`` (as
+    :func:`tidal.exec.procs.kill_tree`; a second pass for one that re-parented meanwhile). Returns every
+    process killed."""
     keep, killed = set(keep), []
     for _ in range(2):
         found = find(marks, keep)
         if not found:
             break
-        killed += found
-        procs.kill_tree(found, wait_s)
+        stopped = procs.freeze(found, wait_s)
+        procs.kill_all(stopped, wait_s)
+        killed += stopped
     return killed

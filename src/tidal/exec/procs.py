@@ -226,15 +226,17 @@ def kill_tree(roots: Iterable[int], wait_s: float = 2.0) -> list[int]:
     return kill_all(freeze(roots, timeout_s=wait_s), wait_s)
 
 
-def reap_zombies(keep: Iterable[int] = ()) -> list[int]:
-    """In a subreaper: collect the ended children of this process (zombies) that are not in its own
-    session and not in ``keep``: orphans it took in (what a rank left, in the rank's session or one of
-    its own). A child started in this process's session (a ``subprocess.run`` elsewhere) is left to its
-    own ``wait``, and so is each of ``keep`` (children a ``Popen`` waits for: taking their status would
-    lose their exit code). Returns the pids reaped."""
-    me, mine, keep, out = os.getpid(), os.getsid(0), set(keep), []
+def reap_zombies(keep: Iterable[int] = (), killed: Iterable[int] = ()) -> list[int]:
+    """In a subreaper: collect the ended children of this process (zombies) that it took in as orphans:
+    those in ``killed`` (what it killed), and those in another session than its own that do not lead
+    their session. A child it started itself is in its session, or (``start_new_session``) leads one of
+    its own: its ``Popen`` collects it, with its exit code (taken here it would read 0). ``keep``: never
+    these. Returns the pids reaped."""
+    me, mine, keep, killed, out = os.getpid(), os.getsid(0), set(keep), set(killed), []
     for pid, p in table().items():
-        if p.ppid == me and p.state == "Z" and p.session != mine and pid not in keep:
+        if p.ppid != me or p.state != "Z" or pid in keep:
+            continue
+        if pid in killed or p.session not in (mine, pid):
             with contextlib.suppress(ChildProcessError, OSError):
                 if os.waitpid(pid, os.WNOHANG)[0] == pid:
                     out.append(pid)
