@@ -210,18 +210,25 @@ def test_a_killed_shims_orphans_end_without_a_memory_cgroup(tmp_path, then):
     assert ex.subreaper and ex.cgroups is None
     files = {job: tmp_path / f"{job}-{{rank}}.json" for job in ("k", "h")}
     forged = {"MARK": str(ex.attempt_dir("k", 1) / "progress")}  # h's helpers carry k's mark
-    for job, f in files.items():
-        ex.launch(LaunchRequest(job, 1, (sys.executable, "-c", RANK), {"local": 2 if job == "k" else 1},
-                                env={"PIDS": str(f), **(forged if job == "h" else {})}), time.time())
-    # The executor's process's own children, no job's: one in its session and one in a session of its own
-    # that ended (their Popen must still read their exit codes), an agent and a daemon (re-parented here).
-    own = [subprocess.Popen(["sh", "-c", "exit 3"]),
-           subprocess.Popen(["sh", "-c", "exit 4"], start_new_session=True)]
-    agent = subprocess.Popen(["sleep", "1000"], start_new_session=True)
-    daemon = int(subprocess.run(["sh", "-c", "sleep 1000 >/dev/null 2>&1 & echo $!"], capture_output=True,
-                                text=True).stdout)
-    legit = [agent.pid, daemon]
+    k0: list[int] = []
+    k1: list[int] = []
+    h: list[int] = []
+    legit: list[int] = []
+    agent: subprocess.Popen | None = None
     try:
+        for job, f in files.items():
+            ex.launch(LaunchRequest(job, 1, (sys.executable, "-c", RANK), {"local": 2 if job == "k" else 1},
+                                    env={"PIDS": str(f), **(forged if job == "h" else {})}), time.time())
+        # The executor's process's own children, no job's: one in its session and one in a session of its
+        # own that ended (their Popen must still read their exit codes), an agent and a daemon (re-parented
+        # here).
+        own = [subprocess.Popen(["sh", "-c", "exit 3"]),
+               subprocess.Popen(["sh", "-c", "exit 4"], start_new_session=True)]
+        agent = subprocess.Popen(["sleep", "1000"], start_new_session=True)
+        legit.append(agent.pid)
+        legit.append(int(subprocess.run(["sh", "-c", "sleep 1000 >/dev/null 2>&1 & echo $!"],
+                                        capture_output=True, text=True).stdout))
+
         def tree(job: str, rank: int) -> list[int]:  # the rank's helpers, the rank, its shim
             return (helpers(Path(str(files[job]).format(rank=rank))) + [ex.worker_pids(job)[rank]]
                     + [ex._jobs[job].ranks[rank].pid])
@@ -244,11 +251,13 @@ def test_a_killed_shims_orphans_end_without_a_memory_cgroup(tmp_path, then):
             ex.kill(job)
             ex.release(job)
         ex.close()
-        agent.kill()
-        agent.wait(10)
-        with contextlib.suppress(OSError):
-            os.kill(daemon, signal.SIGKILL)
-            os.waitpid(daemon, 0)  # re-parented here
+        if agent is not None:
+            agent.kill()
+            agent.wait(10)
+        for p in legit[1:]:  # the daemon, re-parented here
+            with contextlib.suppress(OSError):
+                os.kill(p, signal.SIGKILL)
+                os.waitpid(p, 0)
     assert left_alive(k0 + k1 + h) == []
 
 
@@ -323,10 +332,10 @@ def test_a_killed_shims_orphans_without_their_mark_end_by_their_uid():
     base.chmod(0o711)
     ex = LocalExecutor(base / "jobs", slots=1, isolation=IsolationConfig(uid_base=200000), subreaper=True)
     pid_file = ex.home_dir("u") / "pids-{rank}.json"
-    ex.launch(LaunchRequest("u", 1, ("/usr/bin/python3", "-c", RANK), {"local": 1},
-                            env={"PIDS": str(pid_file), "MARK": ""}), time.time())
     pids: list[int] = []
     try:
+        ex.launch(LaunchRequest("u", 1, ("/usr/bin/python3", "-c", RANK), {"local": 1},
+                                env={"PIDS": str(pid_file), "MARK": ""}), time.time())
         pids = helpers(Path(str(pid_file).format(rank=0))) + killed_shim(ex, "u")
         assert all(procs.alive(p) for p in pids)
         assert ex.observe(time.time())["u"].ranks[0].exit_code == -9
