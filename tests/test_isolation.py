@@ -91,6 +91,7 @@ def plane_factory(monkeypatch):
         for job_id in list(p.executor._jobs):
             p.executor.kill(job_id)
         p.store.close()
+        p.executor.close()  # this process is no longer a subreaper
     shutil.rmtree(base, ignore_errors=True)
 
 

@@ -216,7 +216,8 @@ def _build(state_dir, gpus, store, token, created, config, iso, loans, serving_n
         if not ids:
             raise SystemExit("tidal up: no NVIDIA GPUs found (nvidia-smi); on a machine without GPUs declare "
                              "CPU slots with --gpus N")
-        executor = LocalExecutor(state_dir / "jobs", gpu_ids=ids, serving_nodes=serving_nodes, isolation=iso)
+        executor = LocalExecutor(state_dir / "jobs", gpu_ids=ids, serving_nodes=serving_nodes, isolation=iso,
+                                 subreaper=True)
         what = f"{len(ids)} GPUs ({','.join(map(str, ids))})"
     else:
         try:
@@ -227,14 +228,18 @@ def _build(state_dir, gpus, store, token, created, config, iso, loans, serving_n
             ) from None
         if n < 1:
             raise SystemExit(f"tidal up: --gpus must be >= 1, got {n}")
-        executor = LocalExecutor(state_dir / "jobs", slots=n, serving_nodes=serving_nodes, isolation=iso)
+        executor = LocalExecutor(state_dir / "jobs", slots=n, serving_nodes=serving_nodes, isolation=iso,
+                                 subreaper=True)
         what = f"{n} CPU slots"
     try:
         controller = Controller(store, executor, config, ckpt_root=state_dir / "jobs", loans=loans)
-    except ValueError as e:
+        advisor, more = _serving(config, loans)
+    except (ValueError, SystemExit) as e:
         store.close()
+        executor.close()  # no longer the subreaper of anything (a caller may go on)
+        if isinstance(e, SystemExit):
+            raise
         raise SystemExit(f"tidal up: {e}") from None
-    advisor, more = _serving(config, loans)
     return Plane(state_dir, store, executor, controller, token, created, what + more, advisor)
 
 

@@ -24,6 +24,10 @@ area ``<root>/<job>/home`` (``HOME``, ``TMPDIR``), a shared-memory directory per
 (``TIDAL_SHM_DIR``, freed by :meth:`LocalExecutor.free_shm`), 0600/0700 files, and, with
 ``isolation.uid_base`` (as root), their own uid.
 
+Nothing a rank starts outlives its attempt: its shim reaps what the rank left; with ``subreaper=True``
+(``tidal up``) this process is a child subreaper too, and what a shim killed by another left is killed
+on the next ``observe`` (or ``kill``, ``release``) by the attempt's marks (:mod:`tidal.exec.orphans`).
+
 Not thread-safe: one reconcile loop drives it.
 """
 
@@ -45,7 +49,7 @@ from typing import Any
 
 from tidal import contract as c
 from tidal.contract import torchrun_env
-from tidal.exec import cgroups, procs, shim
+from tidal.exec import cgroups, orphans, procs, shim
 from tidal.exec.files import read_json, write_json
 from tidal.exec.isolation import (
     IsolationConfig,
@@ -108,6 +112,8 @@ class _Tracked:
     owner: tuple[int, int] | None = None  # the ranks' uid and gid when they run as their own user
     codes: dict[int, int] = field(default_factory=dict)
     vanished: set[int] = field(default_factory=set)
+    lost: set[int] = field(default_factory=set)  # ranks whose shim ended and recorded nothing (killed)
+    shim_ended: dict[int, int] = field(default_factory=dict)  # rank -> when its shim, a child, was seen ended
 
 
 class LocalExecutor:
@@ -123,6 +129,7 @@ class LocalExecutor:
         python: str = sys.executable,
         serving_nodes: Mapping[str, int] | None = None,
         isolation: IsolationConfig | None = None,
+        subreaper: bool = False,
     ) -> None:
         if (slots is None) == (gpu_ids is None):
             raise ValueError("give exactly one of slots (CPU) or gpu_ids")
@@ -169,6 +176,15 @@ class LocalExecutor:
         self.devices = [d for ds in self.node_devices.values() for d in ds]
         self._free: dict[str, list[int]] = {n: list(ds) for n, ds in self.node_devices.items()}
         self._jobs: dict[str, _Tracked] = {}
+        # what a shim killed by another left re-parents here, not to init (``tidal up``: the process that
+        # owns the shims; off by default: it changes the whole process, see close())
+        self.subreaper = subreaper and procs.become_subreaper()
+
+    def close(self) -> None:
+        """No longer a subreaper (the running shims and ranks go on: a restarted plane adopts them)."""
+        if self.subreaper:
+            procs.become_subreaper(False)
+            self.subreaper = False
 
     # -- layout --------------------------------------------------------------------------------------
     def job_dir(self, job_id: str) -> Path:
@@ -380,6 +396,8 @@ class LocalExecutor:
                 procs.signal_group(k.pid, sig)
         if sig == signal.SIGKILL:
             self._kill_cgroups(t)
+            if any(self._shim_lost(t, k) for k in t.ranks):
+                self._kill_orphans(t)
 
     def _kill_cgroups(self, t: _Tracked) -> None:
         """The backstop where a shim was killed by another than the executor (its orphans went to init):
@@ -390,6 +408,37 @@ class LocalExecutor:
                 procs.kill_tree(cgroups.members(d))
                 with contextlib.suppress(OSError):  # gone, or a shim still in it (it removes it)
                     os.rmdir(d)
+
+    def _shim_lost(self, t: _Tracked, k: _Rank) -> bool:
+        """The rank's shim ended without recording the rank's exit (it was killed: what it had below it
+        is orphaned)."""
+        if k.rank in t.lost:
+            return True
+        if k.rank in t.codes or self._alive(k):
+            return False
+        if k.popen is not None:
+            t.shim_ended.setdefault(k.rank, procs.boot_ticks())
+        doc = read_json(t.dir / c.exit_file(k.rank))
+        return not (doc is not None and isinstance(doc.get("code"), int))
+
+    def _marks(self, t: _Tracked) -> orphans.Marks:
+        ranks = set()
+        for k in t.ranks:
+            doc = read_json(t.dir / c.pid_file(k.rank))
+            if doc and isinstance(doc.get("pid"), int) and isinstance(doc.get("started"), int):
+                ranks.add((doc["pid"], doc["started"]))
+        sessions = frozenset((k.pid, t.shim_ended[k.rank]) for k in t.ranks if k.rank in t.shim_ended)
+        return orphans.Marks(sessions, frozenset(ranks),
+                             t.owner[0] if t.owner else None, str(t.dir / c.PROGRESS_DIRNAME))
+
+    def _kill_orphans(self, t: _Tracked) -> list[int]:
+        """Kill what the attempt's killed shims left (:mod:`tidal.exec.orphans`), sparing the live shims
+        of every attempt; as a subreaper, collect the zombies taken in."""
+        tracked = [k for u in (*self._jobs.values(), t) for k in u.ranks]
+        killed = orphans.kill(self._marks(t), keep=[k.pid for k in tracked if self._alive(k)])
+        if self.subreaper:
+            procs.reap_zombies(keep=[k.pid for k in tracked if k.popen is not None], killed=killed)
+        return killed
 
     def release(self, job_id: str) -> None:
         t = self._jobs.pop(job_id, None)
@@ -402,6 +451,8 @@ class LocalExecutor:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     k.popen.wait(timeout=5)
         self._kill_cgroups(t)
+        if any(self._shim_lost(t, k) for k in t.ranks):
+            self._kill_orphans(t)
         self._give_back(t.devices)
 
     def _give_back(self, devices: list[int]) -> None:
@@ -416,9 +467,13 @@ class LocalExecutor:
 
     def _observe(self, t: _Tracked) -> Observation:
         states = []
+        lost = len(t.lost)
         for k in t.ranks:
             if k.rank not in t.codes and k.rank not in t.vanished:
                 self._poll_rank(t, k)
+        if len(t.lost) > lost:  # a shim killed by another (OOM, kill -9): what it left ends now
+            self._kill_orphans(t)
+        for k in t.ranks:
             code = t.codes.get(k.rank)
             ended = code is not None and code != 0 and t.reader.phase(k.rank) == c.PHASE_ENDED
             states.append(RankState(k.rank, k.pid, code, k.rank in t.vanished, ended))
@@ -429,6 +484,7 @@ class LocalExecutor:
             code = k.popen.poll()
             if code is None:
                 return
+            t.shim_ended.setdefault(k.rank, procs.boot_ticks())
         elif self._alive(k):
             return
         else:
@@ -438,8 +494,10 @@ class LocalExecutor:
             t.codes[k.rank] = doc["code"]  # the rank's own code, as its shim saw it
         elif code is not None and code < 0:
             t.codes[k.rank] = code  # shim and rank killed together (SIGKILL of the group)
+            t.lost.add(k.rank)
         else:
             t.vanished.add(k.rank)  # gone, and nobody recorded how
+            t.lost.add(k.rank)
 
     def _alive(self, k: _Rank) -> bool:
         if k.popen is not None:

@@ -14,6 +14,7 @@ import os
 import signal
 import time
 from collections.abc import Iterable
+from typing import NamedTuple
 
 
 def _stat(pid: int) -> list[str] | None:
@@ -30,6 +31,15 @@ def start_time(pid: int) -> int | None:
     or not on Linux."""
     st = _stat(pid)
     return int(st[19]) if st else None
+
+
+def boot_ticks() -> int:
+    """Now, in the clock ticks since boot that :func:`start_time` counts in (0 without ``/proc``)."""
+    try:
+        with open("/proc/uptime") as f:
+            return int(float(f.read().split()[0]) * os.sysconf("SC_CLK_TCK")) + 1
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def alive(pid: int, started: int | None = None) -> bool:
@@ -60,13 +70,63 @@ def kill_group(pid: int) -> None:
     signal_group(pid, signal.SIGKILL)
 
 
-def processes() -> dict[int, tuple[int, str]]:
-    """Every process: pid -> (parent pid, state letter), from ``/proc`` (empty where there is none)."""
+class Proc(NamedTuple):
+    ppid: int
+    state: str  # the state letter (``Z``: ended, not reaped yet)
+    session: int  # its session id: a session's id stays in use (no new process gets it) while it has members
+    started: int  # start time, clock ticks since boot
+
+
+def table() -> dict[int, Proc]:
+    """Every process with its parent, state, session and start time, from ``/proc`` (empty without)."""
     out = {}
     for name in os.listdir("/proc") if os.path.isdir("/proc") else []:
         if name.isdigit() and (st := _stat(int(name))) is not None:
-            out[int(name)] = (int(st[1]), st[0])
+            out[int(name)] = Proc(int(st[1]), st[0], int(st[3]), int(st[19]))
     return out
+
+
+def ancestors(pid: int, tab: dict[int, Proc] | None = None) -> list[int]:
+    """``pid``, its parent, the parent's parent, ... up to init (pid 1)."""
+    tab = table() if tab is None else tab
+    out = [pid]
+    while (p := tab.get(out[-1])) is not None and p.ppid > 0 and p.ppid not in out:
+        out.append(p.ppid)
+    return out
+
+
+def real_uid(pid: int) -> int | None:
+    """The process's real uid (``/proc/PID/status``; only a privileged process can change it), None if
+    gone."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Uid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def environ_value(pid: int, name: str, limit: int = 1 << 20) -> str | None:
+    """The value of ``name`` in the environment the process was started with (``/proc/PID/environ``;
+    only its first ``limit`` bytes are read), None if not there, unreadable (another user's, without
+    privilege) or gone. The process may have rewritten it since: a hint, never proof."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            raw = f.read(limit)
+    except OSError:
+        return None
+    key = name.encode() + b"="
+    for entry in raw.split(b"\0"):
+        if entry.startswith(key):
+            return entry[len(key):].decode(errors="replace")
+    return None
+
+
+def processes() -> dict[int, tuple[int, str]]:
+    """Every process: pid -> (parent pid, state letter), from ``/proc`` (empty where there is none)."""
+    return {pid: (p.ppid, p.state) for pid, p in table().items()}
 
 
 def descendants(roots: Iterable[int]) -> set[int]:
@@ -140,13 +200,14 @@ def kill_all(pids: Iterable[int], wait_s: float = 10.0) -> list[int]:
 PR_SET_CHILD_SUBREAPER = 36
 
 
-def become_subreaper() -> bool:
+def become_subreaper(on: bool = True) -> bool:
     """Make this process a child subreaper (``prctl(PR_SET_CHILD_SUBREAPER)``, Linux 3.4+): a descendant
     whose parent ends (a daemon that double-forked, ``setsid``, ``nohup ... &``) re-parents to this
-    process, not to init, so it stays in :func:`descendants` of it. False where the kernel has none."""
+    process, not to init, so it stays in :func:`descendants` of it. False where the kernel has none.
+    ``on=False``: no longer one (what re-parented here stays)."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+        return libc.prctl(PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
 
@@ -163,6 +224,23 @@ def kill_tree(roots: Iterable[int], wait_s: float = 2.0) -> list[int]:
     in uninterruptible sleep, e.g. in a GPU driver call, goes when the call returns); waits at most
     ``wait_s`` for the stop and as long for the kill, so a caller's loop is never held long."""
     return kill_all(freeze(roots, timeout_s=wait_s), wait_s)
+
+
+def reap_zombies(keep: Iterable[int] = (), killed: Iterable[int] = ()) -> list[int]:
+    """In a subreaper: collect the ended children of this process (zombies) that it took in as orphans:
+    those in ``killed`` (what it killed), and those in another session than its own that do not lead
+    their session. A child it started itself is in its session, or (``start_new_session``) leads one of
+    its own: its ``Popen`` collects it, with its exit code (taken here it would read 0). ``keep``: never
+    these. Returns the pids reaped."""
+    me, mine, keep, killed, out = os.getpid(), os.getsid(0), set(keep), set(killed), []
+    for pid, p in table().items():
+        if p.ppid != me or p.state != "Z" or pid in keep:
+            continue
+        if pid in killed or p.session not in (mine, pid):
+            with contextlib.suppress(ChildProcessError, OSError):
+                if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                    out.append(pid)
+    return out
 
 
 def reap_orphans(keep: Iterable[int] = (), wait_s: float = 10.0) -> list[int]:

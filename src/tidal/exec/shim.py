@@ -24,7 +24,8 @@ killed them. The shim exits with the rank's code (128 + n for signal n).
 the rank starts stays below the shim however it detaches (``setsid``, a double fork, ``nohup``), so
 when the rank ends the shim kills every process left below it (SIGKILL, as the executor's user: it may
 signal a rank's uid) before it writes the exit file; and the executor's kill finds them all in the
-shim's tree.
+shim's tree. A shim SIGKILLed by another leaves them to ``tidal up`` (a subreaper too), which kills them
+by the attempt's marks (:mod:`tidal.exec.orphans`; the pid file holds the rank's start time for that).
 
 Isolation (:mod:`tidal.exec.isolation`): the shim itself keeps the executor's user (it writes the exit
 and pid files into the attempt directory, which the job may not write), and starts the rank with
@@ -169,7 +170,7 @@ def main(argv: list[str]) -> int:
         print(f"tidal: cannot start {cmd[0]!r} in {os.getcwd()}: {e}", file=sys.stderr, flush=True)
         _write(exit_file, {"code": 127, "time": time.time(), "error": str(e)})
         return 127
-    _write(pid_file, {"pid": proc.pid, "time": time.time()})
+    _write(pid_file, {"pid": proc.pid, "time": time.time(), "started": procs.start_time(proc.pid)})
     code = proc.wait()
     procs.reap_orphans()  # what the rank left running (a daemon, a setsid'd helper) ends with it
     doc: dict = {"code": code, "time": time.time()}
