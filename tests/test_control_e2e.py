@@ -6,8 +6,8 @@ preempts it (SIGTERM, exit 75: requeued, not a failure); the spot job resumes fr
 stopped at; ``tidal up`` is killed with SIGKILL and started again: the spot job's workers are
 re-adopted, not run twice; it is cancelled. Then a job that always fails is restarted up to
 max_restarts and fails, and a job that stops beating is detected as hung. Then the command line
-against the same server (a failure before leaves no job holding the GPUs it would wait for). Every process started here is stopped at the end, also on failure,
-by pid.
+against the same server (a failure before leaves no job holding the GPUs it would wait for). Every
+process started here is stopped at the end, also on failure, by pid.
 """
 
 from __future__ import annotations
