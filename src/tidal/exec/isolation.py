@@ -23,6 +23,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import logging
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
@@ -43,6 +44,7 @@ DEFAULT_PASS_ENV = (
     "LD_LIBRARY_PATH",
     "CUDA_HOME",
 )
+log = logging.getLogger(__name__)
 UID_SPAN = 1 << 16  # uids uid_base .. uid_base + UID_SPAN - 1
 
 
@@ -166,12 +168,15 @@ def check_reachable(*dirs: Path) -> None:
 
 
 def make_job_dirs(root: Path, job_dir: Path, attempt_dir: Path, home: Path, own_dirs: Iterable[str],
-                  owner: tuple[int, int] | None) -> None:
+                  owner: tuple[int, int] | None, take_over: Iterable[str] = (),
+                  take_over_from: Iterable[int] = ()) -> None:
     """A job's directories in the state dir (``root``'s parent), on either executor: the plane's (job,
     logs, attempt) 0711 with uids (a job's uid passes through to its own directories, lists nothing) else
     0700, logs 0700; the job's own (``progress/``, its private area ``home`` and ``home/tmp``, the
     ``own_dirs`` in the state dir not there yet: its checkpoint directories) 0700 and owned by its uid,
-    under directories of the plane's like the job's."""
+    under directories of the plane's like the job's. With uids, what the uids ``take_over_from`` own in
+    the checkpoint directories ``take_over`` (taken over with ``resume_from``) becomes the job's
+    (:func:`tidal.exec.handover.hand_over`; ``HandOverError``, an ``OSError``, when it may not)."""
     mode = 0o711 if owner is not None else 0o700
     private_dir(job_dir, mode)
     private_dir(job_dir / "logs", 0o700)
@@ -186,6 +191,15 @@ def make_job_dirs(root: Path, job_dir: Path, attempt_dir: Path, home: Path, own_
             for parent in reversed([q for q in p.parents if q.is_relative_to(state) and q != state]):
                 private_dir(parent, mode)  # e.g. tenants/ and tenants/<tenant>/: root's, passed through
             private_dir(p, 0o700, owner)
+    if owner is not None:
+        from tidal.exec.handover import hand_over
+
+        for d in take_over:
+            got = hand_over(Path(d), take_over_from, owner)
+            if got.skipped:
+                log.warning("checkpoint location %s handed over to uid %d (%d entries); left as they "
+                            "were: %s", d, owner[0], got.moved, "; ".join(got.skipped[:5])
+                            + (f"; ... ({len(got.skipped)} in all)" if len(got.skipped) > 5 else ""))
 
 
 def rank_rlimits(iso: IsolationConfig, owner: tuple[int, int] | None) -> dict[str, int]:
