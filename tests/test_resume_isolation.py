@@ -22,6 +22,7 @@ with warnings.catch_warnings():
 
 from iso_plane import PY, ROOT, SRC, plain_python_reaches_src, planes, rank_log, run
 from tidal.control.auth import create_tenant
+from tidal.exec.handover import HandOverError, hand_over
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     not ROOT, reason="jobs run as their own uids only when tidal up runs as root")]
@@ -150,3 +151,77 @@ def test_a_process_of_the_earlier_uid_still_running_stops_the_take_over(plane):
     finally:
         left.kill()
         left.wait()
+
+
+# ---------------------------------------------------------------------------- the hand-over itself
+A, B, OTHER = 200301, 200302, 200303
+
+
+def _make(p: Path, uid: int, text: str | None = None) -> Path:
+    if text is None:
+        p.mkdir(mode=0o700)
+    else:
+        p.write_text(text)
+    os.lchown(p, uid, uid)
+    return p
+
+
+def test_hand_over_moves_only_the_earlier_uids_plain_entries(tmp_path):
+    outside = _make(tmp_path / "outside", A)
+    mine = _make(outside / "mine", A, "a")
+    loc = _make(tmp_path / "loc", A)
+    step = _make(loc / "step_000000000001", A)
+    _make(step / "r0.bin", A, "data")
+    _make(step / "foreign", OTHER, "x")
+    os.symlink(outside, loc / "dir-link")
+    os.symlink(mine, step / "file-link")
+    for link in (loc / "dir-link", step / "file-link"):
+        os.lchown(link, A, A)
+    os.link(mine, step / "hard")
+    os.mkfifo(loc / "fifo")
+    os.chown(loc / "fifo", A, A)
+    mnt = _make(loc / "mnt", A)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tidal-test", str(mnt)],
+                             capture_output=True).returncode == 0
+    try:
+        if mounted:  # its root and a file in it are A's too: only the filesystem keeps them
+            os.chown(mnt, A, A)
+            _make(mnt / "on-another-fs", A, "m")
+        got = hand_over(loc, [A], (B, B))
+        owners = {str(p.relative_to(tmp_path)): os.lstat(p).st_uid for p in (outside, mine, *loc.rglob("*"))}
+        again = hand_over(loc, [A], (B, B))
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(mnt)], check=True)
+    assert os.lstat(loc).st_uid == B
+    assert owners == {"outside": A, "outside/mine": A, "loc/step_000000000001": B,
+                      "loc/step_000000000001/r0.bin": B, "loc/step_000000000001/foreign": OTHER,
+                      "loc/dir-link": A, "loc/step_000000000001/file-link": A,
+                      "loc/step_000000000001/hard": A, "loc/fifo": A, "loc/mnt": A if mounted else B,
+                      **({"loc/mnt/on-another-fs": A} if mounted else {})}
+    assert got.moved == 3 + (0 if mounted else 1)
+    why = "\n".join(got.skipped)
+    for part in ("foreign: owned by uid 200303", "dir-link: a symbolic link", "file-link: a symbolic link",
+                 "hard: 2 hard links", "fifo: not a regular file", *(["mnt: another filesystem"] * mounted)):
+        assert part in why, why
+    assert again.moved == 0  # nothing of A's is left to move
+
+
+def test_hand_over_refuses_a_link_a_deep_or_a_huge_tree_changing_nothing(tmp_path):
+    loc = _make(tmp_path / "loc", A)
+    os.symlink(loc, tmp_path / "link")
+    with pytest.raises(HandOverError, match=r"checkpoint location .*/link: not a directory \(or a symbolic"):
+        hand_over(tmp_path / "link", [A], (B, B))
+    d = loc
+    for i in range(4):
+        d = _make(d / f"d{i}", A)
+    with pytest.raises(HandOverError, match=r"loc/d0/d1/d2 is more than 3 directories deep"):
+        hand_over(loc, [A], (B, B), max_depth=3)
+    for i in range(6):
+        _make(loc / f"f{i}", A, "x")
+    with pytest.raises(HandOverError, match=r"more than 8 entries \(at .*\); not a checkpoint location's"):
+        hand_over(loc, [A], (B, B), max_entries=8)
+    assert {os.lstat(p).st_uid for p in (loc, *loc.rglob("*"))} == {A}  # refused before any change
+    assert hand_over(tmp_path / "missing", [A], (B, B)).moved == 0
+    assert hand_over(loc, [B], (B, B)).moved == 0  # its own uid: nothing to do
+    assert hand_over(loc, [A], (B, B)).moved == 11
