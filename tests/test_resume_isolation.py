@@ -109,6 +109,14 @@ def test_resume_from_an_ended_job_of_another_uid(plane):
     c = _submit(plane, client, token, "third", {"resume_from": b})
     run(plane, c)
     assert f"resumed from step 2: '{a};{b};'" in rank_log(plane, c), rank_log(plane, c)
+    # a job that never ran (cancelled while pending) has no location yet: the plane makes it for the next
+    never = _submit(plane, client, token, "never")
+    assert client.post(f"/v1/jobs/{never}/cancel", headers={"Authorization": f"Bearer {token}"}).is_success
+    run(plane, never)
+    d = _submit(plane, client, token, "after-never", {"resume_from": never})
+    run(plane, d)
+    assert "resumed from step 0: ''" in rank_log(plane, d) and "committed 1" in rank_log(plane, d)
+    assert _owner(plane.executor.job_dir(never) / "ckpt") == plane.store.job(d).handle["uid"]
 
 
 def test_what_the_earlier_job_planted_moves_nothing_outside(plane):

@@ -58,7 +58,8 @@ def default_ckpt(ckpt_root: Path | None, job: JobRow) -> str | None:
 def own_dirs(job: JobRow, ckpt_root: Path | None) -> tuple[str, ...]:
     """The checkpoint directories the executor makes for the job before its ranks start (owned by its
     uid with ``isolation.uid_base``: that uid cannot create them in the state dir itself): its default
-    location when it uses it, and each directory location of its spec under its tenant's own prefix
+    location when it uses it (or that of the job it resumes, which may never have run), and each
+    directory location of its spec under its tenant's own prefix
     ``<state dir>/tenants/<tenant>/`` (checked at submission; a granted prefix elsewhere is the admin's
     to prepare)."""
     ck = job.spec.get("checkpoint") or {}
@@ -67,6 +68,9 @@ def own_dirs(job: JobRow, ckpt_root: Path | None) -> tuple[str, ...]:
         return (default,) if default else ()
     if ckpt_root is None:
         return ()
+    resumed = str(ckpt_root / ck["resume_from"] / "ckpt") if ck.get("resume_from") else None
+    if resumed is not None and ck.get("tiers") is None and ck.get("url") == resumed:
+        return (resumed,)  # the default location of the job it resumes: made here if that job never ran
     from tidal.control.locations import TENANTS_DIRNAME, locations
 
     prefix = (ckpt_root.parent / TENANTS_DIRNAME / job.tenant).resolve()
