@@ -186,8 +186,8 @@ def test_hand_over_moves_only_the_earlier_uids_plain_entries(tmp_path):
     for link in (loc / "dir-link", step / "file-link"):
         os.lchown(link, A, A)
     os.link(mine, step / "hard")
-    os.mkfifo(loc / "fifo")
-    os.chown(loc / "fifo", A, A)
+    os.mkfifo(loc / "fi\nfo")  # a name on two lines: the log line naming it stays one line
+    os.chown(loc / "fi\nfo", A, A)
     mnt = _make(loc / "mnt", A)
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tidal-test", str(mnt)],
                              capture_output=True).returncode == 0
@@ -205,12 +205,13 @@ def test_hand_over_moves_only_the_earlier_uids_plain_entries(tmp_path):
     assert owners == {"outside": A, "outside/mine": A, "loc/step_000000000001": B,
                       "loc/step_000000000001/r0.bin": B, "loc/step_000000000001/foreign": OTHER,
                       "loc/dir-link": A, "loc/step_000000000001/file-link": A,
-                      "loc/step_000000000001/hard": A, "loc/fifo": A, "loc/mnt": A if mounted else B,
+                      "loc/step_000000000001/hard": A, "loc/fi\nfo": A, "loc/mnt": A if mounted else B,
                       **({"loc/mnt/on-another-fs": A} if mounted else {})}
     assert got.moved == 3 + (0 if mounted else 1)
+    assert not any("\n" in line for line in got.skipped)
     why = "\n".join(got.skipped)
     for part in ("foreign: owned by uid 200303", "dir-link: a symbolic link", "file-link: a symbolic link",
-                 "hard: 2 hard links", "fifo: not a regular file", *(["mnt: another filesystem"] * mounted)):
+                 "hard: 2 hard links", "/fi\\nfo: not a regular", *["mnt: another filesystem"] * mounted):
         assert part in why, why
     assert again.moved == 0  # nothing of A's is left to move
 

@@ -83,14 +83,14 @@ def hand_over(root: Path, from_uids: Iterable[int], owner: tuple[int, int], *, m
     running = uid_processes(src)
     if running:
         pid, uid = running[0]
-        raise HandOverError(f"checkpoint location {root}: process {pid} of uid {uid} (the job whose "
+        raise HandOverError(f"checkpoint location {_shown(root)}: process {pid} of uid {uid} (the job whose "
                             "location this job takes over) still runs; not handing it over")
     try:
         fd = os.open(root, _DIR_FLAGS)
     except FileNotFoundError:
         return done
     except OSError as e:
-        raise HandOverError(f"checkpoint location {root}: not a directory (or a symbolic link): "
+        raise HandOverError(f"checkpoint location {_shown(root)}: not a directory (or a symbolic link): "
                             f"{e.strerror}") from None
     try:
         walk = _Walk(src, owner, max_depth, max_entries)
@@ -123,8 +123,7 @@ class _Walk:
             p = path / name
             self.seen += 1
             if self.seen > self.max_entries:
-                raise HandOverError(f"checkpoint location: more than {self.max_entries} entries (at {p}); "
-                                    "not a checkpoint location's layout, not handing it over")
+                raise _unlike(f"more than {self.max_entries} entries (at {_shown(p)})")
             efd = os.open(name, _PATH_FLAGS, dir_fd=dfd)
             try:
                 est = os.fstat(efd)
@@ -134,8 +133,7 @@ class _Walk:
                 elif not stat.S_ISDIR(est.st_mode):
                     self._chown(lambda efd=efd: os.chown(f"/proc/self/fd/{efd}", *self.owner))  # that inode
                 elif depth + 1 >= self.max_depth:
-                    raise HandOverError(f"checkpoint location: {p} is more than {self.max_depth} directories "
-                                        "deep; not a checkpoint location's layout, not handing it over")
+                    raise _unlike(f"{_shown(p)} is more than {self.max_depth} directories deep")
                 else:
                     sub = os.open(".", _DIR_FLAGS, dir_fd=efd)  # the directory pinned, not its name again
                     try:
@@ -152,7 +150,17 @@ class _Walk:
 
     def _skip(self, path: Path, why: str) -> None:
         if self.act:
-            self.done.skipped.append(f"{path}: {why}")
+            self.done.skipped.append(f"{_shown(path)}: {why}")
+
+
+def _unlike(what: str) -> HandOverError:
+    return HandOverError(f"checkpoint location: {what}; not a checkpoint location's layout, not handing it "
+                         "over")
+
+
+def _shown(p: Path) -> str:
+    """``p`` on one line: a name the earlier job chose may hold a newline or bytes that are no UTF-8."""
+    return repr(str(p))[1:-1]
 
 
 def _why_not(st: os.stat_result, parent: os.stat_result, src: set[int]) -> str | None:
