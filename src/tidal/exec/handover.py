@@ -19,7 +19,10 @@ the owner of what the earlier job's uid owns in the location to the new job's ui
 
 What is left as it was is listed in :attr:`HandOver.skipped` (the executor logs it): the new job's
 checkpoint engine never reads a linked file or a FIFO anyway, and may remove them (it owns their
-directories).
+directories). The earlier uids are those of ended jobs of the new job's tenant at that location
+(:func:`tidal.control.job_views.taken_over`), so whatever path the earlier job arranged, only inodes
+of that tenant's ended jobs can change owner, and only to a job of the same tenant; the plane's files
+(root's: logs, ``control.json``, tokens) and other tenants' never do.
 """
 
 from __future__ import annotations

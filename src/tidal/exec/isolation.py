@@ -15,7 +15,8 @@ Always: a clean environment (the job's ``env``, the platform's variables, the na
 a shared-memory directory per job (``TIDAL_SHM_DIR``) freed after the job ends. With ``uid_base``
 (``tidal up`` as root): every rank runs as an unprivileged uid/gid with no supplementary groups and
 no ``/etc/passwd`` entry; the job owns its private area, progress directory, shm directory and
-default checkpoint directory; everything else of the state dir stays root's.
+default checkpoint directory, and a location it takes over with ``resume_from`` is handed to its uid
+(:mod:`tidal.exec.handover`); everything else of the state dir stays root's.
 """
 
 from __future__ import annotations
