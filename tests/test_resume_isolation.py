@@ -105,8 +105,8 @@ def test_resume_from_an_ended_job_of_another_uid(plane):
     assert _owner(plane.executor.home_dir(a)) == uid_a
     assert _owner(plane.executor.attempt_dir(a, 1) / "progress") == uid_a
     assert _owner(plane.executor.log_path(a, 0)) == 0
-    # and a third job resumes the chain (from the second job's uid)
-    c = _submit(plane, client, token, "third", {"resume_from": b})
+    # a third job resumes the first again: the location is the second's now (its uid's, moved too)
+    c = _submit(plane, client, token, "third", {"resume_from": a})
     run(plane, c)
     assert f"resumed from step 2: '{a};{b};'" in rank_log(plane, c), rank_log(plane, c)
     # a job that never ran (cancelled while pending) has no location yet: the plane makes it for the next
