@@ -12,7 +12,7 @@ from tidal import contract as c
 from tidal.contract import DEFAULT_GRACE_S
 from tidal.control.states import HELD, TERMINAL
 from tidal.control.states import State as S
-from tidal.control.store import JobRow, NotFound, Store
+from tidal.control.store import JobRow, Store
 from tidal.model import Job, Tenant
 
 
@@ -81,10 +81,10 @@ def own_dirs(job: JobRow, ckpt_root: Path | None) -> tuple[str, ...]:
     return tuple(loc for kind, loc, _ in locs if kind == "dir" and Path(loc).resolve().is_relative_to(prefix))
 
 
-def taken_over(job: JobRow, store: Store) -> tuple[tuple[str, ...], tuple[int, ...]]:
-    """The checkpoint directories ``job`` took over with ``resume_from`` and the uids the ended jobs of its
-    tenant at them ran as (the job it resumes, and those of the chain before it: each ran as its own uid
-    with ``isolation: {per: job}``), from their handles; ``((), ())`` for a job that resumes nothing."""
+def taken_over(job: JobRow, store: Store) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The checkpoint directories ``job`` took over with ``resume_from`` and the ended jobs of its tenant
+    at them (the job it resumes, and those that resumed each other there before: with ``isolation: {per:
+    job}`` each ran as its own uid); ``((), ())`` for a job that resumes nothing."""
     ck = job.spec.get("checkpoint") or {}
     rid = ck.get("resume_from")
     if not rid:
@@ -99,15 +99,7 @@ def taken_over(job: JobRow, store: Store) -> tuple[tuple[str, ...], tuple[int, .
     earlier = {rid} | {jid for jid, tenant, loc, state in store.ckpt_locations()
                        if jid != job.id and tenant == job.tenant and S(state) in TERMINAL
                        and any(overlaps(loc, d) for d in dirs)}
-    uids = set()
-    for jid in earlier:
-        try:
-            uid = (store.job(jid).handle or {}).get("uid")
-        except NotFound:
-            continue
-        if isinstance(uid, int):
-            uids.add(uid)
-    return (dirs, tuple(sorted(uids))) if dirs and uids else ((), ())
+    return (dirs, tuple(sorted(earlier))) if dirs else ((), ())
 
 
 def job_env(job: JobRow, ckpt_root: Path | None, max_interval_s: float) -> dict[str, str]:

@@ -31,8 +31,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from tidal.contract import PROGRESS_DIRNAME, RAY_AUTH_TOKEN_ENV
+from tidal.contract import LAUNCH_FILE, PROGRESS_DIRNAME, RAY_AUTH_TOKEN_ENV, attempt_dirname
 from tidal.exec.cgroups import MIN_MEMORY_BYTES
+from tidal.exec.files import read_json
 
 DEFAULT_PASS_ENV = (
     "PATH",
@@ -135,10 +136,30 @@ class Uids:
             os.replace(tmp, self.path)
         return self.base + self._map[key]
 
+    def known(self, key: str) -> int | None:
+        """The uid of ``key`` (a job id, or ``tenant:<name>``) if one was allocated; allocates none."""
+        return self.base + self._map[key] if key in self._map else None
+
     def owner(self, per: str, job_id: str, tenant: str | None) -> tuple[int, int]:
         """The uid and gid a job's ranks run as: its tenant's (``per: tenant``, if it has one) or its own."""
         uid = self.uid(job_id if per == "job" or not tenant else f"tenant:{tenant}")
         return uid, uid
+
+
+def ran_as(uids: Uids | None, jobs: Iterable[tuple[str, Path]]) -> tuple[int, ...]:
+    """The uids ended jobs ``(job id, job directory)`` ran as: each one's own uid (``per: job``) if it was
+    given one, and the owners its attempts' ``launch.json`` recorded (``per: tenant``: its tenant's)."""
+    if uids is None:
+        return ()
+    out = set()
+    for job_id, d in jobs:
+        if (uid := uids.known(job_id)) is not None:
+            out.add(uid)
+        for launch in sorted(d.glob(f"{attempt_dirname('*')}/{LAUNCH_FILE}")):
+            o = recorded_owner(read_json(launch) or {})
+            if o is not None:
+                out.add(o[0])
+    return tuple(sorted(out))
 
 
 def recorded_owner(launch: Mapping[str, Any]) -> tuple[int, int] | None:
@@ -176,7 +197,8 @@ def make_job_dirs(root: Path, job_dir: Path, attempt_dir: Path, home: Path, own_
     0700, logs 0700; the job's own (``progress/``, its private area ``home`` and ``home/tmp``, the
     ``own_dirs`` in the state dir not there yet: its checkpoint directories) 0700 and owned by its uid,
     under directories of the plane's like the job's. With uids, what the uids ``take_over_from`` own in
-    the checkpoint directories ``take_over`` (taken over with ``resume_from``) becomes the job's
+    the checkpoint directories ``take_over`` (taken over with ``resume_from``; :func:`ran_as`) becomes the
+    job's
     (:func:`tidal.exec.handover.hand_over`; ``HandOverError``, an ``OSError``, when it may not)."""
     mode = 0o711 if owner is not None else 0o700
     private_dir(job_dir, mode)
