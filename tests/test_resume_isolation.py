@@ -179,7 +179,7 @@ def test_hand_over_moves_only_the_earlier_uids_plain_entries(tmp_path):
     mine = _make(outside / "mine", A, "a")
     loc = _make(tmp_path / "loc", A)
     step = _make(loc / "step_000000000001", A)
-    _make(step / "r0.bin", A, "data")
+    _make(step / "r0.bin", A, "data").chmod(0o6755)  # set-id bits: cleared when it moves
     _make(step / "foreign", OTHER, "x")
     os.symlink(outside, loc / "dir-link")
     os.symlink(mine, step / "file-link")
@@ -214,6 +214,7 @@ def test_hand_over_moves_only_the_earlier_uids_plain_entries(tmp_path):
                  "hard: 2 hard links", "/fi\\nfo: not a regular", *["mnt: another filesystem"] * mounted):
         assert part in why, why
     assert again.moved == 0  # nothing of A's is left to move
+    assert stat.S_IMODE(os.stat(step / "r0.bin").st_mode) == 0o755
 
 
 def test_hand_over_refuses_a_link_a_deep_or_a_huge_tree_changing_nothing(tmp_path):

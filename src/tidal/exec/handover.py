@@ -10,7 +10,8 @@ the owner of what the earlier job's uid owns in the location to the new job's ui
 * only directories and regular files with one link: a symbolic link is neither followed nor changed, a
   file with more than one hard link (it is also somewhere outside) is left as it is, and so are FIFOs,
   sockets and devices (never opened: each entry is pinned with ``O_PATH | O_NOFOLLOW`` and checked by
-  ``fstat`` on that descriptor, and the owner set on the very inode checked; no name is looked up twice);
+  ``fstat`` on that descriptor, and the owner set on the very inode checked; no name is looked up twice;
+  a file's set-user-id and set-group-id bits are cleared);
 * never below another filesystem mounted inside the location, and never deeper than
   :data:`MAX_DEPTH` levels or past :data:`MAX_ENTRIES` entries (a checkpoint location is two levels:
   ``step_<n>/<file>``; a deeper or larger tree is refused in one line naming it);
@@ -36,7 +37,7 @@ from pathlib import Path
 MAX_DEPTH = 8
 MAX_ENTRIES = 200_000
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_PATH_FLAGS = getattr(os, "O_PATH", 0) | os.O_NOFOLLOW | os.O_CLOEXEC
+_PATH_FLAGS = getattr(os, "O_PATH", 0) | os.O_NOFOLLOW | os.O_CLOEXEC  # Linux (checked before use)
 
 
 class HandOverError(OSError):
@@ -83,6 +84,8 @@ def hand_over(root: Path, from_uids: Iterable[int], owner: tuple[int, int], *, m
     done = HandOver()
     if not src:
         return done
+    if not hasattr(os, "O_PATH") or not os.path.isdir("/proc/self/fd"):
+        raise HandOverError("handing a checkpoint location over to another uid needs Linux (O_PATH, /proc)")
     running = uid_processes(src)
     if running:
         pid, uid = running[0]
@@ -134,7 +137,7 @@ class _Walk:
                 if why is not None:
                     self._skip(p, why)
                 elif not stat.S_ISDIR(est.st_mode):
-                    self._chown(lambda efd=efd: os.chown(f"/proc/self/fd/{efd}", *self.owner))  # that inode
+                    self._chown(lambda efd=efd, mode=est.st_mode: self._file(efd, mode))
                 elif depth + 1 >= self.max_depth:
                     raise _unlike(f"{_shown(p)} is more than {self.max_depth} directories deep")
                 else:
@@ -145,6 +148,12 @@ class _Walk:
                         os.close(sub)
             finally:
                 os.close(efd)
+
+    def _file(self, efd: int, mode: int) -> None:
+        """The owner of the pinned inode itself (through its descriptor), without set-id bits."""
+        os.chown(f"/proc/self/fd/{efd}", *self.owner)
+        if mode & (stat.S_ISUID | stat.S_ISGID):
+            os.chmod(f"/proc/self/fd/{efd}", stat.S_IMODE(mode) & ~(stat.S_ISUID | stat.S_ISGID))
 
     def _chown(self, do) -> None:
         if self.act:
