@@ -235,3 +235,4 @@ def test_hand_over_refuses_a_link_a_deep_or_a_huge_tree_changing_nothing(tmp_pat
     assert hand_over(tmp_path / "missing", [A], (B, B)).moved == 0
     assert hand_over(loc, [B], (B, B)).moved == 0  # its own uid: nothing to do
     assert hand_over(loc, [A], (B, B)).moved == 11
+
