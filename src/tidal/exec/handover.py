@@ -9,9 +9,10 @@ the owner of what the earlier job's uid owns in the location to the new job's ui
   root's never move, whatever the earlier job made point at them;
 * only directories and regular files with one link: a symbolic link is neither followed nor changed, a
   file with more than one hard link (it is also somewhere outside) is left as it is, and so are FIFOs,
-  sockets and devices (never opened: each entry is pinned with ``O_PATH | O_NOFOLLOW`` and checked by
-  ``fstat`` on that descriptor, and the owner set on the very inode checked; no name is looked up twice;
-  a file's set-user-id and set-group-id bits are cleared);
+  sockets and devices (never opened: each entry is checked by ``lstat``, then one to move is pinned with
+  ``O_PATH | O_NOFOLLOW``, checked again by ``fstat`` on that descriptor, and its owner set on the very
+  inode checked; a directory is opened with ``O_DIRECTORY | O_NOFOLLOW`` and must be the one checked; a
+  moved file's set-user-id and set-group-id bits are cleared);
 * never below another filesystem mounted inside the location, and never deeper than
   :data:`MAX_DEPTH` levels or past :data:`MAX_ENTRIES` entries (a checkpoint location is two levels:
   ``step_<n>/<file>``; a deeper or larger tree is refused in one line naming it);
@@ -35,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 MAX_DEPTH = 8
-MAX_ENTRIES = 200_000
+MAX_ENTRIES = 100_000
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _PATH_FLAGS = getattr(os, "O_PATH", 0) | os.O_NOFOLLOW | os.O_CLOEXEC  # Linux (checked before use)
 
@@ -119,35 +120,41 @@ class _Walk:
     done: HandOver = field(default_factory=HandOver)
 
     def walk_dir(self, dfd: int, path: Path, depth: int) -> None:
-        """Directory ``dfd`` (at ``path``): its own owner, then its entries, each pinned by a descriptor."""
+        """Directory ``dfd`` (at ``path``): its own owner, then its entries (``lstat`` through ``dfd``; one
+        to move or walk is opened without following links and checked again on its descriptor)."""
         st = os.fstat(dfd)
         if st.st_uid in self.src:
             self._chown(lambda: os.fchown(dfd, *self.owner))
         else:
             self._skip(path, f"owned by uid {st.st_uid}")
-        for name in os.listdir(dfd):
+        with os.scandir(dfd) as it:
+            entries = [(e.name, e.stat(follow_symlinks=False)) for e in it]
+        for name, est in entries:
             p = path / name
             self.seen += 1
             if self.seen > self.max_entries:
                 raise _unlike(f"more than {self.max_entries} entries (at {_shown(p)})")
-            efd = os.open(name, _PATH_FLAGS, dir_fd=dfd)
-            try:
-                est = os.fstat(efd)
-                why = _why_not(est, st, self.src)
-                if why is not None:
-                    self._skip(p, why)
-                elif not stat.S_ISDIR(est.st_mode):
-                    self._chown(lambda efd=efd, mode=est.st_mode: self._file(efd, mode))
-                elif depth + 1 >= self.max_depth:
+            why = _why_not(est, st, self.src)
+            if why is not None:
+                self._skip(p, why)
+            elif stat.S_ISDIR(est.st_mode):
+                if depth + 1 >= self.max_depth:
                     raise _unlike(f"{_shown(p)} is more than {self.max_depth} directories deep")
-                else:
-                    sub = os.open(".", _DIR_FLAGS, dir_fd=efd)  # the directory pinned, not its name again
-                    try:
-                        self.walk_dir(sub, p, depth + 1)
-                    finally:
-                        os.close(sub)
-            finally:
-                os.close(efd)
+                sub = os.open(name, _DIR_FLAGS, dir_fd=dfd)  # a link or FIFO swapped in: refused, unopened
+                try:
+                    _same(os.fstat(sub), est, p)
+                    self.walk_dir(sub, p, depth + 1)
+                finally:
+                    os.close(sub)
+            elif self.act:
+                efd = os.open(name, _PATH_FLAGS, dir_fd=dfd)  # pinned: the inode checked is the one changed
+                try:
+                    now = os.fstat(efd)
+                    _same(now, est, p)
+                    if _why_not(now, st, self.src) is None:
+                        self._chown(lambda efd=efd, mode=now.st_mode: self._file(efd, mode))
+                finally:
+                    os.close(efd)
 
     def _file(self, efd: int, mode: int) -> None:
         """The owner of the pinned inode itself (through its descriptor), without set-id bits."""
@@ -163,6 +170,12 @@ class _Walk:
     def _skip(self, path: Path, why: str) -> None:
         if self.act:
             self.done.skipped.append(f"{_shown(path)}: {why}")
+
+
+def _same(now: os.stat_result, then: os.stat_result, p: Path) -> None:
+    if (now.st_dev, now.st_ino) != (then.st_dev, then.st_ino):
+        raise HandOverError(f"checkpoint location: {_shown(p)} changed during the hand-over; not handing it "
+                            "over")
 
 
 def _unlike(what: str) -> HandOverError:
