@@ -125,7 +125,7 @@ class _Walk:
         st = os.fstat(dfd)
         if st.st_uid in self.src:
             self._chown(lambda: os.fchown(dfd, *self.owner))
-        else:
+        elif st.st_uid != self.owner[0]:
             self._skip(path, f"owned by uid {st.st_uid}")
         with os.scandir(dfd) as it:
             entries = [(e.name, e.stat(follow_symlinks=False)) for e in it]
@@ -134,6 +134,8 @@ class _Walk:
             self.seen += 1
             if self.seen > self.max_entries:
                 raise _unlike(f"more than {self.max_entries} entries (at {_shown(p)})")
+            if est.st_uid == self.owner[0] and not stat.S_ISDIR(est.st_mode):
+                continue  # the job's already (an earlier attempt's): nothing to say
             why = _why_not(est, st, self.src)
             if why is not None:
                 self._skip(p, why)

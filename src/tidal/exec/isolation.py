@@ -198,8 +198,7 @@ def make_job_dirs(root: Path, job_dir: Path, attempt_dir: Path, home: Path, own_
     ``own_dirs`` in the state dir not there yet: its checkpoint directories) 0700 and owned by its uid,
     under directories of the plane's like the job's. With uids, what the uids ``take_over_from`` own in
     the checkpoint directories ``take_over`` (taken over with ``resume_from``; :func:`ran_as`) becomes the
-    job's
-    (:func:`tidal.exec.handover.hand_over`; ``HandOverError``, an ``OSError``, when it may not)."""
+    job's (:func:`tidal.exec.handover.hand_over`; ``HandOverError``, an ``OSError``, when it may not)."""
     mode = 0o711 if owner is not None else 0o700
     private_dir(job_dir, mode)
     private_dir(job_dir / "logs", 0o700)
@@ -220,7 +219,7 @@ def make_job_dirs(root: Path, job_dir: Path, attempt_dir: Path, home: Path, own_
         for d in take_over:
             got = hand_over(Path(d), take_over_from, owner)
             if got.skipped:
-                log.warning("checkpoint location %s handed over to uid %d (%d entries); left as they "
+                log.warning("checkpoint location %r handed over to uid %d (%d entries); left as they "
                             "were: %s", d, owner[0], got.moved, "; ".join(got.skipped[:5])
                             + (f"; ... ({len(got.skipped)} in all)" if len(got.skipped) > 5 else ""))
 
