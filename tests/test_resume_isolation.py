@@ -236,3 +236,34 @@ def test_hand_over_refuses_a_link_a_deep_or_a_huge_tree_changing_nothing(tmp_pat
     assert hand_over(loc, [B], (B, B)).moved == 0  # its own uid: nothing to do
     assert hand_over(loc, [A], (B, B)).moved == 11
 
+
+
+def test_an_entry_swapped_under_the_walk_is_refused_and_not_changed(tmp_path, monkeypatch):
+    """Between the ``lstat`` of a name and its change, the name comes to be a hard link to root's file
+    (as if the earlier uid still ran): the pinned inode is not the one checked, nothing of root's moves."""
+    loc = _make(tmp_path / "loc", A)
+    step = _make(loc / "step_000000000001", A)
+    _make(step / "r0.bin", A, "data")
+    victim = tmp_path / "victim"
+    victim.write_text("root's")
+    listings = []
+    real = os.scandir
+
+    class Swapping:
+        def __init__(self, fd):
+            self.it = real(fd)
+
+        def __enter__(self):
+            return self.it.__enter__()
+
+        def __exit__(self, *exc):
+            self.it.__exit__(*exc)
+            listings.append(1)
+            if len(listings) == 4:  # the second walk has just listed the step: swap its file
+                os.link(victim, step / ".swap")
+                os.replace(step / ".swap", step / "r0.bin")
+
+    monkeypatch.setattr(os, "scandir", Swapping)
+    with pytest.raises(HandOverError, match=r"step_000000000001/r0.bin changed during the hand-over"):
+        hand_over(loc, [A], (B, B))
+    assert (os.stat(victim).st_uid, victim.read_text()) == (0, "root's")
