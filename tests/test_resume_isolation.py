@@ -69,7 +69,7 @@ def plane():
 
 
 def _submit(plane, client: TestClient, token: str, name: str, checkpoint: dict | None = None,
-            plant: str | None = None, env: dict | None = None) -> str:
+            plant: bool = False, env: dict | None = None) -> str:
     train = [PY, "-I", "-c", TRAIN]
     command = ["/bin/sh", "-c", PLANT + 'exec "$@"', "plant", *train] if plant else train
     spec = {"name": name, "gpus": 1, "max_restarts": 0, "command": command,
@@ -125,7 +125,7 @@ def test_what_the_earlier_job_planted_moves_nothing_outside(plane):
     target = plane.state_dir.parent / "shadow"  # root's, as /etc/shadow
     target.write_text("root-secret\n")
     target.chmod(0o644)
-    a = _submit(plane, client, token, "planter", plant="yes", env={"TARGET": str(target)})
+    a = _submit(plane, client, token, "planter", plant=True, env={"TARGET": str(target)})
     run(plane, a)
     assert plane.store.job(a).state == "succeeded", rank_log(plane, a)
     uid_a = plane.store.job(a).handle["uid"]
@@ -140,7 +140,8 @@ def test_what_the_earlier_job_planted_moves_nothing_outside(plane):
     assert (_owner(target), stat.S_IMODE(os.stat(target).st_mode), target.read_text()) == (0, 0o644,
                                                                                             "root-secret\n")
     assert _owner(home) == uid_a and _owner(home / "own") == uid_a  # not through a link, nor a hard link
-    assert stat.S_ISFIFO(os.lstat(loc / "fifo").st_mode)
+    assert stat.S_ISFIFO(os.lstat(loc / "fifo").st_mode) and _owner(loc / "fifo") == uid_a
+    assert _owner(loc / "extra") == uid_b and _owner(loc / "extra" / "deeper") == uid_a
 
 
 def test_a_process_of_the_earlier_uid_still_running_stops_the_take_over(plane):
