@@ -13,6 +13,8 @@ interpreter lives under /root, 0700). Made once with
 
 The ranks import this tree's ``tidal`` (``PYTHONPATH=<repo>/src`` in the job's ``env``). It prints the
 job's end, where its ranks ran, rank 0's log and who owns the job's progress and checkpoints.
+``--resume``: with ``per: job``, then a second job (its own uid) ``resume_from`` the first: the step
+it starts at, who owns the location after it (the hand-over, tidal.exec.handover).
 """
 import argparse
 import json
@@ -37,6 +39,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ray", action="store_true", help="on a local 3-node Ray cluster (--executor ray)")
     ap.add_argument("--gpus", type=int, default=2, help="ranks (on Ray 3 spans nodes: n1 has 2 GPUs)")
+    ap.add_argument("--resume", action="store_true", help="per: job, then a second job resumes the first")
     ap.add_argument("--job-python", default=sys.executable, help="the ranks' interpreter (other uids must "
                     "be able to run it)")
     a = ap.parse_args()
@@ -47,26 +50,32 @@ def main() -> None:
         import ray_cluster
 
         rc = ray_cluster.start()
-        p = Plane(base, CONFIG.format(base=base), gpus=None,
+        p = Plane(base, CONFIG.format(base=base) + ("  per: job\n" if a.resume else ""), gpus=None,
                   args=("--executor", "ray", "--ray-address", rc.address))
         rc.state_roots.append(p.state / "jobs")
     else:
-        p = Plane(base, CONFIG.format(base=base), gpus=a.gpus)
+        p = Plane(base, CONFIG.format(base=base) + ("  per: job\n" if a.resume else ""), gpus=a.gpus)
     try:
         p.start()
         c = TidalClient(p.url, p.admin.create_tenant("alice", quota_gpus=a.gpus)["token"])
-        jid = c.submit(
-            {
-                "name": "gpt",
-                "gpus": a.gpus,
-                "max_restarts": 0,
-                "workdir": str(REPO),
-                "env": {"PYTHONPATH": str(REPO / "src")},
-                "command": [a.job_python, "examples/gpt/train.py", "--parallel", "ddp", "--steps", "20",
-                            "--ckpt-every", "10", "--global-batch", str(2 * a.gpus), *TINY],
-            }
-        )["id"]
-        wait_until("job ends", lambda: c.job(jid)["state"] in ("succeeded", "failed", "cancelled"), 300)
+
+        def run(steps: int, **more) -> str:
+            jid = c.submit(
+                {
+                    "name": "gpt",
+                    "gpus": a.gpus,
+                    "max_restarts": 0,
+                    "workdir": str(REPO),
+                    "env": {"PYTHONPATH": str(REPO / "src")},
+                    "command": [a.job_python, "examples/gpt/train.py", "--parallel", "ddp", "--steps",
+                                str(steps), "--ckpt-every", "10", "--global-batch", str(2 * a.gpus), *TINY],
+                    **more,
+                }
+            )["id"]
+            wait_until("job ends", lambda: c.job(jid)["state"] in ("succeeded", "failed", "cancelled"), 300)
+            return jid
+
+        jid = run(20)
         job = c.job(jid)
         print("state", job["state"], job.get("message"))
         d = p.state / "jobs" / jid
@@ -78,6 +87,16 @@ def main() -> None:
         print("progress owner", progress.stat().st_uid, oct(progress.stat().st_mode & 0o777))
         ck = d / "ckpt"
         print("ckpt steps", sorted(x.name for x in ck.iterdir()), "owner", ck.stat().st_uid)
+        if a.resume:
+            second = run(30, checkpoint={"resume_from": jid})
+            job2 = c.job(second)
+            log = c.logs(second, rank=0)["data"]
+            launch2 = p.state / "jobs" / second / "attempt-1" / "launch.json"
+            owner2 = json.loads(launch2.read_text())["owner"]
+            print("second job", job2["state"], job2.get("message"), "owner", owner2)
+            print("\n".join(x for x in log.splitlines() if "starting at step" in x or "step    30" in x))
+            print("ckpt steps", sorted(x.name for x in ck.iterdir()),
+                  "owners", sorted({x.stat().st_uid for x in (ck, *ck.rglob("*"))}))
         left = [str(x.relative_to(base)) for x in (base / "shm").glob("**/*") if x.is_dir()]
         print("shm dirs left", sorted(left))
     finally:

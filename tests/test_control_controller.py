@@ -478,3 +478,27 @@ def test_node_loss_requeues_on_the_remaining_gpus_not_a_failure(tmp_path):
         ("b", 2),
     ]
     store.close()
+
+
+def test_a_resumed_location_is_taken_over_from_the_ended_jobs_of_the_tenant_there(tmp_path):
+    """``taken_over``: the job it resumes and the ended jobs of its tenant at (or in) that location; not
+    another tenant's, not one still pending, not one elsewhere; nothing for a job that resumes nothing."""
+    from tidal.control.job_views import taken_over
+    from tidal.control.spec import parse_spec
+    from tidal.control.store import JobRow
+
+    store = new_store(tmp_path, ("a", 2, 1.0), ("b", 2, 1.0))
+    loc = str(tmp_path / "loc")
+
+    def job(tenant: str, where: str, ended: bool = True, **ck) -> JobRow:
+        spec = parse_spec({"name": "j", "gpus": 1, "command": ["python"],
+                           "checkpoint": {"url": where}}).model_dump()
+        spec["checkpoint"].update(ck)  # as stored: resume_from with the location it took over
+        row = store.submit(tenant, spec, 0.0, ckpt_location=where)
+        return store.transition(row.id, State.CANCELLED, 1.0, "test") if ended else row
+
+    first, nested = job("a", loc), job("a", loc + "/sub")
+    job("b", loc), job("a", loc + "/sub2", ended=False), job("a", str(tmp_path / "elsewhere"))
+    resumer = job("a", loc, ended=False, resume_from=first.id)
+    assert taken_over(resumer, store) == ((loc,), tuple(sorted([first.id, nested.id])))
+    assert taken_over(first, store) == ((), ())

@@ -19,16 +19,14 @@ from pathlib import Path
 
 import pytest
 
+from iso_plane import ROOT, planes, rank_log, run
 from tidal.control.auth import create_tenant
 from tidal.control.config import ControlConfig
-from tidal.control.server import build
 from tidal.control.spec import parse_spec
 from tidal.exec.isolation import IsolationConfig
 
 pytestmark = pytest.mark.slow
 SECRET = "plane-secret-7f3a9c"
-ROOT = os.geteuid() == 0
-TERMINAL = ("succeeded", "failed", "cancelled")
 
 VICTIM = (
     'echo "VICTIM-LOG-MARK"; mkdir -p "$TIDAL_CKPT_URL" && echo "VICTIM-CKPT-MARK" > "$TIDAL_CKPT_URL/data"; '
@@ -51,66 +49,32 @@ ulimit -c | sed 's/^/CORE /'
 '''
 
 
-def _config(**iso) -> ControlConfig:
-    return ControlConfig(loop_interval_s=0.1, restart_backoff_s=0.1, isolation=IsolationConfig(**iso))
-
-
 def _submit(plane, tenant: str, name: str, script: str, env: dict | None = None) -> str:
     spec = parse_spec({"name": name, "gpus": 1, "max_restarts": 0, "command": ["/bin/sh", "-c", script],
                        "env": env or {}})
     return plane.store.submit(tenant, spec.model_dump(), time.time()).id
 
 
-def _run(plane, *job_ids: str, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        plane.controller.step(time.time())
-        if all(plane.store.job(j).state in TERMINAL for j in job_ids):
-            return
-        time.sleep(0.05)
-    raise AssertionError({j: (plane.store.job(j).state, plane.store.job(j).message) for j in job_ids})
-
-
 @pytest.fixture
 def plane_factory(monkeypatch):
     monkeypatch.setenv("TIDAL_TEST_SECRET", SECRET)  # in the plane's environment only
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
-    base = Path(tempfile.mkdtemp(prefix="tidal-iso-"))  # under /tmp: other uids may pass through (pytest's
-    base.chmod(0o711)  # tmp_path is under a 0700 directory), list nothing
-    made = []
-
-    def make(**iso):
-        iso.setdefault("shm_dir", str(base / "shm"))
-        p = build(base / "state", "2", None, _config(**iso))
-        p.controller.recover(time.time())
-        made.append(p)
-        return p
-
-    yield make
-    for p in made:
-        for job_id in list(p.executor._jobs):
-            p.executor.kill(job_id)
-        p.store.close()
-        p.executor.close()  # this process is no longer a subreaper
-    shutil.rmtree(base, ignore_errors=True)
-
-
-def _log(plane, job_id: str) -> str:
-    return Path(plane.executor.log_path(job_id, 0)).read_text()
+    with planes() as make:
+        yield make
 
 
 def _hostile_run(plane) -> tuple[str, str, str]:
     create_tenant(plane.store, "alice", quota_gpus=1)
     create_tenant(plane.store, "bob", quota_gpus=1)
     victim = _submit(plane, "alice", "victim", VICTIM)
-    _run(plane, victim)
-    assert plane.store.job(victim).state == "succeeded", _log(plane, victim)
-    assert "VICTIM-LOG-MARK" in _log(plane, victim)
+    run(plane, victim)
+    assert plane.store.job(victim).state == "succeeded", rank_log(plane, victim)
+    assert "VICTIM-LOG-MARK" in rank_log(plane, victim)
     shm = plane.executor.shm_dir(victim)
     hostile = _submit(plane, "bob", "peek", HOSTILE, {"STATE": str(plane.state_dir), "VICTIM": victim,
                                                       "VICTIM_SHM": str(shm)})
-    _run(plane, hostile)
-    return victim, hostile, _log(plane, hostile)
+    run(plane, hostile)
+    return victim, hostile, rank_log(plane, hostile)
 
 
 def test_environment_is_an_allow_list(plane_factory):
@@ -166,8 +130,8 @@ def test_a_location_under_the_tenants_prefix_is_made_for_its_uid(plane_factory):
     spec = parse_spec({"name": "own", "gpus": 1, "max_restarts": 0, "checkpoint": {"url": str(loc)},
                        "command": ["/bin/sh", "-c", 'echo ALICE-CKPT > "$TIDAL_CKPT_URL/data"']})
     job = plane.store.submit("alice", spec.model_dump(), time.time()).id
-    _run(plane, job)
-    assert plane.store.job(job).state == "succeeded", _log(plane, job)
+    run(plane, job)
+    assert plane.store.job(job).state == "succeeded", rank_log(plane, job)
     uid = plane.store.job(job).handle["uid"]
     assert (loc / "data").read_text() == "ALICE-CKPT\n"
     assert (os.stat(loc).st_uid, stat.S_IMODE(os.stat(loc).st_mode)) == (uid, 0o700)
@@ -175,8 +139,8 @@ def test_a_location_under_the_tenants_prefix_is_made_for_its_uid(plane_factory):
         assert (os.stat(d).st_uid, stat.S_IMODE(os.stat(d).st_mode)) == (0, 0o711), d
     peek = _submit(plane, "bob", "peek",
                    f'cat {loc}/data || echo "denied read"; ls {loc.parent} || echo "denied ls"')
-    _run(plane, peek)
-    log = _log(plane, peek)
+    run(plane, peek)
+    log = rank_log(plane, peek)
     assert "ALICE-CKPT" not in log and "denied read" in log and "denied ls" in log, log
 
 
@@ -222,15 +186,15 @@ def test_shm_of_an_ended_job_is_freed(plane_factory):
     plane = plane_factory(shm_retention_s=30)
     create_tenant(plane.store, "alice", quota_gpus=2)
     job = _submit(plane, "alice", "shm", 'echo data > "$TIDAL_SHM_DIR/state"; test -s "$TIDAL_SHM_DIR/state"')
-    _run(plane, job)
-    assert plane.store.job(job).state == "succeeded", _log(plane, job)
+    run(plane, job)
+    assert plane.store.job(job).state == "succeeded", rank_log(plane, job)
     shm = plane.executor.shm_dir(job)
     assert shm is not None and not shm.exists()  # no checkpoint at all: nothing to keep
     # a job whose newest step was only in node memory: kept until the retention ends
     job2 = _submit(plane, "alice", "shm2", 'echo data > "$TIDAL_SHM_DIR/state"; '
                    'echo \'{"event": "committed", "step": 5, "tiers": ["shm"], "time": 1}\' '
                    '> "$TIDAL_PROGRESS_DIR/progress-r00000.jsonl"; sleep 0.5')
-    _run(plane, job2)
+    run(plane, job2)
     assert plane.store.job(job2).ckpt_step == 5
     now = time.time()
     assert plane.controller.sweep_shm(now, force=True) == [] and plane.executor.shm_dir(job2).exists()
@@ -244,7 +208,7 @@ def test_orphan_shm_dirs_are_freed_at_start(plane_factory):
     plane = plane_factory()
     create_tenant(plane.store, "alice", quota_gpus=2)
     done = _submit(plane, "alice", "done", "true")
-    _run(plane, done)
+    run(plane, done)
     plane.store.update(done, ckpt_step=3, progress={"ckpt_step": 3, "durable_ckpt_step": 3})
     waiting = _submit(plane, "alice", "waiting", "true")  # pending: its directory (if any) stays
     root = plane.executor.shm_root
@@ -299,9 +263,9 @@ def test_memory_limit_kills_only_the_rank_over_it(plane_factory):
     create_tenant(plane.store, "alice", quota_gpus=2)
     hog = _submit(plane, "alice", "hog", f"exec {sys.executable} -c \"{HOG}\"")
     fine = _submit(plane, "alice", "fine", f"exec {sys.executable} -c \"print('FINE-DONE')\"")
-    _run(plane, hog, fine)
-    assert plane.store.job(fine).state == "succeeded" and "FINE-DONE" in _log(plane, fine)
-    log = _log(plane, hog)
+    run(plane, hog, fine)
+    assert plane.store.job(fine).state == "succeeded" and "FINE-DONE" in rank_log(plane, fine)
+    log = rank_log(plane, hog)
     assert plane.store.job(hog).state == "failed" and "HOG-START" in log and "HOG-SURVIVED" not in log
     assert "killed for memory: over isolation.max_memory_bytes (268435456 bytes)" in log
     assert [p.name for p in plane.executor.cgroups.root.iterdir() if p.is_dir()] == []  # rank cgroups removed

@@ -38,7 +38,7 @@ from tidal.contract import DEFAULT_GRACE_S
 from tidal.control import node_memory
 from tidal.control.accounting import account, describe_rank, rank_code
 from tidal.control.config import ControlConfig
-from tidal.control.job_views import job_env, own_dirs, scheduler_view
+from tidal.control.job_views import job_env, own_dirs, scheduler_view, taken_over
 from tidal.control.loan_nodes import lent_before
 from tidal.control.loans import DOC_KEY as LOANS_DOC
 from tidal.control.loans import LiveLoans
@@ -537,8 +537,10 @@ class Controller:
                               nominated_s=None, **fields)
         spec = job.spec
         env = self._env(job)
+        take_over, take_over_from = taken_over(job, self.store)
         req = LaunchRequest(job.id, attempt, tuple(spec["command"]), placement, spec.get("workdir"), env,
-                            tenant=job.tenant, own_dirs=own_dirs(job, self.ckpt_root))
+                            tenant=job.tenant, own_dirs=own_dirs(job, self.ckpt_root), take_over=take_over,
+                            take_over_from=take_over_from)
         try:
             handle = self.executor.launch(req, now_s)
         except Exception as e:  # a launch that fails is a failed attempt (restarts apply)

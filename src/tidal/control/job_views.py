@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tidal import contract as c
 from tidal.contract import DEFAULT_GRACE_S
-from tidal.control.states import HELD
+from tidal.control.states import HELD, TERMINAL
 from tidal.control.states import State as S
 from tidal.control.store import JobRow, Store
 from tidal.model import Job, Tenant
@@ -58,7 +58,8 @@ def default_ckpt(ckpt_root: Path | None, job: JobRow) -> str | None:
 def own_dirs(job: JobRow, ckpt_root: Path | None) -> tuple[str, ...]:
     """The checkpoint directories the executor makes for the job before its ranks start (owned by its
     uid with ``isolation.uid_base``: that uid cannot create them in the state dir itself): its default
-    location when it uses it, and each directory location of its spec under its tenant's own prefix
+    location when it uses it (or that of the job it resumes, which may never have run), and each
+    directory location of its spec under its tenant's own prefix
     ``<state dir>/tenants/<tenant>/`` (checked at submission; a granted prefix elsewhere is the admin's
     to prepare)."""
     ck = job.spec.get("checkpoint") or {}
@@ -67,6 +68,9 @@ def own_dirs(job: JobRow, ckpt_root: Path | None) -> tuple[str, ...]:
         return (default,) if default else ()
     if ckpt_root is None:
         return ()
+    resumed = str(ckpt_root / ck["resume_from"] / "ckpt") if ck.get("resume_from") else None
+    if resumed is not None and ck.get("tiers") is None and ck.get("url") == resumed:
+        return (resumed,)  # the default location of the job it resumes: made here if that job never ran
     from tidal.control.locations import TENANTS_DIRNAME, locations
 
     prefix = (ckpt_root.parent / TENANTS_DIRNAME / job.tenant).resolve()
@@ -75,6 +79,27 @@ def own_dirs(job: JobRow, ckpt_root: Path | None) -> tuple[str, ...]:
     except ValueError:
         return ()
     return tuple(loc for kind, loc, _ in locs if kind == "dir" and Path(loc).resolve().is_relative_to(prefix))
+
+
+def taken_over(job: JobRow, store: Store) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The checkpoint directories ``job`` took over with ``resume_from`` and the ended jobs of its tenant
+    at them (the job it resumes, and those that resumed each other there before: with ``isolation: {per:
+    job}`` each ran as its own uid); ``((), ())`` for a job that resumes nothing."""
+    ck = job.spec.get("checkpoint") or {}
+    rid = ck.get("resume_from")
+    if not rid:
+        return (), ()
+    from tidal.control.locations import locations, overlaps
+
+    try:
+        _, locs = locations(ck)
+    except ValueError:
+        return (), ()
+    dirs = tuple(loc for kind, loc, _ in locs if kind == "dir")
+    earlier = {rid} | {jid for jid, tenant, loc, state in store.ckpt_locations()
+                       if jid != job.id and tenant == job.tenant and S(state) in TERMINAL
+                       and any(overlaps(loc, d) for d in dirs)}
+    return (dirs, tuple(sorted(earlier))) if dirs else ((), ())
 
 
 def job_env(job: JobRow, ckpt_root: Path | None, max_interval_s: float) -> dict[str, str]:

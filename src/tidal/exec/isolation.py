@@ -15,7 +15,8 @@ Always: a clean environment (the job's ``env``, the platform's variables, the na
 a shared-memory directory per job (``TIDAL_SHM_DIR``) freed after the job ends. With ``uid_base``
 (``tidal up`` as root): every rank runs as an unprivileged uid/gid with no supplementary groups and
 no ``/etc/passwd`` entry; the job owns its private area, progress directory, shm directory and
-default checkpoint directory; everything else of the state dir stays root's.
+default checkpoint directory, and a location it takes over with ``resume_from`` is handed to its uid
+(:mod:`tidal.exec.handover`); everything else of the state dir stays root's.
 """
 
 from __future__ import annotations
@@ -23,14 +24,16 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import logging
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from tidal.contract import PROGRESS_DIRNAME, RAY_AUTH_TOKEN_ENV
+from tidal.contract import LAUNCH_FILE, PROGRESS_DIRNAME, RAY_AUTH_TOKEN_ENV, attempt_dirname
 from tidal.exec.cgroups import MIN_MEMORY_BYTES
+from tidal.exec.files import read_json
 
 DEFAULT_PASS_ENV = (
     "PATH",
@@ -43,6 +46,7 @@ DEFAULT_PASS_ENV = (
     "LD_LIBRARY_PATH",
     "CUDA_HOME",
 )
+log = logging.getLogger(__name__)
 UID_SPAN = 1 << 16  # uids uid_base .. uid_base + UID_SPAN - 1
 
 
@@ -132,10 +136,30 @@ class Uids:
             os.replace(tmp, self.path)
         return self.base + self._map[key]
 
+    def known(self, key: str) -> int | None:
+        """The uid of ``key`` (a job id, or ``tenant:<name>``) if one was allocated; allocates none."""
+        return self.base + self._map[key] if key in self._map else None
+
     def owner(self, per: str, job_id: str, tenant: str | None) -> tuple[int, int]:
         """The uid and gid a job's ranks run as: its tenant's (``per: tenant``, if it has one) or its own."""
         uid = self.uid(job_id if per == "job" or not tenant else f"tenant:{tenant}")
         return uid, uid
+
+
+def ran_as(uids: Uids | None, jobs: Iterable[tuple[str, Path]]) -> tuple[int, ...]:
+    """The uids ended jobs ``(job id, job directory)`` ran as: each one's own uid (``per: job``) if it was
+    given one, and the owners its attempts' ``launch.json`` recorded (``per: tenant``: its tenant's)."""
+    if uids is None:
+        return ()
+    out = set()
+    for job_id, d in jobs:
+        if (uid := uids.known(job_id)) is not None:
+            out.add(uid)
+        for launch in sorted(d.glob(f"{attempt_dirname('*')}/{LAUNCH_FILE}")):
+            o = recorded_owner(read_json(launch) or {})
+            if o is not None:
+                out.add(o[0])
+    return tuple(sorted(out))
 
 
 def recorded_owner(launch: Mapping[str, Any]) -> tuple[int, int] | None:
@@ -166,12 +190,15 @@ def check_reachable(*dirs: Path) -> None:
 
 
 def make_job_dirs(root: Path, job_dir: Path, attempt_dir: Path, home: Path, own_dirs: Iterable[str],
-                  owner: tuple[int, int] | None) -> None:
+                  owner: tuple[int, int] | None, take_over: Iterable[str] = (),
+                  take_over_from: Iterable[int] = ()) -> None:
     """A job's directories in the state dir (``root``'s parent), on either executor: the plane's (job,
     logs, attempt) 0711 with uids (a job's uid passes through to its own directories, lists nothing) else
     0700, logs 0700; the job's own (``progress/``, its private area ``home`` and ``home/tmp``, the
     ``own_dirs`` in the state dir not there yet: its checkpoint directories) 0700 and owned by its uid,
-    under directories of the plane's like the job's."""
+    under directories of the plane's like the job's. With uids, what the uids ``take_over_from`` own in
+    the checkpoint directories ``take_over`` (taken over with ``resume_from``; :func:`ran_as`) becomes the
+    job's (:func:`tidal.exec.handover.hand_over`; ``HandOverError``, an ``OSError``, when it may not)."""
     mode = 0o711 if owner is not None else 0o700
     private_dir(job_dir, mode)
     private_dir(job_dir / "logs", 0o700)
@@ -186,6 +213,15 @@ def make_job_dirs(root: Path, job_dir: Path, attempt_dir: Path, home: Path, own_
             for parent in reversed([q for q in p.parents if q.is_relative_to(state) and q != state]):
                 private_dir(parent, mode)  # e.g. tenants/ and tenants/<tenant>/: root's, passed through
             private_dir(p, 0o700, owner)
+    if owner is not None:
+        from tidal.exec.handover import hand_over
+
+        for d in take_over:
+            got = hand_over(Path(d), take_over_from, owner)
+            if got.skipped:
+                log.warning("checkpoint location %r handed over to uid %d (%d entries); left as they "
+                            "were: %s", d, owner[0], got.moved, "; ".join(got.skipped[:5])
+                            + (f"; ... ({len(got.skipped)} in all)" if len(got.skipped) > 5 else ""))
 
 
 def rank_rlimits(iso: IsolationConfig, owner: tuple[int, int] | None) -> dict[str, int]:

@@ -59,6 +59,7 @@ from tidal.exec.isolation import (
     default_shm_dir,
     make_job_dirs,
     private_dir,
+    ran_as,
     rank_rlimits,
     recorded_owner,
     require_root,
@@ -292,7 +293,8 @@ class LocalExecutor:
         """The job's directories (:func:`~tidal.exec.isolation.make_job_dirs`) and its shm directory (0700,
         with uids owned by its uid)."""
         make_job_dirs(self.root, self.job_dir(req.job_id), adir, self.home_dir(req.job_id), req.own_dirs,
-                      owner)
+                      owner, req.take_over,
+                      ran_as(self.uids, ((j, self.job_dir(j)) for j in req.take_over_from)))
         shm = self.shm_dir(req.job_id)
         if shm is not None and c.ENV_SHM_DIR not in req.env:
             private_dir(shm.parent, 0o711 if owner else 0o700)

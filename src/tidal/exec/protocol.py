@@ -52,6 +52,10 @@ class LaunchRequest:
     env: Mapping[str, str] = field(default_factory=dict)
     tenant: str | None = None  # whose job: the local executor may run each tenant as its own uid
     own_dirs: tuple[str, ...] = ()  # directories the job must own (its default checkpoint directory)
+    # checkpoint directories it takes over from ended jobs of its tenant (``resume_from``), and those
+    # jobs: with uids, what the uids they ran as own there becomes the job's (tidal.exec.handover)
+    take_over: tuple[str, ...] = ()
+    take_over_from: tuple[str, ...] = ()
 
     @property
     def world_size(self) -> int:

@@ -81,6 +81,7 @@ from tidal.exec.isolation import (
     clean_env,
     make_job_dirs,
     private_dir,
+    ran_as,
     rank_rlimits,
     recorded_owner,
     require_root,
@@ -287,7 +288,8 @@ class RayExecutor:
         try:
             owner = self.uids.owner(self.isolation.per, req.job_id, req.tenant) if self.uids else None
             make_job_dirs(self.root, self.job_dir(req.job_id), adir, self.home_dir(req.job_id), req.own_dirs,
-                          owner)
+                          owner, req.take_over,
+                          ran_as(self.uids, ((j, self.job_dir(j)) for j in req.take_over_from)))
         except (OSError, RuntimeError) as e:
             raise LaunchError(f"job {req.job_id}: cannot prepare its directories: {e}") from e
         self._remove_leftovers(req.job_id)
