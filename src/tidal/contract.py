@@ -5,7 +5,7 @@ every side, and ``tidal.policy``, may import it.
 * the environment variables Tidal sets or reads (``ENV_*``; their meanings and defaults are the
   table in :mod:`tidal.train.env` and docs/train.md) and the torchrun names (:func:`torchrun_env`
   builds one rank's);
-* exit codes (:data:`EXIT_PREEMPTED`);
+* exit codes (:data:`EXIT_PREEMPTED`, :data:`EXIT_FENCED`);
 * the files through which a job and its executor talk (progress, heartbeat, exit, pid, launch,
   control) and the layout of one attempt's directory;
 * the default grace period (:data:`DEFAULT_GRACE_S`): from a stop notice to the forced exit of a
@@ -34,6 +34,7 @@ ENV_GRACE_S = "TIDAL_GRACE_S"
 ENV_CKPT_URL = "TIDAL_CKPT_URL"
 ENV_CKPT_TIERS = "TIDAL_CKPT_TIERS"
 ENV_CKPT_INTERVAL_S = "TIDAL_CKPT_INTERVAL_S"
+ENV_ATTEMPT = "TIDAL_ATTEMPT"  # the attempt of the job these ranks belong to (1, 2, ...): its fence claim
 # Read by the runtime; set by a launcher or the user.
 ENV_CKPT_INTERVAL_STEPS = "TIDAL_CKPT_INTERVAL_STEPS"
 ENV_CKPT_KEEP = "TIDAL_CKPT_KEEP"
@@ -53,7 +54,7 @@ TORCHRUN_ENV = (ENV_RANK, ENV_WORLD_SIZE, ENV_LOCAL_RANK, ENV_LOCAL_WORLD_SIZE, 
                 ENV_MASTER_ADDR, ENV_MASTER_PORT)
 RESERVED_ENV = frozenset({
     *TORCHRUN_ENV, ENV_CUDA_VISIBLE_DEVICES, ENV_JOB_ID, ENV_CKPT_URL, ENV_CKPT_INTERVAL_S, ENV_PROGRESS_DIR,
-    ENV_CONTROL_FILE, ENV_GRACE_S, ENV_API_URL, ENV_TOKEN,
+    ENV_CONTROL_FILE, ENV_GRACE_S, ENV_API_URL, ENV_TOKEN, ENV_ATTEMPT,
     ENV_CKPT_TIERS,  # a spec names its tiers in checkpoint.tiers, where the location rules check them
     ENV_CKPT_AGENT_TOKEN, ENV_CKPT_AGENT_KEY,
 })
@@ -73,9 +74,12 @@ def torchrun_env(rank: int, world_size: int, master_port: int, *, master_addr: s
 
 # ------------------------------------------------------------------------------ exit codes
 EXIT_PREEMPTED = 75
-RAY_NODE_LABEL = "tidal.io/node"  # a Ray node's name for Tidal (ray start --labels tidal.io/node=NAME)
 """EX_TEMPFAIL from sysexits.h ("temporary failure, try again"): the job stopped on a notice (or its
 grace ran out) and resumes from its newest committed checkpoint. Never a failure."""
+EXIT_FENCED = 77
+"""EX_NOPERM from sysexits.h: a stale attempt's rank whose commit the fence of its checkpoint location
+refused (another job or a newer attempt of this one owns it now, :data:`FENCE_FILE`); it stops."""
+RAY_NODE_LABEL = "tidal.io/node"  # a Ray node's name for Tidal (ray start --labels tidal.io/node=NAME)
 # Ray's token authentication (Ray >= 2.52; docs/control.md, Isolation on Ray): the mode ("token") and the
 # token, given in the environment or as a file (0600) that only Ray's own user reads. Never a job's.
 RAY_AUTH_MODE_ENV = "RAY_AUTH_MODE"
@@ -113,6 +117,7 @@ def attempt_dirname(attempt: int | str) -> str:
 PROGRESS_DIRNAME = "progress"  # in an attempt's directory: what TIDAL_PROGRESS_DIR names
 LAUNCH_FILE = "launch.json"  # in an attempt's directory: the ranks' pids, written before any starts
 CONTROL_FILE = "control.json"  # in an attempt's directory: what TIDAL_CONTROL_FILE names
+FENCE_FILE = "fence.json"  # in a job's checkpoint directory: which job and attempt own it (tidal.ckpt.fence)
 
 
 def exit_file(rank: int) -> str:

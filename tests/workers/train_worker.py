@@ -9,6 +9,9 @@ computed from ``i``, so any rank can produce any sample). The checkpoint also ho
 and progress directory come from the environment (TIDAL_*); every step record carries ``data_rank``
 and ``indices``.
 
+``--hold-after K --hold-file F`` (a partitioned node, for fencing tests): after step K, wait until that
+step is committed, print ``holding K``, then wait until file F exists before training on.
+
 ``--die-at-checkpoint K``: rank ``--die-rank`` SIGKILLs itself from a progress writer the moment the
 session has captured its save of step K (``cp.save`` returned; checksums and commits are running in
 the background): a kill -9 in the middle of a save, at a known step.
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import time
 
 import torch
 from torch import nn
@@ -61,6 +65,8 @@ def main() -> None:
     ap.add_argument("--pad-mib", type=int, default=96)
     ap.add_argument("--die-at-checkpoint", type=int, default=None)
     ap.add_argument("--die-rank", type=int, default=1)
+    ap.add_argument("--hold-after", type=int, default=None)
+    ap.add_argument("--hold-file", default=None)
     args = ap.parse_args()
     rank = int(os.environ.get("RANK", "0"))
     writers = (
@@ -89,6 +95,11 @@ def main() -> None:
             s.step_done(step, loss=total / sampler.accum_steps, data_rank=s.rank,
                         indices=sampler.local_indices(step - 1))
             print(f"step {step}", flush=True)
+            if step == args.hold_after:
+                s.checkpoint(wait=True)
+                print(f"holding {step}", flush=True)
+                while not os.path.exists(args.hold_file):
+                    time.sleep(0.02)
 
 
 if __name__ == "__main__":

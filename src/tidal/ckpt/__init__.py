@@ -38,6 +38,7 @@ _WHERE = {
     "read_status": "engine.status",
     "CheckpointError": "errors",
     "CorruptionError": "errors",
+    "FencedError": "errors",
     "ManifestError": "errors",
     "NotFoundError": "errors",
     "SaveError": "errors",
@@ -63,6 +64,7 @@ __all__ = [
     "read_status",
     "CheckpointError",
     "CorruptionError",
+    "FencedError",
     "ManifestError",
     "NotFoundError",
     "SaveError",
@@ -81,6 +83,7 @@ if TYPE_CHECKING:
     from tidal.ckpt.errors import (
         CheckpointError,
         CorruptionError,
+        FencedError,
         ManifestError,
         NotFoundError,
         SaveError,

@@ -27,6 +27,11 @@ class SaveError(CheckpointError):
     """Persisting a step failed; the previous committed step is untouched."""
 
 
+class FencedError(SaveError):
+    """A commit refused by the fence of the checkpoint location: another job or a newer attempt of this
+    one owns it now (``tidal.ckpt.fence``), or its fence cannot be read. Nothing of the step is visible."""
+
+
 class TierError(CheckpointError, OSError):
     """A tier is unreachable, misconfigured, or refused a request (names the tier and what to check)."""
 

@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from tidal import contract as c
+from tidal.ckpt.fence import fence_launch
 from tidal.contract import torchrun_env
 from tidal.exec import cgroups, orphans, procs, shim
 from tidal.exec.files import read_json, write_json
@@ -246,6 +247,8 @@ class LocalExecutor:
         try:
             owner = self._owner(req)
             self._make_dirs(req, adir, owner)
+            # before any rank starts: the checkpoint location is this attempt's now (tidal.ckpt.fence)
+            fence_launch(req.env, req.job_id, req.attempt, req.workdir or self.home_dir(req.job_id))
         except (OSError, RuntimeError) as e:
             self._give_back(devices)
             raise LaunchError(f"job {req.job_id}: cannot prepare its directories: {e}") from e
@@ -312,7 +315,8 @@ class LocalExecutor:
         if shm is not None:
             base[c.ENV_SHM_DIR] = str(shm)
         platform = {**torchrun_env(r, req.world_size, port),
-                    c.ENV_JOB_ID: req.job_id, c.ENV_PROGRESS_DIR: str(adir / c.PROGRESS_DIRNAME),
+                    c.ENV_JOB_ID: req.job_id, c.ENV_ATTEMPT: str(req.attempt),
+                    c.ENV_PROGRESS_DIR: str(adir / c.PROGRESS_DIRNAME),
                     c.ENV_CONTROL_FILE: str(adir / c.CONTROL_FILE),
                     c.ENV_CUDA_VISIBLE_DEVICES: ",".join(map(str, devices)) if self.gpu else ""}
         return clean_env(self.isolation, self.home_dir(req.job_id), req.env, platform,

@@ -71,6 +71,7 @@ from pathlib import Path
 from typing import Any
 
 from tidal import contract as c
+from tidal.ckpt.fence import fence_launch
 from tidal.contract import torchrun_env
 from tidal.exec import ray_checks
 from tidal.exec.files import read_json, write_json
@@ -290,6 +291,8 @@ class RayExecutor:
             make_job_dirs(self.root, self.job_dir(req.job_id), adir, self.home_dir(req.job_id), req.own_dirs,
                           owner, req.take_over,
                           ran_as(self.uids, ((j, self.job_dir(j)) for j in req.take_over_from)))
+            # before any rank starts: the checkpoint location is this attempt's now (tidal.ckpt.fence)
+            fence_launch(req.env, req.job_id, req.attempt, req.workdir or self.home_dir(req.job_id))
         except (OSError, RuntimeError) as e:
             raise LaunchError(f"job {req.job_id}: cannot prepare its directories: {e}") from e
         self._remove_leftovers(req.job_id)
@@ -373,7 +376,8 @@ class RayExecutor:
             gpus = ",".join(g for r in local for g in infos[r]["gpu_ids"])
             platform = {**torchrun_env(k.rank, n, port, master_addr=master, local_rank=local.index(k.rank),
                                        local_world_size=len(local), group_rank=groups.index(k.node)),
-                        c.ENV_JOB_ID: req.job_id, c.ENV_PROGRESS_DIR: str(adir / c.PROGRESS_DIRNAME),
+                        c.ENV_JOB_ID: req.job_id, c.ENV_ATTEMPT: str(req.attempt),
+                        c.ENV_PROGRESS_DIR: str(adir / c.PROGRESS_DIRNAME),
                         c.ENV_CONTROL_FILE: str(adir / c.CONTROL_FILE), c.ENV_CUDA_VISIBLE_DEVICES: gpus}
             shm = str(self.shm_root / k.node / req.job_id) if self.shm_root is not None else None
             base = {c.ENV_SHM_DIR: shm} if shm is not None else {}

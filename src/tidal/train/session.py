@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from tidal import ckpt
 from tidal.ckpt.tiers import config as ckpt_config
-from tidal.contract import ENV_CKPT_TIERS, PHASE_ENDED
+from tidal.contract import ENV_CKPT_TIERS, EXIT_FENCED, PHASE_ENDED
 from tidal.train.data import GlobalBatchSampler
 from tidal.train.env import EXIT_PREEMPTED, NOTICE_WAIT_CHOICES, Env, EnvError
 from tidal.train.notice import Notice, process_start_unix
@@ -384,7 +384,11 @@ class Session:
             self._meter.reset()
             self._beat("training", force=True)
         if wait:
-            h.wait()
+            try:
+                h.wait()
+            except ckpt.FencedError as e:
+                self._fenced(step, e)  # exits
+                raise
             self._poll_saves()
         return h
 
@@ -436,7 +440,9 @@ class Session:
             if not h.done():
                 continue
             self._pending.remove(h)
-            if h.error is not None:
+            if isinstance(h.error, ckpt.FencedError):
+                self._fenced(h.step, h.error)
+            elif h.error is not None:
                 log.warning(
                     "checkpoint of step %d failed (committed in: %s): %s",
                     h.step,
@@ -450,6 +456,20 @@ class Session:
                              "persist_s": h.persist_s})
 
     # -- stopping ----------------------------------------------------------------------------------
+    def _fenced(self, step: int, error: BaseException) -> None:
+        """The checkpoint location belongs to another job or a newer attempt now (``tidal.ckpt.fence``):
+        this rank is a stale attempt's. Stop at once with ``EXIT_FENCED``: training on would only waste
+        the devices, and nothing it saves can become visible."""
+        self._write({"event": "fenced", "step": step, "error": str(error)[:2000], "exit_code": EXIT_FENCED})
+        line = (str(error).splitlines() or ["fenced"])[0]
+        print(f"tidal: rank {self.rank}: {line}; exiting with code {EXIT_FENCED}", file=sys.stderr,
+              flush=True)
+        self._beat("stopped", force=True)
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        self._exit_fn(EXIT_FENCED)
+
     def _preempt(self, step: int, *, save: bool = True) -> None:
         n = self.notice
         if n.source is None:  # another rank was told; this one stops with it, under its own grace

@@ -41,10 +41,11 @@ import uuid
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
+from tidal.ckpt import fence
 from tidal.ckpt.engine import comm
 from tidal.ckpt.engine.handle import SaveHandle
 from tidal.ckpt.engine.persist import Persister, PersistJob
@@ -85,12 +86,16 @@ class Checkpointer:
         status_path: where rank 0 keeps the status JSON (default ``<shm root>/status.json``, see
             ``tiers.shm_root_for``); ``False`` writes none.
         retry_max_s: the longest wait between attempts to reach an unreachable slow tier.
+        claim: the job and attempt this rank belongs to, checked against the fence of a directory
+            home before every commit (``tidal.ckpt.fence``); default: from ``TIDAL_JOB_ID`` and
+            ``TIDAL_ATTEMPT`` when both are set; ``False``: never checked.
     """
 
     def __init__(self, url: str | os.PathLike | Sequence[Any] | None = None, process_group: Any = None,
                  keep: int = 3, *, tiers: Sequence[Any] | None = None, shm: bool = True, guard: Any = None,
                  slots: int = 2, commit_timeout_s: float = 600.0, fsync: bool = True,
-                 status_path: str | os.PathLike | bool | None = None, retry_max_s: float = 30.0) -> None:
+                 status_path: str | os.PathLike | bool | None = None, retry_max_s: float = 30.0,
+                 claim: fence.Claim | Literal[False] | None = None) -> None:
         if not isinstance(keep, int) or keep < 0:
             raise ValueError(f"keep must be an integer >= 0, got {keep!r}")
         if slots < 1:
@@ -131,8 +136,9 @@ class Checkpointer:
         for t in self.tiers:  # what storage already holds (other ranks skip the remote LISTs)
             if self.rank == 0 or t.fast:
                 self._durability.seed(t.name, t.committed())
+        self.claim = fence.Claim.from_env() if claim is None else (claim if claim else None)
         self._persister = Persister(rank=self.rank, commit_timeout_s=commit_timeout_s,
-                                    durability=self._durability, config=self._config)
+                                    durability=self._durability, config=self._config, fence=self._fence())
         self._remote = [
             RemoteQueue(
                 t,
@@ -143,6 +149,7 @@ class Checkpointer:
                 lock=self._persister.lock,
                 durability=self._durability,
                 retry_max_s=retry_max_s,
+                fence=self._fence(),
             )
             for t in self.tiers
             if not t.fast
@@ -156,6 +163,15 @@ class Checkpointer:
         self._guards = _as_list(guard)
         self._hooks = [opt.register_step_pre_hook(self._pre_step_hook) for opt in self._guards]
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tidal-stage-r{self.rank}")
+
+    def _fence(self) -> Any:
+        """What rank 0 calls before each commit: the check of the home directory's fence (``None``:
+        no claim, or a home that is not a directory)."""
+        claim, home = self.claim, self.home
+        if claim is None or self.rank != 0 or ("://" in home and not home.startswith("file://")):
+            return None  # S3 and peer homes are not fenced
+        where = local_path(home)
+        return lambda step: fence.check(where, claim, step)
 
     def _status_path(self, status_path: Any) -> Path | None:
         if status_path is False or self.rank != 0:

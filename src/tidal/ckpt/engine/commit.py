@@ -20,12 +20,13 @@ import threading
 import time
 from collections.abc import Callable
 
-from tidal.ckpt.errors import ManifestError, SaveError
+from tidal.ckpt.errors import FencedError, ManifestError, SaveError
 from tidal.ckpt.format import manifest as mf
 from tidal.ckpt.tiers.directory import failure_name, sidecar_name
 from tidal.ckpt.tiers.protocol import Tier
 
 log = logging.getLogger(__name__)
+FENCED_MARK = "fenced: "  # opens a failure marker written because the fence refused the commit
 
 
 def write_json(tier: Tier, step: int, name: str, doc: dict) -> None:
@@ -93,6 +94,8 @@ def wait_committed(tier: Tier, step: int, save_id: str, timeout_s: float,
             return
         with contextlib.suppress(FileNotFoundError):
             why = tier.read_bytes(step, failure_name(save_id)).decode(errors="replace")
+            if why.startswith(FENCED_MARK):  # rank 0 was fenced out: so is this rank (same attempt)
+                raise FencedError(why[len(FENCED_MARK):])
             raise SaveError(f"step {step}: commit to tier '{tier.name}' failed: {why}")
         if time.monotonic() > deadline:
             raise SaveError(f"step {step}: not committed to tier '{tier.name}' within {timeout_s:.0f} s")
@@ -100,14 +103,20 @@ def wait_committed(tier: Tier, step: int, save_id: str, timeout_s: float,
         delay = _sleep(delay, tier)
 
 
-def commit(tier: Tier, step: int, doc: dict) -> None:
-    """Rank 0: make the step visible by writing its manifest last, atomically."""
+def commit(tier: Tier, step: int, doc: dict, fence: Callable[[int], None] | None = None) -> None:
+    """Rank 0: make the step visible by writing its manifest last, atomically. ``fence(step)`` first:
+    it raises ``FencedError`` when the location belongs to another job or a newer attempt now
+    (``tidal.ckpt.fence``), and nothing becomes visible."""
+    if fence is not None:
+        fence(step)
     write_json(tier, step, mf.MANIFEST, doc)
 
 
-def mark_failed(tier: Tier, step: int, save_id: str, why: str) -> None:
+def mark_failed(tier: Tier, step: int, save_id: str, why: str | BaseException) -> None:
+    """Rank 0: the other ranks stop waiting for this save (a refused commit: they learn it was the fence)."""
+    text = (FENCED_MARK if isinstance(why, FencedError) else "") + str(why)
     with contextlib.suppress(OSError):
-        tier.write_bytes(step, failure_name(save_id), why.encode())
+        tier.write_bytes(step, failure_name(save_id), text.encode())
 
 
 def report_error(tier: Tier, step: int, rank: int, save_id: str, why: str) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from tidal.ckpt.errors import SaveError
+from tidal.ckpt.errors import FencedError, SaveError
 
 
 class SaveHandle:
@@ -49,14 +49,15 @@ class SaveHandle:
             if not self._fast.wait(timeout):
                 raise TimeoutError(f"step {self.step}: not committed in the fast tiers within {timeout} s")
             if self._fast_error is not None:
-                raise SaveError(f"step {self.step} was not committed in every fast tier (committed in: "
-                                f"{self.committed or 'none'}): {self._fast_error}") from self._fast_error
+                raise _kind(self._fast_error)(
+                    f"step {self.step} was not committed in every fast tier (committed in: "
+                    f"{self.committed or 'none'}): {self._fast_error}") from self._fast_error
             return
         if not self._done.wait(timeout):
             raise TimeoutError(f"step {self.step}: not committed within {timeout} s "
                                f"(committed in: {self.committed or 'none'}; pending: {self.pending})")
         if self.error is not None:
-            raise SaveError(f"step {self.step} was not committed in every tier "
+            raise _kind(self.error)(f"step {self.step} was not committed in every tier "
                             f"(committed in: {self.committed or 'none'}): {self.error}") from self.error
 
     def wait_tier(self, tier: str, timeout: float | None = None) -> bool:
@@ -98,7 +99,9 @@ class SaveHandle:
             if error is not None:
                 self._errors.append(f"{tier}: {error}" if tier else str(error))
                 cause = error if self.error is None else self.error
-                self.error = error if len(self._errors) == 1 else SaveError("; ".join(self._errors))
+                fenced = isinstance(error, FencedError) or isinstance(self.error, FencedError)
+                joined = (FencedError if fenced else SaveError)("; ".join(self._errors))
+                self.error = error if len(self._errors) == 1 else joined
                 if self.error is not error:
                     self.error.__cause__ = cause
             self._parts -= 1
@@ -111,3 +114,8 @@ class SaveHandle:
             self._done.set()
         with self._lock:
             self._changed.notify_all()
+
+
+def _kind(error: BaseException) -> type[SaveError]:
+    """What ``wait`` raises for ``error``: ``FencedError`` stays one (the runtime stops on it)."""
+    return FencedError if isinstance(error, FencedError) else SaveError

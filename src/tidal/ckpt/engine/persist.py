@@ -34,7 +34,7 @@ from tidal.ckpt.engine import commit
 from tidal.ckpt.engine.handle import SaveHandle
 from tidal.ckpt.engine.staging import Slot, drop_stale_slots
 from tidal.ckpt.engine.status import Durability
-from tidal.ckpt.errors import SaveError
+from tidal.ckpt.errors import FencedError, SaveError
 from tidal.ckpt.format import manifest as mf
 from tidal.ckpt.format.plan import SavePlan
 from tidal.ckpt.tiers.config import TierConfig
@@ -75,8 +75,9 @@ class Persister:
     """Owns the persist thread, its I/O helpers and the record of steps in flight (see module doc)."""
 
     def __init__(self, *, rank: int, commit_timeout_s: float, durability: Durability,
-                 config: Mapping[str, TierConfig]) -> None:
+                 config: Mapping[str, TierConfig], fence: Callable[[int], None] | None = None) -> None:
         self.rank = rank
+        self.fence = fence  # checked before every commit (tidal.ckpt.fence)
         self.commit_timeout_s = commit_timeout_s
         self._durability = durability
         self._config = config
@@ -210,6 +211,12 @@ class Persister:
             try:
                 self._persist_tier(job, tier, write, sidecar, cleanups)
                 job.handle._tier_committed(tier.name)
+            except FencedError:  # no tier may commit this step (nor any later one): stop here
+                for f in [dir_write, *handoffs.values()]:  # nobody may read the slot once it is released
+                    if f is not None:
+                        with contextlib.suppress(Exception):
+                            f.result()
+                raise
             except Exception as e:
                 errors.append(f"{tier.name}: {e}")
         self._queue_remote(job, name, data, sidecar, handoffs)
@@ -296,9 +303,9 @@ class Persister:
             return
         try:
             docs = commit.wait_sidecars(tier, step, sid, job.plan.world_size, self.commit_timeout_s)
-            commit.commit(tier, step, manifest(job, docs))
+            commit.commit(tier, step, manifest(job, docs), self.fence)
         except Exception as e:
-            commit.mark_failed(tier, step, sid, str(e))
+            commit.mark_failed(tier, step, sid, e)
             raise
         self._durability.committed(tier.name, step)
         keep = job.shm_keep if tier is job.shm_tier else self._config[tier.name].keep

@@ -142,8 +142,10 @@ class RemoteQueue:
 
     def __init__(self, tier: Tier, cfg: TierConfig, *, rank: int, commit_timeout_s: float,
                  fast_busy: Callable[[int], bool], lock: threading.Lock, durability: Durability | None,
-                 retry_s: float = 0.5, retry_max_s: float = 30.0) -> None:
+                 retry_s: float = 0.5, retry_max_s: float = 30.0,
+                 fence: Callable[[int], None] | None = None) -> None:
         self.tier, self.cfg, self.rank = tier, cfg, rank
+        self.fence = fence  # checked before every commit (tidal.ckpt.fence)
         self.commit_timeout_s = commit_timeout_s
         self.retry_s, self.retry_max_s = retry_s, retry_max_s
         self._fast_busy = fast_busy
@@ -237,7 +239,7 @@ class RemoteQueue:
             except SaveError as e:  # another rank failed, or a commit timed out: final for this step
                 error = e
                 if self.rank == 0 and not self._cancel.is_set():
-                    commit.mark_failed(self.tier, up.step, up.save_id, str(e))
+                    commit.mark_failed(self.tier, up.step, up.save_id, e)
             except Exception as e:  # unreachable, throttled, refused: try again later
                 msg = f"{type(e).__name__}: {e}" if not isinstance(e, OSError) else str(e)
                 log.warning("tier '%s' step %d: %s; retrying in %.1f s", self.tier.name, up.step, msg, delay)
@@ -280,7 +282,7 @@ class RemoteQueue:
             return
         assert up.build_manifest is not None
         docs = commit.wait_sidecars(tier, step, sid, up.world, self.commit_timeout_s, cancel=self._cancel)
-        commit.commit(tier, step, up.build_manifest(docs))
+        commit.commit(tier, step, up.build_manifest(docs), self.fence)
 
     @contextlib.contextmanager
     def _source(self, up: Upload) -> Iterator[memoryview]:

@@ -1,0 +1,177 @@
+"""The fence of a checkpoint location: which job and attempt own it now (docs/checkpoint.md, Fencing).
+
+When a node is lost the control plane restarts its job elsewhere as a new attempt, while the lost
+node's ranks may still run (a partitioned machine, a crashed raylet) and keep committing steps to the
+same shared directory: two attempts writing one location. Before an attempt's ranks start, the
+executor writes ``fence.json`` (:data:`tidal.contract.FENCE_FILE`) into the job's checkpoint directory
+(its *home*): ``{"job": J, "attempt": A}``, atomically, as the plane's user. Each rank knows its own
+``(J, A)`` from ``TIDAL_JOB_ID`` and ``TIDAL_ATTEMPT``; rank 0 reads the fence just before it writes a
+manifest (the step becoming visible, in any tier) and refuses the commit when the location belongs to
+another job or to a newer attempt (:class:`~tidal.ckpt.errors.FencedError`; the runtime then exits
+with :data:`tidal.contract.EXIT_FENCED`).
+
+No fence, or no claim (a rank started without ``TIDAL_ATTEMPT``: outside the plane, ``tidal ckpt``
+tools), works as before. Stdlib only (the executors import it; no torch).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from tidal import contract as c
+from tidal.ckpt.errors import FencedError
+
+log = logging.getLogger(__name__)
+
+MAX_FENCE_BYTES = 4096  # a fence is ~60 bytes; anything bigger is not one of ours
+
+
+@dataclass(frozen=True)
+class Claim:
+    """The job and attempt a rank belongs to."""
+
+    job: str
+    attempt: int
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Claim | None:
+        """``TIDAL_JOB_ID`` + ``TIDAL_ATTEMPT``; ``None`` when either is missing (not launched by the plane)
+        or the attempt is not a positive integer (then with a warning: the fence is not checked)."""
+        e = os.environ if environ is None else environ
+        job, raw = e.get(c.ENV_JOB_ID), e.get(c.ENV_ATTEMPT)
+        if not job or not raw:
+            return None
+        try:
+            attempt = int(raw)
+        except ValueError:
+            attempt = 0
+        if attempt < 1:
+            log.warning("%s=%r is not a positive integer: the checkpoint fence is not checked",
+                        c.ENV_ATTEMPT, raw)
+            return None
+        return cls(job, attempt)
+
+
+def home_dir(env: Mapping[str, str], cwd: str | os.PathLike | None = None) -> Path | None:
+    """The checkpoint directory a job's ranks commit under, from their variables (``TIDAL_CKPT_TIERS``,
+    else ``TIDAL_CKPT_URL``: the home :func:`tidal.ckpt.tiers.config.resolve` picks); ``None`` when it is
+    not a directory (S3, peer: not fenced) or the variables are malformed (the runtime reports those).
+    A relative path is taken from ``cwd``, the ranks' working directory."""
+    from tidal.ckpt.errors import CheckpointError
+    from tidal.ckpt.tiers.config import kind_of, resolve
+    from tidal.ckpt.tiers.directory import local_path
+
+
+    try:
+        raw = env.get(c.ENV_CKPT_TIERS)
+        if raw:
+            try:
+                tiers = json.loads(raw)
+            except ValueError:
+                tiers = [t.strip() for t in raw.split(",")]
+            if not isinstance(tiers, list):
+                return None
+            home = resolve(tiers, default_keep=0)[0]
+        else:
+            home = env.get(c.ENV_CKPT_URL) or ""
+            if not home:
+                return None
+        if kind_of(home, "checkpoint url") != "dir":
+            return None
+        path = Path(home[len("file://"):] if home.startswith("file://") else home).expanduser()
+        return Path(cwd, path) if cwd is not None and not path.is_absolute() else local_path(path)
+    except (CheckpointError, ValueError, TypeError):
+        return None
+
+
+def read(directory: str | os.PathLike) -> dict | None:
+    """The fence of ``directory``: ``{"job", "attempt", ...}``, or ``None`` when there is none.
+    ``FencedError`` (naming the file) when it is there but unreadable or not a fence: a commit under a
+    fence that cannot be read would defeat it."""
+    path = Path(directory) / c.FENCE_FILE
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise FencedError(f"checkpoint fence {path}: cannot be read ({e.strerror or e})") from None
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(MAX_FENCE_BYTES + 1)
+    try:
+        doc = json.loads(data) if len(data) <= MAX_FENCE_BYTES else None
+    except ValueError:
+        doc = None
+    if not (isinstance(doc, dict) and isinstance(doc.get("job"), str) and type(doc.get("attempt")) is int):
+        raise FencedError(f"checkpoint fence {path}: not a fence (expected a JSON object with a string "
+                          "'job' and an integer 'attempt')")
+    return doc
+
+
+def check(directory: str | os.PathLike, claim: Claim, step: int) -> None:
+    """Raise ``FencedError`` naming the location, the fence and the step when ``directory`` belongs to
+    another job or to a newer attempt than ``claim``'s (an older attempt's fence: the plane could not
+    write the newer one; ``claim`` is the newest known, so the commit goes on)."""
+    doc = read(directory)
+    if doc is None:
+        return
+    if doc["job"] != claim.job or doc["attempt"] > claim.attempt:
+        raise FencedError(
+            f"step {step}: commit refused: checkpoint location {os.fspath(directory)} is fenced for job "
+            f"{doc['job']!r} attempt {doc['attempt']} ({c.FENCE_FILE}); this rank is job {claim.job!r} "
+            f"attempt {claim.attempt}; nothing of this step becomes visible"
+        )
+
+
+def write(directory: str | os.PathLike, job: str, attempt: int) -> Path | None:
+    """Record that ``directory`` belongs to ``job``'s ``attempt`` (the executor, before the attempt's ranks
+    start). Atomic (a unique temporary name, then a rename), never following a link the job may have
+    planted (the directory is the job's own). ``None`` when the directory does not exist yet (no step
+    to protect: the job's checkpointer makes it); ``OSError`` when it cannot be written."""
+    d = Path(directory)
+    try:
+        dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    try:
+        tmp = f".{c.FENCE_FILE}.{uuid.uuid4().hex[:12]}.tmp"
+        data = json.dumps({"job": job, "attempt": int(attempt), "written_s": round(time.time(), 3)}).encode()
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=dfd)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.rename(tmp, c.FENCE_FILE, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dfd)
+            raise
+        with contextlib.suppress(OSError):
+            os.fsync(dfd)
+    finally:
+        os.close(dfd)
+    return d / c.FENCE_FILE
+
+
+def fence_launch(env: Mapping[str, str], job: str, attempt: int,
+                 cwd: str | os.PathLike | None = None) -> Path | None:
+    """The executor's part: fence the home directory named by a launch's variables (``cwd``: the ranks'
+    working directory) for ``job``'s ``attempt``. A location that cannot be fenced (not a directory, not
+    there yet, not writable) is launched unfenced, with a warning for the last."""
+    home = home_dir(env, cwd)
+    if home is None:
+        return None
+    try:
+        return write(home, job, attempt)
+    except OSError as e:
+        log.warning("job %s attempt %d: cannot fence its checkpoint location %s (%s); a stale attempt could "
+                    "still commit there", job, attempt, home, e)
+        return None
