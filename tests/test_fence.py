@@ -72,6 +72,15 @@ def test_planted_links_are_not_followed(tmp_path):
     (d / c.FENCE_FILE).symlink_to(victim)
     with pytest.raises(ckpt.FencedError, match="cannot be read"):  # the rank refuses a linked fence
         fence.check(d, fence.Claim("j", 1), 1)
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    os.mkfifo(odd / c.FENCE_FILE)  # never blocks on a FIFO
+    with pytest.raises(ckpt.FencedError, match="not a regular file"):
+        fence.check(odd, fence.Claim("j", 1), 1)
+    os.remove(odd / c.FENCE_FILE)
+    (odd / c.FENCE_FILE).mkdir()  # nor reads a directory
+    with pytest.raises(ckpt.FencedError, match="not a regular file"):
+        fence.check(odd, fence.Claim("j", 1), 1)
     fence.write(d, "j", 1)  # replaces the link itself
     assert victim.read_text() == "keep" and not (d / c.FENCE_FILE).is_symlink()
     linked = tmp_path / "linked"

@@ -20,6 +20,7 @@ import contextlib
 import json
 import logging
 import os
+import stat
 import time
 import uuid
 from collections.abc import Mapping
@@ -103,8 +104,14 @@ def read(directory: str | os.PathLike) -> dict | None:
         return None
     except OSError as e:
         raise FencedError(f"checkpoint fence {path}: cannot be read ({e.strerror or e})") from None
-    with os.fdopen(fd, "rb") as f:
-        data = f.read(MAX_FENCE_BYTES + 1)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise FencedError(f"checkpoint fence {path}: not a regular file")
+        data = os.read(fd, MAX_FENCE_BYTES + 1)
+    except OSError as e:
+        raise FencedError(f"checkpoint fence {path}: cannot be read ({e.strerror or e})") from None
+    finally:
+        os.close(fd)
     try:
         doc = json.loads(data) if len(data) <= MAX_FENCE_BYTES else None
     except ValueError:

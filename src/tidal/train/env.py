@@ -15,6 +15,9 @@ LOCAL_WORLD_SIZE               1             ranks on this node
 MASTER_ADDR                    (unset)       rendezvous host of rank 0 (torchrun contract)
 MASTER_PORT                    (unset)       rendezvous TCP port of rank 0 (torchrun contract)
 TIDAL_JOB_ID                   local         job id, written into every progress record
+TIDAL_ATTEMPT                  (unset)       the attempt of the job (1, 2, ...; set by the executor): with the
+                                             job id, the claim checked against the checkpoint location's
+                                             fence before each commit (tidal.ckpt.fence); unset: not checked
 TIDAL_CKPT_URL                 (unset)       checkpoint directory (path or file://); unset: no checkpoints,
                                              restore() starts at step 0
 TIDAL_CKPT_TIERS               (unset)       tier list, fastest first, instead of TIDAL_CKPT_URL: a JSON list
@@ -45,7 +48,9 @@ TIDAL_TOKEN                    (unset)       reserved: bearer token for TIDAL_AP
 
 Exit codes of a process driven by a session: ``0`` finished; ``75`` (``EX_TEMPFAIL``) preempted,
 resumable from the newest committed checkpoint (also after a second SIGTERM or when the grace ran
-out: the engine never exposes a torn step); anything else is a failure.
+out: the engine never exposes a torn step); ``77`` (``EX_NOPERM``, ``EXIT_FENCED``) fenced out: the
+checkpoint location belongs to another job or a newer attempt now, this rank's commit was refused;
+anything else is a failure.
 
 The names, the exit code (``EXIT_PREEMPTED``), the default grace (``DEFAULT_GRACE_S``: the 30 above)
 and the progress file names are defined once, in :mod:`tidal.contract`, which the executors and the
