@@ -56,7 +56,7 @@ def executors():
 CONTRACT = """
 import json, os, sys
 keys = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TIDAL_JOB_ID",
-        "TIDAL_PROGRESS_DIR", "CUDA_VISIBLE_DEVICES", "MINE"]
+        "TIDAL_PROGRESS_DIR", "CUDA_VISIBLE_DEVICES", "MINE", "TIDAL_ATTEMPT"]
 print(json.dumps({k: os.environ.get(k) for k in keys} | {"cwd": os.getcwd()}))
 sys.exit(3 * int(os.environ["RANK"]))
 """
@@ -78,7 +78,7 @@ def test_env_contract_exit_codes_and_logs(tmp_path, executors):
         assert env == {"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "2",
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "TIDAL_JOB_ID": "j",
                        "TIDAL_PROGRESS_DIR": str(tmp_path / "jobs" / "j" / "attempt-1" / "progress"),
-                       "CUDA_VISIBLE_DEVICES": "", "MINE": "1", "cwd": str(tmp_path)}
+                       "CUDA_VISIBLE_DEVICES": "", "MINE": "1", "TIDAL_ATTEMPT": "1", "cwd": str(tmp_path)}
     with pytest.raises(LaunchError, match="needs 2 devices on local, 1 free"):
         ex.launch(req("k", "pass", n=2), time.time())
     ex.release("j")

@@ -22,7 +22,7 @@ RANK = """
 import json, os, signal, sys, time
 keys = ["RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
         "CUDA_VISIBLE_DEVICES", "TIDAL_JOB_ID", "TIDAL_PROGRESS_DIR", "TIDAL_CONTROL_FILE", "HOME", "JOB_VAR",
-        "TIDAL_TEST_SECRET", "TIDAL_CKPT_URL", "TIDAL_CKPT_TIERS", "TIDAL_SHM_DIR"]
+        "TIDAL_TEST_SECRET", "TIDAL_CKPT_URL", "TIDAL_CKPT_TIERS", "TIDAL_SHM_DIR", "TIDAL_ATTEMPT"]
 print("ENV " + json.dumps({k: os.environ.get(k) for k in keys}), flush=True)
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(75))
 time.sleep(600)
@@ -97,6 +97,7 @@ def test_ranks_across_nodes_stop_adopt_never_twice_kill_release(ray_cluster, tmp
     ]
     assert e[1]["CUDA_VISIBLE_DEVICES"] == e[2]["CUDA_VISIBLE_DEVICES"]  # rank r uses cuda:LOCAL_RANK
     assert all(x["WORLD_SIZE"] == "3" and x["TIDAL_JOB_ID"] == "j" and x["JOB_VAR"] == "x" for x in e)
+    assert all(x["TIDAL_ATTEMPT"] == "1" for x in e)  # the claim checked against the location's fence
     assert all(x["TIDAL_TEST_SECRET"] is None for x in e)  # a clean environment: nothing of the plane's
     assert e[0]["TIDAL_PROGRESS_DIR"] == str(tmp_path / "jobs" / "j" / "attempt-1" / "progress")
     # Across nodes: no node-memory tier (its commit needs every rank in one tier); each node its own shm dir.

@@ -8,6 +8,7 @@ engine's directory tier, commit and retention (standard library only) from this 
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import subprocess
@@ -21,6 +22,7 @@ with warnings.catch_warnings():
     from fastapi.testclient import TestClient
 
 from iso_plane import PY, ROOT, SRC, plain_python_reaches_src, planes, rank_log, run
+from tidal.contract import FENCE_FILE
 from tidal.control.auth import create_tenant
 from tidal.exec.handover import HandOverError, hand_over
 
@@ -83,7 +85,7 @@ def _owner(p: Path) -> int:
     return os.lstat(p).st_uid
 
 
-def test_resume_from_an_ended_job_of_another_uid(plane):
+def test_resume_from_an_ended_job_of_another_uid(plane, caplog):
     client = TestClient(plane.app())
     token = create_tenant(plane.store, "alice", quota_gpus=1)
     a = _submit(plane, client, token, "first")
@@ -99,8 +101,10 @@ def test_resume_from_an_ended_job_of_another_uid(plane):
     assert uid_a != uid_b
     assert f"resumed from step 1: '{a};'" in log and f"committed 2 as uid {uid_b}" in log, log
     assert "removed [1]" in log  # its retention pruned the earlier job's step: the location is its own
-    assert sorted(os.listdir(loc)) == ["step_000000000002"]
-    assert {_owner(p) for p in (loc, *loc.rglob("*"))} == {uid_b}
+    assert sorted(os.listdir(loc)) == [FENCE_FILE, "step_000000000002"]
+    fence = json.loads((loc / FENCE_FILE).read_text())
+    assert (fence["job"], fence["attempt"], _owner(loc / FENCE_FILE)) == (b, 1, 0)  # the plane's, for b
+    assert {_owner(p) for p in (loc, *loc.rglob("*")) if p.name != FENCE_FILE} == {uid_b}
     # the earlier job's own things stay where and whose they were
     assert _owner(plane.executor.home_dir(a)) == uid_a
     assert _owner(plane.executor.attempt_dir(a, 1) / "progress") == uid_a
@@ -109,6 +113,7 @@ def test_resume_from_an_ended_job_of_another_uid(plane):
     c = _submit(plane, client, token, "third", {"resume_from": a})
     run(plane, c)
     assert f"resumed from step 2: '{a};{b};'" in rank_log(plane, c), rank_log(plane, c)
+    assert "fence.json" not in caplog.text  # the plane's fence is neither moved nor reported as left
     # a job that never ran (cancelled while pending) has no location yet: the plane makes it for the next
     never = _submit(plane, client, token, "never")
     assert client.post(f"/v1/jobs/{never}/cancel", headers={"Authorization": f"Bearer {token}"}).is_success

@@ -177,7 +177,11 @@ def fence_launch(env: Mapping[str, str], job: str, attempt: int,
     if home is None:
         return None
     try:
-        return write(home, job, attempt)
+        done = write(home, job, attempt)
+        if done is None and attempt > 1:  # e.g. a Ray plane that does not see the shared filesystem
+            log.warning("job %s attempt %d: its checkpoint location %s is not on this machine; not fenced",
+                        job, attempt, home)
+        return done
     except OSError as e:
         log.warning("job %s attempt %d: cannot fence its checkpoint location %s (%s); a stale attempt could "
                     "still commit there", job, attempt, home, e)

@@ -35,6 +35,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tidal.contract import FENCE_FILE
+
 MAX_DEPTH = 8
 MAX_ENTRIES = 100_000
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -136,6 +138,8 @@ class _Walk:
                 raise _unlike(f"more than {self.max_entries} entries (at {_shown(p)})")
             if est.st_uid == self.owner[0] and not stat.S_ISDIR(est.st_mode):
                 continue  # the job's already (an earlier attempt's): nothing to say
+            if depth == 0 and name == FENCE_FILE and est.st_uid == os.geteuid() and stat.S_ISREG(est.st_mode):
+                continue  # the plane's own fence (tidal.ckpt.fence): the new job's replaces it, not its uid
             why = _why_not(est, st, self.src)
             if why is not None:
                 self._skip(p, why)
