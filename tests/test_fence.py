@@ -83,12 +83,34 @@ def test_planted_links_are_not_followed(tmp_path):
         fence.check(odd, fence.Claim("j", 1), 1)
     fence.write(d, "j", 1)  # replaces the link itself
     assert victim.read_text() == "keep" and not (d / c.FENCE_FILE).is_symlink()
-    linked = tmp_path / "linked"
-    linked.symlink_to(d)
-    with pytest.raises(OSError):
-        fence.write(linked, "j", 2)
-    assert fence.fence_launch({c.ENV_CKPT_URL: str(linked)}, "j", 2) is None  # warned, launched unfenced
     assert fence.read(d)["attempt"] == 1
+
+
+JOB_UID = 200000  # a job's uid (isolation.uid_base): its links are not the plane's to follow
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="links owned by a job's uid need root to make")
+def test_a_link_a_job_planted_anywhere_in_the_path_is_not_followed(tmp_path):
+    """The home, or a directory above it that the job may write (under an admin's grant), swapped for a
+    link (the job's uid) to another job's location: the plane writes no fence there, and launches the
+    attempt unfenced. A link an administrator set up (the plane's own user) is followed."""
+    victim = tmp_path / "victim-ckpt"
+    victim.mkdir()
+    grant = tmp_path / "grant"
+    grant.mkdir()
+    (grant / "home").symlink_to(victim)  # the home itself
+    (grant / "runs").symlink_to(tmp_path)  # a directory above the home: grant/runs/victim-ckpt
+    for link in ("home", "runs"):
+        os.lchown(grant / link, JOB_UID, JOB_UID)
+    for home in (grant / "home", grant / "runs" / "victim-ckpt"):
+        with pytest.raises(OSError, match="does not trust"):
+            fence.write(home, "hostile", 9)
+        assert fence.fence_launch({c.ENV_CKPT_URL: str(home)}, "hostile", 9) is None  # warned, unfenced
+    assert not (victim / c.FENCE_FILE).exists()
+    data = tmp_path / "data"
+    data.symlink_to(tmp_path)  # the administrator's: /data -> /mnt/data
+    assert fence.write(data / "victim-ckpt", "victim", 2) == data / "victim-ckpt" / c.FENCE_FILE
+    assert fence.read(victim) == {**fence.read(victim), "job": "victim", "attempt": 2}
 
 
 def test_claim_and_home_from_the_environment(tmp_path):

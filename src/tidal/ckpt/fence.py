@@ -17,6 +17,7 @@ tools), works as before. Stdlib only (the executors import it; no torch).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -137,6 +138,44 @@ def check(directory: str | os.PathLike, claim: Claim, step: int) -> None:
         )
 
 
+_MAX_LINKS = 40  # as the kernel's own limit on links followed in one path
+
+
+def _open_dir_trusted(path: Path) -> int:
+    """A descriptor of directory ``path``, resolved one component at a time: a symbolic link is followed
+    only if it belongs to this process's user or root (one an administrator set up, e.g. ``/data ->
+    /mnt/data``), never one a job's uid planted, wherever it sits in the path (a parent directory the job
+    may write under an admin's grant, or the home itself swapped for a link to another job's location).
+    ``OSError`` (``ELOOP``) for such a link, ``FileNotFoundError`` for a missing component."""
+    trusted = {0, os.geteuid()}
+    todo = list(Path(os.path.abspath(path)).parts[1:])
+    fd, hops = os.open("/", os.O_RDONLY | os.O_DIRECTORY), 0
+    try:
+        while todo:
+            part = todo.pop(0)
+            if part in ("", "."):
+                continue
+            st = os.lstat(part, dir_fd=fd)
+            if stat.S_ISLNK(st.st_mode):
+                hops += 1
+                if st.st_uid not in trusted or hops > _MAX_LINKS:
+                    raise OSError(errno.ELOOP, f"{part}: a link this plane does not trust (uid {st.st_uid})")
+                target = os.readlink(part, dir_fd=fd)
+                todo = [*Path(target).parts, *todo]
+                if target.startswith("/"):
+                    os.close(fd)
+                    fd = os.open("/", os.O_RDONLY | os.O_DIRECTORY)
+                    todo.pop(0)
+                continue
+            nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def write(directory: str | os.PathLike, job: str, attempt: int) -> Path | None:
     """Record that ``directory`` belongs to ``job``'s ``attempt`` (the executor, before the attempt's ranks
     start). Atomic (a unique temporary name, then a rename), never following a link the job may have
@@ -144,7 +183,7 @@ def write(directory: str | os.PathLike, job: str, attempt: int) -> Path | None:
     to protect: the job's checkpointer makes it); ``OSError`` when it cannot be written."""
     d = Path(directory)
     try:
-        dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        dfd = _open_dir_trusted(d)
     except FileNotFoundError:
         return None
     try:
