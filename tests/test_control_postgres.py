@@ -9,7 +9,10 @@ an emptied schema; plus what only a server shows: concurrent submissions from ma
 from __future__ import annotations
 
 import concurrent.futures
+import shutil
+import tempfile
 import warnings
+from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
@@ -27,14 +30,21 @@ with warnings.catch_warnings():  # platformdirs warns that XDG_RUNTIME_DIR is un
 
 
 @pytest.fixture(scope="module")
-def pg_server(tmp_path_factory):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        srv = pgserver.get_server(tmp_path_factory.mktemp("pgdata"), cleanup_mode="stop")
+def pg_server():
+    # Not under pytest's /tmp/pytest-of-<user>: as root, pgserver runs initdb as its own user and opens
+    # the path for it (chmod o+x up to /), and every pytest session that starts on the machine meanwhile
+    # makes that directory 0700 again (initdb then fails: "Permission denied").
+    base = Path(tempfile.mkdtemp(prefix="tidal-pg-"))
     try:
-        yield srv.get_uri().replace("postgresql://", "postgresql+psycopg://", 1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            srv = pgserver.get_server(base / "pgdata", cleanup_mode="stop")
+        try:
+            yield srv.get_uri().replace("postgresql://", "postgresql+psycopg://", 1)
+        finally:
+            srv.cleanup()  # stops the server (pg_ctl stop), also when a test failed
     finally:
-        srv.cleanup()  # stops the server (pg_ctl stop), also when a test failed
+        shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.fixture
