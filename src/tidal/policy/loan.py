@@ -259,9 +259,13 @@ class TidalConfig:
     """The prior's weight, in lead windows (steps) of the tail memory; never decays."""
     tail_joint: str = ""
     """Size the tail reserve *jointly* with the calibrated margin (:mod:`tidal.policy.joint_reserve`):
-    "max" keeps ``max(z * scale, R)`` above the center with ``R`` sized on what the margin in force did
-    not cover, "add" keeps ``z * scale + R``; "" (default) the reserve of ``tail_budget_fraction`` alone,
-    as if ``z`` were 0. ``tail_kappa`` applies to the default reserve only."""
+    "add" keeps ``z * scale + R`` above the center, ``R`` the smallest reserve whose expected excess over
+    what the margin in force did not cover is ``tail_joint_fraction`` of the budget; "max" keeps
+    ``max(z * scale, R)`` sized the same way on the pairs (miss, margin); "" the reserve of
+    ``tail_budget_fraction`` alone, sized as if ``z`` were 0 (``tail_kappa`` applies to it only).
+    ``tail_budget_fraction = 0`` switches either off (docs/loaning.md, "A joint reserve")."""
+    tail_joint_fraction: float = 0.7
+    """The joint reserve's share of the budget (``tail_joint``)."""
     min_z: float = 0.0
     """Floor of the margin: never plan below the central forecast."""
     max_z: float = 50.0
@@ -296,6 +300,10 @@ class TidalConfig:
             )
         if self.tail_joint not in jr.MODES:
             raise ValueError(f"TidalConfig.tail_joint must be one of {jr.MODES}, got {self.tail_joint!r}")
+        if not 0 < self.tail_joint_fraction < math.inf:
+            raise ValueError(
+                f"TidalConfig.tail_joint_fraction must be finite and > 0, got {self.tail_joint_fraction}"
+            )
         if not 0 < self.aim_fraction <= 1:
             raise ValueError(f"TidalConfig.aim_fraction must be in (0, 1], got {self.aim_fraction}")
         if not self.ledger_allowance_pool_h > 0 or not 0 < self.ledger_fraction <= 1 \
@@ -491,7 +499,7 @@ class TidalPolicy:
             return 0.0
         if joint is not None:
             return jr.reserve_gpus(joint[0], joint[1], fs.mean_gpus,
-                                   cfg.tail_budget_fraction * cfg.shortfall_budget, cfg.tail_joint,
+                                   cfg.tail_joint_fraction * cfg.shortfall_budget, cfg.tail_joint,
                                    cfg.tail_prior_miss, cfg.tail_prior_steps)
         lead_steps = max(1, math.ceil(cfg.timing.lead_time_s / cfg.forecast.step_s - EPS))
         return tail_reserve_gpus(
