@@ -385,7 +385,8 @@ class TidalPolicy:
        ``tail_budget_fraction`` of the budget (:func:`~tidal.policy.forecast_errors.tail_reserve_gpus`). It
        keeps the rare jumps that ``z`` does not learn from (the cap, the error scale's short memory)
        within the budget as far as the history has seen them, and, through a prior (``tail_prior_*``),
-       a jump of the mean demand until the history outweighs it.
+       a jump of the mean demand until the history outweighs it. With ``tail_joint`` (off by default) the
+       reserve is sized on what the margin in force did not cover (:mod:`tidal.policy.joint_reserve`).
     5. Cap the loans by the *budget ledger* (:mod:`tidal.policy.budget`, ``ledger_*``): whatever the
        demand, shortfall since the start <= ``ledger_fraction x budget x demand + allowance``, the
        worst case of what is on loan now included (docs/loaning.md, "The guarantee").
