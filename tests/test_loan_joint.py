@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -120,6 +121,14 @@ def test_joint_state_round_trips_and_an_older_state_switches_it_on():
         p, st = pol(ctx, st)
         lent = p.lendable_gpus
     assert st.joint_weight > 50 and st.joint_paths.shape == (2, 5)
+    # a stored memory that is not one (NaN excess, a negative weight, paths of another lead) starts afresh
+    # instead of planning from it: NaN would size no reserve at all
+    for bad in ({"joint_excess": np.full(jr.GRID.size, np.nan)}, {"joint_weight": -1.0}):
+        excess, weight, _ = pol._joint_observe(replace(state, **bad), 600.0 * 200, math.nan, False)
+        assert weight == 0.0 and not excess.any()
+    other_lead = replace(state, joint_paths=np.zeros((3, 7)))
+    _, _, paths = pol._joint_observe(other_lead, 600.0 * 200, math.nan, False)
+    assert paths.shape == (2, 5) and np.isnan(paths).all()
 
 
 def test_tail_joint_must_be_a_known_mode():

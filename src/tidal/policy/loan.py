@@ -460,9 +460,10 @@ class TidalPolicy:
         cfg = self.config
         k = self._joint_k()
         excess, weight, paths = state.joint_excess, state.joint_weight, state.joint_paths
-        if excess is None or excess.shape != jr.GRID.shape:
+        if excess is None or excess.shape != jr.GRID.shape or not np.isfinite(excess).all() \
+                or not 0 <= weight < math.inf:  # none yet, or a stored one that is not a memory: start afresh
             excess, weight = np.zeros(jr.GRID.size), 0.0
-        if paths is None or paths.shape != (k, 1 + 2 * k):
+        if paths is None or paths.shape != (k, 1 + 2 * k) or np.isinf(paths).any():
             paths = jr.empty_paths(k)
         mean = state.forecast.mean_gpus
         if new_obs and not math.isnan(y) and mean > 0:
