@@ -20,8 +20,11 @@ of the lead time before ``u`` keeps ``max(z * scale, R)`` above its center: the 
 ``z * scale + R``.
 
 The memory is a function of ``R`` on a fixed grid (:data:`GRID`, in units of the mean), updated in
-O(grid) per observed step: no pair is stored. The last ``K`` plans' centers and margins are kept to
-score them (``paths``: one row per plan, ``[made_at_s, center(1..K), margin(1..K)]``).
+O(grid) per observed step: no pair is stored. Windows go in from the first one scored, in units of the
+running mean of then (the default reserve holds its first day's misses until the mean has seen a whole
+day; this one does not: a start at a quiet hour makes the first day's misses weigh more, one at the peak
+less). The last ``K`` plans' centers and margins are kept to score them (``paths``: one row per plan,
+``[made_at_s, center(1..K), margin(1..K)]``).
 """
 
 from __future__ import annotations
