@@ -241,7 +241,8 @@ def test_tidal_constant_demand_step_by_step():
     assert state.z == pytest.approx(3.0 + 2 * dz_calm)
     np.testing.assert_allclose(p.upper_gpus, 40 + 0.4 * state.z)
     assert p.lendable_gpus == 58  # floor(100 - 41.197)
-    assert state.commitments[-1] == (600.0, 1800.0, 42, 100)  # >= 42 of 100 serving until 30 min
+    assert state.commitments[-1] == (600.0, 1800.0, 42, 100, 42)  # >= 42 of 100 serving until 30 min (the
+    # bound's own promise, before the ledger's cap, the same)
     assert state.shortfall_gpu_s == 0.0
 
     # Demand doubles without warning: the promise of 42 GPUs falls 38 short for one step. All 38 count
