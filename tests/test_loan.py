@@ -220,7 +220,8 @@ def tidal(budget=0.01, **forecast) -> TidalPolicy:
     """Step-by-step figures of the margin alone: the tail reserve's cautious-start prior off (it would
     set the plan on the first steps; tested on its own in test_tidal_cautious_start_...)."""
     fc = ForecastConfig(**{"step_s": 600.0, "horizon_s": 3600.0, **forecast})
-    return TidalPolicy(TidalConfig(shortfall_budget=budget, forecast=fc, timing=LEAD20, tail_prior_steps=0.0))
+    return TidalPolicy(TidalConfig(shortfall_budget=budget, forecast=fc, timing=LEAD20, tail_prior_steps=0.0,
+                                   aim_fraction=0.8))  # the figures below are worked out at an aim of 0.8
 
 
 def test_tidal_constant_demand_step_by_step():
@@ -258,7 +259,7 @@ def test_tidal_constant_demand_step_by_step():
     # Without the cap the whole 38 GPUs move z (the plain online conformal update).
     fc = ForecastConfig(step_s=600.0, horizon_s=3600.0)
     uncapped = TidalPolicy(TidalConfig(shortfall_budget=0.01, forecast=fc, timing=LEAD20,
-                                       shortfall_cap_scales=math.inf))
+                                       shortfall_cap_scales=math.inf, aim_fraction=0.8))
     _, s2 = uncapped(LoanContext(now_s=1200.0, serving_gpus=100, demand_gpus=80.0, lent_gpus=58), before)
     assert s2.z == pytest.approx(3.0 + 2 * dz_calm + 0.05 * (600 / 3600) * (38 - 0.008 * 80) / (0.008 * 100))
 
