@@ -273,7 +273,8 @@ def test_the_ledger_floor_never_raises_it():
 def test_the_ledger_cap_does_not_change_what_z_learns():
     """``z`` calibrates the forecast's bound; the ledger is a safety net on top. Scored on the capped plans,
     ``z`` fell while the cap held loans back (nothing short), so the bound was loose when the cap let go:
-    on m-large at a 0.2 % budget that broke 4 of 14 rotations (docs/loaning.md, "What z is scored on").
+    on m-large at a 0.2 % budget that broke 4 of 14 rotations (docs/loaning.md, "2,048 GPUs, the
+    calibrator's aim and what z is scored on").
     With no restart cost the bound's plan does not depend on what is lent, so ``z`` must follow the same
     path with the ledger as without it, while the ledger lends less."""
     rng = np.random.default_rng(3)

@@ -228,7 +228,7 @@ class TidalConfig:
     can spend days of budget before any margin can react. 0.7 (was 0.8) chosen on m-large alone, at 128
     and 2,048 serving GPUs: the largest of 0.8 / 0.7 / 0.6 that holds 0.2 %, 0.5 % and 1 % on every
     whole-day rotation at both sizes (0.8 broke 0.5 % on rotation 2 at 2,048 GPUs, 0.00504; docs/loaning.md,
-    "2,048 GPUs and the calibrator's aim")."""
+    "2,048 GPUs, the calibrator's aim and what z is scored on")."""
     initial_z: float = 3.0
     """Margin before any feedback, in units of the forecast error scale: start careful."""
     calibration_rate_per_h: float = 0.05
