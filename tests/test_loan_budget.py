@@ -297,3 +297,21 @@ def test_the_ledger_cap_does_not_change_what_z_learns():
     assert (free[:, 0] > free[0, 0] + 0.1).any() and (free[:, 0] < free[0, 0] - 0.1).any()  # z moves
     np.testing.assert_allclose(capped[:, 0], free[:, 0], rtol=0, atol=1e-12)
     np.testing.assert_array_equal(capped[:, 2], free[:, 2])  # the same bound, plan by plan
+
+
+def test_a_state_stored_with_four_field_commitments_is_scored_on_what_was_lent():
+    """Commitments stored before the bound's supply was kept (4 fields) score ``z`` on what the plans lent, as
+    then; new ones on what their bound alone would have lent."""
+    policy = TidalPolicy(config())
+    _, state = policy(LoanContext(now_s=0.0, serving_gpus=N, demand_gpus=10.0), policy.initial_state())
+    assert all(len(c) == 5 for c in state.commitments)
+    doc = codec.encode(state)
+    doc["commitments"] = {"__t__": [{"__t__": c["__t__"][:4]} for c in doc["commitments"]["__t__"]]}
+    old = codec.decode(doc)
+    c = state.commitments[-1]
+    assert c[2] == N and c[4] < N  # the ledger's tight allowance lent nothing; the bound alone would have
+    ctx = LoanContext(now_s=STEP, serving_gpus=N, demand_gpus=39.0, lent_gpus=0)
+    (p_new, s_new), (p_old, s_old) = policy(ctx, state), policy(ctx, old)
+    assert s_old.z < state.z < s_new.z  # old: nothing lent, nothing short, z decays; new: the bound was short
+    assert s_new.shortfall_gpu_s == s_old.shortfall_gpu_s == 0.0  # what serving saw: nothing short
+    assert p_new.lendable_gpus == p_old.lendable_gpus and s_new.ledger_gpu_s == s_old.ledger_gpu_s
