@@ -222,13 +222,17 @@ class TidalConfig:
     """At most this fraction of demanded serving GPU-hours may go unmet (0.005 = 0.5 %)."""
     forecast: ForecastConfig = field(default_factory=ForecastConfig)
     timing: LoanTiming = field(default_factory=LoanTiming)
-    aim_fraction: float = 0.7
+    aim_fraction: float = 0.8
     """The calibrator aims at this fraction of the budget. The rest is a reserve for what the
     history cannot foresee: on the ServeGen traces one burst per week (load x3 within 10 min)
-    can spend days of budget before any margin can react. 0.7 (was 0.8) chosen on m-large alone, at 128
-    and 2,048 serving GPUs: the largest of 0.8 / 0.7 / 0.6 that holds 0.2 %, 0.5 % and 1 % on every
-    whole-day rotation at both sizes (0.8 broke 0.5 % on rotation 2 at 2,048 GPUs, 0.00504; docs/loaning.md,
-    "2,048 GPUs, the calibrator's aim and what z is scored on")."""
+    can spend days of budget before any margin can react."""
+    hold_demand_now: bool = True
+    """Within the lead time the bound is at least the demand just observed plus ``z`` one-step error scales
+    (False: the forecast alone). A GPU lent now is back one lead time later at the earliest, so a bound
+    below the demand just seen bets on a fall serving cannot wait for; right after a jump the forecast's
+    level lags it (a x3 burst at 2,048 GPUs: the plan lent ``N - demand now`` while demand kept rising).
+    Chosen on m-large alone at 128 and 2,048 GPUs, with ``aim_fraction`` 0.8 over 0.7 with it off
+    (docs/loaning.md, "2,048 GPUs, the calibrator's aim and what z is scored on")."""
     initial_z: float = 3.0
     """Margin before any feedback, in units of the forecast error scale: start careful."""
     calibration_rate_per_h: float = 0.05
@@ -496,6 +500,10 @@ class TidalPolicy:
                 int(np.searchsorted(times, ctx.now_s + cfg.timing.lead_time_s + EPS)) - 1, times.size - 1
             )
             margin = max(float(z * fc.scale_gpus[keep][max(lead_i, 0)]), reserve)
+            if cfg.hold_demand_now and not math.isnan(ctx.demand_gpus) and lead_i >= 0:
+                # within the lead time the bound never falls below the demand just seen plus z one-step scales
+                floor = ctx.demand_gpus + z * float(fc.scale_gpus[keep][0])
+                upper[: lead_i + 1] = np.maximum(upper[: lead_i + 1], floor)
         return plan_loans(now_s=ctx.now_s, serving_gpus=ctx.serving_gpus, lent_gpus=ctx.lent_gpus,
                           demand_now_gpus=ctx.demand_gpus, times_s=times, upper_gpus=upper,
                           timing=cfg.timing, margin_gpus=margin, max_lendable_gpus=cap)
