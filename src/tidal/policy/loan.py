@@ -379,8 +379,9 @@ class TidalPolicy:
        lends nothing (so nothing can be short) and ``jump`` the largest single step of z. The bound
        is loose over days, and shortfall above the cap is not in it; ``aim_fraction`` < 1 is the
        practical reserve for both (one freak jump must not lift the margin for days).
-    4. Plan from ``upper = max(center + z * scale, center + R)`` over the horizon (:func:`plan_loans`)
-       and record the new promise. ``R`` is the *tail reserve*: the smallest reserve whose expected
+    4. Plan from ``upper = max(center + z * scale, center + R)`` over the horizon, and within the lead
+       time at least ``demand now + z * scale(1)`` (``hold_demand_now``) (:func:`plan_loans`), and record
+       the new promise. ``R`` is the *tail reserve*: the smallest reserve whose expected
        excess, by the forecast's weeks-long memory of the worst miss per lead window, is at most
        ``tail_budget_fraction`` of the budget (:func:`~tidal.policy.forecast_errors.tail_reserve_gpus`). It
        keeps the rare jumps that ``z`` does not learn from (the cap, the error scale's short memory)
