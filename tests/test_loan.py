@@ -205,9 +205,12 @@ def test_property_tidal_lends_at_most_pool_minus_forecast_plus_margin(demand, bu
         reserve = tail_reserve_gpus(cfg.forecast, state.forecast, 2, cfg.tail_budget_fraction * budget,
                                     prior_miss=cfg.tail_prior_miss, prior_steps=cfg.tail_prior_steps)
         assert reserve >= 0
-        np.testing.assert_allclose(p.upper_gpus, np.maximum(center + state.z * scale, center + reserve))
-        # ... and nothing lent now is needed by it within the lead time.
+        expect = np.maximum(center + state.z * scale, center + reserve)
+        # within the lead time, at least the demand just seen plus z one-step scales (hold_demand_now)
         in_lead = p.times_s <= 1200.0 + 600.0 * k
+        expect[in_lead] = np.maximum(expect[in_lead], d + state.z * scale[0])
+        np.testing.assert_allclose(p.upper_gpus, expect)
+        # ... and nothing lent now is needed by it within the lead time.
         assert p.lendable_gpus <= max(0.0, 100 - float(np.max(p.upper_gpus[in_lead]))) + 1e-9
         assert p.lendable_gpus <= 100 - d + 1e-9
         lent = p.lendable_gpus
@@ -220,7 +223,8 @@ def tidal(budget=0.01, **forecast) -> TidalPolicy:
     """Step-by-step figures of the margin alone: the tail reserve's cautious-start prior off (it would
     set the plan on the first steps; tested on its own in test_tidal_cautious_start_...)."""
     fc = ForecastConfig(**{"step_s": 600.0, "horizon_s": 3600.0, **forecast})
-    return TidalPolicy(TidalConfig(shortfall_budget=budget, forecast=fc, timing=LEAD20, tail_prior_steps=0.0))
+    return TidalPolicy(TidalConfig(shortfall_budget=budget, forecast=fc, timing=LEAD20, tail_prior_steps=0.0,
+                                   aim_fraction=0.8))  # the figures below are worked out at an aim of 0.8
 
 
 def test_tidal_constant_demand_step_by_step():
@@ -241,7 +245,8 @@ def test_tidal_constant_demand_step_by_step():
     assert state.z == pytest.approx(3.0 + 2 * dz_calm)
     np.testing.assert_allclose(p.upper_gpus, 40 + 0.4 * state.z)
     assert p.lendable_gpus == 58  # floor(100 - 41.197)
-    assert state.commitments[-1] == (600.0, 1800.0, 42, 100)  # >= 42 of 100 serving until 30 min
+    assert state.commitments[-1] == (600.0, 1800.0, 42, 100, 42)  # >= 42 of 100 serving until 30 min (the
+    # bound's own promise, before the ledger's cap, the same)
     assert state.shortfall_gpu_s == 0.0
 
     # Demand doubles without warning: the promise of 42 GPUs falls 38 short for one step. All 38 count
@@ -257,7 +262,7 @@ def test_tidal_constant_demand_step_by_step():
     # Without the cap the whole 38 GPUs move z (the plain online conformal update).
     fc = ForecastConfig(step_s=600.0, horizon_s=3600.0)
     uncapped = TidalPolicy(TidalConfig(shortfall_budget=0.01, forecast=fc, timing=LEAD20,
-                                       shortfall_cap_scales=math.inf))
+                                       shortfall_cap_scales=math.inf, aim_fraction=0.8))
     _, s2 = uncapped(LoanContext(now_s=1200.0, serving_gpus=100, demand_gpus=80.0, lent_gpus=58), before)
     assert s2.z == pytest.approx(3.0 + 2 * dz_calm + 0.05 * (600 / 3600) * (38 - 0.008 * 80) / (0.008 * 100))
 
@@ -491,3 +496,30 @@ def test_tidal_on_servegen_m_mid_meets_half_percent_budget():
             idle_sum += 128 - d
     assert state.shortfall_ratio <= 0.005
     assert lent_sum / idle_sum > 0.4
+
+
+def test_tidal_right_after_a_jump_the_bound_holds_the_demand_just_seen():
+    """Demand jumps within a step: the forecast's level lags the jump, so with a margin calibrated
+    low on quiet days its bound over the lead time is below the demand just seen, and without
+    ``hold_demand_now`` the plan lends everything above that demand (``N - demand now``), which
+    serving needs if demand goes on rising. With it, the bound within the lead is at least the
+    demand just seen plus z one-step scales."""
+    rng = np.random.default_rng(0)
+    demand = list(20 + rng.normal(0, 5, 30)) + [55.0]
+    plans = {}
+    for hold in (False, True):
+        pol = TidalPolicy(TidalConfig(shortfall_budget=0.01, forecast=ForecastConfig(horizon_s=3600.0),
+                                      timing=LEAD20, hold_demand_now=hold, tail_prior_steps=0.0,
+                                      initial_z=0.5))
+        state, lent = pol.initial_state(), 0
+        for k, d in enumerate(demand):
+            ctx = LoanContext(now_s=600.0 * k, serving_gpus=100, demand_gpus=d, lent_gpus=lent)
+            p, state = pol(ctx, state)
+            lent = p.lendable_gpus
+        plans[hold] = (p, state)
+    (off, _), (on, s_on) = plans[False], plans[True]
+    in_lead = off.times_s <= off.now_s + 1200.0
+    assert off.upper_gpus[in_lead].max() < 55.0 and off.lendable_gpus == 45  # bound below the demand seen
+    floor = 55.0 + s_on.z * s_on.forecast.scale_gpus[0]
+    assert floor > 56.0 and np.all(on.upper_gpus[in_lead] >= floor - 1e-9)
+    assert on.lendable_gpus == math.floor(100 - floor)

@@ -126,6 +126,8 @@ class LoanPlan:
     * ``reclaim_now_gpus`` — GPUs on loan beyond ``lendable_gpus``: notify them now.
     * ``times_s`` / ``upper_gpus`` — the upper bound on serving demand the plan was made from.
     * ``margin_gpus`` — the safety margin inside ``upper_gpus`` at the lead time.
+    * ``bound_gpus`` — what the upper bound alone would let be on loan, before a cap
+      (``max_lendable_gpus``: the budget ledger); ``lendable_gpus`` is at most this.
     """
 
     now_s: float
@@ -137,6 +139,7 @@ class LoanPlan:
     margin_gpus: float
     lead_time_s: float
     min_loan_window_s: float
+    bound_gpus: int | None = None
 
     @property
     def reclaim_gpus(self) -> int:
@@ -193,7 +196,7 @@ def plan_loans(*, now_s: float, serving_gpus: int, lent_gpus: int, demand_now_gp
         (i for i, t in enumerate(tl) if t - lead - now_s >= window), len(tl)
     )  # the first late enough
     worthwhile = running[early - 1] if early > 0 else safe
-    lendable = max(kept, min(safe, worthwhile))
+    lendable = by_bound = max(kept, min(safe, worthwhile))
     if max_lendable_gpus is not None:
         lendable = min(lendable, max(0, int(max_lendable_gpus)))
     # GPUs k in (running(s), min(running(s-), lendable)] are due back at s, where running drops.
@@ -206,7 +209,7 @@ def plan_loans(*, now_s: float, serving_gpus: int, lent_gpus: int, demand_now_gp
     return LoanPlan(now_s=now_s, lendable_gpus=lendable, reclaims=reclaims,
                     reclaim_now_gpus=max(0, lent_gpus - lendable), times_s=_frozen(times),
                     upper_gpus=_frozen(upper), margin_gpus=float(margin_gpus), lead_time_s=lead,
-                    min_loan_window_s=timing.min_loan_window_s)
+                    min_loan_window_s=timing.min_loan_window_s, bound_gpus=by_bound)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -225,6 +228,13 @@ class TidalConfig:
     """The calibrator aims at this fraction of the budget. The rest is a reserve for what the
     history cannot foresee: on the ServeGen traces one burst per week (load x3 within 10 min)
     can spend days of budget before any margin can react."""
+    hold_demand_now: bool = True
+    """Within the lead time the bound is at least the demand just observed plus ``z`` one-step error scales
+    (False: the forecast alone). A GPU lent now is back one lead time later at the earliest, so a bound
+    below the demand just seen bets on a fall serving cannot wait for; right after a jump the forecast's
+    level lags it (a x3 burst at 2,048 GPUs: the plan lent ``N - demand now`` while demand kept rising).
+    Chosen on m-large alone at 128 and 2,048 GPUs, with ``aim_fraction`` 0.8 over 0.7 with it off
+    (docs/loaning.md, "2,048 GPUs, the calibrator's aim and what z is scored on")."""
     initial_z: float = 3.0
     """Margin before any feedback, in units of the forecast error scale: start careful."""
     calibration_rate_per_h: float = 0.05
@@ -325,10 +335,12 @@ class TidalConfig:
 class TidalState:
     """What :class:`TidalPolicy` carries between steps.
 
-    ``z`` is the calibrated margin; ``commitments`` are ``(decided_at_s, until_s, supply_gpus, pool_gpus)``:
-    each plan promised serving at least ``N - lendable`` GPUs of its pool ``N`` through ``until_s`` (its
-    lead time), i.e. lent at most ``N - supply`` (states stored before ``pool_gpus`` was kept hold
-    3-tuples, read with today's ``N``). ``shortfall_gpu_s`` / ``demand_gpu_s`` add up realized
+    ``z`` is the calibrated margin; ``commitments`` are ``(decided_at_s, until_s, supply_gpus, pool_gpus,
+    bound_supply_gpus)``: each plan promised serving at least ``N - lendable`` GPUs of its pool ``N`` through
+    ``until_s`` (its lead time), i.e. lent at most ``N - supply``; ``bound_supply`` is ``N -`` what its upper
+    bound alone would have lent (before the budget ledger's cap), the promise ``z`` is scored on (states
+    stored before ``pool_gpus`` was kept hold 3-tuples, read with today's ``N``; before ``bound_supply``,
+    4-tuples, scored on ``supply``). ``shortfall_gpu_s`` / ``demand_gpu_s`` add up realized
     shortfall against those promises and demand, in GPU-seconds (assuming every lendable GPU was lent).
     ``ledger_gpu_s`` is the budget ledger ``G`` (:mod:`tidal.policy.budget`; stays 0 while the ledger
     is off).
@@ -359,6 +371,14 @@ def _lent(commitment: tuple, n: int) -> int:
     return int(commitment[3] if len(commitment) > 3 else n) - int(commitment[2])
 
 
+def _lent_by_bound(commitment: tuple, n: int) -> int:
+    """GPUs the plan's upper bound alone would have lent (before the budget ledger's cap): ``pool - bound
+    supply``; a commitment stored without it (4 fields or fewer): what the plan lent."""
+    if len(commitment) > 4:
+        return int(commitment[3]) - int(commitment[4])
+    return _lent(commitment, n)
+
+
 @dataclass(frozen=True)
 class TidalPolicy:
     """Forecast upper bound + online-calibrated margin -> :class:`LoanPlan`.
@@ -370,7 +390,10 @@ class TidalPolicy:
        smallest ``N - lendable`` among them; ``shortfall = max(0, demand - supply)``.
     3. Calibrate (online conformal risk control, Feldman et al. 2023; Angelopoulos et al. 2023):
        ``z += rate * dt_h * (counted - B' * demand) / (B' * N)`` with ``B' = aim_fraction * budget``,
-       floored at ``min_z``, where ``counted = min(shortfall, shortfall_cap_scales * scale(lead))``
+       floored at ``min_z``, where ``counted = min(shortfall', shortfall_cap_scales * scale(lead))`` and
+       ``shortfall'`` is scored against what the plans' upper bounds alone would have lent, before the
+       budget ledger's cap (step 5): ``z`` calibrates the bound, and the ledger is a safety net on top of
+       it, not feedback to it
        (the whole shortfall still counts against the budget in ``shortfall_gpu_s``). ``z`` rises
        after a shortfall and decays while there is none, so the long-run ratio of *counted*
        shortfall tracks ``B'``. Guarantee, with no assumption on the demand: summed over any period
@@ -379,8 +402,9 @@ class TidalPolicy:
        lends nothing (so nothing can be short) and ``jump`` the largest single step of z. The bound
        is loose over days, and shortfall above the cap is not in it; ``aim_fraction`` < 1 is the
        practical reserve for both (one freak jump must not lift the margin for days).
-    4. Plan from ``upper = max(center + z * scale, center + R)`` over the horizon (:func:`plan_loans`)
-       and record the new promise. ``R`` is the *tail reserve*: the smallest reserve whose expected
+    4. Plan from ``upper = max(center + z * scale, center + R)`` over the horizon, and within the lead
+       time at least ``demand now + z * scale(1)`` (``hold_demand_now``) (:func:`plan_loans`), and record
+       the new promise. ``R`` is the *tail reserve*: the smallest reserve whose expected
        excess, by the forecast's weeks-long memory of the worst miss per lead window, is at most
        ``tail_budget_fraction`` of the budget (:func:`~tidal.policy.forecast_errors.tail_reserve_gpus`). It
        keeps the rare jumps that ``z`` does not learn from (the cap, the error scale's short memory)
@@ -419,7 +443,14 @@ class TidalPolicy:
             shortfall_gpu_s += shortfall * dt_s
             demand_gpu_s += y * dt_s
             b = cfg.shortfall_budget * cfg.aim_fraction
-            counted = min(shortfall, cfg.shortfall_cap_scales * cap_unit) if cap_unit > 0 else shortfall
+            # z calibrates the bound: it is scored on what the bound alone would have lent, not on the plans
+            # the budget ledger capped (scored on those, z decays while the cap binds, and the bound is loose
+            # when the cap lets go)
+            by_bound = shortfall
+            if covering:
+                away_bound = min(n, max(_lent_by_bound(c, n) for c in covering))
+                by_bound = max(0.0, y - (n - away_bound))
+            counted = min(by_bound, cfg.shortfall_cap_scales * cap_unit) if cap_unit > 0 else by_bound
             z += cfg.calibration_rate_per_h * dt_s / 3600.0 * (counted - b * y) / (b * n)
             z = min(cfg.max_z, max(cfg.min_z, z))
             if ledger_on:  # the loans' part of the shortfall: demand beyond the pool is not theirs
@@ -435,7 +466,9 @@ class TidalPolicy:
         commitments = tuple(c for c in state.commitments if c[1] > ctx.now_s + EPS)
         cap = self._ledger_cap(ctx.now_s, n, ledger, commitments) if ledger_on else None
         plan = self._plan(ctx, fc, z, reserve, cap)
-        commitments += ((ctx.now_s, ctx.now_s + cfg.timing.lead_time_s, n - plan.lendable_gpus, n),)
+        bound = plan.lendable_gpus if plan.bound_gpus is None else plan.bound_gpus
+        until = ctx.now_s + cfg.timing.lead_time_s
+        commitments += ((ctx.now_s, until, n - plan.lendable_gpus, n, n - bound),)
         new_state = replace(state, forecast=fs, z=z, commitments=commitments,
                             shortfall_gpu_s=shortfall_gpu_s, demand_gpu_s=demand_gpu_s, ledger_gpu_s=ledger)
         if joint is not None:
@@ -534,6 +567,10 @@ class TidalPolicy:
             )
             zs = float(z * fc.scale_gpus[keep][max(lead_i, 0)])
             margin = zs + reserve if additive else max(zs, reserve)
+            if cfg.hold_demand_now and not math.isnan(ctx.demand_gpus) and lead_i >= 0:
+                # within the lead time the bound never falls below the demand just seen plus z one-step scales
+                floor = ctx.demand_gpus + z * float(fc.scale_gpus[keep][0])
+                upper[: lead_i + 1] = np.maximum(upper[: lead_i + 1], floor)
         return plan_loans(now_s=ctx.now_s, serving_gpus=ctx.serving_gpus, lent_gpus=ctx.lent_gpus,
                           demand_now_gpus=ctx.demand_gpus, times_s=times, upper_gpus=upper,
                           timing=cfg.timing, margin_gpus=margin, max_lendable_gpus=cap)
