@@ -13,7 +13,7 @@ from tidal.bench.cli import app
 from tidal.bench.forecast import run_policy
 from tidal.bench.generalize import _timing, oracle_lent, parse_overrides
 from tidal.bench.stress import DAY_S, stress_traces
-from tidal.policy.loan import OraclePolicy
+from tidal.policy.baselines import OraclePolicy
 
 
 def test_stress_traces_are_seeded_and_stress_what_they_say():

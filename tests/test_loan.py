@@ -12,15 +12,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tidal.policy.baselines import NightWindowPolicy, OraclePolicy, ReactivePolicy
 from tidal.policy.forecast import ForecastConfig, forecast
 from tidal.policy.forecast_errors import tail_reserve_gpus
 from tidal.policy.loan import (
     LoanContext,
     LoanPlan,
     LoanTiming,
-    NightWindowPolicy,
-    OraclePolicy,
-    ReactivePolicy,
     TidalConfig,
     TidalPolicy,
     plan_loans,

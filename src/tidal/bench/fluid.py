@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from tidal.policy.loan import LoanContext, NightWindowPolicy
+from tidal.policy.baselines import NightWindowPolicy
+from tidal.policy.loan import LoanContext
 
 
 def fluid_score(lent: np.ndarray, demand: np.ndarray, n: int, lead: int, warmup: int,

@@ -59,12 +59,10 @@ from tidal.bench.fluid import (  # the fluid model and the baselines tuned with 
 )
 from tidal.bench.forecast_baselines import _conformal_upper, _fit_holt_winters, _holt_winters, _pinball
 from tidal.policy import forecast as fc
+from tidal.policy.baselines import NightWindowPolicy, OraclePolicy, ReactivePolicy
 from tidal.policy.coverage import CoverageCalibrator
 from tidal.policy.loan import (
     LoanTiming,
-    NightWindowPolicy,
-    OraclePolicy,
-    ReactivePolicy,
     TidalConfig,
     TidalPolicy,
 )

@@ -40,7 +40,8 @@ from tidal.bench.forecast import (
     run_policy,
 )
 from tidal.policy import forecast as fc
-from tidal.policy.loan import LoanTiming, OraclePolicy, TidalConfig, TidalPolicy
+from tidal.policy.baselines import OraclePolicy
+from tidal.policy.loan import LoanTiming, TidalConfig, TidalPolicy
 
 
 def forecast_paths(times_s: np.ndarray, demand: np.ndarray, config: fc.ForecastConfig,

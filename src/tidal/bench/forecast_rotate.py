@@ -23,7 +23,8 @@ import numpy as np
 
 from tidal.bench.forecast import DEFAULT_TRACES_DIR, fluid_score, grid_steps, load_demand, run_policy
 from tidal.policy import forecast as fc
-from tidal.policy.loan import LoanTiming, OraclePolicy, TidalConfig, TidalPolicy
+from tidal.policy.baselines import OraclePolicy
+from tidal.policy.loan import LoanTiming, TidalConfig, TidalPolicy
 
 
 def rotate_days(demand: np.ndarray, days: int, day_steps: int) -> np.ndarray:

@@ -49,7 +49,8 @@ from tidal.bench.forecast import (
 from tidal.bench.forecast_rotate import rotate_days
 from tidal.bench.stress import GENERATORS, stress_traces
 from tidal.policy import forecast as fc
-from tidal.policy.loan import LoanTiming, NightWindowPolicy, TidalConfig, TidalPolicy
+from tidal.policy.baselines import NightWindowPolicy
+from tidal.policy.loan import LoanTiming, TidalConfig, TidalPolicy
 
 DAY_S = 86400.0
 
@@ -119,7 +120,7 @@ def tune_baselines(demand: np.ndarray, times_s: np.ndarray, *, n: int, step_s: f
 
 
 def oracle_lent(demand: np.ndarray, n: int, lead: int) -> np.ndarray:
-    """Vectorized :class:`~tidal.policy.loan.OraclePolicy` with no minimum loan window (restart cost 0):
+    """Vectorized :class:`~tidal.policy.baselines.OraclePolicy` with no minimum loan window (restart cost 0):
     ``min(N - demand(t + j) for j = 1..lead, N - demand(t))`` in whole GPUs; unknown or past-the-end
     future demand counts as the whole pool, unknown demand now is no limit."""
     m = len(demand)

@@ -7,14 +7,14 @@ lends nothing and calls no policy). The knob is the policy's risk setting:
 name               knob (``PolicySpec.knob``)  policy
 =================  ==========================  =========================================================
 ``none``           (none)                      no loaning: the serving pool only serves
-``night-window``   margin, GPUs                :class:`~tidal.policy.loan.NightWindowPolicy`: lend
+``night-window``   margin, GPUs                :class:`~tidal.policy.baselines.NightWindowPolicy`: lend
                                                ``N - margin`` during the trace's lowest-demand
                                                ``night_hours`` of the day (chosen with hindsight)
-``reactive``       margin, GPUs                :class:`~tidal.policy.loan.ReactivePolicy`: idle now
+``reactive``       margin, GPUs                :class:`~tidal.policy.baselines.ReactivePolicy`: idle now
                                                minus the margin, no look-ahead
 ``tidal``          shortfall budget (fraction)  :class:`~tidal.policy.loan.TidalPolicy`: forecast +
                                                margin calibrated online to the budget, no hindsight
-``oracle``         margin, GPUs (default 0)    :class:`~tidal.policy.loan.OraclePolicy`: knows the
+``oracle``         margin, GPUs (default 0)    :class:`~tidal.policy.baselines.OraclePolicy`: knows the
                                                future demand; the upper bound
 =================  ==========================  =========================================================
 """
@@ -27,8 +27,9 @@ from typing import Any
 
 import numpy as np
 
+from tidal.policy.baselines import NightWindowPolicy, OraclePolicy, ReactivePolicy
 from tidal.policy.forecast import ForecastConfig
-from tidal.policy.loan import NightWindowPolicy, OraclePolicy, ReactivePolicy, TidalConfig, TidalPolicy
+from tidal.policy.loan import TidalConfig, TidalPolicy
 from tidal.sim.config import SimConfig
 
 POLICIES = ("none", "night-window", "reactive", "tidal", "oracle")
