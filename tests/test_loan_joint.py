@@ -10,6 +10,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from test_loan import noisy_series  # a daily cycle, noise, rare bursts; a regime change on day 3
 from tidal.policy import codec
 from tidal.policy import joint_reserve as jr
 from tidal.policy.forecast import ForecastConfig
@@ -77,17 +78,6 @@ def test_a_margin_that_covers_every_spike_leaves_no_joint_reserve():
     assert pol_j._reserve(st_j.forecast, joint) == 0.0  # 34.5 GPUs by the default rule
     assert st_j.joint_weight > 400  # every scored lead window went in
     assert sum(p.lendable_gpus for p in plans_j) > sum(p.lendable_gpus for p in plans_d)
-
-
-def noisy_series(days: int, seed: int) -> np.ndarray:
-    """As tests/test_loan.py: a daily cycle, lognormal noise, rare bursts; from day 3 the level x1.5."""
-    rng = np.random.default_rng(seed)
-    t = np.arange(days * 144)
-    base = 30 + 10 * np.sin(2 * np.pi * t / 144)
-    sigma = np.where(t >= 3 * 144, 0.24, 0.12)
-    level = np.where(t >= 3 * 144, 1.5, 1.0)
-    d = base * level * np.exp(rng.normal(0, sigma) - sigma**2 / 2)
-    return np.minimum(d * np.where(rng.random(t.size) < 0.003, 1.6, 1.0), 99.0)
 
 
 @pytest.mark.parametrize("mode", ["max", "add"])
