@@ -26,14 +26,17 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tidal.contract import LAUNCH_FILE, PROGRESS_DIRNAME, RAY_AUTH_TOKEN_ENV, attempt_dirname
 from tidal.exec.cgroups import MIN_MEMORY_BYTES
 from tidal.exec.files import read_json
+
+if TYPE_CHECKING:
+    from tidal.exec.protocol import LaunchRequest
 
 DEFAULT_PASS_ENV = (
     "PATH",
@@ -187,6 +190,18 @@ def check_reachable(*dirs: Path) -> None:
                 f"searchable by others (mode {oct(os.stat(closed[0]).st_mode & 0o777)}); "
                 "choose a state dir (and shm_dir) under world-searchable directories"
             )
+
+
+def prepare_attempt(root: Path, job_dir: Callable[[str], Path], attempt_dir: Path, home: Path,
+                    req: LaunchRequest, owner: tuple[int, int] | None, uids: Uids | None) -> None:
+    """Before an attempt's ranks start, on either executor: the job's directories (:func:`make_job_dirs`,
+    with what it takes over from the ended jobs it resumes, :func:`ran_as`), then the fence of its
+    checkpoint location, which is this attempt's from now on (:mod:`tidal.ckpt.fence`)."""
+    from tidal.ckpt.fence import fence_launch
+
+    make_job_dirs(root, job_dir(req.job_id), attempt_dir, home, req.own_dirs, owner, req.take_over,
+                  ran_as(uids, ((j, job_dir(j)) for j in req.take_over_from)))
+    fence_launch(req.env, req.job_id, req.attempt, req.workdir or home)
 
 
 def make_job_dirs(root: Path, job_dir: Path, attempt_dir: Path, home: Path, own_dirs: Iterable[str],

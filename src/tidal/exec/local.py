@@ -48,7 +48,6 @@ from pathlib import Path
 from typing import Any
 
 from tidal import contract as c
-from tidal.ckpt.fence import fence_launch
 from tidal.contract import torchrun_env
 from tidal.exec import cgroups, orphans, procs, shim
 from tidal.exec.files import read_json, write_json
@@ -58,9 +57,8 @@ from tidal.exec.isolation import (
     check_reachable,
     clean_env,
     default_shm_dir,
-    make_job_dirs,
+    prepare_attempt,
     private_dir,
-    ran_as,
     rank_rlimits,
     recorded_owner,
     require_root,
@@ -247,8 +245,6 @@ class LocalExecutor:
         try:
             owner = self._owner(req)
             self._make_dirs(req, adir, owner)
-            # before any rank starts: the checkpoint location is this attempt's now (tidal.ckpt.fence)
-            fence_launch(req.env, req.job_id, req.attempt, req.workdir or self.home_dir(req.job_id))
         except (OSError, RuntimeError) as e:
             self._give_back(devices)
             raise LaunchError(f"job {req.job_id}: cannot prepare its directories: {e}") from e
@@ -293,11 +289,9 @@ class LocalExecutor:
         return self.uids.owner(self.isolation.per, req.job_id, req.tenant) if self.uids is not None else None
 
     def _make_dirs(self, req: LaunchRequest, adir: Path, owner: tuple[int, int] | None) -> None:
-        """The job's directories (:func:`~tidal.exec.isolation.make_job_dirs`) and its shm directory (0700,
-        with uids owned by its uid)."""
-        make_job_dirs(self.root, self.job_dir(req.job_id), adir, self.home_dir(req.job_id), req.own_dirs,
-                      owner, req.take_over,
-                      ran_as(self.uids, ((j, self.job_dir(j)) for j in req.take_over_from)))
+        """The job's directories and its checkpoint fence (:func:`~tidal.exec.isolation.prepare_attempt`)
+        and its shm directory (0700, with uids owned by its uid)."""
+        prepare_attempt(self.root, self.job_dir, adir, self.home_dir(req.job_id), req, owner, self.uids)
         shm = self.shm_dir(req.job_id)
         if shm is not None and c.ENV_SHM_DIR not in req.env:
             private_dir(shm.parent, 0o711 if owner else 0o700)

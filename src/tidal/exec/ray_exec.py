@@ -71,7 +71,6 @@ from pathlib import Path
 from typing import Any
 
 from tidal import contract as c
-from tidal.ckpt.fence import fence_launch
 from tidal.contract import torchrun_env
 from tidal.exec import ray_checks
 from tidal.exec.files import read_json, write_json
@@ -80,9 +79,8 @@ from tidal.exec.isolation import (
     Uids,
     check_reachable,
     clean_env,
-    make_job_dirs,
+    prepare_attempt,
     private_dir,
-    ran_as,
     rank_rlimits,
     recorded_owner,
     require_root,
@@ -288,11 +286,7 @@ class RayExecutor:
         adir = self.attempt_dir(req.job_id, req.attempt)
         try:
             owner = self.uids.owner(self.isolation.per, req.job_id, req.tenant) if self.uids else None
-            make_job_dirs(self.root, self.job_dir(req.job_id), adir, self.home_dir(req.job_id), req.own_dirs,
-                          owner, req.take_over,
-                          ran_as(self.uids, ((j, self.job_dir(j)) for j in req.take_over_from)))
-            # before any rank starts: the checkpoint location is this attempt's now (tidal.ckpt.fence)
-            fence_launch(req.env, req.job_id, req.attempt, req.workdir or self.home_dir(req.job_id))
+            prepare_attempt(self.root, self.job_dir, adir, self.home_dir(req.job_id), req, owner, self.uids)
         except (OSError, RuntimeError) as e:
             raise LaunchError(f"job {req.job_id}: cannot prepare its directories: {e}") from e
         self._remove_leftovers(req.job_id)

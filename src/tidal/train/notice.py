@@ -171,3 +171,15 @@ def _proc_start() -> float | None:
         return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - started_after_boot_s)
     except (OSError, ValueError, IndexError, AttributeError):
         return None
+
+
+class Preempted(SystemExit):
+    """Raised by ``step_done`` after a notice: the job stopped at ``step``; exit code 75 (resumable)."""
+
+    def __init__(self, step: int, tiers: list[str]) -> None:
+        super().__init__(EXIT_PREEMPTED)
+        self.step = step
+        self.tiers = tiers  # where the final checkpoint committed before the exit ([] if nowhere)
+
+    def __str__(self) -> str:
+        return f"preempted after step {self.step} (checkpoint committed in: {self.tiers or 'none'})"

@@ -46,24 +46,12 @@ from tidal.ckpt.tiers import config as ckpt_config
 from tidal.contract import ENV_CKPT_TIERS, EXIT_FENCED, PHASE_ENDED
 from tidal.train.data import GlobalBatchSampler
 from tidal.train.env import EXIT_PREEMPTED, NOTICE_WAIT_CHOICES, Env, EnvError
-from tidal.train.notice import Notice, process_start_unix
+from tidal.train.notice import Notice, Preempted, process_start_unix
 from tidal.train.progress import Heartbeat, JsonlWriter, Meter, ProgressWriter, heartbeat_path, progress_path
 
 log = logging.getLogger(__name__)
 
 _RESERVED = ("model", "optim", "train")
-
-
-class Preempted(SystemExit):
-    """Raised by ``step_done`` after a notice: the job stopped at ``step``; exit code 75 (resumable)."""
-
-    def __init__(self, step: int, tiers: list[str]) -> None:
-        super().__init__(EXIT_PREEMPTED)
-        self.step = step
-        self.tiers = tiers  # where the final checkpoint committed before the exit ([] if nowhere)
-
-    def __str__(self) -> str:
-        return f"preempted after step {self.step} (checkpoint committed in: {self.tiers or 'none'})"
 
 
 class Session:
@@ -465,10 +453,14 @@ class Session:
         print(f"tidal: rank {self.rank}: {line}; exiting with code {EXIT_FENCED}", file=sys.stderr,
               flush=True)
         self._beat("stopped", force=True)
+        self._exit_now(EXIT_FENCED)
+
+    def _exit_now(self, code: int) -> None:
+        """Flush what the rank printed, then end the process with ``code`` (no interpreter teardown)."""
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()
-        self._exit_fn(EXIT_FENCED)
+        self._exit_fn(code)
 
     def _preempt(self, step: int, *, save: bool = True) -> None:
         n = self.notice
@@ -541,10 +533,7 @@ class Session:
             if self.notice_wait == "fast":
                 # The fast tier holds the step; slower tiers would only delay handing the GPUs back.
                 self._teardown()
-                for stream in (sys.stdout, sys.stderr):
-                    with contextlib.suppress(Exception):
-                        stream.flush()
-                self._exit_fn(EXIT_PREEMPTED)
+                self._exit_now(EXIT_PREEMPTED)
             # "all" mode, or an exit_fn that returned (tests): leave cleanly; the exception goes on.
             with contextlib.suppress(Exception):
                 if self._cp is not None:
