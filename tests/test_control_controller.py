@@ -122,6 +122,25 @@ def test_failure_restarts_with_backoff_up_to_max_restarts(world):
         ("admitted", "backoff"), ("admitted", "backoff"), ("admitted", "failed")]
 
 
+def test_a_fenced_attempt_fails_without_a_restart(world):
+    """Exit 77: the fence of the job's checkpoint location names another job or a newer attempt. A restart
+    would fence that one out in turn: two jobs given one checkpoint directory would take turns failing
+    until their restarts ran out. Before, 77 was an ordinary failure (restarted with backoff)."""
+    store, ex, ctl, clock = world
+    j = submit(store, "lab", clock(), name="twin", gpus=2, max_restarts=3)
+    ctl.step(clock())
+    ctl.step(clock.advance(1))
+    ex.exit(j, 77, None)
+    ctl.step(clock.advance(1))  # rank 0 fenced out: the other rank is killed
+    assert ("kill", j) in ex.calls
+    ctl.step(clock.advance(1))
+    job = store.job(j)
+    assert job.state == "failed" and job.restarts == 0 and len(ex.launches(j)) == 1
+    assert "rank 0 was fenced out of its checkpoint location (exit 77)" in job.message
+    assert "not restarted" in job.message and "checkpoint directory" in job.message
+    assert ctl.step(clock.advance(100)) == [] and len(ex.launches(j)) == 1
+
+
 def test_one_rank_fails_the_rest_are_killed_then_restarted(world):
     store, ex, ctl, clock = world
     j = submit(store, "lab", clock(), name="gang", gpus=3)

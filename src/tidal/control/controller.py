@@ -34,7 +34,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from tidal.contract import DEFAULT_GRACE_S
+from tidal.contract import DEFAULT_GRACE_S, EXIT_FENCED
 from tidal.control import node_memory
 from tidal.control.accounting import account, describe_rank, rank_code
 from tidal.control.config import ControlConfig
@@ -350,7 +350,8 @@ class Controller:
     def _finish(self, job: JobRow, ob: Observation, now_s: float) -> None:
         """Every rank of the attempt has exited: account for it, then the next state."""
         outcome, why = self._classify(job, ob)
-        if outcome in ("success", "cancelled") or (outcome == "failure" and job.restarts >= job.max_restarts):
+        if outcome in ("success", "cancelled", "fenced") or (outcome == "failure"
+                                                            and job.restarts >= job.max_restarts):
             self.watch.forget(job.id, now_s)  # over: it will not train again
         acct = account(job, ob, now_s, outcome == "success")
         self.executor.release(job.id)
@@ -373,23 +374,12 @@ class Controller:
             self.store.transition(job.id, S.CANCELLED, now_s, f"cancelled; exit codes {codes}", data=data,
                                   finished_s=now_s, placement={}, releasing={}, **base)
         elif outcome == "lost":
-            self.store.transition(
-                job.id,
-                S.PENDING,
-                now_s,
-                f"{why}; requeued to resume from checkpoint step "
-                f"{_resume_step(p, job)} on the "
-                "remaining GPUs",
-                data={**data, "node_lost": True},
-                **_requeue_fields(),
-                **base,
-            )
+            self.store.transition(job.id, S.PENDING, now_s, f"{why}; requeued to resume from checkpoint step "
+                                  f"{_resume_step(p, job)} on the remaining GPUs",
+                                  data={**data, "node_lost": True}, **_requeue_fields(), **base)
         elif outcome == "stopped" and S(job.state) == S.RESIZING:
-            left = {
-                n: g - job.releasing.get(n, 0)
-                for n, g in job.placement.items()
-                if g - job.releasing.get(n, 0) > 0
-            }
+            left = {n: g - job.releasing.get(n, 0) for n, g in job.placement.items()
+                    if g - job.releasing.get(n, 0) > 0}
             self.store.update(job.id, **base)
             self._launch(
                 self.store.job(job.id),
@@ -406,6 +396,12 @@ class Controller:
                                   + ("" if by_us else " (the notice came from outside Tidal)"), data=data,
                                   preemptions=job.preemptions + 1, **_requeue_fields(),
                                   **({} if by_us else {"last_preempted_s": now_s}), **base)
+        elif outcome == "fenced":  # another attempt owns the checkpoints: a restart would fence it out
+            self.store.transition(job.id, S.FAILED, now_s, f"failed: {why}; not restarted: a new attempt "
+                                  "would fence the other one out in turn (does another job, or a second "
+                                  "control plane, use this job's checkpoint directory?)",
+                                  data={**data, "fenced": True}, finished_s=now_s, placement={}, releasing={},
+                                  **base)
         elif job.restarts < job.max_restarts:
             n = job.restarts + 1
             wait_s = self.config.backoff_s(n)
@@ -431,6 +427,10 @@ class Controller:
         bad = [r for r in ob.ranks if r.vanished or rank_code(r) not in RESUMABLE_CODES]
         if S(job.state) == S.CANCELLING:
             return ("success" if codes and all(c == 0 for c in codes) else "cancelled"), ""
+        fenced = [r for r in ob.ranks if rank_code(r) == EXIT_FENCED]
+        if fenced:
+            return "fenced", (f"rank {fenced[0].rank} was fenced out of its checkpoint location (exit "
+                              f"{EXIT_FENCED}): another job, or a newer attempt of this one, owns it now")
         if job.stop_reason == "failure":
             return "failure", job.message or "a rank failed"
         if job.stop_reason == "node_lost":
