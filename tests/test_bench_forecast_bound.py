@@ -9,7 +9,15 @@ import numpy as np
 import pytest
 
 from tidal.bench.forecast import fluid_score
-from tidal.bench.forecast_bound import _tune_z, contexts, lent_from_upper, per_context_z, run
+from tidal.bench.forecast_bound import (
+    _tune_z,
+    contexts,
+    largest_k,
+    lent_from_upper,
+    per_context_z,
+    run,
+    shrink_errors,
+)
 
 
 def test_lent_from_upper_takes_the_highest_bound_of_the_lead_and_the_demand_now():
@@ -70,7 +78,19 @@ def test_run_reports_every_rule_against_the_oracle(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(result))
     rows = result["traces"]["synthetic"]["budgets"]["0.01"]
     assert list(rows) == ["tidal (online)", "reactive (hindsight)", "constant z (hindsight)",
-                          "per-context z (hindsight, in-sample)", "oracle"]
+                          "per-context z (hindsight, in-sample)",
+                          "constant z, errors x k to reach 0.85x (hindsight)",
+                          "reactive holding all 4 rotations (hindsight)",
+                          "constant z holding all 4 rotations (hindsight)",
+                          "the same, errors x k to reach 0.85x (hindsight)", "oracle"]
+    robust = rows["constant z holding all 4 rotations (hindsight)"]
+    assert len(robust["rotations_shortfall"]) == 4 and max(robust["rotations_shortfall"]) <= 0.01
+    assert robust["harvest"] <= rows["constant z (hindsight)"]["harvest"]  # holding more costs, never gains
+    assert rows["reactive holding all 4 rotations (hindsight)"]["shortfall_strict"] <= 0.01
+    for rule in ("constant z, errors x k to reach 0.85x (hindsight)",
+                 "the same, errors x k to reach 0.85x (hindsight)"):
+        r = rows[rule]
+        assert r["margin"].startswith("k=1:") or r["harvest_over_oracle"] >= 0.85 - 1e-9, (rule, r)
     assert rows["oracle"]["harvest_over_oracle"] == 1.0 and rows["oracle"]["shortfall_strict"] == 0.0
     for rule in ("reactive (hindsight)", "constant z (hindsight)", "per-context z (hindsight, in-sample)"):
         assert rows[rule]["shortfall_strict"] <= 0.01
@@ -78,6 +98,18 @@ def test_run_reports_every_rule_against_the_oracle(tmp_path, capsys):
         rows["per-context z (hindsight, in-sample)"]["harvest"] >= rows["constant z (hindsight)"]["harvest"]
     )
     assert all(0.0 <= r["harvest"] <= 1.0 and not math.isnan(r["harvest_over_oracle"]) for r in rows.values())
+
+
+def test_errors_shrink_toward_the_truth_and_largest_k_bisects():
+    center = np.array([[10.0, 12.0], [np.nan, 5.0]])
+    truth = np.array([[14.0, 12.0], [7.0, np.nan]])
+    assert shrink_errors(center, truth, 1.0).tolist()[0] == [10.0, 12.0]
+    assert shrink_errors(center, truth, 0.0).tolist()[0] == [14.0, 12.0]
+    assert shrink_errors(center, truth, 0.5)[0, 0] == 12.0
+    half = shrink_errors(center, truth, 0.5)
+    assert np.isnan(half[1, 0]) and half[1, 1] == 5.0  # no truth: the forecast as made
+    assert largest_k(lambda k: k <= 0.37, tol=0.001) == pytest.approx(0.37, abs=0.001)
+    assert largest_k(lambda k: True) is None  # the forecast as made is enough
 
 
 # --- tidal.bench.forecast_rotate ------------------------------------------------------------------

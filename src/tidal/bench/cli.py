@@ -179,13 +179,15 @@ def forecast_bound(
     tod_buckets: Annotated[
         int, typer.Option("--tod-buckets", min=1, help="Time-of-day buckets of the contexts.")
     ] = 6,
+    target: Annotated[float, typer.Option("--target", min=0.0, max=1.0, help=(
+        "Harvest x the oracle for the last row: how much smaller the forecast's errors must be."))] = 0.85,
     json_out: JsonOut = False,
 ) -> None:
     """How far a margin over Tidal's forecast could go if tuned with hindsight (the forecast's shape)."""
     from tidal.bench.forecast_bound import run
 
     run(_traces(traces), serving_gpus=serving_gpus, budgets=tuple(budget), tod_buckets=tod_buckets,
-        as_json=json_out)
+        target=target, as_json=json_out)
 
 
 @app.command("forecast-rotate")
