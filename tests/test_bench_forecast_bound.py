@@ -110,6 +110,7 @@ def test_errors_shrink_toward_the_truth_and_largest_k_bisects():
     assert np.isnan(half[1, 0]) and half[1, 1] == 5.0  # no truth: the forecast as made
     assert largest_k(lambda k: k <= 0.37, tol=0.001) == pytest.approx(0.37, abs=0.001)
     assert largest_k(lambda k: True) is None  # the forecast as made is enough
+    assert math.isnan(largest_k(lambda k: False))  # not even the truth reaches it
 
 
 # --- tidal.bench.forecast_rotate ------------------------------------------------------------------

@@ -166,10 +166,13 @@ def shrink_errors(center: np.ndarray, truth: np.ndarray, k: float) -> np.ndarray
 
 
 def largest_k(reaches: Callable[[float], bool], tol: float = 0.005) -> float | None:
-    """The largest ``k`` in [0, 1] (to ``tol``) at which ``reaches(k)``; None when ``reaches(1)`` (the
-    forecast as made is enough). ``reaches`` must hold at 0 (the center is the truth), monotone in ``k``."""
+    """The largest ``k`` in [0, 1] (to ``tol``) at which ``reaches(k)`` (monotone in ``k``); None when
+    ``reaches(1)`` (the forecast as made is enough), NaN when not even ``reaches(0)`` (the center is the
+    truth)."""
     if reaches(1.0):
         return None
+    if not reaches(0.0):
+        return math.nan  # not even a center that is the truth reaches it (integer GPUs, the lead window)
     lo, hi = 0.0, 1.0
     while hi - lo > tol:
         mid = (lo + hi) / 2
@@ -264,6 +267,8 @@ def evaluate(times_s: np.ndarray, demand: np.ndarray, *, n: int, step_s: float, 
         label = f"constant z, errors x k to reach {target:g}x (hindsight)"
         if k is None:
             rows[label] = row(const, "k=1: the forecast as made reaches it")
+        elif math.isnan(k):
+            rows[label] = row(at(0.0)[0], "not reached even with the truth as the center (k=0)")
         else:
             sk, zk = at(k)
             rows[label] = row(sk, f"k={k:.3f} (errors {100 * (1 - k):.0f} % smaller), z={zk:.2f}")
@@ -286,9 +291,10 @@ def evaluate(times_s: np.ndarray, demand: np.ndarray, *, n: int, step_s: float, 
             kr = largest_k(lambda k, b=b: robust_z(rotations, n, lead, warmup, b, k)[1][0] >= target,
                            tol=0.01)
             label = f"the same, errors x k to reach {target:g}x (hindsight)"
-            if kr is None:
+            if kr is None or math.isnan(kr):
                 rows[label] = {**rows[f"constant z holding all {len(rotations)} rotations (hindsight)"],
-                               "margin": "k=1: the forecast as made reaches it"}
+                               "margin": "k=1: the forecast as made reaches it" if kr is None
+                               else "not reached even with the truth as the center (k=0)"}
             else:
                 zk, over, _ = robust_z(rotations, n, lead, warmup, b, kr)
                 ck = shrink_errors(center, truth, kr)
