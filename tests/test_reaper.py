@@ -373,3 +373,29 @@ def test_tidal_up_is_the_subreaper_of_what_a_killed_shim_left(tmp_path):
     finally:
         plane.stop()
     assert left_alive(pids) == []
+
+
+def test_what_re_parents_to_the_plane_and_ends_by_itself_is_collected_on_observe(tmp_path):
+    """``tidal up`` is a subreaper: a daemon a serving hook started (the hook runs in a session of its own)
+    re-parents to it when the hook exits. When the daemon ended, it stayed a zombie until the plane exited
+    (zombies were collected only after killing orphans). Now ``observe`` collects it; the plane's own
+    children (in its session, or leading one) keep their exit codes for their ``Popen``."""
+    ex = LocalExecutor(tmp_path / "jobs", slots=1, subreaper=True)
+    own: list[subprocess.Popen] = []
+    try:
+        assert ex.subreaper
+        out = subprocess.run(["sh", "-c", "sleep 0.2 >/dev/null 2>&1 & echo $!"], capture_output=True,
+                             text=True, start_new_session=True, check=True)
+        daemon = int(out.stdout)
+        own = [subprocess.Popen(["sh", "-c", "exit 5"], start_new_session=True),
+               subprocess.Popen(["sh", "-c", "exit 6"])]
+        assert wait_for(lambda: procs.state(daemon) == "Z" and all(procs.state(p.pid) == "Z" for p in own))
+        assert procs.table()[daemon].ppid == os.getpid()  # taken in by this process, the subreaper
+        ex.observe(time.time())
+        assert procs.state(daemon) is None  # collected
+        assert [p.wait(timeout=5) for p in own] == [5, 6]  # not taken from their Popen
+    finally:
+        for p in own:
+            with contextlib.suppress(OSError):
+                p.kill()
+        ex.close()

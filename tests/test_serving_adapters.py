@@ -3,8 +3,11 @@ the actions. A webhook that fails, answers garbage or hangs never makes the plan
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
+import signal
 import sys
 import threading
 import time
@@ -168,6 +171,45 @@ def test_command_actions(tmp_path):
     with pytest.raises(AdapterError, match="cannot move"):  # refused before it is queued
         slow.release("serve-0", 1, 9, 0.0)
     assert math.isnan(a.demand_gpus(0.0))  # nothing listens on port 9: unknown, never zero
+
+
+def test_a_command_that_leaves_a_server_running_succeeds_once(tmp_path):
+    """A restore hook that starts a serving process in the background and exits 0 (``vllm serve ... &``).
+    The hook's output was read through pipes, so the adapter waited for the background process to close
+    them: the action was reported as timed out and run again, starting a second server. Now: one run,
+    success, the background process left running; on a timeout the hook's process group is killed."""
+    runs, pids = tmp_path / "runs", tmp_path / "pids"
+    script = (f"echo run >> {runs}; sleep 60 & echo $! >> {pids}; echo started; echo to stderr >&2; exit 0")
+    a = HookAdapter(PrometheusQuery("http://127.0.0.1:9", "x"), NODES, command=["sh", "-c", script],
+                    timeout_s=5, attempts=2)
+    started = []
+    try:
+        a.release("serve-1", 3, 3, 0.0)
+        assert a.settle(30)
+        assert [d.error for d in a.done()] == [None]
+        assert runs.read_text() == "run\n"  # once, not retried
+        started = [int(x) for x in pids.read_text().split()]
+        assert len(started) == 1
+        os.kill(started[0], 0)  # the server it started still runs
+        hang = HookAdapter(PrometheusQuery("http://127.0.0.1:9", "x"), NODES, timeout_s=0.5, attempts=1,
+                           command=["sh", "-c", f"sleep 60 & echo $! >> {pids}; wait"])
+        hang.release("serve-0", 1, 1, 0.0)
+        assert hang.settle(30) and "timed out" in (hang.done()[0].error or "")
+        child = int(pids.read_text().split()[-1])
+        for _ in range(200):  # killed with the hook's process group (reaped by init or the test runner)
+            try:
+                with open(f"/proc/{child}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                        break
+            except FileNotFoundError:
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError(f"the timed-out hook's background process {child} still runs")
+    finally:
+        for pid in started:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_adapter_and_nodes_refuse_bad_settings():

@@ -26,7 +26,8 @@ area ``<root>/<job>/home`` (``HOME``, ``TMPDIR``), a shared-memory directory per
 
 Nothing a rank starts outlives its attempt: its shim reaps what the rank left; with ``subreaper=True``
 (``tidal up``) this process is a child subreaper too, and what a shim killed by another left is killed
-on the next ``observe`` (or ``kill``, ``release``) by the attempt's marks (:mod:`tidal.exec.orphans`).
+on the next ``observe`` (or ``kill``, ``release``) by the attempt's marks (:mod:`tidal.exec.orphans`);
+what re-parents here and ends by itself is collected by ``observe`` (:data:`REAP_INTERVAL_S`).
 
 Not thread-safe: one reconcile loop drives it.
 """
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -66,6 +68,10 @@ from tidal.exec.isolation import (
 from tidal.exec.progress import ProgressReader
 from tidal.exec.protocol import LaunchError, LaunchRequest, Observation, RankState
 from tidal.model import Node
+
+REAP_INTERVAL_S = 10.0
+"""As a subreaper, how often ``observe`` collects what re-parented here and ended on its own (a daemon a
+serving hook started, a helper a rank detached): without it each stays a zombie until the plane exits."""
 
 
 def detect_gpus() -> list[int]:
@@ -179,6 +185,7 @@ class LocalExecutor:
         # what a shim killed by another left re-parents here, not to init (``tidal up``: the process that
         # owns the shims; off by default: it changes the whole process, see close())
         self.subreaper = subreaper and procs.become_subreaper()
+        self._reap_at_s = -math.inf
 
     def close(self) -> None:
         """No longer a subreaper (the running shims and ranks go on: a restarted plane adopts them)."""
@@ -463,6 +470,10 @@ class LocalExecutor:
 
     # -- observing -----------------------------------------------------------------------------------
     def observe(self, now_s: float) -> dict[str, Observation]:
+        if self.subreaper and now_s >= self._reap_at_s:  # what re-parented here and ended since
+            self._reap_at_s = now_s + REAP_INTERVAL_S
+            shims = [k.pid for u in self._jobs.values() for k in u.ranks if k.popen is not None]
+            procs.reap_zombies(keep=shims)
         return {job_id: self._observe(t) for job_id, t in self._jobs.items()}
 
     def _observe(self, t: _Tracked) -> Observation:

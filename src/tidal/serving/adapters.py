@@ -31,13 +31,16 @@ Implementations:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import math
 import os
 import queue
+import signal
 import subprocess
+import tempfile
 import threading
 import time
 import urllib.error
@@ -427,17 +430,31 @@ class HookAdapter:
                 return f"webhook {self.url}: {getattr(e, 'reason', e)}"
         env = {**os.environ, "TIDAL_SERVING_ACTION": body["action"], "TIDAL_SERVING_NODE": body["node"],
                "TIDAL_SERVING_GPUS": str(body["gpus"]), "TIDAL_SERVING_LENT_AFTER": str(body["lent_after"])}
-        try:
-            p = subprocess.run(
-                self.command, env=env, capture_output=True, timeout=self.timeout_s, check=False
-            )  # type: ignore[arg-type]
-        except subprocess.TimeoutExpired:
-            return f"command timed out after {self.timeout_s:g} s"
-        except OSError as e:
-            return f"command {self.command[0]!r}: {e}"  # type: ignore[index]
-        if p.returncode != 0:
-            tail = p.stderr.decode(errors="replace").strip().splitlines()[-1:] or [""]
-            return f"command exited {p.returncode}: {tail[0][:200]}"
+        return self._run_command(env)
+
+    def _run_command(self, env: dict[str, str]) -> str:
+        """Run the command once: '' when it exited 0, else why not. Its output goes to files, not pipes: a
+        command that starts a server in the background (``vllm serve ... &``) and exits would otherwise be
+        waited for until the server closed the pipe, and reported as timed out after it had succeeded (and
+        run again). It runs in a session of its own; on a timeout its process group is killed (what it left
+        running after exiting in time is its own business)."""
+        with tempfile.TemporaryFile() as err:
+            try:
+                p = subprocess.Popen(self.command, env=env, stdin=subprocess.DEVNULL,  # type: ignore[arg-type]
+                                     stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+            except OSError as e:
+                return f"command {self.command[0]!r}: {e}"  # type: ignore[index]
+            try:
+                code = p.wait(timeout=self.timeout_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+                return f"command timed out after {self.timeout_s:g} s"
+            if code != 0:
+                err.seek(max(0, os.fstat(err.fileno()).st_size - 4096))
+                tail = err.read().decode(errors="replace").strip().splitlines()[-1:] or [""]
+                return f"command exited {code}: {tail[0][:200]}"
         return ""
 
     def health(self) -> dict[str, Any]:
