@@ -225,3 +225,76 @@ def test_a_stale_attempt_is_fenced_out(tmp_path):
     mine = [r["step"] for r in legit if r["event"] == "committed"]
     assert mine == [6, 8, 10]
     assert ckpt.steps(url) == [2, 4, 6, 8, 10]  # after the fence: attempt 2's steps only
+
+
+# ------------------------------------------------------------------------------ an S3 home
+def test_an_s3_home_is_fenced_with_the_jobs_credentials_and_checked_before_each_commit(s3, monkeypatch,
+                                                                                       caplog):
+    """S3 homes were not fenced: a stale attempt kept committing manifests over the new attempt's. Now the
+    executor PUTs ``<prefix>/fence.json`` with the job's own ``AWS_*`` variables (not the plane's: here
+    the plane has none) and rank 0 GETs it before each manifest; a crafted object refuses, an unreachable
+    store does not stop the commits to the other tiers."""
+    import logging
+
+    from tidal.ckpt.tiers.s3 import S3Tier
+
+    job_env = {c.ENV_CKPT_URL: s3.url, **s3.server.env()}
+    stale = ckpt.Checkpointer(s3.url, keep=0, claim=fence.Claim("j", 1), status_path=False)
+    try:
+        stale.save(1, {"w": torch.ones(4)}).wait()
+        for k in s3.server.env():
+            monkeypatch.delenv(k, raising=False)  # the plane's own environment has no S3 credentials
+        assert fence.fence_launch(job_env, "j", 2) == f"{s3.url}/{c.FENCE_FILE}"
+        wrong = {**job_env, "AWS_SECRET_ACCESS_KEY": "not-the-key"}
+        with caplog.at_level(logging.WARNING, logger="tidal.ckpt.fence"):
+            assert fence.fence_launch(wrong, "j", 3) is None  # refused by the store: launched unfenced
+        assert "cannot fence its checkpoint location" in caplog.text
+        for k, v in s3.server.env().items():
+            monkeypatch.setenv(k, v)
+        tier = S3Tier(s3.url)
+        assert fence.read_s3(tier)["attempt"] == 2
+        with pytest.raises(ckpt.FencedError, match=r"step 2: commit refused: .* for job 'j' attempt 2"):
+            stale.save(2, {"w": torch.full((4,), 2.0)}).wait()
+        assert ckpt.steps(s3.url) == [1] and tier.step_files().keys() == {1}  # the fence is no step
+    finally:
+        stale.close()
+    with ckpt.Checkpointer(s3.url, keep=0, claim=fence.Claim("j", 2), status_path=False) as cp:
+        cp.save(3, {"w": torch.full((4,), 3.0)}).wait()
+    assert ckpt.steps(s3.url) == [1, 3]
+    tier.write_top(c.FENCE_FILE, b"\x00" * 100)  # a crafted fence: not one, refuses
+    with (ckpt.Checkpointer(s3.url, keep=0, claim=fence.Claim("j", 2), status_path=False) as cp,
+          pytest.raises(ckpt.FencedError, match="not a fence")):
+        cp.save(4, {"w": torch.full((4,), 4.0)}).wait()
+    tier.write_top(c.FENCE_FILE, b"{" + b" " * 5000 + b"}")  # too large to be one
+    with pytest.raises(ckpt.FencedError, match="not a fence"):
+        fence.read_s3(tier)
+
+
+def test_an_s3_fence_that_cannot_be_reached_lets_the_commit_go_on(caplog):
+    """Through an S3 outage the engine commits to its other tiers (and nothing reaches S3): the fence's
+    GET failing must not fence the job out. A fence that answers is obeyed."""
+    import logging
+
+    from tidal.ckpt.errors import TierError
+
+    class Store:
+        location = "s3://bucket/job"
+
+        def __init__(self, answer):
+            self.answer = answer
+
+        def read_top(self, name, limit):
+            assert name == c.FENCE_FILE and limit == fence.MAX_FENCE_BYTES
+            if isinstance(self.answer, Exception):
+                raise self.answer
+            return self.answer
+
+    with caplog.at_level(logging.WARNING, logger="tidal.ckpt.fence"):
+        fence.check_s3(Store(TierError("tier 's3': connection refused")), fence.Claim("j", 1), 5)
+    assert "fence s3://bucket/job/fence.json cannot be read" in caplog.text and "unchecked" in caplog.text
+    fence.check_s3(Store(None), fence.Claim("j", 1), 5)  # no fence
+    newer = json.dumps({"job": "j", "attempt": 2}).encode()
+    with pytest.raises(ckpt.FencedError, match="step 5: commit refused: checkpoint location s3://bucket/job"):
+        fence.check_s3(Store(newer), fence.Claim("j", 1), 5)
+    with pytest.raises(ckpt.FencedError, match="cannot be read"):  # reading it for its own sake: an error
+        fence.read_s3(Store(TierError("down")))

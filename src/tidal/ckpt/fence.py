@@ -10,8 +10,11 @@ manifest (the step becoming visible, in any tier) and refuses the commit when th
 another job or to a newer attempt (:class:`~tidal.ckpt.errors.FencedError`; the runtime then exits
 with :data:`tidal.contract.EXIT_FENCED`).
 
-No fence, or no claim (a rank started without ``TIDAL_ATTEMPT``: outside the plane, ``tidal ckpt``
-tools), works as before. Stdlib only (the executors import it; no torch).
+An S3 home is fenced the same way: ``<prefix>/fence.json``, written by the executor with the job's own
+``AWS_*`` variables (one PUT, atomic), read by rank 0 with one GET before it PUTs a manifest. Peer homes
+are not fenced. No fence, or no claim (a rank started without ``TIDAL_ATTEMPT``: outside the plane,
+``tidal ckpt`` tools), works as before. Stdlib only at import (the executors import it; no torch; obstore
+only when an S3 home is fenced).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tidal import contract as c
 from tidal.ckpt.errors import FencedError
@@ -65,12 +69,28 @@ class Claim:
 def home_dir(env: Mapping[str, str], cwd: str | os.PathLike | None = None) -> Path | None:
     """The checkpoint directory a job's ranks commit under, from their variables (``TIDAL_CKPT_TIERS``,
     else ``TIDAL_CKPT_URL``: the home :func:`tidal.ckpt.tiers.config.resolve` picks); ``None`` when it is
-    not a directory (S3, peer: not fenced) or the variables are malformed (the runtime reports those).
-    A relative path is taken from ``cwd``, the ranks' working directory."""
-    from tidal.ckpt.errors import CheckpointError
-    from tidal.ckpt.tiers.config import kind_of, resolve
+    not a directory (S3: :func:`home_s3`; peer: not fenced) or the variables are malformed (the runtime
+    reports those). A relative path is taken from ``cwd``, the ranks' working directory."""
+    got = _home(env)
+    if got is None or got[0] != "dir":
+        return None
     from tidal.ckpt.tiers.directory import local_path
 
+    home = got[1]
+    path = Path(home[len("file://"):] if home.startswith("file://") else home).expanduser()
+    return Path(cwd, path) if cwd is not None and not path.is_absolute() else local_path(path)
+
+
+def home_s3(env: Mapping[str, str]) -> str | None:
+    """The ``s3://`` home a job's ranks commit under (as :func:`home_dir`), or None."""
+    got = _home(env)
+    return got[1] if got is not None and got[0] == "s3" else None
+
+
+def _home(env: Mapping[str, str]) -> tuple[str, str] | None:
+    """(kind, home) from a launch's variables; None when there is none or they are malformed."""
+    from tidal.ckpt.errors import CheckpointError
+    from tidal.ckpt.tiers.config import kind_of, resolve
 
     try:
         raw = env.get(c.ENV_CKPT_TIERS)
@@ -86,10 +106,7 @@ def home_dir(env: Mapping[str, str], cwd: str | os.PathLike | None = None) -> Pa
             home = env.get(c.ENV_CKPT_URL) or ""
             if not home:
                 return None
-        if kind_of(home, "checkpoint url") != "dir":
-            return None
-        path = Path(home[len("file://"):] if home.startswith("file://") else home).expanduser()
-        return Path(cwd, path) if cwd is not None and not path.is_absolute() else local_path(path)
+        return kind_of(home, "checkpoint url"), home
     except (CheckpointError, ValueError, TypeError):
         return None
 
@@ -113,29 +130,74 @@ def read(directory: str | os.PathLike) -> dict | None:
         raise FencedError(f"checkpoint fence {path}: cannot be read ({e.strerror or e})") from None
     finally:
         os.close(fd)
+    return _parse(data, os.fspath(path))
+
+
+def _parse(data: bytes, where: str) -> dict:
     try:
         doc = json.loads(data) if len(data) <= MAX_FENCE_BYTES else None
     except ValueError:
         doc = None
     if not (isinstance(doc, dict) and isinstance(doc.get("job"), str) and type(doc.get("attempt")) is int):
-        raise FencedError(f"checkpoint fence {path}: not a fence (expected a JSON object with a string "
+        raise FencedError(f"checkpoint fence {where}: not a fence (expected a JSON object with a string "
                           "'job' and an integer 'attempt')")
     return doc
+
+
+def _refuse(doc: dict | None, where: str, claim: Claim, step: int) -> None:
+    if doc is not None and (doc["job"] != claim.job or doc["attempt"] > claim.attempt):
+        raise FencedError(
+            f"step {step}: commit refused: checkpoint location {where} is fenced for job "
+            f"{doc['job']!r} attempt {doc['attempt']} ({c.FENCE_FILE}); this rank is job {claim.job!r} "
+            f"attempt {claim.attempt}; nothing of this step becomes visible"
+        )
 
 
 def check(directory: str | os.PathLike, claim: Claim, step: int) -> None:
     """Raise ``FencedError`` naming the location, the fence and the step when ``directory`` belongs to
     another job or to a newer attempt than ``claim``'s (an older attempt's fence: the plane could not
     write the newer one; ``claim`` is the newest known, so the commit goes on)."""
-    doc = read(directory)
-    if doc is None:
+    _refuse(read(directory), os.fspath(directory), claim, step)
+
+
+def _fetch_s3(tier: Any) -> bytes | None:
+    """The fence object's bytes (None: there is none; ``OSError``: it cannot be reached)."""
+    try:
+        return tier.read_top(c.FENCE_FILE, limit=MAX_FENCE_BYTES)
+    except ValueError:
+        return b"x" * (MAX_FENCE_BYTES + 1)  # larger than any fence: not one
+
+
+def read_s3(tier: Any) -> dict | None:
+    """The fence of an S3 home (``<prefix>/fence.json``, :class:`~tidal.ckpt.tiers.s3.S3Tier`), as
+    :func:`read`: None when there is none, ``FencedError`` when it cannot be read or is not a fence."""
+    where = f"{tier.location}/{c.FENCE_FILE}"
+    try:
+        data = _fetch_s3(tier)
+    except OSError as e:
+        raise FencedError(f"checkpoint fence {where}: cannot be read ({e})") from None
+    return None if data is None else _parse(data, where)
+
+
+def check_s3(tier: Any, claim: Claim, step: int) -> None:
+    """:func:`check` for an S3 home: one GET of the fence object before the manifest's PUT. A fence that
+    cannot be *reached* (the store is down: the engine keeps committing to its other tiers through an
+    outage, and nothing reaches S3 meanwhile) lets the commit go on, with a warning; one that is there and
+    is not a fence refuses, as on a directory."""
+    where = f"{tier.location}/{c.FENCE_FILE}"
+    try:
+        data = _fetch_s3(tier)
+    except OSError as e:
+        log.warning("step %d: checkpoint fence %s cannot be read (%s); committing unchecked", step, where, e)
         return
-    if doc["job"] != claim.job or doc["attempt"] > claim.attempt:
-        raise FencedError(
-            f"step {step}: commit refused: checkpoint location {os.fspath(directory)} is fenced for job "
-            f"{doc['job']!r} attempt {doc['attempt']} ({c.FENCE_FILE}); this rank is job {claim.job!r} "
-            f"attempt {claim.attempt}; nothing of this step becomes visible"
-        )
+    _refuse(None if data is None else _parse(data, where), tier.location, claim, step)
+
+
+def write_s3(tier: Any, job: str, attempt: int) -> str:
+    """:func:`write` for an S3 home: one PUT (atomic: a reader sees the old fence or the new one)."""
+    data = json.dumps({"job": job, "attempt": int(attempt), "written_s": round(time.time(), 3)}).encode()
+    tier.write_top(c.FENCE_FILE, data)
+    return f"{tier.location}/{c.FENCE_FILE}"
 
 
 _MAX_LINKS = 40  # as the kernel's own limit on links followed in one path
@@ -208,10 +270,13 @@ def write(directory: str | os.PathLike, job: str, attempt: int) -> Path | None:
 
 
 def fence_launch(env: Mapping[str, str], job: str, attempt: int,
-                 cwd: str | os.PathLike | None = None) -> Path | None:
-    """The executor's part: fence the home directory named by a launch's variables (``cwd``: the ranks'
-    working directory) for ``job``'s ``attempt``. A location that cannot be fenced (not a directory, not
-    there yet, not writable) is launched unfenced, with a warning for the last."""
+                 cwd: str | os.PathLike | None = None) -> Path | str | None:
+    """The executor's part: fence the home directory (or ``s3://`` prefix) named by a launch's variables
+    (``cwd``: the ranks' working directory) for ``job``'s ``attempt``. A location that cannot be fenced
+    (a peer home, not there yet, not writable) is launched unfenced, with a warning for the last."""
+    s3 = home_s3(env)
+    if s3 is not None:
+        return _fence_s3(s3, env, job, attempt)
     home = home_dir(env, cwd)
     if home is None:
         return None
@@ -224,4 +289,19 @@ def fence_launch(env: Mapping[str, str], job: str, attempt: int,
     except OSError as e:
         log.warning("job %s attempt %d: cannot fence its checkpoint location %s (%s); a stale attempt could "
                     "still commit there", job, attempt, home, e)
+        return None
+
+
+def _fence_s3(url: str, env: Mapping[str, str], job: str, attempt: int) -> str | None:
+    """Fence an S3 home with the job's own endpoint and credentials (its ``AWS_*`` variables; else this
+    process's). A location that cannot be written is launched unfenced, with a warning."""
+    from tidal.ckpt.errors import CheckpointError
+    from tidal.ckpt.tiers.s3 import S3Tier
+
+    try:
+        tier = S3Tier(url, name="fence", env=env, retries=1, retry_timeout_s=5.0, concurrency=1)
+        return write_s3(tier, job, attempt)
+    except (CheckpointError, OSError) as e:
+        log.warning("job %s attempt %d: cannot fence its checkpoint location %s (%s); a stale attempt could "
+                    "still commit there", job, attempt, url, e)
         return None

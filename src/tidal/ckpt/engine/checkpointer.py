@@ -165,11 +165,20 @@ class Checkpointer:
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tidal-stage-r{self.rank}")
 
     def _fence(self) -> Any:
-        """What rank 0 calls before each commit: the check of the home directory's fence (``None``:
-        no claim, or a home that is not a directory)."""
+        """What rank 0 calls before each commit: the check of the home's fence (``None``: no claim, or a
+        peer home, which is not fenced)."""
         claim, home = self.claim, self.home
-        if claim is None or self.rank != 0 or ("://" in home and not home.startswith("file://")):
-            return None  # S3 and peer homes are not fenced
+        if claim is None or self.rank != 0:
+            return None
+        if is_s3_url(home):
+            from tidal.ckpt.tiers.s3 import parse_s3_url
+
+            want = "s3://{}/{}".format(*parse_s3_url(home)).rstrip("/")
+            tier = next((t for t in self.tiers if t.kind == "s3" and getattr(t, "location", None) == want),
+                        None)
+            return None if tier is None else (lambda step: fence.check_s3(tier, claim, step))
+        if "://" in home and not home.startswith("file://"):
+            return None  # a peer home
         where = local_path(home)
         return lambda step: fence.check(where, claim, step)
 
