@@ -193,6 +193,7 @@ def killed_shim(ex: LocalExecutor, job: str, rank: int = 0) -> list[int]:
     """SIGKILL the shim of ``rank`` of ``job`` alone (as the OOM killer or an operator would), and wait
     until it has gone: its rank and the rank's helpers are now orphans."""
     shim = ex._jobs[job].ranks[rank].pid
+    assert wait_for(lambda: rank in ex.worker_pids(job)), f"{job}: no pid recorded for rank {rank}"
     rank_pid = ex.worker_pids(job)[rank]
     os.kill(shim, signal.SIGKILL)
     assert wait_for(lambda: procs.state(shim) in (None, "Z"))
@@ -230,8 +231,10 @@ def test_a_killed_shims_orphans_end_without_a_memory_cgroup(tmp_path, then):
                                         capture_output=True, text=True).stdout))
 
         def tree(job: str, rank: int) -> list[int]:  # the rank's helpers, the rank, its shim
-            return (helpers(Path(str(files[job]).format(rank=rank))) + [ex.worker_pids(job)[rank]]
-                    + [ex._jobs[job].ranks[rank].pid])
+            pids = helpers(Path(str(files[job]).format(rank=rank)))
+            # the shim records the rank's pid after starting it: under load, after the rank's helpers
+            assert wait_for(lambda: rank in ex.worker_pids(job)), f"{job}: no pid recorded for rank {rank}"
+            return pids + [ex.worker_pids(job)[rank]] + [ex._jobs[job].ranks[rank].pid]
 
         k0, k1, h = tree("k", 0)[:-1], tree("k", 1), tree("h", 0)
         killed_shim(ex, "k")
