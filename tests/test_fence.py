@@ -228,46 +228,42 @@ def test_a_stale_attempt_is_fenced_out(tmp_path):
 
 
 # ------------------------------------------------------------------------------ an S3 home
-def test_an_s3_home_is_fenced_with_the_jobs_credentials_and_checked_before_each_commit(s3, monkeypatch,
-                                                                                       caplog):
+def test_an_s3_home_is_claimed_by_its_rank_0_and_checked_before_each_commit(s3):
     """S3 homes were not fenced: a stale attempt kept committing manifests over the new attempt's. Now the
-    executor PUTs ``<prefix>/fence.json`` with the job's own ``AWS_*`` variables (not the plane's: here
-    the plane has none) and rank 0 GETs it before each manifest; a crafted object refuses, an unreachable
-    store does not stop the commits to the other tiers."""
-    import logging
-
+    new attempt's rank 0 PUTs ``<prefix>/fence.json`` when its checkpointer starts (with the job's own
+    credentials: the plane makes no S3 request, so a job's ``AWS_ENDPOINT_URL`` cannot point the plane at
+    an address of its choosing) and every rank 0 GETs it before each manifest. A crafted or oversized
+    object refuses; a stale attempt starting late never claims the location back."""
     from tidal.ckpt.tiers.s3 import S3Tier
 
-    job_env = {c.ENV_CKPT_URL: s3.url, **s3.server.env()}
+    assert fence.fence_launch({c.ENV_CKPT_URL: s3.url, "AWS_ENDPOINT_URL": "http://169.254.169.254"},
+                              "j", 2) is None  # the plane: nothing to do for an S3 home
+    tier = S3Tier(s3.url)
     stale = ckpt.Checkpointer(s3.url, keep=0, claim=fence.Claim("j", 1), status_path=False)
     try:
+        assert fence.read_s3(tier)["attempt"] == 1  # attempt 1 claimed it when it started
         stale.save(1, {"w": torch.ones(4)}).wait()
-        for k in s3.server.env():
-            monkeypatch.delenv(k, raising=False)  # the plane's own environment has no S3 credentials
-        assert fence.fence_launch(job_env, "j", 2) == f"{s3.url}/{c.FENCE_FILE}"
-        wrong = {**job_env, "AWS_SECRET_ACCESS_KEY": "not-the-key"}
-        with caplog.at_level(logging.WARNING, logger="tidal.ckpt.fence"):
-            assert fence.fence_launch(wrong, "j", 3) is None  # refused by the store: launched unfenced
-        assert "cannot fence its checkpoint location" in caplog.text
-        for k, v in s3.server.env().items():
-            monkeypatch.setenv(k, v)
-        tier = S3Tier(s3.url)
-        assert fence.read_s3(tier)["attempt"] == 2
-        with pytest.raises(ckpt.FencedError, match=r"step 2: commit refused: .* for job 'j' attempt 2"):
-            stale.save(2, {"w": torch.full((4,), 2.0)}).wait()
-        assert ckpt.steps(s3.url) == [1] and tier.step_files().keys() == {1}  # the fence is no step
+        with ckpt.Checkpointer(s3.url, keep=0, claim=fence.Claim("j", 2), status_path=False) as cp:
+            assert fence.read_s3(tier)["attempt"] == 2  # attempt 2 starts: the location is its own
+            with pytest.raises(ckpt.FencedError, match=r"step 2: commit refused: .* for job 'j' attempt 2"):
+                stale.save(2, {"w": torch.full((4,), 2.0)}).wait()
+            assert ckpt.steps(s3.url) == [1] and tier.step_files().keys() == {1}  # the fence is no step
+            late = ckpt.Checkpointer(s3.url, keep=0, claim=fence.Claim("j", 1), status_path=False)
+            late.close()
+            assert fence.read_s3(tier)["attempt"] == 2  # a stale attempt starting late claims nothing
+            cp.save(3, {"w": torch.full((4,), 3.0)}).wait()
+            assert ckpt.steps(s3.url) == [1, 3]
+            tier.write_top(c.FENCE_FILE, b"\x00" * 100)  # crafted after the start: not a fence, refuses
+            with pytest.raises(ckpt.FencedError, match="not a fence"):
+                cp.save(4, {"w": torch.full((4,), 4.0)}).wait()
     finally:
         stale.close()
-    with ckpt.Checkpointer(s3.url, keep=0, claim=fence.Claim("j", 2), status_path=False) as cp:
-        cp.save(3, {"w": torch.full((4,), 3.0)}).wait()
-    assert ckpt.steps(s3.url) == [1, 3]
-    tier.write_top(c.FENCE_FILE, b"\x00" * 100)  # a crafted fence: not one, refuses
-    with (ckpt.Checkpointer(s3.url, keep=0, claim=fence.Claim("j", 2), status_path=False) as cp,
-          pytest.raises(ckpt.FencedError, match="not a fence")):
-        cp.save(4, {"w": torch.full((4,), 4.0)}).wait()
     tier.write_top(c.FENCE_FILE, b"{" + b" " * 5000 + b"}")  # too large to be one
     with pytest.raises(ckpt.FencedError, match="not a fence"):
         fence.read_s3(tier)
+    with ckpt.Checkpointer(s3.url, keep=0, claim=fence.Claim("j", 3), status_path=False) as cp:
+        cp.save(5, {"w": torch.full((4,), 5.0)}).wait()  # a new attempt replaces what is not a fence
+    assert fence.read_s3(tier)["attempt"] == 3 and ckpt.steps(s3.url) == [1, 3, 5]
 
 
 def test_an_s3_fence_that_cannot_be_reached_lets_the_commit_go_on(caplog):
@@ -298,3 +294,7 @@ def test_an_s3_fence_that_cannot_be_reached_lets_the_commit_go_on(caplog):
         fence.check_s3(Store(newer), fence.Claim("j", 1), 5)
     with pytest.raises(ckpt.FencedError, match="cannot be read"):  # reading it for its own sake: an error
         fence.read_s3(Store(TierError("down")))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tidal.ckpt.fence"):
+        assert fence.claim_s3(Store(TierError("down")), fence.Claim("j", 1)) is False  # training starts
+    assert "cannot be written" in caplog.text

@@ -10,11 +10,11 @@ manifest (the step becoming visible, in any tier) and refuses the commit when th
 another job or to a newer attempt (:class:`~tidal.ckpt.errors.FencedError`; the runtime then exits
 with :data:`tidal.contract.EXIT_FENCED`).
 
-An S3 home is fenced the same way: ``<prefix>/fence.json``, written by the executor with the job's own
-``AWS_*`` variables (one PUT, atomic), read by rank 0 with one GET before it PUTs a manifest. Peer homes
-are not fenced. No fence, or no claim (a rank started without ``TIDAL_ATTEMPT``: outside the plane,
-``tidal ckpt`` tools), works as before. Stdlib only at import (the executors import it; no torch; obstore
-only when an S3 home is fenced).
+An S3 home has the same fence, ``<prefix>/fence.json``, but its rank 0 writes it when its checkpointer
+starts (:func:`claim_s3`: the job's own credentials and network; the plane never calls an endpoint a
+job names) and reads it with one GET before each manifest. Peer homes are not fenced. No fence, or no
+claim (a rank started without ``TIDAL_ATTEMPT``: outside the plane, ``tidal ckpt`` tools), works as
+before. Stdlib only (the executors import it; no torch).
 """
 
 from __future__ import annotations
@@ -69,8 +69,9 @@ class Claim:
 def home_dir(env: Mapping[str, str], cwd: str | os.PathLike | None = None) -> Path | None:
     """The checkpoint directory a job's ranks commit under, from their variables (``TIDAL_CKPT_TIERS``,
     else ``TIDAL_CKPT_URL``: the home :func:`tidal.ckpt.tiers.config.resolve` picks); ``None`` when it is
-    not a directory (S3: :func:`home_s3`; peer: not fenced) or the variables are malformed (the runtime
-    reports those). A relative path is taken from ``cwd``, the ranks' working directory."""
+    not a directory (S3: claimed by rank 0, :func:`claim_s3`; peer: not fenced) or the variables are
+    malformed (the runtime reports those). A relative path is taken from ``cwd``, the ranks' working
+    directory."""
     got = _home(env)
     if got is None or got[0] != "dir":
         return None
@@ -79,12 +80,6 @@ def home_dir(env: Mapping[str, str], cwd: str | os.PathLike | None = None) -> Pa
     home = got[1]
     path = Path(home[len("file://"):] if home.startswith("file://") else home).expanduser()
     return Path(cwd, path) if cwd is not None and not path.is_absolute() else local_path(path)
-
-
-def home_s3(env: Mapping[str, str]) -> str | None:
-    """The ``s3://`` home a job's ranks commit under (as :func:`home_dir`), or None."""
-    got = _home(env)
-    return got[1] if got is not None and got[0] == "s3" else None
 
 
 def _home(env: Mapping[str, str]) -> tuple[str, str] | None:
@@ -193,11 +188,28 @@ def check_s3(tier: Any, claim: Claim, step: int) -> None:
     _refuse(None if data is None else _parse(data, where), tier.location, claim, step)
 
 
-def write_s3(tier: Any, job: str, attempt: int) -> str:
-    """:func:`write` for an S3 home: one PUT (atomic: a reader sees the old fence or the new one)."""
-    data = json.dumps({"job": job, "attempt": int(attempt), "written_s": round(time.time(), 3)}).encode()
-    tier.write_top(c.FENCE_FILE, data)
-    return f"{tier.location}/{c.FENCE_FILE}"
+def claim_s3(tier: Any, claim: Claim) -> bool:
+    """Rank 0 of an attempt whose home is S3, at start: write the fence for ``claim`` unless it names a
+    newer attempt of the same job (then this attempt is the stale one, and its first commit is refused).
+    The job's own rank does it, with its own credentials and network: the plane never sends a request to
+    an endpoint a job's variables name. Whether it wrote; an unreachable store is a warning (as
+    :func:`check_s3`)."""
+    where = f"{tier.location}/{c.FENCE_FILE}"
+    try:
+        data = _fetch_s3(tier)
+        try:
+            doc = None if data is None else _parse(data, where)
+        except FencedError:
+            doc = None  # not a fence: replaced by this attempt's
+        if doc is not None and doc["job"] == claim.job and doc["attempt"] >= claim.attempt:
+            return False
+        body = {"job": claim.job, "attempt": claim.attempt, "written_s": round(time.time(), 3)}
+        tier.write_top(c.FENCE_FILE, json.dumps(body).encode())
+        return True
+    except OSError as e:
+        log.warning("checkpoint fence %s cannot be written (%s); a stale attempt could still commit there",
+                    where, e)
+        return False
 
 
 _MAX_LINKS = 40  # as the kernel's own limit on links followed in one path
@@ -270,13 +282,11 @@ def write(directory: str | os.PathLike, job: str, attempt: int) -> Path | None:
 
 
 def fence_launch(env: Mapping[str, str], job: str, attempt: int,
-                 cwd: str | os.PathLike | None = None) -> Path | str | None:
-    """The executor's part: fence the home directory (or ``s3://`` prefix) named by a launch's variables
-    (``cwd``: the ranks' working directory) for ``job``'s ``attempt``. A location that cannot be fenced
-    (a peer home, not there yet, not writable) is launched unfenced, with a warning for the last."""
-    s3 = home_s3(env)
-    if s3 is not None:
-        return _fence_s3(s3, env, job, attempt)
+                 cwd: str | os.PathLike | None = None) -> Path | None:
+    """The executor's part: fence the home directory named by a launch's variables (``cwd``: the ranks'
+    working directory) for ``job``'s ``attempt``. A location that cannot be fenced (an S3 home: its rank 0
+    claims it, :func:`claim_s3`; a peer home; not there yet; not writable) is launched unfenced by the
+    plane, with a warning for the last."""
     home = home_dir(env, cwd)
     if home is None:
         return None
@@ -291,17 +301,3 @@ def fence_launch(env: Mapping[str, str], job: str, attempt: int,
                     "still commit there", job, attempt, home, e)
         return None
 
-
-def _fence_s3(url: str, env: Mapping[str, str], job: str, attempt: int) -> str | None:
-    """Fence an S3 home with the job's own endpoint and credentials (its ``AWS_*`` variables; else this
-    process's). A location that cannot be written is launched unfenced, with a warning."""
-    from tidal.ckpt.errors import CheckpointError
-    from tidal.ckpt.tiers.s3 import S3Tier
-
-    try:
-        tier = S3Tier(url, name="fence", env=env, retries=1, retry_timeout_s=5.0, concurrency=1)
-        return write_s3(tier, job, attempt)
-    except (CheckpointError, OSError) as e:
-        log.warning("job %s attempt %d: cannot fence its checkpoint location %s (%s); a stale attempt could "
-                    "still commit there", job, attempt, url, e)
-        return None

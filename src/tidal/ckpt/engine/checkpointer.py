@@ -137,6 +137,9 @@ class Checkpointer:
             if self.rank == 0 or t.fast:
                 self._durability.seed(t.name, t.committed())
         self.claim = fence.Claim.from_env() if claim is None else (claim if claim else None)
+        self._home_s3 = self._s3_tier_of_home()
+        if self._home_s3 is not None and self.claim is not None and self.rank == 0:
+            fence.claim_s3(self._home_s3, self.claim)  # an S3 home: this attempt's from now on
         self._persister = Persister(rank=self.rank, commit_timeout_s=commit_timeout_s,
                                     durability=self._durability, config=self._config, fence=self._fence())
         self._remote = [
@@ -164,6 +167,15 @@ class Checkpointer:
         self._hooks = [opt.register_step_pre_hook(self._pre_step_hook) for opt in self._guards]
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tidal-stage-r{self.rank}")
 
+    def _s3_tier_of_home(self) -> Tier | None:
+        """The S3 tier that is the home (None for a directory or peer home)."""
+        if not is_s3_url(self.home):
+            return None
+        from tidal.ckpt.tiers.s3 import parse_s3_url
+
+        want = "s3://{}/{}".format(*parse_s3_url(self.home)).rstrip("/")
+        return next((t for t in self.tiers if t.kind == "s3" and getattr(t, "location", None) == want), None)
+
     def _fence(self) -> Any:
         """What rank 0 calls before each commit: the check of the home's fence (``None``: no claim, or a
         peer home, which is not fenced)."""
@@ -171,11 +183,7 @@ class Checkpointer:
         if claim is None or self.rank != 0:
             return None
         if is_s3_url(home):
-            from tidal.ckpt.tiers.s3 import parse_s3_url
-
-            want = "s3://{}/{}".format(*parse_s3_url(home)).rstrip("/")
-            tier = next((t for t in self.tiers if t.kind == "s3" and getattr(t, "location", None) == want),
-                        None)
+            tier = self._home_s3
             return None if tier is None else (lambda step: fence.check_s3(tier, claim, step))
         if "://" in home and not home.startswith("file://"):
             return None  # a peer home

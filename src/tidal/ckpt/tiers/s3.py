@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -94,10 +94,7 @@ class S3Tier:
 
     def __init__(self, url: str, *, name: str = "s3", endpoint: str | None = None, region: str | None = None,
                  part_size_bytes: int = 16 * MIB, concurrency: int = 8, retries: int = 3,
-                 retry_timeout_s: float = 20.0, connect_timeout_s: float = 2.0,
-                 env: Mapping[str, str] | None = None) -> None:
-        """``env``: take the endpoint, region and credentials (``AWS_*``) from these variables instead of
-        this process's (the executor fencing a job's location with the job's own credentials)."""
+                 retry_timeout_s: float = 20.0, connect_timeout_s: float = 2.0) -> None:
         import os
 
         from obstore.store import S3Store
@@ -112,16 +109,15 @@ class S3Tier:
         if concurrency < 1:
             raise TierSpecError(f"tier {url!r}: concurrency must be >= 1, got {concurrency}")
         self.part_size_bytes, self.concurrency = int(part_size_bytes), int(concurrency)
-        e = os.environ if env is None else env
-        self.endpoint = endpoint or e.get("AWS_ENDPOINT_URL_S3") or e.get("AWS_ENDPOINT_URL")
+        self.endpoint = (
+            endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        )
         config: dict[str, Any] = {}
         if self.endpoint:
             config["endpoint"] = self.endpoint
-        config["region"] = region or e.get("AWS_REGION") or e.get("AWS_DEFAULT_REGION") or "us-east-1"
-        if env is not None:
-            keys = {"AWS_ACCESS_KEY_ID": "access_key_id", "AWS_SECRET_ACCESS_KEY": "secret_access_key",
-                    "AWS_SESSION_TOKEN": "session_token"}
-            config.update({key: env[var] for var, key in keys.items() if env.get(var)})
+        config["region"] = (
+            region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+        )
         client = {
             "allow_http": bool(self.endpoint and self.endpoint.startswith("http://")),
             "connect_timeout": _seconds(connect_timeout_s),
