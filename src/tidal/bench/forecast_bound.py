@@ -189,18 +189,19 @@ class Rotation:
     center: np.ndarray
     scale: np.ndarray
     truth: np.ndarray
-    oracle_harvest: float
+    oracle: dict[str, Any]  # the oracle's fluid_score on it
 
 
 def robust_z(rotations: list[Rotation], n: int, lead: int, warmup: int, budget: float,
              k: float = 1.0) -> tuple[float, list[float], list[float]]:
     """One constant ``z`` chosen with hindsight of *every* rotation: the smallest that holds ``budget`` on
     all of them (the largest of their own). (z, harvest x oracle per rotation, shortfall per rotation)."""
-    z = max(_tune_z(r.demand, shrink_errors(r.center, r.truth, k), r.scale, n, lead, warmup, budget)
-            for r in rotations)
-    scores = [fluid_score(lent_from_upper(r.demand, shrink_errors(r.center, r.truth, k) + z * r.scale, n),
-                          r.demand, n, lead, warmup) for r in rotations]
-    return (z, [sc["harvest"] / r.oracle_harvest for sc, r in zip(scores, rotations, strict=True)],
+    centers = [shrink_errors(r.center, r.truth, k) for r in rotations]
+    z = max(_tune_z(r.demand, ck, r.scale, n, lead, warmup, budget)
+            for r, ck in zip(rotations, centers, strict=True))
+    scores = [fluid_score(lent_from_upper(r.demand, ck + z * r.scale, n), r.demand, n, lead, warmup)
+              for r, ck in zip(rotations, centers, strict=True)]
+    return (z, [sc["harvest"] / r.oracle["harvest"] for sc, r in zip(scores, rotations, strict=True)],
             [sc["shortfall_strict"] for sc in scores])
 
 
@@ -219,13 +220,9 @@ def evaluate(times_s: np.ndarray, demand: np.ndarray, *, n: int, step_s: float, 
         c, sc = forecast_paths(times_s, d, fcfg, lead)
         o_lent, _ = run_policy(OraclePolicy(step_s=step_s, horizon_s=horizon_s, timing=timing), times_s, d, n,
                                future=True)
-        rotations.append(Rotation(days, d, c, sc, _truth(d, lead),
-                                  fluid_score(o_lent, d, n, lead, warmup)["harvest"]))
-    center, scale, truth = rotations[0].center, rotations[0].scale, rotations[0].truth
-    oracle_lent, _ = run_policy(
-        OraclePolicy(step_s=step_s, horizon_s=horizon_s, timing=timing), times_s, demand, n, future=True
-    )
-    oracle = fluid_score(oracle_lent, demand, n, lead, warmup)
+        rotations.append(Rotation(days, d, c, sc, _truth(d, lead), fluid_score(o_lent, d, n, lead, warmup)))
+    center, scale, truth, oracle = (rotations[0].center, rotations[0].scale, rotations[0].truth,
+                                    rotations[0].oracle)  # rotation 0: the trace as recorded
     ctx = contexts(times_s, demand, level_edges, tod_buckets)
     grid = np.arange(0.0, 12.0001, 0.25)
     out: dict[str, Any] = {
@@ -276,7 +273,7 @@ def evaluate(times_s: np.ndarray, demand: np.ndarray, *, n: int, step_s: float, 
             mr = max(_tune_margin(lambda mg, d=r.demand: _reactive_lent(d, n, mg), r.demand, n, lead,
                                   warmup, b) for r in rotations)
             over = [fluid_score(_reactive_lent(r.demand, n, mr), r.demand, n, lead, warmup)["harvest"]
-                    / r.oracle_harvest for r in rotations]
+                    / r.oracle["harvest"] for r in rotations]
             rows[f"reactive holding all {len(rotations)} rotations (hindsight)"] = {
                 **row(fluid_score(_reactive_lent(demand, n, mr), demand, n, lead, warmup),
                       f"{mr:.2f} GPUs; rotations: median {float(np.median(over)):.3f}x, "
