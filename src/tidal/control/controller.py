@@ -39,10 +39,10 @@ from tidal.control import node_memory
 from tidal.control.accounting import account, describe_rank, rank_code
 from tidal.control.config import ControlConfig
 from tidal.control.job_views import job_env, own_dirs, scheduler_view, taken_over
-from tidal.control.loan_nodes import lent_before
 from tidal.control.loans import DOC_KEY as LOANS_DOC
 from tidal.control.loans import LiveLoans
 from tidal.control.node_watch import NodeWatch
+from tidal.control.serving_nodes import lent_before
 from tidal.control.states import HELD, STOPPING, State
 from tidal.control.store import JobRow, Store
 from tidal.exec.progress import Progress
@@ -194,7 +194,7 @@ class Controller:
         return used, want, on
 
     def _save_loans(self, now_s: float) -> None:
-        """The loan document and the step's loan events, in one transaction (only when something changed)."""
+        """The loan document and the step's loan events, in one transaction."""
         if self.loans is None:
             return
         events, self._events = self._events, []
@@ -214,8 +214,7 @@ class Controller:
                 ("invariant", f"jobs hold serving GPUs beyond what is lent: {over}", {"over": over})
             )
         self.loans.refresh(now_s, held, on)
-        if self.loans.take_dirty() or events:
-            self.store.put_doc(LOANS_DOC, self.loans.dump(), now_s, events)
+        self.store.put_doc(LOANS_DOC, self.loans.dump(), now_s, events)
 
     def _intervals(self, snap: Snapshot, now_s: float) -> list[SetCkptInterval]:
         """Checkpoint intervals for running jobs whose spec says ``interval_s: auto``, unless the job

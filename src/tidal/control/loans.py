@@ -2,7 +2,7 @@
 
 :meth:`LiveLoans.tick` runs in :meth:`tidal.control.controller.Controller.step` after the jobs are
 reconciled and before the scheduler, in this order (after the serving nodes lost and back:
-:mod:`tidal.control.loan_nodes`):
+:class:`~tidal.control.serving_nodes.ServingNodes`):
 
 1. **Warm-ups end.** GPUs handed back earlier serve again once their warm-up is over (the ledger's
    times and, for a :class:`~tidal.serving.adapters.ReadyAdapter`, its ``ready(node)``: e.g. the new
@@ -33,7 +33,7 @@ The scheduler then sees the loans and reclaims in its snapshot; its :class:`~tid
 decisions come back through :meth:`LiveLoans.returned` (ledger, then ``adapter.restore``; a refused
 restore leaves the GPUs in neither pool and is retried each step). Everything the ledger, the policy
 and the adapter need to continue is one JSON document in the store (:meth:`dump` / :meth:`load`),
-written after every step that changed it, so a ``tidal up`` killed with SIGKILL continues the same
+written after every step, so a ``tidal up`` killed with SIGKILL continues the same
 loans, reclaims and forecast.
 
 Timing: ``timing`` (:class:`~tidal.policy.loan.LoanTiming`) is in control-plane seconds (the jobs'
@@ -50,13 +50,14 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tidal.control import loan_nodes, loan_view
+from tidal.control.loan_book import Actions
+from tidal.control.serving_nodes import Event, ServingNodes
 from tidal.model import Loan, Reclaim
 from tidal.policy import codec
-from tidal.policy.forecast import ForecastConfig
 from tidal.policy.ledger import LoanLedger
-from tidal.policy.loan import LoanContext, LoanPlan, LoanTiming, TidalConfig, TidalPolicy, TidalState
+from tidal.policy.loan import LoanContext, LoanPlan, LoanTiming, TidalPolicy, TidalState
 from tidal.serving.adapters import (
+    ActionDone,
     AdapterError,
     HistoryAdapter,
     QueuedAdapter,
@@ -70,89 +71,89 @@ log = logging.getLogger(__name__)
 
 DOC_KEY = "serving"
 HISTORY_STEPS = 2000  # loan steps kept in memory for the dashboard's timeline (not persisted)
-Event = tuple[str, str, dict | None]
+STAT_NAMES = ("steps", "unknown_demand_steps", "demand_gpu_s", "shortfall_gpu_s", "lent_gpu_s", "used_gpu_s",
+              "reclaims_met", "reclaims_missed", "double_counted_steps", "returned_gpus", "release_failures",
+              "restore_failures", "lent_total_gpus")
 
 
-def scaled(timing: LoanTiming, factor: float) -> LoanTiming:
-    """``timing`` with every duration times ``factor`` (the serving clock's view of it)."""
-    return dataclasses.replace(timing, notice_s=timing.notice_s * factor,
-                               final_checkpoint_s=timing.final_checkpoint_s * factor,
-                               release_s=timing.release_s * factor, warmup_s=timing.warmup_s * factor,
-                               restart_cost_s=timing.restart_cost_s * factor)
+def finite(x: float) -> float | None:
+    """``x``, or None for an infinite time (a loan with no end yet): JSON has no infinity."""
+    return None if math.isinf(x) else x
 
 
 class LiveLoans:
     """The loan step of the live control plane (see the module docstring). Not thread-safe: the
-    reconcile loop calls it; readers (the API) use :meth:`view`, a dict swapped whole."""
+    reconcile loop calls it; readers (the API) use :meth:`view`, a dict swapped whole.
+
+    What it holds: its configuration (the adapter, the timing, the policy); what the store keeps (the
+    ledger, the policy's state, the next grid point, the actions in flight and owed
+    (:class:`~tidal.control.loan_book.Actions`), the serving nodes lost and back
+    (:class:`~tidal.control.serving_nodes.ServingNodes`), the counters and the newest plan shown); and
+    what readers see (:meth:`view`, :attr:`history`). Everything else a step needs (the loans and
+    reclaims jobs may use, what is lent, which reclaims became due since the last step) is computed
+    from those each step."""
 
     def __init__(self, adapter: ServingAdapter, timing: LoanTiming, *, shortfall_budget: float = 0.005,
                  step_s: float = 600.0, warm_history: list[tuple[float, float]] | None = None) -> None:
         self.adapter = adapter
         self.timing = timing
         self.speedup = float(adapter.speedup)
-        self.nodes = adapter.nodes()  # as configured (serving.nodes); the pool now is the ledger's
-        self.policy = TidalPolicy(TidalConfig(shortfall_budget=shortfall_budget,
-                                              forecast=ForecastConfig(step_s=step_s),
-                                              timing=scaled(timing, self.speedup)))
         self.step_s = step_s
+        self.policy = TidalPolicy.for_serving(shortfall_budget, step_s, timing.scaled(self.speedup))
+        # as configured (serving.nodes); the pool now is the ledger's
+        self.serving = ServingNodes(adapter.nodes(), adapter, timing)
         self.ledger = LoanLedger(self.nodes, timing)
         self.state = self.policy.initial_state()
         self.next_grid = math.nan  # serving time of the next observation
-        self.pending_restores: dict[str, int] = {}  # node -> GPUs returned whose restore the adapter refused
-        self.releasing: dict[str, int] = {}  # node -> GPUs whose release a QueuedAdapter has not finished
-        self.restoring: dict[str, int] = {}  # node -> GPUs whose restore a QueuedAdapter has not finished
-        self._resend = False  # actions in flight when the plane stopped: sent again on the first step
-        self.queued_on: dict[str, int] = {}  # node -> actions a QueuedAdapter has not reported yet
-        self.gone: dict[str, dict] = {}  # serving nodes lost (tidal.control.loan_nodes)
-        self.returning: dict[str, dict] = {}  # serving nodes back, not yet serving again
-        self.stale: dict[str, int] = {}  # node -> outcomes to ignore (actions sent before it was lost)
-        self.jobs_seen: dict[str, list[str]] = {}  # node -> jobs holding GPUs there at the last step
-        self.stats: dict[str, float] = {
-            "steps": 0,
-            "unknown_demand_steps": 0,
-            "demand_gpu_s": 0.0,
-            "shortfall_gpu_s": 0.0,
-            "lent_gpu_s": 0.0,
-            "used_gpu_s": 0.0,
-            "reclaims_met": 0,
-            "reclaims_missed": 0,
-            "double_counted_steps": 0,
-            "returned_gpus": 0,
-            "release_failures": 0,
-            "restore_failures": 0,
-            "lent_total_gpus": 0,
-        }
+        self.actions = Actions()
+        self.stats: dict[str, float] = dict.fromkeys(STAT_NAMES, 0)
+        self.stats.update(dict.fromkeys(("demand_gpu_s", "shortfall_gpu_s", "lent_gpu_s", "used_gpu_s"), 0.0))
         self.margins: list[float] = []  # seconds before the deadline at each return (negative: late)
-        self._due_gpus = (
-            0  # lent GPUs due back (notice time come) as of the last step, less those returned since
-        )
-        self.last_s: float | None = None
-        self.latest: dict[str, Any] = {}
+        self.last_s: float | None = None  # the last step's time
         self.plan_shown: dict[str, Any] = {}
-        self._dirty = True
-        self._warm = list(warm_history or [])
+        self._warm = list(warm_history or [])  # history the forecast learns before its first step
         self._relearn = ""  # why a stored forecast was dropped at load (said in the first step's events)
+        self._latest: dict[str, Any] = {}
         self._history: collections.deque[dict[str, Any]] = collections.deque(maxlen=HISTORY_STEPS)
         self.history: tuple[dict[str, Any], ...] = ()
         """The newest loan steps, oldest first (swapped whole; see :meth:`_sample`)."""
 
-    # -------------------------------------------------------------------------------- persistence
+    # ------------------------------------------------------------------------------- the parts' views
+    @property
+    def nodes(self) -> dict[str, int]:
+        """The serving nodes as configured (``serving.nodes``)."""
+        return self.serving.nodes
+
+    @property
+    def gone(self) -> dict[str, dict[str, Any]]:
+        return self.serving.gone
+
+    @property
+    def returning(self) -> dict[str, dict[str, Any]]:
+        return self.serving.returning
+
+    @property
+    def releasing(self) -> dict[str, int]:
+        return self.actions.releasing
+
+    @property
+    def restoring(self) -> dict[str, int]:
+        return self.actions.restoring
+
+    @property
+    def pending_restores(self) -> dict[str, int]:
+        return self.actions.owed
+
     @property
     def serving_gpus(self) -> int:
         """The pool now: GPUs of the serving nodes present and warmed in (lost ones are not in it)."""
         return self.ledger.total
 
-    def dirty(self) -> None:
-        self._dirty = True
-
+    # -------------------------------------------------------------------------------- persistence
     def dump(self) -> dict[str, Any]:
-        keep = ("since_s", "gpus", "ready_s", "told")
-        back = {n: {k: v for k, v in b.items() if k in keep} for n, b in self.returning.items()}
         return {"version": 1, "nodes": dict(self.nodes), "ledger": self.ledger.to_state(),
-                "gone": self.gone, "returning": back,
-                "policy": codec.encode(self.state),
-                "next_grid": codec.encode(self.next_grid), "pending_restores": dict(self.pending_restores),
-                "releasing": dict(self.releasing), "restoring": dict(self.restoring),
+                **self.serving.to_doc(), "policy": codec.encode(self.state),
+                "next_grid": codec.encode(self.next_grid), **self.actions.to_doc(),
                 "stats": self.stats, "margins": self.margins[-1000:], "last_s": self.last_s,
                 "adapter": self.adapter.persist(), "plan_view": self.plan_shown}
 
@@ -173,7 +174,8 @@ class LiveLoans:
         if not isinstance(doc, Mapping) or doc.get("version") != 1:
             raise ValueError(f"unknown version {doc.get('version') if isinstance(doc, Mapping) else doc!r}")
         ledger = LoanLedger.from_state(doc["ledger"], self.timing)
-        gone, returning = loan_nodes.check_doc(self.nodes, ledger.cap, doc.get("gone"), doc.get("returning"))
+        serving = ServingNodes(self.nodes, self.adapter, self.timing)
+        serving.load(doc, ledger.cap)
         state = codec.decode(doc["policy"], "policy")
         if not isinstance(state, TidalState):
             raise ValueError(f"policy: expected a TidalState, got {type(state).__name__}")
@@ -184,19 +186,9 @@ class LiveLoans:
                         misfit)
             self._relearn = misfit
             state, next_grid = self.policy.initial_state(), math.nan
-        pending = {str(n): int(g) for n, g in (doc.get("pending_restores") or {}).items() if g}
-        releasing = {str(n): int(g) for n, g in (doc.get("releasing") or {}).items() if g}
-        restoring = {str(n): int(g) for n, g in (doc.get("restoring") or {}).items() if g}
-        for what, book in (("releasing", releasing), ("restoring", restoring)):
-            for n, g in book.items():
-                top = ledger.lent_on(n) if what == "releasing" else ledger.cap.get(n, 0)
-                if n in returning or n in gone:
-                    raise ValueError(f"{what}[{n!r}]: the node is lost or not back in the pool")
-                if not 1 <= g <= top:
-                    raise ValueError(f"{what}[{n!r}] = {g} GPUs, outside 1..{top}")
-        self.ledger, self.state, self.next_grid, self.pending_restores = ledger, state, next_grid, pending
-        self.releasing, self.restoring, self._resend = releasing, restoring, bool(releasing or restoring)
-        self.gone, self.returning = gone, returning
+        actions = Actions.from_doc(doc, ledger.lent_on, ledger.cap, serving.away)
+        self.ledger, self.state, self.next_grid, self.actions = ledger, state, next_grid, actions
+        self.serving = serving
         self.stats.update(doc.get("stats") or {})
         self.margins = list(doc.get("margins") or [])
         self.last_s = doc.get("last_s")
@@ -204,27 +196,20 @@ class LiveLoans:
         self.adapter.resume(doc.get("adapter") or {})
         if not misfit:
             self._warm = []
-        self._due_gpus = sum(
-            r.gpus for r in ledger.reclaims if self.last_s is not None and r.due(self.last_s)
-        )
-
-    def take_dirty(self) -> bool:
-        d, self._dirty = self._dirty, False
-        return d
 
     # ------------------------------------------------------------------------------------ queries
     def lent_on(self, node: str) -> int:
         """GPUs of ``node`` lent to jobs: the ledger's loan less a release still in flight."""
-        return self.ledger.lent_on(node) - self.releasing.get(node, 0)
+        return self.ledger.lent_on(node) - self.actions.releasing.get(node, 0)
 
     @property
     def lent(self) -> int:
-        return self.ledger.lent - sum(self.releasing.values())
+        return self.ledger.lent - sum(self.actions.releasing.values())
 
     @property
     def loans(self) -> tuple[Loan, ...]:
         """The loans jobs may use (what the scheduler sees): without GPUs whose release is in flight."""
-        if not self.releasing:
+        if not self.actions.releasing:
             return tuple(self.ledger.loans.values())
         return tuple(dataclasses.replace(ln, gpus=self.lent_on(ln.node)) for ln in self.ledger.loans.values()
                      if self.lent_on(ln.node) > 0)
@@ -233,7 +218,7 @@ class LiveLoans:
     def reclaims(self) -> tuple[Reclaim, ...]:
         """The ledger's reclaims, earliest first less GPUs whose release is in flight (nobody holds them;
         once lent, the next step's reclaims ask for them, idle)."""
-        hide = sum(self.releasing.values())
+        hide = sum(self.actions.releasing.values())
         if not hide:
             return tuple(self.ledger.reclaims)
         out = []
@@ -244,8 +229,12 @@ class LiveLoans:
                 out.append(dataclasses.replace(r, gpus=r.gpus - k))
         return tuple(out)
 
+    def due_gpus(self, t_s: float | None) -> int:
+        """GPUs of the ledger's reclaims whose notice time has come by ``t_s`` (none for ``None``)."""
+        return 0 if t_s is None else sum(r.gpus for r in self.ledger.reclaims if r.due(t_s))
+
     def view(self) -> dict[str, Any]:
-        return self.latest
+        return self._latest
 
     # --------------------------------------------------------------------------------------- tick
     def _misfit(self, state: TidalState) -> str:
@@ -293,35 +282,37 @@ class LiveLoans:
         simulator assumes); the plan lends no more than that beyond what jobs hold on loans already,
         so serving keeps the GPUs nobody would train on. ``present``: the serving nodes the executor
         has now (node -> GPUs; ``None``: all of them, as configured) and ``jobs_on`` the jobs holding
-        GPUs on each: nodes lost and back (:mod:`tidal.control.loan_nodes`)."""
+        GPUs on each: nodes lost and back (:class:`~tidal.control.serving_nodes.ServingNodes`)."""
         events: list[Event] = []
         led = self.ledger
-        if self.last_s is not None and now_s > self.last_s:  # GPU-seconds lent and used since the last tick
-            dt = now_s - self.last_s
+        last_s = self.last_s
+        if last_s is not None and now_s > last_s:  # GPU-seconds lent and used since the last tick
+            dt = now_s - last_s
             self.stats["lent_gpu_s"] += self.lent * dt
             self.stats["used_gpu_s"] += (
                 sum(min(g, self.lent_on(n)) for n, g in used.items() if n in self.nodes) * dt
             )
-            self._dirty = True
         self.last_s = now_s
+        # due as of the last step, on the ledger as it is now (less GPUs returned since): announced then
+        was_due = self.due_gpus(last_s)
         if isinstance(self.adapter, QueuedAdapter):
-            events += self._collect(now_s)
-        if self._resend:
+            events += self._collect(self.adapter.done(), now_s)
+        if self.actions.resend:
             events += self._send_again(now_s)
-        if present is not None or self.gone or self.returning:
-            events += loan_nodes.track(self, self.nodes if present is None else present, jobs_on or {}, now_s)
+        if present is not None or self.serving.away:
+            events += self.serving.track(self.nodes if present is None else present, jobs_on or {}, now_s,
+                                         led, self.actions, self.stats)
+            led = self.ledger
         for node, g in led.warm_all_done(now_s, self._ready):  # 1.
             events.append(("serving_ready", f"{g} GPUs of {node} serve again (warm-up over)",
                            {"node": node, "gpus": g}))
-            self._dirty = True
-        if self.pending_restores:
+        if self.actions.owed:
             events += self._retry_restores(now_s)
         t_serv = self.adapter.serving_time(now_s)
         if math.isnan(self.next_grid):
             self.next_grid = math.ceil(t_serv / self.step_s - 1e-9) * self.step_s
-            self._dirty = True
         if t_serv + 1e-9 < self.next_grid:
-            return events + self._announce(now_s)
+            return events + self._announce(now_s, was_due)
         grid = self.next_grid
         if t_serv >= grid + self.step_s:  # late by whole steps: the forecast counts skipped ones as missing
             grid += math.floor((t_serv - grid) / self.step_s) * self.step_s
@@ -350,10 +341,9 @@ class LiveLoans:
             if plan.lendable_gpus > cap:
                 plan = dataclasses.replace(plan, lendable_gpus=cap)
         events += self._apply(plan, t_serv, now_s, used)  # 4.
-        events += self._announce(now_s)
-        self.plan_shown = loan_view.plan_view(self, now_s, t_serv, demand, plan)
+        events += self._announce(now_s, was_due)
+        self.plan_shown = self._plan_view(now_s, t_serv, demand, plan)
         self._sample(now_s, t_serv, demand, plan)
-        self._dirty = True
         return events
 
     def _sample(self, now_s: float, t_serv: float, demand: float, plan: LoanPlan) -> None:
@@ -371,37 +361,39 @@ class LiveLoans:
 
     def _apply(self, plan: LoanPlan, t_serv: float, now_s: float, used: Mapping[str, int]) -> list[Event]:
         led = self.ledger
+
+        def on_wall(t: float | None) -> float | None:  # serving clock -> control-plane time
+            return None if t is None else now_s + (t - t_serv) / self.speedup
+
         wall = dataclasses.replace(plan, reclaims=tuple(
-            dataclasses.replace(r, notice_s=now_s + (r.notice_s - t_serv) / self.speedup,
-                                by_s=now_s + (r.by_s - t_serv) / self.speedup,
-                                deadline_s=now_s + (r.deadline_s - t_serv) / self.speedup)
+            dataclasses.replace(r, notice_s=on_wall(r.notice_s), by_s=on_wall(r.by_s) or 0.0,
+                                deadline_s=on_wall(r.deadline_s))
             for r in plan.reclaims))
         before = {n: led.lent_on(n) for n in self.nodes}
         led.apply_plan(wall, now_s, used)
         events: list[Event] = []
+        owed = self.actions.owed
         for node in self.nodes:
             k = led.lent_on(node) - before[node]
             if k <= 0:
                 continue
-            owed = self.pending_restores.get(node, 0)
-            if owed:  # lent again before serving got them back: they never left lending, no action
-                take = min(k, owed)
-                self._owe(node, owed - take)
+            if owed.get(node):  # lent again before serving got them back: they never left lending, no action
+                take = min(k, owed[node])
+                self.actions.add(owed, node, -take)
                 k -= take
                 if k == 0:
                     continue
-            if self.releasing.get(node):  # one release in flight per node, so each lent_after holds
+            if self.actions.releasing.get(node):  # one release in flight per node: each lent_after holds
                 led.cancel_loan(node, k)  # whatever its outcome: the plan lends there again next step
                 continue
             events += self._act("release", node, k, now_s)
         return events
 
-    def _announce(self, now_s: float) -> list[Event]:
-        """A ``reclaim`` event when more lent GPUs are due back than at the last step (a reclaim planned
-        ahead whose notice time has come, or one due at once); GPUs returned meanwhile are subtracted."""
+    def _announce(self, now_s: float, was_due: int) -> list[Event]:
+        """A ``reclaim`` event when more lent GPUs are due back than at the last step (``was_due``: a
+        reclaim planned ahead whose notice time has come, or one due at once)."""
         due = [r for r in self.ledger.reclaims if r.due(now_s)]
-        gpus = sum(r.gpus for r in due)
-        new, self._due_gpus = gpus - self._due_gpus, gpus
+        new = sum(r.gpus for r in due) - was_due
         if new <= 0:
             return []
         first = min(r.by_s for r in due)
@@ -411,13 +403,12 @@ class LiveLoans:
     def returned(self, node: str, gpus: int, now_s: float) -> list[Event]:
         """Carry out :class:`~tidal.model.ReturnGpus`: the ledger, then the adapter."""
         led = self.ledger
-        if gpus < 1 or led.lent_on(node) - self.releasing.get(node, 0) < gpus:  # e.g. the node was lost
+        if gpus < 1 or self.lent_on(node) < gpus:  # e.g. the node was lost
             return [("decision", f"ignored ReturnGpus({node!r}, {gpus}): {self.lent_on(node)} GPUs lent there"
                      + (" (the node was lost)" if node in self.gone else ""), {"node": node, "gpus": gpus})]
         due = sorted(led.reclaims, key=lambda r: r.by_s)
         by = due[0].by_s if due else None
         ready = led.return_gpus(node, gpus, now_s)
-        self._due_gpus = max(0, self._due_gpus - gpus)
         self.stats["returned_gpus"] += gpus
         data: dict[str, Any] = {"node": node, "gpus": gpus, "serving_at_s": ready}
         msg = (f"returned {gpus} GPUs of {node} to serving (serving again in {ready - now_s:.0f} s, "
@@ -428,15 +419,13 @@ class LiveLoans:
             self.stats["reclaims_met" if margin >= 0 else "reclaims_missed"] += 1
             data["margin_s"] = margin
             msg += f", {margin:.1f} s before the deadline" if margin >= 0 else f", {-margin:.1f} s LATE"
-        events: list[Event] = [("return", msg, data), *self._act("restore", node, gpus, now_s)]
-        self._dirty = True
-        return events
+        return [("return", msg, data), *self._act("restore", node, gpus, now_s)]
 
     def _act(self, action: str, node: str, gpus: int, now_s: float, retry: bool = False) -> list[Event]:
         """Release or restore through the adapter; a :class:`QueuedAdapter`'s outcome comes later
         (:meth:`_collect`), anyone else's now; both end in :meth:`_finish`."""
-        lent_after = (self.ledger.lent_on(node) + self.pending_restores.get(node, 0)
-                      + loan_nodes.missing(self, node))
+        lent_after = (self.ledger.lent_on(node) + self.actions.owed.get(node, 0)
+                      + self.serving.missing(self.ledger, node))
         try:
             (self.adapter.release if action == "release" else self.adapter.restore)(
                 node, gpus, lent_after, now_s
@@ -444,36 +433,23 @@ class LiveLoans:
         except AdapterError as e:
             return self._finish(action, node, gpus, str(e), retry, now_s)
         if isinstance(self.adapter, QueuedAdapter):
-            book = self.releasing if action == "release" else self.restoring
-            book[node] = book.get(node, 0) + gpus
-            self.queued_on[node] = self.queued_on.get(node, 0) + 1
-            self._dirty = True
+            self.actions.sent(action, node, gpus)
             return []
         return self._finish(action, node, gpus, None, retry, now_s)
 
-    def _collect(self, now_s: float) -> list[Event]:
+    def _collect(self, done: list[ActionDone], now_s: float) -> list[Event]:
         """The outcomes of the queued actions that finished since the last step."""
         events: list[Event] = []
-        for done in self.adapter.done():  # type: ignore[attr-defined] (a QueuedAdapter)
-            n = self.queued_on.get(done.node, 0) - 1
-            if n > 0:
-                self.queued_on[done.node] = n
-            else:
-                self.queued_on.pop(done.node, None)
-            mine = loan_nodes.outcome(self, done.node, done.action, done.error)
-            if mine is not None:  # sent before the node was lost, or telling the adapter it is back
+        for d in done:
+            if self.actions.outcome_came(d.node):
+                continue  # sent before the node was lost
+            mine = self.serving.outcome(d.node, d.action, d.error, self.stats)
+            if mine is not None:  # telling the adapter a node is back
                 events += mine
-                self._dirty = True
                 continue
-            book = self.releasing if done.action == "release" else self.restoring
-            left = book.get(done.node, 0) - done.gpus
-            if left > 0:
-                book[done.node] = left
-            else:
-                book.pop(done.node, None)
-            events += self._finish(done.action, done.node, done.gpus, done.error, False, now_s,
-                                   after=self.queued_on.get(done.node, 0))
-            self._dirty = True
+            self.actions.add(self.actions.book(d.action), d.node, -d.gpus)
+            events += self._finish(d.action, d.node, d.gpus, d.error, False, now_s,
+                                   after=self.actions.queued.get(d.node, 0))
         return events
 
     def _finish(self, action: str, node: str, gpus: int, error: str | None, retry: bool,
@@ -484,10 +460,10 @@ class LiveLoans:
             self.stats["lent_total_gpus"] += gpus
             ln = led.loans.get(node)
             return [("loan", f"lent {gpus} GPUs of {node} to spot training ({self.lent_on(node)} lent there)",
-                     {"node": node, "gpus": gpus, "until_s": loan_view.finite(ln.until_s) if ln else None})]
+                     {"node": node, "gpus": gpus, "until_s": finite(ln.until_s) if ln else None})]
         if action == "release":
             self.stats["release_failures"] += 1
-            k = min(gpus, led.lent_on(node) - self.releasing.get(node, 0))
+            k = min(gpus, self.lent_on(node))
             if k > 0 and after:
                 # Actions queued after this one told the hook a lent count that assumed it succeeded
                 # (a restore's lent_after): tell it the true count again, after them. Until that
@@ -499,18 +475,13 @@ class LiveLoans:
                         *self._act("restore", node, k, now_s)]
             if k > 0:
                 led.cancel_loan(node, k)
-            return [
-                (
-                    "serving_action_failed",
-                    f"release of {gpus} GPUs on {node} failed: {error}; nothing lent there",
-                    data,
-                )
-            ]
+            return [("serving_action_failed",
+                     f"release of {gpus} GPUs on {node} failed: {error}; nothing lent there", data)]
         queued = isinstance(self.adapter, QueuedAdapter)
         if error is None:  # said when it was retried or is the outcome of a queued one
             return [("serving_restored", f"restore of {gpus} GPUs on {node} carried out{' on retry' * retry}",
                      {"node": node, "gpus": gpus})] if retry or queued else []
-        self._owe(node, self.pending_restores.get(node, 0) + gpus)
+        self.actions.add(self.actions.owed, node, gpus)
         if retry and not queued:  # a synchronous retry that fails again: owed, quietly
             return []
         self.stats["restore_failures"] += 1
@@ -520,44 +491,70 @@ class LiveLoans:
     def _ready(self, node: str) -> bool:
         """Whether ``node``'s GPUs whose warm-up time is over serve again: no restore owed or in flight
         there, and a :class:`ReadyAdapter` says so."""
-        if self.restoring.get(node) or self.pending_restores.get(node):
+        if self.actions.busy(node):
             return False
         return self.adapter.ready(node) if isinstance(self.adapter, ReadyAdapter) else True
 
     def _send_again(self, now_s: float) -> list[Event]:
         """Actions in flight when the plane stopped (:meth:`load`): sent again, the GPUs still in neither
         pool until they succeed."""
-        self._resend = False
+        self.actions.resend = False
         events: list[Event] = []
-        for action, book in (("release", self.releasing), ("restore", self.restoring)):
-            for node, g in list(book.items()):
-                del book[node]
+        for action in ("release", "restore"):
+            for node, g in self.actions.take(self.actions.book(action)):
                 events += self._act(action, node, g, now_s, retry=True)
-        self._dirty = True
         return events
-
-    def _owe(self, node: str, gpus: int) -> None:
-        if gpus > 0:
-            self.pending_restores[node] = gpus
-        else:
-            self.pending_restores.pop(node, None)
 
     def _retry_restores(self, now_s: float) -> list[Event]:
         events: list[Event] = []
-        for node, gpus in list(self.pending_restores.items()):
-            self._owe(node, 0)  # owed again by _finish if it fails
+        for node, gpus in self.actions.take(self.actions.owed):  # owed again by _finish if it fails
             events += self._act("restore", node, gpus, now_s, retry=True)
-        self._dirty = True
         return events
+
+    # ------------------------------------------------------------------------------------ views
+    def _plan_view(self, now_s: float, t_serv: float, demand: float, plan: LoanPlan) -> dict[str, Any]:
+        """The newest plan: demand, what may be lent, the margin and the first hours of the forecast."""
+        k = min(len(plan.times_s), 36)
+        return {
+            "planned_s": now_s, "serving_time_s": t_serv, "speedup": self.speedup,
+            "demand_gpus": None if math.isnan(demand) else round(demand, 3),
+            "lendable_gpus": plan.lendable_gpus, "margin_gpus": round(plan.margin_gpus, 3),
+            "z": round(float(self.state.z), 4), "shortfall_budget": self.policy.config.shortfall_budget,
+            "forecast_observations": int(self.state.forecast.n_obs),
+            "forecast": {"times_s": [round(float(x), 1) for x in plan.times_s[:k]],
+                         "upper_gpus": [round(float(x), 2) for x in plan.upper_gpus[:k]]},
+        }
 
     def refresh(self, now_s: float, held: Mapping[str, int] | None = None,
                 jobs_on: Mapping[str, Sequence[str]] | None = None) -> None:
-        """Swap in a new :meth:`view` (the newest plan, the ledger as it is now, and ``held``: serving
-        node -> GPUs jobs hold there, as the store says at the end of the step; ``jobs_on``: the jobs
-        holding them, remembered to name them if the node is lost before the next step)."""
+        """Swap in a new :meth:`view`: the newest plan's view with the ledger, the loans, the reclaims and
+        the adapter as they are now (``held``: serving node -> GPUs jobs hold there, as the store says at
+        the end of the step; ``jobs_on``: the jobs holding them, remembered to name them if the node is
+        lost before the next step)."""
         if jobs_on is not None:
-            self.jobs_seen = {n: sorted(j) for n, j in jobs_on.items() if j and n in self.nodes}
-        self.latest = loan_view.state_view(self, now_s, held)
+            self.serving.jobs_seen = {n: sorted(j) for n, j in jobs_on.items() if j and n in self.nodes}
+        led = self.ledger
+        self._latest = {
+            "held_gpus": {n: g for n, g in (held or {}).items() if n in self.nodes},
+            **self.plan_shown,
+            "now_s": now_s,
+            "serving_nodes": dict(self.nodes),
+            **self.serving.view(led),
+            "serving_gpus": self.serving_gpus,
+            "lent_gpus": self.lent,
+            "warming_gpus": led.warming,
+            "serving_capacity_gpus": led.capacity,
+            "releasing": dict(self.actions.releasing),
+            "restoring": dict(self.actions.restoring),
+            "loans": [{"node": ln.node, "gpus": ln.gpus, "until_s": finite(ln.until_s)}
+                      for ln in self.loans],
+            "reclaims": [{"gpus": r.gpus, "by_s": r.by_s, "notice_s": r.notice_s} for r in self.reclaims],
+            "warming": {n: led.warming_ready_s(n) for n in led.cap if led.warming_ready_s(n)},
+            "stats": dict(self.stats),
+            "worst_margin_s": min(self.margins) if self.margins else None,
+            "pending_restores": dict(self.actions.owed),
+            "adapter": self.adapter.health(),
+        }
 
 
 def build_live_loans(cfg: WatchConfig, ray_address: str | None = None) -> LiveLoans:

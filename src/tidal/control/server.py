@@ -35,10 +35,10 @@ from tidal.control.client import API_URL_FILE
 from tidal.control.config import ControlConfig
 from tidal.control.controller import Controller
 from tidal.control.dashboard import dashboard_url
-from tidal.control.loan_nodes import lent_before
 from tidal.control.loans import DOC_KEY as LOANS_DOC
 from tidal.control.loans import LiveLoans, build_live_loans
 from tidal.control.locations import TENANTS_DIRNAME, LocationPolicy
+from tidal.control.serving_nodes import lent_before
 from tidal.control.store import Store, sqlite_path, sqlite_url
 from tidal.exec.local import LocalExecutor, detect_gpus
 

@@ -99,6 +99,14 @@ class LoanTiming:
         """Shortest time from lending to notice worth a new loan: ``restart_cost / (1 - useful)``."""
         return self.restart_cost_s / (1.0 - self.min_useful_fraction)
 
+    def scaled(self, factor: float) -> LoanTiming:
+        """Every duration times ``factor``: the view of a clock running ``factor`` times as fast (a
+        replayed serving trace's)."""
+        return replace(self, notice_s=self.notice_s * factor,
+                       final_checkpoint_s=self.final_checkpoint_s * factor,
+                       release_s=self.release_s * factor, warmup_s=self.warmup_s * factor,
+                       restart_cost_s=self.restart_cost_s * factor)
+
 
 @dataclass(frozen=True, eq=False)
 class LoanContext:
@@ -417,6 +425,15 @@ class TidalPolicy:
     """
 
     config: TidalConfig = field(default_factory=TidalConfig)
+
+    @classmethod
+    def for_serving(cls, shortfall_budget: float, step_s: float, timing: LoanTiming | None = None
+                    ) -> TidalPolicy:
+        """The policy of a serving side (``serving:`` in ``tidal up --config``, ``tidal serving watch``):
+        the budget, the forecast's grid ``step_s`` (seconds of the serving clock) and the timing on that
+        clock; every other knob at its default. The one place the live plane builds its policy."""
+        return cls(TidalConfig(shortfall_budget=shortfall_budget, forecast=ForecastConfig(step_s=step_s),
+                               timing=timing if timing is not None else LoanTiming()))
 
     def initial_state(self) -> TidalState:
         return TidalState(forecast=initial_state(self.config.forecast), z=self.config.initial_z)
