@@ -1,5 +1,5 @@
-"""The live loan plan in the control plane (advice): ``serving:`` config, the advisor thread, the API and
-metrics, in-process and in a real ``tidal up`` on loopback."""
+"""The live loan plan in the control plane (advice): ``serving:`` config, the advisor as a phase of the
+reconcile step, the API and metrics, in-process and in a real ``tidal up`` on loopback."""
 
 from __future__ import annotations
 
@@ -16,15 +16,16 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     from fastapi.testclient import TestClient
 
-from control_fakes import FakeClock
+from control_fakes import FakeClock, FakeExecutor, new_store
 from tidal.control.api import ApiContext, create_app
 from tidal.control.auth import ensure_admin
 from tidal.control.client import ApiError, TidalClient
 from tidal.control.config import ControlConfig
-from tidal.control.server import AdvisorLoop
+from tidal.control.controller import Controller
+from tidal.control.server import ReconcileLoop
 from tidal.control.store import Store
 from tidal.model import Node
-from tidal.serving.watch import WatchConfig, start_advisor
+from tidal.serving.watch import WatchConfig, build_advisor, start_advisor
 
 
 def write_trace(path: Path, rows: int = 400) -> Path:
@@ -105,20 +106,41 @@ def test_without_a_serving_side_the_api_says_how_to_configure_one(tmp_path):
         store.close()
 
 
-def test_advisor_loop_thread_plans_on_its_own_and_stops(tmp_path):
+def test_reconcile_loop_plans_on_its_own_and_stops(tmp_path):
+    """The advisor is a phase of the reconcile step: the one loop plans at every grid point the serving
+    clock passed (a replay 60,000x as fast: ~100 grid points a second, many per step), then stops."""
     cfg = WatchConfig(serving_gpus=32, trace=str(write_trace(tmp_path / "t.csv")), speedup=60_000.0)
-    adv, clock, speedup = start_advisor(cfg)
-    loop = AdvisorLoop(adv, clock, speedup)
+    adv = build_advisor(cfg)
+    store = new_store(tmp_path)
+    loop = ReconcileLoop(Controller(store, FakeExecutor(), advisor=adv), 0.05)
+    seen: list[float] = []
     loop.start()
     try:
         deadline = time.monotonic() + 30
         while (adv.latest is None or adv.latest.now_s < 6000) and time.monotonic() < deadline:
+            if adv.latest is not None:
+                seen.append(adv.latest.now_s)
             time.sleep(0.02)
         assert adv.latest is not None and adv.latest.now_s >= 6000 and adv.latest.now_s % 600 == 0
+        assert adv.state.forecast.n_obs * 600 >= adv.latest.now_s - adv.start_s  # every grid point observed
     finally:
         loop.stop()
         loop.join(timeout=10)
+        store.close()
     assert not loop.is_alive()
+    assert loop.steps >= 1
+
+
+def test_advance_observes_each_grid_point_then_skips_when_far_behind(tmp_path):
+    cfg = WatchConfig(serving_gpus=32, trace=str(write_trace(tmp_path / "t.csv")), speedup=600.0)
+    adv = build_advisor(cfg)
+    start = adv.start_s
+    assert adv.advance(1000.0) == (1 if start % 600 == 0 else 0)  # the first call sets the clock's origin
+    n0 = adv.state.forecast.n_obs
+    assert adv.advance(1010.0) == 10  # 6,000 s of serving time: ten grid points, each observed
+    assert adv.state.forecast.n_obs == n0 + 10 and adv.latest.now_s == start + 6000.0
+    made = adv.advance(1010.0 + 100)  # 100 grid points behind: MAX_CATCH_UP one by one, then the latest
+    assert made == 65 and adv.latest.now_s == start + 6000.0 + 100 * 600
 
 
 def test_tidal_up_serves_the_plan_from_a_replayed_trace(tmp_path):

@@ -10,9 +10,11 @@ One step, in order (each numbered part is a method below):
    resize; ``backoff`` then ``pending`` after a failure, up to ``max_restarts``; ``failed``); a rank
    failed while others run, or the job hung (no heartbeat) -> kill it, it is classified once all
    ranks are gone; a stop whose grace ran out -> SIGKILL; a cancel request -> notice.
-3. **Lend and reclaim** (with a serving side, :class:`tidal.control.loans.LiveLoans`): warm-ups end,
-   serving demand is observed on its grid, the loan plan is made (the simulator's policy) and applied
-   to the loan ledger; newly lent GPUs are released by the serving adapter first.
+3. **Lend and reclaim** (with a serving side that lends, :class:`tidal.control.loans.LiveLoans`):
+   warm-ups end, serving demand is observed on its grid, the loan plan is made (the simulator's policy)
+   and applied to the loan ledger; newly lent GPUs are released by the serving adapter first. With a
+   serving side that only advises (no ``serving.nodes``), the same policy plans at each grid point the
+   serving clock passed (:meth:`tidal.serving.watch.Advisor.advance`) and nothing is lent.
 4. **Decide.** Build a :class:`~tidal.model.Snapshot` from the store and call the pure scheduler
    (:func:`tidal.policy.scheduler.schedule`), the same function the simulator drives, with the
    serving nodes, loans and reclaims in it: spot jobs run on lent GPUs, a due reclaim shrinks or
@@ -61,6 +63,7 @@ from tidal.model import (
 )
 from tidal.policy.ckpt_interval import plan_ckpt_intervals
 from tidal.policy.scheduler import schedule
+from tidal.serving.watch import Advisor
 
 log = logging.getLogger(__name__)
 
@@ -74,13 +77,17 @@ class Controller:
     """Drives the pure scheduler and an executor from the store. See the module docstring."""
 
     def __init__(self, store: Store, executor: Executor, config: ControlConfig | None = None, *,
-                 ckpt_root: str | Path | None = None, loans: LiveLoans | None = None) -> None:
+                 ckpt_root: str | Path | None = None, loans: LiveLoans | None = None,
+                 advisor: Advisor | None = None) -> None:
+        if loans is not None and advisor is not None:
+            raise ValueError("a serving side either lends (loans) or advises (advisor), not both")
         self.store = store
         self.executor = executor
         self.config = config or ControlConfig()
         self.ckpt_root = Path(ckpt_root) if ckpt_root is not None else None
         self.nodes: list[Node] = executor.nodes()
         self.loans = loans
+        self.advisor = advisor
         self._events: list[
             tuple[str, str, dict | None]
         ] = []  # loan events of this step, stored with the ledger
@@ -155,6 +162,11 @@ class Controller:
             present = {n.name: n.gpus for n in self.nodes
                        if n.pool == "serving" and n.name not in self.watch.departed}
             self._events = self._events + self.loans.tick(now_s, used, wants, present=present, jobs_on=on)
+        elif self.advisor is not None:  # 3. advice only: the plan, lending nothing
+            try:
+                self.advisor.advance(now_s)
+            except Exception:  # a demand source failing must not stop the jobs' loop
+                log.exception("serving plan step failed")
         snap = self.snapshot(now_s)  # 4. decide
         why: dict[str, Waiting] = {}
         decisions: list[Decision] = list(schedule(snap, self.config.scheduler, why=why))

@@ -6,12 +6,12 @@ that were running when the previous process ended (also by ``kill -9``): workers
 sessions and outlive the control plane. Stopping ``tidal up`` (Ctrl-C, SIGTERM) leaves running jobs
 running; the next ``tidal up`` re-adopts them (``tidal cancel`` stops a job).
 
-With ``serving:`` in the config, a third thread runs the live loan plan (:class:`AdvisorLoop`): every
-step it reads serving demand and plans, and the API shows the newest plan (``GET /v1/serving``,
-``/metrics``). With ``serving.nodes`` it lends for real instead: the loan step runs inside the
-reconcile loop (:mod:`tidal.control.loans`), the local executor gets the serving nodes as virtual
+With ``serving:`` in the config, the reconcile step plans loans too: without ``serving.nodes`` it
+advises (:class:`~tidal.serving.watch.Advisor`: each step plans at the grid points serving time has
+passed, and the API shows the newest plan, ``GET /v1/serving``, ``/metrics``); with ``serving.nodes``
+it lends for real (:mod:`tidal.control.loans`): the local executor gets the serving nodes as virtual
 nodes (the Ray executor: they are the Ray nodes of those names, checked at start), and spot jobs run
-on the GPUs serving lends.
+on the GPUs serving lends. One loop either way.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -44,7 +43,7 @@ from tidal.exec.local import LocalExecutor, detect_gpus
 
 if TYPE_CHECKING:
     from tidal.exec.ray_exec import RayExecutor
-from tidal.serving.watch import Advisor, start_advisor
+from tidal.serving.watch import Advisor, build_advisor
 
 log = logging.getLogger("tidal.control")
 
@@ -72,34 +71,6 @@ class ReconcileLoop(threading.Thread):
         self._stop_event.set()
 
 
-class AdvisorLoop(threading.Thread):
-    """Ticks an :class:`~tidal.serving.watch.Advisor` at its grid points until ``stop()``.
-
-    ``clock()`` is the policy's time (a replayed trace's time, or Unix time); it runs ``speedup``
-    times as fast as the wall clock. A failing step is logged and the loop goes on.
-    """
-
-    def __init__(self, advisor: Advisor, clock: Callable[[], float], speedup: float = 1.0) -> None:
-        super().__init__(name="tidal-serving", daemon=True)
-        self.advisor, self.clock, self.speedup = advisor, clock, speedup
-        self._stop_event = threading.Event()
-
-    def run(self) -> None:
-        while not self._stop_event.is_set():
-            try:
-                wait = self.advisor.due_in(self.clock())
-                if wait <= 0:
-                    self.advisor.tick(self.clock())
-                    continue
-            except Exception:
-                log.exception("serving plan step failed")
-                wait = self.advisor.step_s
-            self._stop_event.wait(min(wait / self.speedup, 60.0))
-
-    def stop(self) -> None:
-        self._stop_event.set()
-
-
 @dataclass
 class Plane:
     """Everything ``tidal up`` runs, built but not started (tests may build one to drive it)."""
@@ -111,13 +82,12 @@ class Plane:
     admin_token: str
     token_created: bool
     describe: str
-    advisor: AdvisorLoop | None = None
     own_agents: bool = False  # the executor runs a checkpoint agent per node (Ray, --ckpt-agents)
 
     def app(self):
         cfg = self.controller.config.serving
-        loans = self.controller.loans
-        serving = (self.advisor.advisor, cfg.describe()) if self.advisor and cfg else None
+        loans, advisor = self.controller.loans, self.controller.advisor
+        serving = (advisor, cfg.describe()) if advisor is not None and cfg is not None else None
         if loans is not None and cfg is not None:
             serving = (None, cfg.describe())
         cfg_ = self.controller.config
@@ -232,19 +202,20 @@ def _build(state_dir, gpus, store, token, created, config, iso, loans, serving_n
                                  subreaper=True)
         what = f"{n} CPU slots"
     try:
-        controller = Controller(store, executor, config, ckpt_root=state_dir / "jobs", loans=loans)
         advisor, more = _serving(config, loans)
+        controller = Controller(store, executor, config, ckpt_root=state_dir / "jobs", loans=loans,
+                                advisor=advisor)
     except (ValueError, SystemExit) as e:
         store.close()
         executor.close()  # no longer the subreaper of anything (a caller may go on)
         if isinstance(e, SystemExit):
             raise
         raise SystemExit(f"tidal up: {e}") from None
-    return Plane(state_dir, store, executor, controller, token, created, what + more, advisor)
+    return Plane(state_dir, store, executor, controller, token, created, what + more)
 
 
-def _serving(config: ControlConfig | None, loans: LiveLoans | None) -> tuple[AdvisorLoop | None, str]:
-    """The advisor thread (a ``serving:`` block without nodes) and what to say of the serving side."""
+def _serving(config: ControlConfig | None, loans: LiveLoans | None) -> tuple[Advisor | None, str]:
+    """The advisor (a ``serving:`` block without nodes) and what to say of the serving side."""
     if config is None or config.serving is None:
         return None, ""
     if loans is not None:
@@ -253,11 +224,10 @@ def _serving(config: ControlConfig | None, loans: LiveLoans | None) -> tuple[Adv
             f"demand from {config.serving.describe()}"
         )
     try:
-        adv, clock, speedup = start_advisor(config.serving)
+        adv = build_advisor(config.serving)
     except (OSError, ValueError) as e:
         raise SystemExit(f"tidal up: serving: {e}") from None
-    return AdvisorLoop(adv, clock, speedup), (f"; serving {config.serving.serving_gpus} GPUs, plan from "
-                                              f"{config.serving.describe()}")
+    return adv, (f"; serving {config.serving.serving_gpus} GPUs, plan from {config.serving.describe()}")
 
 
 def _build_ray(state_dir, gpus, store, token, created, config, iso, address, agents, loans) -> Plane:  # noqa: ANN001
@@ -291,13 +261,13 @@ def _build_ray(state_dir, gpus, store, token, created, config, iso, address, age
     what = (f"Ray executor on {address or 'a local Ray'}: {len(nodes)} nodes with GPUs, "
             f"{sum(n.gpus for n in nodes)} GPUs" + (", a checkpoint agent on each" if agents else ""))
     try:
-        controller = Controller(store, executor, config, ckpt_root=state_dir / "jobs", loans=loans)
-    except ValueError:
+        advisor, more = _serving(config, loans)
+        controller = Controller(store, executor, config, ckpt_root=state_dir / "jobs", loans=loans,
+                                advisor=advisor)
+    except (ValueError, SystemExit):
         executor.close()
         raise
-    advisor, more = _serving(config, loans)
-    return Plane(state_dir, store, executor, controller, token, created, what + more, advisor,
-                 own_agents=agents)
+    return Plane(state_dir, store, executor, controller, token, created, what + more, own_agents=agents)
 
 
 def open_checked(state_dir: Path, url: str) -> Store:
@@ -405,15 +375,10 @@ def serve(plane: Plane, host: str = "127.0.0.1", port: int = 8470, *, announce=p
 
     threading.Thread(target=announce_when_up, name="tidal-announce", daemon=True).start()
     loop.start()
-    if plane.advisor is not None:
-        plane.advisor.start()
     try:
         server.run(sockets=[sock])
     finally:
         loop.stop()
-        if plane.advisor is not None:
-            plane.advisor.stop()
-            plane.advisor.join(timeout=10)
         loop.join(timeout=10)
         plane.store.close()
         close = getattr(plane.executor, "close", None)

@@ -1,19 +1,20 @@
-"""``tidal serving watch``: the loan plan, live, from a demand source — advice for an operator.
+"""The loan plan, live, from a demand source: advice for an operator (:class:`Advisor`).
 
-Every ``step_s`` it reads serving demand from a :class:`~tidal.serving.sources.DemandSource`, calls
-the same :class:`~tidal.policy.loan.TidalPolicy` the simulator evaluates, and reports the plan: how
-many serving GPUs could be lent now, when how many of them must be serving again, and when to send
-those reclaim notices. It assumes every lendable GPU is lent (so the policy scores its promises as
-if it had been followed). It acts on nothing: the live control plane does not yet place spot jobs on
-serving GPUs (see docs/loaning.md, "Live").
+Every ``step_s`` of serving time it reads serving demand from a
+:class:`~tidal.serving.sources.DemandSource`, calls the same :class:`~tidal.policy.loan.TidalPolicy` the
+simulator evaluates, and reports the plan: how many serving GPUs could be lent now, when how many of
+them must be serving again, and when to send those reclaim notices. It assumes every lendable GPU is
+lent (so the policy scores its promises as if it had been followed). It acts on nothing: lending for
+real is the control plane's loan step (:mod:`tidal.control.loans`, ``serving.nodes``).
 
-:func:`watch` reads no clock of its own (:func:`start_advisor` makes one): ``clock()`` gives the
-time the policy sees (seconds) and
-``sleep(s)`` waits for ``s`` of that time, so a replayed trace can run faster than real time and
+Two drivers: in ``tidal up`` (a ``serving:`` block without nodes) the advisor is a phase of the
+reconcile step, :meth:`Advisor.advance` called with the step's wall time; ``tidal serving watch`` runs
+:func:`watch`, which reads no clock of its own: ``clock()`` gives the time the policy sees (seconds)
+and ``sleep(s)`` waits for ``s`` of that time, so a replayed trace can run faster than real time and
 tests run it with a fake clock. Observations fall on a grid of whole steps (``k * step_s``), the
-grid the forecast's time-of-day slots need; the source is asked for the grid time. A loop that falls
-behind by whole steps skips to the latest grid point, and the forecast counts the skipped steps as
-missing observations.
+grid the forecast's time-of-day slots need; the source is asked for the grid time. A driver that falls
+behind by more than :data:`MAX_CATCH_UP` steps skips to the latest grid point, and the forecast counts
+the skipped steps as missing observations.
 """
 
 from __future__ import annotations
@@ -24,14 +25,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
-from tidal.policy.forecast import ForecastConfig
-from tidal.policy.loan import LoanContext, LoanPlan, LoanTiming, TidalConfig, TidalPolicy, TidalState
+from tidal.policy.loan import LoanContext, LoanPlan, LoanTiming, TidalPolicy, TidalState
 from tidal.serving.adapters import parse_nodes
 from tidal.serving.requests import FIELDS as REQUEST_FIELDS
 from tidal.serving.requests import RequestModel
 from tidal.serving.sources import DemandSource, TraceReplay
 
 ADAPTERS = (None, "replay", "hook", "ray-serve")  # serving.adapter (None: replay with a trace, else hook)
+MAX_CATCH_UP = 64  # grid points one advance() observes one by one; beyond that it skips to the latest
 RAY_SERVE_FIELDS = ("app", "deployment", "init_kwargs", "route_prefix", "http_host", "http_port",
                     "rate_window_s", "rate_smoothing_s", "min_replicas")
 
@@ -69,7 +70,8 @@ class Advisor:
     (readable from other threads: a reference swapped whole). It assumes every lendable GPU is lent."""
 
     def __init__(self, source: DemandSource, policy: TidalPolicy, serving_gpus: int,
-                 state: TidalState | None = None) -> None:
+                 state: TidalState | None = None, *, speedup: float = 1.0,
+                 start_s: float | None = None) -> None:
         if serving_gpus < 1:
             raise ValueError(f"serving_gpus must be >= 1, got {serving_gpus}")
         self.source, self.policy, self.serving_gpus = source, policy, serving_gpus
@@ -78,6 +80,31 @@ class Advisor:
         self.latest: Step | None = None
         t = self.state.forecast.t_s
         self.next_s = t + self.step_s if not math.isnan(t) else math.nan
+        self.speedup, self.start_s = float(speedup), start_s
+        self.origin_s: float | None = None  # the wall time of the first advance()
+
+    def serving_time(self, now_s: float) -> float:
+        """The serving clock at wall time ``now_s``: a replay's time runs ``speedup`` times as fast from
+        ``start_s`` at the first call; without ``start_s`` it is the wall time."""
+        if self.start_s is None:
+            return now_s
+        if self.origin_s is None:
+            self.origin_s = now_s
+        return self.start_s + (now_s - self.origin_s) * self.speedup
+
+    def advance(self, now_s: float) -> int:
+        """Observe and plan at every grid point the serving clock has passed by wall time ``now_s`` (the
+        reconcile step's phase); more than :data:`MAX_CATCH_UP` behind, the latest only. Returns how many
+        plans were made."""
+        t = self.serving_time(now_s)
+        n = 0
+        while n < MAX_CATCH_UP and self.due_in(t) == 0:
+            self.tick(min(self.next_s, t))
+            n += 1
+        if self.due_in(t) == 0:
+            self.tick(t)
+            n += 1
+        return n
 
     def due_in(self, now_s: float) -> float:
         """Seconds until the next grid point (0: due now)."""
@@ -310,8 +337,7 @@ class WatchConfig:
                                requests=self.requests())
 
     def policy(self) -> TidalPolicy:
-        return TidalPolicy(TidalConfig(shortfall_budget=self.shortfall_budget,
-                                       forecast=ForecastConfig(step_s=self.step_s)))
+        return TidalPolicy.for_serving(self.shortfall_budget, self.step_s)
 
     @property
     def lends(self) -> bool:
@@ -353,13 +379,23 @@ def start_advisor(cfg: WatchConfig) -> tuple[Advisor, Callable[[], float], float
     """(advisor, the clock its policy sees, speedup) for ``cfg``, starting now: a replayed trace runs on
     its own time axis from its start, ``speedup`` times as fast as the wall clock; a Prometheus source on
     Unix time. Raises ``ValueError`` (or ``OSError`` for an unreadable trace) naming what is wrong."""
-    source = cfg.source()
-    advisor = Advisor(source, cfg.policy(), cfg.serving_gpus)
-    if isinstance(source, TraceReplay):
-        t0, m0, speedup = source.start_s, time.monotonic(), cfg.speedup
+    advisor = build_advisor(cfg)
+    if advisor.start_s is not None:
+        t0, m0, speedup = advisor.start_s, time.monotonic(), advisor.speedup
 
         def clock() -> float:
             return t0 + (time.monotonic() - m0) * speedup
 
         return advisor, clock, speedup
     return advisor, time.time, 1.0
+
+
+def build_advisor(cfg: WatchConfig) -> Advisor:
+    """The advisor for ``cfg`` (a replayed trace plays from its start, ``speedup`` times as fast as the
+    wall clock; a Prometheus source on Unix time). Raises ``ValueError`` (or ``OSError`` for an
+    unreadable trace) naming what is wrong."""
+    source = cfg.source()
+    if isinstance(source, TraceReplay):
+        return Advisor(source, cfg.policy(), cfg.serving_gpus or 0, speedup=cfg.speedup,
+                       start_s=source.start_s)
+    return Advisor(source, cfg.policy(), cfg.serving_gpus or 0)
