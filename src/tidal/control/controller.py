@@ -53,6 +53,7 @@ from tidal.model import (
     Admit,
     Decision,
     Grow,
+    Job,
     Node,
     Preempt,
     ReturnGpus,
@@ -61,6 +62,7 @@ from tidal.model import (
     Snapshot,
     Waiting,
 )
+from tidal.policy import apply
 from tidal.policy.ckpt_interval import plan_ckpt_intervals
 from tidal.policy.scheduler import schedule
 from tidal.serving.watch import Advisor
@@ -171,8 +173,9 @@ class Controller:
         why: dict[str, Waiting] = {}
         decisions: list[Decision] = list(schedule(snap, self.config.scheduler, why=why))
         decisions += self._intervals(snap, now_s)
+        jobs = {j.id: j for j in snap.jobs()}
         for d in decisions:  # 5. act
-            self._apply(d, now_s)
+            self._apply(d, now_s, jobs)
         self._note_waiting(why)
         self._save_loans(now_s)
         self.sweep_shm(now_s)
@@ -457,56 +460,68 @@ class Controller:
         return "failure", describe_rank(bad[0]) if bad else f"exit codes {codes}"
 
     # ------------------------------------------------------------------------------------------ act
-    def _apply(self, d: Decision, now_s: float) -> None:
+    def _apply(self, d: Decision, now_s: float, jobs: dict[str, Job]) -> None:
+        """Carry out one decision: what it changes of a job is :mod:`tidal.policy.apply`'s (the simulator's
+        and the tests' semantics, applied to the snapshot's ``jobs``, updated in place), written to the
+        store with a checked transition; what it asks of the workers goes to the executor."""
         if isinstance(d, ReturnGpus):
             if self.loans is None:
                 self.store.record("decision", f"ignored {d}: no serving side", now_s)
             else:
                 self._events = [*self._events, *self.loans.returned(d.node, d.gpus, now_s)]
             return
+        for_job = d.for_job if isinstance(d, Shrink | Preempt) else None
+        try:
+            new = apply.after(jobs[d.job], d, now_s)
+            nominee = apply.nominated(jobs[for_job], now_s) if for_job is not None else None
+        except (KeyError, apply.IllegalDecision) as e:  # never expected: the scheduler read this snapshot
+            log.error("decision %s not carried out: %s", d, e)
+            self.store.record("invariant", f"decision {d} not carried out: {e}", now_s)
+            return
+        jobs[d.job] = new
         job = self.store.job(d.job)
         grace = float(job.spec.get("grace_s", DEFAULT_GRACE_S))
         if isinstance(d, SetCkptInterval):
-            was = job.ckpt_interval_s
-            self.store.update(job.id, ckpt_interval_s=d.interval_s)
-            self.executor.configure(job.id, {"ckpt_interval_s": d.interval_s})
-            stall = f"{job.ckpt_stall_s:.3g} s" if job.ckpt_stall_s is not None else "unmeasured"
-            last_s, quiet = self._announced.get(job.id, (float("-inf"), 0))
-            if now_s - last_s < ANNOUNCE_INTERVAL_S:  # applied, announced with the next change worth one
-                self._announced[job.id] = (last_s, quiet + 1)
-                return
-            more = f"; {quiet} more change(s) since the last announcement" if quiet else ""
-            self._announced[job.id] = (now_s, 0)
-            before = f"{was:.0f} s" if was else "the default"
-            self.store.record("ckpt_interval", f"checkpoint every {d.interval_s:.0f} s (was {before}; "
-                              f"measured stall {stall}{more})", now_s, job=job,
-                              data={"interval_s": d.interval_s, "was": was, "unannounced": quiet})
+            self._set_interval(job, new.ckpt_interval_s or d.interval_s, now_s)
         elif isinstance(d, Admit):
-            g = sum(d.placement.values())
-            where = ", ".join(f"{n}: {k}" for n, k in d.placement.items())
-            self._launch(job, dict(d.placement), now_s, f"admitted on {g} GPUs ({where})", started_s=now_s)
+            g = sum(new.placement.values())
+            where = ", ".join(f"{n}: {k}" for n, k in new.placement.items())
+            self._launch(job, dict(new.placement), now_s, f"admitted on {g} GPUs ({where})",
+                         started_s=new.started_s)
         elif isinstance(d, Preempt):
             why = f"preempted ({d.reason}" + (f", for {d.for_job})" if d.for_job else ")")
             self._stop(job, S.PREEMPTING, why, now_s, min(grace, max(0.0, d.by_s - now_s)), reason="preempt",
-                       releasing=dict(job.placement), last_preempted_s=now_s)
-            self._nominate(d.for_job, now_s)
+                       releasing=dict(new.releasing), last_preempted_s=new.last_preempted_s)
         elif isinstance(d, Shrink):
             why = f"shrink to {d.to_gpus} GPUs ({d.reason}" + (f", for {d.for_job})" if d.for_job else ")")
             self._stop(job, S.RESIZING, why, now_s, min(grace, max(0.0, d.by_s - now_s)), reason="resize",
-                       releasing=dict(d.release), last_shrunk_s=now_s)
-            self._nominate(d.for_job, now_s)
+                       releasing=dict(new.releasing), last_shrunk_s=new.last_shrunk_s)
         elif isinstance(d, Grow):
-            placement = dict(job.placement)
-            for n, k in d.add.items():
-                placement[n] = placement.get(n, 0) + k
             self._stop(job, S.RESIZING, f"grow to {d.to_gpus} GPUs", now_s, grace, reason="resize",
-                       placement=placement, last_grown_s=now_s)
+                       placement=dict(new.placement), last_grown_s=new.last_grown_s)
+        if nominee is not None and for_job is not None:
+            # others were told to give GPUs back for pending ``for_job``: it goes first while they drain
+            jobs[for_job] = nominee
+            if nominee.nominated_s is not None:
+                self.store.update(for_job, nominated_s=nominee.nominated_s)
 
-    def _nominate(self, for_job: str | None, now_s: float) -> None:
-        """Others were told to give GPUs back for pending ``for_job``: it goes first while they drain
-        (``tidal.model.Job.nominated_s``)."""
-        if for_job is not None:
-            self.store.update(for_job, nominated_s=now_s)
+    def _set_interval(self, job: JobRow, interval_s: float, now_s: float) -> None:
+        """A new checkpoint interval: to the store and the job's ranks; announced (an event) at most every
+        ``ANNOUNCE_INTERVAL_S``, with the number of changes since."""
+        was = job.ckpt_interval_s
+        self.store.update(job.id, ckpt_interval_s=interval_s)
+        self.executor.configure(job.id, {"ckpt_interval_s": interval_s})
+        stall = f"{job.ckpt_stall_s:.3g} s" if job.ckpt_stall_s is not None else "unmeasured"
+        last_s, quiet = self._announced.get(job.id, (float("-inf"), 0))
+        if now_s - last_s < ANNOUNCE_INTERVAL_S:  # applied, announced with the next change worth one
+            self._announced[job.id] = (last_s, quiet + 1)
+            return
+        more = f"; {quiet} more change(s) since the last announcement" if quiet else ""
+        self._announced[job.id] = (now_s, 0)
+        before = f"{was:.0f} s" if was else "the default"
+        self.store.record("ckpt_interval", f"checkpoint every {interval_s:.0f} s (was {before}; "
+                          f"measured stall {stall}{more})", now_s, job=job,
+                          data={"interval_s": interval_s, "was": was, "unannounced": quiet})
 
     def _stop(self, job: JobRow, to: State, why: str, now_s: float, grace_s: float, *, reason: str,
               **fields: Any) -> JobRow:

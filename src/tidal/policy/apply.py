@@ -135,14 +135,36 @@ def returned(loans: Mapping[str, Loan], reclaims: Iterable[Reclaim], d: ReturnGp
         del out[d.node]
     else:
         out[d.node] = replace(ln, gpus=ln.gpus - d.gpus)
-    left = d.gpus
+    return out, lowered(reclaims, d.gpus)
+
+
+def lowered(reclaims: Iterable[Reclaim], gpus: int) -> list[Reclaim]:
+    """``reclaims`` with ``gpus`` fewer GPUs asked back, taken from the earliest ``by_s``; earliest first.
+    (GPUs handed back, or lent on a node that was lost, are no longer owed.)"""
+    left = gpus
     rs = sorted(reclaims, key=lambda r: r.by_s)
     while left and rs:
         r = rs[0]
         k = min(left, r.gpus)
         left -= k
         rs = ([replace(r, gpus=r.gpus - k)] if r.gpus > k else []) + rs[1:]
-    return out, rs
+    return rs
+
+
+def after(job: Job, d: Admit | Grow | Shrink | Preempt | SetCkptInterval, now_s: float) -> Job:
+    """``job`` after the job decision ``d`` at ``now_s`` (one of the transforms above; a ``for_job``'s
+    nomination is :func:`nominated`'s). Raises :class:`IllegalDecision` when the job does not allow it."""
+    if isinstance(d, Admit):
+        return admitted(job, d, now_s)
+    if isinstance(d, Grow):
+        return grown(job, d, now_s)
+    if isinstance(d, Shrink):
+        return shrunk(job, d, now_s)
+    if isinstance(d, Preempt):
+        return preempted(job, d, now_s)
+    if isinstance(d, SetCkptInterval):
+        return interval_set(job, d, now_s)
+    raise TypeError(f"not a job decision: {d!r}")
 
 
 # ------------------------------------------------------------------------------ a whole snapshot
@@ -163,20 +185,13 @@ def apply(s: Snapshot, decisions: Sequence[Decision]) -> Snapshot:
         return j
 
     for d in decisions:
-        if isinstance(d, Admit):
-            jobs[d.job] = admitted(job(d.job, d), d, now)
-        elif isinstance(d, Grow):
-            jobs[d.job] = grown(job(d.job, d), d, now)
-        elif isinstance(d, (Shrink, Preempt)):
-            j = job(d.job, d)
-            jobs[d.job] = shrunk(j, d, now) if isinstance(d, Shrink) else preempted(j, d, now)
-            if d.for_job is not None:
-                jobs[d.for_job] = nominated(job(d.for_job, d), now)
-        elif isinstance(d, ReturnGpus):
+        if isinstance(d, ReturnGpus):
             held = sum(j.placement.get(d.node, 0) for j in jobs.values())
             loans, reclaims = returned(loans, reclaims, d, held)
-        elif isinstance(d, SetCkptInterval):
-            jobs[d.job] = interval_set(job(d.job, d), d, now)
-        else:
+            continue
+        if not isinstance(d, Admit | Grow | Shrink | Preempt | SetCkptInterval):
             raise TypeError(f"unknown decision {d!r}")
+        jobs[d.job] = after(job(d.job, d), d, now)
+        if isinstance(d, Shrink | Preempt) and d.for_job is not None:
+            jobs[d.for_job] = nominated(job(d.for_job, d), now)
     return Snapshot.build(now, s.nodes, s.tenants, jobs.values(), loans.values(), reclaims)

@@ -35,6 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 from itertools import chain, repeat
 
 from tidal.model import Loan, Reclaim
+from tidal.policy.apply import lowered
 from tidal.policy.loan import LoanPlan, LoanTiming
 
 
@@ -185,7 +186,7 @@ class LoanLedger:
         ready = now + self.timing.release_s + self.timing.warmup_s
         self.warming_on.setdefault(node, []).append([ready, gpus])
         self.warming += gpus
-        self.reclaims = _lower(self.reclaims, gpus)
+        self.reclaims = lowered(self.reclaims, gpus)
         return ready
 
     def cancel_loan(self, node: str, gpus: int) -> None:
@@ -228,7 +229,7 @@ class LoanLedger:
         warming = sum(int(e[1]) for e in self.warming_on.pop(node, ()))
         self.warming -= warming
         self.total -= self.cap.pop(node)
-        self.reclaims = _lower(self.reclaims, lent)
+        self.reclaims = lowered(self.reclaims, lent)
         self._until_key = None
         self._finite.discard(node)
         return lent, warming
@@ -306,15 +307,3 @@ class LoanLedger:
                         for r in state.get("reclaims", ())]
         led.lendable = int(state.get("lendable", 0))
         return led
-
-
-def _lower(reclaims: list[Reclaim], gpus: int) -> list[Reclaim]:
-    """``reclaims`` with ``gpus`` fewer GPUs asked back, taken from the earliest."""
-    left = gpus
-    rs = sorted(reclaims, key=lambda r: r.by_s)
-    while left and rs:
-        r = rs[0]
-        k = min(left, r.gpus)
-        left -= k
-        rs = ([Reclaim(r.gpus - k, r.by_s, r.notice_s, r.deadline_s)] if r.gpus > k else []) + rs[1:]
-    return rs
