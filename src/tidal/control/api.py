@@ -29,20 +29,15 @@ The API writes requests into the store and never touches processes: the reconcil
 them at its next step.
 
 Handlers that read the store or files are plain ``def`` (FastAPI runs them in its thread pool) and
-return their JSON already rendered (``_json``), so a call makes one trip to the pool: FastAPI's
-response validation would be a second one, and a synchronous auth dependency a third. The bearer
-token is checked in the event loop against the store's memory of known tokens; only a token not
-seen yet goes to the database, in the pool.
+return their JSON already rendered (:func:`~tidal.control.render.json_route`), so a call makes one
+trip to the pool: FastAPI's response validation would be a second one, and a synchronous auth
+dependency a third. The bearer token is checked in the event loop against the store's memory of
+known tokens; only a token not seen yet goes to the database, in the pool.
 """
 
 import codecs
-import functools
 import json
-import math
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request, Response
@@ -58,12 +53,13 @@ from tidal.control import locations as loc_policy
 from tidal.control import metrics
 from tidal.control import schemas as sc
 from tidal.control.auth import authenticate, create_tenant, token_hash, visible_job
+from tidal.control.context import ApiContext
 from tidal.control.dashboard import dashboard_router
+from tidal.control.render import SafeJSON, json_route
 from tidal.control.spec import JobSpec, clean_msg, error_path
 from tidal.control.states import HELD, TERMINAL, State
-from tidal.control.store import NotFound, Store, StoreUnavailable, TenantRow
+from tidal.control.store import NotFound, StoreUnavailable, TenantRow
 from tidal.control.views import checkpoint_view, event_view, job_view, pool_view
-from tidal.model import Node
 
 MAX_LOG_CHUNK_BYTES = 1 << 20
 MAX_BODY_BYTES = 1 << 20  # a request body (a job spec is a few hundred bytes)
@@ -71,27 +67,6 @@ ERRORS = {400: "the body is not UTF-8 JSON", 401: "missing or unknown bearer tok
           403: "only the admin may do this", 404: "not found (another tenant's job is not found either)",
           409: "conflicts with the current state", 413: "request body too large",
           422: "refused: each field named", 503: "the store is unavailable"}
-
-
-@dataclass
-class ApiContext:
-    """What the API needs: the store, the pool's nodes, where rank logs are, a clock (Unix seconds), and
-    where jobs without a ``checkpoint.url`` checkpoint (``<ckpt_root>/<job>/ckpt``, as the controller
-    tells their ranks; None: such jobs have no known location)."""
-
-    store: Store
-    nodes: list[Node]
-    log_path: Callable[[str, int], str | None]
-    clock: Callable[[], float]
-    ckpt_root: Path | None = None
-    serving: tuple[Any, str] | None = None
-    """The live loan plan, if configured: (a :class:`tidal.serving.watch.Advisor`, its source described)."""
-    loans: Any = None
-    """Live lending, if configured: a :class:`tidal.control.loans.LiveLoans` (its ``view()``)."""
-    locations: loc_policy.LocationPolicy | None = None
-    """Where tenants may checkpoint (None: a policy with no tenant prefix, only grants: none)."""
-    job_dir: Callable[[str], Any] | None = None
-    """A job's executor directory (its attempts' progress records, for the dashboard's curves)."""
 
 
 class TenantSpec(BaseModel):
@@ -113,28 +88,6 @@ def _unprocessable(errors: list[dict[str, Any]]) -> JSONResponse:
         status_code=422,
         content={"detail": errors, "errors": [f"{e['field'] or '(body)'}: {e['msg']}" for e in errors]},
     )
-
-
-class SafeJSON(JSONResponse):
-    """JSON that renders whatever the store holds: a lone surrogate (not encodable as UTF-8) is escaped
-    (``\\ud800``), a NaN or infinity becomes null. Plain content takes the fast path."""
-
-    def render(self, content: Any) -> bytes:
-        try:
-            return super().render(content)
-        except (UnicodeEncodeError, ValueError):
-            return json.dumps(_finite(content), ensure_ascii=True, allow_nan=False,
-                              separators=(",", ":")).encode()
-
-
-def _finite(x: Any) -> Any:
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_finite(v) for v in x]
-    return x
 
 
 class BodyLimit:
@@ -172,20 +125,6 @@ class BodyLimit:
             return msg
 
         await self.app(scope, limited, send)
-
-
-def _json(status: int = 200) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Render a handler's result as JSON in the handler's own thread (a ``Response`` passes as is)."""
-
-    def wrap(handler: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(handler)
-        def run(*args: Any, **kwargs: Any) -> Any:
-            out = handler(*args, **kwargs)
-            return out if isinstance(out, Response) else SafeJSON(out, status_code=status)
-
-        return run
-
-    return wrap
 
 
 def _doc(ok: Any, *errors: int, status: int = 200) -> dict[str, Any]:
@@ -268,7 +207,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
         return Response(metrics.render(reg), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/whoami", **_doc(sc.WhoAmI, 401))
-    @_json()
+    @json_route()
     def whoami(me: Caller) -> dict:
         return {"tenant": me.name, "admin": me.admin, "quota_gpus": me.quota_gpus, "weight": me.weight,
                 "max_priority": me.max_priority or 0}
@@ -348,7 +287,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
         return j.tenant, j.state, ck
 
     @app.get("/v1/jobs", **_doc(list[sc.Job], 401, 422))
-    @_json()
+    @json_route()
     def jobs(me: Caller, state: Annotated[list[State] | None, Query()] = None,
              tenant: str | None = None) -> list[dict]:
         who = tenant if me.admin else me.name
@@ -356,12 +295,12 @@ def create_app(ctx: ApiContext) -> FastAPI:
         return [job_view(j, now) for j in store.jobs(tenant=who, states=state)]
 
     @app.get("/v1/jobs/{job_id}", **_doc(sc.JobDetail, 401, 404))
-    @_json()
+    @json_route()
     def job(job_id: str, me: Caller) -> dict:
         return job_view(own_job(job_id, me), ctx.clock(), detail=True)
 
     @app.post("/v1/jobs/{job_id}/cancel", **_doc(sc.Job, 401, 404, 409))
-    @_json()
+    @json_route()
     def cancel(job_id: str, me: Caller) -> dict:
         j = own_job(job_id, me)
         if State(j.state) in TERMINAL:
@@ -372,7 +311,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
         return job_view(j, ctx.clock())
 
     @app.get("/v1/jobs/{job_id}/logs", **_doc(sc.LogChunk, 401, 404, 422))
-    @_json()
+    @json_route()
     def logs(job_id: str, me: Caller, rank: Annotated[int, Query(ge=0)] = 0,
              offset: Annotated[int, Query(ge=0)] = 0,
              limit: Annotated[int, Query(ge=1, le=MAX_LOG_CHUNK_BYTES)] = 65536) -> dict:
@@ -402,7 +341,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
         return {"job": job_id, "rank": rank, "offset": start + used, "size": size, "data": text, "done": done}
 
     @app.get("/v1/jobs/{job_id}/checkpoints", **_doc(sc.Checkpoints, 401, 404))
-    @_json()
+    @json_route()
     def checkpoints(job_id: str, me: Caller) -> dict:
         """Committed steps per tier (shm, directory, object storage; read from storage and from the job's
         status file on this node), the newest durable step and its age in seconds."""
@@ -414,7 +353,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
                                shm_base=shm_base)
 
     @app.get("/v1/events", **_doc(list[sc.Event], 401, 404, 422))
-    @_json()
+    @json_route()
     def events(me: Caller, job: str | None = None, after: Annotated[int, Query(ge=0)] = 0,
                limit: Annotated[int, Query(ge=1, le=10000)] = 1000) -> list[dict]:
         if job is not None:
@@ -423,33 +362,33 @@ def create_app(ctx: ApiContext) -> FastAPI:
         return [event_view(e) for e in rows]
 
     @app.get("/v1/pool", **_doc(sc.Pool, 401))
-    @_json()
+    @json_route()
     def pool(me: Caller) -> dict:
         return pool_view(ctx.nodes, store.jobs(states=HELD | {State.PENDING}), None if me.admin else me.name)
 
     @app.get("/v1/serving", **_doc(sc.Serving, 401, 404))
-    @_json()
+    @json_route()
     def serving(_: Caller) -> dict:
         if ctx.loans is not None:
             describe = ctx.serving[1] if ctx.serving else ""
             return {"source": describe, "lending": True, "advice_only": False, **ctx.loans.view()}
-        if ctx.serving is None:
+        advisor, describe = ctx.serving or (None, "")
+        if advisor is None:
             raise HTTPException(
                 404, "no serving side configured (serving: in tidal up --config; docs/control.md)"
             )
-        advisor, describe = ctx.serving
         latest = advisor.latest
         return {"source": describe, "serving_gpus": advisor.serving_gpus, "step_s": advisor.step_s,
                 "advice_only": True, "latest": latest.as_dict() if latest is not None else None}
 
     @app.get("/v1/tenants", **_doc(list[sc.Tenant], 401, 403))
-    @_json()
+    @json_route()
     def tenants(_: Annotated[TenantRow, Depends(admin)]) -> list[dict]:
         return [{"name": t.name, "quota_gpus": t.quota_gpus, "weight": t.weight, "admin": t.admin,
                  "max_priority": t.max_priority or 0} for t in store.tenants()]
 
     @app.post("/v1/tenants", status_code=201, **_doc(sc.TenantCreated, 401, 403, 409, 413, 422, status=201))
-    @_json(201)
+    @json_route(201)
     def add_tenant(body: TenantSpec, _: Annotated[TenantRow, Depends(admin)]) -> dict:
         if store.tenant(body.name) is not None:
             raise HTTPException(409, f"tenant {body.name} exists")

@@ -24,19 +24,18 @@ import collections
 import mimetypes
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Response
 from fastapi.responses import RedirectResponse
 
 from tidal.control import dashboard_views as dv
 from tidal.control.auth import visible_job
+from tidal.control.context import ApiContext
+from tidal.control.render import SafeJSON, json_route
 from tidal.control.states import ACTIVE, HELD, State
 from tidal.control.store import TenantRow
 from tidal.control.views import job_view
-
-if TYPE_CHECKING:
-    from tidal.control.api import ApiContext
 
 WEB_DIR = Path(__file__).parent / "web"
 DASHBOARD_PATH = "/dashboard"
@@ -76,9 +75,8 @@ def compact_job(j: Any, now_s: float) -> dict[str, Any]:
             "submit_s": j.submit_s, "message": j.message}
 
 
-def dashboard_router(ctx: "ApiContext", caller: Callable[..., Any]) -> APIRouter:
+def dashboard_router(ctx: ApiContext, caller: Callable[..., Any]) -> APIRouter:
     """The dashboard's routes; ``caller`` is the API's bearer-token dependency (a :class:`TenantRow`)."""
-    from tidal.control.api import SafeJSON, _json
 
     store = ctx.store
     assets = _assets()
@@ -105,7 +103,7 @@ def dashboard_router(ctx: "ApiContext", caller: Callable[..., Any]) -> APIRouter
         return ctx.loans.view() if ctx.loans is not None else None
 
     @router.get("/v1/dashboard/pool")
-    @_json()
+    @json_route()
     def pool(me: Caller) -> dict:
         """GPUs per node by holder, per tenant usage against quota and fair share, and the queue."""
         viewer = None if me.admin else me.name
@@ -133,7 +131,7 @@ def dashboard_router(ctx: "ApiContext", caller: Callable[..., Any]) -> APIRouter
                 "serving": ctx.loans is not None or ctx.serving is not None}
 
     @router.get("/v1/dashboard/jobs")
-    @_json()
+    @json_route()
     def jobs(me: Caller, state: Annotated[list[State] | None, Query()] = None, kind: str | None = None,
              tenant: str | None = None, q: Annotated[str | None, Query(max_length=80)] = None,
              offset: Annotated[int, Query(ge=0, le=1 << 31)] = 0,
@@ -151,7 +149,7 @@ def dashboard_router(ctx: "ApiContext", caller: Callable[..., Any]) -> APIRouter
         return {"total": total, "offset": offset, "limit": limit, "jobs": [compact_job(j, now) for j in rows]}
 
     @router.get("/v1/dashboard/jobs/{job_id}/curves")
-    @_json()
+    @json_route()
     def job_curves(job_id: str, me: Caller) -> dict:
         """Loss and throughput per attempt (rank 0's progress records), restores and checkpoints."""
         j = visible_job(store, job_id, me)
@@ -162,7 +160,7 @@ def dashboard_router(ctx: "ApiContext", caller: Callable[..., Any]) -> APIRouter
         return {"job": j.id, **dv.curves(Path(ctx.job_dir(j.id)), j.attempt)}
 
     @router.get("/v1/dashboard/serving")
-    @_json()
+    @json_route()
     def serving(_: Caller, after: Annotated[float, Query(allow_inf_nan=False)] = 0.0) -> Any:
         """The loan timeline (steps after ``after``, control-plane seconds) and the plan now; jobs on
         lent GPUs are named by the pool page only (tenants see no other tenant's job here)."""

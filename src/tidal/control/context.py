@@ -1,0 +1,38 @@
+"""What the API and the dashboard serve from: :class:`ApiContext`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tidal.control.locations import LocationPolicy
+from tidal.control.store import Store
+from tidal.model import Node
+
+if TYPE_CHECKING:
+    from tidal.control.loans import LiveLoans
+    from tidal.serving.watch import Advisor
+
+
+@dataclass
+class ApiContext:
+    """What the API needs: the store, the pool's nodes, where rank logs are, a clock (Unix seconds), and
+    where jobs without a ``checkpoint.url`` checkpoint (``<ckpt_root>/<job>/ckpt``, as the controller
+    tells their ranks; None: such jobs have no known location)."""
+
+    store: Store
+    nodes: list[Node]
+    log_path: Callable[[str, int], str | None]
+    clock: Callable[[], float]
+    ckpt_root: Path | None = None
+    serving: tuple[Advisor | None, str] | None = None
+    """The serving side, if configured: (its :class:`~tidal.serving.watch.Advisor` when it only advises,
+    else None; its source described)."""
+    loans: LiveLoans | None = None
+    """Live lending, if configured (its ``view()``)."""
+    locations: LocationPolicy | None = None
+    """Where tenants may checkpoint (None: a policy with no tenant prefix, only grants: none)."""
+    job_dir: Callable[[str], Any] | None = None
+    """A job's executor directory (its attempts' progress records, for the dashboard's curves)."""
