@@ -590,14 +590,15 @@ class Controller:
         once; and, by the same rule, the steps the executor's checkpoint agents keep of ended jobs
         (``node_memory.sweep_agents``). Returns the jobs whose directories were freed. Every
         ``SHM_SWEEP_S`` at most, unless ``force``."""
-        mem, agents = isinstance(self.executor, NodeMemory), isinstance(self.executor, AgentMemory)
-        if not (mem or agents) or (not force and now_s - self._shm_swept_s < SHM_SWEEP_S):
+        ex = self.executor
+        soon = not force and now_s - self._shm_swept_s < SHM_SWEEP_S
+        if not isinstance(ex, NodeMemory | AgentMemory) or soon:
             return []
         self._shm_swept_s = now_s
         retention_s = self.config.isolation.shm_retention_s
-        if agents:  # the steps the checkpoint agents keep of ended jobs, by the same rule
-            node_memory.sweep_agents(self.store, self.executor, retention_s, now_s)  # type: ignore[arg-type]
-        return node_memory.sweep(self.store, self.executor, retention_s, now_s) if mem else []  # type: ignore[arg-type]
+        if isinstance(ex, AgentMemory):  # the steps the checkpoint agents keep of ended jobs: the same rule
+            node_memory.sweep_agents(self.store, ex, retention_s, now_s)
+        return node_memory.sweep(self.store, ex, retention_s, now_s) if isinstance(ex, NodeMemory) else []
 
     # ------------------------------------------------------------------------------------- snapshot
     def snapshot(self, now_s: float) -> Snapshot:

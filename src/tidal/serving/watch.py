@@ -332,9 +332,16 @@ class WatchConfig:
         if self.trace is not None:
             trace = load_trace(self.trace)
             start = self.start_s if self.start_s is not None else float(trace.times_s[0])
-            return TraceReplay(trace, self.serving_gpus, start_s=start, requests=self.requests())
+            return TraceReplay(trace, self.pool_gpus, start_s=start, requests=self.requests())
         return PrometheusQuery(self.prometheus or "", self.query or "", self.gpus_per_unit,
                                requests=self.requests())
+
+    @property
+    def pool_gpus(self) -> int:
+        """The serving GPUs (``serving_gpus``, or the sum of ``nodes``: set by the checks at creation)."""
+        if self.serving_gpus is None:
+            raise ValueError("serving.serving_gpus (or nodes) is required")
+        return self.serving_gpus
 
     def policy(self) -> TidalPolicy:
         return TidalPolicy.for_serving(self.shortfall_budget, self.step_s)
@@ -396,6 +403,5 @@ def build_advisor(cfg: WatchConfig) -> Advisor:
     unreadable trace) naming what is wrong."""
     source = cfg.source()
     if isinstance(source, TraceReplay):
-        return Advisor(source, cfg.policy(), cfg.serving_gpus or 0, speedup=cfg.speedup,
-                       start_s=source.start_s)
-    return Advisor(source, cfg.policy(), cfg.serving_gpus or 0)
+        return Advisor(source, cfg.policy(), cfg.pool_gpus, speedup=cfg.speedup, start_s=source.start_s)
+    return Advisor(source, cfg.policy(), cfg.pool_gpus)
