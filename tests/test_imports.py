@@ -43,7 +43,7 @@ def modules() -> dict[str, Path]:
 
 
 def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
-    """The modules of ours ``name`` imports (``from pkg import mod`` resolves to the module when it is one)."""
+    """The modules of ours ``name`` imports (``from pkg import mod``: the module, when it is one)."""
     tree = ast.parse(path.read_text(), str(path))
     pkg = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out: set[str] = set()
