@@ -99,7 +99,7 @@ class LiveLoans:
         self.timing = timing
         self.speedup = float(adapter.speedup)
         self.step_s = step_s
-        self.policy = TidalPolicy.for_serving(shortfall_budget, step_s, timing.scaled(self.speedup))
+        self.policy = TidalPolicy.build(shortfall_budget, step_s, timing.scaled(self.speedup))
         # as configured (serving.nodes); the pool now is the ledger's
         self.serving = ServingNodes(adapter.nodes(), adapter, timing)
         self.ledger = LoanLedger(self.nodes, timing)

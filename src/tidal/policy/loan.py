@@ -60,6 +60,8 @@ from tidal.policy.forecast import decay as _decay
 from tidal.policy.forecast_errors import tail_reserve_gpus
 
 EPS = 1e-9
+HORIZON_S = 6 * 3600.0
+"""How far a plan looks ahead by default (seconds): the forecast's default horizon."""
 
 
 @dataclass(frozen=True)
@@ -427,13 +429,16 @@ class TidalPolicy:
     config: TidalConfig = field(default_factory=TidalConfig)
 
     @classmethod
-    def for_serving(cls, shortfall_budget: float, step_s: float, timing: LoanTiming | None = None
-                    ) -> TidalPolicy:
-        """The policy of a serving side (``serving:`` in ``tidal up --config``, ``tidal serving watch``):
-        the budget, the forecast's grid ``step_s`` (seconds of the serving clock) and the timing on that
-        clock; every other knob at its default. The one place the live plane builds its policy."""
-        return cls(TidalConfig(shortfall_budget=shortfall_budget, forecast=ForecastConfig(step_s=step_s),
-                               timing=timing if timing is not None else LoanTiming()))
+    def build(cls, shortfall_budget: float, step_s: float, timing: LoanTiming | None = None) -> TidalPolicy:
+        """The policy for a shortfall budget, the forecast's grid ``step_s`` and the loan timing (all on
+        one clock, seconds); every other knob at its default. The forecast looks ahead
+        :data:`HORIZON_S`, or further when a loan's lead time plus its shortest window needs it. The
+        one place a policy is built from configuration: ``serving:`` in ``tidal up``, ``tidal serving
+        watch``, the simulator and ``tidal plan``."""
+        timing = timing if timing is not None else LoanTiming()
+        horizon_s = max(HORIZON_S, timing.lead_time_s + timing.min_loan_window_s + step_s)
+        return cls(TidalConfig(shortfall_budget=shortfall_budget, timing=timing,
+                               forecast=ForecastConfig(step_s=step_s, horizon_s=horizon_s)))
 
     def initial_state(self) -> TidalState:
         return TidalState(forecast=initial_state(self.config.forecast), z=self.config.initial_z)

@@ -344,7 +344,7 @@ class WatchConfig:
         return self.serving_gpus
 
     def policy(self) -> TidalPolicy:
-        return TidalPolicy.for_serving(self.shortfall_budget, self.step_s)
+        return TidalPolicy.build(self.shortfall_budget, self.step_s)
 
     @property
     def lends(self) -> bool:

@@ -24,8 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from tidal.policy.forecast import ForecastConfig
-from tidal.policy.loan import LoanContext, LoanTiming, TidalConfig, TidalPolicy
+from tidal.policy.loan import LoanContext, LoanTiming, TidalPolicy
 from tidal.sim.config import sim_timing
 
 
@@ -89,9 +88,7 @@ def plan_report(demand: np.ndarray, step_s: float, serving_gpus: int, *, risk: f
 
 
 def _tidal_fluid(d: np.ndarray, step_s: float, n: int, budget: float, timing: LoanTiming) -> np.ndarray:
-    horizon = max(6 * 3600.0, timing.lead_time_s + timing.min_loan_window_s + step_s)
-    pol = TidalPolicy(TidalConfig(shortfall_budget=budget, timing=timing,
-                                  forecast=ForecastConfig(step_s=step_s, horizon_s=horizon)))
+    pol = TidalPolicy.build(budget, step_s, timing)
     state = pol.initial_state()
     lent = np.zeros(len(d), dtype=int)
     prev = 0

@@ -28,8 +28,7 @@ from typing import Any
 import numpy as np
 
 from tidal.policy.baselines import NightWindowPolicy, OraclePolicy, ReactivePolicy
-from tidal.policy.forecast import ForecastConfig
-from tidal.policy.loan import TidalConfig, TidalPolicy
+from tidal.policy.loan import TidalPolicy
 from tidal.sim.config import SimConfig
 
 POLICIES = ("none", "night-window", "reactive", "tidal", "oracle")
@@ -96,21 +95,19 @@ def build(spec: PolicySpec, config: SimConfig, step_s: float, demand: np.ndarray
           night_hours: float = 8.0) -> Any:
     """The loan policy object for ``spec`` (``None`` for ``none``); see the module docstring."""
     timing = config.timing
-    horizon = max(HORIZON_S, timing.lead_time_s + timing.min_loan_window_s + step_s)
     knob = knob_of(spec, config.serving_gpus)
-    common: dict[str, Any] = {"step_s": step_s, "horizon_s": horizon, "timing": timing}
-    if spec.name == "none":
+    if spec.name == "none" or knob is None:
         return None
     if spec.name == "tidal":
-        fc = ForecastConfig(step_s=step_s, horizon_s=horizon)
-        return TidalPolicy(TidalConfig(shortfall_budget=float(knob), forecast=fc, timing=timing))  # type: ignore[arg-type]
+        return TidalPolicy.build(float(knob), step_s, timing)
+    horizon = max(HORIZON_S, timing.lead_time_s + timing.min_loan_window_s + step_s)
     if spec.name == "reactive":
-        return ReactivePolicy(margin_gpus=float(knob), **common)  # type: ignore[arg-type]
+        return ReactivePolicy(margin_gpus=float(knob), step_s=step_s, horizon_s=horizon, timing=timing)
     if spec.name == "oracle":
-        return OraclePolicy(margin_gpus=float(knob), **common)  # type: ignore[arg-type]
+        return OraclePolicy(margin_gpus=float(knob), step_s=step_s, horizon_s=horizon, timing=timing)
     start, end = night_window(demand, step_s, night_hours)
     return NightWindowPolicy(start_s=math.fmod(start + t0_s, 86400.0), end_s=math.fmod(end + t0_s, 86400.0),
-                             margin_gpus=float(knob), **common)  # type: ignore[arg-type]
+                             margin_gpus=float(knob), step_s=step_s, horizon_s=horizon, timing=timing)
 
 
 def horizon_steps(policy: Any, step_s: float) -> int:
