@@ -313,10 +313,9 @@ def test_stored_files_are_json_and_safetensors_only(tmp_path):
 
 def test_a_step_a_flaky_disk_will_not_remove_whole_is_logged_invisible_and_retried(tmp_path, monkeypatch,
                                                                                  caplog):
-    """Cleanup used ``rmtree(ignore_errors=True)``: a disk that refused to remove a file left the step's
-    files behind without a word, until the disk filled. Now the manifest goes first (the step is never
-    loaded), what could not be removed is logged, naming the tier, the step and the file, and the next
-    cleanup removes the rest."""
+    """A disk that refuses to remove a file must not leave the step's files behind without a word (until
+    the disk fills): the manifest goes first (the step is never loaded), what could not be removed is
+    logged, naming the tier, the step and the file, and the next cleanup removes the rest."""
     import errno
     import logging
     import os

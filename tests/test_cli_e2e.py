@@ -1,7 +1,7 @@
 """The command line as a user runs it: the real ``tidal`` command in a subprocess (piped, and in a pty
 for the terminal case) against a real ``tidal up`` on a loopback port, with real worker processes.
 
-Covers what a user meets in the first hour (issue 18): bracketed text is printed as written, never
+Covers what a user meets in the first hour: bracketed text is printed as written, never
 read as markup; ``submit --wait`` streams the job's output and a failure shows the failing rank's
 last log lines; ``-o json|yaml|wide``, ``--version`` and shell completion; why a job waits, from the
 scheduler; ``logs -f`` (all ranks interleaved) and ``submit --wait`` through a restart of ``tidal up``;

@@ -229,7 +229,7 @@ def test_a_stale_attempt_is_fenced_out(tmp_path):
 
 # ------------------------------------------------------------------------------ an S3 home
 def test_an_s3_home_is_claimed_by_its_rank_0_and_checked_before_each_commit(s3):
-    """S3 homes were not fenced: a stale attempt kept committing manifests over the new attempt's. Now the
+    """An S3 home is fenced, so a stale attempt cannot commit manifests over the new attempt's: the
     new attempt's rank 0 PUTs ``<prefix>/fence.json`` when its checkpointer starts (with the job's own
     credentials: the plane makes no S3 request, so a job's ``AWS_ENDPOINT_URL`` cannot point the plane at
     an address of its choosing) and every rank 0 GETs it before each manifest. A crafted or oversized

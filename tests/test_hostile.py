@@ -1,4 +1,4 @@
-"""Hostile tenants (issue 16): input that must not get past validation, ids that must not be reused,
+"""Hostile tenants: input that must not get past validation, ids that must not be reused,
 checkpoint locations that belong to a tenant, no outbound calls chosen by tenants from the API,
 ``/metrics`` behind the admin token, per-tenant priority limits and no cross-tenant preemption by
 priority. Each test reproduces something the control plane did before; a fuzz run of the API checks

@@ -1,4 +1,4 @@
-"""Jobs on the local executor are isolated from the control plane and from each other (issue 16).
+"""Jobs on the local executor are isolated from the control plane and from each other.
 
 Real processes through a plane built in-process (``server.build``) and driven step by step: a hostile
 job tries to read the admin token, the database, another tenant's log and checkpoint, and a secret

@@ -9,7 +9,7 @@ were gone), not an older or a later step from the disk.
 The loss is a machine's: every process of the node stops at one instant (``node_loss``). With Ray's
 ``remove_node`` alone the node's rank and agent went on for ~0.75 s: the rank trained on and committed
 a step to the shared disk that its dead agent never got, and the next attempt restored it from the
-disk (the ``tidal demo ray --cycle`` failure of issue 13)."""
+disk instead of the buddy's newer memory (what ``tidal demo ray --cycle`` must not do)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Live lending on the Ray executor (issue 13): serving nodes are Ray nodes by their Tidal name, spot
+"""Live lending on the Ray executor: serving nodes are Ray nodes by their Tidal name, spot
 jobs run on the GPUs they lend, and a reclaim takes the GPUs back, on the session's real 3-node Ray
 cluster (tests/ray_cluster.py: ``n1`` 2 GPUs, ``n2`` 1, ``n3`` 1).
 

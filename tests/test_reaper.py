@@ -380,8 +380,8 @@ def test_tidal_up_is_the_subreaper_of_what_a_killed_shim_left(tmp_path):
 
 def test_what_re_parents_to_the_plane_and_ends_by_itself_is_collected_on_observe(tmp_path):
     """``tidal up`` is a subreaper: a daemon a serving hook started (the hook runs in a session of its own)
-    re-parents to it when the hook exits. When the daemon ended, it stayed a zombie until the plane exited
-    (zombies were collected only after killing orphans). Now ``observe`` collects it; the plane's own
+    re-parents to it when the hook exits. When the daemon ends, ``observe`` collects it at once (it must
+    not stay a zombie until the plane exits); the plane's own
     children (in its session, or leading one) keep their exit codes for their ``Popen``."""
     ex = LocalExecutor(tmp_path / "jobs", slots=1, subreaper=True)
     own: list[subprocess.Popen] = []

@@ -9,7 +9,7 @@ Why not ``Cluster.remove_node(node, allow_graceful=False)`` alone: it SIGKILLs R
 the node (the raylet, ...) and returns, but the workers, and the ranks and checkpoint agent they
 started, notice only later (measured ~0.75 s on this machine) and go on meanwhile: a rank of the "lost"
 node trained and committed a step to the shared disk that its dead agent never got, so the job
-restored from the disk, not from the buddy's memory (``tidal demo ray --cycle``, issue 13). A real
+restored from the disk, not from the buddy's memory (``tidal demo ray --cycle``). A real
 machine that dies stops everything on it at once; :func:`freeze_node` does that (SIGSTOP over the
 node's process tree), and :func:`kill_node` ends what it froze before telling Ray.
 

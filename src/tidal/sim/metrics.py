@@ -39,7 +39,7 @@ METRIC_KEYS = (
     "ettr_mean", "ettr_p10", "jain_fairness", "mean_queue_s", "p95_queue_s", "mean_jct_s", "wall_s",
     "decision_p99_ms",
 )
-"""The keys every policy's result has (the issue's list); results carry a few more."""
+"""The keys every policy's result has; results carry a few more."""
 
 
 @dataclass

@@ -6,7 +6,7 @@ example job (examples/gpt/train.py) at a size whose checkpoint takes a while on 
 1. **notice → exit.** Run ``world`` ranks in ``layout`` with a checkpoint every 2 steps; once step
    ``notice_step`` is reported, SIGTERM every rank. Measured from the signal to the last rank's
    exit, which must be code 75 with the stopped step committed in the fast tier. The goal
-   (issue 4): at most one step + the save stall + 1 s.
+   is at most one step + the save stall + 1 s.
 2. **start → first step after a resharded restore,** twice: ``resume_world`` ranks in
    ``resume_layout`` restore on the same node (from the node-memory tier), and from a copy of the
    checkpoint directory alone (the disk tier, as on another node). Measured from the launch to the

@@ -1,7 +1,7 @@
 """``tidal verify-resume``: training is reproduced after interruptions and GPU-count changes.
 
-The operator's check from the brief ("training results are reproduced after the GPU configuration
-changes"), as a program:
+The operator's check that training results are reproduced after the GPU configuration
+changes, as a program:
 
 1. Run the example job (examples/gpt/train.py) uninterrupted for ``steps`` steps on the baseline
    world size and layout.
