@@ -1,4 +1,4 @@
-"""A serving node lost while it lends, and back (tidal.control.loan_nodes), in the reconcile loop with the
+"""A serving node lost while it lends, and back (tidal.control.serving_nodes), in the reconcile loop with the
 fake executor, a fake clock and the replay adapter (with a ``ready`` of the test's, at our seam).
 
 After every step the pools add up over the nodes in the pool (a lost node is in neither), no job holds a
