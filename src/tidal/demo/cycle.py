@@ -47,8 +47,8 @@ from tidal.control.auth import ADMIN_TOKEN_FILE
 from tidal.control.client import TidalClient
 from tidal.control.config import ControlConfig
 from tidal.control.dashboard import dashboard_url
+from tidal.demo.options import SIZES, example_script
 from tidal.demo.plane import PLANE_CONFIG, DemoError, EmbeddedPlane, uninterrupted
-from tidal.demo.single import SIZES, example_script
 from tidal.serving.watch import WatchConfig
 
 PROFILE = Path(tidal.serving.__file__).parent / "data" / "daily-profile.csv"

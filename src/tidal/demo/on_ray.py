@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import sys
 import tempfile
@@ -40,55 +39,9 @@ import typer
 from rich.console import Console
 
 from tidal.control.client import ApiError, TidalClient
+from tidal.demo.options import SIZES, example_script
 from tidal.demo.plane import PLANE_CONFIG, DemoError, EmbeddedPlane, attempt_records
-from tidal.demo.single import SIZES, example_script
-
-NODES = {"n1": 2, "n2": 1, "n3": 1}
-HEALTH = {"health_check_period_ms": 500, "health_check_timeout_ms": 500, "health_check_failure_threshold": 4}
-
-
-class LocalRayCluster:
-    """GPU nodes (declared GPUs; ``nodes``: Tidal name -> GPUs) and a head, on this machine, with Ray's
-    token authentication (a fresh 0600 token file; ``tidal.exec.ray_auth.enable_local``);
-    ``remove``/``add`` by Tidal node name."""
-
-    def __init__(self, nodes: dict[str, int] | None = None) -> None:
-        from tidal.exec.ray_auth import enable_local
-        from tidal.exec.ray_exec import NODE_LABEL, QUIET_ENV
-
-        for k, v in QUIET_ENV.items():
-            os.environ.setdefault(k, v)
-        self._auth_dir = Path(tempfile.mkdtemp(prefix="tidal-ray-auth-"))
-        enable_local(self._auth_dir)  # the cluster refuses clients without its token (docs/control.md)
-        from ray.cluster_utils import Cluster
-
-        self._label = NODE_LABEL
-        self.cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 1, "num_gpus": 0, "include_dashboard": False, "_system_config": HEALTH})
-        self.gpus = dict(nodes or NODES)
-        self.nodes: dict[str, Any] = {}
-        for name in self.gpus:
-            self.add(name)
-        self.cluster.wait_for_nodes()
-
-    def add(self, name: str) -> None:
-        self.nodes[name] = self.cluster.add_node(
-            num_cpus=1, num_gpus=self.gpus[name], labels={self._label: name}, include_dashboard=False
-        )
-
-    def remove(self, name: str) -> None:
-        """The node is lost as a machine is: every process on it SIGKILLed at one instant (Ray's, the
-        ranks', its checkpoint agent's; :func:`tidal.demo.node_loss.kill_node`)."""
-        from tidal.demo.node_loss import kill_node
-
-        kill_node(self.cluster, self.nodes.pop(name))
-
-    def shutdown(self) -> None:
-        import ray
-
-        ray.shutdown()
-        self.cluster.shutdown()
-        shutil.rmtree(self._auth_dir, ignore_errors=True)
+from tidal.demo.ray_cluster import LocalRayCluster, stdout_to_stderr
 
 
 def job_spec(steps: int, ckpt_every: int, parallel: str) -> dict[str, Any]:
@@ -288,8 +241,6 @@ def demo_ray(
 
     def say(line: str) -> None:
         console.print(f"[dim]{time.time() - t0:6.1f}s[/dim] {line}", highlight=False)
-
-    from tidal.demo.ray_cycle import stdout_to_stderr
 
     try:
         with stdout_to_stderr(json_out):  # Ray prints a killed raylet's last log lines on stdout

@@ -39,15 +39,11 @@ was detected and recovered from.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import os
 import shutil
-import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -72,9 +68,9 @@ from tidal.demo.cycle import (
     job_spec as cycle_job_spec,
 )
 from tidal.demo.node_loss import kill_when_peer_newest, worth_a_look
-from tidal.demo.on_ray import LocalRayCluster
+from tidal.demo.options import example_script
 from tidal.demo.plane import PLANE_CONFIG, DemoError, EmbeddedPlane, uninterrupted
-from tidal.demo.single import example_script
+from tidal.demo.ray_cluster import LocalRayCluster, stdout_to_stderr
 
 TRAINING = {"train-0": 1, "train-1": 1}
 SERVING_NODES = "2x8"  # serve-0 and serve-1, 8 declared GPUs each (parse_nodes names them)
@@ -489,23 +485,6 @@ def print_serve(console: Console, sv: dict) -> None:
     if sv["error"] or sv["latency"]["total"]["failed"]:
         why = sv["error"] or sv["latency"]["total"]["errors"]
         console.print(f"[red]traffic: {why}[/red]", highlight=False)
-
-
-@contextlib.contextmanager
-def stdout_to_stderr(on: bool = True) -> Iterator[None]:
-    """File descriptor 1 goes to 2 meanwhile (for ``--json``: stdout carries the summary alone)."""
-    if not on:
-        yield
-        return
-    sys.stdout.flush()
-    saved = os.dup(1)
-    try:
-        os.dup2(2, 1)
-        yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
 
 
 def main(

@@ -5,7 +5,7 @@ nothing here talks to the plane."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rich.markup import escape
 from rich.panel import Panel
@@ -13,11 +13,8 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 
 from tidal.control.cli_show import STATE_STYLE  # one palette for job states, CLI and demo
+from tidal.demo.options import DemoOptions
 from tidal.demo.plane import Kill
-
-if TYPE_CHECKING:
-    from tidal.demo.single import DemoOptions
-
 
 
 def _state(s: str) -> str:

@@ -5,13 +5,11 @@ per lead window (the loan plan's tail reserve). Pure functions of a config and a
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from tidal.policy.forecast import ForecastConfig, ForecastState
-
+from tidal.policy.forecast_config import ForecastConfig
+from tidal.policy.forecast_state import ForecastState
 
 CTX_BINS = np.linspace(-8.0, 24.0, 321)
 """Bin edges of the standardized-error histograms (errors beyond fall into the end bins)."""

@@ -42,13 +42,12 @@ import numpy as np
 from tidal.model import Tenant, check_snapshot
 from tidal.policy.loan import LoanContext
 from tidal.policy.scheduler import RunningIndex, schedule
-from tidal.sim import world as W
 from tidal.sim.config import SimConfig
 from tidal.sim.jobs import BacklogSource, JobSpec, SpotBacklog
 from tidal.sim.metrics import Meter, job_totals, summarize
 from tidal.sim.policies import PolicySpec, build, horizon_steps
+from tidal.sim.world import FAIL, FINISH, RELEASE, World
 
-RELEASE, FINISH, FAIL = W.RELEASE, W.FINISH, W.FAIL
 WARM, SUBMIT, SCORE, TICK, WAKE, SCHED = range(3, 9)
 TIMELINE_FIELDS = ("t_s", "demand_gpus", "upper_gpus", "lendable_gpus", "lent_gpus", "warming_gpus",
                    "training_on_loans_gpus", "training_gpus")
@@ -106,7 +105,7 @@ class Engine:
         self.seq = 0
         self.jobs = [j for j in jobs if j.submit_s < config.end_s]
         self.tenants = make_tenants(self.jobs, backlog, config.training_gpus, tenants)
-        self.world = W.World(config, self.tenants, self._push_job, np.random.default_rng(fail_seq))
+        self.world = World(config, self.tenants, self._push_job, np.random.default_rng(fail_seq))
         self.backlog = backlog
         self.source = (BacklogSource(backlog, config.gpus_per_node, np.random.default_rng(backlog_seq),
                                      max_gpus=config.serving_gpus + config.training_gpus)

@@ -1,6 +1,8 @@
 """The checkpoint agent's HTTP layer (:mod:`tidal.ckpt.agent.server` is the agent): one thread per
-connection, requests dispatched to :meth:`Agent.route <tidal.ckpt.agent.server.Agent.route>`, errors
-as JSON, bodies received into files and files sent (with ``Range``) without holding them in memory."""
+connection, requests dispatched to a :class:`Router` (the agent, :meth:`Agent.route
+<tidal.ckpt.agent.server.Agent.route>`), errors as JSON, bodies received into files and files sent (with
+``Range``) without holding them in memory. The agent imports this module; this module knows the agent only
+as a :class:`Router`."""
 
 from __future__ import annotations
 
@@ -12,14 +14,18 @@ import sys
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from tidal.ckpt.agent.replicator import HTTPError
 
-if TYPE_CHECKING:
-    from tidal.ckpt.agent.server import Agent
-
 log = logging.getLogger("tidal.ckpt.agent")
+
+
+class Router(Protocol):
+    """What a :class:`Server` dispatches each request to: answers it through ``h`` (``send_json``,
+    ``send_file``, ``body_to``) or raises :class:`HTTPError`, ``FileNotFoundError`` or ``ValueError``."""
+
+    def route(self, h: Handler, method: str, parts: list[str], query: dict[str, str]) -> None: ...
 
 
 def recv_into(rfile, fd: int, length: int) -> None:
@@ -134,7 +140,7 @@ class Handler(BaseHTTPRequestHandler):
 class Server(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 128
-    agent: Agent
+    agent: Router
 
     def handle_error(self, request, client_address) -> None:  # noqa: ANN001 - socketserver's signature
         """A peer that closes or resets its connection (between requests, or a rank or agent killed) is

@@ -45,7 +45,7 @@ from typing import Any, Literal
 
 import torch
 
-from tidal.ckpt import fence
+import tidal.ckpt.fence as fence
 from tidal.ckpt.engine import comm
 from tidal.ckpt.engine.handle import SaveHandle
 from tidal.ckpt.engine.persist import Persister, PersistJob
