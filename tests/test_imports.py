@@ -44,7 +44,8 @@ def modules() -> dict[str, Path]:
 
 
 def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
-    """The modules of ours ``name`` imports (``from pkg import mod``: the module, when it is one)."""
+    """The modules of ours ``name`` imports, also for type checking only (``from pkg import mod``: the
+    module and the package's face)."""
     tree = ast.parse(path.read_text(), str(path))
     pkg = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out: set[str] = set()
@@ -59,10 +60,8 @@ def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
                 target = node.module or ""
             if target.split(".")[0] not in ("tidal", "lab"):
                 continue
-            subs = {f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in known}
-            out |= subs or {target}
-            if subs and len(subs) < len(node.names):
-                out.add(target)
+            # ``from pkg import mod`` runs pkg's face too: both count
+            out |= {f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in known} | {target}
     return {m for m in out if m != name}
 
 
