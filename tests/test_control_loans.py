@@ -19,7 +19,7 @@ import tidal.serving
 from control_fakes import FakeClock, FakeExecutor, new_store, submit
 from tidal.control.config import ControlConfig
 from tidal.control.controller import Controller
-from tidal.control.loans import LiveLoans
+from tidal.control.loans import DOC_KEY, LiveLoans
 from tidal.control.states import HELD, State
 from tidal.policy.loan import LoanTiming
 from tidal.serving.adapters import AdapterError, ReplayAdapter
@@ -239,3 +239,32 @@ def test_a_damaged_serving_document_is_one_clear_error_and_changes_nothing(tmp_p
         Controller(store, FakeExecutor(gpus=1, serving=NODES), ctl.config, loans=loans)
     assert "\n" not in str(e.value)
     assert loans.dump()["ledger"] == before["ledger"]
+
+
+def test_a_loan_step_rebuilt_from_the_store_every_step_acts_as_one_that_never_stopped(tmp_path):
+    """Everything the loan step needs is the stored document plus what it observes: a plane whose loan
+    step is a new object loaded from the store before every step (a new adapter too) lends, reclaims
+    and records exactly what a plane that kept one object all along does."""
+    logs = []
+    for rebuild in (False, True):
+        (tmp_path / str(rebuild)).mkdir()
+        store = new_store(tmp_path / str(rebuild), ("a", 0, 1.0), ("d", 2, 1.0))
+        clock = FakeClock()
+        ex = FakeExecutor(gpus=2, serving=NODES)
+        ctl, adapter = _plane(tmp_path, clock, ex, store)
+        for i in range(3):
+            submit(store, "a", clock.t, name=f"s{i}", kind="spot", gpus={"min": 1, "max": 4}, max_restarts=50)
+        submit(store, "d", clock.t, name="d0", kind="dedicated", gpus={"min": 1, "max": 2}, max_restarts=50)
+        rng = random.Random(7)
+        for _ in range(int(DAY / 2 / SPEEDUP / 0.5 / 20)):
+            doc = store.get_doc(DOC_KEY)
+            if rebuild and doc is not None:
+                ctl.loans, adapter = _loans()
+                ctl.loans.load(doc)
+            _drive(ctl, ex, clock, rng, 20, adapter)
+        events = [(e.kind, e.message) for e in store.events(limit=100000)]
+        logs.append((events, ctl.loans.dump()["ledger"], ctl.loans.stats))
+        store.close()
+    assert logs[0][0] == logs[1][0]
+    assert logs[0][1] == logs[1][1] and logs[0][2] == logs[1][2]
+    assert {"loan", "return", "reclaim"} <= {k for k, _ in logs[0][0]}
