@@ -55,13 +55,13 @@ def test_vectorized_oracle_is_the_oracle_policy():
 
 def test_overrides_are_checked():
     assert parse_overrides(["ledger_fraction=0.8"]) == {"ledger_fraction": 0.8}
-    assert parse_overrides(["tail_joint=add"]) == {"tail_joint": "add"}
+    assert parse_overrides(["forecast.lead_quantile=0.8"]) == {"forecast": {"lead_quantile": 0.8}}
     with pytest.raises(ValueError, match="KEY=NUMBER"):
         parse_overrides(["bogus=1"])
     with pytest.raises(ValueError, match="not a number"):
         parse_overrides(["ledger_fraction=x"])
-    with pytest.raises(ValueError, match="tail_joint must be one of"):
-        parse_overrides(["tail_joint=maximum"])
+    with pytest.raises(ValueError, match="ledger_fraction"):  # a value the config refuses, with its message
+        parse_overrides(["ledger_fraction=5"])
 
 
 def _trace(path, seed: int, days: int = 4) -> None:

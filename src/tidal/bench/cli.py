@@ -239,8 +239,7 @@ def generalize(
     seed: Annotated[int, typer.Option("--seed", help="Seed of the stress traces.")] = 0,
     tidal: Annotated[
         list[str],
-        typer.Option("--tidal", help="KEY=NUMBER (tail_joint=WORD): a TidalConfig setting for every trace; "
-                     "repeatable."),
+        typer.Option("--tidal", help="KEY=NUMBER: a TidalConfig setting for every trace; repeatable."),
     ] = [],  # noqa: B006
     workers: Annotated[int, typer.Option("--workers", min=0, help="Processes (0: up to 2).")] = 0,
     json_out: JsonOut = False,

@@ -55,14 +55,9 @@ from tidal.policy.loan import LoanTiming, TidalConfig, TidalPolicy
 DAY_S = 86400.0
 
 
-TEXT_SETTINGS = frozenset({"tail_joint"})
-"""TidalConfig settings that take a word, not a number."""
-
-
 def parse_overrides(items: list[str]) -> dict[str, Any]:
-    """``["ledger_fraction=0.8", "forecast.lead_quantile=0.8", "tail_joint=add", ...]`` -> TidalConfig
-    keyword arguments (numbers, but a word for :data:`TEXT_SETTINGS`; ``forecast.KEY`` a ForecastConfig
-    setting, under the key ``forecast``); clear errors."""
+    """``["ledger_fraction=0.8", "forecast.lead_quantile=0.8", ...]`` -> TidalConfig keyword arguments
+    (numbers; ``forecast.KEY`` a ForecastConfig setting, under the key ``forecast``); clear errors."""
     known = {f.name for f in fields(TidalConfig)} - {"shortfall_budget", "forecast", "timing"}
     known_fc = {f"forecast.{f.name}" for f in fields(fc.ForecastConfig)} - {
         "forecast.step_s",
@@ -75,9 +70,6 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
         if not sep or key not in known | known_fc:
             raise ValueError(f"--tidal {item!r}: expected KEY=NUMBER with KEY one of {sorted(known)} or "
                              "forecast.<a ForecastConfig setting>")
-        if key in TEXT_SETTINGS:  # a word, checked by TidalConfig (e.g. tail_joint=add)
-            out[key] = value.strip()
-            continue
         try:
             number = float(value)
         except ValueError:
@@ -87,7 +79,7 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
         else:
             out[key] = number
     checked = dict(out)
-    try:  # a value the config refuses (tail_joint=maximum, ledger_fraction=5) fails here, with its message
+    try:  # a value the config refuses (ledger_fraction=5) fails here, with its message
         TidalConfig(forecast=fc.ForecastConfig(**checked.pop("forecast", {})), **checked)
     except (TypeError, ValueError) as e:
         raise ValueError(f"--tidal: {e}") from None
