@@ -131,8 +131,6 @@ NOTES = [
 
 # -- the state (tidal.bench.ckpt_state, shared with the peer engines' adapters) ------------------
 
-_tensors, _map_tensors = tensors, map_tensors  # the names tidal.bench.tiers imports
-
 
 def resharded_states(target: dict) -> list[dict]:
     """One state per simulated rank whose tensors are ``LocalShard`` row blocks (views) of ``target``."""
@@ -143,7 +141,7 @@ def resharded_states(target: dict) -> list[dict]:
                 return t
             start, n = row_blocks(t.shape[0])[r]
             return ckpt.LocalShard(t[start : start + n], (start,) + (0,) * (t.dim() - 1), tuple(t.shape))
-        out.append(_map_tensors(target, piece))
+        out.append(map_tensors(target, piece))
     return out
 
 
@@ -158,7 +156,7 @@ class _Bench:
 
         self.dcp = dcp
         self.state, self.root = state, root
-        self.tensors = list(_tensors(state))
+        self.tensors = list(tensors(state))
         self.buffers = [torch.empty_like(t) for t in self.tensors]
         self.tidal_dir = root / "tidal"
         self.overlapped_dir = root / "tidal-overlapped"
@@ -351,7 +349,7 @@ def run(size_gb: float = 1.0, repeat: int = 5, directory: str | os.PathLike | No
 
             log("load: preparing sources and targets")
             bench.dcp_save(keep=True)
-            target = _map_tensors(state, torch.zeros_like)
+            target = map_tensors(state, torch.zeros_like)
             loads: list[tuple[str, Callable[[dict], dict[str, float]]]] = [
                 ("tidal", bench.tidal_load),
                 ("tidal", bench.tidal_load_disk),
