@@ -10,7 +10,7 @@ durations, 20 tenants, a fifth of them dedicated), all submitted within the firs
 over the run. One simulation per policy in ``--policy``; prints wall seconds, scheduling calls, the
 p50 / p99 CPU milliseconds of ``schedule()`` (once per call in the run; also over the calls made
 while at least 90 % of the jobs were pending), the deepest queue seen and the headline metrics.
-Targets (issue 5): a 30-day month with 10,000 jobs on 2,048 x 8 GPUs in <= 30 s;
+Targets: a 30-day month with 10,000 jobs on 2,048 x 8 GPUs in <= 30 s;
 ``decision_p99_ms`` <= 10 with 10,000 pending.
 """
 

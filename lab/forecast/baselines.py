@@ -1,4 +1,4 @@
-"""The simple forecasters ``tidal bench forecast`` scores Tidal's forecast against (Holt-Winters with
+"""The simple forecasters ``python -m lab forecast`` scores Tidal's forecast against (Holt-Winters with
 constants picked on the warm-up days, split-conformal bounds over time) and the pinball loss. The
 library forecasters (statsforecast, LightGBM) are in :mod:`lab.forecast.libs`."""
 

@@ -1,7 +1,7 @@
-"""``tidal bench forecast-bound``: how far could *any* margin over Tidal's forecast go?
+"""``python -m lab forecast-bound``: how far could *any* margin over Tidal's forecast go?
 
-    tidal bench forecast-bound                   # ../shared/traces/servegen-*.csv
-    tidal bench forecast-bound T.csv --budget 0.005 --json
+    python -m lab forecast-bound                   # ../shared/traces/servegen-*.csv
+    python -m lab forecast-bound T.csv --budget 0.005 --json
 
 Tidal's loan plan lends ``N - upper`` with ``upper = center + margin`` over the lead time
 (:mod:`tidal.policy.loan`). This program separates the forecast's *shape* (its center and error scale,

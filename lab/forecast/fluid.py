@@ -1,5 +1,5 @@
 """The fluid model of lending (an early estimate, not the simulator) and the baselines tuned with
-hindsight, shared by ``tidal bench forecast``, ``forecast-bound``, ``forecast-rotate`` and
+hindsight, shared by ``python -m lab forecast``, ``forecast-bound``, ``forecast-rotate`` and
 ``generalize``: see :mod:`lab.forecast.study`'s docstring for the shortfall definitions.
 
 :func:`run_policy` drives a policy over a demand series (each decision at t sees data up to t);
@@ -21,7 +21,7 @@ from tidal.policy.loan import LoanContext
 
 def fluid_score(lent: np.ndarray, demand: np.ndarray, n: int, lead: int, warmup: int,
                 day_steps: int = 144) -> dict[str, Any]:
-    """Shortfall ratios (issue's and strict) and harvest of a lent series; see the module docstring.
+    """Shortfall ratios (simple and strict) and harvest of a lent series; see the module docstring.
 
     ``worst_day`` is the scored day (index from the trace start, ``day_steps`` long) whose strict
     shortfall is the largest share of the whole scored period's shortfall.

@@ -1,7 +1,7 @@
-"""``tidal bench generalize``: the loan policies on traffic they were not tuned on.
+"""``python -m lab generalize``: the loan policies on traffic they were not tuned on.
 
-    tidal bench generalize                                   # both ServeGen traces + stress traces
-    tidal bench generalize A.csv B.csv --serving-gpus 2048 --budget 0.005 --json
+    python -m lab generalize                                   # both ServeGen traces + stress traces
+    python -m lab generalize A.csv B.csv --serving-gpus 2048 --budget 0.005 --json
 
 The protocol (fluid model of :mod:`lab.forecast.study`: restart cost 0, strict shortfall, scored
 after ``--warmup-days``, telemetry gaps not scored):

@@ -1,4 +1,4 @@
-"""Forecasting libraries as competitors in ``tidal bench forecast`` (benchmark only; lazily imported).
+"""Forecasting libraries as competitors in ``python -m lab forecast`` (benchmark only; lazily imported).
 
 Each library forecasts the same series on the same causal protocol as the other methods: a model
 fitted at the start of each day on the data up to then (``refit_steps``), applied at every step to the

@@ -1,7 +1,7 @@
-"""``tidal bench forecast-rotate``: does Tidal keep its budget wherever the bursts fall?
+"""``python -m lab forecast-rotate``: does Tidal keep its budget wherever the bursts fall?
 
-    tidal bench forecast-rotate                  # ../shared/traces/servegen-*.csv, every rotation
-    tidal bench forecast-rotate T.csv --budget 0.005 --rotations 0,2,5 --json
+    python -m lab forecast-rotate                  # ../shared/traces/servegen-*.csv, every rotation
+    python -m lab forecast-rotate T.csv --budget 0.005 --rotations 0,2,5 --json
 
 A 14-day trace is one history: where its few large bursts fall (in the warm-up, where they teach the
 policy, or early in the scored period, where they weigh on a small denominator) decides whether a

@@ -1,4 +1,4 @@
-"""Synthetic stress traces for the loan policy, from one seed (``tidal bench generalize``).
+"""Synthetic stress traces for the loan policy, from one seed (``python -m lab generalize``).
 
 Each generator returns a load series (no unit; ``>= 0``) on a ``step_s`` grid starting at midnight;
 like a recorded trace, the pool is later sized for the series' own peak. The base is a serving day:

@@ -1,4 +1,4 @@
-"""``tidal bench forecast``: the serving forecast and the loan policy on real traces, next to baselines.
+"""``python -m lab forecast``: the serving forecast and the loan policy on real traces, next to baselines.
 
     python -m lab.forecast.study                                   # ../shared/traces/servegen-*.csv
     python -m lab.forecast.study TRACE.csv ... --serving-gpus 128 --lead-s 1200 --json
@@ -23,9 +23,10 @@ mean demand (lower is better; it rewards tight bounds that are still calibrated)
 ``--budget`` B. A pool of N serving GPUs is sized for the trace's peak; at each step t every
 policy returns ``lent(t)`` (:class:`~tidal.policy.loan.LoanPlan.lendable_gpus`, all assumed lent).
 
-* *shortfall (issue)*: ``max(0, demand(t + lead) - (N - lent(t)))``, the formula of the issue;
+* *shortfall (issue)*: ``max(0, demand(t + lead) - (N - lent(t)))``, the simple formula (the column
+  ``shortfall issue``: the loan made at t alone is away at t + lead);
 * *shortfall (strict)*: GPUs lent at t cannot be back before t + lead, and new loans leave at
-  once, so at time u serving has ``N - max(lent(t) for u - lead <= t < u)``. Always >= the issue's.
+  once, so at time u serving has ``N - max(lent(t) for u - lead <= t < u)``. Always >= the simple one.
   This is what Tidal plans and calibrates for.
 * ratios are shortfall GPU-hours / demanded GPU-hours; *harvest* = lent GPU-hours / idle
   GPU-hours (idle = N - demand); ``x oracle`` divides by the oracle's harvest.
@@ -514,7 +515,7 @@ def main() -> None:
         restart_cost_s: float = typer.Option(
             0.0,
             "--restart-cost-s",
-            help="Spot-job restart cost; sets the minimum loan window (0 = the issue's fluid model).",
+            help="Spot-job restart cost; sets the minimum loan window (0 = the plain fluid model).",
         ),
         night_hours: float = typer.Option(8.0, "--night-hours", help="Length of the night-window baseline."),
         json_out: bool = typer.Option(False, "--json", help="JSON on stdout (tables on stderr)."),
