@@ -276,7 +276,7 @@ class TidalConfig:
     still cause, fits an allowance of ``A = budget x N x this`` GPU-hours. Then, whatever the demand,
     shortfall <= ``ledger_fraction x budget x demand + A`` from the start, for every horizon
     (docs/loaning.md, "The guarantee"). 48 (two days of the whole pool's budget) leaves the harvest
-    on the ServeGen traces as it was (``tidal bench generalize``); smaller allowances lend less."""
+    on the ServeGen traces as it was (``python -m lab generalize``); smaller allowances lend less."""
     ledger_fraction: float = 1.0
     """The ledger's rate ``B_l`` as a fraction of ``shortfall_budget``. Below 1, the ratio is within the
     budget over any period whose demand is at least ``N x allowance / (1 - this)`` GPU-hours."""
