@@ -30,13 +30,13 @@ demo-cycle: $(STAMP)
 	$(VENV)/bin/tidal demo cycle
 
 test: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks examples
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadgroup tests
+	$(VENV)/bin/ruff check src tests lab examples
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadgroup tests lab/tests
 
 # The rules are pyproject.toml's [tool.ruff.lint] (E501 on: lines within 110). The code is not laid out by
 # `ruff format` (it would rewrite 238 files' hand-aligned tables and argument lists), so that is not checked.
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks examples
+	$(VENV)/bin/ruff check src tests lab examples
 
 bench: $(STAMP)
 	$(VENV)/bin/tidal bench ckpt --size-gb 1 --repeat 5

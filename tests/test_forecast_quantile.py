@@ -1,11 +1,9 @@
 """The lead-window quantile (tidal.policy.forecast_quantile): pinball-loss SGD learns known quantiles,
-the forecast's bound over the window covers at the quantile, the state persists through the codec, and
-the benchmark's library competitors say "not installed" when missing."""
+the forecast's bound over the window covers at the quantile, and the state persists through the codec."""
 
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import replace
 from statistics import NormalDist
 
@@ -108,35 +106,6 @@ def test_lead_quantile_state_round_trips_through_the_codec_and_off_changes_nothi
 def test_bad_lead_quantile_settings_are_refused_by_name(kw, match):
     with pytest.raises(ValueError, match=match):
         replace(fc.ForecastConfig(), **kw)
-
-
-def test_missing_forecasting_libraries_are_reported_not_raised(monkeypatch):
-    from tidal.bench.forecast_libs import library_forecasts
-
-    monkeypatch.setitem(sys.modules, "statsforecast", None)  # import fails as if not installed
-    monkeypatch.setitem(sys.modules, "lightgbm", None)
-    y = _noisy(3, 3, 2.0)
-    out = library_forecasts(600.0 * np.arange(y.size), y, lead=2, warmup=288, quantiles=(0.9,), step_s=600.0)
-    assert out and all(isinstance(v, str) and v.startswith("not installed") for v in out.values())
-
-
-def test_the_benchmark_says_not_installed_in_one_line_per_missing_library(monkeypatch, tmp_path, capsys):
-    from tidal.bench.forecast import run as bench_run
-
-    monkeypatch.setitem(sys.modules, "statsforecast", None)
-    monkeypatch.setitem(sys.modules, "lightgbm", None)
-    y = _noisy(2, 8, 2.0).clip(min=1)
-    p = tmp_path / "syn.csv"
-    p.write_text("seconds,requests_per_second\n" + "".join(f"{600 * i},{v:.3f}\n" for i, v in enumerate(y)))
-    result = bench_run(
-        [p], serving_gpus=32, budgets=(0.01,), quantiles=(0.9,), warmup_days=1.0, libraries=True
-    )
-    lines = [ln for ln in capsys.readouterr().out.splitlines() if "not installed" in ln]
-    assert len(lines) == 2 and all("forecast-bench" in ln for ln in lines), lines
-    assert set(result["traces"]["syn"]["libraries_missing"]) == {
-        "ets (statsforecast AutoETS)",
-        "lightgbm (quantile)",
-    }
 
 
 # --- weekly structure and level shifts (tidal.policy.forecast) ------------------------------------------

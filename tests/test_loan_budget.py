@@ -162,6 +162,15 @@ def test_a_state_persisted_before_the_ledger_loads_with_it_at_zero():
         codec.decode(doc)
 
 
+def test_a_state_stored_with_the_removed_joint_reserve_loads():
+    policy = TidalPolicy(config())
+    _, state = policy(LoanContext(now_s=0.0, serving_gpus=N, demand_gpus=10.0), policy.initial_state())
+    doc = codec.encode(state)
+    # what a plane stored while TidalState had the joint tail reserve's memory (removed option)
+    doc.update(joint_excess=None, joint_weight=0.0, joint_paths=None)
+    assert codec.encode(codec.decode(doc)) == codec.encode(state)
+
+
 # ---------------------------------------------------------------------------------- a changing pool
 def drive_pool(cfg: TidalConfig, demand: list[float], pool: list[int], adversary: bool) -> np.ndarray:
     """As :func:`drive`, with the pool ``pool[t]`` GPUs at step t (serving nodes lost and back); the

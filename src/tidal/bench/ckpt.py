@@ -25,11 +25,6 @@ stepped once so its state exists; the state comes from :func:`tidal.ckpt.trainin
   ``LocalShard`` row blocks as three ranks of a different layout would hold them
   (``load_resharded_s``, the three loads run one after another here and their times are summed),
   and ``dcp.load``.
-* peers — the other open engines (ByteCheckpoint, DLRover's flash checkpoint, nvidia-resiliency-ext),
-  each in its own venv made by ``benchmarks/peers/setup.sh``, run after the competitors above by
-  :mod:`tidal.bench.peers` on the same state (``tidal.bench.ckpt_state.build_state``, same size and
-  seed) with the same protocol; ``--no-peers`` skips them. A peer that is not installed, or an engine
-  of it that cannot run here (needs CUDA, ...), is one line saying why (``result["peers"]``).
 
 Why this way: all competitors run in one process on the same tensors, alternating within every
 repeat (the order rotates from one repeat to the next) after one untimed warm-up round, and each
@@ -134,9 +129,7 @@ NOTES = [
 ]
 
 
-# -- the state (tidal.bench.ckpt_state, shared with the peer adapters) ----------------------------
-
-_tensors, _map_tensors = tensors, map_tensors  # the names tidal.bench.tiers imports
+# -- the state (tidal.bench.ckpt_state, shared with the peer engines' adapters) ------------------
 
 
 def resharded_states(target: dict) -> list[dict]:
@@ -148,7 +141,7 @@ def resharded_states(target: dict) -> list[dict]:
                 return t
             start, n = row_blocks(t.shape[0])[r]
             return ckpt.LocalShard(t[start : start + n], (start,) + (0,) * (t.dim() - 1), tuple(t.shape))
-        out.append(_map_tensors(target, piece))
+        out.append(map_tensors(target, piece))
     return out
 
 
@@ -163,7 +156,7 @@ class _Bench:
 
         self.dcp = dcp
         self.state, self.root = state, root
-        self.tensors = list(_tensors(state))
+        self.tensors = list(tensors(state))
         self.buffers = [torch.empty_like(t) for t in self.tensors]
         self.tidal_dir = root / "tidal"
         self.overlapped_dir = root / "tidal-overlapped"
@@ -356,7 +349,7 @@ def run(size_gb: float = 1.0, repeat: int = 5, directory: str | os.PathLike | No
 
             log("load: preparing sources and targets")
             bench.dcp_save(keep=True)
-            target = _map_tensors(state, torch.zeros_like)
+            target = map_tensors(state, torch.zeros_like)
             loads: list[tuple[str, Callable[[dict], dict[str, float]]]] = [
                 ("tidal", bench.tidal_load),
                 ("tidal", bench.tidal_load_disk),
@@ -446,48 +439,6 @@ def render(result: dict, console: Any) -> None:
             name, "-" if value is None else f"{value:.3f}×", f"≤ {t['target_max']:g}×" if t else "", verdict
         )
     console.print(ratios)
-    if "peers" in result:
-        _render_peers(result, console)
     for note in result["notes"]:
         console.print(f"• {note}", highlight=False)
 
-
-def _render_peers(result: dict, console: Any) -> None:
-    """The peers' medians (run in their own venvs, same state, same run) with their ratio to Tidal's."""
-    from rich.table import Table
-
-    from tidal.bench.peers.runner import peer_lines
-
-    size = result["size_bytes"]
-    table = Table(title="peers (each in its own venv, same state and protocol, after Tidal in this run)")
-    for col in ("engine", "metric"):
-        table.add_column(col)
-    for col in ("median s", "min s", "max s", "GB/s", "÷ Tidal"):
-        table.add_column(col, justify="right")
-    ratios = result.get("peer_ratios", {})
-    for peer, entry in result["peers"].items():
-        if entry["status"] != "ok":
-            continue
-        floor = entry["memcpy"]["copy_s"]
-        table.add_row(f"{peer}: memcpy", "copy_s", f"{floor['median']:.4f}", f"{min(floor['samples']):.4f}",
-                      f"{max(floor['samples']):.4f}", f"{size / floor['median'] / GB:.2f}", "")
-        for name, e in entry["engines"].items():
-            if e["status"] != "ok":
-                continue
-            for group in ("save", "load"):
-                for metric, s in e[group].items():
-                    med = s["median"]
-                    key = next((k for k in ratios if k.startswith(f"{name}_{metric[:-2]}_over_tidal")), None)
-                    r = ratios.get(key) if key else None
-                    table.add_row(name if group == "save" else f"{name} (load)", metric, f"{med:.4f}",
-                                  f"{min(s['samples']):.4f}", f"{max(s['samples']):.4f}",
-                                  f"{size / med / GB:.2f}" if med > 0 else "-",
-                                  f"{r:.2f}× ({key.split('_over_')[1]})" if r is not None else "")
-        table.add_section()
-    console.print(table)
-    for entry in result["peers"].values():
-        for name, e in entry.get("engines", {}).items():
-            for note in e.get("notes", []) if e["status"] == "ok" else []:
-                console.print(f"• {name}: {note}", highlight=False)
-    for line in peer_lines(result):
-        console.print(f"[yellow]• {line}[/]", highlight=False)

@@ -1,7 +1,8 @@
 """The state every checkpoint benchmark saves, and helpers to walk it.
 
-Shared by ``tidal bench ckpt`` (``tidal.bench.ckpt``) and the peer adapters (``tidal.bench.peers``), which
-run in their own virtual environments holding only torch and one peer engine: this module needs nothing
+Shared by ``tidal bench ckpt`` (``tidal.bench.ckpt``) and the adapters that time other checkpoint engines
+on the same state, which run in virtual environments of their own holding only torch and one engine: this
+module needs nothing
 but torch and the standard library (``ckpt.training_state`` is torch's ``get_state_dict``), so that
 every engine checkpoints the very same state built by the same code.
 """

@@ -51,8 +51,6 @@ import os
 import shutil
 import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import warnings
@@ -63,101 +61,16 @@ from typing import Any
 import torch
 
 from tidal import ckpt
-from tidal.bench.ckpt import _map_tensors, _tensors, machine, resharded_states
-from tidal.bench.seaweed import SeaweedServer
+from tidal.bench.ckpt import resharded_states
+from tidal.bench.ckpt_state import machine, map_tensors, tensors
+from tidal.bench.tiers_env import Env
 from tidal.bench.tiers_train import train
-from tidal.ckpt.agent.childproc import free_ports
-from tidal.ckpt.agent.proc import AgentProcess
 from tidal.ckpt.tiers.directory import SHM_BASE_ENV
 
 MIB = 1 << 20
 BLOCK = 16 * MIB
-BUCKET = "tidal-bench"
 SETTLE_S = 1.0  # pause before each persist measurement: servers finish deferred work (deletes, page freeing)
 GOALS = {"persist_over_raw_min": 0.9, "overhead_max": 0.03, "overhead_over_dcp_max": 0.5}
-
-RECEIVER = r"""
-import os, socket, sys, uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-port, where = int(sys.argv[1]), sys.argv[2]
-class H(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    def setup(self):
-        super().setup()
-        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    def log_message(self, *a):
-        pass
-    def do_PUT(self):
-        n, got = int(self.headers["Content-Length"]), 0
-        buf = memoryview(bytearray(min(n, 4 << 20)))
-        path = os.path.join(where, uuid.uuid4().hex)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
-        while got < n:
-            k = self.rfile.readinto(buf[: min(len(buf), n - got)])
-            w = 0
-            while w < k:
-                w += os.write(fd, buf[w:k])
-            got += k
-        os.close(fd)
-        os.unlink(path)
-        self.send_response(200)
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
-"""
-
-
-class _Env:
-    """The servers and directories of one run; ``close`` stops every process it started, by pid."""
-
-    def __init__(self, root: Path, shm: Path, log: Callable[[str], None]) -> None:
-        self.root, self.shm, self.procs = root, shm, []
-        self.disk = root / "disk"
-        log("starting SeaweedFS (S3), two checkpoint agents (buddies) and an HTTP receiver on loopback")
-        self.seaweed = SeaweedServer(root / "seaweed", volume_size_limit_mb=1024)
-        self.seaweed.start()
-        self.seaweed.create_bucket(BUCKET)
-        os.environ.update(self.seaweed.env())
-        self.a = AgentProcess(shm / "agent-a", node="a", log_path=root / "agent-a.log")
-        self.b = AgentProcess(shm / "agent-b", node="b", log_path=root / "agent-b.log")
-        self.a.buddy, self.b.buddy = self.b.address, self.a.address
-        self.a.start()
-        self.b.start()
-        self.recv_port = free_ports(1)[0]
-        (shm / "recv").mkdir(parents=True, exist_ok=True)
-        self.receiver = subprocess.Popen(
-            [sys.executable, "-c", RECEIVER, str(self.recv_port), str(shm / "recv")],
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        _wait_port(self.recv_port, self.receiver)
-
-    def s3_url(self, name: str) -> str:
-        return f"s3://{BUCKET}/{name}"
-
-    def peer(self, job: str, agent: AgentProcess | None = None, **kw: Any) -> dict:
-        return {"kind": "peer", "agent": (agent or self.a).address, "job": job, **kw}
-
-    def close(self) -> None:
-        for p in (self.a, self.b):
-            with contextlib.suppress(Exception):
-                p.stop()
-        if self.receiver.poll() is None:
-            self.receiver.kill()
-            self.receiver.wait(10)
-        with contextlib.suppress(Exception):
-            self.seaweed.stop()
-
-
-def _wait_port(port: int, proc: subprocess.Popen, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            return
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"the HTTP receiver on port {port} did not start")
-        time.sleep(0.05)
-
 
 def _payload(size_bytes: int, pieces: int = 8) -> dict:
     g = torch.Generator().manual_seed(0)
@@ -168,13 +81,13 @@ def _payload(size_bytes: int, pieces: int = 8) -> dict:
 
 def _flat(state: dict) -> memoryview:
     """The state's bytes, contiguous: what the raw baselines write."""
-    return memoryview(torch.cat([t.reshape(-1).view(torch.uint8) for t in _tensors(state)]).numpy())
+    return memoryview(torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors(state)]).numpy())
 
 
 # -- 1. persist --------------------------------------------------------------------------------------
 
 class _Persist:
-    def __init__(self, env: _Env, state: dict) -> None:
+    def __init__(self, env: Env, state: dict) -> None:
         from tidal.ckpt.tiers.s3 import S3Tier
 
         self.env, self.state, self.data = env, state, _flat(state)
@@ -290,14 +203,14 @@ def persist(p: _Persist, repeat: int, log: Callable[[str], None]) -> dict:
 
 # -- 2. load -----------------------------------------------------------------------------------------
 
-def loads(env: _Env, p: _Persist, repeat: int, log: Callable[[str], None]) -> dict:
+def loads(env: Env, p: _Persist, repeat: int, log: Callable[[str], None]) -> dict:
     sources = {
         "shm": ["shm", str(env.disk / "persist")],
         "disk": [str(env.disk / "persist")],
         "s3": [env.s3_url("persist")],
         "peer": [env.peer("persist", agent=env.b)],  # the buddy's replica: the node that saved is "gone"
     }
-    target = _map_tensors(p.state, torch.zeros_like)
+    target = map_tensors(p.state, torch.zeros_like)
     out: dict[str, dict] = {}
     size = len(p.data)
     for tier, spec in sources.items():
@@ -315,7 +228,7 @@ def loads(env: _Env, p: _Persist, repeat: int, log: Callable[[str], None]) -> di
                 ckpt.load(spec, rank_state)
                 total += time.perf_counter() - t1
             if i == 0:
-                for a, b in zip(_tensors(target), _tensors(p.state), strict=True):
+                for a, b in zip(tensors(target), tensors(p.state), strict=True):
                     if not torch.equal(a, b):
                         raise RuntimeError(f"load from {tier}: tensors differ from the saved state")
                 continue
@@ -344,12 +257,12 @@ def run(size_mb: float = 512, repeat: int = 5, train_s: float = 60.0, interval_s
                                                 "AWS_SECRET_ACCESS_KEY", "AWS_REGION", "AWS_DEFAULT_REGION",
                                                 "AWS_ALLOW_HTTP")}
     os.environ[SHM_BASE_ENV] = str(shm)  # staging slots and shm tiers here; the agents may copy from here
-    env: _Env | None = None
+    env: Env | None = None
     p: _Persist | None = None
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", module=r"torch\.distributed\.checkpoint.*")
-            env = _Env(root, shm, log)
+            env = Env(root, shm, log)
             log(f"building a {size_mb:g} MiB state")
             p = _Persist(env, _payload(int(size_mb * MIB)))
             result_persist = persist(p, repeat, log)

@@ -10,14 +10,12 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from tidal import ckpt
-
-if TYPE_CHECKING:
-    from tidal.bench.tiers import _Env
+from tidal.bench.tiers_env import Env
 
 MIB = 1 << 20
 
@@ -30,7 +28,7 @@ def _model(model_mb: float) -> tuple[torch.nn.Module, torch.optim.Optimizer, int
     return model, torch.optim.Adam(model.parameters(), lr=1e-4), width
 
 
-def _dcp_s3_kwargs(env: _Env) -> dict:
+def _dcp_s3_kwargs(env: Env) -> dict:
     """Make DCP's ``FsspecWriter`` write to S3 through obstore's fsspec adapter (s3fs would pull an
     aiobotocore that pins an older botocore than boto3's). obstore keeps a reference to the buffer a
     ``write`` gets instead of copying it, and ``torch.save`` reuses its buffers, so writes copy."""
@@ -60,7 +58,7 @@ class _Trainer:
     a save and save every ``interval_s`` after, so each save's background work falls inside the timed
     segment that made it (when it takes less than ``interval_s``)."""
 
-    def __init__(self, mode: str, env: _Env, model_mb: float, batch: int, interval_s: float) -> None:
+    def __init__(self, mode: str, env: Env, model_mb: float, batch: int, interval_s: float) -> None:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
@@ -181,7 +179,7 @@ def _upload(resp: Any) -> Any:
     return getattr(resp, "upload_completion", resp)
 
 
-def train(env: _Env, seconds: float, interval_s: float, model_mb: float, batch: int,
+def train(env: Env, seconds: float, interval_s: float, model_mb: float, batch: int,
           log: Callable[[str], None], rounds: int = 3) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -7,7 +7,7 @@ in and gets back (``policy(ctx, state) -> (decision, new_state)``), so a test or
 advance them one step at a time and a control plane can persist the state between steps.
 
 * :mod:`tidal.policy.forecast` — serving demand (GPUs) over a horizon: time-of-day profile, live
-  level and trend, per-horizon error scale; coverage calibration of a forecast quantile.
+  level and trend, per-horizon error scale.
 * :mod:`tidal.policy.loan` — the loan / reclaim plan: how many serving GPUs may be lent now and
   when each must be back, calibrated online to a shortfall budget; baselines with a fixed margin
   (night-window, reactive, oracle) in the same interface.

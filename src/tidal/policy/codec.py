@@ -3,8 +3,9 @@
 ``encode(state)`` turns a (nested) frozen dataclass of floats, ints, tuples and numpy arrays into
 JSON-able data; ``decode(doc)`` rebuilds it, exactly (arrays bit for bit, NaN and infinities kept).
 A field with a default may be absent (states persisted before it was added load with the
-default). Only the classes registered in :data:`CLASSES` are rebuilt, so a stored document never
-names code to run. Arrays decode read-only, as the forecaster keeps them.
+default), and the fields of a removed option (:data:`DROPPED`) are ignored. Only the classes registered
+in :data:`CLASSES` are rebuilt, so a stored document never names code to run. Arrays decode read-only,
+as the forecaster keeps them.
 """
 
 from __future__ import annotations
@@ -21,6 +22,11 @@ from tidal.policy.loan import TidalState
 
 CLASSES: dict[str, type] = {c.__name__: c for c in (TidalState, ForecastState)}
 _DTYPES = {"float64", "float32", "int64", "int32", "bool"}
+# Fields a class no longer has, ignored where a stored state still holds them (the joint tail reserve's
+# memory: a state a running plane stored loads after an upgrade).
+DROPPED: dict[str, frozenset[str]] = {
+    "TidalState": frozenset({"joint_excess", "joint_weight", "joint_paths"}),
+}
 
 
 def encode(x: Any) -> Any:
@@ -56,7 +62,8 @@ def decode(doc: Any, where: str = "state") -> Any:
             # a field added later with a default may be absent (a state persisted by an older version)
             required = {f.name for f in fs
                         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
-            kw = {k: decode(v, f"{where}.{k}") for k, v in doc.items() if k != "__dc__"}
+            dropped = DROPPED.get(cls.__name__, frozenset())
+            kw = {k: decode(v, f"{where}.{k}") for k, v in doc.items() if k != "__dc__" and k not in dropped}
             if not required <= set(kw) <= names:
                 bad = sorted((set(kw) - names) | (required - set(kw)))
                 raise ValueError(f"{where}: {cls.__name__} fields {bad} missing or unknown")

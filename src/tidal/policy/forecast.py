@@ -39,9 +39,8 @@ Model, for the demand y at time ``t + h * step_s`` seen from the last observatio
   scale forgets a rare jump within days; the loan policy's tail reserve
   (:func:`~tidal.policy.forecast_errors.tail_reserve_gpus`) keeps it.
 * ``z`` is *not* chosen here: it is the calibrated margin, in units of ``scale``. The loan policy
-  (:mod:`tidal.policy.loan`) sets it from a shortfall budget; :class:`CoverageCalibrator` sets it
-  for a target quantile (adaptive conformal inference). ``upper(h; z)`` is the profile at an upper
-  quantile, corrected by the live level and trend.
+  (:mod:`tidal.policy.loan`) sets it from a shortfall budget. ``upper(h; z)`` is the profile at an
+  upper quantile, corrected by the live level and trend.
 
 Optional parts (off by default; docs/loaning.md, "Lead-window quantile, weeks and level shifts"):
 

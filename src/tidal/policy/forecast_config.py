@@ -49,7 +49,7 @@ class ForecastConfig:
     noise_exponent: float = 0.0
     """The error scale grows with demand to this power (see the module docstring). 0 (additive):
     on both ServeGen traces the misses that matter do not grow with the level (0.5 lent 1-3 % less
-    at the same shortfall in the fluid model of ``tidal bench forecast``)."""
+    at the same shortfall in the fluid model of ``python -m lab forecast``)."""
     context_tod_buckets: int = 0
     """Conditional error quantiles (0 = off): split the day into this many equal buckets by the
     target's time of day. With any ``context_*`` on, the scale is multiplied per context by

@@ -46,7 +46,6 @@ import numpy as np
 
 from tidal.contract import DEFAULT_GRACE_S
 from tidal.model import Reclaim
-from tidal.policy import joint_reserve as jr
 from tidal.policy.budget import ledger_update, max_lendable
 from tidal.policy.forecast import (
     Forecast,
@@ -56,7 +55,6 @@ from tidal.policy.forecast import (
     initial_state,
     observe,
 )
-from tidal.policy.forecast import decay as _decay
 from tidal.policy.forecast_errors import tail_reserve_gpus
 
 EPS = 1e-9
@@ -277,15 +275,6 @@ class TidalConfig:
     0.6 % over), reported on m-mid (docs/loaning.md, "A cautious start")."""
     tail_prior_steps: float = 2.0
     """The prior's weight, in lead windows (steps) of the tail memory; never decays."""
-    tail_joint: str = ""
-    """Size the tail reserve *jointly* with the calibrated margin (:mod:`tidal.policy.joint_reserve`):
-    "add" keeps ``z * scale + R`` above the center, ``R`` the smallest reserve whose expected excess over
-    what the margin in force did not cover is ``tail_joint_fraction`` of the budget; "max" keeps
-    ``max(z * scale, R)`` sized the same way on the pairs (miss, margin); "" the reserve of
-    ``tail_budget_fraction`` alone, sized as if ``z`` were 0 (``tail_kappa`` applies to it only).
-    ``tail_budget_fraction = 0`` switches either off (docs/loaning.md, "A joint reserve")."""
-    tail_joint_fraction: float = 0.7
-    """The joint reserve's share of the budget (``tail_joint``)."""
     min_z: float = 0.0
     """Floor of the margin: never plan below the central forecast."""
     max_z: float = 50.0
@@ -297,7 +286,7 @@ class TidalConfig:
     still cause, fits an allowance of ``A = budget x N x this`` GPU-hours. Then, whatever the demand,
     shortfall <= ``ledger_fraction x budget x demand + A`` from the start, for every horizon
     (docs/loaning.md, "The guarantee"). 48 (two days of the whole pool's budget) leaves the harvest
-    on the ServeGen traces as it was (``tidal bench generalize``); smaller allowances lend less."""
+    on the ServeGen traces as it was (``python -m lab generalize``); smaller allowances lend less."""
     ledger_fraction: float = 1.0
     """The ledger's rate ``B_l`` as a fraction of ``shortfall_budget``. Below 1, the ratio is within the
     budget over any period whose demand is at least ``N x allowance / (1 - this)`` GPU-hours."""
@@ -317,12 +306,6 @@ class TidalConfig:
             raise ValueError(
                 f"TidalConfig.tail_prior_miss and tail_prior_steps must be finite and >= 0, "
                 f"got {self.tail_prior_miss} and {self.tail_prior_steps}"
-            )
-        if self.tail_joint not in jr.MODES:
-            raise ValueError(f"TidalConfig.tail_joint must be one of {jr.MODES}, got {self.tail_joint!r}")
-        if not 0 < self.tail_joint_fraction < math.inf:
-            raise ValueError(
-                f"TidalConfig.tail_joint_fraction must be finite and > 0, got {self.tail_joint_fraction}"
             )
         if not 0 < self.aim_fraction <= 1:
             raise ValueError(f"TidalConfig.aim_fraction must be in (0, 1], got {self.aim_fraction}")
@@ -362,12 +345,6 @@ class TidalState:
     shortfall_gpu_s: float = 0.0
     demand_gpu_s: float = 0.0
     ledger_gpu_s: float = 0.0
-    joint_excess: np.ndarray | None = field(default=None, repr=False)
-    """The joint tail reserve's memory (``tail_joint``): weighted excess at each candidate reserve."""
-    joint_weight: float = 0.0
-    """The joint memory's weight (lead windows, exponentially weighted)."""
-    joint_paths: np.ndarray | None = field(default=None, repr=False)
-    """The last plans' centers and margins, to score them (:func:`~tidal.policy.joint_reserve.push_path`)."""
 
     @property
     def shortfall_ratio(self) -> float:
@@ -419,8 +396,7 @@ class TidalPolicy:
        ``tail_budget_fraction`` of the budget (:func:`~tidal.policy.forecast_errors.tail_reserve_gpus`). It
        keeps the rare jumps that ``z`` does not learn from (the cap, the error scale's short memory)
        within the budget as far as the history has seen them, and, through a prior (``tail_prior_*``),
-       a jump of the mean demand until the history outweighs it. With ``tail_joint`` (off by default) the
-       reserve is sized on what the margin in force did not cover (:mod:`tidal.policy.joint_reserve`).
+       a jump of the mean demand until the history outweighs it.
     5. Cap the loans by the *budget ledger* (:mod:`tidal.policy.budget`, ``ledger_*``): whatever the
        demand, shortfall since the start <= ``ledger_fraction x budget x demand + allowance``, the
        worst case of what is on loan now included (docs/loaning.md, "The guarantee").
@@ -483,8 +459,7 @@ class TidalPolicy:
             fc = None
         else:
             fc = forecast(cfg.forecast, fs)
-        joint = self._joint_observe(state, ctx.now_s, y, new_obs) if cfg.tail_joint else None
-        reserve = self._reserve(fs, joint)
+        reserve = self._reserve(fs)
         commitments = tuple(c for c in state.commitments if c[1] > ctx.now_s + EPS)
         cap = self._ledger_cap(ctx.now_s, n, ledger, commitments) if ledger_on else None
         plan = self._plan(ctx, fc, z, reserve, cap)
@@ -493,41 +468,7 @@ class TidalPolicy:
         commitments += ((ctx.now_s, until, n - plan.lendable_gpus, n, n - bound),)
         new_state = replace(state, forecast=fs, z=z, commitments=commitments,
                             shortfall_gpu_s=shortfall_gpu_s, demand_gpu_s=demand_gpu_s, ledger_gpu_s=ledger)
-        if joint is not None:
-            paths = joint[2]
-            if fc is not None:
-                keep = fc.times_s > ctx.now_s + EPS
-                if paths[0, 0] == ctx.now_s:  # planned again at the same time: this plan replaces it
-                    paths = np.vstack([paths[1:], np.full((1, paths.shape[1]), np.nan)])
-                paths = jr.push_path(paths, ctx.now_s, fc.center_gpus[keep], z * fc.scale_gpus[keep])
-            new_state = replace(new_state, joint_excess=joint[0], joint_weight=joint[1], joint_paths=paths)
         return plan, new_state
-
-    def _joint_k(self) -> int:
-        """Lead windows of the joint reserve, in steps (as the default reserve's)."""
-        cfg = self.config
-        lead_steps = max(1, math.ceil(cfg.timing.lead_time_s / cfg.forecast.step_s - EPS))
-        return min(lead_steps, cfg.forecast.tail_horizon_steps)
-
-    def _joint_observe(self, state: TidalState, now_s: float, y: float,
-                       new_obs: bool) -> tuple[np.ndarray, float, np.ndarray]:
-        """The joint memory (excess, weight, paths) after scoring the recorded plans against ``y``."""
-        cfg = self.config
-        k = self._joint_k()
-        excess, weight, paths = state.joint_excess, state.joint_weight, state.joint_paths
-        if excess is None or excess.shape != jr.GRID.shape or not np.isfinite(excess).all() \
-                or not 0 <= weight < math.inf:  # none yet, or a stored one that is not a memory: start afresh
-            excess, weight = np.zeros(jr.GRID.size), 0.0
-        if paths is None or paths.shape != (k, 1 + 2 * k) or np.isinf(paths).any():
-            paths = jr.empty_paths(k)
-        mean = state.forecast.mean_gpus
-        if new_obs and not math.isnan(y) and mean > 0:
-            pair = jr.window_pair(paths, now_s, y, cfg.forecast.step_s)
-            if pair is not None:
-                keep = _decay(cfg.forecast.step_s, cfg.forecast.tail_half_life_s)
-                excess = keep * excess + jr.excess_row(pair, mean, cfg.tail_joint)
-                weight = keep * weight + 1.0
-        return excess, weight, paths
 
     def _ledger_cap(self, now_s: float, n: int, ledger: float,
                     commitments: tuple[tuple[float, ...], ...]) -> int:
@@ -549,15 +490,11 @@ class TidalPolicy:
         v = float(fs.scale_gpus[i])
         return v if v > 0 else 0.0
 
-    def _reserve(self, fs: ForecastState, joint: tuple[np.ndarray, float, np.ndarray] | None = None) -> float:
+    def _reserve(self, fs: ForecastState) -> float:
         """The tail reserve (GPUs above the center) for this budget; 0 if off or nothing scored yet."""
         cfg = self.config
         if cfg.tail_budget_fraction <= 0 or fs.n_obs == 0:
             return 0.0
-        if joint is not None:
-            return jr.reserve_gpus(joint[0], joint[1], fs.mean_gpus,
-                                   cfg.tail_joint_fraction * cfg.shortfall_budget, cfg.tail_joint,
-                                   cfg.tail_prior_miss, cfg.tail_prior_steps)
         lead_steps = max(1, math.ceil(cfg.timing.lead_time_s / cfg.forecast.step_s - EPS))
         return tail_reserve_gpus(
             cfg.forecast,
@@ -581,14 +518,12 @@ class TidalPolicy:
         else:
             keep = fc.times_s > ctx.now_s + EPS
             times = fc.times_s[keep]
-            additive = cfg.tail_joint == "add"
-            bound = fc.upper(z) + reserve if additive else np.maximum(fc.upper(z), fc.center_gpus + reserve)
-            upper = bound[keep]
+            upper = np.maximum(fc.upper(z), fc.center_gpus + reserve)[keep]
             lead_i = min(
                 int(np.searchsorted(times, ctx.now_s + cfg.timing.lead_time_s + EPS)) - 1, times.size - 1
             )
             zs = float(z * fc.scale_gpus[keep][max(lead_i, 0)])
-            margin = zs + reserve if additive else max(zs, reserve)
+            margin = max(zs, reserve)
             if cfg.hold_demand_now and not math.isnan(ctx.demand_gpus) and lead_i >= 0:
                 # within the lead time the bound never falls below the demand just seen plus z one-step scales
                 floor = ctx.demand_gpus + z * float(fc.scale_gpus[keep][0])

@@ -267,7 +267,7 @@ def synthetic_trace(n_jobs: int, *, days: float, gpus_per_node: int, seed: int, 
     uniformly over ``submit_within_days`` (default: the whole run); a ``dedicated_fraction`` of them
     dedicated (priority 1), the rest elastic spot jobs. ``total_work_gpu_s``: scale every job's work
     so that they add up to this (the shape of the distribution is kept). For scale runs
-    (``benchmarks/sim_scale.py``)."""
+    (``lab/sim_scale.py``)."""
     rng = np.random.default_rng(seed)
     src = BacklogSource(SpotBacklog(tenants=tenants), gpus_per_node, rng)
     span = (submit_within_days if submit_within_days is not None else days) * 86400.0

@@ -9,7 +9,7 @@ Layout mirrors the directory tiers under ``s3://bucket/prefix/``::
 Why obstore (Rust ``object_store`` under a thin Python layer) rather than boto3: against a real
 SeaweedFS server on this project's machines it uploaded 1.3x faster, read large ranges 1.2x faster
 and served small ranged GETs at 2x the request rate, takes the staging buffer without copying it,
-and is one wheel with no further dependencies (``benchmarks/s3_clients.py`` measures both).
+and is one wheel with no further dependencies (``lab/s3_clients.py`` measures both).
 
 Credentials and endpoint come from the standard variables (``AWS_ACCESS_KEY_ID``,
 ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_ENDPOINT_URL``, ``AWS_REGION``), or from
