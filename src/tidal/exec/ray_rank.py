@@ -43,6 +43,7 @@ from pathlib import Path
 from tidal.exec import procs
 from tidal.exec.isolation import private_dir
 from tidal.exec.shim import set_limits
+from tidal.files import AS_OPEN, write_atomic
 
 PR_SET_PDEATHSIG = 1
 try:  # resolved before any fork: the child only calls it
@@ -132,10 +133,7 @@ class RankActor:
                 return None
         if pid_path is not None:
             with contextlib.suppress(OSError):
-                tmp = f"{pid_path}.tmp"
-                with open(tmp, "w") as f:
-                    json.dump({"pid": self.proc.pid, "time": time.time()}, f)
-                os.replace(tmp, pid_path)
+                write_atomic(pid_path, json.dumps({"pid": self.proc.pid, "time": time.time()}), mode=AS_OPEN)
         return self.proc.pid
 
     def poll(self) -> dict:
