@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ import time
 from pathlib import Path
 
 from tidal.contract import ENV_SHM_DIR, torchrun_env
+from tidal.net import free_port
 
 TESTS_DIR = Path(__file__).resolve().parent
 WORKERS_DIR = TESTS_DIR / "workers"
@@ -35,12 +35,6 @@ REPO_SRC = TESTS_DIR.parent / "src"
 
 class WorkerError(RuntimeError):
     """A worker exited non-zero, was killed, or the launch timed out."""
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def worker_env(rank: int, world: int, port: int, shm_dir: str | os.PathLike | None,

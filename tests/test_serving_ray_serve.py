@@ -541,7 +541,7 @@ def test_lend_and_reclaim_a_node_under_load_within_the_slo(ray_cluster, tmp_path
 
     from plane_proc import wait_until
     from test_ray_exec import all_gpus_free
-    from tidal.exec.local import free_port
+    from tidal.net import free_port
 
     if not ray.is_initialized():
         ray.init(address=ray_cluster.address, log_to_driver=False)
@@ -638,7 +638,7 @@ def test_a_serving_node_lost_and_back_serves_again_through_the_adapter(ray_clust
     from ray import serve
 
     from plane_proc import wait_until
-    from tidal.exec.local import free_port
+    from tidal.net import free_port
 
     if not ray.is_initialized():
         ray.init(address=ray_cluster.address, log_to_driver=False)

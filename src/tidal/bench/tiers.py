@@ -66,9 +66,9 @@ from tidal import ckpt
 from tidal.bench.ckpt import _map_tensors, _tensors, machine, resharded_states
 from tidal.bench.seaweed import SeaweedServer
 from tidal.bench.tiers_train import train
-from tidal.ckpt.agent.childproc import free_ports
 from tidal.ckpt.agent.proc import AgentProcess
 from tidal.ckpt.tiers.directory import SHM_BASE_ENV
+from tidal.net import free_ports
 
 MIB = 1 << 20
 BLOCK = 16 * MIB

@@ -40,7 +40,6 @@ import math
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -68,6 +67,7 @@ from tidal.exec.isolation import (
 from tidal.exec.progress import ProgressReader
 from tidal.exec.protocol import LaunchError, LaunchRequest, Observation, RankState
 from tidal.model import Node
+from tidal.net import free_port
 
 REAP_INTERVAL_S = 10.0
 """As a subreaper, how often ``observe`` collects what re-parented here and ended on its own (a daemon a
@@ -90,12 +90,6 @@ def detect_gpus() -> list[int]:
     except (OSError, subprocess.SubprocessError):
         return []
     return [int(x) for x in out.split() if x.strip().isdigit()]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
