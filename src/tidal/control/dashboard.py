@@ -30,10 +30,10 @@ from fastapi import APIRouter, Depends, HTTPException, Query, Response
 from fastapi.responses import RedirectResponse
 
 from tidal.control import dashboard_views as dv
+from tidal.control.accounting import job_report
 from tidal.control.auth import visible_job
 from tidal.control.states import ACTIVE, HELD, State
 from tidal.control.store import TenantRow
-from tidal.control.views import job_view
 
 if TYPE_CHECKING:
     from tidal.control.api import ApiContext
@@ -68,7 +68,7 @@ def _assets() -> dict[str, tuple[bytes, str]]:
 def compact_job(j: Any, now_s: float) -> dict[str, Any]:
     """A row of the jobs table."""
     p = j.progress or {}
-    rep = job_view(j, now_s)["report"]
+    rep = job_report(j, now_s)
     return {"id": j.id, "name": j.name, "tenant": j.tenant, "state": j.state, "kind": j.kind,
             "priority": j.priority, "gpus": j.gpus, "min_gpus": j.min_gpus, "max_gpus": j.max_gpus,
             "step": p.get("step"), "loss": p.get("loss"), "steps_per_s": p.get("steps_per_s"),

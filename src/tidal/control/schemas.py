@@ -1,9 +1,10 @@
-"""What the REST API answers, as pydantic models: the OpenAPI document's response schemas.
+"""What the REST API answers, as pydantic models: the one definition of each answer's shape.
 
-The handlers render their JSON themselves (:mod:`tidal.control.api`: one trip to the thread pool per
-call), so these models document the answers rather than validate them one by one; the contract is kept
-by ``tests/test_openapi.py``, which checks every route's real answers, errors included, against the
-document. Models forbid fields they do not name, so a field added to a view and not here fails that test.
+The views (:mod:`tidal.control.views`) build these models from store rows, so a field a view names and
+a model does not fails at once (models forbid fields they do not name); the API renders them
+(:func:`tidal.control.api.answer`), the CLI's ``-o json`` prints what the API returned, and the OpenAPI
+document's response schemas are these models (``tests/test_openapi.py`` checks every route's real
+answers, errors included, against the document).
 """
 
 from __future__ import annotations
