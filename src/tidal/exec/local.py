@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from tidal import contract as c
-from tidal.contract import torchrun_env
+from tidal.contract import one_node_env, torchrun_env
 from tidal.exec import cgroups, orphans, procs, shim
 from tidal.exec.files import read_json, write_json
 from tidal.exec.isolation import (
@@ -303,9 +303,7 @@ class LocalExecutor:
     ) -> dict[str, str]:
         """Rank ``r``'s whole environment: the allow-listed names of this process's environment, the
         basics (``HOME``, ``TMPDIR`` in the job's private area), the job's ``env``, then the platform's."""
-        base = {}
-        if sys.platform.startswith("linux") and Path("/sys/class/net/lo").exists():
-            base["GLOO_SOCKET_IFNAME"] = "lo"
+        base = one_node_env()
         shm = self.shm_dir(req.job_id)
         if shm is not None:
             base[c.ENV_SHM_DIR] = str(shm)
