@@ -112,6 +112,38 @@ class JobDetail(Job):
     )
 
 
+class JobSummary(_Answer):
+    """A row of the dashboard's jobs table: the job's size and progress flattened."""
+
+    id: str
+    name: str
+    tenant: str
+    state: StateName
+    kind: Literal["spot", "dedicated"]
+    priority: int
+    gpus: int = Field(description="GPUs held now")
+    min_gpus: int
+    max_gpus: int
+    step: Any = Field(description="progress: the newest step, as the job reported it")
+    loss: Any = Field(description="progress: the newest loss, as the job reported it")
+    steps_per_s: Any = Field(description="progress: steps per second, as the job reported it")
+    ettr: float | None
+    restarts: int
+    preemptions: int
+    attempt: int
+    submit_s: float
+    message: str
+
+
+class JobPage(_Answer):
+    """One page of the dashboard's jobs table; ``total`` counts every match."""
+
+    total: int
+    offset: int
+    limit: int
+    jobs: list[JobSummary]
+
+
 class LogChunk(_Answer):
     job: str
     rank: int
