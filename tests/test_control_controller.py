@@ -394,7 +394,7 @@ def test_why_a_job_waits_is_stored_from_the_scheduler_and_cleared_when_it_starts
     assert store.job(a).waiting is None
     w = store.job(b).waiting
     assert w["reason"].startswith("waiting: needs 2 GPUs, 1 free") and w["until_s"] is None
-    assert job_view(store.job(b), clock()).model_dump()["waiting"] == w
+    assert job_view(store.job(b), clock())["waiting"] == w
     ctl.step(clock.advance(1))
     assert store.job(b).waiting == w
     ex.exit(a, 0)

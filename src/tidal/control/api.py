@@ -174,25 +174,14 @@ class BodyLimit:
         await self.app(scope, limited, send)
 
 
-def answer(out: Any) -> Any:
-    """A handler's result as plain JSON data: a response model (:mod:`tidal.control.schemas`), or a list
-    of them, dumped by its field names."""
-    if isinstance(out, BaseModel):
-        return out.model_dump(by_alias=True)
-    if isinstance(out, list) and out and isinstance(out[0], BaseModel):
-        return [o.model_dump(by_alias=True) for o in out]
-    return out
-
-
 def _json(status: int = 200) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Render a handler's result (:func:`answer`) as JSON in the handler's own thread (a ``Response``
-    passes as is)."""
+    """Render a handler's result as JSON in the handler's own thread (a ``Response`` passes as is)."""
 
     def wrap(handler: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(handler)
         def run(*args: Any, **kwargs: Any) -> Any:
             out = handler(*args, **kwargs)
-            return out if isinstance(out, Response) else SafeJSON(answer(out), status_code=status)
+            return out if isinstance(out, Response) else SafeJSON(out, status_code=status)
 
         return run
 
@@ -341,7 +330,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
             return _unprocessable(problems)
         data["checkpoint"] = ck
         job = store.submit(me.name, data, ctx.clock(), ckpt_location=loc)
-        return SafeJSON(answer(job_view(job, ctx.clock(), detail=True)), status_code=201)
+        return SafeJSON(job_view(job, ctx.clock(), detail=True), status_code=201)
 
     def _located():
         return [(j, t, loc, State(st) in TERMINAL) for j, t, loc, st in store.ckpt_locations()]
@@ -361,19 +350,19 @@ def create_app(ctx: ApiContext) -> FastAPI:
     @app.get("/v1/jobs", **_doc(list[sc.Job], 401, 422))
     @_json()
     def jobs(me: Caller, state: Annotated[list[State] | None, Query()] = None,
-             tenant: str | None = None) -> list[sc.Job]:
+             tenant: str | None = None) -> list[dict]:
         who = tenant if me.admin else me.name
         now = ctx.clock()
         return [job_view(j, now) for j in store.jobs(tenant=who, states=state)]
 
     @app.get("/v1/jobs/{job_id}", **_doc(sc.JobDetail, 401, 404))
     @_json()
-    def job(job_id: str, me: Caller) -> sc.Job:
+    def job(job_id: str, me: Caller) -> dict:
         return job_view(own_job(job_id, me), ctx.clock(), detail=True)
 
     @app.post("/v1/jobs/{job_id}/cancel", **_doc(sc.Job, 401, 404, 409))
     @_json()
-    def cancel(job_id: str, me: Caller) -> sc.Job:
+    def cancel(job_id: str, me: Caller) -> dict:
         j = own_job(job_id, me)
         if State(j.state) in TERMINAL:
             raise HTTPException(409, f"job {job_id} already {j.state}")
@@ -414,7 +403,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
 
     @app.get("/v1/jobs/{job_id}/checkpoints", **_doc(sc.Checkpoints, 401, 404))
     @_json()
-    def checkpoints(job_id: str, me: Caller) -> sc.Checkpoints:
+    def checkpoints(job_id: str, me: Caller) -> dict:
         """Committed steps per tier (shm, directory, object storage; read from storage and from the job's
         status file on this node), the newest durable step and its age in seconds."""
         j = own_job(job_id, me)
@@ -427,7 +416,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
     @app.get("/v1/events", **_doc(list[sc.Event], 401, 404, 422))
     @_json()
     def events(me: Caller, job: str | None = None, after: Annotated[int, Query(ge=0)] = 0,
-               limit: Annotated[int, Query(ge=1, le=10000)] = 1000) -> list[sc.Event]:
+               limit: Annotated[int, Query(ge=1, le=10000)] = 1000) -> list[dict]:
         if job is not None:
             own_job(job, me)
         rows = store.events(job_id=job, tenant=None if me.admin else me.name, after_id=after, limit=limit)
@@ -435,7 +424,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
 
     @app.get("/v1/pool", **_doc(sc.Pool, 401))
     @_json()
-    def pool(me: Caller) -> sc.Pool:
+    def pool(me: Caller) -> dict:
         return pool_view(ctx.nodes, store.jobs(states=HELD | {State.PENDING}), None if me.admin else me.name)
 
     @app.get("/v1/serving", **_doc(sc.Serving, 401, 404))

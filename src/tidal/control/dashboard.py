@@ -141,7 +141,7 @@ def dashboard_router(ctx: "ApiContext", caller: Callable[..., Any]) -> APIRouter
     def jobs(me: Caller, state: Annotated[list[State] | None, Query()] = None, kind: str | None = None,
              tenant: str | None = None, q: Annotated[str | None, Query(max_length=80)] = None,
              offset: Annotated[int, Query(ge=0, le=1 << 31)] = 0,
-             limit: Annotated[int, Query(ge=1, le=PAGE_SIZE_MAX)] = 50) -> sc.JobPage:
+             limit: Annotated[int, Query(ge=1, le=PAGE_SIZE_MAX)] = 50) -> dict:
         """One page of jobs (newest first), filtered; ``total`` counts every match."""
         if kind is not None and kind not in ("spot", "dedicated"):
             raise HTTPException(422, f"kind: must be spot or dedicated, got {kind[:40]!r}")
@@ -152,7 +152,8 @@ def dashboard_router(ctx: "ApiContext", caller: Callable[..., Any]) -> APIRouter
         rows, total = store.jobs_page(tenant=who, states=state, kind=kind, match=q, limit=limit,
                                       offset=offset)
         now = ctx.clock()
-        return sc.JobPage(total=total, offset=offset, limit=limit, jobs=[compact_job(j, now) for j in rows])
+        page = sc.JobPage(total=total, offset=offset, limit=limit, jobs=[compact_job(j, now) for j in rows])
+        return sc.answer(page)
 
     @router.get("/v1/dashboard/jobs/{job_id}/curves")
     @_json()

@@ -67,16 +67,18 @@ class PlaneCollector:
         jobs = self.store.jobs()
         pool = GaugeMetricFamily("tidal_pool_gpus", "GPUs of the pool by state and owning tenant",
                                  labels=["node", "state", "tenant"])
-        for n in pool_view(self.nodes, jobs, None).nodes:
+        for n in pool_view(self.nodes, jobs, None)["nodes"]:
             by: dict[tuple[str, str], int] = {}
-            for h in n.jobs:
-                if h.gpus - h.draining:
-                    by[("allocated", h.tenant)] = by.get(("allocated", h.tenant), 0) + h.gpus - h.draining
-                if h.draining:
-                    by[("draining", h.tenant)] = by.get(("draining", h.tenant), 0) + h.draining
+            for h in n["jobs"]:
+                if h["gpus"] - h["draining"]:
+                    by[("allocated", h["tenant"])] = (
+                        by.get(("allocated", h["tenant"]), 0) + h["gpus"] - h["draining"]
+                    )
+                if h["draining"]:
+                    by[("draining", h["tenant"])] = by.get(("draining", h["tenant"]), 0) + h["draining"]
             for (state, tenant), g in sorted(by.items()):
-                pool.add_metric([n.name, state, tenant], g)
-            pool.add_metric([n.name, "free", ""], n.free)
+                pool.add_metric([n["name"], state, tenant], g)
+            pool.add_metric([n["name"], "free", ""], n["free"])
         yield pool
         counts = {s.value: 0 for s in State}
         for j in jobs:

@@ -1,8 +1,8 @@
 """What the REST API answers, as pydantic models: the one definition of each answer's shape.
 
 The views (:mod:`tidal.control.views`) build these models from store rows, so a field a view names and
-a model does not fails at once (models forbid fields they do not name); the API renders them
-(:func:`tidal.control.api.answer`), the CLI's ``-o json`` prints what the API returned, and the OpenAPI
+a model does not fails at once (models forbid fields they do not name), and return their data
+(:func:`answer`), which the API renders; the CLI's ``-o json`` prints what the API returned, and the OpenAPI
 document's response schemas are these models (``tests/test_openapi.py`` checks every route's real
 answers, errors included, against the document).
 """
@@ -20,6 +20,11 @@ StateName = Literal[tuple(s.value for s in State)]  # type: ignore[valid-type]
 
 class _Answer(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+def answer(model: BaseModel) -> dict[str, Any]:
+    """A model as the JSON data the API answers with (fields by their JSON names: ``from``)."""
+    return model.model_dump(by_alias=True)
 
 
 class Problem(_Answer):

@@ -1,6 +1,7 @@
-"""Store rows as the REST API answers them: instances of :mod:`tidal.control.schemas`' models, the one
-definition of each answer's shape (the CLI's ``-o json`` prints them as the API returned them; metrics
-read them)."""
+"""Store rows as the REST API answers them: each built as its :mod:`tidal.control.schemas` model (the one
+definition of the answer's shape: a field the model does not name fails here) and returned as that
+model's JSON data (:func:`~tidal.control.schemas.answer`), which the API renders, the CLI's ``-o json``
+prints as the API returned it, and metrics read."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 
 from tidal.control import schemas as sc
 from tidal.control.accounting import job_report
+from tidal.control.schemas import answer
 from tidal.control.states import HELD, STOPPING, State
 from tidal.control.store import EventRow, JobRow
 from tidal.model import Node
@@ -18,26 +20,27 @@ _COMPUTED = frozenset({"gpus", "progress", "report", "waiting"})
 """Fields of :class:`~tidal.control.schemas.Job` that are not a ``JobRow`` attribute of the same name."""
 
 
-def job_view(j: JobRow, now_s: float, *, detail: bool = False) -> sc.Job:
-    """The API's job (:class:`~tidal.control.schemas.JobDetail` with ``detail``): the model's fields
-    read from the row, but for those computed here."""
+def job_view(j: JobRow, now_s: float, *, detail: bool = False) -> dict[str, Any]:
+    """The API's job (:class:`~tidal.control.schemas.Job`, :class:`~tidal.control.schemas.JobDetail`
+    with ``detail``): the model's fields read from the row, but for those computed here."""
     model = sc.JobDetail if detail else sc.Job
-    return model(
+    return answer(model(
         **{f: getattr(j, f) for f in model.model_fields if f not in _COMPUTED},
         gpus=sc.Gpus(min=j.min_gpus, max=j.max_gpus, multiple_of=j.multiple_of),
         progress=j.progress or {},
         report=job_report(j, now_s),
         waiting=j.waiting if State(j.state) in (State.PENDING, State.RUNNING) else None,
-    )
+    ))
 
 
-def event_view(e: EventRow) -> sc.Event:
-    return sc.Event(id=e.id, time_s=e.time_s, job=e.job_id, tenant=e.tenant, kind=e.kind, from_=e.from_state,
-                    to=e.to_state, message=e.message, data=e.data)
+def event_view(e: EventRow) -> dict[str, Any]:
+    """:class:`~tidal.control.schemas.Event`."""
+    return answer(sc.Event(id=e.id, time_s=e.time_s, job=e.job_id, tenant=e.tenant, kind=e.kind,
+                           from_=e.from_state, to=e.to_state, message=e.message, data=e.data))
 
 
-def pool_view(nodes: list[Node], jobs: list[JobRow], viewer: str | None) -> sc.Pool:
-    """GPUs per node: allocated (by tenant; job ids only for ``viewer``'s own jobs, all for admin
+def pool_view(nodes: list[Node], jobs: list[JobRow], viewer: str | None) -> dict[str, Any]:
+    """:class:`~tidal.control.schemas.Pool`: GPUs per node: allocated (by tenant; job ids only for ``viewer``'s own jobs, all for admin
     ``viewer=None``), draining (being released) and free."""
     out = []
     for n in nodes:
@@ -64,12 +67,12 @@ def pool_view(nodes: list[Node], jobs: list[JobRow], viewer: str | None) -> sc.P
     total = sum(n.gpus for n in nodes)
     alloc = sum(x.allocated for x in out)
     pending = sum(1 for j in jobs if j.state == State.PENDING and (viewer is None or j.tenant == viewer))
-    return sc.Pool(nodes=out, gpus=total, allocated=alloc, free=total - alloc, pending=pending)
+    return answer(sc.Pool(nodes=out, gpus=total, allocated=alloc, free=total - alloc, pending=pending))
 
 
 def checkpoint_view(job_id: str, url: str | None, now_s: float, *, tiers: list | None = None,
-                    shm_base: str | None = None) -> sc.Checkpoints:
-    """A job's committed checkpoint steps per tier: its directory tiers (the location itself, or each
+                    shm_base: str | None = None) -> dict[str, Any]:
+    """:class:`~tidal.control.schemas.Checkpoints`: a job's committed checkpoint steps per tier: its directory tiers (the location itself, or each
     directory tier of the job's tier list ``tiers``, whose first non-shm tier is its location) and this
     node's shm tier are listed on local storage; every other tier (``s3://``, ``peer``) comes from the
     job's status file on this node (``<shm root>/status.json``, written by rank 0), never from a
@@ -160,8 +163,8 @@ def checkpoint_view(job_id: str, url: str | None, now_s: float, *, tiers: list |
     return _checkpoints(out, rows)
 
 
-def _checkpoints(out: dict[str, Any], rows: list[dict[str, Any]]) -> sc.Checkpoints:
-    return sc.Checkpoints(**{**out, "tiers": [sc.CheckpointTier(**r) for r in rows]})
+def _checkpoints(out: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
+    return answer(sc.Checkpoints(**{**out, "tiers": [sc.CheckpointTier(**r) for r in rows]}))
 
 
 def _where(kind: str, location: str) -> str:
