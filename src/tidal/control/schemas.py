@@ -82,13 +82,18 @@ class Waiting(_Answer):
     until_s: float | None = Field(description="when a hold for a time ends (Unix seconds), else null")
 
 
-class Job(_Answer):
+class _JobName(_Answer):
+    """What names a job in every answer about it: the fields a job answer starts with."""
+
     id: str
     name: str
     tenant: str
     state: StateName
     kind: Literal["spot", "dedicated"]
     priority: int
+
+
+class Job(_JobName):
     gpus: Gpus
     placement: dict[str, int] = Field(description="node -> GPUs held")
     attempt: int
@@ -117,15 +122,9 @@ class JobDetail(Job):
     )
 
 
-class JobSummary(_Answer):
+class JobSummary(_JobName):
     """A row of the dashboard's jobs table: the job's size and progress flattened."""
 
-    id: str
-    name: str
-    tenant: str
-    state: StateName
-    kind: Literal["spot", "dedicated"]
-    priority: int
     gpus: int = Field(description="GPUs held now")
     min_gpus: int
     max_gpus: int
