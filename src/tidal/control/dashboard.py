@@ -73,11 +73,11 @@ def compact_job(j: Any, now_s: float) -> sc.JobSummary:
     """A row of the jobs table: the model's fields read from the row, the progress ones from its
     progress, and its ETTR."""
     p = j.progress or {}
-    return sc.JobSummary(
+    return sc.JobSummary.model_validate({
         **{f: getattr(j, f) for f in sc.JobSummary.model_fields if f not in (*_PROGRESS, "ettr")},
         **{f: p.get(f) for f in _PROGRESS},
-        ettr=job_report(j, now_s)["ettr"],
-    )
+        "ettr": job_report(j, now_s)["ettr"],
+    })
 
 
 def dashboard_router(ctx: "ApiContext", caller: Callable[..., Any]) -> APIRouter:

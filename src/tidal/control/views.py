@@ -28,15 +28,18 @@ def job_view(j: JobRow, now_s: float, *, detail: bool = False) -> dict[str, Any]
         **{f: getattr(j, f) for f in model.model_fields if f not in _COMPUTED},
         gpus=sc.Gpus(min=j.min_gpus, max=j.max_gpus, multiple_of=j.multiple_of),
         progress=j.progress or {},
-        report=job_report(j, now_s),
-        waiting=j.waiting if State(j.state) in (State.PENDING, State.RUNNING) else None,
+        report=sc.Report.model_validate(job_report(j, now_s)),
+        waiting=sc.Waiting.model_validate(j.waiting)
+        if j.waiting is not None and State(j.state) in (State.PENDING, State.RUNNING) else None,
     ))
 
 
 def event_view(e: EventRow) -> dict[str, Any]:
     """:class:`~tidal.control.schemas.Event`."""
-    return answer(sc.Event(id=e.id, time_s=e.time_s, job=e.job_id, tenant=e.tenant, kind=e.kind,
-                           from_=e.from_state, to=e.to_state, message=e.message, data=e.data))
+    return answer(sc.Event.model_validate({
+        "id": e.id, "time_s": e.time_s, "job": e.job_id, "tenant": e.tenant, "kind": e.kind,
+        "from": e.from_state, "to": e.to_state, "message": e.message, "data": e.data,
+    }))
 
 
 def pool_view(nodes: list[Node], jobs: list[JobRow], viewer: str | None) -> dict[str, Any]:

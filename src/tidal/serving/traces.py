@@ -107,7 +107,7 @@ class Trace:
             raise ValueError(f"trace {self.name!r} is shorter than two {step_s:g} s steps")
         times = np.array(self.times_s[: n * k : k])
         load = self.load[: n * k].reshape(n, k).mean(axis=1)
-        gap = self.gap[: n * k].reshape(n, k).any(axis=1)
+        gap = np.asarray(self.gap[: n * k].reshape(n, k).any(axis=1))
         for a in (times, load, gap):
             a.flags.writeable = False
         return replace(self, times_s=times, load=load, gap=gap, step_s=float(step_s))
