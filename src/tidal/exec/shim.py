@@ -38,6 +38,7 @@ cgroup and removes it (:mod:`tidal.exec.cgroups`).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -48,9 +49,10 @@ import sys
 import time
 
 
+@functools.cache
 def _load(name: str, path: str):
-    """A standard-library-only module of ours, loaded by its path: under ``python -I`` the package is not
-    importable."""
+    """A standard-library-only module of ours, loaded (once) by its path: under ``python -I`` the package
+    is not importable."""
     spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(os.path.abspath(
         __file__)), path))
     mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
