@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,7 +25,9 @@ import threading
 import time
 from pathlib import Path
 
-from tidal.contract import ENV_SHM_DIR, torchrun_env
+from tidal.contract import ENV_SHM_DIR
+from tidal.net import free_port
+from tidal.train.launch import rank_env
 
 TESTS_DIR = Path(__file__).resolve().parent
 WORKERS_DIR = TESTS_DIR / "workers"
@@ -37,27 +38,14 @@ class WorkerError(RuntimeError):
     """A worker exited non-zero, was killed, or the launch timed out."""
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def worker_env(rank: int, world: int, port: int, shm_dir: str | os.PathLike | None,
                extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = os.environ.copy()
-    env.update(torchrun_env(rank, world, port))
-    env.update({
-        "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_SRC), env.get("PYTHONPATH", "")) if p),
-    })
-    if sys.platform.startswith("linux") and Path("/sys/class/net/lo").exists():
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # never depend on how the hostname resolves
-    if shm_dir is not None:
-        env[ENV_SHM_DIR] = str(shm_dir)
-    if extra:
-        env.update(extra)
-    return env
+    """:func:`tidal.train.launch.rank_env` with one thread, this checkout's ``src`` first on the path and
+    ``shm_dir`` as the node-memory tier."""
+    mine = {"OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_SRC), os.environ.get("PYTHONPATH", "")) if p),
+            **({ENV_SHM_DIR: str(shm_dir)} if shm_dir is not None else {})}
+    return rank_env(rank, world, port, {**mine, **(extra or {})})
 
 
 class Launch:

@@ -152,7 +152,7 @@ def test_kill9_mid_save(tmp_path, monkeypatch, ranks: int, seed: int, aim: float
             doc = json.loads((sd / "manifest.json").read_text())
             files = sorted(p.name for p in sd.iterdir())
             assert files == sorted(["manifest.json", *(f["name"] for f in doc["files"])]), (sd, files, where)
-        assert not list(root.rglob("*.part")), where
+        assert not list(root.rglob("*.part")) and not list(root.rglob("*.tmp")), where
     assert ckpt.steps(d)[-1] == new
     assert check_step(d, None) == new
     assert check_step(d, committed) == committed

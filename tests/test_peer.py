@@ -391,8 +391,8 @@ def test_cli_agent_serves_status_under_its_own_pid(tmp_path, shm):
     import subprocess
     import sys
 
-    from tidal.ckpt.agent.childproc import free_ports
     from tidal.ckpt.tiers.peer import AgentClient
+    from tidal.net import free_ports
 
     addr = f"127.0.0.1:{free_ports(1)[0]}"
     log = open(tmp_path / "agent.log", "wb")  # noqa: SIM115 - closed below

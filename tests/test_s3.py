@@ -446,7 +446,8 @@ def test_two_processes_commit_to_s3_and_one_reshards_from_it(s3, tmp_path):
     import subprocess
     import sys
 
-    from dist_harness import free_port, worker_env
+    from dist_harness import worker_env
+    from tidal.net import free_port
 
     script = tmp_path / "s3_worker.py"
     script.write_text(WORKER)

@@ -541,7 +541,7 @@ def test_lend_and_reclaim_a_node_under_load_within_the_slo(ray_cluster, tmp_path
 
     from plane_proc import wait_until
     from test_ray_exec import all_gpus_free
-    from tidal.exec.local import free_port
+    from tidal.net import free_port
 
     if not ray.is_initialized():
         ray.init(address=ray_cluster.address, log_to_driver=False)
@@ -631,14 +631,14 @@ def test_lend_and_reclaim_a_node_under_load_within_the_slo(ray_cluster, tmp_path
 @pytest.mark.skipif(os.environ.get("TIDAL_RAY_LONG") != "1", reason="a Serve node lost and back (~1-2 min): "
                     "TIDAL_RAY_LONG=1 runs it")
 def test_a_serving_node_lost_and_back_serves_again_through_the_adapter(ray_cluster, tmp_path):
-    """What the loan step relies on (tidal.control.serving_nodes) with Ray Serve: the replica of a node that is
+    """What the loan step relies on (tidal.control.serving_nodes), Ray Serve: the replica of a node that is
     lost stops counting (no router slot, not ready), and once the node is back the restore the plane sends
     brings its replica up again, and ``ready`` says so."""
     import ray
     from ray import serve
 
     from plane_proc import wait_until
-    from tidal.exec.local import free_port
+    from tidal.net import free_port
 
     if not ray.is_initialized():
         ray.init(address=ray_cluster.address, log_to_driver=False)

@@ -80,22 +80,9 @@ def default_traces() -> list[Path]:
 
 
 def resample(trace: Trace, step_s: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(times_s, load, gap) at ``step_s``: a whole multiple of the trace's step, by averaging.
-
-    A coarse window is a gap if any of its rows is (its mean would mix in the outage's zeros).
-    """
-    k = step_s / trace.step_s
-    if abs(k - round(k)) > 1e-6 or round(k) < 1:
-        raise ValueError(f"--step-s {step_s:g} must be a whole multiple of the trace {trace.name!r} step "
-                         f"({trace.step_s:g} s)")
-    k = round(k)
-    n = len(trace.load) // k
-    if n < 2:
-        raise ValueError(f"trace {trace.name!r} is shorter than two {step_s:g} s steps")
-    times = trace.times_s[: n * k : k]
-    load = trace.load[: n * k].reshape(n, k).mean(axis=1)
-    gap = trace.gap[: n * k].reshape(n, k).any(axis=1)
-    return times, load, gap
+    """(times_s, load, gap) at ``step_s`` (:meth:`~tidal.serving.traces.Trace.resample`)."""
+    t = trace.resample(step_s)
+    return t.times_s, t.load, t.gap
 
 
 def grid_steps(lead_s: float, step_s: float, warmup_days: float) -> tuple[int, int]:

@@ -40,6 +40,7 @@ import torch
 
 from lab.peers import PROTOCOL
 from tidal.bench.ckpt_state import build_state, check_equal, machine, map_tensors, state_bytes, tensors, zero
+from tidal.files import AS_OPEN, write_atomic
 
 Load = Callable[[dict], dict[str, float]]
 REASON_MAX = 400
@@ -278,8 +279,6 @@ def main(peer: str, dists: list[str], open_engines: Callable[[Context], dict[str
         }
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    tmp = args.out.with_name(args.out.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1))
-    tmp.replace(args.out)
+    write_atomic(args.out, json.dumps(doc, indent=1), mode=AS_OPEN, durable=False)
     return 0
 

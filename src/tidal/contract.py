@@ -4,7 +4,7 @@ every side, and ``tidal.policy``, may import it.
 
 * the environment variables Tidal sets or reads (``ENV_*``; their meanings and defaults are the
   table in :mod:`tidal.train.env` and docs/train.md) and the torchrun names (:func:`torchrun_env`
-  builds one rank's);
+  builds one rank's, :func:`one_node_env` adds what ranks on one machine share);
 * exit codes (:data:`EXIT_PREEMPTED`, :data:`EXIT_FENCED`);
 * the files through which a job and its executor talk (progress, heartbeat, exit, pid, launch,
   control) and the layout of one attempt's directory;
@@ -15,6 +15,9 @@ every side, and ``tidal.policy``, may import it.
 
 from __future__ import annotations
 
+import os
+import sys
+
 # ------------------------------------------------------------------------------ torchrun contract
 ENV_RANK = "RANK"
 ENV_WORLD_SIZE = "WORLD_SIZE"
@@ -24,6 +27,7 @@ ENV_GROUP_RANK = "GROUP_RANK"
 ENV_MASTER_ADDR = "MASTER_ADDR"
 ENV_MASTER_PORT = "MASTER_PORT"
 ENV_CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
+ENV_GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"
 
 # ------------------------------------------------------------------------------ Tidal's variables
 # Set by the platform for every rank (the executor or the control plane), read by the runtime.
@@ -70,6 +74,14 @@ def torchrun_env(rank: int, world_size: int, master_port: int, *, master_addr: s
             ENV_LOCAL_RANK: str(rank if local_rank is None else local_rank),
             ENV_LOCAL_WORLD_SIZE: str(world_size if local_world_size is None else local_world_size),
             ENV_GROUP_RANK: str(group_rank), ENV_MASTER_ADDR: master_addr, ENV_MASTER_PORT: str(master_port)}
+
+
+def one_node_env() -> dict[str, str]:
+    """What ranks that all run on this machine add to :func:`torchrun_env`: gloo over the loopback
+    interface where Linux has one (never depend on how the hostname resolves)."""
+    if sys.platform.startswith("linux") and os.path.exists("/sys/class/net/lo"):
+        return {ENV_GLOO_SOCKET_IFNAME: "lo"}
+    return {}
 
 
 # ------------------------------------------------------------------------------ exit codes

@@ -33,7 +33,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tidal.ckpt.agent.childproc import free_ports, stop_process, wait_ready
+from tidal.ckpt.agent.childproc import stop_process, wait_ready
+from tidal.net import free_ports
 
 SOCKET_PATH_MAX = 100  # a Unix socket path must fit in 108 bytes (sun_path); keep a margin
 _PORT_NAMES = ("s3.port", "s3.port.grpc", "master.port", "master.port.grpc", "volume.port",

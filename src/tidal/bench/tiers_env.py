@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from tidal.bench.seaweed import SeaweedServer
-from tidal.ckpt.agent.childproc import free_ports
 from tidal.ckpt.agent.proc import AgentProcess
+from tidal.net import free_ports
 
 BUCKET = "tidal-bench"
 

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -18,6 +16,7 @@ from tidal.ckpt.errors import CorruptionError, ManifestError
 from tidal.ckpt.format.flatten import ST_TO_DTYPE, path_name
 from tidal.ckpt.verify import _check_step
 from tidal.console import console
+from tidal.files import AS_OPEN, atomic_path
 
 # -- export ----------------------------------------------------------------------------------------
 
@@ -115,13 +114,8 @@ def export_cmd(
         out = out.expanduser()
         if out.is_dir():
             raise IsADirectoryError(21, "output is a directory", str(out))
-        tmp = out.with_name(f".{out.name}.part")
-        try:
+        with atomic_path(out, mode=AS_OPEN, durable=False) as tmp:
             save_file(tensors, str(tmp), metadata=metadata)
-            os.replace(tmp, out)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                tmp.unlink()
         size = out.stat().st_size
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     if as_json:

@@ -19,14 +19,12 @@ before. Stdlib only (the executors import it; no torch).
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import logging
 import os
 import stat
 import time
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +32,7 @@ from typing import Any
 
 from tidal import contract as c
 from tidal.ckpt.errors import FencedError
+from tidal.files import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -261,21 +260,8 @@ def write(directory: str | os.PathLike, job: str, attempt: int) -> Path | None:
     except FileNotFoundError:
         return None
     try:
-        tmp = f".{c.FENCE_FILE}.{uuid.uuid4().hex[:12]}.tmp"
-        data = json.dumps({"job": job, "attempt": int(attempt), "written_s": round(time.time(), 3)}).encode()
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=dfd)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.rename(tmp, c.FENCE_FILE, src_dir_fd=dfd, dst_dir_fd=dfd)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp, dir_fd=dfd)
-            raise
-        with contextlib.suppress(OSError):
-            os.fsync(dfd)
+        data = json.dumps({"job": job, "attempt": int(attempt), "written_s": round(time.time(), 3)})
+        write_atomic(c.FENCE_FILE, data, mode=0o644, dir_fd=dfd)  # world-readable: every rank checks it
     finally:
         os.close(dfd)
     return d / c.FENCE_FILE

@@ -9,11 +9,11 @@ the command line on the same machine finds it; ``TIDAL_TOKEN`` overrides it.
 from __future__ import annotations
 
 import hashlib
-import os
 import secrets
 from pathlib import Path
 
 from tidal.control.store import JobRow, NotFound, Store, TenantRow
+from tidal.files import write_atomic
 
 ADMIN = "admin"
 ADMIN_TOKEN_FILE = "admin.token"
@@ -59,11 +59,7 @@ def ensure_admin(store: Store, state_dir: Path, now_s: float) -> tuple[str, bool
     else:
         store.set_tenant_token(row.name, token_hash(token))
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, token + "\n")
     return token, True
 
 

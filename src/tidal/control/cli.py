@@ -21,7 +21,6 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 from rich.text import Text
 
 from tidal.control import cli_show as show
@@ -213,12 +212,10 @@ def jobs(
     if show.dump(rows, fmt):
         return
     wide = fmt == Fmt.wide
-    t = Table(box=None, header_style="bold")
     cols = ["JOB", "TENANT", "STATE", "KIND", "GPUS", "STEP", "STEPS/S", "CKPT", "RESTARTS", "ETTR"]
     if wide:
         cols += ["PRIORITY", "PREEMPTIONS", "LOST STEPS", "PLACEMENT"]
-    for col in cols:
-        t.add_column(col, no_wrap=True)
+    t = show.table(*cols, no_wrap=True)
     t.add_column("WHY")
     for j in rows:
         p, r, g = j.get("progress") or {}, j["report"], j["gpus"]
@@ -370,9 +367,7 @@ def pool(output: OutputOpt = Fmt.table, as_json: JsonOpt = False) -> None:
         _fail(e)
     if show.dump(p, show.fmt(output, as_json)):
         return
-    t = Table(box=None, header_style="bold")
-    for col in ("NODE", "POOL", "GPUS", "ALLOCATED", "DRAINING", "FREE", "HELD BY"):
-        t.add_column(col)
+    t = show.table("NODE", "POOL", "GPUS", "ALLOCATED", "DRAINING", "FREE", "HELD BY")
     for n in p["nodes"]:
         held = (
             ", ".join(
@@ -476,9 +471,7 @@ def tenants_list(output: OutputOpt = Fmt.table, as_json: JsonOpt = False) -> Non
         _fail(e)
     if show.dump(rows, show.fmt(output, as_json)):
         return
-    t = Table(box=None, header_style="bold")
-    for col in ("TENANT", "QUOTA", "WEIGHT", "MAX PRIORITY", "ADMIN"):
-        t.add_column(col)
+    t = show.table("TENANT", "QUOTA", "WEIGHT", "MAX PRIORITY", "ADMIN")
     for r in rows:
         t.add_row(
             escape(r["name"]),

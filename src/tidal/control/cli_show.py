@@ -14,6 +14,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
+from rich.table import Table
 from rich.text import Text
 
 from tidal.console import console  # noqa: F401  (the commands' console, re-exported)
@@ -65,6 +66,14 @@ def dump(doc: Any, fmt: Fmt) -> bool:
         return False
     sys.stdout.flush()
     return True
+
+
+def table(*columns: str, no_wrap: bool = False) -> Table:
+    """The commands' table: no box, bold headers, these columns."""
+    t = Table(box=None, header_style="bold")
+    for col in columns:
+        t.add_column(col, no_wrap=no_wrap)
+    return t
 
 
 def state(s: str) -> str:

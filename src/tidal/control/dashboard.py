@@ -30,12 +30,13 @@ from fastapi import APIRouter, Depends, HTTPException, Query, Response
 from fastapi.responses import RedirectResponse
 
 from tidal.control import dashboard_views as dv
+from tidal.control import schemas as sc
+from tidal.control.accounting import job_report
 from tidal.control.auth import visible_job
 from tidal.control.context import ApiContext
 from tidal.control.render import SafeJSON, json_route
 from tidal.control.states import ACTIVE, HELD, State
 from tidal.control.store import TenantRow
-from tidal.control.views import job_view
 
 WEB_DIR = Path(__file__).parent / "web"
 DASHBOARD_PATH = "/dashboard"
@@ -64,15 +65,18 @@ def _assets() -> dict[str, tuple[bytes, str]]:
     return out
 
 
-def compact_job(j: Any, now_s: float) -> dict[str, Any]:
-    """A row of the jobs table."""
+_PROGRESS = ("step", "loss", "steps_per_s")
+
+
+def compact_job(j: Any, now_s: float) -> sc.JobSummary:
+    """A row of the jobs table: the model's fields read from the row, the progress ones from its
+    progress, and its ETTR."""
     p = j.progress or {}
-    rep = job_view(j, now_s)["report"]
-    return {"id": j.id, "name": j.name, "tenant": j.tenant, "state": j.state, "kind": j.kind,
-            "priority": j.priority, "gpus": j.gpus, "min_gpus": j.min_gpus, "max_gpus": j.max_gpus,
-            "step": p.get("step"), "loss": p.get("loss"), "steps_per_s": p.get("steps_per_s"),
-            "ettr": rep["ettr"], "restarts": j.restarts, "preemptions": j.preemptions, "attempt": j.attempt,
-            "submit_s": j.submit_s, "message": j.message}
+    return sc.JobSummary.model_validate({
+        **{f: getattr(j, f) for f in sc.JobSummary.model_fields if f not in (*_PROGRESS, "ettr")},
+        **{f: p.get(f) for f in _PROGRESS},
+        "ettr": job_report(j, now_s)["ettr"],
+    })
 
 
 def dashboard_router(ctx: ApiContext, caller: Callable[..., Any]) -> APIRouter:
@@ -146,7 +150,8 @@ def dashboard_router(ctx: ApiContext, caller: Callable[..., Any]) -> APIRouter:
         rows, total = store.jobs_page(tenant=who, states=state, kind=kind, match=q, limit=limit,
                                       offset=offset)
         now = ctx.clock()
-        return {"total": total, "offset": offset, "limit": limit, "jobs": [compact_job(j, now) for j in rows]}
+        page = sc.JobPage(total=total, offset=offset, limit=limit, jobs=[compact_job(j, now) for j in rows])
+        return sc.answer(page)
 
     @router.get("/v1/dashboard/jobs/{job_id}/curves")
     @json_route()

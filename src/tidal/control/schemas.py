@@ -1,9 +1,10 @@
-"""What the REST API answers, as pydantic models: the OpenAPI document's response schemas.
+"""What the REST API answers, as pydantic models: the one definition of each answer's shape.
 
-The handlers render their JSON themselves (:mod:`tidal.control.api`: one trip to the thread pool per
-call), so these models document the answers rather than validate them one by one; the contract is kept
-by ``tests/test_openapi.py``, which checks every route's real answers, errors included, against the
-document. Models forbid fields they do not name, so a field added to a view and not here fails that test.
+The views (:mod:`tidal.control.views`) build these models from store rows, so a field a view names and
+a model does not fails at once (models forbid fields they do not name), and return their data
+(:func:`answer`), which the API renders; the CLI's ``-o json`` prints what the API returned, and the OpenAPI
+document's response schemas are these models (``tests/test_openapi.py`` checks every route's real
+answers, errors included, against the document).
 """
 
 from __future__ import annotations
@@ -19,6 +20,11 @@ StateName = Literal[tuple(s.value for s in State)]  # type: ignore[valid-type]
 
 class _Answer(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+def answer(model: BaseModel) -> dict[str, Any]:
+    """A model as the JSON data the API answers with (fields by their JSON names: ``from``)."""
+    return model.model_dump(by_alias=True)
 
 
 class Problem(_Answer):
@@ -76,13 +82,18 @@ class Waiting(_Answer):
     until_s: float | None = Field(description="when a hold for a time ends (Unix seconds), else null")
 
 
-class Job(_Answer):
+class _JobName(_Answer):
+    """What names a job in every answer about it: the fields a job answer starts with."""
+
     id: str
     name: str
     tenant: str
     state: StateName
     kind: Literal["spot", "dedicated"]
     priority: int
+
+
+class Job(_JobName):
     gpus: Gpus
     placement: dict[str, int] = Field(description="node -> GPUs held")
     attempt: int
@@ -109,6 +120,32 @@ class JobDetail(Job):
     ckpt_interval_s: float | None = Field(
         description="the interval the platform set (interval_s: auto), if any"
     )
+
+
+class JobSummary(_JobName):
+    """A row of the dashboard's jobs table: the job's size and progress flattened."""
+
+    gpus: int = Field(description="GPUs held now")
+    min_gpus: int
+    max_gpus: int
+    step: Any = Field(description="progress: the newest step, as the job reported it")
+    loss: Any = Field(description="progress: the newest loss, as the job reported it")
+    steps_per_s: Any = Field(description="progress: steps per second, as the job reported it")
+    ettr: float | None
+    restarts: int
+    preemptions: int
+    attempt: int
+    submit_s: float
+    message: str
+
+
+class JobPage(_Answer):
+    """One page of the dashboard's jobs table; ``total`` counts every match."""
+
+    total: int
+    offset: int
+    limit: int
+    jobs: list[JobSummary]
 
 
 class LogChunk(_Answer):

@@ -16,7 +16,6 @@ on the GPUs serving lends. One loop either way.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import errno
 import logging
@@ -40,6 +39,7 @@ from tidal.control.locations import TENANTS_DIRNAME, LocationPolicy
 from tidal.control.serving_nodes import lent_before
 from tidal.control.store import Store, sqlite_path, sqlite_url
 from tidal.exec.local import LocalExecutor, detect_gpus
+from tidal.files import write_atomic
 
 if TYPE_CHECKING:
     from tidal.exec.ray_exec import RayExecutor
@@ -359,12 +359,7 @@ def serve(plane: Plane, host: str = "127.0.0.1", port: int = 8470, *, announce=p
         bound = server.servers[0].sockets[0].getsockname()[1]
         url = f"http://{host}:{bound}"
         path = plane.state_dir / API_URL_FILE
-        tmp = path.with_name(f".{path.name}.tmp")
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
-            f.write(url + "\n")
-        os.replace(tmp, path)
+        write_atomic(path, url + "\n")
         announce(f"tidal up: {url} ({plane.describe}); state in {plane.state_dir}")
         announce(
             f"admin token {'created in' if plane.token_created else 'in'} {plane.state_dir / 'admin.token'}"

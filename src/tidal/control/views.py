@@ -1,4 +1,7 @@
-"""JSON views of store rows, as the REST API returns them (and the CLI and metrics read them)."""
+"""Store rows as the REST API answers them: each built as its :mod:`tidal.control.schemas` model (the one
+definition of the answer's shape: a field the model does not name fails here) and returned as that
+model's JSON data (:func:`~tidal.control.schemas.answer`), which the API renders, the CLI's ``-o json``
+prints as the API returned it, and metrics read."""
 
 from __future__ import annotations
 
@@ -6,52 +9,42 @@ import os
 from pathlib import Path
 from typing import Any
 
+from tidal.control import schemas as sc
 from tidal.control.accounting import job_report
+from tidal.control.schemas import answer
 from tidal.control.states import HELD, STOPPING, State
 from tidal.control.store import EventRow, JobRow
 from tidal.model import Node
 
+_COMPUTED = frozenset({"gpus", "progress", "report", "waiting"})
+"""Fields of :class:`~tidal.control.schemas.Job` that are not a ``JobRow`` attribute of the same name."""
+
 
 def job_view(j: JobRow, now_s: float, *, detail: bool = False) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "id": j.id,
-        "name": j.name,
-        "tenant": j.tenant,
-        "state": j.state,
-        "kind": j.kind,
-        "priority": j.priority,
-        "gpus": {"min": j.min_gpus, "max": j.max_gpus, "multiple_of": j.multiple_of},
-        "placement": j.placement,
-        "attempt": j.attempt,
-        "restarts": j.restarts,
-        "max_restarts": j.max_restarts,
-        "preemptions": j.preemptions,
-        "submit_s": j.submit_s,
-        "started_s": j.started_s,
-        "finished_s": j.finished_s,
-        "cancel_requested": j.cancel_requested,
-        "message": j.message,
-        "progress": j.progress or {},
-        "ckpt_step": j.ckpt_step,
-        "report": job_report(j, now_s),
-        "waiting": j.waiting if State(j.state) in (State.PENDING, State.RUNNING) else None,
-    }
-    if detail:
-        out["spec"] = j.spec
-        out["handle"] = j.handle
-        out["retry_at_s"] = j.retry_at_s
-        out["ckpt_interval_s"] = j.ckpt_interval_s
-    return out
+    """The API's job (:class:`~tidal.control.schemas.Job`, :class:`~tidal.control.schemas.JobDetail`
+    with ``detail``): the model's fields read from the row, but for those computed here."""
+    model = sc.JobDetail if detail else sc.Job
+    return answer(model(
+        **{f: getattr(j, f) for f in model.model_fields if f not in _COMPUTED},
+        gpus=sc.Gpus(min=j.min_gpus, max=j.max_gpus, multiple_of=j.multiple_of),
+        progress=j.progress or {},
+        report=sc.Report.model_validate(job_report(j, now_s)),
+        waiting=sc.Waiting.model_validate(j.waiting)
+        if j.waiting is not None and State(j.state) in (State.PENDING, State.RUNNING) else None,
+    ))
 
 
 def event_view(e: EventRow) -> dict[str, Any]:
-    return {"id": e.id, "time_s": e.time_s, "job": e.job_id, "tenant": e.tenant, "kind": e.kind,
-            "from": e.from_state, "to": e.to_state, "message": e.message, "data": e.data}
+    """:class:`~tidal.control.schemas.Event`."""
+    return answer(sc.Event.model_validate({
+        "id": e.id, "time_s": e.time_s, "job": e.job_id, "tenant": e.tenant, "kind": e.kind,
+        "from": e.from_state, "to": e.to_state, "message": e.message, "data": e.data,
+    }))
 
 
 def pool_view(nodes: list[Node], jobs: list[JobRow], viewer: str | None) -> dict[str, Any]:
-    """GPUs per node: allocated (by tenant; job ids only for ``viewer``'s own jobs, all for admin
-    ``viewer=None``), draining (being released) and free."""
+    """:class:`~tidal.control.schemas.Pool`: GPUs per node: allocated (by tenant; job ids only for
+    ``viewer``'s own jobs, all for admin ``viewer=None``), draining (being released) and free."""
     out = []
     for n in nodes:
         holders = []
@@ -68,51 +61,30 @@ def pool_view(nodes: list[Node], jobs: list[JobRow], viewer: str | None) -> dict
             allocated += g
             draining += d
             mine = viewer is None or j.tenant == viewer
-            holders.append(
-                {
-                    "job": j.id if mine else None,
-                    "tenant": j.tenant,
-                    "gpus": g,
-                    "draining": d,
-                    "state": j.state if mine else ("stopping" if State(j.state) in STOPPING else "running"),
-                }
-            )
-        out.append(
-            {
-                "name": n.name,
-                "pool": n.pool,
-                "gpus": n.gpus,
-                "allocated": allocated,
-                "draining": draining,
-                "free": n.gpus - allocated,
-                "jobs": holders,
-            }
-        )
+            holders.append(sc.PoolHolder(
+                job=j.id if mine else None, tenant=j.tenant, gpus=g, draining=d,
+                state=j.state if mine else ("stopping" if State(j.state) in STOPPING else "running"),
+            ))
+        out.append(sc.PoolNode(name=n.name, pool=n.pool, gpus=n.gpus, allocated=allocated, draining=draining,
+                               free=n.gpus - allocated, jobs=holders))
     total = sum(n.gpus for n in nodes)
-    alloc = sum(x["allocated"] for x in out)
-    return {
-        "nodes": out,
-        "gpus": total,
-        "allocated": alloc,
-        "free": total - alloc,
-        "pending": sum(
-            1 for j in jobs if j.state == State.PENDING and (viewer is None or j.tenant == viewer)
-        ),
-    }
+    alloc = sum(x.allocated for x in out)
+    pending = sum(1 for j in jobs if j.state == State.PENDING and (viewer is None or j.tenant == viewer))
+    return answer(sc.Pool(nodes=out, gpus=total, allocated=alloc, free=total - alloc, pending=pending))
 
 
 def checkpoint_view(job_id: str, url: str | None, now_s: float, *, tiers: list | None = None,
                     shm_base: str | None = None) -> dict[str, Any]:
-    """A job's committed checkpoint steps per tier: its directory tiers (the location itself, or each
-    directory tier of the job's tier list ``tiers``, whose first non-shm tier is its location) and this
-    node's shm tier are listed on local storage; every other tier (``s3://``, ``peer``) comes from the
-    job's status file on this node (``<shm root>/status.json``, written by rank 0), never from a
-    connection: the API process makes no outbound call a tenant chose (endpoint, agent, timeout).
-    Such a tier not in the status file yet is listed with no steps and ``source: "spec"``.
-    ``shm_base`` is the job's ``TIDAL_SHM_DIR`` when its spec sets one.
+    """:class:`~tidal.control.schemas.Checkpoints`: a job's committed checkpoint steps per tier: its directory
+    tiers (the location itself, or each directory tier of the job's tier list ``tiers``, whose first
+    non-shm tier is its location) and this node's shm tier are listed on local storage; every other tier
+    (``s3://``, ``peer``) comes from the job's status file on this node (``<shm root>/status.json``,
+    written by rank 0), never from a connection: the API process makes no outbound call a tenant chose
+    (endpoint, agent, timeout). Such a tier not in the status file yet is listed with no steps and
+    ``source: "spec"``. ``shm_base`` is the job's ``TIDAL_SHM_DIR`` when its spec sets one.
 
-    ``newest_durable_step`` is the newest step held by a durable (non-shm) tier, ``newest_durable_s``
-    when it was captured (the status file's save time; else when the tier committed it), and
+    ``newest_durable_step`` is the newest step held by a durable (non-shm) tier, ``newest_durable_s`` when
+    it was captured (the status file's save time; else when the tier committed it), and
     ``durable_age_s`` is ``now_s`` minus that. A tier that cannot be listed carries its ``error``.
     """
     from tidal.ckpt.engine.status import read_status
@@ -143,8 +115,7 @@ def checkpoint_view(job_id: str, url: str | None, now_s: float, *, tiers: list |
                  "committed_s": {}, "source": "storage", "error": f"{type(e).__name__}: {e}"}]
     out["url"] = url
     if url is None:
-        out["tiers"] = rows
-        return out
+        return _checkpoints(out, rows)
     base = shm_base or os.environ.get(SHM_BASE_ENV) or "/dev/shm"
     shm_root = Path(base) / "tidal" / shm_root_for(url).name
     if shm_root.is_dir():
@@ -180,7 +151,6 @@ def checkpoint_view(job_id: str, url: str | None, now_s: float, *, tiers: list |
         if (kind, _where(kind, location)) not in seen:
             rows.append({"name": name, "kind": kind, "location": location, "durable": True, "steps": [],
                          "committed_s": {}, "source": "spec", "error": None})
-    out["tiers"] = rows
     steps = sorted(set().union(*(r["steps"] for r in rows))) if rows else []
     out["steps"] = steps
     out["newest_step"] = steps[-1] if steps else None
@@ -193,7 +163,11 @@ def checkpoint_view(job_id: str, url: str | None, now_s: float, *, tiers: list |
             when = min(times) if times else None
         out["newest_durable_step"], out["newest_durable_s"] = step, when
         out["durable_age_s"] = round(max(0.0, now_s - when), 3) if when is not None else None
-    return out
+    return _checkpoints(out, rows)
+
+
+def _checkpoints(out: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
+    return answer(sc.Checkpoints(**{**out, "tiers": [sc.CheckpointTier(**r) for r in rows]}))
 
 
 def _where(kind: str, location: str) -> str:

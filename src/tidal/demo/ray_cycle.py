@@ -182,7 +182,7 @@ def run(opts: CycleOptions, kill_hour: float, console: Console, *, keep: bool = 
     traffic: st.Traffic | None = None
     warm: st.Traffic | None = None
     if serve:  # Ray Serve replicas serving generated traffic (tidal.demo.serve_traffic)
-        from tidal.exec.local import free_port
+        from tidal.net import free_port
 
         rate_trace = st.write_rate_trace(opts, sdir / "requests.csv")
         serving = st.serving_config(opts, rate_trace, free_port())

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from tidal.contract import LAUNCH_FILE, PROGRESS_DIRNAME, RAY_AUTH_TOKEN_ENV, attempt_dirname
 from tidal.exec.cgroups import MIN_MEMORY_BYTES
 from tidal.exec.files import read_json
+from tidal.files import write_atomic
 
 if TYPE_CHECKING:
     from tidal.exec.protocol import LaunchRequest
@@ -130,13 +131,7 @@ class Uids:
             if n >= UID_SPAN:
                 raise RuntimeError(f"isolation: no uids left in {self.base}..{self.base + UID_SPAN - 1}")
             self._map[key] = n
-            tmp = self.path.with_name(f".{self.path.name}.tmp")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                json.dump(self._map, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
+            write_atomic(self.path, json.dumps(self._map))
         return self.base + self._map[key]
 
     def known(self, key: str) -> int | None:

@@ -40,7 +40,6 @@ import math
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -50,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from tidal import contract as c
-from tidal.contract import torchrun_env
+from tidal.contract import one_node_env, torchrun_env
 from tidal.exec import cgroups, orphans, procs, shim
 from tidal.exec.files import read_json, write_json
 from tidal.exec.isolation import (
@@ -68,6 +67,7 @@ from tidal.exec.isolation import (
 from tidal.exec.progress import ProgressReader
 from tidal.exec.protocol import LaunchError, LaunchRequest, Observation, RankState
 from tidal.model import Node
+from tidal.net import free_port
 
 REAP_INTERVAL_S = 10.0
 """As a subreaper, how often ``observe`` collects what re-parented here and ended on its own (a daemon a
@@ -90,12 +90,6 @@ def detect_gpus() -> list[int]:
     except (OSError, subprocess.SubprocessError):
         return []
     return [int(x) for x in out.split() if x.strip().isdigit()]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -309,9 +303,7 @@ class LocalExecutor:
     ) -> dict[str, str]:
         """Rank ``r``'s whole environment: the allow-listed names of this process's environment, the
         basics (``HOME``, ``TMPDIR`` in the job's private area), the job's ``env``, then the platform's."""
-        base = {}
-        if sys.platform.startswith("linux") and Path("/sys/class/net/lo").exists():
-            base["GLOO_SOCKET_IFNAME"] = "lo"
+        base = one_node_env()
         shm = self.shm_dir(req.job_id)
         if shm is not None:
             base[c.ENV_SHM_DIR] = str(shm)

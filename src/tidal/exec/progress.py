@@ -16,7 +16,7 @@ import json
 import os
 import stat
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +80,10 @@ class Progress:
         return {k: getattr(self, k) for k in self.__dataclass_fields__} | {"steps_per_s": self.steps_per_s}
 
 
+_FOLDED = frozenset(f.name for f in fields(Progress)) - {"tiers", "heartbeat_s", "heartbeats", "phase"}
+"""The fields of :class:`Progress` folded from the progress records as they are (absent: the default)."""
+
+
 class ProgressReader:
     """Incremental reader of one attempt's progress directory (rank 0's records, all heartbeats)."""
 
@@ -97,26 +101,11 @@ class ProgressReader:
         beats = [b for b in (self._heartbeat(r) for r in range(self.world_size)) if b is not None]
         f = self._f
         return Progress(
-            start_step=f.get("start_step"),
-            restore_tier=f.get("restore_tier"),
-            step=f.get("step"),
-            step_s=f.get("step_s"),
-            first_step=f.get("first_step"),
-            first_step_s=f.get("first_step_s"),
-            step_time_s=f.get("step_time_s"),
-            loss=f.get("loss"),
+            **{k: f[k] for k in _FOLDED if k in f},
+            tiers=dict(f.get("tiers", {})),
             heartbeat_s=min((b["time"] for b in beats), default=None),
             heartbeats=len(beats),
             phase=beats[0].get("phase") if beats else None,
-            ckpt_step=f.get("ckpt_step"),
-            ckpt_s=f.get("ckpt_s"),
-            durable_ckpt_step=f.get("durable_ckpt_step"),
-            durable_ckpt_s=f.get("durable_ckpt_s"),
-            ckpt_stall_s=f.get("ckpt_stall_s"),
-            ckpt_every_steps=f.get("ckpt_every_steps"),
-            tiers=dict(f.get("tiers", {})),
-            preempted=f.get("preempted", False),
-            ended=f.get("ended", False),
         )
 
     def _tail(self) -> None:

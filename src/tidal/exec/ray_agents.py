@@ -27,7 +27,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -39,6 +38,7 @@ from tidal import contract as c
 from tidal.ckpt.agent.auth import agent_token, job_token
 from tidal.exec.isolation import private_dir
 from tidal.exec.ray_rank import _child_setup
+from tidal.net import free_port
 
 log = logging.getLogger(__name__)
 
@@ -75,9 +75,7 @@ class AgentActor:
 
         if self.addr is None:
             ip = ray.util.get_node_ip_address()
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-                s.bind((ip, 0))
-                self.port = s.getsockname()[1]
+            self.port = free_port(ip)
             self.addr = f"{ip}:{self.port}"
         return {"address": self.addr, "buddy": self.buddy,
                 "running": self.proc is not None and self.proc.poll() is None,

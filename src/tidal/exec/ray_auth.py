@@ -24,6 +24,7 @@ from typing import Any
 from tidal.contract import RAY_AUTH_MODE_ENV as MODE_ENV
 from tidal.contract import RAY_AUTH_TOKEN_ENV as TOKEN_ENV
 from tidal.contract import RAY_AUTH_TOKEN_PATH_ENV as TOKEN_PATH_ENV
+from tidal.files import write_atomic
 
 PROBE_TIMEOUT_S = 5.0
 TOKEN_FILE = "ray-auth-token"  # enable_local's file (0600) in its directory (0700)
@@ -59,10 +60,7 @@ def write_token(directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(directory, 0o700)
     path = directory / TOKEN_FILE
-    path.unlink(missing_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(32))
+    write_atomic(path, secrets.token_hex(32))
     return path
 
 

@@ -22,8 +22,8 @@ run as root) makes the job's node-memory directory on its node, owned by that ui
 rank as that uid with no supplementary groups and the job's rlimits, exactly as the local executor's
 shim (:mod:`tidal.exec.shim`) does; its log and pid file stay root's.
 
-Standard library, ``ray`` and small parts of :mod:`tidal.exec` only (no torch): the module is imported by
-every Ray worker that hosts a rank.
+Standard library, ``ray``, small parts of :mod:`tidal.exec` and the standard-library-only :mod:`tidal.files`
+and :mod:`tidal.net` (no torch): the module is imported by every Ray worker that hosts a rank.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ import json
 import os
 import resource
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
@@ -43,6 +42,8 @@ from pathlib import Path
 from tidal.exec import procs
 from tidal.exec.isolation import private_dir
 from tidal.exec.shim import set_limits
+from tidal.files import AS_OPEN, write_atomic
+from tidal.net import free_port
 
 PR_SET_PDEATHSIG = 1
 try:  # resolved before any fork: the child only calls it
@@ -92,9 +93,7 @@ class RankActor:
 
     def free_port(self) -> int:
         """A free TCP port on this node (rank 0's: the rendezvous, ``MASTER_PORT``)."""
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("", 0))
-            return s.getsockname()[1]
+        return free_port("")
 
     def start(self, command: Sequence[str], env: Mapping[str, str], cwd: str, log_path: str, header: str,
               pid_path: str | None = None, owner: Sequence[int] | None = None,
@@ -132,10 +131,7 @@ class RankActor:
                 return None
         if pid_path is not None:
             with contextlib.suppress(OSError):
-                tmp = f"{pid_path}.tmp"
-                with open(tmp, "w") as f:
-                    json.dump({"pid": self.proc.pid, "time": time.time()}, f)
-                os.replace(tmp, pid_path)
+                write_atomic(pid_path, json.dumps({"pid": self.proc.pid, "time": time.time()}), mode=AS_OPEN)
         return self.proc.pid
 
     def poll(self) -> dict:

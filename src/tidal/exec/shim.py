@@ -38,6 +38,7 @@ cgroup and removes it (:mod:`tidal.exec.cgroups`).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -48,21 +49,26 @@ import sys
 import time
 
 
-def _procs():
-    """:mod:`tidal.exec.procs` (standard library only), loaded from beside this file: under ``python -I``
-    the package is not importable."""
-    spec = importlib.util.spec_from_file_location("_tidal_procs", os.path.join(os.path.dirname(
-        os.path.abspath(__file__)), "procs.py"))
+@functools.cache
+def _load(name: str, path: str):
+    """A standard-library-only module of ours, loaded (once) by its path: under ``python -I`` the package
+    is not importable."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(os.path.abspath(
+        __file__)), path))
     mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     spec.loader.exec_module(mod)  # type: ignore[union-attr]
     return mod
 
 
+def _procs():
+    """:mod:`tidal.exec.procs`, from beside this file."""
+    return _load("_tidal_procs", "procs.py")
+
+
 def _write(path: str, doc: dict) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(doc, f)
-    os.replace(tmp, path)
+    """Atomically (:func:`tidal.files.write_atomic`, from the package's root), as ``open`` would."""
+    files = _load("_tidal_files", os.path.join(os.pardir, "files.py"))
+    files.write_atomic(path, json.dumps(doc), mode=files.AS_OPEN)
 
 
 RLIMITS = {"core": "RLIMIT_CORE", "fsize": "RLIMIT_FSIZE", "nproc": "RLIMIT_NPROC", "nofile": "RLIMIT_NOFILE"}

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import csv
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -90,6 +90,27 @@ class Trace:
             return request_demand_gpus(self.load, self.gap, model)
         except ValueError as e:
             raise ValueError(f"trace {self.name!r} ({self.load_column}): {e}") from None
+
+    def resample(self, step_s: float | None) -> Trace:
+        """This trace at ``step_s`` (a whole multiple of its step; ``None``: itself): a coarse row is the
+        mean of its rows at the time of the first, and a gap if any of them is (its mean would mix in
+        the outage's zeros). Rows that do not fill a last coarse step are dropped."""
+        if step_s is None:
+            return self
+        k = step_s / self.step_s
+        if abs(k - round(k)) > 1e-6 or round(k) < 1:
+            raise ValueError(f"step {step_s:g} s must be a whole multiple of the trace {self.name!r} step "
+                             f"({self.step_s:g} s)")
+        k = round(k)
+        n = len(self.load) // k
+        if n < 2:
+            raise ValueError(f"trace {self.name!r} is shorter than two {step_s:g} s steps")
+        times = np.array(self.times_s[: n * k : k])
+        load = self.load[: n * k].reshape(n, k).mean(axis=1)
+        gap = np.asarray(self.gap[: n * k].reshape(n, k).any(axis=1))
+        for a in (times, load, gap):
+            a.flags.writeable = False
+        return replace(self, times_s=times, load=load, gap=gap, step_s=float(step_s))
 
     @property
     def duration_s(self) -> float:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import csv
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -70,6 +70,13 @@ def _rows(path: Path) -> tuple[list[str], Iterator[tuple[int, dict[str, str]]]]:
     return header, it()
 
 
+def _require(path: Path, header: list[str], columns: Sequence[str], hint: str) -> None:
+    """``ValueError`` naming the ``columns`` missing from ``header``, then ``hint``."""
+    missing = [c for c in columns if c not in header]
+    if missing:
+        raise ValueError(f"{path}: missing column(s) {', '.join(missing)}{hint}")
+
+
 def _num(path: Path, line: int, row: dict[str, str], col: str, kind: type, lo: float | None = None) -> float:
     text = row.get(col, "")
     try:
@@ -93,10 +100,8 @@ def load_native(path: str | Path) -> list[JobSpec]:
     """
     path = Path(path)
     header, rows = _rows(path)
-    missing = [c for c in NATIVE_COLUMNS if c not in header]
-    if missing:
-        raise ValueError(f"{path}: missing column(s) {', '.join(missing)}; a job trace needs "
-                         f"{','.join(NATIVE_COLUMNS)} (columns found: {', '.join(header)})")
+    _require(path, header, NATIVE_COLUMNS,
+             f"; a job trace needs {','.join(NATIVE_COLUMNS)} (columns found: {', '.join(header)})")
     out = []
     for i, (line, r) in enumerate(rows):
         kind = r["kind"]
@@ -140,10 +145,7 @@ def load_philly(path: str | Path, kind: str = "dedicated", priority: int = 1) ->
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     header, rows = _rows(path)
-    missing = [c for c in PHILLY_COLUMNS if c not in header]
-    if missing:
-        raise ValueError(f"{path}: missing column(s) {', '.join(missing)} of the ElasticFlow format "
-                         f"({', '.join(PHILLY_COLUMNS)}, ...)")
+    _require(path, header, PHILLY_COLUMNS, f" of the ElasticFlow format ({', '.join(PHILLY_COLUMNS)}, ...)")
     out = []
     for line, r in rows:
         g = int(_num(path, line, r, "num_gpu", int, 1))

@@ -57,6 +57,21 @@ class Segment:
         else:
             self.pend_t, self.pend_p, self.pend_ct = pend
 
+    def stopped_at(self, stop_s: float) -> Segment:
+        """This segment, ending at ``stop_s`` (as built again with ``stop_s``)."""
+        out = object.__new__(Segment)
+        for name in Segment.__slots__:
+            setattr(out, name, getattr(self, name))
+        out.stop = stop_s
+        if out.pend_t == math.inf:
+            out.pend_p, out.pend_ct = out.dur_p, out.dur_ct
+        return out
+
+    def row(self) -> tuple[float, ...]:
+        """The segment's fields in ``__slots__`` order (a row of :class:`DurableTable`)."""
+        return (self.t0, self.p0, self.rate, self.tau, self.stall, self.lag, self.stop, self.dur_p,
+                self.dur_ct, self.pend_t, self.pend_p, self.pend_ct)
+
     # ------------------------------------------------------------------------------ progress
 
     def at(self, t: float) -> float:
@@ -176,7 +191,7 @@ class DurableTable:
 
     def __init__(self, end_s: float) -> None:
         self.end_s = end_s
-        self.rows = np.zeros((0, 12))  # see _row
+        self.rows = np.zeros((0, 12))  # Segment.row()
         self.due = np.zeros(0)
         self.slot: dict[str, int] = {}
         self.keys: list[str | None] = []
@@ -196,20 +211,7 @@ class DurableTable:
             i = self.free.pop()
             self.slot[key] = i
             self.keys[i] = key
-        self.rows[i] = (
-            seg.t0,
-            seg.p0,
-            seg.rate,
-            seg.tau,
-            seg.stall,
-            seg.lag,
-            seg.stop,
-            seg.dur_p,
-            seg.dur_ct,
-            seg.pend_t,
-            seg.pend_p,
-            seg.pend_ct,
-        )
+        self.rows[i] = seg.row()
         self.due[i] = due if due < self.end_s else math.inf
 
     def drop(self, key: str) -> None:

@@ -160,11 +160,7 @@ def plot_timeline(timelines: Mapping[str, Mapping[str, np.ndarray]], path: str |
     axes[-1, 0].set_xlabel("day")
     if title:
         fig.suptitle(textwrap.fill(title, 120), fontsize=10)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_sweep(points: Sequence[Mapping[str, Any]], path: str | Path, *, budgets: Sequence[float] = (),
@@ -192,6 +188,11 @@ def plot_sweep(points: Sequence[Mapping[str, Any]], path: str | Path, *, budgets
     ax.legend()
     if title:
         ax.set_title(textwrap.fill(title, 90), fontsize=9)
+    return _save(plt, fig, path)
+
+
+def _save(plt: Any, fig: Any, path: str | Path) -> Path:
+    """Write ``fig`` to ``path`` (its layout tightened) and free it."""
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=110)

@@ -408,18 +408,7 @@ class World:
         self.running[sj.spec.id] = sj.job
         seg = sj.seg
         assert seg is not None
-        sj.seg = Segment(
-            seg.t0,
-            seg.p0,
-            seg.rate,
-            seg.tau,
-            seg.stall,
-            seg.lag,
-            seg.dur_p,
-            seg.dur_ct,
-            (seg.pend_t, seg.pend_p, seg.pend_ct) if seg.pend_t < math.inf else None,
-            sj.rel_stop,
-        )
+        sj.seg = seg.stopped_at(sj.rel_stop)
         self._schedule_events(sj, now)
         self.push(by, RELEASE, sj.spec.id, 0)
 

@@ -19,21 +19,14 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from tidal.contract import EXIT_PREEMPTED, torchrun_env
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tidal.contract import EXIT_PREEMPTED, one_node_env, torchrun_env
+from tidal.net import free_port
 
 
 def rank_env(rank: int, world_size: int, port: int, extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -42,8 +35,8 @@ def rank_env(rank: int, world_size: int, port: int, extra: dict[str, str] | None
     env.update(torchrun_env(rank, world_size, port))
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("OMP_NUM_THREADS", "1")
-    if sys.platform.startswith("linux") and Path("/sys/class/net/lo").exists():
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # never depend on how the hostname resolves
+    for k, v in one_node_env().items():
+        env.setdefault(k, v)
     if extra:
         env.update(extra)
     return env

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from tidal.contract import heartbeat_file, progress_file
+from tidal.files import AS_OPEN, write_atomic
 
 
 class ProgressWriter(Protocol):
@@ -87,7 +88,6 @@ class Heartbeat:
         self.rank = rank
         self.min_interval_s = min_interval_s
         self._last = 0.0
-        self._tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
 
     def beat(self, step: int, phase: str, step_time_s: float | None = None, *, force: bool = False) -> None:
         now = time.monotonic()
@@ -96,11 +96,8 @@ class Heartbeat:
         self._last = now
         doc = {"time": time.time(), "step": step, "phase": phase, "step_time_s": step_time_s,
                "rank": self.rank, "pid": os.getpid()}
-        try:
-            self._tmp.write_text(json.dumps(doc))
-            os.replace(self._tmp, self.path)
-        except OSError:
-            pass  # a full or vanished directory must not stop training
+        with contextlib.suppress(OSError):  # a full or vanished directory must not stop training
+            write_atomic(self.path, json.dumps(doc), mode=AS_OPEN, durable=False)
 
 
 class Meter:

@@ -21,6 +21,8 @@ import secrets
 import stat
 from pathlib import Path
 
+from tidal.files import write_atomic
+
 KEY_FILE = ".ckpt-agent.key"  # in the executor's root (<state dir>/jobs), 0600
 KEY_BYTES = 32
 HEADER = "Authorization"
@@ -65,19 +67,10 @@ def load_or_create_key(directory: str | os.PathLike) -> bytes:
     if os.path.lexists(path):
         return read_key(path)
     key = secrets.token_bytes(KEY_BYTES)
-    tmp = path.with_name(f"{KEY_FILE}.{os.getpid()}.{secrets.token_hex(4)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(key.hex() + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            return read_key(path)
-    finally:
-        os.unlink(tmp)
+        write_atomic(path, key.hex() + "\n", exclusive=True)
+    except FileExistsError:
+        return read_key(path)
     return key
 
 

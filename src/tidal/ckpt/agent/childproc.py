@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Callable
@@ -40,18 +39,3 @@ def stop_process(proc: subprocess.Popen | None, grace_s: float) -> None:
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
         proc.wait(10)
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct TCP ports free on 127.0.0.1 right now (the OS picks them)."""
-    socks, ports = [], []
-    try:
-        while len(ports) < n:
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-            ports.append(s.getsockname()[1])
-    finally:
-        for s in socks:
-            s.close()
-    return ports

@@ -21,9 +21,10 @@ from pathlib import Path
 
 import tidal
 from tidal.ckpt.agent.auth import agent_token
-from tidal.ckpt.agent.childproc import free_ports, stop_process, wait_ready
+from tidal.ckpt.agent.childproc import stop_process, wait_ready
 from tidal.ckpt.tiers.peer import AgentClient
 from tidal.contract import ENV_CKPT_AGENT_KEY
+from tidal.net import free_ports
 
 
 class AgentProcess:

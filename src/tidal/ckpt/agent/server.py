@@ -250,6 +250,10 @@ class Agent:
     def _put(
         self, h: Handler, job: str, step: int, name: str, sync: bool, origin: str | None = None
     ) -> None:
+        """Receive a file into the store. Not :func:`tidal.files.write_atomic`: the bytes stream in
+        from the socket (or a slot) to the store's own temporary name, are handed to the replicator
+        before they are published, and a held copy is published only if not cancelled meanwhile, under
+        the handoff lock; the publish is the same ``os.replace``."""
         self._room(int(h.headers.get("Content-Length") or 0))
         tmp, final = self.store.temp_path(origin, job, step, name)
         try:

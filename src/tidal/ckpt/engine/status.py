@@ -30,6 +30,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from tidal.files import AS_OPEN, write_atomic
+
 FORMAT = "tidal-ckpt-status"
 VERSION = 1
 
@@ -175,7 +177,5 @@ class Durability:
             return
         with self._wlock, contextlib.suppress(OSError):  # advisory: never fail a save over it
             doc = self.snapshot().to_dict()
-            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps(doc, indent=1))
-            os.replace(tmp, self.path)
+            write_atomic(self.path, json.dumps(doc, indent=1), mode=AS_OPEN, durable=False)

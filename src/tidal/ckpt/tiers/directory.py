@@ -37,6 +37,7 @@ from tidal.ckpt.errors import ManifestError, TierError, UnsafeFileError
 from tidal.ckpt.format import manifest as mf
 from tidal.ckpt.tiers.protocol import Tier, TruncatedRead
 from tidal.contract import ENV_SHM_DIR
+from tidal.files import AS_OPEN, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -190,16 +191,7 @@ class DirTier:
             os.close(fd)
 
     def write_bytes(self, step: int, name: str, data: bytes) -> None:
-        d = self.prepare_step(step)
-        tmp = d / f".{name}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            if self.fsync:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, d / name)
-        if self.fsync:
-            _fsync_dir(d)
+        write_atomic(self.prepare_step(step) / name, data, mode=AS_OPEN, durable=self.fsync)
 
     def write_json(self, step: int, name: str, doc: dict) -> None:
         self.write_bytes(step, name, json.dumps(doc, separators=(",", ":")).encode())
@@ -225,14 +217,7 @@ class DirTier:
         return d
 
     def write_file(self, step: int, name: str, data: memoryview) -> None:
-        path = self.prepare_step(step) / name
-        tmp = path.with_name(path.name + ".part")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            if self.fsync:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_atomic(self.prepare_step(step) / name, data, mode=AS_OPEN, durable=self.fsync)
 
     def link_file(self, step: int, name: str, source: Path) -> None:
         """Make ``source`` (a staging slot) appear as data file ``name`` of ``step``."""
@@ -307,14 +292,6 @@ def data_name(rank: int, save_id: str) -> str:
 
 def failure_name(save_id: str) -> str:
     return f"failed-{save_id}.txt"
-
-
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # -- resolving a location ----------------------------------------------------------------------

@@ -16,7 +16,7 @@ ending soon): its GPUs are tracked for reclaims but never offered for placement.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 
 class View:
@@ -74,25 +74,26 @@ def _max_free(views: Sequence[View]) -> int:
     return max(v.max_free for v in views)
 
 
-def _tightest(views: Sequence[View], at_least: int, skip: Mapping[str, int]) -> tuple[View, str] | None:
-    """The node with the fewest free GPUs that has at least ``at_least`` (earlier views win ties)."""
-    for f in range(max(at_least, 1), _max_free(views) + 1):
+def _first(views: Sequence[View], frees: Iterable[int], skip: Mapping[str, int]) -> tuple[View, str] | None:
+    """The first node not in ``skip`` with ``f`` free GPUs, for each ``f`` of ``frees`` in turn (earlier
+    views win ties)."""
+    for f in frees:
         for v in views:
             if f < len(v.buckets):
                 for node in v.buckets[f]:
                     if node not in skip:
                         return v, node
     return None
+
+
+def _tightest(views: Sequence[View], at_least: int, skip: Mapping[str, int]) -> tuple[View, str] | None:
+    """The node with the fewest free GPUs that has at least ``at_least`` (earlier views win ties)."""
+    return _first(views, range(max(at_least, 1), _max_free(views) + 1), skip)
 
 
 def _fullest(views: Sequence[View], skip: Mapping[str, int]) -> tuple[View, str] | None:
-    for f in range(_max_free(views), 0, -1):
-        for v in views:
-            if f < len(v.buckets):
-                for node in v.buckets[f]:
-                    if node not in skip:
-                        return v, node
-    return None
+    """The node with the most free GPUs (earlier views win ties)."""
+    return _first(views, range(_max_free(views), 0, -1), skip)
 
 
 def fits(views: Sequence[View], size: int, g: int | None) -> bool:

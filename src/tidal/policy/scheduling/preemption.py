@@ -292,18 +292,9 @@ def preempt_keys(c: Cycle, jobs: Iterable[Job]) -> dict[str, tuple]:
 
     Jobs still inside their minimum runtime go last (where they are candidates at all); then the
     least work lost (freshest durable checkpoint, fewest GPUs); then the lowest priority; then the
-    tenant furthest over its fair share. Computed for many jobs in one loop (this runs over every
-    running spot job once per call that preempts)."""
-    now, min_rt = c.now, c.cfg.min_runtime_before_preempt_s
+    tenant furthest over its fair share. The victim index sorts by the same keys as columns
+    (:mod:`~tidal.policy.scheduling.victims`)."""
+    now = c.now
     shares = {t: -c.share(t) for t in c.tenants}
-    out = {}
-    for j in jobs:  # Job.work_lost_gpu_s, inlined (the same arithmetic)
-        started, ck = j.started_s, j.last_ckpt_s
-        since = started if started is not None else now
-        if ck is not None and ck > since:
-            since = ck
-        lost = now - since
-        out[j.id] = (started is not None and now - started < min_rt, (lost if lost > 0.0 else 0.0) * j.gpus,
-                     j.priority, shares[j.tenant], j.id)
-    return out
+    return {j.id: (protected(c, j), j.work_lost_gpu_s(now), j.priority, shares[j.tenant], j.id) for j in jobs}
 

@@ -5,9 +5,10 @@ job, for victims in key order (least work lost first); ordering every running jo
 would be quadratic, so the first search of a call indexes them once (one ``numpy.lexsort``; with the
 caller's :class:`~tidal.policy.scheduling.index.RunningIndex` the jobs come pre-split by kind and
 pool, sorted by id with their fixed key columns, and the orders stay index arrays until a list is
-asked for). ``_spot_orders`` is the rule in plain Python; ``_spot_orders_np`` and
-``_spot_orders_cols`` are its fast forms, tested to agree (tests/test_scheduler.py,
-tests/test_sim_victim_index.py).
+asked for). The order is one rule: :func:`~tidal.policy.scheduling.preemption.preempt_keys` and
+:func:`~tidal.policy.scheduling.preemption.shrink_key`; ``_column_orders`` is the same rule over key
+columns, for a list of jobs (``_spot_orders``) or the index's columns (``_spot_orders_cols``), tested
+to agree (tests/test_scheduler.py, tests/test_sim_victim_index.py).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 from tidal.model import Job
 from tidal.policy.scheduling.cycle import Cycle
 from tidal.policy.scheduling.index import RunningIndex, SpotColumns
-from tidal.policy.scheduling.preemption import preempt_keys
+from tidal.policy.scheduling.preemption import preempt_keys, shrink_key
 
 
 class VictimIndex:
@@ -216,62 +217,71 @@ def _spot_orders(c: Cycle, spot: list[Job]) -> tuple[list[Job], set[str], list[J
     """``spot`` in preemption order (:func:`preempt_keys`), the ids of the protected ones, and the
     elastic ones above their minimum in shrink order (:func:`shrink_key`).
 
-    The same orders as sorting by those keys, computed as one ``numpy.lexsort`` over the key columns
-    (the same float arithmetic; the job id, the last key, as its rank among the ids), so a call pays
-    O(n) Python attribute reads, not O(n log n) tuple comparisons. Ids containing NUL (which numpy's
-    strings would drop) take the plain sort."""
-    shares = {t: -c.share(t) for t in c.tenants}
+    The same orders as sorting by those keys, computed by :func:`_column_orders` over the key columns
+    (the same float arithmetic), so a call pays O(n) Python attribute reads, not O(n log n) tuple
+    comparisons. Ids containing NUL (which numpy's strings would drop), a single job and a priority
+    beyond int64 take the keys' plain sort."""
     ids = [j.id for j in spot]
     if len(spot) >= 2 and "\0" not in "".join(ids):
         try:
-            return _spot_orders_np(c, spot, ids, shares)
+            return _spot_orders_np(c, spot, ids)
         except OverflowError:  # a priority beyond int64
             pass
     keys = preempt_keys(c, spot)
     # Keys end with the (unique) job id, so sorting (key, job) pairs never compares jobs.
     pre = [j for _, j in sorted(zip([keys[j.id] for j in spot], spot, strict=True))]
-    shrink = sorted(
-        (j for j in spot if j.gpus > j.min_gpus), key=lambda j: (j.priority, shares[j.tenant], j.id)
-    )
+    shrink = sorted((j for j in spot if j.gpus > j.min_gpus), key=lambda j: shrink_key(c, j))
     return pre, {jid for jid, k in keys.items() if k[0]}, shrink
 
 
-def _lost_and_protected(c: Cycle, started: np.ndarray, ckpt: np.ndarray, gpus: np.ndarray
-                        ) -> tuple[np.ndarray, np.ndarray]:
-    """Per job: ``Job.work_lost_gpu_s`` as :func:`preempt_keys` computes it (the same float arithmetic;
-    ``None`` times as NaN, which compares false as ``None`` is skipped there), and whether it is inside
-    its minimum runtime."""
+def _column_orders(c: Cycle, prio: np.ndarray, neg_share: np.ndarray, gpus: np.ndarray, started: np.ndarray,
+                   ckpt: np.ndarray, elastic: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`preempt_keys` and :func:`shrink_key` as sorts of key columns, for jobs given in job-id order
+    (the keys' last tie-break; ``numpy.lexsort`` is stable, so their positions stand in for it):
+    ``(preemption order, protected mask, shrink order of the elastic positions)``.
+
+    ``np.lexsort((neg_share, prio, lost_gpu_s, prot))`` and, over the elastic ones, ``np.lexsort((neg_share,
+    prio))``, in fewer passes: the (priority, -share) order once; the elastic jobs in it (a stable sort
+    keeps a subset's relative order); that order stably by work lost; then the unprotected first.
+    Work lost is ``Job.work_lost_gpu_s`` as :func:`preempt_keys` computes it (the same float arithmetic;
+    ``None`` times as NaN, which compares false as ``None`` is skipped there)."""
     now = c.now
     since = np.where(np.isnan(started), now, started)
     since = np.where(ckpt > since, ckpt, since)
     lost = now - since
+    lost_gpu_s = np.where(lost > 0.0, lost, 0.0) * gpus
     with np.errstate(invalid="ignore"):
         prot = (now - started) < c.cfg.min_runtime_before_preempt_s
-    return np.where(lost > 0.0, lost, 0.0) * gpus, prot
+    base = np.lexsort((neg_share, prio))
+    is_elastic = np.zeros(len(prio), dtype=bool)
+    is_elastic[elastic] = True
+    by_lost = base[np.argsort(lost_gpu_s[base], kind="stable")]
+    p = prot[by_lost]
+    order = np.concatenate((by_lost[~p], by_lost[p])) if p.any() else by_lost
+    return order, prot, base[is_elastic[base]]
 
 
-def _spot_orders_np(c: Cycle, spot: list[Job], ids: list[str], shares: dict[str, float]
-                    ) -> tuple[list[Job], set[str], list[Job]]:
-    id_rank = np.empty(len(ids), dtype=np.int64)
-    id_rank[np.argsort(np.array(ids), kind="stable")] = np.arange(len(ids))
-    prio = np.array([j.priority for j in spot], dtype=np.int64)
-    neg_share = np.array([shares[j.tenant] for j in spot], dtype=np.float64)
-    gpus = np.array([j.gpus for j in spot], dtype=np.int64)
-    started = np.array([j.started_s for j in spot], dtype=np.float64)  # None -> NaN
-    ckpt = np.array([j.last_ckpt_s for j in spot], dtype=np.float64)
-    lost_gpu_s, prot = _lost_and_protected(c, started, ckpt, gpus)
-    pre = [spot[i] for i in np.lexsort((id_rank, neg_share, prio, lost_gpu_s, prot)).tolist()]
-    protected = {spot[i].id for i in np.flatnonzero(prot).tolist()}
-    elastic = np.flatnonzero(gpus > np.array([j.min_gpus for j in spot], dtype=np.int64))
-    order = np.lexsort((id_rank[elastic], neg_share[elastic], prio[elastic]))
-    shrink = [spot[i] for i in elastic[order].tolist()]
-    return pre, protected, shrink
+def _spot_orders_np(c: Cycle, spot: list[Job], ids: list[str]) -> tuple[list[Job], set[str], list[Job]]:
+    """:func:`_spot_orders` by :func:`_column_orders`, the jobs put in id order first."""
+    by_id = [spot[i] for i in np.argsort(np.array(ids), kind="stable").tolist()]
+    shares = {t: -c.share(t) for t in c.tenants}
+    order, prot, shrink = _column_orders(
+        c,
+        np.array([j.priority for j in by_id], dtype=np.int64),
+        np.array([shares[j.tenant] for j in by_id], dtype=np.float64),
+        np.array([j.gpus for j in by_id], dtype=np.int64),
+        np.array([j.started_s for j in by_id], dtype=np.float64),  # None -> NaN
+        np.array([j.last_ckpt_s for j in by_id], dtype=np.float64),
+        np.flatnonzero([j.gpus > j.min_gpus for j in by_id]),
+    )
+    return ([by_id[i] for i in order.tolist()], {by_id[i].id for i in np.flatnonzero(prot).tolist()},
+            [by_id[i] for i in shrink.tolist()])
 
 
 def _spot_orders_cols(c: Cycle, index: RunningIndex, cols: SpotColumns, open_loan_rows: list[int]) -> _Orders:
     """:func:`_spot_orders` for the caller's ``RunningIndex``: its spot jobs come sorted by job id with
     their key columns kept across calls, so only ``last_ckpt_s`` (which the caller may move in place)
-    and the shares are read now; ``numpy.lexsort`` is stable, so the id order stands in for the id key."""
+    and the shares are read now."""
     tenants = c.tenants
     spot = index.spot_sorted
     codes = index.tenant_code
@@ -280,22 +290,12 @@ def _spot_orders_cols(c: Cycle, index: RunningIndex, cols: SpotColumns, open_loa
     for t, k in codes.items():
         if t in tenants:
             shares[k] = -c.share(t)
-    neg_share = shares[cols.tenant]
-    prio, gpus, started = cols.priority, cols.gpus, cols.started_s
+    prio, gpus = cols.priority, cols.gpus
     ckpt = cols.last_ckpt_s  # kept by the index while the caller reports its in-place moves
     if ckpt is None:
         ckpt = np.array([j.last_ckpt_s for j in spot], dtype=np.float64)
-    lost_gpu_s, prot = _lost_and_protected(c, started, ckpt, gpus)
-    # np.lexsort((neg_share, prio, lost_gpu_s, prot)) and, over the elastic ones, np.lexsort((neg_share,
-    # prio)), in fewer passes: the (prio, neg_share) order once; the elastic jobs in it (a stable sort
-    # keeps a subset's relative order); that order stably by lost_gpu_s; then the unprotected first.
-    base = np.lexsort((neg_share, prio))
-    is_elastic = np.zeros(len(spot), dtype=bool)
-    is_elastic[cols.elastic] = True
-    shrink_order = base[is_elastic[base]]
-    by_lost = base[np.argsort(lost_gpu_s[base], kind="stable")]
-    p = prot[by_lost]
-    order = np.concatenate((by_lost[~p], by_lost[p])) if p.any() else by_lost
+    order, prot, shrink_order = _column_orders(c, prio, shares[cols.tenant], gpus, cols.started_s, ckpt,
+                                               cols.elastic)
     shrink = [spot[i] for i in shrink_order.tolist()]
     if open_loan_rows:  # on a training node or on an open loaned node (marked by table row)
         by_row = np.zeros(cols.table_rows, dtype=bool)

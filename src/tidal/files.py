@@ -1,0 +1,118 @@
+"""Atomic file writes: a reader sees the old file or the whole new one, never a torn one. Standard
+library only, no imports of ours: every layer may import it (``tidal.exec.shim``, which runs under
+``python -I``, loads it from beside the package).
+
+Each write goes to a fresh hidden temporary name beside the target (``.<name>.<random>.tmp``), created
+with ``O_CREAT | O_EXCL | O_NOFOLLOW`` (never through a link someone planted, never into a file someone
+else holds open), mode 0600 unless told otherwise; the data is written and fsynced, the temporary file
+renamed over the target (``os.replace``) and the directory fsynced, so the rename survives a crash.
+A failed write leaves no temporary file behind.
+
+* :func:`write_atomic` writes bytes or text; :func:`atomic_writer` yields the open file for a caller
+  that streams (a large buffer, ``json.dump``);
+* ``mode`` is the permission of the new file (0600: private; 0o644 world-readable; :data:`AS_OPEN`:
+  what ``open()`` would make, the umask decides), ``group`` hands it to a group (mode 0640 unless told
+  otherwise), ``durable=False`` skips both fsyncs (an advisory file rewritten often: a heartbeat);
+* ``exclusive=True`` publishes only if the target does not exist yet (a hard link instead of the
+  rename: the first writer wins, the others get ``FileExistsError``);
+* ``dir_fd`` makes ``path`` a plain name inside that open directory (a directory opened without
+  following links, against a job that swaps a path component for a link meanwhile).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+PRIVATE = 0o600
+AS_OPEN = 0o666
+"""The mode ``open(path, "w")`` creates with: 0666 less the process's umask."""
+
+
+def _fsync_dir(path: str | os.PathLike | None, dir_fd: int | None) -> None:
+    """Make a rename in this directory durable; a filesystem that cannot fsync a directory (EINVAL)
+    leaves it to itself."""
+    fd = dir_fd if dir_fd is not None else os.open(path or ".", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+    finally:
+        if dir_fd is None:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_writer(path: str | os.PathLike, *, mode: int = PRIVATE, group: int | None = None,
+                  durable: bool = True, exclusive: bool = False, dir_fd: int | None = None,
+                  text: bool = False) -> Iterator[IO[Any]]:
+    """An open file (binary, or text with ``text=True``) whose content replaces ``path`` when the
+    block ends without an exception; see the module's docstring for the options."""
+    target = os.fspath(path)
+    if dir_fd is not None and os.sep in target:
+        raise ValueError(f"{target!r}: with dir_fd, a plain name inside that directory")
+    parent, name = os.path.split(target)
+    tmp = os.path.join(parent, f".{name}.{secrets.token_hex(6)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode,
+                 dir_fd=dir_fd)
+    try:
+        with os.fdopen(fd, "w" if text else "wb") as f:
+            if group is not None:
+                os.fchown(f.fileno(), -1, group)
+                os.fchmod(f.fileno(), 0o640 if mode == PRIVATE else mode)
+            yield f
+            f.flush()
+            if durable:
+                os.fsync(f.fileno())
+        if exclusive:
+            os.link(tmp, target, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            os.unlink(tmp, dir_fd=dir_fd)
+        else:
+            os.replace(tmp, target, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        raise
+    if durable:
+        _fsync_dir(parent, dir_fd)
+
+
+def write_atomic(path: str | os.PathLike, data: bytes | bytearray | memoryview | str, *,
+                 mode: int = PRIVATE, group: int | None = None, durable: bool = True,
+                 exclusive: bool = False, dir_fd: int | None = None) -> None:
+    """Replace ``path`` with ``data`` (text is written as UTF-8) atomically; mode 0600 unless told
+    otherwise (:func:`atomic_writer`)."""
+    with atomic_writer(path, mode=mode, group=group, durable=durable, exclusive=exclusive,
+                       dir_fd=dir_fd) as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike, *, mode: int = PRIVATE, durable: bool = True) -> Iterator[Path]:
+    """A temporary path beside ``path`` (created empty, 0600 unless told otherwise) for a writer that
+    takes a name, not a file (a library's ``save_file``); renamed over ``path`` when the block ends
+    without an exception, removed otherwise."""
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.{secrets.token_hex(6)}.tmp")
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode))
+    try:
+        yield tmp
+        if durable:
+            fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    if durable:
+        _fsync_dir(target.parent, None)
