@@ -405,14 +405,17 @@ class TidalPolicy:
     config: TidalConfig = field(default_factory=TidalConfig)
 
     @classmethod
-    def build(cls, shortfall_budget: float, step_s: float, timing: LoanTiming | None = None) -> TidalPolicy:
+    def build(cls, shortfall_budget: float, step_s: float, timing: LoanTiming | None = None, *,
+              horizon_s: float | None = HORIZON_S) -> TidalPolicy:
         """The policy for a shortfall budget, the forecast's grid ``step_s`` and the loan timing (all on
-        one clock, seconds); every other knob at its default. The forecast looks ahead
-        :data:`HORIZON_S`, or further when a loan's lead time plus its shortest window needs it. The
-        one place a policy is built from configuration: ``serving:`` in ``tidal up``, ``tidal serving
-        watch``, the simulator and ``tidal plan``."""
+        one clock, seconds); every other knob at its default. ``horizon_s``: how far the forecast looks
+        ahead (``ValueError`` when it does not cover a loan's lead time plus its shortest window); None:
+        :data:`HORIZON_S`, or as far as the timing needs. The one place a policy is built from
+        configuration: ``serving:`` in ``tidal up``, ``tidal serving watch``, the simulator and
+        ``tidal plan``."""
         timing = timing if timing is not None else LoanTiming()
-        horizon_s = max(HORIZON_S, timing.lead_time_s + timing.min_loan_window_s + step_s)
+        if horizon_s is None:
+            horizon_s = max(HORIZON_S, timing.lead_time_s + timing.min_loan_window_s + step_s)
         return cls(TidalConfig(shortfall_budget=shortfall_budget, timing=timing,
                                forecast=ForecastConfig(step_s=step_s, horizon_s=horizon_s)))
 

@@ -88,7 +88,7 @@ def plan_report(demand: np.ndarray, step_s: float, serving_gpus: int, *, risk: f
 
 
 def _tidal_fluid(d: np.ndarray, step_s: float, n: int, budget: float, timing: LoanTiming) -> np.ndarray:
-    pol = TidalPolicy.build(budget, step_s, timing)
+    pol = TidalPolicy.build(budget, step_s, timing, horizon_s=None)
     state = pol.initial_state()
     lent = np.zeros(len(d), dtype=int)
     prev = 0

@@ -99,7 +99,7 @@ def build(spec: PolicySpec, config: SimConfig, step_s: float, demand: np.ndarray
     if spec.name == "none" or knob is None:
         return None
     if spec.name == "tidal":
-        return TidalPolicy.build(float(knob), step_s, timing)
+        return TidalPolicy.build(float(knob), step_s, timing, horizon_s=None)
     horizon = max(HORIZON_S, timing.lead_time_s + timing.min_loan_window_s + step_s)
     if spec.name == "reactive":
         return ReactivePolicy(margin_gpus=float(knob), step_s=step_s, horizon_s=horizon, timing=timing)
