@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from tidal.bench.runs import Segment, SegmentResult, per_step
+from tidal.bench.verify import VerifyConfig, compare, parse_plan
 from tidal.train.data import BatchSizeError
-from tidal.train.runs import Segment, SegmentResult, per_step
-from tidal.train.verify import VerifyConfig, compare, parse_plan
 
 
 def result(seg: Segment, steps: dict[int, tuple[list[list[int]], float]], codes=None) -> SegmentResult:
