@@ -1,10 +1,11 @@
-"""``tidal verify-resume``'s planning and comparison, on made-up records (no processes)."""
+"""``tidal verify-resume``'s planning and comparison, on made-up records, and where its segments run
+(no processes)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tidal.bench.runs import Segment, SegmentResult, per_step
+from tidal.bench.runs import Segment, SegmentResult, per_step, segment_devices
 from tidal.bench.verify import VerifyConfig, compare, parse_plan
 from tidal.train.data import BatchSizeError
 
@@ -63,3 +64,11 @@ def test_compare_checks_every_step_s_global_batch_and_the_loss():
     drift = ok[:1] + [result(Segment(1, "ddp"), {3: ([[8, 9, 10, 11]], 3.01)})]
     r = compare(cfg, base, drift)
     assert not r["ok"] and r["indices_identical"] and r["max_rel_loss_diff"] > 1e-3
+
+
+def test_a_segment_runs_on_the_gpus_this_process_sees_when_there_are_enough(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert segment_devices(2) == [2, 3] and segment_devices(1) == [2]
+    assert segment_devices(3) is None  # too few: CPU slots (gloo)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert segment_devices(1) is None
