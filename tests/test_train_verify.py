@@ -30,6 +30,10 @@ def test_plan_parsing_and_checks():
         VerifyConfig(plan=[(2, "single"), (1, "single")]).check()
     with pytest.raises(ValueError, match="layout 'tp' .* needs an even world size"):
         VerifyConfig(plan=[(3, "tp"), (2, "ddp")]).check()
+    with pytest.raises(ValueError, match=r"segment ddp x2: no rank 2 \(it has 2: 0..1\)"):
+        Segment(2, "ddp", stop_at=1, notice_ranks=[2])
+    with pytest.raises(ValueError, match="segment notice 'mail': expected 'sigterm' or 'file'"):
+        Segment(2, "ddp", stop_at=1, notice="mail")
 
 
 def test_notices_are_spread_and_alternate_between_sigterm_and_the_file():

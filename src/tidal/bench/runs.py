@@ -25,7 +25,7 @@ import tidal
 from tidal import contract as c
 from tidal.contract import EXIT_PREEMPTED
 from tidal.exec.local import LocalExecutor, detect_gpus
-from tidal.exec.protocol import LaunchRequest, Observation
+from tidal.exec.protocol import LaunchRequest, Observation, check_ranks
 from tidal.train.progress import progress_path, read_jsonl
 
 POLL_S = 0.01  # how often a segment's ranks are observed (notice and exit times are this precise)
@@ -46,6 +46,11 @@ class Segment:
     stop_at: int | None = None
     notice: str = "sigterm"  # "sigterm" or "file"
     notice_ranks: list[int] | None = None  # SIGTERM only these ranks (default: all)
+
+    def __post_init__(self) -> None:
+        if self.notice not in ("sigterm", "file"):
+            raise ValueError(f"segment notice {self.notice!r}: expected 'sigterm' or 'file'")
+        check_ranks(f"segment {self.layout} x{self.world}", self.notice_ranks, self.world)
 
     def describe(self) -> str:
         return f"{self.layout} x{self.world}, {self.ending()}"
@@ -196,7 +201,7 @@ def per_step(results: list[SegmentResult]) -> dict[int, dict[str, Any]]:
     out: dict[int, dict[str, Any]] = {}
     for i, res in enumerate(results):
         by_step: dict[int, dict[int, list[int]]] = {}
-        loss: dict[int, float] = {}
+        loss: dict[int, float | None] = {}
         for recs in res.records.values():
             for r in recs:
                 if r.get("event") != "step":

@@ -389,7 +389,7 @@ class LocalExecutor:
         t = self._jobs.get(job_id)
         if t is None:
             return
-        wanted = check_ranks(job_id, ranks, len(t.ranks))
+        wanted = check_ranks(f"job {job_id}", ranks, len(t.ranks))
         for k in t.ranks:
             if k.rank in wanted and k.rank not in t.codes and k.rank not in t.vanished and self._alive(k):
                 if sig == signal.SIGKILL:  # the shim's whole tree: what the rank detached is in it too

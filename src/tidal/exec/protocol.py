@@ -97,14 +97,14 @@ class Observation:
         return not self.alive
 
 
-def check_ranks(job_id: str, ranks: Collection[int] | None, world_size: int) -> frozenset[int]:
+def check_ranks(who: str, ranks: Collection[int] | None, world_size: int) -> frozenset[int]:
     """The ranks a signal goes to: ``ranks``, or all ``world_size`` of them when ``None``; ``ValueError``
-    naming the job for a rank outside ``0 .. world_size - 1``."""
+    naming ``who`` (e.g. ``"job gpt-1"``) for a rank outside ``0 .. world_size - 1``."""
     if ranks is None:
         return frozenset(range(world_size))
     bad = sorted(r for r in ranks if not 0 <= r < world_size)
     if bad:
-        raise ValueError(f"job {job_id}: no rank {', '.join(map(str, bad))} (it has {world_size}: "
+        raise ValueError(f"{who}: no rank {', '.join(map(str, bad))} (it has {world_size}: "
                          f"0..{world_size - 1})")
     return frozenset(ranks)
 

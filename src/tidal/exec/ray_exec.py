@@ -471,7 +471,7 @@ class RayExecutor:
         t = self._jobs.get(job_id)
         if t is None:
             return
-        wanted = check_ranks(job_id, ranks, len(t.ranks))
+        wanted = check_ranks(f"job {job_id}", ranks, len(t.ranks))
         for k in t.ranks:
             ended = k.rank in t.codes or k.rank in t.vanished
             if k.actor is not None and k.rank in wanted and not ended:
