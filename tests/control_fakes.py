@@ -68,7 +68,7 @@ class FakeExecutor:
         self.jobs[req.job_id] = FakeJob(req, now_s, [None] * req.world_size)
         return {"pids": [1000 + r for r in range(req.world_size)]}
 
-    def signal_stop(self, job_id: str) -> None:
+    def signal_stop(self, job_id: str, ranks=None) -> None:
         self.calls.append(("stop", job_id))
 
     def kill(self, job_id: str) -> None:

@@ -25,9 +25,8 @@ import threading
 import time
 from pathlib import Path
 
-from tidal.contract import ENV_SHM_DIR
+from tidal.contract import ENV_SHM_DIR, one_node_env, torchrun_env
 from tidal.net import free_port
-from tidal.train.launch import rank_env
 
 TESTS_DIR = Path(__file__).resolve().parent
 WORKERS_DIR = TESTS_DIR / "workers"
@@ -40,12 +39,16 @@ class WorkerError(RuntimeError):
 
 def worker_env(rank: int, world: int, port: int, shm_dir: str | os.PathLike | None,
                extra: dict[str, str] | None = None) -> dict[str, str]:
-    """:func:`tidal.train.launch.rank_env` with one thread, this checkout's ``src`` first on the path and
-    ``shm_dir`` as the node-memory tier."""
-    mine = {"OMP_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_SRC), os.environ.get("PYTHONPATH", "")) if p),
-            **({ENV_SHM_DIR: str(shm_dir)} if shm_dir is not None else {})}
-    return rank_env(rank, world, port, {**mine, **(extra or {})})
+    """Rank ``rank``'s environment: this process's, the torchrun contract, gloo over loopback, one thread,
+    unbuffered output, this checkout's ``src`` first on the path, ``shm_dir`` as the node-memory tier,
+    then ``extra``."""
+    env = {**os.environ, **torchrun_env(rank, world, port), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    for k, v in one_node_env().items():
+        env.setdefault(k, v)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_SRC), os.environ.get("PYTHONPATH", "")) if p)
+    if shm_dir is not None:
+        env[ENV_SHM_DIR] = str(shm_dir)
+    return {**env, **(extra or {})}
 
 
 class Launch:

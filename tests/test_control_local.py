@@ -1,5 +1,6 @@
-"""The local executor with real (tiny) processes: the env contract, exit codes, notices, logs, the
-shim's two-phase start, adoption by a second executor after a "crash", and the progress fold."""
+"""The local executor with real (tiny) processes: the env contract, exit codes, notices (to every rank
+or some), logs, the shim's two-phase start, adoption by a second executor after a "crash", and the
+progress fold."""
 
 from __future__ import annotations
 
@@ -112,6 +113,26 @@ def test_notice_then_kill(tmp_path, executors):
     assert ex.observe(time.time())["q"].alive  # ignores the notice
     ex.kill("q")
     assert [r.exit_code for r in wait_done(ex, "q").ranks] == [-9]
+
+
+def test_a_notice_to_some_ranks(tmp_path, executors):
+    ex = executors(tmp_path / "jobs", slots=2)
+    ex.launch(req("s", "import signal, sys, time\n"
+                       "signal.signal(signal.SIGTERM, lambda *a: sys.exit(75))\n"
+                       "print('ready', flush=True)\n"
+                       "time.sleep(60)\n", n=2), time.time())
+    deadline = time.monotonic() + 30
+    while not all("ready" in read(ex.log_path("s", r)) for r in (0, 1)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with pytest.raises(ValueError, match=r"job s: no rank 2 \(it has 2: 0..1\)"):
+        ex.signal_stop("s", ranks=[2])
+    ex.signal_stop("s", ranks=[1])
+    deadline = time.monotonic() + 30
+    while ex.observe(time.time())["s"].ranks[1].alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [r.exit_code for r in ex.observe(time.time())["s"].ranks] == [None, 75]  # rank 0 runs on
+    ex.signal_stop("s")
+    assert [r.exit_code for r in wait_done(ex, "s").ranks] == [75, 75]
 
 
 def test_launch_errors(tmp_path, executors):

@@ -1,5 +1,5 @@
 """The Ray executor on a real multi-node Ray cluster (tests/ray_cluster.py): ranks placed on the nodes
-asked for, the torchrun contract across nodes, notices and kills reaching every rank, adoption by a
+asked for, the torchrun contract across nodes, notices (to every rank or some) and kills, adoption by a
 new executor (a restarted plane), no second copy of an attempt, release freeing Ray's GPUs."""
 
 from __future__ import annotations
@@ -112,6 +112,9 @@ def test_ranks_across_nodes_stop_adopt_never_twice_kill_release(ray_cluster, tmp
     ob = ex2.observe(time.time())["j"]
     assert [r.pid for r in ob.alive] == [r["pid"] for r in h["ranks"]] and [r.node for r in ob.ranks] == [
         "n2", "n1", "n1"]
+    ex2.signal_stop("j", ranks=[1])  # a notice that reaches one rank first
+    wait_until("rank 1 to take its notice", lambda: not ex2.observe(time.time())["j"].ranks[1].alive, 60)
+    assert [r.exit_code for r in ex2.observe(time.time())["j"].ranks] == [None, 75, None]
     ex2.signal_stop("j")
     assert [r.exit_code for r in observe_until_done(ex2, "j").ranks] == [75, 75, 75]
 

@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 
 from plane_proc import Plane, wait_until
+from tidal.bench.runs import Segment, SegmentResult, example_script, job_env, run_segment
+from tidal.bench.verify import VerifyConfig, compare
 from tidal.control.client import TidalClient
-from tidal.train.runs import Segment, SegmentResult, example_script, job_env, run_segment
-from tidal.train.verify import VerifyConfig, compare
 
 pytestmark = [
     pytest.mark.slow,

@@ -1,12 +1,13 @@
-"""``tidal verify-resume``'s planning and comparison, on made-up records (no processes)."""
+"""``tidal verify-resume``'s planning and comparison, on made-up records, and where its segments run
+(no processes)."""
 
 from __future__ import annotations
 
 import pytest
 
+from tidal.bench.runs import Segment, SegmentResult, per_step, segment_devices
+from tidal.bench.verify import VerifyConfig, compare, parse_plan
 from tidal.train.data import BatchSizeError
-from tidal.train.runs import Segment, SegmentResult, per_step
-from tidal.train.verify import VerifyConfig, compare, parse_plan
 
 
 def result(seg: Segment, steps: dict[int, tuple[list[list[int]], float]], codes=None) -> SegmentResult:
@@ -29,6 +30,10 @@ def test_plan_parsing_and_checks():
         VerifyConfig(plan=[(2, "single"), (1, "single")]).check()
     with pytest.raises(ValueError, match="layout 'tp' .* needs an even world size"):
         VerifyConfig(plan=[(3, "tp"), (2, "ddp")]).check()
+    with pytest.raises(ValueError, match=r"segment ddp x2: no rank 2 \(it has 2: 0..1\)"):
+        Segment(2, "ddp", stop_at=1, notice_ranks=[2])
+    with pytest.raises(ValueError, match="segment notice 'mail': expected 'sigterm' or 'file'"):
+        Segment(2, "ddp", stop_at=1, notice="mail")
 
 
 def test_notices_are_spread_and_alternate_between_sigterm_and_the_file():
@@ -63,3 +68,11 @@ def test_compare_checks_every_step_s_global_batch_and_the_loss():
     drift = ok[:1] + [result(Segment(1, "ddp"), {3: ([[8, 9, 10, 11]], 3.01)})]
     r = compare(cfg, base, drift)
     assert not r["ok"] and r["indices_identical"] and r["max_rel_loss_diff"] > 1e-3
+
+
+def test_a_segment_runs_on_the_gpus_this_process_sees_when_there_are_enough(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert segment_devices(2) == [2, 3] and segment_devices(1) == [2]
+    assert segment_devices(3) is None  # too few: CPU slots (gloo)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert segment_devices(1) is None

@@ -41,14 +41,12 @@ def _ckpt() -> None:
 
 def _bench() -> None:
     from tidal.bench.cli import app as bench_app
-    from tidal.train.cli import bench_resume
 
-    bench_app.command("resume")(bench_resume)
     app.add_typer(bench_app, name="bench", help="Benchmarks (side by side, --json).")
 
 
-def _train() -> None:
-    from tidal.train.cli import verify_resume
+def _verify() -> None:
+    from tidal.bench.cli import verify_resume
 
     app.command("verify-resume")(verify_resume)
 
@@ -94,7 +92,7 @@ def _demo() -> None:
 _COMMANDS: dict[str, Callable[[], None]] = {
     "ckpt": _ckpt,
     "bench": _bench,
-    "verify-resume": _train,
+    "verify-resume": _verify,
     "sim": _sim,
     "plan": _sim,
     "demo": _demo,

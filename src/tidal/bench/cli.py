@@ -1,4 +1,6 @@
-"""``tidal bench``: benchmarks that print a Rich table, or JSON on stdout with ``--json``."""
+"""``tidal bench``: benchmarks that print a Rich table, or JSON on stdout with ``--json``; and
+``tidal verify-resume`` (``verify_resume``, registered by :mod:`tidal.cli`).
+"""
 
 from __future__ import annotations
 
@@ -98,3 +100,93 @@ def tiers(
     render(result, out)
     if json_out:
         print(json.dumps(result, indent=2))
+
+
+@app.command("resume")
+def bench_resume(
+    world: int = typer.Option(2, "--world", min=1, help="Ranks of the job that gets the notice."),
+    layout: str = typer.Option("fsdp", "--layout", help="Its layout: fsdp, ddp, tp."),
+    resume_world: int = typer.Option(1, "--resume-world", min=1, help="Ranks of the resumed job."),
+    resume_layout: str = typer.Option("ddp", "--resume-layout", help="Its layout."),
+    n_embd: int = typer.Option(384, "--n-embd", min=8, help="Model width (384: ~11M parameters, ~130 MB "
+                               "of parameters + Adam state)."),
+    n_layer: int = typer.Option(6, "--n-layer", min=1, help="Transformer blocks."),
+    repeat: int = typer.Option(1, "--repeat", min=1, help="Notices (each followed by one resume)."),
+    json_out: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
+    script: Path | None = typer.Option(None, "--script", help="The example job."),
+) -> None:
+    """Reclaim notice → exit, and process start → first step after a resharded restore.
+
+    For the example job: the time from SIGTERM to the exit with the final checkpoint committed, and
+    from process start to the first training step after a resharded restore, from node memory and
+    from disk.
+    """
+    from rich.console import Console
+    from rich.markup import escape
+
+    from tidal.bench import resume
+
+    err = Console(stderr=True)
+    out = err if json_out else Console()
+    cfg = resume.MeasureConfig(world=world, layout=layout, resume_world=resume_world,
+                               resume_layout=resume_layout, n_embd=n_embd, n_layer=n_layer, repeat=repeat)
+    result = resume.run(cfg, script=script, log=lambda s: err.print(f"[dim]{escape(s)}[/]", highlight=False))
+    resume.render(result, out)
+    if json_out:
+        print(json.dumps(result, indent=2))
+
+
+def verify_resume(
+    steps: int = typer.Option(24, "--steps", min=2, help="Optimizer steps of each run."),
+    baseline: str = typer.Option("4:fsdp", "--baseline", help="WORLD:LAYOUT of the uninterrupted run."),
+    plan: str = typer.Option("4:fsdp,2:ddp,3:fsdp", "--plan", help="WORLD:LAYOUT of each segment of the "
+                             "interrupted run, comma-separated; layouts: fsdp, ddp, tp (tp=2), single."),
+    rtol: float = typer.Option(1e-3, "--rtol", min=0.0, help="Largest relative loss difference accepted."),
+    global_batch: int = typer.Option(24, "--global-batch", min=1, help="Sequences per step, all ranks."),
+    micro_batch: int = typer.Option(2, "--micro-batch", min=1, help="Sequences per forward/backward."),
+    n_embd: int = typer.Option(64, "--n-embd", min=8, help="Model width."),
+    n_layer: int = typer.Option(2, "--n-layer", min=1, help="Transformer blocks."),
+    block: int = typer.Option(64, "--block", min=8, help="Context length (bytes)."),
+    plot_path: Path = typer.Option(Path("verify-resume.png"), "--plot", help="Where to write the PNG."),
+    workdir: Path | None = typer.Option(None, "--workdir", help="Keep checkpoints, progress and logs under "
+                                        "this directory (default: a temporary one, removed)."),
+    script: Path | None = typer.Option(None, "--script", help="The example job (default: "
+                                       "examples/gpt/train.py of this source tree)."),
+    json_out: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout (tables go to "
+                                  "stderr)."),
+) -> None:
+    """Check that training is reproduced after reclaim notices and world-size changes.
+
+    Runs the example job uninterrupted, then again with notices and world-size/layout changes, and
+    compares the data order (must be identical) and the loss curves (within --rtol). Exit code 1 on a
+    mismatch.
+    """
+    from rich.console import Console
+    from rich.markup import escape
+
+    from tidal.bench import verify
+
+    err = Console(stderr=True)
+    out = err if json_out else Console()
+    try:
+        cfg = verify.VerifyConfig(steps=steps, baseline=verify.parse_plan(baseline)[0],
+                                  plan=verify.parse_plan(plan), rtol=rtol, global_batch=global_batch,
+                                  micro_batch=micro_batch, n_embd=n_embd, n_layer=n_layer, block=block)
+        cfg.check()
+    except ValueError as e:
+        err.print(f"[red]error:[/] {escape(str(e))}", highlight=False)
+        raise typer.Exit(2) from None
+    result = verify.run(cfg, workdir=workdir, script=script,
+                        log=lambda s: err.print(f"[dim]{escape(s)}[/]", highlight=False))
+    try:
+        result["plot"] = str(verify.plot(result, plot_path))
+    except ImportError:
+        result["plot"] = None
+        err.print("[yellow]matplotlib is not installed: no plot written[/]")
+    verify.render(result, out)
+    if result["plot"]:
+        out.print(f"plot: {result['plot']}")
+    if json_out:
+        print(json.dumps(result, indent=2))
+    if not result["ok"]:
+        raise typer.Exit(1)

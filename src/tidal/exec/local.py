@@ -5,6 +5,7 @@
     handle = ex.launch(LaunchRequest("gpt-1", 1, ("python", "train.py"), {"local": 2}), now_s)
     ex.observe(now_s)["gpt-1"].ranks                               # pids, exit codes
     ex.signal_stop("gpt-1")                                         # SIGTERM: checkpoint, exit 75
+    ex.signal_stop("gpt-1", ranks=[1])                              # the notice reaches rank 1 first
 
 Each rank gets the torchrun contract (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
 ``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT``), ``TIDAL_PROGRESS_DIR`` (one directory per
@@ -43,7 +44,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,7 +66,7 @@ from tidal.exec.isolation import (
     require_root,
 )
 from tidal.exec.progress import ProgressReader
-from tidal.exec.protocol import LaunchError, LaunchRequest, Observation, RankState
+from tidal.exec.protocol import LaunchError, LaunchRequest, Observation, RankState, check_ranks
 from tidal.model import Node
 from tidal.net import free_port
 
@@ -367,8 +368,8 @@ class LocalExecutor:
                 raise LaunchError(f"job {req.job_id}: cannot start rank {r}: {e}") from e
         return _Rank(r, p.pid, procs.start_time(p.pid), p)
 
-    def signal_stop(self, job_id: str) -> None:
-        self._signal(job_id, signal.SIGTERM)
+    def signal_stop(self, job_id: str, ranks: Collection[int] | None = None) -> None:
+        self._signal(job_id, signal.SIGTERM, ranks)
 
     def kill(self, job_id: str) -> None:
         self._signal(job_id, signal.SIGKILL)
@@ -384,12 +385,13 @@ class LocalExecutor:
             current = {}
         write_json(path, {**current, **settings}, t.owner)  # atomically: ranks never read half a file
 
-    def _signal(self, job_id: str, sig: int) -> None:
+    def _signal(self, job_id: str, sig: int, ranks: Collection[int] | None = None) -> None:
         t = self._jobs.get(job_id)
         if t is None:
             return
+        wanted = check_ranks(f"job {job_id}", ranks, len(t.ranks))
         for k in t.ranks:
-            if k.rank not in t.codes and k.rank not in t.vanished and self._alive(k):
+            if k.rank in wanted and k.rank not in t.codes and k.rank not in t.vanished and self._alive(k):
                 if sig == signal.SIGKILL:  # the shim's whole tree: what the rank detached is in it too
                     procs.kill_tree([k.pid])
                 procs.signal_group(k.pid, sig)

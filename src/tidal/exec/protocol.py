@@ -8,8 +8,8 @@ Call order (one reconcile step, always from one thread):
    and the job's training progress (steps, heartbeats, checkpoints) read from its progress files.
    The executor judges nothing: the control plane classifies success, preemption and failure.
 2. Acting on decisions: ``launch`` (start all ranks of a new attempt), ``signal_stop`` (a notice:
-   SIGTERM to every rank; the job checkpoints and exits 75), ``kill`` (SIGKILL every rank),
-   ``release`` (forget a job whose ranks all exited; frees its devices).
+   SIGTERM to every rank, or to some with ``ranks``; the job checkpoints and exits 75), ``kill``
+   (SIGKILL every rank), ``release`` (forget a job whose ranks all exited; frees its devices).
 
 After a restart of the control plane, ``adopt(job_id, attempt)`` re-tracks an attempt launched
 earlier (from what the executor itself recorded durably) and says whether any of it is left.
@@ -20,7 +20,7 @@ killed by that signal.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -28,7 +28,8 @@ from tidal.contract import EXIT_PREEMPTED
 from tidal.exec.progress import Progress
 from tidal.model import Node
 
-__all__ = ["EXIT_PREEMPTED", "Executor", "LaunchError", "LaunchRequest", "Observation", "RankState"]
+__all__ = ["EXIT_PREEMPTED", "Executor", "LaunchError", "LaunchRequest", "Observation", "RankState",
+           "check_ranks"]
 
 
 class LaunchError(RuntimeError):
@@ -96,6 +97,18 @@ class Observation:
         return not self.alive
 
 
+def check_ranks(who: str, ranks: Collection[int] | None, world_size: int) -> frozenset[int]:
+    """The ranks a signal goes to: ``ranks``, or all ``world_size`` of them when ``None``; ``ValueError``
+    naming ``who`` (e.g. ``"job gpt-1"``) for a rank outside ``0 .. world_size - 1``."""
+    if ranks is None:
+        return frozenset(range(world_size))
+    bad = sorted(r for r in ranks if not 0 <= r < world_size)
+    if bad:
+        raise ValueError(f"{who}: no rank {', '.join(map(str, bad))} (it has {world_size}: "
+                         f"0..{world_size - 1})")
+    return frozenset(ranks)
+
+
 class Executor(Protocol):
     """See the module docstring for the call order. Implementations: ``LocalExecutor``,
     ``RayExecutor`` (:mod:`tidal.exec.ray_exec`), test fakes. ``nodes()`` is read every step: nodes
@@ -109,8 +122,10 @@ class Executor(Protocol):
         """Start every rank; return a JSON-able handle (pids, devices, paths) for display and the store."""
         ...
 
-    def signal_stop(self, job_id: str) -> None:
-        """Notice to every rank still running (SIGTERM): checkpoint now and exit 75."""
+    def signal_stop(self, job_id: str, ranks: Collection[int] | None = None) -> None:
+        """Notice to every rank still running (SIGTERM): checkpoint now and exit 75. With ``ranks``, only
+        to those (a notice that reaches some ranks first: they tell the others at the next step);
+        ``ValueError`` for a rank the job does not have."""
         ...
 
     def kill(self, job_id: str) -> None:

@@ -86,7 +86,7 @@ from tidal.exec.isolation import (
     require_root,
 )
 from tidal.exec.progress import ProgressReader
-from tidal.exec.protocol import LaunchError, LaunchRequest, Observation, RankState
+from tidal.exec.protocol import LaunchError, LaunchRequest, Observation, RankState, check_ranks
 from tidal.exec.ray_auth import use_token_from_env
 from tidal.exec.ray_checks import check_auth, check_reachable_address, check_workers_root, join_error
 from tidal.exec.ray_names import (  # what the plane's objects are called on the cluster, where they live
@@ -461,16 +461,20 @@ class RayExecutor:
         with contextlib.suppress(Exception):
             self._remove_pg(PlacementGroup(PlacementGroupID(bytes.fromhex(pg_id))))
 
-    def signal_stop(self, job_id: str) -> None:
-        self._signal(job_id, signal.SIGTERM)
+    def signal_stop(self, job_id: str, ranks: Collection[int] | None = None) -> None:
+        self._signal(job_id, signal.SIGTERM, ranks)
 
     def kill(self, job_id: str) -> None:
         self._signal(job_id, signal.SIGKILL)
 
-    def _signal(self, job_id: str, sig: int) -> None:
+    def _signal(self, job_id: str, sig: int, ranks: Collection[int] | None = None) -> None:
         t = self._jobs.get(job_id)
-        for k in t.ranks if t else []:
-            if k.actor is not None and k.rank not in t.codes and k.rank not in t.vanished:  # type: ignore[union-attr]
+        if t is None:
+            return
+        wanted = check_ranks(f"job {job_id}", ranks, len(t.ranks))
+        for k in t.ranks:
+            ended = k.rank in t.codes or k.rank in t.vanished
+            if k.actor is not None and k.rank in wanted and not ended:
                 k.actor.signal.remote(int(sig))  # not waited for: observe() sees the rank exit
 
     def configure(self, job_id: str, settings: Mapping[str, Any]) -> None:

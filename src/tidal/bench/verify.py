@@ -27,8 +27,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tidal.bench.runs import Segment, SegmentResult, example_script, job_env, per_step, run_segment
 from tidal.train.data import check_batch
-from tidal.train.runs import Segment, SegmentResult, example_script, job_env, per_step, run_segment
 
 LAYOUTS = ("fsdp", "ddp", "tp", "single")
 

@@ -1,6 +1,6 @@
 """The resume benchmark: how long a reclaim takes, and how long until a resumed job trains again.
 
-A program, not a test (``tidal bench-resume``, or ``python -m tidal.train.measure --json``). For the
+A program, not a test (``tidal bench resume``, or ``python -m tidal.bench.resume --json``). For the
 example job (examples/gpt/train.py) at a size whose checkpoint takes a while on this machine:
 
 1. **notice → exit.** Run ``world`` ranks in ``layout`` with a checkpoint every 2 steps; once step
@@ -32,8 +32,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from tidal.bench.runs import Segment, SegmentResult, example_script, job_env, run_segment
 from tidal.contract import ENV_CKPT_URL
-from tidal.train.runs import Segment, SegmentResult, example_script, job_env, run_segment
 
 
 @dataclass
@@ -257,7 +257,7 @@ def render(result: dict[str, Any], console: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m tidal.train.measure [--json] [--repeat N] ...``"""
+    """``python -m tidal.bench.resume [--json] [--repeat N] ...``"""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     for name, default in asdict(MeasureConfig()).items():
         p.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
