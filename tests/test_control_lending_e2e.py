@@ -20,7 +20,7 @@ from tidal.control.client import TidalClient
 
 pytestmark = pytest.mark.slow
 WORKER = Path(__file__).parent / "workers" / "train_worker.py"
-CONFIG = lending_config("8x2", hang_timeout_s=30, kill_slack_s=3)
+CONFIG = lending_config("8x2", start_h=5, hang_timeout_s=30, kill_slack_s=3)
 
 
 def _on_serving(job: dict) -> int:
