@@ -102,9 +102,11 @@ def test_serving_nodes_unknown_to_ray_are_one_line_at_start(ray_cluster, tmp_pat
 def test_a_spot_job_on_a_lent_gpu_of_a_ray_node_is_reclaimed(ray_cluster, tmp_path):
     trace = night_trace(tmp_path / "night.csv")
     cfg = config(trace, SERVING)
-    # About 50 s of night: at 1000x (20 s) a loaded CI machine once had the ranks at no step yet (no
-    # checkpoint) when the notice came.
+    # From 01:00 at 400x: the loan comes in the first seconds and the notice about 45 s later (at 06:00,
+    # as the morning rise nears). With about 20 s (1000x from 22:00) a loaded CI machine once had the
+    # ranks at no step yet (no checkpoint) when the notice came.
     cfg["serving"]["speedup"] = 400
+    cfg["serving"]["start_s"] = 2 * DAY + 1 * 3600
     p = Plane(tmp_path, yaml.safe_dump(cfg), gpus=None,
               args=("--executor", "ray", "--ray-address", ray_cluster.address))
     ray_cluster.state_roots.append(p.state / "jobs")
