@@ -41,7 +41,7 @@ def test_lending_survives_sigkill_of_the_plane(tmp_path):
                 "grace_s": 5,
                 "max_restarts": 20,
                 "workdir": str(tmp_path),
-                "command": [sys.executable, str(WORKER), "--steps", "10000000"],
+                "command": [sys.executable, str(WORKER), "--steps", "10000000", "--step-s", "0.05"],
                 "env": {"TIDAL_CKPT_INTERVAL_STEPS": "50", "TIDAL_SHM_DIR": str(tmp_path / "shm")},
             }
         )

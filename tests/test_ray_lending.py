@@ -123,7 +123,7 @@ def test_a_spot_job_on_a_lent_gpu_of_a_ray_node_is_reclaimed(ray_cluster, tmp_pa
         lab = TidalClient(p.url, admin.create_tenant("lab", quota_gpus=0, weight=1.0)["token"])
         job = lab.submit({"name": "spot", "kind": "spot", "gpus": 2, "workdir": str(tmp_path), "grace_s": 3,
                           "max_restarts": 0, "command": [sys.executable, str(WORKER), "--steps", "1000000",
-                                                         "--pad-mib", "1"],
+                                                         "--pad-mib", "1", "--step-s", "0.05"],
                           "env": {"TIDAL_CKPT_INTERVAL_STEPS": "10"}})["id"]
         j = wait_for("the job running on a lent GPU", lambda: (j := lab.job(job))["state"] == "running"
                      and j["progress"].get("step") and j)
@@ -202,7 +202,7 @@ def test_a_lent_ray_node_removed_ends_its_loans_and_serves_again_after_it_is_bac
         lab = TidalClient(p.url, admin.create_tenant("lab", quota_gpus=0, weight=1.0)["token"])
         job = lab.submit({"name": "spot", "kind": "spot", "gpus": 2, "workdir": str(tmp_path), "grace_s": 3,
                           "max_restarts": 0, "command": [sys.executable, str(WORKER), "--steps", "1000000",
-                                                         "--pad-mib", "1"]})["id"]
+                                                         "--pad-mib", "1", "--step-s", "0.05"]})["id"]
         j = wait_for("the job running on a lent GPU", lambda: (j := lab.job(job))["state"] == "running" and j)
         lent_node = next(n for n in j["placement"] if n in SERVING)
         ray_cluster.remove(lent_node)
