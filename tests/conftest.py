@@ -114,11 +114,17 @@ def _shares_a_module_fixture(item) -> bool:
                for defs in info.name2fixturedefs.values())
 
 
+@pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (``make test`` runs two workers, ``--dist loadgroup``): every test on the Ray
     cluster runs on one worker, one after another (one cluster per run, as without xdist; the tests are
     moved next to each other, in their order, also without xdist), and the tests of a module that share a
-    module-scoped fixture (a plane, a set of launches) run on one worker, so that it is made once."""
+    module-scoped fixture (a plane, a set of launches) run on one worker, so that it is made once.
+
+    pytest-xdist tells its scheduler an item's group by appending ``@group`` to the item's node id, which
+    it sets as ``item._nodeid``; since pytest 9.2 the node id is ``item._id`` and that assignment has no
+    effect: every group would be spread over the workers (pytest-xdist issue 1386). After every other
+    implementation of this hook (xdist's among them), the group is appended where it is missing."""
     ray = [it for it in items if _uses_ray(it)]
     if ray:
         first = items.index(ray[0])
@@ -128,4 +134,13 @@ def pytest_collection_modifyitems(config, items):
         if _uses_ray(item):
             item.add_marker(pytest.mark.xdist_group("ray"))
         elif _shares_a_module_fixture(item):
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
+    result = yield
+    if getattr(config.option, "loadgroup", False):  # set in pytest-xdist's workers under --dist loadgroup
+        for item in items:
+            names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                            for m in item.iter_markers("xdist_group")})
+            node_id = getattr(item, "_id", None)
+            if names and node_id is not None and "@" not in item.nodeid.rsplit("]", 1)[-1]:
+                item._id = type(node_id).parse(f"{item.nodeid}@{'_'.join(names)}")
+    return result
