@@ -97,6 +97,7 @@ def _uses_ray(item) -> bool:
     return item is not None and "ray_cluster" in getattr(item, "fixturenames", ())
 
 
+@pytest.hookimpl(trylast=True)  # after the test's own fixtures are torn down
 def pytest_runtest_teardown(item, nextitem):
     if _uses_ray(item) and not _uses_ray(nextitem):
         _ray.stop()
