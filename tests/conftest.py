@@ -57,25 +57,91 @@ def s3(seaweed: SeaweedServer, monkeypatch, request) -> S3Env:
     return S3Env(seaweed, f"s3://{BUCKET}/{name}-{uuid.uuid4().hex[:6]}")
 
 
-@pytest.fixture(scope="session")
+class _RayHolder:
+    """The run's Ray cluster: started when a test first needs it, stopped as soon as the run leaves the
+    tests that use it (they run one after another: see ``pytest_collection_modifyitems``), so that its
+    raylets do not take CPU from the tests after them; started again if a later test asks for it."""
+
+    def __init__(self) -> None:
+        self.rc = None
+
+    def get(self):
+        if self.rc is None:
+            import ray_cluster as rcm
+
+            self.rc = rcm.start()
+            atexit.register(self.rc.cluster.shutdown)
+        return self.rc
+
+    def stop(self) -> None:
+        if self.rc is not None:
+            import ray_cluster as rcm
+
+            rc, self.rc = self.rc, None
+            rcm.stop(rc)
+
+
+_ray = _RayHolder()
+
+
+@pytest.fixture
 def ray_cluster():
-    """One multi-node Ray cluster for the session's Ray tests (tests/ray_cluster.py); skipped without ray."""
+    """One multi-node Ray cluster for the run's Ray tests (tests/ray_cluster.py); skipped without ray."""
     pytest.importorskip(
         "ray", reason="ray is not installed (pip install 'tidal[ray]'; `make test` installs it)"
     )
-    import ray_cluster as rcm
-
-    rc = rcm.start()
-    atexit.register(rc.cluster.shutdown)
-    try:
-        yield rc
-    finally:
-        rcm.stop(rc)
+    return _ray.get()
 
 
+def _uses_ray(item) -> bool:
+    return item is not None and "ray_cluster" in getattr(item, "fixturenames", ())
+
+
+@pytest.hookimpl(trylast=True)  # after the test's own fixtures are torn down
+def pytest_runtest_teardown(item, nextitem):
+    if _uses_ray(item) and not _uses_ray(nextitem):
+        _ray.stop()
+
+
+def pytest_sessionfinish(session):
+    _ray.stop()
+
+
+def _shares_a_module_fixture(item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return False
+    return any(defs and defs[-1].scope in ("module", "class", "package")
+               for defs in info.name2fixturedefs.values())
+
+
+@pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (``make test`` runs two workers, ``--dist loadgroup``), every test on the
-    session's Ray cluster runs on one worker: one cluster per run, as without xdist."""
+    """Under pytest-xdist (``make test`` runs two workers, ``--dist loadgroup``): every test on the Ray
+    cluster runs on one worker, one after another (one cluster per run, as without xdist; the tests are
+    moved next to each other, in their order, also without xdist), and the tests of a module that share a
+    module-scoped fixture (a plane, a set of launches) run on one worker, so that it is made once.
+
+    pytest-xdist tells its scheduler an item's group by appending ``@group`` to the item's node id, which
+    it sets as ``item._nodeid``; since pytest 9.2 the node id is ``item._id`` and that assignment has no
+    effect: every group would be spread over the workers (pytest-xdist issue 1386). After every other
+    implementation of this hook (xdist's among them), the group is appended where it is missing."""
+    ray = [it for it in items if _uses_ray(it)]
+    if ray:
+        first = items.index(ray[0])
+        rest = [it for it in items if not _uses_ray(it)]
+        items[:] = rest[:first] + ray + rest[first:]
     for item in items:
-        if "ray_cluster" in getattr(item, "fixturenames", ()):
+        if _uses_ray(item):
             item.add_marker(pytest.mark.xdist_group("ray"))
+        elif _shares_a_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
+    result = yield
+    if getattr(config.option, "loadgroup", False):  # set in pytest-xdist's workers under --dist loadgroup
+        for item in items:
+            names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                            for m in item.iter_markers("xdist_group")})
+            node_id = getattr(item, "_id", None)
+            if names and node_id is not None and "@" not in item.nodeid.rsplit("]", 1)[-1]:
+                item._id = type(node_id).parse(f"{item.nodeid}@{'_'.join(names)}")
+    return result

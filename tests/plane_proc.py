@@ -73,10 +73,10 @@ def wait_until(what: str, pred: Callable[[], Any], timeout_s: float = 90.0,
     raise AssertionError(f"timed out waiting for {what}{explain()}")
 
 
-def lending_config(nodes: str, **top: float) -> str:
+def lending_config(nodes: str, start_h: float = 0.0, **top: float) -> str:
     """A ``tidal up`` config lending virtual serving nodes (``8x2``: 8 nodes of 2 GPUs) that follow the
-    packaged daily profile from day 2 at 600x speed, with short grace/release/warm-up times; ``top``
-    adds top-level fields (``hang_timeout_s=30``)."""
+    packaged daily profile from day 2, ``start_h`` hours after midnight, at 600x speed, with short
+    grace/release/warm-up times; ``top`` adds top-level fields (``hang_timeout_s=30``)."""
     import tidal.serving
 
     profile = Path(tidal.serving.__file__).parent / "data" / "daily-profile.csv"
@@ -86,7 +86,7 @@ def lending_config(nodes: str, **top: float) -> str:
   trace: {profile}
   nodes: {nodes}
   speedup: 600
-  start_s: {2 * 86400}
+  start_s: {2 * 86400 + start_h * 3600:.0f}
   history_days: 2
   grace_s: 5
   final_checkpoint_s: 2

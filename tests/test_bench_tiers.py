@@ -25,7 +25,7 @@ def test_bench_tiers_json(tmp_path):
             "--repeat",
             "1",
             "--train-s",
-            "2",
+            "1",
             "--rounds",
             "2",
             "--interval-s",

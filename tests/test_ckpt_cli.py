@@ -511,13 +511,35 @@ def test_console_script_help():
         assert cmd in r.stdout
 
 
+# What ``python -m tidal.ckpt.cli CMD --help`` does (the module run as __main__), for each command in one
+# interpreter: {cmd: [exit code, stdout]} as JSON.
+AS_MODULE = """
+import contextlib, io, json, runpy, sys
+out = {}
+for cmd in sys.argv[1:]:
+    sys.argv, buf, code = ["tidal.ckpt.cli", cmd, "--help"], io.StringIO(), 0
+    with contextlib.redirect_stdout(buf):
+        try:
+            runpy.run_module("tidal.ckpt.cli", run_name="__main__", alter_sys=True)
+        except SystemExit as e:
+            code = e.code
+    out[cmd] = [code, buf.getvalue()]
+print(json.dumps(out))
+"""
+
+
 def test_every_command_runs_as_a_module_too():
     """``python -m tidal.ckpt.cli`` knows every command (``agent`` was registered after the
     ``__main__`` guard, so the module form lacked it)."""
-    for cmd in ("ls", "inspect", "verify", "export", "agent"):
-        r = subprocess.run(
-            [sys.executable, "-m", "tidal.ckpt.cli", cmd, "--help"], capture_output=True, text=True
-        )
-        assert r.returncode == 0, (cmd, r.stderr[-500:])
-        if cmd == "agent":  # the module's own options, every one (it hands its arguments over)
-            assert all(o in r.stdout for o in ("--no-copy-from", "--key-file", "--allow-copy-from")), r.stdout
+    cmds = ("ls", "inspect", "verify", "export")
+    r = subprocess.run([sys.executable, "-c", AS_MODULE, *cmds], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-500:]
+    got = json.loads(r.stdout)
+    for cmd in cmds:
+        assert got[cmd][0] == 0, (cmd, got[cmd][1][-500:], r.stderr[-500:])
+    # agent becomes ``python -m tidal.ckpt.agent`` (exec, same pid): a process of its own
+    r = subprocess.run([sys.executable, "-m", "tidal.ckpt.cli", "agent", "--help"], capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stderr[-500:]
+    # the module's own options, every one (it hands its arguments over)
+    assert all(o in r.stdout for o in ("--no-copy-from", "--key-file", "--allow-copy-from")), r.stdout

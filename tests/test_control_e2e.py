@@ -60,9 +60,10 @@ def wait_for(what: str, pred, client: TidalClient, timeout_s: float = 90.0):
     return wait_until(what, pred, timeout_s, explain)
 
 
-def train_spec(name: str, steps: int, tmp: Path, **kw) -> dict:
+def train_spec(name: str, steps: int, tmp: Path, step_s: float = 0.0, **kw) -> dict:
     return {"name": name, "gpus": kw.pop("gpus", 2), "workdir": str(tmp),
-            "command": [sys.executable, str(WORKER), "--steps", str(steps), "--pad-mib", "1"],
+            "command": [sys.executable, str(WORKER), "--steps", str(steps), "--pad-mib", "1",
+                        "--step-s", str(step_s)],
             "env": {"TIDAL_CKPT_INTERVAL_STEPS": "10", "TIDAL_SHM_DIR": str(tmp / "shm")}, **kw}
 
 
@@ -87,7 +88,7 @@ def preempt_resume_crash_then_failures(plane):
     admin, tmp = plane.admin, plane.tmp
     prod = TidalClient(plane.url, admin.create_tenant("prod", quota_gpus=1, weight=1.0)["token"])
     lab = TidalClient(plane.url, admin.create_tenant("lab", quota_gpus=0, weight=1.0)["token"])
-    spot = lab.submit(train_spec("sweep", 1_000_000, tmp, max_restarts=0))["id"]
+    spot = lab.submit(train_spec("sweep", 1_000_000, tmp, step_s=0.05, max_restarts=0))["id"]
     wait_for(
         "a checkpoint of the spot job", lambda: (lab.job(spot)["progress"].get("ckpt_step") or 0) >= 10, admin
     )

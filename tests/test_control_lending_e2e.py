@@ -20,7 +20,7 @@ from tidal.control.client import TidalClient
 
 pytestmark = pytest.mark.slow
 WORKER = Path(__file__).parent / "workers" / "train_worker.py"
-CONFIG = lending_config("8x2", hang_timeout_s=30, kill_slack_s=3)
+CONFIG = lending_config("8x2", start_h=5, hang_timeout_s=30, kill_slack_s=3)
 
 
 def _on_serving(job: dict) -> int:
@@ -41,7 +41,7 @@ def test_lending_survives_sigkill_of_the_plane(tmp_path):
                 "grace_s": 5,
                 "max_restarts": 20,
                 "workdir": str(tmp_path),
-                "command": [sys.executable, str(WORKER), "--steps", "10000000"],
+                "command": [sys.executable, str(WORKER), "--steps", "10000000", "--step-s", "0.05"],
                 "env": {"TIDAL_CKPT_INTERVAL_STEPS": "50", "TIDAL_SHM_DIR": str(tmp_path / "shm")},
             }
         )

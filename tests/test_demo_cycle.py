@@ -1,7 +1,7 @@
 """`tidal demo cycle`, shortened: real `tidal up` pieces, real GPT workers on virtual serving nodes.
 
-Ten hours of the shipped serving profile from midnight at 600x (a minute): the jobs grow onto lent
-serving GPUs during the night trough, get reclaim notices before the morning rise, shrink or stop
+Five hours of the shipped serving profile from 04:00 at 600x (30 s): the jobs grow onto lent serving
+GPUs during the night trough, get reclaim notices before the morning rise, shrink or stop
 after a final checkpoint, and every GPU goes back before its deadline. The API's view is checked at
 every poll for a job on a serving node beyond what is lent there.
 """
@@ -19,8 +19,8 @@ pytestmark = pytest.mark.slow
 def test_a_short_night_lends_and_takes_back_in_time(tmp_path):
     opts = CycleOptions(
         speedup=600.0,
-        hours=10.0,
-        start_hour=0.0,
+        hours=5.0,
+        start_hour=4.0,
         history_days=2,
         serving_nodes="4x2",
         jobs=2,

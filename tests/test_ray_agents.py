@@ -57,7 +57,7 @@ def test_agents_in_a_ring_and_a_restore_from_the_lost_nodes_buddy(ray_cluster, t
         home = str(tmp_path / "disk")  # every node sees it: a step committed there outlives the node
         env = {"TIDAL_CKPT_TIERS": json.dumps(["peer", {"url": home, "every": 3}]),
                "TIDAL_CKPT_INTERVAL_STEPS": "10"}
-        cmd = (sys.executable, str(WORKER), "--steps", "1000000", "--pad-mib", "1")
+        cmd = (sys.executable, str(WORKER), "--steps", "1000000", "--pad-mib", "1", "--step-s", "0.05")
         handle = ex.launch(LaunchRequest("p", 1, cmd, {"n2": 1, "n3": 1}, env=env), time.time())
         on_n3 = [r["pid"] for r in handle["ranks"] if r["node"] == "n3"] + [status(addrs["n3"])["pid"]]
         wait_until(

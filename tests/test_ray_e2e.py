@@ -58,7 +58,8 @@ def test_node_loss_requeues_and_resumes_resharded(ray_cluster, tmp_path):
                 "gpus": {"min": 2, "max": 3},
                 "workdir": str(tmp_path),
                 "max_restarts": 0,
-                "command": [sys.executable, str(WORKER), "--steps", "1000000", "--pad-mib", "1"],
+                "command": [sys.executable, str(WORKER), "--steps", "1000000", "--pad-mib", "1",
+                            "--step-s", "0.05"],
                 "env": {"TIDAL_CKPT_INTERVAL_STEPS": "10"},
             }
         )["id"]

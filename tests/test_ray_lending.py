@@ -102,9 +102,11 @@ def test_serving_nodes_unknown_to_ray_are_one_line_at_start(ray_cluster, tmp_pat
 def test_a_spot_job_on_a_lent_gpu_of_a_ray_node_is_reclaimed(ray_cluster, tmp_path):
     trace = night_trace(tmp_path / "night.csv")
     cfg = config(trace, SERVING)
-    # About 50 s of night: at 1000x (20 s) a loaded CI machine once had the ranks at no step yet (no
-    # checkpoint) when the notice came.
+    # From 01:00 at 400x: the loan comes in the first seconds and the notice about 45 s later (at 06:00,
+    # as the morning rise nears). With about 20 s (1000x from 22:00) a loaded CI machine once had the
+    # ranks at no step yet (no checkpoint) when the notice came.
     cfg["serving"]["speedup"] = 400
+    cfg["serving"]["start_s"] = 2 * DAY + 1 * 3600
     p = Plane(tmp_path, yaml.safe_dump(cfg), gpus=None,
               args=("--executor", "ray", "--ray-address", ray_cluster.address))
     ray_cluster.state_roots.append(p.state / "jobs")
@@ -121,7 +123,7 @@ def test_a_spot_job_on_a_lent_gpu_of_a_ray_node_is_reclaimed(ray_cluster, tmp_pa
         lab = TidalClient(p.url, admin.create_tenant("lab", quota_gpus=0, weight=1.0)["token"])
         job = lab.submit({"name": "spot", "kind": "spot", "gpus": 2, "workdir": str(tmp_path), "grace_s": 3,
                           "max_restarts": 0, "command": [sys.executable, str(WORKER), "--steps", "1000000",
-                                                         "--pad-mib", "1"],
+                                                         "--pad-mib", "1", "--step-s", "0.05"],
                           "env": {"TIDAL_CKPT_INTERVAL_STEPS": "10"}})["id"]
         j = wait_for("the job running on a lent GPU", lambda: (j := lab.job(job))["state"] == "running"
                      and j["progress"].get("step") and j)
@@ -200,7 +202,7 @@ def test_a_lent_ray_node_removed_ends_its_loans_and_serves_again_after_it_is_bac
         lab = TidalClient(p.url, admin.create_tenant("lab", quota_gpus=0, weight=1.0)["token"])
         job = lab.submit({"name": "spot", "kind": "spot", "gpus": 2, "workdir": str(tmp_path), "grace_s": 3,
                           "max_restarts": 0, "command": [sys.executable, str(WORKER), "--steps", "1000000",
-                                                         "--pad-mib", "1"]})["id"]
+                                                         "--pad-mib", "1", "--step-s", "0.05"]})["id"]
         j = wait_for("the job running on a lent GPU", lambda: (j := lab.job(job))["state"] == "running" and j)
         lent_node = next(n for n in j["placement"] if n in SERVING)
         ray_cluster.remove(lent_node)

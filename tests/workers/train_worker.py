@@ -1,6 +1,7 @@
 """One rank of a small job driven by ``tidal.train``, for kill tests (launched by tests/dist_harness.py).
 
-    python tests/workers/train_worker.py --steps N [--pad-mib 96] [--die-at-checkpoint K --die-rank R]
+    python tests/workers/train_worker.py --steps N [--pad-mib 96] [--step-s S]
+        [--die-at-checkpoint K --die-rank R]
 
 A small MLP (DDP when WORLD_SIZE > 1) learns a fixed function of synthetic samples (sample ``i`` is
 computed from ``i``, so any rank can produce any sample). The checkpoint also holds ``pad``,
@@ -8,6 +9,10 @@ computed from ``i``, so any rank can produce any sample). The checkpoint also ho
 ``GlobalBatchSampler(1000, global_batch=12, micro_batch=2, seed=7)``. Checkpoint location, interval
 and progress directory come from the environment (TIDAL_*); every step record carries ``data_rank``
 and ``indices``.
+
+``--step-s S``: each step takes at least S seconds (the rest is slept), so that a job the test leaves
+running while it waits for something else (a reclaim, a node loss) does not take a core from the tests
+running beside it.
 
 ``--hold-after K --hold-file F`` (a partitioned node, for fencing tests): after step K, wait until that
 step is committed, print ``holding K``, then wait until file F exists before training on.
@@ -67,6 +72,7 @@ def main() -> None:
     ap.add_argument("--die-rank", type=int, default=1)
     ap.add_argument("--hold-after", type=int, default=None)
     ap.add_argument("--hold-file", default=None)
+    ap.add_argument("--step-s", type=float, default=0.0)
     args = ap.parse_args()
     rank = int(os.environ.get("RANK", "0"))
     writers = (
@@ -83,6 +89,7 @@ def main() -> None:
         step = s.restore(model, opt, sampler, extra={"pad": pad_shard(args.pad_mib, s.rank, s.world_size)})
         print(f"restored {step}", flush=True)
         while step < args.steps:
+            began = time.monotonic()
             total = torch.zeros(())
             for idx in sampler.micro_batches(step):
                 xs, ys = zip(*(sample(i) for i in idx), strict=True)
@@ -95,6 +102,7 @@ def main() -> None:
             s.step_done(step, loss=total / sampler.accum_steps, data_rank=s.rank,
                         indices=sampler.local_indices(step - 1))
             print(f"step {step}", flush=True)
+            time.sleep(max(0.0, began + args.step_s - time.monotonic()))
             if step == args.hold_after:
                 s.checkpoint(wait=True)
                 print(f"holding {step}", flush=True)
