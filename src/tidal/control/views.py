@@ -52,7 +52,7 @@ def event_view(e: EventRow) -> dict[str, Any]:
 def pool_view(nodes: list[Node], jobs: list[JobRow], viewer: str | None) -> dict[str, Any]:
     """GPUs per node: allocated (by tenant; job ids only for ``viewer``'s own jobs, all for admin
     ``viewer=None``), draining (being released) and free."""
-    out = []
+    out: list[dict[str, Any]] = []
     for n in nodes:
         holders = []
         allocated = draining = 0

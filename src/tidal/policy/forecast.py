@@ -71,6 +71,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
@@ -346,6 +347,7 @@ def _week_departure(config: ForecastConfig, state: ForecastState, times_s: np.nd
     """The weekly departure from the daily profile at ``times_s`` (GPUs): read through the profile's box
     kernel over the week's slots, shrunk by ``n / (n + week_shrink)``; 0 where no week was seen."""
     half = max(0, int(round(config.profile_smooth_s / config.step_s / 2)))
+    assert state.week_n is not None and state.week_dev is not None  # called only with weeks on
     ws = np.round(np.mod(times_s, config.week_s) / config.step_s).astype(int)
     idx = (ws[:, None] + np.arange(-half, half + 1)[None, :]) % config.week_slots
     n = state.week_n[idx]
@@ -369,6 +371,7 @@ def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float)
     tail_hist, tail_pending = state.tail_hist, state.tail_pending
     lq_model, lq_pending = state.lq_model, state.lq_pending
     if lq_model is not None:
+        assert lq_pending is not None  # set together (_with_options)
         lq_model, lq_pending = lq.observe(lq_model, lq_pending, y, config.lead_quantile, config.quantile_lr)
     if not math.isnan(y) and state.n_obs > 0:
         # Score the paths made 1..H steps ago at their points that target now.
@@ -398,7 +401,7 @@ def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float)
                 eprof[s] += max(day_w, 1.0 / eprof_n[s]) * (
                     float(np.add.reduce(ratio) / ratio.size) - eprof[s]
                 )
-            if state.ctx_hist is not None and state.past_base is not None:
+            if state.ctx_hist is not None and state.past_base is not None and state.past_ctx is not None:
                 # Standardized errors of the first context_horizon_steps horizons, into their contexts.
                 k = min(config.context_horizon_steps, h)
                 base = np.diagonal(state.past_base)[:k]
@@ -451,11 +454,11 @@ def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float)
         else:
             a = 1.0 - decay(step, config.level_half_life_s)
             new_level = level + a * (y - level)
-            b = 1.0 - decay(step, config.trend_half_life_s)
-            trend = trend + b * ((new_level - level) / step - trend)
+            bt = 1.0 - decay(step, config.trend_half_life_s)
+            trend = trend + bt * ((new_level - level) / step - trend)
             level = new_level
-            m = 1.0 - decay(step, config.profile_half_life_s)
-            mean = mean + max(m, 1.0 / (n_obs + 1)) * (y - mean)
+            mw = 1.0 - decay(step, config.profile_half_life_s)
+            mean = mean + max(mw, 1.0 / (n_obs + 1)) * (y - mean)
         shift, shifts = state.shift_gpus, state.shift_count
         if config.shift_half_life_s > 0 and prof_n.min() > 0 and state.err_weight[0] > 0:
             # Level shifts: the anomaly against the profile (as read), averaged; past the threshold, re-base.
@@ -467,7 +470,7 @@ def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float)
                 prof = _frozen(prof + by)
                 shift, shifts = 0.0, shifts + 1
             shift_upd = (shift, shifts)
-        if state.week_dev is not None and prof_n[s] > 0:
+        if state.week_dev is not None and state.week_n is not None and prof_n[s] > 0:
             # How this slot of the week departs from the daily profile (as it stood before this observation).
             ws = round((t_s % config.week_s) / step) % config.week_slots
             week_dev, week_n = state.week_dev.copy(), state.week_n.copy()
@@ -512,6 +515,7 @@ def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float)
     if lq_model is not None:  # the path's features wait for its window; y is the next path's last demand
         lq_model = lq.seen(lq_model, y)
         center_max = float(np.max(center[: config.quantile_window_steps]))
+        assert lq_pending is not None  # set together with lq_model
         lq_pending = lq.push(lq_pending, np.full(lq.FEATURES, math.nan) if x is None else x, center_max, mean)
     # ``new`` is not seen by anybody yet and _path does not read these fields: set them in place
     # (one state object per step instead of two).
@@ -520,7 +524,7 @@ def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float)
     put(new, "scale_gpus", _frozen(scale))
     put(new, "past_base", None if state.past_base is None else _frozen(_push_row(base, state.past_base)))
     put(new, "past_ctx", None if state.past_ctx is None else _frozen(_push_row(ctx, state.past_ctx)))
-    if lq_model is not None:
+    if lq_model is not None and lq_pending is not None:
         put(new, "lq_model", _frozen(lq_model))
         put(new, "lq_pending", _frozen(lq_pending))
     return new
@@ -544,7 +548,7 @@ def _with_options(config: ForecastConfig, state: ForecastState) -> ForecastState
     """``state`` with the optional parts (lead-window quantile, weekly departures) as ``config`` asks: started
     afresh when switched on, resized or missing (a state stored by a version without them), dropped when
     switched off. The same object when nothing changes."""
-    change: dict[str, np.ndarray | None] = {}
+    change: dict[str, Any] = {}  # ForecastState's optional arrays, by name
     k = config.quantile_window_steps
     if config.lead_quantile > 0:
         if state.lq_model is None or state.lq_pending is None or state.lq_pending.shape[0] != k:

@@ -161,7 +161,7 @@ def per_step(results: list[SegmentResult]) -> dict[int, dict[str, Any]]:
     out: dict[int, dict[str, Any]] = {}
     for i, res in enumerate(results):
         by_step: dict[int, dict[int, list[int]]] = {}
-        loss: dict[int, float] = {}
+        loss: dict[int, float | None] = {}
         for recs in res.records.values():
             for r in recs:
                 if r.get("event") != "step":

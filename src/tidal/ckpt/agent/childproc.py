@@ -44,7 +44,8 @@ def stop_process(proc: subprocess.Popen | None, grace_s: float) -> None:
 
 def free_ports(n: int) -> list[int]:
     """``n`` distinct TCP ports free on 127.0.0.1 right now (the OS picks them)."""
-    socks, ports = [], []
+    socks: list[socket.socket] = []
+    ports: list[int] = []
     try:
         while len(ports) < n:
             s = socket.socket()
