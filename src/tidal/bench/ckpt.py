@@ -363,17 +363,17 @@ def run(size_gb: float = 1.0, repeat: int = 5, directory: str | os.PathLike | No
                 ("tidal", bench.tidal_load_resharded),
                 ("dcp", bench.dcp_load),
             ]
-            for fn in (f for _, f in loads):  # warm-up, and a check that every load is right
+            for load_fn in (f for _, f in loads):  # warm-up, and a check that every load is right
                 zero(target)
-                fn(target)
-                check_equal(target, state, fn.__name__)
+                load_fn(target)
+                check_equal(target, state, load_fn.__name__)
             for i in range(repeat):
                 log(f"load repeat {i + 1}/{repeat}")
                 k = i % len(loads)
-                for group, fn in loads[k:] + loads[:k]:
+                for group, load_fn in loads[k:] + loads[:k]:
                     zero(target)
                     gc.collect()
-                    for metric, value in fn(target).items():
+                    for metric, value in load_fn(target).items():
                         samples["load"][group][metric].append(value)
             del target
     finally:
@@ -383,13 +383,14 @@ def run(size_gb: float = 1.0, repeat: int = 5, directory: str | os.PathLike | No
 
     results = {g: {c: {m: _summary(v) for m, v in ms.items()} for c, ms in cs.items()}
                for g, cs in samples.items()}
-    ratios, targets = {}, {}
+    ratios: dict[str, float | None] = {}
+    targets = {}
     for name, (num, den, goal) in RATIOS.items():
         a = results[num[0]][num[1]][num[2]]["median"]
         b = results[den[0]][den[1]][den[2]]["median"]
-        ratios[name] = a / b if b > 0 else None
-        if goal is not None and ratios[name] is not None:
-            targets[name] = {"ratio": ratios[name], "target_max": goal, "pass": ratios[name] <= goal}
+        ratio = ratios[name] = a / b if b > 0 else None
+        if goal is not None and ratio is not None:
+            targets[name] = {"ratio": ratio, "target_max": goal, "pass": ratio <= goal}
     return {
         "benchmark": "ckpt",
         "machine": machine(),
@@ -482,7 +483,7 @@ def _render_peers(result: dict, console: Any) -> None:
                     table.add_row(name if group == "save" else f"{name} (load)", metric, f"{med:.4f}",
                                   f"{min(s['samples']):.4f}", f"{max(s['samples']):.4f}",
                                   f"{size / med / GB:.2f}" if med > 0 else "-",
-                                  f"{r:.2f}× ({key.split('_over_')[1]})" if r is not None else "")
+                                  f"{r:.2f}× ({key.split('_over_')[1]})" if r is not None and key else "")
         table.add_section()
     console.print(table)
     for entry in result["peers"].values():

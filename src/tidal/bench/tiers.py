@@ -111,7 +111,8 @@ class _Env:
     """The servers and directories of one run; ``close`` stops every process it started, by pid."""
 
     def __init__(self, root: Path, shm: Path, log: Callable[[str], None]) -> None:
-        self.root, self.shm, self.procs = root, shm, []
+        self.root, self.shm = root, shm
+        self.procs: list[subprocess.Popen] = []
         self.disk = root / "disk"
         log("starting SeaweedFS (S3), two checkpoint agents (buddies) and an HTTP receiver on loopback")
         self.seaweed = SeaweedServer(root / "seaweed", volume_size_limit_mb=1024)
@@ -168,7 +169,7 @@ def _payload(size_bytes: int, pieces: int = 8) -> dict:
 
 def _flat(state: dict) -> memoryview:
     """The state's bytes, contiguous: what the raw baselines write."""
-    return memoryview(torch.cat([t.reshape(-1).view(torch.uint8) for t in _tensors(state)]).numpy())
+    return torch.cat([t.reshape(-1).view(torch.uint8) for t in _tensors(state)]).numpy().data
 
 
 # -- 1. persist --------------------------------------------------------------------------------------
@@ -264,7 +265,7 @@ def persist(p: _Persist, repeat: int, log: Callable[[str], None]) -> dict:
         p.tidal(t)
         p.tidal(t)
         p.raw(t)
-    samples = {t: {"raw_s": [], "tidal_s": []} for t in tiers}
+    samples: dict[str, dict[str, list[float]]] = {t: {"raw_s": [], "tidal_s": []} for t in tiers}
     for i in range(repeat):
         order = tiers[i % 3:] + tiers[: i % 3]
         log(f"persist repeat {i + 1}/{repeat}: {', '.join(order)}")
@@ -291,7 +292,7 @@ def persist(p: _Persist, repeat: int, log: Callable[[str], None]) -> dict:
 # -- 2. load -----------------------------------------------------------------------------------------
 
 def loads(env: _Env, p: _Persist, repeat: int, log: Callable[[str], None]) -> dict:
-    sources = {
+    sources: dict[str, list[Any]] = {
         "shm": ["shm", str(env.disk / "persist")],
         "disk": [str(env.disk / "persist")],
         "s3": [env.s3_url("persist")],

@@ -37,7 +37,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from tidal.exec import procs
@@ -45,6 +45,7 @@ from tidal.exec.isolation import private_dir
 from tidal.exec.shim import set_limits
 
 PR_SET_PDEATHSIG = 1
+_PRCTL: Callable[..., int] | None
 try:  # resolved before any fork: the child only calls it
     _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
 except (OSError, AttributeError):  # not Linux

@@ -390,7 +390,7 @@ class HookAdapter:
         return f"{act.action} {act.gpus} GPUs on {act.node}: {why} ({self.attempts} attempts)"
 
     def done(self) -> list[ActionDone]:
-        out = []
+        out: list[ActionDone] = []
         while True:
             try:
                 act = self._done.get_nowait()

@@ -45,7 +45,7 @@ from tidal.policy.scheduler import RunningIndex, schedule
 from tidal.sim import world as W
 from tidal.sim.config import SimConfig
 from tidal.sim.jobs import BacklogSource, JobSpec, SpotBacklog
-from tidal.sim.metrics import Meter, job_totals, summarize
+from tidal.sim.metrics import JobTotals, Meter, job_totals, summarize
 from tidal.sim.policies import PolicySpec, build, horizon_steps
 
 RELEASE, FINISH, FAIL = W.RELEASE, W.FINISH, W.FAIL
@@ -127,7 +127,7 @@ class Engine:
         self.plan_ms: list[float] = []
         self.max_pending = 0
         self.timeline: dict[str, list[float]] = {k: [] for k in TIMELINE_FIELDS}
-        self.start_totals = None
+        self.start_totals: JobTotals | None = None
         self.start_counts: dict[str, int] = {}
 
     # ------------------------------------------------------------------------------ events

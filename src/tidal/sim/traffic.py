@@ -31,7 +31,7 @@ def resample(trace: Trace, step_s: float | None) -> tuple[np.ndarray, np.ndarray
     if n < 2:
         raise ValueError(f"trace {trace.name!r} is shorter than two {step_s:g} s steps")
     load = trace.load[: n * k].reshape(n, k).mean(axis=1)
-    gap = trace.gap[: n * k].reshape(n, k).any(axis=1)
+    gap = np.asarray(trace.gap[: n * k].reshape(n, k).any(axis=1))
     return load, gap, float(step_s)
 
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from tidal.model import (
     Admit,
@@ -237,7 +237,7 @@ class World:
         return Snapshot(now, self.node_tuple, self.tenants, tuple(self.running.values()), self.queues,
                         tuple(s.loans.values()), tuple(s.reclaims))
 
-    def _hold(self, sj: SimJob, now: float, delta: dict[str, int], sign: int) -> None:
+    def _hold(self, sj: SimJob, now: float, delta: Mapping[str, int], sign: int) -> None:
         """Account GPUs taken (+1) or freed (-1) on nodes, and the job's held GPU-seconds."""
         sj.held_gpu_s += sj.job.gpus * (now - sj.held_since)
         sj.held_since = now
@@ -404,7 +404,7 @@ class World:
             by = now + self.stall
         sj.rel_at, sj.rel_ok = by, ok
         sj.rel_stop = by - self.stall if ok else by
-        sj.job = shrunk(sj.job, d, now) if shrink else preempted(sj.job, d, now)
+        sj.job = shrunk(sj.job, d, now) if isinstance(d, Shrink) else preempted(sj.job, d, now)
         self.running[sj.spec.id] = sj.job
         seg = sj.seg
         assert seg is not None

@@ -123,8 +123,9 @@ class Checkpointer:
         for t in self.tiers:
             t.check()  # a typo or an unreachable store fails here, not hours later
         self._config = {c.name: c for c in self.tier_configs}
-        self.shm_tier: DirTier | None = next((t for t in self.tiers if t.kind == "shm"), None)  # type: ignore[misc]
-        self.dir_tiers: list[DirTier] = [t for t in self.tiers if t.kind == "dir"]  # type: ignore[misc]
+        local = [t for t in self.tiers if isinstance(t, DirTier)]  # the shm and dir tiers
+        self.shm_tier: DirTier | None = next((t for t in local if t.kind == "shm"), None)
+        self.dir_tiers: list[DirTier] = [t for t in local if t.kind == "dir"]
         self.disk: DirTier | None = self.dir_tiers[0] if self.dir_tiers else None
         self.root = self.disk.root if self.disk is not None else None
         self._want_shm = self.shm_tier is not None

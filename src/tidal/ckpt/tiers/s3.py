@@ -32,7 +32,7 @@ import datetime as _dt
 import re
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from tidal.ckpt.errors import TierError, TierSpecError
 from tidal.ckpt.format import manifest as mf
