@@ -305,8 +305,8 @@ def run(opts: CycleOptions, kill_hour: float, console: Console, *, keep: bool = 
                 if loss.node is not None and not loss.announced:
                     loss.announced = True
                     console.print(loss.announcement(), highlight=False)
-                if loss.bring_back(time.time()):
-                    cluster.add(loss.node)  # type: ignore[arg-type]
+                if loss.node is not None and loss.bring_back(time.time()):  # (bring_back: a node was lost)
+                    cluster.add(loss.node)
                     loss.back = True
                     console.print(
                         f"[bold cyan]ray cycle[/bold cyan] node {loss.node} comes back", highlight=False

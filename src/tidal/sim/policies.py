@@ -101,16 +101,17 @@ def build(spec: PolicySpec, config: SimConfig, step_s: float, demand: np.ndarray
     common: dict[str, Any] = {"step_s": step_s, "horizon_s": horizon, "timing": timing}
     if spec.name == "none":
         return None
+    assert knob is not None  # every policy but none has one (default_knob)
     if spec.name == "tidal":
         fc = ForecastConfig(step_s=step_s, horizon_s=horizon)
-        return TidalPolicy(TidalConfig(shortfall_budget=float(knob), forecast=fc, timing=timing))  # type: ignore[arg-type]
+        return TidalPolicy(TidalConfig(shortfall_budget=float(knob), forecast=fc, timing=timing))
     if spec.name == "reactive":
-        return ReactivePolicy(margin_gpus=float(knob), **common)  # type: ignore[arg-type]
+        return ReactivePolicy(margin_gpus=float(knob), **common)
     if spec.name == "oracle":
-        return OraclePolicy(margin_gpus=float(knob), **common)  # type: ignore[arg-type]
+        return OraclePolicy(margin_gpus=float(knob), **common)
     start, end = night_window(demand, step_s, night_hours)
     return NightWindowPolicy(start_s=math.fmod(start + t0_s, 86400.0), end_s=math.fmod(end + t0_s, 86400.0),
-                             margin_gpus=float(knob), **common)  # type: ignore[arg-type]
+                             margin_gpus=float(knob), **common)
 
 
 def horizon_steps(policy: Any, step_s: float) -> int:

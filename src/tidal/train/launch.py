@@ -57,8 +57,11 @@ class LocalLaunch:
         self.cmd = list(cmd)
         self.world_size = world_size
         self.port = free_port()
-        self._tmp = tempfile.TemporaryDirectory(prefix="tidal-launch-") if log_dir is None else None
-        self.log_dir = Path(log_dir if log_dir is not None else self._tmp.name)  # type: ignore[union-attr]
+        self._tmp: tempfile.TemporaryDirectory | None = None
+        if log_dir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="tidal-launch-")
+            log_dir = self._tmp.name
+        self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.started_unix = time.time()
         self.exited_unix: list[float | None] = [None] * world_size
@@ -105,8 +108,9 @@ class LocalLaunch:
         failed_at: float | None = None
         while True:
             codes = self.poll()
-            if all(c is not None for c in codes):
-                return [int(c) for c in codes]  # type: ignore[arg-type]
+            ended = [c for c in codes if c is not None]
+            if len(ended) == len(codes):
+                return ended
             if failed_at is None and any(c not in (None, 0, EXIT_PREEMPTED) for c in codes):
                 failed_at = time.monotonic()
             if failed_at is not None and time.monotonic() - failed_at > after_failure_s:

@@ -264,13 +264,14 @@ class Checkpointer:
         def due(t: Tier) -> bool:
             return self._config[t.name].due(index)
 
-        fast = [t for t in self.tiers if t.fast and due(t) and (t is not self.shm_tier or use_shm_tier)]
+        fast = [t for t in self.tiers  # (the fast tiers are the DirTiers)
+                if isinstance(t, DirTier) and t.fast and due(t) and (t is not self.shm_tier or use_shm_tier)]
         if self.shm_tier in fast:  # its commit hard-links this slot: remember which step it holds
             for other in self._staging.slots:
                 other.linked.discard(step)
             slot.linked.add(step)
         remote = [q for q in self._remote if due(q.tier)]
-        job = PersistJob(step, save_id, plan, slot, deferred, objs, fast, remote, handle,  # type: ignore[arg-type]
+        job = PersistJob(step, save_id, plan, slot, deferred, objs, fast, remote, handle,
                          shm_tier=self.shm_tier, slot_dir=self._staging.shm_dir,
                          shm_keep=len(self._staging.slots), urgent=urgent,
                          shm_uncommitted=uncommitted)  # recorded in the status file off the stall path
