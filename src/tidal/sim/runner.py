@@ -72,7 +72,8 @@ def result_key(name: str, ckpt: str, resize: str, several_modes: bool) -> str:
 
 
 def compare(scenario: Scenario, specs: Sequence[PolicySpec],
-            modes: Sequence[tuple[CkptMode, ResizeMode]] = (), log: Log = lambda s: None) -> dict[str, SimResult]:
+            modes: Sequence[tuple[CkptMode, ResizeMode]] = (),
+            log: Log = lambda s: None) -> dict[str, SimResult]:
     """Every policy under every (checkpoint mode, resize mode); keys from :func:`result_key`."""
     cfg = scenario.config
     modes = list(modes) or [(cfg.ckpt.mode, cfg.resize)]
