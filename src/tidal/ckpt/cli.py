@@ -27,8 +27,9 @@ from dataclasses import asdict
 from typing import Annotated, Any
 
 import typer
+from rich.console import JustifyMethod
 from rich.table import Table
-from rich.text import JustifyMethod, Text
+from rich.text import Text
 
 from tidal.ckpt import cli_common as cc
 from tidal.ckpt.agent.cli import SETTINGS as AGENT_SETTINGS
