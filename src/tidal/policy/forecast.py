@@ -5,9 +5,9 @@ Model, for the demand y at time ``t + h * step_s`` seen from the last observatio
     center(h) = P(t + h) + (level(t) - P(t)) * 2^(-h step / anomaly_half_life)
                 + trend(t) * step * sum_{i=1..h} 2^(-i step / trend_damping_half_life)
     scale(h)  = e(h) * (center(h) / mean)^noise_exponent * tod(t + h) * burst(h) * ctx(h)
-
-(the half-lives are ``ForecastConfig.level``'s, the exponent ``ForecastConfig.errors``')
     upper(h; z) = center(h) + z * scale(h)
+
+The half-lives are ``ForecastConfig.level``'s; the exponent is ``ForecastConfig.errors.noise_exponent``.
 
 * ``P`` is the time-of-day profile: one exponentially weighted mean per ``step_s`` slot of
   ``period_s`` (a day), read through a ``season.profile_smooth_s`` wide box kernel so a weak, noisy cycle

@@ -56,7 +56,7 @@ def constant(rate: float) -> Callable[[float], float]:
 
 
 def _with_max(fn: Callable[[float], float], top: float) -> Callable[[float], float]:
-    fn.max_rate = float(top)  # type: ignore[attr-defined]  # read by generate()
+    fn.max_rate = float(top)  # type: ignore[attr-defined]  # an attribute on the function, read by generate()
     return fn
 
 
