@@ -72,7 +72,7 @@ def test_load_trace_unknown_column(tmp_path):
 
 # --- forecast: exact small series -------------------------------------------------------------------
 
-NO_TREND = fc.ForecastConfig(step_s=600, horizon_s=3600, trend_damping_half_life_s=0)
+NO_TREND = fc.ForecastConfig(step_s=600, horizon_s=3600, level=fc.LevelConfig(trend_damping_half_life_s=0))
 
 
 def run(config: fc.ForecastConfig, values, t0: float = 0.0) -> fc.ForecastState:
@@ -104,7 +104,7 @@ def test_level_moves_half_way_per_step_and_errors_set_the_scale():
 
 
 def test_trend_extends_a_steady_rise():
-    cfg = fc.ForecastConfig(step_s=600, horizon_s=3600, profile_smooth_s=0)
+    cfg = fc.ForecastConfig(step_s=600, horizon_s=3600, season=fc.SeasonConfig(profile_smooth_s=0))
     f = fc.forecast(cfg, run(cfg, [10.0 + 2 * i for i in range(12)]))
     assert np.all(np.diff(f.center_gpus) > 0)  # still rising ...
     assert f.center_gpus[-1] - f.center_gpus[0] < 2 * 5  # ... but damped, less than the raw slope
@@ -142,7 +142,8 @@ def test_observe_is_pure():
 def test_profile_forecasts_the_morning_rise_from_the_night():
     """Hourly square-wave days: 20 GPUs 0-8 h, 80 GPUs 8-24 h. At 5:00 on day 3 the level says 20,
     the profile says 80 from 8:00: the path must rise there (before it happens)."""
-    cfg = fc.ForecastConfig(step_s=H, horizon_s=6 * H, profile_smooth_s=0, trend_damping_half_life_s=0)
+    cfg = fc.ForecastConfig(step_s=H, horizon_s=6 * H, season=fc.SeasonConfig(profile_smooth_s=0),
+                            level=fc.LevelConfig(trend_damping_half_life_s=0))
     values = [20.0 if (h % 24) < 8 else 80.0 for h in range(2 * 24 + 6)]
     f = fc.forecast(cfg, run(cfg, values))
     assert f.t_s == 2 * 86400 + 5 * H
@@ -154,8 +155,8 @@ def test_profile_forecasts_the_morning_rise_from_the_night():
 
 def test_scale_never_shrinks_with_horizon_on_noise():
     rng = np.random.default_rng(0)
-    cfg = fc.ForecastConfig(step_s=600, horizon_s=3 * H, burst_half_life_s=0, error_profile_shrink_days=1e9,
-                            noise_exponent=0)
+    cfg = fc.ForecastConfig(step_s=600, horizon_s=3 * H, errors=fc.ErrorScaleConfig(
+        burst_half_life_s=0, profile_shrink_days=1e9, noise_exponent=0))
     s = run(cfg, 50 + 5 * rng.standard_normal(300))
     assert np.all(np.diff(fc.forecast(cfg, s).scale_gpus) >= -1e-6)
 
@@ -166,14 +167,14 @@ def test_context_quantile_of_a_histogram_and_the_factor_per_context():
     hist[np.searchsorted(bins, 1.0, side="right") - 1] = 10.0  # ten errors in the bin [1.0, 1.1)
     assert fe.hist_quantile(hist, 0.5) == pytest.approx(1.05)
     assert math.isnan(fe.hist_quantile(np.zeros_like(hist), 0.5))
-    cfg = fc.ForecastConfig(context_level_edges=(1.0,), context_quantile=0.5, context_prior_n=0)
+    cfg = fc.ForecastConfig(context=fc.ContextConfig(level_edges=(1.0,), quantile=0.5, prior_n=0))
     wide = np.zeros_like(hist)
     wide[np.searchsorted(bins, 3.0, side="right") - 1] = 10.0  # the other context's errors: 3.0 .. 3.1
     s = replace(fc.initial_state(cfg), ctx_hist=np.stack([hist, wide]))
     # Pooled median: the top of the first bin (1.1, half the mass at or below it); each context's
     # median (1.05, 3.05) against it.
     np.testing.assert_allclose(fe.context_factor(cfg, s), [1.05 / 1.1, 3.05 / 1.1], rtol=1e-6)
-    shrunk = replace(cfg, context_prior_n=1e6, context_quantile=0.25)  # all prior: the pooled quantile
+    shrunk = fc.with_settings(cfg, {"context.prior_n": 1e6, "context.quantile": 0.25})  # all prior: pooled
     np.testing.assert_allclose(fe.context_factor(shrunk, s), 1.0, atol=1e-4)
 
 
@@ -250,8 +251,8 @@ def test_context_quantiles_widen_the_scale_where_errors_are_large():
     t = np.arange(6 * 144)
     high = (t // 42) % 2 == 1
     y = np.where(high, 60 + 6 * rng.standard_normal(t.size), 20 + 0.5 * rng.standard_normal(t.size))
-    off = fc.ForecastConfig(step_s=600, horizon_s=2 * H, context_level_edges=())
-    on = replace(off, context_level_edges=(1.0,), context_quantile=0.9)
+    off = fc.ForecastConfig(step_s=600, horizon_s=2 * H, context=fc.ContextConfig(level_edges=()))
+    on = replace(off, context=fc.ContextConfig(level_edges=(1.0,), quantile=0.9))
     assert off.contexts == 1 and on.contexts == 2
     s_off, s_on = run(off, y), run(on, y)
     assert s_off.ctx_hist is None
@@ -274,11 +275,20 @@ def test_context_quantiles_widen_the_scale_where_errors_are_large():
 
 
 @pytest.mark.parametrize(("kw", "match"), [
-    ({"context_level_edges": (1.2, 0.9)}, "context_level_edges must increase"),
-    ({"context_quantile": 1.0}, r"context_quantile must be in \(0, 1\)"),
-    ({"context_tod_buckets": -1}, "context_tod_buckets must be >= 0"),
-    ({"context_max_factor": 0.5}, "context_max_factor >= 1"),
+    ({"level_edges": (1.2, 0.9)}, r"ForecastConfig\.context\.level_edges must increase"),
+    ({"quantile": 1.0}, r"ForecastConfig\.context\.quantile must be in \(0, 1\)"),
+    ({"tod_buckets": -1}, r"ForecastConfig\.context\.tod_buckets must be >= 0"),
+    ({"max_factor": 0.5}, "max_factor >= 1"),
 ])
 def test_context_config_errors(kw, match):
     with pytest.raises(ValueError, match=match):
-        fc.ForecastConfig(**kw)
+        fc.ForecastConfig(context=fc.ContextConfig(**kw))
+
+
+def test_settings_by_name_and_a_wrong_group_are_refused_clearly():
+    cfg = fc.with_settings(fc.ForecastConfig(), {"lead.quantile": 0.8, "step_s": 300.0})
+    assert cfg.lead.quantile == 0.8 and cfg.step_s == 300.0 and cfg.lead.z_scales == 2.5
+    with pytest.raises(ValueError, match="no setting 'lead_quantile'"):
+        fc.with_settings(fc.ForecastConfig(), {"lead_quantile": 0.8})
+    with pytest.raises(ValueError, match=r"ForecastConfig\.lead must be a LeadQuantileConfig"):
+        fc.ForecastConfig(lead={"quantile": 0.8})

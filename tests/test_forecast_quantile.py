@@ -4,7 +4,6 @@ the forecast's bound over the window covers at the quantile, and the state persi
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from statistics import NormalDist
 
 import numpy as np
@@ -64,7 +63,7 @@ def _noisy(days: int, seed: int, sd: float) -> np.ndarray:
 
 def test_forecast_bound_over_the_window_covers_at_the_lead_quantile():
     tau = 0.9
-    cfg = fc.ForecastConfig(lead_quantile=tau, quantile_window_steps=2)
+    cfg = fc.ForecastConfig(lead=fc.LeadQuantileConfig(quantile=tau, window_steps=2))
     y = _noisy(8, 1, 5.0)
     state = fc.initial_state(cfg)
     under = []
@@ -72,14 +71,14 @@ def test_forecast_bound_over_the_window_covers_at_the_lead_quantile():
         state = fc.observe(cfg, state, 600.0 * i, float(v))
         if i >= 3 * 144:
             f = fc.forecast(cfg, state)
-            bound = float(np.max(f.upper(cfg.quantile_z)[:2]))
+            bound = float(np.max(f.upper(cfg.lead.z_scales)[:2]))
             under.append(max(y[i + 1], y[i + 2]) > bound)
     assert abs(float(np.mean(under)) - (1 - tau)) < 0.035
     assert state.lq_model[2, 1] > 1000  # updated at every step
 
 
 def test_lead_quantile_state_round_trips_through_the_codec_and_off_changes_nothing():
-    cfg = fc.ForecastConfig(lead_quantile=0.9)
+    cfg = fc.ForecastConfig(lead=fc.LeadQuantileConfig(quantile=0.9))
     y = _noisy(1, 2, 3.0)
     on, off = fc.initial_state(cfg), fc.initial_state(fc.ForecastConfig())
     for i, v in enumerate(y):
@@ -97,20 +96,20 @@ def test_lead_quantile_state_round_trips_through_the_codec_and_off_changes_nothi
 
 
 @pytest.mark.parametrize(("kw", "match"), [
-    (dict(lead_quantile=1.0), "lead_quantile"),
-    (dict(lead_quantile=0.9, quantile_window_steps=0), "quantile_window_steps"),
-    (dict(lead_quantile=0.9, quantile_window_steps=10_000), "quantile_window_steps"),
-    (dict(quantile_z=0.0), "quantile_z"),
-    (dict(quantile_rho_range=(2.0, 1.0)), "quantile_rho_range"),
+    ({"lead.quantile": 1.0}, r"lead\.quantile"),
+    ({"lead.quantile": 0.9, "lead.window_steps": 0}, r"lead\.window_steps"),
+    ({"lead.quantile": 0.9, "lead.window_steps": 10_000}, r"lead\.window_steps"),
+    ({"lead.z_scales": 0.0}, "z_scales"),
+    ({"lead.rho_range": (2.0, 1.0)}, "rho_range"),
 ])
 def test_bad_lead_quantile_settings_are_refused_by_name(kw, match):
     with pytest.raises(ValueError, match=match):
-        replace(fc.ForecastConfig(), **kw)
+        fc.with_settings(fc.ForecastConfig(), kw)
 
 
 # --- weekly structure and level shifts (tidal.policy.forecast) ------------------------------------------
 
-HOURLY = dict(step_s=3600.0, horizon_s=6 * 3600.0, profile_smooth_s=3600.0)
+HOURLY = dict(step_s=3600.0, horizon_s=6 * 3600.0)  # (the profile's kernel: 3600 s, the default)
 
 
 def _six_hours_ahead_error(cfg: fc.ForecastConfig, y: np.ndarray, from_step: int) -> np.ndarray:
@@ -127,7 +126,8 @@ def test_weekly_departures_are_learnt_and_change_nothing_before_a_week():
     t = np.arange(3 * 168)  # three weeks, hourly
     weekend = (t // 24) % 7 >= 5
     y = np.where(weekend, 40.0, 100.0) + 15 * np.sin(2 * np.pi * t / 24) + 3 * rng.normal(size=t.size)
-    daily, weekly = fc.ForecastConfig(**HOURLY), fc.ForecastConfig(**HOURLY, week_s=7 * 86400.0)
+    daily = fc.ForecastConfig(**HOURLY)
+    weekly = fc.ForecastConfig(**HOURLY, season=fc.SeasonConfig(week_s=7 * 86400.0))
     first_week = _six_hours_ahead_error(weekly, y[:170], 0)
     np.testing.assert_array_equal(first_week[:160], _six_hours_ahead_error(daily, y[:170], 0)[:160])
     off, on = _six_hours_ahead_error(daily, y, 2 * 168), _six_hours_ahead_error(weekly, y, 2 * 168)
@@ -138,7 +138,7 @@ def test_a_level_shift_is_rebased_within_a_few_steps():
     rng = np.random.default_rng(5)
     start = 3 * 24
     y = np.where(np.arange(5 * 24) >= start, 80.0, 50.0) + 2 * rng.normal(size=5 * 24)
-    cfg = fc.ForecastConfig(**HOURLY, shift_half_life_s=2 * 3600.0)
+    cfg = fc.ForecastConfig(**HOURLY, season=fc.SeasonConfig(shift_half_life_s=2 * 3600.0))
     for c, within in ((cfg, True), (fc.ForecastConfig(**HOURLY), False)):
         state = fc.initial_state(c)
         for i in range(start + 4):
@@ -161,7 +161,8 @@ def test_a_state_stored_before_the_options_existed_decodes_and_switching_them_on
     assert old.lq_model is None and old.shift_count == 0
     with pytest.raises(ValueError, match="missing or unknown"):  # a field without a default is still required
         codec.decode({k: v for k, v in doc.items() if k != "level_gpus"})
-    on = fc.ForecastConfig(lead_quantile=0.8, week_s=7 * 86400.0)
+    on = fc.ForecastConfig(lead=fc.LeadQuantileConfig(quantile=0.8),
+                           season=fc.SeasonConfig(week_s=7 * 86400.0))
     nxt = fc.observe(on, old, 600.0 * len(y), 60.0)
     assert nxt.lq_model is not None and nxt.week_dev.size == 7 * 144 and np.isfinite(nxt.scale_gpus).all()
     back_off = fc.observe(cfg_off, nxt, 600.0 * (len(y) + 1), 61.0)
@@ -174,7 +175,8 @@ def test_gaps_zeros_and_spikes_keep_every_option_finite():
     y[rng.random(y.size) < 0.05] = math.nan
     y[100:130] = 0.0
     y[300:303] = 5000.0
-    cfg = fc.ForecastConfig(lead_quantile=0.8, week_s=7 * 86400.0, shift_half_life_s=3600.0)
+    cfg = fc.ForecastConfig(lead=fc.LeadQuantileConfig(quantile=0.8),
+                            season=fc.SeasonConfig(week_s=7 * 86400.0, shift_half_life_s=3600.0))
     state = fc.initial_state(cfg)
     for i, v in enumerate(y):
         state = fc.observe(cfg, state, 600.0 * i, float(v))

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tidal.policy.baselines import NightWindowPolicy, OraclePolicy, ReactivePolicy
-from tidal.policy.forecast import ForecastConfig, forecast
+from tidal.policy.forecast import ErrorScaleConfig, ForecastConfig, SeasonConfig, forecast
 from tidal.policy.forecast_errors import tail_reserve_gpus
 from tidal.policy.loan import (
     LoanContext,
@@ -268,7 +268,8 @@ def test_tidal_constant_demand_step_by_step():
 def test_tidal_reclaims_before_the_daily_rise():
     """Square-wave days (20 GPUs 0-8 h, 80 GPUs 8-24 h), hourly steps, 1 h lead. After the first day
     the rise is forecast: the notice goes out at 7:00, the GPUs serve at 8:00, nothing is short."""
-    fc = ForecastConfig(step_s=H, horizon_s=6 * H, profile_smooth_s=0, error_profile_smooth_s=0)
+    fc = ForecastConfig(step_s=H, horizon_s=6 * H, season=SeasonConfig(profile_smooth_s=0),
+                        errors=ErrorScaleConfig(profile_smooth_s=0))
     timing = LoanTiming(notice_s=0, final_checkpoint_s=0, release_s=0, warmup_s=H, restart_cost_s=0)
     # the budget ledger off: on day 0 it would hold back half the loans (tested in test_loan_budget.py);
     # so is the tail reserve's prior (a reserve against a jump of half the mean while the history is

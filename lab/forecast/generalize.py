@@ -56,10 +56,11 @@ DAY_S = 86400.0
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
-    """``["ledger_fraction=0.8", "forecast.lead_quantile=0.8", ...]`` -> TidalConfig keyword arguments
-    (numbers; ``forecast.KEY`` a ForecastConfig setting, under the key ``forecast``); clear errors."""
+    """``["ledger_fraction=0.8", "forecast.lead.quantile=0.8", ...]`` -> TidalConfig keyword arguments
+    (numbers; ``forecast.KEY`` a ForecastConfig setting as :func:`~tidal.policy.forecast.with_settings`
+    names it, under the key ``forecast``); clear errors."""
     known = {f.name for f in fields(TidalConfig)} - {"shortfall_budget", "forecast", "timing"}
-    known_fc = {f"forecast.{f.name}" for f in fields(fc.ForecastConfig)} - {
+    known_fc = {f"forecast.{name}" for name in fc.setting_names()} - {
         "forecast.step_s",
         "forecast.horizon_s",
     }
@@ -80,7 +81,7 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
             out[key] = number
     checked = dict(out)
     try:  # a value the config refuses (ledger_fraction=5) fails here, with its message
-        TidalConfig(forecast=fc.ForecastConfig(**checked.pop("forecast", {})), **checked)
+        TidalConfig(forecast=fc.with_settings(fc.ForecastConfig(), checked.pop("forecast", {})), **checked)
     except (TypeError, ValueError) as e:
         raise ValueError(f"--tidal: {e}") from None
     return out
@@ -146,7 +147,7 @@ def evaluate_rotation(job: dict[str, Any]) -> dict[str, Any]:
     horizon_s = max(6 * 3600.0, timing.lead_time_s + step_s)
     oracle = fluid_score(oracle_lent(demand, n, lead), demand, n, lead, warmup)["harvest"]
     tidal = dict(job["tidal"])
-    fcfg = fc.ForecastConfig(step_s=step_s, horizon_s=horizon_s, **tidal.pop("forecast", {}))
+    fcfg = fc.with_settings(fc.ForecastConfig(step_s=step_s, horizon_s=horizon_s), tidal.pop("forecast", {}))
     rows: dict[str, dict[str, Any]] = {}
     for b in job["budgets"]:
         r: dict[str, Any] = {}
@@ -198,7 +199,7 @@ def run(traces: list[Path], *, serving_gpus: int = 128, step_s: float = 600.0, l
     started = time.perf_counter()
     tidal = dict(tidal or {})
     checked = dict(tidal)  # a bad override fails here, once, with the config's own message
-    TidalConfig(forecast=fc.ForecastConfig(**checked.pop("forecast", {})), **checked)
+    TidalConfig(forecast=fc.with_settings(fc.ForecastConfig(), checked.pop("forecast", {})), **checked)
     if len(traces) < 2:
         raise ValueError(
             "leave-one-trace-out needs at least two real traces (tune on one, report on the others)"

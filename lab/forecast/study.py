@@ -44,6 +44,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -132,7 +133,7 @@ def _tidal_uppers(times_s: np.ndarray, demand: np.ndarray, cfg: fc.ForecastConfi
 
 
 LEAD_QUANTILE = 0.8
-"""``ForecastConfig.lead_quantile`` of the lead-quantile rows (chosen on each trace alone: the same on
+"""``ForecastConfig.lead.quantile`` of the lead-quantile rows (chosen on each trace alone: the same on
 both, docs/loaning.md)."""
 TIDAL_ROWS = {"tidal (lead quantile off)": 0.0, f"tidal (lead quantile {LEAD_QUANTILE:g})": LEAD_QUANTILE}
 """Tidal's rows, with the lead-window quantile off (the forecast before it) and on, whatever the default."""
@@ -149,7 +150,8 @@ def evaluate_forecasts(times_s: np.ndarray, demand: np.ndarray, *, step_s: float
     cfg = fc.ForecastConfig(step_s=step_s, period_s=period_s, horizon_s=max(lead * step_s, 3600.0))
     uppers: dict[str, dict[float, np.ndarray]] = {
         name: _tidal_uppers(
-            times_s, demand, replace(cfg, lead_quantile=tau, quantile_window_steps=lead), lead, quantiles
+            times_s, demand, fc.with_settings(cfg, {"lead.quantile": tau, "lead.window_steps": lead}), lead,
+            quantiles
         )
         for name, tau in TIDAL_ROWS.items()
     }
@@ -226,7 +228,8 @@ def evaluate_harvest(
         variants = [
             (
                 name,
-                replace(base, forecast=replace(base.forecast, lead_quantile=tau, quantile_window_steps=lead)),
+                replace(base, forecast=fc.with_settings(base.forecast, {"lead.quantile": tau,
+                                                                       "lead.window_steps": lead})),
             )
             for name, tau in TIDAL_ROWS.items()
         ]
@@ -341,16 +344,16 @@ def run(traces: list[Path], *, serving_gpus: int = 128, step_s: float = 600.0, l
                     "min_z",
                 )
             },
-            "forecast": {
-                k: getattr(fc.ForecastConfig(), k)
-                for k in (
-                    "noise_exponent",
-                    "context_tod_buckets",
-                    "context_level_edges",
-                    "context_vol_edges",
-                    "context_quantile",
-                    "quantile_z",
-                    "quantile_lr",
+            "forecast": {  # (the report's keys: the settings' names before they were grouped)
+                k: attrgetter(path)(fc.ForecastConfig())
+                for k, path in (
+                    ("noise_exponent", "errors.noise_exponent"),
+                    ("context_tod_buckets", "context.tod_buckets"),
+                    ("context_level_edges", "context.level_edges"),
+                    ("context_vol_edges", "context.vol_edges"),
+                    ("context_quantile", "context.quantile"),
+                    ("quantile_z", "lead.z_scales"),
+                    ("quantile_lr", "lead.lr"),
                 )
             },
             "lead_quantile": LEAD_QUANTILE,

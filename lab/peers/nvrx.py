@@ -19,6 +19,7 @@ raises and the engine is reported with that error as the reason.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 
@@ -46,7 +47,7 @@ class AsyncTorchSave(Engine):
         self.dir = ctx.root / "nvrx-async"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.ack = TorchAsyncCheckpoint()
-        self.last = None
+        self.last: Path | None = None
 
     def save(self, step: int) -> dict[str, float]:
         path = self.dir / f"step-{step}.pt"
@@ -65,6 +66,7 @@ class AsyncTorchSave(Engine):
         return {"disk": self._load}
 
     def _load(self, target: dict) -> dict[str, float]:
+        assert self.last is not None, "a load after a save"
         t0 = time.perf_counter()
         copy_into(target, torch.load(self.last, map_location="cpu", weights_only=False))
         return {"load_disk_s": time.perf_counter() - t0}

@@ -259,6 +259,7 @@ def main(peer: str, dists: list[str], open_engines: Callable[[Context], dict[str
             failed = e
         model, opt, state, shape = build_state(args.size_bytes, args.seed)
         ctx = Context(state, model, opt, root, args.size_bytes, args.seed)
+        engines: dict[str, Engine | BaseException]
         try:
             engines = {peer: failed} if failed is not None else open_engines(ctx)
         except Exception as e:  # noqa: BLE001 (the import or set-up of the peer itself failed)

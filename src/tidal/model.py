@@ -159,7 +159,8 @@ class Job:
     kind: Kind = "spot"
     priority: int = 0
     min_gpus: int = 1
-    max_gpus: int | None = None
+    # None (the default) means min_gpus; __post_init__ sets it, so every reader sees an int.
+    max_gpus: int = None  # type: ignore[assignment]  # filled by __post_init__
     multiple_of: int = 1
     gpus_per_node: int | None = None
     submit_s: float = 0.0
@@ -314,16 +315,17 @@ def check_snapshot(s: Snapshot) -> None:
     The scheduler trusts its input for speed; call this where snapshots are built (tests, the store
     in debug mode, the simulator after applying decisions).
     """
-    nodes = {}
-    for n in s.nodes:
-        _need(n.name not in nodes, f"node {n.name!r} listed twice")
-        nodes[n.name] = n
+    nodes: dict[str, Node] = {}
+    for node_ in s.nodes:
+        _need(node_.name not in nodes, f"node {node_.name!r} listed twice")
+        nodes[node_.name] = node_
     tenants = {t.name for t in s.tenants}
     _need(len(tenants) == len(s.tenants), "a tenant is listed twice")
     loaned: dict[str, int] = {}
     for ln in s.loans:
         n = nodes.get(ln.node)
-        _need(n is not None, f"loan on unknown node {ln.node!r}")
+        if n is None:
+            raise ValueError(f"loan on unknown node {ln.node!r}")
         _need(n.pool == "serving", f"loan on {ln.node!r}: only serving nodes are loaned, it is {n.pool!r}")
         _need(ln.node not in loaned, f"node {ln.node!r} has two loans")
         _need(ln.gpus <= n.gpus, f"loan on {ln.node!r}: gpus={ln.gpus} > node gpus={n.gpus}")
@@ -343,7 +345,8 @@ def check_snapshot(s: Snapshot) -> None:
         )
         for node, k in j.placement.items():
             n = nodes.get(node)
-            _need(n is not None, f"Job {j.id!r}: placed on unknown node {node!r}")
+            if n is None:
+                raise ValueError(f"Job {j.id!r}: placed on unknown node {node!r}")
             _need(k > 0, f"Job {j.id!r}: placement[{node!r}]={k} must be > 0")
             _need(g is None or k == g, f"Job {j.id!r}: holds {k} GPUs on {node!r}, gpus_per_node={g}")
             if n.pool == "serving":

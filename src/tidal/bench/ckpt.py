@@ -356,17 +356,17 @@ def run(size_gb: float = 1.0, repeat: int = 5, directory: str | os.PathLike | No
                 ("tidal", bench.tidal_load_resharded),
                 ("dcp", bench.dcp_load),
             ]
-            for fn in (f for _, f in loads):  # warm-up, and a check that every load is right
+            for load in (f for _, f in loads):  # warm-up, and a check that every load is right
                 zero(target)
-                fn(target)
-                check_equal(target, state, fn.__name__)
+                load(target)
+                check_equal(target, state, load.__name__)
             for i in range(repeat):
                 log(f"load repeat {i + 1}/{repeat}")
                 k = i % len(loads)
-                for group, fn in loads[k:] + loads[:k]:
+                for group, load in loads[k:] + loads[:k]:
                     zero(target)
                     gc.collect()
-                    for metric, value in fn(target).items():
+                    for metric, value in load(target).items():
                         samples["load"][group][metric].append(value)
             del target
     finally:
@@ -376,13 +376,14 @@ def run(size_gb: float = 1.0, repeat: int = 5, directory: str | os.PathLike | No
 
     results = {g: {c: {m: _summary(v) for m, v in ms.items()} for c, ms in cs.items()}
                for g, cs in samples.items()}
-    ratios, targets = {}, {}
+    ratios: dict[str, float | None] = {}
+    targets: dict[str, dict[str, Any]] = {}
     for name, (num, den, goal) in RATIOS.items():
         a = results[num[0]][num[1]][num[2]]["median"]
         b = results[den[0]][den[1]][den[2]]["median"]
-        ratios[name] = a / b if b > 0 else None
-        if goal is not None and ratios[name] is not None:
-            targets[name] = {"ratio": ratios[name], "target_max": goal, "pass": ratios[name] <= goal}
+        r = ratios[name] = a / b if b > 0 else None
+        if goal is not None and r is not None:
+            targets[name] = {"ratio": r, "target_max": goal, "pass": r <= goal}
     return {
         "benchmark": "ckpt",
         "machine": machine(),

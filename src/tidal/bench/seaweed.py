@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import BinaryIO
 
 from tidal.ckpt.agent.childproc import stop_process, wait_ready
 from tidal.net import free_ports
@@ -69,7 +70,7 @@ class SeaweedServer:
         self.volume_size_limit_mb = volume_size_limit_mb
         self.ports = dict(zip(_PORT_NAMES, free_ports(len(_PORT_NAMES)), strict=True))
         self.proc: subprocess.Popen | None = None
-        self._log = None
+        self._log: BinaryIO | None = None
         self._sock_dir: Path | None = None  # a short home for the Unix sockets (see _sockets)
 
     @property

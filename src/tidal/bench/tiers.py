@@ -81,7 +81,7 @@ def _payload(size_bytes: int, pieces: int = 8) -> dict:
 
 def _flat(state: dict) -> memoryview:
     """The state's bytes, contiguous: what the raw baselines write."""
-    return memoryview(torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors(state)]).numpy())
+    return torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors(state)]).numpy().data
 
 
 # -- 1. persist --------------------------------------------------------------------------------------
@@ -177,7 +177,7 @@ def persist(p: _Persist, repeat: int, log: Callable[[str], None]) -> dict:
         p.tidal(t)
         p.tidal(t)
         p.raw(t)
-    samples = {t: {"raw_s": [], "tidal_s": []} for t in tiers}
+    samples: dict[str, dict[str, list[float]]] = {t: {"raw_s": [], "tidal_s": []} for t in tiers}
     for i in range(repeat):
         order = tiers[i % 3:] + tiers[: i % 3]
         log(f"persist repeat {i + 1}/{repeat}: {', '.join(order)}")
@@ -204,7 +204,7 @@ def persist(p: _Persist, repeat: int, log: Callable[[str], None]) -> dict:
 # -- 2. load -----------------------------------------------------------------------------------------
 
 def loads(env: Env, p: _Persist, repeat: int, log: Callable[[str], None]) -> dict:
-    sources = {
+    sources: dict[str, list[Any]] = {
         "shm": ["shm", str(env.disk / "persist")],
         "disk": [str(env.disk / "persist")],
         "s3": [env.s3_url("persist")],

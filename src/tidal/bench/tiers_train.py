@@ -45,7 +45,7 @@ def _dcp_s3_kwargs(env: Env) -> dict:
 
         def _open(self, path: str, mode: str = "rb", block_size: Any = None, autocommit: Any = True,
                   cache_options: Any = None, **kwargs: Any) -> BufferedFile:
-            return _CopyingFile(self, path, mode, **kwargs)
+            return _CopyingFile(self, path, "wb" if mode == "wb" else "rb", **kwargs)
 
     fsspec.register_implementation("s3", _Store, clobber=True)
     sw = env.seaweed
@@ -66,7 +66,8 @@ class _Trainer:
         self.model, self.opt, self.width = _model(model_mb)
         self.x, self.y = torch.randn(batch, self.width), torch.randn(batch, self.width)
         self.cp: ckpt.Checkpointer | None = None
-        self.stager, self.pending, self.kw = None, None, {}
+        self.stager, self.kw = None, {}
+        self.pending: Any = None  # DCP's async save in flight
         if mode.startswith("tidal"):
             every = 6 if mode == "tidal_s3_every_6" else 1
             tiers = ["shm", env.peer(mode, keep=2), {"url": str(env.disk / mode), "keep": 2},
@@ -76,7 +77,9 @@ class _Trainer:
             self.kw = _dcp_s3_kwargs(env)
             self.stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
                                                        use_async_staging=True, use_non_blocking_copy=False))
-        self.step, self.saves, self.calls, self.rates = 0, 0, [], []
+        self.step, self.saves = 0, 0
+        self.calls: list[float] = []
+        self.rates: list[float] = []
         self.cpu = {"this process": 0.0, "agents": 0.0, "S3 server": 0.0}  # CPU seconds, summed over segments
         self.wall = 0.0
 

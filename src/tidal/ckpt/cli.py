@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Annotated, Any
 
 import typer
+from rich.console import JustifyMethod
 from rich.table import Table
 from rich.text import Text
 
@@ -105,9 +107,8 @@ def ls_cmd(url: LsUrlArg, tier: TierOpt = None, as_json: JsonOpt = False) -> Non
         )
     else:
         table = Table(title=f"checkpoint {where}", title_justify="left")
-        for col, just in (("step", "right"), ("tiers", "left"), ("bytes", "right"), ("files", "right"),
-                          ("created", "left"), ("world", "right"), ("saved layout", "left")):
-            table.add_column(col, justify=just, overflow="fold")  # type: ignore[arg-type]
+        _columns(table, (("step", "right"), ("tiers", "left"), ("bytes", "right"), ("files", "right"),
+                         ("created", "left"), ("world", "right"), ("saved layout", "left")))
         for r in rows:
             if "error" in r:
                 table.add_row(
@@ -154,6 +155,11 @@ def _status_line(st: CheckpointStatus) -> Text:
 
 
 # -- inspect ---------------------------------------------------------------------------------------
+
+def _columns(table: Table, cols: Sequence[tuple[str, JustifyMethod]]) -> None:
+    for col, just in cols:
+        table.add_column(col, justify=just, overflow="fold")
+
 
 def _shape(shape: tuple[int, ...] | list[int]) -> str:
     return "[" + ", ".join(str(s) for s in shape) + "]"
@@ -202,9 +208,8 @@ def inspect_cmd(
             f"{cc.human(man.total_bytes)} in {len(man.files)} file(s), {len(man.objects)} plain value(s)"
         ), soft_wrap=True)
         table = Table(title="tensors", title_justify="left")
-        for col, just in (("name", "left"), ("dtype", "left"), ("shape", "left"), ("pieces", "right"),
-                          ("bytes", "right"), ("saved layout", "left")):
-            table.add_column(col, justify=just, overflow="fold")  # type: ignore[arg-type]
+        _columns(table, (("name", "left"), ("dtype", "left"), ("shape", "left"), ("pieces", "right"),
+                         ("bytes", "right"), ("saved layout", "left")))
         for t in tensors:
             table.add_row(
                 cc.cell(t.name),
@@ -224,18 +229,17 @@ def inspect_cmd(
             con.print(ot)
         if pieces:
             pt = Table(title="pieces", title_justify="left")
-            for col, just in (("tensor", "left"), ("offsets", "left"), ("lengths", "left"), ("file", "left"),
-                              ("byte range", "left"), ("checksum", "left")):
-                pt.add_column(col, justify=just, overflow="fold")  # type: ignore[arg-type]
+            _columns(pt, (("tensor", "left"), ("offsets", "left"), ("lengths", "left"), ("file", "left"),
+                          ("byte range", "left"), ("checksum", "left")))
             for t in tensors:
-                for p in t.pieces:
+                for piece in t.pieces:
                     pt.add_row(
                         cc.cell(t.name),
-                        cc.cell(_shape(p.box.offsets)),
-                        cc.cell(_shape(p.box.lengths)),
-                        cc.cell(p.file),
-                        cc.cell(f"{p.start}..{p.start + p.nbytes}"),
-                        cc.cell(_crc_text(p)),
+                        cc.cell(_shape(piece.box.offsets)),
+                        cc.cell(_shape(piece.box.lengths)),
+                        cc.cell(piece.file),
+                        cc.cell(f"{piece.start}..{piece.start + piece.nbytes}"),
+                        cc.cell(_crc_text(piece)),
                     )
             con.print(pt)
     if errors:

@@ -18,6 +18,7 @@ from tidal.ckpt.errors import CheckpointError, ManifestError, NotFoundError, Tie
 from tidal.ckpt.format import manifest as mf
 from tidal.ckpt.tiers.config import build, describe, kind_of, normalize, read_tiers, resolve
 from tidal.ckpt.tiers.directory import DirTier, is_peer_url, is_s3_url, local_path, shm_root_for, tiers_for
+from tidal.ckpt.tiers.protocol import Tier
 from tidal.ckpt.verify import _read
 from tidal.console import console
 
@@ -82,7 +83,7 @@ def cell(v: Any, style: str = "") -> Text:
 
 # -- locating steps --------------------------------------------------------------------------------
 
-def dir_tiers(url: str) -> list[DirTier]:
+def dir_tiers(url: str) -> list[Tier]:
     tiers = tiers_for(url)
     root = local_path(url)
     if root.exists() and not root.is_dir():

@@ -88,7 +88,8 @@ def _check_blocks(reader: RangeReader, p: mf.StoredPiece, buf: memoryview) -> tu
     step = max(block, len(buf) // block * block)
     if step > len(buf):
         buf = memoryview(bytearray(step))
-    bad, done = [], 0
+    bad: list[int] = []
+    done = 0
     while done < p.nbytes:
         n = min(step, p.nbytes - done)
         try:

@@ -429,9 +429,10 @@ def create_app(ctx: ApiContext) -> FastAPI:
                         del op["parameters"]
                     if "401" in op.get("responses", {}):
                         op["security"] = [{"bearer": []}]
+            app.openapi_schema = doc  # (base_openapi cached it already: the same object)
         return app.openapi_schema
 
-    app.openapi = openapi  # type: ignore[method-assign]
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to extend the schema
     return app
 
 

@@ -15,6 +15,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -148,6 +149,11 @@ def submit(
         raise typer.Exit(_wait(job["id"], con, logs=not quiet))
 
 
+def _events_after(job: str | None, after: int) -> Callable[[TidalClient], list[dict]]:
+    """A call of the events of ``job`` (None: all jobs) after event ``after`` (its value now)."""
+    return lambda c: c.events(job, after=after)
+
+
 def _wait(job_id: str, con: Console, *, logs: bool = True, poll_s: float = 0.5) -> int:
     """Follow a job to its end: its events, rank 0's output (``logs``), a progress line (a live one on a
     terminal; elsewhere printed when it changes, at most every ``cli_show.PROGRESS_EVERY_S``). Retries through
@@ -166,7 +172,7 @@ def _wait(job_id: str, con: Console, *, logs: bool = True, poll_s: float = 0.5) 
         while True:
             try:
                 j = api.call(lambda c: c.job(job_id))
-                for e in api.call(lambda c, after=seen: c.events(job_id, after=after)):
+                for e in api.call(_events_after(job_id, seen)):
                     seen = e["id"]
                     history.append(e)
                     con.print(f"[dim]{show.clock(e['time_s'])}[/dim] {show.event_line(e)}", soft_wrap=True)
@@ -296,8 +302,8 @@ def status(
             soft_wrap=True,
         )
     show.summary(j, con, c, evs)
-    for e in evs[-12:]:
-        con.print(f"  [dim]{show.clock(e['time_s'])}[/dim] {show.event_line(e)}", soft_wrap=True)
+    for ev in evs[-12:]:
+        con.print(f"  [dim]{show.clock(ev['time_s'])}[/dim] {show.event_line(ev)}", soft_wrap=True)
 
 
 def logs(
@@ -428,7 +434,7 @@ def events(
         seen = rows[-1]["id"] if rows else 0
         while follow:
             time.sleep(0.5)
-            for e in api.call(lambda c, after=seen: c.events(job, after=after)):
+            for e in api.call(_events_after(job, seen)):
                 seen = e["id"]
                 emit(e)
     except ApiError as e:

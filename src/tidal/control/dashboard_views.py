@@ -74,6 +74,7 @@ def tenant_usage(tenants: list[TenantRow], held: list[JobRow], waiting: list[Job
     """Per tenant (admins left out): GPUs held by dedicated and spot jobs, jobs running and waiting, its
     quota and weight, and its fair share of spot capacity (training GPUs not held by dedicated jobs plus
     lent serving GPUs, split by weight among tenants with spot jobs running or waiting)."""
+    rows: dict[str, dict[str, Any]]
     rows = {t.name: {"tenant": t.name, "quota_gpus": t.quota_gpus, "weight": t.weight, "dedicated_gpus": 0,
                      "spot_gpus": 0, "running": 0, "waiting": 0, "fair_share_gpus": None}
             for t in tenants if not t.admin}

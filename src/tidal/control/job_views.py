@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import cast
 
 from tidal import contract as c
 from tidal.contract import DEFAULT_GRACE_S
 from tidal.control.states import HELD, TERMINAL
 from tidal.control.states import State as S
 from tidal.control.store import JobRow, Store
-from tidal.model import Job, Tenant
+from tidal.model import Job, Kind, Tenant
 
 
 def scheduler_view(store: Store) -> tuple[list[Tenant], list[Job]]:
@@ -29,11 +30,11 @@ def scheduler_view(store: Store) -> tuple[list[Tenant], list[Job]]:
             Job(
                 j.id,
                 j.tenant,
-                j.kind,
+                cast(Kind, j.kind),  # Job checks it is one
                 j.priority,
                 j.min_gpus,
                 j.max_gpus,
-                j.multiple_of,  # type: ignore[arg-type]
+                j.multiple_of,
                 submit_s=j.submit_s,
                 placement=dict(j.placement) if held else {},
                 releasing=releasing if held else {},

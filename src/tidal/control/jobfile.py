@@ -27,8 +27,8 @@ def load_spec_file(path: Path) -> dict:
         doc["workdir"] = str((base / wd).resolve())
     ck = doc.get("checkpoint")
     url = ck.get("url") if isinstance(ck, dict) else None
-    if isinstance(url, str) and "://" not in url and not url.startswith(("/", "~")):
-        ck["url"] = str((base / ck["url"]).resolve())
+    if isinstance(ck, dict) and isinstance(url, str) and "://" not in url and not url.startswith(("/", "~")):
+        ck["url"] = str((base / url).resolve())
     if isinstance(ck, dict) and isinstance(ck.get("tiers"), list):
         for i, t in enumerate(ck["tiers"]):  # "./dir" and "../dir" (a bare word is refused as a likely typo)
             if isinstance(t, str) and t.startswith(("./", "../")):

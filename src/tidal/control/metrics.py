@@ -215,7 +215,7 @@ def _loan_metrics(v: dict[str, Any]) -> Iterator[Metric]:
 def registry(store: Store, nodes: list[Node], clock: Callable[[], float], advisor: Any = None,
              loans: Any = None) -> CollectorRegistry:
     reg = CollectorRegistry(auto_describe=False)
-    reg.register(PlaneCollector(store, nodes, clock, advisor, loans))  # type: ignore[arg-type]
+    reg.register(PlaneCollector(store, nodes, clock, advisor, loans))
     return reg
 
 

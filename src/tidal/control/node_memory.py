@@ -41,8 +41,8 @@ def sweep(store: Store, executor: NodeMemory, retention_s: float, now_s: float) 
             if ckpt is None or (durable is not None and durable >= ckpt):
                 why = f"{job.state}; its newest checkpoint (step {ckpt}) is durable" if ckpt is not None \
                     else f"{job.state} without a checkpoint"
-            elif now_s - (job.finished_s or now_s) >= retention_s:
-                why = (f"{job.state} {now_s - job.finished_s:.0f} s ago (retention "  # type: ignore[operator]
+            elif (age_s := now_s - (job.finished_s or now_s)) >= retention_s:
+                why = (f"{job.state} {age_s:.0f} s ago (retention "
                        f"{retention_s:g} s); step {ckpt} was only in node memory")
             else:
                 continue
@@ -86,8 +86,8 @@ def _agent_why(job: JobRow, durable: list[str], retention_s: float, now_s: float
     if ckpt is None or also:
         return (f"{job.state}; its newest checkpoint (step {ckpt}) is also in tier {also[0]}" if also
                 else f"{job.state} without a checkpoint")
-    if now_s - (job.finished_s or now_s) >= retention_s:
-        return (f"{job.state} {now_s - job.finished_s:.0f} s ago (retention {retention_s:g} s); step "  # type: ignore[operator]
+    if (age_s := now_s - (job.finished_s or now_s)) >= retention_s:
+        return (f"{job.state} {age_s:.0f} s ago (retention {retention_s:g} s); step "
                 f"{ckpt} was only in the agents' memory")
     return None
 

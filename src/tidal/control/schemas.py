@@ -9,13 +9,16 @@ answers, errors included, against the document).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from tidal.control.states import State
 
-StateName = Literal[tuple(s.value for s in State)]  # type: ignore[valid-type]
+if TYPE_CHECKING:  # a Literal built from the enum at run time: the type checker sees its values' type
+    StateName = str
+else:
+    StateName = Literal[tuple(s.value for s in State)]
 
 
 class _Answer(BaseModel):

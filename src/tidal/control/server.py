@@ -38,10 +38,13 @@ from tidal.control.loans import LiveLoans, build_live_loans
 from tidal.control.locations import TENANTS_DIRNAME, LocationPolicy
 from tidal.control.serving_nodes import lent_before
 from tidal.control.store import Store, sqlite_path, sqlite_url
+from tidal.exec.isolation import IsolationConfig
 from tidal.exec.local import LocalExecutor, detect_gpus
 from tidal.files import write_atomic
 
 if TYPE_CHECKING:
+    from fastapi import FastAPI
+
     from tidal.exec.ray_exec import RayExecutor
 from tidal.serving.watch import Advisor, build_advisor
 
@@ -84,18 +87,18 @@ class Plane:
     describe: str
     own_agents: bool = False  # the executor runs a checkpoint agent per node (Ray, --ckpt-agents)
 
-    def app(self):
+    def app(self) -> FastAPI:
         cfg = self.controller.config.serving
-        loans, advisor = self.controller.loans, self.controller.advisor
-        serving = (advisor, cfg.describe()) if advisor is not None and cfg is not None else None
-        if loans is not None and cfg is not None:
-            serving = (None, cfg.describe())
+        advisor = self.controller.advisor
+        # the serving side: (its advisor when it only advises, else None; its source described)
+        serving: tuple[Advisor | None, str] | None = (advisor, cfg.describe()) if cfg is not None else None
         cfg_ = self.controller.config
         policy = LocationPolicy(self.state_dir / TENANTS_DIRNAME, cfg_.checkpoint_grants,
                                 cfg_.checkpoint_endpoints, cfg_.checkpoint_max_timeout_s,
                                 own_agents=self.own_agents)
         ctx = ApiContext(self.store, self.controller.nodes, self.executor.log_path, time.time,
-                         ckpt_root=self.controller.ckpt_root, serving=serving, loans=loans, locations=policy,
+                         ckpt_root=self.controller.ckpt_root, serving=serving, loans=self.controller.loans,
+                         locations=policy,
                          job_dir=self.executor.job_dir)
         return create_app(ctx)
 
@@ -150,33 +153,60 @@ def build(state_dir: Path, gpus: str = "auto", db: str | None = None, config: Co
     state_dir = Path(state_dir).resolve()
     secure_state_dir(state_dir, config)
     loans = None
-    serving_nodes: dict[str, int] = {}
     if config is not None and config.serving is not None and config.serving.lends:
         try:
             loans = build_live_loans(config.serving)
         except (OSError, ValueError) as e:
             raise SystemExit(f"tidal up: serving: {e}") from None
-        serving_nodes = loans.nodes
         # nothing starts on a loan about to end: the scheduler's horizon is the plan's shortest loan
         config = dataclasses.replace(config, scheduler=dataclasses.replace(
             config.scheduler, min_loan_left_s=loans.timing.min_loan_window_s))
     store = open_checked(state_dir, db or sqlite_url(str(state_dir / "tidal.db")))
     token, created = ensure_admin(store, state_dir, time.time())
     secure_state_dir(state_dir, config)  # the database as created
-    iso = config.isolation if config is not None else None
+    parts = PlaneParts(state_dir=state_dir, gpus=gpus, store=store, admin_token=token, token_created=created,
+                       config=config, loans=loans)
     try:
         if executor == "ray":
-            return _build_ray(
-                state_dir, gpus, store, token, created, config, iso, ray_address, ckpt_agents, loans
-            )
-        return _build(state_dir, gpus, store, token, created, config, iso, loans, serving_nodes)
+            return _build_ray(parts, RayOptions(address=ray_address, ckpt_agents=ckpt_agents))
+        return _build(parts)
     except ValueError as e:
         store.close()
         raise SystemExit(f"tidal up: {e}") from None
 
 
-def _build(state_dir, gpus, store, token, created, config, iso, loans, serving_nodes) -> Plane:  # noqa: ANN001
-    if loans is not None and config.serving.adapter == "ray-serve":
+@dataclass(frozen=True)
+class PlaneParts:
+    """What :func:`build` made before the executor, for the builder of either executor."""
+
+    state_dir: Path  # resolved, secured
+    gpus: str  # "auto", or a number: CPU slots (local executor), GPUs of the Ray tidal up starts
+    store: Store
+    admin_token: str
+    token_created: bool  # this start created the admin token
+    config: ControlConfig | None
+    loans: LiveLoans | None  # the serving nodes lent from, when the config lends
+
+    @property
+    def isolation(self) -> IsolationConfig | None:
+        return self.config.isolation if self.config is not None else None
+
+
+@dataclass(frozen=True)
+class RayOptions:
+    """``tidal up --executor ray``'s own options."""
+
+    address: str | None = None  # --ray-address; None: a local Ray that tidal up starts
+    ckpt_agents: bool = False  # --ckpt-agents: a checkpoint agent on every node
+
+
+def _build(parts: PlaneParts) -> Plane:
+    state_dir, gpus, store = parts.state_dir, parts.gpus, parts.store
+    config, loans = parts.config, parts.loans
+    iso = parts.isolation
+    serving_nodes = loans.nodes if loans is not None else {}
+    serving = config.serving if config is not None else None  # (set whenever loans are)
+    if loans is not None and serving is not None and serving.adapter == "ray-serve":
         store.close()
         raise SystemExit(
             "tidal up: serving.adapter ray-serve lends the GPUs of Ray nodes: it needs --executor ray"
@@ -211,7 +241,7 @@ def _build(state_dir, gpus, store, token, created, config, iso, loans, serving_n
         if isinstance(e, SystemExit):
             raise
         raise SystemExit(f"tidal up: {e}") from None
-    return Plane(state_dir, store, executor, controller, token, created, what + more)
+    return Plane(state_dir, store, executor, controller, parts.admin_token, parts.token_created, what + more)
 
 
 def _serving(config: ControlConfig | None, loans: LiveLoans | None) -> tuple[Advisor | None, str]:
@@ -230,9 +260,12 @@ def _serving(config: ControlConfig | None, loans: LiveLoans | None) -> tuple[Adv
     return adv, (f"; serving {config.serving.serving_gpus} GPUs, plan from {config.serving.describe()}")
 
 
-def _build_ray(state_dir, gpus, store, token, created, config, iso, address, agents, loans) -> Plane:  # noqa: ANN001
+def _build_ray(parts: PlaneParts, ray: RayOptions) -> Plane:
     from tidal.exec.ray_exec import RayExecutor
 
+    state_dir, gpus, store = parts.state_dir, parts.gpus, parts.store
+    config, loans = parts.config, parts.loans
+    address, agents = ray.address, ray.ckpt_agents
     num_gpus = None
     if gpus != "auto":
         try:
@@ -246,7 +279,7 @@ def _build_ray(state_dir, gpus, store, token, created, config, iso, address, age
         state_dir / "jobs",
         address=address,
         num_gpus=num_gpus,
-        isolation=iso,
+        isolation=parts.isolation,
         ckpt_agents=agents,
         serving_nodes=loans.nodes if loans is not None else None,
     )
@@ -267,7 +300,8 @@ def _build_ray(state_dir, gpus, store, token, created, config, iso, address, age
     except (ValueError, SystemExit):
         executor.close()
         raise
-    return Plane(state_dir, store, executor, controller, token, created, what + more, own_agents=agents)
+    return Plane(state_dir, store, executor, controller, parts.admin_token, parts.token_created, what + more,
+                 own_agents=agents)
 
 
 def open_checked(state_dir: Path, url: str) -> Store:

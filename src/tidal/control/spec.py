@@ -71,10 +71,10 @@ class GpuRange(_Strict):
 
     @model_validator(mode="after")
     def _sizes(self) -> GpuRange:
-        if self.max is None:
-            object.__setattr__(self, "max", self.min)
-        if self.max < self.min:  # type: ignore[operator]
-            raise ValueError(f"max ({self.max}) must be >= min ({self.min})")
+        mx = self.min if self.max is None else self.max
+        object.__setattr__(self, "max", mx)
+        if mx < self.min:
+            raise ValueError(f"max ({mx}) must be >= min ({self.min})")
         for name in ("min", "max"):
             if getattr(self, name) % self.multiple_of:
                 raise ValueError(

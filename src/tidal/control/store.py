@@ -247,10 +247,10 @@ class Store:
     # -- sessions ------------------------------------------------------------------------------------
     def check_file(self) -> None:
         """Raise :class:`StoreUnavailable` if the SQLite file is gone or is another file now."""
-        if self._identity is None:
+        if self._identity is None or self.path is None:
             return
         try:
-            st = os.stat(self.path)  # type: ignore[arg-type]
+            st = os.stat(self.path)
         except OSError:
             st = None
         if st is None or (st.st_dev, st.st_ino) != self._identity:
@@ -411,7 +411,7 @@ class Store:
         q = select(JobRow.id, JobRow.tenant, JobRow.ckpt_location, JobRow.state).where(
             JobRow.ckpt_location.is_not(None))
         with self._read() as s:
-            return [tuple(r) for r in s.execute(q)]  # type: ignore[misc]
+            return [(i, t, loc, st) for i, t, loc, st in s.execute(q) if loc is not None]  # (as the query)
 
     def active_jobs(self) -> list[JobRow]:
         return self.jobs(states=ACTIVE)

@@ -83,6 +83,7 @@ def tier_steps(home: str, agents: Sequence[str], token: str | None = None) -> di
     tiers = [disk]
     if agents:
         peer = read_tiers(["peer", home])[0]
+        assert isinstance(peer, PeerTier)
         # No local agent: its buddy (perhaps the lost node's) is never asked.
         tiers.insert(0, PeerTier(peer.job, name="peer", agent=None, peers=list(agents), token=token,
                                  timeout_s=AGENT_TIMEOUT_S, connect_timeout_s=AGENT_TIMEOUT_S / 4))

@@ -272,17 +272,17 @@ def run(opts: CycleOptions, kill_hour: float, console: Console, *, keep: bool = 
                 s = client.serving()
                 jobs = [client.job(i) for i in ids]
                 checks += _double_counted(s, jobs)
-                for e in admin.events(after=seen):
-                    seen = e["id"]
-                    if e["kind"] == "node_lost" and e.get("job") == loss.job and loss.lost is None:
-                        loss.lost = e
-                    if e["kind"] == "recovered" and e.get("job") == loss.job and loss.recovered is None:
-                        loss.recovered = e
-                    if traffic is not None and e["kind"] == "reclaim" and reclaim_s is None:
-                        reclaim_s = traffic.at(e["time_s"])
-                    if traffic is not None and e["kind"] == "serving_ready" and reclaim_s is not None:
-                        ready_s = traffic.at(e["time_s"])
-                    if e["kind"] in (
+                for ev in admin.events(after=seen):
+                    seen = ev["id"]
+                    if ev["kind"] == "node_lost" and ev.get("job") == loss.job and loss.lost is None:
+                        loss.lost = ev
+                    if ev["kind"] == "recovered" and ev.get("job") == loss.job and loss.recovered is None:
+                        loss.recovered = ev
+                    if traffic is not None and ev["kind"] == "reclaim" and reclaim_s is None:
+                        reclaim_s = traffic.at(ev["time_s"])
+                    if traffic is not None and ev["kind"] == "serving_ready" and reclaim_s is not None:
+                        ready_s = traffic.at(ev["time_s"])
+                    if ev["kind"] in (
                         "loan",
                         "reclaim",
                         "return",
@@ -292,17 +292,17 @@ def run(opts: CycleOptions, kill_hour: float, console: Console, *, keep: bool = 
                         "node",
                         "serving_ready",
                         "serving_history",
-                    ) or (e["kind"] == "transition" and e.get("to") in ("resizing", "preempting")):
+                    ) or (ev["kind"] == "transition" and ev.get("to") in ("resizing", "preempting")):
                         console.print(f"[dim]{_hhmm(s.get('serving_time_s') or 0)}[/dim] "
-                                      f"{e.get('job') or ''} {e['message']}", highlight=False)
+                                      f"{ev.get('job') or ''} {ev['message']}", highlight=False)
                 trying = loss.killer is not None and loss.killer.is_alive()
                 if loss.node is None and not trying and (s.get("serving_time_s") or 0) >= loss.at_s:
                     _kill(loss, jobs, s["serving_time_s"], cluster, plane, homes)
                 if loss.node is not None and not loss.announced:
                     loss.announced = True
                     console.print(loss.announcement(), highlight=False)
-                if loss.bring_back(time.time()):
-                    cluster.add(loss.node)  # type: ignore[arg-type]
+                if loss.node is not None and loss.bring_back(time.time()):  # (bring_back: a node was lost)
+                    cluster.add(loss.node)
                     loss.back = True
                     console.print(
                         f"[bold cyan]ray cycle[/bold cyan] node {loss.node} comes back", highlight=False
@@ -352,7 +352,12 @@ def _start_traffic(plane: EmbeddedPlane, serving: Any, rate_trace: Path, opts: C
                    console: Console) -> st.Traffic:
     """The load generator at the trace's rate from the serving clock's time now (the adapter's clock, which
     starts at the plane's first step)."""
-    adapter = plane.plane.controller.loans.adapter
+    from tidal.serving.ray_serve import RayServeAdapter
+
+    loans = plane.plane.controller.loans
+    adapter = loans.adapter if loans is not None else None
+    if not isinstance(adapter, RayServeAdapter):
+        raise DemoError(f"the plane lends through {type(adapter).__name__}, not Ray Serve")
     deadline = time.monotonic() + 60.0
     while adapter.origin_s is None and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -374,7 +379,7 @@ def _serve_summary(traffic: st.Traffic, warm: st.Traffic | None, serving: Any, s
     total = ph["total"]
     first = warm.phases(None, None)["total"] if warm is not None else None  # until the first step
     ok = traffic.error is None and total["requests"] > 0 and total["failed"] == 0
-    ok = ok and (first is None or (warm.error is None and first["failed"] == 0))
+    ok = ok and (warm is None or first is None or (warm.error is None and first["failed"] == 0))
     return {"ok": ok, "error": traffic.error or (warm.error if warm else None), "latency": ph,
             "until_the_first_step": first, "reclaim_at_s": reclaim_s, "ready_again_at_s": ready_s,
             "slo": f"p99 queue wait <= {serving.latency_target_s:g} s", "service_s": st.SERVICE_S,
@@ -423,7 +428,10 @@ def _kill(loss: NodeLoss, jobs: list[dict], serving_s: float, cluster: LocalRayC
     if peer is None and not force:
         return
     loss.looked, loss.looks = peer, loss.looks + 1
+    from tidal.exec.ray_exec import RayExecutor
+
     ex = plane.plane.executor
+    assert isinstance(ex, RayExecutor)  # the plane of this demo runs on Ray
     addresses = ex.agents.addresses if ex.agents is not None else {}
     agents = [a for n, a in sorted(addresses.items()) if n != node]
 

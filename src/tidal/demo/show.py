@@ -47,7 +47,8 @@ def status_panel(
     j: dict, opts: DemoOptions, elapsed_s: float, kill: Kill | None, initial_loss: float | None
 ) -> Panel:
     p, r = j.get("progress") or {}, j["report"]
-    step = p.get("step") if p.get("step") is not None else (p.get("start_step") or 0)
+    now_step = p.get("step")
+    step: int = now_step if now_step is not None else (p.get("start_step") or 0)
     g = Table.grid(padding=(0, 2))
     g.add_column(style="bold", no_wrap=True)
     g.add_column()

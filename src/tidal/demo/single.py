@@ -196,12 +196,12 @@ def _watch(client: TidalClient, job_id: str, opts: DemoOptions, console: Console
                 new = client.events(job_id, after=w.seen_event)
             except ApiError as e:
                 raise DemoError(f"the embedded API failed: {e}") from e
-            for e in new:
-                w.seen_event = e["id"]
-                w.events.append(e)
-                if e["kind"] in QUIET_EVENTS:
+            for ev in new:
+                w.seen_event = ev["id"]
+                w.events.append(ev)
+                if ev["kind"] in QUIET_EVENTS:
                     continue
-                console.print(f"[dim]{_clock(e['time_s'])}[/dim] {event_line(e)}", highlight=False)
+                console.print(f"[dim]{_clock(ev['time_s'])}[/dim] {event_line(ev)}", highlight=False)
             _narrate_progress(j, w, opts, say, state_dir)
             if j["state"] in TERMINAL:
                 live.update(status_panel(j, opts, time.monotonic() - t0, w.kill, w.initial_loss))

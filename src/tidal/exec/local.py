@@ -47,7 +47,7 @@ import time
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from tidal import contract as c
 from tidal.contract import one_node_env, torchrun_env
@@ -67,7 +67,7 @@ from tidal.exec.isolation import (
 )
 from tidal.exec.progress import ProgressReader
 from tidal.exec.protocol import LaunchError, LaunchRequest, Observation, RankState, check_ranks
-from tidal.model import Node
+from tidal.model import Node, PoolName
 from tidal.net import free_port
 
 REAP_INTERVAL_S = 10.0
@@ -99,6 +99,12 @@ class _Rank:
     pid: int
     started: int | None
     popen: subprocess.Popen | None = None  # None when adopted after a restart
+
+
+def _go_pipe(k: _Rank) -> IO[bytes]:
+    """The pipe a rank this executor spawned waits on: its shim runs the rank on "go", exits on EOF."""
+    assert k.popen is not None and k.popen.stdin is not None  # spawned with stdin=PIPE
+    return k.popen.stdin
 
 
 @dataclass
@@ -170,7 +176,7 @@ class LocalExecutor:
         self.python = python
         # node -> (pool, its devices); devices are unique across nodes (CUDA_VISIBLE_DEVICES indices)
         self.node_devices: dict[str, list[int]] = {node: devices}
-        self.pools: dict[str, str] = {node: "training"}
+        self.pools: dict[str, PoolName] = {node: "training"}
         for name, g in serving.items():
             self.node_devices[name], serving_devices = serving_devices[:g], serving_devices[g:]
             self.pools[name] = "serving"
@@ -199,7 +205,7 @@ class LocalExecutor:
         return str(self.job_dir(job_id) / "logs" / f"rank-{rank}.log")
 
     def nodes(self) -> list[Node]:
-        return [Node(n, len(ds), self.pools[n]) for n, ds in self.node_devices.items()]  # type: ignore[arg-type]
+        return [Node(n, len(ds), self.pools[n]) for n, ds in self.node_devices.items()]
 
     def used(self) -> dict[str, int]:
         """Node -> devices held by tracked jobs (launched and not yet released)."""
@@ -260,16 +266,18 @@ class LocalExecutor:
                    "owner": list(owner) if owner else None,
                    "ranks": [{"rank": k.rank, "pid": k.pid, "started": k.started} for k in ranks]}
             write_json(adir / c.LAUNCH_FILE, doc)
-            for k in ranks:  # the second phase: recorded, now run
-                k.popen.stdin.write(b"go\n")  # type: ignore[union-attr]
-                k.popen.stdin.close()  # type: ignore[union-attr]
+            for rk in ranks:  # the second phase: recorded, now run
+                go = _go_pipe(rk)
+                go.write(b"go\n")
+                go.close()
         except BaseException:
-            for k in ranks:
+            for rk in ranks:
                 with contextlib.suppress(OSError):
-                    k.popen.stdin.close()  # type: ignore[union-attr]  # EOF: the shim exits, runs nothing
-                procs.kill_group(k.pid)
+                    _go_pipe(rk).close()  # EOF: the shim exits, runs nothing
+                procs.kill_group(rk.pid)
                 with contextlib.suppress(subprocess.TimeoutExpired):
-                    k.popen.wait(timeout=5)  # type: ignore[union-attr]
+                    assert rk.popen is not None  # spawned here
+                    rk.popen.wait(timeout=5)
             self._give_back(devices)
             raise
         self._jobs[req.job_id] = _Tracked(req.job_id, req.attempt, now_s, devices, adir, ranks,
@@ -512,9 +520,11 @@ class LocalExecutor:
     def worker_pids(self, job_id: str) -> dict[int, int]:
         """rank -> the rank's own pid (under its shim), for those that started."""
         t = self._jobs.get(job_id)
-        out = {}
-        for k in t.ranks if t else []:
-            doc = read_json(t.dir / c.pid_file(k.rank))  # type: ignore[union-attr]
+        out: dict[int, int] = {}
+        if t is None:
+            return out
+        for k in t.ranks:
+            doc = read_json(t.dir / c.pid_file(k.rank))
             if doc and isinstance(doc.get("pid"), int):
                 out[k.rank] = doc["pid"]
         return out

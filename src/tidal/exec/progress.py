@@ -67,8 +67,9 @@ class Progress:
     @property
     def mean_step_s(self) -> float | None:
         """Mean seconds per step over this attempt (first to newest step record)."""
-        if self.step is not None and self.first_step is not None and self.step > self.first_step:
-            return (self.step_s - self.first_step_s) / (self.step - self.first_step)  # type: ignore[operator]
+        if (self.step is not None and self.first_step is not None and self.step > self.first_step
+                and self.step_s is not None and self.first_step_s is not None):
+            return (self.step_s - self.first_step_s) / (self.step - self.first_step)
         return self.step_time_s
 
     @property
@@ -93,7 +94,7 @@ class ProgressReader:
         self._offset = 0
         self._partial = b""
         self._f: dict[str, Any] = {}
-        self._captured: dict[int, float] = {}
+        self._captured: dict[int, float | None] = {}
         self._stalls: collections.deque[float] = collections.deque(maxlen=STALL_WINDOW)
 
     def read(self) -> Progress:

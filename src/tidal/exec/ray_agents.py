@@ -89,9 +89,11 @@ class AgentActor:
         uids: the agent, root, would read any job's file a rank names), and the node's directories
         are 0711 (a job's uid passes through to its own)."""
         self.reserve()
+        addr = self.addr
+        assert addr is not None  # reserve() chose it
         running = self.proc is not None and self.proc.poll() is None
         if running and buddy == self.buddy and key == self.key:
-            return self.addr  # type: ignore[return-value]
+            return addr
         if running:
             self.stop()
         node_dir = Path(mem_dir).parent
@@ -99,7 +101,7 @@ class AgentActor:
             private_dir(d, 0o700 if allow is not None else 0o711)
         private_dir(Path(mem_dir), 0o700)
         copy = ["--allow-copy-from", allow] if allow is not None else ["--no-copy-from"]
-        cmd = [sys.executable, "-m", "tidal.ckpt.agent", "--listen", self.addr, "--mem-dir", mem_dir,
+        cmd = [sys.executable, "-m", "tidal.ckpt.agent", "--listen", addr, "--mem-dir", mem_dir,
                "--node", node, *copy, *(["--buddy", buddy] if buddy else [])]
         parent = os.getpid()
         env = {k: v for k, v in os.environ.items() if k != c.ENV_CKPT_AGENT_KEY}
@@ -118,9 +120,9 @@ class AgentActor:
                 raise RuntimeError(f"the checkpoint agent on {node} exited with {self.proc.returncode} "
                                    f"(log {log_path})")
             with contextlib.suppress(OSError, ValueError), \
-                    urllib.request.urlopen(f"http://{self.addr}/status", timeout=1) as r:
+                    urllib.request.urlopen(f"http://{addr}/status", timeout=1) as r:
                 if json.loads(r.read()).get("pid") == self.proc.pid:
-                    return self.addr
+                    return addr
             time.sleep(0.1)
         raise RuntimeError(f"the checkpoint agent on {node} did not answer within 20 s (log {log_path})")
 
@@ -184,7 +186,8 @@ class RayAgents:
         addresses = {n: s["address"] for n, s in states.items()}
         starts = {}
         for n, s in states.items():
-            buddy = addresses.get(buddies[n]) if buddies[n] else None
+            peer = buddies[n]
+            buddy = addresses.get(peer) if peer else None
             # (an agent tolerates a buddy not up yet: it retries)
             if not s["running"] or s["buddy"] != buddy or s.get("key") != key_id(self.key):
                 node_dir = self.shm_root / n

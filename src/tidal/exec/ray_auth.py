@@ -36,7 +36,8 @@ def _set_mode(mode: str) -> None:
     would not start)."""
     os.environ[MODE_ENV] = mode
     try:
-        from ray._raylet import AuthenticationTokenLoader, Config
+        # ray's compiled module: its stub lacks these two (private API, hence the except below)
+        from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]
 
         Config.initialize("")
         AuthenticationTokenLoader.instance().reset_cache()

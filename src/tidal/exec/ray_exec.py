@@ -124,6 +124,12 @@ class _Rank:
     inflight: Any | None = None  # an unanswered poll
 
 
+def _spawned(k: _Rank) -> Any:
+    """The actor of a rank the launch just created (set there: never None)."""
+    assert k.actor is not None
+    return k.actor
+
+
 @dataclass
 class _Tracked:
     job_id: str
@@ -347,14 +353,14 @@ class RayExecutor:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r),
             ).remote()
             ranks.append(_Rank(r, node, nid, actor))
-        infos = ray.get([k.actor.info.remote() for k in ranks], timeout=self.ready_timeout_s)
+        infos = ray.get([_spawned(k).info.remote() for k in ranks], timeout=self.ready_timeout_s)
         for k, info in zip(ranks, infos, strict=True):
             if info["node_id"] != k.node_id:  # never expected: the bundle is pinned to the node
                 raise LaunchError(
                     f"job {req.job_id}: rank {k.rank} landed on Ray node {info['node_id'][:12]}, "
                     f"not on {k.node}"
                 )
-        port = ray.get(ranks[0].actor.free_port.remote(), timeout=self.ready_timeout_s)
+        port = ray.get(_spawned(ranks[0]).free_port.remote(), timeout=self.ready_timeout_s)
         master = infos[0]["ip"]
         on_node: dict[str, list[int]] = {}
         for k in ranks:
@@ -384,7 +390,7 @@ class RayExecutor:
             header = (f"=== tidal: {req.job_id} attempt {req.attempt}, rank {k.rank} of {n} on {k.node}, "
                       f"{time.strftime('%Y-%m-%d %H:%M:%S')} ===\n")
             starts.append(
-                k.actor.start.remote(
+                _spawned(k).start.remote(
                     list(req.command),
                     env,
                     req.workdir or str(self.home_dir(req.job_id)),

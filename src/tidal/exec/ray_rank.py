@@ -36,7 +36,7 @@ import resource
 import signal
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from tidal.exec import procs
@@ -46,6 +46,7 @@ from tidal.files import AS_OPEN, write_atomic
 from tidal.net import free_port
 
 PR_SET_PDEATHSIG = 1
+_PRCTL: Callable[..., int] | None
 try:  # resolved before any fork: the child only calls it
     _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
 except (OSError, AttributeError):  # not Linux

@@ -55,8 +55,9 @@ def _load(name: str, path: str):
     is not importable."""
     spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(os.path.abspath(
         __file__)), path))
-    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    assert spec is not None and spec.loader is not None  # a .py file path always has a spec and a loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
     return mod
 
 

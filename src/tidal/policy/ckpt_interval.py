@@ -119,8 +119,8 @@ def plan_ckpt_intervals(snapshot: Snapshot, config: CkptIntervalConfig | None = 
     cfg = config or CkptIntervalConfig()
     loans = {ln.node: ln for ln in snapshot.loans}
     out = []
-    for job in _measured(snapshot.running):
-        interval = checkpoint_interval_s(job.ckpt_stall_s, job_mtti_s(job, loans, cfg), cfg,  # type: ignore[arg-type]
+    for job, stall_s in _measured(snapshot.running):
+        interval = checkpoint_interval_s(stall_s, job_mtti_s(job, loans, cfg), cfg,
                                          (persist_s or {}).get(job.id, 0.0))
         cur = job.ckpt_interval_s
         if cur is None or abs(interval - cur) > cfg.change_ratio * cur:
@@ -128,5 +128,6 @@ def plan_ckpt_intervals(snapshot: Snapshot, config: CkptIntervalConfig | None = 
     return out
 
 
-def _measured(jobs: Iterable[Job]) -> Iterable[Job]:
-    return (j for j in jobs if j.ckpt_stall_s is not None and not j.stopping)
+def _measured(jobs: Iterable[Job]) -> Iterable[tuple[Job, float]]:
+    """(job, its measured stall) for the jobs that measured one and are not stopping."""
+    return ((j, j.ckpt_stall_s) for j in jobs if j.ckpt_stall_s is not None and not j.stopping)

@@ -7,22 +7,24 @@ Model, for the demand y at time ``t + h * step_s`` seen from the last observatio
     scale(h)  = e(h) * (center(h) / mean)^noise_exponent * tod(t + h) * burst(h) * ctx(h)
     upper(h; z) = center(h) + z * scale(h)
 
+The half-lives are ``ForecastConfig.level``'s; the exponent is ``ForecastConfig.errors.noise_exponent``.
+
 * ``P`` is the time-of-day profile: one exponentially weighted mean per ``step_s`` slot of
-  ``period_s`` (a day), read through a ``profile_smooth_s`` wide box kernel so a weak, noisy cycle
+  ``period_s`` (a day), read through a ``season.profile_smooth_s`` wide box kernel so a weak, noisy cycle
   (ServeGen m-large) is averaged over neighbouring slots instead of replaying yesterday's noise.
 * ``level`` and ``trend`` are the live correction: an exponentially weighted level (half-life
-  ``level_half_life_s``) and its damped slope. Their deviation from the profile fades over the
-  horizon (``anomaly_half_life_s``), so short horizons follow the live level and long ones the
+  ``level.half_life_s``) and its damped slope. Their deviation from the profile fades over the
+  horizon (``level.anomaly_half_life_s``), so short horizons follow the live level and long ones the
   profile. Until the profile has seen a slot, the level alone is used there.
 * ``e(h)`` is the forecaster's own recent error at horizon h: every path it emits is kept for
   ``H`` steps and, when the demand at each target arrives, the absolute error (divided by the
-  noise factor) updates an exponentially weighted mean per horizon (``error_half_life_s``). The
-  error scale is forced non-decreasing in h, and starts at ``prior_scale_fraction`` of the level
-  before any error is known. ``noise_exponent`` = 0.5 says "variance grows with the mean", as
+  noise factor) updates an exponentially weighted mean per horizon (``errors.half_life_s``). The
+  error scale is forced non-decreasing in h, and starts at ``errors.prior_scale_fraction`` of the level
+  before any error is known. ``errors.noise_exponent`` = 0.5 says "variance grows with the mean", as
   for counts of requests; 0 (the default) is additive noise, 1 multiplicative.
 * ``tod`` is the time-of-day profile of *surprise*: per slot, how the errors of forecasts that
   targeted that time of day compare with the usual error (an exponentially weighted mean, read
-  through an ``error_profile_smooth_s`` kernel, shrunk towards 1 while few days are seen). On
+  through an ``errors.profile_smooth_s`` kernel, shrunk towards 1 while few days are seen). On
   ServeGen m-large most of the large under-forecasts fall in the same evening hours; the margin
   should be wide there and narrow elsewhere.
 * ``ctx`` (conditional error quantiles) multiplies the scale per context (by default the level
@@ -32,7 +34,7 @@ Model, for the demand y at time ``t + h * step_s`` seen from the last observatio
   each shrunk towards the pooled one. ``e``, ``tod`` and ``burst`` set the error's size; ``ctx``
   corrects the *tail* where it is heavier or lighter than the size says.
 * ``burst`` widens the scale while the last steps' one-step errors exceed the usual one
-  (volatility clusters: a jump is often followed by more); it fades over ``burst_half_life_s``,
+  (volatility clusters: a jump is often followed by more); it fades over ``errors.burst_half_life_s``,
   both in time and along the horizon.
 * the *tail memory* (``ForecastState.tail_hist``, weeks long): a histogram of the worst miss above the
   center over each lead window of 1..``tail_horizon_steps`` steps, in units of ``mean``. The error
@@ -44,13 +46,14 @@ Model, for the demand y at time ``t + h * step_s`` seen from the last observatio
 
 Optional parts (off by default; docs/loaning.md, "Lead-window quantile, weeks and level shifts"):
 
-* ``lead_quantile`` — a quantile forecast of the lead window's peak, learned online by pinball-loss SGD
-  (:mod:`tidal.policy.forecast_quantile`); the scale path is rescaled so that ``quantile_z`` scales over
-  the window are that quantile.
-* ``week_s`` — per slot of the week, the learned departure from the daily profile, added to ``P`` from
-  the second week on (shrunk while few weeks are seen).
-* ``shift_half_life_s`` — level shifts: when the mean anomaly ``y - P`` passes ``shift_threshold``
-  one-step errors, the whole profile is re-based, so a lasting shift is forecast at every horizon.
+* ``lead.quantile`` — a quantile forecast of the lead window's peak, learned online by pinball-loss SGD
+  (:mod:`tidal.policy.forecast_quantile`); the scale path is rescaled so that ``lead.z_scales`` scales
+  over the window are that quantile.
+* ``season.week_s`` — per slot of the week, the learned departure from the daily profile, added to ``P``
+  from the second week on (shrunk while few weeks are seen).
+* ``season.shift_half_life_s`` — level shifts: when the mean anomaly ``y - P`` passes
+  ``season.shift_threshold_errors`` one-step errors, the whole profile is re-based, so a lasting shift
+  is forecast at every horizon.
 
 Why this shape: on the traces an optimal policy for a shortfall *budget* lends down to one fixed
 conditional quantile of demand (the Lagrangian of "minimise margin subject to expected shortfall
@@ -70,11 +73,21 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
 from tidal.policy import forecast_quantile as lq
-from tidal.policy.forecast_config import ForecastConfig
+from tidal.policy.forecast_config import (  # noqa: F401 (the groups re-exported with the config)
+    ContextConfig,
+    ErrorScaleConfig,
+    ForecastConfig,
+    LeadQuantileConfig,
+    LevelConfig,
+    SeasonConfig,
+    setting_names,
+    with_settings,
+)
 from tidal.policy.forecast_errors import CTX_BINS, TAIL_BINS, context_factor, context_of
 from tidal.policy.forecast_state import ForecastState
 
@@ -133,9 +146,9 @@ def initial_state(config: ForecastConfig) -> ForecastState:
         tail_pending=_frozen(np.full((config.slots, config.tail_horizon_steps), -np.inf)),
         week_dev=_frozen(np.zeros(config.week_slots)) if config.week_slots else None,
         week_n=_frozen(np.zeros(config.week_slots)) if config.week_slots else None,
-        lq_model=_frozen(lq.initial_model(config.quantile_init)) if config.lead_quantile > 0 else None,
-        lq_pending=_frozen(lq.initial_pending(config.quantile_window_steps))
-        if config.lead_quantile > 0
+        lq_model=_frozen(lq.initial_model(config.lead.init_scales)) if config.lead.quantile > 0 else None,
+        lq_pending=_frozen(lq.initial_pending(config.lead.window_steps))
+        if config.lead.quantile > 0
         else None,
     )
 
@@ -172,16 +185,17 @@ def _consts(config: ForecastConfig) -> dict[str, np.ndarray]:
 def _make_consts(config: ForecastConfig) -> dict[str, np.ndarray]:
     hs = np.arange(1, config.horizon_steps + 1)
     t = hs * config.step_s
+    lv, er = config.level, config.errors
     out = {
         "hs": hs,
-        "fade": 2.0 ** (-t / config.anomaly_half_life_s) if config.anomaly_half_life_s > 0 else 0.0 * t,
-        "damp_sum": np.cumsum(2.0 ** (-t / config.trend_damping_half_life_s)
-                              if config.trend_damping_half_life_s > 0 else 0.0 * t),
-        "burst_fade": 2.0 ** (-t / config.burst_half_life_s) if config.burst_half_life_s > 0 else 0.0 * t,
+        "fade": 2.0 ** (-t / lv.anomaly_half_life_s) if lv.anomaly_half_life_s > 0 else 0.0 * t,
+        "damp_sum": np.cumsum(2.0 ** (-t / lv.trend_damping_half_life_s)
+                              if lv.trend_damping_half_life_s > 0 else 0.0 * t),
+        "burst_fade": 2.0 ** (-t / er.burst_half_life_s) if er.burst_half_life_s > 0 else 0.0 * t,
     }
     for name, width_s in (
-        ("kernel_profile", config.profile_smooth_s),
-        ("kernel_error", config.error_profile_smooth_s),
+        ("kernel_profile", config.season.profile_smooth_s),
+        ("kernel_error", config.errors.profile_smooth_s),
     ):
         half = max(0, int(round(width_s / config.step_s / 2)))
         out[name] = (np.arange(config.slots)[:, None] + np.arange(-half, half + 1)[None, :]) % config.slots
@@ -211,9 +225,9 @@ def _box(values: np.ndarray, counts: np.ndarray, idx: np.ndarray) -> tuple[np.nd
 
 
 def _noise_factor(config: ForecastConfig, center: np.ndarray, mean: float) -> np.ndarray:
-    if config.noise_exponent == 0 or not mean > 0:
+    if config.errors.noise_exponent == 0 or not mean > 0:
         return np.ones_like(center)
-    return (np.maximum(center, 0.05 * mean) / mean) ** config.noise_exponent
+    return (np.maximum(center, 0.05 * mean) / mean) ** config.errors.noise_exponent
 
 
 def _error_by_horizon(state: ForecastState) -> np.ndarray:
@@ -229,7 +243,7 @@ def _error_profile_factor(config: ForecastConfig, state: ForecastState) -> np.nd
     if not seen.any():
         return np.ones(config.slots)
     rel = np.where(seen, value / max(float(np.mean(value[seen])), 1e-12), 1.0)
-    k = config.error_profile_shrink_days
+    k = config.errors.profile_shrink_days
     return (days * rel + k) / (days + k) if k > 0 else rel
 
 
@@ -257,7 +271,7 @@ def _path(config: ForecastConfig, state: ForecastState, y: float = math.nan
 
     e = _error_by_horizon(state)
     if np.all(np.isnan(e)):
-        e = np.full(hs.shape, config.prior_scale_fraction * max(level, 0.0))
+        e = np.full(hs.shape, config.errors.prior_scale_fraction * max(level, 0.0))
     else:
         # Horizons not scored yet borrow from the nearest shorter scored one (or the shortest
         # scored one); then errors never shrink with the horizon.
@@ -269,11 +283,12 @@ def _path(config: ForecastConfig, state: ForecastState, y: float = math.nan
                 el[i] = el[i - 1]
         e = np.maximum.accumulate(np.array(el))
     mean = state.mean_gpus
-    floor = config.min_scale_fraction * mean if mean > 0 else 0.0
+    floor = config.errors.min_scale_fraction * mean if mean > 0 else 0.0
     tod = _error_profile_factor(config, state)[future_slots]
     burst = 1.0 + max(state.burst - 1.0, 0.0) * c["burst_fade"]
     # x * 1.0 is x exactly: with additive noise (the default) the noise factor is left out
-    noisy = e if config.noise_exponent == 0 or not mean > 0 else e * _noise_factor(config, center, mean)
+    noisy = e if config.errors.noise_exponent == 0 or not mean > 0 else e * _noise_factor(config, center,
+                                                                                         mean)
     base = np.maximum(noisy * tod * burst, floor)
     if config.contexts > 1:
         ctx = context_of(config, state, center, future_slots)
@@ -283,28 +298,29 @@ def _path(config: ForecastConfig, state: ForecastState, y: float = math.nan
         scale = base
     x = None
     if state.lq_model is not None:
-        k = config.quantile_window_steps
+        k = config.lead.window_steps
         scale_k, center_max = float(scale[k - 1]), float(center[:k].max())
         x = lq.features(scale_k, center_max, mean, y, float(state.lq_model[2, 0]), state.burst)
         if mean > 0 and scale_k > 0:
-            lo, hi = config.quantile_rho_range
-            rho = min(max(lq.predict(state.lq_model, x) * mean / (scale_k * config.quantile_z), lo), hi)
+            lo, hi = config.lead.rho_range
+            rho = min(max(lq.predict(state.lq_model, x) * mean / (scale_k * config.lead.z_scales), lo), hi)
             scale = np.maximum(scale * rho, floor)
     return center, scale, base, ctx, x
 
 
 def _week_departure(config: ForecastConfig, state: ForecastState, times_s: np.ndarray) -> np.ndarray:
     """The weekly departure from the daily profile at ``times_s`` (GPUs): read through the profile's box
-    kernel over the week's slots, shrunk by ``n / (n + week_shrink)``; 0 where no week was seen."""
-    half = max(0, int(round(config.profile_smooth_s / config.step_s / 2)))
-    ws = np.round(np.mod(times_s, config.week_s) / config.step_s).astype(int)
+    kernel over the week's slots, shrunk by ``n / (n + week_shrink_weeks)``; 0 where no week was seen."""
+    half = max(0, int(round(config.season.profile_smooth_s / config.step_s / 2)))
+    assert state.week_n is not None and state.week_dev is not None  # called only with weeks on
+    ws = np.round(np.mod(times_s, config.season.week_s) / config.step_s).astype(int)
     idx = (ws[:, None] + np.arange(-half, half + 1)[None, :]) % config.week_slots
     n = state.week_n[idx]
     seen = n > 0
     k = np.maximum(seen.sum(axis=1), 1)
     dev = np.where(seen, state.week_dev[idx], 0.0).sum(axis=1) / k
     weeks = n.sum(axis=1) / k
-    return np.where(seen.any(axis=1), dev * weeks / (weeks + config.week_shrink), 0.0)
+    return np.where(seen.any(axis=1), dev * weeks / (weeks + config.season.week_shrink_weeks), 0.0)
 
 
 def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float) -> ForecastState:
@@ -312,7 +328,7 @@ def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float)
     step = config.step_s
     h = config.horizon_steps
     s = _slot(config, t_s)
-    day_w = 1.0 - decay(config.period_s, config.profile_half_life_s)
+    day_w = 1.0 - decay(config.period_s, config.season.profile_half_life_s)
     err_sum, err_weight = state.err_sum, state.err_weight
     eprof, eprof_n = state.err_profile, state.err_profile_n
     burst = state.burst
@@ -320,25 +336,27 @@ def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float)
     tail_hist, tail_pending = state.tail_hist, state.tail_pending
     lq_model, lq_pending = state.lq_model, state.lq_pending
     if lq_model is not None:
-        lq_model, lq_pending = lq.observe(lq_model, lq_pending, y, config.lead_quantile, config.quantile_lr)
+        assert lq_pending is not None  # set together (_with_options)
+        lq_model, lq_pending = lq.observe(lq_model, lq_pending, y, config.lead.quantile, config.lead.lr)
     if not math.isnan(y) and state.n_obs > 0:
         # Score the paths made 1..H steps ago at their points that target now.
         preds = np.diagonal(state.past_center).copy()
         ok = ~np.isnan(preds)
         if ok.any():
             diff = y - np.where(ok, preds, 0.0)
-            if config.error_side == "upper":
+            if config.errors.side == "upper":
                 diff = np.maximum(diff, 0.0)
-            if config.noise_exponent == 0 or not state.mean_gpus > 0:  # x / 1.0 is x exactly
+            if config.errors.noise_exponent == 0 or not state.mean_gpus > 0:  # x / 1.0 is x exactly
                 err = np.where(ok, np.abs(diff), 0.0)
             else:
                 norm = _noise_factor(config, np.where(ok, preds, 0.0), state.mean_gpus)
                 err = np.where(ok, np.abs(diff) / norm, 0.0)
             before = _error_by_horizon(state)
-            if config.error_clip < math.inf:
-                err = np.where(before > 0, np.minimum(err, config.error_clip * np.nan_to_num(before)), err)
+            if config.errors.clip_errors < math.inf:
+                clip = config.errors.clip_errors
+                err = np.where(before > 0, np.minimum(err, clip * np.nan_to_num(before)), err)
             rel = ok & (before > 0)
-            keep = decay(step, config.error_half_life_s)
+            keep = decay(step, config.errors.half_life_s)
             err_sum = np.where(ok, keep * err_sum + err, err_sum)
             err_weight = np.where(ok, keep * err_weight + 1.0, err_weight)
             if rel.any():
@@ -349,13 +367,13 @@ def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float)
                 eprof[s] += max(day_w, 1.0 / eprof_n[s]) * (
                     float(np.add.reduce(ratio) / ratio.size) - eprof[s]
                 )
-            if state.ctx_hist is not None and state.past_base is not None:
-                # Standardized errors of the first context_horizon_steps horizons, into their contexts.
-                k = min(config.context_horizon_steps, h)
+            if state.ctx_hist is not None and state.past_base is not None and state.past_ctx is not None:
+                # Standardized errors of the first context.horizon_steps horizons, into their contexts.
+                k = min(config.context.horizon_steps, h)
                 base = np.diagonal(state.past_base)[:k]
                 ctx = np.diagonal(state.past_ctx)[:k]
                 good = ok[:k] & (base > 0)
-                hist = state.ctx_hist * decay(step, config.context_half_life_s)
+                hist = state.ctx_hist * decay(step, config.context.half_life_s)
                 if good.any():
                     r = (y - preds[:k][good]) / base[good]
                     b = _clip_int(np.searchsorted(CTX_BINS, r, side="right") - 1, CTX_BINS.size - 2)
@@ -390,7 +408,8 @@ def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float)
                     tail_hist = hist
             if rel[0]:
                 # Recent surprise at one step ahead, relative to the usual one-step error.
-                burst += (1.0 - decay(step, config.burst_half_life_s)) * (float(err[0] / before[0]) - burst)
+                keep_b = decay(step, config.errors.burst_half_life_s)
+                burst += (1.0 - keep_b) * (float(err[0] / before[0]) - burst)
 
     level, trend, mean = state.level_gpus, state.trend_gpus_per_s, state.mean_gpus
     prof, prof_n = state.profile_gpus, state.profile_n
@@ -400,30 +419,31 @@ def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float)
         if n_obs == 0:
             level, mean = y, y
         else:
-            a = 1.0 - decay(step, config.level_half_life_s)
+            a = 1.0 - decay(step, config.level.half_life_s)
             new_level = level + a * (y - level)
-            b = 1.0 - decay(step, config.trend_half_life_s)
-            trend = trend + b * ((new_level - level) / step - trend)
+            bt = 1.0 - decay(step, config.level.trend_half_life_s)
+            trend = trend + bt * ((new_level - level) / step - trend)
             level = new_level
-            m = 1.0 - decay(step, config.profile_half_life_s)
-            mean = mean + max(m, 1.0 / (n_obs + 1)) * (y - mean)
+            mw = 1.0 - decay(step, config.season.profile_half_life_s)
+            mean = mean + max(mw, 1.0 / (n_obs + 1)) * (y - mean)
         shift, shifts = state.shift_gpus, state.shift_count
-        if config.shift_half_life_s > 0 and prof_n.min() > 0 and state.err_weight[0] > 0:
+        if config.season.shift_half_life_s > 0 and prof_n.min() > 0 and state.err_weight[0] > 0:
             # Level shifts: the anomaly against the profile (as read), averaged; past the threshold, re-base.
             anomaly = y - float(prof[_consts(config)["kernel_profile"][s]].mean())
-            shift += (1.0 - decay(step, config.shift_half_life_s)) * (anomaly - shift)
-            if abs(shift) > config.shift_threshold * float(state.err_sum[0] / state.err_weight[0]):
+            shift += (1.0 - decay(step, config.season.shift_half_life_s)) * (anomaly - shift)
+            one_step = float(state.err_sum[0] / state.err_weight[0])
+            if abs(shift) > config.season.shift_threshold_errors * one_step:
                 # by the mean anomaly, or by the anomaly now if it goes further the same way (the mean lags)
                 by = math.copysign(max(abs(shift), math.copysign(1.0, shift) * anomaly), shift)
                 prof = _frozen(prof + by)
                 shift, shifts = 0.0, shifts + 1
             shift_upd = (shift, shifts)
-        if state.week_dev is not None and prof_n[s] > 0:
+        if state.week_dev is not None and state.week_n is not None and prof_n[s] > 0:
             # How this slot of the week departs from the daily profile (as it stood before this observation).
-            ws = round((t_s % config.week_s) / step) % config.week_slots
+            ws = round((t_s % config.season.week_s) / step) % config.week_slots
             week_dev, week_n = state.week_dev.copy(), state.week_n.copy()
             week_n[ws] += 1
-            week_w = 1.0 - decay(config.week_s, config.week_half_life_s)
+            week_w = 1.0 - decay(config.season.week_s, config.season.week_half_life_s)
             week_dev[ws] += max(week_w, 1.0 / week_n[ws]) * (y - prof[s] - week_dev[ws])
             week_upd = (week_dev, week_n)
         prof, prof_n = prof.copy(), prof_n.copy()
@@ -462,7 +482,8 @@ def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float)
         center, scale, base, ctx, x = _path(config, new, y)
     if lq_model is not None:  # the path's features wait for its window; y is the next path's last demand
         lq_model = lq.seen(lq_model, y)
-        center_max = float(np.max(center[: config.quantile_window_steps]))
+        center_max = float(np.max(center[: config.lead.window_steps]))
+        assert lq_pending is not None  # set together with lq_model
         lq_pending = lq.push(lq_pending, np.full(lq.FEATURES, math.nan) if x is None else x, center_max, mean)
     # ``new`` is not seen by anybody yet and _path does not read these fields: set them in place
     # (one state object per step instead of two).
@@ -471,7 +492,7 @@ def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float)
     put(new, "scale_gpus", _frozen(scale))
     put(new, "past_base", None if state.past_base is None else _frozen(_push_row(base, state.past_base)))
     put(new, "past_ctx", None if state.past_ctx is None else _frozen(_push_row(ctx, state.past_ctx)))
-    if lq_model is not None:
+    if lq_model is not None and lq_pending is not None:
         put(new, "lq_model", _frozen(lq_model))
         put(new, "lq_pending", _frozen(lq_pending))
     return new
@@ -495,11 +516,11 @@ def _with_options(config: ForecastConfig, state: ForecastState) -> ForecastState
     """``state`` with the optional parts (lead-window quantile, weekly departures) as ``config`` asks: started
     afresh when switched on, resized or missing (a state stored by a version without them), dropped when
     switched off. The same object when nothing changes."""
-    change: dict[str, np.ndarray | None] = {}
-    k = config.quantile_window_steps
-    if config.lead_quantile > 0:
+    change: dict[str, Any] = {}  # ForecastState's optional arrays, by name
+    k = config.lead.window_steps
+    if config.lead.quantile > 0:
         if state.lq_model is None or state.lq_pending is None or state.lq_pending.shape[0] != k:
-            change.update(lq_model=_frozen(lq.initial_model(config.quantile_init)),
+            change.update(lq_model=_frozen(lq.initial_model(config.lead.init_scales)),
                           lq_pending=_frozen(lq.initial_pending(k)))
     elif state.lq_model is not None or state.lq_pending is not None:
         change.update(lq_model=None, lq_pending=None)

@@ -74,11 +74,11 @@ def tail_reserve_gpus(config: ForecastConfig, state: ForecastState, lead_steps: 
 def context_of(config: ForecastConfig, state: ForecastState, center: np.ndarray,
                 future_slots: np.ndarray) -> np.ndarray:
     """Context id of each path point: (time-of-day bucket of the target, level bucket, volatility bucket)."""
-    tod = (future_slots * max(config.context_tod_buckets, 1)) // config.slots
+    tod = (future_slots * max(config.context.tod_buckets, 1)) // config.slots
     mean = state.mean_gpus if state.mean_gpus > 0 else 1.0
-    lvl = np.searchsorted(np.asarray(config.context_level_edges, float), center / mean, side="right")
-    vol = int(np.searchsorted(np.asarray(config.context_vol_edges, float), state.burst, side="right"))
-    nl, nv = len(config.context_level_edges) + 1, len(config.context_vol_edges) + 1
+    lvl = np.searchsorted(np.asarray(config.context.level_edges, float), center / mean, side="right")
+    vol = int(np.searchsorted(np.asarray(config.context.vol_edges, float), state.burst, side="right"))
+    nl, nv = len(config.context.level_edges) + 1, len(config.context.vol_edges) + 1
     return (tod * nl + lvl) * nv + vol
 
 
@@ -96,7 +96,7 @@ def hist_quantile(hist: np.ndarray, q: float) -> float:
 
 def context_factor(config: ForecastConfig, state: ForecastState) -> np.ndarray:
     """Per context: ``Q_c(quantile) / Q(quantile)`` of the standardized errors, each context's
-    histogram shrunk towards the pooled one by ``context_prior_n`` pseudo-observations; 1 until
+    histogram shrunk towards the pooled one by ``context.prior_n`` pseudo-observations; 1 until
     the pooled quantile is positive."""
     hist = state.ctx_hist
     out = np.ones(config.contexts)
@@ -104,12 +104,12 @@ def context_factor(config: ForecastConfig, state: ForecastState) -> np.ndarray:
         return out
     pooled = hist.sum(axis=0)
     total = float(pooled.sum())
-    q_all = hist_quantile(pooled, config.context_quantile)
+    q_all = hist_quantile(pooled, config.context.quantile)
     if not total > 0 or not q_all > 0:
         return out
-    prior = config.context_prior_n * pooled / total
+    prior = config.context.prior_n * pooled / total
     for c in range(config.contexts):
-        q_c = hist_quantile(hist[c] + prior, config.context_quantile)
+        q_c = hist_quantile(hist[c] + prior, config.context.quantile)
         if q_c == q_c:
             out[c] = q_c / q_all
-    return np.clip(out, 1.0 / config.context_max_factor, config.context_max_factor)
+    return np.clip(out, 1.0 / config.context.max_factor, config.context.max_factor)

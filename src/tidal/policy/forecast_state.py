@@ -48,11 +48,11 @@ class ForecastState:
     """How many times the profile was re-based."""
     week_dev: np.ndarray | None = field(default=None, repr=False)
     """Per slot of the week: the exponentially weighted departure of demand from the daily profile (GPUs);
-    None when ``week_s`` is 0."""
+    None when ``season.week_s`` is 0."""
     week_n: np.ndarray | None = field(default=None, repr=False)
     """Per slot of the week: observations seen there (weeks)."""
     lq_model: np.ndarray | None = field(default=None, repr=False)
     """The lead-window quantile's weights and optimiser state (:mod:`tidal.policy.forecast_quantile`);
-    None when ``lead_quantile`` is off."""
+    None when ``lead.quantile`` is off."""
     lq_pending: np.ndarray | None = field(default=None, repr=False)
-    """The last ``quantile_window_steps`` paths' features, waiting for their window's demand."""
+    """The last ``lead.window_steps`` paths' features, waiting for their window's demand."""

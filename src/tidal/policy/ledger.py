@@ -82,11 +82,11 @@ class LoanLedger:
         if self.lent > plan.lendable_gpus:
             reclaims.append(Reclaim(self.lent - plan.lendable_gpus, by_s=now + after_notice))
         for r in plan.reclaims:
-            reclaims.append(Reclaim(r.gpus, by_s=r.notice_s + after_notice, notice_s=r.notice_s,
+            reclaims.append(Reclaim(r.gpus, by_s=_notice(r) + after_notice, notice_s=r.notice_s,
                                     deadline_s=r.deadline_s))
         self.reclaims = reclaims
         self._set_until(plan, now, used)
-        return [r.notice_s for r in plan.reclaims if r.notice_s > now]
+        return [_notice(r) for r in plan.reclaims if _notice(r) > now]
 
     def _lend(self, gpus: int) -> None:
         """Partly lent nodes first (whole-node loans), then nodes warming up, then the rest in order."""
@@ -118,7 +118,7 @@ class LoanLedger:
     def _take_warming(self, node: str, gpus: int) -> None:
         """Lent GPUs come from those warming up first (latest-ready first): they do not serve yet."""
         entries = self.warming_on.get(node)
-        free_serving = self.cap[node] - self.lent_on(node) - sum(w[1] for w in entries or ())
+        free_serving = self.cap[node] - self.lent_on(node) - sum(int(w[1]) for w in entries or ())
         take = max(0, gpus - free_serving)
         while take > 0 and entries:
             last = entries[-1]
@@ -141,7 +141,7 @@ class LoanLedger:
         # plan's groups; the rest have no deadline. The least used nodes take the earliest ends.
         keep = min(self.lent, plan.lendable_gpus)
         ends: list[tuple[float, int]] = [(now, self.lent - keep)] if self.lent > keep else []
-        ends += [(r.notice_s, r.gpus) for r in plan.reclaims]
+        ends += [(_notice(r), r.gpus) for r in plan.reclaims]
         finite = sum(g for _, g in ends)
         if finite and self.loans:
             # the nodes by (GPUs used, name): as heapq.nsmallest(finite, ...) would list them, and the
@@ -173,9 +173,9 @@ class LoanLedger:
             if until != ln.until_s:
                 self.loans[node] = Loan(node, ln.gpus, until_s=until)
         for node in self._finite - new_finite:
-            ln = self.loans.get(node)
-            if ln is not None and ln.until_s != math.inf:
-                self.loans[node] = Loan(node, ln.gpus, until_s=math.inf)
+            was = self.loans.get(node)
+            if was is not None and was.until_s != math.inf:
+                self.loans[node] = Loan(node, was.gpus, until_s=math.inf)
         self._finite = new_finite
 
     # ------------------------------------------------------------------------------ decisions
@@ -307,3 +307,10 @@ class LoanLedger:
                         for r in state.get("reclaims", ())]
         led.lendable = int(state.get("lendable", 0))
         return led
+
+
+def _notice(r: Reclaim) -> float:
+    """The notice time of a plan's reclaim (a plan always says when to give notice)."""
+    if r.notice_s is None:
+        raise ValueError(f"a loan plan's reclaim has no notice time: {r}")
+    return r.notice_s

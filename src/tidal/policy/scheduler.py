@@ -150,7 +150,9 @@ def _try_place(c: Cycle, job: Job) -> bool:
         return False
     for views in c.views_for(job):
         if fits(views, size, g):
-            c.issue_admit(job, place(views, size, g))  # type: ignore[arg-type]
+            placement = place(views, size, g)
+            assert placement is not None  # fits() said it would
+            c.issue_admit(job, placement)
             return True
     return False
 

@@ -390,7 +390,7 @@ class HookAdapter:
         return f"{act.action} {act.gpus} GPUs on {act.node}: {why} ({self.attempts} attempts)"
 
     def done(self) -> list[ActionDone]:
-        out = []
+        out: list[ActionDone] = []
         while True:
             try:
                 act = self._done.get_nowait()
@@ -438,12 +438,14 @@ class HookAdapter:
         waited for until the server closed the pipe, and reported as timed out after it had succeeded (and
         run again). It runs in a session of its own; on a timeout its process group is killed (what it left
         running after exiting in time is its own business)."""
+        command = self.command
+        assert command is not None  # a command adapter (its act() ran no webhook)
         with tempfile.TemporaryFile() as err:
             try:
-                p = subprocess.Popen(self.command, env=env, stdin=subprocess.DEVNULL,  # type: ignore[arg-type]
+                p = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
             except OSError as e:
-                return f"command {self.command[0]!r}: {e}"  # type: ignore[index]
+                return f"command {command[0]!r}: {e}"
             try:
                 code = p.wait(timeout=self.timeout_s)
             except subprocess.TimeoutExpired:

@@ -20,7 +20,9 @@ def _group() -> None:
     """Serving side: live demand, the loan plan, and load against a serving endpoint."""
 
 
-def _clock_text(t_s: float, absolute: bool) -> str:
+def _clock_text(t_s: float | None, absolute: bool) -> str:
+    if t_s is None:  # (a reclaim without notice)
+        return "none"
     if absolute:
         return datetime.fromtimestamp(t_s, UTC).strftime("%Y-%m-%d %H:%M:%S")
     d, rem = divmod(int(t_s), 86400)

@@ -56,7 +56,7 @@ def constant(rate: float) -> Callable[[float], float]:
 
 
 def _with_max(fn: Callable[[float], float], top: float) -> Callable[[float], float]:
-    fn.max_rate = float(top)  # type: ignore[attr-defined]  # read by generate()
+    fn.max_rate = float(top)  # type: ignore[attr-defined]  # an attribute on the function, read by generate()
     return fn
 
 
@@ -113,7 +113,8 @@ def arrivals(rate: Callable[[float], float], duration_s: float, max_rate: float,
     """Poisson arrival times in ``[0, duration_s)`` for ``rate(t) <= max_rate`` (thinning)."""
     if not max_rate > 0:
         return []
-    out, t = [], 0.0
+    out: list[float] = []
+    t = 0.0
     while True:
         t += rng.expovariate(max_rate)
         if t >= duration_s:

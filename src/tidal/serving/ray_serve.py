@@ -345,8 +345,10 @@ class RayServeAdapter:
                     ray_actor_options={**opts, "num_gpus": self.s.gpus_per_replica,
                                        "label_selector": {NODE_LABEL: n}}).bind(**self.s.init_kwargs)
             on = {NODE_LABEL: f"in({','.join(sorted(self._nodes))})"}  # never on a training node that is lost
-            router = Router.options(ray_actor_options={"num_cpus": 0, "label_selector": on}).bind(
-                handles, self.slots(), self.s.rate_window_s)
+            # @serve.deployment made Router a Deployment; ray's annotations keep the class's type
+            router = Router.options(  # type: ignore[attr-defined]
+                ray_actor_options={"num_cpus": 0, "label_selector": on}
+            ).bind(handles, self.slots(), self.s.rate_window_s)
             serve.run_many([serve.RunTarget(router, name=self.s.app, route_prefix=self.s.route_prefix,
                                             external_scaler_enabled=True)],
                            wait_for_ingress_deployment_creation=False, wait_for_applications_running=False)
@@ -425,25 +427,25 @@ class RayServeAdapter:
 
     # ------------------------------------------------------------------------------ actions
     def release(self, node: str, gpus: int, lent_after: int, now_s: float) -> None:
-        before = self.state.released.get(node)
+        before = self.state.released.get(node, 0)  # (move() refuses an unknown node)
         self.state.move(node, gpus, lent_after, +1)  # checks the node and the counts
         try:
             self.ensure()
             self._sync(self.slots(self._running_or_targets()))  # no new requests to the lent replicas
             self._scale(node, self.target(node))
         except AdapterError as e:
-            self.state.released[node] = before  # type: ignore[assignment]
+            self.state.released[node] = before
             self._fail(f"release of {gpus} GPUs on {node}: {e}")
         self.last_error = None
 
     def restore(self, node: str, gpus: int, lent_after: int, now_s: float) -> None:
-        before = self.state.released.get(node)
+        before = self.state.released.get(node, 0)  # (move() refuses an unknown node)
         self.state.move(node, gpus, lent_after, -1)
         try:
             self.ensure()
             self._scale(node, self.target(node))  # its slots open in ready(), once the replicas run
         except AdapterError as e:
-            self.state.released[node] = before  # type: ignore[assignment]
+            self.state.released[node] = before
             self._fail(f"restore of {gpus} GPUs on {node}: {e}")
         self.last_error = None
 
@@ -542,9 +544,10 @@ class RayServeAdapter:
             now = (rate, done, busy_s)
         else:
             a = 1.0 - math.exp(-(serving_s - prev[0]) / self.speedup / tau)
-            now = tuple(p + a * (x - p) for p, x in zip(prev[1:], (rate, done, busy_s), strict=True))
+            now = (prev[1] + a * (rate - prev[1]), prev[2] + a * (done - prev[2]),
+                   prev[3] + a * (busy_s - prev[3]))
         self._ewma = (serving_s, *now)
-        return now  # type: ignore[return-value]
+        return now
 
     def forecast_history(self, until_s: float, step_s: float) -> list[tuple[float, float]]:
         """``(serving time, GPUs)`` before the first live grid point ``until_s``: what this adapter measured

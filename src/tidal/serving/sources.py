@@ -27,7 +27,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -154,6 +154,7 @@ class PrometheusQuery:
                              f"{doc.get('error') if isinstance(doc, dict) else doc!r}")
         data = doc.get("data") or {}
         kind, result = data.get("resultType"), data.get("result")
+        sample: Any  # checked by the float() below
         if kind == "scalar":
             sample = result
         elif kind == "vector":

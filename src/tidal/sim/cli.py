@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import typer
 from rich.markup import escape
@@ -20,15 +20,17 @@ from rich.markup import escape
 from tidal.policy.ckpt_interval import LLAMA3_FAILURES_PER_GPU_HOUR
 from tidal.sim.config import SIM_NOTICE_S
 
+M = TypeVar("M", bound=str)  # one of a command's named modes
 
-def _split(text: str, allowed: tuple[str, ...], what: str) -> list[str]:
+
+def _split(text: str, allowed: tuple[M, ...], what: str) -> list[M]:
     items = [s.strip() for s in text.split(",") if s.strip()]
     bad = [s for s in items if s not in allowed]
     if bad or not items:
         raise typer.BadParameter(
             f"{', '.join(bad) or '(empty)'}: expected one or more of {', '.join(allowed)}", param_hint=what
         )
-    return items
+    return [a for s in items for a in allowed if a == s]
 
 
 def _consoles(json_out: bool) -> tuple[Any, Any]:
@@ -182,7 +184,7 @@ def sim_command(
             log("the job trace has dedicated jobs but --training-gpus is 0: they have no quota and never run")
         n_days = days if days is not None else len(demand) * step / 86400.0
         cfg = make_config(serving_gpus=serving_gpus, training_gpus=training_gpus, gpus_per_node=gpus_per_node,
-                          days=n_days, warmup_days=warmup_days, ckpt_mode=ckpts[0], resize=resizes[0],  # type: ignore[arg-type]
+                          days=n_days, warmup_days=warmup_days, ckpt_mode=ckpts[0], resize=resizes[0],
                           persist_s=persist_s, stage_s=stage_s, restart_s=restart_s, notice_s=notice_s,
                           final_checkpoint_s=final_ckpt_s, release_s=release_s, warmup_s=warmup_s,
                           failure_rate_per_gpu_hour=failure_rate, scaling_exponent=scaling_exponent,

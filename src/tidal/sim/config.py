@@ -10,7 +10,7 @@ consistent one from the few numbers a person types on the command line.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Any, Literal, get_args
 
 from tidal.policy.ckpt_interval import LLAMA3_FAILURES_PER_GPU_HOUR, CkptIntervalConfig
 from tidal.policy.loan import LoanTiming
@@ -18,8 +18,8 @@ from tidal.policy.scheduling.config import SchedulerConfig
 
 CkptMode = Literal["sync", "concurrent"]
 ResizeMode = Literal["reshard", "restart-full"]
-CKPT_MODES = ("sync", "concurrent")
-RESIZE_MODES = ("reshard", "restart-full")
+CKPT_MODES: tuple[CkptMode, ...] = get_args(CkptMode)  # ("sync", "concurrent")
+RESIZE_MODES: tuple[ResizeMode, ...] = get_args(ResizeMode)  # ("reshard", "restart-full")
 
 SIM_NOTICE_S = 120.0
 """The simulated fleet's notice, as in the published results (docs/simulator.md): from a reclaim
@@ -33,7 +33,7 @@ def sim_timing(**changes: float) -> LoanTiming:
     return LoanTiming(**{"notice_s": SIM_NOTICE_S, **changes})
 
 
-def sim_scheduler(**changes: float) -> SchedulerConfig:
+def sim_scheduler(**changes: Any) -> SchedulerConfig:
     """The simulated fleet's scheduler: :class:`SchedulerConfig` with ``preempt_grace_s = SIM_NOTICE_S``."""
     return SchedulerConfig(**{"preempt_grace_s": SIM_NOTICE_S, **changes})
 

@@ -44,7 +44,7 @@ from tidal.policy.loan import LoanContext
 from tidal.policy.scheduler import RunningIndex, schedule
 from tidal.sim.config import SimConfig
 from tidal.sim.jobs import BacklogSource, JobSpec, SpotBacklog
-from tidal.sim.metrics import Meter, job_totals, summarize
+from tidal.sim.metrics import JobTotals, Meter, job_totals, summarize
 from tidal.sim.policies import PolicySpec, build, horizon_steps
 from tidal.sim.world import FAIL, FINISH, RELEASE, World
 
@@ -126,7 +126,7 @@ class Engine:
         self.plan_ms: list[float] = []
         self.max_pending = 0
         self.timeline: dict[str, list[float]] = {k: [] for k in TIMELINE_FIELDS}
-        self.start_totals = None
+        self.start_totals: JobTotals | None = None
         self.start_counts: dict[str, int] = {}
 
     # ------------------------------------------------------------------------------ events

@@ -98,6 +98,7 @@ def build(spec: PolicySpec, config: SimConfig, step_s: float, demand: np.ndarray
     knob = knob_of(spec, config.serving_gpus)
     if spec.name == "none" or knob is None:
         return None
+    assert knob is not None  # every policy but none has one (default_knob)
     if spec.name == "tidal":
         return TidalPolicy.build(float(knob), step_s, timing, horizon_s=None)
     horizon = max(HORIZON_S, timing.lead_time_s + timing.min_loan_window_s + step_s)

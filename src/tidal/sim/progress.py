@@ -230,7 +230,8 @@ class DurableTable:
         ct, nxt = durable_times_and_next(self.rows[idx].T, now)
         self.due[idx] = np.where(nxt < self.end_s, nxt, math.inf)
         keys = self.keys
-        return [keys[i] for i in idx.tolist()], ct.tolist()  # type: ignore[misc]
+        due = [keys[i] for i in idx.tolist()]
+        return [k for k in due if k is not None], ct.tolist()  # (a due row holds a key: none dropped)
 
 
 def durable_times_and_next(rows: np.ndarray, t: float) -> tuple[np.ndarray, np.ndarray]:

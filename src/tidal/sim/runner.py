@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from tidal.model import Tenant
-from tidal.sim.config import SimConfig, with_modes
+from tidal.sim.config import CkptMode, ResizeMode, SimConfig, with_modes
 from tidal.sim.engine import SimResult, simulate
 from tidal.sim.jobs import JobSpec, SpotBacklog
 from tidal.sim.policies import PolicySpec, knob_label, knob_of
@@ -71,14 +71,15 @@ def result_key(name: str, ckpt: str, resize: str, several_modes: bool) -> str:
     return f"{name}[{ckpt},{resize}]" if several_modes else name
 
 
-def compare(scenario: Scenario, specs: Sequence[PolicySpec], modes: Sequence[tuple[str, str]] = (),
+def compare(scenario: Scenario, specs: Sequence[PolicySpec],
+            modes: Sequence[tuple[CkptMode, ResizeMode]] = (),
             log: Log = lambda s: None) -> dict[str, SimResult]:
     """Every policy under every (checkpoint mode, resize mode); keys from :func:`result_key`."""
     cfg = scenario.config
     modes = list(modes) or [(cfg.ckpt.mode, cfg.resize)]
     out: dict[str, SimResult] = {}
     for ckpt, resize in modes:
-        c = with_modes(cfg, ckpt, resize)  # type: ignore[arg-type]
+        c = with_modes(cfg, ckpt, resize)
         for spec in specs:
             key = result_key(spec.name, ckpt, resize, len(modes) > 1)
             log(f"{key}: {scenario.config.days:g} days ...")
@@ -92,7 +93,7 @@ def compare(scenario: Scenario, specs: Sequence[PolicySpec], modes: Sequence[tup
 def sweep_knobs(name: str, serving_gpus: int) -> list[float | None]:
     grid = SWEEP_GRID[name]
     if name in ("reactive", "night-window"):
-        return [round(f * serving_gpus, 2) for f in grid]  # type: ignore[operator]
+        return [round(f * serving_gpus, 2) for f in grid if f is not None]  # (these grids hold no None)
     return list(grid)
 
 

@@ -34,14 +34,17 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from typing import cast
 
 from tidal.model import (
     Admit,
     Decision,
     Grow,
     Job,
+    Kind,
     Node,
+    PoolName,
     Preempt,
     ReturnGpus,
     SetCkptInterval,
@@ -194,13 +197,14 @@ class World:
         gpn = config.gpus_per_node
         self.nodes: list[Node] = []
         serving = {}
-        for pool, total, prefix in (
+        pools: tuple[tuple[PoolName, int, str], ...] = (
             ("serving", config.serving_gpus, "s"),
             ("training", config.training_gpus, "t"),
-        ):
+        )
+        for pool, total, prefix in pools:
             for i in range(math.ceil(total / gpn)):
                 g = min(gpn, total - i * gpn)
-                self.nodes.append(Node(f"{prefix}{i:04d}", g, pool))  # type: ignore[arg-type]
+                self.nodes.append(Node(f"{prefix}{i:04d}", g, pool))
                 if pool == "serving":
                     serving[self.nodes[-1].name] = g
         self.node_tuple = tuple(self.nodes)
@@ -237,7 +241,7 @@ class World:
         return Snapshot(now, self.node_tuple, self.tenants, tuple(self.running.values()), self.queues,
                         tuple(s.loans.values()), tuple(s.reclaims))
 
-    def _hold(self, sj: SimJob, now: float, delta: dict[str, int], sign: int) -> None:
+    def _hold(self, sj: SimJob, now: float, delta: Mapping[str, int], sign: int) -> None:
         """Account GPUs taken (+1) or freed (-1) on nodes, and the job's held GPU-seconds."""
         sj.held_gpu_s += sj.job.gpus * (now - sj.held_since)
         sj.held_since = now
@@ -273,7 +277,7 @@ class World:
 
     def submit(self, spec: JobSpec, now: float) -> None:
         mx = spec.min_gpus if self.cfg.resize == "restart-full" else spec.max_gpus
-        job = Job(spec.id, spec.tenant, spec.kind, priority=spec.priority, min_gpus=spec.min_gpus,  # type: ignore[arg-type]
+        job = Job(spec.id, spec.tenant, cast(Kind, spec.kind), priority=spec.priority, min_gpus=spec.min_gpus,
                   max_gpus=mx, multiple_of=spec.multiple_of, gpus_per_node=spec.gpus_per_node,
                   submit_s=spec.submit_s, ckpt_stall_s=self.stall)
         if spec.id in self.jobs:
@@ -404,7 +408,7 @@ class World:
             by = now + self.stall
         sj.rel_at, sj.rel_ok = by, ok
         sj.rel_stop = by - self.stall if ok else by
-        sj.job = shrunk(sj.job, d, now) if shrink else preempted(sj.job, d, now)
+        sj.job = shrunk(sj.job, d, now) if isinstance(d, Shrink) else preempted(sj.job, d, now)
         self.running[sj.spec.id] = sj.job
         seg = sj.seg
         assert seg is not None

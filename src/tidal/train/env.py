@@ -114,7 +114,7 @@ class Env:
             local_rank=_int(e, c.ENV_LOCAL_RANK, 0, lo=0),
             local_world_size=_int(e, c.ENV_LOCAL_WORLD_SIZE, 1, lo=1),
             master_addr=e.get(c.ENV_MASTER_ADDR) or None,
-            master_port=_int(e, c.ENV_MASTER_PORT, None, lo=1) if e.get(c.ENV_MASTER_PORT) else None,
+            master_port=_int(e, c.ENV_MASTER_PORT, 0, lo=1) if e.get(c.ENV_MASTER_PORT) else None,
             job_id=e.get(c.ENV_JOB_ID) or "local",
             ckpt_url=e.get(c.ENV_CKPT_URL) or None,
             ckpt_tiers=_tiers(e.get(c.ENV_CKPT_TIERS) or ""),
@@ -162,10 +162,10 @@ def _tiers(raw: str) -> tuple[Any, ...] | None:
     return tuple(tiers)
 
 
-def _int(e: Mapping[str, str], name: str, default: int | None, *, lo: int) -> int:
+def _int(e: Mapping[str, str], name: str, default: int, *, lo: int) -> int:
     raw = e.get(name)
     if raw is None or raw == "":
-        return default  # type: ignore[return-value]
+        return default
     try:
         v = int(raw)
     except ValueError:

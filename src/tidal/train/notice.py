@@ -30,6 +30,8 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 from tidal.train.env import EXIT_PREEMPTED
 
@@ -61,7 +63,7 @@ class Notice:
         self.received_unix: float | None = None
         self.deadline_unix: float | None = None
         self._signals_seen = 0
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Callable[[int, FrameType | None], Any] | int | None] = {}
         self._cancel = threading.Event()
         self._watchdog: threading.Thread | None = None
 
@@ -79,7 +81,7 @@ class Notice:
         """Restore the previous handlers and cancel the watchdog."""
         for sig, prev in self._previous.items():
             with contextlib.suppress(ValueError, TypeError):
-                signal.signal(sig, prev)  # type: ignore[arg-type]
+                signal.signal(sig, prev)
         self._previous.clear()
         self._cancel.set()
 

@@ -4,4 +4,5 @@ import sys
 
 from tidal.ckpt.agent.server import main
 
-sys.exit(main())
+main()
+sys.exit(0)

@@ -183,9 +183,10 @@ class Replicator:
         if self.client is None:
             return
         fd = os.open(path, os.O_RDONLY)
-        item = _Item("sync", job, step, name, fd, os.fstat(fd).st_size, done=threading.Event())
+        done = threading.Event()
+        item = _Item("sync", job, step, name, fd, os.fstat(fd).st_size, done=done)
         self._put(item)
-        if not item.done.wait(timeout_s):  # type: ignore[union-attr]
+        if not done.wait(timeout_s):
             raise HTTPError(
                 503, f"buddy {self.client.address} did not take step {step} within {timeout_s:.0f} s"
             )
@@ -292,7 +293,8 @@ class Replicator:
                     raise OSError(f"data file {name} is not at the buddy (push: {h.pushed or 'running'}) and "
                                   "still being copied in here")
                 self._ensure_step(it.job, it.step)  # the local copy is whole now: push it from there
-        self._push(it.job, it.step, it.name, it.fd, it.size, None)  # type: ignore[arg-type]
+        assert it.name is not None and it.fd is not None  # a sync names its file, open
+        self._push(it.job, it.step, it.name, it.fd, it.size, None)
 
     def _remote_index(self) -> dict[str, dict[int, dict[str, int]]]:
         if self._remote is None:
@@ -326,7 +328,8 @@ class Replicator:
             for step, files in steps.items():
                 have = remote.get(job, {}).get(step, {})
                 if MANIFEST in files and any(have.get(n) != s for n, s in files.items()):
-                    log.info("resync: pushing %s step %d to %s", job, step, self.client.address)  # type: ignore[union-attr]
+                    assert self.client is not None  # (_push needs it too)
+                    log.info("resync: pushing %s step %d to %s", job, step, self.client.address)
                     self._ensure_step(job, step, with_manifest=True)
 
     def _path(self, job: str, step: int, name: str | None) -> str:

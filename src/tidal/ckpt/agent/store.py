@@ -25,6 +25,7 @@ import re
 import shutil
 import uuid
 from pathlib import Path
+from typing import Literal
 
 MANIFEST = "manifest.json"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,200}$")
@@ -170,20 +171,24 @@ class Store:
         return rows
 
     # -- removal -----------------------------------------------------------------------------------
-    def remove_file(self, job: str, step: int, name: str, origin: str | None | bool = False) -> bool:
+    def _origins(self, origin: str | None | Literal[False]) -> list[str | None]:
+        """The trees ``origin`` names: every tree (False), own (None) or one origin's replica."""
+        return [o for o, _ in self.trees()] if origin is False else [origin]
+
+    def remove_file(self, job: str, step: int, name: str,
+                    origin: str | None | Literal[False] = False) -> bool:
         """Remove ``name`` from every tree (``origin`` False) or from one; whether anything was removed."""
         check_name(name, "object")
         removed = False
-        for o, _ in self.trees() if origin is False else [(origin, None)]:
+        for o in self._origins(origin):
             with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-                os.unlink(self.step_dir(o, job, step) / name)  # type: ignore[arg-type]
+                os.unlink(self.step_dir(o, job, step) / name)
                 removed = True
         return removed
 
-    def remove_step(self, job: str, step: int, origin: str | None | bool = False) -> bool:
+    def remove_step(self, job: str, step: int, origin: str | None | Literal[False] = False) -> bool:
         """Remove a step from every tree (or one): manifests first, so it is never seen half-removed."""
-        trees = self.trees() if origin is False else [(origin, None)]
-        dirs = [self.step_dir(o, job, step) for o, _ in trees]  # type: ignore[arg-type]
+        dirs = [self.step_dir(o, job, step) for o in self._origins(origin)]
         present = [d for d in dirs if d.is_dir()]
         for d in present:
             with contextlib.suppress(FileNotFoundError):

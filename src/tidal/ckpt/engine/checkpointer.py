@@ -123,8 +123,9 @@ class Checkpointer:
         for t in self.tiers:
             t.check()  # a typo or an unreachable store fails here, not hours later
         self._config = {c.name: c for c in self.tier_configs}
-        self.shm_tier: DirTier | None = next((t for t in self.tiers if t.kind == "shm"), None)  # type: ignore[misc]
-        self.dir_tiers: list[DirTier] = [t for t in self.tiers if t.kind == "dir"]  # type: ignore[misc]
+        local = [t for t in self.tiers if isinstance(t, DirTier)]  # the shm and dir tiers
+        self.shm_tier: DirTier | None = next((t for t in local if t.kind == "shm"), None)
+        self.dir_tiers: list[DirTier] = [t for t in local if t.kind == "dir"]
         self.disk: DirTier | None = self.dir_tiers[0] if self.dir_tiers else None
         self.root = self.disk.root if self.disk is not None else None
         self._want_shm = self.shm_tier is not None
@@ -263,13 +264,14 @@ class Checkpointer:
         def due(t: Tier) -> bool:
             return self._config[t.name].due(index)
 
-        fast = [t for t in self.tiers if t.fast and due(t) and (t is not self.shm_tier or use_shm_tier)]
+        fast = [t for t in self.tiers  # (the fast tiers are the DirTiers)
+                if isinstance(t, DirTier) and t.fast and due(t) and (t is not self.shm_tier or use_shm_tier)]
         if self.shm_tier in fast:  # its commit hard-links this slot: remember which step it holds
             for other in self._staging.slots:
                 other.linked.discard(step)
             slot.linked.add(step)
         remote = [q for q in self._remote if due(q.tier)]
-        job = PersistJob(step, save_id, plan, slot, deferred, objs, fast, remote, handle,  # type: ignore[arg-type]
+        job = PersistJob(step, save_id, plan, slot, deferred, objs, fast, remote, handle,
                          shm_tier=self.shm_tier, slot_dir=self._staging.shm_dir,
                          shm_keep=len(self._staging.slots), urgent=urgent,
                          shm_uncommitted=uncommitted)  # recorded in the status file off the stall path

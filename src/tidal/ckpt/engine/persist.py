@@ -16,6 +16,7 @@ serving saves. It runs no collective.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import queue
 import threading
@@ -169,7 +170,8 @@ class Persister:
         # The first directory write (the slow part) starts now; checksums and the shm commit overlap it.
         first_dir = next((t for t in job.tiers if t.kind == "dir"), None)
         overlap = first_dir is not None and not (job.urgent and any(t.kind == "shm" for t in job.tiers))
-        dir_write = self._io.submit(first_dir.write_file, job.step, name, data) if overlap else None
+        dir_write = (self._io.submit(first_dir.write_file, job.step, name, data)
+                     if first_dir is not None and overlap else None)
         # So does handing the slot to the peer tier's agent (it copies the slot file itself).
         handoffs = {
             q.tier.name: self._handoff_io.submit(self._handoff, q.tier, job, name, data)
@@ -195,18 +197,14 @@ class Persister:
         }
         errors = []
         for tier in job.tiers:
+            write: Callable[[], Any]
             if tier is first_dir and dir_write is not None:
                 write = dir_write.result
             elif tier.kind == "dir":
-
-                def write(tier: DirTier = tier) -> None:
-                    tier.write_file(job.step, name, data)
+                write = functools.partial(tier.write_file, job.step, name, data)
             else:
                 assert job.slot.path is not None
-                slot_path = job.slot.path
-
-                def write(tier: DirTier = tier, slot_path: Path = slot_path) -> None:
-                    tier.link_file(job.step, name, slot_path)
+                write = functools.partial(tier.link_file, job.step, name, job.slot.path)
 
             try:
                 self._persist_tier(job, tier, write, sidecar, cleanups)

@@ -139,7 +139,7 @@ class PieceReader:
                     self._dead[tier.name] = why
                 continue
             buf = torch.empty(total, dtype=torch.uint8)
-            mv = memoryview(buf.numpy())
+            mv = buf.numpy().data
             try:
                 reader.read_ranges(ranges, mv)
             except TruncatedRead as t:

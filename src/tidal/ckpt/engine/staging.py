@@ -59,7 +59,7 @@ class Slot:
         assert self.buffer is not None
         if self._mmap is not None:
             return memoryview(self._mmap)
-        return memoryview(self.buffer.numpy()).cast("B")
+        return self.buffer.numpy().data.cast("B")
 
     def allocate(self, rf: RankFile, fingerprint: str, shm_dir: Path | None, dtypes: dict[str, str]) -> None:
         """(Re)lay out this slot for ``rf``; a no-op when the layout is unchanged."""
@@ -96,7 +96,7 @@ class Slot:
         return raw.view(ST_TO_DTYPE[st_dtype]).view(p.box.lengths)
 
     def _pin(self) -> None:
-        if self._mmap is None or not torch.cuda.is_available():
+        if self._mmap is None or self.buffer is None or not torch.cuda.is_available():
             return
         try:  # register the shm mapping as page-locked so device-to-host copies are DMA
             cudart = torch.cuda.cudart()
@@ -108,6 +108,7 @@ class Slot:
     def release(self) -> None:
         if self._pinned:  # pragma: no cover - needs a GPU
             with contextlib.suppress(Exception):
+                assert self.buffer is not None  # pinned: _pin found it
                 torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
             self._pinned = False
         self.views = {}

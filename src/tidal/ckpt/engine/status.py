@@ -85,7 +85,8 @@ class CheckpointStatus:
         steps = tuple(StepStatus(s["step"], tuple(s["tiers"]), s.get("saved_unix_s")) for s in d["steps"])
         keys = ("job", "updated_unix_s", "newest_step", "newest_durable_step", "newest_durable_unix_s",
                 "durable_age_s", "durable_lag_steps")
-        return cls(tiers=tiers, steps=steps, **{k: d.get(k) for k in keys})  # type: ignore[arg-type]
+        rest: dict[str, Any] = {k: d.get(k) for k in keys}
+        return cls(tiers=tiers, steps=steps, **rest)
 
 
 def read_status(path: str | os.PathLike) -> CheckpointStatus:

@@ -11,12 +11,16 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tidal.ckpt.errors import StateError
 from tidal.ckpt.format.layout import Box
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
 
 PathKey = str | int
 Path = tuple[PathKey, ...]
@@ -91,16 +95,17 @@ def path_name(path: Path) -> str:
 _BOX_CACHE: dict[tuple, tuple] = {}
 
 
-_DTENSOR: list[type | None] = []  # resolved once: an import statement per tensor costs ~2 us
+_DTENSOR: list[type[DTensor] | None] = []  # resolved once: an import statement per tensor costs ~2 us
 
 
-def _dtensor_type() -> type | None:
+def _dtensor_type() -> type[DTensor] | None:
     if not _DTENSOR:
         try:
-            from torch.distributed.tensor import DTensor
+            import torch.distributed.tensor as dt
         except ImportError:  # pragma: no cover - torch without distributed
-            DTensor = None  # noqa: N806
-        _DTENSOR.append(DTensor)
+            _DTENSOR.append(None)
+        else:
+            _DTENSOR.append(dt.DTensor)
     return _DTENSOR[0]
 
 
@@ -146,19 +151,23 @@ def describe_tensor(path: Path, value: Any) -> TensorEntry:
     raise TypeError(value)
 
 
-def _check_placements(name: str, placements: Sequence[Any], shard: type, replicate: type) -> None:
+def _check_placements(name: str, placements: Sequence[Any], shard: type[Shard],
+                      replicate: type[Replicate]) -> None:
     """Accept placements whose local piece is one box of the global tensor.
 
     ``_StridedShard(d)`` (what FSDP2 puts on top of tensor parallelism on the same dim) is a box only
     when a later mesh dimension also shards tensor dim ``d``; then torch's own offset computation
     yields one contiguous block per rank.
     """
+    strided: type[_StridedShard] | None = None
     try:
-        from torch.distributed.tensor.placement_types import _StridedShard
+        from torch.distributed.tensor.placement_types import _StridedShard as found
     except ImportError:  # pragma: no cover - older torch
-        _StridedShard = None  # noqa: N806
+        pass
+    else:
+        strided = found
     for i, p in enumerate(placements):
-        if _StridedShard is not None and isinstance(p, _StridedShard):
+        if strided is not None and isinstance(p, strided):
             later = [q for q in placements[i + 1 :] if isinstance(q, shard) and q.dim == p.dim]
             if not later:
                 raise StateError(f"tensor '{name}': placement {p!r} without a later Shard({p.dim}) does not "
@@ -218,7 +227,7 @@ def _walk(path: Path, v: Any, tensors: list[TensorEntry], objects: list[ObjectEn
                                  "dict so it can be filled in place on load")
             return
         del objects[n_objects:]
-        if path == ():
+        if path == () and isinstance(v, dict):  # the root (flatten: always a dict)
             objects.extend(ObjectEntry((k,), x) for k, x in v.items())
             return
     objects.append(ObjectEntry(path, v))  # JSON-checked once, by flatten
@@ -244,7 +253,7 @@ def _find_unjsonable(path: Path, v: Any) -> tuple[Path, Any]:
             try:
                 json.dumps(x, allow_nan=True)
             except (TypeError, ValueError):
-                return _find_unjsonable((*path, k), x)
+                return _find_unjsonable((*path, k if isinstance(k, (str, int)) else str(k)), x)
     elif isinstance(v, (list, tuple)):
         for i, x in enumerate(v):
             try:

@@ -169,7 +169,7 @@ def check_tiling(shape: Sequence[int], boxes: Sequence[Box], ops: list[int] | No
                         "the pieces overlap or leave a gap there")
             continue
         for d in range(nd):
-            order = sorted(group, key=lambda b, d=d: b.offsets[d])
+            order = sorted(group, key=lambda b: b.offsets[d])
             count[0] += m * max(1, m.bit_length())
             parts: list[list[Box]] = [[order[0]]]
             end = order[0].offsets[d] + order[0].lengths[d]

@@ -181,7 +181,7 @@ class DirTier:
     def read_bytes(self, step: int, name: str) -> bytes:
         fd = self._open_safe(step, name)
         try:
-            chunks = []
+            chunks: list[bytes] = []
             while True:
                 b = os.read(fd, 1 << 20)
                 if not b:

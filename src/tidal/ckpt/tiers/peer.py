@@ -43,7 +43,7 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, overload
 
 from tidal.ckpt.agent.auth import agent_token, parse_key
 from tidal.ckpt.agent.auth import headers as auth_headers
@@ -160,6 +160,14 @@ class AgentClient:
         self._local.conn = None
         if conn is not None:
             conn.close()
+
+    @overload
+    def request(self, method: str, path: str, body: Any = None, headers: dict | None = None,
+                into: None = None) -> tuple[int, bytes]: ...
+
+    @overload
+    def request(self, method: str, path: str, body: Any = None, headers: dict | None = None, *,
+                into: memoryview) -> tuple[int, bytes | int]: ...
 
     def request(self, method: str, path: str, body: Any = None, headers: dict | None = None,
                 into: memoryview | None = None) -> tuple[int, bytes | int]:
@@ -393,7 +401,7 @@ class PeerTier:
                 continue
             answered += 1
             if status == 200:
-                return bytes(data)  # type: ignore[arg-type]
+                return bytes(data)
             if status != 404:
                 raise _error(status, data, f"tier '{self.name}' ({self.where(step, name)})")
         if answered:
@@ -508,8 +516,8 @@ class _PeerReader:
                 continue
             answered += 1
             if status in (200, 206):
-                if got != len(out):
-                    raise TruncatedRead(offset, len(out), int(got))  # type: ignore[arg-type]
+                if got != len(out):  # a 2xx answer read into out: got is the count read
+                    raise TruncatedRead(offset, len(out), len(got) if isinstance(got, bytes) else got)
                 self._first = c.address
                 return
             if status == 416:

@@ -59,7 +59,8 @@ class Snapshot:
     queues that upload it; the buffer goes back to the pool when the last of them releases it."""
 
     def __init__(self, pool: SnapshotPool, buf: bytearray, size: int, refs: int) -> None:
-        self._pool, self._buf, self.size, self._refs = pool, buf, size, refs
+        self._pool, self.size, self._refs = pool, size, refs
+        self._buf: bytearray | None = buf  # None once released
 
     def view(self) -> memoryview:
         if self._buf is None:

@@ -32,11 +32,15 @@ import datetime as _dt
 import re
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING
 
 from tidal.ckpt.errors import TierError, TierSpecError
 from tidal.ckpt.format import manifest as mf
 from tidal.ckpt.tiers.protocol import TruncatedRead
+
+if TYPE_CHECKING:
+    from obstore import ObjectMeta
+    from obstore.store import ClientConfig, RetryConfig, S3Config
 
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
 MIB = 1 << 20
@@ -112,22 +116,22 @@ class S3Tier:
         self.endpoint = (
             endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         )
-        config: dict[str, Any] = {}
+        config: S3Config = {}
         if self.endpoint:
             config["endpoint"] = self.endpoint
         config["region"] = (
             region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
         )
-        client = {
+        client: ClientConfig = {
             "allow_http": bool(self.endpoint and self.endpoint.startswith("http://")),
             "connect_timeout": _seconds(connect_timeout_s),
             "timeout": _seconds(max(60.0, retry_timeout_s)),
         }
-        retry = {"max_retries": int(retries), "retry_timeout": _seconds(retry_timeout_s),
+        retry: RetryConfig = {"max_retries": int(retries), "retry_timeout": _seconds(retry_timeout_s),
                  "backoff": {"init_backoff": _seconds(0.05), "max_backoff": _seconds(2.0), "base": 2}}
         try:
-            self._store = S3Store(self.bucket, prefix=self.prefix or None, config=config,  # type: ignore[arg-type]
-                                  client_options=client, retry_config=retry)  # type: ignore[arg-type]
+            self._store = S3Store(self.bucket, prefix=self.prefix or None, config=config,
+                                  client_options=client, retry_config=retry)
         except Exception as e:  # obstore raises its own configuration errors
             raise TierSpecError(f"tier {url!r}: {_brief(e)}") from None
         self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix=f"tidal-s3-{name}")
@@ -163,7 +167,7 @@ class S3Tier:
             raise self._fail(e, self.location) from None
 
     # -- listing -----------------------------------------------------------------------------------
-    def _objects(self, prefix: str | None = None) -> list[dict]:
+    def _objects(self, prefix: str | None = None) -> list[ObjectMeta]:
         import obstore
 
         try:
@@ -171,8 +175,8 @@ class S3Tier:
         except Exception as e:
             raise self._fail(e, self.location + ("/" + prefix if prefix else "")) from None
 
-    def _by_step(self) -> dict[int, dict[str, dict]]:
-        out: dict[int, dict[str, dict]] = {}
+    def _by_step(self) -> dict[int, dict[str, ObjectMeta]]:
+        out: dict[int, dict[str, ObjectMeta]] = {}
         for o in self._objects():
             d, _, n = o["path"].partition("/")
             s = mf.parse_step_dirname(d)

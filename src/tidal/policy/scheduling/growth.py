@@ -58,7 +58,9 @@ def grow_step(c: Cycle, admitted: dict[str, tuple[int, Job]]) -> None:
     for jid, (i, j) in admitted.items():
         if j.elastic and j.size_step <= spare:
             jobs[jid], size[jid] = j, j.min_gpus
-            start[jid] = c.decisions[i].placement  # type: ignore[union-attr]
+            d = c.decisions[i]
+            assert isinstance(d, Admit)  # admitted: its index among the decisions
+            start[jid] = d.placement
     if not jobs:
         return
 

@@ -126,7 +126,9 @@ def place(views: Sequence[View], size: int, g: int | None, skip: Mapping[str, in
                 v.take(node, rem)
                 out[node] = out.get(node, 0) + rem
                 return out
-            v, node = _fullest(views, skip)  # total >= rem guarantees a node
+            full = _fullest(views, skip)
+            assert full is not None, "total >= rem guarantees a node"
+            v, node = full
             f = v.free[node]
             v.take(node, f)
             out[node] = out.get(node, 0) + f

@@ -18,7 +18,7 @@ If the need cannot be met even with every candidate, nothing is touched (no part
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
 from tidal.model import Job, Reason
@@ -109,7 +109,7 @@ class CountNeed:
 
     quota_short = 0
 
-    def __init__(self, nodes: set[str] | dict[str, object], need: int, used: dict[str, int]) -> None:
+    def __init__(self, nodes: set[str] | Mapping[str, object], need: int, used: dict[str, int]) -> None:
         self.nodes, self.need, self.got, self.used = nodes, need, 0, used
         self.released: dict[str, int] = {}
 

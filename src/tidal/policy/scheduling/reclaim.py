@@ -38,7 +38,7 @@ def reclaim_step(c: Cycle) -> None:
         if r.due(now):
             due += r.gpus
             by_s = min(by_s, r.by_s)
-        elif r.notice_s - now < cfg.min_loan_left_s:
+        elif r.notice_s is not None and r.notice_s - now < cfg.min_loan_left_s:  # (due: notice_s set)
             soon += r.gpus
     if due + soon == 0:
         return

@@ -93,7 +93,9 @@ def _candidates(c: Cycle, job: Job, quota_short: int) -> tuple[list[Cand], Itera
         spot_shrink: list[Cand] = [
             (v, "quota", False) for v in idx.spot_shrink if v.id in on_t and v.id not in touched
         ]
-        spot_pre = ((v, "quota", False) for v in idx.spot_pre_training() if v.id not in touched)
+        spot_pre: Iterator[Cand] = (
+            (v, "quota", False) for v in idx.spot_pre_training() if v.id not in touched
+        )
         if quota_short:  # only the tenant's own jobs give quota back: try them first
             return own_shrink + spot_shrink, itertools.chain(own_pre, spot_pre)
         return spot_shrink + own_shrink, itertools.chain(spot_pre, own_pre)

@@ -329,6 +329,7 @@ def _groups_np(o: _Orders) -> list[tuple[int, str, np.ndarray, int]]:
 
 
 def victim_index(c: Cycle) -> VictimIndex:
-    if c._victim_index is None:
-        c._victim_index = VictimIndex(c)
-    return c._victim_index  # type: ignore[return-value]
+    idx = c._victim_index  # (cycle.py cannot name the type: this module imports it)
+    if not isinstance(idx, VictimIndex):
+        idx = c._victim_index = VictimIndex(c)
+    return idx
