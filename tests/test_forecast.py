@@ -4,6 +4,7 @@ the error scale, context quantiles and the tail memory."""
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -286,9 +287,39 @@ def test_context_config_errors(kw, match):
 
 
 def test_settings_by_name_and_a_wrong_group_are_refused_clearly():
-    cfg = fc.with_settings(fc.ForecastConfig(), {"lead.quantile": 0.8, "step_s": 300.0})
-    assert cfg.lead.quantile == 0.8 and cfg.step_s == 300.0 and cfg.lead.z_scales == 2.5
-    with pytest.raises(ValueError, match="no setting 'lead_quantile'"):
-        fc.with_settings(fc.ForecastConfig(), {"lead_quantile": 0.8})
-    with pytest.raises(ValueError, match=r"ForecastConfig\.lead must be a LeadQuantileConfig"):
-        fc.ForecastConfig(lead={"quantile": 0.8})
+    cfg = fc.with_settings(fc.ForecastConfig(), {"errors.noise_exponent": 0.5, "step_s": 300.0})
+    assert cfg.errors.noise_exponent == 0.5 and cfg.step_s == 300.0 and cfg.errors.side == "both"
+    names = fc.setting_names()
+    assert {"step_s", "season.profile_half_life_s", "errors.noise_exponent", "context.quantile"} <= set(names)
+    with pytest.raises(ValueError, match="no setting 'noise_exponent'"):
+        fc.with_settings(fc.ForecastConfig(), {"noise_exponent": 0.5})
+    with pytest.raises(ValueError, match=r"ForecastConfig\.season must be a SeasonConfig"):
+        fc.ForecastConfig(season={"profile_half_life_s": 3600.0})
+
+
+@pytest.mark.parametrize("name", ["lead.quantile", "lead.window_steps", "season.week_s",
+                                  "season.week_half_life_s", "season.week_shrink_weeks",
+                                  "season.shift_half_life_s", "season.shift_threshold_errors"])
+def test_a_removed_setting_is_refused_by_name(name):
+    assert name not in fc.setting_names()
+    with pytest.raises(ValueError, match=rf"ForecastConfig has no setting '{re.escape(name)}'"):
+        fc.with_settings(fc.ForecastConfig(), {name: 1.0})
+
+
+@pytest.mark.parametrize("settings", [{}, {"context.tod_buckets": 4, "context.vol_edges": (1.3,),
+                                           "errors.noise_exponent": 0.5}])
+def test_gaps_zeros_and_spikes_keep_the_forecast_finite(settings):
+    rng = np.random.default_rng(7)
+    t = np.arange(3 * 144)
+    y = (60 + 20 * np.sin(2 * np.pi * t / 144) + 8.0 * rng.normal(size=t.size)).clip(min=0)
+    y[rng.random(y.size) < 0.05] = math.nan
+    y[100:130] = 0.0
+    y[300:303] = 5000.0
+    cfg = fc.with_settings(fc.ForecastConfig(), settings)
+    state = fc.initial_state(cfg)
+    for i, v in enumerate(y):
+        state = fc.observe(cfg, state, 600.0 * i, float(v))
+        if state.n_obs:
+            f = fc.forecast(cfg, state)
+            assert np.isfinite(f.center_gpus).all() and np.isfinite(f.scale_gpus).all()
+            assert (f.scale_gpus > 0).all()

@@ -171,6 +171,31 @@ def test_a_state_stored_with_the_removed_joint_reserve_loads():
     assert codec.encode(codec.decode(doc)) == codec.encode(state)
 
 
+def test_a_state_stored_with_the_removed_forecast_options_loads():
+    policy = TidalPolicy(config())
+    state = policy.initial_state()
+    for t, y in enumerate((10.0, 12.0, math.nan, 11.0)):
+        _, state = policy(LoanContext(now_s=t * STEP, serving_gpus=N, demand_gpus=y), state)
+    doc = codec.encode(state)
+    # what a plane stored while the forecast had the lead-window quantile, weekly departures and level
+    # shifts: off (None, 0) or on (their arrays and numbers)
+    for old in ({"lq_model": None, "lq_pending": None, "week_dev": None, "week_n": None, "shift_gpus": 0.0,
+                 "shift_count": 0},
+                {"lq_model": codec.encode(np.zeros((3, 6))),
+                 "lq_pending": codec.encode(np.full((2, 9), np.nan)),
+                 "week_dev": codec.encode(np.ones(1008)), "week_n": codec.encode(np.ones(1008)),
+                 "shift_gpus": 2.5, "shift_count": 3}):
+        stored = {**doc, "forecast": {**doc["forecast"], **old}}
+        back = codec.decode(stored)
+        assert codec.encode(back) == doc
+        _, nxt = policy(LoanContext(now_s=4 * STEP, serving_gpus=N, demand_gpus=13.0), back)
+        _, want = policy(LoanContext(now_s=4 * STEP, serving_gpus=N, demand_gpus=13.0), state)
+        assert codec.encode(nxt) == codec.encode(want)
+    del stored["forecast"]["level_gpus"]  # a field the class has, without a default, is still required
+    with pytest.raises(ValueError, match=r"ForecastState fields \['level_gpus'\] missing or unknown"):
+        codec.decode(stored)
+
+
 # ---------------------------------------------------------------------------------- a changing pool
 def drive_pool(cfg: TidalConfig, demand: list[float], pool: list[int], adversary: bool) -> np.ndarray:
     """As :func:`drive`, with the pool ``pool[t]`` GPUs at step t (serving nodes lost and back); the

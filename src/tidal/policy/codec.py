@@ -23,9 +23,11 @@ from tidal.policy.loan import TidalState
 CLASSES: dict[str, type] = {c.__name__: c for c in (TidalState, ForecastState)}
 _DTYPES = {"float64", "float32", "int64", "int32", "bool"}
 # Fields a class no longer has, ignored where a stored state still holds them (the joint tail reserve's
-# memory: a state a running plane stored loads after an upgrade).
+# memory; the forecast's lead-window quantile, weekly departures and level shifts): a state a running
+# plane stored loads after an upgrade.
 DROPPED: dict[str, frozenset[str]] = {
     "TidalState": frozenset({"joint_excess", "joint_weight", "joint_paths"}),
+    "ForecastState": frozenset({"lq_model", "lq_pending", "week_dev", "week_n", "shift_gpus", "shift_count"}),
 }
 
 

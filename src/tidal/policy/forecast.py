@@ -44,17 +44,6 @@ The half-lives are ``ForecastConfig.level``'s; the exponent is ``ForecastConfig.
   (:mod:`tidal.policy.loan`) sets it from a shortfall budget. ``upper(h; z)`` is the profile at an
   upper quantile, corrected by the live level and trend.
 
-Optional parts (off by default; docs/loaning.md, "Lead-window quantile, weeks and level shifts"):
-
-* ``lead.quantile`` — a quantile forecast of the lead window's peak, learned online by pinball-loss SGD
-  (:mod:`tidal.policy.forecast_quantile`); the scale path is rescaled so that ``lead.z_scales`` scales
-  over the window are that quantile.
-* ``season.week_s`` — per slot of the week, the learned departure from the daily profile, added to ``P``
-  from the second week on (shrunk while few weeks are seen).
-* ``season.shift_half_life_s`` — level shifts: when the mean anomaly ``y - P`` passes
-  ``season.shift_threshold_errors`` one-step errors, the whole profile is re-based, so a lasting shift
-  is forecast at every horizon.
-
 Why this shape: on the traces an optimal policy for a shortfall *budget* lends down to one fixed
 conditional quantile of demand (the Lagrangian of "minimise margin subject to expected shortfall
 <= B" is minimised pointwise at a constant quantile level), so the forecaster's job is a
@@ -73,16 +62,13 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, replace
-from typing import Any
 
 import numpy as np
 
-from tidal.policy import forecast_quantile as lq
 from tidal.policy.forecast_config import (  # noqa: F401 (the groups re-exported with the config)
     ContextConfig,
     ErrorScaleConfig,
     ForecastConfig,
-    LeadQuantileConfig,
     LevelConfig,
     SeasonConfig,
     setting_names,
@@ -144,12 +130,6 @@ def initial_state(config: ForecastConfig) -> ForecastState:
         ctx_hist=_frozen(np.zeros((config.contexts, CTX_BINS.size - 1))) if config.contexts > 1 else None,
         tail_hist=_frozen(np.zeros((config.tail_horizon_steps, TAIL_BINS.size - 1))),
         tail_pending=_frozen(np.full((config.slots, config.tail_horizon_steps), -np.inf)),
-        week_dev=_frozen(np.zeros(config.week_slots)) if config.week_slots else None,
-        week_n=_frozen(np.zeros(config.week_slots)) if config.week_slots else None,
-        lq_model=_frozen(lq.initial_model(config.lead.init_scales)) if config.lead.quantile > 0 else None,
-        lq_pending=_frozen(lq.initial_pending(config.lead.window_steps))
-        if config.lead.quantile > 0
-        else None,
     )
 
 
@@ -247,10 +227,9 @@ def _error_profile_factor(config: ForecastConfig, state: ForecastState) -> np.nd
     return (days * rel + k) / (days + k) if k > 0 else rel
 
 
-def _path(config: ForecastConfig, state: ForecastState, y: float = math.nan
-          ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
-    """Center, scale, base scale (before the context factor) and context paths from ``state``, and the
-    lead-window quantile's features of this path (None when off); ``y`` is the demand just observed."""
+def _path(config: ForecastConfig,
+          state: ForecastState) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Center, scale, base scale (before the context factor) and context paths from ``state``."""
     c = _consts(config)
     hs = c["hs"]
     step = config.step_s
@@ -259,9 +238,6 @@ def _path(config: ForecastConfig, state: ForecastState, y: float = math.nan
     p_now = prof[_slot(config, state.t_s)]
     future_slots = slot_of(config, state.t_s + hs * step)
     p_future = prof[future_slots]
-    if state.week_dev is not None and state.n_obs > config.week_slots:  # from the second week on
-        w = _week_departure(config, state, state.t_s + np.arange(hs.size + 1) * step)
-        p_now, p_future = p_now + w[0], p_future + w[1:]
     fade = c["fade"]
     if math.isnan(p_now):
         base = np.full(hs.shape, level)
@@ -296,31 +272,7 @@ def _path(config: ForecastConfig, state: ForecastState, y: float = math.nan
     else:
         ctx = np.zeros(hs.shape)
         scale = base
-    x = None
-    if state.lq_model is not None:
-        k = config.lead.window_steps
-        scale_k, center_max = float(scale[k - 1]), float(center[:k].max())
-        x = lq.features(scale_k, center_max, mean, y, float(state.lq_model[2, 0]), state.burst)
-        if mean > 0 and scale_k > 0:
-            lo, hi = config.lead.rho_range
-            rho = min(max(lq.predict(state.lq_model, x) * mean / (scale_k * config.lead.z_scales), lo), hi)
-            scale = np.maximum(scale * rho, floor)
-    return center, scale, base, ctx, x
-
-
-def _week_departure(config: ForecastConfig, state: ForecastState, times_s: np.ndarray) -> np.ndarray:
-    """The weekly departure from the daily profile at ``times_s`` (GPUs): read through the profile's box
-    kernel over the week's slots, shrunk by ``n / (n + week_shrink_weeks)``; 0 where no week was seen."""
-    half = max(0, int(round(config.season.profile_smooth_s / config.step_s / 2)))
-    assert state.week_n is not None and state.week_dev is not None  # called only with weeks on
-    ws = np.round(np.mod(times_s, config.season.week_s) / config.step_s).astype(int)
-    idx = (ws[:, None] + np.arange(-half, half + 1)[None, :]) % config.week_slots
-    n = state.week_n[idx]
-    seen = n > 0
-    k = np.maximum(seen.sum(axis=1), 1)
-    dev = np.where(seen, state.week_dev[idx], 0.0).sum(axis=1) / k
-    weeks = n.sum(axis=1) / k
-    return np.where(seen.any(axis=1), dev * weeks / (weeks + config.season.week_shrink_weeks), 0.0)
+    return center, scale, base, ctx
 
 
 def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float) -> ForecastState:
@@ -334,10 +286,6 @@ def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float)
     burst = state.burst
     ctx_hist = state.ctx_hist
     tail_hist, tail_pending = state.tail_hist, state.tail_pending
-    lq_model, lq_pending = state.lq_model, state.lq_pending
-    if lq_model is not None:
-        assert lq_pending is not None  # set together (_with_options)
-        lq_model, lq_pending = lq.observe(lq_model, lq_pending, y, config.lead.quantile, config.lead.lr)
     if not math.isnan(y) and state.n_obs > 0:
         # Score the paths made 1..H steps ago at their points that target now.
         preds = np.diagonal(state.past_center).copy()
@@ -414,7 +362,6 @@ def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float)
     level, trend, mean = state.level_gpus, state.trend_gpus_per_s, state.mean_gpus
     prof, prof_n = state.profile_gpus, state.profile_n
     n_obs = state.n_obs
-    week_upd = shift_upd = None
     if not math.isnan(y):
         if n_obs == 0:
             level, mean = y, y
@@ -426,26 +373,6 @@ def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float)
             level = new_level
             mw = 1.0 - decay(step, config.season.profile_half_life_s)
             mean = mean + max(mw, 1.0 / (n_obs + 1)) * (y - mean)
-        shift, shifts = state.shift_gpus, state.shift_count
-        if config.season.shift_half_life_s > 0 and prof_n.min() > 0 and state.err_weight[0] > 0:
-            # Level shifts: the anomaly against the profile (as read), averaged; past the threshold, re-base.
-            anomaly = y - float(prof[_consts(config)["kernel_profile"][s]].mean())
-            shift += (1.0 - decay(step, config.season.shift_half_life_s)) * (anomaly - shift)
-            one_step = float(state.err_sum[0] / state.err_weight[0])
-            if abs(shift) > config.season.shift_threshold_errors * one_step:
-                # by the mean anomaly, or by the anomaly now if it goes further the same way (the mean lags)
-                by = math.copysign(max(abs(shift), math.copysign(1.0, shift) * anomaly), shift)
-                prof = _frozen(prof + by)
-                shift, shifts = 0.0, shifts + 1
-            shift_upd = (shift, shifts)
-        if state.week_dev is not None and state.week_n is not None and prof_n[s] > 0:
-            # How this slot of the week departs from the daily profile (as it stood before this observation).
-            ws = round((t_s % config.season.week_s) / step) % config.week_slots
-            week_dev, week_n = state.week_dev.copy(), state.week_n.copy()
-            week_n[ws] += 1
-            week_w = 1.0 - decay(config.season.week_s, config.season.week_half_life_s)
-            week_dev[ws] += max(week_w, 1.0 / week_n[ws]) * (y - prof[s] - week_dev[ws])
-            week_upd = (week_dev, week_n)
         prof, prof_n = prof.copy(), prof_n.copy()
         prof_n[s] += 1
         prof[s] += max(day_w, 1.0 / prof_n[s]) * (y - prof[s])
@@ -468,23 +395,12 @@ def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float)
         ctx_hist=None if ctx_hist is None else _frozen(np.asarray(ctx_hist, float)),
         tail_hist=None if tail_hist is None else _frozen(np.asarray(tail_hist, float)),
         tail_pending=None if tail_pending is None else _frozen(tail_pending),
-        lq_model=None if lq_model is None else _frozen(lq_model),
     )
-    if week_upd is not None:
-        new = replace(new, week_dev=_frozen(week_upd[0]), week_n=_frozen(week_upd[1]))
-    if shift_upd is not None:
-        new = replace(new, shift_gpus=shift_upd[0], shift_count=shift_upd[1])
-    x = None
     if n_obs == 0:
         center = scale = base = np.full(h, np.nan)
         ctx = np.zeros(h)
     else:
-        center, scale, base, ctx, x = _path(config, new, y)
-    if lq_model is not None:  # the path's features wait for its window; y is the next path's last demand
-        lq_model = lq.seen(lq_model, y)
-        center_max = float(np.max(center[: config.lead.window_steps]))
-        assert lq_pending is not None  # set together with lq_model
-        lq_pending = lq.push(lq_pending, np.full(lq.FEATURES, math.nan) if x is None else x, center_max, mean)
+        center, scale, base, ctx = _path(config, new)
     # ``new`` is not seen by anybody yet and _path does not read these fields: set them in place
     # (one state object per step instead of two).
     put = object.__setattr__
@@ -492,9 +408,6 @@ def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float)
     put(new, "scale_gpus", _frozen(scale))
     put(new, "past_base", None if state.past_base is None else _frozen(_push_row(base, state.past_base)))
     put(new, "past_ctx", None if state.past_ctx is None else _frozen(_push_row(ctx, state.past_ctx)))
-    if lq_model is not None and lq_pending is not None:
-        put(new, "lq_model", _frozen(lq_model))
-        put(new, "lq_pending", _frozen(lq_pending))
     return new
 
 
@@ -512,26 +425,6 @@ def _push_row(row: np.ndarray, rows: np.ndarray) -> np.ndarray:
     return out
 
 
-def _with_options(config: ForecastConfig, state: ForecastState) -> ForecastState:
-    """``state`` with the optional parts (lead-window quantile, weekly departures) as ``config`` asks: started
-    afresh when switched on, resized or missing (a state stored by a version without them), dropped when
-    switched off. The same object when nothing changes."""
-    change: dict[str, Any] = {}  # ForecastState's optional arrays, by name
-    k = config.lead.window_steps
-    if config.lead.quantile > 0:
-        if state.lq_model is None or state.lq_pending is None or state.lq_pending.shape[0] != k:
-            change.update(lq_model=_frozen(lq.initial_model(config.lead.init_scales)),
-                          lq_pending=_frozen(lq.initial_pending(k)))
-    elif state.lq_model is not None or state.lq_pending is not None:
-        change.update(lq_model=None, lq_pending=None)
-    w = config.week_slots
-    if w and (state.week_dev is None or state.week_n is None or state.week_dev.size != w):
-        change.update(week_dev=_frozen(np.zeros(w)), week_n=_frozen(np.zeros(w)))
-    elif not w and (state.week_dev is not None or state.week_n is not None):
-        change.update(week_dev=None, week_n=None)
-    return replace(state, **change) if change else state
-
-
 def observe(config: ForecastConfig, state: ForecastState, t_s: float, demand_gpus: float) -> ForecastState:
     """The state after observing ``demand_gpus`` (NaN = missing) at ``t_s``; ``state`` is unchanged.
 
@@ -541,7 +434,6 @@ def observe(config: ForecastConfig, state: ForecastState, t_s: float, demand_gpu
     y = float(demand_gpus)
     if y < 0 or math.isinf(y):
         raise ValueError(f"demand_gpus must be finite and >= 0 (or NaN for missing), got {demand_gpus}")
-    state = _with_options(config, state)
     if math.isnan(state.t_s):
         return _advance(config, state, float(t_s), y)
     k = (t_s - state.t_s) / config.step_s

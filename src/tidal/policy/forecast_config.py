@@ -3,10 +3,9 @@ forecast itself is :mod:`tidal.policy.forecast` (which re-exports these classes)
 
 :class:`ForecastConfig` holds the grid (``step_s``, ``horizon_s``, ``period_s``), the tail memory, and
 one group per concern: ``level`` (:class:`LevelConfig`: the live level and its slope), ``season``
-(:class:`SeasonConfig`: the daily profile, weekly departures, level shifts), ``errors``
-(:class:`ErrorScaleConfig`: the error scale), ``context`` (:class:`ContextConfig`: conditional error
-quantiles) and ``lead`` (:class:`LeadQuantileConfig`: the lead-window quantile). A setting is named by
-its path, e.g. ``lead.quantile``; :func:`with_settings` applies such named settings.
+(:class:`SeasonConfig`: the daily profile), ``errors`` (:class:`ErrorScaleConfig`: the error scale) and
+``context`` (:class:`ContextConfig`: conditional error quantiles). A setting is named by its path, e.g.
+``errors.noise_exponent``; :func:`with_settings` applies such named settings.
 """
 
 from __future__ import annotations
@@ -38,38 +37,12 @@ class LevelConfig:
 
 @dataclass(frozen=True)
 class SeasonConfig:
-    """Seasonality: the daily profile, the weekly departures from it, and level shifts that re-base it
-    (``ForecastConfig.season``)."""
+    """Seasonality: the daily profile (``ForecastConfig.season``)."""
 
     profile_half_life_s: float = 4 * 86400.0
     """Memory of the profile across cycles; also of ``mean``, the reference for noise scaling."""
     profile_smooth_s: float = 3600.0
     """Width of the box kernel the profile is read through."""
-    week_s: float = 0.0
-    """Weekly structure (0 = off; 7 days = 604800): learn, per ``step_s`` slot of the week, how demand there
-    departs from the daily profile (an exponentially weighted mean of ``y - P``, ``week_half_life_s``), and
-    add it to the profile, shrunk by ``n / (n + week_shrink_weeks)`` with n the weeks seen at that slot
-    (read through the profile's kernel). Before a whole week is seen it changes nothing. A multiple of
-    ``ForecastConfig.period_s``."""
-    week_half_life_s: float = 28 * 86400.0
-    """Memory of the weekly departures."""
-    week_shrink_weeks: float = 1.0
-    """The weekly departures count as this many weeks of none (one week seen: half of it is used)."""
-    shift_half_life_s: float = 0.0
-    """Level shifts (0 = off): an exponentially weighted mean (this half-life) of the anomaly ``y - P`` is
-    kept; when it exceeds ``shift_threshold_errors`` one-step errors, the whole profile is re-based by it
-    (a lasting shift is then forecast at every horizon, instead of fading back into the old profile over
-    ``level.anomaly_half_life_s`` and being learnt by the profile over days), and the mean restarts at 0."""
-    shift_threshold_errors: float = 3.0
-    """The anomaly's mean, in one-step mean absolute errors, that re-bases the profile."""
-
-    def __post_init__(self) -> None:
-        if self.shift_half_life_s < 0 or not self.shift_threshold_errors > 0:
-            _fail("season.", f"shift_half_life_s must be >= 0 (0 = off) and shift_threshold_errors > 0, got "
-                  f"{self.shift_half_life_s} and {self.shift_threshold_errors}")
-        if self.week_s < 0 or not self.week_half_life_s > 0 or self.week_shrink_weeks < 0:
-            _fail("season.", f"week_s ({self.week_s:g}) must be >= 0 (0 = off), week_half_life_s > 0 and "
-                  "week_shrink_weeks >= 0")
 
 
 @dataclass(frozen=True)
@@ -161,41 +134,6 @@ class ContextConfig:
 
 
 @dataclass(frozen=True)
-class LeadQuantileConfig:
-    """The lead-window quantile (``ForecastConfig.lead``; off by default): learn online the
-    ``quantile``-quantile of the peak miss over the next ``window_steps`` (``max y - max center`` over the
-    window) by pinball-loss SGD on features of the path (:mod:`tidal.policy.forecast_quantile`), and
-    rescale the error-scale path so that ``z = z_scales`` over the window is that quantile. 0.8 was chosen
-    on each ServeGen trace alone (the same on both; docs/loaning.md, "Lead-window quantile")."""
-
-    quantile: float = 0.0
-    """The quantile level tau (0 = off)."""
-    window_steps: int = 2
-    """The window, in steps: the loan lead time (20 min at 10-min steps)."""
-    lr: float = 0.05
-    """Adagrad's step size for the quantile's weights."""
-    init_scales: float = 1.5
-    """The quantile before any update: this many error scales (at the window's end)."""
-    z_scales: float = 2.5
-    """Over the window, ``center + z_scales * scale`` is the learned quantile (the error-scale path is
-    rescaled to ``quantile / z_scales``): sets the units of the loan policy's calibrated ``z``, whose
-    start (``initial_z`` = 3), step size and shortfall cap (3 scales) are in those units. 2.5 is about the
-    ``z`` the loan policy holds at 0.5 % with the plain scale."""
-    rho_range: tuple[float, float] = (0.2, 5.0)
-    """The rescaling of the error-scale path by the quantile stays within this range."""
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.quantile < 1:
-            _fail("lead.", f"quantile must be in [0, 1) (0 = off), got {self.quantile}")
-        if self.window_steps < 1:
-            _fail("lead.", f"window_steps must be >= 1, got {self.window_steps}")
-        lo, hi = self.rho_range
-        if not (self.lr > 0 and self.init_scales > 0 and self.z_scales > 0 and 0 < lo <= hi):
-            _fail("lead.", "lr, init_scales, z_scales must be > 0 and rho_range (lo, hi) with 0 < lo <= hi, "
-                  f"got {self.lr}, {self.init_scales}, {self.z_scales} and {self.rho_range}")
-
-
-@dataclass(frozen=True)
 class ForecastConfig:
     """Forecast knobs: the grid, the tail memory, and one group per concern (module docstring). All times in
     seconds."""
@@ -216,7 +154,6 @@ class ForecastConfig:
     season: SeasonConfig = field(default_factory=SeasonConfig)
     errors: ErrorScaleConfig = field(default_factory=ErrorScaleConfig)
     context: ContextConfig = field(default_factory=ContextConfig)
-    lead: LeadQuantileConfig = field(default_factory=LeadQuantileConfig)
 
     def __post_init__(self) -> None:
         for name in ("step_s", "horizon_s", "period_s"):
@@ -230,13 +167,6 @@ class ForecastConfig:
         for name, group in _GROUPS.items():
             if not isinstance(getattr(self, name), group):
                 _fail(name, f" must be a {group.__name__}, got {getattr(self, name)!r}")
-        weeks = self.season.week_s / self.period_s
-        if abs(weeks - round(weeks)) > 1e-9:
-            _fail("season.week_s", f" ({self.season.week_s:g}) must be 0 (off) or a multiple of period_s "
-                  f"({self.period_s:g})")
-        if self.lead.quantile > 0 and self.lead.window_steps > self.horizon_steps:
-            _fail("lead.window_steps", f" must be in [1, horizon steps ({self.horizon_steps})], got "
-                  f"{self.lead.window_steps}")
 
     @property
     def horizon_steps(self) -> int:
@@ -247,29 +177,24 @@ class ForecastConfig:
         return round(self.period_s / self.step_s)
 
     @property
-    def week_slots(self) -> int:
-        """Slots of the week (0 = weekly structure off)."""
-        return round(self.season.week_s / self.step_s)
-
-    @property
     def contexts(self) -> int:
         """Number of conditional-quantile contexts (1 = the feature is off)."""
         return self.context.count
 
 
 _GROUPS: dict[str, type] = {"level": LevelConfig, "season": SeasonConfig, "errors": ErrorScaleConfig,
-                            "context": ContextConfig, "lead": LeadQuantileConfig}
+                            "context": ContextConfig}
 
 
 def setting_names() -> list[str]:
-    """Every setting :func:`with_settings` takes: ``step_s``, ..., ``lead.quantile``, ..."""
+    """Every setting :func:`with_settings` takes: ``step_s``, ..., ``errors.noise_exponent``, ..."""
     top = [f.name for f in dataclasses.fields(ForecastConfig) if f.name not in _GROUPS]
     return top + [f"{g}.{f.name}" for g, cls in _GROUPS.items() for f in dataclasses.fields(cls)]
 
 
 def with_settings(config: ForecastConfig, settings: Mapping[str, Any]) -> ForecastConfig:
-    """``config`` with ``settings`` (``{"lead.quantile": 0.8, "step_s": 300.0}``) applied; an unknown name
-    or a refused value is a ``ValueError`` naming it."""
+    """``config`` with ``settings`` (``{"errors.noise_exponent": 0.5, "step_s": 300.0}``) applied; an
+    unknown name or a refused value is a ``ValueError`` naming it."""
     known = set(setting_names())
     top: dict[str, Any] = {}
     groups: dict[str, dict[str, Any]] = {}

@@ -42,17 +42,3 @@ class ForecastState:
     lead window of k steps, ``max(y(u) - center made h steps before u, h = 1..k) / mean``."""
     tail_pending: np.ndarray | None = field(default=None, repr=False)
     """The first period's worst misses (GPUs, ``-inf`` = none), held until ``mean`` is a reference."""
-    shift_gpus: float = 0.0
-    """The exponentially weighted anomaly ``y - P`` since the last re-basing (level shifts; GPUs)."""
-    shift_count: int = 0
-    """How many times the profile was re-based."""
-    week_dev: np.ndarray | None = field(default=None, repr=False)
-    """Per slot of the week: the exponentially weighted departure of demand from the daily profile (GPUs);
-    None when ``season.week_s`` is 0."""
-    week_n: np.ndarray | None = field(default=None, repr=False)
-    """Per slot of the week: observations seen there (weeks)."""
-    lq_model: np.ndarray | None = field(default=None, repr=False)
-    """The lead-window quantile's weights and optimiser state (:mod:`tidal.policy.forecast_quantile`);
-    None when ``lead.quantile`` is off."""
-    lq_pending: np.ndarray | None = field(default=None, repr=False)
-    """The last ``lead.window_steps`` paths' features, waiting for their window's demand."""
