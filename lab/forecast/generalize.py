@@ -56,9 +56,9 @@ DAY_S = 86400.0
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
-    """``["ledger_fraction=0.8", "forecast.lead.quantile=0.8", ...]`` -> TidalConfig keyword arguments
-    (numbers; ``forecast.KEY`` a ForecastConfig setting as :func:`~tidal.policy.forecast.with_settings`
-    names it, under the key ``forecast``); clear errors."""
+    """``["ledger_fraction=0.8", "forecast.errors.noise_exponent=0.5", ...]`` -> TidalConfig keyword
+    arguments (numbers; ``forecast.KEY`` a ForecastConfig setting as
+    :func:`~tidal.policy.forecast.with_settings` names it, under the key ``forecast``); clear errors."""
     known = {f.name for f in fields(TidalConfig)} - {"shortfall_budget", "forecast", "timing"}
     known_fc = {f"forecast.{name}" for name in fc.setting_names()} - {
         "forecast.step_s",

@@ -132,13 +132,6 @@ def _tidal_uppers(times_s: np.ndarray, demand: np.ndarray, cfg: fc.ForecastConfi
     return out
 
 
-LEAD_QUANTILE = 0.8
-"""``ForecastConfig.lead.quantile`` of the lead-quantile rows (chosen on each trace alone: the same on
-both, docs/loaning.md)."""
-TIDAL_ROWS = {"tidal (lead quantile off)": 0.0, f"tidal (lead quantile {LEAD_QUANTILE:g})": LEAD_QUANTILE}
-"""Tidal's rows, with the lead-window quantile off (the forecast before it) and on, whatever the default."""
-
-
 def evaluate_forecasts(times_s: np.ndarray, demand: np.ndarray, *, step_s: float, lead: int, warmup: int,
                        quantiles: tuple[float, ...], period_s: float = 86400.0,
                        libraries: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -149,11 +142,7 @@ def evaluate_forecasts(times_s: np.ndarray, demand: np.ndarray, *, step_s: float
     period = round(period_s / step_s)
     cfg = fc.ForecastConfig(step_s=step_s, period_s=period_s, horizon_s=max(lead * step_s, 3600.0))
     uppers: dict[str, dict[float, np.ndarray]] = {
-        name: _tidal_uppers(
-            times_s, demand, fc.with_settings(cfg, {"lead.quantile": tau, "lead.window_steps": lead}), lead,
-            quantiles
-        )
-        for name, tau in TIDAL_ROWS.items()
+        "tidal": _tidal_uppers(times_s, demand, cfg, lead, quantiles)
     }
 
     points = {"last-value": np.array(demand, dtype=float), "seasonal-naive": np.full(n, np.nan)}
@@ -225,16 +214,7 @@ def evaluate_harvest(
         rows: dict[str, Any] = {}
         base = TidalConfig(shortfall_budget=b, forecast=fc.ForecastConfig(step_s=step_s, horizon_s=horizon_s),
                            timing=timing)
-        variants = [
-            (
-                name,
-                replace(base, forecast=fc.with_settings(base.forecast, {"lead.quantile": tau,
-                                                                       "lead.window_steps": lead})),
-            )
-            for name, tau in TIDAL_ROWS.items()
-        ]
-        name, cfg = variants[-1]
-        variants.append((f"{name[:-1]}, no tail reserve)", replace(cfg, tail_budget_fraction=0.0)))
+        variants = [("tidal", base), ("tidal (no tail reserve)", replace(base, tail_budget_fraction=0.0))]
         for name, cfg in variants:
             log(f"  budget {b:g}: {name}")
             lent, state = run_policy(TidalPolicy(cfg), times_s, demand, n)
@@ -352,11 +332,8 @@ def run(traces: list[Path], *, serving_gpus: int = 128, step_s: float = 600.0, l
                     ("context_level_edges", "context.level_edges"),
                     ("context_vol_edges", "context.vol_edges"),
                     ("context_quantile", "context.quantile"),
-                    ("quantile_z", "lead.z_scales"),
-                    ("quantile_lr", "lead.lr"),
                 )
             },
-            "lead_quantile": LEAD_QUANTILE,
             "libraries": libraries,
         },
         "traces": {},
@@ -457,7 +434,7 @@ def render(result: dict[str, Any], console: Any) -> None:
         console.print(f"• {lib}: {why}", highlight=False, markup=False)
     for name, tr in result["traces"].items():
         for b, rows in tr["harvest"]["budgets"].items():
-            r = rows[next(iter(TIDAL_ROWS))]
+            r = rows["tidal"]
             if not r["meets_budget"]:
                 w = r["worst_day"]
                 console.print(

@@ -74,15 +74,13 @@ def test_bench_forecast_runs_on_a_small_trace(tmp_path, capsys):
     result = bench_run([p], serving_gpus=64, budgets=(0.01,), quantiles=(0.9,), warmup_days=1.0, as_json=True)
     out = json.loads(capsys.readouterr().out)
     assert out["traces"]["synthetic"]["forecast"]["methods"].keys() == {
-        "tidal (lead quantile off)",
-        "tidal (lead quantile 0.8)",
+        "tidal",
         "last-value",
         "seasonal-naive",
         "holt-winters",
     }
     rows = result["traces"]["synthetic"]["harvest"]["budgets"]["0.01"]
-    assert set(rows) == {"tidal (lead quantile off)", "tidal (lead quantile 0.8)",
-                         "tidal (lead quantile 0.8, no tail reserve)", "reactive (hindsight)",
+    assert set(rows) == {"tidal", "tidal (no tail reserve)", "reactive (hindsight)",
                          "night-window (hindsight)", "oracle"}
     assert rows["oracle"]["shortfall_strict"] == 0.0 and rows["oracle"]["harvest_over_oracle"] == 1.0
     for r in rows.values():
@@ -136,6 +134,5 @@ def test_real_trace_forecast_is_calibrated_and_beats_seasonal_naive():
         tr.times_s[: 5 * 144], demand, step_s=600.0, lead=2, warmup=2 * 144, quantiles=(0.95,)
     )
     m = r["methods"]
-    for name in ("tidal (lead quantile off)", "tidal (lead quantile 0.8)"):
-        assert 0.02 <= m[name]["0.95"]["under_rate"] <= 0.09
-        assert m[name]["0.95"]["pinball_over_mean"] < m["seasonal-naive"]["0.95"]["pinball_over_mean"]
+    assert 0.02 <= m["tidal"]["0.95"]["under_rate"] <= 0.09
+    assert m["tidal"]["0.95"]["pinball_over_mean"] < m["seasonal-naive"]["0.95"]["pinball_over_mean"]

@@ -55,9 +55,13 @@ def test_vectorized_oracle_is_the_oracle_policy():
 
 def test_overrides_are_checked():
     assert parse_overrides(["ledger_fraction=0.8"]) == {"ledger_fraction": 0.8}
-    assert parse_overrides(["forecast.lead.quantile=0.8"]) == {"forecast": {"lead.quantile": 0.8}}
+    assert parse_overrides(["forecast.errors.noise_exponent=0.5"]) == {
+        "forecast": {"errors.noise_exponent": 0.5}
+    }
     with pytest.raises(ValueError, match="KEY=NUMBER"):
         parse_overrides(["bogus=1"])
+    with pytest.raises(ValueError, match="KEY=NUMBER"):  # a forecast setting the product no longer has
+        parse_overrides(["forecast.lead.quantile=0.8"])
     with pytest.raises(ValueError, match="not a number"):
         parse_overrides(["ledger_fraction=x"])
     with pytest.raises(ValueError, match="ledger_fraction"):  # a value the config refuses, with its message
