@@ -33,16 +33,17 @@ SPEEDUP = 300.0  # a day in 288 s
 DAY = 86400.0
 
 
-def _loans(fail=None, origin_s: float | None = None) -> tuple[LiveLoans, ReplayAdapter]:
+def _loans(fail=None, origin_s: float | None = None, start_h: float = 0.0) -> tuple[LiveLoans, ReplayAdapter]:
     trace = load_trace(PROFILE)
+    start = 3 * DAY + start_h * 3600
     adapter = ReplayAdapter(TraceReplay(trace, sum(NODES.values()), start_s=0.0), NODES, speedup=SPEEDUP,
-                            start_s=3 * DAY, origin_s=origin_s, fail=fail)
-    loans = LiveLoans(adapter, TIMING, step_s=600.0, warm_history=adapter.history(3 * DAY, 600.0))
+                            start_s=start, origin_s=origin_s, fail=fail)
+    loans = LiveLoans(adapter, TIMING, step_s=600.0, warm_history=adapter.history(start, 600.0))
     return loans, adapter
 
 
-def _plane(tmp_path, clock, ex, store, fail=None):
-    loans, adapter = _loans(fail, origin_s=clock.t)
+def _plane(tmp_path, clock, ex, store, fail=None, start_h: float = 0.0):
+    loans, adapter = _loans(fail, origin_s=clock.t, start_h=start_h)
     cfg = ControlConfig()
     cfg = dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler,
                                                                  min_loan_left_s=TIMING.min_loan_window_s))
@@ -251,15 +252,15 @@ def test_a_loan_step_rebuilt_from_the_store_every_step_acts_as_one_that_never_st
         store = new_store(tmp_path / str(rebuild), ("a", 0, 1.0), ("d", 2, 1.0))
         clock = FakeClock()
         ex = FakeExecutor(gpus=2, serving=NODES)
-        ctl, adapter = _plane(tmp_path, clock, ex, store)
+        ctl, adapter = _plane(tmp_path, clock, ex, store, start_h=4.0)  # the night's end and the rise
         for i in range(3):
             submit(store, "a", clock.t, name=f"s{i}", kind="spot", gpus={"min": 1, "max": 4}, max_restarts=50)
         submit(store, "d", clock.t, name="d0", kind="dedicated", gpus={"min": 1, "max": 2}, max_restarts=50)
         rng = random.Random(7)
-        for _ in range(int(DAY / 2 / SPEEDUP / 0.5 / 20)):
+        for _ in range(int(DAY / 4 / SPEEDUP / 0.5 / 20)):  # 04:00 to 10:00
             doc = store.get_doc(DOC_KEY)
             if rebuild and doc is not None:
-                ctl.loans, adapter = _loans()
+                ctl.loans, adapter = _loans(start_h=4.0)
                 ctl.loans.load(doc)
             _drive(ctl, ex, clock, rng, 20, adapter)
         events = [(e.kind, e.message) for e in store.events(limit=100000)]
