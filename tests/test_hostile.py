@@ -133,6 +133,48 @@ def test_invalid_utf8_and_json_are_400_saying_so(api):
     assert api.count() == 0
 
 
+@pytest.mark.parametrize("depth", [3000, 200_000])
+def test_a_deeply_nested_body_is_400_and_the_api_answers_the_next_request(api, depth):
+    """``[`` x 3,000 (6 KB) overflowed the JSON parser: a 500, once a reset connection."""
+    for body in (b"[" * depth, b'{"name": "x", "gpus": 1, "command": ["python"], "env": ' + b"[" * depth):
+        r = api.post("a", body)
+        assert r.status_code == 400 and "nested too deeply" in r.json()["detail"], r.text
+        r = api.http.post("/v1/tenants", content=b'{"name": ' + b"[" * depth,
+                          headers={**api.h("admin"), "Content-Type": "application/json"})
+        assert r.status_code in (400, 422) and r.status_code != 500, r.text
+    assert api.count() == 0
+    assert api.post("a", SPEC).status_code == 201
+
+
+def test_a_log_the_job_swapped_for_a_link_or_a_fifo_is_never_read_through(tmp_path):
+    """The plane created rank logs with O_NOFOLLOW but read them with a plain open: a job that replaced
+    its log with a link to the admin token got the token back from ``GET /v1/jobs/{id}/logs``."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    store = Store(f"sqlite:///{tmp_path}/tidal.db")
+    try:
+        ensure_admin(store, tmp_path, 0.0)
+        token = create_tenant(store, "a", quota_gpus=2)
+        app = create_app(ApiContext(store, [Node("local", 4)], lambda j, r: str(logs / f"{j}-{r}.log"),
+                                    FakeClock()))
+        http = TestClient(app, raise_server_exceptions=False)
+        h = {"Authorization": f"Bearer {token}"}
+        jid = http.post("/v1/jobs", json={**SPEC, "gpus": {"min": 1, "max": 3}}, headers=h).json()["id"]
+        (logs / f"{jid}-0.log").write_text("step 1\n")
+        (logs / f"{jid}-1.log").symlink_to(tmp_path / "admin.token")
+        os.mkfifo(logs / f"{jid}-2.log")
+        r = http.get(f"/v1/jobs/{jid}/logs", params={"rank": 0}, headers=h)
+        assert r.status_code == 200 and r.json()["data"] == "step 1\n"
+        secret = (tmp_path / "admin.token").read_text().strip()
+        for rank in (1, 2):  # a link (to the admin token) and a FIFO (would block the reader)
+            r = http.get(f"/v1/jobs/{jid}/logs", params={"rank": rank}, headers=h)
+            assert r.status_code == 404 and "not a regular file" in r.json()["detail"], r.text
+            assert secret not in r.text
+        assert http.get(f"/v1/jobs/{jid}/logs", params={"rank": 0}, headers=h).status_code == 200
+    finally:
+        store.close()
+
+
 def test_storage_error_while_submitting_is_500_and_stores_nothing(api):
     from sqlalchemy import event
     from sqlalchemy.exc import OperationalError

@@ -1,6 +1,7 @@
-"""Atomic file writes: a reader sees the old file or the whole new one, never a torn one. Standard
-library only, no imports of ours: every layer may import it (``tidal.exec.shim``, which runs under
-``python -I``, loads it from beside the package).
+"""Atomic file writes: a reader sees the old file or the whole new one, never a torn one; and
+:func:`open_plain`, the one way to read a file someone else (a job) controls. Standard library only, no
+imports of ours: every layer may import it (``tidal.exec.shim``, which runs under ``python -I``, loads
+it from beside the package).
 
 Each write goes to a fresh hidden temporary name beside the target (``.<name>.<random>.tmp``), created
 with ``O_CREAT | O_EXCL | O_NOFOLLOW`` (never through a link someone planted, never into a file someone
@@ -25,6 +26,7 @@ import contextlib
 import errno
 import os
 import secrets
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -116,3 +118,22 @@ def atomic_path(path: str | os.PathLike, *, mode: int = PRIVATE, durable: bool =
         raise
     if durable:
         _fsync_dir(target.parent, None)
+
+
+class NotPlainFile(OSError):
+    """What :func:`open_plain` found is not a regular file (a FIFO, a device, a directory)."""
+
+
+def open_plain(path: str | os.PathLike) -> IO[bytes]:
+    """``path`` opened for reading (binary) when it is a regular file: never through a symbolic link at
+    its last component (``ELOOP``), never blocking on a FIFO, never a device or directory
+    (:class:`NotPlainFile`). For files in a directory a job owns: the job may have swapped its file for a
+    link to the state dir, a FIFO or ``/dev/zero``, and the reader must neither read elsewhere nor hang."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise NotPlainFile(errno.EINVAL, "not a regular file", os.fspath(path))
+        return open(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise

@@ -32,7 +32,7 @@ from typing import Any
 
 from tidal import contract as c
 from tidal.ckpt.errors import FencedError
-from tidal.files import write_atomic
+from tidal.files import NotPlainFile, open_plain, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -111,19 +111,14 @@ def read(directory: str | os.PathLike) -> dict | None:
     fence that cannot be read would defeat it."""
     path = Path(directory) / c.FENCE_FILE
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        with open_plain(path) as f:
+            data = f.read(MAX_FENCE_BYTES + 1)
     except FileNotFoundError:
         return None
+    except NotPlainFile:
+        raise FencedError(f"checkpoint fence {path}: not a regular file") from None
     except OSError as e:
         raise FencedError(f"checkpoint fence {path}: cannot be read ({e.strerror or e})") from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise FencedError(f"checkpoint fence {path}: not a regular file")
-        data = os.read(fd, MAX_FENCE_BYTES + 1)
-    except OSError as e:
-        raise FencedError(f"checkpoint fence {path}: cannot be read ({e.strerror or e})") from None
-    finally:
-        os.close(fd)
     return _parse(data, os.fspath(path))
 
 

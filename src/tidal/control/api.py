@@ -60,8 +60,10 @@ from tidal.control.spec import JobSpec, clean_msg, error_path
 from tidal.control.states import HELD, TERMINAL, State
 from tidal.control.store import NotFound, StoreUnavailable, TenantRow
 from tidal.control.views import checkpoint_view, event_view, job_view, pool_view
+from tidal.files import open_plain
 
 MAX_LOG_CHUNK_BYTES = 1 << 20
+TOO_DEEP = "the request body is nested too deeply (a job spec is a few levels of objects and lists)"
 MAX_BODY_BYTES = 1 << 20  # a request body (a job spec is a few hundred bytes)
 ERRORS = {400: "the body is not UTF-8 JSON", 401: "missing or unknown bearer token",
           403: "only the admin may do this", 404: "not found (another tenant's job is not found either)",
@@ -161,6 +163,11 @@ def create_app(ctx: ApiContext) -> FastAPI:
             ]
         )
 
+    @app.exception_handler(RecursionError)
+    async def _too_deep(_: Request, exc: RecursionError) -> JSONResponse:
+        # a body nested thousands of levels deep (``[[[[...``) overflows the JSON parser or a validator
+        return JSONResponse({"detail": TOO_DEEP}, status_code=400)
+
     @app.exception_handler(StoreUnavailable)
     async def _gone(_: Request, exc: StoreUnavailable) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=503)
@@ -234,8 +241,12 @@ def create_app(ctx: ApiContext) -> FastAPI:
             data = json.loads(text_, parse_constant=_no_constant)
         except ValueError as e:
             raise HTTPException(400, f"the request body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise HTTPException(400, TOO_DEEP) from None
         try:
             spec = JobSpec.model_validate(data)
+        except RecursionError:
+            raise HTTPException(400, TOO_DEEP) from None
         except ValidationError as e:
             return _unprocessable([{"loc": ["body", *e_["loc"]], "field": error_path(e_["loc"]),
                                     "msg": clean_msg(e_["msg"]), "type": e_["type"]} for e_ in e.errors()])
@@ -326,8 +337,15 @@ def create_app(ctx: ApiContext) -> FastAPI:
         dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
         start = size = used = 0
         text = ""
-        if path is not None and os.path.exists(path):
-            with open(path, "rb") as f:
+        try:  # the job owns its log directory: never read through a link it planted, nor a FIFO
+            f = open_plain(path) if path is not None else None
+        except FileNotFoundError:
+            f = None
+        except OSError as e:
+            raise HTTPException(404, f"job {job_id} rank {rank}: its log is not a regular file "
+                                f"({e.strerror}); not read") from None
+        if f is not None:
+            with f:
                 size = os.fstat(f.fileno()).st_size
                 start = min(offset, size)
                 f.seek(start)

@@ -15,13 +15,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import stat
 from pathlib import Path
 from typing import Any
 
 from tidal.contract import PROGRESS_DIRNAME, attempt_dirname, progress_file
 from tidal.control.states import HELD, State
 from tidal.control.store import JobRow, TenantRow
+from tidal.files import open_plain
 from tidal.model import Node
 
 QUEUE_SHOWN = 100  # waiting jobs listed (the count is of all)
@@ -197,13 +197,11 @@ _TRUNCATED: dict = {}
 
 def _records(path: Path):
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        f = open_plain(path)
     except OSError:
         return
-    with open(fd, "rb") as f:
+    with f:
         st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            return
         start = max(0, st.st_size - CURVE_TAIL_BYTES)
         f.seek(start)
         data = f.read(CURVE_TAIL_BYTES)

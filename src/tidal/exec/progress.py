@@ -14,13 +14,13 @@ import collections
 import contextlib
 import json
 import os
-import stat
 import statistics
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from tidal.contract import heartbeat_file, progress_file
+from tidal.files import open_plain
 
 SHM_TIERS = frozenset({"shm"})  # node memory: survives the process, not the node
 STALL_WINDOW = 5  # saves whose median stall is reported
@@ -112,7 +112,7 @@ class ProgressReader:
     def _tail(self) -> None:
         path = self.dir / progress_file(0)
         try:
-            with _open_plain(path) as fh:
+            with open_plain(path) as fh:
                 fh.seek(self._offset)
                 chunk = fh.read()
         except OSError:
@@ -169,18 +169,8 @@ class ProgressReader:
 
     def _heartbeat(self, rank: int) -> dict[str, Any] | None:
         try:
-            with _open_plain(self.dir / heartbeat_file(rank)) as fh:
+            with open_plain(self.dir / heartbeat_file(rank)) as fh:
                 doc = json.loads(fh.read(1 << 16))
         except (OSError, ValueError):
             return None
         return doc if isinstance(doc, dict) and isinstance(doc.get("time"), int | float) else None
-
-
-def _open_plain(path: Path):
-    """Open a file the job wrote, for reading: never through a symlink, never a FIFO or device (the
-    job owns the directory; the control plane must not read elsewhere or block)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise OSError(f"{path}: not a plain file")
-    return open(fd, "rb")
