@@ -71,9 +71,11 @@ log = logging.getLogger(__name__)
 
 DOC_KEY = "serving"
 HISTORY_STEPS = 2000  # loan steps kept in memory for the dashboard's timeline (not persisted)
-STAT_NAMES = ("steps", "unknown_demand_steps", "demand_gpu_s", "shortfall_gpu_s", "lent_gpu_s", "used_gpu_s",
-              "reclaims_met", "reclaims_missed", "double_counted_steps", "returned_gpus", "release_failures",
-              "restore_failures", "lent_total_gpus")
+STATS_START: dict[str, float] = {
+    "steps": 0, "unknown_demand_steps": 0, "demand_gpu_s": 0.0, "shortfall_gpu_s": 0.0, "lent_gpu_s": 0.0,
+    "used_gpu_s": 0.0, "reclaims_met": 0, "reclaims_missed": 0, "double_counted_steps": 0, "returned_gpus": 0,
+    "release_failures": 0, "restore_failures": 0, "lent_total_gpus": 0}
+"""The loan step's counters at the start (counts, and GPU-seconds as floats)."""
 
 
 def finite(x: float) -> float | None:
@@ -106,8 +108,7 @@ class LiveLoans:
         self.state = self.policy.initial_state()
         self.next_grid = math.nan  # serving time of the next observation
         self.actions = Actions()
-        self.stats: dict[str, float] = dict.fromkeys(STAT_NAMES, 0)
-        self.stats.update(dict.fromkeys(("demand_gpu_s", "shortfall_gpu_s", "lent_gpu_s", "used_gpu_s"), 0.0))
+        self.stats = dict(STATS_START)
         self.margins: list[float] = []  # seconds before the deadline at each return (negative: late)
         self.last_s: float | None = None  # the last step's time
         self.plan_shown: dict[str, Any] = {}
@@ -302,7 +303,6 @@ class LiveLoans:
         if present is not None or self.serving.away:
             events += self.serving.track(self.nodes if present is None else present, jobs_on or {}, now_s,
                                          led, self.actions, self.stats)
-            led = self.ledger
         for node, g in led.warm_all_done(now_s, self._ready):  # 1.
             events.append(("serving_ready", f"{g} GPUs of {node} serve again (warm-up over)",
                            {"node": node, "gpus": g}))
@@ -362,12 +362,13 @@ class LiveLoans:
     def _apply(self, plan: LoanPlan, t_serv: float, now_s: float, used: Mapping[str, int]) -> list[Event]:
         led = self.ledger
 
-        def on_wall(t: float | None) -> float | None:  # serving clock -> control-plane time
-            return None if t is None else now_s + (t - t_serv) / self.speedup
+        def on_wall(t: float) -> float:  # serving clock -> control-plane time
+            return now_s + (t - t_serv) / self.speedup
 
         wall = dataclasses.replace(plan, reclaims=tuple(
-            dataclasses.replace(r, notice_s=on_wall(r.notice_s), by_s=on_wall(r.by_s) or 0.0,
-                                deadline_s=on_wall(r.deadline_s))
+            dataclasses.replace(r, by_s=on_wall(r.by_s),
+                                notice_s=None if r.notice_s is None else on_wall(r.notice_s),
+                                deadline_s=None if r.deadline_s is None else on_wall(r.deadline_s))
             for r in plan.reclaims))
         before = {n: led.lent_on(n) for n in self.nodes}
         led.apply_plan(wall, now_s, used)

@@ -69,7 +69,7 @@ class ErrorScaleConfig:
     noise_exponent: float = 0.0
     """The error scale grows with demand to this power (see :mod:`tidal.policy.forecast`). 0 (additive):
     on both ServeGen traces the misses that matter do not grow with the level (0.5 lent 1-3 % less
-    at the same shortfall in the fluid model of ``tidal bench forecast``)."""
+    at the same shortfall in the fluid model of ``python -m lab forecast``)."""
     prior_scale_fraction: float = 0.25
     """Error scale, as a fraction of the level, before any error has been measured."""
     min_scale_fraction: float = 0.01

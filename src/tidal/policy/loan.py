@@ -99,6 +99,11 @@ class LoanTiming:
         """Shortest time from lending to notice worth a new loan: ``restart_cost / (1 - useful)``."""
         return self.restart_cost_s / (1.0 - self.min_useful_fraction)
 
+    def horizon_s(self, step_s: float) -> float:
+        """How far a plan on a ``step_s`` grid must look ahead: :data:`HORIZON_S`, or a lead time plus the
+        shortest loan window and a step when that is longer."""
+        return max(HORIZON_S, self.lead_time_s + self.min_loan_window_s + step_s)
+
     def scaled(self, factor: float) -> LoanTiming:
         """Every duration times ``factor``: the view of a clock running ``factor`` times as fast (a
         replayed serving trace's)."""
@@ -415,7 +420,7 @@ class TidalPolicy:
         ``tidal plan``."""
         timing = timing if timing is not None else LoanTiming()
         if horizon_s is None:
-            horizon_s = max(HORIZON_S, timing.lead_time_s + timing.min_loan_window_s + step_s)
+            horizon_s = timing.horizon_s(step_s)
         return cls(TidalConfig(shortfall_budget=shortfall_budget, timing=timing,
                                forecast=ForecastConfig(step_s=step_s, horizon_s=horizon_s)))
 

@@ -28,13 +28,12 @@ from typing import Any
 import numpy as np
 
 from tidal.policy.baselines import NightWindowPolicy, OraclePolicy, ReactivePolicy
-from tidal.policy.loan import TidalPolicy
+from tidal.policy.loan import HORIZON_S, TidalPolicy
 from tidal.sim.config import SimConfig
 
 POLICIES = ("none", "night-window", "reactive", "tidal", "oracle")
 DEFAULT_BUDGET = 0.005
 DEFAULT_MARGIN_FRACTION = 0.1  # of the serving pool, for reactive and night-window
-HORIZON_S = 6 * 3600.0
 
 
 @dataclass(frozen=True)
@@ -101,7 +100,7 @@ def build(spec: PolicySpec, config: SimConfig, step_s: float, demand: np.ndarray
     assert knob is not None  # every policy but none has one (default_knob)
     if spec.name == "tidal":
         return TidalPolicy.build(float(knob), step_s, timing, horizon_s=None)
-    horizon = max(HORIZON_S, timing.lead_time_s + timing.min_loan_window_s + step_s)
+    horizon = timing.horizon_s(step_s)
     if spec.name == "reactive":
         return ReactivePolicy(margin_gpus=float(knob), step_s=step_s, horizon_s=horizon, timing=timing)
     if spec.name == "oracle":
