@@ -3,6 +3,7 @@ reconcile step, the API and metrics, in-process and in a real ``tidal up`` on lo
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -189,3 +190,29 @@ def test_tidal_up_serves_the_plan_from_a_replayed_trace(tmp_path):
     finally:
         proc.kill()
         proc.wait(timeout=30)
+
+
+def test_a_prometheus_that_never_answers_does_not_hold_up_the_reconcile_step(tmp_path):
+    """The advice phase runs in the reconcile step: the plane's advisor asks Prometheus on a thread of its
+    own (as the lending hook adapter does), so a server that accepts and never answers makes the demand
+    unknown for that grid point, not the jobs' loop wait for the query's 5 s timeout."""
+    import socket
+    import threading
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # connections are queued, never answered
+    url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+    cfg = WatchConfig(serving_gpus=8, prometheus=url, query="sum(x)")
+    store = new_store(tmp_path)
+    try:
+        ctl = Controller(store, FakeExecutor(), advisor=build_advisor(cfg, wait_s=0.1))
+        step = threading.Thread(target=ctl.step, args=(600.0 * 3_000_000,), daemon=True)
+        step.start()
+        step.join(4.0)  # less than the query's own timeout (5 s): a step that waited on it is still here
+        assert not step.is_alive()
+        latest = ctl.advisor.latest
+        assert latest is not None and math.isnan(latest.demand_gpus)
+    finally:
+        store.close()
+        silent.close()

@@ -208,8 +208,8 @@ def test_a_slow_prometheus_is_unknown_demand_and_its_late_answer_is_kept(hook):
     a = hook.adapter(demand_max_age_s=60)
     assert math.isnan(a.demand_gpus(T0))  # waited demand_wait_s, not the query's timeout
     hook.prom_open.set()
-    assert a._fetching is not None
-    a._fetching.join(10)
+    assert a.demand.fetching is not None
+    a.demand.fetching.join(10)
     hook.prom_open.clear()  # the next query hangs: the late answer, 30 s old, stands in
     assert a.demand_gpus(T0 + 30) == 2.0
     assert math.isnan(a.demand_gpus(T0 + 120))  # too old

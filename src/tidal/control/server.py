@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from tidal.exec.ray_exec import RayExecutor
+from tidal.serving.sources import DEMAND_WAIT_S
 from tidal.serving.watch import Advisor, build_advisor
 
 log = logging.getLogger("tidal.control")
@@ -170,8 +171,10 @@ def build(state_dir: Path, gpus: str = "auto", db: str | None = None, config: Co
         if executor == "ray":
             return _build_ray(parts, RayOptions(address=ray_address, ckpt_agents=ckpt_agents))
         return _build(parts)
-    except ValueError as e:
+    except (ValueError, SystemExit) as e:  # the store closes with any refusal, whichever builder made it
         store.close()
+        if isinstance(e, SystemExit):
+            raise
         raise SystemExit(f"tidal up: {e}") from None
 
 
@@ -207,7 +210,6 @@ def _build(parts: PlaneParts) -> Plane:
     serving_nodes = loans.nodes if loans is not None else {}
     serving = config.serving if config is not None else None  # (set whenever loans are)
     if loans is not None and serving is not None and serving.adapter == "ray-serve":
-        store.close()
         raise SystemExit(
             "tidal up: serving.adapter ray-serve lends the GPUs of Ray nodes: it needs --executor ray"
         )
@@ -235,12 +237,9 @@ def _build(parts: PlaneParts) -> Plane:
         advisor, more = _serving(config, loans)
         controller = Controller(store, executor, config, ckpt_root=state_dir / "jobs", loans=loans,
                                 advisor=advisor)
-    except (ValueError, SystemExit) as e:
-        store.close()
+    except (ValueError, SystemExit):
         executor.close()  # no longer the subreaper of anything (a caller may go on)
-        if isinstance(e, SystemExit):
-            raise
-        raise SystemExit(f"tidal up: {e}") from None
+        raise
     return Plane(state_dir, store, executor, controller, parts.admin_token, parts.token_created, what + more)
 
 
@@ -254,7 +253,7 @@ def _serving(config: ControlConfig | None, loans: LiveLoans | None) -> tuple[Adv
             f"demand from {config.serving.describe()}"
         )
     try:
-        adv = build_advisor(config.serving)
+        adv = build_advisor(config.serving, wait_s=DEMAND_WAIT_S)
     except (OSError, ValueError) as e:
         raise SystemExit(f"tidal up: serving: {e}") from None
     return adv, (f"; serving {config.serving.serving_gpus} GPUs, plan from {config.serving.describe()}")

@@ -35,7 +35,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import math
 import os
 import queue
 import signal
@@ -49,7 +48,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from tidal.serving.serve_history import history_grid
-from tidal.serving.sources import DemandSource, TraceReplay
+from tidal.serving.sources import DEMAND_WAIT_S, BackgroundDemand, DemandSource, TraceReplay
 
 log = logging.getLogger(__name__)
 
@@ -286,7 +285,7 @@ class HookAdapter:
         timeout_s: float = 5.0,
         attempts: int = 2,
         retry_wait_s: float = 0.5,
-        demand_wait_s: float = 0.1,
+        demand_wait_s: float = DEMAND_WAIT_S,
         demand_max_age_s: float = 60.0,
     ) -> None:
         if (url is None) == (command is None):
@@ -306,9 +305,7 @@ class HookAdapter:
             int(attempts),
             float(retry_wait_s),
         )
-        if not demand_wait_s >= 0 or not demand_max_age_s >= 0:
-            raise ValueError("serving demand: demand_wait_s and demand_max_age_s must be >= 0")
-        self.demand_wait_s, self.demand_max_age_s = float(demand_wait_s), float(demand_max_age_s)
+        self.demand = BackgroundDemand(source, demand_wait_s, demand_max_age_s)
         self._nodes = dict(nodes)
         self.state = _Released(nodes)
         self.failures = 0
@@ -317,9 +314,6 @@ class HookAdapter:
         self._done: queue.SimpleQueue[ActionDone] = queue.SimpleQueue()
         self.queued = 0  # actions queued whose outcome done() has not reported yet
         self._worker: threading.Thread | None = None
-        self._demand_lock = threading.Lock()
-        self._demand: tuple[float, float] | None = None  # (asked for now_s, value) of the newest answer
-        self._fetching: threading.Thread | None = None
 
     def nodes(self) -> dict[str, int]:
         return dict(self._nodes)
@@ -328,31 +322,8 @@ class HookAdapter:
         return now_s
 
     def demand_gpus(self, now_s: float) -> float:
-        """Asks the source on a thread of its own (one at a time) and waits at most ``demand_wait_s``;
-        a late answer is kept and used while no older than ``demand_max_age_s``; else NaN."""
-        if self._fetching is None or not self._fetching.is_alive():
-            self._fetching = threading.Thread(target=self._fetch, args=(now_s,), daemon=True,
-                                              name="tidal-serving-demand")
-            self._fetching.start()
-        self._fetching.join(self.demand_wait_s)
-        with self._demand_lock:
-            got = self._demand
-        if got is None or not abs(now_s - got[0]) <= self.demand_max_age_s:
-            if self._fetching.is_alive():
-                log.warning(
-                    "serving demand unknown: the source has not answered within %g s", self.demand_wait_s
-                )
-            return math.nan
-        return got[1]
-
-    def _fetch(self, now_s: float) -> None:
-        try:
-            v = float(self.source.demand_gpus(now_s))
-        except Exception as e:  # a source that raises is unknown demand, never zero
-            log.warning("serving demand unknown: %s", e)
-            v = math.nan
-        with self._demand_lock:
-            self._demand = (now_s, v if math.isfinite(v) and v >= 0 else math.nan)
+        """The source's answer, waited for at most ``demand_wait_s`` (:class:`BackgroundDemand`)."""
+        return self.demand.demand_gpus(now_s)
 
     def release(self, node: str, gpus: int, lent_after: int, now_s: float) -> None:
         self._queue(ActionDone("release", node, gpus, lent_after))

@@ -23,6 +23,7 @@ import http.client
 import json
 import logging
 import math
+import threading
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -171,3 +172,46 @@ class PrometheusQuery:
         if not math.isfinite(v) or v < 0:
             raise ValueError(f"value {v} is not a finite number >= 0")
         return v
+
+
+DEMAND_WAIT_S = 0.1
+"""The most the reconcile loop waits on a demand source that asks a server (seconds)."""
+
+
+class BackgroundDemand:
+    """``source`` asked on a thread of its own (one question at a time), so that a caller in the
+    reconcile loop never waits on it longer than ``wait_s``: a late answer is kept and used while no
+    older than ``max_age_s`` (of the caller's time), else the demand is unknown (NaN, never zero). A
+    source that raises is unknown demand too. For sources that ask a server (Prometheus); a replayed trace
+    answers at once and needs none."""
+
+    def __init__(self, source: DemandSource, wait_s: float = DEMAND_WAIT_S, max_age_s: float = 60.0) -> None:
+        if not wait_s >= 0 or not max_age_s >= 0:
+            raise ValueError("serving demand: demand_wait_s and demand_max_age_s must be >= 0")
+        self.source, self.wait_s, self.max_age_s = source, float(wait_s), float(max_age_s)
+        self._lock = threading.Lock()
+        self._latest: tuple[float, float] | None = None  # (asked for now_s, value) of the newest answer
+        self.fetching: threading.Thread | None = None
+
+    def demand_gpus(self, now_s: float) -> float:
+        if self.fetching is None or not self.fetching.is_alive():
+            self.fetching = threading.Thread(target=self._fetch, args=(now_s,), daemon=True,
+                                             name="tidal-serving-demand")
+            self.fetching.start()
+        self.fetching.join(self.wait_s)
+        with self._lock:
+            got = self._latest
+        if got is None or not abs(now_s - got[0]) <= self.max_age_s:
+            if self.fetching.is_alive():
+                log.warning("serving demand unknown: the source has not answered within %g s", self.wait_s)
+            return math.nan
+        return got[1]
+
+    def _fetch(self, now_s: float) -> None:
+        try:
+            v = float(self.source.demand_gpus(now_s))
+        except Exception as e:  # a source that raises is unknown demand, never zero
+            log.warning("serving demand unknown: %s", e)
+            v = math.nan
+        with self._lock:
+            self._latest = (now_s, v if math.isfinite(v) and v >= 0 else math.nan)

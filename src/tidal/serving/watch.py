@@ -29,7 +29,7 @@ from tidal.policy.loan import LoanContext, LoanPlan, LoanTiming, TidalPolicy, Ti
 from tidal.serving.adapters import parse_nodes
 from tidal.serving.requests import FIELDS as REQUEST_FIELDS
 from tidal.serving.requests import RequestModel
-from tidal.serving.sources import DemandSource, TraceReplay
+from tidal.serving.sources import BackgroundDemand, DemandSource, TraceReplay
 
 ADAPTERS = (None, "replay", "hook", "ray-serve")  # serving.adapter (None: replay with a trace, else hook)
 MAX_CATCH_UP = 64  # grid points one advance() observes one by one; beyond that it skips to the latest
@@ -99,7 +99,7 @@ class Advisor:
         t = self.serving_time(now_s)
         n = 0
         while n < MAX_CATCH_UP and self.due_in(t) == 0:
-            self.tick(min(self.next_s, t))
+            self.tick(self.next_s)  # each grid point at its own time
             n += 1
         if self.due_in(t) == 0:
             self.tick(t)
@@ -397,11 +397,16 @@ def start_advisor(cfg: WatchConfig) -> tuple[Advisor, Callable[[], float], float
     return advisor, time.time, 1.0
 
 
-def build_advisor(cfg: WatchConfig) -> Advisor:
+def build_advisor(cfg: WatchConfig, *, wait_s: float | None = None) -> Advisor:
     """The advisor for ``cfg`` (a replayed trace plays from its start, ``speedup`` times as fast as the
-    wall clock; a Prometheus source on Unix time). Raises ``ValueError`` (or ``OSError`` for an
-    unreadable trace) naming what is wrong."""
+    wall clock; a Prometheus source on Unix time). ``wait_s``: the most a call may wait on a source that
+    asks a server (it is then asked on a thread of its own, :class:`~tidal.serving.sources.BackgroundDemand`,
+    as the loan step's hook adapter does: the reconcile loop never waits on Prometheus); None: wait for its
+    answer (``tidal serving watch``). Raises ``ValueError`` (or ``OSError`` for an unreadable trace) naming
+    what is wrong."""
     source = cfg.source()
     if isinstance(source, TraceReplay):
         return Advisor(source, cfg.policy(), cfg.pool_gpus, speedup=cfg.speedup, start_s=source.start_s)
+    if wait_s is not None:
+        source = BackgroundDemand(source, wait_s=wait_s)
     return Advisor(source, cfg.policy(), cfg.pool_gpus)
