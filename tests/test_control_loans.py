@@ -9,6 +9,7 @@ ledger's GPUs add up. A SIGKILL of the plane is a new controller on the same sto
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import random
 from pathlib import Path
@@ -269,3 +270,27 @@ def test_a_loan_step_rebuilt_from_the_store_every_step_acts_as_one_that_never_st
     assert logs[0][0] == logs[1][0]
     assert logs[0][1] == logs[1][1] and logs[0][2] == logs[1][2]
     assert {"loan", "return", "reclaim"} <= {k for k, _ in logs[0][0]}
+
+
+@pytest.mark.parametrize(("path", "value"), [
+    (("stats", "lent_gpu_s"), {}), (("last_s",), {}), (("margins",), ["x"]),
+    (("policy", "forecast", "level_gpus"), None), (("policy", "forecast", "profile_gpus"), 3),
+    (("policy", "forecast", "n_obs"), "x"), (("policy", "forecast", "ctx_hist"), 0),
+    (("policy", "shortfall_gpu_s"), None), (("ledger", "reclaims"), [[1]]),
+])
+def test_a_damaged_loan_document_is_refused_at_load_not_at_every_step(path, value):
+    """A stored document with a wrong type inside (a flipped byte that still parses) loaded, then made
+    every reconcile step fail: it is refused at start, naming the document, and nothing is changed."""
+    loans, _ = _loans(origin_s=0.0)
+    for i in range(300):
+        loans.tick(i * 2.0, {}, None)
+    doc = json.loads(json.dumps(loans.dump()))
+    where = doc
+    for k in path[:-1]:
+        where = where[k]
+    where[path[-1]] = value
+    fresh, _ = _loans(origin_s=0.0)
+    before = fresh.dump()
+    with pytest.raises(ValueError, match="serving document .* is damaged"):
+        fresh.load(doc)
+    assert fresh.dump() == before

@@ -163,7 +163,7 @@ class LiveLoans:
         what is wrong with it (nothing is changed then)."""
         try:
             self._load(doc)
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
             what = e if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
             raise ValueError(
                 f"the store's serving document (table docs, key {DOC_KEY!r}) is damaged: {what}; "
@@ -188,11 +188,22 @@ class LiveLoans:
             self._relearn = misfit
             state, next_grid = self.policy.initial_state(), math.nan
         actions = Actions.from_doc(doc, ledger.lent_on, ledger.cap, serving.away)
+        stats, margins, last_s = doc.get("stats") or {}, list(doc.get("margins") or []), doc.get("last_s")
+        for what, v in [*((f"stats.{k}", v) for k, v in dict(stats).items()),
+                        *((f"margins[{i}]", v) for i, v in enumerate(margins)), ("last_s", last_s)]:
+            if (v is not None or what != "last_s") and not _finite_number(v):
+                raise ValueError(f"{what}: {v!r} is not a number")
+        try:  # a state that decodes but cannot plan (a wrong type inside): refused now, not at every step
+            t = state.forecast.t_s + self.step_s if math.isfinite(state.forecast.t_s) else 0.0
+            probe = LoanContext(now_s=t, serving_gpus=ledger.total, demand_gpus=1.0, lent_gpus=ledger.lent)
+            self.policy(probe, state)  # pure: the probe's plan and state are dropped
+        except Exception as e:
+            raise ValueError(f"policy: the stored state does not plan ({type(e).__name__}: {e})") from None
         self.ledger, self.state, self.next_grid, self.actions = ledger, state, next_grid, actions
         self.serving = serving
-        self.stats.update(doc.get("stats") or {})
-        self.margins = list(doc.get("margins") or [])
-        self.last_s = doc.get("last_s")
+        self.stats.update(stats)
+        self.margins = margins
+        self.last_s = last_s
         self.plan_shown = dict(doc.get("plan_view") or {})
         self.adapter.resume(doc.get("adapter") or {})
         if not misfit:
@@ -565,6 +576,10 @@ def build_live_loans(cfg: WatchConfig, ray_address: str | None = None) -> LiveLo
     adapter, history = build_adapter(cfg, ray_address)
     return LiveLoans(adapter, cfg.timing(), shortfall_budget=cfg.shortfall_budget, step_s=cfg.step_s,
                      warm_history=history)
+
+
+def _finite_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _rounded(x: float) -> float | None:
