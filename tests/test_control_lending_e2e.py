@@ -46,8 +46,11 @@ def test_lending_survives_sigkill_of_the_plane(tmp_path):
             }
         )
         jid = job["id"]
-        wait_until("the job running on lent serving GPUs",
-              lambda: client.job(jid)["state"] == "running" and _on_serving(client.job(jid)) > 0)
+        def settled() -> bool:  # running on lent GPUs at its maximum: no grow (a notice) can race the crash
+            j = client.job(jid)
+            return j["state"] == "running" and _on_serving(j) > 0 and sum(j["placement"].values()) == 3
+
+        wait_until("the job running on lent serving GPUs at its maximum size", settled)
         before = p.admin.serving()
         attempt = client.job(jid)["attempt"]
         assert before["lending"] and before["lent_gpus"] >= _on_serving(client.job(jid))
