@@ -18,6 +18,10 @@ A failed write leaves no temporary file behind.
   rename: the first writer wins, the others get ``FileExistsError``);
 * ``dir_fd`` makes ``path`` a plain name inside that open directory (a directory opened without
   following links, against a job that swaps a path component for a link meanwhile).
+
+:func:`private_dirs` creates a directory (and its missing parents) 0700 whatever the umask;
+:func:`owned_dir` also refuses one another user could change (:class:`NotOwned`): in a directory every
+user may write (``/dev/shm``), whoever creates a name first owns it.
 """
 
 from __future__ import annotations
@@ -118,6 +122,56 @@ def atomic_path(path: str | os.PathLike, *, mode: int = PRIVATE, durable: bool =
         raise
     if durable:
         _fsync_dir(target.parent, None)
+
+
+class NotOwned(OSError):
+    """:func:`owned_dir` found a directory another user could change (or a link, or not a directory)."""
+
+
+def private_dirs(path: str | os.PathLike, mode: int = 0o700) -> Path:
+    """``path`` made a directory if it is not one, each missing component created ``mode`` (never
+    more, whatever the umask); existing components are left as they are."""
+    p = Path(path)
+    missing = []
+    while not p.is_dir():
+        missing.append(p)
+        if p.parent == p:
+            break
+        p = p.parent
+    for d in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(d, mode)
+            os.chmod(d, mode, follow_symlinks=False)
+    return Path(path)
+
+
+def owned_dir(path: str | os.PathLike, *, create: bool = True, mode: int = 0o700) -> Path:
+    """``path``, a directory this user can trust: created ``mode`` when missing (``create``), and
+    :class:`NotOwned`, naming it and its owner, when it is a symbolic link or not a directory, belongs
+    to a user other than this process's or root, or others or its group may write in it. One this user
+    owns is narrowed to ``mode`` (a directory left readable by an older version)."""
+    if create:
+        private_dirs(Path(path).parent)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, mode)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise NotOwned(e.errno, "a symbolic link or not a directory (refused)", os.fspath(path)) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        me = os.geteuid()
+        if st.st_uid not in (me, 0) or (st.st_uid != me and st.st_mode & 0o022):
+            raise NotOwned(errno.EPERM, f"owned by uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):o}, "
+                           f"so a user other than this one (uid {me}) can change what is in it (refused)",
+                           os.fspath(path))
+        if st.st_uid == me and stat.S_IMODE(st.st_mode) != mode:
+            os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+    return Path(path)
 
 
 class NotPlainFile(OSError):

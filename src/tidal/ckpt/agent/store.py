@@ -27,6 +27,8 @@ import uuid
 from pathlib import Path
 from typing import Literal
 
+from tidal.files import owned_dir, private_dirs
+
 MANIFEST = "manifest.json"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,200}$")
 _STEP = re.compile(r"^step_(\d{12})$")
@@ -67,8 +69,9 @@ class Store:
 
     def open(self) -> int:
         """Create the directory (or take up an existing one); remove torn writes. Returns steps found."""
-        self.own.mkdir(parents=True, exist_ok=True)
-        self.replicas.mkdir(parents=True, exist_ok=True)
+        owned_dir(self.root)
+        private_dirs(self.own)
+        private_dirs(self.replicas)
         found = 0
         for _, tree in self.trees():
             for job in _listdir(tree):
@@ -95,7 +98,7 @@ class Store:
     def temp_path(self, origin: str | None, job: str, step: int, name: str) -> tuple[Path, Path]:
         """(a fresh hidden temporary path, the final path) for writing ``name``; creates the step dir."""
         d = self.step_dir(origin, job, step)
-        d.mkdir(parents=True, exist_ok=True)
+        private_dirs(d)
         check_name(name, "object")
         return d / f".{name}.part-{uuid.uuid4().hex[:8]}", d / name
 

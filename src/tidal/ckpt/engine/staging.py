@@ -29,6 +29,7 @@ import torch
 
 from tidal.ckpt.format.flatten import ST_TO_DTYPE
 from tidal.ckpt.format.plan import PlannedPiece, RankFile
+from tidal.files import private_dirs
 
 log = logging.getLogger(__name__)
 
@@ -68,11 +69,11 @@ class Slot:
         self.release()
         size = max(rf.size_bytes, 8)
         if shm_dir is not None:
-            shm_dir.mkdir(parents=True, exist_ok=True)
+            private_dirs(shm_dir)
             path = shm_dir / f"r{rf.rank:05d}-slot{self.index}.safetensors"
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()  # never resize an inode a committed shm step may still link to
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             try:
                 os.ftruncate(fd, size)
                 self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
@@ -136,8 +137,7 @@ class StagingArea:
 def shm_has_room(path: Path, need_bytes: int) -> bool:
     """Whether the filesystem at ``path`` has ``need_bytes`` free (with 10% headroom)."""
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        st = os.statvfs(path)
+        st = os.statvfs(private_dirs(path))
     except OSError:
         return False
     return st.f_bavail * st.f_frsize >= need_bytes * 1.1

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from tidal.files import AS_OPEN, write_atomic
+from tidal.files import private_dirs, write_atomic
 
 FORMAT = "tidal-ckpt-status"
 VERSION = 1
@@ -178,5 +178,5 @@ class Durability:
             return
         with self._wlock, contextlib.suppress(OSError):  # advisory: never fail a save over it
             doc = self.snapshot().to_dict()
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            write_atomic(self.path, json.dumps(doc, indent=1), mode=AS_OPEN, durable=False)
+            private_dirs(self.path.parent)
+            write_atomic(self.path, json.dumps(doc, indent=1), durable=False)

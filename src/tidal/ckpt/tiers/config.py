@@ -41,6 +41,7 @@ from tidal.ckpt.tiers.directory import (
     local_path,
     peer_job,
     shm_root_for,
+    shm_tier_to_read,
     tiers_for,
 )
 from tidal.ckpt.tiers.protocol import Tier
@@ -317,7 +318,9 @@ def read_tiers(url_or_tiers: Any) -> list[Tier]:
     home, cfgs = resolve(url_or_tiers, default_keep=0)
     out = []
     for c in cfgs:
-        if c.kind == "shm" and not shm_root_for(home).exists():
+        if c.kind == "shm":
+            if (tier := shm_tier_to_read(home, c.name)) is not None:
+                out.append(tier)
             continue
         out.append(build(c, home))
     return out

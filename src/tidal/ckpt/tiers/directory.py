@@ -5,6 +5,14 @@
   process but not the node. Its data files are hard links to the staging slots, so staging a step
   *is* writing it to this tier (no second copy).
 
+Everything a tier creates is private to this user: directories 0700, files 0600, whatever the umask;
+files are written inside their step folder opened without following links. The shm tier's directories
+(``<shm>/tidal`` and the job's ``<name>-<hash>`` in it) must belong to this user (or root) and be
+writable by nobody else, checked before use (``files.owned_dir``): ``/dev/shm`` is writable by every
+user, and another user who created ``<shm>/tidal`` first could otherwise swap a job's folder for one
+holding a step it built. A ``Checkpointer`` refuses such a tier (``TierError``); a load skips it with a
+warning.
+
 Reading a directory tier never follows a link out of it: a step folder or file that is a symlink is
 refused (``O_NOFOLLOW``), and so is a file with more than one hard link, except, in the shm tier, a
 staging slot of this tier (``<root>/slots/``) owned by this user. The tier root itself may be a
@@ -29,7 +37,7 @@ import os
 import shutil
 import stat
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +45,7 @@ from tidal.ckpt.errors import ManifestError, TierError, UnsafeFileError
 from tidal.ckpt.format import manifest as mf
 from tidal.ckpt.tiers.protocol import Tier, TruncatedRead
 from tidal.contract import ENV_SHM_DIR
-from tidal.files import AS_OPEN, write_atomic
+from tidal.files import NotOwned, owned_dir, private_dirs, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -70,13 +78,28 @@ class DirTier:
 
     def check(self) -> None:
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            if self.kind == "shm":
+                self.check_owned(create=True)
+            else:
+                private_dirs(self.root)
+        except NotOwned as e:
+            raise TierError(f"tier '{self.name}': {e}") from None
         except OSError as e:
             raise TierError(
                 f"tier '{self.name}' ({self.root}): cannot create the directory: {e.strerror}"
             ) from None
         if not os.access(self.root, os.W_OK | os.X_OK):
             raise TierError(f"tier '{self.name}' ({self.root}): the directory is not writable")
+
+    def check_owned(self, create: bool = False) -> None:
+        """NotOwned (an OSError naming the directory and its owner) unless this shm tier's directory and
+        its parent (``<shm>/tidal``) are this user's (or root's) and nobody else may write in them."""
+        try:
+            owned_dir(self.root.parent, create=create)
+            owned_dir(self.root, create=create)
+        except NotOwned as e:
+            raise NotOwned(e.errno, f"{e.strerror}; point ${SHM_BASE_ENV} at a directory of your own",
+                           e.filename) from None
 
     # -- listing -----------------------------------------------------------------------------------
     def _step_names(self) -> list[tuple[int, str]]:
@@ -191,7 +214,7 @@ class DirTier:
             os.close(fd)
 
     def write_bytes(self, step: int, name: str, data: bytes) -> None:
-        write_atomic(self.prepare_step(step) / name, data, mode=AS_OPEN, durable=self.fsync)
+        self.write_file(step, name, memoryview(data))
 
     def write_json(self, step: int, name: str, doc: dict) -> None:
         self.write_bytes(step, name, json.dumps(doc, separators=(",", ":")).encode())
@@ -212,19 +235,33 @@ class DirTier:
 
     # -- data --------------------------------------------------------------------------------------
     def prepare_step(self, step: int) -> Path:
-        d = self.step_dir(step)
-        d.mkdir(parents=True, exist_ok=True)
-        return d
+        return private_dirs(self.step_dir(step))
+
+    @contextlib.contextmanager
+    def _step_fd(self, step: int) -> Iterator[int]:
+        """The step folder (created 0700) opened without following a link: what is written goes in it."""
+        d = self.prepare_step(step)
+        try:
+            fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as e:
+            if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise UnsafeFileError(f"{d}: the step folder is a symlink (refused)") from None
+            raise
+        try:
+            yield fd
+        finally:
+            os.close(fd)
 
     def write_file(self, step: int, name: str, data: memoryview) -> None:
-        write_atomic(self.prepare_step(step) / name, data, mode=AS_OPEN, durable=self.fsync)
+        with self._step_fd(step) as fd:
+            write_atomic(name, data, durable=self.fsync, dir_fd=fd)
 
     def link_file(self, step: int, name: str, source: Path) -> None:
         """Make ``source`` (a staging slot) appear as data file ``name`` of ``step``."""
-        path = self.prepare_step(step) / name
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-        os.link(source, path)
+        with self._step_fd(step) as fd:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=fd)
+            os.link(source, name, dst_dir_fd=fd, follow_symlinks=False)
 
     def open_file(self, step: int, name: str) -> _FileReader:
         return _FileReader(self._open_safe(step, name))
@@ -344,13 +381,26 @@ def shm_root_for(url: str | os.PathLike) -> Path:
     return base / "tidal" / f"{name[:SHM_NAME_CHARS]}-{digest}"
 
 
+def shm_tier_to_read(url: str | os.PathLike, name: str = "shm") -> DirTier | None:
+    """This node's shm tier of location ``url`` to read from: None when there is none, or (with a
+    warning) when another user could have changed it (``DirTier.check_owned``)."""
+    root = shm_root_for(url)
+    if not root.exists():
+        return None
+    tier = DirTier(name, root, fsync=False, kind="shm")
+    try:
+        tier.check_owned()
+    except NotOwned as e:
+        log.warning("tier '%s' not read: %s", name, e)
+        return None
+    return tier
+
+
 def tiers_for(url: str | os.PathLike, *, shm: bool = True) -> list[Tier]:
     """Tiers to read location ``url`` (a directory, ``s3://`` or ``peer://`` URL) from, fastest first."""
     out: list[Tier] = []
-    if shm:
-        root = shm_root_for(url)
-        if root.exists():
-            out.append(DirTier("shm", root, fsync=False))
+    if shm and (tier := shm_tier_to_read(url)) is not None:
+        out.append(tier)
     if is_s3_url(url):
         from tidal.ckpt.tiers.s3 import S3Tier
 
