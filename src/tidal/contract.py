@@ -49,6 +49,7 @@ ENV_CKPT_AGENT = "TIDAL_CKPT_AGENT"  # this node's checkpoint agent, host:port
 ENV_CKPT_PEERS = "TIDAL_CKPT_PEERS"  # more agents to read from, comma-separated
 ENV_CKPT_AGENT_TOKEN = "TIDAL_CKPT_AGENT_TOKEN"  # this job's credential at the agents (its namespace's)
 ENV_CKPT_AGENT_KEY = "TIDAL_CKPT_AGENT_KEY"  # an agent's own: the key it checks tokens with (hex)
+ENV_CKPT_KEY = "TIDAL_CKPT_KEY"  # this job's: the key its manifests are signed and checked with (hex)
 # The control plane's address and credentials (the CLI's; reserved for the runtime).
 ENV_API_URL = "TIDAL_API_URL"
 ENV_TOKEN = "TIDAL_TOKEN"
@@ -60,7 +61,7 @@ RESERVED_ENV = frozenset({
     *TORCHRUN_ENV, ENV_CUDA_VISIBLE_DEVICES, ENV_JOB_ID, ENV_CKPT_URL, ENV_CKPT_INTERVAL_S, ENV_PROGRESS_DIR,
     ENV_CONTROL_FILE, ENV_GRACE_S, ENV_API_URL, ENV_TOKEN, ENV_ATTEMPT,
     ENV_CKPT_TIERS,  # a spec names its tiers in checkpoint.tiers, where the location rules check them
-    ENV_CKPT_AGENT_TOKEN, ENV_CKPT_AGENT_KEY,
+    ENV_CKPT_AGENT_TOKEN, ENV_CKPT_AGENT_KEY, ENV_CKPT_KEY,
 })
 """Set by the platform for every rank; a job's spec may not set them."""
 

@@ -127,6 +127,9 @@ def atomic_path(path: str | os.PathLike, *, mode: int = PRIVATE, durable: bool =
 class NotOwned(OSError):
     """:func:`owned_dir` found a directory another user could change (or a link, or not a directory)."""
 
+    def __str__(self) -> str:
+        return f"{self.filename}: {self.strerror}"
+
 
 def private_dirs(path: str | os.PathLike, mode: int = 0o700) -> Path:
     """``path`` made a directory if it is not one, each missing component created ``mode`` (never

@@ -10,7 +10,8 @@ node's shm tier in front when there is one), or a tier list as given to ``Checkp
 A step that cannot be read correctly from any tier (a checksum mismatch in every copy of a piece,
 a damaged or crafted manifest everywhere, a missing file) is skipped for the newest older committed
 step, with a warning and a line in ``LoadStats.skipped_steps``; every rank skips together. An
-explicitly requested ``step`` is not skipped unless ``fallback_older=True``.
+explicitly requested ``step`` is not skipped unless ``fallback_older=True``. With a checkpoint key
+(``key=``, else ``$TIDAL_CKPT_KEY``), a manifest without its MAC is such a step too.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ def _choose_all(url_or_tiers: UrlOrTiers, step: int | None, process_group: Any,
 
 def load(url_or_tiers: UrlOrTiers, state: dict, step: int | None = None, process_group: Any = None, *,
          strict: bool = True, verify: bool = True, stats: LoadStats | None = None,
-         fallback_older: bool | None = None) -> int:
+         fallback_older: bool | None = None, key: bytes | str | None = None) -> int:
     """Fill ``state`` in place from a committed step (the newest in any tier by default); return the step.
 
     Tensors (plain, DTensor, LocalShard) are filled in place with the part this rank holds now,
@@ -115,8 +116,10 @@ def load(url_or_tiers: UrlOrTiers, state: dict, step: int | None = None, process
     checkpoint and ``state`` to hold exactly the same entries. ``verify`` checks the CRC-32 of
     every block read (format 1: of every piece read whole). ``fallback_older`` (default: when
     ``step`` is None) skips a step that no tier serves intact for the newest older one; the
-    entries the older step holds are then all overwritten (module docstring).
+    entries the older step holds are then all overwritten (module docstring). ``key``: the checkpoint
+    key the manifest must be signed with (default ``$TIDAL_CKPT_KEY``; none: checksums only).
     """
+    key = mf.checkpoint_key(key)
     stats = stats if stats is not None else LoadStats()
     older_ok = step is None if fallback_older is None else fallback_older
     chosen, tiers, held = _choose_all(url_or_tiers, step, process_group, stats.fallbacks)
@@ -125,7 +128,7 @@ def load(url_or_tiers: UrlOrTiers, state: dict, step: int | None = None, process
         holding = [t for t in tiers if chosen in held.get(t.name, ())]
         error: CorruptionError | ManifestError | None = None
         try:
-            tier, man = newest_manifest(holding, chosen)
+            tier, man = newest_manifest(holding, chosen, key)
             holding.sort(key=lambda t: t is not tier)  # the tier whose manifest we read comes first
             stats.step, stats.manifest_tier = chosen, tier.name
             _fill(man, holding, state, strict=strict, verify=verify, stats=stats)
@@ -205,7 +208,9 @@ def _conform(stored: Any, like: Any) -> Any:
     return stored
 
 
-def read_manifest(url_or_tiers: UrlOrTiers, step: int | None = None) -> tuple[Tier, mf.Manifest]:
-    """The manifest of ``step`` (newest by default) from the fastest tier holding it."""
+def read_manifest(url_or_tiers: UrlOrTiers, step: int | None = None,
+                  key: bytes | str | None = None) -> tuple[Tier, mf.Manifest]:
+    """The manifest of ``step`` (newest by default) from the fastest tier holding it (signed with
+    ``key``, default ``$TIDAL_CKPT_KEY``, when there is one)."""
     chosen, holding = _choose(url_or_tiers, step, None, None)
-    return newest_manifest(holding, chosen)
+    return newest_manifest(holding, chosen, mf.checkpoint_key(key))

@@ -29,6 +29,7 @@ def _read(tier: Any, step: int) -> mf.Manifest:
     """``tier``'s manifest of ``step``, which must also say that it is ``step``."""
     m = tier.read_manifest(step)
     _check_step(tier, m, step)
+    mf.check_mac(m.raw, mf.checkpoint_key(), tier.where(step, mf.MANIFEST))
     return m
 
 

@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from tidal import contract as c
+from tidal.ckpt.agent.auth import job_ckpt_key, load_or_create_key
 from tidal.contract import one_node_env, torchrun_env
 from tidal.exec import cgroups, orphans, procs, shim
 from tidal.exec.files import read_json, write_json
@@ -318,6 +319,7 @@ class LocalExecutor:
             base[c.ENV_SHM_DIR] = str(shm)
         platform = {**torchrun_env(r, req.world_size, port),
                     c.ENV_JOB_ID: req.job_id, c.ENV_ATTEMPT: str(req.attempt),
+                    c.ENV_CKPT_KEY: job_ckpt_key(load_or_create_key(self.root), req.job_id),
                     c.ENV_PROGRESS_DIR: str(adir / c.PROGRESS_DIRNAME),
                     c.ENV_CONTROL_FILE: str(adir / c.CONTROL_FILE),
                     c.ENV_CUDA_VISIBLE_DEVICES: ",".join(map(str, devices)) if self.gpu else ""}

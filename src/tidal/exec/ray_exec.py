@@ -71,6 +71,7 @@ from pathlib import Path
 from typing import Any
 
 from tidal import contract as c
+from tidal.ckpt.agent.auth import job_ckpt_key, load_or_create_key
 from tidal.contract import torchrun_env
 from tidal.exec import ray_checks
 from tidal.exec.files import read_json, write_json
@@ -200,7 +201,6 @@ class RayExecutor:
             if ckpt_agents:
                 if self.shm_root is None:
                     raise ValueError("checkpoint agents on Ray nodes need /dev/shm (or isolation.shm_dir)")
-                from tidal.ckpt.agent.auth import load_or_create_key
                 from tidal.exec.ray_agents import RayAgents
 
                 self.agents = RayAgents(ray, self.namespace, self.shm_root, self.root,
@@ -377,6 +377,7 @@ class RayExecutor:
             platform = {**torchrun_env(k.rank, n, port, master_addr=master, local_rank=local.index(k.rank),
                                        local_world_size=len(local), group_rank=groups.index(k.node)),
                         c.ENV_JOB_ID: req.job_id, c.ENV_ATTEMPT: str(req.attempt),
+                        c.ENV_CKPT_KEY: job_ckpt_key(load_or_create_key(self.root), req.job_id),
                         c.ENV_PROGRESS_DIR: str(adir / c.PROGRESS_DIRNAME),
                         c.ENV_CONTROL_FILE: str(adir / c.CONTROL_FILE), c.ENV_CUDA_VISIBLE_DEVICES: gpus}
             shm = str(self.shm_root / k.node / req.job_id) if self.shm_root is not None else None

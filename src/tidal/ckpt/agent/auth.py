@@ -7,7 +7,10 @@ once and kept across restarts). Its agents get the key from their own environmen
 command line. Each job gets a **token** for its namespace in the agents (``TIDAL_CKPT_AGENT_TOKEN``):
 ``HMAC-SHA256(key, "tidal-ckpt-agent/job" NUL namespace)`` as hex, so no job can derive another's.
 Agents talk to each other, and the plane to them, with the **agent token** (HMAC of the key with
-another label), which every endpoint accepts. Requests carry ``Authorization: Bearer <token>``.
+another label), which every endpoint accepts. Requests carry ``Authorization: Bearer <token>``. Each job
+also gets its **checkpoint key** (``TIDAL_CKPT_KEY``, :func:`job_ckpt_key`, with any executor), which its
+manifests are signed and checked with (``tidal.ckpt.format.manifest``): the same for every attempt of
+the job, nothing to store, and no job can derive another's.
 
 An agent started without a key is open (every request is accepted), as one started by hand.
 """
@@ -29,6 +32,7 @@ HEADER = "Authorization"
 SCHEME = "Bearer "
 _JOB = b"tidal-ckpt-agent/job\0"
 _AGENT = b"tidal-ckpt-agent/agent\0"
+_CKPT = b"tidal-ckpt/manifest\0"
 
 
 def parse_key(text: str, where: str) -> bytes:
@@ -77,6 +81,11 @@ def load_or_create_key(directory: str | os.PathLike) -> bytes:
 def job_token(key: bytes, namespace: str) -> str:
     """The token for the steps of ``namespace`` (a job's namespace in the agents)."""
     return hmac.new(key, _JOB + namespace.encode(), hashlib.sha256).hexdigest()
+
+
+def job_ckpt_key(key: bytes, job_id: str) -> str:
+    """The checkpoint key of job ``job_id`` (hex), derived from the plane's key."""
+    return hmac.new(key, _CKPT + job_id.encode(), hashlib.sha256).hexdigest()
 
 
 def agent_token(key: bytes) -> str:

@@ -89,13 +89,15 @@ class Checkpointer:
         claim: the job and attempt this rank belongs to, checked against the fence of a directory
             home before every commit (``tidal.ckpt.fence``); default: from ``TIDAL_JOB_ID`` and
             ``TIDAL_ATTEMPT`` when both are set; ``False``: never checked.
+        key: the checkpoint key manifests are signed with (bytes, or hex digits; default
+            ``$TIDAL_CKPT_KEY``, which the control plane sets for each job; ``format.manifest``).
     """
 
     def __init__(self, url: str | os.PathLike | Sequence[Any] | None = None, process_group: Any = None,
                  keep: int = 3, *, tiers: Sequence[Any] | None = None, shm: bool = True, guard: Any = None,
                  slots: int = 2, commit_timeout_s: float = 600.0, fsync: bool = True,
                  status_path: str | os.PathLike | bool | None = None, retry_max_s: float = 30.0,
-                 claim: fence.Claim | Literal[False] | None = None) -> None:
+                 claim: fence.Claim | Literal[False] | None = None, key: bytes | str | None = None) -> None:
         if not isinstance(keep, int) or keep < 0:
             raise ValueError(f"keep must be an integer >= 0, got {keep!r}")
         if slots < 1:
@@ -116,6 +118,7 @@ class Checkpointer:
         self.url = os.fspath(url) if url is not None else self.home
         self._read_spec: Any = self.url if default_tiers else list(tiers)  # what steps() reads
         self.group = process_group
+        self.key = mf.checkpoint_key(key)
         self.keep = keep
         self.commit_timeout_s = commit_timeout_s
         self.rank, self.world_size = comm.world(process_group)
@@ -195,7 +198,13 @@ class Checkpointer:
         if status_path is False or self.rank != 0:
             return None
         if status_path is None or status_path is True:
-            return shm_root_for(self.home) / "status.json"
+            shm = DirTier("shm", shm_root_for(self.home), fsync=False)
+            try:
+                shm.check_owned(create=True)
+            except OSError as e:
+                log.warning("no status file: %s", e)
+                return None
+            return shm.root / "status.json"
         return Path(status_path)
 
     def _tier_info(self, t: Tier) -> dict:
@@ -274,7 +283,8 @@ class Checkpointer:
         job = PersistJob(step, save_id, plan, slot, deferred, objs, fast, remote, handle,
                          shm_tier=self.shm_tier, slot_dir=self._staging.shm_dir,
                          shm_keep=len(self._staging.slots), urgent=urgent,
-                         shm_uncommitted=uncommitted)  # recorded in the status file off the stall path
+                         shm_uncommitted=uncommitted,  # recorded in the status file off the stall path
+                         key=self.key)
         for q in remote:
             handle._add_part(q.tier.name)
         self._durability.saved(step, time.time())

@@ -70,6 +70,7 @@ class PersistJob:
     copy_error: BaseException | None = None  # the deferred copy failed
     queued: bool = False  # the slow tiers have it (each finishes its own part of the handle)
     t_return: float = 0.0
+    key: bytes | None = None  # the checkpoint key its manifest is signed with (manifest.checkpoint_key)
 
 
 class Persister:
@@ -322,7 +323,7 @@ def manifest(job: PersistJob, docs: list[dict]) -> dict:
     crcs = {f"{d['rank']}/{k}": str(v) for d in docs for k, v in d["blocks"].items()}
     headers = {int(d["rank"]): int(d["header_crc32"]) for d in docs}
     names = [data_name(r, job.save_id) for r in range(job.plan.world_size)]
-    return mf.build(job.plan, job.step, job.save_id, time.time(), crcs, job.objects, names, headers)
+    return mf.build(job.plan, job.step, job.save_id, time.time(), crcs, job.objects, names, headers, job.key)
 
 
 def _run_cleanups(later: list[tuple[int, list]]) -> None:

@@ -27,6 +27,14 @@ piece). ``checksum`` is the SHA-256 of the manifest's canonical JSON without tha
 sorted, no spaces, ASCII), so any change to any value (an object such as the learning rate
 included) is detected before the manifest is used.
 
+With a checkpoint key (:func:`checkpoint_key`: ``Checkpointer(key=)`` / ``load(key=)``, else
+``$TIDAL_CKPT_KEY``, which the control plane sets for each job), the manifest also carries
+``"mac": "hmac-sha256:<hex>"``, the HMAC-SHA256 of the same canonical JSON without ``checksum`` and
+``mac``; a load with a key refuses a manifest whose ``mac`` is missing or wrong (:func:`check_mac`).
+The checksums alone catch accidents (a torn write, a flipped bit, an edit by hand), not a person: anyone
+who can write into a tier can write a step whose checksums hold. The MAC, which only a holder of the key
+can compute, also refuses a step someone else wrote.
+
 Version 1 (before block checksums) has one ``crc32`` per piece and no ``checksum``; it still loads:
 pieces read whole are checked, partial reads are not.
 
@@ -39,8 +47,10 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import hmac
 import json
 import math
+import os
 import sys
 import zlib
 from array import array
@@ -52,6 +62,7 @@ from typing import Any
 from tidal.ckpt.errors import ManifestError
 from tidal.ckpt.format.layout import Box, check_tiling
 from tidal.ckpt.format.plan import ITEMSIZE, SavePlan
+from tidal.contract import ENV_CKPT_KEY
 
 FORMAT = "tidal-ckpt"
 VERSION = 2
@@ -139,20 +150,62 @@ def block_crcs(data: memoryview | bytes, block_bytes: int = BLOCK_BYTES) -> str:
     return base64.b64encode(crcs.tobytes()).decode()
 
 
+def _canonical(doc: dict, without: tuple[str, ...]) -> bytes:
+    body = {k: v for k, v in doc.items() if k not in without}
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=True).encode()
+
+
 def canonical_checksum(doc: dict) -> str:
     """``sha256:<hex>`` of ``doc``'s canonical JSON without its ``checksum`` field."""
-    body = {k: v for k, v in doc.items() if k != "checksum"}
-    raw = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=True)
-    return "sha256:" + hashlib.sha256(raw.encode()).hexdigest()
+    return "sha256:" + hashlib.sha256(_canonical(doc, ("checksum",))).hexdigest()
+
+
+MAC_PREFIX = "hmac-sha256:"
+MIN_KEY_BYTES = 16
+
+
+def checkpoint_key(key: bytes | str | None = None) -> bytes | None:
+    """The key manifests are signed and checked with: ``key`` (bytes, or hex digits), else
+    ``$TIDAL_CKPT_KEY`` (hex digits), else None (checksums only). ValueError naming the source when it is
+    not hex or shorter than 16 bytes."""
+    where = "key"
+    if key is None:
+        key, where = os.environ.get(ENV_CKPT_KEY) or None, f"${ENV_CKPT_KEY}"
+    if isinstance(key, str):
+        try:
+            key = bytes.fromhex(key.strip())
+        except ValueError:
+            raise ValueError(f"{where}: expected hex digits (a checkpoint key)") from None
+    if key is not None and len(key) < MIN_KEY_BYTES:
+        raise ValueError(f"{where}: a checkpoint key has at least {MIN_KEY_BYTES} bytes, got {len(key)}")
+    return key
+
+
+def mac_of(doc: dict, key: bytes) -> str:
+    """``hmac-sha256:<hex>`` of ``doc``'s canonical JSON without its ``checksum`` and ``mac`` fields."""
+    return MAC_PREFIX + hmac.new(key, _canonical(doc, ("checksum", "mac")), hashlib.sha256).hexdigest()
+
+
+def check_mac(doc: dict, key: bytes | None, where: str) -> None:
+    """ManifestError unless ``doc`` carries the MAC of ``key`` (nothing to check without a key)."""
+    if key is None:
+        return
+    got = doc.get("mac")
+    if not isinstance(got, str):
+        raise ManifestError(f"{where}: no field 'mac', but a checkpoint key is set: not written with this "
+                            "key (by another user, or without a key); refused")
+    if not hmac.compare_digest(got.encode(), mac_of(doc, key).encode()):
+        raise ManifestError(f"{where}: field 'mac' does not match the checkpoint key (written with another "
+                            "key, or edited); refused")
 
 
 def build(plan: SavePlan, step: int, save_id: str, created_unix_s: float,
           crcs: dict[str, str], objects: list[tuple[tuple, Any]], file_names: list[str],
-          header_crcs: dict[int, int] | None = None) -> dict:
+          header_crcs: dict[int, int] | None = None, key: bytes | None = None) -> dict:
     """Assemble the manifest document from the plan, the ranks' checksums and rank 0's objects.
 
     ``crcs`` maps ``"<rank>/<key>"`` to that piece's ``blocks`` field (``block_crcs``);
-    ``header_crcs`` maps a rank to the CRC-32 of its file's header.
+    ``header_crcs`` maps a rank to the CRC-32 of its file's header; ``key``: sign it (:func:`mac_of`).
     """
     tensors = []
     for name, info in plan.entries.items():
@@ -177,6 +230,8 @@ def build(plan: SavePlan, step: int, save_id: str, created_unix_s: float,
         "tensors": tensors, "objects": [{"path": list(p), "value": v} for p, v in objects], "files": files,
     }
     doc = json.loads(json.dumps(doc))  # exactly what a reader will see (tuples -> lists, int keys -> str)
+    if key is not None:
+        doc["mac"] = mac_of(doc, key)
     doc["checksum"] = canonical_checksum(doc)
     return doc
 

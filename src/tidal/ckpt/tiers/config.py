@@ -316,7 +316,7 @@ def read_tiers(url_or_tiers: Any) -> list[Tier]:
     if isinstance(url_or_tiers, (str, os.PathLike)):
         return tiers_for(url_or_tiers)
     home, cfgs = resolve(url_or_tiers, default_keep=0)
-    out = []
+    out: list[Tier] = []
     for c in cfgs:
         if c.kind == "shm":
             if (tier := shm_tier_to_read(home, c.name)) is not None:

@@ -414,12 +414,15 @@ def tiers_for(url: str | os.PathLike, *, shm: bool = True) -> list[Tier]:
     return out
 
 
-def newest_manifest(tiers: Sequence[Tier], step: int) -> tuple[Tier, mf.Manifest]:
-    """The manifest of ``step`` from the fastest tier whose copy parses; else ManifestError."""
+def newest_manifest(tiers: Sequence[Tier], step: int, key: bytes | None = None) -> tuple[Tier, mf.Manifest]:
+    """The manifest of ``step`` from the fastest tier whose copy parses (and carries the MAC of ``key``,
+    when given); else ManifestError."""
     errors = []
     for t in tiers:
         try:
-            return t, t.read_manifest(step)
+            man = t.read_manifest(step)
+            mf.check_mac(man.raw, key, t.where(step, mf.MANIFEST))
+            return t, man
         except ManifestError as e:
             errors.append(str(e))
         except OSError as e:
