@@ -7,6 +7,7 @@ sticky directory, as ``/dev/shm`` is.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import shutil
@@ -20,6 +21,7 @@ import pytest
 import torch
 
 from tidal import ckpt
+from tidal.ckpt.agent.server import Agent
 from tidal.ckpt.format import manifest as mf
 from tidal.ckpt.tiers.directory import shm_root_for
 from tidal.contract import ENV_CKPT_KEY
@@ -194,3 +196,46 @@ def test_a_key_from_the_environment_signs_and_refuses_a_step_written_without_it(
         ckpt.Checkpointer(url)
     with pytest.raises(ValueError, match="at least 16 bytes"):
         ckpt.load(url, {}, key=b"short")
+
+
+# -- 4. the agent copies no file for a client who could not read it ----------------------------------------
+
+def call(address: str, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
+    host, _, port = address.rpartition(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        conn.request(method, path, body=body)
+        r = conn.getresponse()
+        return r.status, r.read()
+    finally:
+        conn.close()
+
+
+@as_root
+def test_the_agent_copies_no_staging_slot_for_a_client_that_could_not_read_it(shm, tmp_path):
+    victim, attacker = shm / "tidal" / "victim-job" / "slots", shm / "tidal" / "attacker-job" / "slots"
+    for d, uid in ((victim, OTHER + 1), (attacker, OTHER)):
+        d.mkdir(parents=True)
+        for p in (d, d.parent):
+            os.chown(p, uid, uid)
+            p.chmod(0o700)
+    secret, own = victim / "r00000-slot0.safetensors", attacker / "r00000-slot0.safetensors"
+    secret.write_bytes(b"s" * 4096)
+    own.write_bytes(b"o" * 4096)
+    for f, uid in ((secret, OTHER + 1), (own, OTHER)):
+        os.chown(f, uid, uid)
+        f.chmod(0o600)
+    ag = Agent("127.0.0.1:0", tmp_path / "mem").start()  # default roots: $TIDAL_SHM_DIR/tidal
+    p = "/v1/jobs/attacker/step_000000000001/r00000-x.safetensors"
+
+    def attack() -> None:
+        status, body = call(ag.address, "POST", f"{p}?copy_from={secret}&length=4096")
+        assert status == 403 and f"a file of uid {OTHER + 1}; the caller is uid {OTHER}".encode() in body, body
+        assert call(ag.address, "GET", p)[0] == 404
+        assert call(ag.address, "POST", f"{p}?copy_from={own}&length=4096")[0] == 200  # its own: copied
+        assert call(ag.address, "GET", p) == (200, b"o" * 4096)
+
+    try:
+        as_other(attack)
+    finally:
+        ag.close()

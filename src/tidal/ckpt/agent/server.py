@@ -44,7 +44,9 @@ whole: its local copy follows from the slot the rank still holds), and with 503 
 cannot take it or a data file is neither at the buddy nor copied here yet (the checkpointer's
 upload queue retries). ``copy_from`` must lie under an allowed root
 (``--allow-copy-from``; default ``$TIDAL_SHM_DIR/tidal`` or ``/dev/shm/tidal``, where staging
-slots live), else 403 and the client sends the bytes instead.
+slots live) and be a regular file owned by the uid of the client's socket on this node (``peercred``:
+the agent never reads for a client what the client could not read), else 403 and the client sends the
+bytes instead.
 
 Threads: one per connection (``ThreadingHTTPServer``), one per held handoff while it copies, and
 one replicator thread that does every push to the buddy in order, and every ``resync_s`` when
@@ -60,6 +62,7 @@ import json
 import logging
 import os
 import signal
+import stat
 import sys
 import threading
 import time
@@ -67,6 +70,7 @@ from pathlib import Path
 
 from tidal.ckpt.agent.auth import Guard, agent_token, parse_key, read_key
 from tidal.ckpt.agent.handler import Handler, Server
+from tidal.ckpt.agent.peercred import peer_uid
 from tidal.ckpt.agent.replicator import Growing, Handoff, HTTPError, Replicator
 from tidal.ckpt.agent.store import MANIFEST, Store, check_name, parse_step, step_dirname
 from tidal.ckpt.tiers.directory import sidecar_name
@@ -323,9 +327,17 @@ class Agent:
         real = os.path.realpath(src)
         if not any(real == r or real.startswith(r + os.sep) for r in self.copy_roots):
             raise HTTPError(403, f"copy_from {src!r} is outside the allowed roots {self.copy_roots}")
-        sfd = os.open(real, os.O_RDONLY)  # FileNotFoundError -> 404: the client sends the bytes instead
+        try:  # FileNotFoundError -> 404: the client sends the bytes instead
+            sfd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except PermissionError:
+            raise HTTPError(403, f"copy_from {src!r}: this agent may not read it") from None
         try:
-            if length < 0 or os.fstat(sfd).st_size < length:
+            st, caller = os.fstat(sfd), peer_uid(h.connection)
+            if not stat.S_ISREG(st.st_mode) or caller is None or caller not in (0, st.st_uid):
+                who = "not on this node" if caller is None else f"uid {caller}"
+                raise HTTPError(403, f"copy_from {src!r}: not a file of the caller (a file of uid "
+                                     f"{st.st_uid}; the caller is {who})")
+            if length < 0 or st.st_size < length:
                 raise HTTPError(400, f"copy_from {src!r}: length {length} outside the file")
             self._room(length)
             tmp, final = self.store.temp_path(None, job, step, name)
