@@ -48,6 +48,10 @@ slots live) and be a regular file owned by the uid of the client's socket on thi
 the agent never reads for a client what the client could not read), else 403 and the client sends the
 bytes instead.
 
+Bounds (``handler``): at most ``--max-connections`` connections at once, each body received through a
+256 KiB buffer and cut when it arrives slower than ``--min-upload-rate``; the free space an upload or
+copy needs is promised to it for its duration, so concurrent ones cannot each pass the same check (507).
+
 Threads: one per connection (``ThreadingHTTPServer``), one per held handoff while it copies, and
 one replicator thread that does every push to the buddy in order, and every ``resync_s`` when
 idle compares the buddy's copy with this node's committed steps. Standard library only: an agent
@@ -111,11 +115,15 @@ class Agent:
         sync_timeout_s: float = 240.0,
         reserve_bytes: int = 64 << 20,
         key: bytes | None = None,
+        max_connections: int = 128,
+        min_upload_rate_bytes_per_s: float = 1 << 20,
+        upload_grace_s: float = 10.0,
     ) -> None:
         host, _, port = parse_address(listen, "--listen", any_port=True).rpartition(":")
         self.store = Store(mem_dir)
         found = self.store.open()
-        self._server = Server((host, int(port)), Handler)
+        self._server = Server((host, int(port)), Handler, max_connections=max_connections,
+                              min_rate_bytes_per_s=min_upload_rate_bytes_per_s, grace_s=upload_grace_s)
         self._server.agent = self
         self.address = f"{host}:{self._server.server_address[1]}"
         self.node = check_name(node or self.address.replace(":", "_"), "--node")
@@ -123,6 +131,8 @@ class Agent:
         roots = default_copy_roots() if allow_copy_from is None else allow_copy_from  # []: copy nothing
         self.copy_roots = [os.path.realpath(p) for p in roots]
         self.sync_timeout_s, self.reserve_bytes = sync_timeout_s, reserve_bytes
+        self._reserved = 0  # bytes promised to uploads and copies under way (their room was checked)
+        self._rlock = threading.Lock()
         self.started_unix_s = time.time()
         self.copied_bytes = 0  # handed off by copying a staging slot (no bytes through HTTP)
         self.received_bytes = 0  # received in request bodies (from this node's ranks or other agents)
@@ -245,11 +255,20 @@ class Agent:
     def _step(self, dirname: str) -> int | None:
         return parse_step(dirname)
 
-    def _room(self, n: int) -> None:
-        st = os.statvfs(self.store.root)
-        if st.f_bavail * st.f_frsize < n + self.reserve_bytes:
-            raise HTTPError(507, f"memory directory {self.store.root} has {st.f_bavail * st.f_frsize} bytes "
-                                 f"free; {n} needed")
+    def _reserve(self, n: int) -> None:
+        """Promise ``n`` bytes of the memory directory to one upload or copy (507 when the free space, less
+        what is promised to those under way and ``reserve_bytes``, is short); :meth:`_release` after."""
+        with self._rlock:
+            st = os.statvfs(self.store.root)
+            free = st.f_bavail * st.f_frsize - self._reserved
+            if free < n + self.reserve_bytes:
+                raise HTTPError(507, f"memory directory {self.store.root} has {free} bytes free (less "
+                                     f"{self._reserved} promised to uploads under way); {n} needed")
+            self._reserved += n
+
+    def _release(self, n: int) -> None:
+        with self._rlock:
+            self._reserved -= n
 
     def _put(
         self, h: Handler, job: str, step: int, name: str, sync: bool, origin: str | None = None
@@ -258,7 +277,8 @@ class Agent:
         from the socket (or a slot) to the store's own temporary name, are handed to the replicator
         before they are published, and a held copy is published only if not cancelled meanwhile, under
         the handoff lock; the publish is the same ``os.replace``."""
-        self._room(int(h.headers.get("Content-Length") or 0))
+        size = h.content_length()
+        self._reserve(size)
         tmp, final = self.store.temp_path(origin, job, step, name)
         try:
             fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -266,7 +286,7 @@ class Agent:
                 h.body_to(fd)
             finally:
                 os.close(fd)
-            self.received_bytes += int(h.headers.get("Content-Length") or 0)
+            self.received_bytes += size
             if origin is None and sync:
                 if name == MANIFEST:
                     self._check_commit(job, step, tmp)
@@ -276,6 +296,8 @@ class Agent:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
             raise
+        finally:
+            self._release(size)
         if origin is None and not sync:
             self.replicator.push_later(job, step, name, os.open(final, os.O_RDONLY), os.stat(final).st_size)
         h.send_json(200, {"bytes": os.stat(final).st_size})
@@ -339,11 +361,16 @@ class Agent:
                                      f"{st.st_uid}; the caller is {who})")
             if length < 0 or st.st_size < length:
                 raise HTTPError(400, f"copy_from {src!r}: length {length} outside the file")
-            self._room(length)
+            self._reserve(length)
+        except BaseException:
+            os.close(sfd)
+            raise
+        try:
             tmp, final = self.store.temp_path(None, job, step, name)
             dfd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except BaseException:
             os.close(sfd)
+            self._release(length)
             raise
         if query.get("hold") == "1":
             ho = Handoff(length)
@@ -371,6 +398,7 @@ class Agent:
         finally:
             os.close(dfd)
             os.close(sfd)
+            self._release(length)
         h.send_json(200, {"bytes": length})
 
     @staticmethod
@@ -406,6 +434,7 @@ class Agent:
         finally:
             os.close(dfd)
             os.close(sfd)
+            self._release(ho.size)
 
     def _wait_copy(self, h: Handler, job: str, step: int, name: str) -> None:
         """Answer once this agent no longer reads the staging slot of a held handoff."""
@@ -479,6 +508,11 @@ def main(argv: list[str] | None = None) -> None:
                    f"Also ${ENV_CKPT_AGENT_KEY} in the agent's environment. Without either the agent is "
                    "open: anyone who reaches its port reads, writes and deletes every job's steps")
     p.add_argument("--resync-s", type=float, default=2.0, help="seconds between checks of the buddy's copy")
+    p.add_argument("--max-connections", type=int, default=128, help="connections served at once (more are "
+                   "answered 503 and closed)")
+    p.add_argument("--min-upload-rate", type=float, default=float(1 << 20), metavar="BYTES_PER_S",
+                   help="an upload slower than this on average after its first 10 s, or pausing longer than "
+                   "10 s, is cut (408)")
     p.add_argument("--log-level", default="INFO")
     a = p.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -494,7 +528,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error(str(e))
     agent = Agent(a.listen, a.mem_dir, buddy=a.buddy, node=a.node,
                   allow_copy_from=[] if a.no_copy_from else a.allow_copy_from,
-                  resync_s=a.resync_s, key=key)
+                  resync_s=a.resync_s, key=key, max_connections=a.max_connections,
+                  min_upload_rate_bytes_per_s=a.min_upload_rate)
 
     def stop(signum, frame) -> None:
         threading.Thread(target=agent._server.shutdown, daemon=True).start()
