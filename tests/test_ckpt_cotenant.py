@@ -7,12 +7,15 @@ sticky directory, as ``/dev/shm`` is.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
 import shutil
+import socket
 import stat
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +24,7 @@ import pytest
 import torch
 
 from tidal import ckpt
+from tidal.ckpt.agent.proc import AgentProcess
 from tidal.ckpt.agent.server import Agent
 from tidal.ckpt.format import manifest as mf
 from tidal.ckpt.tiers.directory import shm_root_for
@@ -230,7 +234,8 @@ def test_the_agent_copies_no_staging_slot_for_a_client_that_could_not_read_it(sh
 
     def attack() -> None:
         status, body = call(ag.address, "POST", f"{p}?copy_from={secret}&length=4096")
-        assert status == 403 and f"a file of uid {OTHER + 1}; the caller is uid {OTHER}".encode() in body, body
+        want = f"a file of uid {OTHER + 1}; the caller is uid {OTHER}"
+        assert status == 403 and want.encode() in body, body
         assert call(ag.address, "GET", p)[0] == 404
         assert call(ag.address, "POST", f"{p}?copy_from={own}&length=4096")[0] == 200  # its own: copied
         assert call(ag.address, "GET", p) == (200, b"o" * 4096)
@@ -239,3 +244,84 @@ def test_the_agent_copies_no_staging_slot_for_a_client_that_could_not_read_it(sh
         as_other(attack)
     finally:
         ag.close()
+
+
+# -- 5. the agent's memory and the key of its environment -----------------------------------------------
+
+def held_puts(address: str, n: int, length: int) -> list[socket.socket]:
+    """``n`` connections, each a PUT of ``length`` bytes that sends one byte of its body and holds."""
+    host, _, port = address.rpartition(":")
+    out = []
+    for i in range(n):
+        s = socket.create_connection((host, int(port)), timeout=30)
+        s.sendall(f"PUT /v1/jobs/j/step_000000000001/r{i:05d}-x.safetensors HTTP/1.1\r\nHost: a\r\n"
+                  f"Content-Length: {length}\r\n\r\nx".encode())
+        out.append(s)
+    return out
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_held_uploads_neither_grow_the_agent_nor_outnumber_its_connection_cap(tmp_path):
+    with AgentProcess(tmp_path / "mem") as ag:
+        before = rss_bytes(ag.pid)
+        socks = held_puts(ag.address, 200, 64 << 20)
+        try:
+            time.sleep(1.0)  # every connection accepted or refused meanwhile
+            grown = rss_bytes(ag.pid) - before
+            refused = 0
+            for s in socks[128:]:  # beyond the cap (128): answered at once, closed
+                s.settimeout(10)
+                refused += s.recv(100).startswith(b"HTTP/1.1 503")
+        finally:
+            for s in socks:
+                s.close()
+        assert refused == 72
+        assert grown < 64 << 20, f"the agent grew by {grown >> 20} MiB"  # (4 MiB per upload: 800 MiB)
+        for _ in range(100):  # and it serves on, once the closed connections' threads ended
+            with contextlib.suppress(ckpt.TierError):
+                assert ag.status()["free_bytes"] > 0
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError("the agent does not serve after the held uploads closed")
+
+
+def test_a_slow_upload_is_cut_and_concurrent_ones_cannot_share_the_same_free_space(tmp_path):
+    ag = Agent("127.0.0.1:0", tmp_path / "mem", upload_grace_s=0.5,
+               min_upload_rate_bytes_per_s=1 << 20).start()
+    try:
+        (s,) = held_puts(ag.address, 1, 1 << 20)
+        s.settimeout(30)
+        assert b" 408 " in s.recv(1000).split(b"\r\n")[0]  # a pause longer than the grace: cut
+        s.close()
+        st = os.statvfs(tmp_path / "mem")
+        ag.reserve_bytes = st.f_bavail * st.f_frsize - (300 << 20)  # room left: 300 MiB
+        first = held_puts(ag.address, 1, 200 << 20)  # promised 200 MiB while it uploads
+        time.sleep(0.2)
+        conn = http.client.HTTPConnection(*ag.address.rsplit(":", 1), timeout=30)
+        conn.putrequest("PUT", "/v1/jobs/j/step_000000000001/r00009-x.safetensors")
+        conn.putheader("Content-Length", str(200 << 20))
+        conn.endheaders()
+        r = conn.getresponse()
+        assert r.status == 507 and b"promised to uploads under way" in r.read()
+        conn.close()
+        first[0].close()
+    finally:
+        ag.close()
+
+
+@as_root
+def test_the_agents_key_given_in_its_environment_is_not_left_in_proc_environ(tmp_path):
+    key = os.urandom(32)
+    with AgentProcess(tmp_path / "mem", key=key) as ag:
+        environ = Path(f"/proc/{ag.pid}/environ").read_bytes()
+        assert key.hex().encode() not in environ and b"TIDAL_CKPT_AGENT_KEY" not in environ
+        assert b"--key-fd" in Path(f"/proc/{ag.pid}/cmdline").read_bytes()  # a number, not the key
+        assert key.hex().encode() not in Path(f"/proc/{ag.pid}/cmdline").read_bytes()
+        assert ag.status()["auth"] is True  # the key still holds

@@ -488,6 +488,18 @@ class Agent:
         raise HTTPError(405, f"{method} not allowed on {h.path}")
 
 
+def _restart_without_key_in_environ(key: bytes) -> None:
+    """Run this program again, same pid, with the key on a pipe instead of in the environment:
+    ``/proc/<pid>/environ`` shows the environment a program started with, whatever ``os.environ``
+    says after (readable by this user, and by root)."""
+    r, w = os.pipe()
+    os.write(w, key.hex().encode())
+    os.close(w)
+    os.set_inheritable(r, True)
+    argv = [sys.executable, "-m", "tidal.ckpt.agent", *sys.argv[1:], "--key-fd", str(r)]
+    os.execve(sys.executable, argv, dict(os.environ))
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="tidal ckpt agent", description="The node checkpoint agent (peer tier).")
     p.add_argument("--listen", required=True, help="HOST:PORT to serve on (port 0: any free port)")
@@ -513,12 +525,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--min-upload-rate", type=float, default=float(1 << 20), metavar="BYTES_PER_S",
                    help="an upload slower than this on average after its first 10 s, or pausing longer than "
                    "10 s, is cut (408)")
+    p.add_argument("--key-fd", type=int, help=argparse.SUPPRESS)  # the key, handed over by _restart_without
     p.add_argument("--log-level", default="INFO")
     a = p.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if a.no_copy_from and a.allow_copy_from:
         p.error("--no-copy-from and --allow-copy-from exclude each other")
     env_key = os.environ.pop(ENV_CKPT_AGENT_KEY, None)  # read once; nothing this process starts inherits it
+    if a.key_fd is not None:
+        with os.fdopen(a.key_fd, "rb") as f:
+            env_key = f.read(4096).decode("ascii", "replace")
     if a.key_file and env_key:
         p.error(f"--key-file and ${ENV_CKPT_AGENT_KEY} exclude each other")
     try:
@@ -526,6 +542,8 @@ def main(argv: list[str] | None = None) -> None:
             parse_key(env_key, f"${ENV_CKPT_AGENT_KEY}") if env_key else None)
     except ValueError as e:
         p.error(str(e))
+    if key is not None and a.key_fd is None and not a.key_file and argv is None:
+        _restart_without_key_in_environ(key)
     agent = Agent(a.listen, a.mem_dir, buddy=a.buddy, node=a.node,
                   allow_copy_from=[] if a.no_copy_from else a.allow_copy_from,
                   resync_s=a.resync_s, key=key, max_connections=a.max_connections,
