@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -21,6 +22,7 @@ import torch
 from tidal import ckpt
 from tidal import contract as c
 from tidal.ckpt import fence
+from tidal.ckpt.agent.auth import KEY_FILE
 from tidal.ckpt.engine import commit
 from tidal.ckpt.tiers.directory import DirTier, failure_name
 from tidal.exec.local import LocalExecutor
@@ -202,6 +204,8 @@ def test_a_stale_attempt_is_fenced_out(tmp_path):
         _wait_log(node1, "j", "holding 4")
         assert ckpt.steps(url) == [2, 4]
         # The plane restarts the job on node 2 as attempt 2: the executor fences the location first.
+        # (Both nodes are one plane's: they share its key, so the job keeps its checkpoint key.)
+        shutil.copy2(tmp_path / "node1" / KEY_FILE, tmp_path / "node2" / KEY_FILE)
         node2.launch(LaunchRequest("j", 2, (sys.executable, str(WORKER), "--steps", "10", "--pad-mib", "1"),
                                    {"local": 1}, env=env), time.time())
         doc = json.loads((url / c.FENCE_FILE).read_text())

@@ -108,7 +108,7 @@ def _choose_all(url_or_tiers: UrlOrTiers, step: int | None, process_group: Any,
 
 def load(url_or_tiers: UrlOrTiers, state: dict, step: int | None = None, process_group: Any = None, *,
          strict: bool = True, verify: bool = True, stats: LoadStats | None = None,
-         fallback_older: bool | None = None, key: bytes | str | None = None) -> int:
+         fallback_older: bool | None = None, key: bytes | str | bool | None = None) -> int:
     """Fill ``state`` in place from a committed step (the newest in any tier by default); return the step.
 
     Tensors (plain, DTensor, LocalShard) are filled in place with the part this rank holds now,
@@ -117,7 +117,8 @@ def load(url_or_tiers: UrlOrTiers, state: dict, step: int | None = None, process
     every block read (format 1: of every piece read whole). ``fallback_older`` (default: when
     ``step`` is None) skips a step that no tier serves intact for the newest older one; the
     entries the older step holds are then all overwritten (module docstring). ``key``: the checkpoint
-    key the manifest must be signed with (default ``$TIDAL_CKPT_KEY``; none: checksums only).
+    key the manifest must be signed with (default ``$TIDAL_CKPT_KEY``; none, or ``False``: checksums
+    only, e.g. for another job's checkpoint you trust).
     """
     key = mf.checkpoint_key(key)
     stats = stats if stats is not None else LoadStats()
@@ -209,7 +210,7 @@ def _conform(stored: Any, like: Any) -> Any:
 
 
 def read_manifest(url_or_tiers: UrlOrTiers, step: int | None = None,
-                  key: bytes | str | None = None) -> tuple[Tier, mf.Manifest]:
+                  key: bytes | str | bool | None = None) -> tuple[Tier, mf.Manifest]:
     """The manifest of ``step`` (newest by default) from the fastest tier holding it (signed with
     ``key``, default ``$TIDAL_CKPT_KEY``, when there is one)."""
     chosen, holding = _choose(url_or_tiers, step, None, None)

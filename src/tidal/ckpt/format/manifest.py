@@ -164,12 +164,15 @@ MAC_PREFIX = "hmac-sha256:"
 MIN_KEY_BYTES = 16
 
 
-def checkpoint_key(key: bytes | str | None = None) -> bytes | None:
+def checkpoint_key(key: bytes | str | bool | None = None) -> bytes | None:
     """The key manifests are signed and checked with: ``key`` (bytes, or hex digits), else
-    ``$TIDAL_CKPT_KEY`` (hex digits), else None (checksums only). ValueError naming the source when it is
-    not hex or shorter than 16 bytes."""
+    ``$TIDAL_CKPT_KEY`` (hex digits), else None (checksums only; also ``key=False``: a checkpoint
+    trusted as it is, e.g. another job's). ValueError naming the source when it is not hex or shorter
+    than 16 bytes."""
     where = "key"
-    if key is None:
+    if key is False:
+        return None
+    if key is None or key is True:
         key, where = os.environ.get(ENV_CKPT_KEY) or None, f"${ENV_CKPT_KEY}"
     if isinstance(key, str):
         try:
