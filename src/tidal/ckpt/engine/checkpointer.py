@@ -97,7 +97,8 @@ class Checkpointer:
                  keep: int = 3, *, tiers: Sequence[Any] | None = None, shm: bool = True, guard: Any = None,
                  slots: int = 2, commit_timeout_s: float = 600.0, fsync: bool = True,
                  status_path: str | os.PathLike | bool | None = None, retry_max_s: float = 30.0,
-                 claim: fence.Claim | Literal[False] | None = None, key: bytes | str | bool | None = None) -> None:
+                 claim: fence.Claim | Literal[False] | None = None,
+                 key: bytes | str | bool | None = None) -> None:
         if not isinstance(keep, int) or keep < 0:
             raise ValueError(f"keep must be an integer >= 0, got {keep!r}")
         if slots < 1:
