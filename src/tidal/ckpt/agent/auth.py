@@ -60,9 +60,8 @@ def read_key(path: str | os.PathLike) -> bytes:
 
 
 def load_or_create_key(directory: str | os.PathLike) -> bytes:
-    """The plane's key in ``directory``/:data:`KEY_FILE`, created (0600) if there is none yet: written
-    whole to a temporary file first, then linked into place (never a torn key; a racing start reads
-    the winner's)."""
+    """The plane's key in ``directory``/:data:`KEY_FILE`, created (0600, never torn; a racing start reads
+    the winner's) if there is none yet."""
     path = Path(directory) / KEY_FILE
     if os.path.lexists(path):
         return read_key(path)

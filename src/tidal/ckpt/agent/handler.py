@@ -1,8 +1,6 @@
-"""The checkpoint agent's HTTP layer (:mod:`tidal.ckpt.agent.server` is the agent): one thread per
-connection, requests dispatched to a :class:`Router` (the agent, :meth:`Agent.route
-<tidal.ckpt.agent.server.Agent.route>`), errors as JSON, bodies received into files and files sent (with
-``Range``) without holding them in memory. The agent imports this module; this module knows the agent only
-as a :class:`Router`."""
+"""The checkpoint agent's HTTP layer: one thread per connection, requests dispatched to a :class:`Router`
+(the agent, ``server.Agent.route``), errors as JSON, bodies streamed into files and files sent (with
+``Range``) without holding them in memory."""
 
 from __future__ import annotations
 
