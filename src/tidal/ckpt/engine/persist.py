@@ -291,7 +291,7 @@ class Persister:
         step, sid = job.step, job.save_id
         try:
             write()
-            tier.write_json(step, sidecar_name(self.rank, sid), sidecar)
+            commit.write_json(tier, step, sidecar_name(self.rank, sid), sidecar)
         except Exception as e:
             commit.report_error(tier, step, self.rank, sid, str(e))
             raise

@@ -96,15 +96,11 @@ def kind_of(url: str, where: str) -> str:
         return "dir"
     m = _SCHEME.match(url)
     if m and len(m.group(1)) > 1:  # (one letter would be a Windows drive)
-        raise TierSpecError(
-            f"{where}: unknown scheme '{m.group(1)}:'; expected s3://bucket/prefix, file:///path, "
-            "a directory path, 'shm' or 'peer'"
-        )
+        raise TierSpecError(f"{where}: unknown scheme '{m.group(1)}:'; expected s3://bucket/prefix, "
+                            "file:///path, a directory path, 'shm' or 'peer'")
     if not url or ("/" not in url and not url.startswith(("~", "."))):
-        raise TierSpecError(
-            f"{where}: not a tier; expected 'shm', a directory (an absolute path, ./relative, "
-            "~/..., or file:///...), s3://bucket/prefix or 'peer'"
-        )
+        raise TierSpecError(f"{where}: not a tier; expected 'shm', a directory (an absolute path, "
+                            "./relative, ~/..., or file:///...), s3://bucket/prefix or 'peer'")
     return "dir"
 
 
@@ -133,9 +129,8 @@ def parse_spec(spec: Any, i: int = 0) -> TierSpec:
     if isinstance(spec, Mapping):
         kind = spec.get("kind")
         if kind is not None and kind not in _KINDS:
-            raise TierSpecError(
-                f"{_label(i, spec)}: unknown kind {kind!r}; expected one of {', '.join(_KINDS)}"
-            )
+            raise TierSpecError(f"{_label(i, spec)}: unknown kind {kind!r}; expected one of "
+                                f"{', '.join(_KINDS)}")
         if "url" not in spec and kind in ("shm", "peer"):
             job = spec.get("job")
             spec = {**spec, "url": f"peer://{job}" if kind == "peer" and job else kind}
@@ -154,20 +149,14 @@ def parse_spec(spec: Any, i: int = 0) -> TierSpec:
             if os.fspath(url) != "peer":
                 raise TierSpecError(f"{_label(i, spec)}: give the namespace once: 'peer://NAME' or 'job'")
             url = f"peer://{options.pop('job')}"
-        return TierSpec(
-            os.fspath(url),
-            every=spec.get("every", 1),
-            keep=spec.get("keep"),
-            name=spec.get("name"),
-            options=options,
-        )
+        return TierSpec(os.fspath(url), every=spec.get("every", 1), keep=spec.get("keep"),
+                        name=spec.get("name"), options=options)
     raise TierSpecError(f"{_label(i, spec)}: expected a string ('shm', a directory, 's3://bucket/prefix'), "
                         f"a dict or a TierSpec; got {type(spec).__name__}")
 
 
-def resolve(
-    specs: Sequence[Any], *, default_keep: int, home: str | None = None, job_id: str | None = None
-) -> tuple[str, list[TierConfig]]:
+def resolve(specs: Sequence[Any], *, default_keep: int, home: str | None = None,
+            job_id: str | None = None) -> tuple[str, list[TierConfig]]:
     """Validate a tier list; return the job's home location and one ``TierConfig`` per tier.
 
     ``home``: the Checkpointer's url when one is given; it must then be the first non-shm tier.
@@ -187,31 +176,20 @@ def resolve(
         if not isinstance(spec.every, int) or isinstance(spec.every, bool) or spec.every < 1:
             raise TierSpecError(f"{where}: 'every' must be an integer >= 1 (persist every N-th save), "
                                 f"got {spec.every!r}")
-        if spec.keep is not None and (
-            not isinstance(spec.keep, int) or isinstance(spec.keep, bool) or spec.keep < 0
-        ):
+        keep = spec.keep
+        if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 0):
             raise TierSpecError(f"{where}: 'keep' must be an integer >= 0 (0 keeps all), got {spec.keep!r}")
         if kind == "shm" and spec.keep is not None:
-            raise TierSpecError(
-                f"{where}: the shm tier keeps one step per staging slot; set Checkpointer(slots=N) "
-                "instead of 'keep'"
-            )
+            raise TierSpecError(f"{where}: the shm tier keeps one step per staging slot; set "
+                                "Checkpointer(slots=N) instead of 'keep'")
         _check_options(kind, spec.options, where)
         counts[kind] = counts.get(kind, 0) + 1
         default_name = {"shm": "shm", "dir": "disk", "s3": "s3", "peer": "peer"}[kind]
         name = spec.name or (default_name if counts[kind] == 1 else f"{default_name}-{counts[kind]}")
         if not isinstance(name, str) or not re.match(r"^[A-Za-z0-9_.\-]+$", name):
             raise TierSpecError(f"{where}: 'name' must be letters, digits, '.', '_' or '-', got {name!r}")
-        out.append(
-            TierConfig(
-                kind,
-                name,
-                location,
-                spec.every,
-                default_keep if spec.keep is None else spec.keep,
-                dict(spec.options),
-            )
-        )
+        keep = default_keep if keep is None else keep
+        out.append(TierConfig(kind, name, location, spec.every, keep, dict(spec.options)))
     names = [t.name for t in out]
     for n in names:
         if names.count(n) > 1:
@@ -232,11 +210,10 @@ def _home(out: list[TierConfig], home: str | None, job_id: str | None = None) ->
     if home is not None:
         want = normalize(home, "s3" if is_s3_url(home) else "dir")  # any path, even a bare relative one
         if durable and durable[0].location != want:
-            raise TierSpecError(
-                f"url {home!r} must be the first non-shm tier of tiers, 'peer' aside (it names the "
-                f"job's shared memory directory), but that is {durable[0].location!r}; pass "
-                "Checkpointer(tiers=[...]) without a url, or reorder"
-            )
+            first = durable[0].location
+            raise TierSpecError(f"url {home!r} must be the first non-shm tier of tiers, 'peer' aside (it "
+                                f"names the job's shared memory directory), but that is {first!r}; pass "
+                                "Checkpointer(tiers=[...]) without a url, or reorder")
         return want
     if durable:
         return durable[0].location
