@@ -34,6 +34,7 @@ from tidal.contract import ENV_SHM_DIR
 from tidal.files import AS_OPEN, write_atomic
 
 log = logging.getLogger(__name__)
+SHM_BASE_ENV = ENV_SHM_DIR  # (the name bench, lab and the control plane import)
 
 
 class DirTier:
