@@ -28,9 +28,8 @@ _URL_HELP = (
 )
 UrlArg = Annotated[str, typer.Argument(help=_URL_HELP, show_default=False)]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout instead of tables.")]
-StepOpt = Annotated[
-    int | None, typer.Option("--step", min=0, help="Step to use (default: the newest committed step).")
-]
+StepOpt = Annotated[int | None, typer.Option("--step", min=0,
+                                             help="Step to use (default: the newest committed step).")]
 
 
 # -- output helpers --------------------------------------------------------------------------------
@@ -169,9 +168,8 @@ def normalize_location(spec: str) -> str:
 
 def pick(where: str, held: dict[int, list], step: int | None, notes: list[str] | None = None) -> int:
     if not held:
-        raise NotFoundError(
-            f"no committed checkpoint step at {where}" + (f" ({'; '.join(notes)})" if notes else "")
-        )
+        raise NotFoundError(f"no committed checkpoint step at {where}"
+                            + (f" ({'; '.join(notes)})" if notes else ""))
     if step is None:
         return max(held)
     if step not in held:
