@@ -1,20 +1,16 @@
 """The fence of a checkpoint location: which job and attempt own it now (docs/checkpoint.md, Fencing).
 
-When a node is lost the control plane restarts its job elsewhere as a new attempt, while the lost
-node's ranks may still run (a partitioned machine, a crashed raylet) and keep committing steps to the
-same shared directory: two attempts writing one location. Before an attempt's ranks start, the
-executor writes ``fence.json`` (:data:`tidal.contract.FENCE_FILE`) into the job's checkpoint directory
-(its *home*): ``{"job": J, "attempt": A}``, atomically, as the plane's user. Each rank knows its own
-``(J, A)`` from ``TIDAL_JOB_ID`` and ``TIDAL_ATTEMPT``; rank 0 reads the fence just before it writes a
-manifest (the step becoming visible, in any tier) and refuses the commit when the location belongs to
-another job or to a newer attempt (:class:`~tidal.ckpt.errors.FencedError`; the runtime then exits
-with :data:`tidal.contract.EXIT_FENCED`).
+A lost node's ranks may still run (a partitioned machine) and commit to the same location as the new
+attempt that replaced them. Before an attempt's ranks start, the executor writes ``fence.json``
+(:data:`tidal.contract.FENCE_FILE`) into the job's checkpoint directory (its *home*): ``{"job": J,
+"attempt": A}``, atomically, as the plane's user. Rank 0 reads it just before it writes a manifest
+and refuses the commit when the location belongs to another job or a newer attempt than its own
+(``TIDAL_JOB_ID``, ``TIDAL_ATTEMPT``): :class:`~tidal.ckpt.errors.FencedError`, and the runtime exits
+with :data:`tidal.contract.EXIT_FENCED`.
 
-An S3 home has the same fence, ``<prefix>/fence.json``, but its rank 0 writes it when its checkpointer
-starts (:func:`claim_s3`: the job's own credentials and network; the plane never calls an endpoint a
-job names) and reads it with one GET before each manifest. Peer homes are not fenced. No fence, or no
-claim (a rank started without ``TIDAL_ATTEMPT``: outside the plane, ``tidal ckpt`` tools), works as
-before. Stdlib only (the executors import it; no torch).
+An S3 home has the same fence, ``<prefix>/fence.json``, written by its rank 0 when its checkpointer
+starts (:func:`claim_s3`: the plane never calls an endpoint a job names). Peer homes are not fenced.
+No fence, or no claim (a rank started outside the plane), is not checked. Stdlib only (no torch).
 """
 
 from __future__ import annotations
@@ -135,11 +131,9 @@ def _parse(data: bytes, where: str) -> dict:
 
 def _refuse(doc: dict | None, where: str, claim: Claim, step: int) -> None:
     if doc is not None and (doc["job"] != claim.job or doc["attempt"] > claim.attempt):
-        raise FencedError(
-            f"step {step}: commit refused: checkpoint location {where} is fenced for job "
-            f"{doc['job']!r} attempt {doc['attempt']} ({c.FENCE_FILE}); this rank is job {claim.job!r} "
-            f"attempt {claim.attempt}; nothing of this step becomes visible"
-        )
+        raise FencedError(f"step {step}: commit refused: checkpoint location {where} is fenced for job "
+                          f"{doc['job']!r} attempt {doc['attempt']} ({c.FENCE_FILE}); this rank is job "
+                          f"{claim.job!r} attempt {claim.attempt}; nothing of this step becomes visible")
 
 
 def check(directory: str | os.PathLike, claim: Claim, step: int) -> None:
@@ -169,10 +163,9 @@ def read_s3(tier: Any) -> dict | None:
 
 
 def check_s3(tier: Any, claim: Claim, step: int) -> None:
-    """:func:`check` for an S3 home: one GET of the fence object before the manifest's PUT. A fence that
-    cannot be *reached* (the store is down: the engine keeps committing to its other tiers through an
-    outage, and nothing reaches S3 meanwhile) lets the commit go on, with a warning; one that is there and
-    is not a fence refuses, as on a directory."""
+    """:func:`check` for an S3 home: one GET of the fence before the manifest's PUT. A fence that cannot
+    be *reached* (the store is down, so nothing reaches it meanwhile) lets the commit go on, with a
+    warning; one that is there and is not a fence refuses, as on a directory."""
     where = f"{tier.location}/{c.FENCE_FILE}"
     try:
         data = _fetch_s3(tier)
@@ -184,10 +177,8 @@ def check_s3(tier: Any, claim: Claim, step: int) -> None:
 
 def claim_s3(tier: Any, claim: Claim) -> bool:
     """Rank 0 of an attempt whose home is S3, at start: write the fence for ``claim`` unless it names a
-    newer attempt of the same job (then this attempt is the stale one, and its first commit is refused).
-    The job's own rank does it, with its own credentials and network: the plane never sends a request to
-    an endpoint a job's variables name. Whether it wrote; an unreachable store is a warning (as
-    :func:`check_s3`)."""
+    newer attempt of the same job (then this attempt is the stale one). Whether it wrote; an unreachable
+    store is a warning (as :func:`check_s3`)."""
     where = f"{tier.location}/{c.FENCE_FILE}"
     try:
         data = _fetch_s3(tier)
