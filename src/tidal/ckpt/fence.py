@@ -67,20 +67,9 @@ def home_dir(env: Mapping[str, str], cwd: str | os.PathLike | None = None) -> Pa
     not a directory (S3: claimed by rank 0, :func:`claim_s3`; peer: not fenced) or the variables are
     malformed (the runtime reports those). A relative path is taken from ``cwd``, the ranks' working
     directory."""
-    got = _home(env)
-    if got is None or got[0] != "dir":
-        return None
-    from tidal.ckpt.tiers.directory import local_path
-
-    home = got[1]
-    path = Path(home[len("file://"):] if home.startswith("file://") else home).expanduser()
-    return Path(cwd, path) if cwd is not None and not path.is_absolute() else local_path(path)
-
-
-def _home(env: Mapping[str, str]) -> tuple[str, str] | None:
-    """(kind, home) from a launch's variables; None when there is none or they are malformed."""
     from tidal.ckpt.errors import CheckpointError
     from tidal.ckpt.tiers.config import kind_of, resolve
+    from tidal.ckpt.tiers.directory import local_path
 
     try:
         raw = env.get(c.ENV_CKPT_TIERS)
@@ -89,16 +78,15 @@ def _home(env: Mapping[str, str]) -> tuple[str, str] | None:
                 tiers = json.loads(raw)
             except ValueError:
                 tiers = [t.strip() for t in raw.split(",")]
-            if not isinstance(tiers, list):
-                return None
-            home = resolve(tiers, default_keep=0)[0]
+            home = resolve(tiers, default_keep=0)[0] if isinstance(tiers, list) else ""
         else:
             home = env.get(c.ENV_CKPT_URL) or ""
-            if not home:
-                return None
-        return kind_of(home, "checkpoint url"), home
+        if not home or kind_of(home, "checkpoint url") != "dir":
+            return None
     except (CheckpointError, ValueError, TypeError):
         return None
+    path = Path(home.removeprefix("file://")).expanduser()
+    return Path(cwd, path) if cwd is not None and not path.is_absolute() else local_path(path)
 
 
 def read(directory: str | os.PathLike) -> dict | None:
@@ -202,10 +190,9 @@ _MAX_LINKS = 40  # as the kernel's own limit on links followed in one path
 
 def _open_dir_trusted(path: Path) -> int:
     """A descriptor of directory ``path``, resolved one component at a time: a symbolic link is followed
-    only if it belongs to this process's user or root (one an administrator set up, e.g. ``/data ->
-    /mnt/data``), never one a job's uid planted, wherever it sits in the path (a parent directory the job
-    may write under an admin's grant, or the home itself swapped for a link to another job's location).
-    ``OSError`` (``ELOOP``) for such a link, ``FileNotFoundError`` for a missing component."""
+    only if it belongs to this process's user or root (e.g. an administrator's ``/data -> /mnt/data``),
+    never one a job's uid planted anywhere in the path. ``OSError`` (``ELOOP``) for such a link,
+    ``FileNotFoundError`` for a missing component."""
     trusted = {0, os.geteuid()}
     todo = list(Path(os.path.abspath(path)).parts[1:])
     fd, hops = os.open("/", os.O_RDONLY | os.O_DIRECTORY), 0
@@ -237,9 +224,8 @@ def _open_dir_trusted(path: Path) -> int:
 
 def write(directory: str | os.PathLike, job: str, attempt: int) -> Path | None:
     """Record that ``directory`` belongs to ``job``'s ``attempt`` (the executor, before the attempt's ranks
-    start). Atomic (a unique temporary name, then a rename), never following a link the job may have
-    planted (the directory is the job's own). ``None`` when the directory does not exist yet (no step
-    to protect: the job's checkpointer makes it); ``OSError`` when it cannot be written."""
+    start). Atomic, never following a link the job may have planted. ``None`` when the directory does
+    not exist yet (no step to protect); ``OSError`` when it cannot be written."""
     d = Path(directory)
     try:
         dfd = _open_dir_trusted(d)
@@ -256,9 +242,8 @@ def write(directory: str | os.PathLike, job: str, attempt: int) -> Path | None:
 def fence_launch(env: Mapping[str, str], job: str, attempt: int,
                  cwd: str | os.PathLike | None = None) -> Path | None:
     """The executor's part: fence the home directory named by a launch's variables (``cwd``: the ranks'
-    working directory) for ``job``'s ``attempt``. A location that cannot be fenced (an S3 home: its rank 0
-    claims it, :func:`claim_s3`; a peer home; not there yet; not writable) is launched unfenced by the
-    plane, with a warning for the last."""
+    working directory) for ``job``'s ``attempt``. A location that cannot be fenced (S3, peer, not there
+    yet, not writable) is launched unfenced, with a warning for the last."""
     home = home_dir(env, cwd)
     if home is None:
         return None

@@ -130,17 +130,9 @@ class _Item:
 class Replicator:
     """Pushes this node's objects to the buddy agent, in order, from one thread."""
 
-    def __init__(
-        self,
-        store: Store,
-        node: str,
-        buddy: str | None,
-        *,
-        resync_s: float = 2.0,
-        timeout_s: float = 120.0,
-        handoffs: Callable[[str, int], dict[str, Handoff]] | None = None,
-        token: str | None = None,
-    ) -> None:
+    def __init__(self, store: Store, node: str, buddy: str | None, *, resync_s: float = 2.0,
+                 timeout_s: float = 120.0, handoffs: Callable[[str, int], dict[str, Handoff]] | None = None,
+                 token: str | None = None) -> None:
         self.store, self.node = store, node
         self._handoffs = handoffs  # (job, step) -> data files of the step being handed off (name -> Handoff)
         self.client = AgentClient(buddy, timeout_s=timeout_s, token=token) if buddy else None

@@ -82,19 +82,10 @@ def default_copy_roots() -> list[str]:
 class Agent:
     """One node's checkpoint agent. ``start`` serves in a background thread; ``close`` stops it."""
 
-    def __init__(
-        self,
-        listen: str,
-        mem_dir: str | os.PathLike,
-        *,
-        buddy: str | None = None,
-        node: str | None = None,
-        allow_copy_from: list[str] | None = None,
-        resync_s: float = 2.0,
-        sync_timeout_s: float = 240.0,
-        reserve_bytes: int = 64 << 20,
-        key: bytes | None = None,
-    ) -> None:
+    def __init__(self, listen: str, mem_dir: str | os.PathLike, *, buddy: str | None = None,
+                 node: str | None = None, allow_copy_from: list[str] | None = None, resync_s: float = 2.0,
+                 sync_timeout_s: float = 240.0, reserve_bytes: int = 64 << 20,
+                 key: bytes | None = None) -> None:
         host, _, port = parse_address(listen, "--listen", any_port=True).rpartition(":")
         self.store = Store(mem_dir)
         found = self.store.open()
@@ -151,20 +142,11 @@ class Agent:
             rows.append(r)
         st = os.statvfs(self.store.root)
         return {
-            "format": FORMAT,
-            "version": 1,
-            "node": self.node,
-            "address": self.address,
-            "pid": os.getpid(),
-            "mem_dir": str(self.store.root),
-            "started_unix_s": self.started_unix_s,
-            "now_unix_s": time.time(),
-            "buddy": self.replicator.status(),
-            "copied_bytes": self.copied_bytes,
-            "received_bytes": self.received_bytes,
-            "held_bytes": sum(r["bytes"] for r in rows),
-            "free_bytes": st.f_bavail * st.f_frsize,
-            "auth": not self.guard.open,
+            "format": FORMAT, "version": 1, "node": self.node, "address": self.address, "pid": os.getpid(),
+            "mem_dir": str(self.store.root), "started_unix_s": self.started_unix_s, "now_unix_s": time.time(),
+            "buddy": self.replicator.status(), "copied_bytes": self.copied_bytes,
+            "received_bytes": self.received_bytes, "held_bytes": sum(r["bytes"] for r in rows),
+            "free_bytes": st.f_bavail * st.f_frsize, "auth": not self.guard.open,
             **({"steps": rows} if steps else {}),
         }
 

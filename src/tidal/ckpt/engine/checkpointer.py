@@ -318,11 +318,8 @@ class Checkpointer:
         if len(set(names)) != len(names):
             dup = sorted({n for n in names if names.count(n) > 1})[:5]
             raise StateError(f"state has entries whose paths collide when joined with '/': {dup}")
-        proposal: dict[str, Any] = {
-            "pieces": [d.to_json() for d in descs] if self.world_size > 1 else [],
-            "host": self._host,
-            "shm": self.shm_tier is not None,
-        }
+        proposal: dict[str, Any] = {"pieces": [d.to_json() for d in descs] if self.world_size > 1 else [],
+                                    "host": self._host, "shm": self.shm_tier is not None}
         if self.rank == 0:
             proposal["slot"] = self._choose_slot()
             proposal["save_id"] = uuid.uuid4().hex[:12]

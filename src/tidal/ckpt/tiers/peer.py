@@ -218,17 +218,9 @@ class PeerTier:
     fast = False  # an upload queue feeds it (remote.RemoteQueue)
     poll_s = (0.002, 0.05)
 
-    def __init__(
-        self,
-        job: str,
-        *,
-        name: str = "peer",
-        agent: str | None = None,
-        peers: Sequence[str] | None = None,
-        timeout_s: float = 300.0,
-        connect_timeout_s: float = 2.0,
-        token: str | None = None,
-    ) -> None:
+    def __init__(self, job: str, *, name: str = "peer", agent: str | None = None,
+                 peers: Sequence[str] | None = None, timeout_s: float = 300.0, connect_timeout_s: float = 2.0,
+                 token: str | None = None) -> None:
         self.name, self.job = name, job
         self.token = token or env_token()
         self.location = f"peer://{job}"
