@@ -105,7 +105,8 @@ def tier_list(url: str) -> list | None:
 
 
 def source(url: str) -> tuple[str | list, list, str]:
-    """(what ``load`` takes, the tiers to read, fastest first, a name for messages) for a URL argument."""
+    """(what ``load`` takes, the tiers to read, fastest first, a name for messages: for a location, its
+    home) for a URL argument."""
     specs = tier_list(url)
     if specs is not None:
         return specs, read_tiers(specs), describe(specs)
@@ -137,14 +138,9 @@ def held_steps(tiers: list, errors: list[str] | None = None,
 def ls_tiers(url: str, extra: list[str]) -> tuple[list, CheckpointStatus | None]:
     """The location's tiers, plus ``extra`` tier specs - by default the job's other durable tiers
     as recorded in this node's status file for it (so an S3 tier shows up without naming it)."""
-    specs_given = tier_list(url)
-    s3 = is_s3_url(url) or is_peer_url(url)  # (not a directory)
-    if specs_given is not None:
-        home = resolve(specs_given, default_keep=0)[0]
-        tiers = read_tiers(specs_given)
-    else:
-        tiers = tiers_for(url) if s3 else dir_tiers(url)
-        home = url.rstrip("/") if s3 else str(local_path(url))
+    given, tiers, home = source(url)
+    if isinstance(given, list):
+        home = resolve(given, default_keep=0)[0]
     status = None
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
         status = read_status(shm_root_for(url) / "status.json")

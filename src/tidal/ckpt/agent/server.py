@@ -161,25 +161,27 @@ class Agent:
         job, rest = check_name(parts[2], "job"), parts[3:]
         self._authorize(h, job)
         if not rest and method == "GET":
-            return h.send_json(
-                200, {"job": job, "steps": {str(s): i for s, i in self.store.job_index(job).items()}}
-            )
+            steps = {str(s): i for s, i in self.store.job_index(job).items()}
+            return h.send_json(200, {"job": job, "steps": steps})
         step = parse_step(rest[0]) if rest else None
         if step is None or len(rest) > 2:
             raise HTTPError(404, f"no such endpoint: {method} {h.path}")
         name = check_name(rest[1], "object") if len(rest) == 2 else None
+        if method == "DELETE":
+            with self._hlock:
+                self._cancel(job, step, name)
+                if name is None:
+                    removed = self.store.remove_step(job, step)
+                else:
+                    removed = self.store.remove_file(job, step, name)
+            self.replicator.forget(job, step, name)
+            return h.send_json(200, {"removed": removed})
         if name is None:
             if method == "GET":
                 info = self.store.step_info(job, step)
                 if info is None:
                     raise HTTPError(404, f"{job}/{step_dirname(step)}: not held here")
                 return h.send_json(200, info)
-            if method == "DELETE":
-                with self._hlock:
-                    self._cancel(job, step, None)
-                    removed = self.store.remove_step(job, step)
-                self.replicator.forget(job, step, None)
-                return h.send_json(200, {"removed": removed})
         elif method in ("GET", "HEAD"):
             path = self.store.locate(job, step, name)
             if path is None:
@@ -191,12 +193,6 @@ class Agent:
             return self._copy_in(h, job, step, name, query)
         elif method == "POST" and query.get("wait") == "copy":
             return self._wait_copy(h, job, step, name)
-        elif method == "DELETE":
-            with self._hlock:
-                self._cancel(job, step, name)
-                removed = self.store.remove_file(job, step, name)
-            self.replicator.forget(job, step, name)
-            return h.send_json(200, {"removed": removed})
         raise HTTPError(405, f"{method} not allowed on {h.path}")
 
     def _authorize(self, h: Handler, job: str | None) -> None:

@@ -12,9 +12,8 @@ neighbours too. Every write goes to a hidden temporary name (``.<name>.part-<ran
 renamed into place, so a reader never sees half an object; hidden names are ignored by listings
 and removed when an agent starts on the directory again (torn writes of the previous run).
 
-This module does no networking and needs nothing but the standard library (an agent starts in
-tenths of a second and stays small). Thread-safe in the sense of the filesystem: concurrent
-writers of one name race, the last rename wins.
+No networking here. Thread-safe in the sense of the filesystem: concurrent writers of one name race,
+the last rename wins.
 """
 
 from __future__ import annotations
@@ -27,9 +26,10 @@ import uuid
 from pathlib import Path
 from typing import Literal
 
-MANIFEST = "manifest.json"
+from tidal.ckpt.format.manifest import MANIFEST, step_dirname
+from tidal.ckpt.format.manifest import parse_step_dirname as parse_step
+
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,200}$")
-_STEP = re.compile(r"^step_(\d{12})$")
 
 
 def check_name(value: str, what: str) -> str:
@@ -39,15 +39,6 @@ def check_name(value: str, what: str) -> str:
             f"{what} {value!r} is not a valid name (letters, digits, '.', '_', '-'; not starting with '.')"
         )
     return value
-
-
-def step_dirname(step: int) -> str:
-    return f"step_{step:012d}"
-
-
-def parse_step(dirname: str) -> int | None:
-    m = _STEP.match(dirname)
-    return int(m.group(1)) if m else None
 
 
 def _listdir(p: Path) -> list[str]:

@@ -52,7 +52,7 @@ def parse_step_dirname(name: str) -> int | None:
     if not name.startswith("step_") or len(name) != 17:
         return None
     digits = name[5:]
-    return int(digits) if digits.isdigit() else None
+    return int(digits) if digits.isascii() and digits.isdigit() else None
 
 
 @dataclass(frozen=True)

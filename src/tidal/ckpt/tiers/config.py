@@ -6,23 +6,21 @@ A tier list is ordered fastest first. Each entry is a string or a dict (or a ``T
     ["shm", {"url": "/local/nvme/run1", "keep": 2},
             {"url": "s3://bucket/run1", "every": 5, "keep": 10, "part_size_bytes": 32 << 20}]
 
-* ``"shm"``: node shared memory (the staging slots themselves; holds at most one step per slot).
-* a directory: an absolute path, ``./relative``, ``~/...`` or ``file:///path``. A bare word such
-  as ``"shmm"`` is refused (it is almost always a typo, not a directory).
-* ``"s3://bucket/prefix"``: S3-compatible object storage (see ``s3``; options in ``s3.OPTIONS``).
-* ``"peer"`` (or ``{"kind": "peer", "agent": "host:port"}``, ``"peer://NAME"``): other nodes' memory,
-  through this node's checkpoint agent (see ``peer``; options in ``peer.OPTIONS``; the agent defaults
-  to ``$TIDAL_CKPT_AGENT``). Its namespace in the agents is ``NAME``, else derived from the job's first
-  directory or S3 tier, else ``$TIDAL_JOB_ID``.
+* ``"shm"``: node shared memory (the staging slots themselves; one step per slot).
+* a directory: an absolute path, ``./relative``, ``~/...`` or ``file:///path`` (a bare word such as
+  ``"shmm"`` is refused: almost always a typo).
+* ``"s3://bucket/prefix"``: S3-compatible object storage (options in ``s3.OPTIONS``).
+* ``"peer"`` (or ``"peer://NAME"``): other nodes' memory, through this node's checkpoint agent
+  (options in ``peer.OPTIONS``). Its namespace is ``NAME``, else derived from the home, else
+  ``$TIDAL_JOB_ID``.
 
-``every``: a step is persisted to this tier on every ``every``-th save of the Checkpointer
-(counted from its first save, which goes to every tier). ``keep``: committed steps this tier
-retains (0 keeps all; default: the Checkpointer's ``keep``). ``name``: the label used in stats and
-status (default ``shm``, ``disk``, ``disk-2``, ``s3``, ``s3-2``, ...).
+``every``: persist to this tier on every ``every``-th save (the first save goes to every tier).
+``keep``: committed steps this tier retains (0 keeps all; default: the Checkpointer's ``keep``).
+``name``: the label in stats and status (default ``shm``, ``disk``, ``disk-2``, ``s3``, ...).
 
 The first directory or S3 tier is the job's *home* (else the first peer tier's ``peer://NAME``): it
-names the job's shared-memory directory (``tiers.shm_root_for``) and its namespace in the peer
-agents, so ``load(same_list)`` finds the same shm and peer tiers the Checkpointer wrote.
+names the job's shared-memory directory and its namespace in the agents, so ``load(same_list)``
+finds the same shm and peer tiers the Checkpointer wrote.
 """
 
 from __future__ import annotations
