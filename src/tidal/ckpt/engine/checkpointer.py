@@ -59,29 +59,26 @@ class Checkpointer:
     """Concurrent, layout-independent checkpoints of a nested training state.
 
     Args:
-        url: the job's checkpoint location: a directory (local or shared filesystem; ``file://``
-            accepted) or ``s3://bucket/prefix``; or a tier list (same as ``tiers=``). With
-            ``tiers`` given it may be omitted; if given it must be the first non-shm tier.
-        process_group: the group whose ranks save together (``None``: the default group if
-            initialised, else single-process).
+        url: the job's checkpoint location: a directory (``file://`` accepted) or ``s3://bucket/prefix``;
+            or a tier list (as ``tiers=``). With ``tiers`` it may be omitted, else it must be the first
+            non-shm tier.
+        process_group: the ranks that save together (``None``: the default group if initialised).
         keep: committed steps retained per durable tier unless the tier says otherwise; 0 keeps all.
-        tiers: where steps go, fastest first (see ``config``), e.g.
-            ``["shm", "/nvme/run1", {"url": "s3://bucket/run1", "every": 5, "keep": 10}]``.
-            Default: ``["shm", url]`` (``[url]`` with ``shm=False``). Every tier is checked here:
-            a malformed spec raises ``TierSpecError``, an unreachable one ``TierError``.
-        shm: stage into node shared memory and use it as the first tier (falls back to private
-            memory with a warning when ``/dev/shm`` lacks room). Ignored when ``tiers`` is given
-            (there, list ``"shm"`` or not).
+        tiers: where steps go, fastest first (see ``config``). Default: ``["shm", url]`` (``[url]``
+            with ``shm=False``). Every tier is checked here: a malformed spec raises
+            ``TierSpecError``, an unreachable one ``TierError``.
+        shm: stage into node shared memory and use it as the first tier (private memory, with a
+            warning, when ``/dev/shm`` lacks room). Ignored when ``tiers`` is given.
         guard: an optimizer (or several) enabling overlapped mode; see the module docstring.
         slots: staging buffers; 2 lets one save stage while the previous one persists.
         commit_timeout_s: how long rank 0 waits for the other ranks' files before failing a step.
         fsync: fsync data and manifests on directory tiers.
-        status_path: where rank 0 keeps the status JSON (default ``<shm root>/status.json``, see
-            ``tiers.shm_root_for``); ``False`` writes none.
+        status_path: where rank 0 keeps the status JSON (default ``<shm root>/status.json``);
+            ``False`` writes none.
         retry_max_s: the longest wait between attempts to reach an unreachable slow tier.
-        claim: the job and attempt this rank belongs to, checked against the fence of a directory
-            home before every commit (``tidal.ckpt.fence``); default: from ``TIDAL_JOB_ID`` and
-            ``TIDAL_ATTEMPT`` when both are set; ``False``: never checked.
+        claim: the job and attempt checked against the home's fence before every commit
+            (``tidal.ckpt.fence``); default: from ``TIDAL_JOB_ID`` and ``TIDAL_ATTEMPT``; ``False``:
+            never checked.
     """
 
     def __init__(self, url: str | os.PathLike | Sequence[Any] | None = None, process_group: Any = None,

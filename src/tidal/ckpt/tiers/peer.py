@@ -62,18 +62,9 @@ OPTIONS = {
 def parse_address(value: Any, where: str = "agent", *, any_port: bool = False) -> str:
     """``host:port`` (an ``http://`` prefix and a trailing ``/`` are accepted; port 0 only with
     ``any_port``, for a server to bind); TierSpecError naming ``where`` if malformed."""
-    s = str(value).strip()
-    if s.startswith("http://"):
-        s = s[len("http://"):]
-    s = s.rstrip("/")
-    host, sep, port = s.rpartition(":")
-    if (
-        not sep
-        or not host
-        or not port.isdigit()
-        or not (0 if any_port else 1) <= int(port) < 65536
-        or "/" in host
-    ):
+    host, sep, port = str(value).strip().removeprefix("http://").rstrip("/").rpartition(":")
+    low = 0 if any_port else 1
+    if not sep or not host or "/" in host or not port.isdigit() or not low <= int(port) < 65536:
         raise TierSpecError(f"{where} {value!r}: expected host:port, e.g. 127.0.0.1:7070")
     return f"{host}:{int(port)}"
 
@@ -379,12 +370,15 @@ class PeerTier:
             raise _error(status, data, f"tier '{self.name}' ({self.where(step, name)})")
         return bytes(data)
 
-    def _put(self, step: int, name: str, data: Any, query: str = "") -> None:
-        c = self._local()
+    def _ask(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        """One request to the local agent; ``TierError`` when it does not answer."""
         try:
-            status, body = c.request("PUT", self._path(step, name) + query, body=data)
+            return self._local().request(method, path, body=body)
         except Unreachable as e:
             raise TierError(f"tier '{self.name}': {e}") from None
+
+    def _put(self, step: int, name: str, data: Any, query: str = "") -> None:
+        status, body = self._ask("PUT", self._path(step, name) + query, data)
         if status != 200:
             raise _error(status, body, f"tier '{self.name}' ({self.where(step, name)})")
 
@@ -405,12 +399,8 @@ class PeerTier:
         ``path`` (a staging slot) itself, or gets ``data`` over HTTP when it cannot. The slot must stay
         unchanged until ``wait_handoff`` returned (the commit need not wait for that)."""
         if path is not None:
-            c = self._local()
             query = urllib.parse.urlencode({"copy_from": os.fspath(path), "length": len(data), "hold": 1})
-            try:
-                status, body = c.request("POST", f"{self._path(step, name)}?{query}")
-            except Unreachable as e:
-                raise TierError(f"tier '{self.name}': {e}") from None
+            status, body = self._ask("POST", f"{self._path(step, name)}?{query}")
             if status == 202:
                 with self._lock:
                     self._held.add((step, name))
