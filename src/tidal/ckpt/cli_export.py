@@ -42,8 +42,7 @@ def _get(state: dict, path: tuple) -> Any:
 
 
 def _entry_prefix(entry: str | None, man: Any) -> tuple:
-    """``--entry model/sub`` as a path prefix; ``ValueError`` naming the entries there are if it holds
-    no tensor."""
+    """``--entry model/sub`` as a path prefix; ``ValueError`` naming the entries if it holds no tensor."""
     if entry is None:
         return ()
     prefix = tuple(x for x in entry.strip().strip("/").split("/") if x)

@@ -100,8 +100,7 @@ def _check_blocks(reader: RangeReader, p: mf.StoredPiece, buf: memoryview) -> tu
 
 
 def _parse_header(reader: RangeReader, size: int) -> tuple[dict[str, Any], int]:
-    """(the safetensors header, where the data starts) read through ``reader``; ValueError if it is not
-    one."""
+    """(the safetensors header, where the data starts) through ``reader``; ValueError if it is not one."""
     if size < 8:
         raise ValueError(f"the object is {size} bytes, shorter than a safetensors header length")
     head = bytearray(8)

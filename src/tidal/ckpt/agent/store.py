@@ -111,8 +111,7 @@ class Store:
         return out
 
     def step_info(self, job: str, step: int) -> dict | None:
-        """Union over trees: {"files": {name: size}, "committed_unix_s": manifest mtime or None}; None when
-        no tree holds a visible object of it."""
+        """Union over trees: {"files": {name: size}, "committed_unix_s": manifest mtime or None}, or None."""
         files: dict[str, int] = {}
         committed = None
         seen = False

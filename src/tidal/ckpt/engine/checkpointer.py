@@ -155,8 +155,7 @@ class Checkpointer:
         return next((t for t in self.tiers if t.kind == "s3" and getattr(t, "location", None) == want), None)
 
     def _fence(self) -> Any:
-        """What rank 0 calls before each commit: the check of the home's fence (``None``: no claim, or a
-        peer home, which is not fenced)."""
+        """What rank 0 calls before each commit: its fence check (``None``: no claim, or a peer home)."""
         claim, home = self.claim, self.home
         if claim is None or self.rank != 0:
             return None

@@ -236,8 +236,7 @@ class Persister:
                             build_manifest=build_manifest, written={"data"} if given else set()))
 
     def _handoff(self, tier: Tier, job: PersistJob, name: str, data: memoryview) -> bool:
-        """Give this rank's data file to ``tier`` now if it can take it (``handoff``); False otherwise
-        (then its queue uploads it later, like any slow tier's)."""
+        """Give this rank's data file to ``tier`` now if it can take it; False: its queue uploads it later."""
         if not isinstance(tier, HandoffTier):
             return False
         try:

@@ -27,8 +27,7 @@ from tidal.ckpt.tiers.protocol import RangeReader, Tier, TruncatedRead
 
 
 def widen(ranges: Sequence[tuple[int, int]], start: int, nbytes: int, block: int) -> list[tuple[int, int]]:
-    """``ranges`` (absolute, sorted) widened to the whole blocks of the piece at ``start`` that they
-    touch, overlapping or adjacent ones merged."""
+    """``ranges`` (absolute, sorted) widened to whole blocks of the piece at ``start``, merged."""
     out: list[list[int]] = []
     for off, n in ranges:
         lo = start + (off - start) // block * block
@@ -41,8 +40,7 @@ def widen(ranges: Sequence[tuple[int, int]], start: int, nbytes: int, block: int
 
 
 def coalesce(starts: Sequence[int], run_bytes: int, base: int) -> list[tuple[int, int]]:
-    """``(offset, length)`` ranges covering runs of ``run_bytes`` at ``base + start``, adjacent ones
-    merged."""
+    """``(offset, length)`` ranges covering runs of ``run_bytes`` at ``base + start``, merged."""
     out: list[list[int]] = []
     for s in starts:
         off = base + s
@@ -165,8 +163,7 @@ class PieceReader:
 
 
 def _bad_block(mv: memoryview, ranges: list[tuple[int, int]], piece: mf.StoredPiece) -> int | None:
-    """The index of the first block in ``mv`` (``ranges`` read back to back, whole blocks of ``piece``)
-    whose CRC-32 differs from the manifest's, or None."""
+    """The first block in ``mv`` (``ranges`` of ``piece``, back to back) whose CRC-32 is wrong, or None."""
     assert piece.blocks is not None
     block, pos = piece.block_bytes, 0
     for off, n in ranges:

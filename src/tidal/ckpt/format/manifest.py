@@ -361,8 +361,7 @@ def read(step_dir: Path) -> Manifest:
 
 
 def read_object(read_bytes: Callable[[], bytes], where: str, step: int) -> Manifest:
-    """Read and check the manifest of ``step`` from an object-store-like tier (S3, peer agents):
-    ``read_bytes()`` returns its bytes or raises FileNotFoundError; ``where`` names it in errors."""
+    """The checked manifest of ``step`` from ``read_bytes()`` (its bytes, or FileNotFoundError)."""
     try:
         data = read_bytes()
     except FileNotFoundError:

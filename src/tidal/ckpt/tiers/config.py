@@ -285,8 +285,8 @@ def build(cfg: TierConfig, home: str, *, fsync: bool = True) -> Tier:
 
 
 def read_tiers(url_or_tiers: Any) -> list[Tier]:
-    """Tiers to read from, fastest first: a location (directory or ``s3://``) means its shm tier (when
-    this node has one) and the location itself; a tier list means those tiers (shm when present)."""
+    """Tiers to read from, fastest first: a location's shm tier (when this node has one) and itself, or
+    the tiers of a tier list (shm when present)."""
     if isinstance(url_or_tiers, (str, os.PathLike)):
         return tiers_for(url_or_tiers)
     home, cfgs = resolve(url_or_tiers, default_keep=0)

@@ -40,8 +40,7 @@ log = logging.getLogger(__name__)
 
 
 class Snapshot:
-    """A private copy of one rank file in a buffer borrowed from a ``SnapshotPool``, shared by the
-    queues that upload it; the buffer goes back to the pool when the last of them releases it."""
+    """A private copy of one rank file in a pooled buffer, shared by the queues that upload it."""
 
     def __init__(self, pool: SnapshotPool, buf: bytearray, size: int, refs: int) -> None:
         self._pool, self.size, self._refs = pool, size, refs
