@@ -84,9 +84,9 @@ def ls_cmd(url: UrlArg, tier: TierOpt = None, as_json: JsonOpt = False) -> None:
         cc.emit_json({"url": where, "tiers": listed, "steps": rows,
                       "status": status.to_dict() if status else None, "errors": errors})
     else:
-        table = Table(title=f"checkpoint {where}", title_justify="left")
-        _columns(table, (("step", "right"), ("tiers", "left"), ("bytes", "right"), ("files", "right"),
-                         ("created", "left"), ("world", "right"), ("saved layout", "left")))
+        table = _table(f"checkpoint {where}", (("step", "right"), ("tiers", "left"), ("bytes", "right"),
+                                               ("files", "right"), ("created", "left"), ("world", "right"),
+                                               ("saved layout", "left")))
         for r in rows:
             head = [cc.cell(r["step"]), cc.cell(" + ".join(r["tiers"]))]
             if "error" in r:
@@ -124,9 +124,11 @@ def _status_line(st: CheckpointStatus) -> Text:
 
 # -- inspect ---------------------------------------------------------------------------------------
 
-def _columns(table: Table, cols: Sequence[tuple[str, JustifyMethod]]) -> None:
+def _table(title: str, cols: Sequence[tuple[str, JustifyMethod]]) -> Table:
+    table = Table(title=title, title_justify="left")
     for col, just in cols:
         table.add_column(col, justify=just, overflow="fold")
+    return table
 
 
 def _shape(shape: tuple[int, ...] | list[int]) -> str:
@@ -175,24 +177,20 @@ def inspect_cmd(
             f"created {cc.when(man.created_unix_s)}\n{man.layout_summary()}; {len(tensors)} tensors, "
             f"{cc.human(man.total_bytes)} in {len(man.files)} file(s), {len(man.objects)} plain value(s)"
         ), soft_wrap=True)
-        table = Table(title="tensors", title_justify="left")
-        _columns(table, (("name", "left"), ("dtype", "left"), ("shape", "left"), ("pieces", "right"),
-                         ("bytes", "right"), ("saved layout", "left")))
+        table = _table("tensors", (("name", "left"), ("dtype", "left"), ("shape", "left"),
+                                   ("pieces", "right"), ("bytes", "right"), ("saved layout", "left")))
         for t in tensors:
             table.add_row(*map(cc.cell, (t.name, t.dtype, _shape(t.shape), len(t.pieces), cc.human(t.nbytes),
                                          t.layout)))
         con.print(table)
         if man.objects:
-            ot = Table(title="plain values", title_justify="left")
-            ot.add_column("path", overflow="fold")
-            ot.add_column("value (JSON)", overflow="fold")
+            ot = _table("plain values", (("path", "left"), ("value (JSON)", "left")))
             for p, v in man.objects:
                 ot.add_row(cc.cell(path_name(p)), cc.cell(cc.truncate(json.dumps(v, sort_keys=True))))
             con.print(ot)
         if pieces:
-            pt = Table(title="pieces", title_justify="left")
-            _columns(pt, (("tensor", "left"), ("offsets", "left"), ("lengths", "left"), ("file", "left"),
-                          ("byte range", "left"), ("checksum", "left")))
+            pt = _table("pieces", (("tensor", "left"), ("offsets", "left"), ("lengths", "left"),
+                                   ("file", "left"), ("byte range", "left"), ("checksum", "left")))
             for t in tensors:
                 for piece in t.pieces:
                     box, end = piece.box, piece.start + piece.nbytes
