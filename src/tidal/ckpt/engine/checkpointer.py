@@ -100,9 +100,8 @@ class Checkpointer:
                 raise TypeError("Checkpointer needs a url or tiers=[...]")
             home_spec = str(url) if is_s3_url(url) else str(local_path(url))
             tiers = (["shm"] if shm else []) + [home_spec]
-        self.home, self.tier_configs = resolve(
-            tiers, default_keep=keep, home=None if url is None else os.fspath(url)
-        )
+        home = None if url is None else os.fspath(url)
+        self.home, self.tier_configs = resolve(tiers, default_keep=keep, home=home)
         self.url = os.fspath(url) if url is not None else self.home
         self._read_spec: Any = self.url if default_tiers else list(tiers)  # what steps() reads
         self.group = process_group
@@ -124,7 +123,8 @@ class Checkpointer:
             if self.rank == 0 or t.fast:
                 self._durability.seed(t.name, t.committed())
         self.claim = fence.Claim.from_env() if claim is None else (claim if claim else None)
-        self._home_s3 = self._s3_tier_of_home()
+        # the S3 tier that is the home (resolve normalized both locations); None for a directory or peer
+        self._home_s3 = next((t for t in self.tiers if t.kind == "s3" and t.location == self.home), None)
         if self._home_s3 is not None and self.claim is not None and self.rank == 0:
             fence.claim_s3(self._home_s3, self.claim)  # an S3 home: this attempt's from now on
         self._persister = Persister(rank=self.rank, commit_timeout_s=commit_timeout_s,
@@ -144,15 +144,6 @@ class Checkpointer:
         self._guards = _as_list(guard)
         self._hooks = [opt.register_step_pre_hook(self._pre_step_hook) for opt in self._guards]
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tidal-stage-r{self.rank}")
-
-    def _s3_tier_of_home(self) -> Tier | None:
-        """The S3 tier that is the home (None for a directory or peer home)."""
-        if not is_s3_url(self.home):
-            return None
-        from tidal.ckpt.tiers.s3 import parse_s3_url
-
-        want = "s3://{}/{}".format(*parse_s3_url(self.home)).rstrip("/")
-        return next((t for t in self.tiers if t.kind == "s3" and getattr(t, "location", None) == want), None)
 
     def _fence(self) -> Any:
         """What rank 0 calls before each commit: its fence check (``None``: no claim, or a peer home)."""

@@ -18,6 +18,7 @@ the tier's options (``endpoint``, ``region``); plain HTTP only when the endpoint
 from __future__ import annotations
 
 import datetime as _dt
+import os
 import re
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -86,8 +87,6 @@ class S3Tier:
     def __init__(self, url: str, *, name: str = "s3", endpoint: str | None = None, region: str | None = None,
                  part_size_bytes: int = 16 * MIB, concurrency: int = 8, retries: int = 3,
                  retry_timeout_s: float = 20.0, connect_timeout_s: float = 2.0) -> None:
-        import os
-
         import obstore
         from obstore.store import S3Store
 
