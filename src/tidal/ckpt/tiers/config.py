@@ -249,17 +249,10 @@ def peer_namespace(url: str | None, tiers: Sequence[Any] | None, job_id: str) ->
 
 
 def _check_options(kind: str, options: Mapping[str, Any], where: str) -> None:
-    allowed: dict[str, str] = {}
-    if kind == "dir":
-        allowed = _DIR_OPTIONS
-    elif kind == "s3":
-        from tidal.ckpt.tiers.s3 import OPTIONS
+    from tidal.ckpt.tiers.peer import OPTIONS as PEER_OPTIONS
+    from tidal.ckpt.tiers.s3 import OPTIONS as S3_OPTIONS
 
-        allowed = OPTIONS
-    elif kind == "peer":
-        from tidal.ckpt.tiers.peer import OPTIONS as PEER_OPTIONS
-
-        allowed = PEER_OPTIONS
+    allowed: dict[str, str] = {"dir": _DIR_OPTIONS, "s3": S3_OPTIONS, "peer": PEER_OPTIONS}.get(kind, {})
     for k in options:
         if k not in allowed:
             expected = ", ".join(list(_COMMON) + list(allowed))
@@ -290,12 +283,7 @@ def read_tiers(url_or_tiers: Any) -> list[Tier]:
     if isinstance(url_or_tiers, (str, os.PathLike)):
         return tiers_for(url_or_tiers)
     home, cfgs = resolve(url_or_tiers, default_keep=0)
-    out = []
-    for c in cfgs:
-        if c.kind == "shm" and not shm_root_for(home).exists():
-            continue
-        out.append(build(c, home))
-    return out
+    return [build(c, home) for c in cfgs if c.kind != "shm" or shm_root_for(home).exists()]
 
 
 def describe(url_or_tiers: Any) -> str:
