@@ -60,13 +60,10 @@ class Store:
         self.replicas.mkdir(parents=True, exist_ok=True)
         found = 0
         for _, tree in self.trees():
-            for job in _listdir(tree):
-                for sd in _listdir(tree / job):
-                    found += 1
-                    for n in _listdir(tree / job / sd):
-                        if n.startswith("."):
-                            with contextlib.suppress(OSError):
-                                os.unlink(tree / job / sd / n)
+            found += sum(1 for _ in tree.glob("*/*"))
+            for torn in tree.glob("*/*/.*"):
+                with contextlib.suppress(OSError):
+                    torn.unlink()
         return found
 
     # -- paths -------------------------------------------------------------------------------------

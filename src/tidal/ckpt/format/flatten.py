@@ -8,6 +8,7 @@ their display name joins the path with ``/``.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -83,18 +84,13 @@ def path_name(path: Path) -> str:
 _BOX_CACHE: dict[tuple, tuple] = {}
 
 
-_DTENSOR: list[type[DTensor] | None] = []  # resolved once: an import statement per tensor costs ~2 us
-
-
+@functools.cache  # resolved once: an import statement per tensor costs ~2 us
 def _dtensor_type() -> type[DTensor] | None:
-    if not _DTENSOR:
-        try:
-            import torch.distributed.tensor as dt
-        except ImportError:  # pragma: no cover - torch without distributed
-            _DTENSOR.append(None)
-        else:
-            _DTENSOR.append(dt.DTensor)
-    return _DTENSOR[0]
+    try:
+        import torch.distributed.tensor as dt
+    except ImportError:  # pragma: no cover - torch without distributed
+        return None
+    return dt.DTensor
 
 
 def describe_tensor(path: Path, value: Any) -> TensorEntry:
