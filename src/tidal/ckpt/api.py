@@ -152,23 +152,19 @@ def _fill(man: mf.Manifest, tiers: list[Tier], state: dict, *, strict: bool, ver
     unexpected = [n for n in man.tensors if n not in want_t] + [
         path_name(p) for p in stored_objects if p not in want_o and path_name(p) not in want_t]
     if strict and (missing or unexpected):
-        raise StateError(
-            f"state and step {man.step} hold different entries (pass strict=False to load the common ones): "
-            f"missing from the checkpoint: {sorted(missing)[:10]}{' …' if len(missing) > 10 else ''}; "
-            f"unexpected in the checkpoint: {sorted(unexpected)[:10]}{' …' if len(unexpected) > 10 else ''}"
-        )
-    for name, entry in want_t.items():
-        st = man.tensors.get(name)
-        if st is None:
-            continue
+        raise StateError(f"state and step {man.step} hold different entries (pass strict=False to load the "
+                         f"common ones): missing from the checkpoint: {sorted(missing)[:10]}"
+                         f"{' …' if len(missing) > 10 else ''}; unexpected in the checkpoint: "
+                         f"{sorted(unexpected)[:10]}{' …' if len(unexpected) > 10 else ''}")
+    pairs = [(entry, man.tensors[name]) for name, entry in want_t.items() if name in man.tensors]
+    for entry, st in pairs:
         if tuple(entry.global_shape) != st.shape or entry.dtype != st.dtype:
-            raise StateError(
-                f"tensor '{name}': state expects dtype {entry.dtype} shape {list(entry.global_shape)}, "
-                f"step {man.step} stores dtype {st.dtype} shape {list(st.shape)}"
-            )
+            raise StateError(f"tensor '{entry.name}': state expects dtype {entry.dtype} shape "
+                             f"{list(entry.global_shape)}, step {man.step} stores dtype {st.dtype} shape "
+                             f"{list(st.shape)}")
     reader = PieceReader(man, tiers, verify, stats)
     try:
-        reader.fill_all([(entry, man.tensors[name]) for name, entry in want_t.items() if name in man.tensors])
+        reader.fill_all(pairs)
     finally:
         reader.close()
     for p, o in want_o.items():
