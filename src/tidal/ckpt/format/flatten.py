@@ -223,20 +223,14 @@ def _check_json(o: ObjectEntry) -> None:
 
 def _find_unjsonable(path: Path, v: Any) -> tuple[Path, Any]:
     """The first leaf below ``v`` that JSON cannot encode (so the error can name it)."""
-    if isinstance(v, dict):
-        for k, x in v.items():
-            if not isinstance(k, (str, int, float, bool)) and k is not None:
-                return (*path, str(k)), k
-            try:
-                json.dumps(x, allow_nan=True)
-            except (TypeError, ValueError):
-                return _find_unjsonable((*path, k if isinstance(k, (str, int)) else str(k)), x)
-    elif isinstance(v, (list, tuple)):
-        for i, x in enumerate(v):
-            try:
-                json.dumps(x, allow_nan=True)
-            except (TypeError, ValueError):
-                return _find_unjsonable((*path, i), x)
+    items = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, (list, tuple)) else ()
+    for k, x in items:
+        if isinstance(v, dict) and not isinstance(k, (str, int, float, bool)) and k is not None:
+            return (*path, str(k)), k
+        try:
+            json.dumps(x, allow_nan=True)
+        except (TypeError, ValueError):
+            return _find_unjsonable((*path, k if isinstance(k, (str, int)) else str(k)), x)
     return path, v
 
 

@@ -25,6 +25,7 @@ import math
 import sys
 import zlib
 from array import array
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,10 +105,8 @@ class Manifest:
         return sum(t.nbytes for t in self.tensors.values())
 
     def layout_summary(self) -> str:
-        kinds: dict[str, int] = {}
-        for t in self.tensors.values():
-            kinds[t.layout] = kinds.get(t.layout, 0) + 1
-        parts = [f"{n}× {k}" for k, n in sorted(kinds.items(), key=lambda kv: -kv[1])]
+        kinds = Counter(t.layout for t in self.tensors.values())
+        parts = [f"{n}× {k}" for k, n in kinds.most_common()]
         return f"world {self.world_size}: " + "; ".join(parts)
 
 
