@@ -59,9 +59,7 @@ def ls_cmd(url: UrlArg, tier: TierOpt = None, as_json: JsonOpt = False) -> None:
         tiers, status = cc.ls_tiers(url, tier or [])
         held = cc.held_steps(tiers, errors)
         where = describe(cc.tier_list(url) or url)
-        if not held:
-            raise NotFoundError(f"no committed checkpoint step at {where}" + (f" ({'; '.join(errors)})"
-                                                                              if errors else ""))
+        cc.pick(where, held, None, errors)  # NotFoundError when no step is committed
         rows: list[dict] = []
         for step, holding in held.items():
             good, errs = cc.manifests(holding, step)

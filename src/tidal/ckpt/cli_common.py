@@ -18,7 +18,6 @@ from tidal.ckpt.errors import CheckpointError, ManifestError, NotFoundError, Tie
 from tidal.ckpt.format import manifest as mf
 from tidal.ckpt.tiers.config import build, describe, kind_of, normalize, read_tiers, resolve
 from tidal.ckpt.tiers.directory import DirTier, is_peer_url, is_s3_url, local_path, shm_root_for, tiers_for
-from tidal.ckpt.tiers.protocol import Tier
 from tidal.ckpt.verify import _read
 from tidal.console import console
 
@@ -82,16 +81,6 @@ def cell(v: Any, style: str = "") -> Text:
 
 # -- locating steps --------------------------------------------------------------------------------
 
-def dir_tiers(url: str) -> list[Tier]:
-    tiers = tiers_for(url)
-    root = local_path(url)
-    if root.exists() and not root.is_dir():
-        raise NotFoundError(f"{root} is not a directory")
-    if not root.exists() and all(t.name == "disk" for t in tiers):
-        raise NotFoundError(f"checkpoint directory {root} does not exist")
-    return tiers
-
-
 def tier_list(url: str) -> list | None:
     """The tier list ``url`` spells as JSON, or None when it is a location."""
     if not url.lstrip().startswith("["):
@@ -112,7 +101,12 @@ def source(url: str) -> tuple[str | list, list, str]:
         return specs, read_tiers(specs), describe(specs)
     if is_s3_url(url) or is_peer_url(url):
         return url, tiers_for(url), url.rstrip("/")
-    return url, dir_tiers(url), str(local_path(url))
+    tiers, root = tiers_for(url), local_path(url)
+    if root.exists() and not root.is_dir():
+        raise NotFoundError(f"{root} is not a directory")
+    if not root.exists() and all(t.name == "disk" for t in tiers):
+        raise NotFoundError(f"checkpoint directory {root} does not exist")
+    return url, tiers, str(root)
 
 
 def held_steps(tiers: list, errors: list[str] | None = None,
