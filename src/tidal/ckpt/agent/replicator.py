@@ -244,9 +244,8 @@ class Replicator:
     def _process(self, it: _Item) -> None:
         try:
             if it.kind == "push":
-                it.error = self._guard(
-                    self._push, it.job, it.step, it.name, it.fd, it.size, it.growing, it.handoff
-                )
+                it.error = self._guard(self._push, it.job, it.step, it.name, it.fd, it.size, it.growing,
+                                       it.handoff)
             elif it.kind == "sync":
                 it.error = self._guard(self._sync, it)
             else:

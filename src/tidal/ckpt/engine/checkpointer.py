@@ -342,13 +342,10 @@ class Checkpointer:
 
     def _choose_slot(self) -> int:
         """Rank 0: the slot whose data is oldest (never the one holding the newest step)."""
-        best, best_key = 0, None
-        for slot in self._staging.slots:
-            held = max([self._slot_steps.get(slot.index, -1), *slot.linked])
-            key = (held, slot.index)
-            if best_key is None or key < best_key:
-                best, best_key = slot.index, key
-        return best
+        def newest(slot: Slot) -> tuple[int, int]:
+            return max([self._slot_steps.get(slot.index, -1), *slot.linked]), slot.index
+
+        return min(self._staging.slots, key=newest).index
 
     def _copies(self, rf, slot: Slot, tensors: list[TensorEntry]):
         by_name = {e.name: e for e in tensors}

@@ -218,18 +218,10 @@ class Persister:
         takers = 0 if source is not None else sum(q.tier.name not in handed for q in job.remote)
         # Into a reused buffer: a copy into fresh memory costs 10x more (page faults) than the copy itself.
         snapshot = self._snapshots.copy(data, takers) if takers else None
-        build_manifest = None
-        if self.rank == 0:
-
-            def build_manifest(docs: list[dict]) -> dict:
-                return manifest(job, docs)
-
+        build_manifest = functools.partial(manifest, job) if self.rank == 0 else None
         job.queued = True  # from here on each queue finishes its part of the handle
         for q in job.remote:
-
-            def done(error: BaseException | None, tier: str = q.tier.name) -> None:
-                job.handle._part_done(tier, error)
-
+            done = functools.partial(job.handle._part_done, q.tier.name)
             given = q.tier.name in handed
             q.submit(Upload(job.step, job.save_id, name, len(data), sidecar, job.plan.world_size, done,
                             source=None if given else source, snapshot=None if given else snapshot,
