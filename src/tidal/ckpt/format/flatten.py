@@ -38,12 +38,8 @@ ST_TO_DTYPE = {v: k for k, v in DTYPE_TO_ST.items()}
 
 @dataclass
 class LocalShard:
-    """A piece of a larger tensor that this rank holds, for hand-sharded state.
-
-    ``tensor`` is the local data, which sits at ``offsets`` inside a global tensor of
-    ``global_shape``. Use it when the sharding is not expressed as a ``DTensor`` (e.g. a manual
-    tensor-parallel split). On load the tensor is filled in place.
-    """
+    """A piece of a larger tensor that this rank holds, for sharding not expressed as a ``DTensor``:
+    ``tensor`` sits at ``offsets`` inside a global tensor of ``global_shape``; load fills it in place."""
 
     tensor: torch.Tensor
     offsets: Sequence[int]
