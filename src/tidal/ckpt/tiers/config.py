@@ -133,22 +133,23 @@ def parse_spec(spec: Any, i: int = 0) -> TierSpec:
             job = spec.get("job")
             spec = {**spec, "url": f"peer://{job}" if kind == "peer" and job else kind}
             spec.pop("job", None)
+        where = _label(i, spec)
         if "url" not in spec:
-            raise TierSpecError(f"{_label(i, spec)}: a dict tier needs 'url' ('shm', 'peer', a directory or "
+            raise TierSpecError(f"{where}: a dict tier needs 'url' ('shm', 'peer', a directory or "
                                 "s3://bucket/prefix)")
-        url = spec["url"]
-        if not isinstance(url, (str, os.PathLike)):
-            raise TierSpecError(f"{_label(i, spec)}: 'url' must be a string, got {type(url).__name__}")
-        if kind is not None and kind_of(os.fspath(url), _label(i, spec)) != kind:
-            raise TierSpecError(f"{_label(i, spec)}: 'kind' is {kind!r} but 'url' {url!r} is a "
-                                f"{kind_of(os.fspath(url), _label(i, spec))} tier")
+        if not isinstance(spec["url"], (str, os.PathLike)):
+            raise TierSpecError(f"{where}: 'url' must be a string, got {type(spec['url']).__name__}")
+        url = os.fspath(spec["url"])
+        got = kind_of(url, where)
+        if kind is not None and got != kind:
+            raise TierSpecError(f"{where}: 'kind' is {kind!r} but 'url' {url!r} is a {got} tier")
         options = {k: v for k, v in spec.items() if k not in _COMMON}
-        if kind_of(os.fspath(url), _label(i, spec)) == "peer" and "job" in options:
-            if os.fspath(url) != "peer":
-                raise TierSpecError(f"{_label(i, spec)}: give the namespace once: 'peer://NAME' or 'job'")
+        if got == "peer" and "job" in options:
+            if url != "peer":
+                raise TierSpecError(f"{where}: give the namespace once: 'peer://NAME' or 'job'")
             url = f"peer://{options.pop('job')}"
-        return TierSpec(os.fspath(url), every=spec.get("every", 1), keep=spec.get("keep"),
-                        name=spec.get("name"), options=options)
+        return TierSpec(url, every=spec.get("every", 1), keep=spec.get("keep"), name=spec.get("name"),
+                        options=options)
     raise TierSpecError(f"{_label(i, spec)}: expected a string ('shm', a directory, 's3://bucket/prefix'), "
                         f"a dict or a TierSpec; got {type(spec).__name__}")
 
