@@ -410,14 +410,8 @@ def create_app(ctx: ApiContext) -> FastAPI:
     def add_tenant(body: TenantSpec, _: Annotated[TenantRow, Depends(admin)]) -> dict:
         if store.tenant(body.name) is not None:
             raise HTTPException(409, f"tenant {body.name} exists")
-        token = create_tenant(
-            store,
-            body.name,
-            quota_gpus=body.quota_gpus,
-            weight=body.weight,
-            now_s=ctx.clock(),
-            max_priority=body.max_priority,
-        )
+        token = create_tenant(store, body.name, quota_gpus=body.quota_gpus, weight=body.weight,
+                              now_s=ctx.clock(), max_priority=body.max_priority)
         return {"name": body.name, "quota_gpus": body.quota_gpus, "weight": body.weight,
                 "max_priority": body.max_priority, "token": token}
 

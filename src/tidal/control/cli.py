@@ -74,11 +74,8 @@ def up(
     ] = None,
     ckpt_agents: Annotated[
         bool,
-        typer.Option(
-            "--ckpt-agents",
-            help="with --executor ray: run a checkpoint "
-            "agent (the peer-memory tier) on every node, in a buddy ring",
-        ),
+        typer.Option("--ckpt-agents", help="with --executor ray: run a checkpoint "
+                     "agent (the peer-memory tier) on every node, in a buddy ring"),
     ] = False,
 ) -> None:
     """Run the control plane: REST API, reconcile loop and an executor (local or Ray), in one process."""
@@ -203,12 +200,9 @@ def _wait(job_id: str, con: Console, *, logs: bool = True, poll_s: float = 0.5) 
 
 
 # ------------------------------------------------------------------------------------------ jobs
-def jobs(
-    state: Annotated[list[str] | None, typer.Option(help="only these states (repeat)")] = None,
-    tenant: Annotated[str | None, typer.Option(help="admin: only this tenant's jobs")] = None,
-    output: OutputOpt = Fmt.table,
-    as_json: JsonOpt = False,
-) -> None:
+def jobs(state: Annotated[list[str] | None, typer.Option(help="only these states (repeat)")] = None,
+         tenant: Annotated[str | None, typer.Option(help="admin: only this tenant's jobs")] = None,
+         output: OutputOpt = Fmt.table, as_json: JsonOpt = False) -> None:
     """List jobs (yours; the admin sees all), with why each waiting or below-maximum job is so."""
     try:
         rows = _client().jobs(states=state, tenant=tenant)
@@ -227,34 +221,18 @@ def jobs(
         p, r, g = j.get("progress") or {}, j["report"], j["gpus"]
         held = sum(j["placement"].values()) if j["placement"] else 0
         want = f"{g['min']}" if g["min"] == g["max"] else f"{g['min']}-{g['max']}"
-        cells = [
-            escape(j["id"]),
-            escape(j["tenant"]),
-            show.state(j["state"]),
-            j["kind"],
-            f"{held}/{want}",
-            show.num(p.get("step")),
-            show.num(p.get("steps_per_s"), "{:.1f}"),
-            show.num(j.get("ckpt_step")),
-            str(r["restarts"]),
-            show.num(r["ettr"], "{:.2f}"),
-        ]
+        cells = [escape(j["id"]), escape(j["tenant"]), show.state(j["state"]), j["kind"], f"{held}/{want}",
+                 show.num(p.get("step")), show.num(p.get("steps_per_s"), "{:.1f}"),
+                 show.num(j.get("ckpt_step")), str(r["restarts"]), show.num(r["ettr"], "{:.2f}")]
         if wide:
-            cells += [
-                str(j["priority"]),
-                str(r["preemptions"]),
-                str(r["lost_steps"]),
-                escape(show.placement(j["placement"])),
-            ]
+            cells += [str(j["priority"]), str(r["preemptions"]), str(r["lost_steps"]),
+                      escape(show.placement(j["placement"]))]
         t.add_row(*cells, escape(show.waiting(j)))
     show.console().print(t)
 
 
-def status(
-    job: Annotated[str, typer.Argument(help="job id")],
-    output: OutputOpt = Fmt.table,
-    as_json: JsonOpt = False,
-) -> None:
+def status(job: Annotated[str, typer.Argument(help="job id")], output: OutputOpt = Fmt.table,
+           as_json: JsonOpt = False) -> None:
     """One job: state, why it waits, progress, checkpoints per tier, restarts, lost work, ETTR, recent
     events; a failed job's failing rank's last log lines. -o json: {job, checkpoints, events}."""
     c = _client()
@@ -268,13 +246,9 @@ def status(
         return
     con = show.console()
     p, g = j.get("progress") or {}, j["gpus"]
-    con.print(
-        f"[bold]{escape(j['id'])}[/bold]  {show.state(j['state'])}  tenant {escape(j['tenant'])}, "
-        f"{j['kind']}, "
-        f"priority {j['priority']}, GPUs {g['min']}-{g['max']} (x{g['multiple_of']}), "
-        f"placement {escape(show.placement(j['placement']))}",
-        soft_wrap=True,
-    )
+    con.print(f"[bold]{escape(j['id'])}[/bold]  {show.state(j['state'])}  tenant {escape(j['tenant'])}, "
+              f"{j['kind']}, priority {j['priority']}, GPUs {g['min']}-{g['max']} (x{g['multiple_of']}), "
+              f"placement {escape(show.placement(j['placement']))}", soft_wrap=True)
     spec = j["spec"]
     what = spec.get("run") if spec.get("run") else spec.get("command")
     con.print(Text(f"  command: {what}  (workdir {spec.get('workdir') or '-'})"), soft_wrap=True)
@@ -285,20 +259,16 @@ def status(
     if p:
         tiers = ", ".join(f"{k}: step {v[0]}" for k, v in (p.get("tiers") or {}).items()) or "none"
         con.print(
-            Text(
-                f"  step {show.num(p.get('step'))} (restored {show.num(p.get('start_step'))}), loss "
-                f"{show.num(p.get('loss'), '{:.4f}')}, {show.num(p.get('steps_per_s'), '{:.2f}')} steps/s, "
-                f"heartbeat phase {p.get('phase') or '-'}; checkpoints: {tiers}"
-            ),
+            Text(f"  step {show.num(p.get('step'))} (restored {show.num(p.get('start_step'))}), loss "
+                 f"{show.num(p.get('loss'), '{:.4f}')}, {show.num(p.get('steps_per_s'), '{:.2f}')} steps/s, "
+                 f"heartbeat phase {p.get('phase') or '-'}; checkpoints: {tiers}"),
             soft_wrap=True,
         )
     con.print(Text(f"  {show.ckpt_line(ck)}; {show.cadence(j)}"), soft_wrap=True)
     if j.get("handle"):
         con.print(
-            Text(
-                f"  attempt {j['attempt']}: pids {[r['pid'] for r in j['handle'].get('ranks', [])]}, "
-                f"devices {j['handle'].get('devices')}"
-            ),
+            Text(f"  attempt {j['attempt']}: pids {[r['pid'] for r in j['handle'].get('ranks', [])]}, "
+                 f"devices {j['handle'].get('devices')}"),
             soft_wrap=True,
         )
     show.summary(j, con, c, evs)
@@ -376,37 +346,23 @@ def pool(output: OutputOpt = Fmt.table, as_json: JsonOpt = False) -> None:
     t = show.table("NODE", "POOL", "GPUS", "ALLOCATED", "DRAINING", "FREE", "HELD BY")
     for n in p["nodes"]:
         held = (
-            ", ".join(
-                f"{h['job'] or h['tenant']} "
-                f"({h['gpus']}{', ' + h['state'] if h['state'] != 'running' else ''})"
-                for h in n["jobs"]
-            )
+            ", ".join(f"{h['job'] or h['tenant']} "
+                      f"({h['gpus']}{', ' + h['state'] if h['state'] != 'running' else ''})"
+                      for h in n["jobs"])
             or "-"
         )
-        t.add_row(
-            escape(n["name"]),
-            n["pool"],
-            str(n["gpus"]),
-            str(n["allocated"]),
-            str(n["draining"]),
-            str(n["free"]),
-            escape(held),
-        )
+        t.add_row(escape(n["name"]), n["pool"], str(n["gpus"]), str(n["allocated"]), str(n["draining"]),
+                  str(n["free"]), escape(held))
     con = show.console()
     con.print(t)
-    con.print(
-        f"{p['allocated']}/{p['gpus']} GPUs allocated, {p['free']} free, "
-        f"{show.plural(p['pending'], 'job')} pending"
-    )
+    con.print(f"{p['allocated']}/{p['gpus']} GPUs allocated, {p['free']} free, "
+              f"{show.plural(p['pending'], 'job')} pending")
 
 
-def events(
-    job: Annotated[str | None, typer.Argument(help="job id (default: all you may see)")] = None,
-    follow: Annotated[bool, typer.Option("--follow", "-f", help="keep printing new events")] = False,
-    last: Annotated[int, typer.Option(help="show the last N events")] = 50,
-    output: OutputOpt = Fmt.table,
-    as_json: JsonOpt = False,
-) -> None:
+def events(job: Annotated[str | None, typer.Argument(help="job id (default: all you may see)")] = None,
+           follow: Annotated[bool, typer.Option("--follow", "-f", help="keep printing new events")] = False,
+           last: Annotated[int, typer.Option(help="show the last N events")] = 50,
+           output: OutputOpt = Fmt.table, as_json: JsonOpt = False) -> None:
     """The event log: every transition, decision, adoption and restart (-o json: one object per line
     with --follow)."""
     fmt = show.fmt(output, as_json)
@@ -417,10 +373,8 @@ def events(
             sys.stdout.write(json.dumps(e, ensure_ascii=False) + "\n")
             sys.stdout.flush()
         else:
-            con.print(
-                f"[dim]{show.clock(e['time_s'])}[/dim] {show.event_line(e, with_job=job is None)}",
-                soft_wrap=True,
-            )
+            con.print(f"[dim]{show.clock(e['time_s'])}[/dim] {show.event_line(e, with_job=job is None)}",
+                      soft_wrap=True)
 
     api = Reconnecting(
         _client, lambda m: show.console(stderr=True).print(Text(m, style="yellow"), soft_wrap=True)
@@ -457,12 +411,10 @@ def tenants_create(
     except ApiError as e:
         _fail(e)
     show.console(stderr=True).print(
-        Text(
-            f"tenant {t['name']}: quota {show.plural(t['quota_gpus'], 'GPU')}, weight {t['weight']:g}, "
-            "max priority "
-            f"{t['max_priority']}; its token (keep it, it is not shown again; give it to the tenant as "
-            "TIDAL_TOKEN):"
-        ),
+        Text(f"tenant {t['name']}: quota {show.plural(t['quota_gpus'], 'GPU')}, weight {t['weight']:g}, "
+             "max priority "
+             f"{t['max_priority']}; its token (keep it, it is not shown again; give it to the tenant as "
+             "TIDAL_TOKEN):"),
         soft_wrap=True,
     )
     print(t["token"])
@@ -479,11 +431,6 @@ def tenants_list(output: OutputOpt = Fmt.table, as_json: JsonOpt = False) -> Non
         return
     t = show.table("TENANT", "QUOTA", "WEIGHT", "MAX PRIORITY", "ADMIN")
     for r in rows:
-        t.add_row(
-            escape(r["name"]),
-            str(r["quota_gpus"]),
-            f"{r['weight']:g}",
-            str(r.get("max_priority", 0)),
-            "yes" if r["admin"] else "",
-        )
+        t.add_row(escape(r["name"]), str(r["quota_gpus"]), f"{r['weight']:g}", str(r.get("max_priority", 0)),
+                  "yes" if r["admin"] else "")
     show.console().print(t)

@@ -21,18 +21,9 @@ from tidal.console import console  # noqa: F401  (the commands' console, re-expo
 from tidal.control.client import ApiError, TidalClient
 from tidal.control.follow import failing_rank, log_tail
 
-STATE_STYLE = {
-    "running": "green",
-    "succeeded": "bold green",
-    "failed": "bold red",
-    "cancelled": "dim",
-    "pending": "yellow",
-    "backoff": "red",
-    "preempting": "magenta",
-    "resizing": "magenta",
-    "cancelling": "magenta",
-    "admitted": "cyan",
-}
+STATE_STYLE = {"running": "green", "succeeded": "bold green", "failed": "bold red", "cancelled": "dim",
+               "pending": "yellow", "backoff": "red", "preempting": "magenta", "resizing": "magenta",
+               "cancelling": "magenta", "admitted": "cyan"}
 
 
 TAIL_LINES = 12  # lines of the failing rank's log shown with a failure
@@ -138,13 +129,9 @@ def summary(j: dict, con: Console, c: TidalClient | None = None, events: list[di
         f"{escape(j['id'])}: {state(j['state'])}" + (f" — {escape(j['message'])}" if j["message"] else ""),
         soft_wrap=True,
     )
-    con.print(
-        f"  attempts {j['attempt']}, restarts {r['restarts']}, preemptions {r['preemptions']}"
-        f"{resizes(events)}, "
-        f"lost work {r['lost_work_s']:.1f} s ({plural(r['lost_steps'], 'step')}), "
-        f"ETTR {num(r['ettr'], '{:.2f}')}",
-        soft_wrap=True,
-    )
+    con.print(f"  attempts {j['attempt']}, restarts {r['restarts']}, preemptions {r['preemptions']}"
+              f"{resizes(events)}, lost work {r['lost_work_s']:.1f} s ({plural(r['lost_steps'], 'step')}), "
+              f"ETTR {num(r['ettr'], '{:.2f}')}", soft_wrap=True)
     if c is not None and j["state"] in ("failed", "backoff"):
         failure_tail(j["id"], con, c, events)
 

@@ -74,14 +74,8 @@ def origin() -> str:
 
 
 class TidalClient:
-    def __init__(
-        self,
-        base_url: str | None = None,
-        token: str | None = None,
-        *,
-        http: httpx.Client | None = None,
-        timeout_s: float = 30.0,
-    ) -> None:
+    def __init__(self, base_url: str | None = None, token: str | None = None, *,
+                 http: httpx.Client | None = None, timeout_s: float = 30.0) -> None:
         self.http = http or httpx.Client(base_url=base_url or default_url(), timeout=timeout_s)
         self.token = token
 

@@ -120,11 +120,8 @@ class ControlConfig:
         for k, v in kw.items():
             if k in ("checkpoint_grants", "checkpoint_endpoints"):
                 continue
-            if (
-                k not in nested
-                and k not in ("serving", "isolation")
-                and (not isinstance(v, int | float) or v < 0)
-            ):
+            if (k not in nested and k not in ("serving", "isolation")
+                and (not isinstance(v, int | float) or v < 0)):
                 raise ValueError(f"{where}: {k} must be a number of seconds >= 0, got {v!r}")
         return cls(**kw)
 

@@ -133,13 +133,9 @@ class Controller:
                                   job=job,
                                   data={"attempt": job.attempt, "pids": pids})
             elif ob is not None and not all(r.vanished for r in ob.ranks):
-                self.store.record(
-                    "adopted",
-                    f"control plane restarted: attempt {job.attempt} ended meanwhile; "
-                    "its recorded exit codes decide what follows",
-                    now_s,
-                    job=job,
-                )
+                self.store.record("adopted",
+                                  f"control plane restarted: attempt {job.attempt} ended meanwhile; "
+                                  "its recorded exit codes decide what follows", now_s, job=job)
             else:
                 if found:
                     self.executor.release(job.id)
@@ -267,23 +263,14 @@ class Controller:
                 self.store.transition(job.id, S.CANCELLED, now_s, "cancelled while waiting to restart",
                                       finished_s=now_s)
             elif now_s >= (job.retry_at_s or 0.0):
-                self.store.transition(
-                    job.id,
-                    S.PENDING,
-                    now_s,
-                    f"restart {job.restarts}/{job.max_restarts}: "
-                    f"queued to resume from checkpoint step {job.ckpt_step or 0}",
-                    retry_at_s=None,
-                )
+                self.store.transition(job.id, S.PENDING, now_s, f"restart {job.restarts}/{job.max_restarts}: "
+                                      f"queued to resume from checkpoint step {job.ckpt_step or 0}",
+                                      retry_at_s=None)
             return
         if ob is None:  # held, but the executor has no trace of it
-            self.store.transition(
-                job.id,
-                S.PENDING,
-                now_s,
-                f"attempt {job.attempt} is unknown to the executor; requeued",
-                **_requeue_fields(),
-            )
+            self.store.transition(job.id, S.PENDING, now_s,
+                                  f"attempt {job.attempt} is unknown to the executor; requeued",
+                                  **_requeue_fields())
             return
         job = self._record_progress(job, ob)
         self.watch.recovered(job, ob, now_s)
@@ -310,12 +297,8 @@ class Controller:
         if st == S.ADMITTED:
             pids = [r.pid for r in ob.alive]
             self.store.transition(job.id, S.RUNNING, now_s, f"{_n(len(pids), 'rank')} running (pids {pids})")
-        elif (
-            st in STOPPING
-            and not job.killed
-            and job.stop_deadline_s is not None
-            and now_s >= job.stop_deadline_s
-        ):
+        elif (st in STOPPING and not job.killed and job.stop_deadline_s is not None
+              and now_s >= job.stop_deadline_s):
             self.executor.kill(job.id)
             self.store.update(job.id, killed=True)
             self.store.record("kill", f"grace expired while {st}: SIGKILL to {_n(len(ob.alive), 'rank')}",
@@ -395,14 +378,9 @@ class Controller:
             left = {n: g - job.releasing.get(n, 0) for n, g in job.placement.items()
                     if g - job.releasing.get(n, 0) > 0}
             self.store.update(job.id, **base)
-            self._launch(
-                self.store.job(job.id),
-                left,
-                now_s,
-                f"resized: relaunching on {sum(left.values())} GPUs from checkpoint step "
-                f"{_resume_step(p, job)}",
-                data=data,
-            )
+            self._launch(self.store.job(job.id), left, now_s,
+                         f"resized: relaunching on {sum(left.values())} GPUs from checkpoint step "
+                         f"{_resume_step(p, job)}", data=data)
         elif outcome == "stopped":
             by_us = S(job.state) == S.PREEMPTING
             self.store.transition(job.id, S.PENDING, now_s, f"preempted: stopped at step {reached} "
@@ -419,18 +397,10 @@ class Controller:
         elif job.restarts < job.max_restarts:
             n = job.restarts + 1
             wait_s = self.config.backoff_s(n)
-            self.store.transition(
-                job.id,
-                S.BACKOFF,
-                now_s,
-                f"failed: {why}; restart {n}/{job.max_restarts} in "
-                f"{wait_s:g} s from checkpoint step {job.ckpt_step or 0}",
-                data=data,
-                restarts=n,
-                retry_at_s=now_s + wait_s,
-                **_requeue_fields(),
-                **base,
-            )
+            self.store.transition(job.id, S.BACKOFF, now_s,
+                                  f"failed: {why}; restart {n}/{job.max_restarts} in "
+                                  f"{wait_s:g} s from checkpoint step {job.ckpt_step or 0}", data=data,
+                                  restarts=n, retry_at_s=now_s + wait_s, **_requeue_fields(), **base)
         else:
             self.store.transition(job.id, S.FAILED, now_s, f"failed: {why}; no restarts left "
                                   f"(max_restarts={job.max_restarts})", data=data, finished_s=now_s,
@@ -532,28 +502,15 @@ class Controller:
             deadline = min(deadline, job.stop_deadline_s)
         if reason == "cancel" or job.stop_reason != "failure":
             fields["stop_reason"] = reason
-        row = self.store.transition(
-            job.id,
-            to,
-            now_s,
-            why + ("" if already else f": notice sent, grace {grace_s:g} s"),
-            stop_deadline_s=deadline,
-            **fields,
-        )
+        row = self.store.transition(job.id, to, now_s,
+                                    why + ("" if already else f": notice sent, grace {grace_s:g} s"),
+                                    stop_deadline_s=deadline, **fields)
         if not already:
             self.executor.signal_stop(job.id)
         return row
 
-    def _launch(
-        self,
-        job: JobRow,
-        placement: dict[str, int],
-        now_s: float,
-        why: str,
-        *,
-        data: dict | None = None,
-        **fields: Any,
-    ) -> None:
+    def _launch(self, job: JobRow, placement: dict[str, int], now_s: float, why: str, *,
+                data: dict | None = None, **fields: Any) -> None:
         """Record the attempt (``admitted``) first, then start it: a crash in between leaves a recorded
         attempt with no ranks, which ``recover`` requeues; never ranks without a record."""
         attempt = job.attempt + 1

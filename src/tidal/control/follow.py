@@ -35,13 +35,8 @@ class Reconnecting:
     ``say`` told once when the API goes away (and every ``RETRY_NOTE_S`` while it stays away) and once
     when it is back."""
 
-    def __init__(
-        self,
-        make: Callable[[], TidalClient],
-        say: Callable[[str], None],
-        poll_s: float = 0.5,
-        sleep: Callable[[float], None] = time.sleep,
-    ) -> None:
+    def __init__(self, make: Callable[[], TidalClient], say: Callable[[str], None], poll_s: float = 0.5,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
         self.make, self.say, self.poll_s, self.sleep = make, say, poll_s, sleep
         self.client = make()
         self.away_since: float | None = None
@@ -115,11 +110,8 @@ def failing_rank(events: list[dict]) -> int | None:
         if e.get("kind") != "transition" or e.get("to") not in ("backoff", "failed"):
             continue
         codes = (e.get("data") or {}).get("exit_codes") or []
-        for test in (
-            lambda c: c is not None and c > 0 and c != EXIT_PREEMPTED,
-            lambda c: c is None,
-            lambda c: c is not None and c < 0 and c not in (-9, -15),
-        ):
+        for test in (lambda c: c is not None and c > 0 and c != EXIT_PREEMPTED, lambda c: c is None,
+                     lambda c: c is not None and c < 0 and c not in (-9, -15)):
             for rank, code in enumerate(codes):
                 if test(code):
                     return rank

@@ -38,15 +38,9 @@ def load_spec_file(path: Path) -> dict:
     return doc
 
 
-def apply_overrides(
-    doc: dict,
-    *,
-    name: str | None = None,
-    gpus: str | None = None,
-    env: list[str] | None = None,
-    kind: str | None = None,
-    priority: int | None = None,
-) -> dict:
+def apply_overrides(doc: dict, *, name: str | None = None, gpus: str | None = None,
+                    env: list[str] | None = None, kind: str | None = None,
+                    priority: int | None = None) -> dict:
     """The spec with the command line's overrides (``--gpus 4`` or ``2-8``, ``--env K=V``, ...); the
     server checks the result like any spec. ``ValueError`` names a malformed option."""
     out = dict(doc)
@@ -62,11 +56,8 @@ def apply_overrides(
             raise ValueError(f"--gpus: expected N or MIN-MAX (e.g. 4 or 2-8), got {gpus!r}")
         g = out.get("gpus")
         keep = {"multiple_of": g["multiple_of"]} if isinstance(g, dict) and "multiple_of" in g else {}
-        out["gpus"] = (
-            {"min": int(lo), "max": int(hi), **keep}
-            if sep
-            else ({"min": int(lo), **keep} if keep else int(lo))
-        )
+        out["gpus"] = ({"min": int(lo), "max": int(hi), **keep} if sep
+                       else ({"min": int(lo), **keep} if keep else int(lo)))
     if env:
         merged = dict(out.get("env") or {}) if isinstance(out.get("env"), dict) else {}
         for item in env:

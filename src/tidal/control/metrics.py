@@ -130,18 +130,12 @@ class PlaneCollector:
 
 def _node_loss_metrics(t: dict) -> Iterator[Metric]:
     yield CounterMetricFamily("tidal_node_losses", "Jobs that lost ranks with a node", value=t["losses"])
-    yield SummaryMetricFamily(
-        "tidal_node_loss_heartbeat_age_seconds",
-        "Age of the lost ranks' newest heartbeat when the loss was detected",
-        count_value=t["heartbeat_age_count"],
-        sum_value=t["heartbeat_age_sum_s"],
-    )
-    yield SummaryMetricFamily(
-        "tidal_node_loss_recovery_seconds",
-        "From a node loss detected to the job training again",
-        count_value=t["recoveries"],
-        sum_value=t["recovery_sum_s"],
-    )
+    yield SummaryMetricFamily("tidal_node_loss_heartbeat_age_seconds",
+                              "Age of the lost ranks' newest heartbeat when the loss was detected",
+                              count_value=t["heartbeat_age_count"], sum_value=t["heartbeat_age_sum_s"])
+    yield SummaryMetricFamily("tidal_node_loss_recovery_seconds",
+                              "From a node loss detected to the job training again",
+                              count_value=t["recoveries"], sum_value=t["recovery_sum_s"])
 
 
 def _serving_metrics(s: Any) -> Iterator[Metric]:
@@ -186,16 +180,12 @@ def _loan_metrics(v: dict[str, Any]) -> Iterator[Metric]:
     rec.add_metric(["missed"], st.get("reclaims_missed", 0))
     yield rec
     if v.get("worst_margin_s") is not None:
-        yield GaugeMetricFamily(
-            "tidal_loan_worst_return_margin_seconds",
-            "Smallest margin before a reclaim deadline at a return",
-            value=v["worst_margin_s"],
-        )
-    yield CounterMetricFamily(
-        "tidal_serving_shortfall_gpu_seconds",
-        "Serving demand unmet, GPU-seconds of serving time",
-        value=st.get("shortfall_gpu_s", 0.0),
-    )
+        yield GaugeMetricFamily("tidal_loan_worst_return_margin_seconds",
+                                "Smallest margin before a reclaim deadline at a return",
+                                value=v["worst_margin_s"])
+    yield CounterMetricFamily("tidal_serving_shortfall_gpu_seconds",
+                              "Serving demand unmet, GPU-seconds of serving time",
+                              value=st.get("shortfall_gpu_s", 0.0))
     yield CounterMetricFamily(
         "tidal_loan_lent_gpu_seconds", "GPU-seconds lent", value=st.get("lent_gpu_s", 0.0)
     )

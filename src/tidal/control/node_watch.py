@@ -20,13 +20,8 @@ from tidal.exec.protocol import Executor, Observation, RankState
 from tidal.model import Node
 
 DOC_KEY = "node_loss"
-ZERO = {
-    "losses": 0,
-    "heartbeat_age_count": 0,
-    "heartbeat_age_sum_s": 0.0,
-    "recoveries": 0,
-    "recovery_sum_s": 0.0,
-}
+ZERO = {"losses": 0, "heartbeat_age_count": 0, "heartbeat_age_sum_s": 0.0, "recoveries": 0,
+        "recovery_sum_s": 0.0}
 
 
 def totals(store: Store) -> dict:
@@ -137,16 +132,9 @@ class NodeWatch:
             f"{lost_steps} steps to redo",
             now_s,
             job=job,
-            data={
-                "recovery_s": took,
-                "detected_s": info["detected_s"],
-                "world_size": len(ob.ranks),
-                "was_world_size": info["world_size"],
-                "start_step": p.start_step,
-                "restore_tier": p.restore_tier,
-                "lost_steps": lost_steps,
-                "nodes": info["nodes"],
-            },
+            data={"recovery_s": took, "detected_s": info["detected_s"], "world_size": len(ob.ranks),
+                  "was_world_size": info["world_size"], "start_step": p.start_step,
+                  "restore_tier": p.restore_tier, "lost_steps": lost_steps, "nodes": info["nodes"]},
         )
         t = totals(self.store)
         t["recoveries"] += 1

@@ -128,14 +128,8 @@ def secure_state_dir(state_dir: Path, config: ControlConfig | None) -> None:
     state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     iso = config.isolation if config is not None else None
     os.chmod(state_dir, 0o711 if iso is not None and iso.uid_base is not None else 0o700)
-    for name in (
-        "tidal.db",
-        "tidal.db-journal",
-        "tidal.db-wal",
-        "tidal.db-shm",
-        ADMIN_TOKEN_FILE,
-        API_URL_FILE,
-    ):
+    for name in ("tidal.db", "tidal.db-journal", "tidal.db-wal", "tidal.db-shm", ADMIN_TOKEN_FILE,
+                 API_URL_FILE):
         p = state_dir / name
         if p.is_file() and not p.is_symlink():
             os.chmod(p, 0o600)
@@ -274,14 +268,8 @@ def _build_ray(parts: PlaneParts, ray: RayOptions) -> Plane:
         if address is not None:
             raise SystemExit("tidal up: --gpus N declares the GPUs of a Ray that tidal up starts; with "
                              "--ray-address the cluster's nodes say how many they have")
-    executor = RayExecutor(
-        state_dir / "jobs",
-        address=address,
-        num_gpus=num_gpus,
-        isolation=parts.isolation,
-        ckpt_agents=agents,
-        serving_nodes=loans.nodes if loans is not None else None,
-    )
+    executor = RayExecutor(state_dir / "jobs", address=address, num_gpus=num_gpus, isolation=parts.isolation,
+                           ckpt_agents=agents, serving_nodes=loans.nodes if loans is not None else None)
     try:
         # a serving node the cluster lacks: one line now, not a loop failing later (unless the plane lent
         # before with these nodes: then it is a node lost, the loan step's to handle)

@@ -102,13 +102,10 @@ def _env_name(k: str) -> str:
 
 
 class CheckpointSpec(_Strict):
-    url: str | None = Field(
-        default=None,
-        max_length=MAX_PATH_CHARS,
-        description="checkpoint location (path, file://, s3://); default: "
-        "<state dir>/jobs/<job>/ckpt; explicit ones under the tenant's prefix "
-        "<state dir>/tenants/<tenant>/ or one the admin granted",
-    )
+    url: str | None = Field(default=None, max_length=MAX_PATH_CHARS,
+                            description="checkpoint location (path, file://, s3://); default: "
+                            "<state dir>/jobs/<job>/ckpt; explicit ones under the tenant's prefix "
+                            "<state dir>/tenants/<tenant>/ or one the admin granted")
     tiers: list[str | dict[str, Any]] | None = Field(
         default=None, min_length=1, max_length=MAX_TIERS,
         description="tier list, fastest first, instead of url, e.g. [shm, /ckpt/run1, s3://bucket/run1]")

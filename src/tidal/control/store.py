@@ -284,15 +284,8 @@ class Store:
         with self._write() as s:
             if s.get(TenantRow, name) is not None:
                 raise ValueError(f"tenant {name!r} exists")
-            row = TenantRow(
-                name=name,
-                quota_gpus=quota_gpus,
-                weight=weight,
-                token_hash=token_hash,
-                admin=admin,
-                created_s=now_s,
-                max_priority=max_priority,
-            )
+            row = TenantRow(name=name, quota_gpus=quota_gpus, weight=weight, token_hash=token_hash,
+                            admin=admin, created_s=now_s, max_priority=max_priority)
             s.add(row)
             s.add(EventRow(time_s=now_s, tenant=name, kind="tenant",
                            message=f"tenant {name} created (quota {quota_gpus} GPUs, weight {weight:g}, "

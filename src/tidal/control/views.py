@@ -53,11 +53,8 @@ def pool_view(nodes: list[Node], jobs: list[JobRow], viewer: str | None) -> dict
             g = (j.placement or {}).get(n.name, 0)
             if not g or State(j.state) not in HELD:
                 continue
-            d = (
-                g
-                if State(j.state) in (State.PREEMPTING, State.CANCELLING)
-                else (j.releasing or {}).get(n.name, 0)
-            )
+            d = (g if State(j.state) in (State.PREEMPTING, State.CANCELLING)
+                 else (j.releasing or {}).get(n.name, 0))
             allocated += g
             draining += d
             mine = viewer is None or j.tenant == viewer
