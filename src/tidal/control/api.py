@@ -1,38 +1,18 @@
-"""The REST API (FastAPI; OpenAPI at ``/openapi.json``, docs at ``/docs``).
+"""The REST API (FastAPI; OpenAPI at ``/openapi.json``, docs at ``/docs``; the routes in docs/control.md).
 
-Every ``/v1`` call carries ``Authorization: Bearer <token>``. A tenant sees and acts on its own
-jobs, logs, checkpoints and events only (another tenant's job is "not found", never "forbidden", so ids do not
-leak); the admin sees everything and manages tenants. ``/healthz`` is open; ``/metrics`` takes the admin's
-token (it names every tenant's jobs).
+Every ``/v1`` call carries ``Authorization: Bearer <token>``. A tenant sees and acts on its own jobs, logs,
+checkpoints and events only (another tenant's job is "not found", so ids do not leak); the admin sees
+everything and manages tenants. ``/healthz`` is open; ``/metrics`` takes the admin's token.
 
-* ``POST /v1/jobs`` — submit a job spec (JSON of the YAML); 201 with the job; 422 names the field
-* ``GET /v1/jobs`` — jobs (``?state=running``; admin: ``?tenant=``)
-* ``GET /v1/jobs/{id}`` — one job: state, progress, restarts, lost work, ETTR, spec
-* ``POST /v1/jobs/{id}/cancel`` — cancel (pending: at once; running: notice, then cancelled)
-* ``GET /v1/jobs/{id}/logs?rank=0&offset=0`` — a chunk of a rank's log from ``offset`` (bytes, whole UTF-8
-  characters); follow by polling with the returned ``offset``
-* ``GET /v1/jobs/{id}/checkpoints`` — committed checkpoint steps per tier, the newest durable step and its age
-* ``GET /v1/events?job=&after=`` — the event log (every transition, decision and recovery), oldest first
-* ``GET /v1/pool`` — GPUs per node: allocated by tenant, draining, free
-* ``GET /v1/whoami`` — the caller's tenant
-* ``GET, POST /v1/tenants`` — admin: list, create (returns the new tenant's token, once)
-* ``GET /metrics`` — admin: Prometheus text
+Hostile input: a body over ``MAX_BODY_BYTES`` is a 413 while it is read; a body not UTF-8 JSON is a 400; a
+refused spec field is a 422 naming it (:mod:`tidal.control.spec`); a failing store answers 500 and stores
+nothing, a deleted one 503. No stored value can make a response fail (a lone surrogate is escaped, a NaN
+becomes null). The API only writes requests into the store; the reconcile loop acts on them.
 
-Hostile input: a request body over ``MAX_BODY_BYTES`` is refused with 413 while it is read (a
-``Content-Length`` over it before reading anything); a body that is not UTF-8 or not JSON is a 400
-saying so; every spec field has a size limit and no string may hold a NUL byte or a lone surrogate
-(422 naming the field, :mod:`tidal.control.spec`); a store that fails while submitting answers 500
-and stores nothing, one whose file was deleted answers 503. Responses are rendered so that no stored
-value can make a call fail forever (a lone surrogate is escaped, a NaN becomes null).
-
-The API writes requests into the store and never touches processes: the reconcile loop acts on
-them at its next step.
-
-Handlers that read the store or files are plain ``def`` (FastAPI runs them in its thread pool) and
-return their JSON already rendered (:func:`~tidal.control.render.json_route`), so a call makes one
-trip to the pool: FastAPI's response validation would be a second one, and a synchronous auth
-dependency a third. The bearer token is checked in the event loop against the store's memory of
-known tokens; only a token not seen yet goes to the database, in the pool.
+Handlers that read the store or files are plain ``def`` and return their JSON already rendered
+(:func:`~tidal.control.render.json_route`), so a call makes one trip to the thread pool. The bearer token is
+checked in the event loop against the store's memory of known tokens; only an unseen token goes to the
+database, in the pool.
 """
 
 import codecs
@@ -130,9 +110,8 @@ class BodyLimit:
 
 
 def _doc(ok: Any, *errors: int, status: int = 200) -> dict[str, Any]:
-    """OpenAPI for a route: its answer's model and the errors it gives, each with its ``{"detail": ...}``
-    body (the handlers render their own JSON, so nothing is validated twice; tests/test_openapi.py checks
-    the real answers against this)."""
+    """OpenAPI for a route: its answer's model and its errors (tests/test_openapi.py checks the real answers).
+    """
     out: dict[int | str, dict[str, Any]] = {status: {"model": ok}} if ok is not None else {}
     for code in (*errors, 503):
         model = sc.ValidationProblem if code == 422 else sc.Problem

@@ -1,12 +1,8 @@
 """``tidal up`` and the client commands: submit, jobs, status, logs, cancel, pool, tenants, events.
 
-The client commands talk to the API at ``$TIDAL_API_URL`` with ``$TIDAL_TOKEN``; on the machine
-running ``tidal up`` both default to what it wrote into its state dir (``$TIDAL_STATE_DIR``,
-default ``~/.tidal``), so ``tidal up --gpus 2 &`` then ``tidal submit job.yaml --wait`` just works.
-
-Text from users and from the server (job names, commands, messages, log lines, errors) is never read
-as Rich markup: it is escaped (``escape``) or printed as a ``Text``, so ``[python, train.py]`` prints
-as written. ``-o json|yaml`` prints what the API returned, for scripts; ``-o wide`` adds columns.
+The client commands talk to ``$TIDAL_API_URL`` with ``$TIDAL_TOKEN``, both defaulting to what ``tidal up``
+wrote into its state dir (``$TIDAL_STATE_DIR``, default ``~/.tidal``). ``-o json|yaml`` prints what the API
+returned; ``-o wide`` adds columns.
 """
 
 from __future__ import annotations
@@ -152,9 +148,8 @@ def _events_after(job: str | None, after: int) -> Callable[[TidalClient], list[d
 
 
 def _wait(job_id: str, con: Console, *, logs: bool = True, poll_s: float = 0.5) -> int:
-    """Follow a job to its end: its events, rank 0's output (``logs``), a progress line (a live one on a
-    terminal; elsewhere printed when it changes, at most every ``cli_show.PROGRESS_EVERY_S``). Retries through
-    restarts of ``tidal up``. Returns the exit code: 0 if the job succeeded."""
+    """Follow a job to its end: its events, rank 0's output and a progress line, through restarts of ``tidal
+    up``. Returns the exit code: 0 if the job succeeded."""
     from rich.live import Live
 
     tty = con.is_terminal

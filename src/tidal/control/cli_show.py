@@ -1,8 +1,6 @@
-"""How the client commands print: consoles, job states, events, progress and summaries, and the failing
-rank's last log lines. Text from users and from the server is never read as Rich markup: it goes
-through ``escape`` inside markup, or is printed as a ``Text``, so ``[python, train.py]`` keeps its
-brackets. ``dump`` prints what the API returned as JSON or YAML (``-o json|yaml``).
-"""
+"""How the client commands print: states, events, progress, summaries and the failing rank's last log lines.
+Text from users and the server is never read as Rich markup (``escape`` or a ``Text``); ``dump`` prints what
+the API returned as JSON or YAML."""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
-"""A small client of the REST API, over any ``httpx.Client`` (the transport seam).
-
-    c = TidalClient("http://127.0.0.1:8470", token)            # over the network
-    c = TidalClient(http=starlette.testclient.TestClient(app))  # in-process, against the app itself
-    job = c.submit({"name": "gpt", "gpus": 2, "command": ["python", "train.py"]})
-    c.job(job["id"])["state"]
-
-Errors come back as :class:`ApiError` with the HTTP status and, for a spec the server refused,
-one line per field (``gpus.min: Input should be greater than or equal to 1``).
-"""
+"""A small client of the REST API, over any ``httpx.Client`` (the transport seam: the network, or a
+``TestClient`` of the app in-process). Errors come back as :class:`ApiError` with the HTTP status and, for a
+refused spec, one line per field."""
 
 from __future__ import annotations
 

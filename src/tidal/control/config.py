@@ -1,20 +1,5 @@
-"""Knobs of the live control plane (one table, units in the names); ``tidal up --config FILE`` (YAML).
-
-scheduler: {min_runtime_before_preempt_s: 60, preempt_grace_s: 60}   # tidal.policy SchedulerConfig
-ckpt_interval: {min_interval_s: 30, max_interval_s: 3600}         # tidal.policy CkptIntervalConfig
-restart_backoff_s: 10        # first retry after a failure; doubles per restart, up to max_backoff_s
-hang_timeout_s: 120          # no heartbeat for this long (and hang_step_times step times) -> hung
-checkpoint_grants: {vision: [/data/vision-ckpt], "*": ["s3://shared/ckpt"]}  # besides <state>/tenants/<t>/
-checkpoint_endpoints: [http://seaweed:8333, aws, "agent-host:7070"]  # S3 endpoints, peer agents jobs may name
-checkpoint_max_timeout_s: 60 # cap on timeouts in a spec's tier options
-serving:                     # optional: the live loan plan, as advice (GET /v1/serving, /metrics)
-  serving_gpus: 128
-  prometheus: http://prometheus:9090     # or  trace: traffic.csv  (+ speedup, start_s)
-  query: sum(vllm:num_requests_running)
-  gpus_per_unit: 0.125
-  shortfall_budget: 0.005
-isolation: {uid_base: 200000, shm_retention_s: 3600}   # tidal.exec.isolation: how jobs are isolated
-"""
+"""Knobs of the live control plane (one table, units in the names); ``tidal up --config FILE`` (YAML, every
+field in docs/control.md)."""
 
 from __future__ import annotations
 
@@ -32,18 +17,12 @@ from tidal.serving.watch import WatchConfig
 class ControlConfig:
     """How the reconcile loop treats jobs. Seconds everywhere.
 
-    Failures: ``restart_backoff_s`` before the first restart, doubled per restart up to
-    ``max_backoff_s``. Hangs: a running job whose heartbeat (the oldest rank's newest) is older than
-    ``max(hang_timeout_s, hang_step_times x its step time)`` is hung; before its first heartbeat,
-    ``startup_timeout_s`` from launch (also the limit while its heartbeat says ``checkpointing`` or
-    ``stopped``: a final save may take a while to persist). Stopping: SIGKILL ``kill_slack_s`` after the
-    job's own grace (the runtime's watchdog exits with 75 at the grace; this is the backstop).
-    ``loop_interval_s``: time between reconcile steps in ``tidal up``. ``ckpt_interval``: how jobs with
-    ``checkpoint.interval_s: auto`` get their interval from their measured stall (Young/Daly).
-    ``serving``: where serving demand comes from and, with ``nodes``, which serving GPUs the plane
-    lends (:mod:`tidal.control.loans`; without ``nodes``: the loan plan as advice); ``None``: no
-    serving side. ``isolation``: how the local
-    executor isolates jobs (uids, environment, shared-memory retention: :mod:`tidal.exec.isolation`).
+    Failures: ``restart_backoff_s`` before the first restart, doubled per restart up to ``max_backoff_s``.
+    Hangs: a running job whose newest heartbeat is older than ``max(hang_timeout_s, hang_step_times x its step
+    time)`` is hung; before its first heartbeat (and while it checkpoints, restores or stops),
+    ``startup_timeout_s``. Stopping: SIGKILL ``kill_slack_s`` after the job's own grace. ``serving``: where
+    serving demand comes from and, with ``nodes``, which GPUs the plane lends (:mod:`tidal.control.loans`);
+    ``None``: no serving side.
     """
 
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -1,33 +1,22 @@
 """The reconcile loop, as a controller that steps: ``decisions = controller.step(now_s)``.
 
-One step, in order (each numbered part is a method below):
+One step, in order:
 
-1. **Observe.** Ask the executor for facts about every job it runs: ranks' exit codes, progress,
-   heartbeats (:meth:`tidal.exec.protocol.Executor.observe`).
-2. **Reconcile** each active job with what was observed (:meth:`Controller._reconcile`): record
-   progress; ranks up -> ``running``; every rank exited -> classify the attempt (success, stopped
-   as asked, failure) and move on (``succeeded``; ``pending`` after a preemption; relaunch after a
-   resize; ``backoff`` then ``pending`` after a failure, up to ``max_restarts``; ``failed``); a rank
-   failed while others run, or the job hung (no heartbeat) -> kill it, it is classified once all
-   ranks are gone; a stop whose grace ran out -> SIGKILL; a cancel request -> notice.
-3. **Lend and reclaim** (with a serving side that lends, :class:`tidal.control.loans.LiveLoans`):
-   warm-ups end, serving demand is observed on its grid, the loan plan is made (the simulator's policy)
-   and applied to the loan ledger; newly lent GPUs are released by the serving adapter first. With a
-   serving side that only advises (no ``serving.nodes``), the same policy plans at each grid point the
-   serving clock passed (:meth:`tidal.serving.watch.Advisor.advance`) and nothing is lent.
-4. **Decide.** Build a :class:`~tidal.model.Snapshot` from the store and call the pure scheduler
-   (:func:`tidal.policy.scheduler.schedule`), the same function the simulator drives, with the
-   serving nodes, loans and reclaims in it: spot jobs run on lent GPUs, a due reclaim shrinks or
-   preempts the jobs on them and hands free lent GPUs back (``ReturnGpus``).
-5. **Act.** Apply each decision to the store (a checked transition, an event) and carry it out with
-   the executor: ``Admit`` -> launch; ``Preempt``/``Shrink``/``Grow`` -> notice (SIGTERM), the job
-   checkpoints and exits 75, and is requeued or relaunched on its new size (the runtime reshards on
-   restore); ``ReturnGpus`` -> the ledger and the serving adapter. The loan state is stored after
-   every step that changed it (one document), so a restarted plane continues the same loans.
+1. **Observe** every job the executor runs: exit codes, progress, heartbeats.
+2. **Reconcile** each active job with it (:meth:`Controller._reconcile`): ranks up -> ``running``; every
+   rank exited -> classify the attempt and move on (``succeeded``; ``pending`` after a preemption; relaunch
+   after a resize; ``backoff`` then ``pending`` up to ``max_restarts``; ``failed``); a rank failed or the
+   job hung -> kill it; a grace run out -> SIGKILL; a cancel request -> notice.
+3. **Lend and reclaim** (:class:`tidal.control.loans.LiveLoans`), or with a serving side that only advises,
+   let the :class:`tidal.serving.watch.Advisor` plan and lend nothing.
+4. **Decide**: the pure scheduler (:func:`tidal.policy.scheduler.schedule`, the simulator's) on a
+   :class:`~tidal.model.Snapshot` built from the store, with the serving loans and reclaims in it.
+5. **Act**: each decision to the store (a checked transition, an event) and the executor (``Admit`` ->
+   launch; ``Preempt``/``Shrink``/``Grow`` -> notice, the job checkpoints and exits 75; ``ReturnGpus`` ->
+   ledger and adapter). The loan state is stored after every step, so a restarted plane continues it.
 
-The controller reads no clock: ``now_s`` (Unix seconds, the clock heartbeats use) is an argument,
-so tests step it with a fake clock and a fake executor. It is not thread-safe: one loop calls
-``step``; the API only writes requests (submit, cancel) to the store, which the next step acts on.
+The controller reads no clock: ``now_s`` (Unix seconds, the clock heartbeats use) is an argument. Not
+thread-safe: one loop calls ``step``; the API only writes requests to the store.
 """
 
 from __future__ import annotations
@@ -90,9 +79,7 @@ class Controller:
         self.nodes: list[Node] = executor.nodes()
         self.loans = loans
         self.advisor = advisor
-        self._events: list[
-            tuple[str, str, dict | None]
-        ] = []  # loan events of this step, stored with the ledger
+        self._events: list[tuple[str, str, dict | None]] = []  # this step's loan events
         self.watch = NodeWatch(store, executor, self.nodes)  # nodes joining and leaving; jobs losing one
         self._shm_swept_s = float("-inf")
         self._announced: dict[str, tuple[float, int]] = {}  # job -> (last ckpt_interval event, changes since)
@@ -116,13 +103,9 @@ class Controller:
 
     # ------------------------------------------------------------------------------------- recovery
     def recover(self, now_s: float) -> None:
-        """After a (re)start: re-adopt the workers of every job that holds GPUs, or requeue it.
-
-        A job whose attempt the executor can find is tracked again (its ranks keep running; ranks that
-        ended meanwhile are handled by the next step from their recorded exit codes). A job none of
-        whose ranks can be found (never started, or gone without a trace) goes back to ``pending``
-        and resumes from its newest checkpoint; that is not counted as a failure.
-        """
+        """After a (re)start: re-adopt the workers of every job that holds GPUs, or requeue it to resume from
+        its newest checkpoint (not counted as a failure). Ranks that ended meanwhile are handled by the next
+        step from their recorded exit codes."""
         for job in self.store.jobs(states=HELD):
             found = job.attempt > 0 and self.executor.adopt(job.id, job.attempt, now_s)
             ob = self.executor.observe(now_s).get(job.id) if found else None
@@ -144,9 +127,7 @@ class Controller:
                                       f"control plane restarted: attempt {job.attempt} {why}; requeued to "
                                       f"resume from checkpoint step {job.ckpt_step or 0}",
                                       **_requeue_fields(), data={"recovered": True})
-        self.sweep_shm(
-            now_s, force=True
-        )  # orphans: shm dirs of jobs that ended or that the store does not know
+        self.sweep_shm(now_s, force=True)  # orphans: ended jobs' shm dirs, or unknown ones
 
     # ----------------------------------------------------------------------------------------- step
     def step(self, now_s: float) -> list[Decision]:
@@ -178,18 +159,17 @@ class Controller:
         return decisions
 
     def _note_waiting(self, why: dict[str, Waiting]) -> None:
-        """Store why each job waits or does not grow (``jobs.waiting``), for the jobs where that changed;
-        a job the scheduler gave no reason (admitted, grown to its maximum, ended) has it cleared."""
+        """Store why each job waits or does not grow (``jobs.waiting``) where that changed; no reason clears
+        it."""
         new = {jid: {"reason": w.reason, "until_s": w.until_s} for jid, w in why.items()}
         self.store.set_waiting({jid: new.get(jid) for jid in self._waiting.keys() | new.keys()
                                 if self._waiting.get(jid) != new.get(jid)})  # one transaction
         self._waiting = new
 
     def _holdings(self, wants: bool = False) -> tuple[dict[str, int], int, dict[str, list[str]]]:
-        """(node -> GPUs jobs hold, serving GPUs spot jobs could use now, node -> the jobs holding GPUs
-        there) from one read of the store. What spot jobs could use: what pending and running spot jobs
-        could still grow by (not those being stopped), less the training GPUs nobody holds (only
-        computed with ``wants``)."""
+        """(node -> GPUs jobs hold, serving GPUs spot jobs could use now, node -> jobs holding GPUs there)
+        from one read of the store. What spot jobs could use (only with ``wants``): what pending and running
+        spot jobs could grow by, less the training GPUs nobody holds."""
         used: dict[str, int] = {}
         on: dict[str, list[str]] = {}
         want = 0
@@ -221,17 +201,14 @@ class Controller:
         if over:  # never expected: the scheduler places only on lent GPUs and returns only free ones
             self.loans.stats["double_counted_steps"] = self.loans.stats.get("double_counted_steps", 0) + 1
             log.error("serving GPUs held by jobs beyond what is lent: %s", over)
-            events.append(
-                ("invariant", f"jobs hold serving GPUs beyond what is lent: {over}", {"over": over})
-            )
+            events.append(("invariant", f"jobs hold serving GPUs beyond what is lent: {over}",
+                           {"over": over}))
         self.loans.refresh(now_s, held, on)
         self.store.put_doc(LOANS_DOC, self.loans.dump(), now_s, events)
 
     def _intervals(self, snap: Snapshot, now_s: float) -> list[SetCkptInterval]:
-        """Checkpoint intervals for running jobs whose spec says ``interval_s: auto``, unless the job
-        checkpoints on its own step cadence (its session reports ``ckpt_every_steps``: from
-        ``TIDAL_CKPT_INTERVAL_STEPS`` or its code): that cadence wins, said once in its events, and
-        the platform sends it no interval (its timer stays at the policy's cap)."""
+        """Checkpoint intervals for running jobs with ``interval_s: auto``, unless the job's session reports
+        its own step cadence (``ckpt_every_steps``): that wins, said once in its events."""
         out = []
         for d in plan_ckpt_intervals(snap, self.config.ckpt_interval):  # pure; usually empty
             job = self.store.job(d.job)
@@ -279,8 +256,7 @@ class Controller:
             job = self.watch.node_lost(job, ob, lost, now_s)
         if job.cancel_requested and st != S.CANCELLING:
             job = self._stop(job, S.CANCELLING, "cancel requested", now_s,
-                             job.spec.get("grace_s", DEFAULT_GRACE_S),
-                             reason="cancel")
+                             job.spec.get("grace_s", DEFAULT_GRACE_S), reason="cancel")
             st = S.CANCELLING
         if ob.done:
             self._finish(job, ob, now_s)
@@ -319,9 +295,8 @@ class Controller:
             limit = max(limit, cfg.startup_timeout_s)
         idle = now_s - (p.heartbeat_s or ob.launched_s)
         if idle > limit:
-            return (
-                f"hung: no heartbeat for {idle:.0f} s (limit {limit:.0f} s) at step {p.step}, phase {p.phase}"
-            )
+            return (f"hung: no heartbeat for {idle:.0f} s (limit {limit:.0f} s) "
+                    f"at step {p.step}, phase {p.phase}")
         return None
 
     def _kill_for_failure(self, job: JobRow, why: str, now_s: float, kind: str = "failure") -> None:
@@ -365,8 +340,7 @@ class Controller:
                    "closing cleanly, counted as 0)") if torn else f"exited 0{at}"
             who = "its only rank " if len(codes) == 1 else f"all {len(codes)} ranks "
             self.store.transition(job.id, S.SUCCEEDED, now_s, who + how, data=data, finished_s=now_s,
-                                  placement={}, releasing={},
-                                  **base)
+                                  placement={}, releasing={}, **base)
         elif outcome == "cancelled":
             self.store.transition(job.id, S.CANCELLED, now_s, f"cancelled; exit codes {codes}", data=data,
                                   finished_s=now_s, placement={}, releasing={}, **base)
@@ -431,9 +405,9 @@ class Controller:
 
     # ------------------------------------------------------------------------------------------ act
     def _apply(self, d: Decision, now_s: float, jobs: dict[str, Job]) -> None:
-        """Carry out one decision: what it changes of a job is :mod:`tidal.policy.apply`'s (the simulator's
-        and the tests' semantics, applied to the snapshot's ``jobs``, updated in place), written to the
-        store with a checked transition; what it asks of the workers goes to the executor."""
+        """Carry out one decision: the job's change is :mod:`tidal.policy.apply`'s (the simulator's, applied
+        to ``jobs`` in place), written to the store with a checked transition; what it asks of the workers
+        goes to the executor."""
         if isinstance(d, ReturnGpus):
             if self.loans is None:
                 self.store.record("decision", f"ignored {d}: no serving side", now_s)
@@ -476,8 +450,8 @@ class Controller:
                 self.store.update(for_job, nominated_s=nominee.nominated_s)
 
     def _set_interval(self, job: JobRow, interval_s: float, now_s: float) -> None:
-        """A new checkpoint interval: to the store and the job's ranks; announced (an event) at most every
-        ``ANNOUNCE_INTERVAL_S``, with the number of changes since."""
+        """A new checkpoint interval to the store and the ranks; announced at most every
+        ``ANNOUNCE_INTERVAL_S``."""
         was = job.ckpt_interval_s
         self.store.update(job.id, ckpt_interval_s=interval_s)
         self.executor.configure(job.id, {"ckpt_interval_s": interval_s})
@@ -533,20 +507,16 @@ class Controller:
             return
         self.store.update(job.id, handle=handle)
         self.store.record("launch", f"attempt {attempt}: {_n(req.world_size, 'rank')} started", now_s,
-                          job=job,
-                          data=handle)
+                          job=job, data=handle)
 
     def _env(self, job: JobRow) -> dict[str, str]:
         return job_env(job, self.ckpt_root, self.config.ckpt_interval.max_interval_s)
 
     # ------------------------------------------------------------------------------- shared memory
     def sweep_shm(self, now_s: float, *, force: bool = False) -> list[str]:
-        """Free the shared-memory directories (node-memory checkpoint tiers) of ended jobs: once the
-        newest checkpoint is in a durable tier (or there is none), else ``isolation.shm_retention_s``
-        after the job ended; a directory of a job the store does not know is an orphan, freed at
-        once; and, by the same rule, the steps the executor's checkpoint agents keep of ended jobs
-        (``node_memory.sweep_agents``). Returns the jobs whose directories were freed. Every
-        ``SHM_SWEEP_S`` at most, unless ``force``."""
+        """Free the shared-memory directories and the agents' kept steps of ended jobs once the newest
+        checkpoint is durable (or after ``isolation.shm_retention_s``); an unknown job's at once. Every
+        ``SHM_SWEEP_S`` at most, unless ``force``. Returns the jobs freed."""
         ex = self.executor
         soon = not force and now_s - self._shm_swept_s < SHM_SWEEP_S
         if not isinstance(ex, NodeMemory | AgentMemory) or soon:
@@ -570,8 +540,7 @@ def _requeue_fields() -> dict[str, Any]:
 
 
 def _resume_step(p: Progress, job: JobRow) -> int:
-    """The checkpoint step the next attempt resumes from: the ended attempt's newest, else the job's
-    (an attempt stopped before it saved resumes from what an earlier one committed)."""
+    """The checkpoint step the next attempt resumes from: the ended attempt's newest, else the job's."""
     return p.ckpt_step if p.ckpt_step is not None else job.ckpt_step or 0
 
 

@@ -1,22 +1,10 @@
 """The web dashboard, served by ``tidal up`` itself: a static page and the read-only JSON it polls.
 
-The page (``GET /dashboard``, assets under ``/dashboard/assets/``) carries no data and needs no token:
-it asks for a bearer token once, keeps it in the tab's ``sessionStorage`` (gone when the tab closes,
-never in a URL, a cookie or a log), and calls the API with ``Authorization: Bearer``, so it sees
-exactly what that token sees through the API: a tenant its own jobs, the admin everything. The page
-is rendered with ``textContent`` only and served with a Content-Security-Policy that allows scripts
-from this server alone.
-
-| method and path | what |
-|---|---|
-| ``GET /dashboard`` | the page (``GET /`` redirects here) |
-| ``GET /v1/dashboard/pool`` | GPUs per node by holder, tenants' usage against quota and fair share, queue |
-| ``GET /v1/dashboard/jobs?state=&kind=&tenant=&q=&offset=&limit=`` | a page of jobs (newest first), total |
-| ``GET /v1/dashboard/jobs/{id}/curves`` | loss and throughput per attempt, restores, checkpoints |
-| ``GET /v1/dashboard/serving?after=`` | the loan step's timeline (bounded, in memory) and the plan now |
-
-The job page also reads ``GET /v1/jobs/{id}``, ``/v1/events?job=`` and ``/v1/jobs/{id}/checkpoints``.
-Every refresh costs a page of rows or the active jobs (never every job ever submitted).
+The page (``GET /dashboard``) carries no data and needs no token: it asks for a bearer token once, keeps it in
+``sessionStorage`` (never in a URL, cookie or log) and calls the API with it, so it sees what that token sees.
+It renders with ``textContent`` only, under a Content-Security-Policy allowing scripts from this server alone.
+Its JSON routes (``/v1/dashboard/pool``, ``jobs``, ``jobs/{id}/curves``, ``serving``) are in docs/control.md;
+each refresh costs a page of rows or the active jobs, never every job.
 """
 
 # No ``from __future__ import annotations``: FastAPI reads the routes' annotations, some local (``Caller``).

@@ -1,7 +1,5 @@
-"""What the store's job rows become for the others: the scheduler's jobs and tenants
-(:func:`scheduler_view`) and an attempt's environment for the executor (:func:`job_env`: the
-checkpoint location, interval and grace the runtime reads). Called by the controller each step and at
-each launch."""
+"""The store's job rows as the scheduler sees them (:func:`scheduler_view`) and an attempt's environment for
+the executor (:func:`job_env`)."""
 
 from __future__ import annotations
 
@@ -57,12 +55,9 @@ def default_ckpt(ckpt_root: Path | None, job: JobRow) -> str | None:
 
 
 def own_dirs(job: JobRow, ckpt_root: Path | None) -> tuple[str, ...]:
-    """The checkpoint directories the executor makes for the job before its ranks start (owned by its
-    uid with ``isolation.uid_base``: that uid cannot create them in the state dir itself): its default
-    location when it uses it (or that of the job it resumes, which may never have run), and each
-    directory location of its spec under its tenant's own prefix
-    ``<state dir>/tenants/<tenant>/`` (checked at submission; a granted prefix elsewhere is the admin's
-    to prepare)."""
+    """The checkpoint directories the executor makes for the job before its ranks start (its uid cannot create
+    them in the state dir): its default location when used (or that of the job it resumes), and each directory
+    of its spec under ``<state dir>/tenants/<tenant>/``."""
     ck = job.spec.get("checkpoint") or {}
     default = default_ckpt(ckpt_root, job)
     if ck.get("tiers") is None and ck.get("url") in (None, default):
@@ -83,9 +78,8 @@ def own_dirs(job: JobRow, ckpt_root: Path | None) -> tuple[str, ...]:
 
 
 def taken_over(job: JobRow, store: Store) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """The checkpoint directories ``job`` took over with ``resume_from`` and the ended jobs of its tenant
-    at them (the job it resumes, and those that resumed each other there before: with ``isolation: {per:
-    job}`` each ran as its own uid); ``((), ())`` for a job that resumes nothing."""
+    """The directories ``job`` took over with ``resume_from`` and the ended jobs of its tenant at them; ``((),
+    ())`` for a job that resumes nothing."""
     ck = job.spec.get("checkpoint") or {}
     rid = ck.get("resume_from")
     if not rid:

@@ -1,6 +1,4 @@
-"""A job file as the command line submits it: YAML read with its paths made absolute (relative to the
-file), then the command line's overrides (``--gpus 4``, ``--env K=V``, ...). The server checks the
-result like any spec (:mod:`tidal.control.spec`)."""
+"""A job file as the command line submits it: YAML with its paths made absolute, then the overrides."""
 
 from __future__ import annotations
 

@@ -1,22 +1,13 @@
-"""Checkpoint locations belong to a tenant (checked at submission, in the API process).
+"""Checkpoint locations belong to a tenant (checked at submission, in the API process; rules in
+docs/control.md).
 
-* A job without ``checkpoint.url``/``tiers`` uses ``<state dir>/jobs/<job>/ckpt``: its own, since job
-  ids are never reused (``Store.submit``).
-* An explicit directory (``checkpoint.url``, or a directory tier of ``checkpoint.tiers``) must lie under
-  the tenant's prefix ``<state dir>/tenants/<tenant>/`` or under a prefix the admin granted the tenant
-  (``checkpoint_grants`` in ``tidal up --config``: ``{tenant: [prefix, ...]}``, ``"*"`` for every tenant;
-  a prefix is a directory or ``s3://bucket/prefix``). Paths are compared after resolving ``..`` and
-  symbolic links.
-* ``s3://`` and ``peer`` tiers need their endpoint in the admin's ``checkpoint_endpoints`` (S3: the
-  ``endpoint`` option, ``aws`` for the AWS default; peer: the ``agent`` and each of ``peers``, host:port;
-  an explicit ``peer://NAME`` namespace is refused: it is derived from the job's location). A ``peer``
-  tier without an ``agent`` (and ``peers``) uses the agents the executor gives each rank: allowed when
-  the plane runs its own (``tidal up --executor ray --ckpt-agents``: ``own_agents``). Timeouts in
-  tier options are capped by ``checkpoint_max_timeout_s``. Default: only local tiers.
-* Two jobs never share a location (equal or nested) unless the spec says ``checkpoint: {resume_from:
-  JOB}``: an ended job of the same tenant, whose location the new job takes over (retention included).
-  A directory that already holds checkpoint steps is refused unless it is that job's location.
-* The admin's own jobs may use any location (the operator's choice, checked by nobody).
+* No ``checkpoint.url``/``tiers``: ``<state dir>/jobs/<job>/ckpt``, its own (job ids are never reused).
+* A directory must lie under ``<state dir>/tenants/<tenant>/`` or a prefix granted in ``checkpoint_grants``,
+  compared after resolving ``..`` and links.
+* ``s3://`` and ``peer`` tiers need their endpoints in ``checkpoint_endpoints`` (or the plane's own agents,
+  ``own_agents``); tier timeouts are capped by ``checkpoint_max_timeout_s``.
+* Two jobs never share a location unless one says ``resume_from`` an ended job of its tenant; a directory
+  holding steps is refused otherwise. The admin's jobs may use any location.
 """
 
 from __future__ import annotations
@@ -106,13 +97,11 @@ def check(
     others: Callable[[], Iterable[tuple[str, str, str, bool]]],
     job_location: Callable[[str], tuple[str, str, dict] | None],
 ) -> tuple[list[tuple[str, str]], dict, str | None]:
-    """Check a submitted spec's ``checkpoint`` for ``tenant``: ``(problems, checkpoint, location)``.
-
-    ``problems`` are (field, message); ``checkpoint`` is the spec's checkpoint block as stored (with
-    ``resume_from`` resolved to that job's ``url`` or ``tiers``); ``location`` the job's home to record
-    (None: the default ``<state>/jobs/<job>/ckpt``). ``others()`` yields (job id, tenant, location,
-    ended) of jobs with a recorded location; ``job_location(id)`` gives (tenant, state, checkpoint block)
-    of a job, or None."""
+    """Check a spec's ``checkpoint`` for ``tenant``: ``(problems, checkpoint, location)`` with problems as
+    (field, message), the checkpoint block as stored (``resume_from`` resolved) and the location to record
+    (None: the default). ``others()`` yields (job, tenant, location, ended); ``job_location(id)`` gives
+    (tenant, state, checkpoint block) or None.
+    """
     ck = dict(ck)
     resumed: str | None = None
     if ck.get("resume_from") is not None:

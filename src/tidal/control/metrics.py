@@ -1,44 +1,7 @@
 """Prometheus metrics, computed from the store at scrape time (``GET /metrics``).
 
-Each entry: metric (type) — labels, and what it measures where the name does not say.
-
-* ``tidal_pool_gpus`` (gauge) — ``node``, ``state`` (allocated, draining, free), ``tenant`` ("" when free)
-* ``tidal_jobs`` (gauge) — ``state`` (every state, zeros included)
-* ``tidal_job_gpus`` (gauge) — ``job_id``, ``tenant``
-* ``tidal_job_step`` (gauge) — ``job_id``, ``tenant``: newest completed step
-* ``tidal_job_steps_per_second`` (gauge) — ``job_id``, ``tenant``
-* ``tidal_job_checkpoint_age_seconds`` (gauge) — ``job_id``, ``tenant``, ``tier``: since the newest step in
-  that tier was captured
-* ``tidal_job_ettr_ratio`` (gauge) — ``job_id``, ``tenant``: effective training time ratio
-* ``tidal_job_restarts_total`` (counter) — ``job_id``, ``tenant``: restarts after failures
-* ``tidal_job_preemptions_total`` (counter) — ``job_id``, ``tenant``
-* ``tidal_job_lost_work_seconds_total`` (counter) — ``job_id``, ``tenant``: training re-run after failures
-* ``tidal_node_losses_total`` (counter) — jobs that lost ranks with a node (executors across machines: Ray)
-* ``tidal_node_loss_heartbeat_age_seconds`` (summary) — at each loss, the age of the lost ranks' newest
-  heartbeat (bounds the detection time)
-* ``tidal_node_loss_recovery_seconds`` (summary) — from a loss detected to the job's next attempt training
-* ``tidal_serving_demand_gpus`` (gauge) — serving demand at the newest plan (absent while unknown)
-* ``tidal_serving_lendable_gpus`` (gauge) — serving GPUs the newest loan plan could lend
-* ``tidal_serving_margin_gpus`` (gauge) — the plan's safety margin at the lead time
-* ``tidal_serving_reclaim_gpus`` (gauge) — ``within``: lent GPUs due back within 1h / 6h (advice only)
-
-With live lending (``serving.nodes``) the plan's gauges above (demand, lendable, margin) and:
-
-* ``tidal_loan_lent_gpus`` / ``tidal_loan_warming_gpus`` (gauge) — serving GPUs lent now / warming up after a
-  return
-* ``tidal_loan_reclaim_gpus`` (gauge) — lent GPUs owed back (outstanding reclaims)
-* ``tidal_loan_reclaims_total`` (counter) — ``outcome`` (met, missed): returns before / after their deadline
-* ``tidal_loan_worst_return_margin_seconds`` (gauge) — the smallest margin before a deadline at a return
-* ``tidal_loan_lent_gpu_seconds_total`` (counter) — GPU-seconds lent (control-plane time)
-* ``tidal_serving_shortfall_gpu_seconds_total`` (counter) — serving demand unmet (serving time)
-* ``tidal_serving_action_failures_total`` (counter) — ``action`` (release, restore): adapter failures
-* ``tidal_serving_unknown_demand_steps_total`` (counter) — plan steps with unknown demand (nothing new lent)
-* ``tidal_serving_pool_gpus`` (gauge) — serving GPUs in the pool now (lost nodes and nodes back but still
-  warming up are not)
-* ``tidal_serving_node_losses_total`` (counter) — serving nodes lost (while lending or not)
-
-Per-job series exist for active jobs (not yet succeeded, failed or cancelled), so their number
-stays bounded by what runs and waits.
+Every metric, its labels and what it measures is listed in docs/control.md (Metrics); each one's help text is
+below. Per-job series exist for active jobs only, so their number stays bounded by what runs and waits.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """Nodes joining and leaving the executor's pool, and jobs that lose one (the controller's helper).
 
-The controller (:mod:`tidal.control.controller`) reads the executor's nodes every step through
-:meth:`NodeWatch.refresh` (on a cluster they join and leave: ``node`` events) and, when a job's ranks
-went with their node (:attr:`tidal.exec.protocol.RankState.lost`), calls :meth:`NodeWatch.node_lost`
-(kill the others; the job is requeued, not failed, once all are gone) and later
-:meth:`NodeWatch.recovered` (the ``recovered`` event once its next attempt trains).
-
-Totals for the metrics (:mod:`tidal.control.metrics`: ``tidal_node_losses_total``, the summaries
-``tidal_node_loss_heartbeat_age_seconds`` and ``tidal_node_loss_recovery_seconds``) and the losses
-not yet recovered from (``pending``: what each was, so a plane restarted in between still records the
-``recovered`` event) are one document in the store (:data:`DOC_KEY`), kept across restarts.
+The controller calls :meth:`NodeWatch.refresh` every step, :meth:`NodeWatch.node_lost` when a job's ranks went
+with their node (kill the others; requeued once all are gone) and :meth:`NodeWatch.recovered` (its event once
+the next attempt trains). The loss totals for the metrics and the losses not yet recovered from are one
+document in the store (:data:`DOC_KEY`).
 """
 
 from __future__ import annotations
@@ -53,10 +47,9 @@ class NodeWatch:
         self.departed: set[str] = set()  # nodes that left and still show (jobs hold GPUs there)
 
     def refresh(self, now_s: float) -> None:
-        """The executor's nodes, read every step (on a cluster nodes join and leave). A node that left
-        stays in the list while jobs still hold GPUs on it, with only those GPUs (none free), so the
-        scheduler's view stays whole and never places anything there. Joins and leaves are events.
-        ``self.nodes`` (the controller's list, which the API holds too) is changed in place."""
+        """The executor's nodes, read every step; joins and leaves are events. A node that left stays while
+        jobs hold GPUs on it, with only those (none free). ``self.nodes`` (shared with the API) is changed in
+        place."""
         live = self.executor.nodes()
         if live == self.nodes:
             return

@@ -1,17 +1,10 @@
-"""``tidal up``: the API, the reconcile loop and the local executor in one process.
+"""``tidal up``: the API, the reconcile loop and the executor in one process.
 
-The loop runs in a thread, calling ``Controller.step(time.time())`` every ``loop_interval_s``; the
-API runs under uvicorn in the main thread. At start the controller re-adopts the workers of jobs
-that were running when the previous process ended (also by ``kill -9``): workers run in their own
-sessions and outlive the control plane. Stopping ``tidal up`` (Ctrl-C, SIGTERM) leaves running jobs
-running; the next ``tidal up`` re-adopts them (``tidal cancel`` stops a job).
-
-With ``serving:`` in the config, the reconcile step plans loans too: without ``serving.nodes`` it
-advises (:class:`~tidal.serving.watch.Advisor`: each step plans at the grid points serving time has
-passed, and the API shows the newest plan, ``GET /v1/serving``, ``/metrics``); with ``serving.nodes``
-it lends for real (:mod:`tidal.control.loans`): the local executor gets the serving nodes as virtual
-nodes (the Ray executor: they are the Ray nodes of those names, checked at start), and spot jobs run
-on the GPUs serving lends. One loop either way.
+The loop runs in a thread, calling ``Controller.step(time.time())`` every ``loop_interval_s``; the API runs
+under uvicorn in the main thread. Workers outlive the plane: stopping ``tidal up`` leaves jobs running and the
+next one re-adopts them. With ``serving:`` the step also plans loans: it advises without ``serving.nodes``
+(:class:`~tidal.serving.watch.Advisor`) and lends with them (:mod:`tidal.control.loans`; the local executor
+gets the serving nodes as virtual nodes).
 """
 
 from __future__ import annotations
@@ -106,10 +99,8 @@ class Plane:
 
 def isolation_warning(config: ControlConfig | None, euid: int | None = None,
                       executor: object = None) -> str | None:
-    """One line when jobs will run as root (``tidal up`` as root without ``isolation.uid_base``): root
-    reads every file whatever its mode, so such a job can read the admin token and other jobs' data; or
-    (``executor`` a Ray executor running jobs as their uids) when the Ray cluster has no token
-    authentication, through which a job could run code as the workers' user."""
+    """One line when jobs will run as root (root reads every file), or when a Ray executor running jobs as
+    their uids has no token authentication; else None."""
     iso = config.isolation if config is not None else None
     if getattr(executor, "token_auth", True) is False and getattr(executor, "uids", None) is not None:
         from tidal.exec.ray_checks import open_cluster_warning
@@ -292,10 +283,8 @@ def _build_ray(parts: PlaneParts, ray: RayOptions) -> Plane:
 
 
 def open_checked(state_dir: Path, url: str) -> Store:
-    """Open the store and check it against the state dir; ``SystemExit`` with one line naming the file
-    and what to do when the database is missing while ``jobs/`` holds jobs, cannot be read, or does not
-    know every job directory in ``jobs/`` (a fresh start over old jobs would reuse their ids, logs and
-    checkpoints)."""
+    """Open the store and check it against the state dir: ``SystemExit`` naming the file when the database is
+    missing, unreadable or missing jobs that ``jobs/`` holds (a fresh start would reuse their ids)."""
     from sqlalchemy import text
     from sqlalchemy.exc import SQLAlchemyError
 

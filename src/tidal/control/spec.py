@@ -1,21 +1,7 @@
-"""The job spec: what a user submits (YAML on the command line, JSON over the API).
+"""The job spec: what a user submits (YAML on the command line, JSON over the API; fields in docs/control.md).
 
-    name: gpt-small
-    kind: spot                 # spot | dedicated
-    priority: 0                # higher first
-    gpus: 4                    # or {min: 2, max: 8, multiple_of: 2} (elastic)
-    command: [python, train.py, --steps, "2000"]   # an argument list, never a shell string
-    # or, instead of command, a shell script: run: "pip install -e . && python train.py" (run as bash -c RUN)
-    workdir: .                 # relative to the YAML file (the CLI resolves it); default: its folder
-    env: {WANDB_MODE: offline}
-    checkpoint: {url: /ckpt/gpt-small, interval_s: 300}   # default url: the job's folder in the state dir;
-                               # or tiers: [shm, /ckpt/gpt-small, s3://bucket/gpt-small]; interval_s: auto
-    max_restarts: 3            # failures restarted from the newest checkpoint (exit 75 is not a failure)
-    grace_s: 30                # notice (SIGTERM) to SIGKILL, seconds (tidal.contract.DEFAULT_GRACE_S)
-
-Validation is pydantic v2 with ``extra="forbid"``: an unknown or invalid field is an error naming
-its path (``gpus.min``, ``env.RANK``) and what was expected. The API returns it as HTTP 422; the CLI
-prints it line by line. :func:`spec_errors` turns a ``ValidationError`` into those lines.
+Validation is pydantic v2 with ``extra="forbid"``: an invalid field is an error naming its path (``gpus.min``)
+and what was expected; the API answers 422, the CLI prints :func:`spec_errors`' lines.
 """
 
 from __future__ import annotations
@@ -238,11 +224,8 @@ class JobSpec(_Strict):
 
 
 def text_problems(data: Any, loc: tuple = (), depth: int = 0) -> list[tuple[tuple, str]]:
-    """Where ``data`` (parsed JSON or YAML) holds text no spec may hold: ``[(loc, message)]``.
-
-    A NUL byte (no argument, environment value or path can carry one: the launch would fail), a lone
-    UTF-16 surrogate (not Unicode: it cannot be encoded as UTF-8, so it could not be stored, shown or
-    passed on), a string over ``MAX_TEXT_CHARS``, nesting deeper than ``MAX_DEPTH``."""
+    """Where ``data`` holds text no spec may hold: ``[(loc, message)]``: a NUL byte, a lone surrogate, a
+    string over ``MAX_TEXT_CHARS``, nesting deeper than ``MAX_DEPTH``."""
     out: list[tuple[tuple, str]] = []
     if depth > MAX_DEPTH:
         return [(loc, f"nested deeper than {MAX_DEPTH} levels")]

@@ -1,26 +1,13 @@
-"""The store: tenants, jobs and the event log in one SQL database (SQLAlchemy 2).
+"""The store: tenants, jobs and the event log in one SQL database (SQLAlchemy 2; SQLite in WAL mode by
+default, any URL such as ``postgresql+psycopg://...``).
 
-Default: SQLite in WAL mode at ``<state dir>/tidal.db`` (readers never wait for the writer);
-any SQLAlchemy URL works, e.g. ``postgresql+psycopg://user@host/tidal`` (install the driver).
-
-Contract:
-
-* Every job state change goes through :meth:`Store.transition`, which checks it against the one
-  table in :mod:`tidal.control.states` (an illegal one raises ``IllegalTransition`` and changes
-  nothing) and records an event in the same transaction.
-* Writes are serialised by one lock (one ``tidal up`` process owns the store; the API's worker
-  threads and the reconcile loop share it); reads run concurrently.
-* Rows returned are detached snapshots (``expire_on_commit=False``): read them freely, change the
-  database only through the methods here.
-* Times are Unix seconds (``*_s``) on the caller's clock, passed in; the store reads no clock.
-* Tenants found by token hash are remembered (every API call authenticates; tenants change only
-  through this object, which forgets a tenant's entry when its token changes).
-* Job numbers are never reused: ``<name>-<n>`` takes ``n`` from a counter in the ``meta`` table
-  (``job_seq``), which only rises, whatever rows are deleted. The database also gets a random id
-  at creation (``meta.db_id``).
-* A SQLite file is checked on every read and write to be the file opened (same device and inode):
-  deleted or replaced under a running ``tidal up``, every call raises :class:`StoreUnavailable`
-  (the API answers 503) instead of writing into a fresh empty file or into nothing.
+* Every job state change goes through :meth:`Store.transition`, checked against :mod:`tidal.control.states`
+  (``IllegalTransition`` changes nothing) and recorded as an event in the same transaction.
+* Writes are serialised by one lock; reads run concurrently. Rows returned are detached snapshots.
+* Times are Unix seconds passed in; the store reads no clock.
+* Job numbers are never reused (``meta.job_seq`` only rises). Tenants found by token hash are remembered.
+* A SQLite file deleted or replaced under a running plane makes every call raise :class:`StoreUnavailable`
+  (503), never write into a fresh file.
 """
 
 from __future__ import annotations

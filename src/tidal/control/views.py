@@ -1,7 +1,4 @@
-"""Store rows as the REST API answers them: each built as its :mod:`tidal.control.schemas` model (the one
-definition of the answer's shape: a field the model does not name fails here) and returned as that
-model's JSON data (:func:`~tidal.control.schemas.answer`), which the API renders, the CLI's ``-o json``
-prints as the API returned it, and metrics read."""
+"""Store rows as the REST API answers them, each built as its :mod:`tidal.control.schemas` model."""
 
 from __future__ import annotations
 
@@ -72,17 +69,11 @@ def pool_view(nodes: list[Node], jobs: list[JobRow], viewer: str | None) -> dict
 
 def checkpoint_view(job_id: str, url: str | None, now_s: float, *, tiers: list | None = None,
                     shm_base: str | None = None) -> dict[str, Any]:
-    """:class:`~tidal.control.schemas.Checkpoints`: a job's committed checkpoint steps per tier: its directory
-    tiers (the location itself, or each directory tier of the job's tier list ``tiers``, whose first
-    non-shm tier is its location) and this node's shm tier are listed on local storage; every other tier
-    (``s3://``, ``peer``) comes from the job's status file on this node (``<shm root>/status.json``,
-    written by rank 0), never from a connection: the API process makes no outbound call a tenant chose
-    (endpoint, agent, timeout). Such a tier not in the status file yet is listed with no steps and
-    ``source: "spec"``. ``shm_base`` is the job's ``TIDAL_SHM_DIR`` when its spec sets one.
-
-    ``newest_durable_step`` is the newest step held by a durable (non-shm) tier, ``newest_durable_s`` when
-    it was captured (the status file's save time; else when the tier committed it), and
-    ``durable_age_s`` is ``now_s`` minus that. A tier that cannot be listed carries its ``error``.
+    """:class:`~tidal.control.schemas.Checkpoints`: a job's committed steps per tier. Directory tiers and this
+    node's shm tier are listed on local storage; others (``s3://``, ``peer``) come from the job's status file
+    on this node, never from a connection (the API makes no outbound call a tenant chose); one not there yet
+    has no steps and ``source: "spec"``. ``newest_durable_*`` is about the newest step in a non-shm tier; a
+    tier that cannot be listed carries its ``error``.
     """
     from tidal.ckpt.engine.status import read_status
     from tidal.ckpt.errors import CheckpointError
