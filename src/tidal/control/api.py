@@ -68,8 +68,7 @@ class TenantSpec(BaseModel):
 def _unprocessable(errors: list[dict[str, Any]]) -> JSONResponse:
     return JSONResponse(
         status_code=422,
-        content={"detail": errors, "errors": [f"{e['field'] or '(body)'}: {e['msg']}" for e in errors]},
-    )
+        content={"detail": errors, "errors": [f"{e['field'] or '(body)'}: {e['msg']}" for e in errors]})
 
 
 class BodyLimit:

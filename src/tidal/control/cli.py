@@ -111,8 +111,7 @@ def submit(
     gpus: Annotated[str | None, typer.Option(help="override gpus: N, or MIN-MAX (elastic)")] = None,
     env: Annotated[list[str] | None, typer.Option("--env", "-e", help="add or override K=V (repeat)")] = None,
     kind: Annotated[str | None, typer.Option(help="override the kind: spot or dedicated")] = None,
-    priority: Annotated[int | None, typer.Option(help="override the priority")] = None,
-) -> None:
+    priority: Annotated[int | None, typer.Option(help="override the priority")] = None) -> None:
     """Submit a job; with --wait, stream its output (rank 0) and events until it ends (exit code 0 if it
     succeeded; a failure shows the last lines of the failing rank's log).
 
@@ -398,8 +397,7 @@ def tenants_create(
     name: Annotated[str, typer.Argument(help="tenant name")],
     quota: Annotated[int, typer.Option(help="training GPUs guaranteed to dedicated jobs")] = 0,
     weight: Annotated[float, typer.Option(help="share of spot capacity")] = 1.0,
-    max_priority: Annotated[int, typer.Option(help="the highest priority its jobs may ask for")] = 0,
-) -> None:
+    max_priority: Annotated[int, typer.Option(help="the highest priority its jobs may ask for")] = 0) -> None:
     """Create a tenant and print its token on stdout (shown once; only its hash is stored)."""
     try:
         t = _client().create_tenant(name, quota_gpus=quota, weight=weight, max_priority=max_priority)

@@ -125,8 +125,7 @@ def summary(j: dict, con: Console, c: TidalClient | None = None, events: list[di
     r = j["report"]
     con.print(
         f"{escape(j['id'])}: {state(j['state'])}" + (f" — {escape(j['message'])}" if j["message"] else ""),
-        soft_wrap=True,
-    )
+        soft_wrap=True)
     con.print(f"  attempts {j['attempt']}, restarts {r['restarts']}, preemptions {r['preemptions']}"
               f"{resizes(events)}, lost work {r['lost_work_s']:.1f} s ({plural(r['lost_steps'], 'step')}), "
               f"ETTR {num(r['ettr'], '{:.2f}')}", soft_wrap=True)

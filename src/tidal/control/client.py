@@ -88,10 +88,8 @@ class TidalClient:
                 r = self.http.request(method, path, headers=headers, **kw)
         except httpx.TransportError as e:
             raise ApiError(
-                0,
-                f"cannot reach the Tidal API at {self.http.base_url} ({e}); is `tidal up` running? "
-                "(TIDAL_API_URL)",
-            ) from e
+                0, f"cannot reach the Tidal API at {self.http.base_url} ({e}); is `tidal up` running? "
+                "(TIDAL_API_URL)") from e
         if r.status_code >= 400:
             try:
                 doc = r.json()
@@ -155,10 +153,8 @@ class TidalClient:
         self, name: str, *, quota_gpus: int = 0, weight: float = 1.0, max_priority: int = 0
     ) -> dict:
         return self._call(
-            "POST",
-            "/v1/tenants",
-            json={"name": name, "quota_gpus": quota_gpus, "weight": weight, "max_priority": max_priority},
-        )
+            "POST", "/v1/tenants",
+            json={"name": name, "quota_gpus": quota_gpus, "weight": weight, "max_priority": max_priority})
 
     def metrics(self) -> str:
         """Prometheus text (the admin's token)."""

@@ -80,8 +80,7 @@ class ControlConfig:
                     for t, ps in grants.items()):
                 raise ValueError(
                     f"{where}: checkpoint_grants must map a tenant (or '*') to a list of directories "
-                    f"or s3://bucket/prefix, got {grants!r}"
-                )
+                    f"or s3://bucket/prefix, got {grants!r}")
             for ps in grants.values():
                 for p in ps:
                     if not (p.startswith(("/", "s3://", "file:///"))):
@@ -93,8 +92,7 @@ class ControlConfig:
             if not isinstance(eps, list) or not all(isinstance(e, str) and e for e in eps):
                 raise ValueError(
                     f"{where}: checkpoint_endpoints must be a list of S3 endpoint URLs, 'aws', or "
-                    f"agent host:port, got {eps!r}"
-                )
+                    f"agent host:port, got {eps!r}")
             kw["checkpoint_endpoints"] = tuple(eps)
         for k, v in kw.items():
             if k in ("checkpoint_grants", "checkpoint_endpoints"):

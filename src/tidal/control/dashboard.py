@@ -62,9 +62,7 @@ def compact_job(j: Any, now_s: float) -> sc.JobSummary:
     p = j.progress or {}
     return sc.JobSummary.model_validate({
         **{f: getattr(j, f) for f in sc.JobSummary.model_fields if f not in (*_PROGRESS, "ettr")},
-        **{f: p.get(f) for f in _PROGRESS},
-        "ettr": job_report(j, now_s)["ettr"],
-    })
+        **{f: p.get(f) for f in _PROGRESS}, "ettr": job_report(j, now_s)["ettr"]})
 
 
 def dashboard_router(ctx: ApiContext, caller: Callable[..., Any]) -> APIRouter:

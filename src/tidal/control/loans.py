@@ -143,8 +143,7 @@ class LiveLoans:
             raise ValueError(
                 f"the store's serving document (table docs, key {DOC_KEY!r}) is damaged: {what}; "
                 "restore the database from a backup, or delete that row to lend afresh "
-                "(jobs on serving nodes must be stopped first)"
-            ) from None
+                "(jobs on serving nodes must be stopped first)") from None
 
     def _load(self, doc: Mapping[str, Any]) -> None:
         if not isinstance(doc, Mapping) or doc.get("version") != 1:

@@ -143,10 +143,8 @@ def check(
         elif kind == "peer":
             peers = opts.get("peers") or []
             named = [
-                a
-                for a in [opts.get("agent")] + (list(peers) if isinstance(peers, list | tuple) else [peers])
-                if a is not None
-            ]
+                a for a in [opts.get("agent")] + (list(peers) if isinstance(peers, list | tuple) else [peers])
+                if a is not None]
             if not named and not policy.own_agents:  # the ranks' own agent, from the executor: none here
                 problems.append((where, "a peer tier without an agent uses the executor's checkpoint agents, "
                                         "and this plane runs none (tidal up --executor ray --ckpt-agents); "
@@ -182,9 +180,7 @@ def check(
                         "checkpoint: {resume_from: JOB}",
                     )
                 ],
-                ck,
-                None,
-            )
+                ck, None)
     if resumed is None:
         for kind, loc, _ in tiers:
             if kind == "dir" and _holds_steps(loc):
@@ -196,9 +192,7 @@ def check(
                             "location (or resume_from the job that wrote them)",
                         )
                     ],
-                    ck,
-                    None,
-                )
+                    ck, None)
     return [], ck, _real(home) if not home.startswith(("s3://", "peer://")) else home
 
 

@@ -91,12 +91,8 @@ class NodeWatch:
                               "ckpt_step": p.ckpt_step, "world_size": len(ob.ranks)}
         age = None if p.heartbeat_s is None else now_s - p.heartbeat_s
         self.store.record(
-            "node_lost",
-            f"{why}: killing the other {len(ob.alive)} ranks",
-            now_s,
-            job=job,
-            data={**self.lost[job.id], "ranks": [r.rank for r in lost], "since_heartbeat_s": age},
-        )
+            "node_lost", f"{why}: killing the other {len(ob.alive)} ranks", now_s, job=job,
+            data={**self.lost[job.id], "ranks": [r.rank for r in lost], "since_heartbeat_s": age})
         t = totals(self.store)
         t["losses"] += 1
         if age is not None:

@@ -235,8 +235,7 @@ def _serving(config: ControlConfig | None, loans: LiveLoans | None) -> tuple[Adv
     if loans is not None:
         return None, (
             f"; lending serving nodes {', '.join(f'{k} ({g} GPUs)' for k, g in loans.nodes.items())}, "
-            f"demand from {config.serving.describe()}"
-        )
+            f"demand from {config.serving.describe()}")
     try:
         adv = build_advisor(config.serving, wait_s=DEMAND_WAIT_S)
     except (OSError, ValueError) as e:
@@ -299,8 +298,7 @@ def open_checked(state_dir: Path, url: str) -> Store:
     if path is not None and not Path(path).exists() and dirs:
         raise SystemExit(
             f"tidal up: the database {path} is missing but {jobs_dir} holds jobs ({some(dirs)}): restore "
-            f"the database from a backup, or move {jobs_dir} aside to start afresh"
-        )
+            f"the database from a backup, or move {jobs_dir} aside to start afresh")
     try:
         store = Store(url)
         if path is not None:
@@ -314,8 +312,7 @@ def open_checked(state_dir: Path, url: str) -> Store:
         why = str(getattr(e, "orig", None) or e).splitlines()[0]
         raise SystemExit(
             f"tidal up: cannot read the database {where} ({why}): restore it from a backup, or move "
-            f"it aside together with {jobs_dir} to start afresh"
-        ) from None
+            f"it aside together with {jobs_dir} to start afresh") from None
     except ValueError as e:  # a newer schema
         raise SystemExit(f"tidal up: {e}") from None
     unknown = [d for d in dirs if d not in known]
@@ -323,8 +320,7 @@ def open_checked(state_dir: Path, url: str) -> Store:
         store.close()
         raise SystemExit(
             f"tidal up: {jobs_dir} holds jobs the database {where} does not know ({some(unknown)}): it is "
-            "not the database they ran with; point --db at that one, or move those directories aside"
-        )
+            "not the database they ran with; point --db at that one, or move those directories aside")
     return store
 
 

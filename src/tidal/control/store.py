@@ -244,8 +244,7 @@ class Store:
             raise StoreUnavailable(
                 f"the database {self.path} was {'deleted' if st is None else 'replaced'} while "
                 "tidal up was running; nothing more is stored: stop tidal up and restore "
-                "the file from a backup"
-            )
+                "the file from a backup")
 
     @property
     def db_id(self) -> str:
