@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn, TypeVar
 
 import typer
 from rich.console import Console
@@ -27,6 +27,7 @@ from tidal.control.follow import LogFollower, Reconnecting
 from tidal.control.jobfile import apply_overrides, load_spec_file
 
 TERMINAL = ("succeeded", "failed", "cancelled")
+T = TypeVar("T")
 
 tenants_app = typer.Typer(help="Tenants (admin): create, list.", no_args_is_help=True)
 
@@ -39,7 +40,7 @@ def _client() -> TidalClient:
     return TidalClient(default_url(), default_token())
 
 
-def _fail(e: Exception | str) -> None:
+def _fail(e: Exception | str) -> NoReturn:
     """One line on stderr, exit code 1. An error the client's set-up may explain (no server, a refused
     token) says where the API address and token came from."""
     msg = str(e)
@@ -47,6 +48,14 @@ def _fail(e: Exception | str) -> None:
         msg += f" [{origin()}]"
     show.console(stderr=True).print(Text.assemble(("error: ", "red"), msg), soft_wrap=True)
     raise typer.Exit(1)
+
+
+def _call(f: Callable[[TidalClient], T]) -> T:
+    """``f`` on a new client; an API error ends the command (:func:`_fail`)."""
+    try:
+        return f(_client())
+    except ApiError as e:
+        _fail(e)
 
 
 # ------------------------------------------------------------------------------------------- up
@@ -198,10 +207,7 @@ def jobs(state: Annotated[list[str] | None, typer.Option(help="only these states
          tenant: Annotated[str | None, typer.Option(help="admin: only this tenant's jobs")] = None,
          output: OutputOpt = Fmt.table, as_json: JsonOpt = False) -> None:
     """List jobs (yours; the admin sees all), with why each waiting or below-maximum job is so."""
-    try:
-        rows = _client().jobs(states=state, tenant=tenant)
-    except ApiError as e:
-        _fail(e)
+    rows = _call(lambda c: c.jobs(states=state, tenant=tenant))
     fmt = show.fmt(output, as_json)
     if show.dump(rows, fmt):
         return
@@ -252,36 +258,24 @@ def status(job: Annotated[str, typer.Argument(help="job id")], output: OutputOpt
         con.print(Text(f"  {j['message']}"), soft_wrap=True)
     if p:
         tiers = ", ".join(f"{k}: step {v[0]}" for k, v in (p.get("tiers") or {}).items()) or "none"
-        con.print(
-            Text(f"  step {show.num(p.get('step'))} (restored {show.num(p.get('start_step'))}), loss "
-                 f"{show.num(p.get('loss'), '{:.4f}')}, {show.num(p.get('steps_per_s'), '{:.2f}')} steps/s, "
-                 f"heartbeat phase {p.get('phase') or '-'}; checkpoints: {tiers}"),
-            soft_wrap=True,
-        )
+        con.print(Text(f"  step {show.num(p.get('step'))} (restored {show.num(p.get('start_step'))}), loss "
+                       f"{show.num(p.get('loss'), '{:.4f}')}, {show.num(p.get('steps_per_s'), '{:.2f}')} "
+                       f"steps/s, heartbeat phase {p.get('phase') or '-'}; checkpoints: {tiers}"),
+                  soft_wrap=True)
     con.print(Text(f"  {show.ckpt_line(ck)}; {show.cadence(j)}"), soft_wrap=True)
     if j.get("handle"):
-        con.print(
-            Text(f"  attempt {j['attempt']}: pids {[r['pid'] for r in j['handle'].get('ranks', [])]}, "
-                 f"devices {j['handle'].get('devices')}"),
-            soft_wrap=True,
-        )
+        con.print(Text(f"  attempt {j['attempt']}: pids {[r['pid'] for r in j['handle'].get('ranks', [])]}, "
+                       f"devices {j['handle'].get('devices')}"), soft_wrap=True)
     show.summary(j, con, c, evs)
     for ev in evs[-12:]:
         con.print(f"  [dim]{show.clock(ev['time_s'])}[/dim] {show.event_line(ev)}", soft_wrap=True)
 
 
-def logs(
-    job: Annotated[str, typer.Argument(help="job id")],
-    follow: Annotated[
-        bool,
-        typer.Option(
-            "--follow", "-f", help="keep printing until the job ends (through restarts of tidal up)"
-        ),
-    ] = False,
-    rank: Annotated[
-        str, typer.Option(help="which rank's log: a number, or 'all' (each line prefixed with its rank)")
-    ] = "0",
-) -> None:
+def logs(job: Annotated[str, typer.Argument(help="job id")],
+         follow: Annotated[bool, typer.Option("--follow", "-f", help="keep printing until the job ends "
+                                              "(through restarts of tidal up)")] = False,
+         rank: Annotated[str, typer.Option(help="which rank's log: a number, or 'all' (each line prefixed "
+                                           "with its rank)")] = "0") -> None:
     """A rank's output (stdout and stderr, every attempt), or all ranks' interleaved by line."""
     err = show.console(stderr=True)
     api = Reconnecting(_client, lambda m: err.print(Text(m, style="yellow"), soft_wrap=True))
@@ -322,29 +316,20 @@ def logs(
 def cancel(job: Annotated[str, typer.Argument(help="job id")]) -> None:
     """Cancel a job: a pending one at once; a running one gets a notice (checkpoint, exit), then is
     cancelled."""
-    try:
-        j = _client().cancel(job)
-    except ApiError as e:
-        _fail(e)
+    j = _call(lambda c: c.cancel(job))
     show.console().print(f"{escape(j['id'])}: cancel requested ({escape(j['state'])})")
 
 
 def pool(output: OutputOpt = Fmt.table, as_json: JsonOpt = False) -> None:
     """GPUs per node: who holds them, what is draining, what is free."""
-    try:
-        p = _client().pool()
-    except ApiError as e:
-        _fail(e)
+    p = _call(lambda c: c.pool())
     if show.dump(p, show.fmt(output, as_json)):
         return
     t = show.table("NODE", "POOL", "GPUS", "ALLOCATED", "DRAINING", "FREE", "HELD BY")
     for n in p["nodes"]:
-        held = (
-            ", ".join(f"{h['job'] or h['tenant']} "
-                      f"({h['gpus']}{', ' + h['state'] if h['state'] != 'running' else ''})"
-                      for h in n["jobs"])
-            or "-"
-        )
+        held = ", ".join(f"{h['job'] or h['tenant']} "
+                         f"({h['gpus']}{', ' + h['state'] if h['state'] != 'running' else ''})"
+                         for h in n["jobs"]) or "-"
         t.add_row(escape(n["name"]), n["pool"], str(n["gpus"]), str(n["allocated"]), str(n["draining"]),
                   str(n["free"]), escape(held))
     con = show.console()
@@ -370,9 +355,8 @@ def events(job: Annotated[str | None, typer.Argument(help="job id (default: all 
             con.print(f"[dim]{show.clock(e['time_s'])}[/dim] {show.event_line(e, with_job=job is None)}",
                       soft_wrap=True)
 
-    api = Reconnecting(
-        _client, lambda m: show.console(stderr=True).print(Text(m, style="yellow"), soft_wrap=True)
-    )
+    api = Reconnecting(_client, lambda m: show.console(stderr=True).print(Text(m, style="yellow"),
+                                                                            soft_wrap=True))
     try:
         rows = api.client.events(job, limit=10000)
         if not follow and show.dump(rows[-last:] if last else [], fmt):
@@ -399,27 +383,19 @@ def tenants_create(
     weight: Annotated[float, typer.Option(help="share of spot capacity")] = 1.0,
     max_priority: Annotated[int, typer.Option(help="the highest priority its jobs may ask for")] = 0) -> None:
     """Create a tenant and print its token on stdout (shown once; only its hash is stored)."""
-    try:
-        t = _client().create_tenant(name, quota_gpus=quota, weight=weight, max_priority=max_priority)
-    except ApiError as e:
-        _fail(e)
-    show.console(stderr=True).print(
-        Text(f"tenant {t['name']}: quota {show.plural(t['quota_gpus'], 'GPU')}, weight {t['weight']:g}, "
-             "max priority "
-             f"{t['max_priority']}; its token (keep it, it is not shown again; give it to the tenant as "
-             "TIDAL_TOKEN):"),
-        soft_wrap=True,
-    )
+    t = _call(lambda c: c.create_tenant(name, quota_gpus=quota, weight=weight, max_priority=max_priority))
+    show.console(stderr=True).print(Text(
+        f"tenant {t['name']}: quota {show.plural(t['quota_gpus'], 'GPU')}, weight {t['weight']:g}, "
+        f"max priority {t['max_priority']}; its token (keep it, it is not shown again; give it to the "
+        "tenant as TIDAL_TOKEN):"),
+        soft_wrap=True)
     print(t["token"])
 
 
 @tenants_app.command("list")
 def tenants_list(output: OutputOpt = Fmt.table, as_json: JsonOpt = False) -> None:
     """Tenants with their quotas and weights."""
-    try:
-        rows = _client().tenants()
-    except ApiError as e:
-        _fail(e)
+    rows = _call(lambda c: c.tenants())
     if show.dump(rows, show.fmt(output, as_json)):
         return
     t = show.table("TENANT", "QUOTA", "WEIGHT", "MAX PRIORITY", "ADMIN")

@@ -61,16 +61,13 @@ def locations(ck: Mapping[str, Any]) -> tuple[str | None, list[tuple[str, str, d
     if ck.get("tiers"):
         home, cfgs = resolve(ck["tiers"], default_keep=0)
         out = [(c.kind, c.location, dict(c.options)) for c in cfgs if c.kind != "shm"]
-        raw = [t for t in ck["tiers"] if isinstance(t, dict)]
-        for t in raw:  # an explicit namespace is checked here (resolve fills in the derived one)
-            if (t.get("kind") == "peer" or str(t.get("url", "")).startswith("peer")) and (
-                    t.get("job") or str(t.get("url", "")).startswith("peer://")):
+        for t in ck["tiers"]:  # an explicit namespace is refused here (resolve fills in the derived one)
+            url = str(t.get("url", "") if isinstance(t, dict) else t)
+            named = url.startswith("peer://") or (isinstance(t, dict) and t.get("job") and (
+                t.get("kind") == "peer" or url.startswith("peer")))
+            if named:
                 raise ValueError("a peer tier's namespace is derived from the job's location; "
                                  "give 'peer' without a name")
-        if any(isinstance(t, str) and t.startswith("peer://") for t in ck["tiers"]):
-            raise ValueError(
-                "a peer tier's namespace is derived from the job's location; give 'peer' without a name"
-            )
         return home, out
     url = ck.get("url")
     if url is None:
@@ -89,14 +86,10 @@ def locations(ck: Mapping[str, Any]) -> tuple[str | None, list[tuple[str, str, d
     return loc, [("dir", loc, {})]
 
 
-def check(
-    ck: Mapping[str, Any],
-    tenant: str,
-    admin: bool,
-    policy: LocationPolicy,
-    others: Callable[[], Iterable[tuple[str, str, str, bool]]],
-    job_location: Callable[[str], tuple[str, str, dict] | None],
-) -> tuple[list[tuple[str, str]], dict, str | None]:
+def check(ck: Mapping[str, Any], tenant: str, admin: bool, policy: LocationPolicy,
+          others: Callable[[], Iterable[tuple[str, str, str, bool]]],
+          job_location: Callable[[str], tuple[str, str, dict] | None]
+          ) -> tuple[list[tuple[str, str]], dict, str | None]:
     """Check a spec's ``checkpoint`` for ``tenant``: ``(problems, checkpoint, location)`` with problems as
     (field, message), the checkpoint block as stored (``resume_from`` resolved) and the location to record
     (None: the default). ``others()`` yields (job, tenant, location, ended); ``job_location(id)`` gives
@@ -162,8 +155,9 @@ def check(
                                         "(checkpoint_max_timeout_s)"))
     if problems:
         return problems, ck, None
+    found = _real(home) if not home.startswith(("s3://", "peer://")) else home
     if admin:  # the operator may point a job anywhere, at existing checkpoints too
-        return [], ck, _real(home) if not home.startswith(("s3://", "peer://")) else home
+        return [], ck, found
     mine = {_real(loc) if kind == "dir" else loc for kind, loc, _ in tiers}
     for jid, owner, loc, ended in others():
         if jid == resumed:
@@ -171,29 +165,15 @@ def check(
         if any(overlaps(m, loc) for m in mine):
             if resumed is not None and owner == tenant and ended:
                 continue  # an earlier job at the location it takes over, ended
-            return (
-                [
-                    (
-                        where,
-                        f"{home} is (or overlaps) the checkpoint location of another job; a job may "
-                        "only take over the location of an ended job of its tenant: "
-                        "checkpoint: {resume_from: JOB}",
-                    )
-                ],
-                ck, None)
+            msg = (f"{home} is (or overlaps) the checkpoint location of another job; a job may only take "
+                   "over the location of an ended job of its tenant: checkpoint: {resume_from: JOB}")
+            return [(where, msg)], ck, None
     if resumed is None:
         for kind, loc, _ in tiers:
             if kind == "dir" and _holds_steps(loc):
-                return (
-                    [
-                        (
-                            where,
-                            f"{loc} already holds checkpoint steps of no job of this tenant; choose an empty "
-                            "location (or resume_from the job that wrote them)",
-                        )
-                    ],
-                    ck, None)
-    return [], ck, _real(home) if not home.startswith(("s3://", "peer://")) else home
+                return [(where, f"{loc} already holds checkpoint steps of no job of this tenant; choose an "
+                         "empty location (or resume_from the job that wrote them)")], ck, None
+    return [], ck, found
 
 
 def _holds_steps(loc: str) -> bool:

@@ -150,82 +150,53 @@ def build(state_dir: Path, gpus: str = "auto", db: str | None = None, config: Co
     store = open_checked(state_dir, db or sqlite_url(str(state_dir / "tidal.db")))
     token, created = ensure_admin(store, state_dir, time.time())
     secure_state_dir(state_dir, config)  # the database as created
-    parts = PlaneParts(state_dir=state_dir, gpus=gpus, store=store, admin_token=token, token_created=created,
-                       config=config, loans=loans)
-    try:
+    iso = config.isolation if config is not None else None
+    try:  # the store closes with any refusal
+        ex: LocalExecutor | RayExecutor
         if executor == "ray":
-            return _build_ray(parts, RayOptions(address=ray_address, ckpt_agents=ckpt_agents))
-        return _build(parts)
-    except (ValueError, SystemExit) as e:  # the store closes with any refusal, whichever builder made it
+            ex, what = _ray_executor(state_dir, gpus, store, iso, loans, ray_address, ckpt_agents)
+        else:
+            ex, what = _local_executor(state_dir, gpus, config, loans)
+        try:
+            advisor, more = _serving(config, loans)
+            controller = Controller(store, ex, config, ckpt_root=state_dir / "jobs", loans=loans,
+                                    advisor=advisor)
+        except (ValueError, SystemExit):
+            ex.close()  # the local executor is no longer the subreaper of anything (a caller may go on)
+            raise
+        return Plane(state_dir, store, ex, controller, token, created, what + more, own_agents=ckpt_agents)
+    except (ValueError, SystemExit) as e:
         store.close()
         if isinstance(e, SystemExit):
             raise
         raise SystemExit(f"tidal up: {e}") from None
 
 
-@dataclass(frozen=True)
-class PlaneParts:
-    """What :func:`build` made before the executor, for the builder of either executor."""
-
-    state_dir: Path  # resolved, secured
-    gpus: str  # "auto", or a number: CPU slots (local executor), GPUs of the Ray tidal up starts
-    store: Store
-    admin_token: str
-    token_created: bool  # this start created the admin token
-    config: ControlConfig | None
-    loans: LiveLoans | None  # the serving nodes lent from, when the config lends
-
-    @property
-    def isolation(self) -> IsolationConfig | None:
-        return self.config.isolation if self.config is not None else None
-
-
-@dataclass(frozen=True)
-class RayOptions:
-    """``tidal up --executor ray``'s own options."""
-
-    address: str | None = None  # --ray-address; None: a local Ray that tidal up starts
-    ckpt_agents: bool = False  # --ckpt-agents: a checkpoint agent on every node
-
-
-def _build(parts: PlaneParts) -> Plane:
-    state_dir, gpus, store = parts.state_dir, parts.gpus, parts.store
-    config, loans = parts.config, parts.loans
-    iso = parts.isolation
-    serving_nodes = loans.nodes if loans is not None else {}
-    serving = config.serving if config is not None else None  # (set whenever loans are)
-    if loans is not None and serving is not None and serving.adapter == "ray-serve":
-        raise SystemExit(
-            "tidal up: serving.adapter ray-serve lends the GPUs of Ray nodes: it needs --executor ray"
-        )
+def _local_executor(state_dir: Path, gpus: str, config: ControlConfig | None,
+                    loans: LiveLoans | None) -> tuple[LocalExecutor, str]:
+    """The local executor on this machine's NVIDIA GPUs (``gpus="auto"``) or N CPU slots, and its line."""
+    if loans is not None and config is not None and config.serving is not None \
+            and config.serving.adapter == "ray-serve":
+        raise SystemExit("tidal up: serving.adapter ray-serve lends the GPUs of Ray nodes: it needs "
+                         "--executor ray")
+    ids, n = None, None
     if gpus == "auto":
         ids = detect_gpus()
         if not ids:
             raise SystemExit("tidal up: no NVIDIA GPUs found (nvidia-smi); on a machine without GPUs declare "
                              "CPU slots with --gpus N")
-        executor = LocalExecutor(state_dir / "jobs", gpu_ids=ids, serving_nodes=serving_nodes, isolation=iso,
-                                 subreaper=True)
         what = f"{len(ids)} GPUs ({','.join(map(str, ids))})"
     else:
         try:
             n = int(gpus)
         except ValueError:
-            raise SystemExit(
-                f"tidal up: --gpus must be 'auto' or a number of CPU slots, got {gpus!r}"
-            ) from None
+            raise SystemExit(f"tidal up: --gpus must be 'auto' or a number of CPU slots, got {gpus!r}") \
+                from None
         if n < 1:
             raise SystemExit(f"tidal up: --gpus must be >= 1, got {n}")
-        executor = LocalExecutor(state_dir / "jobs", slots=n, serving_nodes=serving_nodes, isolation=iso,
-                                 subreaper=True)
         what = f"{n} CPU slots"
-    try:
-        advisor, more = _serving(config, loans)
-        controller = Controller(store, executor, config, ckpt_root=state_dir / "jobs", loans=loans,
-                                advisor=advisor)
-    except (ValueError, SystemExit):
-        executor.close()  # no longer the subreaper of anything (a caller may go on)
-        raise
-    return Plane(state_dir, store, executor, controller, parts.admin_token, parts.token_created, what + more)
+    return LocalExecutor(state_dir / "jobs", slots=n, gpu_ids=ids, serving_nodes=loans.nodes if loans else {},
+                         isolation=config.isolation if config is not None else None, subreaper=True), what
 
 
 def _serving(config: ControlConfig | None, loans: LiveLoans | None) -> tuple[Advisor | None, str]:
@@ -243,12 +214,11 @@ def _serving(config: ControlConfig | None, loans: LiveLoans | None) -> tuple[Adv
     return adv, (f"; serving {config.serving.serving_gpus} GPUs, plan from {config.serving.describe()}")
 
 
-def _build_ray(parts: PlaneParts, ray: RayOptions) -> Plane:
+def _ray_executor(state_dir: Path, gpus: str, store: Store, iso: IsolationConfig | None,
+                  loans: LiveLoans | None, address: str | None, agents: bool) -> tuple[RayExecutor, str]:
+    """The Ray executor on the cluster at ``address`` (None: a local Ray it starts), and its line."""
     from tidal.exec.ray_exec import RayExecutor
 
-    state_dir, gpus, store = parts.state_dir, parts.gpus, parts.store
-    config, loans = parts.config, parts.loans
-    address, agents = ray.address, ray.ckpt_agents
     num_gpus = None
     if gpus != "auto":
         try:
@@ -258,7 +228,7 @@ def _build_ray(parts: PlaneParts, ray: RayOptions) -> Plane:
         if address is not None:
             raise SystemExit("tidal up: --gpus N declares the GPUs of a Ray that tidal up starts; with "
                              "--ray-address the cluster's nodes say how many they have")
-    executor = RayExecutor(state_dir / "jobs", address=address, num_gpus=num_gpus, isolation=parts.isolation,
+    executor = RayExecutor(state_dir / "jobs", address=address, num_gpus=num_gpus, isolation=iso,
                            ckpt_agents=agents, serving_nodes=loans.nodes if loans is not None else None)
     try:
         # a serving node the cluster lacks: one line now, not a loop failing later (unless the plane lent
@@ -268,17 +238,9 @@ def _build_ray(parts: PlaneParts, ray: RayOptions) -> Plane:
         executor.close()
         raise
     nodes = executor.nodes()
-    what = (f"Ray executor on {address or 'a local Ray'}: {len(nodes)} nodes with GPUs, "
-            f"{sum(n.gpus for n in nodes)} GPUs" + (", a checkpoint agent on each" if agents else ""))
-    try:
-        advisor, more = _serving(config, loans)
-        controller = Controller(store, executor, config, ckpt_root=state_dir / "jobs", loans=loans,
-                                advisor=advisor)
-    except (ValueError, SystemExit):
-        executor.close()
-        raise
-    return Plane(state_dir, store, executor, controller, parts.admin_token, parts.token_created, what + more,
-                 own_agents=agents)
+    what = f"Ray executor on {address or 'a local Ray'}: {len(nodes)} nodes with GPUs, "
+    what += f"{sum(n.gpus for n in nodes)} GPUs"
+    return executor, what + (", a checkpoint agent on each" if agents else "")
 
 
 def open_checked(state_dir: Path, url: str) -> Store:

@@ -97,7 +97,7 @@ def checkpoint_view(job_id: str, url: str | None, now_s: float, *, tiers: list |
             if kind == "dir":
                 listed = [DirTier("disk", normalize(url, kind), fsync=False)]
             else:
-                remote = [({"s3": "s3", "peer": "peer"}.get(kind, kind), kind, normalize(url, kind))]
+                remote = [(kind, kind, normalize(url, kind))]
     except (CheckpointError, OSError, ValueError) as e:
         rows = [{"name": "?", "kind": "?", "location": str(url or tiers), "durable": True, "steps": [],
                  "committed_s": {}, "source": "storage", "error": f"{type(e).__name__}: {e}"}]
