@@ -58,7 +58,6 @@ def _call(f: Callable[[TidalClient], T]) -> T:
         _fail(e)
 
 
-# ------------------------------------------------------------------------------------------- up
 def up(
     host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port (0: any free port; see <state dir>/api.url)")] = 8470,
@@ -105,9 +104,6 @@ def up(
         sys.stdout.flush()
 
     serve(plane, host, port, announce=announce, sock=sock)
-
-
-# --------------------------------------------------------------------------------------- submit
 
 
 def submit(
@@ -202,7 +198,6 @@ def _wait(job_id: str, con: Console, *, logs: bool = True, poll_s: float = 0.5) 
     return 0 if j["state"] == "succeeded" else 1
 
 
-# ------------------------------------------------------------------------------------------ jobs
 def jobs(state: Annotated[list[str] | None, typer.Option(help="only these states (repeat)")] = None,
          tenant: Annotated[str | None, typer.Option(help="admin: only this tenant's jobs")] = None,
          output: OutputOpt = Fmt.table, as_json: JsonOpt = False) -> None:
@@ -375,7 +370,6 @@ def events(job: Annotated[str | None, typer.Argument(help="job id (default: all 
         pass
 
 
-# --------------------------------------------------------------------------------------- tenants
 @tenants_app.command("create")
 def tenants_create(
     name: Annotated[str, typer.Argument(help="tenant name")],

@@ -37,8 +37,6 @@ class Fmt(StrEnum):
     yaml = "yaml"
 
 
-
-
 def fmt(output: Fmt, as_json: bool) -> Fmt:
     return Fmt.json if as_json else output
 

@@ -101,7 +101,6 @@ class Controller:
     def pool_gpus(self) -> int:
         return sum(n.gpus for n in self.nodes)
 
-    # ------------------------------------------------------------------------------------- recovery
     def recover(self, now_s: float) -> None:
         """After a (re)start: re-adopt the workers of every job that holds GPUs, or requeue it to resume from
         its newest checkpoint (not counted as a failure). Ranks that ended meanwhile are handled by the next
@@ -129,7 +128,6 @@ class Controller:
                                       **_requeue_fields(), data={"recovered": True})
         self.sweep_shm(now_s, force=True)  # orphans: ended jobs' shm dirs, or unknown ones
 
-    # ----------------------------------------------------------------------------------------- step
     def step(self, now_s: float) -> list[Decision]:
         """One reconcile step (see the module docstring); returns the scheduler's decisions."""
         observed = self.executor.observe(now_s)  # 1. observe
@@ -228,7 +226,6 @@ class Controller:
             out.append(d)
         return out
 
-    # ------------------------------------------------------------------------------------ reconcile
     def _reconcile(self, job: JobRow, ob: Observation | None, now_s: float) -> None:
         st = S(job.state)
         if st == S.PENDING:
@@ -318,7 +315,6 @@ class Controller:
             fields["ckpt_step"] = p.ckpt_step
         return self.store.update(job.id, **fields) if fields else job
 
-    # --------------------------------------------------------------------------- the end of an attempt
     def _finish(self, job: JobRow, ob: Observation, now_s: float) -> None:
         """Every rank of the attempt has exited: account for it, then the next state."""
         outcome, why = self._classify(job, ob)
@@ -403,7 +399,6 @@ class Controller:
             return "stopped", ""  # preempted by a notice from outside (exit 75 is never a failure)
         return "failure", describe_rank(bad[0]) if bad else f"exit codes {codes}"
 
-    # ------------------------------------------------------------------------------------------ act
     def _apply(self, d: Decision, now_s: float, jobs: dict[str, Job]) -> None:
         """Carry out one decision: the job's change is :mod:`tidal.policy.apply`'s (the simulator's, applied
         to ``jobs`` in place), written to the store with a checked transition; what it asks of the workers
@@ -512,7 +507,6 @@ class Controller:
     def _env(self, job: JobRow) -> dict[str, str]:
         return job_env(job, self.ckpt_root, self.config.ckpt_interval.max_interval_s)
 
-    # ------------------------------------------------------------------------------- shared memory
     def sweep_shm(self, now_s: float, *, force: bool = False) -> list[str]:
         """Free the shared-memory directories and the agents' kept steps of ended jobs once the newest
         checkpoint is durable (or after ``isolation.shm_retention_s``); an unknown job's at once. Every
@@ -527,14 +521,12 @@ class Controller:
             node_memory.sweep_agents(self.store, ex, retention_s, now_s)
         return node_memory.sweep(self.store, ex, retention_s, now_s) if isinstance(ex, NodeMemory) else []
 
-    # ------------------------------------------------------------------------------------- snapshot
     def snapshot(self, now_s: float) -> Snapshot:
         """The scheduler's view: pending jobs queue, held jobs run (stopping ones release everything)."""
         loans, reclaims = (self.loans.loans, self.loans.reclaims) if self.loans is not None else ((), ())
         return Snapshot.build(now_s, self.nodes, *scheduler_view(self.store), loans, reclaims)
 
 
-# ----------------------------------------------------------------------------------------- helpers
 def _requeue_fields() -> dict[str, Any]:
     return {"placement": {}, "releasing": {}, "started_s": None, "handle": None}
 

@@ -28,7 +28,6 @@ class Actions:
         self.stale: dict[str, int] = {}  # of those, outcomes to ignore: sent before the node was lost
         self.resend = False  # books loaded from the store: sent again on the first step
 
-    # ------------------------------------------------------------------------------------ queries
     def book(self, action: str) -> dict[str, int]:
         """The in-flight book of ``action`` (``"release"`` or ``"restore"``)."""
         return self.releasing if action == "release" else self.restoring
@@ -38,7 +37,6 @@ class Actions:
         carried out)."""
         return bool(self.restoring.get(node) or self.owed.get(node))
 
-    # ------------------------------------------------------------------------------------ changes
     def add(self, book: dict[str, int], node: str, gpus: int) -> None:
         """``gpus`` more on ``node`` in ``book`` (dropped at zero or below)."""
         left = book.get(node, 0) + gpus
@@ -75,7 +73,6 @@ class Actions:
         book.clear()
         return out
 
-    # -------------------------------------------------------------------------------- persistence
     def to_doc(self) -> dict[str, Any]:
         return {"pending_restores": dict(self.owed), "releasing": dict(self.releasing),
                 "restoring": dict(self.restoring)}

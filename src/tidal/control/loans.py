@@ -94,7 +94,6 @@ class LiveLoans:
         self.history: tuple[dict[str, Any], ...] = ()
         """The newest loan steps, oldest first (swapped whole; see :meth:`_sample`)."""
 
-    # ------------------------------------------------------------------------------- the parts' views
     @property
     def nodes(self) -> dict[str, int]:
         """The serving nodes as configured (``serving.nodes``)."""
@@ -125,7 +124,6 @@ class LiveLoans:
         """The pool now: GPUs of the serving nodes present and warmed in (lost ones are not in it)."""
         return self.ledger.total
 
-    # -------------------------------------------------------------------------------- persistence
     def dump(self) -> dict[str, Any]:
         return {"version": 1, "nodes": dict(self.nodes), "ledger": self.ledger.to_state(),
                 **self.serving.to_doc(), "policy": codec.encode(self.state),
@@ -183,7 +181,6 @@ class LiveLoans:
         if not misfit:
             self._warm = []
 
-    # ------------------------------------------------------------------------------------ queries
     def lent_on(self, node: str) -> int:
         """GPUs of ``node`` lent to jobs: the ledger's loan less a release still in flight."""
         return self.ledger.lent_on(node) - self.actions.releasing.get(node, 0)
@@ -221,7 +218,6 @@ class LiveLoans:
     def view(self) -> dict[str, Any]:
         return self._latest
 
-    # --------------------------------------------------------------------------------------- tick
     def _misfit(self, state: TidalState) -> str:
         """Why a stored policy state does not fit this policy's configuration ('' when it does)."""
         fresh, fs = self.policy.initial_state().forecast, state.forecast
@@ -490,7 +486,6 @@ class LiveLoans:
             events += self._act("restore", node, gpus, now_s, retry=True)
         return events
 
-    # ------------------------------------------------------------------------------------ views
     def _plan_view(self, now_s: float, t_serv: float, demand: float, plan: LoanPlan) -> dict[str, Any]:
         """The newest plan: demand, what may be lent, the margin and the first hours of the forecast."""
         k = min(len(plan.times_s), 36)

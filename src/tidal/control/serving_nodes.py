@@ -41,7 +41,6 @@ class ServingNodes:
         self.returning: dict[str, dict[str, Any]] = {}
         self.jobs_seen: dict[str, list[str]] = {}
 
-    # ------------------------------------------------------------------------------------ queries
     def gpus(self, ledger: LoanLedger, node: str) -> int | None:
         """The GPUs ``node`` serves with (in the pool or warming in); None when it is lost."""
         if node in ledger.cap:
@@ -66,7 +65,6 @@ class ServingNodes:
                 "returning_nodes": {n: {"gpus": v["gpus"], "ready_s": v["ready_s"],
                                         "told": bool(v.get("told"))} for n, v in self.returning.items()}}
 
-    # ------------------------------------------------------------------------------------ the step
     def track(self, present: Mapping[str, int], jobs_on: Mapping[str, Sequence[str]], now_s: float,
               ledger: LoanLedger, actions: Actions, stats: dict[str, float]) -> list[Event]:
         """Losses, returns and rejoins of serving nodes (module docstring); the events to record."""
@@ -182,7 +180,6 @@ class ServingNodes:
                f"({ledger.total} GPUs), lendable again")
         return [("serving_ready", msg, {"node": node, "gpus": gpus, "rejoined": True})]
 
-    # -------------------------------------------------------------------------------- persistence
     def to_doc(self) -> dict[str, Any]:
         keep = ("since_s", "gpus", "ready_s", "told")
         return {"gone": self.gone,

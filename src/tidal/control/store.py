@@ -231,7 +231,6 @@ class Store:
     def close(self) -> None:
         self.engine.dispose()
 
-    # -- sessions ------------------------------------------------------------------------------------
     def check_file(self) -> None:
         """Raise :class:`StoreUnavailable` if the SQLite file is gone or is another file now."""
         if self._identity is None or self.path is None:
@@ -264,7 +263,6 @@ class Store:
         with self._sessions() as s:
             yield s
 
-    # -- tenants -------------------------------------------------------------------------------------
     def add_tenant(self, name: str, token_hash: str, *, quota_gpus: int = 0, weight: float = 1.0,
                    admin: bool = False, now_s: float = 0.0, max_priority: int = 0) -> TenantRow:
         with self._write() as s:
@@ -319,7 +317,6 @@ class Store:
         with self._read() as s:
             return s.scalars(select(TenantRow).where(TenantRow.admin.is_(True))).first()
 
-    # -- jobs ----------------------------------------------------------------------------------------
     def submit(self, tenant: str, spec: dict, now_s: float, *, ckpt_location: str | None = None) -> JobRow:
         """Insert a pending job from a validated spec (``JobSpec.model_dump()``); its id is ``<name>-<n>``,
         ``n`` from the ``job_seq`` counter (never reused). Nothing is stored if anything fails."""
@@ -437,7 +434,6 @@ class Store:
             raise NotFound(job_id)
         return row
 
-    # -- events --------------------------------------------------------------------------------------
     def record(self, kind: str, message: str, now_s: float, *, job: JobRow | None = None,
                tenant: str | None = None, data: dict | None = None) -> None:
         """An event that is not a transition (a decision, an adoption, a kill, a tenant change)."""
