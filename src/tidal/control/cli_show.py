@@ -22,12 +22,8 @@ from tidal.control.follow import failing_rank, log_tail
 STATE_STYLE = {"running": "green", "succeeded": "bold green", "failed": "bold red", "cancelled": "dim",
                "pending": "yellow", "backoff": "red", "preempting": "magenta", "resizing": "magenta",
                "cancelling": "magenta", "admitted": "cyan"}
-
-
 TAIL_LINES = 12  # lines of the failing rank's log shown with a failure
-
-
-PROGRESS_EVERY_S = 10.0
+PROGRESS_EVERY_S = 10.0  # how often ``--wait`` prints a changed progress line when not on a terminal
 
 
 class Fmt(StrEnum):
@@ -144,9 +140,8 @@ def failure_tail(job_id: str, con: Console, c: TidalClient, events: list[dict] |
     if not tail:
         con.print(f"  rank {rank} wrote nothing to its log", soft_wrap=True)
         return
-    con.print(
-        f"  the last lines of rank {rank}'s log (tidal logs {escape(job_id)} --rank {rank}):", soft_wrap=True
-    )
+    con.print(f"  the last lines of rank {rank}'s log (tidal logs {escape(job_id)} --rank {rank}):",
+              soft_wrap=True)
     for line in tail:
         con.print(Text(f"    {line}", style="dim"), soft_wrap=True)
 
