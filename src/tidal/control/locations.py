@@ -62,10 +62,9 @@ def locations(ck: Mapping[str, Any]) -> tuple[str | None, list[tuple[str, str, d
         home, cfgs = resolve(ck["tiers"], default_keep=0)
         out = [(c.kind, c.location, dict(c.options)) for c in cfgs if c.kind != "shm"]
         for t in ck["tiers"]:  # an explicit namespace is refused here (resolve fills in the derived one)
-            url = str(t.get("url", "") if isinstance(t, dict) else t)
-            named = url.startswith("peer://") or (isinstance(t, dict) and t.get("job") and (
-                t.get("kind") == "peer" or url.startswith("peer")))
-            if named:
+            u = str(t.get("url", "") if isinstance(t, dict) else t)
+            if u.startswith("peer://") or (isinstance(t, dict) and t.get("job") and (
+                    t.get("kind") == "peer" or u.startswith("peer"))):
                 raise ValueError("a peer tier's namespace is derived from the job's location; "
                                  "give 'peer' without a name")
         return home, out
