@@ -35,6 +35,7 @@ from tidal.control import schemas as sc
 from tidal.control.auth import authenticate, create_tenant, token_hash, visible_job
 from tidal.control.context import ApiContext
 from tidal.control.dashboard import dashboard_router
+from tidal.control.job_views import default_ckpt
 from tidal.control.render import SafeJSON, json_route
 from tidal.control.spec import JobSpec, clean_msg, error_path
 from tidal.control.states import HELD, TERMINAL, State
@@ -69,6 +70,17 @@ def _unprocessable(errors: list[dict[str, Any]]) -> JSONResponse:
     return JSONResponse(
         status_code=422,
         content={"detail": errors, "errors": [f"{e['field'] or '(body)'}: {e['msg']}" for e in errors]})
+
+
+def _refused(errors: Any, *prefix: str) -> JSONResponse:
+    """422 for pydantic's ``errors``, located under ``prefix`` (``"body"``: errors of the job spec)."""
+    return _unprocessable([{"loc": [*prefix, *e["loc"]], "field": error_path(e["loc"]),
+                            "msg": clean_msg(e["msg"]), "type": e["type"]} for e in errors])
+
+
+def _problem(field: str, kind: str, msg: str) -> dict[str, Any]:
+    """A refused field of the submitted spec (``gpus.min``) that validation alone cannot find."""
+    return {"loc": ["body", *field.split(".")], "field": field, "type": kind, "msg": msg}
 
 
 class BodyLimit:
@@ -129,17 +141,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _unprocessable(
-            [
-                {
-                    "loc": list(e["loc"]),
-                    "field": error_path(e["loc"]),
-                    "msg": clean_msg(e["msg"]),
-                    "type": e["type"],
-                }
-                for e in exc.errors()
-            ]
-        )
+        return _refused(exc.errors())
 
     @app.exception_handler(RecursionError)
     async def _too_deep(_: Request, exc: RecursionError) -> JSONResponse:
@@ -212,9 +214,8 @@ def create_app(ctx: ApiContext) -> FastAPI:
         try:
             text_ = bytes(body).decode("utf-8")
         except UnicodeDecodeError as e:
-            raise HTTPException(
-                400, f"the request body is not valid UTF-8 (byte {e.start}: {e.reason})"
-            ) from None
+            raise HTTPException(400, f"the request body is not valid UTF-8 (byte {e.start}: {e.reason})") \
+                from None
         try:
             data = json.loads(text_, parse_constant=_no_constant)
         except ValueError as e:
@@ -226,34 +227,25 @@ def create_app(ctx: ApiContext) -> FastAPI:
         except RecursionError:
             raise HTTPException(400, TOO_DEEP) from None
         except ValidationError as e:
-            return _unprocessable([{"loc": ["body", *e_["loc"]], "field": error_path(e_["loc"]),
-                                    "msg": clean_msg(e_["msg"]), "type": e_["type"]} for e_ in e.errors()])
+            return _refused(e.errors(), "body")
         return await run_in_threadpool(_submit, spec, me)
 
     def _submit(spec: JobSpec, me: TenantRow) -> Response:
         problems = []
         limit = me.max_priority or 0
         if not me.admin and spec.priority > limit:
-            problems.append({"loc": ["body", "priority"], "field": "priority", "type": "priority_limit",
-                             "msg": f"priority {spec.priority} is above tenant {me.name}'s limit of {limit} "
-                                    "(max_priority, set by the admin)"})
+            problems.append(_problem("priority", "priority_limit", f"priority {spec.priority} is above "
+                                     f"tenant {me.name}'s limit of {limit} (max_priority, set by the admin)"))
         if spec.gpus.min > pool_gpus:
-            problems.append({"loc": ["body", "gpus", "min"], "field": "gpus.min", "type": "capacity",
-                             "msg": f"{spec.gpus.min} GPUs requested, the pool has {pool_gpus}"})
+            problems.append(_problem("gpus.min", "capacity",
+                                     f"{spec.gpus.min} GPUs requested, the pool has {pool_gpus}"))
         if spec.kind == "dedicated" and spec.gpus.min > me.quota_gpus:
-            problems.append(
-                {
-                    "loc": ["body", "kind"],
-                    "field": "kind",
-                    "type": "quota",
-                    "msg": f"a dedicated job runs inside its tenant's quota: it needs {spec.gpus.min} "
-                    f"GPUs, tenant {me.name} has a quota of {me.quota_gpus} (submit it as spot)",
-                }
-            )
+            problems.append(_problem("kind", "quota", "a dedicated job runs inside its tenant's quota: it "
+                                     f"needs {spec.gpus.min} GPUs, tenant {me.name} has a quota of "
+                                     f"{me.quota_gpus} (submit it as spot)"))
         data = spec.model_dump()
         found, ck, loc = loc_policy.check(data["checkpoint"], me.name, me.admin, policy, _located, _source)
-        problems += [{"loc": ["body", *f.split(".")], "field": f, "type": "checkpoint_location", "msg": m}
-                     for f, m in found]
+        problems += [_problem(f, "checkpoint_location", m) for f, m in found]
         if problems:
             return _unprocessable(problems)
         data["checkpoint"] = ck
@@ -270,9 +262,9 @@ def create_app(ctx: ApiContext) -> FastAPI:
             return None
         ck = dict((j.spec or {}).get("checkpoint") or {})
         if not ck.get("url") and not ck.get("tiers"):
-            if ctx.ckpt_root is None:
+            ck["url"] = default_ckpt(ctx.ckpt_root, j)
+            if ck["url"] is None:
                 return None
-            ck["url"] = str(ctx.ckpt_root / j.id / "ckpt")
         return j.tenant, j.state, ck
 
     @app.get("/v1/jobs", **_doc(list[sc.Job], 401, 422))
@@ -343,7 +335,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
         status file on this node), the newest durable step and its age in seconds."""
         j = own_job(job_id, me)
         ck = (j.spec or {}).get("checkpoint") or {}
-        url = ck.get("url") or (str(ctx.ckpt_root / j.id / "ckpt") if ctx.ckpt_root is not None else None)
+        url = ck.get("url") or default_ckpt(ctx.ckpt_root, j)
         shm_base = ((j.spec or {}).get("env") or {}).get(ENV_SHM_DIR)
         return checkpoint_view(j.id, None if ck.get("tiers") else url, ctx.clock(), tiers=ck.get("tiers"),
                                shm_base=shm_base)
@@ -370,9 +362,8 @@ def create_app(ctx: ApiContext) -> FastAPI:
             return {"source": describe, "lending": True, "advice_only": False, **ctx.loans.view()}
         advisor, describe = ctx.serving or (None, "")
         if advisor is None:
-            raise HTTPException(
-                404, "no serving side configured (serving: in tidal up --config; docs/control.md)"
-            )
+            raise HTTPException(404, "no serving side configured (serving: in tidal up --config; "
+                                "docs/control.md)")
         latest = advisor.latest
         return {"source": describe, "serving_gpus": advisor.serving_gpus, "step_s": advisor.step_s,
                 "advice_only": True, "latest": latest.as_dict() if latest is not None else None}

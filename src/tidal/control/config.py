@@ -63,9 +63,8 @@ class ControlConfig:
                 snames = {f.name for f in fields(kind)}
                 for k in sub:
                     if k not in snames:
-                        raise ValueError(
-                            f"{where}: unknown field {key}.{k} (expected one of {sorted(snames)})"
-                        )
+                        raise ValueError(f"{where}: unknown field {key}.{k} (expected one of "
+                                         f"{sorted(snames)})")
                 kw[key] = kind(**sub)
         if kw.get("serving") is not None:
             kw["serving"] = WatchConfig.from_dict(kw["serving"], f"{where}: serving")
@@ -94,11 +93,9 @@ class ControlConfig:
                     f"{where}: checkpoint_endpoints must be a list of S3 endpoint URLs, 'aws', or "
                     f"agent host:port, got {eps!r}")
             kw["checkpoint_endpoints"] = tuple(eps)
+        not_seconds = {*nested, "serving", "isolation", "checkpoint_grants", "checkpoint_endpoints"}
         for k, v in kw.items():
-            if k in ("checkpoint_grants", "checkpoint_endpoints"):
-                continue
-            if (k not in nested and k not in ("serving", "isolation")
-                and (not isinstance(v, int | float) or v < 0)):
+            if k not in not_seconds and (not isinstance(v, int | float) or v < 0):
                 raise ValueError(f"{where}: {k} must be a number of seconds >= 0, got {v!r}")
         return cls(**kw)
 

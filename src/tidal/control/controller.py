@@ -97,10 +97,6 @@ class Controller:
             if doc is not None:
                 loans.load(doc)
 
-    @property
-    def pool_gpus(self) -> int:
-        return sum(n.gpus for n in self.nodes)
-
     def recover(self, now_s: float) -> None:
         """After a (re)start: re-adopt the workers of every job that holds GPUs, or requeue it to resume from
         its newest checkpoint (not counted as a failure). Ranks that ended meanwhile are handled by the next
@@ -325,6 +321,7 @@ class Controller:
         self.executor.release(job.id)
         self._shm_swept_s = float("-inf")  # the end of this step looks at its shared memory
         base = {"stop_reason": None, "stop_deadline_s": None, "killed": False, **acct}
+        end = {"finished_s": now_s, "placement": {}, "releasing": {}, **base}  # the job is over
         codes = [r.exit_code for r in ob.ranks]
         p = ob.progress
         reached = p.step if p.step is not None else p.start_step
@@ -335,11 +332,10 @@ class Controller:
             how = (f"finished{at} (exit codes {codes}: ranks {torn} died in the interpreter's teardown after "
                    "closing cleanly, counted as 0)") if torn else f"exited 0{at}"
             who = "its only rank " if len(codes) == 1 else f"all {len(codes)} ranks "
-            self.store.transition(job.id, S.SUCCEEDED, now_s, who + how, data=data, finished_s=now_s,
-                                  placement={}, releasing={}, **base)
+            self.store.transition(job.id, S.SUCCEEDED, now_s, who + how, data=data, **end)
         elif outcome == "cancelled":
             self.store.transition(job.id, S.CANCELLED, now_s, f"cancelled; exit codes {codes}", data=data,
-                                  finished_s=now_s, placement={}, releasing={}, **base)
+                                  **end)
         elif outcome == "lost":
             self.store.transition(job.id, S.PENDING, now_s, f"{why}; requeued to resume from checkpoint step "
                                   f"{_resume_step(p, job)} on the remaining GPUs",
@@ -362,8 +358,7 @@ class Controller:
             self.store.transition(job.id, S.FAILED, now_s, f"failed: {why}; not restarted: a new attempt "
                                   "would fence the other one out in turn (does another job, or a second "
                                   "control plane, use this job's checkpoint directory?)",
-                                  data={**data, "fenced": True}, finished_s=now_s, placement={}, releasing={},
-                                  **base)
+                                  data={**data, "fenced": True}, **end)
         elif job.restarts < job.max_restarts:
             n = job.restarts + 1
             wait_s = self.config.backoff_s(n)
@@ -373,8 +368,7 @@ class Controller:
                                   restarts=n, retry_at_s=now_s + wait_s, **_requeue_fields(), **base)
         else:
             self.store.transition(job.id, S.FAILED, now_s, f"failed: {why}; no restarts left "
-                                  f"(max_restarts={job.max_restarts})", data=data, finished_s=now_s,
-                                  placement={}, releasing={}, **base)
+                                  f"(max_restarts={job.max_restarts})", data=data, **end)
 
     def _classify(self, job: JobRow, ob: Observation) -> tuple[str, str]:
         codes = [rank_code(r) for r in ob.ranks]
@@ -488,7 +482,7 @@ class Controller:
                               stop_reason=None, stop_deadline_s=None, killed=False, handle=None, progress={},
                               nominated_s=None, **fields)
         spec = job.spec
-        env = self._env(job)
+        env = job_env(job, self.ckpt_root, self.config.ckpt_interval.max_interval_s)
         take_over, take_over_from = taken_over(job, self.store)
         req = LaunchRequest(job.id, attempt, tuple(spec["command"]), placement, spec.get("workdir"), env,
                             tenant=job.tenant, own_dirs=own_dirs(job, self.ckpt_root), take_over=take_over,
@@ -503,9 +497,6 @@ class Controller:
         self.store.update(job.id, handle=handle)
         self.store.record("launch", f"attempt {attempt}: {_n(req.world_size, 'rank')} started", now_s,
                           job=job, data=handle)
-
-    def _env(self, job: JobRow) -> dict[str, str]:
-        return job_env(job, self.ckpt_root, self.config.ckpt_interval.max_interval_s)
 
     def sweep_shm(self, now_s: float, *, force: bool = False) -> list[str]:
         """Free the shared-memory directories and the agents' kept steps of ended jobs once the newest

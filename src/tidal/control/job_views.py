@@ -24,28 +24,13 @@ def scheduler_view(store: Store) -> tuple[list[Tenant], list[Job]]:
         st = S(j.state)
         held = st in HELD
         releasing = dict(j.placement) if st in (S.PREEMPTING, S.CANCELLING) else dict(j.releasing or {})
-        jobs.append(
-            Job(
-                j.id,
-                j.tenant,
-                cast(Kind, j.kind),  # Job checks it is one
-                j.priority,
-                j.min_gpus,
-                j.max_gpus,
-                j.multiple_of,
-                submit_s=j.submit_s,
-                placement=dict(j.placement) if held else {},
-                releasing=releasing if held else {},
-                started_s=j.started_s if held else None,
-                last_preempted_s=j.last_preempted_s,
-                last_grown_s=j.last_grown_s,
-                last_shrunk_s=j.last_shrunk_s,
-                last_ckpt_s=j.last_ckpt_s,
-                ckpt_stall_s=j.ckpt_stall_s,
-                ckpt_interval_s=j.ckpt_interval_s,
-                nominated_s=None if held else j.nominated_s,
-            )
-        )
+        jobs.append(Job(  # (Job checks the kind)
+            j.id, j.tenant, cast(Kind, j.kind), j.priority, j.min_gpus, j.max_gpus, j.multiple_of,
+            submit_s=j.submit_s, placement=dict(j.placement) if held else {},
+            releasing=releasing if held else {}, started_s=j.started_s if held else None,
+            last_preempted_s=j.last_preempted_s, last_grown_s=j.last_grown_s, last_shrunk_s=j.last_shrunk_s,
+            last_ckpt_s=j.last_ckpt_s, ckpt_stall_s=j.ckpt_stall_s, ckpt_interval_s=j.ckpt_interval_s,
+            nominated_s=None if held else j.nominated_s))
     return tenants, jobs
 
 

@@ -18,23 +18,23 @@ ZERO = {"losses": 0, "heartbeat_age_count": 0, "heartbeat_age_sum_s": 0.0, "reco
         "recovery_sum_s": 0.0}
 
 
-def totals(store: Store) -> dict:
-    """Node losses of jobs so far: counts and sums (see the module docstring)."""
+def _doc(store: Store) -> dict:
     try:
         doc = store.get_doc(DOC_KEY)
-    except ValueError:
-        doc = None
-    out = {**ZERO, **(doc if isinstance(doc, dict) else {})}
+    except ValueError:  # unreadable: counted afresh
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def totals(store: Store) -> dict:
+    """Node losses of jobs so far: counts and sums (see the module docstring)."""
+    out = {**ZERO, **_doc(store)}
     out.pop("pending", None)
     return out
 
 
 def _pending(store: Store) -> dict[str, dict]:
-    try:
-        doc = store.get_doc(DOC_KEY)
-    except ValueError:
-        return {}
-    got = doc.get("pending") if isinstance(doc, dict) else None
+    got = _doc(store).get("pending")
     return {str(k): v for k, v in got.items() if isinstance(v, dict)} if isinstance(got, dict) else {}
 
 
@@ -58,10 +58,8 @@ class NodeWatch:
         for j in self.store.jobs(states=HELD) if any(n.name not in names for n in self.nodes) else ():
             for n, g in (j.placement or {}).items():
                 held[n] = held.get(n, 0) + g
-        gone = [
-            Node(n.name, held[n.name], n.pool) for n in self.nodes if n.name not in names and held.get(n.name)
-        ]
-        new = [*live, *gone]
+        gone = [Node(n.name, held[n.name], n.pool) for n in self.nodes
+                if n.name not in names and held.get(n.name)]
         before = {n.name for n in self.nodes}
         for n in live:
             if n.name not in before or n.name in self.departed:
@@ -75,7 +73,7 @@ class NodeWatch:
                 self.store.record("node", f"node {n.name} ({n.gpus} GPUs) left the cluster"
                                   + (f"; jobs on it: {', '.join(jobs)}" if jobs else ""), now_s,
                                   data={"node": n.name, "gpus": n.gpus, "left": True, "jobs": jobs})
-        self.nodes[:] = new
+        self.nodes[:] = [*live, *gone]
         self.departed &= {n.name for n in gone}
 
     def node_lost(self, job: JobRow, ob: Observation, lost: list[RankState], now_s: float) -> JobRow:
@@ -110,21 +108,14 @@ class NodeWatch:
             return
         del self.lost[job.id]
         took = (p.first_step_s or now_s) - info["detected_s"]
-        lost_steps = max(
-            0, (info["step"] or 0) - (p.start_step or 0)
-        )  # none when the attempt had not stepped
+        lost_steps = max(0, (info["step"] or 0) - (p.start_step or 0))  # none if the attempt had not stepped
         self.store.record(
-            "recovered",
-            f"training again {took:.1f} s after the loss of node "
-            f"{', '.join(info['nodes'])} was detected: {len(ob.ranks)} ranks (were "
-            f"{info['world_size']}), restored step {p.start_step} from tier {p.restore_tier}; "
-            f"{lost_steps} steps to redo",
-            now_s,
-            job=job,
+            "recovered", f"training again {took:.1f} s after the loss of node {', '.join(info['nodes'])} was "
+            f"detected: {len(ob.ranks)} ranks (were {info['world_size']}), restored step {p.start_step} from "
+            f"tier {p.restore_tier}; {lost_steps} steps to redo", now_s, job=job,
             data={"recovery_s": took, "detected_s": info["detected_s"], "world_size": len(ob.ranks),
                   "was_world_size": info["world_size"], "start_step": p.start_step,
-                  "restore_tier": p.restore_tier, "lost_steps": lost_steps, "nodes": info["nodes"]},
-        )
+                  "restore_tier": p.restore_tier, "lost_steps": lost_steps, "nodes": info["nodes"]})
         t = totals(self.store)
         t["recoveries"] += 1
         t["recovery_sum_s"] += took

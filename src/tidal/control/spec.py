@@ -63,9 +63,8 @@ class GpuRange(_Strict):
             raise ValueError(f"max ({mx}) must be >= min ({self.min})")
         for name in ("min", "max"):
             if getattr(self, name) % self.multiple_of:
-                raise ValueError(
-                    f"{name} ({getattr(self, name)}) must be a multiple of multiple_of ({self.multiple_of})"
-                )
+                raise ValueError(f"{name} ({getattr(self, name)}) must be a multiple of multiple_of "
+                                 f"({self.multiple_of})")
         return self
 
 
@@ -137,9 +136,8 @@ class CheckpointSpec(_Strict):
         if self.url is not None and self.tiers is not None:
             raise ValueError("give the location once: 'url' (one directory or bucket) or 'tiers' (a list)")
         if self.resume_from is not None and (self.url is not None or self.tiers is not None):
-            raise ValueError(
-                "give 'resume_from' alone: the job uses the checkpoint location of the job it resumes"
-            )
+            raise ValueError("give 'resume_from' alone: the job uses the checkpoint location of the job it "
+                             "resumes")
         return self
 
 
@@ -180,9 +178,8 @@ class JobSpec(_Strict):
     @classmethod
     def _name(cls, v: str) -> str:
         if not NAME_RE.match(v):
-            raise ValueError(
-                "expected 1-63 letters, digits, '.', '_' or '-', starting with a letter or digit"
-            )
+            raise ValueError("expected 1-63 letters, digits, '.', '_' or '-', starting with a letter or "
+                             "digit")
         return v
 
     @field_validator("command", mode="before")
@@ -217,9 +214,8 @@ class JobSpec(_Strict):
     @classmethod
     def _workdir(cls, v: str | None) -> str | None:
         if v is not None and not v.startswith("/"):
-            raise ValueError(
-                f"expected an absolute path, got {v!r} (the CLI resolves paths relative to the YAML file)"
-            )
+            raise ValueError(f"expected an absolute path, got {v!r} (the CLI resolves paths relative to the "
+                             "YAML file)")
         return v
 
 

@@ -39,9 +39,8 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sess
 
 from tidal.control.states import ACTIVE, State, check_transition
 
-SCHEMA_VERSION = 5  # 2: jobs.nominated_s; 3: table docs (the loan ledger and policy state);
-# 4: tenants.max_priority, jobs.ckpt_location, meta job_seq (job numbers never reused) and db_id;
-# 5: jobs.waiting (why a job waits or does not grow, from the scheduler)
+SCHEMA_VERSION = 5  # 2: jobs.nominated_s; 3: table docs; 4: tenants.max_priority, jobs.ckpt_location,
+# meta job_seq and db_id; 5: jobs.waiting
 POOL_SIZE = 48  # SQLite connections kept open: the API's worker threads (40) and the reconcile loop
 
 
@@ -180,9 +179,8 @@ class Store:
         if url.startswith("sqlite"):
             kw["connect_args"] = {"check_same_thread": False, "timeout": 30}
             if ":memory:" not in url and url.rstrip("/") != "sqlite:":
-                # Keep a connection for each thread that may read at once (the API's thread pool has 40,
-                # plus the loop): with the default pool of 5 (+10 overflow, closed on return), a busy API
-                # opened and closed SQLite connections all the time, each running the PRAGMAs below.
+                # a connection for each thread that may read at once (the API's 40 and the loop), so that a
+                # busy API does not open and close connections (each running the PRAGMAs below) all the time
                 kw["pool_size"], kw["max_overflow"] = POOL_SIZE, 16
         self.engine = create_engine(url, **kw)
         if url.startswith("sqlite"):
@@ -341,10 +339,7 @@ class Store:
 
     def job(self, job_id: str) -> JobRow:
         with self._read() as s:
-            row = s.scalars(select(JobRow).where(JobRow.id == job_id)).first()
-        if row is None:
-            raise NotFound(job_id)
-        return row
+            return self._get(s, job_id)
 
     def jobs(self, *, tenant: str | None = None, states: Iterable[str] | None = None) -> list[JobRow]:
         """Jobs in submission order, optionally of one tenant and in some states."""
