@@ -268,16 +268,17 @@ class LiveLoans:
         if last_s is not None and now_s > last_s:  # GPU-seconds lent and used since the last tick
             dt = now_s - last_s
             self.stats["lent_gpu_s"] += self.lent * dt
-            self.stats["used_gpu_s"] += (
-                sum(min(g, self.lent_on(n)) for n, g in used.items() if n in self.nodes) * dt
-            )
+            self.stats["used_gpu_s"] += sum(min(g, self.lent_on(n)) for n, g in used.items()
+                                            if n in self.nodes) * dt
         self.last_s = now_s
         # due as of the last step, on the ledger as it is now (less GPUs returned since): announced then
         was_due = self.due_gpus(last_s)
         if isinstance(self.adapter, QueuedAdapter):
             events += self._collect(self.adapter.done(), now_s)
         if self.actions.resend:
-            events += self._send_again(now_s)
+            self.actions.resend = False
+            for action in ("release", "restore"):
+                events += self._again(action, self.actions.book(action), now_s)
         if present is not None or self.serving.away:
             events += self.serving.track(self.nodes if present is None else present, jobs_on or {}, now_s,
                                          led, self.actions, self.stats)
@@ -285,7 +286,7 @@ class LiveLoans:
             events.append(("serving_ready", f"{g} GPUs of {node} serve again (warm-up over)",
                            {"node": node, "gpus": g}))
         if self.actions.owed:
-            events += self._retry_restores(now_s)
+            events += self._again("restore", self.actions.owed, now_s)
         t_serv = self.adapter.serving_time(now_s)
         if math.isnan(self.next_grid):
             self.next_grid = math.ceil(t_serv / self.step_s - 1e-9) * self.step_s
@@ -471,20 +472,11 @@ class LiveLoans:
             return False
         return self.adapter.ready(node) if isinstance(self.adapter, ReadyAdapter) else True
 
-    def _send_again(self, now_s: float) -> list[Event]:
-        """Actions in flight when the plane stopped (:meth:`load`): sent again."""
-        self.actions.resend = False
-        events: list[Event] = []
-        for action in ("release", "restore"):
-            for node, g in self.actions.take(self.actions.book(action)):
-                events += self._act(action, node, g, now_s, retry=True)
-        return events
-
-    def _retry_restores(self, now_s: float) -> list[Event]:
-        events: list[Event] = []
-        for node, gpus in self.actions.take(self.actions.owed):  # owed again by _finish if it fails
-            events += self._act("restore", node, gpus, now_s, retry=True)
-        return events
+    def _again(self, action: str, book: dict[str, int], now_s: float) -> list[Event]:
+        """Send what ``book`` holds again: the actions in flight when the plane stopped (:meth:`load`), or
+        the restores owed (owed again by :meth:`_finish` if they fail)."""
+        return [e for node, g in self.actions.take(book)
+                for e in self._act(action, node, g, now_s, retry=True)]
 
     def _plan_view(self, now_s: float, t_serv: float, demand: float, plan: LoanPlan) -> dict[str, Any]:
         """The newest plan: demand, what may be lent, the margin and the first hours of the forecast."""

@@ -6,6 +6,7 @@ below. Per-job series exist for active jobs only, so their number stays bounded 
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -31,21 +32,16 @@ class PlaneCollector:
         pool = GaugeMetricFamily("tidal_pool_gpus", "GPUs of the pool by state and owning tenant",
                                  labels=["node", "state", "tenant"])
         for n in pool_view(self.nodes, jobs, None)["nodes"]:
-            by: dict[tuple[str, str], int] = {}
+            by: Counter[tuple[str, str]] = Counter()
             for h in n["jobs"]:
-                if h["gpus"] - h["draining"]:
-                    by[("allocated", h["tenant"])] = (
-                        by.get(("allocated", h["tenant"]), 0) + h["gpus"] - h["draining"]
-                    )
-                if h["draining"]:
-                    by[("draining", h["tenant"])] = by.get(("draining", h["tenant"]), 0) + h["draining"]
+                by["allocated", h["tenant"]] += h["gpus"] - h["draining"]
+                by["draining", h["tenant"]] += h["draining"]
             for (state, tenant), g in sorted(by.items()):
-                pool.add_metric([n["name"], state, tenant], g)
+                if g:
+                    pool.add_metric([n["name"], state, tenant], g)
             pool.add_metric([n["name"], "free", ""], n["free"])
         yield pool
-        counts = {s.value: 0 for s in State}
-        for j in jobs:
-            counts[j.state] = counts.get(j.state, 0) + 1
+        counts = {s.value: 0 for s in State} | Counter(j.state for j in jobs)
         by_state = GaugeMetricFamily("tidal_jobs", "Jobs by state", labels=["state"])
         for s, c in counts.items():
             by_state.add_metric([s], c)
@@ -101,16 +97,21 @@ def _node_loss_metrics(t: dict) -> Iterator[Metric]:
                               count_value=t["recoveries"], sum_value=t["recovery_sum_s"])
 
 
-def _serving_metrics(s: Any) -> Iterator[Metric]:
-    """Gauges of the newest loan plan (a :class:`tidal.serving.watch.Step`)."""
+def _plan_metrics(demand_gpus: float | None, lendable_gpus: float, margin_gpus: float) -> Iterator[Metric]:
+    """The newest loan plan's gauges, advised or lent by; demand is absent while unknown (None or NaN)."""
     demand = GaugeMetricFamily("tidal_serving_demand_gpus", "Serving demand at the newest plan, GPUs")
-    if s.demand_gpus == s.demand_gpus:  # not NaN
-        demand.add_metric([], s.demand_gpus)
+    if demand_gpus is not None and demand_gpus == demand_gpus:
+        demand.add_metric([], demand_gpus)
     yield demand
     yield GaugeMetricFamily("tidal_serving_lendable_gpus", "Serving GPUs the newest loan plan could lend",
-                            value=s.plan.lendable_gpus)
+                            value=lendable_gpus)
     yield GaugeMetricFamily("tidal_serving_margin_gpus", "Safety margin of the newest plan at the lead time",
-                            value=s.plan.margin_gpus)
+                            value=margin_gpus)
+
+
+def _serving_metrics(s: Any) -> Iterator[Metric]:
+    """Gauges of the newest loan plan (a :class:`tidal.serving.watch.Step`)."""
+    yield from _plan_metrics(s.demand_gpus, s.plan.lendable_gpus, s.plan.margin_gpus)
     due = GaugeMetricFamily("tidal_serving_reclaim_gpus", "Lent GPUs the newest plan wants back within",
                             labels=["within"])
     for label, horizon in (("1h", 3600.0), ("6h", 6 * 3600.0)):
@@ -122,17 +123,9 @@ def _serving_metrics(s: Any) -> Iterator[Metric]:
 def _loan_metrics(v: dict[str, Any]) -> Iterator[Metric]:
     """Live lending (:meth:`tidal.control.loans.LiveLoans.view`)."""
     st = v.get("stats") or {}
-    demand = GaugeMetricFamily("tidal_serving_demand_gpus", "Serving demand at the newest plan, GPUs")
-    if v.get("demand_gpus") is not None:
-        demand.add_metric([], v["demand_gpus"])
-    yield demand
-    yield GaugeMetricFamily("tidal_serving_lendable_gpus", "Serving GPUs the newest loan plan could lend",
-                            value=v.get("lendable_gpus", 0))
-    yield GaugeMetricFamily("tidal_serving_margin_gpus", "Safety margin of the newest plan at the lead time",
-                            value=v.get("margin_gpus", 0.0))
-    yield GaugeMetricFamily(
-        "tidal_loan_lent_gpus", "Serving GPUs lent to spot training now", value=v.get("lent_gpus", 0)
-    )
+    yield from _plan_metrics(v.get("demand_gpus"), v.get("lendable_gpus", 0), v.get("margin_gpus", 0.0))
+    yield GaugeMetricFamily("tidal_loan_lent_gpus", "Serving GPUs lent to spot training now",
+                            value=v.get("lent_gpus", 0))
     yield GaugeMetricFamily("tidal_loan_warming_gpus", "Returned GPUs warming up (neither lent nor serving)",
                             value=v.get("warming_gpus", 0))
     yield GaugeMetricFamily("tidal_loan_reclaim_gpus", "Lent GPUs owed back (outstanding reclaims)",
@@ -149,9 +142,8 @@ def _loan_metrics(v: dict[str, Any]) -> Iterator[Metric]:
     yield CounterMetricFamily("tidal_serving_shortfall_gpu_seconds",
                               "Serving demand unmet, GPU-seconds of serving time",
                               value=st.get("shortfall_gpu_s", 0.0))
-    yield CounterMetricFamily(
-        "tidal_loan_lent_gpu_seconds", "GPU-seconds lent", value=st.get("lent_gpu_s", 0.0)
-    )
+    yield CounterMetricFamily("tidal_loan_lent_gpu_seconds", "GPU-seconds lent",
+                              value=st.get("lent_gpu_s", 0.0))
     fails = CounterMetricFamily("tidal_serving_action_failures", "Serving adapter actions that failed",
                                 labels=["action"])
     fails.add_metric(["release"], st.get("release_failures", 0))
