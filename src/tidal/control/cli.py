@@ -63,24 +63,16 @@ def up(
     port: Annotated[int, typer.Option(help="TCP port (0: any free port; see <state dir>/api.url)")] = 8470,
     gpus: Annotated[str, typer.Option(help="'auto' (NVIDIA GPUs) or N CPU slots")] = "auto",
     db: Annotated[str | None, typer.Option(help="SQLAlchemy URL (default: SQLite in the state dir)")] = None,
-    state_dir: Annotated[
-        Path | None, typer.Option(help="database, jobs, logs, tokens (default ~/.tidal)")
-    ] = None,
+    state_dir: Annotated[Path | None, typer.Option(help="database, jobs, logs, tokens (default "
+                                                        "~/.tidal)")] = None,
     config: Annotated[Path | None, typer.Option(help="YAML of control-plane knobs (docs/control.md)")] = None,
-    executor: Annotated[
-        str, typer.Option(help="'local' (this machine) or 'ray' (the nodes of a Ray cluster)")
-    ] = "local",
-    ray_address: Annotated[
-        str | None,
-        typer.Option(
-            help="with --executor ray: the cluster to join ('auto', HOST:PORT); default: start a local Ray"
-        ),
-    ] = None,
-    ckpt_agents: Annotated[
-        bool,
-        typer.Option("--ckpt-agents", help="with --executor ray: run a checkpoint "
-                     "agent (the peer-memory tier) on every node, in a buddy ring"),
-    ] = False,
+    executor: Annotated[str, typer.Option(help="'local' (this machine) or 'ray' (the nodes of a Ray "
+                                                 "cluster)")] = "local",
+    ray_address: Annotated[str | None, typer.Option(help="with --executor ray: the cluster to join ('auto', "
+                                                          "HOST:PORT); default: start a local Ray")] = None,
+    ckpt_agents: Annotated[bool, typer.Option("--ckpt-agents", help="with --executor ray: run a checkpoint "
+                                              "agent (the peer-memory tier) on every node, in a buddy "
+                                              "ring")] = False,
 ) -> None:
     """Run the control plane: REST API, reconcile loop and an executor (local or Ray), in one process."""
     import logging
@@ -109,9 +101,8 @@ def up(
 def submit(
     file: Annotated[Path, typer.Argument(help="job spec (YAML)")],
     wait: Annotated[bool, typer.Option("--wait", help="follow the job until it ends")] = False,
-    quiet: Annotated[
-        bool, typer.Option("--quiet", "-q", help="with --wait: events only, not the job's output")
-    ] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="with --wait: events only, not the job's "
+                                        "output")] = False,
     name: Annotated[str | None, typer.Option(help="override the spec's name")] = None,
     gpus: Annotated[str | None, typer.Option(help="override gpus: N, or MIN-MAX (elastic)")] = None,
     env: Annotated[list[str] | None, typer.Option("--env", "-e", help="add or override K=V (repeat)")] = None,
