@@ -72,13 +72,10 @@ class Controller:
                  advisor: Advisor | None = None) -> None:
         if loans is not None and advisor is not None:
             raise ValueError("a serving side either lends (loans) or advises (advisor), not both")
-        self.store = store
-        self.executor = executor
+        self.store, self.executor, self.loans, self.advisor = store, executor, loans, advisor
         self.config = config or ControlConfig()
         self.ckpt_root = Path(ckpt_root) if ckpt_root is not None else None
         self.nodes: list[Node] = executor.nodes()
-        self.loans = loans
-        self.advisor = advisor
         self._events: list[tuple[str, str, dict | None]] = []  # this step's loan events
         self.watch = NodeWatch(store, executor, self.nodes)  # nodes joining and leaving; jobs losing one
         self._shm_swept_s = float("-inf")
@@ -108,12 +105,10 @@ class Controller:
                 pids = [r.pid for r in ob.alive]
                 self.store.record("adopted", f"control plane restarted: re-adopted attempt {job.attempt}, "
                                   f"{len(pids)} of {_n(len(ob.ranks), 'rank')} running (pids {pids})", now_s,
-                                  job=job,
-                                  data={"attempt": job.attempt, "pids": pids})
+                                  job=job, data={"attempt": job.attempt, "pids": pids})
             elif ob is not None and not all(r.vanished for r in ob.ranks):
-                self.store.record("adopted",
-                                  f"control plane restarted: attempt {job.attempt} ended meanwhile; "
-                                  "its recorded exit codes decide what follows", now_s, job=job)
+                self.store.record("adopted", f"control plane restarted: attempt {job.attempt} ended "
+                                  "meanwhile; its recorded exit codes decide what follows", now_s, job=job)
             else:
                 if found:
                     self.executor.release(job.id)

@@ -42,12 +42,7 @@ def apply_overrides(doc: dict, *, name: str | None = None, gpus: str | None = No
     """The spec with the command line's overrides (``--gpus 4`` or ``2-8``, ``--env K=V``, ...); the
     server checks the result like any spec. ``ValueError`` names a malformed option."""
     out = dict(doc)
-    if name is not None:
-        out["name"] = name
-    if kind is not None:
-        out["kind"] = kind
-    if priority is not None:
-        out["priority"] = priority
+    out.update({k: v for k, v in (("name", name), ("kind", kind), ("priority", priority)) if v is not None})
     if gpus is not None:
         lo, sep, hi = gpus.partition("-")
         if not lo.isdigit() or (sep and not hi.isdigit()):
