@@ -121,8 +121,7 @@ class BodyLimit:
 
 
 def _doc(ok: Any, *errors: int, status: int = 200) -> dict[str, Any]:
-    """OpenAPI for a route: its answer's model and its errors (tests/test_openapi.py checks the real answers).
-    """
+    """OpenAPI for a route: its answer's model and errors (tests/test_openapi.py checks the real answers)."""
     out: dict[int | str, dict[str, Any]] = {status: {"model": ok}} if ok is not None else {}
     for code in (*errors, 503):
         model = sc.ValidationProblem if code == 422 else sc.Problem

@@ -42,9 +42,8 @@ def create_tenant(store: Store, name: str, *, quota_gpus: int = 0, weight: float
 
 
 def ensure_admin(store: Store, state_dir: Path, now_s: float) -> tuple[str, bool]:
-    """The admin token, creating the admin and ``admin.token`` on first start. Returns (token, created). A
-    token file from an earlier store is registered in a new one; an admin whose token file is gone gets a new
-    token."""
+    """The admin token, creating the admin and ``admin.token`` on first start: (token, created). A token file
+    is registered in a new store; a lost one is replaced."""
     path = Path(state_dir) / ADMIN_TOKEN_FILE
     token = path.read_text().strip() if path.exists() else None
     row = store.admin()

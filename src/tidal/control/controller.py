@@ -95,9 +95,8 @@ class Controller:
                 loans.load(doc)
 
     def recover(self, now_s: float) -> None:
-        """After a (re)start: re-adopt the workers of every job that holds GPUs, or requeue it to resume from
-        its newest checkpoint (not counted as a failure). Ranks that ended meanwhile are handled by the next
-        step from their recorded exit codes."""
+        """After a (re)start: re-adopt the workers of every job that holds GPUs, or requeue it (not a
+        failure); ranks that ended meanwhile are handled by the next step."""
         for job in self.store.jobs(states=HELD):
             found = job.attempt > 0 and self.executor.adopt(job.id, job.attempt, now_s)
             ob = self.executor.observe(now_s).get(job.id) if found else None
@@ -389,9 +388,8 @@ class Controller:
         return "failure", describe_rank(bad[0]) if bad else f"exit codes {codes}"
 
     def _apply(self, d: Decision, now_s: float, jobs: dict[str, Job]) -> None:
-        """Carry out one decision: the job's change is :mod:`tidal.policy.apply`'s (the simulator's, applied
-        to ``jobs`` in place), written to the store with a checked transition; what it asks of the workers
-        goes to the executor."""
+        """Carry out one decision: the job's change is :mod:`tidal.policy.apply`'s (updating ``jobs``), stored
+        with a checked transition; what it asks of the workers goes to the executor."""
         if isinstance(d, ReturnGpus):
             if self.loans is None:
                 self.store.record("decision", f"ignored {d}: no serving side", now_s)
@@ -494,9 +492,8 @@ class Controller:
                           job=job, data=handle)
 
     def sweep_shm(self, now_s: float, *, force: bool = False) -> list[str]:
-        """Free the shared-memory directories and the agents' kept steps of ended jobs once the newest
-        checkpoint is durable (or after ``isolation.shm_retention_s``); an unknown job's at once. Every
-        ``SHM_SWEEP_S`` at most, unless ``force``. Returns the jobs freed."""
+        """Free ended jobs' node memory and agents' steps (:mod:`tidal.control.node_memory`), every
+        ``SHM_SWEEP_S`` at most unless ``force``; returns the jobs freed."""
         ex = self.executor
         soon = not force and now_s - self._shm_swept_s < SHM_SWEEP_S
         if not isinstance(ex, NodeMemory | AgentMemory) or soon:

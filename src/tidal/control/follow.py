@@ -93,9 +93,8 @@ class LogFollower:
 
 
 def failing_rank(events: list[dict]) -> int | None:
-    """The rank whose log explains the job's last failed attempt: the first with an exit code above 0 other
-    than 75, else the first that vanished, else the first killed by a signal other than SIGKILL/SIGTERM. None
-    if no attempt failed."""
+    """The rank whose log explains the last failed attempt: the first exiting above 0 but not 75, else the
+    first that vanished, else the first killed by a signal but SIGKILL/SIGTERM; None if none failed."""
     for e in reversed(events):
         if e.get("kind") != "transition" or e.get("to") not in ("backoff", "failed"):
             continue

@@ -16,8 +16,7 @@ from tidal.model import Job, Kind, Tenant
 
 
 def scheduler_view(store: Store) -> tuple[list[Tenant], list[Job]]:
-    """The scheduler's view of the store: pending jobs queue, held jobs run (stopping ones release
-    everything they hold)."""
+    """The scheduler's view of the store: pending jobs queue, held ones run, stopping ones release all."""
     tenants = [Tenant(t.name, t.quota_gpus, t.weight) for t in store.tenants()]
     jobs = []
     for j in store.jobs(states={S.PENDING} | HELD):

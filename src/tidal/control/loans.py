@@ -63,12 +63,9 @@ def finite(x: float) -> float | None:
 
 
 class LiveLoans:
-    """The loan step of the live control plane (see the module docstring). Not thread-safe: the reconcile loop
-    calls it; readers (the API) use :meth:`view`, a dict swapped whole. It keeps its configuration, what the
-    store keeps (ledger, policy state, next grid point, :class:`~tidal.control.loan_book.Actions`,
-    :class:`~tidal.control.serving_nodes.ServingNodes`, counters, newest plan) and what readers see;
-    everything else is computed each step.
-    """
+    """The loan step of the live control plane (module docstring). Not thread-safe: the reconcile loop calls
+    it; readers (the API) use :meth:`view`, a dict swapped whole. Only what the store keeps and readers see is
+    held; the rest is computed each step."""
 
     def __init__(self, adapter: ServingAdapter, timing: LoanTiming, *, shortfall_budget: float = 0.005,
                  step_s: float = 600.0, warm_history: list[tuple[float, float]] | None = None) -> None:
@@ -257,11 +254,9 @@ class LiveLoans:
     def tick(self, now_s: float, used: Mapping[str, int], wanted: int | None = None, *,
              present: Mapping[str, int] | None = None,
              jobs_on: Mapping[str, Sequence[str]] | None = None) -> list[Event]:
-        """Steps 1-4 of the module docstring; returns the events to record. ``wanted``: how many more serving
-        GPUs spot jobs could use (``None``: any number, as the simulator assumes); the plan lends no more
-        beyond what jobs hold on loans. ``present``: the serving nodes the executor has now (``None``: all as
-        configured); ``jobs_on``: the jobs holding GPUs on each.
-        """
+        """Steps 1-4 of the module docstring; returns the events to record. ``wanted``: serving GPUs spot jobs
+        could still use (``None``: any number, as in the simulator); ``present``: the serving nodes the
+        executor has (``None``: all); ``jobs_on``: the jobs holding GPUs on each."""
         events: list[Event] = []
         led = self.ledger
         last_s = self.last_s

@@ -30,9 +30,8 @@ def lent_before(doc: Any, nodes: Mapping[str, int]) -> set[str]:
 
 
 class ServingNodes:
-    """The configured serving nodes (``nodes``) and which are lost (``gone``) or back and warming
-    (``returning``); the pool itself is the ledger's. ``jobs_seen``: the jobs on each node at the end of the
-    last step."""
+    """The configured serving nodes (``nodes``), the lost ones (``gone``) and those back and warming
+    (``returning``); ``jobs_seen``: the jobs on each at the end of the last step."""
 
     def __init__(self, nodes: Mapping[str, int], adapter: ServingAdapter, timing: LoanTiming) -> None:
         self.nodes = dict(nodes)

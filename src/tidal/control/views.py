@@ -69,11 +69,10 @@ def pool_view(nodes: list[Node], jobs: list[JobRow], viewer: str | None) -> dict
 
 def checkpoint_view(job_id: str, url: str | None, now_s: float, *, tiers: list | None = None,
                     shm_base: str | None = None) -> dict[str, Any]:
-    """:class:`~tidal.control.schemas.Checkpoints`: a job's committed steps per tier. Directory tiers and this
-    node's shm tier are listed on local storage; others (``s3://``, ``peer``) come from the job's status file
-    on this node, never from a connection (the API makes no outbound call a tenant chose); one not there yet
-    has no steps and ``source: "spec"``. ``newest_durable_*`` is about the newest step in a non-shm tier; a
-    tier that cannot be listed carries its ``error``.
+    """:class:`~tidal.control.schemas.Checkpoints`: a job's committed steps per tier. Directory and shm tiers
+    are listed on local storage; ``s3://`` and ``peer`` ones come from the job's status file, never from a
+    connection (the API makes no outbound call a tenant chose). A tier that cannot be listed carries its
+    ``error``.
     """
     from tidal.ckpt.engine.status import read_status
     from tidal.ckpt.errors import CheckpointError
