@@ -89,8 +89,6 @@ def dashboard_router(ctx: ApiContext, caller: Callable[..., Any]) -> APIRouter:
             raise HTTPException(404, f"no dashboard asset {name!r}")
         return Response(found[0], media_type=found[1], headers=SECURITY_HEADERS)
 
-    def _loans_view() -> dict[str, Any] | None:
-        return ctx.loans.view() if ctx.loans is not None else None
 
     @router.get("/v1/dashboard/pool")
     @json_route()
@@ -101,7 +99,7 @@ def dashboard_router(ctx: ApiContext, caller: Callable[..., Any]) -> APIRouter:
         active = store.jobs(states=ACTIVE)
         held = [j for j in active if State(j.state) in HELD]
         waiting = [j for j in active if State(j.state) not in HELD]
-        loans = _loans_view()
+        loans = ctx.loans.view() if ctx.loans is not None else None
         nodes = dv.gpu_map(ctx.nodes, held, viewer, loans)
         tenants = store.tenants() if me.admin else [me]
         usage = dv.tenant_usage(tenants, held, waiting, ctx.nodes, (loans or {}).get("lent_gpus", 0))

@@ -82,18 +82,15 @@ class Plane:
     own_agents: bool = False  # the executor runs a checkpoint agent per node (Ray, --ckpt-agents)
 
     def app(self) -> FastAPI:
-        cfg = self.controller.config.serving
-        advisor = self.controller.advisor
+        ctl, cfg = self.controller, self.controller.config
         # the serving side: (its advisor when it only advises, else None; its source described)
-        serving: tuple[Advisor | None, str] | None = (advisor, cfg.describe()) if cfg is not None else None
-        cfg_ = self.controller.config
-        policy = LocationPolicy(self.state_dir / TENANTS_DIRNAME, cfg_.checkpoint_grants,
-                                cfg_.checkpoint_endpoints, cfg_.checkpoint_max_timeout_s,
+        serving: tuple[Advisor | None, str] | None = (
+            (ctl.advisor, cfg.serving.describe()) if cfg.serving is not None else None)
+        policy = LocationPolicy(self.state_dir / TENANTS_DIRNAME, cfg.checkpoint_grants,
+                                cfg.checkpoint_endpoints, cfg.checkpoint_max_timeout_s,
                                 own_agents=self.own_agents)
-        ctx = ApiContext(self.store, self.controller.nodes, self.executor.log_path, time.time,
-                         ckpt_root=self.controller.ckpt_root, serving=serving, loans=self.controller.loans,
-                         locations=policy,
-                         job_dir=self.executor.job_dir)
+        ctx = ApiContext(self.store, ctl.nodes, self.executor.log_path, time.time, ckpt_root=ctl.ckpt_root,
+                         serving=serving, loans=ctl.loans, locations=policy, job_dir=self.executor.job_dir)
         return create_app(ctx)
 
 
