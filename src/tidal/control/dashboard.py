@@ -67,7 +67,6 @@ def compact_job(j: Any, now_s: float) -> sc.JobSummary:
 
 def dashboard_router(ctx: ApiContext, caller: Callable[..., Any]) -> APIRouter:
     """The dashboard's routes; ``caller`` is the API's bearer-token dependency (a :class:`TenantRow`)."""
-
     store = ctx.store
     assets = _assets()
     router = APIRouter()
@@ -88,7 +87,6 @@ def dashboard_router(ctx: ApiContext, caller: Callable[..., Any]) -> APIRouter:
         if found is None or name == "index.html":
             raise HTTPException(404, f"no dashboard asset {name!r}")
         return Response(found[0], media_type=found[1], headers=SECURITY_HEADERS)
-
 
     @router.get("/v1/dashboard/pool")
     @json_route()

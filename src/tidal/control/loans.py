@@ -152,8 +152,7 @@ class LiveLoans:
         next_grid = float(codec.decode(doc["next_grid"]))
         misfit = self._misfit(state)
         if misfit:  # e.g. serving.step_s changed: learn afresh (from the adapter's history) rather than crash
-            log.warning("serving: the stored forecast %s; it learns afresh from the serving side's history",
-                        misfit)
+            log.warning("serving: the stored forecast %s; it learns afresh from serving's history", misfit)
             self._relearn = misfit
             state, next_grid = self.policy.initial_state(), math.nan
         actions = Actions.from_doc(doc, ledger.lent_on, ledger.cap, serving.away)
@@ -169,10 +168,8 @@ class LiveLoans:
         except Exception as e:
             raise ValueError(f"policy: the stored state does not plan ({type(e).__name__}: {e})") from None
         self.ledger, self.state, self.next_grid, self.actions = ledger, state, next_grid, actions
-        self.serving = serving
+        self.serving, self.margins, self.last_s = serving, margins, last_s
         self.stats.update(stats)
-        self.margins = margins
-        self.last_s = last_s
         self.plan_shown = dict(doc.get("plan_view") or {})
         self.adapter.resume(doc.get("adapter") or {})
         if not misfit:
