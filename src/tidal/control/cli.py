@@ -58,6 +58,11 @@ def _call(f: Callable[[TidalClient], T]) -> T:
         _fail(e)
 
 
+def _reconnecting(con: Console, poll_s: float = 0.5) -> Reconnecting:
+    """API calls that wait out a restart of ``tidal up``, saying so on ``con``."""
+    return Reconnecting(_client, lambda m: con.print(Text(m, style="yellow"), soft_wrap=True), poll_s)
+
+
 def up(
     host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port (0: any free port; see <state dir>/api.url)")] = 8470,
@@ -148,7 +153,7 @@ def _wait(job_id: str, con: Console, *, logs: bool = True, poll_s: float = 0.5) 
     from rich.live import Live
 
     tty = con.is_terminal
-    api = Reconnecting(_client, lambda m: con.print(Text(m, style="yellow"), soft_wrap=True), poll_s)
+    api = _reconnecting(con, poll_s)
     follower = LogFollower(job_id, [0])
     seen, shown, shown_at = 0, "", 0.0
     history: list[dict] = []
@@ -263,8 +268,7 @@ def logs(job: Annotated[str, typer.Argument(help="job id")],
          rank: Annotated[str, typer.Option(help="which rank's log: a number, or 'all' (each line prefixed "
                                            "with its rank)")] = "0") -> None:
     """A rank's output (stdout and stderr, every attempt), or all ranks' interleaved by line."""
-    err = show.console(stderr=True)
-    api = Reconnecting(_client, lambda m: err.print(Text(m, style="yellow"), soft_wrap=True))
+    api = _reconnecting(show.console(stderr=True))
     try:
         if rank == "all":
             j = api.call(lambda c: c.job(job))
@@ -281,17 +285,10 @@ def logs(job: Annotated[str, typer.Argument(help="job id")],
                 sys.stdout.write(f"[rank {r}] {line}{end}" if prefix else line + end)
             sys.stdout.flush()
 
-        while True:
-            if follow:
-                emit(api.call(follower.poll))
-            else:
-                try:
-                    emit(follower.poll(api.client))
-                except ApiError as e:
-                    _fail(e)
-            if not follow or follower.done:
-                break
+        emit(api.call(follower.poll) if follow else follower.poll(api.client))
+        while follow and not follower.done:
             time.sleep(0.5)
+            emit(api.call(follower.poll))
         emit(follower.rest(), end="")
     except ApiError as e:
         _fail(e)
@@ -341,8 +338,7 @@ def events(job: Annotated[str | None, typer.Argument(help="job id (default: all 
             con.print(f"[dim]{show.clock(e['time_s'])}[/dim] {show.event_line(e, with_job=job is None)}",
                       soft_wrap=True)
 
-    api = Reconnecting(_client, lambda m: show.console(stderr=True).print(Text(m, style="yellow"),
-                                                                            soft_wrap=True))
+    api = _reconnecting(show.console(stderr=True))
     try:
         rows = api.client.events(job, limit=10000)
         if not follow and show.dump(rows[-last:] if last else [], fmt):
