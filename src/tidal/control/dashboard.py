@@ -99,18 +99,15 @@ def dashboard_router(ctx: ApiContext, caller: Callable[..., Any]) -> APIRouter:
         waiting = [j for j in active if State(j.state) not in HELD]
         loans = ctx.loans.view() if ctx.loans is not None else None
         nodes = dv.gpu_map(ctx.nodes, held, viewer, loans)
-        tenants = store.tenants() if me.admin else [me]
-        usage = dv.tenant_usage(tenants, held, waiting, ctx.nodes, (loans or {}).get("lent_gpus", 0))
+        lent = (loans or {}).get("lent_gpus", 0)
+        usage = dv.tenant_usage(store.tenants() if me.admin else [me], held, waiting, ctx.nodes, lent)
         if not me.admin:
             usage = [u for u in usage if u["tenant"] == me.name]
-        free_training = sum(s["gpus"] for n in nodes for s in n["segments"] if s["kind"] == "free")
-        free_lent = sum(s["gpus"] for n in nodes for s in n["segments"] if s["kind"] == "lent")
-        # the queue: every tenant's waiting jobs count for positions; others' show no id
-        queue = dv.queue_view(waiting, dv.tenant_usage(store.tenants(), held, waiting, ctx.nodes,
-                                                        (loans or {}).get("lent_gpus", 0)),
-                              free_training, free_lent, now, viewer)
         kinds = ("job", "draining", "lent", "warming", "serving", "free")
         totals = {k: sum(s["gpus"] for n in nodes for s in n["segments"] if s["kind"] == k) for k in kinds}
+        # the queue: every tenant's waiting jobs count for positions; others' show no id
+        queue = dv.queue_view(waiting, dv.tenant_usage(store.tenants(), held, waiting, ctx.nodes, lent),
+                              totals["free"], totals["lent"], now, viewer)
         return {"now_s": now, "tenant": me.name, "admin": me.admin, "nodes": nodes, "totals": totals,
                 "gpus": sum(n.gpus for n in ctx.nodes), "tenants": usage, "queue": queue,
                 "states": dict(collections.Counter(j.state for j in active if viewer in (None, j.tenant))),
