@@ -23,6 +23,12 @@ Event = tuple[str, str, dict | None]
 """What the loan step records: (kind, message, data)."""
 
 
+def _restore_failed(node: str, gpus: int, error: object) -> Event:
+    return ("serving_action_failed", f"restore of {gpus} GPUs on {node} (back after a loss) failed: {error}; "
+            "retrying each step (the node does not serve meanwhile)",
+            {"node": node, "gpus": gpus, "action": "restore"})
+
+
 def lent_before(doc: Any, nodes: Mapping[str, int]) -> set[str]:
     """Serving nodes that may be missing when a plane starts: all of them with a stored loan document for the
     same ``serving.nodes`` (the loan step handles them), else none."""
@@ -95,9 +101,7 @@ class ServingNodes:
             return [("serving_restored", f"restore of {back['gpus']} GPUs on {node} (back after a loss) "
                      "carried out", {"node": node, "gpus": back["gpus"]})]
         stats["restore_failures"] += 1
-        return [("serving_action_failed", f"restore of {back['gpus']} GPUs on {node} (back after a loss) "
-                 f"failed: {error}; retrying each step (the node does not serve meanwhile)",
-                 {"node": node, "gpus": back["gpus"], "action": "restore"})]
+        return [_restore_failed(node, back["gpus"], error)]
 
     def _lose(self, node: str, jobs_on: Mapping[str, Sequence[str]], now_s: float, ledger: LoanLedger,
               actions: Actions, stats: dict[str, float]) -> list[Event]:
@@ -153,9 +157,7 @@ class ServingNodes:
             first = not back.get("failed")
             back["failed"] = True
             stats["restore_failures"] += first
-            return [("serving_action_failed", f"restore of {back['gpus']} GPUs on {node} (back after a "
-                     f"loss) failed: {e}; retrying each step (the node does not serve meanwhile)",
-                     {"node": node, "gpus": back["gpus"], "action": "restore"})] if first else []
+            return [_restore_failed(node, back["gpus"], e)] if first else []
         if isinstance(self.adapter, QueuedAdapter):
             back["sent"] = True  # its outcome comes through outcome(); not stored (sent again on restart)
             actions.add(actions.queued, node, 1)
