@@ -21,22 +21,19 @@ def job_view(j: JobRow, now_s: float, *, detail: bool = False) -> dict[str, Any]
     """The API's job (:class:`~tidal.control.schemas.Job`, :class:`~tidal.control.schemas.JobDetail`
     with ``detail``): the model's fields read from the row, but for those computed here."""
     model = sc.JobDetail if detail else sc.Job
+    waiting = (sc.Waiting.model_validate(j.waiting)
+               if j.waiting is not None and State(j.state) in (State.PENDING, State.RUNNING) else None)
     return answer(model(
         **{f: getattr(j, f) for f in model.model_fields if f not in _COMPUTED},
-        gpus=sc.Gpus(min=j.min_gpus, max=j.max_gpus, multiple_of=j.multiple_of),
-        progress=j.progress or {},
-        report=sc.Report.model_validate(job_report(j, now_s)),
-        waiting=sc.Waiting.model_validate(j.waiting)
-        if j.waiting is not None and State(j.state) in (State.PENDING, State.RUNNING) else None,
-    ))
+        gpus=sc.Gpus(min=j.min_gpus, max=j.max_gpus, multiple_of=j.multiple_of), progress=j.progress or {},
+        report=sc.Report.model_validate(job_report(j, now_s)), waiting=waiting))
 
 
 def event_view(e: EventRow) -> dict[str, Any]:
     """:class:`~tidal.control.schemas.Event`."""
     return answer(sc.Event.model_validate({
         "id": e.id, "time_s": e.time_s, "job": e.job_id, "tenant": e.tenant, "kind": e.kind,
-        "from": e.from_state, "to": e.to_state, "message": e.message, "data": e.data,
-    }))
+        "from": e.from_state, "to": e.to_state, "message": e.message, "data": e.data}))
 
 
 def pool_view(nodes: list[Node], jobs: list[JobRow], viewer: str | None) -> dict[str, Any]:
@@ -57,8 +54,7 @@ def pool_view(nodes: list[Node], jobs: list[JobRow], viewer: str | None) -> dict
             mine = viewer is None or j.tenant == viewer
             holders.append(sc.PoolHolder(
                 job=j.id if mine else None, tenant=j.tenant, gpus=g, draining=d,
-                state=j.state if mine else ("stopping" if State(j.state) in STOPPING else "running"),
-            ))
+                state=j.state if mine else ("stopping" if State(j.state) in STOPPING else "running")))
         out.append(sc.PoolNode(name=n.name, pool=n.pool, gpus=n.gpus, allocated=allocated, draining=draining,
                                free=n.gpus - allocated, jobs=holders))
     total = sum(n.gpus for n in nodes)
