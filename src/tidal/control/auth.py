@@ -27,9 +27,7 @@ def token_hash(token: str) -> str:
 
 
 def authenticate(store: Store, token: str | None) -> TenantRow | None:
-    if not token:
-        return None
-    return store.tenant_by_token_hash(token_hash(token))
+    return store.tenant_by_token_hash(token_hash(token)) if token else None
 
 
 def create_tenant(store: Store, name: str, *, quota_gpus: int = 0, weight: float = 1.0, now_s: float = 0.0,
