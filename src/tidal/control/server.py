@@ -192,7 +192,8 @@ def _local_executor(state_dir: Path, gpus: str, config: ControlConfig | None,
         if n < 1:
             raise SystemExit(f"tidal up: --gpus must be >= 1, got {n}")
         what = f"{n} CPU slots"
-    return LocalExecutor(state_dir / "jobs", slots=n, gpu_ids=ids, serving_nodes=loans.nodes if loans else {},
+    return LocalExecutor(state_dir / "jobs", slots=n, gpu_ids=ids,
+                         serving_nodes=loans.nodes if loans is not None else {},
                          isolation=config.isolation if config is not None else None, subreaper=True), what
 
 
