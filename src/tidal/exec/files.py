@@ -1,10 +1,17 @@
-"""Small files an executor keeps per attempt (``launch.json``, ``control.json``): written atomically."""
+"""What both executors share: the layout of their state dir (``<root>/<job>/attempt-<n>/``, the job's
+private area and logs), the small files kept per attempt (``launch.json``, ``control.json``, written
+atomically), and settings and signals sent to a tracked attempt."""
 
 from __future__ import annotations
 
 import json
+import signal
+from collections.abc import Collection, Mapping
 from pathlib import Path
+from typing import Any
 
+from tidal import contract as c
+from tidal.exec.protocol import LaunchRequest, check_ranks
 from tidal.files import write_atomic
 
 
@@ -21,3 +28,54 @@ def read_json(path: Path) -> dict | None:
     except (OSError, ValueError):
         return None
     return doc if isinstance(doc, dict) else None
+
+
+class AttemptDirs:
+    """The base of an executor: ``root`` and the tracked attempts (``_jobs``: job -> an object with
+    ``dir``, ``owner``, ``ranks`` (each with ``rank``), ``codes`` and ``vanished``); subclasses send a
+    signal to ranks with :meth:`_send`."""
+
+    root: Path
+    _jobs: dict[str, Any]
+
+    def job_dir(self, job_id: str) -> Path:
+        return self.root / job_id
+
+    def attempt_dir(self, job_id: str, attempt: int) -> Path:
+        return self.job_dir(job_id) / c.attempt_dirname(attempt)
+
+    def home_dir(self, job_id: str) -> Path:
+        """The job's private area (``HOME``, ``TMPDIR``; its working directory without ``workdir``)."""
+        return self.job_dir(job_id) / "home"
+
+    def log_path(self, job_id: str, rank: int) -> str:
+        return str(self.job_dir(job_id) / "logs" / f"rank-{rank}.log")
+
+    def attempt_env(self, req: LaunchRequest, adir: Path) -> dict[str, str]:
+        """Tidal's variables of every rank of the attempt in ``adir``."""
+        return {c.ENV_JOB_ID: req.job_id, c.ENV_ATTEMPT: str(req.attempt),
+                c.ENV_PROGRESS_DIR: str(adir / c.PROGRESS_DIRNAME),
+                c.ENV_CONTROL_FILE: str(adir / c.CONTROL_FILE)}
+
+    def signal_stop(self, job_id: str, ranks: Collection[int] | None = None) -> None:
+        self._signal(job_id, signal.SIGTERM, ranks)
+
+    def kill(self, job_id: str) -> None:
+        self._signal(job_id, signal.SIGKILL)
+
+    def _signal(self, job_id: str, sig: int, ranks: Collection[int] | None = None) -> None:
+        t = self._jobs.get(job_id)
+        if t is None:
+            return
+        wanted = check_ranks(f"job {job_id}", ranks, len(t.ranks))
+        self._send(t, [k for k in t.ranks if k.rank in wanted and k.rank not in t.codes
+                       and k.rank not in t.vanished], sig)
+
+    def _send(self, t: Any, ranks: list[Any], sig: int) -> None:
+        raise NotImplementedError
+
+    def configure(self, job_id: str, settings: Mapping[str, Any]) -> None:
+        t = self._jobs.get(job_id)
+        if t is not None:
+            path = t.dir / c.CONTROL_FILE
+            write_json(path, {**(read_json(path) or {}), **settings}, t.owner)  # ranks never read half a file

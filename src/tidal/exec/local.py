@@ -1,42 +1,23 @@
-"""The local executor: every rank of a job is a process on this machine.
+"""The local executor: every rank of a job is a process on this machine, ``slots`` CPU slots (gloo) or
+the NVIDIA GPUs in ``gpu_ids``; ``observe`` reports pids and exit codes, ``signal_stop`` a SIGTERM notice.
 
-    ex = LocalExecutor(state_dir / "jobs", slots=4)               # 4 CPU slots (gloo)
-    ex = LocalExecutor(state_dir / "jobs", gpu_ids=[0, 1, 2, 3])   # 4 NVIDIA GPUs
-    handle = ex.launch(LaunchRequest("gpt-1", 1, ("python", "train.py"), {"local": 2}), now_s)
-    ex.observe(now_s)["gpt-1"].ranks                               # pids, exit codes
-    ex.signal_stop("gpt-1")                                         # SIGTERM: checkpoint, exit 75
-    ex.signal_stop("gpt-1", ranks=[1])                              # the notice reaches rank 1 first
+Each rank gets the torchrun contract (``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT``),
+``TIDAL_PROGRESS_DIR`` and ``CUDA_VISIBLE_DEVICES``: the job's GPUs (rank ``r`` uses ``cuda:r``), empty
+on CPU slots. Output of all attempts is appended to ``<root>/<job>/logs/rank-<r>.log``.
 
-Each rank gets the torchrun contract (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
-``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT``), ``TIDAL_PROGRESS_DIR`` (one directory per
-attempt) and its devices: on GPUs, ``CUDA_VISIBLE_DEVICES`` lists the job's GPUs (rank ``r`` uses
-``cuda:r``); on CPU slots it is empty, so a job never grabs a GPU it was not given. Output of all
-attempts is appended to ``<root>/<job>/logs/rank-<r>.log``, with a header line per attempt.
-
-Files per attempt (``<root>/<job>/attempt-<n>/``): ``launch.json`` (ranks' pids and start times,
-devices; written before any rank starts), ``exit-<r>.json`` (the rank's exit code, by its shim),
-``pid-<r>.json`` (the rank's own pid, under the shim), ``progress/`` (the runtime's records),
-``control.json`` (settings changed while it runs, e.g. the checkpoint interval: ``TIDAL_CONTROL_FILE``).
-``adopt`` reads them back after a restart of the control plane. See :mod:`tidal.exec.shim` for
-why a rank never runs twice.
-
-Isolation (:mod:`tidal.exec.isolation`, docs/control.md): ranks get a clean environment, a private
-area ``<root>/<job>/home`` (``HOME``, ``TMPDIR``), a shared-memory directory per job
-(``TIDAL_SHM_DIR``, freed by :meth:`LocalExecutor.free_shm`), 0600/0700 files, and, with
-``isolation.uid_base`` (as root), their own uid.
+Files per attempt (``<root>/<job>/attempt-<n>/``): ``launch.json`` (pids, start times, devices; written
+before any rank starts), ``exit-<r>.json`` and ``pid-<r>.json`` (by the rank's shim), ``progress/``,
+``control.json`` (``TIDAL_CONTROL_FILE``). ``adopt`` reads them back after a restart of the control
+plane; :mod:`tidal.exec.shim` says why a rank never runs twice. Isolation: :mod:`tidal.exec.isolation`.
 
 Nothing a rank starts outlives its attempt: its shim reaps what the rank left; with ``subreaper=True``
-(``tidal up``) this process is a child subreaper too, and what a shim killed by another left is killed
-on the next ``observe`` (or ``kill``, ``release``) by the attempt's marks (:mod:`tidal.exec.orphans`);
-what re-parents here and ends by itself is collected by ``observe`` (:data:`REAP_INTERVAL_S`).
-
-Not thread-safe: one reconcile loop drives it.
+(``tidal up``) what a shim killed by another left is killed on the next ``observe``, ``kill`` or
+``release`` (:mod:`tidal.exec.orphans`). Not thread-safe: one reconcile loop drives it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import shutil
@@ -44,15 +25,15 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 from tidal import contract as c
 from tidal.contract import one_node_env, torchrun_env
 from tidal.exec import cgroups, orphans, procs, shim
-from tidal.exec.files import read_json, write_json
+from tidal.exec.files import AttemptDirs, read_json, write_json
 from tidal.exec.isolation import (
     IsolationConfig,
     Uids,
@@ -66,7 +47,7 @@ from tidal.exec.isolation import (
     require_root,
 )
 from tidal.exec.progress import ProgressReader
-from tidal.exec.protocol import LaunchError, LaunchRequest, Observation, RankState, check_ranks
+from tidal.exec.protocol import LaunchError, LaunchRequest, Observation, RankState
 from tidal.model import Node, PoolName
 from tidal.net import free_port
 
@@ -123,7 +104,7 @@ class _Tracked:
     shim_ended: dict[int, int] = field(default_factory=dict)  # rank -> when its shim, a child, was seen ended
 
 
-class LocalExecutor:
+class LocalExecutor(AttemptDirs):
     """Runs ranks as local processes. ``slots`` CPU slots, or the GPUs in ``gpu_ids``."""
 
     def __init__(
@@ -193,16 +174,6 @@ class LocalExecutor:
         if self.subreaper:
             procs.become_subreaper(False)
             self.subreaper = False
-
-    # -- layout --------------------------------------------------------------------------------------
-    def job_dir(self, job_id: str) -> Path:
-        return self.root / job_id
-
-    def attempt_dir(self, job_id: str, attempt: int) -> Path:
-        return self.job_dir(job_id) / c.attempt_dirname(attempt)
-
-    def log_path(self, job_id: str, rank: int) -> str:
-        return str(self.job_dir(job_id) / "logs" / f"rank-{rank}.log")
 
     def nodes(self) -> list[Node]:
         return [Node(n, len(ds), self.pools[n]) for n, ds in self.node_devices.items()]
@@ -287,10 +258,6 @@ class LocalExecutor:
                 "ranks": [{"rank": k.rank, "pid": k.pid} for k in ranks]}
 
     # -- isolation ---------------------------------------------------------------------------------
-    def home_dir(self, job_id: str) -> Path:
-        """The job's private area (``HOME``, ``TMPDIR``; its working directory without ``workdir``)."""
-        return self.job_dir(job_id) / "home"
-
     def shm_dir(self, job_id: str) -> Path | None:
         """The job's shared-memory directory (``TIDAL_SHM_DIR`` unless its spec sets one)."""
         return self.shm_root / job_id if self.shm_root is not None else None
@@ -316,10 +283,7 @@ class LocalExecutor:
         shm = self.shm_dir(req.job_id)
         if shm is not None:
             base[c.ENV_SHM_DIR] = str(shm)
-        platform = {**torchrun_env(r, req.world_size, port),
-                    c.ENV_JOB_ID: req.job_id, c.ENV_ATTEMPT: str(req.attempt),
-                    c.ENV_PROGRESS_DIR: str(adir / c.PROGRESS_DIRNAME),
-                    c.ENV_CONTROL_FILE: str(adir / c.CONTROL_FILE),
+        platform = {**torchrun_env(r, req.world_size, port), **self.attempt_env(req, adir),
                     c.ENV_CUDA_VISIBLE_DEVICES: ",".join(map(str, devices)) if self.gpu else ""}
         return clean_env(self.isolation, self.home_dir(req.job_id), req.env, platform,
                          omp_threads=(os.cpu_count() or 1) // len(self.devices), base=base)
@@ -376,30 +340,9 @@ class LocalExecutor:
                 raise LaunchError(f"job {req.job_id}: cannot start rank {r}: {e}") from e
         return _Rank(r, p.pid, procs.start_time(p.pid), p)
 
-    def signal_stop(self, job_id: str, ranks: Collection[int] | None = None) -> None:
-        self._signal(job_id, signal.SIGTERM, ranks)
-
-    def kill(self, job_id: str) -> None:
-        self._signal(job_id, signal.SIGKILL)
-
-    def configure(self, job_id: str, settings: Mapping[str, Any]) -> None:
-        t = self._jobs.get(job_id)
-        if t is None:
-            return
-        path = self.attempt_dir(job_id, t.attempt) / c.CONTROL_FILE
-        try:
-            current = json.loads(path.read_text())
-        except (OSError, ValueError):
-            current = {}
-        write_json(path, {**current, **settings}, t.owner)  # atomically: ranks never read half a file
-
-    def _signal(self, job_id: str, sig: int, ranks: Collection[int] | None = None) -> None:
-        t = self._jobs.get(job_id)
-        if t is None:
-            return
-        wanted = check_ranks(f"job {job_id}", ranks, len(t.ranks))
-        for k in t.ranks:
-            if k.rank in wanted and k.rank not in t.codes and k.rank not in t.vanished and self._alive(k):
+    def _send(self, t: _Tracked, ranks: list[_Rank], sig: int) -> None:
+        for k in ranks:
+            if self._alive(k):
                 if sig == signal.SIGKILL:  # the shim's whole tree: what the rank detached is in it too
                     procs.kill_tree([k.pid])
                 procs.signal_group(k.pid, sig)
@@ -516,18 +459,6 @@ class LocalExecutor:
         if k.popen is not None:
             return k.popen.poll() is None
         return procs.alive(k.pid, k.started)
-
-    def worker_pids(self, job_id: str) -> dict[int, int]:
-        """rank -> the rank's own pid (under its shim), for those that started."""
-        t = self._jobs.get(job_id)
-        out: dict[int, int] = {}
-        if t is None:
-            return out
-        for k in t.ranks:
-            doc = read_json(t.dir / c.pid_file(k.rank))
-            if doc and isinstance(doc.get("pid"), int):
-                out[k.rank] = doc["pid"]
-        return out
 
     # -- recovery ------------------------------------------------------------------------------------
     def adopt(self, job_id: str, attempt: int, now_s: float) -> bool:

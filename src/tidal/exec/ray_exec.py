@@ -1,60 +1,25 @@
 """The Ray executor: the ranks of a job run on the nodes of a Ray cluster (``tidal up --executor ray``).
 
-    ex = RayExecutor(state_dir / "jobs", address="ray://head:10001")   # or "auto", or None: a local Ray
-    ex.nodes()                    # the cluster's alive nodes with GPUs, read again on every call
-    ex.launch(LaunchRequest("gpt-1", 1, ("python", "train.py"), {"n1": 2, "n2": 2}), now_s)
+**Nodes.** Every alive Ray node with ``GPU`` resources is a training node, named by its label
+``tidal.io/node`` or ``ray-<first 12 hex of its node id>``; :meth:`RayExecutor.nodes` asks the cluster
+on every call (nodes join and leave). Those named in ``serving_nodes`` are in the serving pool.
 
-**Nodes.** Every alive Ray node with ``GPU`` resources is a training node; its name is its label
-``tidal.io/node`` (``ray start --labels tidal.io/node=gpu-7``) or ``ray-<first 12 hex of its node id>``.
-:meth:`RayExecutor.nodes` asks the cluster each time (the controller calls it every step): nodes
-join and leave.
-
-**An attempt** is one placement group with one ``{"GPU": 1}`` bundle per rank, each bundle pinned to
-the node the scheduler chose (``bundle_label_selector`` on the node id: strict, Ray places nothing
-elsewhere), and one detached, named actor per rank in its bundle (:class:`tidal.exec.ray_rank.RankActor`)
-that runs the user's command as a child process. Ranks are numbered in placement order: the first
-node's ranks are 0..k-1 (``GROUP_RANK`` 0), and so on. Each rank gets the torchrun contract with
-``MASTER_ADDR`` = rank 0's node address and a free port there, ``LOCAL_RANK``/``LOCAL_WORLD_SIZE``
-on its node, ``CUDA_VISIBLE_DEVICES`` = the GPUs Ray gave the job's ranks on that node (in local-rank
-order: rank ``r`` uses ``cuda:LOCAL_RANK``), and Tidal's variables, exactly as on the local executor.
-
-**Files.** The attempt's directory under ``root`` (``launch.json``, ``progress/``, ``control.json``,
-``pid-<r>.json``) and the logs (``<root>/<job>/logs/rank-<r>.log``) are written by the ranks on their
-nodes at the paths the plane names: the state dir must be on a filesystem every node mounts (NFS, a
-shared volume; on a one-machine test cluster it is simply shared). ``launch.json`` names the actors
-and the placement group and is written before either exists.
+**An attempt** is one placement group with one ``{"GPU": 1}`` bundle per rank, each pinned to the
+chosen node by its node id, and one detached, named actor per rank (:class:`tidal.exec.ray_rank.RankActor`)
+that runs the command as a child process. Ranks are numbered in placement order; each gets the torchrun
+contract (``MASTER_ADDR`` = rank 0's node), ``CUDA_VISIBLE_DEVICES`` = the GPUs Ray gave the job on that
+node, and Tidal's variables, as on the local executor. The state dir must be on a filesystem every node
+mounts: ranks write their attempt's files and logs there. ``launch.json`` is written before any actor exists.
 
 **Never twice.** Actors are named ``tidal.<job>.a<attempt>.r<rank>`` in a namespace of this state dir;
-a rank actor runs its command once; before launching an attempt every actor and placement group left
-of the job's earlier attempts is removed. A restarted plane re-adopts an attempt by finding its
-actors by name (:meth:`RayExecutor.adopt`); they outlive the plane when the Ray cluster runs apart
-from it (``--ray-address``; a Ray that ``tidal up`` started itself ends with it).
+leftovers of a job's earlier attempts are removed before a launch; a restarted plane re-adopts an
+attempt by its actors' names. A rank whose node left the cluster is reported ``vanished`` and ``lost``.
 
-**Node loss.** A rank whose node is no longer alive in the cluster (Ray's health checks), or whose
-actor died with it, is reported ``vanished`` and ``lost`` (:class:`~tidal.exec.protocol.RankState`);
-the controller stops the other ranks and requeues the job on the remaining GPUs.
-
-**Serving nodes** (``serving_nodes``: Tidal node name -> GPUs, from the ``serving:`` block that lends):
-those Ray nodes are in the serving pool (:class:`~tidal.model.Node` ``pool="serving"``); the scheduler
-places spot jobs only on the GPUs serving has lent there, pinned to the node like any placement.
-:meth:`RayExecutor.check_serving` names a serving node the cluster does not have (or with other GPUs).
-
-**Checkpoint agents** (``ckpt_agents=True``, ``tidal up --ckpt-agents``): one per node, in a buddy
-ring, started and supervised from :meth:`RayExecutor.nodes` (:mod:`tidal.exec.ray_agents`); ranks get
-``TIDAL_CKPT_AGENT``/``TIDAL_CKPT_PEERS``, so a job's ``peer`` tier survives the loss of a node.
-
-**Node memory.** Each rank's ``TIDAL_SHM_DIR`` is ``<base>/<node>/<job>`` (:func:`shm_base`): the
-checkpoint engine's node-memory tier, which a lost node takes with it. An attempt that spans nodes
-checkpoints to its durable tiers only (:func:`across_nodes`).
-
-The plane frees a job's node-memory directories on every node once it no longer needs them (the
-controller's sweep, through small tasks on the nodes: :mod:`tidal.exec.ray_shm`).
-
-**Isolation** as on the local executor (:mod:`tidal.exec.isolation`): a clean environment, the job's
-private area, 0600/0700 files, rlimits, and with ``isolation.uid_base`` (``tidal up`` and the Ray
-workers as root, checked on every node at start: :mod:`tidal.exec.ray_checks`) each rank as its job's
-uid, which owns the job's directories here and its node-memory directory on each node. Not isolated:
-the Ray cluster itself (docs/control.md).
+**Node memory.** Each rank's ``TIDAL_SHM_DIR`` is ``<base>/<node>/<job>`` (:func:`shm_base`), freed
+through tasks on the nodes (:mod:`tidal.exec.ray_shm`); an attempt across nodes checkpoints to durable
+tiers only. With ``ckpt_agents`` one checkpoint agent per node serves the ``peer`` tier
+(:mod:`tidal.exec.ray_agents`). Isolation as on the local executor, checked on every node
+(:mod:`tidal.exec.ray_checks`); the Ray cluster itself is not isolated (docs/control.md).
 Not thread-safe: one reconcile loop drives it.
 """
 
@@ -63,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import signal
 import time
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -73,7 +37,7 @@ from typing import Any
 from tidal import contract as c
 from tidal.contract import torchrun_env
 from tidal.exec import ray_checks
-from tidal.exec.files import read_json, write_json
+from tidal.exec.files import AttemptDirs, read_json, write_json
 from tidal.exec.isolation import (
     IsolationConfig,
     Uids,
@@ -86,7 +50,7 @@ from tidal.exec.isolation import (
     require_root,
 )
 from tidal.exec.progress import ProgressReader
-from tidal.exec.protocol import LaunchError, LaunchRequest, Observation, RankState, check_ranks
+from tidal.exec.protocol import LaunchError, LaunchRequest, Observation, RankState
 from tidal.exec.ray_auth import use_token_from_env
 from tidal.exec.ray_checks import check_auth, check_reachable_address, check_workers_root, join_error
 from tidal.exec.ray_names import (  # what the plane's objects are called on the cluster, where they live
@@ -145,7 +109,7 @@ class _Tracked:
     lost: set[int] = field(default_factory=set)
 
 
-class RayExecutor:
+class RayExecutor(AttemptDirs):
     """Runs ranks as processes under rank actors on a Ray cluster. See the module docstring.
 
     ``address``: the cluster to join (``"auto"``, ``"HOST:PORT"``, ``"ray://..."``); ``None`` starts a
@@ -215,19 +179,6 @@ class RayExecutor:
         if self._owns_ray:
             self._ray.shutdown()
             self._owns_ray = False
-
-    # -- layout --------------------------------------------------------------------------------------
-    def job_dir(self, job_id: str) -> Path:
-        return self.root / job_id
-
-    def attempt_dir(self, job_id: str, attempt: int) -> Path:
-        return self.job_dir(job_id) / c.attempt_dirname(attempt)
-
-    def home_dir(self, job_id: str) -> Path:
-        return self.job_dir(job_id) / "home"
-
-    def log_path(self, job_id: str, rank: int) -> str:
-        return str(self.job_dir(job_id) / "logs" / f"rank-{rank}.log")
 
     # -- the cluster ---------------------------------------------------------------------------------
     def _alive(self) -> list[dict]:
@@ -376,9 +327,7 @@ class RayExecutor:
             gpus = ",".join(g for r in local for g in infos[r]["gpu_ids"])
             platform = {**torchrun_env(k.rank, n, port, master_addr=master, local_rank=local.index(k.rank),
                                        local_world_size=len(local), group_rank=groups.index(k.node)),
-                        c.ENV_JOB_ID: req.job_id, c.ENV_ATTEMPT: str(req.attempt),
-                        c.ENV_PROGRESS_DIR: str(adir / c.PROGRESS_DIRNAME),
-                        c.ENV_CONTROL_FILE: str(adir / c.CONTROL_FILE), c.ENV_CUDA_VISIBLE_DEVICES: gpus}
+                        **self.attempt_env(req, adir), c.ENV_CUDA_VISIBLE_DEVICES: gpus}
             shm = str(self.shm_root / k.node / req.job_id) if self.shm_root is not None else None
             base = {c.ENV_SHM_DIR: shm} if shm is not None else {}
             if self.agents is not None:
@@ -467,29 +416,10 @@ class RayExecutor:
         with contextlib.suppress(Exception):
             self._remove_pg(PlacementGroup(PlacementGroupID(bytes.fromhex(pg_id))))
 
-    def signal_stop(self, job_id: str, ranks: Collection[int] | None = None) -> None:
-        self._signal(job_id, signal.SIGTERM, ranks)
-
-    def kill(self, job_id: str) -> None:
-        self._signal(job_id, signal.SIGKILL)
-
-    def _signal(self, job_id: str, sig: int, ranks: Collection[int] | None = None) -> None:
-        t = self._jobs.get(job_id)
-        if t is None:
-            return
-        wanted = check_ranks(f"job {job_id}", ranks, len(t.ranks))
-        for k in t.ranks:
-            ended = k.rank in t.codes or k.rank in t.vanished
-            if k.actor is not None and k.rank in wanted and not ended:
+    def _send(self, t: _Tracked, ranks: list[_Rank], sig: int) -> None:
+        for k in ranks:
+            if k.actor is not None:
                 k.actor.signal.remote(int(sig))  # not waited for: observe() sees the rank exit
-
-    def configure(self, job_id: str, settings: Mapping[str, Any]) -> None:
-        t = self._jobs.get(job_id)
-        if t is None:
-            return
-        path = t.dir / c.CONTROL_FILE
-        current = read_json(path) or {}
-        write_json(path, {**current, **settings}, t.owner)  # the job's uid reads it
 
     def release(self, job_id: str) -> None:
         t = self._jobs.pop(job_id, None)
@@ -579,11 +509,6 @@ class RayExecutor:
 
     def free_agent_job(self, namespace: str) -> bool:
         return self.agents is not None and self.agents.free_job(namespace)
-
-    def worker_pids(self, job_id: str) -> dict[int, int]:
-        """rank -> the rank's pid on its node, for those that started."""
-        t = self._jobs.get(job_id)
-        return {k.rank: k.pid for k in (t.ranks if t else []) if k.pid is not None}
 
     # -- recovery ------------------------------------------------------------------------------------
     def adopt(self, job_id: str, attempt: int, now_s: float) -> bool:
