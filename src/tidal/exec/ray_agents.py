@@ -1,22 +1,12 @@
 """Checkpoint agents of the peer-memory tier, one per Ray node, started and supervised by the Ray executor.
 
-Every alive GPU node of the cluster runs one agent (``python -m tidal.ckpt.agent``, see
-:mod:`tidal.ckpt.agent`) under a detached, named actor pinned to that node (:class:`AgentActor`,
-``tidal.agent.<node>``). The agents form a ring in node-name order, each pushing what its node's
-ranks hand it to the next node's agent (its *buddy*), so losing one node loses no committed step of
-the peer tier. :meth:`RayAgents.ensure`, called with the cluster's nodes on every step (at most
-every ``check_s``), starts missing agents, restarts dead ones and re-points buddies when nodes join
-or leave (an agent restarted on the same memory directory and port keeps what it held, and its
-ranks' ``TIDAL_CKPT_AGENT`` stays right). Ranks get ``TIDAL_CKPT_AGENT`` (their node's agent) and
-``TIDAL_CKPT_PEERS`` (every other agent) from :meth:`RayAgents.env`.
-
-Memory directory of a node's agent: ``<shm base>/<node>/agent``; it may copy staging slots from
-``<shm base>/<node>`` (where that node's ranks stage).
-
-Authentication (:mod:`tidal.ckpt.agent.auth`): the executor's key (``<root>/.ckpt-agent.key``, created
-once) goes to each actor with ``start`` and from there into its agent's own environment, never onto a
-command line; each rank gets the token of its job's namespace in the agents (:meth:`RayAgents.token`),
-so a job reads, writes, lists and deletes only its own steps.
+Each alive GPU node runs one agent (:mod:`tidal.ckpt.agent`) under a detached actor pinned to it
+(:class:`AgentActor`, ``tidal.agent.<node>``), in a ring in node-name order: each pushes to the next
+node's agent, so losing a node loses no committed step. :meth:`RayAgents.ensure` (every step, at most
+every ``check_s``) starts missing agents, restarts dead ones on the same memory and port, and re-points
+buddies. Ranks get ``TIDAL_CKPT_AGENT``/``TIDAL_CKPT_PEERS`` from :meth:`RayAgents.env` and their job's
+token from :meth:`RayAgents.token`; the key (``<root>/.ckpt-agent.key``) reaches each agent through its
+environment, never a command line. An agent's memory directory is ``<shm base>/<node>/agent``.
 """
 
 from __future__ import annotations

@@ -1,29 +1,16 @@
 """One rank of a job on a Ray node: a detached, named actor that runs the user's command as a process.
 
-The Ray executor (:mod:`tidal.exec.ray_exec`) creates one :class:`RankActor` per rank, in the bundle of
-the attempt's placement group that sits on the node the scheduler chose. The actor holds the rank's
-GPU in Ray's accounting (``num_gpus=1``) and runs nothing of the job itself: :meth:`RankActor.start`
-starts the command as a child process (its own session, so a notice reaches the whole process group)
-with the environment the executor composed, its output appended to the rank's log file. The actor
-keeps the child's exit code, so a restarted control plane that finds the actor by name learns how
-the rank ended.
+The Ray executor creates one :class:`RankActor` per rank in its placement-group bundle; the actor holds
+the GPU in Ray's accounting and :meth:`RankActor.start` runs the command once (a second call returns the
+first pid) as a child in its own session, output appended to the rank's log. The actor keeps the exit
+code, so a restarted plane that finds it by name learns how the rank ended.
 
-The child dies with the actor: it is started with ``PR_SET_PDEATHSIG`` = SIGKILL, so ``ray.kill`` of
-the actor, or the death of its worker process with the node, never leaves a rank running unwatched.
-What the rank itself starts ends with it too, however it detaches (``setsid``, a double fork): the
-actor's worker is a child subreaper (:func:`tidal.exec.procs.become_subreaper`), so such a process
-re-parents to it, and the actor kills every process left below it when the rank has ended (seen by
-:meth:`RankActor.poll`), on a kill (:meth:`RankActor.signal` with SIGKILL stops and kills the whole
-tree) and on :meth:`RankActor.end`, which the executor calls before it kills the actor.
-:meth:`RankActor.start` runs a command once: a second call returns the first one's pid.
+Nothing outlives the actor: the child has ``PR_SET_PDEATHSIG`` = SIGKILL, and the worker is a child
+subreaper that kills what the rank left when it ends (:meth:`RankActor.poll`), on a SIGKILL and on
+:meth:`RankActor.end`. With ``owner`` (``isolation.uid_base``, the actor runs as root) it makes the job's
+node-memory directory and starts the rank as that uid with the job's rlimits, as :mod:`tidal.exec.shim`.
 
-With ``isolation.uid_base`` the executor names the job's uid and gid (``owner``): the actor (which must
-run as root) makes the job's node-memory directory on its node, owned by that uid, and starts the
-rank as that uid with no supplementary groups and the job's rlimits, exactly as the local executor's
-shim (:mod:`tidal.exec.shim`) does; its log and pid file stay root's.
-
-Standard library, ``ray``, small parts of :mod:`tidal.exec` and the standard-library-only :mod:`tidal.files`
-and :mod:`tidal.net` (no torch): the module is imported by every Ray worker that hosts a rank.
+Imported by every Ray worker that hosts a rank: standard library, ``ray`` and small parts of ours (no torch).
 """
 
 from __future__ import annotations

@@ -1,24 +1,13 @@
-"""Reclaim notices: SIGTERM or a notice file means "GPUs are being taken back".
+"""Reclaim notices: SIGTERM or a notice file means "GPUs are being taken back" (docs/train.md).
 
-The contract a launcher can rely on (:class:`tidal.train.Session` implements it with this module):
+On SIGTERM, or when ``TIDAL_NOTICE_FILE`` appears, the ranks agree to stop after the same step,
+checkpoint it, wait for the commit (``TIDAL_NOTICE_WAIT``) and exit 75 (:data:`EXIT_PREEMPTED`), all
+within the grace (``TIDAL_GRACE_S``, from the signal or the file's mtime). When the grace runs out a
+watchdog thread exits 75; a second SIGTERM exits 75 at once. Neither exposes a torn step (the manifest
+is written last). A notice during a blocking C call is handled when it returns.
 
-1. On SIGTERM, or when ``TIDAL_NOTICE_FILE`` appears, the job finishes the step in progress, all
-   ranks agree to stop after that same step (a tiny all-reduce of a stop flag each step, since
-   only some ranks may have been told), checkpoint it, wait until the checkpoint is committed in
-   the fast tier (or in all tiers, see ``TIDAL_NOTICE_WAIT``) and exit with code 75
-   (:data:`EXIT_PREEMPTED`, ``EX_TEMPFAIL``): preempted, resumable.
-2. All of that within the grace (``TIDAL_GRACE_S``, counted from the signal or the file's mtime).
-   When the grace runs out a watchdog thread exits the process with code 75 just before it ends;
-   a second SIGTERM exits at once, also with 75. Neither can expose a torn step: the engine
-   commits a step by writing its manifest last, so the job resumes from the newest step that did
-   commit.
-
-A notice that arrives while the main thread is blocked inside a C call (a collective waiting on a
-dead peer) is handled when the call returns; the launcher's SIGKILL after the grace is the backstop.
-
-Thread-safety: the signal handler only sets fields and starts the watchdog (it never takes a lock
-that the main thread could hold, and writes to stderr with ``os.write``); :meth:`Notice.requested`
-is called from the training thread.
+Thread-safety: the signal handler only sets fields and starts the watchdog (no lock the main thread
+could hold; stderr through ``os.write``); :meth:`Notice.requested` is called from the training thread.
 """
 
 from __future__ import annotations

@@ -1,30 +1,14 @@
 """Progress reporting: one JSON record per event, per rank, plus a heartbeat file.
 
-Records (every one carries ``event``, ``time`` (Unix seconds), ``job_id`` and ``rank``):
+Every record carries ``event`` (``start``, ``restore``, ``step``, ``checkpoint``, ``committed``,
+``save_failed``, ``notice``, ``preempted``, ``error``, ``end``), ``time`` (Unix seconds), ``job_id`` and
+``rank``; docs/train.md lists each event's fields. Writers are pluggable (:class:`ProgressWriter`); the
+default :class:`JsonlWriter` appends to one ``progress-rNNNNN.jsonl`` per rank, flushed per record.
 
-* ``start``: ``world_size``, ``pid``, ``host``, ``device``, ``backend``, ``uptime_s`` (since process start)
-* ``restore``: ``step`` (0: nothing restored), ``duration_s``, ``tier``, ``bytes_read``,
-  ``read_amplification``, ``fallbacks``, ``saved_world_size``, ``uptime_s``, ``skipped_steps`` (newer
-  steps not readable intact from any tier, skipped for an older one; only when there were some)
-* ``step``: ``step``, ``loss`` (mean over ranks), ``step_time_s``, ``samples_per_s``, ``tokens_per_s``,
-  ``committed`` ({tier: newest committed step}), ``uptime_s`` on the first step, the caller's fields
-* ``checkpoint``: ``step``, ``reason`` (``steps``, ``seconds``, ``notice``, ``manual``), ``stall_s``
-* ``committed``: ``step``, ``tiers``, ``persist_s`` (from the end of the stall to the last commit)
-* ``save_failed``: ``step``, ``tiers`` (committed anyway), ``error``
-* ``notice``: ``source`` (``SIGTERM``, ``file``, ``peer``: another rank was told), ``received`` (Unix s)
-* ``preempted``: ``step``, ``tiers`` (holding it at exit), ``notice_to_exit_s``, ``exit_code``
-* ``error`` (an exception left the session) and ``end``: ``step``
-
-Writers are pluggable (:class:`ProgressWriter`: ``write(record)`` and ``close()``); the default is
-:class:`JsonlWriter`, one ``progress-rNNNNN.jsonl`` per rank, appended across restarts and flushed
-per record. The control plane will add an HTTP writer.
-
-The heartbeat (``heartbeat-rNNNNN.json``, replaced atomically) says when the training thread last
-made progress: ``time``, ``step``, ``phase`` (``starting``, ``restoring``, ``training``,
-``checkpointing``, ``stopping``, ``stopped``), ``step_time_s`` (moving average) and ``pid``. It is
-written from the training thread only — never from a background thread — so a job stuck in a
-collective stops beating. A platform calls a job *hung* when the heartbeat is older than a few step
-times (and a minute), and *slow* when it beats but ``step_time_s`` grew.
+The heartbeat (``heartbeat-rNNNNN.json``, replaced atomically: ``time``, ``step``, ``phase``,
+``step_time_s``, ``pid``) is written from the training thread only, never from a background thread, so a
+job stuck in a collective stops beating: the platform calls it *hung* when the heartbeat is older than a
+few step times, *slow* when ``step_time_s`` grew.
 """
 
 from __future__ import annotations
