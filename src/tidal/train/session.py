@@ -255,14 +255,9 @@ class Session:
         self._write(record)
         if self.is_main:
             if record["tier"]:
-                log.info(
-                    "restored step %d from tier %s in %.2f s (saved on %s ranks, now %d)",
-                    self.step,
-                    record["tier"],
-                    record["duration_s"],
-                    record.get("saved_world_size"),
-                    self.world_size,
-                )
+                log.info("restored step %d from tier %s in %.2f s (saved on %s ranks, now %d)",
+                         self.step, record["tier"], record["duration_s"], record.get("saved_world_size"),
+                         self.world_size)
             else:
                 log.info("no committed checkpoint%s: starting at step 0",
                          f" in {ckpt_config.describe(target)}" if target is not None
@@ -335,9 +330,7 @@ class Session:
         if interval is not None and float(interval) != self.ckpt_every_s:
             self._write({"event": "control", "ckpt_interval_s": float(interval), "was": self.ckpt_every_s})
             if self.is_main:
-                log.info(
-                    "checkpoint interval %g s -> %g s (control file)", self.ckpt_every_s, float(interval)
-                )
+                log.info("checkpoint interval %g s -> %g s (control file)", self.ckpt_every_s, interval)
             self.ckpt_every_s = float(interval)
 
     # -- checkpoints -------------------------------------------------------------------------------
@@ -384,10 +377,7 @@ class Session:
         if self._cp is None:
             assert self.ckpt_target is not None
             guard = self._optimizer if self.overlap and self._optimizer is not None else None
-            if self.ckpt_tiers is not None:
-                self._cp = ckpt.Checkpointer(tiers=self.ckpt_tiers, keep=self.keep, guard=guard)
-            else:
-                self._cp = ckpt.Checkpointer(self.ckpt_url, keep=self.keep, guard=guard)
+            self._cp = ckpt.Checkpointer(self.ckpt_target, keep=self.keep, guard=guard)  # a url or tiers
         return self._cp
 
     def _state(self, step: int) -> dict[str, Any]:
@@ -418,30 +408,23 @@ class Session:
 
     def _poll_saves(self) -> None:
         with self._io_lock:
-            self._poll_saves_locked()
-
-    def _poll_saves_locked(self) -> None:
-        for h in list(self._pending):
-            for tier in list(h.committed):
-                if self.committed.get(tier, -1) < h.step:
-                    self.committed[tier] = h.step
-            if not h.done():
-                continue
-            self._pending.remove(h)
-            if isinstance(h.error, ckpt.FencedError):
-                self._fenced(h.step, h.error)
-            elif h.error is not None:
-                log.warning(
-                    "checkpoint of step %d failed (committed in: %s): %s",
-                    h.step,
-                    h.committed or "none",
-                    h.error,
-                )
-                self._write({"event": "save_failed", "step": h.step, "tiers": list(h.committed),
-                             "error": str(h.error)[:2000]})
-            else:
-                self._write({"event": "committed", "step": h.step, "tiers": list(h.committed),
-                             "persist_s": h.persist_s})
+            for h in list(self._pending):
+                for tier in list(h.committed):
+                    if self.committed.get(tier, -1) < h.step:
+                        self.committed[tier] = h.step
+                if not h.done():
+                    continue
+                self._pending.remove(h)
+                if isinstance(h.error, ckpt.FencedError):
+                    self._fenced(h.step, h.error)
+                elif h.error is not None:
+                    log.warning("checkpoint of step %d failed (committed in: %s): %s", h.step,
+                                h.committed or "none", h.error)
+                    self._write({"event": "save_failed", "step": h.step, "tiers": list(h.committed),
+                                 "error": str(h.error)[:2000]})
+                else:
+                    self._write({"event": "committed", "step": h.step, "tiers": list(h.committed),
+                                 "persist_s": h.persist_s})
 
     # -- stopping ----------------------------------------------------------------------------------
     def _fenced(self, step: int, error: BaseException) -> None:
@@ -481,13 +464,8 @@ class Session:
         self._write({"event": "preempted", "step": step, "tiers": tiers, "exit_code": EXIT_PREEMPTED,
                      "notice_to_exit_s": time.time() - n.received_unix})
         if self.is_main:
-            log.warning(
-                "notice (%s): stopped after step %d; checkpoint committed in %s; exiting with code %d",
-                n.source,
-                step,
-                tiers or "no tier",
-                EXIT_PREEMPTED,
-            )
+            log.warning("notice (%s): stopped after step %d; checkpoint committed in %s; exiting with code "
+                        "%d", n.source, step, tiers or "no tier", EXIT_PREEMPTED)
         raise Preempted(step, tiers)
 
     def close(self) -> None:
@@ -553,8 +531,7 @@ class Session:
     ) -> tuple[bool, bool, float | None]:
         if not self.distributed:
             return stop, due, None if loss is None else float(loss)
-        dev = self.device if self.backend == "nccl" else torch.device("cpu")
-        t = torch.zeros(3, dtype=torch.float64, device=dev)
+        t = torch.zeros(3, dtype=torch.float64, device=self._reduce_device())
         t[0], t[1] = float(stop), float(due)
         if loss is not None:
             t[2] = loss.detach().to(torch.float64) if isinstance(loss, torch.Tensor) else float(loss)
@@ -562,11 +539,13 @@ class Session:
         s, d, total = t.tolist()
         return s > 0, d > 0, None if loss is None else total / self.world_size
 
+    def _reduce_device(self) -> torch.device:
+        return self.device if self.backend == "nccl" else torch.device("cpu")
+
     def _all_min(self, value: int) -> int:
         if not self.distributed:
             return value
-        dev = self.device if self.backend == "nccl" else torch.device("cpu")
-        t = torch.tensor([value], dtype=torch.int64, device=dev)
+        t = torch.tensor([value], dtype=torch.int64, device=self._reduce_device())
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return int(t.item())
 
