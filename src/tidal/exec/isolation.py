@@ -1,22 +1,11 @@
-"""How the local executor isolates a job from the control plane and from other jobs (docs/control.md).
-
-    isolation:                       # tidal up --config FILE
-      uid_base: 200000               # run jobs as uids 200000+ (needs root); omit: as tidal up's user
-      per: tenant                    # one uid per tenant (default) or per job
-      pass_env: [PATH, LANG]         # names copied from tidal up's environment (nothing else is)
-      shm_retention_s: 3600          # an ended job's /dev/shm tier is freed after this at the latest
-      max_file_bytes: null           # RLIMIT_FSIZE of every rank (null: no cap)
-      max_procs: 4096                # RLIMIT_NPROC of a job's uid (only with uid_base)
-      max_memory_bytes: null         # memory cgroup limit of every rank (null: none; tidal.exec.cgroups)
-      ray_open_cluster: false        # Ray executor with uid_base: run on a cluster without token auth
+"""How the executors isolate a job from the control plane and from other jobs (the ``isolation:`` block
+of ``tidal up --config``; docs/control.md, Isolation).
 
 Always: a clean environment (the job's ``env``, the platform's variables, the names in ``pass_env``;
-``HOME`` and ``TMPDIR`` in the job's private area), files and directories 0600/0700, no core dumps,
-a shared-memory directory per job (``TIDAL_SHM_DIR``) freed after the job ends. With ``uid_base``
-(``tidal up`` as root): every rank runs as an unprivileged uid/gid with no supplementary groups and
-no ``/etc/passwd`` entry; the job owns its private area, progress directory, shm directory and
-default checkpoint directory, and a location it takes over with ``resume_from`` is handed to its uid
-(:mod:`tidal.exec.handover`); everything else of the state dir stays root's.
+``HOME`` and ``TMPDIR`` in the job's private area), files and directories 0600/0700, no core dumps, a
+shared-memory directory per job freed after it ends. With ``uid_base`` (as root): every rank runs as an
+unprivileged uid/gid of its tenant or job, which owns the job's private area, progress, shm and default
+checkpoint directories (and what it takes over: :mod:`tidal.exec.handover`); the rest stays root's.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """A job's training progress, folded from the runtime's per-rank files (docs/train.md).
 
-The runtime writes ``progress-rNNNNN.jsonl`` (one record per event) and ``heartbeat-rNNNNN.json``
-per rank into ``TIDAL_PROGRESS_DIR``. :class:`ProgressReader` tails rank 0's records incrementally
-(every rank reports the same step, loss and checkpoints) and reads every rank's heartbeat, and
-turns them into one :class:`Progress` value per observation. Each attempt of a job has its own
-directory, so reading it again from the start (after a restart of the control plane) gives the
-same value.
+:class:`ProgressReader` tails rank 0's ``progress-rNNNNN.jsonl`` incrementally (every rank reports the
+same step, loss and checkpoints), reads every rank's heartbeat, and makes one :class:`Progress` per
+observation. Each attempt has its own directory, so reading it again from the start (after a restart
+of the control plane) gives the same value.
 """
 
 from __future__ import annotations

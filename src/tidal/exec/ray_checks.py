@@ -1,13 +1,7 @@
 """What ``tidal up --executor ray`` checks of the cluster at start, each a one-line ``ValueError``: that
-an address answers (:func:`check_reachable_address`), and with ``isolation.uid_base`` (jobs as their own
-uids) that the cluster refuses clients without its token (:func:`check_open_cluster`) and that the Ray
-workers run as root (:func:`check_workers_root`).
-
-A rank actor (:class:`tidal.exec.ray_rank.RankActor`) starts its rank as the job's uid, which only a
-worker running as root can. :func:`check_workers_root` asks a worker on every node at start (a task
-pinned to each, no CPU reserved), so ``tidal up`` refuses in one line rather than failing every launch
-later; a node that joins afterwards with other workers fails the rank's start with that reason in its
-log (the actor checks again).
+an address answers, and with ``isolation.uid_base`` that the cluster refuses clients without its token
+and that the Ray workers run as root on every node (a rank actor starts its rank as the job's uid; a
+node that joins later without root fails the rank's start with that reason in its log).
 """
 
 from __future__ import annotations
