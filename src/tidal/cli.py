@@ -79,9 +79,8 @@ def _demo() -> None:
     from tidal.demo.single import demo
 
     demo_app = typer.Typer(
-        invoke_without_command=True,
-        no_args_is_help=False,
-        help="End-to-end demos on this machine (no subcommand: a job loses a rank and recovers).",
+        invoke_without_command=True, no_args_is_help=False,
+        help="End-to-end demos on this machine (no subcommand: a job loses a rank and recovers)."
     )
     demo_app.callback()(demo)
     demo_app.command("cycle")(cycle)

@@ -63,11 +63,8 @@ def detect_gpus() -> list[int]:
         return []
     try:
         out = subprocess.run(
-            [exe, "--query-gpu=index", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=True,
+            [exe, "--query-gpu=index", "--format=csv,noheader"], capture_output=True, text=True, timeout=30,
+            check=True
         ).stdout
     except (OSError, subprocess.SubprocessError):
         return []

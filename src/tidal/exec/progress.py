@@ -100,11 +100,9 @@ class ProgressReader:
         beats = [b for b in (self._heartbeat(r) for r in range(self.world_size)) if b is not None]
         f = self._f
         return Progress(
-            **{k: f[k] for k in _FOLDED if k in f},
-            tiers=dict(f.get("tiers", {})),
-            heartbeat_s=min((b["time"] for b in beats), default=None),
-            heartbeats=len(beats),
-            phase=beats[0].get("phase") if beats else None,
+            **{k: f[k] for k in _FOLDED if k in f}, tiers=dict(f.get("tiers", {})),
+            heartbeat_s=min((b["time"] for b in beats), default=None), heartbeats=len(beats),
+            phase=beats[0].get("phase") if beats else None
         )
 
     def _tail(self) -> None:

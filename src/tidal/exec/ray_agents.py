@@ -160,12 +160,8 @@ class RayAgents:
                 actors[name] = self._ray.get_actor(actor_name, namespace=self.namespace)
             except ValueError:
                 actors[name] = self._remote.options(
-                    name=actor_name,
-                    namespace=self.namespace,
-                    lifetime="detached",
-                    num_cpus=0,
-                    max_restarts=0,
-                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+                    name=actor_name, namespace=self.namespace, lifetime="detached", num_cpus=0,
+                    max_restarts=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)
                 ).remote()
         refs = {n: a.reserve.remote() for n, a in actors.items()}
         for n, ref in refs.items():

@@ -294,14 +294,9 @@ class RayExecutor(AttemptDirs):
                               f"{self.ready_timeout_s:g} s (GPUs held outside Tidal?)") from None
         for r, (node, nid) in enumerate(plan):
             actor = self._remote.options(
-                name=actor_name(req.job_id, req.attempt, r),
-                namespace=self.namespace,
-                lifetime="detached",
-                num_cpus=0,
-                num_gpus=1,
-                max_restarts=0,
-                max_task_retries=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r),
+                name=actor_name(req.job_id, req.attempt, r), namespace=self.namespace, lifetime="detached",
+                num_cpus=0, num_gpus=1, max_restarts=0, max_task_retries=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r)
             ).remote()
             ranks.append(_Rank(r, node, nid, actor))
         infos = ray.get([_spawned(k).info.remote() for k in ranks], timeout=self.ready_timeout_s)
@@ -340,15 +335,9 @@ class RayExecutor(AttemptDirs):
                       f"{time.strftime('%Y-%m-%d %H:%M:%S')} ===\n")
             starts.append(
                 _spawned(k).start.remote(
-                    list(req.command),
-                    env,
-                    req.workdir or str(self.home_dir(req.job_id)),
-                    self.log_path(req.job_id, k.rank),
-                    header,
-                    str(adir / c.pid_file(k.rank)),
-                    owner,
-                    rlimits,
-                    shm if c.ENV_SHM_DIR not in job_env else None,
+                    list(req.command), env, req.workdir or str(self.home_dir(req.job_id)),
+                    self.log_path(req.job_id, k.rank), header, str(adir / c.pid_file(k.rank)), owner, rlimits,
+                    shm if c.ENV_SHM_DIR not in job_env else None
                 )
             )
         for k, pid in zip(ranks, ray.get(starts, timeout=self.ready_timeout_s), strict=True):

@@ -131,9 +131,7 @@ class RankActor:
                 procs.reap_orphans()  # the rank ended: what it left running (a setsid'd daemon) too
         return {
             "started": self.proc is not None or self.error is not None,
-            "pid": self.proc.pid if self.proc is not None else None,
-            "code": self.code,
-            "error": self.error,
+            "pid": self.proc.pid if self.proc is not None else None, "code": self.code, "error": self.error
         }
 
     def end(self) -> None:

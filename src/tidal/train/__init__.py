@@ -12,20 +12,7 @@ from tidal.train.progress import Heartbeat, JsonlWriter, MemoryWriter, ProgressW
 from tidal.train.session import Preempted, Session
 
 __all__ = [
-    "Session",
-    "Preempted",
-    "EXIT_PREEMPTED",
-    "Env",
-    "EnvError",
-    "GlobalBatchSampler",
-    "BatchSizeError",
-    "check_batch",
-    "permute",
-    "reseed",
-    "Notice",
-    "ProgressWriter",
-    "JsonlWriter",
-    "MemoryWriter",
-    "Heartbeat",
-    "read_jsonl",
+    "Session", "Preempted", "EXIT_PREEMPTED", "Env", "EnvError", "GlobalBatchSampler", "BatchSizeError",
+    "check_batch", "permute", "reseed", "Notice", "ProgressWriter", "JsonlWriter", "MemoryWriter",
+    "Heartbeat", "read_jsonl"
 ]

@@ -60,25 +60,19 @@ class Env:
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> Env:
         e = os.environ if environ is None else environ
         env = cls(
-            rank=_int(e, c.ENV_RANK, 0, lo=0),
-            world_size=_int(e, c.ENV_WORLD_SIZE, 1, lo=1),
+            rank=_int(e, c.ENV_RANK, 0, lo=0), world_size=_int(e, c.ENV_WORLD_SIZE, 1, lo=1),
             local_rank=_int(e, c.ENV_LOCAL_RANK, 0, lo=0),
             local_world_size=_int(e, c.ENV_LOCAL_WORLD_SIZE, 1, lo=1),
             master_addr=e.get(c.ENV_MASTER_ADDR) or None,
             master_port=_int(e, c.ENV_MASTER_PORT, 0, lo=1) if e.get(c.ENV_MASTER_PORT) else None,
-            job_id=e.get(c.ENV_JOB_ID) or "local",
-            ckpt_url=e.get(c.ENV_CKPT_URL) or None,
-            ckpt_tiers=_tiers(e.get(c.ENV_CKPT_TIERS) or ""),
-            control_file=e.get(c.ENV_CONTROL_FILE) or None,
+            job_id=e.get(c.ENV_JOB_ID) or "local", ckpt_url=e.get(c.ENV_CKPT_URL) or None,
+            ckpt_tiers=_tiers(e.get(c.ENV_CKPT_TIERS) or ""), control_file=e.get(c.ENV_CONTROL_FILE) or None,
             ckpt_interval_s=_float(e, c.ENV_CKPT_INTERVAL_S, 600.0),
             ckpt_interval_steps=_int(e, c.ENV_CKPT_INTERVAL_STEPS, 0, lo=0),
-            ckpt_keep=_int(e, c.ENV_CKPT_KEEP, 3, lo=0),
-            notice_file=e.get(c.ENV_NOTICE_FILE) or None,
+            ckpt_keep=_int(e, c.ENV_CKPT_KEEP, 3, lo=0), notice_file=e.get(c.ENV_NOTICE_FILE) or None,
             grace_s=_float(e, c.ENV_GRACE_S, DEFAULT_GRACE_S, positive=True),
-            notice_wait=e.get(c.ENV_NOTICE_WAIT) or "fast",
-            progress_dir=e.get(c.ENV_PROGRESS_DIR) or None,
-            api_url=e.get(c.ENV_API_URL) or None,
-            token=e.get(c.ENV_TOKEN) or None,
+            notice_wait=e.get(c.ENV_NOTICE_WAIT) or "fast", progress_dir=e.get(c.ENV_PROGRESS_DIR) or None,
+            api_url=e.get(c.ENV_API_URL) or None, token=e.get(c.ENV_TOKEN) or None
         )
         if env.rank >= env.world_size:
             raise EnvError(f"{c.ENV_RANK}={env.rank} is not below {c.ENV_WORLD_SIZE}={env.world_size}")

@@ -109,9 +109,8 @@ class Meter:
                 dt if self.avg_step_time_s is None else (1 - a) * self.avg_step_time_s + a * dt
             )
         return {
-            "step_time_s": dt,
-            "samples_per_s": samples / dt if dt and samples else None,
-            "tokens_per_s": tokens / dt if dt and tokens else None,
+            "step_time_s": dt, "samples_per_s": samples / dt if dt and samples else None,
+            "tokens_per_s": tokens / dt if dt and tokens else None
         }
 
 
