@@ -7,11 +7,13 @@ from __future__ import annotations
 import json
 import signal
 from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tidal import contract as c
-from tidal.exec.protocol import LaunchRequest, check_ranks
+from tidal.exec.progress import ProgressReader
+from tidal.exec.protocol import LaunchRequest, Observation, RankState, check_ranks
 from tidal.files import write_atomic
 
 
@@ -30,13 +32,41 @@ def read_json(path: Path) -> dict | None:
     return doc if isinstance(doc, dict) else None
 
 
+@dataclass
+class Attempt:
+    """One tracked attempt: its ranks (each with ``rank``, ``pid`` and, across nodes, ``node``) and what
+    was seen of them (``lost``: as the executor means it)."""
+
+    job_id: str
+    attempt: int
+    launched_s: float
+    dir: Path
+    ranks: list[Any]
+    owner: tuple[int, int] | None = None  # the ranks' uid and gid when they run as their own user
+    codes: dict[int, int] = field(default_factory=dict)
+    vanished: set[int] = field(default_factory=set)
+    lost: set[int] = field(default_factory=set)
+    reader: ProgressReader = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.reader = ProgressReader(self.dir / c.PROGRESS_DIRNAME, len(self.ranks))
+
+    def observation(self, across_nodes: bool = False) -> Observation:
+        """What the executor reports; ``across_nodes``: each rank's node, and ``lost`` with it."""
+        states = []
+        for k in self.ranks:
+            code = self.codes.get(k.rank)
+            ended = code is not None and code != 0 and self.reader.phase(k.rank) == c.PHASE_ENDED
+            lost, node = (k.rank in self.lost, k.node) if across_nodes else (False, None)
+            states.append(RankState(k.rank, k.pid, code, k.rank in self.vanished, ended, lost, node))
+        return Observation(self.job_id, self.attempt, self.launched_s, tuple(states), self.reader.read())
+
+
 class AttemptDirs:
-    """The base of an executor: ``root`` and the tracked attempts (``_jobs``: job -> an object with
-    ``dir``, ``owner``, ``ranks`` (each with ``rank``), ``codes`` and ``vanished``); subclasses send a
-    signal to ranks with :meth:`_send`."""
+    """The base of an executor: ``root`` and the tracked attempts; subclasses signal ranks (:meth:`_send`)."""
 
     root: Path
-    _jobs: dict[str, Any]
+    _jobs: Mapping[str, Attempt]
 
     def job_dir(self, job_id: str) -> Path:
         return self.root / job_id
@@ -71,7 +101,7 @@ class AttemptDirs:
         self._send(t, [k for k in t.ranks if k.rank in wanted and k.rank not in t.codes
                        and k.rank not in t.vanished], sig)
 
-    def _send(self, t: Any, ranks: list[Any], sig: int) -> None:
+    def _send(self, t: Any, ranks: list[Any], sig: int) -> None:  # Any: each executor's own Attempt
         raise NotImplementedError
 
     def configure(self, job_id: str, settings: Mapping[str, Any]) -> None:

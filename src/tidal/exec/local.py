@@ -33,7 +33,7 @@ from typing import IO
 from tidal import contract as c
 from tidal.contract import one_node_env, torchrun_env
 from tidal.exec import cgroups, orphans, procs, shim
-from tidal.exec.files import AttemptDirs, read_json, write_json
+from tidal.exec.files import Attempt, AttemptDirs, read_json, write_json
 from tidal.exec.isolation import (
     IsolationConfig,
     Uids,
@@ -46,8 +46,7 @@ from tidal.exec.isolation import (
     recorded_owner,
     require_root,
 )
-from tidal.exec.progress import ProgressReader
-from tidal.exec.protocol import LaunchError, LaunchRequest, Observation, RankState
+from tidal.exec.protocol import LaunchError, LaunchRequest, Observation
 from tidal.model import Node, PoolName
 from tidal.net import free_port
 
@@ -86,18 +85,9 @@ def _go_pipe(k: _Rank) -> IO[bytes]:
 
 
 @dataclass
-class _Tracked:
-    job_id: str
-    attempt: int
-    launched_s: float
-    devices: list[int]
-    dir: Path
-    ranks: list[_Rank]
-    reader: ProgressReader
-    owner: tuple[int, int] | None = None  # the ranks' uid and gid when they run as their own user
-    codes: dict[int, int] = field(default_factory=dict)
-    vanished: set[int] = field(default_factory=set)
-    lost: set[int] = field(default_factory=set)  # ranks whose shim ended and recorded nothing (killed)
+class _Tracked(Attempt):
+    # lost: ranks whose shim ended and recorded nothing (killed)
+    devices: list[int] = field(default_factory=list)
     shim_ended: dict[int, int] = field(default_factory=dict)  # rank -> when its shim, a child, was seen ended
 
 
@@ -248,8 +238,7 @@ class LocalExecutor(AttemptDirs):
                     rk.popen.wait(timeout=5)
             self._give_back(devices)
             raise
-        self._jobs[req.job_id] = _Tracked(req.job_id, req.attempt, now_s, devices, adir, ranks,
-                                          ProgressReader(adir / c.PROGRESS_DIRNAME, n), owner)
+        self._jobs[req.job_id] = _Tracked(req.job_id, req.attempt, now_s, adir, ranks, owner, devices=devices)
         return {"node": self.node, "placement": dict(req.placement), "devices": devices, "master_port": port,
                 "dir": str(adir), **({"uid": owner[0]} if owner else {}),
                 "ranks": [{"rank": k.rank, "pid": k.pid} for k in ranks]}
@@ -419,18 +408,13 @@ class LocalExecutor(AttemptDirs):
         return {job_id: self._observe(t) for job_id, t in self._jobs.items()}
 
     def _observe(self, t: _Tracked) -> Observation:
-        states = []
         lost = len(t.lost)
         for k in t.ranks:
             if k.rank not in t.codes and k.rank not in t.vanished:
                 self._poll_rank(t, k)
         if len(t.lost) > lost:  # a shim killed by another (OOM, kill -9): what it left ends now
             self._kill_orphans(t)
-        for k in t.ranks:
-            code = t.codes.get(k.rank)
-            ended = code is not None and code != 0 and t.reader.phase(k.rank) == c.PHASE_ENDED
-            states.append(RankState(k.rank, k.pid, code, k.rank in t.vanished, ended))
-        return Observation(t.job_id, t.attempt, t.launched_s, tuple(states), t.reader.read())
+        return t.observation()
 
     def _poll_rank(self, t: _Tracked, k: _Rank) -> None:
         if k.popen is not None:
@@ -457,6 +441,12 @@ class LocalExecutor(AttemptDirs):
             return k.popen.poll() is None
         return procs.alive(k.pid, k.started)
 
+    def worker_pids(self, job_id: str) -> dict[int, int]:
+        """rank -> the rank's own pid (under its shim), for those that started."""
+        t = self._jobs.get(job_id)
+        docs = [read_json(t.dir / c.pid_file(k.rank)) for k in t.ranks] if t is not None else []
+        return {r: d["pid"] for r, d in enumerate(docs) if d and isinstance(d.get("pid"), int)}
+
     # -- recovery ------------------------------------------------------------------------------------
     def adopt(self, job_id: str, attempt: int, now_s: float) -> bool:
         """Track attempt ``attempt`` of ``job_id`` again from its ``launch.json``; False if there is none
@@ -469,7 +459,6 @@ class LocalExecutor(AttemptDirs):
         taken = set(devices)
         self._free = {n: [d for d in free if d not in taken] for n, free in self._free.items()}
         ranks = [_Rank(r["rank"], r["pid"], r.get("started")) for r in doc["ranks"]]
-        self._jobs[job_id] = _Tracked(job_id, attempt, float(doc["launched_s"]), devices, adir, ranks,
-                                      ProgressReader(adir / c.PROGRESS_DIRNAME, len(ranks)),
-                                      recorded_owner(doc))
+        self._jobs[job_id] = _Tracked(job_id, attempt, float(doc["launched_s"]), adir, ranks,
+                                      recorded_owner(doc), devices=devices)
         return True

@@ -30,14 +30,14 @@ import logging
 import os
 import time
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tidal import contract as c
 from tidal.contract import torchrun_env
 from tidal.exec import ray_checks
-from tidal.exec.files import AttemptDirs, read_json, write_json
+from tidal.exec.files import Attempt, AttemptDirs, read_json, write_json
 from tidal.exec.isolation import (
     IsolationConfig,
     Uids,
@@ -49,8 +49,7 @@ from tidal.exec.isolation import (
     recorded_owner,
     require_root,
 )
-from tidal.exec.progress import ProgressReader
-from tidal.exec.protocol import LaunchError, LaunchRequest, Observation, RankState
+from tidal.exec.protocol import LaunchError, LaunchRequest, Observation
 from tidal.exec.ray_auth import use_token_from_env
 from tidal.exec.ray_checks import check_auth, check_reachable_address, check_workers_root, join_error
 from tidal.exec.ray_names import (  # what the plane's objects are called on the cluster, where they live
@@ -95,18 +94,8 @@ def _spawned(k: _Rank) -> Any:
 
 
 @dataclass
-class _Tracked:
-    job_id: str
-    attempt: int
-    launched_s: float
-    dir: Path
-    ranks: list[_Rank]
-    pg_id: str | None
-    reader: ProgressReader
-    owner: tuple[int, int] | None = None  # the ranks' uid and gid when they run as their own user
-    codes: dict[int, int] = field(default_factory=dict)
-    vanished: set[int] = field(default_factory=set)
-    lost: set[int] = field(default_factory=set)
+class _Tracked(Attempt):
+    pg_id: str | None = None  # lost: ranks whose node left the cluster
 
 
 class RayExecutor(AttemptDirs):
@@ -278,8 +267,8 @@ class RayExecutor(AttemptDirs):
                 raise
             raise LaunchError(f"job {req.job_id}: cannot start on Ray: {type(e).__name__}: "
                               f"{str(e).splitlines()[0] if str(e) else ''}") from e
-        self._jobs[req.job_id] = _Tracked(req.job_id, req.attempt, now_s, adir, ranks, pg.id.hex(),
-                                          ProgressReader(adir / c.PROGRESS_DIRNAME, len(plan)), owner)
+        self._jobs[req.job_id] = _Tracked(req.job_id, req.attempt, now_s, adir, ranks, owner,
+                                          pg_id=pg.id.hex())
         return handle
 
     def _start(self, req: LaunchRequest, adir: Path, plan: list[tuple[str, str]], pg: Any, ranks: list[_Rank],
@@ -459,17 +448,7 @@ class RayExecutor(AttemptDirs):
                 t.vanished.add(k.rank)  # its actor exists but the launch never got to start it
             elif res.get("code") is not None:
                 t.codes[k.rank] = int(res["code"])
-        return {job_id: self._observation(t) for job_id, t in self._jobs.items()}
-
-    def _observation(self, t: _Tracked) -> Observation:
-        states = []
-        for k in t.ranks:
-            code = t.codes.get(k.rank)
-            ended = code is not None and code != 0 and t.reader.phase(k.rank) == c.PHASE_ENDED
-            states.append(
-                RankState(k.rank, k.pid, code, k.rank in t.vanished, ended, k.rank in t.lost, k.node)
-            )
-        return Observation(t.job_id, t.attempt, t.launched_s, tuple(states), t.reader.read())
+        return {job_id: t.observation(across_nodes=True) for job_id, t in self._jobs.items()}
 
     # -- node memory (the NodeMemory protocol; tasks on the nodes: tidal.exec.ray_shm) -----------------
     def shm_jobs(self) -> list[str]:
@@ -499,6 +478,11 @@ class RayExecutor(AttemptDirs):
     def free_agent_job(self, namespace: str) -> bool:
         return self.agents is not None and self.agents.free_job(namespace)
 
+    def worker_pids(self, job_id: str) -> dict[int, int]:
+        """rank -> the rank's pid on its node, for those that started."""
+        t = self._jobs.get(job_id)
+        return {k.rank: k.pid for k in (t.ranks if t else []) if k.pid is not None}
+
     # -- recovery ------------------------------------------------------------------------------------
     def adopt(self, job_id: str, attempt: int, now_s: float) -> bool:
         """Track attempt ``attempt`` again: its actors found by name (a rank whose actor is gone is
@@ -514,9 +498,8 @@ class RayExecutor(AttemptDirs):
             except ValueError:
                 actor = None
             ranks.append(_Rank(int(d["rank"]), str(d["node"]), str(d["node_id"]), actor, d.get("pid")))
-        reader = ProgressReader(adir / c.PROGRESS_DIRNAME, len(ranks))
         self._jobs[job_id] = _Tracked(job_id, attempt, float(doc["launched_s"]), adir, ranks,
-                                      doc.get("placement_group"), reader, recorded_owner(doc))
+                                      recorded_owner(doc), pg_id=doc.get("placement_group"))
         return True
 
 
