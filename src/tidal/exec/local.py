@@ -170,8 +170,7 @@ class LocalExecutor(AttemptDirs):
         return {n: len(ds) - len(self._free[n]) for n, ds in self.node_devices.items()}
 
     def placements(self) -> dict[str, dict[str, int]]:
-        """Job -> node -> devices it holds on each node (what the executor has running or not yet
-        released)."""
+        """Job -> node -> devices it holds there (running, or not yet released)."""
         out = {}
         for job_id, t in self._jobs.items():
             per: dict[str, int] = {}
@@ -252,8 +251,7 @@ class LocalExecutor(AttemptDirs):
         return self.uids.owner(self.isolation.per, req.job_id, req.tenant) if self.uids is not None else None
 
     def _make_dirs(self, req: LaunchRequest, adir: Path, owner: tuple[int, int] | None) -> None:
-        """The job's directories and its checkpoint fence (:func:`~tidal.exec.isolation.prepare_attempt`)
-        and its shm directory (0700, with uids owned by its uid)."""
+        """The job's directories and checkpoint fence (:func:`prepare_attempt`), and its shm directory."""
         prepare_attempt(self.root, self.job_dir, adir, self.home_dir(req.job_id), req, owner, self.uids)
         shm = self.shm_dir(req.job_id)
         if shm is not None and c.ENV_SHM_DIR not in req.env:
@@ -263,8 +261,7 @@ class LocalExecutor(AttemptDirs):
     def job_env(
         self, req: LaunchRequest, r: int, devices: list[int], port: int, adir: Path
     ) -> dict[str, str]:
-        """Rank ``r``'s whole environment: the allow-listed names of this process's environment, the
-        basics (``HOME``, ``TMPDIR`` in the job's private area), the job's ``env``, then the platform's."""
+        """Rank ``r``'s whole environment (:func:`~tidal.exec.isolation.clean_env`)."""
         base = one_node_env()
         shm = self.shm_dir(req.job_id)
         if shm is not None:
@@ -294,8 +291,7 @@ class LocalExecutor(AttemptDirs):
             return []
 
     def free_shm(self, job_id: str) -> bool:
-        """Remove the job's shared-memory directory (its node-memory checkpoint tier); True if it was
-        there."""
+        """Remove the job's shared-memory directory (its node-memory tier); True if it was there."""
         d = self.shm_dir(job_id)
         if d is None or job_id in self._jobs or not d.is_dir() or d.is_symlink():
             return False
@@ -348,8 +344,7 @@ class LocalExecutor(AttemptDirs):
                     os.rmdir(d)
 
     def _shim_lost(self, t: _Tracked, k: _Rank) -> bool:
-        """The rank's shim ended without recording the rank's exit (it was killed: what it had below it
-        is orphaned)."""
+        """The rank's shim ended without recording its exit (killed: what it had below is orphaned)."""
         if k.rank in t.lost:
             return True
         if k.rank in t.codes or self._alive(k):
@@ -449,8 +444,7 @@ class LocalExecutor(AttemptDirs):
 
     # -- recovery ------------------------------------------------------------------------------------
     def adopt(self, job_id: str, attempt: int, now_s: float) -> bool:
-        """Track attempt ``attempt`` of ``job_id`` again from its ``launch.json``; False if there is none
-        (the launch was never recorded, so none of its ranks ever started)."""
+        """Track an attempt again from its ``launch.json``; False without one (no rank of it ever started)."""
         adir = self.attempt_dir(job_id, attempt)
         doc = read_json(adir / c.LAUNCH_FILE)
         if doc is None:

@@ -163,8 +163,7 @@ class RayExecutor(AttemptDirs):
             raise
 
     def close(self) -> None:
-        """Disconnect from Ray (a local Ray this executor started ends; detached actors on a cluster do
-        not)."""
+        """Disconnect from Ray (a local Ray this executor started ends, detached actors do not)."""
         if self._owns_ray:
             self._ray.shutdown()
             self._owns_ray = False
@@ -198,9 +197,9 @@ class RayExecutor(AttemptDirs):
         return out, ids
 
     def check_serving(self, tolerate: Collection[str] = ()) -> None:
-        """``ValueError`` in one line when a serving node is not an alive GPU node of the cluster (by its
-        ``tidal.io/node`` label) or has other GPUs there than the serving side says; nodes in
-        ``tolerate`` may (a restarted plane's serving nodes lost meanwhile)."""
+        """``ValueError`` in one line when a serving node is not an alive GPU node of the cluster or has
+        other GPUs there than the serving side says; nodes in ``tolerate`` may (lost while the plane was
+        down)."""
         have = {n.name: n.gpus for n in self._read_nodes()[0]}  # no agents started for a plane that won't run
         ray_checks.check_serving(self.serving_nodes, have, tolerate)
 
@@ -462,8 +461,7 @@ class RayExecutor(AttemptDirs):
         return sorted(self._shm_where)
 
     def free_shm(self, job_id: str) -> bool:
-        """Remove the job's node-memory directories on the nodes the last ``shm_jobs`` saw them on (never
-        of a tracked job)."""
+        """Remove the job's node-memory directories where the last ``shm_jobs`` saw them (never tracked)."""
         where = self._shm_where.pop(job_id, None)
         if self.shm_root is None or job_id in self._jobs or not where:
             return False

@@ -1,6 +1,6 @@
 """``tidal.train``: the in-job runtime, stoppable at any step, resumable on any number of ranks.
 
-:class:`Session` (the example is in :mod:`tidal.train.session`), :class:`GlobalBatchSampler`; exit
+:class:`Session` (the loop is in docs/train.md), :class:`GlobalBatchSampler`; exit
 code 75 (:data:`EXIT_PREEMPTED`) means "preempted, resumable". Uses only ``tidal.ckpt`` and torch;
 never imports the control plane. See docs/train.md.
 """

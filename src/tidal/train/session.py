@@ -1,28 +1,14 @@
-"""``Session``: what a training script holds to be stoppable at any step and resumable on any world size.
-
-    from tidal import train
-
-    with train.Session() as s:                              # process group, device, notices, progress
-        model, opt = build(s.device)                        # any layout: DDP, FSDP2, TP x DP, single
-        sampler = train.GlobalBatchSampler(n, global_batch=32, micro_batch=4,
-                                           rank=s.rank, world_size=s.world_size, seed=1)
-        step = s.restore(model, opt, sampler)               # newest committed step, resharded; 0 if none
-        while step < max_steps:
-            loss = train_one_step(sampler.micro_batches(step))
-            step += 1
-            s.step_done(step, loss=loss, samples=32)        # progress; checkpoint when due; stop on notice
-        s.checkpoint(step)                                  # a final checkpoint, if wanted
+"""``Session``: what a training script holds to be stoppable at any step and resumable on any world size
+(docs/train.md has the whole loop).
 
 Call order and collectives: every rank constructs the session, calls ``restore`` once, then
 ``step_done`` after every optimizer step with the same ``step``, in the same order (``step_done``
 holds one tiny all-reduce; ``restore`` and ``checkpoint`` are collective). ``step`` counts completed
-optimizer steps: a checkpoint saved as step N holds the state after N steps, and ``restore`` returns
-N, the number of the next step's batch.
+optimizer steps: a checkpoint saved as step N holds the state after N steps, and ``restore`` returns N.
 
 On a notice (SIGTERM or ``TIDAL_NOTICE_FILE``) ``step_done`` checkpoints the step just finished, waits
-for the commit and raises :class:`Preempted` (a ``SystemExit`` with code 75): ``finally`` blocks
-run, the ``with`` block ends the process with code 75 (see :mod:`tidal.train.notice`). The variables
-a session reads are documented in :mod:`tidal.train.env`.
+for the commit and raises :class:`Preempted` (a ``SystemExit`` with code 75): ``finally`` blocks run,
+the ``with`` block ends the process with code 75 (:mod:`tidal.train.notice`).
 """
 
 from __future__ import annotations
