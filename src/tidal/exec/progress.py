@@ -27,19 +27,14 @@ STALL_WINDOW = 5  # saves whose median stall is reported
 @dataclass(frozen=True)
 class Progress:
     """Training progress of one attempt. Times are Unix seconds; ``None``: not reported yet.
-
-    ``start_step``: the step the attempt restored (0: from scratch), ``restore_tier`` the tier it read.
-    ``step``: the newest completed
-    step and ``step_s`` when it completed; ``first_step``/``first_step_s`` the first one this attempt.
-    ``heartbeat_s``: the oldest of the ranks' newest heartbeats (a hang on any rank stalls all of
-    them); ``heartbeats``: how many ranks have written one. ``ckpt_step``/``ckpt_s``: the newest
-    step committed in any tier and when it was captured; ``durable_*``: the same for tiers other
-    than node memory; ``tiers``: tier -> [step, capture time]. ``ckpt_stall_s``: the median stall
-    of the last ``STALL_WINDOW`` saves (one noisy save does not move the interval policy).
-    ``ckpt_every_steps``: the attempt's own step cadence (the session's ``ckpt_every_steps``, from
-    ``TIDAL_CKPT_INTERVAL_STEPS`` or the script; 0: none). ``preempted``/``ended``: the runtime wrote
-    its last record.
-    """
+    ``start_step``/``restore_tier``: the step restored (0: from scratch) and the tier it came from.
+    ``step``/``step_s``: the newest completed step and when; ``first_step``/``first_step_s``: this
+    attempt's first. ``heartbeat_s``: the oldest of the ranks' newest heartbeats (a hang on any rank stalls
+    all); ``heartbeats``: how many ranks wrote one. ``ckpt_step``/``ckpt_s``: the newest step committed in
+    any tier and when it was captured; ``durable_*``: the same outside node memory; ``tiers``: tier ->
+    [step, capture time]. ``ckpt_stall_s``: the median stall of the last ``STALL_WINDOW`` saves.
+    ``ckpt_every_steps``: the attempt's own step cadence (0: none). ``preempted``/``ended``: the runtime
+    wrote its last record."""
 
     start_step: int | None = None
     restore_tier: str | None = None

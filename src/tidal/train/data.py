@@ -32,11 +32,8 @@ def _mix64(x: int) -> int:
 
 
 def permute(i: int, n: int, seed: int, epoch: int = 0) -> int:
-    """Position ``i`` of a pseudo-random permutation of ``range(n)`` keyed by ``(seed, epoch)``.
-
-    A 4-round Feistel network over the smallest even number of bits covering ``n``, with cycle
-    walking (re-applying it until the value falls below ``n``; under 4 rounds of walking expected).
-    """
+    """Position ``i`` of a pseudo-random permutation of ``range(n)`` keyed by ``(seed, epoch)``: a 4-round
+    Feistel network over the smallest even number of bits covering ``n``, with cycle walking."""
     if not 0 <= i < n:
         raise IndexError(f"index {i} out of range for a permutation of {n}")
     if n == 1:
@@ -122,8 +119,7 @@ class GlobalBatchSampler:
         return [self.sample(p) for p in range(start, start + self.local_batch)]
 
     def micro_batches(self, step: int) -> list[list[int]]:
-        """This rank's slice of ``step``'s global batch as ``accum_steps`` lists of ``micro_batch``
-        indices."""
+        """This rank's slice of ``step``'s global batch: ``accum_steps`` lists of ``micro_batch`` indices."""
         idx = self.local_indices(step)
         m = self.micro_batch
         return [idx[k : k + m] for k in range(0, len(idx), m)]
@@ -135,11 +131,8 @@ class GlobalBatchSampler:
                 "seed": self.seed, "shuffle": self.shuffle}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Check that a checkpoint's sampler would produce this sampler's order; raise if not.
-
-        The world size and micro-batch may differ (that is the point); the dataset size, the
-        global batch, the seed and shuffling may not, since the step would then mean other samples.
-        """
+        """``ValueError`` unless a checkpoint's sampler made this sampler's order: the world size and
+        micro-batch may differ, the dataset size, global batch, seed and shuffling may not."""
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"sampler state version {state.get('version')!r} is not {STATE_VERSION}")
         mine = self.state_dict()

@@ -85,11 +85,8 @@ class Heartbeat:
 
 
 class Meter:
-    """Step time and throughput from the time between consecutive ``step`` calls.
-
-    ``step_time_s`` is the time since the previous call (the first call after ``reset`` has none);
-    ``avg_step_time_s`` is an exponential moving average (weight ``alpha``).
-    """
+    """Step time and throughput from the time between consecutive ``step`` calls (none for the first after
+    ``reset``); ``avg_step_time_s``: an exponential moving average (weight ``alpha``)."""
 
     def __init__(self, alpha: float = 0.2) -> None:
         self.alpha = alpha

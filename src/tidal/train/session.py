@@ -415,8 +415,7 @@ class Session:
     # -- stopping ----------------------------------------------------------------------------------
     def _fenced(self, step: int, error: BaseException) -> None:
         """The checkpoint location belongs to another job or a newer attempt now (``tidal.ckpt.fence``):
-        this rank is a stale attempt's. Stop at once with ``EXIT_FENCED``: training on would only waste
-        the devices, and nothing it saves can become visible."""
+        stop at once with ``EXIT_FENCED``, nothing this rank saves can become visible."""
         self._write({"event": "fenced", "step": step, "error": str(error)[:2000], "exit_code": EXIT_FENCED})
         line = (str(error).splitlines() or ["fenced"])[0]
         print(f"tidal: rank {self.rank}: {line}; exiting with code {EXIT_FENCED}", file=sys.stderr,
