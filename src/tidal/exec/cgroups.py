@@ -31,8 +31,7 @@ class MemoryCgroups:
 
 
 def _own_path(controller: str, proc_cgroup: str) -> str | None:
-    """This process's cgroup path for ``controller`` ("" = the v2 unified hierarchy) from
-    /proc/self/cgroup."""
+    """This process's cgroup path for ``controller`` ("": the v2 unified hierarchy)."""
     for line in proc_cgroup.splitlines():
         parts = line.split(":", 2)
         if len(parts) == 3 and (controller in parts[1].split(",") if controller else parts[1] == ""):

@@ -43,8 +43,7 @@ class HandOver:
 
 
 def uid_processes(uids: Iterable[int]) -> list[tuple[int, int]]:
-    """(pid, uid) of each live process (not a zombie) whose real, effective, saved or filesystem uid is
-    one of ``uids``, from ``/proc``."""
+    """(pid, uid) of each live process with a real, effective, saved or filesystem uid in ``uids``."""
     want = set(uids)
     out = []
     for name in os.listdir("/proc") if want and os.path.isdir("/proc") else []:

@@ -32,8 +32,7 @@ from tidal.exec import procs
 
 @dataclass(frozen=True)
 class Marks:
-    """What marks the processes of one attempt's ranks (see the module's docstring for what each is
-    worth)."""
+    """What marks the processes of one attempt's ranks (the module docstring says what each is worth)."""
 
     sessions: frozenset[tuple[int, int]]  # (pid, when seen ended) of its shims that were children
     ranks: frozenset[tuple[int, int]]  # (pid, start time) of its ranks, as their shims recorded them
@@ -61,9 +60,8 @@ def find(marks: Marks, keep: Iterable[int] = ()) -> list[int]:
 
 
 def kill(marks: Marks, keep: Iterable[int] = (), wait_s: float = 2.0) -> list[int]:
-    """Stop and kill the whole tree of each orphan that carries ``marks`` (as
-    :func:`tidal.exec.procs.kill_tree`; a second pass for one that re-parented meanwhile). Returns every
-    process killed."""
+    """Stop and kill the whole tree of each orphan carrying ``marks``, twice (one may re-parent meanwhile).
+    Returns every process killed."""
     keep, killed = set(keep), []
     for _ in range(2):
         found = find(marks, keep)

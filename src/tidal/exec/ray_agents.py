@@ -59,8 +59,8 @@ class AgentActor:
         self.key: str | None = None  # the key (hex) the running agent was given
 
     def reserve(self) -> dict:
-        """This node's agent address (a port chosen once, kept across restarts) and its state:
-        ``{"address", "buddy", "running"}``."""
+        """This node's agent address (a port chosen once) and state: ``{"address", "buddy", "running",
+        "key"}``."""
         import ray
 
         if self.addr is None:
@@ -143,9 +143,8 @@ class RayAgents:
         self.buddies: dict[str, str | None] = {}
 
     def ensure(self, nodes: dict[str, str], *, force: bool = False) -> dict[str, str]:
-        """``nodes``: name -> Ray node id of the alive GPU nodes. Agents started, restarted or re-pointed as
-        needed; agents of nodes that left are forgotten (their actors went with the node). Returns
-        node -> agent address."""
+        """Start, restart or re-point the agents of ``nodes`` (name -> Ray node id of the alive GPU nodes);
+        forget those of nodes that left. Returns node -> agent address."""
         now = time.monotonic()
         if not force and now - self._checked < self.check_s and set(nodes) == set(self.addresses):
             return self.addresses

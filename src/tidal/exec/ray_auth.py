@@ -47,8 +47,7 @@ def use_token_from_env() -> bool:
 
 
 def write_token(directory: Path) -> Path:
-    """A fresh random token in ``directory/ray-auth-token`` (the directory made 0700, the file 0600,
-    both this process's user's); its path."""
+    """A fresh random token in ``directory/ray-auth-token`` (0700 directory, 0600 file); its path."""
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(directory, 0o700)
     path = directory / TOKEN_FILE

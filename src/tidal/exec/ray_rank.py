@@ -53,9 +53,8 @@ def _child_setup(parent: int, rlimits: Mapping[str, int] | None = None) -> None:
 
 
 def _node_shm_dir(shm_dir: str, owner: tuple[int, int]) -> None:
-    """On the node: the job's node-memory directory ``<base>/<node>/<job>`` 0700 and owned by the job's
-    uid, ``<base>`` and ``<base>/<node>`` root's 0711 (a job's uid passes through to its own, lists
-    nothing)."""
+    """On the node: the job's node-memory directory ``<base>/<node>/<job>`` 0700, owned by its uid, below
+    root's 0711 directories."""
     d = Path(shm_dir)
     private_dir(d.parent.parent, 0o711)
     private_dir(d.parent, 0o711)
@@ -63,8 +62,8 @@ def _node_shm_dir(shm_dir: str, owner: tuple[int, int]) -> None:
 
 
 class RankActor:
-    """See the module docstring. Methods are quick (no waiting on the rank): the executor calls them
-    from its reconcile step."""
+    """See the module docstring. Methods are quick (never wait on the rank): called from the reconcile
+    step."""
 
     def __init__(self) -> None:
         self.proc: subprocess.Popen | None = None
@@ -123,8 +122,8 @@ class RankActor:
         return self.proc.pid
 
     def poll(self) -> dict:
-        """``{"started", "pid", "code"}``: ``code`` None while the rank runs (negative: killed by that
-        signal)."""
+        """``{"started", "pid", "code", "error"}``: ``code`` None while the rank runs (negative: killed by
+        that signal)."""
         if self.proc is not None and self.code is None:
             self.code = self.proc.poll()
             if self.code is not None:
@@ -145,8 +144,7 @@ class RankActor:
         procs.reap_orphans()
 
     def signal(self, sig: int) -> bool:
-        """Send ``sig`` to the rank's process group while it runs (SIGKILL: to every process below this
-        actor, :meth:`end`); True if sent."""
+        """Send ``sig`` to the rank's process group while it runs (SIGKILL: :meth:`end`); True if sent."""
         if self.proc is None or self.proc.poll() is not None:
             return False
         if sig == signal.SIGKILL:

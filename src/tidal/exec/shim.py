@@ -37,8 +37,7 @@ import time
 
 @functools.cache
 def _load(name: str, path: str):
-    """A standard-library-only module of ours, loaded (once) by its path: under ``python -I`` the package
-    is not importable."""
+    """A standard-library-only module of ours, loaded once by its path (``python -I``: no package)."""
     spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(os.path.abspath(
         __file__)), path))
     assert spec is not None and spec.loader is not None  # a .py file path always has a spec and a loader
@@ -125,8 +124,8 @@ def _leave_cgroup(opts: dict) -> None:
 
 
 def set_limits(rlimits: dict) -> None:
-    """In the child before exec: lower the limits (soft and hard; never raised). Imports nothing: the
-    child may already run as a uid that cannot read the Python installation."""
+    """In the child before exec: lower the limits (never raised). Imports nothing: the child may already
+    run as a uid that cannot read the Python installation."""
     for name, value in rlimits.items():
         res = getattr(resource, RLIMITS[name], None)
         if res is None:
