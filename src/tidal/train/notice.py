@@ -13,6 +13,7 @@ could hold; stderr through ``os.write``); :meth:`Notice.requested` is called fro
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import threading
@@ -93,8 +94,7 @@ class Notice:
         """Record a notice from ``source`` (first one wins) and start the grace watchdog."""
         if self.source is not None:
             return
-        now = time.time()
-        at = now if at_unix is None else at_unix
+        at = time.time() if at_unix is None else at_unix
         self.received_unix = at
         self.deadline_unix = at + self.grace_s
         self.source = source
@@ -143,25 +143,16 @@ def _stderr(msg: str) -> None:
         os.write(2, msg.encode())
 
 
+@functools.cache
 def process_start_unix() -> float:
     """When this process started (Linux: from /proc; elsewhere: now, at first call)."""
-    global _START
-    if _START is None:
-        _START = _proc_start() or time.time()
-    return _START
-
-
-_START: float | None = None
-
-
-def _proc_start() -> float | None:
     try:
         with open("/proc/self/stat", "rb") as f:
             fields = f.read().rsplit(b")", 1)[1].split()
         started_after_boot_s = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: starttime
         return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - started_after_boot_s)
     except (OSError, ValueError, IndexError, AttributeError):
-        return None
+        return time.time()
 
 
 class Preempted(SystemExit):

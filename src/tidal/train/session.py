@@ -78,14 +78,9 @@ class Session:
         e = self.env
         if ckpt_url is not None and ckpt_tiers is not None:
             raise ValueError("give the checkpoint location once: ckpt_url or ckpt_tiers")
-        self.ckpt_tiers: list[Any] | None = None
-        if ckpt_tiers is not None:
-            self.ckpt_tiers = list(ckpt_tiers)
-        elif ckpt_url is None and e.ckpt_tiers is not None:
-            self.ckpt_tiers = list(e.ckpt_tiers)
-        self.ckpt_url = (
-            os.fspath(ckpt_url) if ckpt_url is not None else (None if self.ckpt_tiers else e.ckpt_url)
-        )
+        tiers = ckpt_tiers if ckpt_tiers is not None else e.ckpt_tiers if ckpt_url is None else None
+        self.ckpt_tiers: list[Any] | None = list(tiers) if tiers is not None else None
+        self.ckpt_url = os.fspath(ckpt_url) if ckpt_url is not None else (None if tiers else e.ckpt_url)
         self.ckpt_every_steps = e.ckpt_interval_steps if ckpt_every_steps is None else int(ckpt_every_steps)
         self.ckpt_every_s = e.ckpt_interval_s if ckpt_every_s is None else float(ckpt_every_s)
         self.keep = e.ckpt_keep if keep is None else int(keep)
@@ -108,7 +103,6 @@ class Session:
                              notice_file if notice_file is not None else e.notice_file, exit_fn=exit_fn)
         self.notice.install()
 
-        # Device and process group.
         if device is None:
             device = torch.device("cuda", e.local_rank) if torch.cuda.is_available() else torch.device("cpu")
         self.device = torch.device(device)
@@ -133,7 +127,6 @@ class Session:
         self.world_size = dist.get_world_size() if self.distributed else 1
         self.local_rank = e.local_rank
 
-        # Progress and checkpoint bookkeeping.
         pdir = progress_dir if progress_dir is not None else e.progress_dir
         self.progress_dir = os.fspath(pdir) if pdir is not None else None
         self._writers: list[ProgressWriter] = list(writers)
