@@ -58,10 +58,13 @@ def _sim() -> None:
     app.command("plan")(plan_command)
 
 
+_CONTROL = ("up", "submit", "jobs", "status", "logs", "cancel", "pool", "events")
+
+
 def _control() -> None:
     from tidal.control import cli as control
 
-    for name in ("up", "submit", "jobs", "status", "logs", "cancel", "pool", "events"):
+    for name in _CONTROL:
         app.command(name)(getattr(control, name))
     app.add_typer(control.tenants_app, name="tenants", help="Tenants (admin): create, list.")
 
@@ -96,9 +99,7 @@ _COMMANDS: dict[str, Callable[[], None]] = {
     "plan": _sim,
     "demo": _demo,
     "serving": _serving,
-    **{
-        n: _control for n in ("up", "submit", "jobs", "status", "logs", "cancel", "pool", "events", "tenants")
-    },
+    **{n: _control for n in (*_CONTROL, "tenants")},
 }
 
 
