@@ -25,6 +25,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,18 +95,10 @@ class _Tracked(Attempt):
 class LocalExecutor(AttemptDirs):
     """Runs ranks as local processes. ``slots`` CPU slots, or the GPUs in ``gpu_ids``."""
 
-    def __init__(
-        self,
-        root: str | os.PathLike,
-        *,
-        slots: int | None = None,
-        gpu_ids: list[int] | None = None,
-        node: str = "local",
-        python: str = sys.executable,
-        serving_nodes: Mapping[str, int] | None = None,
-        isolation: IsolationConfig | None = None,
-        subreaper: bool = False,
-    ) -> None:
+    def __init__(self, root: str | os.PathLike, *, slots: int | None = None, gpu_ids: list[int] | None = None,
+                 node: str = "local", python: str = sys.executable,
+                 serving_nodes: Mapping[str, int] | None = None, isolation: IsolationConfig | None = None,
+                 subreaper: bool = False) -> None:
         if (slots is None) == (gpu_ids is None):
             raise ValueError("give exactly one of slots (CPU) or gpu_ids")
         self.isolation = iso = isolation or IsolationConfig()
@@ -131,9 +124,8 @@ class LocalExecutor(AttemptDirs):
         if self.gpu:  # serving nodes take the last GPUs, training keeps the first
             n_serving = sum(serving.values())
             if n_serving >= len(devices):
-                raise ValueError(
-                    f"serving nodes need {n_serving} of the {len(devices)} GPUs; training needs >= 1"
-                )
+                raise ValueError(f"serving nodes need {n_serving} of the {len(devices)} GPUs; training needs "
+                                 ">= 1")
             serving_devices = devices[len(devices) - n_serving:]
             devices = devices[: len(devices) - n_serving]
         else:  # virtual serving nodes: more CPU slots, numbered after the training ones
@@ -171,14 +163,7 @@ class LocalExecutor(AttemptDirs):
 
     def placements(self) -> dict[str, dict[str, int]]:
         """Job -> node -> devices it holds there (running, or not yet released)."""
-        out = {}
-        for job_id, t in self._jobs.items():
-            per: dict[str, int] = {}
-            for d in t.devices:
-                n = self._node_of(d)
-                per[n] = per.get(n, 0) + 1
-            out[job_id] = per
-        return out
+        return {job: dict(Counter(self._node_of(d) for d in t.devices)) for job, t in self._jobs.items()}
 
     def _node_of(self, device: int) -> str:
         for n, ds in self.node_devices.items():
@@ -258,9 +243,8 @@ class LocalExecutor(AttemptDirs):
             private_dir(shm.parent, 0o711 if owner else 0o700)
             private_dir(shm, 0o700, owner)
 
-    def job_env(
-        self, req: LaunchRequest, r: int, devices: list[int], port: int, adir: Path
-    ) -> dict[str, str]:
+    def job_env(self, req: LaunchRequest, r: int, devices: list[int], port: int,
+                adir: Path) -> dict[str, str]:
         """Rank ``r``'s whole environment (:func:`~tidal.exec.isolation.clean_env`)."""
         base = one_node_env()
         shm = self.shm_dir(req.job_id)

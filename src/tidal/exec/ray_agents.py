@@ -129,10 +129,8 @@ class AgentActor:
 class RayAgents:
     """The supervisor: one :class:`AgentActor` per GPU node, in a buddy ring. Driven by ``RayExecutor``."""
 
-    def __init__(
-        self, ray: Any, namespace: str, shm_root: Path, log_dir: Path, check_s: float = CHECK_S, *,
-        uids: bool = False, key: bytes | None = None,
-    ) -> None:
+    def __init__(self, ray: Any, namespace: str, shm_root: Path, log_dir: Path, check_s: float = CHECK_S, *,
+                 uids: bool = False, key: bytes | None = None) -> None:
         self._ray, self.namespace, self.shm_root, self.log_dir = ray, namespace, shm_root, log_dir
         self.uids = uids  # jobs run as their own uids: agents copy no staging slot (see AgentActor.start)
         self.check_s = check_s

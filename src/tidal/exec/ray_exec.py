@@ -29,6 +29,7 @@ import contextlib
 import logging
 import os
 import time
+from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -205,11 +206,7 @@ class RayExecutor(AttemptDirs):
 
     def used(self) -> dict[str, int]:
         """Node -> GPUs held by tracked attempts (launched and not yet released), by their ranks' bundles."""
-        out: dict[str, int] = {}
-        for t in self._jobs.values():
-            for k in t.ranks:
-                out[k.node] = out.get(k.node, 0) + 1
-        return out
+        return dict(Counter(k.node for t in self._jobs.values() for k in t.ranks))
 
     # -- acting --------------------------------------------------------------------------------------
     def launch(self, req: LaunchRequest, now_s: float) -> dict:

@@ -504,9 +504,8 @@ class Session:
             self._teardown()
 
     # -- collectives and records -------------------------------------------------------------------
-    def _agree(
-        self, stop: bool, due: bool, loss: float | torch.Tensor | None
-    ) -> tuple[bool, bool, float | None]:
+    def _agree(self, stop: bool, due: bool,
+               loss: float | torch.Tensor | None) -> tuple[bool, bool, float | None]:
         if not self.distributed:
             return stop, due, None if loss is None else float(loss)
         t = torch.zeros(3, dtype=torch.float64, device=self._reduce_device())
