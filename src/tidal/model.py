@@ -154,22 +154,15 @@ class Job:
               f"{me}: gpus_per_node must be >= 1 or None, got {self.gpus_per_node}")
         step = math.lcm(self.multiple_of, self.gpus_per_node or 1)
         _need(self.min_gpus >= 1, f"{me}: min_gpus must be >= 1, got {self.min_gpus}")
-        _need(
-            self.max_gpus >= self.min_gpus, f"{me}: max_gpus ({self.max_gpus}) < min_gpus ({self.min_gpus})"
-        )
+        _need(self.max_gpus >= self.min_gpus, f"{me}: max_gpus ({self.max_gpus}) < min_gpus "
+              f"({self.min_gpus})")
         for name in ("min_gpus", "max_gpus"):
             v = getattr(self, name)
-            _need(
-                v % step == 0,
-                f"{me}: {name}={v} is not a multiple of {step} "
-                f"(lcm of multiple_of={self.multiple_of}, gpus_per_node={self.gpus_per_node})",
-            )
+            _need(v % step == 0, f"{me}: {name}={v} is not a multiple of {step} "
+                  f"(lcm of multiple_of={self.multiple_of}, gpus_per_node={self.gpus_per_node})")
         for node, g in self.releasing.items():
-            _need(
-                0 < g <= self.placement.get(node, 0),
-                f"{me}: releasing[{node!r}]={g} must be > 0 and <= placement there "
-                f"({self.placement.get(node, 0)})",
-            )
+            _need(0 < g <= self.placement.get(node, 0), f"{me}: releasing[{node!r}]={g} must be > 0 and <= "
+                  f"placement there ({self.placement.get(node, 0)})")
         raise AssertionError(f"{me}: invalid, but no check names why")  # the two lists of checks disagree
 
     @property
@@ -188,9 +181,8 @@ class Job:
 
     @property
     def queued_s(self) -> float:
-        """When the job (re)entered its queue: submission, or its last preemption. Queue position and
-        aging count from here, so a preempted job queues behind those that were already waiting
-        (as Kueue requeues at eviction time) and its preemptor gets the GPUs it freed."""
+        """When the job (re)entered its queue, which position and aging count from: submission, or its last
+        preemption (so it queues behind those already waiting, and its preemptor gets the GPUs it freed)."""
         if self.last_preempted_s is not None and self.last_preempted_s > self.submit_s:
             return self.last_preempted_s
         return self.submit_s
@@ -210,8 +202,7 @@ def queue_key(job: Job) -> QueueKey:
 
 
 def arrival(job: Job) -> tuple[bool, float, str]:
-    """Order within a pending queue: nominated jobs first (see ``Job.nominated_s``), then
-    ``(queued_s, id)``."""
+    """Order within a pending queue: nominated jobs first (``Job.nominated_s``), then ``(queued_s, id)``."""
     return (job.nominated_s is None, job.queued_s, job.id)
 
 
@@ -280,11 +271,8 @@ def check_snapshot(s: Snapshot) -> None:
         _need(j.id not in ids, f"Job {j.id!r} listed twice")
         ids.add(j.id)
         step, g = j.size_step, j.gpus_per_node
-        _need(
-            j.gpus % step == 0 and j.min_gpus <= j.gpus <= j.max_gpus,
-            f"Job {j.id!r}: holds {j.gpus} GPUs, expected a multiple of {step} "
-            f"in [{j.min_gpus}, {j.max_gpus}]",
-        )
+        _need(j.gpus % step == 0 and j.min_gpus <= j.gpus <= j.max_gpus, f"Job {j.id!r}: holds {j.gpus} "
+              f"GPUs, expected a multiple of {step} in [{j.min_gpus}, {j.max_gpus}]")
         for node, k in j.placement.items():
             n = nodes.get(node)
             if n is None:
