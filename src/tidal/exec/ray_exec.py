@@ -219,10 +219,8 @@ class RayExecutor(AttemptDirs):
                               f"cluster: {unknown} (have {sorted(have)})")
         over = {n: k for n, k in req.placement.items() if k > have[n]}
         if over:
-            raise LaunchError(
-                f"job {req.job_id}: placement {dict(req.placement)} asks more GPUs than nodes have: "
-                + ", ".join(f"{n} has {have[n]}" for n in over)
-            )
+            raise LaunchError(f"job {req.job_id}: placement {dict(req.placement)} asks more GPUs than nodes "
+                              "have: " + ", ".join(f"{n} has {have[n]}" for n in over))
         if req.workdir is not None and not Path(req.workdir).is_dir():
             raise LaunchError(f"job {req.job_id}: workdir {req.workdir} is not a directory")
         adir = self.attempt_dir(req.job_id, req.attempt)
@@ -238,20 +236,12 @@ class RayExecutor(AttemptDirs):
         pg = placement_group([{"GPU": 1} for _ in plan], strategy="PACK", lifetime="detached",
                              name=_pg_name(self.namespace, req.job_id, req.attempt),
                              bundle_label_selector=[{NODE_ID_LABEL: nid} for _, nid in plan])
-        doc = {
-            "job_id": req.job_id,
-            "attempt": req.attempt,
-            "world_size": len(plan),
-            "launched_s": now_s,
-            "placement": dict(req.placement),
-            "namespace": self.namespace,
-            "placement_group": pg.id.hex(),
-            "owner": list(owner) if owner else None,
-            "ranks": [
-                {"rank": r, "node": node, "node_id": nid, "actor": actor_name(req.job_id, req.attempt, r)}
-                for r, (node, nid) in enumerate(plan)
-            ],
-        }
+        doc = {"job_id": req.job_id, "attempt": req.attempt, "world_size": len(plan), "launched_s": now_s,
+               "placement": dict(req.placement), "namespace": self.namespace, "placement_group": pg.id.hex(),
+               "owner": list(owner) if owner else None,
+               "ranks": [{"rank": r, "node": node, "node_id": nid,
+                          "actor": actor_name(req.job_id, req.attempt, r)}
+                         for r, (node, nid) in enumerate(plan)]}
         write_json(adir / c.LAUNCH_FILE, doc)  # before any actor exists: a restarted plane finds them all
         ranks: list[_Rank] = []
         try:
@@ -318,35 +308,21 @@ class RayExecutor(AttemptDirs):
                             omp_threads=(os.cpu_count() or 1) // max(1, len(local)), base=base)
             header = (f"=== tidal: {req.job_id} attempt {req.attempt}, rank {k.rank} of {n} on {k.node}, "
                       f"{time.strftime('%Y-%m-%d %H:%M:%S')} ===\n")
-            starts.append(
-                _spawned(k).start.remote(
-                    list(req.command), env, req.workdir or str(self.home_dir(req.job_id)),
-                    self.log_path(req.job_id, k.rank), header, str(adir / c.pid_file(k.rank)), owner, rlimits,
-                    shm if c.ENV_SHM_DIR not in job_env else None
-                )
-            )
+            starts.append(_spawned(k).start.remote(
+                list(req.command), env, req.workdir or str(self.home_dir(req.job_id)),
+                self.log_path(req.job_id, k.rank), header, str(adir / c.pid_file(k.rank)), owner, rlimits,
+                shm if c.ENV_SHM_DIR not in job_env else None))
         for k, pid in zip(ranks, ray.get(starts, timeout=self.ready_timeout_s), strict=True):
             k.pid = pid
-        doc = {
-            **doc,
-            "master_addr": master,
-            "master_port": port,
-            "ranks": [
-                {**d, "pid": k.pid, "gpu_ids": infos[k.rank]["gpu_ids"]}
-                for d, k in zip(doc["ranks"], ranks, strict=True)
-            ],
-        }
+        doc = {**doc, "master_addr": master, "master_port": port,
+               "ranks": [{**d, "pid": k.pid, "gpu_ids": infos[k.rank]["gpu_ids"]}
+                         for d, k in zip(doc["ranks"], ranks, strict=True)]}
         write_json(adir / c.LAUNCH_FILE, doc)
-        return {
-            "executor": "ray", "placement": dict(req.placement), "master_addr": master, "master_port": port,
-            "dir": str(adir),
-            **({"uid": owner[0]} if owner else {}),
-            "placement_group": doc["placement_group"],
-            "ranks": [
-                {"rank": k.rank, "pid": k.pid, "node": k.node, "gpu_ids": infos[k.rank]["gpu_ids"]}
-                for k in ranks
-            ],
-        }
+        return {"executor": "ray", "placement": dict(req.placement), "master_addr": master,
+                "master_port": port, "dir": str(adir), **({"uid": owner[0]} if owner else {}),
+                "placement_group": doc["placement_group"],
+                "ranks": [{"rank": k.rank, "pid": k.pid, "node": k.node, "gpu_ids": infos[k.rank]["gpu_ids"]}
+                          for k in ranks]}
 
     def _remove_leftovers(self, job_id: str) -> None:
         """Actors and placement groups of the job's earlier attempts that are still in the cluster (a
