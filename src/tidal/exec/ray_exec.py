@@ -189,9 +189,8 @@ class RayExecutor(AttemptDirs):
                 continue
             name = (n.get("Labels") or {}).get(NODE_LABEL) or f"ray-{n['NodeID'][:12]}"
             if name in ids:
-                log.warning(
-                    "two Ray nodes carry the label %s=%s; naming the second by its id", NODE_LABEL, name
-                )
+                log.warning("two Ray nodes carry the label %s=%s; naming the second by its id",
+                            NODE_LABEL, name)
                 name = f"ray-{n['NodeID'][:12]}"
             ids[name] = n["NodeID"]
             out.append(Node(name, gpus, "serving" if name in self.serving_nodes else "training"))

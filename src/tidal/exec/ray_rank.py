@@ -128,10 +128,8 @@ class RankActor:
             self.code = self.proc.poll()
             if self.code is not None:
                 procs.reap_orphans()  # the rank ended: what it left running (a setsid'd daemon) too
-        return {
-            "started": self.proc is not None or self.error is not None,
-            "pid": self.proc.pid if self.proc is not None else None, "code": self.code, "error": self.error
-        }
+        return {"started": self.proc is not None or self.error is not None, "code": self.code,
+                "pid": self.proc.pid if self.proc is not None else None, "error": self.error}
 
     def end(self) -> None:
         """Kill the rank and every process below this actor (however it detached), and reap them: the

@@ -101,14 +101,10 @@ class Meter:
         dt = None if self._prev is None else now - self._prev
         self._prev = now
         if dt is not None and dt > 0:
-            a = self.alpha
-            self.avg_step_time_s = (
-                dt if self.avg_step_time_s is None else (1 - a) * self.avg_step_time_s + a * dt
-            )
-        return {
-            "step_time_s": dt, "samples_per_s": samples / dt if dt and samples else None,
-            "tokens_per_s": tokens / dt if dt and tokens else None
-        }
+            a, avg = self.alpha, self.avg_step_time_s
+            self.avg_step_time_s = dt if avg is None else (1 - a) * avg + a * dt
+        return {"step_time_s": dt, "samples_per_s": samples / dt if dt and samples else None,
+                "tokens_per_s": tokens / dt if dt and tokens else None}
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:

@@ -34,10 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     except ChildFailedError as e:
         codes = [f.exitcode for f in e.failures.values()]
         if preempted(codes):
-            print(
-                f"tidal.train.torchrun: ranks exited {sorted(set(codes))}: preempted (exit {EXIT_PREEMPTED})",
-                file=sys.stderr,
-            )
+            print(f"tidal.train.torchrun: ranks exited {sorted(set(codes))}: preempted "
+                  f"(exit {EXIT_PREEMPTED})", file=sys.stderr)
             return EXIT_PREEMPTED
         print(f"tidal.train.torchrun: ranks failed with exit codes {sorted(set(codes))}", file=sys.stderr)
         return 1
