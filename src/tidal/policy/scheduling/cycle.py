@@ -12,19 +12,7 @@ import math
 from collections.abc import Mapping
 from operator import attrgetter
 
-from tidal.model import (
-    Admit,
-    Decision,
-    Grow,
-    Job,
-    Loan,
-    Preempt,
-    Reason,
-    ReturnGpus,
-    Shrink,
-    Snapshot,
-    Waiting,
-)
+from tidal.model import Admit, Decision, Job, Loan, Preempt, Reason, ReturnGpus, Shrink, Snapshot, Waiting
 from tidal.policy.scheduling.config import SchedulerConfig
 from tidal.policy.scheduling.index import RunningIndex
 from tidal.policy.scheduling.placement import View
@@ -268,11 +256,6 @@ class Cycle:
         self.touched.add(job.id)
         self._count(job, sum(placement.values()))
         self.decisions.append(Admit(job.id, placement))
-
-    def issue_grow(self, job: Job, to_gpus: int, add: dict[str, int]) -> None:
-        self.touched.add(job.id)
-        self._count(job, sum(add.values()))
-        self.decisions.append(Grow(job.id, to_gpus, add))
 
     def issue_shrink(self, job: Job, release: Mapping[str, int], reason: Reason, by_s: float,
                      for_job: str | None, claimed: Mapping[str, int]) -> None:
