@@ -1,8 +1,5 @@
 """Showing results: the Rich table, the JSON object, the timeline and sweep plots (PNG, matplotlib).
-
-Nothing here simulates; every function takes finished :class:`~tidal.sim.engine.SimResult` values
-or plain dicts.
-"""
+Nothing here simulates."""
 
 from __future__ import annotations
 
@@ -102,17 +99,15 @@ def _plt() -> Any:
 
 def serving_bands(tl: Mapping[str, np.ndarray], serving_gpus: int, mask: Any = slice(None)
                   ) -> tuple[np.ndarray, np.ndarray]:
-    """(serving capacity, capacity + warming GPUs) per step: the plot's lent band runs from the second to
-    the pool's size, its warming band from the first to the second."""
+    """(serving capacity, capacity + warming GPUs) per step: where the plot's warming and lent bands start."""
     cap = serving_gpus - np.asarray(tl["lent_gpus"])[mask] - np.asarray(tl["warming_gpus"])[mask]
     return cap, cap + np.asarray(tl["warming_gpus"])[mask]
 
 
 def plot_timeline(timelines: Mapping[str, Mapping[str, np.ndarray]], path: str | Path, *, serving_gpus: int,
                   start_day: float = 0.0, days: float = 2.0, title: str = "") -> Path:
-    """One panel per policy over ``[start_day, start_day + days)``: demand, the plan's upper bound
-    ("forecast"), serving capacity, the GPUs lent and warming as bands above it up to the pool's size,
-    and training GPUs on loans. Returns the path written."""
+    """One panel per policy over ``[start_day, start_day + days)``: demand, the plan's bound, serving
+    capacity, lent and warming bands, training on loans. Returns the path written."""
     plt = _plt()
     names = [n for n, tl in timelines.items() if len(tl.get("t_s", ()))]
     if not names:
@@ -129,18 +124,10 @@ def plot_timeline(timelines: Mapping[str, Mapping[str, np.ndarray]], path: str |
         ax.axhline(serving_gpus, color="0.6", lw=0.8, ls=":", label=f"serving pool N={serving_gpus}")
         ax.step(x, tl["demand_gpus"][m], where="post", color="C0", lw=1.2, label="demand")
         if np.isfinite(tl["upper_gpus"][m]).any():
-            ax.step(
-                x,
-                tl["upper_gpus"][m],
-                where="post",
-                color="C1",
-                lw=1.0,
-                ls="--",
-                label="forecast (plan's bound)",
-            )
+            ax.step(x, tl["upper_gpus"][m], where="post", color="C1", lw=1.0, ls="--",
+                    label="forecast (plan's bound)")
         cap, warm_top = serving_bands(tl, serving_gpus, m)
-        # Lent and warming GPUs are bands between serving's capacity and the pool, so no line of theirs
-        # can lie on the capacity line; training on loans is a dotted line inside the lent band's size.
+        # Lent and warming GPUs are bands between serving's capacity and the pool; training on loans dotted.
         ax.fill_between(x, warm_top, serving_gpus, step="post", color="C2", alpha=0.22, lw=0,
                         label="lent to training (pool - capacity)")
         ax.fill_between(x, cap, warm_top, step="post", color="C4", alpha=0.3, lw=0,
