@@ -3,24 +3,13 @@
     decisions = schedule(snapshot, SchedulerConfig())
 
 No I/O, no clock (``snapshot.now_s``), no randomness: the same snapshot and config give the same list.
-The caller applies the decisions to its store before the next snapshot; the scheduler is
-level-triggered (``Job.releasing`` keeps it from acting twice on one need). One call is a cycle of
-numbered steps, after Kueue's (docs/scheduling.md):
-
-1. **Snapshot.** Index the running jobs once; free-GPU views of the training pool and of loaned
-   serving GPUs (loans ending within ``min_loan_left_s`` closed to new work); fair shares.
-2. **Reclaim.** Give loaned GPUs back as due reclaims ask (:mod:`.scheduling.reclaim`).
-3. **Nominate.** Only pending-queue heads: one FIFO per (tenant, kind, priority).
-4. **Order.** Dedicated before spot; lately nominated first, then aged priority, then (spot) fair
-   share, then waiting time (:mod:`.scheduling.ordering`).
-5. **Admit.** All or nothing at the gang minimum, packed onto the fewest nodes; a job that does not
-   fit may look for victims (bounded per call), *computed* first, then *acted on*
-   (:mod:`.scheduling.targets`); after ``max_skips_per_cycle`` skips the phase stops.
-6. **Grow.** Spare GPUs go to elastic jobs below their maximum (:mod:`.scheduling.growth`).
-7. **Requeue.** Everything not admitted stays in its queue.
-
-With ``why`` (a dict) the call also says why each pending job did not start and each running job
-below its maximum did not grow (:class:`~tidal.model.Waiting`), from the very checks above.
+The caller applies the decisions before the next snapshot; the scheduler is level-triggered
+(``Job.releasing`` keeps it from acting twice on one need). One call is a cycle of numbered steps,
+after Kueue's (docs/scheduling.md): 1. snapshot (index the running jobs once, views of free GPUs, fair
+shares); 2. reclaim (:mod:`.scheduling.reclaim`); 3. nominate (only pending-queue heads); 4. order
+(:mod:`.scheduling.ordering`); 5. admit, or compute victims and then act on them
+(:mod:`.scheduling.targets`); 6. grow (:mod:`.scheduling.growth`); 7. requeue (nothing to emit).
+With ``why``, the call also says why each job waits (:class:`~tidal.model.Waiting`), from the same checks.
 """
 
 from __future__ import annotations

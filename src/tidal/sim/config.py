@@ -33,10 +33,8 @@ def sim_scheduler(**changes: Any) -> SchedulerConfig:
 
 @dataclass(frozen=True)
 class CheckpointModel:
-    """What a checkpoint and a restart cost a training job, in seconds. ``sync``: training stops for the
-    whole write (``persist_s``). ``concurrent`` (Tidal's engine): it stops for the copy into host memory
-    (``stage_s``) and the write completes ``persist_s`` later. A final checkpoint takes one stall and must
-    fit before the deadline. ``restart_s``: restore and warm up after an admission, resize or failure."""
+    """What a checkpoint and a restart cost a training job, in seconds (``sync``: the stall is the whole
+    write; ``concurrent``: the copy to host memory, durable ``persist_s`` later; docs/simulator.md)."""
 
     mode: CkptMode = "concurrent"
     persist_s: float = 300.0
@@ -63,13 +61,9 @@ class CheckpointModel:
 
 @dataclass(frozen=True)
 class SimConfig:
-    """A simulation run; seconds and GPUs. ``serving_gpus`` (sized for the trace's peak) and
-    ``training_gpus`` on nodes of ``gpus_per_node``; ``days`` simulated (the trace repeats), scored from
-    ``warmup_days``; ``step_s``: the serving grid (``None``: the trace's). A job on ``g`` GPUs does ``g **
-    scaling_exponent`` work per second; ``resize``: ``reshard`` (elastic) or ``restart-full`` (gang size
-    only). Failures: Poisson, ``failure_rate_per_gpu_hour`` per GPU held. ``sched_period_s``: between grid
-    steps and notices the scheduler runs at most this often after a change (a reconcile loop's cadence).
-    """
+    """A simulation run; seconds and GPUs (the options of ``tidal sim``, docs/simulator.md). ``step_s``:
+    the serving grid (``None``: the trace's); ``sched_period_s``: between grid steps and notices the
+    scheduler runs at most this often after a change."""
 
     serving_gpus: int
     training_gpus: int = 0

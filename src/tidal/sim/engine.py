@@ -1,13 +1,8 @@
 """The event loop: a virtual clock, one heap of events, the policies called as the control plane calls them.
 
-Time advances from event to event. Events at one instant are handled in this order: ``RELEASE`` (a
-job's released GPUs are free: final checkpoint written or missed), ``FINISH``, ``FAIL`` (restart in
-place), ``WARM`` (GPUs handed back serve again), ``SUBMIT``, ``SCORE`` (the warm-up is over), ``TICK``
-(the serving grid: observe demand, plan loans, lend, top up the backlog, record the timeline),
-``WAKE`` (a reclaim's notice), ``SCHED`` (a deferred scheduling call). Then ``schedule()`` runs on a
-snapshot if a tick or wake happened, if loaned GPUs came free while a reclaim is due, or if anything
-changed and the last call is ``sched_period_s`` old (else a ``SCHED`` is queued); its decisions are
-applied at once, then the checkpoint-interval policy runs for jobs that (re)started or resized.
+Events at one instant are handled in the order of their kinds (``RELEASE`` ... ``SCHED``); then
+``schedule()`` runs if a tick or a reclaim notice came, if loaned GPUs came free while a reclaim is due,
+or if anything changed ``sched_period_s`` after the last call (docs/simulator.md, "How it works").
 One ``SeedSequence(config.seed)`` spawns the failure and backlog streams: runs are reproducible.
 """
 

@@ -1,17 +1,6 @@
-"""Training jobs for the simulator: the native CSV, the Philly-derived ElasticFlow trace, a spot backlog.
-
-**Native CSV** (:func:`load_native`), one job per row, header required::
-
-    submit_s,tenant,kind,priority,min_gpus,max_gpus,work_gpu_s
-    0,vision,dedicated,1,8,8,2880000
-    600,nlp,spot,0,4,32,1440000
-
-``work_gpu_s``: the work in GPU-seconds. Optional columns: ``id``, ``gpus_per_node``, ``multiple_of``.
-**ElasticFlow / Philly** (:func:`load_philly`): ``job_id, submit_time, num_gpu, duration, ...``; rigid
-jobs of ``num_gpu x duration`` work, the tenant its ``model_name``. :func:`load_jobs` tells the two
-apart by the header. **Spot backlog** (:class:`SpotBacklog`): seeded synthetic elastic spot jobs, so
-that every lendable GPU has a taker.
-"""
+"""Training jobs for the simulator: the native CSV (:func:`load_native`), the ElasticFlow trace derived
+from Microsoft Philly (:func:`load_philly`), told apart by :func:`load_jobs`, and a seeded synthetic
+spot backlog (:class:`SpotBacklog`). The formats: docs/simulator.md, "Inputs"."""
 
 from __future__ import annotations
 

@@ -1,18 +1,5 @@
-"""What a run measured (integrals from ``warmup_days`` on; trace gaps count toward no serving integral).
-
-* ``idle_serving_gpu_hours`` = ∫ max(0, N - demand); ``loaned_gpu_hours`` = ∫ GPUs on loan;
-  ``harvested_gpu_hours``: training progress made on loaned GPUs *and kept*; ``harvest_ratio`` =
-  harvested / idle.
-* ``serving_shortfall_gpu_hours`` = ∫ max(0, demand - capacity), capacity = N - lent - warming;
-  ``shortfall_ratio`` = shortfall / ∫ demand.
-* ``reclaims``: jobs shrunk or preempted for a reclaim; ``lost_gpu_hours``: work thrown away.
-* ``pool_goodput`` = (serving demand met + training kept) / pool GPU-hours.
-* ``ettr_mean`` / ``ettr_p10``: kept training time over wall time per job that ran an hour or more.
-* ``jain_fairness``: Jain's index over tenants of GPU-hours held / weight.
-* ``mean_queue_s`` / ``p95_queue_s``: submission to first start of the trace's jobs (else the
-  backlog's) submitted after the warm-up; ``mean_jct_s``: submission to completion.
-* ``wall_s``; ``decision_p99_ms``: CPU time of ``schedule()`` calls (``decision_wall_p99_ms``: wall).
-"""
+"""What a run measured: integrals over the scored time (from ``warmup_days``) of the serving side, the
+jobs' accounts, and the summary. Every key is defined in docs/simulator.md, "Metrics"."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
 """The loan policies a simulation compares, built from a name and one risk knob (``PolicySpec.knob``):
-``none`` (no loaning), ``night-window`` (margin in GPUs; lends ``N - margin`` during the trace's
-lowest-demand ``night_hours``, chosen with hindsight), ``reactive`` (margin in GPUs), ``tidal``
-(shortfall budget) and ``oracle`` (margin in GPUs, default 0). Each maps to a policy of
-:mod:`tidal.policy.loan` or :mod:`tidal.policy.baselines`.
-"""
+a shortfall budget for ``tidal``, a margin in GPUs for the baselines (docs/simulator.md, "Policies")."""
 
 from __future__ import annotations
 

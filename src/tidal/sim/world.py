@@ -12,10 +12,8 @@ It carries decisions out as the control plane's store does (the job transforms a
     running / shrinking / stopping ──fail──► same state (back to the newest durable checkpoint)
     running / shrinking / stopping ──finish──► done
 
-Costs: an admit or a restart waits ``restart_s``; a grow takes a checkpoint stall first; a shrink or
-preempt by ``by_s`` trains until ``by_s - stall`` and writes its final checkpoint, or, with less than a
-stall left, stops at ``by_s`` and loses the work since its newest durable checkpoint. Progress counts
-as *harvested* for the share of its GPUs on loans, and only while kept (a rollback cuts the record).
+A shrink or preempt by ``by_s`` trains until ``by_s - stall`` and writes its final checkpoint, or, with
+less than a stall left, loses the work since its newest durable checkpoint (docs/simulator.md).
 """
 
 from __future__ import annotations
