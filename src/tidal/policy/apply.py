@@ -106,9 +106,8 @@ def returned(loans: Mapping[str, Loan], reclaims: Iterable[Reclaim], d: ReturnGp
     GPUs of ``d.node`` jobs hold (they are not free to return). Reclaims come back earliest first."""
     ln = loans.get(d.node)
     if ln is None or not 1 <= d.gpus <= ln.gpus - held_gpus:
-        raise IllegalDecision(
-            f"{d}: {ln.gpus if ln else 0} GPUs of {d.node!r} on loan, {held_gpus} held by jobs"
-        )
+        raise IllegalDecision(f"{d}: {ln.gpus if ln else 0} GPUs of {d.node!r} on loan, "
+                              f"{held_gpus} held by jobs")
     out = dict(loans)
     if d.gpus == ln.gpus:
         del out[d.node]

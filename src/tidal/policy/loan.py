@@ -59,9 +59,8 @@ class LoanTiming:
             if getattr(self, name) < 0:
                 raise ValueError(f"LoanTiming.{name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.min_useful_fraction < 1:
-            raise ValueError(
-                f"LoanTiming.min_useful_fraction must be in [0, 1), got {self.min_useful_fraction}"
-            )
+            raise ValueError("LoanTiming.min_useful_fraction must be in [0, 1), got "
+                             f"{self.min_useful_fraction}")
 
     @property
     def lead_time_s(self) -> float:
@@ -226,30 +225,26 @@ class TidalConfig:
         if not 0 < self.shortfall_budget < 1:
             raise ValueError(f"TidalConfig.shortfall_budget must be in (0, 1), got {self.shortfall_budget}")
         if not self.tail_budget_fraction >= 0 or not self.tail_kappa >= 0 or not self.tail_period_s > 0:
-            raise ValueError(
-                f"TidalConfig.tail_budget_fraction and tail_kappa must be >= 0 and tail_period_s > 0, "
-                f"got {self.tail_budget_fraction}, {self.tail_kappa} and {self.tail_period_s}"
-            )
+            raise ValueError("TidalConfig.tail_budget_fraction and tail_kappa must be >= 0 and "
+                             "tail_period_s > 0, "
+                             f"got {self.tail_budget_fraction}, {self.tail_kappa} and {self.tail_period_s}")
         if not 0 <= self.tail_prior_miss < math.inf or not 0 <= self.tail_prior_steps < math.inf:
-            raise ValueError(
-                f"TidalConfig.tail_prior_miss and tail_prior_steps must be finite and >= 0, "
-                f"got {self.tail_prior_miss} and {self.tail_prior_steps}"
-            )
+            raise ValueError(f"TidalConfig.tail_prior_miss and tail_prior_steps must be finite and >= 0, "
+                             f"got {self.tail_prior_miss} and {self.tail_prior_steps}")
         if not 0 < self.aim_fraction <= 1:
             raise ValueError(f"TidalConfig.aim_fraction must be in (0, 1], got {self.aim_fraction}")
         if not self.ledger_allowance_pool_h > 0 or not 0 < self.ledger_fraction <= 1 \
                 or not 0 <= self.ledger_bank_pool_h < math.inf:
-            raise ValueError(
-                "TidalConfig.ledger_allowance_pool_h must be > 0 (inf = off), ledger_fraction in "
-                "(0, 1] and ledger_bank_pool_h finite and >= 0, got "
-                f"{self.ledger_allowance_pool_h}, {self.ledger_fraction} and {self.ledger_bank_pool_h}"
-            )
+            raise ValueError("TidalConfig.ledger_allowance_pool_h must be > 0 (inf = off), ledger_fraction "
+                             "in "
+                             "(0, 1] and ledger_bank_pool_h finite and >= 0, got "
+                             f"{self.ledger_allowance_pool_h}, {self.ledger_fraction} and "
+                             f"{self.ledger_bank_pool_h}")
         horizon_needed = self.timing.lead_time_s + self.timing.min_loan_window_s
         if self.forecast.horizon_s < horizon_needed:
-            raise ValueError(
-                f"TidalConfig.forecast.horizon_s ({self.forecast.horizon_s:g}) must cover the lead "
-                f"time plus the minimum loan window ({horizon_needed:g} s)"
-            )
+            raise ValueError(f"TidalConfig.forecast.horizon_s ({self.forecast.horizon_s:g}) must cover the "
+                             "lead "
+                             f"time plus the minimum loan window ({horizon_needed:g} s)")
 
 
 @dataclass(frozen=True, eq=False)

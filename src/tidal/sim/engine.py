@@ -72,16 +72,14 @@ class Engine:
         self.demand = np.resize(np.asarray(demand, dtype=float), need) if short else np.asarray(demand)
         self.pstate = self.policy.initial_state() if self.policy is not None else None
         self.sched_index = RunningIndex()  # the scheduler's incremental per-node sums (same decisions)
-        # the running jobs the index saw last (what the world's changes are since)
-        self.last_running: tuple = ()
+        self.last_running: tuple = ()  # the running jobs the index saw last
         ss = np.random.SeedSequence(config.seed)
         fail_seq, backlog_seq = ss.spawn(2)
         self.heap: list[tuple] = []
         self.seq = 0
         self.jobs = [j for j in jobs if j.submit_s < config.end_s]
         self.tenants = make_tenants(self.jobs, backlog, config.training_gpus, tenants)
-        self.world = World(config, self.tenants, self._push_job, np.random.default_rng(fail_seq))
-        self.backlog = backlog
+        self.world = World(config, self.tenants, self._push, np.random.default_rng(fail_seq))
         self.source = (BacklogSource(backlog, config.gpus_per_node, np.random.default_rng(backlog_seq),
                                      max_gpus=config.serving_gpus + config.training_gpus)
                        if backlog is not None else None)
@@ -105,9 +103,6 @@ class Engine:
     def _push(self, t: float, kind: int, a: Any = None, b: int = 0) -> None:
         self.seq += 1
         heapq.heappush(self.heap, (t, kind, self.seq, a, b))
-
-    def _push_job(self, t: float, kind: int, jid: str, version: int) -> None:
-        self._push(t, kind, jid, version)
 
     def run(self) -> SimResult:
         wall0, cpu0 = time.perf_counter(), time.process_time()

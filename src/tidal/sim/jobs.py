@@ -63,10 +63,9 @@ def _num(path: Path, line: int, row: dict[str, str], col: str, kind: type, lo: f
     try:
         v = kind(float(text)) if kind is int and "." in text else kind(text)
     except ValueError:
-        raise ValueError(
-            f"{path}:{line}: column {col!r} must be {'an integer' if kind is int else 'a number'}, "
-            f"got {text!r}"
-        ) from None
+        raise ValueError(f"{path}:{line}: column {col!r} must be "
+                         f"{'an integer' if kind is int else 'a number'}, "
+                         f"got {text!r}") from None
     if kind is float and not math.isfinite(v):
         raise ValueError(f"{path}:{line}: column {col!r} must be finite, got {text!r}")
     if lo is not None and v < lo:

@@ -14,23 +14,21 @@ import numpy as np
 
 from tidal.sim.metrics import METRIC_KEYS
 
-TABLE_COLUMNS = (
-    ("harvest_ratio", "harvest", "{:.3f}"),
-    ("x_oracle", "× oracle", "{:.3f}"),
-    ("harvested_gpu_hours", "harvested GPU-h", "{:,.0f}"),
-    ("loaned_gpu_hours", "loaned GPU-h", "{:,.0f}"),
-    ("shortfall_ratio", "shortfall", "{:.4f}"),
-    ("reclaims", "reclaims", "{:,}"),
-    ("lost_gpu_hours", "lost GPU-h", "{:,.1f}"),
-    ("pool_goodput", "goodput", "{:.3f}"),
-    ("ettr_mean", "ETTR", "{:.3f}"),
-    ("ettr_p10", "ETTR p10", "{:.3f}"),
-    ("jain_fairness", "Jain", "{:.3f}"),
-    ("mean_queue_s", "queue s", "{:,.0f}"),
-    ("mean_jct_s", "JCT s", "{:,.0f}"),
-    ("decision_p99_ms", "p99 ms", "{:.1f}"),
-    ("wall_s", "wall s", "{:.1f}"),
-)
+TABLE_COLUMNS = (("harvest_ratio", "harvest", "{:.3f}"),
+                 ("x_oracle", "× oracle", "{:.3f}"),
+                 ("harvested_gpu_hours", "harvested GPU-h", "{:,.0f}"),
+                 ("loaned_gpu_hours", "loaned GPU-h", "{:,.0f}"),
+                 ("shortfall_ratio", "shortfall", "{:.4f}"),
+                 ("reclaims", "reclaims", "{:,}"),
+                 ("lost_gpu_hours", "lost GPU-h", "{:,.1f}"),
+                 ("pool_goodput", "goodput", "{:.3f}"),
+                 ("ettr_mean", "ETTR", "{:.3f}"),
+                 ("ettr_p10", "ETTR p10", "{:.3f}"),
+                 ("jain_fairness", "Jain", "{:.3f}"),
+                 ("mean_queue_s", "queue s", "{:,.0f}"),
+                 ("mean_jct_s", "JCT s", "{:,.0f}"),
+                 ("decision_p99_ms", "p99 ms", "{:.1f}"),
+                 ("wall_s", "wall s", "{:.1f}"))
 
 
 def clean(x: Any) -> Any:

@@ -51,21 +51,12 @@ NEW, PENDING, RUNNING, SHRINKING, STOPPING, DONE = ("new", "pending", "running",
                                                    "done")
 
 TRANSITIONS: dict[tuple[str, str], str] = {
-    (NEW, "submit"): PENDING,
-    (PENDING, "admit"): RUNNING,
-    (RUNNING, "grow"): RUNNING,
-    (RUNNING, "shrink"): SHRINKING,
-    (RUNNING, "preempt"): STOPPING,
-    (SHRINKING, "released"): RUNNING,
-    (STOPPING, "released"): PENDING,
-    (RUNNING, "fail"): RUNNING,
-    (SHRINKING, "fail"): SHRINKING,
-    (STOPPING, "fail"): STOPPING,
-    (RUNNING, "set_interval"): RUNNING,
-    (SHRINKING, "set_interval"): SHRINKING,
-    (RUNNING, "finish"): DONE,
-    (SHRINKING, "finish"): DONE,
-    (STOPPING, "finish"): DONE,
+    (NEW, "submit"): PENDING, (PENDING, "admit"): RUNNING, (RUNNING, "grow"): RUNNING,
+    (RUNNING, "shrink"): SHRINKING, (RUNNING, "preempt"): STOPPING,
+    (SHRINKING, "released"): RUNNING, (STOPPING, "released"): PENDING,
+    (RUNNING, "fail"): RUNNING, (SHRINKING, "fail"): SHRINKING, (STOPPING, "fail"): STOPPING,
+    (RUNNING, "set_interval"): RUNNING, (SHRINKING, "set_interval"): SHRINKING,
+    (RUNNING, "finish"): DONE, (SHRINKING, "finish"): DONE, (STOPPING, "finish"): DONE,
 }
 """(state, event) -> next state: the only legal job transitions."""
 
@@ -288,16 +279,15 @@ class World:
                 self._admit(d, now)
             elif isinstance(d, Grow):
                 self._grow(d, now)
-            elif isinstance(d, Shrink):
+            elif isinstance(d, Shrink | Preempt):
                 self._release_order(self.jobs[d.job], d, now)
                 self._nominate(d.for_job, now)
-                self.counts["shrinks"] += 1
-                self.counts["reclaim_interruptions"] += d.reason == "reclaim"
-            elif isinstance(d, Preempt):
-                self._release_order(self.jobs[d.job], d, now)
-                self._nominate(d.for_job, now)
-                self.counts["preemptions"] += 1
-                self.counts[f"preempted_for_{d.reason}"] = self.counts.get(f"preempted_for_{d.reason}", 0) + 1
+                if isinstance(d, Shrink):
+                    self.counts["shrinks"] += 1
+                else:
+                    self.counts["preemptions"] += 1
+                    key = f"preempted_for_{d.reason}"
+                    self.counts[key] = self.counts.get(key, 0) + 1
                 self.counts["reclaim_interruptions"] += d.reason == "reclaim"
             elif isinstance(d, ReturnGpus):
                 if self.used.get(d.node, 0) + d.gpus > self.serving.lent_on(d.node):

@@ -29,6 +29,5 @@ class SchedulerConfig:
             if v < 0:
                 raise ValueError(f"SchedulerConfig.{f.name} must be >= 0, got {v}")
         if self.preempt_priority_gap < 1:
-            raise ValueError(
-                f"SchedulerConfig.preempt_priority_gap must be >= 1, got {self.preempt_priority_gap}"
-            )
+            raise ValueError("SchedulerConfig.preempt_priority_gap must be >= 1, got "
+                             f"{self.preempt_priority_gap}")
