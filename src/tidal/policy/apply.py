@@ -1,12 +1,8 @@
 """The store's side of the scheduler's decisions, written once: ``apply(snapshot, decisions) -> snapshot``.
 
-Pure (the time is the snapshot's ``now_s``); the semantics of :mod:`tidal.model`'s lifecycle: an
-``Admit`` starts the job on ``placement`` (its nomination cleared); a ``Grow`` adds ``add``; a ``Shrink``
-or ``Preempt`` puts ``release`` (or everything) in ``releasing``, free once the job has let it go, and
-nominates a pending ``for_job``; ``ReturnGpus`` shrinks the loan on ``node`` and lowers the earliest
-reclaims; ``SetCkptInterval`` sets the job's interval. A decision the snapshot does not allow raises
-:class:`IllegalDecision`. The per-decision transforms are shared with the simulator's store
-(:class:`tidal.sim.world.World`), so the semantics live here only.
+Pure (the time is the snapshot's ``now_s``). The per-decision job transforms are shared with the
+simulator's store (:class:`tidal.sim.world.World`), so the semantics of :mod:`tidal.model`'s lifecycle
+live here only; a decision the snapshot does not allow raises :class:`IllegalDecision`.
 """
 
 from __future__ import annotations

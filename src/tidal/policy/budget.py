@@ -4,11 +4,9 @@ The ledger ``G`` (GPU-seconds) is a CUSUM of realized shortfall over the allowed
 
     G(t) = max(-bank, G(t - dt) + (shortfall(t) - B_l * demand(t)) * dt)        G(0) = 0
 
-and ``L`` GPUs are lent now only if ``G(t) + exposure(t, L) <= A``, where ``exposure = dt * sum over the
-grid of (t, t + lead] of max(lent(u) by earlier plans, L)`` is the worst shortfall the loans could still
-cause. Lending nothing more always keeps that invariant, so ``S(0..b) <= B_l * D(0..b) + A`` and, for
-any window, ``S(a..b) <= B_l * D(a..b) + A + bank``, also for a pool that changes size (with the largest
-``A`` and bank so far). Assumptions and proof: docs/loaning.md, "The guarantee".
+``L`` GPUs are lent now only if ``G + exposure(L) <= A``, the exposure being the worst shortfall the
+loans could still cause within one lead time; then ``S(0..b) <= B_l * D(0..b) + A`` for any demand
+(docs/loaning.md, "The guarantee").
 """
 
 from __future__ import annotations

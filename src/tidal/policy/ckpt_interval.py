@@ -1,15 +1,9 @@
 """How often each running job should checkpoint: Young/Daly from its save stall and its risk. Pure.
 
-A save costs its *stall* ``δ`` (with concurrent checkpointing, the copy into a staging slot); an
-interruption costs the work since the newest durable checkpoint. Interruptions come at rate ``1 / M``:
-failures (``failure_rate_per_gpu_hour × GPUs``; Llama 3 saw about 2e-5 per GPU-hour) plus
-``Loan.reclaim_risk_per_hour`` of each loaned node the job runs on (planned reclaims come with notice
-and a final checkpoint, so they do not count). Daly's optimum of compute time between saves::
-
-    τ = sqrt(2 δ M) · (1 + (1/3)·sqrt(δ / 2M) + (1/9)·(δ / 2M)) − δ     if δ < 2M, else τ = M
-
-The interval returned is ``τ + δ`` (between save starts), clamped to ``[max(min_interval_s,
-persist_s), max_interval_s]``: never faster than the durable tier absorbs a checkpoint.
+A save costs its stall ``δ``; interruptions (failures per GPU-hour × GPUs, plus the surprise-reclaim
+risk of each loaned node the job runs on) come at rate ``1 / M``. Daly's optimum of compute time
+between saves, ``τ = sqrt(2 δ M) · (1 + (1/3)·sqrt(δ / 2M) + (1/9)·(δ / 2M)) − δ`` (``M`` if ``δ >=
+2M``); the interval returned is ``τ + δ``, clamped to ``[max(min_interval_s, persist_s), max_interval_s]``.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Policy states as JSON and back, exactly (arrays bit for bit, NaN and infinities kept). Pure.
-
-A field with a default may be absent (states stored before it was added), the fields of a removed
-option (:data:`DROPPED`) are ignored, and only :data:`CLASSES` are rebuilt (a stored document never
-names code to run). Arrays decode read-only.
-"""
+"""Policy states as JSON and back, exactly (arrays bit for bit, read-only). Pure. A field with a default
+may be absent, the fields of a removed option (:data:`DROPPED`) are ignored, and only :data:`CLASSES` are
+rebuilt (a stored document never names code to run)."""
 
 from __future__ import annotations
 

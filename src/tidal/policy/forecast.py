@@ -1,27 +1,15 @@
 """Serving demand forecast (GPUs) over a horizon, from the demand's own history. Pure.
 
-For the demand at ``t + h * step_s``, seen from the last observation at ``t``::
+``center(h)`` is the time-of-day profile corrected by the live level and a damped trend (fading over
+the horizon); ``scale(h)`` is the forecaster's own recent error at horizon h, times its time-of-day,
+burst and context factors; ``upper(h; z) = center(h) + z * scale(h)``, ``z`` calibrated by the loan
+policy. The state also keeps a weeks-long tail memory of the worst misses per lead window (the model
+and its knobs: docs/loaning.md, "The forecast").
 
-    center(h) = P(t + h) + (level(t) - P(t)) * 2^(-h step / anomaly_half_life)
-                + trend(t) * step * sum_{i=1..h} 2^(-i step / trend_damping_half_life)
-    scale(h)  = e(h) * (center(h) / mean)^noise_exponent * tod(t + h) * burst(h) * ctx(h)
-    upper(h; z) = center(h) + z * scale(h)
-
-* ``P``: the time-of-day profile, an exponentially weighted mean per ``step_s`` slot of the day, read
-  through a ``season.profile_smooth_s`` box kernel; ``level`` and ``trend``: the live correction,
-  fading over the horizon so short horizons follow the level and long ones the profile.
-* ``e(h)``: the forecaster's own recent error at horizon h (every path is kept and scored when its
-  targets arrive), non-decreasing in h; ``tod``: per slot, how large errors are at that time of day;
-  ``burst``: widening while the last one-step errors exceed the usual one; ``ctx``: conditional error
-  quantiles per context (:mod:`tidal.policy.forecast_errors`).
-* the tail memory (``ForecastState.tail_hist``, weeks long): the worst miss above the center per lead
-  window, for the loan policy's tail reserve.
-* ``z`` is not chosen here: the loan policy calibrates it to a shortfall budget.
-
-Call order: ``state = initial_state(config)``, then for each observation in time order ``state =
-observe(config, state, t_s, demand_gpus)`` (NaN = missing); ``forecast(config, state)`` is the path
-made at the last observation. Observations lie on the ``step_s`` grid of the first one; skipped steps
-count as missing. Nothing mutates its inputs; arrays in states and results are read-only.
+Call order: ``state = initial_state(config)``; for each observation in time order ``state =
+observe(config, state, t_s, demand_gpus)`` (NaN = missing; on the ``step_s`` grid of the first one,
+skipped steps missing); ``forecast(config, state)`` is the path made at the last observation. Nothing
+mutates its inputs; arrays in states and results are read-only.
 """
 
 from __future__ import annotations

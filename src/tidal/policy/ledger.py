@@ -1,18 +1,10 @@
 """The loan ledger: which serving GPUs are lent, which warm up, what is owed back and by when. Pure.
 
-One ledger for the simulator and the control plane (which persists it, :meth:`LoanLedger.to_state`,
-and carries out what changed through a serving adapter). It carries out a
-:class:`~tidal.policy.loan.LoanPlan` and :class:`~tidal.model.ReturnGpus`; it decides nothing.
-
-* **Lending**: up to the plan's ``lendable_gpus``, partly lent nodes first, then nodes warming up,
-  then the rest in node order (whole-node loans where possible).
-* **Owing**: the plan's reclaims become :class:`~tidal.model.Reclaim` with ``by_s = notice +
-  notice_s + final_checkpoint_s``, rebuilt from every plan; a ``ReturnGpus`` lowers the earliest.
-* **Loan ends**: each loan's ``until_s`` is the notice of the first of its GPUs the plan wants back;
-  the least used nodes get the earliest.
-* **Returning**: GPUs handed back serve again after ``release_s + warmup_s``.
-* **Nodes lost and back**: :meth:`LoanLedger.drop_node` ends a lost node's loans and shrinks the
-  reclaims by what was lent there; :meth:`LoanLedger.add_node` puts one (back) in.
+One ledger for the simulator and the control plane (which persists it, :meth:`LoanLedger.to_state`).
+It carries out a :class:`~tidal.policy.loan.LoanPlan` and :class:`~tidal.model.ReturnGpus` and decides
+nothing: loans go to partly lent nodes first (whole-node loans), reclaims are rebuilt from every plan
+(``by_s = notice + notice_s + final_checkpoint_s``), the least used nodes get the earliest loan ends,
+GPUs handed back serve again after ``release_s + warmup_s``, and a lost node's loans end with it.
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
 """Loan / reclaim plan: how many serving GPUs may be lent now, and when each must be back. Pure.
 
 Every policy has the shape ``plan, state = policy(ctx, state)`` (``state = policy.initial_state()`` at
-the start), called once per serving observation (every ``step_s``), in time order.
-
-How a plan is made (:func:`plan_loans`): a policy gives an upper bound ``upper(s)`` on serving demand
-at the grid times of its horizon; serving can spare ``free(s) = floor(N - upper(s))`` GPUs at ``s``,
-and a GPU lent now is back one ``lead_time_s`` later at the earliest, so:
-
-1. *Lendable now* = the minimum of ``free`` over ``(now, now + lead]`` (and of ``N - demand now``).
-2. *Deadlines*: the k-th lent GPU must be back at the first ``s`` where ``min free(now..s) < k``;
-   its notice goes out at ``deadline - lead``, before the forecast rise.
-3. *Worthwhile*: a GPU not yet lent is lent only if it can train for ``min_loan_window_s`` before
-   its notice. GPUs already on loan are kept while safe through the lead time; the excess is
-   reclaimed now.
-
-:class:`TidalPolicy` is the forecast plus a margin calibrated online to a shortfall budget; the
-baselines are in :mod:`tidal.policy.baselines`.
+the start), called once per serving observation, in time order. A policy gives an upper bound on
+demand over its horizon; :func:`plan_loans` lends what stays free through one lead time (notice +
+final checkpoint + release + warm-up), gives each lent GPU the deadline where the bound needs it back
+(its notice one lead time before), and makes new loans only if they can train ``min_loan_window_s``.
+:class:`TidalPolicy` is the forecast plus a margin calibrated online to a shortfall budget
+(docs/loaning.md); the baselines are in :mod:`tidal.policy.baselines`.
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """Request rates to servers: the Erlang C (M/M/c) queue. Pure: no I/O, no clock.
 
-Poisson arrivals at ``rate`` requests/s, ``c`` servers each completing a request in an exponential time
-of mean ``1 / service_rate`` s, one FCFS queue. With load ``a = rate / service_rate`` and ``theta = c *
-service_rate - rate`` (stable only when ``theta > 0``): ``C(c, a) = c B / (c - a (1 - B))`` (B = Erlang
-B) is P(a request waits); the wait W has ``P(W > t) = C exp(-theta t)``, and the response time T = W + S
-has ``P(T > t) = (1 - C) exp(-mu t) + C * P(Exp(theta) + Exp(mu) > t)``. A latency target ("the
-``quantile``-quantile of ``measure`` is at most ``target_s``") is ``P(measure > target_s) <= 1 -
-quantile``; :func:`servers_needed` returns the smallest ``c`` that meets it.
-
-Numerics: Erlang B by its recursion ``B(k) = a B(k-1) / (k + a B(k-1))`` (no factorials). For a large
-load it starts at ``k0 = floor(a - 10 sqrt(a))`` from ``B = 1``: the map is increasing and contracts
-the start's error by at least ``exp(-50)`` by ``k = a``, so the cost is ``O(sqrt(a))`` steps and
-millions of servers are cheap. Functions take numpy arrays and broadcast.
+Poisson arrivals at ``rate`` requests/s, ``c`` servers of exponential service at ``service_rate``, one
+FCFS queue. A latency target ("the ``quantile``-quantile of the wait, or of the response time, is at
+most ``target_s``") is ``P(measure > target_s) <= 1 - quantile``; :func:`servers_needed` returns the
+smallest ``c`` that meets it. Erlang B by its recursion ``B(k) = a B(k-1) / (k + a B(k-1))``, started
+``10 sqrt(a)`` below the load from ``B = 1`` (the error contracts below double precision), so millions
+of servers cost ``O(sqrt(a))`` steps. Functions take numpy arrays and broadcast (docs/loaning.md).
 """
 
 from __future__ import annotations

@@ -1,12 +1,5 @@
-"""``tidal plan``: how much of the serving pool could train, and when?
-
-By hour of day (from the trace's start): mean and p99 demand; idle GPU-hours per day; the GPUs a fixed
-schedule could lend in that hour and be short at most ``risk`` of the time (the ``1 - risk`` quantile
-of demand over the hour and the lead time after it, with hindsight); what
-:class:`~tidal.policy.loan.TidalPolicy` at a budget of ``risk`` lends in that hour replayed causally.
-And the lead time (notice + final checkpoint + release + warm-up) beside the p99 rise of demand within
-one lead time: the margin a policy without a forecast needs.
-"""
+"""``tidal plan``: how much of the serving pool could train, by hour of day, and the lead time to plan
+for (the columns: docs/simulator.md and the text ``tidal plan`` prints under its table)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
 """One job's training timeline between two changes, in closed form: progress, checkpoints, durability.
 
-The simulator never steps a job second by second nor queues its periodic checkpoints. A
-:class:`Segment` describes a job from one change (admission, resize, failure, a new interval) to the
-next: training starts at ``t0`` at ``rate`` GPU-seconds of work per second (``g ** scaling_exponent``
-on ``g`` GPUs); every ``tau_s`` it trains ``tau_s - stall_s`` then stalls ``stall_s`` for a capture,
-complete at ``t0 + (k+1)*tau`` and *durable* ``lag_s`` later (0 for sync); training stops at ``stop_s``.
-A failure keeps only the newest durable checkpoint (:meth:`Segment.durable`).
+A :class:`Segment` runs from one change (admission, resize, failure, new interval) to the next: it
+trains from ``t0`` at ``rate``, every ``tau_s`` stalls ``stall_s`` for a capture that is durable
+``lag_s`` after it completes, and stops at ``stop_s``; any question about a time inside it is arithmetic.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""Running policies side by side on one scenario, sweeping their risk knobs, tuning baselines.
-
-A :class:`Scenario` is everything but the loan policy; every run of a comparison gets the same scenario
-and seed. A sweep runs each policy across its knob (:data:`SWEEP_GRID`) for harvest-versus-shortfall
-curves; :func:`tune_margin` bisects a baseline's margin to a budget with hindsight.
-"""
+"""Running policies side by side on one scenario (same demand, jobs and seed), sweeping their risk knobs
+(:data:`SWEEP_GRID`), and tuning a baseline's margin to a budget with hindsight (:func:`tune_margin`)."""
 
 from __future__ import annotations
 

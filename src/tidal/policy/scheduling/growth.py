@@ -1,11 +1,6 @@
-"""The grow step: GPUs still free after admission go to elastic jobs below their maximum.
-
-Water-filling in size steps: dedicated jobs first (within quota, training pool only), then spot jobs
-(the tenant furthest below its fair share first, then higher priority); the job's own nodes first.
-Not grown: jobs shrunk less than ``hysteresis_s`` ago, jobs releasing GPUs, jobs acted on in this
-call; jobs admitted in this call grow inside their :class:`Admit`. With ``Cycle.why``, each job left
-below its maximum gets the reason.
-"""
+"""The grow step: GPUs still free after admission go to elastic jobs below their maximum, water-filling
+in size steps, dedicated jobs first (docs/scheduling.md, step 6). With ``Cycle.why``, each job left
+below its maximum gets the reason."""
 
 from __future__ import annotations
 

@@ -1,17 +1,11 @@
 """An optional accelerator for callers that schedule the same pool again and again: incremental indexes.
 
-Step 1 of every call walks every running job and every node; between two calls of a simulator or a
-reconcile loop only a few jobs change. :class:`RunningIndex` keeps the previous call's sums and
-updates them from the jobs added or removed since (by object identity: a changed
-:class:`~tidal.model.Job` is a new object), so the walk costs O(changed jobs). It also keeps the victim
-index's inputs, the spot jobs sorted by id with their fixed key columns in a numpy table. A caller that
-knows what changed may say so (:meth:`RunningIndex.hint`), and one that moves ``last_ckpt_s`` in place
-may report the moves (:meth:`RunningIndex.ckpt_moved`).
-
-A memo, not a policy: ``schedule(snap, cfg, index=RunningIndex())`` returns what ``schedule(snap,
-cfg)`` returns (tests/test_scheduler.py, tests/test_sim_victim_index.py). A caller may change a job in
-place only in fields the sums do not read (``last_ckpt_s``, ``ckpt_interval_s``). One index per caller
-and pool; not thread-safe.
+:class:`RunningIndex` keeps the previous call's per-node and per-tenant sums and updates them from the
+running jobs added or removed since (by object identity: a changed :class:`~tidal.model.Job` is a new
+object), and the victim index's inputs (the spot jobs sorted by id, their fixed key columns in a numpy
+table). A memo, not a policy: the same decisions with or without it (docs/scheduling.md, "Incremental
+indexes"). A caller may change a job in place only in ``last_ckpt_s`` and ``ckpt_interval_s`` (and
+report the first, :meth:`RunningIndex.ckpt_moved`). One index per caller and pool; not thread-safe.
 """
 
 from __future__ import annotations

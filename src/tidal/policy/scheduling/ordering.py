@@ -1,12 +1,6 @@
-"""Who goes first: aged priority, then fair-share deficit, then waiting time.
-
-Pending jobs wait in one FIFO per (tenant, kind, priority), by ``Job.queued_s``; aging adds the same
-per second to every job, so within a queue the oldest is the most aged and only queue *heads* compete
-(:class:`QueueHeads`, a heap: O((Q + k) log Q) for k admissions from Q queues). A job others were
-stopped for (``Job.nominated_s``) comes first for ``nomination_ttl_s``. Then, smaller first: dedicated
-``(-aged priority, queued_s, id)``; spot ``(-aged priority, share, queued_s, id)``, ``share`` being the
-tenant's spot GPUs over its weighted fair share (aging counts whole levels, so the share decides ties).
-"""
+"""Who goes first: lately nominated, then aged priority, then (spot) fair-share deficit, then waiting
+time. Only queue heads compete (aging keeps each FIFO in order), merged by :class:`QueueHeads`
+(docs/scheduling.md, "One call, step by step")."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""Free GPUs per node and packing gangs onto them.
-
-A :class:`View` holds the free GPUs of one pool's nodes in buckets by free count, so the tightest node
-that holds r costs O(GPUs per node). :func:`place` packs a ``gpus_per_node = g`` gang on the tightest
-nodes with at least ``g`` free (whole empty nodes stay whole), and any other job on the fewest nodes
-(the tightest node that holds the rest, else the fullest node, and on). Within a bucket nodes go in
-insertion order: deterministic. A *blocked* node (a loan ending soon) is tracked, never offered.
-"""
+"""Free GPUs per node and packing gangs onto them: a :class:`View` keeps a pool's nodes in buckets by
+free count; :func:`place` packs a ``gpus_per_node`` gang on the tightest nodes that hold its share and
+any other job on the fewest nodes. Deterministic; a blocked node (a loan ending soon) is never offered."""
 
 from __future__ import annotations
 

@@ -1,14 +1,9 @@
 """Victims: who gives GPUs back so that a need is met, computed apart from acting.
 
-A need says when enough has been released: :class:`GangNeed` (a pending gang fits, with quota room)
-or :class:`CountNeed` (a reclaim). :func:`find_victims` is pure over a need and two candidate lists:
-
-1. Shrink before killing: elastic candidates give back GPUs above their minimum, only where they help
-   and only as many as needed (in size steps).
-2. Then preempt whole gangs, in the caller's order (least work lost first).
-3. Give back: victims are reconsidered newest first and any the need can do without is spared.
-
-If the need cannot be met with every candidate, nothing is touched.
+A need (:class:`GangNeed`: a pending gang fits, with quota room; :class:`CountNeed`: a reclaim) and
+two candidate lists in; victims out (:func:`find_victims`): shrink before killing (only where and as
+much as it helps), then preempt whole gangs in the caller's order, then spare any victim the need can
+do without, newest first. If the need cannot be met, nothing is touched.
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
-"""The reclaim step: give loaned serving GPUs back as the loan plan's reclaims say, before anything is
-admitted. For due reclaims, cheapest first: idle loaned GPUs go back now (idle nodes first, whole
-nodes for serving); draining ones are counted (returned once free); the rest by shrinking elastic spot
-jobs on loans, then preempting gangs (least work lost first), due by the reclaim's ``by_s``; minimum
-runtime and hysteresis protect nobody. Reclaims due within ``min_loan_left_s`` only *keep* idle and
-draining loaned GPUs.
-"""
+"""The reclaim step: give loaned GPUs back as the plan's due reclaims say, before anything is admitted:
+idle GPUs now, draining ones counted, then shrink and preempt spot jobs on loans (docs/scheduling.md)."""
 
 from __future__ import annotations
 

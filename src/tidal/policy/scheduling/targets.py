@@ -2,15 +2,8 @@
 
 :func:`targets_for` returns the victims and where the job will start, changing nothing;
 :func:`preempt_for` issues the shrinks and preemptions and reserves the job's place. Who may lose GPUs
-(by the jobs' own priorities; aging never lets a job preempt):
-
-* for a **dedicated** job: any spot job on the training pool (minimum runtime notwithstanding), and
-  its own tenant's dedicated jobs: shrunk at priority at most its own, preempted at least
-  ``preempt_priority_gap`` lower past the minimum runtime. Other tenants' dedicated jobs, never.
-* for a **spot** job: spot jobs shrunk under the same rule; preempted past their minimum runtime if
-  its own tenant's at least the gap lower (``priority``), or another tenant's of equal or lower
-  priority while the waiting tenant would end no further over its fair share than the victim's
-  (``fair_share``, Kueue's LessThanOrEqualToFinalShare): the swap back is then never allowed.
+to whom (``priority`` within a tenant, ``fair_share`` across tenants; aging never lets a job preempt):
+docs/scheduling.md, "Who may lose GPUs to whom".
 """
 
 from __future__ import annotations

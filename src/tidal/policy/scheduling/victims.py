@@ -1,11 +1,6 @@
-"""The victim index: running jobs that could give GPUs back, ordered once per scheduling call.
-
-The first search of a call sorts them once (one ``numpy.lexsort``) by the one rule of
-:func:`~tidal.policy.scheduling.preemption.preempt_keys` and ``shrink_key``: ``_column_orders`` is that
-rule over key columns, from a list of jobs or from the caller's
-:class:`~tidal.policy.scheduling.index.RunningIndex` (orders stay index arrays until a list is read);
-tests/test_scheduler.py and tests/test_sim_victim_index.py check that they agree.
-"""
+"""The victim index: running jobs that could give GPUs back, ordered once per scheduling call by the
+rule of :func:`~tidal.policy.scheduling.preemption.preempt_keys` and ``shrink_key``, as sorts of key
+columns (docs/scheduling.md, "The victim order")."""
 
 from __future__ import annotations
 
