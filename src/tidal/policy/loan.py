@@ -165,7 +165,6 @@ def plan_loans(*, now_s: float, serving_gpus: int, lent_gpus: int, demand_now_gp
                     min_loan_window_s=timing.min_loan_window_s, bound_gpus=by_bound)
 
 
-
 @dataclass(frozen=True)
 class TidalConfig:
     """Knobs of :class:`TidalPolicy`."""
@@ -175,29 +174,23 @@ class TidalConfig:
     forecast: ForecastConfig = field(default_factory=ForecastConfig)
     timing: LoanTiming = field(default_factory=LoanTiming)
     aim_fraction: float = 0.8
-    """The calibrator aims at this fraction of the budget; the rest is a reserve for bursts no margin
-    can react to in time."""
+    """The calibrator aims at this fraction of the budget; the rest is a reserve for sudden bursts."""
     hold_demand_now: bool = True
-    """Within the lead time the bound is at least the demand just observed plus ``z`` one-step error
-    scales (False: the forecast alone): right after a jump the forecast's level lags it (docs/loaning.md)."""
+    """Within the lead time the bound is at least the demand just seen plus ``z`` one-step error scales."""
     initial_z: float = 3.0
     """Margin before any feedback, in units of the forecast error scale: start careful."""
     calibration_rate_per_h: float = 0.05
     """How fast the margin moves (step 3 of :class:`TidalPolicy`)."""
     shortfall_cap_scales: float = 3.0
-    """The calibrator counts a step's shortfall up to this many error scales at the lead time: a freak
-    jump must not lift ``z`` for days (it still counts in full against the budget)."""
+    """The calibrator counts a step's shortfall up to this many error scales at the lead time."""
     tail_budget_fraction: float = 1.0
-    """The tail reserve (0 = off): keep at least the smallest ``R`` GPUs above the forecast center whose
-    expected excess miss, by the forecast's tail memory, is this fraction of the budget
-    (:func:`~tidal.policy.forecast_errors.tail_reserve_gpus`; docs/loaning.md, "Tail reserve")."""
+    """The tail reserve's expected excess miss as a fraction of the budget (0 = off; docs/loaning.md)."""
     tail_kappa: float = 0.0
     """The tail reserve also covers this many standard errors of the mean excess over ``tail_period_s``."""
     tail_period_s: float = 86400.0
     """The period of ``tail_kappa``'s standard error."""
     tail_prior_miss: float = 0.5
-    """A cautious start: the tail memory also holds ``tail_prior_steps`` lead windows whose worst miss
-    was this many times the mean demand (0 = no prior; docs/loaning.md, "A cautious start")."""
+    """A cautious start: the prior's worst miss per lead window, times the mean demand (0 = no prior)."""
     tail_prior_steps: float = 2.0
     """The prior's weight, in lead windows (steps) of the tail memory; never decays."""
     min_z: float = 0.0
@@ -205,8 +198,7 @@ class TidalConfig:
     max_z: float = 50.0
     """Cap of the margin, against runaway after a freak event."""
     ledger_allowance_pool_h: float = 48.0
-    """The budget ledger's allowance ``A = budget x N x this`` GPU-hours (:mod:`tidal.policy.budget`;
-    ``inf`` = off): whatever the demand, shortfall <= ``ledger_fraction x budget x demand + A``."""
+    """The budget ledger's allowance ``A = budget x N x this`` GPU-hours (``inf`` = off)."""
     ledger_fraction: float = 1.0
     """The ledger's rate ``B_l`` as a fraction of ``shortfall_budget``."""
     ledger_bank_pool_h: float = 48.0

@@ -66,17 +66,6 @@ def erlang_c(servers, load):
     return float(out) if out.ndim == 0 else out
 
 
-def mean_wait_s(servers, rate, service_rate):
-    """Mean time in queue ``E[W] = C(c, a) / (c mu - lambda)`` in seconds; inf when ``c mu <= lambda``."""
-    c, lam, mu = np.broadcast_arrays(np.asarray(servers, dtype=np.int64), np.asarray(rate, dtype=float),
-                                     np.asarray(service_rate, dtype=float))
-    _check_rates(lam, mu)
-    theta = c * mu - lam
-    with np.errstate(divide="ignore"):
-        out = np.where(theta > 0, erlang_c(c, lam / mu) / np.where(theta > 0, theta, 1.0), np.inf)
-    return float(out) if out.ndim == 0 else out
-
-
 def _phi(x: np.ndarray) -> np.ndarray:
     """(1 - exp(-x)) / x for x >= 0, 1 at 0, without cancellation."""
     with np.errstate(divide="ignore", invalid="ignore"):
