@@ -3,20 +3,12 @@
     tidal demo cycle                       # one day of the shipped serving profile in about 6 minutes
     tidal demo cycle --hours 12 --json     # the summary as JSON on stdout (the view on stderr)
 
-An embedded control plane (the pieces of ``tidal up``) runs with a ``serving:`` block that lends:
-virtual serving nodes on this machine whose demand replays the shipped daily profile
-(``tidal/serving/data/daily-profile.csv``, derived from ServeGen m-large) ``--speedup`` times as fast
-as the clock, after ``--history-days`` of it for the forecast to learn. Elastic spot jobs (the GPT
-example, 1 to ``--max-ranks`` ranks) start on the one training slot; as traffic falls the plan lends
-serving GPUs and the jobs grow onto them; before the morning rise the jobs get reclaim notices,
-checkpoint, shrink by resharding, and the GPUs go back to serving before the deadline. A live view
-shows demand, the forecast bound, what is lent, the jobs and the next reclaim.
-
-The summary: GPU-hours lent and used (serving time), serving shortfall, reclaims met before their
-deadline (count, worst margin), training steps lost to reclaims, checkpoint tiers used, and the same
-day run through the simulator (:func:`tidal.sim.engine.simulate`) with the same pool, timing and
-policy beside it. Exit code 0 only if GPUs were lent, every return met its deadline and no GPU was
-ever counted both as serving and as lent (checked from the API at every poll).
+An embedded control plane lends virtual serving nodes whose demand replays the shipped daily profile
+(``serving/data/daily-profile.csv``) ``--speedup`` times as fast as the clock. Elastic spot jobs (the
+GPT example) grow onto lent GPUs as traffic falls, and before the morning rise get reclaim notices,
+checkpoint and shrink; the GPUs go back before the deadline. The summary sets the live day beside the
+same day through the simulator. Exit code 0 only if GPUs were lent, every return met its deadline and
+no GPU was ever counted both as serving and as lent (checked from the API at every poll).
 """
 
 from __future__ import annotations
@@ -26,9 +18,9 @@ import logging
 import math
 import os
 import shutil
-import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -42,17 +34,16 @@ from rich.panel import Panel
 from rich.table import Table
 
 import tidal.serving
-from tidal.contract import ENV_SHM_DIR
 from tidal.control.auth import ADMIN_TOKEN_FILE
 from tidal.control.client import TidalClient
-from tidal.control.config import ControlConfig
 from tidal.control.dashboard import dashboard_url
-from tidal.demo.options import SIZES, example_script
+from tidal.demo.options import SIZES, example_script, gpt_job
 from tidal.demo.plane import PLANE_CONFIG, DemoError, EmbeddedPlane, uninterrupted
 from tidal.serving.watch import WatchConfig
 
 PROFILE = Path(tidal.serving.__file__).parent / "data" / "daily-profile.csv"
 DAY = 86400.0
+NARRATED = frozenset({"loan", "reclaim", "return", "serving_action_failed"})  # event kinds the view prints
 
 
 @dataclass(frozen=True)
@@ -104,35 +95,12 @@ class CycleOptions:
 
 
 def job_spec(opts: CycleOptions, script: Path, shm_dir: Path | None, i: int) -> dict[str, Any]:
-    """The i-th spot job of the cycle: the GPT example, elastic 1..``max_ranks``, checkpointing every
-    ``ckpt_every`` steps (node memory in ``shm_dir`` when given; ``tidal demo ray --cycle`` adds its
-    tiers)."""
-    model = SIZES[opts.size]
-    args = [f"--{k}={v}" for k, v in model.items()] + ["--micro-batch=1", "--step-pause-s=0.05"]
-    return {
-        "name": f"spot-{i}",
-        "kind": "spot",
-        "gpus": {"min": 1, "max": opts.max_ranks},
-        "max_restarts": 20,
-        "grace_s": opts.grace_s,
-        "workdir": str(script.parents[2]),
-        "command": [
-            sys.executable,
-            str(script),
-            "--parallel",
-            "ddp",
-            "--steps",
-            "10000000",
-            "--ckpt-every",
-            str(opts.ckpt_every),
-            "--log-every",
-            "50",
-            "--warmup",
-            "10",
-            *args,
-        ],
-        "env": {"OMP_NUM_THREADS": "1", **({ENV_SHM_DIR: str(shm_dir)} if shm_dir is not None else {})},
-    }
+    """The i-th spot job of the cycle: elastic 1..``max_ranks``, a checkpoint every ``ckpt_every`` steps
+    (node memory in ``shm_dir`` when given)."""
+    args = ["--parallel", "ddp", "--steps", "10000000", "--ckpt-every", str(opts.ckpt_every), "--log-every",
+            "50", "--warmup", "10", "--micro-batch=1", "--step-pause-s=0.05"]
+    return gpt_job(script, f"spot-{i}", opts.size, args, shm_dir, gpus={"min": 1, "max": opts.max_ranks},
+                   max_restarts=20, grace_s=opts.grace_s)
 
 
 # ---------------------------------------------------------------------------------------- the view
@@ -250,21 +218,58 @@ def simulate_same_day(opts: CycleOptions, training_gpus: int, demand_gpus: np.nd
             "reclaims": m["reclaims"], "demanded_gpu_hours": m["demanded_gpu_hours"]}
 
 
+def with_simulator(summary: dict[str, Any], opts: CycleOptions, console: Console, training_gpus: int,
+                   demand_gpus: np.ndarray | None = None) -> dict[str, Any]:
+    """``summary`` with the same day through the simulator and the live/simulated ratios added."""
+    console.print("[dim]running the same day through the simulator...[/dim]")
+    summary["simulator"] = sim = simulate_same_day(opts, training_gpus, demand_gpus)
+    summary["live_vs_sim"] = {k: _ratio(summary["live"][k], sim[k])
+                              for k in ("loaned_gpu_hours", "used_gpu_hours", "shortfall_gpu_hours")}
+    return summary
+
+
 # --------------------------------------------------------------------------------------------- run
+def play_day(opts: CycleOptions, console: Console, client: TidalClient, admin: TidalClient, ids: list[str],
+             title: str = "tidal demo cycle", kinds: frozenset[str] = NARRATED,
+             on_poll: Callable[[dict, list[dict], list[dict]], None] | None = None,
+             extra: Callable[[], tuple[tuple[str, str], ...]] = tuple) -> tuple[dict, list[dict], list[str]]:
+    """Poll the plane for the day's wall time: the live view, the events of ``kinds`` (and resizes and
+    preemptions) printed, GPUs counted twice collected; ``on_poll(status, jobs, new events)`` after each
+    poll. Returns the last serving status, the jobs and the double counts."""
+    t0 = time.monotonic()
+    s: dict = {}
+    jobs: list[dict] = []
+    checks: list[str] = []
+    seen = 0
+    with Live(view({}, [], opts, 0.0, title), console=console, refresh_per_second=2,
+              auto_refresh=console.is_terminal) as live:
+        while time.monotonic() - t0 < opts.wall_s:
+            s = client.serving()
+            jobs = [client.job(i) for i in ids]
+            checks += _double_counted(s, jobs)
+            events = admin.events(after=seen)
+            for e in events:
+                seen = e["id"]
+                if e["kind"] in kinds or (e["kind"] == "transition"
+                                          and e.get("to") in ("resizing", "preempting")):
+                    console.print(f"[dim]{_hhmm(s.get('serving_time_s') or 0)}[/dim] "
+                                  f"{e.get('job') or ''} {e['message']}", highlight=False)
+            if on_poll is not None:
+                on_poll(s, jobs, events)
+            live.update(view(s, jobs, opts, time.monotonic() - t0, title, extra()))
+            time.sleep(0.5)
+    return s, jobs, checks
+
+
 def run_cycle(opts: CycleOptions, console: Console, *, keep: bool = False) -> dict[str, Any]:
     opts.check()
     script = example_script()
     sdir = Path(tempfile.mkdtemp(prefix="tidal-cycle-"))
     shm_base = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else sdir
     shm_dir = Path(tempfile.mkdtemp(prefix="tidal-cycle-shm-", dir=shm_base))
-    cfg = ControlConfig(**{**{f: getattr(PLANE_CONFIG, f) for f in ("restart_backoff_s", "hang_timeout_s",
-                                                                      "startup_timeout_s", "kill_slack_s",
-                                                                      "loop_interval_s")},
-                           "serving": opts.serving()})
     plane: EmbeddedPlane | None = None
-    checks: list[str] = []
     try:
-        plane = EmbeddedPlane(sdir, 1, cfg)
+        plane = EmbeddedPlane(sdir, 1, dataclasses.replace(PLANE_CONFIG, serving=opts.serving()))
         url = plane.start()
         console.print(f"[bold cyan]cycle[/bold cyan] control plane up at {url} ({plane.plane.describe})",
                       highlight=False)
@@ -277,28 +282,8 @@ def run_cycle(opts: CycleOptions, console: Console, *, keep: bool = False) -> di
         client = TidalClient(url, admin.create_tenant("research")["token"])
         ids = [client.submit(job_spec(opts, script, shm_dir, i))["id"] for i in range(opts.jobs)]
         t0 = time.monotonic()
-        s, jobs = {}, []
-        seen = 0
-        with Live(view({}, [], opts, 0.0), console=console, refresh_per_second=2,
-                  auto_refresh=console.is_terminal) as live:
-            while time.monotonic() - t0 < opts.wall_s:
-                s = client.serving()
-                jobs = [client.job(i) for i in ids]
-                checks += _double_counted(s, jobs)
-                for e in admin.events(after=seen):
-                    seen = e["id"]
-                    if e["kind"] in ("loan", "reclaim", "return", "serving_action_failed") or (
-                            e["kind"] == "transition" and e.get("to") in ("resizing", "preempting")):
-                        console.print(f"[dim]{_hhmm(s.get('serving_time_s') or 0)}[/dim] "
-                                      f"{e.get('job') or ''} {e['message']}", highlight=False)
-                live.update(view(s, jobs, opts, time.monotonic() - t0))
-                time.sleep(0.5)
-        summary = _summary(opts, s, jobs, admin, checks, time.monotonic() - t0)
-        console.print("[dim]running the same day through the simulator...[/dim]")
-        summary["simulator"] = sim = simulate_same_day(opts, training_gpus=1)
-        summary["live_vs_sim"] = {k: _ratio(summary["live"][k], sim[k])
-                                  for k in ("loaned_gpu_hours", "used_gpu_hours", "shortfall_gpu_hours")}
-        return summary
+        s, jobs, checks = play_day(opts, console, client, admin, ids)
+        return with_simulator(_summary(opts, s, jobs, admin, checks, time.monotonic() - t0), opts, console, 1)
     finally:
         with uninterrupted():  # a second Ctrl-C must not cut the clean-up short
             if plane is not None:

@@ -1,12 +1,14 @@
-"""What the demos train and how ``tidal demo`` runs it: the GPT example (``examples/gpt/train.py``) and
-its model sizes (every demo), and the options of ``tidal demo`` (:mod:`tidal.demo.single` runs them,
-:mod:`tidal.demo.show` displays them)."""
+"""What the demos train: the GPT example (``examples/gpt/train.py``), its model sizes and its job spec
+(every demo); and the options of ``tidal demo``."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from tidal.contract import ENV_SHM_DIR
 from tidal.demo.plane import DemoError
 
 # Model sizes of examples/gpt/train.py. "small" takes about 0.1-0.2 s a step on 2 CPU ranks; "tiny" is
@@ -80,3 +82,12 @@ def example_script() -> Path:
             return p
     raise DemoError("the GPT example examples/gpt/train.py was not found next to the tidal package nor under "
                     f"{Path.cwd()}: run `tidal demo` from a checkout of the repository")
+
+
+def gpt_job(script: Path, name: str, size: str, args: list[str], shm_dir: Path | None = None,
+            **fields: Any) -> dict[str, Any]:
+    """A ``kind: spot`` job of the GPT example: ``args`` and the model ``size``; ``fields`` (gpus,
+    max_restarts, grace_s, ...) as given; node memory in ``shm_dir`` when given."""
+    return {"name": name, "kind": "spot", **fields, "workdir": str(script.parents[2]),
+            "command": [sys.executable, str(script), *args, *(f"--{k}={v}" for k, v in SIZES[size].items())],
+            "env": {"OMP_NUM_THREADS": "1", **({ENV_SHM_DIR: str(shm_dir)} if shm_dir is not None else {})}}

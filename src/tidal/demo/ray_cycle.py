@@ -5,36 +5,18 @@ node lost in the night.
     tidal demo ray --cycle --serve          # ... Ray Serve replicas serving traffic, at 180x: ~7 min
     tidal demo ray --cycle --json           # the summary as JSON on stdout (the view on stderr)
 
-What ``tidal demo cycle`` does on one machine, here across the nodes of a Ray cluster started on this
-machine (``ray.cluster_utils.Cluster``, declared GPUs, health checks every 0.5 s): two training nodes
-``train-0``/``train-1`` (1 GPU each) and two serving nodes ``serve-0``/``serve-1`` (8 GPUs each),
-driven by an embedded control plane with the Ray executor and a checkpoint agent on every node. The
-serving side is the ``serving:`` block of the plane's config (:meth:`CycleOptions.serving`: the
-shipped daily profile replayed on ``serve-0``/``serve-1``; a serving node is the Ray node of that
-name), so another adapter built from that block plugs in unchanged. Elastic spot jobs (the GPT
-example, 1 to ``--max-ranks`` ranks) checkpoint to the peer tier (other nodes' memory) every
-``ckpt_every`` steps and to disk every ``DISK_EVERY``-th of those; at night they grow onto lent GPUs
-of the serving nodes, and before the morning rise they get reclaim notices and shrink off them.
+What ``tidal demo cycle`` does, across a Ray cluster on this machine: training nodes ``train-0`` and
+``train-1`` (1 GPU each), serving nodes ``serve-0`` and ``serve-1`` (8 GPUs each), the Ray executor and
+a checkpoint agent on every node. Jobs checkpoint to the peer tier (other nodes' memory) and, every
+``DISK_EVERY``-th save, to the plane's state directory, which every node sees.
 
-At ``--kill-hour`` (serving time) the training node of a job that spans nodes and has a step in the
-peer tier is killed as a machine dies - every process on it at one instant, its node memory deleted
-(:mod:`tidal.demo.node_loss`) - at a moment the other nodes' agents hold the job's newest committed
-step (its disk no newer one) and nothing newer is being written (the node is frozen for a look, and
-let go on when that does not hold; after ``LATE_S`` of serving time without such a moment, at any
-moment):
-the plane notices, stops the job's other ranks, requeues it, and it trains again on the rest,
-restored from that step in the surviving buddy's memory (the tier is in the ``recovered`` event).
-The moment matters because the disk tier is the plane's state directory, shared by the nodes: a step
-committed there outlives the node, and restore reads the newest step of any tier, so the disk wins
-whenever it holds a newer step (every ``DISK_EVERY``-th save and every attempt's first go there too,
-and an exit checkpoint waits only for the first tier to commit: the disk, when due). The node comes
-back once the job trains again.
-
-The summary is the single-machine day's (GPU-hours lent and used, shortfall, reclaims met, steps
-lost, the simulator beside it) plus the node loss: detection (from the kill), recovery (from
-detection to training again), the tier and step restored from, world sizes, steps redone. Exit code
-0 only if GPUs were lent, every return met its deadline, no GPU was counted twice, and the node loss
-was detected and recovered from.
+At ``--kill-hour`` the training node of a job that spans nodes is killed as a machine dies (every
+process at one instant, its node memory deleted: :mod:`tidal.demo.node_loss`), at a moment the other
+nodes' agents hold the job's newest committed step: restore reads the newest step of any tier, so the
+disk wins whenever it holds a newer one. After ``LATE_S`` of serving time without such a moment, any
+moment will do. The plane requeues the job, it trains again restored from the buddy's memory, and the
+node comes back. Exit code 0 only if GPUs were lent, every return met its deadline, no GPU was counted
+twice, and the node loss was detected and recovered from.
 """
 
 from __future__ import annotations
@@ -48,25 +30,12 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.live import Live
 
 from tidal.control.client import TidalClient
-from tidal.control.config import ControlConfig
 from tidal.control.loans import build_live_loans
 from tidal.demo import serve_traffic as st
-from tidal.demo.cycle import (
-    CycleOptions,
-    _double_counted,
-    _hhmm,
-    _ratio,
-    _summary,
-    print_summary,
-    simulate_same_day,
-    view,
-)
-from tidal.demo.cycle import (
-    job_spec as cycle_job_spec,
-)
+from tidal.demo.cycle import NARRATED, CycleOptions, _hhmm, _summary, play_day, print_summary, with_simulator
+from tidal.demo.cycle import job_spec as cycle_job_spec
 from tidal.demo.node_loss import kill_when_peer_newest, worth_a_look
 from tidal.demo.options import example_script
 from tidal.demo.plane import PLANE_CONFIG, DemoError, EmbeddedPlane, uninterrupted
@@ -188,21 +157,7 @@ def run(opts: CycleOptions, kill_hour: float, console: Console, *, keep: bool = 
         serving = st.serving_config(opts, rate_trace, free_port())
     else:
         serving = opts.serving()  # the plane's serving: block; its adapter is built from it (control.loans)
-    cfg = ControlConfig(
-        **{
-            **{
-                f: getattr(PLANE_CONFIG, f)
-                for f in (
-                    "restart_backoff_s",
-                    "hang_timeout_s",
-                    "startup_timeout_s",
-                    "kill_slack_s",
-                    "loop_interval_s",
-                )
-            },
-            "serving": serving,
-        }
-    )
+    cfg = dataclasses.replace(PLANE_CONFIG, serving=serving)
     try:
         build_live_loans(serving)  # what tidal up would refuse, said before a cluster starts
     except (ValueError, OSError) as e:
@@ -220,7 +175,6 @@ def run(opts: CycleOptions, kill_hour: float, console: Console, *, keep: bool = 
         shutil.rmtree(sdir, ignore_errors=True)
         raise
     plane: EmbeddedPlane | None = None
-    checks: list[str] = []
     try:
         plane = EmbeddedPlane(
             sdir / "state", "auto", cfg, executor="ray", ray_address=cluster.cluster.address, ckpt_agents=True
@@ -247,11 +201,7 @@ def run(opts: CycleOptions, kill_hour: float, console: Console, *, keep: bool = 
         for i in range(opts.jobs):
             home = plane.state_dir / "tenants" / TENANT / f"spot-{i}"
             homes[client.submit(job_spec(opts, script, home, i))["id"]] = home
-        ids = list(homes)
         t0 = time.monotonic()
-        s: dict = {}
-        jobs: list[dict] = []
-        seen = 0
         reclaim_s: float | None = None  # traffic seconds of the first reclaim notice
         ready_s: float | None = None  # ... and of serving ready again after the newest return
 
@@ -266,49 +216,32 @@ def run(opts: CycleOptions, kill_hour: float, console: Console, *, keep: bool = 
                 what += f"; training again {d['recovery_s']:.1f} s later from tier {d['restore_tier']}"
             return (("node loss", what),)
 
-        with Live(view({}, [], opts, 0.0, "tidal demo ray --cycle"), console=console, refresh_per_second=2,
-                  auto_refresh=console.is_terminal) as live:
-            while time.monotonic() - t0 < opts.wall_s:
-                s = client.serving()
-                jobs = [client.job(i) for i in ids]
-                checks += _double_counted(s, jobs)
-                for ev in admin.events(after=seen):
-                    seen = ev["id"]
-                    if ev["kind"] == "node_lost" and ev.get("job") == loss.job and loss.lost is None:
-                        loss.lost = ev
-                    if ev["kind"] == "recovered" and ev.get("job") == loss.job and loss.recovered is None:
-                        loss.recovered = ev
-                    if traffic is not None and ev["kind"] == "reclaim" and reclaim_s is None:
-                        reclaim_s = traffic.at(ev["time_s"])
-                    if traffic is not None and ev["kind"] == "serving_ready" and reclaim_s is not None:
-                        ready_s = traffic.at(ev["time_s"])
-                    if ev["kind"] in (
-                        "loan",
-                        "reclaim",
-                        "return",
-                        "serving_action_failed",
-                        "node_lost",
-                        "recovered",
-                        "node",
-                        "serving_ready",
-                        "serving_history",
-                    ) or (ev["kind"] == "transition" and ev.get("to") in ("resizing", "preempting")):
-                        console.print(f"[dim]{_hhmm(s.get('serving_time_s') or 0)}[/dim] "
-                                      f"{ev.get('job') or ''} {ev['message']}", highlight=False)
-                trying = loss.killer is not None and loss.killer.is_alive()
-                if loss.node is None and not trying and (s.get("serving_time_s") or 0) >= loss.at_s:
-                    _kill(loss, jobs, s["serving_time_s"], cluster, plane, homes)
-                if loss.node is not None and not loss.announced:
-                    loss.announced = True
-                    console.print(loss.announcement(), highlight=False)
-                if loss.node is not None and loss.bring_back(time.time()):  # (bring_back: a node was lost)
-                    cluster.add(loss.node)
-                    loss.back = True
-                    console.print(
-                        f"[bold cyan]ray cycle[/bold cyan] node {loss.node} comes back", highlight=False
-                    )
-                live.update(view(s, jobs, opts, time.monotonic() - t0, "tidal demo ray --cycle", extra()))
-                time.sleep(0.5)
+        def on_poll(s: dict, jobs: list[dict], events: list[dict]) -> None:
+            nonlocal reclaim_s, ready_s
+            for ev in events:
+                if ev["kind"] == "node_lost" and ev.get("job") == loss.job and loss.lost is None:
+                    loss.lost = ev
+                if ev["kind"] == "recovered" and ev.get("job") == loss.job and loss.recovered is None:
+                    loss.recovered = ev
+                if traffic is not None and ev["kind"] == "reclaim" and reclaim_s is None:
+                    reclaim_s = traffic.at(ev["time_s"])
+                if traffic is not None and ev["kind"] == "serving_ready" and reclaim_s is not None:
+                    ready_s = traffic.at(ev["time_s"])
+            trying = loss.killer is not None and loss.killer.is_alive()
+            if loss.node is None and not trying and (s.get("serving_time_s") or 0) >= loss.at_s:
+                _kill(loss, jobs, s["serving_time_s"], cluster, plane, homes)
+            if loss.node is not None and not loss.announced:
+                loss.announced = True
+                console.print(loss.announcement(), highlight=False)
+            if loss.node is not None and loss.bring_back(time.time()):  # (bring_back: a node was lost)
+                cluster.add(loss.node)
+                loss.back = True
+                console.print(f"[bold cyan]ray cycle[/bold cyan] node {loss.node} comes back",
+                              highlight=False)
+
+        kinds = NARRATED | {"node_lost", "recovered", "node", "serving_ready", "serving_history"}
+        s, jobs, checks = play_day(opts, console, client, admin, list(homes), "tidal demo ray --cycle", kinds,
+                                   on_poll, extra)
         summary = _summary(opts, s, jobs, admin, checks, time.monotonic() - t0)
         summary["nodes"] = nodes
         summary["node_loss"] = nl = loss.summary()
@@ -319,12 +252,7 @@ def run(opts: CycleOptions, kill_hour: float, console: Console, *, keep: bool = 
             summary["serve"] = sv = _serve_summary(traffic, warm, serving, s, reclaim_s, ready_s)
             summary["ok"] = bool(summary["ok"] and sv["ok"])
             demand = _trace_gpus(serving)
-        console.print("[dim]running the same day through the simulator...[/dim]")
-        summary["simulator"] = sim = simulate_same_day(opts, training_gpus=sum(TRAINING.values()),
-                                                       demand_gpus=demand)
-        summary["live_vs_sim"] = {k: _ratio(summary["live"][k], sim[k])
-                                  for k in ("loaned_gpu_hours", "used_gpu_hours", "shortfall_gpu_hours")}
-        return summary
+        return with_simulator(summary, opts, console, sum(TRAINING.values()), demand)
     finally:
         with uninterrupted():  # a second Ctrl-C must not cut the clean-up short
             for t in (warm, traffic):
