@@ -1,21 +1,10 @@
-"""Forecast history for a serving side that measures its own demand (the Ray Serve adapter).
-
-A replayed trace knows its earlier days; a live serving system does not, so its first day would be
-planned blind. Two sources fill that in, both on the serving clock and the loan step's grid:
-
-* **A request-rate trace of earlier days** (``serving.trace`` with ``adapter: ray-serve``): a CSV read
-  by :func:`tidal.serving.traces.load_trace` whose load column is requests/s and whose times are on the
-  serving clock (Unix seconds or ISO-8601 in production; a demo's compressed axis). Its rows within
-  ``history_days`` before the first live step are turned into GPUs by the same
-  :class:`~tidal.serving.requests.RequestModel` (Erlang C) the adapter plans with, at the service rate
-  the adapter measured (when it has) or ``service_rate_per_replica``. Gaps stay unknown (NaN).
-* **What the adapter measured** (:class:`MeasuredHistory`): every demand observation (serving time,
-  request rate, service rate, GPUs), newest :data:`MAX_MEASURED` kept, in the adapter's
-  ``persist``/``resume`` document. Where it has a point, it wins over the trace (it is what Serve saw).
-
-:func:`forecast_history` joins them into ``(serving time, GPUs)`` points for
-:meth:`tidal.control.loans.LiveLoans` to feed the forecast before its first live step (a fresh plane,
-or one whose stored forecast no longer fits its ``step_s``).
+"""Forecast history for a serving side that measures its own demand (the Ray Serve adapter), so that
+its first day is not planned blind. Two sources, on the serving clock and the loan step's grid: a
+request-rate trace of earlier days (``serving.trace``, read at the measured service rate or else
+``service_rate_per_replica`` through the adapter's :class:`~tidal.serving.requests.RequestModel`; gaps
+stay NaN), and what the adapter measured (:class:`MeasuredHistory`, persisted with the adapter),
+which wins where it has a point. :func:`forecast_history` joins them for
+:class:`tidal.control.loans.LiveLoans` to feed a forecast before its first live step.
 """
 
 from __future__ import annotations
@@ -34,11 +23,8 @@ DAY_S = 86400.0
 
 
 class MeasuredHistory:
-    """The adapter's own demand observations, newest :data:`MAX_MEASURED` (oldest dropped first).
-
-    Rows are ``(t_s, rate_per_s, service_rate_per_replica, gpus)``: serving time, the request rate seen,
-    the service rate per replica measured (None: not measured: the prior stood in, or nothing came), the
-    GPUs demanded. Not thread-safe (the reconcile loop owns the adapter)."""
+    """The adapter's own demand observations, newest :data:`MAX_MEASURED`: rows ``(t_s, rate_per_s,
+    service_rate_per_replica or None when not measured, gpus)``. Not thread-safe (the loop owns it)."""
 
     def __init__(self, rows: Iterable[Sequence[Any]] = ()) -> None:
         self.rows: collections.deque[tuple[float, float, float | None, float]] = collections.deque(
