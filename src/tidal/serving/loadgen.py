@@ -4,12 +4,9 @@
     records = asyncio.run(generate("http://127.0.0.1:8000/", rate, duration_s=60))
     summary(records)   # count, failures, p50/p99 latency
 
-Open loop: the next request is sent at its arrival time whether or not earlier ones have been
-answered (a closed loop would slow down exactly when serving does, hiding the latency a user sees).
-Arrivals are a Poisson process of rate ``rate(t)`` (``t``: seconds since the start), drawn by thinning
-against the largest rate, so a rate that changes within a gap is followed exactly. Each request is
-``POST body``; its :class:`Record` keeps its due time, how late the generator sent it, the latency
-(send to full answer), the HTTP status (0: no answer) and the error.
+Open loop: each request is sent at its arrival time whether or not earlier ones were answered (a
+closed loop would slow down exactly when serving does, hiding the latency a user sees). Arrivals are
+a Poisson process of rate ``rate(t)``, drawn by thinning against the largest rate.
 """
 
 from __future__ import annotations
