@@ -42,9 +42,8 @@ def build_adapter(cfg: WatchConfig, ray_address: str | None = None
         history = replay.history(cfg.history_days * 86400.0, cfg.step_s)
         adapter = replay
     else:
-        source = PrometheusQuery(
-            cfg.prometheus or "", cfg.query or "", cfg.gpus_per_unit, requests=cfg.requests()
-        )
+        source = PrometheusQuery(cfg.prometheus or "", cfg.query or "", cfg.gpus_per_unit,
+                                 requests=cfg.requests())
         adapter = HookAdapter(source, nodes, url=cfg.actions_url, command=cfg.actions_command,
                               timeout_s=cfg.actions_timeout_s)
     return adapter, history
