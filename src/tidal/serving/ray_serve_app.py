@@ -123,7 +123,7 @@ class Router:
         service = sorted(d[2] for d in served)
         response = sorted(d[1] + d[2] for d in served)
         window = min(self.window_s, now - self.started)
-        if len(self.arrivals) == self.arrivals.maxlen:  # more arrivals than are kept: the rate over those kept
+        if len(self.arrivals) == self.arrivals.maxlen:  # more arrivals than kept: the rate over those kept
             window = min(window, now - self.arrivals[0])
         return {
             "window_s": window, "arrivals": len(self.arrivals),
