@@ -1,15 +1,10 @@
-"""Run the example job as a sequence of interrupted segments, and read back what each step trained on.
+"""Run the example job as a sequence of interrupted segments, and read back what each step trained on
+(``tidal verify-resume`` and the resume benchmark).
 
-Shared by ``tidal verify-resume`` (:mod:`tidal.bench.verify`) and the resume benchmark
-(:mod:`tidal.bench.resume`). A *segment* is one launch of the job on some world size and layout, by
-the product's local executor (:class:`~tidal.exec.local.LocalExecutor`: a shim per rank, a clean
-environment, exit codes recorded): attempt ``index + 1`` of the job under ``<work>/jobs``. It runs
-until the job finishes or until it reports ``stop_at`` steps, when it is sent a notice (SIGTERM to
-some ranks, or the notice file) and must exit with code 75.
-
-Every attempt writes its own progress directory, so the records of a run are unambiguous: for each
-step, the *last* segment that reported it says what it trained on (a step re-run after a crash is
-counted once, as re-run).
+A *segment* is one launch of the job on a world size and layout by the product's local executor:
+attempt ``index + 1`` under ``<work>/jobs``, run to the end or until it reports ``stop_at`` steps,
+then given a notice (SIGTERM to some ranks, or the notice file) and expected to exit with code 75. For
+each step, the last segment that reported it says what it trained on.
 """
 
 from __future__ import annotations
@@ -142,10 +137,8 @@ def run_segment(seg: Segment, script: Path, job_args: list[str], work: Path, ind
         result.records[r] = read_jsonl(p) if p.exists() else []
     want = EXIT_PREEMPTED if seg.stop_at is not None else 0
     if any(code != want for code in codes):
-        raise RuntimeError(
-            f"segment {index} ({seg.describe()}) exited with codes {codes}, expected {want} on "
-            f"every rank; logs in {logs}\n{tails(ex, job, index + 1, seg.world)}"
-        )
+        raise RuntimeError(f"segment {index} ({seg.describe()}) exited with codes {codes}, expected {want} "
+                           f"on every rank; logs in {logs}\n{tails(ex, job, index + 1, seg.world)}")
     return result
 
 
@@ -213,11 +206,8 @@ def per_step(results: list[SegmentResult]) -> dict[int, dict[str, Any]]:
                     loss[s] = r.get("loss")
         for s in sorted(set(by_step) | set(loss)):
             slices = by_step.get(s, {})
-            out[s] = {
-                "indices": [x for d in sorted(slices) for x in slices[d]],
-                "loss": loss.get(s),
-                "segment": i,
-            }
+            out[s] = {"indices": [x for d in sorted(slices) for x in slices[d]], "loss": loss.get(s),
+                      "segment": i}
     return out
 
 

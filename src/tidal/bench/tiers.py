@@ -35,7 +35,7 @@ import torch
 
 from tidal import ckpt
 from tidal.bench.ckpt import resharded_states
-from tidal.bench.ckpt_state import machine, map_tensors, tensors
+from tidal.bench.ckpt_state import check_equal, machine, map_tensors, tensors
 from tidal.bench.tiers_env import Env
 from tidal.bench.tiers_train import train
 from tidal.ckpt.tiers.directory import SHM_BASE_ENV
@@ -194,9 +194,7 @@ def loads(env: Env, p: _Persist, repeat: int, log: Callable[[str], None]) -> dic
                 ckpt.load(spec, rank_state)
                 total += time.perf_counter() - t1
             if i == 0:
-                for a, b in zip(tensors(target), tensors(p.state), strict=True):
-                    if not torch.equal(a, b):
-                        raise RuntimeError(f"load from {tier}: tensors differ from the saved state")
+                check_equal(target, p.state, f"load from {tier}")
                 continue
             same.append(dt)
             resharded.append(total)

@@ -1,6 +1,5 @@
-"""Part 3 of ``tidal bench tiers`` (see :mod:`tidal.bench.tiers` for what it measures): training
-throughput with no checkpoints, with Tidal through every tier, Tidal with S3 every 6th save, and DCP
-``async_save`` to the same bucket, in interleaved rounds on the benchmark's servers."""
+"""Part 3 of ``tidal bench tiers``: training throughput with no checkpoints, Tidal through every tier,
+Tidal with S3 every 6th save, and DCP ``async_save`` to the same bucket, in interleaved rounds."""
 
 from __future__ import annotations
 
