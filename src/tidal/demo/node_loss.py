@@ -1,26 +1,16 @@
 """A node of a local Ray cluster lost as a machine is lost, and what the nodes left hold of a job's
-checkpoints at that instant (``tidal demo ray``, the Ray tests).
+checkpoints at that instant (the Ray demos and tests).
 
     pids = freeze_node(node)          # every process of the node stopped dead, at one instant
     held = tier_steps(home, agents)   # the job's tiers as the surviving agents and the disk see them
     kill_node(cluster, node, pids)    # SIGKILL them all; Ray is told (its raylet is among them)
 
-Why not ``Cluster.remove_node(node, allow_graceful=False)`` alone: it SIGKILLs Ray's own processes of
-the node (the raylet, ...) and returns, but the workers, and the ranks and checkpoint agent they
-started, notice only later (measured ~0.75 s on this machine) and go on meanwhile: a rank of the "lost"
-node trained and committed a step to the shared disk that its dead agent never got, so the job
-restored from the disk, not from the buddy's memory (``tidal demo ray --cycle``). A real
-machine that dies stops everything on it at once; :func:`freeze_node` does that (SIGSTOP over the
-node's process tree), and :func:`kill_node` ends what it froze before telling Ray.
-
-The disk tier of the demos is a directory every node sees (the plane's state directory): a step
-committed there outlives the node, so restore reads the newest step of *any* tier, and the buddy's
-memory is the tier it comes from only when it holds that newest step.
-:func:`kill_when_peer_newest` is how the demos pick their moment: freeze the node, let what the others
-were committing land (``settle_s``), look, and kill only when the surviving agents hold a step newer
-than the disk's (not ``strict``: as new; restore then reads the agents too, the faster tier) and
-nothing newer is being written; else thaw the node (it stopped for tenths of a second, shorter than
-Ray's health checks notice) and let the caller try again later.
+``Cluster.remove_node`` alone kills Ray's own processes, but the workers and the ranks they started
+notice only later and go on meanwhile (a rank of the "lost" node committed a step its dead agent never
+got); a real machine stops everything at once, as :func:`freeze_node` does. Restore reads the newest
+step of *any* tier, and the disk tier outlives the node, so :func:`kill_when_peer_newest` freezes the
+node, looks, and kills it only when the surviving agents hold the newest step; else it thaws the node
+(stopped for tenths of a second, shorter than Ray's health checks notice).
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""The machinery behind ``tidal demo`` (:mod:`tidal.demo.single`): an embedded control plane in this
-process, finding and SIGKILLing one rank of a running job, reading the attempts' progress files, and
-stopping every worker any attempt started. The demo's options, display and summary stay in ``demo``.
+"""The machinery behind the demos: an embedded control plane in this process, SIGKILLing one rank of a
+running job, reading the attempts' progress files, and stopping every worker any attempt started.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""A Ray cluster on this machine for the Ray demos (``tidal demo ray``: :mod:`tidal.demo.on_ray`, and its
-``--cycle``: :mod:`tidal.demo.ray_cycle`): a head and GPU nodes with declared GPUs, nodes lost and added
-by Tidal node name; and stdout kept for the summary while Ray prints on it."""
+"""A Ray cluster on this machine for the Ray demos: a head and GPU nodes with declared GPUs, nodes lost
+and added by Tidal node name; and stdout kept for the summary while Ray prints on it."""
 
 from __future__ import annotations
 

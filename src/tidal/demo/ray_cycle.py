@@ -47,9 +47,7 @@ DISK_EVERY = 3  # every 3rd save also goes to disk; the peer tier holds every on
 TENANT = "research"
 BACK_AFTER_S = 60.0
 SPEEDUP = 360.0  # the day's default speed-up (serving seconds per second)
-# ... with --serve: a job grows onto lent GPUs (a restart), loses its node and trains again (another) before
-# the morning's reclaims; a restart takes 20-40 s on two busy cores, 2-4 hours of serving time at 360x
-SERVE_SPEEDUP = 180.0
+SERVE_SPEEDUP = 180.0  # ... with --serve: two restarts of 20-40 s on two busy cores must fit in the night
 LATE_S = 4 * 3600.0  # serving seconds after the kill hour from which any moment (any checkpoint) will do
 
 
@@ -68,7 +66,7 @@ def job_spec(opts: CycleOptions, script: Path, ckpt_dir: Path, i: int) -> dict[s
 
 @dataclasses.dataclass
 class NodeLoss:
-    """The night's node loss as it happens (see the module docstring)."""
+    """The night's node loss as it happens."""
 
     at_s: float  # serving time to kill at
     node: str | None = None
@@ -87,19 +85,15 @@ class NodeLoss:
     looks: int = 0  # times the node was frozen for a look
 
     def bring_back(self, now_s: float) -> bool:
-        """The node returns once the job trains again (or a minute after the loss was noticed, if it does
-        not: the day goes on, the summary says so)."""
+        """The node returns once the job trains again (or a minute after the loss was noticed)."""
         if self.back or self.node is None or self.lost is None or (self.killer and self.killer.is_alive()):
             return False
         return self.recovered is not None or now_s - self.lost["time_s"] > BACK_AFTER_S
 
     def pick(self, jobs: list[dict], serving_s: float) -> tuple[str, dict] | None:
-        """A running job spanning nodes, one of them a training node, whose attempt has committed a step to
-        the peer tier (after ``LATE_S`` of serving time without one: a step committed to any tier by the
-        attempt will do). The attempt's own commit, not the job's newest checkpoint: a job that grew onto
-        lent GPUs restarted from its notice checkpoint (committed to one tier by the attempt before), and
-        killing the new attempt before it commits a step restores from that one, not from the peer tier;
-        its progress has no step per tier yet (``{}``)."""
+        """A running job spanning nodes, one a training node, whose attempt has committed a step to the peer
+        tier (after ``LATE_S``: to any tier). The attempt's own commit, not the job's newest checkpoint: a
+        new attempt killed before it commits restores from the one before, not from the peer tier."""
         late = serving_s >= self.at_s + LATE_S
         for j in jobs:
             pl = j.get("placement") or {}
@@ -116,16 +110,10 @@ class NodeLoss:
                 f"step per tier then: {self.tiers}{forced if self.forced else ''}")
 
     def summary(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "node": self.node,
-            "job": self.job,
-            "placement": self.placement,
-            "tiers": self.tiers,
-            "forced": self.forced,
-            "looks": self.looks,
-            "detected": self.lost is not None,
-            "recovered": self.recovered is not None,
-        }
+        out: dict[str, Any] = {"node": self.node, "job": self.job, "placement": self.placement,
+                               "tiers": self.tiers,
+                               "forced": self.forced, "looks": self.looks, "detected": self.lost is not None,
+                               "recovered": self.recovered is not None}
         if self.lost is not None and self.killed_s is not None:
             out["detection_s"] = round(self.lost["time_s"] - self.killed_s, 3)
             out["ckpt_step_at_loss"] = (self.lost.get("data") or {}).get("ckpt_step")
@@ -164,11 +152,9 @@ def run(opts: CycleOptions, kill_hour: float, console: Console, *, keep: bool = 
         shutil.rmtree(sdir, ignore_errors=True)
         raise DemoError(f"serving: {e}") from None
     nodes = {**TRAINING, **serving_nodes(serving)}
-    console.print(
-        "[bold cyan]ray cycle[/bold cyan] starting a Ray cluster on this machine: "
-        + ", ".join(f"{n} ({g} GPU{'s' if g > 1 else ''})" for n, g in nodes.items()),
-        highlight=False,
-    )
+    console.print("[bold cyan]ray cycle[/bold cyan] starting a Ray cluster on this machine: "
+                  + ", ".join(f"{n} ({g} GPU{'s' if g > 1 else ''})" for n,
+                              g in nodes.items()), highlight=False)
     try:
         cluster = LocalRayCluster(nodes)
     except BaseException:  # e.g. a node timed out starting on a busy machine: no state dir left behind
@@ -176,9 +162,9 @@ def run(opts: CycleOptions, kill_hour: float, console: Console, *, keep: bool = 
         raise
     plane: EmbeddedPlane | None = None
     try:
-        plane = EmbeddedPlane(
-            sdir / "state", "auto", cfg, executor="ray", ray_address=cluster.cluster.address, ckpt_agents=True
-        )
+        plane = EmbeddedPlane(sdir / "state", "auto", cfg, executor="ray",
+                              ray_address=cluster.cluster.address,
+                              ckpt_agents=True)
         if serve:
             console.print(f"[bold cyan]ray cycle[/bold cyan] deploying Ray Serve application {st.APP} on "
                           f"{', '.join(serving_nodes(serving))} ({serving.describe()})", highlight=False)
@@ -278,8 +264,7 @@ def run(opts: CycleOptions, kill_hour: float, console: Console, *, keep: bool = 
 
 def _start_traffic(plane: EmbeddedPlane, serving: Any, rate_trace: Path, opts: CycleOptions,
                    console: Console) -> st.Traffic:
-    """The load generator at the trace's rate from the serving clock's time now (the adapter's clock, which
-    starts at the plane's first step)."""
+    """The load generator at the trace's rate from the serving clock's time now (the adapter's)."""
     from tidal.serving.ray_serve import RayServeAdapter
 
     loans = plane.plane.controller.loans
@@ -343,10 +328,9 @@ def serving_nodes(serving: Any) -> dict[str, int]:
 def _kill(loss: NodeLoss, jobs: list[dict], serving_s: float, cluster: LocalRayCluster, plane: EmbeddedPlane,
           homes: dict[str, Path]) -> None:
     """Kill the training node of a job that qualifies (:meth:`NodeLoss.pick`) as a machine dies, at a
-    moment the other nodes' agents hold the job's newest checkpoint (after ``LATE_S`` of serving time
-    without one: at any moment), and delete its node memory. On a thread (the view goes on): it freezes
-    the node, looks, and kills it or lets it go on; looked at again once the job reports a new step in
-    the peer tier, its disk's no newer (each look stops the job for ``SETTLE_S``)."""
+    moment the other agents hold its newest checkpoint (after ``LATE_S``: any moment), and delete its node
+    memory; on a thread (the view goes on). A look stops the job, so one is taken only when the job
+    reports a new peer step its disk does not beat."""
     got = loss.pick(jobs, serving_s)
     if got is None:
         return  # asked again at the next poll
@@ -389,17 +373,12 @@ def print_node_loss(console: Console, out: dict) -> None:
                       "hour[/red]")
         return
     line = f"node {nl['node']} lost ({nl['job']} on {nl['placement']}): "
-    line += (
-        f"noticed in [bold]{nl['detection_s']:.2f} s[/bold]"
-        if nl.get("detection_s") is not None
-        else "NOT noticed"
-    )
+    seen = nl.get("detection_s")
+    line += f"noticed in [bold]{seen:.2f} s[/bold]" if seen is not None else "NOT noticed"
     if nl["recovered"]:
-        line += (
-            f", training again [bold]{nl['recovery_s']:.2f} s[/bold] later on {nl['world_size']} ranks "
-            f"(were {nl['was_world_size']}) from step {nl['restored_step']} (tier {nl['restore_tier']}), "
-            f"{nl['steps_redone']} steps redone"
-        )
+        line += (f", training again [bold]{nl['recovery_s']:.2f} s[/bold] later on {nl['world_size']} ranks "
+                 f"(were {nl['was_world_size']}) from step {nl['restored_step']} (tier "
+                 f"{nl['restore_tier']}), {nl['steps_redone']} steps redone")
     else:
         line += ", NOT recovered"
     console.print(line, highlight=False)
@@ -423,17 +402,8 @@ def print_serve(console: Console, sv: dict) -> None:
         console.print(f"[red]traffic: {why}[/red]", highlight=False)
 
 
-def main(
-    speedup: float,
-    hours: float,
-    start_hour: float,
-    kill_hour: float,
-    jobs: int,
-    max_ranks: int,
-    keep: bool,
-    json_out: bool,
-    serve: bool = False,
-) -> int:
+def main(speedup: float, hours: float, start_hour: float, kill_hour: float, jobs: int, max_ranks: int,
+         keep: bool, json_out: bool, serve: bool = False) -> int:
     """The ``--cycle`` variant of ``tidal demo ray``; the exit code."""
     import json
 
