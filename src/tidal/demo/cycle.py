@@ -120,11 +120,9 @@ def view(s: dict, jobs: list[dict], opts: CycleOptions, elapsed: float, title: s
     n = s.get("serving_gpus", 0)
     up = (s.get("forecast") or {}).get("upper_gpus") or []
     band = f"{min(up):.1f}-{max(up):.1f}" if up else "-"
-    g.add_row(
-        "demand",
-        f"{s.get('demand_gpus') if s.get('demand_gpus') is not None else 'unknown'} GPUs of {n}; "
-        f"forecast bound over the horizon {band}; margin {s.get('margin_gpus', 0):.2f}",
-    )
+    g.add_row("demand",
+              f"{s.get('demand_gpus') if s.get('demand_gpus') is not None else 'unknown'} GPUs of {n}; "
+                        f"forecast bound over the horizon {band}; margin {s.get('margin_gpus', 0):.2f}")
     g.add_row("serving", f"lent {s.get('lent_gpus', 0)}, warming {s.get('warming_gpus', 0)}, serving "
                          f"{s.get('serving_capacity_gpus', n)} (plan may lend {s.get('lendable_gpus', 0)})")
     loans = ", ".join(f"{ln['node']}:{ln['gpus']}" for ln in s.get("loans", ())) or "none"
@@ -135,18 +133,13 @@ def view(s: dict, jobs: list[dict], opts: CycleOptions, elapsed: float, title: s
     if nxt is None:
         g.add_row("next reclaim", "none")
     else:
-        notice = (
-            "now" if nxt["notice_s"] is None or nxt["notice_s"] <= now else f"+{nxt['notice_s'] - now:.0f} s"
-        )
+        at = nxt["notice_s"]
+        notice = "now" if at is None or at <= now else f"+{at - now:.0f} s"
         g.add_row("next reclaim", f"{nxt['gpus']} GPUs by +{nxt['by_s'] - now:.0f} s (notice {notice})")
     st = s.get("stats") or {}
-    g.add_row(
-        "returns",
-        f"{st.get('reclaims_met', 0)} met, {st.get('reclaims_missed', 0)} missed; worst margin "
-        f"{s['worst_margin_s']:.1f} s"
-        if s.get("worst_margin_s") is not None
-        else "none yet",
-    )
+    worst = s.get("worst_margin_s")
+    g.add_row("returns", f"{st.get('reclaims_met', 0)} met, {st.get('reclaims_missed', 0)} missed; worst "
+                         f"margin {worst:.1f} s" if worst is not None else "none yet")
     for k, v in extra:
         g.add_row(k, v)
     t = Table(box=None, padding=(0, 1))
@@ -155,14 +148,8 @@ def view(s: dict, jobs: list[dict], opts: CycleOptions, elapsed: float, title: s
     for j in jobs:
         p = j.get("progress") or {}
         where = ", ".join(f"{k}:{v}" for k, v in sorted((j.get("placement") or {}).items()))
-        t.add_row(
-            j["id"],
-            j["state"],
-            str(sum((j.get("placement") or {}).values())),
-            where or "-",
-            str(p.get("step", "-")),
-            str(j.get("ckpt_step") if j.get("ckpt_step") is not None else "-"),
-        )
+        t.add_row(j["id"], j["state"], str(sum((j.get("placement") or {}).values())), where or "-",
+                  str(p.get("step", "-")), str(j.get("ckpt_step") if j.get("ckpt_step") is not None else "-"))
     return Panel(Group(g, t), title=f"[bold]{title}[/bold]", border_style="cyan", expand=False)
 
 
@@ -187,27 +174,14 @@ def simulate_same_day(opts: CycleOptions, training_gpus: int, demand_gpus: np.nd
     demand = np.tile(gpus * trace.load / trace.peak_load, reps) if demand_gpus is None else np.asarray(
         demand_gpus, dtype=float)
     x = opts.speedup
-    per_node = (
-        max(int(p) for p in str(opts.serving_nodes).split("x")[-1:]) if "x" in opts.serving_nodes else 1
-    )
-    cfg = make_config(
-        serving_gpus=gpus,
-        training_gpus=training_gpus,
-        gpus_per_node=per_node,
-        days=days,
-        warmup_days=opts.start_s / DAY,
-        restart_s=opts.restart_cost_s * x,
-        stage_s=0.5 * x,
-        persist_s=2.0 * x,
-        notice_s=opts.grace_s * x,
-        final_checkpoint_s=opts.final_checkpoint_s * x,
-        release_s=opts.release_s * x,
-        warmup_s=opts.warmup_s * x,
-        failure_rate_per_gpu_hour=0.0,
-        step_s=trace.step_s,
-        sched_period_s=PLANE_CONFIG.loop_interval_s * x,
-        record_timeline=False,
-    )
+    per_node = int(opts.serving_nodes.split("x")[-1]) if "x" in opts.serving_nodes else 1
+    cfg = make_config(serving_gpus=gpus, training_gpus=training_gpus, gpus_per_node=per_node, days=days,
+                      warmup_days=opts.start_s / DAY, restart_s=opts.restart_cost_s * x, stage_s=0.5 * x,
+                      persist_s=2.0 * x, notice_s=opts.grace_s * x,
+                      final_checkpoint_s=opts.final_checkpoint_s * x,
+                      release_s=opts.release_s * x, warmup_s=opts.warmup_s * x, failure_rate_per_gpu_hour=0.0,
+                      step_s=trace.step_s, sched_period_s=PLANE_CONFIG.loop_interval_s * x,
+                      record_timeline=False)
     cfg = dataclasses.replace(cfg, release_when_captured=True)  # as the live runtime: out once captured
     jobs = [JobSpec(f"spot-{i}", "demo", "spot", 0, 1, opts.max_ranks, 1e12, opts.start_s)
             for i in range(opts.jobs)]
@@ -273,11 +247,8 @@ def run_cycle(opts: CycleOptions, console: Console, *, keep: bool = False) -> di
         url = plane.start()
         console.print(f"[bold cyan]cycle[/bold cyan] control plane up at {url} ({plane.plane.describe})",
                       highlight=False)
-        console.print(
-            f"[dim]  watch the day on the dashboard: {dashboard_url(url)}#/serving (sign in with the "
-            f"token in {sdir / ADMIN_TOKEN_FILE})[/dim]",
-            highlight=False,
-        )
+        console.print(f"[dim]  watch the day on the dashboard: {dashboard_url(url)}#/serving (sign in with "
+                      f"the token in {sdir / ADMIN_TOKEN_FILE})[/dim]", highlight=False)
         admin = TidalClient(url, plane.admin_token)
         client = TidalClient(url, admin.create_tenant("research")["token"])
         ids = [client.submit(job_spec(opts, script, shm_dir, i))["id"] for i in range(opts.jobs)]
@@ -324,43 +295,25 @@ def _summary(opts: CycleOptions, s: dict, jobs: list[dict], client: TidalClient,
     for j in jobs:
         tiers |= set((j.get("progress") or {}).get("tiers") or {})
     lost = sum(j["report"]["lost_steps"] for j in jobs)
+    demand = st.get("demand_gpu_s")
     live = {
-        "loaned_gpu_hours": st.get("lent_gpu_s", 0.0) * x / h,
-        "used_gpu_hours": st.get("used_gpu_s", 0.0) * x / h,
+        "loaned_gpu_hours": st.get("lent_gpu_s", 0.0) * x / h, "used_gpu_hours": st.get("used_gpu_s",
+                                                                                        0.0) * x / h,
         "shortfall_gpu_hours": st.get("shortfall_gpu_s", 0.0) / h,
-        "shortfall_ratio": (st.get("shortfall_gpu_s", 0.0) / st["demand_gpu_s"])
-        if st.get("demand_gpu_s")
-        else None,
-        "demanded_gpu_hours": st.get("demand_gpu_s", 0.0) / h,
-        "reclaim_notices": len(stops),
-        "returns_met": st.get("reclaims_met", 0),
-        "returns_missed": st.get("reclaims_missed", 0),
-        "worst_margin_s": s.get("worst_margin_s"),
-        "returned_gpus": st.get("returned_gpus", 0),
-        "lent_gpus_total": st.get("lent_total_gpus", 0),
-        "lost_steps": lost,
+        "shortfall_ratio": st.get("shortfall_gpu_s", 0.0) / demand if demand else None,
+        "demanded_gpu_hours": st.get("demand_gpu_s", 0.0) / h, "reclaim_notices": len(stops),
+        "returns_met": st.get("reclaims_met", 0), "returns_missed": st.get("reclaims_missed", 0),
+        "worst_margin_s": s.get("worst_margin_s"), "returned_gpus": st.get("returned_gpus", 0),
+        "lent_gpus_total": st.get("lent_total_gpus", 0), "lost_steps": lost,
         "checkpoint_tiers": sorted(tiers),
-        "jobs": [
-            {
-                "id": j["id"],
-                "state": j["state"],
-                "step": (j.get("progress") or {}).get("step"),
-                "ckpt_step": j.get("ckpt_step"),
-                "preemptions": j["report"]["preemptions"],
-                "restarts": j["report"]["restarts"],
-            }
-            for j in jobs
-        ],
-        "release_failures": st.get("release_failures", 0),
-        "restore_failures": st.get("restore_failures", 0),
+        "jobs": [{"id": j["id"], "state": j["state"], "step": (j.get("progress") or {}).get("step"),
+                  "ckpt_step": j.get("ckpt_step"), "preemptions": j["report"]["preemptions"],
+                  "restarts": j["report"]["restarts"]} for j in jobs],
+        "release_failures": st.get("release_failures", 0), "restore_failures": st.get("restore_failures", 0),
+        "double_counted_steps": st.get("double_counted_steps", 0),
     }
-    live["double_counted_steps"] = st.get("double_counted_steps", 0)
-    ok = (
-        live["lent_gpus_total"] > 0
-        and live["returns_missed"] == 0
-        and not checks
-        and not live["double_counted_steps"]
-    )
+    ok = (live["lent_gpus_total"] > 0 and live["returns_missed"] == 0 and not checks
+          and not live["double_counted_steps"])
     return {"ok": ok, "wall_s": round(wall_s, 1), "speedup": x, "hours": opts.hours, "live": live,
             "double_counted": checks[:20]}
 
@@ -379,12 +332,10 @@ def print_summary(console: Console, out: dict) -> None:
     t.add_row("reclaim notices", str(lv["reclaim_notices"]), str(sim["reclaims"]), "")
     console.print(t)
     wm = lv["worst_margin_s"]
-    console.print(
-        f"returns to serving: {lv['returns_met']} before the deadline, {lv['returns_missed']} late; "
-        f"worst margin {'-' if wm is None else f'{wm:.1f} s'}; steps lost to reclaims {lv['lost_steps']}; "
-        f"checkpoint tiers {', '.join(lv['checkpoint_tiers']) or '-'}",
-        highlight=False,
-    )
+    console.print(f"returns to serving: {lv['returns_met']} before the deadline, {lv['returns_missed']} "
+                  f"late; worst margin {'-' if wm is None else f'{wm:.1f} s'}; steps lost to reclaims "
+                  f"{lv['lost_steps']}; checkpoint tiers {', '.join(lv['checkpoint_tiers']) or '-'}",
+                  highlight=False)
     if out["double_counted"]:
         console.print(f"[red]GPU held by serving and a job at once: {out['double_counted'][:3]}[/red]")
     console.print("[bold green]ok[/bold green]" if out["ok"] else "[bold red]NOT ok[/bold red]")
@@ -397,9 +348,8 @@ def cycle(
     jobs: Annotated[int, typer.Option(help="elastic spot jobs")] = 2,
     max_ranks: Annotated[int, typer.Option(help="largest size of each job")] = 3,
     serving_nodes: Annotated[str, typer.Option(help="virtual serving nodes, NxG")] = "8x2",
-    trace: Annotated[
-        str | None, typer.Option(help="a serving trace CSV instead of the shipped profile")
-    ] = None,
+    trace: Annotated[str | None,
+                     typer.Option(help="a serving trace CSV instead of the shipped profile")] = None,
     keep: Annotated[bool, typer.Option("--keep", help="keep the state dir")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="the summary as JSON on stdout")] = False,
 ) -> None:
