@@ -172,15 +172,14 @@ def render(result: dict[str, Any], console: Any) -> None:
     t = Table(title=f"reclaim notice → exit ({cfg['layout']} x{cfg['world']}, {m['cpus']} CPUs, "
                     f"gpu: {m['gpu'] or 'none'}; seconds)", title_justify="left")
     for col in ("run", "ckpt MB", "step", "stall", "persist", "signal→step end", "→ committed", "→ exit",
-                "goal",
-                "tiers", "exit"):
+                "goal", "tiers", "exit"):
         t.add_column(col, justify="right")
     for i, r in enumerate(result["runs"]):
         n = r["notice"]
-        t.add_row(str(i), f(n["checkpoint_bytes"] / 1e6, "{:.0f}"), f(n["step_s"]), f(n["save_stall_s"],
-                                                                                      "{:.3f}"),
-                  f(n["persist_s"]), f(n["signal_to_step_end_s"]), f(n["notice_to_commit_s"]),
-                  f(n["notice_to_exit_s"]), f(n["goal_s"]) + (" ok" if n["within_goal"] else " MISSED"),
+        t.add_row(str(i), f(n["checkpoint_bytes"] / 1e6, "{:.0f}"), f(n["step_s"]),
+                  f(n["save_stall_s"], "{:.3f}"), f(n["persist_s"]), f(n["signal_to_step_end_s"]),
+                  f(n["notice_to_commit_s"]), f(n["notice_to_exit_s"]),
+                  f(n["goal_s"]) + (" ok" if n["within_goal"] else " MISSED"),
                   ",".join(n["committed_tiers"] or []), ",".join(map(str, n["exit_codes"])))
     console.print(t)
     t2 = Table(title=f"process start → first step after a resharded restore ({cfg['layout']} x{cfg['world']} "
@@ -191,8 +190,8 @@ def render(result: dict[str, Any], console: Any) -> None:
     for i, r in enumerate(result["runs"]):
         for name, x in r["resume"].items():
             t2.add_row(str(i), name.replace("node_memory", "node mem"), str(x["tier"]),
-                       str(x["restored_step"]),
-                       f(x["start_to_session_s"]), f(x["setup_s"]), f(x["restore_s"], "{:.3f}"),
+                       str(x["restored_step"]), f(x["start_to_session_s"]), f(x["setup_s"]),
+                       f(x["restore_s"], "{:.3f}"),
                        f(x["first_step_s"]), f(x["start_to_first_step_s"]))
     console.print(t2)
 

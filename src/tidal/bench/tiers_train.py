@@ -155,8 +155,7 @@ class _Trainer:
 
     def result(self) -> dict:
         return {"mode": self.mode, "steps_per_s": statistics.mean(self.rates),
-                "segment_steps_per_s": self.rates,
-                "saves": self.saves,
+                "segment_steps_per_s": self.rates, "saves": self.saves,
                 "save_call_s_median": statistics.median(self.calls) if self.calls else 0.0,
                 "state_mib": sum(t.numel() * 4 for t in self.model.parameters()) * 3 / MIB,
                 "width": self.width,
@@ -206,8 +205,7 @@ def train(env: Env, seconds: float, interval_s: float, model_mb: float, batch: i
     # Paired: each mode against the no-checkpoint segment of the same round (minutes apart, not the
     # whole run), median over rounds - robust to the slow drifts of a shared machine.
     paired = {r["mode"]: statistics.median(1 - a / b for a, b in zip(r["segment_steps_per_s"], seg_none,
-                                                                     strict=True))
-              for r in runs[1:]}
+                                                                     strict=True)) for r in runs[1:]}
     return {"runs": runs, "baseline_steps_per_s": base, "overhead": over, "overhead_paired": paired,
             "rounds": rounds, "segment_s": seg, "baseline_spread": (max(seg_none) - min(seg_none)) / base,
             "overhead_over_dcp": over["tidal"] / over["dcp_async"] if over["dcp_async"] > 0 else None,

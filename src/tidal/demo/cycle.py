@@ -120,8 +120,8 @@ def view(s: dict, jobs: list[dict], opts: CycleOptions, elapsed: float, title: s
     n = s.get("serving_gpus", 0)
     up = (s.get("forecast") or {}).get("upper_gpus") or []
     band = f"{min(up):.1f}-{max(up):.1f}" if up else "-"
-    g.add_row("demand",
-              f"{s.get('demand_gpus') if s.get('demand_gpus') is not None else 'unknown'} GPUs of {n}; "
+    demand = s.get("demand_gpus")
+    g.add_row("demand", f"{demand if demand is not None else 'unknown'} GPUs of {n}; "
                         f"forecast bound over the horizon {band}; margin {s.get('margin_gpus', 0):.2f}")
     g.add_row("serving", f"lent {s.get('lent_gpus', 0)}, warming {s.get('warming_gpus', 0)}, serving "
                          f"{s.get('serving_capacity_gpus', n)} (plan may lend {s.get('lendable_gpus', 0)})")

@@ -206,9 +206,8 @@ def _due(j: dict, opts: DemoOptions) -> bool:
 def _narrate_progress(j: dict, w: Watch, opts: DemoOptions, say, state_dir: Path) -> None:
     p = j.get("progress") or {}
     if w.initial_loss is None and p.get("step"):
-        first = next(
-            (r for r in attempt_records(state_dir, j["id"]).get(1, []) if r.get("event") == "step"), None
-        )
+        recs = attempt_records(state_dir, j["id"]).get(1, [])
+        first = next((r for r in recs if r.get("event") == "step"), None)
         w.initial_loss = first.get("loss") if first else None
     if j["state"] == "running" and j["attempt"] not in w.running_attempts and p.get("step"):
         w.running_attempts.add(j["attempt"])
@@ -264,34 +263,21 @@ def summarize(j: dict, w: Watch, opts: DemoOptions, state_dir: Path, wall_s: flo
     rep = j["report"]
     final_step = (j.get("progress") or {}).get("step")
     out: dict[str, Any] = {
-        "job": j["id"],
-        "state": j["state"],
-        "succeeded": j["state"] == "succeeded",
-        "steps": opts.steps,
-        "final_step": final_step,
-        "initial_loss": first.get("loss") if first else None,
-        "final_loss": last.get("loss") if last else None,
-        "restarts": rep["restarts"],
+        "job": j["id"], "state": j["state"], "succeeded": j["state"] == "succeeded", "steps": opts.steps,
+        "final_step": final_step, "initial_loss": first.get("loss") if first else None,
+        "final_loss": last.get("loss") if last else None, "restarts": rep["restarts"],
         "attempts": j["attempt"],
         "killed": None if k is None else {"rank": k.rank, "pid": k.pid, "shim_pid": k.shim_pid,
                                           "attempt": k.attempt, "at_step": k.at_step,
                                           "ckpt_step": k.ckpt_step, "reached_step": reached},
-        "resumed_from_step": resumed,
-        "restore_tier": restore.get("tier") if restore else None,
+        "resumed_from_step": resumed, "restore_tier": restore.get("tier") if restore else None,
         "restore_s": restore.get("duration_s") if restore else None,
         "recovery_s": (next_step["time"] - k.time_s) if (next_step and k) else None,
         "steps_recomputed": (reached - resumed) if (reached is not None and resumed is not None) else None,
-        "lost_steps": rep["lost_steps"],
-        "lost_work_s": rep["lost_work_s"],
-        "ettr": rep["ettr"],
-        "held_s": rep["held_s"],
-        "productive_s": rep["productive_s"],
+        **{k: rep[k] for k in ("lost_steps", "lost_work_s", "ettr", "held_s", "productive_s")},
         "checkpoints": {t: sorted(s) for t, s in sorted(ckpts.items())},
-        "ckpt_stall_median_s": statistics.median(stalls) if stalls else None,
-        "model": dict(SIZES[opts.size]),
-        "parallel": opts.parallel,
-        "ranks": opts.gpus,
-        "wall_s": round(wall_s, 2),
+        "ckpt_stall_median_s": statistics.median(stalls) if stalls else None, "model": dict(SIZES[opts.size]),
+        "parallel": opts.parallel, "ranks": opts.gpus, "wall_s": round(wall_s, 2),
         "events": [(f"{e['from'] or 'new'} -> {e['to']}" if e["kind"] == "transition" else e["kind"])
                    + f": {e['message']}" for e in w.events],
         "state_dir": str(state_dir) if kept else None,
