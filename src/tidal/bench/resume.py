@@ -82,8 +82,7 @@ def run_once(
         "notice_to_commit_s": (pre["time"] - sent) if pre and sent else None, "step_s": step_s,
         "save_stall_s": stall,
         "signal_to_step_end_s": (notice_rec["time"] - sent) if notice_rec and sent else None,
-        "goal_s": (step_s or 0.0) + stall + 1.0, "checkpoint_bytes": _ckpt_bytes(work / "ckpt"),
-    }
+        "goal_s": (step_s or 0.0) + stall + 1.0, "checkpoint_bytes": _ckpt_bytes(work / "ckpt")}
     took = notice["notice_to_exit_s"]
     notice["within_goal"] = took is not None and took <= notice["goal_s"]
     disk_copy = work / "ckpt-disk-only"
@@ -113,8 +112,7 @@ def _resume_figures(res: SegmentResult) -> dict[str, Any]:
         "restore_s": restore.get("duration_s"),
         "start_to_restored_s": restore["time"] - t0 if restore else None,
         "first_step_s": first.get("time", 0) - restore.get("time", 0) if first and restore else None,
-        "start_to_first_step_s": first["time"] - t0 if first else None,
-    }
+        "start_to_first_step_s": first["time"] - t0 if first else None}
 
 
 def run(

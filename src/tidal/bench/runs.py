@@ -89,15 +89,13 @@ class SegmentResult:
         pre = (self.events("preempted") or [{}])[0]
         return {
             "world": self.segment.world, "layout": self.segment.layout, "ending": self.segment.ending(),
-            "exit_codes": self.exit_codes,
-            "restored_step": self.restored_step, "restore_tier": restore.get("tier"),
-            "last_step": steps[-1]["step"] if steps else None,
+            "exit_codes": self.exit_codes, "restored_step": self.restored_step,
+            "restore_tier": restore.get("tier"), "last_step": steps[-1]["step"] if steps else None,
             "restore_s": restore.get("duration_s") if restore.get("tier") else None,
             "start_to_first_step_s": (first["time"] - self.started_unix) if first else None,
             "stop_step": pre.get("step"), "stop_tiers": pre.get("tiers"),
             "notice_to_exit_s": (self.exited_unix - self.notice_unix) if self.notice_unix else None,
-            "wall_s": self.exited_unix - self.started_unix,
-        }
+            "wall_s": self.exited_unix - self.started_unix}
 
 
 def segment_devices(world: int) -> list[int] | None:

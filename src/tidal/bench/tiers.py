@@ -69,8 +69,7 @@ class _Persist:
         self.cps = {
             "disk": ckpt.Checkpointer(tiers=["shm", {"url": str(env.disk / "persist"), "keep": 1}], keep=1),
             "s3": ckpt.Checkpointer(tiers=["shm", {"url": env.s3_url("persist"), "keep": 1}], keep=1),
-            "peer": ckpt.Checkpointer(tiers=["shm", env.peer("persist", keep=1)], keep=1),
-        }
+            "peer": ckpt.Checkpointer(tiers=["shm", env.peer("persist", keep=1)], keep=1)}
         self.s3 = S3Tier(env.s3_url("raw"))
 
     def tidal(self, tier: str) -> float:

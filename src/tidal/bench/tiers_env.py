@@ -71,9 +71,7 @@ class Env:
         (shm / "recv").mkdir(parents=True, exist_ok=True)
         self.receiver = subprocess.Popen(
             [sys.executable, "-c", RECEIVER, str(self.recv_port), str(shm / "recv")],
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+            stdin=subprocess.DEVNULL, start_new_session=True)
         _wait_port(self.recv_port, self.receiver)
 
     def s3_url(self, name: str) -> str:

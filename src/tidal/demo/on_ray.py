@@ -102,10 +102,8 @@ def run(steps: int, ckpt_every: int, parallel: str, kill_at: float, timeout_s: f
             "detection_s": round(lost["time_s"] - t_kill, 3), "recovery_s": round(d["recovery_s"], 3),
             "restored_step": d["start_step"], "restore_tier": d["restore_tier"],
             "steps_redone": d["lost_steps"], "world_sizes": worlds, "restarts": j["restarts"],
-            "attempts": j["attempt"],
-            "loss_first": losses[0][1] if losses else None, "loss_last": losses[-1][1] if losses else None,
-            "wall_s": round(time.time() - t_start, 1),
-        }
+            "attempts": j["attempt"], "loss_first": losses[0][1] if losses else None,
+            "loss_last": losses[-1][1] if losses else None, "wall_s": round(time.time() - t_start, 1)}
         if j["state"] != "succeeded" or j["restarts"] != 0:
             raise DemoError(f"{job} ended {j['state']} ({j['message']}) after the node loss; "
                             f"summary {summary}")

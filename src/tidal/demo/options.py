@@ -15,8 +15,7 @@ from tidal.demo.plane import DemoError
 # the test setting (a few ms of compute a step).
 SIZES: dict[str, dict[str, int]] = {
     "small": {"n-layer": 4, "n-head": 4, "n-embd": 128, "block": 64, "global-batch": 16},
-    "tiny": {"n-layer": 2, "n-head": 2, "n-embd": 32, "block": 32, "global-batch": 12},
-}
+    "tiny": {"n-layer": 2, "n-head": 2, "n-embd": 32, "block": 32, "global-batch": 12}}
 
 
 @dataclass(frozen=True)
@@ -39,8 +38,7 @@ class DemoOptions:
             raise DemoError(f"--parallel {self.parallel!r}: expected ddp or fsdp")
         if self.gpus < 2:
             raise DemoError(
-                f"--gpus {self.gpus}: the demo kills one rank of a gang, so it needs at least 2 slots"
-            )
+                f"--gpus {self.gpus}: the demo kills one rank of a gang, so it needs at least 2 slots")
         gb = SIZES[self.size]["global-batch"]
         if gb % self.gpus:
             ok = [n for n in range(2, gb + 1) if gb % n == 0]

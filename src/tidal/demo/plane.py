@@ -168,8 +168,7 @@ def kill_rank(job: dict, rank: int) -> Kill | None:
     except ProcessLookupError:
         return None
     return Kill(
-        rank, pid, shims[rank], job["attempt"], p.get("step") or 0, job.get("ckpt_step") or 0, time.time()
-    )
+        rank, pid, shims[rank], job["attempt"], p.get("step") or 0, job.get("ckpt_step") or 0, time.time())
 
 
 # ------------------------------------------------------------------------------------ the attempt files

@@ -42,8 +42,7 @@ class LocalRayCluster:
 
     def add(self, name: str) -> None:
         self.nodes[name] = self.cluster.add_node(
-            num_cpus=1, num_gpus=self.gpus[name], labels={self._label: name}, include_dashboard=False
-        )
+            num_cpus=1, num_gpus=self.gpus[name], labels={self._label: name}, include_dashboard=False)
 
     def remove(self, name: str) -> None:
         """The node is lost as a machine is: every process on it SIGKILLed at one instant (Ray's, the

@@ -104,8 +104,7 @@ class RayServeSettings:
             raise ValueError(f"{w}.speedup must be a number > 0, got {self.speedup!r}")
         t0 = self.start_s
         if t0 is not None and (
-            not isinstance(t0, int | float) or isinstance(t0, bool) or not math.isfinite(t0)
-        ):
+            not isinstance(t0, int | float) or isinstance(t0, bool) or not math.isfinite(t0)):
             raise ValueError(f"{w}.start_s must be a number (seconds on the serving clock), got {t0!r}")
         r = self.min_replicas
         if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r <= sum(self.nodes.values()) // g:
@@ -117,8 +116,7 @@ class RayServeSettings:
                              f"serving.trace the forecast learns first), got {h!r}")
         mu = self.service_rate_per_replica
         if mu is not None and (
-            not isinstance(mu, int | float) or isinstance(mu, bool) or not 0 < mu < math.inf
-        ):
+            not isinstance(mu, int | float) or isinstance(mu, bool) or not 0 < mu < math.inf):
             raise ValueError(f"{w}.service_rate_per_replica must be a number > 0 (requests/s one replica "
                              f"serves), got {mu!r}")
         k = self.min_samples

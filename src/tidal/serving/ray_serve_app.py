@@ -126,14 +126,12 @@ class Router:
         if len(self.arrivals) == self.arrivals.maxlen:  # more arrivals than kept: the rate over those kept
             window = min(window, now - self.arrivals[0])
         return {
-            "window_s": window, "arrivals": len(self.arrivals),
-            "completed": len(served), "failed": sum(1 for d in self.done if not d[3]),
-            "service_sum_s": sum(service), "service_p50_s": _q(service, 0.5),
-            "wait_p99_s": _q(sorted(d[1] for d in served), 0.99),
+            "window_s": window, "arrivals": len(self.arrivals), "completed": len(served),
+            "failed": sum(1 for d in self.done if not d[3]), "service_sum_s": sum(service),
+            "service_p50_s": _q(service, 0.5), "wait_p99_s": _q(sorted(d[1] for d in served), 0.99),
             "response_p50_s": _q(response, 0.5), "response_p99_s": _q(response, 0.99),
             "busy": dict(self.busy), "queued": len(self.waiters), "slots": dict(self.slots),
-            "total": dict(self.total), "served": dict(self.served), "pid": os.getpid(),
-        }
+            "total": dict(self.total), "served": dict(self.served), "pid": os.getpid()}
 
 
 async def _body(request: Any) -> bytes | None:
