@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -185,8 +186,7 @@ def load_command(
         raise typer.Exit(130) from None
     if records is not None:
         with open(records, "w") as f:
-            for d in loadgen.as_dicts(recs):
-                f.write(json.dumps(d) + "\n")
+            f.writelines(json.dumps(dataclasses.asdict(r)) + "\n" for r in recs)
     parts = [loadgen.summary(recs, a, a + every_s) | {"from_s": a} for a in
              (i * every_s for i in range(math.ceil(duration_s / every_s)))]
     total = loadgen.summary(recs)

@@ -12,7 +12,6 @@ a Poisson process of rate ``rate(t)``, drawn by thinning against the largest rat
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import math
 import random
 import time
@@ -198,6 +197,3 @@ def summary(records: Sequence[Record], start_s: float = 0.0, end_s: float = math
             "late_max_s": round(max((r.late_s for r in sel), default=0.0), 4),
             "errors": sorted({r.error or f"HTTP {r.status}" for r in sel if not r.ok})[:5]}
 
-
-def as_dicts(records: Sequence[Record]) -> list[dict[str, Any]]:
-    return [dataclasses.asdict(r) for r in records]

@@ -153,9 +153,6 @@ class RayServeSettings:
         return cls(app=cfg.app, deployment=cfg.deployment, nodes=parse_nodes(cfg.nodes),
                    latency_target_s=cfg.latency_target_s, **kw)
 
-    def deployment_name(self, node: str, base: str) -> str:
-        return f"{base}-{node}"
-
 
 class RayServeAdapter:
     """Lends the GPUs of a Ray Serve application's per-node deployments. ``address``: the Ray cluster to
@@ -279,7 +276,7 @@ class RayServeAdapter:
             serve.start(proxy_location="HeadOnly",
                         http_options={"host": self.s.http_host, "port": self.s.http_port})
         app = serve.status().applications.get(self.s.app)
-        names = {self.s.deployment_name(n, self.base) for n in self._nodes} | {ROUTER}
+        names = {self._dep(n) for n in self._nodes} | {ROUTER}
         if app is not None and set(app.deployments) != names:
             raise AdapterError(f"serving.app {self.s.app!r}: a Serve application of that name runs other "
                                f"deployments ({sorted(app.deployments)}); give another name or delete it")
@@ -288,7 +285,7 @@ class RayServeAdapter:
             handles = {}
             for n in self._nodes:
                 handles[n] = dep.options(
-                    name=self.s.deployment_name(n, self.base), num_replicas=self.target(n),
+                    name=self._dep(n), num_replicas=self.target(n),
                     ray_actor_options={**opts, "num_gpus": self.s.gpus_per_replica,
                                        "label_selector": {NODE_LABEL: n}}).bind(**self.s.init_kwargs)
             on = {NODE_LABEL: f"in({','.join(sorted(self._nodes))})"}  # never on a training node that is lost
@@ -306,17 +303,21 @@ class RayServeAdapter:
                 self._scale(n, self.target(n))
         self.deployed = True
 
+    def _dep(self, node: str) -> str:
+        """The name of ``node``'s copy of the model deployment."""
+        return f"{self.base}-{node}"
+
     def _scale(self, node: str, replicas: int) -> None:
         from ray.serve._private.common import DeploymentID
 
         ray = self._ray()
         ref = self._controller.update_deployment_replicas.remote(
-            DeploymentID(name=self.s.deployment_name(node, self.base), app_name=self.s.app), replicas)
+            DeploymentID(name=self._dep(node), app_name=self.s.app), replicas)
         try:
             ray.get(ref, timeout=self.s.actions_timeout_s)
         except Exception as e:  # noqa: BLE001 (Ray raises many kinds; all mean the scale did not happen)
             self._forget()
-            raise AdapterError(f"scaling {self.s.deployment_name(node, self.base)} to {replicas} replicas: "
+            raise AdapterError(f"scaling {self._dep(node)} to {replicas} replicas: "
                                f"{type(e).__name__}: {str(e)[:200]}") from None
 
     def _sync(self, slots: Mapping[str, int] | None) -> dict[str, Any]:
@@ -363,7 +364,7 @@ class RayServeAdapter:
             self._forget()
         out, unsettled = {}, {}
         for n in self._nodes:
-            d = app.deployments.get(self.s.deployment_name(n, self.base)) if app is not None else None
+            d = app.deployments.get(self._dep(n)) if app is not None else None
             status = "MISSING" if d is None else str(getattr(d.status, "value", d.status))
             if status != "HEALTHY":
                 msg = " ".join(str(getattr(d, "message", "") or "").split())[:200]
@@ -405,7 +406,7 @@ class RayServeAdapter:
             if running.get(node, 0) < self.target(node) or node in self.unsettled:
                 why = self.unsettled.get(node, "")
                 if why.startswith(("UNHEALTHY", "DEPLOY_FAILED")):  # e.g. the constructor raises: say so
-                    self.last_error = f"{self.s.deployment_name(node, self.base)}: {why}"
+                    self.last_error = f"{self._dep(node)}: {why}"
                 return False
             self._sync(self.slots(running))
         except AdapterError as e:
