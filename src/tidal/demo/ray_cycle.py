@@ -26,6 +26,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -152,9 +153,9 @@ def run(opts: CycleOptions, kill_hour: float, console: Console, *, keep: bool = 
         shutil.rmtree(sdir, ignore_errors=True)
         raise DemoError(f"serving: {e}") from None
     nodes = {**TRAINING, **serving_nodes(serving)}
-    console.print("[bold cyan]ray cycle[/bold cyan] starting a Ray cluster on this machine: "
-                  + ", ".join(f"{n} ({g} GPU{'s' if g > 1 else ''})" for n,
-                              g in nodes.items()), highlight=False)
+    say = _narrator(console)
+    say("starting a Ray cluster on this machine: "
+        + ", ".join(f"{n} ({g} GPU{'s' if g > 1 else ''})" for n, g in nodes.items()))
     try:
         cluster = LocalRayCluster(nodes)
     except BaseException:  # e.g. a node timed out starting on a busy machine: no state dir left behind
@@ -162,25 +163,21 @@ def run(opts: CycleOptions, kill_hour: float, console: Console, *, keep: bool = 
         raise
     plane: EmbeddedPlane | None = None
     try:
-        plane = EmbeddedPlane(sdir / "state", "auto", cfg, executor="ray",
-                              ray_address=cluster.cluster.address,
-                              ckpt_agents=True)
+        plane = EmbeddedPlane(sdir / "state", "auto", cfg, executor="ray", ckpt_agents=True,
+                              ray_address=cluster.cluster.address)
         if serve:
-            console.print(f"[bold cyan]ray cycle[/bold cyan] deploying Ray Serve application {st.APP} on "
-                          f"{', '.join(serving_nodes(serving))} ({serving.describe()})", highlight=False)
-            took = st.deploy(serving)
-            console.print(f"[bold cyan]ray cycle[/bold cyan] every replica healthy after {took:.0f} s",
-                          highlight=False)
+            say(f"deploying Ray Serve application {st.APP} on {', '.join(serving_nodes(serving))} "
+                f"({serving.describe()})")
+            say(f"every replica healthy after {st.deploy(serving):.0f} s")
             # traffic before the plane's first step (an idle router reads as no demand: everything lent)
             warm = st.Traffic(f"http://127.0.0.1:{serving.http_port}/",
                               st.trace_rate(sdir / "requests.csv", opts.start_s, 1e-9), 600.0)
             warm.start()
         url = plane.start()
         if warm is not None:
-            traffic = _start_traffic(plane, serving, sdir / "requests.csv", opts, console)
+            traffic = _start_traffic(plane, serving, sdir / "requests.csv", opts, say)
             warm.stop()
-        console.print(f"[bold cyan]ray cycle[/bold cyan] control plane up at {url} ({plane.plane.describe})",
-                      highlight=False)
+        say(f"control plane up at {url} ({plane.plane.describe})")
         admin = TidalClient(url, plane.admin_token)
         client = TidalClient(url, admin.create_tenant(TENANT)["token"])
         homes = {}  # job -> its disk tier
@@ -222,8 +219,7 @@ def run(opts: CycleOptions, kill_hour: float, console: Console, *, keep: bool = 
             if loss.node is not None and loss.bring_back(time.time()):  # (bring_back: a node was lost)
                 cluster.add(loss.node)
                 loss.back = True
-                console.print(f"[bold cyan]ray cycle[/bold cyan] node {loss.node} comes back",
-                              highlight=False)
+                say(f"node {loss.node} comes back")
 
         kinds = NARRATED | {"node_lost", "recovered", "node", "serving_ready", "serving_history"}
         s, jobs, checks = play_day(opts, console, client, admin, list(homes), "tidal demo ray --cycle", kinds,
@@ -262,8 +258,14 @@ def run(opts: CycleOptions, kill_hour: float, console: Console, *, keep: bool = 
                 console.print(f"state kept in {sdir}")
 
 
+def _narrator(console: Console) -> Callable[[str], None]:
+    def say(msg: str) -> None:
+        console.print(f"[bold cyan]ray cycle[/bold cyan] {msg}", highlight=False)
+    return say
+
+
 def _start_traffic(plane: EmbeddedPlane, serving: Any, rate_trace: Path, opts: CycleOptions,
-                   console: Console) -> st.Traffic:
+                   say: Callable[[str], None]) -> st.Traffic:
     """The load generator at the trace's rate from the serving clock's time now (the adapter's)."""
     from tidal.serving.ray_serve import RayServeAdapter
 
@@ -280,9 +282,8 @@ def _start_traffic(plane: EmbeddedPlane, serving: Any, rate_trace: Path, opts: C
     url = f"http://127.0.0.1:{serving.http_port}/"
     traffic = st.Traffic(url, st.trace_rate(rate_trace, now_serving, opts.speedup), opts.wall_s + 60.0)
     traffic.start()
-    console.print(f"[bold cyan]ray cycle[/bold cyan] traffic to {url}: Poisson at the trace's rate from "
-                  f"{_hhmm(now_serving)} at {opts.speedup:g}x ({traffic.rate(0.0):.1f} requests/s now)",
-                  highlight=False)
+    say(f"traffic to {url}: Poisson at the trace's rate from {_hhmm(now_serving)} at {opts.speedup:g}x "
+        f"({traffic.rate(0.0):.1f} requests/s now)")
     return traffic
 
 
