@@ -108,8 +108,6 @@ def resharded_states(target: dict) -> list[dict]:
     return out
 
 
-# -- the competitors -----------------------------------------------------------------------------
-
 class _Bench:
     """Holds the state, every competitor's reusable buffers and its directories under ``root``."""
 
@@ -215,7 +213,6 @@ class _Bench:
         shutil.rmtree(d)
         return {"return_s": t1 - t0, "stall_s": t2 - t0, "total_s": t3 - t0}
 
-    # -- loads ---------------------------------------------------------------------------------
     def tidal_load(self, target: dict) -> dict[str, float]:
         t0 = time.perf_counter()
         ckpt.load(self.tidal_dir, target)
@@ -260,8 +257,6 @@ class _Bench:
 def _summary(samples: list[float]) -> dict:
     return {"samples": samples, "median": statistics.median(samples)}
 
-
-# -- the run -------------------------------------------------------------------------------------
 
 def run(size_gb: float = 1.0, repeat: int = 5, directory: str | os.PathLike | None = None,
         log: Callable[[str], None] = lambda s: None) -> dict:
@@ -341,8 +336,6 @@ def run(size_gb: float = 1.0, repeat: int = 5, directory: str | os.PathLike | No
             "warmup_rounds": 1, "save": results["save"], "load": results["load"], "ratios": ratios,
             "targets": targets, "notes": NOTES}
 
-
-# -- output --------------------------------------------------------------------------------------
 
 def render(result: dict, console: Any) -> None:
     """Print ``result`` as Rich tables on ``console``."""

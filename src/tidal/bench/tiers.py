@@ -58,8 +58,6 @@ def _flat(state: dict) -> memoryview:
     return torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors(state)]).numpy().data
 
 
-# -- 1. persist --------------------------------------------------------------------------------------
-
 class _Persist:
     def __init__(self, env: Env, state: dict) -> None:
         from tidal.ckpt.tiers.s3 import S3Tier
@@ -166,8 +164,6 @@ def persist(p: _Persist, repeat: int, log: Callable[[str], None]) -> dict:
     return out
 
 
-# -- 2. load -----------------------------------------------------------------------------------------
-
 def loads(env: Env, p: _Persist, repeat: int, log: Callable[[str], None]) -> dict:
     sources: dict[str, list[Any]] = {
         "shm": ["shm", str(env.disk / "persist")],
@@ -203,8 +199,6 @@ def loads(env: Env, p: _Persist, repeat: int, log: Callable[[str], None]) -> dic
                      "samples": {"same_s": same, "resharded_s": resharded}}
     return out
 
-
-# -- the run ---------------------------------------------------------------------------------------
 
 def run(size_mb: float = 512, repeat: int = 5, train_s: float = 60.0, interval_s: float = 10.0,
         model_mb: float = 32.0, batch: int = 64, directory: str | os.PathLike | None = None,
@@ -248,8 +242,6 @@ def run(size_mb: float = 512, repeat: int = 5, train_s: float = 60.0, interval_s
     return {"benchmark": "tiers", "machine": machine(), "size_bytes": int(size_mb * MIB), "repeat": repeat,
             "persist": result_persist, "load": result_load, "train": result_train, "goals": GOALS}
 
-
-# -- output ------------------------------------------------------------------------------------------
 
 def render(result: dict, console: Any) -> None:
     from rich.table import Table

@@ -103,7 +103,6 @@ def job_spec(opts: CycleOptions, script: Path, shm_dir: Path | None, i: int) -> 
                    max_restarts=20, grace_s=opts.grace_s)
 
 
-# ---------------------------------------------------------------------------------------- the view
 def _hhmm(serving_s: float) -> str:
     t = serving_s % DAY
     return f"day {int(serving_s // DAY)} {int(t // 3600):02d}:{int(t % 3600 // 60):02d}"
@@ -153,7 +152,6 @@ def view(s: dict, jobs: list[dict], opts: CycleOptions, elapsed: float, title: s
     return Panel(Group(g, t), title=f"[bold]{title}[/bold]", border_style="cyan", expand=False)
 
 
-# ----------------------------------------------------------------------------------- the simulator
 def simulate_same_day(opts: CycleOptions, training_gpus: int, demand_gpus: np.ndarray | None = None
                       ) -> dict[str, Any]:
     """The same day through the simulator: the same profile, pool, timing (in serving seconds),
@@ -202,7 +200,6 @@ def with_simulator(summary: dict[str, Any], opts: CycleOptions, console: Console
     return summary
 
 
-# --------------------------------------------------------------------------------------------- run
 def play_day(opts: CycleOptions, console: Console, client: TidalClient, admin: TidalClient, ids: list[str],
              title: str = "tidal demo cycle", kinds: frozenset[str] = NARRATED,
              on_poll: Callable[[dict, list[dict], list[dict]], None] | None = None,

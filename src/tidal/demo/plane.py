@@ -30,7 +30,6 @@ PLANE_CONFIG = ControlConfig(restart_backoff_s=1.0, hang_timeout_s=60.0, startup
                              kill_slack_s=5.0, loop_interval_s=0.25)
 
 
-# ------------------------------------------------------------------------------- the embedded plane
 class EmbeddedPlane:
     """The pieces of ``tidal up`` in this process: the API (uvicorn in a thread, on a free loopback
     port), the reconcile loop (a thread) and the local executor on ``gpus`` CPU slots."""
@@ -110,7 +109,6 @@ def kill_workers(state_dir: Path, wait_s: float = 10.0) -> list[int]:
     return killed
 
 
-# ------------------------------------------------------------------------------------ killing a rank
 @contextlib.contextmanager
 def uninterrupted():
     """Ignore SIGINT and SIGTERM inside (a second Ctrl-C must not cut a demo's clean-up short); only in
@@ -171,7 +169,6 @@ def kill_rank(job: dict, rank: int) -> Kill | None:
         rank, pid, shims[rank], job["attempt"], p.get("step") or 0, job.get("ckpt_step") or 0, time.time())
 
 
-# ------------------------------------------------------------------------------------ the attempt files
 def attempt_records(state_dir: Path, job_id: str) -> dict[int, list[dict]]:
     """Rank 0's progress records of every attempt (``jobs/<job>/attempt-<n>/progress/``), by attempt."""
     out: dict[int, list[dict]] = {}

@@ -66,7 +66,6 @@ def job_spec(opts: DemoOptions, script: Path, shm_dir: Path) -> dict[str, Any]:
     return gpt_job(script, "gpt-demo", opts.size, args, shm_dir, gpus=opts.gpus, max_restarts=3, grace_s=10)
 
 
-# -------------------------------------------------------------------------------------------- the run
 @dataclass
 class Watch:
     """What the poll loop has seen."""
@@ -234,7 +233,6 @@ def _narrate_progress(j: dict, w: Watch, opts: DemoOptions, say, state_dir: Path
             + (f"; training paused {stall * 1000:.0f} ms for it" if stall is not None else ""), style="")
 
 
-# ------------------------------------------------------------------------------------------ the summary
 def summarize(j: dict, w: Watch, opts: DemoOptions, state_dir: Path, wall_s: float, kept: bool) -> dict:
     """The demo's outcome as a JSON-able dict, from the API's view of the job and its attempt files."""
     recs = attempt_records(state_dir, j["id"])
@@ -299,7 +297,6 @@ def summarize(j: dict, w: Watch, opts: DemoOptions, state_dir: Path, wall_s: flo
     return out
 
 
-# -------------------------------------------------------------------------------------- the command
 def demo(
     ctx: typer.Context,
     steps: Annotated[int, typer.Option(help="optimizer steps of the job")] = 300,

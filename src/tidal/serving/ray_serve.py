@@ -182,7 +182,6 @@ class RayServeAdapter:
         self.concurrency = 1  # the model's max_ongoing_requests: router slots per replica
         self.unsettled: dict[str, str] = {}  # node -> its deployment's status and message, when not HEALTHY
 
-    # ------------------------------------------------------------------------------- targets
     def nodes(self) -> dict[str, int]:
         return dict(self._nodes)
 
@@ -210,7 +209,6 @@ class RayServeAdapter:
         return {n: min(t, running.get(n, 0) if running is not None else t) * conc
                 for n, t in self.targets().items()}
 
-    # --------------------------------------------------------------------------------- Ray
     def _ray(self) -> Any:
         import ray
 
@@ -373,7 +371,6 @@ class RayServeAdapter:
         self.unsettled = unsettled
         return out
 
-    # ------------------------------------------------------------------------------ actions
     def release(self, node: str, gpus: int, lent_after: int, now_s: float) -> None:
         before = self.state.released.get(node, 0)  # (move() refuses an unknown node)
         self.state.move(node, gpus, lent_after, +1)  # checks the node and the counts
@@ -426,7 +423,6 @@ class RayServeAdapter:
         self.last_error = msg
         raise AdapterError(msg)
 
-    # ------------------------------------------------------------------------------- demand
     def demand_gpus(self, now_s: float) -> float:
         """GPUs the latency target needs at the request rate the router saw (module docstring); NaN when
         unknown."""
@@ -500,7 +496,6 @@ class RayServeAdapter:
         return forecast_history(until_s, step_s, days=days, trace=self.trace, model=model,
                                 measured=self.measured, max_gpus=float(sum(self._nodes.values())))
 
-    # --------------------------------------------------------------------------- reporting
     def released(self) -> dict[str, int]:
         return dict(self.state.released)
 

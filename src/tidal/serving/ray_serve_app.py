@@ -42,7 +42,6 @@ class Router:
         self.total = {"arrivals": 0, "ok": 0, "failed": 0, "too_large": 0}
         self.served = dict.fromkeys(self.handles, 0)  # requests answered per node, ever
 
-    # --------------------------------------------------------------------------- the queue
     def _free_node(self) -> str | None:
         best, free = None, 0
         for n, s in self.slots.items():
@@ -104,7 +103,6 @@ class Router:
             self.total["ok" if ok else "failed"] += 1
             self._release(node)
 
-    # ------------------------------------------------------------------------- control
     def sync(self, slots: dict[str, int] | None = None) -> dict[str, Any]:
         """Set the slots per node (``None``: keep them); the window's counts: ``arrivals`` over ``window_s``
         (the router's age if younger; the span of the newest :data:`MAX_SAMPLES` arrivals if more came),
