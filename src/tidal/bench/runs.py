@@ -99,9 +99,8 @@ class SegmentResult:
 
 
 def segment_devices(world: int) -> list[int] | None:
-    """The GPUs a segment of ``world`` ranks runs on: the first ``world`` this process sees
-    (``CUDA_VISIBLE_DEVICES`` when set, else ``nvidia-smi``), or ``None`` (CPU slots, gloo) when it
-    sees fewer. Rank ``r`` then uses ``cuda:r`` as under ``torchrun``."""
+    """The first ``world`` GPUs this process sees (rank ``r`` on ``cuda:r``), or ``None`` (CPU slots,
+    gloo) when it sees fewer."""
     visible = os.environ.get(c.ENV_CUDA_VISIBLE_DEVICES)
     ids = detect_gpus() if visible is None else [int(x) for x in visible.split(",") if x.strip().isdigit()]
     return ids[:world] if len(ids) >= world else None
@@ -109,9 +108,8 @@ def segment_devices(world: int) -> list[int] | None:
 
 def run_segment(seg: Segment, script: Path, job_args: list[str], work: Path, index: int, *,
                 env: dict[str, str], timeout_s: float = 300.0) -> SegmentResult:
-    """Launch one segment, attempt ``index + 1`` of the job ``env`` names (:func:`job_env`), and wait for
-    its ranks; raise RuntimeError when it did not end as planned, TimeoutError (every rank killed) when
-    it ran past ``timeout_s``."""
+    """Launch one segment (attempt ``index + 1``) and wait for its ranks; RuntimeError when it did not end
+    as planned, TimeoutError (every rank killed) past ``timeout_s``."""
     job = env.get(c.ENV_JOB_ID) or work.name
     gpus = segment_devices(seg.world)
     ex = LocalExecutor(work / "jobs", gpu_ids=gpus) if gpus else LocalExecutor(work / "jobs", slots=seg.world)

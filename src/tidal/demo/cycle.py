@@ -154,10 +154,8 @@ def view(s: dict, jobs: list[dict], opts: CycleOptions, elapsed: float, title: s
 
 def simulate_same_day(opts: CycleOptions, training_gpus: int, demand_gpus: np.ndarray | None = None
                       ) -> dict[str, Any]:
-    """The same day through the simulator: the same profile, pool, timing (in serving seconds),
-    policy and budget; the same number of elastic spot jobs, submitted at the live start.
-    ``demand_gpus``: the demand series on the profile's step from its first row (default: the profile
-    scaled to the pool)."""
+    """The same day (profile, pool, timing in serving seconds, policy, jobs) through the simulator;
+    ``demand_gpus``: the demand on the profile's step from its first row (default: the scaled profile)."""
     from tidal.serving.traces import load_trace
     from tidal.sim.config import make_config
     from tidal.sim.engine import simulate

@@ -43,9 +43,8 @@ def freeze_node(node: Any) -> list[int]:
 
 
 def kill_node(cluster: Any, node: Any, frozen: Sequence[int] | None = None) -> None:
-    """The machine is gone: every process of ``node`` SIGKILLed (``frozen`` by :func:`freeze_node`, or frozen
-    now) and gone when this returns, then ``cluster.remove_node`` (Ray's health checks notice the raylet
-    is gone)."""
+    """The machine is gone: every process of ``node`` (``frozen``, or frozen now) SIGKILLed and gone, then
+    ``cluster.remove_node``."""
     left = procs.kill_all(freeze_node(node) if frozen is None else frozen)
     if left:
         log.warning("processes %s of a killed Ray node are still there (stopped, killed)", left)
@@ -62,10 +61,8 @@ class TierSteps:
 
 
 def tier_steps(home: str, agents: Sequence[str], token: str | None = None) -> dict[str, TierSteps]:
-    """The job whose checkpoints live in directory ``home`` (its disk tier, named "disk") and in the agents
-    ``agents`` (host:port; the peer tier, "peer", as those agents alone see it: no other agent is asked;
-    ``token``: the agents' token when they have a key, ``tidal.ckpt.agent.auth``). A tier that cannot be
-    listed is left out."""
+    """The job's tiers: "disk" (directory ``home``) and "peer" as the ``agents`` (host:port, asked with
+    ``token``) alone see it; a tier that cannot be listed is left out."""
     from tidal.ckpt.tiers.config import read_tiers
     from tidal.ckpt.tiers.peer import PeerTier
 
@@ -116,8 +113,7 @@ def kill_when_peer_newest(cluster: Any, node: Any, home: str, agents: Sequence[s
                           strict: bool = True, settle_s: float = SETTLE_S,
                           token: str | None = None) -> dict[str, TierSteps] | None:
     """Freeze ``node``; after ``settle_s``, if the surviving ``agents`` hold the job's newest step
-    (:func:`peer_newest`, ``strict``; asked with ``token``, see :func:`tier_steps`) or ``force``: kill it
-    (:func:`kill_node`) and return what the tiers held; else thaw it and return None."""
+    (:func:`peer_newest`) or ``force``: kill it and return what the tiers held; else thaw it (None)."""
     frozen = freeze_node(node)
     try:
         time.sleep(settle_s)

@@ -142,9 +142,8 @@ def _parent_pid(pid: int) -> int | None:
 
 
 def kill_rank(job: dict, rank: int) -> Kill | None:
-    """SIGKILL rank ``rank`` of the job's current attempt: its own process (not the shim), found from
-    the handle the API returns (``dir``: the attempt dir, where the shim wrote ``pid-<rank>.json``).
-    None if the rank has exited already (the API's view lags the ranks a little)."""
+    """SIGKILL rank ``rank`` of the job's current attempt: its own process (not the shim), from
+    ``pid-<rank>.json`` in the attempt dir the API names; None if it has exited already."""
     h = job.get("handle") or {}
     shims = {r["rank"]: r["pid"] for r in h.get("ranks", [])}
     if "dir" not in h or rank not in shims:

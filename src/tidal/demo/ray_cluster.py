@@ -17,9 +17,8 @@ HEALTH = {"health_check_period_ms": 500, "health_check_timeout_ms": 500, "health
 
 
 class LocalRayCluster:
-    """GPU nodes (declared GPUs; ``nodes``: Tidal name -> GPUs) and a head, on this machine, with Ray's
-    token authentication (a fresh 0600 token file; ``tidal.exec.ray_auth.enable_local``);
-    ``remove``/``add`` by Tidal node name."""
+    """A head and GPU nodes (``nodes``: Tidal name -> declared GPUs) on this machine, with Ray's token
+    authentication; ``remove``/``add`` by Tidal node name."""
 
     def __init__(self, nodes: dict[str, int] | None = None) -> None:
         from tidal.exec.ray_auth import enable_local

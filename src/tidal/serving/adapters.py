@@ -81,9 +81,8 @@ class ServingAdapter(Protocol):
 
 @runtime_checkable
 class ReadyAdapter(Protocol):
-    """An adapter that knows when GPUs it got back serve again (e.g. the new replica is healthy): the
-    plane ends a warm-up only when its time is over *and* :meth:`ready` says so. Without it, warm-ups
-    end by time (``LoanTiming.warmup_s``)."""
+    """An adapter that knows when GPUs it got back serve again: a warm-up ends when its time is over *and*
+    :meth:`ready` says so (without it, by time alone)."""
 
     def ready(self, node: str) -> bool:
         """Every GPU restored on ``node`` serves again. Quick (the reconcile loop calls it each step while
@@ -93,9 +92,8 @@ class ReadyAdapter(Protocol):
 
 @runtime_checkable
 class HistoryAdapter(Protocol):
-    """An adapter that knows serving demand before the plane's first live step (earlier days' request
-    rates, what it measured before a restart): the loan step feeds it to a forecast that has seen nothing
-    yet, so the first day is not planned blind (:mod:`tidal.serving.serve_history`)."""
+    """An adapter that knows demand before the plane's first live step, fed to a forecast that has seen
+    nothing yet (:mod:`tidal.serving.serve_history`)."""
 
     def forecast_history(self, until_s: float, step_s: float) -> list[tuple[float, float]]:
         """``(serving time, GPUs or NaN)`` on the ``step_s`` grid before ``until_s`` (excluded), oldest
@@ -117,11 +115,9 @@ class ActionDone:
 
 @runtime_checkable
 class QueuedAdapter(Protocol):
-    """An adapter whose :meth:`~ServingAdapter.release` and :meth:`~ServingAdapter.restore` only check
-    the action and queue it (they return at once; :class:`AdapterError` means it was refused before it
-    was queued); the actions run in the order given, and :meth:`done` reports each outcome once. Until
-    then the plane counts the GPUs in neither pool: a release lends nothing before it succeeded; restored
-    GPUs do not end their warm-up before the restore succeeded."""
+    """An adapter whose release and restore only check the action and queue it (:class:`AdapterError`: refused
+    before queued); they run in order and :meth:`done` reports each outcome once. Until then the plane
+    counts the GPUs in neither pool."""
 
     def done(self) -> list[ActionDone]:
         """Outcomes of the actions finished since the last call, in the order they were queued. Quick."""

@@ -29,9 +29,8 @@ MAX_RATE_SAMPLES = 100_000  # a rate without a known maximum is sampled at most 
 
 @dataclass(frozen=True)
 class Record:
-    """One request, due ``t_s`` seconds after the start (its Poisson arrival) and sent ``late_s`` after
-    that (the generator's own lag: large only when this machine cannot keep up); ``latency_s`` from
-    sending until its answer was read."""
+    """One request, due ``t_s`` after the start, sent ``late_s`` after that (the generator's own lag);
+    ``latency_s`` from sending until its answer was read."""
 
     t_s: float
     latency_s: float
@@ -85,9 +84,8 @@ def steps(points: Sequence[tuple[float, float]]) -> Callable[[float], float]:
 
 def trace_rate(trace: Any, *, speedup: float = 1.0, scale: float = 1.0, start_s: float | None = None
                ) -> Callable[[float], float]:
-    """The request rate of a :class:`~tidal.serving.traces.Trace` (its load column, requests/s) times
-    ``scale``, played from ``start_s`` (default: its first row) at ``speedup`` trace seconds per second;
-    gaps (telemetry outages) replay as the rate before them; past the end, the last row's."""
+    """A trace's load column (requests/s) times ``scale``, played from ``start_s`` (default: its first
+    row) at ``speedup``; a gap replays the rate before it, past the end the last row's."""
     if not (speedup > 0 and scale >= 0 and math.isfinite(speedup) and math.isfinite(scale)):
         raise ValueError(f"speedup must be > 0 and scale >= 0, got {speedup!r}, {scale!r}")
     times = np.asarray(trace.times_s, dtype=float)

@@ -186,9 +186,8 @@ class RayServeAdapter:
         return dict(self._nodes)
 
     def serving_time(self, now_s: float) -> float:
-        """``now_s`` in production; with ``speedup``/``start_s`` (a demo's compressed day) the serving clock
-        runs from ``start_s`` at ``speedup`` x from the first call (the request rate stays real: per
-        second)."""
+        """``now_s`` in production; with ``speedup``/``start_s`` (a demo's day) the clock runs from
+        ``start_s`` at ``speedup`` x from the first call."""
         if self.speedup == 1.0 and self.s.start_s is None:
             return now_s
         if self.origin_s is None:
@@ -245,9 +244,8 @@ class RayServeAdapter:
         return obj
 
     def ensure(self) -> None:
-        """Serve running with the application deployed (or adopted): at most a few quick RPCs; the replicas
-        start in the background. ``AdapterError`` saying why not (never another exception: the reconcile
-        loop calls this)."""
+        """Serve running with the application deployed (or adopted), in a few quick RPCs; ``AdapterError``
+        saying why not, never another exception (the reconcile loop calls this)."""
         if self.deployed:
             return
         try:
@@ -487,9 +485,8 @@ class RayServeAdapter:
         return now
 
     def forecast_history(self, until_s: float, step_s: float) -> list[tuple[float, float]]:
-        """``(serving time, GPUs)`` before the first live grid point ``until_s``: what this adapter measured
-        (kept across restarts), else the request-rate trace of earlier days read at the measured service
-        rate (the prior before one is measured); see :mod:`tidal.serving.serve_history`."""
+        """``(serving time, GPUs)`` before ``until_s``: what this adapter measured, else the earlier days'
+        trace at the measured (or prior) service rate (:mod:`tidal.serving.serve_history`)."""
         mu = self.measured.service_rate() or self.s.service_rate_per_replica
         model = self.s.model(mu) if mu and self.trace is not None else None
         days = self.s.history_days if self.trace is not None else MAX_HISTORY_DAYS

@@ -82,10 +82,9 @@ def history_grid(until_s: float, seconds: float, step_s: float) -> list[float]:
 def forecast_history(until_s: float, step_s: float, *, days: float, trace: Trace | None,
                      model: RequestModel | None, measured: MeasuredHistory,
                      max_gpus: float) -> list[tuple[float, float]]:
-    """``(serving time, GPUs)`` on the ``step_s`` grid over the ``days`` before ``until_s`` (the first live
-    grid point, excluded): the measured point of a step where there is one, else the trace's row covering
-    it converted by ``model`` (NaN in a gap; capped at ``max_gpus``, the serving pool). Points neither
-    covers are left out (the forecast counts them as missing)."""
+    """``(serving time, GPUs)`` on the ``step_s`` grid over the ``days`` before ``until_s``: the measured
+    point where there is one, else the trace's row through ``model`` (capped at ``max_gpus``); points
+    neither covers are left out (missing to the forecast)."""
     days = min(days, MAX_HISTORY_DAYS)
     grid = history_grid(until_s, days * DAY_S, step_s)
     first, n = (grid[0] if grid else until_s), len(grid)

@@ -69,9 +69,8 @@ class Trace:
             raise ValueError(f"trace {self.name!r} ({self.load_column}): {e}") from None
 
     def resample(self, step_s: float | None) -> Trace:
-        """This trace at ``step_s`` (a whole multiple of its step; ``None``: itself): a coarse row is the
-        mean of its rows at the time of the first, and a gap if any of them is (its mean would mix in
-        the outage's zeros). Rows that do not fill a last coarse step are dropped."""
+        """This trace at ``step_s`` (a whole multiple; ``None``: itself): a coarse row is the mean of its
+        rows, a gap if any of them is; a last partial step is dropped."""
         if step_s is None:
             return self
         k = step_s / self.step_s

@@ -78,9 +78,8 @@ class Advisor:
         return self.start_s + (now_s - self.origin_s) * self.speedup
 
     def advance(self, now_s: float) -> int:
-        """Observe and plan at every grid point the serving clock has passed by wall time ``now_s`` (the
-        reconcile step's phase); more than :data:`MAX_CATCH_UP` behind, the latest only. Returns how many
-        plans were made."""
+        """Observe and plan at every grid point passed by wall time ``now_s`` (more than
+        :data:`MAX_CATCH_UP` behind: the latest only); how many plans were made."""
         t = self.serving_time(now_s)
         n = 0
         while n < MAX_CATCH_UP and self.due_in(t) == 0:
@@ -344,9 +343,8 @@ def _check_history_days(v: Any) -> None:
 
 
 def start_advisor(cfg: WatchConfig) -> tuple[Advisor, Callable[[], float], float]:
-    """(advisor, the clock its policy sees, speedup) for ``cfg``, starting now: a replayed trace runs on
-    its own time axis from its start, ``speedup`` times as fast as the wall clock; a Prometheus source on
-    Unix time. Raises ``ValueError`` (or ``OSError`` for an unreadable trace) naming what is wrong."""
+    """(advisor, the clock its policy sees, speedup) for ``cfg``, starting now (a replay on its own axis at
+    ``speedup``, Prometheus on Unix time)."""
     advisor = build_advisor(cfg)
     if advisor.start_s is not None:
         t0, m0, speedup = advisor.start_s, time.monotonic(), advisor.speedup
