@@ -44,17 +44,13 @@ __all__ = ["GB", "RANKS", "build_state", "machine", "resharded_states", "run", "
 
 # (competitor, metric) pairs in report order; every one is a dict {"samples": [...], "median": x}.
 SAVE_METRICS: dict[str, tuple[str, ...]] = {
-    "memcpy": ("copy_s",),
-    "tidal": ("stall_s", "handle_stall_s", "commit_s"),
+    "memcpy": ("copy_s",), "tidal": ("stall_s", "handle_stall_s", "commit_s"),
     "tidal_overlapped": ("stall_s", "handle_stall_s", "staged_s", "commit_s"),
-    "torch_save": ("save_s", "durable_s"),
-    "dcp_save": ("save_s",),
-    "dcp_async": ("return_s", "stall_s", "total_s"),
-}
+    "torch_save": ("save_s", "durable_s"), "dcp_save": ("save_s",),
+    "dcp_async": ("return_s", "stall_s", "total_s")}
 LOAD_METRICS: dict[str, tuple[str, ...]] = {
     "tidal": ("load_s", "load_disk_s", "load_resharded_s", "load_resharded_read_amplification"),
-    "dcp": ("load_s",),
-}
+    "dcp": ("load_s",)}
 # name -> (numerator (group, competitor, metric), denominator, target or None)
 RATIOS: dict[str, tuple[tuple[str, str, str], tuple[str, str, str], float | None]] = {
     "tidal_stall_over_memcpy": (("save", "tidal", "stall_s"), ("save", "memcpy", "copy_s"), 1.1),
@@ -285,8 +281,7 @@ def run(size_gb: float = 1.0, repeat: int = 5, directory: str | os.PathLike | No
                     fn()  # the second staging slot
             samples: dict[str, dict[str, dict[str, list[float]]]] = {
                 "save": {c: {m: [] for m in ms} for c, ms in SAVE_METRICS.items()},
-                "load": {c: {m: [] for m in ms} for c, ms in LOAD_METRICS.items()},
-            }
+                "load": {c: {m: [] for m in ms} for c, ms in LOAD_METRICS.items()}}
             names = list(saves)
             for i in range(repeat):
                 order = names[i % len(names):] + names[: i % len(names)]
