@@ -11,6 +11,7 @@ before, during and after the reclaims.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import threading
 import time
@@ -53,15 +54,11 @@ def write_rate_trace(opts: CycleOptions, path: Path, peak_rate_per_s: float = PE
 
 def serving_config(opts: CycleOptions, rate_trace: Path, port: int) -> WatchConfig:
     """The plane's ``serving:`` block for the Serve variant of the day (the replay variant's timing)."""
-    return WatchConfig(
-        adapter="ray-serve", app=APP, deployment=DEPLOYMENT, init_kwargs={"service_s": SERVICE_S},
-        nodes=opts.serving_nodes, gpus_per_replica=GPUS_PER_REPLICA, latency_target_s=LATENCY_TARGET_S,
-        service_rate_per_replica=1.0 / SERVICE_S, rate_window_s=RATE_WINDOW_S,
-        rate_smoothing_s=RATE_SMOOTHING_S, http_port=port,
-        speedup=opts.speedup, start_s=opts.start_s, trace=str(rate_trace),
-        history_days=float(opts.history_days), shortfall_budget=opts.shortfall_budget, grace_s=opts.grace_s,
-        final_checkpoint_s=opts.final_checkpoint_s, release_s=opts.release_s, warmup_s=opts.warmup_s,
-        restart_cost_s=opts.restart_cost_s)
+    return dataclasses.replace(
+        opts.serving(), adapter="ray-serve", app=APP, deployment=DEPLOYMENT, trace=str(rate_trace),
+        init_kwargs={"service_s": SERVICE_S}, gpus_per_replica=GPUS_PER_REPLICA, http_port=port,
+        latency_target_s=LATENCY_TARGET_S, service_rate_per_replica=1.0 / SERVICE_S, rate_window_s=RATE_WINDOW_S,
+        rate_smoothing_s=RATE_SMOOTHING_S)
 
 
 def deploy(cfg: WatchConfig, timeout_s: float = 240.0) -> float:
