@@ -57,8 +57,8 @@ def serving_config(opts: CycleOptions, rate_trace: Path, port: int) -> WatchConf
     return dataclasses.replace(
         opts.serving(), adapter="ray-serve", app=APP, deployment=DEPLOYMENT, trace=str(rate_trace),
         init_kwargs={"service_s": SERVICE_S}, gpus_per_replica=GPUS_PER_REPLICA, http_port=port,
-        latency_target_s=LATENCY_TARGET_S, service_rate_per_replica=1.0 / SERVICE_S, rate_window_s=RATE_WINDOW_S,
-        rate_smoothing_s=RATE_SMOOTHING_S)
+        latency_target_s=LATENCY_TARGET_S, service_rate_per_replica=1.0 / SERVICE_S,
+        rate_window_s=RATE_WINDOW_S, rate_smoothing_s=RATE_SMOOTHING_S)
 
 
 def deploy(cfg: WatchConfig, timeout_s: float = 240.0) -> float:
