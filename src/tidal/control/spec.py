@@ -54,6 +54,7 @@ MAX_DEPTH = 6  # nesting of lists and mappings
 MAX_GPUS = 65536
 MAX_INTERVAL_S = 7 * 86400.0
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_RESERVED: list[Any] = sorted(RESERVED_ENV)  # (a JSON schema's enum)
 
 
 def _number(v: Any) -> Any:
@@ -181,7 +182,7 @@ class JobSpec(_Strict):
     kind: Literal["spot", "dedicated"] = "spot"
     priority: Int = Field(default=0, ge=-1000, le=1000)
     gpus: Annotated[GpuRange, BeforeValidator(
-        _gpus, json_schema_input_type=Annotated[int, Field(ge=1, le=MAX_GPUS)] | GpuRange)]  # declared as accepted
+        _gpus, json_schema_input_type=Annotated[int, Field(ge=1, le=MAX_GPUS)] | GpuRange)]  # as accepted
     command: list[Annotated[str, Field(max_length=MAX_ARG_CHARS)]] | None = Field(
         default=None, min_length=1, max_length=MAX_ARGS,
         json_schema_extra={"prefixItems": [{"minLength": 1}]},  # the program is not empty
@@ -194,7 +195,7 @@ class JobSpec(_Strict):
               Annotated[str, Field(max_length=MAX_ENV_VALUE_CHARS)]] = Field(
         default_factory=dict, max_length=MAX_ENV, json_schema_extra={"propertyNames": {
             "maxLength": MAX_ENV_NAME_CHARS, "pattern": ENV_NAME_RE.pattern,
-            "not": {"enum": sorted(RESERVED_ENV)}}})
+            "not": {"enum": _RESERVED}}})
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     max_restarts: Int = Field(default=3, ge=0, le=1000)
     grace_s: Num = Field(default=DEFAULT_GRACE_S, gt=0, le=3600,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tidal.files import write_atomic
+from tidal.files import read_plain, write_atomic
 
 
 def write_json(path: Path, doc: dict, owner: tuple[int, int] | None = None) -> None:
@@ -15,9 +15,14 @@ def write_json(path: Path, doc: dict, owner: tuple[int, int] | None = None) -> N
     write_atomic(path, json.dumps(doc), group=None if owner is None else owner[1])
 
 
-def read_json(path: Path) -> dict | None:
+MAX_JSON_BYTES = 16 << 20  # launch.json of the largest job is well under this
+
+
+def read_json(path: Path, owner: int | None = None) -> dict | None:
+    """The JSON object in ``path``, read as :func:`tidal.files.read_plain` reads a file a job may control
+    (``owner``: the job's uid); ``None`` when it is missing, refused or not a JSON object."""
     try:
-        doc = json.loads(path.read_bytes())
+        doc = json.loads(read_plain(path, MAX_JSON_BYTES, owner=owner))
     except (OSError, ValueError):
         return None
     return doc if isinstance(doc, dict) else None

@@ -280,8 +280,8 @@ class LocalExecutor:
                     rk.popen.wait(timeout=5)
             self._give_back(devices)
             raise
-        self._jobs[req.job_id] = _Tracked(req.job_id, req.attempt, now_s, devices, adir, ranks,
-                                          ProgressReader(adir / c.PROGRESS_DIRNAME, n), owner)
+        reader = ProgressReader(adir / c.PROGRESS_DIRNAME, n, owner[0] if owner else None)
+        self._jobs[req.job_id] = _Tracked(req.job_id, req.attempt, now_s, devices, adir, ranks, reader, owner)
         return {"node": self.node, "placement": dict(req.placement), "devices": devices, "master_port": port,
                 "dir": str(adir), **({"uid": owner[0]} if owner else {}),
                 "ranks": [{"rank": k.rank, "pid": k.pid} for k in ranks]}
@@ -541,7 +541,8 @@ class LocalExecutor:
         taken = set(devices)
         self._free = {n: [d for d in free if d not in taken] for n, free in self._free.items()}
         ranks = [_Rank(r["rank"], r["pid"], r.get("started")) for r in doc["ranks"]]
-        self._jobs[job_id] = _Tracked(job_id, attempt, float(doc["launched_s"]), devices, adir, ranks,
-                                      ProgressReader(adir / c.PROGRESS_DIRNAME, len(ranks)),
-                                      recorded_owner(doc))
+        owner = recorded_owner(doc)
+        reader = ProgressReader(adir / c.PROGRESS_DIRNAME, len(ranks), owner[0] if owner else None)
+        self._jobs[job_id] = _Tracked(job_id, attempt, float(doc["launched_s"]), devices, adir, ranks, reader,
+                                      owner)
         return True
