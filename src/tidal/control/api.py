@@ -339,7 +339,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
         if f is not None:
             with f:
                 size = os.fstat(f.fileno()).st_size
-                start = min(offset, size)
+                start = offset if offset <= size else 0  # past the end: cut since (max_log_bytes), read anew
                 f.seek(start)
                 data = f.read(limit)
                 text = dec.decode(data, final=done and start + len(data) >= size)
