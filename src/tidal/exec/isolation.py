@@ -6,6 +6,7 @@
       pass_env: [PATH, LANG]         # names copied from tidal up's environment (nothing else is)
       shm_retention_s: 3600          # an ended job's /dev/shm tier is freed after this at the latest
       max_file_bytes: null           # RLIMIT_FSIZE of every rank (null: no cap)
+      max_log_bytes: 67108864        # a rank log past this keeps its newest half (null: no cap)
       max_procs: 4096                # RLIMIT_NPROC of a job's uid (only with uid_base)
       max_memory_bytes: null         # memory cgroup limit of every rank (null: none; tidal.exec.cgroups)
       ray_open_cluster: false        # Ray executor with uid_base: run on a cluster without token auth
