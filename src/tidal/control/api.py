@@ -466,8 +466,8 @@ async def _body(request: Request, model: type[M]) -> M | JSONResponse:
     try:
         text = bytes(body).decode("utf-8")
     except UnicodeDecodeError as e:
-        raise HTTPException(400, f"the request body is not valid UTF-8 (byte {e.start}: {e.reason})") \
-            from None
+        why = f"byte {e.start}: {e.reason}"
+        raise HTTPException(400, f"the request body is not valid UTF-8 ({why})") from None
     try:
         return model.model_validate(json.loads(text, parse_constant=_no_constant))
     except RecursionError:
