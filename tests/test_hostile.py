@@ -705,3 +705,54 @@ def test_a_spec_number_is_never_true_or_a_string(api):
     assert r.status_code == 422 and _errors(r) == ["priority: expected a number, got bool True",
                                                    "max_restarts: expected a number, got str '3'"]
     assert api.post("a", {**SPEC, "gpus": 1.0}).status_code == 201  # 1.0 is an integer in JSON Schema
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
+def test_a_heartbeat_owned_by_another_uid_is_not_read(tmp_path):
+    """With per-job uids a job could hard-link another job's heartbeat into its progress directory and
+    look alive while hung; the plane reads a job's files only when its uid (or the plane's) owns them."""
+    from tidal.contract import heartbeat_file
+    from tidal.exec.progress import ProgressReader
+
+    beat = tmp_path / heartbeat_file(0)
+    beat.write_text(json.dumps({"time": 5.0, "phase": "train"}))
+    os.chown(beat, 54321, 54321)
+    assert ProgressReader(tmp_path, 1, owner=12345).read().heartbeats == 0
+    assert ProgressReader(tmp_path, 1, owner=54321).read().heartbeat_s == 5.0
+
+
+def test_checkpoint_quota_refuses_new_jobs_and_a_running_job_going_over_is_an_event(tmp_path):
+    """A tenant's checkpoints could fill the plane's disk: with ``checkpoint_quota_bytes`` a submission
+    while its local checkpoints hold the quota is refused naming the bytes, and the reconcile loop
+    records one event when a running job takes its tenant over it. Bytes are blocks on disk: a sparse
+    file of a GiB costs nothing, a link to a big file is not followed."""
+    from control_fakes import FakeExecutor
+    from tidal.control.config import ControlConfig
+    from tidal.control.controller import QUOTA_CHECK_S, Controller
+
+    api = Api(tmp_path, LocationPolicy(tmp_path / "tenants", quota_bytes={"a": 1 << 20}))
+    try:
+        job = api.post("a", SPEC).json()["id"]
+        home = tmp_path / "jobs" / job / "ckpt"
+        home.mkdir(parents=True)
+        with open(home / "sparse", "wb") as f:
+            f.truncate(1 << 30)
+        (home / "link").symlink_to(tmp_path / "tidal.db")
+        assert api.post("a", SPEC).status_code == 201
+        config = ControlConfig(checkpoint_quota_bytes={"a": 1 << 20})
+        ctl = Controller(api.store, FakeExecutor(gpus=4), config, ckpt_root=tmp_path / "jobs")
+        ctl.step(0.0)
+        (home / "step_1").write_bytes(os.urandom(2 << 20))
+        ctl.step(1.0)  # counted once a QUOTA_CHECK_S
+        assert not [e for e in api.store.events() if e.kind == "ckpt_quota"]
+        ctl.step(QUOTA_CHECK_S)
+        ctl.step(2 * QUOTA_CHECK_S)  # still over: no second event
+        events = [e for e in api.store.events() if e.kind == "ckpt_quota"]
+        assert len(events) == 1 and events[0].tenant == "a"
+        assert "over its quota of 1048576" in events[0].message
+        r = api.post("a", SPEC)
+        assert r.status_code == 422 and r.json()["detail"][0]["type"] == "checkpoint_quota"
+        assert "its quota is 1048576 (checkpoint_quota_bytes)" in _errors(r)[0]
+        assert api.post("b", SPEC).status_code == 201 and api.post("admin", SPEC).status_code == 201
+    finally:
+        api.store.close()

@@ -72,7 +72,8 @@ MAX_BODY_BYTES = 1 << 20  # a request body (a job spec is a few hundred bytes)
 # 422 error types no JSON schema can declare: the refusals that depend on the plane's state (its pool, the
 # tenant's quotas and limits, other jobs' checkpoint locations), the tier grammar and the relations of the
 # GPU sizes; every other 422 of a request is a rule its schema declares (tests/test_fuzz_api.py).
-UNDECLARED_RULES = frozenset({"priority_limit", "capacity", "quota", "checkpoint_location", "tiers", "gpus"})
+UNDECLARED_RULES = frozenset({"priority_limit", "capacity", "quota", "checkpoint_location",
+                              "checkpoint_quota", "tiers", "gpus"})
 ERRORS = {400: "the body is not UTF-8 JSON", 401: "missing or unknown bearer token",
           403: "only the admin may do this", 404: "not found (another tenant's job is not found either)",
           409: "conflicts with the current state", 413: "request body too large",
@@ -268,6 +269,13 @@ def create_app(ctx: ApiContext) -> FastAPI:
         found, ck, loc = loc_policy.check(data["checkpoint"], me.name, me.admin, policy, _located, _source)
         problems += [{"loc": ["body", *f.split(".")], "field": f, "type": "checkpoint_location", "msg": m}
                      for f, m in found]
+        mine = store.jobs(tenant=me.name) if policy.quota(me.name) is not None else []
+        used, quota = loc_policy.quota_use(loc_policy.homes(mine, ctx.ckpt_root), policy.quota).get(
+            me.name, (0, policy.quota(me.name)))
+        if not me.admin and quota is not None and used >= quota:
+            problems.append({"loc": ["body", "checkpoint"], "field": "checkpoint", "type": "checkpoint_quota",
+                             "msg": f"tenant {me.name}'s checkpoints hold {used} bytes, its quota is {quota} "
+                                    "(checkpoint_quota_bytes): remove old checkpoints or ask the admin"})
         if problems:
             return _unprocessable(problems)
         data["checkpoint"] = ck

@@ -7,6 +7,7 @@ hang_timeout_s: 120          # no heartbeat for this long (and hang_step_times s
 checkpoint_grants: {vision: [/data/vision-ckpt], "*": ["s3://shared/ckpt"]}  # besides <state>/tenants/<t>/
 checkpoint_endpoints: [http://seaweed:8333, aws, "agent-host:7070"]  # S3 endpoints, peer agents jobs may name
 checkpoint_max_timeout_s: 60 # cap on timeouts in a spec's tier options
+checkpoint_quota_bytes: {vision: 1000000000000, "*": 100000000000}  # local checkpoint bytes per tenant
 serving:                     # optional: the live loan plan, as advice (GET /v1/serving, /metrics)
   serving_gpus: 128
   prometheus: http://prometheus:9090     # or  trace: traffic.csv  (+ speedup, start_s)
@@ -63,6 +64,10 @@ class ControlConfig:
     checkpoint_endpoints: tuple[str, ...] = ()
     """S3 endpoints (``aws``: the AWS default) and checkpoint agents (host:port) a spec may name."""
     checkpoint_max_timeout_s: float = 60.0
+    checkpoint_quota_bytes: dict[str, int] = field(default_factory=dict)
+    """Bytes a tenant's jobs' local checkpoint directories may hold (key ``"*"``: every tenant without its
+    own; none: no quota): a submission over it is refused, a running job taking its tenant over it is
+    an event (tidal.control.locations.quota_use)."""
 
     def backoff_s(self, restarts: int) -> float:
         """Seconds to wait before restart number ``restarts`` (1 = the first)."""
@@ -117,8 +122,14 @@ class ControlConfig:
                     f"agent host:port, got {eps!r}"
                 )
             kw["checkpoint_endpoints"] = tuple(eps)
+        quota = kw.get("checkpoint_quota_bytes")
+        if quota is not None and (not isinstance(quota, dict) or not all(
+                isinstance(t, str) and isinstance(b, int) and not isinstance(b, bool) and b > 0
+                for t, b in quota.items())):
+            raise ValueError(f"{where}: checkpoint_quota_bytes must map a tenant (or '*') to a number of "
+                             f"bytes > 0, got {quota!r}")
         for k, v in kw.items():
-            if k in ("checkpoint_grants", "checkpoint_endpoints"):
+            if k in ("checkpoint_grants", "checkpoint_endpoints", "checkpoint_quota_bytes"):
                 continue
             if (
                 k not in nested

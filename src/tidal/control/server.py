@@ -96,7 +96,7 @@ class Plane:
         cfg_ = self.controller.config
         policy = LocationPolicy(self.state_dir / TENANTS_DIRNAME, cfg_.checkpoint_grants,
                                 cfg_.checkpoint_endpoints, cfg_.checkpoint_max_timeout_s,
-                                own_agents=self.own_agents)
+                                own_agents=self.own_agents, quota_bytes=cfg_.checkpoint_quota_bytes)
         ctx = ApiContext(self.store, self.controller.nodes, self.executor.log_path, time.time,
                          ckpt_root=self.controller.ckpt_root, serving=serving, loans=self.controller.loans,
                          locations=policy,
