@@ -7,6 +7,7 @@ that no input makes it answer 500 or store a refused job."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import sqlite3
@@ -573,3 +574,185 @@ def test_priority_never_preempts_another_tenants_job():
     s = snap(10_000.0, nodes((4,)), tenants(("a", 0, 1.0)),
              [run("a-1", {"t0": 4}, tenant="a"), pend("a-2", tenant="a", min=4, priority=100)])
     assert [d.reason for d in schedule(s, cfg) if isinstance(d, Preempt)] == ["priority"]
+
+
+# ------------------------------------------------------------- F: files a job controls, bounded resources
+def test_open_plain_refuses_another_uids_file_and_one_over_the_cap(tmp_path):
+    from tidal.files import NotPlainFile, open_plain, read_plain
+
+    p = tmp_path / "heartbeat.json"
+    p.write_bytes(b"x" * 100)
+    assert read_plain(p, 100) == b"x" * 100
+    with pytest.raises(NotPlainFile, match="over the limit of 99") as e:
+        read_plain(p, 99)
+    assert e.value.errno == errno.EFBIG
+    if os.geteuid() == 0:  # a hard link a job made to another tenant's file: owned by a third uid
+        os.chown(p, 54321, 54321)
+        with pytest.raises(NotPlainFile, match="owned by uid 54321, not by the job's uid 12345") as e:
+            open_plain(p, owner=12345)
+        assert e.value.errno == errno.EPERM
+        open_plain(p, owner=54321).close()
+    else:
+        with pytest.raises(NotPlainFile, match="owned by uid 0"):
+            open_plain("/etc/passwd", owner=os.geteuid() + 1)
+
+
+def test_a_huge_sparse_progress_file_is_read_in_bounded_chunks(tmp_path):
+    """The plane read a job's progress file to its end at each observation: a sparse file of 64 GiB
+    (free to its writer) would be read into the plane's memory at once."""
+    from tidal.contract import progress_file
+    from tidal.exec.progress import MAX_READ_BYTES, ProgressReader
+
+    p = tmp_path / progress_file(0)
+    p.write_text(json.dumps({"event": "step", "step": 7, "time": 1.0}) + "\n")
+    with open(p, "r+b") as f:
+        f.truncate(64 << 30)
+    reader = ProgressReader(tmp_path, 1)
+    assert reader.read().step == 7
+    assert reader._offset == MAX_READ_BYTES and len(reader._partial) <= MAX_READ_BYTES
+    reader.read()
+    assert reader._offset == 2 * MAX_READ_BYTES and len(reader._partial) <= MAX_READ_BYTES
+
+
+def test_a_status_file_the_job_swapped_or_inflated_is_refused_not_read(tmp_path, monkeypatch):
+    """``GET /v1/jobs/{id}/checkpoints`` read the job's status file (in its shared memory) with a plain
+    read: through a link the job planted (another tenant's status, the admin token) and whole, so a
+    sparse file of 64 GiB took the plane's memory."""
+    from tidal.ckpt.tiers.directory import SHM_BASE_ENV, shm_root_for
+
+    monkeypatch.setenv(SHM_BASE_ENV, str(tmp_path / "shm"))
+    api = Api(tmp_path)
+    try:
+        job = api.post("a", SPEC).json()["id"]
+        status = Path(tmp_path / "shm" / "tidal" / shm_root_for(str(tmp_path / "jobs" / job / "ckpt")).name,
+                      "status.json")
+        status.parent.mkdir(parents=True)
+        other = tmp_path / "other-tenants-status.json"
+        other.write_text(json.dumps({"format": "tidal-ckpt-status", "job": "theirs-1", "updated_unix_s": 1.0,
+                                     "tiers": [], "steps": []}))
+        status.symlink_to(other)
+        r = api.http.get(f"/v1/jobs/{job}/checkpoints", headers=api.h("a"))
+        assert r.status_code == 200 and r.json()["status_file"] is None and "ELOOP" not in r.text
+        assert "Too many levels of symbolic links" in r.json()["status_error"]
+        status.unlink()
+        with open(status, "wb") as f:
+            f.truncate(64 << 30)
+        r = api.http.get(f"/v1/jobs/{job}/checkpoints", headers=api.h("a"))
+        assert r.status_code == 200 and "over the limit" in r.text and r.json()["status_file"] is None
+    finally:
+        api.store.close()
+
+
+def test_a_rank_log_is_capped_keeping_its_tail_and_readers_follow_the_cut(tmp_path):
+    """A rank's output went to its log without a bound: a job printing in a loop filled the plane's
+    disk. Past the cap the newest half stays, after a line saying what was cut, and the rank (which
+    appends through the descriptor the plane handed it) goes on writing after it."""
+    from tidal.exec.local import cap_log
+
+    log = tmp_path / "rank-0.log"
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)  # as the plane opens it
+    try:
+        for i in range(2000):
+            os.write(fd, f"line {i:05d} {'x' * 40}\n".encode())
+        assert cap_log(str(log), 1 << 20) == 0
+        size = log.stat().st_size
+        cut = cap_log(str(log), 16 << 10)
+        os.write(fd, b"after the cut\n")
+    finally:
+        os.close(fd)
+    data = log.read_text()
+    first, rest = data.split("\n", 1)
+    assert first == f"=== tidal: {cut} bytes of this log were cut here (the log is kept under 16384 " \
+                    "bytes: isolation.max_log_bytes) ==="
+    assert rest.startswith("line ") and rest.endswith("line 01999 " + "x" * 40 + "\nafter the cut\n")
+    assert size - cut == len(rest) - len("after the cut\n") and len(data) < 9 << 10
+
+    store = Store(f"sqlite:///{tmp_path}/tidal.db")
+    try:  # a follower whose offset is past the cut log's end reads it anew from the marker
+        ensure_admin(store, tmp_path, 0.0)
+        token = create_tenant(store, "a")
+        app = create_app(ApiContext(store, [Node("local", 4)], lambda j, r: str(log), FakeClock()))
+        http = TestClient(app, raise_server_exceptions=False)
+        h = {"Authorization": f"Bearer {token}"}
+        jid = http.post("/v1/jobs", json=SPEC, headers=h).json()["id"]
+        r = http.get(f"/v1/jobs/{jid}/logs", params={"offset": size}, headers=h).json()
+        assert r["data"].startswith("=== tidal: ") and r["offset"] == len(data)
+    finally:
+        store.close()
+
+
+def test_every_path_names_all_its_methods_in_allow_and_tenant_bodies_get_the_same_400s(api):
+    """Starlette's 405 named the methods of one route only (``Allow: POST`` on /v1/jobs, which also
+    answers GET); POST /v1/tenants answered an undocumented 400 without saying what was wrong."""
+    for path in ("/v1/jobs", "/v1/tenants"):
+        r = api.http.request("OPTIONS", path, headers=api.h("admin"))
+        assert r.status_code == 405 and r.headers["allow"] == "GET, POST", r.headers
+    post = {**api.h("admin"), "Content-Type": "application/json"}
+    r = api.http.post("/v1/tenants", content=b"\xff", headers=post)
+    assert r.status_code == 400 and "not valid UTF-8" in r.json()["detail"]
+    r = api.http.post("/v1/tenants", content=b"{nope", headers=post)
+    assert r.status_code == 400 and "not valid JSON" in r.json()["detail"]
+    r = api.http.post("/v1/tenants", content=b"[" * 100000 + b"]" * 100000, headers=post)
+    assert r.status_code == 400 and "nested too deeply" in r.json()["detail"]
+    r = api.http.post("/v1/tenants", json={"name": "t", "max_priority": False}, headers=api.h("admin"))
+    assert r.status_code == 422 and r.json()["errors"] == ["max_priority: expected a number, got bool False"]
+    r = api.http.post("/v1/tenants", json={"name": "t", "quota_gpus": 2.0}, headers=api.h("admin"))
+    assert r.status_code == 201 and r.json()["quota_gpus"] == 2
+
+
+def test_a_spec_number_is_never_true_or_a_string(api):
+    r = api.post("a", {**SPEC, "priority": True, "max_restarts": "3"})
+    assert r.status_code == 422 and _errors(r) == ["priority: expected a number, got bool True",
+                                                   "max_restarts: expected a number, got str '3'"]
+    assert api.post("a", {**SPEC, "gpus": 1.0}).status_code == 201  # 1.0 is an integer in JSON Schema
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
+def test_a_heartbeat_owned_by_another_uid_is_not_read(tmp_path):
+    """With per-job uids a job could hard-link another job's heartbeat into its progress directory and
+    look alive while hung; the plane reads a job's files only when its uid (or the plane's) owns them."""
+    from tidal.contract import heartbeat_file
+    from tidal.exec.progress import ProgressReader
+
+    beat = tmp_path / heartbeat_file(0)
+    beat.write_text(json.dumps({"time": 5.0, "phase": "train"}))
+    os.chown(beat, 54321, 54321)
+    assert ProgressReader(tmp_path, 1, owner=12345).read().heartbeats == 0
+    assert ProgressReader(tmp_path, 1, owner=54321).read().heartbeat_s == 5.0
+
+
+def test_checkpoint_quota_refuses_new_jobs_and_a_running_job_going_over_is_an_event(tmp_path):
+    """A tenant's checkpoints could fill the plane's disk: with ``checkpoint_quota_bytes`` a submission
+    while its local checkpoints hold the quota is refused naming the bytes, and the reconcile loop
+    records one event when a running job takes its tenant over it. Bytes are blocks on disk: a sparse
+    file of a GiB costs nothing, a link to a big file is not followed."""
+    from control_fakes import FakeExecutor
+    from tidal.control.config import ControlConfig
+    from tidal.control.controller import QUOTA_CHECK_S, Controller
+
+    api = Api(tmp_path, LocationPolicy(tmp_path / "tenants", quota_bytes={"a": 1 << 20}))
+    try:
+        job = api.post("a", SPEC).json()["id"]
+        home = tmp_path / "jobs" / job / "ckpt"
+        home.mkdir(parents=True)
+        with open(home / "sparse", "wb") as f:
+            f.truncate(1 << 30)
+        (home / "link").symlink_to(tmp_path / "tidal.db")
+        assert api.post("a", SPEC).status_code == 201
+        config = ControlConfig(checkpoint_quota_bytes={"a": 1 << 20})
+        ctl = Controller(api.store, FakeExecutor(gpus=4), config, ckpt_root=tmp_path / "jobs")
+        ctl.step(0.0)
+        (home / "step_1").write_bytes(os.urandom(2 << 20))
+        ctl.step(1.0)  # counted once a QUOTA_CHECK_S
+        assert not [e for e in api.store.events() if e.kind == "ckpt_quota"]
+        ctl.step(QUOTA_CHECK_S)
+        ctl.step(2 * QUOTA_CHECK_S)  # still over: no second event
+        events = [e for e in api.store.events() if e.kind == "ckpt_quota"]
+        assert len(events) == 1 and events[0].tenant == "a"
+        assert "over its quota of 1048576" in events[0].message
+        r = api.post("a", SPEC)
+        assert r.status_code == 422 and r.json()["detail"][0]["type"] == "checkpoint_quota"
+        assert "its quota is 1048576 (checkpoint_quota_bytes)" in _errors(r)[0]
+        assert api.post("b", SPEC).status_code == 201 and api.post("admin", SPEC).status_code == 201
+    finally:
+        api.store.close()

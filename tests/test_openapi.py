@@ -76,7 +76,7 @@ def test_the_document_is_valid_and_every_answer_matches_it(plane):
         "description": "a tenant's token (TIDAL_TOKEN)",
     }
     gpus = doc["components"]["schemas"]["JobSpec"]["properties"]["gpus"]["anyOf"]
-    assert {"minimum": 1, "type": "integer"} in gpus  # gpus: 1 is accepted, and declared
+    assert {"minimum": 1, "maximum": 65536, "type": "integer"} in gpus  # gpus: 1 is accepted, and declared
     for path, ops in doc["paths"].items():
         for method, op in ops.items():
             assert all(p["name"].lower() != "authorization" for p in op.get("parameters", []))

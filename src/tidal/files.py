@@ -1,6 +1,6 @@
 """Atomic file writes: a reader sees the old file or the whole new one, never a torn one; and
-:func:`open_plain`, the one way to read a file a job controls. Standard library only (the shim loads it
-by path).
+:func:`open_plain`/:func:`read_plain`, the one way to read a file a job controls (owner and size
+checked). Standard library only (the shim loads it by path).
 
 Each write goes to a fresh hidden temporary name beside the target, created with ``O_CREAT | O_EXCL |
 O_NOFOLLOW``, mode 0600 unless told otherwise (:data:`AS_OPEN`: as ``open()``; ``group``: 0640 in that
@@ -168,19 +168,43 @@ def owned_dir(path: str | os.PathLike, *, create: bool = True, mode: int = 0o700
 
 
 class NotPlainFile(OSError):
-    """What :func:`open_plain` found is not a regular file (a FIFO, a device, a directory)."""
+    """What :func:`open_plain` found is not a regular file (a FIFO, a device, a directory), is owned by
+    a uid it did not expect, or is larger than the caller reads."""
 
 
-def open_plain(path: str | os.PathLike) -> IO[bytes]:
+def open_plain(path: str | os.PathLike, *, owner: int | None = None,
+               max_bytes: int | None = None) -> IO[bytes]:
     """``path`` opened for reading (binary) when it is a regular file: never through a symbolic link at
     its last component (``ELOOP``), never blocking on a FIFO, never a device or directory
     (:class:`NotPlainFile`). For files in a directory a job owns: the job may have swapped its file for a
-    link to the state dir, a FIFO or ``/dev/zero``, and the reader must neither read elsewhere nor hang."""
+    link to the state dir, a FIFO or ``/dev/zero``, and the reader must neither read elsewhere nor hang.
+
+    ``owner``: the uid the job runs as; a file owned by neither it nor this process's uid (a hard link
+    to another tenant's file) is refused (``EPERM``). ``max_bytes``: a larger file is refused
+    (``EFBIG``; a sparse file of a terabyte costs its writer nothing): for a file read whole. A file
+    that grows (a log) is read in bounded chunks by its caller instead."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
             raise NotPlainFile(errno.EINVAL, "not a regular file", os.fspath(path))
+        if owner is not None and st.st_uid not in (owner, os.geteuid()):
+            raise NotPlainFile(errno.EPERM, f"owned by uid {st.st_uid}, not by the job's uid {owner}",
+                               os.fspath(path))
+        if max_bytes is not None and st.st_size > max_bytes:
+            raise NotPlainFile(errno.EFBIG, f"{st.st_size} bytes, over the limit of {max_bytes}",
+                               os.fspath(path))
         return open(fd, "rb")
     except BaseException:
         os.close(fd)
         raise
+
+
+def read_plain(path: str | os.PathLike, max_bytes: int, *, owner: int | None = None) -> bytes:
+    """The whole of a file someone else controls, as :func:`open_plain` opens it, at most ``max_bytes``
+    (:class:`NotPlainFile` when it holds more, also when it grew after it was opened)."""
+    with open_plain(path, owner=owner, max_bytes=max_bytes) as f:
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise NotPlainFile(errno.EFBIG, f"over the limit of {max_bytes} bytes", os.fspath(path))
+    return data

@@ -18,14 +18,17 @@ database, in the pool.
 import codecs
 import json
 import os
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sqlalchemy.exc import SQLAlchemyError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tidal.contract import ENV_SHM_DIR
@@ -37,15 +40,21 @@ from tidal.control.context import ApiContext
 from tidal.control.dashboard import dashboard_router
 from tidal.control.job_views import default_ckpt
 from tidal.control.render import SafeJSON, json_route
-from tidal.control.spec import JobSpec, clean_msg, error_path
+from tidal.control.spec import Int, JobSpec, Num, clean_msg, error_path
 from tidal.control.states import HELD, TERMINAL, State
 from tidal.control.store import NotFound, StoreUnavailable, TenantRow
 from tidal.control.views import checkpoint_view, event_view, job_view, pool_view
 from tidal.files import open_plain
 
+M = TypeVar("M", bound=BaseModel)
 MAX_LOG_CHUNK_BYTES = 1 << 20
 TOO_DEEP = "the request body is nested too deeply (a job spec is a few levels of objects and lists)"
 MAX_BODY_BYTES = 1 << 20  # a request body (a job spec is a few hundred bytes)
+# 422 error types no JSON schema can declare: the refusals that depend on the plane's state (its pool, the
+# tenant's quotas and limits, other jobs' checkpoint locations), the tier grammar and the relations of the
+# GPU sizes; every other 422 of a request is a rule its schema declares (tests/test_fuzz_api.py).
+UNDECLARED_RULES = frozenset({"priority_limit", "capacity", "quota", "checkpoint_location",
+                              "checkpoint_quota", "tiers", "gpus"})
 ERRORS = {400: "the body is not UTF-8 JSON", 401: "missing or unknown bearer token",
           403: "only the admin may do this", 404: "not found (another tenant's job is not found either)",
           409: "conflicts with the current state", 413: "request body too large",
@@ -55,13 +64,13 @@ ERRORS = {400: "the body is not UTF-8 JSON", 401: "missing or unknown bearer tok
 class TenantSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
-    quota_gpus: int = Field(
+    quota_gpus: Int = Field(
         default=0, ge=0, le=1 << 20, description="training GPUs guaranteed to dedicated jobs"
     )
-    weight: float = Field(
+    weight: Num = Field(
         default=1.0, gt=0, le=1e6, allow_inf_nan=False, description="share of spot capacity"
     )
-    max_priority: int = Field(
+    max_priority: Int = Field(
         default=0, ge=-1000, le=1000, description="the highest priority its jobs may ask for"
     )
 
@@ -142,6 +151,14 @@ def create_app(ctx: ApiContext) -> FastAPI:
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         return _refused(exc.errors())
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 405:  # Allow: every method of the path (Starlette names only one route's)
+            allowed = {m for r in app.router.routes if isinstance(r, Route)
+                       and r.matches(request.scope)[0] is not Match.NONE for m in r.methods or ()}
+            exc.headers = {**(exc.headers or {}), "Allow": ", ".join(sorted(allowed))}
+        return await http_exception_handler(request, exc)
+
     @app.exception_handler(RecursionError)
     async def _too_deep(_: Request, exc: RecursionError) -> JSONResponse:
         # a body nested thousands of levels deep (``[[[[...``) overflows the JSON parser or a validator
@@ -198,36 +215,14 @@ def create_app(ctx: ApiContext) -> FastAPI:
         return {"tenant": me.name, "admin": me.admin, "quota_gpus": me.quota_gpus, "weight": me.weight,
                 "max_priority": me.max_priority or 0}
 
-    spec_schema = JobSpec.model_json_schema(ref_template="#/components/schemas/{model}")
-    spec_defs = spec_schema.pop("$defs", {})
 
-    @app.post("/v1/jobs", status_code=201, **_doc(sc.JobDetail, 400, 401, 413, 422, status=201),
-              openapi_extra={"requestBody": {"required": True, "content": {
-        "application/json": {"schema": {"$ref": "#/components/schemas/JobSpec"}}}}})
+    @app.post("/v1/jobs", status_code=201, openapi_extra=_body_doc(JobSpec),
+              **_doc(sc.JobDetail, 400, 401, 413, 422, status=201))
     async def submit(request: Request, me: Caller) -> Response:
         """Submit a job spec (JSON); 201 with the job. 413 over the body limit, 400 for a body that is not
         UTF-8 JSON, 422 naming each refused field."""
-        body = bytearray()
-        async for chunk in request.stream():  # BodyLimit stops this past MAX_BODY_BYTES
-            body += chunk
-        try:
-            text_ = bytes(body).decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise HTTPException(400, f"the request body is not valid UTF-8 (byte {e.start}: {e.reason})") \
-                from None
-        try:
-            data = json.loads(text_, parse_constant=_no_constant)
-        except ValueError as e:
-            raise HTTPException(400, f"the request body is not valid JSON: {e}") from None
-        except RecursionError:
-            raise HTTPException(400, TOO_DEEP) from None
-        try:
-            spec = JobSpec.model_validate(data)
-        except RecursionError:
-            raise HTTPException(400, TOO_DEEP) from None
-        except ValidationError as e:
-            return _refused(e.errors(), "body")
-        return await run_in_threadpool(_submit, spec, me)
+        spec = await _body(request, JobSpec)
+        return spec if isinstance(spec, Response) else await run_in_threadpool(_submit, spec, me)
 
     def _submit(spec: JobSpec, me: TenantRow) -> Response:
         problems = []
@@ -245,6 +240,13 @@ def create_app(ctx: ApiContext) -> FastAPI:
         data = spec.model_dump()
         found, ck, loc = loc_policy.check(data["checkpoint"], me.name, me.admin, policy, _located, _source)
         problems += [_problem(f, "checkpoint_location", m) for f, m in found]
+        mine = store.jobs(tenant=me.name) if policy.quota(me.name) is not None else []
+        used, quota = loc_policy.quota_use(loc_policy.homes(mine, ctx.ckpt_root), policy.quota).get(
+            me.name, (0, policy.quota(me.name)))
+        if not me.admin and quota is not None and used >= quota:
+            problems.append(_problem("checkpoint", "checkpoint_quota", f"tenant {me.name}'s checkpoints "
+                                     f"hold {used} bytes, its quota is {quota} (checkpoint_quota_bytes): "
+                                     "remove old checkpoints or ask the admin"))
         if problems:
             return _unprocessable(problems)
         data["checkpoint"] = ck
@@ -316,7 +318,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
         if f is not None:
             with f:
                 size = os.fstat(f.fileno()).st_size
-                start = min(offset, size)
+                start = offset if offset <= size else 0  # past the end: cut since (max_log_bytes), read anew
                 f.seek(start)
                 data = f.read(limit)
                 text = dec.decode(data, final=done and start + len(data) >= size)
@@ -373,9 +375,14 @@ def create_app(ctx: ApiContext) -> FastAPI:
         return [{"name": t.name, "quota_gpus": t.quota_gpus, "weight": t.weight, "admin": t.admin,
                  "max_priority": t.max_priority or 0} for t in store.tenants()]
 
-    @app.post("/v1/tenants", status_code=201, **_doc(sc.TenantCreated, 401, 403, 409, 413, 422, status=201))
+    @app.post("/v1/tenants", status_code=201, openapi_extra=_body_doc(TenantSpec),
+              **_doc(sc.TenantCreated, 400, 401, 403, 409, 413, 422, status=201))
+    async def add_tenant(request: Request, _: Annotated[TenantRow, Depends(admin)]) -> Response:
+        body = await _body(request, TenantSpec)
+        return body if isinstance(body, Response) else await run_in_threadpool(_add_tenant, body)
+
     @json_route(201)
-    def add_tenant(body: TenantSpec, _: Annotated[TenantRow, Depends(admin)]) -> dict:
+    def _add_tenant(body: TenantSpec) -> dict:
         if store.tenant(body.name) is not None:
             raise HTTPException(409, f"tenant {body.name} exists")
         token = create_tenant(store, body.name, quota_gpus=body.quota_gpus, weight=body.weight,
@@ -394,9 +401,9 @@ def create_app(ctx: ApiContext) -> FastAPI:
             doc = base_openapi()
             components = doc.setdefault("components", {})
             schemas = components.setdefault("schemas", {})
-            schemas.setdefault("JobSpec", spec_schema)
-            for k, v in spec_defs.items():
-                schemas.setdefault(k, v)
+            for model in (JobSpec, TenantSpec):  # the request bodies the handlers parse themselves
+                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                schemas.update({model.__name__: body, **body.pop("$defs", {})})
             # The bearer token is checked by a dependency reading the header: declare it as the scheme
             # it is, on every route that answers 401, instead of as an ``authorization`` parameter.
             components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer",
@@ -414,6 +421,33 @@ def create_app(ctx: ApiContext) -> FastAPI:
 
     app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to extend the schema
     return app
+
+
+def _body_doc(model: type[BaseModel]) -> dict[str, Any]:
+    """OpenAPI of a JSON request body that the handler parses itself (:func:`_body`)."""
+    return {"requestBody": {"required": True, "content": {
+        "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+async def _body(request: Request, model: type[M]) -> M | JSONResponse:
+    """The request's JSON body validated as ``model``, or the 422 naming each refused field; 400 for a
+    body that is not UTF-8, not JSON or nested too deeply (413 past the body limit: :class:`BodyLimit`)."""
+    body = bytearray()
+    async for chunk in request.stream():  # BodyLimit stops this past MAX_BODY_BYTES
+        body += chunk
+    try:
+        text = bytes(body).decode("utf-8")
+    except UnicodeDecodeError as e:
+        why = f"byte {e.start}: {e.reason}"
+        raise HTTPException(400, f"the request body is not valid UTF-8 ({why})") from None
+    try:
+        return model.model_validate(json.loads(text, parse_constant=_no_constant))
+    except RecursionError:
+        raise HTTPException(400, TOO_DEEP) from None
+    except ValidationError as e:
+        return _refused(e.errors(), "body")
+    except ValueError as e:
+        raise HTTPException(400, f"the request body is not valid JSON: {e}") from None
 
 
 def _no_constant(name: str) -> Any:

@@ -42,6 +42,10 @@ class ControlConfig:
     checkpoint_endpoints: tuple[str, ...] = ()
     """S3 endpoints (``aws``: the AWS default) and checkpoint agents (host:port) a spec may name."""
     checkpoint_max_timeout_s: float = 60.0
+    checkpoint_quota_bytes: dict[str, int] = field(default_factory=dict)
+    """Bytes a tenant's jobs' local checkpoint directories may hold (key ``"*"``: every tenant without its
+    own; none: no quota): a submission over it is refused, a running job taking its tenant over it is
+    an event (tidal.control.locations.quota_use)."""
 
     def backoff_s(self, restarts: int) -> float:
         """Seconds to wait before restart number ``restarts`` (1 = the first)."""
@@ -93,7 +97,14 @@ class ControlConfig:
                     f"{where}: checkpoint_endpoints must be a list of S3 endpoint URLs, 'aws', or "
                     f"agent host:port, got {eps!r}")
             kw["checkpoint_endpoints"] = tuple(eps)
-        not_seconds = {*nested, "serving", "isolation", "checkpoint_grants", "checkpoint_endpoints"}
+        quota = kw.get("checkpoint_quota_bytes")
+        if quota is not None and (not isinstance(quota, dict) or not all(
+                isinstance(t, str) and isinstance(b, int) and not isinstance(b, bool) and b > 0
+                for t, b in quota.items())):
+            raise ValueError(f"{where}: checkpoint_quota_bytes must map a tenant (or '*') to a number of "
+                             f"bytes > 0, got {quota!r}")
+        not_seconds = {*nested, "serving", "isolation", "checkpoint_grants", "checkpoint_endpoints",
+                       "checkpoint_quota_bytes"}
         for k, v in kw.items():
             if k not in not_seconds and (not isinstance(v, int | float) or v < 0):
                 raise ValueError(f"{where}: {k} must be a number of seconds >= 0, got {v!r}")

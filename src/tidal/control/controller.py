@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from tidal.contract import DEFAULT_GRACE_S, EXIT_FENCED
-from tidal.control import node_memory
+from tidal.control import locations, node_memory
 from tidal.control.accounting import account, describe_rank, rank_code
 from tidal.control.config import ControlConfig
 from tidal.control.job_views import job_env, own_dirs, scheduler_view, taken_over
@@ -60,6 +60,7 @@ log = logging.getLogger(__name__)
 
 S = State
 SHM_SWEEP_S = 5.0  # how often ended jobs' shared-memory directories are looked at
+QUOTA_CHECK_S = 60.0  # how often the tenants' checkpoint bytes are counted (a walk of their directories)
 ANNOUNCE_INTERVAL_S = 600.0  # a job's checkpoint-interval changes are announced (events) at most this often
 RESUMABLE_CODES = frozenset({0, EXIT_PREEMPTED, -15, 128 + 15})  # -15/143: SIGTERM before the session existed
 
@@ -79,6 +80,8 @@ class Controller:
         self._events: list[tuple[str, str, dict | None]] = []  # this step's loan events
         self.watch = NodeWatch(store, executor, self.nodes)  # nodes joining and leaving; jobs losing one
         self._shm_swept_s = float("-inf")
+        self._quota_checked_s = float("-inf")
+        self._over_quota: set[str] = set()
         self._announced: dict[str, tuple[float, int]] = {}  # job -> (last ckpt_interval event, changes since)
         self._own_cadence: set[str] = set()  # jobs told that their own step cadence wins
         # job id -> why it waits or does not grow, as stored (the scheduler's reasons; see _note_waiting)
@@ -144,7 +147,27 @@ class Controller:
         self._note_waiting(why)
         self._save_loans(now_s)
         self.sweep_shm(now_s)
+        self._check_ckpt_quota(now_s)
         return decisions
+
+    def _check_ckpt_quota(self, now_s: float) -> None:
+        """Every ``QUOTA_CHECK_S``: an event for each tenant with running jobs whose checkpoints went over
+        its ``checkpoint_quota_bytes`` since the last look (its new jobs are refused at submission)."""
+        quota = self.config.checkpoint_quota_bytes
+        if not quota or now_s - self._quota_checked_s < QUOTA_CHECK_S:
+            return
+        self._quota_checked_s = now_s
+        running = {j.tenant for j in self.store.active_jobs()}
+        jobs = [j for j in self.store.jobs() if j.tenant in running]
+        use = locations.quota_use(locations.homes(jobs, self.ckpt_root),
+                                  lambda t: locations.quota_of(quota, t))
+        over = {t for t, (used, q) in use.items() if used > q}
+        for t in sorted(over - self._over_quota):
+            used, q = use[t]
+            self.store.record("ckpt_quota", f"tenant {t}'s checkpoints hold {used} bytes, over its quota of "
+                              f"{q} (checkpoint_quota_bytes): its new jobs are refused until old checkpoints "
+                              "are removed", now_s, tenant=t, data={"used_bytes": used, "quota_bytes": q})
+        self._over_quota = over
 
     def _note_waiting(self, why: dict[str, Waiting]) -> None:
         """Store why each job waits or does not grow (``jobs.waiting``) where that changed; no reason clears

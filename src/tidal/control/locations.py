@@ -12,6 +12,7 @@ docs/control.md).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -34,11 +35,48 @@ class LocationPolicy:
     """The executor runs a checkpoint agent on each node and gives ranks their addresses (``tidal up
     --executor ray --ckpt-agents``): a ``peer`` tier naming no agent uses those, which tenants may."""
 
+    quota_bytes: Mapping[str, int] = field(default_factory=dict)
+    """``checkpoint_quota_bytes``: a tenant's (or ``"*"``) bytes of local checkpoints."""
+
+    def quota(self, tenant: str) -> int | None:
+        return quota_of(self.quota_bytes, tenant)
+
     def prefixes(self, tenant: str) -> list[str]:
         out = [str(self.tenants_root / tenant)] if self.tenants_root is not None else []
         for who in (tenant, "*"):
             out.extend(self.grants.get(who, ()))
         return [p if p.startswith("s3://") else _real(p) for p in out]
+
+
+def quota_of(quota_bytes: Mapping[str, int], tenant: str) -> int | None:
+    return quota_bytes.get(tenant, quota_bytes.get("*"))
+
+
+def homes(jobs: Iterable[Any], ckpt_root: Path | None) -> list[tuple[str, str]]:
+    """(tenant, checkpoint home) of ``jobs`` (store rows): the recorded location, else the default
+    ``<ckpt_root>/<job>/ckpt``."""
+    out = [(j.tenant, j.ckpt_location or (str(ckpt_root / j.id / "ckpt") if ckpt_root is not None else None))
+           for j in jobs]
+    return [(t, h) for t, h in out if h is not None]
+
+
+def quota_use(homes: Iterable[tuple[str, str]],
+              quota: Callable[[str], int | None]) -> dict[str, tuple[int, int]]:
+    """``{tenant: (bytes used, quota)}`` of the tenants with a quota, from ``(tenant, home)`` of their
+    jobs' checkpoint homes (``s3://`` ones are not counted: the bucket has its own limits). Bytes are
+    what the files take on disk (a sparse file counts its blocks), never through a link."""
+    out: dict[str, tuple[int, int]] = {}
+    for tenant, home in homes:
+        q = quota(tenant)
+        if q is None or home.startswith("s3://"):
+            continue
+        used = 0
+        for d, _, files in os.walk(_real(home)):  # followlinks=False: a link a job planted is not walked
+            for f in files:
+                with contextlib.suppress(OSError):  # removed meanwhile
+                    used += os.lstat(os.path.join(d, f)).st_blocks * 512
+        out[tenant] = (out.get(tenant, (0, q))[0] + used, q)
+    return out
 
 
 def _real(path: str) -> str:

@@ -88,7 +88,7 @@ class Plane:
             (ctl.advisor, cfg.serving.describe()) if cfg.serving is not None else None)
         policy = LocationPolicy(self.state_dir / TENANTS_DIRNAME, cfg.checkpoint_grants,
                                 cfg.checkpoint_endpoints, cfg.checkpoint_max_timeout_s,
-                                own_agents=self.own_agents)
+                                own_agents=self.own_agents, quota_bytes=cfg.checkpoint_quota_bytes)
         ctx = ApiContext(self.store, ctl.nodes, self.executor.log_path, time.time, ckpt_root=ctl.ckpt_root,
                          serving=serving, loans=ctl.loans, locations=policy, job_dir=self.executor.job_dir)
         return create_app(ctx)

@@ -17,6 +17,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
@@ -39,6 +40,17 @@ MAX_DEPTH = 6  # nesting of lists and mappings
 MAX_GPUS = 65536
 MAX_INTERVAL_S = 7 * 86400.0
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_RESERVED: list[Any] = sorted(RESERVED_ENV)  # (a JSON schema's enum)
+
+
+def _number(v: Any) -> Any:
+    if isinstance(v, bool | str):  # JSON true or "4" is not a number (4.0 is: JSON Schema says so too)
+        raise ValueError(f"expected a number, got {type(v).__name__} {v!r}")
+    return v
+
+
+Int = Annotated[int, BeforeValidator(_number)]
+Num = Annotated[float, BeforeValidator(_number)]
 
 
 class _Strict(BaseModel):
@@ -49,30 +61,29 @@ class GpuRange(_Strict):
     """GPUs a job runs on: a gang of ``min`` (all or nothing), elastic up to ``max``, sizes multiples
     of ``multiple_of`` (e.g. the tensor x pipeline parallel degree)."""
 
-    min: int = Field(ge=1, le=MAX_GPUS, description="gang minimum, GPUs")
-    max: int | None = Field(
-        default=None, ge=1, le=MAX_GPUS, description="elastic maximum, GPUs (default: min)"
-    )
-    multiple_of: int = Field(default=1, ge=1, le=MAX_GPUS, description="every size is a multiple of this")
+    min: Int = Field(ge=1, le=MAX_GPUS, description="gang minimum, GPUs")
+    max: Annotated[int, Field(ge=1, le=MAX_GPUS), BeforeValidator(_number)] | None = Field(
+        default=None, description="elastic maximum, GPUs (default: min)")
+    multiple_of: Int = Field(default=1, ge=1, le=MAX_GPUS, description="every size is a multiple of this")
 
     @model_validator(mode="after")
     def _sizes(self) -> GpuRange:
         mx = self.min if self.max is None else self.max
         object.__setattr__(self, "max", mx)
-        if mx < self.min:
-            raise ValueError(f"max ({mx}) must be >= min ({self.min})")
+        if mx < self.min:  # relations between fields (type "gpus"): more than a JSON schema can say
+            raise PydanticCustomError("gpus", f"max ({mx}) must be >= min ({self.min})")
         for name in ("min", "max"):
             if getattr(self, name) % self.multiple_of:
-                raise ValueError(f"{name} ({getattr(self, name)}) must be a multiple of multiple_of "
-                                 f"({self.multiple_of})")
+                raise PydanticCustomError("gpus", f"{name} ({getattr(self, name)}) must be a multiple of "
+                                          f"multiple_of ({self.multiple_of})")
         return self
 
 
 def _gpus(v: Any) -> Any:
     if isinstance(v, bool):
         raise ValueError("expected a GPU count (e.g. 4) or {min, max, multiple_of}")
-    if isinstance(v, int):
-        return {"min": v}
+    if isinstance(v, int) or isinstance(v, float) and v.is_integer():
+        return {"min": int(v)}
     if isinstance(v, dict | GpuRange):
         return v
     raise ValueError(f"expected a GPU count (e.g. 4) or {{min, max, multiple_of}}, got {type(v).__name__}")
@@ -94,7 +105,8 @@ class CheckpointSpec(_Strict):
     tiers: list[str | dict[str, Any]] | None = Field(
         default=None, min_length=1, max_length=MAX_TIERS,
         description="tier list, fastest first, instead of url, e.g. [shm, /ckpt/run1, s3://bucket/run1]")
-    interval_s: float | Literal["auto"] = Field(
+    interval_s: Annotated[float | Literal["auto"], WithJsonSchema({"anyOf": [
+        {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_INTERVAL_S}, {"const": "auto"}]})] = Field(
         default="auto", description="seconds between periodic checkpoints, or 'auto': the control plane sets "
                                     "it from the job's measured save stall and its interruption risk")
 
@@ -122,8 +134,8 @@ class CheckpointSpec(_Strict):
 
             try:
                 resolve(v, default_keep=3)
-            except TierSpecError as e:
-                raise ValueError(str(e)) from None
+            except TierSpecError as e:  # the tier grammar (docs/checkpoint.md), more than a schema says
+                raise PydanticCustomError("tiers", str(e)) from None
         return v
 
     resume_from: str | None = Field(
@@ -142,24 +154,33 @@ class CheckpointSpec(_Strict):
 
 
 class JobSpec(_Strict):
-    name: str = Field(description="a name: letters, digits, '.', '_', '-' (the job id is <name>-<n>)")
+    # The rules between fields, declared in the JSON schema too: exactly one of command and run.
+    model_config = ConfigDict(extra="forbid", frozen=True, json_schema_extra={"oneOf": [
+        {"required": ["command"], "properties": {"command": {"type": "array"}}},
+        {"required": ["run"], "properties": {"run": {"type": "string"}}}]})
+
+    name: str = Field(description="a name: letters, digits, '.', '_', '-' (the job id is <name>-<n>)",
+                      json_schema_extra={"pattern": NAME_RE.pattern})
     kind: Literal["spot", "dedicated"] = "spot"
-    priority: int = Field(default=0, ge=-1000, le=1000)
+    priority: Int = Field(default=0, ge=-1000, le=1000)
     gpus: Annotated[GpuRange, BeforeValidator(
-        _gpus, json_schema_input_type=Annotated[int, Field(ge=1)] | GpuRange)]  # declared as accepted
+        _gpus, json_schema_input_type=Annotated[int, Field(ge=1, le=MAX_GPUS)] | GpuRange)]  # as accepted
     command: list[Annotated[str, Field(max_length=MAX_ARG_CHARS)]] | None = Field(
         default=None, min_length=1, max_length=MAX_ARGS,
+        json_schema_extra={"prefixItems": [{"minLength": 1}]},  # the program is not empty
         description="argument list; never run through a shell (give this or run)")
     run: str | None = Field(default=None, min_length=1, max_length=MAX_ARG_CHARS,
                             description="a shell script, instead of command: run as [bash, -c, RUN]")
-    workdir: str | None = Field(default=None, max_length=MAX_PATH_CHARS,
+    workdir: str | None = Field(default=None, max_length=MAX_PATH_CHARS, json_schema_extra={"pattern": "^/"},
                                 description="absolute directory the ranks start in")
     env: dict[Annotated[str, Field(max_length=MAX_ENV_NAME_CHARS), AfterValidator(_env_name)],
-              Annotated[str, Field(max_length=MAX_ENV_VALUE_CHARS)]] = Field(default_factory=dict,
-                                                                              max_length=MAX_ENV)
+              Annotated[str, Field(max_length=MAX_ENV_VALUE_CHARS)]] = Field(
+        default_factory=dict, max_length=MAX_ENV, json_schema_extra={"propertyNames": {
+            "maxLength": MAX_ENV_NAME_CHARS, "pattern": ENV_NAME_RE.pattern,
+            "not": {"enum": _RESERVED}}})
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
-    max_restarts: int = Field(default=3, ge=0, le=1000)
-    grace_s: float = Field(default=DEFAULT_GRACE_S, gt=0, le=3600,
+    max_restarts: Int = Field(default=3, ge=0, le=1000)
+    grace_s: Num = Field(default=DEFAULT_GRACE_S, gt=0, le=3600,
                            description="seconds from a stop notice to SIGKILL")
 
     @model_validator(mode="wrap")

@@ -117,7 +117,7 @@ def checkpoint_view(job_id: str, url: str | None, now_s: float, *, tiers: list |
     if status_path.is_file():
         try:
             st = read_status(status_path)
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # the job wrote it
             out["status_error"] = f"{status_path}: {e}"
         else:
             out["status_file"], out["status_updated_s"] = str(status_path), st.updated_unix_s

@@ -15,7 +15,7 @@ from tidal import contract as c
 from tidal.ckpt.agent.auth import job_ckpt_key, load_or_create_key
 from tidal.exec.progress import ProgressReader
 from tidal.exec.protocol import LaunchRequest, Observation, RankState, check_ranks
-from tidal.files import write_atomic
+from tidal.files import read_plain, write_atomic
 
 
 def write_json(path: Path, doc: dict, owner: tuple[int, int] | None = None) -> None:
@@ -25,9 +25,14 @@ def write_json(path: Path, doc: dict, owner: tuple[int, int] | None = None) -> N
     write_atomic(path, json.dumps(doc), group=None if owner is None else owner[1])
 
 
-def read_json(path: Path) -> dict | None:
+MAX_JSON_BYTES = 16 << 20  # launch.json of the largest job is well under this
+
+
+def read_json(path: Path, owner: int | None = None) -> dict | None:
+    """The JSON object in ``path``, read as :func:`tidal.files.read_plain` reads a file a job may control
+    (``owner``: the job's uid); ``None`` when it is missing, refused or not a JSON object."""
     try:
-        doc = json.loads(path.read_bytes())
+        doc = json.loads(read_plain(path, MAX_JSON_BYTES, owner=owner))
     except (OSError, ValueError):
         return None
     return doc if isinstance(doc, dict) else None
@@ -50,7 +55,8 @@ class Attempt:
     reader: ProgressReader = field(init=False)
 
     def __post_init__(self) -> None:
-        self.reader = ProgressReader(self.dir / c.PROGRESS_DIRNAME, len(self.ranks))
+        self.reader = ProgressReader(self.dir / c.PROGRESS_DIRNAME, len(self.ranks),
+                                     self.owner[0] if self.owner else None)
 
     def observation(self, across_nodes: bool = False) -> Observation:
         """What the executor reports; ``across_nodes``: each rank's node, and ``lost`` with it."""

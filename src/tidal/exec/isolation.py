@@ -54,6 +54,7 @@ class IsolationConfig:
     shm_dir: str | None = None
     shm_retention_s: float = 3600.0
     max_file_bytes: int | None = None
+    max_log_bytes: int | None = 64 << 20
     max_procs: int | None = 4096
     max_memory_bytes: int | None = None
     ray_open_cluster: bool = False
@@ -65,7 +66,7 @@ class IsolationConfig:
             raise ValueError(f"isolation.per must be 'tenant' or 'job', got {self.per!r}")
         if not isinstance(self.shm_retention_s, int | float) or self.shm_retention_s < 0:
             raise ValueError(f"isolation.shm_retention_s must be seconds >= 0, got {self.shm_retention_s!r}")
-        for k in ("max_file_bytes", "max_procs"):
+        for k in ("max_file_bytes", "max_log_bytes", "max_procs"):
             v = getattr(self, k)
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"isolation.{k} must be a positive integer or null, got {v!r}")

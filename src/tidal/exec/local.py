@@ -22,6 +22,7 @@ import math
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -90,6 +91,31 @@ class _Tracked(Attempt):
     # lost: ranks whose shim ended and recorded nothing (killed)
     devices: list[int] = field(default_factory=list)
     shim_ended: dict[int, int] = field(default_factory=dict)  # rank -> when its shim, a child, was seen ended
+
+
+def cap_log(path: str, max_bytes: int) -> int:
+    """Keep a rank's log under ``max_bytes`` (``isolation.max_log_bytes``): once it is larger, its newest
+    half (from a line start) moves to the front after one line saying how many bytes were cut there, in
+    place (the rank appends to the same file). Bytes the rank writes in the instant of the cut may be
+    lost. Returns the bytes cut (0: under the cap, or no log)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return 0
+    with open(fd, "r+b") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size <= max_bytes:
+            return 0
+        f.seek(st.st_size - max_bytes // 2)
+        tail = f.read(max_bytes // 2)
+        tail = tail[tail.find(b"\n") + 1:] if b"\n" in tail[:-1] else tail
+        tail += f.read()  # what the rank wrote meanwhile
+        cut = f.tell() - len(tail)
+        f.seek(0)
+        f.write(f"=== tidal: {cut} bytes of this log were cut here (the log is kept under "
+                f"{max_bytes} bytes: isolation.max_log_bytes) ===\n".encode() + tail)
+        f.truncate()
+    return cut
 
 
 class LocalExecutor(AttemptDirs):
@@ -391,6 +417,8 @@ class LocalExecutor(AttemptDirs):
         for k in t.ranks:
             if k.rank not in t.codes and k.rank not in t.vanished:
                 self._poll_rank(t, k)
+            if self.isolation.max_log_bytes is not None:
+                cap_log(self.log_path(t.job_id, k.rank), self.isolation.max_log_bytes)
         if len(t.lost) > lost:  # a shim killed by another (OOM, kill -9): what it left ends now
             self._kill_orphans(t)
         return t.observation()

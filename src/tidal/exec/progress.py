@@ -22,6 +22,7 @@ from tidal.files import open_plain
 
 SHM_TIERS = frozenset({"shm"})  # node memory: survives the process, not the node
 STALL_WINDOW = 5  # saves whose median stall is reported
+MAX_READ_BYTES = 1 << 20  # progress records read per observation (a job may write a sparse terabyte)
 
 
 @dataclass(frozen=True)
@@ -81,9 +82,10 @@ _FOLDED = frozenset(f.name for f in fields(Progress)) - {"tiers", "heartbeat_s",
 class ProgressReader:
     """Incremental reader of one attempt's progress directory (rank 0's records, all heartbeats)."""
 
-    def __init__(self, directory: str | os.PathLike, world_size: int) -> None:
+    def __init__(self, directory: str | os.PathLike, world_size: int, owner: int | None = None) -> None:
         self.dir = Path(directory)
         self.world_size = world_size
+        self.owner = owner  # the uid the job runs as: a file owned by another is not read
         self._offset = 0
         self._partial = b""
         self._f: dict[str, Any] = {}
@@ -103,15 +105,17 @@ class ProgressReader:
     def _tail(self) -> None:
         path = self.dir / progress_file(0)
         try:
-            with open_plain(path) as fh:
+            with open_plain(path, owner=self.owner) as fh:
                 fh.seek(self._offset)
-                chunk = fh.read()
+                chunk = fh.read(MAX_READ_BYTES)  # the rest at the next observation
         except OSError:
             return
         self._offset += len(chunk)
         data = self._partial + chunk
         lines = data.split(b"\n")
         self._partial = lines.pop()  # an unfinished last line waits for the rest
+        if len(self._partial) > MAX_READ_BYTES:  # no record is that long: a job filling memory
+            self._partial = b""
         for line in lines:
             with contextlib.suppress(ValueError):
                 self._fold(json.loads(line))
@@ -160,7 +164,7 @@ class ProgressReader:
 
     def _heartbeat(self, rank: int) -> dict[str, Any] | None:
         try:
-            with open_plain(self.dir / heartbeat_file(rank)) as fh:
+            with open_plain(self.dir / heartbeat_file(rank), owner=self.owner) as fh:
                 doc = json.loads(fh.read(1 << 16))
         except (OSError, ValueError):
             return None

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from tidal.files import private_dirs, write_atomic
+from tidal.files import private_dirs, read_plain, write_atomic
 
 FORMAT = "tidal-ckpt-status"
 VERSION = 1
@@ -80,9 +80,13 @@ class CheckpointStatus:
         return cls(tiers=tiers, steps=steps, **rest)
 
 
+MAX_STATUS_BYTES = 16 << 20
+
+
 def read_status(path: str | os.PathLike) -> CheckpointStatus:
-    """Read a status file written by a Checkpointer (see ``Checkpointer.status_path``)."""
-    return CheckpointStatus.from_dict(json.loads(Path(path).read_bytes()))
+    """Read a status file written by a Checkpointer (see ``Checkpointer.status_path``): the job's own file,
+    so never through a link, never a FIFO, at most ``MAX_STATUS_BYTES`` (:func:`tidal.files.read_plain`)."""
+    return CheckpointStatus.from_dict(json.loads(read_plain(path, MAX_STATUS_BYTES)))
 
 
 class Durability:
