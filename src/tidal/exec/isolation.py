@@ -1,15 +1,20 @@
 """How the local executor isolates a job from the control plane and from other jobs (docs/control.md).
 
-    isolation:                       # tidal up --config FILE
-      uid_base: 200000               # run jobs as uids 200000+ (needs root); omit: as tidal up's user
+    isolation:                       # tidal up --config FILE; `isolation: none` = {mode: none}
+      mode: sandbox                  # each rank in its own namespaces (tidal.exec.sandbox); none: off
+      read_only: [/data]             # more paths a sandboxed rank may read (its code, data sets)
+      uid_base: 200000               # run jobs as uids 200000+ (needs root; sandboxed as root: default)
       per: tenant                    # one uid per tenant (default) or per job
       pass_env: [PATH, LANG]         # names copied from tidal up's environment (nothing else is)
       shm_retention_s: 3600          # an ended job's /dev/shm tier is freed after this at the latest
-      max_file_bytes: null           # RLIMIT_FSIZE of every rank (null: no cap)
-      max_procs: 4096                # RLIMIT_NPROC of a job's uid (only with uid_base)
-      max_memory_bytes: null         # memory cgroup limit of every rank (null: none; tidal.exec.cgroups)
+      max_file_bytes: auto           # RLIMIT_FSIZE of every rank (auto: half the state dir's disk; null: none)
+      max_procs: 4096                # RLIMIT_NPROC of a job's uid (only with uids)
+      max_memory_bytes: auto         # memory cgroup limit of every rank (auto: 90% of RAM where the plane
+                                     # may make memory cgroups, else none; null: none; tidal.exec.cgroups)
       ray_open_cluster: false        # Ray executor with uid_base: run on a cluster without token auth
 
+Sandboxed (the default; :mod:`tidal.exec.sandbox`): each rank sees only the system, its code and its
+own directories, in its own PID namespace; as root with uids from ``uid_base`` (default 200000).
 Always: a clean environment (the job's ``env``, the platform's variables, the names in ``pass_env``;
 ``HOME`` and ``TMPDIR`` in the job's private area), files and directories 0600/0700, no core dumps,
 a shared-memory directory per job (``TIDAL_SHM_DIR``) freed after the job ends. With ``uid_base``
@@ -27,7 +32,7 @@ import json
 import logging
 import os
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +57,9 @@ DEFAULT_PASS_ENV = (
 )
 log = logging.getLogger(__name__)
 UID_SPAN = 1 << 16  # uids uid_base .. uid_base + UID_SPAN - 1
+DEFAULT_UID_BASE = 200000  # a sandboxing plane run as root runs jobs as uids from here unless told
+AUTO = "auto"
+MODES = ("sandbox", "none")
 
 
 @dataclass(frozen=True)
@@ -59,17 +67,23 @@ class IsolationConfig:
     """See the module docstring. ``shm_dir``: where jobs' shared-memory directories go (default
     ``/dev/shm/tidal-jobs-<hash of the jobs dir>``; ``None`` when there is no ``/dev/shm``)."""
 
+    mode: str = "sandbox"
+    read_only: tuple[str, ...] = ()
     uid_base: int | None = None
     per: str = "tenant"
     pass_env: tuple[str, ...] = DEFAULT_PASS_ENV
     shm_dir: str | None = None
     shm_retention_s: float = 3600.0
-    max_file_bytes: int | None = None
+    max_file_bytes: int | str | None = AUTO
     max_procs: int | None = 4096
-    max_memory_bytes: int | None = None
+    max_memory_bytes: int | str | None = AUTO
     ray_open_cluster: bool = False
 
     def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"isolation.mode must be one of {list(MODES)}, got {self.mode!r}")
+        if not all(isinstance(p, str) and os.path.isabs(p) for p in self.read_only):
+            raise ValueError(f"isolation.read_only must be a list of absolute paths, got {list(self.read_only)!r}")
         if self.uid_base is not None and (not isinstance(self.uid_base, int) or self.uid_base < 1000):
             raise ValueError(f"isolation.uid_base must be an integer >= 1000, got {self.uid_base!r}")
         if self.per not in ("tenant", "job"):
@@ -78,7 +92,7 @@ class IsolationConfig:
             raise ValueError(f"isolation.shm_retention_s must be seconds >= 0, got {self.shm_retention_s!r}")
         for k in ("max_file_bytes", "max_procs"):
             v = getattr(self, k)
-            if v is not None and (not isinstance(v, int) or v < 1):
+            if v is not None and (not isinstance(v, int) or v < 1) and not (k == "max_file_bytes" and v == AUTO):
                 raise ValueError(f"isolation.{k} must be a positive integer or null, got {v!r}")
         if not isinstance(self.ray_open_cluster, bool):
             got = self.ray_open_cluster
@@ -87,14 +101,22 @@ class IsolationConfig:
             raise ValueError(f"isolation.pass_env: {RAY_AUTH_TOKEN_ENV} would hand every job the Ray "
                              "cluster's token (with it a job runs code as the Ray workers' user)")
         m = self.max_memory_bytes
-        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < MIN_MEMORY_BYTES):
+        if m not in (None, AUTO) and (not isinstance(m, int) or isinstance(m, bool) or m < MIN_MEMORY_BYTES):
             raise ValueError(
-                f"isolation.max_memory_bytes must be an integer >= {MIN_MEMORY_BYTES} (64 MiB) or "
+                f"isolation.max_memory_bytes must be an integer >= {MIN_MEMORY_BYTES} (64 MiB), auto or "
                 f"null, got {m!r}"
             )
 
+    @property
+    def sandboxed(self) -> bool:
+        return self.mode == "sandbox"
+
     @classmethod
-    def from_dict(cls, d: dict[str, Any] | None, where: str = "config") -> IsolationConfig:
+    def from_dict(cls, d: dict[str, Any] | str | None, where: str = "config") -> IsolationConfig:
+        if d == "none":
+            d = {"mode": "none"}
+        if not isinstance(d or {}, dict):
+            raise ValueError(f"{where}: isolation must be a mapping of settings or 'none', got {d!r}")
         d = dict(d or {})
         names = {f.name for f in fields(cls)}
         for k in d:
@@ -106,7 +128,29 @@ class IsolationConfig:
             ):
                 raise ValueError(f"{where}: isolation.pass_env must be a list of variable names")
             d["pass_env"] = tuple(d["pass_env"])
+        if "read_only" in d:
+            if not isinstance(d["read_only"], list | tuple):
+                raise ValueError(f"{where}: isolation.read_only must be a list of absolute paths")
+            d["read_only"] = tuple(d["read_only"])
         return cls(**d)
+
+    def resolved(self, jobs_root: Path, euid: int | None = None) -> IsolationConfig:
+        """This config with its defaults made concrete for a plane whose jobs live in ``jobs_root``: the
+        uid base (sandboxed as root: :data:`DEFAULT_UID_BASE`), ``max_file_bytes: auto`` (half the size of
+        the file system of ``jobs_root``: a rank's log or a runaway file cannot fill it). ``max_memory_bytes:
+        auto`` stays for the executor (it depends on the memory cgroups it finds: :func:`auto_memory_bytes`)."""
+        root = (os.geteuid() if euid is None else euid) == 0
+        base = self.uid_base if self.uid_base is not None or not (root and self.sandboxed) else DEFAULT_UID_BASE
+        fsize = self.max_file_bytes
+        if fsize == AUTO:
+            st = os.statvfs(jobs_root)
+            fsize = max(1 << 30, st.f_blocks * st.f_frsize // 2)
+        return replace(self, uid_base=base, max_file_bytes=fsize)
+
+
+def auto_memory_bytes() -> int:
+    """``max_memory_bytes: auto``: 90% of this machine's memory, so one rank cannot starve the plane."""
+    return max(MIN_MEMORY_BYTES, os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * 9 // 10)
 
 
 @dataclass
@@ -238,7 +282,7 @@ def rank_rlimits(iso: IsolationConfig, owner: tuple[int, int] | None) -> dict[st
     """The limits a rank runs under (names of :data:`tidal.exec.shim.RLIMITS`): no core dumps,
     ``max_file_bytes``, and with its own uid ``max_procs``."""
     out = {"core": 0}
-    if iso.max_file_bytes is not None:
+    if isinstance(iso.max_file_bytes, int):
         out["fsize"] = iso.max_file_bytes
     if owner is not None and iso.max_procs is not None:
         out["nproc"] = iso.max_procs

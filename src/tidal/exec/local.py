@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import shutil
@@ -45,17 +46,19 @@ import subprocess
 import sys
 import time
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
 
 from tidal import contract as c
 from tidal.contract import one_node_env, torchrun_env
-from tidal.exec import cgroups, orphans, procs, shim
+from tidal.exec import cgroups, orphans, procs, sandbox, shim
 from tidal.exec.files import read_json, write_json
 from tidal.exec.isolation import (
+    AUTO,
     IsolationConfig,
     Uids,
+    auto_memory_bytes,
     check_reachable,
     clean_env,
     default_shm_dir,
@@ -70,6 +73,7 @@ from tidal.exec.protocol import LaunchError, LaunchRequest, Observation, RankSta
 from tidal.model import Node, PoolName
 from tidal.net import free_port
 
+log = logging.getLogger(__name__)
 REAP_INTERVAL_S = 10.0
 """As a subreaper, how often ``observe`` collects what re-parented here and ended on its own (a daemon a
 serving hook started, a helper a rank detached): without it each stays a zombie until the plane exits."""
@@ -140,21 +144,30 @@ class LocalExecutor:
     ) -> None:
         if (slots is None) == (gpu_ids is None):
             raise ValueError("give exactly one of slots (CPU) or gpu_ids")
-        self.isolation = iso = isolation or IsolationConfig()
+        iso = isolation or IsolationConfig()
         require_root(iso)
+        self.bwrap = sandbox.find_bwrap() if iso.sandboxed else None
         self.root = Path(root)
-        # 0711 with uids: a job's uid may pass through to its own directories, never list or read others'
-        self._dir_mode = 0o711 if iso.uid_base is not None else 0o700
-        private_dir(self.root, self._dir_mode)
+        # 0711 with unsandboxed uids: a job's uid may pass through to its own directories, never list others'
+        private_dir(self.root, 0o711 if iso.uid_base is not None and not iso.sandboxed else 0o700)
+        self.isolation = iso = iso.resolved(self.root)
         self.uids = Uids(self.root / ".uids.json", iso.uid_base) if iso.uid_base is not None else None
         shm = iso.shm_dir if iso.shm_dir is not None else default_shm_dir(self.root)
         self.shm_root = Path(shm) if shm else None
-        if self.uids is not None:
+        if self.uids is not None and not iso.sandboxed:
             check_reachable(self.root.resolve(), *([Path(shm).absolute()] if shm else []))
         self.cgroups = None
         if iso.max_memory_bytes is not None:  # refuse to start rather than drop a limit asked for
-            self.cgroups = cgroups.find(self.root)
-            cgroups.remove_empty(self.cgroups)
+            try:
+                self.cgroups = cgroups.find(self.root)
+            except ValueError as e:
+                if iso.max_memory_bytes != AUTO:
+                    raise
+                log.info("isolation.max_memory_bytes: auto: no memory limit per rank (%s)", e)
+            memory = auto_memory_bytes() if iso.max_memory_bytes == AUTO else iso.max_memory_bytes
+            self.isolation = iso = replace(iso, max_memory_bytes=memory if self.cgroups else None)
+            if self.cgroups is not None:
+                cgroups.remove_empty(self.cgroups)
         self.gpu = gpu_ids is not None
         devices = list(gpu_ids) if gpu_ids is not None else list(range(slots or 0))
         serving = dict(serving_nodes or {})
@@ -303,9 +316,14 @@ class LocalExecutor:
         and its shm directory (0700, with uids owned by its uid)."""
         prepare_attempt(self.root, self.job_dir, adir, self.home_dir(req.job_id), req, owner, self.uids)
         shm = self.shm_dir(req.job_id)
-        if shm is not None and c.ENV_SHM_DIR not in req.env:
+        if shm is not None and (c.ENV_SHM_DIR not in req.env or self.bwrap is not None):  # sandbox: /dev/shm
             private_dir(shm.parent, 0o711 if owner else 0o700)
             private_dir(shm, 0o700, owner)
+        if self.bwrap is not None:  # what it names must be there to be bound
+            cwd = req.workdir or str(self.home_dir(req.job_id))
+            state = self.root.resolve().parent
+            sandbox.make_dirs([p for p in (*sandbox.ckpt_dirs(req.env, cwd), req.env.get(c.ENV_SHM_DIR, ""))
+                               if p and not Path(p).resolve().is_relative_to(state)], owner)
 
     def job_env(
         self, req: LaunchRequest, r: int, devices: list[int], port: int, adir: Path
@@ -330,9 +348,27 @@ class LocalExecutor:
         if self.cgroups is not None and iso.max_memory_bytes is not None:
             out += ["--cgroup", str(self.cgroups.rank_dir(req.job_id, req.attempt, rank)),
                     "--cgroup-version", str(self.cgroups.version), "--memory", str(iso.max_memory_bytes)]
-        if owner is not None:
+        if self.bwrap is not None:
+            out.append("--sandbox")  # the rank's uid is set inside the sandbox (sandbox.ENTER)
+        elif owner is not None:
             out += ["--uid", str(owner[0]), "--gid", str(owner[1])]
         return out
+
+    def _sandboxed(self, req: LaunchRequest, adir: Path, env: Mapping[str, str], cwd: str,
+                   owner: tuple[int, int] | None) -> list[str]:
+        """The rank's command inside its sandbox (:mod:`tidal.exec.sandbox`)."""
+        assert self.bwrap is not None  # only when sandboxed
+        state = self.root.resolve().parent
+        shm = self.shm_dir(req.job_id)
+        named = [cwd, *sandbox.ckpt_dirs(env, cwd), env.get(c.ENV_SHM_DIR, "")]
+        own = [str(self.home_dir(req.job_id)), *req.own_dirs, *req.take_over]
+        return sandbox.command(
+            self.bwrap, req.command, python=self.python, uid=owner[0] if owner else None,
+            gid=owner[1] if owner else None, cwd=cwd,
+            code=sandbox.code_paths(env, req.command, self.python, self.isolation.read_only),
+            named=[p for p in named if p and not Path(p).resolve().is_relative_to(state)],  # the state dir: own only
+            hidden=[str(state), *([str(self.shm_root)] if self.shm_root else [])],
+            attempt=str(adir), own=own, shm=str(shm) if shm is not None else None, gpu=self.gpu)
 
     def shm_jobs(self) -> list[str]:
         """Jobs that have a shared-memory directory here."""
@@ -365,13 +401,14 @@ class LocalExecutor:
             out.write(f"=== tidal: {req.job_id} attempt {req.attempt}, rank {r} of {n}, "
                       f"{time.strftime('%Y-%m-%d %H:%M:%S')} ===\n".encode())
             out.flush()
+            cwd = req.workdir or str(self.home_dir(req.job_id))
+            cmd = list(req.command) if self.bwrap is None else self._sandboxed(req, adir, env, cwd, owner)
             try:
                 p = subprocess.Popen([self.python, "-I", shim.__file__, str(adir / c.exit_file(r)),
                                       str(adir / c.pid_file(r)), *self._shim_options(owner, req, r), "--",
-                                      *req.command],
+                                      *cmd],
                                      stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
-                                     cwd=req.workdir or self.home_dir(req.job_id),
-                                     env=env, start_new_session=True)
+                                     cwd=cwd, env=env, start_new_session=True)
             except OSError as e:
                 raise LaunchError(f"job {req.job_id}: cannot start rank {r}: {e}") from e
         return _Rank(r, p.pid, procs.start_time(p.pid), p)

@@ -1,6 +1,6 @@
 """The per-rank shim: start one rank, wait for it, record its exit code. Standard library only.
 
-    python -I shim.py EXIT_FILE PID_FILE [--uid U --gid G] [--rlimit NAME=N ...]
+    python -I shim.py EXIT_FILE PID_FILE [--uid U --gid G] [--rlimit NAME=N ...] [--sandbox]
                       [--cgroup DIR --cgroup-version 1|2 --memory BYTES] -- PROGRAM ARG...
 
 The local executor starts one shim per rank, in a new session (its own process group), with the
@@ -33,7 +33,9 @@ and pid files into the attempt directory, which the job may not write), and star
 ``fsize``, ``nproc``, ``nofile``; lowered in the child only, before ``exec``). With ``--cgroup`` the
 shim creates that memory cgroup, sets its limit, joins it before starting the rank (which inherits it),
 and after the rank ended says in the rank's log when the kernel killed it for memory, then leaves the
-cgroup and removes it (:mod:`tidal.exec.cgroups`).
+cgroup and removes it (:mod:`tidal.exec.cgroups`). With ``--sandbox`` PROGRAM is the rank's sandbox
+(``bwrap``, :mod:`tidal.exec.sandbox`): started with SIGTERM and SIGINT ignored, its ``128 + n`` recorded
+as ``-n``.
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ def _write(path: str, doc: dict) -> None:
 
 
 RLIMITS = {"core": "RLIMIT_CORE", "fsize": "RLIMIT_FSIZE", "nproc": "RLIMIT_NPROC", "nofile": "RLIMIT_NOFILE"}
-USAGE = ("usage: shim.py EXIT_FILE PID_FILE [--uid U --gid G] [--rlimit NAME=N ...] "
+USAGE = ("usage: shim.py EXIT_FILE PID_FILE [--uid U --gid G] [--rlimit NAME=N ...] [--sandbox] "
          "[--cgroup DIR --cgroup-version 1|2 --memory BYTES] -- PROGRAM ARG...")
 LIMIT_FILE = {1: "memory.limit_in_bytes", 2: "memory.max"}
 
@@ -82,6 +84,10 @@ def _options(args: list[str]) -> tuple[dict, list[str]] | None:
     opts: dict = {"rlimits": {}}
     i = 0
     while i < len(args) and args[i] != "--":
+        if args[i] == "--sandbox":
+            opts["sandbox"] = True
+            i += 1
+            continue
         if args[i] in ("--uid", "--gid", "--memory", "--cgroup-version") and i + 1 < len(args):
             opts[args[i][2:]] = int(args[i + 1])
         elif args[i] == "--cgroup" and i + 1 < len(args):
@@ -138,9 +144,13 @@ def _leave_cgroup(opts: dict) -> None:
         pass  # the plane removes empty rank cgroups at start
 
 
-def set_limits(rlimits: dict) -> None:
-    """In the child before exec: lower the limits (soft and hard; never raised). Imports nothing: the
-    child may already run as a uid that cannot read the Python installation."""
+def set_limits(rlimits: dict, sandbox: bool = False) -> None:
+    """In the child before exec: lower the limits (soft and hard; never raised); for a sandbox, ignore
+    SIGTERM and SIGINT (the rank inside restores them). Imports nothing: the child may already run as a
+    uid that cannot read the Python installation."""
+    if sandbox:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
     for name, value in rlimits.items():
         res = getattr(resource, RLIMITS[name], None)
         if res is None:
@@ -170,15 +180,18 @@ def main(argv: list[str]) -> int:
         kw: dict = {}
         if "uid" in opts:
             kw.update(user=opts["uid"], group=opts.get("gid", opts["uid"]), extra_groups=[])
-        rlimits = opts["rlimits"]
+        rlimits, sandbox = opts["rlimits"], opts.get("sandbox", False)
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, umask=0o077, close_fds=True,
-                                preexec_fn=(lambda: set_limits(rlimits)) if rlimits else None, **kw)
+                                preexec_fn=(lambda: set_limits(rlimits, sandbox)) if rlimits or sandbox else None,
+                                **kw)
     except (OSError, subprocess.SubprocessError) as e:
         print(f"tidal: cannot start {cmd[0]!r} in {os.getcwd()}: {e}", file=sys.stderr, flush=True)
         _write(exit_file, {"code": 127, "time": time.time(), "error": str(e)})
         return 127
     _write(pid_file, {"pid": proc.pid, "time": time.time(), "started": procs.start_time(proc.pid)})
     code = proc.wait()
+    if opts.get("sandbox") and 128 < code < 160:  # bwrap's report of a rank killed by a signal
+        code = 128 - code
     procs.reap_orphans()  # what the rank left running (a daemon, a setsid'd helper) ends with it
     doc: dict = {"code": code, "time": time.time()}
     if "cgroup" in opts:
