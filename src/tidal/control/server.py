@@ -219,7 +219,7 @@ def _build(parts: PlaneParts) -> Plane:
             raise SystemExit("tidal up: no NVIDIA GPUs found (nvidia-smi); on a machine without GPUs declare "
                              "CPU slots with --gpus N")
         executor = LocalExecutor(state_dir / "jobs", gpu_ids=ids, serving_nodes=serving_nodes, isolation=iso,
-                                 subreaper=True)
+                                 subreaper=True, hidden=[state_dir])
         what = f"{len(ids)} GPUs ({','.join(map(str, ids))})"
     else:
         try:
@@ -231,7 +231,7 @@ def _build(parts: PlaneParts) -> Plane:
         if n < 1:
             raise SystemExit(f"tidal up: --gpus must be >= 1, got {n}")
         executor = LocalExecutor(state_dir / "jobs", slots=n, serving_nodes=serving_nodes, isolation=iso,
-                                 subreaper=True)
+                                 subreaper=True, hidden=[state_dir])
         what = f"{n} CPU slots"
     try:
         advisor, more = _serving(config, loans)

@@ -141,6 +141,7 @@ class LocalExecutor:
         serving_nodes: Mapping[str, int] | None = None,
         isolation: IsolationConfig | None = None,
         subreaper: bool = False,
+        hidden: Collection[str | os.PathLike] = (),
     ) -> None:
         if (slots is None) == (gpu_ids is None):
             raise ValueError("give exactly one of slots (CPU) or gpu_ids")
@@ -148,6 +149,7 @@ class LocalExecutor:
         require_root(iso)
         self.bwrap = sandbox.find_bwrap() if iso.sandboxed else None
         self.root = Path(root)
+        self.hidden = [str(Path(p).resolve()) for p in (root, *hidden)]  # no rank sees them (but its own)
         # 0711 with unsandboxed uids: a job's uid may pass through to its own directories, never list others'
         private_dir(self.root, 0o711 if iso.uid_base is not None and not iso.sandboxed else 0o700)
         self.isolation = iso = iso.resolved(self.root)
@@ -314,16 +316,14 @@ class LocalExecutor:
     def _make_dirs(self, req: LaunchRequest, adir: Path, owner: tuple[int, int] | None) -> None:
         """The job's directories and its checkpoint fence (:func:`~tidal.exec.isolation.prepare_attempt`)
         and its shm directory (0700, with uids owned by its uid)."""
+        if self.bwrap is not None:  # what it names must be there to be bound (and its own, before the fence)
+            cwd = req.workdir or str(self.home_dir(req.job_id))
+            sandbox.make_dirs([p for p in self._named(req.env, cwd) if p != cwd], owner)
         prepare_attempt(self.root, self.job_dir, adir, self.home_dir(req.job_id), req, owner, self.uids)
         shm = self.shm_dir(req.job_id)
         if shm is not None and (c.ENV_SHM_DIR not in req.env or self.bwrap is not None):  # sandbox: /dev/shm
             private_dir(shm.parent, 0o711 if owner else 0o700)
             private_dir(shm, 0o700, owner)
-        if self.bwrap is not None:  # what it names must be there to be bound
-            cwd = req.workdir or str(self.home_dir(req.job_id))
-            state = self.root.resolve().parent
-            sandbox.make_dirs([p for p in (*sandbox.ckpt_dirs(req.env, cwd), req.env.get(c.ENV_SHM_DIR, ""))
-                               if p and not Path(p).resolve().is_relative_to(state)], owner)
 
     def job_env(
         self, req: LaunchRequest, r: int, devices: list[int], port: int, adir: Path
@@ -354,21 +354,24 @@ class LocalExecutor:
             out += ["--uid", str(owner[0]), "--gid", str(owner[1])]
         return out
 
+    def _named(self, env: Mapping[str, str], cwd: str) -> list[str]:
+        """The directories a rank names, read-write in its sandbox: its working directory, checkpoint
+        directories and ``TIDAL_SHM_DIR``, except under :attr:`hidden` (there it has only its own)."""
+        named = [cwd, *sandbox.ckpt_dirs(env, cwd), env.get(c.ENV_SHM_DIR, "")]
+        return [p for p in named if p and not any(Path(p).resolve().is_relative_to(h) for h in self.hidden)]
+
     def _sandboxed(self, req: LaunchRequest, adir: Path, env: Mapping[str, str], cwd: str,
                    owner: tuple[int, int] | None) -> list[str]:
         """The rank's command inside its sandbox (:mod:`tidal.exec.sandbox`)."""
         assert self.bwrap is not None  # only when sandboxed
-        state = self.root.resolve().parent
         shm = self.shm_dir(req.job_id)
-        named = [cwd, *sandbox.ckpt_dirs(env, cwd), env.get(c.ENV_SHM_DIR, "")]
-        own = [str(self.home_dir(req.job_id)), *req.own_dirs, *req.take_over]
         return sandbox.command(
             self.bwrap, req.command, python=self.python, uid=owner[0] if owner else None,
             gid=owner[1] if owner else None, cwd=cwd,
             code=sandbox.code_paths(env, req.command, self.python, self.isolation.read_only),
-            named=[p for p in named if p and not Path(p).resolve().is_relative_to(state)],  # the state dir: own only
-            hidden=[str(state), *([str(self.shm_root)] if self.shm_root else [])],
-            attempt=str(adir), own=own, shm=str(shm) if shm is not None else None, gpu=self.gpu)
+            named=self._named(env, cwd), hidden=[*self.hidden, *([str(self.shm_root)] if self.shm_root else [])],
+            attempt=str(adir), own=[str(self.home_dir(req.job_id)), *req.own_dirs, *req.take_over],
+            shm=str(shm) if shm is not None else None, gpu=self.gpu)
 
     def shm_jobs(self) -> list[str]:
         """Jobs that have a shared-memory directory here."""

@@ -102,17 +102,21 @@ def ckpt_dirs(env: Mapping[str, str], cwd: str) -> list[str]:
 
 
 def make_dirs(paths: Iterable[str], owner: tuple[int, int] | None) -> None:
-    """Make the directories a job named that are not there yet (its checkpoint directories), as its uid
-    (``owner``) would: a directory that is not there cannot be bound. ``OSError`` saying why not."""
-    missing = [p for p in paths if os.path.isabs(p) and not os.path.lexists(p)]
-    if not missing:
-        return
-    kw: dict = {"user": owner[0], "group": owner[1], "extra_groups": []} if owner else {}
-    got = subprocess.run(["mkdir", "-p", "-m", "700", "--", *missing], capture_output=True, text=True,
-                         cwd="/", timeout=30, **kw)
-    if got.returncode != 0:
-        who = f"uid {owner[0]}" if owner else "this user"
-        raise OSError(f"{who} cannot make {', '.join(missing)}: {got.stderr.strip()}")
+    """Make the directories a job named that are not there yet (its checkpoint directories; one not there
+    cannot be bound), 0700, owned by its uid (``owner``) like the rest of its own; ``OSError`` for a path
+    whose existing part goes through a symbolic link (the plane follows none for a job)."""
+    from tidal.exec.isolation import private_dir
+
+    for p in paths:
+        path = Path(p)
+        missing = [q for q in (path, *path.parents) if not os.path.lexists(q)]
+        if not missing or not path.is_absolute():
+            continue
+        base = missing[-1].parent
+        if os.path.realpath(base) != str(base):
+            raise OSError(f"{p}: {base} is reached through a symbolic link (refused)")
+        for d in reversed(missing):
+            private_dir(d, 0o700, owner)
 
 
 def code_paths(env: Mapping[str, str], command: Sequence[str], python: str,
