@@ -121,8 +121,8 @@ def test_hostile_job_reads_nothing_as_its_own_uid(plane_factory):
 @pytest.mark.skipif(not ROOT, reason="jobs run as their own uid only when tidal up runs as root")
 def test_a_location_under_the_tenants_prefix_is_made_for_its_uid(plane_factory):
     """A checkpoint directory under ``<state dir>/tenants/<tenant>/`` (its own prefix): the plane makes it
-    for the job's uid (which cannot create anything in the state dir), under root's 0711 directories;
-    another tenant's job cannot read or list it."""
+    for the job's uid (which cannot create anything in the state dir), under root's 0700 directories
+    (the uid reaches it through its sandbox's binds); another tenant's job cannot read or list it."""
     plane = plane_factory(uid_base=200000)
     create_tenant(plane.store, "alice", quota_gpus=1)
     create_tenant(plane.store, "bob", quota_gpus=1)
@@ -136,7 +136,7 @@ def test_a_location_under_the_tenants_prefix_is_made_for_its_uid(plane_factory):
     assert (loc / "data").read_text() == "ALICE-CKPT\n"
     assert (os.stat(loc).st_uid, stat.S_IMODE(os.stat(loc).st_mode)) == (uid, 0o700)
     for d in (loc.parent, loc.parent.parent, loc.parent.parent.parent):
-        assert (os.stat(d).st_uid, stat.S_IMODE(os.stat(d).st_mode)) == (0, 0o711), d
+        assert (os.stat(d).st_uid, stat.S_IMODE(os.stat(d).st_mode)) == (0, 0o700), d
     peek = _submit(plane, "bob", "peek",
                    f'cat {loc}/data || echo "denied read"; ls {loc.parent} || echo "denied ls"')
     run(plane, peek)
@@ -172,9 +172,11 @@ def test_state_dir_file_modes(plane_factory):
     assert stat.S_IMODE(os.stat(sd).st_mode) == 0o700
     for f in ("admin.token", "tidal.db"):
         assert stat.S_IMODE(os.stat(sd / f).st_mode) == 0o600, f
-    for d in (sd / "jobs", ex.job_dir(victim), ex.job_dir(victim) / "logs", ex.attempt_dir(victim, 1),
-              ex.home_dir(victim), ex.job_dir(victim) / "ckpt"):
+    for d in (sd / "jobs", ex.job_dir(victim), ex.job_dir(victim) / "logs", ex.home_dir(victim),
+              ex.job_dir(victim) / "ckpt"):
         assert stat.S_IMODE(os.stat(d).st_mode) == 0o700, d
+    # a job's uid (sandboxed as root) passes through its attempt directory to its progress directory
+    assert stat.S_IMODE(os.stat(ex.attempt_dir(victim, 1)).st_mode) == (0o711 if ROOT else 0o700)
     for f in (ex.log_path(victim, 0), ex.attempt_dir(victim, 1) / "launch.json",
               ex.attempt_dir(victim, 1) / "exit-0.json", ex.attempt_dir(victim, 1) / "pid-0.json"):
         assert stat.S_IMODE(os.stat(f).st_mode) == 0o600, f

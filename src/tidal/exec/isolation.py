@@ -232,31 +232,34 @@ def check_reachable(*dirs: Path) -> None:
 
 
 def prepare_attempt(root: Path, job_dir: Callable[[str], Path], attempt_dir: Path, home: Path,
-                    req: LaunchRequest, owner: tuple[int, int] | None, uids: Uids | None) -> None:
+                    req: LaunchRequest, owner: tuple[int, int] | None, uids: Uids | None,
+                    sandboxed: bool = False) -> None:
     """Before an attempt's ranks start, on either executor: the job's directories (:func:`make_job_dirs`,
     with what it takes over from the ended jobs it resumes, :func:`ran_as`), then the fence of its
     checkpoint location, which is this attempt's from now on (:mod:`tidal.ckpt.fence`)."""
     from tidal.ckpt.fence import fence_launch
 
     make_job_dirs(root, job_dir(req.job_id), attempt_dir, home, req.own_dirs, owner, req.take_over,
-                  ran_as(uids, ((j, job_dir(j)) for j in req.take_over_from)))
+                  ran_as(uids, ((j, job_dir(j)) for j in req.take_over_from)), sandboxed)
     fence_launch(req.env, req.job_id, req.attempt, req.workdir or home)
 
 
 def make_job_dirs(root: Path, job_dir: Path, attempt_dir: Path, home: Path, own_dirs: Iterable[str],
                   owner: tuple[int, int] | None, take_over: Iterable[str] = (),
-                  take_over_from: Iterable[int] = ()) -> None:
+                  take_over_from: Iterable[int] = (), sandboxed: bool = False) -> None:
     """A job's directories in the state dir (``root``'s parent), on either executor: the plane's (job,
     logs, attempt) 0711 with uids (a job's uid passes through to its own directories, lists nothing) else
     0700, logs 0700; the job's own (``progress/``, its private area ``home`` and ``home/tmp``, the
     ``own_dirs`` in the state dir not there yet: its checkpoint directories) 0700 and owned by its uid,
     under directories of the plane's like the job's. With uids, what the uids ``take_over_from`` own in
     the checkpoint directories ``take_over`` (taken over with ``resume_from``; :func:`ran_as`) becomes the
-    job's (:func:`tidal.exec.handover.hand_over`; ``HandOverError``, an ``OSError``, when it may not)."""
-    mode = 0o711 if owner is not None else 0o700
+    job's (:func:`tidal.exec.handover.hand_over`; ``HandOverError``, an ``OSError``, when it may not).
+    ``sandboxed``: the uid reaches its directories through the sandbox's binds, so only the attempt
+    directory (bound read-only, its progress directory below it) stays 0711."""
+    mode = 0o711 if owner is not None and not sandboxed else 0o700
     private_dir(job_dir, mode)
     private_dir(job_dir / "logs", 0o700)
-    private_dir(attempt_dir, mode)
+    private_dir(attempt_dir, 0o711 if owner is not None else 0o700)
     private_dir(attempt_dir / PROGRESS_DIRNAME, 0o700, owner)
     private_dir(home, 0o700, owner)
     private_dir(home / "tmp", 0o700, owner)

@@ -319,10 +319,11 @@ class LocalExecutor:
         if self.bwrap is not None:  # what it names must be there to be bound (and its own, before the fence)
             cwd = req.workdir or str(self.home_dir(req.job_id))
             sandbox.make_dirs([p for p in self._named(req.env, cwd) if p != cwd], owner)
-        prepare_attempt(self.root, self.job_dir, adir, self.home_dir(req.job_id), req, owner, self.uids)
+        sandboxed = self.bwrap is not None
+        prepare_attempt(self.root, self.job_dir, adir, self.home_dir(req.job_id), req, owner, self.uids, sandboxed)
         shm = self.shm_dir(req.job_id)
-        if shm is not None and (c.ENV_SHM_DIR not in req.env or self.bwrap is not None):  # sandbox: /dev/shm
-            private_dir(shm.parent, 0o711 if owner else 0o700)
+        if shm is not None and (c.ENV_SHM_DIR not in req.env or sandboxed):  # sandboxed: also its /dev/shm
+            private_dir(shm.parent, 0o711 if owner and not sandboxed else 0o700)
             private_dir(shm, 0o700, owner)
 
     def job_env(

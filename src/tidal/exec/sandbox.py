@@ -140,7 +140,7 @@ def code_paths(env: Mapping[str, str], command: Sequence[str], python: str,
 
 def _binds(flag: str, paths: Iterable[str]) -> list[str]:
     """``flag SRC SRC`` for each existing absolute path, parents before children, each once; its parents
-    made first, 0755 (bwrap would make them 0700: a job's uid could not pass through them)."""
+    made first, 0711 (bwrap would make them 0700: a job's uid could not pass through them)."""
     seen = sorted({os.path.normpath(p) for p in paths if os.path.isabs(p) and os.path.exists(p)},
                   key=lambda p: (p.count("/"), p))
     out: list[str] = []
@@ -149,7 +149,7 @@ def _binds(flag: str, paths: Iterable[str]) -> list[str]:
         for d in reversed(Path(p).parents[:-1]):
             if str(d) not in made:
                 made.add(str(d))
-                out += ["--perms", "0755", "--dir", str(d)]
+                out += ["--perms", "0711", "--dir", str(d)]
         out += [flag, p, p]
     return out
 
@@ -178,7 +178,7 @@ def command(bwrap: str, program: Sequence[str], *, python: str, uid: int | None,
     if gpu:
         out += _binds("--dev-bind", glob.glob("/dev/nvidia*"))
     out += _binds("--ro-bind", code) + _binds("--bind", named)
-    out += [x for h in hidden if os.path.isdir(h) for x in ("--tmpfs", h)]
+    out += [x for h in hidden if os.path.isdir(h) for x in ("--perms", "0711", "--tmpfs", h)]
     out += _binds("--ro-bind", [attempt])
     out += _binds("--bind", [os.path.join(attempt, c.PROGRESS_DIRNAME), *own])
     if shm is not None and os.path.isdir(shm):
