@@ -224,15 +224,27 @@ def test_orphan_shm_dirs_are_freed_at_start(plane_factory):
     assert again.executor.shm_root == root
 
 
-def test_tidal_up_as_root_without_uids_says_jobs_run_as_root():
-    """Root reads any file whatever its mode: without uid_base a job can read the admin token, and
-    `tidal up` says so at start instead of implying the modes protect anything."""
+def test_tidal_up_says_when_isolation_is_off():
+    """Root reads any file whatever its mode: unsandboxed without uid_base a job can read the admin token,
+    and `tidal up` says so at start instead of implying the modes protect anything; sandboxed (the
+    default, as root with uids from 200000) it says nothing."""
     from tidal.control.server import isolation_warning
 
-    assert "jobs run as root" in isolation_warning(ControlConfig(), euid=0)
-    assert isolation_warning(None, euid=0) is not None
-    assert isolation_warning(ControlConfig(isolation=IsolationConfig(uid_base=200000)), euid=0) is None
-    assert isolation_warning(ControlConfig(), euid=1000) is None
+    off = ControlConfig.from_dict({"isolation": "none"})
+    assert off.isolation == IsolationConfig(mode="none")
+    assert "jobs run unsandboxed as root" in isolation_warning(off, euid=0)
+    assert "as their own uids" in isolation_warning(ControlConfig.from_dict(
+        {"isolation": {"mode": "none", "uid_base": 200000}}), euid=0)
+    assert "as tidal up's user" in isolation_warning(off, euid=1000)
+    assert isolation_warning(None, euid=0) is None
+    assert isolation_warning(ControlConfig(), euid=0) is None
+    assert IsolationConfig().resolved(Path("/tmp"), euid=0).uid_base == 200000
+    assert IsolationConfig().resolved(Path("/tmp"), euid=1000).uid_base is None
+    assert IsolationConfig(mode="none").resolved(Path("/tmp"), euid=0).uid_base is None
+    with pytest.raises(ValueError, match="isolation.mode must be one of"):
+        ControlConfig.from_dict({"isolation": {"mode": "off"}})
+    with pytest.raises(ValueError, match="isolation must be a mapping of settings or 'none'"):
+        ControlConfig.from_dict({"isolation": "off"})
 
 
 def _memory_cgroups_usable() -> str | None:

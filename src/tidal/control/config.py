@@ -13,7 +13,7 @@ serving:                     # optional: the live loan plan, as advice (GET /v1/
   query: sum(vllm:num_requests_running)
   gpus_per_unit: 0.125
   shortfall_budget: 0.005
-isolation: {uid_base: 200000, shm_retention_s: 3600}   # tidal.exec.isolation: how jobs are isolated
+isolation: {read_only: [/data], shm_retention_s: 3600}  # tidal.exec.isolation: sandboxed; `none`: off
 """
 
 from __future__ import annotations
@@ -91,8 +91,6 @@ class ControlConfig:
         if kw.get("serving") is not None:
             kw["serving"] = WatchConfig.from_dict(kw["serving"], f"{where}: serving")
         if "isolation" in kw:
-            if not isinstance(kw["isolation"] or {}, dict):
-                raise ValueError(f"{where}: isolation must be a mapping of settings, got {kw['isolation']!r}")
             kw["isolation"] = IsolationConfig.from_dict(kw["isolation"], where)
         grants = kw.get("checkpoint_grants")
         if grants is not None:

@@ -7,7 +7,7 @@
       per: tenant                    # one uid per tenant (default) or per job
       pass_env: [PATH, LANG]         # names copied from tidal up's environment (nothing else is)
       shm_retention_s: 3600          # an ended job's /dev/shm tier is freed after this at the latest
-      max_file_bytes: auto           # RLIMIT_FSIZE of every rank (auto: half the state dir's disk; null: none)
+      max_file_bytes: auto           # RLIMIT_FSIZE of every rank (auto: half the jobs' disk; null: none)
       max_procs: 4096                # RLIMIT_NPROC of a job's uid (only with uids)
       max_memory_bytes: auto         # memory cgroup limit of every rank (auto: 90% of RAM where the plane
                                      # may make memory cgroups, else none; null: none; tidal.exec.cgroups)
@@ -83,7 +83,7 @@ class IsolationConfig:
         if self.mode not in MODES:
             raise ValueError(f"isolation.mode must be one of {list(MODES)}, got {self.mode!r}")
         if not all(isinstance(p, str) and os.path.isabs(p) for p in self.read_only):
-            raise ValueError(f"isolation.read_only must be a list of absolute paths, got {list(self.read_only)!r}")
+            raise ValueError(f"isolation.read_only must be a list of absolute paths, got {self.read_only!r}")
         if self.uid_base is not None and (not isinstance(self.uid_base, int) or self.uid_base < 1000):
             raise ValueError(f"isolation.uid_base must be an integer >= 1000, got {self.uid_base!r}")
         if self.per not in ("tenant", "job"):
@@ -92,7 +92,8 @@ class IsolationConfig:
             raise ValueError(f"isolation.shm_retention_s must be seconds >= 0, got {self.shm_retention_s!r}")
         for k in ("max_file_bytes", "max_procs"):
             v = getattr(self, k)
-            if v is not None and (not isinstance(v, int) or v < 1) and not (k == "max_file_bytes" and v == AUTO):
+            auto = k == "max_file_bytes" and v == AUTO
+            if v is not None and not auto and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"isolation.{k} must be a positive integer or null, got {v!r}")
         if not isinstance(self.ray_open_cluster, bool):
             got = self.ray_open_cluster
@@ -113,11 +114,10 @@ class IsolationConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | str | None, where: str = "config") -> IsolationConfig:
-        if d == "none":
-            d = {"mode": "none"}
-        if not isinstance(d or {}, dict):
+        d = {"mode": "none"} if d == "none" else {} if d is None else d
+        if not isinstance(d, dict):
             raise ValueError(f"{where}: isolation must be a mapping of settings or 'none', got {d!r}")
-        d = dict(d or {})
+        d = dict(d)
         names = {f.name for f in fields(cls)}
         for k in d:
             if k not in names:
@@ -137,10 +137,13 @@ class IsolationConfig:
     def resolved(self, jobs_root: Path, euid: int | None = None) -> IsolationConfig:
         """This config with its defaults made concrete for a plane whose jobs live in ``jobs_root``: the
         uid base (sandboxed as root: :data:`DEFAULT_UID_BASE`), ``max_file_bytes: auto`` (half the size of
-        the file system of ``jobs_root``: a rank's log or a runaway file cannot fill it). ``max_memory_bytes:
-        auto`` stays for the executor (it depends on the memory cgroups it finds: :func:`auto_memory_bytes`)."""
+        the file system of ``jobs_root``: a rank's log or a runaway file cannot fill it).
+        ``max_memory_bytes: auto`` stays for the executor (it depends on the memory cgroups it finds:
+        :func:`auto_memory_bytes`)."""
         root = (os.geteuid() if euid is None else euid) == 0
-        base = self.uid_base if self.uid_base is not None or not (root and self.sandboxed) else DEFAULT_UID_BASE
+        base = self.uid_base
+        if base is None and root and self.sandboxed:
+            base = DEFAULT_UID_BASE
         fsize = self.max_file_bytes
         if fsize == AUTO:
             st = os.statvfs(jobs_root)

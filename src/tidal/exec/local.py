@@ -320,7 +320,8 @@ class LocalExecutor:
             cwd = req.workdir or str(self.home_dir(req.job_id))
             sandbox.make_dirs([p for p in self._named(req.env, cwd) if p != cwd], owner)
         sandboxed = self.bwrap is not None
-        prepare_attempt(self.root, self.job_dir, adir, self.home_dir(req.job_id), req, owner, self.uids, sandboxed)
+        prepare_attempt(self.root, self.job_dir, adir, self.home_dir(req.job_id), req, owner, self.uids,
+                        sandboxed)
         shm = self.shm_dir(req.job_id)
         if shm is not None and (c.ENV_SHM_DIR not in req.env or sandboxed):  # sandboxed: also its /dev/shm
             private_dir(shm.parent, 0o711 if owner and not sandboxed else 0o700)
@@ -370,7 +371,8 @@ class LocalExecutor:
             self.bwrap, req.command, python=self.python, uid=owner[0] if owner else None,
             gid=owner[1] if owner else None, cwd=cwd,
             code=sandbox.code_paths(env, req.command, self.python, self.isolation.read_only),
-            named=self._named(env, cwd), hidden=[*self.hidden, *([str(self.shm_root)] if self.shm_root else [])],
+            named=self._named(env, cwd),
+            hidden=[*self.hidden, *([str(self.shm_root)] if self.shm_root else [])],
             attempt=str(adir), own=[str(self.home_dir(req.job_id)), *req.own_dirs, *req.take_over],
             shm=str(shm) if shm is not None else None, gpu=self.gpu)
 

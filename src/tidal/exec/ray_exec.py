@@ -75,6 +75,7 @@ from tidal.contract import torchrun_env
 from tidal.exec import ray_checks
 from tidal.exec.files import read_json, write_json
 from tidal.exec.isolation import (
+    AUTO,
     IsolationConfig,
     Uids,
     check_reachable,
@@ -159,7 +160,7 @@ class RayExecutor:
         self.serving_nodes = dict(serving_nodes or {})
         self.isolation = iso = isolation or IsolationConfig()
         require_root(iso)
-        if iso.max_memory_bytes is not None:  # a limit asked for is never dropped silently
+        if iso.max_memory_bytes not in (None, AUTO):  # a limit asked for is never dropped silently
             raise ValueError("isolation.max_memory_bytes: the Ray executor sets no memory cgroups (the local "
                              "executor does); remove it")
         self.root = Path(root)

@@ -130,7 +130,8 @@ def code_paths(env: Mapping[str, str], command: Sequence[str], python: str,
     out += [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     out += [env["VIRTUAL_ENV"]] if env.get("VIRTUAL_ENV") else []
     program = shutil.which(command[0], path=env.get("PATH")) if command else None
-    bins = [str(d) for exe in (python, program) if exe for d in (Path(exe).parent, Path(exe).resolve().parent)]
+    bins = [str(d) for exe in (python, program) if exe
+            for d in (Path(exe).parent, Path(exe).resolve().parent)]
     out += bins
     for d in [*env.get("PATH", "").split(os.pathsep), *bins]:
         if d and Path(d).name == "bin" and (Path(d).parent / "pyvenv.cfg").is_file():

@@ -181,8 +181,8 @@ def main(argv: list[str]) -> int:
         if "uid" in opts:
             kw.update(user=opts["uid"], group=opts.get("gid", opts["uid"]), extra_groups=[])
         rlimits, sandbox = opts["rlimits"], opts.get("sandbox", False)
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, umask=0o077, close_fds=True,
-                                preexec_fn=(lambda: set_limits(rlimits, sandbox)) if rlimits or sandbox else None,
+        setup = (lambda: set_limits(rlimits, sandbox)) if rlimits or sandbox else None
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, umask=0o077, close_fds=True, preexec_fn=setup,
                                 **kw)
     except (OSError, subprocess.SubprocessError) as e:
         print(f"tidal: cannot start {cmd[0]!r} in {os.getcwd()}: {e}", file=sys.stderr, flush=True)
