@@ -162,9 +162,10 @@ def test_retention_and_schedule_per_tier(s3, tmp_path):
     disk = tmp_path / "disk"
     tiers = ["shm", {"url": str(disk), "keep": 2}, {"url": s3.url, "every": 3, "keep": 2}]
     with ckpt.Checkpointer(tiers=tiers, keep=5) as cp:
-        handles = [cp.save(step, state(step)) for step in range(10, 17)]  # saves 0..6: S3 gets 0, 3, 6
-        for h in handles:
-            h.wait()
+        handles = []
+        for step in range(10, 17):  # saves 0..6: S3 gets 0, 3, 6
+            handles.append(cp.save(step, state(step)))
+            handles[-1].wait()  # each save lands before the next: retention, not a backlog, is tested here
         assert [h.committed for h in handles[:2]] == [["shm", "disk", "s3"], ["shm", "disk"]]
     assert ckpt.steps(s3.url) == [13, 16]
     assert sorted(p.name for p in disk.iterdir()) == [mf.step_dirname(15), mf.step_dirname(16)]
