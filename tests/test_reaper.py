@@ -28,8 +28,9 @@ from tidal.exec.protocol import LaunchRequest
 
 # These tests follow the pids a rank reports for what it started; inside the sandbox's PID namespace those
 # are not this machine's pids (and the namespace ends them all with the rank: tests/test_sandbox.py), so
-# the shim's and the plane's own reaping is tested on unsandboxed ranks.
-UNSANDBOXED = IsolationConfig(mode="none")
+# the shim's and the plane's own reaping is tested on unsandboxed ranks, without the default memory
+# cgroup (a backstop of its own, tested on its own below).
+UNSANDBOXED = IsolationConfig(mode="none", max_memory_bytes=None)
 
 # The rank: three detached helpers, their pids in PIDS ("{rank}" in it: the rank; with MARK, a fourth, and
 # all carrying MARK as their TIDAL_PROGRESS_DIR), then "ready"; with END=exit it exits by itself
@@ -128,7 +129,8 @@ def test_a_rank_as_its_own_uid_leaves_nothing_after_kill():
     """The shim (root) reaps what a rank running as a job's uid detached."""
     base = Path(tempfile.mkdtemp(prefix="tidal-reap-"))  # other uids may pass through (not tmp_path's)
     base.chmod(0o711)
-    ex = LocalExecutor(base / "jobs", slots=1, isolation=IsolationConfig(mode="none", uid_base=200000))
+    ex = LocalExecutor(base / "jobs", slots=1, isolation=IsolationConfig(mode="none", uid_base=200000,
+                                                                               max_memory_bytes=None))
     pid_file = ex.home_dir("u") / "pids.json"  # the only place the job's uid may write
     ex.launch(LaunchRequest("u", 1, ("/usr/bin/python3", "-c", RANK), {"local": 1},
                             env={"PIDS": str(pid_file)}), time.time())
@@ -278,7 +280,8 @@ import sys, time
 from tidal.exec.isolation import IsolationConfig
 from tidal.exec.local import LocalExecutor
 from tidal.exec.protocol import LaunchRequest
-ex = LocalExecutor(sys.argv[1], slots=2, subreaper=True, isolation=IsolationConfig(mode="none"))
+ex = LocalExecutor(sys.argv[1], slots=2, subreaper=True,
+                   isolation=IsolationConfig(mode="none", max_memory_bytes=None))
 for job in ("a", "d"):
     ex.launch(LaunchRequest(job, 1, (sys.executable, "-c", sys.argv[2]), {"local": 1},
                             env={"PIDS": sys.argv[3].replace("{job}", job)}), time.time())
@@ -341,7 +344,8 @@ def test_a_killed_shims_orphans_without_their_mark_end_by_their_uid():
     then carries no mark of the attempt but its uid): its shim SIGKILLed, the observe ends them all."""
     base = Path(tempfile.mkdtemp(prefix="tidal-reap-"))
     base.chmod(0o711)
-    ex = LocalExecutor(base / "jobs", slots=1, isolation=IsolationConfig(mode="none", uid_base=200000),
+    ex = LocalExecutor(base / "jobs", slots=1, isolation=IsolationConfig(mode="none", uid_base=200000,
+                                                                               max_memory_bytes=None),
                        subreaper=True)
     pid_file = ex.home_dir("u") / "pids-{rank}.json"
     pids: list[int] = []
@@ -363,7 +367,8 @@ def test_a_killed_shims_orphans_without_their_mark_end_by_their_uid():
 def test_tidal_up_is_the_subreaper_of_what_a_killed_shim_left(tmp_path):
     """A real ``tidal up``: a job's shim SIGKILLed by hand; its rank re-parents to the plane (not init),
     the reconcile loop's observe ends all the rank left, and the plane collects their zombies."""
-    plane = Plane(tmp_path, "loop_interval_s: 0.5\nstartup_timeout_s: 60\nisolation: none\n", gpus=1)
+    plane = Plane(tmp_path, "loop_interval_s: 0.5\nstartup_timeout_s: 60\n"
+                            "isolation: {mode: none, max_memory_bytes: null}\n", gpus=1)
     pids: list[int] = []
     try:
         plane.start()
