@@ -113,7 +113,7 @@ def test_settings():
                                ["/data"])
     assert {sys.prefix, sys.base_prefix, "/srv/code", "/data"} <= set(paths)
     assert sandbox.ckpt_dirs({"TIDAL_CKPT_TIERS": '["shm", "/ck/a", "s3://bucket/p"]'}, "/w") == ["/ck/a"]
-    assert sandbox.ckpt_dirs({"TIDAL_CKPT_URL": "rel"}, "/w") == ["/w/rel"]
+    assert sandbox.ckpt_dirs({"TIDAL_CKPT_URL": "file:///ck/b"}, "/w") == ["/ck/b"]
 
 
 def test_a_symlinked_checkpoint_parent_is_refused(tmp_path):
