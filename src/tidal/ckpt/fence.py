@@ -81,19 +81,28 @@ def home_dir(env: Mapping[str, str], cwd: str | os.PathLike | None = None) -> Pa
     return Path(cwd, path) if cwd is not None and not path.is_absolute() else local_path(path)
 
 
+def tier_specs(env: Mapping[str, str]) -> list | None:
+    """The tier list of a launch's ``TIDAL_CKPT_TIERS`` (JSON, or comma-separated), unchecked; None
+    without one or when it is not a list."""
+    raw = env.get(c.ENV_CKPT_TIERS)
+    if not raw:
+        return None
+    try:
+        tiers = json.loads(raw)
+    except ValueError:
+        tiers = [t.strip() for t in raw.split(",")]
+    return tiers if isinstance(tiers, list) else None
+
+
 def _home(env: Mapping[str, str]) -> tuple[str, str] | None:
     """(kind, home) from a launch's variables; None when there is none or they are malformed."""
     from tidal.ckpt.errors import CheckpointError
     from tidal.ckpt.tiers.config import kind_of, resolve
 
     try:
-        raw = env.get(c.ENV_CKPT_TIERS)
-        if raw:
-            try:
-                tiers = json.loads(raw)
-            except ValueError:
-                tiers = [t.strip() for t in raw.split(",")]
-            if not isinstance(tiers, list):
+        if env.get(c.ENV_CKPT_TIERS):
+            tiers = tier_specs(env)
+            if tiers is None:
                 return None
             home = resolve(tiers, default_keep=0)[0]
         else:

@@ -29,7 +29,6 @@ executor's signal to the shim's process group. bwrap reports a rank killed by si
 from __future__ import annotations
 
 import glob
-import json
 import os
 import shutil
 import subprocess
@@ -83,16 +82,13 @@ def ckpt_dirs(env: Mapping[str, str], cwd: str) -> list[str]:
     """The directory tiers of a launch's checkpoint variables (``TIDAL_CKPT_TIERS``, else
     ``TIDAL_CKPT_URL``), relative ones from ``cwd``; none when they are malformed (the runtime says so)."""
     from tidal.ckpt.errors import CheckpointError
+    from tidal.ckpt.fence import tier_specs
     from tidal.ckpt.tiers.config import kind_of, resolve
 
     try:
-        raw = env.get(c.ENV_CKPT_TIERS)
-        if raw:
-            try:
-                specs = json.loads(raw)
-            except ValueError:
-                specs = [t.strip() for t in raw.split(",")]
-            locs = [t.location for t in resolve(specs, default_keep=0)[1] if t.kind == "dir"]
+        if env.get(c.ENV_CKPT_TIERS):
+            specs = tier_specs(env)
+            locs = [t.location for t in resolve(specs, default_keep=0)[1] if t.kind == "dir"] if specs else []
         else:
             url = env.get(c.ENV_CKPT_URL) or ""
             locs = [url] if url and kind_of(url, "checkpoint url") == "dir" else []
