@@ -6,7 +6,8 @@ drops to the job's uid when ``tidal up`` is root and execs the command. Inside, 
 
 * read-only: the system (``/usr``, ``/etc``, ``/opt``, ``/sys``, the ``/lib`` and ``/bin`` links), the
   interpreter and its venv (``sys.prefix``, ``sys.base_prefix``), the ``tidal`` package, the
-  directories in its ``PYTHONPATH``/``VIRTUAL_ENV``, the venvs on its ``PATH``, its program, the
+  directories in its ``PYTHONPATH``/``VIRTUAL_ENV``, the venvs on its ``PATH``, its program and the
+  directories of the files its arguments name (its script), the
   admin's ``isolation.read_only``, and its attempt directory (``control.json``);
 * read-write: its workdir, its checkpoint directories, its progress directory, its private area
   (``HOME``, ``TMPDIR``), a private ``/tmp``, and its job's shared-memory directory, bound both at
@@ -119,12 +120,14 @@ def code_paths(env: Mapping[str, str], command: Sequence[str], python: str,
                extra: Iterable[str] = ()) -> list[str]:
     """What a rank reads its code from: the interpreters' prefixes, the ``tidal`` package's directory, the
     entries of ``PYTHONPATH``, ``VIRTUAL_ENV``, the venvs on ``PATH`` (directories with ``pyvenv.cfg``
-    above a ``bin``), the program (and its venv), and ``extra``."""
+    above a ``bin``), the program (and its venv), the directory of each file its arguments name by an
+    absolute path (its script), and ``extra``."""
     import tidal
 
     out = [sys.prefix, sys.base_prefix, str(Path(tidal.__file__).resolve().parents[1]), *extra]
     out += [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     out += [env["VIRTUAL_ENV"]] if env.get("VIRTUAL_ENV") else []
+    out += [str(Path(a).parent) for a in command[1:] if os.path.isabs(a) and os.path.isfile(a)]  # its script
     program = shutil.which(command[0], path=env.get("PATH")) if command else None
     bins = [str(d) for exe in (python, program) if exe
             for d in (Path(exe).parent, Path(exe).resolve().parent)]
