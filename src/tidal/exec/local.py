@@ -20,10 +20,11 @@ devices; written before any rank starts), ``exit-<r>.json`` (the rank's exit cod
 ``adopt`` reads them back after a restart of the control plane. See :mod:`tidal.exec.shim` for
 why a rank never runs twice.
 
-Isolation (:mod:`tidal.exec.isolation`, docs/control.md): ranks get a clean environment, a private
-area ``<root>/<job>/home`` (``HOME``, ``TMPDIR``), a shared-memory directory per job
-(``TIDAL_SHM_DIR``, freed by :meth:`LocalExecutor.free_shm`), 0600/0700 files, and, with
-``isolation.uid_base`` (as root), their own uid.
+Isolation (:mod:`tidal.exec.isolation`, docs/control.md): each rank in its own sandbox
+(:mod:`tidal.exec.sandbox`; ``hidden``: what no rank sees, the jobs dir and ``tidal up``'s state dir),
+a clean environment, a private area ``<root>/<job>/home`` (``HOME``, ``TMPDIR``), a shared-memory
+directory per job (``TIDAL_SHM_DIR``, freed by :meth:`LocalExecutor.free_shm`), 0600/0700 files, and
+as root their own uid (``isolation.uid_base``).
 
 Nothing a rank starts outlives its attempt: its shim reaps what the rank left; with ``subreaper=True``
 (``tidal up``) this process is a child subreaper too, and what a shim killed by another left is killed

@@ -54,7 +54,8 @@ controller's sweep, through small tasks on the nodes: :mod:`tidal.exec.ray_shm`)
 private area, 0600/0700 files, rlimits, and with ``isolation.uid_base`` (``tidal up`` and the Ray
 workers as root, checked on every node at start: :mod:`tidal.exec.ray_checks`) each rank as its job's
 uid, which owns the job's directories here and its node-memory directory on each node. Not isolated:
-the Ray cluster itself (docs/control.md).
+the Ray cluster itself, and a rank is not sandboxed (``isolation.mode`` is the local executor's; no
+default uids here: docs/control.md, Isolation on Ray).
 Not thread-safe: one reconcile loop drives it.
 """
 
