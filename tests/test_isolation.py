@@ -238,7 +238,10 @@ def test_tidal_up_says_when_isolation_is_off():
     assert "as tidal up's user" in isolation_warning(off, euid=1000)
     assert isolation_warning(None, euid=0) is None
     assert isolation_warning(ControlConfig(), euid=0) is None
-    assert IsolationConfig().resolved(Path("/tmp"), euid=0).uid_base == 200000
+    base = IsolationConfig().resolved(Path("/tmp"), euid=0).uid_base  # a range per plane, from 200000
+    assert base is not None and base >= 200000 and (base - 200000) % 65536 == 0
+    assert base == IsolationConfig().resolved(Path("/tmp"), euid=0).uid_base != IsolationConfig().resolved(
+        Path("/var"), euid=0).uid_base
     assert IsolationConfig().resolved(Path("/tmp"), euid=1000).uid_base is None
     assert IsolationConfig(mode="none").resolved(Path("/tmp"), euid=0).uid_base is None
     with pytest.raises(ValueError, match="isolation.mode must be one of"):

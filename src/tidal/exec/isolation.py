@@ -3,7 +3,8 @@
     isolation:                       # tidal up --config FILE; `isolation: none` = {mode: none}
       mode: sandbox                  # each rank in its own namespaces (tidal.exec.sandbox); none: off
       read_only: [/data]             # more paths a sandboxed rank may read (its code, data sets)
-      uid_base: 200000               # run jobs as uids 200000+ (needs root; sandboxed as root: default)
+      uid_base: 200000               # run jobs as uids 200000+ (needs root; sandboxed as root: default,
+                                     # a range of 65536 from 200000 chosen by the state dir)
       per: tenant                    # one uid per tenant (default) or per job
       pass_env: [PATH, LANG]         # names copied from tidal up's environment (nothing else is)
       shm_retention_s: 3600          # an ended job's /dev/shm tier is freed after this at the latest
@@ -58,6 +59,7 @@ DEFAULT_PASS_ENV = (
 log = logging.getLogger(__name__)
 UID_SPAN = 1 << 16  # uids uid_base .. uid_base + UID_SPAN - 1
 DEFAULT_UID_BASE = 200000  # a sandboxing plane run as root runs jobs as uids from here unless told
+PLANE_RANGES = 4096  # ... in one of this many ranges of UID_SPAN uids, chosen by its jobs dir
 AUTO = "auto"
 MODES = ("sandbox", "none")
 
@@ -136,14 +138,17 @@ class IsolationConfig:
 
     def resolved(self, jobs_root: Path, euid: int | None = None) -> IsolationConfig:
         """This config with its defaults made concrete for a plane whose jobs live in ``jobs_root``: the
-        uid base (sandboxed as root: :data:`DEFAULT_UID_BASE`), ``max_file_bytes: auto`` (half the size of
+        uid base (sandboxed as root: one of :data:`PLANE_RANGES` ranges of :data:`UID_SPAN` uids from
+        :data:`DEFAULT_UID_BASE`, chosen by the jobs dir, so two planes on one machine share no uid: a
+        plane ends what a uid of its own left), ``max_file_bytes: auto`` (half the size of
         the file system of ``jobs_root``: a rank's log or a runaway file cannot fill it).
         ``max_memory_bytes: auto`` stays for the executor (it depends on the memory cgroups it finds:
         :func:`auto_memory_bytes`)."""
         root = (os.geteuid() if euid is None else euid) == 0
         base = self.uid_base
         if base is None and root and self.sandboxed:
-            base = DEFAULT_UID_BASE
+            n = int(hashlib.sha1(str(jobs_root.resolve()).encode()).hexdigest()[:8], 16) % PLANE_RANGES
+            base = DEFAULT_UID_BASE + UID_SPAN * n
         fsize = self.max_file_bytes
         if fsize == AUTO:
             st = os.statvfs(jobs_root)

@@ -181,7 +181,7 @@ def command(bwrap: str, program: Sequence[str], *, python: str, uid: int | None,
     out += [x for h in hidden if os.path.isdir(h) for x in ("--perms", "0711", "--tmpfs", h)]
     out += _binds("--ro-bind", [attempt])
     out += _binds("--bind", [os.path.join(attempt, c.PROGRESS_DIRNAME), *own])
-    if shm is not None and os.path.isdir(shm):
-        out += ["--bind", shm, "/dev/shm", "--bind", shm, shm]
+    if shm is not None and os.path.isdir(shm):  # its parents made in it, 0711 (from the second bind on)
+        out += ["--bind", shm, "/dev/shm", *_binds("--bind", [shm])]
     return [*out, "--chdir", cwd, "--", python, "-I", "-S", "-c", ENTER,
             str(-1 if uid is None else uid), str(-1 if gid is None else gid), *program]
