@@ -144,16 +144,9 @@ def test_restart_full_makes_jobs_rigid():
     assert j.job.min_gpus == j.job.max_gpus == 2
 
 
-def test_durable_time_and_next_agrees_with_the_two_calls():
-    for s in (seg(), seg(lag_s=300.0), seg(lag_s=300.0, stop_s=2500.0),
-              seg(lag_s=300.0, pend=(1200.0, 50.0, 90.0))):
-        for t in np.linspace(0.0, 5000.0, 101):
-            assert s.durable_time_and_next(t) == (s.durable(t)[1], s.next_durable_s(t))
-
-
 def test_durable_table_answers_exactly_what_each_segment_does():
     """The vectorised refresh (``DurableTable``) gives bit for bit the capture times and next times of
-    ``Segment.durable_time_and_next``, rows due only when their answer may have changed."""
+    ``Segment.durable`` and ``Segment.next_durable_s``, rows due only when their answer may have changed."""
     rng = np.random.default_rng(5)
     segs = {}
     for i in range(300):
@@ -205,11 +198,11 @@ def test_durable_table_answers_exactly_what_each_segment_does():
     for t in np.sort(rng.uniform(0, end, 60)).tolist():
         ct, nxt = durable_times_and_next(rows.T, t)
         for (k, s), c, n in zip(segs.items(), ct.tolist(), nxt.tolist(), strict=True):
-            assert (c, n) == s.durable_time_and_next(t), (k, t)
+            assert (c, n) == (s.durable(t)[1], s.next_durable_s(t)), (k, t)
         keys, cts = table.refresh(t)
         assert len(set(keys)) == len(keys) and set(keys) <= set(segs)
         for k, c in zip(keys, cts, strict=True):
-            assert c == segs[k].durable_time_and_next(t)[0]
+            assert c == segs[k].durable(t)[1]
             last[k] = c
         for k, s in segs.items():  # a row not refreshed has not changed since it was
             if k not in keys and not math.isnan(last[k]):

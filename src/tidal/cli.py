@@ -58,10 +58,13 @@ def _sim() -> None:
     app.command("plan")(plan_command)
 
 
+_CONTROL = ("up", "submit", "jobs", "status", "logs", "cancel", "pool", "events")
+
+
 def _control() -> None:
     from tidal.control import cli as control
 
-    for name in ("up", "submit", "jobs", "status", "logs", "cancel", "pool", "events"):
+    for name in _CONTROL:
         app.command(name)(getattr(control, name))
     app.add_typer(control.tenants_app, name="tenants", help="Tenants (admin): create, list.")
 
@@ -79,9 +82,8 @@ def _demo() -> None:
     from tidal.demo.single import demo
 
     demo_app = typer.Typer(
-        invoke_without_command=True,
-        no_args_is_help=False,
-        help="End-to-end demos on this machine (no subcommand: a job loses a rank and recovers).",
+        invoke_without_command=True, no_args_is_help=False,
+        help="End-to-end demos on this machine (no subcommand: a job loses a rank and recovers)."
     )
     demo_app.callback()(demo)
     demo_app.command("cycle")(cycle)
@@ -97,9 +99,7 @@ _COMMANDS: dict[str, Callable[[], None]] = {
     "plan": _sim,
     "demo": _demo,
     "serving": _serving,
-    **{
-        n: _control for n in ("up", "submit", "jobs", "status", "logs", "cancel", "pool", "events", "tenants")
-    },
+    **{n: _control for n in (*_CONTROL, "tenants")},
 }
 
 

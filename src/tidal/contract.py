@@ -1,16 +1,8 @@
-"""What the runtime (``tidal.train``, ``tidal.ckpt``), the executors (``tidal.exec``) and the control
-plane (``tidal.control``) must agree on, each fact written once. Imports nothing of ours, no torch:
-every side, and ``tidal.policy``, may import it.
-
-* the environment variables Tidal sets or reads (``ENV_*``; their meanings and defaults are the
-  table in :mod:`tidal.train.env` and docs/train.md) and the torchrun names (:func:`torchrun_env`
-  builds one rank's, :func:`one_node_env` adds what ranks on one machine share);
-* exit codes (:data:`EXIT_PREEMPTED`, :data:`EXIT_FENCED`);
-* the files through which a job and its executor talk (progress, heartbeat, exit, pid, launch,
-  control) and the layout of one attempt's directory;
-* the default grace period (:data:`DEFAULT_GRACE_S`): from a stop notice to the forced exit of a
-  job, and the default of every setting that plays that part (the job spec's ``grace_s``, the
-  scheduler's ``preempt_grace_s``, the loan plan's ``notice_s``).
+"""What the runtime (``tidal.train``, ``tidal.ckpt``), the executors and the control plane must agree on,
+each fact written once: environment variables (``ENV_*``; docs/train.md has the table), exit codes, the
+files through which a job and its executor talk, and the default grace (:data:`DEFAULT_GRACE_S`, also
+the default of the job spec's ``grace_s``, ``preempt_grace_s`` and the loan plan's ``notice_s``).
+Imports nothing of ours, no torch: every side may import it.
 """
 
 from __future__ import annotations

@@ -1,23 +1,13 @@
 """Atomic file writes: a reader sees the old file or the whole new one, never a torn one; and
-:func:`open_plain`, the one way to read a file someone else (a job) controls. Standard library only, no
-imports of ours: every layer may import it (``tidal.exec.shim``, which runs under ``python -I``, loads
-it from beside the package).
+:func:`open_plain`, the one way to read a file a job controls. Standard library only (the shim loads it
+by path).
 
-Each write goes to a fresh hidden temporary name beside the target (``.<name>.<random>.tmp``), created
-with ``O_CREAT | O_EXCL | O_NOFOLLOW`` (never through a link someone planted, never into a file someone
-else holds open), mode 0600 unless told otherwise; the data is written and fsynced, the temporary file
-renamed over the target (``os.replace``) and the directory fsynced, so the rename survives a crash.
-A failed write leaves no temporary file behind.
-
-* :func:`write_atomic` writes bytes or text; :func:`atomic_writer` yields the open file for a caller
-  that streams (a large buffer, ``json.dump``);
-* ``mode`` is the permission of the new file (0600: private; 0o644 world-readable; :data:`AS_OPEN`:
-  what ``open()`` would make, the umask decides), ``group`` hands it to a group (mode 0640 unless told
-  otherwise), ``durable=False`` skips both fsyncs (an advisory file rewritten often: a heartbeat);
-* ``exclusive=True`` publishes only if the target does not exist yet (a hard link instead of the
-  rename: the first writer wins, the others get ``FileExistsError``);
-* ``dir_fd`` makes ``path`` a plain name inside that open directory (a directory opened without
-  following links, against a job that swaps a path component for a link meanwhile).
+Each write goes to a fresh hidden temporary name beside the target, created with ``O_CREAT | O_EXCL |
+O_NOFOLLOW``, mode 0600 unless told otherwise (:data:`AS_OPEN`: as ``open()``; ``group``: 0640 in that
+group); written, fsynced, renamed over the target and the directory fsynced (``durable=False`` skips
+both fsyncs). ``exclusive=True`` publishes only if the target does not exist (the others get
+``FileExistsError``); ``dir_fd`` makes ``path`` a plain name in that open directory. A failed write
+leaves no temporary file.
 """
 
 from __future__ import annotations

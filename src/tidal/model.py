@@ -1,27 +1,10 @@
 """Plain data shared by the control plane, the simulator and the policies. Imports nothing of ours.
 
-What the scheduler sees of the world (a :class:`Snapshot`) and what it decides (``Decision`` values).
-Everything is a frozen dataclass; times are seconds on the caller's clock (``*_s``), sizes are GPU
-counts (``*_gpus``). The mappings inside (placements, queues) are plain dicts and lists for speed:
-treat them as read-only once they are in a snapshot.
-
-Lifecycle of a job as these types record it (the store owns the transitions; the scheduler only
-proposes them as decisions)::
-
-    pending --Admit--> running --Grow--> running
-                          |--Shrink--> running, releasing part --released--> running, smaller
-                          +--Preempt--> stopping (releasing all) --exited--> pending again
-                                        (last_preempted_s = now: it queues behind those waiting)
-
-    pending --Shrink/Preempt of others for it--> pending, nominated (nominated_s = now: it goes
-                                        first while its victims drain, so the GPUs freed for it
-                                        are not taken by a job that happens to rank above it later)
-
-* ``Job.placement`` is what a job holds now, ``Job.releasing`` the part of it that it has been told
-  to give back (a shrink: part of it; a preemption: all of it). The store removes ``releasing`` from
-  ``placement`` once the job confirms, and only then are those GPUs free for anybody else.
-* Decisions are applied by the store before the next snapshot is taken: the scheduler is level
-  triggered and relies on that to never act twice on the same need.
+What the scheduler sees of the world (a :class:`Snapshot`) and what it decides (``Decision`` values),
+all frozen dataclasses; times are seconds on the caller's clock (``*_s``), sizes GPU counts. The mappings
+inside are plain dicts and lists for speed: read-only once in a snapshot. docs/scheduling.md draws a
+job's lifecycle: the store owns the transitions and applies decisions before the next snapshot (the
+scheduler is level triggered); ``Job.releasing`` stays in ``placement`` until the job confirms.
 """
 
 from __future__ import annotations
@@ -47,13 +30,8 @@ def _need(cond: bool, what: str) -> None:
 
 @dataclass(frozen=True, slots=True)
 class Tenant:
-    """A team or project that submits jobs.
-
-    ``quota_gpus``: GPUs on the *training* pool guaranteed to the tenant's dedicated jobs (they may
-    preempt spot jobs to get them). ``weight``: the tenant's relative share of the GPUs spot jobs
-    run on (idle training GPUs and loaned serving GPUs), used for fair-share ordering and
-    fair-share preemption.
-    """
+    """A team or project that submits jobs. ``quota_gpus``: training-pool GPUs guaranteed to its dedicated
+    jobs (they may preempt spot jobs for them); ``weight``: its fair share of the GPUs spot jobs run on."""
 
     name: str
     quota_gpus: int = 0
@@ -66,10 +44,8 @@ class Tenant:
 
 @dataclass(frozen=True, slots=True)
 class Node:
-    """A machine with ``gpus`` GPUs in the training pool or the serving pool.
-
-    Serving nodes hold training work only on GPUs serving has loaned out (see :class:`Loan`).
-    """
+    """A machine with ``gpus`` GPUs in the training pool, or the serving pool (training runs there only
+    on GPUs serving has lent: :class:`Loan`)."""
 
     name: str
     gpus: int
@@ -82,14 +58,10 @@ class Node:
 
 @dataclass(frozen=True, slots=True)
 class Loan:
-    """``gpus`` GPUs of serving node ``node`` lent to spot training.
-
-    ``until_s``: when the loan plan currently expects to want them back (``inf``: no end in sight).
-    The scheduler starts nothing new on a loan that ends within ``min_loan_left_s``. The binding
-    instruction to give GPUs back is a :class:`Reclaim`, not this time.
-    ``reclaim_risk_per_hour``: rate of reclaims of this loan that come with too little notice for a
-    final checkpoint (the loan plan's forecast error); it shortens checkpoint intervals of jobs on it.
-    """
+    """``gpus`` GPUs of serving node ``node`` lent to spot training. ``until_s``: when the loan plan
+    expects to want them back (nothing new starts within ``min_loan_left_s`` of it; the binding
+    instruction is a :class:`Reclaim`). ``reclaim_risk_per_hour``: reclaims with too little notice for a
+    final checkpoint (the plan's forecast error); it shortens checkpoint intervals of jobs on the loan."""
 
     node: str
     gpus: int
@@ -103,17 +75,10 @@ class Loan:
 
 @dataclass(frozen=True, slots=True)
 class Reclaim:
-    """An instruction from the loan plan: ``gpus`` loaned GPUs (any nodes) must be released by ``by_s``.
-
-    The one reclaim type: the loan plan makes them (:func:`tidal.policy.loan.plan_loans`), the loan
-    ledger keeps the outstanding ones, the scheduler acts on them. ``notice_s``: when to start moving
-    training off them (send notices); ``None``: now. Before it, the scheduler only keeps new work off
-    free loaned GPUs if the notice is near (``min_loan_left_s``). ``by_s = notice_s + notice grace +
-    final checkpoint``: the jobs are off the GPUs. ``deadline_s``: serving uses them again (``by_s`` +
-    release + serving warm-up; ``None`` where nobody planned it, e.g. a reclaim due now).
-    ``gpus`` is what is still outstanding: the store lowers it as :class:`ReturnGpus` decisions are
-    carried out and drops the reclaim at zero.
-    """
+    """An instruction from the loan plan (:func:`tidal.policy.loan.plan_loans`): ``gpus`` loaned GPUs (any
+    nodes; what is still outstanding, lowered as :class:`ReturnGpus` are carried out) released by ``by_s``
+    (``notice_s`` + grace + final checkpoint). ``notice_s``: when to send notices (``None``: now).
+    ``deadline_s``: when serving uses them again (``None`` where nobody planned it)."""
 
     gpus: int
     by_s: float
@@ -129,29 +94,15 @@ class Reclaim:
 
 @dataclass(frozen=True, slots=True)
 class Job:
-    """A training job as the scheduler sees it: what it asks for and where it stands.
-
-    Request: ``kind`` (``dedicated`` runs only inside its tenant's quota on the training pool;
-    ``spot`` runs on idle training GPUs and loaned serving GPUs and may be shrunk or stopped at any
-    time), ``priority`` (higher first), ``min_gpus`` (the gang minimum: all or nothing),
-    ``max_gpus`` (elastic maximum; ``None``: same as ``min_gpus``), ``multiple_of`` (every size is a
-    multiple of it, e.g. the tensor x pipeline parallel degree), ``gpus_per_node`` (``None``: any split
-    over nodes; otherwise exactly this many GPUs on every node the job uses), ``submit_s``.
-
-    State: ``placement`` (node -> GPUs held now; empty while pending), ``releasing`` (node -> GPUs it
-    was told to give back and still holds), ``started_s`` (last admission), ``last_preempted_s``,
-    ``last_grown_s``, ``last_shrunk_s``, ``last_ckpt_s`` (when the newest *durable* checkpoint was
-    captured: work after it is lost if the job dies), ``ckpt_stall_s`` (measured time training stops
-    per save) and ``ckpt_interval_s`` (the interval it uses now). ``nominated_s``: when the scheduler
-    last shrank or preempted other jobs to make room for this pending job (a :class:`Shrink` or
-    :class:`Preempt` with ``for_job`` = this job); the store sets it when it applies that decision and
-    clears it on admission. A nominated job stands first in its queue and, for
-    ``SchedulerConfig.nomination_ttl_s``, first in the admission order (Kubernetes' nominated pods):
-    without it, a job that ranks above it by the time the victims have drained (aging moves ranks)
-    could take the GPUs freed for it, and it would preempt again.
-
-    Derived: ``gpus`` (held now), ``releasing_gpus``, ``size_step`` (every size is a multiple of it:
-    lcm of ``multiple_of`` and ``gpus_per_node``).
+    """A training job as the scheduler sees it: its request and state (docs/scheduling.md lists the
+    fields). ``kind``: ``dedicated`` runs only inside its tenant's quota on the training pool, ``spot``
+    on idle and loaned GPUs and may be shrunk or stopped at any time; ``min_gpus`` is the gang minimum
+    (all or nothing), ``max_gpus`` the elastic maximum (``None``: ``min_gpus``); every size is a multiple
+    of ``size_step`` (lcm of ``multiple_of`` and ``gpus_per_node``). ``last_ckpt_s``: the newest
+    *durable* checkpoint. ``nominated_s``: when others were shrunk or preempted for this pending job
+    (set by the store, cleared on admission): it goes first in its queue and, for
+    ``nomination_ttl_s``, in the admission order, so no job that ranks above it later takes the GPUs
+    freed for it.
     """
 
     id: str
@@ -203,22 +154,15 @@ class Job:
               f"{me}: gpus_per_node must be >= 1 or None, got {self.gpus_per_node}")
         step = math.lcm(self.multiple_of, self.gpus_per_node or 1)
         _need(self.min_gpus >= 1, f"{me}: min_gpus must be >= 1, got {self.min_gpus}")
-        _need(
-            self.max_gpus >= self.min_gpus, f"{me}: max_gpus ({self.max_gpus}) < min_gpus ({self.min_gpus})"
-        )
+        _need(self.max_gpus >= self.min_gpus, f"{me}: max_gpus ({self.max_gpus}) < min_gpus "
+              f"({self.min_gpus})")
         for name in ("min_gpus", "max_gpus"):
             v = getattr(self, name)
-            _need(
-                v % step == 0,
-                f"{me}: {name}={v} is not a multiple of {step} "
-                f"(lcm of multiple_of={self.multiple_of}, gpus_per_node={self.gpus_per_node})",
-            )
+            _need(v % step == 0, f"{me}: {name}={v} is not a multiple of {step} "
+                  f"(lcm of multiple_of={self.multiple_of}, gpus_per_node={self.gpus_per_node})")
         for node, g in self.releasing.items():
-            _need(
-                0 < g <= self.placement.get(node, 0),
-                f"{me}: releasing[{node!r}]={g} must be > 0 and <= placement there "
-                f"({self.placement.get(node, 0)})",
-            )
+            _need(0 < g <= self.placement.get(node, 0), f"{me}: releasing[{node!r}]={g} must be > 0 and <= "
+                  f"placement there ({self.placement.get(node, 0)})")
         raise AssertionError(f"{me}: invalid, but no check names why")  # the two lists of checks disagree
 
     @property
@@ -237,9 +181,8 @@ class Job:
 
     @property
     def queued_s(self) -> float:
-        """When the job (re)entered its queue: submission, or its last preemption. Queue position and
-        aging count from here, so a preempted job queues behind those that were already waiting
-        (as Kueue requeues at eviction time) and its preemptor gets the GPUs it freed."""
+        """When the job (re)entered its queue, which position and aging count from: submission, or its last
+        preemption (so it queues behind those already waiting, and its preemptor gets the GPUs it freed)."""
         if self.last_preempted_s is not None and self.last_preempted_s > self.submit_s:
             return self.last_preempted_s
         return self.submit_s
@@ -259,23 +202,16 @@ def queue_key(job: Job) -> QueueKey:
 
 
 def arrival(job: Job) -> tuple[bool, float, str]:
-    """Order within a pending queue: nominated jobs first (see ``Job.nominated_s``), then
-    ``(queued_s, id)``."""
+    """Order within a pending queue: nominated jobs first (``Job.nominated_s``), then ``(queued_s, id)``."""
     return (job.nominated_s is None, job.queued_s, job.id)
 
 
 @dataclass(frozen=True)
 class Snapshot:
-    """Everything one scheduling call looks at. Build it with :meth:`build` unless you keep the queues.
-
-    ``running``: jobs holding GPUs (including stopping ones), any order.
-    ``queues``: pending jobs, one sequence per :func:`queue_key`, each in :func:`arrival` order
-    ``(queued_s, id)``. A simulator keeps these lists up to date incrementally (append on submit
-    and on requeue after a preemption; ``bisect.insort`` by :func:`arrival` for anything else) so a
-    call never sorts 10,000 pending jobs; the scheduler reads only the heads it needs.
-    ``loans``: serving GPUs lent to training now. ``reclaims``: outstanding instructions to return
-    loaned GPUs.
-    """
+    """Everything one scheduling call looks at (:meth:`build` makes one from a list of jobs).
+    ``running``: jobs holding GPUs, stopping ones included. ``queues``: pending jobs per
+    :func:`queue_key`, each in :func:`arrival` order (a simulator keeps them sorted incrementally, so a
+    call never sorts 10,000 jobs). ``loans``: serving GPUs lent now; ``reclaims``: outstanding."""
 
     now_s: float
     nodes: tuple[Node, ...]
@@ -310,11 +246,8 @@ class Snapshot:
 
 
 def check_snapshot(s: Snapshot) -> None:
-    """Raise ``ValueError`` naming the first inconsistency; O(size of the snapshot).
-
-    The scheduler trusts its input for speed; call this where snapshots are built (tests, the store
-    in debug mode, the simulator after applying decisions).
-    """
+    """Raise ``ValueError`` naming the first inconsistency; O(size of the snapshot). The scheduler
+    trusts its input for speed: call this where snapshots are built."""
     nodes: dict[str, Node] = {}
     for node_ in s.nodes:
         _need(node_.name not in nodes, f"node {node_.name!r} listed twice")
@@ -338,11 +271,8 @@ def check_snapshot(s: Snapshot) -> None:
         _need(j.id not in ids, f"Job {j.id!r} listed twice")
         ids.add(j.id)
         step, g = j.size_step, j.gpus_per_node
-        _need(
-            j.gpus % step == 0 and j.min_gpus <= j.gpus <= j.max_gpus,
-            f"Job {j.id!r}: holds {j.gpus} GPUs, expected a multiple of {step} "
-            f"in [{j.min_gpus}, {j.max_gpus}]",
-        )
+        _need(j.gpus % step == 0 and j.min_gpus <= j.gpus <= j.max_gpus, f"Job {j.id!r}: holds {j.gpus} "
+              f"GPUs, expected a multiple of {step} in [{j.min_gpus}, {j.max_gpus}]")
         for node, k in j.placement.items():
             n = nodes.get(node)
             if n is None:
@@ -392,11 +322,8 @@ class Grow:
 
 @dataclass(frozen=True, slots=True)
 class Shrink:
-    """Running job ``job`` gives back ``release`` (node -> GPUs) and goes on with ``to_gpus``.
-
-    It must have released them by ``by_s`` (a final fast checkpoint, then reshard onto what is left).
-    ``reason`` says whose need it serves; ``for_job`` names the waiting job, if any.
-    """
+    """Running job ``job`` gives back ``release`` (node -> GPUs) by ``by_s`` and goes on with ``to_gpus``
+    (a final fast checkpoint, then a reshard). ``reason``: whose need; ``for_job``: the waiting job."""
 
     job: str
     to_gpus: int

@@ -1,37 +1,12 @@
 """``tidal bench ckpt``: what a checkpoint costs training, Tidal next to its alternatives.
 
-What is measured, on one model + Adam state of about ``size_gb`` (a stack of ``nn.Linear`` layers
-in fp32 whose parameters, ``exp_avg`` and ``exp_avg_sq`` add up to the size; the optimizer is
-stepped once so its state exists; the state comes from :func:`tidal.ckpt.training_state`):
-
-* ``memcpy`` — copy every tensor into preallocated, already-touched CPU tensors of the same shapes.
-  No checkpoint can capture a state faster than this with one copy, so it is the floor for a stall.
-* ``tidal`` — ``Checkpointer.save`` blocking time (the *stall*: how long training waits) and the
-  time until ``SaveHandle.wait()`` returns (the step is committed in every tier: node shared memory
-  and the directory, fsynced), both measured from the ``save`` call.
-* ``tidal_overlapped`` — ``Checkpointer(dir, guard=optimizer)``: ``save`` copies only what the
-  optimizer does not own and returns; parameters and optimizer state are copied in the background
-  (``staged_s``: until that copy finished, i.e. when the next ``optimizer.step()`` could run).
-* ``torch_save`` — ``torch.save(state, path)``, blocking; ``durable_s`` adds an fsync of the file
-  (``torch.save`` itself does not fsync, Tidal and DCP do).
-* ``dcp_save`` — ``torch.distributed.checkpoint.save``, single process (no process group).
-* ``dcp_async`` — ``torch.distributed.checkpoint.async_save`` with one ``DefaultStager`` created once
-  and passed to every call, so its CPU staging buffers are reused (as a training loop would).
-  ``return_s``: ``async_save`` returned; ``stall_s``: its staging future completed, the earliest time
-  training may modify the state again (the fair comparison with Tidal's stall); ``total_s``: the
-  upload future completed (the checkpoint is on disk).
-* loads — ``tidal.ckpt.load`` into tensors of the same shapes (``load_s``, from the fastest tier,
-  node shared memory; ``load_disk_s`` with that tier hidden so only the directory is read), into
-  ``LocalShard`` row blocks as three ranks of a different layout would hold them
-  (``load_resharded_s``, the three loads run one after another here and their times are summed),
-  and ``dcp.load``.
-
-Why this way: all competitors run in one process on the same tensors, alternating within every
-repeat (the order rotates from one repeat to the next) after one untimed warm-up round, and each
-save is waited for until it is durable before the next competitor starts, so background I/O of one
-never overlaps the measurement of another. Reported numbers are medians over the repeats; the raw
-samples are in the JSON. Targets (Tidal stall ≤ 1.1× memcpy, overlapped stall ≤ 0.1× memcpy,
-Tidal stall ≤ 0.5× DCP ``async_save`` stall) are printed as PASS/MISS for information only.
+One model + Adam state of about ``size_gb`` (from :func:`tidal.ckpt.training_state`), saved by each
+competitor: ``memcpy`` into preallocated tensors (the floor for a stall), Tidal's ``Checkpointer``
+(plain and overlapped with ``guard=optimizer``), ``torch.save``, DCP ``save`` and ``async_save``; then
+loaded by Tidal (fastest tier, disk only, resharded onto three simulated ranks) and by DCP. All run in
+one process on the same tensors, alternating within every repeat after one untimed warm-up round, each
+save waited for until durable before the next starts; medians are reported, raw samples are in the
+JSON. :data:`NOTES` (printed and in the JSON) say what each figure is; targets print as PASS/MISS.
 """
 
 from __future__ import annotations
@@ -69,36 +44,23 @@ __all__ = ["GB", "RANKS", "build_state", "machine", "resharded_states", "run", "
 
 # (competitor, metric) pairs in report order; every one is a dict {"samples": [...], "median": x}.
 SAVE_METRICS: dict[str, tuple[str, ...]] = {
-    "memcpy": ("copy_s",),
-    "tidal": ("stall_s", "handle_stall_s", "commit_s"),
+    "memcpy": ("copy_s",), "tidal": ("stall_s", "handle_stall_s", "commit_s"),
     "tidal_overlapped": ("stall_s", "handle_stall_s", "staged_s", "commit_s"),
-    "torch_save": ("save_s", "durable_s"),
-    "dcp_save": ("save_s",),
-    "dcp_async": ("return_s", "stall_s", "total_s"),
-}
+    "torch_save": ("save_s", "durable_s"), "dcp_save": ("save_s",),
+    "dcp_async": ("return_s", "stall_s", "total_s")}
 LOAD_METRICS: dict[str, tuple[str, ...]] = {
     "tidal": ("load_s", "load_disk_s", "load_resharded_s", "load_resharded_read_amplification"),
-    "dcp": ("load_s",),
-}
+    "dcp": ("load_s",)}
 # name -> (numerator (group, competitor, metric), denominator, target or None)
 RATIOS: dict[str, tuple[tuple[str, str, str], tuple[str, str, str], float | None]] = {
     "tidal_stall_over_memcpy": (("save", "tidal", "stall_s"), ("save", "memcpy", "copy_s"), 1.1),
-    "overlapped_stall_over_memcpy": (
-        ("save", "tidal_overlapped", "stall_s"),
-        ("save", "memcpy", "copy_s"),
-        0.1,
-    ),
+    "overlapped_stall_over_memcpy": (("save", "tidal_overlapped", "stall_s"), ("save", "memcpy", "copy_s"),
+                                     0.1),
     "tidal_stall_over_dcp_async_stall": (("save", "tidal", "stall_s"), ("save", "dcp_async", "stall_s"), 0.5),
-    "overlapped_stall_over_dcp_async_stall": (
-        ("save", "tidal_overlapped", "stall_s"),
-        ("save", "dcp_async", "stall_s"),
-        None,
-    ),
-    "tidal_commit_over_dcp_async_total": (
-        ("save", "tidal", "commit_s"),
-        ("save", "dcp_async", "total_s"),
-        None,
-    ),
+    "overlapped_stall_over_dcp_async_stall": (("save", "tidal_overlapped", "stall_s"),
+                                              ("save", "dcp_async", "stall_s"), None),
+    "tidal_commit_over_dcp_async_total": (("save", "tidal", "commit_s"), ("save", "dcp_async", "total_s"),
+                                          None),
     "tidal_load_over_dcp_load": (("load", "tidal", "load_s"), ("load", "dcp", "load_s"), None),
     "tidal_load_disk_over_dcp_load": (("load", "tidal", "load_disk_s"), ("load", "dcp", "load_s"), None),
 }
@@ -129,9 +91,6 @@ NOTES = [
 ]
 
 
-# -- the state (tidal.bench.ckpt_state, shared with the peer engines' adapters) ------------------
-
-
 def resharded_states(target: dict) -> list[dict]:
     """One state per simulated rank whose tensors are ``LocalShard`` row blocks (views) of ``target``."""
     out = []
@@ -144,8 +103,6 @@ def resharded_states(target: dict) -> list[dict]:
         out.append(map_tensors(target, piece))
     return out
 
-
-# -- the competitors -----------------------------------------------------------------------------
 
 class _Bench:
     """Holds the state, every competitor's reusable buffers and its directories under ``root``."""
@@ -252,7 +209,6 @@ class _Bench:
         shutil.rmtree(d)
         return {"return_s": t1 - t0, "stall_s": t2 - t0, "total_s": t3 - t0}
 
-    # -- loads ---------------------------------------------------------------------------------
     def tidal_load(self, target: dict) -> dict[str, float]:
         t0 = time.perf_counter()
         ckpt.load(self.tidal_dir, target)
@@ -285,10 +241,8 @@ class _Bench:
             ckpt.load(self.tidal_dir, rank_state, stats=stats)
             total += time.perf_counter() - t0
             needed, read = needed + stats.bytes_needed, read + stats.bytes_read
-        return {
-            "load_resharded_s": total,
-            "load_resharded_read_amplification": read / needed if needed else 1.0,
-        }
+        return {"load_resharded_s": total,
+                "load_resharded_read_amplification": read / needed if needed else 1.0}
 
     def dcp_load(self, target: dict) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -299,8 +253,6 @@ class _Bench:
 def _summary(samples: list[float]) -> dict:
     return {"samples": samples, "median": statistics.median(samples)}
 
-
-# -- the run -------------------------------------------------------------------------------------
 
 def run(size_gb: float = 1.0, repeat: int = 5, directory: str | os.PathLike | None = None,
         log: Callable[[str], None] = lambda s: None) -> dict:
@@ -321,14 +273,7 @@ def run(size_gb: float = 1.0, repeat: int = 5, directory: str | os.PathLike | No
             _model, opt, state, shape = build_state(int(size_gb * GB))
             size = state_bytes(state)
             bench = _Bench(state, opt, root)
-            saves: dict[str, Callable[[], dict[str, float]]] = {
-                "memcpy": bench.memcpy,
-                "tidal": bench.tidal,
-                "tidal_overlapped": bench.tidal_overlapped,
-                "torch_save": bench.torch_save,
-                "dcp_save": bench.dcp_save,
-                "dcp_async": bench.dcp_async,
-            }
+            saves: dict[str, Callable[[], dict[str, float]]] = {n: getattr(bench, n) for n in SAVE_METRICS}
             log("warm-up round (untimed)")
             for name, fn in saves.items():
                 fn()
@@ -336,8 +281,7 @@ def run(size_gb: float = 1.0, repeat: int = 5, directory: str | os.PathLike | No
                     fn()  # the second staging slot
             samples: dict[str, dict[str, dict[str, list[float]]]] = {
                 "save": {c: {m: [] for m in ms} for c, ms in SAVE_METRICS.items()},
-                "load": {c: {m: [] for m in ms} for c, ms in LOAD_METRICS.items()},
-            }
+                "load": {c: {m: [] for m in ms} for c, ms in LOAD_METRICS.items()}}
             names = list(saves)
             for i in range(repeat):
                 order = names[i % len(names):] + names[: i % len(names)]
@@ -351,11 +295,8 @@ def run(size_gb: float = 1.0, repeat: int = 5, directory: str | os.PathLike | No
             bench.dcp_save(keep=True)
             target = map_tensors(state, torch.zeros_like)
             loads: list[tuple[str, Callable[[dict], dict[str, float]]]] = [
-                ("tidal", bench.tidal_load),
-                ("tidal", bench.tidal_load_disk),
-                ("tidal", bench.tidal_load_resharded),
-                ("dcp", bench.dcp_load),
-            ]
+                ("tidal", bench.tidal_load), ("tidal", bench.tidal_load_disk),
+                ("tidal", bench.tidal_load_resharded), ("dcp", bench.dcp_load)]
             for load in (f for _, f in loads):  # warm-up, and a check that every load is right
                 zero(target)
                 load(target)
@@ -384,28 +325,16 @@ def run(size_gb: float = 1.0, repeat: int = 5, directory: str | os.PathLike | No
         r = ratios[name] = a / b if b > 0 else None
         if goal is not None and r is not None:
             targets[name] = {"ratio": r, "target_max": goal, "pass": r <= goal}
-    return {
-        "benchmark": "ckpt",
-        "machine": machine(),
-        "size_gb_requested": size_gb,
-        "size_bytes": size,
-        "tensors": len(bench.tensors) if bench is not None else 0,
-        "model": {"kind": "nn.Linear stack + Adam (fp32), stepped once", **shape},
-        "repeat": repeat,
-        "warmup_rounds": 1,
-        "save": results["save"],
-        "load": results["load"],
-        "ratios": ratios,
-        "targets": targets,
-        "notes": NOTES,
-    }
+    return {"benchmark": "ckpt", "machine": machine(), "size_gb_requested": size_gb, "size_bytes": size,
+            "tensors": len(bench.tensors) if bench is not None else 0,
+            "model": {"kind": "nn.Linear stack + Adam (fp32), stepped once", **shape}, "repeat": repeat,
+            "warmup_rounds": 1, "save": results["save"], "load": results["load"], "ratios": ratios,
+            "targets": targets, "notes": NOTES}
 
-
-# -- output --------------------------------------------------------------------------------------
 
 def render(result: dict, console: Any) -> None:
     """Print ``result`` as Rich tables on ``console``."""
-    from rich.table import Table
+    from rich.table import Column, Table
 
     m = result["machine"]
     size = result["size_bytes"]
@@ -428,17 +357,13 @@ def render(result: dict, console: Any) -> None:
             table.add_section()
     console.print(table)
 
-    ratios = Table(title="ratios (of medians)")
-    ratios.add_column("ratio")
-    ratios.add_column("value", justify="right")
-    ratios.add_column("target", justify="right")
-    ratios.add_column("")
+    ratios = Table("ratio", Column("value", justify="right"), Column("target", justify="right"), "",
+                   title="ratios (of medians)")
     for name, value in result["ratios"].items():
         t = result["targets"].get(name)
         verdict = ("[green]PASS[/]" if t["pass"] else "[red]MISS[/]") if t else ""
-        ratios.add_row(
-            name, "-" if value is None else f"{value:.3f}×", f"≤ {t['target_max']:g}×" if t else "", verdict
-        )
+        goal = f"≤ {t['target_max']:g}×" if t else ""
+        ratios.add_row(name, "-" if value is None else f"{value:.3f}×", goal, verdict)
     console.print(ratios)
     for note in result["notes"]:
         console.print(f"• {note}", highlight=False)

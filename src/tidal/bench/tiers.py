@@ -4,43 +4,16 @@ costs a training loop, on one machine in one run.
     tidal bench tiers                       # 512 MiB state, 5 repeats, 60 s of training per mode
     tidal bench tiers --size-mb 128 --train-s 20 --json
 
-It starts what the tiers need, on loopback, and stops it at the end (by pid): a SeaweedFS S3 server
-(``tidal.bench.seaweed``), two checkpoint agents that are each other's buddy (``tidal.ckpt.agent.proc``), and
-a trivial HTTP receiver (a separate process that writes each PUT body to a file in ``/dev/shm``).
+It starts on loopback, and stops by pid, a SeaweedFS S3 server, two checkpoint agents that are each
+other's buddy and an HTTP receiver (:mod:`tidal.bench.tiers_env`). Then:
 
-1. **Persist throughput**, each tier versus the raw device, the same bytes (one ``size_mb`` state
-   of fp32 tensors), in alternating order, medians of ``repeat``; each tier's timed pair follows one
-   untimed raw write of that tier (the first write after another tier's samples was up to ~4x slower,
-   raw or Tidal alike), and each measurement starts after a ``sync``, a 1 s pause and after the
-   previous save's retention finished, so background work does not overlap:
-
-   * disk: ``Checkpointer(["shm", dir])`` from ``save`` returning to the step committed in the
-     directory (data, sidecar and manifest fsynced) vs a ``dd``-style sequential write of the bytes
-     in 16 MiB blocks + fsync;
-   * s3: ``Checkpointer(["shm", "s3://…"])`` until committed in S3 vs a plain multipart PUT of the
-     bytes with the same obstore client (same part size and concurrency);
-   * peer: ``Checkpointer(["shm", "peer"])`` until the step is committed in the peer tier (the
-     buddy agent holds all of it; the local agent's own copy from the still-held staging slot may
-     end after that, and ends before the next measurement) vs one HTTP PUT of the bytes
-     (``http.client``) to the trivial receiver.
-
-2. **Load** from each tier alone (``shm``; ``disk``; ``s3``; ``peer`` through the buddy agent, as
-   after the loss of the node), into tensors of the same shapes and resharded into three uneven
-   ``LocalShard`` row blocks (the three loads' times summed).
-
-3. **Training overhead**: a small MLP + Adam trained on one thread (``torch.set_num_threads(1)``,
-   leaving the second core to I/O, as a GPU job leaves the host CPU to it), ``train_s`` seconds per
-   mode in total, as ``rounds`` segments per mode interleaved in rotating order (so a slow minute
-   of a shared machine does not land on one mode only): no checkpoint; Tidal every ``interval_s``
-   through all tiers (``["shm", "peer", dir, "s3://…"]``, overlapped mode); the same with S3 only
-   every 6th save (``tidal_s3_every_6``: what a per-tier schedule buys); DCP ``async_save``
-   every ``interval_s`` to the same S3 server (``FsspecWriter`` over obstore's fsspec adapter,
-   async staging with a reused ``DefaultStager``, one save in flight at a time). Every segment
-   starts with a save and saves every ``interval_s`` after, so the background work of its saves
-   runs inside it. Each mode warms up first (untimed: two saves, as a job pays slot allocation
-   once). Overhead = 1 - steps/s ÷ steps/s without checkpoints; the spread of the no-checkpoint
-   segments shows the noise of the machine. CPU seconds per second of each mode, of this process,
-   of the two agents and of the S3 server, say where the overhead comes from.
+1. **Persist**: each tier (disk, s3, peer) against its raw device with the same bytes (``dd``-style
+   write + fsync; a multipart PUT by the same obstore client; one HTTP PUT to the receiver), in
+   alternating order, each timed pair after one untimed raw write, a ``sync`` and a pause, medians.
+2. **Load** from each tier alone (peer through the buddy, as after losing the node), same layout and
+   resharded into three row blocks.
+3. **Training overhead** (:mod:`tidal.bench.tiers_train`): no checkpoint vs Tidal through all tiers vs
+   DCP ``async_save`` to the same S3, in interleaved rounds; CPU seconds per second say where it goes.
 """
 
 from __future__ import annotations
@@ -62,7 +35,7 @@ import torch
 
 from tidal import ckpt
 from tidal.bench.ckpt import resharded_states
-from tidal.bench.ckpt_state import machine, map_tensors, tensors
+from tidal.bench.ckpt_state import check_equal, machine, map_tensors, tensors
 from tidal.bench.tiers_env import Env
 from tidal.bench.tiers_train import train
 from tidal.ckpt.tiers.directory import SHM_BASE_ENV
@@ -71,6 +44,7 @@ MIB = 1 << 20
 BLOCK = 16 * MIB
 SETTLE_S = 1.0  # pause before each persist measurement: servers finish deferred work (deletes, page freeing)
 GOALS = {"persist_over_raw_min": 0.9, "overhead_max": 0.03, "overhead_over_dcp_max": 0.5}
+
 
 def _payload(size_bytes: int, pieces: int = 8) -> dict:
     g = torch.Generator().manual_seed(0)
@@ -84,8 +58,6 @@ def _flat(state: dict) -> memoryview:
     return torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors(state)]).numpy().data
 
 
-# -- 1. persist --------------------------------------------------------------------------------------
-
 class _Persist:
     def __init__(self, env: Env, state: dict) -> None:
         from tidal.ckpt.tiers.s3 import S3Tier
@@ -95,8 +67,7 @@ class _Persist:
         self.cps = {
             "disk": ckpt.Checkpointer(tiers=["shm", {"url": str(env.disk / "persist"), "keep": 1}], keep=1),
             "s3": ckpt.Checkpointer(tiers=["shm", {"url": env.s3_url("persist"), "keep": 1}], keep=1),
-            "peer": ckpt.Checkpointer(tiers=["shm", env.peer("persist", keep=1)], keep=1),
-        }
+            "peer": ckpt.Checkpointer(tiers=["shm", env.peer("persist", keep=1)], keep=1)}
         self.s3 = S3Tier(env.s3_url("raw"))
 
     def tidal(self, tier: str) -> float:
@@ -136,14 +107,8 @@ class _Persist:
         import obstore
 
         t0 = time.perf_counter()
-        obstore.put(
-            self.s3._store,
-            "raw.bin",
-            self.data,
-            use_multipart=True,
-            chunk_size=self.s3.part_size_bytes,
-            max_concurrency=self.s3.concurrency,
-        )
+        obstore.put(self.s3._store, "raw.bin", self.data, use_multipart=True,
+                    chunk_size=self.s3.part_size_bytes, max_concurrency=self.s3.concurrency)
         dt = time.perf_counter() - t0
         obstore.delete(self.s3._store, "raw.bin")
         return dt
@@ -183,9 +148,7 @@ def persist(p: _Persist, repeat: int, log: Callable[[str], None]) -> dict:
         log(f"persist repeat {i + 1}/{repeat}: {', '.join(order)}")
         for t in order:
             first, second = ("raw", "tidal") if i % 2 == 0 else ("tidal", "raw")
-            # One untimed raw write first: whichever side came first after another tier's work paid
-            # for it (on this VM the first disk write after the S3 or peer samples took ~4x longer
-            # than the next, raw or Tidal alike), so neither timed sample is the first.
+            # One untimed raw write first: the first write after another tier's work was up to ~4x slower
             os.sync()
             p.raw(t)
             for kind in (first, second):
@@ -200,8 +163,6 @@ def persist(p: _Persist, repeat: int, log: Callable[[str], None]) -> dict:
                   "samples": s}
     return out
 
-
-# -- 2. load -----------------------------------------------------------------------------------------
 
 def loads(env: Env, p: _Persist, repeat: int, log: Callable[[str], None]) -> dict:
     sources: dict[str, list[Any]] = {
@@ -228,9 +189,7 @@ def loads(env: Env, p: _Persist, repeat: int, log: Callable[[str], None]) -> dic
                 ckpt.load(spec, rank_state)
                 total += time.perf_counter() - t1
             if i == 0:
-                for a, b in zip(tensors(target), tensors(p.state), strict=True):
-                    if not torch.equal(a, b):
-                        raise RuntimeError(f"load from {tier}: tensors differ from the saved state")
+                check_equal(target, p.state, f"load from {tier}")
                 continue
             same.append(dt)
             resharded.append(total)
@@ -241,8 +200,6 @@ def loads(env: Env, p: _Persist, repeat: int, log: Callable[[str], None]) -> dic
     return out
 
 
-# -- the run ---------------------------------------------------------------------------------------
-
 def run(size_mb: float = 512, repeat: int = 5, train_s: float = 60.0, interval_s: float = 10.0,
         model_mb: float = 32.0, batch: int = 64, directory: str | os.PathLike | None = None,
         log: Callable[[str], None] = lambda s: None, rounds: int = 3) -> dict:
@@ -250,9 +207,8 @@ def run(size_mb: float = 512, repeat: int = 5, train_s: float = 60.0, interval_s
     if directory is not None:
         Path(directory).mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="tidal-bench-tiers-", dir=directory))
-    shm = Path(
-        tempfile.mkdtemp(prefix="tidal-bench-tiers-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
-    )
+    shm_base = "/dev/shm" if Path("/dev/shm").is_dir() else None
+    shm = Path(tempfile.mkdtemp(prefix="tidal-bench-tiers-", dir=shm_base))
     saved_env = {k: os.environ.get(k) for k in (SHM_BASE_ENV, "AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID",
                                                 "AWS_SECRET_ACCESS_KEY", "AWS_REGION", "AWS_DEFAULT_REGION",
                                                 "AWS_ALLOW_HTTP")}
@@ -269,9 +225,8 @@ def run(size_mb: float = 512, repeat: int = 5, train_s: float = 60.0, interval_s
             result_load = loads(env, p, repeat, log)
             p.close()
             p = None
-            result_train = (
-                train(env, train_s, interval_s, model_mb, batch, log, rounds) if train_s > 0 else None
-            )
+            result_train = (train(env, train_s, interval_s, model_mb, batch, log, rounds) if train_s > 0
+                            else None)
     finally:
         if p is not None:
             p.close()
@@ -288,36 +243,21 @@ def run(size_mb: float = 512, repeat: int = 5, train_s: float = 60.0, interval_s
             "persist": result_persist, "load": result_load, "train": result_train, "goals": GOALS}
 
 
-# -- output ------------------------------------------------------------------------------------------
-
 def render(result: dict, console: Any) -> None:
     from rich.table import Table
 
     m = result["machine"]
     caption = f"{m['cpu_count']} CPUs ({m['cpu']}), torch {m['torch']}, CUDA {'yes' if m['cuda'] else 'no'}"
-    t = Table(
-        title=f"persist {result['size_bytes'] / MIB:g} MiB (median of {result['repeat']})", caption=caption
-    )
-    for c in (
-        "tier",
-        "raw device",
-        "raw MiB/s",
-        "tidal MiB/s",
-        "tidal / raw",
-        f"goal ≥ {GOALS['persist_over_raw_min']}",
-    ):
+    t = Table(title=f"persist {result['size_bytes'] / MIB:g} MiB (median of {result['repeat']})",
+              caption=caption)
+    for c in ("tier", "raw device", "raw MiB/s", "tidal MiB/s", "tidal / raw",
+              f"goal ≥ {GOALS['persist_over_raw_min']}"):
         t.add_column(c, justify="left" if c in ("tier", "raw device") else "right")
     raw_name = {"disk": "write + fsync (dd)", "s3": "obstore multipart PUT", "peer": "HTTP PUT to a receiver"}
     for tier, r in result["persist"].items():
         ok = r["ratio"] >= GOALS["persist_over_raw_min"]
-        t.add_row(
-            tier,
-            raw_name[tier],
-            f"{r['raw_mib_s']:.0f}",
-            f"{r['tidal_mib_s']:.0f}",
-            f"{r['ratio']:.2f}",
-            "[green]PASS[/]" if ok else "[red]MISS[/]",
-        )
+        t.add_row(tier, raw_name[tier], f"{r['raw_mib_s']:.0f}", f"{r['tidal_mib_s']:.0f}",
+                  f"{r['ratio']:.2f}", "[green]PASS[/]" if ok else "[red]MISS[/]")
     console.print(t)
     t = Table(title="load (GB/s, median)")
     for c in ("tier", "same layout", "resharded (3 row blocks)"):
@@ -329,11 +269,9 @@ def render(result: dict, console: Any) -> None:
     if tr is None:
         return
     run0 = tr["runs"][0]
-    t = Table(
-        title=f"training overhead: MLP width {run0['width']} + Adam ({run0['state_mib']:.0f} MiB state), "
-        f"1 thread, checkpoint every {tr['interval_s']:g} s; {tr['rounds']} rounds of "
-        f"{tr['segment_s']:g} s per mode"
-    )
+    t = Table(title=f"training overhead: MLP width {run0['width']} + Adam ({run0['state_mib']:.0f} MiB "
+              f"state), 1 thread, checkpoint every {tr['interval_s']:g} s; {tr['rounds']} rounds of "
+              f"{tr['segment_s']:g} s per mode")
     for c in ("mode", "steps/s", "saves", "save() call s", "overhead", "paired (median of rounds)",
               "CPU s/s: this process", "agents", "S3 server"):
         t.add_column(c, justify="left" if c == "mode" else "right")
@@ -341,15 +279,10 @@ def render(result: dict, console: Any) -> None:
     for r in tr["runs"]:
         over, pair = tr["overhead"].get(r["mode"]), paired.get(r["mode"])
         cpu = r["cpu_per_s"]
-        t.add_row(
-            r["mode"],
-            f"{r['steps_per_s']:.2f}",
-            str(r["saves"]),
-            f"{r['save_call_s_median']:.3f}",
-            "-" if over is None else f"{over * 100:.1f}%",
-            "-" if pair is None else f"{pair * 100:.1f}%",
-            *(f"{cpu.get(k, 0):.2f}" for k in ("this process", "agents", "S3 server")),
-        )
+        t.add_row(r["mode"], f"{r['steps_per_s']:.2f}", str(r["saves"]), f"{r['save_call_s_median']:.3f}",
+                  "-" if over is None else f"{over * 100:.1f}%",
+                  "-" if pair is None else f"{pair * 100:.1f}%",
+                  *(f"{cpu.get(k, 0):.2f}" for k in ("this process", "agents", "S3 server")))
     console.print(t)
     ratio = tr["overhead_over_dcp"]
     pratio = tr.get("overhead_paired_over_dcp")

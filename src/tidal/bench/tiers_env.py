@@ -54,8 +54,6 @@ class Env:
     """The servers and directories of one run; ``close`` stops every process it started, by pid."""
 
     def __init__(self, root: Path, shm: Path, log: Callable[[str], None]) -> None:
-        self.root, self.shm = root, shm
-        self.procs: list[subprocess.Popen] = []
         self.disk = root / "disk"
         log("starting SeaweedFS (S3), two checkpoint agents (buddies) and an HTTP receiver on loopback")
         self.seaweed = SeaweedServer(root / "seaweed", volume_size_limit_mb=1024)
@@ -71,9 +69,7 @@ class Env:
         (shm / "recv").mkdir(parents=True, exist_ok=True)
         self.receiver = subprocess.Popen(
             [sys.executable, "-c", RECEIVER, str(self.recv_port), str(shm / "recv")],
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+            stdin=subprocess.DEVNULL, start_new_session=True)
         _wait_port(self.recv_port, self.receiver)
 
     def s3_url(self, name: str) -> str:

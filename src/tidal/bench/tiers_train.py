@@ -1,6 +1,5 @@
-"""Part 3 of ``tidal bench tiers`` (see :mod:`tidal.bench.tiers` for what it measures): training
-throughput with no checkpoints, with Tidal through every tier, Tidal with S3 every 6th save, and DCP
-``async_save`` to the same bucket, in interleaved rounds on the benchmark's servers."""
+"""Part 3 of ``tidal bench tiers``: training throughput with no checkpoints, Tidal through every tier,
+Tidal with S3 every 6th save, and DCP ``async_save`` to the same bucket, in interleaved rounds."""
 
 from __future__ import annotations
 
@@ -104,9 +103,8 @@ class _Trainer:
             if self.pending is not None:
                 _upload(self.pending).result()  # one async save at a time
             w = FsspecWriter(self.env.s3_url(f"dcp/step{self.step}"), **self.kw)
-            self.pending = self.dcp.async_save(
-                state, storage_writer=w, async_stager=self.stager, no_dist=True
-            )
+            self.pending = self.dcp.async_save(state, storage_writer=w, async_stager=self.stager,
+                                               no_dist=True)
         self.calls.append(time.perf_counter() - t0)
         self.saves += 1
 
@@ -156,16 +154,12 @@ class _Trainer:
             self.stager.close()
 
     def result(self) -> dict:
-        return {
-            "mode": self.mode,
-            "steps_per_s": statistics.mean(self.rates),
-            "segment_steps_per_s": self.rates,
-            "saves": self.saves,
-            "save_call_s_median": statistics.median(self.calls) if self.calls else 0.0,
-            "state_mib": sum(t.numel() * 4 for t in self.model.parameters()) * 3 / MIB,
-            "width": self.width,
-            "cpu_per_s": {k: v / self.wall for k, v in self.cpu.items()} if self.wall else {},
-        }
+        return {"mode": self.mode, "steps_per_s": statistics.mean(self.rates),
+                "segment_steps_per_s": self.rates, "saves": self.saves,
+                "save_call_s_median": statistics.median(self.calls) if self.calls else 0.0,
+                "state_mib": sum(t.numel() * 4 for t in self.model.parameters()) * 3 / MIB,
+                "width": self.width,
+                "cpu_per_s": {k: v / self.wall for k, v in self.cpu.items()} if self.wall else {}}
 
 
 def _cpu_s(pid: int | None) -> float:
@@ -210,12 +204,8 @@ def train(env: Env, seconds: float, interval_s: float, model_mb: float, batch: i
     seg_none = runs[0]["segment_steps_per_s"]
     # Paired: each mode against the no-checkpoint segment of the same round (minutes apart, not the
     # whole run), median over rounds - robust to the slow drifts of a shared machine.
-    paired = {
-        r["mode"]: statistics.median(
-            1 - a / b for a, b in zip(r["segment_steps_per_s"], seg_none, strict=True)
-        )
-        for r in runs[1:]
-    }
+    paired = {r["mode"]: statistics.median(1 - a / b for a, b in zip(r["segment_steps_per_s"], seg_none,
+                                                                     strict=True)) for r in runs[1:]}
     return {"runs": runs, "baseline_steps_per_s": base, "overhead": over, "overhead_paired": paired,
             "rounds": rounds, "segment_s": seg, "baseline_spread": (max(seg_none) - min(seg_none)) / base,
             "overhead_over_dcp": over["tidal"] / over["dcp_async"] if over["dcp_async"] > 0 else None,

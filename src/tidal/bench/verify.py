@@ -1,21 +1,11 @@
 """``tidal verify-resume``: training is reproduced after interruptions and GPU-count changes.
 
-The operator's check that training results are reproduced after the GPU configuration
-changes, as a program:
-
-1. Run the example job (examples/gpt/train.py) uninterrupted for ``steps`` steps on the baseline
-   world size and layout.
-2. Run it again from scratch as a chain of segments sharing one checkpoint location, e.g. FSDP2 on
-   4 ranks → DDP on 2 → FSDP2 on 3: every segment but the last gets a reclaim notice part-way
-   (SIGTERM to one rank — the others must agree to stop at the same step — or the notice file),
-   must exit with code 75 after checkpointing, and the next resumes from that step, resharded.
-3. Compare step by step: the global batch (the dataset indices every data-parallel rank consumed,
-   in rank order) must be identical, and the loss must agree within ``rtol`` (relative). On CPU
-   with gloo the only source of difference is floating-point summation order (a different world
-   size splits the batch into other micro-batches and reduces gradients in another order), which
-   grows slowly over steps; on the same world and layout the curves agree bit for bit.
-
-Prints a table, writes a PNG of both curves (matplotlib) and, with ``--json``, the whole result.
+Runs the example job uninterrupted on the baseline world and layout, then from scratch as a chain of
+segments sharing one checkpoint location (e.g. FSDP2 on 4 ranks → DDP on 2 → FSDP2 on 3), each but
+the last stopped by a reclaim notice (SIGTERM to one rank, or the notice file) and resumed resharded.
+Step by step, the global batch (dataset indices in rank order) must be identical and the loss agree
+within ``rtol``: on CPU the only difference is floating-point summation order, which a different
+world size changes; on the same world and layout the curves agree bit for bit.
 """
 
 from __future__ import annotations
@@ -56,7 +46,7 @@ class VerifyConfig:
                 str(self.ckpt_every), "--warmup", "4", "--log-every", str(10**9), "--record-indices"]
 
     def segments(self) -> list[Segment]:
-        """The interrupted run: notices spread evenly; SIGTERM to one rank and the notice file alternate."""
+        """The interrupted run: notices spread evenly, SIGTERM to one rank and the notice file in turn."""
         n = len(self.plan)
         out = []
         for i, (world, layout) in enumerate(self.plan):
@@ -79,9 +69,8 @@ class VerifyConfig:
                 raise ValueError(f"layout 'single' runs on 1 rank, not {world}")
             dp = world // 2 if layout == "tp" else world
             if layout == "tp" and (world % 2 or self.n_head % 2):
-                raise ValueError(
-                    f"layout 'tp' (tp=2) needs an even world size and n_head, got {world}, {self.n_head}"
-                )
+                raise ValueError(f"layout 'tp' (tp=2) needs an even world size and n_head, got {world}, "
+                                 f"{self.n_head}")
             check_batch(self.global_batch, self.micro_batch, dp)
 
 
@@ -103,9 +92,8 @@ def run(cfg: VerifyConfig, *, workdir: Path | None = None, script: Path | None =
     cfg.check()
     script = script or example_script()
     if not script.exists():
-        raise FileNotFoundError(
-            f"example job not found at {script}; pass --script PATH/TO/examples/gpt/train.py"
-        )
+        raise FileNotFoundError(f"example job not found at {script}; pass --script "
+                                "PATH/TO/examples/gpt/train.py")
     own = workdir is None
     work = Path(tempfile.mkdtemp(prefix="tidal-verify-")) if workdir is None else Path(workdir)
     work.mkdir(parents=True, exist_ok=True)
@@ -119,17 +107,9 @@ def run(cfg: VerifyConfig, *, workdir: Path | None = None, script: Path | None =
         resumed: list[SegmentResult] = []
         for i, seg in enumerate(cfg.segments()):
             log(f"segment {i}: {seg.describe()}")
-            resumed.append(
-                run_segment(
-                    seg,
-                    script,
-                    cfg.job_args(),
-                    work / "resumed",
-                    i,
-                    env=job_env(work / "resumed", shm / "resumed"),
-                    timeout_s=cfg.timeout_s,
-                )
-            )
+            env = job_env(work / "resumed", shm / "resumed")
+            resumed.append(run_segment(seg, script, cfg.job_args(), work / "resumed", i, env=env,
+                                       timeout_s=cfg.timeout_s))
         return compare(cfg, base, resumed, work=work if not own else None)
     finally:
         shutil.rmtree(shm, ignore_errors=True)
@@ -155,16 +135,8 @@ def compare(cfg: VerifyConfig, base: list[SegmentResult], resumed: list[SegmentR
         rel = abs(lb - lr) / max(abs(lb), 1e-12) if lb is not None and lr is not None else None
         if rel is not None and rel >= max_rel:
             max_rel, max_rel_step = rel, s
-        rows.append(
-            {
-                "step": s,
-                "baseline_loss": lb,
-                "resumed_loss": lr,
-                "rel_diff": rel,
-                "same_indices": same,
-                "segment": r[s]["segment"],
-            }
-        )
+        rows.append({"step": s, "baseline_loss": lb, "resumed_loss": lr, "rel_diff": rel,
+                     "same_indices": same, "segment": r[s]["segment"]})
     # Steps before the first world-size change ran in the same world and layout: they must match exactly.
     seg0 = [row for row in rows if row["segment"] == 0]
     same_layout = base[0].segment.world == resumed[0].segment.world and \
@@ -173,22 +145,14 @@ def compare(cfg: VerifyConfig, base: list[SegmentResult], resumed: list[SegmentR
     indices_ok = first_mismatch is None and not missing["baseline"] and not missing["resumed"]
     loss_ok = max_rel <= cfg.rtol and len(rows) == len(wanted)
     stops = [res.summary()["stop_step"] for res in resumed[:-1]]
-    return {
-        "ok": bool(indices_ok and loss_ok),
-        "indices_identical": indices_ok,
-        "first_index_mismatch_step": first_mismatch,
-        "missing_steps": missing,
-        "max_rel_loss_diff": max_rel,
-        "max_rel_loss_diff_step": max_rel_step,
-        "rtol": cfg.rtol,
-        "bitwise_equal_before_first_change": bitwise_first,
-        "stop_steps": stops,
-        "baseline": [res.summary() for res in base],
-        "segments": [res.summary() for res in resumed],
-        "steps": rows,
-        "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()},
-        "workdir": str(work) if work else None,
-    }
+    return {"ok": bool(indices_ok and loss_ok), "indices_identical": indices_ok,
+            "first_index_mismatch_step": first_mismatch, "missing_steps": missing,
+            "max_rel_loss_diff": max_rel, "max_rel_loss_diff_step": max_rel_step, "rtol": cfg.rtol,
+            "bitwise_equal_before_first_change": bitwise_first, "stop_steps": stops,
+            "baseline": [res.summary() for res in base], "segments": [res.summary() for res in resumed],
+            "steps": rows,
+            "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()},
+            "workdir": str(work) if work else None}
 
 
 def render(result: dict[str, Any], console: Any) -> None:
@@ -204,16 +168,10 @@ def render(result: dict[str, Any], console: Any) -> None:
 
     for name, segs in (("baseline", result["baseline"]), ("resumed", result["segments"])):
         for i, s in enumerate(segs):
-            t.add_row(
-                name if name == "baseline" else f"resumed {i}",
-                f"{s['layout']} x{s['world']}",
-                s["ending"],
-                f"{s['restored_step']}→{f(s['last_step'], '{}')}",
-                ",".join(map(str, s["exit_codes"])),
-                f(s["notice_to_exit_s"]),
-                f(s["restore_s"]),
-                f(s["start_to_first_step_s"]),
-            )
+            t.add_row(name if name == "baseline" else f"resumed {i}", f"{s['layout']} x{s['world']}",
+                      s["ending"], f"{s['restored_step']}→{f(s['last_step'], '{}')}",
+                      ",".join(map(str, s["exit_codes"])), f(s["notice_to_exit_s"]), f(s["restore_s"]),
+                      f(s["start_to_first_step_s"]))
     console.print(t)
     rows = result["steps"]
     st = Table(title="loss per step (around each resume, and a sample)", title_justify="left")

@@ -12,8 +12,7 @@
 
 See docs/checkpoint.md for the format, the tiers and the guarantees.
 
-Names are imported on first use (PEP 562), so that ``python -m tidal.ckpt.agent`` - the node agent, a
-process of its own - does not load torch.
+Names are imported on first use (PEP 562), so that ``python -m tidal.ckpt.agent`` does not load torch.
 """
 
 from __future__ import annotations
@@ -21,57 +20,23 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-_WHERE = {
-    "Checkpointer": "engine.checkpointer",
-    "SaveHandle": "engine.handle",
-    "TierSpec": "tiers.config",
-    "load": "api",
-    "steps": "api",
-    "read_manifest": "api",
-    "LoadStats": "api",
-    "LocalShard": "format.flatten",
-    "training_state": "engine.state",
-    "apply_training_state": "engine.state",
-    "CheckpointStatus": "engine.status",
-    "TierStatus": "engine.status",
-    "StepStatus": "engine.status",
-    "read_status": "engine.status",
-    "CheckpointError": "errors",
-    "CorruptionError": "errors",
-    "FencedError": "errors",
-    "ManifestError": "errors",
-    "NotFoundError": "errors",
-    "SaveError": "errors",
-    "StateError": "errors",
-    "TierError": "errors",
-    "TierSpecError": "errors",
-    "UnsafeFileError": "errors",
+_MODULES = {
+    "engine.checkpointer": ["Checkpointer"],
+    "engine.handle": ["SaveHandle"],
+    "tiers.config": ["TierSpec"],
+    "api": ["load", "steps", "read_manifest", "LoadStats"],
+    "format.flatten": ["LocalShard"],
+    "engine.state": ["training_state", "apply_training_state"],
+    "engine.status": ["CheckpointStatus", "TierStatus", "StepStatus", "read_status"],
+    "errors": ["CheckpointError", "CorruptionError", "FencedError", "ManifestError", "NotFoundError",
+               "SaveError", "StateError", "TierError", "TierSpecError", "UnsafeFileError"],
 }
+_WHERE = {name: module for module, names in _MODULES.items() for name in names}
 __all__ = [
-    "Checkpointer",
-    "SaveHandle",
-    "TierSpec",
-    "load",
-    "steps",
-    "read_manifest",
-    "LoadStats",
-    "LocalShard",
-    "training_state",
-    "apply_training_state",
-    "CheckpointStatus",
-    "TierStatus",
-    "StepStatus",
-    "read_status",
-    "CheckpointError",
-    "CorruptionError",
-    "FencedError",
-    "ManifestError",
-    "NotFoundError",
-    "SaveError",
-    "StateError",
-    "TierError",
-    "TierSpecError",
-    "UnsafeFileError",
+    "Checkpointer", "SaveHandle", "TierSpec", "load", "steps", "read_manifest", "LoadStats", "LocalShard",
+    "training_state", "apply_training_state", "CheckpointStatus", "TierStatus", "StepStatus", "read_status",
+    "CheckpointError", "CorruptionError", "FencedError", "ManifestError", "NotFoundError", "SaveError",
+    "StateError", "TierError", "TierSpecError", "UnsafeFileError",
 ]
 
 if TYPE_CHECKING:

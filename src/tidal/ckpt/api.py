@@ -1,16 +1,14 @@
 """Loading (= resharding) and listing committed steps, from a location or a tier list.
 
 ``load`` is collective when a process group is in use (ranks agree on the step); each rank then
-reads on its own: for every tensor it holds now, it intersects its box with the stored pieces and
-reads exactly the byte ranges of those intersections, each from the fastest tier that has it
-(``reader``). ``url_or_tiers`` is a directory, an ``s3://bucket/prefix`` URL (each with this
-node's shm tier in front when there is one), or a tier list as given to ``Checkpointer`` (see
-``config``). A tier that cannot be reached is skipped, and said so in ``LoadStats.fallbacks``.
+intersects the box of every tensor it holds now with the stored pieces and reads exactly those byte
+ranges, each from the fastest tier that has it (``reader``). ``url_or_tiers`` is a location (with
+this node's shm tier in front when there is one) or a tier list as given to ``Checkpointer``. A tier
+that cannot be reached is skipped, and said so in ``LoadStats.fallbacks``.
 
-A step that cannot be read correctly from any tier (a checksum mismatch in every copy of a piece,
-a damaged or crafted manifest everywhere, a missing file) is skipped for the newest older committed
-step, with a warning and a line in ``LoadStats.skipped_steps``; every rank skips together. An
-explicitly requested ``step`` is not skipped unless ``fallback_older=True``.
+A step that no tier serves intact is skipped for the newest older committed step, with a warning and
+a line in ``LoadStats.skipped_steps``; every rank skips together. An explicitly requested ``step``
+is not skipped unless ``fallback_older=True``.
 """
 
 from __future__ import annotations
@@ -35,12 +33,8 @@ log = logging.getLogger(__name__)
 @dataclass
 class LoadStats:
     """What a ``load`` did on this rank. ``read_amplification`` is 1.0 when only needed bytes were read.
-
-    ``bytes_by_tier``: bytes read from each tier (by tier name); ``fallbacks``: one line per
-    piece that a faster tier could not serve (missing, truncated, corrupt, unreachable) and per
-    tier that could not even be listed; ``skipped_steps``: one line per newer step that could not be
-    read correctly from any tier and was skipped for an older one (what and why).
-    """
+    ``fallbacks``: one line per piece a faster tier could not serve and per tier that could not be
+    listed; ``skipped_steps``: one line per newer step skipped for an older one (what and why)."""
 
     step: int = -1
     manifest_tier: str = ""
@@ -82,13 +76,6 @@ def steps(url_or_tiers: UrlOrTiers) -> list[int]:
 
 
 def _choose(url_or_tiers: UrlOrTiers, step: int | None, process_group: Any,
-            notes: list[str] | None) -> tuple[int, list[Tier]]:
-    """The step to read and the tiers holding it, fastest first."""
-    chosen, tiers, held = _choose_all(url_or_tiers, step, process_group, notes)
-    return chosen, [t for t in tiers if chosen in held.get(t.name, ())]
-
-
-def _choose_all(url_or_tiers: UrlOrTiers, step: int | None, process_group: Any,
                 notes: list[str] | None) -> tuple[int, list[Tier], dict[str, set[int]]]:
     tiers = read_tiers(url_or_tiers)
     held = held_steps(tiers, notes)
@@ -110,16 +97,14 @@ def load(url_or_tiers: UrlOrTiers, state: dict, step: int | None = None, process
          fallback_older: bool | None = None) -> int:
     """Fill ``state`` in place from a committed step (the newest in any tier by default); return the step.
 
-    Tensors (plain, DTensor, LocalShard) are filled in place with the part this rank holds now,
-    whatever layout they were saved from. Non-tensor values are replaced. ``strict`` requires the
-    checkpoint and ``state`` to hold exactly the same entries. ``verify`` checks the CRC-32 of
-    every block read (format 1: of every piece read whole). ``fallback_older`` (default: when
-    ``step`` is None) skips a step that no tier serves intact for the newest older one; the
-    entries the older step holds are then all overwritten (module docstring).
+    Tensors (plain, DTensor, LocalShard) get the part this rank holds now, whatever layout they were
+    saved from; non-tensor values are replaced. ``strict``: the checkpoint and ``state`` hold exactly
+    the same entries. ``verify`` checks the CRC-32 of every block read. ``fallback_older`` (default:
+    when ``step`` is None): skip a step no tier serves intact for the newest older one.
     """
     stats = stats if stats is not None else LoadStats()
     older_ok = step is None if fallback_older is None else fallback_older
-    chosen, tiers, held = _choose_all(url_or_tiers, step, process_group, stats.fallbacks)
+    chosen, tiers, held = _choose(url_or_tiers, step, process_group, stats.fallbacks)
     available = sorted(set().union(*held.values()))
     while True:
         holding = [t for t in tiers if chosen in held.get(t.name, ())]
@@ -160,32 +145,26 @@ def _fill(man: mf.Manifest, tiers: list[Tier], state: dict, *, strict: bool, ver
             raise StateError(f"entry '{name}': state holds a tensor but step {man.step} stores a plain value")
     for p in want_o:
         if path_name(p) in man.tensors:
-            raise StateError(
-                f"entry '{path_name(p)}': state holds a plain value but step {man.step} stores a tensor"
-            )
+            raise StateError(f"entry '{path_name(p)}': state holds a plain value but step {man.step} "
+                             "stores a tensor")
     missing = [n for n in want_t if n not in man.tensors] + [
-        path_name(p) for p in want_o if p not in stored_objects
-    ]
+        path_name(p) for p in want_o if p not in stored_objects]
     unexpected = [n for n in man.tensors if n not in want_t] + [
         path_name(p) for p in stored_objects if p not in want_o and path_name(p) not in want_t]
     if strict and (missing or unexpected):
-        raise StateError(
-            f"state and step {man.step} hold different entries (pass strict=False to load the common ones): "
-            f"missing from the checkpoint: {sorted(missing)[:10]}{' …' if len(missing) > 10 else ''}; "
-            f"unexpected in the checkpoint: {sorted(unexpected)[:10]}{' …' if len(unexpected) > 10 else ''}"
-        )
-    for name, entry in want_t.items():
-        st = man.tensors.get(name)
-        if st is None:
-            continue
+        raise StateError(f"state and step {man.step} hold different entries (pass strict=False to load the "
+                         f"common ones): missing from the checkpoint: {sorted(missing)[:10]}"
+                         f"{' …' if len(missing) > 10 else ''}; unexpected in the checkpoint: "
+                         f"{sorted(unexpected)[:10]}{' …' if len(unexpected) > 10 else ''}")
+    pairs = [(entry, man.tensors[name]) for name, entry in want_t.items() if name in man.tensors]
+    for entry, st in pairs:
         if tuple(entry.global_shape) != st.shape or entry.dtype != st.dtype:
-            raise StateError(
-                f"tensor '{name}': state expects dtype {entry.dtype} shape {list(entry.global_shape)}, "
-                f"step {man.step} stores dtype {st.dtype} shape {list(st.shape)}"
-            )
+            raise StateError(f"tensor '{entry.name}': state expects dtype {entry.dtype} shape "
+                             f"{list(entry.global_shape)}, step {man.step} stores dtype {st.dtype} shape "
+                             f"{list(st.shape)}")
     reader = PieceReader(man, tiers, verify, stats)
     try:
-        reader.fill_all([(entry, man.tensors[name]) for name, entry in want_t.items() if name in man.tensors])
+        reader.fill_all(pairs)
     finally:
         reader.close()
     for p, o in want_o.items():
@@ -207,5 +186,5 @@ def _conform(stored: Any, like: Any) -> Any:
 
 def read_manifest(url_or_tiers: UrlOrTiers, step: int | None = None) -> tuple[Tier, mf.Manifest]:
     """The manifest of ``step`` (newest by default) from the fastest tier holding it."""
-    chosen, holding = _choose(url_or_tiers, step, None, None)
-    return newest_manifest(holding, chosen)
+    chosen, tiers, held = _choose(url_or_tiers, step, None, None)
+    return newest_manifest([t for t in tiers if chosen in held.get(t.name, ())], chosen)

@@ -6,16 +6,11 @@
     tidal ckpt export URL OUT.safetensors [--step N] [--entry model]   one consolidated safetensors file
     tidal ckpt agent --listen HOST:PORT --mem-dir DIR [--buddy HOST:PORT]   this node's checkpoint agent
 
-URL is a location - a directory, ``s3://bucket/prefix`` (credentials and endpoint from the standard
-``AWS_*`` variables, as for the S3 tier) or ``peer://NAME`` (agents from ``TIDAL_CKPT_AGENT`` /
-``TIDAL_CKPT_PEERS``) - with this node's shm tier in front when it has one, or a tier list as JSON in
-the syntax ``Checkpointer(tiers=...)`` takes, e.g. ``'["shm", "/ckpt/run1", "s3://bucket/run1"]'``.
-Every command reads through the tier objects (ranged reads from S3 and the agents). For a directory,
-``ls`` also lists the job's other tiers recorded in this node's status file (see ``status``).
-Every command prints Rich tables for people and, with ``--json``, one JSON document on stdout for
-programs. A missing directory, an unknown step or a damaged manifest prints one line on stderr and
-exits 1; ``verify`` exits 1 when it finds any problem. Nothing here unpickles: manifests are JSON
-and data files are safetensors.
+URL is a location (a directory, ``s3://bucket/prefix`` or ``peer://NAME``, with this node's shm tier in
+front when it has one) or a tier list as JSON, as ``Checkpointer(tiers=...)`` takes. ``ls`` also lists
+the job's other tiers recorded in this node's status file. Every command prints Rich tables, or with
+``--json`` one JSON document on stdout. A missing directory, an unknown step or a damaged manifest
+prints one line on stderr and exits 1; so does ``verify`` on any problem. Nothing here unpickles.
 """
 
 from __future__ import annotations
@@ -44,14 +39,8 @@ from tidal.ckpt.tiers.config import describe
 from tidal.ckpt.verify import Checked, Problem, _verify_tier
 from tidal.console import console
 
-app = typer.Typer(
-    help="Inspect, verify and export checkpoints.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
-
-LsUrlArg = UrlArg
+app = typer.Typer(help="Inspect, verify and export checkpoints.", no_args_is_help=True, add_completion=False,
+                  pretty_exceptions_enable=False)
 
 
 # -- ls --------------------------------------------------------------------------------------------
@@ -62,7 +51,7 @@ TierOpt = Annotated[list[str] | None, typer.Option(
 
 
 @app.command("ls")
-def ls_cmd(url: LsUrlArg, tier: TierOpt = None, as_json: JsonOpt = False) -> None:
+def ls_cmd(url: UrlArg, tier: TierOpt = None, as_json: JsonOpt = False) -> None:
     """List committed steps: tiers holding each, size, files, creation time, saved layout; and the
     job's durability status (newest durable step, its age, backlogs) when this node has it."""
     errors: list[str] = []
@@ -70,9 +59,7 @@ def ls_cmd(url: LsUrlArg, tier: TierOpt = None, as_json: JsonOpt = False) -> Non
         tiers, status = cc.ls_tiers(url, tier or [])
         held = cc.held_steps(tiers, errors)
         where = describe(cc.tier_list(url) or url)
-        if not held:
-            raise NotFoundError(f"no committed checkpoint step at {where}" + (f" ({'; '.join(errors)})"
-                                                                              if errors else ""))
+        cc.pick(where, held, None, errors)  # NotFoundError when no step is committed
         rows: list[dict] = []
         for step, holding in held.items():
             good, errs = cc.manifests(holding, step)
@@ -82,51 +69,30 @@ def ls_cmd(url: LsUrlArg, tier: TierOpt = None, as_json: JsonOpt = False) -> Non
                 row["error"] = "manifest damaged in every tier"
             else:
                 man = good[1]
+                file_bytes = sum(int(f.get("size_bytes") or 0) for f in man.files)
                 row.update({
-                    "bytes": man.total_bytes,
-                    "file_bytes": sum(int(f.get("size_bytes", 0) or 0) for f in man.files),
-                    "files": len(man.files),
-                    "tensors": len(man.tensors),
-                    "objects": len(man.objects),
-                    "created_unix_s": man.created_unix_s,
-                    "created": cc.iso(man.created_unix_s),
-                    "world_size": man.world_size,
-                    "layout": man.layout_summary(),
-                    "save_id": man.save_id,
+                    "bytes": man.total_bytes, "file_bytes": file_bytes, "files": len(man.files),
+                    "tensors": len(man.tensors), "objects": len(man.objects),
+                    "created_unix_s": man.created_unix_s, "created": cc.iso(man.created_unix_s),
+                    "world_size": man.world_size, "layout": man.layout_summary(), "save_id": man.save_id,
                 })
             rows.append(row)
     if as_json:
-        cc.emit_json(
-            {
-                "url": where,
-                "tiers": [{"name": t.name, "kind": t.kind, "location": t.location} for t in tiers],
-                "steps": rows,
-                "status": status.to_dict() if status else None,
-                "errors": errors,
-            }
-        )
+        listed = [{"name": t.name, "kind": t.kind, "location": t.location} for t in tiers]
+        cc.emit_json({"url": where, "tiers": listed, "steps": rows,
+                      "status": status.to_dict() if status else None, "errors": errors})
     else:
-        table = Table(title=f"checkpoint {where}", title_justify="left")
-        _columns(table, (("step", "right"), ("tiers", "left"), ("bytes", "right"), ("files", "right"),
-                         ("created", "left"), ("world", "right"), ("saved layout", "left")))
+        table = _table(f"checkpoint {where}", (("step", "right"), ("tiers", "left"), ("bytes", "right"),
+                                               ("files", "right"), ("created", "left"), ("world", "right"),
+                                               ("saved layout", "left")))
         for r in rows:
+            head = [cc.cell(r["step"]), cc.cell(" + ".join(r["tiers"]))]
             if "error" in r:
-                table.add_row(
-                    cc.cell(r["step"]),
-                    cc.cell(" + ".join(r["tiers"])),
-                    *[cc.cell("")] * 4,
-                    cc.cell(r["error"], "red"),
-                )
+                table.add_row(*head, *[cc.cell("")] * 4, cc.cell(r["error"], "red"))
             else:
-                table.add_row(
-                    cc.cell(r["step"]),
-                    cc.cell(" + ".join(r["tiers"])),
-                    cc.cell(cc.human(r["bytes"])),
-                    cc.cell(r["files"]),
-                    cc.cell(cc.when(r["created_unix_s"])),
-                    cc.cell(r["world_size"]),
-                    cc.cell(r["layout"]),
-                )
+                rest = (cc.human(r["bytes"]), r["files"], cc.when(r["created_unix_s"]), r["world_size"],
+                        r["layout"])
+                table.add_row(*head, *map(cc.cell, rest))
         con = console()
         con.print(table)
         con.print(Text("tiers: " + "; ".join(f"{t.name} = {t.location}" for t in tiers)), soft_wrap=True)
@@ -156,9 +122,11 @@ def _status_line(st: CheckpointStatus) -> Text:
 
 # -- inspect ---------------------------------------------------------------------------------------
 
-def _columns(table: Table, cols: Sequence[tuple[str, JustifyMethod]]) -> None:
+def _table(title: str, cols: Sequence[tuple[str, JustifyMethod]]) -> Table:
+    table = Table(title=title, title_justify="left")
     for col, just in cols:
         table.add_column(col, justify=just, overflow="fold")
+    return table
 
 
 def _shape(shape: tuple[int, ...] | list[int]) -> str:
@@ -207,40 +175,25 @@ def inspect_cmd(
             f"created {cc.when(man.created_unix_s)}\n{man.layout_summary()}; {len(tensors)} tensors, "
             f"{cc.human(man.total_bytes)} in {len(man.files)} file(s), {len(man.objects)} plain value(s)"
         ), soft_wrap=True)
-        table = Table(title="tensors", title_justify="left")
-        _columns(table, (("name", "left"), ("dtype", "left"), ("shape", "left"), ("pieces", "right"),
-                         ("bytes", "right"), ("saved layout", "left")))
+        table = _table("tensors", (("name", "left"), ("dtype", "left"), ("shape", "left"),
+                                   ("pieces", "right"), ("bytes", "right"), ("saved layout", "left")))
         for t in tensors:
-            table.add_row(
-                cc.cell(t.name),
-                cc.cell(t.dtype),
-                cc.cell(_shape(t.shape)),
-                cc.cell(len(t.pieces)),
-                cc.cell(cc.human(t.nbytes)),
-                cc.cell(t.layout),
-            )
+            table.add_row(*map(cc.cell, (t.name, t.dtype, _shape(t.shape), len(t.pieces), cc.human(t.nbytes),
+                                         t.layout)))
         con.print(table)
         if man.objects:
-            ot = Table(title="plain values", title_justify="left")
-            ot.add_column("path", overflow="fold")
-            ot.add_column("value (JSON)", overflow="fold")
+            ot = _table("plain values", (("path", "left"), ("value (JSON)", "left")))
             for p, v in man.objects:
                 ot.add_row(cc.cell(path_name(p)), cc.cell(cc.truncate(json.dumps(v, sort_keys=True))))
             con.print(ot)
         if pieces:
-            pt = Table(title="pieces", title_justify="left")
-            _columns(pt, (("tensor", "left"), ("offsets", "left"), ("lengths", "left"), ("file", "left"),
-                          ("byte range", "left"), ("checksum", "left")))
+            pt = _table("pieces", (("tensor", "left"), ("offsets", "left"), ("lengths", "left"),
+                                   ("file", "left"), ("byte range", "left"), ("checksum", "left")))
             for t in tensors:
                 for piece in t.pieces:
-                    pt.add_row(
-                        cc.cell(t.name),
-                        cc.cell(_shape(piece.box.offsets)),
-                        cc.cell(_shape(piece.box.lengths)),
-                        cc.cell(piece.file),
-                        cc.cell(f"{piece.start}..{piece.start + piece.nbytes}"),
-                        cc.cell(_crc_text(piece)),
-                    )
+                    box, end = piece.box, piece.start + piece.nbytes
+                    pt.add_row(*map(cc.cell, (t.name, _shape(box.offsets), _shape(box.lengths), piece.file,
+                                              f"{piece.start}..{end}", _crc_text(piece))))
             con.print(pt)
     if errors:
         cc.fail("; ".join(errors))
@@ -266,13 +219,10 @@ def verify_cmd(
     url: UrlArg,
     step: StepOpt = None,
     all_steps: Annotated[bool, typer.Option("--all", help="Verify every committed step.")] = False,
-    tier: Annotated[
-        str | None,
-        typer.Option(
-            "--tier",
-            help="Only the tier of this name ('shm', 'disk', 's3', 'peer', or a name given in a tier list).",
-        ),
-    ] = None,
+    tier: Annotated[str | None, typer.Option(
+        "--tier",
+        help="Only the tier of this name ('shm', 'disk', 's3', 'peer', or a name given in a tier list).",
+    )] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Re-read every piece from every tier holding the step; check CRC-32s, file sizes and safetensors
@@ -290,9 +240,7 @@ def verify_cmd(
         results: list[Checked] = []
         problems: list[Problem] = [
             Problem(t.name, steps[-1], t.location, None, f"tier could not be listed: {e}")
-            for t, e in failed
-            if tier is None or t.name == tier
-        ]
+            for t, e in failed if tier is None or t.name == tier]
         for s in steps:
             holding = [t for t in held[s] if tier is None or t.name == tier]
             if tier is not None and not holding:
@@ -301,10 +249,8 @@ def verify_cmd(
                 try:
                     c, ps = _verify_tier(t, s)
                 except OSError as e:  # unreachable meanwhile
-                    c, ps = (
-                        Checked(t.name, s, ok=False),
-                        [Problem(t.name, s, t.where(s), None, f"unreadable: {e}")],
-                    )
+                    c = Checked(t.name, s, ok=False)
+                    ps = [Problem(t.name, s, t.where(s), None, f"unreadable: {e}")]
                 results.append(c)
                 problems += ps
     if as_json:
@@ -317,14 +263,9 @@ def verify_cmd(
                 con.print(Text.assemble(("SKIP ", "yellow"), f"step {c.step} tier {c.tier}: {c.note}"),
                           soft_wrap=True)
             elif c.ok:
-                con.print(
-                    Text.assemble(
-                        ("OK   ", "green"),
-                        f"step {c.step} tier {c.tier}: {c.pieces} piece(s) in "
-                        f"{c.files} file(s), {cc.human(c.bytes)} checked",
-                    ),
-                    soft_wrap=True,
-                )
+                con.print(Text.assemble(("OK   ", "green"), f"step {c.step} tier {c.tier}: {c.pieces} "
+                                        f"piece(s) in {c.files} file(s), {cc.human(c.bytes)} checked"),
+                          soft_wrap=True)
         for p in problems:
             con.print(Text.assemble(("FAIL ", "bold red"), p.line()), soft_wrap=True)
         if problems:

@@ -18,7 +18,6 @@ from tidal.ckpt.errors import CheckpointError, ManifestError, NotFoundError, Tie
 from tidal.ckpt.format import manifest as mf
 from tidal.ckpt.tiers.config import build, describe, kind_of, normalize, read_tiers, resolve
 from tidal.ckpt.tiers.directory import DirTier, is_peer_url, is_s3_url, local_path, shm_root_for, tiers_for
-from tidal.ckpt.tiers.protocol import Tier
 from tidal.ckpt.verify import _read
 from tidal.console import console
 
@@ -28,9 +27,8 @@ _URL_HELP = (
 )
 UrlArg = Annotated[str, typer.Argument(help=_URL_HELP, show_default=False)]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout instead of tables.")]
-StepOpt = Annotated[
-    int | None, typer.Option("--step", min=0, help="Step to use (default: the newest committed step).")
-]
+StepOpt = Annotated[int | None, typer.Option("--step", min=0,
+                                             help="Step to use (default: the newest committed step).")]
 
 
 # -- output helpers --------------------------------------------------------------------------------
@@ -83,16 +81,6 @@ def cell(v: Any, style: str = "") -> Text:
 
 # -- locating steps --------------------------------------------------------------------------------
 
-def dir_tiers(url: str) -> list[Tier]:
-    tiers = tiers_for(url)
-    root = local_path(url)
-    if root.exists() and not root.is_dir():
-        raise NotFoundError(f"{root} is not a directory")
-    if not root.exists() and all(t.name == "disk" for t in tiers):
-        raise NotFoundError(f"checkpoint directory {root} does not exist")
-    return tiers
-
-
 def tier_list(url: str) -> list | None:
     """The tier list ``url`` spells as JSON, or None when it is a location."""
     if not url.lstrip().startswith("["):
@@ -106,13 +94,19 @@ def tier_list(url: str) -> list | None:
 
 
 def source(url: str) -> tuple[str | list, list, str]:
-    """(what ``load`` takes, the tiers to read, fastest first, a name for messages) for a URL argument."""
+    """(what ``load`` takes, the tiers to read, fastest first, a name for messages: for a location, its
+    home) for a URL argument."""
     specs = tier_list(url)
     if specs is not None:
         return specs, read_tiers(specs), describe(specs)
     if is_s3_url(url) or is_peer_url(url):
         return url, tiers_for(url), url.rstrip("/")
-    return url, dir_tiers(url), str(local_path(url))
+    tiers, root = tiers_for(url), local_path(url)
+    if root.exists() and not root.is_dir():
+        raise NotFoundError(f"{root} is not a directory")
+    if not root.exists() and all(t.name == "disk" for t in tiers):
+        raise NotFoundError(f"checkpoint directory {root} does not exist")
+    return url, tiers, str(root)
 
 
 def held_steps(tiers: list, errors: list[str] | None = None,
@@ -138,14 +132,9 @@ def held_steps(tiers: list, errors: list[str] | None = None,
 def ls_tiers(url: str, extra: list[str]) -> tuple[list, CheckpointStatus | None]:
     """The location's tiers, plus ``extra`` tier specs - by default the job's other durable tiers
     as recorded in this node's status file for it (so an S3 tier shows up without naming it)."""
-    specs_given = tier_list(url)
-    s3 = is_s3_url(url) or is_peer_url(url)  # (not a directory)
-    if specs_given is not None:
-        home = resolve(specs_given, default_keep=0)[0]
-        tiers = read_tiers(specs_given)
-    else:
-        tiers = tiers_for(url) if s3 else dir_tiers(url)
-        home = url.rstrip("/") if s3 else str(local_path(url))
+    given, tiers, home = source(url)
+    if isinstance(given, list):
+        home = resolve(given, default_keep=0)[0]
     status = None
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
         status = read_status(shm_root_for(url) / "status.json")
@@ -169,9 +158,8 @@ def normalize_location(spec: str) -> str:
 
 def pick(where: str, held: dict[int, list], step: int | None, notes: list[str] | None = None) -> int:
     if not held:
-        raise NotFoundError(
-            f"no committed checkpoint step at {where}" + (f" ({'; '.join(notes)})" if notes else "")
-        )
+        raise NotFoundError(f"no committed checkpoint step at {where}"
+                            + (f" ({'; '.join(notes)})" if notes else ""))
     if step is None:
         return max(held)
     if step not in held:

@@ -18,7 +18,6 @@ from tidal.ckpt.verify import _check_step
 from tidal.console import console
 from tidal.files import AS_OPEN, atomic_path
 
-# -- export ----------------------------------------------------------------------------------------
 
 def _put(state: dict, path: tuple, value: Any) -> None:
     cur = state
@@ -43,8 +42,7 @@ def _get(state: dict, path: tuple) -> Any:
 
 
 def _entry_prefix(entry: str | None, man: Any) -> tuple:
-    """``--entry model/sub`` as a path prefix; ``ValueError`` naming the entries there are if it holds
-    no tensor."""
+    """``--entry model/sub`` as a path prefix; ``ValueError`` naming the entries if it holds no tensor."""
     if entry is None:
         return ()
     prefix = tuple(x for x in entry.strip().strip("/").split("/") if x)
@@ -86,10 +84,8 @@ def export_cmd(
         sizes = [t.file_sizes(s) for t in held.get(s, [])]
         for f in man.files:
             if not any(sz.get(f["name"], -1) >= f["size_bytes"] for sz in sizes):
-                raise CorruptionError(
-                    f"{tier.where(s, f['name'])}: the manifest lists {f['size_bytes']} bytes; "
-                    "no tier holds the file whole"
-                )
+                raise CorruptionError(f"{tier.where(s, f['name'])}: the manifest lists {f['size_bytes']} "
+                                      "bytes; no tier holds the file whole")
         prefix = _entry_prefix(entry, man)
         picked = {n: t for n, t in man.tensors.items() if tuple(t.path[:len(prefix)]) == prefix}
         plain = [(p, v) for p, v in man.objects if tuple(p[:len(prefix)]) == prefix and len(p) > len(prefix)]
@@ -103,14 +99,9 @@ def export_cmd(
         tensors = {("/".join(map(str, t.path[len(prefix):])) if prefix else name): _get(state, tuple(t.path))
                    for name, t in sorted(picked.items())}
         objects = [{"path": list(p[len(prefix):]), "value": _get(state, tuple(p))} for p, _ in plain]
-        metadata = {
-            "format": "pt",
-            "tidal.objects": json.dumps(objects),
-            "tidal.step": str(s),
-            "tidal.save_id": man.save_id,
-            "tidal.layout": man.layout_summary(),
-            **({"tidal.entry": "/".join(prefix)} if prefix else {}),
-        }
+        metadata = {"format": "pt", "tidal.objects": json.dumps(objects), "tidal.step": str(s),
+                    "tidal.save_id": man.save_id, "tidal.layout": man.layout_summary(),
+                    **({"tidal.entry": "/".join(prefix)} if prefix else {})}
         out = out.expanduser()
         if out.is_dir():
             raise IsADirectoryError(21, "output is a directory", str(out))
@@ -119,29 +110,14 @@ def export_cmd(
         size = out.stat().st_size
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     if as_json:
-        cc.emit_json(
-            {
-                "step": s,
-                "tier": tier.name,
-                "out": str(out),
-                "tensors": len(tensors),
-                "objects": len(objects),
-                "bytes": nbytes,
-                "file_bytes": size,
-                "bytes_read": stats.bytes_read,
-                "bytes_by_tier": stats.bytes_by_tier,
-                "fallbacks": stats.fallbacks,
-            }
-        )
+        cc.emit_json({"step": s, "tier": tier.name, "out": str(out), "tensors": len(tensors),
+                      "objects": len(objects), "bytes": nbytes, "file_bytes": size,
+                      "bytes_read": stats.bytes_read, "bytes_by_tier": stats.bytes_by_tier,
+                      "fallbacks": stats.fallbacks})
     else:
         con = console()
-        con.print(
-            Text(
-                f"exported step {s} of {where} ({man.layout_summary()}) to {out}: "
-                f"{len(tensors)} tensor(s), {cc.human(nbytes)}; {len(objects)} plain value(s) in metadata "
-                f"'tidal.objects'; file {cc.human(size)}"
-            ),
-            soft_wrap=True,
-        )
+        con.print(Text(f"exported step {s} of {where} ({man.layout_summary()}) to {out}: "
+                       f"{len(tensors)} tensor(s), {cc.human(nbytes)}; {len(objects)} plain value(s) in "
+                       f"metadata 'tidal.objects'; file {cc.human(size)}"), soft_wrap=True)
         for fb in stats.fallbacks:
             con.print(Text(f"note: fell back to another tier: {fb}", style="yellow"), soft_wrap=True)

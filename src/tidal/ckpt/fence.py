@@ -1,20 +1,16 @@
 """The fence of a checkpoint location: which job and attempt own it now (docs/checkpoint.md, Fencing).
 
-When a node is lost the control plane restarts its job elsewhere as a new attempt, while the lost
-node's ranks may still run (a partitioned machine, a crashed raylet) and keep committing steps to the
-same shared directory: two attempts writing one location. Before an attempt's ranks start, the
-executor writes ``fence.json`` (:data:`tidal.contract.FENCE_FILE`) into the job's checkpoint directory
-(its *home*): ``{"job": J, "attempt": A}``, atomically, as the plane's user. Each rank knows its own
-``(J, A)`` from ``TIDAL_JOB_ID`` and ``TIDAL_ATTEMPT``; rank 0 reads the fence just before it writes a
-manifest (the step becoming visible, in any tier) and refuses the commit when the location belongs to
-another job or to a newer attempt (:class:`~tidal.ckpt.errors.FencedError`; the runtime then exits
-with :data:`tidal.contract.EXIT_FENCED`).
+A lost node's ranks may still run (a partitioned machine) and commit to the same location as the new
+attempt that replaced them. Before an attempt's ranks start, the executor writes ``fence.json``
+(:data:`tidal.contract.FENCE_FILE`) into the job's checkpoint directory (its *home*): ``{"job": J,
+"attempt": A}``, atomically, as the plane's user. Rank 0 reads it just before it writes a manifest
+and refuses the commit when the location belongs to another job or a newer attempt than its own
+(``TIDAL_JOB_ID``, ``TIDAL_ATTEMPT``): :class:`~tidal.ckpt.errors.FencedError`, and the runtime exits
+with :data:`tidal.contract.EXIT_FENCED`.
 
-An S3 home has the same fence, ``<prefix>/fence.json``, but its rank 0 writes it when its checkpointer
-starts (:func:`claim_s3`: the job's own credentials and network; the plane never calls an endpoint a
-job names) and reads it with one GET before each manifest. Peer homes are not fenced. No fence, or no
-claim (a rank started without ``TIDAL_ATTEMPT``: outside the plane, ``tidal ckpt`` tools), works as
-before. Stdlib only (the executors import it; no torch).
+An S3 home has the same fence, ``<prefix>/fence.json``, written by its rank 0 when its checkpointer
+starts (:func:`claim_s3`: the plane never calls an endpoint a job names). Peer homes are not fenced.
+No fence, or no claim (a rank started outside the plane), is not checked. Stdlib only (no torch).
 """
 
 from __future__ import annotations
@@ -65,22 +61,6 @@ class Claim:
         return cls(job, attempt)
 
 
-def home_dir(env: Mapping[str, str], cwd: str | os.PathLike | None = None) -> Path | None:
-    """The checkpoint directory a job's ranks commit under, from their variables (``TIDAL_CKPT_TIERS``,
-    else ``TIDAL_CKPT_URL``: the home :func:`tidal.ckpt.tiers.config.resolve` picks); ``None`` when it is
-    not a directory (S3: claimed by rank 0, :func:`claim_s3`; peer: not fenced) or the variables are
-    malformed (the runtime reports those). A relative path is taken from ``cwd``, the ranks' working
-    directory."""
-    got = _home(env)
-    if got is None or got[0] != "dir":
-        return None
-    from tidal.ckpt.tiers.directory import local_path
-
-    home = got[1]
-    path = Path(home[len("file://"):] if home.startswith("file://") else home).expanduser()
-    return Path(cwd, path) if cwd is not None and not path.is_absolute() else local_path(path)
-
-
 def tier_specs(env: Mapping[str, str]) -> list | None:
     """The tier list of a launch's ``TIDAL_CKPT_TIERS`` (JSON, or comma-separated), unchecked; None
     without one or when it is not a list."""
@@ -94,24 +74,28 @@ def tier_specs(env: Mapping[str, str]) -> list | None:
     return tiers if isinstance(tiers, list) else None
 
 
-def _home(env: Mapping[str, str]) -> tuple[str, str] | None:
-    """(kind, home) from a launch's variables; None when there is none or they are malformed."""
+def home_dir(env: Mapping[str, str], cwd: str | os.PathLike | None = None) -> Path | None:
+    """The checkpoint directory a job's ranks commit under, from their variables (``TIDAL_CKPT_TIERS``,
+    else ``TIDAL_CKPT_URL``: the home :func:`tidal.ckpt.tiers.config.resolve` picks); ``None`` when it is
+    not a directory (S3: claimed by rank 0, :func:`claim_s3`; peer: not fenced) or the variables are
+    malformed (the runtime reports those). A relative path is taken from ``cwd``, the ranks' working
+    directory."""
     from tidal.ckpt.errors import CheckpointError
     from tidal.ckpt.tiers.config import kind_of, resolve
+    from tidal.ckpt.tiers.directory import local_path
 
     try:
         if env.get(c.ENV_CKPT_TIERS):
             tiers = tier_specs(env)
-            if tiers is None:
-                return None
-            home = resolve(tiers, default_keep=0)[0]
+            home = resolve(tiers, default_keep=0)[0] if tiers is not None else ""
         else:
             home = env.get(c.ENV_CKPT_URL) or ""
-            if not home:
-                return None
-        return kind_of(home, "checkpoint url"), home
+        if not home or kind_of(home, "checkpoint url") != "dir":
+            return None
     except (CheckpointError, ValueError, TypeError):
         return None
+    path = Path(home.removeprefix("file://")).expanduser()
+    return Path(cwd, path) if cwd is not None and not path.is_absolute() else local_path(path)
 
 
 def read(directory: str | os.PathLike) -> dict | None:
@@ -144,11 +128,9 @@ def _parse(data: bytes, where: str) -> dict:
 
 def _refuse(doc: dict | None, where: str, claim: Claim, step: int) -> None:
     if doc is not None and (doc["job"] != claim.job or doc["attempt"] > claim.attempt):
-        raise FencedError(
-            f"step {step}: commit refused: checkpoint location {where} is fenced for job "
-            f"{doc['job']!r} attempt {doc['attempt']} ({c.FENCE_FILE}); this rank is job {claim.job!r} "
-            f"attempt {claim.attempt}; nothing of this step becomes visible"
-        )
+        raise FencedError(f"step {step}: commit refused: checkpoint location {where} is fenced for job "
+                          f"{doc['job']!r} attempt {doc['attempt']} ({c.FENCE_FILE}); this rank is job "
+                          f"{claim.job!r} attempt {claim.attempt}; nothing of this step becomes visible")
 
 
 def check(directory: str | os.PathLike, claim: Claim, step: int) -> None:
@@ -178,10 +160,9 @@ def read_s3(tier: Any) -> dict | None:
 
 
 def check_s3(tier: Any, claim: Claim, step: int) -> None:
-    """:func:`check` for an S3 home: one GET of the fence object before the manifest's PUT. A fence that
-    cannot be *reached* (the store is down: the engine keeps committing to its other tiers through an
-    outage, and nothing reaches S3 meanwhile) lets the commit go on, with a warning; one that is there and
-    is not a fence refuses, as on a directory."""
+    """:func:`check` for an S3 home: one GET of the fence before the manifest's PUT. A fence that cannot
+    be *reached* (the store is down, so nothing reaches it meanwhile) lets the commit go on, with a
+    warning; one that is there and is not a fence refuses, as on a directory."""
     where = f"{tier.location}/{c.FENCE_FILE}"
     try:
         data = _fetch_s3(tier)
@@ -193,10 +174,8 @@ def check_s3(tier: Any, claim: Claim, step: int) -> None:
 
 def claim_s3(tier: Any, claim: Claim) -> bool:
     """Rank 0 of an attempt whose home is S3, at start: write the fence for ``claim`` unless it names a
-    newer attempt of the same job (then this attempt is the stale one, and its first commit is refused).
-    The job's own rank does it, with its own credentials and network: the plane never sends a request to
-    an endpoint a job's variables name. Whether it wrote; an unreachable store is a warning (as
-    :func:`check_s3`)."""
+    newer attempt of the same job (then this attempt is the stale one). Whether it wrote; an unreachable
+    store is a warning (as :func:`check_s3`)."""
     where = f"{tier.location}/{c.FENCE_FILE}"
     try:
         data = _fetch_s3(tier)
@@ -220,10 +199,9 @@ _MAX_LINKS = 40  # as the kernel's own limit on links followed in one path
 
 def _open_dir_trusted(path: Path) -> int:
     """A descriptor of directory ``path``, resolved one component at a time: a symbolic link is followed
-    only if it belongs to this process's user or root (one an administrator set up, e.g. ``/data ->
-    /mnt/data``), never one a job's uid planted, wherever it sits in the path (a parent directory the job
-    may write under an admin's grant, or the home itself swapped for a link to another job's location).
-    ``OSError`` (``ELOOP``) for such a link, ``FileNotFoundError`` for a missing component."""
+    only if it belongs to this process's user or root (e.g. an administrator's ``/data -> /mnt/data``),
+    never one a job's uid planted anywhere in the path. ``OSError`` (``ELOOP``) for such a link,
+    ``FileNotFoundError`` for a missing component."""
     trusted = {0, os.geteuid()}
     todo = list(Path(os.path.abspath(path)).parts[1:])
     fd, hops = os.open("/", os.O_RDONLY | os.O_DIRECTORY), 0
@@ -255,9 +233,8 @@ def _open_dir_trusted(path: Path) -> int:
 
 def write(directory: str | os.PathLike, job: str, attempt: int) -> Path | None:
     """Record that ``directory`` belongs to ``job``'s ``attempt`` (the executor, before the attempt's ranks
-    start). Atomic (a unique temporary name, then a rename), never following a link the job may have
-    planted (the directory is the job's own). ``None`` when the directory does not exist yet (no step
-    to protect: the job's checkpointer makes it); ``OSError`` when it cannot be written."""
+    start). Atomic, never following a link the job may have planted. ``None`` when the directory does
+    not exist yet (no step to protect); ``OSError`` when it cannot be written."""
     d = Path(directory)
     try:
         dfd = _open_dir_trusted(d)
@@ -274,9 +251,8 @@ def write(directory: str | os.PathLike, job: str, attempt: int) -> Path | None:
 def fence_launch(env: Mapping[str, str], job: str, attempt: int,
                  cwd: str | os.PathLike | None = None) -> Path | None:
     """The executor's part: fence the home directory named by a launch's variables (``cwd``: the ranks'
-    working directory) for ``job``'s ``attempt``. A location that cannot be fenced (an S3 home: its rank 0
-    claims it, :func:`claim_s3`; a peer home; not there yet; not writable) is launched unfenced by the
-    plane, with a warning for the last."""
+    working directory) for ``job``'s ``attempt``. A location that cannot be fenced (S3, peer, not there
+    yet, not writable) is launched unfenced, with a warning for the last."""
     home = home_dir(env, cwd)
     if home is None:
         return None

@@ -1,11 +1,8 @@
 """Re-reading a step copy in one tier: the manifest's checksum, sizes, safetensors headers (and their
 CRC-32) and every block's CRC-32 (version 1: every piece's).
 
-Used by ``tidal ckpt verify``. Reads every byte range of every piece of the step in that tier,
-through the tier's own reader (``Tier.open_file``: ``preadv`` for a directory, ranged GETs for
-S3, Range requests to the agents for the peer tier), in chunks of at most 16 MiB. A directory
-copy's header is also parsed by the safetensors library; other tiers' headers are read (two
-ranged reads) and checked here.
+Used by ``tidal ckpt verify``. Reads every piece through the tier's own reader, in chunks of at most
+16 MiB; a header with the safetensors library for a directory, with two ranged reads elsewhere.
 """
 
 from __future__ import annotations
@@ -105,8 +102,7 @@ def _check_blocks(reader: RangeReader, p: mf.StoredPiece, buf: memoryview) -> tu
 
 
 def _parse_header(reader: RangeReader, size: int) -> tuple[dict[str, Any], int]:
-    """(the safetensors header, where the data starts) read through ``reader``; ValueError if it is not
-    one."""
+    """(the safetensors header, where the data starts) through ``reader``; ValueError if it is not one."""
     if size < 8:
         raise ValueError(f"the object is {size} bytes, shorter than a safetensors header length")
     head = bytearray(8)
@@ -126,13 +122,9 @@ def _parse_header(reader: RangeReader, size: int) -> tuple[dict[str, Any], int]:
     for k, h in header.items():
         if k == "__metadata__":
             continue
-        if (
-            not isinstance(h, dict)
-            or not isinstance(h.get("dtype"), str)
-            or not isinstance(h.get("shape"), list)
-            or not isinstance(h.get("data_offsets"), list)
-            or len(h["data_offsets"]) != 2
-        ):
+        if (not isinstance(h, dict) or not isinstance(h.get("dtype"), str)
+                or not isinstance(h.get("shape"), list)
+                or not isinstance(h.get("data_offsets"), list) or len(h["data_offsets"]) != 2):
             raise ValueError(f"entry '{k}' lacks dtype, shape or data_offsets")
         end = max(end, int(h["data_offsets"][1]))
     if 8 + n + end > size:
@@ -140,9 +132,10 @@ def _parse_header(reader: RangeReader, size: int) -> tuple[dict[str, Any], int]:
     return header, 8 + n
 
 
-def _compare_header(
-    header: dict[str, Any], base: int, expect: dict[str, tuple[str, str, list[int], int, int]], problem: Any
-) -> None:
+Expect = dict[str, tuple[str, str, list[int], int, int]]  # piece key -> (tensor, dtype, shape, start, end)
+
+
+def _compare_header(header: dict[str, Any], base: int, expect: Expect, problem: Any) -> None:
     """Compare a parsed header's keys, dtypes, shapes and data offsets with the manifest's pieces."""
     found = {k: (h["dtype"], [int(x) for x in h["shape"]]) for k, h in header.items() if k != "__metadata__"}
     for key, (name, dtype, shape, _, _) in expect.items():
@@ -159,28 +152,21 @@ def _compare_header(
             continue
         offs = h.get("data_offsets")
         if offs != [start - base, end - base]:
-            have = (
-                f"{base + offs[0]}..{base + offs[1]}" if isinstance(offs, list) and len(offs) == 2 else offs
-            )
-            problem(
-                name, f"piece key '{key}' sits at bytes {have} in the file, the manifest says {start}..{end}"
-            )
+            have = offs
+            if isinstance(offs, list) and len(offs) == 2:
+                have = f"{base + offs[0]}..{base + offs[1]}"
+            problem(name, f"piece key '{key}' sits at bytes {have} in the file, the manifest says "
+                          f"{start}..{end}")
 
 
-def _check_safetensors(path: Path, expect: dict[str, tuple[str, str, list[int], int, int]],
-                       problem: Any) -> None:
-    """Parse ``path`` with the safetensors library; compare its keys, dtypes, shapes and offsets.
-
-    ``expect`` maps a piece key to (tensor name, dtype, shape, start, end) from the manifest.
-    """
+def _check_safetensors(path: Path, expect: Expect, problem: Any) -> None:
+    """Parse ``path`` with the safetensors library; compare its keys, dtypes, shapes and offsets."""
     from safetensors import safe_open
 
     try:
         with safe_open(str(path), framework="pt") as f:
-            found = {}
             for k in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                sl = f.get_slice(k)
-                found[k] = (sl.get_dtype(), [int(x) for x in sl.get_shape()])
+                f.get_slice(k).get_shape()  # the library checks each entry
     except Exception as e:  # the library raises its own error types; any of them means "unreadable"
         problem(None, f"does not parse as safetensors: {' '.join(str(e).split())}")
         return
@@ -223,9 +209,8 @@ def _verify_tier(tier: Any, step: int) -> tuple[Checked, list[Problem]]:
         if isinstance(want, int) and size != want:
             problem(None, f"file is {size} bytes, the manifest says {want}"
                           + (" (truncated)" if size < want else " (extra bytes)"))
-        expect = {
-            p.key: (t.name, t.dtype, list(p.box.lengths), p.start, p.start + p.nbytes) for t, p in entries
-        }
+        expect = {p.key: (t.name, t.dtype, list(p.box.lengths), p.start, p.start + p.nbytes)
+                  for t, p in entries}
         try:
             reader = tier.open_file(step, name)
         except FileNotFoundError:
@@ -256,23 +241,17 @@ def _verify_tier(tier: Any, step: int) -> tuple[Checked, list[Problem]]:
                 checked.pieces += 1
                 if p.blocks is not None:
                     bad, got = _check_blocks(reader, p, buf)
-                    checked.bytes += got
-                    if got < p.nbytes:
-                        problem(
-                            t.name,
-                            f"{at}: bytes {p.start}..{p.start + p.nbytes} lie past the end of the "
-                            f"file ({size} bytes): truncated",
-                        )
-                    elif bad:
-                        spans = ", ".join(f"{p.block_span(b)[0]}..{sum(p.block_span(b))}" for b in bad[:3])
-                        problem(t.name, f"{at}: checksum mismatch in {len(bad)} of {len(p.blocks)} block(s) "
-                                        f"(bytes {spans}{' …' if len(bad) > 3 else ''})")
-                    continue
-                crc, got = _crc_range(reader, p.start, p.nbytes, buf)
+                else:
+                    crc, got = _crc_range(reader, p.start, p.nbytes, buf)
                 checked.bytes += got
                 if got < p.nbytes:
                     problem(t.name, f"{at}: bytes {p.start}..{p.start + p.nbytes} lie past the end of the "
                                     f"file ({size} bytes): truncated")
+                elif p.blocks is not None:
+                    if bad:
+                        spans = ", ".join(f"{p.block_span(b)[0]}..{sum(p.block_span(b))}" for b in bad[:3])
+                        problem(t.name, f"{at}: checksum mismatch in {len(bad)} of {len(p.blocks)} block(s) "
+                                        f"(bytes {spans}{' …' if len(bad) > 3 else ''})")
                 elif crc != p.crc32:
                     problem(t.name, f"{at}: checksum mismatch (manifest crc32 0x{p.crc32 or 0:08x}, "
                                     f"bytes {p.start}..{p.start + p.nbytes} give 0x{crc:08x})")

@@ -1,8 +1,6 @@
-"""What a job's attempts cost and earned: held, productive and lost seconds, restarts, ETTR.
-
-The controller adds each finished attempt (:func:`account`); the API's views and the metrics report a
-job with the attempt in flight included (:func:`job_report`).
-"""
+"""What a job's attempts cost and earned: held, productive and lost seconds, restarts, ETTR. The controller
+adds each finished attempt (:func:`account`); views and metrics report the attempt in flight too
+(:func:`job_report`)."""
 
 from __future__ import annotations
 
@@ -27,12 +25,8 @@ def account(job: JobRow, ob: Observation, now_s: float, success: bool) -> dict[s
 
 
 def job_report(job: JobRow, now_s: float) -> dict[str, Any]:
-    """Restarts, lost work and effective training time ratio (ETTR) of a job, including the attempt in flight.
-
-    ETTR = productive seconds / seconds holding GPUs, where productive means steps that count (not
-    re-run after a failure: steps past the newest checkpoint of a failed attempt are lost) times
-    the attempt's mean step time; start-up, restore and lost steps are what it loses.
-    """
+    """Restarts, lost work and ETTR (productive seconds / seconds holding GPUs) of a job, including the
+    attempt in flight; steps past the newest checkpoint of a failed attempt are lost."""
     held, productive = job.held_s, job.productive_s
     if S(job.state) in HELD and job.attempt_launched_s is not None:
         held += max(0.0, now_s - job.attempt_launched_s)

@@ -1,38 +1,18 @@
-"""The REST API (FastAPI; OpenAPI at ``/openapi.json``, docs at ``/docs``).
+"""The REST API (FastAPI; OpenAPI at ``/openapi.json``, docs at ``/docs``; the routes in docs/control.md).
 
-Every ``/v1`` call carries ``Authorization: Bearer <token>``. A tenant sees and acts on its own
-jobs, logs, checkpoints and events only (another tenant's job is "not found", never "forbidden", so ids do not
-leak); the admin sees everything and manages tenants. ``/healthz`` is open; ``/metrics`` takes the admin's
-token (it names every tenant's jobs).
+Every ``/v1`` call carries ``Authorization: Bearer <token>``. A tenant sees and acts on its own jobs, logs,
+checkpoints and events only (another tenant's job is "not found", so ids do not leak); the admin sees
+everything and manages tenants. ``/healthz`` is open; ``/metrics`` takes the admin's token.
 
-* ``POST /v1/jobs`` — submit a job spec (JSON of the YAML); 201 with the job; 422 names the field
-* ``GET /v1/jobs`` — jobs (``?state=running``; admin: ``?tenant=``)
-* ``GET /v1/jobs/{id}`` — one job: state, progress, restarts, lost work, ETTR, spec
-* ``POST /v1/jobs/{id}/cancel`` — cancel (pending: at once; running: notice, then cancelled)
-* ``GET /v1/jobs/{id}/logs?rank=0&offset=0`` — a chunk of a rank's log from ``offset`` (bytes, whole UTF-8
-  characters); follow by polling with the returned ``offset``
-* ``GET /v1/jobs/{id}/checkpoints`` — committed checkpoint steps per tier, the newest durable step and its age
-* ``GET /v1/events?job=&after=`` — the event log (every transition, decision and recovery), oldest first
-* ``GET /v1/pool`` — GPUs per node: allocated by tenant, draining, free
-* ``GET /v1/whoami`` — the caller's tenant
-* ``GET, POST /v1/tenants`` — admin: list, create (returns the new tenant's token, once)
-* ``GET /metrics`` — admin: Prometheus text
+Hostile input: a body over ``MAX_BODY_BYTES`` is a 413 while it is read; a body not UTF-8 JSON is a 400; a
+refused spec field is a 422 naming it (:mod:`tidal.control.spec`); a failing store answers 500 and stores
+nothing, a deleted one 503. No stored value can make a response fail (a lone surrogate is escaped, a NaN
+becomes null). The API only writes requests into the store; the reconcile loop acts on them.
 
-Hostile input: a request body over ``MAX_BODY_BYTES`` is refused with 413 while it is read (a
-``Content-Length`` over it before reading anything); a body that is not UTF-8 or not JSON is a 400
-saying so; every spec field has a size limit and no string may hold a NUL byte or a lone surrogate
-(422 naming the field, :mod:`tidal.control.spec`); a store that fails while submitting answers 500
-and stores nothing, one whose file was deleted answers 503. Responses are rendered so that no stored
-value can make a call fail forever (a lone surrogate is escaped, a NaN becomes null).
-
-The API writes requests into the store and never touches processes: the reconcile loop acts on
-them at its next step.
-
-Handlers that read the store or files are plain ``def`` (FastAPI runs them in its thread pool) and
-return their JSON already rendered (:func:`~tidal.control.render.json_route`), so a call makes one
-trip to the pool: FastAPI's response validation would be a second one, and a synchronous auth
-dependency a third. The bearer token is checked in the event loop against the store's memory of
-known tokens; only a token not seen yet goes to the database, in the pool.
+Handlers that read the store or files are plain ``def`` and return their JSON already rendered
+(:func:`~tidal.control.render.json_route`), so a call makes one trip to the thread pool. The bearer token is
+checked in the event loop against the store's memory of known tokens; only an unseen token goes to the
+database, in the pool.
 """
 
 import codecs
@@ -55,6 +35,7 @@ from tidal.control import schemas as sc
 from tidal.control.auth import authenticate, create_tenant, token_hash, visible_job
 from tidal.control.context import ApiContext
 from tidal.control.dashboard import dashboard_router
+from tidal.control.job_views import default_ckpt
 from tidal.control.render import SafeJSON, json_route
 from tidal.control.spec import JobSpec, clean_msg, error_path
 from tidal.control.states import HELD, TERMINAL, State
@@ -88,8 +69,18 @@ class TenantSpec(BaseModel):
 def _unprocessable(errors: list[dict[str, Any]]) -> JSONResponse:
     return JSONResponse(
         status_code=422,
-        content={"detail": errors, "errors": [f"{e['field'] or '(body)'}: {e['msg']}" for e in errors]},
-    )
+        content={"detail": errors, "errors": [f"{e['field'] or '(body)'}: {e['msg']}" for e in errors]})
+
+
+def _refused(errors: Any, *prefix: str) -> JSONResponse:
+    """422 for pydantic's ``errors``, located under ``prefix`` (``"body"``: errors of the job spec)."""
+    return _unprocessable([{"loc": [*prefix, *e["loc"]], "field": error_path(e["loc"]),
+                            "msg": clean_msg(e["msg"]), "type": e["type"]} for e in errors])
+
+
+def _problem(field: str, kind: str, msg: str) -> dict[str, Any]:
+    """A refused field of the submitted spec (``gpus.min``) that validation alone cannot find."""
+    return {"loc": ["body", *field.split(".")], "field": field, "type": kind, "msg": msg}
 
 
 class BodyLimit:
@@ -130,9 +121,7 @@ class BodyLimit:
 
 
 def _doc(ok: Any, *errors: int, status: int = 200) -> dict[str, Any]:
-    """OpenAPI for a route: its answer's model and the errors it gives, each with its ``{"detail": ...}``
-    body (the handlers render their own JSON, so nothing is validated twice; tests/test_openapi.py checks
-    the real answers against this)."""
+    """OpenAPI for a route: its answer's model and errors (tests/test_openapi.py checks the real answers)."""
     out: dict[int | str, dict[str, Any]] = {status: {"model": ok}} if ok is not None else {}
     for code in (*errors, 503):
         model = sc.ValidationProblem if code == 422 else sc.Problem
@@ -151,17 +140,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _unprocessable(
-            [
-                {
-                    "loc": list(e["loc"]),
-                    "field": error_path(e["loc"]),
-                    "msg": clean_msg(e["msg"]),
-                    "type": e["type"],
-                }
-                for e in exc.errors()
-            ]
-        )
+        return _refused(exc.errors())
 
     @app.exception_handler(RecursionError)
     async def _too_deep(_: Request, exc: RecursionError) -> JSONResponse:
@@ -234,9 +213,8 @@ def create_app(ctx: ApiContext) -> FastAPI:
         try:
             text_ = bytes(body).decode("utf-8")
         except UnicodeDecodeError as e:
-            raise HTTPException(
-                400, f"the request body is not valid UTF-8 (byte {e.start}: {e.reason})"
-            ) from None
+            raise HTTPException(400, f"the request body is not valid UTF-8 (byte {e.start}: {e.reason})") \
+                from None
         try:
             data = json.loads(text_, parse_constant=_no_constant)
         except ValueError as e:
@@ -248,34 +226,25 @@ def create_app(ctx: ApiContext) -> FastAPI:
         except RecursionError:
             raise HTTPException(400, TOO_DEEP) from None
         except ValidationError as e:
-            return _unprocessable([{"loc": ["body", *e_["loc"]], "field": error_path(e_["loc"]),
-                                    "msg": clean_msg(e_["msg"]), "type": e_["type"]} for e_ in e.errors()])
+            return _refused(e.errors(), "body")
         return await run_in_threadpool(_submit, spec, me)
 
     def _submit(spec: JobSpec, me: TenantRow) -> Response:
         problems = []
         limit = me.max_priority or 0
         if not me.admin and spec.priority > limit:
-            problems.append({"loc": ["body", "priority"], "field": "priority", "type": "priority_limit",
-                             "msg": f"priority {spec.priority} is above tenant {me.name}'s limit of {limit} "
-                                    "(max_priority, set by the admin)"})
+            problems.append(_problem("priority", "priority_limit", f"priority {spec.priority} is above "
+                                     f"tenant {me.name}'s limit of {limit} (max_priority, set by the admin)"))
         if spec.gpus.min > pool_gpus:
-            problems.append({"loc": ["body", "gpus", "min"], "field": "gpus.min", "type": "capacity",
-                             "msg": f"{spec.gpus.min} GPUs requested, the pool has {pool_gpus}"})
+            problems.append(_problem("gpus.min", "capacity",
+                                     f"{spec.gpus.min} GPUs requested, the pool has {pool_gpus}"))
         if spec.kind == "dedicated" and spec.gpus.min > me.quota_gpus:
-            problems.append(
-                {
-                    "loc": ["body", "kind"],
-                    "field": "kind",
-                    "type": "quota",
-                    "msg": f"a dedicated job runs inside its tenant's quota: it needs {spec.gpus.min} "
-                    f"GPUs, tenant {me.name} has a quota of {me.quota_gpus} (submit it as spot)",
-                }
-            )
+            problems.append(_problem("kind", "quota", "a dedicated job runs inside its tenant's quota: it "
+                                     f"needs {spec.gpus.min} GPUs, tenant {me.name} has a quota of "
+                                     f"{me.quota_gpus} (submit it as spot)"))
         data = spec.model_dump()
         found, ck, loc = loc_policy.check(data["checkpoint"], me.name, me.admin, policy, _located, _source)
-        problems += [{"loc": ["body", *f.split(".")], "field": f, "type": "checkpoint_location", "msg": m}
-                     for f, m in found]
+        problems += [_problem(f, "checkpoint_location", m) for f, m in found]
         if problems:
             return _unprocessable(problems)
         data["checkpoint"] = ck
@@ -292,9 +261,9 @@ def create_app(ctx: ApiContext) -> FastAPI:
             return None
         ck = dict((j.spec or {}).get("checkpoint") or {})
         if not ck.get("url") and not ck.get("tiers"):
-            if ctx.ckpt_root is None:
+            ck["url"] = default_ckpt(ctx.ckpt_root, j)
+            if ck["url"] is None:
                 return None
-            ck["url"] = str(ctx.ckpt_root / j.id / "ckpt")
         return j.tenant, j.state, ck
 
     @app.get("/v1/jobs", **_doc(list[sc.Job], 401, 422))
@@ -365,7 +334,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
         status file on this node), the newest durable step and its age in seconds."""
         j = own_job(job_id, me)
         ck = (j.spec or {}).get("checkpoint") or {}
-        url = ck.get("url") or (str(ctx.ckpt_root / j.id / "ckpt") if ctx.ckpt_root is not None else None)
+        url = ck.get("url") or default_ckpt(ctx.ckpt_root, j)
         shm_base = ((j.spec or {}).get("env") or {}).get(ENV_SHM_DIR)
         return checkpoint_view(j.id, None if ck.get("tiers") else url, ctx.clock(), tiers=ck.get("tiers"),
                                shm_base=shm_base)
@@ -392,9 +361,8 @@ def create_app(ctx: ApiContext) -> FastAPI:
             return {"source": describe, "lending": True, "advice_only": False, **ctx.loans.view()}
         advisor, describe = ctx.serving or (None, "")
         if advisor is None:
-            raise HTTPException(
-                404, "no serving side configured (serving: in tidal up --config; docs/control.md)"
-            )
+            raise HTTPException(404, "no serving side configured (serving: in tidal up --config; "
+                                "docs/control.md)")
         latest = advisor.latest
         return {"source": describe, "serving_gpus": advisor.serving_gpus, "step_s": advisor.step_s,
                 "advice_only": True, "latest": latest.as_dict() if latest is not None else None}
@@ -410,14 +378,8 @@ def create_app(ctx: ApiContext) -> FastAPI:
     def add_tenant(body: TenantSpec, _: Annotated[TenantRow, Depends(admin)]) -> dict:
         if store.tenant(body.name) is not None:
             raise HTTPException(409, f"tenant {body.name} exists")
-        token = create_tenant(
-            store,
-            body.name,
-            quota_gpus=body.quota_gpus,
-            weight=body.weight,
-            now_s=ctx.clock(),
-            max_priority=body.max_priority,
-        )
+        token = create_tenant(store, body.name, quota_gpus=body.quota_gpus, weight=body.weight,
+                              now_s=ctx.clock(), max_priority=body.max_priority)
         return {"name": body.name, "quota_gpus": body.quota_gpus, "weight": body.weight,
                 "max_priority": body.max_priority, "token": token}
 

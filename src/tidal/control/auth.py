@@ -1,9 +1,8 @@
 """Tenants' bearer tokens: created here, shown once, stored only as a SHA-256 hash.
 
-Tokens are 32 random bytes (``tidal_`` + URL-safe base64), so a plain hash is enough: there is
-nothing to brute-force, and a lookup by hash needs no constant-time comparison. The admin token is
-created at the first start of ``tidal up`` and kept in ``<state dir>/admin.token`` (mode 0600) so
-the command line on the same machine finds it; ``TIDAL_TOKEN`` overrides it.
+Tokens are 32 random bytes, so a plain hash is enough (nothing to brute-force, no constant-time compare
+needed). The admin token is created at the first ``tidal up`` and kept in ``<state dir>/admin.token`` (mode
+0600) for the command line; ``TIDAL_TOKEN`` overrides it.
 """
 
 from __future__ import annotations
@@ -28,9 +27,7 @@ def token_hash(token: str) -> str:
 
 
 def authenticate(store: Store, token: str | None) -> TenantRow | None:
-    if not token:
-        return None
-    return store.tenant_by_token_hash(token_hash(token))
+    return store.tenant_by_token_hash(token_hash(token)) if token else None
 
 
 def create_tenant(store: Store, name: str, *, quota_gpus: int = 0, weight: float = 1.0, now_s: float = 0.0,
@@ -43,11 +40,8 @@ def create_tenant(store: Store, name: str, *, quota_gpus: int = 0, weight: float
 
 
 def ensure_admin(store: Store, state_dir: Path, now_s: float) -> tuple[str, bool]:
-    """The admin token, creating the admin and ``admin.token`` on first start. Returns (token, created).
-
-    A token file from an earlier store is registered in a new one (``--db`` changed); an admin whose
-    token file is gone gets a new token (the old one stops working).
-    """
+    """The admin token, creating the admin and ``admin.token`` on first start: (token, created). A token file
+    is registered in a new store; a lost one is replaced."""
     path = Path(state_dir) / ADMIN_TOKEN_FILE
     token = path.read_text().strip() if path.exists() else None
     row = store.admin()

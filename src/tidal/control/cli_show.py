@@ -1,8 +1,6 @@
-"""How the client commands print: consoles, job states, events, progress and summaries, and the failing
-rank's last log lines. Text from users and from the server is never read as Rich markup: it goes
-through ``escape`` inside markup, or is printed as a ``Text``, so ``[python, train.py]`` keeps its
-brackets. ``dump`` prints what the API returned as JSON or YAML (``-o json|yaml``).
-"""
+"""How the client commands print: states, events, progress, summaries and the failing rank's last log lines.
+Text from users and the server is never read as Rich markup (``escape`` or a ``Text``); ``dump`` prints what
+the API returned as JSON or YAML."""
 
 from __future__ import annotations
 
@@ -21,24 +19,11 @@ from tidal.console import console  # noqa: F401  (the commands' console, re-expo
 from tidal.control.client import ApiError, TidalClient
 from tidal.control.follow import failing_rank, log_tail
 
-STATE_STYLE = {
-    "running": "green",
-    "succeeded": "bold green",
-    "failed": "bold red",
-    "cancelled": "dim",
-    "pending": "yellow",
-    "backoff": "red",
-    "preempting": "magenta",
-    "resizing": "magenta",
-    "cancelling": "magenta",
-    "admitted": "cyan",
-}
-
-
+STATE_STYLE = {"running": "green", "succeeded": "bold green", "failed": "bold red", "cancelled": "dim",
+               "pending": "yellow", "backoff": "red", "preempting": "magenta", "resizing": "magenta",
+               "cancelling": "magenta", "admitted": "cyan"}
 TAIL_LINES = 12  # lines of the failing rank's log shown with a failure
-
-
-PROGRESS_EVERY_S = 10.0
+PROGRESS_EVERY_S = 10.0  # how often ``--wait`` prints a changed progress line when not on a terminal
 
 
 class Fmt(StrEnum):
@@ -46,8 +31,6 @@ class Fmt(StrEnum):
     wide = "wide"
     json = "json"
     yaml = "yaml"
-
-
 
 
 def fmt(output: Fmt, as_json: bool) -> Fmt:
@@ -136,15 +119,10 @@ def summary(j: dict, con: Console, c: TidalClient | None = None, events: list[di
     r = j["report"]
     con.print(
         f"{escape(j['id'])}: {state(j['state'])}" + (f" — {escape(j['message'])}" if j["message"] else ""),
-        soft_wrap=True,
-    )
-    con.print(
-        f"  attempts {j['attempt']}, restarts {r['restarts']}, preemptions {r['preemptions']}"
-        f"{resizes(events)}, "
-        f"lost work {r['lost_work_s']:.1f} s ({plural(r['lost_steps'], 'step')}), "
-        f"ETTR {num(r['ettr'], '{:.2f}')}",
-        soft_wrap=True,
-    )
+        soft_wrap=True)
+    con.print(f"  attempts {j['attempt']}, restarts {r['restarts']}, preemptions {r['preemptions']}"
+              f"{resizes(events)}, lost work {r['lost_work_s']:.1f} s ({plural(r['lost_steps'], 'step')}), "
+              f"ETTR {num(r['ettr'], '{:.2f}')}", soft_wrap=True)
     if c is not None and j["state"] in ("failed", "backoff"):
         failure_tail(j["id"], con, c, events)
 
@@ -162,9 +140,8 @@ def failure_tail(job_id: str, con: Console, c: TidalClient, events: list[dict] |
     if not tail:
         con.print(f"  rank {rank} wrote nothing to its log", soft_wrap=True)
         return
-    con.print(
-        f"  the last lines of rank {rank}'s log (tidal logs {escape(job_id)} --rank {rank}):", soft_wrap=True
-    )
+    con.print(f"  the last lines of rank {rank}'s log (tidal logs {escape(job_id)} --rank {rank}):",
+              soft_wrap=True)
     for line in tail:
         con.print(Text(f"    {line}", style="dim"), soft_wrap=True)
 

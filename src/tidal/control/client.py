@@ -1,13 +1,6 @@
-"""A small client of the REST API, over any ``httpx.Client`` (the transport seam).
-
-    c = TidalClient("http://127.0.0.1:8470", token)            # over the network
-    c = TidalClient(http=starlette.testclient.TestClient(app))  # in-process, against the app itself
-    job = c.submit({"name": "gpt", "gpus": 2, "command": ["python", "train.py"]})
-    c.job(job["id"])["state"]
-
-Errors come back as :class:`ApiError` with the HTTP status and, for a spec the server refused,
-one line per field (``gpus.min: Input should be greater than or equal to 1``).
-"""
+"""A small client of the REST API, over any ``httpx.Client`` (the transport seam: the network, or a
+``TestClient`` of the app in-process). Errors come back as :class:`ApiError` with the HTTP status and, for a
+refused spec, one line per field."""
 
 from __future__ import annotations
 
@@ -46,9 +39,8 @@ def default_token() -> str | None:
     """``$TIDAL_TOKEN``, else the admin token of a local ``tidal up``."""
     if os.environ.get(ENV_TOKEN):
         return os.environ[ENV_TOKEN]
-    f = state_dir() / "admin.token"
     try:
-        return f.read_text().strip()
+        return (state_dir() / "admin.token").read_text().strip()
     except OSError:
         return None
 
@@ -74,14 +66,8 @@ def origin() -> str:
 
 
 class TidalClient:
-    def __init__(
-        self,
-        base_url: str | None = None,
-        token: str | None = None,
-        *,
-        http: httpx.Client | None = None,
-        timeout_s: float = 30.0,
-    ) -> None:
+    def __init__(self, base_url: str | None = None, token: str | None = None, *,
+                 http: httpx.Client | None = None, timeout_s: float = 30.0) -> None:
         self.http = http or httpx.Client(base_url=base_url or default_url(), timeout=timeout_s)
         self.token = token
 
@@ -101,10 +87,8 @@ class TidalClient:
                 r = self.http.request(method, path, headers=headers, **kw)
         except httpx.TransportError as e:
             raise ApiError(
-                0,
-                f"cannot reach the Tidal API at {self.http.base_url} ({e}); is `tidal up` running? "
-                "(TIDAL_API_URL)",
-            ) from e
+                0, f"cannot reach the Tidal API at {self.http.base_url} ({e}); is `tidal up` running? "
+                "(TIDAL_API_URL)") from e
         if r.status_code >= 400:
             try:
                 doc = r.json()
@@ -125,11 +109,7 @@ class TidalClient:
         return self._call("POST", "/v1/jobs", json=spec)
 
     def jobs(self, *, states: list[str] | None = None, tenant: str | None = None) -> list[dict]:
-        params: dict[str, Any] = {}
-        if states:
-            params["state"] = states
-        if tenant:
-            params["tenant"] = tenant
+        params = {k: v for k, v in (("state", states), ("tenant", tenant)) if v}
         return self._call("GET", "/v1/jobs", params=params)
 
     def job(self, job_id: str) -> dict:
@@ -144,14 +124,11 @@ class TidalClient:
         )
 
     def checkpoints(self, job_id: str) -> dict:
-        """Committed checkpoint steps per tier, the newest durable step and its age
-        (``GET .../checkpoints``)."""
+        """Committed checkpoint steps per tier, the newest durable step and its age."""
         return self._call("GET", f"/v1/jobs/{job_id}/checkpoints")
 
     def events(self, job_id: str | None = None, *, after: int = 0, limit: int = 1000) -> list[dict]:
-        params: dict[str, Any] = {"after": after, "limit": limit}
-        if job_id:
-            params["job"] = job_id
+        params = {"after": after, "limit": limit, **({"job": job_id} if job_id else {})}
         return self._call("GET", "/v1/events", params=params)
 
     def pool(self) -> dict:
@@ -164,14 +141,10 @@ class TidalClient:
     def tenants(self) -> list[dict]:
         return self._call("GET", "/v1/tenants")
 
-    def create_tenant(
-        self, name: str, *, quota_gpus: int = 0, weight: float = 1.0, max_priority: int = 0
-    ) -> dict:
-        return self._call(
-            "POST",
-            "/v1/tenants",
-            json={"name": name, "quota_gpus": quota_gpus, "weight": weight, "max_priority": max_priority},
-        )
+    def create_tenant(self, name: str, *, quota_gpus: int = 0, weight: float = 1.0,
+                      max_priority: int = 0) -> dict:
+        body = {"name": name, "quota_gpus": quota_gpus, "weight": weight, "max_priority": max_priority}
+        return self._call("POST", "/v1/tenants", json=body)
 
     def metrics(self) -> str:
         """Prometheus text (the admin's token)."""

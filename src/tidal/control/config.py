@@ -1,20 +1,5 @@
-"""Knobs of the live control plane (one table, units in the names); ``tidal up --config FILE`` (YAML).
-
-scheduler: {min_runtime_before_preempt_s: 60, preempt_grace_s: 60}   # tidal.policy SchedulerConfig
-ckpt_interval: {min_interval_s: 30, max_interval_s: 3600}         # tidal.policy CkptIntervalConfig
-restart_backoff_s: 10        # first retry after a failure; doubles per restart, up to max_backoff_s
-hang_timeout_s: 120          # no heartbeat for this long (and hang_step_times step times) -> hung
-checkpoint_grants: {vision: [/data/vision-ckpt], "*": ["s3://shared/ckpt"]}  # besides <state>/tenants/<t>/
-checkpoint_endpoints: [http://seaweed:8333, aws, "agent-host:7070"]  # S3 endpoints, peer agents jobs may name
-checkpoint_max_timeout_s: 60 # cap on timeouts in a spec's tier options
-serving:                     # optional: the live loan plan, as advice (GET /v1/serving, /metrics)
-  serving_gpus: 128
-  prometheus: http://prometheus:9090     # or  trace: traffic.csv  (+ speedup, start_s)
-  query: sum(vllm:num_requests_running)
-  gpus_per_unit: 0.125
-  shortfall_budget: 0.005
-isolation: {read_only: [/data], shm_retention_s: 3600}  # tidal.exec.isolation: sandboxed; `none`: off
-"""
+"""Knobs of the live control plane (one table, units in the names); ``tidal up --config FILE`` (YAML, every
+field in docs/control.md)."""
 
 from __future__ import annotations
 
@@ -32,18 +17,12 @@ from tidal.serving.watch import WatchConfig
 class ControlConfig:
     """How the reconcile loop treats jobs. Seconds everywhere.
 
-    Failures: ``restart_backoff_s`` before the first restart, doubled per restart up to
-    ``max_backoff_s``. Hangs: a running job whose heartbeat (the oldest rank's newest) is older than
-    ``max(hang_timeout_s, hang_step_times x its step time)`` is hung; before its first heartbeat,
-    ``startup_timeout_s`` from launch (also the limit while its heartbeat says ``checkpointing`` or
-    ``stopped``: a final save may take a while to persist). Stopping: SIGKILL ``kill_slack_s`` after the
-    job's own grace (the runtime's watchdog exits with 75 at the grace; this is the backstop).
-    ``loop_interval_s``: time between reconcile steps in ``tidal up``. ``ckpt_interval``: how jobs with
-    ``checkpoint.interval_s: auto`` get their interval from their measured stall (Young/Daly).
-    ``serving``: where serving demand comes from and, with ``nodes``, which serving GPUs the plane
-    lends (:mod:`tidal.control.loans`; without ``nodes``: the loan plan as advice); ``None``: no
-    serving side. ``isolation``: how the local
-    executor isolates jobs (uids, environment, shared-memory retention: :mod:`tidal.exec.isolation`).
+    Failures: ``restart_backoff_s`` before the first restart, doubled per restart up to ``max_backoff_s``.
+    Hangs: a running job whose newest heartbeat is older than ``max(hang_timeout_s, hang_step_times x its step
+    time)`` is hung; before its first heartbeat (and while it checkpoints, restores or stops),
+    ``startup_timeout_s``. Stopping: SIGKILL ``kill_slack_s`` after the job's own grace. ``serving``: where
+    serving demand comes from and, with ``nodes``, which GPUs the plane lends (:mod:`tidal.control.loans`);
+    ``None``: no serving side.
     """
 
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -84,9 +63,8 @@ class ControlConfig:
                 snames = {f.name for f in fields(kind)}
                 for k in sub:
                     if k not in snames:
-                        raise ValueError(
-                            f"{where}: unknown field {key}.{k} (expected one of {sorted(snames)})"
-                        )
+                        raise ValueError(f"{where}: unknown field {key}.{k} (expected one of "
+                                         f"{sorted(snames)})")
                 kw[key] = kind(**sub)
         if kw.get("serving") is not None:
             kw["serving"] = WatchConfig.from_dict(kw["serving"], f"{where}: serving")
@@ -99,8 +77,7 @@ class ControlConfig:
                     for t, ps in grants.items()):
                 raise ValueError(
                     f"{where}: checkpoint_grants must map a tenant (or '*') to a list of directories "
-                    f"or s3://bucket/prefix, got {grants!r}"
-                )
+                    f"or s3://bucket/prefix, got {grants!r}")
             for ps in grants.values():
                 for p in ps:
                     if not (p.startswith(("/", "s3://", "file:///"))):
@@ -112,17 +89,11 @@ class ControlConfig:
             if not isinstance(eps, list) or not all(isinstance(e, str) and e for e in eps):
                 raise ValueError(
                     f"{where}: checkpoint_endpoints must be a list of S3 endpoint URLs, 'aws', or "
-                    f"agent host:port, got {eps!r}"
-                )
+                    f"agent host:port, got {eps!r}")
             kw["checkpoint_endpoints"] = tuple(eps)
+        not_seconds = {*nested, "serving", "isolation", "checkpoint_grants", "checkpoint_endpoints"}
         for k, v in kw.items():
-            if k in ("checkpoint_grants", "checkpoint_endpoints"):
-                continue
-            if (
-                k not in nested
-                and k not in ("serving", "isolation")
-                and (not isinstance(v, int | float) or v < 0)
-            ):
+            if k not in not_seconds and (not isinstance(v, int | float) or v < 0):
                 raise ValueError(f"{where}: {k} must be a number of seconds >= 0, got {v!r}")
         return cls(**kw)
 

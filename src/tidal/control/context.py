@@ -18,9 +18,8 @@ if TYPE_CHECKING:
 
 @dataclass
 class ApiContext:
-    """What the API needs: the store, the pool's nodes, where rank logs are, a clock (Unix seconds), and
-    where jobs without a ``checkpoint.url`` checkpoint (``<ckpt_root>/<job>/ckpt``, as the controller
-    tells their ranks; None: such jobs have no known location)."""
+    """What the API needs: the store, the pool's nodes, rank logs, a clock (Unix seconds), and ``ckpt_root``
+    for jobs without a ``checkpoint.url`` (``<ckpt_root>/<job>/ckpt``; None: no known location)."""
 
     store: Store
     nodes: list[Node]

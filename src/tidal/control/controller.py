@@ -1,33 +1,22 @@
 """The reconcile loop, as a controller that steps: ``decisions = controller.step(now_s)``.
 
-One step, in order (each numbered part is a method below):
+One step, in order:
 
-1. **Observe.** Ask the executor for facts about every job it runs: ranks' exit codes, progress,
-   heartbeats (:meth:`tidal.exec.protocol.Executor.observe`).
-2. **Reconcile** each active job with what was observed (:meth:`Controller._reconcile`): record
-   progress; ranks up -> ``running``; every rank exited -> classify the attempt (success, stopped
-   as asked, failure) and move on (``succeeded``; ``pending`` after a preemption; relaunch after a
-   resize; ``backoff`` then ``pending`` after a failure, up to ``max_restarts``; ``failed``); a rank
-   failed while others run, or the job hung (no heartbeat) -> kill it, it is classified once all
-   ranks are gone; a stop whose grace ran out -> SIGKILL; a cancel request -> notice.
-3. **Lend and reclaim** (with a serving side that lends, :class:`tidal.control.loans.LiveLoans`):
-   warm-ups end, serving demand is observed on its grid, the loan plan is made (the simulator's policy)
-   and applied to the loan ledger; newly lent GPUs are released by the serving adapter first. With a
-   serving side that only advises (no ``serving.nodes``), the same policy plans at each grid point the
-   serving clock passed (:meth:`tidal.serving.watch.Advisor.advance`) and nothing is lent.
-4. **Decide.** Build a :class:`~tidal.model.Snapshot` from the store and call the pure scheduler
-   (:func:`tidal.policy.scheduler.schedule`), the same function the simulator drives, with the
-   serving nodes, loans and reclaims in it: spot jobs run on lent GPUs, a due reclaim shrinks or
-   preempts the jobs on them and hands free lent GPUs back (``ReturnGpus``).
-5. **Act.** Apply each decision to the store (a checked transition, an event) and carry it out with
-   the executor: ``Admit`` -> launch; ``Preempt``/``Shrink``/``Grow`` -> notice (SIGTERM), the job
-   checkpoints and exits 75, and is requeued or relaunched on its new size (the runtime reshards on
-   restore); ``ReturnGpus`` -> the ledger and the serving adapter. The loan state is stored after
-   every step that changed it (one document), so a restarted plane continues the same loans.
+1. **Observe** every job the executor runs: exit codes, progress, heartbeats.
+2. **Reconcile** each active job with it (:meth:`Controller._reconcile`): ranks up -> ``running``; every
+   rank exited -> classify the attempt and move on (``succeeded``; ``pending`` after a preemption; relaunch
+   after a resize; ``backoff`` then ``pending`` up to ``max_restarts``; ``failed``); a rank failed or the
+   job hung -> kill it; a grace run out -> SIGKILL; a cancel request -> notice.
+3. **Lend and reclaim** (:class:`tidal.control.loans.LiveLoans`), or with a serving side that only advises,
+   let the :class:`tidal.serving.watch.Advisor` plan and lend nothing.
+4. **Decide**: the pure scheduler (:func:`tidal.policy.scheduler.schedule`, the simulator's) on a
+   :class:`~tidal.model.Snapshot` built from the store, with the serving loans and reclaims in it.
+5. **Act**: each decision to the store (a checked transition, an event) and the executor (``Admit`` ->
+   launch; ``Preempt``/``Shrink``/``Grow`` -> notice, the job checkpoints and exits 75; ``ReturnGpus`` ->
+   ledger and adapter). The loan state is stored after every step, so a restarted plane continues it.
 
-The controller reads no clock: ``now_s`` (Unix seconds, the clock heartbeats use) is an argument,
-so tests step it with a fake clock and a fake executor. It is not thread-safe: one loop calls
-``step``; the API only writes requests (submit, cancel) to the store, which the next step acts on.
+The controller reads no clock: ``now_s`` (Unix seconds, the clock heartbeats use) is an argument. Not
+thread-safe: one loop calls ``step``; the API only writes requests to the store.
 """
 
 from __future__ import annotations
@@ -83,16 +72,11 @@ class Controller:
                  advisor: Advisor | None = None) -> None:
         if loans is not None and advisor is not None:
             raise ValueError("a serving side either lends (loans) or advises (advisor), not both")
-        self.store = store
-        self.executor = executor
+        self.store, self.executor, self.loans, self.advisor = store, executor, loans, advisor
         self.config = config or ControlConfig()
         self.ckpt_root = Path(ckpt_root) if ckpt_root is not None else None
         self.nodes: list[Node] = executor.nodes()
-        self.loans = loans
-        self.advisor = advisor
-        self._events: list[
-            tuple[str, str, dict | None]
-        ] = []  # loan events of this step, stored with the ledger
+        self._events: list[tuple[str, str, dict | None]] = []  # this step's loan events
         self.watch = NodeWatch(store, executor, self.nodes)  # nodes joining and leaving; jobs losing one
         self._shm_swept_s = float("-inf")
         self._announced: dict[str, tuple[float, int]] = {}  # job -> (last ckpt_interval event, changes since)
@@ -110,19 +94,9 @@ class Controller:
             if doc is not None:
                 loans.load(doc)
 
-    @property
-    def pool_gpus(self) -> int:
-        return sum(n.gpus for n in self.nodes)
-
-    # ------------------------------------------------------------------------------------- recovery
     def recover(self, now_s: float) -> None:
-        """After a (re)start: re-adopt the workers of every job that holds GPUs, or requeue it.
-
-        A job whose attempt the executor can find is tracked again (its ranks keep running; ranks that
-        ended meanwhile are handled by the next step from their recorded exit codes). A job none of
-        whose ranks can be found (never started, or gone without a trace) goes back to ``pending``
-        and resumes from its newest checkpoint; that is not counted as a failure.
-        """
+        """After a (re)start: re-adopt the workers of every job that holds GPUs, or requeue it (not a
+        failure); ranks that ended meanwhile are handled by the next step."""
         for job in self.store.jobs(states=HELD):
             found = job.attempt > 0 and self.executor.adopt(job.id, job.attempt, now_s)
             ob = self.executor.observe(now_s).get(job.id) if found else None
@@ -130,16 +104,10 @@ class Controller:
                 pids = [r.pid for r in ob.alive]
                 self.store.record("adopted", f"control plane restarted: re-adopted attempt {job.attempt}, "
                                   f"{len(pids)} of {_n(len(ob.ranks), 'rank')} running (pids {pids})", now_s,
-                                  job=job,
-                                  data={"attempt": job.attempt, "pids": pids})
+                                  job=job, data={"attempt": job.attempt, "pids": pids})
             elif ob is not None and not all(r.vanished for r in ob.ranks):
-                self.store.record(
-                    "adopted",
-                    f"control plane restarted: attempt {job.attempt} ended meanwhile; "
-                    "its recorded exit codes decide what follows",
-                    now_s,
-                    job=job,
-                )
+                self.store.record("adopted", f"control plane restarted: attempt {job.attempt} ended "
+                                  "meanwhile; its recorded exit codes decide what follows", now_s, job=job)
             else:
                 if found:
                     self.executor.release(job.id)
@@ -148,11 +116,8 @@ class Controller:
                                       f"control plane restarted: attempt {job.attempt} {why}; requeued to "
                                       f"resume from checkpoint step {job.ckpt_step or 0}",
                                       **_requeue_fields(), data={"recovered": True})
-        self.sweep_shm(
-            now_s, force=True
-        )  # orphans: shm dirs of jobs that ended or that the store does not know
+        self.sweep_shm(now_s, force=True)  # orphans: ended jobs' shm dirs, or unknown ones
 
-    # ----------------------------------------------------------------------------------------- step
     def step(self, now_s: float) -> list[Decision]:
         """One reconcile step (see the module docstring); returns the scheduler's decisions."""
         observed = self.executor.observe(now_s)  # 1. observe
@@ -182,18 +147,17 @@ class Controller:
         return decisions
 
     def _note_waiting(self, why: dict[str, Waiting]) -> None:
-        """Store why each job waits or does not grow (``jobs.waiting``), for the jobs where that changed;
-        a job the scheduler gave no reason (admitted, grown to its maximum, ended) has it cleared."""
+        """Store why each job waits or does not grow (``jobs.waiting``) where that changed; no reason clears
+        it."""
         new = {jid: {"reason": w.reason, "until_s": w.until_s} for jid, w in why.items()}
         self.store.set_waiting({jid: new.get(jid) for jid in self._waiting.keys() | new.keys()
                                 if self._waiting.get(jid) != new.get(jid)})  # one transaction
         self._waiting = new
 
     def _holdings(self, wants: bool = False) -> tuple[dict[str, int], int, dict[str, list[str]]]:
-        """(node -> GPUs jobs hold, serving GPUs spot jobs could use now, node -> the jobs holding GPUs
-        there) from one read of the store. What spot jobs could use: what pending and running spot jobs
-        could still grow by (not those being stopped), less the training GPUs nobody holds (only
-        computed with ``wants``)."""
+        """(node -> GPUs jobs hold, serving GPUs spot jobs could use now, node -> jobs holding GPUs there)
+        from one read of the store. What spot jobs could use (only with ``wants``): what pending and running
+        spot jobs could grow by, less the training GPUs nobody holds."""
         used: dict[str, int] = {}
         on: dict[str, list[str]] = {}
         want = 0
@@ -225,17 +189,14 @@ class Controller:
         if over:  # never expected: the scheduler places only on lent GPUs and returns only free ones
             self.loans.stats["double_counted_steps"] = self.loans.stats.get("double_counted_steps", 0) + 1
             log.error("serving GPUs held by jobs beyond what is lent: %s", over)
-            events.append(
-                ("invariant", f"jobs hold serving GPUs beyond what is lent: {over}", {"over": over})
-            )
+            events.append(("invariant", f"jobs hold serving GPUs beyond what is lent: {over}",
+                           {"over": over}))
         self.loans.refresh(now_s, held, on)
         self.store.put_doc(LOANS_DOC, self.loans.dump(), now_s, events)
 
     def _intervals(self, snap: Snapshot, now_s: float) -> list[SetCkptInterval]:
-        """Checkpoint intervals for running jobs whose spec says ``interval_s: auto``, unless the job
-        checkpoints on its own step cadence (its session reports ``ckpt_every_steps``: from
-        ``TIDAL_CKPT_INTERVAL_STEPS`` or its code): that cadence wins, said once in its events, and
-        the platform sends it no interval (its timer stays at the policy's cap)."""
+        """Checkpoint intervals for running jobs with ``interval_s: auto``, unless the job's session reports
+        its own step cadence (``ckpt_every_steps``): that wins, said once in its events."""
         out = []
         for d in plan_ckpt_intervals(snap, self.config.ckpt_interval):  # pure; usually empty
             job = self.store.job(d.job)
@@ -255,7 +216,6 @@ class Controller:
             out.append(d)
         return out
 
-    # ------------------------------------------------------------------------------------ reconcile
     def _reconcile(self, job: JobRow, ob: Observation | None, now_s: float) -> None:
         st = S(job.state)
         if st == S.PENDING:
@@ -267,23 +227,14 @@ class Controller:
                 self.store.transition(job.id, S.CANCELLED, now_s, "cancelled while waiting to restart",
                                       finished_s=now_s)
             elif now_s >= (job.retry_at_s or 0.0):
-                self.store.transition(
-                    job.id,
-                    S.PENDING,
-                    now_s,
-                    f"restart {job.restarts}/{job.max_restarts}: "
-                    f"queued to resume from checkpoint step {job.ckpt_step or 0}",
-                    retry_at_s=None,
-                )
+                self.store.transition(job.id, S.PENDING, now_s, f"restart {job.restarts}/{job.max_restarts}: "
+                                      f"queued to resume from checkpoint step {job.ckpt_step or 0}",
+                                      retry_at_s=None)
             return
         if ob is None:  # held, but the executor has no trace of it
-            self.store.transition(
-                job.id,
-                S.PENDING,
-                now_s,
-                f"attempt {job.attempt} is unknown to the executor; requeued",
-                **_requeue_fields(),
-            )
+            self.store.transition(job.id, S.PENDING, now_s,
+                                  f"attempt {job.attempt} is unknown to the executor; requeued",
+                                  **_requeue_fields())
             return
         job = self._record_progress(job, ob)
         self.watch.recovered(job, ob, now_s)
@@ -292,8 +243,7 @@ class Controller:
             job = self.watch.node_lost(job, ob, lost, now_s)
         if job.cancel_requested and st != S.CANCELLING:
             job = self._stop(job, S.CANCELLING, "cancel requested", now_s,
-                             job.spec.get("grace_s", DEFAULT_GRACE_S),
-                             reason="cancel")
+                             job.spec.get("grace_s", DEFAULT_GRACE_S), reason="cancel")
             st = S.CANCELLING
         if ob.done:
             self._finish(job, ob, now_s)
@@ -310,12 +260,8 @@ class Controller:
         if st == S.ADMITTED:
             pids = [r.pid for r in ob.alive]
             self.store.transition(job.id, S.RUNNING, now_s, f"{_n(len(pids), 'rank')} running (pids {pids})")
-        elif (
-            st in STOPPING
-            and not job.killed
-            and job.stop_deadline_s is not None
-            and now_s >= job.stop_deadline_s
-        ):
+        elif (st in STOPPING and not job.killed and job.stop_deadline_s is not None
+              and now_s >= job.stop_deadline_s):
             self.executor.kill(job.id)
             self.store.update(job.id, killed=True)
             self.store.record("kill", f"grace expired while {st}: SIGKILL to {_n(len(ob.alive), 'rank')}",
@@ -336,9 +282,8 @@ class Controller:
             limit = max(limit, cfg.startup_timeout_s)
         idle = now_s - (p.heartbeat_s or ob.launched_s)
         if idle > limit:
-            return (
-                f"hung: no heartbeat for {idle:.0f} s (limit {limit:.0f} s) at step {p.step}, phase {p.phase}"
-            )
+            return (f"hung: no heartbeat for {idle:.0f} s (limit {limit:.0f} s) "
+                    f"at step {p.step}, phase {p.phase}")
         return None
 
     def _kill_for_failure(self, job: JobRow, why: str, now_s: float, kind: str = "failure") -> None:
@@ -360,7 +305,6 @@ class Controller:
             fields["ckpt_step"] = p.ckpt_step
         return self.store.update(job.id, **fields) if fields else job
 
-    # --------------------------------------------------------------------------- the end of an attempt
     def _finish(self, job: JobRow, ob: Observation, now_s: float) -> None:
         """Every rank of the attempt has exited: account for it, then the next state."""
         outcome, why = self._classify(job, ob)
@@ -371,6 +315,7 @@ class Controller:
         self.executor.release(job.id)
         self._shm_swept_s = float("-inf")  # the end of this step looks at its shared memory
         base = {"stop_reason": None, "stop_deadline_s": None, "killed": False, **acct}
+        end = {"finished_s": now_s, "placement": {}, "releasing": {}, **base}  # the job is over
         codes = [r.exit_code for r in ob.ranks]
         p = ob.progress
         reached = p.step if p.step is not None else p.start_step
@@ -381,12 +326,10 @@ class Controller:
             how = (f"finished{at} (exit codes {codes}: ranks {torn} died in the interpreter's teardown after "
                    "closing cleanly, counted as 0)") if torn else f"exited 0{at}"
             who = "its only rank " if len(codes) == 1 else f"all {len(codes)} ranks "
-            self.store.transition(job.id, S.SUCCEEDED, now_s, who + how, data=data, finished_s=now_s,
-                                  placement={}, releasing={},
-                                  **base)
+            self.store.transition(job.id, S.SUCCEEDED, now_s, who + how, data=data, **end)
         elif outcome == "cancelled":
             self.store.transition(job.id, S.CANCELLED, now_s, f"cancelled; exit codes {codes}", data=data,
-                                  finished_s=now_s, placement={}, releasing={}, **base)
+                                  **end)
         elif outcome == "lost":
             self.store.transition(job.id, S.PENDING, now_s, f"{why}; requeued to resume from checkpoint step "
                                   f"{_resume_step(p, job)} on the remaining GPUs",
@@ -395,14 +338,9 @@ class Controller:
             left = {n: g - job.releasing.get(n, 0) for n, g in job.placement.items()
                     if g - job.releasing.get(n, 0) > 0}
             self.store.update(job.id, **base)
-            self._launch(
-                self.store.job(job.id),
-                left,
-                now_s,
-                f"resized: relaunching on {sum(left.values())} GPUs from checkpoint step "
-                f"{_resume_step(p, job)}",
-                data=data,
-            )
+            self._launch(self.store.job(job.id), left, now_s,
+                         f"resized: relaunching on {sum(left.values())} GPUs from checkpoint step "
+                         f"{_resume_step(p, job)}", data=data)
         elif outcome == "stopped":
             by_us = S(job.state) == S.PREEMPTING
             self.store.transition(job.id, S.PENDING, now_s, f"preempted: stopped at step {reached} "
@@ -414,27 +352,17 @@ class Controller:
             self.store.transition(job.id, S.FAILED, now_s, f"failed: {why}; not restarted: a new attempt "
                                   "would fence the other one out in turn (does another job, or a second "
                                   "control plane, use this job's checkpoint directory?)",
-                                  data={**data, "fenced": True}, finished_s=now_s, placement={}, releasing={},
-                                  **base)
+                                  data={**data, "fenced": True}, **end)
         elif job.restarts < job.max_restarts:
             n = job.restarts + 1
             wait_s = self.config.backoff_s(n)
-            self.store.transition(
-                job.id,
-                S.BACKOFF,
-                now_s,
-                f"failed: {why}; restart {n}/{job.max_restarts} in "
-                f"{wait_s:g} s from checkpoint step {job.ckpt_step or 0}",
-                data=data,
-                restarts=n,
-                retry_at_s=now_s + wait_s,
-                **_requeue_fields(),
-                **base,
-            )
+            self.store.transition(job.id, S.BACKOFF, now_s,
+                                  f"failed: {why}; restart {n}/{job.max_restarts} in "
+                                  f"{wait_s:g} s from checkpoint step {job.ckpt_step or 0}", data=data,
+                                  restarts=n, retry_at_s=now_s + wait_s, **_requeue_fields(), **base)
         else:
             self.store.transition(job.id, S.FAILED, now_s, f"failed: {why}; no restarts left "
-                                  f"(max_restarts={job.max_restarts})", data=data, finished_s=now_s,
-                                  placement={}, releasing={}, **base)
+                                  f"(max_restarts={job.max_restarts})", data=data, **end)
 
     def _classify(self, job: JobRow, ob: Observation) -> tuple[str, str]:
         codes = [rank_code(r) for r in ob.ranks]
@@ -459,11 +387,9 @@ class Controller:
             return "stopped", ""  # preempted by a notice from outside (exit 75 is never a failure)
         return "failure", describe_rank(bad[0]) if bad else f"exit codes {codes}"
 
-    # ------------------------------------------------------------------------------------------ act
     def _apply(self, d: Decision, now_s: float, jobs: dict[str, Job]) -> None:
-        """Carry out one decision: what it changes of a job is :mod:`tidal.policy.apply`'s (the simulator's
-        and the tests' semantics, applied to the snapshot's ``jobs``, updated in place), written to the
-        store with a checked transition; what it asks of the workers goes to the executor."""
+        """Carry out one decision: the job's change is :mod:`tidal.policy.apply`'s (updating ``jobs``), stored
+        with a checked transition; what it asks of the workers goes to the executor."""
         if isinstance(d, ReturnGpus):
             if self.loans is None:
                 self.store.record("decision", f"ignored {d}: no serving side", now_s)
@@ -506,8 +432,8 @@ class Controller:
                 self.store.update(for_job, nominated_s=nominee.nominated_s)
 
     def _set_interval(self, job: JobRow, interval_s: float, now_s: float) -> None:
-        """A new checkpoint interval: to the store and the job's ranks; announced (an event) at most every
-        ``ANNOUNCE_INTERVAL_S``, with the number of changes since."""
+        """A new checkpoint interval to the store and the ranks; announced at most every
+        ``ANNOUNCE_INTERVAL_S``."""
         was = job.ckpt_interval_s
         self.store.update(job.id, ckpt_interval_s=interval_s)
         self.executor.configure(job.id, {"ckpt_interval_s": interval_s})
@@ -532,28 +458,15 @@ class Controller:
             deadline = min(deadline, job.stop_deadline_s)
         if reason == "cancel" or job.stop_reason != "failure":
             fields["stop_reason"] = reason
-        row = self.store.transition(
-            job.id,
-            to,
-            now_s,
-            why + ("" if already else f": notice sent, grace {grace_s:g} s"),
-            stop_deadline_s=deadline,
-            **fields,
-        )
+        row = self.store.transition(job.id, to, now_s,
+                                    why + ("" if already else f": notice sent, grace {grace_s:g} s"),
+                                    stop_deadline_s=deadline, **fields)
         if not already:
             self.executor.signal_stop(job.id)
         return row
 
-    def _launch(
-        self,
-        job: JobRow,
-        placement: dict[str, int],
-        now_s: float,
-        why: str,
-        *,
-        data: dict | None = None,
-        **fields: Any,
-    ) -> None:
+    def _launch(self, job: JobRow, placement: dict[str, int], now_s: float, why: str, *,
+                data: dict | None = None, **fields: Any) -> None:
         """Record the attempt (``admitted``) first, then start it: a crash in between leaves a recorded
         attempt with no ranks, which ``recover`` requeues; never ranks without a record."""
         attempt = job.attempt + 1
@@ -562,7 +475,7 @@ class Controller:
                               stop_reason=None, stop_deadline_s=None, killed=False, handle=None, progress={},
                               nominated_s=None, **fields)
         spec = job.spec
-        env = self._env(job)
+        env = job_env(job, self.ckpt_root, self.config.ckpt_interval.max_interval_s)
         take_over, take_over_from = taken_over(job, self.store)
         req = LaunchRequest(job.id, attempt, tuple(spec["command"]), placement, spec.get("workdir"), env,
                             tenant=job.tenant, own_dirs=own_dirs(job, self.ckpt_root), take_over=take_over,
@@ -576,20 +489,11 @@ class Controller:
             return
         self.store.update(job.id, handle=handle)
         self.store.record("launch", f"attempt {attempt}: {_n(req.world_size, 'rank')} started", now_s,
-                          job=job,
-                          data=handle)
+                          job=job, data=handle)
 
-    def _env(self, job: JobRow) -> dict[str, str]:
-        return job_env(job, self.ckpt_root, self.config.ckpt_interval.max_interval_s)
-
-    # ------------------------------------------------------------------------------- shared memory
     def sweep_shm(self, now_s: float, *, force: bool = False) -> list[str]:
-        """Free the shared-memory directories (node-memory checkpoint tiers) of ended jobs: once the
-        newest checkpoint is in a durable tier (or there is none), else ``isolation.shm_retention_s``
-        after the job ended; a directory of a job the store does not know is an orphan, freed at
-        once; and, by the same rule, the steps the executor's checkpoint agents keep of ended jobs
-        (``node_memory.sweep_agents``). Returns the jobs whose directories were freed. Every
-        ``SHM_SWEEP_S`` at most, unless ``force``."""
+        """Free ended jobs' node memory and agents' steps (:mod:`tidal.control.node_memory`), every
+        ``SHM_SWEEP_S`` at most unless ``force``; returns the jobs freed."""
         ex = self.executor
         soon = not force and now_s - self._shm_swept_s < SHM_SWEEP_S
         if not isinstance(ex, NodeMemory | AgentMemory) or soon:
@@ -600,21 +504,18 @@ class Controller:
             node_memory.sweep_agents(self.store, ex, retention_s, now_s)
         return node_memory.sweep(self.store, ex, retention_s, now_s) if isinstance(ex, NodeMemory) else []
 
-    # ------------------------------------------------------------------------------------- snapshot
     def snapshot(self, now_s: float) -> Snapshot:
         """The scheduler's view: pending jobs queue, held jobs run (stopping ones release everything)."""
         loans, reclaims = (self.loans.loans, self.loans.reclaims) if self.loans is not None else ((), ())
         return Snapshot.build(now_s, self.nodes, *scheduler_view(self.store), loans, reclaims)
 
 
-# ----------------------------------------------------------------------------------------- helpers
 def _requeue_fields() -> dict[str, Any]:
     return {"placement": {}, "releasing": {}, "started_s": None, "handle": None}
 
 
 def _resume_step(p: Progress, job: JobRow) -> int:
-    """The checkpoint step the next attempt resumes from: the ended attempt's newest, else the job's
-    (an attempt stopped before it saved resumes from what an earlier one committed)."""
+    """The checkpoint step the next attempt resumes from: the ended attempt's newest, else the job's."""
     return p.ckpt_step if p.ckpt_step is not None else job.ckpt_step or 0
 
 

@@ -1,22 +1,10 @@
 """The web dashboard, served by ``tidal up`` itself: a static page and the read-only JSON it polls.
 
-The page (``GET /dashboard``, assets under ``/dashboard/assets/``) carries no data and needs no token:
-it asks for a bearer token once, keeps it in the tab's ``sessionStorage`` (gone when the tab closes,
-never in a URL, a cookie or a log), and calls the API with ``Authorization: Bearer``, so it sees
-exactly what that token sees through the API: a tenant its own jobs, the admin everything. The page
-is rendered with ``textContent`` only and served with a Content-Security-Policy that allows scripts
-from this server alone.
-
-| method and path | what |
-|---|---|
-| ``GET /dashboard`` | the page (``GET /`` redirects here) |
-| ``GET /v1/dashboard/pool`` | GPUs per node by holder, tenants' usage against quota and fair share, queue |
-| ``GET /v1/dashboard/jobs?state=&kind=&tenant=&q=&offset=&limit=`` | a page of jobs (newest first), total |
-| ``GET /v1/dashboard/jobs/{id}/curves`` | loss and throughput per attempt, restores, checkpoints |
-| ``GET /v1/dashboard/serving?after=`` | the loan step's timeline (bounded, in memory) and the plan now |
-
-The job page also reads ``GET /v1/jobs/{id}``, ``/v1/events?job=`` and ``/v1/jobs/{id}/checkpoints``.
-Every refresh costs a page of rows or the active jobs (never every job ever submitted).
+The page (``GET /dashboard``) carries no data and needs no token: it asks for a bearer token once, keeps it in
+``sessionStorage`` (never in a URL, cookie or log) and calls the API with it, so it sees what that token sees.
+It renders with ``textContent`` only, under a Content-Security-Policy allowing scripts from this server alone.
+Its JSON routes (``/v1/dashboard/pool``, ``jobs``, ``jobs/{id}/curves``, ``serving``) are in docs/control.md;
+each refresh costs a page of rows or the active jobs, never every job.
 """
 
 # No ``from __future__ import annotations``: FastAPI reads the routes' annotations, some local (``Caller``).
@@ -74,14 +62,11 @@ def compact_job(j: Any, now_s: float) -> sc.JobSummary:
     p = j.progress or {}
     return sc.JobSummary.model_validate({
         **{f: getattr(j, f) for f in sc.JobSummary.model_fields if f not in (*_PROGRESS, "ettr")},
-        **{f: p.get(f) for f in _PROGRESS},
-        "ettr": job_report(j, now_s)["ettr"],
-    })
+        **{f: p.get(f) for f in _PROGRESS}, "ettr": job_report(j, now_s)["ettr"]})
 
 
 def dashboard_router(ctx: ApiContext, caller: Callable[..., Any]) -> APIRouter:
     """The dashboard's routes; ``caller`` is the API's bearer-token dependency (a :class:`TenantRow`)."""
-
     store = ctx.store
     assets = _assets()
     router = APIRouter()
@@ -103,9 +88,6 @@ def dashboard_router(ctx: ApiContext, caller: Callable[..., Any]) -> APIRouter:
             raise HTTPException(404, f"no dashboard asset {name!r}")
         return Response(found[0], media_type=found[1], headers=SECURITY_HEADERS)
 
-    def _loans_view() -> dict[str, Any] | None:
-        return ctx.loans.view() if ctx.loans is not None else None
-
     @router.get("/v1/dashboard/pool")
     @json_route()
     def pool(me: Caller) -> dict:
@@ -115,20 +97,17 @@ def dashboard_router(ctx: ApiContext, caller: Callable[..., Any]) -> APIRouter:
         active = store.jobs(states=ACTIVE)
         held = [j for j in active if State(j.state) in HELD]
         waiting = [j for j in active if State(j.state) not in HELD]
-        loans = _loans_view()
+        loans = ctx.loans.view() if ctx.loans is not None else None
         nodes = dv.gpu_map(ctx.nodes, held, viewer, loans)
-        tenants = store.tenants() if me.admin else [me]
-        usage = dv.tenant_usage(tenants, held, waiting, ctx.nodes, (loans or {}).get("lent_gpus", 0))
+        lent = (loans or {}).get("lent_gpus", 0)
+        usage = dv.tenant_usage(store.tenants() if me.admin else [me], held, waiting, ctx.nodes, lent)
         if not me.admin:
             usage = [u for u in usage if u["tenant"] == me.name]
-        free_training = sum(s["gpus"] for n in nodes for s in n["segments"] if s["kind"] == "free")
-        free_lent = sum(s["gpus"] for n in nodes for s in n["segments"] if s["kind"] == "lent")
-        # the queue: every tenant's waiting jobs count for positions; others' show no id
-        queue = dv.queue_view(waiting, dv.tenant_usage(store.tenants(), held, waiting, ctx.nodes,
-                                                        (loans or {}).get("lent_gpus", 0)),
-                              free_training, free_lent, now, viewer)
         kinds = ("job", "draining", "lent", "warming", "serving", "free")
         totals = {k: sum(s["gpus"] for n in nodes for s in n["segments"] if s["kind"] == k) for k in kinds}
+        # the queue: every tenant's waiting jobs count for positions; others' show no id
+        queue = dv.queue_view(waiting, dv.tenant_usage(store.tenants(), held, waiting, ctx.nodes, lent),
+                              totals["free"], totals["lent"], now, viewer)
         return {"now_s": now, "tenant": me.name, "admin": me.admin, "nodes": nodes, "totals": totals,
                 "gpus": sum(n.gpus for n in ctx.nodes), "tenants": usage, "queue": queue,
                 "states": dict(collections.Counter(j.state for j in active if viewer in (None, j.tenant))),

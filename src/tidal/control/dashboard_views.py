@@ -1,13 +1,4 @@
 """What the dashboard shows, computed from store rows and files (no HTTP here; :mod:`.dashboard` serves it).
-
-* :func:`gpu_map`: every node's GPUs by who holds them (a job, lent to spot training but idle, warming
-  up after a reclaim, serving, free, draining).
-* :func:`tenant_usage`: per tenant, GPUs held (dedicated, spot), quota, and the weighted fair share of
-  spot capacity as the scheduler splits it (docs/scheduling.md).
-* :func:`queue_view`: waiting jobs in about the order the scheduler looks at them, each with why it waits
-  (the scheduler's own reason for the viewer's jobs when it gave one; else from the pool's numbers).
-* :func:`curves`: a job's loss and throughput per attempt from rank 0's progress records, and where each
-  attempt restored from; bounded in bytes read and points returned.
 """
 
 from __future__ import annotations
@@ -32,10 +23,9 @@ CURVE_ATTEMPTS = 20  # the newest attempts drawn
 
 def gpu_map(nodes: list[Node], held: list[JobRow], viewer: str | None, loans: dict[str, Any] | None
             ) -> list[dict[str, Any]]:
-    """Per node, its GPUs as segments ``{"kind", "gpus", ...}`` in drawing order. ``kind``: ``job``
-    (with ``tenant``, and ``job``/``state`` for the viewer's own; ``None`` viewer: the admin sees all),
-    ``draining`` (a job's GPUs being released), ``lent`` (lent to spot training, no job on them yet),
-    ``warming`` (back from a loan, warming up), ``serving``, ``free``."""
+    """Per node, its GPUs as segments ``{"kind", "gpus", ...}`` in drawing order: ``job`` (``job``/``state``
+    for the viewer's own; ``None`` viewer: admin), ``draining``, ``lent`` (no job on them yet), ``warming``,
+    ``serving``, ``free``."""
     lent_on = {ln["node"]: ln["gpus"] for ln in (loans or {}).get("loans", [])}
     warming = {n: sum(g for _, g in w) for n, w in ((loans or {}).get("warming") or {}).items()}
     out = []
@@ -71,9 +61,8 @@ def gpu_map(nodes: list[Node], held: list[JobRow], viewer: str | None, loans: di
 
 def tenant_usage(tenants: list[TenantRow], held: list[JobRow], waiting: list[JobRow], nodes: list[Node],
                  lent_gpus: int) -> list[dict[str, Any]]:
-    """Per tenant (admins left out): GPUs held by dedicated and spot jobs, jobs running and waiting, its
-    quota and weight, and its fair share of spot capacity (training GPUs not held by dedicated jobs plus
-    lent serving GPUs, split by weight among tenants with spot jobs running or waiting)."""
+    """Per tenant (admins left out): GPUs held, jobs running and waiting, quota, weight, and its fair share of
+    spot capacity (docs/scheduling.md)."""
     rows: dict[str, dict[str, Any]]
     rows = {t.name: {"tenant": t.name, "quota_gpus": t.quota_gpus, "weight": t.weight, "dedicated_gpus": 0,
                      "spot_gpus": 0, "running": 0, "waiting": 0, "fair_share_gpus": None}
@@ -103,9 +92,8 @@ def tenant_usage(tenants: list[TenantRow], held: list[JobRow], waiting: list[Job
 
 def queue_view(waiting: list[JobRow], usage: list[dict[str, Any]], free_training: int, free_lent: int,
                now_s: float, viewer: str | None) -> dict[str, Any]:
-    """Waiting jobs (pending, backoff) in about the scheduler's order: dedicated before spot, jobs others
-    were preempted for first, then priority, then submission; each with ``position`` and ``why`` it waits.
-    Another tenant's job shows only its tenant, kind, size and position (``viewer``; None: admin)."""
+    """Waiting jobs in about the scheduler's order, each with ``position`` and ``why``. Another tenant's job
+    shows only its tenant, kind, size and position (``viewer``; None: admin)."""
     by_tenant = {u["tenant"]: u for u in usage}
 
     def key(j: JobRow) -> tuple:
@@ -156,10 +144,9 @@ def _why(j: JobRow, u: dict[str, Any] | None, free_training: int, free_lent: int
 
 
 def curves(job_dir: Path, attempts: int, max_points: int = CURVE_POINTS) -> dict[str, Any]:
-    """Rank 0's step records of each attempt (``[time, step, loss, step_time_s, samples_per_s]``), thinned
-    evenly to ``max_points`` per attempt, and each attempt's restore (step, tier, seconds) and checkpoints
-    (step, stall). Files are opened without following links and only the newest ``CURVE_TAIL_BYTES``
-    of each are read; a damaged line is skipped."""
+    """Rank 0's step records per attempt (``[time, step, loss, step_time_s, samples_per_s]``) thinned to
+    ``max_points``, with each attempt's restore and checkpoints. Files are opened without following links,
+    only their newest ``CURVE_TAIL_BYTES`` read; a damaged line is skipped."""
     out: list[dict[str, Any]] = []
     first = max(1, attempts - CURVE_ATTEMPTS + 1)
     for a in range(first, attempts + 1):

@@ -1,14 +1,7 @@
 """Following a job from the command line: its rank logs as whole lines, through restarts of ``tidal up``.
 
-``tidal logs -f`` and ``tidal submit --wait`` read the API in a loop. ``tidal up`` may restart under
-them (its jobs run on and are re-adopted), so a call that cannot reach the API, or that the API
-answers with a 5xx, is retried on a fresh client (a restarted plane on ``--port 0`` writes a new
-``api.url``, read again each time) after saying so once; any other error (401, 404) ends the loop.
-
-:class:`LogFollower` keeps one byte offset per rank and hands out whole lines (the API returns
-chunks that end on whole UTF-8 characters, not lines); what is left at the end comes out with
-:meth:`LogFollower.rest`. :func:`failing_rank` and :func:`log_tail` pick and read the rank whose
-log explains a failure.
+A call that cannot reach the API, or gets a 5xx, is retried on a fresh client (a restarted plane may write a
+new ``api.url``) after saying so once; any other error ends the loop.
 """
 
 from __future__ import annotations
@@ -31,17 +24,11 @@ def transient(e: ApiError) -> bool:
 
 
 class Reconnecting:
-    """Calls on a client made by ``make``; a transient failure is retried every ``poll_s`` on a new one,
-    ``say`` told once when the API goes away (and every ``RETRY_NOTE_S`` while it stays away) and once
-    when it is back."""
+    """Calls on a client made by ``make``; a transient failure is retried every ``poll_s`` on a new one, and
+    ``say`` told when the API goes away (again every ``RETRY_NOTE_S``) and when it is back."""
 
-    def __init__(
-        self,
-        make: Callable[[], TidalClient],
-        say: Callable[[str], None],
-        poll_s: float = 0.5,
-        sleep: Callable[[float], None] = time.sleep,
-    ) -> None:
+    def __init__(self, make: Callable[[], TidalClient], say: Callable[[str], None], poll_s: float = 0.5,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
         self.make, self.say, self.poll_s, self.sleep = make, say, poll_s, sleep
         self.client = make()
         self.away_since: float | None = None
@@ -106,20 +93,14 @@ class LogFollower:
 
 
 def failing_rank(events: list[dict]) -> int | None:
-    """The rank whose log explains the job's last failed attempt, from that attempt's exit codes (the
-    ``data`` of its transition to ``backoff`` or ``failed``): the first rank that exited with a code
-    above 0 other than 75 (preempted), else the first one that vanished (no code), else the first one
-    killed by a signal other than SIGKILL/SIGTERM (the platform stops the other ranks with those).
-    None if no attempt failed."""
+    """The rank whose log explains the last failed attempt: the first exiting above 0 but not 75, else the
+    first that vanished, else the first killed by a signal but SIGKILL/SIGTERM; None if none failed."""
     for e in reversed(events):
         if e.get("kind") != "transition" or e.get("to") not in ("backoff", "failed"):
             continue
         codes = (e.get("data") or {}).get("exit_codes") or []
-        for test in (
-            lambda c: c is not None and c > 0 and c != EXIT_PREEMPTED,
-            lambda c: c is None,
-            lambda c: c is not None and c < 0 and c not in (-9, -15),
-        ):
+        for test in (lambda c: c is not None and c > 0 and c != EXIT_PREEMPTED, lambda c: c is None,
+                     lambda c: c is not None and c < 0 and c not in (-9, -15)):
             for rank, code in enumerate(codes):
                 if test(code):
                     return rank

@@ -1,7 +1,5 @@
-"""What the store's job rows become for the others: the scheduler's jobs and tenants
-(:func:`scheduler_view`) and an attempt's environment for the executor (:func:`job_env`: the
-checkpoint location, interval and grace the runtime reads). Called by the controller each step and at
-each launch."""
+"""The store's job rows as the scheduler sees them (:func:`scheduler_view`) and an attempt's environment for
+the executor (:func:`job_env`)."""
 
 from __future__ import annotations
 
@@ -18,36 +16,20 @@ from tidal.model import Job, Kind, Tenant
 
 
 def scheduler_view(store: Store) -> tuple[list[Tenant], list[Job]]:
-    """The scheduler's view of the store: pending jobs queue, held jobs run (stopping ones release
-    everything they hold)."""
+    """The scheduler's view of the store: pending jobs queue, held ones run, stopping ones release all."""
     tenants = [Tenant(t.name, t.quota_gpus, t.weight) for t in store.tenants()]
     jobs = []
     for j in store.jobs(states={S.PENDING} | HELD):
         st = S(j.state)
         held = st in HELD
         releasing = dict(j.placement) if st in (S.PREEMPTING, S.CANCELLING) else dict(j.releasing or {})
-        jobs.append(
-            Job(
-                j.id,
-                j.tenant,
-                cast(Kind, j.kind),  # Job checks it is one
-                j.priority,
-                j.min_gpus,
-                j.max_gpus,
-                j.multiple_of,
-                submit_s=j.submit_s,
-                placement=dict(j.placement) if held else {},
-                releasing=releasing if held else {},
-                started_s=j.started_s if held else None,
-                last_preempted_s=j.last_preempted_s,
-                last_grown_s=j.last_grown_s,
-                last_shrunk_s=j.last_shrunk_s,
-                last_ckpt_s=j.last_ckpt_s,
-                ckpt_stall_s=j.ckpt_stall_s,
-                ckpt_interval_s=j.ckpt_interval_s,
-                nominated_s=None if held else j.nominated_s,
-            )
-        )
+        jobs.append(Job(  # (Job checks the kind)
+            j.id, j.tenant, cast(Kind, j.kind), j.priority, j.min_gpus, j.max_gpus, j.multiple_of,
+            submit_s=j.submit_s, placement=dict(j.placement) if held else {},
+            releasing=releasing if held else {}, started_s=j.started_s if held else None,
+            last_preempted_s=j.last_preempted_s, last_grown_s=j.last_grown_s, last_shrunk_s=j.last_shrunk_s,
+            last_ckpt_s=j.last_ckpt_s, ckpt_stall_s=j.ckpt_stall_s, ckpt_interval_s=j.ckpt_interval_s,
+            nominated_s=None if held else j.nominated_s))
     return tenants, jobs
 
 
@@ -57,12 +39,9 @@ def default_ckpt(ckpt_root: Path | None, job: JobRow) -> str | None:
 
 
 def own_dirs(job: JobRow, ckpt_root: Path | None) -> tuple[str, ...]:
-    """The checkpoint directories the executor makes for the job before its ranks start (owned by its
-    uid with ``isolation.uid_base``: that uid cannot create them in the state dir itself): its default
-    location when it uses it (or that of the job it resumes, which may never have run), and each
-    directory location of its spec under its tenant's own prefix
-    ``<state dir>/tenants/<tenant>/`` (checked at submission; a granted prefix elsewhere is the admin's
-    to prepare)."""
+    """The checkpoint directories the executor makes for the job before its ranks start (its uid cannot create
+    them in the state dir): its default location when used (or that of the job it resumes), and each directory
+    of its spec under ``<state dir>/tenants/<tenant>/``."""
     ck = job.spec.get("checkpoint") or {}
     default = default_ckpt(ckpt_root, job)
     if ck.get("tiers") is None and ck.get("url") in (None, default):
@@ -83,9 +62,8 @@ def own_dirs(job: JobRow, ckpt_root: Path | None) -> tuple[str, ...]:
 
 
 def taken_over(job: JobRow, store: Store) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """The checkpoint directories ``job`` took over with ``resume_from`` and the ended jobs of its tenant
-    at them (the job it resumes, and those that resumed each other there before: with ``isolation: {per:
-    job}`` each ran as its own uid); ``((), ())`` for a job that resumes nothing."""
+    """The directories ``job`` took over with ``resume_from`` and the ended jobs of its tenant at them; ``((),
+    ())`` for a job that resumes nothing."""
     ck = job.spec.get("checkpoint") or {}
     rid = ck.get("resume_from")
     if not rid:

@@ -1,6 +1,4 @@
-"""A job file as the command line submits it: YAML read with its paths made absolute (relative to the
-file), then the command line's overrides (``--gpus 4``, ``--env K=V``, ...). The server checks the
-result like any spec (:mod:`tidal.control.spec`)."""
+"""A job file as the command line submits it: YAML with its paths made absolute, then the overrides."""
 
 from __future__ import annotations
 
@@ -38,35 +36,21 @@ def load_spec_file(path: Path) -> dict:
     return doc
 
 
-def apply_overrides(
-    doc: dict,
-    *,
-    name: str | None = None,
-    gpus: str | None = None,
-    env: list[str] | None = None,
-    kind: str | None = None,
-    priority: int | None = None,
-) -> dict:
+def apply_overrides(doc: dict, *, name: str | None = None, gpus: str | None = None,
+                    env: list[str] | None = None, kind: str | None = None,
+                    priority: int | None = None) -> dict:
     """The spec with the command line's overrides (``--gpus 4`` or ``2-8``, ``--env K=V``, ...); the
     server checks the result like any spec. ``ValueError`` names a malformed option."""
     out = dict(doc)
-    if name is not None:
-        out["name"] = name
-    if kind is not None:
-        out["kind"] = kind
-    if priority is not None:
-        out["priority"] = priority
+    out.update({k: v for k, v in (("name", name), ("kind", kind), ("priority", priority)) if v is not None})
     if gpus is not None:
         lo, sep, hi = gpus.partition("-")
         if not lo.isdigit() or (sep and not hi.isdigit()):
             raise ValueError(f"--gpus: expected N or MIN-MAX (e.g. 4 or 2-8), got {gpus!r}")
         g = out.get("gpus")
         keep = {"multiple_of": g["multiple_of"]} if isinstance(g, dict) and "multiple_of" in g else {}
-        out["gpus"] = (
-            {"min": int(lo), "max": int(hi), **keep}
-            if sep
-            else ({"min": int(lo), **keep} if keep else int(lo))
-        )
+        out["gpus"] = ({"min": int(lo), "max": int(hi), **keep} if sep
+                       else ({"min": int(lo), **keep} if keep else int(lo)))
     if env:
         merged = dict(out.get("env") or {}) if isinstance(out.get("env"), dict) else {}
         for item in env:

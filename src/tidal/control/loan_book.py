@@ -1,15 +1,9 @@
 """The serving adapter's actions the loan step has sent and not seen carried out: :class:`Actions`.
 
-A :class:`~tidal.serving.adapters.QueuedAdapter` (the operator's hook) carries releases and restores
-out on a worker thread, so the loan step never waits on one. Until its outcome comes back a release's
-GPUs are in neither pool (in the ledger's loan, but not among the loans the scheduler sees, nor
-serving) and a restore's GPUs do not end their warm-up. A restore the adapter refused is owed and sent
-again each step. These three books (``releasing``, ``restoring``, ``owed``) are part of the stored loan
-document: a plane killed meanwhile sends them again on its first step (``resend``).
-
-What is not stored is what only the running adapter knows: how many outcomes each node still has
-coming (``queued``), and how many of those to ignore because they were sent to a node before it was
-lost (``stale``). After a restart the adapter is new, so both start empty.
+Until its outcome comes back a release's GPUs are in neither pool and a restore's do not end their warm-up; a
+refused restore is owed and sent again each step. ``releasing``, ``restoring`` and ``owed`` are stored with
+the loan document and sent again after a restart (``resend``); ``queued`` and ``stale`` (outcomes to ignore,
+sent before the node was lost) live only with the running adapter.
 """
 
 from __future__ import annotations
@@ -34,7 +28,6 @@ class Actions:
         self.stale: dict[str, int] = {}  # of those, outcomes to ignore: sent before the node was lost
         self.resend = False  # books loaded from the store: sent again on the first step
 
-    # ------------------------------------------------------------------------------------ queries
     def book(self, action: str) -> dict[str, int]:
         """The in-flight book of ``action`` (``"release"`` or ``"restore"``)."""
         return self.releasing if action == "release" else self.restoring
@@ -44,7 +37,6 @@ class Actions:
         carried out)."""
         return bool(self.restoring.get(node) or self.owed.get(node))
 
-    # ------------------------------------------------------------------------------------ changes
     def add(self, book: dict[str, int], node: str, gpus: int) -> None:
         """``gpus`` more on ``node`` in ``book`` (dropped at zero or below)."""
         left = book.get(node, 0) + gpus
@@ -81,7 +73,6 @@ class Actions:
         book.clear()
         return out
 
-    # -------------------------------------------------------------------------------- persistence
     def to_doc(self) -> dict[str, Any]:
         return {"pending_restores": dict(self.owed), "releasing": dict(self.releasing),
                 "restoring": dict(self.restoring)}

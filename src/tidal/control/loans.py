@@ -1,44 +1,23 @@
 """Live loaning: the loan step of the reconcile loop, between the serving adapter and the scheduler.
 
-:meth:`LiveLoans.tick` runs in :meth:`tidal.control.controller.Controller.step` after the jobs are
-reconciled and before the scheduler, in this order (after the serving nodes lost and back:
+:meth:`LiveLoans.tick` runs in :meth:`tidal.control.controller.Controller.step` after the jobs are reconciled
+and before the scheduler (after the serving nodes lost and back,
 :class:`~tidal.control.serving_nodes.ServingNodes`):
 
-1. **Warm-ups end.** GPUs handed back earlier serve again once their warm-up is over (the ledger's
-   times and, for a :class:`~tidal.serving.adapters.ReadyAdapter`, its ``ready(node)``: e.g. the new
-   Serve replica is healthy); restores the adapter refused earlier are tried again.
-2. **Observe demand** at the next grid point of the serving clock (``step_s`` of serving time):
-   ``adapter.demand_gpus``; NaN (unknown) is never read as zero. Before the first one, the forecast
-   learns the history there is (``warm_history``, a replay's earlier days, or a
-   :class:`~tidal.serving.adapters.HistoryAdapter`'s, read after that first observation so that a
-   service rate just measured applies).
-3. **Plan** with the same :class:`~tidal.policy.loan.TidalPolicy` the simulator evaluates. Unknown
-   demand lends nothing new (the plan is capped at what is lent now).
-4. **Apply the plan to the ledger** (:class:`~tidal.policy.ledger.LoanLedger`, the simulator's), in
-   control-plane time: the plan's serving-clock times are mapped back (``speedup``). GPUs newly lent
-   are released through the adapter *first*; a release that fails is undone in the ledger, so
-   nothing is lent that serving still uses.
+1. **Warm-ups end** (the ledger's times and a :class:`~tidal.serving.adapters.ReadyAdapter`'s ``ready``);
+   restores refused earlier are tried again.
+2. **Observe demand** at the next grid point of the serving clock; NaN (unknown) is never read as zero.
+   Before the first one the forecast learns the history there is (``warm_history`` or a ``HistoryAdapter``'s).
+3. **Plan** with the simulator's :class:`~tidal.policy.loan.TidalPolicy`; unknown demand lends nothing new.
+4. **Apply the plan to the ledger** in control-plane time (serving-clock times divided by ``speedup``).
+   Newly lent GPUs are released through the adapter *first*; a failed release is undone in the ledger.
 
-A :class:`~tidal.serving.adapters.QueuedAdapter` (the operator's hook) carries its actions out on a
-worker thread, so the step never waits on it: a queued release keeps its GPUs in neither pool (in
-the ledger's loan, but not among the loans the scheduler sees, nor serving) until the adapter reports
-success (then they are lent: a ``loan`` event) or failure (then the loan is undone: they serve again,
-an event says why); restored GPUs end their warm-up only once the restore succeeded (a failure owes
-the restore, retried each step). Outcomes are collected at the start of each step. The actions in
-flight are part of the stored document: a plane killed meanwhile sends them again on its first step
-(the hook gets ``lent_after``, so a repeat is harmless) and keeps the GPUs out of both pools until
-they succeed.
-
-The scheduler then sees the loans and reclaims in its snapshot; its :class:`~tidal.model.ReturnGpus`
-decisions come back through :meth:`LiveLoans.returned` (ledger, then ``adapter.restore``; a refused
-restore leaves the GPUs in neither pool and is retried each step). Everything the ledger, the policy
-and the adapter need to continue is one JSON document in the store (:meth:`dump` / :meth:`load`),
-written after every step, so a ``tidal up`` killed with SIGKILL continues the same
-loans, reclaims and forecast.
-
-Timing: ``timing`` (:class:`~tidal.policy.loan.LoanTiming`) is in control-plane seconds (the jobs'
-grace, their final checkpoint, release, serving warm-up); the policy plans on the serving clock with
-the same durations times ``speedup``.
+A :class:`~tidal.serving.adapters.QueuedAdapter` acts on a worker thread: GPUs whose action is in flight are
+in neither pool until it reports (collected at the start of each step); actions in flight are stored and sent
+again after a restart (``lent_after`` makes a repeat harmless). The scheduler's ``ReturnGpus`` come back
+through :meth:`LiveLoans.returned`. Everything needed to continue is one JSON document in the store
+(:meth:`~LiveLoans.dump` / :meth:`~LiveLoans.load`), written after every step. ``timing`` is in control-plane
+seconds; the policy plans on the serving clock with the durations times ``speedup``.
 """
 
 from __future__ import annotations
@@ -84,16 +63,9 @@ def finite(x: float) -> float | None:
 
 
 class LiveLoans:
-    """The loan step of the live control plane (see the module docstring). Not thread-safe: the
-    reconcile loop calls it; readers (the API) use :meth:`view`, a dict swapped whole.
-
-    What it holds: its configuration (the adapter, the timing, the policy); what the store keeps (the
-    ledger, the policy's state, the next grid point, the actions in flight and owed
-    (:class:`~tidal.control.loan_book.Actions`), the serving nodes lost and back
-    (:class:`~tidal.control.serving_nodes.ServingNodes`), the counters and the newest plan shown); and
-    what readers see (:meth:`view`, :attr:`history`). Everything else a step needs (the loans and
-    reclaims jobs may use, what is lent, which reclaims became due since the last step) is computed
-    from those each step."""
+    """The loan step of the live control plane (module docstring). Not thread-safe: the reconcile loop calls
+    it; readers (the API) use :meth:`view`, a dict swapped whole. Only what the store keeps and readers see is
+    held; the rest is computed each step."""
 
     def __init__(self, adapter: ServingAdapter, timing: LoanTiming, *, shortfall_budget: float = 0.005,
                  step_s: float = 600.0, warm_history: list[tuple[float, float]] | None = None) -> None:
@@ -119,7 +91,6 @@ class LiveLoans:
         self.history: tuple[dict[str, Any], ...] = ()
         """The newest loan steps, oldest first (swapped whole; see :meth:`_sample`)."""
 
-    # ------------------------------------------------------------------------------- the parts' views
     @property
     def nodes(self) -> dict[str, int]:
         """The serving nodes as configured (``serving.nodes``)."""
@@ -150,7 +121,6 @@ class LiveLoans:
         """The pool now: GPUs of the serving nodes present and warmed in (lost ones are not in it)."""
         return self.ledger.total
 
-    # -------------------------------------------------------------------------------- persistence
     def dump(self) -> dict[str, Any]:
         return {"version": 1, "nodes": dict(self.nodes), "ledger": self.ledger.to_state(),
                 **self.serving.to_doc(), "policy": codec.encode(self.state),
@@ -159,8 +129,8 @@ class LiveLoans:
                 "adapter": self.adapter.persist(), "plan_view": self.plan_shown}
 
     def load(self, doc: Mapping[str, Any]) -> None:
-        """Continue from :meth:`dump`'s document (after a restart); ``ValueError`` in one line saying
-        what is wrong with it (nothing is changed then)."""
+        """Continue from :meth:`dump`'s document; ``ValueError`` in one line saying what is wrong (nothing
+        changed)."""
         try:
             self._load(doc)
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
@@ -168,8 +138,7 @@ class LiveLoans:
             raise ValueError(
                 f"the store's serving document (table docs, key {DOC_KEY!r}) is damaged: {what}; "
                 "restore the database from a backup, or delete that row to lend afresh "
-                "(jobs on serving nodes must be stopped first)"
-            ) from None
+                "(jobs on serving nodes must be stopped first)") from None
 
     def _load(self, doc: Mapping[str, Any]) -> None:
         if not isinstance(doc, Mapping) or doc.get("version") != 1:
@@ -183,8 +152,7 @@ class LiveLoans:
         next_grid = float(codec.decode(doc["next_grid"]))
         misfit = self._misfit(state)
         if misfit:  # e.g. serving.step_s changed: learn afresh (from the adapter's history) rather than crash
-            log.warning("serving: the stored forecast %s; it learns afresh from the serving side's history",
-                        misfit)
+            log.warning("serving: the stored forecast %s; it learns afresh from serving's history", misfit)
             self._relearn = misfit
             state, next_grid = self.policy.initial_state(), math.nan
         actions = Actions.from_doc(doc, ledger.lent_on, ledger.cap, serving.away)
@@ -200,16 +168,13 @@ class LiveLoans:
         except Exception as e:
             raise ValueError(f"policy: the stored state does not plan ({type(e).__name__}: {e})") from None
         self.ledger, self.state, self.next_grid, self.actions = ledger, state, next_grid, actions
-        self.serving = serving
+        self.serving, self.margins, self.last_s = serving, margins, last_s
         self.stats.update(stats)
-        self.margins = margins
-        self.last_s = last_s
         self.plan_shown = dict(doc.get("plan_view") or {})
         self.adapter.resume(doc.get("adapter") or {})
         if not misfit:
             self._warm = []
 
-    # ------------------------------------------------------------------------------------ queries
     def lent_on(self, node: str) -> int:
         """GPUs of ``node`` lent to jobs: the ledger's loan less a release still in flight."""
         return self.ledger.lent_on(node) - self.actions.releasing.get(node, 0)
@@ -228,8 +193,7 @@ class LiveLoans:
 
     @property
     def reclaims(self) -> tuple[Reclaim, ...]:
-        """The ledger's reclaims, earliest first less GPUs whose release is in flight (nobody holds them;
-        once lent, the next step's reclaims ask for them, idle)."""
+        """The ledger's reclaims, earliest first, less GPUs whose release is in flight."""
         hide = sum(self.actions.releasing.values())
         if not hide:
             return tuple(self.ledger.reclaims)
@@ -248,7 +212,6 @@ class LiveLoans:
     def view(self) -> dict[str, Any]:
         return self._latest
 
-    # --------------------------------------------------------------------------------------- tick
     def _misfit(self, state: TidalState) -> str:
         """Why a stored policy state does not fit this policy's configuration ('' when it does)."""
         fresh, fs = self.policy.initial_state().forecast, state.forecast
@@ -262,9 +225,8 @@ class LiveLoans:
         return ""
 
     def _warm_up(self, grid: float) -> list[Event]:
-        """Feed recorded history before the first live grid point ``grid`` to the forecast (a replay's
-        earlier days; a :class:`~tidal.serving.adapters.HistoryAdapter`'s trace of earlier days and its own
-        measured demand), so the first day is not planned blind; an event says how much."""
+        """Feed recorded history before the first live grid point ``grid`` to the forecast, so the first day
+        is not planned blind; an event says how much."""
         pts = self._warm
         if not pts and isinstance(self.adapter, HistoryAdapter):
             try:
@@ -289,28 +251,26 @@ class LiveLoans:
     def tick(self, now_s: float, used: Mapping[str, int], wanted: int | None = None, *,
              present: Mapping[str, int] | None = None,
              jobs_on: Mapping[str, Sequence[str]] | None = None) -> list[Event]:
-        """Steps 1-4 of the module docstring; returns the events to record. ``wanted``: how many more
-        serving GPUs spot jobs could use now (``None``: any number, a saturated spot queue, as the
-        simulator assumes); the plan lends no more than that beyond what jobs hold on loans already,
-        so serving keeps the GPUs nobody would train on. ``present``: the serving nodes the executor
-        has now (node -> GPUs; ``None``: all of them, as configured) and ``jobs_on`` the jobs holding
-        GPUs on each: nodes lost and back (:class:`~tidal.control.serving_nodes.ServingNodes`)."""
+        """Steps 1-4 of the module docstring; returns the events to record. ``wanted``: serving GPUs spot jobs
+        could still use (``None``: any number, as in the simulator); ``present``: the serving nodes the
+        executor has (``None``: all); ``jobs_on``: the jobs holding GPUs on each."""
         events: list[Event] = []
         led = self.ledger
         last_s = self.last_s
         if last_s is not None and now_s > last_s:  # GPU-seconds lent and used since the last tick
             dt = now_s - last_s
             self.stats["lent_gpu_s"] += self.lent * dt
-            self.stats["used_gpu_s"] += (
-                sum(min(g, self.lent_on(n)) for n, g in used.items() if n in self.nodes) * dt
-            )
+            self.stats["used_gpu_s"] += sum(min(g, self.lent_on(n)) for n, g in used.items()
+                                            if n in self.nodes) * dt
         self.last_s = now_s
         # due as of the last step, on the ledger as it is now (less GPUs returned since): announced then
         was_due = self.due_gpus(last_s)
         if isinstance(self.adapter, QueuedAdapter):
             events += self._collect(self.adapter.done(), now_s)
         if self.actions.resend:
-            events += self._send_again(now_s)
+            self.actions.resend = False
+            for action in ("release", "restore"):
+                events += self._again(action, self.actions.book(action), now_s)
         if present is not None or self.serving.away:
             events += self.serving.track(self.nodes if present is None else present, jobs_on or {}, now_s,
                                          led, self.actions, self.stats)
@@ -318,7 +278,7 @@ class LiveLoans:
             events.append(("serving_ready", f"{g} GPUs of {node} serve again (warm-up over)",
                            {"node": node, "gpus": g}))
         if self.actions.owed:
-            events += self._retry_restores(now_s)
+            events += self._again("restore", self.actions.owed, now_s)
         t_serv = self.adapter.serving_time(now_s)
         if math.isnan(self.next_grid):
             self.next_grid = math.ceil(t_serv / self.step_s - 1e-9) * self.step_s
@@ -358,9 +318,7 @@ class LiveLoans:
         return events
 
     def _sample(self, now_s: float, t_serv: float, demand: float, plan: LoanPlan) -> None:
-        """One point of the dashboard's loan timeline (control-plane time ``t``): demand, the forecast's
-        upper bound for the next step, what the plan lends, what is lent, warming, and under reclaim (every
-        reclaim the ledger holds: noticed or planned)."""
+        """One point of the dashboard's loan timeline (control-plane time ``t``)."""
         led = self.ledger
         self._history.append({
             "t": round(now_s, 3), "serving_t": round(t_serv, 1),
@@ -402,8 +360,7 @@ class LiveLoans:
         return events
 
     def _announce(self, now_s: float, was_due: int) -> list[Event]:
-        """A ``reclaim`` event when more lent GPUs are due back than at the last step (``was_due``: a
-        reclaim planned ahead whose notice time has come, or one due at once)."""
+        """A ``reclaim`` event when more lent GPUs are due back than at the last step (``was_due``)."""
         due = [r for r in self.ledger.reclaims if r.due(now_s)]
         new = sum(r.gpus for r in due) - was_due
         if new <= 0:
@@ -501,29 +458,18 @@ class LiveLoans:
                  "each step (they serve nobody meanwhile)", data)]
 
     def _ready(self, node: str) -> bool:
-        """Whether ``node``'s GPUs whose warm-up time is over serve again: no restore owed or in flight
-        there, and a :class:`ReadyAdapter` says so."""
+        """Whether ``node``'s warmed-up GPUs serve again: no restore owed or in flight, and a
+        :class:`ReadyAdapter` agrees."""
         if self.actions.busy(node):
             return False
         return self.adapter.ready(node) if isinstance(self.adapter, ReadyAdapter) else True
 
-    def _send_again(self, now_s: float) -> list[Event]:
-        """Actions in flight when the plane stopped (:meth:`load`): sent again, the GPUs still in neither
-        pool until they succeed."""
-        self.actions.resend = False
-        events: list[Event] = []
-        for action in ("release", "restore"):
-            for node, g in self.actions.take(self.actions.book(action)):
-                events += self._act(action, node, g, now_s, retry=True)
-        return events
+    def _again(self, action: str, book: dict[str, int], now_s: float) -> list[Event]:
+        """Send what ``book`` holds again: the actions in flight when the plane stopped (:meth:`load`), or
+        the restores owed (owed again by :meth:`_finish` if they fail)."""
+        return [e for node, g in self.actions.take(book)
+                for e in self._act(action, node, g, now_s, retry=True)]
 
-    def _retry_restores(self, now_s: float) -> list[Event]:
-        events: list[Event] = []
-        for node, gpus in self.actions.take(self.actions.owed):  # owed again by _finish if it fails
-            events += self._act("restore", node, gpus, now_s, retry=True)
-        return events
-
-    # ------------------------------------------------------------------------------------ views
     def _plan_view(self, now_s: float, t_serv: float, demand: float, plan: LoanPlan) -> dict[str, Any]:
         """The newest plan: demand, what may be lent, the margin and the first hours of the forecast."""
         k = min(len(plan.times_s), 36)
@@ -539,40 +485,27 @@ class LiveLoans:
 
     def refresh(self, now_s: float, held: Mapping[str, int] | None = None,
                 jobs_on: Mapping[str, Sequence[str]] | None = None) -> None:
-        """Swap in a new :meth:`view`: the newest plan's view with the ledger, the loans, the reclaims and
-        the adapter as they are now (``held``: serving node -> GPUs jobs hold there, as the store says at
-        the end of the step; ``jobs_on``: the jobs holding them, remembered to name them if the node is
-        lost before the next step)."""
+        """Swap in a new :meth:`view` (``held``: serving node -> GPUs jobs hold there at the end of the step;
+        ``jobs_on``: the jobs holding them, remembered to name them if the node is lost)."""
         if jobs_on is not None:
             self.serving.jobs_seen = {n: sorted(j) for n, j in jobs_on.items() if j and n in self.nodes}
         led = self.ledger
         self._latest = {
-            "held_gpus": {n: g for n, g in (held or {}).items() if n in self.nodes},
-            **self.plan_shown,
-            "now_s": now_s,
-            "serving_nodes": dict(self.nodes),
-            **self.serving.view(led),
-            "serving_gpus": self.serving_gpus,
-            "lent_gpus": self.lent,
-            "warming_gpus": led.warming,
-            "serving_capacity_gpus": led.capacity,
-            "releasing": dict(self.actions.releasing),
+            "held_gpus": {n: g for n, g in (held or {}).items() if n in self.nodes}, **self.plan_shown,
+            "now_s": now_s, "serving_nodes": dict(self.nodes), **self.serving.view(led),
+            "serving_gpus": self.serving_gpus, "lent_gpus": self.lent, "warming_gpus": led.warming,
+            "serving_capacity_gpus": led.capacity, "releasing": dict(self.actions.releasing),
             "restoring": dict(self.actions.restoring),
-            "loans": [{"node": ln.node, "gpus": ln.gpus, "until_s": finite(ln.until_s)}
-                      for ln in self.loans],
+            "loans": [{"node": ln.node, "gpus": ln.gpus, "until_s": finite(ln.until_s)} for ln in self.loans],
             "reclaims": [{"gpus": r.gpus, "by_s": r.by_s, "notice_s": r.notice_s} for r in self.reclaims],
             "warming": {n: led.warming_ready_s(n) for n in led.cap if led.warming_ready_s(n)},
-            "stats": dict(self.stats),
-            "worst_margin_s": min(self.margins) if self.margins else None,
-            "pending_restores": dict(self.actions.owed),
-            "adapter": self.adapter.health(),
-        }
+            "stats": dict(self.stats), "worst_margin_s": min(self.margins) if self.margins else None,
+            "pending_restores": dict(self.actions.owed), "adapter": self.adapter.health()}
 
 
 def build_live_loans(cfg: WatchConfig, ray_address: str | None = None) -> LiveLoans:
-    """The serving adapter (:func:`tidal.serving.build.build_adapter`) and the loan step for a
-    ``serving:`` block that lends (``cfg.nodes`` given). Raises ``ValueError`` (or ``OSError`` for an
-    unreadable trace) naming what is wrong."""
+    """The serving adapter and the loan step for a ``serving:`` block that lends. Raises ``ValueError``
+    (``OSError`` for an unreadable trace) naming what is wrong."""
     adapter, history = build_adapter(cfg, ray_address)
     return LiveLoans(adapter, cfg.timing(), shortfall_budget=cfg.shortfall_budget, step_s=cfg.step_s,
                      warm_history=history)

@@ -1,22 +1,13 @@
-"""Checkpoint locations belong to a tenant (checked at submission, in the API process).
+"""Checkpoint locations belong to a tenant (checked at submission, in the API process; rules in
+docs/control.md).
 
-* A job without ``checkpoint.url``/``tiers`` uses ``<state dir>/jobs/<job>/ckpt``: its own, since job
-  ids are never reused (``Store.submit``).
-* An explicit directory (``checkpoint.url``, or a directory tier of ``checkpoint.tiers``) must lie under
-  the tenant's prefix ``<state dir>/tenants/<tenant>/`` or under a prefix the admin granted the tenant
-  (``checkpoint_grants`` in ``tidal up --config``: ``{tenant: [prefix, ...]}``, ``"*"`` for every tenant;
-  a prefix is a directory or ``s3://bucket/prefix``). Paths are compared after resolving ``..`` and
-  symbolic links.
-* ``s3://`` and ``peer`` tiers need their endpoint in the admin's ``checkpoint_endpoints`` (S3: the
-  ``endpoint`` option, ``aws`` for the AWS default; peer: the ``agent`` and each of ``peers``, host:port;
-  an explicit ``peer://NAME`` namespace is refused: it is derived from the job's location). A ``peer``
-  tier without an ``agent`` (and ``peers``) uses the agents the executor gives each rank: allowed when
-  the plane runs its own (``tidal up --executor ray --ckpt-agents``: ``own_agents``). Timeouts in
-  tier options are capped by ``checkpoint_max_timeout_s``. Default: only local tiers.
-* Two jobs never share a location (equal or nested) unless the spec says ``checkpoint: {resume_from:
-  JOB}``: an ended job of the same tenant, whose location the new job takes over (retention included).
-  A directory that already holds checkpoint steps is refused unless it is that job's location.
-* The admin's own jobs may use any location (the operator's choice, checked by nobody).
+* No ``checkpoint.url``/``tiers``: ``<state dir>/jobs/<job>/ckpt``, its own (job ids are never reused).
+* A directory must lie under ``<state dir>/tenants/<tenant>/`` or a prefix granted in ``checkpoint_grants``,
+  compared after resolving ``..`` and links.
+* ``s3://`` and ``peer`` tiers need their endpoints in ``checkpoint_endpoints`` (or the plane's own agents,
+  ``own_agents``); tier timeouts are capped by ``checkpoint_max_timeout_s``.
+* Two jobs never share a location unless one says ``resume_from`` an ended job of its tenant; a directory
+  holding steps is refused otherwise. The admin's jobs may use any location.
 """
 
 from __future__ import annotations
@@ -70,16 +61,12 @@ def locations(ck: Mapping[str, Any]) -> tuple[str | None, list[tuple[str, str, d
     if ck.get("tiers"):
         home, cfgs = resolve(ck["tiers"], default_keep=0)
         out = [(c.kind, c.location, dict(c.options)) for c in cfgs if c.kind != "shm"]
-        raw = [t for t in ck["tiers"] if isinstance(t, dict)]
-        for t in raw:  # an explicit namespace is checked here (resolve fills in the derived one)
-            if (t.get("kind") == "peer" or str(t.get("url", "")).startswith("peer")) and (
-                    t.get("job") or str(t.get("url", "")).startswith("peer://")):
+        for t in ck["tiers"]:  # an explicit namespace is refused here (resolve fills in the derived one)
+            u = str(t.get("url", "") if isinstance(t, dict) else t)
+            if u.startswith("peer://") or (isinstance(t, dict) and t.get("job") and (
+                    t.get("kind") == "peer" or u.startswith("peer"))):
                 raise ValueError("a peer tier's namespace is derived from the job's location; "
                                  "give 'peer' without a name")
-        if any(isinstance(t, str) and t.startswith("peer://") for t in ck["tiers"]):
-            raise ValueError(
-                "a peer tier's namespace is derived from the job's location; give 'peer' without a name"
-            )
         return home, out
     url = ck.get("url")
     if url is None:
@@ -98,21 +85,15 @@ def locations(ck: Mapping[str, Any]) -> tuple[str | None, list[tuple[str, str, d
     return loc, [("dir", loc, {})]
 
 
-def check(
-    ck: Mapping[str, Any],
-    tenant: str,
-    admin: bool,
-    policy: LocationPolicy,
-    others: Callable[[], Iterable[tuple[str, str, str, bool]]],
-    job_location: Callable[[str], tuple[str, str, dict] | None],
-) -> tuple[list[tuple[str, str]], dict, str | None]:
-    """Check a submitted spec's ``checkpoint`` for ``tenant``: ``(problems, checkpoint, location)``.
-
-    ``problems`` are (field, message); ``checkpoint`` is the spec's checkpoint block as stored (with
-    ``resume_from`` resolved to that job's ``url`` or ``tiers``); ``location`` the job's home to record
-    (None: the default ``<state>/jobs/<job>/ckpt``). ``others()`` yields (job id, tenant, location,
-    ended) of jobs with a recorded location; ``job_location(id)`` gives (tenant, state, checkpoint block)
-    of a job, or None."""
+def check(ck: Mapping[str, Any], tenant: str, admin: bool, policy: LocationPolicy,
+          others: Callable[[], Iterable[tuple[str, str, str, bool]]],
+          job_location: Callable[[str], tuple[str, str, dict] | None]
+          ) -> tuple[list[tuple[str, str]], dict, str | None]:
+    """Check a spec's ``checkpoint`` for ``tenant``: ``(problems, checkpoint, location)`` with problems as
+    (field, message), the checkpoint block as stored (``resume_from`` resolved) and the location to record
+    (None: the default). ``others()`` yields (job, tenant, location, ended); ``job_location(id)`` gives
+    (tenant, state, checkpoint block) or None.
+    """
     ck = dict(ck)
     resumed: str | None = None
     if ck.get("resume_from") is not None:
@@ -154,10 +135,8 @@ def check(
         elif kind == "peer":
             peers = opts.get("peers") or []
             named = [
-                a
-                for a in [opts.get("agent")] + (list(peers) if isinstance(peers, list | tuple) else [peers])
-                if a is not None
-            ]
+                a for a in [opts.get("agent")] + (list(peers) if isinstance(peers, list | tuple) else [peers])
+                if a is not None]
             if not named and not policy.own_agents:  # the ranks' own agent, from the executor: none here
                 problems.append((where, "a peer tier without an agent uses the executor's checkpoint agents, "
                                         "and this plane runs none (tidal up --executor ray --ckpt-agents); "
@@ -175,8 +154,9 @@ def check(
                                         "(checkpoint_max_timeout_s)"))
     if problems:
         return problems, ck, None
+    found = _real(home) if not home.startswith(("s3://", "peer://")) else home
     if admin:  # the operator may point a job anywhere, at existing checkpoints too
-        return [], ck, _real(home) if not home.startswith(("s3://", "peer://")) else home
+        return [], ck, found
     mine = {_real(loc) if kind == "dir" else loc for kind, loc, _ in tiers}
     for jid, owner, loc, ended in others():
         if jid == resumed:
@@ -184,33 +164,15 @@ def check(
         if any(overlaps(m, loc) for m in mine):
             if resumed is not None and owner == tenant and ended:
                 continue  # an earlier job at the location it takes over, ended
-            return (
-                [
-                    (
-                        where,
-                        f"{home} is (or overlaps) the checkpoint location of another job; a job may "
-                        "only take over the location of an ended job of its tenant: "
-                        "checkpoint: {resume_from: JOB}",
-                    )
-                ],
-                ck,
-                None,
-            )
+            msg = (f"{home} is (or overlaps) the checkpoint location of another job; a job may only take "
+                   "over the location of an ended job of its tenant: checkpoint: {resume_from: JOB}")
+            return [(where, msg)], ck, None
     if resumed is None:
         for kind, loc, _ in tiers:
             if kind == "dir" and _holds_steps(loc):
-                return (
-                    [
-                        (
-                            where,
-                            f"{loc} already holds checkpoint steps of no job of this tenant; choose an empty "
-                            "location (or resume_from the job that wrote them)",
-                        )
-                    ],
-                    ck,
-                    None,
-                )
-    return [], ck, _real(home) if not home.startswith(("s3://", "peer://")) else home
+                return [(where, f"{loc} already holds checkpoint steps of no job of this tenant; choose an "
+                         "empty location (or resume_from the job that wrote them)")], ck, None
+    return [], ck, found
 
 
 def _holds_steps(loc: str) -> bool:

@@ -1,48 +1,19 @@
-"""Prometheus metrics, computed from the store at scrape time (``GET /metrics``).
+"""Prometheus metrics, computed from the store at scrape time (``GET /metrics``; docs/control.md, Metrics).
 
-Each entry: metric (type) — labels, and what it measures where the name does not say.
+Per-job series exist for active jobs only, so their number stays bounded. With live lending
+(``serving.nodes``), besides the plan's gauges (demand, lendable, margin):
 
-* ``tidal_pool_gpus`` (gauge) — ``node``, ``state`` (allocated, draining, free), ``tenant`` ("" when free)
-* ``tidal_jobs`` (gauge) — ``state`` (every state, zeros included)
-* ``tidal_job_gpus`` (gauge) — ``job_id``, ``tenant``
-* ``tidal_job_step`` (gauge) — ``job_id``, ``tenant``: newest completed step
-* ``tidal_job_steps_per_second`` (gauge) — ``job_id``, ``tenant``
-* ``tidal_job_checkpoint_age_seconds`` (gauge) — ``job_id``, ``tenant``, ``tier``: since the newest step in
-  that tier was captured
-* ``tidal_job_ettr_ratio`` (gauge) — ``job_id``, ``tenant``: effective training time ratio
-* ``tidal_job_restarts_total`` (counter) — ``job_id``, ``tenant``: restarts after failures
-* ``tidal_job_preemptions_total`` (counter) — ``job_id``, ``tenant``
-* ``tidal_job_lost_work_seconds_total`` (counter) — ``job_id``, ``tenant``: training re-run after failures
-* ``tidal_node_losses_total`` (counter) — jobs that lost ranks with a node (executors across machines: Ray)
-* ``tidal_node_loss_heartbeat_age_seconds`` (summary) — at each loss, the age of the lost ranks' newest
-  heartbeat (bounds the detection time)
-* ``tidal_node_loss_recovery_seconds`` (summary) — from a loss detected to the job's next attempt training
-* ``tidal_serving_demand_gpus`` (gauge) — serving demand at the newest plan (absent while unknown)
-* ``tidal_serving_lendable_gpus`` (gauge) — serving GPUs the newest loan plan could lend
-* ``tidal_serving_margin_gpus`` (gauge) — the plan's safety margin at the lead time
-* ``tidal_serving_reclaim_gpus`` (gauge) — ``within``: lent GPUs due back within 1h / 6h (advice only)
-
-With live lending (``serving.nodes``) the plan's gauges above (demand, lendable, margin) and:
-
-* ``tidal_loan_lent_gpus`` / ``tidal_loan_warming_gpus`` (gauge) — serving GPUs lent now / warming up after a
-  return
-* ``tidal_loan_reclaim_gpus`` (gauge) — lent GPUs owed back (outstanding reclaims)
-* ``tidal_loan_reclaims_total`` (counter) — ``outcome`` (met, missed): returns before / after their deadline
-* ``tidal_loan_worst_return_margin_seconds`` (gauge) — the smallest margin before a deadline at a return
-* ``tidal_loan_lent_gpu_seconds_total`` (counter) — GPU-seconds lent (control-plane time)
-* ``tidal_serving_shortfall_gpu_seconds_total`` (counter) — serving demand unmet (serving time)
-* ``tidal_serving_action_failures_total`` (counter) — ``action`` (release, restore): adapter failures
-* ``tidal_serving_unknown_demand_steps_total`` (counter) — plan steps with unknown demand (nothing new lent)
-* ``tidal_serving_pool_gpus`` (gauge) — serving GPUs in the pool now (lost nodes and nodes back but still
-  warming up are not)
-* ``tidal_serving_node_losses_total`` (counter) — serving nodes lost (while lending or not)
-
-Per-job series exist for active jobs (not yet succeeded, failed or cancelled), so their number
-stays bounded by what runs and waits.
+* ``tidal_loan_lent_gpus`` / ``tidal_loan_warming_gpus``: serving GPUs lent / warming up after a return
+* ``tidal_loan_reclaim_gpus``: lent GPUs owed back; ``tidal_loan_reclaims_total{outcome=met|missed}``
+* ``tidal_loan_worst_return_margin_seconds``: the smallest margin before a deadline at a return
+* ``tidal_loan_lent_gpu_seconds_total``, ``tidal_serving_shortfall_gpu_seconds_total`` (serving time)
+* ``tidal_serving_action_failures_total{action}``, ``tidal_serving_unknown_demand_steps_total``
+* ``tidal_serving_pool_gpus`` (lost or warming nodes are not in it); ``tidal_serving_node_losses_total``
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -68,21 +39,16 @@ class PlaneCollector:
         pool = GaugeMetricFamily("tidal_pool_gpus", "GPUs of the pool by state and owning tenant",
                                  labels=["node", "state", "tenant"])
         for n in pool_view(self.nodes, jobs, None)["nodes"]:
-            by: dict[tuple[str, str], int] = {}
+            by: Counter[tuple[str, str]] = Counter()
             for h in n["jobs"]:
-                if h["gpus"] - h["draining"]:
-                    by[("allocated", h["tenant"])] = (
-                        by.get(("allocated", h["tenant"]), 0) + h["gpus"] - h["draining"]
-                    )
-                if h["draining"]:
-                    by[("draining", h["tenant"])] = by.get(("draining", h["tenant"]), 0) + h["draining"]
+                by["allocated", h["tenant"]] += h["gpus"] - h["draining"]
+                by["draining", h["tenant"]] += h["draining"]
             for (state, tenant), g in sorted(by.items()):
-                pool.add_metric([n["name"], state, tenant], g)
+                if g:
+                    pool.add_metric([n["name"], state, tenant], g)
             pool.add_metric([n["name"], "free", ""], n["free"])
         yield pool
-        counts = {s.value: 0 for s in State}
-        for j in jobs:
-            counts[j.state] = counts.get(j.state, 0) + 1
+        counts = {s.value: 0 for s in State} | Counter(j.state for j in jobs)
         by_state = GaugeMetricFamily("tidal_jobs", "Jobs by state", labels=["state"])
         for s, c in counts.items():
             by_state.add_metric([s], c)
@@ -130,30 +96,29 @@ class PlaneCollector:
 
 def _node_loss_metrics(t: dict) -> Iterator[Metric]:
     yield CounterMetricFamily("tidal_node_losses", "Jobs that lost ranks with a node", value=t["losses"])
-    yield SummaryMetricFamily(
-        "tidal_node_loss_heartbeat_age_seconds",
-        "Age of the lost ranks' newest heartbeat when the loss was detected",
-        count_value=t["heartbeat_age_count"],
-        sum_value=t["heartbeat_age_sum_s"],
-    )
-    yield SummaryMetricFamily(
-        "tidal_node_loss_recovery_seconds",
-        "From a node loss detected to the job training again",
-        count_value=t["recoveries"],
-        sum_value=t["recovery_sum_s"],
-    )
+    yield SummaryMetricFamily("tidal_node_loss_heartbeat_age_seconds",
+                              "Age of the lost ranks' newest heartbeat when the loss was detected",
+                              count_value=t["heartbeat_age_count"], sum_value=t["heartbeat_age_sum_s"])
+    yield SummaryMetricFamily("tidal_node_loss_recovery_seconds",
+                              "From a node loss detected to the job training again",
+                              count_value=t["recoveries"], sum_value=t["recovery_sum_s"])
+
+
+def _plan_metrics(demand_gpus: float | None, lendable_gpus: float, margin_gpus: float) -> Iterator[Metric]:
+    """The newest loan plan's gauges, advised or lent by; demand is absent while unknown (None or NaN)."""
+    demand = GaugeMetricFamily("tidal_serving_demand_gpus", "Serving demand at the newest plan, GPUs")
+    if demand_gpus is not None and demand_gpus == demand_gpus:
+        demand.add_metric([], demand_gpus)
+    yield demand
+    yield GaugeMetricFamily("tidal_serving_lendable_gpus", "Serving GPUs the newest loan plan could lend",
+                            value=lendable_gpus)
+    yield GaugeMetricFamily("tidal_serving_margin_gpus", "Safety margin of the newest plan at the lead time",
+                            value=margin_gpus)
 
 
 def _serving_metrics(s: Any) -> Iterator[Metric]:
     """Gauges of the newest loan plan (a :class:`tidal.serving.watch.Step`)."""
-    demand = GaugeMetricFamily("tidal_serving_demand_gpus", "Serving demand at the newest plan, GPUs")
-    if s.demand_gpus == s.demand_gpus:  # not NaN
-        demand.add_metric([], s.demand_gpus)
-    yield demand
-    yield GaugeMetricFamily("tidal_serving_lendable_gpus", "Serving GPUs the newest loan plan could lend",
-                            value=s.plan.lendable_gpus)
-    yield GaugeMetricFamily("tidal_serving_margin_gpus", "Safety margin of the newest plan at the lead time",
-                            value=s.plan.margin_gpus)
+    yield from _plan_metrics(s.demand_gpus, s.plan.lendable_gpus, s.plan.margin_gpus)
     due = GaugeMetricFamily("tidal_serving_reclaim_gpus", "Lent GPUs the newest plan wants back within",
                             labels=["within"])
     for label, horizon in (("1h", 3600.0), ("6h", 6 * 3600.0)):
@@ -165,17 +130,9 @@ def _serving_metrics(s: Any) -> Iterator[Metric]:
 def _loan_metrics(v: dict[str, Any]) -> Iterator[Metric]:
     """Live lending (:meth:`tidal.control.loans.LiveLoans.view`)."""
     st = v.get("stats") or {}
-    demand = GaugeMetricFamily("tidal_serving_demand_gpus", "Serving demand at the newest plan, GPUs")
-    if v.get("demand_gpus") is not None:
-        demand.add_metric([], v["demand_gpus"])
-    yield demand
-    yield GaugeMetricFamily("tidal_serving_lendable_gpus", "Serving GPUs the newest loan plan could lend",
-                            value=v.get("lendable_gpus", 0))
-    yield GaugeMetricFamily("tidal_serving_margin_gpus", "Safety margin of the newest plan at the lead time",
-                            value=v.get("margin_gpus", 0.0))
-    yield GaugeMetricFamily(
-        "tidal_loan_lent_gpus", "Serving GPUs lent to spot training now", value=v.get("lent_gpus", 0)
-    )
+    yield from _plan_metrics(v.get("demand_gpus"), v.get("lendable_gpus", 0), v.get("margin_gpus", 0.0))
+    yield GaugeMetricFamily("tidal_loan_lent_gpus", "Serving GPUs lent to spot training now",
+                            value=v.get("lent_gpus", 0))
     yield GaugeMetricFamily("tidal_loan_warming_gpus", "Returned GPUs warming up (neither lent nor serving)",
                             value=v.get("warming_gpus", 0))
     yield GaugeMetricFamily("tidal_loan_reclaim_gpus", "Lent GPUs owed back (outstanding reclaims)",
@@ -186,19 +143,14 @@ def _loan_metrics(v: dict[str, Any]) -> Iterator[Metric]:
     rec.add_metric(["missed"], st.get("reclaims_missed", 0))
     yield rec
     if v.get("worst_margin_s") is not None:
-        yield GaugeMetricFamily(
-            "tidal_loan_worst_return_margin_seconds",
-            "Smallest margin before a reclaim deadline at a return",
-            value=v["worst_margin_s"],
-        )
-    yield CounterMetricFamily(
-        "tidal_serving_shortfall_gpu_seconds",
-        "Serving demand unmet, GPU-seconds of serving time",
-        value=st.get("shortfall_gpu_s", 0.0),
-    )
-    yield CounterMetricFamily(
-        "tidal_loan_lent_gpu_seconds", "GPU-seconds lent", value=st.get("lent_gpu_s", 0.0)
-    )
+        yield GaugeMetricFamily("tidal_loan_worst_return_margin_seconds",
+                                "Smallest margin before a reclaim deadline at a return",
+                                value=v["worst_margin_s"])
+    yield CounterMetricFamily("tidal_serving_shortfall_gpu_seconds",
+                              "Serving demand unmet, GPU-seconds of serving time",
+                              value=st.get("shortfall_gpu_s", 0.0))
+    yield CounterMetricFamily("tidal_loan_lent_gpu_seconds", "GPU-seconds lent",
+                              value=st.get("lent_gpu_s", 0.0))
     fails = CounterMetricFamily("tidal_serving_action_failures", "Serving adapter actions that failed",
                                 labels=["action"])
     fails.add_metric(["release"], st.get("release_failures", 0))

@@ -1,12 +1,7 @@
-"""Freeing jobs' node-memory checkpoint tiers (shared-memory directories), and the steps the checkpoint
-agents keep of them (the peer tier), once nobody needs them.
-
-The controller calls :func:`sweep` and :func:`sweep_agents` every ``SHM_SWEEP_S`` at most (and once at
-start), for an executor that keeps node memory (:class:`~tidal.exec.protocol.NodeMemory`: the local
-executor, and the Ray executor on each of its nodes) or runs checkpoint agents
-(:class:`~tidal.exec.protocol.AgentMemory`: the Ray executor with ``--ckpt-agents``). Both wait
-``isolation.shm_retention_s`` after a job ended unless its newest checkpoint is in a tier that
-outlives them.
+"""Freeing jobs' node-memory checkpoint tiers (shared-memory directories) and the steps the checkpoint agents
+keep of them, once nobody needs them: at once when the newest checkpoint is in a tier that outlives them, else
+``isolation.shm_retention_s`` after the job ended. The controller calls :func:`sweep` and
+:func:`sweep_agents`.
 """
 
 from __future__ import annotations
@@ -24,9 +19,8 @@ log = logging.getLogger(__name__)
 
 
 def sweep(store: Store, executor: NodeMemory, retention_s: float, now_s: float) -> list[str]:
-    """Free the directories of ended jobs: once the newest checkpoint is in a durable tier (or there is
-    none), else ``retention_s`` after the job ended; a directory of a job the store does not know is an
-    orphan, freed at once. Returns the jobs freed; each freeing is an ``shm_freed`` event."""
+    """Free the directories of ended jobs (an unknown job's at once); returns the jobs freed, each an
+    ``shm_freed`` event."""
     freed = []
     for job_id in executor.shm_jobs():
         try:
@@ -56,9 +50,8 @@ def sweep(store: Store, executor: NodeMemory, retention_s: float, now_s: float) 
 
 
 def agent_namespaces(spec: dict) -> dict[str, list[str]]:
-    """A job's peer namespaces in the executor's own checkpoint agents (a peer tier naming an agent of its
-    own is not the plane's to free), each with the names of the job's tiers of its own (directories, S3)
-    that outlive the agents; {} without a peer tier, or for a spec the checkpoint config refuses."""
+    """A job's peer namespaces in the executor's own agents, each with the names of the job's tiers that
+    outlive the agents; {} without a peer tier or for a refused spec."""
     tiers = (spec.get("checkpoint") or {}).get("tiers")
     return _namespaces(json.dumps(tiers, sort_keys=True)) if tiers else {}
 
@@ -93,12 +86,9 @@ def _agent_why(job: JobRow, durable: list[str], retention_s: float, now_s: float
 
 
 def sweep_agents(store: Store, executor: AgentMemory, retention_s: float, now_s: float) -> list[str]:
-    """Free the steps ended jobs keep in the executor's checkpoint agents (the peer tier), as :func:`sweep`
-    does their node memory: once the newest checkpoint is also in a tier of the job's own that outlives
-    the agents (a directory, S3) or there is none, else ``retention_s`` after the job ended. A namespace
-    that no job of the store names is left alone (the agents may serve jobs outside this plane); one
-    that several jobs name (a location used again) is freed only once none of them needs it. Returns
-    the namespaces freed; each freeing is an ``agent_freed`` event of every job naming it."""
+    """Free the steps ended jobs keep in the executor's agents, by :func:`sweep`'s rule. A namespace no job
+    names is left alone; one several jobs name is freed once none needs it. Returns the namespaces freed
+    (``agent_freed`` events)."""
     named: dict[str, list[tuple[JobRow, list[str]]]] = {}
     for job in store.jobs():
         for ns, durable in agent_namespaces(job.spec).items():

@@ -1,15 +1,9 @@
 """Nodes joining and leaving the executor's pool, and jobs that lose one (the controller's helper).
 
-The controller (:mod:`tidal.control.controller`) reads the executor's nodes every step through
-:meth:`NodeWatch.refresh` (on a cluster they join and leave: ``node`` events) and, when a job's ranks
-went with their node (:attr:`tidal.exec.protocol.RankState.lost`), calls :meth:`NodeWatch.node_lost`
-(kill the others; the job is requeued, not failed, once all are gone) and later
-:meth:`NodeWatch.recovered` (the ``recovered`` event once its next attempt trains).
-
-Totals for the metrics (:mod:`tidal.control.metrics`: ``tidal_node_losses_total``, the summaries
-``tidal_node_loss_heartbeat_age_seconds`` and ``tidal_node_loss_recovery_seconds``) and the losses
-not yet recovered from (``pending``: what each was, so a plane restarted in between still records the
-``recovered`` event) are one document in the store (:data:`DOC_KEY`), kept across restarts.
+The controller calls :meth:`NodeWatch.refresh` every step, :meth:`NodeWatch.node_lost` when a job's ranks went
+with their node (kill the others; requeued once all are gone) and :meth:`NodeWatch.recovered` (its event once
+the next attempt trains). The loss totals for the metrics and the losses not yet recovered from are one
+document in the store (:data:`DOC_KEY`).
 """
 
 from __future__ import annotations
@@ -20,32 +14,27 @@ from tidal.exec.protocol import Executor, Observation, RankState
 from tidal.model import Node
 
 DOC_KEY = "node_loss"
-ZERO = {
-    "losses": 0,
-    "heartbeat_age_count": 0,
-    "heartbeat_age_sum_s": 0.0,
-    "recoveries": 0,
-    "recovery_sum_s": 0.0,
-}
+ZERO = {"losses": 0, "heartbeat_age_count": 0, "heartbeat_age_sum_s": 0.0, "recoveries": 0,
+        "recovery_sum_s": 0.0}
+
+
+def _doc(store: Store) -> dict:
+    try:
+        doc = store.get_doc(DOC_KEY)
+    except ValueError:  # unreadable: counted afresh
+        return {}
+    return doc if isinstance(doc, dict) else {}
 
 
 def totals(store: Store) -> dict:
     """Node losses of jobs so far: counts and sums (see the module docstring)."""
-    try:
-        doc = store.get_doc(DOC_KEY)
-    except ValueError:
-        doc = None
-    out = {**ZERO, **(doc if isinstance(doc, dict) else {})}
+    out = {**ZERO, **_doc(store)}
     out.pop("pending", None)
     return out
 
 
 def _pending(store: Store) -> dict[str, dict]:
-    try:
-        doc = store.get_doc(DOC_KEY)
-    except ValueError:
-        return {}
-    got = doc.get("pending") if isinstance(doc, dict) else None
+    got = _doc(store).get("pending")
     return {str(k): v for k, v in got.items() if isinstance(v, dict)} if isinstance(got, dict) else {}
 
 
@@ -58,10 +47,9 @@ class NodeWatch:
         self.departed: set[str] = set()  # nodes that left and still show (jobs hold GPUs there)
 
     def refresh(self, now_s: float) -> None:
-        """The executor's nodes, read every step (on a cluster nodes join and leave). A node that left
-        stays in the list while jobs still hold GPUs on it, with only those GPUs (none free), so the
-        scheduler's view stays whole and never places anything there. Joins and leaves are events.
-        ``self.nodes`` (the controller's list, which the API holds too) is changed in place."""
+        """The executor's nodes, read every step; joins and leaves are events. A node that left stays while
+        jobs hold GPUs on it, with only those (none free). ``self.nodes`` (shared with the API) is changed in
+        place."""
         live = self.executor.nodes()
         if live == self.nodes:
             return
@@ -70,10 +58,8 @@ class NodeWatch:
         for j in self.store.jobs(states=HELD) if any(n.name not in names for n in self.nodes) else ():
             for n, g in (j.placement or {}).items():
                 held[n] = held.get(n, 0) + g
-        gone = [
-            Node(n.name, held[n.name], n.pool) for n in self.nodes if n.name not in names and held.get(n.name)
-        ]
-        new = [*live, *gone]
+        gone = [Node(n.name, held[n.name], n.pool) for n in self.nodes
+                if n.name not in names and held.get(n.name)]
         before = {n.name for n in self.nodes}
         for n in live:
             if n.name not in before or n.name in self.departed:
@@ -87,7 +73,7 @@ class NodeWatch:
                 self.store.record("node", f"node {n.name} ({n.gpus} GPUs) left the cluster"
                                   + (f"; jobs on it: {', '.join(jobs)}" if jobs else ""), now_s,
                                   data={"node": n.name, "gpus": n.gpus, "left": True, "jobs": jobs})
-        self.nodes[:] = new
+        self.nodes[:] = [*live, *gone]
         self.departed &= {n.name for n in gone}
 
     def node_lost(self, job: JobRow, ob: Observation, lost: list[RankState], now_s: float) -> JobRow:
@@ -103,12 +89,8 @@ class NodeWatch:
                               "ckpt_step": p.ckpt_step, "world_size": len(ob.ranks)}
         age = None if p.heartbeat_s is None else now_s - p.heartbeat_s
         self.store.record(
-            "node_lost",
-            f"{why}: killing the other {len(ob.alive)} ranks",
-            now_s,
-            job=job,
-            data={**self.lost[job.id], "ranks": [r.rank for r in lost], "since_heartbeat_s": age},
-        )
+            "node_lost", f"{why}: killing the other {len(ob.alive)} ranks", now_s, job=job,
+            data={**self.lost[job.id], "ranks": [r.rank for r in lost], "since_heartbeat_s": age})
         t = totals(self.store)
         t["losses"] += 1
         if age is not None:
@@ -126,28 +108,14 @@ class NodeWatch:
             return
         del self.lost[job.id]
         took = (p.first_step_s or now_s) - info["detected_s"]
-        lost_steps = max(
-            0, (info["step"] or 0) - (p.start_step or 0)
-        )  # none when the attempt had not stepped
+        lost_steps = max(0, (info["step"] or 0) - (p.start_step or 0))  # none if the attempt had not stepped
         self.store.record(
-            "recovered",
-            f"training again {took:.1f} s after the loss of node "
-            f"{', '.join(info['nodes'])} was detected: {len(ob.ranks)} ranks (were "
-            f"{info['world_size']}), restored step {p.start_step} from tier {p.restore_tier}; "
-            f"{lost_steps} steps to redo",
-            now_s,
-            job=job,
-            data={
-                "recovery_s": took,
-                "detected_s": info["detected_s"],
-                "world_size": len(ob.ranks),
-                "was_world_size": info["world_size"],
-                "start_step": p.start_step,
-                "restore_tier": p.restore_tier,
-                "lost_steps": lost_steps,
-                "nodes": info["nodes"],
-            },
-        )
+            "recovered", f"training again {took:.1f} s after the loss of node {', '.join(info['nodes'])} was "
+            f"detected: {len(ob.ranks)} ranks (were {info['world_size']}), restored step {p.start_step} from "
+            f"tier {p.restore_tier}; {lost_steps} steps to redo", now_s, job=job,
+            data={"recovery_s": took, "detected_s": info["detected_s"], "world_size": len(ob.ranks),
+                  "was_world_size": info["world_size"], "start_step": p.start_step,
+                  "restore_tier": p.restore_tier, "lost_steps": lost_steps, "nodes": info["nodes"]})
         t = totals(self.store)
         t["recoveries"] += 1
         t["recovery_sum_s"] += took

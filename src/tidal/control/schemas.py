@@ -1,11 +1,5 @@
-"""What the REST API answers, as pydantic models: the one definition of each answer's shape.
-
-The views (:mod:`tidal.control.views`) build these models from store rows, so a field a view names and
-a model does not fails at once (models forbid fields they do not name), and return their data
-(:func:`answer`), which the API renders; the CLI's ``-o json`` prints what the API returned, and the OpenAPI
-document's response schemas are these models (``tests/test_openapi.py`` checks every route's real
-answers, errors included, against the document).
-"""
+"""What the REST API answers, as pydantic models: the one definition of each answer's shape (the views build
+them, so a field a model does not name fails at once; the OpenAPI document uses them)."""
 
 from __future__ import annotations
 

@@ -1,17 +1,10 @@
-"""``tidal up``: the API, the reconcile loop and the local executor in one process.
+"""``tidal up``: the API, the reconcile loop and the executor in one process.
 
-The loop runs in a thread, calling ``Controller.step(time.time())`` every ``loop_interval_s``; the
-API runs under uvicorn in the main thread. At start the controller re-adopts the workers of jobs
-that were running when the previous process ended (also by ``kill -9``): workers run in their own
-sessions and outlive the control plane. Stopping ``tidal up`` (Ctrl-C, SIGTERM) leaves running jobs
-running; the next ``tidal up`` re-adopts them (``tidal cancel`` stops a job).
-
-With ``serving:`` in the config, the reconcile step plans loans too: without ``serving.nodes`` it
-advises (:class:`~tidal.serving.watch.Advisor`: each step plans at the grid points serving time has
-passed, and the API shows the newest plan, ``GET /v1/serving``, ``/metrics``); with ``serving.nodes``
-it lends for real (:mod:`tidal.control.loans`): the local executor gets the serving nodes as virtual
-nodes (the Ray executor: they are the Ray nodes of those names, checked at start), and spot jobs run
-on the GPUs serving lends. One loop either way.
+The loop runs in a thread, calling ``Controller.step(time.time())`` every ``loop_interval_s``; the API runs
+under uvicorn in the main thread. Workers outlive the plane: stopping ``tidal up`` leaves jobs running and the
+next one re-adopts them. With ``serving:`` the step also plans loans: it advises without ``serving.nodes``
+(:class:`~tidal.serving.watch.Advisor`) and lends with them (:mod:`tidal.control.loans`; the local executor
+gets the serving nodes as virtual nodes).
 """
 
 from __future__ import annotations
@@ -89,27 +82,24 @@ class Plane:
     own_agents: bool = False  # the executor runs a checkpoint agent per node (Ray, --ckpt-agents)
 
     def app(self) -> FastAPI:
-        cfg = self.controller.config.serving
-        advisor = self.controller.advisor
+        ctl, cfg = self.controller, self.controller.config
         # the serving side: (its advisor when it only advises, else None; its source described)
-        serving: tuple[Advisor | None, str] | None = (advisor, cfg.describe()) if cfg is not None else None
-        cfg_ = self.controller.config
-        policy = LocationPolicy(self.state_dir / TENANTS_DIRNAME, cfg_.checkpoint_grants,
-                                cfg_.checkpoint_endpoints, cfg_.checkpoint_max_timeout_s,
+        serving: tuple[Advisor | None, str] | None = (
+            (ctl.advisor, cfg.serving.describe()) if cfg.serving is not None else None)
+        policy = LocationPolicy(self.state_dir / TENANTS_DIRNAME, cfg.checkpoint_grants,
+                                cfg.checkpoint_endpoints, cfg.checkpoint_max_timeout_s,
                                 own_agents=self.own_agents)
-        ctx = ApiContext(self.store, self.controller.nodes, self.executor.log_path, time.time,
-                         ckpt_root=self.controller.ckpt_root, serving=serving, loans=self.controller.loans,
-                         locations=policy, job_dir=self.executor.job_dir,
-                         warning=isolation_warning(self.controller.config, executor=self.executor))
+        ctx = ApiContext(self.store, ctl.nodes, self.executor.log_path, time.time, ckpt_root=ctl.ckpt_root,
+                         serving=serving, loans=ctl.loans, locations=policy, job_dir=self.executor.job_dir,
+                         warning=isolation_warning(cfg, executor=self.executor))
         return create_app(ctx)
 
 
 def isolation_warning(config: ControlConfig | None, euid: int | None = None,
                       executor: object = None) -> str | None:
-    """One line when jobs are not sandboxed (``isolation: none``), saying what they can then reach (run
-    as root without ``uid_base``: every file, the admin token included); or (``executor`` a Ray executor
-    running jobs as their uids) when the Ray cluster has no token authentication, through which a job
-    could run code as the workers' user. None when the default sandbox holds."""
+    """One line when jobs are not sandboxed (``isolation: none``), saying what they can reach (as root
+    without ``uid_base``: every file), or when a Ray executor running jobs as their uids has no token
+    authentication; else None."""
     iso = config.isolation if config is not None else None
     if getattr(executor, "token_auth", True) is False and getattr(executor, "uids", None) is not None:
         from tidal.exec.ray_checks import open_cluster_warning
@@ -132,14 +122,8 @@ def secure_state_dir(state_dir: Path, config: ControlConfig | None) -> None:
     iso = config.isolation if config is not None else None
     through = iso is not None and iso.uid_base is not None and not iso.sandboxed
     os.chmod(state_dir, 0o711 if through else 0o700)
-    for name in (
-        "tidal.db",
-        "tidal.db-journal",
-        "tidal.db-wal",
-        "tidal.db-shm",
-        ADMIN_TOKEN_FILE,
-        API_URL_FILE,
-    ):
+    for name in ("tidal.db", "tidal.db-journal", "tidal.db-wal", "tidal.db-shm", ADMIN_TOKEN_FILE,
+                 API_URL_FILE):
         p = state_dir / name
         if p.is_file() and not p.is_symlink():
             os.chmod(p, 0o600)
@@ -169,82 +153,55 @@ def build(state_dir: Path, gpus: str = "auto", db: str | None = None, config: Co
     store = open_checked(state_dir, db or sqlite_url(str(state_dir / "tidal.db")))
     token, created = ensure_admin(store, state_dir, time.time())
     secure_state_dir(state_dir, config)  # the database as created
-    parts = PlaneParts(state_dir=state_dir, gpus=gpus, store=store, admin_token=token, token_created=created,
-                       config=config, loans=loans)
-    try:
+    iso = config.isolation if config is not None else None
+    try:  # the store closes with any refusal
+        ex: LocalExecutor | RayExecutor
         if executor == "ray":
-            return _build_ray(parts, RayOptions(address=ray_address, ckpt_agents=ckpt_agents))
-        return _build(parts)
-    except (ValueError, SystemExit) as e:  # the store closes with any refusal, whichever builder made it
+            ex, what = _ray_executor(state_dir, gpus, store, iso, loans, ray_address, ckpt_agents)
+        else:
+            ex, what = _local_executor(state_dir, gpus, config, loans)
+        try:
+            advisor, more = _serving(config, loans)
+            controller = Controller(store, ex, config, ckpt_root=state_dir / "jobs", loans=loans,
+                                    advisor=advisor)
+        except (ValueError, SystemExit):
+            ex.close()  # the local executor is no longer the subreaper of anything (a caller may go on)
+            raise
+        return Plane(state_dir, store, ex, controller, token, created, what + more, own_agents=ckpt_agents)
+    except (ValueError, SystemExit) as e:
         store.close()
         if isinstance(e, SystemExit):
             raise
         raise SystemExit(f"tidal up: {e}") from None
 
 
-@dataclass(frozen=True)
-class PlaneParts:
-    """What :func:`build` made before the executor, for the builder of either executor."""
-
-    state_dir: Path  # resolved, secured
-    gpus: str  # "auto", or a number: CPU slots (local executor), GPUs of the Ray tidal up starts
-    store: Store
-    admin_token: str
-    token_created: bool  # this start created the admin token
-    config: ControlConfig | None
-    loans: LiveLoans | None  # the serving nodes lent from, when the config lends
-
-    @property
-    def isolation(self) -> IsolationConfig | None:
-        return self.config.isolation if self.config is not None else None
-
-
-@dataclass(frozen=True)
-class RayOptions:
-    """``tidal up --executor ray``'s own options."""
-
-    address: str | None = None  # --ray-address; None: a local Ray that tidal up starts
-    ckpt_agents: bool = False  # --ckpt-agents: a checkpoint agent on every node
-
-
-def _build(parts: PlaneParts) -> Plane:
-    state_dir, gpus, store = parts.state_dir, parts.gpus, parts.store
-    config, loans = parts.config, parts.loans
-    iso = parts.isolation
-    serving_nodes = loans.nodes if loans is not None else {}
-    serving = config.serving if config is not None else None  # (set whenever loans are)
-    if loans is not None and serving is not None and serving.adapter == "ray-serve":
-        raise SystemExit(
-            "tidal up: serving.adapter ray-serve lends the GPUs of Ray nodes: it needs --executor ray"
-        )
+def _local_executor(state_dir: Path, gpus: str, config: ControlConfig | None,
+                    loans: LiveLoans | None) -> tuple[LocalExecutor, str]:
+    """The local executor on this machine's NVIDIA GPUs (``gpus="auto"``) or N CPU slots, and its line."""
+    if loans is not None and config is not None and config.serving is not None \
+            and config.serving.adapter == "ray-serve":
+        raise SystemExit("tidal up: serving.adapter ray-serve lends the GPUs of Ray nodes: it needs "
+                         "--executor ray")
+    ids, n = None, None
     if gpus == "auto":
         ids = detect_gpus()
         if not ids:
             raise SystemExit("tidal up: no NVIDIA GPUs found (nvidia-smi); on a machine without GPUs declare "
                              "CPU slots with --gpus N")
-        executor = LocalExecutor(state_dir / "jobs", gpu_ids=ids, serving_nodes=serving_nodes, isolation=iso,
-                                 subreaper=True, hidden=[state_dir])
         what = f"{len(ids)} GPUs ({','.join(map(str, ids))})"
     else:
         try:
             n = int(gpus)
         except ValueError:
-            raise SystemExit(
-                f"tidal up: --gpus must be 'auto' or a number of CPU slots, got {gpus!r}"
-            ) from None
+            raise SystemExit(f"tidal up: --gpus must be 'auto' or a number of CPU slots, got {gpus!r}") \
+                from None
         if n < 1:
             raise SystemExit(f"tidal up: --gpus must be >= 1, got {n}")
-        executor = LocalExecutor(state_dir / "jobs", slots=n, serving_nodes=serving_nodes, isolation=iso,
-                                 subreaper=True, hidden=[state_dir])
         what = f"{n} CPU slots"
-    try:
-        advisor, more = _serving(config, loans)
-        controller = Controller(store, executor, config, ckpt_root=state_dir / "jobs", loans=loans,
-                                advisor=advisor)
-    except (ValueError, SystemExit):
-        executor.close()  # no longer the subreaper of anything (a caller may go on)
-        raise
-    return Plane(state_dir, store, executor, controller, parts.admin_token, parts.token_created, what + more)
+    return LocalExecutor(state_dir / "jobs", slots=n, gpu_ids=ids,
+                         serving_nodes=loans.nodes if loans is not None else {},
+                         isolation=config.isolation if config is not None else None, subreaper=True,
+                         hidden=[state_dir]), what
 
 
 def _serving(config: ControlConfig | None, loans: LiveLoans | None) -> tuple[Advisor | None, str]:
@@ -254,8 +211,7 @@ def _serving(config: ControlConfig | None, loans: LiveLoans | None) -> tuple[Adv
     if loans is not None:
         return None, (
             f"; lending serving nodes {', '.join(f'{k} ({g} GPUs)' for k, g in loans.nodes.items())}, "
-            f"demand from {config.serving.describe()}"
-        )
+            f"demand from {config.serving.describe()}")
     try:
         adv = build_advisor(config.serving, wait_s=DEMAND_WAIT_S)
     except (OSError, ValueError) as e:
@@ -263,12 +219,11 @@ def _serving(config: ControlConfig | None, loans: LiveLoans | None) -> tuple[Adv
     return adv, (f"; serving {config.serving.serving_gpus} GPUs, plan from {config.serving.describe()}")
 
 
-def _build_ray(parts: PlaneParts, ray: RayOptions) -> Plane:
+def _ray_executor(state_dir: Path, gpus: str, store: Store, iso: IsolationConfig | None,
+                  loans: LiveLoans | None, address: str | None, agents: bool) -> tuple[RayExecutor, str]:
+    """The Ray executor on the cluster at ``address`` (None: a local Ray it starts), and its line."""
     from tidal.exec.ray_exec import RayExecutor
 
-    state_dir, gpus, store = parts.state_dir, parts.gpus, parts.store
-    config, loans = parts.config, parts.loans
-    address, agents = ray.address, ray.ckpt_agents
     num_gpus = None
     if gpus != "auto":
         try:
@@ -278,14 +233,8 @@ def _build_ray(parts: PlaneParts, ray: RayOptions) -> Plane:
         if address is not None:
             raise SystemExit("tidal up: --gpus N declares the GPUs of a Ray that tidal up starts; with "
                              "--ray-address the cluster's nodes say how many they have")
-    executor = RayExecutor(
-        state_dir / "jobs",
-        address=address,
-        num_gpus=num_gpus,
-        isolation=parts.isolation,
-        ckpt_agents=agents,
-        serving_nodes=loans.nodes if loans is not None else None,
-    )
+    executor = RayExecutor(state_dir / "jobs", address=address, num_gpus=num_gpus, isolation=iso,
+                           ckpt_agents=agents, serving_nodes=loans.nodes if loans is not None else None)
     try:
         # a serving node the cluster lacks: one line now, not a loop failing later (unless the plane lent
         # before with these nodes: then it is a node lost, the loan step's to handle)
@@ -294,24 +243,14 @@ def _build_ray(parts: PlaneParts, ray: RayOptions) -> Plane:
         executor.close()
         raise
     nodes = executor.nodes()
-    what = (f"Ray executor on {address or 'a local Ray'}: {len(nodes)} nodes with GPUs, "
-            f"{sum(n.gpus for n in nodes)} GPUs" + (", a checkpoint agent on each" if agents else ""))
-    try:
-        advisor, more = _serving(config, loans)
-        controller = Controller(store, executor, config, ckpt_root=state_dir / "jobs", loans=loans,
-                                advisor=advisor)
-    except (ValueError, SystemExit):
-        executor.close()
-        raise
-    return Plane(state_dir, store, executor, controller, parts.admin_token, parts.token_created, what + more,
-                 own_agents=agents)
+    what = f"Ray executor on {address or 'a local Ray'}: {len(nodes)} nodes with GPUs, "
+    what += f"{sum(n.gpus for n in nodes)} GPUs"
+    return executor, what + (", a checkpoint agent on each" if agents else "")
 
 
 def open_checked(state_dir: Path, url: str) -> Store:
-    """Open the store and check it against the state dir; ``SystemExit`` with one line naming the file
-    and what to do when the database is missing while ``jobs/`` holds jobs, cannot be read, or does not
-    know every job directory in ``jobs/`` (a fresh start over old jobs would reuse their ids, logs and
-    checkpoints)."""
+    """Open the store and check it against the state dir: ``SystemExit`` naming the file when the database is
+    missing, unreadable or missing jobs that ``jobs/`` holds (a fresh start would reuse their ids)."""
     from sqlalchemy import text
     from sqlalchemy.exc import SQLAlchemyError
 
@@ -326,8 +265,7 @@ def open_checked(state_dir: Path, url: str) -> Store:
     if path is not None and not Path(path).exists() and dirs:
         raise SystemExit(
             f"tidal up: the database {path} is missing but {jobs_dir} holds jobs ({some(dirs)}): restore "
-            f"the database from a backup, or move {jobs_dir} aside to start afresh"
-        )
+            f"the database from a backup, or move {jobs_dir} aside to start afresh")
     try:
         store = Store(url)
         if path is not None:
@@ -341,8 +279,7 @@ def open_checked(state_dir: Path, url: str) -> Store:
         why = str(getattr(e, "orig", None) or e).splitlines()[0]
         raise SystemExit(
             f"tidal up: cannot read the database {where} ({why}): restore it from a backup, or move "
-            f"it aside together with {jobs_dir} to start afresh"
-        ) from None
+            f"it aside together with {jobs_dir} to start afresh") from None
     except ValueError as e:  # a newer schema
         raise SystemExit(f"tidal up: {e}") from None
     unknown = [d for d in dirs if d not in known]
@@ -350,8 +287,7 @@ def open_checked(state_dir: Path, url: str) -> Store:
         store.close()
         raise SystemExit(
             f"tidal up: {jobs_dir} holds jobs the database {where} does not know ({some(unknown)}): it is "
-            "not the database they ran with; point --db at that one, or move those directories aside"
-        )
+            "not the database they ran with; point --db at that one, or move those directories aside")
     return store
 
 

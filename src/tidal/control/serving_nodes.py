@@ -1,26 +1,12 @@
-"""Serving nodes lost and back while they lend: :class:`ServingNodes`, a part of the loan step.
+"""Serving nodes lost and back while they lend: :class:`ServingNodes`, called first in each loan step.
 
-:meth:`tidal.control.loans.LiveLoans.tick` gets the serving nodes the executor has now (``present``:
-on Ray a node removed or whose raylet died is no longer there) and calls :meth:`ServingNodes.track`
-first:
+* **Lost** (not present): its loans end at once (``serving_node_lost``, naming the jobs); nothing is reclaimed
+  from it, its GPUs leave the pool, and actions owed or in flight there are dropped. Its jobs recover like
+  any node loss.
+* **Back** (``serving_node_back``): the adapter is told with a restore (``lent_after``: the GPUs it lacks),
+  retried until carried out; it rejoins the pool (``serving_ready``) once warmed up, restored and ready.
 
-* **Lost** (a configured serving node not present): its loans end at once (a ``serving_node_lost``
-  event naming the node, the GPUs lent there and the jobs that held them); nothing is reclaimed from
-  it (the ledger's reclaims shrink by what was lent there), its GPUs leave the pool (serving and
-  lent: the policy plans with the smaller ``N``), GPUs warming there go with it, and actions owed or
-  in flight there are dropped (the outcomes of those in flight are ignored when they come). The spot
-  jobs on it recover like any node loss (:mod:`tidal.control.node_watch`).
-* **Back** (a lost node present again, ``serving_node_back``): the adapter is told with a restore of
-  the GPUs it has now (``lent_after`` = the GPUs it lacks against ``serving.nodes``: a node that
-  returns with fewer GPUs serves with those; more are not serving's), retried each step until it is
-  carried out. It rejoins the pool only when its warm-up is over (``release_s + warmup_s``), the
-  restore succeeded and, for a :class:`~tidal.serving.adapters.ReadyAdapter`, ``ready(node)`` (e.g.
-  its Serve replicas run again): a ``serving_ready`` event; from then on it may be lent again.
-  Lost again meanwhile, it is lost again (nothing of it was in the pool).
-
-Both are in the stored document (``gone``, ``returning``), so a plane killed between the loss and the
-return continues: the restarted plane neither lends on nor counts a lost node, and a node that came
-back while it was down is a return at its first step.
+Both are in the stored document (``gone``, ``returning``), so a restarted plane continues.
 """
 
 from __future__ import annotations
@@ -37,19 +23,21 @@ Event = tuple[str, str, dict | None]
 """What the loan step records: (kind, message, data)."""
 
 
+def _restore_failed(node: str, gpus: int, error: object) -> Event:
+    return ("serving_action_failed", f"restore of {gpus} GPUs on {node} (back after a loss) failed: {error}; "
+            "retrying each step (the node does not serve meanwhile)",
+            {"node": node, "gpus": gpus, "action": "restore"})
+
+
 def lent_before(doc: Any, nodes: Mapping[str, int]) -> set[str]:
-    """Serving nodes that may be missing from the cluster (or have other GPUs) when a plane starts: with
-    a stored loan document written for the same ``serving.nodes``, all of them (a node lost, before or
-    while the plane was down, is the loan step's to handle); else none (a fresh start checks the nodes
-    strictly)."""
+    """Serving nodes that may be missing when a plane starts: all of them with a stored loan document for the
+    same ``serving.nodes`` (the loan step handles them), else none."""
     return set(nodes) if isinstance(doc, Mapping) and doc.get("nodes") == dict(nodes) else set()
 
 
 class ServingNodes:
-    """The configured serving nodes (``nodes``: node -> GPUs) and which of them are lost (``gone``) or
-    back and warming in (``returning``); see the module docstring. The pool itself (the nodes present
-    and warmed in) is the ledger's. ``jobs_seen``: the jobs holding GPUs on each node at the end of the
-    last step, to name them if the node is lost before the next one."""
+    """The configured serving nodes (``nodes``), the lost ones (``gone``) and those back and warming
+    (``returning``); ``jobs_seen``: the jobs on each at the end of the last step."""
 
     def __init__(self, nodes: Mapping[str, int], adapter: ServingAdapter, timing: LoanTiming) -> None:
         self.nodes = dict(nodes)
@@ -58,7 +46,6 @@ class ServingNodes:
         self.returning: dict[str, dict[str, Any]] = {}
         self.jobs_seen: dict[str, list[str]] = {}
 
-    # ------------------------------------------------------------------------------------ queries
     def gpus(self, ledger: LoanLedger, node: str) -> int | None:
         """The GPUs ``node`` serves with (in the pool or warming in); None when it is lost."""
         if node in ledger.cap:
@@ -83,7 +70,6 @@ class ServingNodes:
                 "returning_nodes": {n: {"gpus": v["gpus"], "ready_s": v["ready_s"],
                                         "told": bool(v.get("told"))} for n, v in self.returning.items()}}
 
-    # ------------------------------------------------------------------------------------ the step
     def track(self, present: Mapping[str, int], jobs_on: Mapping[str, Sequence[str]], now_s: float,
               ledger: LoanLedger, actions: Actions, stats: dict[str, float]) -> list[Event]:
         """Losses, returns and rejoins of serving nodes (module docstring); the events to record."""
@@ -115,9 +101,7 @@ class ServingNodes:
             return [("serving_restored", f"restore of {back['gpus']} GPUs on {node} (back after a loss) "
                      "carried out", {"node": node, "gpus": back["gpus"]})]
         stats["restore_failures"] += 1
-        return [("serving_action_failed", f"restore of {back['gpus']} GPUs on {node} (back after a loss) "
-                 f"failed: {error}; retrying each step (the node does not serve meanwhile)",
-                 {"node": node, "gpus": back["gpus"], "action": "restore"})]
+        return [_restore_failed(node, back["gpus"], error)]
 
     def _lose(self, node: str, jobs_on: Mapping[str, Sequence[str]], now_s: float, ledger: LoanLedger,
               actions: Actions, stats: dict[str, float]) -> list[Event]:
@@ -173,9 +157,7 @@ class ServingNodes:
             first = not back.get("failed")
             back["failed"] = True
             stats["restore_failures"] += first
-            return [("serving_action_failed", f"restore of {back['gpus']} GPUs on {node} (back after a "
-                     f"loss) failed: {e}; retrying each step (the node does not serve meanwhile)",
-                     {"node": node, "gpus": back["gpus"], "action": "restore"})] if first else []
+            return [_restore_failed(node, back["gpus"], e)] if first else []
         if isinstance(self.adapter, QueuedAdapter):
             back["sent"] = True  # its outcome comes through outcome(); not stored (sent again on restart)
             actions.add(actions.queued, node, 1)
@@ -199,7 +181,6 @@ class ServingNodes:
                f"({ledger.total} GPUs), lendable again")
         return [("serving_ready", msg, {"node": node, "gpus": gpus, "rejoined": True})]
 
-    # -------------------------------------------------------------------------------- persistence
     def to_doc(self) -> dict[str, Any]:
         keep = ("since_s", "gpus", "ready_s", "told")
         return {"gone": self.gone,

@@ -1,21 +1,7 @@
-"""The job spec: what a user submits (YAML on the command line, JSON over the API).
+"""The job spec: what a user submits (YAML on the command line, JSON over the API; fields in docs/control.md).
 
-    name: gpt-small
-    kind: spot                 # spot | dedicated
-    priority: 0                # higher first
-    gpus: 4                    # or {min: 2, max: 8, multiple_of: 2} (elastic)
-    command: [python, train.py, --steps, "2000"]   # an argument list, never a shell string
-    # or, instead of command, a shell script: run: "pip install -e . && python train.py" (run as bash -c RUN)
-    workdir: .                 # relative to the YAML file (the CLI resolves it); default: its folder
-    env: {WANDB_MODE: offline}
-    checkpoint: {url: /ckpt/gpt-small, interval_s: 300}   # default url: the job's folder in the state dir;
-                               # or tiers: [shm, /ckpt/gpt-small, s3://bucket/gpt-small]; interval_s: auto
-    max_restarts: 3            # failures restarted from the newest checkpoint (exit 75 is not a failure)
-    grace_s: 30                # notice (SIGTERM) to SIGKILL, seconds (tidal.contract.DEFAULT_GRACE_S)
-
-Validation is pydantic v2 with ``extra="forbid"``: an unknown or invalid field is an error naming
-its path (``gpus.min``, ``env.RANK``) and what was expected. The API returns it as HTTP 422; the CLI
-prints it line by line. :func:`spec_errors` turns a ``ValidationError`` into those lines.
+Validation is pydantic v2 with ``extra="forbid"``: an invalid field is an error naming its path (``gpus.min``)
+and what was expected; the API answers 422, the CLI prints :func:`spec_errors`' lines.
 """
 
 from __future__ import annotations
@@ -77,9 +63,8 @@ class GpuRange(_Strict):
             raise ValueError(f"max ({mx}) must be >= min ({self.min})")
         for name in ("min", "max"):
             if getattr(self, name) % self.multiple_of:
-                raise ValueError(
-                    f"{name} ({getattr(self, name)}) must be a multiple of multiple_of ({self.multiple_of})"
-                )
+                raise ValueError(f"{name} ({getattr(self, name)}) must be a multiple of multiple_of "
+                                 f"({self.multiple_of})")
         return self
 
 
@@ -102,13 +87,10 @@ def _env_name(k: str) -> str:
 
 
 class CheckpointSpec(_Strict):
-    url: str | None = Field(
-        default=None,
-        max_length=MAX_PATH_CHARS,
-        description="checkpoint location (path, file://, s3://); default: "
-        "<state dir>/jobs/<job>/ckpt; explicit ones under the tenant's prefix "
-        "<state dir>/tenants/<tenant>/ or one the admin granted",
-    )
+    url: str | None = Field(default=None, max_length=MAX_PATH_CHARS,
+                            description="checkpoint location (path, file://, s3://); default: "
+                            "<state dir>/jobs/<job>/ckpt; explicit ones under the tenant's prefix "
+                            "<state dir>/tenants/<tenant>/ or one the admin granted")
     tiers: list[str | dict[str, Any]] | None = Field(
         default=None, min_length=1, max_length=MAX_TIERS,
         description="tier list, fastest first, instead of url, e.g. [shm, /ckpt/run1, s3://bucket/run1]")
@@ -154,9 +136,8 @@ class CheckpointSpec(_Strict):
         if self.url is not None and self.tiers is not None:
             raise ValueError("give the location once: 'url' (one directory or bucket) or 'tiers' (a list)")
         if self.resume_from is not None and (self.url is not None or self.tiers is not None):
-            raise ValueError(
-                "give 'resume_from' alone: the job uses the checkpoint location of the job it resumes"
-            )
+            raise ValueError("give 'resume_from' alone: the job uses the checkpoint location of the job it "
+                             "resumes")
         return self
 
 
@@ -197,9 +178,8 @@ class JobSpec(_Strict):
     @classmethod
     def _name(cls, v: str) -> str:
         if not NAME_RE.match(v):
-            raise ValueError(
-                "expected 1-63 letters, digits, '.', '_' or '-', starting with a letter or digit"
-            )
+            raise ValueError("expected 1-63 letters, digits, '.', '_' or '-', starting with a letter or "
+                             "digit")
         return v
 
     @field_validator("command", mode="before")
@@ -234,18 +214,14 @@ class JobSpec(_Strict):
     @classmethod
     def _workdir(cls, v: str | None) -> str | None:
         if v is not None and not v.startswith("/"):
-            raise ValueError(
-                f"expected an absolute path, got {v!r} (the CLI resolves paths relative to the YAML file)"
-            )
+            raise ValueError(f"expected an absolute path, got {v!r} (the CLI resolves paths relative to the "
+                             "YAML file)")
         return v
 
 
 def text_problems(data: Any, loc: tuple = (), depth: int = 0) -> list[tuple[tuple, str]]:
-    """Where ``data`` (parsed JSON or YAML) holds text no spec may hold: ``[(loc, message)]``.
-
-    A NUL byte (no argument, environment value or path can carry one: the launch would fail), a lone
-    UTF-16 surrogate (not Unicode: it cannot be encoded as UTF-8, so it could not be stored, shown or
-    passed on), a string over ``MAX_TEXT_CHARS``, nesting deeper than ``MAX_DEPTH``."""
+    """Where ``data`` holds text no spec may hold: ``[(loc, message)]``: a NUL byte, a lone surrogate, a
+    string over ``MAX_TEXT_CHARS``, nesting deeper than ``MAX_DEPTH``."""
     out: list[tuple[tuple, str]] = []
     if depth > MAX_DEPTH:
         return [(loc, f"nested deeper than {MAX_DEPTH} levels")]

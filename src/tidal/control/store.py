@@ -1,26 +1,13 @@
-"""The store: tenants, jobs and the event log in one SQL database (SQLAlchemy 2).
+"""The store: tenants, jobs and the event log in one SQL database (SQLAlchemy 2; SQLite in WAL mode by
+default, any URL such as ``postgresql+psycopg://...``).
 
-Default: SQLite in WAL mode at ``<state dir>/tidal.db`` (readers never wait for the writer);
-any SQLAlchemy URL works, e.g. ``postgresql+psycopg://user@host/tidal`` (install the driver).
-
-Contract:
-
-* Every job state change goes through :meth:`Store.transition`, which checks it against the one
-  table in :mod:`tidal.control.states` (an illegal one raises ``IllegalTransition`` and changes
-  nothing) and records an event in the same transaction.
-* Writes are serialised by one lock (one ``tidal up`` process owns the store; the API's worker
-  threads and the reconcile loop share it); reads run concurrently.
-* Rows returned are detached snapshots (``expire_on_commit=False``): read them freely, change the
-  database only through the methods here.
-* Times are Unix seconds (``*_s``) on the caller's clock, passed in; the store reads no clock.
-* Tenants found by token hash are remembered (every API call authenticates; tenants change only
-  through this object, which forgets a tenant's entry when its token changes).
-* Job numbers are never reused: ``<name>-<n>`` takes ``n`` from a counter in the ``meta`` table
-  (``job_seq``), which only rises, whatever rows are deleted. The database also gets a random id
-  at creation (``meta.db_id``).
-* A SQLite file is checked on every read and write to be the file opened (same device and inode):
-  deleted or replaced under a running ``tidal up``, every call raises :class:`StoreUnavailable`
-  (the API answers 503) instead of writing into a fresh empty file or into nothing.
+* Every job state change goes through :meth:`Store.transition`, checked against :mod:`tidal.control.states`
+  (``IllegalTransition`` changes nothing) and recorded as an event in the same transaction.
+* Writes are serialised by one lock; reads run concurrently. Rows returned are detached snapshots.
+* Times are Unix seconds passed in; the store reads no clock.
+* Job numbers are never reused (``meta.job_seq`` only rises). Tenants found by token hash are remembered.
+* A SQLite file deleted or replaced under a running plane makes every call raise :class:`StoreUnavailable`
+  (503), never write into a fresh file.
 """
 
 from __future__ import annotations
@@ -52,9 +39,8 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sess
 
 from tidal.control.states import ACTIVE, State, check_transition
 
-SCHEMA_VERSION = 5  # 2: jobs.nominated_s; 3: table docs (the loan ledger and policy state);
-# 4: tenants.max_priority, jobs.ckpt_location, meta job_seq (job numbers never reused) and db_id;
-# 5: jobs.waiting (why a job waits or does not grow, from the scheduler)
+SCHEMA_VERSION = 5  # 2: jobs.nominated_s; 3: table docs; 4: tenants.max_priority, jobs.ckpt_location,
+# meta job_seq and db_id; 5: jobs.waiting
 POOL_SIZE = 48  # SQLite connections kept open: the API's worker threads (40) and the reconcile loop
 
 
@@ -193,9 +179,8 @@ class Store:
         if url.startswith("sqlite"):
             kw["connect_args"] = {"check_same_thread": False, "timeout": 30}
             if ":memory:" not in url and url.rstrip("/") != "sqlite:":
-                # Keep a connection for each thread that may read at once (the API's thread pool has 40,
-                # plus the loop): with the default pool of 5 (+10 overflow, closed on return), a busy API
-                # opened and closed SQLite connections all the time, each running the PRAGMAs below.
+                # a connection for each thread that may read at once (the API's 40 and the loop), so that a
+                # busy API does not open and close connections (each running the PRAGMAs below) all the time
                 kw["pool_size"], kw["max_overflow"] = POOL_SIZE, 16
         self.engine = create_engine(url, **kw)
         if url.startswith("sqlite"):
@@ -244,7 +229,6 @@ class Store:
     def close(self) -> None:
         self.engine.dispose()
 
-    # -- sessions ------------------------------------------------------------------------------------
     def check_file(self) -> None:
         """Raise :class:`StoreUnavailable` if the SQLite file is gone or is another file now."""
         if self._identity is None or self.path is None:
@@ -257,8 +241,7 @@ class Store:
             raise StoreUnavailable(
                 f"the database {self.path} was {'deleted' if st is None else 'replaced'} while "
                 "tidal up was running; nothing more is stored: stop tidal up and restore "
-                "the file from a backup"
-            )
+                "the file from a backup")
 
     @property
     def db_id(self) -> str:
@@ -278,21 +261,13 @@ class Store:
         with self._sessions() as s:
             yield s
 
-    # -- tenants -------------------------------------------------------------------------------------
     def add_tenant(self, name: str, token_hash: str, *, quota_gpus: int = 0, weight: float = 1.0,
                    admin: bool = False, now_s: float = 0.0, max_priority: int = 0) -> TenantRow:
         with self._write() as s:
             if s.get(TenantRow, name) is not None:
                 raise ValueError(f"tenant {name!r} exists")
-            row = TenantRow(
-                name=name,
-                quota_gpus=quota_gpus,
-                weight=weight,
-                token_hash=token_hash,
-                admin=admin,
-                created_s=now_s,
-                max_priority=max_priority,
-            )
+            row = TenantRow(name=name, quota_gpus=quota_gpus, weight=weight, token_hash=token_hash,
+                            admin=admin, created_s=now_s, max_priority=max_priority)
             s.add(row)
             s.add(EventRow(time_s=now_s, tenant=name, kind="tenant",
                            message=f"tenant {name} created (quota {quota_gpus} GPUs, weight {weight:g}, "
@@ -340,7 +315,6 @@ class Store:
         with self._read() as s:
             return s.scalars(select(TenantRow).where(TenantRow.admin.is_(True))).first()
 
-    # -- jobs ----------------------------------------------------------------------------------------
     def submit(self, tenant: str, spec: dict, now_s: float, *, ckpt_location: str | None = None) -> JobRow:
         """Insert a pending job from a validated spec (``JobSpec.model_dump()``); its id is ``<name>-<n>``,
         ``n`` from the ``job_seq`` counter (never reused). Nothing is stored if anything fails."""
@@ -365,10 +339,7 @@ class Store:
 
     def job(self, job_id: str) -> JobRow:
         with self._read() as s:
-            row = s.scalars(select(JobRow).where(JobRow.id == job_id)).first()
-        if row is None:
-            raise NotFound(job_id)
-        return row
+            return self._get(s, job_id)
 
     def jobs(self, *, tenant: str | None = None, states: Iterable[str] | None = None) -> list[JobRow]:
         """Jobs in submission order, optionally of one tenant and in some states."""
@@ -458,7 +429,6 @@ class Store:
             raise NotFound(job_id)
         return row
 
-    # -- events --------------------------------------------------------------------------------------
     def record(self, kind: str, message: str, now_s: float, *, job: JobRow | None = None,
                tenant: str | None = None, data: dict | None = None) -> None:
         """An event that is not a transition (a decision, an adoption, a kill, a tenant change)."""

@@ -1,7 +1,4 @@
-"""Store rows as the REST API answers them: each built as its :mod:`tidal.control.schemas` model (the one
-definition of the answer's shape: a field the model does not name fails here) and returned as that
-model's JSON data (:func:`~tidal.control.schemas.answer`), which the API renders, the CLI's ``-o json``
-prints as the API returned it, and metrics read."""
+"""Store rows as the REST API answers them, each built as its :mod:`tidal.control.schemas` model."""
 
 from __future__ import annotations
 
@@ -24,22 +21,19 @@ def job_view(j: JobRow, now_s: float, *, detail: bool = False) -> dict[str, Any]
     """The API's job (:class:`~tidal.control.schemas.Job`, :class:`~tidal.control.schemas.JobDetail`
     with ``detail``): the model's fields read from the row, but for those computed here."""
     model = sc.JobDetail if detail else sc.Job
+    waiting = (sc.Waiting.model_validate(j.waiting)
+               if j.waiting is not None and State(j.state) in (State.PENDING, State.RUNNING) else None)
     return answer(model(
         **{f: getattr(j, f) for f in model.model_fields if f not in _COMPUTED},
-        gpus=sc.Gpus(min=j.min_gpus, max=j.max_gpus, multiple_of=j.multiple_of),
-        progress=j.progress or {},
-        report=sc.Report.model_validate(job_report(j, now_s)),
-        waiting=sc.Waiting.model_validate(j.waiting)
-        if j.waiting is not None and State(j.state) in (State.PENDING, State.RUNNING) else None,
-    ))
+        gpus=sc.Gpus(min=j.min_gpus, max=j.max_gpus, multiple_of=j.multiple_of), progress=j.progress or {},
+        report=sc.Report.model_validate(job_report(j, now_s)), waiting=waiting))
 
 
 def event_view(e: EventRow) -> dict[str, Any]:
     """:class:`~tidal.control.schemas.Event`."""
     return answer(sc.Event.model_validate({
         "id": e.id, "time_s": e.time_s, "job": e.job_id, "tenant": e.tenant, "kind": e.kind,
-        "from": e.from_state, "to": e.to_state, "message": e.message, "data": e.data,
-    }))
+        "from": e.from_state, "to": e.to_state, "message": e.message, "data": e.data}))
 
 
 def pool_view(nodes: list[Node], jobs: list[JobRow], viewer: str | None) -> dict[str, Any]:
@@ -53,18 +47,14 @@ def pool_view(nodes: list[Node], jobs: list[JobRow], viewer: str | None) -> dict
             g = (j.placement or {}).get(n.name, 0)
             if not g or State(j.state) not in HELD:
                 continue
-            d = (
-                g
-                if State(j.state) in (State.PREEMPTING, State.CANCELLING)
-                else (j.releasing or {}).get(n.name, 0)
-            )
+            d = (g if State(j.state) in (State.PREEMPTING, State.CANCELLING)
+                 else (j.releasing or {}).get(n.name, 0))
             allocated += g
             draining += d
             mine = viewer is None or j.tenant == viewer
             holders.append(sc.PoolHolder(
                 job=j.id if mine else None, tenant=j.tenant, gpus=g, draining=d,
-                state=j.state if mine else ("stopping" if State(j.state) in STOPPING else "running"),
-            ))
+                state=j.state if mine else ("stopping" if State(j.state) in STOPPING else "running")))
         out.append(sc.PoolNode(name=n.name, pool=n.pool, gpus=n.gpus, allocated=allocated, draining=draining,
                                free=n.gpus - allocated, jobs=holders))
     total = sum(n.gpus for n in nodes)
@@ -75,17 +65,10 @@ def pool_view(nodes: list[Node], jobs: list[JobRow], viewer: str | None) -> dict
 
 def checkpoint_view(job_id: str, url: str | None, now_s: float, *, tiers: list | None = None,
                     shm_base: str | None = None) -> dict[str, Any]:
-    """:class:`~tidal.control.schemas.Checkpoints`: a job's committed checkpoint steps per tier: its directory
-    tiers (the location itself, or each directory tier of the job's tier list ``tiers``, whose first
-    non-shm tier is its location) and this node's shm tier are listed on local storage; every other tier
-    (``s3://``, ``peer``) comes from the job's status file on this node (``<shm root>/status.json``,
-    written by rank 0), never from a connection: the API process makes no outbound call a tenant chose
-    (endpoint, agent, timeout). Such a tier not in the status file yet is listed with no steps and
-    ``source: "spec"``. ``shm_base`` is the job's ``TIDAL_SHM_DIR`` when its spec sets one.
-
-    ``newest_durable_step`` is the newest step held by a durable (non-shm) tier, ``newest_durable_s`` when
-    it was captured (the status file's save time; else when the tier committed it), and
-    ``durable_age_s`` is ``now_s`` minus that. A tier that cannot be listed carries its ``error``.
+    """:class:`~tidal.control.schemas.Checkpoints`: a job's committed steps per tier. Directory and shm tiers
+    are listed on local storage; ``s3://`` and ``peer`` ones come from the job's status file, never from a
+    connection (the API makes no outbound call a tenant chose). A tier that cannot be listed carries its
+    ``error``.
     """
     from tidal.ckpt.engine.status import read_status
     from tidal.ckpt.errors import CheckpointError
@@ -109,7 +92,7 @@ def checkpoint_view(job_id: str, url: str | None, now_s: float, *, tiers: list |
             if kind == "dir":
                 listed = [DirTier("disk", normalize(url, kind), fsync=False)]
             else:
-                remote = [({"s3": "s3", "peer": "peer"}.get(kind, kind), kind, normalize(url, kind))]
+                remote = [(kind, kind, normalize(url, kind))]
     except (CheckpointError, OSError, ValueError) as e:
         rows = [{"name": "?", "kind": "?", "location": str(url or tiers), "durable": True, "steps": [],
                  "committed_s": {}, "source": "storage", "error": f"{type(e).__name__}: {e}"}]

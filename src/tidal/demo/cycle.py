@@ -3,20 +3,12 @@
     tidal demo cycle                       # one day of the shipped serving profile in about 6 minutes
     tidal demo cycle --hours 12 --json     # the summary as JSON on stdout (the view on stderr)
 
-An embedded control plane (the pieces of ``tidal up``) runs with a ``serving:`` block that lends:
-virtual serving nodes on this machine whose demand replays the shipped daily profile
-(``tidal/serving/data/daily-profile.csv``, derived from ServeGen m-large) ``--speedup`` times as fast
-as the clock, after ``--history-days`` of it for the forecast to learn. Elastic spot jobs (the GPT
-example, 1 to ``--max-ranks`` ranks) start on the one training slot; as traffic falls the plan lends
-serving GPUs and the jobs grow onto them; before the morning rise the jobs get reclaim notices,
-checkpoint, shrink by resharding, and the GPUs go back to serving before the deadline. A live view
-shows demand, the forecast bound, what is lent, the jobs and the next reclaim.
-
-The summary: GPU-hours lent and used (serving time), serving shortfall, reclaims met before their
-deadline (count, worst margin), training steps lost to reclaims, checkpoint tiers used, and the same
-day run through the simulator (:func:`tidal.sim.engine.simulate`) with the same pool, timing and
-policy beside it. Exit code 0 only if GPUs were lent, every return met its deadline and no GPU was
-ever counted both as serving and as lent (checked from the API at every poll).
+An embedded control plane lends virtual serving nodes whose demand replays the shipped daily profile
+(``serving/data/daily-profile.csv``) ``--speedup`` times as fast as the clock. Elastic spot jobs (the
+GPT example) grow onto lent GPUs as traffic falls, and before the morning rise get reclaim notices,
+checkpoint and shrink; the GPUs go back before the deadline. The summary sets the live day beside the
+same day through the simulator. Exit code 0 only if GPUs were lent, every return met its deadline and
+no GPU was ever counted both as serving and as lent (checked from the API at every poll).
 """
 
 from __future__ import annotations
@@ -26,9 +18,9 @@ import logging
 import math
 import os
 import shutil
-import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -42,17 +34,16 @@ from rich.panel import Panel
 from rich.table import Table
 
 import tidal.serving
-from tidal.contract import ENV_SHM_DIR
 from tidal.control.auth import ADMIN_TOKEN_FILE
 from tidal.control.client import TidalClient
-from tidal.control.config import ControlConfig
 from tidal.control.dashboard import dashboard_url
-from tidal.demo.options import SIZES, example_script
+from tidal.demo.options import SIZES, example_script, gpt_job
 from tidal.demo.plane import PLANE_CONFIG, DemoError, EmbeddedPlane, uninterrupted
 from tidal.serving.watch import WatchConfig
 
 PROFILE = Path(tidal.serving.__file__).parent / "data" / "daily-profile.csv"
 DAY = 86400.0
+NARRATED = frozenset({"loan", "reclaim", "return", "serving_action_failed"})  # event kinds the view prints
 
 
 @dataclass(frozen=True)
@@ -104,38 +95,14 @@ class CycleOptions:
 
 
 def job_spec(opts: CycleOptions, script: Path, shm_dir: Path | None, i: int) -> dict[str, Any]:
-    """The i-th spot job of the cycle: the GPT example, elastic 1..``max_ranks``, checkpointing every
-    ``ckpt_every`` steps (node memory in ``shm_dir`` when given; ``tidal demo ray --cycle`` adds its
-    tiers)."""
-    model = SIZES[opts.size]
-    args = [f"--{k}={v}" for k, v in model.items()] + ["--micro-batch=1", "--step-pause-s=0.05"]
-    return {
-        "name": f"spot-{i}",
-        "kind": "spot",
-        "gpus": {"min": 1, "max": opts.max_ranks},
-        "max_restarts": 20,
-        "grace_s": opts.grace_s,
-        "workdir": str(script.parents[2]),
-        "command": [
-            sys.executable,
-            str(script),
-            "--parallel",
-            "ddp",
-            "--steps",
-            "10000000",
-            "--ckpt-every",
-            str(opts.ckpt_every),
-            "--log-every",
-            "50",
-            "--warmup",
-            "10",
-            *args,
-        ],
-        "env": {"OMP_NUM_THREADS": "1", **({ENV_SHM_DIR: str(shm_dir)} if shm_dir is not None else {})},
-    }
+    """The i-th spot job of the cycle: elastic 1..``max_ranks``, a checkpoint every ``ckpt_every`` steps
+    (node memory in ``shm_dir`` when given)."""
+    args = ["--parallel", "ddp", "--steps", "10000000", "--ckpt-every", str(opts.ckpt_every), "--log-every",
+            "50", "--warmup", "10", "--micro-batch=1", "--step-pause-s=0.05"]
+    return gpt_job(script, f"spot-{i}", opts.size, args, shm_dir, gpus={"min": 1, "max": opts.max_ranks},
+                   max_restarts=20, grace_s=opts.grace_s)
 
 
-# ---------------------------------------------------------------------------------------- the view
 def _hhmm(serving_s: float) -> str:
     t = serving_s % DAY
     return f"day {int(serving_s // DAY)} {int(t // 3600):02d}:{int(t % 3600 // 60):02d}"
@@ -152,11 +119,9 @@ def view(s: dict, jobs: list[dict], opts: CycleOptions, elapsed: float, title: s
     n = s.get("serving_gpus", 0)
     up = (s.get("forecast") or {}).get("upper_gpus") or []
     band = f"{min(up):.1f}-{max(up):.1f}" if up else "-"
-    g.add_row(
-        "demand",
-        f"{s.get('demand_gpus') if s.get('demand_gpus') is not None else 'unknown'} GPUs of {n}; "
-        f"forecast bound over the horizon {band}; margin {s.get('margin_gpus', 0):.2f}",
-    )
+    demand = s.get("demand_gpus")
+    g.add_row("demand", f"{demand if demand is not None else 'unknown'} GPUs of {n}; "
+                        f"forecast bound over the horizon {band}; margin {s.get('margin_gpus', 0):.2f}")
     g.add_row("serving", f"lent {s.get('lent_gpus', 0)}, warming {s.get('warming_gpus', 0)}, serving "
                          f"{s.get('serving_capacity_gpus', n)} (plan may lend {s.get('lendable_gpus', 0)})")
     loans = ", ".join(f"{ln['node']}:{ln['gpus']}" for ln in s.get("loans", ())) or "none"
@@ -167,18 +132,13 @@ def view(s: dict, jobs: list[dict], opts: CycleOptions, elapsed: float, title: s
     if nxt is None:
         g.add_row("next reclaim", "none")
     else:
-        notice = (
-            "now" if nxt["notice_s"] is None or nxt["notice_s"] <= now else f"+{nxt['notice_s'] - now:.0f} s"
-        )
+        at = nxt["notice_s"]
+        notice = "now" if at is None or at <= now else f"+{at - now:.0f} s"
         g.add_row("next reclaim", f"{nxt['gpus']} GPUs by +{nxt['by_s'] - now:.0f} s (notice {notice})")
     st = s.get("stats") or {}
-    g.add_row(
-        "returns",
-        f"{st.get('reclaims_met', 0)} met, {st.get('reclaims_missed', 0)} missed; worst margin "
-        f"{s['worst_margin_s']:.1f} s"
-        if s.get("worst_margin_s") is not None
-        else "none yet",
-    )
+    worst = s.get("worst_margin_s")
+    g.add_row("returns", f"{st.get('reclaims_met', 0)} met, {st.get('reclaims_missed', 0)} missed; worst "
+                         f"margin {worst:.1f} s" if worst is not None else "none yet")
     for k, v in extra:
         g.add_row(k, v)
     t = Table(box=None, padding=(0, 1))
@@ -187,24 +147,15 @@ def view(s: dict, jobs: list[dict], opts: CycleOptions, elapsed: float, title: s
     for j in jobs:
         p = j.get("progress") or {}
         where = ", ".join(f"{k}:{v}" for k, v in sorted((j.get("placement") or {}).items()))
-        t.add_row(
-            j["id"],
-            j["state"],
-            str(sum((j.get("placement") or {}).values())),
-            where or "-",
-            str(p.get("step", "-")),
-            str(j.get("ckpt_step") if j.get("ckpt_step") is not None else "-"),
-        )
+        t.add_row(j["id"], j["state"], str(sum((j.get("placement") or {}).values())), where or "-",
+                  str(p.get("step", "-")), str(j.get("ckpt_step") if j.get("ckpt_step") is not None else "-"))
     return Panel(Group(g, t), title=f"[bold]{title}[/bold]", border_style="cyan", expand=False)
 
 
-# ----------------------------------------------------------------------------------- the simulator
 def simulate_same_day(opts: CycleOptions, training_gpus: int, demand_gpus: np.ndarray | None = None
                       ) -> dict[str, Any]:
-    """The same day through the simulator: the same profile, pool, timing (in serving seconds),
-    policy and budget; the same number of elastic spot jobs, submitted at the live start.
-    ``demand_gpus``: the demand series on the profile's step from its first row (default: the profile
-    scaled to the pool)."""
+    """The same day (profile, pool, timing in serving seconds, policy, jobs) through the simulator;
+    ``demand_gpus``: the demand on the profile's step from its first row (default: the scaled profile)."""
     from tidal.serving.traces import load_trace
     from tidal.sim.config import make_config
     from tidal.sim.engine import simulate
@@ -219,27 +170,14 @@ def simulate_same_day(opts: CycleOptions, training_gpus: int, demand_gpus: np.nd
     demand = np.tile(gpus * trace.load / trace.peak_load, reps) if demand_gpus is None else np.asarray(
         demand_gpus, dtype=float)
     x = opts.speedup
-    per_node = (
-        max(int(p) for p in str(opts.serving_nodes).split("x")[-1:]) if "x" in opts.serving_nodes else 1
-    )
-    cfg = make_config(
-        serving_gpus=gpus,
-        training_gpus=training_gpus,
-        gpus_per_node=per_node,
-        days=days,
-        warmup_days=opts.start_s / DAY,
-        restart_s=opts.restart_cost_s * x,
-        stage_s=0.5 * x,
-        persist_s=2.0 * x,
-        notice_s=opts.grace_s * x,
-        final_checkpoint_s=opts.final_checkpoint_s * x,
-        release_s=opts.release_s * x,
-        warmup_s=opts.warmup_s * x,
-        failure_rate_per_gpu_hour=0.0,
-        step_s=trace.step_s,
-        sched_period_s=PLANE_CONFIG.loop_interval_s * x,
-        record_timeline=False,
-    )
+    per_node = int(opts.serving_nodes.split("x")[-1]) if "x" in opts.serving_nodes else 1
+    cfg = make_config(serving_gpus=gpus, training_gpus=training_gpus, gpus_per_node=per_node, days=days,
+                      warmup_days=opts.start_s / DAY, restart_s=opts.restart_cost_s * x, stage_s=0.5 * x,
+                      persist_s=2.0 * x, notice_s=opts.grace_s * x,
+                      final_checkpoint_s=opts.final_checkpoint_s * x,
+                      release_s=opts.release_s * x, warmup_s=opts.warmup_s * x, failure_rate_per_gpu_hour=0.0,
+                      step_s=trace.step_s, sched_period_s=PLANE_CONFIG.loop_interval_s * x,
+                      record_timeline=False)
     cfg = dataclasses.replace(cfg, release_when_captured=True)  # as the live runtime: out once captured
     jobs = [JobSpec(f"spot-{i}", "demo", "spot", 0, 1, opts.max_ranks, 1e12, opts.start_s)
             for i in range(opts.jobs)]
@@ -250,55 +188,68 @@ def simulate_same_day(opts: CycleOptions, training_gpus: int, demand_gpus: np.nd
             "reclaims": m["reclaims"], "demanded_gpu_hours": m["demanded_gpu_hours"]}
 
 
-# --------------------------------------------------------------------------------------------- run
+def with_simulator(summary: dict[str, Any], opts: CycleOptions, console: Console, training_gpus: int,
+                   demand_gpus: np.ndarray | None = None) -> dict[str, Any]:
+    """``summary`` with the same day through the simulator and the live/simulated ratios added."""
+    console.print("[dim]running the same day through the simulator...[/dim]")
+    summary["simulator"] = sim = simulate_same_day(opts, training_gpus, demand_gpus)
+    summary["live_vs_sim"] = {k: _ratio(summary["live"][k], sim[k])
+                              for k in ("loaned_gpu_hours", "used_gpu_hours", "shortfall_gpu_hours")}
+    return summary
+
+
+def play_day(opts: CycleOptions, console: Console, client: TidalClient, admin: TidalClient, ids: list[str],
+             title: str = "tidal demo cycle", kinds: frozenset[str] = NARRATED,
+             on_poll: Callable[[dict, list[dict], list[dict]], None] | None = None,
+             extra: Callable[[], tuple[tuple[str, str], ...]] = tuple) -> tuple[dict, list[dict], list[str]]:
+    """Poll the plane for the day's wall time: the live view, the events of ``kinds`` (and resizes and
+    preemptions) printed, GPUs counted twice collected; ``on_poll(status, jobs, new events)`` after each
+    poll. Returns the last serving status, the jobs and the double counts."""
+    t0 = time.monotonic()
+    s: dict = {}
+    jobs: list[dict] = []
+    checks: list[str] = []
+    seen = 0
+    with Live(view({}, [], opts, 0.0, title), console=console, refresh_per_second=2,
+              auto_refresh=console.is_terminal) as live:
+        while time.monotonic() - t0 < opts.wall_s:
+            s = client.serving()
+            jobs = [client.job(i) for i in ids]
+            checks += _double_counted(s, jobs)
+            events = admin.events(after=seen)
+            for e in events:
+                seen = e["id"]
+                if e["kind"] in kinds or (e["kind"] == "transition"
+                                          and e.get("to") in ("resizing", "preempting")):
+                    console.print(f"[dim]{_hhmm(s.get('serving_time_s') or 0)}[/dim] "
+                                  f"{e.get('job') or ''} {e['message']}", highlight=False)
+            if on_poll is not None:
+                on_poll(s, jobs, events)
+            live.update(view(s, jobs, opts, time.monotonic() - t0, title, extra()))
+            time.sleep(0.5)
+    return s, jobs, checks
+
+
 def run_cycle(opts: CycleOptions, console: Console, *, keep: bool = False) -> dict[str, Any]:
     opts.check()
     script = example_script()
     sdir = Path(tempfile.mkdtemp(prefix="tidal-cycle-"))
     shm_base = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else sdir
     shm_dir = Path(tempfile.mkdtemp(prefix="tidal-cycle-shm-", dir=shm_base))
-    cfg = ControlConfig(**{**{f: getattr(PLANE_CONFIG, f) for f in ("restart_backoff_s", "hang_timeout_s",
-                                                                      "startup_timeout_s", "kill_slack_s",
-                                                                      "loop_interval_s")},
-                           "serving": opts.serving()})
     plane: EmbeddedPlane | None = None
-    checks: list[str] = []
     try:
-        plane = EmbeddedPlane(sdir, 1, cfg)
+        plane = EmbeddedPlane(sdir, 1, dataclasses.replace(PLANE_CONFIG, serving=opts.serving()))
         url = plane.start()
         console.print(f"[bold cyan]cycle[/bold cyan] control plane up at {url} ({plane.plane.describe})",
                       highlight=False)
-        console.print(
-            f"[dim]  watch the day on the dashboard: {dashboard_url(url)}#/serving (sign in with the "
-            f"token in {sdir / ADMIN_TOKEN_FILE})[/dim]",
-            highlight=False,
-        )
+        console.print(f"[dim]  watch the day on the dashboard: {dashboard_url(url)}#/serving (sign in with "
+                      f"the token in {sdir / ADMIN_TOKEN_FILE})[/dim]", highlight=False)
         admin = TidalClient(url, plane.admin_token)
         client = TidalClient(url, admin.create_tenant("research")["token"])
         ids = [client.submit(job_spec(opts, script, shm_dir, i))["id"] for i in range(opts.jobs)]
         t0 = time.monotonic()
-        s, jobs = {}, []
-        seen = 0
-        with Live(view({}, [], opts, 0.0), console=console, refresh_per_second=2,
-                  auto_refresh=console.is_terminal) as live:
-            while time.monotonic() - t0 < opts.wall_s:
-                s = client.serving()
-                jobs = [client.job(i) for i in ids]
-                checks += _double_counted(s, jobs)
-                for e in admin.events(after=seen):
-                    seen = e["id"]
-                    if e["kind"] in ("loan", "reclaim", "return", "serving_action_failed") or (
-                            e["kind"] == "transition" and e.get("to") in ("resizing", "preempting")):
-                        console.print(f"[dim]{_hhmm(s.get('serving_time_s') or 0)}[/dim] "
-                                      f"{e.get('job') or ''} {e['message']}", highlight=False)
-                live.update(view(s, jobs, opts, time.monotonic() - t0))
-                time.sleep(0.5)
-        summary = _summary(opts, s, jobs, admin, checks, time.monotonic() - t0)
-        console.print("[dim]running the same day through the simulator...[/dim]")
-        summary["simulator"] = sim = simulate_same_day(opts, training_gpus=1)
-        summary["live_vs_sim"] = {k: _ratio(summary["live"][k], sim[k])
-                                  for k in ("loaned_gpu_hours", "used_gpu_hours", "shortfall_gpu_hours")}
-        return summary
+        s, jobs, checks = play_day(opts, console, client, admin, ids)
+        return with_simulator(_summary(opts, s, jobs, admin, checks, time.monotonic() - t0), opts, console, 1)
     finally:
         with uninterrupted():  # a second Ctrl-C must not cut the clean-up short
             if plane is not None:
@@ -339,43 +290,25 @@ def _summary(opts: CycleOptions, s: dict, jobs: list[dict], client: TidalClient,
     for j in jobs:
         tiers |= set((j.get("progress") or {}).get("tiers") or {})
     lost = sum(j["report"]["lost_steps"] for j in jobs)
+    demand = st.get("demand_gpu_s")
     live = {
-        "loaned_gpu_hours": st.get("lent_gpu_s", 0.0) * x / h,
-        "used_gpu_hours": st.get("used_gpu_s", 0.0) * x / h,
+        "loaned_gpu_hours": st.get("lent_gpu_s", 0.0) * x / h, "used_gpu_hours": st.get("used_gpu_s",
+                                                                                        0.0) * x / h,
         "shortfall_gpu_hours": st.get("shortfall_gpu_s", 0.0) / h,
-        "shortfall_ratio": (st.get("shortfall_gpu_s", 0.0) / st["demand_gpu_s"])
-        if st.get("demand_gpu_s")
-        else None,
-        "demanded_gpu_hours": st.get("demand_gpu_s", 0.0) / h,
-        "reclaim_notices": len(stops),
-        "returns_met": st.get("reclaims_met", 0),
-        "returns_missed": st.get("reclaims_missed", 0),
-        "worst_margin_s": s.get("worst_margin_s"),
-        "returned_gpus": st.get("returned_gpus", 0),
-        "lent_gpus_total": st.get("lent_total_gpus", 0),
-        "lost_steps": lost,
+        "shortfall_ratio": st.get("shortfall_gpu_s", 0.0) / demand if demand else None,
+        "demanded_gpu_hours": st.get("demand_gpu_s", 0.0) / h, "reclaim_notices": len(stops),
+        "returns_met": st.get("reclaims_met", 0), "returns_missed": st.get("reclaims_missed", 0),
+        "worst_margin_s": s.get("worst_margin_s"), "returned_gpus": st.get("returned_gpus", 0),
+        "lent_gpus_total": st.get("lent_total_gpus", 0), "lost_steps": lost,
         "checkpoint_tiers": sorted(tiers),
-        "jobs": [
-            {
-                "id": j["id"],
-                "state": j["state"],
-                "step": (j.get("progress") or {}).get("step"),
-                "ckpt_step": j.get("ckpt_step"),
-                "preemptions": j["report"]["preemptions"],
-                "restarts": j["report"]["restarts"],
-            }
-            for j in jobs
-        ],
-        "release_failures": st.get("release_failures", 0),
-        "restore_failures": st.get("restore_failures", 0),
+        "jobs": [{"id": j["id"], "state": j["state"], "step": (j.get("progress") or {}).get("step"),
+                  "ckpt_step": j.get("ckpt_step"), "preemptions": j["report"]["preemptions"],
+                  "restarts": j["report"]["restarts"]} for j in jobs],
+        "release_failures": st.get("release_failures", 0), "restore_failures": st.get("restore_failures", 0),
+        "double_counted_steps": st.get("double_counted_steps", 0),
     }
-    live["double_counted_steps"] = st.get("double_counted_steps", 0)
-    ok = (
-        live["lent_gpus_total"] > 0
-        and live["returns_missed"] == 0
-        and not checks
-        and not live["double_counted_steps"]
-    )
+    ok = (live["lent_gpus_total"] > 0 and live["returns_missed"] == 0 and not checks
+          and not live["double_counted_steps"])
     return {"ok": ok, "wall_s": round(wall_s, 1), "speedup": x, "hours": opts.hours, "live": live,
             "double_counted": checks[:20]}
 
@@ -394,12 +327,10 @@ def print_summary(console: Console, out: dict) -> None:
     t.add_row("reclaim notices", str(lv["reclaim_notices"]), str(sim["reclaims"]), "")
     console.print(t)
     wm = lv["worst_margin_s"]
-    console.print(
-        f"returns to serving: {lv['returns_met']} before the deadline, {lv['returns_missed']} late; "
-        f"worst margin {'-' if wm is None else f'{wm:.1f} s'}; steps lost to reclaims {lv['lost_steps']}; "
-        f"checkpoint tiers {', '.join(lv['checkpoint_tiers']) or '-'}",
-        highlight=False,
-    )
+    console.print(f"returns to serving: {lv['returns_met']} before the deadline, {lv['returns_missed']} "
+                  f"late; worst margin {'-' if wm is None else f'{wm:.1f} s'}; steps lost to reclaims "
+                  f"{lv['lost_steps']}; checkpoint tiers {', '.join(lv['checkpoint_tiers']) or '-'}",
+                  highlight=False)
     if out["double_counted"]:
         console.print(f"[red]GPU held by serving and a job at once: {out['double_counted'][:3]}[/red]")
     console.print("[bold green]ok[/bold green]" if out["ok"] else "[bold red]NOT ok[/bold red]")
@@ -412,9 +343,8 @@ def cycle(
     jobs: Annotated[int, typer.Option(help="elastic spot jobs")] = 2,
     max_ranks: Annotated[int, typer.Option(help="largest size of each job")] = 3,
     serving_nodes: Annotated[str, typer.Option(help="virtual serving nodes, NxG")] = "8x2",
-    trace: Annotated[
-        str | None, typer.Option(help="a serving trace CSV instead of the shipped profile")
-    ] = None,
+    trace: Annotated[str | None,
+                     typer.Option(help="a serving trace CSV instead of the shipped profile")] = None,
     keep: Annotated[bool, typer.Option("--keep", help="keep the state dir")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="the summary as JSON on stdout")] = False,
 ) -> None:

@@ -1,26 +1,16 @@
 """A node of a local Ray cluster lost as a machine is lost, and what the nodes left hold of a job's
-checkpoints at that instant (``tidal demo ray``, the Ray tests).
+checkpoints at that instant (the Ray demos and tests).
 
     pids = freeze_node(node)          # every process of the node stopped dead, at one instant
     held = tier_steps(home, agents)   # the job's tiers as the surviving agents and the disk see them
     kill_node(cluster, node, pids)    # SIGKILL them all; Ray is told (its raylet is among them)
 
-Why not ``Cluster.remove_node(node, allow_graceful=False)`` alone: it SIGKILLs Ray's own processes of
-the node (the raylet, ...) and returns, but the workers, and the ranks and checkpoint agent they
-started, notice only later (measured ~0.75 s on this machine) and go on meanwhile: a rank of the "lost"
-node trained and committed a step to the shared disk that its dead agent never got, so the job
-restored from the disk, not from the buddy's memory (``tidal demo ray --cycle``). A real
-machine that dies stops everything on it at once; :func:`freeze_node` does that (SIGSTOP over the
-node's process tree), and :func:`kill_node` ends what it froze before telling Ray.
-
-The disk tier of the demos is a directory every node sees (the plane's state directory): a step
-committed there outlives the node, so restore reads the newest step of *any* tier, and the buddy's
-memory is the tier it comes from only when it holds that newest step.
-:func:`kill_when_peer_newest` is how the demos pick their moment: freeze the node, let what the others
-were committing land (``settle_s``), look, and kill only when the surviving agents hold a step newer
-than the disk's (not ``strict``: as new; restore then reads the agents too, the faster tier) and
-nothing newer is being written; else thaw the node (it stopped for tenths of a second, shorter than
-Ray's health checks notice) and let the caller try again later.
+``Cluster.remove_node`` alone kills Ray's own processes, but the workers and the ranks they started
+notice only later and go on meanwhile (a rank of the "lost" node committed a step its dead agent never
+got); a real machine stops everything at once, as :func:`freeze_node` does. Restore reads the newest
+step of *any* tier, and the disk tier outlives the node, so :func:`kill_when_peer_newest` freezes the
+node, looks, and kills it only when the surviving agents hold the newest step; else it thaws the node
+(stopped for tenths of a second, shorter than Ray's health checks notice).
 """
 
 from __future__ import annotations
@@ -53,9 +43,8 @@ def freeze_node(node: Any) -> list[int]:
 
 
 def kill_node(cluster: Any, node: Any, frozen: Sequence[int] | None = None) -> None:
-    """The machine is gone: every process of ``node`` SIGKILLed (``frozen`` by :func:`freeze_node`, or frozen
-    now) and gone when this returns, then ``cluster.remove_node`` (Ray's health checks notice the raylet
-    is gone)."""
+    """The machine is gone: every process of ``node`` (``frozen``, or frozen now) SIGKILLed and gone, then
+    ``cluster.remove_node``."""
     left = procs.kill_all(freeze_node(node) if frozen is None else frozen)
     if left:
         log.warning("processes %s of a killed Ray node are still there (stopped, killed)", left)
@@ -72,10 +61,8 @@ class TierSteps:
 
 
 def tier_steps(home: str, agents: Sequence[str], token: str | None = None) -> dict[str, TierSteps]:
-    """The job whose checkpoints live in directory ``home`` (its disk tier, named "disk") and in the agents
-    ``agents`` (host:port; the peer tier, "peer", as those agents alone see it: no other agent is asked;
-    ``token``: the agents' token when they have a key, ``tidal.ckpt.agent.auth``). A tier that cannot be
-    listed is left out."""
+    """The job's tiers: "disk" (directory ``home``) and "peer" as the ``agents`` (host:port, asked with
+    ``token``) alone see it; a tier that cannot be listed is left out."""
     from tidal.ckpt.tiers.config import read_tiers
     from tidal.ckpt.tiers.peer import PeerTier
 
@@ -126,8 +113,7 @@ def kill_when_peer_newest(cluster: Any, node: Any, home: str, agents: Sequence[s
                           strict: bool = True, settle_s: float = SETTLE_S,
                           token: str | None = None) -> dict[str, TierSteps] | None:
     """Freeze ``node``; after ``settle_s``, if the surviving ``agents`` hold the job's newest step
-    (:func:`peer_newest`, ``strict``; asked with ``token``, see :func:`tier_steps`) or ``force``: kill it
-    (:func:`kill_node`) and return what the tiers held; else thaw it and return None."""
+    (:func:`peer_newest`) or ``force``: kill it and return what the tiers held; else thaw it (None)."""
     frozen = freeze_node(node)
     try:
         time.sleep(settle_s)

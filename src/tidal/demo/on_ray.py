@@ -5,23 +5,13 @@
     tidal demo ray --cycle              # the day of lending on Ray, a node lost at night (ray_cycle.py)
     tidal demo ray --cycle --serve      # ... with Ray Serve replicas serving generated traffic
 
-In order:
-
-1. Start a Ray cluster on this machine (``ray.cluster_utils.Cluster``: a head without GPUs and three
-   nodes with declared GPUs, ``n1`` 2, ``n2`` 1, ``n3`` 1; health checks every 0.5 s) and an embedded
-   control plane driving it (``tidal up --executor ray``).
-2. Submit the GPT example as an elastic spot job of 2-3 GPUs checkpointing every ``--ckpt-every``
-   steps (to disk, the state dir being shared by the nodes); the scheduler places it across two nodes.
-3. Once a checkpoint is committed and ``--kill-at`` of the steps are done, kill the node with two of its
-   ranks (every process on it at one instant, its raylet among them: ``node_loss.kill_node``; Ray's
-   health checks notice): the plane notices, kills the other ranks,
-   requeues the job (not a failure) and relaunches it on the 2 GPUs left, resharded.
-4. Bring the node back; the job grows back onto it and runs to the end.
-5. Print a summary: node-loss detection (from the kill) and recovery (from detection to training
-   again) times, the tier restored from, world sizes per attempt, steps redone, loss first and last.
-
+A Ray cluster on this machine (nodes ``n1`` with 2 declared GPUs, ``n2`` and ``n3`` with 1) and an
+embedded control plane driving it run the GPT example as an elastic spot job of 2-3 GPUs across two
+nodes. Once a checkpoint is committed and ``--kill-at`` of the steps are done, the node with two of its
+ranks is killed (every process at one instant: ``node_loss.kill_node``); the plane notices, requeues
+the job and relaunches it resharded on the GPUs left; the node comes back and the job grows onto it.
 Exit code 0 only if the job succeeded after a node loss it recovered from. Everything is stopped on
-the way out (plane, ranks, agents, the Ray cluster), also on errors and Ctrl-C.
+the way out, also on errors and Ctrl-C.
 """
 
 from __future__ import annotations
@@ -29,7 +19,6 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -39,40 +28,16 @@ import typer
 from rich.console import Console
 
 from tidal.control.client import ApiError, TidalClient
-from tidal.demo.options import SIZES, example_script
+from tidal.demo.options import example_script, gpt_job
 from tidal.demo.plane import PLANE_CONFIG, DemoError, EmbeddedPlane, attempt_records
 from tidal.demo.ray_cluster import LocalRayCluster, stdout_to_stderr
 
 
 def job_spec(steps: int, ckpt_every: int, parallel: str) -> dict[str, Any]:
-    model = SIZES["tiny"]
-    args = [f"--{k}={v}" for k, v in model.items()]
-    script = example_script()
-    return {
-        "name": "gpt-ray",
-        "kind": "spot",
-        "gpus": {"min": 2, "max": 3},
-        "max_restarts": 0,
-        "grace_s": 20,
-        "workdir": str(script.parents[2]),
-        "command": [
-            sys.executable,
-            str(script),
-            "--parallel",
-            parallel,
-            "--steps",
-            str(steps),
-            "--ckpt-every",
-            str(ckpt_every),
-            "--micro-batch=2",
-            "--log-every",
-            str(max(1, steps // 10)),
-            "--warmup",
-            "3",
-            *args,
-        ],
-        "env": {"OMP_NUM_THREADS": "1"},
-    }
+    args = ["--parallel", parallel, "--steps", str(steps), "--ckpt-every", str(ckpt_every), "--micro-batch=2",
+            "--log-every", str(max(1, steps // 10)), "--warmup", "3"]
+    return gpt_job(example_script(), "gpt-ray", "tiny", args, gpus={"min": 2, "max": 3}, max_restarts=0,
+                   grace_s=20)
 
 
 def _events(c: TidalClient, job: str, kind: str) -> list[dict]:
@@ -87,9 +52,8 @@ def run(steps: int, ckpt_every: int, parallel: str, kill_at: float, timeout_s: f
     cluster = LocalRayCluster()
     plane = None
     try:
-        plane = EmbeddedPlane(
-            work / "state", "auto", PLANE_CONFIG, executor="ray", ray_address=cluster.cluster.address
-        )
+        plane = EmbeddedPlane(work / "state", "auto", PLANE_CONFIG, executor="ray",
+                              ray_address=cluster.cluster.address)
         url = plane.start()
         admin = TidalClient(url, plane.admin_token)
         say(f"control plane on {url}: {plane.plane.describe}")
@@ -106,13 +70,9 @@ def run(steps: int, ckpt_every: int, parallel: str, kill_at: float, timeout_s: f
             raise DemoError(f"timed out after {timeout_s:g} s waiting for {what}")
 
         kill_step = max(ckpt_every + 1, int(steps * kill_at))
-        wait(
-            "the job to train past the kill step with a checkpoint",
-            lambda: (
-                ((p := lab.job(job)["progress"]).get("step") or 0) >= kill_step
-                and (p.get("ckpt_step") or 0) > 0
-            ),
-        )
+        wait("the job to train past the kill step with a checkpoint",
+             lambda: ((p := lab.job(job)["progress"]).get("step") or 0) >= kill_step
+             and (p.get("ckpt_step") or 0) > 0)
         j = lab.job(job)
         placement = j["placement"]
         say(f"{job} runs on {placement} ({parallel}), step {j['progress']['step']}, newest checkpoint step "
@@ -130,36 +90,23 @@ def run(steps: int, ckpt_every: int, parallel: str, kill_at: float, timeout_s: f
         wait("the job to finish", lambda: lab.job(job)["state"] in ("succeeded", "failed", "cancelled"), 0.5)
         j = lab.job(job)
         records = attempt_records(plane.state_dir, job)
-        losses = [
-            (r["step"], r.get("loss")) for recs in records.values() for r in recs if r.get("event") == "step"
-        ]
+        losses = [(r["step"], r.get("loss")) for recs in records.values() for r in recs
+                  if r.get("event") == "step"]
         worlds = {}
         for a in records:
             doc = json.loads((plane.state_dir / "jobs" / job / f"attempt-{a}" / "launch.json").read_text())
             worlds[a] = doc["world_size"]
         d = rec["data"]
         summary = {
-            "job": job,
-            "state": j["state"],
-            "steps": steps,
-            "parallel": parallel,
-            "node_lost": big,
-            "detection_s": round(lost["time_s"] - t_kill, 3),
-            "recovery_s": round(d["recovery_s"], 3),
-            "restored_step": d["start_step"],
-            "restore_tier": d["restore_tier"],
-            "steps_redone": d["lost_steps"],
-            "world_sizes": worlds,
-            "restarts": j["restarts"],
-            "attempts": j["attempt"],
-            "loss_first": losses[0][1] if losses else None,
-            "loss_last": losses[-1][1] if losses else None,
-            "wall_s": round(time.time() - t_start, 1),
-        }
+            "job": job, "state": j["state"], "steps": steps, "parallel": parallel, "node_lost": big,
+            "detection_s": round(lost["time_s"] - t_kill, 3), "recovery_s": round(d["recovery_s"], 3),
+            "restored_step": d["start_step"], "restore_tier": d["restore_tier"],
+            "steps_redone": d["lost_steps"], "world_sizes": worlds, "restarts": j["restarts"],
+            "attempts": j["attempt"], "loss_first": losses[0][1] if losses else None,
+            "loss_last": losses[-1][1] if losses else None, "wall_s": round(time.time() - t_start, 1)}
         if j["state"] != "succeeded" or j["restarts"] != 0:
-            raise DemoError(
-                f"{job} ended {j['state']} ({j['message']}) after the node loss; summary {summary}"
-            )
+            raise DemoError(f"{job} ended {j['state']} ({j['message']}) after the node loss; "
+                            f"summary {summary}")
         return summary
     finally:
         if plane is not None:
@@ -178,41 +125,25 @@ def demo_ray(
     steps: Annotated[int, typer.Option(help="optimizer steps of the job")] = 60,
     ckpt_every: Annotated[int, typer.Option(help="checkpoint every N steps")] = 5,
     parallel: Annotated[str, typer.Option(help="ddp or fsdp (FSDP2), over gloo")] = "ddp",
-    kill_at: Annotated[
-        float, typer.Option(help="kill the node once this fraction of the steps is done")
-    ] = 0.4,
+    kill_at: Annotated[float, typer.Option(
+        help="kill the node once this fraction of the steps is done")] = 0.4,
     timeout: Annotated[float, typer.Option(help="give up after this many seconds")] = 600.0,
     json_out: Annotated[bool, typer.Option("--json", help="print the summary as JSON on stdout")] = False,
-    cycle: Annotated[
-        bool,
-        typer.Option(
-            "--cycle",
-            help="the day cycle of lending on a 4-node Ray cluster, "
-            "a node lost at night (tidal.demo.ray_cycle)",
-        ),
-    ] = False,
-    speedup: Annotated[
-        float | None,
-        typer.Option(
-            help="--cycle: serving seconds per second (default 360, 180 with --serve; at most 480: the "
-            "forecast's horizon must cover the scaled timing)",
-            show_default=False,
-        ),
-    ] = None,
+    cycle: Annotated[bool, typer.Option("--cycle", help="the day cycle of lending on a 4-node Ray "
+                                        "cluster, a node lost at night (tidal.demo.ray_cycle)")] = False,
+    speedup: Annotated[float | None, typer.Option(
+        help="--cycle: serving seconds per second (default 360, 180 with --serve; at most 480: the "
+        "forecast's horizon must cover the scaled timing)", show_default=False)] = None,
     hours: Annotated[float, typer.Option(help="--cycle: hours of serving time to replay")] = 14.0,
     start_hour: Annotated[float, typer.Option(help="--cycle: serving time of day to start at")] = 22.0,
     kill_hour: Annotated[float, typer.Option(help="--cycle: serving time of day to kill a node at")] = 2.0,
     jobs: Annotated[int, typer.Option(help="--cycle: elastic spot jobs")] = 2,
     max_ranks: Annotated[int, typer.Option(help="--cycle: largest size of each job")] = 2,
     keep: Annotated[bool, typer.Option("--keep", help="--cycle: keep the state dir")] = False,
-    serve: Annotated[
-        bool,
-        typer.Option(
-            "--serve",
-            help="--cycle: Ray Serve replicas (a toy model) on the serving nodes serve generated traffic "
-            "that follows the day (tidal.demo.serve_traffic); latency before/during/after the reclaims",
-        ),
-    ] = False,
+    serve: Annotated[bool, typer.Option(
+        "--serve", help="--cycle: Ray Serve replicas (a toy model) on the serving nodes serve generated "
+        "traffic that follows the day (tidal.demo.serve_traffic); latency before/during/after the "
+        "reclaims")] = False,
 ) -> None:
     """Node loss on Ray: a GPT job across a local 3-node Ray cluster loses a node and recovers on the rest
     (--cycle: a day of lending serving GPUs across Ray nodes, a node lost at night)."""
@@ -231,11 +162,8 @@ def demo_ray(
         err.print(f"[red]error:[/red] --parallel {parallel!r}: expected ddp or fsdp", highlight=False)
         raise typer.Exit(2)
     if not 0 < kill_at < 1 or steps < 2 * ckpt_every + 2 or ckpt_every < 1:
-        err.print(
-            f"[red]error:[/red] --steps {steps}, --ckpt-every {ckpt_every}, --kill-at {kill_at}: expected "
-            "0 < kill-at < 1 and steps >= 2 x ckpt-every + 2",
-            highlight=False,
-        )
+        err.print(f"[red]error:[/red] --steps {steps}, --ckpt-every {ckpt_every}, --kill-at {kill_at}: "
+                  "expected 0 < kill-at < 1 and steps >= 2 x ckpt-every + 2", highlight=False)
         raise typer.Exit(2)
     t0 = time.time()
 
@@ -251,17 +179,10 @@ def demo_ray(
     if json_out:
         print(json.dumps(s, indent=2))
         return
-    console.print(
-        f"\n[bold]{s['job']}[/bold] {s['state']}: {s['steps']} steps ({s['parallel']}), world sizes per "
-        f"attempt {s['world_sizes']}, restarts {s['restarts']}",
-        highlight=False,
-    )
-    console.print(
-        f"node {s['node_lost']} lost: noticed in [bold]{s['detection_s']:.2f} s[/bold], training again "
-        f"[bold]{s['recovery_s']:.2f} s[/bold] later from step {s['restored_step']} (tier "
-        f"{s['restore_tier']}), {s['steps_redone']} steps redone",
-        highlight=False,
-    )
-    console.print(
-        f"loss {s['loss_first']:.3f} -> {s['loss_last']:.3f}; wall {s['wall_s']:.0f} s", highlight=False
-    )
+    console.print(f"\n[bold]{s['job']}[/bold] {s['state']}: {s['steps']} steps ({s['parallel']}), world "
+                  f"sizes per attempt {s['world_sizes']}, restarts {s['restarts']}", highlight=False)
+    console.print(f"node {s['node_lost']} lost: noticed in [bold]{s['detection_s']:.2f} s[/bold], training "
+                  f"again [bold]{s['recovery_s']:.2f} s[/bold] later from step {s['restored_step']} (tier "
+                  f"{s['restore_tier']}), {s['steps_redone']} steps redone", highlight=False)
+    console.print(f"loss {s['loss_first']:.3f} -> {s['loss_last']:.3f}; wall {s['wall_s']:.0f} s",
+                  highlight=False)

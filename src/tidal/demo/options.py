@@ -1,20 +1,21 @@
-"""What the demos train and how ``tidal demo`` runs it: the GPT example (``examples/gpt/train.py``) and
-its model sizes (every demo), and the options of ``tidal demo`` (:mod:`tidal.demo.single` runs them,
-:mod:`tidal.demo.show` displays them)."""
+"""What the demos train: the GPT example (``examples/gpt/train.py``), its model sizes and its job spec
+(every demo); and the options of ``tidal demo``."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from tidal.contract import ENV_SHM_DIR
 from tidal.demo.plane import DemoError
 
 # Model sizes of examples/gpt/train.py. "small" takes about 0.1-0.2 s a step on 2 CPU ranks; "tiny" is
 # the test setting (a few ms of compute a step).
 SIZES: dict[str, dict[str, int]] = {
     "small": {"n-layer": 4, "n-head": 4, "n-embd": 128, "block": 64, "global-batch": 16},
-    "tiny": {"n-layer": 2, "n-head": 2, "n-embd": 32, "block": 32, "global-batch": 12},
-}
+    "tiny": {"n-layer": 2, "n-head": 2, "n-embd": 32, "block": 32, "global-batch": 12}}
 
 
 @dataclass(frozen=True)
@@ -37,8 +38,7 @@ class DemoOptions:
             raise DemoError(f"--parallel {self.parallel!r}: expected ddp or fsdp")
         if self.gpus < 2:
             raise DemoError(
-                f"--gpus {self.gpus}: the demo kills one rank of a gang, so it needs at least 2 slots"
-            )
+                f"--gpus {self.gpus}: the demo kills one rank of a gang, so it needs at least 2 slots")
         gb = SIZES[self.size]["global-batch"]
         if gb % self.gpus:
             ok = [n for n in range(2, gb + 1) if gb % n == 0]
@@ -80,3 +80,12 @@ def example_script() -> Path:
             return p
     raise DemoError("the GPT example examples/gpt/train.py was not found next to the tidal package nor under "
                     f"{Path.cwd()}: run `tidal demo` from a checkout of the repository")
+
+
+def gpt_job(script: Path, name: str, size: str, args: list[str], shm_dir: Path | None = None,
+            **fields: Any) -> dict[str, Any]:
+    """A ``kind: spot`` job of the GPT example: ``args`` and the model ``size``; ``fields`` (gpus,
+    max_restarts, grace_s, ...) as given; node memory in ``shm_dir`` when given."""
+    return {"name": name, "kind": "spot", **fields, "workdir": str(script.parents[2]),
+            "command": [sys.executable, str(script), *args, *(f"--{k}={v}" for k, v in SIZES[size].items())],
+            "env": {"OMP_NUM_THREADS": "1", **({ENV_SHM_DIR: str(shm_dir)} if shm_dir is not None else {})}}

@@ -1,6 +1,5 @@
-"""The machinery behind ``tidal demo`` (:mod:`tidal.demo.single`): an embedded control plane in this
-process, finding and SIGKILLing one rank of a running job, reading the attempts' progress files, and
-stopping every worker any attempt started. The demo's options, display and summary stay in ``demo``.
+"""The machinery behind the demos: an embedded control plane in this process, SIGKILLing one rank of a
+running job, reading the attempts' progress files, and stopping every worker any attempt started.
 """
 
 from __future__ import annotations
@@ -31,7 +30,6 @@ PLANE_CONFIG = ControlConfig(restart_backoff_s=1.0, hang_timeout_s=60.0, startup
                              kill_slack_s=5.0, loop_interval_s=0.25)
 
 
-# ------------------------------------------------------------------------------- the embedded plane
 class EmbeddedPlane:
     """The pieces of ``tidal up`` in this process: the API (uvicorn in a thread, on a free loopback
     port), the reconcile loop (a thread) and the local executor on ``gpus`` CPU slots."""
@@ -111,7 +109,6 @@ def kill_workers(state_dir: Path, wait_s: float = 10.0) -> list[int]:
     return killed
 
 
-# ------------------------------------------------------------------------------------ killing a rank
 @contextlib.contextmanager
 def uninterrupted():
     """Ignore SIGINT and SIGTERM inside (a second Ctrl-C must not cut a demo's clean-up short); only in
@@ -145,9 +142,8 @@ def _parent_pid(pid: int) -> int | None:
 
 
 def kill_rank(job: dict, rank: int) -> Kill | None:
-    """SIGKILL rank ``rank`` of the job's current attempt: its own process (not the shim), found from
-    the handle the API returns (``dir``: the attempt dir, where the shim wrote ``pid-<rank>.json``).
-    None if the rank has exited already (the API's view lags the ranks a little)."""
+    """SIGKILL rank ``rank`` of the job's current attempt: its own process (not the shim), from
+    ``pid-<rank>.json`` in the attempt dir the API names; None if it has exited already."""
     h = job.get("handle") or {}
     shims = {r["rank"]: r["pid"] for r in h.get("ranks", [])}
     if "dir" not in h or rank not in shims:
@@ -169,11 +165,9 @@ def kill_rank(job: dict, rank: int) -> Kill | None:
     except ProcessLookupError:
         return None
     return Kill(
-        rank, pid, shims[rank], job["attempt"], p.get("step") or 0, job.get("ckpt_step") or 0, time.time()
-    )
+        rank, pid, shims[rank], job["attempt"], p.get("step") or 0, job.get("ckpt_step") or 0, time.time())
 
 
-# ------------------------------------------------------------------------------------ the attempt files
 def attempt_records(state_dir: Path, job_id: str) -> dict[int, list[dict]]:
     """Rank 0's progress records of every attempt (``jobs/<job>/attempt-<n>/progress/``), by attempt."""
     out: dict[int, list[dict]] = {}

@@ -1,6 +1,5 @@
-"""A Ray cluster on this machine for the Ray demos (``tidal demo ray``: :mod:`tidal.demo.on_ray`, and its
-``--cycle``: :mod:`tidal.demo.ray_cycle`): a head and GPU nodes with declared GPUs, nodes lost and added
-by Tidal node name; and stdout kept for the summary while Ray prints on it."""
+"""A Ray cluster on this machine for the Ray demos: a head and GPU nodes with declared GPUs, nodes lost
+and added by Tidal node name; and stdout kept for the summary while Ray prints on it."""
 
 from __future__ import annotations
 
@@ -18,9 +17,8 @@ HEALTH = {"health_check_period_ms": 500, "health_check_timeout_ms": 500, "health
 
 
 class LocalRayCluster:
-    """GPU nodes (declared GPUs; ``nodes``: Tidal name -> GPUs) and a head, on this machine, with Ray's
-    token authentication (a fresh 0600 token file; ``tidal.exec.ray_auth.enable_local``);
-    ``remove``/``add`` by Tidal node name."""
+    """A head and GPU nodes (``nodes``: Tidal name -> declared GPUs) on this machine, with Ray's token
+    authentication; ``remove``/``add`` by Tidal node name."""
 
     def __init__(self, nodes: dict[str, int] | None = None) -> None:
         from tidal.exec.ray_auth import enable_local
@@ -43,8 +41,7 @@ class LocalRayCluster:
 
     def add(self, name: str) -> None:
         self.nodes[name] = self.cluster.add_node(
-            num_cpus=1, num_gpus=self.gpus[name], labels={self._label: name}, include_dashboard=False
-        )
+            num_cpus=1, num_gpus=self.gpus[name], labels={self._label: name}, include_dashboard=False)
 
     def remove(self, name: str) -> None:
         """The node is lost as a machine is: every process on it SIGKILLed at one instant (Ray's, the

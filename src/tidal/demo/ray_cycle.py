@@ -5,36 +5,18 @@ node lost in the night.
     tidal demo ray --cycle --serve          # ... Ray Serve replicas serving traffic, at 180x: ~7 min
     tidal demo ray --cycle --json           # the summary as JSON on stdout (the view on stderr)
 
-What ``tidal demo cycle`` does on one machine, here across the nodes of a Ray cluster started on this
-machine (``ray.cluster_utils.Cluster``, declared GPUs, health checks every 0.5 s): two training nodes
-``train-0``/``train-1`` (1 GPU each) and two serving nodes ``serve-0``/``serve-1`` (8 GPUs each),
-driven by an embedded control plane with the Ray executor and a checkpoint agent on every node. The
-serving side is the ``serving:`` block of the plane's config (:meth:`CycleOptions.serving`: the
-shipped daily profile replayed on ``serve-0``/``serve-1``; a serving node is the Ray node of that
-name), so another adapter built from that block plugs in unchanged. Elastic spot jobs (the GPT
-example, 1 to ``--max-ranks`` ranks) checkpoint to the peer tier (other nodes' memory) every
-``ckpt_every`` steps and to disk every ``DISK_EVERY``-th of those; at night they grow onto lent GPUs
-of the serving nodes, and before the morning rise they get reclaim notices and shrink off them.
+What ``tidal demo cycle`` does, across a Ray cluster on this machine: training nodes ``train-0`` and
+``train-1`` (1 GPU each), serving nodes ``serve-0`` and ``serve-1`` (8 GPUs each), the Ray executor and
+a checkpoint agent on every node. Jobs checkpoint to the peer tier (other nodes' memory) and, every
+``DISK_EVERY``-th save, to the plane's state directory, which every node sees.
 
-At ``--kill-hour`` (serving time) the training node of a job that spans nodes and has a step in the
-peer tier is killed as a machine dies - every process on it at one instant, its node memory deleted
-(:mod:`tidal.demo.node_loss`) - at a moment the other nodes' agents hold the job's newest committed
-step (its disk no newer one) and nothing newer is being written (the node is frozen for a look, and
-let go on when that does not hold; after ``LATE_S`` of serving time without such a moment, at any
-moment):
-the plane notices, stops the job's other ranks, requeues it, and it trains again on the rest,
-restored from that step in the surviving buddy's memory (the tier is in the ``recovered`` event).
-The moment matters because the disk tier is the plane's state directory, shared by the nodes: a step
-committed there outlives the node, and restore reads the newest step of any tier, so the disk wins
-whenever it holds a newer step (every ``DISK_EVERY``-th save and every attempt's first go there too,
-and an exit checkpoint waits only for the first tier to commit: the disk, when due). The node comes
-back once the job trains again.
-
-The summary is the single-machine day's (GPU-hours lent and used, shortfall, reclaims met, steps
-lost, the simulator beside it) plus the node loss: detection (from the kill), recovery (from
-detection to training again), the tier and step restored from, world sizes, steps redone. Exit code
-0 only if GPUs were lent, every return met its deadline, no GPU was counted twice, and the node loss
-was detected and recovered from.
+At ``--kill-hour`` the training node of a job that spans nodes is killed as a machine dies (every
+process at one instant, its node memory deleted: :mod:`tidal.demo.node_loss`), at a moment the other
+nodes' agents hold the job's newest committed step: restore reads the newest step of any tier, so the
+disk wins whenever it holds a newer one. After ``LATE_S`` of serving time without such a moment, any
+moment will do. The plane requeues the job, it trains again restored from the buddy's memory, and the
+node comes back. Exit code 0 only if GPUs were lent, every return met its deadline, no GPU was counted
+twice, and the node loss was detected and recovered from.
 """
 
 from __future__ import annotations
@@ -44,29 +26,17 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.live import Live
 
 from tidal.control.client import TidalClient
-from tidal.control.config import ControlConfig
 from tidal.control.loans import build_live_loans
 from tidal.demo import serve_traffic as st
-from tidal.demo.cycle import (
-    CycleOptions,
-    _double_counted,
-    _hhmm,
-    _ratio,
-    _summary,
-    print_summary,
-    simulate_same_day,
-    view,
-)
-from tidal.demo.cycle import (
-    job_spec as cycle_job_spec,
-)
+from tidal.demo.cycle import NARRATED, CycleOptions, _hhmm, _summary, play_day, print_summary, with_simulator
+from tidal.demo.cycle import job_spec as cycle_job_spec
 from tidal.demo.node_loss import kill_when_peer_newest, worth_a_look
 from tidal.demo.options import example_script
 from tidal.demo.plane import PLANE_CONFIG, DemoError, EmbeddedPlane, uninterrupted
@@ -78,9 +48,7 @@ DISK_EVERY = 3  # every 3rd save also goes to disk; the peer tier holds every on
 TENANT = "research"
 BACK_AFTER_S = 60.0
 SPEEDUP = 360.0  # the day's default speed-up (serving seconds per second)
-# ... with --serve: a job grows onto lent GPUs (a restart), loses its node and trains again (another) before
-# the morning's reclaims; a restart takes 20-40 s on two busy cores, 2-4 hours of serving time at 360x
-SERVE_SPEEDUP = 180.0
+SERVE_SPEEDUP = 180.0  # ... with --serve: two restarts of 20-40 s on two busy cores must fit in the night
 LATE_S = 4 * 3600.0  # serving seconds after the kill hour from which any moment (any checkpoint) will do
 
 
@@ -99,7 +67,7 @@ def job_spec(opts: CycleOptions, script: Path, ckpt_dir: Path, i: int) -> dict[s
 
 @dataclasses.dataclass
 class NodeLoss:
-    """The night's node loss as it happens (see the module docstring)."""
+    """The night's node loss as it happens."""
 
     at_s: float  # serving time to kill at
     node: str | None = None
@@ -118,19 +86,15 @@ class NodeLoss:
     looks: int = 0  # times the node was frozen for a look
 
     def bring_back(self, now_s: float) -> bool:
-        """The node returns once the job trains again (or a minute after the loss was noticed, if it does
-        not: the day goes on, the summary says so)."""
+        """The node returns once the job trains again (or a minute after the loss was noticed)."""
         if self.back or self.node is None or self.lost is None or (self.killer and self.killer.is_alive()):
             return False
         return self.recovered is not None or now_s - self.lost["time_s"] > BACK_AFTER_S
 
     def pick(self, jobs: list[dict], serving_s: float) -> tuple[str, dict] | None:
-        """A running job spanning nodes, one of them a training node, whose attempt has committed a step to
-        the peer tier (after ``LATE_S`` of serving time without one: a step committed to any tier by the
-        attempt will do). The attempt's own commit, not the job's newest checkpoint: a job that grew onto
-        lent GPUs restarted from its notice checkpoint (committed to one tier by the attempt before), and
-        killing the new attempt before it commits a step restores from that one, not from the peer tier;
-        its progress has no step per tier yet (``{}``)."""
+        """A running job spanning nodes, one a training node, whose attempt has committed a step to the peer
+        tier (after ``LATE_S``: to any tier). The attempt's own commit, not the job's newest checkpoint: a
+        new attempt killed before it commits restores from the one before, not from the peer tier."""
         late = serving_s >= self.at_s + LATE_S
         for j in jobs:
             pl = j.get("placement") or {}
@@ -147,16 +111,10 @@ class NodeLoss:
                 f"step per tier then: {self.tiers}{forced if self.forced else ''}")
 
     def summary(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "node": self.node,
-            "job": self.job,
-            "placement": self.placement,
-            "tiers": self.tiers,
-            "forced": self.forced,
-            "looks": self.looks,
-            "detected": self.lost is not None,
-            "recovered": self.recovered is not None,
-        }
+        out: dict[str, Any] = {"node": self.node, "job": self.job, "placement": self.placement,
+                               "tiers": self.tiers,
+                               "forced": self.forced, "looks": self.looks, "detected": self.lost is not None,
+                               "recovered": self.recovered is not None}
         if self.lost is not None and self.killed_s is not None:
             out["detection_s"] = round(self.lost["time_s"] - self.killed_s, 3)
             out["ckpt_step_at_loss"] = (self.lost.get("data") or {}).get("ckpt_step")
@@ -188,70 +146,45 @@ def run(opts: CycleOptions, kill_hour: float, console: Console, *, keep: bool = 
         serving = st.serving_config(opts, rate_trace, free_port())
     else:
         serving = opts.serving()  # the plane's serving: block; its adapter is built from it (control.loans)
-    cfg = ControlConfig(
-        **{
-            **{
-                f: getattr(PLANE_CONFIG, f)
-                for f in (
-                    "restart_backoff_s",
-                    "hang_timeout_s",
-                    "startup_timeout_s",
-                    "kill_slack_s",
-                    "loop_interval_s",
-                )
-            },
-            "serving": serving,
-        }
-    )
+    cfg = dataclasses.replace(PLANE_CONFIG, serving=serving)
     try:
         build_live_loans(serving)  # what tidal up would refuse, said before a cluster starts
     except (ValueError, OSError) as e:
         shutil.rmtree(sdir, ignore_errors=True)
         raise DemoError(f"serving: {e}") from None
     nodes = {**TRAINING, **serving_nodes(serving)}
-    console.print(
-        "[bold cyan]ray cycle[/bold cyan] starting a Ray cluster on this machine: "
-        + ", ".join(f"{n} ({g} GPU{'s' if g > 1 else ''})" for n, g in nodes.items()),
-        highlight=False,
-    )
+    say = _narrator(console)
+    say("starting a Ray cluster on this machine: "
+        + ", ".join(f"{n} ({g} GPU{'s' if g > 1 else ''})" for n, g in nodes.items()))
     try:
         cluster = LocalRayCluster(nodes)
     except BaseException:  # e.g. a node timed out starting on a busy machine: no state dir left behind
         shutil.rmtree(sdir, ignore_errors=True)
         raise
     plane: EmbeddedPlane | None = None
-    checks: list[str] = []
     try:
-        plane = EmbeddedPlane(
-            sdir / "state", "auto", cfg, executor="ray", ray_address=cluster.cluster.address, ckpt_agents=True
-        )
+        plane = EmbeddedPlane(sdir / "state", "auto", cfg, executor="ray", ckpt_agents=True,
+                              ray_address=cluster.cluster.address)
         if serve:
-            console.print(f"[bold cyan]ray cycle[/bold cyan] deploying Ray Serve application {st.APP} on "
-                          f"{', '.join(serving_nodes(serving))} ({serving.describe()})", highlight=False)
-            took = st.deploy(serving)
-            console.print(f"[bold cyan]ray cycle[/bold cyan] every replica healthy after {took:.0f} s",
-                          highlight=False)
+            say(f"deploying Ray Serve application {st.APP} on {', '.join(serving_nodes(serving))} "
+                f"({serving.describe()})")
+            say(f"every replica healthy after {st.deploy(serving):.0f} s")
             # traffic before the plane's first step (an idle router reads as no demand: everything lent)
             warm = st.Traffic(f"http://127.0.0.1:{serving.http_port}/",
                               st.trace_rate(sdir / "requests.csv", opts.start_s, 1e-9), 600.0)
             warm.start()
         url = plane.start()
         if warm is not None:
-            traffic = _start_traffic(plane, serving, sdir / "requests.csv", opts, console)
+            traffic = _start_traffic(plane, serving, sdir / "requests.csv", opts, say)
             warm.stop()
-        console.print(f"[bold cyan]ray cycle[/bold cyan] control plane up at {url} ({plane.plane.describe})",
-                      highlight=False)
+        say(f"control plane up at {url} ({plane.plane.describe})")
         admin = TidalClient(url, plane.admin_token)
         client = TidalClient(url, admin.create_tenant(TENANT)["token"])
         homes = {}  # job -> its disk tier
         for i in range(opts.jobs):
             home = plane.state_dir / "tenants" / TENANT / f"spot-{i}"
             homes[client.submit(job_spec(opts, script, home, i))["id"]] = home
-        ids = list(homes)
         t0 = time.monotonic()
-        s: dict = {}
-        jobs: list[dict] = []
-        seen = 0
         reclaim_s: float | None = None  # traffic seconds of the first reclaim notice
         ready_s: float | None = None  # ... and of serving ready again after the newest return
 
@@ -266,49 +199,31 @@ def run(opts: CycleOptions, kill_hour: float, console: Console, *, keep: bool = 
                 what += f"; training again {d['recovery_s']:.1f} s later from tier {d['restore_tier']}"
             return (("node loss", what),)
 
-        with Live(view({}, [], opts, 0.0, "tidal demo ray --cycle"), console=console, refresh_per_second=2,
-                  auto_refresh=console.is_terminal) as live:
-            while time.monotonic() - t0 < opts.wall_s:
-                s = client.serving()
-                jobs = [client.job(i) for i in ids]
-                checks += _double_counted(s, jobs)
-                for ev in admin.events(after=seen):
-                    seen = ev["id"]
-                    if ev["kind"] == "node_lost" and ev.get("job") == loss.job and loss.lost is None:
-                        loss.lost = ev
-                    if ev["kind"] == "recovered" and ev.get("job") == loss.job and loss.recovered is None:
-                        loss.recovered = ev
-                    if traffic is not None and ev["kind"] == "reclaim" and reclaim_s is None:
-                        reclaim_s = traffic.at(ev["time_s"])
-                    if traffic is not None and ev["kind"] == "serving_ready" and reclaim_s is not None:
-                        ready_s = traffic.at(ev["time_s"])
-                    if ev["kind"] in (
-                        "loan",
-                        "reclaim",
-                        "return",
-                        "serving_action_failed",
-                        "node_lost",
-                        "recovered",
-                        "node",
-                        "serving_ready",
-                        "serving_history",
-                    ) or (ev["kind"] == "transition" and ev.get("to") in ("resizing", "preempting")):
-                        console.print(f"[dim]{_hhmm(s.get('serving_time_s') or 0)}[/dim] "
-                                      f"{ev.get('job') or ''} {ev['message']}", highlight=False)
-                trying = loss.killer is not None and loss.killer.is_alive()
-                if loss.node is None and not trying and (s.get("serving_time_s") or 0) >= loss.at_s:
-                    _kill(loss, jobs, s["serving_time_s"], cluster, plane, homes)
-                if loss.node is not None and not loss.announced:
-                    loss.announced = True
-                    console.print(loss.announcement(), highlight=False)
-                if loss.node is not None and loss.bring_back(time.time()):  # (bring_back: a node was lost)
-                    cluster.add(loss.node)
-                    loss.back = True
-                    console.print(
-                        f"[bold cyan]ray cycle[/bold cyan] node {loss.node} comes back", highlight=False
-                    )
-                live.update(view(s, jobs, opts, time.monotonic() - t0, "tidal demo ray --cycle", extra()))
-                time.sleep(0.5)
+        def on_poll(s: dict, jobs: list[dict], events: list[dict]) -> None:
+            nonlocal reclaim_s, ready_s
+            for ev in events:
+                if ev["kind"] == "node_lost" and ev.get("job") == loss.job and loss.lost is None:
+                    loss.lost = ev
+                if ev["kind"] == "recovered" and ev.get("job") == loss.job and loss.recovered is None:
+                    loss.recovered = ev
+                if traffic is not None and ev["kind"] == "reclaim" and reclaim_s is None:
+                    reclaim_s = traffic.at(ev["time_s"])
+                if traffic is not None and ev["kind"] == "serving_ready" and reclaim_s is not None:
+                    ready_s = traffic.at(ev["time_s"])
+            trying = loss.killer is not None and loss.killer.is_alive()
+            if loss.node is None and not trying and (s.get("serving_time_s") or 0) >= loss.at_s:
+                _kill(loss, jobs, s["serving_time_s"], cluster, plane, homes)
+            if loss.node is not None and not loss.announced:
+                loss.announced = True
+                console.print(loss.announcement(), highlight=False)
+            if loss.node is not None and loss.bring_back(time.time()):  # (bring_back: a node was lost)
+                cluster.add(loss.node)
+                loss.back = True
+                say(f"node {loss.node} comes back")
+
+        kinds = NARRATED | {"node_lost", "recovered", "node", "serving_ready", "serving_history"}
+        s, jobs, checks = play_day(opts, console, client, admin, list(homes), "tidal demo ray --cycle", kinds,
+                                   on_poll, extra)
         summary = _summary(opts, s, jobs, admin, checks, time.monotonic() - t0)
         summary["nodes"] = nodes
         summary["node_loss"] = nl = loss.summary()
@@ -319,12 +234,7 @@ def run(opts: CycleOptions, kill_hour: float, console: Console, *, keep: bool = 
             summary["serve"] = sv = _serve_summary(traffic, warm, serving, s, reclaim_s, ready_s)
             summary["ok"] = bool(summary["ok"] and sv["ok"])
             demand = _trace_gpus(serving)
-        console.print("[dim]running the same day through the simulator...[/dim]")
-        summary["simulator"] = sim = simulate_same_day(opts, training_gpus=sum(TRAINING.values()),
-                                                       demand_gpus=demand)
-        summary["live_vs_sim"] = {k: _ratio(summary["live"][k], sim[k])
-                                  for k in ("loaned_gpu_hours", "used_gpu_hours", "shortfall_gpu_hours")}
-        return summary
+        return with_simulator(summary, opts, console, sum(TRAINING.values()), demand)
     finally:
         with uninterrupted():  # a second Ctrl-C must not cut the clean-up short
             for t in (warm, traffic):
@@ -348,10 +258,15 @@ def run(opts: CycleOptions, kill_hour: float, console: Console, *, keep: bool = 
                 console.print(f"state kept in {sdir}")
 
 
+def _narrator(console: Console) -> Callable[[str], None]:
+    def say(msg: str) -> None:
+        console.print(f"[bold cyan]ray cycle[/bold cyan] {msg}", highlight=False)
+    return say
+
+
 def _start_traffic(plane: EmbeddedPlane, serving: Any, rate_trace: Path, opts: CycleOptions,
-                   console: Console) -> st.Traffic:
-    """The load generator at the trace's rate from the serving clock's time now (the adapter's clock, which
-    starts at the plane's first step)."""
+                   say: Callable[[str], None]) -> st.Traffic:
+    """The load generator at the trace's rate from the serving clock's time now (the adapter's)."""
     from tidal.serving.ray_serve import RayServeAdapter
 
     loans = plane.plane.controller.loans
@@ -367,9 +282,8 @@ def _start_traffic(plane: EmbeddedPlane, serving: Any, rate_trace: Path, opts: C
     url = f"http://127.0.0.1:{serving.http_port}/"
     traffic = st.Traffic(url, st.trace_rate(rate_trace, now_serving, opts.speedup), opts.wall_s + 60.0)
     traffic.start()
-    console.print(f"[bold cyan]ray cycle[/bold cyan] traffic to {url}: Poisson at the trace's rate from "
-                  f"{_hhmm(now_serving)} at {opts.speedup:g}x ({traffic.rate(0.0):.1f} requests/s now)",
-                  highlight=False)
+    say(f"traffic to {url}: Poisson at the trace's rate from {_hhmm(now_serving)} at {opts.speedup:g}x "
+        f"({traffic.rate(0.0):.1f} requests/s now)")
     return traffic
 
 
@@ -415,10 +329,9 @@ def serving_nodes(serving: Any) -> dict[str, int]:
 def _kill(loss: NodeLoss, jobs: list[dict], serving_s: float, cluster: LocalRayCluster, plane: EmbeddedPlane,
           homes: dict[str, Path]) -> None:
     """Kill the training node of a job that qualifies (:meth:`NodeLoss.pick`) as a machine dies, at a
-    moment the other nodes' agents hold the job's newest checkpoint (after ``LATE_S`` of serving time
-    without one: at any moment), and delete its node memory. On a thread (the view goes on): it freezes
-    the node, looks, and kills it or lets it go on; looked at again once the job reports a new step in
-    the peer tier, its disk's no newer (each look stops the job for ``SETTLE_S``)."""
+    moment the other agents hold its newest checkpoint (after ``LATE_S``: any moment), and delete its node
+    memory; on a thread (the view goes on). A look stops the job, so one is taken only when the job
+    reports a new peer step its disk does not beat."""
     got = loss.pick(jobs, serving_s)
     if got is None:
         return  # asked again at the next poll
@@ -461,17 +374,12 @@ def print_node_loss(console: Console, out: dict) -> None:
                       "hour[/red]")
         return
     line = f"node {nl['node']} lost ({nl['job']} on {nl['placement']}): "
-    line += (
-        f"noticed in [bold]{nl['detection_s']:.2f} s[/bold]"
-        if nl.get("detection_s") is not None
-        else "NOT noticed"
-    )
+    seen = nl.get("detection_s")
+    line += f"noticed in [bold]{seen:.2f} s[/bold]" if seen is not None else "NOT noticed"
     if nl["recovered"]:
-        line += (
-            f", training again [bold]{nl['recovery_s']:.2f} s[/bold] later on {nl['world_size']} ranks "
-            f"(were {nl['was_world_size']}) from step {nl['restored_step']} (tier {nl['restore_tier']}), "
-            f"{nl['steps_redone']} steps redone"
-        )
+        line += (f", training again [bold]{nl['recovery_s']:.2f} s[/bold] later on {nl['world_size']} ranks "
+                 f"(were {nl['was_world_size']}) from step {nl['restored_step']} (tier "
+                 f"{nl['restore_tier']}), {nl['steps_redone']} steps redone")
     else:
         line += ", NOT recovered"
     console.print(line, highlight=False)
@@ -495,17 +403,8 @@ def print_serve(console: Console, sv: dict) -> None:
         console.print(f"[red]traffic: {why}[/red]", highlight=False)
 
 
-def main(
-    speedup: float,
-    hours: float,
-    start_hour: float,
-    kill_hour: float,
-    jobs: int,
-    max_ranks: int,
-    keep: bool,
-    json_out: bool,
-    serve: bool = False,
-) -> int:
+def main(speedup: float, hours: float, start_hour: float, kill_hour: float, jobs: int, max_ranks: int,
+         keep: bool, json_out: bool, serve: bool = False) -> int:
     """The ``--cycle`` variant of ``tidal demo ray``; the exit code."""
     import json
 

@@ -1,23 +1,17 @@
 """The serving side of ``tidal demo ray --cycle --serve``: Ray Serve replicas of a toy model on the serving
 nodes, serving generated traffic that follows the day's trace.
 
-* :func:`write_rate_trace`: the daily profile (its load, 0..1) with its night deepened (``NIGHT_DEPTH``)
-  times ``peak_rate_per_s``, repeated over the history days and the live day, written as a request-rate
-  CSV (``seconds,requests_per_second``) on the serving clock. One real file is both what the forecast
-  learns first (``serving.trace``) and what the load generator plays.
-* :func:`serving_config`: the ``serving:`` block (``adapter: ray-serve``, the toy
-  :class:`~tidal.serving.ray_serve_app.SleepModel`, the SLO) the plane is built with.
-* :func:`deploy`: the application deployed and every replica healthy *before* the plane's first step,
-  so the compressed day does not start while replicas are still starting (the plane then adopts it).
-* :class:`Traffic`: the open-loop Poisson load generator (:mod:`tidal.serving.loadgen`) at the trace's
-  rate played at the day's speed-up, on its own thread; :meth:`Traffic.phases` gives latency p50/p99 and
-  failed requests before the first reclaim notice, during the reclaims (until serving is ready again) and
-  after.
+:func:`write_rate_trace` writes one request-rate CSV on the serving clock (the profile, its night
+deepened), both what the forecast learns first and what the load generator plays; :func:`serving_config`
+is the plane's ``serving:`` block; :func:`deploy` has every replica healthy before the plane's first
+step; :class:`Traffic` is the open-loop load generator on its own thread, with latency and failures
+before, during and after the reclaims.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import threading
 import time
@@ -43,13 +37,10 @@ RATE_SMOOTHING_S = RATE_WINDOW_S  # the adapter's EWMA of the window's rate and 
 
 
 def write_rate_trace(opts: CycleOptions, path: Path, peak_rate_per_s: float = PEAK_RATE_PER_S) -> Path:
-    """The profile as requests/s over the history days and the live day (see the module docstring).
-
-    The night is deepened: the shipped profile only dips to 0.64 of its peak, which through the SLO's
-    Erlang C needs 12 of the 16 GPUs until 08:00, so the margin on a measured demand left GPUs to lend only
-    from about 02:50, too late on two busy cores for a job to grow onto them, lose a node and train again
-    (two restarts of 20-30 s, 2-3 hours of serving time each at 360x) before the morning's reclaims.
-    Deepened, the night needs 12 GPUs at 00:00, 10 at 01:00 and 6-8 from 02:00 until the rise at 10:00."""
+    """The profile as requests/s over the history days and the live day. The night is deepened: the
+    shipped profile dips only to 0.64 of its peak, which leaves GPUs to lend from about 02:50, too late on
+    two busy cores for a job to grow, lose a node and train again before the morning's reclaims; deepened,
+    the night needs 6-8 of the 16 GPUs from 02:00 until the rise at 10:00."""
     raw = np.loadtxt(opts.trace or PROFILE, delimiter=",", skiprows=1, ndmin=2)
     t, load = raw[:, 0] - raw[0, 0], raw[:, 1] / raw[:, 1].max()
     load = np.maximum(NIGHT_FLOOR, 1.0 - NIGHT_DEPTH * (1.0 - load))
@@ -63,15 +54,11 @@ def write_rate_trace(opts: CycleOptions, path: Path, peak_rate_per_s: float = PE
 
 def serving_config(opts: CycleOptions, rate_trace: Path, port: int) -> WatchConfig:
     """The plane's ``serving:`` block for the Serve variant of the day (the replay variant's timing)."""
-    return WatchConfig(
-        adapter="ray-serve", app=APP, deployment=DEPLOYMENT, init_kwargs={"service_s": SERVICE_S},
-        nodes=opts.serving_nodes, gpus_per_replica=GPUS_PER_REPLICA, latency_target_s=LATENCY_TARGET_S,
-        service_rate_per_replica=1.0 / SERVICE_S, rate_window_s=RATE_WINDOW_S,
-        rate_smoothing_s=RATE_SMOOTHING_S, http_port=port,
-        speedup=opts.speedup, start_s=opts.start_s, trace=str(rate_trace),
-        history_days=float(opts.history_days), shortfall_budget=opts.shortfall_budget, grace_s=opts.grace_s,
-        final_checkpoint_s=opts.final_checkpoint_s, release_s=opts.release_s, warmup_s=opts.warmup_s,
-        restart_cost_s=opts.restart_cost_s)
+    return dataclasses.replace(
+        opts.serving(), adapter="ray-serve", app=APP, deployment=DEPLOYMENT, trace=str(rate_trace),
+        init_kwargs={"service_s": SERVICE_S}, gpus_per_replica=GPUS_PER_REPLICA, http_port=port,
+        latency_target_s=LATENCY_TARGET_S, service_rate_per_replica=1.0 / SERVICE_S,
+        rate_window_s=RATE_WINDOW_S, rate_smoothing_s=RATE_SMOOTHING_S)
 
 
 def deploy(cfg: WatchConfig, timeout_s: float = 240.0) -> float:

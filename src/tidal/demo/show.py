@@ -33,28 +33,24 @@ def event_line(e: dict) -> str:
 
 def _tiers(p: dict) -> str:
     tiers = p.get("tiers") or {}
-    return (
-        " · ".join(f"{t} step {v[0]}" for t, v in sorted(tiers.items(), key=lambda kv: kv[0] != "shm"))
-        or "none yet"
-    )
+    shm_first = sorted(tiers.items(), key=lambda kv: kv[0] != "shm")
+    return " · ".join(f"{t} step {v[0]}" for t, v in shm_first) or "none yet"
 
 
 def _fmt(v: Any, fmt: str = "{:g}", none: str = "-") -> str:
     return none if v is None else fmt.format(v)
 
 
-def status_panel(
-    j: dict, opts: DemoOptions, elapsed_s: float, kill: Kill | None, initial_loss: float | None
-) -> Panel:
+def status_panel(j: dict, opts: DemoOptions, elapsed_s: float, kill: Kill | None, initial_loss: float | None
+                 ) -> Panel:
     p, r = j.get("progress") or {}, j["report"]
     now_step = p.get("step")
     step: int = now_step if now_step is not None else (p.get("start_step") or 0)
     g = Table.grid(padding=(0, 2))
     g.add_column(style="bold", no_wrap=True)
     g.add_column()
-    g.add_row(
-        "job", f"{j['id']}: spot, {opts.gpus} ranks ({opts.parallel.upper()} over gloo), tenant {j['tenant']}"
-    )
+    g.add_row("job",
+              f"{j['id']}: spot, {opts.gpus} ranks ({opts.parallel.upper()} over gloo), tenant {j['tenant']}")
     g.add_row("state", f"{_state(j['state'])}, attempt {j['attempt']}")
     bar = Table.grid(padding=(0, 1))
     bar.add_row(ProgressBar(total=opts.steps, completed=step, width=40), f"step {step}/{opts.steps}")
@@ -88,43 +84,25 @@ def summary_table(s: dict) -> Table:
     t = Table(title=f"tidal demo: {s['job']} {s['state']}", show_header=False, title_style="bold")
     t.add_column(style="bold", no_wrap=True)
     t.add_column()
-    t.add_row(
-        "steps", f"{_fmt(s['final_step'])} of {s['steps']} ({s['parallel'].upper()} on {s['ranks']} ranks)"
-    )
-    t.add_row(
-        "loss",
-        f"{_fmt(s['initial_loss'], '{:.3f}')} at the first step -> {_fmt(s['final_loss'], '{:.3f}')} "
-        "at the last",
-    )
+    t.add_row("steps",
+              f"{_fmt(s['final_step'])} of {s['steps']} ({s['parallel'].upper()} on {s['ranks']} ranks)")
+    t.add_row("loss", f"{_fmt(s['initial_loss'], '{:.3f}')} at the first step -> "
+                      f"{_fmt(s['final_loss'], '{:.3f}')} at the last")
     k = s["killed"]
     t.add_row("killed", "nothing" if k is None else f"rank {k['rank']} (pid {k['pid']}, child of shim pid "
                         f"{k['shim_pid']}; SIGKILL) in attempt {k['attempt']}, which had reached step "
                         f"{_fmt(k['reached_step'])} (step {k['at_step']} was the last reported)")
     t.add_row("restarts", f"{s['restarts']} ({s['attempts']} attempts)")
-    resumed = (
-        "-"
-        if s["resumed_from_step"] is None
-        else f"checkpoint step {s['resumed_from_step']}"
-        + (
-            f" (tier {s['restore_tier']}, read in {s['restore_s']:.2f} s)"
-            if s["restore_tier"]
-            else " (nothing restored)"
-        )
-    )
+    how = (f" (tier {s['restore_tier']}, read in {s['restore_s']:.2f} s)" if s["restore_tier"]
+           else " (nothing restored)")
+    resumed = "-" if s["resumed_from_step"] is None else f"checkpoint step {s['resumed_from_step']}{how}"
     t.add_row("resumed from", resumed)
-    t.add_row(
-        "time to recover", f"{_fmt(s['recovery_s'], '{:.1f} s')} (kill -> first step of the next attempt)"
-    )
-    t.add_row(
-        "steps recomputed",
-        f"{_fmt(s['steps_recomputed'])} (reached - resumed); the platform's lost-work "
-        f"account: {s['lost_steps']} steps, {s['lost_work_s']:.1f} s",
-    )
-    t.add_row(
-        "ETTR",
-        f"{_fmt(s['ettr'], '{:.2f}')} (productive {s['productive_s']:.1f} s of {s['held_s']:.1f} s "
-        "holding GPUs)",
-    )
+    t.add_row("time to recover",
+              f"{_fmt(s['recovery_s'], '{:.1f} s')} (kill -> first step of the next attempt)")
+    t.add_row("steps recomputed", f"{_fmt(s['steps_recomputed'])} (reached - resumed); the platform's "
+                                  f"lost-work account: {s['lost_steps']} steps, {s['lost_work_s']:.1f} s")
+    t.add_row("ETTR", f"{_fmt(s['ettr'], '{:.2f}')} (productive {s['productive_s']:.1f} s of "
+                      f"{s['held_s']:.1f} s holding GPUs)")
     for tier, steps in s["checkpoints"].items():
         t.add_row(f"checkpoints ({tier})", f"{len(steps)}: steps {', '.join(map(str, steps))}")
     t.add_row("checkpoint stall", _fmt(s["ckpt_stall_median_s"] and s["ckpt_stall_median_s"] * 1000,

@@ -4,27 +4,13 @@
     tidal demo --steps 200 --json               # the summary as JSON on stdout (the narration on stderr)
     tidal demo --keep                           # keep the state dir (database, logs, checkpoints)
 
-In order:
-
-1. Start an embedded control plane, the same pieces as ``tidal up`` (REST API under uvicorn on a
-   free loopback port, the reconcile loop, the local executor on ``--gpus`` CPU slots), in this
-   process, with a temporary state dir and a temporary node-memory (``/dev/shm``) dir.
-2. Create a tenant and submit the GPT example (``examples/gpt/train.py``) as a ``kind: spot`` job on
-   every slot (DDP or FSDP2 over gloo) that checkpoints every ``--ckpt-every`` steps.
-3. Show its progress live by polling the API: state, step, loss, samples/s, the newest committed
-   checkpoint per tier, restarts, lost work, ETTR; and each event of the job's log as it appears.
-4. Midway, SIGKILL one rank: the rank's own pid, read from the attempt dir that the job's handle in
-   the API names (``pid-<rank>.json``, checked to be a child of that rank's shim). The platform sees
-   the rank die, kills the rest of the gang, backs off, relaunches, and the new attempt restores the
-   newest committed checkpoint.
-5. Run to the end and print a summary: steps, loss at the first and last step, restarts, steps
-   recomputed and lost work, ETTR, checkpoint steps per tier, time from the kill to training again,
-   wall time.
-
-The exit code is 0 only if the job succeeded *after really recovering*: at least one restart, a
-restore from a checkpoint step > 0, and the requested step reached. Everything started here (the
-server and loop threads, every worker of every attempt, by pid and start time) is stopped on the
-way out, also on Ctrl-C, SIGTERM or an error; the temporary dirs are removed unless ``--keep``.
+An embedded control plane (the pieces of ``tidal up``) runs the GPT example as a spot job on ``--gpus``
+CPU slots, checkpointing every ``--ckpt-every`` steps, and the demo shows its progress and events
+live. Midway it SIGKILLs one rank (its own pid, from the attempt dir the API names, checked to be a
+child of that rank's shim); the platform restarts the gang from the newest committed checkpoint. Exit
+code 0 only if the job succeeded after a restart that restored a step > 0. Everything started here is
+stopped on the way out, also on Ctrl-C, SIGTERM or an error; the temporary dirs are removed unless
+``--keep``.
 """
 
 from __future__ import annotations
@@ -48,11 +34,10 @@ from rich.console import Console
 from rich.live import Live
 from rich.markup import escape
 
-from tidal.contract import ENV_SHM_DIR
 from tidal.control.auth import ADMIN_TOKEN_FILE
 from tidal.control.client import ApiError, TidalClient
 from tidal.control.dashboard import dashboard_url
-from tidal.demo.options import SIZES, DemoOptions, example_script
+from tidal.demo.options import SIZES, DemoOptions, example_script, gpt_job
 from tidal.demo.plane import (
     DemoError,
     EmbeddedPlane,
@@ -65,28 +50,22 @@ from tidal.demo.plane import (
 from tidal.demo.show import _clock, _fmt, _tiers, event_line, progress_line, status_panel, summary_table
 
 TERMINAL = ("succeeded", "failed", "cancelled")
-QUIET_EVENTS = frozenset(
-    {"ckpt_interval"}
-)  # in the JSON summary, not narrated: the demo checkpoints by steps
-# A pause after each step of the tiny model (a few ms of compute a step on a quiet machine), so the
-# run lasts long enough for the demo to see it and kill a rank midway.
+QUIET_EVENTS = frozenset({"ckpt_interval"})  # in the summary, not narrated: the demo checkpoints by steps
+# A pause after each step of the tiny model (a few ms of compute a step), so that the run lasts long
+# enough for the demo to kill a rank midway.
 TINY_STEP_PAUSE_S = 0.05
+
+
 def job_spec(opts: DemoOptions, script: Path, shm_dir: Path) -> dict[str, Any]:
     """The demo's job: the GPT example as a spot gang on every slot, a checkpoint every few steps."""
-    model = SIZES[opts.size]
-    args = [f"--{k}={v}" for k, v in model.items()]
-    args.append(f"--micro-batch={model['global-batch'] // opts.gpus}")  # one micro-batch per rank
+    args = ["--parallel", opts.parallel, "--steps", str(opts.steps), "--ckpt-every", str(opts.ckpt_every),
+            "--log-every", str(max(1, opts.steps // 20)), "--warmup", str(max(1, min(10, opts.steps // 10))),
+            f"--micro-batch={opts.global_batch // opts.gpus}"]  # one micro-batch per rank
     if opts.size == "tiny":
         args.append(f"--step-pause-s={TINY_STEP_PAUSE_S}")
-    return {"name": "gpt-demo", "kind": "spot", "gpus": opts.gpus, "max_restarts": 3, "grace_s": 10,
-            "workdir": str(script.parents[2]),
-            "command": [sys.executable, str(script), "--parallel", opts.parallel, "--steps", str(opts.steps),
-                        "--ckpt-every", str(opts.ckpt_every), "--log-every", str(max(1, opts.steps // 20)),
-                        "--warmup", str(max(1, min(10, opts.steps // 10))), *args],
-            "env": {"OMP_NUM_THREADS": "1", ENV_SHM_DIR: str(shm_dir)}}
+    return gpt_job(script, "gpt-demo", opts.size, args, shm_dir, gpus=opts.gpus, max_restarts=3, grace_s=10)
 
 
-# -------------------------------------------------------------------------------------------- the run
 @dataclass
 class Watch:
     """What the poll loop has seen."""
@@ -120,28 +99,19 @@ def run_demo(
         say = _narrator(console)
         say(f"control plane up at {url} ({plane.plane.describe}); state in {sdir}")
         say(f"  (in another terminal: TIDAL_STATE_DIR={sdir} tidal events -f)", style="dim")
-        say(
-            f"  dashboard: {dashboard_url(url)} (sign in with the token in {sdir / ADMIN_TOKEN_FILE})",
-            style="dim",
-        )
+        say(f"  dashboard: {dashboard_url(url)} (sign in with the token in {sdir / ADMIN_TOKEN_FILE})",
+            style="dim")
         admin = TidalClient(url, plane.admin_token)
         tenant = admin.create_tenant("research", quota_gpus=0, weight=1.0)
         client = TidalClient(url, tenant["token"])
-        spec = job_spec(opts, script, shm_dir)
-        job = client.submit(spec)
-        job_id = job["id"]
+        job_id = client.submit(job_spec(opts, script, shm_dir))["id"]
         m = SIZES[opts.size]
-        say(
-            f"submitted [bold]{job_id}[/bold] as tenant research: the GPT example ({opts.size}: "
+        say(f"submitted [bold]{job_id}[/bold] as tenant research: the GPT example ({opts.size}: "
             f"{m['n-layer']} layers, d={m['n-embd']}, {m['global-batch']} x {m['block']} bytes a step), "
-            f"kind spot, {opts.gpus} "
-            f"ranks, {opts.steps} steps, a checkpoint every {opts.ckpt_every} steps (node memory, then disk)"
-        )
-        say(
-            f"plan: a few steps after step {opts.kill_step}, SIGKILL rank {opts.rank_to_kill} as if its GPU "
-            "died; "
-            "the platform must restart the gang from the newest checkpoint"
-        )
+            f"kind spot, {opts.gpus} ranks, {opts.steps} steps, a checkpoint every {opts.ckpt_every} steps "
+            "(node memory, then disk)")
+        say(f"plan: a few steps after step {opts.kill_step}, SIGKILL rank {opts.rank_to_kill} as if its GPU "
+            "died; the platform must restart the gang from the newest checkpoint")
         w, j = _watch(client, job_id, opts, console, say, plane.state_dir, t0)
         wall_s = time.monotonic() - t0
         if j["state"] != "succeeded":  # the state dir may be gone soon: show why, from the ranks' own output
@@ -153,12 +123,10 @@ def run_demo(
         with uninterrupted():  # a second Ctrl-C (or a SIGTERM) must not cut the clean-up short
             if plane is not None:
                 killed = plane.stop()
-                if killed:
-                    console.print(
-                        ("" if console.is_terminal else "\n")  # a file's last live render has no newline
-                        + f"[dim]stopped {len(killed)} worker process groups (pids {killed})[/dim]",
-                        highlight=False,
-                    )
+                if killed:  # (a file's last live render has no newline)
+                    console.print(("" if console.is_terminal else "\n")
+                                  + f"[dim]stopped {len(killed)} worker process groups (pids {killed})[/dim]",
+                                  highlight=False)
             shutil.rmtree(shm_dir, ignore_errors=True)
             if own_state and not keep:
                 shutil.rmtree(sdir, ignore_errors=True)
@@ -237,9 +205,8 @@ def _due(j: dict, opts: DemoOptions) -> bool:
 def _narrate_progress(j: dict, w: Watch, opts: DemoOptions, say, state_dir: Path) -> None:
     p = j.get("progress") or {}
     if w.initial_loss is None and p.get("step"):
-        first = next(
-            (r for r in attempt_records(state_dir, j["id"]).get(1, []) if r.get("event") == "step"), None
-        )
+        recs = attempt_records(state_dir, j["id"]).get(1, [])
+        first = next((r for r in recs if r.get("event") == "step"), None)
         w.initial_loss = first.get("loss") if first else None
     if j["state"] == "running" and j["attempt"] not in w.running_attempts and p.get("step"):
         w.running_attempts.add(j["attempt"])
@@ -256,11 +223,8 @@ def _narrate_progress(j: dict, w: Watch, opts: DemoOptions, say, state_dir: Path
             reached = reached_step(attempt_records(state_dir, j["id"]).get(w.kill.attempt, []))
             redo = f" (attempt {w.kill.attempt} had reached step {reached}: {reached - start} to recompute)" \
                 if reached is not None else ""
-            say(
-                f"[bold green]recovered[/bold green]: attempt {j['attempt']} restored checkpoint step "
-                f"{start}{how}"
-                f"{redo}; training again {after:.1f} s after the kill"
-            )
+            say(f"[bold green]recovered[/bold green]: attempt {j['attempt']} restored checkpoint step "
+                f"{start}{how}{redo}; training again {after:.1f} s after the kill")
     ck = j.get("ckpt_step") or 0
     if ck > w.announced_ckpt:
         w.announced_ckpt = ck
@@ -269,7 +233,6 @@ def _narrate_progress(j: dict, w: Watch, opts: DemoOptions, say, state_dir: Path
             + (f"; training paused {stall * 1000:.0f} ms for it" if stall is not None else ""), style="")
 
 
-# ------------------------------------------------------------------------------------------ the summary
 def summarize(j: dict, w: Watch, opts: DemoOptions, state_dir: Path, wall_s: float, kept: bool) -> dict:
     """The demo's outcome as a JSON-able dict, from the API's view of the job and its attempt files."""
     recs = attempt_records(state_dir, j["id"])
@@ -289,9 +252,7 @@ def summarize(j: dict, w: Watch, opts: DemoOptions, state_dir: Path, wall_s: flo
     after = {a: rs for a, rs in recs.items() if k is not None and a > k.attempt}
     restore = next((r for a in after.values() for r in a if r.get("event") == "restore"), None)
     next_step = next((r for a in after.values() for r in a if r.get("event") == "step"), None)
-    for a in (
-        recs.values()
-    ):  # a step restored from a tier was committed there (its record may have died with the rank)
+    for a in recs.values():  # a step restored from a tier was committed there (its record may have died)
         for r in a:
             if r.get("event") == "restore" and r.get("tier") and r.get("step"):
                 ckpts.setdefault(r["tier"], set()).add(int(r["step"]))
@@ -300,47 +261,23 @@ def summarize(j: dict, w: Watch, opts: DemoOptions, state_dir: Path, wall_s: flo
     rep = j["report"]
     final_step = (j.get("progress") or {}).get("step")
     out: dict[str, Any] = {
-        "job": j["id"],
-        "state": j["state"],
-        "succeeded": j["state"] == "succeeded",
-        "steps": opts.steps,
-        "final_step": final_step,
-        "initial_loss": first.get("loss") if first else None,
-        "final_loss": last.get("loss") if last else None,
-        "restarts": rep["restarts"],
+        "job": j["id"], "state": j["state"], "succeeded": j["state"] == "succeeded", "steps": opts.steps,
+        "final_step": final_step, "initial_loss": first.get("loss") if first else None,
+        "final_loss": last.get("loss") if last else None, "restarts": rep["restarts"],
         "attempts": j["attempt"],
-        "killed": None
-        if k is None
-        else {
-            "rank": k.rank,
-            "pid": k.pid,
-            "shim_pid": k.shim_pid,
-            "attempt": k.attempt,
-            "at_step": k.at_step,
-            "ckpt_step": k.ckpt_step,
-            "reached_step": reached,
-        },
-        "resumed_from_step": resumed,
-        "restore_tier": restore.get("tier") if restore else None,
+        "killed": None if k is None else {"rank": k.rank, "pid": k.pid, "shim_pid": k.shim_pid,
+                                          "attempt": k.attempt, "at_step": k.at_step,
+                                          "ckpt_step": k.ckpt_step, "reached_step": reached},
+        "resumed_from_step": resumed, "restore_tier": restore.get("tier") if restore else None,
         "restore_s": restore.get("duration_s") if restore else None,
         "recovery_s": (next_step["time"] - k.time_s) if (next_step and k) else None,
         "steps_recomputed": (reached - resumed) if (reached is not None and resumed is not None) else None,
-        "lost_steps": rep["lost_steps"],
-        "lost_work_s": rep["lost_work_s"],
-        "ettr": rep["ettr"],
-        "held_s": rep["held_s"],
-        "productive_s": rep["productive_s"],
+        **{k: rep[k] for k in ("lost_steps", "lost_work_s", "ettr", "held_s", "productive_s")},
         "checkpoints": {t: sorted(s) for t, s in sorted(ckpts.items())},
-        "ckpt_stall_median_s": statistics.median(stalls) if stalls else None,
-        "model": dict(SIZES[opts.size]),
-        "parallel": opts.parallel,
-        "ranks": opts.gpus,
-        "wall_s": round(wall_s, 2),
-        "events": [
-            (f"{e['from'] or 'new'} -> {e['to']}" if e["kind"] == "transition" else e["kind"])
-            + f": {e['message']}"
-            for e in w.events
-        ],
+        "ckpt_stall_median_s": statistics.median(stalls) if stalls else None, "model": dict(SIZES[opts.size]),
+        "parallel": opts.parallel, "ranks": opts.gpus, "wall_s": round(wall_s, 2),
+        "events": [(f"{e['from'] or 'new'} -> {e['to']}" if e["kind"] == "transition" else e["kind"])
+                   + f": {e['message']}" for e in w.events],
         "state_dir": str(state_dir) if kept else None,
     }
     problems = []
@@ -351,9 +288,8 @@ def summarize(j: dict, w: Watch, opts: DemoOptions, state_dir: Path, wall_s: flo
     if rep["restarts"] < 1:
         problems.append("the platform never restarted the job")
     if not out["resumed_from_step"]:
-        problems.append(
-            "the restarted attempt did not restore a checkpoint step > 0 (it started from scratch)"
-        )
+        problems.append("the restarted attempt did not restore a checkpoint step > 0 "
+                        "(it started from scratch)")
     if final_step != opts.steps:
         problems.append(f"the job reached step {final_step}, not {opts.steps}")
     out["problems"] = problems
@@ -361,29 +297,23 @@ def summarize(j: dict, w: Watch, opts: DemoOptions, state_dir: Path, wall_s: flo
     return out
 
 
-# -------------------------------------------------------------------------------------- the command
 def demo(
     ctx: typer.Context,
     steps: Annotated[int, typer.Option(help="optimizer steps of the job")] = 300,
     ckpt_every: Annotated[int, typer.Option(help="checkpoint every N steps")] = 25,
-    gpus: Annotated[
-        int, typer.Option(help="CPU slots of the embedded plane; the job runs on all of them")
-    ] = 2,
+    gpus: Annotated[int, typer.Option(
+        help="CPU slots of the embedded plane; the job runs on all of them")] = 2,
     parallel: Annotated[str, typer.Option(help="ddp or fsdp (FSDP2), over gloo")] = "ddp",
     size: Annotated[str, typer.Option(help="model size: small (the demo) or tiny (tests)")] = "small",
     kill_at: Annotated[float, typer.Option(help="kill a rank once this fraction of the steps is done")] = 0.5,
     kill_rank: Annotated[int | None, typer.Option(help="which rank to kill (default: the last)")] = None,
     timeout: Annotated[float, typer.Option(help="give up after this many seconds")] = 600.0,
-    state_dir: Annotated[
-        Path | None, typer.Option(help="use this state dir (kept) instead of a temporary one")
-    ] = None,
-    keep: Annotated[
-        bool, typer.Option("--keep", help="keep the temporary state dir and print its path")
-    ] = False,
-    json_out: Annotated[
-        bool,
-        typer.Option("--json", help="print the summary as JSON on stdout (the narration goes to stderr)"),
-    ] = False,
+    state_dir: Annotated[Path | None, typer.Option(
+        help="use this state dir (kept) instead of a temporary one")] = None,
+    keep: Annotated[bool, typer.Option(
+        "--keep", help="keep the temporary state dir and print its path")] = False,
+    json_out: Annotated[bool, typer.Option(
+        "--json", help="print the summary as JSON on stdout (the narration goes to stderr)")] = False,
 ) -> None:
     """The platform end to end: a spot GPT job loses a rank midway and recovers from its checkpoint.
 

@@ -1,13 +1,6 @@
-"""What the checkpoint agents hold of jobs (the peer tier), seen and freed from the control plane.
-
-    held_jobs(addresses)            # namespace -> the agents holding a step of it
-    free_job(addresses, namespace)  # every step of it removed at every agent (each forwards to its buddy)
-
-A job's steps in the agents are named by its peer namespace (``tidal.ckpt.tiers.peer``: derived from
-the job's checkpoint location), not by its id. The plane's sweep (``tidal.control.node_memory``) maps
-namespaces to the jobs whose tiers name them and frees those of ended jobs. An agent that does not
-answer is skipped: what it holds is freed at a later sweep (its buddy may meanwhile get it back by
-resync, and is freed again). Standard library and the agents' HTTP client only.
+"""What the checkpoint agents hold of jobs (the peer tier), seen (:func:`held_jobs`) and freed
+(:func:`free_job`) from the control plane, by the job's peer namespace (``tidal.ckpt.tiers.peer``), not
+its id. An agent that does not answer is skipped: a later sweep frees what it holds.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """A memory limit per rank, through the kernel's memory cgroup (v2 when it is there, else v1).
 
-``isolation.max_memory_bytes`` caps what one rank may use: its anonymous memory and the pages it
-touches first, its shared-memory staging slots included (tmpfs pages are charged to the cgroup that
-first wrote them, so budget for the state twice over, plus the model). Over the limit, the kernel's
-OOM killer ends the rank (SIGKILL) and the shim says so in the rank's log.
-
-``tidal up`` finds a memory cgroup it may create children in, below its own (``/proc/self/cgroup``),
-and refuses to start, in one line saying why, when there is none: a limit the user asked for is
-never silently dropped. Each rank gets ``<that>/tidal-<hash of the jobs dir>/<job>-a<attempt>-r<rank>``,
-which its shim creates, joins before starting the rank (the rank inherits it) and removes after.
+``isolation.max_memory_bytes`` caps one rank's memory, its shared-memory staging slots included (tmpfs
+pages are charged to the cgroup that first wrote them); over it the OOM killer ends the rank and the
+shim says so in its log. ``tidal up`` refuses to start, in one line, without a memory cgroup below its
+own that it may create children in: a limit asked for is never dropped. Each rank gets
+``<that>/tidal-<hash of the jobs dir>/<job>-a<attempt>-r<rank>``, made and removed by its shim.
 """
 
 from __future__ import annotations
@@ -35,8 +31,7 @@ class MemoryCgroups:
 
 
 def _own_path(controller: str, proc_cgroup: str) -> str | None:
-    """This process's cgroup path for ``controller`` ("" = the v2 unified hierarchy) from
-    /proc/self/cgroup."""
+    """This process's cgroup path for ``controller`` ("": the v2 unified hierarchy)."""
     for line in proc_cgroup.splitlines():
         parts = line.split(":", 2)
         if len(parts) == 3 and (controller in parts[1].split(",") if controller else parts[1] == ""):

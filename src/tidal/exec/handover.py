@@ -1,30 +1,17 @@
-"""Handing a checkpoint location over to the uid of the job that takes it over (``checkpoint: {resume_from:
-JOB}`` with ``isolation: {uid_base, per: job}``; docs/control.md, Isolation).
+"""Handing a checkpoint location over to the uid of the job that takes it over (``resume_from`` with
+``isolation: {uid_base, per: job}``; docs/control.md, Isolation).
 
-The ended job's uid owns the location's directories and files (0700/0600), so the new job's uid could
-neither read its steps nor write its own. Before the new job's ranks start, the executor (root) changes
-the owner of what the earlier job's uid owns in the location to the new job's uid, and nothing else:
+The ended job's uid owns the location (0700/0600). Before the new job's ranks start, the executor
+(root) gives the new job's uid what the earlier uids own there, and nothing else:
 
-* only entries owned by one of the earlier uids (``from_uids``): the plane's files, another tenant's,
-  root's never move, whatever the earlier job made point at them;
-* only directories and regular files with one link: a symbolic link is neither followed nor changed, a
-  file with more than one hard link (it is also somewhere outside) is left as it is, and so are FIFOs,
-  sockets and devices (never opened: each entry is checked by ``lstat``, then one to move is pinned with
-  ``O_PATH | O_NOFOLLOW``, checked again by ``fstat`` on that descriptor, and its owner set on the very
-  inode checked; a directory is opened with ``O_DIRECTORY | O_NOFOLLOW`` and must be the one checked; a
-  moved file's set-user-id and set-group-id bits are cleared);
-* never below another filesystem mounted inside the location, and never deeper than
-  :data:`MAX_DEPTH` levels or past :data:`MAX_ENTRIES` entries (a checkpoint location is two levels:
-  ``step_<n>/<file>``; a deeper or larger tree is refused in one line naming it);
-* only while no process of an earlier uid runs (a job that ended runs nothing; one left over could
-  change the tree under the walk): refused in one line naming the process.
+* only entries owned by one of ``from_uids`` (ended jobs of the same tenant at that location);
+* only directories and regular files with one link, checked by ``lstat``, pinned with ``O_PATH |
+  O_NOFOLLOW`` and checked again by ``fstat`` before the owner is set on that very inode; links,
+  FIFOs, sockets and devices are never followed or opened; set-id bits are cleared;
+* never below another mount, deeper than :data:`MAX_DEPTH` or past :data:`MAX_ENTRIES` entries;
+* only while no process of an earlier uid runs.
 
-What is left as it was is listed in :attr:`HandOver.skipped` (the executor logs it): the new job's
-checkpoint engine never reads a linked file or a FIFO anyway, and may remove them (it owns their
-directories). The earlier uids are those of ended jobs of the new job's tenant at that location
-(:func:`tidal.control.job_views.taken_over`), so whatever path the earlier job arranged, only inodes
-of that tenant's ended jobs can change owner, and only to a job of the same tenant; the plane's files
-(root's: logs, ``control.json``, tokens) and other tenants' never do.
+Refusals name the path or process in one line; what is left as it was is in :attr:`HandOver.skipped`.
 """
 
 from __future__ import annotations
@@ -56,8 +43,7 @@ class HandOver:
 
 
 def uid_processes(uids: Iterable[int]) -> list[tuple[int, int]]:
-    """(pid, uid) of each live process (not a zombie) whose real, effective, saved or filesystem uid is
-    one of ``uids``, from ``/proc``."""
+    """(pid, uid) of each live process with a real, effective, saved or filesystem uid in ``uids``."""
     want = set(uids)
     out = []
     for name in os.listdir("/proc") if want and os.path.isdir("/proc") else []:

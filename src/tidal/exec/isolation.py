@@ -1,28 +1,18 @@
-"""How the local executor isolates a job from the control plane and from other jobs (docs/control.md).
+"""How the executors isolate a job from the control plane and from other jobs (the ``isolation:`` block
+of ``tidal up --config``; docs/control.md, Isolation). ``isolation: none`` is ``{mode: none}``.
 
-    isolation:                       # tidal up --config FILE; `isolation: none` = {mode: none}
-      mode: sandbox                  # each rank in its own namespaces (tidal.exec.sandbox); none: off
-      read_only: [/data]             # more paths a sandboxed rank may read (its code, data sets)
-      uid_base: 200000               # run jobs as uids 200000+ (needs root; sandboxed as root: default,
-                                     # a range of 65536 from 200000 chosen by the state dir)
-      per: tenant                    # one uid per tenant (default) or per job
-      pass_env: [PATH, LANG]         # names copied from tidal up's environment (nothing else is)
-      shm_retention_s: 3600          # an ended job's /dev/shm tier is freed after this at the latest
-      max_file_bytes: auto           # RLIMIT_FSIZE of every rank (auto: half the jobs' disk; null: none)
-      max_procs: 4096                # RLIMIT_NPROC of a job's uid (only with uids)
-      max_memory_bytes: auto         # memory cgroup limit of every rank (auto: 90% of RAM where the plane
-                                     # may make memory cgroups, else none; null: none; tidal.exec.cgroups)
-      ray_open_cluster: false        # Ray executor with uid_base: run on a cluster without token auth
+Sandboxed (``mode: sandbox``, the default; :mod:`tidal.exec.sandbox`): each rank of the local executor
+sees only the system, its code and its own directories, in its own PID namespace; as root with uids
+(``uid_base`` by default a range of 65536 from 200000 chosen by the jobs dir); ``read_only``: more paths
+it may read. ``max_file_bytes`` and ``max_memory_bytes`` default to ``auto`` (:meth:`resolved`).
 
 Sandboxed (the default; :mod:`tidal.exec.sandbox`): each rank sees only the system, its code and its
 own directories, in its own PID namespace; as root with uids from ``uid_base`` (default 200000).
 Always: a clean environment (the job's ``env``, the platform's variables, the names in ``pass_env``;
-``HOME`` and ``TMPDIR`` in the job's private area), files and directories 0600/0700, no core dumps,
-a shared-memory directory per job (``TIDAL_SHM_DIR``) freed after the job ends. With ``uid_base``
-(``tidal up`` as root): every rank runs as an unprivileged uid/gid with no supplementary groups and
-no ``/etc/passwd`` entry; the job owns its private area, progress directory, shm directory and
-default checkpoint directory, and a location it takes over with ``resume_from`` is handed to its uid
-(:mod:`tidal.exec.handover`); everything else of the state dir stays root's.
+``HOME`` and ``TMPDIR`` in the job's private area), files and directories 0600/0700, no core dumps, a
+shared-memory directory per job freed after it ends. With ``uid_base`` (as root): every rank runs as an
+unprivileged uid/gid of its tenant or job, which owns the job's private area, progress, shm and default
+checkpoint directories (and what it takes over: :mod:`tidal.exec.handover`); the rest stays root's.
 """
 
 from __future__ import annotations
@@ -219,8 +209,7 @@ def recorded_owner(launch: Mapping[str, Any]) -> tuple[int, int] | None:
 
 
 def require_root(iso: IsolationConfig) -> None:
-    """``ValueError`` in one line when ``uid_base`` is set and this process is not root (it chowns the
-    jobs' directories to their uids)."""
+    """``ValueError`` in one line when ``uid_base`` is set and this process, which chowns, is not root."""
     if iso.uid_base is not None and os.geteuid() != 0:
         raise ValueError(f"isolation.uid_base {iso.uid_base}: running jobs as their own uid needs root "
                          f"(tidal up runs as uid {os.geteuid()}); remove uid_base")
@@ -255,15 +244,12 @@ def prepare_attempt(root: Path, job_dir: Callable[[str], Path], attempt_dir: Pat
 def make_job_dirs(root: Path, job_dir: Path, attempt_dir: Path, home: Path, own_dirs: Iterable[str],
                   owner: tuple[int, int] | None, take_over: Iterable[str] = (),
                   take_over_from: Iterable[int] = (), sandboxed: bool = False) -> None:
-    """A job's directories in the state dir (``root``'s parent), on either executor: the plane's (job,
-    logs, attempt) 0711 with uids (a job's uid passes through to its own directories, lists nothing) else
-    0700, logs 0700; the job's own (``progress/``, its private area ``home`` and ``home/tmp``, the
-    ``own_dirs`` in the state dir not there yet: its checkpoint directories) 0700 and owned by its uid,
-    under directories of the plane's like the job's. With uids, what the uids ``take_over_from`` own in
-    the checkpoint directories ``take_over`` (taken over with ``resume_from``; :func:`ran_as`) becomes the
-    job's (:func:`tidal.exec.handover.hand_over`; ``HandOverError``, an ``OSError``, when it may not).
-    ``sandboxed``: the uid reaches its directories through the sandbox's binds, so only the attempt
-    directory (bound read-only, its progress directory below it) stays 0711."""
+    """A job's directories in the state dir (``root``'s parent): the plane's (job, attempt) 0711 with uids
+    (passed through, never listed) else 0700, logs 0700; the job's own (``progress/``, ``home``,
+    ``home/tmp``, new ``own_dirs`` in the state dir) 0700, owned by its uid. With uids, what
+    ``take_over_from`` own in ``take_over`` becomes the job's (:func:`tidal.exec.handover.hand_over`;
+    ``HandOverError``). ``sandboxed``: the uid reaches its directories through its sandbox's binds, so
+    only the attempt directory (bound read-only, its progress directory below it) stays 0711."""
     mode = 0o711 if owner is not None and not sandboxed else 0o700
     private_dir(job_dir, mode)
     private_dir(job_dir / "logs", 0o700)
@@ -290,8 +276,7 @@ def make_job_dirs(root: Path, job_dir: Path, attempt_dir: Path, home: Path, own_
 
 
 def rank_rlimits(iso: IsolationConfig, owner: tuple[int, int] | None) -> dict[str, int]:
-    """The limits a rank runs under (names of :data:`tidal.exec.shim.RLIMITS`): no core dumps,
-    ``max_file_bytes``, and with its own uid ``max_procs``."""
+    """The limits a rank runs under (:data:`tidal.exec.shim.RLIMITS`): no core dumps, the configured caps."""
     out = {"core": 0}
     if isinstance(iso.max_file_bytes, int):
         out["fsize"] = iso.max_file_bytes
@@ -302,10 +287,9 @@ def rank_rlimits(iso: IsolationConfig, owner: tuple[int, int] | None) -> dict[st
 
 def clean_env(iso: IsolationConfig, home: Path, job_env: Mapping[str, str], platform: Mapping[str, str], *,
               omp_threads: int, base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """A rank's whole environment, in order of precedence (later wins): the names in ``iso.pass_env``
-    found in this process's environment, the basics (``HOME``, ``TMPDIR`` in the job's private area
-    ``home``, ``OMP_NUM_THREADS``), ``base`` (an executor's defaults), the job's ``env``, then the
-    platform's variables (``platform``: the torchrun contract, ``TIDAL_*``, the GPU binding)."""
+    """A rank's whole environment, later wins: the names in ``iso.pass_env`` found here, ``HOME``,
+    ``TMPDIR`` (in ``home``) and ``OMP_NUM_THREADS``, ``base`` (an executor's defaults), the job's ``env``,
+    ``platform``."""
     env = {k: os.environ[k] for k in iso.pass_env if k in os.environ}
     env.setdefault("PATH", os.defpath)
     env.update({"HOME": str(home), "TMPDIR": str(home / "tmp"), "USER": "tidal", "LOGNAME": "tidal",

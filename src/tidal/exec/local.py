@@ -1,43 +1,25 @@
-"""The local executor: every rank of a job is a process on this machine.
+"""The local executor: every rank of a job is a process on this machine, ``slots`` CPU slots (gloo) or
+the NVIDIA GPUs in ``gpu_ids``; ``observe`` reports pids and exit codes, ``signal_stop`` a SIGTERM notice.
 
-    ex = LocalExecutor(state_dir / "jobs", slots=4)               # 4 CPU slots (gloo)
-    ex = LocalExecutor(state_dir / "jobs", gpu_ids=[0, 1, 2, 3])   # 4 NVIDIA GPUs
-    handle = ex.launch(LaunchRequest("gpt-1", 1, ("python", "train.py"), {"local": 2}), now_s)
-    ex.observe(now_s)["gpt-1"].ranks                               # pids, exit codes
-    ex.signal_stop("gpt-1")                                         # SIGTERM: checkpoint, exit 75
-    ex.signal_stop("gpt-1", ranks=[1])                              # the notice reaches rank 1 first
+Each rank gets the torchrun contract (``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT``),
+``TIDAL_PROGRESS_DIR`` and ``CUDA_VISIBLE_DEVICES``: the job's GPUs (rank ``r`` uses ``cuda:r``), empty
+on CPU slots. Output of all attempts is appended to ``<root>/<job>/logs/rank-<r>.log``.
 
-Each rank gets the torchrun contract (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
-``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT``), ``TIDAL_PROGRESS_DIR`` (one directory per
-attempt) and its devices: on GPUs, ``CUDA_VISIBLE_DEVICES`` lists the job's GPUs (rank ``r`` uses
-``cuda:r``); on CPU slots it is empty, so a job never grabs a GPU it was not given. Output of all
-attempts is appended to ``<root>/<job>/logs/rank-<r>.log``, with a header line per attempt.
-
-Files per attempt (``<root>/<job>/attempt-<n>/``): ``launch.json`` (ranks' pids and start times,
-devices; written before any rank starts), ``exit-<r>.json`` (the rank's exit code, by its shim),
-``pid-<r>.json`` (the rank's own pid, under the shim), ``progress/`` (the runtime's records),
-``control.json`` (settings changed while it runs, e.g. the checkpoint interval: ``TIDAL_CONTROL_FILE``).
-``adopt`` reads them back after a restart of the control plane. See :mod:`tidal.exec.shim` for
-why a rank never runs twice.
-
-Isolation (:mod:`tidal.exec.isolation`, docs/control.md): each rank in its own sandbox
-(:mod:`tidal.exec.sandbox`; ``hidden``: what no rank sees, the jobs dir and ``tidal up``'s state dir),
-a clean environment, a private area ``<root>/<job>/home`` (``HOME``, ``TMPDIR``), a shared-memory
-directory per job (``TIDAL_SHM_DIR``, freed by :meth:`LocalExecutor.free_shm`), 0600/0700 files, and
-as root their own uid (``isolation.uid_base``).
+Files per attempt (``<root>/<job>/attempt-<n>/``): ``launch.json`` (pids, start times, devices; written
+before any rank starts), ``exit-<r>.json`` and ``pid-<r>.json`` (by the rank's shim), ``progress/``,
+``control.json`` (``TIDAL_CONTROL_FILE``). ``adopt`` reads them back after a restart of the control
+plane; :mod:`tidal.exec.shim` says why a rank never runs twice. Isolation: :mod:`tidal.exec.isolation`;
+each rank in its own sandbox (:mod:`tidal.exec.sandbox`; ``hidden``: what no rank sees besides the
+jobs dir, ``tidal up``'s state dir).
 
 Nothing a rank starts outlives its attempt: its shim reaps what the rank left; with ``subreaper=True``
-(``tidal up``) this process is a child subreaper too, and what a shim killed by another left is killed
-on the next ``observe`` (or ``kill``, ``release``) by the attempt's marks (:mod:`tidal.exec.orphans`);
-what re-parents here and ends by itself is collected by ``observe`` (:data:`REAP_INTERVAL_S`).
-
-Not thread-safe: one reconcile loop drives it.
+(``tidal up``) what a shim killed by another left is killed on the next ``observe``, ``kill`` or
+``release`` (:mod:`tidal.exec.orphans`). Not thread-safe: one reconcile loop drives it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import os
@@ -46,15 +28,16 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 from tidal import contract as c
 from tidal.contract import one_node_env, torchrun_env
 from tidal.exec import cgroups, orphans, procs, sandbox, shim
-from tidal.exec.files import read_json, write_json
+from tidal.exec.files import Attempt, AttemptDirs, read_json, write_json
 from tidal.exec.isolation import (
     AUTO,
     IsolationConfig,
@@ -69,8 +52,7 @@ from tidal.exec.isolation import (
     recorded_owner,
     require_root,
 )
-from tidal.exec.progress import ProgressReader
-from tidal.exec.protocol import LaunchError, LaunchRequest, Observation, RankState, check_ranks
+from tidal.exec.protocol import LaunchError, LaunchRequest, Observation
 from tidal.model import Node, PoolName
 from tidal.net import free_port
 
@@ -87,11 +69,8 @@ def detect_gpus() -> list[int]:
         return []
     try:
         out = subprocess.run(
-            [exe, "--query-gpu=index", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=True,
+            [exe, "--query-gpu=index", "--format=csv,noheader"], capture_output=True, text=True, timeout=30,
+            check=True
         ).stdout
     except (OSError, subprocess.SubprocessError):
         return []
@@ -113,37 +92,19 @@ def _go_pipe(k: _Rank) -> IO[bytes]:
 
 
 @dataclass
-class _Tracked:
-    job_id: str
-    attempt: int
-    launched_s: float
-    devices: list[int]
-    dir: Path
-    ranks: list[_Rank]
-    reader: ProgressReader
-    owner: tuple[int, int] | None = None  # the ranks' uid and gid when they run as their own user
-    codes: dict[int, int] = field(default_factory=dict)
-    vanished: set[int] = field(default_factory=set)
-    lost: set[int] = field(default_factory=set)  # ranks whose shim ended and recorded nothing (killed)
+class _Tracked(Attempt):
+    # lost: ranks whose shim ended and recorded nothing (killed)
+    devices: list[int] = field(default_factory=list)
     shim_ended: dict[int, int] = field(default_factory=dict)  # rank -> when its shim, a child, was seen ended
 
 
-class LocalExecutor:
+class LocalExecutor(AttemptDirs):
     """Runs ranks as local processes. ``slots`` CPU slots, or the GPUs in ``gpu_ids``."""
 
-    def __init__(
-        self,
-        root: str | os.PathLike,
-        *,
-        slots: int | None = None,
-        gpu_ids: list[int] | None = None,
-        node: str = "local",
-        python: str = sys.executable,
-        serving_nodes: Mapping[str, int] | None = None,
-        isolation: IsolationConfig | None = None,
-        subreaper: bool = False,
-        hidden: Collection[str | os.PathLike] = (),
-    ) -> None:
+    def __init__(self, root: str | os.PathLike, *, slots: int | None = None, gpu_ids: list[int] | None = None,
+                 node: str = "local", python: str = sys.executable,
+                 serving_nodes: Mapping[str, int] | None = None, isolation: IsolationConfig | None = None,
+                 subreaper: bool = False, hidden: Collection[str | os.PathLike] = ()) -> None:
         if (slots is None) == (gpu_ids is None):
             raise ValueError("give exactly one of slots (CPU) or gpu_ids")
         iso = isolation or IsolationConfig()
@@ -179,9 +140,8 @@ class LocalExecutor:
         if self.gpu:  # serving nodes take the last GPUs, training keeps the first
             n_serving = sum(serving.values())
             if n_serving >= len(devices):
-                raise ValueError(
-                    f"serving nodes need {n_serving} of the {len(devices)} GPUs; training needs >= 1"
-                )
+                raise ValueError(f"serving nodes need {n_serving} of the {len(devices)} GPUs; training needs "
+                                 ">= 1")
             serving_devices = devices[len(devices) - n_serving:]
             devices = devices[: len(devices) - n_serving]
         else:  # virtual serving nodes: more CPU slots, numbered after the training ones
@@ -210,16 +170,6 @@ class LocalExecutor:
             procs.become_subreaper(False)
             self.subreaper = False
 
-    # -- layout --------------------------------------------------------------------------------------
-    def job_dir(self, job_id: str) -> Path:
-        return self.root / job_id
-
-    def attempt_dir(self, job_id: str, attempt: int) -> Path:
-        return self.job_dir(job_id) / c.attempt_dirname(attempt)
-
-    def log_path(self, job_id: str, rank: int) -> str:
-        return str(self.job_dir(job_id) / "logs" / f"rank-{rank}.log")
-
     def nodes(self) -> list[Node]:
         return [Node(n, len(ds), self.pools[n]) for n, ds in self.node_devices.items()]
 
@@ -228,16 +178,8 @@ class LocalExecutor:
         return {n: len(ds) - len(self._free[n]) for n, ds in self.node_devices.items()}
 
     def placements(self) -> dict[str, dict[str, int]]:
-        """Job -> node -> devices it holds on each node (what the executor has running or not yet
-        released)."""
-        out = {}
-        for job_id, t in self._jobs.items():
-            per: dict[str, int] = {}
-            for d in t.devices:
-                n = self._node_of(d)
-                per[n] = per.get(n, 0) + 1
-            out[job_id] = per
-        return out
+        """Job -> node -> devices it holds there (running, or not yet released)."""
+        return {job: dict(Counter(self._node_of(d) for d in t.devices)) for job, t in self._jobs.items()}
 
     def _node_of(self, device: int) -> str:
         for n, ds in self.node_devices.items():
@@ -296,17 +238,12 @@ class LocalExecutor:
                     rk.popen.wait(timeout=5)
             self._give_back(devices)
             raise
-        self._jobs[req.job_id] = _Tracked(req.job_id, req.attempt, now_s, devices, adir, ranks,
-                                          ProgressReader(adir / c.PROGRESS_DIRNAME, n), owner)
+        self._jobs[req.job_id] = _Tracked(req.job_id, req.attempt, now_s, adir, ranks, owner, devices=devices)
         return {"node": self.node, "placement": dict(req.placement), "devices": devices, "master_port": port,
                 "dir": str(adir), **({"uid": owner[0]} if owner else {}),
                 "ranks": [{"rank": k.rank, "pid": k.pid} for k in ranks]}
 
     # -- isolation ---------------------------------------------------------------------------------
-    def home_dir(self, job_id: str) -> Path:
-        """The job's private area (``HOME``, ``TMPDIR``; its working directory without ``workdir``)."""
-        return self.job_dir(job_id) / "home"
-
     def shm_dir(self, job_id: str) -> Path | None:
         """The job's shared-memory directory (``TIDAL_SHM_DIR`` unless its spec sets one)."""
         return self.shm_root / job_id if self.shm_root is not None else None
@@ -315,12 +252,12 @@ class LocalExecutor:
         return self.uids.owner(self.isolation.per, req.job_id, req.tenant) if self.uids is not None else None
 
     def _make_dirs(self, req: LaunchRequest, adir: Path, owner: tuple[int, int] | None) -> None:
-        """The job's directories and its checkpoint fence (:func:`~tidal.exec.isolation.prepare_attempt`)
-        and its shm directory (0700, with uids owned by its uid)."""
-        if self.bwrap is not None:  # what it names must be there to be bound (and its own, before the fence)
+        """The job's directories and checkpoint fence (:func:`prepare_attempt`), and its shm directory;
+        sandboxed, first the directories it names that are not there yet (they must be, to be bound)."""
+        sandboxed = self.bwrap is not None
+        if sandboxed:
             cwd = req.workdir or str(self.home_dir(req.job_id))
             sandbox.make_dirs([p for p in self._named(req.env, cwd) if p != cwd], owner)
-        sandboxed = self.bwrap is not None
         prepare_attempt(self.root, self.job_dir, adir, self.home_dir(req.job_id), req, owner, self.uids,
                         sandboxed)
         shm = self.shm_dir(req.job_id)
@@ -328,19 +265,14 @@ class LocalExecutor:
             private_dir(shm.parent, 0o711 if owner and not sandboxed else 0o700)
             private_dir(shm, 0o700, owner)
 
-    def job_env(
-        self, req: LaunchRequest, r: int, devices: list[int], port: int, adir: Path
-    ) -> dict[str, str]:
-        """Rank ``r``'s whole environment: the allow-listed names of this process's environment, the
-        basics (``HOME``, ``TMPDIR`` in the job's private area), the job's ``env``, then the platform's."""
+    def job_env(self, req: LaunchRequest, r: int, devices: list[int], port: int,
+                adir: Path) -> dict[str, str]:
+        """Rank ``r``'s whole environment (:func:`~tidal.exec.isolation.clean_env`)."""
         base = one_node_env()
         shm = self.shm_dir(req.job_id)
         if shm is not None:
             base[c.ENV_SHM_DIR] = str(shm)
-        platform = {**torchrun_env(r, req.world_size, port),
-                    c.ENV_JOB_ID: req.job_id, c.ENV_ATTEMPT: str(req.attempt),
-                    c.ENV_PROGRESS_DIR: str(adir / c.PROGRESS_DIRNAME),
-                    c.ENV_CONTROL_FILE: str(adir / c.CONTROL_FILE),
+        platform = {**torchrun_env(r, req.world_size, port), **self.attempt_env(req, adir),
                     c.ENV_CUDA_VISIBLE_DEVICES: ",".join(map(str, devices)) if self.gpu else ""}
         return clean_env(self.isolation, self.home_dir(req.job_id), req.env, platform,
                          omp_threads=(os.cpu_count() or 1) // len(self.devices), base=base)
@@ -387,8 +319,7 @@ class LocalExecutor:
             return []
 
     def free_shm(self, job_id: str) -> bool:
-        """Remove the job's shared-memory directory (its node-memory checkpoint tier); True if it was
-        there."""
+        """Remove the job's shared-memory directory (its node-memory tier); True if it was there."""
         d = self.shm_dir(job_id)
         if d is None or job_id in self._jobs or not d.is_dir() or d.is_symlink():
             return False
@@ -420,30 +351,9 @@ class LocalExecutor:
                 raise LaunchError(f"job {req.job_id}: cannot start rank {r}: {e}") from e
         return _Rank(r, p.pid, procs.start_time(p.pid), p)
 
-    def signal_stop(self, job_id: str, ranks: Collection[int] | None = None) -> None:
-        self._signal(job_id, signal.SIGTERM, ranks)
-
-    def kill(self, job_id: str) -> None:
-        self._signal(job_id, signal.SIGKILL)
-
-    def configure(self, job_id: str, settings: Mapping[str, Any]) -> None:
-        t = self._jobs.get(job_id)
-        if t is None:
-            return
-        path = self.attempt_dir(job_id, t.attempt) / c.CONTROL_FILE
-        try:
-            current = json.loads(path.read_text())
-        except (OSError, ValueError):
-            current = {}
-        write_json(path, {**current, **settings}, t.owner)  # atomically: ranks never read half a file
-
-    def _signal(self, job_id: str, sig: int, ranks: Collection[int] | None = None) -> None:
-        t = self._jobs.get(job_id)
-        if t is None:
-            return
-        wanted = check_ranks(f"job {job_id}", ranks, len(t.ranks))
-        for k in t.ranks:
-            if k.rank in wanted and k.rank not in t.codes and k.rank not in t.vanished and self._alive(k):
+    def _send(self, t: _Tracked, ranks: list[_Rank], sig: int) -> None:
+        for k in ranks:
+            if self._alive(k):
                 if sig == signal.SIGKILL:  # the shim's whole tree: what the rank detached is in it too
                     procs.kill_tree([k.pid])
                 procs.signal_group(k.pid, sig)
@@ -463,8 +373,7 @@ class LocalExecutor:
                     os.rmdir(d)
 
     def _shim_lost(self, t: _Tracked, k: _Rank) -> bool:
-        """The rank's shim ended without recording the rank's exit (it was killed: what it had below it
-        is orphaned)."""
+        """The rank's shim ended without recording its exit (killed: what it had below is orphaned)."""
         if k.rank in t.lost:
             return True
         if k.rank in t.codes or self._alive(k):
@@ -523,18 +432,13 @@ class LocalExecutor:
         return {job_id: self._observe(t) for job_id, t in self._jobs.items()}
 
     def _observe(self, t: _Tracked) -> Observation:
-        states = []
         lost = len(t.lost)
         for k in t.ranks:
             if k.rank not in t.codes and k.rank not in t.vanished:
                 self._poll_rank(t, k)
         if len(t.lost) > lost:  # a shim killed by another (OOM, kill -9): what it left ends now
             self._kill_orphans(t)
-        for k in t.ranks:
-            code = t.codes.get(k.rank)
-            ended = code is not None and code != 0 and t.reader.phase(k.rank) == c.PHASE_ENDED
-            states.append(RankState(k.rank, k.pid, code, k.rank in t.vanished, ended))
-        return Observation(t.job_id, t.attempt, t.launched_s, tuple(states), t.reader.read())
+        return t.observation()
 
     def _poll_rank(self, t: _Tracked, k: _Rank) -> None:
         if k.popen is not None:
@@ -564,19 +468,12 @@ class LocalExecutor:
     def worker_pids(self, job_id: str) -> dict[int, int]:
         """rank -> the rank's own pid (under its shim), for those that started."""
         t = self._jobs.get(job_id)
-        out: dict[int, int] = {}
-        if t is None:
-            return out
-        for k in t.ranks:
-            doc = read_json(t.dir / c.pid_file(k.rank))
-            if doc and isinstance(doc.get("pid"), int):
-                out[k.rank] = doc["pid"]
-        return out
+        docs = [read_json(t.dir / c.pid_file(k.rank)) for k in t.ranks] if t is not None else []
+        return {r: d["pid"] for r, d in enumerate(docs) if d and isinstance(d.get("pid"), int)}
 
     # -- recovery ------------------------------------------------------------------------------------
     def adopt(self, job_id: str, attempt: int, now_s: float) -> bool:
-        """Track attempt ``attempt`` of ``job_id`` again from its ``launch.json``; False if there is none
-        (the launch was never recorded, so none of its ranks ever started)."""
+        """Track an attempt again from its ``launch.json``; False without one (no rank of it ever started)."""
         adir = self.attempt_dir(job_id, attempt)
         doc = read_json(adir / c.LAUNCH_FILE)
         if doc is None:
@@ -585,7 +482,6 @@ class LocalExecutor:
         taken = set(devices)
         self._free = {n: [d for d in free if d not in taken] for n, free in self._free.items()}
         ranks = [_Rank(r["rank"], r["pid"], r.get("started")) for r in doc["ranks"]]
-        self._jobs[job_id] = _Tracked(job_id, attempt, float(doc["launched_s"]), devices, adir, ranks,
-                                      ProgressReader(adir / c.PROGRESS_DIRNAME, len(ranks)),
-                                      recorded_owner(doc))
+        self._jobs[job_id] = _Tracked(job_id, attempt, float(doc["launched_s"]), adir, ranks,
+                                      recorded_owner(doc), devices=devices)
         return True

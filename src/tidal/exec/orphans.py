@@ -1,39 +1,23 @@
 """Orphans of a rank whose shim is gone: found, told apart from everything else, and killed.
 
-The shim of each rank (:mod:`tidal.exec.shim`) is a child subreaper and kills what its rank left when
-the rank ends. When the shim itself was SIGKILLed by someone other than the executor (the kernel's OOM
-killer, an operator's ``kill -9``), its rank and what the rank detached re-parent to the nearest
-subreaper above it: ``tidal up`` (which is one, :func:`tidal.exec.procs.become_subreaper`), or init
-(pid 1) for an attempt adopted after a restart (its shims re-parented to init when the old plane ended).
-On ``observe``/``kill``/``release`` of such an attempt the local executor looks, among the processes
-whose parent is itself, one of its ancestors or init, for those that carry one of the attempt's marks
-(:class:`Marks`), and stops and kills each one's whole tree (:func:`tidal.exec.procs.kill_tree`).
+A shim SIGKILLed by another than the executor (the OOM killer, ``kill -9``) leaves its rank and what
+the rank detached to the nearest subreaper: ``tidal up`` (:func:`tidal.exec.procs.become_subreaper`)
+or init. On ``observe``/``kill``/``release`` of such an attempt the local executor kills the whole tree
+of each process whose parent is itself, an ancestor or init and that carries one of the attempt's
+:class:`Marks`. Why no job can make this kill another job's processes:
 
-What can be trusted, and why no job can make this kill another job's processes:
+* Only orphans are looked at: a process below a live shim never has such a parent, and the live shims
+  of every tracked attempt are kept.
+* ``uid``: with ``isolation.uid_base`` only a privileged process can change it.
+* ``sessions``: a process can leave its shim's session, never join one, and no new process gets its id
+  while a member lives; it counts only for a shim that was the executor's child and a process started
+  before the shim was seen ended (never for an adopted attempt).
+* ``ranks``: the rank's pid and start time, written by its shim where the job cannot write.
+* ``marker``: ``TIDAL_PROGRESS_DIR`` as the executor set it. A forged marker gets only the forger's
+  processes killed; a removed one lets a detached process escape, which guards against accidents
+  without uids (ranks could end the plane anyway) and cannot happen with uids or memory cgroups.
 
-* Only *orphans* are looked at: a process still below a live shim (its parent is that shim, or below
-  it) never has a parent in that set, and the live shims of every tracked attempt (adopted ones, whose
-  parent is init, too) are kept. So a running job is never touched, whatever it carries.
-* ``uid``: with ``isolation.uid_base`` a rank runs as the job's uid, which only a privileged process can
-  change: an orphan of that uid is the job's (or, with ``per: tenant``, an orphan of another attempt of
-  the same tenant whose shim is gone: to be killed as well).
-* ``sessions``: the shim starts in a session of its own and the rank inherits it; a process can only
-  leave it (``setsid``), never join another, and the kernel gives no new process the session's id while
-  the shim or a member of it lives. Once all are gone the id may be reused, by a session that began
-  later: so this mark counts only for a shim that was the executor's child, and only for a process
-  that started before its shim was seen ended (within one observe). For an adopted attempt, whose
-  shim may have ended long before the plane restarted, it does not count.
-* ``ranks``: the rank's own pid and start time, as its shim wrote them (the job cannot write there).
-* ``marker``: ``TIDAL_PROGRESS_DIR`` as the executor set it (one per attempt) in the environment the
-  process started with: what a rank detaches inherits it, but a process can rewrite its own. A forged
-  marker only gets the forger's processes killed; a removed one lets a detached process (``setsid``, no
-  uid of its own) escape. Without uids ranks run as the plane's own user and could end the plane itself
-  anyway: there the marks guard against accidents (an OOM kill, a ``kill -9`` of a shim), not a hostile
-  rank; with uids (or memory cgroups, :mod:`tidal.exec.cgroups`) nothing escapes.
-
-The executor's own other children (a serving hook's command, in its session; one started in a session
-of its own) carry no mark and are never killed, nor their exit status taken: the zombies collected
-are those killed here and orphans taken in (:func:`tidal.exec.procs.reap_zombies`).
+The executor's other children carry no mark and are never killed, nor reaped.
 """
 
 from __future__ import annotations
@@ -48,8 +32,7 @@ from tidal.exec import procs
 
 @dataclass(frozen=True)
 class Marks:
-    """What marks the processes of one attempt's ranks (see the module's docstring for what each is
-    worth)."""
+    """What marks the processes of one attempt's ranks (the module docstring says what each is worth)."""
 
     sessions: frozenset[tuple[int, int]]  # (pid, when seen ended) of its shims that were children
     ranks: frozenset[tuple[int, int]]  # (pid, start time) of its ranks, as their shims recorded them
@@ -77,9 +60,8 @@ def find(marks: Marks, keep: Iterable[int] = ()) -> list[int]:
 
 
 def kill(marks: Marks, keep: Iterable[int] = (), wait_s: float = 2.0) -> list[int]:
-    """Stop and kill the whole tree of each orphan that carries ``marks`` (as
-    :func:`tidal.exec.procs.kill_tree`; a second pass for one that re-parented meanwhile). Returns every
-    process killed."""
+    """Stop and kill the whole tree of each orphan carrying ``marks``, twice (one may re-parent meanwhile).
+    Returns every process killed."""
     keep, killed = set(keep), []
     for _ in range(2):
         found = find(marks, keep)

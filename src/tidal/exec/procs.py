@@ -1,9 +1,6 @@
-"""Processes by pid *and* start time (a pid alone can be reused by an unrelated process), and whole
-process trees stopped and killed at one instant (a machine lost: ``tidal.demo.node_loss``; a rank's
-attempt ended: :func:`kill_tree`, with :func:`become_subreaper` so that nothing a rank starts escapes the
-tree, however it detaches).
-
-Standard library only: the shim (:mod:`tidal.exec.shim`, run with ``python -I``) loads this file by path.
+"""Processes by pid *and* start time (a pid alone can be reused), and whole process trees stopped and
+killed at one instant (:func:`kill_tree`, with :func:`become_subreaper` so that nothing a rank starts
+escapes the tree). Standard library only: the shim (run with ``python -I``) loads this file by path.
 """
 
 from __future__ import annotations
@@ -124,31 +121,24 @@ def environ_value(pid: int, name: str, limit: int = 1 << 20) -> str | None:
     return None
 
 
-def processes() -> dict[int, tuple[int, str]]:
-    """Every process: pid -> (parent pid, state letter), from ``/proc`` (empty where there is none)."""
-    return {pid: (p.ppid, p.state) for pid, p in table().items()}
-
-
 def descendants(roots: Iterable[int]) -> set[int]:
     """``roots`` that still run and every process below them (children, their children, ...); zombies
     (ended, not reaped yet) left out."""
-    table = processes()
+    tab = table()
     below: dict[int, list[int]] = {}
-    for pid, (ppid, _) in table.items():
-        below.setdefault(ppid, []).append(pid)
-    found, todo = set(), [p for p in roots if p in table]
+    for pid, proc in tab.items():
+        below.setdefault(proc.ppid, []).append(pid)
+    found, todo = set(), [p for p in roots if p in tab]
     while todo:
         p = todo.pop()
-        if p not in found and table.get(p, (0, "X"))[1] not in ("Z", "X"):
+        if p not in found and tab[p].state not in ("Z", "X"):
             found.add(p)
             todo += below.get(p, [])
     return found
 
 
-# Stopped, or gone, or in the kernel with the stop pending: a process in uninterruptible sleep ("D")
-# runs no code of its own again before the SIGSTOP takes effect (signals are taken on the way back to
-# user space, and a fork with a signal pending is restarted), and it may stay there as long as another
-# process lets it: a shell that vforked waits in "D" until its child, stopped before its exec, goes on.
+# Stopped, gone, or in uninterruptible sleep ("D"): such a process runs no code of its own again before
+# the SIGSTOP takes effect, and may stay in "D" as long as another lets it (a shell that vforked).
 _STOPPED = (None, "T", "t", "Z", "X", "D")
 
 
@@ -160,11 +150,9 @@ def state(pid: int) -> str | None:
 
 
 def freeze(roots: Iterable[int], timeout_s: float = 10.0) -> list[int]:
-    """SIGSTOP the trees under ``roots`` (a machine that stops dead) and wait until each is stopped (a
-    signal takes effect when its process is next scheduled; on a busy machine that is a while); pass
-    after pass, until a pass finds no process not stopped yet (one may have forked before it stopped;
-    a stopped one forks no more). Returns the pids stopped; :func:`thaw` lets them go on,
-    :func:`kill_all` ends them."""
+    """SIGSTOP the trees under ``roots`` and wait until each is stopped, pass after pass until a pass
+    finds nothing new (one may fork before it stops). Returns the pids stopped, for :func:`thaw` or
+    :func:`kill_all`."""
     roots = list(roots)
     stopped: set[int] = set()
     deadline = time.monotonic() + timeout_s
@@ -185,8 +173,7 @@ def thaw(pids: Iterable[int]) -> None:
 
 
 def kill_all(pids: Iterable[int], wait_s: float = 10.0) -> list[int]:
-    """SIGKILL each of ``pids`` (stopped ones too) and wait up to ``wait_s`` until none runs (a killed
-    process takes a moment to go: the kernel frees its memory first). Returns those still there."""
+    """SIGKILL each of ``pids`` and wait up to ``wait_s`` until none runs. Returns those still there."""
     pids = list(pids)
     for p in pids:
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -201,10 +188,9 @@ PR_SET_CHILD_SUBREAPER = 36
 
 
 def become_subreaper(on: bool = True) -> bool:
-    """Make this process a child subreaper (``prctl(PR_SET_CHILD_SUBREAPER)``, Linux 3.4+): a descendant
-    whose parent ends (a daemon that double-forked, ``setsid``, ``nohup ... &``) re-parents to this
-    process, not to init, so it stays in :func:`descendants` of it. False where the kernel has none.
-    ``on=False``: no longer one (what re-parented here stays)."""
+    """Make this process a child subreaper (``PR_SET_CHILD_SUBREAPER``): an orphaned descendant (a
+    daemon that double-forked, ``setsid``) re-parents here, not to init. False where the kernel has none;
+    ``on=False``: no longer one."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         return libc.prctl(PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) == 0
@@ -214,24 +200,20 @@ def become_subreaper(on: bool = True) -> bool:
 
 def children(pid: int) -> list[int]:
     """The processes whose parent is ``pid`` and that still run (zombies left out)."""
-    return sorted(p for p, (ppid, st) in processes().items() if ppid == pid and st not in ("Z", "X"))
+    return sorted(p for p, q in table().items() if q.ppid == pid and q.state not in ("Z", "X"))
 
 
 def kill_tree(roots: Iterable[int], wait_s: float = 2.0) -> list[int]:
-    """End ``roots`` and every process below them, whatever session or process group each is in: stop
-    the whole tree first (:func:`freeze`: a stopped process forks no more, and none escapes between
-    the listing and the kill), then SIGKILL it. Returns those still there after ``wait_s`` (a process
-    in uninterruptible sleep, e.g. in a GPU driver call, goes when the call returns); waits at most
-    ``wait_s`` for the stop and as long for the kill, so a caller's loop is never held long."""
+    """End ``roots`` and every process below them, whatever session each is in: stop the whole tree first
+    (:func:`freeze`: none escapes between the listing and the kill), then SIGKILL it. Waits at most
+    ``wait_s`` for each; returns those still there (e.g. in a GPU driver call)."""
     return kill_all(freeze(roots, timeout_s=wait_s), wait_s)
 
 
 def reap_zombies(keep: Iterable[int] = (), killed: Iterable[int] = ()) -> list[int]:
-    """In a subreaper: collect the ended children of this process (zombies) that it took in as orphans:
-    those in ``killed`` (what it killed), and those in another session than its own that do not lead
-    their session. A child it started itself is in its session, or (``start_new_session``) leads one of
-    its own: its ``Popen`` collects it, with its exit code (taken here it would read 0). ``keep``: never
-    these. Returns the pids reaped."""
+    """In a subreaper: collect the zombie children it took in as orphans: those in ``killed``, and those
+    in another session that do not lead it (a child started here is in its session or leads one: its
+    ``Popen`` collects its exit code). Never those in ``keep``. Returns the pids reaped."""
     me, mine, keep, killed, out = os.getpid(), os.getsid(0), set(keep), set(killed), []
     for pid, p in table().items():
         if p.ppid != me or p.state != "Z" or pid in keep:

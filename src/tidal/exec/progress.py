@@ -1,11 +1,9 @@
 """A job's training progress, folded from the runtime's per-rank files (docs/train.md).
 
-The runtime writes ``progress-rNNNNN.jsonl`` (one record per event) and ``heartbeat-rNNNNN.json``
-per rank into ``TIDAL_PROGRESS_DIR``. :class:`ProgressReader` tails rank 0's records incrementally
-(every rank reports the same step, loss and checkpoints) and reads every rank's heartbeat, and
-turns them into one :class:`Progress` value per observation. Each attempt of a job has its own
-directory, so reading it again from the start (after a restart of the control plane) gives the
-same value.
+:class:`ProgressReader` tails rank 0's ``progress-rNNNNN.jsonl`` incrementally (every rank reports the
+same step, loss and checkpoints), reads every rank's heartbeat, and makes one :class:`Progress` per
+observation. Each attempt has its own directory, so reading it again from the start (after a restart
+of the control plane) gives the same value.
 """
 
 from __future__ import annotations
@@ -29,19 +27,14 @@ STALL_WINDOW = 5  # saves whose median stall is reported
 @dataclass(frozen=True)
 class Progress:
     """Training progress of one attempt. Times are Unix seconds; ``None``: not reported yet.
-
-    ``start_step``: the step the attempt restored (0: from scratch), ``restore_tier`` the tier it read.
-    ``step``: the newest completed
-    step and ``step_s`` when it completed; ``first_step``/``first_step_s`` the first one this attempt.
-    ``heartbeat_s``: the oldest of the ranks' newest heartbeats (a hang on any rank stalls all of
-    them); ``heartbeats``: how many ranks have written one. ``ckpt_step``/``ckpt_s``: the newest
-    step committed in any tier and when it was captured; ``durable_*``: the same for tiers other
-    than node memory; ``tiers``: tier -> [step, capture time]. ``ckpt_stall_s``: the median stall
-    of the last ``STALL_WINDOW`` saves (one noisy save does not move the interval policy).
-    ``ckpt_every_steps``: the attempt's own step cadence (the session's ``ckpt_every_steps``, from
-    ``TIDAL_CKPT_INTERVAL_STEPS`` or the script; 0: none). ``preempted``/``ended``: the runtime wrote
-    its last record.
-    """
+    ``start_step``/``restore_tier``: the step restored (0: from scratch) and the tier it came from.
+    ``step``/``step_s``: the newest completed step and when; ``first_step``/``first_step_s``: this
+    attempt's first. ``heartbeat_s``: the oldest of the ranks' newest heartbeats (a hang on any rank stalls
+    all); ``heartbeats``: how many ranks wrote one. ``ckpt_step``/``ckpt_s``: the newest step committed in
+    any tier and when it was captured; ``durable_*``: the same outside node memory; ``tiers``: tier ->
+    [step, capture time]. ``ckpt_stall_s``: the median stall of the last ``STALL_WINDOW`` saves.
+    ``ckpt_every_steps``: the attempt's own step cadence (0: none). ``preempted``/``ended``: the runtime
+    wrote its last record."""
 
     start_step: int | None = None
     restore_tier: str | None = None
@@ -102,11 +95,9 @@ class ProgressReader:
         beats = [b for b in (self._heartbeat(r) for r in range(self.world_size)) if b is not None]
         f = self._f
         return Progress(
-            **{k: f[k] for k in _FOLDED if k in f},
-            tiers=dict(f.get("tiers", {})),
-            heartbeat_s=min((b["time"] for b in beats), default=None),
-            heartbeats=len(beats),
-            phase=beats[0].get("phase") if beats else None,
+            **{k: f[k] for k in _FOLDED if k in f}, tiers=dict(f.get("tiers", {})),
+            heartbeat_s=min((b["time"] for b in beats), default=None), heartbeats=len(beats),
+            phase=beats[0].get("phase") if beats else None
         )
 
     def _tail(self) -> None:

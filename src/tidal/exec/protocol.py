@@ -1,21 +1,10 @@
 """The executor protocol: what the reconcile loop asks of whatever runs the workers.
 
-Call order (one reconcile step, always from one thread):
-
-1. ``observe(now_s)`` — facts about every job the executor tracks: each rank's pid and exit code
-   (``None`` while it runs; ``vanished`` when the process is gone and its exit code is unknown;
-   ``lost`` too when its node left the cluster),
-   and the job's training progress (steps, heartbeats, checkpoints) read from its progress files.
-   The executor judges nothing: the control plane classifies success, preemption and failure.
-2. Acting on decisions: ``launch`` (start all ranks of a new attempt), ``signal_stop`` (a notice:
-   SIGTERM to every rank, or to some with ``ranks``; the job checkpoints and exits 75), ``kill``
-   (SIGKILL every rank), ``release`` (forget a job whose ranks all exited; frees its devices).
-
-After a restart of the control plane, ``adopt(job_id, attempt)`` re-tracks an attempt launched
-earlier (from what the executor itself recorded durably) and says whether any of it is left.
-
-Times are Unix seconds (``now_s``) from the caller. Exit codes are the process's: negative means
-killed by that signal.
+Each reconcile step, from one thread: ``observe(now_s)`` (each rank's pid and exit code, ``vanished``
+or ``lost``, and the job's progress; the executor judges nothing), then acting on decisions:
+``launch``, ``signal_stop`` (SIGTERM: checkpoint and exit 75), ``kill`` (SIGKILL), ``release``. After a
+restart of the control plane ``adopt`` re-tracks an attempt from what the executor recorded durably.
+Times are Unix seconds from the caller; a negative exit code means killed by that signal.
 """
 
 from __future__ import annotations

@@ -1,22 +1,12 @@
 """Checkpoint agents of the peer-memory tier, one per Ray node, started and supervised by the Ray executor.
 
-Every alive GPU node of the cluster runs one agent (``python -m tidal.ckpt.agent``, see
-:mod:`tidal.ckpt.agent`) under a detached, named actor pinned to that node (:class:`AgentActor`,
-``tidal.agent.<node>``). The agents form a ring in node-name order, each pushing what its node's
-ranks hand it to the next node's agent (its *buddy*), so losing one node loses no committed step of
-the peer tier. :meth:`RayAgents.ensure`, called with the cluster's nodes on every step (at most
-every ``check_s``), starts missing agents, restarts dead ones and re-points buddies when nodes join
-or leave (an agent restarted on the same memory directory and port keeps what it held, and its
-ranks' ``TIDAL_CKPT_AGENT`` stays right). Ranks get ``TIDAL_CKPT_AGENT`` (their node's agent) and
-``TIDAL_CKPT_PEERS`` (every other agent) from :meth:`RayAgents.env`.
-
-Memory directory of a node's agent: ``<shm base>/<node>/agent``; it may copy staging slots from
-``<shm base>/<node>`` (where that node's ranks stage).
-
-Authentication (:mod:`tidal.ckpt.agent.auth`): the executor's key (``<root>/.ckpt-agent.key``, created
-once) goes to each actor with ``start`` and from there into its agent's own environment, never onto a
-command line; each rank gets the token of its job's namespace in the agents (:meth:`RayAgents.token`),
-so a job reads, writes, lists and deletes only its own steps.
+Each alive GPU node runs one agent (:mod:`tidal.ckpt.agent`) under a detached actor pinned to it
+(:class:`AgentActor`, ``tidal.agent.<node>``), in a ring in node-name order: each pushes to the next
+node's agent, so losing a node loses no committed step. :meth:`RayAgents.ensure` (every step, at most
+every ``check_s``) starts missing agents, restarts dead ones on the same memory and port, and re-points
+buddies. Ranks get ``TIDAL_CKPT_AGENT``/``TIDAL_CKPT_PEERS`` from :meth:`RayAgents.env` and their job's
+token from :meth:`RayAgents.token`; the key (``<root>/.ckpt-agent.key``) reaches each agent through its
+environment, never a command line. An agent's memory directory is ``<shm base>/<node>/agent``.
 """
 
 from __future__ import annotations
@@ -69,8 +59,8 @@ class AgentActor:
         self.key: str | None = None  # the key (hex) the running agent was given
 
     def reserve(self) -> dict:
-        """This node's agent address (a port chosen once, kept across restarts) and its state:
-        ``{"address", "buddy", "running"}``."""
+        """This node's agent address (a port chosen once) and state: ``{"address", "buddy", "running",
+        "key"}``."""
         import ray
 
         if self.addr is None:
@@ -139,10 +129,8 @@ class AgentActor:
 class RayAgents:
     """The supervisor: one :class:`AgentActor` per GPU node, in a buddy ring. Driven by ``RayExecutor``."""
 
-    def __init__(
-        self, ray: Any, namespace: str, shm_root: Path, log_dir: Path, check_s: float = CHECK_S, *,
-        uids: bool = False, key: bytes | None = None,
-    ) -> None:
+    def __init__(self, ray: Any, namespace: str, shm_root: Path, log_dir: Path, check_s: float = CHECK_S, *,
+                 uids: bool = False, key: bytes | None = None) -> None:
         self._ray, self.namespace, self.shm_root, self.log_dir = ray, namespace, shm_root, log_dir
         self.uids = uids  # jobs run as their own uids: agents copy no staging slot (see AgentActor.start)
         self.check_s = check_s
@@ -153,9 +141,8 @@ class RayAgents:
         self.buddies: dict[str, str | None] = {}
 
     def ensure(self, nodes: dict[str, str], *, force: bool = False) -> dict[str, str]:
-        """``nodes``: name -> Ray node id of the alive GPU nodes. Agents started, restarted or re-pointed as
-        needed; agents of nodes that left are forgotten (their actors went with the node). Returns
-        node -> agent address."""
+        """Start, restart or re-point the agents of ``nodes`` (name -> Ray node id of the alive GPU nodes);
+        forget those of nodes that left. Returns node -> agent address."""
         now = time.monotonic()
         if not force and now - self._checked < self.check_s and set(nodes) == set(self.addresses):
             return self.addresses
@@ -170,12 +157,8 @@ class RayAgents:
                 actors[name] = self._ray.get_actor(actor_name, namespace=self.namespace)
             except ValueError:
                 actors[name] = self._remote.options(
-                    name=actor_name,
-                    namespace=self.namespace,
-                    lifetime="detached",
-                    num_cpus=0,
-                    max_restarts=0,
-                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+                    name=actor_name, namespace=self.namespace, lifetime="detached", num_cpus=0,
+                    max_restarts=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)
                 ).remote()
         refs = {n: a.reserve.remote() for n, a in actors.items()}
         for n, ref in refs.items():

@@ -1,17 +1,8 @@
 """Ray's token authentication for the Ray executor (Ray >= 2.52; docs/control.md, Isolation on Ray).
 
-With ``RAY_AUTH_MODE=token`` every Ray process (GCS, raylets, workers, drivers, the CLI) sends and checks
-a shared token on each gRPC call; a client without it gets ``UNAUTHENTICATED``. Ray reads the token from
-``RAY_AUTH_TOKEN``, else the file ``RAY_AUTH_TOKEN_PATH``, else ``~/.ray/auth_token``. Without it, a
-job that reaches the cluster's ports (the GCS address is in ``/tmp/ray``, readable by all) and speaks
-Ray's protocol runs tasks as the workers' user, root on every node when jobs run as their own uids.
-
-* :func:`use_token_from_env`: ``tidal up --ray-address HOST:PORT`` turns token mode on when a token is
-  given (Ray only does so by itself for ``auto``).
-* :func:`enable_local` (the demos' and the tests' local clusters): a fresh token in a 0600 file,
-  token mode on for this process and the clusters it starts.
-* :func:`anonymous_refused`: asks the cluster's GCS without a token whether it answers, so ``tidal up``
-  knows what the cluster does, not only what its own driver sends.
+With ``RAY_AUTH_MODE=token`` every Ray process checks a shared token (``RAY_AUTH_TOKEN``, else the file
+``RAY_AUTH_TOKEN_PATH``, else ``~/.ray/auth_token``) on each call. Without it a job that reaches the
+cluster's ports runs tasks as the workers' user (root, when jobs run as their own uids).
 """
 
 from __future__ import annotations
@@ -56,8 +47,7 @@ def use_token_from_env() -> bool:
 
 
 def write_token(directory: Path) -> Path:
-    """A fresh random token in ``directory/ray-auth-token`` (the directory made 0700, the file 0600,
-    both this process's user's); its path."""
+    """A fresh random token in ``directory/ray-auth-token`` (0700 directory, 0600 file); its path."""
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(directory, 0o700)
     path = directory / TOKEN_FILE

@@ -1,13 +1,7 @@
 """What ``tidal up --executor ray`` checks of the cluster at start, each a one-line ``ValueError``: that
-an address answers (:func:`check_reachable_address`), and with ``isolation.uid_base`` (jobs as their own
-uids) that the cluster refuses clients without its token (:func:`check_open_cluster`) and that the Ray
-workers run as root (:func:`check_workers_root`).
-
-A rank actor (:class:`tidal.exec.ray_rank.RankActor`) starts its rank as the job's uid, which only a
-worker running as root can. :func:`check_workers_root` asks a worker on every node at start (a task
-pinned to each, no CPU reserved), so ``tidal up`` refuses in one line rather than failing every launch
-later; a node that joins afterwards with other workers fails the rank's start with that reason in its
-log (the actor checks again).
+an address answers, and with ``isolation.uid_base`` that the cluster refuses clients without its token
+and that the Ray workers run as root on every node (a rank actor starts its rank as the job's uid; a
+node that joins later without root fails the rank's start with that reason in its log).
 """
 
 from __future__ import annotations
@@ -28,8 +22,8 @@ CHECK_TIMEOUT_S = 60.0  # a cold node starts a worker first (seconds on a busy m
 
 
 def check_reachable_address(address: str | None) -> None:
-    """A ``HOST:PORT`` address whose GCS does not answer is one clear error now (``ray.init`` would
-    retry for minutes)."""
+    """A ``HOST:PORT`` address nothing answers at is one clear error now (``ray.init`` retries for
+    minutes)."""
     if not address or "://" in address or address == "auto" or ":" not in address:
         return
     host, _, port = address.rpartition(":")
@@ -109,8 +103,8 @@ def check_token_file(path: Path | None) -> None:
 
 
 def open_cluster_warning() -> str:
-    """What ``tidal up`` says at start when jobs run as their own uids on a Ray cluster without token
-    authentication (allowed by ``isolation.ray_open_cluster``)."""
+    """What ``tidal up`` says at start when ``isolation.ray_open_cluster`` lets jobs run as their own uids
+    on a cluster without token authentication."""
     return ("warning: the Ray cluster has no token authentication: a job that reaches its ports and speaks "
             "Ray's protocol runs code as the workers' user (root) on any node, whatever its own uid; start "
             f"Ray with RAY_AUTH_MODE=token ({OPEN_OPTION} is set; docs/control.md, Isolation)")
@@ -122,8 +116,8 @@ def _euid() -> int:
 
 
 def check_workers_root(ray: Any, nodes: Mapping[str, str], timeout_s: float = CHECK_TIMEOUT_S) -> None:
-    """``ValueError`` in one line unless a worker on every node of ``nodes`` (name -> Ray node id)
-    answers that it runs as root."""
+    """``ValueError`` in one line unless a worker on every node (name -> Ray node id) answers it runs as
+    root."""
     answers, late = run_on_nodes(ray, nodes, _euid, {n: () for n in nodes}, cancel_late=True,
                                  timeout_s=timeout_s)
     msg = verdict(answers, late, list(nodes), timeout_s)

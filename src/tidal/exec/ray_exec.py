@@ -1,61 +1,26 @@
 """The Ray executor: the ranks of a job run on the nodes of a Ray cluster (``tidal up --executor ray``).
 
-    ex = RayExecutor(state_dir / "jobs", address="ray://head:10001")   # or "auto", or None: a local Ray
-    ex.nodes()                    # the cluster's alive nodes with GPUs, read again on every call
-    ex.launch(LaunchRequest("gpt-1", 1, ("python", "train.py"), {"n1": 2, "n2": 2}), now_s)
+**Nodes.** Every alive Ray node with ``GPU`` resources is a training node, named by its label
+``tidal.io/node`` or ``ray-<first 12 hex of its node id>``; :meth:`RayExecutor.nodes` asks the cluster
+on every call (nodes join and leave). Those named in ``serving_nodes`` are in the serving pool.
 
-**Nodes.** Every alive Ray node with ``GPU`` resources is a training node; its name is its label
-``tidal.io/node`` (``ray start --labels tidal.io/node=gpu-7``) or ``ray-<first 12 hex of its node id>``.
-:meth:`RayExecutor.nodes` asks the cluster each time (the controller calls it every step): nodes
-join and leave.
-
-**An attempt** is one placement group with one ``{"GPU": 1}`` bundle per rank, each bundle pinned to
-the node the scheduler chose (``bundle_label_selector`` on the node id: strict, Ray places nothing
-elsewhere), and one detached, named actor per rank in its bundle (:class:`tidal.exec.ray_rank.RankActor`)
-that runs the user's command as a child process. Ranks are numbered in placement order: the first
-node's ranks are 0..k-1 (``GROUP_RANK`` 0), and so on. Each rank gets the torchrun contract with
-``MASTER_ADDR`` = rank 0's node address and a free port there, ``LOCAL_RANK``/``LOCAL_WORLD_SIZE``
-on its node, ``CUDA_VISIBLE_DEVICES`` = the GPUs Ray gave the job's ranks on that node (in local-rank
-order: rank ``r`` uses ``cuda:LOCAL_RANK``), and Tidal's variables, exactly as on the local executor.
-
-**Files.** The attempt's directory under ``root`` (``launch.json``, ``progress/``, ``control.json``,
-``pid-<r>.json``) and the logs (``<root>/<job>/logs/rank-<r>.log``) are written by the ranks on their
-nodes at the paths the plane names: the state dir must be on a filesystem every node mounts (NFS, a
-shared volume; on a one-machine test cluster it is simply shared). ``launch.json`` names the actors
-and the placement group and is written before either exists.
+**An attempt** is one placement group with one ``{"GPU": 1}`` bundle per rank, each pinned to the
+chosen node by its node id, and one detached, named actor per rank (:class:`tidal.exec.ray_rank.RankActor`)
+that runs the command as a child process. Ranks are numbered in placement order; each gets the torchrun
+contract (``MASTER_ADDR`` = rank 0's node), ``CUDA_VISIBLE_DEVICES`` = the GPUs Ray gave the job on that
+node, and Tidal's variables, as on the local executor. The state dir must be on a filesystem every node
+mounts: ranks write their attempt's files and logs there. ``launch.json`` is written before any actor exists.
 
 **Never twice.** Actors are named ``tidal.<job>.a<attempt>.r<rank>`` in a namespace of this state dir;
-a rank actor runs its command once; before launching an attempt every actor and placement group left
-of the job's earlier attempts is removed. A restarted plane re-adopts an attempt by finding its
-actors by name (:meth:`RayExecutor.adopt`); they outlive the plane when the Ray cluster runs apart
-from it (``--ray-address``; a Ray that ``tidal up`` started itself ends with it).
+leftovers of a job's earlier attempts are removed before a launch; a restarted plane re-adopts an
+attempt by its actors' names. A rank whose node left the cluster is reported ``vanished`` and ``lost``.
 
-**Node loss.** A rank whose node is no longer alive in the cluster (Ray's health checks), or whose
-actor died with it, is reported ``vanished`` and ``lost`` (:class:`~tidal.exec.protocol.RankState`);
-the controller stops the other ranks and requeues the job on the remaining GPUs.
-
-**Serving nodes** (``serving_nodes``: Tidal node name -> GPUs, from the ``serving:`` block that lends):
-those Ray nodes are in the serving pool (:class:`~tidal.model.Node` ``pool="serving"``); the scheduler
-places spot jobs only on the GPUs serving has lent there, pinned to the node like any placement.
-:meth:`RayExecutor.check_serving` names a serving node the cluster does not have (or with other GPUs).
-
-**Checkpoint agents** (``ckpt_agents=True``, ``tidal up --ckpt-agents``): one per node, in a buddy
-ring, started and supervised from :meth:`RayExecutor.nodes` (:mod:`tidal.exec.ray_agents`); ranks get
-``TIDAL_CKPT_AGENT``/``TIDAL_CKPT_PEERS``, so a job's ``peer`` tier survives the loss of a node.
-
-**Node memory.** Each rank's ``TIDAL_SHM_DIR`` is ``<base>/<node>/<job>`` (:func:`shm_base`): the
-checkpoint engine's node-memory tier, which a lost node takes with it. An attempt that spans nodes
-checkpoints to its durable tiers only (:func:`across_nodes`).
-
-The plane frees a job's node-memory directories on every node once it no longer needs them (the
-controller's sweep, through small tasks on the nodes: :mod:`tidal.exec.ray_shm`).
-
-**Isolation** as on the local executor (:mod:`tidal.exec.isolation`): a clean environment, the job's
-private area, 0600/0700 files, rlimits, and with ``isolation.uid_base`` (``tidal up`` and the Ray
-workers as root, checked on every node at start: :mod:`tidal.exec.ray_checks`) each rank as its job's
-uid, which owns the job's directories here and its node-memory directory on each node. Not isolated:
-the Ray cluster itself, and a rank is not sandboxed (``isolation.mode`` is the local executor's; no
-default uids here: docs/control.md, Isolation on Ray).
+**Node memory.** Each rank's ``TIDAL_SHM_DIR`` is ``<base>/<node>/<job>`` (:func:`shm_base`), freed
+through tasks on the nodes (:mod:`tidal.exec.ray_shm`); an attempt across nodes checkpoints to durable
+tiers only. With ``ckpt_agents`` one checkpoint agent per node serves the ``peer`` tier
+(:mod:`tidal.exec.ray_agents`). Isolation as on the local executor, checked on every node
+(:mod:`tidal.exec.ray_checks`); the Ray cluster itself is not isolated, and a rank is not sandboxed
+(``isolation.mode`` is the local executor's; no default uids here: docs/control.md, Isolation on Ray).
 Not thread-safe: one reconcile loop drives it.
 """
 
@@ -64,17 +29,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import signal
 import time
+from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tidal import contract as c
 from tidal.contract import torchrun_env
 from tidal.exec import ray_checks
-from tidal.exec.files import read_json, write_json
+from tidal.exec.files import Attempt, AttemptDirs, read_json, write_json
 from tidal.exec.isolation import (
     AUTO,
     IsolationConfig,
@@ -87,8 +52,7 @@ from tidal.exec.isolation import (
     recorded_owner,
     require_root,
 )
-from tidal.exec.progress import ProgressReader
-from tidal.exec.protocol import LaunchError, LaunchRequest, Observation, RankState, check_ranks
+from tidal.exec.protocol import LaunchError, LaunchRequest, Observation
 from tidal.exec.ray_auth import use_token_from_env
 from tidal.exec.ray_checks import check_auth, check_reachable_address, check_workers_root, join_error
 from tidal.exec.ray_names import (  # what the plane's objects are called on the cluster, where they live
@@ -133,21 +97,11 @@ def _spawned(k: _Rank) -> Any:
 
 
 @dataclass
-class _Tracked:
-    job_id: str
-    attempt: int
-    launched_s: float
-    dir: Path
-    ranks: list[_Rank]
-    pg_id: str | None
-    reader: ProgressReader
-    owner: tuple[int, int] | None = None  # the ranks' uid and gid when they run as their own user
-    codes: dict[int, int] = field(default_factory=dict)
-    vanished: set[int] = field(default_factory=set)
-    lost: set[int] = field(default_factory=set)
+class _Tracked(Attempt):
+    pg_id: str | None = None  # lost: ranks whose node left the cluster
 
 
-class RayExecutor:
+class RayExecutor(AttemptDirs):
     """Runs ranks as processes under rank actors on a Ray cluster. See the module docstring.
 
     ``address``: the cluster to join (``"auto"``, ``"HOST:PORT"``, ``"ray://..."``); ``None`` starts a
@@ -212,24 +166,10 @@ class RayExecutor:
             raise
 
     def close(self) -> None:
-        """Disconnect from Ray (a local Ray this executor started ends; detached actors on a cluster do
-        not)."""
+        """Disconnect from Ray (a local Ray this executor started ends, detached actors do not)."""
         if self._owns_ray:
             self._ray.shutdown()
             self._owns_ray = False
-
-    # -- layout --------------------------------------------------------------------------------------
-    def job_dir(self, job_id: str) -> Path:
-        return self.root / job_id
-
-    def attempt_dir(self, job_id: str, attempt: int) -> Path:
-        return self.job_dir(job_id) / c.attempt_dirname(attempt)
-
-    def home_dir(self, job_id: str) -> Path:
-        return self.job_dir(job_id) / "home"
-
-    def log_path(self, job_id: str, rank: int) -> str:
-        return str(self.job_dir(job_id) / "logs" / f"rank-{rank}.log")
 
     # -- the cluster ---------------------------------------------------------------------------------
     def _alive(self) -> list[dict]:
@@ -251,28 +191,23 @@ class RayExecutor:
                 continue
             name = (n.get("Labels") or {}).get(NODE_LABEL) or f"ray-{n['NodeID'][:12]}"
             if name in ids:
-                log.warning(
-                    "two Ray nodes carry the label %s=%s; naming the second by its id", NODE_LABEL, name
-                )
+                log.warning("two Ray nodes carry the label %s=%s; naming the second by its id",
+                            NODE_LABEL, name)
                 name = f"ray-{n['NodeID'][:12]}"
             ids[name] = n["NodeID"]
             out.append(Node(name, gpus, "serving" if name in self.serving_nodes else "training"))
         return out, ids
 
     def check_serving(self, tolerate: Collection[str] = ()) -> None:
-        """``ValueError`` in one line when a serving node is not an alive GPU node of the cluster (by its
-        ``tidal.io/node`` label) or has other GPUs there than the serving side says; nodes in
-        ``tolerate`` may (a restarted plane's serving nodes lost meanwhile)."""
+        """``ValueError`` in one line when a serving node is not an alive GPU node of the cluster or has
+        other GPUs there than the serving side says; nodes in ``tolerate`` may (lost while the plane was
+        down)."""
         have = {n.name: n.gpus for n in self._read_nodes()[0]}  # no agents started for a plane that won't run
         ray_checks.check_serving(self.serving_nodes, have, tolerate)
 
     def used(self) -> dict[str, int]:
         """Node -> GPUs held by tracked attempts (launched and not yet released), by their ranks' bundles."""
-        out: dict[str, int] = {}
-        for t in self._jobs.values():
-            for k in t.ranks:
-                out[k.node] = out.get(k.node, 0) + 1
-        return out
+        return dict(Counter(k.node for t in self._jobs.values() for k in t.ranks))
 
     # -- acting --------------------------------------------------------------------------------------
     def launch(self, req: LaunchRequest, now_s: float) -> dict:
@@ -285,10 +220,8 @@ class RayExecutor:
                               f"cluster: {unknown} (have {sorted(have)})")
         over = {n: k for n, k in req.placement.items() if k > have[n]}
         if over:
-            raise LaunchError(
-                f"job {req.job_id}: placement {dict(req.placement)} asks more GPUs than nodes have: "
-                + ", ".join(f"{n} has {have[n]}" for n in over)
-            )
+            raise LaunchError(f"job {req.job_id}: placement {dict(req.placement)} asks more GPUs than nodes "
+                              "have: " + ", ".join(f"{n} has {have[n]}" for n in over))
         if req.workdir is not None and not Path(req.workdir).is_dir():
             raise LaunchError(f"job {req.job_id}: workdir {req.workdir} is not a directory")
         adir = self.attempt_dir(req.job_id, req.attempt)
@@ -304,20 +237,12 @@ class RayExecutor:
         pg = placement_group([{"GPU": 1} for _ in plan], strategy="PACK", lifetime="detached",
                              name=_pg_name(self.namespace, req.job_id, req.attempt),
                              bundle_label_selector=[{NODE_ID_LABEL: nid} for _, nid in plan])
-        doc = {
-            "job_id": req.job_id,
-            "attempt": req.attempt,
-            "world_size": len(plan),
-            "launched_s": now_s,
-            "placement": dict(req.placement),
-            "namespace": self.namespace,
-            "placement_group": pg.id.hex(),
-            "owner": list(owner) if owner else None,
-            "ranks": [
-                {"rank": r, "node": node, "node_id": nid, "actor": actor_name(req.job_id, req.attempt, r)}
-                for r, (node, nid) in enumerate(plan)
-            ],
-        }
+        doc = {"job_id": req.job_id, "attempt": req.attempt, "world_size": len(plan), "launched_s": now_s,
+               "placement": dict(req.placement), "namespace": self.namespace, "placement_group": pg.id.hex(),
+               "owner": list(owner) if owner else None,
+               "ranks": [{"rank": r, "node": node, "node_id": nid,
+                          "actor": actor_name(req.job_id, req.attempt, r)}
+                         for r, (node, nid) in enumerate(plan)]}
         write_json(adir / c.LAUNCH_FILE, doc)  # before any actor exists: a restarted plane finds them all
         ranks: list[_Rank] = []
         try:
@@ -329,8 +254,8 @@ class RayExecutor:
                 raise
             raise LaunchError(f"job {req.job_id}: cannot start on Ray: {type(e).__name__}: "
                               f"{str(e).splitlines()[0] if str(e) else ''}") from e
-        self._jobs[req.job_id] = _Tracked(req.job_id, req.attempt, now_s, adir, ranks, pg.id.hex(),
-                                          ProgressReader(adir / c.PROGRESS_DIRNAME, len(plan)), owner)
+        self._jobs[req.job_id] = _Tracked(req.job_id, req.attempt, now_s, adir, ranks, owner,
+                                          pg_id=pg.id.hex())
         return handle
 
     def _start(self, req: LaunchRequest, adir: Path, plan: list[tuple[str, str]], pg: Any, ranks: list[_Rank],
@@ -345,14 +270,9 @@ class RayExecutor:
                               f"{self.ready_timeout_s:g} s (GPUs held outside Tidal?)") from None
         for r, (node, nid) in enumerate(plan):
             actor = self._remote.options(
-                name=actor_name(req.job_id, req.attempt, r),
-                namespace=self.namespace,
-                lifetime="detached",
-                num_cpus=0,
-                num_gpus=1,
-                max_restarts=0,
-                max_task_retries=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r),
+                name=actor_name(req.job_id, req.attempt, r), namespace=self.namespace, lifetime="detached",
+                num_cpus=0, num_gpus=1, max_restarts=0, max_task_retries=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r)
             ).remote()
             ranks.append(_Rank(r, node, nid, actor))
         infos = ray.get([_spawned(k).info.remote() for k in ranks], timeout=self.ready_timeout_s)
@@ -378,9 +298,7 @@ class RayExecutor:
             gpus = ",".join(g for r in local for g in infos[r]["gpu_ids"])
             platform = {**torchrun_env(k.rank, n, port, master_addr=master, local_rank=local.index(k.rank),
                                        local_world_size=len(local), group_rank=groups.index(k.node)),
-                        c.ENV_JOB_ID: req.job_id, c.ENV_ATTEMPT: str(req.attempt),
-                        c.ENV_PROGRESS_DIR: str(adir / c.PROGRESS_DIRNAME),
-                        c.ENV_CONTROL_FILE: str(adir / c.CONTROL_FILE), c.ENV_CUDA_VISIBLE_DEVICES: gpus}
+                        **self.attempt_env(req, adir), c.ENV_CUDA_VISIBLE_DEVICES: gpus}
             shm = str(self.shm_root / k.node / req.job_id) if self.shm_root is not None else None
             base = {c.ENV_SHM_DIR: shm} if shm is not None else {}
             if self.agents is not None:
@@ -391,41 +309,21 @@ class RayExecutor:
                             omp_threads=(os.cpu_count() or 1) // max(1, len(local)), base=base)
             header = (f"=== tidal: {req.job_id} attempt {req.attempt}, rank {k.rank} of {n} on {k.node}, "
                       f"{time.strftime('%Y-%m-%d %H:%M:%S')} ===\n")
-            starts.append(
-                _spawned(k).start.remote(
-                    list(req.command),
-                    env,
-                    req.workdir or str(self.home_dir(req.job_id)),
-                    self.log_path(req.job_id, k.rank),
-                    header,
-                    str(adir / c.pid_file(k.rank)),
-                    owner,
-                    rlimits,
-                    shm if c.ENV_SHM_DIR not in job_env else None,
-                )
-            )
+            starts.append(_spawned(k).start.remote(
+                list(req.command), env, req.workdir or str(self.home_dir(req.job_id)),
+                self.log_path(req.job_id, k.rank), header, str(adir / c.pid_file(k.rank)), owner, rlimits,
+                shm if c.ENV_SHM_DIR not in job_env else None))
         for k, pid in zip(ranks, ray.get(starts, timeout=self.ready_timeout_s), strict=True):
             k.pid = pid
-        doc = {
-            **doc,
-            "master_addr": master,
-            "master_port": port,
-            "ranks": [
-                {**d, "pid": k.pid, "gpu_ids": infos[k.rank]["gpu_ids"]}
-                for d, k in zip(doc["ranks"], ranks, strict=True)
-            ],
-        }
+        doc = {**doc, "master_addr": master, "master_port": port,
+               "ranks": [{**d, "pid": k.pid, "gpu_ids": infos[k.rank]["gpu_ids"]}
+                         for d, k in zip(doc["ranks"], ranks, strict=True)]}
         write_json(adir / c.LAUNCH_FILE, doc)
-        return {
-            "executor": "ray", "placement": dict(req.placement), "master_addr": master, "master_port": port,
-            "dir": str(adir),
-            **({"uid": owner[0]} if owner else {}),
-            "placement_group": doc["placement_group"],
-            "ranks": [
-                {"rank": k.rank, "pid": k.pid, "node": k.node, "gpu_ids": infos[k.rank]["gpu_ids"]}
-                for k in ranks
-            ],
-        }
+        return {"executor": "ray", "placement": dict(req.placement), "master_addr": master,
+                "master_port": port, "dir": str(adir), **({"uid": owner[0]} if owner else {}),
+                "placement_group": doc["placement_group"],
+                "ranks": [{"rank": k.rank, "pid": k.pid, "node": k.node, "gpu_ids": infos[k.rank]["gpu_ids"]}
+                          for k in ranks]}
 
     def _remove_leftovers(self, job_id: str) -> None:
         """Actors and placement groups of the job's earlier attempts that are still in the cluster (a
@@ -469,29 +367,10 @@ class RayExecutor:
         with contextlib.suppress(Exception):
             self._remove_pg(PlacementGroup(PlacementGroupID(bytes.fromhex(pg_id))))
 
-    def signal_stop(self, job_id: str, ranks: Collection[int] | None = None) -> None:
-        self._signal(job_id, signal.SIGTERM, ranks)
-
-    def kill(self, job_id: str) -> None:
-        self._signal(job_id, signal.SIGKILL)
-
-    def _signal(self, job_id: str, sig: int, ranks: Collection[int] | None = None) -> None:
-        t = self._jobs.get(job_id)
-        if t is None:
-            return
-        wanted = check_ranks(f"job {job_id}", ranks, len(t.ranks))
-        for k in t.ranks:
-            ended = k.rank in t.codes or k.rank in t.vanished
-            if k.actor is not None and k.rank in wanted and not ended:
+    def _send(self, t: _Tracked, ranks: list[_Rank], sig: int) -> None:
+        for k in ranks:
+            if k.actor is not None:
                 k.actor.signal.remote(int(sig))  # not waited for: observe() sees the rank exit
-
-    def configure(self, job_id: str, settings: Mapping[str, Any]) -> None:
-        t = self._jobs.get(job_id)
-        if t is None:
-            return
-        path = t.dir / c.CONTROL_FILE
-        current = read_json(path) or {}
-        write_json(path, {**current, **settings}, t.owner)  # the job's uid reads it
 
     def release(self, job_id: str) -> None:
         t = self._jobs.pop(job_id, None)
@@ -542,17 +421,7 @@ class RayExecutor:
                 t.vanished.add(k.rank)  # its actor exists but the launch never got to start it
             elif res.get("code") is not None:
                 t.codes[k.rank] = int(res["code"])
-        return {job_id: self._observation(t) for job_id, t in self._jobs.items()}
-
-    def _observation(self, t: _Tracked) -> Observation:
-        states = []
-        for k in t.ranks:
-            code = t.codes.get(k.rank)
-            ended = code is not None and code != 0 and t.reader.phase(k.rank) == c.PHASE_ENDED
-            states.append(
-                RankState(k.rank, k.pid, code, k.rank in t.vanished, ended, k.rank in t.lost, k.node)
-            )
-        return Observation(t.job_id, t.attempt, t.launched_s, tuple(states), t.reader.read())
+        return {job_id: t.observation(across_nodes=True) for job_id, t in self._jobs.items()}
 
     # -- node memory (the NodeMemory protocol; tasks on the nodes: tidal.exec.ray_shm) -----------------
     def shm_jobs(self) -> list[str]:
@@ -566,8 +435,7 @@ class RayExecutor:
         return sorted(self._shm_where)
 
     def free_shm(self, job_id: str) -> bool:
-        """Remove the job's node-memory directories on the nodes the last ``shm_jobs`` saw them on (never
-        of a tracked job)."""
+        """Remove the job's node-memory directories where the last ``shm_jobs`` saw them (never tracked)."""
         where = self._shm_where.pop(job_id, None)
         if self.shm_root is None or job_id in self._jobs or not where:
             return False
@@ -602,9 +470,8 @@ class RayExecutor:
             except ValueError:
                 actor = None
             ranks.append(_Rank(int(d["rank"]), str(d["node"]), str(d["node_id"]), actor, d.get("pid")))
-        reader = ProgressReader(adir / c.PROGRESS_DIRNAME, len(ranks))
         self._jobs[job_id] = _Tracked(job_id, attempt, float(doc["launched_s"]), adir, ranks,
-                                      doc.get("placement_group"), reader, recorded_owner(doc))
+                                      recorded_owner(doc), pg_id=doc.get("placement_group"))
         return True
 
 

@@ -107,8 +107,7 @@ def job_of_pg(namespace: str, name: str) -> str | None:
 
 
 def rank_pids(root: str | os.PathLike) -> list[int]:
-    """Every rank pid recorded under ``root`` (``pid-<r>.json`` of every attempt): for tests that must
-    leave no process behind on a one-machine cluster."""
+    """Every rank pid recorded under ``root`` (``pid-<r>.json``), for tests on a one-machine cluster."""
     out = []
     for p in Path(root).glob(f"*/{c.attempt_dirname('*')}/pid-*.json"):
         doc = read_json(p)

@@ -1,29 +1,16 @@
 """One rank of a job on a Ray node: a detached, named actor that runs the user's command as a process.
 
-The Ray executor (:mod:`tidal.exec.ray_exec`) creates one :class:`RankActor` per rank, in the bundle of
-the attempt's placement group that sits on the node the scheduler chose. The actor holds the rank's
-GPU in Ray's accounting (``num_gpus=1``) and runs nothing of the job itself: :meth:`RankActor.start`
-starts the command as a child process (its own session, so a notice reaches the whole process group)
-with the environment the executor composed, its output appended to the rank's log file. The actor
-keeps the child's exit code, so a restarted control plane that finds the actor by name learns how
-the rank ended.
+The Ray executor creates one :class:`RankActor` per rank in its placement-group bundle; the actor holds
+the GPU in Ray's accounting and :meth:`RankActor.start` runs the command once (a second call returns the
+first pid) as a child in its own session, output appended to the rank's log. The actor keeps the exit
+code, so a restarted plane that finds it by name learns how the rank ended.
 
-The child dies with the actor: it is started with ``PR_SET_PDEATHSIG`` = SIGKILL, so ``ray.kill`` of
-the actor, or the death of its worker process with the node, never leaves a rank running unwatched.
-What the rank itself starts ends with it too, however it detaches (``setsid``, a double fork): the
-actor's worker is a child subreaper (:func:`tidal.exec.procs.become_subreaper`), so such a process
-re-parents to it, and the actor kills every process left below it when the rank has ended (seen by
-:meth:`RankActor.poll`), on a kill (:meth:`RankActor.signal` with SIGKILL stops and kills the whole
-tree) and on :meth:`RankActor.end`, which the executor calls before it kills the actor.
-:meth:`RankActor.start` runs a command once: a second call returns the first one's pid.
+Nothing outlives the actor: the child has ``PR_SET_PDEATHSIG`` = SIGKILL, and the worker is a child
+subreaper that kills what the rank left when it ends (:meth:`RankActor.poll`), on a SIGKILL and on
+:meth:`RankActor.end`. With ``owner`` (``isolation.uid_base``, the actor runs as root) it makes the job's
+node-memory directory and starts the rank as that uid with the job's rlimits, as :mod:`tidal.exec.shim`.
 
-With ``isolation.uid_base`` the executor names the job's uid and gid (``owner``): the actor (which must
-run as root) makes the job's node-memory directory on its node, owned by that uid, and starts the
-rank as that uid with no supplementary groups and the job's rlimits, exactly as the local executor's
-shim (:mod:`tidal.exec.shim`) does; its log and pid file stay root's.
-
-Standard library, ``ray``, small parts of :mod:`tidal.exec` and the standard-library-only :mod:`tidal.files`
-and :mod:`tidal.net` (no torch): the module is imported by every Ray worker that hosts a rank.
+Imported by every Ray worker that hosts a rank: standard library, ``ray`` and small parts of ours (no torch).
 """
 
 from __future__ import annotations
@@ -66,9 +53,8 @@ def _child_setup(parent: int, rlimits: Mapping[str, int] | None = None) -> None:
 
 
 def _node_shm_dir(shm_dir: str, owner: tuple[int, int]) -> None:
-    """On the node: the job's node-memory directory ``<base>/<node>/<job>`` 0700 and owned by the job's
-    uid, ``<base>`` and ``<base>/<node>`` root's 0711 (a job's uid passes through to its own, lists
-    nothing)."""
+    """On the node: the job's node-memory directory ``<base>/<node>/<job>`` 0700, owned by its uid, below
+    root's 0711 directories."""
     d = Path(shm_dir)
     private_dir(d.parent.parent, 0o711)
     private_dir(d.parent, 0o711)
@@ -76,8 +62,8 @@ def _node_shm_dir(shm_dir: str, owner: tuple[int, int]) -> None:
 
 
 class RankActor:
-    """See the module docstring. Methods are quick (no waiting on the rank): the executor calls them
-    from its reconcile step."""
+    """See the module docstring. Methods are quick (never wait on the rank): called from the reconcile
+    step."""
 
     def __init__(self) -> None:
         self.proc: subprocess.Popen | None = None
@@ -136,18 +122,14 @@ class RankActor:
         return self.proc.pid
 
     def poll(self) -> dict:
-        """``{"started", "pid", "code"}``: ``code`` None while the rank runs (negative: killed by that
-        signal)."""
+        """``{"started", "pid", "code", "error"}``: ``code`` None while the rank runs (negative: killed by
+        that signal)."""
         if self.proc is not None and self.code is None:
             self.code = self.proc.poll()
             if self.code is not None:
                 procs.reap_orphans()  # the rank ended: what it left running (a setsid'd daemon) too
-        return {
-            "started": self.proc is not None or self.error is not None,
-            "pid": self.proc.pid if self.proc is not None else None,
-            "code": self.code,
-            "error": self.error,
-        }
+        return {"started": self.proc is not None or self.error is not None, "code": self.code,
+                "pid": self.proc.pid if self.proc is not None else None, "error": self.error}
 
     def end(self) -> None:
         """Kill the rank and every process below this actor (however it detached), and reap them: the
@@ -160,8 +142,7 @@ class RankActor:
         procs.reap_orphans()
 
     def signal(self, sig: int) -> bool:
-        """Send ``sig`` to the rank's process group while it runs (SIGKILL: to every process below this
-        actor, :meth:`end`); True if sent."""
+        """Send ``sig`` to the rank's process group while it runs (SIGKILL: :meth:`end`); True if sent."""
         if self.proc is None or self.proc.poll() is not None:
             return False
         if sig == signal.SIGKILL:

@@ -1,15 +1,9 @@
 """Node memory on Ray nodes: which jobs keep a shared-memory directory on each node, and freeing them.
 
-A rank's node-memory checkpoint tier on a Ray node is ``<base>/<node>/<job>`` on *that* node
-(:func:`tidal.exec.ray_exec.shm_base`); the plane cannot see another machine's ``/dev/shm``, so each
-question is a small Ray task pinned to each node (``NodeAffinitySchedulingStrategy``, not soft; no
-CPU reserved, so a node busy with ranks still answers), all nodes at once. A listing not answered
-within ``CALL_TIMEOUT_S`` is cancelled (that node is asked again at the next sweep); a removal is
-left to finish. A node that left took its memory with it.
-
-Called by :class:`~tidal.exec.ray_exec.RayExecutor` (``shm_jobs``/``free_shm``, the
-:class:`~tidal.exec.protocol.NodeMemory` protocol) from the controller's sweep, at most every
-``SHM_SWEEP_S``.
+The plane cannot see another machine's ``/dev/shm``, so each question is a small Ray task pinned to each
+node (not soft; no CPU reserved, so a busy node still answers), all nodes at once. A listing not answered
+within ``CALL_TIMEOUT_S`` is cancelled (asked again at the next sweep); a removal is left to finish.
+Called by :class:`~tidal.exec.ray_exec.RayExecutor` (the ``NodeMemory`` protocol) from the sweep.
 """
 
 from __future__ import annotations

@@ -3,39 +3,25 @@
     python -I shim.py EXIT_FILE PID_FILE [--uid U --gid G] [--rlimit NAME=N ...] [--sandbox]
                       [--cgroup DIR --cgroup-version 1|2 --memory BYTES] -- PROGRAM ARG...
 
-The local executor starts one shim per rank, in a new session (its own process group), with the
-rank's environment, working directory and log file. Two things make a control-plane crash safe:
+The local executor starts one per rank, in a new session, with the rank's environment, working
+directory and log. What makes a control-plane crash safe:
 
-* **Two-phase start.** The shim first reads one line from stdin and starts the rank only on
-  ``go``. The executor sends it after it has recorded every rank's pid durably, so if the control
-  plane dies in between, the pipe closes, the shim reads EOF and exits, and nothing runs
-  unrecorded (never twice).
-* **Exit code on disk.** When the rank exits, the shim writes ``{"code", "time"}`` to EXIT_FILE
-  (atomically), so a control plane that restarted, and is no longer the shim's parent, still learns
-  how the rank ended. A negative code means the rank was killed by that signal.
+* **Two-phase start.** The shim starts the rank only on a ``go`` line on stdin, sent once every rank's
+  pid is recorded; a plane that dies first closes the pipe (EOF): nothing runs unrecorded, never twice.
+* **Exit code on disk.** The shim writes ``{"code", "time"}`` to EXIT_FILE atomically, so a restarted
+  plane (no longer its parent) learns how the rank ended; negative: killed by that signal.
+* The shim ignores SIGTERM and SIGINT (the rank does not inherit that) to outlive the rank; it exits
+  with the rank's code (128 + n for signal n). The executor's kill takes the shim's whole tree: no exit
+  file then.
+* **Nothing outlives the rank.** A child subreaper, the shim kills what the rank left below it before
+  writing the exit file; what a shim killed by another left, :mod:`tidal.exec.orphans` finds.
 
-Signals reach the rank directly (the executor signals the whole process group); the shim ignores
-SIGTERM and SIGINT itself (with a no-op handler, which the rank does not inherit), so it outlives
-the rank to record its code. The executor's kill stops and then SIGKILLs the shim's whole process tree
-(:func:`tidal.exec.procs.kill_tree`): then there is no exit file, and the control plane knows it
-killed them. The shim exits with the rank's code (128 + n for signal n).
-
-**Nothing outlives the rank.** The shim is a child subreaper (``PR_SET_CHILD_SUBREAPER``): whatever
-the rank starts stays below the shim however it detaches (``setsid``, a double fork, ``nohup``), so
-when the rank ends the shim kills every process left below it (SIGKILL, as the executor's user: it may
-signal a rank's uid) before it writes the exit file; and the executor's kill finds them all in the
-shim's tree. A shim SIGKILLed by another leaves them to ``tidal up`` (a subreaper too), which kills them
-by the attempt's marks (:mod:`tidal.exec.orphans`; the pid file holds the rank's start time for that).
-
-Isolation (:mod:`tidal.exec.isolation`): the shim itself keeps the executor's user (it writes the exit
-and pid files into the attempt directory, which the job may not write), and starts the rank with
-``--uid``/``--gid`` (no supplementary groups), umask 077 and the ``--rlimit`` limits (``core``,
-``fsize``, ``nproc``, ``nofile``; lowered in the child only, before ``exec``). With ``--cgroup`` the
-shim creates that memory cgroup, sets its limit, joins it before starting the rank (which inherits it),
-and after the rank ended says in the rank's log when the kernel killed it for memory, then leaves the
-cgroup and removes it (:mod:`tidal.exec.cgroups`). With ``--sandbox`` PROGRAM is the rank's sandbox
-(``bwrap``, :mod:`tidal.exec.sandbox`): started with SIGTERM and SIGINT ignored, its ``128 + n`` recorded
-as ``-n``.
+Isolation: the shim keeps the executor's user (it writes into the attempt directory) and starts the rank
+with ``--uid``/``--gid`` (no supplementary groups), umask 077 and the ``--rlimit`` limits; with
+``--cgroup`` it joins that memory cgroup first, and afterwards says in the log when the kernel killed
+the rank for memory, then removes it (:mod:`tidal.exec.cgroups`). With ``--sandbox`` PROGRAM is the
+rank's sandbox (``bwrap``, :mod:`tidal.exec.sandbox`): started with SIGTERM and SIGINT ignored, its
+``128 + n`` recorded as ``-n``.
 """
 
 from __future__ import annotations
@@ -53,8 +39,7 @@ import time
 
 @functools.cache
 def _load(name: str, path: str):
-    """A standard-library-only module of ours, loaded (once) by its path: under ``python -I`` the package
-    is not importable."""
+    """A standard-library-only module of ours, loaded once by its path (``python -I``: no package)."""
     spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(os.path.abspath(
         __file__)), path))
     assert spec is not None and spec.loader is not None  # a .py file path always has a spec and a loader
@@ -145,9 +130,9 @@ def _leave_cgroup(opts: dict) -> None:
 
 
 def set_limits(rlimits: dict, sandbox: bool = False) -> None:
-    """In the child before exec: lower the limits (soft and hard; never raised); for a sandbox, ignore
-    SIGTERM and SIGINT (the rank inside restores them). Imports nothing: the child may already run as a
-    uid that cannot read the Python installation."""
+    """In the child before exec: lower the limits (never raised); for a sandbox, ignore SIGTERM and
+    SIGINT (the rank inside restores them). Imports nothing: the child may already run as a uid that
+    cannot read the Python installation."""
     if sandbox:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN)

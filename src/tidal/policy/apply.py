@@ -1,26 +1,8 @@
 """The store's side of the scheduler's decisions, written once: ``apply(snapshot, decisions) -> snapshot``.
 
-Pure: no I/O, no clock (the time is the snapshot's ``now_s``). The semantics are those of
-:mod:`tidal.model`'s lifecycle, as the control plane's store and the simulator carry them out:
-
-* :class:`~tidal.model.Admit`: the pending job holds ``placement`` from now (``started_s``); its
-  nomination is cleared.
-* :class:`~tidal.model.Grow`: the job also holds ``add`` (``last_grown_s``).
-* :class:`~tidal.model.Shrink` / :class:`~tidal.model.Preempt`: the job keeps what it holds, with
-  ``release`` (a shrink) or all of it (a preemption) in ``releasing`` (``last_shrunk_s`` /
-  ``last_preempted_s``); those GPUs are free only once the job has released them (the store's next
-  step, not a decision). ``for_job``, when pending, is nominated (``nominated_s = now``).
-* :class:`~tidal.model.ReturnGpus`: the loan on ``node`` shrinks by ``gpus`` (dropped at zero) and
-  the outstanding reclaims, earliest ``by_s`` first, are lowered by as many.
-* :class:`~tidal.model.SetCkptInterval`: the job's ``ckpt_interval_s``.
-
-A decision the snapshot does not allow (admitting a running job, acting on a releasing one, a size
-that does not add up, returning GPUs a job holds) raises :class:`IllegalDecision`.
-
-The per-decision job transforms (:func:`admitted`, :func:`grown`, :func:`shrunk`, :func:`preempted`,
-:func:`nominated`, :func:`interval_set`) and :func:`returned` are what :func:`apply` is made of; the
-simulator's store (:class:`tidal.sim.world.World`), which keeps queues and timelines incrementally,
-calls the same functions, so the semantics live here only.
+Pure (the time is the snapshot's ``now_s``). The per-decision job transforms are shared with the
+simulator's store (:class:`tidal.sim.world.World`), so the semantics of :mod:`tidal.model`'s lifecycle
+live here only; a decision the snapshot does not allow raises :class:`IllegalDecision`.
 """
 
 from __future__ import annotations
@@ -52,11 +34,8 @@ _JOB_FIELDS = tuple(f.name for f in fields(Job))  # every slot, the derived ones
 
 
 def job_with(job: Job, **changes) -> Job:
-    """``dataclasses.replace(job, **changes)`` for a store's frequent changes of a job's state, faster
-    (3x alone, ~1.6x in a month-long simulation): the request fields (what ``Job.__post_init__``
-    checks) are copied unchanged, so only the derived GPU counts are recomputed, and ``releasing`` is
-    checked against ``placement`` as there (on failure the real constructor raises its error).
-    ``changes`` must not touch the request."""
+    """``dataclasses.replace(job, **changes)``, 3x faster for a store's frequent state changes: the request
+    fields are copied unchecked (``changes`` must not touch them); only the GPU counts are recomputed."""
     out = object.__new__(Job)
     for name in _JOB_FIELDS:
         _SET(out, name, getattr(job, name))
@@ -70,9 +49,6 @@ def job_with(job: Job, **changes) -> Job:
         _SET(out, "gpus", sum(placement.values()))
         _SET(out, "releasing_gpus", sum(releasing.values()) if releasing else 0)
     return out
-
-
-# ------------------------------------------------------------------------------ one job, one decision
 
 
 def admitted(job: Job, d: Admit, now_s: float) -> Job:
@@ -114,8 +90,7 @@ def nominated(job: Job, now_s: float) -> Job:
 
 
 def interval_set(job: Job, d: SetCkptInterval, now_s: float) -> Job:
-    """Running ``job`` after :class:`SetCkptInterval` ``d``. (The simulator sets the same field on its
-    own object in place, see ``World.set_interval``.)"""
+    """Running ``job`` after :class:`SetCkptInterval` ``d``."""
     if not job.running:
         raise IllegalDecision(f"{d}: job {job.id!r} is not running")
     return job_with(job, ckpt_interval_s=d.interval_s)
@@ -127,9 +102,8 @@ def returned(loans: Mapping[str, Loan], reclaims: Iterable[Reclaim], d: ReturnGp
     GPUs of ``d.node`` jobs hold (they are not free to return). Reclaims come back earliest first."""
     ln = loans.get(d.node)
     if ln is None or not 1 <= d.gpus <= ln.gpus - held_gpus:
-        raise IllegalDecision(
-            f"{d}: {ln.gpus if ln else 0} GPUs of {d.node!r} on loan, {held_gpus} held by jobs"
-        )
+        raise IllegalDecision(f"{d}: {ln.gpus if ln else 0} GPUs of {d.node!r} on loan, "
+                              f"{held_gpus} held by jobs")
     out = dict(loans)
     if d.gpus == ln.gpus:
         del out[d.node]
@@ -139,8 +113,7 @@ def returned(loans: Mapping[str, Loan], reclaims: Iterable[Reclaim], d: ReturnGp
 
 
 def lowered(reclaims: Iterable[Reclaim], gpus: int) -> list[Reclaim]:
-    """``reclaims`` with ``gpus`` fewer GPUs asked back, taken from the earliest ``by_s``; earliest first.
-    (GPUs handed back, or lent on a node that was lost, are no longer owed.)"""
+    """``reclaims`` with ``gpus`` fewer GPUs asked back, taken from the earliest ``by_s``; earliest first."""
     left = gpus
     rs = sorted(reclaims, key=lambda r: r.by_s)
     while left and rs:
@@ -152,8 +125,7 @@ def lowered(reclaims: Iterable[Reclaim], gpus: int) -> list[Reclaim]:
 
 
 def after(job: Job, d: Admit | Grow | Shrink | Preempt | SetCkptInterval, now_s: float) -> Job:
-    """``job`` after the job decision ``d`` at ``now_s`` (one of the transforms above; a ``for_job``'s
-    nomination is :func:`nominated`'s). Raises :class:`IllegalDecision` when the job does not allow it."""
+    """``job`` after the job decision ``d`` at ``now_s`` (a ``for_job``'s nomination: :func:`nominated`)."""
     if isinstance(d, Admit):
         return admitted(job, d, now_s)
     if isinstance(d, Grow):
@@ -167,12 +139,8 @@ def after(job: Job, d: Admit | Grow | Shrink | Preempt | SetCkptInterval, now_s:
     raise TypeError(f"not a job decision: {d!r}")
 
 
-# ------------------------------------------------------------------------------ a whole snapshot
-
-
 def apply(s: Snapshot, decisions: Sequence[Decision]) -> Snapshot:
-    """The snapshot after the store has carried out ``decisions`` at ``s.now_s`` (see the module
-    docstring); ``s`` is left as it is. Queues come back in arrival order (``Snapshot.build``)."""
+    """The snapshot after ``decisions`` at ``s.now_s`` (``s`` unchanged; queues in arrival order)."""
     now = s.now_s
     jobs = {j.id: j for j in s.jobs()}
     loans = {ln.node: ln for ln in s.loans}

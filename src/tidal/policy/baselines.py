@@ -1,8 +1,7 @@
-"""The baselines Tidal's loan policy is compared with, each with a fixed margin knob (GPUs), in the same
-interface as :class:`~tidal.policy.loan.TidalPolicy` (a context and a state in, a plan and a state out):
-:class:`ReactivePolicy` (lend what is idle now minus the margin), :class:`NightWindowPolicy` (lend
-``N - margin`` during fixed hours) and :class:`OraclePolicy` (given the future demand). Pure, as the
-rest of :mod:`tidal.policy`."""
+"""The baselines Tidal's loan policy is compared with, each with a fixed margin knob (GPUs), in the
+interface of :class:`~tidal.policy.loan.TidalPolicy`: :class:`ReactivePolicy` (idle now minus the
+margin), :class:`NightWindowPolicy` (``N - margin`` during fixed hours) and :class:`OraclePolicy`
+(given the future demand). Pure."""
 
 from __future__ import annotations
 
@@ -18,14 +17,17 @@ def _grid(now_s: float, step_s: float, horizon_s: float) -> np.ndarray:
     return now_s + step_s * np.arange(1, max(1, math.ceil(horizon_s / step_s - EPS)) + 1)
 
 
+def _plan(p: ReactivePolicy | NightWindowPolicy | OraclePolicy, ctx: LoanContext, times: np.ndarray,
+          upper: np.ndarray, demand_now_gpus: float) -> LoanPlan:
+    return plan_loans(now_s=ctx.now_s, serving_gpus=ctx.serving_gpus, lent_gpus=ctx.lent_gpus,
+                      demand_now_gpus=demand_now_gpus, times_s=times, upper_gpus=upper, timing=p.timing,
+                      margin_gpus=p.margin_gpus)
+
+
 @dataclass(frozen=True)
 class ReactivePolicy:
-    """Lend what is idle now minus ``margin_gpus``; reclaim when that shrinks (no look-ahead).
-
-    Its upper bound is flat at ``demand now + margin``, so its plans carry no deadlines: it
-    reclaims only once a new observation shows less idle capacity, a lead time too late unless the
-    margin absorbs the rise. Holds its last bound through missing observations.
-    """
+    """Lend what is idle now minus ``margin_gpus``; no look-ahead, so its plans carry no deadlines and it
+    reclaims only once an observation shows less idle capacity. Holds its last bound through gaps."""
 
     margin_gpus: float = 0.0
     step_s: float = 600.0
@@ -39,27 +41,13 @@ class ReactivePolicy:
         last = state if math.isnan(ctx.demand_gpus) else float(ctx.demand_gpus)
         times = _grid(ctx.now_s, self.step_s, self.horizon_s)
         level = float(ctx.serving_gpus) if math.isnan(last) else last + self.margin_gpus
-        plan = plan_loans(
-            now_s=ctx.now_s,
-            serving_gpus=ctx.serving_gpus,
-            lent_gpus=ctx.lent_gpus,
-            demand_now_gpus=ctx.demand_gpus,
-            times_s=times,
-            upper_gpus=np.full(times.shape, level),
-            timing=self.timing,
-            margin_gpus=self.margin_gpus,
-        )
-        return plan, last
+        return _plan(self, ctx, times, np.full(times.shape, level), ctx.demand_gpus), last
 
 
 @dataclass(frozen=True)
 class NightWindowPolicy:
-    """Lend ``N - margin_gpus`` GPUs from ``start_s`` to ``end_s`` of every ``period_s`` (a day).
-
-    Times are positions in the period (``t mod period``); a window may wrap past the period's end
-    (start 22 h, end 6 h). Demand is not looked at: the margin alone protects serving. Loans are
-    planned to be back at the window's end.
-    """
+    """Lend ``N - margin_gpus`` GPUs from ``start_s`` to ``end_s`` of every ``period_s`` (positions in the
+    period; the window may wrap past its end), blind to demand; loans are due back at the window's end."""
 
     start_s: float
     end_s: float
@@ -81,19 +69,13 @@ class NightWindowPolicy:
         times = _grid(ctx.now_s, self.step_s, self.horizon_s)
         n = float(ctx.serving_gpus)
         upper = np.where(self.in_window(times), min(n, self.margin_gpus), n)
-        plan = plan_loans(now_s=ctx.now_s, serving_gpus=ctx.serving_gpus, lent_gpus=ctx.lent_gpus,
-                          demand_now_gpus=math.nan, times_s=times, upper_gpus=upper,
-                          timing=self.timing, margin_gpus=self.margin_gpus)
-        return plan, None
+        return _plan(self, ctx, times, upper, math.nan), None
 
 
 @dataclass(frozen=True)
 class OraclePolicy:
-    """Knows the future: plans from ``ctx.future_demand_gpus + margin_gpus`` (the upper bound).
-
-    ``ctx.future_demand_gpus[k]`` is demand at ``now + (k + 1) * step_s``; NaN entries (unknown) and
-    points past the array count as the full pool.
-    """
+    """Plans from ``ctx.future_demand_gpus + margin_gpus`` (``[k]``: demand at ``now + (k + 1) * step_s``;
+    NaN and points past the array count as the full pool): the upper bound."""
 
     margin_gpus: float = 0.0
     step_s: float = 600.0
@@ -111,7 +93,4 @@ class OraclePolicy:
         fut = np.full(times.shape, n)
         known = np.asarray(ctx.future_demand_gpus, dtype=float)[: times.size]
         fut[: known.size] = np.where(np.isnan(known), n, known + self.margin_gpus)
-        plan = plan_loans(now_s=ctx.now_s, serving_gpus=ctx.serving_gpus, lent_gpus=ctx.lent_gpus,
-                          demand_now_gpus=ctx.demand_gpus, times_s=times, upper_gpus=fut,
-                          timing=self.timing, margin_gpus=self.margin_gpus)
-        return plan, None
+        return _plan(self, ctx, times, fut, ctx.demand_gpus), None

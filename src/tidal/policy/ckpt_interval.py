@@ -1,26 +1,9 @@
 """How often each running job should checkpoint: Young/Daly from its save stall and its risk. Pure.
 
-A checkpoint costs training its *stall* ``δ`` (seconds training stops per save: with Tidal's
-concurrent checkpointing, the copy into a staging slot, not the write to storage). An interruption
-costs the work since the newest durable checkpoint: on average half an interval. Interruptions come
-at a rate ``1 / M`` (``M``: mean time to interruption, seconds):
-
-* hardware and software failures, ``failure_rate_per_gpu_hour × GPUs`` (a gang stops when any of its
-  GPUs fails; Llama 3 405B saw 419 interruptions in 54 days on 16,384 GPUs, about 2e-5 per GPU-hour,
-  one every 3 hours for the whole job);
-* reclaims that come without enough notice for a final checkpoint: ``Loan.reclaim_risk_per_hour``
-  for each loaned serving node the job runs on (the loan plan's forecast error). Planned reclaims
-  come with notice, and the job saves before it leaves, so they do not count.
-
-Minimising stall plus expected loss per unit of time gives Young's interval ``sqrt(2 δ M)`` (compute
-time between saves); Daly's higher-order form corrects it when ``δ`` is not small next to ``M``::
-
-    τ = sqrt(2 δ M) · (1 + (1/3)·sqrt(δ / 2M) + (1/9)·(δ / 2M)) − δ     if δ < 2M, else τ = M
-
-The interval returned is the period between the starts of consecutive saves, ``τ + δ``, in seconds,
-clamped to ``[max(min_interval_s, persist_s), max_interval_s]``: never more often than the durable
-tier can absorb a checkpoint (``persist_s``: time to persist one), never so rarely that an
-unmodelled interruption throws away more than ``max_interval_s`` of work.
+A save costs its stall ``δ``; interruptions (failures per GPU-hour × GPUs, plus the surprise-reclaim
+risk of each loaned node the job runs on) come at rate ``1 / M``. Daly's optimum of compute time
+between saves, ``τ = sqrt(2 δ M) · (1 + (1/3)·sqrt(δ / 2M) + (1/9)·(δ / 2M)) − δ`` (``M`` if ``δ >=
+2M``); the interval returned is ``τ + δ``, clamped to ``[max(min_interval_s, persist_s), max_interval_s]``.
 """
 
 from __future__ import annotations
@@ -36,13 +19,9 @@ LLAMA3_FAILURES_PER_GPU_HOUR = 419 / (16_384 * 54 * 24)  # 419 interruptions, 16
 
 @dataclass(frozen=True)
 class CkptIntervalConfig:
-    """Knobs of the checkpoint-interval policy (seconds, rates per hour).
-
-    ``failure_rate_per_gpu_hour``: interruptions per GPU-hour from failures (default: Llama 3's).
-    ``min_interval_s`` / ``max_interval_s``: bounds of the interval. ``change_ratio``: a job is told
-    a new interval only when it differs from its current one by more than this fraction, so noise
-    in the measured stall does not chatter.
-    """
+    """Knobs of the checkpoint-interval policy: failures per GPU-hour (default Llama 3's), the bounds of
+    the interval (s), and ``change_ratio``: a job is told a new interval only when it differs from its
+    current one by more than this fraction (no chatter from a noisy stall)."""
 
     failure_rate_per_gpu_hour: float = LLAMA3_FAILURES_PER_GPU_HOUR
     min_interval_s: float = 30.0
@@ -64,12 +43,6 @@ def mtti_s(gpus: int, failure_rate_per_gpu_hour: float, reclaim_risk_per_hour: f
         raise ValueError(f"mtti_s: gpus ({gpus}) and rates must be >= 0")
     rate_per_hour = gpus * failure_rate_per_gpu_hour + reclaim_risk_per_hour
     return math.inf if rate_per_hour == 0 else 3600.0 / rate_per_hour
-
-
-def young_interval_s(stall_s: float, mtti_s: float) -> float:
-    """Young: ``sqrt(2 δ M) + δ`` seconds between save starts (unclamped)."""
-    _check(stall_s, mtti_s)
-    return math.sqrt(2.0 * stall_s * mtti_s) + stall_s
 
 
 def daly_interval_s(stall_s: float, mtti_s: float) -> float:
@@ -108,14 +81,9 @@ def job_mtti_s(job: Job, loans: Mapping[str, Loan], config: CkptIntervalConfig |
 
 def plan_ckpt_intervals(snapshot: Snapshot, config: CkptIntervalConfig | None = None,
                         persist_s: Mapping[str, float] | None = None) -> list[SetCkptInterval]:
-    """Intervals for the running jobs that measured their stall (``Job.ckpt_stall_s``), as decisions.
-
-    A job gets a :class:`~tidal.model.SetCkptInterval` when it has no interval yet or the new one
-    differs from ``Job.ckpt_interval_s`` by more than ``change_ratio``. Stopping jobs are skipped
-    (they take their final checkpoint now). ``persist_s``: job id -> seconds to persist one
-    checkpoint to the durable tier, where measured. Called whenever the control plane or the
-    simulator likes (it is separate from ``schedule()``; O(running jobs)).
-    """
+    """A :class:`~tidal.model.SetCkptInterval` for each running, not stopping job that measured its stall
+    and has no interval yet or one off by more than ``change_ratio``. ``persist_s``: job id -> seconds to
+    persist one checkpoint, where measured. Separate from ``schedule()``; O(running jobs)."""
     cfg = config or CkptIntervalConfig()
     loans = {ln.node: ln for ln in snapshot.loans}
     out = []

@@ -1,12 +1,6 @@
-"""Policy states as JSON and back, so the control plane can persist what a policy learned. Pure.
-
-``encode(state)`` turns a (nested) frozen dataclass of floats, ints, tuples and numpy arrays into
-JSON-able data; ``decode(doc)`` rebuilds it, exactly (arrays bit for bit, NaN and infinities kept).
-A field with a default may be absent (states persisted before it was added load with the
-default), and the fields of a removed option (:data:`DROPPED`) are ignored. Only the classes registered
-in :data:`CLASSES` are rebuilt, so a stored document never names code to run. Arrays decode read-only,
-as the forecaster keeps them.
-"""
+"""Policy states as JSON and back, exactly (arrays bit for bit, read-only). Pure. A field with a default
+may be absent, the fields of a removed option (:data:`DROPPED`) are ignored, and only :data:`CLASSES` are
+rebuilt (a stored document never names code to run)."""
 
 from __future__ import annotations
 
@@ -22,9 +16,7 @@ from tidal.policy.loan import TidalState
 
 CLASSES: dict[str, type] = {c.__name__: c for c in (TidalState, ForecastState)}
 _DTYPES = {"float64", "float32", "int64", "int32", "bool"}
-# Fields a class no longer has, ignored where a stored state still holds them (the joint tail reserve's
-# memory; the forecast's lead-window quantile, weekly departures and level shifts): a state a running
-# plane stored loads after an upgrade.
+# Fields of removed options, ignored where a stored state still holds them (it loads after an upgrade).
 DROPPED: dict[str, frozenset[str]] = {
     "TidalState": frozenset({"joint_excess", "joint_weight", "joint_paths"}),
     "ForecastState": frozenset({"lq_model", "lq_pending", "week_dev", "week_n", "shift_gpus", "shift_count"}),
@@ -61,7 +53,6 @@ def decode(doc: Any, where: str = "state") -> Any:
                 raise ValueError(f"{where}: unknown state class {doc['__dc__']!r}")
             fs = dataclasses.fields(cls)
             names = {f.name for f in fs}
-            # a field added later with a default may be absent (a state persisted by an older version)
             required = {f.name for f in fs
                         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
             dropped = DROPPED.get(cls.__name__, frozenset())

@@ -1,60 +1,15 @@
 """Serving demand forecast (GPUs) over a horizon, from the demand's own history. Pure.
 
-Model, for the demand y at time ``t + h * step_s`` seen from the last observation at ``t``::
+``center(h)`` is the time-of-day profile corrected by the live level and a damped trend (fading over
+the horizon); ``scale(h)`` is the forecaster's own recent error at horizon h, times its time-of-day,
+burst and context factors; ``upper(h; z) = center(h) + z * scale(h)``, ``z`` calibrated by the loan
+policy. The state also keeps a weeks-long tail memory of the worst misses per lead window (the model
+and its knobs: docs/loaning.md, "The forecast").
 
-    center(h) = P(t + h) + (level(t) - P(t)) * 2^(-h step / anomaly_half_life)
-                + trend(t) * step * sum_{i=1..h} 2^(-i step / trend_damping_half_life)
-    scale(h)  = e(h) * (center(h) / mean)^noise_exponent * tod(t + h) * burst(h) * ctx(h)
-    upper(h; z) = center(h) + z * scale(h)
-
-The half-lives are ``ForecastConfig.level``'s; the exponent is ``ForecastConfig.errors.noise_exponent``.
-
-* ``P`` is the time-of-day profile: one exponentially weighted mean per ``step_s`` slot of
-  ``period_s`` (a day), read through a ``season.profile_smooth_s`` wide box kernel so a weak, noisy cycle
-  (ServeGen m-large) is averaged over neighbouring slots instead of replaying yesterday's noise.
-* ``level`` and ``trend`` are the live correction: an exponentially weighted level (half-life
-  ``level.half_life_s``) and its damped slope. Their deviation from the profile fades over the
-  horizon (``level.anomaly_half_life_s``), so short horizons follow the live level and long ones the
-  profile. Until the profile has seen a slot, the level alone is used there.
-* ``e(h)`` is the forecaster's own recent error at horizon h: every path it emits is kept for
-  ``H`` steps and, when the demand at each target arrives, the absolute error (divided by the
-  noise factor) updates an exponentially weighted mean per horizon (``errors.half_life_s``). The
-  error scale is forced non-decreasing in h, and starts at ``errors.prior_scale_fraction`` of the level
-  before any error is known. ``errors.noise_exponent`` = 0.5 says "variance grows with the mean", as
-  for counts of requests; 0 (the default) is additive noise, 1 multiplicative.
-* ``tod`` is the time-of-day profile of *surprise*: per slot, how the errors of forecasts that
-  targeted that time of day compare with the usual error (an exponentially weighted mean, read
-  through an ``errors.profile_smooth_s`` kernel, shrunk towards 1 while few days are seen). On
-  ServeGen m-large most of the large under-forecasts fall in the same evening hours; the margin
-  should be wide there and narrow elsewhere.
-* ``ctx`` (conditional error quantiles) multiplies the scale per context (by default the level
-  bucket of ``center / mean``; optionally the target's time of day and the volatility regime):
-  ``Q_c(q) / Q(q)``, the q-quantile of the standardized errors ``(y - center) / scale`` seen in
-  that context over that of all of them, from exponentially weighted histograms of past errors only,
-  each shrunk towards the pooled one. ``e``, ``tod`` and ``burst`` set the error's size; ``ctx``
-  corrects the *tail* where it is heavier or lighter than the size says.
-* ``burst`` widens the scale while the last steps' one-step errors exceed the usual one
-  (volatility clusters: a jump is often followed by more); it fades over ``errors.burst_half_life_s``,
-  both in time and along the horizon.
-* the *tail memory* (``ForecastState.tail_hist``, weeks long): a histogram of the worst miss above the
-  center over each lead window of 1..``tail_horizon_steps`` steps, in units of ``mean``. The error
-  scale forgets a rare jump within days; the loan policy's tail reserve
-  (:func:`~tidal.policy.forecast_errors.tail_reserve_gpus`) keeps it.
-* ``z`` is *not* chosen here: it is the calibrated margin, in units of ``scale``. The loan policy
-  (:mod:`tidal.policy.loan`) sets it from a shortfall budget. ``upper(h; z)`` is the profile at an
-  upper quantile, corrected by the live level and trend.
-
-Why this shape: on the traces an optimal policy for a shortfall *budget* lends down to one fixed
-conditional quantile of demand (the Lagrangian of "minimise margin subject to expected shortfall
-<= B" is minimised pointwise at a constant quantile level), so the forecaster's job is a
-well-shaped conditional scale, and a single calibrated ``z`` does the rest.
-
-Call order: ``state = initial_state(config)``, then for every observation in time order
-``state = observe(config, state, t_s, demand_gpus)`` (NaN = no observation: the level and the
-profile keep their values, the error scale is not scored); ``forecast(config, state)`` returns the
-path made at the last observation. Observations must lie on the ``step_s`` grid of the first one;
-skipped grid steps are treated as missing. Nothing here mutates its inputs; arrays in states and
-results are read-only.
+Call order: ``state = initial_state(config)``; for each observation in time order ``state =
+observe(config, state, t_s, demand_gpus)`` (NaN = missing; on the ``step_s`` grid of the first one,
+skipped steps missing); ``forecast(config, state)`` is the path made at the last observation. Nothing
+mutates its inputs; arrays in states and results are read-only.
 """
 
 from __future__ import annotations
@@ -92,11 +47,8 @@ def _frozen(a: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True, eq=False)
 class Forecast:
-    """A forecast path made at ``t_s``: ``times_s[i] = t_s + (i + 1) * step_s``.
-
-    ``center_gpus`` is the expected demand, ``scale_gpus`` the error scale at each point; the upper
-    bound at margin ``z`` is ``center + z * scale`` (:meth:`upper`).
-    """
+    """A forecast path made at ``t_s``: ``times_s[i] = t_s + (i + 1) * step_s``, the expected demand
+    ``center_gpus`` and the error scale ``scale_gpus`` at each point."""
 
     t_s: float
     times_s: np.ndarray
@@ -111,20 +63,12 @@ def initial_state(config: ForecastConfig) -> ForecastState:
     """The state before any observation."""
     h = config.horizon_steps
     return ForecastState(
-        t_s=math.nan,
-        n_obs=0,
-        level_gpus=math.nan,
-        trend_gpus_per_s=0.0,
-        mean_gpus=math.nan,
-        profile_gpus=_frozen(np.zeros(config.slots)),
-        profile_n=_frozen(np.zeros(config.slots)),
-        err_sum=_frozen(np.zeros(h)),
-        err_weight=_frozen(np.zeros(h)),
+        t_s=math.nan, n_obs=0, level_gpus=math.nan, trend_gpus_per_s=0.0, mean_gpus=math.nan,
+        profile_gpus=_frozen(np.zeros(config.slots)), profile_n=_frozen(np.zeros(config.slots)),
+        err_sum=_frozen(np.zeros(h)), err_weight=_frozen(np.zeros(h)),
         past_center=_frozen(np.full((h, h), np.nan)),
-        err_profile=_frozen(np.zeros(config.slots)),
-        err_profile_n=_frozen(np.zeros(config.slots)),
-        burst=1.0,
-        scale_gpus=_frozen(np.full(h, np.nan)),
+        err_profile=_frozen(np.zeros(config.slots)), err_profile_n=_frozen(np.zeros(config.slots)),
+        burst=1.0, scale_gpus=_frozen(np.full(h, np.nan)),
         past_base=_frozen(np.full((h, h), np.nan)),
         past_ctx=_frozen(np.zeros((h, h))),
         ctx_hist=_frozen(np.zeros((config.contexts, CTX_BINS.size - 1))) if config.contexts > 1 else None,
@@ -133,26 +77,21 @@ def initial_state(config: ForecastConfig) -> ForecastState:
     )
 
 
-
 def slot_of(config: ForecastConfig, t_s: float | np.ndarray) -> np.ndarray:
     """Profile slot (0 .. slots-1) of time ``t_s``: its position in the period, in steps."""
     return np.round(np.mod(t_s, config.period_s) / config.step_s).astype(int) % config.slots
 
 
 def _slot(config: ForecastConfig, t_s: float) -> int:
-    """:func:`slot_of` for one finite time, in Python floats (the same arithmetic: a float remainder,
-    round half to even), without numpy's per-call overhead."""
+    """:func:`slot_of` for one finite time, in Python floats (the same arithmetic, less overhead)."""
     return round((t_s % config.period_s) / config.step_s) % config.slots
 
 
-_last_consts: list[tuple] = [
-    (None, None)
-]  # [(config, its constants)]: the last config asked for, by identity
+_last_consts: list[tuple] = [(None, None)]  # [(config, its constants)]: the last config asked for
 
 
 def _consts(config: ForecastConfig) -> dict[str, np.ndarray]:
-    """Per-config constant arrays (read-only): horizon steps, fades, kernel indices. The last config's
-    are found by identity (one read of one pair: safe with threads), others by the cache's hash."""
+    """Per-config constant arrays (read-only); the last config's found by identity (safe with threads)."""
     last = _last_consts[0]
     if last[0] is config:
         return last[1]
@@ -173,10 +112,8 @@ def _make_consts(config: ForecastConfig) -> dict[str, np.ndarray]:
                               if lv.trend_damping_half_life_s > 0 else 0.0 * t),
         "burst_fade": 2.0 ** (-t / er.burst_half_life_s) if er.burst_half_life_s > 0 else 0.0 * t,
     }
-    for name, width_s in (
-        ("kernel_profile", config.season.profile_smooth_s),
-        ("kernel_error", config.errors.profile_smooth_s),
-    ):
+    for name, width_s in (("kernel_profile", config.season.profile_smooth_s),
+                          ("kernel_error", config.errors.profile_smooth_s)):
         half = max(0, int(round(width_s / config.step_s / 2)))
         out[name] = (np.arange(config.slots)[:, None] + np.arange(-half, half + 1)[None, :]) % config.slots
     for a in out.values():
@@ -185,14 +122,9 @@ def _make_consts(config: ForecastConfig) -> dict[str, np.ndarray]:
 
 
 def _box(values: np.ndarray, counts: np.ndarray, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """A per-slot profile read through a circular box kernel (``idx``: slots x kernel indices).
-
-    Returns (value, days): the mean of the seen slots inside the kernel, and their mean observation
-    count (how many cycles back it reaches). A slot never seen itself reads NaN / 0 even if its
-    neighbours were: on the first day the kernel's edge would otherwise replay a single old value.
-    """
-    if counts.min() > 0:  # every slot seen (from the second day on): the weights below are all 1.0,
-        # and x * 1.0 is x, the sum of k ones is k: the same values, without the masks
+    """A per-slot profile read through a circular box kernel (``idx``: slots x kernel indices): (the mean
+    of the seen slots inside the kernel, their mean observation count); NaN / 0 for a slot never seen."""
+    if counts.min() > 0:  # every slot seen: all weights below are 1.0, the same values without masks
         k = float(idx.shape[1])
         return values[idx].sum(axis=1) / k, counts[idx].sum(axis=1) / k
     seen = (counts > 0).astype(float)[idx]
@@ -249,8 +181,7 @@ def _path(config: ForecastConfig,
     if np.all(np.isnan(e)):
         e = np.full(hs.shape, config.errors.prior_scale_fraction * max(level, 0.0))
     else:
-        # Horizons not scored yet borrow from the nearest shorter scored one (or the shortest
-        # scored one); then errors never shrink with the horizon.
+        # Horizons not scored yet borrow from the nearest shorter scored one; errors never shrink with h.
         el = e.tolist()
         first = next(i for i, x in enumerate(el) if x == x)
         el[:first] = [el[first]] * first
@@ -263,8 +194,8 @@ def _path(config: ForecastConfig,
     tod = _error_profile_factor(config, state)[future_slots]
     burst = 1.0 + max(state.burst - 1.0, 0.0) * c["burst_fade"]
     # x * 1.0 is x exactly: with additive noise (the default) the noise factor is left out
-    noisy = e if config.errors.noise_exponent == 0 or not mean > 0 else e * _noise_factor(config, center,
-                                                                                         mean)
+    additive = config.errors.noise_exponent == 0 or not mean > 0
+    noisy = e if additive else e * _noise_factor(config, center, mean)
     base = np.maximum(noisy * tod * burst, floor)
     if config.contexts > 1:
         ctx = context_of(config, state, center, future_slots)
@@ -316,7 +247,7 @@ def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float)
                     float(np.add.reduce(ratio) / ratio.size) - eprof[s]
                 )
             if state.ctx_hist is not None and state.past_base is not None and state.past_ctx is not None:
-                # Standardized errors of the first context.horizon_steps horizons, into their contexts.
+                # Standardized errors of the first horizons, into their contexts.
                 k = min(config.context.horizon_steps, h)
                 base = np.diagonal(state.past_base)[:k]
                 ctx = np.diagonal(state.past_ctx)[:k]
@@ -328,9 +259,8 @@ def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float)
                     np.add.at(hist, (ctx[good].astype(int), b), 1.0)
                 ctx_hist = hist
             if tail_hist is not None and state.mean_gpus > 0:
-                # Worst miss (GPUs) over lead windows of 1..K steps (scored horizons only), kept in units
-                # of the mean. The mean is no reference before a whole period is seen: the first period's
-                # misses wait in tail_pending (GPUs) and go in, in units of the mean of then, after it.
+                # Worst miss over lead windows of 1..K steps, in units of the mean; the first period's
+                # misses wait in tail_pending (GPUs) until the mean is a reference.
                 k = min(config.tail_horizon_steps, h)
                 miss = np.full(config.tail_horizon_steps, -np.inf)
                 miss[:k] = np.maximum.accumulate(np.where(ok[:k], y - np.where(ok, preds, 0.0)[:k], -np.inf))
@@ -348,10 +278,8 @@ def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float)
                     for m, w in rows:
                         good = np.isfinite(m)
                         if good.any():
-                            b = _clip_int(
-                                np.searchsorted(TAIL_BINS, m[good] / state.mean_gpus, side="right") - 1,
-                                TAIL_BINS.size - 2,
-                            )
+                            at = np.searchsorted(TAIL_BINS, m[good] / state.mean_gpus, side="right")
+                            b = _clip_int(at - 1, TAIL_BINS.size - 2)
                             hist[np.flatnonzero(good), b] += w
                     tail_hist = hist
             if rel[0]:
@@ -379,19 +307,10 @@ def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float)
         n_obs += 1
 
     new = replace(
-        state,
-        t_s=t_s,
-        n_obs=n_obs,
-        level_gpus=level,
-        trend_gpus_per_s=trend,
-        mean_gpus=mean,
-        profile_gpus=_frozen(prof),
-        profile_n=_frozen(prof_n),
-        err_sum=_frozen(np.asarray(err_sum, float)),
-        err_weight=_frozen(np.asarray(err_weight, float)),
-        err_profile=_frozen(eprof),
-        err_profile_n=_frozen(eprof_n),
-        burst=burst,
+        state, t_s=t_s, n_obs=n_obs, level_gpus=level, trend_gpus_per_s=trend, mean_gpus=mean,
+        profile_gpus=_frozen(prof), profile_n=_frozen(prof_n), err_sum=_frozen(np.asarray(err_sum, float)),
+        err_weight=_frozen(np.asarray(err_weight, float)), err_profile=_frozen(eprof),
+        err_profile_n=_frozen(eprof_n), burst=burst,
         ctx_hist=None if ctx_hist is None else _frozen(np.asarray(ctx_hist, float)),
         tail_hist=None if tail_hist is None else _frozen(np.asarray(tail_hist, float)),
         tail_pending=None if tail_pending is None else _frozen(tail_pending),
@@ -401,8 +320,7 @@ def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float)
         ctx = np.zeros(h)
     else:
         center, scale, base, ctx = _path(config, new)
-    # ``new`` is not seen by anybody yet and _path does not read these fields: set them in place
-    # (one state object per step instead of two).
+    # ``new`` is seen by nobody yet and _path does not read these: set in place (one object per step)
     put = object.__setattr__
     put(new, "past_center", _frozen(_push_row(center, state.past_center)))
     put(new, "scale_gpus", _frozen(scale))
@@ -412,13 +330,12 @@ def _advance(config: ForecastConfig, state: ForecastState, t_s: float, y: float)
 
 
 def _clip_int(a: np.ndarray, hi: int) -> np.ndarray:
-    """``np.clip(a, 0, hi)`` for integers (the same values) without ``np.clip``'s per-call overhead."""
+    """``np.clip(a, 0, hi)`` for integers, without its per-call overhead."""
     return np.minimum(np.maximum(a, 0), hi)
 
 
 def _push_row(row: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """``np.vstack([row[None, :], rows[:-1]])`` as float (a new array; ``row`` converted as ``np.asarray(row,
-    float)`` would)."""
+    """``np.vstack([row[None, :], rows[:-1]])`` as a new float array."""
     out = np.empty(rows.shape)
     out[0] = row
     out[1:] = rows[:-1]
@@ -426,11 +343,8 @@ def _push_row(row: np.ndarray, rows: np.ndarray) -> np.ndarray:
 
 
 def observe(config: ForecastConfig, state: ForecastState, t_s: float, demand_gpus: float) -> ForecastState:
-    """The state after observing ``demand_gpus`` (NaN = missing) at ``t_s``; ``state`` is unchanged.
-
-    Raises ``ValueError`` if ``t_s`` is not after the previous observation or not on its grid,
-    or if ``demand_gpus`` is negative.
-    """
+    """The state after observing ``demand_gpus`` (NaN = missing) at ``t_s``; ``ValueError`` if ``t_s`` is
+    not on the grid after the previous observation or ``demand_gpus`` is negative."""
     y = float(demand_gpus)
     if y < 0 or math.isinf(y):
         raise ValueError(f"demand_gpus must be finite and >= 0 (or NaN for missing), got {demand_gpus}")

@@ -1,12 +1,6 @@
-"""The forecast's knobs (:class:`ForecastConfig`), grouped by concern and checked when made; the
-forecast itself is :mod:`tidal.policy.forecast` (which re-exports these classes). Pure: no I/O, no clock.
-
-:class:`ForecastConfig` holds the grid (``step_s``, ``horizon_s``, ``period_s``), the tail memory, and
-one group per concern: ``level`` (:class:`LevelConfig`: the live level and its slope), ``season``
-(:class:`SeasonConfig`: the daily profile), ``errors`` (:class:`ErrorScaleConfig`: the error scale) and
-``context`` (:class:`ContextConfig`: conditional error quantiles). A setting is named by its path, e.g.
-``errors.noise_exponent``; :func:`with_settings` applies such named settings.
-"""
+"""The forecast's knobs (:class:`ForecastConfig`), one group per concern, checked when made; a setting
+is named by its path (``errors.noise_exponent``, :func:`with_settings`). Re-exported by
+:mod:`tidal.policy.forecast`."""
 
 from __future__ import annotations
 
@@ -26,13 +20,13 @@ class LevelConfig:
     """The live level and its slope: the short-memory part of the center (``ForecastConfig.level``)."""
 
     half_life_s: float = 600.0
-    """Memory of the live level: short, so a real change is followed within a step or two."""
+    """Memory of the live level."""
     anomaly_half_life_s: float = 6 * 3600.0
     """How fast the live level's deviation from the profile fades over the horizon."""
     trend_half_life_s: float = 3600.0
     """Memory of the live slope of the level."""
     trend_damping_half_life_s: float = 1200.0
-    """How fast the slope's effect fades over the horizon (a noisy slope must not run away)."""
+    """How fast the slope's effect fades over the horizon."""
 
 
 @dataclass(frozen=True)
@@ -52,28 +46,22 @@ class ErrorScaleConfig:
     half_life_s: float = 2 * 86400.0
     """Memory of the per-horizon error scale."""
     burst_half_life_s: float = 1800.0
-    """Memory of recent surprise: while the last steps' errors exceed the usual error, the scale
-    widens by their ratio (volatility clusters: a jump is often followed by more); the widening
-    fades over the horizon with the same half-life."""
+    """Memory of recent surprise (the scale widens while the last errors exceed the usual one), also its
+    fade over the horizon."""
     profile_smooth_s: float = 4 * 3600.0
     """Width of the box kernel the time-of-day error profile is read through."""
     profile_shrink_days: float = 2.0
-    """The error profile counts as this many days of a flat profile (shrinks early, noisy days)."""
+    """The error profile counts as this many days of a flat profile."""
     side: str = "both"
-    """Which errors the scale measures: ``"both"`` (absolute error) or ``"upper"`` (only demand above
-    the center: the loan plan cares about under-forecasts, and falls in demand never cost serving)."""
+    """Which errors the scale measures: ``"both"`` (absolute) or ``"upper"`` (demand above the center)."""
     clip_errors: float = math.inf
-    """Each scored error counts at most this many times the usual error at its horizon (and in the
-    surprise profiles): one freak jump must not widen the scale for days (the calibrated margin ``z``
-    answers for the tail)."""
+    """Each scored error counts at most this many times the usual error at its horizon."""
     noise_exponent: float = 0.0
-    """The error scale grows with demand to this power (see :mod:`tidal.policy.forecast`). 0 (additive):
-    on both ServeGen traces the misses that matter do not grow with the level (0.5 lent 1-3 % less
-    at the same shortfall in the fluid model of ``python -m lab forecast``)."""
+    """The error scale grows with demand to this power (0: additive; 0.5: as for counts of requests)."""
     prior_scale_fraction: float = 0.25
     """Error scale, as a fraction of the level, before any error has been measured."""
     min_scale_fraction: float = 0.01
-    """Floor of the error scale, as a fraction of ``mean``, so a flat history is never certain."""
+    """Floor of the error scale, as a fraction of ``mean``."""
 
     def __post_init__(self) -> None:
         if self.side not in ("both", "upper"):
@@ -86,23 +74,17 @@ class ErrorScaleConfig:
 
 @dataclass(frozen=True)
 class ContextConfig:
-    """Conditional error quantiles (``ForecastConfig.context``): with any of ``tod_buckets``,
-    ``level_edges``, ``vol_edges`` on, the scale is multiplied per context by ``Q_c(quantile) / Q(quantile)``:
-    the quantile of the standardized errors ``(y - center) / scale`` seen in that context over the quantile
-    of all of them, learned online from past errors only (see
-    :func:`~tidal.policy.forecast_errors.context_factor`)."""
+    """Conditional error quantiles (``ForecastConfig.context``): the scale is multiplied per context by
+    ``Q_c(quantile) / Q(quantile)`` (:func:`~tidal.policy.forecast_errors.context_factor`)."""
 
     tod_buckets: int = 0
-    """By time of day (0 = off): split the day into this many equal buckets by the target's time of day."""
+    """By the target's time of day (0 = off): this many equal buckets."""
     level_edges: tuple[float, ...] = (0.85, 1.15)
-    """By level: bucket edges on ``center / mean`` (``()`` = off). The default (low / usual / high level)
-    lent more at the same or lower shortfall on both ServeGen traces, in the fluid model and the simulator
-    (docs/loaning.md, "Conditional error quantiles")."""
+    """By level: bucket edges on ``center / mean`` (``()`` = off; docs/loaning.md)."""
     vol_edges: tuple[float, ...] = ()
-    """By volatility regime: bucket edges on the burst factor at the time the path is made (e.g.
-    ``(1.3,)``: calm vs. recently surprised)."""
+    """By volatility regime: bucket edges on the burst factor when the path is made."""
     quantile: float = 0.99
-    """The tail level at which contexts are compared (0.95 and 0.98 lent less on both traces)."""
+    """The tail level at which contexts are compared."""
     horizon_steps: int = 3
     """Standardized errors of horizons 1..this are pooled into the context histograms."""
     half_life_s: float = 7 * 86400.0
@@ -135,8 +117,7 @@ class ContextConfig:
 
 @dataclass(frozen=True)
 class ForecastConfig:
-    """Forecast knobs: the grid, the tail memory, and one group per concern (module docstring). All times in
-    seconds."""
+    """Forecast knobs: the grid, the tail memory, and one group per concern. Seconds."""
 
     step_s: float = 600.0
     """Resolution: one observation and one forecast point per step."""
@@ -145,11 +126,9 @@ class ForecastConfig:
     period_s: float = 86400.0
     """The profile's cycle (a day); a multiple of ``step_s``."""
     tail_horizon_steps: int = 6
-    """Tail memory (see :func:`~tidal.policy.forecast_errors.tail_reserve_gpus`): lead windows of 1..this
-    many steps are kept."""
+    """Tail memory: lead windows of 1..this many steps are kept."""
     tail_half_life_s: float = 28 * 86400.0
-    """Memory of the tail histograms: long, because the misses they keep (load x3 within 10 min)
-    come once a week or rarer, and the error scale ``e`` (2-day memory) forgets them."""
+    """Memory of the tail histograms: long, the misses they keep come once a week or rarer."""
     level: LevelConfig = field(default_factory=LevelConfig)
     season: SeasonConfig = field(default_factory=SeasonConfig)
     errors: ErrorScaleConfig = field(default_factory=ErrorScaleConfig)

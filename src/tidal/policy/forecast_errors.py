@@ -24,20 +24,10 @@ _TAIL_LOW = TAIL_BINS[:-1]
 def tail_reserve_gpus(config: ForecastConfig, state: ForecastState, lead_steps: int, mean_excess: float,
                       kappa: float = 0.0, period_steps: float = math.inf, prior_miss: float = 0.0,
                       prior_steps: float = 0.0) -> float:
-    """The smallest reserve R >= 0 (GPUs) above the center such that, by the tail memory,
-    ``E[x] + kappa * sqrt(E[x^2] / period_steps) <= mean_excess * mean`` with ``x = (m - R)+``,
-    m the worst miss over a lead window of ``lead_steps`` (clipped to ``tail_horizon_steps``): what
-    serving would be short at a step if every plan of the lead time before it kept R above its
-    center. With ``kappa = 0`` the expected excess is bounded; ``kappa > 0`` adds ``kappa``
-    standard deviations of the *mean* excess over ``period_steps`` steps, so rare large misses
-    (lumpy: a small budget fits only a few) need a larger reserve.
-
-    *Prior*: with ``prior_steps`` > 0 the memory also holds ``prior_steps`` lead windows (never decaying)
-    whose worst miss was ``prior_miss`` x ``mean``: a jump the history has not shown is not ruled out.
-    It weighs ``prior_steps / (prior_steps + steps seen)``, so it sets the reserve while the history is
-    short or quiet and fades as misses are seen (docs/loaning.md, "A cautious start"). Without a prior,
-    0 before any miss is scored.
-    """
+    """The smallest reserve R >= 0 (GPUs) above the center with, by the tail memory,
+    ``E[x] + kappa * sqrt(E[x^2] / period_steps) <= mean_excess * mean``, ``x = (m - R)+`` and m the
+    worst miss over a lead window of ``lead_steps``. The memory also holds ``prior_steps`` windows
+    (never decaying) whose worst miss was ``prior_miss`` x ``mean``. 0 before any miss is scored."""
     if state.tail_hist is None or not mean_excess > 0 or not state.mean_gpus > 0:
         return 0.0
     k = min(max(int(lead_steps), 1), config.tail_horizon_steps)

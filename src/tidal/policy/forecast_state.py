@@ -1,6 +1,4 @@
-"""The serving demand forecaster's state (:mod:`tidal.policy.forecast` advances it,
-:mod:`tidal.policy.forecast_errors` reads its error histograms, :mod:`tidal.policy.codec` persists it):
-a frozen value, its arrays read-only."""
+"""The serving demand forecaster's state: a frozen value, its arrays read-only."""
 
 from __future__ import annotations
 
@@ -11,11 +9,8 @@ import numpy as np
 
 @dataclass(frozen=True, eq=False)
 class ForecastState:
-    """What the forecaster remembers between observations (see :mod:`tidal.policy.forecast`).
-
-    ``past_center[r, h-1]`` is the center for horizon h of the path made r steps before the latest
-    one (row 0 = the latest path); it is how errors are scored when their targets arrive.
-    """
+    """What the forecaster remembers between observations. ``past_center[r, h-1]``: the center for
+    horizon h of the path made r steps before the latest (row 0), scored when its target arrives."""
 
     t_s: float
     n_obs: int

@@ -1,31 +1,10 @@
 """The loan ledger: which serving GPUs are lent, which warm up, what is owed back and by when. Pure.
 
-One ledger for the simulator and the live control plane. It carries out a
-:class:`~tidal.policy.loan.LoanPlan` (it decides nothing the plan did not say) and
-:class:`~tidal.model.ReturnGpus` decisions of the scheduler. It does no I/O and reads no clock:
-time is an argument. The simulator wraps it in its simulated clock; the control plane persists it
-in the store (:meth:`LoanLedger.to_state` / :meth:`LoanLedger.from_state`, JSON-able) after every
-step and carries out what changed through a serving adapter.
-
-* **Lending.** When the plan's ``lendable_gpus`` exceeds what is lent, the difference is lent at once
-  (every lendable GPU is offered; with a saturated spot queue every one has a taker). Partly lent
-  nodes are filled first, then nodes whose GPUs are warming up (they do not serve yet), then the
-  rest in node order, so loans come in whole nodes where possible.
-* **Owing.** The plan's reclaims become :class:`~tidal.model.Reclaim` instructions for the scheduler:
-  ``reclaim_now_gpus`` is due now; each future ``(gpus, deadline, notice)`` keeps its notice time and
-  gets ``by_s = notice + LoanTiming.notice_s + LoanTiming.final_checkpoint_s`` (the job's grace,
-  then its final checkpoint); release and serving warm-up fill the rest of the lead time, so the
-  GPUs serve again at the deadline. The list is rebuilt from every plan (level-triggered, like the
-  scheduler); between plans a :class:`~tidal.model.ReturnGpus` lowers the earliest one.
-* **Loan ends.** Each loan's ``until_s`` is the notice time of the first of its GPUs the plan wants
-  back (``inf``: none within the horizon); the least used nodes get the earliest times (the
-  scheduler hands idle nodes back first, and starts nothing new on a loan about to end).
-* **Returning.** GPUs handed back serve again after ``release_s + warmup_s``; until then they count
-  neither as lent nor as serving capacity.
-* **Nodes lost and back.** :meth:`LoanLedger.drop_node` takes a serving node out (it was lost): its
-  loans end, its warming GPUs go with it, and the reclaims shrink by what was lent there (those GPUs
-  cannot be handed back; the next plan asks again with the smaller pool). :meth:`LoanLedger.add_node`
-  puts one (back) in, every GPU serving. The pool (``total``) follows.
+One ledger for the simulator and the control plane (which persists it, :meth:`LoanLedger.to_state`).
+It carries out a :class:`~tidal.policy.loan.LoanPlan` and :class:`~tidal.model.ReturnGpus` and decides
+nothing: loans go to partly lent nodes first (whole-node loans), reclaims are rebuilt from every plan
+(``by_s = notice + notice_s + final_checkpoint_s``), the least used nodes get the earliest loan ends,
+GPUs handed back serve again after ``release_s + warmup_s``, and a lost node's loans end with it.
 """
 
 from __future__ import annotations
@@ -57,8 +36,6 @@ class LoanLedger:
         self._sorted_for: tuple[str, ...] = ()  # the loaned nodes whose names _sorted_names holds, sorted
         self._sorted_names: list[str] = []
 
-    # ------------------------------------------------------------------------------ queries
-
     @property
     def capacity(self) -> int:
         """GPUs serving now: neither lent nor warming up."""
@@ -67,8 +44,6 @@ class LoanLedger:
     def lent_on(self, node: str) -> int:
         ln = self.loans.get(node)
         return ln.gpus if ln is not None else 0
-
-    # ------------------------------------------------------------------------------ the plan
 
     def apply_plan(self, plan: LoanPlan, now: float, used: Mapping[str, int]) -> list[float]:
         """Lend up to the plan, rebuild the reclaims, set loan ends. Returns the reclaim notice times
@@ -94,9 +69,7 @@ class LoanLedger:
         warming = [n for n, e in self.warming_on.items() if e and self.lent_on(n) < self.cap[n]]
         seen: set[str] = set()
         loans = self.loans
-        # The rest in node order: only nodes without a loan can take GPUs there (a partly lent node is
-        # in ``partial``, and only nodes already seen got a loan in this loop), so the others are
-        # skipped here at the cost of a dict lookup (read when reached, as the loop below lends).
+        # The rest in node order: only nodes without a loan (read lazily, as the loop lends).
         rest = (n for n in self.cap if n not in loans)
         for node in chain(partial, warming, rest):
             if gpus <= 0:
@@ -109,9 +82,8 @@ class LoanLedger:
                 continue
             self._take_warming(node, k)
             old = self.loans.get(node)
-            self.loans[node] = Loan(
-                node, (old.gpus if old else 0) + k, until_s=old.until_s if old else math.inf
-            )
+            self.loans[node] = Loan(node, (old.gpus if old else 0) + k,
+                                    until_s=old.until_s if old else math.inf)
             self.lent += k
             gpus -= k
 
@@ -137,16 +109,13 @@ class LoanLedger:
         if key == self._until_key:
             return  # same plan for the same loans: the ends stand (idle vs used order is a preference)
         self._until_key = key
-        # Notice time per lent GPU, earliest first: GPUs lent beyond the plan (wanted now), then the
-        # plan's groups; the rest have no deadline. The least used nodes take the earliest ends.
+        # Notice time per lent GPU, earliest first (beyond the plan: now); least used nodes first.
         keep = min(self.lent, plan.lendable_gpus)
         ends: list[tuple[float, int]] = [(now, self.lent - keep)] if self.lent > keep else []
         ends += [(_notice(r), r.gpus) for r in plan.reclaims]
         finite = sum(g for _, g in ends)
         if finite and self.loans:
-            # the nodes by (GPUs used, name): as heapq.nsmallest(finite, ...) would list them, and the
-            # walk below never takes more than ``finite`` of them (each holds at least one lent GPU)
-            # sorted by (used, name) as two sorts: the names, then stably by use (no tuples compared)
+            # the nodes by (GPUs used, name), as two sorts: the names, then stably by use
             if nodes != self._sorted_for:  # the loaned nodes changed: sort their names again
                 self._sorted_for, self._sorted_names = nodes, sorted(nodes)
             names = self._sorted_names
@@ -178,8 +147,6 @@ class LoanLedger:
                 self.loans[node] = Loan(node, was.gpus, until_s=math.inf)
         self._finite = new_finite
 
-    # ------------------------------------------------------------------------------ decisions
-
     def return_gpus(self, node: str, gpus: int, now: float) -> float:
         """Carry out :class:`~tidal.model.ReturnGpus`; returns when those GPUs serve again."""
         self._unlend(node, gpus, f"ReturnGpus({node!r}, {gpus})")
@@ -190,8 +157,7 @@ class LoanLedger:
         return ready
 
     def cancel_loan(self, node: str, gpus: int) -> None:
-        """Undo ``gpus`` of a loan just made on ``node`` that could not be carried out (the serving side
-        refused to release them): they stay serving's, no warm-up."""
+        """Undo ``gpus`` of a loan just made on ``node`` the serving side refused: no warm-up."""
         self._unlend(node, gpus, f"cancel_loan({node!r}, {gpus})")
         self._until_key = None
 
@@ -219,8 +185,7 @@ class LoanLedger:
         self.warming_on[node] = keep
 
     def drop_node(self, node: str) -> tuple[int, int]:
-        """``node`` left the pool (lost): its loans end, its warming GPUs go, the earliest reclaims shrink by
-        what was lent there. Returns (GPUs that were lent, GPUs that were warming) there."""
+        """``node`` was lost (see the module docstring). Returns (GPUs lent, GPUs warming) there."""
         if node not in self.cap:
             raise AssertionError(f"drop_node({node!r}): not in the pool")
         lent = self.lent_on(node)
@@ -235,8 +200,7 @@ class LoanLedger:
         return lent, warming
 
     def add_node(self, node: str, gpus: int, order: Sequence[str] = ()) -> None:
-        """``node`` joins the pool (back after a loss) with ``gpus`` GPUs, all serving; ``order``: the
-        nodes' order to keep (loans go to the rest in node order), else it comes last."""
+        """``node`` joins the pool with ``gpus`` GPUs, all serving, placed by ``order`` (else last)."""
         if node in self.cap or gpus < 1:
             raise AssertionError(f"add_node({node!r}, {gpus}): already in the pool or no GPUs")
         self.cap[node] = int(gpus)
@@ -254,8 +218,7 @@ class LoanLedger:
 
     def warm_all_done(self, now: float, ready: Callable[[str], bool] | None = None) -> list[tuple[str, int]]:
         """Every node's GPUs whose warm-up ends by ``now`` serve again; returns (node, GPUs) for each.
-        ``ready``: also asked, for a node with some warm-up over by time, whether it serves again (the
-        serving system's word; False keeps all its GPUs warming)."""
+        ``ready``: the serving system's word for a node with some warm-up over (False keeps it warming)."""
         done = []
         for node in list(self.warming_on):
             timed_out = any(float(e[0]) <= now for e in self.warming_on[node])
@@ -268,8 +231,6 @@ class LoanLedger:
                 done.append((node, before - after))
         return done
 
-    # ------------------------------------------------------------------------------ persistence
-
     def to_state(self) -> dict:
         """Everything the ledger holds as JSON-able data (``inf`` as ``None``); see :meth:`from_state`."""
         def t(x: float | None) -> float | None:
@@ -281,14 +242,12 @@ class LoanLedger:
 
     @classmethod
     def from_state(cls, state: Mapping, timing: LoanTiming) -> LoanLedger:
-        """The ledger :meth:`to_state` wrote. Raises ``ValueError`` naming the field when it is not
-        consistent (a loan on an unknown node, more lent than the node has)."""
+        """The ledger :meth:`to_state` wrote; ``ValueError`` naming the field where it is inconsistent."""
         led = cls({str(n): int(g) for n, g in state["nodes"].items()}, timing)
         for node, gpus, until in state.get("loans", ()):
             if node not in led.cap or not 1 <= int(gpus) <= led.cap[node]:
-                raise ValueError(
-                    f"ledger state: loans[{node!r}] = {gpus} GPUs, node has {led.cap.get(node, 0)}"
-                )
+                raise ValueError(f"ledger state: loans[{node!r}] = {gpus} GPUs, node has "
+                                 f"{led.cap.get(node, 0)}")
             led.loans[node] = Loan(node, int(gpus), until_s=math.inf if until is None else float(until))
             led.lent += int(gpus)
         for node, entries in (state.get("warming") or {}).items():
@@ -299,9 +258,8 @@ class LoanLedger:
         for node in led.cap:
             held = led.lent_on(node) + sum(g for _, g in led.warming_ready_s(node))
             if held > led.cap[node]:
-                raise ValueError(
-                    f"ledger state: node {node!r} has {held} GPUs lent or warming, of {led.cap[node]}"
-                )
+                raise ValueError(f"ledger state: node {node!r} has {held} GPUs lent or warming, "
+                                 f"of {led.cap[node]}")
         led.reclaims = [Reclaim(int(r[0]), float(r[1]), None if r[2] is None else float(r[2]),
                                 None if len(r) < 4 or r[3] is None else float(r[3]))
                         for r in state.get("reclaims", ())]

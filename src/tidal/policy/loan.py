@@ -1,39 +1,12 @@
 """Loan / reclaim plan: how many serving GPUs may be lent now, and when each must be back. Pure.
 
-Every policy here has the same shape, after Ray Serve's autoscaling policy::
-
-    plan, state = policy(ctx, state)        # state = policy.initial_state() at the start
-
-``ctx`` (:class:`LoanContext`) is what the caller observed at ``ctx.now_s``; ``plan``
-(:class:`LoanPlan`) is a value; ``state`` is whatever the policy learns, passed back next step. The
-live control plane and the simulator call each policy once per serving observation (every
-``step_s``), in time order.
-
-How a plan is made (:func:`plan_loans`, shared by all policies): a policy produces an upper bound
-``upper(s)`` on serving demand at the grid times ``s`` of its horizon. Serving can spare
-``free(s) = floor(N - upper(s))`` GPUs at ``s``. A GPU lent now comes back at the earliest
-``lead_time_s`` later (notice + final checkpoint + release + serving warm-up), so:
-
-1. *Lendable now* = the minimum of ``free`` over ``(now, now + lead]`` (and of ``N - demand now``).
-2. *Deadlines*: the k-th lent GPU must be back at the first ``s`` where ``min free(now..s) < k``;
-   its reclaim notice goes out at ``deadline - lead`` — *before* the forecast rise, not when
-   serving is already short. GPUs still free at the end of the horizon have no deadline yet.
-3. *Worthwhile*: a GPU not yet lent is lent only if it can train for at least
-   ``min_loan_window_s`` before its notice (``restart_cost_s / (1 - min_useful_fraction)``: the
-   cheaper an interruption, the shorter the windows worth lending). GPUs already on loan are kept
-   while they are safe through the lead time; the excess is reclaimed now.
-
-Policies:
-
-* :class:`TidalPolicy` — the forecast of :mod:`tidal.policy.forecast` plus a margin ``z`` (in units
-  of the forecast's own error scale) calibrated online to a *shortfall budget*: at most
-  ``shortfall_budget`` of the demanded serving GPU-hours may go unmet. No hindsight: the margin
-  moves only on shortfalls the policy's own past plans caused, plus a *tail reserve* from a long
-  memory of rare large misses, and a *budget ledger* that bounds the shortfall on any demand (see
-  :class:`TidalPolicy`).
-* :class:`ReactivePolicy` — lend what is idle now minus a fixed margin; reclaim when that shrinks.
-* :class:`NightWindowPolicy` — lend a fixed number of GPUs during fixed hours of the day.
-* :class:`OraclePolicy` — knows the future demand (``ctx.future_demand_gpus``): the upper bound.
+Every policy has the shape ``plan, state = policy(ctx, state)`` (``state = policy.initial_state()`` at
+the start), called once per serving observation, in time order. A policy gives an upper bound on
+demand over its horizon; :func:`plan_loans` lends what stays free through one lead time (notice +
+final checkpoint + release + warm-up), gives each lent GPU the deadline where the bound needs it back
+(its notice one lead time before), and makes new loans only if they can train ``min_loan_window_s``.
+:class:`TidalPolicy` is the forecast plus a margin calibrated online to a shortfall budget
+(docs/loaning.md); the baselines are in :mod:`tidal.policy.baselines`.
 """
 
 from __future__ import annotations
@@ -47,14 +20,7 @@ import numpy as np
 from tidal.contract import DEFAULT_GRACE_S
 from tidal.model import Reclaim
 from tidal.policy.budget import ledger_update, max_lendable
-from tidal.policy.forecast import (
-    Forecast,
-    ForecastConfig,
-    ForecastState,
-    forecast,
-    initial_state,
-    observe,
-)
+from tidal.policy.forecast import Forecast, ForecastConfig, ForecastState, forecast, initial_state, observe
 from tidal.policy.forecast_errors import tail_reserve_gpus
 
 EPS = 1e-9
@@ -67,8 +33,7 @@ class LoanTiming:
     """How long taking a loan back takes, and what an interruption costs a spot job. Seconds."""
 
     notice_s: float = DEFAULT_GRACE_S
-    """From the reclaim notice until the spot job must stop (its grace period; default the platform's,
-    :data:`tidal.contract.DEFAULT_GRACE_S`)."""
+    """From the reclaim notice until the spot job must stop (its grace period)."""
     final_checkpoint_s: float = 120.0
     """The job's final checkpoint after it stops stepping."""
     release_s: float = 60.0
@@ -85,9 +50,8 @@ class LoanTiming:
             if getattr(self, name) < 0:
                 raise ValueError(f"LoanTiming.{name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.min_useful_fraction < 1:
-            raise ValueError(
-                f"LoanTiming.min_useful_fraction must be in [0, 1), got {self.min_useful_fraction}"
-            )
+            raise ValueError("LoanTiming.min_useful_fraction must be in [0, 1), got "
+                             f"{self.min_useful_fraction}")
 
     @property
     def lead_time_s(self) -> float:
@@ -100,13 +64,11 @@ class LoanTiming:
         return self.restart_cost_s / (1.0 - self.min_useful_fraction)
 
     def horizon_s(self, step_s: float) -> float:
-        """How far a plan on a ``step_s`` grid must look ahead: :data:`HORIZON_S`, or a lead time plus the
-        shortest loan window and a step when that is longer."""
+        """How far a plan on a ``step_s`` grid must look ahead: at least a lead time, a window and a step."""
         return max(HORIZON_S, self.lead_time_s + self.min_loan_window_s + step_s)
 
     def scaled(self, factor: float) -> LoanTiming:
-        """Every duration times ``factor``: the view of a clock running ``factor`` times as fast (a
-        replayed serving trace's)."""
+        """Every duration times ``factor`` (a replayed trace's clock running ``factor`` times as fast)."""
         return replace(self, notice_s=self.notice_s * factor,
                        final_checkpoint_s=self.final_checkpoint_s * factor,
                        release_s=self.release_s * factor, warmup_s=self.warmup_s * factor,
@@ -115,12 +77,8 @@ class LoanTiming:
 
 @dataclass(frozen=True, eq=False)
 class LoanContext:
-    """What the caller observed at ``now_s``.
-
-    ``demand_gpus`` is serving demand now (NaN = no observation, e.g. a metrics outage).
-    ``lent_gpus`` is how many of the pool's ``serving_gpus`` are on loan now. ``future_demand_gpus``
-    is for :class:`OraclePolicy` only: demand at ``now + k * step_s`` for k = 1, 2, ...
-    """
+    """What the caller observed at ``now_s``: ``demand_gpus`` (NaN = no observation), ``lent_gpus`` of
+    the pool's ``serving_gpus``; ``future_demand_gpus`` (the oracle only): demand at ``now + k * step_s``."""
 
     now_s: float
     serving_gpus: int
@@ -131,17 +89,11 @@ class LoanContext:
 
 @dataclass(frozen=True, eq=False)
 class LoanPlan:
-    """The decision of one step.
-
-    * ``lendable_gpus`` — how many GPUs may be on loan now (the scheduler may use fewer).
-    * ``reclaims`` — of those, how many must be back by when, earliest deadline first; lendable
-      GPUs not listed may stay out past the horizon (the next plan will say).
-    * ``reclaim_now_gpus`` — GPUs on loan beyond ``lendable_gpus``: notify them now.
-    * ``times_s`` / ``upper_gpus`` — the upper bound on serving demand the plan was made from.
-    * ``margin_gpus`` — the safety margin inside ``upper_gpus`` at the lead time.
-    * ``bound_gpus`` — what the upper bound alone would let be on loan, before a cap
-      (``max_lendable_gpus``: the budget ledger); ``lendable_gpus`` is at most this.
-    """
+    """The decision of one step: ``lendable_gpus`` may be on loan now; ``reclaims`` say how many of them
+    must be back by when, earliest first (those not listed may stay past the horizon);
+    ``reclaim_now_gpus`` are on loan beyond ``lendable_gpus``. ``times_s`` / ``upper_gpus``: the upper
+    bound the plan was made from, with ``margin_gpus`` inside it at the lead time; ``bound_gpus``: what
+    the bound alone would lend, before the budget ledger's cap."""
 
     now_s: float
     lendable_gpus: int
@@ -168,13 +120,8 @@ def _frozen(a: np.ndarray) -> np.ndarray:
 def plan_loans(*, now_s: float, serving_gpus: int, lent_gpus: int, demand_now_gpus: float,
                times_s: np.ndarray, upper_gpus: np.ndarray, timing: LoanTiming,
                margin_gpus: float = 0.0, max_lendable_gpus: int | None = None) -> LoanPlan:
-    """Turn an upper bound on demand at ``times_s`` (increasing, all > ``now_s``) into a plan.
-
-    See the module docstring for the rule. ``demand_now_gpus`` may be NaN (no observation). The
-    plan never lends more than ``N - ceil(upper(s))`` for any ``s`` in ``(now, now + lead]`` (the
-    first grid time if none falls inside), nor more than ``N - ceil(demand now)``, nor more than
-    ``max_lendable_gpus`` (the budget ledger's cap, :mod:`tidal.policy.budget`; None = no cap).
-    """
+    """Turn an upper bound on demand at ``times_s`` (increasing, all > ``now_s``) into a plan (the rule:
+    module docstring). ``demand_now_gpus`` may be NaN; ``max_lendable_gpus``: the budget ledger's cap."""
     n = int(serving_gpus)
     if n < 0:
         raise ValueError(f"serving_gpus must be >= 0, got {serving_gpus}")
@@ -187,9 +134,7 @@ def plan_loans(*, now_s: float, serving_gpus: int, lent_gpus: int, demand_now_gp
         raise ValueError("times_s must increase and lie after now_s")
     lead = timing.lead_time_s
     bound = upper if np.isfinite(upper).all() else np.nan_to_num(upper, nan=float(n))
-    free = np.minimum(np.maximum(np.floor(n - bound + EPS), 0), n).astype(
-        int
-    )  # np.clip, without its overhead
+    free = np.minimum(np.maximum(np.floor(n - bound + EPS), 0), n).astype(int)  # np.clip, less overhead
     # The rest walks the horizon's few dozen points in plain Python (cheaper than numpy calls at this size).
     running = np.minimum.accumulate(free).tolist()
     tl = times.tolist()
@@ -198,16 +143,11 @@ def plan_loans(*, now_s: float, serving_gpus: int, lent_gpus: int, demand_now_gp
     if not math.isnan(demand_now_gpus):
         safe = min(safe, max(0, int(math.floor(n - demand_now_gpus + EPS))))
 
-    # running is non-increasing, so the grid points where the k-th GPU is still free form a prefix;
-    # its end, the first s with running(s) < k, is where serving needs that GPU back (none: not within
-    # the horizon). Deadlines shrink as k grows. The k-th GPU is worth a new loan if its deadline is
-    # at least now + lead + min window, i.e. if k <= running at every grid time before that: the
-    # worthwhile new loans are a prefix after the kept ones. O(horizon), whatever the pool size.
+    # running is non-increasing: the k-th GPU is due back at the first s with running(s) < k, and is
+    # worth a new loan if k <= running at every grid time before now + lead + min window.
     kept = min(max(lent_gpus, 0), safe)
     window = timing.min_loan_window_s - EPS
-    early = next(
-        (i for i, t in enumerate(tl) if t - lead - now_s >= window), len(tl)
-    )  # the first late enough
+    early = next((i for i, t in enumerate(tl) if t - lead - now_s >= window), len(tl))  # first late enough
     worthwhile = running[early - 1] if early > 0 else safe
     lendable = by_bound = max(kept, min(safe, worthwhile))
     if max_lendable_gpus is not None:
@@ -225,10 +165,6 @@ def plan_loans(*, now_s: float, serving_gpus: int, lent_gpus: int, demand_now_gp
                     min_loan_window_s=timing.min_loan_window_s, bound_gpus=by_bound)
 
 
-# ---------------------------------------------------------------------------------------------
-# Tidal: forecast + margin calibrated online to a shortfall budget.
-
-
 @dataclass(frozen=True)
 class TidalConfig:
     """Knobs of :class:`TidalPolicy`."""
@@ -238,111 +174,68 @@ class TidalConfig:
     forecast: ForecastConfig = field(default_factory=ForecastConfig)
     timing: LoanTiming = field(default_factory=LoanTiming)
     aim_fraction: float = 0.8
-    """The calibrator aims at this fraction of the budget. The rest is a reserve for what the
-    history cannot foresee: on the ServeGen traces one burst per week (load x3 within 10 min)
-    can spend days of budget before any margin can react."""
+    """The calibrator aims at this fraction of the budget; the rest is a reserve for sudden bursts."""
     hold_demand_now: bool = True
-    """Within the lead time the bound is at least the demand just observed plus ``z`` one-step error scales
-    (False: the forecast alone). A GPU lent now is back one lead time later at the earliest, so a bound
-    below the demand just seen bets on a fall serving cannot wait for; right after a jump the forecast's
-    level lags it (a x3 burst at 2,048 GPUs: the plan lent ``N - demand now`` while demand kept rising).
-    Chosen on m-large alone at 128 and 2,048 GPUs, with ``aim_fraction`` 0.8 over 0.7 with it off
-    (docs/loaning.md, "2,048 GPUs, the calibrator's aim and what z is scored on")."""
+    """Within the lead time the bound is at least the demand just seen plus ``z`` one-step error scales."""
     initial_z: float = 3.0
     """Margin before any feedback, in units of the forecast error scale: start careful."""
     calibration_rate_per_h: float = 0.05
-    """How fast the margin moves: with no shortfall it falls by this x demand/N per hour; a
-    shortfall of s GPUs for dt hours raises it by this x s x dt / (aimed budget x N)."""
+    """How fast the margin moves (step 3 of :class:`TidalPolicy`)."""
     shortfall_cap_scales: float = 3.0
-    """The calibrator counts a step's shortfall up to this many error scales (the forecast's scale at
-    the lead time, as of the plan before): a jump far beyond any margin (load x3 within 10 min)
-    says little about the margin the next days need, and counted in full it lifts ``z`` for days.
-    The realized shortfall still counts in full against the budget (``TidalState.shortfall_gpu_s``)."""
+    """The calibrator counts a step's shortfall up to this many error scales at the lead time."""
     tail_budget_fraction: float = 1.0
-    """The tail reserve (0 = off): the plan keeps at least ``R`` GPUs above the forecast center, the
-    smallest ``R`` whose expected excess miss, by the forecast's long tail memory
-    (:func:`~tidal.policy.forecast_errors.tail_reserve_gpus`, 4-week half-life), is this fraction of the
-    budget. It covers what the calibrated ``z`` cannot: jumps far beyond the usual errors (load x3
-    within 10 min), which ``z`` (counting at most ``shortfall_cap_scales`` of a miss, 2-day error
-    memory) does not learn from. With it, m-large meets the 0.2 % budget (it did not) and misses
-    0.1 % by less, at a cost in harvest at 0.5 % (docs/loaning.md, "Tail reserve")."""
+    """The tail reserve's expected excess miss as a fraction of the budget (0 = off; docs/loaning.md)."""
     tail_kappa: float = 0.0
-    """The tail reserve also covers this many standard errors of the mean excess over
-    ``tail_period_s`` (0: the expected excess only): rare large misses are lumpy."""
+    """The tail reserve also covers this many standard errors of the mean excess over ``tail_period_s``."""
     tail_period_s: float = 86400.0
     """The period of ``tail_kappa``'s standard error."""
     tail_prior_miss: float = 0.5
-    """A cautious start: the tail reserve's memory also holds ``tail_prior_steps`` lead windows whose worst
-    miss was this many times the mean demand (0 = no prior). A quiet warm-up does not show that demand
-    can jump by half its mean within a lead time; the prior keeps that possible until the history
-    outweighs it (weight ``prior / (prior + steps seen)``), and costs nothing once the reserve is above
-    it. Chosen on m-large (0.5 % then held on every whole-day rotation; rotation 2, quiet warm-up, was
-    0.6 % over), reported on m-mid (docs/loaning.md, "A cautious start")."""
+    """A cautious start: the prior's worst miss per lead window, times the mean demand (0 = no prior)."""
     tail_prior_steps: float = 2.0
     """The prior's weight, in lead windows (steps) of the tail memory; never decays."""
     min_z: float = 0.0
     """Floor of the margin: never plan below the central forecast."""
     max_z: float = 50.0
-    """Cap of the margin, against runaway after a freak event. The budget guarantee needs a margin
-    of ``max_z`` error scales to cover the pool, which it does unless the error scale is tiny."""
+    """Cap of the margin, against runaway after a freak event."""
     ledger_allowance_pool_h: float = 48.0
-    """The budget ledger (:mod:`tidal.policy.budget`; ``inf`` = off): lend only while the realized
-    shortfall over ``ledger_fraction x budget`` so far, plus the worst case the loans out now could
-    still cause, fits an allowance of ``A = budget x N x this`` GPU-hours. Then, whatever the demand,
-    shortfall <= ``ledger_fraction x budget x demand + A`` from the start, for every horizon
-    (docs/loaning.md, "The guarantee"). 48 (two days of the whole pool's budget) leaves the harvest
-    on the ServeGen traces as it was (``python -m lab generalize``); smaller allowances lend less."""
+    """The budget ledger's allowance ``A = budget x N x this`` GPU-hours (``inf`` = off)."""
     ledger_fraction: float = 1.0
-    """The ledger's rate ``B_l`` as a fraction of ``shortfall_budget``. Below 1, the ratio is within the
-    budget over any period whose demand is at least ``N x allowance / (1 - this)`` GPU-hours."""
+    """The ledger's rate ``B_l`` as a fraction of ``shortfall_budget``."""
     ledger_bank_pool_h: float = 48.0
-    """How much unspent budget the ledger may bank (``budget x N x this`` GPU-hours; 0 = none): more
-    harvest after quiet days; the bound over any window (not only from the start) grows by it."""
+    """How much unspent budget the ledger may bank (``budget x N x this`` GPU-hours; 0 = none)."""
 
     def __post_init__(self) -> None:
         if not 0 < self.shortfall_budget < 1:
             raise ValueError(f"TidalConfig.shortfall_budget must be in (0, 1), got {self.shortfall_budget}")
         if not self.tail_budget_fraction >= 0 or not self.tail_kappa >= 0 or not self.tail_period_s > 0:
-            raise ValueError(
-                f"TidalConfig.tail_budget_fraction and tail_kappa must be >= 0 and tail_period_s > 0, "
-                f"got {self.tail_budget_fraction}, {self.tail_kappa} and {self.tail_period_s}"
-            )
+            raise ValueError("TidalConfig.tail_budget_fraction and tail_kappa must be >= 0 and "
+                             "tail_period_s > 0, "
+                             f"got {self.tail_budget_fraction}, {self.tail_kappa} and {self.tail_period_s}")
         if not 0 <= self.tail_prior_miss < math.inf or not 0 <= self.tail_prior_steps < math.inf:
-            raise ValueError(
-                f"TidalConfig.tail_prior_miss and tail_prior_steps must be finite and >= 0, "
-                f"got {self.tail_prior_miss} and {self.tail_prior_steps}"
-            )
+            raise ValueError(f"TidalConfig.tail_prior_miss and tail_prior_steps must be finite and >= 0, "
+                             f"got {self.tail_prior_miss} and {self.tail_prior_steps}")
         if not 0 < self.aim_fraction <= 1:
             raise ValueError(f"TidalConfig.aim_fraction must be in (0, 1], got {self.aim_fraction}")
         if not self.ledger_allowance_pool_h > 0 or not 0 < self.ledger_fraction <= 1 \
                 or not 0 <= self.ledger_bank_pool_h < math.inf:
-            raise ValueError(
-                "TidalConfig.ledger_allowance_pool_h must be > 0 (inf = off), ledger_fraction in "
-                "(0, 1] and ledger_bank_pool_h finite and >= 0, got "
-                f"{self.ledger_allowance_pool_h}, {self.ledger_fraction} and {self.ledger_bank_pool_h}"
-            )
+            raise ValueError("TidalConfig.ledger_allowance_pool_h must be > 0 (inf = off), ledger_fraction "
+                             "in "
+                             "(0, 1] and ledger_bank_pool_h finite and >= 0, got "
+                             f"{self.ledger_allowance_pool_h}, {self.ledger_fraction} and "
+                             f"{self.ledger_bank_pool_h}")
         horizon_needed = self.timing.lead_time_s + self.timing.min_loan_window_s
         if self.forecast.horizon_s < horizon_needed:
-            raise ValueError(
-                f"TidalConfig.forecast.horizon_s ({self.forecast.horizon_s:g}) must cover the lead "
-                f"time plus the minimum loan window ({horizon_needed:g} s)"
-            )
+            raise ValueError(f"TidalConfig.forecast.horizon_s ({self.forecast.horizon_s:g}) must cover the "
+                             "lead "
+                             f"time plus the minimum loan window ({horizon_needed:g} s)")
 
 
 @dataclass(frozen=True, eq=False)
 class TidalState:
-    """What :class:`TidalPolicy` carries between steps.
-
-    ``z`` is the calibrated margin; ``commitments`` are ``(decided_at_s, until_s, supply_gpus, pool_gpus,
-    bound_supply_gpus)``: each plan promised serving at least ``N - lendable`` GPUs of its pool ``N`` through
-    ``until_s`` (its lead time), i.e. lent at most ``N - supply``; ``bound_supply`` is ``N -`` what its upper
-    bound alone would have lent (before the budget ledger's cap), the promise ``z`` is scored on (states
-    stored before ``pool_gpus`` was kept hold 3-tuples, read with today's ``N``; before ``bound_supply``,
-    4-tuples, scored on ``supply``). ``shortfall_gpu_s`` / ``demand_gpu_s`` add up realized
-    shortfall against those promises and demand, in GPU-seconds (assuming every lendable GPU was lent).
-    ``ledger_gpu_s`` is the budget ledger ``G`` (:mod:`tidal.policy.budget`; stays 0 while the ledger
-    is off).
-    """
+    """What :class:`TidalPolicy` carries between steps: the margin ``z``; ``commitments``, per plan of the
+    last lead time ``(decided_at_s, until_s, supply_gpus, pool_gpus, bound_supply_gpus)`` (what serving
+    keeps, and would keep by the bound alone; stored states may hold the first 3 or 4 only);
+    realized ``shortfall_gpu_s`` and ``demand_gpu_s``; the budget ledger ``G`` (``ledger_gpu_s``)."""
 
     forecast: ForecastState
     z: float
@@ -357,15 +250,12 @@ class TidalState:
 
 
 def _lent(commitment: tuple, n: int) -> int:
-    """GPUs a plan lent, from its commitment ``(decided_at_s, until_s, supply, pool)``: ``pool - supply``
-    (a commitment stored before the pool was kept in it, ``(decided_at_s, until_s, supply)``: ``n - supply``
-    with today's pool, as then)."""
+    """GPUs a plan lent: ``pool - supply`` (a 3-tuple stored without its pool: today's ``n``)."""
     return int(commitment[3] if len(commitment) > 3 else n) - int(commitment[2])
 
 
 def _lent_by_bound(commitment: tuple, n: int) -> int:
-    """GPUs the plan's upper bound alone would have lent (before the budget ledger's cap): ``pool - bound
-    supply``; a commitment stored without it (4 fields or fewer): what the plan lent."""
+    """GPUs the plan's bound alone would have lent (stored without it: what the plan lent)."""
     if len(commitment) > 4:
         return int(commitment[3]) - int(commitment[4])
     return _lent(commitment, n)
@@ -373,38 +263,18 @@ def _lent_by_bound(commitment: tuple, n: int) -> int:
 
 @dataclass(frozen=True)
 class TidalPolicy:
-    """Forecast upper bound + online-calibrated margin -> :class:`LoanPlan`.
+    """Forecast upper bound + online-calibrated margin -> :class:`LoanPlan`. Each step, in order:
 
-    Each step, in order:
-
-    1. Observe ``ctx.demand_gpus`` into the forecast (skipped if ``now_s`` was already observed).
-    2. Score the promise: the supply promised for ``now`` by the plans of the last lead time is the
-       smallest ``N - lendable`` among them; ``shortfall = max(0, demand - supply)``.
-    3. Calibrate (online conformal risk control, Feldman et al. 2023; Angelopoulos et al. 2023):
-       ``z += rate * dt_h * (counted - B' * demand) / (B' * N)`` with ``B' = aim_fraction * budget``,
-       floored at ``min_z``, where ``counted = min(shortfall', shortfall_cap_scales * scale(lead))`` and
-       ``shortfall'`` is scored against what the plans' upper bounds alone would have lent, before the
-       budget ledger's cap (step 5): ``z`` calibrates the bound, and the ledger is a safety net on top of
-       it, not feedback to it
-       (the whole shortfall still counts against the budget in ``shortfall_gpu_s``). ``z`` rises
-       after a shortfall and decays while there is none, so the long-run ratio of *counted*
-       shortfall tracks ``B'``. Guarantee, with no assumption on the demand: summed over any period
-       from the start, ``counted - B' * demand`` (GPU-hours) is at most
-       ``B' * N * (z_max - z_0 + jump) / rate``, where ``z_max`` is a margin at which the plan
-       lends nothing (so nothing can be short) and ``jump`` the largest single step of z. The bound
-       is loose over days, and shortfall above the cap is not in it; ``aim_fraction`` < 1 is the
-       practical reserve for both (one freak jump must not lift the margin for days).
-    4. Plan from ``upper = max(center + z * scale, center + R)`` over the horizon, and within the lead
-       time at least ``demand now + z * scale(1)`` (``hold_demand_now``) (:func:`plan_loans`), and record
-       the new promise. ``R`` is the *tail reserve*: the smallest reserve whose expected
-       excess, by the forecast's weeks-long memory of the worst miss per lead window, is at most
-       ``tail_budget_fraction`` of the budget (:func:`~tidal.policy.forecast_errors.tail_reserve_gpus`). It
-       keeps the rare jumps that ``z`` does not learn from (the cap, the error scale's short memory)
-       within the budget as far as the history has seen them, and, through a prior (``tail_prior_*``),
-       a jump of the mean demand until the history outweighs it.
-    5. Cap the loans by the *budget ledger* (:mod:`tidal.policy.budget`, ``ledger_*``): whatever the
-       demand, shortfall since the start <= ``ledger_fraction x budget x demand + allowance``, the
-       worst case of what is on loan now included (docs/loaning.md, "The guarantee").
+    1. Observe ``ctx.demand_gpus`` into the forecast (unless ``now_s`` was already observed).
+    2. Score the promise: serving's supply now is the smallest ``N - lendable`` of the plans of the
+       last lead time; ``shortfall = max(0, demand - supply)``.
+    3. Calibrate (online conformal risk control, Feldman et al. 2023):
+       ``z += rate * dt_h * (counted - B' * demand) / (B' * N)``, ``B' = aim_fraction * budget``, within
+       ``[min_z, max_z]``; ``counted`` is the shortfall against what the plans' bounds alone would have
+       lent (before the ledger's cap), at most ``shortfall_cap_scales`` error scales at the lead time.
+    4. Plan from ``upper = max(center + z * scale, center + R)`` (``R``: the tail reserve), within the
+       lead time at least ``demand now + z * scale(1)`` (``hold_demand_now``), and record the promise.
+    5. Cap the loans by the budget ledger (:mod:`tidal.policy.budget`; docs/loaning.md, "The guarantee").
     """
 
     config: TidalConfig = field(default_factory=TidalConfig)
@@ -412,12 +282,10 @@ class TidalPolicy:
     @classmethod
     def build(cls, shortfall_budget: float, step_s: float, timing: LoanTiming | None = None, *,
               horizon_s: float | None = HORIZON_S) -> TidalPolicy:
-        """The policy for a shortfall budget, the forecast's grid ``step_s`` and the loan timing (all on
-        one clock, seconds); every other knob at its default. ``horizon_s``: how far the forecast looks
-        ahead (``ValueError`` when it does not cover a loan's lead time plus its shortest window); None:
-        :data:`HORIZON_S`, or as far as the timing needs. The one place a policy is built from
-        configuration: ``serving:`` in ``tidal up``, ``tidal serving watch``, the simulator and
-        ``tidal plan``."""
+        """The one place a policy is built from configuration (``tidal up``, ``serving watch``, the
+        simulator, ``tidal plan``): a budget, the forecast's grid and the loan timing, other knobs at their
+        defaults. ``horizon_s``: the forecast's (``ValueError`` below a lead time plus a window); None: as
+        far as the timing needs."""
         timing = timing if timing is not None else LoanTiming()
         if horizon_s is None:
             horizon_s = timing.horizon_s(step_s)
@@ -449,9 +317,7 @@ class TidalPolicy:
             shortfall_gpu_s += shortfall * dt_s
             demand_gpu_s += y * dt_s
             b = cfg.shortfall_budget * cfg.aim_fraction
-            # z calibrates the bound: it is scored on what the bound alone would have lent, not on the plans
-            # the budget ledger capped (scored on those, z decays while the cap binds, and the bound is loose
-            # when the cap lets go)
+            # z calibrates the bound: scored on what the bound alone would have lent, not the capped plans
             by_bound = shortfall
             if covering:
                 away_bound = min(n, max(_lent_by_bound(c, n) for c in covering))
@@ -463,10 +329,7 @@ class TidalPolicy:
                 own = max(0.0, min(y, n) - (n - away)) if covering else 0.0
                 ledger = ledger_update(ledger, own, y, dt_s, cfg.ledger_fraction * cfg.shortfall_budget,
                                        cfg.shortfall_budget * n * cfg.ledger_bank_pool_h * 3600.0)
-        if fs.n_obs == 0:  # nothing known yet: lend nothing
-            fc = None
-        else:
-            fc = forecast(cfg.forecast, fs)
+        fc = forecast(cfg.forecast, fs) if fs.n_obs else None  # nothing known yet: lend nothing
         reserve = self._reserve(fs)
         commitments = tuple(c for c in state.commitments if c[1] > ctx.now_s + EPS)
         cap = self._ledger_cap(ctx.now_s, n, ledger, commitments) if ledger_on else None
@@ -504,16 +367,10 @@ class TidalPolicy:
         if cfg.tail_budget_fraction <= 0 or fs.n_obs == 0:
             return 0.0
         lead_steps = max(1, math.ceil(cfg.timing.lead_time_s / cfg.forecast.step_s - EPS))
-        return tail_reserve_gpus(
-            cfg.forecast,
-            fs,
-            lead_steps,
-            cfg.tail_budget_fraction * cfg.shortfall_budget,
-            kappa=cfg.tail_kappa,
-            period_steps=cfg.tail_period_s / cfg.forecast.step_s,
-            prior_miss=cfg.tail_prior_miss,
-            prior_steps=cfg.tail_prior_steps,
-        )
+        budget = cfg.tail_budget_fraction * cfg.shortfall_budget
+        return tail_reserve_gpus(cfg.forecast, fs, lead_steps, budget, kappa=cfg.tail_kappa,
+                                 period_steps=cfg.tail_period_s / cfg.forecast.step_s,
+                                 prior_miss=cfg.tail_prior_miss, prior_steps=cfg.tail_prior_steps)
 
     def _plan(self, ctx: LoanContext, fc: Forecast | None, z: float, reserve: float = 0.0,
               cap: int | None = None) -> LoanPlan:
@@ -527,9 +384,8 @@ class TidalPolicy:
             keep = fc.times_s > ctx.now_s + EPS
             times = fc.times_s[keep]
             upper = np.maximum(fc.upper(z), fc.center_gpus + reserve)[keep]
-            lead_i = min(
-                int(np.searchsorted(times, ctx.now_s + cfg.timing.lead_time_s + EPS)) - 1, times.size - 1
-            )
+            lead_at = int(np.searchsorted(times, ctx.now_s + cfg.timing.lead_time_s + EPS))
+            lead_i = min(lead_at - 1, times.size - 1)
             zs = float(z * fc.scale_gpus[keep][max(lead_i, 0)])
             margin = max(zs, reserve)
             if cfg.hold_demand_now and not math.isnan(ctx.demand_gpus) and lead_i >= 0:
@@ -539,9 +395,6 @@ class TidalPolicy:
         return plan_loans(now_s=ctx.now_s, serving_gpus=ctx.serving_gpus, lent_gpus=ctx.lent_gpus,
                           demand_now_gpus=ctx.demand_gpus, times_s=times, upper_gpus=upper,
                           timing=cfg.timing, margin_gpus=margin, max_lendable_gpus=cap)
-
-
-# ---------------------------------------------------------------------------------------------
 
 
 __all__ = [

@@ -1,31 +1,11 @@
 """Request rates to servers: the Erlang C (M/M/c) queue. Pure: no I/O, no clock.
 
-The model: requests arrive as a Poisson stream of ``rate`` requests/s; ``c`` identical servers each
-complete a request in an exponential time of mean ``1 / service_rate`` s; one FCFS queue feeds them.
-With offered load ``a = rate / service_rate`` (Erlangs) and ``theta = c * service_rate - rate`` the queue is
-stable only when ``theta > 0`` (``c > a``), and then
-
-* ``C(c, a)`` (Erlang C) = P(a request waits at all) = ``c B / (c - a (1 - B))``, B = Erlang B;
-* waiting time in queue W: ``P(W > t) = C(c, a) exp(-theta t)``, mean ``E[W] = C(c, a) / theta``;
-* response time T = W + S (S the request's own service time, independent of W):
-  ``P(T > t) = (1 - C) exp(-mu t) + C * P(Exp(theta) + Exp(mu) > t)``.
-
-**Latency target.** "The ``quantile``-quantile of ``measure`` is at most ``target_s``", with measure
-``"queue"`` (W, time from arrival to the start of service) or ``"response"`` (T = W + S, arrival to
-completion). Since the distributions are continuous beyond W's atom at 0, that is exactly
-``P(measure > target_s) <= 1 - quantile``. :func:`servers_needed` returns the smallest ``c`` with
-``c * service_rate > rate`` that meets it; both probabilities fall as ``c`` grows, so it is the
-smallest of all such ``c``.
-
-**Numerics.** Erlang B by its recursion ``B(0) = 1, B(k) = a B(k-1) / (k + a B(k-1))`` (all terms
-positive: no factorials, no cancellation). For a large load the recursion starts at
-``k0 = floor(a - 10 sqrt(a))`` from ``B = 1`` instead of at 0: the map ``B -> a B / (k + a B)`` is
-increasing, so starting above the true value stays above it, and its slope there is below
-``a k / (k + a B_true(k-1))**2 < k / a`` (carried load ``a (1 - B(k-1)) <= k - 1``) for ``k <= a``
-and below ``a / k`` beyond. The start's error (< 1) is multiplied by at most
-``prod_{k0 < k <= a} k / a <= exp(-(a - k0)**2 / (2a)) = exp(-50)``, far below double precision, and
-``B`` at ``k >= a`` is above ``~1 / sqrt(a)``; so the cost is ``O(sqrt(a))`` steps, not ``O(a)``, and
-thousands (or millions) of servers are cheap. Functions take numpy arrays and broadcast.
+Poisson arrivals at ``rate`` requests/s, ``c`` servers of exponential service at ``service_rate``, one
+FCFS queue. A latency target ("the ``quantile``-quantile of the wait, or of the response time, is at
+most ``target_s``") is ``P(measure > target_s) <= 1 - quantile``; :func:`servers_needed` returns the
+smallest ``c`` that meets it. Erlang B by its recursion ``B(k) = a B(k-1) / (k + a B(k-1))``, started
+``10 sqrt(a)`` below the load from ``B = 1`` (the error contracts below double precision), so millions
+of servers cost ``O(sqrt(a))`` steps. Functions take numpy arrays and broadcast (docs/loaning.md).
 """
 
 from __future__ import annotations
@@ -40,9 +20,7 @@ MAX_SERVERS = 10_000_000  # servers_needed gives up (ValueError) beyond this man
 
 
 def _start(a: np.ndarray, c: np.ndarray | None = None) -> np.ndarray:
-    """Where the recursion for B(c, a) may start from B = 1: ``min(c, a) - 10 sqrt(a)`` (0 for small
-    loads: exact). Below ``a`` the slope is also below ``k / c``, so for ``c < a`` the same distance
-    below ``c`` contracts the start's error by ``exp(-50 a / c)`` or more."""
+    """Where the recursion for B(c, a) may start from B = 1: ``min(c, a) - 10 sqrt(a)``, at least 0."""
     top = a if c is None else np.minimum(a, c)
     return np.maximum(0.0, np.floor(top - _START_SIGMAS * np.sqrt(a))).astype(np.int64)
 
@@ -85,17 +63,6 @@ def erlang_c(servers, load):
     """Erlang C: P(an arriving request waits) in M/M/c with offered ``load`` (Erlangs); 1 when ``c <= a``."""
     c, a = np.broadcast_arrays(np.asarray(servers, dtype=np.int64), np.asarray(load, dtype=float))
     out = _c_from_b(np.asarray(erlang_b(c, a)), c, a)
-    return float(out) if out.ndim == 0 else out
-
-
-def mean_wait_s(servers, rate, service_rate):
-    """Mean time in queue ``E[W] = C(c, a) / (c mu - lambda)`` in seconds; inf when ``c mu <= lambda``."""
-    c, lam, mu = np.broadcast_arrays(np.asarray(servers, dtype=np.int64), np.asarray(rate, dtype=float),
-                                     np.asarray(service_rate, dtype=float))
-    _check_rates(lam, mu)
-    theta = c * mu - lam
-    with np.errstate(divide="ignore"):
-        out = np.where(theta > 0, erlang_c(c, lam / mu) / np.where(theta > 0, theta, 1.0), np.inf)
     return float(out) if out.ndim == 0 else out
 
 
@@ -152,13 +119,8 @@ def check_target(service_rate: float, target_s: float, quantile: float, measure:
 
 def servers_needed(rate, service_rate: float, target_s: float, quantile: float = 0.99,
                    measure: str = "queue", max_servers: int = MAX_SERVERS):
-    """The smallest number of servers ``c`` with ``c * service_rate > rate`` whose ``quantile``-quantile
-    of ``measure`` is at most ``target_s`` (see the module docstring); 0 for a rate of 0, NaN for NaN.
-
-    ``rate`` may be an array (a trace of request rates; all rows advance together, ``O(sqrt(a))``
-    vector steps). Raises ``ValueError`` for a target no number of servers meets, or one needing more
-    than ``max_servers``.
-    """
+    """The smallest ``c`` with ``c * service_rate > rate`` meeting the target (0 for a rate of 0, NaN for
+    NaN); ``rate`` may be an array. ``ValueError`` for a target no ``c`` up to ``max_servers`` meets."""
     check_target(service_rate, target_s, quantile, measure)
     lam = np.asarray(rate, dtype=float)
     _check_rates(lam, np.asarray(service_rate, dtype=float))

@@ -2,36 +2,14 @@
 
     decisions = schedule(snapshot, SchedulerConfig())
 
-Contract: no I/O, no clock (``snapshot.now_s`` is the time), no randomness; the same snapshot and
-config always give the same list, in the same order. The caller (the control plane's reconcile loop
-or the simulator) applies the decisions to its store before taking the next snapshot; the scheduler
-is level-triggered and uses ``Job.releasing`` to avoid acting twice on one need. See
-``docs/scheduling.md`` for the policy in prose.
-
-One call is a cycle of numbered steps (after Kueue's scheduler):
-
-1. **Snapshot.** Index the running jobs once (usage per node and tenant), build free-GPU views of the
-   training pool and of loaned serving GPUs (loans ending within ``min_loan_left_s`` are closed to
-   new work), fair shares of spot capacity.
-2. **Reclaim.** Give loaned GPUs back as due reclaims ask: idle ones now, draining ones counted, the
-   rest by shrinking, then preempting, spot jobs on loans (:mod:`.scheduling.reclaim`).
-3. **Nominate.** Only pending-queue heads are looked at: one FIFO per (tenant, kind, priority).
-4. **Order.** Dedicated jobs first (guaranteed quota), then spot; each with jobs nominated lately
-   (others were preempted for them: ``Job.nominated_s``) first, then by aged priority, then (spot)
-   the tenant furthest below its weighted fair share, then waiting time (:mod:`.scheduling.ordering`).
-5. **Admit.** All or nothing at the gang minimum, packed onto the fewest nodes. A job that does not fit
-   may look for victims (bounded per call); if the need can be met, victims are *computed* first
-   (:func:`~.scheduling.targets.targets_for`) and then *acted on* (shrinks and preemptions, the
-   job's future place reserved); the job itself starts in a later call, once they have drained.
-   A job that neither fits nor finds victims is skipped; after ``max_skips_per_cycle`` skips the
-   cycle stops looking, so a call considers about as many pending jobs as there are free GPUs.
-6. **Grow.** Spare GPUs go to elastic jobs below their maximum (:mod:`.scheduling.growth`).
-7. **Requeue.** Everything not admitted simply stays in its queue: nothing to emit.
-
-With ``why`` (a dict), the call also says why each pending job did not start and each running job
-below its maximum did not grow (:class:`~tidal.model.Waiting`), from the very checks above: the
-quota, the free GPUs it needs, the victims being stopped for it, its place in its queue, the grow
-hysteresis. Without it nothing extra is computed.
+No I/O, no clock (``snapshot.now_s``), no randomness: the same snapshot and config give the same list.
+The caller applies the decisions before the next snapshot; the scheduler is level-triggered
+(``Job.releasing`` keeps it from acting twice on one need). One call is a cycle of numbered steps,
+after Kueue's (docs/scheduling.md): 1. snapshot (index the running jobs once, views of free GPUs, fair
+shares); 2. reclaim (:mod:`.scheduling.reclaim`); 3. nominate (only pending-queue heads); 4. order
+(:mod:`.scheduling.ordering`); 5. admit, or compute victims and then act on them
+(:mod:`.scheduling.targets`); 6. grow (:mod:`.scheduling.growth`); 7. requeue (nothing to emit).
+With ``why``, the call also says why each job waits (:class:`~tidal.model.Waiting`), from the same checks.
 """
 
 from __future__ import annotations
@@ -51,15 +29,11 @@ __all__ = ["RunningIndex", "SchedulerConfig", "schedule"]
 
 def schedule(snapshot: Snapshot, config: SchedulerConfig | None = None, index: RunningIndex | None = None,
              why: dict[str, Waiting] | None = None) -> list[Decision]:
-    """Decide what to admit, grow, shrink, preempt and return to serving now. Pure; see the module doc.
+    """Decide what to admit, grow, shrink, preempt and return to serving now (see the module docstring).
 
-    ``index`` (optional, :class:`~tidal.policy.scheduling.index.RunningIndex`): a caller that schedules
-    the same pool call after call may keep one and pass it every time; step 1 then costs O(jobs
-    changed since the last call) instead of O(running jobs). The decisions are the same with or without.
-
-    ``why`` (optional, a dict, filled in): job id -> :class:`~tidal.model.Waiting` for every pending job
-    not admitted and every running job below its maximum not grown (O(pending jobs) more when given).
-    """
+    ``index``: a :class:`~tidal.policy.scheduling.index.RunningIndex` kept by a caller that schedules the
+    same pool call after call (step 1 then costs O(jobs changed); the same decisions). ``why``: filled in
+    with job id -> :class:`~tidal.model.Waiting` (O(pending jobs) more)."""
     cfg = config or SchedulerConfig()
     now = snapshot.now_s
     # 1. Snapshot.
@@ -108,9 +82,8 @@ def _nominate(c: Cycle) -> list[QueueHeads]:
 
 
 def _admit(c: Cycle, phases: list[QueueHeads]) -> dict[str, tuple[int, Job]]:
-    """Admit in order; search victims for those that do not fit (bounded); stop a phase after
-    ``max_skips_per_cycle`` jobs that neither fit nor found victims. Returns the admitted jobs
-    (id -> (index of the Admit decision, job)) for the grow step."""
+    """Admit in order, searching victims for those that do not fit; returns id -> (index of the Admit,
+    job) for the grow step."""
     cfg = c.cfg
     admitted: dict[str, tuple[int, Job]] = {}
     attempts = 0
@@ -190,8 +163,8 @@ def _no_room(c: Cycle, job: Job, searched: bool) -> str:
 
 
 def _explain_queues(c: Cycle, admitted: dict[str, tuple[int, Job]]) -> None:
-    """Pending jobs the admit step did not get to: each queue's first such job waits behind the cycle's
-    limit, the rest behind the job ahead of them in their queue."""
+    """Pending jobs the admit step did not get to: the first of a queue waits on the cycle's limit, the
+    rest behind it."""
     why = c.why
     assert why is not None
     for (tenant, kind, prio), q in c.snap.queues.items():

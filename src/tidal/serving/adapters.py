@@ -1,32 +1,17 @@
 """Serving adapters: how the control plane lends a serving system's GPUs and takes them back.
 
-A :class:`ServingAdapter` answers for one serving system: which serving nodes (and GPUs) it has, how
-many GPUs it needs now, and it carries out two actions — *release* GPUs of a node for lending (the
-serving system stops using them: fewer replicas there) and *restore* them (serving may use them
-again; it serves on them once warmed up). The control plane (:mod:`tidal.control.loans`) decides
-when, through the pure loan ledger; an adapter decides nothing.
+A :class:`ServingAdapter` answers for one serving system: its nodes and GPUs, the GPUs it needs now,
+and two actions: *release* GPUs of a node for lending (fewer replicas there) and *restore* them. The
+control plane (:mod:`tidal.control.loans`) decides when; an adapter decides nothing. Every action
+names the node, the GPUs moved and the node's resulting lent GPUs (``lent_after``), so an operator's
+hook can act idempotently. A failed *release* lends nothing; a failed *restore* leaves the GPUs in
+neither pool and is retried every step: no GPU is ever counted both as serving and as lent. Times are
+the control plane's (Unix seconds); :meth:`ServingAdapter.serving_time` maps them onto the serving
+side's axis (``speedup`` 1 in production; a replay runs a recorded day faster).
 
-Every action names the node, the GPUs moved and the node's resulting number of lent GPUs
-(``lent_after``), so an operator's hook can act idempotently (set a replica count rather than add to
-it). An action that fails raises :class:`AdapterError` (a :class:`QueuedAdapter` reports it later
-through ``done()`` instead): a failed *release* lends nothing (the GPUs stay serving's); a failed
-*restore* leaves the GPUs in neither pool and is retried every step. No GPU is ever counted both as
-serving and as lent.
-
-Times are the control plane's (Unix seconds). :meth:`ServingAdapter.serving_time` maps them onto the
-serving side's own time axis, where the forecast's time of day lives: production adapters return
-``now_s`` (``speedup`` 1); a replay runs a recorded day faster than real time.
-
-Implementations:
-
-* :class:`ReplayAdapter` — the embedded default: virtual serving nodes on this machine whose demand
-  follows a trace CSV at a chosen speed-up. What is neither lent nor warming up serves.
-* :class:`HookAdapter` — demand from a Prometheus query, actions by an operator-provided HTTP webhook
-  (``POST`` of a JSON body) or command (argv with the same fields in its environment). A
-  :class:`QueuedAdapter`: its actions run in order on a worker thread, so a slow or hanging hook never
-  holds up the reconcile loop; its demand query waits at most ``demand_wait_s``.
-* :class:`tidal.serving.ray_serve.RayServeAdapter` — a Ray Serve application: replicas per node,
-  demand from the requests Serve sees (also a :class:`ReadyAdapter`).
+Implementations: :class:`ReplayAdapter` (virtual nodes replaying a trace CSV), :class:`HookAdapter`
+(Prometheus demand, an operator's webhook or command on a worker thread) and
+:class:`tidal.serving.ray_serve.RayServeAdapter`.
 """
 
 from __future__ import annotations
@@ -96,9 +81,8 @@ class ServingAdapter(Protocol):
 
 @runtime_checkable
 class ReadyAdapter(Protocol):
-    """An adapter that knows when GPUs it got back serve again (e.g. the new replica is healthy): the
-    plane ends a warm-up only when its time is over *and* :meth:`ready` says so. Without it, warm-ups
-    end by time (``LoanTiming.warmup_s``)."""
+    """An adapter that knows when GPUs it got back serve again: a warm-up ends when its time is over *and*
+    :meth:`ready` says so (without it, by time alone)."""
 
     def ready(self, node: str) -> bool:
         """Every GPU restored on ``node`` serves again. Quick (the reconcile loop calls it each step while
@@ -108,9 +92,8 @@ class ReadyAdapter(Protocol):
 
 @runtime_checkable
 class HistoryAdapter(Protocol):
-    """An adapter that knows serving demand before the plane's first live step (earlier days' request
-    rates, what it measured before a restart): the loan step feeds it to a forecast that has seen nothing
-    yet, so the first day is not planned blind (:mod:`tidal.serving.serve_history`)."""
+    """An adapter that knows demand before the plane's first live step, fed to a forecast that has seen
+    nothing yet (:mod:`tidal.serving.serve_history`)."""
 
     def forecast_history(self, until_s: float, step_s: float) -> list[tuple[float, float]]:
         """``(serving time, GPUs or NaN)`` on the ``step_s`` grid before ``until_s`` (excluded), oldest
@@ -132,11 +115,9 @@ class ActionDone:
 
 @runtime_checkable
 class QueuedAdapter(Protocol):
-    """An adapter whose :meth:`~ServingAdapter.release` and :meth:`~ServingAdapter.restore` only check
-    the action and queue it (they return at once; :class:`AdapterError` means it was refused before it
-    was queued); the actions run in the order given, and :meth:`done` reports each outcome once. Until
-    then the plane counts the GPUs in neither pool: a release lends nothing before it succeeded; restored
-    GPUs do not end their warm-up before the restore succeeded."""
+    """An adapter whose release and restore only check the action and queue it (:class:`AdapterError`: refused
+    before queued); they run in order and :meth:`done` reports each outcome once. Until then the plane
+    counts the GPUs in neither pool."""
 
     def done(self) -> list[ActionDone]:
         """Outcomes of the actions finished since the last call, in the order they were queued. Quick."""
@@ -148,13 +129,7 @@ def parse_nodes(spec: str | Mapping[str, int], prefix: str = "serve") -> dict[st
     if isinstance(spec, Mapping):
         out = {}
         for name, g in spec.items():
-            if (
-                not isinstance(name, str)
-                or not name
-                or not isinstance(g, int)
-                or isinstance(g, bool)
-                or g < 1
-            ):
+            if not (isinstance(name, str) and name and isinstance(g, int)) or isinstance(g, bool) or g < 1:
                 raise ValueError(f"serving nodes: {name!r}: GPUs must be a whole number >= 1, got {g!r}")
             out[name] = g
         if not out:
@@ -182,21 +157,26 @@ class _Released:
         self.released = dict.fromkeys(self.cap, 0)
 
     def move(self, node: str, gpus: int, lent_after: int, sign: int) -> None:
+        self.check(node, gpus, lent_after)
+        self.released[node] = lent_after
+
+    def check(self, node: str, gpus: int, lent_after: int) -> None:
         if node not in self.cap:
             raise AdapterError(f"unknown serving node {node!r} (have {sorted(self.cap)})")
         if gpus < 1 or not 0 <= lent_after <= self.cap[node]:
             raise AdapterError(f"{node}: cannot move {gpus} GPUs to {lent_after} lent of {self.cap[node]}")
-        self.released[node] = lent_after
+
+    def resume(self, doc: Mapping[str, Any]) -> None:
+        """The ``released`` counts of an adapter's persisted document (unknown nodes ignored)."""
+        for node, g in (doc.get("released") or {}).items():
+            if node in self.released:
+                self.released[node] = int(g)
 
 
 class ReplayAdapter:
-    """Virtual serving nodes whose demand replays ``trace`` (see the module docstring).
-
-    Serving time ``start_s`` (the trace's own time axis; default: the replay's start) plays at
-    control-plane time ``origin_s`` (set on first use unless given), and ``speedup`` trace seconds pass
-    per second. ``fail`` (tests, demos): a callable ``(action, node) ->
-    bool`` that makes an action fail, to exercise the control plane's handling.
-    """
+    """Virtual serving nodes whose demand replays ``source``: serving time ``start_s`` (default: the
+    replay's start) plays at control-plane time ``origin_s`` (set on first use unless given), ``speedup``
+    trace seconds a second. ``fail(action, node) -> bool`` makes an action fail (tests, demos)."""
 
     def __init__(self, source: TraceReplay, nodes: Mapping[str, int], *, speedup: float = 1.0,
                  start_s: float | None = None, origin_s: float | None = None,
@@ -255,39 +235,23 @@ class ReplayAdapter:
     def resume(self, doc: Mapping[str, Any]) -> None:
         if doc.get("origin_s") is not None:
             self.origin_s = float(doc["origin_s"])
-        for node, g in (doc.get("released") or {}).items():
-            if node in self.state.released:
-                self.state.released[node] = int(g)
+        self.state.resume(doc)
 
 
 class HookAdapter:
-    """Demand from ``source`` (e.g. :class:`~tidal.serving.sources.PrometheusQuery`), actions carried out
-    by an operator's webhook (``url``: ``POST`` JSON ``{"action", "node", "gpus", "lent_after"}``, any
-    2xx is success) or command (``command``: argv run with ``TIDAL_SERVING_ACTION``, ``_NODE``,
-    ``_GPUS``, ``_LENT_AFTER`` in its environment, exit 0 is success) — the way production
-    controllers scale an inference deployment's replicas. Each action gets ``attempts`` tries of at
-    most ``timeout_s`` each, ``retry_wait_s`` apart.
-
-    A :class:`QueuedAdapter`: ``release``/``restore`` check the action and queue it for one worker
-    thread (in order), :meth:`done` reports the outcomes (a failure after the last try carries its
-    reason) and only then moves the released counts. Demand: see :meth:`demand_gpus`.
-    """
+    """Demand from ``source`` (e.g. :class:`~tidal.serving.sources.PrometheusQuery`), actions by an
+    operator's webhook (``url``: ``POST`` JSON ``{"action", "node", "gpus", "lent_after"}``, 2xx is
+    success) or command (argv with ``TIDAL_SERVING_ACTION``, ``_NODE``, ``_GPUS``, ``_LENT_AFTER`` in
+    its environment, exit 0 is success); ``attempts`` tries of at most ``timeout_s``, ``retry_wait_s``
+    apart. A :class:`QueuedAdapter`: actions run in order on one worker thread; :meth:`done` reports
+    the outcomes and only then moves the released counts."""
 
     speedup = 1.0
 
-    def __init__(
-        self,
-        source: DemandSource,
-        nodes: Mapping[str, int],
-        *,
-        url: str | None = None,
-        command: Sequence[str] | None = None,
-        timeout_s: float = 5.0,
-        attempts: int = 2,
-        retry_wait_s: float = 0.5,
-        demand_wait_s: float = DEMAND_WAIT_S,
-        demand_max_age_s: float = 60.0,
-    ) -> None:
+    def __init__(self, source: DemandSource, nodes: Mapping[str, int], *, url: str | None = None,
+                 command: Sequence[str] | None = None, timeout_s: float = 5.0, attempts: int = 2,
+                 retry_wait_s: float = 0.5, demand_wait_s: float = DEMAND_WAIT_S,
+                 demand_max_age_s: float = 60.0) -> None:
         if (url is None) == (command is None):
             raise ValueError("serving actions: give exactly one of a webhook url or a command")
         if url is not None and not url.startswith(("http://", "https://")):
@@ -295,16 +259,12 @@ class HookAdapter:
         if command is not None and (not command or not all(isinstance(a, str) and a for a in command)):
             raise ValueError(f"serving actions: command must be a non-empty list of strings, got {command!r}")
         if not timeout_s > 0 or attempts < 1 or retry_wait_s < 0:
-            raise ValueError(
-                "serving actions: timeout_s > 0, attempts >= 1 and retry_wait_s >= 0 are required"
-            )
+            raise ValueError("serving actions: timeout_s > 0, attempts >= 1 and retry_wait_s >= 0 are "
+                             "required")
         self.source, self.url = source, url
         self.command = tuple(command) if command is not None else None
-        self.timeout_s, self.attempts, self.retry_wait_s = (
-            float(timeout_s),
-            int(attempts),
-            float(retry_wait_s),
-        )
+        self.timeout_s, self.attempts = float(timeout_s), int(attempts)
+        self.retry_wait_s = float(retry_wait_s)
         self.demand = BackgroundDemand(source, demand_wait_s, demand_max_age_s)
         self._nodes = dict(nodes)
         self.state = _Released(nodes)
@@ -332,11 +292,7 @@ class HookAdapter:
         self._queue(ActionDone("restore", node, gpus, lent_after))
 
     def _queue(self, act: ActionDone) -> None:
-        if act.node not in self._nodes:
-            raise AdapterError(f"unknown serving node {act.node!r}")
-        if act.gpus < 1 or not 0 <= act.lent_after <= self._nodes[act.node]:
-            raise AdapterError(f"{act.node}: cannot move {act.gpus} GPUs to {act.lent_after} lent of "
-                               f"{self._nodes[act.node]}")
+        self.state.check(act.node, act.gpus, act.lent_after)
         if self._worker is None or not self._worker.is_alive():
             self._worker = threading.Thread(target=self._work, daemon=True, name="tidal-serving-actions")
             self._worker.start()
@@ -404,11 +360,9 @@ class HookAdapter:
         return self._run_command(env)
 
     def _run_command(self, env: dict[str, str]) -> str:
-        """Run the command once: '' when it exited 0, else why not. Its output goes to files, not pipes: a
-        command that starts a server in the background (``vllm serve ... &``) and exits would otherwise be
-        waited for until the server closed the pipe, and reported as timed out after it had succeeded (and
-        run again). It runs in a session of its own; on a timeout its process group is killed (what it left
-        running after exiting in time is its own business)."""
+        """Run the command once: '' when it exited 0, else why not. Output goes to files, not pipes: a
+        command that starts a server in the background and exits would be waited for until the server
+        closed the pipe. Its own session; on a timeout its process group is killed."""
         command = self.command
         assert command is not None  # a command adapter (its act() ran no webhook)
         with tempfile.TemporaryFile() as err:
@@ -431,19 +385,12 @@ class HookAdapter:
         return ""
 
     def health(self) -> dict[str, Any]:
-        return {
-            "kind": "hook",
-            "actions": self.url or " ".join(self.command or ()),
-            "queued": self.queued,
-            "failures": self.failures,
-            "last_error": self.last_error,
-            "released": dict(self.state.released),
-        }
+        return {"kind": "hook", "actions": self.url or " ".join(self.command or ()), "queued": self.queued,
+                "failures": self.failures, "last_error": self.last_error,
+                "released": dict(self.state.released)}
 
     def persist(self) -> dict[str, Any]:
         return {"released": dict(self.state.released)}
 
     def resume(self, doc: Mapping[str, Any]) -> None:
-        for node, g in (doc.get("released") or {}).items():
-            if node in self.state.released:
-                self.state.released[node] = int(g)
+        self.state.resume(doc)

@@ -10,10 +10,8 @@ from tidal.serving.watch import WatchConfig
 
 def build_adapter(cfg: WatchConfig, ray_address: str | None = None
                   ) -> tuple[ServingAdapter, list[tuple[float, float]]]:
-    """The adapter for ``cfg`` (the Ray Serve one joins ``ray_address`` unless this process is connected
-    to Ray already) and the demand history (time, GPUs) to warm the forecast with (a replay's earlier
-    days; the Ray Serve adapter gives its own). Raises ``ValueError`` (or ``OSError`` for an unreadable
-    trace) naming what is wrong."""
+    """The adapter for ``cfg`` (Ray Serve's joins ``ray_address`` unless connected already) and a replay's
+    earlier days (time, GPUs) to warm the forecast with; ``ValueError`` (``OSError``) naming what is wrong."""
     from tidal.serving.sources import PrometheusQuery, TraceReplay
     from tidal.serving.traces import load_trace
 
@@ -42,9 +40,8 @@ def build_adapter(cfg: WatchConfig, ray_address: str | None = None
         history = replay.history(cfg.history_days * 86400.0, cfg.step_s)
         adapter = replay
     else:
-        source = PrometheusQuery(
-            cfg.prometheus or "", cfg.query or "", cfg.gpus_per_unit, requests=cfg.requests()
-        )
+        source = PrometheusQuery(cfg.prometheus or "", cfg.query or "", cfg.gpus_per_unit,
+                                 requests=cfg.requests())
         adapter = HookAdapter(source, nodes, url=cfg.actions_url, command=cfg.actions_command,
                               timeout_s=cfg.actions_timeout_s)
     return adapter, history

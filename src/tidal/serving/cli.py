@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -79,7 +80,7 @@ def watch_command(
 ) -> None:
     """Print, every step, how many serving GPUs could be lent now and when they must be back.
 
-    Advice only: Tidal's live control plane does not yet place spot jobs on serving GPUs.
+    Advice only: `tidal up` with serving nodes lends them for real.
     """
     from rich.console import Console
 
@@ -87,22 +88,13 @@ def watch_command(
     from tidal.serving.watch import Step, WatchConfig, start_advisor, watch
 
     try:  # the settings are checked where tidal up's serving: block is checked
-        cfg = WatchConfig(
-            serving_gpus=serving_gpus,
-            trace=None if trace is None else str(trace),
-            speedup=speedup,
-            prometheus=prometheus,
-            query=query,
-            gpus_per_unit=gpus_per_unit,
-            shortfall_budget=shortfall_budget,
-            step_s=step_s,
-            service_rate_per_gpu=service_rate_per_gpu,
-            service_rate_per_replica=service_rate_per_replica,
-            gpus_per_replica=gpus_per_replica,
-            latency_target_s=latency_target_s,
-            latency_quantile=latency_quantile,
-            latency_of=latency_of,
-        )
+        cfg = WatchConfig(serving_gpus=serving_gpus, trace=None if trace is None else str(trace),
+                          speedup=speedup, prometheus=prometheus, query=query, gpus_per_unit=gpus_per_unit,
+                          shortfall_budget=shortfall_budget, step_s=step_s,
+                          service_rate_per_gpu=service_rate_per_gpu,
+                          service_rate_per_replica=service_rate_per_replica,
+                          gpus_per_replica=gpus_per_replica, latency_target_s=latency_target_s,
+                          latency_quantile=latency_quantile, latency_of=latency_of)
         adv, clock, speed = start_advisor(cfg)
     except (OSError, ValueError) as e:
         raise typer.BadParameter(str(e), param_hint=option_of(str(e))) from None
@@ -120,23 +112,16 @@ def watch_command(
             print(json.dumps(s.as_dict()), flush=True)
             return
         p = s.plan
-        backs = (
-            ", ".join(
-                f"{r.gpus} by {_clock_text(r.deadline_s, absolute)} (notice "
-                f"{_clock_text(r.notice_s, absolute)})"
-                for r in p.reclaims[:3]
-            )
-            or "none within the horizon"
-        )
+        backs = ", ".join(f"{r.gpus} by {_clock_text(r.deadline_s, absolute)} (notice "
+                          f"{_clock_text(r.notice_s, absolute)})" for r in p.reclaims[:3])
+        backs = backs or "none within the horizon"
         if len(p.reclaims) > 3:
             backs += f", {sum(r.gpus for r in p.reclaims[3:])} more later"
         demand = "unknown" if math.isnan(s.demand_gpus) else f"{s.demand_gpus:.1f}"
-        out.print(
-            f"{_clock_text(s.now_s, absolute)}  demand {demand} GPUs  lendable [bold]{p.lendable_gpus}[/] of "
-            f"{serving_gpus}  margin {p.margin_gpus:.1f}  back: {backs}"
-            + (f"  [red]reclaim now {p.reclaim_now_gpus}[/]" if p.reclaim_now_gpus else ""),
-            highlight=False,
-        )
+        out.print(f"{_clock_text(s.now_s, absolute)}  demand {demand} GPUs  lendable "
+                  f"[bold]{p.lendable_gpus}[/] of {serving_gpus}  margin {p.margin_gpus:.1f}  back: {backs}"
+                  + (f"  [red]reclaim now {p.reclaim_now_gpus}[/]" if p.reclaim_now_gpus else ""),
+                  highlight=False)
 
     try:
         watch(adv.source, adv.policy, serving_gpus=serving_gpus, clock=clock, sleep=sleep, on_step=report,
@@ -201,8 +186,7 @@ def load_command(
         raise typer.Exit(130) from None
     if records is not None:
         with open(records, "w") as f:
-            for d in loadgen.as_dicts(recs):
-                f.write(json.dumps(d) + "\n")
+            f.writelines(json.dumps(dataclasses.asdict(r)) + "\n" for r in recs)
     parts = [loadgen.summary(recs, a, a + every_s) | {"from_s": a} for a in
              (i * every_s for i in range(math.ceil(duration_s / every_s)))]
     total = loadgen.summary(recs)

@@ -4,18 +4,14 @@
     records = asyncio.run(generate("http://127.0.0.1:8000/", rate, duration_s=60))
     summary(records)   # count, failures, p50/p99 latency
 
-Open loop: the next request is sent at its arrival time whether or not earlier ones have been
-answered (a closed loop would slow down exactly when serving does, hiding the latency a user sees).
-Arrivals are a Poisson process of rate ``rate(t)`` (``t``: seconds since the start), drawn by thinning
-against the largest rate, so a rate that changes within a gap is followed exactly. Each request is
-``POST body``; its :class:`Record` keeps its due time, how late the generator sent it, the latency
-(send to full answer), the HTTP status (0: no answer) and the error.
+Open loop: each request is sent at its arrival time whether or not earlier ones were answered (a
+closed loop would slow down exactly when serving does, hiding the latency a user sees). Arrivals are
+a Poisson process of rate ``rate(t)``, drawn by thinning against the largest rate.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import math
 import random
 import time
@@ -33,9 +29,8 @@ MAX_RATE_SAMPLES = 100_000  # a rate without a known maximum is sampled at most 
 
 @dataclass(frozen=True)
 class Record:
-    """One request, due ``t_s`` seconds after the start (its Poisson arrival) and sent ``late_s`` after
-    that (the generator's own lag: large only when this machine cannot keep up); ``latency_s`` from
-    sending until its answer was read."""
+    """One request, due ``t_s`` after the start, sent ``late_s`` after that (the generator's own lag);
+    ``latency_s`` from sending until its answer was read."""
 
     t_s: float
     latency_s: float
@@ -89,9 +84,8 @@ def steps(points: Sequence[tuple[float, float]]) -> Callable[[float], float]:
 
 def trace_rate(trace: Any, *, speedup: float = 1.0, scale: float = 1.0, start_s: float | None = None
                ) -> Callable[[float], float]:
-    """The request rate of a :class:`~tidal.serving.traces.Trace` (its load column, requests/s) times
-    ``scale``, played from ``start_s`` (default: its first row) at ``speedup`` trace seconds per second;
-    gaps (telemetry outages) replay as the rate before them; past the end, the last row's."""
+    """A trace's load column (requests/s) times ``scale``, played from ``start_s`` (default: its first
+    row) at ``speedup``; a gap replays the rate before it, past the end the last row's."""
     if not (speedup > 0 and scale >= 0 and math.isfinite(speedup) and math.isfinite(scale)):
         raise ValueError(f"speedup must be > 0 and scale >= 0, got {speedup!r}, {scale!r}")
     times = np.asarray(trace.times_s, dtype=float)
@@ -201,6 +195,3 @@ def summary(records: Sequence[Record], start_s: float = 0.0, end_s: float = math
             "late_max_s": round(max((r.late_s for r in sel), default=0.0), 4),
             "errors": sorted({r.error or f"HTTP {r.status}" for r in sel if not r.ok})[:5]}
 
-
-def as_dicts(records: Sequence[Record]) -> list[dict[str, Any]]:
-    return [dataclasses.asdict(r) for r in records]

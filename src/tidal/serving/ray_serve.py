@@ -1,43 +1,14 @@
-"""A Ray Serve deployment as the serving side: :class:`RayServeAdapter` (``serving: {adapter: ray-serve}``).
+"""A Ray Serve deployment as the serving side: :class:`RayServeAdapter` (``serving: {adapter: ray-serve}``;
+docs/loaning.md says what it deploys and why).
 
-**The application.** The adapter deploys (or, after a restart of the plane, adopts) one Serve
-application ``app``: an HTTP ingress, the router (:class:`tidal.serving.ray_serve_app.Router`, CPU
-only), in front of one copy of the operator's model deployment per serving node,
-``<deployment name>-<node>``, whose replicas Ray places only on that node (``ray_actor_options``
-``label_selector`` on the node label ``tidal.io/node``: a node's Tidal name, as for the Ray executor),
-``num_gpus = gpus_per_replica`` each. One Serve deployment for all nodes would not do: Serve picks
-which replica to stop when its count falls (fewest replicas per node first), and changing a
-deployment's placement options restarts every replica; per-node copies move only the node lent.
-
-**Lend / reclaim.** Replica counts change through Serve's external scaler API
-(``external_scaler_enabled``; the Serve controller's ``update_deployment_replicas``, what
-``POST /api/v1/applications/<app>/deployments/<d>/scale`` calls): a lightweight update, no replica
-restarts. :meth:`~RayServeAdapter.release` first closes the node's slots at the router (no new
-requests go there), then lowers ``<deployment>-<node>`` to the replicas its unlent GPUs hold; Serve
-drains and stops the replica, and Ray frees the GPU for the spot job's placement group (Ray's own
-accounting: a rank cannot start on a GPU a replica still holds). :meth:`~RayServeAdapter.restore`
-raises the count (the plane calls it once the job's ranks there have left); the node serves again
-when :meth:`~RayServeAdapter.ready` sees every replica of it ``RUNNING`` and the deployment
-``HEALTHY`` (``serve.status()``). The router's slots follow each node's ``RUNNING`` replicas (capped at
-its target), also while its deployment scales (a node partly lent keeps its other replicas' slots while
-the lent one drains). No call waits for Serve
-to finish: each issues the update (two quick RPCs at most) and later steps poll.
-
-**Demand** comes from the router's own counts (one RPC, :meth:`Router.sync`): arrivals over the last
-``rate_window_s`` (λ) and the mean service time of the requests finished in it (dispatch to answer:
-``μ = max_ongoing_requests / mean`` per replica), turned into GPUs by the Erlang C model of
-:mod:`tidal.serving.requests` for ``latency_target_s`` at ``latency_quantile``. The router is the
-queue the model describes (requests wait there, FCFS, for a free replica), so it measures exactly
-what the model needs; Serve's Prometheus metrics would need a scrape pipeline, and its autoscaling
-metrics are internal. Before ``min_samples`` requests have finished, ``service_rate_per_replica``
-(if given) stands in for μ; without it, demand is unknown (NaN: nothing new is lent) unless no request
-came in the window (then none is needed, whatever μ is: ``min_replicas``). When no number
-of replicas meets the target (a flood; a measured service slower than a ``response`` target), demand
-is every serving GPU, never unknown (unknown would keep the loans).
-
-**Healing.** A failed RPC, or the application missing from ``serve.status()``, makes the next call run
-:meth:`~RayServeAdapter.ensure` again: it deploys a deleted application, re-applies the counts to an
-adopted one, and refuses one whose deployments are not ours.
+One Serve application: the router (:class:`tidal.serving.ray_serve_app.Router`) in front of one copy of
+the operator's model deployment per serving node, ``<deployment name>-<node>``, placed on that node by
+its ``tidal.io/node`` label. Lending lowers a copy's replica count through Serve's external scaler
+API after closing the node's router slots; a reclaim raises it, and the node serves again when
+:meth:`~RayServeAdapter.ready` sees its replicas ``RUNNING``. No call waits for Serve: each issues
+the update and later steps poll. Demand is the router's arrival rate and service time turned into
+GPUs by the Erlang C model (:mod:`tidal.serving.requests`). A failed RPC, or the application gone
+from ``serve.status()``, makes the next call :meth:`~RayServeAdapter.ensure` it again.
 """
 
 from __future__ import annotations
@@ -63,9 +34,7 @@ ADAPTER = "ray-serve"
 STATUS_TTL_S = 0.25  # serve.status() is read at most this often
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")  # all patterns: fullmatch (no trailing newline)
 _IMPORT = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", re.ASCII)
-_PREFIX = re.compile(
-    r"/|(/[A-Za-z0-9._~-]+)+"
-)  # what Serve accepts (no trailing /, no {wildcards}), URL-safe
+_PREFIX = re.compile(r"/|(/[A-Za-z0-9._~-]+)+")  # what Serve accepts (no trailing /, no {wildcards})
 _HOST = re.compile(r"[A-Za-z0-9.:_-]{1,253}")  # a host name or an IPv4/IPv6 address
 
 
@@ -135,8 +104,7 @@ class RayServeSettings:
             raise ValueError(f"{w}.speedup must be a number > 0, got {self.speedup!r}")
         t0 = self.start_s
         if t0 is not None and (
-            not isinstance(t0, int | float) or isinstance(t0, bool) or not math.isfinite(t0)
-        ):
+            not isinstance(t0, int | float) or isinstance(t0, bool) or not math.isfinite(t0)):
             raise ValueError(f"{w}.start_s must be a number (seconds on the serving clock), got {t0!r}")
         r = self.min_replicas
         if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r <= sum(self.nodes.values()) // g:
@@ -148,8 +116,7 @@ class RayServeSettings:
                              f"serving.trace the forecast learns first), got {h!r}")
         mu = self.service_rate_per_replica
         if mu is not None and (
-            not isinstance(mu, int | float) or isinstance(mu, bool) or not 0 < mu < math.inf
-        ):
+            not isinstance(mu, int | float) or isinstance(mu, bool) or not 0 < mu < math.inf):
             raise ValueError(f"{w}.service_rate_per_replica must be a number > 0 (requests/s one replica "
                              f"serves), got {mu!r}")
         k = self.min_samples
@@ -178,41 +145,19 @@ class RayServeSettings:
         for name in ("app", "deployment"):
             if getattr(cfg, name) is None:
                 raise ValueError(f"serving.{name} is required with adapter ray-serve")
-        kw = {
-            name: getattr(cfg, name)
-            for name in (
-                "latency_quantile",
-                "latency_of",
-                "gpus_per_replica",
-                "service_rate_per_replica",
-                "init_kwargs",
-                "route_prefix",
-                "http_host",
-                "http_port",
-                "rate_window_s",
-                "rate_smoothing_s",
-                "actions_timeout_s",
-                "speedup",
-                "start_s",
-                "min_replicas",
-                "history_days",
-            )
-            if getattr(cfg, name, None) is not None
-        }
+        kw = {name: getattr(cfg, name) for name in (
+            "latency_quantile", "latency_of", "gpus_per_replica", "service_rate_per_replica", "init_kwargs",
+            "route_prefix", "http_host", "http_port", "rate_window_s", "rate_smoothing_s",
+            "actions_timeout_s", "speedup", "start_s", "min_replicas", "history_days")
+            if getattr(cfg, name, None) is not None}
         return cls(app=cfg.app, deployment=cfg.deployment, nodes=parse_nodes(cfg.nodes),
                    latency_target_s=cfg.latency_target_s, **kw)
 
-    def deployment_name(self, node: str, base: str) -> str:
-        return f"{base}-{node}"
-
 
 class RayServeAdapter:
-    """Lends the GPUs of a Ray Serve application's per-node deployments (see the module docstring).
-
-    ``address``: the Ray cluster to join when this process is not connected yet (``None``: ``auto``).
-    ``trace``: a request-rate trace of earlier days (``serving.trace``) for :meth:`forecast_history`.
-    Nothing touches Ray until the first call that needs it (so building the adapter never blocks).
-    """
+    """Lends the GPUs of a Ray Serve application's per-node deployments. ``address``: the Ray cluster to
+    join (``None``: ``auto``); ``trace``: request rates of earlier days for :meth:`forecast_history`.
+    Nothing touches Ray until the first call that needs it (building the adapter never blocks)."""
 
     def __init__(self, settings: RayServeSettings, *, address: str | None = None,
                  trace: Trace | None = None) -> None:
@@ -237,14 +182,12 @@ class RayServeAdapter:
         self.concurrency = 1  # the model's max_ongoing_requests: router slots per replica
         self.unsettled: dict[str, str] = {}  # node -> its deployment's status and message, when not HEALTHY
 
-    # ------------------------------------------------------------------------------- targets
     def nodes(self) -> dict[str, int]:
         return dict(self._nodes)
 
     def serving_time(self, now_s: float) -> float:
-        """``now_s`` in production; with ``speedup``/``start_s`` (a demo's compressed day) the serving clock
-        runs from ``start_s`` at ``speedup`` x from the first call (the request rate stays real: per
-        second)."""
+        """``now_s`` in production; with ``speedup``/``start_s`` (a demo's day) the clock runs from
+        ``start_s`` at ``speedup`` x from the first call."""
         if self.speedup == 1.0 and self.s.start_s is None:
             return now_s
         if self.origin_s is None:
@@ -265,7 +208,6 @@ class RayServeAdapter:
         return {n: min(t, running.get(n, 0) if running is not None else t) * conc
                 for n, t in self.targets().items()}
 
-    # --------------------------------------------------------------------------------- Ray
     def _ray(self) -> Any:
         import ray
 
@@ -289,9 +231,8 @@ class RayServeAdapter:
             obj = getattr(importlib.import_module(mod), attr)
         except Exception as e:  # noqa: BLE001 (the operator's module may raise anything at import)
             why = " ".join(str(e).split())[:300]
-            raise AdapterError(
-                f"serving.deployment {self.s.deployment!r}: {type(e).__name__}: {why}"
-            ) from None
+            raise AdapterError(f"serving.deployment {self.s.deployment!r}: {type(e).__name__}: "
+                               f"{why}") from None
         if not isinstance(obj, serve.Deployment):
             raise AdapterError(f"serving.deployment {self.s.deployment!r} is a {type(obj).__name__}, not a "
                                "Serve deployment (a class decorated with @serve.deployment)")
@@ -303,9 +244,8 @@ class RayServeAdapter:
         return obj
 
     def ensure(self) -> None:
-        """Serve running with the application deployed (or adopted): at most a few quick RPCs; the replicas
-        start in the background. ``AdapterError`` saying why not (never another exception: the reconcile
-        loop calls this)."""
+        """Serve running with the application deployed (or adopted), in a few quick RPCs; ``AdapterError``
+        saying why not, never another exception (the reconcile loop calls this)."""
         if self.deployed:
             return
         try:
@@ -332,7 +272,7 @@ class RayServeAdapter:
             serve.start(proxy_location="HeadOnly",
                         http_options={"host": self.s.http_host, "port": self.s.http_port})
         app = serve.status().applications.get(self.s.app)
-        names = {self.s.deployment_name(n, self.base) for n in self._nodes} | {ROUTER}
+        names = {self._dep(n) for n in self._nodes} | {ROUTER}
         if app is not None and set(app.deployments) != names:
             raise AdapterError(f"serving.app {self.s.app!r}: a Serve application of that name runs other "
                                f"deployments ({sorted(app.deployments)}); give another name or delete it")
@@ -341,7 +281,7 @@ class RayServeAdapter:
             handles = {}
             for n in self._nodes:
                 handles[n] = dep.options(
-                    name=self.s.deployment_name(n, self.base), num_replicas=self.target(n),
+                    name=self._dep(n), num_replicas=self.target(n),
                     ray_actor_options={**opts, "num_gpus": self.s.gpus_per_replica,
                                        "label_selector": {NODE_LABEL: n}}).bind(**self.s.init_kwargs)
             on = {NODE_LABEL: f"in({','.join(sorted(self._nodes))})"}  # never on a training node that is lost
@@ -359,17 +299,21 @@ class RayServeAdapter:
                 self._scale(n, self.target(n))
         self.deployed = True
 
+    def _dep(self, node: str) -> str:
+        """The name of ``node``'s copy of the model deployment."""
+        return f"{self.base}-{node}"
+
     def _scale(self, node: str, replicas: int) -> None:
         from ray.serve._private.common import DeploymentID
 
         ray = self._ray()
         ref = self._controller.update_deployment_replicas.remote(
-            DeploymentID(name=self.s.deployment_name(node, self.base), app_name=self.s.app), replicas)
+            DeploymentID(name=self._dep(node), app_name=self.s.app), replicas)
         try:
             ray.get(ref, timeout=self.s.actions_timeout_s)
         except Exception as e:  # noqa: BLE001 (Ray raises many kinds; all mean the scale did not happen)
             self._forget()
-            raise AdapterError(f"scaling {self.s.deployment_name(node, self.base)} to {replicas} replicas: "
+            raise AdapterError(f"scaling {self._dep(node)} to {replicas} replicas: "
                                f"{type(e).__name__}: {str(e)[:200]}") from None
 
     def _sync(self, slots: Mapping[str, int] | None) -> dict[str, Any]:
@@ -416,7 +360,7 @@ class RayServeAdapter:
             self._forget()
         out, unsettled = {}, {}
         for n in self._nodes:
-            d = app.deployments.get(self.s.deployment_name(n, self.base)) if app is not None else None
+            d = app.deployments.get(self._dep(n)) if app is not None else None
             status = "MISSING" if d is None else str(getattr(d.status, "value", d.status))
             if status != "HEALTHY":
                 msg = " ".join(str(getattr(d, "message", "") or "").split())[:200]
@@ -425,7 +369,6 @@ class RayServeAdapter:
         self.unsettled = unsettled
         return out
 
-    # ------------------------------------------------------------------------------ actions
     def release(self, node: str, gpus: int, lent_after: int, now_s: float) -> None:
         before = self.state.released.get(node, 0)  # (move() refuses an unknown node)
         self.state.move(node, gpus, lent_after, +1)  # checks the node and the counts
@@ -458,7 +401,7 @@ class RayServeAdapter:
             if running.get(node, 0) < self.target(node) or node in self.unsettled:
                 why = self.unsettled.get(node, "")
                 if why.startswith(("UNHEALTHY", "DEPLOY_FAILED")):  # e.g. the constructor raises: say so
-                    self.last_error = f"{self.s.deployment_name(node, self.base)}: {why}"
+                    self.last_error = f"{self._dep(node)}: {why}"
                 return False
             self._sync(self.slots(running))
         except AdapterError as e:
@@ -478,7 +421,6 @@ class RayServeAdapter:
         self.last_error = msg
         raise AdapterError(msg)
 
-    # ------------------------------------------------------------------------------- demand
     def demand_gpus(self, now_s: float) -> float:
         """GPUs the latency target needs at the request rate the router saw (module docstring); NaN when
         unknown."""
@@ -517,25 +459,18 @@ class RayServeAdapter:
             self.last_error = f"demand: {e}; all serving GPUs"  # time's quantile; a flood): serve with all
             gpus = float(sum(self._nodes.values()))
         gpus = max(gpus, float(self.s.min_replicas * self.s.gpus_per_replica))
-        self.last_demand = {
-            "rate": round(rate, 3),
-            "service_rate": None if source == "idle" else round(mu, 3),
-            "service_rate_from": source,
-            "gpus": gpus,
-        }
+        self.last_demand = {"rate": round(rate, 3), "service_rate_from": source, "gpus": gpus,
+                            "service_rate": None if source == "idle" else round(mu, 3)}
         if serving_s is not None:
             self.measured.add(serving_s, rate, mu if source == "measured" else None, gpus)
         return gpus
 
     def _smooth(self, rate: float, done: float, busy_s: float,
                 serving_s: float | None) -> tuple[float, float, float]:
-        """The window's λ, finished requests and their service seconds as exponentially weighted moving
-        averages over the calls (time constant ``rate_smoothing_s`` of control-plane time; μ is then the
-        ratio of the two averages, a service time over many windows' requests). Poisson arrivals counted
-        over a short window, read in whole-replica steps, jump between neighbouring replica counts: noise
-        the forecast's error scale, and so the policy's margin, would pay for in GPUs not lent. As given
-        without a smoothing time or a serving time; the first call (and one whose clock went back) starts
-        the averages."""
+        """The window's λ, finished requests and their service seconds as moving averages over the calls
+        (time constant ``rate_smoothing_s`` of control-plane time): Poisson counts over a short window
+        jump between replica counts, noise the policy's margin would pay for in GPUs not lent. As given
+        without a smoothing time or a serving time; the first call (or a clock gone back) starts them."""
         tau = self.s.rate_smoothing_s
         if not tau or serving_s is None:
             return rate, done, busy_s
@@ -550,16 +485,14 @@ class RayServeAdapter:
         return now
 
     def forecast_history(self, until_s: float, step_s: float) -> list[tuple[float, float]]:
-        """``(serving time, GPUs)`` before the first live grid point ``until_s``: what this adapter measured
-        (kept across restarts), else the request-rate trace of earlier days read at the measured service
-        rate (the prior before one is measured); see :mod:`tidal.serving.serve_history`."""
+        """``(serving time, GPUs)`` before ``until_s``: what this adapter measured, else the earlier days'
+        trace at the measured (or prior) service rate (:mod:`tidal.serving.serve_history`)."""
         mu = self.measured.service_rate() or self.s.service_rate_per_replica
         model = self.s.model(mu) if mu and self.trace is not None else None
         days = self.s.history_days if self.trace is not None else MAX_HISTORY_DAYS
         return forecast_history(until_s, step_s, days=days, trace=self.trace, model=model,
                                 measured=self.measured, max_gpus=float(sum(self._nodes.values())))
 
-    # --------------------------------------------------------------------------- reporting
     def released(self) -> dict[str, int]:
         return dict(self.state.released)
 
@@ -580,6 +513,4 @@ class RayServeAdapter:
             self.measured = MeasuredHistory.from_doc(doc["measured"])
         if doc.get("origin_s") is not None:
             self.origin_s = float(doc["origin_s"])
-        for node, g in (doc.get("released") or {}).items():
-            if node in self.state.released:
-                self.state.released[node] = int(g)
+        self.state.resume(doc)

@@ -1,15 +1,11 @@
 """What runs inside Ray Serve for :class:`tidal.serving.ray_serve.RayServeAdapter` (imported by Serve's
 replicas: only the standard library, Ray and Starlette).
 
-The application the adapter deploys is a :class:`Router` (the HTTP ingress, CPU only) in front of one
-copy of the operator's model deployment per serving node (``<deployment>-<node>``, its replicas held
-on that node by the Ray label selector ``tidal.io/node``). The router is the one FCFS queue of the
-Erlang C model: a request waits until a replica slot is free (``slots[node]``: ready replicas on that
-node times ``max_ongoing_requests`` of the model; the adapter sets them), then goes to the node with
-the most free slots. It counts what the adapter's demand needs: arrivals, and for each finished
-request its wait for a slot and its service time (dispatch to answer), over a sliding window.
-
-:class:`SleepModel`: a toy model with a fixed service time (tests, demos, benchmarks).
+:class:`Router`, the HTTP ingress, is the one FCFS queue of the Erlang C model in front of the per-node
+copies of the operator's model: a request waits until a replica slot is free (``slots[node]``, set by
+the adapter), then goes to the node with the most free slots. It counts arrivals, and each finished
+request's wait and service time, over a sliding window. :class:`SleepModel`: a toy model with a fixed
+service time (tests, demos).
 """
 
 from __future__ import annotations
@@ -46,7 +42,6 @@ class Router:
         self.total = {"arrivals": 0, "ok": 0, "failed": 0, "too_large": 0}
         self.served = dict.fromkeys(self.handles, 0)  # requests answered per node, ever
 
-    # --------------------------------------------------------------------------- the queue
     def _free_node(self) -> str | None:
         best, free = None, 0
         for n, s in self.slots.items():
@@ -108,13 +103,10 @@ class Router:
             self.total["ok" if ok else "failed"] += 1
             self._release(node)
 
-    # ------------------------------------------------------------------------- control
     def sync(self, slots: dict[str, int] | None = None) -> dict[str, Any]:
-        """Set the slots per node (``None``: keep them) and return the window's counts: ``arrivals``,
-        ``window_s`` (the window; the router's age if younger; the span of the newest :data:`MAX_SAMPLES`
-        arrivals if more came), ``service_s``/``wait_s`` (sorted
-        samples are not sent: their sum, count and quantiles), ``busy``, ``queued``, ``slots``, ``served``
-        (answered per node, ever)."""
+        """Set the slots per node (``None``: keep them); the window's counts: ``arrivals`` over ``window_s``
+        (the router's age if younger; the span of the newest :data:`MAX_SAMPLES` arrivals if more came),
+        sums and quantiles of service and wait times, ``busy``, ``queued``, ``slots``, ``served``."""
         if slots is not None:
             for n in self.handles:
                 self.slots[n] = max(0, int(slots.get(n, 0)))
@@ -129,19 +121,15 @@ class Router:
         service = sorted(d[2] for d in served)
         response = sorted(d[1] + d[2] for d in served)
         window = min(self.window_s, now - self.started)
-        if (
-            len(self.arrivals) == self.arrivals.maxlen
-        ):  # more arrivals than are kept: the rate over those kept
+        if len(self.arrivals) == self.arrivals.maxlen:  # more arrivals than kept: the rate over those kept
             window = min(window, now - self.arrivals[0])
         return {
-            "window_s": window, "arrivals": len(self.arrivals),
-            "completed": len(served), "failed": sum(1 for d in self.done if not d[3]),
-            "service_sum_s": sum(service), "service_p50_s": _q(service, 0.5),
-            "wait_p99_s": _q(sorted(d[1] for d in served), 0.99),
+            "window_s": window, "arrivals": len(self.arrivals), "completed": len(served),
+            "failed": sum(1 for d in self.done if not d[3]), "service_sum_s": sum(service),
+            "service_p50_s": _q(service, 0.5), "wait_p99_s": _q(sorted(d[1] for d in served), 0.99),
             "response_p50_s": _q(response, 0.5), "response_p99_s": _q(response, 0.99),
             "busy": dict(self.busy), "queued": len(self.waiters), "slots": dict(self.slots),
-            "total": dict(self.total), "served": dict(self.served), "pid": os.getpid(),
-        }
+            "total": dict(self.total), "served": dict(self.served), "pid": os.getpid()}
 
 
 async def _body(request: Any) -> bytes | None:

@@ -1,15 +1,10 @@
 """Requests, not GPUs: turn a request rate into the GPUs serving needs for a latency target.
 
-Operators know their request rate and latency target, not a GPU count. A :class:`RequestModel` says
-how fast one replica serves and what latency is promised; :meth:`RequestModel.gpus` turns requests/s
-into GPUs with the Erlang C (M/M/c) queue of :mod:`tidal.policy.queueing`: the fewest replicas whose
-``latency_quantile``-quantile of ``latency_of`` (``"queue"``: time waiting for a replica;
-``"response"``: waiting + service) is at most ``latency_target_s``, times ``gpus_per_replica``.
-
-The settings are the ``serving:`` block's (and ``tidal serving watch`` / ``tidal plan`` options):
-``service_rate_per_replica`` (requests/s one busy replica completes) or ``service_rate_per_gpu``
-(x ``gpus_per_replica``), ``gpus_per_replica`` (default 1), ``latency_target_s`` (required),
-``latency_quantile`` (default 0.99), ``latency_of`` (default ``"queue"``).
+:meth:`RequestModel.gpus` turns requests/s into GPUs with the Erlang C (M/M/c) queue of
+:mod:`tidal.policy.queueing`: the fewest replicas whose ``latency_quantile`` of ``latency_of``
+(``"queue"``: waiting for a replica; ``"response"``: waiting + service) is at most
+``latency_target_s``, times ``gpus_per_replica``. The settings are the ``serving:`` block's
+(:data:`FIELDS`, :data:`DEFAULTS`).
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
-"""Forecast history for a serving side that measures its own demand (the Ray Serve adapter).
-
-A replayed trace knows its earlier days; a live serving system does not, so its first day would be
-planned blind. Two sources fill that in, both on the serving clock and the loan step's grid:
-
-* **A request-rate trace of earlier days** (``serving.trace`` with ``adapter: ray-serve``): a CSV read
-  by :func:`tidal.serving.traces.load_trace` whose load column is requests/s and whose times are on the
-  serving clock (Unix seconds or ISO-8601 in production; a demo's compressed axis). Its rows within
-  ``history_days`` before the first live step are turned into GPUs by the same
-  :class:`~tidal.serving.requests.RequestModel` (Erlang C) the adapter plans with, at the service rate
-  the adapter measured (when it has) or ``service_rate_per_replica``. Gaps stay unknown (NaN).
-* **What the adapter measured** (:class:`MeasuredHistory`): every demand observation (serving time,
-  request rate, service rate, GPUs), newest :data:`MAX_MEASURED` kept, in the adapter's
-  ``persist``/``resume`` document. Where it has a point, it wins over the trace (it is what Serve saw).
-
-:func:`forecast_history` joins them into ``(serving time, GPUs)`` points for
-:meth:`tidal.control.loans.LiveLoans` to feed the forecast before its first live step (a fresh plane,
-or one whose stored forecast no longer fits its ``step_s``).
+"""Forecast history for a serving side that measures its own demand (the Ray Serve adapter), so that
+its first day is not planned blind. Two sources, on the serving clock and the loan step's grid: a
+request-rate trace of earlier days (``serving.trace``, read at the measured service rate or else
+``service_rate_per_replica`` through the adapter's :class:`~tidal.serving.requests.RequestModel`; gaps
+stay NaN), and what the adapter measured (:class:`MeasuredHistory`, persisted with the adapter),
+which wins where it has a point. :func:`forecast_history` joins them for
+:class:`tidal.control.loans.LiveLoans` to feed a forecast before its first live step.
 """
 
 from __future__ import annotations
@@ -34,11 +23,8 @@ DAY_S = 86400.0
 
 
 class MeasuredHistory:
-    """The adapter's own demand observations, newest :data:`MAX_MEASURED` (oldest dropped first).
-
-    Rows are ``(t_s, rate_per_s, service_rate_per_replica, gpus)``: serving time, the request rate seen,
-    the service rate per replica measured (None: not measured: the prior stood in, or nothing came), the
-    GPUs demanded. Not thread-safe (the reconcile loop owns the adapter)."""
+    """The adapter's own demand observations, newest :data:`MAX_MEASURED`: rows ``(t_s, rate_per_s,
+    service_rate_per_replica or None when not measured, gpus)``. Not thread-safe (the loop owns it)."""
 
     def __init__(self, rows: Iterable[Sequence[Any]] = ()) -> None:
         self.rows: collections.deque[tuple[float, float, float | None, float]] = collections.deque(
@@ -96,10 +82,9 @@ def history_grid(until_s: float, seconds: float, step_s: float) -> list[float]:
 def forecast_history(until_s: float, step_s: float, *, days: float, trace: Trace | None,
                      model: RequestModel | None, measured: MeasuredHistory,
                      max_gpus: float) -> list[tuple[float, float]]:
-    """``(serving time, GPUs)`` on the ``step_s`` grid over the ``days`` before ``until_s`` (the first live
-    grid point, excluded): the measured point of a step where there is one, else the trace's row covering
-    it converted by ``model`` (NaN in a gap; capped at ``max_gpus``, the serving pool). Points neither
-    covers are left out (the forecast counts them as missing)."""
+    """``(serving time, GPUs)`` on the ``step_s`` grid over the ``days`` before ``until_s``: the measured
+    point where there is one, else the trace's row through ``model`` (capped at ``max_gpus``); points
+    neither covers are left out (missing to the forecast)."""
     days = min(days, MAX_HISTORY_DAYS)
     grid = history_grid(until_s, days * DAY_S, step_s)
     first, n = (grid[0] if grid else until_s), len(grid)

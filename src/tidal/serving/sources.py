@@ -1,20 +1,10 @@
 """Where live serving demand comes from: a replayed trace, or a Prometheus query.
 
-Every source answers one question, ``demand_gpus(now_s)``: how many GPUs serving needs at ``now_s``,
-or NaN when it cannot tell. A metrics outage is *unknown* demand, never zero demand: the loan policy
-holds its forecast through NaN and lends nothing more because the numbers went missing.
-
-* :class:`TraceReplay` — a recorded trace (:mod:`tidal.serving.traces`) played back on the clock it
-  is given, scaled to a pool sized for the trace's peak; it repeats when the run outlasts it.
-* :class:`PrometheusQuery` — an instant query against the Prometheus HTTP API
-  (``GET /api/v1/query``), e.g. ``sum(vllm:num_requests_running)``, times GPUs per unit of the
-  result. Any failure (connection, HTTP status, ``"status": "error"``, no sample, several series, a
-  negative or non-finite value) reads as NaN and is logged with the query and the reason.
-
-Either source may read a request rate instead (``requests``, a
-:class:`~tidal.serving.requests.RequestModel`): the trace's load or the query's value is then
-requests/s, and demand is the GPUs that meet the model's latency target at that rate (Erlang C),
-not a scaled load.
+Every source answers ``demand_gpus(now_s)``: the GPUs serving needs at ``now_s``, or NaN when it cannot
+tell. A metrics outage is *unknown* demand, never zero: the loan policy holds its forecast through NaN
+and lends nothing more because the numbers went missing. With ``requests`` (a
+:class:`~tidal.serving.requests.RequestModel`) the load or value is requests/s and demand is the GPUs
+that meet the latency target at that rate.
 """
 
 from __future__ import annotations
@@ -46,13 +36,9 @@ class DemandSource(Protocol):
 
 @dataclass(frozen=True, eq=False)
 class TraceReplay:
-    """Replay ``trace`` so that its first row plays at ``start_s`` (seconds on the caller's clock).
-
-    At ``now_s`` the demand is that of the row covering trace time ``(now_s - start_s) mod length``
-    (each row holds for one trace step), scaled so that ``serving_gpus`` serve the trace's peak; a
-    gap row is NaN, and so is any time before ``start_s``. With ``requests`` the load is requests/s and
-    demand is ``requests.gpus(load)`` (no scaling; it may exceed ``serving_gpus``: a warning says so).
-    """
+    """Replay ``trace`` from ``start_s`` (the caller's clock), repeating it: demand at ``now_s`` is the
+    row covering ``(now_s - start_s) mod length``, scaled so that ``serving_gpus`` serve the peak (with
+    ``requests``: ``requests.gpus(load)``, unscaled); NaN at a gap and before ``start_s``."""
 
     trace: Trace
     serving_gpus: int
@@ -70,13 +56,8 @@ class TraceReplay:
             object.__setattr__(self, "_request_gpus", gpus)
             peak = float(np.nanmax(gpus)) if not np.all(np.isnan(gpus)) else 0.0
             if peak > self.serving_gpus:
-                log.warning(
-                    "trace %r needs up to %g GPUs for its latency target (%s); the serving pool has %d",
-                    self.trace.name,
-                    peak,
-                    self.requests.describe(),
-                    self.serving_gpus,
-                )
+                log.warning("trace %r needs up to %g GPUs for its latency target (%s); the serving pool "
+                            "has %d", self.trace.name, peak, self.requests.describe(), self.serving_gpus)
 
     def demand_gpus(self, now_s: float) -> float:
         if not now_s >= self.start_s:
@@ -92,12 +73,9 @@ class TraceReplay:
 
 @dataclass(frozen=True)
 class PrometheusQuery:
-    """``demand = value of query x gpus_per_unit`` from Prometheus at ``url`` (its base URL); with
-    ``requests``, the value is requests/s and ``demand = requests.gpus(value)``.
-
-    The query must return one number: a scalar or a vector of exactly one series (aggregate with
-    ``sum(...)``). ``timeout_s`` bounds each request.
-    """
+    """``demand = value of query x gpus_per_unit`` from Prometheus at base ``url`` (``GET /api/v1/query``;
+    with ``requests``: ``requests.gpus(value)``). One number: a scalar or one series (``sum(...)``); any
+    failure reads as NaN, logged with the query and why. ``timeout_s`` bounds each request."""
 
     url: str
     query: str
@@ -113,10 +91,8 @@ class PrometheusQuery:
         if not self.query.strip():
             raise ValueError("PrometheusQuery.query must not be empty")
         if not self.gpus_per_unit > 0 or not self.timeout_s > 0:
-            raise ValueError(
-                f"PrometheusQuery.gpus_per_unit and timeout_s must be > 0, got {self.gpus_per_unit} "
-                f"and {self.timeout_s}"
-            )
+            raise ValueError(f"PrometheusQuery.gpus_per_unit and timeout_s must be > 0, got "
+                             f"{self.gpus_per_unit} and {self.timeout_s}")
 
     def demand_gpus(self, now_s: float) -> float:
         try:
@@ -179,11 +155,9 @@ DEMAND_WAIT_S = 0.1
 
 
 class BackgroundDemand:
-    """``source`` asked on a thread of its own (one question at a time), so that a caller in the
-    reconcile loop never waits on it longer than ``wait_s``: a late answer is kept and used while no
-    older than ``max_age_s`` (of the caller's time), else the demand is unknown (NaN, never zero). A
-    source that raises is unknown demand too. For sources that ask a server (Prometheus); a replayed trace
-    answers at once and needs none."""
+    """``source`` (one that asks a server) asked on a thread of its own, one question at a time, so the
+    reconcile loop never waits longer than ``wait_s``: a late answer is used while no older than
+    ``max_age_s`` (the caller's time), else demand is unknown (NaN, as when the source raises)."""
 
     def __init__(self, source: DemandSource, wait_s: float = DEMAND_WAIT_S, max_age_s: float = 60.0) -> None:
         if not wait_s >= 0 or not max_age_s >= 0:

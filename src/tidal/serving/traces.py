@@ -1,34 +1,15 @@
 """Serving load traces: CSV in, regular demand series (GPUs) out.
 
-A trace file is a CSV with a header row, one time column and one load column:
+A trace is a CSV with a header, a time column (seconds, or ISO-8601 read as UTC when naive; by default
+the first whose name contains ``time``, ``second`` or ``date``) and a load column (any non-negative
+rate serving must follow; by default the first other numeric one). Rows are in increasing time and
+evenly spaced (a missing row is an error naming the line: the forecast works on a fixed grid).
 
-* time: seconds (``seconds``, ``time_s``, ``t``, …: any number, e.g. seconds from trace start or Unix
-  time) or ISO-8601 timestamps (``2024-05-01T00:10:00Z``; naive timestamps are read as UTC);
-* load: any non-negative rate that serving capacity must follow (requests/s, tokens/s, busy GPUs).
-
-By default the time column is the first column whose name contains ``time``, ``second`` or ``date``
-(else the first column) and the load column is the first other numeric column; both can be named.
-Rows must be in increasing time order and evenly spaced (the step is the median spacing; a
-missing row is an error that names the line, because the forecast works on a fixed grid).
-
-**Gaps.** Telemetry outages show up in recorded traces as windows of (almost) zero load: the
-ServeGen m-mid trace has runs of 0.0 for up to four hours, after which the load resumes at its
-previous level. A live system must read a metrics outage as *unknown* demand, never as *zero*
-demand (lending the whole pool during an outage would be a disaster when the metrics come back).
-:func:`load_trace` therefore marks as a gap every row whose load is below ``gap_below_fraction`` of
-the median load (default 1 %), and :func:`Trace.demand_gpus` returns NaN there. The policies treat
-NaN as "no observation" and evaluations skip those rows when scoring. Pass
-``gap_below_fraction=0`` to keep every row as recorded.
-
-**Demand.** A pool of ``serving_gpus`` GPUs is sized for the trace's own peak (over non-gap rows),
-so demand at time t is ``serving_gpus * load(t) / peak`` GPUs (fractional; capacity comes in whole
-GPUs, the loan plan rounds).
-
-**Requests.** When the load column is a request rate (requests/s, e.g. ServeGen's
-``seconds,requests_per_second``) and the operator states how fast a replica serves and a latency
-target (:class:`tidal.serving.requests.RequestModel`), :meth:`Trace.request_demand_gpus` gives demand
-in GPUs directly, from the Erlang C queue, with no pool scaling: the GPUs that meet the target at
-each row's rate (whole replicas), NaN at gaps.
+**Gaps.** A metrics outage shows as (almost) zero load and must read as *unknown* demand, never zero
+(lending the whole pool then would be a disaster): rows below ``gap_below_fraction`` of the median load
+are gaps, where demand is NaN. **Demand**: ``serving_gpus * load / peak``; or, with a request rate and a
+:class:`~tidal.serving.requests.RequestModel`, the GPUs that meet the latency target
+(:meth:`Trace.request_demand_gpus`).
 """
 
 from __future__ import annotations
@@ -50,12 +31,8 @@ TIME_HINTS = ("time", "second", "date", "timestamp")
 
 @dataclass(frozen=True, eq=False)
 class Trace:
-    """One serving load trace on a regular grid.
-
-    ``times_s[i]`` is the time of row i in seconds (as in the file, or Unix seconds for ISO-8601),
-    ``load`` its load in the file's unit, ``gap`` whether row i is a telemetry gap (see the module
-    docstring). Arrays are read-only.
-    """
+    """One serving load trace on a regular grid: ``times_s`` (seconds as in the file, or Unix seconds for
+    ISO-8601), ``load`` in the file's unit, ``gap`` per row; read-only arrays."""
 
     name: str
     times_s: np.ndarray
@@ -92,9 +69,8 @@ class Trace:
             raise ValueError(f"trace {self.name!r} ({self.load_column}): {e}") from None
 
     def resample(self, step_s: float | None) -> Trace:
-        """This trace at ``step_s`` (a whole multiple of its step; ``None``: itself): a coarse row is the
-        mean of its rows at the time of the first, and a gap if any of them is (its mean would mix in
-        the outage's zeros). Rows that do not fill a last coarse step are dropped."""
+        """This trace at ``step_s`` (a whole multiple; ``None``: itself): a coarse row is the mean of its
+        rows, a gap if any of them is; a last partial step is dropped."""
         if step_s is None:
             return self
         k = step_s / self.step_s
@@ -159,11 +135,7 @@ def _pick_columns(header: list[str], time_column: str | None, load_column: str |
 
 def load_trace(path: str | Path, *, time_column: str | None = None, load_column: str | None = None,
                gap_below_fraction: float = 0.01, name: str | None = None) -> Trace:
-    """Read a serving trace CSV (see the module docstring for the format and the gap rule).
-
-    Raises ``ValueError`` naming the file, line and column for anything malformed: a non-numeric
-    load, a negative load, times out of order, or uneven spacing.
-    """
+    """Read a serving trace CSV; ``ValueError`` naming the file, line and column of anything malformed."""
     path = Path(path)
     with path.open(newline="") as f:
         rows = list(csv.reader(f))
@@ -198,18 +170,13 @@ def load_trace(path: str | Path, *, time_column: str | None = None, load_column:
     off = np.abs(dt - step) > 1e-6 * step + 1e-9
     if np.any(off):
         bad = int(np.argmax(off)) + 3
-        raise ValueError(
-            f"{path}:{bad}: rows must be evenly spaced every {step:g} s; this row is "
-            f"{dt[bad - 3]:g} s after the previous one (fill missing rows with 0 load to mark a gap)"
-        )
+        raise ValueError(f"{path}:{bad}: rows must be evenly spaced every {step:g} s; this row is "
+                         f"{dt[bad - 3]:g} s after the previous one (fill missing rows with 0 load to mark a "
+                         "gap)")
     load = np.asarray(loads, dtype=float)
     if not 0 <= gap_below_fraction < 1:
         raise ValueError(f"gap_below_fraction must be in [0, 1), got {gap_below_fraction}")
-    gap = (
-        load < gap_below_fraction * float(np.median(load))
-        if gap_below_fraction > 0
-        else np.zeros_like(load, bool)
-    )
+    gap = load < gap_below_fraction * float(np.median(load))  # (none with a fraction of 0)
     for a in (t_arr, load, gap):
         a.flags.writeable = False
     return Trace(name=name or path.stem, times_s=t_arr, load=load, gap=gap, step_s=step,

@@ -1,20 +1,12 @@
 """The loan plan, live, from a demand source: advice for an operator (:class:`Advisor`).
 
-Every ``step_s`` of serving time it reads serving demand from a
-:class:`~tidal.serving.sources.DemandSource`, calls the same :class:`~tidal.policy.loan.TidalPolicy` the
-simulator evaluates, and reports the plan: how many serving GPUs could be lent now, when how many of
-them must be serving again, and when to send those reclaim notices. It assumes every lendable GPU is
-lent (so the policy scores its promises as if it had been followed). It acts on nothing: lending for
-real is the control plane's loan step (:mod:`tidal.control.loans`, ``serving.nodes``).
-
-Two drivers: in ``tidal up`` (a ``serving:`` block without nodes) the advisor is a phase of the
-reconcile step, :meth:`Advisor.advance` called with the step's wall time; ``tidal serving watch`` runs
-:func:`watch`, which reads no clock of its own: ``clock()`` gives the time the policy sees (seconds)
-and ``sleep(s)`` waits for ``s`` of that time, so a replayed trace can run faster than real time and
-tests run it with a fake clock. Observations fall on a grid of whole steps (``k * step_s``), the
-grid the forecast's time-of-day slots need; the source is asked for the grid time. A driver that falls
-behind by more than :data:`MAX_CATCH_UP` steps skips to the latest grid point, and the forecast counts
-the skipped steps as missing observations.
+Every ``step_s`` of serving time it reads demand from a :class:`~tidal.serving.sources.DemandSource`,
+calls the simulator's :class:`~tidal.policy.loan.TidalPolicy` (as if every lendable GPU were lent) and
+reports the plan: GPUs lendable now, and when how many must serve again. It acts on nothing. Drivers:
+a phase of ``tidal up``'s reconcile step (:meth:`Advisor.advance`), and ``tidal serving watch``
+(:func:`watch`, on the ``clock``/``sleep`` it is given, so a replay runs faster than real time).
+Observations fall on the grid of whole steps the forecast's time-of-day slots need; a driver more
+than :data:`MAX_CATCH_UP` steps behind skips to the latest point (the skipped ones count as missing).
 """
 
 from __future__ import annotations
@@ -49,25 +41,18 @@ class Step:
 
     def as_dict(self) -> dict[str, Any]:
         p = self.plan
-        return {
-            "now_s": self.now_s,
-            "demand_gpus": None if math.isnan(self.demand_gpus) else round(self.demand_gpus, 3),
-            "lendable_gpus": p.lendable_gpus,
-            "reclaim_now_gpus": p.reclaim_now_gpus,
-            "reclaims": [
-                {"gpus": r.gpus, "deadline_s": r.deadline_s, "notice_s": r.notice_s} for r in p.reclaims
-            ],
-            "margin_gpus": round(p.margin_gpus, 3),
-            "lead_time_s": p.lead_time_s,
-            "z": round(self.z, 4),
-            "shortfall_ratio_so_far": self.shortfall_ratio,
-        }
+        return {"now_s": self.now_s,
+                "demand_gpus": None if math.isnan(self.demand_gpus) else round(self.demand_gpus, 3),
+                "lendable_gpus": p.lendable_gpus, "reclaim_now_gpus": p.reclaim_now_gpus,
+                "reclaims": [{"gpus": r.gpus, "deadline_s": r.deadline_s, "notice_s": r.notice_s}
+                             for r in p.reclaims],
+                "margin_gpus": round(p.margin_gpus, 3), "lead_time_s": p.lead_time_s, "z": round(self.z, 4),
+                "shortfall_ratio_so_far": self.shortfall_ratio}
 
 
 class Advisor:
-    """The loan plan, step by step, on the grid of whole steps: :meth:`tick` observes and plans when a
-    grid point has come (see the module docstring) and keeps the newest :class:`Step` in ``latest``
-    (readable from other threads: a reference swapped whole). It assumes every lendable GPU is lent."""
+    """The loan plan on the grid of whole steps: :meth:`tick` observes and plans when a grid point has
+    come and keeps the newest :class:`Step` in ``latest`` (readable from other threads: swapped whole)."""
 
     def __init__(self, source: DemandSource, policy: TidalPolicy, serving_gpus: int,
                  state: TidalState | None = None, *, speedup: float = 1.0,
@@ -93,9 +78,8 @@ class Advisor:
         return self.start_s + (now_s - self.origin_s) * self.speedup
 
     def advance(self, now_s: float) -> int:
-        """Observe and plan at every grid point the serving clock has passed by wall time ``now_s`` (the
-        reconcile step's phase); more than :data:`MAX_CATCH_UP` behind, the latest only. Returns how many
-        plans were made."""
+        """Observe and plan at every grid point passed by wall time ``now_s`` (more than
+        :data:`MAX_CATCH_UP` behind: the latest only); how many plans were made."""
         t = self.serving_time(now_s)
         n = 0
         while n < MAX_CATCH_UP and self.due_in(t) == 0:
@@ -117,16 +101,12 @@ class Advisor:
         if self.due_in(now_s) > 0:
             return None
         grid = self.next_s
-        if (
-            now_s >= grid + self.step_s
-        ):  # late by whole steps: the forecast counts the skipped ones as missing
+        if now_s >= grid + self.step_s:  # late by whole steps: the forecast counts the skipped as missing
             grid += math.floor((now_s - grid) / self.step_s) * self.step_s
         demand = self.source.demand_gpus(grid)
         lent = self.latest.plan.lendable_gpus if self.latest is not None else 0
-        plan, self.state = self.policy(
-            LoanContext(now_s=grid, serving_gpus=self.serving_gpus, demand_gpus=demand, lent_gpus=lent),
-            self.state,
-        )
+        ctx = LoanContext(now_s=grid, serving_gpus=self.serving_gpus, demand_gpus=demand, lent_gpus=lent)
+        plan, self.state = self.policy(ctx, self.state)
         self.latest = Step(grid, demand, plan, self.state.z, self.state.shortfall_ratio)
         self.next_s = grid + self.step_s
         return self.latest
@@ -155,27 +135,12 @@ def watch(source: DemandSource, policy: TidalPolicy, *, serving_gpus: int, clock
 
 @dataclass(frozen=True)
 class WatchConfig:
-    """Where serving demand comes from and the loan policy's knobs (``serving:`` in ``tidal up --config``).
-
-    Exactly one source: ``trace`` (a CSV, replayed from ``start_s`` at ``speedup`` trace seconds per
-    second of the clock) or ``prometheus`` + ``query`` (x ``gpus_per_unit``).
-
-    **Live lending** (``nodes`` given, e.g. ``"2x4"`` or ``{serve-a: 4}``): the plane lends those serving
-    nodes' GPUs to spot jobs and takes them back (:mod:`tidal.control.loans`); ``serving_gpus`` is then
-    their sum. A replayed trace runs on virtual serving nodes of the local executor; with Prometheus,
-    ``actions_url`` (a webhook) or ``actions_command`` (argv) carries out releases and restores. The
-    timing is the plane's, in seconds: ``grace_s`` (notice to stop), ``final_checkpoint_s``,
-    ``release_s``, ``warmup_s`` (serving's, on returned GPUs), ``restart_cost_s`` (a spot job's restore).
-    ``history_days``: days of the replayed trace before ``start_s`` the forecast learns from first (at most
-    ``MAX_HISTORY_DAYS``); with ``adapter: ray-serve``, ``trace`` is a request-rate trace of earlier days
-    on the serving clock and ``history_days`` how much of it the forecast learns before the first live step
-    (:mod:`tidal.serving.serve_history`).
-
-    **Requests, not GPUs** (:mod:`tidal.serving.requests`): with ``service_rate_per_gpu`` or
-    ``service_rate_per_replica`` (requests/s; ``gpus_per_replica``) and ``latency_target_s``
-    (``latency_quantile``, ``latency_of``), the trace's load or the query's value is a request rate and
-    demand is the GPUs that meet the latency target at that rate (Erlang C), not a scaled load.
-    """
+    """The ``serving:`` block of ``tidal up --config`` (every field in docs/loaning.md): one demand source,
+    ``trace`` (a CSV replayed from ``start_s`` at ``speedup``) or ``prometheus`` + ``query`` (x
+    ``gpus_per_unit``), and the loan policy's knobs. With ``nodes`` the plane lends those serving nodes'
+    GPUs (``serving_gpus`` is their sum) with the timing fields in control-plane seconds; with the
+    request fields (:mod:`tidal.serving.requests`) demand is the GPUs that meet the latency target at
+    the request rate, not a scaled load."""
 
     serving_gpus: int | None = None
     trace: str | None = None
@@ -228,17 +193,7 @@ class WatchConfig:
         if self.adapter == "hook" and self.prometheus is None:
             raise ValueError("serving.prometheus (and a query) is required with adapter hook")
         if self.nodes is not None:
-            try:
-                total = sum(parse_nodes(self.nodes).values())
-            except ValueError as e:
-                raise ValueError(f"serving.nodes: {e}") from None
-            if self.serving_gpus is None:
-                object.__setattr__(self, "serving_gpus", total)
-            elif self.serving_gpus != total:
-                raise ValueError(
-                    f"serving.serving_gpus ({self.serving_gpus}) must equal the GPUs of serving.nodes "
-                    f"({total})"
-                )
+            self._pool_from_nodes()
             if self.prometheus is not None and (self.actions_url is None) == (self.actions_command is None):
                 raise ValueError("serving: lending with prometheus needs exactly one of serving.actions_url "
                                  "or serving.actions_command (how serving releases and takes back GPUs)")
@@ -252,9 +207,8 @@ class WatchConfig:
         if not isinstance(self.serving_gpus, int) or self.serving_gpus < 1:
             raise ValueError(f"serving.serving_gpus must be a whole number >= 1, got {self.serving_gpus!r}")
         if (self.trace is None) == (self.prometheus is None):
-            raise ValueError(
-                "give exactly one demand source (serving.trace, or serving.prometheus with a query)"
-            )
+            raise ValueError("give exactly one demand source (serving.trace, or serving.prometheus with a "
+                             "query)")
         if self.prometheus is not None and not self.query:
             raise ValueError("serving.query is required with serving.prometheus (PromQL giving one number)")
         for name in ("speedup", "gpus_per_unit", "step_s"):
@@ -289,12 +243,7 @@ class WatchConfig:
             raise ValueError("serving.trace with adapter ray-serve needs serving.service_rate_per_replica: "
                              "the service rate its requests/s are read at until Serve has measured one")
         RayServeSettings.from_config(self)
-        total = sum(parse_nodes(self.nodes).values())
-        if self.serving_gpus is None:
-            object.__setattr__(self, "serving_gpus", total)
-        elif self.serving_gpus != total:
-            raise ValueError(f"serving.serving_gpus ({self.serving_gpus}) must equal the GPUs of "
-                             f"serving.nodes ({total})")
+        self._pool_from_nodes()
         for name in ("grace_s", "final_checkpoint_s", "release_s", "warmup_s", "restart_cost_s",
                      "shortfall_budget", "step_s"):
             v = getattr(self, name)
@@ -303,6 +252,18 @@ class WatchConfig:
                 raise ValueError(f"serving.{name} must be a number >= 0, got {v!r}")
         if self.shortfall_budget is None or not 0 < self.shortfall_budget < 1:
             raise ValueError(f"serving.shortfall_budget must be in (0, 1), got {self.shortfall_budget!r}")
+
+    def _pool_from_nodes(self) -> None:
+        """``serving_gpus`` set to the GPUs of ``nodes``, or checked against them."""
+        try:
+            total = sum(parse_nodes(self.nodes).values())
+        except ValueError as e:
+            raise ValueError(f"serving.nodes: {e}") from None
+        if self.serving_gpus is None:
+            object.__setattr__(self, "serving_gpus", total)
+        elif self.serving_gpus != total:
+            raise ValueError(f"serving.serving_gpus ({self.serving_gpus}) must equal the GPUs of "
+                             f"serving.nodes ({total})")
 
     def requests(self) -> RequestModel | None:
         """The request-rate model when its settings are given (``ValueError`` naming a bad one), else None
@@ -366,9 +327,8 @@ class WatchConfig:
                                     if self.trace else ""))
         req = self.requests()
         if self.trace is not None:
-            return f"trace {self.trace} replayed at {self.speedup:g}x" + (
-                f"; {req.describe()}" if req else ""
-            )
+            return f"trace {self.trace} replayed at {self.speedup:g}x" + (f"; {req.describe()}" if req
+                                                                          else "")
         if req is not None:
             return f"Prometheus {self.prometheus}: {self.query} ({req.describe()})"
         return f"Prometheus {self.prometheus}: {self.query} x {self.gpus_per_unit:g} GPUs"
@@ -383,9 +343,8 @@ def _check_history_days(v: Any) -> None:
 
 
 def start_advisor(cfg: WatchConfig) -> tuple[Advisor, Callable[[], float], float]:
-    """(advisor, the clock its policy sees, speedup) for ``cfg``, starting now: a replayed trace runs on
-    its own time axis from its start, ``speedup`` times as fast as the wall clock; a Prometheus source on
-    Unix time. Raises ``ValueError`` (or ``OSError`` for an unreadable trace) naming what is wrong."""
+    """(advisor, the clock its policy sees, speedup) for ``cfg``, starting now (a replay on its own axis at
+    ``speedup``, Prometheus on Unix time)."""
     advisor = build_advisor(cfg)
     if advisor.start_s is not None:
         t0, m0, speedup = advisor.start_s, time.monotonic(), advisor.speedup
@@ -398,12 +357,10 @@ def start_advisor(cfg: WatchConfig) -> tuple[Advisor, Callable[[], float], float
 
 
 def build_advisor(cfg: WatchConfig, *, wait_s: float | None = None) -> Advisor:
-    """The advisor for ``cfg`` (a replayed trace plays from its start, ``speedup`` times as fast as the
-    wall clock; a Prometheus source on Unix time). ``wait_s``: the most a call may wait on a source that
-    asks a server (it is then asked on a thread of its own, :class:`~tidal.serving.sources.BackgroundDemand`,
-    as the loan step's hook adapter does: the reconcile loop never waits on Prometheus); None: wait for its
-    answer (``tidal serving watch``). Raises ``ValueError`` (or ``OSError`` for an unreadable trace) naming
-    what is wrong."""
+    """The advisor for ``cfg`` (a replay plays from its start at ``speedup``; Prometheus on Unix time).
+    ``wait_s``: the most a call may wait on a server (asked on a thread of its own,
+    :class:`~tidal.serving.sources.BackgroundDemand`: the reconcile loop never waits); None: wait for
+    the answer (``tidal serving watch``). ``ValueError`` (``OSError``: unreadable trace) naming what."""
     source = cfg.source()
     if isinstance(source, TraceReplay):
         return Advisor(source, cfg.policy(), cfg.pool_gpus, speedup=cfg.speedup, start_s=source.start_s)

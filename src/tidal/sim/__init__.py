@@ -5,19 +5,12 @@
 
     demand, step_s, _ = demand_gpus("servegen-language-m-large.csv", serving_gpus=128)
     cfg = make_config(serving_gpus=128, training_gpus=64, days=14, warmup_days=2)
-    result = simulate(
-        demand, step_s=step_s, policy=PolicySpec("tidal", 0.005), config=cfg, backlog=SpotBacklog()
-    )
+    result = simulate(demand, step_s=step_s, policy=PolicySpec("tidal", 0.005), config=cfg,
+                      backlog=SpotBacklog())
     result.metrics["harvest_ratio"], result.metrics["shortfall_ratio"]
 
-Modules: ``config`` (knobs), ``jobs`` (job traces, Philly loader, spot backlog), ``traffic`` (serving
-demand), ``progress`` (a job's training timeline in closed form), ``serving`` (loans, warm-up,
-reclaims), ``world`` (job state machine, applying decisions), ``engine`` (event loop), ``policies``
-(names -> ``tidal.policy.loan`` objects), ``metrics``, ``runner`` (comparisons, sweeps, hindsight
-tuning), ``report`` (table, JSON, PNG), ``plan`` (``tidal plan``), ``cli``. See ``docs/simulator.md``.
-
-Import direction: ``tidal.sim`` imports ``tidal.model``, ``tidal.policy`` and ``tidal.serving``;
-nothing in ``tidal.policy`` imports it, and it never imports the control plane.
+See ``docs/simulator.md``. It imports ``tidal.model``, ``tidal.policy`` and ``tidal.serving``, never the
+control plane.
 """
 
 from tidal.sim.config import CheckpointModel, SimConfig, make_config
@@ -26,16 +19,6 @@ from tidal.sim.jobs import JobSpec, SpotBacklog, load_jobs, load_native, load_ph
 from tidal.sim.policies import POLICIES, PolicySpec
 
 __all__ = [
-    "POLICIES",
-    "CheckpointModel",
-    "JobSpec",
-    "PolicySpec",
-    "SimConfig",
-    "SimResult",
-    "SpotBacklog",
-    "load_jobs",
-    "load_native",
-    "load_philly",
-    "make_config",
-    "simulate",
+    "POLICIES", "CheckpointModel", "JobSpec", "PolicySpec", "SimConfig", "SimResult", "SpotBacklog",
+    "load_jobs", "load_native", "load_philly", "make_config", "simulate",
 ]

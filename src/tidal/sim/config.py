@@ -1,11 +1,6 @@
-"""Every knob of a simulation run, with units in the names. Plain frozen dataclasses.
-
-:class:`SimConfig` holds the pool layout, the cost model of interruptions (:class:`CheckpointModel`,
-the loan plan's :class:`~tidal.policy.loan.LoanTiming`), failures, and the policies' configs that
-must agree with it (the scheduler's ``min_loan_left_s`` is the loan plan's minimum window; the
-checkpoint-interval policy's failure rate is the simulated one). :func:`make_config` builds a
-consistent one from the few numbers a person types on the command line.
-"""
+"""Every knob of a simulation run, with units in the names; :func:`make_config` builds a consistent one
+(the scheduler's ``min_loan_left_s`` is the loan plan's minimum window, the interval policy's failure
+rate the simulated one) from the numbers a person types."""
 
 from __future__ import annotations
 
@@ -22,10 +17,8 @@ CKPT_MODES: tuple[CkptMode, ...] = get_args(CkptMode)  # ("sync", "concurrent")
 RESIZE_MODES: tuple[ResizeMode, ...] = get_args(ResizeMode)  # ("reshard", "restart-full")
 
 SIM_NOTICE_S = 120.0
-"""The simulated fleet's notice, as in the published results (docs/simulator.md): from a reclaim
-notice or a preemption to the job's deadline, i.e. the loan plan's ``LoanTiming.notice_s`` and the
-scheduler's ``preempt_grace_s``. A scenario parameter, deliberately not the platform's default grace
-(:data:`tidal.contract.DEFAULT_GRACE_S`, 30 s): the simulated jobs are large and get longer."""
+"""The simulated fleet's notice (``LoanTiming.notice_s`` and ``preempt_grace_s``), as in the published
+results: the simulated jobs are large and get longer than the platform's default grace."""
 
 
 def sim_timing(**changes: float) -> LoanTiming:
@@ -40,17 +33,8 @@ def sim_scheduler(**changes: Any) -> SchedulerConfig:
 
 @dataclass(frozen=True)
 class CheckpointModel:
-    """What a checkpoint and a restart cost a training job. Seconds.
-
-    ``sync``: training stops for the whole write (``persist_s``); the checkpoint is durable when it
-    resumes. ``concurrent`` (Tidal's engine): training stops only for the copy into host memory
-    (``stage_s``); the write to durable storage overlaps the next steps and completes ``persist_s``
-    later. A *final* checkpoint (answering a reclaim notice or a preemption, or before a resize)
-    takes one stall: the job may leave its GPUs once the state is captured (the concurrent engine
-    persists it from host memory afterwards). It must fit between the decision and the deadline
-    (``by_s``), or the job loses the work since its newest durable checkpoint.
-    ``restart_s``: restore from the checkpoint and warm up after an admission, a resize or a failure.
-    """
+    """What a checkpoint and a restart cost a training job, in seconds (``sync``: the stall is the whole
+    write; ``concurrent``: the copy to host memory, durable ``persist_s`` later; docs/simulator.md)."""
 
     mode: CkptMode = "concurrent"
     persist_s: float = 300.0
@@ -77,25 +61,9 @@ class CheckpointModel:
 
 @dataclass(frozen=True)
 class SimConfig:
-    """A simulation run. Times in seconds, pool sizes in GPUs.
-
-    Pool: ``serving_gpus`` GPUs sized for the trace's peak, on serving nodes of ``gpus_per_node``
-    (the last node smaller if it does not divide), and ``training_gpus`` on training nodes.
-    ``days``: simulated length (the serving trace repeats if shorter); metrics count from
-    ``warmup_days`` on (the forecast learns before that). ``step_s``: the serving grid (``None``:
-    the trace's own step); the loan plan is made once per step.
-
-    Jobs: a job on ``g`` GPUs does ``g ** scaling_exponent`` GPU-seconds of work per second
-    (1.0: linear). ``resize``: ``reshard`` (a job shrinks and grows, restoring its checkpoint on the
-    new number of GPUs) or ``restart-full`` (a job runs only at its gang size ``min_gpus``; a
-    reclaim stops it and it waits until that many GPUs are free again). Failures: a Poisson process
-    of ``failure_rate_per_gpu_hour`` per GPU held (default Llama 3's: 419 interruptions over
-    16,384 GPUs x 54 days); the job restarts in place from its newest durable checkpoint.
-
-    ``sched_period_s``: the scheduler runs at every grid step, at every reclaim notice, when GPUs
-    come back while a reclaim is due, and otherwise at most once per this period after something
-    changed (a submission, a completion, a release) — a reconcile loop's cadence.
-    """
+    """A simulation run; seconds and GPUs (the options of ``tidal sim``, docs/simulator.md). ``step_s``:
+    the serving grid (``None``: the trace's); ``sched_period_s``: between grid steps and notices the
+    scheduler runs at most this often after a change."""
 
     serving_gpus: int
     training_gpus: int = 0
@@ -114,9 +82,8 @@ class SimConfig:
     seed: int = 0
     record_timeline: bool = True
     release_when_captured: bool = False
-    """A job told to shrink or stop gives its GPUs back as soon as its final checkpoint is captured
-    (what ``tidal.train``'s runtime does: it checkpoints on the notice and exits), instead of training
-    on through its notice and leaving at the deadline (the default, and the published results)."""
+    """A job told to shrink or stop leaves once its final checkpoint is captured (as ``tidal.train`` does),
+    instead of training on until the deadline (the published results)."""
 
     def __post_init__(self) -> None:
         if self.serving_gpus < 1:
@@ -128,17 +95,15 @@ class SimConfig:
         if not self.days > 0:
             raise ValueError(f"SimConfig.days must be > 0, got {self.days}")
         if not 0 <= self.warmup_days < self.days:
-            raise ValueError(
-                f"SimConfig.warmup_days must be in [0, days={self.days:g}), got {self.warmup_days}"
-            )
+            raise ValueError(f"SimConfig.warmup_days must be in [0, days={self.days:g}), got "
+                             f"{self.warmup_days}")
         if self.resize not in RESIZE_MODES:
             raise ValueError(f"SimConfig.resize must be one of {RESIZE_MODES}, got {self.resize!r}")
         if not 0 < self.scaling_exponent <= 1:
             raise ValueError(f"SimConfig.scaling_exponent must be in (0, 1], got {self.scaling_exponent}")
         if self.failure_rate_per_gpu_hour < 0:
-            raise ValueError(
-                f"SimConfig.failure_rate_per_gpu_hour must be >= 0, got {self.failure_rate_per_gpu_hour}"
-            )
+            raise ValueError("SimConfig.failure_rate_per_gpu_hour must be >= 0, got "
+                             f"{self.failure_rate_per_gpu_hour}")
         if self.sched_period_s < 0:
             raise ValueError(f"SimConfig.sched_period_s must be >= 0, got {self.sched_period_s}")
 
@@ -158,13 +123,7 @@ def make_config(*, serving_gpus: int, training_gpus: int = 0, gpus_per_node: int
                 warmup_s: float = 900.0, failure_rate_per_gpu_hour: float = LLAMA3_FAILURES_PER_GPU_HOUR,
                 scaling_exponent: float = 1.0, sched_period_s: float = 120.0, seed: int = 0,
                 step_s: float | None = None, record_timeline: bool = True) -> SimConfig:
-    """A :class:`SimConfig` whose parts agree.
-
-    The loan plan's timing takes the notice grace, the final-checkpoint allowance, release and
-    serving warm-up as given, and ``restart_cost_s = restart_s`` (the minimum worthwhile loan window
-    follows from it); the scheduler's ``min_loan_left_s`` is that window; the checkpoint-interval
-    policy uses the simulated failure rate.
-    """
+    """A :class:`SimConfig` whose parts agree (the loan timing's ``restart_cost_s`` is ``restart_s``)."""
     timing = LoanTiming(notice_s=notice_s, final_checkpoint_s=final_checkpoint_s, release_s=release_s,
                         warmup_s=warmup_s, restart_cost_s=restart_s)
     return SimConfig(

@@ -1,31 +1,9 @@
-"""The event loop: a virtual clock, one heap of events, the policies called the way the control plane will.
+"""The event loop: a virtual clock, one heap of events, the policies called as the control plane calls them.
 
-    result = simulate(demand, step_s=600, policy=PolicySpec("tidal", 0.005), config=cfg, jobs=[...],
-                      backlog=SpotBacklog())
-
-Time advances from event to event (``heapq``), never by a fixed small step. Events, and in which
-order those at the same instant are handled:
-
-0. ``RELEASE`` — a job's GPUs told to go (shrink, preemption) are free: the final checkpoint is
-   written or missed, the job goes on smaller or is requeued.
-1. ``FINISH`` — a job's work is done. 2. ``FAIL`` — a failure; the job restarts in place.
-3. ``WARM`` — GPUs handed back to serving have warmed up and serve again.
-4. ``SUBMIT`` — the next job of the job trace arrives.
-5. ``SCORE`` — the warm-up is over: accounts are taken and metrics count from here.
-6. ``TICK`` — the serving grid (``step_s``): observe demand, call the loan policy
-   (``plan, state = policy(ctx, state)``), lend what it allows, hand the scheduler its reclaims, top
-   up the spot backlog, record the timeline.
-7. ``WAKE`` — a reclaim's notice time. 8. ``SCHED`` — a deferred scheduling call.
-
-After the events of an instant the scheduler (``tidal.policy.scheduler.schedule``) runs on a
-snapshot of the world if a tick or a wake happened, if GPUs on loaned nodes came free (a release or
-a completion) while a reclaim is due, or if anything changed and the last call is ``sched_period_s``
-old (otherwise a ``SCHED`` is queued for then, unless the next tick comes first). Its decisions are
-applied at once (:class:`~tidal.sim.world.World`), then the checkpoint-interval policy runs for the
-jobs that (re)started or resized.
-
-Randomness: one ``numpy.random.SeedSequence(config.seed)`` spawns the failure stream and the
-backlog stream, so a run is reproducible and the backlog does not change with the failure rate.
+Events at one instant are handled in the order of their kinds (``RELEASE`` ... ``SCHED``); then
+``schedule()`` runs if a tick or a reclaim notice came, if loaned GPUs came free while a reclaim is due,
+or if anything changed ``sched_period_s`` after the last call (docs/simulator.md, "How it works").
+One ``SeedSequence(config.seed)`` spawns the failure and backlog streams: runs are reproducible.
 """
 
 from __future__ import annotations
@@ -64,8 +42,8 @@ class SimResult:
 
 def make_tenants(jobs: list[JobSpec], backlog: SpotBacklog | None, training_gpus: int,
                  tenants: list[Tenant] | None = None) -> list[Tenant]:
-    """The given tenants, plus one for every tenant named by a job (weight 1). Tenants with dedicated
-    jobs and no given quota split the training pool evenly; backlog tenants get no quota."""
+    """The given tenants, plus one (weight 1) per tenant a job names; those with dedicated jobs split the
+    training pool evenly; backlog tenants get no quota."""
     known = {t.name: t for t in tenants or []}
     names = sorted({j.tenant for j in jobs} - set(known))
     ded = sorted({j.tenant for j in jobs if j.kind == "dedicated"} - set(known))
@@ -79,41 +57,34 @@ def make_tenants(jobs: list[JobSpec], backlog: SpotBacklog | None, training_gpus
 
 
 class Engine:
-    """One run of one policy; see the module docstring. ``check``: verify the snapshot after every
-    scheduling call (tests; slow)."""
+    """One run of one policy. ``check``: verify the world after every scheduling call (tests; slow)."""
 
     def __init__(self, demand: np.ndarray, step_s: float, policy: PolicySpec, config: SimConfig,
                  jobs: list[JobSpec], backlog: SpotBacklog | None, tenants: list[Tenant] | None = None,
                  check: bool = False, night_hours: float = 8.0) -> None:
         self.cfg, self.step, self.spec, self.check = config, step_s, policy, check
         self.n_steps = math.ceil(config.end_s / step_s - 1e-9)
-        self.policy = build(
-            policy, config, step_s, np.asarray(demand[: self.n_steps]), night_hours=night_hours
-        )
+        self.policy = build(policy, config, step_s, np.asarray(demand[: self.n_steps]),
+                            night_hours=night_hours)
         self.h_steps = horizon_steps(self.policy, step_s) if self.policy is not None else 1
         need = self.n_steps + self.h_steps
-        self.demand = (
-            np.resize(np.asarray(demand, dtype=float), need) if len(demand) < need else np.asarray(demand)
-        )
+        short = len(demand) < need
+        self.demand = np.resize(np.asarray(demand, dtype=float), need) if short else np.asarray(demand)
         self.pstate = self.policy.initial_state() if self.policy is not None else None
         self.sched_index = RunningIndex()  # the scheduler's incremental per-node sums (same decisions)
-        # the running jobs the index saw last (what the world's changes are since)
-        self.last_running: tuple = ()
+        self.last_running: tuple = ()  # the running jobs the index saw last
         ss = np.random.SeedSequence(config.seed)
         fail_seq, backlog_seq = ss.spawn(2)
         self.heap: list[tuple] = []
         self.seq = 0
         self.jobs = [j for j in jobs if j.submit_s < config.end_s]
         self.tenants = make_tenants(self.jobs, backlog, config.training_gpus, tenants)
-        self.world = World(config, self.tenants, self._push_job, np.random.default_rng(fail_seq))
-        self.backlog = backlog
+        self.world = World(config, self.tenants, self._push, np.random.default_rng(fail_seq))
         self.source = (BacklogSource(backlog, config.gpus_per_node, np.random.default_rng(backlog_seq),
                                      max_gpus=config.serving_gpus + config.training_gpus)
                        if backlog is not None else None)
-        pool = config.serving_gpus + config.training_gpus
-        self.backlog_target = (
-            backlog.pending_gpus if backlog is not None and backlog.pending_gpus is not None else pool
-        )
+        pending = backlog.pending_gpus if backlog is not None else None
+        self.backlog_target = config.serving_gpus + config.training_gpus if pending is None else pending
         self.meter = Meter(config.serving_gpus, config.score_from_s)
         self.next_job = 0
         self.dirty = False
@@ -129,14 +100,9 @@ class Engine:
         self.start_totals: JobTotals | None = None
         self.start_counts: dict[str, int] = {}
 
-    # ------------------------------------------------------------------------------ events
-
     def _push(self, t: float, kind: int, a: Any = None, b: int = 0) -> None:
         self.seq += 1
         heapq.heappush(self.heap, (t, kind, self.seq, a, b))
-
-    def _push_job(self, t: float, kind: int, jid: str, version: int) -> None:
-        self._push(t, kind, jid, version)
 
     def run(self) -> SimResult:
         wall0, cpu0 = time.perf_counter(), time.process_time()
@@ -177,11 +143,8 @@ class Engine:
                     self.sched_pending = False
             if urgent or (self.dirty and t >= self.last_sched + cfg.sched_period_s):
                 self._schedule(t)
-            elif (
-                self.dirty
-                and not self.sched_pending
-                and self.last_sched + cfg.sched_period_s < self.next_tick_s
-            ):
+            elif self.dirty and not self.sched_pending and (
+                    self.last_sched + cfg.sched_period_s < self.next_tick_s):
                 self._push(self.last_sched + cfg.sched_period_s, SCHED)  # (else the next tick runs it)
                 self.sched_pending = True
         self.meter.advance(end, w.serving.capacity, w.serving.lent, w.held_serving, w.held_total)
@@ -197,8 +160,6 @@ class Engine:
         if self.next_job < len(jobs):
             self._push(jobs[self.next_job].submit_s, SUBMIT)
         self.dirty = True
-
-    # ------------------------------------------------------------------------------ the grid
 
     def _tick(self, t: float, i: int) -> None:
         w, n = self.world, self.cfg.serving_gpus
@@ -228,20 +189,9 @@ class Engine:
             self.dirty = True
         if self.cfg.record_timeline:
             tl = self.timeline
-            for k, v in zip(
-                TIMELINE_FIELDS,
-                (
-                    t,
-                    d,
-                    upper,
-                    w.serving.lendable,
-                    w.serving.lent,
-                    w.serving.warming,
-                    w.held_serving,
-                    w.held_total,
-                ),
-                strict=True,
-            ):
+            s = w.serving
+            row = (t, d, upper, s.lendable, s.lent, s.warming, w.held_serving, w.held_total)
+            for k, v in zip(TIMELINE_FIELDS, row, strict=True):
                 tl[k].append(v)
         if i + 1 < self.n_steps:
             self.next_tick_s = t + self.step
@@ -266,8 +216,7 @@ class Engine:
         t1, c1 = time.perf_counter(), time.thread_time()
         if gc_on:
             gc.enable()
-        # CPU time of the call (what it costs; on a shared machine the wall clock also counts the
-        # time other processes held the core) and its wall time.
+        # CPU time of the call (on a shared machine the wall clock also counts other processes) and wall time
         self.decision_ms.append((c1 - c0) * 1e3)
         self.decision_wall_ms.append((t1 - t0) * 1e3)
         for ready, node in w.apply(decisions, t):
@@ -287,18 +236,11 @@ class Engine:
             raise AssertionError(f"t={t:g}: {e}") from None
         s = w.serving
         assert 0 <= s.lent <= s.total, f"t={t:g}: lent {s.lent} of {s.total}"
-        assert s.warming >= 0 and s.lent + s.warming <= s.total, (
-            f"t={t:g}: lent {s.lent} + warming {s.warming}"
-        )
+        assert s.warming >= 0 and s.lent + s.warming <= s.total, f"t={t:g}: lent {s.lent} + {s.warming}"
+        gpus = {n.name: n.gpus for n in w.nodes}
         for node, used in w.used.items():
-            cap = (
-                s.lent_on(node)
-                if node in w.serving_nodes
-                else next(n.gpus for n in w.nodes if n.name == node)
-            )
+            cap = s.lent_on(node) if node in w.serving_nodes else gpus[node]
             assert 0 <= used <= cap, f"t={t:g}: node {node} has {used} GPUs held, {cap} available"
-
-    # ------------------------------------------------------------------------------ the end
 
     def _result(self, end: float, wall_s: float) -> SimResult:
         w = self.world
@@ -310,9 +252,8 @@ class Engine:
             training_gpus=self.cfg.training_gpus, weights={t.name: t.weight for t in self.tenants},
             counts=counts, decision_ms=self.decision_ms, plan_ms=self.plan_ms, wall_s=wall_s)
         metrics["max_pending_jobs"] = self.max_pending
-        metrics["decision_wall_p99_ms"] = (
-            float(np.percentile(self.decision_wall_ms, 99)) if self.decision_wall_ms else math.nan
-        )
+        wall_ms = self.decision_wall_ms
+        metrics["decision_wall_p99_ms"] = float(np.percentile(wall_ms, 99)) if wall_ms else math.nan
         metrics["schedule_cpu_s"] = sum(self.decision_ms) / 1e3
         if self.spec.name == "tidal" and self.pstate is not None:
             metrics["tidal_final_z"] = float(self.pstate.z)
@@ -324,7 +265,6 @@ def simulate(demand: np.ndarray, *, step_s: float, policy: PolicySpec, config: S
              jobs: list[JobSpec] | None = None, backlog: SpotBacklog | None = None,
              tenants: list[Tenant] | None = None, check: bool = False, night_hours: float = 8.0) -> SimResult:
     """Run one policy over ``demand`` (GPUs per ``step_s`` from time 0; NaN = unknown; repeats if
-    shorter than the run). See :class:`Engine`."""
-    return Engine(
-        demand, step_s, policy, config, list(jobs or []), backlog, tenants, check, night_hours
-    ).run()
+    shorter than the run)."""
+    engine = Engine(demand, step_s, policy, config, list(jobs or []), backlog, tenants, check, night_hours)
+    return engine.run()

@@ -1,25 +1,6 @@
-"""Training jobs for the simulator: the native CSV, the Philly-derived ElasticFlow trace, a spot backlog.
-
-**Native CSV** (:func:`load_native`), one job per row, header required::
-
-    submit_s,tenant,kind,priority,min_gpus,max_gpus,work_gpu_s
-    0,vision,dedicated,1,8,8,2880000
-    600,nlp,spot,0,4,32,1440000
-
-``work_gpu_s`` is the work in GPU-seconds: on ``g`` GPUs a job progresses ``g`` GPU-seconds per
-second (or ``g ** scaling_exponent``, see :class:`~tidal.sim.config.SimConfig`). Optional columns:
-``id``, ``gpus_per_node`` (every node the job uses holds exactly this many of its GPUs),
-``multiple_of`` (every size is a multiple of it).
-
-**ElasticFlow / Philly** (:func:`load_philly`): ``job_id, submit_time, num_gpu, duration, ...``
-(seconds). Work = ``num_gpu x duration``; the job is rigid at ``num_gpu`` (1, 2 or 4 GPUs); its tenant
-is its ``model_name`` (six teams). :func:`load_jobs` tells the two formats apart by their header.
-
-**Spot backlog** (:class:`SpotBacklog`): synthetic elastic spot jobs, submitted whenever fewer than
-``pending_gpus`` GPUs' worth (gang minimums) are waiting, so that every lendable GPU has a taker.
-Sizes and durations are heavy-tailed and drawn from a seeded ``numpy.random.Generator``; the
-parameters are the dataclass's fields (see there).
-"""
+"""Training jobs for the simulator: the native CSV (:func:`load_native`), the ElasticFlow trace derived
+from Microsoft Philly (:func:`load_philly`), told apart by :func:`load_jobs`, and a seeded synthetic
+spot backlog (:class:`SpotBacklog`). The formats: docs/simulator.md, "Inputs"."""
 
 from __future__ import annotations
 
@@ -82,10 +63,9 @@ def _num(path: Path, line: int, row: dict[str, str], col: str, kind: type, lo: f
     try:
         v = kind(float(text)) if kind is int and "." in text else kind(text)
     except ValueError:
-        raise ValueError(
-            f"{path}:{line}: column {col!r} must be {'an integer' if kind is int else 'a number'}, "
-            f"got {text!r}"
-        ) from None
+        raise ValueError(f"{path}:{line}: column {col!r} must be "
+                         f"{'an integer' if kind is int else 'a number'}, "
+                         f"got {text!r}") from None
     if kind is float and not math.isfinite(v):
         raise ValueError(f"{path}:{line}: column {col!r} must be finite, got {text!r}")
     if lo is not None and v < lo:
@@ -94,10 +74,7 @@ def _num(path: Path, line: int, row: dict[str, str], col: str, kind: type, lo: f
 
 
 def load_native(path: str | Path) -> list[JobSpec]:
-    """Jobs from the native CSV (see the module docstring), in submission order.
-
-    Raises ``ValueError`` naming the file, line and column for a missing column or a bad value.
-    """
+    """Jobs from the native CSV, in submission order; ``ValueError`` naming the file, line and column."""
     path = Path(path)
     header, rows = _rows(path)
     _require(path, header, NATIVE_COLUMNS,
@@ -119,20 +96,11 @@ def load_native(path: str | Path) -> list[JobSpec]:
         if mn % step or mx % step:
             raise ValueError(f"{path}:{line}: min_gpus and max_gpus must be multiples of {step} "
                              f"(gpus_per_node={gpn}, multiple_of={mult})")
-        out.append(
-            JobSpec(
-                id=r.get("id") or f"j{i:06d}",
-                tenant=r["tenant"],
-                kind=kind,
-                priority=int(_num(path, line, r, "priority", int)),
-                min_gpus=mn,
-                max_gpus=mx,
-                work_gpu_s=_num(path, line, r, "work_gpu_s", float, 0),
-                submit_s=_num(path, line, r, "submit_s", float, 0),
-                gpus_per_node=gpn,
-                multiple_of=mult,
-            )
-        )
+        out.append(JobSpec(id=r.get("id") or f"j{i:06d}", tenant=r["tenant"], kind=kind,
+                           priority=int(_num(path, line, r, "priority", int)), min_gpus=mn, max_gpus=mx,
+                           work_gpu_s=_num(path, line, r, "work_gpu_s", float, 0),
+                           submit_s=_num(path, line, r, "submit_s", float, 0), gpus_per_node=gpn,
+                           multiple_of=mult))
     if len({j.id for j in out}) != len(out):
         raise ValueError(f"{path}: job ids must be unique")
     out.sort(key=lambda j: (j.submit_s, j.id))
@@ -150,18 +118,10 @@ def load_philly(path: str | Path, kind: str = "dedicated", priority: int = 1) ->
     for line, r in rows:
         g = int(_num(path, line, r, "num_gpu", int, 1))
         dur = _num(path, line, r, "duration", float, 0)
-        out.append(
-            JobSpec(
-                id=f"p{int(_num(path, line, r, 'job_id', int)):06d}",
-                tenant=r.get("model_name") or "philly",
-                kind=kind,
-                priority=priority,
-                min_gpus=g,
-                max_gpus=g,
-                work_gpu_s=g * dur,
-                submit_s=_num(path, line, r, "submit_time", float, 0),
-            )
-        )
+        jid = f"p{int(_num(path, line, r, 'job_id', int)):06d}"
+        out.append(JobSpec(id=jid, tenant=r.get("model_name") or "philly", kind=kind, priority=priority,
+                           min_gpus=g, max_gpus=g, work_gpu_s=g * dur,
+                           submit_s=_num(path, line, r, "submit_time", float, 0)))
     out.sort(key=lambda j: (j.submit_s, j.id))
     return out
 
@@ -178,20 +138,10 @@ def load_jobs(path: str | Path, philly_kind: str = "dedicated") -> list[JobSpec]
 
 @dataclass(frozen=True)
 class SpotBacklog:
-    """Synthetic elastic spot jobs that keep the spot queue saturated. Seeded; all parameters here.
-
-    * ``tenants`` tenants ``spot0..``, equal weight, priority 0;
-    * gang minimum from ``sizes`` with probabilities ``size_weights`` (many small jobs, a heavy tail of
-      large gangs); gangs of ``gpus_per_node`` or more use whole nodes;
-    * elastic maximum = minimum x a factor from ``elastic_factors`` (``elastic_weights``);
-    * duration on the minimum, in hours: Pareto with tail index ``duration_alpha`` and scale
-      ``duration_min_h`` (heavy-tailed: most jobs take hours, a few days), capped at
-      ``duration_max_h``; work = duration x minimum GPUs;
-    * ``pending_gpus``: keep at least this many GPUs of gang minimums waiting (``None``: the pool's
-      size), and at least ``pending_per_size`` jobs of every size in ``sizes``: big gangs wait longest
-      for room, so without the second rule the queue fills up with them and the last few GPUs of a
-      node find no taker.
-    """
+    """Synthetic elastic spot jobs that keep the spot queue saturated: ``tenants`` tenants ``spot0..``;
+    gang minimum from ``sizes`` (``size_weights``); maximum = minimum x ``elastic_factors``; duration on
+    the minimum Pareto(``duration_alpha``) x ``duration_min_h`` hours, capped. At least ``pending_gpus``
+    GPUs of minimums wait (``None``: the pool's size), and ``pending_per_size`` jobs of every size."""
 
     tenants: int = 4
     sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
@@ -206,15 +156,12 @@ class SpotBacklog:
 
     def __post_init__(self) -> None:
         if len(self.sizes) != len(self.size_weights) or len(self.elastic_factors) != len(
-            self.elastic_weights
-        ):
-            raise ValueError(
-                "SpotBacklog: sizes/size_weights and elastic_factors/elastic_weights must pair up"
-            )
+                self.elastic_weights):
+            raise ValueError("SpotBacklog: sizes/size_weights and elastic_factors/elastic_weights must "
+                             "pair up")
         if self.tenants < 1 or self.duration_alpha <= 0 or self.duration_min_h <= 0:
-            raise ValueError(
-                "SpotBacklog: tenants >= 1, duration_alpha > 0 and duration_min_h > 0 are required"
-            )
+            raise ValueError("SpotBacklog: tenants >= 1, duration_alpha > 0 and duration_min_h > 0 are "
+                             "required")
 
 
 class BacklogSource:
@@ -224,9 +171,8 @@ class BacklogSource:
                  max_gpus: int | None = None) -> None:
         self.b, self.gpn, self.rng = backlog, gpus_per_node, rng
         sizes = [s for s in backlog.sizes if max_gpus is None or s <= max_gpus] or [1]
-        w = np.array(
-            [backlog.size_weights[backlog.sizes.index(s)] if s in backlog.sizes else 1.0 for s in sizes]
-        )
+        w = np.array([backlog.size_weights[backlog.sizes.index(s)] if s in backlog.sizes else 1.0
+                      for s in sizes])
         self.sizes, self.size_p = sizes, w / w.sum()
         fw = np.asarray(backlog.elastic_weights, dtype=float)
         self.factor_p = fw / fw.sum()
@@ -246,18 +192,10 @@ class BacklogSource:
         if gpn is None and mx > self.gpn and size < self.gpn:
             mx = max(size, self.gpn // size * size)  # a small gang stays within a node
         hours = min(b.duration_max_h, b.duration_min_h * (1.0 + r.pareto(b.duration_alpha)))
-        spec = JobSpec(
-            id=f"b{self.seq:07d}",
-            tenant=f"spot{int(r.integers(b.tenants))}",
-            kind="spot",
-            priority=0,
-            min_gpus=size,
-            max_gpus=mx,
-            work_gpu_s=hours * 3600.0 * size,
-            submit_s=now_s,
-            gpus_per_node=gpn,
-            synthetic=True,
-        )
+        tenant = f"spot{int(r.integers(b.tenants))}"
+        spec = JobSpec(id=f"b{self.seq:07d}", tenant=tenant, kind="spot", priority=0, min_gpus=size,
+                       max_gpus=mx, work_gpu_s=hours * 3600.0 * size, submit_s=now_s, gpus_per_node=gpn,
+                       synthetic=True)
         self.seq += 1
         return spec
 
@@ -265,11 +203,9 @@ class BacklogSource:
 def synthetic_trace(n_jobs: int, *, days: float, gpus_per_node: int, seed: int, tenants: int = 20,
                     submit_within_days: float | None = None, dedicated_fraction: float = 0.2,
                     total_work_gpu_s: float | None = None) -> list[JobSpec]:
-    """``n_jobs`` jobs (the backlog's size and duration laws, over ``tenants`` tenants), submitted
-    uniformly over ``submit_within_days`` (default: the whole run); a ``dedicated_fraction`` of them
-    dedicated (priority 1), the rest elastic spot jobs. ``total_work_gpu_s``: scale every job's work
-    so that they add up to this (the shape of the distribution is kept). For scale runs
-    (``lab/sim_scale.py``)."""
+    """``n_jobs`` jobs by the backlog's laws over ``tenants`` tenants, submitted uniformly over
+    ``submit_within_days`` (default: the run), ``dedicated_fraction`` dedicated (priority 1), the work
+    scaled to add up to ``total_work_gpu_s`` if given. For scale runs (``lab/sim_scale.py``)."""
     rng = np.random.default_rng(seed)
     src = BacklogSource(SpotBacklog(tenants=tenants), gpus_per_node, rng)
     span = (submit_within_days if submit_within_days is not None else days) * 86400.0
@@ -278,19 +214,10 @@ def synthetic_trace(n_jobs: int, *, days: float, gpus_per_node: int, seed: int, 
     for i, t in enumerate(times):
         s = src.draw(float(t))
         ded = rng.random() < dedicated_fraction
-        out.append(
-            JobSpec(
-                id=f"j{i:06d}",
-                tenant=f"team{s.tenant[4:]}",
-                kind="dedicated" if ded else "spot",
-                priority=1 if ded else 0,
-                min_gpus=s.min_gpus,
-                max_gpus=s.min_gpus if ded else s.max_gpus,
-                work_gpu_s=s.work_gpu_s,
-                submit_s=s.submit_s,
-                gpus_per_node=s.gpus_per_node,
-            )
-        )
+        out.append(JobSpec(id=f"j{i:06d}", tenant=f"team{s.tenant[4:]}", kind="dedicated" if ded else "spot",
+                           priority=1 if ded else 0, min_gpus=s.min_gpus,
+                           max_gpus=s.min_gpus if ded else s.max_gpus, work_gpu_s=s.work_gpu_s,
+                           submit_s=s.submit_s, gpus_per_node=s.gpus_per_node))
     if total_work_gpu_s is not None and out:
         k = total_work_gpu_s / sum(j.work_gpu_s for j in out)
         out = [replace(j, work_gpu_s=j.work_gpu_s * k) for j in out]

@@ -1,29 +1,5 @@
-"""What a run measured: integrals over time of the serving side, accounts of the jobs, and the summary.
-
-Definitions (every integral runs from ``warmup_days`` to the end; gaps in the serving trace, where
-demand is unknown, count toward no serving integral):
-
-* ``idle_serving_gpu_hours`` = ∫ max(0, N - demand); ``loaned_gpu_hours`` = ∫ GPUs on loan.
-* ``harvested_gpu_hours``: training progress made on loaned GPUs *and kept* (stalls, restarts and
-  work later lost to a failure or a missed final checkpoint do not count), in GPU-hours of work.
-  ``harvest_ratio`` = harvested / idle.
-* ``serving_shortfall_gpu_hours`` = ∫ max(0, demand - serving capacity), capacity = N - lent - GPUs
-  still warming up after a reclaim; ``shortfall_ratio`` = shortfall / ∫ demand.
-* ``reclaims``: jobs shrunk or preempted to give loans back; ``lost_gpu_hours``: work thrown away
-  (failures, final checkpoints that did not fit before the deadline).
-* ``pool_goodput`` = (serving demand met + training progress kept) / all pool GPU-hours.
-* ``ettr_mean`` / ``ettr_p10``: Meta's effective training time ratio per job — productive training
-  time (time whose progress was kept) over wall time from its first start to its end (or the end of
-  the run) — over jobs that ran at least an hour.
-* ``jain_fairness``: Jain's index over tenants of GPU-hours held / tenant weight.
-* ``mean_queue_s`` / ``p95_queue_s``: submission to first start, of the jobs of the job trace
-  (``--jobs``) submitted after the warm-up; a job still waiting at the end counts with its wait so
-  far. With only the synthetic spot backlog (which is saturated by design) they are measured on it.
-  ``mean_jct_s``: submission to completion, same jobs, completed ones.
-* ``wall_s``: the run's wall time; ``decision_p99_ms``: 99th percentile of the CPU time of
-  ``schedule()`` calls (``decision_wall_p99_ms``: of their wall time, which on a shared machine also
-  counts the time other processes held the core), garbage collection paused during the call.
-"""
+"""What a run measured: integrals over the scored time (from ``warmup_days``) of the serving side, the
+jobs' accounts, and the summary. Every key is defined in docs/simulator.md, "Metrics"."""
 
 from __future__ import annotations
 
@@ -88,8 +64,8 @@ class JobTotals:
 
 
 def job_totals(jobs: Any, t: float) -> JobTotals:
-    """Kept progress, its share on loans, lost work and GPU-seconds held per tenant, up to ``t``
-    (progress of running jobs counts as kept: the run just ends)."""
+    """Kept progress (a running job's too), its share on loans, lost work and GPU-seconds held per tenant,
+    up to ``t``."""
     out = JobTotals()
     held = out.held_by_tenant
     for sj in jobs:

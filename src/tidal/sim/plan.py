@@ -1,21 +1,5 @@
-"""``tidal plan``: the operator's question — how much of the serving pool could train, and when?
-
-From a serving trace and the pool size, by hour of day (hours counted from the trace's start):
-
-* ``mean_demand_gpus`` and ``p99_demand_gpus`` — what serving needs;
-* ``idle_gpu_hours_per_day`` — ``N - demand``, summed over the hour, averaged over days;
-* ``lendable_gpus_at_risk`` — ``N`` minus the ``1 - risk`` quantile of the demand over the hour *and
-  the lead time after it* (a GPU lent in the hour comes back a lead time later): what a fixed
-  schedule could lend in that hour and be short at most ``risk`` of the time (hindsight: the
-  quantile is over the whole trace);
-* ``tidal_lent_gpu_hours_per_day`` — what :class:`~tidal.policy.loan.TidalPolicy` with a shortfall
-  budget of ``risk`` lends in that hour when replayed causally over the trace (every lendable GPU
-  lent), with its realized shortfall ratio over the whole trace in the summary.
-
-And the recommended lead time: notice + final checkpoint + release + serving warm-up (the loan
-plan's :attr:`~tidal.policy.loan.LoanTiming.lead_time_s`), next to the 99th percentile of the rise
-of demand within one lead time — the margin a policy without a forecast needs.
-"""
+"""``tidal plan``: how much of the serving pool could train, by hour of day, and the lead time to plan
+for (the columns: docs/simulator.md and the text ``tidal plan`` prints under its table)."""
 
 from __future__ import annotations
 
@@ -30,7 +14,7 @@ from tidal.sim.config import sim_timing
 
 def plan_report(demand: np.ndarray, step_s: float, serving_gpus: int, *, risk: float = 0.005,
                 timing: LoanTiming | None = None) -> dict[str, Any]:
-    """The numbers of ``tidal plan`` (see the module docstring). ``demand``: GPUs per step, NaN = gap."""
+    """The numbers of ``tidal plan``. ``demand``: GPUs per step, NaN = gap."""
     timing = timing or sim_timing()
     if not 0 < risk < 1:
         raise ValueError(f"risk must be in (0, 1), got {risk}")
@@ -55,11 +39,8 @@ def plan_report(demand: np.ndarray, step_s: float, serving_gpus: int, *, risk: f
         if not m.any():
             continue
         dd = d[m]
-        q = (
-            float(np.nanquantile(ahead[m & np.isfinite(ahead)], 1 - risk))
-            if (m & np.isfinite(ahead)).any()
-            else n
-        )
+        seen = m & np.isfinite(ahead)
+        q = float(np.nanquantile(ahead[seen], 1 - risk)) if seen.any() else n
         rows.append({
             "hour": h,
             "mean_demand_gpus": float(dd.mean()),
@@ -93,9 +74,8 @@ def _tidal_fluid(d: np.ndarray, step_s: float, n: int, budget: float, timing: Lo
     lent = np.zeros(len(d), dtype=int)
     prev = 0
     for i, y in enumerate(d):
-        plan, state = pol(
-            LoanContext(now_s=i * step_s, serving_gpus=n, demand_gpus=float(y), lent_gpus=prev), state
-        )
+        ctx = LoanContext(now_s=i * step_s, serving_gpus=n, demand_gpus=float(y), lent_gpus=prev)
+        plan, state = pol(ctx, state)
         lent[i] = prev = plan.lendable_gpus
     return lent
 
@@ -103,9 +83,8 @@ def _tidal_fluid(d: np.ndarray, step_s: float, n: int, budget: float, timing: Lo
 def render_plan(rep: dict[str, Any], console: Any) -> None:
     from rich.table import Table
 
-    t = Table(
-        title=f"serving pool of {rep['serving_gpus']} GPUs over {rep['days']:.1f} days, risk {rep['risk']:g}"
-    )
+    t = Table(title=f"serving pool of {rep['serving_gpus']} GPUs over {rep['days']:.1f} days, "
+                    f"risk {rep['risk']:g}")
     for col in ("hour", "mean demand", "p99 demand", "idle GPU-h/day", f"lendable @ {rep['risk']:g}",
                 "tidal lent GPU-h/day"):
         t.add_column(col, justify="right")
@@ -114,14 +93,10 @@ def render_plan(rep: dict[str, Any], console: Any) -> None:
                   f"{r['idle_gpu_hours_per_day']:.1f}", str(r["lendable_gpus_at_risk"]),
                   f"{r['tidal_lent_gpu_hours_per_day']:.1f}")
     t.add_section()
-    t.add_row(
-        "day",
-        f"{rep['mean_demand_over_pool'] * rep['serving_gpus']:.1f}",
-        "",
-        f"{rep['idle_gpu_hours_per_day']:.0f}",
-        f"{rep['lendable_gpu_hours_per_day_at_risk']:.0f} GPU-h",
-        f"{rep['tidal_lent_gpu_hours_per_day']:.0f}",
-    )
+    mean = rep["mean_demand_over_pool"] * rep["serving_gpus"]
+    t.add_row("day", f"{mean:.1f}", "", f"{rep['idle_gpu_hours_per_day']:.0f}",
+              f"{rep['lendable_gpu_hours_per_day_at_risk']:.0f} GPU-h",
+              f"{rep['tidal_lent_gpu_hours_per_day']:.0f}")
     console.print(t)
     risk = rep["risk"]
     console.print(f"columns: idle GPU-h/day = the pool less its demand in that hour; lendable @ {risk:g} = "
@@ -169,9 +144,8 @@ def plot_plan(rep: dict[str, Any], path: str) -> str:
     ax.set_xticks(range(0, 24, 2))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    ax.set_title(
-        f"idle {rep['idle_gpu_hours_per_day']:.0f} GPU-h/day; lead time {rep['lead_time_s']:g} s", fontsize=10
-    )
+    ax.set_title(f"idle {rep['idle_gpu_hours_per_day']:.0f} GPU-h/day; lead time {rep['lead_time_s']:g} s",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

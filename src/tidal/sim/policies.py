@@ -1,23 +1,5 @@
-"""The loan policies a simulation compares, built from a name and one risk knob.
-
-Nothing here decides anything: each name maps to a policy of :mod:`tidal.policy.loan` (``none``
-lends nothing and calls no policy). The knob is the policy's risk setting:
-
-=================  ==========================  =========================================================
-name               knob (``PolicySpec.knob``)  policy
-=================  ==========================  =========================================================
-``none``           (none)                      no loaning: the serving pool only serves
-``night-window``   margin, GPUs                :class:`~tidal.policy.baselines.NightWindowPolicy`: lend
-                                               ``N - margin`` during the trace's lowest-demand
-                                               ``night_hours`` of the day (chosen with hindsight)
-``reactive``       margin, GPUs                :class:`~tidal.policy.baselines.ReactivePolicy`: idle now
-                                               minus the margin, no look-ahead
-``tidal``          shortfall budget (fraction)  :class:`~tidal.policy.loan.TidalPolicy`: forecast +
-                                               margin calibrated online to the budget, no hindsight
-``oracle``         margin, GPUs (default 0)    :class:`~tidal.policy.baselines.OraclePolicy`: knows the
-                                               future demand; the upper bound
-=================  ==========================  =========================================================
-"""
+"""The loan policies a simulation compares, built from a name and one risk knob (``PolicySpec.knob``):
+a shortfall budget for ``tidal``, a margin in GPUs for the baselines (docs/simulator.md, "Policies")."""
 
 from __future__ import annotations
 
@@ -76,8 +58,7 @@ def knob_label(spec: PolicySpec, serving_gpus: int) -> str:
 def night_window(
     demand: np.ndarray, step_s: float, hours: float, period_s: float = 86400.0
 ) -> tuple[float, float]:
-    """(start_s, end_s), positions in the day from the trace start, of the ``hours`` with the lowest mean
-    demand over the whole series (hindsight: the operator picked the hours from past traffic)."""
+    """(start_s, end_s) in the day from the trace start of the ``hours`` with the lowest mean demand."""
     period = round(period_s / step_s)
     width = max(1, round(hours * 3600 / step_s))
     n = max(period, len(demand) // period * period)

@@ -1,24 +1,8 @@
 """One job's training timeline between two changes, in closed form: progress, checkpoints, durability.
 
-The simulator never steps a job second by second and never puts a periodic checkpoint on its event
-queue. A :class:`Segment` describes a job from one change (admission, resize, failure, a new
-checkpoint interval) until the next, and answers any question about a time inside it by arithmetic:
-
-* training starts at ``t0`` (after the restart overhead) at ``rate`` GPU-seconds of work per second;
-* every ``tau_s`` seconds it checkpoints: it trains ``tau_s - stall_s`` seconds, then stalls
-  ``stall_s`` while the state is captured (sync mode: the whole write; concurrent mode: the copy into
-  host memory). Capture ``k`` holds the progress reached at ``t0 + k*tau + (tau - stall)``, is complete
-  at ``t0 + (k+1)*tau`` and becomes *durable* ``lag_s`` later (0 for sync; the background persist time
-  for concurrent);
-* training stops at ``stop_s`` (``inf`` unless the job was told to release GPUs): after it the
-  progress stays where it is while the job writes its final checkpoint.
-
-A failure loses everything after the newest durable checkpoint (:meth:`Segment.durable`); a reclaim
-or preemption loses nothing if the final checkpoint fits before the deadline (decided by the
-caller, :mod:`tidal.sim.world`).
-
-Units: seconds and GPU-seconds of work. A job on ``g`` GPUs has ``rate = g ** scaling_exponent``
-(1.0 = linear scaling: ``g`` GPU-seconds of work per second).
+A :class:`Segment` runs from one change (admission, resize, failure, new interval) to the next: it
+trains from ``t0`` at ``rate``, every ``tau_s`` stalls ``stall_s`` for a capture that is durable
+``lag_s`` after it completes, and stops at ``stop_s``; any question about a time inside it is arithmetic.
 """
 
 from __future__ import annotations
@@ -31,12 +15,9 @@ EPS = 1e-9
 
 
 class Segment:
-    """A job's training timeline from ``t0`` (see the module docstring). Immutable by convention.
-
-    ``dur_p`` / ``dur_ct``: progress and capture time of the newest checkpoint already durable when
-    the segment began; ``pend_t`` / ``pend_p`` / ``pend_ct``: one capture still being persisted then
-    (durable at ``pend_t``; ``inf`` if none).
-    """
+    """A job's training timeline from ``t0``; immutable by convention. ``dur_p`` / ``dur_ct``: progress and
+    capture time of the newest checkpoint durable when it began; ``pend_*``: one still being persisted
+    then (durable at ``pend_t``; ``inf`` if none)."""
 
     __slots__ = ("t0", "p0", "rate", "tau", "stall", "lag", "stop", "dur_p", "dur_ct", "pend_t", "pend_p",
                  "pend_ct")
@@ -72,8 +53,6 @@ class Segment:
         return (self.t0, self.p0, self.rate, self.tau, self.stall, self.lag, self.stop, self.dur_p,
                 self.dur_ct, self.pend_t, self.pend_p, self.pend_ct)
 
-    # ------------------------------------------------------------------------------ progress
-
     def at(self, t: float) -> float:
         """Progress (GPU-seconds of work) reached at ``t``."""
         e = min(t, self.stop) - self.t0
@@ -94,8 +73,6 @@ class Segment:
         t = self.t0 + k * self.tau + (trained - k * c)
         return t if t <= self.stop + EPS else math.inf
 
-    # ------------------------------------------------------------------------------ checkpoints
-
     def _last_capture(self, t: float) -> int:
         """Index of the newest periodic capture durable at ``t`` (-1: none)."""
         c = self.tau - self.stall
@@ -115,20 +92,6 @@ class Segment:
             if q >= p:
                 p, ct = q, self.t0 + k * self.tau + (self.tau - self.stall)
         return p, ct
-
-    def durable_time_and_next(self, t: float) -> tuple[float, float]:
-        """(capture time of the newest durable checkpoint at ``t``, :meth:`next_durable_s`) in one go."""
-        k = self._last_capture(t)
-        c = self.tau - self.stall
-        p, ct = self.dur_p, self.dur_ct
-        if self.pend_t <= t + EPS and self.pend_p >= p:
-            p, ct = self.pend_p, self.pend_ct
-        if k >= 0 and self.p0 + self.rate * (k + 1) * c >= p:
-            ct = self.t0 + k * self.tau + c
-        nxt = self.pend_t if self.pend_t > t + EPS else math.inf
-        if self.stop == math.inf or self.t0 + (k + 1) * self.tau + c <= self.stop + EPS:
-            nxt = min(nxt, self.t0 + (k + 2) * self.tau + self.lag)
-        return ct, nxt
 
     def in_flight(self, t: float) -> tuple[float, float, float] | None:
         """The newest capture complete at ``t`` but not yet durable: (durable at, progress, capture time)."""
@@ -155,15 +118,10 @@ class Segment:
             nxt = min(nxt, self.t0 + (k + 1) * self.tau + self.lag)
         return nxt
 
-    # ------------------------------------------------------------------------------ changes
-
     def rebased(self, now: float, *, p0: float, start_s: float, rate: float, tau_s: float,
                 capture: tuple[float, float, float] | None = None, stop_s: float = math.inf) -> Segment:
-        """The segment that follows this one at ``now``: training resumes at ``start_s`` from ``p0``.
-
-        Checkpoints durable at ``now`` and the one in flight carry over; ``capture`` adds a final or
-        resize checkpoint ``(durable at, progress, capture time)`` taken at the change.
-        """
+        """The segment after this one at ``now``, resuming at ``start_s`` from ``p0``; durable and in-flight
+        checkpoints carry over, ``capture`` adds one ``(durable at, progress, capture time)``."""
         dur_p, dur_ct = self.durable(now)
         pend = self.in_flight(now)
         if capture is not None:
@@ -180,14 +138,9 @@ class Segment:
 
 
 class DurableTable:
-    """The newest durable checkpoint of many segments at once, for a caller that asks at many times.
-
-    One row per key (a job): its :class:`Segment`'s parameters and ``due``, the time from which its
-    answer may have changed (``inf``: not before the segment ends). :meth:`refresh` answers every row
-    that is due with :func:`durable_times_and_next` (the arithmetic of
-    :meth:`Segment.durable_time_and_next`, on arrays) and moves ``due`` on, so a call costs a few array
-    operations plus one step per row that changed, not a priority-queue operation per row.
-    """
+    """The newest durable checkpoint of many segments at once: one row per key (a job), its
+    :class:`Segment`'s parameters and ``due``, from when its answer may have changed; :meth:`refresh`
+    answers the due rows with :func:`durable_times_and_next` and moves ``due`` on."""
 
     def __init__(self, end_s: float) -> None:
         self.end_s = end_s
@@ -235,8 +188,8 @@ class DurableTable:
 
 
 def durable_times_and_next(rows: np.ndarray, t: float) -> tuple[np.ndarray, np.ndarray]:
-    """:meth:`Segment.durable_time_and_next` at ``t`` for the segments in ``rows`` (the columns of
-    :meth:`DurableTable.set`), with the same floating-point operations in the same order."""
+    """(``Segment.durable(t)[1]``, ``Segment.next_durable_s(t)``) for the segments in ``rows`` (columns of
+    :meth:`Segment.row`), with the same floating-point operations."""
     t0, p0, rate, tau, stall, lag, stop, dur_p, dur_ct, pend_t, pend_p, pend_ct = rows
     c = tau - stall
     k = np.floor((t - lag - t0) / tau + EPS) - 1  # _last_capture

@@ -1,8 +1,5 @@
 """Showing results: the Rich table, the JSON object, the timeline and sweep plots (PNG, matplotlib).
-
-Nothing here simulates; every function takes finished :class:`~tidal.sim.engine.SimResult` values
-or plain dicts.
-"""
+Nothing here simulates."""
 
 from __future__ import annotations
 
@@ -17,23 +14,21 @@ import numpy as np
 
 from tidal.sim.metrics import METRIC_KEYS
 
-TABLE_COLUMNS = (
-    ("harvest_ratio", "harvest", "{:.3f}"),
-    ("x_oracle", "× oracle", "{:.3f}"),
-    ("harvested_gpu_hours", "harvested GPU-h", "{:,.0f}"),
-    ("loaned_gpu_hours", "loaned GPU-h", "{:,.0f}"),
-    ("shortfall_ratio", "shortfall", "{:.4f}"),
-    ("reclaims", "reclaims", "{:,}"),
-    ("lost_gpu_hours", "lost GPU-h", "{:,.1f}"),
-    ("pool_goodput", "goodput", "{:.3f}"),
-    ("ettr_mean", "ETTR", "{:.3f}"),
-    ("ettr_p10", "ETTR p10", "{:.3f}"),
-    ("jain_fairness", "Jain", "{:.3f}"),
-    ("mean_queue_s", "queue s", "{:,.0f}"),
-    ("mean_jct_s", "JCT s", "{:,.0f}"),
-    ("decision_p99_ms", "p99 ms", "{:.1f}"),
-    ("wall_s", "wall s", "{:.1f}"),
-)
+TABLE_COLUMNS = (("harvest_ratio", "harvest", "{:.3f}"),
+                 ("x_oracle", "× oracle", "{:.3f}"),
+                 ("harvested_gpu_hours", "harvested GPU-h", "{:,.0f}"),
+                 ("loaned_gpu_hours", "loaned GPU-h", "{:,.0f}"),
+                 ("shortfall_ratio", "shortfall", "{:.4f}"),
+                 ("reclaims", "reclaims", "{:,}"),
+                 ("lost_gpu_hours", "lost GPU-h", "{:,.1f}"),
+                 ("pool_goodput", "goodput", "{:.3f}"),
+                 ("ettr_mean", "ETTR", "{:.3f}"),
+                 ("ettr_p10", "ETTR p10", "{:.3f}"),
+                 ("jain_fairness", "Jain", "{:.3f}"),
+                 ("mean_queue_s", "queue s", "{:,.0f}"),
+                 ("mean_jct_s", "JCT s", "{:,.0f}"),
+                 ("decision_p99_ms", "p99 ms", "{:.1f}"),
+                 ("wall_s", "wall s", "{:.1f}"))
 
 
 def clean(x: Any) -> Any:
@@ -102,17 +97,15 @@ def _plt() -> Any:
 
 def serving_bands(tl: Mapping[str, np.ndarray], serving_gpus: int, mask: Any = slice(None)
                   ) -> tuple[np.ndarray, np.ndarray]:
-    """(serving capacity, capacity + warming GPUs) per step: the plot's lent band runs from the second to
-    the pool's size, its warming band from the first to the second."""
+    """(serving capacity, capacity + warming GPUs) per step: where the plot's warming and lent bands start."""
     cap = serving_gpus - np.asarray(tl["lent_gpus"])[mask] - np.asarray(tl["warming_gpus"])[mask]
     return cap, cap + np.asarray(tl["warming_gpus"])[mask]
 
 
 def plot_timeline(timelines: Mapping[str, Mapping[str, np.ndarray]], path: str | Path, *, serving_gpus: int,
                   start_day: float = 0.0, days: float = 2.0, title: str = "") -> Path:
-    """One panel per policy over ``[start_day, start_day + days)``: demand, the plan's upper bound
-    ("forecast"), serving capacity, the GPUs lent and warming as bands above it up to the pool's size,
-    and training GPUs on loans. Returns the path written."""
+    """One panel per policy over ``[start_day, start_day + days)``: demand, the plan's bound, serving
+    capacity, lent and warming bands, training on loans. Returns the path written."""
     plt = _plt()
     names = [n for n, tl in timelines.items() if len(tl.get("t_s", ()))]
     if not names:
@@ -129,18 +122,10 @@ def plot_timeline(timelines: Mapping[str, Mapping[str, np.ndarray]], path: str |
         ax.axhline(serving_gpus, color="0.6", lw=0.8, ls=":", label=f"serving pool N={serving_gpus}")
         ax.step(x, tl["demand_gpus"][m], where="post", color="C0", lw=1.2, label="demand")
         if np.isfinite(tl["upper_gpus"][m]).any():
-            ax.step(
-                x,
-                tl["upper_gpus"][m],
-                where="post",
-                color="C1",
-                lw=1.0,
-                ls="--",
-                label="forecast (plan's bound)",
-            )
+            ax.step(x, tl["upper_gpus"][m], where="post", color="C1", lw=1.0, ls="--",
+                    label="forecast (plan's bound)")
         cap, warm_top = serving_bands(tl, serving_gpus, m)
-        # Lent and warming GPUs are bands between serving's capacity and the pool, so no line of theirs
-        # can lie on the capacity line; training on loans is a dotted line inside the lent band's size.
+        # Lent and warming GPUs are bands between serving's capacity and the pool; training on loans dotted.
         ax.fill_between(x, warm_top, serving_gpus, step="post", color="C2", alpha=0.22, lw=0,
                         label="lent to training (pool - capacity)")
         ax.fill_between(x, cap, warm_top, step="post", color="C4", alpha=0.3, lw=0,

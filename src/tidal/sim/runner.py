@@ -1,15 +1,5 @@
-"""Running policies side by side on one scenario, sweeping their risk knobs, tuning baselines.
-
-A :class:`Scenario` is everything but the loan policy: demand, pool, cost model, jobs. Every run of
-a comparison gets the same scenario and seed, so the jobs, the backlog and the failures a policy
-meets differ only through what the policy itself did.
-
-Sweep (``tidal sim --sweep``): each policy is run across its knob (:data:`SWEEP_GRID`: shortfall
-budgets for ``tidal``, margins as fractions of the serving pool for ``reactive`` and
-``night-window``); the points give harvest-versus-shortfall curves. :func:`tune_margin` finds, by
-bisection over full runs, the smallest margin whose realized shortfall is within a budget — a
-baseline tuned *with hindsight*, the honest opponent for ``tidal`` at that budget.
-"""
+"""Running policies side by side on one scenario (same demand, jobs and seed), sweeping their risk knobs
+(:data:`SWEEP_GRID`), and tuning a baseline's margin to a budget with hindsight (:func:`tune_margin`)."""
 
 from __future__ import annotations
 
@@ -51,17 +41,9 @@ class Scenario:
     name: str = ""
 
     def run(self, spec: PolicySpec, config: SimConfig | None = None, check: bool = False) -> SimResult:
-        res = simulate(
-            self.demand,
-            step_s=self.step_s,
-            policy=spec,
-            config=config or self.config,
-            jobs=list(self.jobs),
-            backlog=self.backlog,
-            tenants=list(self.tenants) or None,
-            check=check,
-            night_hours=self.night_hours,
-        )
+        res = simulate(self.demand, step_s=self.step_s, policy=spec, config=config or self.config,
+                       jobs=list(self.jobs), backlog=self.backlog, tenants=list(self.tenants) or None,
+                       check=check, night_hours=self.night_hours)
         res.metrics["knob"] = knob_of(spec, self.config.serving_gpus)
         res.metrics["knob_label"] = knob_label(spec, self.config.serving_gpus)
         return res
@@ -129,10 +111,8 @@ def tune_margin(scenario: Scenario, name: str, budget: float, *, steps: int = 7,
 
     def run(margin: float) -> dict[str, Any]:
         m = scenario.run(PolicySpec(name, round(margin, 2)), cfg).metrics
-        log(
-            f"tune {name} margin {margin:.2f}: shortfall {m['shortfall_ratio']:.4f}, "
-            f"harvest {m['harvest_ratio']:.3f}"
-        )
+        log(f"tune {name} margin {margin:.2f}: shortfall {m['shortfall_ratio']:.4f}, "
+            f"harvest {m['harvest_ratio']:.3f}")
         return m
 
     lo, hi = 0.0, n

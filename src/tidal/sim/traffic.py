@@ -1,10 +1,5 @@
-"""Serving demand for the simulator: a trace CSV on the simulation's grid, in GPUs.
-
-A pool of ``serving_gpus`` GPUs serves the trace's peak (:mod:`tidal.serving.traces`), so demand at
-step i is ``serving_gpus * load_i / peak`` GPUs; telemetry gaps are NaN (unknown, never zero).
-The simulation's clock starts at 0 at the trace's first row; a trace shorter than the run repeats
-(the engine tiles it).
-"""
+"""Serving demand for the simulator: a trace CSV on the simulation's grid, in GPUs (NaN at gaps). The
+clock starts at 0 at the trace's first row; a shorter trace repeats."""
 
 from __future__ import annotations
 
@@ -17,10 +12,9 @@ from tidal.serving.requests import request_demand_gpus as request_demand_gpus_of
 from tidal.serving.traces import load_trace
 
 
-def demand_gpus(
-    path: str | Path, serving_gpus: int, step_s: float | None = None
-) -> tuple[np.ndarray, float, str]:
-    """(demand per step in GPUs with NaN at gaps, step_s, trace name) for a pool of ``serving_gpus``."""
+def demand_gpus(path: str | Path, serving_gpus: int,
+                step_s: float | None = None) -> tuple[np.ndarray, float, str]:
+    """(demand per step in GPUs, step_s, trace name) for a pool of ``serving_gpus`` sized for the peak."""
     trace = load_trace(path).resample(step_s)
     load, gap, step = trace.load, trace.gap, trace.step_s
     ok = load[~gap]
@@ -36,9 +30,7 @@ def demand_gpus(
 
 def request_demand_gpus(path: str | Path, model: RequestModel,
                         step_s: float | None = None) -> tuple[np.ndarray, float, str]:
-    """As :func:`demand_gpus` for a trace of request rates (requests/s): demand per step is
-    ``model.gpus(mean rate of the step)`` (Erlang C, :mod:`tidal.serving.requests`), not scaled to a
-    pool; NaN at gaps."""
+    """As :func:`demand_gpus` for a trace of request rates: ``model.gpus(rate)`` per step (Erlang C)."""
     trace = load_trace(path).resample(step_s)
     load, gap, step = trace.load, trace.gap, trace.step_s
     if 86400.0 % step > 1e-6:

@@ -1,33 +1,19 @@
 """The simulated store: jobs, their states and training timelines, and how decisions change them.
 
-The scheduler proposes; this module carries decisions out the way the control plane's store will,
-and records what each costs. How a decision changes the job itself is :mod:`tidal.policy.apply`'s
-(``admitted``, ``grown``, ``shrunk``, ``preempted``, ``nominated``), shared with the pure
-``apply(snapshot, decisions)``; this store adds queues, timelines and costs. Every change of a job's
-state goes through :func:`transition` and the one table :data:`TRANSITIONS`; anything else raises
+It carries decisions out as the control plane's store does (the job transforms are
+:mod:`tidal.policy.apply`'s) and records what each costs. Every change of a job's state goes through
+:func:`transition` and the one table :data:`TRANSITIONS`; anything else raises
 :class:`IllegalTransition`::
 
     new ──submit──► pending ──admit──► running ──grow──► running
                        ▲                  │──shrink──► shrinking ──released──► running (smaller)
                        │                  └──preempt─► stopping ──released──┐
                        └────────────────────────────────────────────────────┘
-    running / shrinking / stopping ──fail──► same state (restart in place from the newest durable
-                                              checkpoint; the work after it is lost)
+    running / shrinking / stopping ──fail──► same state (back to the newest durable checkpoint)
     running / shrinking / stopping ──finish──► done
 
-What each costs (the job's :class:`~tidal.sim.progress.Segment` says when it trains):
-
-* **admit**: ``restart_s`` before training (restore the newest checkpoint, warm up);
-* **grow** (``reshard``): a checkpoint stall, then ``restart_s`` on the new number of GPUs;
-* **shrink / preempt** by ``by_s``: the job trains on until ``by_s - stall`` and then writes its final
-  checkpoint. If the time to ``by_s`` is shorter than a stall, it cannot: it is stopped at ``by_s``
-  and loses the work since its newest *durable* checkpoint. A shrunk job then restarts on what is
-  left (``restart_s``); a preempted one is requeued and resumes from that checkpoint when readmitted;
-* **fail**: back to the newest durable checkpoint, ``restart_s`` later it trains again.
-
-Progress counts as *harvested* while it was made on loaned serving GPUs (a job spanning both pools
-counts its loaned share) and only if it is kept: each job records, per stretch of progress, the
-share of its GPUs on loans; a rollback cuts the record back to where training resumes.
+A shrink or preempt by ``by_s`` trains until ``by_s - stall`` and writes its final checkpoint, or, with
+less than a stall left, loses the work since its newest durable checkpoint (docs/simulator.md).
 """
 
 from __future__ import annotations
@@ -61,31 +47,16 @@ from tidal.sim.config import SimConfig
 from tidal.sim.jobs import JobSpec
 from tidal.sim.progress import DurableTable, Segment
 
-NEW, PENDING, RUNNING, SHRINKING, STOPPING, DONE = (
-    "new",
-    "pending",
-    "running",
-    "shrinking",
-    "stopping",
-    "done",
-)
+NEW, PENDING, RUNNING, SHRINKING, STOPPING, DONE = ("new", "pending", "running", "shrinking", "stopping",
+                                                   "done")
 
 TRANSITIONS: dict[tuple[str, str], str] = {
-    (NEW, "submit"): PENDING,
-    (PENDING, "admit"): RUNNING,
-    (RUNNING, "grow"): RUNNING,
-    (RUNNING, "shrink"): SHRINKING,
-    (RUNNING, "preempt"): STOPPING,
-    (SHRINKING, "released"): RUNNING,
-    (STOPPING, "released"): PENDING,
-    (RUNNING, "fail"): RUNNING,
-    (SHRINKING, "fail"): SHRINKING,
-    (STOPPING, "fail"): STOPPING,
-    (RUNNING, "set_interval"): RUNNING,
-    (SHRINKING, "set_interval"): SHRINKING,
-    (RUNNING, "finish"): DONE,
-    (SHRINKING, "finish"): DONE,
-    (STOPPING, "finish"): DONE,
+    (NEW, "submit"): PENDING, (PENDING, "admit"): RUNNING, (RUNNING, "grow"): RUNNING,
+    (RUNNING, "shrink"): SHRINKING, (RUNNING, "preempt"): STOPPING,
+    (SHRINKING, "released"): RUNNING, (STOPPING, "released"): PENDING,
+    (RUNNING, "fail"): RUNNING, (SHRINKING, "fail"): SHRINKING, (STOPPING, "fail"): STOPPING,
+    (RUNNING, "set_interval"): RUNNING, (SHRINKING, "set_interval"): SHRINKING,
+    (RUNNING, "finish"): DONE, (SHRINKING, "finish"): DONE, (STOPPING, "finish"): DONE,
 }
 """(state, event) -> next state: the only legal job transitions."""
 
@@ -145,10 +116,9 @@ Push = Callable[[float, int, str, int], None]  # (time_s, event kind, job id, ve
 
 
 class RunningJobs(dict):
-    """The running jobs (job id -> :class:`~tidal.model.Job`) that also note which ``Job`` objects came
-    and went since :meth:`take_changes` (a changed job is a new object): the engine hands that to the
-    scheduler's ``RunningIndex`` (``hint``), so it need not compare every running job each call.
-    Only item assignment and ``del`` are noted: the world changes it no other way."""
+    """The running jobs (job id -> :class:`~tidal.model.Job`), noting which ``Job`` objects came and went
+    since :meth:`take_changes` (for the scheduler's ``RunningIndex.hint``). Changed only by ``[]=`` and
+    ``del``."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -186,21 +156,16 @@ FINISH, FAIL, RELEASE = 1, 2, 0
 
 
 class World:
-    """Jobs, queues, nodes and the serving pool; decisions applied here. See the module docstring.
-
-    ``push`` schedules job events on the engine's queue: ``FINISH`` / ``FAIL`` (stale once the job's
-    ``version`` moved on) and ``RELEASE`` (at ``rel_at``). ``rng`` draws failure times.
-    """
+    """Jobs, queues, nodes and the serving pool; decisions applied here. ``push`` schedules job events
+    (``FINISH`` / ``FAIL``, stale once the job's ``version`` moved on; ``RELEASE``); ``rng``: failures."""
 
     def __init__(self, config: SimConfig, tenants: Iterable[Tenant], push: Push, rng) -> None:
         self.cfg = config
         gpn = config.gpus_per_node
         self.nodes: list[Node] = []
         serving = {}
-        pools: tuple[tuple[PoolName, int, str], ...] = (
-            ("serving", config.serving_gpus, "s"),
-            ("training", config.training_gpus, "t"),
-        )
+        pools: tuple[tuple[PoolName, int, str], ...] = (("serving", config.serving_gpus, "s"),
+                                                         ("training", config.training_gpus, "t"))
         for pool, total, prefix in pools:
             for i in range(math.ceil(total / gpn)):
                 g = min(gpn, total - i * gpn)
@@ -218,9 +183,7 @@ class World:
         self.used: dict[str, int] = {}  # node -> GPUs held by jobs
         self.held_serving = 0
         self.held_total = 0
-        self.changed: dict[
-            str, None
-        ] = {}  # jobs (re)started or resized since the last interval plan (ordered)
+        self.changed: dict[str, None] = {}  # jobs (re)started or resized since the last interval plan
         self.durable = DurableTable(config.end_s)  # job id -> its segment, to refresh Job.last_ckpt_s
         self.pending_synthetic_gpus = 0
         self.pending_synthetic_by_size: dict[int, int] = {}
@@ -229,8 +192,6 @@ class World:
         ck = config.ckpt
         self.stall, self.lag, self.restart = ck.stall_s, ck.durable_lag_s, ck.restart_s
         self.fail_rate_per_gpu_s = config.failure_rate_per_gpu_hour / 3600.0
-
-    # ------------------------------------------------------------------------------ helpers
 
     def rate(self, gpus: int) -> float:
         a = self.cfg.scaling_exponent
@@ -273,8 +234,6 @@ class World:
             ps.pop()
         ps.append((p0, sj.on_serving / sj.job.gpus if sj.job.gpus else 0.0, rate))
 
-    # ------------------------------------------------------------------------------ submission
-
     def submit(self, spec: JobSpec, now: float) -> None:
         mx = spec.min_gpus if self.cfg.resize == "restart-full" else spec.max_gpus
         job = Job(spec.id, spec.tenant, cast(Kind, spec.kind), priority=spec.priority, min_gpus=spec.min_gpus,
@@ -311,8 +270,6 @@ class World:
             self.pending_synthetic_gpus -= sj.spec.min_gpus
             self.pending_synthetic_by_size[sj.spec.min_gpus] -= 1
 
-    # ------------------------------------------------------------------------------ decisions
-
     def apply(self, decisions: list[Decision], now: float) -> list[tuple[float, str]]:
         """Carry out ``schedule()``'s decisions at ``now``. Returns (time, node) for GPUs handed back
         to serving: when they serve again (the engine wakes then)."""
@@ -322,16 +279,15 @@ class World:
                 self._admit(d, now)
             elif isinstance(d, Grow):
                 self._grow(d, now)
-            elif isinstance(d, Shrink):
+            elif isinstance(d, Shrink | Preempt):
                 self._release_order(self.jobs[d.job], d, now)
                 self._nominate(d.for_job, now)
-                self.counts["shrinks"] += 1
-                self.counts["reclaim_interruptions"] += d.reason == "reclaim"
-            elif isinstance(d, Preempt):
-                self._release_order(self.jobs[d.job], d, now)
-                self._nominate(d.for_job, now)
-                self.counts["preemptions"] += 1
-                self.counts[f"preempted_for_{d.reason}"] = self.counts.get(f"preempted_for_{d.reason}", 0) + 1
+                if isinstance(d, Shrink):
+                    self.counts["shrinks"] += 1
+                else:
+                    self.counts["preemptions"] += 1
+                    key = f"preempted_for_{d.reason}"
+                    self.counts[key] = self.counts.get(key, 0) + 1
                 self.counts["reclaim_interruptions"] += d.reason == "reclaim"
             elif isinstance(d, ReturnGpus):
                 if self.used.get(d.node, 0) + d.gpus > self.serving.lent_on(d.node):
@@ -345,8 +301,7 @@ class World:
         return ready
 
     def _nominate(self, for_job: str | None, now: float) -> None:
-        """Others were made to give GPUs back for pending ``for_job``: record it (``Job.nominated_s``),
-        which moves it to the front of its queue."""
+        """Others give GPUs back for pending ``for_job``: nominate it (the front of its queue)."""
         if for_job is None:
             return
         sj = self.jobs[for_job]
@@ -415,8 +370,6 @@ class World:
         sj.seg = seg.stopped_at(sj.rel_stop)
         self._schedule_events(sj, now)
         self.push(by, RELEASE, sj.spec.id, 0)
-
-    # ------------------------------------------------------------------------------ job events
 
     def release(self, jid: str, now: float) -> int | None:
         """The job has given back its releasing GPUs (at ``rel_at``). Returns how many of them are on
@@ -497,25 +450,13 @@ class World:
         sj.tau = interval_s
         object.__setattr__(sj.job, "ckpt_interval_s", interval_s)  # in place, as refresh_checkpoints
         if now < seg.t0:
-            sj.seg = Segment(
-                seg.t0,
-                seg.p0,
-                seg.rate,
-                interval_s,
-                seg.stall,
-                seg.lag,
-                seg.dur_p,
-                seg.dur_ct,
-                (seg.pend_t, seg.pend_p, seg.pend_ct) if seg.pend_t < math.inf else None,
-                seg.stop,
-            )
+            pend = (seg.pend_t, seg.pend_p, seg.pend_ct) if seg.pend_t < math.inf else None
+            sj.seg = Segment(seg.t0, seg.p0, seg.rate, interval_s, seg.stall, seg.lag, seg.dur_p, seg.dur_ct,
+                             pend, seg.stop)
         else:
-            sj.seg = seg.rebased(
-                now, p0=seg.at(now), start_s=now, rate=seg.rate, tau_s=interval_s, stop_s=seg.stop
-            )
+            sj.seg = seg.rebased(now, p0=seg.at(now), start_s=now, rate=seg.rate, tau_s=interval_s,
+                                 stop_s=seg.stop)
         self._schedule_events(sj, now)
-
-    # ------------------------------------------------------------------------------ between calls
 
     def plan_intervals(self, now: float) -> list[Decision]:
         """Checkpoint intervals (the pure policy) for jobs (re)started or resized since the last call."""
@@ -528,16 +469,10 @@ class World:
         return list(plan_ckpt_intervals(snap, self.cfg.ckpt_interval, persist))
 
     def refresh_checkpoints(self, now: float) -> list[Job]:
-        """Bring ``Job.last_ckpt_s`` (the scheduler's "least work lost" victim order) up to ``now``;
-        returns the jobs it moved (for the scheduler's ``RunningIndex.ckpt_moved``).
-
-        The newest durable checkpoint of a running job changes about once per checkpoint interval;
-        rebuilding a frozen ``Job`` for each (``dataclasses.replace``, ~20 us) would cost more than the
-        rest of the simulator at datacenter scale, so this field (and ``ckpt_interval_s``, in
-        :meth:`set_interval`) is updated in place on the store's own object. No snapshot outlives a
-        scheduling call, so no caller sees a job change under it. Which jobs' checkpoints moved, and to
-        what, is answered for all of them at once (:class:`~tidal.sim.progress.DurableTable`).
-        """
+        """Bring ``Job.last_ckpt_s`` (the victim order's "least work lost") up to ``now``; returns the jobs
+        it moved (for ``RunningIndex.ckpt_moved``). Set in place on the store's own frozen object (as
+        ``ckpt_interval_s`` in :meth:`set_interval`): a rebuild per checkpoint would cost more than the
+        rest of the simulator, and no snapshot outlives a scheduling call."""
         jobs, set_field = self.jobs, object.__setattr__
         moved = []
         for jid, ct in zip(*self.durable.refresh(now), strict=True):

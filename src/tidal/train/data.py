@@ -1,28 +1,14 @@
 """World-size-independent data position: which samples each rank trains on at each step.
 
-The *global* batch of step ``s`` is fixed by ``(seed, s)`` alone: the sample stream is one shuffled
-pass over the dataset after another (epoch ``e`` is a permutation keyed by ``(seed, e)``), and step
-``s`` takes positions ``s * global_batch .. (s + 1) * global_batch - 1`` of that stream. Each
-data-parallel rank takes one contiguous slice of every global batch and splits it into micro-batches;
-the number of micro-batches (gradient accumulation) adapts so the global batch stays the same on any
-world size that divides it::
+The global batch of step ``s`` is fixed by ``(seed, s)`` alone: positions ``s * global_batch ..`` of a
+stream of shuffled passes over the dataset (epoch ``e`` a permutation keyed by ``(seed, e)``). Each rank
+takes a contiguous slice and splits it into micro-batches; gradient accumulation adapts so the global
+batch is the same on any world size that divides it. The data position *is* the step: a job stopped on 4
+ranks at step 120 and resumed on 3 trains on exactly the samples it would have seen.
 
-    sampler = GlobalBatchSampler(len(dataset), global_batch=24, micro_batch=2, rank=r, world_size=w, seed=1)
-    for idx in sampler.micro_batches(step):    # sampler.accum_steps lists of 2 dataset indices
-        ...
-
-So the data position *is* the step: nothing but the step and the sampler's settings go into the
-checkpoint (``state_dict``), and a job stopped on 4 ranks at step 120 and resumed on 3 trains on
-exactly the samples it would have seen without the interruption.
-
-The permutation is a keyed Feistel network with cycle walking, computed per index in pure integer
-arithmetic: O(1) memory for any dataset size, and the same order on every machine and library
-version (no ``numpy``/``torch`` RNG involved).
-
-Randomness inside a step (dropout, augmentation) cannot follow a sample to another rank, and
-per-rank generator states cannot be resharded; :func:`reseed` gives every step a generator state
-that depends on ``(seed, step, rank)`` only, so a resumed step draws what it drew the first time on
-the same world size.
+The permutation is a keyed Feistel network with cycle walking, in integer arithmetic: O(1) memory and
+the same order on every machine. :func:`reseed` gives each step a generator state that depends on
+``(seed, step, rank)`` only.
 """
 
 from __future__ import annotations
@@ -46,11 +32,8 @@ def _mix64(x: int) -> int:
 
 
 def permute(i: int, n: int, seed: int, epoch: int = 0) -> int:
-    """Position ``i`` of a pseudo-random permutation of ``range(n)`` keyed by ``(seed, epoch)``.
-
-    A 4-round Feistel network over the smallest even number of bits covering ``n``, with cycle
-    walking (re-applying it until the value falls below ``n``; under 4 rounds of walking expected).
-    """
+    """Position ``i`` of a pseudo-random permutation of ``range(n)`` keyed by ``(seed, epoch)``: a 4-round
+    Feistel network over the smallest even number of bits covering ``n``, with cycle walking."""
     if not 0 <= i < n:
         raise IndexError(f"index {i} out of range for a permutation of {n}")
     if n == 1:
@@ -136,8 +119,7 @@ class GlobalBatchSampler:
         return [self.sample(p) for p in range(start, start + self.local_batch)]
 
     def micro_batches(self, step: int) -> list[list[int]]:
-        """This rank's slice of ``step``'s global batch as ``accum_steps`` lists of ``micro_batch``
-        indices."""
+        """This rank's slice of ``step``'s global batch: ``accum_steps`` lists of ``micro_batch`` indices."""
         idx = self.local_indices(step)
         m = self.micro_batch
         return [idx[k : k + m] for k in range(0, len(idx), m)]
@@ -149,11 +131,8 @@ class GlobalBatchSampler:
                 "seed": self.seed, "shuffle": self.shuffle}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Check that a checkpoint's sampler would produce this sampler's order; raise if not.
-
-        The world size and micro-batch may differ (that is the point); the dataset size, the
-        global batch, the seed and shuffling may not, since the step would then mean other samples.
-        """
+        """``ValueError`` unless a checkpoint's sampler made this sampler's order: the world size and
+        micro-batch may differ, the dataset size, global batch, seed and shuffling may not."""
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"sampler state version {state.get('version')!r} is not {STATE_VERSION}")
         mine = self.state_dict()

@@ -1,29 +1,19 @@
-"""Reclaim notices: SIGTERM or a notice file means "GPUs are being taken back".
+"""Reclaim notices: SIGTERM or a notice file means "GPUs are being taken back" (docs/train.md).
 
-The contract a launcher can rely on (:class:`tidal.train.Session` implements it with this module):
+On SIGTERM, or when ``TIDAL_NOTICE_FILE`` appears, the ranks agree to stop after the same step,
+checkpoint it, wait for the commit (``TIDAL_NOTICE_WAIT``) and exit 75 (:data:`EXIT_PREEMPTED`), all
+within the grace (``TIDAL_GRACE_S``, from the signal or the file's mtime). When the grace runs out a
+watchdog thread exits 75; a second SIGTERM exits 75 at once. Neither exposes a torn step (the manifest
+is written last). A notice during a blocking C call is handled when it returns.
 
-1. On SIGTERM, or when ``TIDAL_NOTICE_FILE`` appears, the job finishes the step in progress, all
-   ranks agree to stop after that same step (a tiny all-reduce of a stop flag each step, since
-   only some ranks may have been told), checkpoint it, wait until the checkpoint is committed in
-   the fast tier (or in all tiers, see ``TIDAL_NOTICE_WAIT``) and exit with code 75
-   (:data:`EXIT_PREEMPTED`, ``EX_TEMPFAIL``): preempted, resumable.
-2. All of that within the grace (``TIDAL_GRACE_S``, counted from the signal or the file's mtime).
-   When the grace runs out a watchdog thread exits the process with code 75 just before it ends;
-   a second SIGTERM exits at once, also with 75. Neither can expose a torn step: the engine
-   commits a step by writing its manifest last, so the job resumes from the newest step that did
-   commit.
-
-A notice that arrives while the main thread is blocked inside a C call (a collective waiting on a
-dead peer) is handled when the call returns; the launcher's SIGKILL after the grace is the backstop.
-
-Thread-safety: the signal handler only sets fields and starts the watchdog (it never takes a lock
-that the main thread could hold, and writes to stderr with ``os.write``); :meth:`Notice.requested`
-is called from the training thread.
+Thread-safety: the signal handler only sets fields and starts the watchdog (no lock the main thread
+could hold; stderr through ``os.write``); :meth:`Notice.requested` is called from the training thread.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import threading
@@ -104,8 +94,7 @@ class Notice:
         """Record a notice from ``source`` (first one wins) and start the grace watchdog."""
         if self.source is not None:
             return
-        now = time.time()
-        at = now if at_unix is None else at_unix
+        at = time.time() if at_unix is None else at_unix
         self.received_unix = at
         self.deadline_unix = at + self.grace_s
         self.source = source
@@ -154,25 +143,16 @@ def _stderr(msg: str) -> None:
         os.write(2, msg.encode())
 
 
+@functools.cache
 def process_start_unix() -> float:
     """When this process started (Linux: from /proc; elsewhere: now, at first call)."""
-    global _START
-    if _START is None:
-        _START = _proc_start() or time.time()
-    return _START
-
-
-_START: float | None = None
-
-
-def _proc_start() -> float | None:
     try:
         with open("/proc/self/stat", "rb") as f:
             fields = f.read().rsplit(b")", 1)[1].split()
         started_after_boot_s = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: starttime
         return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - started_after_boot_s)
     except (OSError, ValueError, IndexError, AttributeError):
-        return None
+        return time.time()
 
 
 class Preempted(SystemExit):

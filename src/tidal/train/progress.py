@@ -1,30 +1,14 @@
 """Progress reporting: one JSON record per event, per rank, plus a heartbeat file.
 
-Records (every one carries ``event``, ``time`` (Unix seconds), ``job_id`` and ``rank``):
+Every record carries ``event`` (``start``, ``restore``, ``step``, ``checkpoint``, ``committed``,
+``save_failed``, ``notice``, ``preempted``, ``error``, ``end``), ``time`` (Unix seconds), ``job_id`` and
+``rank``; docs/train.md lists each event's fields. Writers are pluggable (:class:`ProgressWriter`); the
+default :class:`JsonlWriter` appends to one ``progress-rNNNNN.jsonl`` per rank, flushed per record.
 
-* ``start``: ``world_size``, ``pid``, ``host``, ``device``, ``backend``, ``uptime_s`` (since process start)
-* ``restore``: ``step`` (0: nothing restored), ``duration_s``, ``tier``, ``bytes_read``,
-  ``read_amplification``, ``fallbacks``, ``saved_world_size``, ``uptime_s``, ``skipped_steps`` (newer
-  steps not readable intact from any tier, skipped for an older one; only when there were some)
-* ``step``: ``step``, ``loss`` (mean over ranks), ``step_time_s``, ``samples_per_s``, ``tokens_per_s``,
-  ``committed`` ({tier: newest committed step}), ``uptime_s`` on the first step, the caller's fields
-* ``checkpoint``: ``step``, ``reason`` (``steps``, ``seconds``, ``notice``, ``manual``), ``stall_s``
-* ``committed``: ``step``, ``tiers``, ``persist_s`` (from the end of the stall to the last commit)
-* ``save_failed``: ``step``, ``tiers`` (committed anyway), ``error``
-* ``notice``: ``source`` (``SIGTERM``, ``file``, ``peer``: another rank was told), ``received`` (Unix s)
-* ``preempted``: ``step``, ``tiers`` (holding it at exit), ``notice_to_exit_s``, ``exit_code``
-* ``error`` (an exception left the session) and ``end``: ``step``
-
-Writers are pluggable (:class:`ProgressWriter`: ``write(record)`` and ``close()``); the default is
-:class:`JsonlWriter`, one ``progress-rNNNNN.jsonl`` per rank, appended across restarts and flushed
-per record. The control plane will add an HTTP writer.
-
-The heartbeat (``heartbeat-rNNNNN.json``, replaced atomically) says when the training thread last
-made progress: ``time``, ``step``, ``phase`` (``starting``, ``restoring``, ``training``,
-``checkpointing``, ``stopping``, ``stopped``), ``step_time_s`` (moving average) and ``pid``. It is
-written from the training thread only — never from a background thread — so a job stuck in a
-collective stops beating. A platform calls a job *hung* when the heartbeat is older than a few step
-times (and a minute), and *slow* when it beats but ``step_time_s`` grew.
+The heartbeat (``heartbeat-rNNNNN.json``, replaced atomically: ``time``, ``step``, ``phase``,
+``step_time_s``, ``pid``) is written from the training thread only, never from a background thread, so a
+job stuck in a collective stops beating: the platform calls it *hung* when the heartbeat is older than a
+few step times, *slow* when ``step_time_s`` grew.
 """
 
 from __future__ import annotations
@@ -101,11 +85,8 @@ class Heartbeat:
 
 
 class Meter:
-    """Step time and throughput from the time between consecutive ``step`` calls.
-
-    ``step_time_s`` is the time since the previous call (the first call after ``reset`` has none);
-    ``avg_step_time_s`` is an exponential moving average (weight ``alpha``).
-    """
+    """Step time and throughput from the time between consecutive ``step`` calls (none for the first after
+    ``reset``); ``avg_step_time_s``: an exponential moving average (weight ``alpha``)."""
 
     def __init__(self, alpha: float = 0.2) -> None:
         self.alpha = alpha
@@ -120,15 +101,10 @@ class Meter:
         dt = None if self._prev is None else now - self._prev
         self._prev = now
         if dt is not None and dt > 0:
-            a = self.alpha
-            self.avg_step_time_s = (
-                dt if self.avg_step_time_s is None else (1 - a) * self.avg_step_time_s + a * dt
-            )
-        return {
-            "step_time_s": dt,
-            "samples_per_s": samples / dt if dt and samples else None,
-            "tokens_per_s": tokens / dt if dt and tokens else None,
-        }
+            a, avg = self.alpha, self.avg_step_time_s
+            self.avg_step_time_s = dt if avg is None else (1 - a) * avg + a * dt
+        return {"step_time_s": dt, "samples_per_s": samples / dt if dt and samples else None,
+                "tokens_per_s": tokens / dt if dt and tokens else None}
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:

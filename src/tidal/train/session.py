@@ -1,28 +1,14 @@
-"""``Session``: what a training script holds to be stoppable at any step and resumable on any world size.
-
-    from tidal import train
-
-    with train.Session() as s:                              # process group, device, notices, progress
-        model, opt = build(s.device)                        # any layout: DDP, FSDP2, TP x DP, single
-        sampler = train.GlobalBatchSampler(n, global_batch=32, micro_batch=4,
-                                           rank=s.rank, world_size=s.world_size, seed=1)
-        step = s.restore(model, opt, sampler)               # newest committed step, resharded; 0 if none
-        while step < max_steps:
-            loss = train_one_step(sampler.micro_batches(step))
-            step += 1
-            s.step_done(step, loss=loss, samples=32)        # progress; checkpoint when due; stop on notice
-        s.checkpoint(step)                                  # a final checkpoint, if wanted
+"""``Session``: what a training script holds to be stoppable at any step and resumable on any world size
+(docs/train.md has the whole loop).
 
 Call order and collectives: every rank constructs the session, calls ``restore`` once, then
 ``step_done`` after every optimizer step with the same ``step``, in the same order (``step_done``
 holds one tiny all-reduce; ``restore`` and ``checkpoint`` are collective). ``step`` counts completed
-optimizer steps: a checkpoint saved as step N holds the state after N steps, and ``restore`` returns
-N, the number of the next step's batch.
+optimizer steps: a checkpoint saved as step N holds the state after N steps, and ``restore`` returns N.
 
 On a notice (SIGTERM or ``TIDAL_NOTICE_FILE``) ``step_done`` checkpoints the step just finished, waits
-for the commit and raises :class:`Preempted` (a ``SystemExit`` with code 75): ``finally`` blocks
-run, the ``with`` block ends the process with code 75 (see :mod:`tidal.train.notice`). The variables
-a session reads are documented in :mod:`tidal.train.env`.
+for the commit and raises :class:`Preempted` (a ``SystemExit`` with code 75): ``finally`` blocks run,
+the ``with`` block ends the process with code 75 (:mod:`tidal.train.notice`).
 """
 
 from __future__ import annotations
@@ -92,14 +78,9 @@ class Session:
         e = self.env
         if ckpt_url is not None and ckpt_tiers is not None:
             raise ValueError("give the checkpoint location once: ckpt_url or ckpt_tiers")
-        self.ckpt_tiers: list[Any] | None = None
-        if ckpt_tiers is not None:
-            self.ckpt_tiers = list(ckpt_tiers)
-        elif ckpt_url is None and e.ckpt_tiers is not None:
-            self.ckpt_tiers = list(e.ckpt_tiers)
-        self.ckpt_url = (
-            os.fspath(ckpt_url) if ckpt_url is not None else (None if self.ckpt_tiers else e.ckpt_url)
-        )
+        tiers = ckpt_tiers if ckpt_tiers is not None else e.ckpt_tiers if ckpt_url is None else None
+        self.ckpt_tiers: list[Any] | None = list(tiers) if tiers is not None else None
+        self.ckpt_url = os.fspath(ckpt_url) if ckpt_url is not None else (None if tiers else e.ckpt_url)
         self.ckpt_every_steps = e.ckpt_interval_steps if ckpt_every_steps is None else int(ckpt_every_steps)
         self.ckpt_every_s = e.ckpt_interval_s if ckpt_every_s is None else float(ckpt_every_s)
         self.keep = e.ckpt_keep if keep is None else int(keep)
@@ -122,7 +103,6 @@ class Session:
                              notice_file if notice_file is not None else e.notice_file, exit_fn=exit_fn)
         self.notice.install()
 
-        # Device and process group.
         if device is None:
             device = torch.device("cuda", e.local_rank) if torch.cuda.is_available() else torch.device("cpu")
         self.device = torch.device(device)
@@ -147,7 +127,6 @@ class Session:
         self.world_size = dist.get_world_size() if self.distributed else 1
         self.local_rank = e.local_rank
 
-        # Progress and checkpoint bookkeeping.
         pdir = progress_dir if progress_dir is not None else e.progress_dir
         self.progress_dir = os.fspath(pdir) if pdir is not None else None
         self._writers: list[ProgressWriter] = list(writers)
@@ -255,14 +234,9 @@ class Session:
         self._write(record)
         if self.is_main:
             if record["tier"]:
-                log.info(
-                    "restored step %d from tier %s in %.2f s (saved on %s ranks, now %d)",
-                    self.step,
-                    record["tier"],
-                    record["duration_s"],
-                    record.get("saved_world_size"),
-                    self.world_size,
-                )
+                log.info("restored step %d from tier %s in %.2f s (saved on %s ranks, now %d)",
+                         self.step, record["tier"], record["duration_s"], record.get("saved_world_size"),
+                         self.world_size)
             else:
                 log.info("no committed checkpoint%s: starting at step 0",
                          f" in {ckpt_config.describe(target)}" if target is not None
@@ -335,9 +309,7 @@ class Session:
         if interval is not None and float(interval) != self.ckpt_every_s:
             self._write({"event": "control", "ckpt_interval_s": float(interval), "was": self.ckpt_every_s})
             if self.is_main:
-                log.info(
-                    "checkpoint interval %g s -> %g s (control file)", self.ckpt_every_s, float(interval)
-                )
+                log.info("checkpoint interval %g s -> %g s (control file)", self.ckpt_every_s, interval)
             self.ckpt_every_s = float(interval)
 
     # -- checkpoints -------------------------------------------------------------------------------
@@ -384,10 +356,7 @@ class Session:
         if self._cp is None:
             assert self.ckpt_target is not None
             guard = self._optimizer if self.overlap and self._optimizer is not None else None
-            if self.ckpt_tiers is not None:
-                self._cp = ckpt.Checkpointer(tiers=self.ckpt_tiers, keep=self.keep, guard=guard)
-            else:
-                self._cp = ckpt.Checkpointer(self.ckpt_url, keep=self.keep, guard=guard)
+            self._cp = ckpt.Checkpointer(self.ckpt_target, keep=self.keep, guard=guard)  # a url or tiers
         return self._cp
 
     def _state(self, step: int) -> dict[str, Any]:
@@ -418,36 +387,28 @@ class Session:
 
     def _poll_saves(self) -> None:
         with self._io_lock:
-            self._poll_saves_locked()
-
-    def _poll_saves_locked(self) -> None:
-        for h in list(self._pending):
-            for tier in list(h.committed):
-                if self.committed.get(tier, -1) < h.step:
-                    self.committed[tier] = h.step
-            if not h.done():
-                continue
-            self._pending.remove(h)
-            if isinstance(h.error, ckpt.FencedError):
-                self._fenced(h.step, h.error)
-            elif h.error is not None:
-                log.warning(
-                    "checkpoint of step %d failed (committed in: %s): %s",
-                    h.step,
-                    h.committed or "none",
-                    h.error,
-                )
-                self._write({"event": "save_failed", "step": h.step, "tiers": list(h.committed),
-                             "error": str(h.error)[:2000]})
-            else:
-                self._write({"event": "committed", "step": h.step, "tiers": list(h.committed),
-                             "persist_s": h.persist_s})
+            for h in list(self._pending):
+                for tier in list(h.committed):
+                    if self.committed.get(tier, -1) < h.step:
+                        self.committed[tier] = h.step
+                if not h.done():
+                    continue
+                self._pending.remove(h)
+                if isinstance(h.error, ckpt.FencedError):
+                    self._fenced(h.step, h.error)
+                elif h.error is not None:
+                    log.warning("checkpoint of step %d failed (committed in: %s): %s", h.step,
+                                h.committed or "none", h.error)
+                    self._write({"event": "save_failed", "step": h.step, "tiers": list(h.committed),
+                                 "error": str(h.error)[:2000]})
+                else:
+                    self._write({"event": "committed", "step": h.step, "tiers": list(h.committed),
+                                 "persist_s": h.persist_s})
 
     # -- stopping ----------------------------------------------------------------------------------
     def _fenced(self, step: int, error: BaseException) -> None:
         """The checkpoint location belongs to another job or a newer attempt now (``tidal.ckpt.fence``):
-        this rank is a stale attempt's. Stop at once with ``EXIT_FENCED``: training on would only waste
-        the devices, and nothing it saves can become visible."""
+        stop at once with ``EXIT_FENCED``, nothing this rank saves can become visible."""
         self._write({"event": "fenced", "step": step, "error": str(error)[:2000], "exit_code": EXIT_FENCED})
         line = (str(error).splitlines() or ["fenced"])[0]
         print(f"tidal: rank {self.rank}: {line}; exiting with code {EXIT_FENCED}", file=sys.stderr,
@@ -481,13 +442,8 @@ class Session:
         self._write({"event": "preempted", "step": step, "tiers": tiers, "exit_code": EXIT_PREEMPTED,
                      "notice_to_exit_s": time.time() - n.received_unix})
         if self.is_main:
-            log.warning(
-                "notice (%s): stopped after step %d; checkpoint committed in %s; exiting with code %d",
-                n.source,
-                step,
-                tiers or "no tier",
-                EXIT_PREEMPTED,
-            )
+            log.warning("notice (%s): stopped after step %d; checkpoint committed in %s; exiting with code "
+                        "%d", n.source, step, tiers or "no tier", EXIT_PREEMPTED)
         raise Preempted(step, tiers)
 
     def close(self) -> None:
@@ -548,13 +504,11 @@ class Session:
             self._teardown()
 
     # -- collectives and records -------------------------------------------------------------------
-    def _agree(
-        self, stop: bool, due: bool, loss: float | torch.Tensor | None
-    ) -> tuple[bool, bool, float | None]:
+    def _agree(self, stop: bool, due: bool,
+               loss: float | torch.Tensor | None) -> tuple[bool, bool, float | None]:
         if not self.distributed:
             return stop, due, None if loss is None else float(loss)
-        dev = self.device if self.backend == "nccl" else torch.device("cpu")
-        t = torch.zeros(3, dtype=torch.float64, device=dev)
+        t = torch.zeros(3, dtype=torch.float64, device=self._reduce_device())
         t[0], t[1] = float(stop), float(due)
         if loss is not None:
             t[2] = loss.detach().to(torch.float64) if isinstance(loss, torch.Tensor) else float(loss)
@@ -562,11 +516,13 @@ class Session:
         s, d, total = t.tolist()
         return s > 0, d > 0, None if loss is None else total / self.world_size
 
+    def _reduce_device(self) -> torch.device:
+        return self.device if self.backend == "nccl" else torch.device("cpu")
+
     def _all_min(self, value: int) -> int:
         if not self.distributed:
             return value
-        dev = self.device if self.backend == "nccl" else torch.device("cpu")
-        t = torch.tensor([value], dtype=torch.int64, device=dev)
+        t = torch.tensor([value], dtype=torch.int64, device=self._reduce_device())
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return int(t.item())
 

@@ -1,18 +1,12 @@
 """``python -m tidal.train.torchrun``: ``torchrun`` whose exit code says "preempted" when it was.
 
-Plain ``torchrun`` folds its ranks' exit codes into its own: ranks that stop on a reclaim notice
-exit 75 (``tidal.contract.EXIT_PREEMPTED``: checkpointed, resumable) and the elastic agent then
-exits 1, as for any failure. This wrapper takes the same arguments, runs torch's own launcher in
-this process, and exits 75 when every rank that did not finish cleanly exited 75 - or was stopped
-by the agent with SIGTERM after another rank had exited 75 (the session checkpoints on SIGTERM too);
-any other failure keeps torchrun's code (1). A scheduler, or a shell loop that restarts only
-resumable runs, can then tell the two apart:
+Plain ``torchrun`` exits 1 when ranks stop on a reclaim notice (exit 75). This wrapper takes the same
+arguments, runs torch's launcher in this process, and exits 75 when every rank that did not finish
+cleanly exited 75, or was stopped with SIGTERM after another did; any other failure keeps torchrun's
+code. For users of plain ``torchrun`` (Tidal's executors read each rank's code):
 
-    python -m tidal.train.torchrun --standalone --nproc-per-node 4 train.py --ckpt-every 20
+    python -m tidal.train.torchrun --standalone --nproc-per-node 4 train.py
     echo $?    # 0 finished, 75 preempted (resume it), 1 failed
-
-Tidal's own executors start the ranks themselves and read each rank's code; this is for users of
-plain ``torchrun``.
 """
 
 from __future__ import annotations
@@ -40,10 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     except ChildFailedError as e:
         codes = [f.exitcode for f in e.failures.values()]
         if preempted(codes):
-            print(
-                f"tidal.train.torchrun: ranks exited {sorted(set(codes))}: preempted (exit {EXIT_PREEMPTED})",
-                file=sys.stderr,
-            )
+            print(f"tidal.train.torchrun: ranks exited {sorted(set(codes))}: preempted "
+                  f"(exit {EXIT_PREEMPTED})", file=sys.stderr)
             return EXIT_PREEMPTED
         print(f"tidal.train.torchrun: ranks failed with exit codes {sorted(set(codes))}", file=sys.stderr)
         return 1

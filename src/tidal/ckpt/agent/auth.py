@@ -1,10 +1,9 @@
 """Credentials of the checkpoint agents (standard library only).
 
 A plane that starts agents (``tidal up --executor ray --ckpt-agents``) keeps one secret **key**
-(:data:`KEY_FILE` in the executor's root, ``<state dir>/jobs``: 32 random bytes as hex, 0600, created
-once and kept across restarts). Its agents get the key from their own environment
-(``TIDAL_CKPT_AGENT_KEY``, read and removed at start) or a file (``--key-file``), never on their
-command line. Each job gets a **token** for its namespace in the agents (``TIDAL_CKPT_AGENT_TOKEN``):
+(:data:`KEY_FILE` in ``<state dir>/jobs``: 32 random bytes as hex, 0600, kept across restarts). Its
+agents get it from their environment (``TIDAL_CKPT_AGENT_KEY``, removed at start) or ``--key-file``,
+never on their command line. Each job gets a **token** for its namespace (``TIDAL_CKPT_AGENT_TOKEN``):
 ``HMAC-SHA256(key, "tidal-ckpt-agent/job" NUL namespace)`` as hex, so no job can derive another's.
 Agents talk to each other, and the plane to them, with the **agent token** (HMAC of the key with
 another label), which every endpoint accepts. Requests carry ``Authorization: Bearer <token>``.
@@ -60,9 +59,8 @@ def read_key(path: str | os.PathLike) -> bytes:
 
 
 def load_or_create_key(directory: str | os.PathLike) -> bytes:
-    """The plane's key in ``directory``/:data:`KEY_FILE`, created (0600) if there is none yet: written
-    whole to a temporary file first, then linked into place (never a torn key; a racing start reads
-    the winner's)."""
+    """The plane's key in ``directory``/:data:`KEY_FILE`, created (0600, never torn; a racing start reads
+    the winner's) if there is none yet."""
     path = Path(directory) / KEY_FILE
     if os.path.lexists(path):
         return read_key(path)

@@ -1,8 +1,6 @@
-"""The checkpoint agent's HTTP layer (:mod:`tidal.ckpt.agent.server` is the agent): one thread per
-connection, requests dispatched to a :class:`Router` (the agent, :meth:`Agent.route
-<tidal.ckpt.agent.server.Agent.route>`), errors as JSON, bodies received into files and files sent (with
-``Range``) without holding them in memory. The agent imports this module; this module knows the agent only
-as a :class:`Router`."""
+"""The checkpoint agent's HTTP layer: one thread per connection, requests dispatched to a :class:`Router`
+(the agent, ``server.Agent.route``), errors as JSON, bodies streamed into files and files sent (with
+``Range``) without holding them in memory."""
 
 from __future__ import annotations
 
@@ -56,22 +54,8 @@ class Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args) -> None:  # noqa: A002 - the base class's name
         log.debug("%s %s", self.address_string(), format % args)
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-        self._dispatch("GET")
-
-    def do_HEAD(self) -> None:  # noqa: N802
-        self._dispatch("HEAD")
-
-    def do_PUT(self) -> None:  # noqa: N802
-        self._dispatch("PUT")
-
-    def do_POST(self) -> None:  # noqa: N802
-        self._dispatch("POST")
-
-    def do_DELETE(self) -> None:  # noqa: N802
-        self._dispatch("DELETE")
-
-    def _dispatch(self, method: str) -> None:
+    def _dispatch(self) -> None:
+        method = self.command
         url = urllib.parse.urlsplit(self.path)
         parts = [urllib.parse.unquote(p) for p in url.path.split("/") if p]
         query = {k: v[-1] for k, v in urllib.parse.parse_qs(url.query).items()}
@@ -91,6 +75,8 @@ class Handler(BaseHTTPRequestHandler):
         except Exception as e:
             log.exception("%s %s failed", method, self.path)
             self.send_json(500, {"error": f"{type(e).__name__}: {e}"})
+
+    do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _dispatch  # noqa: N815 - http.server's naming
 
     def send_json(self, status: int, doc: dict) -> None:
         data = json.dumps(doc, separators=(",", ":")).encode()

@@ -1,13 +1,7 @@
 """Run a checkpoint agent as a child process (tests, benchmarks, a single-machine launcher).
 
-    a = AgentProcess(tmp / "node-a", buddy=b.address)    # port chosen now, free on 127.0.0.1
-    a.start()                                            # python -m tidal.ckpt.agent ...; waits for /status
-    a.status()                                           # its GET /status document
-    a.kill()                                             # SIGKILL by pid: the node is gone
-    a.stop()                                             # SIGTERM, a short wait, then SIGKILL
-
-The agent is its own process (as on a real node) in its own session, so a test can kill it without
-touching anything else; ``stop`` is safe to call twice and after ``kill``.
+The agent is its own process in its own session (as on a real node), so a test can ``kill`` it (SIGKILL:
+the node is gone) without touching anything else; ``stop`` is safe to call twice and after ``kill``.
 """
 
 from __future__ import annotations
@@ -56,17 +50,8 @@ class AgentProcess:
     def start(self, timeout_s: float = 20.0) -> AgentProcess:
         if self.running():
             return self
-        args = [
-            sys.executable,
-            "-m",
-            "tidal.ckpt.agent",
-            "--listen",
-            self.address,
-            "--mem-dir",
-            str(self.mem_dir),
-            "--resync-s",
-            str(self.resync_s),
-        ]
+        args = [sys.executable, "-m", "tidal.ckpt.agent", "--listen", self.address,
+                "--mem-dir", str(self.mem_dir), "--resync-s", str(self.resync_s)]
         if self.buddy:
             args += ["--buddy", self.buddy]
         if self.node:

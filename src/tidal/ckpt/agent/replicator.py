@@ -1,18 +1,13 @@
 """The agent's replicator: pushes everything this node's ranks hand the agent to its buddy agent.
 
-One thread does every push, in the order objects arrived, so a *sync* request (a sidecar or the
-manifest: the caller waits) is answered only after every earlier object of the step reached the
-buddy. A data file handed off from a staging slot (``Handoff``) is pushed straight from the slot,
-before the agent makes its own copy: the commit waits for the buddy, not for the local copy. A
-data file being copied in the older way (copy first) is pushed *while* it is copied (``Growing``:
-the push sends what has been copied and waits for more). While idle, every
-``resync_s`` it reads the buddy's index of this node's replicas and pushes committed steps the
-buddy lacks (it was down, or restarted empty), manifest last. It never deletes at the buddy on
-its own: removals come only from the job (retention), so an agent restarted on an empty memory
-directory cannot wipe the only remaining copies.
+One thread does every push, in arrival order, so a *sync* request (a sidecar or the manifest) is
+answered only after every earlier object of the step reached the buddy. A handed-off data file
+(``Handoff``) is pushed straight from the staging slot before the local copy; a file copied in first is
+pushed *while* it is copied (``Growing``). When idle, every ``resync_s`` it pushes committed steps the
+buddy lacks, manifest last. It never deletes at the buddy on its own (only the job's removals are
+forwarded), so an agent restarted empty cannot wipe the only remaining copies.
 
-Buddy protocol (agent to agent; with the agent token when the agents have a key, see ``auth``):
-``GET /v1/replicas/<node>`` (what the buddy holds for us), ``PUT`` /
+Buddy protocol (with the agent token when keyed, see ``auth``): ``GET /v1/replicas/<node>``, ``PUT`` /
 ``DELETE /v1/replicas/<node>/<job>/<step>[/<name>]``; bodies are sent with ``sendfile``.
 """
 
@@ -72,13 +67,9 @@ class Growing:
 
 @dataclass(eq=False)
 class Handoff:
-    """A data file the agent reads from a rank's staging slot: pushed to the buddy first (straight
-    from the slot), then copied into the memory directory. The rank keeps the slot unchanged until
-    ``copied`` is set (it asks with ``wait=copy``), so both reads see the same bytes.
-
-    ``pushed``/``copied``: None while running, then "" on success or why it failed. The local copy
-    starts when the push ends, or once the push has made no progress for ``stall_s`` (a slow buddy
-    must not hold the slot longer than the copy itself takes). Thread-safe.
+    """A data file read from a rank's staging slot: pushed to the buddy first, then copied here; the
+    rank keeps the slot unchanged until ``copied`` is set. ``pushed``/``copied``: None while running,
+    then "" or why it failed. The copy starts when the push ends or stalls for ``stall_s``. Thread-safe.
     """
 
     size: int
@@ -139,17 +130,9 @@ class _Item:
 class Replicator:
     """Pushes this node's objects to the buddy agent, in order, from one thread."""
 
-    def __init__(
-        self,
-        store: Store,
-        node: str,
-        buddy: str | None,
-        *,
-        resync_s: float = 2.0,
-        timeout_s: float = 120.0,
-        handoffs: Callable[[str, int], dict[str, Handoff]] | None = None,
-        token: str | None = None,
-    ) -> None:
+    def __init__(self, store: Store, node: str, buddy: str | None, *, resync_s: float = 2.0,
+                 timeout_s: float = 120.0, handoffs: Callable[[str, int], dict[str, Handoff]] | None = None,
+                 token: str | None = None) -> None:
         self.store, self.node = store, node
         self._handoffs = handoffs  # (job, step) -> data files of the step being handed off (name -> Handoff)
         self.client = AgentClient(buddy, timeout_s=timeout_s, token=token) if buddy else None
@@ -261,9 +244,8 @@ class Replicator:
     def _process(self, it: _Item) -> None:
         try:
             if it.kind == "push":
-                it.error = self._guard(
-                    self._push, it.job, it.step, it.name, it.fd, it.size, it.growing, it.handoff
-                )
+                it.error = self._guard(self._push, it.job, it.step, it.name, it.fd, it.size, it.growing,
+                                       it.handoff)
             elif it.kind == "sync":
                 it.error = self._guard(self._sync, it)
             else:
@@ -284,8 +266,7 @@ class Replicator:
     def _sync(self, it: _Item) -> None:
         self._ensure_step(it.job, it.step)
         if it.name == MANIFEST and self._handoffs is not None:
-            # A data file handed off from a slot reaches the buddy by its own push (earlier in this
-            # queue, so finished by now) or, when that failed, from the local copy once it is made.
+            # A handed-off file reached the buddy by its own (earlier) push, or goes from the local copy.
             for name, h in self._handoffs(it.job, it.step).items():
                 if self._remote_index().get(it.job, {}).get(it.step, {}).get(name) == h.size:
                     continue

@@ -1,55 +1,42 @@
 """The node checkpoint agent: holds this node's recent steps in memory and replicates them to a buddy.
 
     tidal ckpt agent --listen 0.0.0.0:7070 --mem-dir /dev/shm/tidal-agent --buddy node2:7070
-    python -m tidal.ckpt.agent --listen 127.0.0.1:7070 --mem-dir /dev/shm/a --buddy 127.0.0.1:7071
 
-One agent runs per node (started by the job launcher, or by hand). The training processes of that
-node talk to it through the peer tier (``peer.PeerTier``); every object they hand it is stored
-under the memory directory (``store``) and pushed to the *buddy* agent on another node, so
-losing one node loses no committed step. Started again on the same memory directory, an agent
-takes up what it held (only torn writes are dropped) and pushes its buddy whatever it lacks.
+One agent runs per node. The node's ranks talk to it through the peer tier (``peer.PeerTier``); every
+object they hand it is stored under the memory directory (``store``) and pushed to the *buddy* agent
+on another node. Restarted on the same directory, an agent takes up what it held (torn writes are
+dropped) and pushes its buddy whatever it lacks.
 
 HTTP API (JSON answers; ``<job>`` a peer tier's namespace, ``<step>`` ``step_<12 digits>``):
 
-    GET    /status                                  node, buddy, replication state, steps held (and from whom)
+    GET    /status                                  node, buddy, replication state, steps held
     GET    /v1/jobs/<job>                           {"steps": {step: {"files": {name: size},
                                                     "committed_unix_s"}}}
-    GET    /v1/jobs/<job>/<step>                    one step's files (404: not held)
-    GET    /v1/jobs/<job>/<step>/<name>             the object; a ``Range: bytes=a-b`` request gets exactly
-                                                    that range
-    PUT    /v1/jobs/<job>/<step>/<name>[?sync=1]    store; replicate in the background, or (sync) answer only
-                                                    once the buddy holds it and every earlier object of the
-                                                    step
+    GET    /v1/jobs/<job>/<step>[/<name>]           one step's files, or the object (``Range: bytes=a-b``)
+    PUT    /v1/jobs/<job>/<step>/<name>[?sync=1]    store; replicate in the background, or (sync) answer
+                                                    once the buddy holds it and every earlier object
     POST   /v1/jobs/<job>/<step>/<name>?copy_from=PATH&length=N[&hold=1]
-                                                    take N bytes of a local file (a staging slot). hold=1: 202
-                                                    at once; push them to the buddy straight from the file,
-                                                    then copy them here; the caller keeps the file unchanged
-                                                    until wait=copy answers. Without hold: copy, then answer
-                                                    (the push follows)
+                                                    take N bytes of a staging slot. hold=1: 202 at once,
+                                                    push from the file, then copy it; the caller keeps the
+                                                    file unchanged until wait=copy answers
     POST   /v1/jobs/<job>/<step>/<name>?wait=copy   answer once a held handoff no longer reads its file
     DELETE /v1/jobs/<job>/<step>[/<name>]           remove from every tree here, and at the buddy
-    GET    /v1/replicas/<origin>                    what this agent holds for agent <origin> (agent to agent)
+    GET    /v1/replicas/<origin>                    what this agent holds for agent <origin>
     PUT|DELETE /v1/replicas/<origin>/<job>/<step>[/<name>]
 
-**Authentication.** An agent given a key (``--key-file``, or ``TIDAL_CKPT_AGENT_KEY`` in its own
-environment: what the executor does, see ``auth``) answers ``/v1/jobs/<job>/...`` only with that
-namespace's token or the agent token (``Authorization: Bearer ...``), ``/v1/replicas/...`` only with
-the agent token, and ``GET /status`` without its ``steps`` unless with the agent token; anything else
-gets 403 with a one-line reason, before any body is read and with nothing stored or removed. Without a
-key it is open: every request is accepted (an agent started by hand, as before).
+**Authentication.** An agent given a key (``--key-file`` or ``TIDAL_CKPT_AGENT_KEY``, see ``auth``)
+answers ``/v1/jobs/<job>/...`` only with that namespace's token or the agent token, ``/v1/replicas/...``
+only with the agent token, and ``GET /status`` without its ``steps`` unless with the agent token; else
+403 with a one-line reason, before any body is read. Without a key every request is accepted.
 
 A ``manifest.json`` PUT (the commit) is refused with 409 when a data file of a rank whose sidecar
-this agent holds is missing or of the wrong size (a held handoff counts once the buddy holds it
-whole: its local copy follows from the slot the rank still holds), and with 503 when the buddy
-cannot take it or a data file is neither at the buddy nor copied here yet (the checkpointer's
-upload queue retries). ``copy_from`` must lie under an allowed root
-(``--allow-copy-from``; default ``$TIDAL_SHM_DIR/tidal`` or ``/dev/shm/tidal``, where staging
-slots live), else 403 and the client sends the bytes instead.
+this agent holds is missing or of the wrong size, and with 503 when the buddy cannot take it or a
+data file is neither at the buddy nor copied here yet (the upload queue retries). ``copy_from`` must
+lie under an allowed root (``--allow-copy-from``; default ``$TIDAL_SHM_DIR/tidal``), else 403 and
+the client sends the bytes instead.
 
-Threads: one per connection (``ThreadingHTTPServer``), one per held handoff while it copies, and
-one replicator thread that does every push to the buddy in order, and every ``resync_s`` when
-idle compares the buddy's copy with this node's committed steps. Standard library only: an agent
-starts in a fraction of a second.
+Threads: one per connection, one per held handoff while it copies, and one replicator thread that
+pushes to the buddy in order and, every ``resync_s`` when idle, checks the buddy's copy.
 """
 
 from __future__ import annotations
@@ -95,19 +82,10 @@ def default_copy_roots() -> list[str]:
 class Agent:
     """One node's checkpoint agent. ``start`` serves in a background thread; ``close`` stops it."""
 
-    def __init__(
-        self,
-        listen: str,
-        mem_dir: str | os.PathLike,
-        *,
-        buddy: str | None = None,
-        node: str | None = None,
-        allow_copy_from: list[str] | None = None,
-        resync_s: float = 2.0,
-        sync_timeout_s: float = 240.0,
-        reserve_bytes: int = 64 << 20,
-        key: bytes | None = None,
-    ) -> None:
+    def __init__(self, listen: str, mem_dir: str | os.PathLike, *, buddy: str | None = None,
+                 node: str | None = None, allow_copy_from: list[str] | None = None, resync_s: float = 2.0,
+                 sync_timeout_s: float = 240.0, reserve_bytes: int = 64 << 20,
+                 key: bytes | None = None) -> None:
         host, _, port = parse_address(listen, "--listen", any_port=True).rpartition(":")
         self.store = Store(mem_dir)
         found = self.store.open()
@@ -122,9 +100,7 @@ class Agent:
         self.started_unix_s = time.time()
         self.copied_bytes = 0  # handed off by copying a staging slot (no bytes through HTTP)
         self.received_bytes = 0  # received in request bodies (from this node's ranks or other agents)
-        self.stall_s = (
-            1.0  # a held handoff's local copy waits at most this long for a push that makes no progress
-        )
+        self.stall_s = 1.0  # a held handoff's local copy waits this long at most for a push that stalls
         self._handoffs: dict[tuple[str, int, str], Handoff] = {}  # held handoffs, kept a while after they end
         self._hlock = threading.Lock()
         self.guard = Guard(key)  # no key: open
@@ -166,20 +142,11 @@ class Agent:
             rows.append(r)
         st = os.statvfs(self.store.root)
         return {
-            "format": FORMAT,
-            "version": 1,
-            "node": self.node,
-            "address": self.address,
-            "pid": os.getpid(),
-            "mem_dir": str(self.store.root),
-            "started_unix_s": self.started_unix_s,
-            "now_unix_s": time.time(),
-            "buddy": self.replicator.status(),
-            "copied_bytes": self.copied_bytes,
-            "received_bytes": self.received_bytes,
-            "held_bytes": sum(r["bytes"] for r in rows),
-            "free_bytes": st.f_bavail * st.f_frsize,
-            "auth": not self.guard.open,
+            "format": FORMAT, "version": 1, "node": self.node, "address": self.address, "pid": os.getpid(),
+            "mem_dir": str(self.store.root), "started_unix_s": self.started_unix_s, "now_unix_s": time.time(),
+            "buddy": self.replicator.status(), "copied_bytes": self.copied_bytes,
+            "received_bytes": self.received_bytes, "held_bytes": sum(r["bytes"] for r in rows),
+            "free_bytes": st.f_bavail * st.f_frsize, "auth": not self.guard.open,
             **({"steps": rows} if steps else {}),
         }
 
@@ -194,25 +161,27 @@ class Agent:
         job, rest = check_name(parts[2], "job"), parts[3:]
         self._authorize(h, job)
         if not rest and method == "GET":
-            return h.send_json(
-                200, {"job": job, "steps": {str(s): i for s, i in self.store.job_index(job).items()}}
-            )
-        step = self._step(rest[0]) if rest else None
+            steps = {str(s): i for s, i in self.store.job_index(job).items()}
+            return h.send_json(200, {"job": job, "steps": steps})
+        step = parse_step(rest[0]) if rest else None
         if step is None or len(rest) > 2:
             raise HTTPError(404, f"no such endpoint: {method} {h.path}")
         name = check_name(rest[1], "object") if len(rest) == 2 else None
+        if method == "DELETE":
+            with self._hlock:
+                self._cancel(job, step, name)
+                if name is None:
+                    removed = self.store.remove_step(job, step)
+                else:
+                    removed = self.store.remove_file(job, step, name)
+            self.replicator.forget(job, step, name)
+            return h.send_json(200, {"removed": removed})
         if name is None:
             if method == "GET":
                 info = self.store.step_info(job, step)
                 if info is None:
                     raise HTTPError(404, f"{job}/{step_dirname(step)}: not held here")
                 return h.send_json(200, info)
-            if method == "DELETE":
-                with self._hlock:
-                    self._cancel(job, step, None)
-                    removed = self.store.remove_step(job, step)
-                self.replicator.forget(job, step, None)
-                return h.send_json(200, {"removed": removed})
         elif method in ("GET", "HEAD"):
             path = self.store.locate(job, step, name)
             if path is None:
@@ -224,12 +193,6 @@ class Agent:
             return self._copy_in(h, job, step, name, query)
         elif method == "POST" and query.get("wait") == "copy":
             return self._wait_copy(h, job, step, name)
-        elif method == "DELETE":
-            with self._hlock:
-                self._cancel(job, step, name)
-                removed = self.store.remove_file(job, step, name)
-            self.replicator.forget(job, step, name)
-            return h.send_json(200, {"removed": removed})
         raise HTTPError(405, f"{method} not allowed on {h.path}")
 
     def _authorize(self, h: Handler, job: str | None) -> None:
@@ -237,9 +200,6 @@ class Agent:
         why = self.guard.refusal(h.headers.get("Authorization"), job)
         if why is not None:
             raise HTTPError(403, why)
-
-    def _step(self, dirname: str) -> int | None:
-        return parse_step(dirname)
 
     def _room(self, n: int) -> None:
         st = os.statvfs(self.store.root)
@@ -250,10 +210,8 @@ class Agent:
     def _put(
         self, h: Handler, job: str, step: int, name: str, sync: bool, origin: str | None = None
     ) -> None:
-        """Receive a file into the store. Not :func:`tidal.files.write_atomic`: the bytes stream in
-        from the socket (or a slot) to the store's own temporary name, are handed to the replicator
-        before they are published, and a held copy is published only if not cancelled meanwhile, under
-        the handoff lock; the publish is the same ``os.replace``."""
+        """Receive a file into the store (not ``write_atomic``: the bytes stream to the store's temporary
+        name and go to the replicator before they are published)."""
         self._room(int(h.headers.get("Content-Length") or 0))
         tmp, final = self.store.temp_path(origin, job, step, name)
         try:
@@ -295,8 +253,7 @@ class Agent:
             if ho is not None and ho.size == size and ho.copied is None:
                 if ho.pushed == "":
                     continue  # whole at the buddy; the local copy from the (still held) slot follows
-                # No buddy, or the push failed: the local copy is what the commit needs (the replicator
-                # then pushes it from there, or answers 503 while the buddy is unreachable).
+                # No buddy, or the push failed: the commit needs the local copy.
                 if (
                     ho.wait_copied(self.sync_timeout_s)
                     and self.store.step_files(None, job, step).get(name) == size
@@ -315,10 +272,8 @@ class Agent:
             )
 
     def _copy_in(self, h: Handler, job: str, step: int, name: str, query: dict[str, str]) -> None:
-        """``copy_from``: take a rank's data file from its staging slot. With ``hold=1`` (what the peer
-        tier sends) answer 202 at once, push the slot to the buddy first and copy it here after
-        (``_copy_held``); the rank keeps the slot unchanged until ``wait=copy`` answers. Without it,
-        copy first and answer when copied (the push streams behind the copy)."""
+        """``copy_from``: take a rank's data file from its staging slot. ``hold=1``: answer 202 at once,
+        push, then copy (``_copy_held``). Without it: copy, then answer (the push streams behind)."""
         src, length = query["copy_from"], int(query.get("length", "-1"))
         real = os.path.realpath(src)
         if not any(real == r or real.startswith(r + os.sep) for r in self.copy_roots):
@@ -373,8 +328,7 @@ class Agent:
                 growing.advance(n)
 
     def _copy_held(self, ho: Handoff, src: str, sfd: int, dfd: int, tmp: Path, final: Path) -> None:
-        """The local copy of a held handoff, after its push (thread): made visible unless removed
-        meanwhile."""
+        """The local copy of a held handoff, after its push (thread); published unless removed meanwhile."""
         try:
             ho.wait_push(self.stall_s)
             self._copy_all(src, sfd, dfd, ho.size)
@@ -432,7 +386,7 @@ class Agent:
             return h.send_json(200, {"origin": origin, "jobs": jobs})
         if len(parts) not in (3, 4):
             raise HTTPError(404, f"no such endpoint: {method} {h.path}")
-        job, step = check_name(parts[1], "job"), self._step(parts[2])
+        job, step = check_name(parts[1], "job"), parse_step(parts[2])
         if step is None:
             raise HTTPError(404, f"bad step {parts[2]!r}")
         name = check_name(parts[3], "object") if len(parts) == 4 else None
@@ -450,13 +404,11 @@ class Agent:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="tidal ckpt agent", description="The node checkpoint agent (peer tier).")
     p.add_argument("--listen", required=True, help="HOST:PORT to serve on (port 0: any free port)")
-    p.add_argument(
-        "--mem-dir", required=True, help="memory directory holding the steps (e.g. under /dev/shm)"
-    )
+    p.add_argument("--mem-dir", required=True,
+                   help="memory directory holding the steps (e.g. under /dev/shm)")
     p.add_argument("--buddy", help="HOST:PORT of the agent on another node that gets a copy of everything")
-    p.add_argument(
-        "--node", help="this node's name in the buddy's replica tree (default: the listen address)"
-    )
+    p.add_argument("--node",
+                   help="this node's name in the buddy's replica tree (default: the listen address)")
     p.add_argument("--allow-copy-from", action="append", help="directory staging slots may be copied from "
                    "(repeatable; default $TIDAL_SHM_DIR/tidal or /dev/shm/tidal)")
     p.add_argument("--no-copy-from", action="store_true", help="copy no file a client names (ranks send "

@@ -5,16 +5,13 @@ Layout under the agent's memory directory (``--mem-dir``, normally under ``/dev/
     <mem>/own/<job>/step_000000000120/<name>               # handed over by this node's ranks
     <mem>/replica/<origin>/<job>/step_000000000120/<name>  # pushed by the agent of node <origin>
 
-``<job>`` is a peer tier's namespace (``peer.PeerTier.job``); ``<name>`` one object of a step (data
-file, sidecar, ``manifest.json``), exactly as in every other tier. A job's view of a step is the
-union over the trees (own first), so the agent answers for the steps it replicates for its
-neighbours too. Every write goes to a hidden temporary name (``.<name>.part-<random>``) and is
-renamed into place, so a reader never sees half an object; hidden names are ignored by listings
-and removed when an agent starts on the directory again (torn writes of the previous run).
+``<job>`` is a peer tier's namespace; ``<name>`` one object of a step, as in every other tier. A job's
+view of a step is the union over the trees (own first). Every write goes to a hidden temporary name
+(``.<name>.part-<random>``) and is renamed into place; hidden names are ignored by listings and
+removed when an agent starts on the directory again (torn writes of the previous run).
 
-This module does no networking and needs nothing but the standard library (an agent starts in
-tenths of a second and stays small). Thread-safe in the sense of the filesystem: concurrent
-writers of one name race, the last rename wins.
+No networking here. Thread-safe in the sense of the filesystem: concurrent writers of one name race,
+the last rename wins.
 """
 
 from __future__ import annotations
@@ -27,9 +24,10 @@ import uuid
 from pathlib import Path
 from typing import Literal
 
-MANIFEST = "manifest.json"
+from tidal.ckpt.format.manifest import MANIFEST, step_dirname
+from tidal.ckpt.format.manifest import parse_step_dirname as parse_step
+
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,200}$")
-_STEP = re.compile(r"^step_(\d{12})$")
 
 
 def check_name(value: str, what: str) -> str:
@@ -39,15 +37,6 @@ def check_name(value: str, what: str) -> str:
             f"{what} {value!r} is not a valid name (letters, digits, '.', '_', '-'; not starting with '.')"
         )
     return value
-
-
-def step_dirname(step: int) -> str:
-    return f"step_{step:012d}"
-
-
-def parse_step(dirname: str) -> int | None:
-    m = _STEP.match(dirname)
-    return int(m.group(1)) if m else None
 
 
 def _listdir(p: Path) -> list[str]:
@@ -71,13 +60,10 @@ class Store:
         self.replicas.mkdir(parents=True, exist_ok=True)
         found = 0
         for _, tree in self.trees():
-            for job in _listdir(tree):
-                for sd in _listdir(tree / job):
-                    found += 1
-                    for n in _listdir(tree / job / sd):
-                        if n.startswith("."):
-                            with contextlib.suppress(OSError):
-                                os.unlink(tree / job / sd / n)
+            found += sum(1 for _ in tree.glob("*/*"))
+            for torn in tree.glob("*/*/.*"):
+                with contextlib.suppress(OSError):
+                    torn.unlink()
         return found
 
     # -- paths -------------------------------------------------------------------------------------
@@ -120,8 +106,7 @@ class Store:
         return out
 
     def step_info(self, job: str, step: int) -> dict | None:
-        """Union over trees: {"files": {name: size}, "committed_unix_s": manifest mtime or None}; None when
-        no tree holds a visible object of it."""
+        """Union over trees: {"files": {name: size}, "committed_unix_s": manifest mtime or None}, or None."""
         files: dict[str, int] = {}
         committed = None
         seen = False

@@ -1,33 +1,26 @@
 """``Checkpointer``: save = stage (a memory copy, in the caller) + persist (background, per tier).
 
-Call order and threads (every rank calls the same methods in the same order)::
+Call order (every rank calls the same methods in the same order)::
 
-    cp = Checkpointer(url, process_group=pg, keep=3)   # collective-free; checks every tier
     cp = Checkpointer(tiers=["shm", "/nvme/run1", {"url": "s3://b/run1", "every": 5}])
     h = cp.save(step, state)   # collective: exchanges piece descriptions, copies into a slot
-    ...                        # training continues while background threads persist
     h.wait()                   # the step is committed in every tier it was due in (or SaveError)
     cp.status()                # which tiers hold which steps; durable lag (also a JSON file)
     cp.close()                 # waits for everything pending, frees the slots
 
-``save`` is called from the training thread. One persist thread per Checkpointer (``persist.py``)
-checksums the staged slot and writes it to the *fast* tiers (shm: a hard link; directories: a write
-from the slot), committing each (rank 0 writes manifests); the slot is free again once they are done.
-Each *slow* tier (S3, peer) has its own upload queue and thread (``remote``), fed after the fast tiers
-with the step's local copy, so a slow or unreachable store never holds a slot: saves keep landing
-in the fast tiers while the backlog waits, retrying, and the status shows the lag. A peer tier's
-data file is handed to this node's checkpoint agent (which copies the slot) before the slot is
-released, overlapping the checksums. No background thread runs a collective, so none can deadlock
-with training's collectives.
+Threads: ``save`` runs in the training thread. One persist thread (``persist``) checksums the slot and
+writes the *fast* tiers (shm: a hard link; directories: a write from the slot), then frees the slot.
+Each *slow* tier (S3, peer) has its own upload queue (``remote``), fed from the step's local copy, so
+a slow store never holds a slot; a peer tier's data file is handed to the node's agent before the slot
+is released. No background thread runs a collective, so none can deadlock with training's.
 
-Which tiers a save goes to: the ``i``-th save (from 0) goes to each tier whose ``every`` divides
-``i``. Retention (``keep``) is per tier, applied by rank 0 after each commit there.
+The ``i``-th save (from 0) goes to each tier whose ``every`` divides ``i``; retention (``keep``) is per
+tier, applied by rank 0 after each commit there.
 
-Overlapped mode (``guard=optimizer``): ``save`` copies module buffers and other unguarded tensors at
-once but leaves the parameters and optimizer state to the background thread and returns; an
-optimizer step pre-hook blocks the next ``optimizer.step()`` until that copy is done, so the
-committed step is exactly the state at ``save``. The caller promises that guarded tensors change
-only through ``optimizer.step()`` until then.
+Overlapped mode (``guard=optimizer``): ``save`` copies unguarded tensors at once and leaves parameters
+and optimizer state to a background copy; an optimizer step pre-hook blocks the next ``step()`` until
+it is done, so the committed step is exactly the state at ``save``. The caller promises that guarded
+tensors change only through ``optimizer.step()`` until then.
 """
 
 from __future__ import annotations
@@ -66,29 +59,26 @@ class Checkpointer:
     """Concurrent, layout-independent checkpoints of a nested training state.
 
     Args:
-        url: the job's checkpoint location: a directory (local or shared filesystem; ``file://``
-            accepted) or ``s3://bucket/prefix``; or a tier list (same as ``tiers=``). With
-            ``tiers`` given it may be omitted; if given it must be the first non-shm tier.
-        process_group: the group whose ranks save together (``None``: the default group if
-            initialised, else single-process).
+        url: the job's checkpoint location: a directory (``file://`` accepted) or ``s3://bucket/prefix``;
+            or a tier list (as ``tiers=``). With ``tiers`` it may be omitted, else it must be the first
+            non-shm tier.
+        process_group: the ranks that save together (``None``: the default group if initialised).
         keep: committed steps retained per durable tier unless the tier says otherwise; 0 keeps all.
-        tiers: where steps go, fastest first (see ``config``), e.g.
-            ``["shm", "/nvme/run1", {"url": "s3://bucket/run1", "every": 5, "keep": 10}]``.
-            Default: ``["shm", url]`` (``[url]`` with ``shm=False``). Every tier is checked here:
-            a malformed spec raises ``TierSpecError``, an unreachable one ``TierError``.
-        shm: stage into node shared memory and use it as the first tier (falls back to private
-            memory with a warning when ``/dev/shm`` lacks room). Ignored when ``tiers`` is given
-            (there, list ``"shm"`` or not).
+        tiers: where steps go, fastest first (see ``config``). Default: ``["shm", url]`` (``[url]``
+            with ``shm=False``). Every tier is checked here: a malformed spec raises
+            ``TierSpecError``, an unreachable one ``TierError``.
+        shm: stage into node shared memory and use it as the first tier (private memory, with a
+            warning, when ``/dev/shm`` lacks room). Ignored when ``tiers`` is given.
         guard: an optimizer (or several) enabling overlapped mode; see the module docstring.
         slots: staging buffers; 2 lets one save stage while the previous one persists.
         commit_timeout_s: how long rank 0 waits for the other ranks' files before failing a step.
         fsync: fsync data and manifests on directory tiers.
-        status_path: where rank 0 keeps the status JSON (default ``<shm root>/status.json``, see
-            ``tiers.shm_root_for``); ``False`` writes none.
+        status_path: where rank 0 keeps the status JSON (default ``<shm root>/status.json``);
+            ``False`` writes none.
         retry_max_s: the longest wait between attempts to reach an unreachable slow tier.
-        claim: the job and attempt this rank belongs to, checked against the fence of a directory
-            home before every commit (``tidal.ckpt.fence``); default: from ``TIDAL_JOB_ID`` and
-            ``TIDAL_ATTEMPT`` when both are set; ``False``: never checked.
+        claim: the job and attempt checked against the home's fence before every commit
+            (``tidal.ckpt.fence``); default: from ``TIDAL_JOB_ID`` and ``TIDAL_ATTEMPT``; ``False``:
+            never checked.
     """
 
     def __init__(self, url: str | os.PathLike | Sequence[Any] | None = None, process_group: Any = None,
@@ -110,9 +100,8 @@ class Checkpointer:
                 raise TypeError("Checkpointer needs a url or tiers=[...]")
             home_spec = str(url) if is_s3_url(url) else str(local_path(url))
             tiers = (["shm"] if shm else []) + [home_spec]
-        self.home, self.tier_configs = resolve(
-            tiers, default_keep=keep, home=None if url is None else os.fspath(url)
-        )
+        home = None if url is None else os.fspath(url)
+        self.home, self.tier_configs = resolve(tiers, default_keep=keep, home=home)
         self.url = os.fspath(url) if url is not None else self.home
         self._read_spec: Any = self.url if default_tiers else list(tiers)  # what steps() reads
         self.group = process_group
@@ -125,10 +114,6 @@ class Checkpointer:
         self._config = {c.name: c for c in self.tier_configs}
         local = [t for t in self.tiers if isinstance(t, DirTier)]  # the shm and dir tiers
         self.shm_tier: DirTier | None = next((t for t in local if t.kind == "shm"), None)
-        self.dir_tiers: list[DirTier] = [t for t in local if t.kind == "dir"]
-        self.disk: DirTier | None = self.dir_tiers[0] if self.dir_tiers else None
-        self.root = self.disk.root if self.disk is not None else None
-        self._want_shm = self.shm_tier is not None
         self._staging = StagingArea(slots, self.shm_tier.root / "slots" if self.shm_tier else None)
         self._slot_steps: dict[int, int] = {}
         self._saves = 0
@@ -138,25 +123,17 @@ class Checkpointer:
             if self.rank == 0 or t.fast:
                 self._durability.seed(t.name, t.committed())
         self.claim = fence.Claim.from_env() if claim is None else (claim if claim else None)
-        self._home_s3 = self._s3_tier_of_home()
+        # the S3 tier that is the home (resolve normalized both locations); None for a directory or peer
+        self._home_s3 = next((t for t in self.tiers if t.kind == "s3" and t.location == self.home), None)
         if self._home_s3 is not None and self.claim is not None and self.rank == 0:
             fence.claim_s3(self._home_s3, self.claim)  # an S3 home: this attempt's from now on
         self._persister = Persister(rank=self.rank, commit_timeout_s=commit_timeout_s,
                                     durability=self._durability, config=self._config, fence=self._fence())
         self._remote = [
-            RemoteQueue(
-                t,
-                self._config[t.name],
-                rank=self.rank,
-                commit_timeout_s=commit_timeout_s,
-                fast_busy=self._persister.busy,
-                lock=self._persister.lock,
-                durability=self._durability,
-                retry_max_s=retry_max_s,
-                fence=self._fence(),
-            )
-            for t in self.tiers
-            if not t.fast
+            RemoteQueue(t, self._config[t.name], rank=self.rank, commit_timeout_s=commit_timeout_s,
+                        fast_busy=self._persister.busy, lock=self._persister.lock,
+                        durability=self._durability, retry_max_s=retry_max_s, fence=self._fence())
+            for t in self.tiers if not t.fast
         ]
         self._last: SaveHandle | None = None
         self._pending: list[SaveHandle] = []
@@ -168,18 +145,8 @@ class Checkpointer:
         self._hooks = [opt.register_step_pre_hook(self._pre_step_hook) for opt in self._guards]
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tidal-stage-r{self.rank}")
 
-    def _s3_tier_of_home(self) -> Tier | None:
-        """The S3 tier that is the home (None for a directory or peer home)."""
-        if not is_s3_url(self.home):
-            return None
-        from tidal.ckpt.tiers.s3 import parse_s3_url
-
-        want = "s3://{}/{}".format(*parse_s3_url(self.home)).rstrip("/")
-        return next((t for t in self.tiers if t.kind == "s3" and getattr(t, "location", None) == want), None)
-
     def _fence(self) -> Any:
-        """What rank 0 calls before each commit: the check of the home's fence (``None``: no claim, or a
-        peer home, which is not fenced)."""
+        """What rank 0 calls before each commit: its fence check (``None``: no claim, or a peer home)."""
         claim, home = self.claim, self.home
         if claim is None or self.rank != 0:
             return None
@@ -201,14 +168,8 @@ class Checkpointer:
     def _tier_info(self, t: Tier) -> dict:
         c = self._config[t.name]
         keep = len(self._staging.slots) if t.kind == "shm" else c.keep
-        return {
-            "name": t.name,
-            "kind": t.kind,
-            "location": t.location,
-            "durable": t.durable,
-            "every": c.every,
-            "keep": keep,
-        }
+        return {"name": t.name, "kind": t.kind, "location": t.location, "durable": t.durable,
+                "every": c.every, "keep": keep}
 
     # -- public API ----------------------------------------------------------------------------
     @property
@@ -216,12 +177,8 @@ class Checkpointer:
         return bool(self._guards)
 
     def save(self, step: int, state: dict, *, urgent: bool = False) -> SaveHandle:
-        """Capture ``state`` as step ``step``; returns once captured (see module docstring).
-
-        ``urgent`` (e.g. the final checkpoint on a reclaim notice): commit the shm tier before
-        starting any directory write, so the fast tier is not slowed by disk I/O competing for the
-        CPU; the directory tiers follow as usual.
-        """
+        """Capture ``state`` as step ``step``; returns once captured. ``urgent`` (the final checkpoint
+        on a reclaim notice): commit the shm tier before any directory write competes for the CPU."""
         t0 = time.perf_counter()
         if self._closed:
             raise RuntimeError("Checkpointer is closed")
@@ -307,11 +264,8 @@ class Checkpointer:
 
     def close(self, timeout_s: float | None = None) -> None:
         """Wait for pending saves, stop the background threads and free the staging buffers.
-
-        ``timeout_s`` bounds the wait for slow tiers (S3): what they have not taken by then is
-        abandoned (its handles fail; the steps stay in the fast tiers). ``None`` waits as long as
-        it takes.
-        """
+        ``timeout_s`` bounds the wait for slow tiers: what they have not taken by then is abandoned
+        (its handles fail; the steps stay in the fast tiers)."""
         if self._closed:
             return
         self._closed = True
@@ -340,9 +294,8 @@ class Checkpointer:
         return steps(self._read_spec)
 
     def status(self) -> CheckpointStatus:
-        """Per step, which tiers hold it committed; per tier, backlog and last error; the age of the
-        newest durable (non-shm) step. Cheap (no I/O). Authoritative on rank 0, which also writes it
-        to ``status_path`` after every change."""
+        """Which tiers hold each step, per-tier backlog and errors, durable lag. No I/O. Authoritative on
+        rank 0, which also writes it to ``status_path`` after every change."""
         return self._durability.snapshot()
 
     # -- planning --------------------------------------------------------------------------------
@@ -352,11 +305,8 @@ class Checkpointer:
         if len(set(names)) != len(names):
             dup = sorted({n for n in names if names.count(n) > 1})[:5]
             raise StateError(f"state has entries whose paths collide when joined with '/': {dup}")
-        proposal: dict[str, Any] = {
-            "pieces": [d.to_json() for d in descs] if self.world_size > 1 else [],
-            "host": self._host,
-            "shm": self.shm_tier is not None,
-        }
+        proposal: dict[str, Any] = {"pieces": [d.to_json() for d in descs] if self.world_size > 1 else [],
+                                    "host": self._host, "shm": self.shm_tier is not None}
         if self.rank == 0:
             proposal["slot"] = self._choose_slot()
             proposal["save_id"] = uuid.uuid4().hex[:12]
@@ -376,12 +326,8 @@ class Checkpointer:
             self._plan_cache = (key, plan)
             self._check_shm_room(plan)
         same_node = all(g["host"] == gathered[0]["host"] and g["shm"] for g in gathered)
-        return (
-            plan,
-            int(gathered[0]["slot"]),
-            str(gathered[0]["save_id"]),
-            same_node and self.shm_tier is not None,
-        )
+        use_shm = same_node and self.shm_tier is not None
+        return plan, int(gathered[0]["slot"]), str(gathered[0]["save_id"]), use_shm
 
     def _check_shm_room(self, plan: SavePlan) -> None:
         if self.shm_tier is None:
@@ -396,13 +342,10 @@ class Checkpointer:
 
     def _choose_slot(self) -> int:
         """Rank 0: the slot whose data is oldest (never the one holding the newest step)."""
-        best, best_key = 0, None
-        for slot in self._staging.slots:
-            held = max([self._slot_steps.get(slot.index, -1), *slot.linked])
-            key = (held, slot.index)
-            if best_key is None or key < best_key:
-                best, best_key = slot.index, key
-        return best
+        def newest(slot: Slot) -> tuple[int, int]:
+            return max([self._slot_steps.get(slot.index, -1), *slot.linked]), slot.index
+
+        return min(self._staging.slots, key=newest).index
 
     def _copies(self, rf, slot: Slot, tensors: list[TensorEntry]):
         by_name = {e.name: e for e in tensors}
@@ -452,8 +395,7 @@ class Checkpointer:
 
 def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Copy every ``src`` into its slot view ``dst``: host tensors in one batched call (a per-tensor
-    ``copy_`` costs ~1 us of Python each, which adds up for states of thousands of small tensors);
-    device tensors asynchronously, then one synchronize."""
+    ``copy_`` costs ~1 us of Python each); device tensors asynchronously, then one synchronize."""
     if not pairs:
         return
     with torch.no_grad():

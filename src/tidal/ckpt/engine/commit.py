@@ -127,18 +127,12 @@ def report_error(tier: Tier, step: int, rank: int, save_id: str, why: str) -> No
 
 def cleanup(tier: Tier, keep: int, committed_step: int, busy: Callable[[int], bool] = lambda s: False,
             lock: threading.Lock | None = None) -> list[int]:
-    """Rank 0, after committing ``committed_step``: drop torn steps, superseded steps, old steps
-    past ``keep``, and stray files. Returns the steps removed.
-
-    * torn: a step directory without a manifest (a crash mid-save, or a failed save);
-    * superseded: a committed step *newer* than the one just committed, left by a run that this
-      job abandoned when it resumed from an older step - kept, it would hijack the next restore;
-    * retention: of the steps up to ``committed_step``, the newest ``keep`` stay (0 keeps all);
-      the step just committed always stays.
-
-    Steps for which ``busy(step)`` is true (this job is still writing them) are never touched; the
-    check and the removal happen under ``lock``, the lock under which ``save`` registers a step
-    before any rank may start writing it.
+    """Rank 0, after committing ``committed_step``: remove and return torn steps (no manifest),
+    superseded steps (committed steps *newer* than it, left by a run this job abandoned when it resumed
+    from an older step: kept, they would hijack the next restore), steps past the newest ``keep`` (0
+    keeps all; ``committed_step`` always stays), and stray files. Steps for which ``busy(step)`` is
+    true are never touched; the check and the removal happen under ``lock``, under which ``save``
+    registers a step before any rank may write it.
     """
     removed = []
     lock = lock or threading.Lock()

@@ -11,10 +11,8 @@ from tidal.ckpt.errors import FencedError, SaveError
 class SaveHandle:
     """A save in progress. ``stall_s`` is how long ``save`` blocked the caller.
 
-    A save has parts: the fast tiers (shm, directories; written from the staging slot by the
-    persist thread) and one part per slow tier it is due in (written by that tier's upload queue).
-    The handle is done when every part is; ``committed`` lists the tiers in commit order.
-    Thread-safe: parts finish on different threads.
+    Its parts are the fast tiers (the persist thread) and one per slow tier it is due in (that tier's
+    upload queue); it is done when every part is. Thread-safe: parts finish on different threads.
     """
 
     def __init__(self, step: int) -> None:

@@ -1,13 +1,11 @@
 """The persist thread: a staged slot → the fast tiers (committed), then the slow tiers' queues.
 
-Call order: :class:`~tidal.ckpt.engine.checkpointer.Checkpointer` makes one :class:`Persister` and,
-per save, registers the step (:meth:`Persister.begin`) before staging it, then hands the staged
-:class:`PersistJob` over with :meth:`Persister.submit`; :meth:`Persister.close` finishes every
-queued job. One thread runs the jobs in order; per job it checksums the slot and writes it to each
-fast tier due (shm: a hard link of the slot; directories: a write from the slot, the first one
-overlapping the checksums), commits each (rank 0 writes manifests), queues the step on each slow
-tier due, and frees the slot. Housekeeping after a commit (retention, stale slot files) waits for
-the next save's copy to end, or ``CLEANUP_IDLE_S`` without a save, so it never competes with a stall.
+Call order: the ``Checkpointer`` makes one :class:`Persister`; per save it registers the step
+(:meth:`Persister.begin`) before staging it, then hands the staged :class:`PersistJob` over with
+:meth:`Persister.submit`; :meth:`Persister.close` finishes every queued job. One thread runs the jobs
+in order: checksum the slot, write and commit each fast tier due (the first directory write overlaps
+the checksums), queue the step on each slow tier due, free the slot. Housekeeping after a commit
+(retention, stale slot files) waits for the next save's copy to end, or ``CLEANUP_IDLE_S``.
 
 Errors are recorded on the job's :class:`~tidal.ckpt.engine.handle.SaveHandle`; the thread keeps
 serving saves. It runs no collective.
@@ -123,9 +121,7 @@ class Persister:
 
     # -- the thread ------------------------------------------------------------------------------
     def _worker(self) -> None:
-        # Housekeeping of a finished save (retention, stale slot files) waits for the next save's copy:
-        # run during it, it would compete with the copy for memory bandwidth and the CPU and lengthen
-        # the stall. It runs once the next job is staged, or after CLEANUP_IDLE_S without a save.
+        # A finished save's housekeeping waits for the next save's copy, not to lengthen its stall.
         later: list[tuple[int, list]] = []
         while True:
             try:
@@ -173,28 +169,17 @@ class Persister:
         dir_write = (self._io.submit(first_dir.write_file, job.step, name, data)
                      if first_dir is not None and overlap else None)
         # So does handing the slot to the peer tier's agent (it copies the slot file itself).
-        handoffs = {
-            q.tier.name: self._handoff_io.submit(self._handoff, q.tier, job, name, data)
-            for q in job.remote
-            if isinstance(q.tier, HandoffTier) and not job.urgent
-        }
+        handoffs = {q.tier.name: self._handoff_io.submit(self._handoff, q.tier, job, name, data)
+                    for q in job.remote if isinstance(q.tier, HandoffTier) and not job.urgent}
+        readers = [f for f in [dir_write, *handoffs.values()] if f is not None]
         try:
             blocks = {p.key: mf.block_crcs(mv[p.start : p.start + p.nbytes]) for p in rf.pieces}
             header_crc = zlib.crc32(mv[: len(rf.header)])
         except BaseException:
-            for f in [dir_write, *handoffs.values()]:  # nobody may read the slot once it is released
-                if f is not None:
-                    with contextlib.suppress(Exception):
-                        f.result()
+            _drain(readers)
             raise
-        sidecar = {
-            "rank": self.rank,
-            "step": job.step,
-            "save_id": job.save_id,
-            "blocks": blocks,
-            "header_crc32": header_crc,
-            "size_bytes": rf.size_bytes,
-        }
+        sidecar = {"rank": self.rank, "step": job.step, "save_id": job.save_id, "blocks": blocks,
+                   "header_crc32": header_crc, "size_bytes": rf.size_bytes}
         errors = []
         for tier in job.tiers:
             write: Callable[[], Any]
@@ -210,10 +195,7 @@ class Persister:
                 self._persist_tier(job, tier, write, sidecar, cleanups)
                 job.handle._tier_committed(tier.name)
             except FencedError:  # no tier may commit this step (nor any later one): stop here
-                for f in [dir_write, *handoffs.values()]:  # nobody may read the slot once it is released
-                    if f is not None:
-                        with contextlib.suppress(Exception):
-                            f.result()
+                _drain(readers)
                 raise
             except Exception as e:
                 errors.append(f"{tier.name}: {e}")
@@ -229,60 +211,32 @@ class Persister:
         released)."""
         if not job.remote:
             return
-        handed = {
-            q.tier.name
-            for q in job.remote
-            if (
-                handoffs[q.tier.name].result()
-                if q.tier.name in handoffs
-                else self._handoff(q.tier, job, name, data)
-            )
-        }
+        handed = {q.tier.name for q in job.remote
+                  if (handoffs[q.tier.name].result() if q.tier.name in handoffs
+                      else self._handoff(q.tier, job, name, data))}
         source = next((t for t in job.tiers if t.kind == "dir" and t.name in job.handle.committed), None)
         takers = 0 if source is not None else sum(q.tier.name not in handed for q in job.remote)
         # Into a reused buffer: a copy into fresh memory costs 10x more (page faults) than the copy itself.
         snapshot = self._snapshots.copy(data, takers) if takers else None
-        build_manifest = None
-        if self.rank == 0:
-
-            def build_manifest(docs: list[dict]) -> dict:
-                return manifest(job, docs)
-
+        build_manifest = functools.partial(manifest, job) if self.rank == 0 else None
         job.queued = True  # from here on each queue finishes its part of the handle
         for q in job.remote:
-
-            def done(error: BaseException | None, tier: str = q.tier.name) -> None:
-                job.handle._part_done(tier, error)
-
+            done = functools.partial(job.handle._part_done, q.tier.name)
             given = q.tier.name in handed
-            q.submit(
-                Upload(
-                    job.step,
-                    job.save_id,
-                    name,
-                    len(data),
-                    sidecar,
-                    job.plan.world_size,
-                    done,
-                    source=None if given else source,
-                    snapshot=None if given else snapshot,
-                    build_manifest=build_manifest,
-                    written={"data"} if given else set(),
-                )
-            )
+            q.submit(Upload(job.step, job.save_id, name, len(data), sidecar, job.plan.world_size, done,
+                            source=None if given else source, snapshot=None if given else snapshot,
+                            build_manifest=build_manifest, written={"data"} if given else set()))
 
     def _handoff(self, tier: Tier, job: PersistJob, name: str, data: memoryview) -> bool:
-        """Give this rank's data file to ``tier`` now if it can take it (``handoff``); False otherwise
-        (then its queue uploads it later, like any slow tier's)."""
+        """Give this rank's data file to ``tier`` now if it can take it; False: its queue uploads it later."""
         if not isinstance(tier, HandoffTier):
             return False
         try:
             tier.handoff(job.step, name, data, job.slot.path)
             return True
         except Exception as e:
-            log.warning(
-                "tier '%s' step %d: handoff failed (%s); the upload queue will retry", tier.name, job.step, e
-            )
+            log.warning("tier '%s' step %d: handoff failed (%s); the upload queue will retry", tier.name,
+                        job.step, e)
             self._durability.error(tier.name, str(e))
             return False
 
@@ -291,7 +245,7 @@ class Persister:
         step, sid = job.step, job.save_id
         try:
             write()
-            tier.write_json(step, sidecar_name(self.rank, sid), sidecar)
+            commit.write_json(tier, step, sidecar_name(self.rank, sid), sidecar)
         except Exception as e:
             commit.report_error(tier, step, self.rank, sid, str(e))
             raise
@@ -323,6 +277,13 @@ def manifest(job: PersistJob, docs: list[dict]) -> dict:
     headers = {int(d["rank"]): int(d["header_crc32"]) for d in docs}
     names = [data_name(r, job.save_id) for r in range(job.plan.world_size)]
     return mf.build(job.plan, job.step, job.save_id, time.time(), crcs, job.objects, names, headers)
+
+
+def _drain(readers: list) -> None:
+    """Wait for the futures still reading the slot: nobody may read it once it is released."""
+    for f in readers:
+        with contextlib.suppress(Exception):
+            f.result()
 
 
 def _run_cleanups(later: list[tuple[int, list]]) -> None:

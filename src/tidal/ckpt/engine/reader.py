@@ -1,15 +1,11 @@
 """Reading pieces of a step for ``load``: exact byte ranges, fastest tier first, with fallback.
 
-For each stored piece that overlaps what this rank needs, the intersection's bytes are a set of
-runs inside the piece (``layout.byte_runs``). Adjacent runs are merged into one range. In a
-version-2 step every piece carries one CRC-32 per block of ``block_bytes`` (64 KiB), so each range
-is widened to the whole blocks it touches (``widen``), those are read and every block is checked,
-and the needed runs are cut out of them: a partial read is verified like a whole one and reads at
-most the blocks it touches (``LoadStats.bytes_read`` counts them). The ranges are read with one
-``RangeReader`` call per tier (``preadv`` for directories, ranged GETs for S3). A missing or
-truncated file, a checksum mismatch or an unreachable tier falls back to the next tier holding the
-step; an unreachable tier is then skipped for the rest of the load. Version-1 steps (one CRC-32 per
-piece) are checked only where a piece is read whole.
+For each stored piece that overlaps what this rank needs, the intersection's bytes are runs inside
+the piece (``layout.byte_runs``), adjacent ones merged. In a version-2 step each range is widened to
+the whole checksum blocks it touches (``widen``), every block read is checked and the needed runs
+are cut out, so a partial read is verified like a whole one. A missing or truncated file, a checksum
+mismatch or an unreachable tier falls back to the next tier holding the step; an unreachable tier
+is skipped for the rest of the load. Version-1 steps are checked only where a piece is read whole.
 """
 
 from __future__ import annotations
@@ -31,8 +27,7 @@ from tidal.ckpt.tiers.protocol import RangeReader, Tier, TruncatedRead
 
 
 def widen(ranges: Sequence[tuple[int, int]], start: int, nbytes: int, block: int) -> list[tuple[int, int]]:
-    """``ranges`` (absolute, sorted) widened to the whole blocks of the piece at ``start`` that they
-    touch, overlapping or adjacent ones merged."""
+    """``ranges`` (absolute, sorted) widened to whole blocks of the piece at ``start``, merged."""
     out: list[list[int]] = []
     for off, n in ranges:
         lo = start + (off - start) // block * block
@@ -45,8 +40,7 @@ def widen(ranges: Sequence[tuple[int, int]], start: int, nbytes: int, block: int
 
 
 def coalesce(starts: Sequence[int], run_bytes: int, base: int) -> list[tuple[int, int]]:
-    """``(offset, length)`` ranges covering runs of ``run_bytes`` at ``base + start``, adjacent ones
-    merged."""
+    """``(offset, length)`` ranges covering runs of ``run_bytes`` at ``base + start``, merged."""
     out: list[list[int]] = []
     for s in starts:
         off = base + s
@@ -58,11 +52,8 @@ def coalesce(starts: Sequence[int], run_bytes: int, base: int) -> list[tuple[int
 
 
 class PieceReader:
-    """Reads the pieces of one step for one ``load`` on one rank.
-
-    ``fill_all`` reads pieces one after another when every tier is local, and ``parallel`` at a
-    time when a remote tier (S3, peer) is among them, so that request latency overlaps.
-    """
+    """Reads the pieces of one step for one ``load`` on one rank: one after another when every tier is
+    local, ``parallel`` at a time when a remote tier is among them, so that request latency overlaps."""
 
     def __init__(self, man: mf.Manifest, tiers: list[Tier], verify: bool, stats, parallel: int = 8) -> None:
         self.man, self.tiers, self.verify, self.stats = man, tiers, verify, stats
@@ -101,9 +92,6 @@ class PieceReader:
             wait(futures)
         for f in futures:
             f.result()  # the first failure, in piece order
-
-    def fill(self, entry: TensorEntry, st: mf.StoredTensor) -> None:
-        self.fill_all([(entry, st)])
 
     def _fill_one(self, entry: TensorEntry, st: mf.StoredTensor, piece: mf.StoredPiece, sub: Box) -> None:
         data = self._read(st, piece, sub)
@@ -160,12 +148,9 @@ class PieceReader:
             if blocks:
                 bad = _bad_block(mv, ranges, piece)
                 if bad is not None:
-                    self._fallback(
-                        errors,
-                        f"{where}: checksum mismatch in tensor '{st.name}' piece at offsets "
-                        f"{list(piece.box.offsets)}, block {bad} (bytes "
-                        f"{piece.block_span(bad)[0]}..{sum(piece.block_span(bad))})",
-                    )
+                    self._fallback(errors, f"{where}: checksum mismatch in tensor '{st.name}' piece at "
+                                           f"offsets {list(piece.box.offsets)}, block {bad} (bytes "
+                                           f"{piece.block_span(bad)[0]}..{sum(piece.block_span(bad))})")
                     continue
             elif self.verify and whole and piece.crc32 is not None and zlib.crc32(mv) != piece.crc32:
                 self._fallback(errors, f"{where}: checksum mismatch in tensor '{st.name}' "
@@ -178,8 +163,7 @@ class PieceReader:
 
 
 def _bad_block(mv: memoryview, ranges: list[tuple[int, int]], piece: mf.StoredPiece) -> int | None:
-    """The index of the first block in ``mv`` (``ranges`` read back to back, whole blocks of ``piece``)
-    whose CRC-32 differs from the manifest's, or None."""
+    """The first block in ``mv`` (``ranges`` of ``piece``, back to back) whose CRC-32 is wrong, or None."""
     assert piece.blocks is not None
     block, pos = piece.block_bytes, 0
     for off, n in ranges:
@@ -192,9 +176,8 @@ def _bad_block(mv: memoryview, ranges: list[tuple[int, int]], piece: mf.StoredPi
     return None
 
 
-def _cut(
-    buf: torch.Tensor, ranges: list[tuple[int, int]], needed: list[tuple[int, int]], size: int
-) -> torch.Tensor:
+def _cut(buf: torch.Tensor, ranges: list[tuple[int, int]], needed: list[tuple[int, int]],
+         size: int) -> torch.Tensor:
     """The ``needed`` ranges (each inside one of ``ranges``, both sorted), cut out of ``buf``."""
     out = torch.empty(size, dtype=torch.uint8)
     k, base, pos = 0, 0, 0

@@ -1,19 +1,12 @@
 """Staging slots: reusable CPU buffers laid out as this rank's safetensors file.
 
-Why two slots in node shared memory: a save copies the state into a slot and returns; the
-background pipeline then checksums that slot and writes it to slower tiers. While it does, the next
-save can stage into the other slot, so training never waits for persistence unless it saves faster
-than the disk can absorb (then ``save`` blocks until the older slot is free: back-pressure).
-
-Staging straight into a file on ``/dev/shm`` makes staging *the* first tier: the slot file is
-hard-linked into the shm tier's step directory, so the copy the stall pays for is also the copy
-that survives a crash of the training process. Buffers are allocated once per layout and touched
-once at allocation (page faults cost ~20× a warm copy), then reused by every save with the same
-layout. On a CUDA machine the buffer is registered as pinned memory so device-to-host copies run at
-full bandwidth.
-
-Without shared memory (``shm=False`` or ``/dev/shm`` too small) a slot is an anonymous buffer and
-the shm tier is skipped.
+A save copies the state into a slot and returns; the persist thread then checksums the slot and
+writes it to the tiers, while the next save stages into the other slot (``save`` blocks only when
+both are busy: back-pressure). A slot is a file on ``/dev/shm`` hard-linked into the shm tier's step
+directory, so the copy the stall pays for is also the copy that survives a crash of the training
+process. Buffers are allocated and touched once per layout (page faults cost ~20x a warm copy), and
+pinned on a CUDA machine. Without shared memory a slot is an anonymous buffer and the shm tier is
+skipped.
 """
 
 from __future__ import annotations
@@ -47,8 +40,7 @@ class Slot:
         self.buffer: torch.Tensor | None = None  # uint8, the whole file image
         self.views: dict[str, torch.Tensor] = {}
         self._pinned = False
-        # Steps of this process whose shm-tier data file is a hard link to this slot's file (kept by
-        # the checkpointer; cleared on re-layout, which makes a new file and leaves those steps intact).
+        # Steps whose shm-tier data file is a hard link to this slot's file (cleared on re-layout).
         self.linked: set[int] = set()
 
     def reusable(self, fingerprint: str) -> bool:

@@ -1,9 +1,8 @@
 """Turn ``(model, optimizer)`` into a checkpointable state dict and back.
 
-Built on ``torch.distributed.checkpoint.state_dict.get_state_dict / set_state_dict``, which know
-how to name parameters under DDP, FSDP2 and tensor parallelism, keep sharded tensors as
-``DTensor`` (so nothing is gathered), and initialise an optimizer's state before its first step so
-a fresh optimizer can be loaded into.
+Built on ``torch.distributed.checkpoint.state_dict``, which names parameters under DDP, FSDP2 and
+tensor parallelism, keeps sharded tensors as ``DTensor`` (nothing is gathered), and initialises a
+fresh optimizer's state so it can be loaded into.
 
     state = training_state(model, optimizer, extra={"step": 0})
     ckpt.load(url, state)                # fills the tensors in place

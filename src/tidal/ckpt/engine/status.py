@@ -1,22 +1,13 @@
 """Durability status as data: which tiers hold which committed steps, and how far behind each is.
 
-The checkpointer keeps one ``Durability`` record, updated by its background threads as steps are
-committed, removed by retention, queued for a slow tier, or fail to reach it. ``snapshot()``
-turns it into a ``CheckpointStatus`` (frozen dataclasses, JSON via ``to_dict``). Rank 0 also
-mirrors it to a small JSON file, written atomically (temporary name + rename) after every change,
-so a scheduler or agent on the node can read it without talking to the training process::
+The checkpointer keeps one ``Durability`` record, updated by its background threads; ``snapshot()``
+turns it into a ``CheckpointStatus`` (frozen dataclasses, JSON via ``to_dict``: format
+``tidal-ckpt-status``). Rank 0 also writes it atomically to a JSON file after every change, so a
+scheduler on the node can read it without talking to the training process.
 
-    {"format": "tidal-ckpt-status", "version": 1, "job": "/ckpt/run1", "updated_unix_s": ...,
-     "newest_step": 120, "newest_durable_step": 100, "newest_durable_unix_s": ...,
-     "durable_age_s": 42.0, "durable_lag_steps": 2,
-     "tiers": [{"name": "s3", "kind": "s3", "location": "s3://b/run1", "durable": true, "every": 5,
-                "keep": 3, "steps": [50, 100], "backlog": [110], "uploading": 110,
-                "last_error": "...", "last_error_unix_s": ...}, ...],
-     "steps": [{"step": 120, "tiers": ["shm", "disk"], "saved_unix_s": ...}, ...]}
-
-*Durable* means held by a non-shm tier (a directory or object storage). ``durable_age_s`` is the
-age of the newest durable step when the file was written; readers with a clock should prefer
-``now - newest_durable_unix_s``. ``durable_lag_steps`` counts committed steps newer than it.
+*Durable* means held by a non-shm tier. ``durable_age_s`` is the age of the newest durable step when
+the file was written (readers with a clock: ``now - newest_durable_unix_s``); ``durable_lag_steps``
+counts committed steps newer than it.
 """
 
 from __future__ import annotations
@@ -166,12 +157,11 @@ class Durability:
         newest = steps[-1].step if steps else None
         nd = durable[-1] if durable else None
         nd_time = nd.saved_unix_s if nd else None
-        return CheckpointStatus(
-            job=self.job, updated_unix_s=now, tiers=tuple(tiers), steps=steps, newest_step=newest,
-            newest_durable_step=nd.step if nd else None, newest_durable_unix_s=nd_time,
-            durable_age_s=(now - nd_time) if nd_time is not None else None,
-            durable_lag_steps=sum(1 for s in steps if nd is None or s.step > nd.step),
-        )
+        return CheckpointStatus(job=self.job, updated_unix_s=now, tiers=tuple(tiers), steps=steps,
+                                newest_step=newest, newest_durable_step=nd.step if nd else None,
+                                newest_durable_unix_s=nd_time,
+                                durable_age_s=(now - nd_time) if nd_time is not None else None,
+                                durable_lag_steps=sum(1 for s in steps if nd is None or s.step > nd.step))
 
     def _write(self) -> None:
         if self.path is None:

@@ -8,6 +8,7 @@ their display name joins the path with ``/``.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,34 +28,18 @@ Path = tuple[PathKey, ...]
 
 # safetensors dtype names (https://github.com/huggingface/safetensors, format spec)
 DTYPE_TO_ST: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.uint16: "U16",
-    torch.uint32: "U32",
-    torch.uint64: "U64",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-    torch.complex64: "C64",
-}
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.complex64: "C64",
+}  # fmt: skip
 ST_TO_DTYPE = {v: k for k, v in DTYPE_TO_ST.items()}
 
 
 @dataclass
 class LocalShard:
-    """A piece of a larger tensor that this rank holds, for hand-sharded state.
-
-    ``tensor`` is the local data, which sits at ``offsets`` inside a global tensor of
-    ``global_shape``. Use it when the sharding is not expressed as a ``DTensor`` (e.g. a manual
-    tensor-parallel split). On load the tensor is filled in place.
-    """
+    """A piece of a larger tensor that this rank holds, for sharding not expressed as a ``DTensor``:
+    ``tensor`` sits at ``offsets`` inside a global tensor of ``global_shape``; load fills it in place."""
 
     tensor: torch.Tensor
     offsets: Sequence[int]
@@ -95,18 +80,13 @@ def path_name(path: Path) -> str:
 _BOX_CACHE: dict[tuple, tuple] = {}
 
 
-_DTENSOR: list[type[DTensor] | None] = []  # resolved once: an import statement per tensor costs ~2 us
-
-
+@functools.cache  # resolved once: an import statement per tensor costs ~2 us
 def _dtensor_type() -> type[DTensor] | None:
-    if not _DTENSOR:
-        try:
-            import torch.distributed.tensor as dt
-        except ImportError:  # pragma: no cover - torch without distributed
-            _DTENSOR.append(None)
-        else:
-            _DTENSOR.append(dt.DTensor)
-    return _DTENSOR[0]
+    try:
+        import torch.distributed.tensor as dt
+    except ImportError:  # pragma: no cover - torch without distributed
+        return None
+    return dt.DTensor
 
 
 def describe_tensor(path: Path, value: Any) -> TensorEntry:
@@ -140,10 +120,8 @@ def describe_tensor(path: Path, value: Any) -> TensorEntry:
         gshape = tuple(int(s) for s in value.global_shape)
         box = Box(tuple(int(o) for o in value.offsets), tuple(int(s) for s in local.shape))
         if not box.within(gshape):
-            raise StateError(
-                f"tensor '{name}': local shard at offsets {box.offsets} with shape {box.lengths} "
-                f"does not fit global shape {gshape}"
-            )
+            raise StateError(f"tensor '{name}': local shard at offsets {box.offsets} with shape "
+                             f"{box.lengths} does not fit global shape {gshape}")
         return TensorEntry(path, local, gshape, box, _st_dtype(name, local), "LocalShard", name)
     if isinstance(value, torch.Tensor):
         gshape = tuple(int(s) for s in value.shape)
@@ -174,10 +152,8 @@ def _check_placements(name: str, placements: Sequence[Any], shard: type[Shard],
                                  "give each rank one contiguous block; expected FSDP2-over-TP style sharding")
             continue
         if not isinstance(p, (shard, replicate)):
-            raise StateError(
-                f"tensor '{name}': placement {p!r} is not supported; expected Shard(d) or "
-                "Replicate() (reduce Partial placements before saving)"
-            )
+            raise StateError(f"tensor '{name}': placement {p!r} is not supported; expected Shard(d) or "
+                             "Replicate() (reduce Partial placements before saving)")
 
 
 def _st_dtype(name: str, t: torch.Tensor) -> str:
@@ -209,9 +185,8 @@ def _walk(path: Path, v: Any, tensors: list[TensorEntry], objects: list[ObjectEn
         tensors.append(describe_tensor(path, v))
         return
     if isinstance(v, (dict, list, tuple)):
-        # Walk the children into the caller's lists; a container (other than the root) that turns out
-        # to hold no tensor is rolled back and kept whole as one object entry. One pass: each node is
-        # visited once, whatever the depth.
+        # Walk the children into the caller's lists; a container (not the root) that holds no tensor
+        # is rolled back and kept whole as one object entry.
         n_tensors, n_objects = len(tensors), len(objects)
         items = v.items() if isinstance(v, dict) else enumerate(v)
         for k, x in items:
@@ -238,28 +213,20 @@ def _check_json(o: ObjectEntry) -> None:
         json.dumps(o.value, allow_nan=True)
     except (TypeError, ValueError) as e:
         bad_path, bad = _find_unjsonable(o.path, o.value)
-        raise StateError(
-            f"entry '{path_name(bad_path)}': value of type {type(bad).__name__} is neither a tensor nor "
-            f"JSON-able ({e})"
-        ) from None
+        raise StateError(f"entry '{path_name(bad_path)}': value of type {type(bad).__name__} is neither a "
+                         f"tensor nor JSON-able ({e})") from None
 
 
 def _find_unjsonable(path: Path, v: Any) -> tuple[Path, Any]:
     """The first leaf below ``v`` that JSON cannot encode (so the error can name it)."""
-    if isinstance(v, dict):
-        for k, x in v.items():
-            if not isinstance(k, (str, int, float, bool)) and k is not None:
-                return (*path, str(k)), k
-            try:
-                json.dumps(x, allow_nan=True)
-            except (TypeError, ValueError):
-                return _find_unjsonable((*path, k if isinstance(k, (str, int)) else str(k)), x)
-    elif isinstance(v, (list, tuple)):
-        for i, x in enumerate(v):
-            try:
-                json.dumps(x, allow_nan=True)
-            except (TypeError, ValueError):
-                return _find_unjsonable((*path, i), x)
+    items = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, (list, tuple)) else ()
+    for k, x in items:
+        if isinstance(v, dict) and not isinstance(k, (str, int, float, bool)) and k is not None:
+            return (*path, str(k)), k
+        try:
+            json.dumps(x, allow_nan=True)
+        except (TypeError, ValueError):
+            return _find_unjsonable((*path, k if isinstance(k, (str, int)) else str(k)), x)
     return path, v
 
 

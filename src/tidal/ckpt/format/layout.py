@@ -9,8 +9,9 @@ a sub-box are a set of equally long contiguous *runs*.
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -82,11 +83,8 @@ def strides(shape: Sequence[int]) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class Runs:
-    """Byte runs of a sub-box inside a C-contiguous piece.
-
-    ``starts`` are byte offsets relative to the piece's first byte; every run is ``run_bytes`` long.
-    The runs, concatenated in order, are the sub-box's bytes in C order.
-    """
+    """Byte runs of a sub-box inside a C-contiguous piece: ``starts`` relative to the piece's first byte,
+    each ``run_bytes`` long; concatenated in order, they are the sub-box's bytes in C order."""
 
     starts: tuple[int, ...]
     run_bytes: int
@@ -113,33 +111,19 @@ def byte_runs(piece: Box, sub: Box, itemsize: int) -> Runs:
     run_elems = rel.lengths[k] * st[k]
     outer = [range(rel.offsets[d], rel.offsets[d] + rel.lengths[d]) for d in range(k)]
     base = rel.offsets[k] * st[k]
-    starts = [
-        (base + sum(i * st[d] for d, i in enumerate(idx))) * itemsize for idx in _product(outer)
-    ]
+    starts = [(base + sum(i * st[d] for d, i in enumerate(idx))) * itemsize
+              for idx in itertools.product(*outer)]
     return Runs(tuple(starts), run_elems * itemsize)
 
 
-def _product(ranges: list[range]) -> Iterator[tuple[int, ...]]:
-    if not ranges:
-        yield ()
-        return
-    head, *tail = ranges
-    for i in head:
-        for rest in _product(tail):
-            yield (i, *rest)
-
-
 def check_tiling(shape: Sequence[int], boxes: Sequence[Box], ops: list[int] | None = None) -> str | None:
-    """Check that distinct ``boxes`` exactly tile ``shape`` (no gap, no overlap).
+    """``None`` when distinct ``boxes`` exactly tile ``shape`` (no gap, no overlap), else a sentence
+    saying what is wrong. Duplicate boxes must be removed by the caller.
 
-    Returns ``None`` when they do, else a sentence saying what is wrong. Duplicate boxes must be
-    removed by the caller (replicas are deduplicated before writing).
-
-    O(n log n) for the layouts sharding produces (grids, uneven blocks, any guillotine partition):
-    the boxes are split recursively into groups separated by a cut through no box (one sort per
-    dimension and level), and every group must then fill its slab exactly. A part that no cut
-    splits (a pinwheel) is checked pair by pair. Work is bounded (``ops[0]`` counts it); a layout
-    needing more is refused with a sentence, so a crafted manifest cannot stall a load.
+    O(n log n) for the layouts sharding produces (any guillotine partition): the boxes are split
+    recursively into groups separated by a cut through no box, and each group must fill its slab. A
+    part no cut splits (a pinwheel) is checked pair by pair. Work is bounded (``ops[0]`` counts it),
+    so a crafted manifest cannot stall a load.
     """
     total = math.prod(shape)
     nd = len(shape)

@@ -6,32 +6,13 @@ Layout of a checkpoint location (any tier)::
     <root>/step_000000000120/r00000-<save_id>.safetensors
     <root>/step_000000000120/r00000-<save_id>.json  # per-rank sidecar (checksums), merged by rank 0
 
-``manifest.json`` (version 2)::
+``manifest.json`` (version 2) lists the tensors with their pieces (box, file, absolute ``start`` byte,
+``nbytes``, one CRC-32 per ``block_bytes`` block as base64 ``blocks``), the objects, the files (size,
+``header_crc32``), and ``checksum``: the SHA-256 of its canonical JSON without that field (see
+docs/checkpoint.md, "Integrity"). Version 1 (one ``crc32`` per piece, no ``checksum``) still loads.
 
-    {"format": "tidal-ckpt", "version": 2, "step": 120, "save_id": "…", "created_unix_s": …,
-     "world_size": 4, "block_bytes": 65536,
-     "tensors": [{"name": "model/w", "path": ["model", "w"], "dtype": "F32", "shape": [8, 4],
-                  "layout": "[Shard(dim=0)] on mesh (4,)",
-                  "pieces": [{"offsets": [0, 0], "lengths": [2, 4], "file": "r00000-….safetensors",
-                              "key": "model/w@0:2,0:4", "start": 128, "nbytes": 32,
-                              "blocks": "<base64 of one little-endian uint32 CRC-32 per block>"}]}],
-     "objects": [{"path": ["step"], "value": 120}],
-     "files": [{"name": "r00000-….safetensors", "rank": 0, "size_bytes": 4096, "header_crc32": 77}],
-     "checksum": "sha256:<hex>"}
-
-``start`` is the absolute byte offset of the piece in its file, so a reader seeks straight to it.
-Each piece is cut into blocks of ``block_bytes`` (counted from its first byte; the last one may be
-shorter) with one CRC-32 each, so a partial read verifies every block it touches and reads at most
-those whole blocks. ``header_crc32`` covers the file's safetensors header (bytes before the first
-piece). ``checksum`` is the SHA-256 of the manifest's canonical JSON without that field (keys
-sorted, no spaces, ASCII), so any change to any value (an object such as the learning rate
-included) is detected before the manifest is used.
-
-Version 1 (before block checksums) has one ``crc32`` per piece and no ``checksum``; it still loads:
-pieces read whole are checked, partial reads are not.
-
-Parsing validates every field and names the manifest and the field when something is wrong, with
-bounded JSON depth and integer sizes; every problem is a ``ManifestError`` with a one-line message.
+Parsing validates every field, with bounded JSON depth and integer sizes; every problem is a
+``ManifestError`` with a one-line message naming the manifest and the field.
 """
 
 from __future__ import annotations
@@ -44,6 +25,7 @@ import math
 import sys
 import zlib
 from array import array
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,7 +53,7 @@ def parse_step_dirname(name: str) -> int | None:
     if not name.startswith("step_") or len(name) != 17:
         return None
     digits = name[5:]
-    return int(digits) if digits.isdigit() else None
+    return int(digits) if digits.isascii() and digits.isdigit() else None
 
 
 @dataclass(frozen=True)
@@ -123,10 +105,8 @@ class Manifest:
         return sum(t.nbytes for t in self.tensors.values())
 
     def layout_summary(self) -> str:
-        kinds: dict[str, int] = {}
-        for t in self.tensors.values():
-            kinds[t.layout] = kinds.get(t.layout, 0) + 1
-        parts = [f"{n}× {k}" for k, n in sorted(kinds.items(), key=lambda kv: -kv[1])]
+        kinds = Counter(t.layout for t in self.tensors.values())
+        parts = [f"{n}× {k}" for k, n in kinds.most_common()]
         return f"world {self.world_size}: " + "; ".join(parts)
 
 
@@ -149,11 +129,8 @@ def canonical_checksum(doc: dict) -> str:
 def build(plan: SavePlan, step: int, save_id: str, created_unix_s: float,
           crcs: dict[str, str], objects: list[tuple[tuple, Any]], file_names: list[str],
           header_crcs: dict[int, int] | None = None) -> dict:
-    """Assemble the manifest document from the plan, the ranks' checksums and rank 0's objects.
-
-    ``crcs`` maps ``"<rank>/<key>"`` to that piece's ``blocks`` field (``block_crcs``);
-    ``header_crcs`` maps a rank to the CRC-32 of its file's header.
-    """
+    """The manifest document. ``crcs``: ``"<rank>/<key>"`` -> that piece's ``blocks`` (``block_crcs``);
+    ``header_crcs``: rank -> the CRC-32 of its file's header."""
     tensors = []
     for name, info in plan.entries.items():
         pieces = []
@@ -201,10 +178,8 @@ def verified_doc(data: bytes, where: str) -> dict:
         raise ManifestError(f"{where}: field 'format' is {_short(doc.get('format'))}, expected {FORMAT!r}")
     version = doc.get("version")
     if version not in VERSIONS or isinstance(version, bool):
-        raise ManifestError(
-            f"{where}: field 'version' is {_short(version)}, expected one of {list(VERSIONS)} "
-            "(written by a newer Tidal?)"
-        )
+        raise ManifestError(f"{where}: field 'version' is {_short(version)}, expected one of "
+                            f"{list(VERSIONS)} (written by a newer Tidal?)")
     if version >= 2:
         got = doc.get("checksum")
         if not isinstance(got, str):
@@ -235,17 +210,12 @@ def _check_form(doc: Any, where: str) -> None:
     stack: list[tuple[Any, int, str]] = [(doc, 1, "")]
     while stack:
         v, depth, at = stack.pop()
+        if isinstance(v, (dict, list)) and depth > MAX_DEPTH:
+            raise ManifestError(f"{where}: JSON nested too deeply at {at or 'top'} "
+                                f"(limit {MAX_DEPTH} levels)")
         if isinstance(v, dict):
-            if depth > MAX_DEPTH:
-                raise ManifestError(
-                    f"{where}: JSON nested too deeply at {at or 'top'} (limit {MAX_DEPTH} levels)"
-                )
             stack.extend((x, depth + 1, f"{at}.{_key(k)}" if at else _key(k)) for k, x in v.items())
         elif isinstance(v, list):
-            if depth > MAX_DEPTH:
-                raise ManifestError(
-                    f"{where}: JSON nested too deeply at {at or 'top'} (limit {MAX_DEPTH} levels)"
-                )
             stack.extend((x, depth + 1, f"{at}[{i}]") for i, x in enumerate(v))
         elif isinstance(v, int) and not isinstance(v, bool) and not -MAX_INT - 1 <= v <= MAX_INT:
             raise ManifestError(f"{where}: field '{at}' is an integer of {len(str(abs(v)))} digits, "
@@ -253,10 +223,7 @@ def _check_form(doc: Any, where: str) -> None:
 
 
 def parse(data: bytes, where: str) -> Manifest:
-    """Parse and validate a manifest; ``where`` names it in errors (e.g. the file path).
-
-    Every problem is a ``ManifestError`` whose message is one line naming ``where`` and the field.
-    """
+    """Parse and validate a manifest; ``where`` names it in errors (e.g. the file path)."""
     doc = verified_doc(data, where)
     version = doc["version"]
     step = _int(doc, "step", where)
@@ -322,9 +289,8 @@ def parse(data: bytes, where: str) -> Manifest:
                 raise ManifestError(f"{pw}: box {offs}+{lens} lies outside shape {shape}")
             nbytes, start = _int(p, "nbytes", pw), _int(p, "start", pw)
             if nbytes != box.numel * ITEMSIZE[dtype]:
-                raise ManifestError(
-                    f"{pw}: nbytes {nbytes} != {box.numel} elements × {ITEMSIZE[dtype]} bytes"
-                )
+                raise ManifestError(f"{pw}: nbytes {nbytes} != {box.numel} elements × {ITEMSIZE[dtype]} "
+                                    "bytes")
             file = p.get("file")
             if not isinstance(file, str) or file not in file_sizes:
                 raise ManifestError(f"{pw}: file {_short(file)} is not listed in 'files'")
@@ -342,9 +308,8 @@ def parse(data: bytes, where: str) -> Manifest:
         problem = check_tiling(shape, [p.box for p in pieces if p.box.numel > 0 or numel == 0])
         if problem and numel > 0:
             raise ManifestError(f"{tw}: stored pieces do not tile the tensor: {problem}")
-        tensors[name] = StoredTensor(
-            name, tuple(path), dtype, tuple(shape), str(t.get("layout", "")), tuple(pieces)
-        )
+        tensors[name] = StoredTensor(name, tuple(path), dtype, tuple(shape), str(t.get("layout", "")),
+                                     tuple(pieces))
     objects = []
     raw_objects = doc.get("objects", [])
     if not isinstance(raw_objects, list):
@@ -395,8 +360,7 @@ def read(step_dir: Path) -> Manifest:
 
 
 def read_object(read_bytes: Callable[[], bytes], where: str, step: int) -> Manifest:
-    """Read and check the manifest of ``step`` from an object-store-like tier (S3, peer agents):
-    ``read_bytes()`` returns its bytes or raises FileNotFoundError; ``where`` names it in errors."""
+    """The checked manifest of ``step`` from ``read_bytes()`` (its bytes, or FileNotFoundError)."""
     try:
         data = read_bytes()
     except FileNotFoundError:
@@ -419,9 +383,8 @@ def _int_list(d: dict, key: str, where: str) -> list[int]:
     v = d.get(key)
     if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= MAX_INT
                                           for x in v):
-        raise ManifestError(
-            f"{where}: field '{key}' must be a list of non-negative integers, got {_short(v)}"
-        )
+        raise ManifestError(f"{where}: field '{key}' must be a list of non-negative integers, got "
+                            f"{_short(v)}")
     return v
 
 

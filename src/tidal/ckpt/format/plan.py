@@ -7,10 +7,9 @@ plan, so no further coordination is needed:
 * pieces held by several ranks (replicas) are written once, by the holder with the fewest bytes
   assigned so far, so replicated state is spread over the ranks;
 * each rank writes one safetensors file; the header is padded to ``DATA_ALIGN`` (64) bytes and the
-  pieces whose size is a multiple of 64 bytes come first, so each of them starts on a cache line
-  (a copy into a misaligned destination runs ~25 % slower: that was most of the gap between a save's
-  stall and a memcpy); then the others, ordered by element size (8, 4, 2, 1 bytes), so every piece is
-  at least naturally aligned (safetensors allows no holes between tensors, so no padding between them);
+  pieces whose size is a multiple of 64 bytes come first, so each starts on a cache line (a copy into
+  a misaligned destination runs ~25 % slower); then the others by element size (8, 4, 2, 1 bytes), so
+  every piece is at least naturally aligned (safetensors allows no padding between tensors);
 * the file layout depends only on the pieces, never on the step, so a staging buffer laid out for
   one save is reused by the next one.
 """
@@ -124,10 +123,9 @@ def make_plan(per_rank: list[list[PieceDesc]]) -> SavePlan:
             if info is None:
                 entries[d.name] = EntryInfo(d.name, d.path, d.dtype, d.shape, d.layout)
             elif (info.dtype, info.shape) != (d.dtype, d.shape):
-                raise StateError(
-                    f"tensor '{d.name}': ranks disagree on it: dtype {info.dtype} shape {list(info.shape)} "
-                    f"on one rank, dtype {d.dtype} shape {list(d.shape)} on rank {rank}"
-                )
+                raise StateError(f"tensor '{d.name}': ranks disagree on it: dtype {info.dtype} shape "
+                                 f"{list(info.shape)} on one rank, dtype {d.dtype} shape {list(d.shape)} on "
+                                 f"rank {rank}")
             if d.box.numel == 0 and math.prod(d.shape) > 0:
                 continue  # an empty shard (uneven sharding) holds nothing to write
             holders.setdefault((d.name, d.box), []).append(rank)
@@ -147,9 +145,8 @@ def make_plan(per_rank: list[list[PieceDesc]]) -> SavePlan:
 
     # Assign writers: biggest pieces first, each to the least-loaded holder.
     load = [0] * world
-    order = sorted(
-        holders.items(), key=lambda kv: (-_nbytes(entries[kv[0][0]], kv[0][1]), kv[0][0], kv[0][1].offsets)
-    )
+    order = sorted(holders.items(), key=lambda kv: (-_nbytes(entries[kv[0][0]], kv[0][1]), kv[0][0],
+                                                    kv[0][1].offsets))
     assigned: list[list[tuple[str, Box, int]]] = [[] for _ in range(world)]
     for (name, box), ranks in order:
         nb = _nbytes(entries[name], box)
@@ -178,11 +175,8 @@ def _layout_file(rank: int, items: list[tuple[str, Box, int]], entries: dict[str
     keyed = []
     for name, box, nb in items:
         key = piece_key(name, box, entries[name].shape)
-        header[key] = {
-            "dtype": entries[name].dtype,
-            "shape": list(box.lengths),
-            "data_offsets": [pos, pos + nb],
-        }
+        header[key] = {"dtype": entries[name].dtype, "shape": list(box.lengths),
+                       "data_offsets": [pos, pos + nb]}
         keyed.append((name, box, key, pos, nb))
         pos += nb
     raw = json.dumps(header, separators=(",", ":")).encode()
@@ -190,7 +184,3 @@ def _layout_file(rank: int, items: list[tuple[str, Box, int]], entries: dict[str
     head = struct.pack("<Q", len(raw)) + raw
     pieces = [PlannedPiece(n, b, rank, k, len(head) + p, nb) for n, b, k, p, nb in keyed]
     return RankFile(rank, pieces, head)
-
-
-def total_bytes(plan: SavePlan) -> int:
-    return sum(math.prod(e.shape) * ITEMSIZE[e.dtype] for e in plan.entries.values())

@@ -6,23 +6,21 @@ A tier list is ordered fastest first. Each entry is a string or a dict (or a ``T
     ["shm", {"url": "/local/nvme/run1", "keep": 2},
             {"url": "s3://bucket/run1", "every": 5, "keep": 10, "part_size_bytes": 32 << 20}]
 
-* ``"shm"``: node shared memory (the staging slots themselves; holds at most one step per slot).
-* a directory: an absolute path, ``./relative``, ``~/...`` or ``file:///path``. A bare word such
-  as ``"shmm"`` is refused (it is almost always a typo, not a directory).
-* ``"s3://bucket/prefix"``: S3-compatible object storage (see ``s3``; options in ``s3.OPTIONS``).
-* ``"peer"`` (or ``{"kind": "peer", "agent": "host:port"}``, ``"peer://NAME"``): other nodes' memory,
-  through this node's checkpoint agent (see ``peer``; options in ``peer.OPTIONS``; the agent defaults
-  to ``$TIDAL_CKPT_AGENT``). Its namespace in the agents is ``NAME``, else derived from the job's first
-  directory or S3 tier, else ``$TIDAL_JOB_ID``.
+* ``"shm"``: node shared memory (the staging slots themselves; one step per slot).
+* a directory: an absolute path, ``./relative``, ``~/...`` or ``file:///path`` (a bare word such as
+  ``"shmm"`` is refused: almost always a typo).
+* ``"s3://bucket/prefix"``: S3-compatible object storage (options in ``s3.OPTIONS``).
+* ``"peer"`` (or ``"peer://NAME"``): other nodes' memory, through this node's checkpoint agent
+  (options in ``peer.OPTIONS``). Its namespace is ``NAME``, else derived from the home, else
+  ``$TIDAL_JOB_ID``.
 
-``every``: a step is persisted to this tier on every ``every``-th save of the Checkpointer
-(counted from its first save, which goes to every tier). ``keep``: committed steps this tier
-retains (0 keeps all; default: the Checkpointer's ``keep``). ``name``: the label used in stats and
-status (default ``shm``, ``disk``, ``disk-2``, ``s3``, ``s3-2``, ...).
+``every``: persist to this tier on every ``every``-th save (the first save goes to every tier).
+``keep``: committed steps this tier retains (0 keeps all; default: the Checkpointer's ``keep``).
+``name``: the label in stats and status (default ``shm``, ``disk``, ``disk-2``, ``s3``, ...).
 
 The first directory or S3 tier is the job's *home* (else the first peer tier's ``peer://NAME``): it
-names the job's shared-memory directory (``tiers.shm_root_for``) and its namespace in the peer
-agents, so ``load(same_list)`` finds the same shm and peer tiers the Checkpointer wrote.
+names the job's shared-memory directory and its namespace in the agents, so ``load(same_list)``
+finds the same shm and peer tiers the Checkpointer wrote.
 """
 
 from __future__ import annotations
@@ -96,15 +94,11 @@ def kind_of(url: str, where: str) -> str:
         return "dir"
     m = _SCHEME.match(url)
     if m and len(m.group(1)) > 1:  # (one letter would be a Windows drive)
-        raise TierSpecError(
-            f"{where}: unknown scheme '{m.group(1)}:'; expected s3://bucket/prefix, file:///path, "
-            "a directory path, 'shm' or 'peer'"
-        )
+        raise TierSpecError(f"{where}: unknown scheme '{m.group(1)}:'; expected s3://bucket/prefix, "
+                            "file:///path, a directory path, 'shm' or 'peer'")
     if not url or ("/" not in url and not url.startswith(("~", "."))):
-        raise TierSpecError(
-            f"{where}: not a tier; expected 'shm', a directory (an absolute path, ./relative, "
-            "~/..., or file:///...), s3://bucket/prefix or 'peer'"
-        )
+        raise TierSpecError(f"{where}: not a tier; expected 'shm', a directory (an absolute path, "
+                            "./relative, ~/..., or file:///...), s3://bucket/prefix or 'peer'")
     return "dir"
 
 
@@ -133,41 +127,35 @@ def parse_spec(spec: Any, i: int = 0) -> TierSpec:
     if isinstance(spec, Mapping):
         kind = spec.get("kind")
         if kind is not None and kind not in _KINDS:
-            raise TierSpecError(
-                f"{_label(i, spec)}: unknown kind {kind!r}; expected one of {', '.join(_KINDS)}"
-            )
+            raise TierSpecError(f"{_label(i, spec)}: unknown kind {kind!r}; expected one of "
+                                f"{', '.join(_KINDS)}")
         if "url" not in spec and kind in ("shm", "peer"):
             job = spec.get("job")
             spec = {**spec, "url": f"peer://{job}" if kind == "peer" and job else kind}
             spec.pop("job", None)
+        where = _label(i, spec)
         if "url" not in spec:
-            raise TierSpecError(f"{_label(i, spec)}: a dict tier needs 'url' ('shm', 'peer', a directory or "
+            raise TierSpecError(f"{where}: a dict tier needs 'url' ('shm', 'peer', a directory or "
                                 "s3://bucket/prefix)")
-        url = spec["url"]
-        if not isinstance(url, (str, os.PathLike)):
-            raise TierSpecError(f"{_label(i, spec)}: 'url' must be a string, got {type(url).__name__}")
-        if kind is not None and kind_of(os.fspath(url), _label(i, spec)) != kind:
-            raise TierSpecError(f"{_label(i, spec)}: 'kind' is {kind!r} but 'url' {url!r} is a "
-                                f"{kind_of(os.fspath(url), _label(i, spec))} tier")
+        if not isinstance(spec["url"], (str, os.PathLike)):
+            raise TierSpecError(f"{where}: 'url' must be a string, got {type(spec['url']).__name__}")
+        url = os.fspath(spec["url"])
+        got = kind_of(url, where)
+        if kind is not None and got != kind:
+            raise TierSpecError(f"{where}: 'kind' is {kind!r} but 'url' {url!r} is a {got} tier")
         options = {k: v for k, v in spec.items() if k not in _COMMON}
-        if kind_of(os.fspath(url), _label(i, spec)) == "peer" and "job" in options:
-            if os.fspath(url) != "peer":
-                raise TierSpecError(f"{_label(i, spec)}: give the namespace once: 'peer://NAME' or 'job'")
+        if got == "peer" and "job" in options:
+            if url != "peer":
+                raise TierSpecError(f"{where}: give the namespace once: 'peer://NAME' or 'job'")
             url = f"peer://{options.pop('job')}"
-        return TierSpec(
-            os.fspath(url),
-            every=spec.get("every", 1),
-            keep=spec.get("keep"),
-            name=spec.get("name"),
-            options=options,
-        )
+        return TierSpec(url, every=spec.get("every", 1), keep=spec.get("keep"), name=spec.get("name"),
+                        options=options)
     raise TierSpecError(f"{_label(i, spec)}: expected a string ('shm', a directory, 's3://bucket/prefix'), "
                         f"a dict or a TierSpec; got {type(spec).__name__}")
 
 
-def resolve(
-    specs: Sequence[Any], *, default_keep: int, home: str | None = None, job_id: str | None = None
-) -> tuple[str, list[TierConfig]]:
+def resolve(specs: Sequence[Any], *, default_keep: int, home: str | None = None,
+            job_id: str | None = None) -> tuple[str, list[TierConfig]]:
     """Validate a tier list; return the job's home location and one ``TierConfig`` per tier.
 
     ``home``: the Checkpointer's url when one is given; it must then be the first non-shm tier.
@@ -187,31 +175,20 @@ def resolve(
         if not isinstance(spec.every, int) or isinstance(spec.every, bool) or spec.every < 1:
             raise TierSpecError(f"{where}: 'every' must be an integer >= 1 (persist every N-th save), "
                                 f"got {spec.every!r}")
-        if spec.keep is not None and (
-            not isinstance(spec.keep, int) or isinstance(spec.keep, bool) or spec.keep < 0
-        ):
+        keep = spec.keep
+        if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 0):
             raise TierSpecError(f"{where}: 'keep' must be an integer >= 0 (0 keeps all), got {spec.keep!r}")
         if kind == "shm" and spec.keep is not None:
-            raise TierSpecError(
-                f"{where}: the shm tier keeps one step per staging slot; set Checkpointer(slots=N) "
-                "instead of 'keep'"
-            )
+            raise TierSpecError(f"{where}: the shm tier keeps one step per staging slot; set "
+                                "Checkpointer(slots=N) instead of 'keep'")
         _check_options(kind, spec.options, where)
         counts[kind] = counts.get(kind, 0) + 1
         default_name = {"shm": "shm", "dir": "disk", "s3": "s3", "peer": "peer"}[kind]
         name = spec.name or (default_name if counts[kind] == 1 else f"{default_name}-{counts[kind]}")
         if not isinstance(name, str) or not re.match(r"^[A-Za-z0-9_.\-]+$", name):
             raise TierSpecError(f"{where}: 'name' must be letters, digits, '.', '_' or '-', got {name!r}")
-        out.append(
-            TierConfig(
-                kind,
-                name,
-                location,
-                spec.every,
-                default_keep if spec.keep is None else spec.keep,
-                dict(spec.options),
-            )
-        )
+        keep = default_keep if keep is None else keep
+        out.append(TierConfig(kind, name, location, spec.every, keep, dict(spec.options)))
     names = [t.name for t in out]
     for n in names:
         if names.count(n) > 1:
@@ -232,11 +209,10 @@ def _home(out: list[TierConfig], home: str | None, job_id: str | None = None) ->
     if home is not None:
         want = normalize(home, "s3" if is_s3_url(home) else "dir")  # any path, even a bare relative one
         if durable and durable[0].location != want:
-            raise TierSpecError(
-                f"url {home!r} must be the first non-shm tier of tiers, 'peer' aside (it names the "
-                f"job's shared memory directory), but that is {durable[0].location!r}; pass "
-                "Checkpointer(tiers=[...]) without a url, or reorder"
-            )
+            first = durable[0].location
+            raise TierSpecError(f"url {home!r} must be the first non-shm tier of tiers, 'peer' aside (it "
+                                f"names the job's shared memory directory), but that is {first!r}; pass "
+                                "Checkpointer(tiers=[...]) without a url, or reorder")
         return want
     if durable:
         return durable[0].location
@@ -274,17 +250,10 @@ def peer_namespace(url: str | None, tiers: Sequence[Any] | None, job_id: str) ->
 
 
 def _check_options(kind: str, options: Mapping[str, Any], where: str) -> None:
-    allowed: dict[str, str] = {}
-    if kind == "dir":
-        allowed = _DIR_OPTIONS
-    elif kind == "s3":
-        from tidal.ckpt.tiers.s3 import OPTIONS
+    from tidal.ckpt.tiers.peer import OPTIONS as PEER_OPTIONS
+    from tidal.ckpt.tiers.s3 import OPTIONS as S3_OPTIONS
 
-        allowed = OPTIONS
-    elif kind == "peer":
-        from tidal.ckpt.tiers.peer import OPTIONS as PEER_OPTIONS
-
-        allowed = PEER_OPTIONS
+    allowed: dict[str, str] = {"dir": _DIR_OPTIONS, "s3": S3_OPTIONS, "peer": PEER_OPTIONS}.get(kind, {})
     for k in options:
         if k not in allowed:
             expected = ", ".join(list(_COMMON) + list(allowed))
@@ -310,17 +279,12 @@ def build(cfg: TierConfig, home: str, *, fsync: bool = True) -> Tier:
 
 
 def read_tiers(url_or_tiers: Any) -> list[Tier]:
-    """Tiers to read from, fastest first: a location (directory or ``s3://``) means its shm tier (when
-    this node has one) and the location itself; a tier list means those tiers (shm when present)."""
+    """Tiers to read from, fastest first: a location's shm tier (when this node has one) and itself, or
+    the tiers of a tier list (shm when present)."""
     if isinstance(url_or_tiers, (str, os.PathLike)):
         return tiers_for(url_or_tiers)
     home, cfgs = resolve(url_or_tiers, default_keep=0)
-    out = []
-    for c in cfgs:
-        if c.kind == "shm" and not shm_root_for(home).exists():
-            continue
-        out.append(build(c, home))
-    return out
+    return [build(c, home) for c in cfgs if c.kind != "shm" or shm_root_for(home).exists()]
 
 
 def describe(url_or_tiers: Any) -> str:

@@ -3,19 +3,14 @@
 * ``DirTier("disk", path)`` - a local or shared directory; data and manifests are fsynced.
 * ``DirTier("shm", /dev/shm/tidal/<name>-<hash>)`` - node shared memory: survives the training
   process but not the node. Its data files are hard links to the staging slots, so staging a step
-  *is* writing it to this tier (no second copy).
+  *is* writing it to this tier.
 
 Reading a directory tier never follows a link out of it: a step folder or file that is a symlink is
 refused (``O_NOFOLLOW``), and so is a file with more than one hard link, except, in the shm tier, a
-staging slot of this tier (``<root>/slots/``) owned by this user. The tier root itself may be a
-symlink (a mount point chosen by the user). Refusals are ``UnsafeFileError`` (an ``OSError``), so a
-load falls back to the next tier as for any bad copy.
-* ``s3.S3Tier`` - S3-compatible object storage (``s3://bucket/prefix``).
-* ``peer.PeerTier`` - other nodes' memory, through checkpoint agents (``peer://<namespace>``).
+staging slot of this tier owned by this user. Refusals are ``UnsafeFileError`` (an ``OSError``), so
+a load falls back to the next tier as for any bad copy.
 
-Every tier implements ``protocol.Tier``; the commit protocol, cleanup and retention that run on
-top of it are in ``commit``. Thread-safety: a tier object holds no mutable state; concurrent
-readers are fine. Writers are the checkpointer's background threads.
+Thread-safety: a tier object holds no mutable state; concurrent readers are fine.
 """
 
 from __future__ import annotations
@@ -23,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
-import json
 import logging
 import os
 import shutil
@@ -40,8 +34,7 @@ from tidal.contract import ENV_SHM_DIR
 from tidal.files import AS_OPEN, write_atomic
 
 log = logging.getLogger(__name__)
-
-SHM_BASE_ENV = ENV_SHM_DIR
+SHM_BASE_ENV = ENV_SHM_DIR  # (the name bench, lab and the control plane import)
 
 
 class DirTier:
@@ -72,9 +65,8 @@ class DirTier:
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise TierError(
-                f"tier '{self.name}' ({self.root}): cannot create the directory: {e.strerror}"
-            ) from None
+            raise TierError(f"tier '{self.name}' ({self.root}): cannot create the directory: "
+                            f"{e.strerror}") from None
         if not os.access(self.root, os.W_OK | os.X_OK):
             raise TierError(f"tier '{self.name}' ({self.root}): the directory is not writable")
 
@@ -102,9 +94,6 @@ class DirTier:
 
     def committed_steps(self) -> list[int]:
         return sorted(s for s, n in self._step_names() if (self.root / n / mf.MANIFEST).exists())
-
-    def uncommitted_steps(self) -> list[int]:
-        return sorted(s for s, n in self._step_names() if not (self.root / n / mf.MANIFEST).exists())
 
     def list_files(self, step: int) -> set[str]:
         try:
@@ -192,9 +181,6 @@ class DirTier:
 
     def write_bytes(self, step: int, name: str, data: bytes) -> None:
         write_atomic(self.prepare_step(step) / name, data, mode=AS_OPEN, durable=self.fsync)
-
-    def write_json(self, step: int, name: str, doc: dict) -> None:
-        self.write_bytes(step, name, json.dumps(doc, separators=(",", ":")).encode())
 
     def read_manifest(self, step: int) -> mf.Manifest:
         where = self.where(step, mf.MANIFEST)
@@ -330,16 +316,14 @@ SHM_NAME_CHARS = 64  # at most this much of the location's own name before it (a
 
 def shm_root_for(url: str | os.PathLike) -> Path:
     """The node-shared-memory directory that mirrors checkpoint location ``url`` on this node."""
-    base = Path(os.environ.get(SHM_BASE_ENV, "/dev/shm"))
+    base = Path(os.environ.get(ENV_SHM_DIR, "/dev/shm"))
     if is_s3_url(url) or is_peer_url(url):
         key = str(url).rstrip("/")
         name = key.rsplit("/", 1)[-1] or "root"
     else:
         p = local_path(url)
         key, name = str(p), p.name or "root"
-    # 128 bits: the name is also the job's namespace in the checkpoint agents, and so what its agent
-    # token is made for (ckpt/agent/auth.py); a tenant who found a location of the same name and digest
-    # as another job's would hold that job's token (48 bits, as before, are within reach of a GPU).
+    # 128 bits: the name is also the job's namespace in the agents, which its agent token is made for.
     digest = hashlib.sha256(key.encode()).hexdigest()[:SHM_DIGEST_HEX]
     return base / "tidal" / f"{name[:SHM_NAME_CHARS]}-{digest}"
 

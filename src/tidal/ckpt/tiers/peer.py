@@ -1,34 +1,22 @@
 """The peer-memory tier: steps held in node memory by checkpoint agents and replicated to a buddy node.
 
-Each node runs one checkpoint agent (``tidal ckpt agent``, see ``agent``): an HTTP server that keeps
-its node's recent steps in a memory directory and pushes every object it receives from its own
-node to its *buddy* agent on another node. ``PeerTier`` is the ``protocol.Tier`` a job uses to talk
-to them:
+One agent runs per node (``tidal ckpt agent``, see ``agent``); ``PeerTier`` is the ``protocol.Tier`` a
+job uses to talk to them:
 
-* writes go to the node's own agent (``agent``; default ``TIDAL_CKPT_AGENT``). A data file is
-  *handed off* (``handoff``): the agent reads it from the staging slot in ``/dev/shm`` itself (no
-  bytes through this process) - it pushes the slot to its buddy first and copies it into its own
-  memory after, while this rank holds the slot (``wait_handoff``) - or receives it over HTTP when
-  it cannot read the slot. Small objects (sidecars, the manifest) are written *in sync*: the agent
-  answers only once its buddy holds the object and every earlier object of that step. So the
-  manifest - written last, as in every tier - is committed only when the whole step is in two
-  nodes' memory (the buddy's, and this node's: the agent's copy or the slot it is copied from),
-  and losing one node loses no committed step.
-* reads and listings see the union of the agents this tier knows: its own agent, that agent's
-  buddy (learned from its ``/status``) and ``peers`` (default ``TIDAL_CKPT_PEERS``, comma-separated;
-  a launcher that knows every agent of the job sets it). A step whose node is gone is read from
-  the buddy. Data is read with HTTP Range requests of exactly the needed bytes.
-* removal (retention, torn steps) goes to every agent known; each agent also forwards it to its
-  buddy.
+* writes go to this node's agent (``agent``; default ``TIDAL_CKPT_AGENT``). A data file is *handed off*:
+  the agent reads the staging slot in ``/dev/shm`` itself (pushing it to its buddy first, then copying
+  it), while this rank holds the slot until ``wait_handoff``; or receives it over HTTP when it cannot
+  read the slot. Small objects (sidecars, the manifest) are written *in sync*: answered once the buddy
+  holds the object and every earlier one of the step. So a committed manifest means the whole step is
+  in two nodes' memory, and losing one node loses no committed step.
+* reads and listings see the union of the local agent, its buddy (from its ``/status``) and ``peers``
+  (default ``TIDAL_CKPT_PEERS``, comma-separated), with HTTP Range requests of exactly the needed bytes.
+* removal goes to every agent known; each agent also forwards it to its buddy.
 
-Agents with a key (the executor's, ``tidal up --ckpt-agents``) answer only requests with the job's
-token (``TIDAL_CKPT_AGENT_TOKEN``, which the executor gives each rank: valid for the namespace its
-checkpoint location derives) or the agent token (derived from ``TIDAL_CKPT_AGENT_KEY`` when that is
-set: an operator's ``tidal ckpt ls peer://NAME``); see ``tidal.ckpt.agent.auth``. A refused request
-(403) is a ``TierError`` naming the reason.
-
-Agents unreachable during a listing or read are skipped; ``TierError`` is raised only when none of
-them answers. Thread-safe: one kept-alive HTTP connection per thread and agent.
+Agents with a key answer only the job's token (``TIDAL_CKPT_AGENT_TOKEN``) or the agent token (from
+``TIDAL_CKPT_AGENT_KEY``); see ``tidal.ckpt.agent.auth``. A refused request (403) is a ``TierError``
+naming the reason. Unreachable agents are skipped; ``TierError`` is raised only when none answers.
+Thread-safe: one kept-alive HTTP connection per thread and agent.
 """
 
 from __future__ import annotations
@@ -43,7 +31,7 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Sequence
-from typing import Any, overload
+from typing import Any
 
 from tidal.ckpt.agent.auth import agent_token, parse_key
 from tidal.ckpt.agent.auth import headers as auth_headers
@@ -59,12 +47,10 @@ from tidal.contract import (
 )
 
 log = logging.getLogger(__name__)
-ENV_AGENT = ENV_CKPT_AGENT
-ENV_PEERS = ENV_CKPT_PEERS
 
 OPTIONS = {
-    "agent": f"this node's agent, host:port (default: ${ENV_AGENT})",
-    "peers": f"more agents to read from, a list of host:port (default: ${ENV_PEERS}, comma-separated)",
+    "agent": f"this node's agent, host:port (default: ${ENV_CKPT_AGENT})",
+    "peers": f"more agents to read from, a list of host:port (default: ${ENV_CKPT_PEERS}, comma-separated)",
     "job": "the job's namespace in the agents (default: derived from the job's first durable tier, or "
            f"{ENV_JOB_ID})",
     "timeout_s": "seconds to wait for an agent's answer, e.g. while it replicates a step (default 300; "
@@ -76,18 +62,9 @@ OPTIONS = {
 def parse_address(value: Any, where: str = "agent", *, any_port: bool = False) -> str:
     """``host:port`` (an ``http://`` prefix and a trailing ``/`` are accepted; port 0 only with
     ``any_port``, for a server to bind); TierSpecError naming ``where`` if malformed."""
-    s = str(value).strip()
-    if s.startswith("http://"):
-        s = s[len("http://"):]
-    s = s.rstrip("/")
-    host, sep, port = s.rpartition(":")
-    if (
-        not sep
-        or not host
-        or not port.isdigit()
-        or not (0 if any_port else 1) <= int(port) < 65536
-        or "/" in host
-    ):
+    host, sep, port = str(value).strip().removeprefix("http://").rstrip("/").rpartition(":")
+    low = 0 if any_port else 1
+    if not sep or not host or "/" in host or not port.isdigit() or not low <= int(port) < 65536:
         raise TierSpecError(f"{where} {value!r}: expected host:port, e.g. 127.0.0.1:7070")
     return f"{host}:{int(port)}"
 
@@ -108,11 +85,11 @@ def env_token() -> str | None:
 
 
 def env_peers() -> list[str]:
-    return [p.strip() for p in os.environ.get(ENV_PEERS, "").split(",") if p.strip()]
+    return [p.strip() for p in os.environ.get(ENV_CKPT_PEERS, "").split(",") if p.strip()]
 
 
 class _Conn(http.client.HTTPConnection):
-    """An HTTP connection with a short connect timeout, a longer I/O timeout and TCP_NODELAY."""
+    """A short connect timeout, a longer I/O timeout and TCP_NODELAY."""
 
     def __init__(self, host: str, port: int, connect_timeout_s: float, timeout_s: float) -> None:
         super().__init__(host, port, timeout=connect_timeout_s)
@@ -138,9 +115,7 @@ class AgentClient:
         host, _, port = address.rpartition(":")
         self.host, self.port = host.strip("[]"), int(port)
         self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
-        self.failed_at: float | None = (
-            None  # monotonic time of the last failure to reach it, None after a success
-        )
+        self.failed_at: float | None = None  # monotonic time of the last failure, None after a success
         self._local = threading.local()
 
     def __repr__(self) -> str:
@@ -161,22 +136,11 @@ class AgentClient:
         if conn is not None:
             conn.close()
 
-    @overload
     def request(self, method: str, path: str, body: Any = None, headers: dict | None = None,
-                into: None = None) -> tuple[int, bytes]: ...
-
-    @overload
-    def request(self, method: str, path: str, body: Any = None, headers: dict | None = None, *,
-                into: memoryview) -> tuple[int, bytes | int]: ...
-
-    def request(self, method: str, path: str, body: Any = None, headers: dict | None = None,
-                into: memoryview | None = None) -> tuple[int, bytes | int]:
-        """Send one request; return (status, body) - or (status, bytes read) when ``into`` is given
-        and the answer is 2xx: the body is read straight into ``into`` (at most its length).
-
-        A kept-alive connection the agent closed meanwhile is retried once on a fresh one; a fresh
-        one that fails raises ``Unreachable``.
-        """
+                into: memoryview | None = None) -> tuple[int, Any]:
+        """Send one request; return (status, body bytes), or (status, count read) when ``into`` is given
+        and the answer is 2xx: the body is read straight into ``into`` (at most its length). A kept-alive
+        connection the agent closed meanwhile is retried once on a fresh one, else ``Unreachable``."""
         for attempt in (0, 1):
             conn, reused = self.connection(fresh=attempt == 1)
             try:
@@ -245,21 +209,13 @@ class PeerTier:
     fast = False  # an upload queue feeds it (remote.RemoteQueue)
     poll_s = (0.002, 0.05)
 
-    def __init__(
-        self,
-        job: str,
-        *,
-        name: str = "peer",
-        agent: str | None = None,
-        peers: Sequence[str] | None = None,
-        timeout_s: float = 300.0,
-        connect_timeout_s: float = 2.0,
-        token: str | None = None,
-    ) -> None:
+    def __init__(self, job: str, *, name: str = "peer", agent: str | None = None,
+                 peers: Sequence[str] | None = None, timeout_s: float = 300.0, connect_timeout_s: float = 2.0,
+                 token: str | None = None) -> None:
         self.name, self.job = name, job
         self.token = token or env_token()
         self.location = f"peer://{job}"
-        address = agent or os.environ.get(ENV_AGENT) or None
+        address = agent or os.environ.get(ENV_CKPT_AGENT) or None
         self.agent_address = parse_address(address, f"tier '{name}': agent") if address else None
         if isinstance(peers, str):
             peers = [p for p in peers.split(",") if p.strip()]
@@ -288,7 +244,7 @@ class PeerTier:
         if self.agent_address is None:
             raise TierError(f"tier '{self.name}': no checkpoint agent configured for this node; start one "
                             f"(tidal ckpt agent --listen HOST:PORT --mem-dir DIR --buddy HOST:PORT) and set "
-                            f"{ENV_AGENT}=HOST:PORT, or give the tier an 'agent'")
+                            f"{ENV_CKPT_AGENT}=HOST:PORT, or give the tier an 'agent'")
         return self.client(self.agent_address)
 
     def _path(self, step: int | None = None, name: str | None = None) -> str:
@@ -314,7 +270,7 @@ class PeerTier:
             st = c.json("GET", "/status")
         except Unreachable as e:
             raise TierError(
-                f"tier '{self.name}': {e}; is `tidal ckpt agent` running there? ({ENV_AGENT})"
+                f"tier '{self.name}': {e}; is `tidal ckpt agent` running there? ({ENV_CKPT_AGENT})"
             ) from None
         with self._lock:
             self._buddy = (st.get("buddy") or {}).get("address")
@@ -322,8 +278,7 @@ class PeerTier:
         return st
 
     def agents(self) -> list[AgentClient]:
-        """Agents to list and read from: the local one, its buddy, then ``peers`` (no duplicates);
-        those that failed to answer in the last 30 s go last."""
+        """The local agent, its buddy, then ``peers`` (no duplicates); those failing in the last 30 s last."""
         now = time.monotonic()
         if self.agent_address is not None and now - self._buddy_at > 10.0:
             with self._lock:
@@ -336,8 +291,8 @@ class PeerTier:
         clients = [self.client(a) for a in dict.fromkeys(order)]
         return sorted(clients, key=lambda c: c.failed_at is not None and now - c.failed_at < 30.0)
 
-    def _each(self, method: str, path: str, *, missing_ok: bool = True) -> list[tuple[AgentClient, Any]]:
-        """(agent, JSON answer) for every reachable agent; 404 answers are skipped when ``missing_ok``."""
+    def _each(self, method: str, path: str) -> list[Any]:
+        """The JSON answer of every reachable agent that has ``path`` (404 answers are skipped)."""
         out, errors, answered = [], [], 0
         for c in self.agents():
             try:
@@ -346,22 +301,40 @@ class PeerTier:
                 errors.append(str(e))
                 continue
             answered += 1
-            if status == 404 and missing_ok:
+            if status == 404:
                 continue
             if status != 200:
                 raise _error(status, data, f"tier '{self.name}' ({c.address})")
-            out.append((c, json.loads(data)))
+            out.append(json.loads(data))
         if not answered:
             raise TierError(
                 f"tier '{self.name}' ({self.location}): no agent answered: {'; '.join(errors)}; is "
-                f"`tidal ckpt agent` running? ({ENV_AGENT}, {ENV_PEERS})"
+                f"`tidal ckpt agent` running? ({ENV_CKPT_AGENT}, {ENV_CKPT_PEERS})"
             )
         return out
+
+    def _first(self, path: str, where: str, agents: list[AgentClient] | None = None,
+               headers: dict | None = None, into: memoryview | None = None) -> tuple[AgentClient, int, Any]:
+        """(agent, status, body) of the first agent whose answer to GET ``path`` is not 404;
+        FileNotFoundError when every agent that answered said 404, TierError when none answered."""
+        errors, answered = [], 0
+        for c in self.agents() if agents is None else agents:
+            try:
+                status, data = c.request("GET", path, headers=headers, into=into)
+            except Unreachable as e:
+                errors.append(str(e))
+                continue
+            answered += 1
+            if status != 404:
+                return c, status, data
+        if answered:
+            raise FileNotFoundError(2, f"{where}: not found in any agent", where)
+        raise TierError(f"tier '{self.name}' ({where}): no agent answered: {'; '.join(errors)}")
 
     # -- listing -----------------------------------------------------------------------------------
     def _index(self) -> dict[int, dict]:
         out: dict[int, dict] = {}
-        for _, doc in self._each("GET", self._path()):
+        for doc in self._each("GET", self._path()):
             for s, info in doc["steps"].items():
                 cur = out.setdefault(int(s), {"files": set(), "committed_unix_s": None})
                 cur["files"] |= set(info["files"])
@@ -385,39 +358,27 @@ class PeerTier:
     def file_sizes(self, step: int) -> dict[str, int]:
         """Object name -> size in bytes, for one step, over every agent (the first agent's size wins)."""
         out: dict[str, int] = {}
-        for _, doc in self._each("GET", self._path(step)):
+        for doc in self._each("GET", self._path(step)):
             for n, size in doc["files"].items():
                 out.setdefault(n, int(size))
         return out
 
     # -- small objects -----------------------------------------------------------------------------
     def read_bytes(self, step: int, name: str) -> bytes:
-        errors, answered = [], 0
-        for c in self.agents():
-            try:
-                status, data = c.request("GET", self._path(step, name))
-            except Unreachable as e:
-                errors.append(str(e))
-                continue
-            answered += 1
-            if status == 200:
-                return bytes(data)
-            if status != 404:
-                raise _error(status, data, f"tier '{self.name}' ({self.where(step, name)})")
-        if answered:
-            raise FileNotFoundError(
-                2, f"{self.where(step, name)}: not found in any agent", self.where(step, name)
-            )
-        raise TierError(
-            f"tier '{self.name}' ({self.where(step, name)}): no agent answered: {'; '.join(errors)}"
-        )
+        _, status, data = self._first(self._path(step, name), self.where(step, name))
+        if status != 200:
+            raise _error(status, data, f"tier '{self.name}' ({self.where(step, name)})")
+        return bytes(data)
 
-    def _put(self, step: int, name: str, data: Any, query: str = "") -> None:
-        c = self._local()
+    def _ask(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        """One request to the local agent; ``TierError`` when it does not answer."""
         try:
-            status, body = c.request("PUT", self._path(step, name) + query, body=data)
+            return self._local().request(method, path, body=body)
         except Unreachable as e:
             raise TierError(f"tier '{self.name}': {e}") from None
+
+    def _put(self, step: int, name: str, data: Any, query: str = "") -> None:
+        status, body = self._ask("PUT", self._path(step, name) + query, data)
         if status != 200:
             raise _error(status, body, f"tier '{self.name}' ({self.where(step, name)})")
 
@@ -434,18 +395,12 @@ class PeerTier:
         self._put(step, name, data)
 
     def handoff(self, step: int, name: str, data: memoryview, path: str | os.PathLike | None = None) -> None:
-        """Give this rank's data file to the local agent now: it reads the first ``len(data)`` bytes
-        of ``path`` (a staging slot on this node) itself - pushing them to its buddy first, then
-        copying them into its memory - or, when it cannot read ``path``, gets ``data`` over HTTP.
-        Called by the checkpointer before the slot is reused; the slot must stay unchanged until
-        ``wait_handoff`` returned (the commit need not wait for that)."""
+        """Give this rank's data file to the local agent: it reads the first ``len(data)`` bytes of
+        ``path`` (a staging slot) itself, or gets ``data`` over HTTP when it cannot. The slot must stay
+        unchanged until ``wait_handoff`` returned (the commit need not wait for that)."""
         if path is not None:
-            c = self._local()
             query = urllib.parse.urlencode({"copy_from": os.fspath(path), "length": len(data), "hold": 1})
-            try:
-                status, body = c.request("POST", f"{self._path(step, name)}?{query}")
-            except Unreachable as e:
-                raise TierError(f"tier '{self.name}': {e}") from None
+            status, body = self._ask("POST", f"{self._path(step, name)}?{query}")
             if status == 202:
                 with self._lock:
                     self._held.add((step, name))
@@ -457,9 +412,8 @@ class PeerTier:
         self.write_file(step, name, data)
 
     def wait_handoff(self, step: int, name: str) -> None:
-        """Return once the local agent no longer reads the staging slot it was handed for ``name``
-        (at once when it was not held). If the agent is gone it reads nothing either; a failed copy
-        is logged by the agent, and the commit's check then refuses or retries the step."""
+        """Return once the local agent no longer reads the staging slot it was handed for ``name``. A
+        failed copy is logged by the agent; the commit's check then refuses or retries the step."""
         with self._lock:
             if (step, name) not in self._held:
                 return
@@ -504,29 +458,17 @@ class _PeerReader:
         self._first: str | None = None  # the agent that served the last range
 
     def _get(self, offset: int, out: memoryview) -> None:
-        agents = self.tier.agents()
-        agents.sort(key=lambda c: c.address != self._first)
-        errors, answered = [], 0
+        agents = sorted(self.tier.agents(), key=lambda c: c.address != self._first)
         headers = {"Range": f"bytes={offset}-{offset + len(out) - 1}"}
-        for c in agents:
-            try:
-                status, got = c.request("GET", self.path, headers=headers, into=out)
-            except Unreachable as e:
-                errors.append(str(e))
-                continue
-            answered += 1
-            if status in (200, 206):
-                if got != len(out):  # a 2xx answer read into out: got is the count read
-                    raise TruncatedRead(offset, len(out), len(got) if isinstance(got, bytes) else got)
-                self._first = c.address
-                return
-            if status == 416:
-                raise TruncatedRead(offset, len(out), 0)
-            if status != 404:
-                raise _error(status, got, f"tier '{self.tier.name}' ({self.where})")
-        if answered:
-            raise FileNotFoundError(2, f"{self.where}: not found in any agent", self.where)
-        raise TierError(f"tier '{self.tier.name}' ({self.where}): no agent answered: {'; '.join(errors)}")
+        c, status, got = self.tier._first(self.path, self.where, agents, headers, out)
+        if status in (200, 206):
+            if got != len(out):  # a 2xx answer read into out: got is the count read
+                raise TruncatedRead(offset, len(out), got)
+            self._first = c.address
+        elif status == 416:
+            raise TruncatedRead(offset, len(out), 0)
+        else:
+            raise _error(status, got, f"tier '{self.tier.name}' ({self.where})")
 
     def read_ranges(self, ranges: Sequence[tuple[int, int]], out: memoryview) -> None:
         pos = 0

@@ -1,15 +1,11 @@
 """The storage-tier protocol: what the checkpointer and the loader need from a place that holds steps.
 
-A tier stores named objects per step, laid out as ``<root>/step_<12 digits>/<name>`` (see
-``manifest``): data files (safetensors), per-rank sidecars and the manifest. Implementations:
-``tiers.DirTier`` (a directory: node shared memory or a local/shared filesystem),
-``s3.S3Tier`` (S3-compatible object storage) and ``peer.PeerTier`` (other nodes' memory, through
-checkpoint agents). A tier is *fast* (``fast = True``: shm and directories, written by the persist
-thread straight from the staging slot) or slow (S3, peer: each has an upload queue, ``remote``). Optional
-abilities are declared protocols, checked with ``isinstance``: ``HandoffTier`` (take a data file from
-node memory before the staging slot is reused) and ``DiscardTier`` (drop a handed-off file that will
-not be committed). Everything above them - the commit protocol, cleanup and retention (``commit``),
-loading (``reader``) - is written once against these protocols.
+A tier stores named objects per step, ``<root>/step_<12 digits>/<name>`` (see ``manifest``): data
+files, per-rank sidecars and the manifest. Implementations: ``directory.DirTier`` (shm or a
+filesystem), ``s3.S3Tier`` and ``peer.PeerTier``. Optional abilities are protocols checked with
+``isinstance``: ``HandoffTier`` (take a data file before the staging slot is reused) and
+``DiscardTier`` (drop a handed-off file that will not be committed). The commit protocol, cleanup and
+retention (``commit``) and loading (``reader``) are written once against these protocols.
 
 Contract for implementations:
 
@@ -20,8 +16,7 @@ Contract for implementations:
 * ``read_bytes`` raises ``FileNotFoundError`` for a missing object and ``TierError`` (an
   ``OSError``) when the tier cannot be reached; ``open_file`` readers raise the same, and
   ``TruncatedRead`` when an object is shorter than a requested range.
-* Methods may be called from several threads at once (a tier object holds no mutable state
-  besides its connection pool).
+* Methods may be called from several threads at once.
 """
 
 from __future__ import annotations
@@ -45,11 +40,8 @@ class RangeReader(Protocol):
     """An open data file of one step in one tier. Not shared between threads by the loader."""
 
     def read_ranges(self, ranges: Sequence[tuple[int, int]], out: memoryview) -> None:
-        """Read each ``(offset, length)`` range, in order, into consecutive bytes of ``out``.
-
-        ``out`` has exactly the total length. Adjacent ranges should have been merged by the caller;
-        an implementation may read ranges concurrently but never reads a byte outside them.
-        """
+        """Read each ``(offset, length)`` range, in order, into consecutive bytes of ``out`` (exactly
+        the total length). An implementation may read ranges concurrently, never a byte outside them."""
 
     def close(self) -> None: ...
 

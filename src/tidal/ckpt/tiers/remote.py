@@ -1,36 +1,21 @@
 """Persisting to slow tiers (object storage, peer memory) from a queue of their own.
 
-Why a queue: the fast tiers (shm, directories) are written from the staging slot, and a slot is
-reused only once they are done, so a save can block on them (back-pressure). A slow or unreachable
-object store must not hold a slot - training would stop for as long as S3 is down. So each slow
-tier gets a ``RemoteQueue`` per rank, fed after the fast tiers committed a step, that uploads from:
-
-* the step's committed copy in a local directory tier, when it has one (read via ``mmap``; no
-  extra memory; the file stays readable while uploading even if retention removes it), else
-* a private snapshot of the slot taken before the slot is released (memory: one rank file per
-  snapshot; at most one snapshot waits besides the one uploading - newer ones replace it). The
-  snapshot is copied into a buffer borrowed from a ``SnapshotPool``, which keeps one buffer for
-  the next save: copying 512 MiB into fresh memory costs ~0.5 s of page faults on the project's
-  machine, into a reused one ~0.1 s (the price: one rank file of memory stays allocated).
-
-A peer tier's data file is handed to its agent by the persist thread (``Upload.written`` then
-already holds "data"); its queue writes only the sidecar and the manifest. The agent may still be
-reading the staging slot then (it pushes the slot to its buddy first and copies it after): the
-commit runs meanwhile, and the checkpointer frees the slot only once the tier's ``wait_handoff``
-returned.
+A slot is reused only once the fast tiers are done with it, so a slow or unreachable store must not
+be written from the slot: each slow tier gets a ``RemoteQueue`` per rank, fed after the fast tiers
+committed a step, that uploads from the step's committed copy in a local directory tier (``mmap``),
+else from a private snapshot of the slot (one rank file of memory; at most one waits besides the one
+uploading). Snapshots borrow buffers from a ``SnapshotPool``, which keeps one for the next save
+(fresh memory costs ~5x the copy in page faults). A peer tier's data file is handed to its agent by
+the persist thread; its queue writes only the sidecar and the manifest.
 
 The queue uploads oldest first and retries with exponential backoff (``retry_s`` up to
-``retry_max_s``) for as long as the store is unreachable; the status shows the backlog and the
-last error, and the durable lag grows. Steps drop out of the backlog - their handles report it -
-when more than the tier's ``keep`` are waiting (retention would delete the oldest right after
-upload anyway), or when the local copy they would be read from was removed by that tier's own
-retention before its turn. Every upload is the ordinary commit protocol (data, sidecar, manifest
-last), so a half-uploaded step is never visible; parts already written are not written again on
-retry. A rank that drops a step tells the others (error sidecar / failure marker), retrying that
-notice until the store takes it, so nobody waits out the commit timeout for it.
+``retry_max_s``) while the store is unreachable; the status shows the backlog and the last error.
+Steps drop out of the backlog (their handles report it) when more than the tier's ``keep`` wait, or
+when retention removed their local copy first. Every upload is the ordinary commit protocol
+(manifest last); parts already written are not written again on retry. A rank that drops a step
+tells the others (error sidecar / failure marker), retrying until the store takes it.
 
-Threads: ``submit`` is called by the checkpointer's persist thread; one worker thread per queue
-does all I/O. ``close`` drains the backlog (or abandons it after ``timeout_s``).
+Threads: ``submit`` is called by the persist thread; one worker thread per queue does all I/O.
 """
 
 from __future__ import annotations
@@ -55,8 +40,7 @@ log = logging.getLogger(__name__)
 
 
 class Snapshot:
-    """A private copy of one rank file in a buffer borrowed from a ``SnapshotPool``, shared by the
-    queues that upload it; the buffer goes back to the pool when the last of them releases it."""
+    """A private copy of one rank file in a pooled buffer, shared by the queues that upload it."""
 
     def __init__(self, pool: SnapshotPool, buf: bytearray, size: int, refs: int) -> None:
         self._pool, self.size, self._refs = pool, size, refs
@@ -77,10 +61,8 @@ class Snapshot:
 
 
 class SnapshotPool:
-    """Reusable snapshot buffers: a buffer is touched once and then reused by later saves.
-
-    Keeps at most ``keep`` idle buffers; one that is too small for a save is dropped and a new one
-    allocated. Thread-safe: the persist thread takes, the upload queues release."""
+    """Reusable snapshot buffers: at most ``keep`` idle ones (one too small for a save is dropped).
+    Thread-safe: the persist thread takes, the upload queues release."""
 
     def __init__(self, keep: int = 1) -> None:
         self.keep = keep
@@ -203,16 +185,13 @@ class RemoteQueue:
         keep = self.cfg.keep
         if keep > 0 and len(self._pending) > keep:
             drop += self._pending[: len(self._pending) - keep]
-        snaps = [
-            u for u in self._pending if u.snapshot is not None and u is not self._active and u not in drop
-        ]
+        snaps = [u for u in self._pending if u.snapshot is not None and u is not self._active
+                 and u not in drop]
         drop += snaps[:-1]
         out = []
         for u in drop:
-            why = (
-                f"step {u.step} was not persisted to tier '{self.tier.name}': superseded by newer steps "
-                f"while the tier was behind (keep={keep}, backlog {[p.step for p in self._pending]})"
-            )
+            why = (f"step {u.step} was not persisted to tier '{self.tier.name}': superseded by newer steps "
+                   f"while the tier was behind (keep={keep}, backlog {[p.step for p in self._pending]})")
             if u is self._active:
                 u.superseded = why
             else:
@@ -294,11 +273,9 @@ class RemoteQueue:
         try:
             fd = os.open(up.source.step_dir(up.step) / up.name, os.O_RDONLY)
         except FileNotFoundError:
-            raise _SourceGone(
-                f"step {up.step} was not persisted to tier '{self.tier.name}': its copy in tier "
-                f"'{up.source.name}' was removed by retention before its turn (the tier was "
-                "behind)"
-            ) from None
+            raise _SourceGone(f"step {up.step} was not persisted to tier '{self.tier.name}': its copy in "
+                              f"tier '{up.source.name}' was removed by retention before its turn (the tier "
+                              "was behind)") from None
         try:
             with mmap.mmap(fd, up.size_bytes, prot=mmap.PROT_READ) as m:
                 mv = memoryview(m)
@@ -346,9 +323,8 @@ class RemoteQueue:
                 if self.rank == 0:
                     self.tier.write_bytes(step, failure_name(sid), why.encode())
                 else:
-                    commit.write_json(
-                        self.tier, step, sidecar_name(self.rank, sid), {"rank": self.rank, "error": why}
-                    )
+                    commit.write_json(self.tier, step, sidecar_name(self.rank, sid), {"rank": self.rank,
+                                                                                     "error": why})
             except Exception:
                 still.append((step, sid, why))
         with self._cond:
@@ -357,9 +333,7 @@ class RemoteQueue:
     def _report_backlog(self) -> None:
         if self._status is None:
             return
-        with self._cond:
-            steps = [u.step for u in self._pending if u.superseded is None]
-            active = (
-                self._active.step if self._active is not None and self._active.superseded is None else None
-            )
+        with self._cond:  # (an RLock: backlog() takes it again)
+            a = self._active
+            steps, active = self.backlog(), (a.step if a is not None and a.superseded is None else None)
         self._status.backlog(self.tier.name, steps, active)

@@ -1,34 +1,24 @@
 """The S3 tier: committed steps in S3-compatible object storage, through obstore.
 
-Layout mirrors the directory tiers under ``s3://bucket/prefix/``::
-
-    s3://bucket/prefix/step_000000000120/manifest.json          # PUT last: its presence = committed
-    s3://bucket/prefix/step_000000000120/r00000-<save_id>.safetensors
-    s3://bucket/prefix/step_000000000120/r00000-<save_id>.json  # per-rank sidecar
-
-Why obstore (Rust ``object_store`` under a thin Python layer) rather than boto3: against a real
-SeaweedFS server on this project's machines it uploaded 1.3x faster, read large ranges 1.2x faster
-and served small ranged GETs at 2x the request rate, takes the staging buffer without copying it,
-and is one wheel with no further dependencies (``lab/s3_clients.py`` measures both).
+Layout mirrors the directory tiers under ``s3://bucket/prefix/`` (``step_<12 digits>/manifest.json``,
+PUT last: its presence = committed). obstore (Rust ``object_store``) takes the staging buffer without
+copying it; ``lab/s3_clients.py`` compares it with boto3.
 
 Credentials and endpoint come from the standard variables (``AWS_ACCESS_KEY_ID``,
 ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_ENDPOINT_URL``, ``AWS_REGION``), or from
-the tier's options (``endpoint``, ``region``). Plain-HTTP endpoints (a local SeaweedFS or MinIO)
-are allowed when the endpoint URL says ``http://``.
+the tier's options (``endpoint``, ``region``); plain HTTP only when the endpoint URL says ``http://``.
 
-* writes: one PUT for small objects; a multipart upload in ``part_size_bytes`` parts,
-  ``concurrency`` at a time, for data files. Either is atomic: the object appears whole or not.
-* reads: ranged GETs of exactly the requested byte ranges (adjacent ranges are merged by the
-  caller, long ones are split into parts fetched in parallel), so resharding reads only what it
-  needs straight from S3.
-* retries: each request is retried by the client with exponential backoff and jitter
-  (``retries`` times within ``retry_timeout_s``); what still fails raises ``TierError``, and the
-  checkpointer's upload queue retries the step later (see ``remote``).
+* writes: one PUT for small objects, a multipart upload (``part_size_bytes`` parts, ``concurrency``
+  at a time) for data files; either is atomic.
+* reads: ranged GETs of exactly the requested byte ranges, long ones split and fetched in parallel.
+* retries: each request is retried by the client with backoff (``retries`` times within
+  ``retry_timeout_s``); what still fails raises ``TierError``, and the upload queue retries later.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import os
 import re
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -63,10 +53,8 @@ def parse_s3_url(url: str) -> tuple[str, str]:
     rest = url[len("s3://"):]
     bucket, _, prefix = rest.partition("/")
     if not _BUCKET.match(bucket) or ".." in bucket:
-        raise TierSpecError(
-            f"tier {url!r}: {bucket!r} is not a valid bucket name (3-63 characters: lowercase "
-            "letters, digits, '.', '-'); expected s3://bucket/prefix"
-        )
+        raise TierSpecError(f"tier {url!r}: {bucket!r} is not a valid bucket name (3-63 characters: "
+                            "lowercase letters, digits, '.', '-'); expected s3://bucket/prefix")
     prefix = prefix[:-1] if prefix.endswith("/") else prefix
     parts = prefix.split("/") if prefix else []
     if any(p in ("", ".", "..") for p in parts):
@@ -99,29 +87,25 @@ class S3Tier:
     def __init__(self, url: str, *, name: str = "s3", endpoint: str | None = None, region: str | None = None,
                  part_size_bytes: int = 16 * MIB, concurrency: int = 8, retries: int = 3,
                  retry_timeout_s: float = 20.0, connect_timeout_s: float = 2.0) -> None:
-        import os
-
+        import obstore
         from obstore.store import S3Store
 
+        self._ob = obstore  # imported here: the control plane parses s3:// URLs without loading it
         self.name = name
         self.bucket, self.prefix = parse_s3_url(url)
         self.location = f"s3://{self.bucket}/{self.prefix}".rstrip("/")
         if part_size_bytes < 5 * MIB:
-            raise TierSpecError(
-                f"tier {url!r}: part_size_bytes must be >= 5 MiB (an S3 limit), got {part_size_bytes}"
-            )
+            raise TierSpecError(f"tier {url!r}: part_size_bytes must be >= 5 MiB (an S3 limit), got "
+                                f"{part_size_bytes}")
         if concurrency < 1:
             raise TierSpecError(f"tier {url!r}: concurrency must be >= 1, got {concurrency}")
         self.part_size_bytes, self.concurrency = int(part_size_bytes), int(concurrency)
-        self.endpoint = (
-            endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-        )
+        env = os.environ
+        self.endpoint = endpoint or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
         config: S3Config = {}
         if self.endpoint:
             config["endpoint"] = self.endpoint
-        config["region"] = (
-            region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
-        )
+        config["region"] = region or env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1"
         client: ClientConfig = {
             "allow_http": bool(self.endpoint and self.endpoint.startswith("http://")),
             "connect_timeout": _seconds(connect_timeout_s),
@@ -159,19 +143,15 @@ class S3Tier:
         return TierError(f"tier '{self.name}' ({what}): {text}{hint}")
 
     def check(self) -> None:
-        import obstore
-
         try:
-            obstore.list_with_delimiter(self._store, None)
+            self._ob.list_with_delimiter(self._store, None)
         except Exception as e:
             raise self._fail(e, self.location) from None
 
     # -- listing -----------------------------------------------------------------------------------
     def _objects(self, prefix: str | None = None) -> list[ObjectMeta]:
-        import obstore
-
         try:
-            return [o for batch in obstore.list(self._store, prefix=prefix, chunk_size=1000) for o in batch]
+            return [o for batch in self._ob.list(self._store, prefix=prefix, chunk_size=1000) for o in batch]
         except Exception as e:
             raise self._fail(e, self.location + ("/" + prefix if prefix else "")) from None
 
@@ -195,39 +175,29 @@ class S3Tier:
         return sorted(self.committed())
 
     def list_files(self, step: int) -> set[str]:
-        return {o["path"].rsplit("/", 1)[-1] for o in self._objects(mf.step_dirname(step) + "/")}
+        return set(self.file_sizes(step))
 
     def file_sizes(self, step: int) -> dict[str, int]:
         """Object name -> size in bytes, for one step (one LIST)."""
-        return {
-            o["path"].rsplit("/", 1)[-1]: int(o["size"]) for o in self._objects(mf.step_dirname(step) + "/")
-        }
+        objects = self._objects(mf.step_dirname(step) + "/")
+        return {o["path"].rsplit("/", 1)[-1]: int(o["size"]) for o in objects}
 
     # -- small objects -----------------------------------------------------------------------------
     def read_bytes(self, step: int, name: str) -> bytes:
-        import obstore
-
         try:
-            return bytes(obstore.get(self._store, self._key(step, name)).bytes())
+            return bytes(self._ob.get(self._store, self._key(step, name)).bytes())
         except Exception as e:
             raise self._fail(e, self.where(step, name)) from None
 
     def write_bytes(self, step: int, name: str, data: bytes) -> None:
-        import obstore
-
-        try:
-            obstore.put(self._store, self._key(step, name), data, use_multipart=False)
-        except Exception as e:
-            raise self._fail(e, self.where(step, name)) from None
+        self.write_top(self._key(step, name), data)
 
     def read_top(self, name: str, limit: int = 1 << 16) -> bytes | None:
         """A small object beside the steps (``<prefix>/<name>``, e.g. the fence); None when there is none.
         ``TierError`` when it cannot be read, ``ValueError`` when it is larger than ``limit`` bytes."""
-        import obstore
-
         where = f"{self.location}/{name}"
         try:
-            got = obstore.get(self._store, name)
+            got = self._ob.get(self._store, name)
             size = int(got.meta["size"])
             if size > limit:
                 raise ValueError(f"{where}: {size} bytes, more than {limit}")
@@ -242,10 +212,8 @@ class S3Tier:
 
     def write_top(self, name: str, data: bytes) -> None:
         """Write a small object beside the steps (``<prefix>/<name>``), in one PUT (atomic on S3)."""
-        import obstore
-
         try:
-            obstore.put(self._store, name, data, use_multipart=False)
+            self._ob.put(self._store, name, data, use_multipart=False)
         except Exception as e:
             raise self._fail(e, f"{self.location}/{name}") from None
 
@@ -254,11 +222,9 @@ class S3Tier:
 
     # -- data --------------------------------------------------------------------------------------
     def write_file(self, step: int, name: str, data: memoryview) -> None:
-        import obstore
-
         big = len(data) > self.part_size_bytes
         try:
-            obstore.put(self._store, self._key(step, name), data, use_multipart=big,
+            self._ob.put(self._store, self._key(step, name), data, use_multipart=big,
                         chunk_size=self.part_size_bytes, max_concurrency=self.concurrency)
         except Exception as e:
             raise self._fail(e, self.where(step, name)) from None
@@ -268,11 +234,9 @@ class S3Tier:
 
     # -- removal -----------------------------------------------------------------------------------
     def _delete(self, keys: list[str]) -> None:
-        import obstore
-
         for i in range(0, len(keys), 1000):
             try:
-                obstore.delete(self._store, keys[i : i + 1000])
+                self._ob.delete(self._store, keys[i : i + 1000])
             except Exception as e:
                 raise self._fail(e, f"{self.location}/{keys[i]}") from None
 
@@ -291,10 +255,8 @@ class _S3Reader:
         self.tier, self.key, self.where = tier, key, where
 
     def _get(self, offset: int, out: memoryview) -> None:
-        import obstore
-
         try:
-            b = obstore.get_range(self.tier._store, self.key, start=offset, end=offset + len(out))
+            b = self.tier._ob.get_range(self.tier._store, self.key, start=offset, end=offset + len(out))
         except Exception as e:
             if "InvalidRange" in str(e) or "416" in str(e):  # the range starts past the end
                 raise TruncatedRead(offset, len(out), 0) from None

@@ -1,10 +1,5 @@
-"""One scheduling call's working state: the snapshot indexed once, then updated as decisions are made.
-
-:class:`Cycle` is created by ``schedule()`` and never escapes it. It is built in one pass over the
-running jobs (per-node usage, per-tenant usage, the elastic jobs that could grow) and one pass over
-the nodes; nothing here walks the pending queues. Every decision goes through one of the ``issue_*``
-methods, which append the decision and keep the indexes true for the steps that follow.
-"""
+"""One scheduling call's working state: the snapshot indexed once (one pass over the running jobs and
+one over the nodes), then kept true as decisions are issued through the ``issue_*`` methods."""
 
 from __future__ import annotations
 
@@ -12,19 +7,7 @@ import math
 from collections.abc import Mapping
 from operator import attrgetter
 
-from tidal.model import (
-    Admit,
-    Decision,
-    Grow,
-    Job,
-    Loan,
-    Preempt,
-    Reason,
-    ReturnGpus,
-    Shrink,
-    Snapshot,
-    Waiting,
-)
+from tidal.model import Admit, Decision, Job, Loan, Preempt, Reason, ReturnGpus, Shrink, Snapshot, Waiting
 from tidal.policy.scheduling.config import SchedulerConfig
 from tidal.policy.scheduling.index import RunningIndex
 from tidal.policy.scheduling.placement import View
@@ -45,9 +28,7 @@ class Cycle:
         self.index = index
         if index is not None and self._from_index(index):
             return
-        self.pool_of: dict[
-            str, str
-        ] = {}  # node -> "training" | "loan" (serving nodes without a loan: absent)
+        self.pool_of: dict[str, str] = {}  # node -> "training" | "loan" (serving nodes without a loan: none)
         self.max_node_gpus = 1
         self.training_gpus = 0
         for n in snap.nodes:
@@ -101,9 +82,7 @@ class Cycle:
         self.allowed_nodes: dict[tuple[str, ...], set[str]] = {}  # view names -> placeable nodes
 
     def _from_index(self, index: RunningIndex) -> bool:
-        """The same indexes as the walk in ``__init__``, from ``index`` (updated by the jobs that changed
-        since its last call). ``False`` (nothing set) if a running job's tenant is unknown: the walk
-        then raises as it always did."""
+        """The walk of ``__init__`` from ``index``; ``False`` (nothing set) if a job's tenant is unknown."""
         snap = self.snap
         if not index.nodes(snap.nodes):
             return False
@@ -132,8 +111,6 @@ class Cycle:
         self._init_rest(snap)
         return True
 
-    # ------------------------------------------------------------------------------ views, shares
-
     def build_views(self, blocked_loans: set[str]) -> None:
         """Fill the training and loan views from the node list (O(nodes))."""
         used, drain, pool_of, loans = self.used, self.draining0, self.pool_of, self.loans
@@ -149,13 +126,11 @@ class Cycle:
             if pool == "training":
                 tv.add(name, n.gpus - used.get(name, 0), drain.get(name, 0))
             else:
-                lv.add(
-                    name, loans[name].gpus - used.get(name, 0), drain.get(name, 0), name not in blocked_loans
-                )
+                free = loans[name].gpus - used.get(name, 0)
+                lv.add(name, free, drain.get(name, 0), name not in blocked_loans)
 
     def _build_views_from_plan(self, blocked_loans: set[str]) -> None:
-        """``build_views`` from the index's per-node free counts: the same views (bucket and draining
-        order included: node order), in O(nodes with free or draining GPUs + loans)."""
+        """``build_views`` from the index's per-node free counts (the same views), O(busy nodes + loans)."""
         index = self.index
         assert index is not None
         pos, drain, used_get, loans = index.pos, self.draining0, self.used.get, self.loans
@@ -176,8 +151,7 @@ class Cycle:
         tv.total += total
         for name in sorted((n for n in drain if n in tfree), key=pos.__getitem__):
             tv.draining[name] = drain[name]
-        # View.add for every loaned node in node order, column by column: up to every serving node is on
-        # loan, on every call of the simulator. The node order of the loans is kept while they stay the same.
+        # View.add for every loaned node in node order, column by column (their order kept while the same)
         other = index.other_nodes
         key = loans.keys()
         cached = index.memo.get("loan_order")
@@ -206,17 +180,10 @@ class Cycle:
         return self.growable
 
     def compute_fair(self, pending_spot_tenants: set[str]) -> None:
-        """Fair share of spot capacity per active tenant (after the reclaim step kept its GPUs).
-
-        Spot capacity = training GPUs not held by dedicated jobs + loaned GPUs not promised back.
-        Active tenants are those with spot jobs running or waiting; they split it by weight.
-        """
-        kept = (
-            sum(self.reserved.values())
-            + sum(self.returned.values())
-            + sum(self.claimed_draining.values())
-            + self.reclaim_victim_gpus
-        )
+        """Fair share per active tenant (spot jobs running or waiting), by weight, of spot capacity: training
+        GPUs not held by dedicated jobs plus loaned GPUs not promised back."""
+        kept = sum(self.reserved.values()) + sum(self.returned.values()) + self.reclaim_victim_gpus
+        kept += sum(self.claimed_draining.values())
         spot_capacity = self.training_gpus - sum(self.ded_held.values()) + self.loaned_gpus - kept
         active = [t for t in self.tenants if self.spot_held[t] > 0 or t in pending_spot_tenants]
         weights = sum(self.tenants[t].weight for t in active)
@@ -243,8 +210,7 @@ class Cycle:
         return self.tenants[tenant].quota_gpus - self.ded_held[tenant]
 
     def quota_can_free(self, job: Job) -> bool:
-        """Could ``job``'s tenant's own dedicated jobs make quota room for it (lower priority, or above
-        their minimum)? If not and its quota is full, nothing in its queue can start now."""
+        """Could ``job``'s tenant's own dedicated jobs make quota room for it (lower priority, or elastic)?"""
         t = job.tenant
         return t in self.ded_elastic or self.ded_low_priority.get(t, job.priority) < job.priority
 
@@ -257,8 +223,6 @@ class Cycle:
         """Free GPUs in the pools ``job`` may use (training; spot also loaned serving GPUs)."""
         return self.training.total + (self.loan.total if job.kind == "spot" else 0)
 
-    # ------------------------------------------------------------------------------ acting
-
     def issue_return(self, node: str, gpus: int) -> None:
         self.loan.take(node, gpus)
         self.returned[node] = self.returned.get(node, 0) + gpus
@@ -268,11 +232,6 @@ class Cycle:
         self.touched.add(job.id)
         self._count(job, sum(placement.values()))
         self.decisions.append(Admit(job.id, placement))
-
-    def issue_grow(self, job: Job, to_gpus: int, add: dict[str, int]) -> None:
-        self.touched.add(job.id)
-        self._count(job, sum(add.values()))
-        self.decisions.append(Grow(job.id, to_gpus, add))
 
     def issue_shrink(self, job: Job, release: Mapping[str, int], reason: Reason, by_s: float,
                      for_job: str | None, claimed: Mapping[str, int]) -> None:

@@ -1,20 +1,6 @@
-"""The grow step: GPUs still free after admission go to elastic jobs below their maximum.
-
-Runs last, so growth only ever takes GPUs that no waiting job could start on in this call. One size
-step (``Job.size_step``) at a time, water-filling:
-
-* dedicated jobs first, each within its tenant's quota and on the training pool only (their growth is
-  guaranteed space; spot growth can be shrunk again by anyone);
-* then spot jobs, the tenant furthest below its fair share first, then higher priority;
-* on the job's own nodes first (locality), then packed like an admission.
-
-Not grown: jobs shrunk less than ``hysteresis_s`` ago (no ping-pong), jobs with GPUs being released,
-jobs acted on earlier in this call. Loaned GPUs the loan plan wants back soon are not in the views,
-so nothing grows into them. Jobs admitted in this call grow inside their :class:`Admit`.
-
-When asked (``Cycle.why``), each job left below its maximum gets the reason it did not grow: no GPU
-free, the hysteresis (with when it ends), a step larger than what is free, no room or no quota left.
-"""
+"""The grow step: GPUs still free after admission go to elastic jobs below their maximum, water-filling
+in size steps, dedicated jobs first (docs/scheduling.md, step 6). With ``Cycle.why``, each job left
+below its maximum gets the reason."""
 
 from __future__ import annotations
 
@@ -27,12 +13,8 @@ from tidal.policy.scheduling.placement import fits, place_more
 
 
 def grow_step(c: Cycle, admitted: dict[str, tuple[int, Job]]) -> None:
-    """``admitted``: job id -> (index of its Admit in ``c.decisions``, job), for jobs admitted this call.
-
-    Each grant is a node's worth or a quarter of what the job may still grow, whichever is more
-    (rounded to its step), or one step if that does not fit: water-filling in coarse grants keeps
-    the number of rounds small when a lot is spare.
-    """
+    """``admitted``: job id -> (index of its Admit in ``c.decisions``, job). Each grant is a node's worth
+    or a quarter of the job's room, whichever is more (in steps), or one step: few rounds."""
     spare = c.training.total + c.loan.total
     if spare == 0:
         if c.why is not None:

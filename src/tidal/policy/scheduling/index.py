@@ -1,29 +1,11 @@
 """An optional accelerator for callers that schedule the same pool again and again: incremental indexes.
 
-Step 1 of every call (:class:`~tidal.policy.scheduling.cycle.Cycle`) walks every running job's
-placement (GPUs used and draining per node, dedicated and spot GPUs held per tenant, the lowest
-dedicated priority per tenant) and every node (free GPUs per pool). At ~1,500 running jobs on 2,048
-nodes that is a third of a call, yet between two calls of a simulator or a reconcile loop only a few
-jobs change. :class:`RunningIndex` remembers the sums of the previous call and updates them from the
-jobs that were added or removed since (by object identity: :class:`~tidal.model.Job` is frozen, a
-changed job is a new object), so the walk costs O(changed jobs) instead of O(running). It also keeps
-the victim index's inputs (``victims.VictimIndex``): the spot and dedicated jobs not releasing, and
-which of them sit on training or other nodes, so a victim search does not walk every running job's
-placement again; the spot ones also sorted by job id (the victim keys' last tie-break) with the key
-columns that do not change while a job runs (priority, tenant, GPUs, start time, pool) in a numpy
-table, so a search reads only ``last_ckpt_s`` and the shares anew. A caller that knows which jobs
-changed (the simulator's store) may say so (:meth:`RunningIndex.hint`) and spare the comparison of
-every running job too; one that moves ``last_ckpt_s`` in place may report the moved jobs
-(:meth:`RunningIndex.ckpt_moved`), and the table then keeps that column too (no per-call read).
-
-It is a memo, not a policy: ``schedule(snap, cfg, index=RunningIndex())`` returns exactly what
-``schedule(snap, cfg)`` returns (``tests/test_scheduler.py`` checks this on random sequences of
-snapshots; ``tests/test_sim_victim_index.py`` with ids out of order and checkpoints moved in
-place). It holds no clock and does no I/O; it keeps references to the previous call's running
-jobs (so identities stay valid). A caller that mutates a :class:`Job` in place may do so only for
-fields the sums do not read (``last_ckpt_s``, ``ckpt_interval_s``, as the simulator does); changing
-``placement``, ``releasing``, ``kind``, ``tenant``, ``priority``, ``min_gpus`` or ``max_gpus`` in
-place would leave the sums stale. One index per caller and pool; not thread-safe.
+:class:`RunningIndex` keeps the previous call's per-node and per-tenant sums and updates them from the
+running jobs added or removed since (by object identity: a changed :class:`~tidal.model.Job` is a new
+object), and the victim index's inputs (the spot jobs sorted by id, their fixed key columns in a numpy
+table). A memo, not a policy: the same decisions with or without it (docs/scheduling.md, "Incremental
+indexes"). A caller may change a job in place only in ``last_ckpt_s`` and ``ckpt_interval_s`` (and
+report the first, :meth:`RunningIndex.ckpt_moved`). One index per caller and pool; not thread-safe.
 """
 
 from __future__ import annotations
@@ -50,8 +32,7 @@ class RunningIndex:
         self.other_nodes: set[str] = set()  # nodes not in the training pool
         self.pos: dict[str, int] = {}  # node -> its position in the node list
         self.tenant_code: dict[str, int] = {}  # tenant -> its row in per-tenant vectors (first seen first)
-        self.group_code: dict[tuple[int, str], int] = {}  # (priority, tenant) of spot jobs -> code (first
-        # seen first), kept for the index's life (the table's group column holds these codes)
+        self.group_code: dict[tuple[int, str], int] = {}  # (priority, tenant) of spot jobs -> code, for life
         self.group_key: list[tuple[int, str]] = []  # code -> (priority, tenant)
         self._hint: tuple | None = None  # (running, since, added, removed), see hint()
         self.ckpt_reported = False  # the caller reports every in-place move of last_ckpt_s (ckpt_moved())
@@ -73,12 +54,9 @@ class RunningIndex:
         # The victim index's inputs (``victims.VictimIndex``), over running jobs not releasing:
         self.spot_jobs: dict[int, Job] = {}  # id(job) -> spot job
         self.spot_on_training: set[str] = set()  # ids of those spot jobs with GPUs on a training node
-        self.spot_elsewhere: dict[
-            int, tuple[str, tuple[str, ...]]
-        ] = {}  # id(job) -> (job id, its other nodes)
+        self.spot_elsewhere: dict[int, tuple[str, tuple[str, ...]]] = {}  # id(job) -> (job id, other nodes)
         self.ded_jobs: dict[str, dict[int, Job]] = {}  # tenant -> id(job) -> dedicated job
-        # The same spot jobs sorted by job id (the victim keys' last tie-break); the key columns that do
-        # not change while a job runs sit in a numpy table, one reused row per job (spot_columns()).
+        # The same spot jobs sorted by job id; their fixed key columns in a table, a reused row each.
         self.spot_ids: list[str] = []
         self.repeated_ids = 0  # listed spot jobs whose id an earlier listed one has (invalid snapshots only)
         self.spot_sorted: list[Job] = []
@@ -111,18 +89,14 @@ class RunningIndex:
 
     def hint(self, running: Sequence[Job], since: Sequence[Job], added: Sequence[Job], removed: Sequence[Job]
              ) -> None:
-        """For a caller that knows what changed (the simulator's store): ``running`` (the very object the
-        next snapshot carries) holds the jobs of ``since`` (the running jobs of the previous call, the
-        very object) minus ``removed`` plus ``added`` (objects). The next :meth:`update` then costs
-        O(changes) instead of O(running). Ignored unless both objects match; a wrong list gives wrong
-        sums (a few cheap checks fall back to the full comparison)."""
+        """``running`` (the next snapshot's object) is ``since`` (the previous call's object) minus
+        ``removed`` plus ``added``: the next :meth:`update` costs O(changes). Ignored unless both objects
+        match (a few cheap checks fall back to the full comparison)."""
         self._hint = (running, since, added, removed)
 
     def ckpt_moved(self, jobs: Iterable[Job]) -> None:
-        """For a caller that moves ``Job.last_ckpt_s`` in place (the simulator's store): ``jobs`` are
-        those whose checkpoint time moved since it last said so (the objects; others are ignored).
-        From the first report on, the index keeps that column itself instead of reading every listed
-        job's each call, so the caller must then report every such move, before the next call."""
+        """``jobs`` whose ``last_ckpt_s`` moved in place since the last report. From the first report on the
+        index keeps that column itself, so the caller must report every move before the next call."""
         self.ckpt_reported = True
         row_of, ckpt = self.row_of, self._table.ckpt
         for j in jobs:
@@ -264,8 +238,7 @@ class RunningIndex:
         self._free = list(range(n + grow - 1, n - 1, -1))
 
     def spot_columns(self) -> SpotColumns | None:
-        """The key columns of ``spot_sorted``, in its order (``None``: a priority beyond int64);
-        ``elastic`` as the positions of the jobs above their minimum."""
+        """The key columns of ``spot_sorted``, in its order (``None``: a priority beyond int64)."""
         if self._overflow:
             return None
         cols = self._spot_cols
@@ -273,27 +246,16 @@ class RunningIndex:
             rows = np.array(self.spot_rows, dtype=np.intp)
             t = self._table
             cols = self._spot_cols = SpotColumns(
-                t.priority[rows],
-                t.tenant[rows],
-                t.gpus[rows],
-                t.started_s[rows],
-                t.on_training[rows],
-                np.flatnonzero(t.elastic[rows]),
-                rows,
-                t.gpus.size,
-                t.ckpt[rows] if self.ckpt_reported else None,
-                t.group[rows],
-            )
+                t.priority[rows], t.tenant[rows], t.gpus[rows], t.started_s[rows], t.on_training[rows],
+                np.flatnonzero(t.elastic[rows]), rows, t.gpus.size,
+                t.ckpt[rows] if self.ckpt_reported else None, t.group[rows])
         return cols
 
 
 class SpotColumns(NamedTuple):
-    """Per spot job of :attr:`RunningIndex.spot_sorted`: priority, tenant code, GPUs, ``started_s``
-    (``None`` as NaN), whether it has GPUs on a training node; ``elastic``: the positions of those
-    above their minimum; ``rows``: each one's row in the index's table (``RunningIndex.row_of``), of
-    ``table_rows`` rows; ``last_ckpt_s`` (``None`` as NaN) only while the caller reports its moves
-    (:meth:`RunningIndex.ckpt_moved`), else ``None`` (read it from the jobs); ``group``: the code of
-    its (priority, tenant) (:attr:`RunningIndex.group_key`)."""
+    """Per spot job of :attr:`RunningIndex.spot_sorted` (``None`` times as NaN): ``elastic``, the positions
+    of those above their minimum; ``rows``, each one's table row; ``last_ckpt_s`` only while the caller
+    reports its moves (else ``None``: read the jobs)."""
 
     priority: np.ndarray
     tenant: np.ndarray

@@ -1,25 +1,6 @@
-"""Who goes first: aged priority, then fair-share deficit, then waiting time.
-
-Pending jobs wait in one FIFO per (tenant, kind, priority) (see :func:`tidal.model.queue_key`),
-ordered by when they (re)entered it (``Job.queued_s``: submission, or the last preemption). Aging
-adds the same amount per second of waiting to every job, so within one such queue the oldest job is
-always the most aged one: only queue *heads* ever compete, and :class:`QueueHeads` merges them with a
-heap. A call that admits k jobs from Q queues costs O((Q + k) log Q), whatever the queue lengths.
-
-A job for which others were shrunk or preempted (``Job.nominated_s``) stands first in its queue
-(:func:`tidal.model.arrival`) and, within ``SchedulerConfig.nomination_ttl_s``, first in the merge:
-every key below starts with ``nominated lately ? 0 : 1``. (A nomination older than that keeps the
-job at the front of its own queue, where it was anyway when it preempted.)
-
-Keys (smaller first), after that flag:
-
-* dedicated: ``(-aged priority, queued_s, id)``. Each tenant's dedicated jobs only compete for its
-  own quota, so fairness between tenants has nothing to order here.
-* spot: ``(-aged priority, share, queued_s, id)`` where ``share`` is the tenant's spot GPUs over its
-  weighted fair share (:meth:`Cycle.share`): among equal priorities, the tenant furthest below its
-  share goes first. Aging is counted in whole levels so that ties on priority are common and the
-  share decides them.
-"""
+"""Who goes first: lately nominated, then aged priority, then (spot) fair-share deficit, then waiting
+time. Only queue heads compete (aging keeps each FIFO in order), merged by :class:`QueueHeads`
+(docs/scheduling.md, "One call, step by step")."""
 
 from __future__ import annotations
 
@@ -39,14 +20,8 @@ def aged_priority(job: Job, now_s: float, cfg: SchedulerConfig) -> int:
 
 
 class QueueHeads:
-    """Pop pending jobs across FIFO queues in key order.
-
-    ``key`` may change during the call (a tenant's share grows as its jobs are admitted). Stored keys
-    are re-checked when popped: a head whose key moved is pushed back with its new key. This is
-    exact when keys only grow, which is the case for admissions; preemptions lower a victim
-    tenant's share, and its heads are then seen a little later than an exact order would (by design
-    cheaper than re-keying every queue).
-    """
+    """Pop pending jobs across FIFO queues in key order. A head whose key moved during the call is pushed
+    back with its new key when popped: exact while keys only grow (admissions)."""
 
     def __init__(self, queues: Sequence[Sequence[Job]], key: Callable[[Job], tuple]) -> None:
         self._queues = queues

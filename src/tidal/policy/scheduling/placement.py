@@ -1,18 +1,6 @@
-"""Free GPUs per node and packing gangs onto them.
-
-A :class:`View` holds the free GPUs of one pool's nodes (the training pool, or the loaned GPUs of
-serving nodes) in buckets by free count, so finding "the node with the fewest free GPUs that still
-holds r" costs O(GPUs per node), not O(nodes). Packing rules (:func:`place`):
-
-* ``gpus_per_node = g``: the gang needs ``size / g`` distinct nodes with at least ``g`` free each;
-  take the tightest such nodes first (best fit), so whole empty nodes stay whole for big gangs.
-* no per-node constraint: fewest nodes. While the remainder fits on one node, take the tightest node
-  that holds it all (best fit) and stop; otherwise take the fullest-free node entirely and go on.
-
-Nodes within a bucket are taken in insertion order (the order views are built in, then the order
-nodes changed), which makes every result deterministic. A node can be present but *blocked* (a loan
-ending soon): its GPUs are tracked for reclaims but never offered for placement.
-"""
+"""Free GPUs per node and packing gangs onto them: a :class:`View` keeps a pool's nodes in buckets by
+free count; :func:`place` packs a ``gpus_per_node`` gang on the tightest nodes that hold its share and
+any other job on the fewest nodes. Deterministic; a blocked node (a loan ending soon) is never offered."""
 
 from __future__ import annotations
 
@@ -65,10 +53,6 @@ class View:
     def add_draining(self, node: str, gpus: int) -> None:
         self.draining[node] = self.draining.get(node, 0) + gpus
 
-    def count_at_least(self, g: int) -> int:
-        """Placeable nodes with at least ``g`` free GPUs."""
-        return sum(map(len, self.buckets[g:]))
-
 
 def _max_free(views: Sequence[View]) -> int:
     return max(v.max_free for v in views)
@@ -104,7 +88,7 @@ def fits(views: Sequence[View], size: int, g: int | None) -> bool:
             n += v.total
         return n >= size
     for v in views:
-        n += sum(map(len, v.buckets[g:]))  # View.count_at_least, inlined
+        n += sum(map(len, v.buckets[g:]))  # nodes with at least g free
     return n >= size // g
 
 
@@ -149,9 +133,8 @@ def place(views: Sequence[View], size: int, g: int | None, skip: Mapping[str, in
     return out
 
 
-def place_more(
-    views: Sequence[View], add: int, g: int | None, current: Mapping[str, int]
-) -> dict[str, int] | None:
+def place_more(views: Sequence[View], add: int, g: int | None, current: Mapping[str, int]
+               ) -> dict[str, int] | None:
     """Take ``add`` more GPUs for a job on ``current``: its own nodes first (locality), then packing."""
     if g is not None:
         return place(views, add, g, skip=current)

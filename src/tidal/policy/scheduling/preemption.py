@@ -1,19 +1,9 @@
-"""Victims: who gives GPUs back so that a need is met. Computing targets is separate from acting.
+"""Victims: who gives GPUs back so that a need is met, computed apart from acting.
 
-A *need* says when enough has been released: :class:`GangNeed` (a pending gang fits on the nodes it
-may use, and its tenant's quota has room) or :class:`CountNeed` (a reclaim: so many GPUs on loaned
-nodes). :func:`find_victims` is pure over a need and two candidate lists and returns the victims;
-callers act on them through ``Cycle.issue_*``. The rules, in order:
-
-1. Shrink before killing. Elastic candidates give back GPUs above their minimum, only on nodes that
-   help and only as many as still needed, rounded to their ``size_step`` (whole nodes for
-   ``gpus_per_node`` jobs): nobody shrinks by more than needed.
-2. Then preempt whole gangs, in the caller's order (least work lost first: freshest durable
-   checkpoint; then lowest priority; then furthest over fair share).
-3. Give back: victims are reconsidered newest first, and any the need can do without is spared
-   (as Kueue does), so a big preemption late in the list spares earlier small ones.
-
-If the need cannot be met even with every candidate, nothing is touched (no partial damage).
+A need (:class:`GangNeed`: a pending gang fits, with quota room; :class:`CountNeed`: a reclaim) and
+two candidate lists in; victims out (:func:`find_victims`): shrink before killing (only where and as
+much as it helps), then preempt whole gangs in the caller's order, then spare any victim the need can
+do without, newest first. If the need cannot be met, nothing is touched.
 """
 
 from __future__ import annotations
@@ -42,12 +32,7 @@ class Need(Protocol):
 
 class GangNeed:
     """A gang of ``size`` GPUs (``g`` per node, or any split) on the nodes in ``allowed``, counting GPUs
-    free or draining there (from ``views``); plus ``quota_short`` GPUs of quota its tenant must get
-    back first.
-
-    Only nodes with something free or draining are indexed up front (few, in a busy pool); others
-    join when a victim releases GPUs on them.
-    """
+    free or draining there; plus ``quota_short`` GPUs of quota its tenant must get back first."""
 
     def __init__(self, views: Sequence[View], allowed: set[str], size: int, g: int | None,
                  quota_short: int = 0) -> None:
@@ -103,9 +88,8 @@ class GangNeed:
 
 
 class CountNeed:
-    """``need`` GPUs released on ``nodes`` (a reclaim of loaned GPUs). ``used``: GPUs training holds on
-    each node; a node's level is minus what would still be held there, so releases go first where
-    they leave a node empty (serving gets whole nodes back)."""
+    """``need`` GPUs released on ``nodes`` (a reclaim); a node's level is minus what would still be held
+    there (``used``), so releases go first where they empty a node."""
 
     quota_short = 0
 
@@ -155,14 +139,9 @@ def _apply(need: Need, v: Victim, sign: int) -> None:
 
 
 def _shrink_release(job: Job, need: Need, quota: bool) -> dict[str, int]:
-    """Release ``job``'s GPUs above its minimum on helpful nodes until the need is met or nothing more
-    can go, and no more than that (rounded up to the job's size step; down, if its room ends first).
-    ``quota``: what it releases also gives its tenant's quota back. Mutates ``need``; returns
-    node -> GPUs released.
-
-    Nodes are taken where they help most: nodes that still want GPUs, the fullest-free first (for a
-    ``gpus_per_node`` gang, the closest to holding a whole share).
-    """
+    """Release ``job``'s GPUs above its minimum on helpful nodes (those still wanting GPUs, fullest
+    first) until the need is met, in whole size steps; ``quota``: they also give quota back. Mutates
+    ``need``; returns node -> GPUs released."""
     unit = job.size_step
     room = (job.gpus - job.min_gpus) // unit * unit
     out: dict[str, int] = {}
@@ -226,11 +205,8 @@ def _shrink_release(job: Job, need: Need, quota: bool) -> dict[str, int]:
 
 def find_victims(need: Need, shrinkable: Iterable[tuple[Job, Reason, bool]],
                  preemptable: Iterable[tuple[Job, Reason, bool]]) -> list[Victim] | None:
-    """Compute victims for ``need`` (see the module docstring); ``None`` if it cannot be met.
-
-    Candidates are ``(job, reason, frees_quota)`` in the order they should be tried. ``need`` is left
-    in the state the returned victims produce.
-    """
+    """Victims for ``need`` from ``(job, reason, frees_quota)`` candidates in the order to try them;
+    ``None`` if it cannot be met. ``need`` is left as the victims make it."""
     chosen: list[Victim] = []
     if need.fits():
         return chosen
@@ -269,10 +245,6 @@ def find_victims(need: Need, shrinkable: Iterable[tuple[Job, Reason, bool]],
     return kept
 
 
-# ---------------------------------------------------------------------------------------------
-# Victim order.
-
-
 def protected(c: Cycle, job: Job) -> bool:
     """Started less than ``min_runtime_before_preempt_s`` ago."""
     return job.started_s is not None and c.now - job.started_s < c.cfg.min_runtime_before_preempt_s
@@ -288,12 +260,8 @@ def shrink_key(c: Cycle, job: Job) -> tuple:
 
 
 def preempt_keys(c: Cycle, jobs: Iterable[Job]) -> dict[str, tuple]:
-    """Preemption order, smaller first: ``(protected, work lost in GPU-seconds, priority, -share, id)``.
-
-    Jobs still inside their minimum runtime go last (where they are candidates at all); then the
-    least work lost (freshest durable checkpoint, fewest GPUs); then the lowest priority; then the
-    tenant furthest over its fair share. The victim index sorts by the same keys as columns
-    (:mod:`~tidal.policy.scheduling.victims`)."""
+    """Preemption order, smaller first: ``(protected, work lost in GPU-seconds, priority, -share, id)``
+    (the victim index sorts by the same keys as columns)."""
     now = c.now
     shares = {t: -c.share(t) for t in c.tenants}
     return {j.id: (protected(c, j), j.work_lost_gpu_s(now), j.priority, shares[j.tenant], j.id) for j in jobs}

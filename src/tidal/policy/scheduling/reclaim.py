@@ -1,22 +1,5 @@
-"""The reclaim step: give loaned serving GPUs back as the loan plan's :class:`~tidal.model.Reclaim`\\ s say.
-
-Runs before anything is admitted, so GPUs serving wants are never handed to new work. For the GPUs
-of reclaims whose notice time has come (*due*), cheapest first:
-
-1. **Idle loaned GPUs** go back at once (:class:`~tidal.model.ReturnGpus`): idle loaned nodes
-   first, so serving gets whole nodes, then the idle part of the least used ones; among equals the
-   loan that was expected to end first.
-2. **Draining loaned GPUs** (jobs already shrinking or stopping on them) are counted: they are
-   returned in a later call, once free. This is what keeps the step from acting twice.
-3. **Displacement** for the rest: elastic spot jobs on loaned nodes shrink first (lowest priority,
-   then furthest over fair share), then whole gangs are preempted, least work lost first. Minimum
-   runtime and hysteresis do not protect anyone here: serving quality comes first. Victims must be
-   gone by the reclaim's ``by_s``.
-
-For reclaims whose notice is near but not yet due (within ``min_loan_left_s``), steps 1 and 2 only
-*keep* idle and draining loaned GPUs (nothing new starts on them); nobody is displaced before the
-notice time.
-"""
+"""The reclaim step: give loaned GPUs back as the plan's due reclaims say, before anything is admitted:
+idle GPUs now, draining ones counted, then shrink and preempt spot jobs on loans (docs/scheduling.md)."""
 
 from __future__ import annotations
 

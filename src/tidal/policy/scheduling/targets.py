@@ -1,29 +1,9 @@
 """The admission step's preemption path: targets for one pending job (computed), then acting on them.
 
-:func:`targets_for` decides who may lose GPUs to a pending job and returns the victims that
-:func:`~tidal.policy.scheduling.preemption.find_victims` chose, plus where the job will start; it
-changes nothing. :func:`preempt_for` acts: it issues the shrinks and preemptions and reserves the
-job's future place, so nobody else is placed there while the victims drain.
-
-Who may lose GPUs to whom (priorities here are the jobs' own: aging only orders the queue, so a
-requeued victim that has waited long can never turn around and preempt its preemptor):
-
-* a **dedicated** job (its tenant's guarantee): any spot job on the training pool may be shrunk or
-  preempted, minimum runtime notwithstanding (victims past it still go first); its own tenant's
-  dedicated jobs may be shrunk (priority at most its own, not grown within
-  ``hysteresis_s``) or preempted (priority at least ``preempt_priority_gap`` lower, past the minimum
-  runtime). Other tenants' dedicated jobs are never touched.
-* a **spot** job: other spot jobs may be shrunk under the same rule, and preempted past their
-  minimum runtime if they are its own tenant's and their priority is at least the gap lower
-  (``priority``: a tenant chooses its jobs' priorities, so priority never preempts across tenants),
-  or another tenant's of equal or lower priority
-  while, after the swap, the waiting job's tenant would be no further over its fair share than the
-  victim's (``fair_share``, Kueue's LessThanOrEqualToFinalShare). The swap back is then never
-  allowed: it would need the victim's tenant, holding more, to end at or below the other.
-
-Cost: the first search in a call indexes the running jobs once (:mod:`~tidal.policy.scheduling.victims`);
-each search then filters those lists and stops as soon as the need is met. A spot job's search skips
-whole (priority, tenant) groups that cannot yield a victim (see :func:`_spot_pre`).
+:func:`targets_for` returns the victims and where the job will start, changing nothing;
+:func:`preempt_for` issues the shrinks and preemptions and reserves the job's place. Who may lose GPUs
+to whom (``priority`` within a tenant, ``fair_share`` across tenants; aging never lets a job preempt):
+docs/scheduling.md, "Who may lose GPUs to whom".
 """
 
 from __future__ import annotations
@@ -93,34 +73,20 @@ def _candidates(c: Cycle, job: Job, quota_short: int) -> tuple[list[Cand], Itera
         spot_shrink: list[Cand] = [
             (v, "quota", False) for v in idx.spot_shrink if v.id in on_t and v.id not in touched
         ]
-        spot_pre: Iterator[Cand] = (
-            (v, "quota", False) for v in idx.spot_pre_training() if v.id not in touched
-        )
+        spot_pre: Iterator[Cand] = ((v, "quota", False) for v in idx.spot_pre_training()
+                                    if v.id not in touched)
         if quota_short:  # only the tenant's own jobs give quota back: try them first
             return own_shrink + spot_shrink, itertools.chain(own_pre, spot_pre)
         return spot_shrink + own_shrink, itertools.chain(spot_pre, own_pre)
     on_t, on_l = idx.on_training, idx.on_loan
-    shrink: list[Cand] = []
-    for v in idx.spot_shrink:
-        if (
-            v.priority <= e
-            and (v.id in on_t or v.id in on_l)
-            and v.id not in touched
-            and not recently_grown(c, v)
-        ):
-            shrink.append((v, "demand", False))
+    shrink: list[Cand] = [(v, "demand", False) for v in idx.spot_shrink if v.priority <= e and (
+        v.id in on_t or v.id in on_l) and v.id not in touched and not recently_grown(c, v)]
     return shrink, _spot_pre(c, job, e)
 
 
 def _spot_pre(c: Cycle, job: Job, e: int) -> Iterator[Cand]:
-    """``spot_pre_open`` filtered for ``job`` (priority ``e``), lazily, in victim order.
-
-    Whole (priority, tenant) groups that cannot yield are skipped before the walk: priorities above
-    ``e``, another tenant's group for ``priority`` (priority never preempts across tenants), and for a
-    ``fair_share`` group, a tenant whose share after losing even its smallest job
-    would stay below the waiting tenant's (the share after losing a job only falls as the job grows).
-    The rest are merged back in victim order and checked one by one as before. Nothing the walk reads
-    changes while a search consumes it (decisions are issued after the search)."""
+    """``spot_pre_open`` filtered for ``job`` (priority ``e``), lazily, in victim order; whole (priority,
+    tenant) groups that cannot yield a victim (even by their smallest job) are skipped first."""
     idx = victim_index(c)
     gap = c.cfg.preempt_priority_gap
     share_after = c.share(job.tenant, job.min_gpus)
@@ -169,16 +135,10 @@ def _spot_pre(c: Cycle, job: Job, e: int) -> Iterator[Cand]:
             yield (v, "fair_share", False)
 
 
-def _focus_nodes(
-    need: GangNeed, shrink: list[Cand], pre: Iterator[Cand]
-) -> tuple[list[Cand], list[Cand]] | None:
-    """For a ``gpus_per_node`` gang: the nodes to clear and the candidates on them.
-
-    The greedy victim order alone is blind to nodes and would release GPUs all over the pool before
-    k nodes are whole. Instead walk the candidates in order (shrinks, then preemptions, cheapest
-    first), adding up what each node could get back, and stop as soon as enough nodes could be
-    completed: those nodes are the cheapest to clear, and only candidates seen on them are kept.
-    """
+def _focus_nodes(need: GangNeed, shrink: list[Cand], pre: Iterator[Cand]
+                 ) -> tuple[list[Cand], list[Cand]] | None:
+    """For a ``gpus_per_node`` gang: the cheapest nodes to clear (walk the candidates in order until
+    enough nodes could be whole) and the candidates on them (the plain order is blind to nodes)."""
     g, allowed, vfree = need.g, need.allowed, need.vfree
     assert g is not None
     missing = need.size // g - need.ok_nodes
@@ -255,9 +215,8 @@ def targets_for(c: Cycle, job: Job) -> tuple[list[Victim], dict[str, int]] | Non
 
 
 def reserve(c: Cycle, job: Job, placement: dict[str, int]) -> None:
-    """Hold ``placement`` for ``job`` while its victims drain: the free and draining GPUs it will use
-    leave the views (nobody else is placed there in this call), and it counts against its tenant's
-    quota and share as if admitted."""
+    """Hold ``placement`` for ``job`` while its victims drain: its GPUs leave the views and count against
+    its tenant's quota and share as if admitted."""
     for node, t in placement.items():
         view = c.training if c.pool_of[node] == "training" else c.loan
         f = min(t, view.free.get(node, 0))

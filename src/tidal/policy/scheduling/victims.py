@@ -1,15 +1,6 @@
-"""The victim index: running jobs that could give GPUs back, ordered once per scheduling call.
-
-The admission step's preemption search (:mod:`tidal.policy.scheduling.targets`) asks, per pending
-job, for victims in key order (least work lost first); ordering every running job per question
-would be quadratic, so the first search of a call indexes them once (one ``numpy.lexsort``; with the
-caller's :class:`~tidal.policy.scheduling.index.RunningIndex` the jobs come pre-split by kind and
-pool, sorted by id with their fixed key columns, and the orders stay index arrays until a list is
-asked for). The order is one rule: :func:`~tidal.policy.scheduling.preemption.preempt_keys` and
-:func:`~tidal.policy.scheduling.preemption.shrink_key`; ``_column_orders`` is the same rule over key
-columns, for a list of jobs (``_spot_orders``) or the index's columns (``_spot_orders_cols``), tested
-to agree (tests/test_scheduler.py, tests/test_sim_victim_index.py).
-"""
+"""The victim index: running jobs that could give GPUs back, ordered once per scheduling call by the
+rule of :func:`~tidal.policy.scheduling.preemption.preempt_keys` and ``shrink_key``, as sorts of key
+columns (docs/scheduling.md, "The victim order")."""
 
 from __future__ import annotations
 
@@ -24,16 +15,9 @@ from tidal.policy.scheduling.preemption import preempt_keys, shrink_key
 
 
 class VictimIndex:
-    """Running jobs that could give GPUs back in this call, indexed on the first search.
-
-    ``spot_pre``: spot jobs by preemption key (least work lost first); ``spot_shrink``: elastic spot
-    jobs above their minimum by shrink key; ``dedicated``: per tenant. ``on_training`` / ``on_loan``:
-    spot job ids with GPUs on training nodes / on loaned nodes open to placement. Keys are computed
-    once per call (shares move a little as the call goes on; the order they give is close enough).
-
-    With the caller's ``RunningIndex`` the orders are index arrays over its id-sorted spot jobs and
-    the lists are made only when read (:attr:`spot_pre`, :attr:`protected`, :attr:`spot_pre_open`).
-    """
+    """Running jobs that could give GPUs back in this call: ``spot_pre`` by preemption key, ``spot_shrink``
+    (elastic) by shrink key, ``dedicated`` per tenant; ``on_training`` / ``on_loan``: spot job ids with
+    GPUs on training nodes / on open loaned nodes. Keys are computed once per call."""
 
     def __init__(self, c: Cycle) -> None:
         self.dedicated: dict[str, list[Job]] = {}
@@ -132,8 +116,7 @@ class VictimIndex:
 
     def open_groups(self) -> list[tuple[int, str, np.ndarray, int]]:
         """``spot_pre_open`` split by (priority, tenant): ``(priority, tenant, ranks, fewest GPUs)``,
-        ``ranks`` the ascending positions in ``spot_pre_open`` of the group's jobs, so the sorted union
-        of some groups' ranks gives ``spot_pre_open`` with the other groups left out."""
+        ``ranks`` ascending positions in ``spot_pre_open``."""
         if self._open_groups is None:
             o = self._cols
             if o is not None:
@@ -153,9 +136,8 @@ class VictimIndex:
         return self._open_groups
 
     def open_group_codes(self) -> tuple[np.ndarray, list[tuple[int, str, int, int]], int] | None:
-        """:meth:`open_groups` by the index's (priority, tenant) codes: each ``spot_pre_open`` job's code
-        (by rank), ``(priority, tenant, code, fewest GPUs)`` per group present, and the number of codes;
-        ``None`` without the index's columns."""
+        """:meth:`open_groups` by the index's codes: each ``spot_pre_open`` job's code, ``(priority, tenant,
+        code, fewest GPUs)`` per group present, and the number of codes; ``None`` without the index."""
         if self._group_codes is None:
             o, got = self._cols, self._group_src
             if o is None or got is None:
@@ -171,8 +153,7 @@ class VictimIndex:
         return self._group_codes
 
     def spot_pre_any_loan(self) -> list[Job]:
-        """``spot_pre`` restricted to jobs with GPUs on a loaned node (:attr:`on_any_loan`, a reclaim's
-        candidates)."""
+        """``spot_pre`` restricted to jobs with GPUs on a loaned node (a reclaim's candidates)."""
         got = self._any_loan_rows
         o = self._cols
         if got is None or o is None:
@@ -214,13 +195,8 @@ class _Orders(NamedTuple):
 
 
 def _spot_orders(c: Cycle, spot: list[Job]) -> tuple[list[Job], set[str], list[Job]]:
-    """``spot`` in preemption order (:func:`preempt_keys`), the ids of the protected ones, and the
-    elastic ones above their minimum in shrink order (:func:`shrink_key`).
-
-    The same orders as sorting by those keys, computed by :func:`_column_orders` over the key columns
-    (the same float arithmetic), so a call pays O(n) Python attribute reads, not O(n log n) tuple
-    comparisons. Ids containing NUL (which numpy's strings would drop), a single job and a priority
-    beyond int64 take the keys' plain sort."""
+    """``spot`` in preemption order, the ids of the protected ones, and the elastic ones in shrink order:
+    by key columns, or (ids with NUL, a single job, a priority beyond int64) the keys' plain sort."""
     ids = [j.id for j in spot]
     if len(spot) >= 2 and "\0" not in "".join(ids):
         try:
@@ -236,15 +212,9 @@ def _spot_orders(c: Cycle, spot: list[Job]) -> tuple[list[Job], set[str], list[J
 
 def _column_orders(c: Cycle, prio: np.ndarray, neg_share: np.ndarray, gpus: np.ndarray, started: np.ndarray,
                    ckpt: np.ndarray, elastic: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """:func:`preempt_keys` and :func:`shrink_key` as sorts of key columns, for jobs given in job-id order
-    (the keys' last tie-break; ``numpy.lexsort`` is stable, so their positions stand in for it):
-    ``(preemption order, protected mask, shrink order of the elastic positions)``.
-
-    ``np.lexsort((neg_share, prio, lost_gpu_s, prot))`` and, over the elastic ones, ``np.lexsort((neg_share,
-    prio))``, in fewer passes: the (priority, -share) order once; the elastic jobs in it (a stable sort
-    keeps a subset's relative order); that order stably by work lost; then the unprotected first.
-    Work lost is ``Job.work_lost_gpu_s`` as :func:`preempt_keys` computes it (the same float arithmetic;
-    ``None`` times as NaN, which compares false as ``None`` is skipped there)."""
+    """:func:`preempt_keys` and :func:`shrink_key` as stable sorts of key columns, for jobs in id order
+    (the keys' last tie-break): ``(preemption order, protected mask, shrink order of the elastic
+    positions)``. Work lost is computed as ``Job.work_lost_gpu_s`` does (``None`` times as NaN)."""
     now = c.now
     since = np.where(np.isnan(started), now, started)
     since = np.where(ckpt > since, ckpt, since)
@@ -279,9 +249,8 @@ def _spot_orders_np(c: Cycle, spot: list[Job], ids: list[str]) -> tuple[list[Job
 
 
 def _spot_orders_cols(c: Cycle, index: RunningIndex, cols: SpotColumns, open_loan_rows: list[int]) -> _Orders:
-    """:func:`_spot_orders` for the caller's ``RunningIndex``: its spot jobs come sorted by job id with
-    their key columns kept across calls, so only ``last_ckpt_s`` (which the caller may move in place)
-    and the shares are read now."""
+    """:func:`_spot_orders` from the caller's ``RunningIndex`` (jobs sorted by id, key columns kept);
+    only ``last_ckpt_s`` and the shares are read now."""
     tenants = c.tenants
     spot = index.spot_sorted
     codes = index.tenant_code
@@ -303,14 +272,12 @@ def _spot_orders_cols(c: Cycle, index: RunningIndex, cols: SpotColumns, open_loa
         usable = (cols.on_training | by_row[cols.rows]) & ~prot
     else:
         usable = cols.on_training & ~prot
-    return _Orders(
-        spot, order, prot, cols.on_training, order[usable[order]], prio, cols.tenant, gpus, names, shrink
-    )
+    return _Orders(spot, order, prot, cols.on_training, order[usable[order]], prio, cols.tenant, gpus, names,
+                   shrink)
 
 
 def _groups_np(o: _Orders) -> list[tuple[int, str, np.ndarray, int]]:
-    """:meth:`VictimIndex.open_groups` from the arrays: a stable sort of the open ranks by (priority,
-    tenant) leaves each group's ranks ascending."""
+    """:meth:`VictimIndex.open_groups` from the arrays (a stable sort keeps each group's ranks ascending)."""
     pos = o.open_order
     if pos.size == 0:
         return []
