@@ -70,7 +70,7 @@ def test_nothing_a_sandboxed_rank_detaches_outlives_it(tmp_path):
     cmd = ("/bin/sh", "-c", f"{helper} sleep 0.5; exit 3")
     ex.launch(LaunchRequest("d", 1, cmd, {"local": 1}), time.time())
     assert _done(ex, "d") == [3]
-    assert [pid for pid in procs.processes() if MARK.encode() in _cmdline(pid)] == []
+    assert [pid for pid in procs.table() if MARK.encode() in _cmdline(pid)] == []
 
 
 def _cmdline(pid: int) -> bytes:
