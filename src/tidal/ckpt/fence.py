@@ -242,7 +242,8 @@ def write(directory: str | os.PathLike, job: str, attempt: int) -> Path | None:
         return None
     try:
         data = json.dumps({"job": job, "attempt": int(attempt), "written_s": round(time.time(), 3)})
-        write_atomic(c.FENCE_FILE, data, mode=0o644, dir_fd=dfd)  # world-readable: every rank checks it
+        # world-readable whatever the umask (group: set by fchmod): every rank, whatever its uid, checks it
+        write_atomic(c.FENCE_FILE, data, mode=0o644, group=os.getegid(), dir_fd=dfd)
     finally:
         os.close(dfd)
     return d / c.FENCE_FILE
