@@ -11,6 +11,8 @@ TORCH := torch==2.13.0
 .PHONY: install demo demo-cycle test lint bench clean
 
 $(STAMP): pyproject.toml Makefile
+	command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get install -y -qq bubblewrap; } || \
+	    { echo "jobs run sandboxed by bubblewrap: sudo apt-get install bubblewrap" >&2; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
 	    PIP_FIND_LINKS= $(PY) -m pip install -q $(TORCH); \

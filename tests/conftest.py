@@ -11,6 +11,7 @@ skipped with that reason.
 from __future__ import annotations
 
 import atexit
+import os
 import re
 import uuid
 from dataclasses import dataclass
@@ -20,6 +21,14 @@ import pytest
 from tidal.bench.seaweed import SeaweedServer, weed_binary
 
 BUCKET = "tidal-test"
+
+
+@pytest.fixture(autouse=True)
+def _tmp_path_for_job_uids(request) -> None:
+    """As root, jobs run sandboxed as their own uids (tidal.exec.isolation): a test's directory, which
+    its jobs use as their workdir and checkpoint parent, is theirs to write too (pytest makes it 0700)."""
+    if os.geteuid() == 0 and "tmp_path" in request.fixturenames:
+        request.getfixturevalue("tmp_path").chmod(0o1777)
 
 
 @pytest.fixture(scope="session")

@@ -22,6 +22,8 @@ class Plane:
 
     def __init__(self, tmp: Path, config: str, gpus: int | None = 2, args: tuple[str, ...] = ()) -> None:
         self.tmp, self.state, self.gpus, self.args = tmp, tmp / "state", gpus, tuple(args)
+        if os.geteuid() == 0:  # jobs run as their own uids then (sandboxed): tmp is their workdir too
+            tmp.chmod(0o1777)
         (tmp / "config.yaml").write_text(config)
         self.proc: subprocess.Popen | None = None
         self.outputs: list[Path] = []

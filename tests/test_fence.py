@@ -25,6 +25,7 @@ from tidal.ckpt import fence
 from tidal.ckpt.agent.auth import KEY_FILE
 from tidal.ckpt.engine import commit
 from tidal.ckpt.tiers.directory import DirTier, failure_name
+from tidal.exec.isolation import IsolationConfig
 from tidal.exec.local import LocalExecutor
 from tidal.exec.protocol import LaunchRequest
 
@@ -195,19 +196,21 @@ def test_a_stale_attempt_is_fenced_out(tmp_path):
     hold = tmp_path / "partition-healed"
     env = {c.ENV_CKPT_URL: str(url), c.ENV_CKPT_INTERVAL_STEPS: "2", c.ENV_CKPT_KEEP: "0",
            "OMP_NUM_THREADS": "1"}
-    node1, node2 = LocalExecutor(tmp_path / "node1", slots=1), LocalExecutor(tmp_path / "node2", slots=1)
+    # two nodes of one plane: one range of uids (as root), the test's directory (the hold file) the workdir
+    iso = IsolationConfig(uid_base=200000) if os.geteuid() == 0 else IsolationConfig()
+    node1, node2 = (LocalExecutor(tmp_path / n, slots=1, isolation=iso) for n in ("node1", "node2"))
     try:
         # Attempt 1 on node 1: steps 2 and 4 committed, then its node is "lost" (the rank holds).
         node1.launch(LaunchRequest("j", 1, (sys.executable, str(WORKER), "--steps", "1000", "--pad-mib", "1",
                                             "--hold-after", "4", "--hold-file", str(hold)),
-                                   {"local": 1}, env=env), time.time())
+                                   {"local": 1}, env=env, workdir=str(tmp_path)), time.time())
         _wait_log(node1, "j", "holding 4")
         assert ckpt.steps(url) == [2, 4]
         # The plane restarts the job on node 2 as attempt 2: the executor fences the location first.
         # (Both nodes are one plane's: they share its key, so the job keeps its checkpoint key.)
         shutil.copy2(tmp_path / "node1" / KEY_FILE, tmp_path / "node2" / KEY_FILE)
         node2.launch(LaunchRequest("j", 2, (sys.executable, str(WORKER), "--steps", "10", "--pad-mib", "1"),
-                                   {"local": 1}, env=env), time.time())
+                                   {"local": 1}, env=env, workdir=str(tmp_path)), time.time())
         doc = json.loads((url / c.FENCE_FILE).read_text())
         assert (doc["job"], doc["attempt"]) == ("j", 2)
         hold.touch()  # the partition heals: the stale rank trains on and tries to commit step 6

@@ -121,8 +121,8 @@ def test_hostile_job_reads_nothing_as_its_own_uid(plane_factory):
 @pytest.mark.skipif(not ROOT, reason="jobs run as their own uid only when tidal up runs as root")
 def test_a_location_under_the_tenants_prefix_is_made_for_its_uid(plane_factory):
     """A checkpoint directory under ``<state dir>/tenants/<tenant>/`` (its own prefix): the plane makes it
-    for the job's uid (which cannot create anything in the state dir), under root's 0711 directories;
-    another tenant's job cannot read or list it."""
+    for the job's uid (which cannot create anything in the state dir), under root's 0700 directories
+    (the uid reaches it through its sandbox's binds); another tenant's job cannot read or list it."""
     plane = plane_factory(uid_base=200000)
     create_tenant(plane.store, "alice", quota_gpus=1)
     create_tenant(plane.store, "bob", quota_gpus=1)
@@ -136,7 +136,7 @@ def test_a_location_under_the_tenants_prefix_is_made_for_its_uid(plane_factory):
     assert (loc / "data").read_text() == "ALICE-CKPT\n"
     assert (os.stat(loc).st_uid, stat.S_IMODE(os.stat(loc).st_mode)) == (uid, 0o700)
     for d in (loc.parent, loc.parent.parent, loc.parent.parent.parent):
-        assert (os.stat(d).st_uid, stat.S_IMODE(os.stat(d).st_mode)) == (0, 0o711), d
+        assert (os.stat(d).st_uid, stat.S_IMODE(os.stat(d).st_mode)) == (0, 0o700), d
     peek = _submit(plane, "bob", "peek",
                    f'cat {loc}/data || echo "denied read"; ls {loc.parent} || echo "denied ls"')
     run(plane, peek)
@@ -172,9 +172,11 @@ def test_state_dir_file_modes(plane_factory):
     assert stat.S_IMODE(os.stat(sd).st_mode) == 0o700
     for f in ("admin.token", "tidal.db"):
         assert stat.S_IMODE(os.stat(sd / f).st_mode) == 0o600, f
-    for d in (sd / "jobs", ex.job_dir(victim), ex.job_dir(victim) / "logs", ex.attempt_dir(victim, 1),
-              ex.home_dir(victim), ex.job_dir(victim) / "ckpt"):
+    for d in (sd / "jobs", ex.job_dir(victim), ex.job_dir(victim) / "logs", ex.home_dir(victim),
+              ex.job_dir(victim) / "ckpt"):
         assert stat.S_IMODE(os.stat(d).st_mode) == 0o700, d
+    # a job's uid (sandboxed as root) passes through its attempt directory to its progress directory
+    assert stat.S_IMODE(os.stat(ex.attempt_dir(victim, 1)).st_mode) == (0o711 if ROOT else 0o700)
     for f in (ex.log_path(victim, 0), ex.attempt_dir(victim, 1) / "launch.json",
               ex.attempt_dir(victim, 1) / "exit-0.json", ex.attempt_dir(victim, 1) / "pid-0.json"):
         assert stat.S_IMODE(os.stat(f).st_mode) == 0o600, f
@@ -222,15 +224,30 @@ def test_orphan_shm_dirs_are_freed_at_start(plane_factory):
     assert again.executor.shm_root == root
 
 
-def test_tidal_up_as_root_without_uids_says_jobs_run_as_root():
-    """Root reads any file whatever its mode: without uid_base a job can read the admin token, and
-    `tidal up` says so at start instead of implying the modes protect anything."""
+def test_tidal_up_says_when_isolation_is_off():
+    """Root reads any file whatever its mode: unsandboxed without uid_base a job can read the admin token,
+    and `tidal up` says so at start instead of implying the modes protect anything; sandboxed (the
+    default, as root with uids from 200000) it says nothing."""
     from tidal.control.server import isolation_warning
 
-    assert "jobs run as root" in isolation_warning(ControlConfig(), euid=0)
-    assert isolation_warning(None, euid=0) is not None
-    assert isolation_warning(ControlConfig(isolation=IsolationConfig(uid_base=200000)), euid=0) is None
-    assert isolation_warning(ControlConfig(), euid=1000) is None
+    off = ControlConfig.from_dict({"isolation": "none"})
+    assert off.isolation == IsolationConfig(mode="none")
+    assert "jobs run unsandboxed as root" in isolation_warning(off, euid=0)
+    assert "as their own uids" in isolation_warning(ControlConfig.from_dict(
+        {"isolation": {"mode": "none", "uid_base": 200000}}), euid=0)
+    assert "as tidal up's user" in isolation_warning(off, euid=1000)
+    assert isolation_warning(None, euid=0) is None
+    assert isolation_warning(ControlConfig(), euid=0) is None
+    base = IsolationConfig().resolved(Path("/tmp"), euid=0).uid_base  # a range per plane, from 200000
+    assert base is not None and base >= 200000 and (base - 200000) % 65536 == 0
+    assert base == IsolationConfig().resolved(Path("/tmp"), euid=0).uid_base != IsolationConfig().resolved(
+        Path("/var"), euid=0).uid_base
+    assert IsolationConfig().resolved(Path("/tmp"), euid=1000).uid_base is None
+    assert IsolationConfig(mode="none").resolved(Path("/tmp"), euid=0).uid_base is None
+    with pytest.raises(ValueError, match="isolation.mode must be one of"):
+        ControlConfig.from_dict({"isolation": {"mode": "off"}})
+    with pytest.raises(ValueError, match="isolation must be a mapping of settings or 'none'"):
+        ControlConfig.from_dict({"isolation": "off"})
 
 
 def _memory_cgroups_usable() -> str | None:

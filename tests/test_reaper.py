@@ -26,6 +26,12 @@ from tidal.exec.isolation import IsolationConfig
 from tidal.exec.local import LocalExecutor
 from tidal.exec.protocol import LaunchRequest
 
+# These tests follow the pids a rank reports for what it started; inside the sandbox's PID namespace those
+# are not this machine's pids (and the namespace ends them all with the rank: tests/test_sandbox.py), so
+# the shim's and the plane's own reaping is tested on unsandboxed ranks, without the default memory
+# cgroup (a backstop of its own, tested on its own below).
+UNSANDBOXED = IsolationConfig(mode="none", max_memory_bytes=None)
+
 # The rank: three detached helpers, their pids in PIDS ("{rank}" in it: the rank; with MARK, a fourth, and
 # all carrying MARK as their TIDAL_PROGRESS_DIR), then "ready"; with END=exit it exits by itself
 # once the test has seen the helpers alive (the file PIDS.go; the shim reaps them the moment the rank
@@ -96,7 +102,7 @@ def left_alive(pids: list[int]) -> list[int]:
 
 @pytest.mark.parametrize("end", ["exit", "notice", "kill", "release"])
 def test_nothing_a_rank_detaches_outlives_it_locally(tmp_path, end):
-    ex = LocalExecutor(tmp_path / "jobs", slots=1)
+    ex = LocalExecutor(tmp_path / "jobs", slots=1, isolation=UNSANDBOXED)
     pid_file = tmp_path / "pids.json"
     ex.launch(LaunchRequest("j", 1, (sys.executable, "-c", RANK), {"local": 1},
                             env={"PIDS": str(pid_file), "END": end}), time.time())
@@ -123,7 +129,8 @@ def test_a_rank_as_its_own_uid_leaves_nothing_after_kill():
     """The shim (root) reaps what a rank running as a job's uid detached."""
     base = Path(tempfile.mkdtemp(prefix="tidal-reap-"))  # other uids may pass through (not tmp_path's)
     base.chmod(0o711)
-    ex = LocalExecutor(base / "jobs", slots=1, isolation=IsolationConfig(uid_base=200000))
+    ex = LocalExecutor(base / "jobs", slots=1, isolation=IsolationConfig(mode="none", uid_base=200000,
+                                                                               max_memory_bytes=None))
     pid_file = ex.home_dir("u") / "pids.json"  # the only place the job's uid may write
     ex.launch(LaunchRequest("u", 1, ("/usr/bin/python3", "-c", RANK), {"local": 1},
                             env={"PIDS": str(pid_file)}), time.time())
@@ -146,7 +153,8 @@ def test_the_memory_cgroup_is_the_backstop_when_a_shim_was_killed(tmp_path):
     that left the session (no mark of the attempt is left on it); the release kills what is still in the
     rank's memory cgroup."""
     try:
-        ex = LocalExecutor(tmp_path / "jobs", slots=1, isolation=IsolationConfig(max_memory_bytes=2**30))
+        ex = LocalExecutor(tmp_path / "jobs", slots=1,
+                           isolation=IsolationConfig(mode="none", max_memory_bytes=2**30))
     except ValueError as e:
         pytest.skip(str(e))
     pid_file = tmp_path / "pids.json"
@@ -207,7 +215,7 @@ def test_a_killed_shims_orphans_end_without_a_memory_cgroup(tmp_path, then):
     the executor's process (a subreaper) and ends at the next observe (or at release without one); the
     attempt's other rank, under its live shim, and another job go on (though its helpers carry the first
     job's mark); no zombie is left behind."""
-    ex = LocalExecutor(tmp_path / "jobs", slots=3, subreaper=True)
+    ex = LocalExecutor(tmp_path / "jobs", slots=3, subreaper=True, isolation=UNSANDBOXED)
     assert ex.subreaper and ex.cgroups is None
     files = {job: tmp_path / f"{job}-{{rank}}.json" for job in ("k", "h")}
     forged = {"MARK": str(ex.attempt_dir("k", 1) / "progress")}  # h's helpers carry k's mark
@@ -269,9 +277,11 @@ def test_a_killed_shims_orphans_end_without_a_memory_cgroup(tmp_path, then):
 # and waits to be killed.
 OLD_PLANE = r"""
 import sys, time
+from tidal.exec.isolation import IsolationConfig
 from tidal.exec.local import LocalExecutor
 from tidal.exec.protocol import LaunchRequest
-ex = LocalExecutor(sys.argv[1], slots=2, subreaper=True)
+ex = LocalExecutor(sys.argv[1], slots=2, subreaper=True,
+                   isolation=IsolationConfig(mode="none", max_memory_bytes=None))
 for job in ("a", "d"):
     ex.launch(LaunchRequest(job, 1, (sys.executable, "-c", sys.argv[2]), {"local": 1},
                             env={"PIDS": sys.argv[3].replace("{job}", job)}), time.time())
@@ -305,7 +315,7 @@ def test_a_restarted_plane_ends_what_a_shim_killed_while_it_was_down_left_and_sp
         os.kill(launched["d"]["pid"], signal.SIGKILL)  # while the plane is down
         assert wait_for(lambda: not procs.alive(launched["d"]["pid"]))
         assert all(procs.alive(p) for p in a + d)
-        ex = LocalExecutor(root, slots=2, subreaper=True)
+        ex = LocalExecutor(root, slots=2, subreaper=True, isolation=UNSANDBOXED)
         assert ex.adopt("a", 1, time.time()) and ex.adopt("d", 1, time.time())
         obs = ex.observe(time.time())
         assert obs["d"].ranks[0].vanished and obs["a"].ranks[0].alive
@@ -334,7 +344,9 @@ def test_a_killed_shims_orphans_without_their_mark_end_by_their_uid():
     then carries no mark of the attempt but its uid): its shim SIGKILLed, the observe ends them all."""
     base = Path(tempfile.mkdtemp(prefix="tidal-reap-"))
     base.chmod(0o711)
-    ex = LocalExecutor(base / "jobs", slots=1, isolation=IsolationConfig(uid_base=200000), subreaper=True)
+    ex = LocalExecutor(base / "jobs", slots=1, isolation=IsolationConfig(mode="none", uid_base=200000,
+                                                                               max_memory_bytes=None),
+                       subreaper=True)
     pid_file = ex.home_dir("u") / "pids-{rank}.json"
     pids: list[int] = []
     try:
@@ -355,7 +367,8 @@ def test_a_killed_shims_orphans_without_their_mark_end_by_their_uid():
 def test_tidal_up_is_the_subreaper_of_what_a_killed_shim_left(tmp_path):
     """A real ``tidal up``: a job's shim SIGKILLed by hand; its rank re-parents to the plane (not init),
     the reconcile loop's observe ends all the rank left, and the plane collects their zombies."""
-    plane = Plane(tmp_path, "loop_interval_s: 0.5\nstartup_timeout_s: 60\n", gpus=1)
+    plane = Plane(tmp_path, "loop_interval_s: 0.5\nstartup_timeout_s: 60\n"
+                            "isolation: {mode: none, max_memory_bytes: null}\n", gpus=1)
     pids: list[int] = []
     try:
         plane.start()
@@ -383,7 +396,7 @@ def test_what_re_parents_to_the_plane_and_ends_by_itself_is_collected_on_observe
     re-parents to it when the hook exits. When the daemon ends, ``observe`` collects it at once (it must
     not stay a zombie until the plane exits); the plane's own
     children (in its session, or leading one) keep their exit codes for their ``Popen``."""
-    ex = LocalExecutor(tmp_path / "jobs", slots=1, subreaper=True)
+    ex = LocalExecutor(tmp_path / "jobs", slots=1, subreaper=True, isolation=UNSANDBOXED)
     own: list[subprocess.Popen] = []
     try:
         assert ex.subreaper

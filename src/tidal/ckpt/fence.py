@@ -61,6 +61,19 @@ class Claim:
         return cls(job, attempt)
 
 
+def tier_specs(env: Mapping[str, str]) -> list | None:
+    """The tier list of a launch's ``TIDAL_CKPT_TIERS`` (JSON, or comma-separated), unchecked; None
+    without one or when it is not a list."""
+    raw = env.get(c.ENV_CKPT_TIERS)
+    if not raw:
+        return None
+    try:
+        tiers = json.loads(raw)
+    except ValueError:
+        tiers = [t.strip() for t in raw.split(",")]
+    return tiers if isinstance(tiers, list) else None
+
+
 def home_dir(env: Mapping[str, str], cwd: str | os.PathLike | None = None) -> Path | None:
     """The checkpoint directory a job's ranks commit under, from their variables (``TIDAL_CKPT_TIERS``,
     else ``TIDAL_CKPT_URL``: the home :func:`tidal.ckpt.tiers.config.resolve` picks); ``None`` when it is
@@ -72,13 +85,9 @@ def home_dir(env: Mapping[str, str], cwd: str | os.PathLike | None = None) -> Pa
     from tidal.ckpt.tiers.directory import local_path
 
     try:
-        raw = env.get(c.ENV_CKPT_TIERS)
-        if raw:
-            try:
-                tiers = json.loads(raw)
-            except ValueError:
-                tiers = [t.strip() for t in raw.split(",")]
-            home = resolve(tiers, default_keep=0)[0] if isinstance(tiers, list) else ""
+        if env.get(c.ENV_CKPT_TIERS):
+            tiers = tier_specs(env)
+            home = resolve(tiers, default_keep=0)[0] if tiers is not None else ""
         else:
             home = env.get(c.ENV_CKPT_URL) or ""
         if not home or kind_of(home, "checkpoint url") != "dir":
@@ -233,7 +242,8 @@ def write(directory: str | os.PathLike, job: str, attempt: int) -> Path | None:
         return None
     try:
         data = json.dumps({"job": job, "attempt": int(attempt), "written_s": round(time.time(), 3)})
-        write_atomic(c.FENCE_FILE, data, mode=0o644, dir_fd=dfd)  # world-readable: every rank checks it
+        # world-readable whatever the umask (group: set by fchmod): every rank, whatever its uid, checks it
+        write_atomic(c.FENCE_FILE, data, mode=0o644, group=os.getegid(), dir_fd=dfd)
     finally:
         os.close(dfd)
     return d / c.FENCE_FILE

@@ -73,8 +73,6 @@ class ControlConfig:
         if kw.get("serving") is not None:
             kw["serving"] = WatchConfig.from_dict(kw["serving"], f"{where}: serving")
         if "isolation" in kw:
-            if not isinstance(kw["isolation"] or {}, dict):
-                raise ValueError(f"{where}: isolation must be a mapping of settings, got {kw['isolation']!r}")
             kw["isolation"] = IsolationConfig.from_dict(kw["isolation"], where)
         grants = kw.get("checkpoint_grants")
         if grants is not None:

@@ -35,3 +35,5 @@ class ApiContext:
     """Where tenants may checkpoint (None: a policy with no tenant prefix, only grants: none)."""
     job_dir: Callable[[str], Any] | None = None
     """A job's executor directory (its attempts' progress records, for the dashboard's curves)."""
+    warning: str | None = None
+    """What the dashboard shows as a banner (isolation turned off: ``control.server.isolation_warning``)."""

@@ -111,7 +111,7 @@ def dashboard_router(ctx: ApiContext, caller: Callable[..., Any]) -> APIRouter:
         return {"now_s": now, "tenant": me.name, "admin": me.admin, "nodes": nodes, "totals": totals,
                 "gpus": sum(n.gpus for n in ctx.nodes), "tenants": usage, "queue": queue,
                 "states": dict(collections.Counter(j.state for j in active if viewer in (None, j.tenant))),
-                "serving": ctx.loans is not None or ctx.serving is not None}
+                "serving": ctx.loans is not None or ctx.serving is not None, "warning": ctx.warning}
 
     @router.get("/v1/dashboard/jobs")
     @json_route()

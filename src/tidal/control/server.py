@@ -90,32 +90,38 @@ class Plane:
                                 cfg.checkpoint_endpoints, cfg.checkpoint_max_timeout_s,
                                 own_agents=self.own_agents, quota_bytes=cfg.checkpoint_quota_bytes)
         ctx = ApiContext(self.store, ctl.nodes, self.executor.log_path, time.time, ckpt_root=ctl.ckpt_root,
-                         serving=serving, loans=ctl.loans, locations=policy, job_dir=self.executor.job_dir)
+                         serving=serving, loans=ctl.loans, locations=policy, job_dir=self.executor.job_dir,
+                         warning=isolation_warning(cfg, executor=self.executor))
         return create_app(ctx)
 
 
 def isolation_warning(config: ControlConfig | None, euid: int | None = None,
                       executor: object = None) -> str | None:
-    """One line when jobs will run as root (root reads every file), or when a Ray executor running jobs as
-    their uids has no token authentication; else None."""
+    """One line when jobs are not sandboxed (``isolation: none``), saying what they can reach (as root
+    without ``uid_base``: every file), or when a Ray executor running jobs as their uids has no token
+    authentication; else None."""
     iso = config.isolation if config is not None else None
     if getattr(executor, "token_auth", True) is False and getattr(executor, "uids", None) is not None:
         from tidal.exec.ray_checks import open_cluster_warning
 
         return open_cluster_warning()
-    if (os.geteuid() if euid is None else euid) != 0 or (iso is not None and iso.uid_base is not None):
+    if iso is None or iso.sandboxed:
         return None
-    return ("warning: jobs run as root and can read the state dir (admin token, database) and other jobs' "
-            "files; set isolation.uid_base in the config to run each tenant as its own uid "
-            "(docs/control.md, Isolation)")
+    root = (os.geteuid() if euid is None else euid) == 0
+    who = ("as their own uids" if iso.uid_base is not None else
+           "as root and can read the state dir (admin token, database) and other jobs' files" if root else
+           "as tidal up's user and can read the state dir (admin token, database) and other jobs' files")
+    return (f"warning: isolation is off (isolation: {{mode: none}}): jobs run unsandboxed {who}, and see "
+            "every process of the machine; remove it to sandbox each rank (docs/control.md, Isolation)")
 
 
 def secure_state_dir(state_dir: Path, config: ControlConfig | None) -> None:
-    """The state dir 0700 (0711 when jobs run as their own uids: they pass through to their own
-    directories, never list or read anything else); its files 0600 (``tidal up`` runs with umask 077)."""
+    """The state dir 0700 (0711 when jobs run unsandboxed as their own uids: they pass through to their
+    own directories, never list or read anything else); its files 0600 (``tidal up`` runs with umask 077)."""
     state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     iso = config.isolation if config is not None else None
-    os.chmod(state_dir, 0o711 if iso is not None and iso.uid_base is not None else 0o700)
+    through = iso is not None and iso.uid_base is not None and not iso.sandboxed
+    os.chmod(state_dir, 0o711 if through else 0o700)
     for name in ("tidal.db", "tidal.db-journal", "tidal.db-wal", "tidal.db-shm", ADMIN_TOKEN_FILE,
                  API_URL_FILE):
         p = state_dir / name
@@ -194,7 +200,8 @@ def _local_executor(state_dir: Path, gpus: str, config: ControlConfig | None,
         what = f"{n} CPU slots"
     return LocalExecutor(state_dir / "jobs", slots=n, gpu_ids=ids,
                          serving_nodes=loans.nodes if loans is not None else {},
-                         isolation=config.isolation if config is not None else None, subreaper=True), what
+                         isolation=config.isolation if config is not None else None, subreaper=True,
+                         hidden=[state_dir]), what
 
 
 def _serving(config: ControlConfig | None, loans: LiveLoans | None) -> tuple[Advisor | None, str]:
@@ -326,13 +333,13 @@ def serve(plane: Plane, host: str = "127.0.0.1", port: int = 8470, *, announce=p
         url = f"http://{host}:{bound}"
         path = plane.state_dir / API_URL_FILE
         write_atomic(path, url + "\n")
+        if (warning := isolation_warning(plane.controller.config, executor=plane.executor)) is not None:
+            announce(warning)
         announce(f"tidal up: {url} ({plane.describe}); state in {plane.state_dir}")
         announce(
             f"admin token {'created in' if plane.token_created else 'in'} {plane.state_dir / 'admin.token'}"
         )
         announce(f"dashboard: {dashboard_url(url)} (sign in with a tenant's token or the admin's)")
-        if (warning := isolation_warning(plane.controller.config, executor=plane.executor)) is not None:
-            announce(warning)
 
     threading.Thread(target=announce_when_up, name="tidal-announce", daemon=True).start()
     loop.start()

@@ -1,6 +1,13 @@
 """How the executors isolate a job from the control plane and from other jobs (the ``isolation:`` block
-of ``tidal up --config``; docs/control.md, Isolation).
+of ``tidal up --config``; docs/control.md, Isolation). ``isolation: none`` is ``{mode: none}``.
 
+Sandboxed (``mode: sandbox``, the default; :mod:`tidal.exec.sandbox`): each rank of the local executor
+sees only the system, its code and its own directories, in its own PID namespace; as root with uids
+(``uid_base`` by default a range of 65536 from 200000 chosen by the jobs dir); ``read_only``: more paths
+it may read. ``max_file_bytes`` and ``max_memory_bytes`` default to ``auto`` (:meth:`resolved`).
+
+Sandboxed (the default; :mod:`tidal.exec.sandbox`): each rank sees only the system, its code and its
+own directories, in its own PID namespace; as root with uids from ``uid_base`` (default 200000).
 Always: a clean environment (the job's ``env``, the platform's variables, the names in ``pass_env``;
 ``HOME`` and ``TMPDIR`` in the job's private area), files and directories 0600/0700, no core dumps, a
 shared-memory directory per job freed after it ends. With ``uid_base`` (as root): every rank runs as an
@@ -16,7 +23,7 @@ import json
 import logging
 import os
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +48,10 @@ DEFAULT_PASS_ENV = (
 )
 log = logging.getLogger(__name__)
 UID_SPAN = 1 << 16  # uids uid_base .. uid_base + UID_SPAN - 1
+DEFAULT_UID_BASE = 200000  # a sandboxing plane run as root runs jobs as uids from here unless told
+PLANE_RANGES = 4096  # ... in one of this many ranges of UID_SPAN uids, chosen by its jobs dir
+AUTO = "auto"
+MODES = ("sandbox", "none")
 
 
 @dataclass(frozen=True)
@@ -48,18 +59,24 @@ class IsolationConfig:
     """See the module docstring. ``shm_dir``: where jobs' shared-memory directories go (default
     ``/dev/shm/tidal-jobs-<hash of the jobs dir>``; ``None`` when there is no ``/dev/shm``)."""
 
+    mode: str = "sandbox"
+    read_only: tuple[str, ...] = ()
     uid_base: int | None = None
     per: str = "tenant"
     pass_env: tuple[str, ...] = DEFAULT_PASS_ENV
     shm_dir: str | None = None
     shm_retention_s: float = 3600.0
-    max_file_bytes: int | None = None
+    max_file_bytes: int | str | None = AUTO
     max_log_bytes: int | None = 64 << 20
     max_procs: int | None = 4096
-    max_memory_bytes: int | None = None
+    max_memory_bytes: int | str | None = AUTO
     ray_open_cluster: bool = False
 
     def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"isolation.mode must be one of {list(MODES)}, got {self.mode!r}")
+        if not all(isinstance(p, str) and os.path.isabs(p) for p in self.read_only):
+            raise ValueError(f"isolation.read_only must be a list of absolute paths, got {self.read_only!r}")
         if self.uid_base is not None and (not isinstance(self.uid_base, int) or self.uid_base < 1000):
             raise ValueError(f"isolation.uid_base must be an integer >= 1000, got {self.uid_base!r}")
         if self.per not in ("tenant", "job"):
@@ -68,7 +85,8 @@ class IsolationConfig:
             raise ValueError(f"isolation.shm_retention_s must be seconds >= 0, got {self.shm_retention_s!r}")
         for k in ("max_file_bytes", "max_log_bytes", "max_procs"):
             v = getattr(self, k)
-            if v is not None and (not isinstance(v, int) or v < 1):
+            auto = k == "max_file_bytes" and v == AUTO
+            if v is not None and not auto and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"isolation.{k} must be a positive integer or null, got {v!r}")
         if not isinstance(self.ray_open_cluster, bool):
             got = self.ray_open_cluster
@@ -77,15 +95,22 @@ class IsolationConfig:
             raise ValueError(f"isolation.pass_env: {RAY_AUTH_TOKEN_ENV} would hand every job the Ray "
                              "cluster's token (with it a job runs code as the Ray workers' user)")
         m = self.max_memory_bytes
-        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < MIN_MEMORY_BYTES):
+        if m not in (None, AUTO) and (not isinstance(m, int) or isinstance(m, bool) or m < MIN_MEMORY_BYTES):
             raise ValueError(
-                f"isolation.max_memory_bytes must be an integer >= {MIN_MEMORY_BYTES} (64 MiB) or "
+                f"isolation.max_memory_bytes must be an integer >= {MIN_MEMORY_BYTES} (64 MiB), auto or "
                 f"null, got {m!r}"
             )
 
+    @property
+    def sandboxed(self) -> bool:
+        return self.mode == "sandbox"
+
     @classmethod
-    def from_dict(cls, d: dict[str, Any] | None, where: str = "config") -> IsolationConfig:
-        d = dict(d or {})
+    def from_dict(cls, d: dict[str, Any] | str | None, where: str = "config") -> IsolationConfig:
+        d = {"mode": "none"} if d == "none" else {} if d is None else d
+        if not isinstance(d, dict):
+            raise ValueError(f"{where}: isolation must be a mapping of settings or 'none', got {d!r}")
+        d = dict(d)
         names = {f.name for f in fields(cls)}
         for k in d:
             if k not in names:
@@ -96,7 +121,35 @@ class IsolationConfig:
             ):
                 raise ValueError(f"{where}: isolation.pass_env must be a list of variable names")
             d["pass_env"] = tuple(d["pass_env"])
+        if "read_only" in d:
+            if not isinstance(d["read_only"], list | tuple):
+                raise ValueError(f"{where}: isolation.read_only must be a list of absolute paths")
+            d["read_only"] = tuple(d["read_only"])
         return cls(**d)
+
+    def resolved(self, jobs_root: Path, euid: int | None = None) -> IsolationConfig:
+        """This config with its defaults made concrete for a plane whose jobs live in ``jobs_root``: the
+        uid base (sandboxed as root: one of :data:`PLANE_RANGES` ranges of :data:`UID_SPAN` uids from
+        :data:`DEFAULT_UID_BASE`, chosen by the jobs dir, so two planes on one machine share no uid: a
+        plane ends what a uid of its own left), ``max_file_bytes: auto`` (half the size of
+        the file system of ``jobs_root``: a rank's log or a runaway file cannot fill it).
+        ``max_memory_bytes: auto`` stays for the executor (it depends on the memory cgroups it finds:
+        :func:`auto_memory_bytes`)."""
+        root = (os.geteuid() if euid is None else euid) == 0
+        base = self.uid_base
+        if base is None and root and self.sandboxed:
+            n = int(hashlib.sha1(str(jobs_root.resolve()).encode()).hexdigest()[:8], 16) % PLANE_RANGES
+            base = DEFAULT_UID_BASE + UID_SPAN * n
+        fsize = self.max_file_bytes
+        if fsize == AUTO:
+            st = os.statvfs(jobs_root)
+            fsize = max(1 << 30, st.f_blocks * st.f_frsize // 2)
+        return replace(self, uid_base=base, max_file_bytes=fsize)
+
+
+def auto_memory_bytes() -> int:
+    """``max_memory_bytes: auto``: 90% of this machine's memory, so one rank cannot starve the plane."""
+    return max(MIN_MEMORY_BYTES, os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * 9 // 10)
 
 
 @dataclass
@@ -177,29 +230,31 @@ def check_reachable(*dirs: Path) -> None:
 
 
 def prepare_attempt(root: Path, job_dir: Callable[[str], Path], attempt_dir: Path, home: Path,
-                    req: LaunchRequest, owner: tuple[int, int] | None, uids: Uids | None) -> None:
+                    req: LaunchRequest, owner: tuple[int, int] | None, uids: Uids | None,
+                    sandboxed: bool = False) -> None:
     """Before an attempt's ranks start, on either executor: the job's directories (:func:`make_job_dirs`,
     with what it takes over from the ended jobs it resumes, :func:`ran_as`), then the fence of its
     checkpoint location, which is this attempt's from now on (:mod:`tidal.ckpt.fence`)."""
     from tidal.ckpt.fence import fence_launch
 
     make_job_dirs(root, job_dir(req.job_id), attempt_dir, home, req.own_dirs, owner, req.take_over,
-                  ran_as(uids, ((j, job_dir(j)) for j in req.take_over_from)))
+                  ran_as(uids, ((j, job_dir(j)) for j in req.take_over_from)), sandboxed)
     fence_launch(req.env, req.job_id, req.attempt, req.workdir or home)
 
 
 def make_job_dirs(root: Path, job_dir: Path, attempt_dir: Path, home: Path, own_dirs: Iterable[str],
                   owner: tuple[int, int] | None, take_over: Iterable[str] = (),
-                  take_over_from: Iterable[int] = ()) -> None:
+                  take_over_from: Iterable[int] = (), sandboxed: bool = False) -> None:
     """A job's directories in the state dir (``root``'s parent): the plane's (job, attempt) 0711 with uids
     (passed through, never listed) else 0700, logs 0700; the job's own (``progress/``, ``home``,
     ``home/tmp``, new ``own_dirs`` in the state dir) 0700, owned by its uid. With uids, what
     ``take_over_from`` own in ``take_over`` becomes the job's (:func:`tidal.exec.handover.hand_over`;
-    ``HandOverError``)."""
-    mode = 0o711 if owner is not None else 0o700
+    ``HandOverError``). ``sandboxed``: the uid reaches its directories through its sandbox's binds, so
+    only the attempt directory (bound read-only, its progress directory below it) stays 0711."""
+    mode = 0o711 if owner is not None and not sandboxed else 0o700
     private_dir(job_dir, mode)
     private_dir(job_dir / "logs", 0o700)
-    private_dir(attempt_dir, mode)
+    private_dir(attempt_dir, 0o711 if owner is not None else 0o700)
     private_dir(attempt_dir / PROGRESS_DIRNAME, 0o700, owner)
     private_dir(home, 0o700, owner)
     private_dir(home / "tmp", 0o700, owner)
@@ -224,7 +279,7 @@ def make_job_dirs(root: Path, job_dir: Path, attempt_dir: Path, home: Path, own_
 def rank_rlimits(iso: IsolationConfig, owner: tuple[int, int] | None) -> dict[str, int]:
     """The limits a rank runs under (:data:`tidal.exec.shim.RLIMITS`): no core dumps, the configured caps."""
     out = {"core": 0}
-    if iso.max_file_bytes is not None:
+    if isinstance(iso.max_file_bytes, int):
         out["fsize"] = iso.max_file_bytes
     if owner is not None and iso.max_procs is not None:
         out["nproc"] = iso.max_procs

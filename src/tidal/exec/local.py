@@ -8,7 +8,9 @@ on CPU slots. Output of all attempts is appended to ``<root>/<job>/logs/rank-<r>
 Files per attempt (``<root>/<job>/attempt-<n>/``): ``launch.json`` (pids, start times, devices; written
 before any rank starts), ``exit-<r>.json`` and ``pid-<r>.json`` (by the rank's shim), ``progress/``,
 ``control.json`` (``TIDAL_CONTROL_FILE``). ``adopt`` reads them back after a restart of the control
-plane; :mod:`tidal.exec.shim` says why a rank never runs twice. Isolation: :mod:`tidal.exec.isolation`.
+plane; :mod:`tidal.exec.shim` says why a rank never runs twice. Isolation: :mod:`tidal.exec.isolation`;
+each rank in its own sandbox (:mod:`tidal.exec.sandbox`; ``hidden``: what no rank sees besides the
+jobs dir, ``tidal up``'s state dir).
 
 Nothing a rank starts outlives its attempt: its shim reaps what the rank left; with ``subreaper=True``
 (``tidal up``) what a shim killed by another left is killed on the next ``observe``, ``kill`` or
@@ -18,6 +20,7 @@ Nothing a rank starts outlives its attempt: its shim reaps what the rank left; w
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import shutil
@@ -27,18 +30,20 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO
 
 from tidal import contract as c
 from tidal.contract import one_node_env, torchrun_env
-from tidal.exec import cgroups, orphans, procs, shim
+from tidal.exec import cgroups, orphans, procs, sandbox, shim
 from tidal.exec.files import Attempt, AttemptDirs, read_json, write_json
 from tidal.exec.isolation import (
+    AUTO,
     IsolationConfig,
     Uids,
+    auto_memory_bytes,
     check_reachable,
     clean_env,
     default_shm_dir,
@@ -52,6 +57,7 @@ from tidal.exec.protocol import LaunchError, LaunchRequest, Observation
 from tidal.model import Node, PoolName
 from tidal.net import free_port
 
+log = logging.getLogger(__name__)
 REAP_INTERVAL_S = 10.0
 """As a subreaper, how often ``observe`` collects what re-parented here and ended on its own (a daemon a
 serving hook started, a helper a rank detached): without it each stays a zombie until the plane exits."""
@@ -124,24 +130,34 @@ class LocalExecutor(AttemptDirs):
     def __init__(self, root: str | os.PathLike, *, slots: int | None = None, gpu_ids: list[int] | None = None,
                  node: str = "local", python: str = sys.executable,
                  serving_nodes: Mapping[str, int] | None = None, isolation: IsolationConfig | None = None,
-                 subreaper: bool = False) -> None:
+                 subreaper: bool = False, hidden: Collection[str | os.PathLike] = ()) -> None:
         if (slots is None) == (gpu_ids is None):
             raise ValueError("give exactly one of slots (CPU) or gpu_ids")
-        self.isolation = iso = isolation or IsolationConfig()
+        iso = isolation or IsolationConfig()
         require_root(iso)
+        self.bwrap = sandbox.find_bwrap() if iso.sandboxed else None
         self.root = Path(root)
-        # 0711 with uids: a job's uid may pass through to its own directories, never list or read others'
-        self._dir_mode = 0o711 if iso.uid_base is not None else 0o700
-        private_dir(self.root, self._dir_mode)
+        self.hidden = [str(Path(p).resolve()) for p in (root, *hidden)]  # no rank sees them (but its own)
+        # 0711 with unsandboxed uids: a job's uid may pass through to its own directories, never list others'
+        private_dir(self.root, 0o711 if iso.uid_base is not None and not iso.sandboxed else 0o700)
+        self.isolation = iso = iso.resolved(self.root)
         self.uids = Uids(self.root / ".uids.json", iso.uid_base) if iso.uid_base is not None else None
         shm = iso.shm_dir if iso.shm_dir is not None else default_shm_dir(self.root)
         self.shm_root = Path(shm) if shm else None
-        if self.uids is not None:
+        if self.uids is not None and not iso.sandboxed:
             check_reachable(self.root.resolve(), *([Path(shm).absolute()] if shm else []))
         self.cgroups = None
         if iso.max_memory_bytes is not None:  # refuse to start rather than drop a limit asked for
-            self.cgroups = cgroups.find(self.root)
-            cgroups.remove_empty(self.cgroups)
+            try:
+                self.cgroups = cgroups.find(self.root)
+            except ValueError as e:
+                if iso.max_memory_bytes != AUTO:
+                    raise
+                log.info("isolation.max_memory_bytes: auto: no memory limit per rank (%s)", e)
+            memory = auto_memory_bytes() if iso.max_memory_bytes == AUTO else iso.max_memory_bytes
+            self.isolation = iso = replace(iso, max_memory_bytes=memory if self.cgroups else None)
+            if self.cgroups is not None:
+                cgroups.remove_empty(self.cgroups)
         self.gpu = gpu_ids is not None
         devices = list(gpu_ids) if gpu_ids is not None else list(range(slots or 0))
         serving = dict(serving_nodes or {})
@@ -262,11 +278,17 @@ class LocalExecutor(AttemptDirs):
         return self.uids.owner(self.isolation.per, req.job_id, req.tenant) if self.uids is not None else None
 
     def _make_dirs(self, req: LaunchRequest, adir: Path, owner: tuple[int, int] | None) -> None:
-        """The job's directories and checkpoint fence (:func:`prepare_attempt`), and its shm directory."""
-        prepare_attempt(self.root, self.job_dir, adir, self.home_dir(req.job_id), req, owner, self.uids)
+        """The job's directories and checkpoint fence (:func:`prepare_attempt`), and its shm directory;
+        sandboxed, first the directories it names that are not there yet (they must be, to be bound)."""
+        sandboxed = self.bwrap is not None
+        if sandboxed:
+            cwd = req.workdir or str(self.home_dir(req.job_id))
+            sandbox.make_dirs([p for p in self._named(req.env, cwd) if p != cwd], owner)
+        prepare_attempt(self.root, self.job_dir, adir, self.home_dir(req.job_id), req, owner, self.uids,
+                        sandboxed)
         shm = self.shm_dir(req.job_id)
-        if shm is not None and c.ENV_SHM_DIR not in req.env:
-            private_dir(shm.parent, 0o711 if owner else 0o700)
+        if shm is not None and (c.ENV_SHM_DIR not in req.env or sandboxed):  # sandboxed: also its /dev/shm
+            private_dir(shm.parent, 0o711 if owner and not sandboxed else 0o700)
             private_dir(shm, 0o700, owner)
 
     def job_env(self, req: LaunchRequest, r: int, devices: list[int], port: int,
@@ -287,9 +309,31 @@ class LocalExecutor(AttemptDirs):
         if self.cgroups is not None and iso.max_memory_bytes is not None:
             out += ["--cgroup", str(self.cgroups.rank_dir(req.job_id, req.attempt, rank)),
                     "--cgroup-version", str(self.cgroups.version), "--memory", str(iso.max_memory_bytes)]
-        if owner is not None:
+        if self.bwrap is not None:
+            out.append("--sandbox")  # the rank's uid is set inside the sandbox (sandbox.ENTER)
+        elif owner is not None:
             out += ["--uid", str(owner[0]), "--gid", str(owner[1])]
         return out
+
+    def _named(self, env: Mapping[str, str], cwd: str) -> list[str]:
+        """The directories a rank names, read-write in its sandbox: its working directory, checkpoint
+        directories and ``TIDAL_SHM_DIR``, except under :attr:`hidden` (there it has only its own)."""
+        named = [cwd, *sandbox.ckpt_dirs(env, cwd), env.get(c.ENV_SHM_DIR, "")]
+        return [p for p in named if p and not any(Path(p).resolve().is_relative_to(h) for h in self.hidden)]
+
+    def _sandboxed(self, req: LaunchRequest, adir: Path, env: Mapping[str, str], cwd: str,
+                   owner: tuple[int, int] | None) -> list[str]:
+        """The rank's command inside its sandbox (:mod:`tidal.exec.sandbox`)."""
+        assert self.bwrap is not None  # only when sandboxed
+        shm = self.shm_dir(req.job_id)
+        return sandbox.command(
+            self.bwrap, req.command, python=self.python, uid=owner[0] if owner else None,
+            gid=owner[1] if owner else None, cwd=cwd,
+            code=sandbox.code_paths(env, req.command, self.python, self.isolation.read_only),
+            named=self._named(env, cwd),
+            hidden=[*self.hidden, *([str(self.shm_root)] if self.shm_root else [])],
+            attempt=str(adir), own=[str(self.home_dir(req.job_id)), *req.own_dirs, *req.take_over],
+            shm=str(shm) if shm is not None else None, gpu=self.gpu)
 
     def shm_jobs(self) -> list[str]:
         """Jobs that have a shared-memory directory here."""
@@ -321,13 +365,14 @@ class LocalExecutor(AttemptDirs):
             out.write(f"=== tidal: {req.job_id} attempt {req.attempt}, rank {r} of {n}, "
                       f"{time.strftime('%Y-%m-%d %H:%M:%S')} ===\n".encode())
             out.flush()
+            cwd = req.workdir or str(self.home_dir(req.job_id))
+            cmd = list(req.command) if self.bwrap is None else self._sandboxed(req, adir, env, cwd, owner)
             try:
                 p = subprocess.Popen([self.python, "-I", shim.__file__, str(adir / c.exit_file(r)),
                                       str(adir / c.pid_file(r)), *self._shim_options(owner, req, r), "--",
-                                      *req.command],
+                                      *cmd],
                                      stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
-                                     cwd=req.workdir or self.home_dir(req.job_id),
-                                     env=env, start_new_session=True)
+                                     cwd=cwd, env=env, start_new_session=True)
             except OSError as e:
                 raise LaunchError(f"job {req.job_id}: cannot start rank {r}: {e}") from e
         return _Rank(r, p.pid, procs.start_time(p.pid), p)

@@ -19,7 +19,8 @@ attempt by its actors' names. A rank whose node left the cluster is reported ``v
 through tasks on the nodes (:mod:`tidal.exec.ray_shm`); an attempt across nodes checkpoints to durable
 tiers only. With ``ckpt_agents`` one checkpoint agent per node serves the ``peer`` tier
 (:mod:`tidal.exec.ray_agents`). Isolation as on the local executor, checked on every node
-(:mod:`tidal.exec.ray_checks`); the Ray cluster itself is not isolated (docs/control.md).
+(:mod:`tidal.exec.ray_checks`); the Ray cluster itself is not isolated, and a rank is not sandboxed
+(``isolation.mode`` is the local executor's; no default uids here: docs/control.md, Isolation on Ray).
 Not thread-safe: one reconcile loop drives it.
 """
 
@@ -40,6 +41,7 @@ from tidal.contract import torchrun_env
 from tidal.exec import ray_checks
 from tidal.exec.files import Attempt, AttemptDirs, read_json, write_json
 from tidal.exec.isolation import (
+    AUTO,
     IsolationConfig,
     Uids,
     check_reachable,
@@ -113,7 +115,7 @@ class RayExecutor(AttemptDirs):
         self.serving_nodes = dict(serving_nodes or {})
         self.isolation = iso = isolation or IsolationConfig()
         require_root(iso)
-        if iso.max_memory_bytes is not None:  # a limit asked for is never dropped silently
+        if iso.max_memory_bytes not in (None, AUTO):  # a limit asked for is never dropped silently
             raise ValueError("isolation.max_memory_bytes: the Ray executor sets no memory cgroups (the local "
                              "executor does); remove it")
         self.root = Path(root)

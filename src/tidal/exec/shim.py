@@ -1,6 +1,6 @@
 """The per-rank shim: start one rank, wait for it, record its exit code. Standard library only.
 
-    python -I shim.py EXIT_FILE PID_FILE [--uid U --gid G] [--rlimit NAME=N ...]
+    python -I shim.py EXIT_FILE PID_FILE [--uid U --gid G] [--rlimit NAME=N ...] [--sandbox]
                       [--cgroup DIR --cgroup-version 1|2 --memory BYTES] -- PROGRAM ARG...
 
 The local executor starts one per rank, in a new session, with the rank's environment, working
@@ -19,7 +19,9 @@ directory and log. What makes a control-plane crash safe:
 Isolation: the shim keeps the executor's user (it writes into the attempt directory) and starts the rank
 with ``--uid``/``--gid`` (no supplementary groups), umask 077 and the ``--rlimit`` limits; with
 ``--cgroup`` it joins that memory cgroup first, and afterwards says in the log when the kernel killed
-the rank for memory, then removes it (:mod:`tidal.exec.cgroups`).
+the rank for memory, then removes it (:mod:`tidal.exec.cgroups`). With ``--sandbox`` PROGRAM is the
+rank's sandbox (``bwrap``, :mod:`tidal.exec.sandbox`): started with SIGTERM and SIGINT ignored, its
+``128 + n`` recorded as ``-n``.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def _write(path: str, doc: dict) -> None:
 
 
 RLIMITS = {"core": "RLIMIT_CORE", "fsize": "RLIMIT_FSIZE", "nproc": "RLIMIT_NPROC", "nofile": "RLIMIT_NOFILE"}
-USAGE = ("usage: shim.py EXIT_FILE PID_FILE [--uid U --gid G] [--rlimit NAME=N ...] "
+USAGE = ("usage: shim.py EXIT_FILE PID_FILE [--uid U --gid G] [--rlimit NAME=N ...] [--sandbox] "
          "[--cgroup DIR --cgroup-version 1|2 --memory BYTES] -- PROGRAM ARG...")
 LIMIT_FILE = {1: "memory.limit_in_bytes", 2: "memory.max"}
 
@@ -67,6 +69,10 @@ def _options(args: list[str]) -> tuple[dict, list[str]] | None:
     opts: dict = {"rlimits": {}}
     i = 0
     while i < len(args) and args[i] != "--":
+        if args[i] == "--sandbox":
+            opts["sandbox"] = True
+            i += 1
+            continue
         if args[i] in ("--uid", "--gid", "--memory", "--cgroup-version") and i + 1 < len(args):
             opts[args[i][2:]] = int(args[i + 1])
         elif args[i] == "--cgroup" and i + 1 < len(args):
@@ -123,9 +129,13 @@ def _leave_cgroup(opts: dict) -> None:
         pass  # the plane removes empty rank cgroups at start
 
 
-def set_limits(rlimits: dict) -> None:
-    """In the child before exec: lower the limits (never raised). Imports nothing: the child may already
-    run as a uid that cannot read the Python installation."""
+def set_limits(rlimits: dict, sandbox: bool = False) -> None:
+    """In the child before exec: lower the limits (never raised); for a sandbox, ignore SIGTERM and
+    SIGINT (the rank inside restores them). Imports nothing: the child may already run as a uid that
+    cannot read the Python installation."""
+    if sandbox:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
     for name, value in rlimits.items():
         res = getattr(resource, RLIMITS[name], None)
         if res is None:
@@ -155,15 +165,18 @@ def main(argv: list[str]) -> int:
         kw: dict = {}
         if "uid" in opts:
             kw.update(user=opts["uid"], group=opts.get("gid", opts["uid"]), extra_groups=[])
-        rlimits = opts["rlimits"]
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, umask=0o077, close_fds=True,
-                                preexec_fn=(lambda: set_limits(rlimits)) if rlimits else None, **kw)
+        rlimits, sandbox = opts["rlimits"], opts.get("sandbox", False)
+        setup = (lambda: set_limits(rlimits, sandbox)) if rlimits or sandbox else None
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, umask=0o077, close_fds=True, preexec_fn=setup,
+                                **kw)
     except (OSError, subprocess.SubprocessError) as e:
         print(f"tidal: cannot start {cmd[0]!r} in {os.getcwd()}: {e}", file=sys.stderr, flush=True)
         _write(exit_file, {"code": 127, "time": time.time(), "error": str(e)})
         return 127
     _write(pid_file, {"pid": proc.pid, "time": time.time(), "started": procs.start_time(proc.pid)})
     code = proc.wait()
+    if opts.get("sandbox") and 128 < code < 160:  # bwrap's report of a rank killed by a signal
+        code = 128 - code
     procs.reap_orphans()  # what the rank left running (a daemon, a setsid'd helper) ends with it
     doc: dict = {"code": code, "time": time.time()}
     if "cgroup" in opts:

@@ -156,6 +156,9 @@ function poolPage(root) {
   );
   return async () => {
     const p = await api("/v1/dashboard/pool");
+    const banner = document.getElementById("isolation-off");
+    banner.textContent = p.warning || "";
+    banner.hidden = !p.warning;
     totals.replaceChildren(
       stat("GPUs", p.gpus),
       ...KINDS.filter((k) => p.totals[k] || k === "free").map((k) => stat(KIND_LABEL[k], p.totals[k])),

@@ -1,0 +1,187 @@
+"""The sandbox every rank of the local executor runs in (``isolation.mode: sandbox``, the default).
+
+Each rank's shim starts ``bwrap`` (Debian's ``bubblewrap``) instead of the rank itself; bwrap gives the
+rank its own mount, PID and IPC namespaces and then runs :data:`ENTER` (the plane's interpreter), which
+drops to the job's uid when ``tidal up`` is root and execs the command. Inside, the rank sees:
+
+* read-only: the system (``/usr``, ``/etc``, ``/opt``, ``/sys``, the ``/lib`` and ``/bin`` links), the
+  interpreter and its venv (``sys.prefix``, ``sys.base_prefix``), the ``tidal`` package, the
+  directories in its ``PYTHONPATH``/``VIRTUAL_ENV``, the venvs on its ``PATH``, its program and the
+  directories of the files its arguments name (its script), the
+  admin's ``isolation.read_only``, and its attempt directory (``control.json``);
+* read-write: its workdir, its checkpoint directories, its progress directory, its private area
+  (``HOME``, ``TMPDIR``), a private ``/tmp``, and its job's shared-memory directory, bound both at
+  ``TIDAL_SHM_DIR`` (the same path as outside: the checkpoint agents copy from it) and at ``/dev/shm``
+  (shared by the job's ranks only: NCCL, torch's tensors between processes);
+* a fresh ``/proc`` of its own PID namespace (no other process is visible), a minimal ``/dev`` (with
+  the NVIDIA devices on a GPU node); the network is the host's (gloo and NCCL rendezvous on loopback,
+  the plane's API and the checkpoint agents).
+
+The state dir (``admin.token``, ``tidal.db``, other jobs' logs, progress and fences) and the other
+jobs' shared memory are never bound: where a bound directory contains them they are covered by an
+empty tmpfs, and the job's own directories are bound again on top.
+
+Signals: the shim starts bwrap with SIGTERM and SIGINT ignored (bwrap's processes forward nothing and
+must outlive a notice) and :data:`ENTER` restores them for the rank, which gets them straight from the
+executor's signal to the shim's process group. bwrap reports a rank killed by signal ``n`` as exit code
+``128 + n``; the shim records it as ``-n``, as for an unsandboxed rank (:mod:`tidal.exec.shim`).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+
+from tidal import contract as c
+
+PACKAGE = "bubblewrap"
+SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt", "/sys")
+ENTER = """import os, signal, sys
+for s in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(s, signal.SIG_DFL)
+uid, gid, cmd = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
+if uid >= 0:
+    os.setgroups([]); os.setgid(gid); os.setuid(uid)
+try:
+    os.execvp(cmd[0], cmd)
+except OSError as e:
+    print(f"tidal: cannot start {cmd[0]!r} in {os.getcwd()}: {e}", file=sys.stderr, flush=True)
+    sys.exit(127)
+"""
+"""Run as ``python -I -S -c ENTER UID GID PROGRAM ARG...`` inside the sandbox (UID -1: keep the user)."""
+
+
+def find_bwrap() -> str:
+    """The ``bwrap`` to use, checked to work here; ``ValueError`` in one line naming the package when it is
+    missing or cannot make namespaces (e.g. unprivileged user namespaces turned off)."""
+    exe = shutil.which("bwrap")
+    if exe is None:
+        raise ValueError(f"isolation: the sandbox needs bwrap (apt-get install -y {PACKAGE}); or set "
+                         "isolation: {mode: none} to run jobs unsandboxed (docs/control.md, Isolation)")
+    probe = [exe, *_namespaces(), "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev", "true"]
+    got = subprocess.run(probe, capture_output=True, text=True, timeout=30)
+    if got.returncode != 0:
+        why = got.stderr.strip().splitlines()[-1:] or [f"exit {got.returncode}"]
+        raise ValueError(f"isolation: {exe} cannot make a sandbox here ({why[0]}); as a normal user it "
+                         "needs unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1), "
+                         "or run tidal up as root, or set isolation: {mode: none}")
+    return exe
+
+
+def _namespaces() -> list[str]:
+    """As root bwrap needs no user namespace (and the rank drops to its uid); as another user it does."""
+    out = ["--die-with-parent", "--unshare-pid", "--unshare-ipc"]
+    return out if os.geteuid() == 0 else [*out, "--unshare-user", "--disable-userns"]
+
+
+def ckpt_dirs(env: Mapping[str, str], cwd: str) -> list[str]:
+    """The directory tiers of a launch's checkpoint variables (``TIDAL_CKPT_TIERS``, else
+    ``TIDAL_CKPT_URL``), relative ones from ``cwd``; none when they are malformed (the runtime says so)."""
+    from tidal.ckpt.errors import CheckpointError
+    from tidal.ckpt.fence import tier_specs
+    from tidal.ckpt.tiers.config import kind_of, resolve
+
+    try:
+        if env.get(c.ENV_CKPT_TIERS):
+            specs = tier_specs(env)
+            locs = [t.location for t in resolve(specs, default_keep=0)[1] if t.kind == "dir"] if specs else []
+        else:
+            url = env.get(c.ENV_CKPT_URL) or ""
+            locs = [url] if url and kind_of(url, "checkpoint url") == "dir" else []
+    except (CheckpointError, ValueError, TypeError):
+        return []
+    return [os.path.join(cwd, p.removeprefix("file://")) for p in locs]
+
+
+def make_dirs(paths: Iterable[str], owner: tuple[int, int] | None) -> None:
+    """Make the directories a job named that are not there yet (its checkpoint directories; one not there
+    cannot be bound), 0700, owned by its uid (``owner``) like the rest of its own; ``OSError`` for a path
+    whose existing part goes through a symbolic link (the plane follows none for a job)."""
+    from tidal.exec.isolation import private_dir
+
+    for p in paths:
+        path = Path(p)
+        missing = [q for q in (path, *path.parents) if not os.path.lexists(q)]
+        if not missing or not path.is_absolute():
+            continue
+        base = missing[-1].parent
+        if os.path.realpath(base) != str(base):
+            raise OSError(f"{p}: {base} is reached through a symbolic link (refused)")
+        for d in reversed(missing):
+            private_dir(d, 0o700, owner)
+
+
+def code_paths(env: Mapping[str, str], command: Sequence[str], python: str,
+               extra: Iterable[str] = ()) -> list[str]:
+    """What a rank reads its code from: the interpreters' prefixes, the ``tidal`` package's directory, the
+    entries of ``PYTHONPATH``, ``VIRTUAL_ENV``, the venvs on ``PATH`` (directories with ``pyvenv.cfg``
+    above a ``bin``), the program (and its venv), the directory of each file its arguments name by an
+    absolute path (its script), and ``extra``."""
+    import tidal
+
+    out = [sys.prefix, sys.base_prefix, str(Path(tidal.__file__).resolve().parents[1]), *extra]
+    out += [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    out += [env["VIRTUAL_ENV"]] if env.get("VIRTUAL_ENV") else []
+    out += [str(Path(a).parent) for a in command[1:] if os.path.isabs(a) and os.path.isfile(a)]  # its script
+    program = shutil.which(command[0], path=env.get("PATH")) if command else None
+    bins = [str(d) for exe in (python, program) if exe
+            for d in (Path(exe).parent, Path(exe).resolve().parent)]
+    out += bins
+    for d in [*env.get("PATH", "").split(os.pathsep), *bins]:
+        if d and Path(d).name == "bin" and (Path(d).parent / "pyvenv.cfg").is_file():
+            out.append(str(Path(d).parent))
+    return out
+
+
+def _binds(flag: str, paths: Iterable[str]) -> list[str]:
+    """``flag SRC SRC`` for each existing absolute path, parents before children, each once; its parents
+    made first, 0711 (bwrap would make them 0700: a job's uid could not pass through them)."""
+    seen = sorted({os.path.normpath(p) for p in paths if os.path.isabs(p) and os.path.exists(p)},
+                  key=lambda p: (p.count("/"), p))
+    out: list[str] = []
+    made: set[str] = set()
+    for p in seen:
+        for d in reversed(Path(p).parents[:-1]):
+            if str(d) not in made:
+                made.add(str(d))
+                out += ["--perms", "0711", "--dir", str(d)]
+        out += [flag, p, p]
+    return out
+
+
+def _system() -> list[str]:
+    out = []
+    for p in SYSTEM:
+        if os.path.islink(p):
+            out += ["--symlink", os.readlink(p), p]
+        elif os.path.isdir(p):
+            out += ["--ro-bind", p, p]
+    resolv = os.path.realpath("/etc/resolv.conf")  # often a link into /run (systemd-resolved)
+    if not resolv.startswith("/etc/") and os.path.isfile(resolv):
+        out += ["--ro-bind", resolv, resolv]
+    return out
+
+
+def command(bwrap: str, program: Sequence[str], *, python: str, uid: int | None, gid: int | None,
+            cwd: str, code: Iterable[str], named: Iterable[str], hidden: Iterable[str],
+            attempt: str, own: Iterable[str], shm: str | None, gpu: bool) -> list[str]:
+    """The shim's command for one rank: bwrap with the binds above, then :data:`ENTER` and ``program``.
+    ``named``: the paths the job named (workdir, checkpoint directories), read-write; ``hidden``: what is
+    covered after them (the state dir, the plane's shared-memory root); ``attempt`` (read-only, its
+    progress directory read-write) and ``own`` (read-write) are bound on top."""
+    out = [bwrap, *_namespaces(), *_system(), "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
+    if gpu:
+        out += _binds("--dev-bind", glob.glob("/dev/nvidia*"))
+    out += _binds("--ro-bind", code) + _binds("--bind", named)
+    out += [x for h in hidden if os.path.isdir(h) for x in ("--perms", "0711", "--tmpfs", h)]
+    out += _binds("--ro-bind", [attempt])
+    out += _binds("--bind", [os.path.join(attempt, c.PROGRESS_DIRNAME), *own])
+    if shm is not None and os.path.isdir(shm):  # its parents made in it, 0711 (from the second bind on)
+        out += ["--bind", shm, "/dev/shm", *_binds("--bind", [shm])]
+    return [*out, "--chdir", cwd, "--", python, "-I", "-S", "-c", ENTER,
+            str(-1 if uid is None else uid), str(-1 if gid is None else gid), *program]

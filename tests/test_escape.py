@@ -1,0 +1,127 @@
+"""Escapes a tenant's job tries from inside its sandbox (tidal.exec.sandbox), on a real plane
+(``server.build``, driven step by step) with real ranks: while another tenant's rank runs, the job reads
+the admin token, the database, the other tenant's log, fence and progress, that rank's
+``/proc/<pid>/environ`` and ``cmdline`` (by its real pid and by scanning ``/proc``), the plane's own
+environment, and swaps its own log for a link to the token. Each must fail. The same script run with
+``isolation: none`` reads the token (as root or as the plane's user alike): the probes do detect a leak.
+
+On the Ray executor ranks are not sandboxed (docs/control.md, Isolation on Ray); what holds there is
+tested in tests/test_ray_isolation.py.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from iso_plane import ROOT, planes, rank_log, run
+from tidal.control.auth import create_tenant
+from tidal.control.spec import parse_spec
+from tidal.exec import procs
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("bwrap") is None,
+                                                   reason="needs bwrap (apt-get install bubblewrap)")]
+SECRET = "plane-secret-5e1d"
+VICTIM_SECRET = "victim-secret-9b2c"
+CMDLINE_MARK = "victim-cmdline-4f7a"
+
+VICTIM = ["/bin/sh", "-c", 'echo x > "$TIDAL_PROGRESS_DIR/mark"; echo VICTIM-LOG-MARK; exec sleep 120',
+          CMDLINE_MARK]
+# Each probe prints READ (it got something) or denied; OWN proves the probing itself works.
+HOSTILE = r'''
+probe() {
+  c=$(cat "$1" 2>/dev/null | tr '\0' ' ')
+  if [ -n "$c" ]; then echo "READ $1: $c"; else echo "denied $1"; fi
+}
+probe "$STATE/admin.token"; probe "$STATE/tidal.db"; probe "$STATE/api.url"
+V="$STATE/jobs/$VICTIM"
+probe "$V/logs/rank-0.log"; probe "$V/ckpt/fence.json"; probe "$V/attempt-1/launch.json"
+for f in "$V"/attempt-1/progress/*; do probe "$f"; done
+for p in $VICTIM_PIDS $PLANE_PID; do probe "/proc/$p/environ"; probe "/proc/$p/cmdline"; done
+for f in /proc/[0-9]*/environ /proc/[0-9]*/cmdline; do
+  if grep -q -e "$VICTIM_SECRET_RE" -e "$CMDLINE_RE" -e 'TIDAL_TEST_SECRE[T]' "$f" 2>/dev/null; then
+    echo "READ $f"
+  fi
+done
+echo "PROCS $(ls -d /proc/[0-9]* | wc -l)"
+LOG="$STATE/jobs/$TIDAL_JOB_ID/logs/rank-0.log"
+if rm -f "$LOG" 2>/dev/null && ln -s "$STATE/admin.token" "$LOG" 2>/dev/null; then
+  echo "READ swapped $LOG"
+else
+  echo "denied swap"
+fi
+echo own > "$HOME/own" && [ "$(cat "$HOME/own")" = own ] && echo "OWN home"
+'''
+
+
+def _submit(plane, tenant: str, name: str, command: list[str], env: dict | None = None) -> str:
+    spec = parse_spec({"name": name, "gpus": 1, "max_restarts": 0, "command": command, "env": env or {}})
+    return plane.store.submit(tenant, spec.model_dump(), time.time()).id
+
+
+def _running(plane, job: str, timeout_s: float = 60) -> list[int]:
+    """Step the plane until the job's rank has started; its processes' real pids."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        plane.controller.step(time.time())
+        pids = plane.executor.worker_pids(job)
+        if 0 in pids and "VICTIM-LOG-MARK" in rank_log(plane, job):
+            return sorted(procs.descendants([pids[0]]) | {pids[0]})
+        time.sleep(0.05)
+    raise AssertionError(f"{job} did not start: {rank_log(plane, job)}")
+
+
+def _escape(plane) -> tuple[str, str, str]:
+    """Run the victim, then the hostile job beside it; (the hostile job, its log, the admin token)."""
+    create_tenant(plane.store, "alice", quota_gpus=1)
+    create_tenant(plane.store, "bob", quota_gpus=1)
+    victim = _submit(plane, "alice", "victim", VICTIM, {"VICTIM_SECRET": VICTIM_SECRET})
+    pids = _running(plane, victim)
+    hostile = _submit(plane, "bob", "peek", ["/bin/sh", "-c", HOSTILE], {
+        "STATE": str(plane.state_dir), "VICTIM": victim, "VICTIM_PIDS": " ".join(map(str, pids)),
+        "PLANE_PID": str(os.getpid()),
+        # patterns that match the markers and not themselves (the probe greps its own environment too)
+        "VICTIM_SECRET_RE": f"{VICTIM_SECRET[:-1]}[{VICTIM_SECRET[-1]}]",
+        "CMDLINE_RE": f"{CMDLINE_MARK[:-1]}[{CMDLINE_MARK[-1]}]"})
+    run(plane, hostile)
+    plane.executor.kill(victim)
+    return hostile, rank_log(plane, hostile), (plane.state_dir / "admin.token").read_text().strip()
+
+
+def _procs(log: str) -> int:
+    """How many processes the probe saw in /proc."""
+    return int(log.split("PROCS ", 1)[1].split()[0])
+
+
+@pytest.fixture
+def plane_factory(monkeypatch):
+    monkeypatch.setenv("TIDAL_TEST_SECRET", SECRET)  # in the plane's environment only
+    with planes() as make:
+        yield make
+
+
+def test_a_sandboxed_job_reaches_nothing_of_the_plane_or_another_tenant(plane_factory):
+    plane = plane_factory()
+    hostile, log, token = _escape(plane)
+    assert "OWN home" in log, log  # the probes themselves work
+    assert "READ" not in log and token not in log and SECRET not in log, log
+    assert VICTIM_SECRET not in log and CMDLINE_MARK not in log and "VICTIM-LOG-MARK" not in log
+    assert log.count("denied /proc/") >= 2 * 3  # the victim's shim-side pids and the plane's
+    assert _procs(log) <= 6, log  # its own sandbox's init, shell, and the probe's pipeline
+    assert "denied swap" in log
+    log_file = Path(plane.executor.log_path(hostile, 0))
+    assert log_file.is_file() and not log_file.is_symlink()
+    if ROOT:  # a job runs as its tenant's own uid (default uid_base 200000)
+        assert all(j.handle["uid"] >= 200000 for j in plane.store.jobs())
+
+
+def test_the_same_escapes_succeed_without_the_sandbox(plane_factory):
+    """The control run: with ``isolation: none`` (and no uids) the same script swaps its log for a link
+    to the admin token (so reading its log gives the token), so the test above can fail."""
+    plane = plane_factory(mode="none")
+    hostile, log, token = _escape(plane)
+    assert Path(plane.executor.log_path(hostile, 0)).is_symlink() and log.strip() == token

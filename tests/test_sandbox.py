@@ -1,0 +1,145 @@
+"""The rank sandbox (tidal.exec.sandbox) on real ranks of the local executor: what a job's ranks share
+(``/dev/shm``), what they do not (another job's), nothing a rank leaves outlives it, a signal's exit code,
+the start-up check naming the package, the settings and the dashboard's banner when it is off. The
+escapes a hostile job tries are in tests/test_escape.py."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+
+from tidal.control.config import ControlConfig
+from tidal.exec import procs, sandbox
+from tidal.exec.isolation import IsolationConfig
+from tidal.exec.local import LocalExecutor
+from tidal.exec.protocol import LaunchRequest
+
+pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None,
+                                reason="needs bwrap (apt-get install bubblewrap)")
+MARK = "sandbox-left-behind-3c9e"
+SHARE = """
+import os, sys, time
+f = "/dev/shm/from-rank-0"
+if os.environ["RANK"] == "0":
+    open(f, "w").write(os.environ["TIDAL_JOB_ID"])
+deadline = time.time() + 30
+while not os.path.exists(f) and time.time() < deadline:
+    time.sleep(0.05)
+print("SEEN", sorted(os.listdir("/dev/shm")), open(f).read() if os.path.exists(f) else None, flush=True)
+"""
+
+
+def _done(ex: LocalExecutor, job: str, timeout_s: float = 60) -> list[int | None]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        ob = ex.observe(time.time())[job]
+        if ob.done:
+            ex.release(job)
+            return [r.exit_code for r in ob.ranks]
+        time.sleep(0.05)
+    ex.kill(job)
+    raise AssertionError(f"{job} still running")
+
+
+def _log(ex: LocalExecutor, job: str, rank: int = 0) -> str:
+    return Path(ex.log_path(job, rank)).read_text()
+
+
+def test_a_jobs_ranks_share_dev_shm_and_no_other_job_sees_it(tmp_path):
+    ex = LocalExecutor(tmp_path / "jobs", slots=2)
+    ex.launch(LaunchRequest("a", 1, (sys.executable, "-c", SHARE), {"local": 2}), time.time())
+    assert _done(ex, "a") == [0, 0]
+    assert "SEEN ['from-rank-0', " in _log(ex, "a", 1) and _log(ex, "a", 1).rstrip().endswith(" a")
+    ls = "import os; print('LS', os.listdir('/dev/shm'))"
+    ex.launch(LaunchRequest("b", 1, (sys.executable, "-c", ls), {"local": 1}), time.time())
+    assert _done(ex, "b") == [0]
+    assert "from-rank-0" not in _log(ex, "b")
+    assert (ex.shm_dir("a") / "from-rank-0").read_text() == "a"  # the job's shm directory, outside too
+
+
+def test_nothing_a_sandboxed_rank_detaches_outlives_it(tmp_path):
+    """Its PID namespace ends with it: a double-forked, setsid'd helper is gone with the rank."""
+    ex = LocalExecutor(tmp_path / "jobs", slots=1)
+    helper = f'setsid sh -c "exec sleep 300 {MARK}" </dev/null >/dev/null 2>&1 &'
+    cmd = ("/bin/sh", "-c", f"{helper} sleep 0.5; exit 3")
+    ex.launch(LaunchRequest("d", 1, cmd, {"local": 1}), time.time())
+    assert _done(ex, "d") == [3]
+    assert [pid for pid in procs.table() if MARK.encode() in _cmdline(pid)] == []
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def test_a_signal_reaches_the_rank_and_is_recorded_as_for_an_unsandboxed_one(tmp_path):
+    ex = LocalExecutor(tmp_path / "jobs", slots=1)
+    code = "import signal, time; print('up', flush=True); time.sleep(300)"
+    ex.launch(LaunchRequest("s", 1, (sys.executable, "-c", code), {"local": 1}), time.time())
+    deadline = time.monotonic() + 30
+    while "up" not in _log(ex, "s") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    ex.signal_stop("s")  # SIGTERM to the shim's process group: bwrap ignores it, the rank dies of it
+    assert _done(ex, "s") == [-15]
+
+
+def test_tidal_up_refuses_without_bwrap_naming_the_package(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no bwrap there
+    with pytest.raises(ValueError, match=r"apt-get install -y bubblewrap.*isolation: \{mode: none\}"):
+        sandbox.find_bwrap()
+    with pytest.raises(ValueError, match="bubblewrap"):
+        LocalExecutor(tmp_path / "jobs", slots=1)
+    LocalExecutor(tmp_path / "jobs", slots=1, isolation=IsolationConfig(mode="none"))  # off: no bwrap needed
+
+
+def test_settings():
+    assert ControlConfig.from_dict({"isolation": {"read_only": ["/data"]}}).isolation.read_only == ("/data",)
+    with pytest.raises(ValueError, match="isolation.read_only must be a list of absolute paths"):
+        ControlConfig.from_dict({"isolation": {"read_only": ["data"]}})
+    with pytest.raises(ValueError, match="isolation.max_file_bytes must be a positive integer or null"):
+        IsolationConfig(max_file_bytes="big")
+    iso = IsolationConfig().resolved(Path("/tmp"))
+    assert isinstance(iso.max_file_bytes, int) and iso.max_file_bytes >= 1 << 30  # auto: half the disk
+    assert IsolationConfig(max_file_bytes=None).resolved(Path("/tmp")).max_file_bytes is None
+    paths = sandbox.code_paths({"PYTHONPATH": "/srv/code:", "PATH": "/usr/bin"}, ["python3"], sys.executable,
+                               ["/data"])
+    assert {sys.prefix, sys.base_prefix, "/srv/code", "/data"} <= set(paths)
+    assert sandbox.ckpt_dirs({"TIDAL_CKPT_TIERS": '["shm", "/ck/a", "s3://bucket/p"]'}, "/w") == ["/ck/a"]
+    assert sandbox.ckpt_dirs({"TIDAL_CKPT_URL": "file:///ck/b"}, "/w") == ["/ck/b"]
+
+
+def test_a_symlinked_checkpoint_parent_is_refused(tmp_path):
+    (tmp_path / "link").symlink_to("/etc")
+    with pytest.raises(OSError, match="symbolic link"):
+        sandbox.make_dirs([str(tmp_path / "link" / "new-ck")], None)
+    assert not os.path.exists("/etc/new-ck")
+
+
+def test_the_dashboard_shows_a_banner_when_isolation_is_off(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from fastapi.testclient import TestClient
+    from control_fakes import FakeClock
+    from tidal.control.api import ApiContext, create_app
+    from tidal.control.auth import ensure_admin
+    from tidal.control.server import isolation_warning
+    from tidal.control.store import Store
+    from tidal.model import Node
+
+    store = Store(f"sqlite:///{tmp_path}/tidal.db")
+    admin, _ = ensure_admin(store, tmp_path, 0.0)
+    for config, banner in ((ControlConfig.from_dict({"isolation": "none"}), True), (ControlConfig(), False)):
+        ctx = ApiContext(store, [Node("local", 1)], lambda j, r: None, FakeClock(),
+                         warning=isolation_warning(config, euid=0))
+        pool = TestClient(create_app(ctx)).get("/v1/dashboard/pool",
+                                               headers={"Authorization": f"Bearer {admin}"})
+        assert pool.status_code == 200
+        assert (pool.json()["warning"] is not None and "isolation is off" in pool.json()["warning"]) == banner
