@@ -64,8 +64,8 @@ def train_spec(name: str, steps: int, tmp: Path, step_s: float = 0.0, **kw) -> d
     return {"name": name, "gpus": kw.pop("gpus", 2), "workdir": str(tmp),
             "command": [sys.executable, str(WORKER), "--steps", str(steps), "--pad-mib", "1",
                         "--step-s", str(step_s)],
-            # one shm directory per job: as root, jobs of two tenants run as two uids
-            "env": {"TIDAL_CKPT_INTERVAL_STEPS": "10", "TIDAL_SHM_DIR": str(tmp / "shm" / name)}, **kw}
+            # one shm directory per job, each made by its job: as root, two tenants run as two uids
+            "env": {"TIDAL_CKPT_INTERVAL_STEPS": "10", "TIDAL_SHM_DIR": str(tmp / f"shm-{name}")}, **kw}
 
 
 def transitions(client: TidalClient, job: str) -> list[tuple]:
