@@ -115,12 +115,13 @@ def isolation_warning(config: ControlConfig | None, euid: int | None = None,
             "every process of the machine; remove it to sandbox each rank (docs/control.md, Isolation)")
 
 
-def secure_state_dir(state_dir: Path, config: ControlConfig | None) -> None:
-    """The state dir 0700 (0711 when jobs run unsandboxed as their own uids: they pass through to their
-    own directories, never list or read anything else); its files 0600 (``tidal up`` runs with umask 077)."""
+def secure_state_dir(state_dir: Path, config: ControlConfig | None, sandboxes: bool = True) -> None:
+    """The state dir 0700 (0711 when jobs run unsandboxed as their own uids, as the Ray executor's do:
+    they pass through to their own directories, never list or read anything else); its files 0600
+    (``tidal up`` runs with umask 077). ``sandboxes``: the executor sandboxes ranks (the local one)."""
     state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     iso = config.isolation if config is not None else None
-    through = iso is not None and iso.uid_base is not None and not iso.sandboxed
+    through = iso is not None and iso.uid_base is not None and not (iso.sandboxed and sandboxes)
     os.chmod(state_dir, 0o711 if through else 0o700)
     for name in ("tidal.db", "tidal.db-journal", "tidal.db-wal", "tidal.db-shm", ADMIN_TOKEN_FILE,
                  API_URL_FILE):
@@ -140,7 +141,7 @@ def build(state_dir: Path, gpus: str = "auto", db: str | None = None, config: Co
             "tidal up: --ckpt-agents needs --executor ray (on one machine run `tidal ckpt agent`)"
         )
     state_dir = Path(state_dir).resolve()
-    secure_state_dir(state_dir, config)
+    secure_state_dir(state_dir, config, executor == "local")
     loans = None
     if config is not None and config.serving is not None and config.serving.lends:
         try:
@@ -152,7 +153,7 @@ def build(state_dir: Path, gpus: str = "auto", db: str | None = None, config: Co
             config.scheduler, min_loan_left_s=loans.timing.min_loan_window_s))
     store = open_checked(state_dir, db or sqlite_url(str(state_dir / "tidal.db")))
     token, created = ensure_admin(store, state_dir, time.time())
-    secure_state_dir(state_dir, config)  # the database as created
+    secure_state_dir(state_dir, config, executor == "local")  # the database as created
     iso = config.isolation if config is not None else None
     try:  # the store closes with any refusal
         ex: LocalExecutor | RayExecutor
