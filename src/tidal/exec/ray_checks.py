@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import socket
 import stat
+import subprocess
 from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
@@ -156,3 +157,33 @@ def check_serving(serving: Mapping[str, int], have: Mapping[str, int],
     if other:
         raise ValueError("serving.nodes: " + "; ".join(
             f"{n} has {g} GPUs there but {h} in the Ray cluster" for n, (g, h) in sorted(other.items())))
+
+
+def _sandbox_verdict(paths: list[str]) -> str | None:
+    """On the node: why a rank cannot be sandboxed here (no working ``bwrap``, or one of the plane's
+    ``paths`` missing: its interpreter and code must be at the same paths), or None."""
+    from tidal.exec.sandbox import find_bwrap
+
+    try:
+        find_bwrap()
+    except (OSError, ValueError, subprocess.SubprocessError) as e:
+        return str(e).removeprefix("isolation: ")
+    missing = [p for p in paths if not os.path.isdir(p)]
+    return f"{missing[0]} is not there (tidal up's interpreter and code must be at the same paths)" \
+        if missing else None
+
+
+def check_sandbox(ray: Any, nodes: Mapping[str, str], paths: list[str],
+                  timeout_s: float = CHECK_TIMEOUT_S) -> None:
+    """``ValueError`` in one line unless a worker on every node (name -> Ray node id) answers that it can
+    sandbox ranks (:func:`_sandbox_verdict` of ``paths``)."""
+    answers, late = run_on_nodes(ray, nodes, _sandbox_verdict, {n: (list(paths),) for n in nodes},
+                                 cancel_late=True, timeout_s=timeout_s)
+    missing = sorted(set(nodes) - set(answers))
+    if missing:
+        raise ValueError(f"isolation: no Ray worker answered on {', '.join(missing)} within {timeout_s:g} s "
+                         "(asked whether it can sandbox ranks)")
+    bad = sorted((n, why) for n, why in answers.items() if why)
+    if bad:
+        more = f" (and on {', '.join(n for n, _ in bad[1:])})" if len(bad) > 1 else ""
+        raise ValueError(f"isolation: Ray node {bad[0][0]} cannot sandbox ranks{more}: {bad[0][1]}")
