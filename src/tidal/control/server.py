@@ -102,13 +102,12 @@ def isolation_warning(config: ControlConfig | None, euid: int | None = None,
     what they can reach (as root without ``uid_base``: every file); on Ray, jobs as their uids on a cluster
     without token authentication, or all tenants as the workers' one uid (no ``uid_base``); else None."""
     iso = config.isolation if config is not None else None
-    from tidal.exec.ray_exec import RayExecutor
-
-    if isinstance(executor, RayExecutor) and executor.uids is not None and not executor.token_auth:
+    ray = hasattr(executor, "token_auth")  # the Ray executor: whether its cluster authenticates clients
+    if ray and getattr(executor, "uids", None) is not None and not getattr(executor, "token_auth", True):
         from tidal.exec.ray_checks import open_cluster_warning
 
         return open_cluster_warning()
-    if isinstance(executor, RayExecutor) and executor.uids is None and (iso is None or iso.sandboxed):
+    if ray and getattr(executor, "uids", None) is None and (iso is None or iso.sandboxed):
         return ("warning: on Ray without isolation.uid_base every tenant's ranks run as the Ray workers' "
                 "user (each in its sandbox, without capabilities when that user is root); set uid_base to "
                 "run each tenant as its own uid (docs/control.md, Isolation on Ray)")
