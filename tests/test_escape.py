@@ -145,3 +145,15 @@ def test_on_ray_the_same_escapes_succeed_without_the_sandbox(ray_cluster, plane_
     plane = plane_factory(ray=ray_cluster, mode="none")
     hostile, log, token = _escape(plane)
     assert Path(plane.executor.log_path(hostile, 0)).is_symlink() and log.strip() == token
+
+
+def test_a_ray_ranks_log_is_capped_as_a_local_ones(ray_cluster, plane_factory):
+    """``isolation.max_log_bytes`` holds on Ray too: the plane cuts the log (on the shared state dir)."""
+    plane = plane_factory(ray=ray_cluster, max_log_bytes=16 << 10)
+    create_tenant(plane.store, "alice", quota_gpus=1)
+    job = _submit(plane, "alice", "chatty", ["/bin/sh", "-c", "yes 0123456789abcdef | head -c 400000; "
+                                             "echo; echo LAST-LINE"])
+    run(plane, job)
+    log = rank_log(plane, job)
+    assert plane.store.job(job).state == "succeeded", log[-300:]
+    assert len(log) <= 16 << 10 and "bytes of this log were cut here" in log and log.endswith("LAST-LINE\n")
