@@ -21,6 +21,7 @@ import pytest
 
 from iso_plane import ROOT, planes, rank_log, run
 from tidal.control.auth import create_tenant
+from tidal.control.server import isolation_warning
 from tidal.control.spec import parse_spec
 from tidal.exec import procs
 
@@ -139,6 +140,8 @@ def test_a_sandboxed_job_on_ray_reaches_nothing_either(ray_cluster, plane_factor
     hostile, log, token = _escape(plane)
     _contained(plane, hostile, log, token)
     assert all(j.handle["executor"] == "ray" and "uid" not in j.handle for j in plane.store.jobs())
+    warning = isolation_warning(plane.controller.config, executor=plane.executor)  # tidal up's, the banner's
+    assert warning is not None and "without isolation.uid_base" in warning
 
 
 def test_on_ray_the_same_escapes_succeed_without_the_sandbox(ray_cluster, plane_factory):
