@@ -1,21 +1,6 @@
-"""The local executor: every rank of a job is a process on this machine, ``slots`` CPU slots (gloo) or
-the NVIDIA GPUs in ``gpu_ids``; ``observe`` reports pids and exit codes, ``signal_stop`` a SIGTERM notice.
-
-Each rank gets the torchrun contract (``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT``),
-``TIDAL_PROGRESS_DIR`` and ``CUDA_VISIBLE_DEVICES``: the job's GPUs (rank ``r`` uses ``cuda:r``), empty
-on CPU slots. Output of all attempts is appended to ``<root>/<job>/logs/rank-<r>.log``.
-
-Files per attempt (``<root>/<job>/attempt-<n>/``): ``launch.json`` (pids, start times, devices; written
-before any rank starts), ``exit-<r>.json`` and ``pid-<r>.json`` (by the rank's shim), ``progress/``,
-``control.json`` (``TIDAL_CONTROL_FILE``). ``adopt`` reads them back after a restart of the control
-plane; :mod:`tidal.exec.shim` says why a rank never runs twice. Isolation: :mod:`tidal.exec.isolation`;
-each rank in its own sandbox (:mod:`tidal.exec.sandbox`; ``hidden``: what no rank sees besides the
-jobs dir, ``tidal up``'s state dir).
-
-Nothing a rank starts outlives its attempt: its shim reaps what the rank left; with ``subreaper=True``
-(``tidal up``) what a shim killed by another left is killed on the next ``observe``, ``kill`` or
-``release`` (:mod:`tidal.exec.orphans`). Not thread-safe: one reconcile loop drives it.
-"""
+"""The local executor: every rank of a job is a process on this machine, under a shim, on ``slots`` CPU slots
+(gloo) or the NVIDIA GPUs in ``gpu_ids`` (docs/control.md, The local executor: environment, files per
+attempt, isolation, orphans). Not thread-safe: one reconcile loop drives it."""
 
 from __future__ import annotations
 

@@ -1,27 +1,8 @@
-"""The per-rank shim: start one rank, wait for it, record its exit code. Standard library only.
+"""The per-rank shim: start one rank on a ``go`` line, wait for it, record its exit code; standard library
+only (docs/control.md, The local executor).
 
     python -I shim.py EXIT_FILE PID_FILE [--uid U --gid G] [--rlimit NAME=N ...] [--sandbox]
                       [--cgroup DIR --cgroup-version 1|2 --memory BYTES] -- PROGRAM ARG...
-
-The local executor starts one per rank, in a new session, with the rank's environment, working
-directory and log. What makes a control-plane crash safe:
-
-* **Two-phase start.** The shim starts the rank only on a ``go`` line on stdin, sent once every rank's
-  pid is recorded; a plane that dies first closes the pipe (EOF): nothing runs unrecorded, never twice.
-* **Exit code on disk.** The shim writes ``{"code", "time"}`` to EXIT_FILE atomically, so a restarted
-  plane (no longer its parent) learns how the rank ended; negative: killed by that signal.
-* The shim ignores SIGTERM and SIGINT (the rank does not inherit that) to outlive the rank; it exits
-  with the rank's code (128 + n for signal n). The executor's kill takes the shim's whole tree: no exit
-  file then.
-* **Nothing outlives the rank.** A child subreaper, the shim kills what the rank left below it before
-  writing the exit file; what a shim killed by another left, :mod:`tidal.exec.orphans` finds.
-
-Isolation: the shim keeps the executor's user (it writes into the attempt directory) and starts the rank
-with ``--uid``/``--gid`` (no supplementary groups), umask 077 and the ``--rlimit`` limits; with
-``--cgroup`` it joins that memory cgroup first, and afterwards says in the log when the kernel killed
-the rank for memory, then removes it (:mod:`tidal.exec.cgroups`). With ``--sandbox`` PROGRAM is the
-rank's sandbox (``bwrap``, :mod:`tidal.exec.sandbox`): started with SIGTERM and SIGINT ignored, its
-``128 + n`` recorded as ``-n``.
 """
 
 from __future__ import annotations

@@ -1,12 +1,5 @@
-"""The environment contract of a Tidal training process: the variables a launcher (``torchrun``, Tidal's
-executor, a test harness) sets per rank and :class:`tidal.train.Session` reads. With none set, a script
-runs as a single process without a process group. docs/train.md has the table (name, default, meaning,
-unit); the names, ``EXIT_PREEMPTED`` and ``DEFAULT_GRACE_S`` are constants of :mod:`tidal.contract`.
-
-Exit codes of a process driven by a session: ``0`` finished; ``75`` (``EX_TEMPFAIL``) preempted,
-resumable from the newest committed checkpoint; ``77`` (``EXIT_FENCED``) fenced out: the checkpoint
-location belongs to another job or a newer attempt now; anything else is a failure.
-"""
+"""The environment contract of a training process: the variables a launcher sets per rank and
+:class:`tidal.train.Session` reads (docs/train.md has the table and the exit codes)."""
 
 from __future__ import annotations
 
@@ -29,7 +22,7 @@ class EnvError(ValueError):
 
 @dataclass(frozen=True)
 class Env:
-    """The parsed environment contract (see the module docstring for meanings and units)."""
+    """The parsed environment contract."""
 
     rank: int = 0
     world_size: int = 1
