@@ -1,13 +1,5 @@
-"""The resume benchmark (``tidal bench resume``, or ``python -m tidal.bench.resume --json``): how long
-a reclaim takes, and how long until a resumed job trains again, for the example job.
-
-1. **notice → exit**: ``world`` ranks in ``layout``, a checkpoint every 2 steps, SIGTERM to every rank
-   once step ``notice_step`` is reported; from the signal to the last rank's exit (code 75, the step
-   committed in the fast tier). The goal: at most one step + the save stall + 1 s.
-2. **start → first step after a resharded restore**: ``resume_world`` ranks in ``resume_layout``
-   restore from node memory, then from a copy of the checkpoint directory alone (disk, as on another
-   node); from the launch to the first step, with its parts (session ready, restore, first step).
-"""
+"""``tidal bench resume`` (or ``python -m tidal.bench.resume --json``): notice → exit, and process start →
+first step after a resharded restore from node memory and from disk, for the example job (docs/train.md)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""Run the example job as a sequence of interrupted segments, and read back what each step trained on
-(``tidal verify-resume`` and the resume benchmark).
-
-A *segment* is one launch of the job on a world size and layout by the product's local executor:
-attempt ``index + 1`` under ``<work>/jobs``, run to the end or until it reports ``stop_at`` steps,
-then given a notice (SIGTERM to some ranks, or the notice file) and expected to exit with code 75. For
-each step, the last segment that reported it says what it trained on.
-"""
+"""The example job run as a chain of *segments* (launches by the local executor, each stopped by a notice
+once it reports ``stop_at`` steps, or run to the end), and what each step trained on (the last segment
+that reported it says); for ``tidal verify-resume`` and the resume benchmark."""
 
 from __future__ import annotations
 

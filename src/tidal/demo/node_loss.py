@@ -1,17 +1,6 @@
-"""A node of a local Ray cluster lost as a machine is lost, and what the nodes left hold of a job's
-checkpoints at that instant (the Ray demos and tests).
-
-    pids = freeze_node(node)          # every process of the node stopped dead, at one instant
-    held = tier_steps(home, agents)   # the job's tiers as the surviving agents and the disk see them
-    kill_node(cluster, node, pids)    # SIGKILL them all; Ray is told (its raylet is among them)
-
-``Cluster.remove_node`` alone kills Ray's own processes, but the workers and the ranks they started
-notice only later and go on meanwhile (a rank of the "lost" node committed a step its dead agent never
-got); a real machine stops everything at once, as :func:`freeze_node` does. Restore reads the newest
-step of *any* tier, and the disk tier outlives the node, so :func:`kill_when_peer_newest` freezes the
-node, looks, and kills it only when the surviving agents hold the newest step; else it thaws the node
-(stopped for tenths of a second, shorter than Ray's health checks notice).
-"""
+"""A node of a local Ray cluster lost as a machine is lost, every process at one instant (Ray's
+``remove_node`` alone lets its ranks go on for a moment), and what the other nodes hold of a job's
+checkpoints then: :func:`kill_when_peer_newest` kills only when the surviving agents hold the newest step."""
 
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""The serving side of ``tidal demo ray --cycle --serve``: Ray Serve replicas of a toy model on the serving
-nodes, serving generated traffic that follows the day's trace.
-
-:func:`write_rate_trace` writes one request-rate CSV on the serving clock (the profile, its night
-deepened), both what the forecast learns first and what the load generator plays; :func:`serving_config`
-is the plane's ``serving:`` block; :func:`deploy` has every replica healthy before the plane's first
-step; :class:`Traffic` is the open-loop load generator on its own thread, with latency and failures
-before, during and after the reclaims.
-"""
+"""The serving side of ``tidal demo ray --cycle --serve``: Ray Serve replicas of a toy model serving
+open-loop traffic that follows the day's request-rate trace (docs/control.md, the Ray executor)."""
 
 from __future__ import annotations
 

@@ -1,17 +1,5 @@
-"""``tidal demo`` (``make demo``): the platform end to end on this machine, in about a minute.
-
-    tidal demo                                  # the full story, live
-    tidal demo --steps 200 --json               # the summary as JSON on stdout (the narration on stderr)
-    tidal demo --keep                           # keep the state dir (database, logs, checkpoints)
-
-An embedded control plane (the pieces of ``tidal up``) runs the GPT example as a spot job on ``--gpus``
-CPU slots, checkpointing every ``--ckpt-every`` steps, and the demo shows its progress and events
-live. Midway it SIGKILLs one rank (its own pid, from the attempt dir the API names, checked to be a
-child of that rank's shim); the platform restarts the gang from the newest committed checkpoint. Exit
-code 0 only if the job succeeded after a restart that restored a step > 0. Everything started here is
-stopped on the way out, also on Ctrl-C, SIGTERM or an error; the temporary dirs are removed unless
-``--keep``.
-"""
+"""``tidal demo`` (``make demo``): a spot GPT job on an embedded plane loses a rank midway and recovers from
+its checkpoint (docs/control.md, Demo). Everything started here is stopped on the way out."""
 
 from __future__ import annotations
 
