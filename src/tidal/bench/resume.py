@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import shutil
 import statistics
 import sys
@@ -110,9 +108,7 @@ def _resume_figures(res: SegmentResult) -> dict[str, Any]:
 def run(
     cfg: MeasureConfig, *, script: Path | None = None, log: Callable[[str], None] = lambda s: None
 ) -> dict[str, Any]:
-    script = script or example_script()
-    if not script.exists():
-        raise FileNotFoundError(f"example job not found at {script}; pass --script")
+    script = example_script(script)
     shm_parent = "/dev/shm" if Path("/dev/shm").is_dir() else None
     runs = []
     for i in range(cfg.repeat):
@@ -140,15 +136,9 @@ def run(
         "restore_node_memory_s": med(lambda r: r["resume"]["node_memory"]["restore_s"]),
         "restore_disk_s": med(lambda r: r["resume"]["disk"]["restore_s"]),
     }
+    from tidal.bench.ckpt_state import machine
+
     return {"config": asdict(cfg), "machine": machine(), "summary": summary, "runs": runs}
-
-
-def machine() -> dict[str, Any]:
-    import torch
-
-    return {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-            "platform": platform.platform()}
 
 
 def render(result: dict[str, Any], console: Any) -> None:
@@ -159,7 +149,7 @@ def render(result: dict[str, Any], console: Any) -> None:
     def f(x: Any, fmt: str = "{:.2f}") -> str:
         return "-" if x is None else fmt.format(x)
 
-    t = Table(title=f"reclaim notice → exit ({cfg['layout']} x{cfg['world']}, {m['cpus']} CPUs, "
+    t = Table(title=f"reclaim notice → exit ({cfg['layout']} x{cfg['world']}, {m['cpu_count']} CPUs, "
                     f"gpu: {m['gpu'] or 'none'}; seconds)", title_justify="left")
     for col in ("run", "ckpt MB", "step", "stall", "persist", "signal→step end", "→ committed", "→ exit",
                 "goal", "tiers", "exit"):

@@ -22,9 +22,16 @@ POLL_S = 0.01  # how often a segment's ranks are observed (notice and exit times
 AFTER_FAILURE_S = 10.0  # a rank failed: the others, waiting on it in a collective, are killed this much later
 
 
-def example_script() -> Path:
-    """``examples/gpt/train.py`` of the source tree this package was loaded from."""
-    return Path(tidal.__file__).resolve().parents[2] / "examples" / "gpt" / "train.py"
+def example_script(script: Path | None = None) -> Path:
+    """``script``, else ``examples/gpt/train.py`` of this checkout (installed editable) or under the cwd;
+    ``FileNotFoundError`` naming what is missing."""
+    roots = (Path(tidal.__file__).resolve().parents[2], Path.cwd())
+    for p in [script] if script else [r / "examples" / "gpt" / "train.py" for r in roots]:
+        if p.is_file():
+            return p
+    raise FileNotFoundError(f"example job not found at {script}; pass --script" if script else
+                            "the GPT example examples/gpt/train.py was not found next to the tidal package "
+                            f"nor under {Path.cwd()}: run from a checkout of the repository")
 
 
 @dataclass

@@ -83,10 +83,7 @@ def run(cfg: VerifyConfig, *, workdir: Path | None = None, script: Path | None =
         log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """Run both jobs and compare them; returns the JSON-able result (``result["ok"]`` is the verdict)."""
     cfg.check()
-    script = script or example_script()
-    if not script.exists():
-        raise FileNotFoundError(f"example job not found at {script}; pass --script "
-                                "PATH/TO/examples/gpt/train.py")
+    script = example_script(script)
     own = workdir is None
     work = Path(tempfile.mkdtemp(prefix="tidal-verify-")) if workdir is None else Path(workdir)
     work.mkdir(parents=True, exist_ok=True)

@@ -138,11 +138,6 @@ class Session:
         """Where checkpoints go and come from: the tier list, else the directory; ``None``: nowhere."""
         return self.ckpt_tiers if self.ckpt_tiers is not None else self.ckpt_url
 
-    @property
-    def stop_requested(self) -> bool:
-        """Whether *this* rank has been told to stop (ranks agree only in ``step_done``)."""
-        return self.notice.requested()
-
     @staticmethod
     def uptime_s() -> float:
         """Seconds since this process started."""
