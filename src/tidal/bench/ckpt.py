@@ -163,11 +163,8 @@ class _Bench:
         t0 = time.perf_counter()
         torch.save(self.state, path)
         t1 = time.perf_counter()
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
         t2 = time.perf_counter()
         path.unlink()
         return {"save_s": t1 - t0, "durable_s": t2 - t0}

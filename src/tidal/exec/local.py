@@ -198,7 +198,6 @@ class LocalExecutor(AttemptDirs):
                 return n
         return self.node
 
-    # -- acting --------------------------------------------------------------------------------------
     def launch(self, req: LaunchRequest, now_s: float) -> dict:
         if req.job_id in self._jobs:
             raise LaunchError(f"job {req.job_id}: attempt {self._jobs[req.job_id].attempt} is still tracked")
@@ -254,7 +253,6 @@ class LocalExecutor(AttemptDirs):
                 "dir": str(adir), **({"uid": owner[0]} if owner else {}),
                 "ranks": [{"rank": k.rank, "pid": k.pid} for k in ranks]}
 
-    # -- isolation ---------------------------------------------------------------------------------
     def shm_dir(self, job_id: str) -> Path | None:
         """The job's shared-memory directory (``TIDAL_SHM_DIR`` unless its spec sets one)."""
         return self.shm_root / job_id if self.shm_root is not None else None
@@ -434,7 +432,6 @@ class LocalExecutor(AttemptDirs):
             if d in self.node_devices.get(n, ()) and d not in self._free[n]:
                 self._free[n].append(d)
 
-    # -- observing -----------------------------------------------------------------------------------
     def observe(self, now_s: float) -> dict[str, Observation]:
         if self.subreaper and now_s >= self._reap_at_s:  # what re-parented here and ended since
             self._reap_at_s = now_s + REAP_INTERVAL_S
@@ -484,7 +481,6 @@ class LocalExecutor(AttemptDirs):
         docs = [read_json(t.dir / c.pid_file(k.rank)) for k in t.ranks] if t is not None else []
         return {r: d["pid"] for r, d in enumerate(docs) if d and isinstance(d.get("pid"), int)}
 
-    # -- recovery ------------------------------------------------------------------------------------
     def adopt(self, job_id: str, attempt: int, now_s: float) -> bool:
         """Track an attempt again from its ``launch.json``; False without one (no rank of it ever started)."""
         adir = self.attempt_dir(job_id, attempt)

@@ -104,7 +104,6 @@ class GlobalBatchSampler:
         m = self.micro_batch
         return [idx[k : k + m] for k in range(0, len(idx), m)]
 
-    # -- checkpoint ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """What the order depends on (JSON). The position is the step, saved beside it."""
         return {"version": STATE_VERSION, "num_samples": self.num_samples, "global_batch": self.global_batch,

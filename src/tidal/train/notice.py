@@ -39,7 +39,6 @@ class Notice:
         self._cancel = threading.Event()
         self._watchdog: threading.Thread | None = None
 
-    # -- arming ----------------------------------------------------------------------------------
     def install(self) -> bool:
         """Install the signal handlers (main thread only; returns False elsewhere, files still work)."""
         if threading.current_thread() is not threading.main_thread():
@@ -57,7 +56,6 @@ class Notice:
         self._previous.clear()
         self._cancel.set()
 
-    # -- observing -------------------------------------------------------------------------------
     def requested(self) -> bool:
         """Has this process been told to stop? Checks the notice file (one ``stat``) when none yet."""
         if self.source is not None:
@@ -93,7 +91,6 @@ class Notice:
         """Time kept back from the grace for flushing and exiting."""
         return min(0.5, 0.05 * self.grace_s)
 
-    # -- internals -------------------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: object) -> None:
         self._signals_seen += 1
         name = signal.Signals(signum).name

@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -77,17 +78,11 @@ class Session:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
-        self._owns_pg = False
-        if not dist.is_initialized() and e.launched:
-            kwargs: dict[str, Any] = {}
-            if timeout_s is not None:
-                from datetime import timedelta
-
-                kwargs["timeout"] = timedelta(seconds=timeout_s)
-            if self.device.type == "cuda":
-                kwargs["device_id"] = self.device
-            dist.init_process_group(self.backend, **kwargs)
-            self._owns_pg = True
+        self._owns_pg = not dist.is_initialized() and e.launched
+        if self._owns_pg:
+            timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
+            dist.init_process_group(self.backend, timeout=timeout,
+                                    device_id=self.device if self.device.type == "cuda" else None)
         self.distributed = dist.is_initialized()
         if self.distributed:
             self.backend = dist.get_backend()
@@ -128,7 +123,6 @@ class Session:
                      "uptime_s": self.uptime_s(), "ckpt_every_steps": self.ckpt_every_steps,
                      "ckpt_every_s": self.ckpt_every_s})
 
-    # -- properties --------------------------------------------------------------------------------
     @property
     def is_main(self) -> bool:
         return self.rank == 0
@@ -143,7 +137,6 @@ class Session:
         """Seconds since this process started."""
         return time.time() - process_start_unix()
 
-    # -- restore -----------------------------------------------------------------------------------
     def restore(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
                 sampler: GlobalBatchSampler | None = None, *, extra: dict[str, Any] | None = None) -> int:
         """Register what to checkpoint (any layout; ``extra``: your tensors and JSON values) and load the
@@ -205,7 +198,6 @@ class Session:
         self._beat("training", force=True)
         return self.step
 
-    # -- the per-step hook -------------------------------------------------------------------------
     def step_done(self, step: int, *, loss: float | torch.Tensor | None = None, samples: int | None = None,
                   tokens: int | None = None, **fields: Any) -> None:
         """Optimizer step ``step`` is done (collective; every rank passes ``loss`` or none does): record
@@ -261,7 +253,6 @@ class Session:
                 log.info("checkpoint interval %g s -> %g s (control file)", self.ckpt_every_s, interval)
             self.ckpt_every_s = float(interval)
 
-    # -- checkpoints -------------------------------------------------------------------------------
     def checkpoint(self, step: int | None = None, *, reason: str = "manual",
                    wait: bool = False) -> ckpt.SaveHandle | None:
         """Save the registered state as ``step`` (default: the last step done; collective), once; return when
@@ -350,7 +341,6 @@ class Session:
                     self._write({"event": "committed", "step": h.step, "tiers": list(h.committed),
                                  "persist_s": h.persist_s})
 
-    # -- stopping ----------------------------------------------------------------------------------
     def _fenced(self, step: int, error: BaseException) -> None:
         """The checkpoint location is another job's or attempt's now: exit ``EXIT_FENCED`` at once."""
         self._write({"event": "fenced", "step": step, "error": str(error)[:2000], "exit_code": EXIT_FENCED})
@@ -442,7 +432,6 @@ class Session:
                 self._cp.close()
         self._teardown()
 
-    # -- collectives and records -------------------------------------------------------------------
     def _agree(self, stop: bool, due: bool,
                loss: float | torch.Tensor | None) -> tuple[bool, bool, float | None]:
         if not self.distributed:
