@@ -92,10 +92,9 @@ def worth_a_look(reported: dict[str, Any], looked: int | None, strict: bool = Tr
     """A look stops the job too, so look only when it is likely to succeed: the job's newest peer step
     when its progress (``tiers``: tier -> [step, time]) reports one newer than its disk's (not
     ``strict``: as new), other than ``looked`` (the one of the last look); else None."""
-    peer, disk = (reported.get("peer") or [None])[0], (reported.get("disk") or [-1])[0]
-    if peer is None or peer == looked:
-        return None
-    return peer if (peer > disk if strict else peer >= disk) else None
+    peer = (reported.get("peer") or [None])[0]
+    held = {t: TierSteps(v[0], False) for t, v in reported.items() if v}
+    return peer if peer != looked and peer_newest(held, strict) else None
 
 
 def kill_when_peer_newest(cluster: Any, node: Any, home: str, agents: Sequence[str], *, force: bool = False,

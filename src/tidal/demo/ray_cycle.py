@@ -311,10 +311,8 @@ def serving_nodes(serving: Any) -> dict[str, int]:
 
 def _kill(loss: NodeLoss, jobs: list[dict], serving_s: float, cluster: LocalRayCluster, plane: EmbeddedPlane,
           homes: dict[str, Path]) -> None:
-    """Kill the training node of a job that qualifies (:meth:`NodeLoss.pick`) as a machine dies, at a
-    moment the other agents hold its newest checkpoint (after ``LATE_S``: any moment), and delete its node
-    memory; on a thread (the view goes on). A look stops the job, so one is taken only when the job
-    reports a new peer step its disk does not beat."""
+    """On a thread, kill the training node of a job that qualifies (:meth:`NodeLoss.pick`) as a machine
+    dies, when the other agents hold its newest step (after ``LATE_S``: any time); delete its node memory."""
     got = loss.pick(jobs, serving_s)
     if got is None:
         return  # asked again at the next poll

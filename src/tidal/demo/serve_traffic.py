@@ -30,10 +30,8 @@ RATE_SMOOTHING_S = RATE_WINDOW_S  # the adapter's EWMA of the window's rate and 
 
 
 def write_rate_trace(opts: CycleOptions, path: Path, peak_rate_per_s: float = PEAK_RATE_PER_S) -> Path:
-    """The profile as requests/s over the history days and the live day. The night is deepened: the
-    shipped profile dips only to 0.64 of its peak, which leaves GPUs to lend from about 02:50, too late on
-    two busy cores for a job to grow, lose a node and train again before the morning's reclaims; deepened,
-    the night needs 6-8 of the 16 GPUs from 02:00 until the rise at 10:00."""
+    """The profile as requests/s over the history days and the live day, its night deepened (the shipped
+    one dips to 0.64 of its peak: too little to lend for long enough; deepened, 6-8 of 16 GPUs from 02:00)."""
     raw = np.loadtxt(opts.trace or PROFILE, delimiter=",", skiprows=1, ndmin=2)
     t, load = raw[:, 0] - raw[0, 0], raw[:, 1] / raw[:, 1].max()
     load = np.maximum(NIGHT_FLOOR, 1.0 - NIGHT_DEPTH * (1.0 - load))

@@ -125,10 +125,6 @@ def log_tail(client: TidalClient, job_id: str, rank: int, limit: int = 3000) -> 
     return client.logs(job_id, rank=rank, offset=max(0, size - limit), limit=limit)["data"].rstrip()
 
 
-def _main_thread() -> bool:
-    return threading.current_thread() is threading.main_thread()
-
-
 def _narrator(console: Console):
     def say(msg: str, style: str = "") -> None:
         line = f"[dim]{_clock(time.time())}[/dim] [bold cyan]demo[/bold cyan] {msg}"
@@ -326,7 +322,8 @@ def demo(
     def on_term(*_: Any) -> None:
         raise KeyboardInterrupt
 
-    old_term = signal.signal(signal.SIGTERM, on_term) if _main_thread() else None
+    main = threading.current_thread() is threading.main_thread()
+    old_term = signal.signal(signal.SIGTERM, on_term) if main else None
     try:
         summary = run_demo(opts, console, state_dir=state_dir, keep=keep)
     except KeyboardInterrupt:

@@ -367,19 +367,19 @@ class LocalExecutor(AttemptDirs):
                     procs.kill_tree([k.pid])
                 procs.signal_group(k.pid, sig)
         if sig == signal.SIGKILL:
-            self._kill_cgroups(t)
-            if any(self._shim_lost(t, k) for k in t.ranks):
-                self._kill_orphans(t)
+            self._kill_left(t)
 
-    def _kill_cgroups(self, t: _Tracked) -> None:
-        """The backstop where a shim was killed by another than the executor (its orphans went to init):
-        with memory cgroups, what is still in a rank's cgroup (a job's uid cannot leave it)."""
+    def _kill_left(self, t: _Tracked) -> None:
+        """What killed shims left: with memory cgroups, what is still in a rank's cgroup (a job's uid cannot
+        leave it; the backstop where the orphans went to init), then the orphans."""
         if self.cgroups is not None:
             for k in t.ranks:
                 d = self.cgroups.rank_dir(t.job_id, t.attempt, k.rank)
                 procs.kill_tree(cgroups.members(d))
                 with contextlib.suppress(OSError):  # gone, or a shim still in it (it removes it)
                     os.rmdir(d)
+        if any(self._shim_lost(t, k) for k in t.ranks):
+            self._kill_orphans(t)
 
     def _shim_lost(self, t: _Tracked, k: _Rank) -> bool:
         """The rank's shim ended without recording its exit (killed: what it had below is orphaned)."""
@@ -421,9 +421,7 @@ class LocalExecutor(AttemptDirs):
             if k.popen is not None:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     k.popen.wait(timeout=5)
-        self._kill_cgroups(t)
-        if any(self._shim_lost(t, k) for k in t.ranks):
-            self._kill_orphans(t)
+        self._kill_left(t)
         self._give_back(t.devices)
 
     def _give_back(self, devices: list[int]) -> None:
