@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import operator
 import shutil
 import statistics
 import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import reduce
 from pathlib import Path
 from typing import Any
 
@@ -121,21 +123,15 @@ def run(
             shutil.rmtree(work, ignore_errors=True)
             shutil.rmtree(shm, ignore_errors=True)
 
-    def med(path: Callable[[dict], Any]) -> float | None:
-        vals = [v for v in (path(r) for r in runs) if isinstance(v, (int, float))]
+    def med(*path: str) -> float | None:
+        got: list[Any] = [reduce(operator.getitem, path, r) for r in runs]
+        vals = [float(v) for v in got if isinstance(v, (int, float))]
         return statistics.median(vals) if vals else None
 
-    summary = {
-        "notice_to_exit_s": med(lambda r: r["notice"]["notice_to_exit_s"]),
-        "goal_s": med(lambda r: r["notice"]["goal_s"]),
-        "step_s": med(lambda r: r["notice"]["step_s"]),
-        "save_stall_s": med(lambda r: r["notice"]["save_stall_s"]),
-        "start_to_first_step_node_memory_s": med(
-            lambda r: r["resume"]["node_memory"]["start_to_first_step_s"]),
-        "start_to_first_step_disk_s": med(lambda r: r["resume"]["disk"]["start_to_first_step_s"]),
-        "restore_node_memory_s": med(lambda r: r["resume"]["node_memory"]["restore_s"]),
-        "restore_disk_s": med(lambda r: r["resume"]["disk"]["restore_s"]),
-    }
+    summary = {k: med("notice", k) for k in ("notice_to_exit_s", "goal_s", "step_s", "save_stall_s")}
+    for t in ("node_memory", "disk"):
+        summary[f"start_to_first_step_{t}_s"] = med("resume", t, "start_to_first_step_s")
+        summary[f"restore_{t}_s"] = med("resume", t, "restore_s")
     from tidal.bench.ckpt_state import machine
 
     return {"config": asdict(cfg), "machine": machine(), "summary": summary, "runs": runs}
