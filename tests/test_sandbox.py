@@ -16,7 +16,7 @@ import pytest
 
 from tidal.control.config import ControlConfig
 from tidal.exec import procs, sandbox
-from tidal.exec.isolation import IsolationConfig
+from tidal.exec.isolation import IsolationConfig, make_dirs
 from tidal.exec.local import LocalExecutor
 from tidal.exec.protocol import LaunchRequest
 
@@ -119,7 +119,7 @@ def test_settings():
 def test_a_symlinked_checkpoint_parent_is_refused(tmp_path):
     (tmp_path / "link").symlink_to("/etc")
     with pytest.raises(OSError, match="symbolic link"):
-        sandbox.make_dirs([str(tmp_path / "link" / "new-ck")], None)
+        make_dirs([str(tmp_path / "link" / "new-ck")], None)
     assert not os.path.exists("/etc/new-ck")
 
 

@@ -11,7 +11,7 @@ import stat
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from tidal import contract as c
 from tidal.ckpt.agent.auth import job_ckpt_key, load_or_create_key
@@ -20,8 +20,12 @@ from tidal.exec.progress import ProgressReader
 from tidal.exec.protocol import LaunchRequest, Observation, RankState, check_ranks
 from tidal.files import read_plain, write_atomic
 
-if TYPE_CHECKING:
-    from tidal.exec.isolation import IsolationConfig
+
+class _ReadOnly(Protocol):
+    """What :meth:`AttemptDirs.binds` reads of the executor's ``IsolationConfig`` (which imports this)."""
+
+    @property
+    def read_only(self) -> tuple[str, ...]: ...
 
 
 def write_json(path: Path, doc: dict, owner: tuple[int, int] | None = None) -> None:
@@ -105,7 +109,7 @@ class AttemptDirs:
 
     root: Path
     _jobs: Mapping[str, Attempt]
-    isolation: IsolationConfig
+    isolation: _ReadOnly
     hidden: list[str]  # what no rank sees (the jobs dir, the state dir), resolved
     shm_root: Path | None  # the jobs' shared-memory directories (on Ray: per node below it)
 

@@ -86,6 +86,8 @@ class _Tracked(Attempt):
 class LocalExecutor(AttemptDirs):
     """Runs ranks as local processes. ``slots`` CPU slots, or the GPUs in ``gpu_ids``."""
 
+    isolation: IsolationConfig
+
     def __init__(self, root: str | os.PathLike, *, slots: int | None = None, gpu_ids: list[int] | None = None,
                  node: str = "local", python: str = sys.executable,
                  serving_nodes: Mapping[str, int] | None = None, isolation: IsolationConfig | None = None,
@@ -235,14 +237,10 @@ class LocalExecutor(AttemptDirs):
         return self.uids.owner(self.isolation.per, req.job_id, req.tenant) if self.uids is not None else None
 
     def _make_dirs(self, req: LaunchRequest, adir: Path, owner: tuple[int, int] | None) -> None:
-        """The job's directories and checkpoint fence (:func:`prepare_attempt`), and its shm directory;
-        sandboxed, first the directories it names that are not there yet (they must be, to be bound)."""
+        """The job's directories and checkpoint fence (:func:`prepare_attempt`), and its shm directory."""
         sandboxed = self.bwrap is not None
-        if sandboxed:
-            cwd = req.workdir or str(self.home_dir(req.job_id))
-            sandbox.make_dirs([p for p in sandbox.named(req.env, cwd, self.hidden) if p != cwd], owner)
         prepare_attempt(self.root, self.job_dir, adir, self.home_dir(req.job_id), req, owner, self.uids,
-                        sandboxed)
+                        self.hidden if sandboxed else None)
         shm = self.shm_dir(req.job_id)
         if shm is not None and (c.ENV_SHM_DIR not in req.env or sandboxed):  # sandboxed: also its /dev/shm
             private_dir(shm.parent, 0o711 if owner and not sandboxed else 0o700)

@@ -109,6 +109,8 @@ class RayExecutor(AttemptDirs):
     ``address``: the cluster to join (``"auto"``, ``"HOST:PORT"``, ``"ray://..."``); ``None`` starts a
     local Ray (with ``num_gpus`` GPUs declared, if given) unless ``RAY_ADDRESS`` names one."""
 
+    isolation: IsolationConfig
+
     def __init__(self, root: str | os.PathLike, *, address: str | None = None, num_gpus: int | None = None,
                  isolation: IsolationConfig | None = None, namespace: str | None = None,
                  ready_timeout_s: float = READY_TIMEOUT_S, ckpt_agents: bool = False,
@@ -235,11 +237,8 @@ class RayExecutor(AttemptDirs):
         adir = self.attempt_dir(req.job_id, req.attempt)
         try:
             owner = self.uids.owner(self.isolation.per, req.job_id, req.tenant) if self.uids else None
-            cwd = req.workdir or str(self.home_dir(req.job_id))
-            if self.isolation.sandboxed:  # the directories it names must be there to be bound
-                sandbox.make_dirs([p for p in sandbox.named(req.env, cwd, self.hidden) if p != cwd], owner)
             prepare_attempt(self.root, self.job_dir, adir, self.home_dir(req.job_id), req, owner, self.uids,
-                            self.isolation.sandboxed)
+                            self.hidden if self.isolation.sandboxed else None)
         except (OSError, RuntimeError) as e:
             raise LaunchError(f"job {req.job_id}: cannot prepare its directories: {e}") from e
         self._remove_leftovers(req.job_id)

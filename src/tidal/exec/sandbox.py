@@ -101,24 +101,6 @@ def ckpt_dirs(env: Mapping[str, str], cwd: str) -> list[str]:
     return [os.path.join(cwd, p.removeprefix("file://")) for p in locs]
 
 
-def make_dirs(paths: Iterable[str], owner: tuple[int, int] | None) -> None:
-    """Make the directories a job named that are not there yet (its checkpoint directories; one not there
-    cannot be bound), 0700, owned by its uid (``owner``) like the rest of its own; ``OSError`` for a path
-    whose existing part goes through a symbolic link (the plane follows none for a job)."""
-    from tidal.exec.isolation import private_dir
-
-    for p in paths:
-        path = Path(p)
-        missing = [q for q in (path, *path.parents) if not os.path.lexists(q)]
-        if not missing or not path.is_absolute():
-            continue
-        base = missing[-1].parent
-        if os.path.realpath(base) != str(base):
-            raise OSError(f"{p}: {base} is reached through a symbolic link (refused)")
-        for d in reversed(missing):
-            private_dir(d, 0o700, owner)
-
-
 def code_paths(env: Mapping[str, str], command: Sequence[str], python: str,
                extra: Iterable[str] = ()) -> list[str]:
     """What a rank reads its code from: the interpreters' prefixes, the ``tidal`` package's directory, the
