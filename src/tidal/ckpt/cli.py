@@ -29,6 +29,7 @@ from rich.text import Text
 from tidal.ckpt import cli_common as cc
 from tidal.ckpt.agent.cli import SETTINGS as AGENT_SETTINGS
 from tidal.ckpt.agent.cli import agent_cmd
+from tidal.ckpt.api import held_steps, pick
 from tidal.ckpt.cli_common import JsonOpt, StepOpt, UrlArg
 from tidal.ckpt.cli_export import export_cmd
 from tidal.ckpt.engine.status import CheckpointStatus
@@ -57,9 +58,9 @@ def ls_cmd(url: UrlArg, tier: TierOpt = None, as_json: JsonOpt = False) -> None:
     errors: list[str] = []
     with cc.errors():
         tiers, status = cc.ls_tiers(url, tier or [])
-        held = cc.held_steps(tiers, errors)
+        held = held_steps(tiers, errors, must_list=False)
         where = describe(cc.tier_list(url) or url)
-        cc.pick(where, held, None, errors)  # NotFoundError when no step is committed
+        pick(where, held, None, errors)  # NotFoundError when no step is committed
         rows: list[dict] = []
         for step, holding in held.items():
             good, errs = cc.manifests(holding, step)
@@ -144,8 +145,8 @@ def inspect_cmd(
     notes: list[str] = []
     with cc.errors():
         _, tiers, where = cc.source(url)
-        held = cc.held_steps(tiers, notes)
-        s = cc.pick(where, held, step, notes)
+        held = held_steps(tiers, notes, must_list=False)
+        s = pick(where, held, step, notes)
         good, errors = cc.manifests(held[s], s)
         if good is None:
             raise ManifestError("; ".join(errors))
@@ -235,8 +236,8 @@ def verify_cmd(
             raise NotFoundError(f"no tier named '{tier}' at {where}; its tiers: {[t.name for t in tiers]}")
         unreachable: list[str] = []
         failed: list[tuple[Any, str]] = []
-        held = cc.held_steps(tiers, unreachable, failed)
-        steps = list(held) if all_steps and held else [cc.pick(where, held, step, unreachable)]
+        held = held_steps(tiers, unreachable, failed, must_list=False)
+        steps = list(held) if all_steps and held else [pick(where, held, step, unreachable)]
         results: list[Checked] = []
         problems: list[Problem] = [
             Problem(t.name, steps[-1], t.location, None, f"tier could not be listed: {e}")

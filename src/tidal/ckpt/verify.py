@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tidal.ckpt.engine.reader import bad_blocks
 from tidal.ckpt.errors import ManifestError, UnsafeFileError
 from tidal.ckpt.format import manifest as mf
 from tidal.ckpt.tiers.directory import DirTier
@@ -23,17 +24,10 @@ _CHUNK = 16 << 20  # bytes read at a time when checksumming
 
 
 def _read(tier: Any, step: int) -> mf.Manifest:
-    """``tier``'s manifest of ``step``, which must also say that it is ``step``."""
+    """``tier``'s manifest of ``step`` (which says it is ``step``), signed with ``$TIDAL_CKPT_KEY`` if set."""
     m = tier.read_manifest(step)
-    _check_step(tier, m, step)
     mf.check_mac(m.raw, mf.checkpoint_key(), tier.where(step, mf.MANIFEST))
     return m
-
-
-def _check_step(tier: Any, m: mf.Manifest, step: int) -> None:
-    if m.step != step:
-        raise ManifestError(f"{tier.where(step, mf.MANIFEST)}: field 'step' is {m.step}, but the manifest "
-                            f"lies in the directory of step {step} (moved or edited?)")
 
 
 @dataclass
@@ -64,42 +58,27 @@ class Checked:
     note: str = ""
 
 
-def _crc_range(reader: RangeReader, start: int, nbytes: int, buf: memoryview) -> tuple[int, int]:
-    """CRC-32 of up to ``nbytes`` bytes at ``start``; also how many bytes the object had there."""
+def _check_range(reader: RangeReader, start: int, nbytes: int, buf: memoryview,
+                 piece: mf.StoredPiece | None = None) -> tuple[int, list[int], int]:
+    """Read ``nbytes`` at ``start`` in chunks: (their CRC-32, or the blocks of version-2 ``piece`` whose
+    CRC-32 differs; how many bytes the object had there)."""
     crc, done = 0, 0
+    bad: list[int] = []
+    if piece is not None:  # chunks of whole blocks
+        chunk = max(piece.block_bytes, len(buf) // piece.block_bytes * piece.block_bytes)
+        buf = buf[:chunk] if chunk <= len(buf) else memoryview(bytearray(chunk))
     while done < nbytes:
         n = min(len(buf), nbytes - done)
         try:
             reader.read_ranges([(start + done, n)], buf[:n])
-        except TruncatedRead as e:
-            # The reader may have filled part of the range; those bytes are not trusted for the CRC.
-            return crc, done + max(0, min(e.got, n))
-        crc = zlib.crc32(buf[:n], crc)
+        except TruncatedRead as e:  # the bytes read of this chunk are not trusted
+            return crc, bad, done + max(0, min(e.got, n))
+        if piece is not None:
+            bad += bad_blocks(buf[:n], [(start + done, n)], piece)
+        else:
+            crc = zlib.crc32(buf[:n], crc)
         done += n
-    return crc, done
-
-
-def _check_blocks(reader: RangeReader, p: mf.StoredPiece, buf: memoryview) -> tuple[list[int], int]:
-    """(indices of blocks of ``p`` whose CRC-32 differs, bytes read) through ``reader``."""
-    assert p.blocks is not None
-    block = p.block_bytes
-    step = max(block, len(buf) // block * block)
-    if step > len(buf):
-        buf = memoryview(bytearray(step))
-    bad: list[int] = []
-    done = 0
-    while done < p.nbytes:
-        n = min(step, p.nbytes - done)
-        try:
-            reader.read_ranges([(p.start + done, n)], buf[:n])
-        except TruncatedRead as e:
-            return bad, done + max(0, min(e.got, n))
-        for k in range(0, n, block):
-            i = (done + k) // block
-            if zlib.crc32(buf[k : min(k + block, n)]) != p.blocks[i]:
-                bad.append(i)
-        done += n
-    return bad, done
+    return crc, bad, done
 
 
 def _parse_header(reader: RangeReader, size: int) -> tuple[dict[str, Any], int]:
@@ -232,7 +211,7 @@ def _verify_tier(tier: Any, step: int) -> tuple[Checked, list[Problem]]:
                     _compare_header(header, base, expect, problem)
             if isinstance(f.get("header_crc32"), int):
                 head = min((p.start for _, p in entries), default=want if isinstance(want, int) else size)
-                crc, got = _crc_range(reader, 0, head, buf)
+                crc, _, got = _check_range(reader, 0, head, buf)
                 checked.bytes += got
                 if got == head and crc != f["header_crc32"]:
                     problem(None, f"header checksum mismatch (manifest crc32 0x{f['header_crc32']:08x}, "
@@ -240,10 +219,7 @@ def _verify_tier(tier: Any, step: int) -> tuple[Checked, list[Problem]]:
             for t, p in entries:
                 at = f"piece at offsets {list(p.box.offsets)}"
                 checked.pieces += 1
-                if p.blocks is not None:
-                    bad, got = _check_blocks(reader, p, buf)
-                else:
-                    crc, got = _crc_range(reader, p.start, p.nbytes, buf)
+                crc, bad, got = _check_range(reader, p.start, p.nbytes, buf, None if p.blocks is None else p)
                 checked.bytes += got
                 if got < p.nbytes:
                     problem(t.name, f"{at}: bytes {p.start}..{p.start + p.nbytes} lie past the end of the "

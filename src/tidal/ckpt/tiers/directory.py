@@ -125,7 +125,6 @@ class DirTier:
             return set()
 
     def file_sizes(self, step: int) -> dict[str, int]:
-        """Object name -> size in bytes, for one step directory (empty when it does not exist)."""
         out = {}
         for n in self.list_files(step):
             with contextlib.suppress(FileNotFoundError):

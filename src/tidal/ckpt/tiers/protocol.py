@@ -85,6 +85,9 @@ class Tier(Protocol):
     def list_files(self, step: int) -> set[str]:
         """Object names in one step directory (empty when it does not exist)."""
 
+    def file_sizes(self, step: int) -> dict[str, int]:
+        """Object name -> size in bytes, for one step directory (empty when it does not exist)."""
+
     # -- small objects ---------------------------------------------------------------------------
     def read_bytes(self, step: int, name: str) -> bytes: ...
 
