@@ -1,16 +1,9 @@
 """Loading (= resharding) and listing committed steps, from a location or a tier list.
 
-``load`` is collective when a process group is in use (ranks agree on the step); each rank then
-intersects the box of every tensor it holds now with the stored pieces and reads exactly those byte
-ranges, each from the fastest tier that has it (``reader``). ``url_or_tiers`` is a location (with
-this node's shm tier in front when there is one) or a tier list as given to ``Checkpointer``. A tier
-that cannot be reached is skipped, and said so in ``LoadStats.fallbacks``.
-
-A step that no tier serves intact is skipped for the newest older committed step, with a warning and
-a line in ``LoadStats.skipped_steps``; every rank skips together. An explicitly requested ``step``
-is not skipped unless ``fallback_older=True``. With a checkpoint key (``key=``, else
-``$TIDAL_CKPT_KEY``), a manifest without its MAC is such a step too.
-"""
+``load`` is collective when a process group is in use (ranks agree on the step and on skipping it);
+each rank reads exactly the byte ranges of the stored pieces its tensors need, each from the fastest
+tier that has it (``reader``), skipping unreachable tiers and falling back to an older step when no
+tier serves one intact (docs/checkpoint.md, "Integrity")."""
 
 from __future__ import annotations
 

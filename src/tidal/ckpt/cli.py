@@ -1,17 +1,9 @@
-"""``tidal ckpt``: list, inspect, verify and export checkpoints.
+"""``tidal ckpt``: list, inspect, verify and export checkpoints (``ls``, ``inspect``, ``verify``,
+``export``; ``agent`` runs this node's checkpoint agent).
 
-    tidal ckpt ls URL [--tier SPEC]...                  committed steps, tiers, size, saved layout, status
-    tidal ckpt inspect URL [--step N] [--pieces]        entries, dtypes, shapes, pieces, plain values
-    tidal ckpt verify URL [--step N | --all]            re-read every piece in every tier, check CRCs
-    tidal ckpt export URL OUT.safetensors [--step N] [--entry model]   one consolidated safetensors file
-    tidal ckpt agent --listen HOST:PORT --mem-dir DIR [--buddy HOST:PORT]   this node's checkpoint agent
-
-URL is a location (a directory, ``s3://bucket/prefix`` or ``peer://NAME``, with this node's shm tier in
-front when it has one) or a tier list as JSON, as ``Checkpointer(tiers=...)`` takes. ``ls`` also lists
-the job's other tiers recorded in this node's status file. Every command prints Rich tables, or with
-``--json`` one JSON document on stdout. A missing directory, an unknown step or a damaged manifest
-prints one line on stderr and exits 1; so does ``verify`` on any problem. Nothing here unpickles.
-"""
+URL is a location or a tier list as JSON (``cli_common``). Rich tables, or one JSON document with
+``--json``; any error is one line on stderr and exit code 1, and so is ``verify`` on any problem.
+Nothing here unpickles."""
 
 from __future__ import annotations
 

@@ -1,17 +1,10 @@
 """The fence of a checkpoint location: which job and attempt own it now (docs/checkpoint.md, Fencing).
 
-A lost node's ranks may still run (a partitioned machine) and commit to the same location as the new
-attempt that replaced them. Before an attempt's ranks start, the executor writes ``fence.json``
-(:data:`tidal.contract.FENCE_FILE`) into the job's checkpoint directory (its *home*): ``{"job": J,
-"attempt": A}``, atomically, as the plane's user. Rank 0 reads it just before it writes a manifest
-and refuses the commit when the location belongs to another job or a newer attempt than its own
-(``TIDAL_JOB_ID``, ``TIDAL_ATTEMPT``): :class:`~tidal.ckpt.errors.FencedError`, and the runtime exits
-with :data:`tidal.contract.EXIT_FENCED`.
-
-An S3 home has the same fence, ``<prefix>/fence.json``, written by its rank 0 when its checkpointer
-starts (:func:`claim_s3`: the plane never calls an endpoint a job names). Peer homes are not fenced.
-No fence, or no claim (a rank started outside the plane), is not checked. Stdlib only (no torch).
-"""
+The executor writes ``fence.json`` (:data:`tidal.contract.FENCE_FILE`: ``{"job", "attempt"}``) into a
+directory home before an attempt's ranks start (:func:`fence_launch`); an S3 home's rank 0 claims it
+when its checkpointer starts (:func:`claim_s3`). Rank 0 checks it before every commit
+(:func:`check`, :func:`check_s3`): another job or a newer attempt is a ``FencedError``. No fence, or no
+claim, is not checked. Stdlib only (no torch)."""
 
 from __future__ import annotations
 

@@ -1,15 +1,10 @@
 """The agent's replicator: pushes everything this node's ranks hand the agent to its buddy agent.
 
-One thread does every push, in arrival order, so a *sync* request (a sidecar or the manifest) is
-answered only after every earlier object of the step reached the buddy. A handed-off data file
-(``Handoff``) is pushed straight from the staging slot before the local copy; a file copied in first is
-pushed *while* it is copied (``Growing``). When idle, every ``resync_s`` it pushes committed steps the
-buddy lacks, manifest last. It never deletes at the buddy on its own (only the job's removals are
-forwarded), so an agent restarted empty cannot wipe the only remaining copies.
-
-Buddy protocol (with the agent token when keyed, see ``auth``): ``GET /v1/replicas/<node>``, ``PUT`` /
-``DELETE /v1/replicas/<node>/<job>/<step>[/<name>]``; bodies are sent with ``sendfile``.
-"""
+One thread pushes in arrival order, so a *sync* request (a sidecar, the manifest) is answered only once
+every earlier object of the step is at the buddy. A ``Handoff`` is pushed from the staging slot before
+its local copy, a ``Growing`` file while it is copied in. When idle, every ``resync_s``, committed steps
+the buddy lacks are pushed, manifest last; it never deletes at the buddy on its own (only the job's
+removals are forwarded). Bodies go with ``sendfile`` to ``/v1/replicas/<node>/...``."""
 
 from __future__ import annotations
 

@@ -2,48 +2,9 @@
 
     tidal ckpt agent --listen 0.0.0.0:7070 --mem-dir /dev/shm/tidal-agent --buddy node2:7070
 
-One agent runs per node. The node's ranks talk to it through the peer tier (``peer.PeerTier``); every
-object they hand it is stored under the memory directory (``store``) and pushed to the *buddy* agent
-on another node. Restarted on the same directory, an agent takes up what it held (torn writes are
-dropped) and pushes its buddy whatever it lacks.
-
-HTTP API (JSON answers; ``<job>`` a peer tier's namespace, ``<step>`` ``step_<12 digits>``):
-
-    GET    /status                                  node, buddy, replication state, steps held
-    GET    /v1/jobs/<job>                           {"steps": {step: {"files": {name: size},
-                                                    "committed_unix_s"}}}
-    GET    /v1/jobs/<job>/<step>[/<name>]           one step's files, or the object (``Range: bytes=a-b``)
-    PUT    /v1/jobs/<job>/<step>/<name>[?sync=1]    store; replicate in the background, or (sync) answer
-                                                    once the buddy holds it and every earlier object
-    POST   /v1/jobs/<job>/<step>/<name>?copy_from=PATH&length=N[&hold=1]
-                                                    take N bytes of a staging slot. hold=1: 202 at once,
-                                                    push from the file, then copy it; the caller keeps the
-                                                    file unchanged until wait=copy answers
-    POST   /v1/jobs/<job>/<step>/<name>?wait=copy   answer once a held handoff no longer reads its file
-    DELETE /v1/jobs/<job>/<step>[/<name>]           remove from every tree here, and at the buddy
-    GET    /v1/replicas/<origin>                    what this agent holds for agent <origin>
-    PUT|DELETE /v1/replicas/<origin>/<job>/<step>[/<name>]
-
-**Authentication.** An agent given a key (``--key-file`` or ``TIDAL_CKPT_AGENT_KEY``, see ``auth``)
-answers ``/v1/jobs/<job>/...`` only with that namespace's token or the agent token, ``/v1/replicas/...``
-only with the agent token, and ``GET /status`` without its ``steps`` unless with the agent token; else
-403 with a one-line reason, before any body is read. Without a key every request is accepted.
-
-A ``manifest.json`` PUT (the commit) is refused with 409 when a data file of a rank whose sidecar
-this agent holds is missing or of the wrong size, and with 503 when the buddy cannot take it or a
-data file is neither at the buddy nor copied here yet (the upload queue retries). ``copy_from`` must
-lie under an allowed root (``--allow-copy-from``; default ``$TIDAL_SHM_DIR/tidal``) and be a regular
-file owned by the uid of the client's socket on this node (``peercred``: the agent never reads for a
-client what the client could not), else 403 and the client sends the bytes instead.
-
-Bounds (``handler``): at most ``--max-connections`` connections at once, bodies received through
-buffers shared by all connections and cut when slower than ``--min-upload-rate``; the free space an
-upload or copy needs is promised to it while it runs, so concurrent ones cannot each pass the same
-check (507).
-
-Threads: one per connection, one per held handoff while it copies, and one replicator thread that
-pushes to the buddy in order and, every ``resync_s`` when idle, checks the buddy's copy.
-"""
+Objects are stored under the memory directory (``store``) and pushed to the buddy (``replicator``);
+the HTTP layer and its bounds are ``handler``, credentials ``auth``. The HTTP API, its refusals (403,
+409, 503, 507) and its threads are in docs/checkpoint.md, "Peer memory: checkpoint agents"."""
 
 from __future__ import annotations
 

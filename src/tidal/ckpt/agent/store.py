@@ -1,18 +1,11 @@
 """What a checkpoint agent holds: steps of jobs, in a memory directory, by origin node.
 
-Layout under the agent's memory directory (``--mem-dir``, normally under ``/dev/shm``)::
-
     <mem>/own/<job>/step_000000000120/<name>               # handed over by this node's ranks
     <mem>/replica/<origin>/<job>/step_000000000120/<name>  # pushed by the agent of node <origin>
 
-``<job>`` is a peer tier's namespace; ``<name>`` one object of a step, as in every other tier. A job's
-view of a step is the union over the trees (own first). Every write goes to a hidden temporary name
-(``.<name>.part-<random>``) and is renamed into place; hidden names are ignored by listings and
-removed when an agent starts on the directory again (torn writes of the previous run).
-
-No networking here. Thread-safe in the sense of the filesystem: concurrent writers of one name race,
-the last rename wins.
-"""
+A job's view of a step is the union over the trees (own first). Writes go to a hidden temporary name
+(``.<name>.part-<random>``) renamed into place; hidden names are not listed and are removed when an
+agent starts again. No networking; concurrent writers of one name race, the last rename wins."""
 
 from __future__ import annotations
 

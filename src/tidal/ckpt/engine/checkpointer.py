@@ -8,20 +8,10 @@ Call order (every rank calls the same methods in the same order)::
     cp.status()                # which tiers hold which steps; durable lag (also a JSON file)
     cp.close()                 # waits for everything pending, frees the slots
 
-Threads: ``save`` runs in the training thread. One persist thread (``persist``) checksums the slot and
-writes the *fast* tiers (shm: a hard link; directories: a write from the slot), then frees the slot.
-Each *slow* tier (S3, peer) has its own upload queue (``remote``), fed from the step's local copy, so
-a slow store never holds a slot; a peer tier's data file is handed to the node's agent before the slot
-is released. No background thread runs a collective, so none can deadlock with training's.
-
-The ``i``-th save (from 0) goes to each tier whose ``every`` divides ``i``; retention (``keep``) is per
-tier, applied by rank 0 after each commit there.
-
-Overlapped mode (``guard=optimizer``): ``save`` copies unguarded tensors at once and leaves parameters
-and optimizer state to a background copy; an optimizer step pre-hook blocks the next ``step()`` until
-it is done, so the committed step is exactly the state at ``save``. The caller promises that guarded
-tensors change only through ``optimizer.step()`` until then.
-"""
+Threads: ``save`` runs in the training thread; the persist thread (``persist``) writes the fast tiers,
+each slow tier has an upload queue (``remote``); no background thread runs a collective. Overlapped
+mode (``guard=optimizer``): guarded tensors are copied in the background and the optimizer's next
+``step()`` waits for that copy (docs/checkpoint.md, "Performance")."""
 
 from __future__ import annotations
 

@@ -1,15 +1,9 @@
 """The commit protocol, cleanup and retention, written once against ``protocol.Tier``.
 
-Commit protocol (same in every tier): every rank writes its data file and then a sidecar JSON with
-its checksums (``r<rank>-<save_id>.json``); rank 0 waits for all sidecars (``wait_sidecars``),
-merges them into ``manifest.json`` and writes it last (``commit``); the other ranks wait for that
-manifest (``wait_committed``). A step directory without a manifest is invisible and is removed by a
-later ``cleanup``. A rank that fails writes an error sidecar, and rank 0 a failure marker, so that
-nobody waits out the timeout for a step that cannot commit.
-
-These functions run on the checkpointer's background threads, never on the training thread, and
-never issue a collective: ranks meet only through the tier.
-"""
+Every rank writes its data file, then a sidecar (``r<rank>-<save_id>.json``: its checksums); rank 0
+waits for all sidecars and writes ``manifest.json`` last; the others wait for it. A step without a
+manifest is invisible and removed by a later ``cleanup``; a failing rank writes an error sidecar (rank
+0 a failure marker) so nobody waits out the timeout. Runs on background threads; no collective."""
 
 from __future__ import annotations
 

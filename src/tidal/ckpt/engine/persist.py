@@ -1,15 +1,9 @@
 """The persist thread: a staged slot → the fast tiers (committed), then the slow tiers' queues.
 
-Call order: the ``Checkpointer`` makes one :class:`Persister`; per save it registers the step
-(:meth:`Persister.begin`) before staging it, then hands the staged :class:`PersistJob` over with
-:meth:`Persister.submit`; :meth:`Persister.close` finishes every queued job. One thread runs the jobs
-in order: checksum the slot, write and commit each fast tier due (the first directory write overlaps
-the checksums), queue the step on each slow tier due, free the slot. Housekeeping after a commit
-(retention, stale slot files) waits for the next save's copy to end, or ``CLEANUP_IDLE_S``.
-
-Errors are recorded on the job's :class:`~tidal.ckpt.engine.handle.SaveHandle`; the thread keeps
-serving saves. It runs no collective.
-"""
+Call order: :meth:`Persister.begin` registers a step before it is staged, :meth:`Persister.submit`
+hands the staged :class:`PersistJob` over, :meth:`Persister.close` finishes every queued job. One
+thread runs the jobs in order (checksums overlapping the first directory write); housekeeping after a
+commit waits for the next save's copy, or ``CLEANUP_IDLE_S``. Errors go to the job's ``SaveHandle``."""
 
 from __future__ import annotations
 

@@ -1,12 +1,9 @@
 """Reading pieces of a step for ``load``: exact byte ranges, fastest tier first, with fallback.
 
-For each stored piece that overlaps what this rank needs, the intersection's bytes are runs inside
-the piece (``layout.byte_runs``), adjacent ones merged. In a version-2 step each range is widened to
-the whole checksum blocks it touches (``widen``), every block read is checked and the needed runs
-are cut out, so a partial read is verified like a whole one. A missing or truncated file, a checksum
-mismatch or an unreachable tier falls back to the next tier holding the step; an unreachable tier
-is skipped for the rest of the load. Version-1 steps are checked only where a piece is read whole.
-"""
+The bytes a rank needs of a piece are runs (``layout.byte_runs``), merged; in a version-2 step they
+are widened to whole checksum blocks (``widen``), every block read is checked and the runs cut out. A
+missing or truncated file, a bad block or an unreachable tier falls back to the next tier (an
+unreachable one is skipped for the rest of the load)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,9 @@
 """Staging slots: reusable CPU buffers laid out as this rank's safetensors file.
 
-A save copies the state into a slot and returns; the persist thread then checksums the slot and
-writes it to the tiers, while the next save stages into the other slot (``save`` blocks only when
-both are busy: back-pressure). A slot is a file on ``/dev/shm`` hard-linked into the shm tier's step
-directory, so the copy the stall pays for is also the copy that survives a crash of the training
-process. Buffers are allocated and touched once per layout (page faults cost ~20x a warm copy), and
-pinned on a CUDA machine. Without shared memory a slot is an anonymous buffer and the shm tier is
-skipped.
-"""
+A save copies into a free slot (``save`` blocks only when every slot is busy); a slot is a file on
+``/dev/shm`` hard-linked into the shm tier's step directory, so the stall's copy survives a crash of
+the process. Buffers are touched once per layout and pinned on a CUDA machine; without shared memory a
+slot is an anonymous buffer and the shm tier is skipped."""
 
 from __future__ import annotations
 

@@ -1,25 +1,9 @@
-"""Directory tiers and resolving a checkpoint location to its tiers, fastest first.
+"""Directory tiers (``"disk"``: a directory, fsynced; ``"shm"``: node shared memory, whose data files are
+hard links to the staging slots) and resolving a checkpoint location to its tiers, fastest first.
 
-* ``DirTier("disk", path)`` - a local or shared directory; data and manifests are fsynced.
-* ``DirTier("shm", /dev/shm/tidal/<name>-<hash>)`` - node shared memory: survives the training
-  process but not the node. Its data files are hard links to the staging slots, so staging a step
-  *is* writing it to this tier.
-
-Everything a tier creates is private to this user: directories 0700, files 0600, whatever the umask;
-files are written inside their step folder opened without following links. The shm tier's directories
-(``<shm>/tidal`` and the job's ``<name>-<hash>`` in it) must belong to this user (or root) and be
-writable by nobody else, checked before use (``files.owned_dir``): ``/dev/shm`` is writable by every
-user, and another user who created ``<shm>/tidal`` first could otherwise swap a job's folder for one
-holding a step it built. A ``Checkpointer`` refuses such a tier (``TierError``); a load skips it with a
-warning.
-
-Reading a directory tier never follows a link out of it: a step folder or file that is a symlink is
-refused (``O_NOFOLLOW``), and so is a file with more than one hard link, except, in the shm tier, a
-staging slot of this tier owned by this user. Refusals are ``UnsafeFileError`` (an ``OSError``), so
-a load falls back to the next tier as for any bad copy.
-
-Thread-safety: a tier object holds no mutable state; concurrent readers are fine.
-"""
+What a directory tier creates is private to this user; the shm tier's folders must be this user's
+(``files.owned_dir``); reads never follow a link out of the tier (``UnsafeFileError``, an ``OSError``,
+so a load falls back). Why: docs/checkpoint.md, "Integrity". A tier object holds no mutable state."""
 
 from __future__ import annotations
 

@@ -1,23 +1,10 @@
-"""The peer-memory tier: steps held in node memory by checkpoint agents and replicated to a buddy node.
+"""The peer-memory tier: steps held in node memory by checkpoint agents and replicated to a buddy.
 
-One agent runs per node (``tidal ckpt agent``, see ``agent``); ``PeerTier`` is the ``protocol.Tier`` a
-job uses to talk to them:
-
-* writes go to this node's agent (``agent``; default ``TIDAL_CKPT_AGENT``). A data file is *handed off*:
-  the agent reads the staging slot in ``/dev/shm`` itself (pushing it to its buddy first, then copying
-  it), while this rank holds the slot until ``wait_handoff``; or receives it over HTTP when it cannot
-  read the slot. Small objects (sidecars, the manifest) are written *in sync*: answered once the buddy
-  holds the object and every earlier one of the step. So a committed manifest means the whole step is
-  in two nodes' memory, and losing one node loses no committed step.
-* reads and listings see the union of the local agent, its buddy (from its ``/status``) and ``peers``
-  (default ``TIDAL_CKPT_PEERS``, comma-separated), with HTTP Range requests of exactly the needed bytes.
-* removal goes to every agent known; each agent also forwards it to its buddy.
-
-Agents with a key answer only the job's token (``TIDAL_CKPT_AGENT_TOKEN``) or the agent token (from
-``TIDAL_CKPT_AGENT_KEY``); see ``tidal.ckpt.agent.auth``. A refused request (403) is a ``TierError``
-naming the reason. Unreachable agents are skipped; ``TierError`` is raised only when none answers.
-Thread-safe: one kept-alive HTTP connection per thread and agent.
-"""
+``PeerTier`` writes to this node's agent (``agent``, default ``TIDAL_CKPT_AGENT``): data files are
+handed off (the agent reads the staging slot), small objects written in sync (answered once the buddy
+holds them). Reads and listings see the union of the local agent, its buddy and ``peers`` (default
+``TIDAL_CKPT_PEERS``), with HTTP Range requests; unreachable agents are skipped, ``TierError`` only when
+none answers (or one refuses: 403). Thread-safe. See docs/checkpoint.md, "Peer memory"."""
 
 from __future__ import annotations
 

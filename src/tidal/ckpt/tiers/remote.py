@@ -1,22 +1,10 @@
 """Persisting to slow tiers (object storage, peer memory) from a queue of their own.
 
-A slot is reused only once the fast tiers are done with it, so a slow or unreachable store must not
-be written from the slot: each slow tier gets a ``RemoteQueue`` per rank, fed after the fast tiers
-committed a step, that uploads from the step's committed copy in a local directory tier (``mmap``),
-else from a private snapshot of the slot (one rank file of memory; at most one waits besides the one
-uploading). Snapshots borrow buffers from a ``SnapshotPool``, which keeps one for the next save
-(fresh memory costs ~5x the copy in page faults). A peer tier's data file is handed to its agent by
-the persist thread; its queue writes only the sidecar and the manifest.
-
-The queue uploads oldest first and retries with exponential backoff (``retry_s`` up to
-``retry_max_s``) while the store is unreachable; the status shows the backlog and the last error.
-Steps drop out of the backlog (their handles report it) when more than the tier's ``keep`` wait, or
-when retention removed their local copy first. Every upload is the ordinary commit protocol
-(manifest last); parts already written are not written again on retry. A rank that drops a step
-tells the others (error sidecar / failure marker), retrying until the store takes it.
-
-Threads: ``submit`` is called by the persist thread; one worker thread per queue does all I/O.
-"""
+Each slow tier gets a ``RemoteQueue`` per rank, fed after the fast tiers committed a step, uploading
+from the step's copy in a local directory tier (``mmap``), else from a private snapshot of the slot
+(``SnapshotPool``: reused buffers). Oldest first, retried with backoff, bounded by ``keep``; what it
+drops fails its handle and is told to the other ranks (docs/checkpoint.md, "Where each copy comes
+from"). Threads: ``submit`` from the persist thread; one worker thread per queue does all I/O."""
 
 from __future__ import annotations
 
