@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tidal.ckpt.errors import ManifestError
+from tidal.ckpt.errors import ManifestError, UnsafeFileError
 from tidal.ckpt.format.layout import Box, check_tiling
 from tidal.ckpt.format.plan import ITEMSIZE, SavePlan
 from tidal.contract import ENV_CKPT_KEY
@@ -402,28 +402,23 @@ def _blocks(p: dict, nbytes: int, block: int, where: str) -> array:
 
 
 def read(step_dir: Path) -> Manifest:
+    """The checked manifest of a step directory (of step ``step_<12 digits>`` when it is so named)."""
     path = step_dir / MANIFEST
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise ManifestError(f"{path}: missing (step not committed)") from None
-    man = parse(data, str(path))
-    expected = parse_step_dirname(step_dir.name)
-    if expected is not None and man.step != expected:
-        raise ManifestError(f"{path}: field 'step' is {man.step} but the directory is step {expected} "
-                            "(edited or copied by hand?)")
-    return man
+    return read_object(path.read_bytes, str(path), parse_step_dirname(step_dir.name))
 
 
-def read_object(read_bytes: Callable[[], bytes], where: str, step: int) -> Manifest:
-    """The checked manifest of ``step`` from ``read_bytes()`` (its bytes, or FileNotFoundError)."""
+def read_object(read_bytes: Callable[[], bytes], where: str, step: int | None) -> Manifest:
+    """The checked manifest of ``step`` from ``read_bytes()`` (its bytes; FileNotFoundError when missing,
+    UnsafeFileError when refused)."""
     try:
         data = read_bytes()
     except FileNotFoundError:
         raise ManifestError(f"{where}: missing (step not committed)") from None
+    except UnsafeFileError as e:
+        raise ManifestError(str(e)) from None
     man = parse(data, where)
-    if man.step != step:
-        raise ManifestError(f"{where}: field 'step' is {man.step} but the object lies under step {step} "
+    if step is not None and man.step != step:
+        raise ManifestError(f"{where}: field 'step' is {man.step} but it lies under step {step} "
                             "(edited or copied by hand?)")
     return man
 

@@ -119,14 +119,7 @@ class DirTier:
     def _open_safe(self, step: int, name: str) -> int:
         """An fd of file ``name`` of ``step``, opened without following a symlink (of the step folder
         or the file) and refused when it is not a plain file or is hard-linked from elsewhere."""
-        d = self.step_dir(step)
-        try:
-            dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-        except OSError as e:
-            if e.errno == errno.ELOOP or (e.errno == errno.ENOTDIR and os.path.islink(d)):
-                raise UnsafeFileError(f"{d}: the step folder is a symlink (refused: it may point out of "
-                                      f"tier '{self.name}')") from None
-            raise
+        d, dfd = self.step_dir(step), self._dir_fd(step)
         try:
             try:
                 fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dfd)
@@ -189,33 +182,28 @@ class DirTier:
         self.write_file(step, name, memoryview(data))
 
     def read_manifest(self, step: int) -> mf.Manifest:
-        where = self.where(step, mf.MANIFEST)
-        try:
-            data = self.read_bytes(step, mf.MANIFEST)
-        except FileNotFoundError:
-            raise ManifestError(f"{where}: missing (step not committed)") from None
-        except UnsafeFileError as e:
-            raise ManifestError(str(e)) from None
-        man = mf.parse(data, where)
-        if man.step != step:
-            raise ManifestError(f"{where}: field 'step' is {man.step} but the directory is step {step} "
-                                "(edited or copied by hand?)")
-        return man
+        return mf.read_object(lambda: self.read_bytes(step, mf.MANIFEST), self.where(step, mf.MANIFEST), step)
 
     # -- data --------------------------------------------------------------------------------------
     def prepare_step(self, step: int) -> Path:
         return private_dirs(self.step_dir(step))
 
+    def _dir_fd(self, step: int) -> int:
+        """The step folder opened without following a link (``UnsafeFileError`` when it is one)."""
+        d = self.step_dir(step)
+        try:
+            return os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as e:
+            if e.errno == errno.ELOOP or (e.errno == errno.ENOTDIR and os.path.islink(d)):
+                raise UnsafeFileError(f"{d}: the step folder is a symlink (refused: it may point out of "
+                                      f"tier '{self.name}')") from None
+            raise
+
     @contextlib.contextmanager
     def _step_fd(self, step: int) -> Iterator[int]:
-        """The step folder (created 0700) opened without following a link: what is written goes in it."""
-        d = self.prepare_step(step)
-        try:
-            fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError as e:
-            if e.errno in (errno.ELOOP, errno.ENOTDIR):
-                raise UnsafeFileError(f"{d}: the step folder is a symlink (refused)") from None
-            raise
+        """The step folder, created 0700 and opened without following a link: what is written goes in it."""
+        self.prepare_step(step)
+        fd = self._dir_fd(step)
         try:
             yield fd
         finally:

@@ -17,7 +17,7 @@ import socket
 import threading
 import time
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from tidal.ckpt.agent.auth import agent_token, parse_key
@@ -278,45 +278,40 @@ class PeerTier:
         clients = [self.client(a) for a in dict.fromkeys(order)]
         return sorted(clients, key=lambda c: c.failed_at is not None and now - c.failed_at < 30.0)
 
-    def _each(self, method: str, path: str) -> list[Any]:
-        """The JSON answer of every reachable agent that has ``path`` (404 answers are skipped)."""
-        out, errors, answered = [], [], 0
-        for c in self.agents():
-            try:
-                status, data = c.request(method, path)
-            except Unreachable as e:
-                errors.append(str(e))
-                continue
-            answered += 1
-            if status == 404:
-                continue
-            if status != 200:
-                raise _error(status, data, f"tier '{self.name}' ({c.address})")
-            out.append(json.loads(data))
-        if not answered:
-            raise TierError(
-                f"tier '{self.name}' ({self.location}): no agent answered: {'; '.join(errors)}; is "
-                f"`tidal ckpt agent` running? ({ENV_CKPT_AGENT}, {ENV_CKPT_PEERS})"
-            )
-        return out
-
-    def _first(self, path: str, where: str, agents: list[AgentClient] | None = None,
-               headers: dict | None = None, into: memoryview | None = None) -> tuple[AgentClient, int, Any]:
-        """(agent, status, body) of the first agent whose answer to GET ``path`` is not 404;
-        FileNotFoundError when every agent that answered said 404, TierError when none answered."""
+    def _answers(self, method: str, path: str, where: str, agents: list[AgentClient] | None = None,
+                 headers: dict | None = None,
+                 into: memoryview | None = None) -> Iterator[tuple[AgentClient, int, Any]]:
+        """(agent, status, body) of each agent whose answer to ``path`` is not 404, in order (see
+        ``AgentClient.request`` for ``into``); then TierError when no agent answered at all."""
         errors, answered = [], 0
         for c in self.agents() if agents is None else agents:
             try:
-                status, data = c.request("GET", path, headers=headers, into=into)
+                status, data = c.request(method, path, headers=headers, into=into)
             except Unreachable as e:
                 errors.append(str(e))
                 continue
             answered += 1
             if status != 404:
-                return c, status, data
-        if answered:
-            raise FileNotFoundError(2, f"{where}: not found in any agent", where)
-        raise TierError(f"tier '{self.name}' ({where}): no agent answered: {'; '.join(errors)}")
+                yield c, status, data
+        if not answered:
+            raise TierError(f"tier '{self.name}' ({where}): no agent answered: {'; '.join(errors)}; is "
+                            f"`tidal ckpt agent` running? ({ENV_CKPT_AGENT}, {ENV_CKPT_PEERS})")
+
+    def _each(self, method: str, path: str) -> list[Any]:
+        """The JSON answer of every reachable agent that has ``path``."""
+        out = []
+        for c, status, data in self._answers(method, path, self.location):
+            if status != 200:
+                raise _error(status, data, f"tier '{self.name}' ({c.address})")
+            out.append(json.loads(data))
+        return out
+
+    def _first(self, path: str, where: str, agents: list[AgentClient] | None = None,
+               headers: dict | None = None, into: memoryview | None = None) -> tuple[AgentClient, int, Any]:
+        """The first answer to GET ``path`` that is not 404; FileNotFoundError when every agent said 404."""
+        for answer in self._answers("GET", path, where, agents, headers, into):
+            return answer
+        raise FileNotFoundError(2, f"{where}: not found in any agent", where)
 
     # -- listing -----------------------------------------------------------------------------------
     def _index(self) -> dict[int, dict]:
