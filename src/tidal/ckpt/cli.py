@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Annotated, Any
 
 import typer
-from rich.console import JustifyMethod
 from rich.table import Table
 from rich.text import Text
 
@@ -75,9 +73,8 @@ def ls_cmd(url: UrlArg, tier: TierOpt = None, as_json: JsonOpt = False) -> None:
         cc.emit_json({"url": where, "tiers": listed, "steps": rows,
                       "status": status.to_dict() if status else None, "errors": errors})
     else:
-        table = _table(f"checkpoint {where}", (("step", "right"), ("tiers", "left"), ("bytes", "right"),
-                                               ("files", "right"), ("created", "left"), ("world", "right"),
-                                               ("saved layout", "left")))
+        table = _table(f"checkpoint {where}", ">step", "tiers", ">bytes", ">files", "created", ">world",
+                       "saved layout")
         for r in rows:
             head = [cc.cell(r["step"]), cc.cell(" + ".join(r["tiers"]))]
             if "error" in r:
@@ -115,10 +112,11 @@ def _status_line(st: CheckpointStatus) -> Text:
 
 # -- inspect ---------------------------------------------------------------------------------------
 
-def _table(title: str, cols: Sequence[tuple[str, JustifyMethod]]) -> Table:
+def _table(title: str, *cols: str) -> Table:
+    """A table of columns named ``cols`` (right-justified: named with a leading ``>``)."""
     table = Table(title=title, title_justify="left")
-    for col, just in cols:
-        table.add_column(col, justify=just, overflow="fold")
+    for col in cols:
+        table.add_column(col.lstrip(">"), justify="right" if col[0] == ">" else "left", overflow="fold")
     return table
 
 
@@ -168,20 +166,18 @@ def inspect_cmd(
             f"created {cc.when(man.created_unix_s)}\n{man.layout_summary()}; {len(tensors)} tensors, "
             f"{cc.human(man.total_bytes)} in {len(man.files)} file(s), {len(man.objects)} plain value(s)"
         ), soft_wrap=True)
-        table = _table("tensors", (("name", "left"), ("dtype", "left"), ("shape", "left"),
-                                   ("pieces", "right"), ("bytes", "right"), ("saved layout", "left")))
+        table = _table("tensors", "name", "dtype", "shape", ">pieces", ">bytes", "saved layout")
         for t in tensors:
             table.add_row(*map(cc.cell, (t.name, t.dtype, _shape(t.shape), len(t.pieces), cc.human(t.nbytes),
                                          t.layout)))
         con.print(table)
         if man.objects:
-            ot = _table("plain values", (("path", "left"), ("value (JSON)", "left")))
+            ot = _table("plain values", "path", "value (JSON)")
             for p, v in man.objects:
                 ot.add_row(cc.cell(path_name(p)), cc.cell(cc.truncate(json.dumps(v, sort_keys=True))))
             con.print(ot)
         if pieces:
-            pt = _table("pieces", (("tensor", "left"), ("offsets", "left"), ("lengths", "left"),
-                                   ("file", "left"), ("byte range", "left"), ("checksum", "left")))
+            pt = _table("pieces", "tensor", "offsets", "lengths", "file", "byte range", "checksum")
             for t in tensors:
                 for piece in t.pieces:
                     box, end = piece.box, piece.start + piece.nbytes

@@ -165,9 +165,8 @@ class Replicator:
         item = _Item("sync", job, step, name, fd, os.fstat(fd).st_size, done=done)
         self._put(item)
         if not done.wait(timeout_s):
-            raise HTTPError(
-                503, f"buddy {self.client.address} did not take step {step} within {timeout_s:.0f} s"
-            )
+            raise HTTPError(503, f"buddy {self.client.address} did not take step {step} within "
+                                 f"{timeout_s:.0f} s")
         if item.error is not None:
             raise HTTPError(503, f"buddy {self.client.address}: {item.error}")
 
@@ -276,9 +275,7 @@ class Replicator:
         if self._remote is None:
             assert self.client is not None
             doc = self.client.json("GET", f"/v1/replicas/{urllib.parse.quote(self.node, safe='')}")
-            self._remote = {
-                j: {int(s): dict(f) for s, f in steps.items()} for j, steps in doc["jobs"].items()
-            }
+            self._remote = {j: {int(s): dict(f) for s, f in st.items()} for j, st in doc["jobs"].items()}
             self.reachable = True
         return self._remote
 

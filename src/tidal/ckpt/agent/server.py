@@ -189,9 +189,8 @@ class Agent:
         with self._rlock:
             self._reserved -= n
 
-    def _put(
-        self, h: Handler, job: str, step: int, name: str, sync: bool, origin: str | None = None
-    ) -> None:
+    def _put(self, h: Handler, job: str, step: int, name: str, sync: bool,
+             origin: str | None = None) -> None:
         """Receive a file into the store (not ``write_atomic``: the bytes stream to the store's temporary
         name and go to the replicator before they are published)."""
         size = h.content_length()
@@ -225,9 +224,8 @@ class Agent:
             doc = json.loads(manifest.read_bytes())
             files, save_id = doc["files"], doc["save_id"]
         except (ValueError, KeyError, TypeError) as e:
-            raise HTTPError(
-                400, f"manifest of step {step} is not valid JSON with 'files' and 'save_id': {e}"
-            ) from None
+            raise HTTPError(400, f"manifest of step {step} is not valid JSON with 'files' and 'save_id': "
+                                 f"{e}") from None
         held = self.store.step_files(None, job, step)
         handoffs = self.step_handoffs(job, step)
         for f in files:
@@ -239,22 +237,17 @@ class Agent:
                 if ho.pushed == "":
                     continue  # whole at the buddy; the local copy from the (still held) slot follows
                 # No buddy, or the push failed: the commit needs the local copy.
-                if (
-                    ho.wait_copied(self.sync_timeout_s)
-                    and self.store.step_files(None, job, step).get(name) == size
-                ):
+                copied = ho.wait_copied(self.sync_timeout_s)
+                if copied and self.store.step_files(None, job, step).get(name) == size:
                     continue
                 if ho.copied is None:
-                    raise HTTPError(
-                        503,
-                        f"step {step}: data file {name} of rank {f['rank']} is still being copied "
-                        f"in and not at the buddy ({ho.pushed or 'pushing'}); try again",
-                    )
+                    raise HTTPError(503, f"step {step}: data file {name} of rank {f['rank']} is still being "
+                                         f"copied in and not at the buddy ({ho.pushed or 'pushing'}); try "
+                                         "again")
             why = f"its copy from the staging slot failed: {ho.copied}" if ho is not None and ho.copied else (
                 f"{held.get(name, 'missing')} bytes here")
-            raise HTTPError(
-                409, f"step {step}: data file {name} of rank {f['rank']} is {why}, manifest says {size}"
-            )
+            raise HTTPError(409, f"step {step}: data file {name} of rank {f['rank']} is {why}, manifest says "
+                                 f"{size}")
 
     def _copy_in(self, h: Handler, job: str, step: int, name: str, query: dict[str, str]) -> None:
         """``copy_from``: take a rank's data file from its staging slot. ``hold=1``: answer 202 at once,
@@ -358,19 +351,15 @@ class Agent:
                 raise HTTPError(404, f"{job}/{step_dirname(step)}/{name}: no handoff of it here")
             return h.send_json(200, {"copied": True, "error": None})
         if not ho.wait_copied(self.sync_timeout_s):
-            raise HTTPError(
-                503, f"{job}/{step_dirname(step)}/{name}: still copying after {self.sync_timeout_s:.0f} s"
-            )
+            raise HTTPError(503, f"{job}/{step_dirname(step)}/{name}: still copying after "
+                                 f"{self.sync_timeout_s:.0f} s")
         return h.send_json(200, {"copied": ho.copied == "" and not ho.cancelled, "error": ho.copied or None})
 
     def step_handoffs(self, job: str, step: int) -> dict[str, Handoff]:
         """Held handoffs of one step (in flight or ended recently), by data file name."""
         with self._hlock:
-            return {
-                n: ho
-                for (j, s, n), ho in self._handoffs.items()
-                if j == job and s == step and not ho.cancelled
-            }
+            return {n: ho for (j, s, n), ho in self._handoffs.items()
+                    if j == job and s == step and not ho.cancelled}
 
     def _cancel(self, job: str, step: int, name: str | None) -> None:
         """Under ``_hlock``: held handoffs of a removed step or object must not reappear when copied."""
@@ -380,9 +369,7 @@ class Agent:
     def _replica(self, h: Handler, method: str, parts: list[str], query: dict[str, str]) -> None:
         origin = check_name(parts[0], "origin")
         if len(parts) == 1 and method == "GET":
-            jobs = {
-                j: {str(s): f for s, f in steps.items()} for j, steps in self.store.tree_index(origin).items()
-            }
+            jobs = {j: {str(s): f for s, f in st.items()} for j, st in self.store.tree_index(origin).items()}
             return h.send_json(200, {"origin": origin, "jobs": jobs})
         if len(parts) not in (3, 4):
             raise HTTPError(404, f"no such endpoint: {method} {h.path}")
@@ -468,9 +455,7 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"tidal ckpt agent {agent.node}: listening on http://{agent.address}, memory dir {agent.store.root}, "
         f"buddy {agent.buddy or 'none'}, {'tokens required' if key else 'open: no key, no authentication'}",
-        file=sys.stderr,
-        flush=True,
-    )
+        file=sys.stderr, flush=True)
     agent.serve_forever()
     agent.close()
 

@@ -27,9 +27,8 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,200}$")
 def check_name(value: str, what: str) -> str:
     """``value`` when it is a safe single path segment (letters, digits, ``._-``, not hidden)."""
     if not isinstance(value, str) or not _NAME.match(value):
-        raise ValueError(
-            f"{what} {value!r} is not a valid name (letters, digits, '.', '_', '-'; not starting with '.')"
-        )
+        raise ValueError(f"{what} {value!r} is not a valid name (letters, digits, '.', '_', '-'; not "
+                         "starting with '.')")
     return value
 
 
@@ -122,9 +121,7 @@ class Store:
     def job_index(self, job: str) -> dict[int, dict]:
         """Every step of ``job`` held in any tree (committed or not) with its ``step_info``."""
         check_name(job, "job")
-        steps = {
-            s for _, tree in self.trees() for d in _listdir(tree / job) if (s := parse_step(d)) is not None
-        }
+        steps = {s for _, t in self.trees() for d in _listdir(t / job) if (s := parse_step(d)) is not None}
         return {s: info for s in sorted(steps) if (info := self.step_info(job, s)) is not None}
 
     def tree_index(self, origin: str | None) -> dict[str, dict[int, dict[str, int]]]:

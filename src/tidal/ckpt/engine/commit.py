@@ -63,9 +63,8 @@ def wait_sidecars(tier: Tier, step: int, save_id: str, world: int, timeout_s: fl
             if doc is None:
                 continue
             if doc.get("error"):
-                raise SaveError(
-                    f"step {step}: rank {r} failed to persist to tier '{tier.name}': {doc['error']}"
-                )
+                raise SaveError(f"step {step}: rank {r} failed to persist to tier '{tier.name}': "
+                                f"{doc['error']}")
             docs[r] = doc
         if len(docs) == world:
             return [docs[r] for r in range(world)]

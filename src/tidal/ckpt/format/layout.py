@@ -1,11 +1,7 @@
 """Layout math: boxes, intersections and byte runs. Pure: no I/O, no torch.
 
-Every tensor in a checkpoint is described globally (dtype, global shape). Each piece a rank holds
-is a *box*: per-dimension ``offsets`` and ``lengths`` into the global tensor. Saving records boxes;
-loading intersects the box each new rank needs with the boxes on storage and reads exactly the byte
-ranges that cover the intersection. Pieces are stored C-contiguously (row-major), so the bytes of
-a sub-box are a set of equally long contiguous *runs*.
-"""
+A piece is a *box* (per-dimension ``offsets`` and ``lengths``) of a global tensor, stored C-contiguously,
+so the bytes of a sub-box are equally long contiguous *runs*."""
 
 from __future__ import annotations
 

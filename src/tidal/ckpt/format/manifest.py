@@ -1,25 +1,15 @@
 """The manifest: one JSON document per committed step that describes everything in it.
 
-Layout of a checkpoint location (any tier)::
-
     <root>/step_000000000120/manifest.json          # written last, by rename: its presence = committed
     <root>/step_000000000120/r00000-<save_id>.safetensors
     <root>/step_000000000120/r00000-<save_id>.json  # per-rank sidecar (checksums), merged by rank 0
 
 ``manifest.json`` (version 2) lists the tensors with their pieces (box, file, absolute ``start`` byte,
 ``nbytes``, one CRC-32 per ``block_bytes`` block as base64 ``blocks``), the objects, the files (size,
-``header_crc32``), and ``checksum``: the SHA-256 of its canonical JSON without that field (see
-docs/checkpoint.md, "Integrity"). Version 1 (one ``crc32`` per piece, no ``checksum``) still loads.
-
-With a checkpoint key (:func:`checkpoint_key`: ``Checkpointer(key=)`` / ``load(key=)``, else
-``$TIDAL_CKPT_KEY``, which the control plane sets for each job) it also carries ``mac``: the
-HMAC-SHA256 of the same canonical JSON without ``checksum`` and ``mac``, which a load with a key checks
-(:func:`check_mac`). The checksums catch accidents, not a person: anyone who may write into a tier can
-write a step whose checksums hold; only a holder of the key can write its MAC.
-
-Parsing validates every field, with bounded JSON depth and integer sizes; every problem is a
-``ManifestError`` with a one-line message naming the manifest and the field.
-"""
+``header_crc32``), ``checksum`` (the SHA-256 of its canonical JSON without that field) and, written with
+a checkpoint key, ``mac`` (its HMAC-SHA256 without ``checksum`` and ``mac``). Version 1 (one ``crc32``
+per piece, no ``checksum``) still loads. Every field is validated, with bounded JSON depth and integer
+sizes; every problem is a one-line ``ManifestError`` naming the manifest and the field."""
 
 from __future__ import annotations
 

@@ -173,9 +173,7 @@ def _error(status: int, data: Any, what: str) -> Exception:
     try:
         msg = json.loads(data)["error"]
     except Exception:
-        msg = (
-            bytes(data or b"")[:300].decode(errors="replace") if isinstance(data, (bytes, bytearray)) else ""
-        )
+        msg = bytes(data)[:300].decode(errors="replace") if isinstance(data, (bytes, bytearray)) else ""
     text = f"{what}: HTTP {status}: {msg}"
     if status == 404:
         return FileNotFoundError(2, text, what)
