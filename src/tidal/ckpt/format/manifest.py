@@ -31,7 +31,7 @@ from typing import Any
 
 from tidal.ckpt.errors import ManifestError, UnsafeFileError
 from tidal.ckpt.format.layout import Box, check_tiling
-from tidal.ckpt.format.plan import ITEMSIZE, SavePlan
+from tidal.ckpt.format.plan import ITEMSIZE, EntryInfo, SavePlan
 from tidal.contract import ENV_CKPT_KEY
 
 FORMAT = "tidal-ckpt"
@@ -73,12 +73,7 @@ class StoredPiece:
 
 
 @dataclass(frozen=True)
-class StoredTensor:
-    name: str
-    path: tuple
-    dtype: str
-    shape: tuple[int, ...]
-    layout: str
+class StoredTensor(EntryInfo):
     pieces: tuple[StoredPiece, ...]
 
     @property

@@ -70,6 +70,8 @@ class RankFile:
 
 @dataclass(frozen=True)
 class EntryInfo:
+    """One tensor entry, described globally (a stored one adds its pieces: ``manifest.StoredTensor``)."""
+
     name: str
     path: tuple
     dtype: str
