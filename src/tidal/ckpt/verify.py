@@ -175,8 +175,8 @@ def _verify_tier(tier: Any, step: int) -> tuple[Checked, list[Problem]]:
             problem(None, f"data file is missing (it holds {len(entries)} piece(s))")
             continue
         checked.files += 1
-        want = f.get("size_bytes")
-        if isinstance(want, int) and size != want:
+        want = f["size_bytes"]  # (parse checked it, and header_crc32 when there)
+        if size != want:
             problem(None, f"file is {size} bytes, the manifest says {want}"
                           + (" (truncated)" if size < want else " (extra bytes)"))
         expect = {p.key: (t.name, t.dtype, list(p.box.lengths), p.start, p.start + p.nbytes)
@@ -196,8 +196,8 @@ def _verify_tier(tier: Any, step: int) -> tuple[Checked, list[Problem]]:
                 problem(None, f"does not parse as safetensors: {e}")
             else:
                 _compare_header(header, base, expect, problem)
-            if isinstance(f.get("header_crc32"), int):
-                head = min((p.start for _, p in entries), default=want if isinstance(want, int) else size)
+            if "header_crc32" in f:
+                head = min((p.start for _, p in entries), default=want)
                 crc, _, got = _check_range(reader, 0, head, buf)
                 checked.bytes += got
                 if got == head and crc != f["header_crc32"]:

@@ -18,7 +18,6 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -54,8 +53,6 @@ class PersistJob:
     remote: list[RemoteQueue]  # slow tiers due
     handle: SaveHandle
     shm_tier: DirTier | None  # the checkpointer's shm tier (its commit hard-links the slot)
-    slot_dir: Path | None  # where the slot files live (stale ones are dropped after a shm commit)
-    shm_keep: int  # steps the shm tier keeps: one per slot
     urgent: bool = False  # commit the shm tier before any directory write (a reclaim's final save)
     shm_uncommitted: list[int] = field(default_factory=list)  # shm steps this slot's re-use removed
     ready: Any = None  # CUDA: the event after which the deferred device-to-host copy may start
@@ -255,15 +252,14 @@ class Persister:
             commit.mark_failed(tier, step, sid, e)
             raise
         self._durability.committed(tier.name, step)
-        keep = job.shm_keep if tier is job.shm_tier else self._config[tier.name].keep
+        keep = self._config[tier.name].keep
 
         def clean(tier: DirTier = tier) -> None:  # busy: a save of that step is in flight
             self._durability.removed(tier.name, commit.cleanup(tier, keep, step, self.busy, self.lock))
 
         cleanups.append(clean)
         if tier is job.shm_tier:
-            slot_dir = job.slot_dir
-            cleanups.append(lambda: drop_stale_slots(slot_dir, job.plan.world_size))
+            cleanups.append(lambda: drop_stale_slots(tier.root / "slots", job.plan.world_size))
 
 
 def manifest(job: PersistJob, docs: list[dict]) -> dict:

@@ -110,18 +110,6 @@ class Slot:
             self._mmap = None
 
 
-class StagingArea:
-    """The slots of one rank. Owned by a Checkpointer; used from its threads as documented there."""
-
-    def __init__(self, nslots: int, shm_dir: Path | None) -> None:
-        self.slots = [Slot(i) for i in range(nslots)]
-        self.shm_dir = shm_dir
-
-    def close(self) -> None:
-        for s in self.slots:
-            s.release()
-
-
 def shm_has_room(path: Path, need_bytes: int) -> bool:
     """Whether the filesystem at ``path`` has ``need_bytes`` free (with 10% headroom)."""
     try:
@@ -131,10 +119,8 @@ def shm_has_room(path: Path, need_bytes: int) -> bool:
     return st.f_bavail * st.f_frsize >= need_bytes * 1.1
 
 
-def drop_stale_slots(slot_dir: Path | None, world: int) -> None:
+def drop_stale_slots(slot_dir: Path, world: int) -> None:
     """Remove slot files of ranks beyond the current world that no step links to any more."""
-    if slot_dir is None:
-        return
     with contextlib.suppress(FileNotFoundError):
         for n in os.listdir(slot_dir):
             if n.startswith("r") and n[1:6].isdigit() and int(n[1:6]) >= world:
