@@ -111,7 +111,6 @@ class Checkpointer:
         local = [t for t in self.tiers if isinstance(t, DirTier)]  # the shm and dir tiers
         self.shm_tier: DirTier | None = next((t for t in local if t.kind == "shm"), None)
         self._slots = [Slot(i) for i in range(slots)]
-        self._slot_steps: dict[int, int] = {}
         self._saves = 0
         self.status_path = self._status_path(status_path)
         self._durability = Durability(self.home, [self._tier_info(t) for t in self.tiers], self.status_path)
@@ -138,7 +137,8 @@ class Checkpointer:
         self._side_stream: Any = None  # CUDA: the stream of the overlapped mode's background copies
         self._host = socket.gethostname()
         self._guards = _as_list(guard)
-        self._hooks = [opt.register_step_pre_hook(self._pre_step_hook) for opt in self._guards]
+        # the next optimizer step waits for the background copy of what it changes
+        self._hooks = [opt.register_step_pre_hook(lambda *_: self.wait_staged()) for opt in self._guards]
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tidal-stage-r{self.rank}")
 
     def _fence(self) -> Any:
@@ -208,10 +208,10 @@ class Checkpointer:
             rf = plan.files[self.rank]
             shm_dir = self.shm_tier.root / "slots" if self.shm_tier is not None else None
             slot.allocate(rf, plan.fingerprint, shm_dir, {n: e.dtype for n, e in plan.entries.items()})
-            for idx, held in list(self._slot_steps.items()):  # a step saved again lives in this slot now
-                if held == step:
-                    del self._slot_steps[idx]
-            self._slot_steps[slot_idx] = step
+            for other in self._slots:  # a step saved again lives in this slot now
+                if other.step == step:
+                    other.step = -1
+            slot.step = step
             immediate, deferred = self._copies(rf, slot, tensors)
             _copy_all(immediate)
             objs = [(o.path, json.loads(json.dumps(o.value))) for o in objects] if self.rank == 0 else []
@@ -346,7 +346,7 @@ class Checkpointer:
     def _choose_slot(self) -> int:
         """Rank 0: the slot whose data is oldest (never the one holding the newest step)."""
         def newest(slot: Slot) -> tuple[int, int]:
-            return max([self._slot_steps.get(slot.index, -1), *slot.linked]), slot.index
+            return max([slot.step, *slot.linked]), slot.index
 
         return min(self._slots, key=newest).index
 
@@ -374,9 +374,6 @@ class Checkpointer:
                     if isinstance(v, torch.Tensor):
                         out.add(_storage_ptr(v))
         return out
-
-    def _pre_step_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self.wait_staged()
 
     # -- background copy (overlapped mode) ------------------------------------------------------
     def _copy_deferred(self, job: PersistJob) -> None:

@@ -30,6 +30,7 @@ class Slot:
         self.index = index
         self.free = threading.Event()
         self.free.set()
+        self.step = -1  # the step saved into it last
         self.path: Path | None = None  # the shm file, when shm-backed
         self.fingerprint: str | None = None
         self.size = 0
