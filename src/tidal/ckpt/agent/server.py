@@ -136,17 +136,11 @@ class Agent:
         if not rest and method == "GET":
             steps = {str(s): i for s, i in self.store.job_index(job).items()}
             return h.send_json(200, {"job": job, "steps": steps})
-        step = parse_step(rest[0]) if rest else None
-        if step is None or len(rest) > 2:
-            raise HTTPError(404, f"no such endpoint: {method} {h.path}")
-        name = check_name(rest[1], "object") if len(rest) == 2 else None
+        step, name = self._target(h, method, rest)
         if method == "DELETE":
             with self._hlock:
                 self._cancel(job, step, name)
-                if name is None:
-                    removed = self.store.remove_step(job, step)
-                else:
-                    removed = self.store.remove_file(job, step, name)
+                removed = self.store.remove(job, step, name)
             self.replicator.forget(job, step, name)
             return h.send_json(200, {"removed": removed})
         if name is None:
@@ -167,6 +161,14 @@ class Agent:
         elif method == "POST" and query.get("wait") == "copy":
             return self._wait_copy(h, job, step, name)
         raise HTTPError(405, f"{method} not allowed on {h.path}")
+
+    @staticmethod
+    def _target(h: Handler, method: str, rest: list[str]) -> tuple[int, str | None]:
+        """``<step>[/<name>]`` of a request path; 404 when it is not that."""
+        step = parse_step(rest[0]) if rest else None
+        if step is None or len(rest) > 2:
+            raise HTTPError(404, f"no such endpoint: {method} {h.path}")
+        return step, check_name(rest[1], "object") if len(rest) == 2 else None
 
     def _authorize(self, h: Handler, job: str | None) -> None:
         """403 unless the request's token may touch ``job``'s steps (None: the agents' endpoints)."""
@@ -371,20 +373,12 @@ class Agent:
         if len(parts) == 1 and method == "GET":
             jobs = {j: {str(s): f for s, f in st.items()} for j, st in self.store.tree_index(origin).items()}
             return h.send_json(200, {"origin": origin, "jobs": jobs})
-        if len(parts) not in (3, 4):
-            raise HTTPError(404, f"no such endpoint: {method} {h.path}")
-        job, step = check_name(parts[1], "job"), parse_step(parts[2])
-        if step is None:
-            raise HTTPError(404, f"bad step {parts[2]!r}")
-        name = check_name(parts[3], "object") if len(parts) == 4 else None
+        job = check_name(parts[1], "job") if len(parts) > 1 else ""
+        step, name = self._target(h, method, parts[2:])
         if method == "PUT" and name is not None:
             return self._put(h, job, step, name, sync=False, origin=origin)
         if method == "DELETE":
-            if name is None:
-                removed = self.store.remove_step(job, step, origin=origin)
-            else:
-                removed = self.store.remove_file(job, step, name, origin=origin)
-            return h.send_json(200, {"removed": removed})
+            return h.send_json(200, {"removed": self.store.remove(job, step, name, origin=origin)})
         raise HTTPError(405, f"{method} not allowed on {h.path}")
 
 

@@ -152,24 +152,17 @@ class Store:
         """The trees ``origin`` names: every tree (False), own (None) or one origin's replica."""
         return [o for o, _ in self.trees()] if origin is False else [origin]
 
-    def remove_file(self, job: str, step: int, name: str,
-                    origin: str | None | Literal[False] = False) -> bool:
-        """Remove ``name`` from every tree (``origin`` False) or from one; whether anything was removed."""
-        check_name(name, "object")
-        removed = False
-        for o in self._origins(origin):
-            with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-                os.unlink(self.step_dir(o, job, step) / name)
-                removed = True
-        return removed
-
-    def remove_step(self, job: str, step: int, origin: str | None | Literal[False] = False) -> bool:
-        """Remove a step from every tree (or one): manifests first, so it is never seen half-removed."""
+    def remove(self, job: str, step: int, name: str | None = None,
+               origin: str | None | Literal[False] = False) -> bool:
+        """Remove object ``name`` of a step, or (None) the whole step, manifests first so that it is never
+        seen half-removed, from every tree (``origin`` False) or one; whether anything was removed."""
         dirs = [self.step_dir(o, job, step) for o in self._origins(origin)]
-        present = [d for d in dirs if d.is_dir()]
-        for d in present:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(d / MANIFEST)
-        for d in present:
+        removed = False
+        for d in dirs:
+            with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+                os.unlink(d / (MANIFEST if name is None else check_name(name, "object")))
+                removed = True
+        for d in dirs if name is None else []:
+            removed = removed or d.is_dir()
             shutil.rmtree(d, ignore_errors=True)
-        return bool(present)
+        return removed
