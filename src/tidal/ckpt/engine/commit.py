@@ -12,7 +12,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from tidal.ckpt.errors import FencedError, ManifestError, SaveError
 from tidal.ckpt.format import manifest as mf
@@ -36,24 +36,25 @@ def read_json(tier: Tier, step: int, name: str) -> dict | None:
     return doc if isinstance(doc, dict) else None
 
 
-def _sleep(delay: float, tier: Tier) -> float:
-    time.sleep(delay)
-    return min(delay * 2, tier.poll_s[1])
-
-
-def _check_cancel(cancel: threading.Event | None, tier: Tier, step: int) -> None:
-    if cancel is not None and cancel.is_set():
-        raise SaveError(f"step {step}: gave up waiting on tier '{tier.name}' (the checkpointer is closing)")
+def _polls(tier: Tier, step: int, timeout_s: float, cancel: threading.Event | None) -> Iterator[bool]:
+    """One item per poll of ``tier``, backing off up to ``tier.poll_s[1]``: whether ``timeout_s`` had
+    passed before it (the caller then gives up); SaveError once ``cancel`` is set."""
+    deadline, delay = time.monotonic() + timeout_s, tier.poll_s[0]
+    while True:
+        yield time.monotonic() > deadline
+        if cancel is not None and cancel.is_set():
+            raise SaveError(f"step {step}: gave up waiting on tier '{tier.name}' (the checkpointer is "
+                            "closing)")
+        time.sleep(delay)
+        delay = min(delay * 2, tier.poll_s[1])
 
 
 def wait_sidecars(tier: Tier, step: int, save_id: str, world: int, timeout_s: float,
                   cancel: threading.Event | None = None) -> list[dict]:
     """Rank 0: wait until every rank's sidecar for this save exists; return them by rank."""
-    deadline = time.monotonic() + timeout_s
     docs: dict[int, dict] = {}
     wanted = {sidecar_name(r, save_id): r for r in range(world)}
-    delay = tier.poll_s[0]
-    while True:
+    for late in _polls(tier, step, timeout_s, cancel):
         present = tier.list_files(step) if world > 1 else set(wanted)
         for name in present & wanted.keys():
             r = wanted[name]
@@ -68,20 +69,17 @@ def wait_sidecars(tier: Tier, step: int, save_id: str, world: int, timeout_s: fl
             docs[r] = doc
         if len(docs) == world:
             return [docs[r] for r in range(world)]
-        if time.monotonic() > deadline:
+        if late:
             missing = [r for r in range(world) if r not in docs]
             raise SaveError(f"step {step}: ranks {missing} did not finish writing to tier '{tier.name}' "
                             f"within {timeout_s:.0f} s; the step stays uncommitted")
-        _check_cancel(cancel, tier, step)
-        delay = _sleep(delay, tier)
+    raise AssertionError("unreachable")
 
 
 def wait_committed(tier: Tier, step: int, save_id: str, timeout_s: float,
                    cancel: threading.Event | None = None) -> None:
     """Ranks other than 0: wait until rank 0 committed this save (or reported failure)."""
-    deadline = time.monotonic() + timeout_s
-    delay = tier.poll_s[0]
-    while True:
+    for late in _polls(tier, step, timeout_s, cancel):
         doc = read_json(tier, step, mf.MANIFEST)
         if doc is not None and doc.get("save_id") == save_id:
             return
@@ -90,10 +88,8 @@ def wait_committed(tier: Tier, step: int, save_id: str, timeout_s: float,
             if why.startswith(FENCED_MARK):  # rank 0 was fenced out: so is this rank (same attempt)
                 raise FencedError(why[len(FENCED_MARK):])
             raise SaveError(f"step {step}: commit to tier '{tier.name}' failed: {why}")
-        if time.monotonic() > deadline:
+        if late:
             raise SaveError(f"step {step}: not committed to tier '{tier.name}' within {timeout_s:.0f} s")
-        _check_cancel(cancel, tier, step)
-        delay = _sleep(delay, tier)
 
 
 def commit(tier: Tier, step: int, doc: dict, fence: Callable[[int], None] | None = None) -> None:
