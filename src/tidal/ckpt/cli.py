@@ -105,7 +105,7 @@ def _status_line(st: CheckpointStatus) -> Text:
         if t.backlog:
             parts.append(f"{t.name} backlog {list(t.backlog)}")
         if t.last_error:
-            parts.append(f"{t.name} last error: {cc.truncate(t.last_error, 160)}")
+            parts.append(f"{t.name} last error: {mf.clip(t.last_error, 160)}")
     return Text(" ".join(parts[:2]) + ("; " + "; ".join(parts[2:]) if parts[2:] else ""),
                 style="yellow" if st.durable_lag_steps or any(t.last_error for t in st.tiers) else "")
 
@@ -174,7 +174,7 @@ def inspect_cmd(
         if man.objects:
             ot = _table("plain values", "path", "value (JSON)")
             for p, v in man.objects:
-                ot.add_row(cc.cell(path_name(p)), cc.cell(cc.truncate(json.dumps(v, sort_keys=True))))
+                ot.add_row(cc.cell(path_name(p)), cc.cell(mf.clip(json.dumps(v, sort_keys=True), 80)))
             con.print(ot)
         if pieces:
             pt = _table("pieces", "tensor", "offsets", "lengths", "file", "byte range", "checksum")

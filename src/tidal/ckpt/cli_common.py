@@ -71,10 +71,6 @@ def iso(ts: float) -> str | None:
     return _dt.datetime.fromtimestamp(ts, tz=_dt.UTC).isoformat() if ts else None
 
 
-def truncate(s: str, n: int = 80) -> str:
-    return s if len(s) <= n else s[: n - 1] + "…"
-
-
 def cell(v: Any, style: str = "") -> Text:
     """A table cell that is shown verbatim (tensor names may contain Rich markup characters)."""
     return Text(str(v), style=style)

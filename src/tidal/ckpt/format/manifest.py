@@ -233,17 +233,19 @@ def verified_doc(data: bytes, where: str) -> dict:
     return doc
 
 
+def clip(s: str, limit: int = 60) -> str:
+    """``s``, cut to ``limit`` characters (the last one "…") when longer."""
+    return s if len(s) <= limit else s[: limit - 1] + "…"
+
+
 def _short(v: Any, limit: int = 60) -> str:
-    r = repr(v)
-    return r if len(r) <= limit else r[: limit - 1] + "…"
+    return clip(repr(v), limit)
 
 
 def _key(k: Any) -> str:
     """A JSON key for an error message: printable, short (a crafted key must not break the one line)."""
     s = str(k)
-    if not s.isprintable():
-        s = s.encode("unicode_escape").decode("ascii")
-    return s if len(s) <= 60 else s[:59] + "…"
+    return clip(s if s.isprintable() else s.encode("unicode_escape").decode("ascii"))
 
 
 def _check_form(doc: Any, where: str) -> None:

@@ -167,16 +167,8 @@ class DirTier:
 
     # -- small objects -----------------------------------------------------------------------------
     def read_bytes(self, step: int, name: str) -> bytes:
-        fd = self._open_safe(step, name)
-        try:
-            chunks: list[bytes] = []
-            while True:
-                b = os.read(fd, 1 << 20)
-                if not b:
-                    return b"".join(chunks)
-                chunks.append(b)
-        finally:
-            os.close(fd)
+        with os.fdopen(self._open_safe(step, name), "rb") as f:
+            return f.read()
 
     def write_bytes(self, step: int, name: str, data: bytes) -> None:
         self.write_file(step, name, memoryview(data))

@@ -112,7 +112,7 @@ class RemoteQueue:
     """Uploads steps to one slow tier in order, retrying, without holding staging slots."""
 
     def __init__(self, tier: Tier, cfg: TierConfig, *, rank: int, commit_timeout_s: float,
-                 fast_busy: Callable[[int], bool], lock: threading.Lock, durability: Durability | None,
+                 fast_busy: Callable[[int], bool], lock: threading.Lock, durability: Durability,
                  retry_s: float = 0.5, retry_max_s: float = 30.0,
                  fence: Callable[[int], None] | None = None) -> None:
         self.tier, self.cfg, self.rank = tier, cfg, rank
@@ -211,8 +211,7 @@ class RemoteQueue:
             except Exception as e:  # unreachable, throttled, refused: try again later
                 msg = f"{type(e).__name__}: {e}" if not isinstance(e, OSError) else str(e)
                 log.warning("tier '%s' step %d: %s; retrying in %.1f s", self.tier.name, up.step, msg, delay)
-                if self._status is not None:
-                    self._status.error(self.tier.name, msg)
+                self._status.error(self.tier.name, msg)
                 with self._cond:
                     self._active = None
                     if up.superseded is not None:
@@ -276,7 +275,7 @@ class RemoteQueue:
 
     def _done(self, up: Upload, error: BaseException | None) -> None:
         up.release_snapshot()
-        if error is None and self._status is not None:
+        if error is None:
             self._status.committed(self.tier.name, up.step)
         up.done(error)
         if error is not None or self.rank != 0:
@@ -287,8 +286,7 @@ class RemoteQueue:
         except Exception as e:  # best effort; the next commit cleans up again
             log.warning("tier '%s': cleanup after step %d failed: %s", self.tier.name, up.step, e)
             return
-        if self._status is not None:
-            self._status.removed(self.tier.name, removed)
+        self._status.removed(self.tier.name, removed)
 
     def _finish(self, up: Upload, why: str) -> None:
         """A step dropped from the backlog: tell the handle and (eventually) the other ranks."""
@@ -319,8 +317,6 @@ class RemoteQueue:
             self._owed[:0] = still
 
     def _report_backlog(self) -> None:
-        if self._status is None:
-            return
         with self._cond:  # (an RLock: backlog() takes it again)
             a = self._active
             steps, active = self.backlog(), (a.step if a is not None and a.superseded is None else None)
