@@ -360,26 +360,24 @@ class RayServeAdapter:
         return out
 
     def release(self, node: str, gpus: int, lent_after: int, now_s: float) -> None:
+        self._move("release", node, gpus, lent_after, +1)
+
+    def restore(self, node: str, gpus: int, lent_after: int, now_s: float) -> None:
+        self._move("restore", node, gpus, lent_after, -1)
+
+    def _move(self, action: str, node: str, gpus: int, lent_after: int, sign: int) -> None:
+        """A release closes the node's router slots first (no new requests to the lent replicas); a
+        restore's open in :meth:`ready`, once its replicas run."""
         before = self.state.released.get(node, 0)  # (move() refuses an unknown node)
-        self.state.move(node, gpus, lent_after, +1)  # checks the node and the counts
+        self.state.move(node, gpus, lent_after, sign)  # checks the node and the counts
         try:
             self.ensure()
-            self._sync(self.slots(self._running_or_targets()))  # no new requests to the lent replicas
+            if action == "release":
+                self._sync(self.slots(self._running_or_targets()))
             self._scale(node, self.target(node))
         except AdapterError as e:
             self.state.released[node] = before
-            self._fail(f"release of {gpus} GPUs on {node}: {e}")
-        self.last_error = None
-
-    def restore(self, node: str, gpus: int, lent_after: int, now_s: float) -> None:
-        before = self.state.released.get(node, 0)  # (move() refuses an unknown node)
-        self.state.move(node, gpus, lent_after, -1)
-        try:
-            self.ensure()
-            self._scale(node, self.target(node))  # its slots open in ready(), once the replicas run
-        except AdapterError as e:
-            self.state.released[node] = before
-            self._fail(f"restore of {gpus} GPUs on {node}: {e}")
+            self._fail(f"{action} of {gpus} GPUs on {node}: {e}")
         self.last_error = None
 
     def ready(self, node: str) -> bool:
