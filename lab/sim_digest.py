@@ -5,8 +5,8 @@
 Runs ``sim_scale.py`` with the given arguments and prints one sha256 over every decision list the
 simulated store applied (with its time) and every loan plan the serving pool carried out (lendable
 GPUs, each loan with its end, the outstanding reclaims), with their counts. A speed-up must leave it
-unchanged; compare it before and after (the stop-10 scale work used it: 98,677 decisions and 4,320
-plans over 30 days, one digest throughout).
+unchanged; compare it before and after (30 days of the default scale run: 98,677 decisions and
+4,320 plans).
 """
 
 from __future__ import annotations
