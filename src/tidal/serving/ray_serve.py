@@ -24,7 +24,7 @@ from typing import Any
 
 from tidal.contract import RAY_NODE_LABEL as NODE_LABEL
 from tidal.serving.adapters import AdapterError, _Released, parse_nodes
-from tidal.serving.requests import RequestModel
+from tidal.serving.requests import RequestModel, number_in
 from tidal.serving.serve_history import MAX_HISTORY_DAYS, MeasuredHistory, forecast_history
 from tidal.serving.traces import Trace
 
@@ -78,7 +78,7 @@ class RayServeSettings:
                 raise ValueError(f"serving.nodes: {n!r} is not usable as a Ray Serve deployment suffix "
                                  "(letters, digits, . _ -)")
         g = self.gpus_per_replica
-        if not _num(g, 1, whole=True):
+        if not number_in(g, 1, whole=True):
             raise ValueError(f"serving.gpus_per_replica must be a whole number >= 1, got {g!r}")
         bad = [n for n, c in self.nodes.items() if c % g]
         if bad:
@@ -89,21 +89,21 @@ class RayServeSettings:
                              "arguments")
         replicas, mu = sum(self.nodes.values()) // g, self.service_rate_per_replica
         for name, ok, what in (
-                ("http_port", _num(self.http_port, 1, 65535, whole=True), "a port number"),
-                ("rate_window_s", _num(self.rate_window_s, 1, 86400), "a number in [1, 86400]"),
-                ("rate_smoothing_s", _num(self.rate_smoothing_s, 0, 86400), "a number in [0, 86400]"),
-                ("actions_timeout_s", _num(self.actions_timeout_s, 0.1, 600), "a number in [0.1, 600]"),
-                ("speedup", _num(self.speedup, 0, 1e6) and 0 < self.speedup < 1e6, "a number > 0"),
-                ("start_s", self.start_s is None or _num(self.start_s),
+                ("http_port", number_in(self.http_port, 1, 65535, whole=True), "a port number"),
+                ("rate_window_s", number_in(self.rate_window_s, 1, 86400), "a number in [1, 86400]"),
+                ("rate_smoothing_s", number_in(self.rate_smoothing_s, 0, 86400), "a number in [0, 86400]"),
+                ("actions_timeout_s", number_in(self.actions_timeout_s, 0.1, 600), "a number in [0.1, 600]"),
+                ("speedup", number_in(self.speedup, 0, 1e6) and 0 < self.speedup < 1e6, "a number > 0"),
+                ("start_s", self.start_s is None or number_in(self.start_s),
                  "a number (seconds on the serving clock)"),
-                ("min_replicas", _num(self.min_replicas, 0, replicas, whole=True),
+                ("min_replicas", number_in(self.min_replicas, 0, replicas, whole=True),
                  f"a whole number from 0 to the replicas the nodes hold ({replicas})"),
-                ("history_days", _num(self.history_days, 0, MAX_HISTORY_DAYS),
+                ("history_days", number_in(self.history_days, 0, MAX_HISTORY_DAYS),
                  f"a number from 0 to {MAX_HISTORY_DAYS:g} (days of serving.trace the forecast learns "
                  "first)"),
-                ("service_rate_per_replica", mu is None or _num(mu, 0) and mu > 0,
+                ("service_rate_per_replica", mu is None or number_in(mu, 0) and mu > 0,
                  "a number > 0 (requests/s one replica serves)"),
-                ("min_samples", _num(self.min_samples, 1, whole=True), "a whole number >= 1")):
+                ("min_samples", number_in(self.min_samples, 1, whole=True), "a whole number >= 1")):
             if not ok:
                 raise ValueError(f"serving.{name} must be {what}, got {getattr(self, name)!r}")
         if self.latency_target_s is None:
@@ -136,12 +136,6 @@ class RayServeSettings:
             if getattr(cfg, name, None) is not None}
         return cls(app=cfg.app, deployment=cfg.deployment, nodes=parse_nodes(cfg.nodes),
                    latency_target_s=cfg.latency_target_s, **kw)
-
-
-def _num(v: Any, lo: float = -math.inf, hi: float = math.inf, whole: bool = False) -> bool:
-    """``v`` is a finite number (an int if ``whole``; never a bool) in ``[lo, hi]``."""
-    return (isinstance(v, int if whole else int | float) and not isinstance(v, bool) and math.isfinite(v)
-            and lo <= v <= hi)
 
 
 class RayServeAdapter:

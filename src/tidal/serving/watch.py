@@ -20,7 +20,7 @@ from typing import Any
 from tidal.policy.loan import LoanContext, LoanPlan, LoanTiming, TidalPolicy, TidalState
 from tidal.serving.adapters import parse_nodes
 from tidal.serving.requests import FIELDS as REQUEST_FIELDS
-from tidal.serving.requests import RequestModel
+from tidal.serving.requests import RequestModel, number_in
 from tidal.serving.serve_history import MAX_HISTORY_DAYS
 from tidal.serving.sources import BackgroundDemand, DemandSource, TraceReplay
 
@@ -185,18 +185,17 @@ class WatchConfig:
                              f"{self.adapter!r}")
         for name in ("grace_s", "final_checkpoint_s", "release_s", "warmup_s", "restart_cost_s"):
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, int | float) or isinstance(v, bool) or not 0 <= v < 1e9):
+            if v is not None and not number_in(v, 0, 1e9):
                 raise ValueError(f"serving.{name} must be a number >= 0, got {v!r}")
         for name in ("speedup", "gpus_per_unit", "step_s"):
             v = getattr(self, name)
-            if not isinstance(v, int | float) or isinstance(v, bool) or not 0 < v < 1e9:
+            if not number_in(v, 0, 1e9) or v == 0:
                 raise ValueError(f"serving.{name} must be a number > 0, got {v!r}")
-        if not isinstance(self.shortfall_budget, int | float) or not 0 < self.shortfall_budget < 1:
+        if not number_in(self.shortfall_budget, 0, 1) or self.shortfall_budget in (0, 1):
             raise ValueError(f"serving.shortfall_budget must be in (0, 1), got {self.shortfall_budget!r}")
-        h = self.history_days
-        if not isinstance(h, int | float) or isinstance(h, bool) or not 0 <= h <= MAX_HISTORY_DAYS:
+        if not number_in(self.history_days, 0, MAX_HISTORY_DAYS):
             raise ValueError(f"serving.history_days must be a number from 0 to {MAX_HISTORY_DAYS:g} (days "
-                             f"the forecast learns before the first live step), got {h!r}")
+                             f"the forecast learns before the first live step), got {self.history_days!r}")
         if self.adapter == "ray-serve":
             self._check_ray_serve()
             return
@@ -212,9 +211,9 @@ class WatchConfig:
             if self.prometheus is not None and (self.actions_url is None) == (self.actions_command is None):
                 raise ValueError("serving: lending with prometheus needs exactly one of serving.actions_url "
                                  "or serving.actions_command (how serving releases and takes back GPUs)")
-        if not isinstance(self.actions_timeout_s, int | float) or not 0 < self.actions_timeout_s <= 600:
+        if not number_in(self.actions_timeout_s, 0, 600) or self.actions_timeout_s == 0:
             raise ValueError(f"serving.actions_timeout_s must be in (0, 600], got {self.actions_timeout_s!r}")
-        if not isinstance(self.serving_gpus, int) or self.serving_gpus < 1:
+        if not number_in(self.serving_gpus, 1, whole=True):
             raise ValueError(f"serving.serving_gpus must be a whole number >= 1, got {self.serving_gpus!r}")
         if (self.trace is None) == (self.prometheus is None):
             raise ValueError("give exactly one demand source (serving.trace, or serving.prometheus with a "
