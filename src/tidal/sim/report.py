@@ -40,13 +40,9 @@ def clean(x: Any) -> Any:
 def with_oracle_ratio(results: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
     """Each result plus ``x_oracle`` (its harvested GPU-hours over the oracle's, when one ran)."""
     oracle = next((r for k, r in results.items() if k.split("[")[0] == "oracle"), None)
-    out = {}
-    for k, r in results.items():
-        r = dict(r)
-        o = oracle["harvested_gpu_hours"] if oracle else math.nan
-        r["x_oracle"] = r["harvested_gpu_hours"] / o if o and o > 0 else math.nan
-        out[k] = r
-    return out
+    o = oracle["harvested_gpu_hours"] if oracle else math.nan
+    return {k: {**r, "x_oracle": r["harvested_gpu_hours"] / o if o and o > 0 else math.nan}
+            for k, r in results.items()}
 
 
 def to_json(results: Mapping[str, Mapping[str, Any]]) -> str:

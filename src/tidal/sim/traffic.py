@@ -8,7 +8,6 @@ from pathlib import Path
 import numpy as np
 
 from tidal.serving.requests import RequestModel
-from tidal.serving.requests import request_demand_gpus as request_demand_gpus_of
 from tidal.serving.traces import Trace, load_trace
 
 
@@ -23,17 +22,11 @@ def demand_gpus(path: str | Path, serving_gpus: int,
                 step_s: float | None = None) -> tuple[np.ndarray, float, str]:
     """(demand per step in GPUs, step_s, trace name) for a pool of ``serving_gpus`` sized for the peak."""
     trace = _trace(path, step_s)
-    ok = trace.load[~trace.gap]
-    peak = float(ok.max()) if ok.size else 0.0
-    if peak <= 0:
-        raise ValueError(f"{path}: no positive load outside gaps; cannot size a serving pool")
-    d = serving_gpus * trace.load / peak
-    d[trace.gap] = np.nan
-    return d, trace.step_s, trace.name
+    return trace.demand_gpus(serving_gpus), trace.step_s, trace.name
 
 
 def request_demand_gpus(path: str | Path, model: RequestModel,
                         step_s: float | None = None) -> tuple[np.ndarray, float, str]:
     """As :func:`demand_gpus` for a trace of request rates: ``model.gpus(rate)`` per step (Erlang C)."""
     trace = _trace(path, step_s)
-    return np.array(request_demand_gpus_of(trace.load, trace.gap, model)), trace.step_s, trace.name
+    return np.array(trace.request_demand_gpus(model)), trace.step_s, trace.name
