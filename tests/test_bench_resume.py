@@ -1,5 +1,5 @@
-"""``tidal bench resume`` runs end to end on a tiny model: a notice, then resumes from node memory and from
-disk as later attempts of the same job (sandboxed ranks, one checkpoint key); bad options are refused first."""
+"""``tidal bench resume`` runs end to end on a tiny model: a notice, then resumes from node memory and
+from disk as later attempts of one job (sandboxed ranks, one checkpoint key); bad options refused first."""
 
 from __future__ import annotations
 
@@ -23,5 +23,6 @@ def test_bench_resume_json_resumes_from_node_memory_and_disk(tmp_path):
 
 
 def test_bench_resume_refuses_a_model_the_job_cannot_build(tmp_path):
-    proc = subprocess.run([*BENCH, "--n-embd", "32"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    proc = subprocess.run([*BENCH, "--n-embd", "32"], capture_output=True, text=True, timeout=60,
+                          cwd=tmp_path)
     assert proc.returncode == 2 and "--n-embd 32" in proc.stderr
