@@ -143,3 +143,21 @@ def test_the_dashboard_shows_a_banner_when_isolation_is_off(tmp_path):
                                                headers={"Authorization": f"Bearer {admin}"})
         assert pool.status_code == 200
         assert (pool.json()["warning"] is not None and "isolation is off" in pool.json()["warning"]) == banner
+
+
+def test_tidal_up_says_first_that_isolation_is_off(tmp_path):
+    """A real ``tidal up`` with ``isolation: none``: its first line is the warning; without it, none."""
+    from plane_proc import Plane, wait_until
+
+    for config, warned in (("isolation: none\n", True), ("{}\n", False)):
+        (tmp_path / str(warned)).mkdir()
+        plane = Plane(tmp_path / str(warned), config)
+        try:
+            plane.start()
+            out = plane.outputs[-1]
+            wait_until("tidal up's first lines", lambda out=out: "dashboard:" in out.read_text(), 30)
+            first = out.read_text().splitlines()[0]
+            assert first.startswith("warning: isolation is off (isolation: {mode: none})") == warned, first
+            assert first.startswith("tidal up: http://") != warned, first
+        finally:
+            plane.stop()
