@@ -194,6 +194,6 @@ def command(bwrap: str, program: Sequence[str], binds: Binds, *, env: Mapping[st
     if b.shm is not None and os.path.isdir(b.shm):  # its parents made in it, 0711 (from the second bind on)
         out += ["--bind", b.shm, "/dev/shm", *_binds("--bind", [b.shm])]
     uid, gid = (int(owner[0]), int(owner[1])) if owner is not None else (-1, -1)
-    if owner is None and os.geteuid() == 0:  # a rank left root (on Ray without uid_base): no capabilities
+    if owner is None and os.geteuid() == 0:  # a rank left root (Ray without uid_base, run_as_self): no caps
         out += ["--cap-drop", "ALL"]
     return [*out, "--chdir", cwd, "--", python, "-I", "-S", "-c", ENTER, str(uid), str(gid), *program]
