@@ -44,48 +44,48 @@ llamacpp:n_busy_slots_per_decode 1.4
 
 VLLM_TEXT = """\
 # TYPE vllm:num_requests_running gauge
-vllm:num_requests_running{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 7.0
+vllm:num_requests_running{engine="0",model_name="Llama-3.1-8B"} 7.0
 # TYPE vllm:num_requests_waiting gauge
-vllm:num_requests_waiting{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 1.0
+vllm:num_requests_waiting{engine="0",model_name="Llama-3.1-8B"} 1.0
 # TYPE vllm:generation_tokens_total counter
-vllm:generation_tokens_total{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 51200.0
+vllm:generation_tokens_total{engine="0",model_name="Llama-3.1-8B"} 51200.0
 # TYPE vllm:request_success_total counter
-vllm:request_success_total{engine="0",finished_reason="stop",model_name="meta-llama/Llama-3.1-8B-Instruct"} 150.0
-vllm:request_success_total{engine="0",finished_reason="length",model_name="meta-llama/Llama-3.1-8B-Instruct"} 50.0
+vllm:request_success_total{engine="0",finished_reason="stop",model_name="Llama-3.1-8B"} 150.0
+vllm:request_success_total{engine="0",finished_reason="length",model_name="Llama-3.1-8B"} 50.0
 # TYPE vllm:request_inference_time_seconds histogram
-vllm:request_inference_time_seconds_sum{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 240.0
-vllm:request_inference_time_seconds_bucket{engine="0",le="+Inf",model_name="meta-llama/Llama-3.1-8B-Instruct"} 200.0
-vllm:request_inference_time_seconds_count{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 200.0
+vllm:request_inference_time_seconds_sum{engine="0",model_name="Llama-3.1-8B"} 240.0
+vllm:request_inference_time_seconds_bucket{engine="0",le="+Inf",model_name="Llama-3.1-8B"} 200.0
+vllm:request_inference_time_seconds_count{engine="0",model_name="Llama-3.1-8B"} 200.0
 # TYPE vllm:time_to_first_token_seconds histogram
-vllm:time_to_first_token_seconds_sum{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 21.0
-vllm:time_to_first_token_seconds_bucket{engine="0",le="0.04",model_name="meta-llama/Llama-3.1-8B-Instruct"} 20.0
-vllm:time_to_first_token_seconds_bucket{engine="0",le="0.1",model_name="meta-llama/Llama-3.1-8B-Instruct"} 120.0
-vllm:time_to_first_token_seconds_bucket{engine="0",le="0.25",model_name="meta-llama/Llama-3.1-8B-Instruct"} 190.0
-vllm:time_to_first_token_seconds_bucket{engine="0",le="0.5",model_name="meta-llama/Llama-3.1-8B-Instruct"} 198.0
-vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="meta-llama/Llama-3.1-8B-Instruct"} 200.0
-vllm:time_to_first_token_seconds_count{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 200.0
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="Llama-3.1-8B"} 21.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.04",model_name="Llama-3.1-8B"} 20.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.1",model_name="Llama-3.1-8B"} 120.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.25",model_name="Llama-3.1-8B"} 190.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.5",model_name="Llama-3.1-8B"} 198.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="Llama-3.1-8B"} 200.0
+vllm:time_to_first_token_seconds_count{engine="0",model_name="Llama-3.1-8B"} 200.0
 """
 
 SGLANG_TEXT = """\
 # TYPE sglang:num_running_reqs gauge
-sglang:num_running_reqs{model_name="Qwen/Qwen2.5-7B-Instruct",tp_rank="0"} 12.0
-sglang:num_running_reqs{model_name="Qwen/Qwen2.5-7B-Instruct",tp_rank="1"} 0.0
+sglang:num_running_reqs{model_name="Qwen2.5-7B",tp_rank="0"} 12.0
+sglang:num_running_reqs{model_name="Qwen2.5-7B",tp_rank="1"} 0.0
 # TYPE sglang:num_queue_reqs gauge
-sglang:num_queue_reqs{model_name="Qwen/Qwen2.5-7B-Instruct",tp_rank="0"} 4.0
+sglang:num_queue_reqs{model_name="Qwen2.5-7B",tp_rank="0"} 4.0
 # TYPE sglang:generation_tokens_total counter
-sglang:generation_tokens_total{model_name="Qwen/Qwen2.5-7B-Instruct",tp_rank="0"} 7557572.0
+sglang:generation_tokens_total{model_name="Qwen2.5-7B",tp_rank="0"} 7557572.0
 # TYPE sglang:num_requests_total counter
-sglang:num_requests_total{model_name="Qwen/Qwen2.5-7B-Instruct"} 30000.0
+sglang:num_requests_total{model_name="Qwen2.5-7B"} 30000.0
 # TYPE sglang:e2e_request_latency_seconds histogram
-sglang:e2e_request_latency_seconds_sum{model_name="Qwen/Qwen2.5-7B-Instruct"} 90000.0
-sglang:e2e_request_latency_seconds_bucket{le="+Inf",model_name="Qwen/Qwen2.5-7B-Instruct"} 30000.0
-sglang:e2e_request_latency_seconds_count{model_name="Qwen/Qwen2.5-7B-Instruct"} 30000.0
+sglang:e2e_request_latency_seconds_sum{model_name="Qwen2.5-7B"} 90000.0
+sglang:e2e_request_latency_seconds_bucket{le="+Inf",model_name="Qwen2.5-7B"} 30000.0
+sglang:e2e_request_latency_seconds_count{model_name="Qwen2.5-7B"} 30000.0
 # TYPE sglang:time_to_first_token_seconds histogram
-sglang:time_to_first_token_seconds_sum{model_name="Qwen/Qwen2.5-7B-Instruct"} 2351.0
-sglang:time_to_first_token_seconds_bucket{le="0.1",model_name="Qwen/Qwen2.5-7B-Instruct"} 10000.0
-sglang:time_to_first_token_seconds_bucket{le="1.0",model_name="Qwen/Qwen2.5-7B-Instruct"} 29000.0
-sglang:time_to_first_token_seconds_bucket{le="+Inf",model_name="Qwen/Qwen2.5-7B-Instruct"} 30000.0
-sglang:time_to_first_token_seconds_count{model_name="Qwen/Qwen2.5-7B-Instruct"} 30000.0
+sglang:time_to_first_token_seconds_sum{model_name="Qwen2.5-7B"} 2351.0
+sglang:time_to_first_token_seconds_bucket{le="0.1",model_name="Qwen2.5-7B"} 10000.0
+sglang:time_to_first_token_seconds_bucket{le="1.0",model_name="Qwen2.5-7B"} 29000.0
+sglang:time_to_first_token_seconds_bucket{le="+Inf",model_name="Qwen2.5-7B"} 30000.0
+sglang:time_to_first_token_seconds_count{model_name="Qwen2.5-7B"} 30000.0
 """
 
 
