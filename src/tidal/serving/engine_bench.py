@@ -127,7 +127,7 @@ def one_run(opts: BenchOptions, model: Path, workdir: Path, lend: bool,
         events = [{**e, "at_s": round(e["time_s"] - unix0, 3)} for e in r.events]
         starts = list(r.starts)
     if bounds is None:
-        bounds = (lent_from or due_s, notice or due_s, back or due_s)
+        bounds = (lent_from or due_s, notice or due_s, max(back or due_s, due_s))
     cuts = [0.0, *bounds, d]
     phases = {p: _phase_stats(recs, cuts[k], cuts[k + 1]) for k, p in enumerate(PHASES)}
     return {"lending": lend, "phases": phases, "bounds": bounds, "demand": asdict(demand),
