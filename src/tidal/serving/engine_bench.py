@@ -152,13 +152,12 @@ def run(opts: BenchOptions, workdir: str | Path | None = None) -> dict[str, Any]
         a, b = pa["ttft_p99_s"], pb["ttft_p99_s"]
         if a is not None and b and min(pa["requests"], pb["requests"]) >= MIN_REQUESTS:
             ratios[p] = round(a / b, 3)
-    window = sum(with_["phases"][p]["failed"] for p in ("lent", "reclaiming"))
-    base = sum(without["phases"][p]["failed"] for p in ("lent", "reclaiming"))
+    failed = {k: sum(v["failed"] for v in run_["phases"].values()) for k, run_ in (("with_lending", with_),
+                                                                                  ("without", without))}
     return {"engine": {"name": "llama.cpp", "version": engine_version(llama_server())},
             "options": asdict(opts), "ttft_p99_ratio": max(ratios.values()) if ratios else None,
-            "ttft_p99_ratio_by_phase": ratios, "requests_failed_by_reclaim": max(0, window - base),
-            "requests_failed": {"with_lending": sum(v["failed"] for v in with_["phases"].values()),
-                                "without": sum(v["failed"] for v in without["phases"].values())},
+            "ttft_p99_ratio_by_phase": ratios, "requests_failed": failed,
+            "requests_failed_by_reclaim": max(0, failed["with_lending"] - failed["without"]),
             "reclaim_notices": int(with_["notice_s"] is not None),
             "returns_missed": int(not with_["returned_in_time"]),
             "loaned_gpu_hours": round(with_["loaned_s"] / 3600.0, 6),

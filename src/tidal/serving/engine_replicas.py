@@ -238,7 +238,9 @@ class EngineReplicas:
 
     def _tail(self, r: Replica) -> str:
         try:
-            lines = r.log.read_text(errors="replace").strip().splitlines()
+            with open(r.log, "rb") as f:
+                f.seek(max(0, os.fstat(f.fileno()).st_size - 8192))
+                lines = f.read().decode(errors="replace").strip().splitlines()
         except OSError:
             return "no log"
         keep = [ln for ln in lines if "error" in ln.lower() or "fail" in ln.lower()] or lines
@@ -304,7 +306,8 @@ class EngineReplicas:
             raise EngineError("nginx not found: apt-get install nginx (the router of the replicas)")
         conf = self._write_config()
         with open(self.dir / "nginx.out", "ab") as out:
-            self.router = subprocess.Popen([nginx, "-p", str(self.dir), "-c", str(conf), "-g", "daemon off;"],
+            self.router = subprocess.Popen([nginx, "-p", str(self.dir), "-c", str(conf), "-e",
+                                            str(self.dir / "nginx-error.log"), "-g", "daemon off;"],
                                            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                            start_new_session=True)
         self._wait_generation()
