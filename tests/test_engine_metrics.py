@@ -155,3 +155,15 @@ def test_idle_is_the_minimum_and_a_queue_without_finished_requests_is_unknown():
     stuck = replicas_needed([_st(None, 1.0)], [_st(None, 1.0, waiting=4)], 5.0, slo_s=1.0, slots=2,
                             router_requests=0)
     assert math.isnan(stuck.replicas)
+
+
+@pytest.mark.parametrize("args,says", [(["--replicas", "1"], "--replicas 1: expected 2 to 16"),
+                                       (["--rate", "0"], "--rate must be in (0, 200]"),
+                                       (["--max-tokens", "0"], "--max-tokens must be 1 to 1024")])
+def test_engine_bench_refuses_bad_options_naming_them(args, says):
+    from typer.testing import CliRunner
+
+    from tidal.serving.cli import app
+
+    r = CliRunner().invoke(app, ["engine-bench", *args])
+    assert r.exit_code == 2 and says in " ".join(r.output.split())

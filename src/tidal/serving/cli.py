@@ -245,6 +245,6 @@ def engine_bench_command(
             print(f"{p:<11} {name:<9} {v['requests']:>8} {v['failed']:>6} {ms(v['ttft_p50_s']):>11} "
                   f"{ms(v['ttft_p99_s']):>11} {v['tokens_per_s'] or 0:>8}")
     w = out["with_lending"]
-    print(f"lent {w['lent']} (demand {w['demand']['replicas']} replicas), ttft p99 ratio "
+    print(f"replicas lent {w['lent']} (demand {w['demand']['replicas']}), ttft p99 ratio "
           f"{out['ttft_p99_ratio']}, failed by reclaim {out['requests_failed_by_reclaim']}, returns missed "
           f"{out['returns_missed']}, GPU-hours lent {out['loaned_gpu_hours']}")
