@@ -22,7 +22,7 @@ import shutil
 import signal
 import subprocess
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -74,9 +74,9 @@ def engine_version(binary: str) -> str:
 class Replica:
     index: int
     port: int
+    log: Path
     proc: subprocess.Popen | None = None
     routed: bool = False
-    log: Path = field(default_factory=Path)
 
 
 class EngineReplicas:
@@ -99,7 +99,7 @@ class EngineReplicas:
                      "-np", str(slots), "-t", str(threads), *extra_args]
         self.slots, self.drain_timeout_s, self.start_timeout_s = slots, drain_timeout_s, start_timeout_s
         self.planned_warmup_s = planned_warmup_s
-        self.replicas = [Replica(i, p, log=self.dir / f"replica-{i}.log")
+        self.replicas = [Replica(i, p, self.dir / f"replica-{i}.log")
                          for i, p in enumerate(free_ports(replicas))]
         self.starts: collections.deque[float] = collections.deque(maxlen=RECENT_STARTS)
         self.events: list[dict[str, Any]] = []
@@ -117,7 +117,7 @@ class EngineReplicas:
         first that would not start, everything stopped)."""
         try:
             for r in self.replicas:
-                self._start(r)
+                self._start_or_retry(r)
                 r.routed = True
             self._router_start()
         except BaseException:
@@ -180,12 +180,7 @@ class EngineReplicas:
         r = self.replicas[i]
         if r.routed:
             raise EngineError(f"replica {i} is serving already")
-        try:
-            took = self._start(r)
-        except EngineError as e:
-            self._event("engine_start_failed", i, str(e))
-            r.port = free_port()
-            took = self._start(r)
+        took = self._start_or_retry(r)
         r.routed = True
         self._route()
         self._event("returned", i, f"replica {i} serving again, healthy {took:.2f} s after its start")
@@ -245,6 +240,14 @@ class EngineReplicas:
             return "no log"
         keep = [ln for ln in lines if "error" in ln.lower() or "fail" in ln.lower()] or lines
         return " | ".join(keep[-3:])[-400:]
+
+    def _start_or_retry(self, r: Replica) -> float:
+        try:
+            return self._start(r)
+        except EngineError as e:
+            self._event("engine_start_failed", r.index, str(e))
+            r.port = free_port()
+            return self._start(r)
 
     def _start(self, r: Replica) -> float:
         t0 = time.monotonic()
