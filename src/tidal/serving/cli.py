@@ -216,7 +216,7 @@ def engine_bench_command(
                                                "written locally).", exists=True, dir_okay=False)] = None,
     json_out: Annotated[bool, typer.Option("--json", help="The result as JSON.")] = False,
 ) -> None:
-    """The same traffic against real engine replicas twice, with and without lending one; TTFT per phase."""
+    """The same traffic against real engine replicas twice, with and without lending; TTFT per phase."""
     from tidal.serving.engine_bench import PHASES, BenchOptions, run
     from tidal.serving.engine_replicas import EngineError
 

@@ -1,7 +1,7 @@
 """``tidal serving engine-bench``: does lending hurt a real engine's users? The same open-loop traffic
 (real prompts, streamed completions, the same arrivals) against replicas of llama.cpp behind nginx,
-twice: once lending a replica when the queueing model says the others meet the TTFT target, and taking
-it back one measured warm-up before it is due; once without lending. Per phase (before, lent,
+twice: once lending the replicas the queueing model finds idle at the TTFT target, and taking them
+back two measured warm-ups before they are due; once without lending. Per phase (before, lent,
 reclaiming, after): TTFT p50/p99, tokens/s, requests failed. docs/loaning.md says how to read it.
 """
 
