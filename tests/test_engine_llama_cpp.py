@@ -34,7 +34,7 @@ def model(tmp_path_factory):
 def test_bench_lends_and_takes_back_without_failing_a_request(model, tmp_path):
     from tidal.serving.engine_bench import BenchOptions, run
 
-    out = run(BenchOptions(replicas=2, rate_per_s=4.0, duration_s=6.0, max_tokens=16, slo_s=2.0,
+    out = run(BenchOptions(replicas=2, rate_per_s=4.0, duration_s=5.0, max_tokens=16, slo_s=2.0,
                            model=str(model)), tmp_path)
     w, wo = out["with_lending"], out["without_lending"]
     assert w["traffic_error"] is None and wo["traffic_error"] is None
@@ -58,7 +58,7 @@ def test_faults_are_events_and_capacity_comes_back(model, tmp_path):
         assert ok() == 200
         # a lend waits for the requests the replica is answering: two long ones, one on each replica
         with ThreadPoolExecutor(2) as pool:
-            long = {**BODY, "max_tokens": 200}
+            long = {**BODY, "max_tokens": 120}
             answers = [pool.submit(httpx.post, f"{r.url}/v1/completions", json=long, timeout=60)
                        for _ in range(2)]
             for _ in range(1000):  # both answering (a request is its engine's once it runs)
@@ -66,7 +66,7 @@ def test_faults_are_events_and_capacity_comes_back(model, tmp_path):
                     break
                 time.sleep(0.01)
             r.lend(1)
-            assert [a.result().json()["usage"]["completion_tokens"] for a in answers] == [200, 200]
+            assert [a.result().json()["usage"]["completion_tokens"] for a in answers] == [120, 120]
         # the port of a lent replica taken meanwhile: its start fails, it starts on another port
         held = socket.socket()
         held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -99,3 +99,32 @@ def test_a_corrupt_model_fails_to_start_with_its_log(tmp_path):
         EngineReplicas(bad, tmp_path / "w", replicas=2).start()
     with pytest.raises(EngineError, match="no such file"):
         EngineReplicas(tmp_path / "none.gguf", tmp_path / "w2")
+
+
+def test_the_cycle_demo_mirrors_the_planes_loans_onto_the_replicas(model, tmp_path):
+    from tidal.demo.cycle import CycleOptions
+    from tidal.demo.engine_cycle import EngineSide
+
+    side = EngineSide(model, tmp_path / "w", ["serve-0", "serve-1"], CycleOptions(hours=0.01))
+    try:
+        now = time.time()
+        status = lambda loans, reclaims=(): {"serving_time_s": 3 * 86400.0, "now_s": time.time(),  # noqa: E731
+                                             "loans": loans, "reclaims": list(reclaims)}
+        side.sync(status([]), [], [])
+        assert side.traffic is not None and side.r.routed() == [0, 1]
+        side.sync(status([{"node": "serve-1", "gpus": 1}]), [], [])
+        assert side.r.routed() == [0]
+        side.sync(status([{"node": "serve-1", "gpus": 1}], [{"gpus": 1, "by_s": now + 9, "notice_s": now}]),
+                  [], [])
+        side.sync(status([{"node": "serve-0", "gpus": 2}, {"node": "serve-1", "gpus": 1}]), [], [])
+        assert side.r.routed() == [0]  # never the last replica serving
+        side.sync(status([]), [], [])
+        assert side.r.routed() == [0, 1]
+        assert [s for _, s in side.timeline] == ["serving", "lent", "reclaiming", "lent", "serving"]
+        spans = side.spans(side.timeline[-1][0] + 1.0)
+        assert len(spans["lent"]) == 2 and len(spans["serving"]) == 2 and len(spans["reclaiming"]) == 1
+        assert [e["kind"] for e in side.r.events] == ["lent", "returned"]
+    finally:
+        if side.traffic is not None:
+            side.traffic.stop(10.0)
+        side.r.stop()

@@ -230,7 +230,8 @@ def play_day(opts: CycleOptions, console: Console, client: TidalClient, admin: T
     return s, jobs, checks
 
 
-def run_cycle(opts: CycleOptions, console: Console, *, keep: bool = False) -> dict[str, Any]:
+def run_cycle(opts: CycleOptions, console: Console, *, keep: bool = False,
+              on_poll: Callable[[dict, list[dict], list[dict]], None] | None = None) -> dict[str, Any]:
     opts.check()
     script = example_script()
     sdir = Path(tempfile.mkdtemp(prefix="tidal-cycle-"))
@@ -248,7 +249,7 @@ def run_cycle(opts: CycleOptions, console: Console, *, keep: bool = False) -> di
         client = TidalClient(url, admin.create_tenant("research")["token"])
         ids = [client.submit(job_spec(opts, script, shm_dir, i))["id"] for i in range(opts.jobs)]
         t0 = time.monotonic()
-        s, jobs, checks = play_day(opts, console, client, admin, ids)
+        s, jobs, checks = play_day(opts, console, client, admin, ids, on_poll=on_poll)
         return with_simulator(_summary(opts, s, jobs, admin, checks, time.monotonic() - t0), opts, console, 1)
     finally:
         with uninterrupted():  # a second Ctrl-C must not cut the clean-up short
@@ -347,16 +348,25 @@ def cycle(
                      typer.Option(help="a serving trace CSV instead of the shipped profile")] = None,
     keep: Annotated[bool, typer.Option("--keep", help="keep the state dir")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="the summary as JSON on stdout")] = False,
+    engine: Annotated[str | None, typer.Option(help="a real engine serving traffic on the serving nodes "
+                                               "(llama.cpp: a replica per node; default 4x2 nodes)")] = None,
 ) -> None:
     """A day of live lending: spot jobs grow onto lent serving GPUs at night and give them back in time."""
     import json
 
     console = Console(stderr=json_out)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if engine is not None and serving_nodes == "8x2":
+        serving_nodes = "4x2"  # one replica per node: four on two cores beside the training
     opts = CycleOptions(speedup=speedup, hours=hours, start_hour=start_hour, jobs=jobs, max_ranks=max_ranks,
                         serving_nodes=serving_nodes, trace=trace)
     try:
-        out = run_cycle(opts, console, keep=keep)
+        if engine is not None:
+            from tidal.demo.engine_cycle import run_with_engine
+
+            out = run_with_engine(opts, engine, console, keep=keep)
+        else:
+            out = run_cycle(opts, console, keep=keep)
     except DemoError as e:
         Console(stderr=True).print(f"[red]error:[/red] {escape(str(e))}", highlight=False)
         raise typer.Exit(2) from None
@@ -364,4 +374,8 @@ def cycle(
         print(json.dumps(out, indent=1))
     else:
         print_summary(console, out)
+        if "engine" in out:
+            from tidal.demo.engine_cycle import print_engine
+
+            print_engine(console, out["engine"])
     raise typer.Exit(0 if out["ok"] else 1)

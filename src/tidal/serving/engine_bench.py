@@ -62,15 +62,32 @@ def _body(i: int, max_tokens: int) -> bytes:
                        "temperature": 0, "stream": True}).encode()
 
 
-def _phase_stats(recs: list[loadgen.Record], lo: float, hi: float) -> dict[str, Any]:
-    sel = [r for r in recs if lo <= r.t_s < hi]
+def phase_stats(recs: list[loadgen.Record], spans: list[tuple[float, float]]) -> dict[str, Any]:
+    """The requests due within ``spans`` (traffic seconds, ``[from, to)``): count, failed, TTFT p50/p99,
+    tokens/s over the spans' length."""
+    sel = [r for r in recs if any(lo <= r.t_s < hi for lo, hi in spans)]
     ttft = np.array([r.ttft_s for r in sel if r.ok and r.ttft_s is not None], dtype=float)
     q = (lambda p: round(float(np.quantile(ttft, p)), 4)) if len(ttft) else (lambda p: None)
-    span = hi - lo
-    return {"from_s": round(lo, 2), "to_s": round(hi, 2), "requests": len(sel),
-            "failed": sum(not r.ok for r in sel), "ttft_p50_s": q(0.5), "ttft_p99_s": q(0.99),
+    span = sum(hi - lo for lo, hi in spans)
+    return {"from_s": round(spans[0][0], 2) if spans else None, "to_s": round(spans[-1][1], 2) if spans
+            else None, "seconds": round(span, 2), "requests": len(sel), "failed": sum(not r.ok for r in sel),
+            "ttft_p50_s": q(0.5), "ttft_p99_s": q(0.99),
             "tokens_per_s": round(sum(r.tokens for r in sel if r.ok) / span, 1) if span > 0 else None,
             "errors": sorted({r.error for r in sel if not r.ok})[:3]}
+
+
+def compare(with_: dict[str, dict], without: dict[str, dict], phases: tuple[str, ...]) -> dict[str, Any]:
+    """TTFT p99 ratios (with lending ÷ without) of ``phases`` that hold :data:`MIN_REQUESTS` in both."""
+    ratios = {}
+    for p in phases:
+        a, b = with_[p]["ttft_p99_s"], without[p]["ttft_p99_s"]
+        if a is not None and b and min(with_[p]["requests"], without[p]["requests"]) >= MIN_REQUESTS:
+            ratios[p] = round(a / b, 3)
+    failed = {"with_lending": sum(v["failed"] for v in with_.values()),
+              "without": sum(v["failed"] for v in without.values())}
+    return {"ttft_p99_ratio": max(ratios.values()) if ratios else None, "ttft_p99_ratio_by_phase": ratios,
+            "requests_failed": failed,
+            "requests_failed_by_reclaim": max(0, failed["with_lending"] - failed["without"])}
 
 
 def one_run(opts: BenchOptions, model: Path, workdir: Path, lend: bool,
@@ -137,7 +154,7 @@ def one_run(opts: BenchOptions, model: Path, workdir: Path, lend: bool,
     if bounds is None:
         bounds = (lent_from or due_s, notice or due_s, max(back or due_s, due_s))
     cuts = [0.0, *bounds, d]
-    phases = {p: _phase_stats(recs, cuts[k], cuts[k + 1]) for k, p in enumerate(PHASES)}
+    phases = {p: phase_stats(recs, [(cuts[k], cuts[k + 1])]) for k, p in enumerate(PHASES)}
     return {"lending": lend, "phases": phases, "bounds": bounds, "demand": asdict(demand),
             "lendable": lendable, "lent": lent, "lead_s": round(lead_s, 3), "due_s": due_s,
             "notice_s": notice, "back_s": back, "returns_missed": missed, "loaned_replica_s":
@@ -153,18 +170,8 @@ def run(opts: BenchOptions, workdir: str | Path | None = None) -> dict[str, Any]
         model = Path(opts.model) if opts.model else write_tiny_gguf(Path(tmp) / "tiny.gguf")
         with_ = one_run(opts, model, Path(tmp) / "lending", True)
         without = one_run(opts, model, Path(tmp) / "baseline", False, with_["bounds"])
-    ratios = {}
-    for p in ("lent", "reclaiming"):
-        pa, pb = with_["phases"][p], without["phases"][p]
-        a, b = pa["ttft_p99_s"], pb["ttft_p99_s"]
-        if a is not None and b and min(pa["requests"], pb["requests"]) >= MIN_REQUESTS:
-            ratios[p] = round(a / b, 3)
-    failed = {k: sum(v["failed"] for v in run_["phases"].values()) for k, run_ in (("with_lending", with_),
-                                                                                  ("without", without))}
     return {"engine": {"name": "llama.cpp", "version": engine_version(llama_server())},
-            "options": asdict(opts), "ttft_p99_ratio": max(ratios.values()) if ratios else None,
-            "ttft_p99_ratio_by_phase": ratios, "requests_failed": failed,
-            "requests_failed_by_reclaim": max(0, failed["with_lending"] - failed["without"]),
+            "options": asdict(opts), **compare(with_["phases"], without["phases"], ("lent", "reclaiming")),
             "reclaim_notices": int(with_["notice_s"] is not None), "returns_missed": with_["returns_missed"],
             "loaned_gpu_hours": round(with_["loaned_replica_s"] / 3600.0, 6),
             "with_lending": with_, "without_lending": without}

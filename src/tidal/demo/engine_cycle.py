@@ -1,0 +1,163 @@
+"""``tidal demo cycle --engine llama.cpp``: the day of lending with a real engine serving on the serving
+nodes, then the same traffic again without lending.
+
+    tidal demo cycle --engine llama.cpp --hours 8 --start-hour 0 --speedup 480   # ~2 x 60 s
+
+One llama.cpp replica per serving node (:mod:`tidal.serving.engine_replicas`, behind nginx) serves
+open-loop traffic whose rate follows the day's profile (``PEAK_RATE_PER_S`` at its peak; real prompts,
+streamed completions). The plane lends and reclaims as in ``tidal demo cycle``; each poll mirrors its
+loans onto the engine: a node with GPUs lent runs no replica (unrouted, drained, stopped), and its
+replica starts again once they are back. Each poll's state (serving, lent, reclaiming: a notice given
+and not yet all back) cuts both runs' requests, so TTFT and failures compare the same seconds. The
+run without lending has no training beside it, which favours it on one shared CPU.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from tidal.demo.cycle import DAY, PROFILE, CycleOptions, run_cycle
+from tidal.demo.plane import DemoError
+from tidal.demo.serve_traffic import Traffic
+from tidal.serving.adapters import parse_nodes
+from tidal.serving.engine_bench import MIN_REQUESTS, _body, compare, phase_stats
+from tidal.serving.engine_replicas import EngineError, EngineReplicas, engine_version, llama_server
+
+PEAK_RATE_PER_S = 6.0
+MAX_TOKENS = 32
+STATES = ("serving", "lent", "reclaiming")
+
+
+class EngineSide:
+    """The engine replicas, one per serving node, following the plane's loans (:meth:`sync`, each poll)."""
+
+    def __init__(self, model: Path, workdir: Path, nodes: list[str], opts: CycleOptions) -> None:
+        self.nodes, self.opts = nodes, opts
+        self.r = EngineReplicas(model, workdir, len(nodes)).start()
+        self.timeline: list[tuple[float, str]] = []  # (traffic seconds, state from then on)
+        self.traffic: Traffic | None = None
+
+    def rate(self, serving_s: float) -> Any:
+        """Requests/s at traffic second t: the profile at serving time ``serving_s + t x speedup``."""
+        from tidal.serving.traces import load_trace
+
+        tr = load_trace(PROFILE)
+        times, load, peak = tr.times_s, tr.load, tr.peak_load
+
+        def rate(t: float) -> float:
+            x = (serving_s + t * self.opts.speedup) % DAY
+            i = max(0, min(int(x // tr.step_s), len(times) - 1))
+            return float(load[i]) / peak * PEAK_RATE_PER_S
+        return rate
+
+    def start_traffic(self, serving_s: float, duration_s: float) -> Traffic:
+        t = Traffic(f"{self.r.url}/v1/completions", self.rate(serving_s), duration_s,
+                    body=lambda i: _body(i, MAX_TOKENS), stream=True, max_rate=PEAK_RATE_PER_S)
+        t.start()
+        return t
+
+    def sync(self, s: dict, jobs: list[dict], events: list[dict]) -> None:
+        if s.get("serving_time_s") is None:
+            return
+        if self.traffic is None:
+            self.traffic = self.start_traffic(s["serving_time_s"], self.opts.wall_s)
+        lent = {ln["node"] for ln in s.get("loans", ()) if ln.get("gpus")}
+        for i, node in enumerate(self.nodes):
+            rep = self.r.replicas[i]
+            try:
+                if node in lent and rep.routed and len(self.r.routed()) > 1:
+                    self.r.lend(i)
+                elif node not in lent and not rep.routed:
+                    self.r.take_back(i)
+            except EngineError:  # an event of the replicas; tried again at the next poll
+                pass
+        self.r.check()
+        now = s.get("now_s") or time.time()
+        noticed = any(r.get("notice_s") is None or r["notice_s"] <= now for r in s.get("reclaims") or ())
+        state = ("reclaiming" if noticed and lent else "lent" if len(self.r.routed()) < len(self.nodes)
+                 else "serving")
+        if not self.timeline or self.timeline[-1][1] != state:
+            self.timeline.append((self.traffic.at(time.time()), state))
+
+    def spans(self, end_s: float) -> dict[str, list[tuple[float, float]]]:
+        out: dict[str, list[tuple[float, float]]] = {k: [] for k in STATES}
+        for (t, state), nxt in zip(self.timeline, [*self.timeline[1:], (end_s, "")], strict=True):
+            out[state].append((t, nxt[0]))
+        return out
+
+
+def run_with_engine(opts: CycleOptions, engine: str, console: Console, *, keep: bool = False
+                    ) -> dict[str, Any]:
+    """The day with the engine serving, then its traffic without lending; the cycle's summary with an
+    ``engine`` part (its JSON fields as ``tidal serving engine-bench``'s)."""
+    import tempfile
+
+    from tidal.serving.tiny_gguf import write_tiny_gguf
+
+    if engine != "llama.cpp":
+        raise DemoError(f"--engine {engine!r}: expected llama.cpp (vLLM and SGLang need a GPU)")
+    nodes = sorted(parse_nodes(opts.serving_nodes))
+    with tempfile.TemporaryDirectory(prefix="tidal-engine-cycle-") as tmp:
+        try:
+            model = write_tiny_gguf(Path(tmp) / "tiny.gguf")
+            side = EngineSide(model, Path(tmp) / "lending", nodes, opts)
+        except (EngineError, ImportError) as e:
+            raise DemoError(str(e)) from None
+        console.print(f"[bold cyan]cycle[/bold cyan] {len(nodes)} llama.cpp replicas behind nginx at "
+                      f"{side.r.url}, one per serving node; traffic up to {PEAK_RATE_PER_S:g} requests/s",
+                      highlight=False)
+        try:
+            out = run_cycle(opts, console, keep=keep, on_poll=side.sync)
+        finally:
+            if side.traffic is not None:
+                side.traffic.stop(30.0)
+            side.r.stop()
+        if side.traffic is None:
+            raise DemoError("the plane reported no serving time: no traffic was sent")
+        end_s = min(side.traffic.at(time.time()), side.traffic.duration_s)  # (it ran its duration)
+        console.print("[dim]the same traffic again, every replica serving, no lending...[/dim]")
+        with EngineReplicas(model, Path(tmp) / "baseline", len(nodes)) as base:
+            again = Traffic(f"{base.url}/v1/completions", side.traffic.rate, max(end_s, 0.1),
+                            body=lambda i: _body(i, MAX_TOKENS), stream=True, max_rate=PEAK_RATE_PER_S)
+            again.start()
+            time.sleep(end_s)  # every arrival sent (the run ends by itself), then its answers awaited
+            again.stop(60.0)
+            base_events = base.events
+    spans = side.spans(end_s)
+    with_ = {k: phase_stats(side.traffic.records, v) for k, v in spans.items()}
+    without = {k: phase_stats(again.records, v) for k, v in spans.items()}
+    live = out["live"]
+    eng = {"engine": {"name": engine, "version": engine_version(llama_server())}, "replicas": len(nodes),
+           **compare(with_, without, ("lent", "reclaiming")), "reclaim_notices": live["reclaim_notices"],
+           "returns_missed": live["returns_missed"], "loaned_gpu_hours": live["loaned_gpu_hours"],
+           "states": {k: {"with_lending": with_[k], "without": without[k]} for k in STATES},
+           "events": side.r.events[-50:], "baseline_events": base_events[-20:],
+           "traffic_errors": [x for x in (side.traffic.error, again.error) if x]}
+    out["engine"] = eng
+    out["ok"] = bool(out["ok"] and eng["requests_failed_by_reclaim"] == 0 and not eng["traffic_errors"])
+    return out
+
+
+def print_engine(console: Console, eng: dict[str, Any]) -> None:
+    t = Table(title=f"{eng['engine']['name']} ({eng['engine']['version']}), {eng['replicas']} replicas: "
+                    "TTFT by the plane's state, the same traffic with and without lending")
+    for c in ("state", "run", "seconds", "requests", "failed", "ttft p50", "ttft p99", "tokens/s"):
+        t.add_column(c, justify="left" if c in ("state", "run") else "right")
+
+    def ms(x: float | None) -> str:
+        return "-" if x is None else f"{1000 * x:.0f} ms"
+    for k, v in eng["states"].items():
+        for run, st in v.items():
+            t.add_row(k, run, f"{st['seconds']:.0f}", str(st["requests"]), str(st["failed"]),
+                      ms(st["ttft_p50_s"]), ms(st["ttft_p99_s"]), str(st["tokens_per_s"] or 0))
+    console.print(t)
+    r = eng["ttft_p99_ratio"]
+    console.print(f"TTFT p99 with / without lending (worst of lent and reclaiming, >= {MIN_REQUESTS} "
+                  f"requests): {'-' if r is None or math.isnan(r) else f'{r:.2f}'}; requests failed by "
+                  f"reclaims {eng['requests_failed_by_reclaim']}", highlight=False)
