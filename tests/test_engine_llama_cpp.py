@@ -102,10 +102,10 @@ def test_a_corrupt_model_fails_to_start_with_its_log(tmp_path):
 
 
 def test_the_cycle_demo_mirrors_the_planes_loans_onto_the_replicas(model, tmp_path):
-    from tidal.demo.cycle import CycleOptions
-    from tidal.demo.engine_cycle import EngineSide
+    from tidal.demo.engine_cycle import EngineSide, profile_rate
 
-    side = EngineSide(model, tmp_path / "w", ["serve-0", "serve-1"], CycleOptions(hours=0.01))
+    side = EngineSide(model, tmp_path / "w", ["serve-0", "serve-1"], lambda at: profile_rate(at, 240.0, 4.0),
+                      0.2)
     try:
         now = time.time()
         status = lambda loans, reclaims=(): {"serving_time_s": 3 * 86400.0, "now_s": time.time(),  # noqa: E731

@@ -77,7 +77,7 @@ def _serving() -> None:
 
 
 def _demo() -> None:
-    from tidal.demo.cycle import cycle
+    from tidal.demo.engine_cycle import cycle
     from tidal.demo.on_ray import demo_ray
     from tidal.demo.single import demo
 

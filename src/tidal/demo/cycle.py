@@ -14,7 +14,6 @@ no GPU was ever counted both as serving and as lent (checked from the API at eve
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 import os
 import shutil
@@ -23,13 +22,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
 import numpy as np
-import typer
 from rich.console import Console, Group
 from rich.live import Live
-from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 
@@ -335,47 +332,3 @@ def print_summary(console: Console, out: dict) -> None:
     if out["double_counted"]:
         console.print(f"[red]GPU held by serving and a job at once: {out['double_counted'][:3]}[/red]")
     console.print("[bold green]ok[/bold green]" if out["ok"] else "[bold red]NOT ok[/bold red]")
-
-
-def cycle(
-    speedup: Annotated[float, typer.Option(help="serving seconds per second")] = 240.0,
-    hours: Annotated[float, typer.Option(help="hours of serving time to replay")] = 24.0,
-    start_hour: Annotated[float, typer.Option(help="serving time of day to start at")] = 18.0,
-    jobs: Annotated[int, typer.Option(help="elastic spot jobs")] = 2,
-    max_ranks: Annotated[int, typer.Option(help="largest size of each job")] = 3,
-    serving_nodes: Annotated[str, typer.Option(help="virtual serving nodes, NxG")] = "8x2",
-    trace: Annotated[str | None,
-                     typer.Option(help="a serving trace CSV instead of the shipped profile")] = None,
-    keep: Annotated[bool, typer.Option("--keep", help="keep the state dir")] = False,
-    json_out: Annotated[bool, typer.Option("--json", help="the summary as JSON on stdout")] = False,
-    engine: Annotated[str | None, typer.Option(help="a real engine serving traffic on the serving nodes "
-                                               "(llama.cpp: a replica per node; default 4x2 nodes)")] = None,
-) -> None:
-    """A day of live lending: spot jobs grow onto lent serving GPUs at night and give them back in time."""
-    import json
-
-    console = Console(stderr=json_out)
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if engine is not None and serving_nodes == "8x2":
-        serving_nodes = "4x2"  # one replica per node: four on two cores beside the training
-    opts = CycleOptions(speedup=speedup, hours=hours, start_hour=start_hour, jobs=jobs, max_ranks=max_ranks,
-                        serving_nodes=serving_nodes, trace=trace)
-    try:
-        if engine is not None:
-            from tidal.demo.engine_cycle import run_with_engine
-
-            out = run_with_engine(opts, engine, console, keep=keep)
-        else:
-            out = run_cycle(opts, console, keep=keep)
-    except DemoError as e:
-        Console(stderr=True).print(f"[red]error:[/red] {escape(str(e))}", highlight=False)
-        raise typer.Exit(2) from None
-    if json_out:
-        print(json.dumps(out, indent=1))
-    else:
-        print_summary(console, out)
-        if "engine" in out:
-            from tidal.demo.engine_cycle import print_engine
-
-            print_engine(console, out["engine"])
-    raise typer.Exit(0 if out["ok"] else 1)

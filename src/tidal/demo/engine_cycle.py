@@ -1,64 +1,58 @@
-"""``tidal demo cycle --engine llama.cpp``: the day of lending with a real engine serving on the serving
-nodes, then the same traffic again without lending.
+"""The ``tidal demo cycle`` command, and ``--engine llama.cpp``: the day of lending with a real engine
+serving on the serving nodes, then the same traffic again without lending.
 
     tidal demo cycle --engine llama.cpp --hours 8 --start-hour 0 --speedup 480   # ~2 x 60 s
 
 One llama.cpp replica per serving node (:mod:`tidal.serving.engine_replicas`, behind nginx) serves
-open-loop traffic whose rate follows the day's profile (``PEAK_RATE_PER_S`` at its peak; real prompts,
-streamed completions). The plane lends and reclaims as in ``tidal demo cycle``; each poll mirrors its
-loans onto the engine: a node with GPUs lent runs no replica (unrouted, drained, stopped), and its
-replica starts again once they are back. Each poll's state (serving, lent, reclaiming: a notice given
-and not yet all back) cuts both runs' requests, so TTFT and failures compare the same seconds. The
-run without lending has no training beside it, which favours it on one shared CPU.
+open-loop traffic whose rate follows the day's profile (``ENGINE_PEAK_RATE_PER_S`` at its peak; real
+prompts, streamed completions). The plane lends and reclaims as in ``tidal demo cycle``; each poll
+mirrors its loans onto the engine: a node with GPUs lent runs no replica (unrouted, drained, stopped),
+and its replica starts again once they are back. Each poll's state (serving, lent, reclaiming: a
+notice given and not yet all back) cuts both runs' requests, so TTFT and failures compare the same
+seconds. The run without lending has no training beside it, which favours it on one shared CPU.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
+import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from tidal.demo.cycle import DAY, PROFILE, CycleOptions, run_cycle
+from tidal.demo.cycle import DAY, PROFILE, CycleOptions, print_summary, run_cycle
 from tidal.demo.plane import DemoError
 from tidal.demo.serve_traffic import Traffic
 from tidal.serving.adapters import parse_nodes
 from tidal.serving.engine_bench import MIN_REQUESTS, _body, compare, phase_stats
 from tidal.serving.engine_replicas import EngineError, EngineReplicas, engine_version, llama_server
 
-PEAK_RATE_PER_S = 6.0
 MAX_TOKENS = 32
+ENGINE_PEAK_RATE_PER_S = 6.0  # requests/s at the profile's peak (four one-thread replicas)
 STATES = ("serving", "lent", "reclaiming")
 
 
 class EngineSide:
     """The engine replicas, one per serving node, following the plane's loans (:meth:`sync`, each poll)."""
 
-    def __init__(self, model: Path, workdir: Path, nodes: list[str], opts: CycleOptions) -> None:
-        self.nodes, self.opts = nodes, opts
+    def __init__(self, model: Path, workdir: Path, nodes: list[str],
+                 rate: Callable[[float], Callable[[float], float]], duration_s: float) -> None:
+        """``rate(serving_s)``: requests/s at traffic second t when the traffic starts at serving time
+        ``serving_s``; ``duration_s``: how long it runs."""
+        self.nodes, self.rate, self.duration_s = nodes, rate, duration_s
         self.r = EngineReplicas(model, workdir, len(nodes)).start()
         self.timeline: list[tuple[float, str]] = []  # (traffic seconds, state from then on)
         self.traffic: Traffic | None = None
 
-    def rate(self, serving_s: float) -> Any:
-        """Requests/s at traffic second t: the profile at serving time ``serving_s + t x speedup``."""
-        from tidal.serving.traces import load_trace
-
-        tr = load_trace(PROFILE)
-        times, load, peak = tr.times_s, tr.load, tr.peak_load
-
-        def rate(t: float) -> float:
-            x = (serving_s + t * self.opts.speedup) % DAY
-            i = max(0, min(int(x // tr.step_s), len(times) - 1))
-            return float(load[i]) / peak * PEAK_RATE_PER_S
-        return rate
-
     def start_traffic(self, serving_s: float, duration_s: float) -> Traffic:
         t = Traffic(f"{self.r.url}/v1/completions", self.rate(serving_s), duration_s,
-                    body=lambda i: _body(i, MAX_TOKENS), stream=True, max_rate=PEAK_RATE_PER_S)
+                    body=lambda i: _body(i, MAX_TOKENS), stream=True)
         t.start()
         return t
 
@@ -66,7 +60,7 @@ class EngineSide:
         if s.get("serving_time_s") is None:
             return
         if self.traffic is None:
-            self.traffic = self.start_traffic(s["serving_time_s"], self.opts.wall_s)
+            self.traffic = self.start_traffic(s["serving_time_s"], self.duration_s)
         lent = {ln["node"] for ln in s.get("loans", ()) if ln.get("gpus")}
         for i, node in enumerate(self.nodes):
             rep = self.r.replicas[i]
@@ -92,28 +86,29 @@ class EngineSide:
         return out
 
 
-def run_with_engine(opts: CycleOptions, engine: str, console: Console, *, keep: bool = False
-                    ) -> dict[str, Any]:
-    """The day with the engine serving, then its traffic without lending; the cycle's summary with an
-    ``engine`` part (its JSON fields as ``tidal serving engine-bench``'s)."""
+def run_with_engine(engine: str, nodes: list[str], console: Console,
+                    play: Callable[[Callable[[dict, list[dict], list[dict]], None]], dict[str, Any]],
+                    rate: Callable[[float], Callable[[float], float]], duration_s: float) -> dict[str, Any]:
+    """The day (``play(on_poll)``: the cycle's summary) with the engine serving ``nodes`` traffic of
+    ``rate`` for ``duration_s``, then that traffic without lending; the summary with an ``engine`` part
+    (its JSON fields as ``tidal serving engine-bench``'s)."""
     import tempfile
 
     from tidal.serving.tiny_gguf import write_tiny_gguf
 
     if engine != "llama.cpp":
         raise DemoError(f"--engine {engine!r}: expected llama.cpp (vLLM and SGLang need a GPU)")
-    nodes = sorted(parse_nodes(opts.serving_nodes))
     with tempfile.TemporaryDirectory(prefix="tidal-engine-cycle-") as tmp:
         try:
             model = write_tiny_gguf(Path(tmp) / "tiny.gguf")
-            side = EngineSide(model, Path(tmp) / "lending", nodes, opts)
+            side = EngineSide(model, Path(tmp) / "lending", nodes, rate, duration_s)
         except (EngineError, ImportError) as e:
             raise DemoError(str(e)) from None
         console.print(f"[bold cyan]cycle[/bold cyan] {len(nodes)} llama.cpp replicas behind nginx at "
-                      f"{side.r.url}, one per serving node; traffic up to {PEAK_RATE_PER_S:g} requests/s",
+                      f"{side.r.url}, one per serving node, traffic following the day",
                       highlight=False)
         try:
-            out = run_cycle(opts, console, keep=keep, on_poll=side.sync)
+            out = play(side.sync)
         finally:
             if side.traffic is not None:
                 side.traffic.stop(30.0)
@@ -124,7 +119,7 @@ def run_with_engine(opts: CycleOptions, engine: str, console: Console, *, keep: 
         console.print("[dim]the same traffic again, every replica serving, no lending...[/dim]")
         with EngineReplicas(model, Path(tmp) / "baseline", len(nodes)) as base:
             again = Traffic(f"{base.url}/v1/completions", side.traffic.rate, max(end_s, 0.1),
-                            body=lambda i: _body(i, MAX_TOKENS), stream=True, max_rate=PEAK_RATE_PER_S)
+                            body=lambda i: _body(i, MAX_TOKENS), stream=True)
             again.start()
             time.sleep(end_s)  # every arrival sent (the run ends by itself), then its answers awaited
             again.stop(60.0)
@@ -161,3 +156,57 @@ def print_engine(console: Console, eng: dict[str, Any]) -> None:
     console.print(f"TTFT p99 with / without lending (worst of lent and reclaiming, >= {MIN_REQUESTS} "
                   f"requests): {'-' if r is None or math.isnan(r) else f'{r:.2f}'}; requests failed by "
                   f"reclaims {eng['requests_failed_by_reclaim']}", highlight=False)
+
+
+def profile_rate(serving_s: float, speedup: float, peak_per_s: float) -> Callable[[float], float]:
+    """Requests/s at traffic second t: the shipped profile (``peak_per_s`` at its peak) at serving time
+    ``serving_s + t x speedup``, day after day."""
+    from tidal.serving.traces import load_trace
+
+    tr = load_trace(PROFILE)
+    load, peak, step = tr.load, tr.peak_load, tr.step_s
+    return lambda t: float(load[min(int((serving_s + t * speedup) % DAY // step), len(load) - 1)]) / peak * \
+        peak_per_s
+
+
+def cycle(
+    speedup: Annotated[float, typer.Option(help="serving seconds per second")] = 240.0,
+    hours: Annotated[float, typer.Option(help="hours of serving time to replay")] = 24.0,
+    start_hour: Annotated[float, typer.Option(help="serving time of day to start at")] = 18.0,
+    jobs: Annotated[int, typer.Option(help="elastic spot jobs")] = 2,
+    max_ranks: Annotated[int, typer.Option(help="largest size of each job")] = 3,
+    serving_nodes: Annotated[str, typer.Option(help="virtual serving nodes, NxG")] = "8x2",
+    trace: Annotated[str | None,
+                     typer.Option(help="a serving trace CSV instead of the shipped profile")] = None,
+    keep: Annotated[bool, typer.Option("--keep", help="keep the state dir")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="the summary as JSON on stdout")] = False,
+    engine: Annotated[str | None, typer.Option(help="a real engine serving traffic on the serving nodes "
+                                               "(llama.cpp: a replica per node; default 4x2 nodes)")] = None,
+) -> None:
+    """A day of live lending: spot jobs grow onto lent serving GPUs at night and give them back in time."""
+    import json
+
+    console = Console(stderr=json_out)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if engine is not None and serving_nodes == "8x2":
+        serving_nodes = "4x2"  # one replica per node: four on two cores beside the training
+    opts = CycleOptions(speedup=speedup, hours=hours, start_hour=start_hour, jobs=jobs, max_ranks=max_ranks,
+                        serving_nodes=serving_nodes, trace=trace)
+    try:
+        if engine is not None:
+            out = run_with_engine(engine, sorted(parse_nodes(opts.serving_nodes)), console,
+                                  lambda poll: run_cycle(opts, console, keep=keep, on_poll=poll),
+                                  lambda at: profile_rate(at, opts.speedup, ENGINE_PEAK_RATE_PER_S),
+                                  opts.wall_s)
+        else:
+            out = run_cycle(opts, console, keep=keep)
+    except DemoError as e:
+        Console(stderr=True).print(f"[red]error:[/red] {escape(str(e))}", highlight=False)
+        raise typer.Exit(2) from None
+    if json_out:
+        print(json.dumps(out, indent=1))
+    else:
+        print_summary(console, out)
+        if "engine" in out:
+            print_engine(console, out["engine"])
+    raise typer.Exit(0 if out["ok"] else 1)
