@@ -1,16 +1,6 @@
-"""The ``tidal demo cycle`` command, and ``--engine llama.cpp``: the day of lending with a real engine
-serving on the serving nodes, then the same traffic again without lending.
-
-    tidal demo cycle --engine llama.cpp --hours 8 --start-hour 0 --speedup 480   # ~2 x 60 s
-
-One llama.cpp replica per serving node (:mod:`tidal.serving.engine_replicas`, behind nginx) serves
-open-loop traffic whose rate follows the day's profile (``ENGINE_PEAK_RATE_PER_S`` at its peak; real
-prompts, streamed completions). The plane lends and reclaims as in ``tidal demo cycle``; each poll
-mirrors its loans onto the engine: a node with GPUs lent runs no replica (unrouted, drained, stopped),
-and its replica starts again once they are back. Each poll's state (serving, lent, reclaiming: a
-notice given and not yet all back) cuts both runs' requests, so TTFT and failures compare the same
-seconds. The run without lending has no training beside it, which favours it on one shared CPU.
-"""
+"""The ``tidal demo cycle`` command; with ``--engine llama.cpp`` a replica of a real engine on each
+serving node follows the plane's loans under the day's traffic, and the same traffic then runs without
+lending (docs/loaning.md, "A real engine on the serving side")."""
 
 from __future__ import annotations
 
