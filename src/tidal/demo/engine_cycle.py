@@ -5,7 +5,6 @@ lending (docs/loaning.md, "A real engine on the serving side")."""
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -76,29 +75,29 @@ class EngineSide:
         return out
 
 
-def run_with_engine(engine: str, nodes: list[str], console: Console,
-                    play: Callable[[Callable[[dict, list[dict], list[dict]], None]], dict[str, Any]],
-                    rate: Callable[[float], Callable[[float], float]], duration_s: float) -> dict[str, Any]:
-    """The day (``play(on_poll)``: the cycle's summary) with the engine serving ``nodes`` traffic of
-    ``rate`` for ``duration_s``, then that traffic without lending; the summary with an ``engine`` part
-    (its JSON fields as ``tidal serving engine-bench``'s)."""
+def run_with_engine(opts: CycleOptions, engine: str, console: Console, *, keep: bool = False
+                    ) -> dict[str, Any]:
+    """The day with the engine serving, then its traffic without lending; the cycle's summary with an
+    ``engine`` part (the JSON fields of ``tidal serving engine-bench``)."""
     import tempfile
 
     from tidal.serving.tiny_gguf import write_tiny_gguf
 
     if engine != "llama.cpp":
         raise DemoError(f"--engine {engine!r}: expected llama.cpp (vLLM and SGLang need a GPU)")
+    nodes = sorted(parse_nodes(opts.serving_nodes))
     with tempfile.TemporaryDirectory(prefix="tidal-engine-cycle-") as tmp:
         try:
             model = write_tiny_gguf(Path(tmp) / "tiny.gguf")
-            side = EngineSide(model, Path(tmp) / "lending", nodes, rate, duration_s)
+            side = EngineSide(model, Path(tmp) / "lending", nodes,
+                              lambda at: profile_rate(at, opts.speedup, ENGINE_PEAK_RATE_PER_S), opts.wall_s)
         except (EngineError, ImportError) as e:
             raise DemoError(str(e)) from None
         console.print(f"[bold cyan]cycle[/bold cyan] {len(nodes)} llama.cpp replicas behind nginx at "
                       f"{side.r.url}, one per serving node, traffic following the day",
                       highlight=False)
         try:
-            out = play(side.sync)
+            out = run_cycle(opts, console, keep=keep, on_poll=side.sync)
         finally:
             if side.traffic is not None:
                 side.traffic.stop(30.0)
@@ -144,7 +143,7 @@ def print_engine(console: Console, eng: dict[str, Any]) -> None:
     console.print(t)
     r = eng["ttft_p99_ratio"]
     console.print(f"TTFT p99 with / without lending (worst of lent and reclaiming, >= {MIN_REQUESTS} "
-                  f"requests): {'-' if r is None or math.isnan(r) else f'{r:.2f}'}; requests failed by "
+                  f"requests): {'-' if r is None else f'{r:.2f}'}; requests failed by "
                   f"reclaims {eng['requests_failed_by_reclaim']}", highlight=False)
 
 
@@ -184,10 +183,7 @@ def cycle(
                         serving_nodes=serving_nodes, trace=trace)
     try:
         if engine is not None:
-            out = run_with_engine(engine, sorted(parse_nodes(opts.serving_nodes)), console,
-                                  lambda poll: run_cycle(opts, console, keep=keep, on_poll=poll),
-                                  lambda at: profile_rate(at, opts.speedup, ENGINE_PEAK_RATE_PER_S),
-                                  opts.wall_s)
+            out = run_with_engine(opts, engine, console, keep=keep)
         else:
             out = run_cycle(opts, console, keep=keep)
     except DemoError as e:
