@@ -110,7 +110,6 @@ class EngineReplicas:
         self.router: subprocess.Popen | None = None
         self.http = httpx.Client(timeout=5.0)
 
-    # -- the whole set ------------------------------------------------------------------------------
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.router_port}"
@@ -150,7 +149,6 @@ class EngineReplicas:
     def routed(self) -> list[int]:
         return [r.index for r in self.replicas if r.routed]
 
-    # -- lending ------------------------------------------------------------------------------------
     def lend(self, i: int) -> float:
         """Stop routing to replica ``i``, let its requests finish (at most ``drain_timeout_s``), stop it;
         the seconds it took."""
@@ -208,7 +206,6 @@ class EngineReplicas:
                 self._event("engine_start_failed", r.index, f"replica {r.index} not restored: {e}")
         return self.events[n:]
 
-    # -- metrics ------------------------------------------------------------------------------------
     def scrape_one(self, r: Replica) -> EngineStats | None:
         try:
             resp = self.http.get(f"http://127.0.0.1:{r.port}/metrics", timeout=2.0)
@@ -230,7 +227,6 @@ class EngineReplicas:
         text = self.http.get(f"{self.url}/router/status").text.split("\n")
         return int(text[2].split()[2])
 
-    # -- internals ----------------------------------------------------------------------------------
     def _event(self, kind: str, replica: int, message: str) -> None:
         self.events.append({"time_s": time.time(), "kind": kind, "replica": replica, "message": message})
 
