@@ -19,7 +19,7 @@ from tidal.demo.cycle import DAY, PROFILE, CycleOptions, print_summary, run_cycl
 from tidal.demo.plane import DemoError
 from tidal.demo.serve_traffic import Traffic
 from tidal.serving.adapters import parse_nodes
-from tidal.serving.engine_bench import MIN_REQUESTS, _body, compare, phase_stats
+from tidal.serving.engine_bench import MIN_REQUESTS, compare, phase_stats, request_body
 from tidal.serving.engine_replicas import EngineError, EngineReplicas, engine_version, llama_server
 
 MAX_TOKENS = 32
@@ -41,7 +41,7 @@ class EngineSide:
 
     def start_traffic(self, serving_s: float, duration_s: float) -> Traffic:
         t = Traffic(f"{self.r.url}/v1/completions", self.rate(serving_s), duration_s,
-                    body=lambda i: _body(i, MAX_TOKENS), stream=True)
+                    body=lambda i: request_body(i, MAX_TOKENS), stream=True)
         t.start()
         return t
 
@@ -108,7 +108,7 @@ def run_with_engine(opts: CycleOptions, engine: str, console: Console, *, keep: 
         console.print("[dim]the same traffic again, every replica serving, no lending...[/dim]")
         with EngineReplicas(model, Path(tmp) / "baseline", len(nodes)) as base:
             again = Traffic(f"{base.url}/v1/completions", side.traffic.rate, max(end_s, 0.1),
-                            body=lambda i: _body(i, MAX_TOKENS), stream=True)
+                            body=lambda i: request_body(i, MAX_TOKENS), stream=True)
             again.start()
             time.sleep(end_s)  # every arrival sent (the run ends by itself), then its answers awaited
             again.stop(60.0)

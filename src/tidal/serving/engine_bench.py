@@ -57,7 +57,8 @@ class BenchOptions:
             raise ValueError("--max-tokens must be 1 to 1024 and --slo-s > 0")
 
 
-def _body(i: int, max_tokens: int) -> bytes:
+def request_body(i: int, max_tokens: int) -> bytes:
+    """The i-th request: a real prompt, ``max_tokens`` streamed tokens (end-of-text ignored)."""
     return json.dumps({"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": max_tokens, "ignore_eos": True,
                        "temperature": 0, "stream": True}).encode()
 
@@ -109,8 +110,8 @@ def one_run(opts: BenchOptions, model: Path, workdir: Path, lend: bool,
         def traffic() -> None:
             try:
                 recs.extend(asyncio.run(loadgen.generate(
-                    url, rate, d, body=lambda i: _body(i, opts.max_tokens), stream=True, seed=opts.seed,
-                    start=t0, timeout_s=60.0)))
+                    url, rate, d, body=lambda i: request_body(i, opts.max_tokens), stream=True,
+                    seed=opts.seed, start=t0, timeout_s=60.0)))
             except Exception as e:  # noqa: BLE001 (said in the result)
                 failed.append(f"{type(e).__name__}: {e}")
 
