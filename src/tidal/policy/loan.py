@@ -20,6 +20,7 @@ import numpy as np
 from tidal.contract import DEFAULT_GRACE_S
 from tidal.model import Reclaim
 from tidal.policy.budget import ledger_update, max_lendable
+from tidal.policy.clients import ClientConfig, ClientState, client_forecast, initial_clients, observe_clients
 from tidal.policy.forecast import Forecast, ForecastConfig, ForecastState, forecast, initial_state, observe
 from tidal.policy.forecast_errors import tail_reserve_gpus
 
@@ -78,13 +79,15 @@ class LoanTiming:
 @dataclass(frozen=True, eq=False)
 class LoanContext:
     """What the caller observed at ``now_s``: ``demand_gpus`` (NaN = no observation), ``lent_gpus`` of
-    the pool's ``serving_gpus``; ``future_demand_gpus`` (the oracle only): demand at ``now + k * step_s``."""
+    the pool's ``serving_gpus``; ``future_demand_gpus`` (the oracle only): demand at ``now + k * step_s``;
+    ``client_gpus``: the same demand per client (:mod:`tidal.policy.clients`), when the source has it."""
 
     now_s: float
     serving_gpus: int
     demand_gpus: float
     lent_gpus: int = 0
     future_demand_gpus: np.ndarray | None = None
+    client_gpus: np.ndarray | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -93,7 +96,7 @@ class LoanPlan:
     must be back by when, earliest first (those not listed may stay past the horizon);
     ``reclaim_now_gpus`` are on loan beyond ``lendable_gpus``. ``times_s`` / ``upper_gpus``: the upper
     bound the plan was made from, with ``margin_gpus`` inside it at the lead time; ``bound_gpus``: what
-    the bound alone would lend, before the budget ledger's cap."""
+    the bound alone would lend, before the budget ledger's cap; ``forecaster``: which made the bound."""
 
     now_s: float
     lendable_gpus: int
@@ -105,6 +108,7 @@ class LoanPlan:
     lead_time_s: float
     min_loan_window_s: float
     bound_gpus: int | None = None
+    forecaster: str = "aggregate"
 
     @property
     def reclaim_gpus(self) -> int:
@@ -203,6 +207,8 @@ class TidalConfig:
     """The ledger's rate ``B_l`` as a fraction of ``shortfall_budget``."""
     ledger_bank_pool_h: float = 48.0
     """How much unspent budget the ledger may bank (``budget x N x this`` GPU-hours; 0 = none)."""
+    clients: ClientConfig = field(default_factory=ClientConfig)
+    """The client-level model, used while the context has per-client demand."""
 
     def __post_init__(self) -> None:
         if not 0 < self.shortfall_budget < 1:
@@ -235,7 +241,8 @@ class TidalState:
     """What :class:`TidalPolicy` carries between steps: the margin ``z``; ``commitments``, per plan of the
     last lead time ``(decided_at_s, until_s, supply_gpus, pool_gpus, bound_supply_gpus)`` (what serving
     keeps, and would keep by the bound alone; stored states may hold the first 3 or 4 only);
-    realized ``shortfall_gpu_s`` and ``demand_gpu_s``; the budget ledger ``G`` (``ledger_gpu_s``)."""
+    realized ``shortfall_gpu_s`` and ``demand_gpu_s``; the budget ledger ``G`` (``ledger_gpu_s``); the
+    client model's state once per-client demand was seen."""
 
     forecast: ForecastState
     z: float
@@ -243,6 +250,7 @@ class TidalState:
     shortfall_gpu_s: float = 0.0
     demand_gpu_s: float = 0.0
     ledger_gpu_s: float = 0.0
+    clients: ClientState | None = None
 
     @property
     def shortfall_ratio(self) -> float:
@@ -301,8 +309,12 @@ class TidalPolicy:
         fs = state.forecast
         new_obs = math.isnan(fs.t_s) or ctx.now_s > fs.t_s + EPS
         cap_unit = self._lead_scale(fs) if cfg.shortfall_cap_scales < math.inf else 0.0
+        cs = state.clients
         if new_obs:
             fs = observe(cfg.forecast, fs, ctx.now_s, ctx.demand_gpus)
+            if ctx.client_gpus is not None:
+                cs = cs or initial_clients(cfg.clients)
+                cs = observe_clients(cfg.clients, cfg.forecast, cs, ctx.now_s, ctx.client_gpus)
         z, shortfall_gpu_s, demand_gpu_s = state.z, state.shortfall_gpu_s, state.demand_gpu_s
         ledger = state.ledger_gpu_s
         ledger_on = cfg.ledger_allowance_pool_h < math.inf
@@ -330,15 +342,21 @@ class TidalPolicy:
                 ledger = ledger_update(ledger, own, y, dt_s, cfg.ledger_fraction * cfg.shortfall_budget,
                                        cfg.shortfall_budget * n * cfg.ledger_bank_pool_h * 3600.0)
         fc = forecast(cfg.forecast, fs) if fs.n_obs else None  # nothing known yet: lend nothing
+        by_clients = fc is not None and cs is not None and cs.n_obs > 0 and ctx.client_gpus is not None
+        if by_clients and fc is not None and cs is not None:
+            fc = client_forecast(cfg.clients, cfg.forecast, cs, fc)
         reserve = self._reserve(fs)
         commitments = tuple(c for c in state.commitments if c[1] > ctx.now_s + EPS)
         cap = self._ledger_cap(ctx.now_s, n, ledger, commitments) if ledger_on else None
         plan = self._plan(ctx, fc, z, reserve, cap)
+        if by_clients:
+            plan = replace(plan, forecaster="clients")
         bound = plan.lendable_gpus if plan.bound_gpus is None else plan.bound_gpus
         until = ctx.now_s + cfg.timing.lead_time_s
         commitments += ((ctx.now_s, until, n - plan.lendable_gpus, n, n - bound),)
         new_state = replace(state, forecast=fs, z=z, commitments=commitments,
-                            shortfall_gpu_s=shortfall_gpu_s, demand_gpu_s=demand_gpu_s, ledger_gpu_s=ledger)
+                            shortfall_gpu_s=shortfall_gpu_s, demand_gpu_s=demand_gpu_s, ledger_gpu_s=ledger,
+                            clients=cs)
         return plan, new_state
 
     def _ledger_cap(self, now_s: float, n: int, ledger: float,
