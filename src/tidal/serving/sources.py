@@ -75,13 +75,20 @@ class TraceReplay:
 class PrometheusQuery:
     """``demand = value of query x gpus_per_unit`` from Prometheus at base ``url`` (``GET /api/v1/query``;
     with ``requests``: ``requests.gpus(value)``). One number: a scalar or one series (``sum(...)``); any
-    failure reads as NaN, logged with the query and why. ``timeout_s`` bounds each request."""
+    failure reads as NaN, logged with the query and why. ``timeout_s`` bounds each request.
+
+    With ``client_label`` the query is grouped by that label (``sum by (client) (rate(...))``): demand is
+    the sum of its series, and :meth:`client_gpus` the same per client, the first ``max_clients`` labels
+    seen keeping a column each (the rest, and series without the label, in the last: the tail)."""
 
     url: str
     query: str
     gpus_per_unit: float = 1.0
     timeout_s: float = 5.0
     requests: RequestModel | None = None
+    client_label: str | None = None
+    max_clients: int = 32
+    _columns: dict[str, int] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         parts = urllib.parse.urlsplit(self.url)
@@ -93,6 +100,9 @@ class PrometheusQuery:
         if not self.gpus_per_unit > 0 or not self.timeout_s > 0:
             raise ValueError(f"PrometheusQuery.gpus_per_unit and timeout_s must be > 0, got "
                              f"{self.gpus_per_unit} and {self.timeout_s}")
+        if self.client_label is not None and not self.client_label.strip() or self.max_clients < 1:
+            raise ValueError(f"PrometheusQuery.client_label must not be empty and max_clients must be >= 1, "
+                             f"got {self.client_label!r} and {self.max_clients}")
 
     def demand_gpus(self, now_s: float) -> float:
         try:
@@ -109,8 +119,38 @@ class PrometheusQuery:
                 return math.nan
         return value * self.gpus_per_unit
 
+    def client_gpus(self, now_s: float) -> np.ndarray | None:
+        """Demand per client at ``now_s`` (``max_clients + 1`` columns, the tail last; with ``requests``
+        the GPUs of each client's rate alone); None when unknown or without ``client_label``."""
+        if self.client_label is None:
+            return None
+        try:
+            values = self._series(now_s)
+        except ValueError as e:
+            log.warning("client demand unknown at %.0f: Prometheus query %r: %s", now_s, self.query, e)
+            return None
+        out = np.zeros(self.max_clients + 1)
+        for name, v in values:
+            if name is not None and name not in self._columns and len(self._columns) < self.max_clients:
+                self._columns[name] = len(self._columns)
+            col = self.max_clients if name is None else self._columns.get(name, self.max_clients)
+            out[col] += v
+        if self.requests is not None:
+            try:
+                return np.array([float(self.requests.gpus(v)) if v > 0 else 0.0 for v in out])
+            except ValueError:
+                return None
+        return out * self.gpus_per_unit
+
     def value(self, now_s: float) -> float:
-        """The query's value at ``now_s``; ``ValueError`` saying what went wrong."""
+        """The query's value at ``now_s`` (with ``client_label``: summed over its series); ``ValueError``
+        saying what went wrong."""
+        if self.client_label is not None:
+            return sum(v for _, v in self._series(now_s))
+        return self._series(now_s)[0][1]
+
+    def _series(self, now_s: float) -> list[tuple[str | None, float]]:
+        """(client label or None, value) of each series of the answer (one unless grouped)."""
         qs = urllib.parse.urlencode({"query": self.query, "time": f"{now_s:.3f}"})
         endpoint = f"{self.url.rstrip('/')}/api/v1/query?{qs}"
         try:
@@ -131,23 +171,39 @@ class PrometheusQuery:
                              f"{doc.get('error') if isinstance(doc, dict) else doc!r}")
         data = doc.get("data") or {}
         kind, result = data.get("resultType"), data.get("result")
-        sample: Any  # checked by the float() below
-        if kind == "scalar":
-            sample = result
+        samples: list[tuple[str | None, Any]]  # checked by the float() below
+        label = self.client_label
+        if kind == "scalar" and label is None:
+            samples = [(None, result)]
+        elif kind == "vector" and isinstance(result, list) and label is not None:
+            samples = [(_label(s, label), s.get("value") if isinstance(s, dict) else s) for s in result]
+            if any(name is None for name, _ in samples):
+                log.warning("%d series have no label %r: their demand counts in the tail",
+                            sum(name is None for name, _ in samples), label)
+        elif kind == "vector" and isinstance(result, list) and len(result) == 1:
+            samples = [(None, result[0].get("value") if isinstance(result[0], dict) else None)]
         elif kind == "vector":
-            if not isinstance(result, list) or len(result) != 1:
-                n = len(result) if isinstance(result, list) else 0
-                raise ValueError(f"expected exactly one series, got {n} (aggregate it, e.g. sum(...))")
-            sample = result[0].get("value")
+            n = len(result) if isinstance(result, list) else 0
+            raise ValueError(f"expected exactly one series, got {n} (aggregate it, e.g. sum(...))")
         else:
-            raise ValueError(f"expected a scalar or a vector result, got {kind!r}")
-        try:
-            v = float(sample[1])
-        except (TypeError, ValueError, IndexError):
-            raise ValueError(f"malformed sample {sample!r}") from None
-        if not math.isfinite(v) or v < 0:
-            raise ValueError(f"value {v} is not a finite number >= 0")
-        return v
+            raise ValueError(f"expected a {'vector' if label else 'scalar or a vector'} result, got {kind!r}")
+        out = []
+        for name, sample in samples:
+            try:
+                v = float(sample[1])
+            except (TypeError, ValueError, IndexError):
+                raise ValueError(f"malformed sample {sample!r}") from None
+            if not math.isfinite(v) or v < 0:
+                raise ValueError(f"value {v} is not a finite number >= 0")
+            out.append((name, v))
+        return out
+
+
+def _label(series: Any, label: str) -> str | None:
+    """The series' value of ``label``, None when it lacks it."""
+    metric = series.get("metric") if isinstance(series, dict) else None
+    name = metric.get(label) if isinstance(metric, dict) else None
+    return name if isinstance(name, str) else None
 
 
 DEMAND_WAIT_S = 0.1
