@@ -165,6 +165,11 @@ def clients(
                                                                "ceilings (default: every day).")] = "",
     online_rotations: Annotated[str, typer.Option("--online-rotations", help=(
         "Comma-separated day offsets on which the policy itself runs, with and without clients."))] = "0",
+    pacing_gain: Annotated[float, typer.Option("--pacing-gain", min=0.0, help=(
+        "Budget pacing's gain in the paced variant."))] = 1.0,
+    shift: Annotated[str, typer.Option("--shift", help=(
+        "A regime shift from --shift-day on: none, double-client, peak-3h, no-weekend."))] = "none",
+    shift_day: Annotated[int, typer.Option("--shift-day", min=1)] = 7,
     json_out: JsonOut = False,
 ) -> None:
     """The ceiling of a client-level forecast against the aggregate one, and the policy fed either."""
@@ -179,7 +184,8 @@ def clients(
 
     run(traces or default_traces(), serving_gpus=serving_gpus, budgets=tuple(budget),
         rotations=days(rotations, "--rotations") or None,
-        online_rotations=tuple(days(online_rotations, "--online-rotations")), as_json=json_out)
+        online_rotations=tuple(days(online_rotations, "--online-rotations")), pacing_gain=pacing_gain,
+        shift=shift, shift_day=shift_day, as_json=json_out)
 
 
 @app.command("generalize")

@@ -12,12 +12,18 @@ rotation and budget:
   (``center + z * scale``) and over the client-level one (the same center, the scale widened by the
   switch-on risk of the clients that are off, :func:`tidal.policy.clients.client_forecast`);
 * (``--online-rotations``) the policy as shipped, :class:`~tidal.policy.loan.TidalPolicy`, fed the total
-  only and fed the per-client demand too.
+  only, fed the per-client demand too, and that with budget pacing (``--pacing-gain``).
+
+``--shift`` changes the traffic from day ``--shift-day`` on, a regime nobody tuned on: ``double-client``
+(a new client twice the largest appears), ``peak-3h`` (every client's day 3 hours later), ``no-weekend``
+(Saturday and Sunday are the Friday before them; days counted from the trace start, a Thursday in Unix
+time as the client model reads it).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +38,28 @@ from tidal.policy.clients import ClientConfig, client_forecast, initial_clients,
 from tidal.policy.loan import LoanContext, LoanTiming, TidalConfig, TidalPolicy
 from tidal.serving.client_traces import load_client_trace
 
-KEYS = ("ceiling_aggregate", "ceiling_clients", "tidal_aggregate", "tidal_clients")
+KEYS = ("ceiling_aggregate", "ceiling_clients", "tidal_aggregate", "tidal_clients", "tidal_clients_paced")
+SHIFTS = ("none", "double-client", "peak-3h", "no-weekend")
+
+
+def shifted(rates: np.ndarray, kind: str, at: int, day: int) -> np.ndarray:
+    """Per-client rates (windows x clients, the tail last) with the regime ``kind`` from window ``at``."""
+    r = np.array(rates)
+    if kind == "double-client":
+        new = np.zeros(len(r))
+        new[at:] = 2 * np.nan_to_num(r[at:, 0])
+        r = np.insert(r, 0, new, axis=1)
+    elif kind == "peak-3h":
+        k = round(3 * day / 24)
+        r[at + k:] = rates[at: len(r) - k]
+    elif kind == "no-weekend":
+        for d in range(at // day, len(r) // day):
+            back = {2: 1, 3: 2}.get(d % 7)  # day 0 is a Thursday: days 2 and 3 are Saturday and Sunday
+            if back:
+                r[d * day: (d + 1) * day] = r[(d - back) * day: (d - back + 1) * day]
+    elif kind != "none":
+        raise ValueError(f"shift {kind!r}: expected one of {', '.join(SHIFTS)}")
+    return r
 DEFAULT = ("servegen-language-m-large-clients.csv.gz", "servegen-language-m-mid-clients.csv.gz")
 
 
@@ -69,13 +96,17 @@ def online(times_s: np.ndarray, demand: np.ndarray, clients: np.ndarray | None, 
 
 
 def evaluate(path: Path, *, n: int, step_s: float, lead: int, warmup: int, budgets: tuple[float, ...],
-             rotations: list[int] | None, online_rotations: list[int], heavy: int) -> dict[str, Any]:
+             rotations: list[int] | None, online_rotations: list[int], heavy: int, pacing_gain: float = 1.0,
+             shift: str = "none", shift_day: int = 7) -> dict[str, Any]:
     ct = load_client_trace(path, max_clients=heavy)
-    total = ct.total()
-    demand = total.demand_gpus(n)
-    per_client = ct.rates * (n / total.peak_load)
-    per_client[total.gap] = np.nan
-    day = round(86400.0 / step_s)
+    day = round(86400.0 / ct.step_s)
+    rates = shifted(ct.rates, shift, shift_day * day, day)
+    load = np.nansum(rates, axis=1)
+    gap = ct.total().gap
+    demand = n * load / load[~gap].max()
+    demand[gap] = np.nan
+    per_client = rates * (n / load[~gap].max())
+    per_client[gap] = np.nan
     days = len(demand) // day
     timing = LoanTiming(notice_s=0.0, final_checkpoint_s=0.0, release_s=0.0, warmup_s=lead * step_s,
                         restart_cost_s=0.0)
@@ -98,8 +129,10 @@ def evaluate(path: Path, *, n: int, step_s: float, lead: int, warmup: int, budge
                              "shortfall": sc["shortfall_strict"]}
             if k in online_rotations:
                 cfg = TidalConfig(shortfall_budget=b, forecast=fcfg, timing=timing, clients=ccfg)
-                for name, cl in (("tidal_aggregate", None), ("tidal_clients", c)):
-                    sc = fluid_score(online(times, d, cl, n, cfg), d, n, lead, warmup)
+                paced = replace(cfg, pacing_gain=pacing_gain)
+                for name, cl, cf in (("tidal_aggregate", None, cfg), ("tidal_clients", c, cfg),
+                                     ("tidal_clients_paced", c, paced)):
+                    sc = fluid_score(online(times, d, cl, n, cf), d, n, lead, warmup)
                     row[name] = {"harvest_over_oracle": sc["harvest"] / oracle,
                                  "shortfall": sc["shortfall_strict"],
                                  "meets_budget": sc["shortfall_strict"] <= b + 1e-12}
@@ -120,6 +153,7 @@ def evaluate(path: Path, *, n: int, step_s: float, lead: int, warmup: int, budge
 def run(traces: list[Path], *, serving_gpus: int = 128, step_s: float = 600.0, lead_s: float = 1200.0,
         budgets: tuple[float, ...] = (0.002, 0.005, 0.01), rotations: list[int] | None = None,
         online_rotations: tuple[int, ...] = (0,), heavy: int = 32, warmup_days: float = 2.0,
+        pacing_gain: float = 1.0, shift: str = "none", shift_day: int = 7,
         as_json: bool = False) -> dict[str, Any]:
     """Evaluate each per-client trace; print a table (stderr with ``as_json``); return the result."""
     from rich.console import Console
@@ -130,11 +164,14 @@ def run(traces: list[Path], *, serving_gpus: int = 128, step_s: float = 600.0, l
     lead, warmup = grid_steps(lead_s, step_s, warmup_days)
     result: dict[str, Any] = {"config": {"serving_gpus": serving_gpus, "step_s": step_s, "lead_s": lead_s,
                                          "budgets": list(budgets), "warmup_days": warmup_days, "heavy": heavy,
-                                         "online_rotations": list(online_rotations)}, "traces": {}}
+                                         "online_rotations": list(online_rotations),
+                                         "pacing_gain": pacing_gain, "shift": shift, "shift_day": shift_day},
+                              "traces": {}}
     for p in traces:
         result["traces"][p.name.split(".")[0]] = evaluate(
             p, n=serving_gpus, step_s=step_s, lead=lead, warmup=warmup, budgets=budgets, rotations=rotations,
-            online_rotations=list(online_rotations), heavy=heavy)
+            online_rotations=list(online_rotations), heavy=heavy, pacing_gain=pacing_gain, shift=shift,
+            shift_day=shift_day)
     table = Table(title=f"client-level against aggregate forecast (fluid model, {serving_gpus} serving GPUs, "
                         f"lead {lead_s / 60:g} min): harvest x oracle")
     for col in ("trace", "budget", "what", "rotations", "first rotation", "median", "held", "worst short"):

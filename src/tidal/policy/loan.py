@@ -20,6 +20,7 @@ import numpy as np
 from tidal.contract import DEFAULT_GRACE_S
 from tidal.model import Reclaim
 from tidal.policy.budget import ledger_update, max_lendable
+from tidal.policy.budget_pacing import pace_update, paced_aim
 from tidal.policy.clients import ClientConfig, ClientState, client_forecast, initial_clients, observe_clients
 from tidal.policy.forecast import Forecast, ForecastConfig, ForecastState, forecast, initial_state, observe
 from tidal.policy.forecast_errors import tail_reserve_gpus
@@ -207,6 +208,11 @@ class TidalConfig:
     """The ledger's rate ``B_l`` as a fraction of ``shortfall_budget``."""
     ledger_bank_pool_h: float = 48.0
     """How much unspent budget the ledger may bank (``budget x N x this`` GPU-hours; 0 = none)."""
+    pacing_gain: float = 0.0
+    """Budget pacing (:mod:`tidal.policy.budget_pacing`): how strongly the day's realized shortfall moves
+    the calibrator's aim (0 = off)."""
+    pacing_half_life_s: float = 86400.0
+    """The memory of the pace's window."""
     clients: ClientConfig = field(default_factory=ClientConfig)
     """The client-level model, used while the context has per-client demand."""
 
@@ -229,6 +235,9 @@ class TidalConfig:
                              "(0, 1] and ledger_bank_pool_h finite and >= 0, got "
                              f"{self.ledger_allowance_pool_h}, {self.ledger_fraction} and "
                              f"{self.ledger_bank_pool_h}")
+        if not self.pacing_gain >= 0 or not self.pacing_half_life_s > 0:
+            raise ValueError(f"TidalConfig.pacing_gain must be >= 0 and pacing_half_life_s > 0, got "
+                             f"{self.pacing_gain} and {self.pacing_half_life_s}")
         horizon_needed = self.timing.lead_time_s + self.timing.min_loan_window_s
         if self.forecast.horizon_s < horizon_needed:
             raise ValueError(f"TidalConfig.forecast.horizon_s ({self.forecast.horizon_s:g}) must cover the "
@@ -251,6 +260,8 @@ class TidalState:
     demand_gpu_s: float = 0.0
     ledger_gpu_s: float = 0.0
     clients: ClientState | None = None
+    pace: tuple[float, float] = (0.0, 0.0)
+    """Realized shortfall and demand (GPU-seconds) over the pacing window."""
 
     @property
     def shortfall_ratio(self) -> float:
@@ -316,7 +327,7 @@ class TidalPolicy:
                 cs = cs or initial_clients(cfg.clients)
                 cs = observe_clients(cfg.clients, cfg.forecast, cs, ctx.now_s, ctx.client_gpus)
         z, shortfall_gpu_s, demand_gpu_s = state.z, state.shortfall_gpu_s, state.demand_gpu_s
-        ledger = state.ledger_gpu_s
+        ledger, pace = state.ledger_gpu_s, state.pace
         ledger_on = cfg.ledger_allowance_pool_h < math.inf
         covering = [c for c in state.commitments if c[0] < ctx.now_s - EPS and ctx.now_s <= c[1] + EPS]
         y = ctx.demand_gpus
@@ -328,7 +339,9 @@ class TidalPolicy:
             shortfall = max(0.0, y - (n - away)) if covering else 0.0
             shortfall_gpu_s += shortfall * dt_s
             demand_gpu_s += y * dt_s
-            b = cfg.shortfall_budget * cfg.aim_fraction
+            b = cfg.shortfall_budget * paced_aim(cfg.aim_fraction, cfg.shortfall_budget, pace,
+                                                 cfg.pacing_gain)
+            pace = pace_update(pace, shortfall, y, dt_s, cfg.pacing_half_life_s)
             # z calibrates the bound: scored on what the bound alone would have lent, not the capped plans
             by_bound = shortfall
             if covering:
@@ -356,7 +369,7 @@ class TidalPolicy:
         commitments += ((ctx.now_s, until, n - plan.lendable_gpus, n, n - bound),)
         new_state = replace(state, forecast=fs, z=z, commitments=commitments,
                             shortfall_gpu_s=shortfall_gpu_s, demand_gpu_s=demand_gpu_s, ledger_gpu_s=ledger,
-                            clients=cs)
+                            clients=cs, pace=pace)
         return plan, new_state
 
     def _ledger_cap(self, now_s: float, n: int, ledger: float,
