@@ -1,5 +1,6 @@
 """Serving demand for the simulator: a trace CSV on the simulation's grid, in GPUs (NaN at gaps). The
-clock starts at 0 at the trace's first row; a shorter trace repeats."""
+clock starts at 0 at the trace's first row; a shorter trace repeats. A per-client trace
+(:mod:`tidal.serving.client_traces`, told apart by its header) gives its total, and the same per client."""
 
 from __future__ import annotations
 
@@ -7,32 +8,46 @@ from pathlib import Path
 
 import numpy as np
 
+from tidal.serving.client_traces import ClientTrace, is_client_trace, load_client_trace
 from tidal.serving.requests import RequestModel
 from tidal.serving.requests import request_demand_gpus as request_demand_gpus_of
-from tidal.serving.traces import load_trace
+from tidal.serving.traces import Trace, load_trace
+
+
+def _trace(path: str | Path, step_s: float | None) -> tuple[Trace, ClientTrace | None]:
+    clients = load_client_trace(path) if is_client_trace(path) else None
+    if clients is not None and step_s is not None:
+        clients = clients.resample(step_s)
+    trace = clients.total() if clients is not None else load_trace(path).resample(step_s)
+    if 86400.0 % trace.step_s > 1e-6:
+        raise ValueError(f"{path}: the step ({trace.step_s:g} s) must divide a day (the forecast's period)")
+    return trace, clients
+
+
+def traffic_gpus(path: str | Path, serving_gpus: int,
+                 step_s: float | None = None) -> tuple[np.ndarray, np.ndarray | None, float, str]:
+    """(demand per step in GPUs, the same per client or None, step_s, trace name) for a pool of
+    ``serving_gpus`` sized for the peak; per client: the heavy clients, the tail last."""
+    trace, clients = _trace(path, step_s)
+    if not trace.peak_load > 0:
+        raise ValueError(f"{path}: no positive load outside gaps; cannot size a serving pool")
+    d = np.array(trace.demand_gpus(serving_gpus))
+    if clients is None:
+        return d, None, trace.step_s, trace.name
+    per = clients.rates * (serving_gpus / trace.peak_load)
+    per[trace.gap] = np.nan
+    return d, per, trace.step_s, trace.name
 
 
 def demand_gpus(path: str | Path, serving_gpus: int,
                 step_s: float | None = None) -> tuple[np.ndarray, float, str]:
     """(demand per step in GPUs, step_s, trace name) for a pool of ``serving_gpus`` sized for the peak."""
-    trace = load_trace(path).resample(step_s)
-    load, gap, step = trace.load, trace.gap, trace.step_s
-    ok = load[~gap]
-    peak = float(ok.max()) if ok.size else 0.0
-    if peak <= 0:
-        raise ValueError(f"{path}: no positive load outside gaps; cannot size a serving pool")
-    d = serving_gpus * load / peak
-    d[gap] = np.nan
-    if 86400.0 % step > 1e-6:
-        raise ValueError(f"{path}: the step ({step:g} s) must divide a day (the forecast's period)")
-    return d, step, trace.name
+    d, _, step, name = traffic_gpus(path, serving_gpus, step_s)
+    return d, step, name
 
 
 def request_demand_gpus(path: str | Path, model: RequestModel,
                         step_s: float | None = None) -> tuple[np.ndarray, float, str]:
     """As :func:`demand_gpus` for a trace of request rates: ``model.gpus(rate)`` per step (Erlang C)."""
-    trace = load_trace(path).resample(step_s)
-    load, gap, step = trace.load, trace.gap, trace.step_s
-    if 86400.0 % step > 1e-6:
-        raise ValueError(f"{path}: the step ({step:g} s) must divide a day (the forecast's period)")
-    return np.array(request_demand_gpus_of(load, gap, model)), step, trace.name
+    trace, _ = _trace(path, step_s)
+    return np.array(request_demand_gpus_of(trace.load, trace.gap, model)), trace.step_s, trace.name
