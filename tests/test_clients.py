@@ -127,3 +127,28 @@ def test_policy_says_which_forecaster_served_and_its_state_round_trips():
     assert again.clients is not None and (again.clients.up == st.clients.up).all()
     with pytest.raises(ValueError, match="finite and >= 0"):
         observe_clients(ClientConfig(), FC, st.clients, 1e9, np.array([-1.0, 0.0]))
+
+
+def test_advisor_replays_a_per_client_trace_through_the_client_model(tmp_path):
+    """`tidal serving watch` and the plane's advisor: a per-client trace replays its total and, per
+    client, what the policy's client model reads; the same trace in total uses the aggregate forecast."""
+    from tidal.serving.sources import replay_of
+    from tidal.serving.watch import Advisor
+
+    rows = ["seconds,client,requests_per_second"]
+    rows += [f"{i * 600},{c},{x}" for i in range(288)
+             for c, x in (("big", 5.0 * (i % 144 > 60)), ("rest", 3.0)) if x > 0]
+    path = _write(tmp_path / "c.csv.gz", "\n".join(rows), True)
+    total = tmp_path / "total.csv"
+    total.write_text("seconds,requests_per_second\n" + "".join(
+        f"{i * 600},{3.0 + 5.0 * (i % 144 > 60)}\n" for i in range(288)))
+    got = {}
+    for p in (path, total):
+        src = replay_of(str(p), 16, None, None)
+        adv = Advisor(src, TidalPolicy.build(0.005, 600.0, horizon_s=6 * 3600.0), 16)
+        for i in range(150):
+            step = adv.tick(i * 600.0)
+        assert step is not None and math.isclose(step.demand_gpus, 6.0)  # 3 of a peak of 8
+        got[p.name] = step.plan.forecaster
+    assert got == {"c.csv.gz": "clients", "total.csv": "aggregate"}
+    assert replay_of(str(path), 16, None, None).clients_at(-1.0) is None  # before the replay's start

@@ -18,7 +18,7 @@ from typing import TextIO
 
 import numpy as np
 
-from tidal.serving.traces import Trace, parse_time
+from tidal.serving.traces import Trace, load_trace, parse_time
 
 CLIENT_COLUMNS = ("seconds", "client", "requests_per_second")
 OTHER = "other"
@@ -68,6 +68,16 @@ class ClientTrace:
         for a in (rates, times):
             a.flags.writeable = False
         return ClientTrace(self.name, times, rates, self.clients, float(step_s))
+
+
+def read_trace(path: str | Path, step_s: float | None = None) -> tuple[Trace, ClientTrace | None]:
+    """A serving trace of either format (told apart by the header) at ``step_s``: (its total, its
+    clients or None)."""
+    if not is_client_trace(path):
+        return load_trace(path).resample(step_s), None
+    clients = load_client_trace(path)
+    clients = clients.resample(step_s) if step_s is not None else clients
+    return clients.total(), clients
 
 
 def _rows(path: Path) -> Iterator[tuple[int, float, str, float]]:

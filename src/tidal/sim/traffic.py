@@ -8,17 +8,14 @@ from pathlib import Path
 
 import numpy as np
 
-from tidal.serving.client_traces import ClientTrace, is_client_trace, load_client_trace
+from tidal.serving.client_traces import ClientTrace, read_trace
 from tidal.serving.requests import RequestModel
 from tidal.serving.requests import request_demand_gpus as request_demand_gpus_of
-from tidal.serving.traces import Trace, load_trace
+from tidal.serving.traces import Trace
 
 
 def _trace(path: str | Path, step_s: float | None) -> tuple[Trace, ClientTrace | None]:
-    clients = load_client_trace(path) if is_client_trace(path) else None
-    if clients is not None and step_s is not None:
-        clients = clients.resample(step_s)
-    trace = clients.total() if clients is not None else load_trace(path).resample(step_s)
+    trace, clients = read_trace(path, step_s)
     if 86400.0 % trace.step_s > 1e-6:
         raise ValueError(f"{path}: the step ({trace.step_s:g} s) must divide a day (the forecast's period)")
     return trace, clients
