@@ -11,7 +11,13 @@ import numpy as np
 import pytest
 
 from tidal.policy import codec
-from tidal.policy.clients import ClientConfig, client_forecast, initial_clients, observe_clients
+from tidal.policy.clients import (
+    ClientConfig,
+    client_forecast,
+    initial_clients,
+    observe_clients,
+    reserve_factor,
+)
 from tidal.policy.forecast import Forecast, ForecastConfig
 from tidal.policy.loan import LoanContext, TidalPolicy
 from tidal.serving.client_traces import is_client_trace, load_client_trace
@@ -152,3 +158,28 @@ def test_advisor_replays_a_per_client_trace_through_the_client_model(tmp_path):
         got[p.name] = step.plan.forecaster
     assert got == {"c.csv.gz": "clients", "total.csv": "aggregate"}
     assert replay_of(str(path), 16, None, None).clients_at(-1.0) is None  # before the replay's start
+
+
+def test_the_tail_reserve_follows_the_switch_on_risk():
+    """With ``reserve_floor`` the reserve shrinks while no heavy client can switch on (the big one is on)
+    and grows before its usual start; the policy keeps the mean risk across observations."""
+    from dataclasses import replace
+
+    base = TidalPolicy.build(0.005, 600.0, horizon_s=6 * 3600.0).config
+    cfg = ClientConfig(heavy=2, reserve_floor=0.5)
+    pol = TidalPolicy(replace(base, clients=cfg))
+    t0, ys = 4 * 86400.0, _day(4 * 86400.0, 4, weekday_only=False)
+    st = pol.initial_state()
+    for i, y in enumerate(ys):
+        _, st = pol(LoanContext(t0 + 600.0 * i, 128, float(y.sum()), client_gpus=y), st)
+    cs = st.clients
+    assert cs is not None and math.isfinite(cs.risk_mean) and cs.risk_mean > 0
+
+    def factor(hour: float, big: float) -> float:
+        t = t0 + 4 * 86400.0 + hour * 3600.0
+        s = observe_clients(cfg, FC, cs, t, np.array([big, 2.0, 10.0]))
+        agg = Forecast(t, t + 600.0 * np.arange(1, FC.horizon_steps + 1), np.full(FC.horizon_steps, 10.0),
+                       np.full(FC.horizon_steps, 1.0))
+        return reserve_factor(cfg, FC, s, agg, client_forecast(cfg, FC, s, agg), 1, False)[0]
+
+    assert factor(10.0, 50.0) == 0.5 and factor(8 + 40 / 60, 0.0) == 2.0  # on at 10:00; off at 8:40

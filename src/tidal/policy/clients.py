@@ -38,6 +38,9 @@ class ClientConfig:
     hour this much of the client's overall rate."""
     on_gpus: float = 1e-9
     """A client with more demand than this is on."""
+    reserve_floor: float = 1.0
+    """The tail reserve follows the switch-on risk at the lead time over its mean, within
+    ``[reserve_floor, 1 / reserve_floor]`` (1 = the reserve as without clients)."""
 
     def __post_init__(self) -> None:
         if self.heavy < 1 or not self.memory_half_life_s > 0 or not self.prior_s > 0 or not self.on_gpus >= 0:
@@ -58,6 +61,8 @@ class ClientState:
     off_n: np.ndarray
     down: np.ndarray
     on_n: np.ndarray
+    risk_mean: float = math.nan
+    """The mean switch-on variance at the lead time (GPUs squared), kept by the loan policy."""
 
 
 def initial_clients(config: ClientConfig) -> ClientState:
@@ -105,7 +110,8 @@ def observe_clients(config: ClientConfig, fconfig: ForecastConfig, state: Client
     down[idx] += was & ~on
     first = on & (state.mean_on <= config.on_gpus)
     mean_on = np.where(first, y, np.where(on, state.mean_on + w * (y - state.mean_on), state.mean_on))
-    return ClientState(t_s, state.n_obs + 1, _ro(y), _ro(mean_on), _ro(up), _ro(off_n), _ro(down), _ro(on_n))
+    return replace(state, t_s=t_s, n_obs=state.n_obs + 1, last=_ro(y), mean_on=_ro(mean_on), up=_ro(up),
+                   off_n=_ro(off_n), down=_ro(down), on_n=_ro(on_n))
 
 
 def _ro(a: np.ndarray) -> np.ndarray:
@@ -140,6 +146,19 @@ def client_forecast(config: ClientConfig, fconfig: ForecastConfig, state: Client
     scale = np.sqrt(aggregate.scale_gpus ** 2 + var)
     return Forecast(t_s=aggregate.t_s, times_s=aggregate.times_s, center_gpus=aggregate.center_gpus,
                     scale_gpus=_ro(scale))
+
+
+def reserve_factor(config: ClientConfig, fconfig: ForecastConfig, state: ClientState, aggregate: Forecast,
+                   widened: Forecast, lead_i: int, update: bool) -> tuple[float, ClientState]:
+    """The tail reserve's factor (the switch-on risk at step ``lead_i`` over its mean) and the state with
+    that mean updated (if ``update``: a new observation)."""
+    v = max(float(widened.scale_gpus[lead_i] ** 2 - aggregate.scale_gpus[lead_i] ** 2), 0.0)
+    w = max(1.0 - decay(fconfig.step_s, config.memory_half_life_s), 1.0 / state.n_obs)
+    m = state.risk_mean
+    if update:
+        m = v if math.isnan(m) else m + w * (v - m)
+    f = math.sqrt(v / m) if m > 0 else 1.0
+    return min(1.0 / config.reserve_floor, max(config.reserve_floor, f)), replace(state, risk_mean=m)
 
 
 __all__ = ["ClientConfig", "ClientState", "client_forecast", "initial_clients", "observe_clients", "split"]

@@ -19,9 +19,9 @@ import numpy as np
 
 from tidal.contract import DEFAULT_GRACE_S
 from tidal.model import Reclaim
+from tidal.policy import clients as pc
 from tidal.policy.budget import ledger_update, max_lendable
 from tidal.policy.budget_pacing import pace_update, paced_aim
-from tidal.policy.clients import ClientConfig, ClientState, client_forecast, initial_clients, observe_clients
 from tidal.policy.forecast import Forecast, ForecastConfig, ForecastState, forecast, initial_state, observe
 from tidal.policy.forecast_errors import tail_reserve_gpus
 
@@ -213,7 +213,7 @@ class TidalConfig:
     the calibrator's aim (0 = off)."""
     pacing_half_life_s: float = 86400.0
     """The memory of the pace's window."""
-    clients: ClientConfig = field(default_factory=ClientConfig)
+    clients: pc.ClientConfig = field(default_factory=pc.ClientConfig)
     """The client-level model, used while the context has per-client demand."""
 
     def __post_init__(self) -> None:
@@ -259,7 +259,7 @@ class TidalState:
     shortfall_gpu_s: float = 0.0
     demand_gpu_s: float = 0.0
     ledger_gpu_s: float = 0.0
-    clients: ClientState | None = None
+    clients: pc.ClientState | None = None
     pace: tuple[float, float] = (0.0, 0.0)
     """Realized shortfall and demand (GPU-seconds) over the pacing window."""
 
@@ -324,8 +324,8 @@ class TidalPolicy:
         if new_obs:
             fs = observe(cfg.forecast, fs, ctx.now_s, ctx.demand_gpus)
             if ctx.client_gpus is not None:
-                cs = cs or initial_clients(cfg.clients)
-                cs = observe_clients(cfg.clients, cfg.forecast, cs, ctx.now_s, ctx.client_gpus)
+                cs = cs or pc.initial_clients(cfg.clients)
+                cs = pc.observe_clients(cfg.clients, cfg.forecast, cs, ctx.now_s, ctx.client_gpus)
         z, shortfall_gpu_s, demand_gpu_s = state.z, state.shortfall_gpu_s, state.demand_gpu_s
         ledger, pace = state.ledger_gpu_s, state.pace
         ledger_on = cfg.ledger_allowance_pool_h < math.inf
@@ -356,9 +356,13 @@ class TidalPolicy:
                                        cfg.shortfall_budget * n * cfg.ledger_bank_pool_h * 3600.0)
         fc = forecast(cfg.forecast, fs) if fs.n_obs else None  # nothing known yet: lend nothing
         by_clients = fc is not None and cs is not None and cs.n_obs > 0 and ctx.client_gpus is not None
-        if by_clients and fc is not None and cs is not None:
-            fc = client_forecast(cfg.clients, cfg.forecast, cs, fc)
         reserve = self._reserve(fs)
+        if by_clients and fc is not None and cs is not None:
+            agg, fc = fc, pc.client_forecast(cfg.clients, cfg.forecast, cs, fc)
+            if cfg.clients.reserve_floor < 1:
+                i = min(max(round(cfg.timing.lead_time_s / cfg.forecast.step_s) - 1, 0), fc.times_s.size - 1)
+                factor, cs = pc.reserve_factor(cfg.clients, cfg.forecast, cs, agg, fc, i, new_obs)
+                reserve *= factor
         commitments = tuple(c for c in state.commitments if c[1] > ctx.now_s + EPS)
         cap = self._ledger_cap(ctx.now_s, n, ledger, commitments) if ledger_on else None
         plan = self._plan(ctx, fc, z, reserve, cap)
