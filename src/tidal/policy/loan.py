@@ -288,7 +288,8 @@ class TidalPolicy:
     2. Score the promise: serving's supply now is the smallest ``N - lendable`` of the plans of the
        last lead time; ``shortfall = max(0, demand - supply)``.
     3. Calibrate (online conformal risk control, Feldman et al. 2023):
-       ``z += rate * dt_h * (counted - B' * demand) / (B' * N)``, ``B' = aim_fraction * budget``, within
+       ``z += rate * dt_h * (counted - B'' * demand) / (B' * N)``, ``B' = aim_fraction * budget``
+       (``B''``: the same, paced: :mod:`~tidal.policy.budget_pacing`), within
        ``[min_z, max_z]``; ``counted`` is the shortfall against what the plans' bounds alone would have
        lent (before the ledger's cap), at most ``shortfall_cap_scales`` error scales at the lead time.
     4. Plan from ``upper = max(center + z * scale, center + R)`` (``R``: the tail reserve), within the
@@ -339,8 +340,9 @@ class TidalPolicy:
             shortfall = max(0.0, y - (n - away)) if covering else 0.0
             shortfall_gpu_s += shortfall * dt_s
             demand_gpu_s += y * dt_s
-            b = cfg.shortfall_budget * paced_aim(cfg.aim_fraction, cfg.shortfall_budget, pace,
-                                                 cfg.pacing_gain)
+            b = cfg.shortfall_budget * cfg.aim_fraction  # the target paced, the step size not
+            aim = cfg.shortfall_budget * paced_aim(cfg.aim_fraction, cfg.shortfall_budget, pace,
+                                                   cfg.pacing_gain)
             pace = pace_update(pace, shortfall, y, dt_s, cfg.pacing_half_life_s)
             # z calibrates the bound: scored on what the bound alone would have lent, not the capped plans
             by_bound = shortfall
@@ -348,7 +350,7 @@ class TidalPolicy:
                 away_bound = min(n, max(_lent_by_bound(c, n) for c in covering))
                 by_bound = max(0.0, y - (n - away_bound))
             counted = min(by_bound, cfg.shortfall_cap_scales * cap_unit) if cap_unit > 0 else by_bound
-            z += cfg.calibration_rate_per_h * dt_s / 3600.0 * (counted - b * y) / (b * n)
+            z += cfg.calibration_rate_per_h * dt_s / 3600.0 * (counted - aim * y) / (b * n)
             z = min(cfg.max_z, max(cfg.min_z, z))
             if ledger_on:  # the loans' part of the shortfall: demand beyond the pool is not theirs
                 own = max(0.0, min(y, n) - (n - away)) if covering else 0.0
