@@ -14,11 +14,6 @@ import typer
 app = typer.Typer(help="Benchmarks (side by side, --json).", no_args_is_help=True, add_completion=False)
 
 
-@app.callback()
-def _group() -> None:
-    """Benchmarks (side by side, --json)."""
-
-
 def _consoles(json_out: bool) -> tuple[Any, Any, Callable[[str], None]]:
     """(stderr console, the tables' console: stderr with ``--json``, a progress logger to stderr)."""
     from rich.console import Console
@@ -102,9 +97,13 @@ def bench_resume(
     """
     from tidal.bench import resume
 
-    _, out, log = _consoles(json_out)
-    cfg = resume.MeasureConfig(world=world, layout=layout, resume_world=resume_world,
-                               resume_layout=resume_layout, n_embd=n_embd, n_layer=n_layer, repeat=repeat)
+    err, out, log = _consoles(json_out)
+    try:
+        cfg = resume.MeasureConfig(world=world, layout=layout, resume_world=resume_world,
+                                   resume_layout=resume_layout, n_embd=n_embd, n_layer=n_layer, repeat=repeat)
+    except ValueError as e:
+        err.print(f"[red]error:[/] {e}", highlight=False)
+        raise typer.Exit(2) from None
     _show(resume.run(cfg, script=script, log=log), resume.render, out, json_out)
 
 

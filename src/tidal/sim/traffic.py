@@ -10,7 +10,6 @@ import numpy as np
 
 from tidal.serving.client_traces import ClientTrace, read_trace
 from tidal.serving.requests import RequestModel
-from tidal.serving.requests import request_demand_gpus as request_demand_gpus_of
 from tidal.serving.traces import Trace
 
 
@@ -26,8 +25,6 @@ def traffic_gpus(path: str | Path, serving_gpus: int,
     """(demand per step in GPUs, the same per client or None, step_s, trace name) for a pool of
     ``serving_gpus`` sized for the peak; per client: the heavy clients, the tail last."""
     trace, clients = _trace(path, step_s)
-    if not trace.peak_load > 0:
-        raise ValueError(f"{path}: no positive load outside gaps; cannot size a serving pool")
     d = np.array(trace.demand_gpus(serving_gpus))
     if clients is None:
         return d, None, trace.step_s, trace.name
@@ -47,4 +44,4 @@ def request_demand_gpus(path: str | Path, model: RequestModel,
                         step_s: float | None = None) -> tuple[np.ndarray, float, str]:
     """As :func:`demand_gpus` for a trace of request rates: ``model.gpus(rate)`` per step (Erlang C)."""
     trace, _ = _trace(path, step_s)
-    return np.array(request_demand_gpus_of(trace.load, trace.gap, model)), trace.step_s, trace.name
+    return np.array(trace.request_demand_gpus(model)), trace.step_s, trace.name
