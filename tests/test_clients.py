@@ -131,6 +131,8 @@ def test_policy_says_which_forecaster_served_and_its_state_round_trips():
     assert plan.forecaster == "aggregate"  # the last step came without a breakdown
     again = codec.decode(codec.encode(st))
     assert again.clients is not None and (again.clients.up == st.clients.up).all()
+    with pytest.raises(ValueError, match="reserve_floor in"):
+        ClientConfig(reserve_floor=0.0)
     with pytest.raises(ValueError, match="finite and >= 0"):
         observe_clients(ClientConfig(), FC, st.clients, 1e9, np.array([-1.0, 0.0]))
 

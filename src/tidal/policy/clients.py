@@ -43,8 +43,10 @@ class ClientConfig:
     ``[reserve_floor, 1 / reserve_floor]`` (1 = the reserve as without clients)."""
 
     def __post_init__(self) -> None:
-        if self.heavy < 1 or not self.memory_half_life_s > 0 or not self.prior_s > 0 or not self.on_gpus >= 0:
-            raise ValueError(f"ClientConfig: heavy >= 1, half-lives and prior_s > 0, on_gpus >= 0: {self}")
+        if self.heavy < 1 or not self.memory_half_life_s > 0 or not self.prior_s > 0 \
+                or not self.on_gpus >= 0 or not 0 < self.reserve_floor <= 1:
+            raise ValueError(f"ClientConfig: heavy >= 1, memory_half_life_s and prior_s > 0, on_gpus >= 0, "
+                             f"reserve_floor in (0, 1]; got {self}")
 
 
 @dataclass(frozen=True, eq=False)
