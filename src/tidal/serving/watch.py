@@ -198,6 +198,9 @@ class WatchConfig:
         if not number_in(self.history_days, 0, MAX_HISTORY_DAYS):
             raise ValueError(f"serving.history_days must be a number from 0 to {MAX_HISTORY_DAYS:g} (days "
                              f"the forecast learns before the first live step), got {self.history_days!r}")
+        label = self.client_label
+        if label is not None and (self.prometheus is None or not isinstance(label, str) or not label.strip()):
+            raise ValueError(f"serving.client_label must be a label name (with prometheus), got {label!r}")
         if self.adapter == "ray-serve":
             self._check_ray_serve()
             return
