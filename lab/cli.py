@@ -170,6 +170,8 @@ def clients(
     shift: Annotated[str, typer.Option("--shift", help=(
         "A regime shift from --shift-day on: none, double-client, peak-3h, no-weekend."))] = "none",
     shift_day: Annotated[int, typer.Option("--shift-day", min=1)] = 7,
+    reserve_floor: Annotated[float, typer.Option("--reserve-floor", min=0.01, max=1.0, help=(
+        "ClientConfig.reserve_floor of the per-client variants (1: the reserve as without clients)."))] = 0.7,
     json_out: JsonOut = False,
 ) -> None:
     """The ceiling of a client-level forecast against the aggregate one, and the policy fed either."""
@@ -185,7 +187,7 @@ def clients(
     run(traces or default_traces(), serving_gpus=serving_gpus, budgets=tuple(budget),
         rotations=days(rotations, "--rotations") or None,
         online_rotations=tuple(days(online_rotations, "--online-rotations")), pacing_gain=pacing_gain,
-        shift=shift, shift_day=shift_day, as_json=json_out)
+        shift=shift, shift_day=shift_day, reserve_floor=reserve_floor, as_json=json_out)
 
 
 @app.command("generalize")

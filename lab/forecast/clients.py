@@ -11,8 +11,9 @@ rotation and budget:
 * the **ceiling** of each forecast: the hindsight-best constant ``z`` over the aggregate forecast
   (``center + z * scale``) and over the client-level one (the same center, the scale widened by the
   switch-on risk of the clients that are off, :func:`tidal.policy.clients.client_forecast`);
-* (``--online-rotations``) the policy as shipped, :class:`~tidal.policy.loan.TidalPolicy`, fed the total
-  only, fed the per-client demand too, and that with budget pacing (``--pacing-gain``).
+* (``--online-rotations``) the policy, :class:`~tidal.policy.loan.TidalPolicy`, fed the total only, fed
+  the per-client demand too with the tail reserve following the switch-on risk (``--reserve-floor``), and
+  that with budget pacing (``--pacing-gain``).
 
 ``--shift`` changes the traffic from day ``--shift-day`` on, a regime nobody tuned on: ``double-client``
 (a new client twice the largest appears), ``peak-3h`` (every client's day 3 hours later), ``no-weekend``
@@ -97,7 +98,7 @@ def online(times_s: np.ndarray, demand: np.ndarray, clients: np.ndarray | None, 
 
 def evaluate(path: Path, *, n: int, step_s: float, lead: int, warmup: int, budgets: tuple[float, ...],
              rotations: list[int] | None, online_rotations: list[int], heavy: int, pacing_gain: float = 1.0,
-             shift: str = "none", shift_day: int = 7) -> dict[str, Any]:
+             shift: str = "none", shift_day: int = 7, reserve_floor: float = 0.7) -> dict[str, Any]:
     ct = load_client_trace(path, max_clients=heavy)
     day = round(86400.0 / ct.step_s)
     rates = shifted(ct.rates, shift, shift_day * day, day)
@@ -111,7 +112,7 @@ def evaluate(path: Path, *, n: int, step_s: float, lead: int, warmup: int, budge
     timing = LoanTiming(notice_s=0.0, final_checkpoint_s=0.0, release_s=0.0, warmup_s=lead * step_s,
                         restart_cost_s=0.0)
     fcfg = fc.ForecastConfig(step_s=step_s, horizon_s=max(6 * 3600.0, timing.lead_time_s + step_s))
-    ccfg = ClientConfig(heavy=heavy)
+    ccfg = ClientConfig(heavy=heavy, reserve_floor=reserve_floor)
     times = ct.times_s
     runs = []
     for k in range(days) if rotations is None else rotations:
@@ -153,7 +154,7 @@ def evaluate(path: Path, *, n: int, step_s: float, lead: int, warmup: int, budge
 def run(traces: list[Path], *, serving_gpus: int = 128, step_s: float = 600.0, lead_s: float = 1200.0,
         budgets: tuple[float, ...] = (0.002, 0.005, 0.01), rotations: list[int] | None = None,
         online_rotations: tuple[int, ...] = (0,), heavy: int = 32, warmup_days: float = 2.0,
-        pacing_gain: float = 1.0, shift: str = "none", shift_day: int = 7,
+        pacing_gain: float = 1.0, shift: str = "none", shift_day: int = 7, reserve_floor: float = 0.7,
         as_json: bool = False) -> dict[str, Any]:
     """Evaluate each per-client trace; print a table (stderr with ``as_json``); return the result."""
     from rich.console import Console
@@ -165,13 +166,14 @@ def run(traces: list[Path], *, serving_gpus: int = 128, step_s: float = 600.0, l
     result: dict[str, Any] = {"config": {"serving_gpus": serving_gpus, "step_s": step_s, "lead_s": lead_s,
                                          "budgets": list(budgets), "warmup_days": warmup_days, "heavy": heavy,
                                          "online_rotations": list(online_rotations),
-                                         "pacing_gain": pacing_gain, "shift": shift, "shift_day": shift_day},
+                                         "pacing_gain": pacing_gain, "shift": shift, "shift_day": shift_day,
+                                         "reserve_floor": reserve_floor},
                               "traces": {}}
     for p in traces:
         result["traces"][p.name.split(".")[0]] = evaluate(
             p, n=serving_gpus, step_s=step_s, lead=lead, warmup=warmup, budgets=budgets, rotations=rotations,
             online_rotations=list(online_rotations), heavy=heavy, pacing_gain=pacing_gain, shift=shift,
-            shift_day=shift_day)
+            shift_day=shift_day, reserve_floor=reserve_floor)
     table = Table(title=f"client-level against aggregate forecast (fluid model, {serving_gpus} serving GPUs, "
                         f"lead {lead_s / 60:g} min): harvest x oracle")
     for col in ("trace", "budget", "what", "rotations", "first rotation", "median", "held", "worst short"):

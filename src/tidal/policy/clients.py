@@ -38,7 +38,7 @@ class ClientConfig:
     hour this much of the client's overall rate."""
     on_gpus: float = 1e-9
     """A client with more demand than this is on."""
-    reserve_floor: float = 0.7
+    reserve_floor: float = 1.0
     """The tail reserve follows the switch-on risk at the lead time over its mean, within
     ``[reserve_floor, 1 / reserve_floor]`` (1 = the reserve as without clients)."""
 
