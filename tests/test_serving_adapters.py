@@ -245,5 +245,14 @@ def test_prometheus_grouped_by_client_label_is_bounded(srv, caplog):
     assert q.client_gpus(300.0) is None and math.isnan(q.demand_gpus(300.0))
     assert "not a finite number >= 0" in caplog.text
     assert PrometheusQuery(srv.url, "sum(x)").client_gpus(1.0) is None
+    from tidal.serving.requests import RequestModel
+
+    model = RequestModel(service_rate_per_replica=1.0, latency_target_s=0.5)
+    srv.series = [{"metric": {"tenant": "a"}, "value": [0, "30"]},
+                  {"metric": {"tenant": "b"}, "value": [0, "10"]}]
+    by_rate = PrometheusQuery(srv.url, "q", client_label="tenant", requests=model)
+    got = by_rate.client_gpus(400.0)  # the GPUs of 40 requests/s, shared 3:1
+    assert got is not None and math.isclose(got.sum(), model.gpus(40.0)) and math.isclose(got[0], 3 * got[1])
+    assert math.isclose(by_rate.demand_gpus(400.0), model.gpus(40.0))
     with pytest.raises(ValueError, match="client_label"):
         PrometheusQuery(srv.url, "q", client_label=" ")

@@ -163,7 +163,7 @@ class PrometheusQuery:
 
     def client_gpus(self, now_s: float) -> np.ndarray | None:
         """Demand per client at ``now_s`` (``max_clients + 1`` columns, the tail last; with ``requests``
-        the GPUs of each client's rate alone); None when unknown or without ``client_label``."""
+        the GPUs of the total rate, shared by rate); None when unknown or without ``client_label``."""
         if self.client_label is None:
             return None
         try:
@@ -177,12 +177,14 @@ class PrometheusQuery:
                 self._columns[name] = len(self._columns)
             col = self.max_clients if name is None else self._columns.get(name, self.max_clients)
             out[col] += v
-        if self.requests is not None:
-            try:
-                return np.array([float(self.requests.gpus(v)) if v > 0 else 0.0 for v in out])
-            except ValueError:
-                return None
-        return out * self.gpus_per_unit
+        if self.requests is None:
+            return out * self.gpus_per_unit
+        try:  # the GPUs of the total rate, shared in proportion to the clients' rates
+            gpus = float(self.requests.gpus(float(out.sum())))
+        except ValueError as e:
+            log.warning("client demand unknown at %.0f: Prometheus query %r: %s", now_s, self.query, e)
+            return None
+        return out * (gpus / out.sum()) if out.sum() > 0 else out
 
     def value(self, now_s: float) -> float:
         """The query's value at ``now_s`` (with ``client_label``: summed over its series); ``ValueError``
