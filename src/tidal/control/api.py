@@ -353,7 +353,9 @@ def create_app(ctx: ApiContext) -> FastAPI:
     @app.get("/v1/pool", **_doc(sc.Pool, 401))
     @json_route()
     def pool(me: Caller) -> dict:
-        return pool_view(ctx.nodes, store.jobs(states=HELD | {State.PENDING}), None if me.admin else me.name)
+        who = None if me.admin else me.name
+        return pool_view(ctx.nodes, store.jobs(states=HELD), who,
+                         store.count_by_state(who).get(State.PENDING.value, 0))
 
     @app.get("/v1/serving", **_doc(sc.Serving, 401, 404))
     @json_route()

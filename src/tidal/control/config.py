@@ -34,6 +34,9 @@ class ControlConfig:
     startup_timeout_s: float = 600.0
     kill_slack_s: float = 10.0
     loop_interval_s: float = 0.5
+    retention_s: float = 0.0
+    """Ended jobs (whose directory the executor no longer keeps) and events older than this are dropped from
+    the database; 0: kept for ever."""
     serving: WatchConfig | None = None
     isolation: IsolationConfig = field(default_factory=IsolationConfig)
     checkpoint_grants: dict[str, tuple[str, ...]] = field(default_factory=dict)

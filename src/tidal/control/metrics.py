@@ -1,6 +1,7 @@
 """Prometheus metrics, computed from the store at scrape time (``GET /metrics``; docs/control.md, Metrics).
 
-Per-job series exist for active jobs only, so their number stays bounded. With live lending
+Per-job series exist for jobs holding GPUs only and job counts come from one ``GROUP BY``, so a scrape's
+size and cost follow the running jobs, the nodes and the tenants, not the history. With live lending
 (``serving.nodes``), besides the plan's gauges (demand, lendable, margin):
 
 * ``tidal_loan_lent_gpus`` / ``tidal_loan_warming_gpus``: serving GPUs lent / warming up after a return
@@ -22,7 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from tidal.control.accounting import job_report
 from tidal.control.node_watch import totals as node_totals
-from tidal.control.states import ACTIVE, State
+from tidal.control.states import HELD, State
 from tidal.control.store import Store
 from tidal.control.views import pool_view
 from tidal.model import Node
@@ -35,7 +36,7 @@ class PlaneCollector:
 
     def collect(self) -> Iterator[Metric]:
         now = self.clock()
-        jobs = self.store.jobs()
+        jobs = self.store.jobs(states=HELD)
         pool = GaugeMetricFamily("tidal_pool_gpus", "GPUs of the pool by state and owning tenant",
                                  labels=["node", "state", "tenant"])
         for n in pool_view(self.nodes, jobs, None)["nodes"]:
@@ -48,7 +49,7 @@ class PlaneCollector:
                     pool.add_metric([n["name"], state, tenant], g)
             pool.add_metric([n["name"], "free", ""], n["free"])
         yield pool
-        counts = {s.value: 0 for s in State} | Counter(j.state for j in jobs)
+        counts = {s.value: 0 for s in State} | self.store.count_by_state()
         by_state = GaugeMetricFamily("tidal_jobs", "Jobs by state", labels=["state"])
         for s, c in counts.items():
             by_state.add_metric([s], c)
@@ -67,8 +68,6 @@ class PlaneCollector:
         lost = CounterMetricFamily("tidal_job_lost_work_seconds", "Seconds of training re-run after failures",
                                    labels=labels)
         for j in jobs:
-            if j.state not in ACTIVE:
-                continue
             lv = [j.id, j.tenant]
             p = j.progress or {}
             rep = job_report(j, now)
