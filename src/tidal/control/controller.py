@@ -528,6 +528,10 @@ class Controller:
             deadline = min(deadline, job.stop_deadline_s)
         if reason == "cancel" or job.stop_reason != "failure":
             fields["stop_reason"] = reason
+        if S(job.state) == to:  # told again the same way (a job growing is shrunk): a new target, one notice
+            row = self.store.update(job.id, stop_deadline_s=deadline, **fields)
+            self.store.record("decision", f"{why} (already {to})", now_s, job=row)
+            return row
         row = self.store.transition(job.id, to, now_s,
                                     why + ("" if already else f": notice sent, grace {grace_s:g} s"),
                                     stop_deadline_s=deadline, **fields)

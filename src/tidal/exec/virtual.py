@@ -233,8 +233,8 @@ class VirtualExecutor:
             return a.cache[1]
         nodes = a.rank_nodes()
         exit_code = code if over else None
-        ranks = tuple(RankState(r, None, None if r in a.lost else exit_code, r in a.lost,
-                                over and code in (0, EXIT_PREEMPTED), r in a.lost, nodes[r])
+        ranks = tuple(RankState(r, None, None if r in a.lost else exit_code, r in a.lost, False, r in a.lost,
+                                nodes[r])
                       for r in range(a.world))
         work, at = a.last_ckpt(t, self.notice_s)
         tier = {"dir": [int(work), at]} if at is not None else {}
