@@ -209,7 +209,7 @@ class Controller:
         it."""
         new = {jid: {"reason": w.reason, "until_s": w.until_s} for jid, w in why.items()}
         self.store.update_many({jid: {"waiting": new.get(jid)} for jid in self._waiting.keys() | new.keys()
-                                if self._waiting.get(jid) != new.get(jid)})  # one transaction
+                                if self._waiting.get(jid) != new.get(jid)}, mark=False)
         self._waiting = new
 
     def _holdings(self, wants: bool = False) -> tuple[dict[str, int], int, dict[str, list[str]]]:
@@ -373,7 +373,7 @@ class Controller:
                 changes[job.id] = fields
                 for k, v in fields.items():
                     setattr(job, k, v)
-        self.store.update_many(changes)
+        self.store.update_many(changes, mark=False)  # (the rows hold them already)
 
     def _finish(self, job: JobRow, ob: Observation, now_s: float) -> None:
         """Every rank of the attempt has exited: account for it, then the next state."""

@@ -30,6 +30,7 @@ from sqlalchemy import (
     Integer,
     String,
     Text,
+    bindparam,
     create_engine,
     delete,
     event,
@@ -37,6 +38,7 @@ from sqlalchemy import (
     inspect,
     select,
     text,
+    update,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
@@ -441,18 +443,24 @@ class Store:
         self._mark(job_id)
         return row
 
-    def update_many(self, changes: dict[str, dict[str, Any]]) -> None:
-        """:meth:`update` of many jobs in one transaction (job id -> fields); ids no longer in the store are
-        skipped."""
+    def update_many(self, changes: dict[str, dict[str, Any]], *, mark: bool = True) -> None:
+        """:meth:`update` of many jobs in one transaction (job id -> fields), one statement per set of fields
+        changed; ids no longer in the store are skipped. ``mark=False``: not marked changed (the caller holds
+        the rows and changed them itself)."""
         if any("state" in f for f in changes.values()):
             raise ValueError("use Store.transition to change a job's state")
-        ids = list(changes)
+        groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
+        for jid, f in changes.items():
+            if f:
+                groups.setdefault(tuple(sorted(f)), []).append({"b_id": jid, **f})
         with self._write() as s:
-            for i in range(0, len(ids), 500):  # bounded IN lists
-                for row in s.scalars(select(JobRow).where(JobRow.id.in_(ids[i:i + 500]))):
-                    for k, v in changes[row.id].items():
-                        setattr(row, k, v)
-        self._mark(*ids)
+            for keys, params in groups.items():
+                cols = JobRow.__table__.c
+                stmt = update(JobRow).where(cols.id == bindparam("b_id")).values(
+                    {k: bindparam(k, type_=cols[k].type) for k in keys})
+                s.connection().execute(stmt, params)
+        if mark:
+            self._mark(*changes)
 
     def _mark(self, *ids: str) -> None:
         """Mark jobs changed, once their write is committed (a reader that takes the mark sees the row)."""

@@ -7,17 +7,10 @@ import each other. Figures and commands: docs/benchmarks.md.
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import resource
-import signal
-import statistics
-import subprocess
-import sys
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,8 +38,9 @@ class Workload:
         return self.nodes * self.gpus_per_node
 
 
-def workload(n_jobs: int, nodes: int, gpus_per_node: int, *, span_s: float = 4 * 3600.0, tenants: int = 8,
-             minutes: tuple[float, float] = (10.0, 120.0), dedicated: float = 0.25, seed: int = 0) -> Workload:
+def workload(n_jobs: int, nodes: int, gpus_per_node: int, *, span_s: float = 4 * 3600.0,
+             tenants: int = 8, minutes: tuple[float, float] = (10.0, 120.0), dedicated: float = 0.25,
+             seed: int = 0) -> Workload:
     """``n_jobs`` submitted uniformly over ``span_s``: sizes 1..512 GPUs (within the pool), durations
     log-uniform in ``minutes``, a ``dedicated`` fraction at priority 1 (fixed size), the rest spot and elastic
     (half to all of their size); each tenant's quota is an equal share of the pool."""
@@ -96,8 +90,9 @@ def run_plane(w: Workload, horizon_s: float, *, step_s: float = 10.0, notice_s: 
     root = Path(tmp.name) if tmp is not None else Path(state_dir or ".")
     store = Store(db_url or f"sqlite:///{root}/tidal.db")
     try:
-        for t in w.tenants:
-            create_tenant(store, t.name, quota_gpus=t.quota_gpus, weight=t.weight, max_priority=1)
+        for tenant in w.tenants:
+            create_tenant(store, tenant.name, quota_gpus=tenant.quota_gpus, weight=tenant.weight,
+                          max_priority=1)
         ex = VirtualExecutor(w.nodes, w.gpus_per_node, beat_s=step_s, notice_s=notice_s)
         cfg = ControlConfig(scheduler=scheduler or SchedulerConfig(preempt_grace_s=notice_s))
         ctl = Controller(store, ex, cfg)
@@ -126,7 +121,8 @@ def run_plane(w: Workload, horizon_s: float, *, step_s: float = 10.0, notice_s: 
             held_gpu_s += sum(used.values()) * step_s
         by_state = store.count_by_state()
         return {"held_gpu_hours": held_gpu_s / 3600.0, **counts, "over_committed_steps": over,
-                "succeeded": by_state.get(State.SUCCEEDED.value, 0), "failed": by_state.get(State.FAILED.value, 0),
+                "succeeded": by_state.get(State.SUCCEEDED.value, 0),
+                "failed": by_state.get(State.FAILED.value, 0),
                 "steps": len(step_wall), "step_p50_s": _pct(step_wall, 50), "step_p99_s": _pct(step_wall, 99)}
     finally:
         store.close()
@@ -142,8 +138,9 @@ def run_sim(w: Workload, horizon_s: float, *, sched_period_s: float = 10.0, noti
     from tidal.sim.engine import Engine
     from tidal.sim.policies import PolicySpec
 
-    cfg = SimConfig(serving_gpus=1, training_gpus=w.gpus, gpus_per_node=w.gpus_per_node, days=horizon_s / 86400,
-                    step_s=3600.0, ckpt=CheckpointModel(persist_s=0.0, stage_s=0.0, restart_s=0.0),
+    cfg = SimConfig(serving_gpus=1, training_gpus=w.gpus, gpus_per_node=w.gpus_per_node,
+                    days=horizon_s / 86400, step_s=3600.0,
+                    ckpt=CheckpointModel(persist_s=0.0, stage_s=0.0, restart_s=0.0),
                     failure_rate_per_gpu_hour=0.0, sched_period_s=sched_period_s,
                     scheduler=scheduler or SchedulerConfig(preempt_grace_s=notice_s), record_timeline=False)
     eng = Engine(np.zeros(1), 3600.0, PolicySpec("none"), cfg, list(w.jobs), None, list(w.tenants))
