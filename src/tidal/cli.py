@@ -41,7 +41,9 @@ def _ckpt() -> None:
 
 def _bench() -> None:
     from tidal.bench.cli import app as bench_app
+    from tidal.demo.plane_bench import plane_command
 
+    bench_app.command("plane")(plane_command)  # drives the plane and the simulator: a face, not tidal.bench
     app.add_typer(bench_app, name="bench", help="Benchmarks (side by side, --json).")
 
 
