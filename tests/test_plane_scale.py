@@ -63,3 +63,38 @@ def test_metrics_and_pool_follow_running_jobs_not_history(tmp_path) -> None:
     assert store.count_by_state() == {"running": 1, "pending": 1}
     assert store.events(job_id=old[0]) == [] and store.events(job_id=run)
     assert submit(store, "a", clock(), name="new") == "new-43"
+
+
+def test_a_burst_from_one_tenant_is_refused_with_429_nothing_stored(tmp_path) -> None:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from fastapi.testclient import TestClient
+    from tidal.control.api import ApiContext, create_app
+    from tidal.control.auth import create_tenant
+    from tidal.control.limits import SubmitLimits
+    from tidal.model import Node
+
+    clock = FakeClock()
+    store = new_store(tmp_path)
+    tokens = {t: create_tenant(store, t) for t in ("a", "b")}
+    ctx = ApiContext(store, [Node("n0", 8)], lambda j, r: None, clock, limits=SubmitLimits(2.0, 4.0, 6))
+    http = TestClient(create_app(ctx))
+
+    def post(tenant: str):
+        return http.post("/v1/jobs", json={"name": "x", "gpus": 1, "command": ["true"]},
+                         headers={"Authorization": f"Bearer {tokens[tenant]}"})
+
+    codes = [post("a").status_code for _ in range(6)]
+    assert codes == [201] * 4 + [429] * 2  # a burst of 4 at 2 a second
+    r = post("a")
+    assert r.status_code == 429 and "faster than 2 jobs a second" in r.json()["detail"]
+    assert int(r.headers["Retry-After"]) >= 1
+    assert post("b").status_code == 201  # another tenant is not slowed
+    clock.advance(1.0)
+    assert [post("a").status_code for _ in range(3)] == [201, 201, 429]
+    clock.advance(10.0)
+    r = post("a")  # the queue cap: 6 of a's jobs wait
+    assert r.status_code == 429 and "6 jobs waiting" in r.json()["detail"] and "max_queued_jobs" in r.text
+    assert store.count_by_state("a") == {"pending": 6}  # nothing stored for the refused ones

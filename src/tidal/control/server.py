@@ -26,6 +26,7 @@ from tidal.control.client import API_URL_FILE
 from tidal.control.config import ControlConfig
 from tidal.control.controller import Controller
 from tidal.control.dashboard import dashboard_url
+from tidal.control.limits import SubmitLimits
 from tidal.control.loans import DOC_KEY as LOANS_DOC
 from tidal.control.loans import LiveLoans, build_live_loans
 from tidal.control.locations import TENANTS_DIRNAME, LocationPolicy
@@ -93,7 +94,8 @@ class Plane:
         ctx = ApiContext(self.store, ctl.nodes, self.executor.log_path, time.time, ckpt_root=ctl.ckpt_root,
                          serving=serving, loans=ctl.loans, locations=policy,
                          job_dir=getattr(self.executor, "job_dir", None),
-                         warning=isolation_warning(cfg, executor=self.executor))
+                         warning=isolation_warning(cfg, executor=self.executor),
+                         limits=SubmitLimits(cfg.submit_rate_per_s, cfg.submit_burst, cfg.max_queued_jobs))
         return create_app(ctx)
 
 
