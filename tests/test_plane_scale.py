@@ -98,3 +98,14 @@ def test_a_burst_from_one_tenant_is_refused_with_429_nothing_stored(tmp_path) ->
     r = post("a")  # the queue cap: 6 of a's jobs wait
     assert r.status_code == 429 and "6 jobs waiting" in r.json()["detail"] and "max_queued_jobs" in r.text
     assert store.count_by_state("a") == {"pending": 6}  # nothing stored for the refused ones
+
+
+def test_bench_plane_kill9_readopts_every_running_job(tmp_path) -> None:
+    """``tidal bench plane`` small: ``tidal up`` adopts what the simulated hour left running, serves the
+    readers, is killed with SIGKILL and restarted: every running job adopted, none lost, none run twice."""
+    from tidal.demo.plane_bench import bench_plane
+
+    r = bench_plane("32x8", 200, hours=0.5, step_s=60.0, submits=40, reads=5, state_dir=tmp_path,
+                    log=lambda m: None)
+    assert r["jobs_running_at_kill"] > 0 and r["jobs_lost"] == 0 and r["jobs_run_twice"] == 0, r
+    assert 0.9 < r["sim_parity"] < 1.1 and r["metrics_bytes"] > 0 and r["db_bytes"] > 0

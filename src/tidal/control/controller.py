@@ -104,9 +104,12 @@ class Controller:
     def recover(self, now_s: float) -> None:
         """After a (re)start: re-adopt the workers of every job that holds GPUs, or requeue it (not a
         failure); ranks that ended meanwhile are handled by the next step."""
-        for job in self.store.jobs(states=HELD):
-            found = job.attempt > 0 and self.executor.adopt(job.id, job.attempt, now_s)
-            ob = self.executor.observe(now_s).get(job.id) if found else None
+        held = self.store.jobs(states=HELD)
+        adopted = {j.id for j in held if j.attempt > 0 and self.executor.adopt(j.id, j.attempt, now_s)}
+        observed = self.executor.observe(now_s)  # once: every job's
+        for job in held:
+            found = job.id in adopted
+            ob = observed.get(job.id) if found else None
             if ob is not None and ob.alive:
                 pids = [r.pid for r in ob.alive]
                 self.store.record("adopted", f"control plane restarted: re-adopted attempt {job.attempt}, "
