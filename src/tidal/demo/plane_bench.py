@@ -199,8 +199,8 @@ def _journal_twice(path: Path) -> int:
 class _Up:
     """``tidal up --executor virtual:NODESxGPUS`` on a free loopback port, as a child process."""
 
-    def __init__(self, state: Path, shape: str) -> None:
-        self.state, self.shape = state, shape
+    def __init__(self, state: Path, shape: str, db: str | None) -> None:
+        self.state, self.shape, self.db = state, shape, db
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> float:
@@ -213,7 +213,8 @@ class _Up:
         with open(self.state / "up.log", "ab") as err:  # (the child has its own copy)
             proc = self.proc = subprocess.Popen(
                 [sys.executable, "-c", "from tidal.cli import main; main()", "up", "--port", "0",
-                 "--executor", f"virtual:{self.shape}", "--state-dir", str(self.state)],
+                 "--executor", f"virtual:{self.shape}", "--state-dir", str(self.state),
+                 *(["--db", self.db] if self.db else [])],
                 stdout=subprocess.DEVNULL, stderr=err)
         while True:
             if proc.poll() is not None or time.perf_counter() - t > 600:
@@ -269,7 +270,7 @@ def bench_plane(nodes: str = "256x8", jobs: int = 2000, *, hours: float = 2.0, s
         out["sim"] = sim
         out["sim_parity"] = live["held_gpu_hours"] / sim["held_gpu_hours"] if sim["held_gpu_hours"] else None
         out["step_p50_s"], out["step_p99_s"] = live["step_p50_s"], live["step_p99_s"]
-        up = _Up(state, nodes)
+        up = _Up(state, nodes, db)
         log("restart: tidal up adopts the running jobs")
         out["adopt_api_s"] = up.start()
         token = (state / ADMIN_TOKEN_FILE).read_text().strip()
