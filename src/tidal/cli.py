@@ -6,8 +6,8 @@ the control-plane client, not torch, so client commands start fast. ``tidal --he
 
 from __future__ import annotations
 
+import importlib
 import sys
-from collections.abc import Callable
 from typing import Annotated
 
 import typer
@@ -33,75 +33,20 @@ def _group(_: Annotated[bool, typer.Option("--version", callback=_version, is_ea
     """Tidal: train on a shared GPU pool."""  # keeps `tidal NAME` a subcommand when only NAME is registered
 
 
-def _ckpt() -> None:
-    from tidal.ckpt.cli import app as ckpt_app
-
-    app.add_typer(ckpt_app, name="ckpt", help="Inspect, verify and export checkpoints.")
-
-
-def _bench() -> None:
-    from tidal.bench.cli import app as bench_app
-    from tidal.demo.plane_bench import plane_command
-
-    bench_app.command("plane")(plane_command)  # drives the plane and the simulator: a face, not tidal.bench
-    app.add_typer(bench_app, name="bench", help="Benchmarks (side by side, --json).")
-
-
-def _verify() -> None:
-    from tidal.bench.cli import verify_resume
-
-    app.command("verify-resume")(verify_resume)
-
-
-def _sim() -> None:
-    from tidal.sim.cli import plan_command, sim_command
-
-    app.command("sim")(sim_command)
-    app.command("plan")(plan_command)
-
-
 _CONTROL = ("up", "submit", "jobs", "status", "logs", "cancel", "pool", "events")
-
-
-def _control() -> None:
-    from tidal.control import cli as control
-
-    for name in _CONTROL:
-        app.command(name)(getattr(control, name))
-    app.add_typer(control.tenants_app, name="tenants", help="Tenants (admin): create, list.")
-
-
-def _serving() -> None:
-    from tidal.serving.cli import app as serving_app
-
-    app.add_typer(serving_app, name="serving",
-                  help="Serving side: the live loan plan from a trace or Prometheus; load on an endpoint.")
-
-
-def _demo() -> None:
-    from tidal.demo.cycle import cycle
-    from tidal.demo.on_ray import demo_ray
-    from tidal.demo.single import demo
-
-    demo_app = typer.Typer(
-        invoke_without_command=True, no_args_is_help=False,
-        help="End-to-end demos on this machine (no subcommand: a job loses a rank and recovers)."
-    )
-    demo_app.callback()(demo)
-    demo_app.command("cycle")(cycle)
-    demo_app.command("ray")(demo_ray)
-    app.add_typer(demo_app, name="demo")
-
-
-_COMMANDS: dict[str, Callable[[], None]] = {
-    "ckpt": _ckpt,
-    "bench": _bench,
-    "verify-resume": _verify,
-    "sim": _sim,
-    "plan": _sim,
-    "demo": _demo,
-    "serving": _serving,
-    **{n: _control for n in (*_CONTROL, "tenants")},
+# name -> (module, attribute, help): a group of subcommands when ``help`` is given, else one command
+_COMMANDS: dict[str, tuple[str, str, str | None]] = {
+    "ckpt": ("tidal.ckpt.cli", "app", "Inspect, verify and export checkpoints."),
+    "bench": ("tidal.demo.plane_bench", "bench_app", "Benchmarks (side by side, --json)."),
+    "verify-resume": ("tidal.bench.cli", "verify_resume", None),
+    "sim": ("tidal.sim.cli", "sim_command", None),
+    "plan": ("tidal.sim.cli", "plan_command", None),
+    "demo": ("tidal.demo.cli", "app",
+             "End-to-end demos on this machine (no subcommand: a job loses a rank and recovers)."),
+    "serving": ("tidal.serving.cli", "app",
+                "Serving side: the live loan plan from a trace or Prometheus; load on an endpoint."),
+    **{n: ("tidal.control.cli", n, None) for n in _CONTROL},
+    "tenants": ("tidal.control.cli", "tenants_app", "Tenants (admin): create, list."),
 }
 
 
@@ -109,9 +54,13 @@ def _register(argv: list[str] | None = None) -> None:
     """Register the subcommand named in ``argv`` (all of them when none or an unknown one is named)."""
     args = sys.argv[1:] if argv is None else argv
     name = next((a for a in args if not a.startswith("-")), None)
-    wanted = [_COMMANDS[name]] if name in _COMMANDS else list(dict.fromkeys(_COMMANDS.values()))
-    for register in wanted:
-        register()
+    for n in [name] if name in _COMMANDS else _COMMANDS:
+        module, attribute, help_ = _COMMANDS[n]
+        target = getattr(importlib.import_module(module), attribute)
+        if help_ is None:
+            app.command(n)(target)
+        else:
+            app.add_typer(target, name=n, help=help_)
 
 
 def main() -> None:

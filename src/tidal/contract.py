@@ -1,9 +1,6 @@
-"""What the runtime (``tidal.train``, ``tidal.ckpt``), the executors and the control plane must agree on,
-each fact written once: environment variables (``ENV_*``; docs/train.md has the table), exit codes, the
-files through which a job and its executor talk, and the default grace (:data:`DEFAULT_GRACE_S`, also
-the default of the job spec's ``grace_s``, ``preempt_grace_s`` and the loan plan's ``notice_s``).
-Imports nothing of ours, no torch: every side may import it.
-"""
+"""What the runtime, the executors and the control plane agree on, each fact once: environment variables
+(docs/train.md has the table), exit codes, the files a job and its executor talk through, the default
+grace. Imports nothing of ours, no torch: every side may import it."""
 
 from __future__ import annotations
 
@@ -92,11 +89,8 @@ RAY_AUTH_TOKEN_ENV = "RAY_AUTH_TOKEN"
 RAY_AUTH_TOKEN_PATH_ENV = "RAY_AUTH_TOKEN_PATH"
 
 PHASE_ENDED = "ended"
-"""The heartbeat's phase once the runtime has closed cleanly (its ``end`` record written, the process
-group torn down). A rank whose last heartbeat says so *finished*, whatever the interpreter's teardown
-does afterwards: with torch 2.13 + gloo a finished rank sometimes dies of SIGABRT
-(``terminate called without an active exception``) after ``destroy_process_group``; the control
-plane counts such a rank as exited 0."""
+"""The heartbeat's phase once the runtime closed cleanly: the rank finished, whatever its exit code
+(docs/train.md, Exit codes)."""
 
 # ------------------------------------------------------------------------------ grace
 DEFAULT_GRACE_S = 30.0

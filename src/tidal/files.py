@@ -1,18 +1,6 @@
-"""Atomic file writes: a reader sees the old file or the whole new one, never a torn one; and
-:func:`open_plain`/:func:`read_plain`, the one way to read a file a job controls (owner and size
-checked). Standard library only (the shim loads it by path).
-
-Each write goes to a fresh hidden temporary name beside the target, created with ``O_CREAT | O_EXCL |
-O_NOFOLLOW``, mode 0600 unless told otherwise (:data:`AS_OPEN`: as ``open()``; ``group``: 0640 in that
-group); written, fsynced, renamed over the target and the directory fsynced (``durable=False`` skips
-both fsyncs). ``exclusive=True`` publishes only if the target does not exist (the others get
-``FileExistsError``); ``dir_fd`` makes ``path`` a plain name in that open directory. A failed write
-leaves no temporary file.
-
-:func:`private_dirs` creates a directory (and its missing parents) 0700 whatever the umask;
-:func:`owned_dir` also refuses one another user could change (:class:`NotOwned`): in a directory every
-user may write (``/dev/shm``), whoever creates a name first owns it.
-"""
+"""Atomic file writes (a reader sees the old file or the whole new one), private and owned directories, and
+:func:`open_plain`/:func:`read_plain`, the one way to read a file a job controls. Standard library only
+(the shim loads it by path)."""
 
 from __future__ import annotations
 
@@ -48,8 +36,11 @@ def _fsync_dir(path: str | os.PathLike | None, dir_fd: int | None) -> None:
 def atomic_writer(path: str | os.PathLike, *, mode: int = PRIVATE, group: int | None = None,
                   durable: bool = True, exclusive: bool = False, dir_fd: int | None = None,
                   text: bool = False) -> Iterator[IO[Any]]:
-    """An open file (binary, or text with ``text=True``) whose content replaces ``path`` when the
-    block ends without an exception; see the module's docstring for the options."""
+    """An open file (binary, or ``text``) whose content replaces ``path`` when the block ends without an
+    exception: written under a fresh ``O_EXCL | O_NOFOLLOW`` name beside it, fsynced, renamed, the
+    directory fsynced (``durable=False``: no fsync). Mode 0600 (:data:`AS_OPEN`: as ``open()``;
+    ``group``: 0640 in it); ``exclusive``: ``FileExistsError`` if ``path`` exists; ``dir_fd``: ``path``
+    is a name in it."""
     target = os.fspath(path)
     if dir_fd is not None and os.sep in target:
         raise ValueError(f"{target!r}: with dir_fd, a plain name inside that directory")
@@ -174,15 +165,9 @@ class NotPlainFile(OSError):
 
 def open_plain(path: str | os.PathLike, *, owner: int | None = None,
                max_bytes: int | None = None) -> IO[bytes]:
-    """``path`` opened for reading (binary) when it is a regular file: never through a symbolic link at
-    its last component (``ELOOP``), never blocking on a FIFO, never a device or directory
-    (:class:`NotPlainFile`). For files in a directory a job owns: the job may have swapped its file for a
-    link to the state dir, a FIFO or ``/dev/zero``, and the reader must neither read elsewhere nor hang.
-
-    ``owner``: the uid the job runs as; a file owned by neither it nor this process's uid (a hard link
-    to another tenant's file) is refused (``EPERM``). ``max_bytes``: a larger file is refused
-    (``EFBIG``; a sparse file of a terabyte costs its writer nothing): for a file read whole. A file
-    that grows (a log) is read in bounded chunks by its caller instead."""
+    """``path`` opened for reading (binary) if it is a regular file: never through a link at its last
+    component (``ELOOP``), never blocking on a FIFO, never a device (:class:`NotPlainFile`); ``owner``: the
+    job's uid (a file owned by neither it nor us is refused); ``max_bytes``: a larger file is refused."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)

@@ -1,11 +1,6 @@
-"""Plain data shared by the control plane, the simulator and the policies. Imports nothing of ours.
-
-What the scheduler sees of the world (a :class:`Snapshot`) and what it decides (``Decision`` values),
-all frozen dataclasses; times are seconds on the caller's clock (``*_s``), sizes GPU counts. The mappings
-inside are plain dicts and lists for speed: read-only once in a snapshot. docs/scheduling.md draws a
-job's lifecycle: the store owns the transitions and applies decisions before the next snapshot (the
-scheduler is level triggered); ``Job.releasing`` stays in ``placement`` until the job confirms.
-"""
+"""Plain data shared by the control plane, the simulator and the policies; imports nothing of ours. What
+the scheduler sees (a :class:`Snapshot`) and decides (``Decision`` values), frozen; times are seconds on
+the caller's clock (``*_s``), sizes GPU counts; the dicts inside are read-only (docs/scheduling.md)."""
 
 from __future__ import annotations
 
@@ -95,15 +90,8 @@ class Reclaim:
 @dataclass(frozen=True, slots=True)
 class Job:
     """A training job as the scheduler sees it: its request and state (docs/scheduling.md lists the
-    fields). ``kind``: ``dedicated`` runs only inside its tenant's quota on the training pool, ``spot``
-    on idle and loaned GPUs and may be shrunk or stopped at any time; ``min_gpus`` is the gang minimum
-    (all or nothing), ``max_gpus`` the elastic maximum (``None``: ``min_gpus``); every size is a multiple
-    of ``size_step`` (lcm of ``multiple_of`` and ``gpus_per_node``). ``last_ckpt_s``: the newest
-    *durable* checkpoint. ``nominated_s``: when others were shrunk or preempted for this pending job
-    (set by the store, cleared on admission): it goes first in its queue and, for
-    ``nomination_ttl_s``, in the admission order, so no job that ranks above it later takes the GPUs
-    freed for it.
-    """
+    fields); ``max_gpus`` ``None``: ``min_gpus``; every size is a multiple of ``size_step`` (lcm of
+    ``multiple_of`` and ``gpus_per_node``)."""
 
     id: str
     tenant: str

@@ -1,13 +1,5 @@
-"""``tidal bench ckpt``: what a checkpoint costs training, Tidal next to its alternatives.
-
-One model + Adam state of about ``size_gb`` (from :func:`tidal.ckpt.training_state`), saved by each
-competitor: ``memcpy`` into preallocated tensors (the floor for a stall), Tidal's ``Checkpointer``
-(plain and overlapped with ``guard=optimizer``), ``torch.save``, DCP ``save`` and ``async_save``; then
-loaded by Tidal (fastest tier, disk only, resharded onto three simulated ranks) and by DCP. All run in
-one process on the same tensors, alternating within every repeat after one untimed warm-up round, each
-save waited for until durable before the next starts; medians are reported, raw samples are in the
-JSON. :data:`NOTES` (printed and in the JSON) say what each figure is; targets print as PASS/MISS.
-"""
+"""``tidal bench ckpt``: a checkpoint's stall, commit and load, Tidal next to memcpy, ``torch.save`` and DCP,
+on one state in one process, alternating; medians, raw samples in the JSON, :data:`NOTES` say what each is."""
 
 from __future__ import annotations
 
@@ -171,11 +163,8 @@ class _Bench:
         t0 = time.perf_counter()
         torch.save(self.state, path)
         t1 = time.perf_counter()
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
         t2 = time.perf_counter()
         path.unlink()
         return {"save_s": t1 - t0, "durable_s": t2 - t0}

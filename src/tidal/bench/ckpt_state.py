@@ -1,7 +1,5 @@
-"""The state every checkpoint benchmark saves, and helpers to walk it: shared by ``tidal bench ckpt`` and
-the adapters that time other engines in virtual environments of their own, so it needs nothing but
-torch and the standard library (every engine checkpoints the very same state).
-"""
+"""The state every checkpoint benchmark saves, and helpers to walk it; torch and the standard library only
+(the adapters that time other engines import it in virtual environments of their own)."""
 
 from __future__ import annotations
 
@@ -14,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from tidal import ckpt
 
@@ -41,27 +40,12 @@ def build_state(size_bytes: int, seed: int = 0) -> tuple[torch.nn.Module, torch.
 
 def tensors(v: Any) -> Iterator[torch.Tensor]:
     """Every tensor in a nested dict/list/tuple, in a fixed order."""
-    if isinstance(v, torch.Tensor):
-        yield v
-    elif isinstance(v, dict):
-        for x in v.values():
-            yield from tensors(x)
-    elif isinstance(v, (list, tuple)):
-        for x in v:
-            yield from tensors(x)
+    return (x for x in tree_leaves(v) if isinstance(x, torch.Tensor))
 
 
 def map_tensors(v: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     """The same nesting with every tensor replaced by ``fn(tensor)``."""
-    if isinstance(v, torch.Tensor):
-        return fn(v)
-    if isinstance(v, dict):
-        return {k: map_tensors(x, fn) for k, x in v.items()}
-    if isinstance(v, list):
-        return [map_tensors(x, fn) for x in v]
-    if isinstance(v, tuple):
-        return tuple(map_tensors(x, fn) for x in v)
-    return v
+    return tree_map_only(torch.Tensor, fn, v)
 
 
 def state_bytes(state: dict) -> int:
@@ -100,4 +84,5 @@ def machine() -> dict:
                 break
     return {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "cpu": cpu,
             "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-            "cuda": torch.cuda.is_available()}
+            "cuda": torch.cuda.is_available(),
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}

@@ -14,11 +14,6 @@ import typer
 app = typer.Typer(help="Benchmarks (side by side, --json).", no_args_is_help=True, add_completion=False)
 
 
-@app.callback()
-def _group() -> None:
-    """Benchmarks (side by side, --json)."""
-
-
 def _consoles(json_out: bool) -> tuple[Any, Any, Callable[[str], None]]:
     """(stderr console, the tables' console: stderr with ``--json``, a progress logger to stderr)."""
     from rich.console import Console

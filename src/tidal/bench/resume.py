@@ -1,26 +1,18 @@
-"""The resume benchmark (``tidal bench resume``, or ``python -m tidal.bench.resume --json``): how long
-a reclaim takes, and how long until a resumed job trains again, for the example job.
-
-1. **notice → exit**: ``world`` ranks in ``layout``, a checkpoint every 2 steps, SIGTERM to every rank
-   once step ``notice_step`` is reported; from the signal to the last rank's exit (code 75, the step
-   committed in the fast tier). The goal: at most one step + the save stall + 1 s.
-2. **start → first step after a resharded restore**: ``resume_world`` ranks in ``resume_layout``
-   restore from node memory, then from a copy of the checkpoint directory alone (disk, as on another
-   node); from the launch to the first step, with its parts (session ready, restore, first step).
-"""
+"""``tidal bench resume`` (or ``python -m tidal.bench.resume --json``): notice → exit, and process start →
+first step after a resharded restore from node memory and from disk, for the example job (docs/train.md)."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
+import operator
 import shutil
 import statistics
 import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import reduce
 from pathlib import Path
 from typing import Any
 
@@ -118,9 +110,7 @@ def _resume_figures(res: SegmentResult) -> dict[str, Any]:
 def run(
     cfg: MeasureConfig, *, script: Path | None = None, log: Callable[[str], None] = lambda s: None
 ) -> dict[str, Any]:
-    script = script or example_script()
-    if not script.exists():
-        raise FileNotFoundError(f"example job not found at {script}; pass --script")
+    script = example_script(script)
     shm_parent = "/dev/shm" if Path("/dev/shm").is_dir() else None
     runs = []
     for i in range(cfg.repeat):
@@ -133,30 +123,18 @@ def run(
             shutil.rmtree(work, ignore_errors=True)
             shutil.rmtree(shm, ignore_errors=True)
 
-    def med(path: Callable[[dict], Any]) -> float | None:
-        vals = [v for v in (path(r) for r in runs) if isinstance(v, (int, float))]
+    def med(*path: str) -> float | None:
+        got: list[Any] = [reduce(operator.getitem, path, r) for r in runs]
+        vals = [float(v) for v in got if isinstance(v, (int, float))]
         return statistics.median(vals) if vals else None
 
-    summary = {
-        "notice_to_exit_s": med(lambda r: r["notice"]["notice_to_exit_s"]),
-        "goal_s": med(lambda r: r["notice"]["goal_s"]),
-        "step_s": med(lambda r: r["notice"]["step_s"]),
-        "save_stall_s": med(lambda r: r["notice"]["save_stall_s"]),
-        "start_to_first_step_node_memory_s": med(
-            lambda r: r["resume"]["node_memory"]["start_to_first_step_s"]),
-        "start_to_first_step_disk_s": med(lambda r: r["resume"]["disk"]["start_to_first_step_s"]),
-        "restore_node_memory_s": med(lambda r: r["resume"]["node_memory"]["restore_s"]),
-        "restore_disk_s": med(lambda r: r["resume"]["disk"]["restore_s"]),
-    }
+    summary = {k: med("notice", k) for k in ("notice_to_exit_s", "goal_s", "step_s", "save_stall_s")}
+    for t in ("node_memory", "disk"):
+        summary[f"start_to_first_step_{t}_s"] = med("resume", t, "start_to_first_step_s")
+        summary[f"restore_{t}_s"] = med("resume", t, "restore_s")
+    from tidal.bench.ckpt_state import machine
+
     return {"config": asdict(cfg), "machine": machine(), "summary": summary, "runs": runs}
-
-
-def machine() -> dict[str, Any]:
-    import torch
-
-    return {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-            "platform": platform.platform()}
 
 
 def render(result: dict[str, Any], console: Any) -> None:
@@ -167,7 +145,7 @@ def render(result: dict[str, Any], console: Any) -> None:
     def f(x: Any, fmt: str = "{:.2f}") -> str:
         return "-" if x is None else fmt.format(x)
 
-    t = Table(title=f"reclaim notice → exit ({cfg['layout']} x{cfg['world']}, {m['cpus']} CPUs, "
+    t = Table(title=f"reclaim notice → exit ({cfg['layout']} x{cfg['world']}, {m['cpu_count']} CPUs, "
                     f"gpu: {m['gpu'] or 'none'}; seconds)", title_justify="left")
     for col in ("run", "ckpt MB", "step", "stall", "persist", "signal→step end", "→ committed", "→ exit",
                 "goal", "tiers", "exit"):

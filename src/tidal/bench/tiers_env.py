@@ -8,12 +8,12 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from tidal.bench.seaweed import SeaweedServer
+from tidal.ckpt.agent.childproc import stop_process, wait_ready
 from tidal.ckpt.agent.proc import AgentProcess
 from tidal.net import free_ports
 
@@ -70,7 +70,8 @@ class Env:
         self.receiver = subprocess.Popen(
             [sys.executable, "-c", RECEIVER, str(self.recv_port), str(shm / "recv")],
             stdin=subprocess.DEVNULL, start_new_session=True)
-        _wait_port(self.recv_port, self.receiver)
+        wait_ready(self.receiver, lambda: _listening(self.recv_port), 20.0,
+                   f"the HTTP receiver on port {self.recv_port}", Path(os.devnull), self.close)
 
     def s3_url(self, name: str) -> str:
         return f"s3://{BUCKET}/{name}"
@@ -82,18 +83,12 @@ class Env:
         for p in (self.a, self.b):
             with contextlib.suppress(Exception):
                 p.stop()
-        if self.receiver.poll() is None:
-            self.receiver.kill()
-            self.receiver.wait(10)
+        stop_process(self.receiver, 0)
         with contextlib.suppress(Exception):
             self.seaweed.stop()
 
 
-def _wait_port(port: int, proc: subprocess.Popen, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            return
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"the HTTP receiver on port {port} did not start")
-        time.sleep(0.05)
+def _listening(port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
+        return True
+    return False

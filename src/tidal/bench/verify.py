@@ -1,12 +1,5 @@
-"""``tidal verify-resume``: training is reproduced after interruptions and GPU-count changes.
-
-Runs the example job uninterrupted on the baseline world and layout, then from scratch as a chain of
-segments sharing one checkpoint location (e.g. FSDP2 on 4 ranks → DDP on 2 → FSDP2 on 3), each but
-the last stopped by a reclaim notice (SIGTERM to one rank, or the notice file) and resumed resharded.
-Step by step, the global batch (dataset indices in rank order) must be identical and the loss agree
-within ``rtol``: on CPU the only difference is floating-point summation order, which a different
-world size changes; on the same world and layout the curves agree bit for bit.
-"""
+"""``tidal verify-resume``: the example job run uninterrupted and as a chain of interrupted, resharded
+segments must train on identical global batches with losses within ``rtol`` (docs/train.md)."""
 
 from __future__ import annotations
 
@@ -90,10 +83,7 @@ def run(cfg: VerifyConfig, *, workdir: Path | None = None, script: Path | None =
         log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """Run both jobs and compare them; returns the JSON-able result (``result["ok"]`` is the verdict)."""
     cfg.check()
-    script = script or example_script()
-    if not script.exists():
-        raise FileNotFoundError(f"example job not found at {script}; pass --script "
-                                "PATH/TO/examples/gpt/train.py")
+    script = example_script(script)
     own = workdir is None
     work = Path(tempfile.mkdtemp(prefix="tidal-verify-")) if workdir is None else Path(workdir)
     work.mkdir(parents=True, exist_ok=True)

@@ -1,15 +1,5 @@
-"""``tidal demo cycle``: a day of lending and reclaiming serving GPUs, live, on this machine.
-
-    tidal demo cycle                       # one day of the shipped serving profile in about 6 minutes
-    tidal demo cycle --hours 12 --json     # the summary as JSON on stdout (the view on stderr)
-
-An embedded control plane lends virtual serving nodes whose demand replays the shipped daily profile
-(``serving/data/daily-profile.csv``) ``--speedup`` times as fast as the clock. Elastic spot jobs (the
-GPT example) grow onto lent GPUs as traffic falls, and before the morning rise get reclaim notices,
-checkpoint and shrink; the GPUs go back before the deadline. The summary sets the live day beside the
-same day through the simulator. Exit code 0 only if GPUs were lent, every return met its deadline and
-no GPU was ever counted both as serving and as lent (checked from the API at every poll).
-"""
+"""``tidal demo cycle``: a day of lending and reclaiming serving GPUs, live, on this machine, set beside the
+same day through the simulator (docs/loaning.md, README)."""
 
 from __future__ import annotations
 

@@ -1,17 +1,6 @@
-"""A node of a local Ray cluster lost as a machine is lost, and what the nodes left hold of a job's
-checkpoints at that instant (the Ray demos and tests).
-
-    pids = freeze_node(node)          # every process of the node stopped dead, at one instant
-    held = tier_steps(home, agents)   # the job's tiers as the surviving agents and the disk see them
-    kill_node(cluster, node, pids)    # SIGKILL them all; Ray is told (its raylet is among them)
-
-``Cluster.remove_node`` alone kills Ray's own processes, but the workers and the ranks they started
-notice only later and go on meanwhile (a rank of the "lost" node committed a step its dead agent never
-got); a real machine stops everything at once, as :func:`freeze_node` does. Restore reads the newest
-step of *any* tier, and the disk tier outlives the node, so :func:`kill_when_peer_newest` freezes the
-node, looks, and kills it only when the surviving agents hold the newest step; else it thaws the node
-(stopped for tenths of a second, shorter than Ray's health checks notice).
-"""
+"""A node of a local Ray cluster lost as a machine is lost, every process at one instant (Ray's
+``remove_node`` alone lets its ranks go on for a moment), and what the other nodes hold of a job's
+checkpoints then: :func:`kill_when_peer_newest` kills only when the surviving agents hold the newest step."""
 
 from __future__ import annotations
 
@@ -103,10 +92,9 @@ def worth_a_look(reported: dict[str, Any], looked: int | None, strict: bool = Tr
     """A look stops the job too, so look only when it is likely to succeed: the job's newest peer step
     when its progress (``tiers``: tier -> [step, time]) reports one newer than its disk's (not
     ``strict``: as new), other than ``looked`` (the one of the last look); else None."""
-    peer, disk = (reported.get("peer") or [None])[0], (reported.get("disk") or [-1])[0]
-    if peer is None or peer == looked:
-        return None
-    return peer if (peer > disk if strict else peer >= disk) else None
+    peer = (reported.get("peer") or [None])[0]
+    held = {t: TierSteps(v[0], False) for t, v in reported.items() if v}
+    return peer if peer != looked and peer_newest(held, strict) else None
 
 
 def kill_when_peer_newest(cluster: Any, node: Any, home: str, agents: Sequence[str], *, force: bool = False,

@@ -1,18 +1,5 @@
-"""``tidal demo ray``: a job across the nodes of a Ray cluster loses a node and recovers on the rest.
-
-    tidal demo ray                      # ~2 min on 2 cores
-    tidal demo ray --json               # the summary as JSON on stdout (the narration on stderr)
-    tidal demo ray --cycle              # the day of lending on Ray, a node lost at night (ray_cycle.py)
-    tidal demo ray --cycle --serve      # ... with Ray Serve replicas serving generated traffic
-
-A Ray cluster on this machine (nodes ``n1`` with 2 declared GPUs, ``n2`` and ``n3`` with 1) and an
-embedded control plane driving it run the GPT example as an elastic spot job of 2-3 GPUs across two
-nodes. Once a checkpoint is committed and ``--kill-at`` of the steps are done, the node with two of its
-ranks is killed (every process at one instant: ``node_loss.kill_node``); the plane notices, requeues
-the job and relaunches it resharded on the GPUs left; the node comes back and the job grows onto it.
-Exit code 0 only if the job succeeded after a node loss it recovered from. Everything is stopped on
-the way out, also on errors and Ctrl-C.
-"""
+"""``tidal demo ray``: a GPT job across a local 3-node Ray cluster loses a node and recovers on the rest,
+then grows back (docs/control.md, the Ray executor; ``--cycle``: :mod:`tidal.demo.ray_cycle`)."""
 
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tidal.bench import runs
 from tidal.contract import ENV_SHM_DIR
 from tidal.demo.plane import DemoError
 
@@ -73,13 +74,11 @@ class DemoOptions:
 
 
 def example_script() -> Path:
-    """``examples/gpt/train.py`` of this checkout (the package is installed editable), else under the cwd."""
-    for root in (Path(__file__).resolve().parents[3], Path.cwd()):
-        p = root / "examples" / "gpt" / "train.py"
-        if p.is_file():
-            return p
-    raise DemoError("the GPT example examples/gpt/train.py was not found next to the tidal package nor under "
-                    f"{Path.cwd()}: run `tidal demo` from a checkout of the repository")
+    """:func:`tidal.bench.runs.example_script`, its error a :class:`DemoError`."""
+    try:
+        return runs.example_script()
+    except FileNotFoundError as e:
+        raise DemoError(str(e)) from None
 
 
 def gpt_job(script: Path, name: str, size: str, args: list[str], shm_dir: Path | None = None,

@@ -14,11 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tidal.contract import LAUNCH_FILE, PROGRESS_DIRNAME, attempt_dirname, progress_file
+from tidal.contract import LAUNCH_FILE, PROGRESS_DIRNAME, attempt_dirname
 from tidal.contract import pid_file as contract_pid_file
 from tidal.control.client import API_URL_FILE
 from tidal.control.config import ControlConfig
 from tidal.exec import procs
+from tidal.train.progress import progress_path, read_jsonl
 
 
 class DemoError(RuntimeError):
@@ -133,14 +134,6 @@ class Kill:
     time_s: float
 
 
-def _parent_pid(pid: int) -> int | None:
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text(errors="replace")
-    except OSError:
-        return None
-    return int(raw[raw.rindex(")") + 2:].split()[1])
-
-
 def kill_rank(job: dict, rank: int) -> Kill | None:
     """SIGKILL rank ``rank`` of the job's current attempt: its own process (not the shim), from
     ``pid-<rank>.json`` in the attempt dir the API names; None if it has exited already."""
@@ -153,8 +146,8 @@ def kill_rank(job: dict, rank: int) -> Kill | None:
         pid = int(json.loads(pid_file.read_text())["pid"])
     except (OSError, ValueError, KeyError) as e:
         raise DemoError(f"cannot read rank {rank}'s pid from {pid_file}: {e}") from None
-    parent = _parent_pid(pid)
-    if parent is not None and parent != shims[rank]:
+    proc = procs.table().get(pid)
+    if proc is not None and proc.ppid != shims[rank]:
         raise DemoError(
             f"pid {pid} from {pid_file} is not a child of rank {rank}'s shim (pid {shims[rank]}); "
             "not killing it"
@@ -172,12 +165,8 @@ def attempt_records(state_dir: Path, job_id: str) -> dict[int, list[dict]]:
     """Rank 0's progress records of every attempt (``jobs/<job>/attempt-<n>/progress/``), by attempt."""
     out: dict[int, list[dict]] = {}
     for d in Path(state_dir, "jobs", job_id).glob(attempt_dirname("*")):
-        recs = []
-        with contextlib.suppress(OSError):
-            for line in (d / PROGRESS_DIRNAME / progress_file(0)).read_text().splitlines():
-                with contextlib.suppress(ValueError):
-                    recs.append(json.loads(line))
-        out[int(d.name.split("-", 1)[1])] = recs
+        p = progress_path(d / PROGRESS_DIRNAME, 0)
+        out[int(d.name.split("-", 1)[1])] = read_jsonl(p) if p.exists() else []
     return dict(sorted(out.items()))
 
 

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import typer
 
+from tidal.bench import cli as _bench_cli
 from tidal.model import Admit, Grow, Preempt, Shrink, Tenant
 from tidal.policy.scheduler import SchedulerConfig
 from tidal.sim.jobs import JobSpec
@@ -354,3 +355,7 @@ def plane_command(
     else:
         for k, v in res.items():
             print(f"{k:>20}  {v:.4g}" if isinstance(v, float) else f"{k:>20}  {v}")
+
+
+bench_app = _bench_cli.app  # `tidal bench`: the operator's benchmarks and `plane` (a face: above both planes)
+bench_app.command("plane")(plane_command)

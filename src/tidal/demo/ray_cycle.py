@@ -1,23 +1,6 @@
-"""``tidal demo ray --cycle``: the compressed day of lending on a local multi-node Ray cluster, with a
-node lost in the night.
-
-    tidal demo ray --cycle                  # 14 h of serving time (22:00 to 12:00) at 360x: ~3.5 min
-    tidal demo ray --cycle --serve          # ... Ray Serve replicas serving traffic, at 180x: ~7 min
-    tidal demo ray --cycle --json           # the summary as JSON on stdout (the view on stderr)
-
-What ``tidal demo cycle`` does, across a Ray cluster on this machine: training nodes ``train-0`` and
-``train-1`` (1 GPU each), serving nodes ``serve-0`` and ``serve-1`` (8 GPUs each), the Ray executor and
-a checkpoint agent on every node. Jobs checkpoint to the peer tier (other nodes' memory) and, every
-``DISK_EVERY``-th save, to the plane's state directory, which every node sees.
-
-At ``--kill-hour`` the training node of a job that spans nodes is killed as a machine dies (every
-process at one instant, its node memory deleted: :mod:`tidal.demo.node_loss`), at a moment the other
-nodes' agents hold the job's newest committed step: restore reads the newest step of any tier, so the
-disk wins whenever it holds a newer one. After ``LATE_S`` of serving time without such a moment, any
-moment will do. The plane requeues the job, it trains again restored from the buddy's memory, and the
-node comes back. Exit code 0 only if GPUs were lent, every return met its deadline, no GPU was counted
-twice, and the node loss was detected and recovered from.
-"""
+"""``tidal demo ray --cycle [--serve]``: the day of ``tidal demo cycle`` on a local 4-node Ray cluster, a
+training node lost in the night while the other nodes' agents hold the job's newest step (docs/control.md,
+the Ray executor)."""
 
 from __future__ import annotations
 
@@ -328,10 +311,8 @@ def serving_nodes(serving: Any) -> dict[str, int]:
 
 def _kill(loss: NodeLoss, jobs: list[dict], serving_s: float, cluster: LocalRayCluster, plane: EmbeddedPlane,
           homes: dict[str, Path]) -> None:
-    """Kill the training node of a job that qualifies (:meth:`NodeLoss.pick`) as a machine dies, at a
-    moment the other agents hold its newest checkpoint (after ``LATE_S``: any moment), and delete its node
-    memory; on a thread (the view goes on). A look stops the job, so one is taken only when the job
-    reports a new peer step its disk does not beat."""
+    """On a thread, kill the training node of a job that qualifies (:meth:`NodeLoss.pick`) as a machine
+    dies, when the other agents hold its newest step (after ``LATE_S``: any time); delete its node memory."""
     got = loss.pick(jobs, serving_s)
     if got is None:
         return  # asked again at the next poll

@@ -1,12 +1,5 @@
-"""The serving side of ``tidal demo ray --cycle --serve``: Ray Serve replicas of a toy model on the serving
-nodes, serving generated traffic that follows the day's trace.
-
-:func:`write_rate_trace` writes one request-rate CSV on the serving clock (the profile, its night
-deepened), both what the forecast learns first and what the load generator plays; :func:`serving_config`
-is the plane's ``serving:`` block; :func:`deploy` has every replica healthy before the plane's first
-step; :class:`Traffic` is the open-loop load generator on its own thread, with latency and failures
-before, during and after the reclaims.
-"""
+"""The serving side of ``tidal demo ray --cycle --serve``: Ray Serve replicas of a toy model serving
+open-loop traffic that follows the day's request-rate trace (docs/control.md, the Ray executor)."""
 
 from __future__ import annotations
 
@@ -37,10 +30,8 @@ RATE_SMOOTHING_S = RATE_WINDOW_S  # the adapter's EWMA of the window's rate and 
 
 
 def write_rate_trace(opts: CycleOptions, path: Path, peak_rate_per_s: float = PEAK_RATE_PER_S) -> Path:
-    """The profile as requests/s over the history days and the live day. The night is deepened: the
-    shipped profile dips only to 0.64 of its peak, which leaves GPUs to lend from about 02:50, too late on
-    two busy cores for a job to grow, lose a node and train again before the morning's reclaims; deepened,
-    the night needs 6-8 of the 16 GPUs from 02:00 until the rise at 10:00."""
+    """The profile as requests/s over the history days and the live day, its night deepened (the shipped
+    one dips to 0.64 of its peak: too little to lend for long enough; deepened, 6-8 of 16 GPUs from 02:00)."""
     raw = np.loadtxt(opts.trace or PROFILE, delimiter=",", skiprows=1, ndmin=2)
     t, load = raw[:, 0] - raw[0, 0], raw[:, 1] / raw[:, 1].max()
     load = np.maximum(NIGHT_FLOOR, 1.0 - NIGHT_DEPTH * (1.0 - load))

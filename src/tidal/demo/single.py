@@ -1,17 +1,5 @@
-"""``tidal demo`` (``make demo``): the platform end to end on this machine, in about a minute.
-
-    tidal demo                                  # the full story, live
-    tidal demo --steps 200 --json               # the summary as JSON on stdout (the narration on stderr)
-    tidal demo --keep                           # keep the state dir (database, logs, checkpoints)
-
-An embedded control plane (the pieces of ``tidal up``) runs the GPT example as a spot job on ``--gpus``
-CPU slots, checkpointing every ``--ckpt-every`` steps, and the demo shows its progress and events
-live. Midway it SIGKILLs one rank (its own pid, from the attempt dir the API names, checked to be a
-child of that rank's shim); the platform restarts the gang from the newest committed checkpoint. Exit
-code 0 only if the job succeeded after a restart that restored a step > 0. Everything started here is
-stopped on the way out, also on Ctrl-C, SIGTERM or an error; the temporary dirs are removed unless
-``--keep``.
-"""
+"""``tidal demo`` (``make demo``): a spot GPT job on an embedded plane loses a rank midway and recovers from
+its checkpoint (docs/control.md, Demo). Everything started here is stopped on the way out."""
 
 from __future__ import annotations
 
@@ -135,10 +123,6 @@ def run_demo(
 def log_tail(client: TidalClient, job_id: str, rank: int, limit: int = 3000) -> str:
     size = client.logs(job_id, rank=rank, offset=0, limit=1)["size"]
     return client.logs(job_id, rank=rank, offset=max(0, size - limit), limit=limit)["data"].rstrip()
-
-
-def _main_thread() -> bool:
-    return threading.current_thread() is threading.main_thread()
 
 
 def _narrator(console: Console):
@@ -338,7 +322,8 @@ def demo(
     def on_term(*_: Any) -> None:
         raise KeyboardInterrupt
 
-    old_term = signal.signal(signal.SIGTERM, on_term) if _main_thread() else None
+    main = threading.current_thread() is threading.main_thread()
+    old_term = signal.signal(signal.SIGTERM, on_term) if main else None
     try:
         summary = run_demo(opts, console, state_dir=state_dir, keep=keep)
     except KeyboardInterrupt:

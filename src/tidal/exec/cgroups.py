@@ -1,11 +1,5 @@
-"""A memory limit per rank, through the kernel's memory cgroup (v2 when it is there, else v1).
-
-``isolation.max_memory_bytes`` caps one rank's memory, its shared-memory staging slots included (tmpfs
-pages are charged to the cgroup that first wrote them); over it the OOM killer ends the rank and the
-shim says so in its log. ``tidal up`` refuses to start, in one line, without a memory cgroup below its
-own that it may create children in: a limit asked for is never dropped. Each rank gets
-``<that>/tidal-<hash of the jobs dir>/<job>-a<attempt>-r<rank>``, made and removed by its shim.
-"""
+"""A memory limit per rank (``isolation.max_memory_bytes``) through the kernel's memory cgroup, v2 or v1:
+``<own cgroup>/tidal-<hash of the jobs dir>/<job>-a<attempt>-r<rank>``, made and removed by its shim."""
 
 from __future__ import annotations
 

@@ -1,18 +1,5 @@
 """Handing a checkpoint location over to the uid of the job that takes it over (``resume_from`` with
-``isolation: {uid_base, per: job}``; docs/control.md, Isolation).
-
-The ended job's uid owns the location (0700/0600). Before the new job's ranks start, the executor
-(root) gives the new job's uid what the earlier uids own there, and nothing else:
-
-* only entries owned by one of ``from_uids`` (ended jobs of the same tenant at that location);
-* only directories and regular files with one link, checked by ``lstat``, pinned with ``O_PATH |
-  O_NOFOLLOW`` and checked again by ``fstat`` before the owner is set on that very inode; links,
-  FIFOs, sockets and devices are never followed or opened; set-id bits are cleared;
-* never below another mount, deeper than :data:`MAX_DEPTH` or past :data:`MAX_ENTRIES` entries;
-* only while no process of an earlier uid runs.
-
-Refusals name the path or process in one line; what is left as it was is in :attr:`HandOver.skipped`.
-"""
+``isolation: {uid_base, per: job}``; docs/control.md says what moves and what never does)."""
 
 from __future__ import annotations
 

@@ -1,21 +1,6 @@
-"""The local executor: every rank of a job is a process on this machine, ``slots`` CPU slots (gloo) or
-the NVIDIA GPUs in ``gpu_ids``; ``observe`` reports pids and exit codes, ``signal_stop`` a SIGTERM notice.
-
-Each rank gets the torchrun contract (``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT``),
-``TIDAL_PROGRESS_DIR`` and ``CUDA_VISIBLE_DEVICES``: the job's GPUs (rank ``r`` uses ``cuda:r``), empty
-on CPU slots. Output of all attempts is appended to ``<root>/<job>/logs/rank-<r>.log``.
-
-Files per attempt (``<root>/<job>/attempt-<n>/``): ``launch.json`` (pids, start times, devices; written
-before any rank starts), ``exit-<r>.json`` and ``pid-<r>.json`` (by the rank's shim), ``progress/``,
-``control.json`` (``TIDAL_CONTROL_FILE``). ``adopt`` reads them back after a restart of the control
-plane; :mod:`tidal.exec.shim` says why a rank never runs twice. Isolation: :mod:`tidal.exec.isolation`;
-each rank in its own sandbox (:mod:`tidal.exec.sandbox`; ``hidden``: what no rank sees besides the
-jobs dir, ``tidal up``'s state dir).
-
-Nothing a rank starts outlives its attempt: its shim reaps what the rank left; with ``subreaper=True``
-(``tidal up``) what a shim killed by another left is killed on the next ``observe``, ``kill`` or
-``release`` (:mod:`tidal.exec.orphans`). Not thread-safe: one reconcile loop drives it.
-"""
+"""The local executor: every rank of a job is a process on this machine, under a shim, on ``slots`` CPU slots
+(gloo) or the NVIDIA GPUs in ``gpu_ids`` (docs/control.md, The local executor: environment, files per
+attempt, isolation, orphans). Not thread-safe: one reconcile loop drives it."""
 
 from __future__ import annotations
 
@@ -213,7 +198,6 @@ class LocalExecutor(AttemptDirs):
                 return n
         return self.node
 
-    # -- acting --------------------------------------------------------------------------------------
     def launch(self, req: LaunchRequest, now_s: float) -> dict:
         if req.job_id in self._jobs:
             raise LaunchError(f"job {req.job_id}: attempt {self._jobs[req.job_id].attempt} is still tracked")
@@ -269,7 +253,6 @@ class LocalExecutor(AttemptDirs):
                 "dir": str(adir), **({"uid": owner[0]} if owner else {}),
                 "ranks": [{"rank": k.rank, "pid": k.pid} for k in ranks]}
 
-    # -- isolation ---------------------------------------------------------------------------------
     def shm_dir(self, job_id: str) -> Path | None:
         """The job's shared-memory directory (``TIDAL_SHM_DIR`` unless its spec sets one)."""
         return self.shm_root / job_id if self.shm_root is not None else None
@@ -384,19 +367,19 @@ class LocalExecutor(AttemptDirs):
                     procs.kill_tree([k.pid])
                 procs.signal_group(k.pid, sig)
         if sig == signal.SIGKILL:
-            self._kill_cgroups(t)
-            if any(self._shim_lost(t, k) for k in t.ranks):
-                self._kill_orphans(t)
+            self._kill_left(t)
 
-    def _kill_cgroups(self, t: _Tracked) -> None:
-        """The backstop where a shim was killed by another than the executor (its orphans went to init):
-        with memory cgroups, what is still in a rank's cgroup (a job's uid cannot leave it)."""
+    def _kill_left(self, t: _Tracked) -> None:
+        """What killed shims left: with memory cgroups, what is still in a rank's cgroup (a job's uid cannot
+        leave it; the backstop where the orphans went to init), then the orphans."""
         if self.cgroups is not None:
             for k in t.ranks:
                 d = self.cgroups.rank_dir(t.job_id, t.attempt, k.rank)
                 procs.kill_tree(cgroups.members(d))
                 with contextlib.suppress(OSError):  # gone, or a shim still in it (it removes it)
                     os.rmdir(d)
+        if any(self._shim_lost(t, k) for k in t.ranks):
+            self._kill_orphans(t)
 
     def _shim_lost(self, t: _Tracked, k: _Rank) -> bool:
         """The rank's shim ended without recording its exit (killed: what it had below is orphaned)."""
@@ -438,9 +421,7 @@ class LocalExecutor(AttemptDirs):
             if k.popen is not None:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     k.popen.wait(timeout=5)
-        self._kill_cgroups(t)
-        if any(self._shim_lost(t, k) for k in t.ranks):
-            self._kill_orphans(t)
+        self._kill_left(t)
         self._give_back(t.devices)
 
     def _give_back(self, devices: list[int]) -> None:
@@ -449,7 +430,6 @@ class LocalExecutor(AttemptDirs):
             if d in self.node_devices.get(n, ()) and d not in self._free[n]:
                 self._free[n].append(d)
 
-    # -- observing -----------------------------------------------------------------------------------
     def observe(self, now_s: float) -> dict[str, Observation]:
         if self.subreaper and now_s >= self._reap_at_s:  # what re-parented here and ended since
             self._reap_at_s = now_s + REAP_INTERVAL_S
@@ -499,7 +479,6 @@ class LocalExecutor(AttemptDirs):
         docs = [read_json(t.dir / c.pid_file(k.rank)) for k in t.ranks] if t is not None else []
         return {r: d["pid"] for r, d in enumerate(docs) if d and isinstance(d.get("pid"), int)}
 
-    # -- recovery ------------------------------------------------------------------------------------
     def adopt(self, job_id: str, attempt: int, now_s: float) -> bool:
         """Track an attempt again from its ``launch.json``; False without one (no rank of it ever started)."""
         adir = self.attempt_dir(job_id, attempt)

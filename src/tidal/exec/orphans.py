@@ -1,24 +1,5 @@
-"""Orphans of a rank whose shim is gone: found, told apart from everything else, and killed.
-
-A shim SIGKILLed by another than the executor (the OOM killer, ``kill -9``) leaves its rank and what
-the rank detached to the nearest subreaper: ``tidal up`` (:func:`tidal.exec.procs.become_subreaper`)
-or init. On ``observe``/``kill``/``release`` of such an attempt the local executor kills the whole tree
-of each process whose parent is itself, an ancestor or init and that carries one of the attempt's
-:class:`Marks`. Why no job can make this kill another job's processes:
-
-* Only orphans are looked at: a process below a live shim never has such a parent, and the live shims
-  of every tracked attempt are kept.
-* ``uid``: with ``isolation.uid_base`` only a privileged process can change it.
-* ``sessions``: a process can leave its shim's session, never join one, and no new process gets its id
-  while a member lives; it counts only for a shim that was the executor's child and a process started
-  before the shim was seen ended (never for an adopted attempt).
-* ``ranks``: the rank's pid and start time, written by its shim where the job cannot write.
-* ``marker``: ``TIDAL_PROGRESS_DIR`` as the executor set it. A forged marker gets only the forger's
-  processes killed; a removed one lets a detached process escape, which guards against accidents
-  without uids (ranks could end the plane anyway) and cannot happen with uids or memory cgroups.
-
-The executor's other children carry no mark and are never killed, nor reaped.
-"""
+"""Orphans of a rank whose shim is gone: found by the attempt's :class:`Marks`, and killed (docs/control.md,
+The local executor: why no job can make this kill another job's processes)."""
 
 from __future__ import annotations
 

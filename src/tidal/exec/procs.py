@@ -1,7 +1,5 @@
-"""Processes by pid *and* start time (a pid alone can be reused), and whole process trees stopped and
-killed at one instant (:func:`kill_tree`, with :func:`become_subreaper` so that nothing a rank starts
-escapes the tree). Standard library only: the shim (run with ``python -I``) loads this file by path.
-"""
+"""Processes by pid *and* start time (a pid can be reused), and process trees stopped and killed at one
+instant. Standard library only: the shim (``python -I``) loads this file by path."""
 
 from __future__ import annotations
 

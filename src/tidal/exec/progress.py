@@ -1,10 +1,5 @@
-"""A job's training progress, folded from the runtime's per-rank files (docs/train.md).
-
-:class:`ProgressReader` tails rank 0's ``progress-rNNNNN.jsonl`` incrementally (every rank reports the
-same step, loss and checkpoints), reads every rank's heartbeat, and makes one :class:`Progress` per
-observation. Each attempt has its own directory, so reading it again from the start (after a restart
-of the control plane) gives the same value.
-"""
+"""A job's training progress, folded incrementally from rank 0's progress records and every rank's
+heartbeat; reading an attempt's directory again from the start gives the same value."""
 
 from __future__ import annotations
 
@@ -27,15 +22,7 @@ MAX_READ_BYTES = 1 << 20  # progress records read per observation (a job may wri
 
 @dataclass(frozen=True)
 class Progress:
-    """Training progress of one attempt. Times are Unix seconds; ``None``: not reported yet.
-    ``start_step``/``restore_tier``: the step restored (0: from scratch) and the tier it came from.
-    ``step``/``step_s``: the newest completed step and when; ``first_step``/``first_step_s``: this
-    attempt's first. ``heartbeat_s``: the oldest of the ranks' newest heartbeats (a hang on any rank stalls
-    all); ``heartbeats``: how many ranks wrote one. ``ckpt_step``/``ckpt_s``: the newest step committed in
-    any tier and when it was captured; ``durable_*``: the same outside node memory; ``tiers``: tier ->
-    [step, capture time]. ``ckpt_stall_s``: the median stall of the last ``STALL_WINDOW`` saves.
-    ``ckpt_every_steps``: the attempt's own step cadence (0: none). ``preempted``/``ended``: the runtime
-    wrote its last record."""
+    """Training progress of one attempt (docs/control.md has the fields); Unix seconds, ``None``: not yet."""
 
     start_step: int | None = None
     restore_tier: str | None = None

@@ -1,11 +1,6 @@
-"""The executor protocol: what the reconcile loop asks of whatever runs the workers.
-
-Each reconcile step, from one thread: ``observe(now_s)`` (each rank's pid and exit code, ``vanished``
-or ``lost``, and the job's progress; the executor judges nothing), then acting on decisions:
-``launch``, ``signal_stop`` (SIGTERM: checkpoint and exit 75), ``kill`` (SIGKILL), ``release``. After a
-restart of the control plane ``adopt`` re-tracks an attempt from what the executor recorded durably.
-Times are Unix seconds from the caller; a negative exit code means killed by that signal.
-"""
+"""The executor protocol: what the reconcile loop asks of whatever runs the workers, from one thread
+(``observe``, then ``launch``/``signal_stop``/``kill``/``release``; ``adopt`` after a restart). Times are
+Unix seconds from the caller; a negative exit code means killed by that signal."""
 
 from __future__ import annotations
 

@@ -1,31 +1,13 @@
-"""The per-rank shim: start one rank, wait for it, record its exit code. Standard library only.
+"""The per-rank shim: start one rank on a ``go`` line, wait for it, record its exit code; standard library
+only (docs/control.md, The local executor).
 
     python -I shim.py EXIT_FILE PID_FILE [--uid U --gid G] [--rlimit NAME=N ...] [--sandbox]
                       [--cgroup DIR --cgroup-version 1|2 --memory BYTES] -- PROGRAM ARG...
-
-The local executor starts one per rank, in a new session, with the rank's environment, working
-directory and log. What makes a control-plane crash safe:
-
-* **Two-phase start.** The shim starts the rank only on a ``go`` line on stdin, sent once every rank's
-  pid is recorded; a plane that dies first closes the pipe (EOF): nothing runs unrecorded, never twice.
-* **Exit code on disk.** The shim writes ``{"code", "time"}`` to EXIT_FILE atomically, so a restarted
-  plane (no longer its parent) learns how the rank ended; negative: killed by that signal.
-* The shim ignores SIGTERM and SIGINT (the rank does not inherit that) to outlive the rank; it exits
-  with the rank's code (128 + n for signal n). The executor's kill takes the shim's whole tree: no exit
-  file then.
-* **Nothing outlives the rank.** A child subreaper, the shim kills what the rank left below it before
-  writing the exit file; what a shim killed by another left, :mod:`tidal.exec.orphans` finds.
-
-Isolation: the shim keeps the executor's user (it writes into the attempt directory) and starts the rank
-with ``--uid``/``--gid`` (no supplementary groups), umask 077 and the ``--rlimit`` limits; with
-``--cgroup`` it joins that memory cgroup first, and afterwards says in the log when the kernel killed
-the rank for memory, then removes it (:mod:`tidal.exec.cgroups`). With ``--sandbox`` PROGRAM is the
-rank's sandbox (``bwrap``, :mod:`tidal.exec.sandbox`): started with SIGTERM and SIGINT ignored, its
-``128 + n`` recorded as ``-n``.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import importlib.util
 import json
@@ -60,53 +42,50 @@ def _write(path: str, doc: dict) -> None:
 
 
 RLIMITS = {"core": "RLIMIT_CORE", "fsize": "RLIMIT_FSIZE", "nproc": "RLIMIT_NPROC", "nofile": "RLIMIT_NOFILE"}
-USAGE = ("usage: shim.py EXIT_FILE PID_FILE [--uid U --gid G] [--rlimit NAME=N ...] [--sandbox] "
+USAGE = ("shim.py EXIT_FILE PID_FILE [--uid U --gid G] [--rlimit NAME=N ...] [--sandbox] "
          "[--cgroup DIR --cgroup-version 1|2 --memory BYTES] -- PROGRAM ARG...")
 LIMIT_FILE = {1: "memory.limit_in_bytes", 2: "memory.max"}
 
 
-def _options(args: list[str]) -> tuple[dict, list[str]] | None:
-    opts: dict = {"rlimits": {}}
-    i = 0
-    while i < len(args) and args[i] != "--":
-        if args[i] == "--sandbox":
-            opts["sandbox"] = True
-            i += 1
-            continue
-        if args[i] in ("--uid", "--gid", "--memory", "--cgroup-version") and i + 1 < len(args):
-            opts[args[i][2:]] = int(args[i + 1])
-        elif args[i] == "--cgroup" and i + 1 < len(args):
-            opts["cgroup"] = args[i + 1]
-        elif args[i] == "--rlimit" and i + 1 < len(args) and "=" in args[i + 1]:
-            name, _, value = args[i + 1].partition("=")
-            if name not in RLIMITS:
-                return None
-            opts["rlimits"][name] = int(value)
-        else:
-            return None
-        i += 2
-    if i >= len(args) - 1 or ("cgroup" in opts) != ("memory" in opts):
-        return None
-    if "cgroup" in opts and opts.get("cgroup-version") not in LIMIT_FILE:
-        return None
-    return opts, args[i + 1:]
+def _rlimit(text: str) -> tuple[str, int]:
+    name, _, value = text.partition("=")
+    if name not in RLIMITS:
+        raise ValueError(name)
+    return name, int(value)
 
 
-def _join_cgroup(opts: dict) -> None:
+def _options(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """The options and the rank's command (after ``--``); the usage and exit code 2 when they are wrong."""
+    p = argparse.ArgumentParser(prog="shim.py", usage=USAGE)
+    for name in ("exit_file", "pid_file", "--cgroup"):
+        p.add_argument(name)
+    for name in ("--uid", "--gid", "--memory"):
+        p.add_argument(name, type=int)
+    p.add_argument("--cgroup-version", type=int, choices=sorted(LIMIT_FILE))
+    p.add_argument("--rlimit", type=_rlimit, action="append", default=[])
+    p.add_argument("--sandbox", action="store_true")
+    i = argv.index("--") if "--" in argv else len(argv)
+    o = p.parse_args(argv[:i])
+    if not argv[i + 1:] or (o.cgroup is None) != (o.memory is None) or (o.cgroup and not o.cgroup_version):
+        p.error("a command after --; --cgroup with --memory and --cgroup-version")
+    return o, argv[i + 1:]
+
+
+def _join_cgroup(opts: argparse.Namespace) -> None:
     """Create the rank's memory cgroup, set its limit and move this shim into it (the rank inherits it)."""
-    d = opts["cgroup"]
+    d = opts.cgroup
     os.makedirs(d, exist_ok=True)
-    with open(os.path.join(d, LIMIT_FILE[opts["cgroup-version"]]), "w") as f:
-        f.write(str(opts["memory"]))
+    with open(os.path.join(d, LIMIT_FILE[opts.cgroup_version]), "w") as f:
+        f.write(str(opts.memory))
     with open(os.path.join(d, "cgroup.procs"), "w") as f:
         f.write(str(os.getpid()))
 
 
-def _oom_kills(opts: dict) -> int:
+def _oom_kills(opts: argparse.Namespace) -> int:
     """How many processes the kernel killed in the rank's cgroup for memory (v2: memory.events; v1:
     memory.oom_control's oom_kill, else whether the limit was hit at all: memory.failcnt)."""
-    d = opts["cgroup"]
-    name = "memory.events" if opts["cgroup-version"] == 2 else "memory.oom_control"
+    d = opts.cgroup
+    name = "memory.events" if opts.cgroup_version == 2 else "memory.oom_control"
     try:
         with open(os.path.join(d, name)) as f:
             fields = dict(line.split() for line in f if len(line.split()) == 2)
@@ -118,9 +97,9 @@ def _oom_kills(opts: dict) -> int:
         return 0
 
 
-def _leave_cgroup(opts: dict) -> None:
+def _leave_cgroup(opts: argparse.Namespace) -> None:
     """Back to the parent's parent (the plane's own cgroup), then remove the rank's cgroup."""
-    d = opts["cgroup"]
+    d = opts.cgroup
     try:
         with open(os.path.join(os.path.dirname(os.path.dirname(d)), "cgroup.procs"), "w") as f:
             f.write(str(os.getpid()))
@@ -147,11 +126,8 @@ def set_limits(rlimits: dict, sandbox: bool = False) -> None:
 
 
 def main(argv: list[str]) -> int:
-    parsed = _options(argv[2:]) if len(argv) >= 4 else None
-    if parsed is None:
-        print(USAGE, file=sys.stderr)
-        return 2
-    exit_file, pid_file, (opts, cmd) = argv[0], argv[1], parsed
+    opts, cmd = _options(argv)
+    exit_file, pid_file = opts.exit_file, opts.pid_file
     os.umask(0o077)
     if sys.stdin.readline().strip() != "go":
         return 0  # the control plane went away before recording this launch: run nothing
@@ -160,12 +136,12 @@ def main(argv: list[str]) -> int:
     procs = _procs()
     procs.become_subreaper()
     try:
-        if "cgroup" in opts:
+        if opts.cgroup:
             _join_cgroup(opts)
         kw: dict = {}
-        if "uid" in opts:
-            kw.update(user=opts["uid"], group=opts.get("gid", opts["uid"]), extra_groups=[])
-        rlimits, sandbox = opts["rlimits"], opts.get("sandbox", False)
+        if opts.uid is not None:
+            kw.update(user=opts.uid, group=opts.uid if opts.gid is None else opts.gid, extra_groups=[])
+        rlimits, sandbox = dict(opts.rlimit), opts.sandbox
         setup = (lambda: set_limits(rlimits, sandbox)) if rlimits or sandbox else None
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, umask=0o077, close_fds=True, preexec_fn=setup,
                                 **kw)
@@ -175,13 +151,13 @@ def main(argv: list[str]) -> int:
         return 127
     _write(pid_file, {"pid": proc.pid, "time": time.time(), "started": procs.start_time(proc.pid)})
     code = proc.wait()
-    if opts.get("sandbox") and 128 < code < 160:  # bwrap's report of a rank killed by a signal
+    if opts.sandbox and 128 < code < 160:  # bwrap's report of a rank killed by a signal
         code = 128 - code
     procs.reap_orphans()  # what the rank left running (a daemon, a setsid'd helper) ends with it
     doc: dict = {"code": code, "time": time.time()}
-    if "cgroup" in opts:
+    if opts.cgroup:
         if code < 0 and _oom_kills(opts):
-            doc["error"] = f"killed for memory: over isolation.max_memory_bytes ({opts['memory']} bytes)"
+            doc["error"] = f"killed for memory: over isolation.max_memory_bytes ({opts.memory} bytes)"
             print(f"tidal: the rank was {doc['error']}", file=sys.stderr, flush=True)
         _leave_cgroup(opts)
     _write(exit_file, doc)

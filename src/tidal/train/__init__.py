@@ -1,9 +1,5 @@
-"""``tidal.train``: the in-job runtime, stoppable at any step, resumable on any number of ranks.
-
-:class:`Session` (the loop is in docs/train.md), :class:`GlobalBatchSampler`; exit
-code 75 (:data:`EXIT_PREEMPTED`) means "preempted, resumable". Uses only ``tidal.ckpt`` and torch;
-never imports the control plane. See docs/train.md.
-"""
+"""``tidal.train``: the in-job runtime, stoppable at any step, resumable on any number of ranks
+(docs/train.md)."""
 
 from tidal.train.data import BatchSizeError, GlobalBatchSampler, check_batch, permute, reseed
 from tidal.train.env import EXIT_PREEMPTED, Env, EnvError

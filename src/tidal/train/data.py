@@ -1,15 +1,5 @@
-"""World-size-independent data position: which samples each rank trains on at each step.
-
-The global batch of step ``s`` is fixed by ``(seed, s)`` alone: positions ``s * global_batch ..`` of a
-stream of shuffled passes over the dataset (epoch ``e`` a permutation keyed by ``(seed, e)``). Each rank
-takes a contiguous slice and splits it into micro-batches; gradient accumulation adapts so the global
-batch is the same on any world size that divides it. The data position *is* the step: a job stopped on 4
-ranks at step 120 and resumed on 3 trains on exactly the samples it would have seen.
-
-The permutation is a keyed Feistel network with cycle walking, in integer arithmetic: O(1) memory and
-the same order on every machine. :func:`reseed` gives each step a generator state that depends on
-``(seed, step, rank)`` only.
-"""
+"""World-size-independent data position: which samples each rank trains on at each step (docs/train.md,
+The data position)."""
 
 from __future__ import annotations
 
@@ -63,19 +53,9 @@ def reseed(seed: int, step: int, rank: int = 0) -> int:
 
 
 class GlobalBatchSampler:
-    """Dataset indices per step, per data-parallel rank, per micro-batch. Pure: no hidden state.
-
-    Args:
-        num_samples: dataset size (samples are ``0 .. num_samples - 1``).
-        global_batch: samples per optimizer step over all data-parallel ranks; fixed for the run.
-        micro_batch: samples per forward/backward on one rank.
-        rank, world_size: this rank's index among the data-parallel ranks and their number (under
-            tensor parallelism, the data-parallel rank and size, not the global ones).
-        seed: selects the order; the same seed gives the same global batches on any world size.
-        shuffle: ``False`` walks the dataset in order (epoch after epoch).
-
-    Raises :class:`BatchSizeError` when ``world_size × micro_batch`` does not divide ``global_batch``.
-    """
+    """Dataset indices per step, per data-parallel rank (``rank``/``world_size``: the data-parallel ones),
+    per micro-batch; pure. :class:`BatchSizeError` when ``world_size × micro_batch`` does not divide
+    ``global_batch``; ``shuffle=False`` walks the dataset in order."""
 
     def __init__(self, num_samples: int, global_batch: int, micro_batch: int, *, rank: int = 0,
                  world_size: int = 1, seed: int = 0, shuffle: bool = True) -> None:
@@ -124,7 +104,6 @@ class GlobalBatchSampler:
         m = self.micro_batch
         return [idx[k : k + m] for k in range(0, len(idx), m)]
 
-    # -- checkpoint ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """What the order depends on (JSON). The position is the step, saved beside it."""
         return {"version": STATE_VERSION, "num_samples": self.num_samples, "global_batch": self.global_batch,

@@ -1,12 +1,5 @@
-"""The environment contract of a Tidal training process: the variables a launcher (``torchrun``, Tidal's
-executor, a test harness) sets per rank and :class:`tidal.train.Session` reads. With none set, a script
-runs as a single process without a process group. docs/train.md has the table (name, default, meaning,
-unit); the names, ``EXIT_PREEMPTED`` and ``DEFAULT_GRACE_S`` are constants of :mod:`tidal.contract`.
-
-Exit codes of a process driven by a session: ``0`` finished; ``75`` (``EX_TEMPFAIL``) preempted,
-resumable from the newest committed checkpoint; ``77`` (``EXIT_FENCED``) fenced out: the checkpoint
-location belongs to another job or a newer attempt now; anything else is a failure.
-"""
+"""The environment contract of a training process: the variables a launcher sets per rank and
+:class:`tidal.train.Session` reads (docs/train.md has the table and the exit codes)."""
 
 from __future__ import annotations
 
@@ -29,7 +22,7 @@ class EnvError(ValueError):
 
 @dataclass(frozen=True)
 class Env:
-    """The parsed environment contract (see the module docstring for meanings and units)."""
+    """The parsed environment contract."""
 
     rank: int = 0
     world_size: int = 1
@@ -60,17 +53,16 @@ class Env:
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> Env:
         e = os.environ if environ is None else environ
         env = cls(
-            rank=_int(e, c.ENV_RANK, 0, lo=0), world_size=_int(e, c.ENV_WORLD_SIZE, 1, lo=1),
-            local_rank=_int(e, c.ENV_LOCAL_RANK, 0, lo=0),
-            local_world_size=_int(e, c.ENV_LOCAL_WORLD_SIZE, 1, lo=1),
+            rank=_num(e, c.ENV_RANK, 0), world_size=_num(e, c.ENV_WORLD_SIZE, 1, 1),
+            local_rank=_num(e, c.ENV_LOCAL_RANK, 0), local_world_size=_num(e, c.ENV_LOCAL_WORLD_SIZE, 1, 1),
             master_addr=e.get(c.ENV_MASTER_ADDR) or None,
-            master_port=_int(e, c.ENV_MASTER_PORT, 0, lo=1) if e.get(c.ENV_MASTER_PORT) else None,
+            master_port=_num(e, c.ENV_MASTER_PORT, 0, 1) if e.get(c.ENV_MASTER_PORT) else None,
             job_id=e.get(c.ENV_JOB_ID) or "local", ckpt_url=e.get(c.ENV_CKPT_URL) or None,
             ckpt_tiers=_tiers(e.get(c.ENV_CKPT_TIERS) or ""), control_file=e.get(c.ENV_CONTROL_FILE) or None,
-            ckpt_interval_s=_float(e, c.ENV_CKPT_INTERVAL_S, 600.0),
-            ckpt_interval_steps=_int(e, c.ENV_CKPT_INTERVAL_STEPS, 0, lo=0),
-            ckpt_keep=_int(e, c.ENV_CKPT_KEEP, 3, lo=0), notice_file=e.get(c.ENV_NOTICE_FILE) or None,
-            grace_s=_float(e, c.ENV_GRACE_S, DEFAULT_GRACE_S, positive=True),
+            ckpt_interval_s=_num(e, c.ENV_CKPT_INTERVAL_S, 600.0), ckpt_keep=_num(e, c.ENV_CKPT_KEEP, 3),
+            ckpt_interval_steps=_num(e, c.ENV_CKPT_INTERVAL_STEPS, 0),
+            notice_file=e.get(c.ENV_NOTICE_FILE) or None,
+            grace_s=_num(e, c.ENV_GRACE_S, DEFAULT_GRACE_S, positive=True),
             notice_wait=e.get(c.ENV_NOTICE_WAIT) or "fast", progress_dir=e.get(c.ENV_PROGRESS_DIR) or None,
             api_url=e.get(c.ENV_API_URL) or None, token=e.get(c.ENV_TOKEN) or None
         )
@@ -106,26 +98,17 @@ def _tiers(raw: str) -> tuple[Any, ...] | None:
     return tuple(tiers)
 
 
-def _int(e: Mapping[str, str], name: str, default: int, *, lo: int) -> int:
-    v = _num(e, name, int, "an integer")
-    if v is not None and v < lo:
-        raise EnvError(f"{name}={e[name]!r}: expected an integer >= {lo}")
-    return default if v is None else v
-
-
-def _float(e: Mapping[str, str], name: str, default: float, *, positive: bool = False) -> float:
-    v = _num(e, name, float, "a number of seconds")
-    if v is not None and (v < 0 or (positive and v == 0) or v != v):
-        raise EnvError(f"{name}={e[name]!r}: expected a number of seconds {'> 0' if positive else '>= 0'}")
-    return default if v is None else v
-
-
-def _num(e: Mapping[str, str], name: str, kind: type[Any], what: str) -> Any:
-    """``name``'s value as ``kind``; ``None`` when unset or empty."""
+def _num(e: Mapping[str, str], name: str, default: Any, lo: int = 0, *, positive: bool = False) -> Any:
+    """``name``'s value as the type of ``default`` (an int, else seconds), ``>= lo`` (``> 0``: ``positive``);
+    ``default`` when unset or empty."""
     raw = e.get(name)
     if not raw:
-        return None
+        return default
+    kind, what = (int, "an integer") if isinstance(default, int) else (float, "a number of seconds")
     try:
-        return kind(raw)
+        v = kind(raw)
     except ValueError:
         raise EnvError(f"{name}={raw!r}: expected {what}") from None
+    if v < lo or (positive and v == 0) or v != v:
+        raise EnvError(f"{name}={raw!r}: expected {what} {'> 0' if positive else f'>= {lo}'}")
+    return v

@@ -1,14 +1,5 @@
-"""Reclaim notices: SIGTERM or a notice file means "GPUs are being taken back" (docs/train.md).
-
-On SIGTERM, or when ``TIDAL_NOTICE_FILE`` appears, the ranks agree to stop after the same step,
-checkpoint it, wait for the commit (``TIDAL_NOTICE_WAIT``) and exit 75 (:data:`EXIT_PREEMPTED`), all
-within the grace (``TIDAL_GRACE_S``, from the signal or the file's mtime). When the grace runs out a
-watchdog thread exits 75; a second SIGTERM exits 75 at once. Neither exposes a torn step (the manifest
-is written last). A notice during a blocking C call is handled when it returns.
-
-Thread-safety: the signal handler only sets fields and starts the watchdog (no lock the main thread
-could hold; stderr through ``os.write``); :meth:`Notice.requested` is called from the training thread.
-"""
+"""Reclaim notices: SIGTERM or a notice file means "GPUs are being taken back" (docs/train.md, Reclaim
+notices). The signal handler only sets fields and starts the watchdog (no lock; stderr by ``os.write``)."""
 
 from __future__ import annotations
 
@@ -27,17 +18,8 @@ from tidal.train.env import EXIT_PREEMPTED
 
 
 class Notice:
-    """Watches for a reclaim notice and enforces the grace period.
-
-    Args:
-        grace_s: seconds from the notice to the forced exit.
-        notice_file: path whose appearance is a notice (``None``: signals only).
-        not_before_unix: a notice file with an older mtime is stale (left from an earlier attempt) and
-            ignored; default: when this process started.
-        signals: the signals that are a notice.
-        exit_fn: how the watchdog and a second signal end the process (``os._exit`` by default;
-            tests pass their own).
-    """
+    """Watches for a notice (``signals``, or ``notice_file`` with an mtime from ``not_before_unix``, default
+    this process's start, on) and ends the process by ``exit_fn`` ``grace_s`` later or at a second signal."""
 
     def __init__(self, grace_s: float, notice_file: str | os.PathLike | None = None, *,
                  not_before_unix: float | None = None, signals: tuple[int, ...] = (signal.SIGTERM,),
@@ -57,7 +39,6 @@ class Notice:
         self._cancel = threading.Event()
         self._watchdog: threading.Thread | None = None
 
-    # -- arming ----------------------------------------------------------------------------------
     def install(self) -> bool:
         """Install the signal handlers (main thread only; returns False elsewhere, files still work)."""
         if threading.current_thread() is not threading.main_thread():
@@ -75,7 +56,6 @@ class Notice:
         self._previous.clear()
         self._cancel.set()
 
-    # -- observing -------------------------------------------------------------------------------
     def requested(self) -> bool:
         """Has this process been told to stop? Checks the notice file (one ``stat``) when none yet."""
         if self.source is not None:
@@ -111,7 +91,6 @@ class Notice:
         """Time kept back from the grace for flushing and exiting."""
         return min(0.5, 0.05 * self.grace_s)
 
-    # -- internals -------------------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: object) -> None:
         self._signals_seen += 1
         name = signal.Signals(signum).name

@@ -1,15 +1,5 @@
-"""Progress reporting: one JSON record per event, per rank, plus a heartbeat file.
-
-Every record carries ``event`` (``start``, ``restore``, ``step``, ``checkpoint``, ``committed``,
-``save_failed``, ``notice``, ``preempted``, ``error``, ``end``), ``time`` (Unix seconds), ``job_id`` and
-``rank``; docs/train.md lists each event's fields. Writers are pluggable (:class:`ProgressWriter`); the
-default :class:`JsonlWriter` appends to one ``progress-rNNNNN.jsonl`` per rank, flushed per record.
-
-The heartbeat (``heartbeat-rNNNNN.json``, replaced atomically: ``time``, ``step``, ``phase``,
-``step_time_s``, ``pid``) is written from the training thread only, never from a background thread, so a
-job stuck in a collective stops beating: the platform calls it *hung* when the heartbeat is older than a
-few step times, *slow* when ``step_time_s`` grew.
-"""
+"""Progress reporting: one JSON record per event, per rank, and a heartbeat file written by the training
+thread only (docs/train.md, Progress and heartbeat)."""
 
 from __future__ import annotations
 

@@ -1,15 +1,5 @@
 """``Session``: what a training script holds to be stoppable at any step and resumable on any world size
-(docs/train.md has the whole loop).
-
-Call order and collectives: every rank constructs the session, calls ``restore`` once, then
-``step_done`` after every optimizer step with the same ``step``, in the same order (``step_done``
-holds one tiny all-reduce; ``restore`` and ``checkpoint`` are collective). ``step`` counts completed
-optimizer steps: a checkpoint saved as step N holds the state after N steps, and ``restore`` returns N.
-
-On a notice (SIGTERM or ``TIDAL_NOTICE_FILE``) ``step_done`` checkpoints the step just finished, waits
-for the commit and raises :class:`Preempted` (a ``SystemExit`` with code 75): ``finally`` blocks run,
-the ``with`` block ends the process with code 75 (:mod:`tidal.train.notice`).
-"""
+(docs/train.md: the loop, the call order and collectives, notices, the arguments)."""
 
 from __future__ import annotations
 
@@ -22,6 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -41,30 +32,8 @@ _RESERVED = ("model", "optim", "train")
 
 
 class Session:
-    """The in-job runtime for one process. Arguments left ``None`` come from the environment (:mod:`env`).
-
-    Args:
-        ckpt_url: checkpoint directory (``TIDAL_CKPT_URL``); ``None`` and unset: no checkpoints.
-        ckpt_tiers: a tier list, fastest first, instead of ``ckpt_url`` (``TIDAL_CKPT_TIERS``), e.g.
-            ``["shm", "/ckpt/run1", "s3://bucket/run1"]``; restore reads the newest step in any tier.
-        ckpt_every_steps: checkpoint every N completed steps (``TIDAL_CKPT_INTERVAL_STEPS``; 0: off).
-        ckpt_every_s: checkpoint when this many seconds passed since the last one
-            (``TIDAL_CKPT_INTERVAL_S``; 0: off). Ranks agree through the per-step all-reduce.
-        keep: committed steps kept on disk (``TIDAL_CKPT_KEEP``).
-        grace_s: seconds from a notice to the forced exit (``TIDAL_GRACE_S``).
-        notice_file: a path whose appearance is a notice (``TIDAL_NOTICE_FILE``).
-        notice_wait: ``"fast"`` or ``"all"`` tiers to wait for before exiting on a notice
-            (``TIDAL_NOTICE_WAIT``).
-        progress_dir: where the per-rank JSONL and heartbeat go (``TIDAL_PROGRESS_DIR``).
-        writers: extra :class:`~tidal.train.progress.ProgressWriter` objects (e.g. an HTTP one).
-        device, backend: override the choice (CUDA ``LOCAL_RANK`` + NCCL if CUDA exists, else CPU + gloo).
-        overlap: checkpoint in the engine's overlapped mode (parameters and optimizer state copied in
-            the background; the next ``optimizer.step()`` waits for the copy).
-        timeout_s: process-group timeout for collectives (default: torch's).
-        env: the parsed environment (default: ``Env.from_environ()``).
-        exit_fn: how the process ends on a notice in ``fast`` mode, a second signal or the end of the
-            grace (default ``os._exit``; tests pass their own).
-    """
+    """The in-job runtime for one process; arguments left ``None`` come from the environment (:mod:`env`;
+    docs/train.md has the table)."""
 
     def __init__(self, *, ckpt_url: str | os.PathLike | None = None, ckpt_tiers: Sequence[Any] | None = None,
                  ckpt_every_steps: int | None = None,
@@ -109,17 +78,11 @@ class Session:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
-        self._owns_pg = False
-        if not dist.is_initialized() and e.launched:
-            kwargs: dict[str, Any] = {}
-            if timeout_s is not None:
-                from datetime import timedelta
-
-                kwargs["timeout"] = timedelta(seconds=timeout_s)
-            if self.device.type == "cuda":
-                kwargs["device_id"] = self.device
-            dist.init_process_group(self.backend, **kwargs)
-            self._owns_pg = True
+        self._owns_pg = not dist.is_initialized() and e.launched
+        if self._owns_pg:
+            timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
+            dist.init_process_group(self.backend, timeout=timeout,
+                                    device_id=self.device if self.device.type == "cuda" else None)
         self.distributed = dist.is_initialized()
         if self.distributed:
             self.backend = dist.get_backend()
@@ -141,8 +104,7 @@ class Session:
         self._first_step_reported = False
         self._cp: ckpt.Checkpointer | None = None
         self._pending: list[ckpt.SaveHandle] = []
-        # Saves finish in the engine's threads; a watcher records each commit as it happens (not at
-        # the next step), so the platform's view of the newest checkpoint is current.
+        # a watcher records each commit as it happens, not at the next step
         self._io_lock = threading.RLock()
         self._watch_stop = threading.Event()
         self._watcher: threading.Thread | None = None
@@ -161,7 +123,6 @@ class Session:
                      "uptime_s": self.uptime_s(), "ckpt_every_steps": self.ckpt_every_steps,
                      "ckpt_every_s": self.ckpt_every_s})
 
-    # -- properties --------------------------------------------------------------------------------
     @property
     def is_main(self) -> bool:
         return self.rank == 0
@@ -171,27 +132,15 @@ class Session:
         """Where checkpoints go and come from: the tier list, else the directory; ``None``: nowhere."""
         return self.ckpt_tiers if self.ckpt_tiers is not None else self.ckpt_url
 
-    @property
-    def stop_requested(self) -> bool:
-        """Whether *this* rank has been told to stop (ranks agree only in ``step_done``)."""
-        return self.notice.requested()
-
     @staticmethod
     def uptime_s() -> float:
         """Seconds since this process started."""
         return time.time() - process_start_unix()
 
-    # -- restore -----------------------------------------------------------------------------------
     def restore(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
                 sampler: GlobalBatchSampler | None = None, *, extra: dict[str, Any] | None = None) -> int:
-        """Register what to checkpoint and load the newest committed step into it; return that step.
-
-        Collective. ``model``/``optimizer`` may be in any layout (DDP, FSDP2, TP, single); the step is
-        resharded onto it. ``sampler``'s settings are checked against the checkpoint's. ``extra`` is a
-        dict of your own tensors (filled in place) and JSON values (replaced in the dict) saved with
-        every checkpoint. Returns 0, loading nothing, when no step is committed (or no checkpoint
-        location is set).
-        """
+        """Register what to checkpoint (any layout; ``extra``: your tensors and JSON values) and load the
+        newest committed step into it, resharded; return that step (0: none). Collective."""
         if optimizer is not None and model is None:
             raise ValueError("restore(optimizer=...) needs the model too")
         bad = sorted(set(extra or {}) & set(_RESERVED))
@@ -243,25 +192,17 @@ class Session:
                          else " location (TIDAL_CKPT_URL and TIDAL_CKPT_TIERS unset)")
         self._last_ckpt_mono = time.monotonic()
         self._meter.reset()
-        # A notice that came while restoring: the step just loaded is committed already, so stop now
-        # rather than train one more step first (the ranks agree, as in step_done).
+        # a notice while restoring: the step just loaded is committed, stop before training another
         if self._agree(self.notice.requested(), False, None)[0]:
             self._preempt(self.step, save=False)
         self._beat("training", force=True)
         return self.step
 
-    # -- the per-step hook -------------------------------------------------------------------------
     def step_done(self, step: int, *, loss: float | torch.Tensor | None = None, samples: int | None = None,
                   tokens: int | None = None, **fields: Any) -> None:
-        """Report that optimizer step ``step`` (a count of completed steps) is done. Collective.
-
-        Agrees with the other ranks (one all-reduce of three numbers) on whether to stop and whether
-        a time-based checkpoint is due, and on the mean ``loss``; writes a progress record (with your
-        ``fields``) and the heartbeat; checkpoints when due; on a notice checkpoints, waits for the
-        commit and raises :class:`Preempted`. ``samples``/``tokens``: the global counts of this step,
-        for throughput (``samples`` defaults to the sampler's global batch). Every rank passes
-        ``loss`` or none does.
-        """
+        """Optimizer step ``step`` is done (collective; every rank passes ``loss`` or none does): record
+        it, checkpoint when due, on a notice checkpoint and raise :class:`Preempted`. ``samples``/``tokens``:
+        this step's global counts (``samples`` defaults to the sampler's global batch)."""
         now = time.monotonic()
         self.step = step
         self._poll_saves()
@@ -312,15 +253,10 @@ class Session:
                 log.info("checkpoint interval %g s -> %g s (control file)", self.ckpt_every_s, interval)
             self.ckpt_every_s = float(interval)
 
-    # -- checkpoints -------------------------------------------------------------------------------
     def checkpoint(self, step: int | None = None, *, reason: str = "manual",
                    wait: bool = False) -> ckpt.SaveHandle | None:
-        """Save the registered state as ``step`` (default: the last step done). Collective.
-
-        Returns once the state is captured (the engine persists in the background), or after the commit
-        in every tier with ``wait=True``. ``None`` when there is nothing to save to (no checkpoint
-        location, or ``restore`` was never called). A step already saved is not saved again.
-        """
+        """Save the registered state as ``step`` (default: the last step done; collective), once; return when
+        captured, or committed everywhere with ``wait``. ``None``: no location, or no ``restore`` yet."""
         step = self.step if step is None else step
         if self.ckpt_target is None:
             return None
@@ -405,10 +341,8 @@ class Session:
                     self._write({"event": "committed", "step": h.step, "tiers": list(h.committed),
                                  "persist_s": h.persist_s})
 
-    # -- stopping ----------------------------------------------------------------------------------
     def _fenced(self, step: int, error: BaseException) -> None:
-        """The checkpoint location belongs to another job or a newer attempt now (``tidal.ckpt.fence``):
-        stop at once with ``EXIT_FENCED``, nothing this rank saves can become visible."""
+        """The checkpoint location is another job's or attempt's now: exit ``EXIT_FENCED`` at once."""
         self._write({"event": "fenced", "step": step, "error": str(error)[:2000], "exit_code": EXIT_FENCED})
         line = (str(error).splitlines() or ["fenced"])[0]
         print(f"tidal: rank {self.rank}: {line}; exiting with code {EXIT_FENCED}", file=sys.stderr,
@@ -484,26 +418,20 @@ class Session:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
         if exc is None:
             self.close()
-        elif isinstance(exc, Preempted):
-            self._closed = True
-            if self.notice_wait == "fast":
-                # The fast tier holds the step; slower tiers would only delay handing the GPUs back.
-                self._teardown()
-                self._exit_now(EXIT_PREEMPTED)
-            # "all" mode, or an exit_fn that returned (tests): leave cleanly; the exception goes on.
-            with contextlib.suppress(Exception):
-                if self._cp is not None:
-                    self._cp.close()
+            return
+        self._closed = True
+        preempted = isinstance(exc, Preempted)
+        if preempted and self.notice_wait == "fast":  # the fast tier holds the step: hand the GPUs back
             self._teardown()
-        else:
-            self._closed = True
+            self._exit_now(EXIT_PREEMPTED)
+        if not preempted:
             self._write({"event": "error", "step": self.step, "error": f"{type(exc).__name__}: {exc}"[:2000]})
-            if self._cp is not None and self.world_size == 1:
-                with contextlib.suppress(Exception):
-                    self._cp.close()  # no peer can be missing: pending saves finish
-            self._teardown()
+        # "all" mode or an exit_fn that returned; after an error only alone (no peer can be missing)
+        if self._cp is not None and (preempted or self.world_size == 1):
+            with contextlib.suppress(Exception):
+                self._cp.close()
+        self._teardown()
 
-    # -- collectives and records -------------------------------------------------------------------
     def _agree(self, stop: bool, due: bool,
                loss: float | torch.Tensor | None) -> tuple[bool, bool, float | None]:
         if not self.distributed:

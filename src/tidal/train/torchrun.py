@@ -1,13 +1,5 @@
-"""``python -m tidal.train.torchrun``: ``torchrun`` whose exit code says "preempted" when it was.
-
-Plain ``torchrun`` exits 1 when ranks stop on a reclaim notice (exit 75). This wrapper takes the same
-arguments, runs torch's launcher in this process, and exits 75 when every rank that did not finish
-cleanly exited 75, or was stopped with SIGTERM after another did; any other failure keeps torchrun's
-code. For users of plain ``torchrun`` (Tidal's executors read each rank's code):
-
-    python -m tidal.train.torchrun --standalone --nproc-per-node 4 train.py
-    echo $?    # 0 finished, 75 preempted (resume it), 1 failed
-"""
+"""``python -m tidal.train.torchrun ARGS``: ``torchrun ARGS`` that exits 75 when its ranks were preempted
+(plain ``torchrun`` exits 1; docs/train.md, Exit codes)."""
 
 from __future__ import annotations
 
