@@ -106,6 +106,8 @@ class VirtualExecutor:
         self._jobs: dict[str, _Attempt] = {}  # tracked attempts
         self._gone: dict[str, _Attempt] = {}  # attempts found in the journal, not adopted yet
         self._now = 0.0
+        self._nodes: tuple[int, list[Node]] | None = None  # (nodes lost when made, the nodes)
+        self._names: set[str] = set()
         self._journal: TextIO | None = None
         if journal is not None:
             self._open(Path(journal))
@@ -175,10 +177,15 @@ class VirtualExecutor:
 
     # -- the protocol --------------------------------------------------------------------------------
     def nodes(self) -> list[Node]:
-        n, g = self.shape
-        width = len(str(n - 1))
-        return [*(Node(f"v{i:0{width}d}", g) for i in range(n) if f"v{i:0{width}d}" not in self.lost_nodes),
-                *(Node(k, v, "serving") for k, v in self.serving.items() if k not in self.lost_nodes)]
+        if self._nodes is None or self._nodes[0] != len(self.lost_nodes):  # (made again after a loss)
+            n, g = self.shape
+            width = len(str(n - 1))
+            names = (f"v{i:0{width}d}" for i in range(n))
+            self._nodes = (len(self.lost_nodes), [
+                *(Node(k, g) for k in names if k not in self.lost_nodes),
+                *(Node(k, v, "serving") for k, v in self.serving.items() if k not in self.lost_nodes)])
+            self._names = {x.name for x in self._nodes[1]}
+        return list(self._nodes[1])
 
     def used(self) -> dict[str, int]:
         """Node -> GPUs held by tracked attempts (launched and not yet released)."""
@@ -190,8 +197,8 @@ class VirtualExecutor:
     def launch(self, req: LaunchRequest, now_s: float) -> dict:
         if req.job_id in self._jobs:
             raise LaunchError(f"job {req.job_id} is running already")
-        names = {n.name for n in self.nodes()}
-        if bad := sorted(set(req.placement) - names):
+        self.nodes()
+        if bad := sorted(set(req.placement) - self._names):
             raise LaunchError(f"job {req.job_id}: no node {', '.join(bad)} in the virtual pool")
         try:
             work = float(req.env.get(WORK_ENV, "inf"))
