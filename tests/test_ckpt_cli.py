@@ -310,6 +310,19 @@ def test_verify_header_disagrees_with_manifest(url):
     assert "tensor 'model/b'" in r.stdout and "stored as F64 [5], the manifest says I64 [5]" in r.stdout
 
 
+def test_verify_header_that_is_no_safetensors_header(url):
+    """An entry whose bytes no longer match its dtype and shape breaks the format itself."""
+    f = disk_file(url, 20)
+    data = f.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = data[8 : 8 + n]
+    assert header.count(b'"I64","shape":[5]') == 1
+    f.write_bytes(data[:8] + header.replace(b'"I64","shape":[5]', b'"I64","shape":[4]') + data[8 + n :])
+    r = run("verify", url, "--tier", "disk")
+    assert r.exit_code == 1
+    assert "does not parse as safetensors" in r.stdout and "do not fit its dtype and shape" in r.stdout
+
+
 def test_verify_all_and_tier_filter(url):
     flip(disk_file(url, 10), piece(url, 10, "model/h").start)
     assert run("verify", url).exit_code == 0  # newest step only

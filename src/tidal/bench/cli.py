@@ -97,9 +97,13 @@ def bench_resume(
     """
     from tidal.bench import resume
 
-    _, out, log = _consoles(json_out)
-    cfg = resume.MeasureConfig(world=world, layout=layout, resume_world=resume_world,
-                               resume_layout=resume_layout, n_embd=n_embd, n_layer=n_layer, repeat=repeat)
+    err, out, log = _consoles(json_out)
+    try:
+        cfg = resume.MeasureConfig(world=world, layout=layout, resume_world=resume_world,
+                                   resume_layout=resume_layout, n_embd=n_embd, n_layer=n_layer, repeat=repeat)
+    except ValueError as e:
+        err.print(f"[red]error:[/] {e}", highlight=False)
+        raise typer.Exit(2) from None
     _show(resume.run(cfg, script=script, log=log), resume.render, out, json_out)
 
 

@@ -16,7 +16,7 @@ from functools import reduce
 from pathlib import Path
 from typing import Any
 
-from tidal.bench.runs import Segment, SegmentResult, example_script, job_env, run_segment
+from tidal.bench.runs import Segment, SegmentResult, check_model, example_script, job_env, run_segment
 from tidal.contract import ENV_CKPT_URL
 
 
@@ -35,6 +35,9 @@ class MeasureConfig:
     notice_step: int = 3
     repeat: int = 1
     timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        check_model([self.layout, self.resume_layout], self.n_embd, self.n_head)
 
     def job_args(self, steps: int) -> list[str]:
         return ["--steps", str(steps), "--global-batch", str(self.global_batch), "--micro-batch",
@@ -80,12 +83,12 @@ def run_once(
     disk_copy = work / "ckpt-disk-only"
     shutil.copytree(work / "ckpt", disk_copy)  # another URL: no node-memory tier holds it
     resumes = {}
-    for name, url in (("node_memory", work / "ckpt"), ("disk", disk_copy)):
+    for i, (name, url) in enumerate((("node_memory", work / "ckpt"), ("disk", disk_copy))):
         target = int(s["stop_step"] or cfg.notice_step) + 2  # the disk tier may hold an older step
         log(f"resume from {name}: {cfg.resume_layout} x{cfg.resume_world}, to step {target}")
+        # the same job's next attempts: its checkpoint key, which signs the manifests, is the job's
         res = run_segment(Segment(cfg.resume_world, cfg.resume_layout), script, cfg.job_args(target),
-                          work / f"resume-{name}", 0, env={**env, ENV_CKPT_URL: str(url)},
-                          timeout_s=cfg.timeout_s)
+                          work, i + 1, env={**env, ENV_CKPT_URL: str(url)}, timeout_s=cfg.timeout_s)
         resumes[name] = _resume_figures(res)
     return {"notice": notice, "resume": resumes}
 

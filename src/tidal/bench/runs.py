@@ -108,13 +108,27 @@ def segment_devices(world: int) -> list[int] | None:
     return ids[:world] if len(ids) >= world else None
 
 
+LAYOUTS = ("fsdp", "ddp", "tp", "single")  # the example job's --parallel
+
+
+def check_model(layouts: list[str], n_embd: int, n_head: int) -> None:
+    """ValueError naming the option when the example job would refuse these settings after starting."""
+    for layout in layouts:
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout {layout!r}: expected one of {list(LAYOUTS)}")
+    if n_embd % n_head:
+        raise ValueError(f"--n-embd {n_embd} must be a multiple of the model's {n_head} attention heads")
+
+
 def run_segment(seg: Segment, script: Path, job_args: list[str], work: Path, index: int, *,
                 env: dict[str, str], timeout_s: float = 300.0) -> SegmentResult:
     """Launch one segment (attempt ``index + 1``) and wait for its ranks; RuntimeError when it did not end
     as planned, TimeoutError (every rank killed) past ``timeout_s``."""
     job = env.get(c.ENV_JOB_ID) or work.name
     gpus = segment_devices(seg.world)
-    ex = LocalExecutor(work / "jobs", gpu_ids=gpus) if gpus else LocalExecutor(work / "jobs", slots=seg.world)
+    # the operator's own run: sandboxed, as the operator (the checkpoints it makes are the operator's)
+    ex = LocalExecutor(work / "jobs", gpu_ids=gpus or None, slots=None if gpus else seg.world,
+                       run_as_self=True)
     adir = ex.attempt_dir(job, index + 1)
     notice_file = adir / "notice"
     cmd = (sys.executable, str(script), "--parallel", seg.layout, *job_args)

@@ -10,10 +10,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tidal.bench.runs import Segment, SegmentResult, example_script, job_env, per_step, run_segment
+from tidal.bench.runs import (
+    Segment,
+    SegmentResult,
+    check_model,
+    example_script,
+    job_env,
+    per_step,
+    run_segment,
+)
 from tidal.train.data import check_batch
-
-LAYOUTS = ("fsdp", "ddp", "tp", "single")
 
 
 @dataclass
@@ -55,9 +61,8 @@ class VerifyConfig:
         """Reject impossible settings before starting any process."""
         if self.steps < len(self.plan) + 1:
             raise ValueError(f"steps ({self.steps}) must exceed the number of segments ({len(self.plan)})")
+        check_model([layout for _, layout in [self.baseline, *self.plan]], self.n_embd, self.n_head)
         for world, layout in [self.baseline, *self.plan]:
-            if layout not in LAYOUTS:
-                raise ValueError(f"layout {layout!r}: expected one of {list(LAYOUTS)}")
             if layout == "single" and world != 1:
                 raise ValueError(f"layout 'single' runs on 1 rank, not {world}")
             dp = world // 2 if layout == "tp" else world

@@ -1,19 +1,12 @@
 """``tidal.ckpt`` — concurrent, layout-independent checkpoints. Usable alone in any training script.
 
     from tidal import ckpt
-    cp = ckpt.Checkpointer(url, process_group=None, keep=3)
     cp = ckpt.Checkpointer(tiers=["shm", "/nvme/run1", {"url": "s3://bucket/run1", "every": 5}])
-    h = cp.save(step, state)     # returns once the state is captured; persisting continues
-    h.wait()                     # this step is committed (in every tier it was due in)
-    cp.status()                  # which tiers hold which steps; the durable lag
-    cp.close()                   # waits for everything pending
+    cp.save(step, state).wait()  # save returns once the state is captured; wait: committed
     step = ckpt.load(url, state) # newest committed step in any tier; fills `state` in place, resharding
-    ckpt.steps(url)              # committed steps, ascending (url: a location or a tier list)
 
-See docs/checkpoint.md for the format, the tiers and the guarantees.
-
-Names are imported on first use (PEP 562), so that ``python -m tidal.ckpt.agent`` does not load torch.
-"""
+See docs/checkpoint.md. Names are imported on first use (PEP 562): ``python -m tidal.ckpt.agent``
+loads no torch."""
 
 from __future__ import annotations
 

@@ -1,16 +1,9 @@
 """Loading (= resharding) and listing committed steps, from a location or a tier list.
 
-``load`` is collective when a process group is in use (ranks agree on the step); each rank then
-intersects the box of every tensor it holds now with the stored pieces and reads exactly those byte
-ranges, each from the fastest tier that has it (``reader``). ``url_or_tiers`` is a location (with
-this node's shm tier in front when there is one) or a tier list as given to ``Checkpointer``. A tier
-that cannot be reached is skipped, and said so in ``LoadStats.fallbacks``.
-
-A step that no tier serves intact is skipped for the newest older committed step, with a warning and
-a line in ``LoadStats.skipped_steps``; every rank skips together. An explicitly requested ``step``
-is not skipped unless ``fallback_older=True``. With a checkpoint key (``key=``, else
-``$TIDAL_CKPT_KEY``), a manifest without its MAC is such a step too.
-"""
+``load`` is collective when a process group is in use (ranks agree on the step and on skipping it);
+each rank reads exactly the byte ranges of the stored pieces its tensors need, each from the fastest
+tier that has it (``reader``), skipping unreachable tiers and falling back to an older step when no
+tier serves one intact (docs/checkpoint.md, "Integrity")."""
 
 from __future__ import annotations
 
@@ -54,43 +47,54 @@ class LoadStats:
 UrlOrTiers = str | os.PathLike | list | tuple
 
 
-def held_steps(tiers: list[Tier], notes: list[str] | None = None) -> dict[str, set[int]]:
-    """Committed steps per tier name; a tier that cannot be listed is left out (and noted)."""
-    out: dict[str, set[int]] = {}
+def held_steps(tiers: list[Tier], notes: list[str] | None = None, failed: list | None = None,
+               *, must_list: bool = True) -> dict[int, list[Tier]]:
+    """Committed step -> the tiers holding it, fastest first, by step. A tier that cannot be listed is left
+    out, said in ``notes`` (and ``failed``); with ``must_list`` logged, and raised when none can be."""
+    out: dict[int, list[Tier]] = {}
     errors = []
     for t in tiers:
         try:
-            out[t.name] = set(t.committed_steps())
+            listed = t.committed_steps()
         except OSError as e:
             errors.append(e)
-            log.warning("tier '%s' (%s) is unreachable: %s", t.name, t.location, e)
+            if must_list:
+                log.warning("tier '%s' (%s) is unreachable: %s", t.name, t.location, e)
             if notes is not None:
-                notes.append(f"{t.name}: unreachable, skipped: {e}")
-    if errors and not out:
+                notes.append(f"tier '{t.name}' ({t.location}) could not be listed: {e}")
+            if failed is not None:
+                failed.append((t, str(e)))
+            continue
+        for s in listed:
+            out.setdefault(s, []).append(t)
+    if must_list and errors and len(errors) == len(tiers):
         raise errors[0]
-    return out
+    return dict(sorted(out.items()))
 
 
 def steps(url_or_tiers: UrlOrTiers) -> list[int]:
     """Committed steps in any tier (node shared memory, directories, object storage), ascending."""
-    return sorted(set().union(*held_steps(read_tiers(url_or_tiers)).values()))
+    return list(held_steps(read_tiers(url_or_tiers)))
+
+
+def pick(where: str, held: dict[int, list[Tier]], step: int | None, notes: list[str] | None = None,
+         process_group: Any = None) -> int:
+    """``step``, else the newest step in ``held`` (the oldest newest over the ranks); NotFoundError naming
+    ``where`` (and ``notes``) when it is not committed."""
+    if not held:
+        why = f" ({'; '.join(notes)})" if notes else ""
+        raise NotFoundError(f"no committed checkpoint step at {where}{why}")
+    chosen = comm.all_min(max(held), process_group) if step is None else step
+    if chosen not in held:
+        raise NotFoundError(f"step {chosen} is not committed at {where}; committed steps: "
+                            f"{sorted(held)[-10:]}")
+    return chosen
 
 
 def _choose(url_or_tiers: UrlOrTiers, step: int | None, process_group: Any,
-                notes: list[str] | None) -> tuple[int, list[Tier], dict[str, set[int]]]:
-    tiers = read_tiers(url_or_tiers)
-    held = held_steps(tiers, notes)
-    available = sorted(set().union(*held.values()))
-    where = describe(url_or_tiers)
-    if step is None:
-        if not available:
-            raise NotFoundError(f"no committed checkpoint step at {where}")
-        chosen = comm.all_min(available[-1], process_group)
-    else:
-        chosen = step
-    if chosen not in available:
-        raise NotFoundError(f"step {chosen} is not committed at {where}; committed steps: {available[-10:]}")
-    return chosen, tiers, held
+            notes: list[str] | None) -> tuple[int, dict[int, list[Tier]]]:
+    held = held_steps(read_tiers(url_or_tiers), notes)
+    return pick(describe(url_or_tiers), held, step, None, process_group), held
 
 
 def load(url_or_tiers: UrlOrTiers, state: dict, step: int | None = None, process_group: Any = None, *,
@@ -108,10 +112,9 @@ def load(url_or_tiers: UrlOrTiers, state: dict, step: int | None = None, process
     key = mf.checkpoint_key(key)
     stats = stats if stats is not None else LoadStats()
     older_ok = step is None if fallback_older is None else fallback_older
-    chosen, tiers, held = _choose(url_or_tiers, step, process_group, stats.fallbacks)
-    available = sorted(set().union(*held.values()))
+    chosen, held = _choose(url_or_tiers, step, process_group, stats.fallbacks)
     while True:
-        holding = [t for t in tiers if chosen in held.get(t.name, ())]
+        holding = list(held[chosen])
         error: CorruptionError | ManifestError | None = None
         try:
             tier, man = newest_manifest(holding, chosen, key)
@@ -124,7 +127,7 @@ def load(url_or_tiers: UrlOrTiers, state: dict, step: int | None = None, process
             error = e
         if not older_ok or comm.all_min(0 if error else 1, process_group):
             return chosen
-        older = comm.all_min(max((s for s in available if s < chosen), default=-1), process_group)
+        older = comm.all_min(max((s for s in held if s < chosen), default=-1), process_group)
         why = str(error) if error is not None else "another rank could not read it intact"
         line = f"step {chosen}: skipped: {why}"
         stats.skipped_steps.append(line)
@@ -192,6 +195,5 @@ def read_manifest(url_or_tiers: UrlOrTiers, step: int | None = None,
                   key: bytes | str | bool | None = None) -> tuple[Tier, mf.Manifest]:
     """The manifest of ``step`` (newest by default) from the fastest tier holding it (signed with
     ``key``, default ``$TIDAL_CKPT_KEY``, when there is one)."""
-    chosen, tiers, held = _choose(url_or_tiers, step, None, None)
-    holding = [t for t in tiers if chosen in held.get(t.name, ())]
-    return newest_manifest(holding, chosen, mf.checkpoint_key(key))
+    chosen, held = _choose(url_or_tiers, step, None, None)
+    return newest_manifest(held[chosen], chosen, mf.checkpoint_key(key))

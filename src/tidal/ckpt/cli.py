@@ -1,34 +1,25 @@
-"""``tidal ckpt``: list, inspect, verify and export checkpoints.
+"""``tidal ckpt``: list, inspect, verify and export checkpoints (``ls``, ``inspect``, ``verify``,
+``export``; ``agent`` runs this node's checkpoint agent).
 
-    tidal ckpt ls URL [--tier SPEC]...                  committed steps, tiers, size, saved layout, status
-    tidal ckpt inspect URL [--step N] [--pieces]        entries, dtypes, shapes, pieces, plain values
-    tidal ckpt verify URL [--step N | --all]            re-read every piece in every tier, check CRCs
-    tidal ckpt export URL OUT.safetensors [--step N] [--entry model]   one consolidated safetensors file
-    tidal ckpt agent --listen HOST:PORT --mem-dir DIR [--buddy HOST:PORT]   this node's checkpoint agent
-
-URL is a location (a directory, ``s3://bucket/prefix`` or ``peer://NAME``, with this node's shm tier in
-front when it has one) or a tier list as JSON, as ``Checkpointer(tiers=...)`` takes. ``ls`` also lists
-the job's other tiers recorded in this node's status file. Every command prints Rich tables, or with
-``--json`` one JSON document on stdout. A missing directory, an unknown step or a damaged manifest
-prints one line on stderr and exits 1; so does ``verify`` on any problem. Nothing here unpickles.
-"""
+URL is a location or a tier list as JSON (``cli_common``). Rich tables, or one JSON document with
+``--json``; any error is one line on stderr and exit code 1, and so is ``verify`` on any problem.
+Nothing here unpickles."""
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Annotated, Any
 
 import typer
-from rich.console import JustifyMethod
 from rich.table import Table
 from rich.text import Text
 
 from tidal.ckpt import cli_common as cc
 from tidal.ckpt.agent.cli import SETTINGS as AGENT_SETTINGS
 from tidal.ckpt.agent.cli import agent_cmd
+from tidal.ckpt.api import held_steps, pick
 from tidal.ckpt.cli_common import JsonOpt, StepOpt, UrlArg
 from tidal.ckpt.cli_export import export_cmd
 from tidal.ckpt.engine.status import CheckpointStatus
@@ -57,9 +48,9 @@ def ls_cmd(url: UrlArg, tier: TierOpt = None, as_json: JsonOpt = False) -> None:
     errors: list[str] = []
     with cc.errors():
         tiers, status = cc.ls_tiers(url, tier or [])
-        held = cc.held_steps(tiers, errors)
+        held = held_steps(tiers, errors, must_list=False)
         where = describe(cc.tier_list(url) or url)
-        cc.pick(where, held, None, errors)  # NotFoundError when no step is committed
+        pick(where, held, None, errors)  # NotFoundError when no step is committed
         rows: list[dict] = []
         for step, holding in held.items():
             good, errs = cc.manifests(holding, step)
@@ -82,9 +73,8 @@ def ls_cmd(url: UrlArg, tier: TierOpt = None, as_json: JsonOpt = False) -> None:
         cc.emit_json({"url": where, "tiers": listed, "steps": rows,
                       "status": status.to_dict() if status else None, "errors": errors})
     else:
-        table = _table(f"checkpoint {where}", (("step", "right"), ("tiers", "left"), ("bytes", "right"),
-                                               ("files", "right"), ("created", "left"), ("world", "right"),
-                                               ("saved layout", "left")))
+        table = _table(f"checkpoint {where}", ">step", "tiers", ">bytes", ">files", "created", ">world",
+                       "saved layout")
         for r in rows:
             head = [cc.cell(r["step"]), cc.cell(" + ".join(r["tiers"]))]
             if "error" in r:
@@ -115,17 +105,18 @@ def _status_line(st: CheckpointStatus) -> Text:
         if t.backlog:
             parts.append(f"{t.name} backlog {list(t.backlog)}")
         if t.last_error:
-            parts.append(f"{t.name} last error: {cc.truncate(t.last_error, 160)}")
+            parts.append(f"{t.name} last error: {mf.clip(t.last_error, 160)}")
     return Text(" ".join(parts[:2]) + ("; " + "; ".join(parts[2:]) if parts[2:] else ""),
                 style="yellow" if st.durable_lag_steps or any(t.last_error for t in st.tiers) else "")
 
 
 # -- inspect ---------------------------------------------------------------------------------------
 
-def _table(title: str, cols: Sequence[tuple[str, JustifyMethod]]) -> Table:
+def _table(title: str, *cols: str) -> Table:
+    """A table of columns named ``cols`` (right-justified: named with a leading ``>``)."""
     table = Table(title=title, title_justify="left")
-    for col, just in cols:
-        table.add_column(col, justify=just, overflow="fold")
+    for col in cols:
+        table.add_column(col.lstrip(">"), justify="right" if col[0] == ">" else "left", overflow="fold")
     return table
 
 
@@ -144,8 +135,8 @@ def inspect_cmd(
     notes: list[str] = []
     with cc.errors():
         _, tiers, where = cc.source(url)
-        held = cc.held_steps(tiers, notes)
-        s = cc.pick(where, held, step, notes)
+        held = held_steps(tiers, notes, must_list=False)
+        s = pick(where, held, step, notes)
         good, errors = cc.manifests(held[s], s)
         if good is None:
             raise ManifestError("; ".join(errors))
@@ -175,20 +166,18 @@ def inspect_cmd(
             f"created {cc.when(man.created_unix_s)}\n{man.layout_summary()}; {len(tensors)} tensors, "
             f"{cc.human(man.total_bytes)} in {len(man.files)} file(s), {len(man.objects)} plain value(s)"
         ), soft_wrap=True)
-        table = _table("tensors", (("name", "left"), ("dtype", "left"), ("shape", "left"),
-                                   ("pieces", "right"), ("bytes", "right"), ("saved layout", "left")))
+        table = _table("tensors", "name", "dtype", "shape", ">pieces", ">bytes", "saved layout")
         for t in tensors:
             table.add_row(*map(cc.cell, (t.name, t.dtype, _shape(t.shape), len(t.pieces), cc.human(t.nbytes),
                                          t.layout)))
         con.print(table)
         if man.objects:
-            ot = _table("plain values", (("path", "left"), ("value (JSON)", "left")))
+            ot = _table("plain values", "path", "value (JSON)")
             for p, v in man.objects:
-                ot.add_row(cc.cell(path_name(p)), cc.cell(cc.truncate(json.dumps(v, sort_keys=True))))
+                ot.add_row(cc.cell(path_name(p)), cc.cell(mf.clip(json.dumps(v, sort_keys=True), 80)))
             con.print(ot)
         if pieces:
-            pt = _table("pieces", (("tensor", "left"), ("offsets", "left"), ("lengths", "left"),
-                                   ("file", "left"), ("byte range", "left"), ("checksum", "left")))
+            pt = _table("pieces", "tensor", "offsets", "lengths", "file", "byte range", "checksum")
             for t in tensors:
                 for piece in t.pieces:
                     box, end = piece.box, piece.start + piece.nbytes
@@ -235,8 +224,8 @@ def verify_cmd(
             raise NotFoundError(f"no tier named '{tier}' at {where}; its tiers: {[t.name for t in tiers]}")
         unreachable: list[str] = []
         failed: list[tuple[Any, str]] = []
-        held = cc.held_steps(tiers, unreachable, failed)
-        steps = list(held) if all_steps and held else [cc.pick(where, held, step, unreachable)]
+        held = held_steps(tiers, unreachable, failed, must_list=False)
+        steps = list(held) if all_steps and held else [pick(where, held, step, unreachable)]
         results: list[Checked] = []
         problems: list[Problem] = [
             Problem(t.name, steps[-1], t.location, None, f"tier could not be listed: {e}")

@@ -17,7 +17,8 @@ from tidal.ckpt.engine.status import CheckpointStatus, read_status
 from tidal.ckpt.errors import CheckpointError, ManifestError, NotFoundError, TierSpecError
 from tidal.ckpt.format import manifest as mf
 from tidal.ckpt.tiers.config import build, describe, kind_of, normalize, read_tiers, resolve
-from tidal.ckpt.tiers.directory import DirTier, is_peer_url, is_s3_url, local_path, shm_root_for, tiers_for
+from tidal.ckpt.tiers.directory import is_peer_url, is_s3_url, local_path, shm_root_for, tiers_for
+from tidal.ckpt.tiers.protocol import Tier
 from tidal.ckpt.verify import _read
 from tidal.console import console
 
@@ -70,10 +71,6 @@ def iso(ts: float) -> str | None:
     return _dt.datetime.fromtimestamp(ts, tz=_dt.UTC).isoformat() if ts else None
 
 
-def truncate(s: str, n: int = 80) -> str:
-    return s if len(s) <= n else s[: n - 1] + "…"
-
-
 def cell(v: Any, style: str = "") -> Text:
     """A table cell that is shown verbatim (tensor names may contain Rich markup characters)."""
     return Text(str(v), style=style)
@@ -109,26 +106,6 @@ def source(url: str) -> tuple[str | list, list, str]:
     return url, tiers, str(root)
 
 
-def held_steps(tiers: list, errors: list[str] | None = None,
-          failed: list[tuple[Any, str]] | None = None) -> dict[int, list]:
-    """Committed step -> the tiers holding it, fastest first. With ``errors``, a tier that cannot be
-    listed is skipped and reported there (and as (tier, why) in ``failed``) instead of raising."""
-    out: dict[int, list] = {}
-    for t in tiers:
-        try:
-            steps = t.committed_steps()
-        except OSError as e:
-            if errors is None:
-                raise
-            errors.append(f"tier '{t.name}' ({t.location}) could not be listed: {e}")
-            if failed is not None:
-                failed.append((t, str(e)))
-            continue
-        for s in steps:
-            out.setdefault(s, []).append(t)
-    return dict(sorted(out.items()))
-
-
 def ls_tiers(url: str, extra: list[str]) -> tuple[list, CheckpointStatus | None]:
     """The location's tiers, plus ``extra`` tier specs - by default the job's other durable tiers
     as recorded in this node's status file for it (so an S3 tier shows up without naming it)."""
@@ -156,26 +133,15 @@ def normalize_location(spec: str) -> str:
         return spec
 
 
-def pick(where: str, held: dict[int, list], step: int | None, notes: list[str] | None = None) -> int:
-    if not held:
-        raise NotFoundError(f"no committed checkpoint step at {where}"
-                            + (f" ({'; '.join(notes)})" if notes else ""))
-    if step is None:
-        return max(held)
-    if step not in held:
-        raise NotFoundError(f"step {step} is not committed at {where}; committed steps: {sorted(held)[-10:]}")
-    return step
-
-
 def note(lines: list[str]) -> None:
     con = console(stderr=True)
     for ln in lines:
         con.print(Text(f"note: {ln}", style="yellow"), soft_wrap=True)
 
 
-def manifests(tiers: list[DirTier], step: int) -> tuple[tuple[DirTier, mf.Manifest] | None, list[str]]:
+def manifests(tiers: list[Tier], step: int) -> tuple[tuple[Tier, mf.Manifest] | None, list[str]]:
     """The first tier's manifest of ``step`` that parses, and an error line per damaged copy."""
-    good: tuple[DirTier, mf.Manifest] | None = None
+    good: tuple[Tier, mf.Manifest] | None = None
     errors: list[str] = []
     for t in tiers:
         try:

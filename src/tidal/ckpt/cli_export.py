@@ -10,11 +10,10 @@ import typer
 from rich.text import Text
 
 from tidal.ckpt import cli_common as cc
-from tidal.ckpt.api import LoadStats, load, read_manifest
+from tidal.ckpt.api import LoadStats, held_steps, load, pick, read_manifest
 from tidal.ckpt.cli_common import JsonOpt, StepOpt, UrlArg
 from tidal.ckpt.errors import CorruptionError, ManifestError
 from tidal.ckpt.format.flatten import ST_TO_DTYPE, path_name
-from tidal.ckpt.verify import _check_step
 from tidal.console import console
 from tidal.files import AS_OPEN, atomic_path
 
@@ -75,11 +74,10 @@ def export_cmd(
     with cc.errors():
         source, tiers, where = cc.source(url)
         notes: list[str] = []
-        held = cc.held_steps(tiers, notes)
-        s = cc.pick(where, held, step, notes)
+        held = held_steps(tiers, notes, must_list=False)
+        s = pick(where, held, step, notes)
         cc.note(notes)
-        tier, man = read_manifest(source, s)  # the same copy load() reads
-        _check_step(tier, man, s)
+        tier, man = read_manifest(source, s)  # the same copy load() reads (of step s: checked)
         # Shapes are bounded by the bytes the manifest lists; those must be present before allocating.
         sizes = [t.file_sizes(s) for t in held.get(s, [])]
         for f in man.files:

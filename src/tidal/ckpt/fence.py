@@ -1,17 +1,10 @@
 """The fence of a checkpoint location: which job and attempt own it now (docs/checkpoint.md, Fencing).
 
-A lost node's ranks may still run (a partitioned machine) and commit to the same location as the new
-attempt that replaced them. Before an attempt's ranks start, the executor writes ``fence.json``
-(:data:`tidal.contract.FENCE_FILE`) into the job's checkpoint directory (its *home*): ``{"job": J,
-"attempt": A}``, atomically, as the plane's user. Rank 0 reads it just before it writes a manifest
-and refuses the commit when the location belongs to another job or a newer attempt than its own
-(``TIDAL_JOB_ID``, ``TIDAL_ATTEMPT``): :class:`~tidal.ckpt.errors.FencedError`, and the runtime exits
-with :data:`tidal.contract.EXIT_FENCED`.
-
-An S3 home has the same fence, ``<prefix>/fence.json``, written by its rank 0 when its checkpointer
-starts (:func:`claim_s3`: the plane never calls an endpoint a job names). Peer homes are not fenced.
-No fence, or no claim (a rank started outside the plane), is not checked. Stdlib only (no torch).
-"""
+The executor writes ``fence.json`` (:data:`tidal.contract.FENCE_FILE`: ``{"job", "attempt"}``) into a
+directory home before an attempt's ranks start (:func:`fence_launch`); an S3 home's rank 0 claims it
+when its checkpointer starts (:func:`claim_s3`). Rank 0 checks it before every commit
+(:func:`check`, :func:`check_s3`): another job or a newer attempt is a ``FencedError``. No fence, or no
+claim, is not checked. Stdlib only (no torch)."""
 
 from __future__ import annotations
 
@@ -140,47 +133,43 @@ def check(directory: str | os.PathLike, claim: Claim, step: int) -> None:
     _refuse(read(directory), os.fspath(directory), claim, step)
 
 
-def _fetch_s3(tier: Any) -> bytes | None:
-    """The fence object's bytes (None: there is none; ``OSError``: it cannot be reached)."""
-    try:
-        return tier.read_top(c.FENCE_FILE, limit=MAX_FENCE_BYTES)
-    except ValueError:
-        return b"x" * (MAX_FENCE_BYTES + 1)  # larger than any fence: not one
-
-
-def read_s3(tier: Any) -> dict | None:
-    """The fence of an S3 home (``<prefix>/fence.json``, :class:`~tidal.ckpt.tiers.s3.S3Tier`), as
-    :func:`read`: None when there is none, ``FencedError`` when it cannot be read or is not a fence."""
+def _read_s3(tier: Any) -> dict | None:
+    """The fence of an S3 home (``<prefix>/fence.json``): None when there is none, ``FencedError`` when it
+    is not a fence, ``OSError`` when it cannot be reached."""
     where = f"{tier.location}/{c.FENCE_FILE}"
     try:
-        data = _fetch_s3(tier)
-    except OSError as e:
-        raise FencedError(f"checkpoint fence {where}: cannot be read ({e})") from None
+        data = tier.read_top(c.FENCE_FILE, limit=MAX_FENCE_BYTES)
+    except ValueError:
+        data = b"x" * (MAX_FENCE_BYTES + 1)  # larger than any fence: not one
     return None if data is None else _parse(data, where)
 
 
-def check_s3(tier: Any, claim: Claim, step: int) -> None:
-    """:func:`check` for an S3 home: one GET of the fence before the manifest's PUT. A fence that cannot
-    be *reached* (the store is down, so nothing reaches it meanwhile) lets the commit go on, with a
-    warning; one that is there and is not a fence refuses, as on a directory."""
-    where = f"{tier.location}/{c.FENCE_FILE}"
+def read_s3(tier: Any) -> dict | None:
+    """:func:`read` for an S3 home (:class:`~tidal.ckpt.tiers.s3.S3Tier`); unreachable: ``FencedError``."""
     try:
-        data = _fetch_s3(tier)
+        return _read_s3(tier)
     except OSError as e:
-        log.warning("step %d: checkpoint fence %s cannot be read (%s); committing unchecked", step, where, e)
+        raise FencedError(f"checkpoint fence {tier.location}/{c.FENCE_FILE}: cannot be read ({e})") from None
+
+
+def check_s3(tier: Any, claim: Claim, step: int) -> None:
+    """:func:`check` for an S3 home: one GET before the manifest's PUT. A fence that cannot be *reached*
+    (nothing reaches the store meanwhile) lets the commit go on, with a warning."""
+    try:
+        doc = _read_s3(tier)
+    except OSError as e:
+        log.warning("step %d: checkpoint fence %s/%s cannot be read (%s); committing unchecked", step,
+                    tier.location, c.FENCE_FILE, e)
         return
-    _refuse(None if data is None else _parse(data, where), tier.location, claim, step)
+    _refuse(doc, tier.location, claim, step)
 
 
 def claim_s3(tier: Any, claim: Claim) -> bool:
     """Rank 0 of an attempt whose home is S3, at start: write the fence for ``claim`` unless it names a
-    newer attempt of the same job (then this attempt is the stale one). Whether it wrote; an unreachable
-    store is a warning (as :func:`check_s3`)."""
-    where = f"{tier.location}/{c.FENCE_FILE}"
+    newer attempt of the same job. Whether it wrote; an unreachable store is a warning."""
     try:
-        data = _fetch_s3(tier)
         try:
-            doc = None if data is None else _parse(data, where)
+            doc = _read_s3(tier)
         except FencedError:
             doc = None  # not a fence: replaced by this attempt's
         if doc is not None and doc["job"] == claim.job and doc["attempt"] >= claim.attempt:
@@ -189,8 +178,8 @@ def claim_s3(tier: Any, claim: Claim) -> bool:
         tier.write_top(c.FENCE_FILE, json.dumps(body).encode())
         return True
     except OSError as e:
-        log.warning("checkpoint fence %s cannot be written (%s); a stale attempt could still commit there",
-                    where, e)
+        log.warning("checkpoint fence %s/%s cannot be written (%s); a stale attempt could still commit "
+                    "there", tier.location, c.FENCE_FILE, e)
         return False
 
 

@@ -1,39 +1,30 @@
-"""Re-reading a step copy in one tier: the manifest's checksum, sizes, safetensors headers (and their
-CRC-32) and every block's CRC-32 (version 1: every piece's).
-
-Used by ``tidal ckpt verify``. Reads every piece through the tier's own reader, in chunks of at most
-16 MiB; a header with the safetensors library for a directory, with two ranged reads elsewhere.
-"""
+"""Re-reading a step copy in one tier for ``tidal ckpt verify``: the manifest's checksum, sizes,
+safetensors headers (parsed through two ranged reads, and their CRC-32) and every block's CRC-32
+(version 1: every piece's), through the tier's own reader in chunks of at most 16 MiB."""
 
 from __future__ import annotations
 
 import json
+import math
 import struct
 import zlib
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+from tidal.ckpt.engine.reader import bad_blocks
 from tidal.ckpt.errors import ManifestError, UnsafeFileError
 from tidal.ckpt.format import manifest as mf
-from tidal.ckpt.tiers.directory import DirTier
+from tidal.ckpt.format.plan import ITEMSIZE
 from tidal.ckpt.tiers.protocol import RangeReader, TruncatedRead
 
 _CHUNK = 16 << 20  # bytes read at a time when checksumming
 
 
 def _read(tier: Any, step: int) -> mf.Manifest:
-    """``tier``'s manifest of ``step``, which must also say that it is ``step``."""
+    """``tier``'s manifest of ``step`` (which says it is ``step``), signed with ``$TIDAL_CKPT_KEY`` if set."""
     m = tier.read_manifest(step)
-    _check_step(tier, m, step)
     mf.check_mac(m.raw, mf.checkpoint_key(), tier.where(step, mf.MANIFEST))
     return m
-
-
-def _check_step(tier: Any, m: mf.Manifest, step: int) -> None:
-    if m.step != step:
-        raise ManifestError(f"{tier.where(step, mf.MANIFEST)}: field 'step' is {m.step}, but the manifest "
-                            f"lies in the directory of step {step} (moved or edited?)")
 
 
 @dataclass
@@ -64,46 +55,33 @@ class Checked:
     note: str = ""
 
 
-def _crc_range(reader: RangeReader, start: int, nbytes: int, buf: memoryview) -> tuple[int, int]:
-    """CRC-32 of up to ``nbytes`` bytes at ``start``; also how many bytes the object had there."""
+def _check_range(reader: RangeReader, start: int, nbytes: int, buf: memoryview,
+                 piece: mf.StoredPiece | None = None) -> tuple[int, list[int], int]:
+    """Read ``nbytes`` at ``start`` in chunks: (their CRC-32, or the blocks of version-2 ``piece`` whose
+    CRC-32 differs; how many bytes the object had there)."""
     crc, done = 0, 0
+    bad: list[int] = []
+    if piece is not None:  # chunks of whole blocks
+        chunk = max(piece.block_bytes, len(buf) // piece.block_bytes * piece.block_bytes)
+        buf = buf[:chunk] if chunk <= len(buf) else memoryview(bytearray(chunk))
     while done < nbytes:
         n = min(len(buf), nbytes - done)
         try:
             reader.read_ranges([(start + done, n)], buf[:n])
-        except TruncatedRead as e:
-            # The reader may have filled part of the range; those bytes are not trusted for the CRC.
-            return crc, done + max(0, min(e.got, n))
-        crc = zlib.crc32(buf[:n], crc)
+        except TruncatedRead as e:  # the bytes read of this chunk are not trusted
+            return crc, bad, done + max(0, min(e.got, n))
+        if piece is not None:
+            bad += bad_blocks(buf[:n], [(start + done, n)], piece)
+        else:
+            crc = zlib.crc32(buf[:n], crc)
         done += n
-    return crc, done
-
-
-def _check_blocks(reader: RangeReader, p: mf.StoredPiece, buf: memoryview) -> tuple[list[int], int]:
-    """(indices of blocks of ``p`` whose CRC-32 differs, bytes read) through ``reader``."""
-    assert p.blocks is not None
-    block = p.block_bytes
-    step = max(block, len(buf) // block * block)
-    if step > len(buf):
-        buf = memoryview(bytearray(step))
-    bad: list[int] = []
-    done = 0
-    while done < p.nbytes:
-        n = min(step, p.nbytes - done)
-        try:
-            reader.read_ranges([(p.start + done, n)], buf[:n])
-        except TruncatedRead as e:
-            return bad, done + max(0, min(e.got, n))
-        for k in range(0, n, block):
-            i = (done + k) // block
-            if zlib.crc32(buf[k : min(k + block, n)]) != p.blocks[i]:
-                bad.append(i)
-        done += n
-    return bad, done
+    return crc, bad, done
 
 
 def _parse_header(reader: RangeReader, size: int) -> tuple[dict[str, Any], int]:
-    """(the safetensors header, where the data starts) through ``reader``; ValueError if it is not one."""
+    """(the safetensors header, where the data starts) through ``reader``; ValueError saying what breaks
+    the format as the safetensors library checks it: known dtypes, each entry's bytes matching its dtype
+    and shape, the entries' bytes back to back from the data's start, within the object."""
     if size < 8:
         raise ValueError(f"the object is {size} bytes, shorter than a safetensors header length")
     head = bytearray(8)
@@ -119,15 +97,23 @@ def _parse_header(reader: RangeReader, size: int) -> tuple[dict[str, Any], int]:
         raise ValueError(f"header is not JSON: {e}") from None
     if not isinstance(header, dict):
         raise ValueError("header is not a JSON object")
-    end = 0
+    spans = []
     for k, h in header.items():
         if k == "__metadata__":
             continue
-        if (not isinstance(h, dict) or not isinstance(h.get("dtype"), str)
-                or not isinstance(h.get("shape"), list)
-                or not isinstance(h.get("data_offsets"), list) or len(h["data_offsets"]) != 2):
-            raise ValueError(f"entry '{k}' lacks dtype, shape or data_offsets")
-        end = max(end, int(h["data_offsets"][1]))
+        offs = h.get("data_offsets") if isinstance(h, dict) else None
+        if (not isinstance(h, dict) or h.get("dtype") not in ITEMSIZE or not isinstance(h.get("shape"), list)
+                or not all(type(x) is int and x >= 0 for x in h["shape"]) or not isinstance(offs, list)
+                or len(offs) != 2 or not all(type(x) is int for x in offs)):
+            raise ValueError(f"entry '{k}' lacks a known dtype, a shape or data_offsets")
+        if offs[1] - offs[0] != math.prod(h["shape"]) * ITEMSIZE[h["dtype"]]:
+            raise ValueError(f"entry '{k}': data_offsets {offs} do not fit its dtype and shape")
+        spans.append(offs)
+    end = 0
+    for lo, hi in sorted(spans):
+        if lo != end:
+            raise ValueError(f"tensor data leave a gap or overlap at byte {8 + n + min(lo, end)}")
+        end = hi
     if 8 + n + end > size:
         raise ValueError(f"tensor data ends at byte {8 + n + end}, past the end of the object ({size} bytes)")
     return header, 8 + n
@@ -160,23 +146,6 @@ def _compare_header(header: dict[str, Any], base: int, expect: Expect, problem: 
                           f"{start}..{end}")
 
 
-def _check_safetensors(path: Path, expect: Expect, problem: Any) -> None:
-    """Parse ``path`` with the safetensors library; compare its keys, dtypes, shapes and offsets."""
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            for k in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                f.get_slice(k).get_shape()  # the library checks each entry
-    except Exception as e:  # the library raises its own error types; any of them means "unreadable"
-        problem(None, f"does not parse as safetensors: {' '.join(str(e).split())}")
-        return
-    with open(path, "rb") as fh:
-        (n,) = struct.unpack("<Q", fh.read(8))
-        header = json.loads(fh.read(n))
-    _compare_header(header, 8 + n, expect, problem)
-
-
 def _verify_tier(tier: Any, step: int) -> tuple[Checked, list[Problem]]:
     """Check one tier's copy of ``step``: every data file's size and header, every piece's CRC-32."""
     checked = Checked(tier.name, step)
@@ -206,8 +175,8 @@ def _verify_tier(tier: Any, step: int) -> tuple[Checked, list[Problem]]:
             problem(None, f"data file is missing (it holds {len(entries)} piece(s))")
             continue
         checked.files += 1
-        want = f.get("size_bytes")
-        if isinstance(want, int) and size != want:
+        want = f["size_bytes"]  # (parse checked it, and header_crc32 when there)
+        if size != want:
             problem(None, f"file is {size} bytes, the manifest says {want}"
                           + (" (truncated)" if size < want else " (extra bytes)"))
         expect = {p.key: (t.name, t.dtype, list(p.box.lengths), p.start, p.start + p.nbytes)
@@ -221,18 +190,15 @@ def _verify_tier(tier: Any, step: int) -> tuple[Checked, list[Problem]]:
             problem(None, f"refused: {e}")
             continue
         try:
-            if isinstance(tier, DirTier):
-                _check_safetensors(Path(where), expect, problem)
+            try:
+                header, base = _parse_header(reader, size)
+            except (ValueError, TruncatedRead) as e:
+                problem(None, f"does not parse as safetensors: {e}")
             else:
-                try:
-                    header, base = _parse_header(reader, size)
-                except (ValueError, TruncatedRead) as e:
-                    problem(None, f"does not parse as safetensors: {e}")
-                else:
-                    _compare_header(header, base, expect, problem)
-            if isinstance(f.get("header_crc32"), int):
-                head = min((p.start for _, p in entries), default=want if isinstance(want, int) else size)
-                crc, got = _crc_range(reader, 0, head, buf)
+                _compare_header(header, base, expect, problem)
+            if "header_crc32" in f:
+                head = min((p.start for _, p in entries), default=want)
+                crc, _, got = _check_range(reader, 0, head, buf)
                 checked.bytes += got
                 if got == head and crc != f["header_crc32"]:
                     problem(None, f"header checksum mismatch (manifest crc32 0x{f['header_crc32']:08x}, "
@@ -240,10 +206,7 @@ def _verify_tier(tier: Any, step: int) -> tuple[Checked, list[Problem]]:
             for t, p in entries:
                 at = f"piece at offsets {list(p.box.offsets)}"
                 checked.pieces += 1
-                if p.blocks is not None:
-                    bad, got = _check_blocks(reader, p, buf)
-                else:
-                    crc, got = _crc_range(reader, p.start, p.nbytes, buf)
+                crc, bad, got = _check_range(reader, p.start, p.nbytes, buf, None if p.blocks is None else p)
                 checked.bytes += got
                 if got < p.nbytes:
                     problem(t.name, f"{at}: bytes {p.start}..{p.start + p.nbytes} lie past the end of the "

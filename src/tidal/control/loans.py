@@ -44,6 +44,7 @@ from tidal.serving.adapters import (
     ServingAdapter,
 )
 from tidal.serving.build import build_adapter
+from tidal.serving.requests import number_in
 from tidal.serving.watch import WatchConfig
 
 log = logging.getLogger(__name__)
@@ -159,7 +160,7 @@ class LiveLoans:
         stats, margins, last_s = doc.get("stats") or {}, list(doc.get("margins") or []), doc.get("last_s")
         for what, v in [*((f"stats.{k}", v) for k, v in dict(stats).items()),
                         *((f"margins[{i}]", v) for i, v in enumerate(margins)), ("last_s", last_s)]:
-            if (v is not None or what != "last_s") and not _finite_number(v):
+            if (v is not None or what != "last_s") and not number_in(v):
                 raise ValueError(f"{what}: {v!r} is not a number")
         try:  # a state that decodes but cannot plan (a wrong type inside): refused now, not at every step
             t = state.forecast.t_s + self.step_s if math.isfinite(state.forecast.t_s) else 0.0
@@ -509,10 +510,6 @@ def build_live_loans(cfg: WatchConfig, ray_address: str | None = None) -> LiveLo
     adapter, history = build_adapter(cfg, ray_address)
     return LiveLoans(adapter, cfg.timing(), shortfall_budget=cfg.shortfall_budget, step_s=cfg.step_s,
                      warm_history=history)
-
-
-def _finite_number(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _rounded(x: float) -> float | None:

@@ -1,16 +1,6 @@
-"""Prometheus metrics, computed from the store at scrape time (``GET /metrics``; docs/control.md, Metrics).
-
-Per-job series exist for jobs holding GPUs only and job counts come from one ``GROUP BY``, so a scrape's
-size and cost follow the running jobs, the nodes and the tenants, not the history. With live lending
-(``serving.nodes``), besides the plan's gauges (demand, lendable, margin):
-
-* ``tidal_loan_lent_gpus`` / ``tidal_loan_warming_gpus``: serving GPUs lent / warming up after a return
-* ``tidal_loan_reclaim_gpus``: lent GPUs owed back; ``tidal_loan_reclaims_total{outcome=met|missed}``
-* ``tidal_loan_worst_return_margin_seconds``: the smallest margin before a deadline at a return
-* ``tidal_loan_lent_gpu_seconds_total``, ``tidal_serving_shortfall_gpu_seconds_total`` (serving time)
-* ``tidal_serving_action_failures_total{action}``, ``tidal_serving_unknown_demand_steps_total``
-* ``tidal_serving_pool_gpus`` (lost or warming nodes are not in it); ``tidal_serving_node_losses_total``
-"""
+"""Prometheus metrics, computed from the store at scrape time (``GET /metrics``; every series in
+docs/control.md, Metrics). Per-job series exist for jobs holding GPUs only and job counts come from one
+``GROUP BY``, so a scrape follows the running jobs, the nodes and the tenants, not the history."""
 
 from __future__ import annotations
 

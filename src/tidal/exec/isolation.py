@@ -127,17 +127,17 @@ class IsolationConfig:
             d["read_only"] = tuple(d["read_only"])
         return cls(**d)
 
-    def resolved(self, jobs_root: Path, euid: int | None = None) -> IsolationConfig:
+    def resolved(self, jobs_root: Path, euid: int | None = None, *, uids: bool = True) -> IsolationConfig:
         """This config with its defaults made concrete for a plane whose jobs live in ``jobs_root``: the
         uid base (sandboxed as root: one of :data:`PLANE_RANGES` ranges of :data:`UID_SPAN` uids from
         :data:`DEFAULT_UID_BASE`, chosen by the jobs dir, so two planes on one machine share no uid: a
         plane ends what a uid of its own left), ``max_file_bytes: auto`` (half the size of
         the file system of ``jobs_root``: a rank's log or a runaway file cannot fill it).
         ``max_memory_bytes: auto`` stays for the executor (it depends on the memory cgroups it finds:
-        :func:`auto_memory_bytes`)."""
+        :func:`auto_memory_bytes`). ``uids=False``: no default uid base (ranks run as this user)."""
         root = (os.geteuid() if euid is None else euid) == 0
         base = self.uid_base
-        if base is None and root and self.sandboxed:
+        if base is None and root and self.sandboxed and uids:
             n = int(hashlib.sha1(str(jobs_root.resolve()).encode()).hexdigest()[:8], 16) % PLANE_RANGES
             base = DEFAULT_UID_BASE + UID_SPAN * n
         fsize = self.max_file_bytes

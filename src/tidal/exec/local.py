@@ -115,7 +115,8 @@ class LocalExecutor(AttemptDirs):
     def __init__(self, root: str | os.PathLike, *, slots: int | None = None, gpu_ids: list[int] | None = None,
                  node: str = "local", python: str = sys.executable,
                  serving_nodes: Mapping[str, int] | None = None, isolation: IsolationConfig | None = None,
-                 subreaper: bool = False, hidden: Collection[str | os.PathLike] = ()) -> None:
+                 subreaper: bool = False, hidden: Collection[str | os.PathLike] = (),
+                 run_as_self: bool = False) -> None:
         if (slots is None) == (gpu_ids is None):
             raise ValueError("give exactly one of slots (CPU) or gpu_ids")
         iso = isolation or IsolationConfig()
@@ -125,7 +126,8 @@ class LocalExecutor(AttemptDirs):
         self.hidden = [str(Path(p).resolve()) for p in (root, *hidden)]  # no rank sees them (but its own)
         # 0711 with unsandboxed uids: a job's uid may pass through to its own directories, never list others'
         private_dir(self.root, 0o711 if iso.uid_base is not None and not iso.sandboxed else 0o700)
-        self.isolation = iso = iso.resolved(self.root)
+        # run_as_self: an operator's own runs (benchmarks, verify-resume), sandboxed but as this user
+        self.isolation = iso = iso.resolved(self.root, uids=not run_as_self)
         self.uids = Uids(self.root / ".uids.json", iso.uid_base) if iso.uid_base is not None else None
         shm = iso.shm_dir if iso.shm_dir is not None else default_shm_dir(self.root)
         self.shm_root = Path(shm) if shm else None

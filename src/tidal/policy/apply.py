@@ -7,8 +7,9 @@ live here only; a decision the snapshot does not allow raises :class:`IllegalDec
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import fields, replace
+from typing import Any
 
 from tidal.model import (
     Admit,
@@ -126,17 +127,14 @@ def lowered(reclaims: Iterable[Reclaim], gpus: int) -> list[Reclaim]:
 
 def after(job: Job, d: Admit | Grow | Shrink | Preempt | SetCkptInterval, now_s: float) -> Job:
     """``job`` after the job decision ``d`` at ``now_s`` (a ``for_job``'s nomination: :func:`nominated`)."""
-    if isinstance(d, Admit):
-        return admitted(job, d, now_s)
-    if isinstance(d, Grow):
-        return grown(job, d, now_s)
-    if isinstance(d, Shrink):
-        return shrunk(job, d, now_s)
-    if isinstance(d, Preempt):
-        return preempted(job, d, now_s)
-    if isinstance(d, SetCkptInterval):
-        return interval_set(job, d, now_s)
-    raise TypeError(f"not a job decision: {d!r}")
+    transform = _AFTER.get(type(d))
+    if transform is None:
+        raise TypeError(f"not a job decision: {d!r}")
+    return transform(job, d, now_s)
+
+
+_AFTER: dict[type, Callable[[Job, Any, float], Job]] = {
+    Admit: admitted, Grow: grown, Shrink: shrunk, Preempt: preempted, SetCkptInterval: interval_set}
 
 
 def apply(s: Snapshot, decisions: Sequence[Decision]) -> Snapshot:
@@ -157,7 +155,7 @@ def apply(s: Snapshot, decisions: Sequence[Decision]) -> Snapshot:
             held = sum(j.placement.get(d.node, 0) for j in jobs.values())
             loans, reclaims = returned(loans, reclaims, d, held)
             continue
-        if not isinstance(d, Admit | Grow | Shrink | Preempt | SetCkptInterval):
+        if type(d) not in _AFTER:
             raise TypeError(f"unknown decision {d!r}")
         jobs[d.job] = after(job(d.job, d), d, now)
         if isinstance(d, Shrink | Preempt) and d.for_job is not None:

@@ -24,6 +24,7 @@ from tidal.policy.forecast import Forecast, ForecastConfig, ForecastState, forec
 from tidal.policy.forecast_errors import tail_reserve_gpus
 
 EPS = 1e-9
+DURATIONS = ("notice_s", "final_checkpoint_s", "release_s", "warmup_s", "restart_cost_s")  # of LoanTiming
 HORIZON_S = 6 * 3600.0
 """How far a plan looks ahead by default (seconds): the forecast's default horizon."""
 
@@ -46,7 +47,7 @@ class LoanTiming:
     """A new loan must spend at least this fraction of its window (now .. notice) training."""
 
     def __post_init__(self) -> None:
-        for name in ("notice_s", "final_checkpoint_s", "release_s", "warmup_s", "restart_cost_s"):
+        for name in DURATIONS:
             if getattr(self, name) < 0:
                 raise ValueError(f"LoanTiming.{name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.min_useful_fraction < 1:
@@ -69,10 +70,7 @@ class LoanTiming:
 
     def scaled(self, factor: float) -> LoanTiming:
         """Every duration times ``factor`` (a replayed trace's clock running ``factor`` times as fast)."""
-        return replace(self, notice_s=self.notice_s * factor,
-                       final_checkpoint_s=self.final_checkpoint_s * factor,
-                       release_s=self.release_s * factor, warmup_s=self.warmup_s * factor,
-                       restart_cost_s=self.restart_cost_s * factor)
+        return replace(self, **{name: getattr(self, name) * factor for name in DURATIONS})
 
 
 @dataclass(frozen=True, eq=False)
@@ -208,9 +206,9 @@ class TidalConfig:
         if not 0 < self.shortfall_budget < 1:
             raise ValueError(f"TidalConfig.shortfall_budget must be in (0, 1), got {self.shortfall_budget}")
         if not self.tail_budget_fraction >= 0 or not self.tail_kappa >= 0 or not self.tail_period_s > 0:
-            raise ValueError("TidalConfig.tail_budget_fraction and tail_kappa must be >= 0 and "
-                             "tail_period_s > 0, "
-                             f"got {self.tail_budget_fraction}, {self.tail_kappa} and {self.tail_period_s}")
+            raise ValueError("TidalConfig.tail_budget_fraction and tail_kappa must be >= 0 and tail_period_s"
+                             f" > 0, got {self.tail_budget_fraction}, {self.tail_kappa} and "
+                             f"{self.tail_period_s}")
         if not 0 <= self.tail_prior_miss < math.inf or not 0 <= self.tail_prior_steps < math.inf:
             raise ValueError(f"TidalConfig.tail_prior_miss and tail_prior_steps must be finite and >= 0, "
                              f"got {self.tail_prior_miss} and {self.tail_prior_steps}")
@@ -219,15 +217,13 @@ class TidalConfig:
         if not self.ledger_allowance_pool_h > 0 or not 0 < self.ledger_fraction <= 1 \
                 or not 0 <= self.ledger_bank_pool_h < math.inf:
             raise ValueError("TidalConfig.ledger_allowance_pool_h must be > 0 (inf = off), ledger_fraction "
-                             "in "
-                             "(0, 1] and ledger_bank_pool_h finite and >= 0, got "
+                             "in (0, 1] and ledger_bank_pool_h finite and >= 0, got "
                              f"{self.ledger_allowance_pool_h}, {self.ledger_fraction} and "
                              f"{self.ledger_bank_pool_h}")
         horizon_needed = self.timing.lead_time_s + self.timing.min_loan_window_s
         if self.forecast.horizon_s < horizon_needed:
             raise ValueError(f"TidalConfig.forecast.horizon_s ({self.forecast.horizon_s:g}) must cover the "
-                             "lead "
-                             f"time plus the minimum loan window ({horizon_needed:g} s)")
+                             f"lead time plus the minimum loan window ({horizon_needed:g} s)")
 
 
 @dataclass(frozen=True, eq=False)

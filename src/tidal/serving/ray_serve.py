@@ -24,7 +24,7 @@ from typing import Any
 
 from tidal.contract import RAY_NODE_LABEL as NODE_LABEL
 from tidal.serving.adapters import AdapterError, _Released, parse_nodes
-from tidal.serving.requests import RequestModel
+from tidal.serving.requests import RequestModel, number_in
 from tidal.serving.serve_history import MAX_HISTORY_DAYS, MeasuredHistory, forecast_history
 from tidal.serving.traces import Trace
 
@@ -64,66 +64,50 @@ class RayServeSettings:
     history_days: float = 0.0  # days of the request-rate trace (serving.trace) the forecast learns first
 
     def __post_init__(self) -> None:
-        w = "serving"
-        if not isinstance(self.app, str) or not _NAME.fullmatch(self.app):
-            raise ValueError(f"{w}.app must name the Serve application (letters, digits, . _ -), got "
-                             f"{self.app!r}")
-        if not isinstance(self.deployment, str) or not _IMPORT.fullmatch(self.deployment):
-            raise ValueError(f"{w}.deployment must be an import path module:attribute of a Serve deployment, "
-                             f"got {self.deployment!r}")
+        for name, pattern, what in (
+                ("app", _NAME, "must name the Serve application (letters, digits, . _ -)"),
+                ("deployment", _IMPORT, "must be an import path module:attribute of a Serve deployment"),
+                ("route_prefix", _PREFIX, "must be '/' or a URL path like /llm (letters, digits, . _ ~ -; no "
+                                          "trailing /)"),
+                ("http_host", _HOST, "must be a host name or IP address")):
+            v = getattr(self, name)
+            if not isinstance(v, str) or not pattern.fullmatch(v):
+                raise ValueError(f"serving.{name} {what}, got {v!r}")
         for n in self.nodes:
             if not isinstance(n, str) or not _NAME.fullmatch(n):
-                raise ValueError(f"{w}.nodes: {n!r} is not usable as a Ray Serve deployment suffix (letters, "
-                                 "digits, . _ -)")
+                raise ValueError(f"serving.nodes: {n!r} is not usable as a Ray Serve deployment suffix "
+                                 "(letters, digits, . _ -)")
         g = self.gpus_per_replica
-        if not isinstance(g, int) or isinstance(g, bool) or g < 1:
-            raise ValueError(f"{w}.gpus_per_replica must be a whole number >= 1, got {g!r}")
+        if not number_in(g, 1, whole=True):
+            raise ValueError(f"serving.gpus_per_replica must be a whole number >= 1, got {g!r}")
         bad = [n for n, c in self.nodes.items() if c % g]
         if bad:
-            raise ValueError(f"{w}.nodes: {bad[0]} has {self.nodes[bad[0]]} GPUs, not a multiple of "
+            raise ValueError(f"serving.nodes: {bad[0]} has {self.nodes[bad[0]]} GPUs, not a multiple of "
                              f"serving.gpus_per_replica ({g})")
-        if not isinstance(self.route_prefix, str) or not _PREFIX.fullmatch(self.route_prefix):
-            raise ValueError(
-                f"{w}.route_prefix must be '/' or a URL path like /llm (letters, digits, . _ ~ -; "
-                f"no trailing /), got {self.route_prefix!r}"
-            )
-        if not isinstance(self.http_host, str) or not _HOST.fullmatch(self.http_host):
-            raise ValueError(f"{w}.http_host must be a host name or IP address, got {self.http_host!r}")
-        port = self.http_port
-        if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
-            raise ValueError(f"{w}.http_port must be a port number, got {self.http_port!r}")
         if not isinstance(self.init_kwargs, dict) or not all(isinstance(k, str) for k in self.init_kwargs):
-            raise ValueError(f"{w}.init_kwargs must be a mapping of the deployment's constructor arguments")
-        for name, lo, hi in (("rate_window_s", 1.0, 86400.0), ("rate_smoothing_s", 0.0, 86400.0),
-                             ("actions_timeout_s", 0.1, 600.0)):
-            v = getattr(self, name)
-            if not isinstance(v, int | float) or isinstance(v, bool) or not lo <= v <= hi:
-                raise ValueError(f"{w}.{name} must be a number in [{lo:g}, {hi:g}], got {v!r}")
-        sp = self.speedup
-        if not isinstance(sp, int | float) or isinstance(sp, bool) or not 0 < sp < 1e6:
-            raise ValueError(f"{w}.speedup must be a number > 0, got {self.speedup!r}")
-        t0 = self.start_s
-        if t0 is not None and (
-            not isinstance(t0, int | float) or isinstance(t0, bool) or not math.isfinite(t0)):
-            raise ValueError(f"{w}.start_s must be a number (seconds on the serving clock), got {t0!r}")
-        r = self.min_replicas
-        if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r <= sum(self.nodes.values()) // g:
-            raise ValueError(f"{w}.min_replicas must be a whole number from 0 to the replicas the nodes hold "
-                             f"({sum(self.nodes.values()) // g}), got {r!r}")
-        h = self.history_days
-        if not isinstance(h, int | float) or isinstance(h, bool) or not 0 <= h <= MAX_HISTORY_DAYS:
-            raise ValueError(f"{w}.history_days must be a number from 0 to {MAX_HISTORY_DAYS:g} (days of "
-                             f"serving.trace the forecast learns first), got {h!r}")
-        mu = self.service_rate_per_replica
-        if mu is not None and (
-            not isinstance(mu, int | float) or isinstance(mu, bool) or not 0 < mu < math.inf):
-            raise ValueError(f"{w}.service_rate_per_replica must be a number > 0 (requests/s one replica "
-                             f"serves), got {mu!r}")
-        k = self.min_samples
-        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-            raise ValueError(f"{w}.min_samples must be a whole number >= 1, got {self.min_samples!r}")
+            raise ValueError("serving.init_kwargs must be a mapping of the deployment's constructor "
+                             "arguments")
+        replicas, mu = sum(self.nodes.values()) // g, self.service_rate_per_replica
+        for name, ok, what in (
+                ("http_port", number_in(self.http_port, 1, 65535, whole=True), "a port number"),
+                ("rate_window_s", number_in(self.rate_window_s, 1, 86400), "a number in [1, 86400]"),
+                ("rate_smoothing_s", number_in(self.rate_smoothing_s, 0, 86400), "a number in [0, 86400]"),
+                ("actions_timeout_s", number_in(self.actions_timeout_s, 0.1, 600), "a number in [0.1, 600]"),
+                ("speedup", number_in(self.speedup, 0, 1e6) and 0 < self.speedup < 1e6, "a number > 0"),
+                ("start_s", self.start_s is None or number_in(self.start_s),
+                 "a number (seconds on the serving clock)"),
+                ("min_replicas", number_in(self.min_replicas, 0, replicas, whole=True),
+                 f"a whole number from 0 to the replicas the nodes hold ({replicas})"),
+                ("history_days", number_in(self.history_days, 0, MAX_HISTORY_DAYS),
+                 f"a number from 0 to {MAX_HISTORY_DAYS:g} (days of serving.trace the forecast learns "
+                 "first)"),
+                ("service_rate_per_replica", mu is None or number_in(mu, 0) and mu > 0,
+                 "a number > 0 (requests/s one replica serves)"),
+                ("min_samples", number_in(self.min_samples, 1, whole=True), "a whole number >= 1")):
+            if not ok:
+                raise ValueError(f"serving.{name} must be {what}, got {getattr(self, name)!r}")
         if self.latency_target_s is None:
-            raise ValueError(f"{w}.latency_target_s is required with adapter ray-serve (the SLO demand is "
+            raise ValueError("serving.latency_target_s is required with adapter ray-serve (the SLO demand is "
                              "computed for)")
         # checks the latency settings, naming the field; without a prior, only what no service rate meets
         self.model(self.service_rate_per_replica or 1e12)
@@ -370,26 +354,24 @@ class RayServeAdapter:
         return out
 
     def release(self, node: str, gpus: int, lent_after: int, now_s: float) -> None:
+        self._move("release", node, gpus, lent_after, +1)
+
+    def restore(self, node: str, gpus: int, lent_after: int, now_s: float) -> None:
+        self._move("restore", node, gpus, lent_after, -1)
+
+    def _move(self, action: str, node: str, gpus: int, lent_after: int, sign: int) -> None:
+        """A release closes the node's router slots first (no new requests to the lent replicas); a
+        restore's open in :meth:`ready`, once its replicas run."""
         before = self.state.released.get(node, 0)  # (move() refuses an unknown node)
-        self.state.move(node, gpus, lent_after, +1)  # checks the node and the counts
+        self.state.move(node, gpus, lent_after, sign)  # checks the node and the counts
         try:
             self.ensure()
-            self._sync(self.slots(self._running_or_targets()))  # no new requests to the lent replicas
+            if action == "release":
+                self._sync(self.slots(self._running_or_targets()))
             self._scale(node, self.target(node))
         except AdapterError as e:
             self.state.released[node] = before
-            self._fail(f"release of {gpus} GPUs on {node}: {e}")
-        self.last_error = None
-
-    def restore(self, node: str, gpus: int, lent_after: int, now_s: float) -> None:
-        before = self.state.released.get(node, 0)  # (move() refuses an unknown node)
-        self.state.move(node, gpus, lent_after, -1)
-        try:
-            self.ensure()
-            self._scale(node, self.target(node))  # its slots open in ready(), once the replicas run
-        except AdapterError as e:
-            self.state.released[node] = before
-            self._fail(f"restore of {gpus} GPUs on {node}: {e}")
+            self._fail(f"{action} of {gpus} GPUs on {node}: {e}")
         self.last_error = None
 
     def ready(self, node: str) -> bool:

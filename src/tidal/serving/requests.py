@@ -22,8 +22,10 @@ FIELDS = ("service_rate_per_gpu", "service_rate_per_replica", "gpus_per_replica"
 DEFAULTS: dict[str, Any] = {"gpus_per_replica": 1, "latency_quantile": 0.99, "latency_of": "queue"}
 
 
-def _number(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+def number_in(v: Any, lo: float = -math.inf, hi: float = math.inf, whole: bool = False) -> bool:
+    """``v`` is a finite number (an int if ``whole``; never a bool) in ``[lo, hi]``."""
+    return (isinstance(v, int if whole else int | float) and not isinstance(v, bool) and math.isfinite(v)
+            and lo <= v <= hi)
 
 
 @dataclass(frozen=True)
@@ -64,14 +66,14 @@ class RequestModel:
             raise ValueError(f"{where}.gpus_per_replica must be a whole number >= 1, got {g!r}")
         name = "service_rate_per_gpu" if per_gpu is not None else "service_rate_per_replica"
         rate = kw[name]
-        if not _number(rate) or not rate > 0:
+        if not number_in(rate) or not rate > 0:
             raise ValueError(f"{where}.{name} must be a number > 0 (requests/s), got {rate!r}")
         if "latency_target_s" not in given:
             raise ValueError(f"{where}.latency_target_s is required with {where}.{name} (seconds)")
         target, p, of = kw["latency_target_s"], kw["latency_quantile"], kw["latency_of"]
-        if not _number(target) or not target >= 0:
+        if not number_in(target) or not target >= 0:
             raise ValueError(f"{where}.latency_target_s must be a number >= 0 (seconds), got {target!r}")
-        if not _number(p) or not 0 < p < 1:
+        if not number_in(p) or not 0 < p < 1:
             raise ValueError(f"{where}.latency_quantile must be in (0, 1), e.g. 0.99, got {p!r}")
         if of not in MEASURES:
             raise ValueError(f"{where}.latency_of must be one of {', '.join(MEASURES)}, got {of!r}")

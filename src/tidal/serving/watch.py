@@ -20,7 +20,8 @@ from typing import Any
 from tidal.policy.loan import LoanContext, LoanPlan, LoanTiming, TidalPolicy, TidalState
 from tidal.serving.adapters import parse_nodes
 from tidal.serving.requests import FIELDS as REQUEST_FIELDS
-from tidal.serving.requests import RequestModel
+from tidal.serving.requests import RequestModel, number_in
+from tidal.serving.serve_history import MAX_HISTORY_DAYS
 from tidal.serving.sources import BackgroundDemand, DemandSource, TraceReplay
 
 ADAPTERS = (None, "replay", "hook", "ray-serve")  # serving.adapter (None: replay with a trace, else hook)
@@ -182,6 +183,19 @@ class WatchConfig:
         if self.adapter not in ADAPTERS:
             raise ValueError(f"serving.adapter must be one of {', '.join(a for a in ADAPTERS if a)}, got "
                              f"{self.adapter!r}")
+        for name in ("grace_s", "final_checkpoint_s", "release_s", "warmup_s", "restart_cost_s"):
+            v = getattr(self, name)
+            if v is not None and not number_in(v, 0, 1e9):
+                raise ValueError(f"serving.{name} must be a number >= 0, got {v!r}")
+        for name in ("speedup", "gpus_per_unit", "step_s"):
+            v = getattr(self, name)
+            if not number_in(v, 0, 1e9) or v == 0:
+                raise ValueError(f"serving.{name} must be a number > 0, got {v!r}")
+        if not number_in(self.shortfall_budget, 0, 1) or self.shortfall_budget in (0, 1):
+            raise ValueError(f"serving.shortfall_budget must be in (0, 1), got {self.shortfall_budget!r}")
+        if not number_in(self.history_days, 0, MAX_HISTORY_DAYS):
+            raise ValueError(f"serving.history_days must be a number from 0 to {MAX_HISTORY_DAYS:g} (days "
+                             f"the forecast learns before the first live step), got {self.history_days!r}")
         if self.adapter == "ray-serve":
             self._check_ray_serve()
             return
@@ -197,26 +211,15 @@ class WatchConfig:
             if self.prometheus is not None and (self.actions_url is None) == (self.actions_command is None):
                 raise ValueError("serving: lending with prometheus needs exactly one of serving.actions_url "
                                  "or serving.actions_command (how serving releases and takes back GPUs)")
-        for name in ("grace_s", "final_checkpoint_s", "release_s", "warmup_s", "restart_cost_s"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int | float) or isinstance(v, bool) or not 0 <= v < 1e9):
-                raise ValueError(f"serving.{name} must be a number >= 0, got {v!r}")
-        _check_history_days(self.history_days)
-        if not isinstance(self.actions_timeout_s, int | float) or not 0 < self.actions_timeout_s <= 600:
+        if not number_in(self.actions_timeout_s, 0, 600) or self.actions_timeout_s == 0:
             raise ValueError(f"serving.actions_timeout_s must be in (0, 600], got {self.actions_timeout_s!r}")
-        if not isinstance(self.serving_gpus, int) or self.serving_gpus < 1:
+        if not number_in(self.serving_gpus, 1, whole=True):
             raise ValueError(f"serving.serving_gpus must be a whole number >= 1, got {self.serving_gpus!r}")
         if (self.trace is None) == (self.prometheus is None):
             raise ValueError("give exactly one demand source (serving.trace, or serving.prometheus with a "
                              "query)")
         if self.prometheus is not None and not self.query:
             raise ValueError("serving.query is required with serving.prometheus (PromQL giving one number)")
-        for name in ("speedup", "gpus_per_unit", "step_s"):
-            v = getattr(self, name)
-            if not isinstance(v, int | float) or not v > 0:
-                raise ValueError(f"serving.{name} must be a number > 0, got {v!r}")
-        if not isinstance(self.shortfall_budget, int | float) or not 0 < self.shortfall_budget < 1:
-            raise ValueError(f"serving.shortfall_budget must be in (0, 1), got {self.shortfall_budget!r}")
         if self.requests() is not None and self.gpus_per_unit != 1.0:
             raise ValueError("serving.gpus_per_unit does not apply to a request-rate demand (the latency "
                              "target sets the GPUs); leave it out")
@@ -234,7 +237,6 @@ class WatchConfig:
         if self.gpus_per_unit != 1.0:
             raise ValueError("serving.gpus_per_unit does not apply to adapter ray-serve (demand is the SLO's "
                              "GPUs)")
-        _check_history_days(self.history_days)
         if (self.trace is None) != (self.history_days == 0):
             raise ValueError("serving.trace and serving.history_days go together with adapter ray-serve: a "
                              "request-rate trace of earlier days and how many days of it the forecast learns "
@@ -244,14 +246,6 @@ class WatchConfig:
                              "the service rate its requests/s are read at until Serve has measured one")
         RayServeSettings.from_config(self)
         self._pool_from_nodes()
-        for name in ("grace_s", "final_checkpoint_s", "release_s", "warmup_s", "restart_cost_s",
-                     "shortfall_budget", "step_s"):
-            v = getattr(self, name)
-            ok = v is None or (isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v < 1e9)
-            if not ok or (name == "step_s" and not v > 0):
-                raise ValueError(f"serving.{name} must be a number >= 0, got {v!r}")
-        if self.shortfall_budget is None or not 0 < self.shortfall_budget < 1:
-            raise ValueError(f"serving.shortfall_budget must be in (0, 1), got {self.shortfall_budget!r}")
 
     def _pool_from_nodes(self) -> None:
         """``serving_gpus`` set to the GPUs of ``nodes``, or checked against them."""
@@ -332,14 +326,6 @@ class WatchConfig:
         if req is not None:
             return f"Prometheus {self.prometheus}: {self.query} ({req.describe()})"
         return f"Prometheus {self.prometheus}: {self.query} x {self.gpus_per_unit:g} GPUs"
-
-
-def _check_history_days(v: Any) -> None:
-    from tidal.serving.serve_history import MAX_HISTORY_DAYS
-
-    if not isinstance(v, int | float) or isinstance(v, bool) or not 0 <= v <= MAX_HISTORY_DAYS:
-        raise ValueError(f"serving.history_days must be a number from 0 to {MAX_HISTORY_DAYS:g} (days the "
-                         f"forecast learns before the first live step), got {v!r}")
 
 
 def start_advisor(cfg: WatchConfig) -> tuple[Advisor, Callable[[], float], float]:

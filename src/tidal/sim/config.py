@@ -86,26 +86,18 @@ class SimConfig:
     instead of training on until the deadline (the published results)."""
 
     def __post_init__(self) -> None:
-        if self.serving_gpus < 1:
-            raise ValueError(f"SimConfig.serving_gpus must be >= 1, got {self.serving_gpus}")
-        if self.training_gpus < 0:
-            raise ValueError(f"SimConfig.training_gpus must be >= 0, got {self.training_gpus}")
-        if self.gpus_per_node < 1:
-            raise ValueError(f"SimConfig.gpus_per_node must be >= 1, got {self.gpus_per_node}")
-        if not self.days > 0:
-            raise ValueError(f"SimConfig.days must be > 0, got {self.days}")
-        if not 0 <= self.warmup_days < self.days:
-            raise ValueError(f"SimConfig.warmup_days must be in [0, days={self.days:g}), got "
-                             f"{self.warmup_days}")
-        if self.resize not in RESIZE_MODES:
-            raise ValueError(f"SimConfig.resize must be one of {RESIZE_MODES}, got {self.resize!r}")
-        if not 0 < self.scaling_exponent <= 1:
-            raise ValueError(f"SimConfig.scaling_exponent must be in (0, 1], got {self.scaling_exponent}")
-        if self.failure_rate_per_gpu_hour < 0:
-            raise ValueError("SimConfig.failure_rate_per_gpu_hour must be >= 0, got "
-                             f"{self.failure_rate_per_gpu_hour}")
-        if self.sched_period_s < 0:
-            raise ValueError(f"SimConfig.sched_period_s must be >= 0, got {self.sched_period_s}")
+        for name, ok, want in (
+                ("serving_gpus", self.serving_gpus >= 1, ">= 1"),
+                ("training_gpus", self.training_gpus >= 0, ">= 0"),
+                ("gpus_per_node", self.gpus_per_node >= 1, ">= 1"), ("days", self.days > 0, "> 0"),
+                ("warmup_days", 0 <= self.warmup_days < self.days, f"in [0, days={self.days:g})"),
+                ("resize", self.resize in RESIZE_MODES, f"one of {RESIZE_MODES}"),
+                ("scaling_exponent", 0 < self.scaling_exponent <= 1, "in (0, 1]"),
+                ("failure_rate_per_gpu_hour", self.failure_rate_per_gpu_hour >= 0, ">= 0"),
+                ("sched_period_s", self.sched_period_s >= 0, ">= 0")):
+            if not ok:
+                v = getattr(self, name)
+                raise ValueError(f"SimConfig.{name} must be {want}, got {v!r}")
 
     @property
     def end_s(self) -> float:

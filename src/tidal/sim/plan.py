@@ -4,12 +4,14 @@ for (the columns: docs/simulator.md and the text ``tidal plan`` prints under its
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from tidal.policy.loan import LoanContext, LoanTiming, TidalPolicy
 from tidal.sim.config import sim_timing
+from tidal.sim.report import pyplot, save_figure
 
 
 def plan_report(demand: np.ndarray, step_s: float, serving_gpus: int, *, risk: float = 0.005,
@@ -122,12 +124,8 @@ def render_plan(rep: dict[str, Any], console: Any) -> None:
     )
 
 
-def plot_plan(rep: dict[str, Any], path: str) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot_plan(rep: dict[str, Any], path: str) -> Path:
+    plt = pyplot()
     rows = rep["by_hour"]
     h = np.array([r["hour"] for r in rows])
     fig, ax = plt.subplots(figsize=(12.5, 4.5))
@@ -146,7 +144,4 @@ def plot_plan(rep: dict[str, Any], path: str) -> str:
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.set_title(f"idle {rep['idle_gpu_hours_per_day']:.0f} GPU-h/day; lead time {rep['lead_time_s']:g} s",
                  fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(plt, fig, path)

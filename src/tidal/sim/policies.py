@@ -76,9 +76,8 @@ def build(spec: PolicySpec, config: SimConfig, step_s: float, demand: np.ndarray
     """The loan policy object for ``spec`` (``None`` for ``none``); see the module docstring."""
     timing = config.timing
     knob = knob_of(spec, config.serving_gpus)
-    if spec.name == "none" or knob is None:
+    if spec.name == "none" or knob is None:  # (every policy but none has one: default_knob)
         return None
-    assert knob is not None  # every policy but none has one (default_knob)
     if spec.name == "tidal":
         return TidalPolicy.build(float(knob), step_s, timing, horizon_s=None)
     horizon = timing.horizon_s(step_s)

@@ -14,21 +14,14 @@ import numpy as np
 
 from tidal.sim.metrics import METRIC_KEYS
 
-TABLE_COLUMNS = (("harvest_ratio", "harvest", "{:.3f}"),
-                 ("x_oracle", "× oracle", "{:.3f}"),
-                 ("harvested_gpu_hours", "harvested GPU-h", "{:,.0f}"),
-                 ("loaned_gpu_hours", "loaned GPU-h", "{:,.0f}"),
-                 ("shortfall_ratio", "shortfall", "{:.4f}"),
-                 ("reclaims", "reclaims", "{:,}"),
-                 ("lost_gpu_hours", "lost GPU-h", "{:,.1f}"),
-                 ("pool_goodput", "goodput", "{:.3f}"),
-                 ("ettr_mean", "ETTR", "{:.3f}"),
-                 ("ettr_p10", "ETTR p10", "{:.3f}"),
-                 ("jain_fairness", "Jain", "{:.3f}"),
-                 ("mean_queue_s", "queue s", "{:,.0f}"),
-                 ("mean_jct_s", "JCT s", "{:,.0f}"),
-                 ("decision_p99_ms", "p99 ms", "{:.1f}"),
-                 ("wall_s", "wall s", "{:.1f}"))
+TABLE_COLUMNS = (
+    ("harvest_ratio", "harvest", "{:.3f}"), ("x_oracle", "× oracle", "{:.3f}"),
+    ("harvested_gpu_hours", "harvested GPU-h", "{:,.0f}"), ("loaned_gpu_hours", "loaned GPU-h", "{:,.0f}"),
+    ("shortfall_ratio", "shortfall", "{:.4f}"), ("reclaims", "reclaims", "{:,}"),
+    ("lost_gpu_hours", "lost GPU-h", "{:,.1f}"), ("pool_goodput", "goodput", "{:.3f}"),
+    ("ettr_mean", "ETTR", "{:.3f}"), ("ettr_p10", "ETTR p10", "{:.3f}"), ("jain_fairness", "Jain", "{:.3f}"),
+    ("mean_queue_s", "queue s", "{:,.0f}"), ("mean_jct_s", "JCT s", "{:,.0f}"),
+    ("decision_p99_ms", "p99 ms", "{:.1f}"), ("wall_s", "wall s", "{:.1f}"))
 
 
 def clean(x: Any) -> Any:
@@ -47,13 +40,9 @@ def clean(x: Any) -> Any:
 def with_oracle_ratio(results: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
     """Each result plus ``x_oracle`` (its harvested GPU-hours over the oracle's, when one ran)."""
     oracle = next((r for k, r in results.items() if k.split("[")[0] == "oracle"), None)
-    out = {}
-    for k, r in results.items():
-        r = dict(r)
-        o = oracle["harvested_gpu_hours"] if oracle else math.nan
-        r["x_oracle"] = r["harvested_gpu_hours"] / o if o and o > 0 else math.nan
-        out[k] = r
-    return out
+    o = oracle["harvested_gpu_hours"] if oracle else math.nan
+    return {k: {**r, "x_oracle": r["harvested_gpu_hours"] / o if o and o > 0 else math.nan}
+            for k, r in results.items()}
 
 
 def to_json(results: Mapping[str, Mapping[str, Any]]) -> str:
@@ -86,7 +75,7 @@ def render_table(results: Mapping[str, Mapping[str, Any]], console: Any, title: 
     console.print(t)
 
 
-def _plt() -> Any:
+def pyplot() -> Any:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -106,7 +95,7 @@ def plot_timeline(timelines: Mapping[str, Mapping[str, np.ndarray]], path: str |
                   start_day: float = 0.0, days: float = 2.0, title: str = "") -> Path:
     """One panel per policy over ``[start_day, start_day + days)``: demand, the plan's bound, serving
     capacity, lent and warming bands, training on loans. Returns the path written."""
-    plt = _plt()
+    plt = pyplot()
     names = [n for n, tl in timelines.items() if len(tl.get("t_s", ()))]
     if not names:
         raise ValueError("no timeline recorded (record_timeline=False?)")
@@ -145,13 +134,13 @@ def plot_timeline(timelines: Mapping[str, Mapping[str, np.ndarray]], path: str |
     axes[-1, 0].set_xlabel("day")
     if title:
         fig.suptitle(textwrap.fill(title, 120), fontsize=10)
-    return _save(plt, fig, path)
+    return save_figure(plt, fig, path)
 
 
 def plot_sweep(points: Sequence[Mapping[str, Any]], path: str | Path, *, budgets: Sequence[float] = (),
                title: str = "") -> Path:
     """Harvest ratio against shortfall ratio, one curve per policy across its knob."""
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 5.5))
     by: dict[str, list[Mapping[str, Any]]] = {}
     for p in points:
@@ -173,10 +162,10 @@ def plot_sweep(points: Sequence[Mapping[str, Any]], path: str | Path, *, budgets
     ax.legend()
     if title:
         ax.set_title(textwrap.fill(title, 90), fontsize=9)
-    return _save(plt, fig, path)
+    return save_figure(plt, fig, path)
 
 
-def _save(plt: Any, fig: Any, path: str | Path) -> Path:
+def save_figure(plt: Any, fig: Any, path: str | Path) -> Path:
     """Write ``fig`` to ``path`` (its layout tightened) and free it."""
     fig.tight_layout()
     path = Path(path)

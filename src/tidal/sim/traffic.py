@@ -8,31 +8,25 @@ from pathlib import Path
 import numpy as np
 
 from tidal.serving.requests import RequestModel
-from tidal.serving.requests import request_demand_gpus as request_demand_gpus_of
-from tidal.serving.traces import load_trace
+from tidal.serving.traces import Trace, load_trace
+
+
+def _trace(path: str | Path, step_s: float | None) -> Trace:
+    trace = load_trace(path).resample(step_s)
+    if 86400.0 % trace.step_s > 1e-6:
+        raise ValueError(f"{path}: the step ({trace.step_s:g} s) must divide a day (the forecast's period)")
+    return trace
 
 
 def demand_gpus(path: str | Path, serving_gpus: int,
                 step_s: float | None = None) -> tuple[np.ndarray, float, str]:
     """(demand per step in GPUs, step_s, trace name) for a pool of ``serving_gpus`` sized for the peak."""
-    trace = load_trace(path).resample(step_s)
-    load, gap, step = trace.load, trace.gap, trace.step_s
-    ok = load[~gap]
-    peak = float(ok.max()) if ok.size else 0.0
-    if peak <= 0:
-        raise ValueError(f"{path}: no positive load outside gaps; cannot size a serving pool")
-    d = serving_gpus * load / peak
-    d[gap] = np.nan
-    if 86400.0 % step > 1e-6:
-        raise ValueError(f"{path}: the step ({step:g} s) must divide a day (the forecast's period)")
-    return d, step, trace.name
+    trace = _trace(path, step_s)
+    return trace.demand_gpus(serving_gpus), trace.step_s, trace.name
 
 
 def request_demand_gpus(path: str | Path, model: RequestModel,
                         step_s: float | None = None) -> tuple[np.ndarray, float, str]:
     """As :func:`demand_gpus` for a trace of request rates: ``model.gpus(rate)`` per step (Erlang C)."""
-    trace = load_trace(path).resample(step_s)
-    load, gap, step = trace.load, trace.gap, trace.step_s
-    if 86400.0 % step > 1e-6:
-        raise ValueError(f"{path}: the step ({step:g} s) must divide a day (the forecast's period)")
-    return np.array(request_demand_gpus_of(load, gap, model)), step, trace.name
+    trace = _trace(path, step_s)
+    return np.array(trace.request_demand_gpus(model)), trace.step_s, trace.name

@@ -1,19 +1,8 @@
-"""Credentials of the checkpoint agents (standard library only).
-
-A plane that starts agents (``tidal up --executor ray --ckpt-agents``) keeps one secret **key**
-(:data:`KEY_FILE` in ``<state dir>/jobs``: 32 random bytes as hex, 0600, kept across restarts). Its
-agents get it from their environment (``TIDAL_CKPT_AGENT_KEY``: read, then the agent runs again without
-it, same pid, the key on a pipe, so ``/proc/<pid>/environ`` never shows it) or ``--key-file``, never on
-their command line. Each job gets a **token** for its namespace (``TIDAL_CKPT_AGENT_TOKEN``):
-``HMAC-SHA256(key, "tidal-ckpt-agent/job" NUL namespace)`` as hex, so no job can derive another's.
-Agents talk to each other, and the plane to them, with the **agent token** (HMAC of the key with
-another label), which every endpoint accepts. Requests carry ``Authorization: Bearer <token>``. Each job
-also gets its **checkpoint key** (``TIDAL_CKPT_KEY``, :func:`job_ckpt_key`, with any executor), which its
-manifests are signed and checked with (``tidal.ckpt.format.manifest``): the same for every attempt of
-the job, nothing to store, and no job can derive another's.
-
-An agent started without a key is open (every request is accepted), as one started by hand.
-"""
+"""Credentials of the checkpoint agents (standard library only): the plane's **key** (:data:`KEY_FILE`,
+0600), a job's **token** (HMAC of its namespace), the agents' own token (HMAC with another label), a
+job's **checkpoint key** (:func:`job_ckpt_key`), and the check an agent makes (:class:`Guard`).
+Requests carry ``Authorization: Bearer <token>``; an agent without a key accepts everything. How the
+key reaches the agents and who gets which token: docs/checkpoint.md, "Authentication"."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""``tidal ckpt agent``: run this node's checkpoint agent (the peer-memory tier) in the foreground.
-
-The command replaces itself with ``python -m tidal.ckpt.agent`` (same pid; no torch), whose ``server.main``
-defines the options: every argument, ``--help`` too, is handed over as is.
-"""
+"""``tidal ckpt agent``: becomes ``python -m tidal.ckpt.agent`` (same pid; no torch), whose ``server.main``
+defines the options: every argument, ``--help`` too, is handed over as is."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
 """The checkpoint agent's HTTP layer: one thread per connection, requests dispatched to a :class:`Router`
-(the agent, ``server.Agent.route``), errors as JSON, bodies streamed into files and files sent (with
-``Range``) without holding them in memory.
-
-Bounded against a client that holds what it opens: at most ``max_connections`` connections at once (one
-more is answered 503 and closed, with no thread); bodies go through a few :class:`Buffers` shared by all
-connections; a body is cut (408) when it pauses longer than ``grace_s`` or, after ``grace_s``, arrives
-slower than ``min_rate_bytes_per_s`` on average."""
+(``server.Agent.route``), errors as JSON, bodies streamed into files, files sent (with ``Range``).
+Bounded: ``max_connections`` at once (one more: 503), shared receive :class:`Buffers`, bodies cut (408)
+when they pause longer than ``grace_s`` or then arrive slower than ``min_rate_bytes_per_s``."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""Who is at the other end of a TCP connection from this node: the uid that owns the client's socket, read
-from the kernel's socket tables (``/proc/net/tcp``, ``/proc/net/tcp6``; Linux, same network namespace).
-
-The agent copies a file a client names (``copy_from``) only when that client's uid owns the file (or is
-root): the agent may read files its clients may not (it runs as root, or as a user that jobs of several
-users share), and must not read for them what they could not. None when the client is not on this node
-(or the tables cannot be read): then nothing is copied and the client sends the bytes.
-"""
+"""The uid owning the client end of a TCP connection from this node, from the kernel's socket tables
+(``/proc/net/tcp``, ``tcp6``): the agent copies a file a client names only when that uid owns it (or is
+root). None when the client is not on this node: then the client sends the bytes."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Run a checkpoint agent as a child process (tests, benchmarks, a single-machine launcher).
-
-The agent is its own process in its own session (as on a real node), so a test can ``kill`` it (SIGKILL:
-the node is gone) without touching anything else; ``stop`` is safe to call twice and after ``kill``.
-"""
+"""Run a checkpoint agent as a child process in its own session (tests, benchmarks, a single-machine
+launcher): ``kill`` is a lost node; ``stop`` is safe to call twice and after ``kill``."""
 
 from __future__ import annotations
 

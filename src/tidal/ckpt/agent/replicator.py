@@ -1,15 +1,10 @@
 """The agent's replicator: pushes everything this node's ranks hand the agent to its buddy agent.
 
-One thread does every push, in arrival order, so a *sync* request (a sidecar or the manifest) is
-answered only after every earlier object of the step reached the buddy. A handed-off data file
-(``Handoff``) is pushed straight from the staging slot before the local copy; a file copied in first is
-pushed *while* it is copied (``Growing``). When idle, every ``resync_s`` it pushes committed steps the
-buddy lacks, manifest last. It never deletes at the buddy on its own (only the job's removals are
-forwarded), so an agent restarted empty cannot wipe the only remaining copies.
-
-Buddy protocol (with the agent token when keyed, see ``auth``): ``GET /v1/replicas/<node>``, ``PUT`` /
-``DELETE /v1/replicas/<node>/<job>/<step>[/<name>]``; bodies are sent with ``sendfile``.
-"""
+One thread pushes in arrival order, so a *sync* request (a sidecar, the manifest) is answered only once
+every earlier object of the step is at the buddy. A ``Handoff`` is pushed from the staging slot before
+its local copy, a ``Growing`` file while it is copied in. When idle, every ``resync_s``, committed steps
+the buddy lacks are pushed, manifest last; it never deletes at the buddy on its own (only the job's
+removals are forwarded). Bodies go with ``sendfile`` to ``/v1/replicas/<node>/...``."""
 
 from __future__ import annotations
 
@@ -170,9 +165,8 @@ class Replicator:
         item = _Item("sync", job, step, name, fd, os.fstat(fd).st_size, done=done)
         self._put(item)
         if not done.wait(timeout_s):
-            raise HTTPError(
-                503, f"buddy {self.client.address} did not take step {step} within {timeout_s:.0f} s"
-            )
+            raise HTTPError(503, f"buddy {self.client.address} did not take step {step} within "
+                                 f"{timeout_s:.0f} s")
         if item.error is not None:
             raise HTTPError(503, f"buddy {self.client.address}: {item.error}")
 
@@ -281,9 +275,7 @@ class Replicator:
         if self._remote is None:
             assert self.client is not None
             doc = self.client.json("GET", f"/v1/replicas/{urllib.parse.quote(self.node, safe='')}")
-            self._remote = {
-                j: {int(s): dict(f) for s, f in steps.items()} for j, steps in doc["jobs"].items()
-            }
+            self._remote = {j: {int(s): dict(f) for s, f in st.items()} for j, st in doc["jobs"].items()}
             self.reachable = True
         return self._remote
 

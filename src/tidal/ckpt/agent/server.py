@@ -2,48 +2,9 @@
 
     tidal ckpt agent --listen 0.0.0.0:7070 --mem-dir /dev/shm/tidal-agent --buddy node2:7070
 
-One agent runs per node. The node's ranks talk to it through the peer tier (``peer.PeerTier``); every
-object they hand it is stored under the memory directory (``store``) and pushed to the *buddy* agent
-on another node. Restarted on the same directory, an agent takes up what it held (torn writes are
-dropped) and pushes its buddy whatever it lacks.
-
-HTTP API (JSON answers; ``<job>`` a peer tier's namespace, ``<step>`` ``step_<12 digits>``):
-
-    GET    /status                                  node, buddy, replication state, steps held
-    GET    /v1/jobs/<job>                           {"steps": {step: {"files": {name: size},
-                                                    "committed_unix_s"}}}
-    GET    /v1/jobs/<job>/<step>[/<name>]           one step's files, or the object (``Range: bytes=a-b``)
-    PUT    /v1/jobs/<job>/<step>/<name>[?sync=1]    store; replicate in the background, or (sync) answer
-                                                    once the buddy holds it and every earlier object
-    POST   /v1/jobs/<job>/<step>/<name>?copy_from=PATH&length=N[&hold=1]
-                                                    take N bytes of a staging slot. hold=1: 202 at once,
-                                                    push from the file, then copy it; the caller keeps the
-                                                    file unchanged until wait=copy answers
-    POST   /v1/jobs/<job>/<step>/<name>?wait=copy   answer once a held handoff no longer reads its file
-    DELETE /v1/jobs/<job>/<step>[/<name>]           remove from every tree here, and at the buddy
-    GET    /v1/replicas/<origin>                    what this agent holds for agent <origin>
-    PUT|DELETE /v1/replicas/<origin>/<job>/<step>[/<name>]
-
-**Authentication.** An agent given a key (``--key-file`` or ``TIDAL_CKPT_AGENT_KEY``, see ``auth``)
-answers ``/v1/jobs/<job>/...`` only with that namespace's token or the agent token, ``/v1/replicas/...``
-only with the agent token, and ``GET /status`` without its ``steps`` unless with the agent token; else
-403 with a one-line reason, before any body is read. Without a key every request is accepted.
-
-A ``manifest.json`` PUT (the commit) is refused with 409 when a data file of a rank whose sidecar
-this agent holds is missing or of the wrong size, and with 503 when the buddy cannot take it or a
-data file is neither at the buddy nor copied here yet (the upload queue retries). ``copy_from`` must
-lie under an allowed root (``--allow-copy-from``; default ``$TIDAL_SHM_DIR/tidal``) and be a regular
-file owned by the uid of the client's socket on this node (``peercred``: the agent never reads for a
-client what the client could not), else 403 and the client sends the bytes instead.
-
-Bounds (``handler``): at most ``--max-connections`` connections at once, bodies received through
-buffers shared by all connections and cut when slower than ``--min-upload-rate``; the free space an
-upload or copy needs is promised to it while it runs, so concurrent ones cannot each pass the same
-check (507).
-
-Threads: one per connection, one per held handoff while it copies, and one replicator thread that
-pushes to the buddy in order and, every ``resync_s`` when idle, checks the buddy's copy.
-"""
+Objects are stored under the memory directory (``store``) and pushed to the buddy (``replicator``);
+the HTTP layer and its bounds are ``handler``, credentials ``auth``. The HTTP API, its refusals (403,
+409, 503, 507) and its threads are in docs/checkpoint.md, "Peer memory: checkpoint agents"."""
 
 from __future__ import annotations
 
@@ -175,17 +136,11 @@ class Agent:
         if not rest and method == "GET":
             steps = {str(s): i for s, i in self.store.job_index(job).items()}
             return h.send_json(200, {"job": job, "steps": steps})
-        step = parse_step(rest[0]) if rest else None
-        if step is None or len(rest) > 2:
-            raise HTTPError(404, f"no such endpoint: {method} {h.path}")
-        name = check_name(rest[1], "object") if len(rest) == 2 else None
+        step, name = self._target(h, method, rest)
         if method == "DELETE":
             with self._hlock:
                 self._cancel(job, step, name)
-                if name is None:
-                    removed = self.store.remove_step(job, step)
-                else:
-                    removed = self.store.remove_file(job, step, name)
+                removed = self.store.remove(job, step, name)
             self.replicator.forget(job, step, name)
             return h.send_json(200, {"removed": removed})
         if name is None:
@@ -206,6 +161,14 @@ class Agent:
         elif method == "POST" and query.get("wait") == "copy":
             return self._wait_copy(h, job, step, name)
         raise HTTPError(405, f"{method} not allowed on {h.path}")
+
+    @staticmethod
+    def _target(h: Handler, method: str, rest: list[str]) -> tuple[int, str | None]:
+        """``<step>[/<name>]`` of a request path; 404 when it is not that."""
+        step = parse_step(rest[0]) if rest else None
+        if step is None or len(rest) > 2:
+            raise HTTPError(404, f"no such endpoint: {method} {h.path}")
+        return step, check_name(rest[1], "object") if len(rest) == 2 else None
 
     def _authorize(self, h: Handler, job: str | None) -> None:
         """403 unless the request's token may touch ``job``'s steps (None: the agents' endpoints)."""
@@ -228,9 +191,8 @@ class Agent:
         with self._rlock:
             self._reserved -= n
 
-    def _put(
-        self, h: Handler, job: str, step: int, name: str, sync: bool, origin: str | None = None
-    ) -> None:
+    def _put(self, h: Handler, job: str, step: int, name: str, sync: bool,
+             origin: str | None = None) -> None:
         """Receive a file into the store (not ``write_atomic``: the bytes stream to the store's temporary
         name and go to the replicator before they are published)."""
         size = h.content_length()
@@ -264,9 +226,8 @@ class Agent:
             doc = json.loads(manifest.read_bytes())
             files, save_id = doc["files"], doc["save_id"]
         except (ValueError, KeyError, TypeError) as e:
-            raise HTTPError(
-                400, f"manifest of step {step} is not valid JSON with 'files' and 'save_id': {e}"
-            ) from None
+            raise HTTPError(400, f"manifest of step {step} is not valid JSON with 'files' and 'save_id': "
+                                 f"{e}") from None
         held = self.store.step_files(None, job, step)
         handoffs = self.step_handoffs(job, step)
         for f in files:
@@ -278,22 +239,17 @@ class Agent:
                 if ho.pushed == "":
                     continue  # whole at the buddy; the local copy from the (still held) slot follows
                 # No buddy, or the push failed: the commit needs the local copy.
-                if (
-                    ho.wait_copied(self.sync_timeout_s)
-                    and self.store.step_files(None, job, step).get(name) == size
-                ):
+                copied = ho.wait_copied(self.sync_timeout_s)
+                if copied and self.store.step_files(None, job, step).get(name) == size:
                     continue
                 if ho.copied is None:
-                    raise HTTPError(
-                        503,
-                        f"step {step}: data file {name} of rank {f['rank']} is still being copied "
-                        f"in and not at the buddy ({ho.pushed or 'pushing'}); try again",
-                    )
+                    raise HTTPError(503, f"step {step}: data file {name} of rank {f['rank']} is still being "
+                                         f"copied in and not at the buddy ({ho.pushed or 'pushing'}); try "
+                                         "again")
             why = f"its copy from the staging slot failed: {ho.copied}" if ho is not None and ho.copied else (
                 f"{held.get(name, 'missing')} bytes here")
-            raise HTTPError(
-                409, f"step {step}: data file {name} of rank {f['rank']} is {why}, manifest says {size}"
-            )
+            raise HTTPError(409, f"step {step}: data file {name} of rank {f['rank']} is {why}, manifest says "
+                                 f"{size}")
 
     def _copy_in(self, h: Handler, job: str, step: int, name: str, query: dict[str, str]) -> None:
         """``copy_from``: take a rank's data file from its staging slot. ``hold=1``: answer 202 at once,
@@ -397,19 +353,15 @@ class Agent:
                 raise HTTPError(404, f"{job}/{step_dirname(step)}/{name}: no handoff of it here")
             return h.send_json(200, {"copied": True, "error": None})
         if not ho.wait_copied(self.sync_timeout_s):
-            raise HTTPError(
-                503, f"{job}/{step_dirname(step)}/{name}: still copying after {self.sync_timeout_s:.0f} s"
-            )
+            raise HTTPError(503, f"{job}/{step_dirname(step)}/{name}: still copying after "
+                                 f"{self.sync_timeout_s:.0f} s")
         return h.send_json(200, {"copied": ho.copied == "" and not ho.cancelled, "error": ho.copied or None})
 
     def step_handoffs(self, job: str, step: int) -> dict[str, Handoff]:
         """Held handoffs of one step (in flight or ended recently), by data file name."""
         with self._hlock:
-            return {
-                n: ho
-                for (j, s, n), ho in self._handoffs.items()
-                if j == job and s == step and not ho.cancelled
-            }
+            return {n: ho for (j, s, n), ho in self._handoffs.items()
+                    if j == job and s == step and not ho.cancelled}
 
     def _cancel(self, job: str, step: int, name: str | None) -> None:
         """Under ``_hlock``: held handoffs of a removed step or object must not reappear when copied."""
@@ -419,24 +371,14 @@ class Agent:
     def _replica(self, h: Handler, method: str, parts: list[str], query: dict[str, str]) -> None:
         origin = check_name(parts[0], "origin")
         if len(parts) == 1 and method == "GET":
-            jobs = {
-                j: {str(s): f for s, f in steps.items()} for j, steps in self.store.tree_index(origin).items()
-            }
+            jobs = {j: {str(s): f for s, f in st.items()} for j, st in self.store.tree_index(origin).items()}
             return h.send_json(200, {"origin": origin, "jobs": jobs})
-        if len(parts) not in (3, 4):
-            raise HTTPError(404, f"no such endpoint: {method} {h.path}")
-        job, step = check_name(parts[1], "job"), parse_step(parts[2])
-        if step is None:
-            raise HTTPError(404, f"bad step {parts[2]!r}")
-        name = check_name(parts[3], "object") if len(parts) == 4 else None
+        job = check_name(parts[1], "job") if len(parts) > 1 else ""
+        step, name = self._target(h, method, parts[2:])
         if method == "PUT" and name is not None:
             return self._put(h, job, step, name, sync=False, origin=origin)
         if method == "DELETE":
-            if name is None:
-                removed = self.store.remove_step(job, step, origin=origin)
-            else:
-                removed = self.store.remove_file(job, step, name, origin=origin)
-            return h.send_json(200, {"removed": removed})
+            return h.send_json(200, {"removed": self.store.remove(job, step, name, origin=origin)})
         raise HTTPError(405, f"{method} not allowed on {h.path}")
 
 
@@ -507,9 +449,7 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"tidal ckpt agent {agent.node}: listening on http://{agent.address}, memory dir {agent.store.root}, "
         f"buddy {agent.buddy or 'none'}, {'tokens required' if key else 'open: no key, no authentication'}",
-        file=sys.stderr,
-        flush=True,
-    )
+        file=sys.stderr, flush=True)
     agent.serve_forever()
     agent.close()
 

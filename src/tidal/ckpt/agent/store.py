@@ -1,18 +1,11 @@
 """What a checkpoint agent holds: steps of jobs, in a memory directory, by origin node.
 
-Layout under the agent's memory directory (``--mem-dir``, normally under ``/dev/shm``)::
-
     <mem>/own/<job>/step_000000000120/<name>               # handed over by this node's ranks
     <mem>/replica/<origin>/<job>/step_000000000120/<name>  # pushed by the agent of node <origin>
 
-``<job>`` is a peer tier's namespace; ``<name>`` one object of a step, as in every other tier. A job's
-view of a step is the union over the trees (own first). Every write goes to a hidden temporary name
-(``.<name>.part-<random>``) and is renamed into place; hidden names are ignored by listings and
-removed when an agent starts on the directory again (torn writes of the previous run).
-
-No networking here. Thread-safe in the sense of the filesystem: concurrent writers of one name race,
-the last rename wins.
-"""
+A job's view of a step is the union over the trees (own first). Writes go to a hidden temporary name
+(``.<name>.part-<random>``) renamed into place; hidden names are not listed and are removed when an
+agent starts again. No networking; concurrent writers of one name race, the last rename wins."""
 
 from __future__ import annotations
 
@@ -34,9 +27,8 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,200}$")
 def check_name(value: str, what: str) -> str:
     """``value`` when it is a safe single path segment (letters, digits, ``._-``, not hidden)."""
     if not isinstance(value, str) or not _NAME.match(value):
-        raise ValueError(
-            f"{what} {value!r} is not a valid name (letters, digits, '.', '_', '-'; not starting with '.')"
-        )
+        raise ValueError(f"{what} {value!r} is not a valid name (letters, digits, '.', '_', '-'; not "
+                         "starting with '.')")
     return value
 
 
@@ -129,9 +121,7 @@ class Store:
     def job_index(self, job: str) -> dict[int, dict]:
         """Every step of ``job`` held in any tree (committed or not) with its ``step_info``."""
         check_name(job, "job")
-        steps = {
-            s for _, tree in self.trees() for d in _listdir(tree / job) if (s := parse_step(d)) is not None
-        }
+        steps = {s for _, t in self.trees() for d in _listdir(t / job) if (s := parse_step(d)) is not None}
         return {s: info for s in sorted(steps) if (info := self.step_info(job, s)) is not None}
 
     def tree_index(self, origin: str | None) -> dict[str, dict[int, dict[str, int]]]:
@@ -162,24 +152,17 @@ class Store:
         """The trees ``origin`` names: every tree (False), own (None) or one origin's replica."""
         return [o for o, _ in self.trees()] if origin is False else [origin]
 
-    def remove_file(self, job: str, step: int, name: str,
-                    origin: str | None | Literal[False] = False) -> bool:
-        """Remove ``name`` from every tree (``origin`` False) or from one; whether anything was removed."""
-        check_name(name, "object")
-        removed = False
-        for o in self._origins(origin):
-            with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-                os.unlink(self.step_dir(o, job, step) / name)
-                removed = True
-        return removed
-
-    def remove_step(self, job: str, step: int, origin: str | None | Literal[False] = False) -> bool:
-        """Remove a step from every tree (or one): manifests first, so it is never seen half-removed."""
+    def remove(self, job: str, step: int, name: str | None = None,
+               origin: str | None | Literal[False] = False) -> bool:
+        """Remove object ``name`` of a step, or (None) the whole step, manifests first so that it is never
+        seen half-removed, from every tree (``origin`` False) or one; whether anything was removed."""
         dirs = [self.step_dir(o, job, step) for o in self._origins(origin)]
-        present = [d for d in dirs if d.is_dir()]
-        for d in present:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(d / MANIFEST)
-        for d in present:
+        removed = False
+        for d in dirs:
+            with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+                os.unlink(d / (MANIFEST if name is None else check_name(name, "object")))
+                removed = True
+        for d in dirs if name is None else []:
+            removed = removed or d.is_dir()
             shutil.rmtree(d, ignore_errors=True)
-        return bool(present)
+        return removed

@@ -8,20 +8,10 @@ Call order (every rank calls the same methods in the same order)::
     cp.status()                # which tiers hold which steps; durable lag (also a JSON file)
     cp.close()                 # waits for everything pending, frees the slots
 
-Threads: ``save`` runs in the training thread. One persist thread (``persist``) checksums the slot and
-writes the *fast* tiers (shm: a hard link; directories: a write from the slot), then frees the slot.
-Each *slow* tier (S3, peer) has its own upload queue (``remote``), fed from the step's local copy, so
-a slow store never holds a slot; a peer tier's data file is handed to the node's agent before the slot
-is released. No background thread runs a collective, so none can deadlock with training's.
-
-The ``i``-th save (from 0) goes to each tier whose ``every`` divides ``i``; retention (``keep``) is per
-tier, applied by rank 0 after each commit there.
-
-Overlapped mode (``guard=optimizer``): ``save`` copies unguarded tensors at once and leaves parameters
-and optimizer state to a background copy; an optimizer step pre-hook blocks the next ``step()`` until
-it is done, so the committed step is exactly the state at ``save``. The caller promises that guarded
-tensors change only through ``optimizer.step()`` until then.
-"""
+Threads: ``save`` runs in the training thread; the persist thread (``persist``) writes the fast tiers,
+each slow tier has an upload queue (``remote``); no background thread runs a collective. Overlapped
+mode (``guard=optimizer``): guarded tensors are copied in the background and the optimizer's next
+``step()`` waits for that copy (docs/checkpoint.md, "Performance")."""
 
 from __future__ import annotations
 
@@ -33,6 +23,7 @@ import time
 import uuid
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -42,7 +33,7 @@ import tidal.ckpt.fence as fence
 from tidal.ckpt.engine import comm
 from tidal.ckpt.engine.handle import SaveHandle
 from tidal.ckpt.engine.persist import Persister, PersistJob
-from tidal.ckpt.engine.staging import Slot, StagingArea, shm_has_room
+from tidal.ckpt.engine.staging import Slot, shm_has_room
 from tidal.ckpt.engine.status import CheckpointStatus, Durability
 from tidal.ckpt.errors import StateError, TierSpecError
 from tidal.ckpt.format import manifest as mf
@@ -115,11 +106,11 @@ class Checkpointer:
         self.tiers: list[Tier] = [build(c, self.home, fsync=fsync) for c in self.tier_configs]
         for t in self.tiers:
             t.check()  # a typo or an unreachable store fails here, not hours later
-        self._config = {c.name: c for c in self.tier_configs}
+        # the shm tier keeps one step per staging slot
+        self._config = {c.name: replace(c, keep=slots) if c.kind == "shm" else c for c in self.tier_configs}
         local = [t for t in self.tiers if isinstance(t, DirTier)]  # the shm and dir tiers
         self.shm_tier: DirTier | None = next((t for t in local if t.kind == "shm"), None)
-        self._staging = StagingArea(slots, self.shm_tier.root / "slots" if self.shm_tier else None)
-        self._slot_steps: dict[int, int] = {}
+        self._slots = [Slot(i) for i in range(slots)]
         self._saves = 0
         self.status_path = self._status_path(status_path)
         self._durability = Durability(self.home, [self._tier_info(t) for t in self.tiers], self.status_path)
@@ -146,7 +137,8 @@ class Checkpointer:
         self._side_stream: Any = None  # CUDA: the stream of the overlapped mode's background copies
         self._host = socket.gethostname()
         self._guards = _as_list(guard)
-        self._hooks = [opt.register_step_pre_hook(self._pre_step_hook) for opt in self._guards]
+        # the next optimizer step waits for the background copy of what it changes
+        self._hooks = [opt.register_step_pre_hook(lambda *_: self.wait_staged()) for opt in self._guards]
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tidal-stage-r{self.rank}")
 
     def _fence(self) -> Any:
@@ -177,9 +169,8 @@ class Checkpointer:
 
     def _tier_info(self, t: Tier) -> dict:
         c = self._config[t.name]
-        keep = len(self._staging.slots) if t.kind == "shm" else c.keep
         return {"name": t.name, "kind": t.kind, "location": t.location, "durable": t.durable,
-                "every": c.every, "keep": keep}
+                "every": c.every, "keep": c.keep}
 
     # -- public API ----------------------------------------------------------------------------
     @property
@@ -204,7 +195,7 @@ class Checkpointer:
             raise
         index, self._saves = self._saves, self._saves + 1  # the same on every rank: _agree is collective
         handle = SaveHandle(step)
-        slot = self._staging.slots[slot_idx]
+        slot = self._slots[slot_idx]
         slot.free.wait()  # back-pressure: the save that used this slot is still persisting
         slot.free.clear()
         try:
@@ -215,12 +206,12 @@ class Checkpointer:
                     uncommitted.append(s)
             slot.linked.clear()
             rf = plan.files[self.rank]
-            shm_dir = self._staging.shm_dir if self.shm_tier is not None else None
+            shm_dir = self.shm_tier.root / "slots" if self.shm_tier is not None else None
             slot.allocate(rf, plan.fingerprint, shm_dir, {n: e.dtype for n, e in plan.entries.items()})
-            for idx, held in list(self._slot_steps.items()):  # a step saved again lives in this slot now
-                if held == step:
-                    del self._slot_steps[idx]
-            self._slot_steps[slot_idx] = step
+            for other in self._slots:  # a step saved again lives in this slot now
+                if other.step == step:
+                    other.step = -1
+            slot.step = step
             immediate, deferred = self._copies(rf, slot, tensors)
             _copy_all(immediate)
             objs = [(o.path, json.loads(json.dumps(o.value))) for o in objects] if self.rank == 0 else []
@@ -234,13 +225,12 @@ class Checkpointer:
         fast = [t for t in self.tiers  # (the fast tiers are the DirTiers)
                 if isinstance(t, DirTier) and t.fast and due(t) and (t is not self.shm_tier or use_shm_tier)]
         if self.shm_tier in fast:  # its commit hard-links this slot: remember which step it holds
-            for other in self._staging.slots:
+            for other in self._slots:
                 other.linked.discard(step)
             slot.linked.add(step)
         remote = [q for q in self._remote if due(q.tier)]
         job = PersistJob(step, save_id, plan, slot, deferred, objs, fast, remote, handle,
-                         shm_tier=self.shm_tier, slot_dir=self._staging.shm_dir,
-                         shm_keep=len(self._staging.slots), urgent=urgent,
+                         shm_tier=self.shm_tier, urgent=urgent,
                          shm_uncommitted=uncommitted,  # recorded in the status file off the stall path
                          key=self.key)
         for q in remote:
@@ -289,7 +279,8 @@ class Checkpointer:
         self._copier.shutdown(wait=True)
         for h in self._hooks:
             h.remove()
-        self._staging.close()
+        for s in self._slots:
+            s.release()
         self._persister.free()
 
     def __enter__(self) -> Checkpointer:
@@ -343,20 +334,21 @@ class Checkpointer:
     def _check_shm_room(self, plan: SavePlan) -> None:
         if self.shm_tier is None:
             return
-        need = plan.files[self.rank].size_bytes * len(self._staging.slots)
+        need = plan.files[self.rank].size_bytes * len(self._slots)
         if not shm_has_room(self.shm_tier.root, need):
             log.warning("node shared memory at %s lacks %.2f GiB for staging; using private memory and "
                         "skipping the shm tier", self.shm_tier.root, need / 2**30)
-            self._staging.close()
-            self._staging = StagingArea(len(self._staging.slots), None)
+            for s in self._slots:
+                s.release()
+            self._slots = [Slot(i) for i in range(len(self._slots))]
             self.shm_tier = None
 
     def _choose_slot(self) -> int:
         """Rank 0: the slot whose data is oldest (never the one holding the newest step)."""
         def newest(slot: Slot) -> tuple[int, int]:
-            return max([self._slot_steps.get(slot.index, -1), *slot.linked]), slot.index
+            return max([slot.step, *slot.linked]), slot.index
 
-        return min(self._staging.slots, key=newest).index
+        return min(self._slots, key=newest).index
 
     def _copies(self, rf, slot: Slot, tensors: list[TensorEntry]):
         by_name = {e.name: e for e in tensors}
@@ -382,9 +374,6 @@ class Checkpointer:
                     if isinstance(v, torch.Tensor):
                         out.add(_storage_ptr(v))
         return out
-
-    def _pre_step_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self.wait_staged()
 
     # -- background copy (overlapped mode) ------------------------------------------------------
     def _copy_deferred(self, job: PersistJob) -> None:

@@ -1,8 +1,5 @@
-"""The few collectives the engine needs, done with tensors and JSON (no pickle).
-
-All functions are collective over ``group`` and must be called by every rank in the same order,
-from the thread that drives training (never from the background pipeline).
-"""
+"""The few collectives the engine needs, with tensors and JSON (no pickle). Every rank calls them in the
+same order, from the thread that drives training (never from the background pipeline)."""
 
 from __future__ import annotations
 

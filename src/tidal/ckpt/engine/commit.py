@@ -1,15 +1,9 @@
 """The commit protocol, cleanup and retention, written once against ``protocol.Tier``.
 
-Commit protocol (same in every tier): every rank writes its data file and then a sidecar JSON with
-its checksums (``r<rank>-<save_id>.json``); rank 0 waits for all sidecars (``wait_sidecars``),
-merges them into ``manifest.json`` and writes it last (``commit``); the other ranks wait for that
-manifest (``wait_committed``). A step directory without a manifest is invisible and is removed by a
-later ``cleanup``. A rank that fails writes an error sidecar, and rank 0 a failure marker, so that
-nobody waits out the timeout for a step that cannot commit.
-
-These functions run on the checkpointer's background threads, never on the training thread, and
-never issue a collective: ranks meet only through the tier.
-"""
+Every rank writes its data file, then a sidecar (``r<rank>-<save_id>.json``: its checksums); rank 0
+waits for all sidecars and writes ``manifest.json`` last; the others wait for it. A step without a
+manifest is invisible and removed by a later ``cleanup``; a failing rank writes an error sidecar (rank
+0 a failure marker) so nobody waits out the timeout. Runs on background threads; no collective."""
 
 from __future__ import annotations
 
@@ -18,7 +12,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from tidal.ckpt.errors import FencedError, ManifestError, SaveError
 from tidal.ckpt.format import manifest as mf
@@ -42,24 +36,25 @@ def read_json(tier: Tier, step: int, name: str) -> dict | None:
     return doc if isinstance(doc, dict) else None
 
 
-def _sleep(delay: float, tier: Tier) -> float:
-    time.sleep(delay)
-    return min(delay * 2, tier.poll_s[1])
-
-
-def _check_cancel(cancel: threading.Event | None, tier: Tier, step: int) -> None:
-    if cancel is not None and cancel.is_set():
-        raise SaveError(f"step {step}: gave up waiting on tier '{tier.name}' (the checkpointer is closing)")
+def _polls(tier: Tier, step: int, timeout_s: float, cancel: threading.Event | None) -> Iterator[bool]:
+    """One item per poll of ``tier``, backing off up to ``tier.poll_s[1]``: whether ``timeout_s`` had
+    passed before it (the caller then gives up); SaveError once ``cancel`` is set."""
+    deadline, delay = time.monotonic() + timeout_s, tier.poll_s[0]
+    while True:
+        yield time.monotonic() > deadline
+        if cancel is not None and cancel.is_set():
+            raise SaveError(f"step {step}: gave up waiting on tier '{tier.name}' (the checkpointer is "
+                            "closing)")
+        time.sleep(delay)
+        delay = min(delay * 2, tier.poll_s[1])
 
 
 def wait_sidecars(tier: Tier, step: int, save_id: str, world: int, timeout_s: float,
                   cancel: threading.Event | None = None) -> list[dict]:
     """Rank 0: wait until every rank's sidecar for this save exists; return them by rank."""
-    deadline = time.monotonic() + timeout_s
     docs: dict[int, dict] = {}
     wanted = {sidecar_name(r, save_id): r for r in range(world)}
-    delay = tier.poll_s[0]
-    while True:
+    for late in _polls(tier, step, timeout_s, cancel):
         present = tier.list_files(step) if world > 1 else set(wanted)
         for name in present & wanted.keys():
             r = wanted[name]
@@ -69,26 +64,22 @@ def wait_sidecars(tier: Tier, step: int, save_id: str, world: int, timeout_s: fl
             if doc is None:
                 continue
             if doc.get("error"):
-                raise SaveError(
-                    f"step {step}: rank {r} failed to persist to tier '{tier.name}': {doc['error']}"
-                )
+                raise SaveError(f"step {step}: rank {r} failed to persist to tier '{tier.name}': "
+                                f"{doc['error']}")
             docs[r] = doc
         if len(docs) == world:
             return [docs[r] for r in range(world)]
-        if time.monotonic() > deadline:
+        if late:
             missing = [r for r in range(world) if r not in docs]
             raise SaveError(f"step {step}: ranks {missing} did not finish writing to tier '{tier.name}' "
                             f"within {timeout_s:.0f} s; the step stays uncommitted")
-        _check_cancel(cancel, tier, step)
-        delay = _sleep(delay, tier)
+    raise AssertionError("unreachable")
 
 
 def wait_committed(tier: Tier, step: int, save_id: str, timeout_s: float,
                    cancel: threading.Event | None = None) -> None:
     """Ranks other than 0: wait until rank 0 committed this save (or reported failure)."""
-    deadline = time.monotonic() + timeout_s
-    delay = tier.poll_s[0]
-    while True:
+    for late in _polls(tier, step, timeout_s, cancel):
         doc = read_json(tier, step, mf.MANIFEST)
         if doc is not None and doc.get("save_id") == save_id:
             return
@@ -97,10 +88,8 @@ def wait_committed(tier: Tier, step: int, save_id: str, timeout_s: float,
             if why.startswith(FENCED_MARK):  # rank 0 was fenced out: so is this rank (same attempt)
                 raise FencedError(why[len(FENCED_MARK):])
             raise SaveError(f"step {step}: commit to tier '{tier.name}' failed: {why}")
-        if time.monotonic() > deadline:
+        if late:
             raise SaveError(f"step {step}: not committed to tier '{tier.name}' within {timeout_s:.0f} s")
-        _check_cancel(cancel, tier, step)
-        delay = _sleep(delay, tier)
 
 
 def commit(tier: Tier, step: int, doc: dict, fence: Callable[[int], None] | None = None) -> None:

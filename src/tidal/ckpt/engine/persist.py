@@ -1,15 +1,9 @@
 """The persist thread: a staged slot → the fast tiers (committed), then the slow tiers' queues.
 
-Call order: the ``Checkpointer`` makes one :class:`Persister`; per save it registers the step
-(:meth:`Persister.begin`) before staging it, then hands the staged :class:`PersistJob` over with
-:meth:`Persister.submit`; :meth:`Persister.close` finishes every queued job. One thread runs the jobs
-in order: checksum the slot, write and commit each fast tier due (the first directory write overlaps
-the checksums), queue the step on each slow tier due, free the slot. Housekeeping after a commit
-(retention, stale slot files) waits for the next save's copy to end, or ``CLEANUP_IDLE_S``.
-
-Errors are recorded on the job's :class:`~tidal.ckpt.engine.handle.SaveHandle`; the thread keeps
-serving saves. It runs no collective.
-"""
+Call order: :meth:`Persister.begin` registers a step before it is staged, :meth:`Persister.submit`
+hands the staged :class:`PersistJob` over, :meth:`Persister.close` finishes every queued job. One
+thread runs the jobs in order (checksums overlapping the first directory write); housekeeping after a
+commit waits for the next save's copy, or ``CLEANUP_IDLE_S``. Errors go to the job's ``SaveHandle``."""
 
 from __future__ import annotations
 
@@ -24,7 +18,6 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -60,8 +53,6 @@ class PersistJob:
     remote: list[RemoteQueue]  # slow tiers due
     handle: SaveHandle
     shm_tier: DirTier | None  # the checkpointer's shm tier (its commit hard-links the slot)
-    slot_dir: Path | None  # where the slot files live (stale ones are dropped after a shm commit)
-    shm_keep: int  # steps the shm tier keeps: one per slot
     urgent: bool = False  # commit the shm tier before any directory write (a reclaim's final save)
     shm_uncommitted: list[int] = field(default_factory=list)  # shm steps this slot's re-use removed
     ready: Any = None  # CUDA: the event after which the deferred device-to-host copy may start
@@ -261,15 +252,14 @@ class Persister:
             commit.mark_failed(tier, step, sid, e)
             raise
         self._durability.committed(tier.name, step)
-        keep = job.shm_keep if tier is job.shm_tier else self._config[tier.name].keep
+        keep = self._config[tier.name].keep
 
         def clean(tier: DirTier = tier) -> None:  # busy: a save of that step is in flight
             self._durability.removed(tier.name, commit.cleanup(tier, keep, step, self.busy, self.lock))
 
         cleanups.append(clean)
         if tier is job.shm_tier:
-            slot_dir = job.slot_dir
-            cleanups.append(lambda: drop_stale_slots(slot_dir, job.plan.world_size))
+            cleanups.append(lambda: drop_stale_slots(tier.root / "slots", job.plan.world_size))
 
 
 def manifest(job: PersistJob, docs: list[dict]) -> dict:

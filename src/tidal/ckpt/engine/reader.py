@@ -1,12 +1,9 @@
 """Reading pieces of a step for ``load``: exact byte ranges, fastest tier first, with fallback.
 
-For each stored piece that overlaps what this rank needs, the intersection's bytes are runs inside
-the piece (``layout.byte_runs``), adjacent ones merged. In a version-2 step each range is widened to
-the whole checksum blocks it touches (``widen``), every block read is checked and the needed runs
-are cut out, so a partial read is verified like a whole one. A missing or truncated file, a checksum
-mismatch or an unreachable tier falls back to the next tier holding the step; an unreachable tier
-is skipped for the rest of the load. Version-1 steps are checked only where a piece is read whole.
-"""
+The bytes a rank needs of a piece are runs (``layout.byte_runs``), merged; in a version-2 step they
+are widened to whole checksum blocks (``widen``), every block read is checked and the runs cut out. A
+missing or truncated file, a bad block or an unreachable tier falls back to the next tier (an
+unreachable one is skipped for the rest of the load)."""
 
 from __future__ import annotations
 
@@ -146,11 +143,11 @@ class PieceReader:
                 self.stats.bytes_read += total
                 self.stats.bytes_by_tier[tier.name] = self.stats.bytes_by_tier.get(tier.name, 0) + total
             if blocks:
-                bad = _bad_block(mv, ranges, piece)
-                if bad is not None:
+                if bad := bad_blocks(mv, ranges, piece):
+                    span = piece.block_span(bad[0])
                     self._fallback(errors, f"{where}: checksum mismatch in tensor '{st.name}' piece at "
-                                           f"offsets {list(piece.box.offsets)}, block {bad} (bytes "
-                                           f"{piece.block_span(bad)[0]}..{sum(piece.block_span(bad))})")
+                                           f"offsets {list(piece.box.offsets)}, block {bad[0]} (bytes "
+                                           f"{span[0]}..{sum(span)})")
                     continue
             elif self.verify and whole and piece.crc32 is not None and zlib.crc32(mv) != piece.crc32:
                 self._fallback(errors, f"{where}: checksum mismatch in tensor '{st.name}' "
@@ -162,18 +159,18 @@ class PieceReader:
         raise CorruptionError("; ".join(errors) or f"tensor '{st.name}': no tier holds {piece.file}")
 
 
-def _bad_block(mv: memoryview, ranges: list[tuple[int, int]], piece: mf.StoredPiece) -> int | None:
-    """The first block in ``mv`` (``ranges`` of ``piece``, back to back) whose CRC-32 is wrong, or None."""
+def bad_blocks(mv: memoryview, ranges: Sequence[tuple[int, int]], piece: mf.StoredPiece) -> list[int]:
+    """The blocks of ``piece`` in ``mv`` (its block-aligned ``ranges``, back to back) whose CRC-32 differs."""
     assert piece.blocks is not None
-    block, pos = piece.block_bytes, 0
+    block, pos, bad = piece.block_bytes, 0, []
     for off, n in ranges:
         first = (off - piece.start) // block
         for k in range(-(-n // block)):
             m = min(block, n - k * block)
             if zlib.crc32(mv[pos + k * block : pos + k * block + m]) != piece.blocks[first + k]:
-                return first + k
+                bad.append(first + k)
         pos += n
-    return None
+    return bad
 
 
 def _cut(buf: torch.Tensor, ranges: list[tuple[int, int]], needed: list[tuple[int, int]],

@@ -1,13 +1,9 @@
 """Staging slots: reusable CPU buffers laid out as this rank's safetensors file.
 
-A save copies the state into a slot and returns; the persist thread then checksums the slot and
-writes it to the tiers, while the next save stages into the other slot (``save`` blocks only when
-both are busy: back-pressure). A slot is a file on ``/dev/shm`` hard-linked into the shm tier's step
-directory, so the copy the stall pays for is also the copy that survives a crash of the training
-process. Buffers are allocated and touched once per layout (page faults cost ~20x a warm copy), and
-pinned on a CUDA machine. Without shared memory a slot is an anonymous buffer and the shm tier is
-skipped.
-"""
+A save copies into a free slot (``save`` blocks only when every slot is busy); a slot is a file on
+``/dev/shm`` hard-linked into the shm tier's step directory, so the stall's copy survives a crash of
+the process. Buffers are touched once per layout and pinned on a CUDA machine; without shared memory a
+slot is an anonymous buffer and the shm tier is skipped."""
 
 from __future__ import annotations
 
@@ -34,6 +30,7 @@ class Slot:
         self.index = index
         self.free = threading.Event()
         self.free.set()
+        self.step = -1  # the step saved into it last
         self.path: Path | None = None  # the shm file, when shm-backed
         self.fingerprint: str | None = None
         self.size = 0
@@ -114,18 +111,6 @@ class Slot:
             self._mmap = None
 
 
-class StagingArea:
-    """The slots of one rank. Owned by a Checkpointer; used from its threads as documented there."""
-
-    def __init__(self, nslots: int, shm_dir: Path | None) -> None:
-        self.slots = [Slot(i) for i in range(nslots)]
-        self.shm_dir = shm_dir
-
-    def close(self) -> None:
-        for s in self.slots:
-            s.release()
-
-
 def shm_has_room(path: Path, need_bytes: int) -> bool:
     """Whether the filesystem at ``path`` has ``need_bytes`` free (with 10% headroom)."""
     try:
@@ -135,10 +120,8 @@ def shm_has_room(path: Path, need_bytes: int) -> bool:
     return st.f_bavail * st.f_frsize >= need_bytes * 1.1
 
 
-def drop_stale_slots(slot_dir: Path | None, world: int) -> None:
+def drop_stale_slots(slot_dir: Path, world: int) -> None:
     """Remove slot files of ranks beyond the current world that no step links to any more."""
-    if slot_dir is None:
-        return
     with contextlib.suppress(FileNotFoundError):
         for n in os.listdir(slot_dir):
             if n.startswith("r") and n[1:6].isdigit() and int(n[1:6]) >= world:

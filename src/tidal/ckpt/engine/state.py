@@ -1,13 +1,9 @@
-"""Turn ``(model, optimizer)`` into a checkpointable state dict and back.
-
-Built on ``torch.distributed.checkpoint.state_dict``, which names parameters under DDP, FSDP2 and
-tensor parallelism, keeps sharded tensors as ``DTensor`` (nothing is gathered), and initialises a
-fresh optimizer's state so it can be loaded into.
+"""``(model, optimizer)`` ↔ a checkpointable state dict, through ``torch.distributed.checkpoint.state_dict``
+(DDP, FSDP2 and tensor-parallel names; sharded tensors stay ``DTensor``)::
 
     state = training_state(model, optimizer, extra={"step": 0})
     ckpt.load(url, state)                # fills the tensors in place
-    apply_training_state(model, optimizer, state)
-"""
+    apply_training_state(model, optimizer, state)"""
 
 from __future__ import annotations
 

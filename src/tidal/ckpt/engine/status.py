@@ -1,14 +1,8 @@
 """Durability status as data: which tiers hold which committed steps, and how far behind each is.
 
-The checkpointer keeps one ``Durability`` record, updated by its background threads; ``snapshot()``
-turns it into a ``CheckpointStatus`` (frozen dataclasses, JSON via ``to_dict``: format
-``tidal-ckpt-status``). Rank 0 also writes it atomically to a JSON file after every change, so a
-scheduler on the node can read it without talking to the training process.
-
-*Durable* means held by a non-shm tier. ``durable_age_s`` is the age of the newest durable step when
-the file was written (readers with a clock: ``now - newest_durable_unix_s``); ``durable_lag_steps``
-counts committed steps newer than it.
-"""
+``Durability`` is updated by the checkpointer's threads; ``snapshot()`` gives a ``CheckpointStatus``
+(JSON via ``to_dict``, format ``tidal-ckpt-status``), which rank 0 also writes atomically to a file
+after every change. *Durable*: held by a non-shm tier (docs/checkpoint.md, "Durability status")."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""Turn a nested training state into flat entries, and describe each tensor as a box.
-
-A state is a nested ``dict`` (string or int keys; lists are walked by index) whose leaves are
-``torch.Tensor``, ``DTensor``, :class:`LocalShard`, or JSON-able values (numbers, strings, bools,
-``None``, and lists/dicts of those). Tensors are addressed by their *path* (the keys from the root);
-their display name joins the path with ``/``.
-"""
+"""A nested training state (dicts, lists; leaves ``torch.Tensor``, ``DTensor``, :class:`LocalShard` or
+JSON-able values) as flat entries addressed by *path*, each tensor described as a box."""
 
 from __future__ import annotations
 

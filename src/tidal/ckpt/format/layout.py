@@ -1,14 +1,11 @@
 """Layout math: boxes, intersections and byte runs. Pure: no I/O, no torch.
 
-Every tensor in a checkpoint is described globally (dtype, global shape). Each piece a rank holds
-is a *box*: per-dimension ``offsets`` and ``lengths`` into the global tensor. Saving records boxes;
-loading intersects the box each new rank needs with the boxes on storage and reads exactly the byte
-ranges that cover the intersection. Pieces are stored C-contiguously (row-major), so the bytes of
-a sub-box are a set of equally long contiguous *runs*.
-"""
+A piece is a *box* (per-dimension ``offsets`` and ``lengths``) of a global tensor, stored C-contiguously,
+so the bytes of a sub-box are equally long contiguous *runs*."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -29,12 +26,9 @@ class Box:
             raise ValueError(f"box offsets {self.offsets} / lengths {self.lengths} must be >= 0")
 
     @staticmethod
-    def whole(shape: Sequence[int]) -> Box:
-        key = tuple(shape)
-        box = _WHOLE.get(key)
-        if box is None:  # cached: every save describes every replicated tensor as a whole box
-            box = _WHOLE[key] = Box(tuple(0 for _ in key), tuple(int(s) for s in key))
-        return box
+    @functools.cache  # every save describes every replicated tensor as a whole box
+    def whole(shape: tuple[int, ...]) -> Box:
+        return Box(tuple(0 for _ in shape), tuple(int(s) for s in shape))
 
     @property
     def ndim(self) -> int:
@@ -54,9 +48,6 @@ class Box:
     def relative_to(self, outer: Box) -> Box:
         """This box in the coordinates of ``outer`` (which must contain it)."""
         return Box(tuple(o - p for o, p in zip(self.offsets, outer.offsets, strict=True)), self.lengths)
-
-
-_WHOLE: dict[tuple, Box] = {}
 
 
 def intersect(a: Box, b: Box) -> Box | None:

@@ -1,25 +1,15 @@
 """The manifest: one JSON document per committed step that describes everything in it.
 
-Layout of a checkpoint location (any tier)::
-
     <root>/step_000000000120/manifest.json          # written last, by rename: its presence = committed
     <root>/step_000000000120/r00000-<save_id>.safetensors
     <root>/step_000000000120/r00000-<save_id>.json  # per-rank sidecar (checksums), merged by rank 0
 
 ``manifest.json`` (version 2) lists the tensors with their pieces (box, file, absolute ``start`` byte,
 ``nbytes``, one CRC-32 per ``block_bytes`` block as base64 ``blocks``), the objects, the files (size,
-``header_crc32``), and ``checksum``: the SHA-256 of its canonical JSON without that field (see
-docs/checkpoint.md, "Integrity"). Version 1 (one ``crc32`` per piece, no ``checksum``) still loads.
-
-With a checkpoint key (:func:`checkpoint_key`: ``Checkpointer(key=)`` / ``load(key=)``, else
-``$TIDAL_CKPT_KEY``, which the control plane sets for each job) it also carries ``mac``: the
-HMAC-SHA256 of the same canonical JSON without ``checksum`` and ``mac``, which a load with a key checks
-(:func:`check_mac`). The checksums catch accidents, not a person: anyone who may write into a tier can
-write a step whose checksums hold; only a holder of the key can write its MAC.
-
-Parsing validates every field, with bounded JSON depth and integer sizes; every problem is a
-``ManifestError`` with a one-line message naming the manifest and the field.
-"""
+``header_crc32``), ``checksum`` (the SHA-256 of its canonical JSON without that field) and, written with
+a checkpoint key, ``mac`` (its HMAC-SHA256 without ``checksum`` and ``mac``). Version 1 (one ``crc32``
+per piece, no ``checksum``) still loads. Every field is validated, with bounded JSON depth and integer
+sizes; every problem is a one-line ``ManifestError`` naming the manifest and the field."""
 
 from __future__ import annotations
 
@@ -39,9 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tidal.ckpt.errors import ManifestError
+from tidal.ckpt.errors import ManifestError, UnsafeFileError
 from tidal.ckpt.format.layout import Box, check_tiling
-from tidal.ckpt.format.plan import ITEMSIZE, SavePlan
+from tidal.ckpt.format.plan import ITEMSIZE, EntryInfo, SavePlan
 from tidal.contract import ENV_CKPT_KEY
 
 FORMAT = "tidal-ckpt"
@@ -83,12 +73,7 @@ class StoredPiece:
 
 
 @dataclass(frozen=True)
-class StoredTensor:
-    name: str
-    path: tuple
-    dtype: str
-    shape: tuple[int, ...]
-    layout: str
+class StoredTensor(EntryInfo):
     pieces: tuple[StoredPiece, ...]
 
     @property
@@ -248,17 +233,19 @@ def verified_doc(data: bytes, where: str) -> dict:
     return doc
 
 
+def clip(s: str, limit: int = 60) -> str:
+    """``s``, cut to ``limit`` characters (the last one "…") when longer."""
+    return s if len(s) <= limit else s[: limit - 1] + "…"
+
+
 def _short(v: Any, limit: int = 60) -> str:
-    r = repr(v)
-    return r if len(r) <= limit else r[: limit - 1] + "…"
+    return clip(repr(v), limit)
 
 
 def _key(k: Any) -> str:
     """A JSON key for an error message: printable, short (a crafted key must not break the one line)."""
     s = str(k)
-    if not s.isprintable():
-        s = s.encode("unicode_escape").decode("ascii")
-    return s if len(s) <= 60 else s[:59] + "…"
+    return clip(s if s.isprintable() else s.encode("unicode_escape").decode("ascii"))
 
 
 def _check_form(doc: Any, where: str) -> None:
@@ -402,28 +389,23 @@ def _blocks(p: dict, nbytes: int, block: int, where: str) -> array:
 
 
 def read(step_dir: Path) -> Manifest:
+    """The checked manifest of a step directory (of step ``step_<12 digits>`` when it is so named)."""
     path = step_dir / MANIFEST
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise ManifestError(f"{path}: missing (step not committed)") from None
-    man = parse(data, str(path))
-    expected = parse_step_dirname(step_dir.name)
-    if expected is not None and man.step != expected:
-        raise ManifestError(f"{path}: field 'step' is {man.step} but the directory is step {expected} "
-                            "(edited or copied by hand?)")
-    return man
+    return read_object(path.read_bytes, str(path), parse_step_dirname(step_dir.name))
 
 
-def read_object(read_bytes: Callable[[], bytes], where: str, step: int) -> Manifest:
-    """The checked manifest of ``step`` from ``read_bytes()`` (its bytes, or FileNotFoundError)."""
+def read_object(read_bytes: Callable[[], bytes], where: str, step: int | None) -> Manifest:
+    """The checked manifest of ``step`` from ``read_bytes()`` (its bytes; FileNotFoundError when missing,
+    UnsafeFileError when refused)."""
     try:
         data = read_bytes()
     except FileNotFoundError:
         raise ManifestError(f"{where}: missing (step not committed)") from None
+    except UnsafeFileError as e:
+        raise ManifestError(str(e)) from None
     man = parse(data, where)
-    if man.step != step:
-        raise ManifestError(f"{where}: field 'step' is {man.step} but the object lies under step {step} "
+    if step is not None and man.step != step:
+        raise ManifestError(f"{where}: field 'step' is {man.step} but it lies under step {step} "
                             "(edited or copied by hand?)")
     return man
 

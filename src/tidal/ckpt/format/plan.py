@@ -1,18 +1,9 @@
 """Save planning: who writes which piece, and where each piece sits in its safetensors file. Pure.
 
-Every rank describes the pieces it holds (entry name, dtype, global shape, box). After those
-descriptions are exchanged, every rank runs :func:`make_plan` on the same input and gets the same
-plan, so no further coordination is needed:
-
-* pieces held by several ranks (replicas) are written once, by the holder with the fewest bytes
-  assigned so far, so replicated state is spread over the ranks;
-* each rank writes one safetensors file; the header is padded to ``DATA_ALIGN`` (64) bytes and the
-  pieces whose size is a multiple of 64 bytes come first, so each starts on a cache line (a copy into
-  a misaligned destination runs ~25 % slower); then the others by element size (8, 4, 2, 1 bytes), so
-  every piece is at least naturally aligned (safetensors allows no padding between tensors);
-* the file layout depends only on the pieces, never on the step, so a staging buffer laid out for
-  one save is reused by the next one.
-"""
+Every rank runs :func:`make_plan` on the same exchanged descriptions and gets the same plan. Replicas
+are written once, by the holder with the fewest bytes so far; each rank's file has its header padded to
+``DATA_ALIGN`` bytes, then the pieces whose size is a multiple of it, then the others by element size,
+so every piece is aligned. The layout depends only on the pieces, so a staging slot is reused."""
 
 from __future__ import annotations
 
@@ -79,6 +70,8 @@ class RankFile:
 
 @dataclass(frozen=True)
 class EntryInfo:
+    """One tensor entry, described globally (a stored one adds its pieces: ``manifest.StoredTensor``)."""
+
     name: str
     path: tuple
     dtype: str

@@ -1,27 +1,10 @@
 """Tier configuration: the tier list a ``Checkpointer`` persists through and ``load`` reads from.
 
-A tier list is ordered fastest first. Each entry is a string or a dict (or a ``TierSpec``)::
+    ["shm", {"url": "/local/nvme/run1", "keep": 2}, {"url": "s3://bucket/run1", "every": 5}]
 
-    ["shm", "/local/nvme/run1", "s3://bucket/run1"]
-    ["shm", {"url": "/local/nvme/run1", "keep": 2},
-            {"url": "s3://bucket/run1", "every": 5, "keep": 10, "part_size_bytes": 32 << 20}]
-
-* ``"shm"``: node shared memory (the staging slots themselves; one step per slot).
-* a directory: an absolute path, ``./relative``, ``~/...`` or ``file:///path`` (a bare word such as
-  ``"shmm"`` is refused: almost always a typo).
-* ``"s3://bucket/prefix"``: S3-compatible object storage (options in ``s3.OPTIONS``).
-* ``"peer"`` (or ``"peer://NAME"``): other nodes' memory, through this node's checkpoint agent
-  (options in ``peer.OPTIONS``). Its namespace is ``NAME``, else derived from the home, else
-  ``$TIDAL_JOB_ID``.
-
-``every``: persist to this tier on every ``every``-th save (the first save goes to every tier).
-``keep``: committed steps this tier retains (0 keeps all; default: the Checkpointer's ``keep``).
-``name``: the label in stats and status (default ``shm``, ``disk``, ``disk-2``, ``s3``, ...).
-
-The first directory or S3 tier is the job's *home* (else the first peer tier's ``peer://NAME``): it
-names the job's shared-memory directory and its namespace in the agents, so ``load(same_list)``
-finds the same shm and peer tiers the Checkpointer wrote.
-"""
+Entries, their options and the job's *home* (the first directory or S3 tier, else the first peer
+tier's ``peer://NAME``) are described in docs/checkpoint.md, "Tiers". Everything is checked here,
+and a malformed list is a ``TierSpecError`` naming the entry."""
 
 from __future__ import annotations
 

@@ -1,25 +1,9 @@
-"""Directory tiers and resolving a checkpoint location to its tiers, fastest first.
+"""Directory tiers (``"disk"``: a directory, fsynced; ``"shm"``: node shared memory, whose data files are
+hard links to the staging slots) and resolving a checkpoint location to its tiers, fastest first.
 
-* ``DirTier("disk", path)`` - a local or shared directory; data and manifests are fsynced.
-* ``DirTier("shm", /dev/shm/tidal/<name>-<hash>)`` - node shared memory: survives the training
-  process but not the node. Its data files are hard links to the staging slots, so staging a step
-  *is* writing it to this tier.
-
-Everything a tier creates is private to this user: directories 0700, files 0600, whatever the umask;
-files are written inside their step folder opened without following links. The shm tier's directories
-(``<shm>/tidal`` and the job's ``<name>-<hash>`` in it) must belong to this user (or root) and be
-writable by nobody else, checked before use (``files.owned_dir``): ``/dev/shm`` is writable by every
-user, and another user who created ``<shm>/tidal`` first could otherwise swap a job's folder for one
-holding a step it built. A ``Checkpointer`` refuses such a tier (``TierError``); a load skips it with a
-warning.
-
-Reading a directory tier never follows a link out of it: a step folder or file that is a symlink is
-refused (``O_NOFOLLOW``), and so is a file with more than one hard link, except, in the shm tier, a
-staging slot of this tier owned by this user. Refusals are ``UnsafeFileError`` (an ``OSError``), so
-a load falls back to the next tier as for any bad copy.
-
-Thread-safety: a tier object holds no mutable state; concurrent readers are fine.
-"""
+What a directory tier creates is private to this user; the shm tier's folders must be this user's
+(``files.owned_dir``); reads never follow a link out of the tier (``UnsafeFileError``, an ``OSError``,
+so a load falls back). Why: docs/checkpoint.md, "Integrity". A tier object holds no mutable state."""
 
 from __future__ import annotations
 
@@ -125,7 +109,6 @@ class DirTier:
             return set()
 
     def file_sizes(self, step: int) -> dict[str, int]:
-        """Object name -> size in bytes, for one step directory (empty when it does not exist)."""
         out = {}
         for n in self.list_files(step):
             with contextlib.suppress(FileNotFoundError):
@@ -136,14 +119,7 @@ class DirTier:
     def _open_safe(self, step: int, name: str) -> int:
         """An fd of file ``name`` of ``step``, opened without following a symlink (of the step folder
         or the file) and refused when it is not a plain file or is hard-linked from elsewhere."""
-        d = self.step_dir(step)
-        try:
-            dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-        except OSError as e:
-            if e.errno == errno.ELOOP or (e.errno == errno.ENOTDIR and os.path.islink(d)):
-                raise UnsafeFileError(f"{d}: the step folder is a symlink (refused: it may point out of "
-                                      f"tier '{self.name}')") from None
-            raise
+        d, dfd = self.step_dir(step), self._dir_fd(step)
         try:
             try:
                 fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dfd)
@@ -191,48 +167,35 @@ class DirTier:
 
     # -- small objects -----------------------------------------------------------------------------
     def read_bytes(self, step: int, name: str) -> bytes:
-        fd = self._open_safe(step, name)
-        try:
-            chunks: list[bytes] = []
-            while True:
-                b = os.read(fd, 1 << 20)
-                if not b:
-                    return b"".join(chunks)
-                chunks.append(b)
-        finally:
-            os.close(fd)
+        with os.fdopen(self._open_safe(step, name), "rb") as f:
+            return f.read()
 
     def write_bytes(self, step: int, name: str, data: bytes) -> None:
         self.write_file(step, name, memoryview(data))
 
     def read_manifest(self, step: int) -> mf.Manifest:
-        where = self.where(step, mf.MANIFEST)
-        try:
-            data = self.read_bytes(step, mf.MANIFEST)
-        except FileNotFoundError:
-            raise ManifestError(f"{where}: missing (step not committed)") from None
-        except UnsafeFileError as e:
-            raise ManifestError(str(e)) from None
-        man = mf.parse(data, where)
-        if man.step != step:
-            raise ManifestError(f"{where}: field 'step' is {man.step} but the directory is step {step} "
-                                "(edited or copied by hand?)")
-        return man
+        return mf.read_object(lambda: self.read_bytes(step, mf.MANIFEST), self.where(step, mf.MANIFEST), step)
 
     # -- data --------------------------------------------------------------------------------------
     def prepare_step(self, step: int) -> Path:
         return private_dirs(self.step_dir(step))
 
+    def _dir_fd(self, step: int) -> int:
+        """The step folder opened without following a link (``UnsafeFileError`` when it is one)."""
+        d = self.step_dir(step)
+        try:
+            return os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as e:
+            if e.errno == errno.ELOOP or (e.errno == errno.ENOTDIR and os.path.islink(d)):
+                raise UnsafeFileError(f"{d}: the step folder is a symlink (refused: it may point out of "
+                                      f"tier '{self.name}')") from None
+            raise
+
     @contextlib.contextmanager
     def _step_fd(self, step: int) -> Iterator[int]:
-        """The step folder (created 0700) opened without following a link: what is written goes in it."""
-        d = self.prepare_step(step)
-        try:
-            fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError as e:
-            if e.errno in (errno.ELOOP, errno.ENOTDIR):
-                raise UnsafeFileError(f"{d}: the step folder is a symlink (refused)") from None
-            raise
+        """The step folder, created 0700 and opened without following a link: what is written goes in it."""
+        self.prepare_step(step)
+        fd = self._dir_fd(step)
         try:
             yield fd
         finally:

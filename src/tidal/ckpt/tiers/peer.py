@@ -1,23 +1,10 @@
-"""The peer-memory tier: steps held in node memory by checkpoint agents and replicated to a buddy node.
+"""The peer-memory tier: steps held in node memory by checkpoint agents and replicated to a buddy.
 
-One agent runs per node (``tidal ckpt agent``, see ``agent``); ``PeerTier`` is the ``protocol.Tier`` a
-job uses to talk to them:
-
-* writes go to this node's agent (``agent``; default ``TIDAL_CKPT_AGENT``). A data file is *handed off*:
-  the agent reads the staging slot in ``/dev/shm`` itself (pushing it to its buddy first, then copying
-  it), while this rank holds the slot until ``wait_handoff``; or receives it over HTTP when it cannot
-  read the slot. Small objects (sidecars, the manifest) are written *in sync*: answered once the buddy
-  holds the object and every earlier one of the step. So a committed manifest means the whole step is
-  in two nodes' memory, and losing one node loses no committed step.
-* reads and listings see the union of the local agent, its buddy (from its ``/status``) and ``peers``
-  (default ``TIDAL_CKPT_PEERS``, comma-separated), with HTTP Range requests of exactly the needed bytes.
-* removal goes to every agent known; each agent also forwards it to its buddy.
-
-Agents with a key answer only the job's token (``TIDAL_CKPT_AGENT_TOKEN``) or the agent token (from
-``TIDAL_CKPT_AGENT_KEY``); see ``tidal.ckpt.agent.auth``. A refused request (403) is a ``TierError``
-naming the reason. Unreachable agents are skipped; ``TierError`` is raised only when none answers.
-Thread-safe: one kept-alive HTTP connection per thread and agent.
-"""
+``PeerTier`` writes to this node's agent (``agent``, default ``TIDAL_CKPT_AGENT``): data files are
+handed off (the agent reads the staging slot), small objects written in sync (answered once the buddy
+holds them). Reads and listings see the union of the local agent, its buddy and ``peers`` (default
+``TIDAL_CKPT_PEERS``), with HTTP Range requests; unreachable agents are skipped, ``TierError`` only when
+none answers (or one refuses: 403). Thread-safe. See docs/checkpoint.md, "Peer memory"."""
 
 from __future__ import annotations
 
@@ -30,7 +17,7 @@ import socket
 import threading
 import time
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from tidal.ckpt.agent.auth import agent_token, parse_key
@@ -186,9 +173,7 @@ def _error(status: int, data: Any, what: str) -> Exception:
     try:
         msg = json.loads(data)["error"]
     except Exception:
-        msg = (
-            bytes(data or b"")[:300].decode(errors="replace") if isinstance(data, (bytes, bytearray)) else ""
-        )
+        msg = bytes(data)[:300].decode(errors="replace") if isinstance(data, (bytes, bytearray)) else ""
     text = f"{what}: HTTP {status}: {msg}"
     if status == 404:
         return FileNotFoundError(2, text, what)
@@ -291,45 +276,40 @@ class PeerTier:
         clients = [self.client(a) for a in dict.fromkeys(order)]
         return sorted(clients, key=lambda c: c.failed_at is not None and now - c.failed_at < 30.0)
 
-    def _each(self, method: str, path: str) -> list[Any]:
-        """The JSON answer of every reachable agent that has ``path`` (404 answers are skipped)."""
-        out, errors, answered = [], [], 0
-        for c in self.agents():
-            try:
-                status, data = c.request(method, path)
-            except Unreachable as e:
-                errors.append(str(e))
-                continue
-            answered += 1
-            if status == 404:
-                continue
-            if status != 200:
-                raise _error(status, data, f"tier '{self.name}' ({c.address})")
-            out.append(json.loads(data))
-        if not answered:
-            raise TierError(
-                f"tier '{self.name}' ({self.location}): no agent answered: {'; '.join(errors)}; is "
-                f"`tidal ckpt agent` running? ({ENV_CKPT_AGENT}, {ENV_CKPT_PEERS})"
-            )
-        return out
-
-    def _first(self, path: str, where: str, agents: list[AgentClient] | None = None,
-               headers: dict | None = None, into: memoryview | None = None) -> tuple[AgentClient, int, Any]:
-        """(agent, status, body) of the first agent whose answer to GET ``path`` is not 404;
-        FileNotFoundError when every agent that answered said 404, TierError when none answered."""
+    def _answers(self, method: str, path: str, where: str, agents: list[AgentClient] | None = None,
+                 headers: dict | None = None,
+                 into: memoryview | None = None) -> Iterator[tuple[AgentClient, int, Any]]:
+        """(agent, status, body) of each agent whose answer to ``path`` is not 404, in order (see
+        ``AgentClient.request`` for ``into``); then TierError when no agent answered at all."""
         errors, answered = [], 0
         for c in self.agents() if agents is None else agents:
             try:
-                status, data = c.request("GET", path, headers=headers, into=into)
+                status, data = c.request(method, path, headers=headers, into=into)
             except Unreachable as e:
                 errors.append(str(e))
                 continue
             answered += 1
             if status != 404:
-                return c, status, data
-        if answered:
-            raise FileNotFoundError(2, f"{where}: not found in any agent", where)
-        raise TierError(f"tier '{self.name}' ({where}): no agent answered: {'; '.join(errors)}")
+                yield c, status, data
+        if not answered:
+            raise TierError(f"tier '{self.name}' ({where}): no agent answered: {'; '.join(errors)}; is "
+                            f"`tidal ckpt agent` running? ({ENV_CKPT_AGENT}, {ENV_CKPT_PEERS})")
+
+    def _each(self, method: str, path: str) -> list[Any]:
+        """The JSON answer of every reachable agent that has ``path``."""
+        out = []
+        for c, status, data in self._answers(method, path, self.location):
+            if status != 200:
+                raise _error(status, data, f"tier '{self.name}' ({c.address})")
+            out.append(json.loads(data))
+        return out
+
+    def _first(self, path: str, where: str, agents: list[AgentClient] | None = None,
+               headers: dict | None = None, into: memoryview | None = None) -> tuple[AgentClient, int, Any]:
+        """The first answer to GET ``path`` that is not 404; FileNotFoundError when every agent said 404."""
+        for answer in self._answers("GET", path, where, agents, headers, into):
+            return answer
+        raise FileNotFoundError(2, f"{where}: not found in any agent", where)
 
     # -- listing -----------------------------------------------------------------------------------
     def _index(self) -> dict[int, dict]:

@@ -1,23 +1,11 @@
 """The storage-tier protocol: what the checkpointer and the loader need from a place that holds steps.
 
-A tier stores named objects per step, ``<root>/step_<12 digits>/<name>`` (see ``manifest``): data
-files, per-rank sidecars and the manifest. Implementations: ``directory.DirTier`` (shm or a
-filesystem), ``s3.S3Tier`` and ``peer.PeerTier``. Optional abilities are protocols checked with
-``isinstance``: ``HandoffTier`` (take a data file before the staging slot is reused) and
-``DiscardTier`` (drop a handed-off file that will not be committed). The commit protocol, cleanup and
-retention (``commit``) and loading (``reader``) are written once against these protocols.
-
-Contract for implementations:
-
-* ``write_file`` / ``write_bytes`` are atomic: a reader sees the whole object or none of it
-  (a directory writes a temporary name and renames; S3 completes a (multipart) PUT).
-* ``step_files`` lists every step directory, committed or not, with the names in it; a step is
-  committed when ``manifest.json`` is among them.
-* ``read_bytes`` raises ``FileNotFoundError`` for a missing object and ``TierError`` (an
-  ``OSError``) when the tier cannot be reached; ``open_file`` readers raise the same, and
-  ``TruncatedRead`` when an object is shorter than a requested range.
-* Methods may be called from several threads at once.
-"""
+A tier stores named objects per step, ``<root>/step_<12 digits>/<name>`` (see ``manifest``).
+Implementations: ``directory.DirTier``, ``s3.S3Tier``, ``peer.PeerTier``; optional abilities are
+protocols checked with ``isinstance``. Contract: writes are atomic (a reader sees the whole object or
+none); a step is committed when ``manifest.json`` is among its objects; a missing object raises
+``FileNotFoundError``, an unreachable tier ``TierError`` (an ``OSError``), a range past an object's end
+``TruncatedRead``; methods may be called from several threads at once."""
 
 from __future__ import annotations
 
@@ -84,6 +72,9 @@ class Tier(Protocol):
 
     def list_files(self, step: int) -> set[str]:
         """Object names in one step directory (empty when it does not exist)."""
+
+    def file_sizes(self, step: int) -> dict[str, int]:
+        """Object name -> size in bytes, for one step directory (empty when it does not exist)."""
 
     # -- small objects ---------------------------------------------------------------------------
     def read_bytes(self, step: int, name: str) -> bytes: ...

@@ -1,22 +1,10 @@
 """Persisting to slow tiers (object storage, peer memory) from a queue of their own.
 
-A slot is reused only once the fast tiers are done with it, so a slow or unreachable store must not
-be written from the slot: each slow tier gets a ``RemoteQueue`` per rank, fed after the fast tiers
-committed a step, that uploads from the step's committed copy in a local directory tier (``mmap``),
-else from a private snapshot of the slot (one rank file of memory; at most one waits besides the one
-uploading). Snapshots borrow buffers from a ``SnapshotPool``, which keeps one for the next save
-(fresh memory costs ~5x the copy in page faults). A peer tier's data file is handed to its agent by
-the persist thread; its queue writes only the sidecar and the manifest.
-
-The queue uploads oldest first and retries with exponential backoff (``retry_s`` up to
-``retry_max_s``) while the store is unreachable; the status shows the backlog and the last error.
-Steps drop out of the backlog (their handles report it) when more than the tier's ``keep`` wait, or
-when retention removed their local copy first. Every upload is the ordinary commit protocol
-(manifest last); parts already written are not written again on retry. A rank that drops a step
-tells the others (error sidecar / failure marker), retrying until the store takes it.
-
-Threads: ``submit`` is called by the persist thread; one worker thread per queue does all I/O.
-"""
+Each slow tier gets a ``RemoteQueue`` per rank, fed after the fast tiers committed a step, uploading
+from the step's copy in a local directory tier (``mmap``), else from a private snapshot of the slot
+(``SnapshotPool``: reused buffers). Oldest first, retried with backoff, bounded by ``keep``; what it
+drops fails its handle and is told to the other ranks (docs/checkpoint.md, "Where each copy comes
+from"). Threads: ``submit`` from the persist thread; one worker thread per queue does all I/O."""
 
 from __future__ import annotations
 
@@ -124,7 +112,7 @@ class RemoteQueue:
     """Uploads steps to one slow tier in order, retrying, without holding staging slots."""
 
     def __init__(self, tier: Tier, cfg: TierConfig, *, rank: int, commit_timeout_s: float,
-                 fast_busy: Callable[[int], bool], lock: threading.Lock, durability: Durability | None,
+                 fast_busy: Callable[[int], bool], lock: threading.Lock, durability: Durability,
                  retry_s: float = 0.5, retry_max_s: float = 30.0,
                  fence: Callable[[int], None] | None = None) -> None:
         self.tier, self.cfg, self.rank = tier, cfg, rank
@@ -223,8 +211,7 @@ class RemoteQueue:
             except Exception as e:  # unreachable, throttled, refused: try again later
                 msg = f"{type(e).__name__}: {e}" if not isinstance(e, OSError) else str(e)
                 log.warning("tier '%s' step %d: %s; retrying in %.1f s", self.tier.name, up.step, msg, delay)
-                if self._status is not None:
-                    self._status.error(self.tier.name, msg)
+                self._status.error(self.tier.name, msg)
                 with self._cond:
                     self._active = None
                     if up.superseded is not None:
@@ -288,7 +275,7 @@ class RemoteQueue:
 
     def _done(self, up: Upload, error: BaseException | None) -> None:
         up.release_snapshot()
-        if error is None and self._status is not None:
+        if error is None:
             self._status.committed(self.tier.name, up.step)
         up.done(error)
         if error is not None or self.rank != 0:
@@ -299,8 +286,7 @@ class RemoteQueue:
         except Exception as e:  # best effort; the next commit cleans up again
             log.warning("tier '%s': cleanup after step %d failed: %s", self.tier.name, up.step, e)
             return
-        if self._status is not None:
-            self._status.removed(self.tier.name, removed)
+        self._status.removed(self.tier.name, removed)
 
     def _finish(self, up: Upload, why: str) -> None:
         """A step dropped from the backlog: tell the handle and (eventually) the other ranks."""
@@ -331,8 +317,6 @@ class RemoteQueue:
             self._owed[:0] = still
 
     def _report_backlog(self) -> None:
-        if self._status is None:
-            return
         with self._cond:  # (an RLock: backlog() takes it again)
             a = self._active
             steps, active = self.backlog(), (a.step if a is not None and a.superseded is None else None)

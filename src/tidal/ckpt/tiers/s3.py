@@ -1,19 +1,9 @@
 """The S3 tier: committed steps in S3-compatible object storage, through obstore.
 
-Layout mirrors the directory tiers under ``s3://bucket/prefix/`` (``step_<12 digits>/manifest.json``,
-PUT last: its presence = committed). obstore (Rust ``object_store``) takes the staging buffer without
-copying it; ``lab/s3_clients.py`` compares it with boto3.
-
-Credentials and endpoint come from the standard variables (``AWS_ACCESS_KEY_ID``,
-``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_ENDPOINT_URL``, ``AWS_REGION``), or from
-the tier's options (``endpoint``, ``region``); plain HTTP only when the endpoint URL says ``http://``.
-
-* writes: one PUT for small objects, a multipart upload (``part_size_bytes`` parts, ``concurrency``
-  at a time) for data files; either is atomic.
-* reads: ranged GETs of exactly the requested byte ranges, long ones split and fetched in parallel.
-* retries: each request is retried by the client with backoff (``retries`` times within
-  ``retry_timeout_s``); what still fails raises ``TierError``, and the upload queue retries later.
-"""
+The layout mirrors the directory tiers under ``s3://bucket/prefix/`` (manifest PUT last). Credentials
+and endpoint from the ``AWS_*`` variables or the tier's options (``OPTIONS``); writes are one PUT or a
+multipart upload, reads ranged GETs, each request retried by the client; what still fails raises
+``TierError`` (docs/checkpoint.md, "S3")."""
 
 from __future__ import annotations
 
