@@ -190,8 +190,7 @@ def _journal_twice(path: Path) -> int:
     for line in path.read_text().splitlines():
         d = json.loads(line)
         if d["op"] == "launch":
-            (twice.add if d["job"] in open_ and d.get("stop") is None else open_.add)(d["job"])
-            open_.add(d["job"])
+            (twice if d["job"] in open_ else open_).add(d["job"])
         elif d["op"] == "release":
             open_.discard(d["job"])
     return len(twice)
