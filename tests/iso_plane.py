@@ -29,15 +29,21 @@ def config(**iso) -> ControlConfig:
 
 @contextmanager
 def planes() -> Iterator[Callable[..., Plane]]:
-    """``make(**isolation)``: a plane with a state dir under a fresh 0711 directory in /tmp (other uids
-    pass through it; pytest's tmp dirs lie under a 0700 one); all are stopped and removed at the end."""
+    """``make(ray=None, **isolation)``: a plane with a state dir under a fresh 0711 directory in /tmp (other
+    uids pass through it; pytest's tmp dirs lie under a 0700 one), on the local executor, or with ``ray`` (the
+    ``ray_cluster`` fixture) the Ray executor on that cluster; all are stopped and removed at the end."""
     base = Path(tempfile.mkdtemp(prefix="tidal-iso-"))
     base.chmod(0o711)
     made: list[Plane] = []
 
-    def make(**iso) -> Plane:
+    def make(ray=None, **iso) -> Plane:
         iso.setdefault("shm_dir", str(base / "shm"))
-        p = build(base / "state", "2", None, config(**iso))
+        state = base / "state"
+        if ray is None:
+            p = build(state, "2", None, config(**iso))
+        else:
+            ray.state_roots.append(state / "jobs")  # its ranks killed at the cluster's end, whatever happens
+            p = build(state, "auto", None, config(**iso), executor="ray", ray_address=ray.address)
         p.controller.recover(time.time())
         made.append(p)
         return p
@@ -48,8 +54,9 @@ def planes() -> Iterator[Callable[..., Plane]]:
         for p in made:
             for job_id in list(p.executor._jobs):
                 p.executor.kill(job_id)
+                p.executor.release(job_id)
             p.store.close()
-            p.executor.close()  # this process is no longer a subreaper
+            p.executor.close()  # the local one: this process is no longer a subreaper
         shutil.rmtree(base, ignore_errors=True)
 
 

@@ -5,8 +5,9 @@ the admin token, the database, the other tenant's log, fence and progress, that 
 environment, and swaps its own log for a link to the token. Each must fail. The same script run with
 ``isolation: none`` reads the token (as root or as the plane's user alike): the probes do detect a leak.
 
-On the Ray executor ranks are not sandboxed (docs/control.md, Isolation on Ray); what holds there is
-tested in tests/test_ray_isolation.py.
+The same two runs on the Ray executor (the session's Ray cluster, tests/ray_cluster.py), whose rank
+actors start each rank in the same sandbox on its node; there, without ``uid_base``, a rank of a root
+plane stays root but holds no capability. What holds with uids on Ray: tests/test_ray_isolation.py.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import pytest
 
 from iso_plane import ROOT, planes, rank_log, run
 from tidal.control.auth import create_tenant
+from tidal.control.server import isolation_warning
 from tidal.control.spec import parse_spec
 from tidal.exec import procs
 
@@ -55,6 +57,7 @@ else
   echo "denied swap"
 fi
 echo own > "$HOME/own" && [ "$(cat "$HOME/own")" = own ] && echo "OWN home"
+grep CapEff /proc/self/status
 '''
 
 
@@ -104,17 +107,21 @@ def plane_factory(monkeypatch):
         yield make
 
 
-def test_a_sandboxed_job_reaches_nothing_of_the_plane_or_another_tenant(plane_factory):
-    plane = plane_factory()
-    hostile, log, token = _escape(plane)
+def _contained(plane, hostile: str, log: str, token: str) -> None:
     assert "OWN home" in log, log  # the probes themselves work
     assert "READ" not in log and token not in log and SECRET not in log, log
     assert VICTIM_SECRET not in log and CMDLINE_MARK not in log and "VICTIM-LOG-MARK" not in log
-    assert log.count("denied /proc/") >= 2 * 3  # the victim's shim-side pids and the plane's
+    assert log.count("denied /proc/") >= 2 * 3  # the victim's pids outside its sandbox and the plane's
     assert _procs(log) <= 6, log  # its own sandbox's init, shell, and the probe's pipeline
     assert "denied swap" in log
+    assert "CapEff:\t0000000000000000" in log, log  # as root: no capability left (its uid's, or dropped)
     log_file = Path(plane.executor.log_path(hostile, 0))
     assert log_file.is_file() and not log_file.is_symlink()
+
+
+def test_a_sandboxed_job_reaches_nothing_of_the_plane_or_another_tenant(plane_factory):
+    plane = plane_factory()
+    _contained(plane, *_escape(plane))
     if ROOT:  # a job runs as its tenant's own uid (default uid_base 200000)
         assert all(j.handle["uid"] >= 200000 for j in plane.store.jobs())
 
@@ -125,3 +132,31 @@ def test_the_same_escapes_succeed_without_the_sandbox(plane_factory):
     plane = plane_factory(mode="none")
     hostile, log, token = _escape(plane)
     assert Path(plane.executor.log_path(hostile, 0)).is_symlink() and log.strip() == token
+
+
+def test_a_sandboxed_job_on_ray_reaches_nothing_either(ray_cluster, plane_factory):
+    """The same job suite under the Ray executor: each rank sandboxed by its actor, on its node."""
+    plane = plane_factory(ray=ray_cluster)
+    hostile, log, token = _escape(plane)
+    _contained(plane, hostile, log, token)
+    assert all(j.handle["executor"] == "ray" and "uid" not in j.handle for j in plane.store.jobs())
+    warning = isolation_warning(plane.controller.config, executor=plane.executor)  # tidal up's, the banner's
+    assert warning is not None and "without isolation.uid_base" in warning
+
+
+def test_on_ray_the_same_escapes_succeed_without_the_sandbox(ray_cluster, plane_factory):
+    plane = plane_factory(ray=ray_cluster, mode="none")
+    hostile, log, token = _escape(plane)
+    assert Path(plane.executor.log_path(hostile, 0)).is_symlink() and log.strip() == token
+
+
+def test_a_ray_ranks_log_is_capped_as_a_local_ones(ray_cluster, plane_factory):
+    """``isolation.max_log_bytes`` holds on Ray too: the plane cuts the log (on the shared state dir)."""
+    plane = plane_factory(ray=ray_cluster, max_log_bytes=16 << 10)
+    create_tenant(plane.store, "alice", quota_gpus=1)
+    job = _submit(plane, "alice", "chatty", ["/bin/sh", "-c", "yes 0123456789abcdef | head -c 400000; "
+                                             "echo; echo LAST-LINE"])
+    run(plane, job)
+    log = rank_log(plane, job)
+    assert plane.store.job(job).state == "succeeded", log[-300:]
+    assert len(log) <= 16 << 10 and "bytes of this log were cut here" in log and log.endswith("LAST-LINE\n")

@@ -160,14 +160,20 @@ def test_a_log_the_job_swapped_for_a_link_or_a_fifo_is_never_read_through(tmp_pa
                                     FakeClock()))
         http = TestClient(app, raise_server_exceptions=False)
         h = {"Authorization": f"Bearer {token}"}
-        jid = http.post("/v1/jobs", json={**SPEC, "gpus": {"min": 1, "max": 3}}, headers=h).json()["id"]
+        jid = http.post("/v1/jobs", json={**SPEC, "gpus": {"min": 1, "max": 4}}, headers=h).json()["id"]
         (logs / f"{jid}-0.log").write_text("step 1\n")
         (logs / f"{jid}-1.log").symlink_to(tmp_path / "admin.token")
         os.mkfifo(logs / f"{jid}-2.log")
+        other = tmp_path / "another-tenants-file"  # owned by another uid: as root, a hard link to it
+        other.write_text((tmp_path / "admin.token").read_text())
+        if os.geteuid() == 0:
+            os.chown(other, 4242, -1)
+        os.link(other, logs / f"{jid}-3.log")
         r = http.get(f"/v1/jobs/{jid}/logs", params={"rank": 0}, headers=h)
         assert r.status_code == 200 and r.json()["data"] == "step 1\n"
         secret = (tmp_path / "admin.token").read_text().strip()
-        for rank in (1, 2):  # a link (to the admin token) and a FIFO (would block the reader)
+        # a link (to the admin token), a FIFO (would block the reader), a hard link to another uid's file
+        for rank in (1, 2, 3) if os.geteuid() == 0 else (1, 2):
             r = http.get(f"/v1/jobs/{jid}/logs", params={"rank": rank}, headers=h)
             assert r.status_code == 404 and "not a regular file" in r.json()["detail"], r.text
             assert secret not in r.text
@@ -647,7 +653,7 @@ def test_a_rank_log_is_capped_keeping_its_tail_and_readers_follow_the_cut(tmp_pa
     """A rank's output went to its log without a bound: a job printing in a loop filled the plane's
     disk. Past the cap the newest half stays, after a line saying what was cut, and the rank (which
     appends through the descriptor the plane handed it) goes on writing after it."""
-    from tidal.exec.local import cap_log
+    from tidal.exec.files import cap_log
 
     log = tmp_path / "rank-0.log"
     fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)  # as the plane opens it

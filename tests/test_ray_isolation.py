@@ -186,7 +186,9 @@ def test_a_hostile_job_on_ray_reads_nothing_as_its_own_uid(ray_cluster, monkeypa
         for p in (ex.home_dir(victim), ex.attempt_dir(victim, 1) / "progress", ex.job_dir(victim) / "ckpt",
                   shm):
             assert _mode(p) == (uid_v, 0o700), p
-        for p in (sd, sd / "jobs", ex.job_dir(victim), ex.attempt_dir(victim, 1), ex.shm_root, shm.parent):
+        for p in (sd, sd / "jobs", ex.job_dir(victim)):  # its sandbox binds its own directories
+            assert _mode(p) == (0, 0o700), p
+        for p in (ex.attempt_dir(victim, 1), ex.shm_root, shm.parent):
             assert _mode(p) == (0, 0o711), p
         assert _mode(Path(ex.log_path(victim, 0))) == (0, 0o600)
         assert _mode(sd / ADMIN_TOKEN_FILE) == (0, 0o600)
@@ -216,7 +218,7 @@ def test_a_hostile_job_on_ray_reads_nothing_as_its_own_uid(ray_cluster, monkeypa
         # The restart refused to follow the link (a chown of the state dir to bob), and closed the home again.
         job = plane.store.job(hostile)
         assert job.state == "failed" and "not a directory (refused)" in (job.message or ""), job.message
-        assert _mode(sd) == (0, 0o711) and _mode(sd / ADMIN_TOKEN_FILE) == (0, 0o600)
+        assert _mode(sd) == (0, 0o700) and _mode(sd / ADMIN_TOKEN_FILE) == (0, 0o600)
         assert _mode(ex.home_dir(hostile)) == (uid_h, 0o700)
         assert log.count("=== tidal: ") == 1  # attempt 2 never ran
     finally:
@@ -325,12 +327,20 @@ def test_workers_not_root_is_one_line():
     assert IsolationConfig.from_dict({"ray_open_cluster": True}).ray_open_cluster
     with pytest.raises(ValueError, match="isolation.ray_open_cluster must be true or false, got 'yes'"):
         IsolationConfig.from_dict({"ray_open_cluster": "yes"})
+    from tidal.control.config import ControlConfig
     from tidal.control.server import isolation_warning
 
     class Open:
         token_auth, uids = False, object()
 
     assert isolation_warning(None, executor=Open()) == open_cluster_warning()
+
+    class NoUids:
+        token_auth, uids = True, None
+
+    assert "without isolation.uid_base" in (isolation_warning(None, executor=NoUids()) or "")
+    off = isolation_warning(ControlConfig.from_dict({"isolation": "none"}), euid=0, executor=NoUids())
+    assert off is not None and "isolation is off" in off
     assert OPEN_OPTION in open_cluster_warning()
     assert verdict({"n1": 0, "n2": 0}, [], ["n1", "n2"]) is None
     msg = verdict({"n1": 0, "n2": 1000}, [], ["n1", "n2"])
@@ -340,3 +350,22 @@ def test_workers_not_root_is_one_line():
     assert msg is not None and msg.startswith("isolation.uid_base: no Ray worker answered on n2 within 60 s")
     for answers, late in [({}, ["n1", "n2"]), ({"n1": 5}, [])]:
         assert "\n" not in (verdict(answers, late, ["n1", "n2"]) or "-")
+
+
+def test_a_node_that_cannot_sandbox_is_one_line(tmp_path, monkeypatch):
+    """What a node answers at start (asked by a task pinned to it), and what ``tidal up`` makes of it."""
+    from tidal.exec.ray_checks import _sandbox_verdict, sandbox_verdict
+
+    if shutil.which("bwrap"):
+        assert _sandbox_verdict([str(tmp_path)]) is None
+        venv = tmp_path / "venv"
+        why = _sandbox_verdict([str(venv)])
+        assert why == f"{venv} is not there (tidal up's interpreter and code must be at the same paths)"
+    monkeypatch.setenv("PATH", str(tmp_path))  # no bwrap on this node
+    why = _sandbox_verdict([])
+    assert why is not None and why.startswith("the sandbox needs bwrap (apt-get install -y bubblewrap)")
+    msg = sandbox_verdict({"n1": None, "n2": why, "n3": why}, ["n1", "n2", "n3"])
+    assert msg == f"isolation: Ray node n2 cannot sandbox ranks (and on n3): {why}" and "\n" not in msg
+    assert sandbox_verdict({"n1": None}, ["n1"]) is None
+    late = sandbox_verdict({"n1": None}, ["n1", "n2"], timeout_s=60)
+    assert late == "isolation: no Ray worker answered on n2 within 60 s (asked whether it can sandbox ranks)"

@@ -174,11 +174,13 @@ def test_the_memory_cgroup_is_the_backstop_when_a_shim_was_killed(tmp_path):
 @pytest.mark.slow
 def test_nothing_a_rank_detaches_outlives_it_on_ray(ray_cluster, tmp_path):
     """On Ray: the rank actor reaps what its rank left when the rank exits by itself, and on release of a
-    running rank (``end`` before the actor is killed, whose death alone would leave them to init)."""
+    running rank (``end`` before the actor is killed, whose death alone would leave them to init).
+    Unsandboxed (the helpers' pids are the node's; a sandbox's PID namespace ends with its rank anyway)."""
     from tidal.exec.ray_exec import RayExecutor
 
     ray_cluster.state_roots.append(tmp_path / "jobs")
-    ex = RayExecutor(tmp_path / "jobs", address=ray_cluster.address, ready_timeout_s=60)
+    ex = RayExecutor(tmp_path / "jobs", address=ray_cluster.address, ready_timeout_s=60,
+                     isolation=UNSANDBOXED)
     files = {end: tmp_path / f"pids-{end}.json" for end in ("exit", "release")}
     for end, f in files.items():
         ex.launch(LaunchRequest(end, 1, (sys.executable, "-c", RANK), {"n1": 1},

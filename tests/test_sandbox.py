@@ -16,7 +16,7 @@ import pytest
 
 from tidal.control.config import ControlConfig
 from tidal.exec import procs, sandbox
-from tidal.exec.isolation import IsolationConfig
+from tidal.exec.isolation import IsolationConfig, make_dirs
 from tidal.exec.local import LocalExecutor
 from tidal.exec.protocol import LaunchRequest
 
@@ -119,7 +119,7 @@ def test_settings():
 def test_a_symlinked_checkpoint_parent_is_refused(tmp_path):
     (tmp_path / "link").symlink_to("/etc")
     with pytest.raises(OSError, match="symbolic link"):
-        sandbox.make_dirs([str(tmp_path / "link" / "new-ck")], None)
+        make_dirs([str(tmp_path / "link" / "new-ck")], None)
     assert not os.path.exists("/etc/new-ck")
 
 
@@ -143,3 +143,21 @@ def test_the_dashboard_shows_a_banner_when_isolation_is_off(tmp_path):
                                                headers={"Authorization": f"Bearer {admin}"})
         assert pool.status_code == 200
         assert (pool.json()["warning"] is not None and "isolation is off" in pool.json()["warning"]) == banner
+
+
+def test_tidal_up_says_first_that_isolation_is_off(tmp_path):
+    """A real ``tidal up`` with ``isolation: none``: its first line is the warning; without it, none."""
+    from plane_proc import Plane, wait_until
+
+    for config, warned in (("isolation: none\n", True), ("{}\n", False)):
+        (tmp_path / str(warned)).mkdir()
+        plane = Plane(tmp_path / str(warned), config)
+        try:
+            plane.start()
+            out = plane.outputs[-1]
+            wait_until("tidal up's first lines", lambda out=out: "dashboard:" in out.read_text(), 30)
+            first = out.read_text().splitlines()[0]
+            assert first.startswith("warning: isolation is off (isolation: {mode: none})") == warned, first
+            assert first.startswith("tidal up: http://") != warned, first
+        finally:
+            plane.stop()

@@ -314,12 +314,12 @@ def create_app(ctx: ApiContext) -> FastAPI:
         dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
         start = size = used = 0
         text = ""
-        try:  # the job owns its log directory: never read through a link it planted, nor a FIFO
-            f = open_plain(path) if path is not None else None
+        try:  # never through a link a job planted, nor a FIFO, nor a hard link to another's file
+            f = open_plain(path, owner=ctx.log_owner) if path is not None else None
         except FileNotFoundError:
             f = None
         except OSError as e:
-            raise HTTPException(404, f"job {job_id} rank {rank}: its log is not a regular file "
+            raise HTTPException(404, f"job {job_id} rank {rank}: its log is not a regular file of the plane "
                                 f"({e.strerror}); not read") from None
         if f is not None:
             with f:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,3 +41,6 @@ class ApiContext:
     """Per-tenant submission limits (None: none)."""
     warning: str | None = None
     """What the dashboard shows as a banner (isolation turned off: ``control.server.isolation_warning``)."""
+    log_owner: int | None = field(default_factory=os.geteuid)
+    """The uid that creates rank logs (the plane's; on Ray the workers' user: None, not checked); a log
+    owned by another (a hard link a job made to another's file) is not read."""

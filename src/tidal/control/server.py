@@ -95,20 +95,26 @@ class Plane:
                          serving=serving, loans=ctl.loans, locations=policy,
                          job_dir=getattr(self.executor, "job_dir", None),
                          warning=isolation_warning(cfg, executor=self.executor),
+                         log_owner=os.geteuid() if isinstance(self.executor, LocalExecutor) else None,
                          limits=SubmitLimits(cfg.submit_rate_per_s, cfg.submit_burst, cfg.max_queued_jobs))
         return create_app(ctx)
 
 
 def isolation_warning(config: ControlConfig | None, euid: int | None = None,
                       executor: object = None) -> str | None:
-    """One line when jobs are not sandboxed (``isolation: none``), saying what they can reach (as root
-    without ``uid_base``: every file), or when a Ray executor running jobs as their uids has no token
-    authentication; else None."""
+    """One line when isolation is weaker than the default: jobs not sandboxed (``isolation: none``), saying
+    what they can reach (as root without ``uid_base``: every file); on Ray, jobs as their uids on a cluster
+    without token authentication, or all tenants as the workers' one uid (no ``uid_base``); else None."""
     iso = config.isolation if config is not None else None
-    if getattr(executor, "token_auth", True) is False and getattr(executor, "uids", None) is not None:
+    ray = hasattr(executor, "token_auth")  # the Ray executor: whether its cluster authenticates clients
+    if ray and getattr(executor, "uids", None) is not None and not getattr(executor, "token_auth", True):
         from tidal.exec.ray_checks import open_cluster_warning
 
         return open_cluster_warning()
+    if ray and getattr(executor, "uids", None) is None and (iso is None or iso.sandboxed):
+        return ("warning: on Ray without isolation.uid_base every tenant's ranks run as the Ray workers' "
+                "user (each in its sandbox, without capabilities when that user is root); set uid_base to "
+                "run each tenant as its own uid (docs/control.md, Isolation on Ray)")
     if iso is None or iso.sandboxed:
         return None
     root = (os.geteuid() if euid is None else euid) == 0
@@ -119,13 +125,12 @@ def isolation_warning(config: ControlConfig | None, euid: int | None = None,
             "every process of the machine; remove it to sandbox each rank (docs/control.md, Isolation)")
 
 
-def secure_state_dir(state_dir: Path, config: ControlConfig | None, sandboxes: bool = True) -> None:
-    """The state dir 0700 (0711 when jobs run unsandboxed as their own uids, as the Ray executor's do:
-    they pass through to their own directories, never list or read anything else); its files 0600
-    (``tidal up`` runs with umask 077). ``sandboxes``: the executor sandboxes ranks (the local one)."""
+def secure_state_dir(state_dir: Path, config: ControlConfig | None) -> None:
+    """The state dir 0700 (0711 when jobs run unsandboxed as their own uids: they pass through to their own
+    directories, never list or read anything else); its files 0600 (``tidal up`` runs with umask 077)."""
     state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     iso = config.isolation if config is not None else None
-    through = iso is not None and iso.uid_base is not None and not (iso.sandboxed and sandboxes)
+    through = iso is not None and iso.uid_base is not None and not iso.sandboxed
     os.chmod(state_dir, 0o711 if through else 0o700)
     for name in ("tidal.db", "tidal.db-journal", "tidal.db-wal", "tidal.db-shm", ADMIN_TOKEN_FILE,
                  API_URL_FILE):
@@ -146,7 +151,7 @@ def build(state_dir: Path, gpus: str = "auto", db: str | None = None, config: Co
             "tidal up: --ckpt-agents needs --executor ray (on one machine run `tidal ckpt agent`)"
         )
     state_dir = Path(state_dir).resolve()
-    secure_state_dir(state_dir, config, executor == "local")
+    secure_state_dir(state_dir, config)
     loans = None
     if config is not None and config.serving is not None and config.serving.lends:
         try:
@@ -158,7 +163,7 @@ def build(state_dir: Path, gpus: str = "auto", db: str | None = None, config: Co
             config.scheduler, min_loan_left_s=loans.timing.min_loan_window_s))
     store = open_checked(state_dir, db or sqlite_url(str(state_dir / "tidal.db")))
     token, created = ensure_admin(store, state_dir, time.time())
-    secure_state_dir(state_dir, config, executor == "local")  # the database as created
+    secure_state_dir(state_dir, config)  # the database as created
     iso = config.isolation if config is not None else None
     try:  # the store closes with any refusal
         ex: LocalExecutor | RayExecutor | VirtualExecutor
@@ -252,7 +257,8 @@ def _ray_executor(state_dir: Path, gpus: str, store: Store, iso: IsolationConfig
             raise SystemExit("tidal up: --gpus N declares the GPUs of a Ray that tidal up starts; with "
                              "--ray-address the cluster's nodes say how many they have")
     executor = RayExecutor(state_dir / "jobs", address=address, num_gpus=num_gpus, isolation=iso,
-                           ckpt_agents=agents, serving_nodes=loans.nodes if loans is not None else None)
+                           ckpt_agents=agents, serving_nodes=loans.nodes if loans is not None else None,
+                           hidden=[state_dir])
     try:
         # a serving node the cluster lacks: one line now, not a loop failing later (unless the plane lent
         # before with these nodes: then it is a node lost, the loan step's to handle)

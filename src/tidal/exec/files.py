@@ -5,17 +5,27 @@ atomically), and settings and signals sent to a tracked attempt."""
 from __future__ import annotations
 
 import json
+import os
 import signal
+import stat
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from tidal import contract as c
 from tidal.ckpt.agent.auth import job_ckpt_key, load_or_create_key
+from tidal.exec import sandbox
 from tidal.exec.progress import ProgressReader
 from tidal.exec.protocol import LaunchRequest, Observation, RankState, check_ranks
 from tidal.files import read_plain, write_atomic
+
+
+class _ReadOnly(Protocol):
+    """What :meth:`AttemptDirs.binds` reads of the executor's ``IsolationConfig`` (which imports this)."""
+
+    @property
+    def read_only(self) -> tuple[str, ...]: ...
 
 
 def write_json(path: Path, doc: dict, owner: tuple[int, int] | None = None) -> None:
@@ -69,11 +79,39 @@ class Attempt:
         return Observation(self.job_id, self.attempt, self.launched_s, tuple(states), self.reader.read())
 
 
+def cap_log(path: str, max_bytes: int) -> int:
+    """Keep a rank's log under ``max_bytes`` (``isolation.max_log_bytes``): once it is larger, its newest
+    half (from a line start) moves to the front after one line saying how many bytes were cut there, in
+    place (the rank appends to the same file). Bytes the rank writes in the instant of the cut may be
+    lost. Returns the bytes cut (0: under the cap, or no log)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return 0
+    with open(fd, "r+b") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size <= max_bytes:
+            return 0
+        f.seek(st.st_size - max_bytes // 2)
+        tail = f.read(max_bytes // 2)
+        tail = tail[tail.find(b"\n") + 1:] if b"\n" in tail[:-1] else tail
+        tail += f.read()  # what the rank wrote meanwhile
+        cut = f.tell() - len(tail)
+        f.seek(0)
+        f.write(f"=== tidal: {cut} bytes of this log were cut here (the log is kept under "
+                f"{max_bytes} bytes: isolation.max_log_bytes) ===\n".encode() + tail)
+        f.truncate()
+    return cut
+
+
 class AttemptDirs:
     """The base of an executor: ``root`` and the tracked attempts; subclasses signal ranks (:meth:`_send`)."""
 
     root: Path
     _jobs: Mapping[str, Attempt]
+    isolation: _ReadOnly
+    hidden: list[str]  # what no rank sees (the jobs dir, the state dir), resolved
+    shm_root: Path | None  # the jobs' shared-memory directories (on Ray: per node below it)
 
     def job_dir(self, job_id: str) -> Path:
         return self.root / job_id
@@ -87,6 +125,22 @@ class AttemptDirs:
 
     def log_path(self, job_id: str, rank: int) -> str:
         return str(self.job_dir(job_id) / "logs" / f"rank-{rank}.log")
+
+    def binds(self, req: LaunchRequest, adir: Path, env: Mapping[str, str], cwd: str, shm: str | None,
+              gpu: bool) -> sandbox.Binds:
+        """What the sandbox of a rank of the attempt in ``adir`` binds (:mod:`tidal.exec.sandbox`): ``env``
+        its environment, ``cwd`` its working directory, ``shm`` its shared-memory directory."""
+        return sandbox.Binds(
+            named=sandbox.named(env, cwd, self.hidden),
+            hidden=(*self.hidden, *([str(self.shm_root)] if self.shm_root else [])), attempt=str(adir),
+            own=(str(self.home_dir(req.job_id)), *req.own_dirs, *req.take_over), shm=shm,
+            read_only=self.isolation.read_only, gpu=gpu)
+
+    def cap_logs(self, t: Attempt, max_bytes: int | None) -> None:
+        """Each rank's log of ``t`` under ``max_bytes`` (``isolation.max_log_bytes``; None: no cap)."""
+        if max_bytes is not None:
+            for k in t.ranks:
+                cap_log(self.log_path(t.job_id, k.rank), max_bytes)
 
     def attempt_env(self, req: LaunchRequest, adir: Path) -> dict[str, str]:
         """Tidal's variables of every rank of the attempt in ``adir`` (the job's checkpoint key too: the

@@ -1,18 +1,16 @@
 """How the executors isolate a job from the control plane and from other jobs (the ``isolation:`` block
 of ``tidal up --config``; docs/control.md, Isolation). ``isolation: none`` is ``{mode: none}``.
 
-Sandboxed (``mode: sandbox``, the default; :mod:`tidal.exec.sandbox`): each rank of the local executor
-sees only the system, its code and its own directories, in its own PID namespace; as root with uids
-(``uid_base`` by default a range of 65536 from 200000 chosen by the jobs dir); ``read_only``: more paths
-it may read. ``max_file_bytes`` and ``max_memory_bytes`` default to ``auto`` (:meth:`resolved`).
-
-Sandboxed (the default; :mod:`tidal.exec.sandbox`): each rank sees only the system, its code and its
-own directories, in its own PID namespace; as root with uids from ``uid_base`` (default 200000).
-Always: a clean environment (the job's ``env``, the platform's variables, the names in ``pass_env``;
-``HOME`` and ``TMPDIR`` in the job's private area), files and directories 0600/0700, no core dumps, a
-shared-memory directory per job freed after it ends. With ``uid_base`` (as root): every rank runs as an
-unprivileged uid/gid of its tenant or job, which owns the job's private area, progress, shm and default
-checkpoint directories (and what it takes over: :mod:`tidal.exec.handover`); the rest stays root's.
+Sandboxed (``mode: sandbox``, the default; :mod:`tidal.exec.sandbox`): each rank, on either executor,
+sees only the system, its code and its own directories, in its own PID namespace; on the local executor
+as root with uids (``uid_base`` by default a range of 65536 from 200000 chosen by the jobs dir; on Ray
+only when set); ``read_only``: more paths it may read. ``max_file_bytes`` and ``max_memory_bytes``
+default to ``auto`` (:meth:`resolved`). Always: a clean environment (the job's ``env``, the platform's
+variables, the names in ``pass_env``; ``HOME`` and ``TMPDIR`` in the job's private area), files and
+directories 0600/0700, no core dumps, a shared-memory directory per job freed after it ends. With
+``uid_base`` (as root): every rank runs as an unprivileged uid/gid of its tenant or job, which owns the
+job's private area, progress, shm and default checkpoint directories (and what it takes over:
+:mod:`tidal.exec.handover`); the rest stays root's.
 """
 
 from __future__ import annotations
@@ -22,7 +20,7 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from tidal.contract import LAUNCH_FILE, PROGRESS_DIRNAME, RAY_AUTH_TOKEN_ENV, attempt_dirname
 from tidal.exec.cgroups import MIN_MEMORY_BYTES
 from tidal.exec.files import read_json
+from tidal.exec.sandbox import named
 from tidal.files import write_atomic
 
 if TYPE_CHECKING:
@@ -231,15 +230,35 @@ def check_reachable(*dirs: Path) -> None:
 
 def prepare_attempt(root: Path, job_dir: Callable[[str], Path], attempt_dir: Path, home: Path,
                     req: LaunchRequest, owner: tuple[int, int] | None, uids: Uids | None,
-                    sandboxed: bool = False) -> None:
-    """Before an attempt's ranks start, on either executor: the job's directories (:func:`make_job_dirs`,
+                    hidden: Collection[str] | None = None) -> None:
+    """Before an attempt's ranks start, on either executor: sandboxed (``hidden``: what no rank sees), the
+    directories the job names elsewhere (:func:`make_dirs`); the job's directories (:func:`make_job_dirs`,
     with what it takes over from the ended jobs it resumes, :func:`ran_as`), then the fence of its
     checkpoint location, which is this attempt's from now on (:mod:`tidal.ckpt.fence`)."""
     from tidal.ckpt.fence import fence_launch
 
+    if hidden is not None:
+        cwd = req.workdir or str(home)
+        make_dirs([p for p in named(req.env, cwd, hidden) if p != cwd], owner)
     make_job_dirs(root, job_dir(req.job_id), attempt_dir, home, req.own_dirs, owner, req.take_over,
-                  ran_as(uids, ((j, job_dir(j)) for j in req.take_over_from)), sandboxed)
+                  ran_as(uids, ((j, job_dir(j)) for j in req.take_over_from)), hidden is not None)
     fence_launch(req.env, req.job_id, req.attempt, req.workdir or home)
+
+
+def make_dirs(paths: Iterable[str], owner: tuple[int, int] | None) -> None:
+    """Make the directories a job named that are not there yet (its checkpoint directories; one not there
+    cannot be bound), 0700, owned by its uid (``owner``) like the rest of its own; ``OSError`` for a path
+    whose existing part goes through a symbolic link (the plane follows none for a job)."""
+    for p in paths:
+        path = Path(p)
+        missing = [q for q in (path, *path.parents) if not os.path.lexists(q)]
+        if not missing or not path.is_absolute():
+            continue
+        base = missing[-1].parent
+        if os.path.realpath(base) != str(base):
+            raise OSError(f"{p}: {base} is reached through a symbolic link (refused)")
+        for d in reversed(missing):
+            private_dir(d, 0o700, owner)
 
 
 def make_job_dirs(root: Path, job_dir: Path, attempt_dir: Path, home: Path, own_dirs: Iterable[str],

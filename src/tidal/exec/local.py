@@ -10,7 +10,6 @@ import math
 import os
 import shutil
 import signal
-import stat
 import subprocess
 import sys
 import time
@@ -84,33 +83,10 @@ class _Tracked(Attempt):
     shim_ended: dict[int, int] = field(default_factory=dict)  # rank -> when its shim, a child, was seen ended
 
 
-def cap_log(path: str, max_bytes: int) -> int:
-    """Keep a rank's log under ``max_bytes`` (``isolation.max_log_bytes``): once it is larger, its newest
-    half (from a line start) moves to the front after one line saying how many bytes were cut there, in
-    place (the rank appends to the same file). Bytes the rank writes in the instant of the cut may be
-    lost. Returns the bytes cut (0: under the cap, or no log)."""
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return 0
-    with open(fd, "r+b") as f:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size <= max_bytes:
-            return 0
-        f.seek(st.st_size - max_bytes // 2)
-        tail = f.read(max_bytes // 2)
-        tail = tail[tail.find(b"\n") + 1:] if b"\n" in tail[:-1] else tail
-        tail += f.read()  # what the rank wrote meanwhile
-        cut = f.tell() - len(tail)
-        f.seek(0)
-        f.write(f"=== tidal: {cut} bytes of this log were cut here (the log is kept under "
-                f"{max_bytes} bytes: isolation.max_log_bytes) ===\n".encode() + tail)
-        f.truncate()
-    return cut
-
-
 class LocalExecutor(AttemptDirs):
     """Runs ranks as local processes. ``slots`` CPU slots, or the GPUs in ``gpu_ids``."""
+
+    isolation: IsolationConfig
 
     def __init__(self, root: str | os.PathLike, *, slots: int | None = None, gpu_ids: list[int] | None = None,
                  node: str = "local", python: str = sys.executable,
@@ -263,14 +239,10 @@ class LocalExecutor(AttemptDirs):
         return self.uids.owner(self.isolation.per, req.job_id, req.tenant) if self.uids is not None else None
 
     def _make_dirs(self, req: LaunchRequest, adir: Path, owner: tuple[int, int] | None) -> None:
-        """The job's directories and checkpoint fence (:func:`prepare_attempt`), and its shm directory;
-        sandboxed, first the directories it names that are not there yet (they must be, to be bound)."""
+        """The job's directories and checkpoint fence (:func:`prepare_attempt`), and its shm directory."""
         sandboxed = self.bwrap is not None
-        if sandboxed:
-            cwd = req.workdir or str(self.home_dir(req.job_id))
-            sandbox.make_dirs([p for p in self._named(req.env, cwd) if p != cwd], owner)
         prepare_attempt(self.root, self.job_dir, adir, self.home_dir(req.job_id), req, owner, self.uids,
-                        sandboxed)
+                        self.hidden if sandboxed else None)
         shm = self.shm_dir(req.job_id)
         if shm is not None and (c.ENV_SHM_DIR not in req.env or sandboxed):  # sandboxed: also its /dev/shm
             private_dir(shm.parent, 0o711 if owner and not sandboxed else 0o700)
@@ -299,26 +271,6 @@ class LocalExecutor(AttemptDirs):
         elif owner is not None:
             out += ["--uid", str(owner[0]), "--gid", str(owner[1])]
         return out
-
-    def _named(self, env: Mapping[str, str], cwd: str) -> list[str]:
-        """The directories a rank names, read-write in its sandbox: its working directory, checkpoint
-        directories and ``TIDAL_SHM_DIR``, except under :attr:`hidden` (there it has only its own)."""
-        named = [cwd, *sandbox.ckpt_dirs(env, cwd), env.get(c.ENV_SHM_DIR, "")]
-        return [p for p in named if p and not any(Path(p).resolve().is_relative_to(h) for h in self.hidden)]
-
-    def _sandboxed(self, req: LaunchRequest, adir: Path, env: Mapping[str, str], cwd: str,
-                   owner: tuple[int, int] | None) -> list[str]:
-        """The rank's command inside its sandbox (:mod:`tidal.exec.sandbox`)."""
-        assert self.bwrap is not None  # only when sandboxed
-        shm = self.shm_dir(req.job_id)
-        return sandbox.command(
-            self.bwrap, req.command, python=self.python, uid=owner[0] if owner else None,
-            gid=owner[1] if owner else None, cwd=cwd,
-            code=sandbox.code_paths(env, req.command, self.python, self.isolation.read_only),
-            named=self._named(env, cwd),
-            hidden=[*self.hidden, *([str(self.shm_root)] if self.shm_root else [])],
-            attempt=str(adir), own=[str(self.home_dir(req.job_id)), *req.own_dirs, *req.take_over],
-            shm=str(shm) if shm is not None else None, gpu=self.gpu)
 
     def shm_jobs(self) -> list[str]:
         """Jobs that have a shared-memory directory here."""
@@ -351,7 +303,10 @@ class LocalExecutor(AttemptDirs):
                       f"{time.strftime('%Y-%m-%d %H:%M:%S')} ===\n".encode())
             out.flush()
             cwd = req.workdir or str(self.home_dir(req.job_id))
-            cmd = list(req.command) if self.bwrap is None else self._sandboxed(req, adir, env, cwd, owner)
+            shm = str(self.shm_dir(req.job_id) or "") or None
+            cmd = list(req.command) if self.bwrap is None else sandbox.command(
+                self.bwrap, req.command, self.binds(req, adir, env, cwd, shm, self.gpu), env=env,
+                python=self.python, owner=owner, cwd=cwd)
             try:
                 p = subprocess.Popen([self.python, "-I", shim.__file__, str(adir / c.exit_file(r)),
                                       str(adir / c.pid_file(r)), *self._shim_options(owner, req, r), "--",
@@ -444,10 +399,9 @@ class LocalExecutor(AttemptDirs):
         for k in t.ranks:
             if k.rank not in t.codes and k.rank not in t.vanished:
                 self._poll_rank(t, k)
-            if self.isolation.max_log_bytes is not None:
-                cap_log(self.log_path(t.job_id, k.rank), self.isolation.max_log_bytes)
         if len(t.lost) > lost:  # a shim killed by another (OOM, kill -9): what it left ends now
             self._kill_orphans(t)
+        self.cap_logs(t, self.isolation.max_log_bytes)
         return t.observation()
 
     def _poll_rank(self, t: _Tracked, k: _Rank) -> None:

@@ -1,7 +1,8 @@
 """What ``tidal up --executor ray`` checks of the cluster at start, each a one-line ``ValueError``: that
-an address answers, and with ``isolation.uid_base`` that the cluster refuses clients without its token
-and that the Ray workers run as root on every node (a rank actor starts its rank as the job's uid; a
-node that joins later without root fails the rank's start with that reason in its log).
+an address answers, that every node can sandbox ranks (``isolation.mode: sandbox``), and with
+``isolation.uid_base`` that the cluster refuses clients without its token and that the Ray workers run
+as root on every node (a rank actor starts its rank as the job's uid; a node that joins later without
+root, or without bwrap, fails the rank's start with that reason in its log).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import os
 import socket
 import stat
+import subprocess
 from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
@@ -156,3 +158,43 @@ def check_serving(serving: Mapping[str, int], have: Mapping[str, int],
     if other:
         raise ValueError("serving.nodes: " + "; ".join(
             f"{n} has {g} GPUs there but {h} in the Ray cluster" for n, (g, h) in sorted(other.items())))
+
+
+def _sandbox_verdict(paths: list[str]) -> str | None:
+    """On the node: why a rank cannot be sandboxed here (no working ``bwrap``, or one of the plane's
+    ``paths`` missing: its interpreter and code must be at the same paths), or None."""
+    from tidal.exec.sandbox import find_bwrap
+
+    try:
+        find_bwrap()
+    except (OSError, ValueError, subprocess.SubprocessError) as e:
+        return str(e).removeprefix("isolation: ")
+    missing = [p for p in paths if not os.path.isdir(p)]
+    return f"{missing[0]} is not there (tidal up's interpreter and code must be at the same paths)" \
+        if missing else None
+
+
+def check_sandbox(ray: Any, nodes: Mapping[str, str], paths: list[str],
+                  timeout_s: float = CHECK_TIMEOUT_S) -> None:
+    """``ValueError`` in one line unless a worker on every node (name -> Ray node id) answers that it can
+    sandbox ranks (:func:`_sandbox_verdict` of ``paths``)."""
+    answers, _ = run_on_nodes(ray, nodes, _sandbox_verdict, {n: (list(paths),) for n in nodes},
+                              cancel_late=True, timeout_s=timeout_s)
+    msg = sandbox_verdict(answers, list(nodes), timeout_s)
+    if msg is not None:
+        raise ValueError(msg)
+
+
+def sandbox_verdict(answers: Mapping[str, str | None], nodes: list[str],
+                    timeout_s: float = CHECK_TIMEOUT_S) -> str | None:
+    """What ``tidal up`` says of the nodes' answers (node -> why it cannot sandbox, or None), in one line;
+    None when every node of ``nodes`` answered that it can."""
+    missing = sorted(set(nodes) - set(answers))
+    if missing:
+        return (f"isolation: no Ray worker answered on {', '.join(missing)} within {timeout_s:g} s (asked "
+                "whether it can sandbox ranks)")
+    bad = sorted((n, why) for n, why in answers.items() if why)
+    if not bad:
+        return None
+    more = f" (and on {', '.join(n for n, _ in bad[1:])})" if len(bad) > 1 else ""
+    return f"isolation: Ray node {bad[0][0]} cannot sandbox ranks{more}: {bad[0][1]}"

@@ -18,9 +18,10 @@ attempt by its actors' names. A rank whose node left the cluster is reported ``v
 **Node memory.** Each rank's ``TIDAL_SHM_DIR`` is ``<base>/<node>/<job>`` (:func:`shm_base`), freed
 through tasks on the nodes (:mod:`tidal.exec.ray_shm`); an attempt across nodes checkpoints to durable
 tiers only. With ``ckpt_agents`` one checkpoint agent per node serves the ``peer`` tier
-(:mod:`tidal.exec.ray_agents`). Isolation as on the local executor, checked on every node
-(:mod:`tidal.exec.ray_checks`); the Ray cluster itself is not isolated, and a rank is not sandboxed
-(``isolation.mode`` is the local executor's; no default uids here: docs/control.md, Isolation on Ray).
+(:mod:`tidal.exec.ray_agents`). Isolation as on the local executor, each rank in the same sandbox
+(:mod:`tidal.exec.sandbox`, made by its actor on its node; ``hidden``: what no rank sees besides the jobs
+dir), checked on every node at start (:mod:`tidal.exec.ray_checks`); the Ray cluster itself is not
+isolated, and no uids unless ``uid_base`` is set (docs/control.md, Isolation on Ray).
 Not thread-safe: one reconcile loop drives it.
 """
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import time
 from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
@@ -38,7 +40,7 @@ from typing import Any
 
 from tidal import contract as c
 from tidal.contract import torchrun_env
-from tidal.exec import ray_checks
+from tidal.exec import ray_checks, sandbox
 from tidal.exec.files import Attempt, AttemptDirs, read_json, write_json
 from tidal.exec.isolation import (
     AUTO,
@@ -107,10 +109,13 @@ class RayExecutor(AttemptDirs):
     ``address``: the cluster to join (``"auto"``, ``"HOST:PORT"``, ``"ray://..."``); ``None`` starts a
     local Ray (with ``num_gpus`` GPUs declared, if given) unless ``RAY_ADDRESS`` names one."""
 
+    isolation: IsolationConfig
+
     def __init__(self, root: str | os.PathLike, *, address: str | None = None, num_gpus: int | None = None,
                  isolation: IsolationConfig | None = None, namespace: str | None = None,
                  ready_timeout_s: float = READY_TIMEOUT_S, ckpt_agents: bool = False,
-                 serving_nodes: Mapping[str, int] | None = None) -> None:
+                 serving_nodes: Mapping[str, int] | None = None,
+                 hidden: Collection[str | os.PathLike] = ()) -> None:
         self.ready_timeout_s = ready_timeout_s
         self.serving_nodes = dict(serving_nodes or {})
         self.isolation = iso = isolation or IsolationConfig()
@@ -119,11 +124,13 @@ class RayExecutor(AttemptDirs):
             raise ValueError("isolation.max_memory_bytes: the Ray executor sets no memory cgroups (the local "
                              "executor does); remove it")
         self.root = Path(root)
-        private_dir(self.root, 0o711 if iso.uid_base is not None else 0o700)
+        self.hidden = [str(Path(p).resolve()) for p in (root, *hidden)]  # no rank sees them (but its own)
+        through = iso.uid_base is not None and not iso.sandboxed  # uids pass through to their directories
+        private_dir(self.root, 0o711 if through else 0o700)
         self.uids = Uids(self.root / ".uids.json", iso.uid_base) if iso.uid_base is not None else None
         self.namespace = namespace or namespace_for(self.root)
         self.shm_root = shm_base(self.namespace, iso.shm_dir)
-        if self.uids is not None:
+        if through:
             check_reachable(self.root.resolve(), *([Path(iso.shm_dir).absolute()] if iso.shm_dir else []))
         for k, v in QUIET_ENV.items():
             os.environ.setdefault(k, v)
@@ -153,6 +160,9 @@ class RayExecutor(AttemptDirs):
             self.token_auth = check_auth(ray, self.uids is not None, iso.ray_open_cluster)
             if self.uids is not None:  # asked of a worker on each node, never assumed
                 check_workers_root(ray, self._read_nodes()[1])
+            if iso.sandboxed:
+                code = sandbox.code_paths({}, [], sys.executable)  # the plane's: the same paths on each node
+                ray_checks.check_sandbox(ray, self._read_nodes()[1], code)
             if ckpt_agents:
                 if self.shm_root is None:
                     raise ValueError("checkpoint agents on Ray nodes need /dev/shm (or isolation.shm_dir)")
@@ -227,7 +237,8 @@ class RayExecutor(AttemptDirs):
         adir = self.attempt_dir(req.job_id, req.attempt)
         try:
             owner = self.uids.owner(self.isolation.per, req.job_id, req.tenant) if self.uids else None
-            prepare_attempt(self.root, self.job_dir, adir, self.home_dir(req.job_id), req, owner, self.uids)
+            prepare_attempt(self.root, self.job_dir, adir, self.home_dir(req.job_id), req, owner, self.uids,
+                            self.hidden if self.isolation.sandboxed else None)
         except (OSError, RuntimeError) as e:
             raise LaunchError(f"job {req.job_id}: cannot prepare its directories: {e}") from e
         self._remove_leftovers(req.job_id)
@@ -309,10 +320,12 @@ class RayExecutor(AttemptDirs):
                             omp_threads=(os.cpu_count() or 1) // max(1, len(local)), base=base)
             header = (f"=== tidal: {req.job_id} attempt {req.attempt}, rank {k.rank} of {n} on {k.node}, "
                       f"{time.strftime('%Y-%m-%d %H:%M:%S')} ===\n")
+            cwd = req.workdir or str(self.home_dir(req.job_id))
             starts.append(_spawned(k).start.remote(
-                list(req.command), env, req.workdir or str(self.home_dir(req.job_id)),
-                self.log_path(req.job_id, k.rank), header, str(adir / c.pid_file(k.rank)), owner, rlimits,
-                shm if c.ENV_SHM_DIR not in job_env else None))
+                list(req.command), env, cwd, self.log_path(req.job_id, k.rank), header,
+                str(adir / c.pid_file(k.rank)), owner, rlimits,
+                shm if c.ENV_SHM_DIR not in job_env or self.isolation.sandboxed else None,
+                self.binds(req, adir, env, cwd, shm, gpu=True) if self.isolation.sandboxed else None))
         for k, pid in zip(ranks, ray.get(starts, timeout=self.ready_timeout_s), strict=True):
             k.pid = pid
         doc = {**doc, "master_addr": master, "master_port": port,
@@ -421,6 +434,8 @@ class RayExecutor(AttemptDirs):
                 t.vanished.add(k.rank)  # its actor exists but the launch never got to start it
             elif res.get("code") is not None:
                 t.codes[k.rank] = int(res["code"])
+        for t in self._jobs.values():
+            self.cap_logs(t, self.isolation.max_log_bytes)
         return {job_id: t.observation(across_nodes=True) for job_id, t in self._jobs.items()}
 
     # -- node memory (the NodeMemory protocol; tasks on the nodes: tidal.exec.ray_shm) -----------------

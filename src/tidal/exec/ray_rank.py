@@ -9,6 +9,9 @@ Nothing outlives the actor: the child has ``PR_SET_PDEATHSIG`` = SIGKILL, and th
 subreaper that kills what the rank left when it ends (:meth:`RankActor.poll`), on a SIGKILL and on
 :meth:`RankActor.end`. With ``owner`` (``isolation.uid_base``, the actor runs as root) it makes the job's
 node-memory directory and starts the rank as that uid with the job's rlimits, as :mod:`tidal.exec.shim`.
+With ``binds`` (``isolation.mode: sandbox``, the default) the rank runs in the local executor's sandbox,
+the command made on this node (:func:`tidal.exec.sandbox.command`: this node's ``bwrap``, interpreter and
+code), the uid dropped inside it.
 
 Imported by every Ray worker that hosts a rank: standard library, ``ray`` and small parts of ours (no torch).
 """
@@ -17,16 +20,18 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import json
 import os
 import resource
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from tidal.exec import procs
+from tidal.exec import procs, sandbox
 from tidal.exec.isolation import private_dir
 from tidal.exec.shim import set_limits
 from tidal.files import AS_OPEN, write_atomic
@@ -40,21 +45,24 @@ except (OSError, AttributeError):  # not Linux
     _PRCTL = None
 
 
-def _child_setup(parent: int, rlimits: Mapping[str, int] | None = None) -> None:
+def _child_setup(parent: int, rlimits: Mapping[str, int] | None = None, sandboxed: bool = False) -> None:
     """In the child before exec (after ``Popen`` switched to the rank's uid: a change of uid clears the
-    parent-death signal): die with the actor's worker, no core dumps, the rank's ``rlimits``."""
+    parent-death signal): die with the actor's worker, no core dumps, the rank's ``rlimits``; for a
+    sandbox, SIGTERM and SIGINT ignored (:func:`tidal.exec.shim.set_limits`)."""
     if _PRCTL is not None:
         _PRCTL(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:  # the actor died between fork and prctl
         os._exit(137)
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    if rlimits:
-        set_limits(dict(rlimits))
+    set_limits(dict(rlimits or {}), sandboxed)
 
 
-def _node_shm_dir(shm_dir: str, owner: tuple[int, int]) -> None:
-    """On the node: the job's node-memory directory ``<base>/<node>/<job>`` 0700, owned by its uid, below
-    root's 0711 directories."""
+_bwrap = functools.cache(sandbox.find_bwrap)  # checked once per worker
+
+
+def _node_shm_dir(shm_dir: str, owner: tuple[int, int] | None) -> None:
+    """On the node: the job's node-memory directory ``<base>/<node>/<job>`` 0700, owned by its uid (if
+    any), below 0711 directories."""
     d = Path(shm_dir)
     private_dir(d.parent.parent, 0o711)
     private_dir(d.parent, 0o711)
@@ -69,6 +77,7 @@ class RankActor:
         self.proc: subprocess.Popen | None = None
         self.code: int | None = None
         self.error: str | None = None
+        self.sandboxed = False
 
     def info(self) -> dict:
         """Where this rank runs: Ray node id, the node's address, the GPUs Ray gave it, the actor's pid."""
@@ -84,11 +93,12 @@ class RankActor:
 
     def start(self, command: Sequence[str], env: Mapping[str, str], cwd: str, log_path: str, header: str,
               pid_path: str | None = None, owner: Sequence[int] | None = None,
-              rlimits: Mapping[str, int] | None = None, shm_dir: str | None = None) -> int | None:
+              rlimits: Mapping[str, int] | None = None, shm_dir: str | None = None,
+              binds: sandbox.Binds | None = None) -> int | None:
         """Run ``command`` (once); its pid, or None if it could not start (the reason is in the log and
         :meth:`poll`). ``owner``: the uid and gid to run it as (no supplementary groups; the worker must
-        be root), whose node-memory directory ``shm_dir`` is made here first; ``rlimits``: see
-        :func:`tidal.exec.isolation.rank_rlimits`."""
+        be root); the job's node-memory directory ``shm_dir`` is made here first; ``rlimits``: see
+        :func:`tidal.exec.isolation.rank_rlimits`; ``binds``: run it in its sandbox."""
         if self.proc is not None or self.error is not None:
             return self.proc.pid if self.proc is not None else None
         fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
@@ -97,22 +107,28 @@ class RankActor:
             out.flush()
             parent = os.getpid()
             kw: dict = {}
+            cmd = list(command)
             try:
-                if owner is not None:
-                    uid, gid = int(owner[0]), int(owner[1])
-                    if os.geteuid() != 0:
-                        raise PermissionError(f"the Ray worker on this node runs as uid {os.geteuid()}, "
-                                              f"not root: it cannot run the rank as uid {uid} "
-                                              "(isolation.uid_base)")
-                    if shm_dir is not None:
-                        _node_shm_dir(shm_dir, (uid, gid))
-                    kw = {"user": uid, "group": gid, "extra_groups": []}
+                own = (int(owner[0]), int(owner[1])) if owner is not None else None
+                if own is not None and os.geteuid() != 0:
+                    raise PermissionError(f"the Ray worker on this node runs as uid {os.geteuid()}, not "
+                                          f"root: it cannot run the rank as uid {own[0]} (uid_base)")
+                if shm_dir is not None and (own is not None or binds is not None):
+                    _node_shm_dir(shm_dir, own)
+                if binds is not None:  # the uid is dropped inside the sandbox (sandbox.ENTER)
+                    cmd = sandbox.command(_bwrap(), command, binds, env=env, python=sys.executable, owner=own,
+                                          cwd=cwd)
+                    self.sandboxed = True
+                elif own is not None:
+                    kw = {"user": own[0], "group": own[1], "extra_groups": []}
+                boxed = binds is not None
                 procs.become_subreaper()  # what the rank detaches stays below this worker
-                self.proc = subprocess.Popen(list(command), stdin=subprocess.DEVNULL, stdout=out,
+                self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out,
                                              stderr=subprocess.STDOUT, cwd=cwd, env=dict(env), umask=0o077,
                                              start_new_session=True, close_fds=True,
-                                             preexec_fn=lambda: _child_setup(parent, rlimits), **kw)
-            except (OSError, subprocess.SubprocessError) as e:
+                                             preexec_fn=lambda: _child_setup(parent, rlimits, boxed),
+                                             **kw)
+            except (OSError, ValueError, subprocess.SubprocessError) as e:
                 self.error, self.code = f"cannot start {command[0]!r} in {cwd}: {e}", 127
                 out.write(f"tidal: {self.error}\n".encode())
                 return None
@@ -126,6 +142,8 @@ class RankActor:
         that signal)."""
         if self.proc is not None and self.code is None:
             self.code = self.proc.poll()
+            if self.sandboxed and self.code is not None and 128 < self.code < 160:  # bwrap's "killed by n"
+                self.code = 128 - self.code
             if self.code is not None:
                 procs.reap_orphans()  # the rank ended: what it left running (a setsid'd daemon) too
         return {"started": self.proc is not None or self.error is not None, "code": self.code,

@@ -1,8 +1,10 @@
-"""The sandbox every rank of the local executor runs in (``isolation.mode: sandbox``, the default).
+"""The sandbox every rank runs in (``isolation.mode: sandbox``, the default), on either executor.
 
-Each rank's shim starts ``bwrap`` (Debian's ``bubblewrap``) instead of the rank itself; bwrap gives the
-rank its own mount, PID and IPC namespaces and then runs :data:`ENTER` (the plane's interpreter), which
-drops to the job's uid when ``tidal up`` is root and execs the command. Inside, the rank sees:
+Each rank's shim (on Ray: its rank actor, on its node) starts ``bwrap`` (Debian's ``bubblewrap``) instead
+of the rank itself; bwrap gives the rank its own mount, PID and IPC namespaces and then runs :data:`ENTER`
+(the starter's interpreter), which drops to the job's uid when there is one and execs the command (a rank
+left root holds no capability). The plane decides the binds (:class:`Binds`), :func:`command` makes the
+command where it runs. Inside, the rank sees:
 
 * read-only: the system (``/usr``, ``/etc``, ``/opt``, ``/sys``, the ``/lib`` and ``/bin`` links), the
   interpreter and its venv (``sys.prefix``, ``sys.base_prefix``), the ``tidal`` package, the
@@ -35,6 +37,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from tidal import contract as c
@@ -98,24 +101,6 @@ def ckpt_dirs(env: Mapping[str, str], cwd: str) -> list[str]:
     return [os.path.join(cwd, p.removeprefix("file://")) for p in locs]
 
 
-def make_dirs(paths: Iterable[str], owner: tuple[int, int] | None) -> None:
-    """Make the directories a job named that are not there yet (its checkpoint directories; one not there
-    cannot be bound), 0700, owned by its uid (``owner``) like the rest of its own; ``OSError`` for a path
-    whose existing part goes through a symbolic link (the plane follows none for a job)."""
-    from tidal.exec.isolation import private_dir
-
-    for p in paths:
-        path = Path(p)
-        missing = [q for q in (path, *path.parents) if not os.path.lexists(q)]
-        if not missing or not path.is_absolute():
-            continue
-        base = missing[-1].parent
-        if os.path.realpath(base) != str(base):
-            raise OSError(f"{p}: {base} is reached through a symbolic link (refused)")
-        for d in reversed(missing):
-            private_dir(d, 0o700, owner)
-
-
 def code_paths(env: Mapping[str, str], command: Sequence[str], python: str,
                extra: Iterable[str] = ()) -> list[str]:
     """What a rank reads its code from: the interpreters' prefixes, the ``tidal`` package's directory, the
@@ -167,21 +152,48 @@ def _system() -> list[str]:
     return out
 
 
-def command(bwrap: str, program: Sequence[str], *, python: str, uid: int | None, gid: int | None,
-            cwd: str, code: Iterable[str], named: Iterable[str], hidden: Iterable[str],
-            attempt: str, own: Iterable[str], shm: str | None, gpu: bool) -> list[str]:
-    """The shim's command for one rank: bwrap with the binds above, then :data:`ENTER` and ``program``.
-    ``named``: the paths the job named (workdir, checkpoint directories), read-write; ``hidden``: what is
-    covered after them (the state dir, the plane's shared-memory root); ``attempt`` (read-only, its
-    progress directory read-write) and ``own`` (read-write) are bound on top."""
+@dataclass(frozen=True)
+class Binds:
+    """What a rank's sandbox binds besides the system and its code, as the plane decides it (plain data: the
+    Ray executor hands it to the rank actor, which makes the command on its node). ``named``: the paths the
+    job named (:func:`named`), read-write; ``hidden``: what is covered after them (the state dir, the
+    plane's shared-memory root); ``attempt`` (read-only, its progress directory read-write) and ``own``
+    (read-write) are bound on top; ``shm``: the job's shared-memory directory, also its ``/dev/shm``;
+    ``read_only``: ``isolation.read_only``; ``gpu``: the node's NVIDIA devices too."""
+
+    named: tuple[str, ...]
+    hidden: tuple[str, ...]
+    attempt: str
+    own: tuple[str, ...]
+    shm: str | None
+    read_only: tuple[str, ...] = ()
+    gpu: bool = False
+
+
+def named(env: Mapping[str, str], cwd: str, hidden: Iterable[str]) -> tuple[str, ...]:
+    """The directories a rank names, read-write in its sandbox: its working directory, checkpoint
+    directories and ``TIDAL_SHM_DIR``, except under ``hidden`` (there it has only its own)."""
+    hidden = [os.path.realpath(h) for h in hidden]
+    out = [cwd, *ckpt_dirs(env, cwd), env.get(c.ENV_SHM_DIR, "")]
+    return tuple(p for p in out if p and not any(Path(p).resolve().is_relative_to(h) for h in hidden))
+
+
+def command(bwrap: str, program: Sequence[str], binds: Binds, *, env: Mapping[str, str], python: str,
+            owner: Sequence[int] | None, cwd: str) -> list[str]:
+    """The command that runs ``program`` (environment ``env``, in ``cwd``) in its sandbox, built where it
+    runs (the code paths are this machine's: :func:`code_paths`): bwrap with the binds above, then
+    :data:`ENTER` run by ``python``, which drops to ``owner`` (uid, gid) when given."""
+    b = binds
     out = [bwrap, *_namespaces(), *_system(), "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
-    if gpu:
+    if b.gpu:
         out += _binds("--dev-bind", glob.glob("/dev/nvidia*"))
-    out += _binds("--ro-bind", code) + _binds("--bind", named)
-    out += [x for h in hidden if os.path.isdir(h) for x in ("--perms", "0711", "--tmpfs", h)]
-    out += _binds("--ro-bind", [attempt])
-    out += _binds("--bind", [os.path.join(attempt, c.PROGRESS_DIRNAME), *own])
-    if shm is not None and os.path.isdir(shm):  # its parents made in it, 0711 (from the second bind on)
-        out += ["--bind", shm, "/dev/shm", *_binds("--bind", [shm])]
-    return [*out, "--chdir", cwd, "--", python, "-I", "-S", "-c", ENTER,
-            str(-1 if uid is None else uid), str(-1 if gid is None else gid), *program]
+    out += _binds("--ro-bind", code_paths(env, program, python, b.read_only)) + _binds("--bind", b.named)
+    out += [x for h in b.hidden if os.path.isdir(h) for x in ("--perms", "0711", "--tmpfs", h)]
+    out += _binds("--ro-bind", [b.attempt])
+    out += _binds("--bind", [os.path.join(b.attempt, c.PROGRESS_DIRNAME), *b.own])
+    if b.shm is not None and os.path.isdir(b.shm):  # its parents made in it, 0711 (from the second bind on)
+        out += ["--bind", b.shm, "/dev/shm", *_binds("--bind", [b.shm])]
+    uid, gid = (int(owner[0]), int(owner[1])) if owner is not None else (-1, -1)
+    if owner is None and os.geteuid() == 0:  # a rank left root (Ray without uid_base, run_as_self): no caps
+        out += ["--cap-drop", "ALL"]
+    return [*out, "--chdir", cwd, "--", python, "-I", "-S", "-c", ENTER, str(uid), str(gid), *program]
