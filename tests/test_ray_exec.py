@@ -189,7 +189,7 @@ def test_tidal_up_ray_options_bad_input_is_one_clear_error(tmp_path):
     if ray.is_initialized():
         ray.shutdown()
     cases = [
-        ({"executor": "k8s"}, "--executor must be 'local' or 'ray', got 'k8s'"),
+        ({"executor": "k8s"}, "--executor must be 'local', 'ray' or 'virtual:NODESxGPUS', got 'k8s'"),
         ({"ray_address": "auto"}, "--ray-address needs --executor ray"),
         ({"ckpt_agents": True}, "--ckpt-agents needs --executor ray"),
         (
