@@ -178,7 +178,8 @@ def test_a_link_the_job_names_as_code_does_not_uncover_the_state_dir(tmp_path):
     key = out / "s" / ".ckpt-agent.key"
     secret = (ex.root / ".ckpt-agent.key").read_text().strip()
     probe = ("/bin/sh", "-c", 'cat "$1"; ls "$2"; echo PROBED', "sh", str(key), str(out / "s"))
-    ex.launch(LaunchRequest("peek", 1, probe, {"local": 1}, None, {"PYTHONPATH": str(out / "s")}), time.time())
+    env = {"PYTHONPATH": str(out / "s")}
+    ex.launch(LaunchRequest("peek", 1, probe, {"local": 1}, None, env), time.time())
     _done(ex, "peek")
     log = _log(ex, "peek")
     assert "PROBED" in log and secret not in log and ".uids.json" not in log and "plant" not in log, log
