@@ -3,8 +3,9 @@
 the admin token, the database, the other tenant's log, fence and progress, that rank's
 ``/proc/<pid>/environ`` and ``cmdline`` (by its real pid and by scanning ``/proc``), the plane's own
 environment, and swaps its own log for a link to the token; and a job that swaps its checkpoint
-directory for a link to the plane's data, which the quota count must not walk. Each must fail. The same script run with
-``isolation: none`` reads the token (as root or as the plane's user alike): the probes do detect a leak.
+directory for a link to the plane's data, which the quota count must not walk. Each must fail. The same
+script run with ``isolation: none`` reads the token (as root or as the plane's user alike): the probes
+do detect a leak.
 
 The same two runs on the Ray executor (the session's Ray cluster, tests/ray_cluster.py), whose rank
 actors start each rank in the same sandbox on its node; there, without ``uid_base``, a rank of a root

@@ -31,7 +31,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tidal.contract import ENV_SHM_DIR
 from tidal.control import locations as loc_policy
 from tidal.control import metrics
 from tidal.control import schemas as sc
@@ -337,9 +336,9 @@ def create_app(ctx: ApiContext) -> FastAPI:
         j = own_job(job_id, me)
         ck = (j.spec or {}).get("checkpoint") or {}
         url = ck.get("url") or default_ckpt(ctx.ckpt_root, j)
-        shm_base = ((j.spec or {}).get("env") or {}).get(ENV_SHM_DIR)
+        shm = ctx.shm_dir(j.id) if ctx.shm_dir is not None else None  # never the spec's (the tenant's)
         return checkpoint_view(j.id, None if ck.get("tiers") else url, ctx.clock(), tiers=ck.get("tiers"),
-                               shm_base=shm_base)
+                               shm_base=None if shm is None else str(shm))
 
     @app.get("/v1/events", **_doc(list[sc.Event], 401, 404, 422))
     @json_route()

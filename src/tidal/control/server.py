@@ -92,6 +92,7 @@ class Plane:
         ctx = ApiContext(self.store, ctl.nodes, self.executor.log_path, time.time, ckpt_root=ctl.ckpt_root,
                          serving=serving, loans=ctl.loans, locations=policy, job_dir=self.executor.job_dir,
                          warning=isolation_warning(cfg, executor=self.executor),
+                         shm_dir=self.executor.shm_dir if isinstance(self.executor, LocalExecutor) else None,
                          log_owner=os.geteuid() if isinstance(self.executor, LocalExecutor) else None)
         return create_app(ctx)
 
