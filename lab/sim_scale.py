@@ -7,9 +7,11 @@ trace, ServeGen m-large by default, repeated to ``--days``), the rest a training
 ``--jobs`` synthetic jobs (``tidal.sim.jobs.synthetic_trace``: heavy-tailed gang sizes 1-64 GPUs and
 durations, 20 tenants, a fifth of them dedicated), all submitted within the first ``--submit-hours``
 (so the queue starts about ``--jobs`` deep), their work scaled to ``--load`` x the pool's GPU-time
-over the run. One simulation per policy in ``--policy``; prints wall seconds, scheduling calls, the
-p50 / p99 CPU milliseconds of ``schedule()`` (once per call in the run; also over the calls made
-while at least 90 % of the jobs were pending), the deepest queue seen and the headline metrics.
+over the run. One simulation per policy in ``--policy`` (``tidal+clients``: the tidal policy given the
+per-client breakdown of a per-client ``--traffic``, where plain ``tidal`` sees only its total); prints
+wall seconds, scheduling calls, the p50 / p99 CPU milliseconds of ``schedule()`` (once per call in the
+run; also over the calls made while at least 90 % of the jobs were pending), the deepest queue seen and
+the headline metrics.
 Targets: a 30-day month with 10,000 jobs on 2,048 x 8 GPUs in <= 30 s;
 ``decision_p99_ms`` <= 10 with 10,000 pending.
 """
@@ -29,7 +31,7 @@ from tidal.sim.engine import Engine
 from tidal.sim.jobs import synthetic_trace
 from tidal.sim.policies import PolicySpec
 from tidal.sim.report import clean
-from tidal.sim.traffic import demand_gpus
+from tidal.sim.traffic import traffic_gpus
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "servegen-language-m-large.csv"
 SHOW = ("wall_s", "cpu_s", "schedule_calls", "schedule_cpu_s", "decision_p50_ms", "decision_p99_ms",
@@ -54,7 +56,7 @@ def main() -> None:
     g = args.gpus_per_node
     serving = args.nodes // 4 * g
     training = args.nodes * g - serving
-    demand, step, name = demand_gpus(args.traffic, serving)
+    demand, clients, step, name = traffic_gpus(args.traffic, serving)
     t0 = time.perf_counter()
     jobs = synthetic_trace(args.jobs, days=args.days, gpus_per_node=g, seed=args.seed,
                            submit_within_days=args.submit_hours / 24.0,
@@ -68,7 +70,11 @@ def main() -> None:
     metrics: dict[str, dict] = {}
     for p in args.policy.split(","):
         print(f"running {p} ...", file=sys.stderr, flush=True)
-        e = Engine(demand, step, PolicySpec(p), cfg, jobs, None)
+        with_clients = p.endswith("+clients")
+        if with_clients and clients is None:
+            sys.exit(f"--policy {p}: --traffic {args.traffic} is not a per-client trace")
+        e = Engine(demand, step, PolicySpec(p.removesuffix("+clients")), cfg, jobs, None,
+                   clients=clients if with_clients else None)
         r = e.run()
         deep = np.array(e.decision_ms)[np.array(e.pending_per_call) >= 0.9 * args.jobs]
         out["policies"][p] = {k: r.metrics[k] for k in SHOW}

@@ -14,6 +14,7 @@ import math
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import tidal.serving
@@ -34,17 +35,19 @@ SPEEDUP = 300.0  # a day in 288 s
 DAY = 86400.0
 
 
-def _loans(fail=None, origin_s: float | None = None, start_h: float = 0.0) -> tuple[LiveLoans, ReplayAdapter]:
+def _loans(fail=None, origin_s: float | None = None, start_h: float = 0.0,
+           clients: bool = False) -> tuple[LiveLoans, ReplayAdapter]:
     trace = load_trace(PROFILE)
     start = 3 * DAY + start_h * 3600
-    adapter = ReplayAdapter(TraceReplay(trace, sum(NODES.values()), start_s=0.0), NODES, speedup=SPEEDUP,
-                            start_s=start, origin_s=origin_s, fail=fail)
+    split = np.stack([0.4 * trace.load, 0.6 * trace.load], axis=1) if clients else None  # a client, the tail
+    adapter = ReplayAdapter(TraceReplay(trace, sum(NODES.values()), start_s=0.0, clients=split), NODES,
+                            speedup=SPEEDUP, start_s=start, origin_s=origin_s, fail=fail)
     loans = LiveLoans(adapter, TIMING, step_s=600.0, warm_history=adapter.history(start, 600.0))
     return loans, adapter
 
 
-def _plane(tmp_path, clock, ex, store, fail=None, start_h: float = 0.0):
-    loans, adapter = _loans(fail, origin_s=clock.t, start_h=start_h)
+def _plane(tmp_path, clock, ex, store, fail=None, start_h: float = 0.0, clients: bool = False):
+    loans, adapter = _loans(fail, origin_s=clock.t, start_h=start_h, clients=clients)
     cfg = ControlConfig()
     cfg = dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler,
                                                                  min_loan_left_s=TIMING.min_loan_window_s))
@@ -92,11 +95,13 @@ def _drive(ctl, ex, clock, rng, steps, adapter, stop_delay=1):
         assert ctl.loans.stats["double_counted_steps"] == 0
 
 
-def test_a_replayed_day_lends_reclaims_and_never_double_counts(tmp_path):
+@pytest.mark.parametrize("clients", [False, True])
+def test_a_replayed_day_lends_reclaims_and_never_double_counts(tmp_path, clients):
+    """Also with the demand per client: the policy's client model reads every step of it."""
     store = new_store(tmp_path, ("a", 0, 1.0), ("d", 2, 1.0))
     clock = FakeClock()
     ex = FakeExecutor(gpus=2, serving=NODES)
-    ctl, adapter = _plane(tmp_path, clock, ex, store)
+    ctl, adapter = _plane(tmp_path, clock, ex, store, clients=clients)
     for i in range(3):
         submit(store, "a", clock.t, name=f"s{i}", kind="spot", gpus={"min": 1, "max": 4}, max_restarts=50)
     for i in range(2):  # dedicated jobs: never on a loan, whatever is lent
@@ -112,6 +117,8 @@ def test_a_replayed_day_lends_reclaims_and_never_double_counts(tmp_path):
     assert {"loan", "return"} <= kinds, kinds
     on_serving = [e for e in store.events(limit=100000) if e.kind == "launch"]
     assert on_serving
+    seen = ctl.loans.state.clients
+    assert (seen is not None and seen.n_obs > 100) == clients
 
 
 def test_a_restarted_plane_continues_the_same_loans_and_forecast(tmp_path):

@@ -48,6 +48,9 @@ def write_trace(path: Path, rows: int = 400) -> Path:
         ({"serving_gpus": 8, "trace": "t.csv", "shortfall_budget": 2}, "serving.shortfall_budget must be in"),
         ({"serving_gpus": 8, "trace": "t.csv", "speedup": 0}, "serving.speedup must be a number > 0"),
         ({"serving_gpus": 8, "trace": "t.csv", "lead": 3}, "config: serving: unknown field 'lead'"),
+        ({"serving_gpus": 8, "trace": "t.csv", "client_label": "tenant"}, "serving.client_label must be"),
+        ({"serving_gpus": 8, "prometheus": "http://p:9090", "query": "x", "client_label": 3},
+         "serving.client_label must be a label name"),
         ("yes", "config: serving must be a mapping"),
     ],
 )

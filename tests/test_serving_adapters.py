@@ -29,13 +29,17 @@ class _Server:
 
     def __init__(self) -> None:
         self.demand: float | None = 2.0
+        self.series: list[dict] | None = None  # a grouped answer instead of ``demand``
         self.mode = "ok"
         self.posts: list[dict] = []
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-                if outer.demand is None:
+                if outer.series is not None:
+                    body = json.dumps({"status": "success", "data": {"resultType": "vector",
+                                                                     "result": outer.series}}).encode()
+                elif outer.demand is None:
                     body = json.dumps({"status": "error", "error": "down"}).encode()
                 else:
                     body = json.dumps({"status": "success", "data": {"resultType": "vector", "result": [
@@ -222,3 +226,33 @@ def test_adapter_and_nodes_refuse_bad_settings():
     for bad in ("0x4", "2x0", "x", "a,b", {"n": 0}, {"n": True}):
         with pytest.raises(ValueError, match="serving nodes"):
             parse_nodes(bad)
+
+
+def test_prometheus_grouped_by_client_label_is_bounded(srv, caplog):
+    """Per-client demand from a query grouped by a configurable label: a stable column per client, a
+    series without the label and the clients past the cap in the tail; the total is their sum."""
+    q = PrometheusQuery(srv.url, "sum by (tenant) (rate(requests_total[5m]))", gpus_per_unit=0.5,
+                        client_label="tenant", max_clients=2)
+    srv.series = [{"metric": {"tenant": "a"}, "value": [0, "4"]},
+                  {"metric": {"tenant": "b"}, "value": [0, "2"]}, {"metric": {}, "value": [0, "1"]}]
+    assert q.client_gpus(100.0).tolist() == [2.0, 1.0, 0.5]
+    assert q.demand_gpus(100.0) == 3.5
+    srv.series = [{"metric": {"tenant": f"t{i}"}, "value": [0, "1"]} for i in range(10_000)]
+    srv.series += [{"metric": {"tenant": "b"}, "value": [0, "6"]}]
+    got = q.client_gpus(200.0)
+    assert got.tolist() == [0.0, 3.0, 5000.0] and len(q._columns) == 2  # a and b keep theirs
+    srv.series = [{"metric": {"tenant": "a"}, "value": [0, "-1"]}]
+    assert q.client_gpus(300.0) is None and math.isnan(q.demand_gpus(300.0))
+    assert "not a finite number >= 0" in caplog.text
+    assert PrometheusQuery(srv.url, "sum(x)").client_gpus(1.0) is None
+    from tidal.serving.requests import RequestModel
+
+    model = RequestModel(service_rate_per_replica=1.0, latency_target_s=0.5)
+    srv.series = [{"metric": {"tenant": "a"}, "value": [0, "30"]},
+                  {"metric": {"tenant": "b"}, "value": [0, "10"]}]
+    by_rate = PrometheusQuery(srv.url, "q", client_label="tenant", requests=model)
+    got = by_rate.client_gpus(400.0)  # the GPUs of 40 requests/s, shared 3:1
+    assert got is not None and math.isclose(got.sum(), model.gpus(40.0)) and math.isclose(got[0], 3 * got[1])
+    assert math.isclose(by_rate.demand_gpus(400.0), model.gpus(40.0))
+    with pytest.raises(ValueError, match="client_label"):
+        PrometheusQuery(srv.url, "q", client_label=" ")

@@ -250,3 +250,33 @@ def test_timeline_bands_never_lie_on_the_capacity_line():
     cap, top = serving_bands(tl, 8)
     assert cap.tolist() == [8, 4, 0, 0] and top.tolist() == [8, 4, 0, 2]
     assert ((8 - top) == tl["lent_gpus"]).all() and ((top - cap) == tl["warming_gpus"]).all()
+
+
+def test_per_client_traffic_feeds_the_client_model(trace, tmp_path):
+    """A per-client trace (gzip) gives the same total as the aggregate one; the simulator passes the
+    breakdown to the policy and `tidal plan` says the client model served."""
+    import gzip
+
+    rows = trace.read_text().splitlines()[1:]
+    lines = ["seconds,client,requests_per_second,interarrival_cv"]
+    for i, r in enumerate(rows):
+        t, x = r.split(",")
+        big = 0.4 * float(x) if 40 <= i % 144 < 70 else 0.0  # a client on for 5 hours a day
+        lines += [f"{t},big,{big:.4f},1.0"] * (big > 0) + [f"{t},rest,{float(x) - big:.4f},1.0"]
+    path = tmp_path / "clients.csv.gz"
+    with gzip.open(path, "wt") as f:
+        f.write("\n".join(lines) + "\n")
+    from tidal.sim.traffic import traffic_gpus
+
+    total, per, step, _ = traffic_gpus(path, N)
+    assert np.allclose(total, demand_gpus(trace, N)[0], atol=1e-3) and per is not None
+    assert np.allclose(per.sum(axis=1), total) and per.shape[1] == 3
+    e = Engine(total, step, PolicySpec("tidal"), cfg(days=1.0), [], SpotBacklog(), clients=per)
+    e.run()
+    assert e.pstate.clients is not None and e.pstate.clients.n_obs == 144
+    got = {}
+    for p in (path, trace):
+        res = CliRunner().invoke(app, ["plan", str(p), "--serving-gpus", str(N), "--json"])
+        assert res.exit_code == 0, res.output
+        got[p] = json.loads(res.stdout)["forecaster"]
+    assert got == {path: "clients", trace: "aggregate"}

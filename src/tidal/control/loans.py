@@ -45,6 +45,7 @@ from tidal.serving.adapters import (
 )
 from tidal.serving.build import build_adapter
 from tidal.serving.requests import number_in
+from tidal.serving.sources import client_demand
 from tidal.serving.watch import WatchConfig
 
 log = logging.getLogger(__name__)
@@ -303,7 +304,8 @@ class LiveLoans:
         else:
             self.stats["demand_gpu_s"] += demand * self.step_s
             self.stats["shortfall_gpu_s"] += max(0.0, demand - capacity) * self.step_s
-        ctx = LoanContext(now_s=grid, serving_gpus=self.serving_gpus, demand_gpus=demand, lent_gpus=led.lent)
+        ctx = LoanContext(now_s=grid, serving_gpus=self.serving_gpus, demand_gpus=demand, lent_gpus=led.lent,
+                          client_gpus=None if unknown else client_demand(self.adapter, now_s))
         plan, self.state = self.policy(ctx, self.state)  # 3.
         if unknown and plan.lendable_gpus > led.lent:
             plan = dataclasses.replace(plan, lendable_gpus=led.lent)

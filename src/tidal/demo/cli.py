@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from tidal.demo.cycle import cycle
+from tidal.demo.engine_cycle import cycle
 from tidal.demo.on_ray import demo_ray
 from tidal.demo.single import demo
 

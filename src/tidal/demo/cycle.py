@@ -4,7 +4,6 @@ same day through the simulator (docs/loaning.md, README)."""
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 import os
 import shutil
@@ -13,13 +12,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
 import numpy as np
-import typer
 from rich.console import Console, Group
 from rich.live import Live
-from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 
@@ -220,7 +217,8 @@ def play_day(opts: CycleOptions, console: Console, client: TidalClient, admin: T
     return s, jobs, checks
 
 
-def run_cycle(opts: CycleOptions, console: Console, *, keep: bool = False) -> dict[str, Any]:
+def run_cycle(opts: CycleOptions, console: Console, *, keep: bool = False,
+              on_poll: Callable[[dict, list[dict], list[dict]], None] | None = None) -> dict[str, Any]:
     opts.check()
     script = example_script()
     sdir = Path(tempfile.mkdtemp(prefix="tidal-cycle-"))
@@ -238,7 +236,7 @@ def run_cycle(opts: CycleOptions, console: Console, *, keep: bool = False) -> di
         client = TidalClient(url, admin.create_tenant("research")["token"])
         ids = [client.submit(job_spec(opts, script, shm_dir, i))["id"] for i in range(opts.jobs)]
         t0 = time.monotonic()
-        s, jobs, checks = play_day(opts, console, client, admin, ids)
+        s, jobs, checks = play_day(opts, console, client, admin, ids, on_poll=on_poll)
         return with_simulator(_summary(opts, s, jobs, admin, checks, time.monotonic() - t0), opts, console, 1)
     finally:
         with uninterrupted():  # a second Ctrl-C must not cut the clean-up short
@@ -324,34 +322,3 @@ def print_summary(console: Console, out: dict) -> None:
     if out["double_counted"]:
         console.print(f"[red]GPU held by serving and a job at once: {out['double_counted'][:3]}[/red]")
     console.print("[bold green]ok[/bold green]" if out["ok"] else "[bold red]NOT ok[/bold red]")
-
-
-def cycle(
-    speedup: Annotated[float, typer.Option(help="serving seconds per second")] = 240.0,
-    hours: Annotated[float, typer.Option(help="hours of serving time to replay")] = 24.0,
-    start_hour: Annotated[float, typer.Option(help="serving time of day to start at")] = 18.0,
-    jobs: Annotated[int, typer.Option(help="elastic spot jobs")] = 2,
-    max_ranks: Annotated[int, typer.Option(help="largest size of each job")] = 3,
-    serving_nodes: Annotated[str, typer.Option(help="virtual serving nodes, NxG")] = "8x2",
-    trace: Annotated[str | None,
-                     typer.Option(help="a serving trace CSV instead of the shipped profile")] = None,
-    keep: Annotated[bool, typer.Option("--keep", help="keep the state dir")] = False,
-    json_out: Annotated[bool, typer.Option("--json", help="the summary as JSON on stdout")] = False,
-) -> None:
-    """A day of live lending: spot jobs grow onto lent serving GPUs at night and give them back in time."""
-    import json
-
-    console = Console(stderr=json_out)
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    opts = CycleOptions(speedup=speedup, hours=hours, start_hour=start_hour, jobs=jobs, max_ranks=max_ranks,
-                        serving_nodes=serving_nodes, trace=trace)
-    try:
-        out = run_cycle(opts, console, keep=keep)
-    except DemoError as e:
-        Console(stderr=True).print(f"[red]error:[/red] {escape(str(e))}", highlight=False)
-        raise typer.Exit(2) from None
-    if json_out:
-        print(json.dumps(out, indent=1))
-    else:
-        print_summary(console, out)
-    raise typer.Exit(0 if out["ok"] else 1)

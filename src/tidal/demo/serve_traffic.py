@@ -82,8 +82,8 @@ class Traffic:
     """Open-loop load at ``rate(t)`` requests/s against ``url`` for at most ``duration_s`` (a thread;
     :meth:`stop`)."""
 
-    def __init__(self, url: str, rate: Any, duration_s: float) -> None:
-        self.rate = rate
+    def __init__(self, url: str, rate: Any, duration_s: float, **kw: Any) -> None:
+        self.rate, self.kw = rate, kw  # kw: more of loadgen.generate's options (body, stream, max_rate)
         self.url, self.duration_s = url, duration_s
         self.records: list[loadgen.Record] = []
         self.error: str | None = None
@@ -100,7 +100,7 @@ class Traffic:
         try:
             self.records = asyncio.run(loadgen.generate(
                 self.url, self.rate, self.duration_s, start=self._perf0, stop=self._stop.is_set,
-                timeout_s=30.0, seed=7))
+                timeout_s=30.0, seed=7, **self.kw))
         except Exception as e:  # noqa: BLE001 (said in the summary)
             self.error = f"{type(e).__name__}: {e}"
 

@@ -11,10 +11,11 @@ from typing import Any
 
 import numpy as np
 
+from tidal.policy.clients import ClientState
 from tidal.policy.forecast import ForecastState
 from tidal.policy.loan import TidalState
 
-CLASSES: dict[str, type] = {c.__name__: c for c in (TidalState, ForecastState)}
+CLASSES: dict[str, type] = {c.__name__: c for c in (TidalState, ForecastState, ClientState)}
 _DTYPES = {"float64", "float32", "int64", "int32", "bool"}
 # Fields of removed options, ignored where a stored state still holds them (it loads after an upgrade).
 DROPPED: dict[str, frozenset[str]] = {

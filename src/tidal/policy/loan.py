@@ -19,7 +19,9 @@ import numpy as np
 
 from tidal.contract import DEFAULT_GRACE_S
 from tidal.model import Reclaim
+from tidal.policy import clients as pc
 from tidal.policy.budget import ledger_update, max_lendable
+from tidal.policy.budget_pacing import pace_update, paced_aim
 from tidal.policy.forecast import Forecast, ForecastConfig, ForecastState, forecast, initial_state, observe
 from tidal.policy.forecast_errors import tail_reserve_gpus
 
@@ -76,13 +78,15 @@ class LoanTiming:
 @dataclass(frozen=True, eq=False)
 class LoanContext:
     """What the caller observed at ``now_s``: ``demand_gpus`` (NaN = no observation), ``lent_gpus`` of
-    the pool's ``serving_gpus``; ``future_demand_gpus`` (the oracle only): demand at ``now + k * step_s``."""
+    the pool's ``serving_gpus``; ``future_demand_gpus`` (the oracle only): demand at ``now + k * step_s``;
+    ``client_gpus``: the same demand per client (:mod:`tidal.policy.clients`), when the source has it."""
 
     now_s: float
     serving_gpus: int
     demand_gpus: float
     lent_gpus: int = 0
     future_demand_gpus: np.ndarray | None = None
+    client_gpus: np.ndarray | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -91,7 +95,7 @@ class LoanPlan:
     must be back by when, earliest first (those not listed may stay past the horizon);
     ``reclaim_now_gpus`` are on loan beyond ``lendable_gpus``. ``times_s`` / ``upper_gpus``: the upper
     bound the plan was made from, with ``margin_gpus`` inside it at the lead time; ``bound_gpus``: what
-    the bound alone would lend, before the budget ledger's cap."""
+    the bound alone would lend, before the budget ledger's cap; ``forecaster``: which made the bound."""
 
     now_s: float
     lendable_gpus: int
@@ -103,6 +107,7 @@ class LoanPlan:
     lead_time_s: float
     min_loan_window_s: float
     bound_gpus: int | None = None
+    forecaster: str = "aggregate"
 
     @property
     def reclaim_gpus(self) -> int:
@@ -201,6 +206,13 @@ class TidalConfig:
     """The ledger's rate ``B_l`` as a fraction of ``shortfall_budget``."""
     ledger_bank_pool_h: float = 48.0
     """How much unspent budget the ledger may bank (``budget x N x this`` GPU-hours; 0 = none)."""
+    pacing_gain: float = 0.0
+    """Budget pacing (:mod:`tidal.policy.budget_pacing`): how strongly the day's realized shortfall moves
+    the calibrator's aim (0 = off)."""
+    pacing_half_life_s: float = 86400.0
+    """The memory of the pace's window."""
+    clients: pc.ClientConfig = field(default_factory=pc.ClientConfig)
+    """The client-level model, used while the context has per-client demand."""
 
     def __post_init__(self) -> None:
         if not 0 < self.shortfall_budget < 1:
@@ -220,6 +232,9 @@ class TidalConfig:
                              "in (0, 1] and ledger_bank_pool_h finite and >= 0, got "
                              f"{self.ledger_allowance_pool_h}, {self.ledger_fraction} and "
                              f"{self.ledger_bank_pool_h}")
+        if not self.pacing_gain >= 0 or not self.pacing_half_life_s > 0:
+            raise ValueError(f"TidalConfig.pacing_gain must be >= 0 and pacing_half_life_s > 0, got "
+                             f"{self.pacing_gain} and {self.pacing_half_life_s}")
         horizon_needed = self.timing.lead_time_s + self.timing.min_loan_window_s
         if self.forecast.horizon_s < horizon_needed:
             raise ValueError(f"TidalConfig.forecast.horizon_s ({self.forecast.horizon_s:g}) must cover the "
@@ -231,7 +246,8 @@ class TidalState:
     """What :class:`TidalPolicy` carries between steps: the margin ``z``; ``commitments``, per plan of the
     last lead time ``(decided_at_s, until_s, supply_gpus, pool_gpus, bound_supply_gpus)`` (what serving
     keeps, and would keep by the bound alone; stored states may hold the first 3 or 4 only);
-    realized ``shortfall_gpu_s`` and ``demand_gpu_s``; the budget ledger ``G`` (``ledger_gpu_s``)."""
+    realized ``shortfall_gpu_s`` and ``demand_gpu_s``; the budget ledger ``G`` (``ledger_gpu_s``); the
+    client model's state once per-client demand was seen."""
 
     forecast: ForecastState
     z: float
@@ -239,6 +255,9 @@ class TidalState:
     shortfall_gpu_s: float = 0.0
     demand_gpu_s: float = 0.0
     ledger_gpu_s: float = 0.0
+    clients: pc.ClientState | None = None
+    pace: tuple[float, float] = (0.0, 0.0)
+    """Realized shortfall and demand (GPU-seconds) over the pacing window."""
 
     @property
     def shortfall_ratio(self) -> float:
@@ -265,7 +284,8 @@ class TidalPolicy:
     2. Score the promise: serving's supply now is the smallest ``N - lendable`` of the plans of the
        last lead time; ``shortfall = max(0, demand - supply)``.
     3. Calibrate (online conformal risk control, Feldman et al. 2023):
-       ``z += rate * dt_h * (counted - B' * demand) / (B' * N)``, ``B' = aim_fraction * budget``, within
+       ``z += rate * dt_h * (counted - B'' * demand) / (B' * N)``, ``B' = aim_fraction * budget``
+       (``B''``: the same, paced: :mod:`~tidal.policy.budget_pacing`), within
        ``[min_z, max_z]``; ``counted`` is the shortfall against what the plans' bounds alone would have
        lent (before the ledger's cap), at most ``shortfall_cap_scales`` error scales at the lead time.
     4. Plan from ``upper = max(center + z * scale, center + R)`` (``R``: the tail reserve), within the
@@ -297,10 +317,14 @@ class TidalPolicy:
         fs = state.forecast
         new_obs = math.isnan(fs.t_s) or ctx.now_s > fs.t_s + EPS
         cap_unit = self._lead_scale(fs) if cfg.shortfall_cap_scales < math.inf else 0.0
+        cs = state.clients
         if new_obs:
             fs = observe(cfg.forecast, fs, ctx.now_s, ctx.demand_gpus)
+            if ctx.client_gpus is not None:
+                cs = cs or pc.initial_clients(cfg.clients)
+                cs = pc.observe_clients(cfg.clients, cfg.forecast, cs, ctx.now_s, ctx.client_gpus)
         z, shortfall_gpu_s, demand_gpu_s = state.z, state.shortfall_gpu_s, state.demand_gpu_s
-        ledger = state.ledger_gpu_s
+        ledger, pace = state.ledger_gpu_s, state.pace
         ledger_on = cfg.ledger_allowance_pool_h < math.inf
         covering = [c for c in state.commitments if c[0] < ctx.now_s - EPS and ctx.now_s <= c[1] + EPS]
         y = ctx.demand_gpus
@@ -312,29 +336,42 @@ class TidalPolicy:
             shortfall = max(0.0, y - (n - away)) if covering else 0.0
             shortfall_gpu_s += shortfall * dt_s
             demand_gpu_s += y * dt_s
-            b = cfg.shortfall_budget * cfg.aim_fraction
+            b = cfg.shortfall_budget * cfg.aim_fraction  # the target paced, the step size not
+            aim = cfg.shortfall_budget * paced_aim(cfg.aim_fraction, cfg.shortfall_budget, pace,
+                                                   cfg.pacing_gain)
+            pace = pace_update(pace, shortfall, y, dt_s, cfg.pacing_half_life_s)
             # z calibrates the bound: scored on what the bound alone would have lent, not the capped plans
             by_bound = shortfall
             if covering:
                 away_bound = min(n, max(_lent_by_bound(c, n) for c in covering))
                 by_bound = max(0.0, y - (n - away_bound))
             counted = min(by_bound, cfg.shortfall_cap_scales * cap_unit) if cap_unit > 0 else by_bound
-            z += cfg.calibration_rate_per_h * dt_s / 3600.0 * (counted - b * y) / (b * n)
+            z += cfg.calibration_rate_per_h * dt_s / 3600.0 * (counted - aim * y) / (b * n)
             z = min(cfg.max_z, max(cfg.min_z, z))
             if ledger_on:  # the loans' part of the shortfall: demand beyond the pool is not theirs
                 own = max(0.0, min(y, n) - (n - away)) if covering else 0.0
                 ledger = ledger_update(ledger, own, y, dt_s, cfg.ledger_fraction * cfg.shortfall_budget,
                                        cfg.shortfall_budget * n * cfg.ledger_bank_pool_h * 3600.0)
         fc = forecast(cfg.forecast, fs) if fs.n_obs else None  # nothing known yet: lend nothing
+        by_clients = fc is not None and cs is not None and cs.n_obs > 0 and ctx.client_gpus is not None
         reserve = self._reserve(fs)
+        if by_clients and fc is not None and cs is not None:
+            agg, fc = fc, pc.client_forecast(cfg.clients, cfg.forecast, cs, fc)
+            if cfg.clients.reserve_floor < 1:
+                i = min(max(round(cfg.timing.lead_time_s / cfg.forecast.step_s) - 1, 0), fc.times_s.size - 1)
+                factor, cs = pc.reserve_factor(cfg.clients, cfg.forecast, cs, agg, fc, i, new_obs)
+                reserve *= factor
         commitments = tuple(c for c in state.commitments if c[1] > ctx.now_s + EPS)
         cap = self._ledger_cap(ctx.now_s, n, ledger, commitments) if ledger_on else None
         plan = self._plan(ctx, fc, z, reserve, cap)
+        if by_clients:
+            plan = replace(plan, forecaster="clients")
         bound = plan.lendable_gpus if plan.bound_gpus is None else plan.bound_gpus
         until = ctx.now_s + cfg.timing.lead_time_s
         commitments += ((ctx.now_s, until, n - plan.lendable_gpus, n, n - bound),)
         new_state = replace(state, forecast=fs, z=z, commitments=commitments,
-                            shortfall_gpu_s=shortfall_gpu_s, demand_gpu_s=demand_gpu_s, ledger_gpu_s=ledger)
+                            shortfall_gpu_s=shortfall_gpu_s, demand_gpu_s=demand_gpu_s, ledger_gpu_s=ledger,
+                            clients=cs, pace=pace)
         return plan, new_state
 
     def _ledger_cap(self, now_s: float, n: int, ledger: float,

@@ -30,10 +30,13 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from tidal.serving.serve_history import history_grid
-from tidal.serving.sources import DEMAND_WAIT_S, BackgroundDemand, DemandSource, TraceReplay
+from tidal.serving.sources import DEMAND_WAIT_S, BackgroundDemand, DemandSource, TraceReplay, client_demand
+
+if TYPE_CHECKING:
+    import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -204,6 +207,9 @@ class ReplayAdapter:
     def demand_gpus(self, now_s: float) -> float:
         return self.source.demand_gpus(self.serving_time(now_s))
 
+    def clients_at(self, now_s: float) -> np.ndarray | None:
+        return client_demand(self.source, self.serving_time(now_s))
+
     def history(self, seconds: float, step_s: float) -> list[tuple[float, float]]:
         """(serving time, demand) on the ``step_s`` grid over the ``seconds`` before the replay's start,
         where the trace has them (the forecast learns them before the first live step)."""
@@ -284,6 +290,9 @@ class HookAdapter:
     def demand_gpus(self, now_s: float) -> float:
         """The source's answer, waited for at most ``demand_wait_s`` (:class:`BackgroundDemand`)."""
         return self.demand.demand_gpus(now_s)
+
+    def clients_at(self, now_s: float) -> np.ndarray | None:
+        return self.demand.clients_at(now_s)
 
     def release(self, node: str, gpus: int, lent_after: int, now_s: float) -> None:
         self._queue(ActionDone("release", node, gpus, lent_after))

@@ -12,7 +12,7 @@ def build_adapter(cfg: WatchConfig, ray_address: str | None = None
                   ) -> tuple[ServingAdapter, list[tuple[float, float]]]:
     """The adapter for ``cfg`` (Ray Serve's joins ``ray_address`` unless connected already) and a replay's
     earlier days (time, GPUs) to warm the forecast with; ``ValueError`` (``OSError``) naming what is wrong."""
-    from tidal.serving.sources import PrometheusQuery, TraceReplay
+    from tidal.serving.sources import PrometheusQuery, replay_of
     from tidal.serving.traces import load_trace
 
     nodes = parse_nodes(cfg.nodes)
@@ -32,16 +32,15 @@ def build_adapter(cfg: WatchConfig, ray_address: str | None = None
         rs.check()
         adapter = rs
     elif cfg.trace is not None:
-        trace = load_trace(cfg.trace)
-        first = float(trace.times_s[0])
+        source = replay_of(cfg.trace, gpus, None, cfg.requests())
+        first = source.start_s
         start = cfg.start_s if cfg.start_s is not None else first + cfg.history_days * 86400.0
-        replay = ReplayAdapter(TraceReplay(trace, gpus, start_s=first, requests=cfg.requests()), nodes,
-                               speedup=cfg.speedup, start_s=start)
+        replay = ReplayAdapter(source, nodes, speedup=cfg.speedup, start_s=start)
         history = replay.history(cfg.history_days * 86400.0, cfg.step_s)
         adapter = replay
     else:
-        source = PrometheusQuery(cfg.prometheus or "", cfg.query or "", cfg.gpus_per_unit,
-                                 requests=cfg.requests())
-        adapter = HookAdapter(source, nodes, url=cfg.actions_url, command=cfg.actions_command,
+        prom = PrometheusQuery(cfg.prometheus or "", cfg.query or "", cfg.gpus_per_unit,
+                               requests=cfg.requests(), client_label=cfg.client_label)
+        adapter = HookAdapter(prom, nodes, url=cfg.actions_url, command=cfg.actions_command,
                               timeout_s=cfg.actions_timeout_s)
     return adapter, history

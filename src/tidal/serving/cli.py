@@ -203,3 +203,48 @@ def load_command(
             print(f"error: {err}")
     if total["failed"]:
         raise typer.Exit(1)
+
+
+@app.command("engine-bench")
+def engine_bench_command(
+    replicas: Annotated[int, typer.Option("--replicas", help="llama.cpp replicas behind the router.")] = 2,
+    rate: Annotated[float, typer.Option("--rate", help="Requests/s (Poisson, open loop).")] = 4.0,
+    duration_s: Annotated[float, typer.Option("--duration-s", help="Seconds of traffic per run.")] = 24.0,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Tokens each request asks for.")] = 32,
+    slo_s: Annotated[float, typer.Option("--slo-s", help="p99 time-to-first-token target (s).")] = 0.5,
+    model: Annotated[Path | None, typer.Option("--model", help="A GGUF model (default: a tiny random one "
+                                               "written locally).", exists=True, dir_okay=False)] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="The result as JSON.")] = False,
+) -> None:
+    """The same traffic against real engine replicas twice, with and without lending; TTFT per phase."""
+    from tidal.serving.engine_bench import PHASES, BenchOptions, run
+    from tidal.serving.engine_replicas import EngineError
+
+    opts = BenchOptions(replicas=replicas, rate_per_s=rate, duration_s=duration_s, max_tokens=max_tokens,
+                        slo_s=slo_s, model=None if model is None else str(model))
+    try:
+        opts.check()
+        out = run(opts)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    except (EngineError, ImportError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    if json_out:
+        print(json.dumps(out, indent=1))
+        return
+
+    def ms(x: float | None) -> str:
+        return "-" if x is None else f"{1000 * x:.0f}"
+    print(f"{out['engine']['name']} {out['engine']['version']}: {replicas} replicas, {rate:g} requests/s")
+    print(f"{'phase':<11} {'run':<9} {'requests':>8} {'failed':>6} {'ttft_p50_ms':>11} {'ttft_p99_ms':>11} "
+          f"{'tokens/s':>8}")
+    for p in PHASES:
+        for name, key in (("lending", "with_lending"), ("without", "without_lending")):
+            v = out[key]["phases"][p]
+            print(f"{p:<11} {name:<9} {v['requests']:>8} {v['failed']:>6} {ms(v['ttft_p50_s']):>11} "
+                  f"{ms(v['ttft_p99_s']):>11} {v['tokens_per_s'] or 0:>8}")
+    w = out["with_lending"]
+    print(f"replicas lent {w['lent']} (demand {w['demand']['replicas']}), ttft p99 ratio "
+          f"{out['ttft_p99_ratio']}, failed by reclaim {out['requests_failed_by_reclaim']}, returns missed "
+          f"{out['returns_missed']}, GPU-hours lent {out['loaned_gpu_hours']}")

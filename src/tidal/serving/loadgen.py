@@ -12,6 +12,7 @@ a Poisson process of rate ``rate(t)``, drawn by thinning against the largest rat
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import random
 import time
@@ -37,6 +38,8 @@ class Record:
     status: int
     error: str = ""
     late_s: float = 0.0
+    ttft_s: float | None = None  # streamed: from sending until the first event arrived
+    tokens: int = 0  # streamed: the tokens the answer's usage counts
 
     @property
     def ok(self) -> bool:
@@ -122,13 +125,15 @@ def arrivals(rate: Callable[[float], float], duration_s: float, max_rate: float,
 
 async def generate(url: str, rate: Callable[[float], float], duration_s: float, *,
                    max_rate: float | None = None,
-                   body: bytes = b"{}", timeout_s: float = 30.0, seed: int = 0,
+                   body: bytes | Callable[[int], bytes] = b"{}", timeout_s: float = 30.0, seed: int = 0,
+                   stream: bool = False,
                    on_record: Callable[[Record], None] | None = None, start: float | None = None,
                    stop: Callable[[], bool] | None = None) -> list[Record]:
     """Send the arrivals of ``rate`` over ``duration_s`` to ``url`` (``POST body``); every request's
     :class:`Record`, in send order. ``max_rate``: the largest ``rate(t)`` (default: sampled every 0.1 s).
     ``start``: the ``time.perf_counter()`` of second 0 (default: now); ``stop()`` true ends the sending
-    early (what was sent is still awaited)."""
+    early (what was sent is still awaited). ``body(i)``: the i-th request's body. ``stream``: the answer
+    is server-sent events (an OpenAI-style completion): its first event and its token usage recorded."""
     check_url(url)
     if not (duration_s > 0 and math.isfinite(duration_s)):
         raise ValueError(f"duration_s must be a finite number > 0, got {duration_s!r}")
@@ -156,10 +161,14 @@ async def generate(url: str, rate: Callable[[float], float], duration_s: float, 
                 return
             in_flight += 1
             try:
-                r = await client.post(url, content=body)
-                await r.aread()
-                why = "" if r.is_success else f"HTTP {r.status_code}: {' '.join(r.text.split())[:160]}"
-                rec = Record(t, time.perf_counter() - sent, r.status_code, why, sent - start - t)
+                content = body(i) if callable(body) else body
+                if stream:
+                    rec = await _streamed(client, url, content, sent, t, start)
+                else:
+                    r = await client.post(url, content=content)
+                    await r.aread()
+                    why = "" if r.is_success else f"HTTP {r.status_code}: {' '.join(r.text.split())[:160]}"
+                    rec = Record(t, time.perf_counter() - sent, r.status_code, why, sent - start - t)
             except Exception as e:  # noqa: BLE001 (any failure is this request's, recorded, never a crash)
                 why = " ".join(f"{type(e).__name__}: {e}".split())[:200]
                 rec = Record(t, time.perf_counter() - sent, 0, why, sent - start - t)
@@ -180,6 +189,29 @@ async def generate(url: str, rate: Callable[[float], float], duration_s: float, 
         if tasks:
             await asyncio.gather(*tasks)
     return [r for r in out if r is not None]
+
+
+async def _streamed(client: httpx.AsyncClient, url: str, content: bytes, sent: float, t: float,
+                    start: float) -> Record:
+    """One request whose answer is server-sent events: ``ttft_s`` at the first ``data:`` line, ``tokens``
+    from the ``usage`` of the last; an answer cut before ``data: [DONE]`` is a failure."""
+    ttft, tokens, done = None, 0, False
+    async with client.stream("POST", url, content=content) as r:
+        if not r.is_success:
+            await r.aread()
+            return Record(t, time.perf_counter() - sent, r.status_code,
+                          f"HTTP {r.status_code}: {' '.join(r.text.split())[:160]}", sent - start - t)
+        async for line in r.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            if ttft is None:
+                ttft = time.perf_counter() - sent
+            if line[5:].strip() == "[DONE]":
+                done = True
+            elif '"usage"' in line:
+                tokens = int((json.loads(line[5:]).get("usage") or {}).get("completion_tokens") or 0)
+    why = "" if done else "the event stream ended before [DONE]"
+    return Record(t, time.perf_counter() - sent, r.status_code, why, sent - start - t, ttft, tokens)
 
 
 def summary(records: Sequence[Record], start_s: float = 0.0, end_s: float = math.inf) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from tidal.serving.adapters import parse_nodes
 from tidal.serving.requests import FIELDS as REQUEST_FIELDS
 from tidal.serving.requests import RequestModel, number_in
 from tidal.serving.serve_history import MAX_HISTORY_DAYS
-from tidal.serving.sources import BackgroundDemand, DemandSource, TraceReplay
+from tidal.serving.sources import BackgroundDemand, DemandSource, TraceReplay, client_demand
 
 ADAPTERS = (None, "replay", "hook", "ray-serve")  # serving.adapter (None: replay with a trace, else hook)
 MAX_CATCH_UP = 64  # grid points one advance() observes one by one; beyond that it skips to the latest
@@ -106,7 +106,8 @@ class Advisor:
             grid += math.floor((now_s - grid) / self.step_s) * self.step_s
         demand = self.source.demand_gpus(grid)
         lent = self.latest.plan.lendable_gpus if self.latest is not None else 0
-        ctx = LoanContext(now_s=grid, serving_gpus=self.serving_gpus, demand_gpus=demand, lent_gpus=lent)
+        ctx = LoanContext(now_s=grid, serving_gpus=self.serving_gpus, demand_gpus=demand, lent_gpus=lent,
+                          client_gpus=client_demand(self.source, grid))
         plan, self.state = self.policy(ctx, self.state)
         self.latest = Step(grid, demand, plan, self.state.z, self.state.shortfall_ratio)
         self.next_s = grid + self.step_s
@@ -150,6 +151,7 @@ class WatchConfig:
     prometheus: str | None = None
     query: str | None = None
     gpus_per_unit: float = 1.0
+    client_label: str | None = None
     shortfall_budget: float = 0.005
     step_s: float = 600.0
     nodes: Any = None
@@ -196,6 +198,9 @@ class WatchConfig:
         if not number_in(self.history_days, 0, MAX_HISTORY_DAYS):
             raise ValueError(f"serving.history_days must be a number from 0 to {MAX_HISTORY_DAYS:g} (days "
                              f"the forecast learns before the first live step), got {self.history_days!r}")
+        label = self.client_label
+        if label is not None and (self.prometheus is None or not isinstance(label, str) or not label.strip()):
+            raise ValueError(f"serving.client_label must be a label name (with prometheus), got {label!r}")
         if self.adapter == "ray-serve":
             self._check_ray_serve()
             return
@@ -281,15 +286,12 @@ class WatchConfig:
     def source(self) -> DemandSource:
         """The demand source; a replay plays on the trace's own time axis, from ``start_s`` or else from
         its first row (so the forecast's time of day is the trace's)."""
-        from tidal.serving.sources import PrometheusQuery, TraceReplay
-        from tidal.serving.traces import load_trace
+        from tidal.serving.sources import PrometheusQuery, replay_of
 
         if self.trace is not None:
-            trace = load_trace(self.trace)
-            start = self.start_s if self.start_s is not None else float(trace.times_s[0])
-            return TraceReplay(trace, self.pool_gpus, start_s=start, requests=self.requests())
+            return replay_of(self.trace, self.pool_gpus, self.start_s, self.requests())
         return PrometheusQuery(self.prometheus or "", self.query or "", self.gpus_per_unit,
-                               requests=self.requests())
+                               requests=self.requests(), client_label=self.client_label)
 
     @property
     def pool_gpus(self) -> int:

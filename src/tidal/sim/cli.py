@@ -43,7 +43,8 @@ def _consoles(json_out: bool) -> tuple[Any, Any]:
 
 def sim_command(
     traffic: Path = typer.Option(..., "--traffic", exists=True, dir_okay=False,
-        help="Serving trace CSV (a time column in seconds or ISO-8601, a load column)."),
+        help="Serving trace CSV (a time column in seconds or ISO-8601, a load column), or per client "
+             "(seconds, client, requests_per_second; gzip or not)."),
     jobs: Path | None = typer.Option(None, "--jobs", exists=True, dir_okay=False,
         help="Job trace: native CSV (submit_s,tenant,kind,priority,min_gpus,max_gpus,work_gpu_s) or the "
              "ElasticFlow/Philly CSV."),
@@ -110,7 +111,7 @@ def sim_command(
     from tidal.sim.policies import POLICIES, PolicySpec
     from tidal.sim.runner import Scenario, best_within, compare, headline
     from tidal.sim.runner import sweep as run_sweep
-    from tidal.sim.traffic import demand_gpus
+    from tidal.sim.traffic import traffic_gpus
 
     out, err = _consoles(json_out)
 
@@ -123,7 +124,7 @@ def sim_command(
     if not jobs and not spot_backlog:
         log("no --jobs and no --spot-backlog: nothing will train (serving metrics only)")
     try:
-        demand, step, trace_name = demand_gpus(traffic, serving_gpus, step_s)
+        demand, clients, step, trace_name = traffic_gpus(traffic, serving_gpus, step_s)
         job_list = load_jobs(jobs, philly_kind=philly_kind) if jobs else []
         if training_gpus == 0 and any(j.kind == "dedicated" for j in job_list):
             log("the job trace has dedicated jobs but --training-gpus is 0: they have no quota and never run")
@@ -140,7 +141,7 @@ def sim_command(
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     scenario = Scenario(demand=demand, step_s=step, config=cfg, jobs=tuple(job_list), night_hours=night_hours,
-                        backlog=SpotBacklog() if spot_backlog else None, name=trace_name)
+                        backlog=SpotBacklog() if spot_backlog else None, name=trace_name, clients=clients)
     title = (f"{trace_name}: {serving_gpus} serving + {training_gpus} training GPUs, {n_days:g} days "
              f"(scored from day {warmup_days:g}), ckpt {','.join(ckpts)}, resize {','.join(resizes)}")
     if sweep:
@@ -181,7 +182,8 @@ def sim_command(
 
 
 def plan_command(
-    traffic: Path = typer.Argument(..., exists=True, dir_okay=False, help="Serving trace CSV."),
+    traffic: Path = typer.Argument(..., exists=True, dir_okay=False,
+                                   help="Serving trace CSV, in total or per client."),
     serving_gpus: int = typer.Option(..., "--serving-gpus", min=1,
         help="Serving pool; it serves the trace's peak."),
     risk: float = typer.Option(0.005, "--risk",
@@ -211,7 +213,7 @@ def plan_command(
     from tidal.serving.requests import RequestModel
     from tidal.sim.plan import plan_report, plot_plan, render_plan
     from tidal.sim.report import clean
-    from tidal.sim.traffic import demand_gpus, request_demand_gpus
+    from tidal.sim.traffic import request_demand_gpus, traffic_gpus
 
     out, err = _consoles(json_out)
     try:
@@ -221,6 +223,7 @@ def plan_command(
             latency_quantile=latency_quantile, latency_of=latency_of))
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint=option_of(str(e))) from None
+    clients = None
     try:
         if requests is not None:
             demand, step, _ = request_demand_gpus(traffic, requests, step_s)
@@ -229,10 +232,10 @@ def plan_command(
             err.print(f"[dim]{requests.describe()}: demand {np.nanmin(demand):g}-{np.nanmax(demand):g} GPUs "
                       f"(pool {serving_gpus})[/]{short}", highlight=False)
         else:
-            demand, step, _ = demand_gpus(traffic, serving_gpus, step_s)
+            demand, clients, step, _ = traffic_gpus(traffic, serving_gpus, step_s)
         timing = LoanTiming(notice_s=notice_s, final_checkpoint_s=final_ckpt_s, release_s=release_s,
                             warmup_s=warmup_s, restart_cost_s=restart_s)
-        rep = plan_report(demand, step, serving_gpus, risk=risk, timing=timing)
+        rep = plan_report(demand, step, serving_gpus, risk=risk, timing=timing, clients=clients)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     render_plan(rep, out)

@@ -61,7 +61,7 @@ class Engine:
 
     def __init__(self, demand: np.ndarray, step_s: float, policy: PolicySpec, config: SimConfig,
                  jobs: list[JobSpec], backlog: SpotBacklog | None, tenants: list[Tenant] | None = None,
-                 check: bool = False, night_hours: float = 8.0) -> None:
+                 check: bool = False, night_hours: float = 8.0, clients: np.ndarray | None = None) -> None:
         self.cfg, self.step, self.spec, self.check = config, step_s, policy, check
         self.n_steps = math.ceil(config.end_s / step_s - 1e-9)
         self.policy = build(policy, config, step_s, np.asarray(demand[: self.n_steps]),
@@ -70,6 +70,7 @@ class Engine:
         need = self.n_steps + self.h_steps
         short = len(demand) < need
         self.demand = np.resize(np.asarray(demand, dtype=float), need) if short else np.asarray(demand)
+        self.clients = None if clients is None else np.resize(clients, (need, clients.shape[1]))
         self.pstate = self.policy.initial_state() if self.policy is not None else None
         self.sched_index = RunningIndex()  # the scheduler's incremental per-node sums (same decisions)
         self.last_running: tuple = ()  # the running jobs the index saw last
@@ -169,7 +170,8 @@ class Engine:
         if self.policy is not None:
             fut = self.demand[i + 1: i + 1 + self.h_steps] if self.spec.name == "oracle" else None
             ctx = LoanContext(now_s=t, serving_gpus=n, demand_gpus=d, lent_gpus=w.serving.lent,
-                              future_demand_gpus=fut)
+                              future_demand_gpus=fut,
+                              client_gpus=None if self.clients is None else self.clients[i])
             t0 = time.perf_counter()
             plan, self.pstate = self.policy(ctx, self.pstate)
             self.plan_ms.append((time.perf_counter() - t0) * 1e3)
@@ -263,8 +265,10 @@ class Engine:
 
 def simulate(demand: np.ndarray, *, step_s: float, policy: PolicySpec, config: SimConfig,
              jobs: list[JobSpec] | None = None, backlog: SpotBacklog | None = None,
-             tenants: list[Tenant] | None = None, check: bool = False, night_hours: float = 8.0) -> SimResult:
+             tenants: list[Tenant] | None = None, check: bool = False, night_hours: float = 8.0,
+             clients: np.ndarray | None = None) -> SimResult:
     """Run one policy over ``demand`` (GPUs per ``step_s`` from time 0; NaN = unknown; repeats if
-    shorter than the run)."""
-    engine = Engine(demand, step_s, policy, config, list(jobs or []), backlog, tenants, check, night_hours)
+    shorter than the run); ``clients``: the same per client (steps x clients, the tail last), if known."""
+    engine = Engine(demand, step_s, policy, config, list(jobs or []), backlog, tenants, check, night_hours,
+                    clients)
     return engine.run()

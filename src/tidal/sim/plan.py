@@ -15,8 +15,8 @@ from tidal.sim.report import pyplot, save_figure
 
 
 def plan_report(demand: np.ndarray, step_s: float, serving_gpus: int, *, risk: float = 0.005,
-                timing: LoanTiming | None = None) -> dict[str, Any]:
-    """The numbers of ``tidal plan``. ``demand``: GPUs per step, NaN = gap."""
+                timing: LoanTiming | None = None, clients: np.ndarray | None = None) -> dict[str, Any]:
+    """The numbers of ``tidal plan``. ``demand``: GPUs per step, NaN = gap; ``clients``: per client."""
     timing = timing or sim_timing()
     if not 0 < risk < 1:
         raise ValueError(f"risk must be in (0, 1), got {risk}")
@@ -31,7 +31,7 @@ def plan_report(demand: np.ndarray, step_s: float, serving_gpus: int, *, risk: f
     for i in range(steps):
         w = d[i: i + lead + 1]
         ahead[i] = np.nanmax(w) if np.isfinite(w).any() else np.nan
-    lent = _tidal_fluid(d, step_s, n, risk, timing)
+    lent, forecaster = _tidal_fluid(d, step_s, n, risk, timing, clients)
     away = np.array([lent[max(0, u - lead): u].max() if u else 0 for u in range(steps)])
     ok = np.isfinite(d)
     short = np.where(ok, np.maximum(0.0, np.nan_to_num(d) - (n - away)), 0.0)
@@ -65,21 +65,30 @@ def plan_report(demand: np.ndarray, step_s: float, serving_gpus: int, *, risk: f
         "idle_gpu_hours_per_day": idle_total,
         "lendable_gpu_hours_per_day_at_risk": float(sum(r["lendable_gpus_at_risk"] for r in rows)),
         "tidal_lent_gpu_hours_per_day": float(sum(r["tidal_lent_gpu_hours_per_day"] for r in rows)),
+        "forecaster": forecaster,
         "tidal_shortfall_ratio": float(short.sum() / np.nansum(d)) if np.nansum(d) > 0 else math.nan,
         "by_hour": rows,
     }
 
 
-def _tidal_fluid(d: np.ndarray, step_s: float, n: int, budget: float, timing: LoanTiming) -> np.ndarray:
+def _tidal_fluid(d: np.ndarray, step_s: float, n: int, budget: float, timing: LoanTiming,
+                 clients: np.ndarray | None) -> tuple[np.ndarray, str]:
+    """What the policy lent per step, and the forecaster that made most of its plans."""
     pol = TidalPolicy.build(budget, step_s, timing, horizon_s=None)
     state = pol.initial_state()
     lent = np.zeros(len(d), dtype=int)
-    prev = 0
+    prev, by_clients = 0, 0
     for i, y in enumerate(d):
-        ctx = LoanContext(now_s=i * step_s, serving_gpus=n, demand_gpus=float(y), lent_gpus=prev)
+        ctx = LoanContext(now_s=i * step_s, serving_gpus=n, demand_gpus=float(y), lent_gpus=prev,
+                          client_gpus=None if clients is None else clients[i])
         plan, state = pol(ctx, state)
         lent[i] = prev = plan.lendable_gpus
-    return lent
+        by_clients += plan.forecaster == "clients"
+    return lent, "clients" if 2 * by_clients > len(d) else "aggregate"
+
+
+FORECASTERS = {"aggregate": "forecast of the total", "clients": "forecast of the total widened by each heavy "
+               "client's risk of switching on"}
 
 
 def render_plan(rep: dict[str, Any], console: Any) -> None:
@@ -117,7 +126,8 @@ def render_plan(rep: dict[str, Any], console: Any) -> None:
         highlight=False,
     )
     console.print(
-        f"tidal (budget {rep['risk']:g}, causal replay, every lendable GPU lent): "
+        f"tidal (budget {rep['risk']:g}, causal replay, every lendable GPU lent; "
+        f"{FORECASTERS[rep['forecaster']]}): "
         f"{rep['tidal_lent_gpu_hours_per_day']:.0f} GPU-h/day of {rep['idle_gpu_hours_per_day']:.0f} idle, "
         f"realized shortfall {rep['tidal_shortfall_ratio']:.4f}.",
         highlight=False,

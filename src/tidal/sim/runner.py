@@ -29,7 +29,8 @@ Log = Callable[[str], None]
 
 @dataclass(frozen=True)
 class Scenario:
-    """What every policy of a comparison runs on. ``demand``: GPUs per ``step_s`` step from time 0."""
+    """What every policy of a comparison runs on. ``demand``: GPUs per ``step_s`` step from time 0;
+    ``clients``: the same per client (the tail last), when the trace has them."""
 
     demand: np.ndarray
     step_s: float
@@ -39,11 +40,12 @@ class Scenario:
     tenants: tuple[Tenant, ...] = ()
     night_hours: float = 8.0
     name: str = ""
+    clients: np.ndarray | None = None
 
     def run(self, spec: PolicySpec, config: SimConfig | None = None, check: bool = False) -> SimResult:
         res = simulate(self.demand, step_s=self.step_s, policy=spec, config=config or self.config,
                        jobs=list(self.jobs), backlog=self.backlog, tenants=list(self.tenants) or None,
-                       check=check, night_hours=self.night_hours)
+                       check=check, night_hours=self.night_hours, clients=self.clients)
         res.metrics["knob"] = knob_of(spec, self.config.serving_gpus)
         res.metrics["knob_label"] = knob_label(spec, self.config.serving_gpus)
         return res

@@ -1,5 +1,6 @@
 """Serving demand for the simulator: a trace CSV on the simulation's grid, in GPUs (NaN at gaps). The
-clock starts at 0 at the trace's first row; a shorter trace repeats."""
+clock starts at 0 at the trace's first row; a shorter trace repeats. A per-client trace
+(:mod:`tidal.serving.client_traces`, told apart by its header) gives its total, and the same per client."""
 
 from __future__ import annotations
 
@@ -7,26 +8,40 @@ from pathlib import Path
 
 import numpy as np
 
+from tidal.serving.client_traces import ClientTrace, read_trace
 from tidal.serving.requests import RequestModel
-from tidal.serving.traces import Trace, load_trace
+from tidal.serving.traces import Trace
 
 
-def _trace(path: str | Path, step_s: float | None) -> Trace:
-    trace = load_trace(path).resample(step_s)
+def _trace(path: str | Path, step_s: float | None) -> tuple[Trace, ClientTrace | None]:
+    trace, clients = read_trace(path, step_s)
     if 86400.0 % trace.step_s > 1e-6:
         raise ValueError(f"{path}: the step ({trace.step_s:g} s) must divide a day (the forecast's period)")
-    return trace
+    return trace, clients
+
+
+def traffic_gpus(path: str | Path, serving_gpus: int,
+                 step_s: float | None = None) -> tuple[np.ndarray, np.ndarray | None, float, str]:
+    """(demand per step in GPUs, the same per client or None, step_s, trace name) for a pool of
+    ``serving_gpus`` sized for the peak; per client: the heavy clients, the tail last."""
+    trace, clients = _trace(path, step_s)
+    d = np.array(trace.demand_gpus(serving_gpus))
+    if clients is None:
+        return d, None, trace.step_s, trace.name
+    per = clients.rates * (serving_gpus / trace.peak_load)
+    per[trace.gap] = np.nan
+    return d, per, trace.step_s, trace.name
 
 
 def demand_gpus(path: str | Path, serving_gpus: int,
                 step_s: float | None = None) -> tuple[np.ndarray, float, str]:
     """(demand per step in GPUs, step_s, trace name) for a pool of ``serving_gpus`` sized for the peak."""
-    trace = _trace(path, step_s)
-    return trace.demand_gpus(serving_gpus), trace.step_s, trace.name
+    d, _, step, name = traffic_gpus(path, serving_gpus, step_s)
+    return d, step, name
 
 
 def request_demand_gpus(path: str | Path, model: RequestModel,
                         step_s: float | None = None) -> tuple[np.ndarray, float, str]:
     """As :func:`demand_gpus` for a trace of request rates: ``model.gpus(rate)`` per step (Erlang C)."""
-    trace = _trace(path, step_s)
+    trace, _ = _trace(path, step_s)
     return np.array(trace.request_demand_gpus(model)), trace.step_s, trace.name

