@@ -315,3 +315,22 @@ def test_a_spec_cannot_point_the_checkpoints_view_at_another_tenants_steps(api, 
     link.symlink_to(victim)
     got = clients["b"].checkpoints(job)
     assert got["steps"] == [] and [t["kind"] for t in got["tiers"]] == ["dir"], got
+
+
+def test_a_checkpoint_location_swapped_for_a_link_is_not_listed(api, tmp_path):
+    """A tenant's job that owns the parent of its checkpoint location (made for its uid under a granted
+    prefix) swaps the location for a link to another tenant's: the view, read as the plane, would list
+    that tenant's steps. A location that no longer resolves where it was recorded is refused (409)."""
+    from tidal.ckpt.format import manifest as mf
+
+    clients, jobs, *_ = api
+    victim = tmp_path / "jobs" / jobs["a"] / "ckpt"
+    (victim / mf.step_dirname(7)).mkdir(parents=True)
+    (victim / mf.step_dirname(7) / mf.MANIFEST).write_text("{}")
+    own = tmp_path / "tenants" / "b" / "run" / "ck"
+    job = clients["b"].submit({**SPEC, "name": "swap", "checkpoint": {"url": str(own)}})["id"]
+    own.parent.mkdir(parents=True)
+    own.symlink_to(victim)
+    with pytest.raises(ApiError) as e:
+        clients["b"].checkpoints(job)
+    assert e.value.status == 409 and "symbolic link" in str(e.value)

@@ -328,7 +328,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
                 used = len(data) - len(dec.getstate()[0])
         return {"job": job_id, "rank": rank, "offset": start + used, "size": size, "data": text, "done": done}
 
-    @app.get("/v1/jobs/{job_id}/checkpoints", **_doc(sc.Checkpoints, 401, 404))
+    @app.get("/v1/jobs/{job_id}/checkpoints", **_doc(sc.Checkpoints, 401, 404, 409))
     @json_route()
     def checkpoints(job_id: str, me: Caller) -> dict:
         """Committed steps per tier (shm, directory, object storage; read from storage and from the job's
@@ -336,6 +336,9 @@ def create_app(ctx: ApiContext) -> FastAPI:
         j = own_job(job_id, me)
         ck = (j.spec or {}).get("checkpoint") or {}
         url = ck.get("url") or default_ckpt(ctx.ckpt_root, j)
+        if j.ckpt_location and "://" not in j.ckpt_location and loc_policy.moved(j.ckpt_location):
+            raise HTTPException(409, f"checkpoint location {j.ckpt_location} now resolves elsewhere (a "
+                                "symbolic link replaced a directory on its path): not listed")
         shm = ctx.shm_dir(j.id) if ctx.shm_dir is not None else None  # never the spec's (the tenant's)
         return checkpoint_view(j.id, None if ck.get("tiers") else url, ctx.clock(), tiers=ck.get("tiers"),
                                shm_base=None if shm is None else str(shm))

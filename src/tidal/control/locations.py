@@ -72,10 +72,15 @@ def quota_use(homes: Iterable[tuple[str, str]],
         q = quota(tenant)
         if q is None or home.startswith("s3://"):
             continue
-        real = _real(home)
-        used = _blocks(real) if real == os.path.abspath(home.removeprefix("file://")) else 0
+        used = 0 if moved(home) else _blocks(_real(home))
         out[tenant] = (out.get(tenant, (0, q))[0] + used, q)
     return out
+
+
+def moved(home: str) -> bool:
+    """Whether a local checkpoint home (recorded resolved) now resolves elsewhere: its job swapped a
+    directory on its path for a link (the plane then neither walks nor lists it)."""
+    return _real(home) != os.path.abspath(home.removeprefix("file://"))
 
 
 def _blocks(top: str) -> int:
