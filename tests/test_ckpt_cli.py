@@ -524,6 +524,29 @@ def test_console_script_help():
         assert cmd in r.stdout
 
 
+# ``tidal --help`` and the commands that only read a checkpoint, in one interpreter: torch is not loaded (its
+# import is seconds of CPU; only ``export`` builds tensors).
+NO_TORCH = """
+import sys
+from tidal.cli import main
+url = sys.argv[1]
+for args in (["--help"], ["ckpt", "ls", url], ["ckpt", "inspect", url], ["ckpt", "verify", url]):
+    sys.argv = ["tidal", *args]
+    try:
+        main()
+    except SystemExit as e:
+        assert not e.code, (args, e.code)
+sys.exit("torch" in sys.modules and "torch was loaded")
+"""
+
+
+def test_help_and_the_reading_commands_load_no_torch(url):
+    r = subprocess.run([sys.executable, "-c", NO_TORCH, str(url)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "OK: 2 step copies verified" in r.stdout, r.stdout[-500:]  # they ran, to their end
+
+
 # What ``python -m tidal.ckpt.cli CMD --help`` does (the module run as __main__), for each command in one
 # interpreter: {cmd: [exit code, stdout]} as JSON.
 AS_MODULE = """

@@ -126,7 +126,8 @@ def test_gpu_map_queue_and_fair_share(dash):
     seen_by_b = get("b", "/v1/dashboard/pool")["queue"]["jobs"]
     assert [r["job"] for r in seen_by_b] == [None, big, None] and seen_by_b[0]["why"] == "its tenant's quota"
     # once the scheduler has said why (jobs.waiting), its owner and the admin read that, others do not
-    store.set_waiting({ded: {"reason": "waiting: quota of tenant a full (2 of 2 GPUs)", "until_s": None}})
+    why = {"reason": "waiting: quota of tenant a full (2 of 2 GPUs)", "until_s": None}
+    store.update_many({ded: {"waiting": why}})
     told = get("admin", "/v1/dashboard/pool")["queue"]["jobs"][0]["why"]
     assert told == "waiting: quota of tenant a full (2 of 2 GPUs)"
     assert get("a", "/v1/dashboard/pool")["queue"]["jobs"][0]["why"] == told

@@ -37,7 +37,7 @@ _CONTROL = ("up", "submit", "jobs", "status", "logs", "cancel", "pool", "events"
 # name -> (module, attribute, help): a group of subcommands when ``help`` is given, else one command
 _COMMANDS: dict[str, tuple[str, str, str | None]] = {
     "ckpt": ("tidal.ckpt.cli", "app", "Inspect, verify and export checkpoints."),
-    "bench": ("tidal.bench.cli", "app", "Benchmarks (side by side, --json)."),
+    "bench": ("tidal.demo.plane_bench", "bench_app", "Benchmarks (side by side, --json)."),
     "verify-resume": ("tidal.bench.cli", "verify_resume", None),
     "sim": ("tidal.sim.cli", "sim_command", None),
     "plan": ("tidal.sim.cli", "plan_command", None),

@@ -13,10 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tidal.ckpt.engine import comm
-from tidal.ckpt.engine.reader import PieceReader
 from tidal.ckpt.errors import CorruptionError, ManifestError, NotFoundError, StateError
 from tidal.ckpt.format import manifest as mf
-from tidal.ckpt.format.flatten import flatten, path_name, set_path
 from tidal.ckpt.tiers.config import describe, read_tiers
 from tidal.ckpt.tiers.directory import newest_manifest
 from tidal.ckpt.tiers.protocol import Tier
@@ -141,23 +139,26 @@ def load(url_or_tiers: UrlOrTiers, state: dict, step: int | None = None, process
 
 def _fill(man: mf.Manifest, tiers: list[Tier], state: dict, *, strict: bool, verify: bool,
           stats: LoadStats) -> None:
+    from tidal.ckpt.engine.reader import PieceReader  # torch: only a load needs it
+    from tidal.ckpt.format.flatten import flatten, set_path
+
     tensors, objects = flatten(state)
     stored_objects = {tuple(p): v for p, v in man.objects}
     want_t = {e.name: e for e in tensors}
     want_o = {tuple(o.path): o for o in objects}
-    stored_o_names = {path_name(p): p for p in stored_objects}
+    stored_o_names = {mf.path_name(p): p for p in stored_objects}
     # An entry may be a tensor on one side and a plain value on the other.
     for name in want_t:
         if name in stored_o_names:
             raise StateError(f"entry '{name}': state holds a tensor but step {man.step} stores a plain value")
     for p in want_o:
-        if path_name(p) in man.tensors:
-            raise StateError(f"entry '{path_name(p)}': state holds a plain value but step {man.step} "
+        if mf.path_name(p) in man.tensors:
+            raise StateError(f"entry '{mf.path_name(p)}': state holds a plain value but step {man.step} "
                              "stores a tensor")
     missing = [n for n in want_t if n not in man.tensors] + [
-        path_name(p) for p in want_o if p not in stored_objects]
+        mf.path_name(p) for p in want_o if p not in stored_objects]
     unexpected = [n for n in man.tensors if n not in want_t] + [
-        path_name(p) for p in stored_objects if p not in want_o and path_name(p) not in want_t]
+        mf.path_name(p) for p in stored_objects if p not in want_o and mf.path_name(p) not in want_t]
     if strict and (missing or unexpected):
         raise StateError(f"state and step {man.step} hold different entries (pass strict=False to load the "
                          f"common ones): missing from the checkpoint: {sorted(missing)[:10]}"

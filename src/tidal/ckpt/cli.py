@@ -25,7 +25,6 @@ from tidal.ckpt.cli_export import export_cmd
 from tidal.ckpt.engine.status import CheckpointStatus
 from tidal.ckpt.errors import ManifestError, NotFoundError
 from tidal.ckpt.format import manifest as mf
-from tidal.ckpt.format.flatten import path_name
 from tidal.ckpt.tiers.config import describe
 from tidal.ckpt.verify import Checked, Problem, _verify_tier
 from tidal.console import console
@@ -155,7 +154,7 @@ def inspect_cmd(
                  **({"pieces": [_piece_doc(p) for p in t.pieces]} if pieces else {})}
                 for t in tensors
             ],
-            "objects": [{"name": path_name(p), "path": list(p), "value": v} for p, v in man.objects],
+            "objects": [{"name": mf.path_name(p), "path": list(p), "value": v} for p, v in man.objects],
             "errors": errors,
         }
         cc.emit_json(doc)
@@ -174,7 +173,7 @@ def inspect_cmd(
         if man.objects:
             ot = _table("plain values", "path", "value (JSON)")
             for p, v in man.objects:
-                ot.add_row(cc.cell(path_name(p)), cc.cell(mf.clip(json.dumps(v, sort_keys=True), 80)))
+                ot.add_row(cc.cell(mf.path_name(p)), cc.cell(mf.clip(json.dumps(v, sort_keys=True), 80)))
             con.print(ot)
         if pieces:
             pt = _table("pieces", "tensor", "offsets", "lengths", "file", "byte range", "checksum")

@@ -10,10 +10,10 @@ import typer
 from rich.text import Text
 
 from tidal.ckpt import cli_common as cc
-from tidal.ckpt.api import LoadStats, held_steps, load, pick, read_manifest
+from tidal.ckpt.api import held_steps, pick
 from tidal.ckpt.cli_common import JsonOpt, StepOpt, UrlArg
 from tidal.ckpt.errors import CorruptionError, ManifestError
-from tidal.ckpt.format.flatten import ST_TO_DTYPE, path_name
+from tidal.ckpt.format.manifest import path_name
 from tidal.console import console
 from tidal.files import AS_OPEN, atomic_path
 
@@ -70,6 +70,9 @@ def export_cmd(
     """
     import torch
     from safetensors.torch import save_file
+
+    from tidal.ckpt.api import LoadStats, load, read_manifest  # torch: only this command needs it
+    from tidal.ckpt.format.flatten import ST_TO_DTYPE
 
     with cc.errors():
         source, tiers, where = cc.source(url)

@@ -11,7 +11,6 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
-from tidal.ckpt.engine.reader import bad_blocks
 from tidal.ckpt.errors import ManifestError, UnsafeFileError
 from tidal.ckpt.format import manifest as mf
 from tidal.ckpt.format.plan import ITEMSIZE
@@ -71,7 +70,7 @@ def _check_range(reader: RangeReader, start: int, nbytes: int, buf: memoryview,
         except TruncatedRead as e:  # the bytes read of this chunk are not trusted
             return crc, bad, done + max(0, min(e.got, n))
         if piece is not None:
-            bad += bad_blocks(buf[:n], [(start + done, n)], piece)
+            bad += mf.bad_blocks(buf[:n], [(start + done, n)], piece)
         else:
             crc = zlib.crc32(buf[:n], crc)
         done += n

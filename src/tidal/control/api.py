@@ -17,6 +17,7 @@ database, in the pool.
 
 import codecs
 import json
+import math
 import os
 from typing import Annotated, Any, TypeVar
 
@@ -57,7 +58,8 @@ UNDECLARED_RULES = frozenset({"priority_limit", "capacity", "quota", "checkpoint
 ERRORS = {400: "the body is not UTF-8 JSON", 401: "missing or unknown bearer token",
           403: "only the admin may do this", 404: "not found (another tenant's job is not found either)",
           409: "conflicts with the current state", 413: "request body too large",
-          422: "refused: each field named", 503: "the store is unavailable"}
+          422: "refused: each field named", 429: "over the tenant's submission limits (Retry-After)",
+          503: "the store is unavailable"}
 
 
 class TenantSpec(BaseModel):
@@ -216,14 +218,18 @@ def create_app(ctx: ApiContext) -> FastAPI:
 
 
     @app.post("/v1/jobs", status_code=201, openapi_extra=_body_doc(JobSpec),
-              **_doc(sc.JobDetail, 400, 401, 413, 422, status=201))
+              **_doc(sc.JobDetail, 400, 401, 413, 422, 429, status=201))
     async def submit(request: Request, me: Caller) -> Response:
         """Submit a job spec (JSON); 201 with the job. 413 over the body limit, 400 for a body that is not
-        UTF-8 JSON, 422 naming each refused field."""
+        UTF-8 JSON, 422 naming each refused field, 429 over the tenant's submission limits."""
         spec = await _body(request, JobSpec)
         return spec if isinstance(spec, Response) else await run_in_threadpool(_submit, spec, me)
 
     def _submit(spec: JobSpec, me: TenantRow) -> Response:
+        if ctx.limits is not None and not me.admin and (no := ctx.limits.refuse(
+                me.name, lambda: store.count_by_state(me.name).get(State.PENDING.value, 0), ctx.clock())):
+            return SafeJSON({"detail": no[0]}, status_code=429,
+                            headers={"Retry-After": str(math.ceil(no[1]))})
         problems = []
         limit = me.max_priority or 0
         if not me.admin and spec.priority > limit:
@@ -355,7 +361,9 @@ def create_app(ctx: ApiContext) -> FastAPI:
     @app.get("/v1/pool", **_doc(sc.Pool, 401))
     @json_route()
     def pool(me: Caller) -> dict:
-        return pool_view(ctx.nodes, store.jobs(states=HELD | {State.PENDING}), None if me.admin else me.name)
+        who = None if me.admin else me.name
+        return pool_view(ctx.nodes, store.jobs(states=HELD), who,
+                         store.count_by_state(who).get(State.PENDING.value, 0))
 
     @app.get("/v1/serving", **_doc(sc.Serving, 401, 404))
     @json_route()

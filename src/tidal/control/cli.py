@@ -71,15 +71,17 @@ def up(
     state_dir: Annotated[Path | None, typer.Option(help="database, jobs, logs, tokens (default "
                                                         "~/.tidal)")] = None,
     config: Annotated[Path | None, typer.Option(help="YAML of control-plane knobs (docs/control.md)")] = None,
-    executor: Annotated[str, typer.Option(help="'local' (this machine) or 'ray' (the nodes of a Ray "
-                                                 "cluster)")] = "local",
+    executor: Annotated[str, typer.Option(help="'local' (this machine), 'ray' (the nodes of a Ray "
+                                                 "cluster) or 'virtual:NODESxGPUS' (fake nodes and ranks, "
+                                                 "for scale tests)")] = "local",
     ray_address: Annotated[str | None, typer.Option(help="with --executor ray: the cluster to join ('auto', "
                                                           "HOST:PORT); default: start a local Ray")] = None,
     ckpt_agents: Annotated[bool, typer.Option("--ckpt-agents", help="with --executor ray: run a checkpoint "
                                               "agent (the peer-memory tier) on every node, in a buddy "
                                               "ring")] = False,
 ) -> None:
-    """Run the control plane: REST API, reconcile loop and an executor (local or Ray), in one process."""
+    """Run the control plane: REST API, reconcile loop and an executor (local, Ray or virtual), in one
+    process."""
     import logging
 
     from tidal.control.client import state_dir as default_state_dir

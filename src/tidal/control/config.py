@@ -34,6 +34,14 @@ class ControlConfig:
     startup_timeout_s: float = 600.0
     kill_slack_s: float = 10.0
     loop_interval_s: float = 0.5
+    submit_rate_per_s: float = 0.0
+    """Jobs a second a tenant may submit (bursts of ``submit_burst``); over it: 429. 0: no limit."""
+    submit_burst: float = 0.0
+    max_queued_jobs: int = 0
+    """Pending jobs a tenant may have; a submission over it: 429. 0: no cap."""
+    retention_s: float = 0.0
+    """Ended jobs (whose directory the executor no longer keeps) and events older than this are dropped from
+    the database; 0: kept for ever."""
     serving: WatchConfig | None = None
     isolation: IsolationConfig = field(default_factory=IsolationConfig)
     checkpoint_grants: dict[str, tuple[str, ...]] = field(default_factory=dict)

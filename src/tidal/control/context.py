@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tidal.control.limits import SubmitLimits
 from tidal.control.locations import LocationPolicy
 from tidal.control.store import Store
 from tidal.model import Node
@@ -39,6 +40,8 @@ class ApiContext:
     shm_dir: Callable[[str], Any] | None = None
     """A job's shared-memory directory as the executor made it (its shm tier, status file); None: the
     plane's ``TIDAL_SHM_DIR``, else ``/dev/shm``."""
+    limits: SubmitLimits | None = None
+    """Per-tenant submission limits (None: none)."""
     warning: str | None = None
     """What the dashboard shows as a banner (isolation turned off: ``control.server.isolation_warning``)."""
     log_owner: int | None = field(default_factory=os.geteuid)

@@ -2,7 +2,8 @@
 
 One step, in order:
 
-1. **Observe** every job the executor runs: exit codes, progress, heartbeats.
+1. **Observe** every job the executor runs: exit codes, progress, heartbeats (progress stored in one
+   transaction). The active jobs are read whole once, then only those written since (``Store.take_changed``).
 2. **Reconcile** each active job with it (:meth:`Controller._reconcile`): ranks up -> ``running``; every
    rank exited -> classify the attempt and move on (``succeeded``; ``pending`` after a preemption; relaunch
    after a resize; ``backoff`` then ``pending`` up to ``max_restarts``; ``failed``); a rank failed or the
@@ -34,7 +35,7 @@ from tidal.control.loans import DOC_KEY as LOANS_DOC
 from tidal.control.loans import LiveLoans
 from tidal.control.node_watch import NodeWatch
 from tidal.control.serving_nodes import lent_before
-from tidal.control.states import HELD, STOPPING, State
+from tidal.control.states import ACTIVE, HELD, STOPPING, State
 from tidal.control.store import JobRow, Store
 from tidal.exec.progress import Progress
 from tidal.exec.protocol import EXIT_PREEMPTED, AgentMemory, Executor, LaunchRequest, NodeMemory, Observation
@@ -60,6 +61,7 @@ log = logging.getLogger(__name__)
 
 S = State
 SHM_SWEEP_S = 5.0  # how often ended jobs' shared-memory directories are looked at
+RETENTION_CHECK_S = 60.0  # how often ended jobs and events older than ``retention_s`` are dropped
 QUOTA_CHECK_S = 60.0  # how often the tenants' checkpoint bytes are counted (a walk of their directories)
 ANNOUNCE_INTERVAL_S = 600.0  # a job's checkpoint-interval changes are announced (events) at most this often
 RESUMABLE_CODES = frozenset({0, EXIT_PREEMPTED, -15, 128 + 15})  # -15/143: SIGTERM before the session existed
@@ -81,6 +83,8 @@ class Controller:
         self.watch = NodeWatch(store, executor, self.nodes)  # nodes joining and leaving; jobs losing one
         self._shm_swept_s = float("-inf")
         self._quota_checked_s = float("-inf")
+        self._retained_s = float("-inf")
+        self._active: dict[str, JobRow] | None = None  # job id -> row, in submission order (_active_jobs)
         self._over_quota: set[str] = set()
         self._announced: dict[str, tuple[float, int]] = {}  # job -> (last ckpt_interval event, changes since)
         self._own_cadence: set[str] = set()  # jobs told that their own step cadence wins
@@ -100,9 +104,12 @@ class Controller:
     def recover(self, now_s: float) -> None:
         """After a (re)start: re-adopt the workers of every job that holds GPUs, or requeue it (not a
         failure); ranks that ended meanwhile are handled by the next step."""
-        for job in self.store.jobs(states=HELD):
-            found = job.attempt > 0 and self.executor.adopt(job.id, job.attempt, now_s)
-            ob = self.executor.observe(now_s).get(job.id) if found else None
+        held = self.store.jobs(states=HELD)
+        adopted = {j.id for j in held if j.attempt > 0 and self.executor.adopt(j.id, j.attempt, now_s)}
+        observed = self.executor.observe(now_s)  # once: every job's
+        for job in held:
+            found = job.id in adopted
+            ob = observed.get(job.id) if found else None
             if ob is not None and ob.alive:
                 pids = [r.pid for r in ob.alive]
                 self.store.record("adopted", f"control plane restarted: re-adopted attempt {job.attempt}, "
@@ -124,7 +131,9 @@ class Controller:
     def step(self, now_s: float) -> list[Decision]:
         """One reconcile step (see the module docstring); returns the scheduler's decisions."""
         observed = self.executor.observe(now_s)  # 1. observe
-        for job in self.store.active_jobs():  # 2. reconcile
+        active = self._active_jobs()
+        self._record_progress(active, observed)
+        for job in active:  # 2. reconcile
             self._reconcile(job, observed.get(job.id), now_s)
         self.watch.refresh(now_s)  # after reconcile: a lost node stays only while jobs still hold it
         if self.loans is not None:  # 3. lend and reclaim (serving nodes lost or back first)
@@ -148,7 +157,36 @@ class Controller:
         self._save_loans(now_s)
         self.sweep_shm(now_s)
         self._check_ckpt_quota(now_s)
+        self._retain(now_s)
         return decisions
+
+    def _active_jobs(self) -> list[JobRow]:
+        """The active jobs in submission order: read whole at the first call, then only the rows written
+        since (the store's marks), so that a step's reads follow what changed, not how many jobs wait."""
+        changed = self.store.take_changed()
+        if self._active is None:
+            self._active = {j.id: j for j in self.store.active_jobs()}
+        elif changed:
+            rows = {j.id: j for j in self.store.jobs_by_id(changed)}
+            for jid in changed - rows.keys():  # (dropped)
+                self._active.pop(jid, None)
+            for j in sorted(rows.values(), key=lambda r: r.seq):
+                if j.state in ACTIVE:
+                    self._active[j.id] = j
+                else:
+                    self._active.pop(j.id, None)
+        return list(self._active.values())
+
+    def _retain(self, now_s: float) -> None:
+        """Every ``RETENTION_CHECK_S``: drop ended jobs and events older than ``retention_s`` (0: keep all);
+        a job whose directory the executor still keeps stays."""
+        keep_s = self.config.retention_s
+        if not keep_s or now_s - self._retained_s < RETENTION_CHECK_S:
+            return
+        self._retained_s = now_s
+        job_dir = getattr(self.executor, "job_dir", None)
+        kept = (lambda j: Path(job_dir(j)).exists()) if job_dir else None
+        self.store.drop_before(now_s - keep_s, keep=kept)
 
     def _check_ckpt_quota(self, now_s: float) -> None:
         """Every ``QUOTA_CHECK_S``: an event for each tenant with running jobs whose checkpoints went over
@@ -173,8 +211,8 @@ class Controller:
         """Store why each job waits or does not grow (``jobs.waiting``) where that changed; no reason clears
         it."""
         new = {jid: {"reason": w.reason, "until_s": w.until_s} for jid, w in why.items()}
-        self.store.set_waiting({jid: new.get(jid) for jid in self._waiting.keys() | new.keys()
-                                if self._waiting.get(jid) != new.get(jid)})  # one transaction
+        self.store.update_many({jid: {"waiting": new.get(jid)} for jid in self._waiting.keys() | new.keys()
+                                if self._waiting.get(jid) != new.get(jid)}, mark=False)
         self._waiting = new
 
     def _holdings(self, wants: bool = False) -> tuple[dict[str, int], int, dict[str, list[str]]]:
@@ -184,7 +222,9 @@ class Controller:
         used: dict[str, int] = {}
         on: dict[str, list[str]] = {}
         want = 0
-        for j in self.store.jobs(states=({S.PENDING} | HELD) if wants else HELD):
+        for j in self._active_jobs():
+            if S(j.state) not in HELD and not (wants and j.state == S.PENDING):
+                continue
             for n, g in (j.placement or {}).items():
                 used[n] = used.get(n, 0) + g
                 on.setdefault(n, []).append(j.id)
@@ -259,7 +299,6 @@ class Controller:
                                   f"attempt {job.attempt} is unknown to the executor; requeued",
                                   **_requeue_fields())
             return
-        job = self._record_progress(job, ob)
         self.watch.recovered(job, ob, now_s)
         lost = [r for r in ob.ranks if r.lost]
         if lost and job.stop_reason != "node_lost" and st != S.CANCELLING:
@@ -314,19 +353,30 @@ class Controller:
         self.store.update(job.id, stop_reason="failure", killed=True, message=why)
         self.store.record(kind, f"{why}: killing the other ranks", now_s, job=job)
 
-    def _record_progress(self, job: JobRow, ob: Observation) -> JobRow:
-        p = ob.progress
-        doc = p.to_dict()
-        fields: dict[str, Any] = {}
-        if doc != job.progress:
-            fields["progress"] = doc
-        if p.durable_ckpt_s is not None and p.durable_ckpt_s != job.last_ckpt_s:
-            fields["last_ckpt_s"] = p.durable_ckpt_s
-        if p.ckpt_stall_s is not None and p.ckpt_stall_s != job.ckpt_stall_s:
-            fields["ckpt_stall_s"] = p.ckpt_stall_s
-        if p.ckpt_step is not None and (job.ckpt_step is None or p.ckpt_step > job.ckpt_step):
-            fields["ckpt_step"] = p.ckpt_step
-        return self.store.update(job.id, **fields) if fields else job
+    def _record_progress(self, jobs: list[JobRow], observed: dict[str, Observation]) -> None:
+        """The progress of every observed job holding GPUs, where it changed, in one transaction (and into
+        the rows, which the reconcile goes on with)."""
+        changes: dict[str, dict[str, Any]] = {}
+        for job in jobs:
+            ob = observed.get(job.id)
+            if ob is None or S(job.state) in (S.PENDING, S.BACKOFF):
+                continue
+            p = ob.progress
+            doc = p.to_dict()
+            fields: dict[str, Any] = {}
+            if doc != job.progress:
+                fields["progress"] = doc
+            if p.durable_ckpt_s is not None and p.durable_ckpt_s != job.last_ckpt_s:
+                fields["last_ckpt_s"] = p.durable_ckpt_s
+            if p.ckpt_stall_s is not None and p.ckpt_stall_s != job.ckpt_stall_s:
+                fields["ckpt_stall_s"] = p.ckpt_stall_s
+            if p.ckpt_step is not None and (job.ckpt_step is None or p.ckpt_step > job.ckpt_step):
+                fields["ckpt_step"] = p.ckpt_step
+            if fields:
+                changes[job.id] = fields
+                for k, v in fields.items():
+                    setattr(job, k, v)
+        self.store.update_many(changes, mark=False)  # (the rows hold them already)
 
     def _finish(self, job: JobRow, ob: Observation, now_s: float) -> None:
         """Every rank of the attempt has exited: account for it, then the next state."""
@@ -481,6 +531,10 @@ class Controller:
             deadline = min(deadline, job.stop_deadline_s)
         if reason == "cancel" or job.stop_reason != "failure":
             fields["stop_reason"] = reason
+        if S(job.state) == to:  # told again the same way (a job growing is shrunk): a new target, one notice
+            row = self.store.update(job.id, stop_deadline_s=deadline, **fields)
+            self.store.record("decision", f"{why} (already {to})", now_s, job=row)
+            return row
         row = self.store.transition(job.id, to, now_s,
                                     why + ("" if already else f": notice sent, grace {grace_s:g} s"),
                                     stop_deadline_s=deadline, **fields)
@@ -530,7 +584,8 @@ class Controller:
     def snapshot(self, now_s: float) -> Snapshot:
         """The scheduler's view: pending jobs queue, held jobs run (stopping ones release everything)."""
         loans, reclaims = (self.loans.loans, self.loans.reclaims) if self.loans is not None else ((), ())
-        return Snapshot.build(now_s, self.nodes, *scheduler_view(self.store), loans, reclaims)
+        return Snapshot.build(now_s, self.nodes, *scheduler_view(self.store, self._active_jobs()), loans,
+                              reclaims)
 
 
 def _requeue_fields() -> dict[str, Any]:

@@ -15,13 +15,16 @@ from tidal.control.store import JobRow, Store
 from tidal.model import Job, Kind, Tenant
 
 
-def scheduler_view(store: Store) -> tuple[list[Tenant], list[Job]]:
-    """The scheduler's view of the store: pending jobs queue, held ones run, stopping ones release all."""
+def scheduler_view(store: Store, rows: list[JobRow] | None = None) -> tuple[list[Tenant], list[Job]]:
+    """The scheduler's view of the store (or of its active ``rows``): pending jobs queue, held ones run,
+    stopping ones release all."""
     tenants = [Tenant(t.name, t.quota_gpus, t.weight) for t in store.tenants()]
     jobs = []
-    for j in store.jobs(states={S.PENDING} | HELD):
+    for j in store.jobs(states={S.PENDING} | HELD) if rows is None else rows:
         st = S(j.state)
         held = st in HELD
+        if not held and st != S.PENDING:
+            continue
         releasing = dict(j.placement) if st in (S.PREEMPTING, S.CANCELLING) else dict(j.releasing or {})
         jobs.append(Job(  # (Job checks the kind)
             j.id, j.tenant, cast(Kind, j.kind), j.priority, j.min_gpus, j.max_gpus, j.multiple_of,

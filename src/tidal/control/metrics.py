@@ -1,5 +1,6 @@
 """Prometheus metrics, computed from the store at scrape time (``GET /metrics``; every series in
-docs/control.md, Metrics). Per-job series exist for active jobs only, so their number stays bounded."""
+docs/control.md, Metrics). Per-job series exist for jobs holding GPUs only and job counts come from one
+``GROUP BY``, so a scrape follows the running jobs, the nodes and the tenants, not the history."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from tidal.control.accounting import job_report
 from tidal.control.node_watch import totals as node_totals
-from tidal.control.states import ACTIVE, State
+from tidal.control.states import HELD, State
 from tidal.control.store import Store
 from tidal.control.views import pool_view
 from tidal.model import Node
@@ -25,7 +26,7 @@ class PlaneCollector:
 
     def collect(self) -> Iterator[Metric]:
         now = self.clock()
-        jobs = self.store.jobs()
+        jobs = self.store.jobs(states=HELD)
         pool = GaugeMetricFamily("tidal_pool_gpus", "GPUs of the pool by state and owning tenant",
                                  labels=["node", "state", "tenant"])
         for n in pool_view(self.nodes, jobs, None)["nodes"]:
@@ -38,7 +39,7 @@ class PlaneCollector:
                     pool.add_metric([n["name"], state, tenant], g)
             pool.add_metric([n["name"], "free", ""], n["free"])
         yield pool
-        counts = {s.value: 0 for s in State} | Counter(j.state for j in jobs)
+        counts = {s.value: 0 for s in State} | self.store.count_by_state()
         by_state = GaugeMetricFamily("tidal_jobs", "Jobs by state", labels=["state"])
         for s, c in counts.items():
             by_state.add_metric([s], c)
@@ -57,8 +58,6 @@ class PlaneCollector:
         lost = CounterMetricFamily("tidal_job_lost_work_seconds", "Seconds of training re-run after failures",
                                    labels=labels)
         for j in jobs:
-            if j.state not in ACTIVE:
-                continue
             lv = [j.id, j.tenant]
             p = j.progress or {}
             rep = job_report(j, now)

@@ -26,6 +26,7 @@ from tidal.control.client import API_URL_FILE
 from tidal.control.config import ControlConfig
 from tidal.control.controller import Controller
 from tidal.control.dashboard import dashboard_url
+from tidal.control.limits import SubmitLimits
 from tidal.control.loans import DOC_KEY as LOANS_DOC
 from tidal.control.loans import LiveLoans, build_live_loans
 from tidal.control.locations import TENANTS_DIRNAME, LocationPolicy
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from tidal.exec.ray_exec import RayExecutor
+    from tidal.exec.virtual import VirtualExecutor
 from tidal.serving.sources import DEMAND_WAIT_S
 from tidal.serving.watch import Advisor, build_advisor
 
@@ -74,7 +76,7 @@ class Plane:
 
     state_dir: Path
     store: Store
-    executor: LocalExecutor | RayExecutor
+    executor: LocalExecutor | RayExecutor | VirtualExecutor
     controller: Controller
     admin_token: str
     token_created: bool
@@ -90,10 +92,12 @@ class Plane:
                                 cfg.checkpoint_endpoints, cfg.checkpoint_max_timeout_s,
                                 own_agents=self.own_agents, quota_bytes=cfg.checkpoint_quota_bytes)
         ctx = ApiContext(self.store, ctl.nodes, self.executor.log_path, time.time, ckpt_root=ctl.ckpt_root,
-                         serving=serving, loans=ctl.loans, locations=policy, job_dir=self.executor.job_dir,
+                         serving=serving, loans=ctl.loans, locations=policy,
+                         job_dir=getattr(self.executor, "job_dir", None),
                          warning=isolation_warning(cfg, executor=self.executor),
                          shm_dir=self.executor.shm_dir if isinstance(self.executor, LocalExecutor) else None,
-                         log_owner=os.geteuid() if isinstance(self.executor, LocalExecutor) else None)
+                         log_owner=os.geteuid() if isinstance(self.executor, LocalExecutor) else None,
+                         limits=SubmitLimits(cfg.submit_rate_per_s, cfg.submit_burst, cfg.max_queued_jobs))
         return create_app(ctx)
 
 
@@ -138,8 +142,9 @@ def secure_state_dir(state_dir: Path, config: ControlConfig | None) -> None:
 
 def build(state_dir: Path, gpus: str = "auto", db: str | None = None, config: ControlConfig | None = None, *,
           executor: str = "local", ray_address: str | None = None, ckpt_agents: bool = False) -> Plane:
-    if executor not in ("local", "ray"):
-        raise SystemExit(f"tidal up: --executor must be 'local' or 'ray', got {executor!r}")
+    if executor not in ("local", "ray") and not executor.startswith("virtual:"):
+        raise SystemExit("tidal up: --executor must be 'local', 'ray' or 'virtual:NODESxGPUS', got "
+                         f"{executor!r}")
     if ray_address is not None and executor != "ray":
         raise SystemExit("tidal up: --ray-address needs --executor ray")
     if ckpt_agents and executor != "ray":
@@ -162,9 +167,11 @@ def build(state_dir: Path, gpus: str = "auto", db: str | None = None, config: Co
     secure_state_dir(state_dir, config)  # the database as created
     iso = config.isolation if config is not None else None
     try:  # the store closes with any refusal
-        ex: LocalExecutor | RayExecutor
+        ex: LocalExecutor | RayExecutor | VirtualExecutor
         if executor == "ray":
             ex, what = _ray_executor(state_dir, gpus, store, iso, loans, ray_address, ckpt_agents)
+        elif executor.startswith("virtual:"):
+            ex, what = _virtual_executor(state_dir, executor, loans)
         else:
             ex, what = _local_executor(state_dir, gpus, config, loans)
         try:
@@ -209,6 +216,16 @@ def _local_executor(state_dir: Path, gpus: str, config: ControlConfig | None,
                          serving_nodes=loans.nodes if loans is not None else {},
                          isolation=config.isolation if config is not None else None, subreaper=True,
                          hidden=[state_dir]), what
+
+
+def _virtual_executor(state_dir: Path, executor: str, loans: LiveLoans | None) -> tuple[VirtualExecutor, str]:
+    """Fake nodes and ranks (``virtual:NODESxGPUS``), journalled in the state dir, and their line."""
+    from tidal.exec.virtual import VirtualExecutor, parse_shape
+
+    nodes, gpus = parse_shape(executor.split(":", 1)[1])
+    ex = VirtualExecutor(nodes, gpus, serving=loans.nodes if loans is not None else None,
+                         journal=state_dir / "virtual.jsonl")
+    return ex, f"virtual executor: {nodes} nodes x {gpus} GPUs, no process per rank"
 
 
 def _serving(config: ControlConfig | None, loans: LiveLoans | None) -> tuple[Advisor | None, str]:

@@ -5,6 +5,8 @@ default, any URL such as ``postgresql+psycopg://...``).
   (``IllegalTransition`` changes nothing) and recorded as an event in the same transaction.
 * Writes are serialised by one lock; reads run concurrently. Rows returned are detached snapshots.
 * Times are Unix seconds passed in; the store reads no clock.
+* Every write of a job marks it changed; the reconcile loop takes the marks (:meth:`Store.take_changed`) and
+  re-reads only those rows, so its work follows what changed, not how many jobs there are.
 * Job numbers are never reused (``meta.job_seq`` only rises). Tenants found by token hash are remembered.
 * A SQLite file deleted or replaced under a running plane makes every call raise :class:`StoreUnavailable`
   (503), never write into a fresh file.
@@ -17,7 +19,7 @@ import json
 import os
 import secrets
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from sqlalchemy import (
@@ -28,16 +30,19 @@ from sqlalchemy import (
     Integer,
     String,
     Text,
+    bindparam,
     create_engine,
+    delete,
     event,
     func,
     inspect,
     select,
     text,
+    update,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
-from tidal.control.states import ACTIVE, State, check_transition
+from tidal.control.states import ACTIVE, TERMINAL, State, check_transition
 
 SCHEMA_VERSION = 5  # 2: jobs.nominated_s; 3: table docs; 4: tenants.max_priority, jobs.ckpt_location,
 # meta job_seq and db_id; 5: jobs.waiting
@@ -194,6 +199,7 @@ class Store:
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         self._lock = threading.RLock()
         self._by_token: dict[str, TenantRow] = {}
+        self._changed: set[str] = set()
         with self._write() as s:
             row = s.get(MetaRow, "schema_version")
             if row is None:
@@ -335,6 +341,7 @@ class Store:
             row.id = f"{spec['name']}-{row.seq}"
             s.add(EventRow(time_s=now_s, job_id=row.id, tenant=tenant, kind="transition", from_state=None,
                            to_state=State.PENDING.value, message="submitted"))
+        self._mark(row.id)
         return row
 
     def job(self, job_id: str) -> JobRow:
@@ -387,6 +394,28 @@ class Store:
     def active_jobs(self) -> list[JobRow]:
         return self.jobs(states=ACTIVE)
 
+    def jobs_by_id(self, ids: Iterable[str]) -> list[JobRow]:
+        """The rows of these jobs (ids not in the store are skipped), in bounded ``IN`` lists."""
+        ids, out = list(ids), list[JobRow]()
+        with self._read() as s:
+            for i in range(0, len(ids), 500):
+                out += s.scalars(select(JobRow).where(JobRow.id.in_(ids[i:i + 500])))
+        return out
+
+    def take_changed(self) -> set[str]:
+        """The jobs written since the last call (submitted, moved, updated), and forget them."""
+        with self._lock:
+            out, self._changed = self._changed, set()
+        return out
+
+    def count_by_state(self, tenant: str | None = None) -> dict[str, int]:
+        """How many jobs are in each state (states without jobs absent); one ``GROUP BY``."""
+        q = select(JobRow.state, func.count()).group_by(JobRow.state)
+        if tenant is not None:
+            q = q.where(JobRow.tenant == tenant)
+        with self._read() as s:
+            return {st: int(n) for st, n in s.execute(q)}
+
     def transition(self, job_id: str, to: State, now_s: float, message: str, *, data: dict | None = None,
                    **fields: Any) -> JobRow:
         """Move a job to ``to`` (checked against the table), set ``fields``, record the event; atomically."""
@@ -400,6 +429,7 @@ class Store:
             row.message = message[:2000]
             s.add(EventRow(time_s=now_s, job_id=job_id, tenant=row.tenant, kind="transition", from_state=old,
                            to_state=row.state, message=message[:2000], data=data))
+        self._mark(job_id)
         return row
 
     def update(self, job_id: str, **fields: Any) -> JobRow:
@@ -410,18 +440,49 @@ class Store:
             row = self._get(s, job_id)
             for k, v in fields.items():
                 setattr(row, k, v)
+        self._mark(job_id)
         return row
 
-    def set_waiting(self, changes: dict[str, dict | None]) -> None:
-        """Set ``jobs.waiting`` of many jobs in one transaction (job id -> ``{reason, until_s}`` or None);
-        ids no longer in the store are skipped."""
-        if not changes:
-            return
-        ids = list(changes)
+    def update_many(self, changes: dict[str, dict[str, Any]], *, mark: bool = True) -> None:
+        """:meth:`update` of many jobs in one transaction (job id -> fields), one statement per set of fields
+        changed; ids no longer in the store are skipped. ``mark=False``: not marked changed (the caller holds
+        the rows and changed them itself)."""
+        if any("state" in f for f in changes.values()):
+            raise ValueError("use Store.transition to change a job's state")
+        groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
+        for jid, f in changes.items():
+            if f:
+                groups.setdefault(tuple(sorted(f)), []).append({"b_id": jid, **f})
         with self._write() as s:
-            for i in range(0, len(ids), 500):  # bounded IN lists
-                for row in s.scalars(select(JobRow).where(JobRow.id.in_(ids[i:i + 500]))):
-                    row.waiting = changes[row.id]
+            for keys, params in groups.items():
+                cols = JobRow.__table__.c
+                stmt = update(JobRow).where(cols.id == bindparam("b_id")).values(
+                    {k: bindparam(k, type_=cols[k].type) for k in keys})
+                s.connection().execute(stmt, params)
+        if mark:
+            self._mark(*changes)
+
+    def _mark(self, *ids: str) -> None:
+        """Mark jobs changed, once their write is committed (a reader that takes the mark sees the row)."""
+        with self._lock:
+            self._changed.update(ids)
+
+    def drop_before(self, cutoff_s: float, keep: Callable[[str], bool] | None = None) -> tuple[int, int]:
+        """Delete the jobs that ended before ``cutoff_s`` (but those ``keep`` says to keep) with their events,
+        and every event older than it; (jobs, events) deleted. Job numbers are not reused."""
+        q = select(JobRow.id).where(JobRow.state.in_([str(x) for x in TERMINAL]),
+                                    JobRow.finished_s < cutoff_s)
+        with self._read() as s:
+            ids = [i for i in s.scalars(q) if keep is None or not keep(i)]
+        n_events = 0
+        with self._write() as s:
+            for i in range(0, len(ids), 500):
+                chunk = ids[i:i + 500]
+                n_events += _count(s.execute(delete(EventRow).where(EventRow.job_id.in_(chunk))))
+                s.execute(delete(JobRow).where(JobRow.id.in_(chunk)))
+            n_events += _count(s.execute(delete(EventRow).where(EventRow.time_s < cutoff_s)))
+        self._mark(*ids)
+        return len(ids), n_events
 
     def _get(self, s: Session, job_id: str) -> JobRow:
         row = s.scalars(select(JobRow).where(JobRow.id == job_id)).first()
@@ -471,6 +532,11 @@ class Store:
             q = q.where(EventRow.tenant == tenant)
         with self._read() as s:
             return list(s.scalars(q))
+
+
+def _count(result: Any) -> int:
+    """Rows a DELETE touched (a cursor result's ``rowcount``)."""
+    return int(getattr(result, "rowcount", 0) or 0)
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:

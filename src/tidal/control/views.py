@@ -36,16 +36,23 @@ def event_view(e: EventRow) -> dict[str, Any]:
         "from": e.from_state, "to": e.to_state, "message": e.message, "data": e.data}))
 
 
-def pool_view(nodes: list[Node], jobs: list[JobRow], viewer: str | None) -> dict[str, Any]:
+def pool_view(nodes: list[Node], jobs: list[JobRow], viewer: str | None,
+              pending: int | None = None) -> dict[str, Any]:
     """:class:`~tidal.control.schemas.Pool`: GPUs per node: allocated (by tenant; job ids only for
-    ``viewer``'s own jobs, all for admin ``viewer=None``), draining (being released) and free."""
+    ``viewer``'s own jobs, all for admin ``viewer=None``), draining (being released) and free. ``pending``:
+    the viewer's pending jobs (None: counted in ``jobs``). Work follows the nodes and the held jobs."""
+    on: dict[str, list[JobRow]] = {}
+    for j in jobs:
+        if State(j.state) in HELD:
+            for name in j.placement or {}:
+                on.setdefault(name, []).append(j)
     out = []
     for n in nodes:
         holders = []
         allocated = draining = 0
-        for j in jobs:
+        for j in on.get(n.name, ()):
             g = (j.placement or {}).get(n.name, 0)
-            if not g or State(j.state) not in HELD:
+            if not g:
                 continue
             d = (g if State(j.state) in (State.PREEMPTING, State.CANCELLING)
                  else (j.releasing or {}).get(n.name, 0))
@@ -59,7 +66,8 @@ def pool_view(nodes: list[Node], jobs: list[JobRow], viewer: str | None) -> dict
                                free=n.gpus - allocated, jobs=holders))
     total = sum(n.gpus for n in nodes)
     alloc = sum(x.allocated for x in out)
-    pending = sum(1 for j in jobs if j.state == State.PENDING and (viewer is None or j.tenant == viewer))
+    if pending is None:
+        pending = sum(1 for j in jobs if j.state == State.PENDING and (viewer is None or j.tenant == viewer))
     return answer(sc.Pool(nodes=out, gpus=total, allocated=alloc, free=total - alloc, pending=pending))
 
 

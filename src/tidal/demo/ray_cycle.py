@@ -227,7 +227,7 @@ def run(opts: CycleOptions, kill_hour: float, console: Console, *, keep: bool = 
                 _serve_shutdown()
             shm = None
             if plane is not None:
-                shm = plane.plane.executor.shm_root
+                shm = getattr(plane.plane.executor, "shm_root", None)
                 plane.stop()
             from tidal.exec.ray_exec import kill_ranks
 

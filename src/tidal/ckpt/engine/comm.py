@@ -4,20 +4,26 @@ same order, from the thread that drives training (never from the background pipe
 from __future__ import annotations
 
 import json
-from typing import Any
+import sys
+from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.distributed as dist
+if TYPE_CHECKING:
+    import torch
 
 
 def world(group: Any) -> tuple[int, int]:
-    """(rank, world size) in ``group``; (0, 1) when torch.distributed is not initialised."""
-    if not dist.is_available() or not dist.is_initialized():
+    """(rank, world size) in ``group``; (0, 1) when torch.distributed is not initialised (never imported:
+    then neither is torch here, so that reading a checkpoint in one process loads no torch)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)
 
 
 def _device(group: Any) -> torch.device:
+    import torch
+    import torch.distributed as dist
+
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -28,6 +34,9 @@ def allgather_json(obj: Any, group: Any = None) -> list[Any]:
     _, n = world(group)
     if n == 1:
         return [json.loads(json.dumps(obj))]
+    import torch
+    import torch.distributed as dist
+
     dev = _device(group)
     data = json.dumps(obj, separators=(",", ":")).encode()
     size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
@@ -46,6 +55,9 @@ def all_min(value: int, group: Any = None) -> int:
     _, n = world(group)
     if n == 1:
         return value
+    import torch
+    import torch.distributed as dist
+
     t = torch.tensor([value], dtype=torch.int64, device=_device(group))
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
     return int(t.item())

@@ -143,7 +143,7 @@ class PieceReader:
                 self.stats.bytes_read += total
                 self.stats.bytes_by_tier[tier.name] = self.stats.bytes_by_tier.get(tier.name, 0) + total
             if blocks:
-                if bad := bad_blocks(mv, ranges, piece):
+                if bad := mf.bad_blocks(mv, ranges, piece):
                     span = piece.block_span(bad[0])
                     self._fallback(errors, f"{where}: checksum mismatch in tensor '{st.name}' piece at "
                                            f"offsets {list(piece.box.offsets)}, block {bad[0]} (bytes "
@@ -157,20 +157,6 @@ class PieceReader:
                 self.stats.pieces_read += 1
             return buf if ranges == needed else _cut(buf, ranges, needed, runs.total_bytes)
         raise CorruptionError("; ".join(errors) or f"tensor '{st.name}': no tier holds {piece.file}")
-
-
-def bad_blocks(mv: memoryview, ranges: Sequence[tuple[int, int]], piece: mf.StoredPiece) -> list[int]:
-    """The blocks of ``piece`` in ``mv`` (its block-aligned ``ranges``, back to back) whose CRC-32 differs."""
-    assert piece.blocks is not None
-    block, pos, bad = piece.block_bytes, 0, []
-    for off, n in ranges:
-        first = (off - piece.start) // block
-        for k in range(-(-n // block)):
-            m = min(block, n - k * block)
-            if zlib.crc32(mv[pos + k * block : pos + k * block + m]) != piece.blocks[first + k]:
-                bad.append(first + k)
-        pos += n
-    return bad
 
 
 def _cut(buf: torch.Tensor, ranges: list[tuple[int, int]], needed: list[tuple[int, int]],

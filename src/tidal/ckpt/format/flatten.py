@@ -13,6 +13,7 @@ import torch
 
 from tidal.ckpt.errors import StateError
 from tidal.ckpt.format.layout import Box
+from tidal.ckpt.format.manifest import path_name
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -64,10 +65,6 @@ class ObjectEntry:
     @property
     def name(self) -> str:
         return path_name(self.path)
-
-
-def path_name(path: Path) -> str:
-    return "/".join([p if isinstance(p, str) else str(p) for p in path])
 
 
 # (global shape, mesh id, placements) -> (mesh, local shape, offsets): the box depends only on these

@@ -24,7 +24,7 @@ import sys
 import zlib
 from array import array
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +42,11 @@ BLOCK_BYTES = 64 << 10  # checksum block of version-2 pieces (see docs/checkpoin
 MAX_DEPTH = 64  # JSON nesting a manifest may have (objects included)
 MAX_INT = (1 << 63) - 1  # every integer in a manifest fits an int64
 MAX_DIMS = 64
+
+
+def path_name(path: Sequence[str | int]) -> str:
+    """An entry's display name: its path joined by ``/``."""
+    return "/".join([p if isinstance(p, str) else str(p) for p in path])
 
 
 def step_dirname(step: int) -> str:
@@ -429,3 +434,17 @@ def _int_list(d: dict, key: str, where: str) -> list[int]:
 def _check_file_name(name: str, where: str) -> None:
     if "/" in name or "\\" in name or name in ("", ".", "..") or name.startswith("."):
         raise ManifestError(f"{where}: {name!r} is not a plain file name inside the step directory")
+
+
+def bad_blocks(mv: memoryview, ranges: Sequence[tuple[int, int]], piece: StoredPiece) -> list[int]:
+    """The blocks of ``piece`` in ``mv`` (its block-aligned ``ranges``, back to back) whose CRC-32 differs."""
+    assert piece.blocks is not None
+    block, pos, bad = piece.block_bytes, 0, []
+    for off, n in ranges:
+        first = (off - piece.start) // block
+        for k in range(-(-n // block)):
+            m = min(block, n - k * block)
+            if zlib.crc32(mv[pos + k * block : pos + k * block + m]) != piece.blocks[first + k]:
+                bad.append(first + k)
+        pos += n
+    return bad

@@ -1,0 +1,38 @@
+"""Per-tenant submission limits (``submit_rate_per_s`` with ``submit_burst``, ``max_queued_jobs`` in the
+plane's config): a burst from one tenant is refused at the API with 429 and the reason, nothing stored,
+instead of slowing the loop for everyone. The admin is not limited. Thread-safe (the API's workers)."""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable
+
+
+class SubmitLimits:
+    """A token bucket per tenant (``rate_per_s`` tokens a second, ``burst`` at most; 0: no rate limit) and a
+    cap on a tenant's pending jobs (``max_queued``; 0: none)."""
+
+    def __init__(self, rate_per_s: float = 0.0, burst: float = 0.0, max_queued: int = 0) -> None:
+        self.rate_per_s, self.burst, self.max_queued = rate_per_s, max(burst, 1.0), max_queued
+        self._buckets: dict[str, tuple[float, float]] = {}  # tenant -> (tokens, when counted)
+        self._lock = threading.Lock()
+
+    def refuse(self, tenant: str, queued: Callable[[], int], now_s: float) -> tuple[str, float] | None:
+        """Why ``tenant`` may not submit now and in how many seconds to retry; None: it may (a token is
+        spent)."""
+        if self.max_queued and (n := queued()) >= self.max_queued:
+            return (f"tenant {tenant} has {n} jobs waiting, the most it may queue (max_queued_jobs = "
+                    f"{self.max_queued}): submit again once some have started", 30.0)
+        if not self.rate_per_s:
+            return None
+        with self._lock:
+            tokens, then = self._buckets.get(tenant, (self.burst, now_s))
+            tokens = min(self.burst, tokens + (now_s - then) * self.rate_per_s)
+            if tokens < 1.0:
+                self._buckets[tenant] = (tokens, now_s)
+                wait_s = (1.0 - tokens) / self.rate_per_s
+                return (f"tenant {tenant} submits faster than {self.rate_per_s:g} jobs a second (burst "
+                        f"{self.burst:g}; submit_rate_per_s): retry in {math.ceil(wait_s)} s", wait_s)
+            self._buckets[tenant] = (tokens - 1.0, now_s)
+        return None

@@ -1,0 +1,360 @@
+"""The live plane at pool scale: one workload through the real store, reconcile loop and scheduler over the
+virtual executor (:func:`run_plane`) and through the simulator (:func:`run_sim`), and ``tidal bench plane``
+(:func:`bench_plane`: step, submit, read and ``/metrics`` latencies, memory, database size, restart after a
+kill -9, and parity with the simulator). A face: it drives the control plane and the simulator, which never
+import each other. Figures and commands: docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import typer
+
+from tidal.bench import cli as _bench_cli
+from tidal.model import Admit, Grow, Preempt, Shrink, Tenant
+from tidal.policy.scheduler import SchedulerConfig
+from tidal.sim.jobs import JobSpec
+
+T0 = 1_700_000_000.0  # the plane's clock at simulated time 0
+SIZES = (1, 2, 4, 8, 8, 16, 32, 64, 128, 256, 512)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Jobs (the simulator's :class:`JobSpec`), their tenants and the pool they run on."""
+
+    jobs: tuple[JobSpec, ...]
+    tenants: tuple[Tenant, ...]
+    nodes: int
+    gpus_per_node: int
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+def workload(n_jobs: int, nodes: int, gpus_per_node: int, *, span_s: float = 4 * 3600.0,
+             tenants: int = 8, minutes: tuple[float, float] = (10.0, 120.0), dedicated: float = 0.25,
+             seed: int = 0) -> Workload:
+    """``n_jobs`` submitted uniformly over ``span_s``: sizes 1..512 GPUs (within the pool), durations
+    log-uniform in ``minutes``, a ``dedicated`` fraction at priority 1 (fixed size), the rest spot and elastic
+    (half to all of their size); each tenant's quota is an equal share of the pool."""
+    rng = np.random.default_rng(seed)
+    total = nodes * gpus_per_node
+    sizes = [s for s in SIZES if s <= total] or [1]
+    out = []
+    for i, t in enumerate(np.sort(rng.uniform(0.0, span_s, n_jobs))):
+        g = int(sizes[rng.integers(len(sizes))])
+        dur_s = 60.0 * math.exp(rng.uniform(math.log(minutes[0]), math.log(minutes[1])))
+        ded = bool(rng.random() < dedicated)
+        out.append(JobSpec(id=f"j{i:06d}", tenant=f"team{rng.integers(tenants)}", kind="dedicated" if ded
+                           else "spot", priority=1 if ded else 0, min_gpus=g if ded else max(1, g // 2),
+                           max_gpus=g, work_gpu_s=round(g * dur_s), submit_s=float(t)))
+    teams = tuple(Tenant(f"team{k}", total // tenants, 1.0) for k in range(tenants))
+    return Workload(tuple(out), teams, nodes, gpus_per_node)
+
+
+def spec_of(j: JobSpec, interval_s: float) -> dict[str, Any]:
+    """The job spec (as submitted to the API) of a workload's job, its work in the virtual executor's env."""
+    from tidal.exec.virtual import WORK_ENV
+
+    return {"name": j.id, "command": ["virtual"], "kind": j.kind, "priority": j.priority,
+            "gpus": {"min": j.min_gpus, "max": j.max_gpus}, "env": {WORK_ENV: f"{j.work_gpu_s:g}"},
+            "checkpoint": {"interval_s": interval_s}}
+
+
+def _pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(xs, q)) if xs else math.nan
+
+
+def run_plane(w: Workload, horizon_s: float, *, step_s: float = 10.0, notice_s: float = 30.0,
+              interval_s: float = 600.0, db_url: str | None = None, state_dir: Path | None = None,
+              scheduler: SchedulerConfig | None = None, t0: float = T0) -> dict[str, Any]:
+    """Step the real plane (store, controller, scheduler) over the virtual executor on a simulated clock
+    (``t0`` + 0 to ``horizon_s`` every ``step_s``), submitting each job at its time. Returns the GPU-hours
+    held, the decisions counted, jobs succeeded, step latencies and a check that no node was ever
+    over-committed. With ``state_dir`` the database and the executor's journal stay there (a ``tidal up
+    --executor virtual:NODESxGPUS --state-dir`` then adopts the jobs still running)."""
+    from tidal.control.auth import create_tenant
+    from tidal.control.config import ControlConfig
+    from tidal.control.controller import Controller
+    from tidal.control.spec import parse_spec
+    from tidal.control.states import State
+    from tidal.control.store import Store
+    from tidal.exec.virtual import VirtualExecutor
+
+    tmp = tempfile.TemporaryDirectory() if state_dir is None else None
+    root = Path(tmp.name) if tmp is not None else Path(state_dir or ".")
+    store = Store(db_url or f"sqlite:///{root}/tidal.db")
+    try:
+        for tenant in w.tenants:
+            create_tenant(store, tenant.name, quota_gpus=tenant.quota_gpus, weight=tenant.weight,
+                          max_priority=1)
+        ex = VirtualExecutor(w.nodes, w.gpus_per_node, beat_s=step_s, notice_s=notice_s,
+                             journal=root / "virtual.jsonl" if tmp is None else None)
+        cfg = ControlConfig(scheduler=scheduler or SchedulerConfig(preempt_grace_s=notice_s))
+        ctl = Controller(store, ex, cfg)
+        specs = [parse_spec(spec_of(j, interval_s)).model_dump() for j in w.jobs]
+        cap = {n.name: n.gpus for n in ex.nodes()}
+        nxt, held_gpu_s, over = 0, 0.0, 0
+        counts = {"admissions": 0, "admitted_gpus": 0, "shrinks": 0, "preemptions": 0, "grows": 0}
+        step_wall: list[float] = []
+        for k in range(int(horizon_s // step_s) + 1):
+            t = k * step_s
+            while nxt < len(w.jobs) and w.jobs[nxt].submit_s <= t:
+                store.submit(w.jobs[nxt].tenant, specs[nxt], t0 + t)
+                nxt += 1
+            wall = time.perf_counter()
+            decisions = ctl.step(t0 + t)
+            step_wall.append(time.perf_counter() - wall)
+            for d in decisions:
+                if isinstance(d, Admit):
+                    counts["admissions"] += 1
+                    counts["admitted_gpus"] += sum(d.placement.values())
+                counts["shrinks"] += isinstance(d, Shrink)
+                counts["preemptions"] += isinstance(d, Preempt)
+                counts["grows"] += isinstance(d, Grow)
+            used = ex.used()
+            over += any(g > cap.get(n, 0) for n, g in used.items())
+            held_gpu_s += sum(used.values()) * step_s
+        by_state = store.count_by_state()
+        return {"held_gpu_hours": held_gpu_s / 3600.0, **counts, "over_committed_steps": over,
+                "succeeded": by_state.get(State.SUCCEEDED.value, 0),
+                "failed": by_state.get(State.FAILED.value, 0),
+                "steps": len(step_wall), "step_p50_s": _pct(step_wall, 50), "step_p99_s": _pct(step_wall, 99)}
+    finally:
+        store.close()
+        ex.close()
+        if tmp is not None:
+            tmp.cleanup()
+
+
+def run_sim(w: Workload, horizon_s: float, *, sched_period_s: float = 10.0, notice_s: float = 30.0,
+            scheduler: SchedulerConfig | None = None) -> dict[str, Any]:
+    """The same workload through the simulator, costs that the virtual executor does not model set to zero (no
+    failures, no checkpoint stall, no restart time), no serving pool lent."""
+    from tidal.sim.config import CheckpointModel, SimConfig
+    from tidal.sim.engine import Engine
+    from tidal.sim.policies import PolicySpec
+
+    cfg = SimConfig(serving_gpus=1, training_gpus=w.gpus, gpus_per_node=w.gpus_per_node,
+                    days=horizon_s / 86400, step_s=3600.0,
+                    ckpt=CheckpointModel(persist_s=0.0, stage_s=0.0, restart_s=0.0),
+                    failure_rate_per_gpu_hour=0.0, sched_period_s=sched_period_s,
+                    scheduler=scheduler or SchedulerConfig(preempt_grace_s=notice_s), record_timeline=False)
+    eng = Engine(np.zeros(1), 3600.0, PolicySpec("none"), cfg, list(w.jobs), None, list(w.tenants))
+    res = eng.run()
+    m = res.metrics
+    return {"held_gpu_hours": eng.meter.held_gpu_s / 3600.0, "shrinks": m.get("shrinks", 0),
+            "preemptions": m.get("preemptions", 0), "succeeded": m.get("jobs_completed", 0)}
+
+
+def parity(w: Workload, horizon_s: float, **kw: Any) -> dict[str, Any]:
+    """Plane and simulator side by side; ``ratio``: live / simulated GPU-hours held."""
+    live, sim = run_plane(w, horizon_s, **kw), run_sim(w, horizon_s)
+    return {"live": live, "sim": sim, "ratio": live["held_gpu_hours"] / sim["held_gpu_hours"]
+            if sim["held_gpu_hours"] else math.nan}
+
+
+def _timed(client: Any, method: str, path: str, **kw: Any) -> tuple[float, Any]:
+    t = time.perf_counter()
+    r = client.request(method, path, **kw)
+    return time.perf_counter() - t, r
+
+
+def _events(c: Any, after: int) -> list[dict]:
+    """Every event after id ``after``, a page at a time."""
+    out: list[dict] = []
+    while page := c.get("/v1/events", params={"after": after, "limit": 10000}).json():
+        out += page
+        after = page[-1]["id"]
+    return out
+
+
+def _journal_twice(path: Path) -> int:
+    """Jobs the virtual executor's journal shows launched while an attempt of theirs was not released."""
+    open_: set[str] = set()
+    twice: set[str] = set()
+    for line in path.read_text().splitlines():
+        d = json.loads(line)
+        if d["op"] == "launch":
+            (twice if d["job"] in open_ else open_).add(d["job"])
+        elif d["op"] == "release":
+            open_.discard(d["job"])
+    return len(twice)
+
+
+class _Up:
+    """``tidal up --executor virtual:NODESxGPUS`` on a free loopback port, as a child process."""
+
+    def __init__(self, state: Path, shape: str, db: str | None) -> None:
+        self.state, self.shape, self.db = state, shape, db
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> float:
+        """Start it; seconds until its API answers."""
+        import httpx
+
+        url_file = self.state / "api.url"
+        url_file.unlink(missing_ok=True)
+        t = time.perf_counter()
+        with open(self.state / "up.log", "ab") as err:  # (the child has its own copy)
+            proc = self.proc = subprocess.Popen(
+                [sys.executable, "-c", "from tidal.cli import main; main()", "up", "--port", "0",
+                 "--executor", f"virtual:{self.shape}", "--state-dir", str(self.state),
+                 *(["--db", self.db] if self.db else [])],
+                stdout=subprocess.DEVNULL, stderr=err)
+        while True:
+            if proc.poll() is not None or time.perf_counter() - t > 600:
+                raise RuntimeError(f"tidal up did not start: see {self.state / 'up.log'}")
+            if url_file.exists():
+                self.url = url_file.read_text().strip()
+                try:
+                    httpx.get(self.url + "/healthz", timeout=5).raise_for_status()
+                    return time.perf_counter() - t
+                except httpx.HTTPError:
+                    pass
+            time.sleep(0.05)
+
+    def rss_bytes(self) -> int:
+        """The peak resident memory of the process (VmHWM)."""
+        for line in Path(f"/proc/{self.proc.pid if self.proc else 0}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+        return 0
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=60)
+
+
+def bench_plane(nodes: str = "256x8", jobs: int = 2000, *, hours: float = 2.0, step_s: float = 60.0,
+                submits: int = 2000, reads: int = 300, db: str | None = None, state_dir: Path | None = None,
+                log: Any = print) -> dict[str, Any]:
+    """The live plane under load (docs/benchmarks.md, "The plane at pool scale"). Phases: ``plane``: the
+    workload's ``hours`` through the real loop on a simulated clock ending now, beside the simulator
+    (``sim_parity``); ``restart``: ``tidal up`` adopts what that left running; ``api``: ``submits`` jobs
+    posted by 8 clients, then readers (jobs pages, status, events, pool, ``/metrics``); ``kill9``: ``tidal
+    up`` killed and restarted, every running job checked (none lost, none run twice)."""
+    import httpx
+
+    from tidal.control.auth import ADMIN_TOKEN_FILE
+    from tidal.exec.virtual import parse_shape
+
+    n, g = parse_shape(nodes)
+    w = workload(jobs, n, g, span_s=hours * 3600 * 0.8)
+    horizon = hours * 3600.0
+    tmp = tempfile.TemporaryDirectory() if state_dir is None else None
+    state = Path(tmp.name if tmp is not None else str(state_dir))
+    out: dict[str, Any] = {"nodes": nodes, "jobs": jobs, "hours": hours, "step_s": step_s,
+                           "db": db or "sqlite"}
+    try:
+        log(f"plane: {jobs} jobs over {hours:g} h on {nodes} (simulated clock)")
+        t0 = time.time() - horizon
+        live = run_plane(w, horizon, step_s=step_s, db_url=db, state_dir=state, t0=t0)
+        sim = run_sim(w, horizon)
+        out["plane"] = live
+        out["sim"] = sim
+        out["sim_parity"] = live["held_gpu_hours"] / sim["held_gpu_hours"] if sim["held_gpu_hours"] else None
+        out["step_p50_s"], out["step_p99_s"] = live["step_p50_s"], live["step_p99_s"]
+        up = _Up(state, nodes, db)
+        log("restart: tidal up adopts the running jobs")
+        out["adopt_api_s"] = up.start()
+        token = (state / ADMIN_TOKEN_FILE).read_text().strip()
+        c = httpx.Client(base_url=up.url, headers={"Authorization": f"Bearer {token}"}, timeout=60)
+        log(f"api: {submits} submissions by 8 clients, then {reads} reads of each kind")
+        spec = spec_of(w.jobs[0], 600.0) | {"name": "burst"}
+        from concurrent.futures import ThreadPoolExecutor
+
+        def post(_: int) -> float:
+            dt, r = _timed(c, "POST", "/v1/jobs", json=spec)
+            r.raise_for_status()
+            return dt
+
+        t = time.perf_counter()
+        with ThreadPoolExecutor(8) as pool:
+            lat = list(pool.map(post, range(submits)))
+        out["submits_per_s"] = submits / (time.perf_counter() - t)
+        out["submit_p50_s"], out["submit_p99_s"] = _pct(lat, 50), _pct(lat, 99)
+        ids = [j["id"] for j in c.get("/v1/dashboard/jobs", params={"limit": 100}).json()["jobs"]]
+        kinds = {"jobs_page": lambda i: ("/v1/dashboard/jobs", {"limit": 50, "offset": 50 * (i % 20)}),
+                 "status": lambda i: (f"/v1/jobs/{ids[i % len(ids)]}", None),
+                 "events": lambda i: ("/v1/events", {"job": ids[i % len(ids)]}),
+                 "pool": lambda i: ("/v1/pool", None),
+                 "dashboard_pool": lambda i: ("/v1/dashboard/pool", None)}
+        every: list[float] = []
+        for name, make in kinds.items():
+            xs = []
+            for i in range(reads):
+                path, params = make(i)
+                dt, r = _timed(c, "GET", path, params=params)
+                r.raise_for_status()
+                xs.append(dt)
+            out[f"{name}_p99_s"] = _pct(xs, 99)
+            every += xs
+        out["read_p99_s"] = _pct(every, 99)
+        ms = []
+        for _ in range(max(5, reads // 20)):
+            dt, r = _timed(c, "GET", "/metrics")
+            ms.append(dt)
+        out["metrics_p99_s"], out["metrics_bytes"] = _pct(ms, 99), len(r.content)
+        out["rss_max_bytes"] = up.rss_bytes()
+        running = {j["id"] for j in c.get("/v1/jobs", params={"state": "running"}).json()}
+        mark = _events(c, 0)[-1]["id"]
+        log(f"kill9: {len(running)} running jobs, tidal up killed and restarted")
+        up.kill()
+        out["restart_api_s"] = up.start()  # (it re-adopts before its API answers)
+        c = httpx.Client(base_url=up.url, headers={"Authorization": f"Bearer {token}"}, timeout=60)
+        adopted = {e["job"] for e in _events(c, mark) if e["kind"] == "adopted"}
+        out["jobs_running_at_kill"] = len(running)
+        out["jobs_lost"] = len(running - adopted)
+        out["jobs_run_twice"] = _journal_twice(state / "virtual.jsonl")
+        up.kill()
+        out["db_bytes"] = sum(p.stat().st_size for p in state.glob("tidal.db*")) if db is None else None
+        return out
+    finally:
+        if "up" in locals():
+            up.kill()
+        if tmp is not None:
+            tmp.cleanup()
+
+
+def plane_command(
+    nodes: str = typer.Option("256x8", help="the virtual pool, NODESxGPUS"),
+    jobs: int = typer.Option(2000, min=1, help="jobs of the workload (sizes 1-512 GPUs, 25 % dedicated)"),
+    hours: float = typer.Option(2.0, min=0.01, help="simulated hours the jobs are submitted over (x 0.8)"),
+    step_s: float = typer.Option(60.0, min=1.0, help="seconds of the simulated clock per reconcile step"),
+    submits: int = typer.Option(2000, min=1, help="jobs posted to the API after the simulated hours"),
+    reads: int = typer.Option(300, min=1, help="reads of each kind (jobs page, status, events, pool)"),
+    db: str | None = typer.Option(None, help="SQLAlchemy URL (default: SQLite in a temporary state dir)"),
+    json_out: bool = typer.Option(False, "--json", help="the figures as JSON on stdout"),
+) -> None:
+    """The live plane at pool scale over the virtual executor: step, submit, read and /metrics latencies,
+    memory, database size, restart after kill -9, parity with the simulator."""
+    try:
+        res = bench_plane(nodes, jobs, hours=hours, step_s=step_s, submits=submits, reads=reads, db=db,
+                          log=lambda m: print(m, file=sys.stderr))
+    except (ValueError, RuntimeError) as e:
+        raise SystemExit(f"tidal bench plane: {e}") from None
+    if json_out:
+        print(json.dumps(res, indent=2))
+    else:
+        for k, v in res.items():
+            print(f"{k:>20}  {v:.4g}" if isinstance(v, float) else f"{k:>20}  {v}")
+
+
+bench_app = _bench_cli.app  # `tidal bench`: the operator's benchmarks and `plane` (a face: above both planes)
+bench_app.command("plane")(plane_command)
