@@ -293,3 +293,44 @@ def test_checkpoints_reports_real_steps(api, tmp_path, monkeypatch):
     assert out["url"] == str(url) and [t["location"] for t in out["tiers"] if t["kind"] == "dir"] == [
         str(url), str(tmp_path / "t2")]
     assert out["newest_durable_step"] == 30 and [t["steps"] for t in out["tiers"]][-1] == []
+
+
+def test_a_spec_cannot_point_the_checkpoints_view_at_another_tenants_steps(api, tmp_path):
+    """A tenant names ``TIDAL_SHM_DIR`` in its spec's env (a directory its job writes) and plants there,
+    where the view looks for its job's shm tier, a link to another tenant's checkpoints: the API, which
+    reads as the plane, would list that tenant's steps (and read its status file) for it. The view looks
+    for a job's shared memory only where the plane put it."""
+    from tidal.ckpt.format import manifest as mf
+    from tidal.ckpt.tiers.directory import shm_root_for
+
+    clients, jobs, *_ = api
+    victim = tmp_path / "jobs" / jobs["a"] / "ckpt"
+    for step in (7, 9):
+        (victim / mf.step_dirname(step)).mkdir(parents=True)
+        (victim / mf.step_dirname(step) / mf.MANIFEST).write_text("{}")
+    planted = tmp_path / "written-by-b"
+    job = clients["b"].submit({**SPEC, "name": "peek", "env": {"TIDAL_SHM_DIR": str(planted)}})["id"]
+    link = planted / "tidal" / shm_root_for(clients["b"].checkpoints(job)["url"]).name
+    link.parent.mkdir(parents=True)
+    link.symlink_to(victim)
+    got = clients["b"].checkpoints(job)
+    assert got["steps"] == [] and [t["kind"] for t in got["tiers"]] == ["dir"], got
+
+
+def test_a_checkpoint_location_swapped_for_a_link_is_not_listed(api, tmp_path):
+    """A tenant's job that owns the parent of its checkpoint location (made for its uid under a granted
+    prefix) swaps the location for a link to another tenant's: the view, read as the plane, would list
+    that tenant's steps. A location that no longer resolves where it was recorded is refused (409)."""
+    from tidal.ckpt.format import manifest as mf
+
+    clients, jobs, *_ = api
+    victim = tmp_path / "jobs" / jobs["a"] / "ckpt"
+    (victim / mf.step_dirname(7)).mkdir(parents=True)
+    (victim / mf.step_dirname(7) / mf.MANIFEST).write_text("{}")
+    own = tmp_path / "tenants" / "b" / "run" / "ck"
+    job = clients["b"].submit({**SPEC, "name": "swap", "checkpoint": {"url": str(own)}})["id"]
+    own.parent.mkdir(parents=True)
+    own.symlink_to(victim)
+    with pytest.raises(ApiError) as e:
+        clients["b"].checkpoints(job)
+    assert e.value.status == 409 and "symbolic link" in str(e.value)

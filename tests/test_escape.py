@@ -2,8 +2,10 @@
 (``server.build``, driven step by step) with real ranks: while another tenant's rank runs, the job reads
 the admin token, the database, the other tenant's log, fence and progress, that rank's
 ``/proc/<pid>/environ`` and ``cmdline`` (by its real pid and by scanning ``/proc``), the plane's own
-environment, and swaps its own log for a link to the token. Each must fail. The same script run with
-``isolation: none`` reads the token (as root or as the plane's user alike): the probes do detect a leak.
+environment, and swaps its own log for a link to the token; and a job that swaps its checkpoint
+directory for a link to the plane's data, which the quota count must not walk. Each must fail. The same
+script run with ``isolation: none`` reads the token (as root or as the plane's user alike): the probes
+do detect a leak.
 
 The same two runs on the Ray executor (the session's Ray cluster, tests/ray_cluster.py), whose rank
 actors start each rank in the same sandbox on its node; there, without ``uid_base``, a rank of a root
@@ -20,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from iso_plane import ROOT, planes, rank_log, run
+from tidal.control import locations
 from tidal.control.auth import create_tenant
 from tidal.control.server import isolation_warning
 from tidal.control.spec import parse_spec
@@ -160,3 +163,29 @@ def test_a_ray_ranks_log_is_capped_as_a_local_ones(ray_cluster, plane_factory):
     log = rank_log(plane, job)
     assert plane.store.job(job).state == "succeeded", log[-300:]
     assert len(log) <= 16 << 10 and "bytes of this log were cut here" in log and log.endswith("LAST-LINE\n")
+
+
+def test_a_link_swapped_for_a_checkpoint_home_is_not_walked_by_the_quota_count(plane_factory):
+    """A job whose checkpoint directory it may replace (a granted prefix, where the executor made the
+    directories of its location for its uid) swaps it for a link to a directory of the plane's: the
+    plane's quota count (at each submission and every minute) would walk it as root, whatever it is
+    (``/``), and tell the tenant its size. It walks the location the job was given, never through a link."""
+    plane = plane_factory()
+    base = plane.state_dir.parent
+    grant, secret = base / "grant", base / "plane-data"
+    grant.mkdir(mode=0o711)
+    secret.mkdir(mode=0o700)
+    (secret / "blob").write_bytes(os.urandom(2 << 20))
+    create_tenant(plane.store, "bob", quota_gpus=1)
+    run_dir = grant / "r"
+    spec = parse_spec({"name": "first", "gpus": 1, "max_restarts": 0, "command": ["true"],
+                       "checkpoint": {"url": str(run_dir / "ck")}})
+    first = plane.store.submit("bob", spec.model_dump(), time.time(), ckpt_location=str(run_dir / "ck"))
+    run(plane, first.id)  # the executor made grant/r and grant/r/ck for bob's uid
+    spec = parse_spec({"name": "swap", "gpus": 1, "max_restarts": 0, "workdir": str(run_dir),
+                       "command": ["/bin/sh", "-c", f"rm -rf ck && ln -s {secret} ck && echo SWAPPED"]})
+    swap = plane.store.submit("bob", spec.model_dump(), time.time()).id
+    run(plane, swap)
+    assert "SWAPPED" in rank_log(plane, swap) and (run_dir / "ck").is_symlink(), rank_log(plane, swap)
+    used = locations.quota_use(locations.homes(plane.store.jobs(), plane.controller.ckpt_root), lambda t: 1)
+    assert used["bob"][0] < 1 << 20, used

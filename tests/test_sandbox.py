@@ -161,3 +161,25 @@ def test_tidal_up_says_first_that_isolation_is_off(tmp_path):
             assert first.startswith("tidal up: http://") != warned, first
         finally:
             plane.stop()
+
+
+def test_a_link_the_job_names_as_code_does_not_uncover_the_state_dir(tmp_path):
+    """A job plants, in a directory it may write outside the state dir, a link to the jobs dir; a later job
+    names a file through that link in its command (and in ``PYTHONPATH``). The sandbox binds the directories
+    of what the command names read-only, but never one that resolves into what no rank sees: the rank, left
+    root (as on Ray without ``uid_base``: no capability, only root's own files), cannot read the plane's
+    checkpoint-agent key through it."""
+    ex = LocalExecutor(tmp_path / "state" / "jobs", slots=1, run_as_self=True)
+    out = tmp_path / "outside"
+    out.mkdir()
+    plant = f"ln -s {ex.root.resolve()} s && echo PLANTED"
+    ex.launch(LaunchRequest("plant", 1, ("/bin/sh", "-c", plant), {"local": 1}, str(out)), time.time())
+    assert _done(ex, "plant") == [0] and "PLANTED" in _log(ex, "plant") and (out / "s").is_symlink()
+    key = out / "s" / ".ckpt-agent.key"
+    secret = (ex.root / ".ckpt-agent.key").read_text().strip()
+    probe = ("/bin/sh", "-c", 'cat "$1"; ls "$2"; echo PROBED', "sh", str(key), str(out / "s"))
+    env = {"PYTHONPATH": str(out / "s")}
+    ex.launch(LaunchRequest("peek", 1, probe, {"local": 1}, None, env), time.time())
+    _done(ex, "peek")
+    log = _log(ex, "peek")
+    assert "PROBED" in log and secret not in log and ".uids.json" not in log and "plant" not in log, log

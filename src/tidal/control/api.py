@@ -32,7 +32,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tidal.contract import ENV_SHM_DIR
 from tidal.control import locations as loc_policy
 from tidal.control import metrics
 from tidal.control import schemas as sc
@@ -335,7 +334,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
                 used = len(data) - len(dec.getstate()[0])
         return {"job": job_id, "rank": rank, "offset": start + used, "size": size, "data": text, "done": done}
 
-    @app.get("/v1/jobs/{job_id}/checkpoints", **_doc(sc.Checkpoints, 401, 404))
+    @app.get("/v1/jobs/{job_id}/checkpoints", **_doc(sc.Checkpoints, 401, 404, 409))
     @json_route()
     def checkpoints(job_id: str, me: Caller) -> dict:
         """Committed steps per tier (shm, directory, object storage; read from storage and from the job's
@@ -343,9 +342,12 @@ def create_app(ctx: ApiContext) -> FastAPI:
         j = own_job(job_id, me)
         ck = (j.spec or {}).get("checkpoint") or {}
         url = ck.get("url") or default_ckpt(ctx.ckpt_root, j)
-        shm_base = ((j.spec or {}).get("env") or {}).get(ENV_SHM_DIR)
+        if j.ckpt_location and "://" not in j.ckpt_location and loc_policy.moved(j.ckpt_location):
+            raise HTTPException(409, f"checkpoint location {j.ckpt_location} now resolves elsewhere (a "
+                                "symbolic link replaced a directory on its path): not listed")
+        shm = ctx.shm_dir(j.id) if ctx.shm_dir is not None else None  # never the spec's (the tenant's)
         return checkpoint_view(j.id, None if ck.get("tiers") else url, ctx.clock(), tiers=ck.get("tiers"),
-                               shm_base=shm_base)
+                               shm_base=None if shm is None else str(shm))
 
     @app.get("/v1/events", **_doc(list[sc.Event], 401, 404, 422))
     @json_route()

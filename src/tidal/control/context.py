@@ -37,6 +37,9 @@ class ApiContext:
     """Where tenants may checkpoint (None: a policy with no tenant prefix, only grants: none)."""
     job_dir: Callable[[str], Any] | None = None
     """A job's executor directory (its attempts' progress records, for the dashboard's curves)."""
+    shm_dir: Callable[[str], Any] | None = None
+    """A job's shared-memory directory as the executor made it (its shm tier, status file); None: the
+    plane's ``TIDAL_SHM_DIR``, else ``/dev/shm``."""
     limits: SubmitLimits | None = None
     """Per-tenant submission limits (None: none)."""
     warning: str | None = None

@@ -55,7 +55,8 @@ def quota_of(quota_bytes: Mapping[str, int], tenant: str) -> int | None:
 def homes(jobs: Iterable[Any], ckpt_root: Path | None) -> list[tuple[str, str]]:
     """(tenant, checkpoint home) of ``jobs`` (store rows): the recorded location, else the default
     ``<ckpt_root>/<job>/ckpt``."""
-    out = [(j.tenant, j.ckpt_location or (str(ckpt_root / j.id / "ckpt") if ckpt_root is not None else None))
+    root = ckpt_root.resolve() if ckpt_root is not None else None  # as recorded locations are
+    out = [(j.tenant, j.ckpt_location or (str(root / j.id / "ckpt") if root is not None else None))
            for j in jobs]
     return [(t, h) for t, h in out if h is not None]
 
@@ -64,19 +65,33 @@ def quota_use(homes: Iterable[tuple[str, str]],
               quota: Callable[[str], int | None]) -> dict[str, tuple[int, int]]:
     """``{tenant: (bytes used, quota)}`` of the tenants with a quota, from ``(tenant, home)`` of their
     jobs' checkpoint homes (``s3://`` ones are not counted: the bucket has its own limits). Bytes are
-    what the files take on disk (a sparse file counts its blocks), never through a link."""
+    what the files take on disk (a sparse file counts its blocks), never through a link: a home (recorded
+    resolved) that now resolves elsewhere went through a link its job planted, and is not walked."""
     out: dict[str, tuple[int, int]] = {}
     for tenant, home in homes:
         q = quota(tenant)
         if q is None or home.startswith("s3://"):
             continue
-        used = 0
-        for d, _, files in os.walk(_real(home)):  # followlinks=False: a link a job planted is not walked
-            for f in files:
-                with contextlib.suppress(OSError):  # removed meanwhile
-                    used += os.lstat(os.path.join(d, f)).st_blocks * 512
+        used = 0 if moved(home) else _blocks(_real(home))
         out[tenant] = (out.get(tenant, (0, q))[0] + used, q)
     return out
+
+
+def moved(home: str) -> bool:
+    """Whether a local checkpoint home (recorded resolved) now resolves elsewhere: its job swapped a
+    directory on its path for a link (the plane then neither walks nor lists it)."""
+    return _real(home) != os.path.abspath(home.removeprefix("file://"))
+
+
+def _blocks(top: str) -> int:
+    """Bytes on disk of the files under ``top``, never through a link (also one swapped in for ``top``)."""
+    used = 0
+    with contextlib.suppress(OSError):  # not there (yet), or removed meanwhile
+        for _, _, files, dfd in os.fwalk(top):
+            for f in files:
+                with contextlib.suppress(OSError):
+                    used += os.stat(f, dir_fd=dfd, follow_symlinks=False).st_blocks * 512
+    return used
 
 
 def _real(path: str) -> str:

@@ -95,6 +95,7 @@ class Plane:
                          serving=serving, loans=ctl.loans, locations=policy,
                          job_dir=getattr(self.executor, "job_dir", None),
                          warning=isolation_warning(cfg, executor=self.executor),
+                         shm_dir=self.executor.shm_dir if isinstance(self.executor, LocalExecutor) else None,
                          log_owner=os.geteuid() if isinstance(self.executor, LocalExecutor) else None,
                          limits=SubmitLimits(cfg.submit_rate_per_s, cfg.submit_burst, cfg.max_queued_jobs))
         return create_app(ctx)

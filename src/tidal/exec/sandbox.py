@@ -20,8 +20,9 @@ command where it runs. Inside, the rank sees:
   the plane's API and the checkpoint agents).
 
 The state dir (``admin.token``, ``tidal.db``, other jobs' logs, progress and fences) and the other
-jobs' shared memory are never bound: where a bound directory contains them they are covered by an
-empty tmpfs, and the job's own directories are bound again on top.
+jobs' shared memory are never bound, nor a path that resolves into them (a link a job planted): where a
+bound directory contains them they are covered by an empty tmpfs, and the job's own directories are
+bound again on top.
 
 Signals: the shim starts bwrap with SIGTERM and SIGINT ignored (bwrap's processes forward nothing and
 must outlive a notice) and :data:`ENTER` restores them for the rank, which gets them straight from the
@@ -123,10 +124,13 @@ def code_paths(env: Mapping[str, str], command: Sequence[str], python: str,
     return out
 
 
-def _binds(flag: str, paths: Iterable[str]) -> list[str]:
+def _binds(flag: str, paths: Iterable[str], hidden: Iterable[str] = ()) -> list[str]:
     """``flag SRC SRC`` for each existing absolute path, parents before children, each once; its parents
-    made first, 0711 (bwrap would make them 0700: a job's uid could not pass through them)."""
-    seen = sorted({os.path.normpath(p) for p in paths if os.path.isabs(p) and os.path.exists(p)},
+    made first, 0711 (bwrap would make them 0700: a job's uid could not pass through them). A path that
+    resolves into ``hidden`` is left out (a link a job planted would bind what the cover misses)."""
+    hid = [Path(os.path.realpath(h)) for h in hidden]
+    seen = sorted({os.path.normpath(p) for p in paths if os.path.isabs(p) and os.path.exists(p)
+                   and not any(Path(os.path.realpath(p)).is_relative_to(h) for h in hid)},
                   key=lambda p: (p.count("/"), p))
     out: list[str] = []
     made: set[str] = set()
@@ -187,7 +191,8 @@ def command(bwrap: str, program: Sequence[str], binds: Binds, *, env: Mapping[st
     out = [bwrap, *_namespaces(), *_system(), "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
     if b.gpu:
         out += _binds("--dev-bind", glob.glob("/dev/nvidia*"))
-    out += _binds("--ro-bind", code_paths(env, program, python, b.read_only)) + _binds("--bind", b.named)
+    out += _binds("--ro-bind", code_paths(env, program, python, b.read_only), b.hidden)
+    out += _binds("--bind", b.named, b.hidden)
     out += [x for h in b.hidden if os.path.isdir(h) for x in ("--perms", "0711", "--tmpfs", h)]
     out += _binds("--ro-bind", [b.attempt])
     out += _binds("--bind", [os.path.join(b.attempt, c.PROGRESS_DIRNAME), *b.own])
