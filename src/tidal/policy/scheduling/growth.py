@@ -46,25 +46,39 @@ def grow_step(c: Cycle, admitted: dict[str, tuple[int, Job]]) -> None:
     if not jobs:
         return
 
-    def key(j: Job) -> tuple:
-        frac = size[j.id] / j.max_gpus  # water-fill among a tenant's equal jobs
-        if j.kind == "dedicated":
-            quota = c.tenants[j.tenant].quota_gpus
-            return (0, c.ded_held[j.tenant] / quota if quota else 0.0, -j.priority, frac, j.id)
-        return (1, c.share(j.tenant), -j.priority, frac, j.id)
+    # The order is (kind, the tenant's quota use or share, -priority, fraction of its maximum, id): a heap
+    # per (kind, tenant) on the last three, and a heap of those groups by their head. A grant raises only
+    # its own group's key (its tenant's use and its job's fraction), so no key in either heap goes stale.
+    def tenant_key(rank: int, t: str) -> float:
+        if rank == 0:
+            quota = c.tenants[t].quota_gpus
+            return c.ded_held[t] / quota if quota else 0.0
+        return c.share(t)
 
-    heap = [(key(j), jid) for jid, j in jobs.items()]
-    heapq.heapify(heap)
+    groups: dict[tuple[int, str], list[tuple[tuple[int, float, str], str]]] = {}
+    for jid, j in jobs.items():
+        groups.setdefault((int(j.kind != "dedicated"), j.tenant), []).append(
+            ((-j.priority, size[jid] / j.max_gpus, jid), jid))
+    for h in groups.values():
+        heapq.heapify(h)
+    top = [((g[0], tenant_key(*g), h[0][0]), g) for g, h in groups.items()]
+    heapq.heapify(top)
     current: dict[str, dict[str, int]] = {}  # placements of jobs granted something, copied on first grant
     added: dict[str, dict[str, int]] = {}
     node_gpus = c.max_node_gpus
-    while heap and c.training.total + c.loan.total > 0:
-        k, jid = heap[0]
+
+    def requeue(gk: tuple[int, str]) -> None:  # the top group's key after a change in it
+        h = groups[gk]
+        if h:
+            heapq.heapreplace(top, ((gk[0], tenant_key(*gk), h[0][0]), gk))
+        else:
+            heapq.heappop(top)
+
+    while top and c.training.total + c.loan.total > 0:
+        gk = top[0][1]
+        h = groups[gk]
+        jid = h[0][1]
         j = jobs[jid]
-        k2 = key(j)
-        if k2 != k:
-            heapq.heapreplace(heap, (k2, jid))
-            continue
         unit, g = j.size_step, j.gpus_per_node
         room = j.max_gpus - size[jid]
         if j.kind == "dedicated":
@@ -80,7 +94,8 @@ def grow_step(c: Cycle, admitted: dict[str, tuple[int, Job]]) -> None:
                 if add is not None:
                     break
         if add is None:  # full, out of quota, or nothing fits it any more
-            heapq.heappop(heap)
+            heapq.heappop(h)
+            requeue(gk)
             if c.why is not None and size[jid] < j.max_gpus and jid not in admitted:
                 quota = j.kind == "dedicated" and c.quota_room(j.tenant) < unit
                 c.wait(j, f"at {size[jid]} of {j.max_gpus} GPUs: " + (
@@ -96,9 +111,10 @@ def grow_step(c: Cycle, admitted: dict[str, tuple[int, Job]]) -> None:
         for node, t in add.items():
             cur[node] = cur.get(node, 0) + t
             a[node] = a.get(node, 0) + t
-        heapq.heapreplace(heap, (key(j), jid))
+        heapq.heapreplace(h, ((-j.priority, size[jid] / j.max_gpus, jid), jid))
+        requeue(gk)
     if c.why is not None:
-        for _, jid in heap:  # spare ran out before these were full
+        for _, jid in (x for _, gk in top for x in groups[gk]):  # spare ran out before these were full
             j = jobs[jid]
             if size[jid] < j.max_gpus and jid not in admitted:
                 c.wait(j, f"at {size[jid]} of {j.max_gpus} GPUs: no more GPU free to grow into")
