@@ -144,47 +144,52 @@ def _focus_nodes(need: GangNeed, shrink: list[Cand], pre: Iterator[Cand]
     missing = need.size // g - need.ok_nodes
     pot: dict[str, int] = {}  # node -> GPUs it could have free (what it has plus what is given back)
     done: list[str] = []  # nodes that could reach g, in the order they did
-    vget, pget = vfree.get, pot.get
+    on: dict[str, list[int]] = {}  # such a node -> positions of the candidates there (shrink, then seen)
+    givers: list[int] = []  # positions of the candidates giving their tenant quota back
+    vget, pget, oget = vfree.get, pot.get, on.get
 
-    quota = 0  # quota the candidates seen could give back
-    for v, _, q in shrink:
-        room = v.gpus - v.min_gpus
-        if q:
-            quota += room
+    def count(i: int, v: Job, room: int) -> None:  # what candidate ``i`` could give back on each node
         for n, t in v.placement.items():
             if n in allowed:
                 f = vget(n, 0)
-                if f < g:  # add what the shrink could give back here (inlined, as below)
+                if f < g:
+                    at = oget(n)
+                    if at is None:
+                        on[n] = [i]
+                    else:
+                        at.append(i)
                     before = pget(n, f)
                     after = before + (t if t < room else room)
                     pot[n] = after
                     if before < g <= after:
                         done.append(n)
+
+    quota = 0  # quota the candidates seen could give back
+    for i, (v, _, q) in enumerate(shrink):
+        room = v.gpus - v.min_gpus
+        if q:
+            quota += room
+            givers.append(i)
+        count(i, v, room)
     seen: list[Cand] = []
+    ns = len(shrink)
     if len(done) < missing or quota < need.quota_short:
         for x in pre:
-            seen.append(x)
+            v = x[0]
             if x[2]:
-                quota += x[0].gpus
-            for n, t in x[0].placement.items():
-                if n in allowed:
-                    f = vget(n, 0)
-                    if f < g:
-                        before = pget(n, f)
-                        after = before + t
-                        pot[n] = after
-                        if before < g <= after:
-                            done.append(n)
+                quota += v.gpus
+                givers.append(ns + len(seen))
+            count(ns + len(seen), v, v.gpus)
+            seen.append(x)
             if len(done) >= missing and quota >= need.quota_short:
                 break
     if len(done) < missing or quota < need.quota_short:
         return None
-    nodes = set(done[:missing])
-
-    def keep(x: Cand) -> bool:  # on a chosen node, or giving the tenant quota back
-        return x[2] or any(n in nodes for n in x[0].placement)
-
-    return [x for x in shrink if keep(x)], [x for x in seen if keep(x)]
+    keep = set(givers)  # on a chosen node, or giving the tenant quota back
+    for n in done[:missing]:
+        keep.update(on[n])
+    ks = sorted(keep)
+    return [shrink[i] for i in ks if i < ns], [seen[i - ns] for i in ks if i >= ns]
 
 
 def targets_for(c: Cycle, job: Job) -> tuple[list[Victim], dict[str, int]] | None:
