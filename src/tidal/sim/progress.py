@@ -8,8 +8,12 @@ trains from ``t0`` at ``rate``, every ``tau_s`` stalls ``stall_s`` for a capture
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable
+from typing import Generic, TypeVar
 
 import numpy as np
+
+K = TypeVar("K", bound=Hashable)
 
 EPS = 1e-9
 
@@ -137,7 +141,7 @@ class Segment:
         return Segment(start_s, p0, rate, tau_s, self.stall, self.lag, dur_p, dur_ct, pend, stop_s)
 
 
-class DurableTable:
+class DurableTable(Generic[K]):
     """The newest durable checkpoint of many segments at once: one row per key (a job), its
     :class:`Segment`'s parameters and ``due``, from when its answer may have changed; :meth:`refresh`
     answers the due rows with :func:`durable_times_and_next` and moves ``due`` on."""
@@ -146,11 +150,11 @@ class DurableTable:
         self.end_s = end_s
         self.rows = np.zeros((0, 12))  # Segment.row()
         self.due = np.zeros(0)
-        self.slot: dict[str, int] = {}
-        self.keys: list[str | None] = []
+        self.slot: dict[K, int] = {}
+        self.keys: list[K | None] = []
         self.free: list[int] = []
 
-    def set(self, key: str, seg: Segment, due: float) -> None:
+    def set(self, key: K, seg: Segment, due: float) -> None:
         """``key``'s segment from now on, first answered at ``due`` (``inf`` if not before ``end_s``)."""
         i = self.slot.get(key)
         if i is None:
@@ -167,7 +171,7 @@ class DurableTable:
         self.rows[i] = seg.row()
         self.due[i] = due if due < self.end_s else math.inf
 
-    def drop(self, key: str) -> None:
+    def drop(self, key: K) -> None:
         """``key`` has no segment any more."""
         i = self.slot.pop(key, None)
         if i is not None:
@@ -175,7 +179,7 @@ class DurableTable:
             self.keys[i] = None
             self.free.append(i)
 
-    def refresh(self, now: float) -> tuple[list[str], list[float]]:
+    def refresh(self, now: float) -> tuple[list[K], list[float]]:
         """The keys due at ``now`` and the capture time of their newest durable checkpoint then."""
         idx = np.flatnonzero(self.due <= now)
         if idx.size == 0:

@@ -184,7 +184,7 @@ class World:
         self.held_serving = 0
         self.held_total = 0
         self.changed: dict[str, None] = {}  # jobs (re)started or resized since the last interval plan
-        self.durable = DurableTable(config.end_s)  # job id -> its segment, to refresh Job.last_ckpt_s
+        self.durable: DurableTable[SimJob] = DurableTable(config.end_s)  # to refresh Job.last_ckpt_s
         self.pending_synthetic_gpus = 0
         self.pending_synthetic_by_size: dict[int, int] = {}
         self.counts = {"reclaim_interruptions": 0, "preemptions": 0, "shrinks": 0, "failures": 0,
@@ -226,7 +226,7 @@ class World:
             t_fail = now + float(self.rng.exponential(1.0 / lam))
             if t_fail < min(t_fin, sj.rel_at, self.cfg.end_s):
                 self.push(t_fail, FAIL, sj.spec.id, sj.version)
-        self.durable.set(sj.spec.id, seg, seg.next_durable_s(now))
+        self.durable.set(sj, seg, seg.next_durable_s(now))
 
     def _new_piece(self, sj: SimJob, p0: float, rate: float) -> None:
         ps = sj.pieces
@@ -397,7 +397,7 @@ class World:
             sj.job = job_with(sj.job, placement={}, releasing={}, started_s=None)
             sj.seg, sj.kept_p = None, kept
             sj.version += 1
-            self.durable.drop(jid)
+            self.durable.drop(sj)
             self._enqueue(sj)
             return freed
         sj.job = job_with(sj.job, placement=left, releasing={})
@@ -423,7 +423,7 @@ class World:
         sj.seg = None
         sj.end_s = now
         sj.version += 1
-        self.durable.drop(jid)
+        self.durable.drop(sj)
         return freed
 
     def fail(self, jid: str, version: int, now: float) -> bool:
@@ -473,10 +473,9 @@ class World:
         it moved (for ``RunningIndex.ckpt_moved``). Set in place on the store's own frozen object (as
         ``ckpt_interval_s`` in :meth:`set_interval`): a rebuild per checkpoint would cost more than the
         rest of the simulator, and no snapshot outlives a scheduling call."""
-        jobs, set_field = self.jobs, object.__setattr__
-        moved = []
-        for jid, ct in zip(*self.durable.refresh(now), strict=True):
-            job = jobs[jid].job
+        sjs, cts = self.durable.refresh(now)
+        moved = [sj.job for sj in sjs]
+        set_field = object.__setattr__
+        for job, ct in zip(moved, cts, strict=True):
             set_field(job, "last_ckpt_s", ct)
-            moved.append(job)
         return moved

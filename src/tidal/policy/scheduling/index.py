@@ -98,13 +98,16 @@ class RunningIndex:
         """``jobs`` whose ``last_ckpt_s`` moved in place since the last report. From the first report on the
         index keeps that column itself, so the caller must report every move before the next call."""
         self.ckpt_reported = True
-        row_of, ckpt = self.row_of, self._table.ckpt
+        get = self.row_of.get
+        rows, times = [], []
         for j in jobs:
-            r = row_of.get(id(j))  # listed: alive, so no other live job has its id
+            r = get(id(j))  # listed: alive, so no other live job has its id
             if r is not None:
-                c = j.last_ckpt_s
-                ckpt[r] = c if c is not None else math.nan
-                self._spot_cols = None
+                rows.append(r)
+                times.append(j.last_ckpt_s)
+        if rows:
+            self._table.ckpt[rows] = np.array(times, dtype=np.float64)  # None -> NaN
+            self._spot_cols = None
 
     def update(self, running: Sequence[Job]) -> None:
         """Bring the sums to ``running`` (this call's running jobs). Call :meth:`nodes` first."""
