@@ -26,6 +26,7 @@ class Cycle:
         self.tenants = {t.name: t for t in snap.tenants}
         self.loans: dict[str, Loan] = dict(zip(map(_node, snap.loans), snap.loans, strict=True))
         self.index = index
+        self._growable_src: dict[int, Job] | None = None  # the index's growable jobs
         if index is not None and self._from_index(index):
             return
         self.pool_of: dict[str, str] = {}  # node -> "training" | "loan" (serving nodes without a loan: none)
@@ -105,6 +106,7 @@ class Cycle:
         self.ded_held = {t: index.ded_held.get(t, 0) for t in tenants}
         self.spot_held = {t: index.spot_held.get(t, 0) for t in tenants}
         self.growable = None  # listed by growable_jobs() only if the grow step runs (spare GPUs)
+        self._growable_src = index.growable
         self.ded_low_priority = {t: min(p) for t, p in index.ded_prio.items() if p}
         self.ded_elastic = {t for t, k in index.ded_elastic.items() if k}
         self.used, self.draining0 = index.used, index.draining
@@ -174,9 +176,11 @@ class Cycle:
         lv.total += total
 
     def growable_jobs(self) -> list[Job]:
-        """Running jobs not releasing and below their maximum, in running order."""
+        """Running jobs not releasing and below their maximum (in running order without the index)."""
         if self.growable is None:
-            self.growable = [j for j in self.snap.running if not j.releasing_gpus and j.gpus < j.max_gpus]
+            src = self._growable_src
+            self.growable = list(src.values()) if src is not None else [
+                j for j in self.snap.running if not j.releasing_gpus and j.gpus < j.max_gpus]
         return self.growable
 
     def compute_fair(self, pending_spot_tenants: set[str]) -> None:

@@ -26,15 +26,19 @@ def grow_step(c: Cycle, admitted: dict[str, tuple[int, Job]]) -> None:
     size: dict[str, int] = {}
     jobs: dict[str, Job] = {}
     start: dict[str, Mapping[str, int]] = {}
+    why, touched = c.why is not None, c.touched
     for j in c.growable_jobs():
-        if j.id in c.touched:
+        if j.id in touched:
             continue
-        if j.last_shrunk_s is not None and now - j.last_shrunk_s < hyst:
-            c.wait(j, f"at {j.gpus} of {j.max_gpus} GPUs: grow held after its shrink (hysteresis_s {hyst:g})",
-                   until_s=j.last_shrunk_s + hyst)
+        shrunk = j.last_shrunk_s
+        if shrunk is not None and now - shrunk < hyst:
+            if why:
+                c.wait(j, f"at {j.gpus} of {j.max_gpus} GPUs: grow held after its shrink (hysteresis_s "
+                       f"{hyst:g})", until_s=shrunk + hyst)
             continue
         if j.size_step > spare:
-            c.wait(j, f"at {j.gpus} of {j.max_gpus} GPUs: grows {j.size_step} at a time, {spare} free")
+            if why:
+                c.wait(j, f"at {j.gpus} of {j.max_gpus} GPUs: grows {j.size_step} at a time, {spare} free")
             continue
         jobs[j.id], size[j.id], start[j.id] = j, j.gpus, j.placement
     for jid, (i, j) in admitted.items():

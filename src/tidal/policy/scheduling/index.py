@@ -49,6 +49,7 @@ class RunningIndex:
         self.spot_held: dict[str, int] = {}  # tenant -> GPUs of its spot jobs not being released
         self.ded_prio: dict[str, dict[int, int]] = {}  # tenant -> priority -> dedicated jobs not releasing
         self.ded_elastic: dict[str, int] = {}  # tenant -> dedicated jobs not releasing above their minimum
+        self.growable: dict[int, Job] = {}  # id(job) -> running job not releasing, below its maximum
         self.train_free: dict[str, int] = dict(self._node_gpus)  # training node -> GPUs free, in node order
         self.train_open: set[str] = {n for n, g in self.train_free.items() if g > 0}  # ... with free GPUs
         # The victim index's inputs (``victims.VictimIndex``), over running jobs not releasing:
@@ -158,6 +159,11 @@ class RunningIndex:
         if rel:
             for node, g in j.releasing.items():
                 _add(drain, node, sign * g)
+        elif j.gpus < j.max_gpus:
+            if sign > 0:
+                self.growable[key] = j
+            else:
+                del self.growable[key]
         t = j.tenant
         self.jobs_of[t] = self.jobs_of.get(t, 0) + sign
         if j.kind == "dedicated":
