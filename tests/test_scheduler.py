@@ -840,3 +840,76 @@ def test_why_a_job_waits_comes_from_the_decision(node_list, jobs, want):
 def test_grow_hold_says_when_it_ends():
     got = why_of(snap(NOW, nodes((8, 8)), AB, [elastic(last_shrunk_s=NOW - 100)]))
     assert got["e"][1] == NOW - 100 + SchedulerConfig().hysteresis_s
+
+
+def _grow_by_the_rule(c) -> list:
+    """The grow step as its rule reads (the job with the smallest key gets the next grant, found by a
+    scan over all of them each round): what the heaps of ``grow_step`` must reproduce grant for grant."""
+    from tidal.policy.scheduling.placement import fits, place_more
+
+    spare = c.training.total + c.loan.total
+    jobs = {j.id: j for j in c.growable_jobs() if j.id not in c.touched and j.size_step <= spare and (
+        j.last_shrunk_s is None or c.now - j.last_shrunk_s >= c.cfg.hysteresis_s)}
+    size = {jid: j.gpus for jid, j in jobs.items()}
+    current = {jid: dict(j.placement) for jid, j in jobs.items()}
+    added: dict[str, dict[str, int]] = {}
+
+    def key(j: Job) -> tuple:
+        frac = size[j.id] / j.max_gpus
+        if j.kind == "dedicated":
+            quota = c.tenants[j.tenant].quota_gpus
+            return (0, c.ded_held[j.tenant] / quota if quota else 0.0, -j.priority, frac, j.id)
+        return (1, c.share(j.tenant), -j.priority, frac, j.id)
+
+    live = set(jobs)
+    while live and c.training.total + c.loan.total > 0:
+        j = jobs[min(live, key=lambda i: key(jobs[i]))]
+        unit, g = j.size_step, j.gpus_per_node
+        room = j.max_gpus - size[j.id]
+        views = [c.training] if j.kind == "dedicated" else [c.loan, c.training]
+        if j.kind == "dedicated":
+            room = min(room, c.quota_room(j.tenant))
+        add = None
+        big = max(unit, c.max_node_gpus, room // 4) // unit * unit
+        for amount in sorted({min(room, big) // unit * unit, unit}, reverse=True):
+            if 0 < amount <= room and fits(views, amount, g):
+                add = place_more(views, amount, g, current[j.id])
+                if add is not None:
+                    break
+        if add is None:
+            live.discard(j.id)
+            continue
+        n = sum(add.values())
+        size[j.id] += n
+        c._count(j, n)
+        for node, t in add.items():
+            current[j.id][node] = current[j.id].get(node, 0) + t
+            added.setdefault(j.id, {})[node] = added.get(j.id, {}).get(node, 0) + t
+    return [Grow(jid, size[jid], a) for jid, a in added.items()]
+
+
+@FAST
+@given(st.lists(st.tuples(st.integers(0, 3), st.booleans(), st.integers(0, 2), st.sampled_from([1, 2, 4]),
+                          st.sampled_from([None, 2]), st.integers(1, 24)), min_size=1, max_size=30),
+       st.integers(0, 40))
+def test_grow_step_grants_in_key_order(specs, free):
+    """The grow step's heaps (one per tenant and kind, under one of their heads) give the same grants as
+    taking the job with the smallest key (kind, quota use or share, -priority, fraction, id) each round."""
+    from tidal.policy.scheduling.cycle import Cycle
+    from tidal.policy.scheduling.growth import grow_step
+
+    jobs, node_gpus = [], []
+    for k, (t, ded, p, gpus, g, room) in enumerate(specs):
+        node_gpus.append(8)
+        jobs.append(Job(f"j{k:02d}", f"u{t}", "dedicated" if ded else "spot", priority=p, min_gpus=gpus,
+                        max_gpus=gpus + room * (g or 1), gpus_per_node=g if g == gpus else None,
+                        placement={f"t{k}": gpus}, started_s=0.0))
+    node_gpus += [8] * (free // 8) + ([free % 8] if free % 8 else [])
+    s = Snapshot.build(100.0, nodes(tuple(node_gpus)),
+                       [Tenant(f"u{i}", 4 * (i + 1) * len(specs), 1.0 + i % 2) for i in range(4)], jobs)
+    got, want = Cycle(s, SchedulerConfig()), Cycle(s, SchedulerConfig())
+    for c in (got, want):
+        c.build_views(set())
+        c.compute_fair({j.tenant for j in jobs if j.kind == "spot"})
+    grow_step(got, {})
+    assert got.decisions == _grow_by_the_rule(want)
