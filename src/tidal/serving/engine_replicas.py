@@ -35,6 +35,7 @@ from tidal.net import free_port, free_ports
 from tidal.serving.engines import LLAMA_CPP, EngineStats, parse_metrics
 
 RECENT_STARTS = 20  # start-to-healthy times the warm-up estimate keeps
+ACCESS_LOG_MAX_BYTES = 1 << 22  # the router's request log is cut past this once read
 
 
 class EngineError(RuntimeError):
@@ -108,6 +109,7 @@ class EngineReplicas:
         self.events: list[dict[str, Any]] = []
         self.router_port, self.generation = free_port(), 0
         self.router: subprocess.Popen | None = None
+        self._log_at = 0  # bytes of the router's request log read
         self.http = httpx.Client(timeout=5.0)
 
     @property
@@ -227,6 +229,38 @@ class EngineReplicas:
         text = self.http.get(f"{self.url}/router/status").text.split("\n")
         return int(text[2].split()[2])
 
+    def answered(self) -> list[tuple[float, int, float | None]]:
+        """The requests the router answered since the last call: (Unix time, status, seconds until the
+        engine's response headers, or None when no engine answered). llama-server sends its headers when a
+        slot takes the request up, so that time holds the wait for a slot (docs/loaning.md). The log is
+        cut once read past :data:`ACCESS_LOG_MAX_BYTES`."""
+        path, out = self.dir / "access.log", list[tuple[float, int, float | None]]()
+        try:
+            with open(path, "rb+") as f:
+                f.seek(self._log_at)
+                data = f.read()
+                keep = data.rfind(b"\n") + 1
+                self._log_at += keep
+                if self._log_at > ACCESS_LOG_MAX_BYTES:  # nginx appends: the next line lands at the new end
+                    f.truncate(0)
+                    self._log_at = 0
+        except OSError:
+            return out
+        for line in data[:keep].decode(errors="replace").splitlines():
+            parts = line.split()
+            try:
+                head = parts[2].split(",")[-1].strip() if len(parts) > 2 else "-"
+                out.append((float(parts[0]), int(parts[1]), None if head == "-" else float(head)))
+            except (ValueError, IndexError):
+                continue
+        return out
+
+    def pids(self) -> list[int]:
+        """The pids of the processes running now (replicas and the router): what to stop if this object
+        cannot (its owner was killed)."""
+        procs = [r.proc for r in self.replicas] + [self.router]
+        return [p.pid for p in procs if p is not None and p.poll() is None]
+
     def _event(self, kind: str, replica: int, message: str) -> None:
         self.events.append({"time_s": time.time(), "kind": kind, "replica": replica, "message": message})
 
@@ -287,11 +321,12 @@ class EngineReplicas:
                         for k in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
         return (f"worker_processes 1;\npid {d}/nginx.pid;\nerror_log {d}/nginx-error.log warn;\n"
                 "events { worker_connections 4096; }\n"
-                f"http {{\n  access_log off;\n{temps}  client_body_buffer_size 1m;\n"
+                "http {\n  log_format t '$msec $status $upstream_header_time $request_time';\n"
+                f"  access_log {d}/access.log t;\n{temps}  client_body_buffer_size 1m;\n"
                 f"  upstream engine {{\n    least_conn;\n{ups}  }}\n"
                 f"  server {{\n    listen 127.0.0.1:{self.router_port};\n"
-                "    location = /router/status { stub_status; }\n"
-                f"    location = /router/generation {{ return 200 \"{self.generation}\"; }}\n"
+                "    location = /router/status { stub_status; access_log off; }\n"
+                f"    location = /router/generation {{ access_log off; return 200 \"{self.generation}\"; }}\n"
                 "    location / {\n      proxy_pass http://engine;\n      proxy_http_version 1.1;\n"
                 "      proxy_buffering off;\n      proxy_read_timeout 300s;\n"
                 "      proxy_next_upstream error timeout;\n    }\n  }\n}\n")
