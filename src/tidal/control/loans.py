@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from tidal.control.loan_book import Actions
+from tidal.control.schemas import EngineFigures, answer
 from tidal.control.serving_nodes import Event, ServingNodes
 from tidal.model import Loan, Reclaim
 from tidal.policy import codec
@@ -494,8 +495,6 @@ class LiveLoans:
             "demand_gpus": None if math.isnan(demand) else round(demand, 3),
             "lendable_gpus": plan.lendable_gpus, "margin_gpus": round(plan.margin_gpus, 3),
             "z": round(float(self.state.z), 4), "shortfall_budget": self.policy.config.shortfall_budget,
-            "lead_time_s": round(self.timing.lead_time_s, 3), "warmup_s": round(self.timing.warmup_s, 3),
-            "warmup_measured": self.timing is not self.configured,
             "forecast_observations": int(self.state.forecast.n_obs),
             "forecast": {"times_s": [round(float(x), 1) for x in plan.times_s[:k]],
                          "upper_gpus": [round(float(x), 2) for x in plan.upper_gpus[:k]]},
@@ -507,7 +506,7 @@ class LiveLoans:
         ``jobs_on``: the jobs holding them, remembered to name them if the node is lost)."""
         if jobs_on is not None:
             self.serving.jobs_seen = {n: sorted(j) for n, j in jobs_on.items() if j and n in self.nodes}
-        led = self.ledger
+        led, health = self.ledger, self.adapter.health()
         self._latest = {
             "held_gpus": {n: g for n, g in (held or {}).items() if n in self.nodes}, **self.plan_shown,
             "now_s": now_s, "serving_nodes": dict(self.nodes), **self.serving.view(led),
@@ -518,7 +517,10 @@ class LiveLoans:
             "reclaims": [{"gpus": r.gpus, "by_s": r.by_s, "notice_s": r.notice_s} for r in self.reclaims],
             "warming": {n: led.warming_ready_s(n) for n in led.cap if led.warming_ready_s(n)},
             "stats": dict(self.stats), "worst_margin_s": min(self.margins) if self.margins else None,
-            "pending_restores": dict(self.actions.owed), "adapter": self.adapter.health()}
+            "pending_restores": dict(self.actions.owed), "adapter": health,
+            "lead_time_s": round(self.timing.lead_time_s, 3), "warmup_s": round(self.timing.warmup_s, 3),
+            "warmup_measured": self.timing is not self.configured,
+            "engine": None if (e := EngineFigures.of(health)) is None else answer(e)}
 
 
 def build_live_loans(cfg: WatchConfig, ray_address: str | None = None,

@@ -98,8 +98,8 @@ class EngineSettings:
 
 class EngineAdapter:
     """Lends the GPUs of llama.cpp replicas, one a GPU, in ``workdir`` (module docstring). ``history``: a
-    replay of earlier days (scaled to the pool) for :meth:`forecast_history`. Nothing starts until the
-    first call that needs the engine; :meth:`close` stops the worker and every process it started."""
+    replay of earlier days (scaled to the pool) for :meth:`forecast_history`. Nothing starts before the
+    first loan step; :meth:`close` stops the worker and every process it started."""
 
     def __init__(self, settings: EngineSettings, workdir: str | Path, *, history: TraceReplay | None = None,
                  history_days: float = 0.0) -> None:
@@ -125,7 +125,9 @@ class EngineAdapter:
         return dict(self._nodes)
 
     def serving_time(self, now_s: float) -> float:
-        """``now_s`` unless ``speedup``/``start_s`` run a demo's day from ``start_s`` at the first call."""
+        """``now_s`` unless ``speedup``/``start_s`` run a demo's day from ``start_s`` at the first call. The
+        replicas start at the first call (the plane's first loan step)."""
+        self._ensure()
         if self.speedup == 1.0 and self.s.start_s is None:
             return now_s
         origin = self.origin_s = now_s if self.origin_s is None else self.origin_s
