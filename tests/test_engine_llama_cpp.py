@@ -50,6 +50,19 @@ def test_bench_lends_and_takes_back_without_failing_a_request(model, tmp_path):
     assert w["phases"]["lent"]["ttft_p99_s"] > 0 and w["phases"]["before"]["ttft_p50_s"] > 0
     assert out["engine"]["name"] == "llama.cpp" and out["engine"]["version"]
     assert len(w["start_to_healthy_s"]) == 3  # two at the start, one taken back
+    c = w["cpus"]
+    if len(os.sched_getaffinity(0)) >= 2:  # pinned: the training rank only on the lent replica's CPU
+        assert c["replicas"][0] != c["replicas"][1] and c["training"] == c["replicas"][w["lent"][0]]
+    assert c["trained_s"] > 0 and wo["cpus"]["training"] is None
+
+
+def test_replicas_given_cpus_run_only_there(model, tmp_path):
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("one CPU: nothing to pin apart")
+    with EngineReplicas(model, tmp_path / "w", replicas=2, cpus=[[cpus[1]], [cpus[0]]]) as r:
+        assert [os.sched_getaffinity(x.proc.pid) for x in r.replicas] == [{cpus[1]}, {cpus[0]}]
+        assert httpx.post(f"{r.url}/v1/completions", json=BODY, timeout=30).status_code == 200
 
 
 def test_faults_are_events_and_capacity_comes_back(model, tmp_path):

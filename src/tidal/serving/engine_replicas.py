@@ -22,6 +22,7 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,17 @@ def llama_server() -> str:
     return found
 
 
+def on_cpus(argv: list[str], cpus: Sequence[int] | None) -> list[str]:
+    """``argv`` confined to ``cpus`` by ``taskset`` (the mask is set before the program starts any thread);
+    as is for None."""
+    if not cpus:
+        return argv
+    taskset = shutil.which("taskset")
+    if taskset is None:
+        raise EngineError("taskset not found (util-linux): it pins replicas to CPUs")
+    return [taskset, "-c", ",".join(map(str, cpus)), *argv]
+
+
 def engine_version(binary: str) -> str:
     """``llama-server --version``'s version line ("version: 1 (abc123)")."""
     p = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30)
@@ -85,14 +97,16 @@ class Replica:
 
 class EngineReplicas:
     """``replicas`` llama-server processes serving ``model`` (``slots`` requests at once each, ``threads``
-    CPU threads) behind nginx, in ``workdir``. ``planned_warmup_s``: the warm-up a loan assumed (a start
-    slower than it is an event); ``drain_timeout_s``: at most this long for a lent replica's requests
-    to finish before it is stopped anyway (an event)."""
+    CPU threads; replica i on ``cpus[i % len(cpus)]`` when given) behind nginx, in ``workdir``.
+    ``planned_warmup_s``: the warm-up a loan assumed (a start slower than it is an event);
+    ``drain_timeout_s``: at most this long for a lent replica's requests to finish before it is stopped
+    anyway (an event)."""
 
     def __init__(self, model: str | Path, workdir: str | Path, replicas: int = 2, *, slots: int = 2,
                  threads: int = 1, context: int = 4096, drain_timeout_s: float = 10.0,
                  start_timeout_s: float = 30.0, planned_warmup_s: float | None = None,
-                 binary: str | None = None, extra_args: tuple[str, ...] = ()) -> None:
+                 binary: str | None = None, extra_args: tuple[str, ...] = (),
+                 cpus: Sequence[Sequence[int]] | None = None) -> None:
         if replicas < 1 or slots < 1 or threads < 1:
             raise ValueError("replicas, slots and threads must be >= 1")
         self.model, self.dir = Path(model), private_dirs(workdir)
@@ -103,6 +117,7 @@ class EngineReplicas:
                      "-np", str(slots), "-t", str(threads), *extra_args]
         self.slots, self.drain_timeout_s, self.start_timeout_s = slots, drain_timeout_s, start_timeout_s
         self.planned_warmup_s = planned_warmup_s
+        self.cpus = [list(c) for c in cpus or ()]
         self.replicas = [Replica(i, p, self.dir / f"replica-{i}.log")
                          for i, p in enumerate(free_ports(replicas))]
         self.starts: collections.deque[float] = collections.deque(maxlen=RECENT_STARTS)
@@ -143,6 +158,10 @@ class EngineReplicas:
         stop_process(self.router, 5.0)
         self.router = None
         self.http.close()
+
+    def cpus_of(self, i: int) -> list[int] | None:
+        """The CPUs replica ``i`` runs on (None: any)."""
+        return self.cpus[i % len(self.cpus)] if self.cpus else None
 
     def warmup_s(self) -> float | None:
         """p95 of the recent start-to-healthy times (None before any start)."""
@@ -284,9 +303,9 @@ class EngineReplicas:
 
     def _start(self, r: Replica) -> float:
         t0 = time.monotonic()
+        argv = on_cpus([self.binary, *self.args, "--port", str(r.port)], self.cpus_of(r.index))
         with open(r.log, "ab") as log:
-            r.proc = subprocess.Popen([self.binary, *self.args, "--port", str(r.port)],
-                                      stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            r.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                       start_new_session=True)
         while True:
             if r.proc.poll() is not None:
