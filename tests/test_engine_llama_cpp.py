@@ -3,6 +3,7 @@ real nginx router: lending and taking back under traffic loses no request; its f
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import socket
@@ -142,3 +143,49 @@ def test_the_cycle_demo_mirrors_the_planes_loans_onto_the_replicas(model, tmp_pa
         if side.traffic is not None:
             side.traffic.stop(10.0)
         side.r.stop()
+
+
+def test_the_planes_adapter_drives_the_replicas_and_a_broken_engine_fails_its_actions(model, tmp_path):
+    from tidal.serving.engine_adapter import EngineAdapter, EngineSettings
+
+    def settle(a, n=1):
+        got: list = []
+        for _ in range(600):
+            got += a.done()
+            if len(got) >= n:
+                return got
+            time.sleep(0.05)
+        raise AssertionError(f"no outcome: {a.health()}")
+
+    a = EngineAdapter(EngineSettings(str(model), {"serve-0": 1, "serve-1": 1}, 0.5, rate_window_s=1),
+                      tmp_path / "w")
+    try:
+        a.release("serve-1", 1, 1, 0.0)
+        assert settle(a)[0].error is None and a.state.released == {"serve-0": 0, "serve-1": 1}
+        for _ in range(100):  # the snapshot: demand (idle: the floor), the lent replica unrouted
+            if a.view.get("routed", {}).get("serve-1") == 0 and a.demand_gpus(time.time()) == 0.5:
+                break
+            time.sleep(0.05)
+        assert a.view["routed"] == {"serve-0": 1, "serve-1": 0} and a.demand_gpus(time.time()) == 0.5
+        a.restore("serve-1", 1, 0, 0.0)
+        assert settle(a)[0].error is None
+        for _ in range(100):
+            if a.ready("serve-1"):
+                break
+            time.sleep(0.05)
+        assert a.ready("serve-1") and a.warmup_s() is not None and len(a.view["events"]) == 2
+        pids = a.view["pids"]
+    finally:
+        a.close()
+    assert pids and not any(os.path.exists(f"/proc/{p}") for p in pids)  # close() stopped them all
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 64)
+    b = EngineAdapter(EngineSettings(str(bad), {"serve-0": 1, "serve-1": 1}, 0.5), tmp_path / "b")
+    try:
+        b.release("serve-1", 1, 1, 0.0)
+        out = settle(b)[0]
+        assert "the engine did not start" in out.error and "bad.gguf" in out.error
+        assert b.state.released == {"serve-0": 0, "serve-1": 0} and math.isnan(b.demand_gpus(time.time()))
+        assert "did not start" in b.health()["last_error"]
+    finally:
+        b.close()

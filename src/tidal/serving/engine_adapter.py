@@ -222,7 +222,12 @@ class EngineAdapter:
                                        slots=self.s.slots, threads=self.s.threads, context=self.s.context,
                                        drain_timeout_s=self.s.drain_timeout_s).start()
                 except (EngineError, OSError, ValueError) as e:
-                    self.view = {**self.view, "error": f"the engine did not start: {e}"}
+                    why = f"the engine did not start: {e}"
+                    self.view = {**self.view, "error": why}
+                    while not self._todo.empty():  # nothing to act on: each action fails, saying why
+                        act = self._todo.get()
+                        if act is not None:
+                            self._done.put(dataclasses.replace(act, error=why))
                     self._stop.wait(RETRY_START_S)
             if r is None:
                 return
