@@ -192,3 +192,15 @@ def test_the_engine_adapters_settings_are_checked_naming_the_field(change, says)
         WatchConfig.from_dict({"serving_gpus": 2, "trace": "t.csv", "engine": {"model": "m.gguf"}})
     cfg = WatchConfig.from_dict(ENGINE_BLOCK)
     assert cfg.pool_gpus == 2 and cfg.requests() is None and "llama.cpp replicas of m.gguf" in cfg.describe()
+
+
+def test_the_ratio_is_the_worst_lending_phase_and_the_others_show_the_noise():
+    from tidal.serving.engine_bench import compare
+
+    def phase(p99, n=20):
+        return {"ttft_p99_s": p99, "requests": n, "failed": 0}
+    with_ = {"before": phase(0.3), "lent": phase(0.2), "reclaiming": phase(0.5, 3), "after": phase(0.1)}
+    without = {"before": phase(0.1), "lent": phase(0.1), "reclaiming": phase(0.1, 3), "after": phase(0.1)}
+    out = compare(with_, without, ("lent", "reclaiming"))
+    assert out["ttft_p99_ratio"] == 2.0  # reclaiming holds too few requests; before is not lending's
+    assert out["ttft_p99_ratio_by_phase"] == {"before": 3.0, "lent": 2.0, "after": 1.0}
