@@ -124,6 +124,29 @@ def test_a_symlinked_checkpoint_parent_is_refused(tmp_path):
     assert not os.path.exists("/etc/new-ck")
 
 
+def test_a_checkpoint_parent_swapped_for_a_link_after_the_check_gets_nothing_made_through_it(tmp_path,
+                                                                                              monkeypatch):
+    """The plane makes the directories a job names through a descriptor of the parent it checked: a swap
+    for a link right after the check is seen (refused) and nothing is made where the link leads."""
+    from tidal.exec import isolation
+
+    base, elsewhere = tmp_path / "w", tmp_path / "elsewhere"
+    base.mkdir()
+    elsewhere.mkdir()
+    checked = isolation.open_real
+
+    def swapped_after(path):
+        fd = checked(path)
+        base.rename(tmp_path / "w-before")
+        base.symlink_to(elsewhere)
+        return fd
+
+    monkeypatch.setattr(isolation, "open_real", swapped_after)
+    with pytest.raises(OSError, match="symbolic link"):  # what it opened is no longer at that path
+        make_dirs([str(base / "ck" / "a")], None)
+    assert list(elsewhere.iterdir()) == []
+
+
 def test_the_dashboard_shows_a_banner_when_isolation_is_off(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

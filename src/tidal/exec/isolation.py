@@ -15,6 +15,7 @@ job's private area, progress, shm and default checkpoint directories (and what i
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -29,7 +30,7 @@ from tidal.contract import LAUNCH_FILE, PROGRESS_DIRNAME, RAY_AUTH_TOKEN_ENV, at
 from tidal.exec.cgroups import MIN_MEMORY_BYTES
 from tidal.exec.files import read_json
 from tidal.exec.sandbox import named
-from tidal.files import write_atomic
+from tidal.files import open_real, write_atomic
 
 if TYPE_CHECKING:
     from tidal.exec.protocol import LaunchRequest
@@ -255,10 +256,23 @@ def make_dirs(paths: Iterable[str], owner: tuple[int, int] | None) -> None:
         if not missing or not path.is_absolute():
             continue
         base = missing[-1].parent
-        if os.path.realpath(base) != str(base):
+        fd = open_real(base)  # made below through descriptors: a link swapped in meanwhile changes nothing
+        if fd is None or os.readlink(f"/proc/self/fd/{fd}") != str(base):
+            if fd is not None:
+                os.close(fd)
             raise OSError(f"{p}: {base} is reached through a symbolic link (refused)")
-        for d in reversed(missing):
-            private_dir(d, 0o700, owner)
+        try:
+            for d in reversed(missing):
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(d.name, 0o700, dir_fd=fd)
+                nxt = os.open(d.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+                os.close(fd)
+                fd = nxt
+                if owner is not None:
+                    os.fchown(fd, *owner)
+                os.fchmod(fd, 0o700)
+        finally:
+            os.close(fd)
 
 
 def make_job_dirs(root: Path, job_dir: Path, attempt_dir: Path, home: Path, own_dirs: Iterable[str],

@@ -36,7 +36,6 @@ import contextlib
 import glob
 import os
 import shutil
-import stat
 import subprocess
 import sys
 from collections.abc import Iterable, Mapping, Sequence
@@ -44,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tidal import contract as c
+from tidal.files import open_real
 
 PACKAGE = "bubblewrap"
 SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt", "/sys")
@@ -129,33 +129,16 @@ def code_paths(env: Mapping[str, str], command: Sequence[str], python: str,
 FD_FLAGS = ("--bind-fd", "--ro-bind-fd")
 
 
-def _open_real(path: str) -> int | None:
-    """An ``O_PATH`` descriptor of what ``path`` resolves to now, opened one component at a time without
-    following a link, so what bwrap binds is what was checked (a link swapped in meanwhile: None)."""
-    fd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        for part in Path(os.path.realpath(path)).parts[1:]:
-            nxt = os.open(part, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
-            os.close(fd)
-            fd = nxt
-        if not stat.S_ISLNK(os.fstat(fd).st_mode):
-            return fd
-    except OSError:
-        pass
-    os.close(fd)
-    return None
-
-
 def _binds(flag: str, paths: Iterable[str], hidden: Iterable[str] = ()) -> list[str]:
     """``flag-fd FD DEST`` for each existing absolute path, parents before children, each once, FD the
-    directory it resolves to, opened here (:func:`_open_real`; closed by :func:`close_fds` once bwrap
-    started); its parents made first, 0711 (bwrap would make them 0700: a job's uid could not pass through
-    them). A path that resolves into ``hidden`` is left out (a link a job planted would bind what the cover
-    misses), as is one that changed while it was opened."""
+    directory it resolves to, opened here (:func:`tidal.files.open_real`; :func:`close_fds` closes it once
+    bwrap started); its parents made first, 0711 (bwrap would make them 0700: a job's uid could not pass
+    through them). A path that resolves into ``hidden`` is left out (a link a job planted would bind what
+    the cover misses), as is one that changed while it was opened."""
     hid = [Path(os.path.realpath(h)) for h in hidden]
     found: dict[str, int] = {}
     for p in {os.path.normpath(p) for p in paths if os.path.isabs(p) and os.path.exists(p)}:
-        fd = _open_real(p)
+        fd = open_real(p)
         if fd is None:
             continue
         real = os.readlink(f"/proc/self/fd/{fd}")
@@ -244,7 +227,7 @@ def command(bwrap: str, program: Sequence[str], binds: Binds, *, env: Mapping[st
     out += _binds("--ro-bind", [b.attempt])
     out += _binds("--bind", [os.path.join(b.attempt, c.PROGRESS_DIRNAME), *b.own])
     if b.shm is not None and os.path.isdir(b.shm):  # its parents made in it, 0711 (from the second bind on)
-        fd = _open_real(b.shm)
+        fd = open_real(b.shm)
         out += [*(["--bind-fd", str(fd), "/dev/shm"] if fd is not None else []), *_binds("--bind", [b.shm])]
     uid, gid = (int(owner[0]), int(owner[1])) if owner is not None else (-1, -1)
     if owner is None and os.geteuid() == 0:  # a rank left root (Ray without uid_base, run_as_self): no caps
