@@ -157,11 +157,21 @@ def test_the_planes_adapter_drives_the_replicas_and_a_broken_engine_fails_its_ac
             time.sleep(0.05)
         raise AssertionError(f"no outcome: {a.health()}")
 
+    # what a plane killed with SIGKILL left running (its pids file): stopped when the next one starts
+    import json
+    import subprocess
+
+    from tidal.exec.procs import start_time
+
+    left = subprocess.Popen(["sleep", "120"], start_new_session=True)
+    (tmp_path / "w").mkdir()
+    (tmp_path / "w" / "pids.json").write_text(json.dumps([[left.pid, start_time(left.pid)]]))
     a = EngineAdapter(EngineSettings(str(model), {"serve-0": 1, "serve-1": 1}, 0.5, rate_window_s=1),
                       tmp_path / "w")
     try:
         a.release("serve-1", 1, 1, 0.0)
         assert settle(a)[0].error is None and a.state.released == {"serve-0": 0, "serve-1": 1}
+        assert left.wait(10) == -9
         for _ in range(100):  # the snapshot: demand (idle: the floor), the lent replica unrouted
             if a.view.get("routed", {}).get("serve-1") == 0 and a.demand_gpus(time.time()) == 0.5:
                 break
@@ -175,6 +185,7 @@ def test_the_planes_adapter_drives_the_replicas_and_a_broken_engine_fails_its_ac
             time.sleep(0.05)
         assert a.ready("serve-1") and a.warmup_s() is not None and len(a.view["events"]) == 2
         pids = a.view["pids"]
+        assert sorted(p for p, _ in json.loads((tmp_path / "w" / "pids.json").read_text())) == sorted(pids)
     finally:
         a.close()
     assert pids and not any(os.path.exists(f"/proc/{p}") for p in pids)  # close() stopped them all

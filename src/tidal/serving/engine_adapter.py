@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
+import logging
 import math
 import queue
 import threading
@@ -25,12 +27,16 @@ from typing import Any
 
 import numpy as np
 
+from tidal.exec import procs
+from tidal.files import private_dirs, write_atomic
 from tidal.serving.adapters import ActionDone, _Released, parse_nodes
 from tidal.serving.engine_replicas import EngineError, EngineReplicas
 from tidal.serving.engines import replicas_needed
 from tidal.serving.requests import number_in
 from tidal.serving.serve_history import history_grid
 from tidal.serving.sources import TraceReplay
+
+log = logging.getLogger(__name__)
 
 ADAPTER = "llama.cpp"
 SAMPLE_S = 0.5  # the worker reads the replicas' metrics this often (seconds)
@@ -213,8 +219,27 @@ class EngineAdapter:
 
     # the worker thread: it alone touches the replicas
 
+    def _left_behind(self, pids: list[int] | None) -> None:
+        """Record the engine's processes (``pids``; None: stop those a killed plane left, then forget them)
+        in ``pids.json``, by pid and start time: a plane killed with SIGKILL cannot stop them itself."""
+        path = self.workdir / "pids.json"
+        if pids is not None:
+            write_atomic(path, json.dumps([[p, procs.start_time(p)] for p in pids]))
+            return
+        try:
+            left = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return
+        for pid, started in left if isinstance(left, list) else ():
+            if isinstance(pid, int) and pid > 1 and procs.alive(pid, started):
+                log.warning("stopping the engine process %d a previous plane left running", pid)
+                procs.kill_group(pid)
+        path.unlink(missing_ok=True)
+
     def _run(self) -> None:
         r: EngineReplicas | None = None
+        private_dirs(self.workdir)
+        self._left_behind(None)
         try:
             while r is None and not self._stop.is_set():
                 try:
@@ -238,11 +263,13 @@ class EngineAdapter:
         finally:
             if r is not None:
                 r.stop()
+                self._left_behind([])
 
     def _serve(self, r: EngineReplicas) -> None:
         samples: collections.deque[tuple[float, dict]] = collections.deque()  # (time, each replica's scrape)
         answered: collections.deque[tuple[float, int, float | None]] = collections.deque()
         seen = {"requests_failed": 0, "requests": 0}
+        written: list[int] = []
         next_sample = 0.0
         while not self._stop.is_set():
             try:
@@ -266,6 +293,8 @@ class EngineAdapter:
             while answered and answered[0][0] < now - self.s.rate_window_s:
                 answered.popleft()
             self.view = self._snapshot(r, samples, answered, seen)
+            if self.view["pids"] != written:
+                self._left_behind(written := self.view["pids"])
 
     def _snapshot(self, r: EngineReplicas, samples: collections.deque, answered: collections.deque,
                   seen: dict[str, int]) -> dict[str, Any]:
