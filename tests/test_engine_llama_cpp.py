@@ -189,6 +189,18 @@ def test_the_planes_adapter_drives_the_replicas_and_a_broken_engine_fails_its_ac
     finally:
         a.close()
     assert pids and not any(os.path.exists(f"/proc/{p}") for p in pids)  # close() stopped them all
+    c = EngineAdapter(EngineSettings(str(model), {"serve-0": 1, "serve-1": 1}, 0.5), tmp_path / "w")
+    c.resume({"released": {"serve-1": 1}, "origin_s": None})  # a restarted plane: serve-1 is still lent
+    try:
+        c.serving_time(0.0)  # the first loan step starts the engine
+        for _ in range(200):
+            if c.view.get("routed"):
+                break
+            time.sleep(0.05)
+        assert c.view["routed"] == {"serve-0": 1, "serve-1": 0}, c.health()
+        assert c.ready("serve-0")
+    finally:
+        c.close()
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\x00" * 64)
     b = EngineAdapter(EngineSettings(str(bad), {"serve-0": 1, "serve-1": 1}, 0.5), tmp_path / "b")
