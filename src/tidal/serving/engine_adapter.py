@@ -140,7 +140,7 @@ class EngineAdapter:
         return (self.s.start_s if self.s.start_s is not None else origin) + (now_s - origin) * self.speedup
 
     def _ensure(self) -> None:
-        if self._worker is None and not self._stop.is_set():
+        if (self._worker is None or not self._worker.is_alive()) and not self._stop.is_set():
             self._worker = threading.Thread(target=self._run, daemon=True, name="tidal-engine")
             self._worker.start()
 
@@ -281,20 +281,23 @@ class EngineAdapter:
             if time.monotonic() < next_sample or self._stop.is_set():
                 continue
             next_sample = time.monotonic() + SAMPLE_S
-            r.check()
-            now = time.time()
-            samples.append((now, r.scrape()))
-            for rec in r.answered():
-                answered.append(rec)
-                seen["requests"] += 1
-                seen["requests_failed"] += rec[1] >= 500
-            while len(samples) > 2 and samples[1][0] <= now - self.s.rate_window_s:
-                samples.popleft()
-            while answered and answered[0][0] < now - self.s.rate_window_s:
-                answered.popleft()
-            self.view = self._snapshot(r, samples, answered, seen)
-            if self.view["pids"] != written:
-                self._left_behind(written := self.view["pids"])
+            try:
+                r.check()
+                now = time.time()
+                samples.append((now, r.scrape()))
+                for rec in r.answered():
+                    answered.append(rec)
+                    seen["requests"] += 1
+                    seen["requests_failed"] += rec[1] >= 500
+                while len(samples) > 2 and samples[1][0] <= now - self.s.rate_window_s:
+                    samples.popleft()
+                while answered and answered[0][0] < now - self.s.rate_window_s:
+                    answered.popleft()
+                self.view = self._snapshot(r, samples, answered, seen)
+                if self.view["pids"] != written:
+                    self._left_behind(written := self.view["pids"])
+            except Exception:  # one failed sample (a full disk, a router restarting): the next one
+                log.exception("reading the engine's replicas failed")
 
     def _snapshot(self, r: EngineReplicas, samples: collections.deque, answered: collections.deque,
                   seen: dict[str, int]) -> dict[str, Any]:
