@@ -35,9 +35,15 @@ def test_a_step_rereads_only_what_changed(tmp_path) -> None:
     ex.beat(ids[0], clock.advance(1.0), 5)
     ctl.step(clock())
     assert store._changed == set()  # (running: re-read by this step's snapshot; its progress is no mark)
+    view = ctl._view.jobs[ids[5]]
     store.update(ids[7], cancel_requested=True)  # the API's write: the next step sees it
     ctl.step(clock.advance(1.0))
     assert store.job(ids[7]).state == State.CANCELLED and store.job(ids[0]).progress["step"] == 5
+    assert ctl._view.jobs[ids[5]] is view and ids[7] not in ctl._view.jobs  # views made again: written ones
+    store.update(ids[9], cancel_requested=True)
+    store._changed.clear()  # (as a plane restarted finds it: the request stored, no mark in memory)
+    Controller(store, ex).step(clock.advance(1.0))
+    assert store.job(ids[9]).state == State.CANCELLED
 
 
 def test_metrics_and_pool_follow_running_jobs_not_history(tmp_path) -> None:

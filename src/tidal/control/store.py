@@ -200,6 +200,7 @@ class Store:
         self._lock = threading.RLock()
         self._by_token: dict[str, TenantRow] = {}
         self._changed: set[str] = set()
+        self.tenant_rev = 0  # rises with every tenant written (the reconcile loop keeps them meanwhile)
         with self._write() as s:
             row = s.get(MetaRow, "schema_version")
             if row is None:
@@ -278,6 +279,7 @@ class Store:
             s.add(EventRow(time_s=now_s, tenant=name, kind="tenant",
                            message=f"tenant {name} created (quota {quota_gpus} GPUs, weight {weight:g}, "
                                    f"max priority {max_priority}{', admin' if admin else ''})"))
+        self.tenant_rev += 1
         return row
 
     def set_tenant_token(self, name: str, token_hash: str) -> None:

@@ -47,16 +47,18 @@ class Workload:
 
 def workload(n_jobs: int, nodes: int, gpus_per_node: int, *, span_s: float = 4 * 3600.0,
              tenants: int = 8, minutes: tuple[float, float] = (10.0, 120.0), dedicated: float = 0.25,
-             seed: int = 0) -> Workload:
-    """``n_jobs`` submitted uniformly over ``span_s``: sizes 1..512 GPUs (within the pool), durations
-    log-uniform in ``minutes``, a ``dedicated`` fraction at priority 1 (fixed size), the rest spot and elastic
-    (half to all of their size); each tenant's quota is an equal share of the pool."""
+             skew: float = 0.0, seed: int = 0) -> Workload:
+    """``n_jobs`` submitted uniformly over ``span_s``: sizes 1..512 GPUs (within the pool; a size's odds
+    ``size ** -skew``: 0 uniform, 0.5 mostly small jobs as in the Philly trace), durations log-uniform in
+    ``minutes``, a ``dedicated`` fraction at priority 1 (fixed size), the rest spot and elastic (half to all
+    of their size); each tenant's quota is an equal share of the pool."""
     rng = np.random.default_rng(seed)
     total = nodes * gpus_per_node
     sizes = [s for s in SIZES if s <= total] or [1]
+    odds = np.array(sizes, float) ** -skew
     out = []
     for i, t in enumerate(np.sort(rng.uniform(0.0, span_s, n_jobs))):
-        g = int(sizes[rng.integers(len(sizes))])
+        g = int(sizes[rng.integers(len(sizes))] if not skew else rng.choice(sizes, p=odds / odds.sum()))
         dur_s = 60.0 * math.exp(rng.uniform(math.log(minutes[0]), math.log(minutes[1])))
         ded = bool(rng.random() < dedicated)
         out.append(JobSpec(id=f"j{i:06d}", tenant=f"team{rng.integers(tenants)}", kind="dedicated" if ded
