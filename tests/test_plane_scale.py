@@ -115,3 +115,27 @@ def test_bench_plane_kill9_readopts_every_running_job(tmp_path) -> None:
                     log=lambda m: None)
     assert r["jobs_running_at_kill"] > 0 and r["jobs_lost"] == 0 and r["jobs_run_twice"] == 0, r
     assert 0.9 < r["sim_parity"] < 1.1 and r["metrics_bytes"] > 0 and r["db_bytes"] > 0
+
+
+def test_a_batch_is_one_transaction_seen_by_its_thread_only(tmp_path) -> None:
+    import threading
+
+    import pytest
+
+    store = new_store(tmp_path, ("a", 0, 1.0))
+    ids = [submit(store, "a", 0.0, name=f"b{i}") for i in range(3)]
+    seen: list[str] = []
+    with store.batch():
+        store.transition(ids[0], State.CANCELLED, 1.0, "cancelled while pending", finished_s=1.0)
+        assert store.job(ids[0]).state == State.CANCELLED  # this thread reads its own writes
+        t = threading.Thread(target=lambda: seen.append(store.job(ids[0]).state))
+        t.start()
+        t.join()
+        store.commit()  # (what must be stored before acting outside the database)
+        store.transition(ids[1], State.CANCELLED, 1.0, "cancelled while pending", finished_s=1.0)
+    assert seen == [State.PENDING]  # others see the batch once committed
+    assert store.job(ids[1]).state == State.CANCELLED
+    with pytest.raises(RuntimeError), store.batch():
+        store.transition(ids[2], State.CANCELLED, 1.0, "cancelled while pending", finished_s=1.0)
+        raise RuntimeError("a step failing midway")
+    assert store.job(ids[2]).state == State.PENDING and len(store.events(job_id=ids[2])) == 1  # rolled back

@@ -145,8 +145,9 @@ class Controller:
         rows = self._active or {}  # jobs holding GPUs or backing off, and pending ones written since
         active = [rows[i] for i, st in self._state.items() if st != S.PENDING or i in changed]
         self._record_progress(active, observed)
-        for job in active:  # 2. reconcile
-            self._reconcile(job, observed.get(job.id), now_s)
+        with self.store.batch():  # (a step's writes: a transaction per phase, not one each)
+            for job in active:  # 2. reconcile
+                self._reconcile(job, observed.get(job.id), now_s)
         self.watch.refresh(now_s)  # after reconcile: a lost node stays only while jobs still hold it
         if self.loans is not None:  # 3. lend and reclaim (serving nodes lost or back first)
             used, wants, on = self._holdings(wants=True)
@@ -163,9 +164,10 @@ class Controller:
         decisions: list[Decision] = list(schedule(snap, self.config.scheduler, self._index, why=why))
         decisions += self._intervals(snap, now_s)
         jobs = dict(self._view.jobs)
-        for d in decisions:  # 5. act
-            self._apply(d, now_s, jobs)
-        self._note_waiting(why)
+        with self.store.batch():
+            for d in decisions:  # 5. act
+                self._apply(d, now_s, jobs)
+            self._note_waiting(why)
         self._save_loans(now_s)
         self.sweep_shm(now_s)
         self._check_ckpt_quota(now_s)
@@ -586,6 +588,7 @@ class Controller:
         spec = job.spec
         env = job_env(job, self.ckpt_root, self.config.ckpt_interval.max_interval_s)
         take_over, take_over_from = taken_over(job, self.store)
+        self.store.commit()  # (the attempt is recorded before any rank starts)
         req = LaunchRequest(job.id, attempt, tuple(spec["command"]), placement, spec.get("workdir"), env,
                             tenant=job.tenant, own_dirs=own_dirs(job, self.ckpt_root), take_over=take_over,
                             take_over_from=take_over_from)

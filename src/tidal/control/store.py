@@ -198,6 +198,7 @@ class Store:
             self._identity = (st.st_dev, st.st_ino)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         self._lock = threading.RLock()
+        self._batch = threading.local()  # .s: the session of this thread's batch (see batch())
         self._by_token: dict[str, TenantRow] = {}
         self._changed: set[str] = set()
         self.tenant_rev = 0  # rises with every tenant written (the reconcile loop keeps them meanwhile)
@@ -258,15 +259,51 @@ class Store:
 
     @contextlib.contextmanager
     def _write(self) -> Iterator[Session]:
+        if (b := getattr(self._batch, "s", None)) is not None:
+            yield b
+            b.flush()
+            b.expunge_all()  # (rows returned detached, as outside a batch)
+            return
         self.check_file()
         with self._lock, self._sessions.begin() as s:
             yield s
 
     @contextlib.contextmanager
     def _read(self) -> Iterator[Session]:
+        if (b := getattr(self._batch, "s", None)) is not None:
+            yield b  # (this thread's batch: its own writes seen)
+            b.expunge_all()
+            return
         self.check_file()
         with self._sessions() as s:
             yield s
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """This thread's writes in the block in one transaction, committed at its end (or at :meth:`commit`),
+        rolled back if it raises; other threads' writes wait meanwhile. The reconcile loop's many small writes
+        of a step: one commit instead of one each. Rows read in it stay attached to it until it ends."""
+        if getattr(self._batch, "s", None) is not None:
+            yield
+            return
+        self.check_file()
+        with self._lock, self._sessions() as s:
+            self._batch.s = s
+            try:
+                yield
+                s.commit()
+            except BaseException:
+                s.rollback()
+                raise
+            finally:
+                self._batch.s = None
+                s.expunge_all()
+
+    def commit(self) -> None:
+        """Commit this thread's batch so far (what must be stored before an action outside the database, such
+        as a launch); nothing to do outside a batch."""
+        if (b := getattr(self._batch, "s", None)) is not None:
+            b.commit()
 
     def add_tenant(self, name: str, token_hash: str, *, quota_gpus: int = 0, weight: float = 1.0,
                    admin: bool = False, now_s: float = 0.0, max_priority: int = 0) -> TenantRow:
