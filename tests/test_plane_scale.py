@@ -139,3 +139,31 @@ def test_a_batch_is_one_transaction_seen_by_its_thread_only(tmp_path) -> None:
         store.transition(ids[2], State.CANCELLED, 1.0, "cancelled while pending", finished_s=1.0)
         raise RuntimeError("a step failing midway")
     assert store.job(ids[2]).state == State.PENDING and len(store.events(job_id=ids[2])) == 1  # rolled back
+
+
+def test_lists_come_a_bounded_page_at_a_time(tmp_path) -> None:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from fastapi.testclient import TestClient
+    from tidal.control.api import ApiContext, create_app
+    from tidal.control.auth import create_tenant
+    from tidal.model import Node
+
+    clock = FakeClock()
+    store = new_store(tmp_path)
+    auth = {"Authorization": f"Bearer {create_tenant(store, 'a')}"}
+    ids = [submit(store, "a", clock(), name="p") for _ in range(5)]
+    store.transition(ids[0], State.ADMITTED, clock(), "x", placement={"n3": 2}, attempt=1)
+    nodes = [Node(f"n{i}", 8) for i in range(10)]
+    http = TestClient(create_app(ApiContext(store, nodes, lambda j, r: None, clock)))
+    p = http.get("/v1/pool", params={"offset": 2, "limit": 3}, headers=auth).json()
+    assert [n["name"] for n in p["nodes"]] == ["n2", "n3", "n4"] and p["nodes"][1]["allocated"] == 2
+    assert (p["nodes_total"], p["gpus"], p["allocated"], p["pending"]) == (10, 80, 2, 4)  # totals: all nodes
+    assert http.get("/v1/pool", params={"limit": 100000}, headers=auth).status_code == 422
+    page = http.get("/v1/jobs", params={"offset": 1, "limit": 2}, headers=auth).json()
+    assert [j["id"] for j in page] == ids[1:3]
+    assert http.get("/v1/jobs", params={"limit": 100000}, headers=auth).status_code == 422
+    text = render(registry(store, nodes, clock)).decode()  # the pool's series: summed, not one per node
+    assert 'tidal_pool_gpus{pool="training",state="free",tenant=""} 78.0' in text and "n3" not in text

@@ -1,6 +1,7 @@
 """Prometheus metrics, computed from the store at scrape time (``GET /metrics``; every series in
 docs/control.md, Metrics). Per-job series exist for jobs holding GPUs only and job counts come from one
-``GROUP BY``, so a scrape follows the running jobs, the nodes and the tenants, not the history."""
+``GROUP BY``; the pool's GPUs are summed by pool, state and tenant, so a scrape follows the running jobs and
+the tenants, not the nodes or the history (``GET /v1/pool`` lists nodes, a page at a time)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ from tidal.control.accounting import job_report
 from tidal.control.node_watch import totals as node_totals
 from tidal.control.states import HELD, State
 from tidal.control.store import Store
-from tidal.control.views import pool_view
 from tidal.model import Node
 
 
@@ -27,17 +27,23 @@ class PlaneCollector:
     def collect(self) -> Iterator[Metric]:
         now = self.clock()
         jobs = self.store.jobs(states=HELD)
-        pool = GaugeMetricFamily("tidal_pool_gpus", "GPUs of the pool by state and owning tenant",
-                                 labels=["node", "state", "tenant"])
-        for n in pool_view(self.nodes, jobs, None)["nodes"]:
-            by: Counter[tuple[str, str]] = Counter()
-            for h in n["jobs"]:
-                by["allocated", h["tenant"]] += h["gpus"] - h["draining"]
-                by["draining", h["tenant"]] += h["draining"]
-            for (state, tenant), g in sorted(by.items()):
-                if g:
-                    pool.add_metric([n["name"], state, tenant], g)
-            pool.add_metric([n["name"], "free", ""], n["free"])
+        pool = GaugeMetricFamily("tidal_pool_gpus", "GPUs of the pool (training or serving nodes) by state "
+                                 "and owning tenant", labels=["pool", "state", "tenant"])
+        kind = {n.name: n.pool for n in self.nodes}
+        by: Counter[tuple[str, str, str]] = Counter({(k, "free", ""): 0 for k in sorted(set(kind.values()))})
+        for n in self.nodes:
+            by[n.pool, "free", ""] += n.gpus
+        for j in jobs:
+            stopping = j.state in (State.PREEMPTING, State.CANCELLING)
+            for node, g in (j.placement or {}).items():
+                k, d = kind.get(node), g if stopping else (j.releasing or {}).get(node, 0)
+                if k is not None:
+                    by[k, "free", ""] -= g
+                    by[k, "allocated", j.tenant] += g - d
+                    by[k, "draining", j.tenant] += d
+        for key, g in sorted(by.items()):
+            if g or key[1] == "free":
+                pool.add_metric(list(key), g)
         yield pool
         counts = {s.value: 0 for s in State} | self.store.count_by_state()
         by_state = GaugeMetricFamily("tidal_jobs", "Jobs by state", labels=["state"])

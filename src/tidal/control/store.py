@@ -40,9 +40,9 @@ from sqlalchemy import (
     text,
     update,
 )
-from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, load_only, mapped_column, sessionmaker
 
-from tidal.control.states import ACTIVE, TERMINAL, State, check_transition
+from tidal.control.states import ACTIVE, HELD, TERMINAL, State, check_transition
 
 SCHEMA_VERSION = 5  # 2: jobs.nominated_s; 3: table docs; 4: tenants.max_priority, jobs.ckpt_location,
 # meta job_seq and db_id; 5: jobs.waiting
@@ -387,9 +387,10 @@ class Store:
         with self._read() as s:
             return self._get(s, job_id)
 
-    def jobs(self, *, tenant: str | None = None, states: Iterable[str] | None = None) -> list[JobRow]:
-        """Jobs in submission order, optionally of one tenant and in some states."""
-        q = select(JobRow).order_by(JobRow.seq)
+    def jobs(self, *, tenant: str | None = None, states: Iterable[str] | None = None, offset: int = 0,
+             limit: int | None = None) -> list[JobRow]:
+        """Jobs in submission order, of one tenant and in some states; ``limit`` from ``offset``."""
+        q = select(JobRow).order_by(JobRow.seq).offset(offset).limit(limit)
         if tenant is not None:
             q = q.where(JobRow.tenant == tenant)
         if states is not None:
@@ -418,6 +419,13 @@ class Store:
         with self._read() as s:
             total = s.scalar(select(func.count()).select_from(JobRow).where(*conds)) or 0
             return list(s.scalars(q)), int(total)
+
+    def held(self) -> list[JobRow]:
+        """The jobs holding GPUs, only what says where loaded (id, tenant, state, placement, releasing)."""
+        cols = (JobRow.id, JobRow.tenant, JobRow.state, JobRow.placement, JobRow.releasing)
+        q = select(JobRow).options(load_only(*cols)).where(JobRow.state.in_([str(x) for x in HELD]))
+        with self._read() as s:
+            return list(s.scalars(q))
 
     def job_ids(self) -> set[str]:
         with self._read() as s:
