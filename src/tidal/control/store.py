@@ -30,7 +30,6 @@ from sqlalchemy import (
     Integer,
     String,
     Text,
-    bindparam,
     create_engine,
     delete,
     event,
@@ -38,7 +37,6 @@ from sqlalchemy import (
     inspect,
     select,
     text,
-    update,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, load_only, mapped_column, sessionmaker
 
@@ -500,12 +498,14 @@ class Store:
         for jid, f in changes.items():
             if f:
                 groups.setdefault(tuple(sorted(f)), []).append({"b_id": jid, **f})
+        q = "?" if self.engine.dialect.paramstyle == "qmark" else "%s"
         with self._write() as s:
-            for keys, params in groups.items():
-                cols = JobRow.__table__.c
-                stmt = update(JobRow).where(cols.id == bindparam("b_id")).values(
-                    {k: bindparam(k, type_=cols[k].type) for k in keys})
-                s.connection().execute(stmt, params)
+            for keys, params in groups.items():  # (the driver's executemany: no statement compiled per row)
+                js = {k for k in keys if isinstance(JobRow.__table__.c[k].type, JSON)}
+                rows = [(*(json.dumps(v[k]) if k in js and v[k] is not None else v[k] for k in keys),
+                         v["b_id"]) for v in params]
+                sets = ", ".join(f"{k} = {q}" for k in keys)
+                s.connection().exec_driver_sql(f"UPDATE jobs SET {sets} WHERE id = {q}", rows)
         if mark:
             self._mark(*changes)
 
