@@ -35,11 +35,11 @@ def test_a_step_rereads_only_what_changed(tmp_path) -> None:
     ex.beat(ids[0], clock.advance(1.0), 5)
     ctl.step(clock())
     assert store._changed == set()  # (running: re-read by this step's snapshot; its progress is no mark)
-    view = ctl._view.jobs[ids[5]]
+    view = ctl.view.jobs[ids[5]]
     store.update(ids[7], cancel_requested=True)  # the API's write: the next step sees it
     ctl.step(clock.advance(1.0))
     assert store.job(ids[7]).state == State.CANCELLED and store.job(ids[0]).progress["step"] == 5
-    assert ctl._view.jobs[ids[5]] is view and ids[7] not in ctl._view.jobs  # views made again: written ones
+    assert ctl.view.jobs[ids[5]] is view and ids[7] not in ctl.view.jobs  # views made again: written ones
     store.update(ids[9], cancel_requested=True)
     store._changed.clear()  # (as a plane restarted finds it: the request stored, no mark in memory)
     Controller(store, ex).step(clock.advance(1.0))
@@ -111,8 +111,8 @@ def test_bench_plane_kill9_readopts_every_running_job(tmp_path) -> None:
     readers, is killed with SIGKILL and restarted: every running job adopted, none lost, none run twice."""
     from tidal.demo.plane_bench import bench_plane
 
-    r = bench_plane("32x8", 200, hours=0.5, step_s=60.0, submits=40, reads=5, state_dir=tmp_path,
-                    log=lambda m: None)
+    r = bench_plane("32x8", 200, hours=0.5, step_s=60.0, submits=40, reads=5, tenants=8, skew=0.0,
+                    state_dir=tmp_path, log=lambda m: None)
     assert r["jobs_running_at_kill"] > 0 and r["jobs_lost"] == 0 and r["jobs_run_twice"] == 0, r
     assert 0.9 < r["sim_parity"] < 1.1 and r["metrics_bytes"] > 0 and r["db_bytes"] > 0
 

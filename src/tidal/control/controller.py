@@ -90,7 +90,7 @@ class Controller:
         self._retained_s = float("-inf")
         self._active: dict[str, JobRow] | None = None  # job id -> row, in submission order (_refresh)
         self._state: dict[str, str] = {}  # the same ids -> state (a plain dict: read for every job each step)
-        self._view = SchedulerView()
+        self.view = SchedulerView()  # what the scheduler sees, kept between steps
         self._tenants: tuple[int, tuple[Tenant, ...]] = (-1, ())  # (the store's tenant_rev, the tenants)
         self._node_t: tuple[Node, ...] = ()
         self._index = RunningIndex()  # the scheduler's sums over running jobs, kept across steps
@@ -163,7 +163,7 @@ class Controller:
         why: dict[str, Waiting] = {}
         decisions: list[Decision] = list(schedule(snap, self.config.scheduler, self._index, why=why))
         decisions += self._intervals(snap, now_s)
-        jobs = dict(self._view.jobs)
+        jobs = dict(self.view.jobs)
         with self.store.batch():
             for d in decisions:  # 5. act
                 self._apply(d, now_s, jobs)
@@ -183,7 +183,7 @@ class Controller:
             self._active = {j.id: j for j in self.store.active_jobs()}
             self._state = {i: j.state for i, j in self._active.items()}
             for j in self._active.values():
-                self._view.put(j)
+                self.view.put(j)
             return set(self._active)
         if changed:
             rows = {j.id: j for j in self.store.jobs_by_id(changed)}
@@ -192,7 +192,7 @@ class Controller:
             for j in sorted(rows.values(), key=lambda r: r.seq):
                 if j.state in ACTIVE:
                     self._active[j.id], self._state[j.id] = j, j.state
-                    self._view.put(j)
+                    self.view.put(j)
                 else:
                     self._forget(j.id)
         return changed
@@ -200,7 +200,7 @@ class Controller:
     def _forget(self, job_id: str) -> None:
         (self._active or {}).pop(job_id, None)
         self._state.pop(job_id, None)
-        self._view.drop(job_id)
+        self.view.drop(job_id)
 
     def _retain(self, now_s: float) -> None:
         """Every ``RETENTION_CHECK_S``: drop ended jobs and events older than ``retention_s`` (0: keep all);
@@ -249,7 +249,7 @@ class Controller:
         on: dict[str, list[str]] = {}
         want = 0
         self._refresh()
-        rows, views = self._active or {}, self._view.jobs
+        rows, views = self._active or {}, self.view.jobs
         for jid, st in self._state.items():
             if st == S.PENDING:  # (holds nothing)
                 want += views[jid].max_gpus if wants and views[jid].kind == "spot" else 0
@@ -409,7 +409,7 @@ class Controller:
                 for k, v in fields.items():
                     setattr(job, k, v)
                 if "last_ckpt_s" in fields or "ckpt_stall_s" in fields:
-                    self._view.put(job)  # (fields the scheduler reads)
+                    self.view.put(job)  # (fields the scheduler reads)
         self.store.update_many(changes, mark=False)  # (the rows hold them already)
 
     def _finish(self, job: JobRow, ob: Observation, now_s: float) -> None:
@@ -626,7 +626,7 @@ class Controller:
         nodes = self.nodes
         if len(self._node_t) != len(nodes) or any(map(operator.is_not, self._node_t, nodes)):
             self._node_t = tuple(nodes)  # (the same tuple while the nodes stay: the index keeps its sums)
-        return self._view.snapshot(now_s, self._node_t, self._tenants[1], tuple(loans), tuple(reclaims))
+        return self.view.snapshot(now_s, self._node_t, self._tenants[1], tuple(loans), tuple(reclaims))
 
 
 def _requeue_fields() -> dict[str, Any]:

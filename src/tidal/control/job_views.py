@@ -42,6 +42,10 @@ class SchedulerView:
         self._sorted: dict[QueueKey, list[Job]] = {}
         self._dirty: set[QueueKey] = set()
 
+    def sizes(self) -> tuple[int, int]:
+        """(jobs running, jobs waiting)."""
+        return len(self._run), len(self.jobs) - len(self._run)
+
     def put(self, row: JobRow) -> None:
         """The job's row was written: its view made again (none unless pending or held)."""
         self.drop(row.id)

@@ -113,6 +113,7 @@ def run_plane(w: Workload, horizon_s: float, *, step_s: float = 10.0, notice_s: 
         nxt, held_gpu_s, over = 0, 0.0, 0
         counts = {"admissions": 0, "admitted_gpus": 0, "shrinks": 0, "preemptions": 0, "grows": 0}
         step_wall: list[float] = []
+        sizes: list[tuple[int, int]] = []  # (running, waiting) after each step
         for k in range(int(horizon_s // step_s) + 1):
             t = k * step_s
             while nxt < len(w.jobs) and w.jobs[nxt].submit_s <= t:
@@ -121,6 +122,7 @@ def run_plane(w: Workload, horizon_s: float, *, step_s: float = 10.0, notice_s: 
             wall = time.perf_counter()
             decisions = ctl.step(t0 + t)
             step_wall.append(time.perf_counter() - wall)
+            sizes.append(ctl.view.sizes())
             for d in decisions:
                 if isinstance(d, Admit):
                     counts["admissions"] += 1
@@ -132,10 +134,15 @@ def run_plane(w: Workload, horizon_s: float, *, step_s: float = 10.0, notice_s: 
             over += any(g > cap.get(n, 0) for n, g in used.items())
             held_gpu_s += sum(used.values()) * step_s
         by_state = store.count_by_state()
+        peak = max(w for _, w in sizes)
+        at_peak = [t for t, (_, w) in zip(step_wall, sizes, strict=True) if w >= 0.9 * peak]
         return {"held_gpu_hours": held_gpu_s / 3600.0, **counts, "over_committed_steps": over,
                 "succeeded": by_state.get(State.SUCCEEDED.value, 0),
-                "failed": by_state.get(State.FAILED.value, 0),
-                "steps": len(step_wall), "step_p50_s": _pct(step_wall, 50), "step_p99_s": _pct(step_wall, 99)}
+                "failed": by_state.get(State.FAILED.value, 0), "peak_waiting": peak,
+                "peak_running": max(r for r, _ in sizes), "steps": len(step_wall),
+                "step_p50_s": _pct(step_wall, 50), "step_p99_s": _pct(step_wall, 99),
+                "step_max_s": max(step_wall), "steps_at_peak": len(at_peak),
+                "step_p99_at_peak_s": _pct(at_peak, 99)}
     finally:
         store.close()
         ex.close()
@@ -244,8 +251,8 @@ class _Up:
 
 
 def bench_plane(nodes: str = "256x8", jobs: int = 2000, *, hours: float = 2.0, step_s: float = 60.0,
-                submits: int = 2000, reads: int = 300, db: str | None = None, state_dir: Path | None = None,
-                log: Any = print) -> dict[str, Any]:
+                submits: int = 2000, reads: int = 300, tenants: int = 200, skew: float = 0.5,
+                db: str | None = None, state_dir: Path | None = None, log: Any = print) -> dict[str, Any]:
     """The live plane under load (docs/benchmarks.md, "The plane at pool scale"). Phases: ``plane``: the
     workload's ``hours`` through the real loop on a simulated clock ending now, beside the simulator
     (``sim_parity``); ``restart``: ``tidal up`` adopts what that left running; ``api``: ``submits`` jobs
@@ -257,12 +264,12 @@ def bench_plane(nodes: str = "256x8", jobs: int = 2000, *, hours: float = 2.0, s
     from tidal.exec.virtual import parse_shape
 
     n, g = parse_shape(nodes)
-    w = workload(jobs, n, g, span_s=hours * 3600 * 0.8)
+    w = workload(jobs, n, g, span_s=hours * 3600 * 0.8, tenants=tenants, skew=skew)
     horizon = hours * 3600.0
     tmp = tempfile.TemporaryDirectory() if state_dir is None else None
     state = Path(tmp.name if tmp is not None else str(state_dir))
     out: dict[str, Any] = {"nodes": nodes, "jobs": jobs, "hours": hours, "step_s": step_s,
-                           "db": db or "sqlite"}
+                           "tenants": tenants, "skew": skew, "db": db or "sqlite"}
     try:
         log(f"plane: {jobs} jobs over {hours:g} h on {nodes} (simulated clock)")
         t0 = time.time() - horizon
@@ -271,7 +278,8 @@ def bench_plane(nodes: str = "256x8", jobs: int = 2000, *, hours: float = 2.0, s
         out["plane"] = live
         out["sim"] = sim
         out["sim_parity"] = live["held_gpu_hours"] / sim["held_gpu_hours"] if sim["held_gpu_hours"] else None
-        out["step_p50_s"], out["step_p99_s"] = live["step_p50_s"], live["step_p99_s"]
+        for k in ("step_p50_s", "step_p99_s", "step_p99_at_peak_s", "peak_waiting", "peak_running"):
+            out[k] = live[k]
         up = _Up(state, nodes, db)
         log("restart: tidal up adopts the running jobs")
         out["adopt_api_s"] = up.start()
@@ -341,14 +349,16 @@ def plane_command(
     step_s: float = typer.Option(60.0, min=1.0, help="seconds of the simulated clock per reconcile step"),
     submits: int = typer.Option(2000, min=1, help="jobs posted to the API after the simulated hours"),
     reads: int = typer.Option(300, min=1, help="reads of each kind (jobs page, status, events, pool)"),
+    tenants: int = typer.Option(200, min=1, help="tenants, each with an equal share of the pool as quota"),
+    skew: float = typer.Option(0.5, min=0.0, help="a job size's odds: size ** -skew (0: sizes uniform)"),
     db: str | None = typer.Option(None, help="SQLAlchemy URL (default: SQLite in a temporary state dir)"),
     json_out: bool = typer.Option(False, "--json", help="the figures as JSON on stdout"),
 ) -> None:
     """The live plane at pool scale over the virtual executor: step, submit, read and /metrics latencies,
     memory, database size, restart after kill -9, parity with the simulator."""
     try:
-        res = bench_plane(nodes, jobs, hours=hours, step_s=step_s, submits=submits, reads=reads, db=db,
-                          log=lambda m: print(m, file=sys.stderr))
+        res = bench_plane(nodes, jobs, hours=hours, step_s=step_s, submits=submits, reads=reads,
+                          tenants=tenants, skew=skew, db=db, log=lambda m: print(m, file=sys.stderr))
     except (ValueError, RuntimeError) as e:
         raise SystemExit(f"tidal bench plane: {e}") from None
     if json_out:
