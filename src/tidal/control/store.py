@@ -418,9 +418,10 @@ class Store:
             total = s.scalar(select(func.count()).select_from(JobRow).where(*conds)) or 0
             return list(s.scalars(q)), int(total)
 
-    def held(self) -> list[JobRow]:
-        """The jobs holding GPUs, only what says where loaded (id, tenant, state, placement, releasing)."""
-        cols = (JobRow.id, JobRow.tenant, JobRow.state, JobRow.placement, JobRow.releasing)
+    def held(self, *more: str) -> list[JobRow]:
+        """The jobs holding GPUs with only id, tenant, state, placement, releasing and ``more`` loaded."""
+        cols = (JobRow.id, JobRow.tenant, JobRow.state, JobRow.placement, JobRow.releasing,
+                *(getattr(JobRow, m) for m in more))
         q = select(JobRow).options(load_only(*cols)).where(JobRow.state.in_([str(x) for x in HELD]))
         with self._read() as s:
             return list(s.scalars(q))
