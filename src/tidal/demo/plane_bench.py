@@ -280,13 +280,14 @@ def bench_plane(nodes: str = "256x8", jobs: int = 2000, *, hours: float = 2.0, s
         out["sim_parity"] = live["held_gpu_hours"] / sim["held_gpu_hours"] if sim["held_gpu_hours"] else None
         for k in ("step_p50_s", "step_p99_s", "step_p99_at_peak_s", "peak_waiting", "peak_running"):
             out[k] = live[k]
+        log(f"plane: {json.dumps(live)}, sim_parity {out['sim_parity']}")
         up = _Up(state, nodes, db)
         log("restart: tidal up adopts the running jobs")
         out["adopt_api_s"] = up.start()
         token = (state / ADMIN_TOKEN_FILE).read_text().strip()
         c = httpx.Client(base_url=up.url, headers={"Authorization": f"Bearer {token}"}, timeout=60)
         log(f"api: {submits} submissions by 8 clients, then {reads} reads of each kind")
-        spec = spec_of(w.jobs[0], 600.0) | {"name": "burst"}
+        spec = spec_of(w.jobs[0], 600.0) | {"name": "burst", "kind": "spot", "priority": 0}  # (no quota)
         from concurrent.futures import ThreadPoolExecutor
 
         def post(_: int) -> float:
