@@ -426,6 +426,22 @@ class Store:
         with self._read() as s:
             return list(s.scalars(q))
 
+    def count_waiting(self) -> dict[tuple[str, str], int]:
+        """(tenant, kind) -> jobs pending or backing off; one ``GROUP BY``."""
+        q = select(JobRow.tenant, JobRow.kind, func.count()).where(
+            JobRow.state.in_([State.PENDING.value, State.BACKOFF.value])).group_by(JobRow.tenant, JobRow.kind)
+        with self._read() as s:
+            return {(t, k): int(n) for t, k, n in s.execute(q)}
+
+    def waiting_head(self, limit: int) -> list[JobRow]:
+        """The first ``limit`` jobs pending or backing off in about the scheduler's order: dedicated first,
+        nominated first, by priority, then submission."""
+        q = select(JobRow).where(JobRow.state.in_([State.PENDING.value, State.BACKOFF.value])).order_by(
+            JobRow.kind != "dedicated", JobRow.nominated_s.is_(None), JobRow.priority.desc(), JobRow.submit_s,
+            JobRow.seq).limit(limit)
+        with self._read() as s:
+            return list(s.scalars(q))
+
     def job_ids(self) -> set[str]:
         with self._read() as s:
             return set(s.scalars(select(JobRow.id)))
