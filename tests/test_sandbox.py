@@ -191,7 +191,7 @@ def test_a_link_the_job_names_as_code_does_not_uncover_the_state_dir(tmp_path):
     """A job plants, in a directory it may write outside the state dir, a link to the jobs dir; a later job
     names a file through that link in its command (and in ``PYTHONPATH``). The sandbox binds the directories
     of what the command names read-only, but never one that resolves into what no rank sees: the rank, left
-    root (as on Ray without ``uid_base``: no capability, only root's own files), cannot read the plane's
+    root (as an operator's own run: no capability, only root's own files), cannot read the plane's
     checkpoint-agent key through it."""
     ex = LocalExecutor(tmp_path / "state" / "jobs", slots=1, run_as_self=True)
     out = tmp_path / "outside"

@@ -230,6 +230,6 @@ def command(bwrap: str, program: Sequence[str], binds: Binds, *, env: Mapping[st
         fd = open_real(b.shm)
         out += [*(["--bind-fd", str(fd), "/dev/shm"] if fd is not None else []), *_binds("--bind", [b.shm])]
     uid, gid = (int(owner[0]), int(owner[1])) if owner is not None else (-1, -1)
-    if owner is None and os.geteuid() == 0:  # a rank left root (Ray without uid_base, run_as_self): no caps
+    if owner is None and os.geteuid() == 0:  # a rank left root (an operator's own run: run_as_self): no caps
         out += ["--cap-drop", "ALL"]
     return [*out, "--chdir", cwd, "--", python, "-I", "-S", "-c", ENTER, str(uid), str(gid), *program]
