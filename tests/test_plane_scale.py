@@ -139,6 +139,15 @@ def test_a_batch_is_one_transaction_seen_by_its_thread_only(tmp_path) -> None:
         store.transition(ids[2], State.CANCELLED, 1.0, "cancelled while pending", finished_s=1.0)
         raise RuntimeError("a step failing midway")
     assert store.job(ids[2]).state == State.PENDING and len(store.events(job_id=ids[2])) == 1  # rolled back
+    from tidal.control.store import BATCH_WRITES
+
+    with store.batch():  # a long batch lets others' writes in: committed every BATCH_WRITES writes
+        for _ in range(BATCH_WRITES):
+            store.record("note", "n", 2.0, job=store.job(ids[2]))
+        t = threading.Thread(target=lambda: seen.append(len(store.events(job_id=ids[2]))))
+        t.start()
+        t.join()
+    assert seen[-1] == 1 + BATCH_WRITES
 
 
 def test_lists_come_a_bounded_page_at_a_time(tmp_path) -> None:

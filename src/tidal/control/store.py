@@ -19,6 +19,7 @@ import json
 import os
 import secrets
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -44,6 +45,7 @@ from tidal.control.states import ACTIVE, HELD, TERMINAL, State, check_transition
 
 SCHEMA_VERSION = 5  # 2: jobs.nominated_s; 3: table docs; 4: tenants.max_priority, jobs.ckpt_location,
 # meta job_seq and db_id; 5: jobs.waiting
+BATCH_WRITES = 64  # writes of a batch per transaction (Store.batch): the API's writes wait at most that long
 POOL_SIZE = 48  # SQLite connections kept open: the API's worker threads (40) and the reconcile loop
 
 
@@ -261,6 +263,9 @@ class Store:
             yield b
             b.flush()
             b.expunge_all()  # (rows returned detached, as outside a batch)
+            self._batch.n += 1
+            if self._batch.n >= BATCH_WRITES:
+                self.commit()
             return
         self.check_file()
         with self._lock, self._sessions.begin() as s:
@@ -278,15 +283,15 @@ class Store:
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
-        """This thread's writes in the block in one transaction, committed at its end (or at :meth:`commit`),
-        rolled back if it raises; other threads' writes wait meanwhile. The reconcile loop's many small writes
-        of a step: one commit instead of one each. Rows read in it stay attached to it until it ends."""
+        """This thread's writes in the block in transactions of up to :data:`BATCH_WRITES` writes, committed
+        then (and at :meth:`commit`, and at its end), the one open rolled back if it raises; other threads'
+        writes go in between. The reconcile loop's many small writes of a step: a commit per many."""
         if getattr(self._batch, "s", None) is not None:
             yield
             return
         self.check_file()
         with self._lock, self._sessions() as s:
-            self._batch.s = s
+            self._batch.s, self._batch.n = s, 0
             try:
                 yield
                 s.commit()
@@ -302,6 +307,10 @@ class Store:
         as a launch); nothing to do outside a batch."""
         if (b := getattr(self._batch, "s", None)) is not None:
             b.commit()
+            self._batch.n = 0
+            self._lock.release()  # (writes of other threads waiting go in here)
+            time.sleep(0)
+            self._lock.acquire()
 
     def add_tenant(self, name: str, token_hash: str, *, quota_gpus: int = 0, weight: float = 1.0,
                    admin: bool = False, now_s: float = 0.0, max_priority: int = 0) -> TenantRow:
