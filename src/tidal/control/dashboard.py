@@ -22,7 +22,7 @@ from tidal.control.accounting import job_report
 from tidal.control.auth import visible_job
 from tidal.control.context import ApiContext
 from tidal.control.render import SafeJSON, json_route
-from tidal.control.states import ACTIVE, HELD, State
+from tidal.control.states import ACTIVE, State
 from tidal.control.store import TenantRow
 
 WEB_DIR = Path(__file__).parent / "web"
@@ -93,7 +93,7 @@ def dashboard_router(ctx: ApiContext, caller: Callable[..., Any]) -> APIRouter:
         """GPUs per node by holder, per tenant usage against quota and fair share, and the queue."""
         viewer = None if me.admin else me.name
         now = ctx.clock()
-        held = store.jobs(states=HELD)  # (the waiting ones: counted, and the head of the queue read)
+        held = store.held("kind")  # (the waiting ones: counted, and the head of the queue read)
         waiting = store.count_waiting()
         loans = ctx.loans.view() if ctx.loans is not None else None
         nodes = dv.gpu_map(ctx.nodes, held, viewer, loans)

@@ -28,13 +28,18 @@ def gpu_map(nodes: list[Node], held: list[JobRow], viewer: str | None, loans: di
     ``serving``, ``free``."""
     lent_on = {ln["node"]: ln["gpus"] for ln in (loans or {}).get("loans", [])}
     warming = {n: sum(g for _, g in w) for n, w in ((loans or {}).get("warming") or {}).items()}
+    on: dict[str, list[JobRow]] = {}  # node -> the jobs holding GPUs there (one pass, not one per node)
+    for j in held:
+        if j.state in HELD:
+            for name in j.placement or {}:
+                on.setdefault(name, []).append(j)
     out = []
     for n in nodes:
         segs: list[dict[str, Any]] = []
         used = 0
-        for j in held:
+        for j in on.get(n.name, ()):
             g = (j.placement or {}).get(n.name, 0)
-            if not g or State(j.state) not in HELD:
+            if not g:
                 continue
             stopping = State(j.state) in (State.PREEMPTING, State.CANCELLING)
             d = g if stopping else (j.releasing or {}).get(n.name, 0)
