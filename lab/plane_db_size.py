@@ -45,8 +45,8 @@ def main() -> None:
                     prog = {"start_step": 0, "step": 3600, "step_s": 3603.0, "first_step": 0,
                             "first_step_s": 2.0, "step_time_s": 1.0 / g, "heartbeat_s": 3603.0,
                             "heartbeats": g, "phase": "training", "ckpt_step": 3000, "ckpt_s": 3000.0,
-                            "durable_ckpt_step": 3000, "durable_ckpt_s": 3000.0, "tiers": {"dir": [3000, 3000.0]},
-                            "ended": True}
+                            "durable_ckpt_step": 3000, "durable_ckpt_s": 3000.0,
+                            "tiers": {"dir": [3000, 3000.0]}, "ended": True}
                     st.update_many({row.id: {"progress": prog, "last_ckpt_s": 3000.0}}, mark=False)
                     st.transition(row.id, State.SUCCEEDED, 3700.0, f"all {g} ranks exited 0 at step 3600",
                                   finished_s=3700.0, placement={}, held_s=3698.0, productive_s=3600.0)
