@@ -341,6 +341,7 @@ class Controller:
             st = S.CANCELLING
         if ob.done:
             self._finish(job, ob, now_s)
+            self.store.commit()  # (the executor released it: stored now, not at the end of the step's batch)
             return
         if job.stop_reason != "failure" and not job.killed:
             bad = [r for r in ob.ranks if not r.alive and (r.vanished or rank_code(r) not in RESUMABLE_CODES)]
@@ -360,6 +361,7 @@ class Controller:
             self.store.update(job.id, killed=True)
             self.store.record("kill", f"grace expired while {st}: SIGKILL to {_n(len(ob.alive), 'rank')}",
                               now_s, job=job)
+            self.store.commit()
 
     def _hang(self, job: JobRow, ob: Observation, now_s: float) -> str | None:
         cfg, p = self.config, ob.progress
@@ -384,6 +386,7 @@ class Controller:
         self.executor.kill(job.id)
         self.store.update(job.id, stop_reason="failure", killed=True, message=why)
         self.store.record(kind, f"{why}: killing the other ranks", now_s, job=job)
+        self.store.commit()
 
     def _record_progress(self, jobs: list[JobRow], observed: dict[str, Observation]) -> None:
         """The progress of every observed job holding GPUs, where it changed, in one transaction (and into
@@ -573,6 +576,7 @@ class Controller:
                                     why + ("" if already else f": notice sent, grace {grace_s:g} s"),
                                     stop_deadline_s=deadline, **fields)
         if not already:
+            self.store.commit()  # (told in the store before the ranks are)
             self.executor.signal_stop(job.id)
         return row
 
