@@ -103,7 +103,7 @@ def ray_cluster():
 
 
 RAY_GROUPS = 2
-"""Ray clusters a run under pytest-xdist may hold at once (~1 GiB each): the Ray tests' modules are dealt
+"""Ray clusters a run under pytest-xdist may hold at once (a GiB or two each): the Ray tests' modules are dealt
 over this many groups, each group run one test after another on one worker with a cluster of its own."""
 
 
