@@ -290,8 +290,8 @@ def test_a_token_file_others_can_read_is_refused():
         f = d / "auth-token"
         f.write_text("t" * 64)
         f.chmod(0o644)
-        msg = (r"^isolation.uid_base: Ray's token file .* is readable by every user \(mode 0644\): a job "
-               r"could read it and run code as root on any node; chmod 600 it$")
+        msg = (r"^isolation: Ray's token file .* is readable by every user \(mode 0644\): a job "
+               r"could read it and run code as the workers' user on any node; chmod 600 it$")
         with pytest.raises(ValueError, match=msg):
             check_token_file(f)
         (base / "link").symlink_to(f)
@@ -317,8 +317,8 @@ def test_workers_not_root_is_one_line():
 
     with pytest.raises(ValueError, match="isolation.max_memory_bytes: the Ray executor sets no memory"):
         RayExecutor("/nonexistent/jobs", isolation=IsolationConfig(max_memory_bytes=2**30))
-    # a cluster without token authentication: refused with uid_base, unless the operator opts out
-    with pytest.raises(ValueError, match=r"^isolation.uid_base: the Ray cluster accepts clients without a tok"
+    # a cluster without token authentication: refused for sandboxed jobs, unless the operator opts out
+    with pytest.raises(ValueError, match=r"^isolation: the Ray cluster accepts clients without a token, so a"
                        ) as e:
         check_open_cluster(False, False)
     assert "\n" not in str(e.value) and f"{OPEN_OPTION}: true" in str(e.value)
@@ -333,12 +333,16 @@ def test_workers_not_root_is_one_line():
     class Open:
         token_auth, uids = False, object()
 
+    class OpenNoUids:
+        token_auth, uids = False, None
+
     assert isolation_warning(None, executor=Open()) == open_cluster_warning()
+    assert isolation_warning(None, executor=OpenNoUids()) == open_cluster_warning()
 
     class NoUids:
         token_auth, uids = True, None
 
-    assert "without isolation.uid_base" in (isolation_warning(None, executor=NoUids()) or "")
+    assert "on Ray without uids" in (isolation_warning(None, executor=NoUids()) or "")
     off = isolation_warning(ControlConfig.from_dict({"isolation": "none"}), euid=0, executor=NoUids())
     assert off is not None and "isolation is off" in off
     assert OPEN_OPTION in open_cluster_warning()

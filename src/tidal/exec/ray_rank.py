@@ -123,11 +123,15 @@ class RankActor:
                     kw = {"user": own[0], "group": own[1], "extra_groups": []}
                 boxed = binds is not None
                 procs.become_subreaper()  # what the rank detaches stays below this worker
-                self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out,
-                                             stderr=subprocess.STDOUT, cwd=cwd, env=dict(env), umask=0o077,
-                                             start_new_session=True, close_fds=True,
-                                             preexec_fn=lambda: _child_setup(parent, rlimits, boxed),
-                                             **kw)
+                try:
+                    self.proc = subprocess.Popen(
+                        cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, cwd=cwd,
+                        env=dict(env), umask=0o077, start_new_session=True, close_fds=True,
+                        pass_fds=sandbox.bind_fds(cmd) if boxed else (),
+                        preexec_fn=lambda: _child_setup(parent, rlimits, boxed), **kw)
+                finally:
+                    if boxed:
+                        sandbox.close_fds(cmd)
             except (OSError, ValueError, subprocess.SubprocessError) as e:
                 self.error, self.code = f"cannot start {command[0]!r} in {cwd}: {e}", 127
                 out.write(f"tidal: {self.error}\n".encode())
