@@ -103,8 +103,8 @@ def ray_cluster():
 
 
 RAY_GROUPS = 2
-"""Ray clusters a run under pytest-xdist may hold at once (a GiB or two each): the Ray tests' modules are dealt
-over this many groups, each group run one test after another on one worker with a cluster of its own."""
+"""Ray clusters a run under pytest-xdist may hold at once (a GiB or two each): the Ray tests' modules are
+dealt over this many groups, each group run one test after another on one worker with a cluster of its own."""
 
 
 def _uses_ray(item) -> bool:
