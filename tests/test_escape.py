@@ -69,8 +69,9 @@ grep CapEff /proc/self/status
 '''
 
 
-def _submit(plane, tenant: str, name: str, command: list[str], env: dict | None = None) -> str:
-    spec = parse_spec({"name": name, "gpus": 1, "max_restarts": 0, "command": command, "env": env or {}})
+def _submit(plane, tenant: str, name: str, command: list[str], env: dict | None = None, **more) -> str:
+    spec = parse_spec({"name": name, "gpus": 1, "max_restarts": 0, "command": command, "env": env or {},
+                       **more})
     return plane.store.submit(tenant, spec.model_dump(), time.time()).id
 
 
@@ -183,6 +184,24 @@ def test_on_ray_the_same_escapes_succeed_without_the_sandbox(ray_cluster, plane_
     plane = plane_factory(ray=ray_cluster, mode="none")
     hostile, log, token = _escape(plane)
     assert Path(plane.executor.log_path(hostile, 0)).is_symlink() and log.strip() == token
+
+
+def test_on_ray_no_rank_sees_rays_own_directory(ray_cluster, plane_factory):
+    """Ray's directory on a node (``/tmp/ray``: its sockets, ports files and logs, in directories every user
+    may write, where a rank could unlink the raylet's socket or plant links for Ray's root processes) is
+    covered in every rank's sandbox, as the state dir is: a job naming ``/tmp`` as its workdir finds none."""
+    plane = plane_factory(ray=ray_cluster)
+    create_tenant(plane.store, "bob", quota_gpus=1)
+    session = ray_cluster.cluster.head_node.get_session_dir_path()
+    probe = ('ls "$0/sockets" >/dev/null 2>&1 && echo "READ sockets"; touch "$0/logs/planted" 2>/dev/null '
+             '&& echo "READ planted"; ls /tmp >/dev/null && echo PROBED')
+    try:
+        job = _submit(plane, "bob", "ray-dir", ["/bin/sh", "-c", probe, session], workdir="/tmp")
+        run(plane, job)
+    finally:
+        Path(session, "logs", "planted").unlink(missing_ok=True)
+    log = rank_log(plane, job)
+    assert "PROBED" in log and "READ" not in log, log
 
 
 def test_a_ray_ranks_log_is_capped_as_a_local_ones(ray_cluster, plane_factory):
