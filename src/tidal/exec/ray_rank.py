@@ -35,6 +35,7 @@ from pathlib import Path
 
 from tidal.exec import procs, sandbox
 from tidal.exec.isolation import private_dir
+from tidal.exec.ray_auth import token_file
 from tidal.exec.shim import set_limits
 from tidal.files import AS_OPEN, write_atomic
 from tidal.net import free_port
@@ -72,14 +73,18 @@ def _node_shm_dir(shm_dir: str, owner: tuple[int, int] | None) -> None:
 
 
 def ray_dirs() -> list[str]:
-    """This node's Ray directory (``/tmp/ray``: its sockets, ports files and logs, in directories every
-    user may write, as Ray makes them), which no rank's sandbox shows: the node's, and Ray's default."""
+    """What of Ray's no rank's sandbox shows on this node: its directory (``/tmp/ray``: sockets, ports files
+    and logs, in directories every user may write; the node's and Ray's default) and the directory of the
+    token file this worker reads (the workers' user's, so readable by ranks that run as that user)."""
     out = [os.path.join(tempfile.gettempdir(), "ray")]
     with contextlib.suppress(Exception):  # Ray's private API: the worker's node
         from ray._private.worker import global_worker
 
         if global_worker.node is not None:
             out.insert(0, global_worker.node.get_temp_dir_path())
+    token = token_file()
+    if token is not None and str(token.parent) not in ("/", *sandbox.SYSTEM):
+        out.append(str(token.parent))
     return list(dict.fromkeys(out))
 
 
