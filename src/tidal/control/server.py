@@ -156,7 +156,7 @@ def build(state_dir: Path, gpus: str = "auto", db: str | None = None, config: Co
     loans = None
     if config is not None and config.serving is not None and config.serving.lends:
         try:
-            loans = build_live_loans(config.serving)
+            loans = build_live_loans(config.serving, workdir=state_dir / "engine")
         except (OSError, ValueError) as e:
             raise SystemExit(f"tidal up: serving: {e}") from None
         # nothing starts on a loan about to end: the scheduler's horizon is the plan's shortest loan
@@ -373,6 +373,10 @@ def serve(plane: Plane, host: str = "127.0.0.1", port: int = 8470, *, announce=p
     finally:
         loop.stop()
         loop.join(timeout=10)
+        if plane.controller.loans is not None:  # an engine's replicas stop with the plane
+            close_adapter = getattr(plane.controller.loans.adapter, "close", None)
+            if callable(close_adapter):
+                close_adapter()
         plane.store.close()
         close = getattr(plane.executor, "close", None)
         if callable(close):
