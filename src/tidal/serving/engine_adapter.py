@@ -293,9 +293,10 @@ class EngineAdapter:
                     samples.popleft()
                 while answered and answered[0][0] < now - self.s.rate_window_s:
                     answered.popleft()
-                self.view = self._snapshot(r, samples, answered, seen)
-                if self.view["pids"] != written:
-                    self._left_behind(written := self.view["pids"])
+                snap = self._snapshot(r, samples, answered, seen)
+                if snap["pids"] != written:  # recorded before the loop can see them
+                    self._left_behind(written := snap["pids"])
+                self.view = snap
             except Exception:  # one failed sample (a full disk, a router restarting): the next one
                 log.exception("reading the engine's replicas failed")
 
