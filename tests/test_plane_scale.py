@@ -40,6 +40,10 @@ def test_a_step_rereads_only_what_changed(tmp_path) -> None:
     ctl.step(clock.advance(1.0))
     assert store.job(ids[7]).state == State.CANCELLED and store.job(ids[0]).progress["step"] == 5
     assert ctl.view.jobs[ids[5]] is view and ids[7] not in ctl.view.jobs  # views made again: written ones
+    store.update(ids[8], cancel_requested=True)
+    ctl.snapshot(clock())  # the mark taken by another read than the step's own first one: still reconciled
+    ctl.step(clock.advance(1.0))
+    assert store.job(ids[8]).state == State.CANCELLED
     store.update(ids[9], cancel_requested=True)
     store._changed.clear()  # (as a plane restarted finds it: the request stored, no mark in memory)
     Controller(store, ex).step(clock.advance(1.0))

@@ -90,6 +90,7 @@ class Controller:
         self._retained_s = float("-inf")
         self._active: dict[str, JobRow] | None = None  # job id -> row, in submission order (_refresh)
         self._state: dict[str, str] = {}  # the same ids -> state (a plain dict: read for every job each step)
+        self._reread: set[str] = set()  # ids re-read since the last reconcile (a pending one: reconciled)
         self.view = SchedulerView()  # what the scheduler sees, kept between steps
         self._tenants: tuple[int, tuple[Tenant, ...]] = (-1, ())  # (the store's tenant_rev, the tenants)
         self._node_t: tuple[Node, ...] = ()
@@ -141,11 +142,11 @@ class Controller:
     def step(self, now_s: float) -> list[Decision]:
         """One reconcile step (see the module docstring); returns the scheduler's decisions."""
         observed = self.executor.observe(now_s)  # 1. observe
-        changed = self._refresh()
-        rows = self._active or {}  # jobs holding GPUs or backing off, and pending ones written since
+        self._refresh()
+        rows, changed, self._reread = self._active or {}, self._reread, set()
         active = [rows[i] for i, st in self._state.items() if st != S.PENDING or i in changed]
         self._record_progress(active, observed)
-        with self.store.batch():  # (a step's writes: a transaction per phase, not one each)
+        with self.store.batch():  # (a step's writes: a transaction per many, not one each)
             for job in active:  # 2. reconcile
                 self._reconcile(job, observed.get(job.id), now_s)
         self.watch.refresh(now_s)  # after reconcile: a lost node stays only while jobs still hold it
@@ -174,17 +175,19 @@ class Controller:
         self._retain(now_s)
         return decisions
 
-    def _refresh(self) -> set[str]:
+    def _refresh(self) -> None:
         """Bring the active rows and their scheduler views to the store: read whole at the first call, then
         only the rows written since (the store's marks), so that a step's reads follow what changed, not how
-        many jobs wait. Returns the ids re-read."""
+        many jobs wait."""
         changed = self.store.take_changed()
         if self._active is None:
             self._active = {j.id: j for j in self.store.active_jobs()}
             self._state = {i: j.state for i, j in self._active.items()}
             for j in self._active.values():
                 self.view.put(j)
-            return set(self._active)
+            self._reread = set(self._active)
+            return
+        self._reread |= changed
         if changed:
             rows = {j.id: j for j in self.store.jobs_by_id(changed)}
             for jid in changed - rows.keys():  # (dropped)
@@ -195,7 +198,6 @@ class Controller:
                     self.view.put(j)
                 else:
                     self._forget(j.id)
-        return changed
 
     def _forget(self, job_id: str) -> None:
         (self._active or {}).pop(job_id, None)
