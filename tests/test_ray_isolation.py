@@ -308,6 +308,37 @@ def test_a_token_file_others_can_read_is_refused():
         shutil.rmtree(base, ignore_errors=True)
 
 
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bwrap (apt-get install bubblewrap)")
+def test_a_rank_as_the_workers_user_cannot_read_rays_token_through_its_workdir(tmp_path, monkeypatch):
+    """Where the Ray workers are not root every rank runs as their user, who can read Ray's token (the
+    workers need it): a job naming the token's directory, or one above it, as its workdir would read it
+    and run code outside its sandbox. A rank actor hides that directory (``ray_dirs``) as the state dir."""
+    import dataclasses
+
+    from tidal.contract import RAY_AUTH_TOKEN_ENV, RAY_AUTH_TOKEN_PATH_ENV
+    from tidal.exec import sandbox
+    from tidal.exec.ray_auth import write_token
+    from tidal.exec.ray_rank import ray_dirs
+
+    home, attempt = tmp_path / "home", tmp_path / "attempt"
+    (attempt / "progress").mkdir(parents=True)
+    token = write_token(home / ".ray")
+    monkeypatch.setenv(RAY_AUTH_TOKEN_PATH_ENV, str(token))
+    monkeypatch.delenv(RAY_AUTH_TOKEN_ENV, raising=False)
+    binds = sandbox.Binds(named=(str(home),), hidden=(), attempt=str(attempt), own=(), shm=None)
+    binds = dataclasses.replace(binds, hidden=(*binds.hidden, *ray_dirs()))  # as the rank actor does
+    probe = ["/bin/sh", "-c", 'cat "$0"; ls "$1"; echo PROBED', str(token), str(home / ".ray")]
+    # owner None: the rank keeps this process's user (as the workers' user keeps theirs)
+    cmd = sandbox.command(sandbox.find_bwrap(), probe, binds, env={}, python=sys.executable, owner=None,
+                          cwd=str(home))
+    try:
+        got = subprocess.run(cmd, pass_fds=sandbox.bind_fds(cmd), capture_output=True, text=True, timeout=60)
+    finally:
+        sandbox.close_fds(cmd)
+    assert "PROBED" in got.stdout, got.stdout + got.stderr
+    assert token.read_text() not in got.stdout and token.name not in got.stdout, got.stdout
+
+
 def test_workers_not_root_is_one_line():
     """What ``tidal up`` says when the Ray workers (asked on each node at start) cannot switch uids; the
     cluster's token never goes to jobs."""

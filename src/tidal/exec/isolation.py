@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from tidal.contract import LAUNCH_FILE, PROGRESS_DIRNAME, RAY_AUTH_TOKEN_ENV, attempt_dirname
 from tidal.exec.cgroups import MIN_MEMORY_BYTES
 from tidal.exec.files import read_json
-from tidal.exec.sandbox import named
+from tidal.exec.sandbox import kernel_fs, named
 from tidal.files import open_real, write_atomic
 
 if TYPE_CHECKING:
@@ -233,14 +233,19 @@ def prepare_attempt(root: Path, job_dir: Callable[[str], Path], attempt_dir: Pat
                     req: LaunchRequest, owner: tuple[int, int] | None, uids: Uids | None,
                     hidden: Collection[str] | None = None) -> None:
     """Before an attempt's ranks start, on either executor: sandboxed (``hidden``: what no rank sees), the
-    directories the job names elsewhere (:func:`make_dirs`); the job's directories (:func:`make_job_dirs`,
-    with what it takes over from the ended jobs it resumes, :func:`ran_as`), then the fence of its
-    checkpoint location, which is this attempt's from now on (:mod:`tidal.ckpt.fence`)."""
+    directories the job names elsewhere (:func:`make_dirs`; ``OSError`` for one on a kernel filesystem); the
+    job's directories (:func:`make_job_dirs`, with what it takes over from the ended jobs it resumes,
+    :func:`ran_as`), then the fence of its checkpoint location, which is this attempt's from now on
+    (:mod:`tidal.ckpt.fence`)."""
     from tidal.ckpt.fence import fence_launch
 
     if hidden is not None:
         cwd = req.workdir or str(home)
-        make_dirs([p for p in named(req.env, cwd, hidden) if p != cwd], owner)
+        dirs = named(req.env, cwd, hidden)
+        for p in dirs:  # the host's /proc, /dev, /sys (or / above them) in a sandbox: its processes, devices
+            if os.path.exists(p) and (k := kernel_fs(os.path.realpath(p))):
+                raise OSError(f"{p} is on or holds a kernel filesystem ({k}), never bound into a sandbox")
+        make_dirs([p for p in dirs if p != cwd], owner)
     make_job_dirs(root, job_dir(req.job_id), attempt_dir, home, req.own_dirs, owner, req.take_over,
                   ran_as(uids, ((j, job_dir(j)) for j in req.take_over_from)), hidden is not None)
     fence_launch(req.env, req.job_id, req.attempt, req.workdir or home)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -127,27 +128,55 @@ def code_paths(env: Mapping[str, str], command: Sequence[str], python: str,
 
 
 FD_FLAGS = ("--bind-fd", "--ro-bind-fd")
+KERNEL_FS = frozenset(("proc", "sysfs", "devtmpfs", "devpts", "cgroup", "cgroup2", "debugfs", "tracefs",
+                       "bpf", "securityfs", "configfs", "mqueue", "efivarfs", "binfmt_misc", "nsfs"))
 
 
-def _binds(flag: str, paths: Iterable[str], hidden: Iterable[str] = ()) -> list[str]:
+def mounts() -> list[tuple[str, str]]:
+    """This machine's mount points and their filesystem types, in mount order (``/proc/self/mountinfo``)."""
+    with open("/proc/self/mountinfo") as f:
+        rows = [line.split() for line in f]
+    return [(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), r[4]), r[r.index("-") + 1]) for r in rows]
+
+
+def kernel_fs(real: str, table: Sequence[tuple[str, str]] | None = None) -> str | None:
+    """``"TYPE at MOUNT"`` when the resolved path ``real`` lies on or holds a kernel filesystem (``/proc``,
+    ``/sys``, ``/dev``, ``/`` ...: the host's processes, devices, cgroups), which no sandbox binds; else None.
+    ``table``: :func:`mounts`."""
+    on, held = ("/", ""), None
+    for mnt, fs in mounts() if table is None else table:
+        if Path(real).is_relative_to(mnt) and len(mnt) >= len(on[0]):
+            on = (mnt, fs)
+        elif Path(mnt).is_relative_to(real) and fs in KERNEL_FS:
+            held = held or f"{fs} at {mnt}"
+    return f"{on[1]} at {on[0]}" if on[1] in KERNEL_FS else held
+
+
+def _binds(flag: str, paths: Iterable[str], hidden: Iterable[str] = (), nested: bool = True) -> list[str]:
     """``flag-fd FD DEST`` for each existing absolute path, parents before children, each once, FD the
     directory it resolves to, opened here (:func:`tidal.files.open_real`; :func:`close_fds` closes it once
     bwrap started); its parents made first, 0711 (bwrap would make them 0700: a job's uid could not pass
     through them). A path that resolves into ``hidden`` is left out (a link a job planted would bind what
-    the cover misses), as is one that changed while it was opened."""
+    the cover misses), as is one on a kernel filesystem (:func:`kernel_fs`) or that changed while opened.
+    ``nested=False``: a path below another one is left out (for the read-write binds of what a job names:
+    bwrap would make its mount point on the host, through a link the job may have swapped in)."""
     hid = [Path(os.path.realpath(h)) for h in hidden]
     found: dict[str, int] = {}
+    table = mounts()
     for p in {os.path.normpath(p) for p in paths if os.path.isabs(p) and os.path.exists(p)}:
         fd = open_real(p)
         if fd is None:
             continue
         real = os.readlink(f"/proc/self/fd/{fd}")
-        top = "/" + Path(p).parts[1]
+        top = "/" + Path(p).parts[1] if p != "/" else p
         dest = real if top in SYSTEM and os.path.islink(top) else p  # /bin/x: the sandbox's /bin is a link
-        if dest in found or any(Path(real).is_relative_to(h) for h in hid):
+        if dest in found or any(Path(real).is_relative_to(h) for h in hid) or kernel_fs(real, table):
             os.close(fd)
         else:
             found[dest] = fd
+    if not nested:  # seen through the one above it; bwrap would make its mount point through that bind
+        for dest in [d for d in found if any(Path(d).is_relative_to(o) and d != o for o in found)]:
+            os.close(found.pop(dest))
     out: list[str] = []
     made: set[str] = set()
     for dest in sorted(found, key=lambda p: (p.count("/"), p)):
@@ -222,7 +251,7 @@ def command(bwrap: str, program: Sequence[str], binds: Binds, *, env: Mapping[st
     if b.gpu:
         out += [x for d in sorted(glob.glob("/dev/nvidia*")) for x in ("--dev-bind", d, d)]
     out += _binds("--ro-bind", code_paths(env, program, python, b.read_only), b.hidden)
-    out += _binds("--bind", b.named, b.hidden)
+    out += _binds("--bind", b.named, b.hidden, nested=False)
     out += [x for h in b.hidden if os.path.isdir(h) for x in ("--perms", "0711", "--tmpfs", h)]
     out += _binds("--ro-bind", [b.attempt])
     out += _binds("--bind", [os.path.join(b.attempt, c.PROGRESS_DIRNAME), *b.own])
