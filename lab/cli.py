@@ -165,8 +165,9 @@ def clients(
     rotations: Annotated[str, typer.Option("--rotations", help="Comma-separated day offsets (default: every "
                                                                "day).")] = "",
     variants: Annotated[str, typer.Option("--variants", help=(
-        "Comma-separated policy variants: before, aggregate, clients, floor (lab/forecast/clients.py)."))]
-        = "before,clients",
+        "Comma-separated policy variants: before, tighten, clients, loosen, floor "
+        "(lab/forecast/clients.py)."))]
+        = "before,tighten,clients",
     shift: Annotated[str, typer.Option("--shift", help=(
         "A regime shift from --shift-day on: none, double-client, peak-3h, no-weekend."))] = "none",
     shift_day: Annotated[int, typer.Option("--shift-day", min=1)] = 7,

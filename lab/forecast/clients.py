@@ -46,8 +46,10 @@ SHIFTS = ("none", "double-client", "peak-3h", "no-weekend")
 CEILINGS = ("ceiling_aggregate", "ceiling_clients")
 
 
-PROMISE = {"pacing_gain": 2.0, "pacing_floor": 0.5}
-"""The online promise's settings (chosen on m-large's first 7 days: docs/loaning.md, "The online promise")."""
+PROMISE = {"pacing_gain": 2.0}
+"""The online promise as shipped: tightening only (docs/loaning.md, "The online promise")."""
+LOOSEN = {"pacing_gain": 2.0, "pacing_floor": 0.5}
+"""The promise that also loosens by the budget left (chosen on m-large's first 7 days; not kept)."""
 
 
 def _before(c: TidalConfig) -> TidalConfig:
@@ -55,10 +57,16 @@ def _before(c: TidalConfig) -> TidalConfig:
     return replace(c, pacing_gain=0.0, pacing_floor=1.0, clients=ClientConfig(heavy=c.clients.heavy))
 
 
+def _clients(c: TidalConfig) -> TidalConfig:
+    """The promise with the tail reserve following the switch-on risk (within the budget left)."""
+    return replace(_before(c), **PROMISE, clients=replace(c.clients, reserve_floor=0.7))
+
+
 VARIANTS: dict[str, tuple[bool, Callable[[TidalConfig], TidalConfig]]] = {
     "before": (False, _before),  # the aggregate policy before the promise: the total only
-    "aggregate": (False, lambda c: replace(_before(c), **PROMISE)),  # with the promise, the total only
-    "clients": (True, lambda c: replace(_before(c), **PROMISE)),  # with the promise, per client
+    "tighten": (False, lambda c: replace(_before(c), **PROMISE)),  # with the promise, the total only
+    "clients": (True, _clients),  # with the promise and the reserve by risk, per client
+    "loosen": (True, lambda c: replace(_before(c), **LOOSEN)),  # the promise loosening by the budget left
     "floor": (True, lambda c: replace(_before(c), clients=replace(c.clients, reserve_floor=0.7))),
 }
 """name: (fed per client, the config from the default's)."""
@@ -190,7 +198,8 @@ def _task(a: tuple[Path, dict[str, Any]]) -> list[dict[str, Any]]:
 def run(traces: list[Path], *, serving_gpus: tuple[int, ...] = (128, 2048), step_s: float = 600.0,
         lead_s: float = 1200.0, budgets: tuple[float, ...] = (0.002, 0.005, 0.01),
         rotations: list[int] | None = None,
-        variants: tuple[str, ...] = ("before", "clients"), heavy: int = 32, warmup_days: float = 2.0,
+        variants: tuple[str, ...] = ("before", "tighten", "clients"), heavy: int = 32,
+        warmup_days: float = 2.0,
         shift: str = "none", shift_day: int = 7, days: int | None = None, workers: int = 1,
         as_json: bool = False) -> dict[str, Any]:
     """Evaluate each per-client trace at each pool size; print the table (stderr with ``as_json``)."""
@@ -218,7 +227,7 @@ def run(traces: list[Path], *, serving_gpus: tuple[int, ...] = (128, 2048), step
     result: dict[str, Any] = {"config": {
         "serving_gpus": list(serving_gpus), "step_s": step_s, "lead_s": lead_s, "budgets": list(budgets),
         "warmup_days": warmup_days, "heavy": heavy, "variants": list(variants), "shift": shift,
-        "shift_day": shift_day, "days": days, "promise": PROMISE}, "traces": {}}
+        "shift_day": shift_day, "days": days, "promise": PROMISE, "loosen": LOOSEN}, "traces": {}}
     for (p, kw), rows in zip(tasks, done, strict=True):
         tr = result["traces"].setdefault(p.name.split(".")[0], {}).setdefault(str(kw["n"]), {"runs": []})
         tr["runs"] += rows

@@ -206,7 +206,7 @@ class TidalConfig:
     """The ledger's rate ``B_l`` as a fraction of ``shortfall_budget``."""
     ledger_bank_pool_h: float = 48.0
     """How much unspent budget the ledger may bank (``budget x N x this`` GPU-hours; 0 = none)."""
-    pacing_gain: float = 0.0
+    pacing_gain: float = 2.0
     """The online promise (:mod:`tidal.policy.budget_pacing`): how strongly a realized shortfall ahead of
     the day's share tightens the reserve and the aim (0 = off)."""
     pacing_half_life_s: float = 86400.0
@@ -291,10 +291,11 @@ class TidalPolicy:
        last lead time; ``shortfall = max(0, demand - supply)``.
     3. Calibrate (online conformal risk control, Feldman et al. 2023):
        ``z += rate * dt_h * (counted - B'' * demand) / (B' * N)``, ``B' = aim_fraction * budget``
-       (``B''``: the same, paced: :mod:`~tidal.policy.budget_pacing`), within
+       (``B''``: the same over the online promise's tightening, :mod:`~tidal.policy.budget_pacing`), within
        ``[min_z, max_z]``; ``counted`` is the shortfall against what the plans' bounds alone would have
        lent (before the ledger's cap), at most ``shortfall_cap_scales`` error scales at the lead time.
-    4. Plan from ``upper = max(center + z * scale, center + R)`` (``R``: the tail reserve), within the
+    4. Plan from ``upper = max(center + z * scale, center + R)`` (``R``: the tail reserve, times the
+       promise's tightening and the client model's risk factor, loosened only by the budget left), within the
        lead time at least ``demand now + z * scale(1)`` (``hold_demand_now``), and record the promise.
     5. Cap the loans by the budget ledger (:mod:`tidal.policy.budget`; docs/loaning.md, "The guarantee").
     """
