@@ -2,7 +2,7 @@
 online promise hold it?
 
     python -m lab clients --workers 2 --json           # the whole table, ../shared/traces/servegen-*-clients
-    python -m lab clients --days 7 --rotations 0 --serving-gpus 128   # the days the promise was chosen on
+    python -m lab clients --days 7 --rotations 0 --serving-gpus 128 --variants before,loosen  # chosen on
     python -m lab clients --shift double-client --rotations 0 --json
 
 Per-client traces (:mod:`tidal.serving.client_traces`), the pool sized for the total's peak, in the fluid
@@ -47,9 +47,9 @@ CEILINGS = ("ceiling_aggregate", "ceiling_clients")
 
 
 PROMISE = {"pacing_gain": 2.0}
-"""The online promise as shipped: tightening only (docs/loaning.md, "The online promise")."""
+"""The online promise, tightening only (an option, off by default: docs/loaning.md, "Client-level demand")."""
 LOOSEN = {"pacing_gain": 2.0, "pacing_floor": 0.5}
-"""The promise that also loosens by the budget left (chosen on m-large's first 7 days; not kept)."""
+"""The promise loosening the reserve by the budget left (chosen on m-large's first 7 days; not kept)."""
 
 
 def _before(c: TidalConfig) -> TidalConfig:

@@ -206,7 +206,7 @@ class TidalConfig:
     """The ledger's rate ``B_l`` as a fraction of ``shortfall_budget``."""
     ledger_bank_pool_h: float = 48.0
     """How much unspent budget the ledger may bank (``budget x N x this`` GPU-hours; 0 = none)."""
-    pacing_gain: float = 2.0
+    pacing_gain: float = 0.0
     """The online promise (:mod:`tidal.policy.budget_pacing`): how strongly a realized shortfall ahead of
     the day's share tightens the reserve and the aim (0 = off)."""
     pacing_half_life_s: float = 86400.0
