@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -60,6 +61,27 @@ class Plane:
             for r in json.loads(launch.read_text())["ranks"]:
                 if isinstance(r.get("pid"), int) and procs.alive(r["pid"], r.get("started")):
                     procs.kill_group(r["pid"])
+
+
+def stop_engine_plane(p: Plane, pids: set[int]) -> None:
+    """Stop a plane that runs engine replicas: SIGINT first (it stops the replicas and their router as it
+    exits), then :meth:`Plane.stop`; a pid it reported (``pids``) still running is killed."""
+    if p.proc is not None and p.proc.poll() is None:
+        p.proc.send_signal(signal.SIGINT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.proc.wait(timeout=20)
+    p.stop()
+    for pid in pids:
+        if procs.alive(pid):
+            procs.kill_group(pid)
+
+
+def engine_figures(p: Plane, pids: set[int]) -> dict:
+    """The plane's engine figures (``GET /v1/serving``'s ``engine``; {} before its replicas run), adding the
+    pids of its replicas and router to ``pids``."""
+    s = p.admin.serving()
+    pids.update((s.get("adapter") or {}).get("engine", {}).get("pids") or ())
+    return s.get("engine") or {}
 
 
 def wait_until(what: str, pred: Callable[[], Any], timeout_s: float = 90.0,

@@ -147,3 +147,45 @@ def test_loan_timeline_draws_the_replayed_trace(browser, plane):  # noqa: F811
         assert tab.errors == []
     finally:
         tab.close()
+
+
+def test_the_serving_page_shows_a_real_engines_figures(browser, tmp_path):  # noqa: F811
+    """A plane serving through two llama.cpp replicas (``adapter: llama.cpp``): the page draws TTFT,
+    requests running and waiting and replicas routed beside demand, from ``GET /v1/serving``'s engine."""
+    pytest.importorskip("gguf", reason="the gguf package writes the tiny model")
+    from plane_proc import engine_figures, stop_engine_plane
+    from tidal.serving.engine_replicas import EngineError, llama_server
+    from tidal.serving.tiny_gguf import write_tiny_gguf
+
+    try:
+        llama_server()
+    except EngineError as e:
+        pytest.skip(str(e))
+    model = write_tiny_gguf(tmp_path / "tiny.gguf")
+    p = Plane(tmp_path, f"serving:\n  adapter: llama.cpp\n  nodes: 2x1\n  engine: {{model: {model}}}\n"
+              "  latency_target_s: 0.5\n  rate_window_s: 2\n", gpus=1)
+    pids: set[int] = set()
+    tab = None
+    try:
+        p.start()
+        url = wait_until("the engine's router", lambda: engine_figures(p, pids).get("url"), 30)
+        for i in range(6):
+            assert httpx.post(f"{url}/v1/completions", timeout=30,
+                              json={"prompt": f"The tide {i}", "max_tokens": 4}).status_code == 200
+        figures = wait_until("TTFT at the router", lambda: (e := engine_figures(p, pids)).get("ttft_p99_s")
+                             and e, 10)
+        assert figures["engine"] == "llama.cpp" and figures["routed"] == 2 and figures["warming"] == 0
+        tab = Tab(browser, p.url)
+        tab.sign_in(p.admin.token)
+        tab.go("#/serving", "#engine-stats .stat")
+        shown = tab.page.inner_text("#engine-stats")
+        for what in ("llama.cpp: TTFT p50 / p99", "requests running / waiting", "replicas routed / warming",
+                     "2 / 0 of 2", "replicas needed", "(measured)"):
+            assert what in shown, shown
+        assert " ms / " in shown and "— / —" not in shown, shown
+        tab.screenshot("serving-engine")
+        assert tab.errors == []
+    finally:
+        if tab is not None:
+            tab.close()
+        stop_engine_plane(p, pids)

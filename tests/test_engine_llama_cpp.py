@@ -3,6 +3,7 @@ real nginx router: lending and taking back under traffic loses no request; its f
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import socket
@@ -50,6 +51,19 @@ def test_bench_lends_and_takes_back_without_failing_a_request(model, tmp_path):
     assert w["phases"]["lent"]["ttft_p99_s"] > 0 and w["phases"]["before"]["ttft_p50_s"] > 0
     assert out["engine"]["name"] == "llama.cpp" and out["engine"]["version"]
     assert len(w["start_to_healthy_s"]) == 3  # two at the start, one taken back
+    c = w["cpus"]
+    if len(os.sched_getaffinity(0)) >= 2:  # pinned: the training rank only on the lent replica's CPU
+        assert c["replicas"][0] != c["replicas"][1] and c["training"] == c["replicas"][w["lent"][0]]
+    assert c["trained_s"] > 0 and wo["cpus"]["training"] is None
+
+
+def test_replicas_given_cpus_run_only_there(model, tmp_path):
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("one CPU: nothing to pin apart")
+    with EngineReplicas(model, tmp_path / "w", replicas=2, cpus=[[cpus[1]], [cpus[0]]]) as r:
+        assert [os.sched_getaffinity(x.proc.pid) for x in r.replicas] == [{cpus[1]}, {cpus[0]}]
+        assert httpx.post(f"{r.url}/v1/completions", json=BODY, timeout=30).status_code == 200
 
 
 def test_faults_are_events_and_capacity_comes_back(model, tmp_path):
@@ -129,3 +143,72 @@ def test_the_cycle_demo_mirrors_the_planes_loans_onto_the_replicas(model, tmp_pa
         if side.traffic is not None:
             side.traffic.stop(10.0)
         side.r.stop()
+
+
+def test_the_planes_adapter_drives_the_replicas_and_a_broken_engine_fails_its_actions(model, tmp_path):
+    from tidal.serving.engine_adapter import EngineAdapter, EngineSettings
+
+    def settle(a, n=1):
+        got: list = []
+        for _ in range(600):
+            got += a.done()
+            if len(got) >= n:
+                return got
+            time.sleep(0.05)
+        raise AssertionError(f"no outcome: {a.health()}")
+
+    # what a plane killed with SIGKILL left running (its pids file): stopped when the next one starts
+    import json
+    import subprocess
+
+    from tidal.exec.procs import start_time
+
+    left = subprocess.Popen(["sleep", "120"], start_new_session=True)
+    (tmp_path / "w").mkdir()
+    (tmp_path / "w" / "pids.json").write_text(json.dumps([[left.pid, start_time(left.pid)]]))
+    a = EngineAdapter(EngineSettings(str(model), {"serve-0": 1, "serve-1": 1}, 0.5, rate_window_s=1),
+                      tmp_path / "w")
+    try:
+        a.release("serve-1", 1, 1, 0.0)
+        assert settle(a)[0].error is None and a.state.released == {"serve-0": 0, "serve-1": 1}
+        assert left.wait(10) == -9
+        for _ in range(100):  # the snapshot: demand (idle: the floor), the lent replica unrouted
+            if a.view.get("routed", {}).get("serve-1") == 0 and a.demand_gpus(time.time()) == 0.5:
+                break
+            time.sleep(0.05)
+        assert a.view["routed"] == {"serve-0": 1, "serve-1": 0} and a.demand_gpus(time.time()) == 0.5
+        a.restore("serve-1", 1, 0, 0.0)
+        assert settle(a)[0].error is None
+        for _ in range(100):
+            if a.ready("serve-1"):
+                break
+            time.sleep(0.05)
+        assert a.ready("serve-1") and a.warmup_s() is not None and len(a.view["events"]) == 2
+        pids = a.view["pids"]
+        assert sorted(p for p, _ in json.loads((tmp_path / "w" / "pids.json").read_text())) == sorted(pids)
+    finally:
+        a.close()
+    assert pids and not any(os.path.exists(f"/proc/{p}") for p in pids)  # close() stopped them all
+    c = EngineAdapter(EngineSettings(str(model), {"serve-0": 1, "serve-1": 1}, 0.5), tmp_path / "w")
+    c.resume({"released": {"serve-1": 1}, "origin_s": None})  # a restarted plane: serve-1 is still lent
+    try:
+        c.serving_time(0.0)  # the first loan step starts the engine
+        for _ in range(200):
+            if c.view.get("routed"):
+                break
+            time.sleep(0.05)
+        assert c.view["routed"] == {"serve-0": 1, "serve-1": 0}, c.health()
+        assert c.ready("serve-0")
+    finally:
+        c.close()
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 64)
+    b = EngineAdapter(EngineSettings(str(bad), {"serve-0": 1, "serve-1": 1}, 0.5), tmp_path / "b")
+    try:
+        b.release("serve-1", 1, 1, 0.0)
+        out = settle(b)[0]
+        assert "the engine did not start" in out.error and "bad.gguf" in out.error
+        assert b.state.released == {"serve-0": 0, "serve-1": 0} and math.isnan(b.demand_gpus(time.time()))
+        assert "did not start" in b.health()["last_error"]
+    finally:
+        b.close()

@@ -4,6 +4,7 @@ llama.cpp (recorded from llama-server), vLLM and SGLang; and the replicas a TTFT
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -167,3 +168,39 @@ def test_engine_bench_refuses_bad_options_naming_them(args, says):
 
     r = CliRunner().invoke(app, ["engine-bench", *args])
     assert r.exit_code == 2 and says in " ".join(r.output.split())
+
+
+ENGINE_BLOCK = {"adapter": "llama.cpp", "nodes": "2x1", "engine": {"model": "m.gguf"},
+                "latency_target_s": 0.5}
+
+
+@pytest.mark.parametrize(("change", "says"), [
+    ({"engine": None}, "serving.engine.model is required"),
+    ({"engine": {"model": "m.gguf", "slot": 2}}, "serving.engine: unknown field 'slot'"),
+    ({"engine": {"model": "m.gguf", "slots": 0}}, "serving.engine.slots must be a whole number in [1, 256]"),
+    ({"latency_target_s": None}, "serving.nodes and serving.latency_target_s are required"),
+    ({"min_replicas": 3}, "serving.min_replicas must be a number of replicas in (0, 2]"),
+    ({"prometheus": "http://p:9090"}, "serving.prometheus does not apply to adapter llama.cpp"),
+    ({"history_days": 1}, "serving.trace and serving.history_days go together"),
+])
+def test_the_engine_adapters_settings_are_checked_naming_the_field(change, says):
+    from tidal.serving.watch import WatchConfig
+
+    with pytest.raises(ValueError, match="^" + re.escape(says)):
+        WatchConfig.from_dict({k: v for k, v in {**ENGINE_BLOCK, **change}.items() if v is not None})
+    with pytest.raises(ValueError, match="serving.engine applies only to adapter: llama.cpp"):
+        WatchConfig.from_dict({"serving_gpus": 2, "trace": "t.csv", "engine": {"model": "m.gguf"}})
+    cfg = WatchConfig.from_dict(ENGINE_BLOCK)
+    assert cfg.pool_gpus == 2 and cfg.requests() is None and "llama.cpp replicas of m.gguf" in cfg.describe()
+
+
+def test_the_ratio_is_the_worst_lending_phase_and_the_others_show_the_noise():
+    from tidal.serving.engine_bench import compare
+
+    def phase(p99, n=20):
+        return {"ttft_p99_s": p99, "requests": n, "failed": 0}
+    with_ = {"before": phase(0.3), "lent": phase(0.2), "reclaiming": phase(0.5, 3), "after": phase(0.1)}
+    without = {"before": phase(0.1), "lent": phase(0.1), "reclaiming": phase(0.1, 3), "after": phase(0.1)}
+    out = compare(with_, without, ("lent", "reclaiming"))
+    assert out["ttft_p99_ratio"] == 2.0  # reclaiming holds too few requests; before is not lending's
+    assert out["ttft_p99_ratio_by_phase"] == {"before": 3.0, "lent": 2.0, "after": 1.0}

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -42,7 +43,11 @@ probe() {
   c=$(cat "$1" 2>/dev/null | tr '\0' ' ')
   if [ -n "$c" ]; then echo "READ $1: $c"; else echo "denied $1"; fi
 }
-probe "$STATE/admin.token"; probe "$STATE/tidal.db"; probe "$STATE/api.url"
+probe "$STATE/admin.token"; probe "$STATE/tidal.db"; probe "$STATE/api.url"; probe /etc/shadow
+if [ -n "$RAY_GCS" ]; then  # Ray's protocol, spoken to the cluster's GCS: would run code as its workers
+  "$PY" -c 'import sys; from tidal.exec.ray_auth import anonymous_refused as r
+print({True: "denied ray", None: "no answer from ray"}.get(r(sys.argv[1]), "READ ray"))' "$RAY_GCS"
+fi
 V="$STATE/jobs/$VICTIM"
 probe "$V/logs/rank-0.log"; probe "$V/ckpt/fence.json"; probe "$V/attempt-1/launch.json"
 for f in "$V"/attempt-1/progress/*; do probe "$f"; done
@@ -64,8 +69,9 @@ grep CapEff /proc/self/status
 '''
 
 
-def _submit(plane, tenant: str, name: str, command: list[str], env: dict | None = None) -> str:
-    spec = parse_spec({"name": name, "gpus": 1, "max_restarts": 0, "command": command, "env": env or {}})
+def _submit(plane, tenant: str, name: str, command: list[str], env: dict | None = None, **more) -> str:
+    spec = parse_spec({"name": name, "gpus": 1, "max_restarts": 0, "command": command, "env": env or {},
+                       **more})
     return plane.store.submit(tenant, spec.model_dump(), time.time()).id
 
 
@@ -81,15 +87,17 @@ def _running(plane, job: str, timeout_s: float = 60) -> list[int]:
     raise AssertionError(f"{job} did not start: {rank_log(plane, job)}")
 
 
-def _escape(plane) -> tuple[str, str, str]:
-    """Run the victim, then the hostile job beside it; (the hostile job, its log, the admin token)."""
+def _escape(plane, env: dict | None = None, args: tuple[str, ...] = ()) -> tuple[str, str, str]:
+    """Run the victim, then the hostile job beside it (with ``env``, ``args`` after its script); (the
+    hostile job, its log, the admin token)."""
     create_tenant(plane.store, "alice", quota_gpus=1)
     create_tenant(plane.store, "bob", quota_gpus=1)
     victim = _submit(plane, "alice", "victim", VICTIM, {"VICTIM_SECRET": VICTIM_SECRET})
     pids = _running(plane, victim)
-    hostile = _submit(plane, "bob", "peek", ["/bin/sh", "-c", HOSTILE], {
+    hostile = _submit(plane, "bob", "peek", ["/bin/sh", "-c", HOSTILE, "sh", *args], {**(env or {}),
         "STATE": str(plane.state_dir), "VICTIM": victim, "VICTIM_PIDS": " ".join(map(str, pids)),
-        "PLANE_PID": str(os.getpid()),
+        "PLANE_PID": str(os.getpid()), "PY": sys.executable,
+        "RAY_GCS": getattr(plane.executor, "address", "") or "",
         # patterns that match the markers and not themselves (the probe greps its own environment too)
         "VICTIM_SECRET_RE": f"{VICTIM_SECRET[:-1]}[{VICTIM_SECRET[-1]}]",
         "CMDLINE_RE": f"{CMDLINE_MARK[:-1]}[{CMDLINE_MARK[-1]}]"})
@@ -137,20 +145,63 @@ def test_the_same_escapes_succeed_without_the_sandbox(plane_factory):
     assert Path(plane.executor.log_path(hostile, 0)).is_symlink() and log.strip() == token
 
 
+def test_the_hosts_proc_named_as_code_is_left_out(plane_factory):
+    """The host's /proc (every process's command line) named as code, in
+    ``PYTHONPATH`` and by an argument: left out of the sandbox, the rank sees its own /proc only."""
+    plane = plane_factory()
+    _contained(plane, *_escape(plane, {"PYTHONPATH": "/proc:/proc/1"}, ("/proc/cpuinfo",)))
+
+
+def test_a_job_naming_the_hosts_proc_dev_sys_or_root_as_its_directory_is_refused(plane_factory):
+    """Named as a workdir (bound read-write), the host's /proc, /dev, a cgroup tree or / would show the
+    rank every process's command line and the host's devices and cgroups: the launch fails, naming it."""
+    plane = plane_factory()
+    create_tenant(plane.store, "bob", quota_gpus=4)
+    jobs = {}
+    for d in ("/proc", "/dev", "/sys/fs/cgroup", "/"):
+        spec = parse_spec({"name": "dir", "gpus": 1, "max_restarts": 0, "workdir": d,
+                           "command": ["true"]})
+        jobs[d] = plane.store.submit("bob", spec.model_dump(), time.time()).id
+    run(plane, *jobs.values())
+    for d, job in jobs.items():
+        row = plane.store.job(job)
+        assert row.state == "failed" and f"{d} is on or holds a kernel filesystem" in row.message, row.message
+
+
 def test_a_sandboxed_job_on_ray_reaches_nothing_either(ray_cluster, plane_factory):
     """The same job suite under the Ray executor: each rank sandboxed by its actor, on its node."""
     plane = plane_factory(ray=ray_cluster)
     hostile, log, token = _escape(plane)
     _contained(plane, hostile, log, token)
-    assert all(j.handle["executor"] == "ray" and "uid" not in j.handle for j in plane.store.jobs())
-    warning = isolation_warning(plane.controller.config, executor=plane.executor)  # tidal up's, the banner's
-    assert warning is not None and "without isolation.uid_base" in warning
+    assert all(j.handle["executor"] == "ray" for j in plane.store.jobs())
+    assert "denied ray" in log and plane.executor.token_auth  # the cluster refuses a job: it has no token
+    if ROOT:  # root workers: a uid per tenant by default, as on the local executor; no warning, no banner
+        assert all(j.handle["uid"] >= 200000 for j in plane.store.jobs())
+        assert isolation_warning(plane.controller.config, executor=plane.executor) is None
 
 
 def test_on_ray_the_same_escapes_succeed_without_the_sandbox(ray_cluster, plane_factory):
     plane = plane_factory(ray=ray_cluster, mode="none")
     hostile, log, token = _escape(plane)
     assert Path(plane.executor.log_path(hostile, 0)).is_symlink() and log.strip() == token
+
+
+def test_on_ray_no_rank_sees_rays_own_directory(ray_cluster, plane_factory):
+    """Ray's directory on a node (``/tmp/ray``: its sockets, ports files and logs, in directories every user
+    may write, where a rank could unlink the raylet's socket or plant links for Ray's root processes) is
+    covered in every rank's sandbox, as the state dir is: a job naming ``/tmp`` as its workdir finds none."""
+    plane = plane_factory(ray=ray_cluster)
+    create_tenant(plane.store, "bob", quota_gpus=1)
+    session = ray_cluster.cluster.head_node.get_session_dir_path()
+    probe = ('ls "$0/sockets" >/dev/null 2>&1 && echo "READ sockets"; touch "$0/logs/planted" 2>/dev/null '
+             '&& echo "READ planted"; ls /tmp >/dev/null && echo PROBED')
+    try:
+        job = _submit(plane, "bob", "ray-dir", ["/bin/sh", "-c", probe, session], workdir="/tmp")
+        run(plane, job)
+    finally:
+        Path(session, "logs", "planted").unlink(missing_ok=True)
+    log = rank_log(plane, job)
+    assert "PROBED" in log and "READ" not in log, log
 
 
 def test_a_ray_ranks_log_is_capped_as_a_local_ones(ray_cluster, plane_factory):

@@ -290,8 +290,8 @@ def test_a_token_file_others_can_read_is_refused():
         f = d / "auth-token"
         f.write_text("t" * 64)
         f.chmod(0o644)
-        msg = (r"^isolation.uid_base: Ray's token file .* is readable by every user \(mode 0644\): a job "
-               r"could read it and run code as root on any node; chmod 600 it$")
+        msg = (r"^isolation: Ray's token file .* is readable by every user \(mode 0644\): a job "
+               r"could read it and run code as the workers' user on any node; chmod 600 it$")
         with pytest.raises(ValueError, match=msg):
             check_token_file(f)
         (base / "link").symlink_to(f)
@@ -308,6 +308,37 @@ def test_a_token_file_others_can_read_is_refused():
         shutil.rmtree(base, ignore_errors=True)
 
 
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bwrap (apt-get install bubblewrap)")
+def test_a_rank_as_the_workers_user_cannot_read_rays_token_through_its_workdir(tmp_path, monkeypatch):
+    """Where the Ray workers are not root every rank runs as their user, who can read Ray's token (the
+    workers need it): a job naming the token's directory, or one above it, as its workdir would read it
+    and run code outside its sandbox. A rank actor hides that directory (``ray_dirs``) as the state dir."""
+    import dataclasses
+
+    from tidal.contract import RAY_AUTH_TOKEN_ENV, RAY_AUTH_TOKEN_PATH_ENV
+    from tidal.exec import sandbox
+    from tidal.exec.ray_auth import write_token
+    from tidal.exec.ray_rank import ray_dirs
+
+    home, attempt = tmp_path / "home", tmp_path / "attempt"
+    (attempt / "progress").mkdir(parents=True)
+    token = write_token(home / ".ray")
+    monkeypatch.setenv(RAY_AUTH_TOKEN_PATH_ENV, str(token))
+    monkeypatch.delenv(RAY_AUTH_TOKEN_ENV, raising=False)
+    binds = sandbox.Binds(named=(str(home),), hidden=(), attempt=str(attempt), own=(), shm=None)
+    binds = dataclasses.replace(binds, hidden=(*binds.hidden, *ray_dirs()))  # as the rank actor does
+    probe = ["/bin/sh", "-c", 'cat "$0"; ls "$1"; echo PROBED', str(token), str(home / ".ray")]
+    # owner None: the rank keeps this process's user (as the workers' user keeps theirs)
+    cmd = sandbox.command(sandbox.find_bwrap(), probe, binds, env={}, python=sys.executable, owner=None,
+                          cwd=str(home))
+    try:
+        got = subprocess.run(cmd, pass_fds=sandbox.bind_fds(cmd), capture_output=True, text=True, timeout=60)
+    finally:
+        sandbox.close_fds(cmd)
+    assert "PROBED" in got.stdout, got.stdout + got.stderr
+    assert token.read_text() not in got.stdout and token.name not in got.stdout, got.stdout
+
+
 def test_workers_not_root_is_one_line():
     """What ``tidal up`` says when the Ray workers (asked on each node at start) cannot switch uids; the
     cluster's token never goes to jobs."""
@@ -317,8 +348,8 @@ def test_workers_not_root_is_one_line():
 
     with pytest.raises(ValueError, match="isolation.max_memory_bytes: the Ray executor sets no memory"):
         RayExecutor("/nonexistent/jobs", isolation=IsolationConfig(max_memory_bytes=2**30))
-    # a cluster without token authentication: refused with uid_base, unless the operator opts out
-    with pytest.raises(ValueError, match=r"^isolation.uid_base: the Ray cluster accepts clients without a tok"
+    # a cluster without token authentication: refused for sandboxed jobs, unless the operator opts out
+    with pytest.raises(ValueError, match=r"^isolation: the Ray cluster accepts clients without a token, so a"
                        ) as e:
         check_open_cluster(False, False)
     assert "\n" not in str(e.value) and f"{OPEN_OPTION}: true" in str(e.value)
@@ -333,12 +364,16 @@ def test_workers_not_root_is_one_line():
     class Open:
         token_auth, uids = False, object()
 
+    class OpenNoUids:
+        token_auth, uids = False, None
+
     assert isolation_warning(None, executor=Open()) == open_cluster_warning()
+    assert isolation_warning(None, executor=OpenNoUids()) == open_cluster_warning()
 
     class NoUids:
         token_auth, uids = True, None
 
-    assert "without isolation.uid_base" in (isolation_warning(None, executor=NoUids()) or "")
+    assert "on Ray without uids" in (isolation_warning(None, executor=NoUids()) or "")
     off = isolation_warning(ControlConfig.from_dict({"isolation": "none"}), euid=0, executor=NoUids())
     assert off is not None and "isolation is off" in off
     assert OPEN_OPTION in open_cluster_warning()

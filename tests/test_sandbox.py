@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 import time
 import warnings
@@ -123,6 +124,29 @@ def test_a_symlinked_checkpoint_parent_is_refused(tmp_path):
     assert not os.path.exists("/etc/new-ck")
 
 
+def test_a_checkpoint_parent_swapped_for_a_link_after_the_check_gets_nothing_made_through_it(tmp_path,
+                                                                                              monkeypatch):
+    """The plane makes the directories a job names through a descriptor of the parent it checked: a swap
+    for a link right after the check is seen (refused) and nothing is made where the link leads."""
+    from tidal.exec import isolation
+
+    base, elsewhere = tmp_path / "w", tmp_path / "elsewhere"
+    base.mkdir()
+    elsewhere.mkdir()
+    checked = isolation.open_real
+
+    def swapped_after(path):
+        fd = checked(path)
+        base.rename(tmp_path / "w-before")
+        base.symlink_to(elsewhere)
+        return fd
+
+    monkeypatch.setattr(isolation, "open_real", swapped_after)
+    with pytest.raises(OSError, match="symbolic link"):  # what it opened is no longer at that path
+        make_dirs([str(base / "ck" / "a")], None)
+    assert list(elsewhere.iterdir()) == []
+
+
 def test_the_dashboard_shows_a_banner_when_isolation_is_off(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -167,7 +191,7 @@ def test_a_link_the_job_names_as_code_does_not_uncover_the_state_dir(tmp_path):
     """A job plants, in a directory it may write outside the state dir, a link to the jobs dir; a later job
     names a file through that link in its command (and in ``PYTHONPATH``). The sandbox binds the directories
     of what the command names read-only, but never one that resolves into what no rank sees: the rank, left
-    root (as on Ray without ``uid_base``: no capability, only root's own files), cannot read the plane's
+    root (as an operator's own run: no capability, only root's own files), cannot read the plane's
     checkpoint-agent key through it."""
     ex = LocalExecutor(tmp_path / "state" / "jobs", slots=1, run_as_self=True)
     out = tmp_path / "outside"
@@ -183,3 +207,28 @@ def test_a_link_the_job_names_as_code_does_not_uncover_the_state_dir(tmp_path):
     _done(ex, "peek")
     log = _log(ex, "peek")
     assert "PROBED" in log and secret not in log and ".uids.json" not in log and "plant" not in log, log
+
+
+def test_a_workdir_swapped_for_a_link_after_the_check_binds_what_was_checked(tmp_path):
+    """The plane checks what a rank's sandbox binds, then bwrap binds it: a job that swaps its workdir for a
+    link to the state dir in between must not get the state dir. The sandbox holds a descriptor of each
+    directory it checked and bwrap binds that descriptor (``--bind-fd``), so the rank sees the directory
+    that was checked, under its old name."""
+    state, work = tmp_path / "state", tmp_path / "work"
+    for d in (state, work, tmp_path / "attempt" / "progress"):
+        d.mkdir(parents=True)
+    (state / "admin.token").write_text("state-secret-71c4")
+    (work / "mine").write_text("mine")
+    binds = sandbox.Binds(named=(str(work),), hidden=(str(state),), attempt=str(tmp_path / "attempt"), own=(),
+                          shm=None)
+    probe = ["/bin/sh", "-c", 'ls "$0"; cat "$0/admin.token"; echo PROBED', str(work)]
+    cmd = sandbox.command(sandbox.find_bwrap(), probe, binds, env={}, python=sys.executable, owner=None,
+                          cwd="/")
+    work.rename(tmp_path / "work-before")  # the swap, between the check and bwrap's bind
+    work.symlink_to(state)
+    try:
+        got = subprocess.run(cmd, pass_fds=sandbox.bind_fds(cmd), capture_output=True, text=True, timeout=60)
+    finally:
+        sandbox.close_fds(cmd)
+    assert "PROBED" in got.stdout and "mine" in got.stdout, got.stdout + got.stderr
+    assert "state-secret-71c4" not in got.stdout and "admin.token\n" not in got.stdout

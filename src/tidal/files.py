@@ -193,3 +193,21 @@ def read_plain(path: str | os.PathLike, max_bytes: int, *, owner: int | None = N
     if len(data) > max_bytes:
         raise NotPlainFile(errno.EFBIG, f"over the limit of {max_bytes} bytes", os.fspath(path))
     return data
+
+
+def open_real(path: str | os.PathLike) -> int | None:
+    """An ``O_PATH`` descriptor of what ``path`` resolves to now, opened one component at a time without
+    following a link (a link swapped in meanwhile: None), so what is done through it (a sandbox's bind, a
+    directory made in it) happens where it was checked: ``/proc/self/fd/N`` names it."""
+    fd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for part in Path(os.path.realpath(path)).parts[1:]:
+            nxt = os.open(part, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        if not stat.S_ISLNK(os.fstat(fd).st_mode):
+            return fd
+    except OSError:
+        pass
+    os.close(fd)
+    return None

@@ -27,9 +27,11 @@ import dataclasses
 import logging
 import math
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from tidal.control.loan_book import Actions
+from tidal.control.schemas import EngineFigures, answer
 from tidal.control.serving_nodes import Event, ServingNodes
 from tidal.model import Loan, Reclaim
 from tidal.policy import codec
@@ -42,6 +44,7 @@ from tidal.serving.adapters import (
     QueuedAdapter,
     ReadyAdapter,
     ServingAdapter,
+    WarmupAdapter,
 )
 from tidal.serving.build import build_adapter
 from tidal.serving.requests import number_in
@@ -72,7 +75,7 @@ class LiveLoans:
     def __init__(self, adapter: ServingAdapter, timing: LoanTiming, *, shortfall_budget: float = 0.005,
                  step_s: float = 600.0, warm_history: list[tuple[float, float]] | None = None) -> None:
         self.adapter = adapter
-        self.timing = timing
+        self.timing = self.configured = timing  # timing: with the adapter's measured warm-up, if any
         self.speedup = float(adapter.speedup)
         self.step_s = step_s
         self.policy = TidalPolicy.build(shortfall_budget, step_s, timing.scaled(self.speedup))
@@ -281,6 +284,7 @@ class LiveLoans:
                            {"node": node, "gpus": g}))
         if self.actions.owed:
             events += self._again("restore", self.actions.owed, now_s)
+        self._measured_warmup()
         t_serv = self.adapter.serving_time(now_s)
         if math.isnan(self.next_grid):
             self.next_grid = math.ceil(t_serv / self.step_s - 1e-9) * self.step_s
@@ -319,6 +323,16 @@ class LiveLoans:
         self.plan_shown = self._plan_view(now_s, t_serv, demand, plan)
         self._sample(now_s, t_serv, demand, plan)
         return events
+
+    def _measured_warmup(self) -> None:
+        """Plan with the warm-up a :class:`WarmupAdapter` measured (else the configured one): the policy's
+        lead time and the ledger's warm-ups follow it."""
+        got = self.adapter.warmup_s() if isinstance(self.adapter, WarmupAdapter) else None
+        timing = self.configured if got is None else dataclasses.replace(self.configured, warmup_s=float(got))
+        if timing != self.timing:
+            self.timing = self.ledger.timing = self.serving.timing = timing
+            self.policy = TidalPolicy.build(self.policy.config.shortfall_budget, self.step_s,
+                                            timing.scaled(self.speedup))
 
     def _sample(self, now_s: float, t_serv: float, demand: float, plan: LoanPlan) -> None:
         """One point of the dashboard's loan timeline (control-plane time ``t``)."""
@@ -492,7 +506,7 @@ class LiveLoans:
         ``jobs_on``: the jobs holding them, remembered to name them if the node is lost)."""
         if jobs_on is not None:
             self.serving.jobs_seen = {n: sorted(j) for n, j in jobs_on.items() if j and n in self.nodes}
-        led = self.ledger
+        led, health = self.ledger, self.adapter.health()
         self._latest = {
             "held_gpus": {n: g for n, g in (held or {}).items() if n in self.nodes}, **self.plan_shown,
             "now_s": now_s, "serving_nodes": dict(self.nodes), **self.serving.view(led),
@@ -503,13 +517,17 @@ class LiveLoans:
             "reclaims": [{"gpus": r.gpus, "by_s": r.by_s, "notice_s": r.notice_s} for r in self.reclaims],
             "warming": {n: led.warming_ready_s(n) for n in led.cap if led.warming_ready_s(n)},
             "stats": dict(self.stats), "worst_margin_s": min(self.margins) if self.margins else None,
-            "pending_restores": dict(self.actions.owed), "adapter": self.adapter.health()}
+            "pending_restores": dict(self.actions.owed), "adapter": health,
+            "lead_time_s": round(self.timing.lead_time_s, 3), "warmup_s": round(self.timing.warmup_s, 3),
+            "warmup_measured": self.timing is not self.configured,
+            "engine": None if (e := EngineFigures.of(health)) is None else answer(e)}
 
 
-def build_live_loans(cfg: WatchConfig, ray_address: str | None = None) -> LiveLoans:
-    """The serving adapter and the loan step for a ``serving:`` block that lends. Raises ``ValueError``
-    (``OSError`` for an unreadable trace) naming what is wrong."""
-    adapter, history = build_adapter(cfg, ray_address)
+def build_live_loans(cfg: WatchConfig, ray_address: str | None = None,
+                     workdir: Path | None = None) -> LiveLoans:
+    """The serving adapter and the loan step for a ``serving:`` block that lends (an engine's replicas
+    work in ``workdir``). Raises ``ValueError`` (``OSError`` for an unreadable trace) naming what is wrong."""
+    adapter, history = build_adapter(cfg, ray_address, workdir)
     return LiveLoans(adapter, cfg.timing(), shortfall_budget=cfg.shortfall_budget, step_s=cfg.step_s,
                      warm_history=history)
 

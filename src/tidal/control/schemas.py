@@ -234,9 +234,43 @@ class TenantCreated(_Answer):
     token: str = Field(description="the tenant's bearer token: shown once, only its hash is stored")
 
 
+class EngineFigures(_Answer):
+    """A real engine's replicas as the serving side reads them (``adapter: llama.cpp``; docs/loaning.md):
+    over the last ``window_s``, TTFT at the router, requests running and waiting now, replicas routed and
+    warming, and the replicas the latency target needs."""
+
+    engine: str
+    url: str = Field(description="the router: send the engine's requests here")
+    replicas: int
+    routed: int
+    warming: int
+    running: float
+    waiting: float
+    ttft_p50_s: float | None
+    ttft_p99_s: float | None
+    replicas_needed: float | None
+    rate_per_s: float | None
+    service_s: float | None
+    tokens_per_s: float | None
+    warmup_s: float | None = Field(description="p95 of the replicas' recent start-to-healthy times")
+    window_s: float
+    requests: int
+    requests_failed: int
+
+    @classmethod
+    def of(cls, health: dict[str, Any]) -> EngineFigures | None:
+        """From a serving adapter's ``health()``; None when it runs no engine (or none started yet)."""
+        e = health.get("engine") or {}
+        if "url" not in e:
+            return None
+        keep = set(cls.model_fields) - {"engine", "routed"}
+        return cls(engine=health["kind"], routed=sum(e["routed"].values()), **{k: e[k] for k in keep})
+
+
 class Serving(BaseModel):
     """The live loan plan (advice only), or live lending's state; see docs/control.md."""
 
     model_config = ConfigDict(extra="allow")
     source: str
     advice_only: bool
+    engine: EngineFigures | None = None

@@ -104,18 +104,18 @@ class Plane:
 def isolation_warning(config: ControlConfig | None, euid: int | None = None,
                       executor: object = None) -> str | None:
     """One line when isolation is weaker than the default: jobs not sandboxed (``isolation: none``), saying
-    what they can reach (as root without ``uid_base``: every file); on Ray, jobs as their uids on a cluster
-    without token authentication, or all tenants as the workers' one uid (no ``uid_base``); else None."""
+    what they can reach (as root without ``uid_base``: every file); on Ray, sandboxed jobs on a cluster
+    without token authentication, or all tenants as the workers' one uid (workers not root); else None."""
     iso = config.isolation if config is not None else None
     ray = hasattr(executor, "token_auth")  # the Ray executor: whether its cluster authenticates clients
-    if ray and getattr(executor, "uids", None) is not None and not getattr(executor, "token_auth", True):
+    if ray and (iso is None or iso.sandboxed) and not getattr(executor, "token_auth", True):
         from tidal.exec.ray_checks import open_cluster_warning
 
         return open_cluster_warning()
     if ray and getattr(executor, "uids", None) is None and (iso is None or iso.sandboxed):
-        return ("warning: on Ray without isolation.uid_base every tenant's ranks run as the Ray workers' "
-                "user (each in its sandbox, without capabilities when that user is root); set uid_base to "
-                "run each tenant as its own uid (docs/control.md, Isolation on Ray)")
+        return ("warning: on Ray without uids every tenant's ranks run as the Ray workers' user (each in its "
+                "sandbox); run the Ray workers and tidal up as root to run each tenant as its own uid "
+                "(docs/control.md, Isolation on Ray)")
     if iso is None or iso.sandboxed:
         return None
     root = (os.geteuid() if euid is None else euid) == 0
@@ -156,7 +156,7 @@ def build(state_dir: Path, gpus: str = "auto", db: str | None = None, config: Co
     loans = None
     if config is not None and config.serving is not None and config.serving.lends:
         try:
-            loans = build_live_loans(config.serving)
+            loans = build_live_loans(config.serving, workdir=state_dir / "engine")
         except (OSError, ValueError) as e:
             raise SystemExit(f"tidal up: serving: {e}") from None
         # nothing starts on a loan about to end: the scheduler's horizon is the plan's shortest loan
@@ -373,6 +373,10 @@ def serve(plane: Plane, host: str = "127.0.0.1", port: int = 8470, *, announce=p
     finally:
         loop.stop()
         loop.join(timeout=10)
+        if plane.controller.loans is not None:  # an engine's replicas stop with the plane
+            close_adapter = getattr(plane.controller.loans.adapter, "close", None)
+            if callable(close_adapter):
+                close_adapter()
         plane.store.close()
         close = getattr(plane.executor, "close", None)
         if callable(close):

@@ -1,13 +1,13 @@
 """How the executors isolate a job from the control plane and from other jobs (the ``isolation:`` block
 of ``tidal up --config``; docs/control.md, Isolation). ``isolation: none`` is ``{mode: none}``.
 
-Sandboxed (``mode: sandbox``, the default; :mod:`tidal.exec.sandbox`): each rank, on either executor,
-sees only the system, its code and its own directories, in its own PID namespace; on the local executor
-as root with uids (``uid_base`` by default a range of 65536 from 200000 chosen by the jobs dir; on Ray
-only when set); ``read_only``: more paths it may read. ``max_file_bytes`` and ``max_memory_bytes``
-default to ``auto`` (:meth:`resolved`). Always: a clean environment (the job's ``env``, the platform's
-variables, the names in ``pass_env``; ``HOME`` and ``TMPDIR`` in the job's private area), files and
-directories 0600/0700, no core dumps, a shared-memory directory per job freed after it ends. With
+Sandboxed (``mode: sandbox``, the default; :mod:`tidal.exec.sandbox`): each rank, on either executor, sees
+only the system, its code and its own directories, in its own PID namespace; on the local executor as root
+with uids (``uid_base`` by default a range of 65536 from 200000 chosen by the jobs dir; on Ray where every
+node's workers are root too); ``read_only``: more paths it may read. ``max_file_bytes`` and
+``max_memory_bytes`` default to ``auto`` (:meth:`resolved`). Always: a clean environment (the job's ``env``,
+the platform's variables, the names in ``pass_env``; ``HOME`` and ``TMPDIR`` in the job's private area),
+files and directories 0600/0700, no core dumps, a shared-memory directory per job freed after it ends. With
 ``uid_base`` (as root): every rank runs as an unprivileged uid/gid of its tenant or job, which owns the
 job's private area, progress, shm and default checkpoint directories (and what it takes over:
 :mod:`tidal.exec.handover`); the rest stays root's.
@@ -15,6 +15,7 @@ job's private area, progress, shm and default checkpoint directories (and what i
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -28,8 +29,8 @@ from typing import TYPE_CHECKING, Any
 from tidal.contract import LAUNCH_FILE, PROGRESS_DIRNAME, RAY_AUTH_TOKEN_ENV, attempt_dirname
 from tidal.exec.cgroups import MIN_MEMORY_BYTES
 from tidal.exec.files import read_json
-from tidal.exec.sandbox import named
-from tidal.files import write_atomic
+from tidal.exec.sandbox import kernel_fs, named
+from tidal.files import open_real, write_atomic
 
 if TYPE_CHECKING:
     from tidal.exec.protocol import LaunchRequest
@@ -232,14 +233,19 @@ def prepare_attempt(root: Path, job_dir: Callable[[str], Path], attempt_dir: Pat
                     req: LaunchRequest, owner: tuple[int, int] | None, uids: Uids | None,
                     hidden: Collection[str] | None = None) -> None:
     """Before an attempt's ranks start, on either executor: sandboxed (``hidden``: what no rank sees), the
-    directories the job names elsewhere (:func:`make_dirs`); the job's directories (:func:`make_job_dirs`,
-    with what it takes over from the ended jobs it resumes, :func:`ran_as`), then the fence of its
-    checkpoint location, which is this attempt's from now on (:mod:`tidal.ckpt.fence`)."""
+    directories the job names elsewhere (:func:`make_dirs`; ``OSError`` for one on a kernel filesystem); the
+    job's directories (:func:`make_job_dirs`, with what it takes over from the ended jobs it resumes,
+    :func:`ran_as`), then the fence of its checkpoint location, which is this attempt's from now on
+    (:mod:`tidal.ckpt.fence`)."""
     from tidal.ckpt.fence import fence_launch
 
     if hidden is not None:
         cwd = req.workdir or str(home)
-        make_dirs([p for p in named(req.env, cwd, hidden) if p != cwd], owner)
+        dirs = named(req.env, cwd, hidden)
+        for p in dirs:  # the host's /proc, /dev, /sys (or / above them) in a sandbox: its processes, devices
+            if os.path.exists(p) and (k := kernel_fs(os.path.realpath(p))):
+                raise OSError(f"{p} is on or holds a kernel filesystem ({k}), never bound into a sandbox")
+        make_dirs([p for p in dirs if p != cwd], owner)
     make_job_dirs(root, job_dir(req.job_id), attempt_dir, home, req.own_dirs, owner, req.take_over,
                   ran_as(uids, ((j, job_dir(j)) for j in req.take_over_from)), hidden is not None)
     fence_launch(req.env, req.job_id, req.attempt, req.workdir or home)
@@ -255,10 +261,23 @@ def make_dirs(paths: Iterable[str], owner: tuple[int, int] | None) -> None:
         if not missing or not path.is_absolute():
             continue
         base = missing[-1].parent
-        if os.path.realpath(base) != str(base):
+        fd = open_real(base)  # made below through descriptors: a link swapped in meanwhile changes nothing
+        if fd is None or os.readlink(f"/proc/self/fd/{fd}") != str(base):
+            if fd is not None:
+                os.close(fd)
             raise OSError(f"{p}: {base} is reached through a symbolic link (refused)")
-        for d in reversed(missing):
-            private_dir(d, 0o700, owner)
+        try:
+            for d in reversed(missing):
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(d.name, 0o700, dir_fd=fd)
+                nxt = os.open(d.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+                os.close(fd)
+                fd = nxt
+                if owner is not None:
+                    os.fchown(fd, *owner)
+                os.fchmod(fd, 0o700)
+        finally:
+            os.close(fd)
 
 
 def make_job_dirs(root: Path, job_dir: Path, attempt_dir: Path, home: Path, own_dirs: Iterable[str],

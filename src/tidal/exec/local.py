@@ -307,14 +307,17 @@ class LocalExecutor(AttemptDirs):
             cmd = list(req.command) if self.bwrap is None else sandbox.command(
                 self.bwrap, req.command, self.binds(req, adir, env, cwd, shm, self.gpu), env=env,
                 python=self.python, owner=owner, cwd=cwd)
+            fds = sandbox.bind_fds(cmd) if self.bwrap is not None else []
             try:
                 p = subprocess.Popen([self.python, "-I", shim.__file__, str(adir / c.exit_file(r)),
-                                      str(adir / c.pid_file(r)), *self._shim_options(owner, req, r), "--",
-                                      *cmd],
+                                      str(adir / c.pid_file(r)), *self._shim_options(owner, req, r),
+                                      *(x for fd in fds for x in ("--pass-fd", str(fd))), "--", *cmd],
                                      stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
-                                     cwd=cwd, env=env, start_new_session=True)
+                                     cwd=cwd, env=env, start_new_session=True, pass_fds=fds)
             except OSError as e:
                 raise LaunchError(f"job {req.job_id}: cannot start rank {r}: {e}") from e
+            finally:
+                sandbox.close_fds(cmd)
         return _Rank(r, p.pid, procs.start_time(p.pid), p)
 
     def _send(self, t: _Tracked, ranks: list[_Rank], sig: int) -> None:

@@ -62,12 +62,13 @@ def cluster_authenticates(ray: Any) -> bool:
 OPEN_OPTION = "isolation.ray_open_cluster"
 
 
-def check_auth(ray: Any, uids: bool, allow_open: bool) -> bool:
-    """Whether the connected cluster refuses clients without its token; with ``uids`` (jobs as their own
-    uids) ``ValueError`` in one line when it does not (unless ``allow_open``) or when the token's file
-    here is readable by every user."""
+def check_auth(ray: Any, sandboxed: bool, allow_open: bool) -> bool:
+    """Whether the connected cluster refuses clients without its token; with ``sandboxed`` ranks
+    ``ValueError`` in one line when it does not (unless ``allow_open``: a rank that speaks Ray's protocol
+    would run code as the workers' user outside its sandbox) or when the token's file here is readable by
+    every user."""
     authenticated = cluster_authenticates(ray)
-    if uids:
+    if sandboxed:
         check_open_cluster(authenticated, allow_open)
         check_token_file(token_file())
     return authenticated
@@ -89,8 +90,9 @@ def check_open_cluster(authenticated: bool, allowed: bool) -> None:
     authentication, unless the operator said so (``isolation.ray_open_cluster: true``)."""
     if not authenticated and not allowed:
         raise ValueError(
-            "isolation.uid_base: the Ray cluster accepts clients without a token, so a job could run code "
-            "as root on any node: start Ray with RAY_AUTH_MODE=token and give tidal up the token "
+            "isolation: the Ray cluster accepts clients without a token, so a job could run code as the "
+            "Ray workers' user on any node, outside its sandbox: start Ray with RAY_AUTH_MODE=token and give "
+            "tidal up the token "
             f"(RAY_AUTH_TOKEN_PATH), or set {OPEN_OPTION}: true to run anyway (docs/control.md, Isolation)"
         )
 
@@ -100,15 +102,16 @@ def check_token_file(path: Path | None) -> None:
     ``~/.ray/auth_token``) can be read by other users, among them the jobs' uids."""
     if path is not None and readable_by_others(path):
         mode = stat.S_IMODE(os.stat(path).st_mode)
-        raise ValueError(f"isolation.uid_base: Ray's token file {path} is readable by every user (mode "
-                         f"{mode:04o}): a job could read it and run code as root on any node; chmod 600 it")
+        raise ValueError(f"isolation: Ray's token file {path} is readable by every user (mode "
+                         f"{mode:04o}): a job could read it and run code as the workers' user on any node; "
+                         "chmod 600 it")
 
 
 def open_cluster_warning() -> str:
-    """What ``tidal up`` says at start when ``isolation.ray_open_cluster`` lets jobs run as their own uids
-    on a cluster without token authentication."""
+    """What ``tidal up`` says at start when ``isolation.ray_open_cluster`` lets sandboxed jobs run on a
+    cluster without token authentication."""
     return ("warning: the Ray cluster has no token authentication: a job that reaches its ports and speaks "
-            "Ray's protocol runs code as the workers' user (root) on any node, whatever its own uid; start "
+            "Ray's protocol runs code as the workers' user on any node, outside its sandbox; start "
             f"Ray with RAY_AUTH_MODE=token ({OPEN_OPTION} is set; docs/control.md, Isolation)")
 
 
@@ -125,6 +128,13 @@ def check_workers_root(ray: Any, nodes: Mapping[str, str], timeout_s: float = CH
     msg = verdict(answers, late, list(nodes), timeout_s)
     if msg is not None:
         raise ValueError(msg)
+
+
+def workers_root(ray: Any, nodes: Mapping[str, str], timeout_s: float = CHECK_TIMEOUT_S) -> bool:
+    """Whether a worker on every node (name -> Ray node id; none: True) answers it runs as root."""
+    answers, late = run_on_nodes(ray, nodes, _euid, {n: () for n in nodes}, cancel_late=True,
+                                 timeout_s=timeout_s)
+    return verdict(answers, late, list(nodes), timeout_s) is None
 
 
 def verdict(euids: Mapping[str, int], late: list[str], nodes: list[str],

@@ -20,8 +20,9 @@ through tasks on the nodes (:mod:`tidal.exec.ray_shm`); an attempt across nodes 
 tiers only. With ``ckpt_agents`` one checkpoint agent per node serves the ``peer`` tier
 (:mod:`tidal.exec.ray_agents`). Isolation as on the local executor, each rank in the same sandbox
 (:mod:`tidal.exec.sandbox`, made by its actor on its node; ``hidden``: what no rank sees besides the jobs
-dir), checked on every node at start (:mod:`tidal.exec.ray_checks`); the Ray cluster itself is not
-isolated, and no uids unless ``uid_base`` is set (docs/control.md, Isolation on Ray).
+dir), checked on every node at start (:mod:`tidal.exec.ray_checks`), a uid per tenant by default where
+the plane and every node's workers are root, and sandboxed ranks only on a cluster that refuses clients
+without its token (a local Ray it starts gets one; docs/control.md, Isolation on Ray).
 Not thread-safe: one reconcile loop drives it.
 """
 
@@ -55,8 +56,14 @@ from tidal.exec.isolation import (
     require_root,
 )
 from tidal.exec.protocol import LaunchError, LaunchRequest, Observation
-from tidal.exec.ray_auth import use_token_from_env
-from tidal.exec.ray_checks import check_auth, check_reachable_address, check_workers_root, join_error
+from tidal.exec.ray_auth import enable_local, use_token_from_env
+from tidal.exec.ray_checks import (
+    check_auth,
+    check_reachable_address,
+    check_workers_root,
+    join_error,
+    workers_root,
+)
 from tidal.exec.ray_names import (  # what the plane's objects are called on the cluster, where they live
     _pg_name,
     across_nodes,
@@ -144,6 +151,8 @@ class RayExecutor(AttemptDirs):
             kw: dict[str, Any] = {}
             if address is None and not os.environ.get("RAY_ADDRESS"):
                 kw = {"include_dashboard": False, **({"num_gpus": num_gpus} if num_gpus is not None else {})}
+                if not use_token_from_env():  # the Ray it starts refuses clients without its token
+                    enable_local(self.root.parent / "ray-auth")
             try:
                 ray.init(address=address, namespace=self.namespace, log_to_driver=False,
                          logging_level=logging.WARNING, configure_logging=False, **kw)
@@ -157,9 +166,16 @@ class RayExecutor(AttemptDirs):
         self._shm_where: dict[str, list[str]] = {}  # job -> nodes with its node memory (last shm_jobs)
         self.agents = None
         try:
-            self.token_auth = check_auth(ray, self.uids is not None, iso.ray_open_cluster)
+            # a cluster without a token runs any job's code as its workers' user, outside every sandbox
+            self.token_auth = check_auth(ray, iso.sandboxed, iso.ray_open_cluster)
             if self.uids is not None:  # asked of a worker on each node, never assumed
                 check_workers_root(ray, self._read_nodes()[1])
+            # as locally, a uid per tenant by default where the plane and every node's workers are root
+            own = (self.uids is None and iso.sandboxed and os.geteuid() == 0
+                   and workers_root(ray, self._read_nodes()[1]))
+            self.isolation = iso = iso.resolved(self.root, uids=own)
+            if own and iso.uid_base is not None:
+                self.uids = Uids(self.root / ".uids.json", iso.uid_base)
             if iso.sandboxed:
                 code = sandbox.code_paths({}, [], sys.executable)  # the plane's: the same paths on each node
                 ray_checks.check_sandbox(ray, self._read_nodes()[1], code)

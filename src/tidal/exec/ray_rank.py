@@ -11,7 +11,7 @@ subreaper that kills what the rank left when it ends (:meth:`RankActor.poll`), o
 node-memory directory and starts the rank as that uid with the job's rlimits, as :mod:`tidal.exec.shim`.
 With ``binds`` (``isolation.mode: sandbox``, the default) the rank runs in the local executor's sandbox,
 the command made on this node (:func:`tidal.exec.sandbox.command`: this node's ``bwrap``, interpreter and
-code), the uid dropped inside it.
+code), the uid dropped inside it; Ray's own directory on the node is hidden too (:func:`ray_dirs`).
 
 Imported by every Ray worker that hosts a rank: standard library, ``ray`` and small parts of ours (no torch).
 """
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import functools
 import json
 import os
@@ -27,12 +28,14 @@ import resource
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from tidal.exec import procs, sandbox
 from tidal.exec.isolation import private_dir
+from tidal.exec.ray_auth import token_file
 from tidal.exec.shim import set_limits
 from tidal.files import AS_OPEN, write_atomic
 from tidal.net import free_port
@@ -67,6 +70,22 @@ def _node_shm_dir(shm_dir: str, owner: tuple[int, int] | None) -> None:
     private_dir(d.parent.parent, 0o711)
     private_dir(d.parent, 0o711)
     private_dir(d, 0o700, owner)
+
+
+def ray_dirs() -> list[str]:
+    """What of Ray's no rank's sandbox shows on this node: its directory (``/tmp/ray``: sockets, ports files
+    and logs, in directories every user may write; the node's and Ray's default) and the directory of the
+    token file this worker reads (the workers' user's, so readable by ranks that run as that user)."""
+    out = [os.path.join(tempfile.gettempdir(), "ray")]
+    with contextlib.suppress(Exception):  # Ray's private API: the worker's node
+        from ray._private.worker import global_worker
+
+        if global_worker.node is not None:
+            out.insert(0, global_worker.node.get_temp_dir_path())
+    token = token_file()
+    if token is not None and str(token.parent) not in ("/", *sandbox.SYSTEM):
+        out.append(str(token.parent))
+    return list(dict.fromkeys(out))
 
 
 class RankActor:
@@ -116,6 +135,7 @@ class RankActor:
                 if shm_dir is not None and (own is not None or binds is not None):
                     _node_shm_dir(shm_dir, own)
                 if binds is not None:  # the uid is dropped inside the sandbox (sandbox.ENTER)
+                    binds = dataclasses.replace(binds, hidden=(*binds.hidden, *ray_dirs()))
                     cmd = sandbox.command(_bwrap(), command, binds, env=env, python=sys.executable, owner=own,
                                           cwd=cwd)
                     self.sandboxed = True
@@ -123,11 +143,15 @@ class RankActor:
                     kw = {"user": own[0], "group": own[1], "extra_groups": []}
                 boxed = binds is not None
                 procs.become_subreaper()  # what the rank detaches stays below this worker
-                self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out,
-                                             stderr=subprocess.STDOUT, cwd=cwd, env=dict(env), umask=0o077,
-                                             start_new_session=True, close_fds=True,
-                                             preexec_fn=lambda: _child_setup(parent, rlimits, boxed),
-                                             **kw)
+                try:
+                    self.proc = subprocess.Popen(
+                        cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, cwd=cwd,
+                        env=dict(env), umask=0o077, start_new_session=True, close_fds=True,
+                        pass_fds=sandbox.bind_fds(cmd) if boxed else (),
+                        preexec_fn=lambda: _child_setup(parent, rlimits, boxed), **kw)
+                finally:
+                    if boxed:
+                        sandbox.close_fds(cmd)
             except (OSError, ValueError, subprocess.SubprocessError) as e:
                 self.error, self.code = f"cannot start {command[0]!r} in {cwd}: {e}", 127
                 out.write(f"tidal: {self.error}\n".encode())

@@ -32,8 +32,10 @@ executor's signal to the shim's process group. bwrap reports a rank killed by si
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -42,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tidal import contract as c
+from tidal.files import open_real
 
 PACKAGE = "bubblewrap"
 SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt", "/sys")
@@ -124,23 +127,73 @@ def code_paths(env: Mapping[str, str], command: Sequence[str], python: str,
     return out
 
 
+FD_FLAGS = ("--bind-fd", "--ro-bind-fd")
+KERNEL_FS = frozenset(("proc", "sysfs", "devtmpfs", "devpts", "cgroup", "cgroup2", "debugfs", "tracefs",
+                       "bpf", "securityfs", "configfs", "mqueue", "efivarfs", "binfmt_misc", "nsfs"))
+
+
+def mounts() -> list[tuple[str, str]]:
+    """This machine's mount points and their filesystem types, in mount order (``/proc/self/mountinfo``)."""
+    with open("/proc/self/mountinfo") as f:
+        rows = [line.split() for line in f]
+    return [(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), r[4]), r[r.index("-") + 1]) for r in rows]
+
+
+def kernel_fs(real: str, table: Sequence[tuple[str, str]] | None = None) -> str | None:
+    """``"TYPE at MOUNT"`` when the resolved path ``real`` lies on or holds a kernel filesystem (``/proc``,
+    ``/sys``, ``/dev``, ``/`` ...: the host's processes, devices, cgroups), which no sandbox binds; else None.
+    ``table``: :func:`mounts`."""
+    on, held = ("/", ""), None
+    for mnt, fs in mounts() if table is None else table:
+        if Path(real).is_relative_to(mnt) and len(mnt) >= len(on[0]):
+            on = (mnt, fs)
+        elif Path(mnt).is_relative_to(real) and fs in KERNEL_FS:
+            held = held or f"{fs} at {mnt}"
+    return f"{on[1]} at {on[0]}" if on[1] in KERNEL_FS else held
+
+
 def _binds(flag: str, paths: Iterable[str], hidden: Iterable[str] = ()) -> list[str]:
-    """``flag SRC SRC`` for each existing absolute path, parents before children, each once; its parents
-    made first, 0711 (bwrap would make them 0700: a job's uid could not pass through them). A path that
-    resolves into ``hidden`` is left out (a link a job planted would bind what the cover misses)."""
+    """``flag-fd FD DEST`` for each existing absolute path, parents before children, each once, FD the
+    directory it resolves to, opened here (:func:`tidal.files.open_real`; :func:`close_fds` closes it once
+    bwrap started); its parents made first, 0711 (bwrap would make them 0700: a job's uid could not pass
+    through them). A path that resolves into ``hidden`` is left out (a link a job planted would bind what
+    the cover misses), as is one on a kernel filesystem (:func:`kernel_fs`) or that changed while opened."""
     hid = [Path(os.path.realpath(h)) for h in hidden]
-    seen = sorted({os.path.normpath(p) for p in paths if os.path.isabs(p) and os.path.exists(p)
-                   and not any(Path(os.path.realpath(p)).is_relative_to(h) for h in hid)},
-                  key=lambda p: (p.count("/"), p))
+    found: dict[str, int] = {}
+    table = mounts()
+    for p in {os.path.normpath(p) for p in paths if os.path.isabs(p) and os.path.exists(p)}:
+        fd = open_real(p)
+        if fd is None:
+            continue
+        real = os.readlink(f"/proc/self/fd/{fd}")
+        top = "/" + Path(p).parts[1] if p != "/" else p
+        dest = real if top in SYSTEM and os.path.islink(top) else p  # /bin/x: the sandbox's /bin is a link
+        if dest in found or any(Path(real).is_relative_to(h) for h in hid) or kernel_fs(real, table):
+            os.close(fd)
+        else:
+            found[dest] = fd
     out: list[str] = []
     made: set[str] = set()
-    for p in seen:
-        for d in reversed(Path(p).parents[:-1]):
+    for dest in sorted(found, key=lambda p: (p.count("/"), p)):
+        for d in reversed(Path(dest).parents[:-1]):
             if str(d) not in made:
                 made.add(str(d))
                 out += ["--perms", "0711", "--dir", str(d)]
-        out += [flag, p, p]
+        out += [f"{flag}-fd", str(found[dest]), dest]
     return out
+
+
+def bind_fds(argv: Sequence[str]) -> list[int]:
+    """The descriptors a sandbox command binds (:func:`command`): to pass to bwrap (``pass_fds``)."""
+    end = argv.index("--") if "--" in argv else len(argv)
+    return [int(argv[i + 1]) for i in range(end - 1) if argv[i] in FD_FLAGS]
+
+
+def close_fds(argv: Sequence[str]) -> None:
+    """Close what :func:`command` opened for ``argv`` (after bwrap started, or when it could not)."""
+    for fd in bind_fds(argv):
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def _system() -> list[str]:
@@ -186,19 +239,21 @@ def command(bwrap: str, program: Sequence[str], binds: Binds, *, env: Mapping[st
             owner: Sequence[int] | None, cwd: str) -> list[str]:
     """The command that runs ``program`` (environment ``env``, in ``cwd``) in its sandbox, built where it
     runs (the code paths are this machine's: :func:`code_paths`): bwrap with the binds above, then
-    :data:`ENTER` run by ``python``, which drops to ``owner`` (uid, gid) when given."""
+    :data:`ENTER` run by ``python``, which drops to ``owner`` (uid, gid) when given. It holds descriptors
+    (:func:`bind_fds`): pass them to bwrap and :func:`close_fds` after."""
     b = binds
     out = [bwrap, *_namespaces(), *_system(), "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
     if b.gpu:
-        out += _binds("--dev-bind", glob.glob("/dev/nvidia*"))
+        out += [x for d in sorted(glob.glob("/dev/nvidia*")) for x in ("--dev-bind", d, d)]
     out += _binds("--ro-bind", code_paths(env, program, python, b.read_only), b.hidden)
     out += _binds("--bind", b.named, b.hidden)
     out += [x for h in b.hidden if os.path.isdir(h) for x in ("--perms", "0711", "--tmpfs", h)]
     out += _binds("--ro-bind", [b.attempt])
     out += _binds("--bind", [os.path.join(b.attempt, c.PROGRESS_DIRNAME), *b.own])
     if b.shm is not None and os.path.isdir(b.shm):  # its parents made in it, 0711 (from the second bind on)
-        out += ["--bind", b.shm, "/dev/shm", *_binds("--bind", [b.shm])]
+        fd = open_real(b.shm)
+        out += [*(["--bind-fd", str(fd), "/dev/shm"] if fd is not None else []), *_binds("--bind", [b.shm])]
     uid, gid = (int(owner[0]), int(owner[1])) if owner is not None else (-1, -1)
-    if owner is None and os.geteuid() == 0:  # a rank left root (Ray without uid_base, run_as_self): no caps
+    if owner is None and os.geteuid() == 0:  # a rank left root (an operator's own run: run_as_self): no caps
         out += ["--cap-drop", "ALL"]
     return [*out, "--chdir", cwd, "--", python, "-I", "-S", "-c", ENTER, str(uid), str(gid), *program]

@@ -42,7 +42,7 @@ def _write(path: str, doc: dict) -> None:
 
 
 RLIMITS = {"core": "RLIMIT_CORE", "fsize": "RLIMIT_FSIZE", "nproc": "RLIMIT_NPROC", "nofile": "RLIMIT_NOFILE"}
-USAGE = ("shim.py EXIT_FILE PID_FILE [--uid U --gid G] [--rlimit NAME=N ...] [--sandbox] "
+USAGE = ("shim.py EXIT_FILE PID_FILE [--uid U --gid G] [--rlimit NAME=N ...] [--sandbox [--pass-fd FD ...]] "
          "[--cgroup DIR --cgroup-version 1|2 --memory BYTES] -- PROGRAM ARG...")
 LIMIT_FILE = {1: "memory.limit_in_bytes", 2: "memory.max"}
 
@@ -63,6 +63,7 @@ def _options(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         p.add_argument(name, type=int)
     p.add_argument("--cgroup-version", type=int, choices=sorted(LIMIT_FILE))
     p.add_argument("--rlimit", type=_rlimit, action="append", default=[])
+    p.add_argument("--pass-fd", type=int, action="append", default=[])  # the sandbox's binds, to bwrap
     p.add_argument("--sandbox", action="store_true")
     i = argv.index("--") if "--" in argv else len(argv)
     o = p.parse_args(argv[:i])
@@ -144,7 +145,7 @@ def main(argv: list[str]) -> int:
         rlimits, sandbox = dict(opts.rlimit), opts.sandbox
         setup = (lambda: set_limits(rlimits, sandbox)) if rlimits or sandbox else None
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, umask=0o077, close_fds=True, preexec_fn=setup,
-                                **kw)
+                                pass_fds=opts.pass_fd, **kw)
     except (OSError, subprocess.SubprocessError) as e:
         print(f"tidal: cannot start {cmd[0]!r} in {os.getcwd()}: {e}", file=sys.stderr, flush=True)
         _write(exit_file, {"code": 127, "time": time.time(), "error": str(e)})

@@ -94,6 +94,16 @@ class ReadyAdapter(Protocol):
 
 
 @runtime_checkable
+class WarmupAdapter(Protocol):
+    """An adapter that measures its own warm-up: a reclaim's lead time assumes it instead of the configured
+    ``warmup_s``."""
+
+    def warmup_s(self) -> float | None:
+        """Seconds from starting a replica until it serves (p95 of recent starts); None before any."""
+        ...
+
+
+@runtime_checkable
 class HistoryAdapter(Protocol):
     """An adapter that knows demand before the plane's first live step, fed to a forecast that has seen
     nothing yet (:mod:`tidal.serving.serve_history`)."""

@@ -214,6 +214,11 @@ def engine_bench_command(
     slo_s: Annotated[float, typer.Option("--slo-s", help="p99 time-to-first-token target (s).")] = 0.5,
     model: Annotated[Path | None, typer.Option("--model", help="A GGUF model (default: a tiny random one "
                                                "written locally).", exists=True, dir_okay=False)] = None,
+    pin: Annotated[bool, typer.Option("--pin/--no-pin", help="Replica i on CPU i mod N, the training rank "
+                                      "on CPUs no serving replica has (a lent GPU is not a serving one); "
+                                      "on where there are 2 CPUs or more.")] = True,
+    train: Annotated[bool, typer.Option("--train/--no-train", help="A training rank on the lent replicas' "
+                                        "CPUs while they are lent.")] = True,
     json_out: Annotated[bool, typer.Option("--json", help="The result as JSON.")] = False,
 ) -> None:
     """The same traffic against real engine replicas twice, with and without lending; TTFT per phase."""
@@ -221,7 +226,7 @@ def engine_bench_command(
     from tidal.serving.engine_replicas import EngineError
 
     opts = BenchOptions(replicas=replicas, rate_per_s=rate, duration_s=duration_s, max_tokens=max_tokens,
-                        slo_s=slo_s, model=None if model is None else str(model))
+                        slo_s=slo_s, model=None if model is None else str(model), pin=pin, train=train)
     try:
         opts.check()
         out = run(opts)
@@ -248,3 +253,6 @@ def engine_bench_command(
     print(f"replicas lent {w['lent']} (demand {w['demand']['replicas']}), ttft p99 ratio "
           f"{out['ttft_p99_ratio']}, failed by reclaim {out['requests_failed_by_reclaim']}, returns missed "
           f"{out['returns_missed']}, GPU-hours lent {out['loaned_gpu_hours']}")
+    c = w["cpus"]
+    print(f"CPUs: replicas {c['replicas'] or 'any'}, training rank {c['training'] or 'any'} "
+          f"({c['trained_s']} s trained)")

