@@ -165,7 +165,7 @@ def clients(
     rotations: Annotated[str, typer.Option("--rotations", help="Comma-separated day offsets (default: every "
                                                                "day).")] = "",
     variants: Annotated[str, typer.Option("--variants", help=(
-        "Comma-separated policy variants: before, tighten, clients, loosen, floor "
+        "Comma-separated policy variants: before, tighten, week, clients, loosen, floor "
         "(lab/forecast/clients.py)."))]
         = "before,tighten,clients",
     shift: Annotated[str, typer.Option("--shift", help=(

@@ -65,6 +65,7 @@ def _clients(c: TidalConfig) -> TidalConfig:
 VARIANTS: dict[str, tuple[bool, Callable[[TidalConfig], TidalConfig]]] = {
     "before": (False, _before),  # the aggregate policy before the promise: the total only
     "tighten": (False, lambda c: replace(_before(c), **PROMISE)),  # with the promise, the total only
+    "week": (False, lambda c: replace(_before(c), **PROMISE, pacing_half_life_s=7 * 86400.0)),  # a week
     "clients": (True, _clients),  # with the promise and the reserve by risk, per client
     "loosen": (True, lambda c: replace(_before(c), **LOOSEN)),  # the promise loosening by the budget left
     "floor": (True, lambda c: replace(_before(c), clients=replace(c.clients, reserve_floor=0.7))),
