@@ -43,7 +43,7 @@ demo-cycle: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests lab examples
 	$(VENV)/bin/mypy
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadgroup --durations=20 tests lab/tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 3 --dist loadgroup --durations=20 tests lab/tests
 
 # The rules are pyproject.toml's [tool.ruff.lint] (E501 on: lines within 110). The code is not laid out by
 # `ruff format` (it would rewrite 238 files' hand-aligned tables and argument lists), so that is not checked.

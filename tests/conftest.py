@@ -67,9 +67,9 @@ def s3(seaweed: SeaweedServer, monkeypatch, request) -> S3Env:
 
 
 class _RayHolder:
-    """The run's Ray cluster: started when a test first needs it, stopped as soon as the run leaves the
-    tests that use it (they run one after another: see ``pytest_collection_modifyitems``), so that its
-    raylets do not take CPU from the tests after them; started again if a later test asks for it."""
+    """This process's Ray cluster: started when a test first needs it, stopped as soon as the process
+    leaves the tests that use it (they run one after another: see ``pytest_collection_modifyitems``), so
+    that its raylets do not take CPU from the tests after them; started again if a later test asks for it."""
 
     def __init__(self) -> None:
         self.rc = None
@@ -95,11 +95,16 @@ _ray = _RayHolder()
 
 @pytest.fixture
 def ray_cluster():
-    """One multi-node Ray cluster for the run's Ray tests (tests/ray_cluster.py); skipped without ray."""
+    """The multi-node Ray cluster of this test process (tests/ray_cluster.py); skipped without ray."""
     pytest.importorskip(
         "ray", reason="ray is not installed (pip install 'tidal[ray]'; `make test` installs it)"
     )
     return _ray.get()
+
+
+RAY_GROUPS = 2
+"""Ray clusters a run under pytest-xdist may hold at once (a GiB or two each): the Ray tests' modules are
+dealt over this many groups, each group run one test after another on one worker with a cluster of its own."""
 
 
 def _uses_ray(item) -> bool:
@@ -126,23 +131,28 @@ def _shares_a_module_fixture(item) -> bool:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (``make test`` runs two workers, ``--dist loadgroup``): every test on the Ray
-    cluster runs on one worker, one after another (one cluster per run, as without xdist; the tests are
-    moved next to each other, in their order, also without xdist), and the tests of a module that share a
-    module-scoped fixture (a plane, a set of launches) run on one worker, so that it is made once.
+    """Under pytest-xdist (``make test``: ``--dist loadgroup``): the tests on a Ray cluster run in
+    ``RAY_GROUPS`` groups, whole modules dealt in turn, each group on one worker one test after another
+    with its own cluster (their waits are mostly the cluster's and the plane's clocks, so two groups
+    overlap; the tests are moved next to each other, group by group in their order, so that without xdist
+    they share one cluster), and the tests of a module that share a module-scoped fixture (a plane, a set
+    of launches) run on one worker, so that it is made once.
 
     pytest-xdist tells its scheduler an item's group by appending ``@group`` to the item's node id, which
     it sets as ``item._nodeid``; since pytest 9.2 the node id is ``item._id`` and that assignment has no
     effect: every group would be spread over the workers (pytest-xdist issue 1386). After every other
     implementation of this hook (xdist's among them), the group is appended where it is missing."""
     ray = [it for it in items if _uses_ray(it)]
+    group: dict[str, str] = {}
+    for it in ray:
+        group.setdefault(it.path.stem, f"ray{len(group) % RAY_GROUPS}")
     if ray:
         first = items.index(ray[0])
         rest = [it for it in items if not _uses_ray(it)]
-        items[:] = rest[:first] + ray + rest[first:]
+        items[:] = rest[:first] + sorted(ray, key=lambda it: group[it.path.stem]) + rest[first:]
     for item in items:
         if _uses_ray(item):
-            item.add_marker(pytest.mark.xdist_group("ray"))
+            item.add_marker(pytest.mark.xdist_group(group[item.path.stem]))
         elif _shares_a_module_fixture(item):
             item.add_marker(pytest.mark.xdist_group(item.path.stem))
     result = yield

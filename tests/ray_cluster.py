@@ -1,13 +1,13 @@
 """A real multi-node Ray cluster on this machine for the Ray executor's tests (``ray.cluster_utils.Cluster``).
 
-One per test session (``ray_cluster`` in conftest.py), started on first use (~5-15 s on 2 busy cores): a
-head node with no GPUs and three worker nodes with declared (virtual) GPUs, labelled for Tidal ``n1`` (2
-GPUs), ``n2`` (1) and ``n3`` (1), one CPU each, with Ray's token authentication (a fresh token in a 0600
-file named by ``RAY_AUTH_TOKEN_PATH`` in this process's environment; ``tidal.exec.ray_auth``). Ray's health
-checks are tightened (a node that stops answering is dead after ~3 s instead of ~30 s) so node-loss tests
-are quick; nothing calls the network (usage stats off, no dashboard). At the end: ``ray.shutdown()``,
-``cluster.shutdown()``, every rank recorded under the tests' state dirs SIGKILLed, their node-memory
-directories removed, and a check that no raylet or GCS started here is left.
+One per test process (``ray_cluster`` in conftest.py; two at once under pytest-xdist), started on first use
+(~5-15 s on 2 busy cores): a head node with no GPUs and three worker nodes with declared (virtual) GPUs,
+labelled for Tidal ``n1`` (2 GPUs), ``n2`` (1) and ``n3`` (1), one CPU each, with Ray's token authentication
+(a fresh token in a 0600 file named by ``RAY_AUTH_TOKEN_PATH`` in this process's environment;
+``tidal.exec.ray_auth``). Ray's health checks are tightened (a node that stops answering is dead after ~3 s
+instead of ~30 s) so node-loss tests are quick; nothing calls the network (usage stats off, no dashboard).
+At the end: ``ray.shutdown()``, ``cluster.shutdown()``, every rank recorded under the tests' state dirs
+SIGKILLed, their node-memory directories removed, and a check that no raylet or GCS started here is left.
 """
 
 from __future__ import annotations

@@ -310,8 +310,10 @@ def test_a_restarted_plane_ends_what_a_shim_killed_while_it_was_down_left_and_sp
         d = helpers(Path(pids.format(job="d", rank=0)))
         launched = {j: json.loads((root / j / "attempt-1" / "launch.json").read_text())["ranks"][0]
                     for j in ("a", "d")}
-        a += [launched["a"]["pid"], json.loads((root / "a" / "attempt-1" / "pid-0.json").read_text())["pid"]]
-        d.append(json.loads((root / "d" / "attempt-1" / "pid-0.json").read_text())["pid"])
+        shim_said = [root / j / "attempt-1" / "pid-0.json" for j in ("a", "d")]  # after its child started:
+        assert wait_for(lambda: all(f.exists() for f in shim_said))  # the rank may have written first
+        a += [launched["a"]["pid"], json.loads(shim_said[0].read_text())["pid"]]
+        d.append(json.loads(shim_said[1].read_text())["pid"])
         old.kill()
         old.wait(10)
         os.kill(launched["d"]["pid"], signal.SIGKILL)  # while the plane is down

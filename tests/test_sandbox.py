@@ -232,3 +232,26 @@ def test_a_workdir_swapped_for_a_link_after_the_check_binds_what_was_checked(tmp
         sandbox.close_fds(cmd)
     assert "PROBED" in got.stdout and "mine" in got.stdout, got.stdout + got.stderr
     assert "state-secret-71c4" not in got.stdout and "admin.token\n" not in got.stdout
+
+
+def test_a_checkpoint_dir_inside_the_workdir_is_not_a_mount_point_made_through_a_swapped_link(tmp_path):
+    """A job names a checkpoint directory inside its workdir through a link of its own, then swaps the
+    link for one to a directory its uid cannot write: bwrap (root) would make the mount point there
+    through the workdir's bind. A directory below another one the job names is not bound again (it is
+    seen through the one above)."""
+    work, zone = tmp_path / "w", tmp_path / "zone"
+    for d in (work / "real" / "x", zone, tmp_path / "attempt" / "progress"):
+        d.mkdir(parents=True)
+    (work / "lnk").symlink_to("real")
+    binds = sandbox.Binds(named=(str(work), str(work / "lnk" / "x")), hidden=(),
+                          attempt=str(tmp_path / "attempt"), own=(), shm=None)
+    cmd = sandbox.command(sandbox.find_bwrap(), ["/bin/sh", "-c", "echo RAN"], binds, env={},
+                          python=sys.executable, owner=None, cwd="/")
+    (work / "lnk").unlink()  # the swap, between the check and bwrap's start
+    (work / "lnk").symlink_to("../zone")
+    try:
+        got = subprocess.run(cmd, pass_fds=sandbox.bind_fds(cmd), capture_output=True, text=True, timeout=60)
+    finally:
+        sandbox.close_fds(cmd)
+    assert "RAN" in got.stdout, got.stderr
+    assert list(zone.iterdir()) == []

@@ -565,15 +565,23 @@ def test_lend_and_reclaim_a_node_under_load_within_the_slo(ray_cluster, tmp_path
         assert ray.available_resources().get("GPU", 0.0) == total - 2
         done = threading.Event()
         out: dict[str, Any] = {}
+        answered: list[loadgen.Record] = []  # as they come back (on a loaded machine the generator lags)
         t0 = time.perf_counter() + 0.05
         load = threading.Thread(target=lambda: out.update(r=asyncio.run(loadgen.generate(
-            f"http://127.0.0.1:{port}/", loadgen.constant(RATE), 120.0, start=t0, stop=done.is_set))))
+            f"http://127.0.0.1:{port}/", loadgen.constant(RATE), 120.0, start=t0, stop=done.is_set,
+            on_record=answered.append))))
         load.start()
 
         def mark(name: str) -> None:
             phases[name] = time.perf_counter() - t0
 
-        time.sleep(3.0)  # the "before" phase: traffic on both replicas
+        def requests_since(phase: str | None, n: int = 10) -> None:
+            """Each phase is judged on at least ``n`` requests: wait for them to come back."""
+            since = phases[phase] if phase else 0.0
+            wait_until(f"{n} requests answered since {phase or 'the start'}",
+                       lambda: sum(r.t_s >= since for r in list(answered)) >= n, 60)
+
+        requests_since(None)  # the "before" phase: traffic on both replicas
         # the SLO needs one of the two GPUs: the other can be lent (once the rate window has samples)
         wait_until("demand of one GPU", lambda: ad.demand_gpus(time.time()) == 1.0, 30,
                    lambda: f": {ad.last_demand}")
@@ -597,14 +605,14 @@ def test_lend_and_reclaim_a_node_under_load_within_the_slo(ray_cluster, tmp_path
         assert ray.get(spot.where.remote(), timeout=60) == "n2"  # the replica left, the GPU is the job's
         assert ad.running()["n2"] == 0 and ad.last_stats["slots"]["n2"] == 0
         lent_served = ad._sync(None)["served"]["n2"]
-        time.sleep(1.0)
+        requests_since("lend")
         ray.kill(spot)  # the job's ranks left: reclaim
         assert ad._sync(None)["served"]["n2"] == lent_served  # nothing went to the lent node
         ad.restore("n2", 1, 0, time.time())
         wait_until("the n2 replica healthy again", lambda: ad.ready("n2"), 90)
         mark("back")
         assert ad.last_stats["slots"]["n2"] == 1
-        time.sleep(3.0)
+        requests_since("back")
         done.set()
         assert ad._sync(None)["served"]["n2"] > lent_served  # the new replica serves
         load.join(60)

@@ -65,12 +65,14 @@ class LogFollower:
         self.job_id, self.ranks = job_id, ranks
         self.offsets = dict.fromkeys(ranks, 0)
         self.partial = dict.fromkeys(ranks, "")
+        self.unsaid: list[tuple[int, str]] = []  # read by a call that then failed: the next call returns them
         self.done = False
 
     def poll(self, c: TidalClient) -> list[tuple[int, str]]:
         """New whole lines as ``(rank, line)`` (without the newline), each rank's in order; sets ``done``
-        once the job has ended and every rank's log was read to its end."""
-        out: list[tuple[int, str]] = []
+        once the job has ended and every rank's log was read to its end. A call that fails part way (the API
+        went away after some ranks were read) loses nothing: the next call returns those lines first."""
+        out = self.unsaid
         done = True
         for r in self.ranks:
             while True:
@@ -83,6 +85,7 @@ class LogFollower:
                     break
             done = done and chunk["done"] and chunk["offset"] >= chunk["size"]
         self.done = done
+        self.unsaid = []
         return out
 
     def rest(self) -> list[tuple[int, str]]:

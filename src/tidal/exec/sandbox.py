@@ -152,12 +152,14 @@ def kernel_fs(real: str, table: Sequence[tuple[str, str]] | None = None) -> str 
     return f"{on[1]} at {on[0]}" if on[1] in KERNEL_FS else held
 
 
-def _binds(flag: str, paths: Iterable[str], hidden: Iterable[str] = ()) -> list[str]:
+def _binds(flag: str, paths: Iterable[str], hidden: Iterable[str] = (), nested: bool = True) -> list[str]:
     """``flag-fd FD DEST`` for each existing absolute path, parents before children, each once, FD the
     directory it resolves to, opened here (:func:`tidal.files.open_real`; :func:`close_fds` closes it once
     bwrap started); its parents made first, 0711 (bwrap would make them 0700: a job's uid could not pass
     through them). A path that resolves into ``hidden`` is left out (a link a job planted would bind what
-    the cover misses), as is one on a kernel filesystem (:func:`kernel_fs`) or that changed while opened."""
+    the cover misses), as is one on a kernel filesystem (:func:`kernel_fs`) or that changed while opened.
+    ``nested=False``: a path below another one is left out (for the read-write binds of what a job names:
+    bwrap would make its mount point on the host, through a link the job may have swapped in)."""
     hid = [Path(os.path.realpath(h)) for h in hidden]
     found: dict[str, int] = {}
     table = mounts()
@@ -172,6 +174,9 @@ def _binds(flag: str, paths: Iterable[str], hidden: Iterable[str] = ()) -> list[
             os.close(fd)
         else:
             found[dest] = fd
+    if not nested:  # seen through the one above it; bwrap would make its mount point through that bind
+        for dest in [d for d in found if any(Path(d).is_relative_to(o) and d != o for o in found)]:
+            os.close(found.pop(dest))
     out: list[str] = []
     made: set[str] = set()
     for dest in sorted(found, key=lambda p: (p.count("/"), p)):
@@ -246,7 +251,7 @@ def command(bwrap: str, program: Sequence[str], binds: Binds, *, env: Mapping[st
     if b.gpu:
         out += [x for d in sorted(glob.glob("/dev/nvidia*")) for x in ("--dev-bind", d, d)]
     out += _binds("--ro-bind", code_paths(env, program, python, b.read_only), b.hidden)
-    out += _binds("--bind", b.named, b.hidden)
+    out += _binds("--bind", b.named, b.hidden, nested=False)
     out += [x for h in b.hidden if os.path.isdir(h) for x in ("--perms", "0711", "--tmpfs", h)]
     out += _binds("--ro-bind", [b.attempt])
     out += _binds("--bind", [os.path.join(b.attempt, c.PROGRESS_DIRNAME), *b.own])
