@@ -193,8 +193,8 @@ def test_metrics_and_openapi(api):
     store.transition(jobs["a"], State.ADMITTED, 1.0, "x", placement={"local": 1}, attempt=1,
                      progress={"step": 7, "steps_per_s": 2.0, "tiers": {"shm": [6, 0.5]}})
     text = clients["admin"].metrics()
-    assert 'tidal_pool_gpus{node="local",state="allocated",tenant="a"} 1.0' in text
-    assert 'tidal_pool_gpus{node="local",state="free",tenant=""} 3.0' in text
+    assert 'tidal_pool_gpus{pool="training",state="allocated",tenant="a"} 1.0' in text
+    assert 'tidal_pool_gpus{pool="training",state="free",tenant=""} 3.0' in text
     assert 'tidal_jobs{state="pending"} 1.0' in text and 'tidal_jobs{state="admitted"} 1.0' in text
     assert f'tidal_job_step{{job_id="{jobs["a"]}",tenant="a"}} 7.0' in text
     assert f'tidal_job_steps_per_second{{job_id="{jobs["a"]}",tenant="a"}} 2.0' in text

@@ -161,7 +161,7 @@ def preempt_resume_crash_then_failures(plane):
     metrics = admin.metrics()
     assert (
         'tidal_jobs{state="failed"} 2.0' in metrics
-        and 'tidal_pool_gpus{node="local",state="free",tenant=""} 2.0' in metrics
+        and 'tidal_pool_gpus{pool="training",state="free",tenant=""} 2.0' in metrics
     )
 
 

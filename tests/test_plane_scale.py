@@ -35,9 +35,19 @@ def test_a_step_rereads_only_what_changed(tmp_path) -> None:
     ex.beat(ids[0], clock.advance(1.0), 5)
     ctl.step(clock())
     assert store._changed == set()  # (running: re-read by this step's snapshot; its progress is no mark)
+    view = ctl.view.jobs[ids[5]]
     store.update(ids[7], cancel_requested=True)  # the API's write: the next step sees it
     ctl.step(clock.advance(1.0))
     assert store.job(ids[7]).state == State.CANCELLED and store.job(ids[0]).progress["step"] == 5
+    assert ctl.view.jobs[ids[5]] is view and ids[7] not in ctl.view.jobs  # views made again: written ones
+    store.update(ids[8], cancel_requested=True)
+    ctl.snapshot(clock())  # the mark taken by another read than the step's own first one: still reconciled
+    ctl.step(clock.advance(1.0))
+    assert store.job(ids[8]).state == State.CANCELLED
+    store.update(ids[9], cancel_requested=True)
+    store._changed.clear()  # (as a plane restarted finds it: the request stored, no mark in memory)
+    Controller(store, ex).step(clock.advance(1.0))
+    assert store.job(ids[9]).state == State.CANCELLED
 
 
 def test_metrics_and_pool_follow_running_jobs_not_history(tmp_path) -> None:
@@ -105,7 +115,68 @@ def test_bench_plane_kill9_readopts_every_running_job(tmp_path) -> None:
     readers, is killed with SIGKILL and restarted: every running job adopted, none lost, none run twice."""
     from tidal.demo.plane_bench import bench_plane
 
-    r = bench_plane("32x8", 200, hours=0.5, step_s=60.0, submits=40, reads=5, state_dir=tmp_path,
-                    log=lambda m: None)
+    r = bench_plane("32x8", 200, hours=0.5, step_s=60.0, submits=40, reads=5, tenants=8, skew=0.0,
+                    state_dir=tmp_path, log=lambda m: None)
     assert r["jobs_running_at_kill"] > 0 and r["jobs_lost"] == 0 and r["jobs_run_twice"] == 0, r
     assert 0.9 < r["sim_parity"] < 1.1 and r["metrics_bytes"] > 0 and r["db_bytes"] > 0
+
+
+def test_a_batch_is_one_transaction_seen_by_its_thread_only(tmp_path) -> None:
+    import threading
+
+    import pytest
+
+    store = new_store(tmp_path, ("a", 0, 1.0))
+    ids = [submit(store, "a", 0.0, name=f"b{i}") for i in range(3)]
+    seen: list[str] = []
+    with store.batch():
+        store.transition(ids[0], State.CANCELLED, 1.0, "cancelled while pending", finished_s=1.0)
+        assert store.job(ids[0]).state == State.CANCELLED  # this thread reads its own writes
+        t = threading.Thread(target=lambda: seen.append(store.job(ids[0]).state))
+        t.start()
+        t.join()
+        store.commit()  # (what must be stored before acting outside the database)
+        store.transition(ids[1], State.CANCELLED, 1.0, "cancelled while pending", finished_s=1.0)
+    assert seen == [State.PENDING]  # others see the batch once committed
+    assert store.job(ids[1]).state == State.CANCELLED
+    with pytest.raises(RuntimeError), store.batch():
+        store.transition(ids[2], State.CANCELLED, 1.0, "cancelled while pending", finished_s=1.0)
+        raise RuntimeError("a step failing midway")
+    assert store.job(ids[2]).state == State.PENDING and len(store.events(job_id=ids[2])) == 1  # rolled back
+    from tidal.control.store import BATCH_WRITES
+
+    with store.batch():  # a long batch lets others' writes in: committed every BATCH_WRITES writes
+        for _ in range(BATCH_WRITES):
+            store.record("note", "n", 2.0, job=store.job(ids[2]))
+        t = threading.Thread(target=lambda: seen.append(len(store.events(job_id=ids[2]))))
+        t.start()
+        t.join()
+    assert seen[-1] == 1 + BATCH_WRITES
+
+
+def test_lists_come_a_bounded_page_at_a_time(tmp_path) -> None:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from fastapi.testclient import TestClient
+    from tidal.control.api import ApiContext, create_app
+    from tidal.control.auth import create_tenant
+    from tidal.model import Node
+
+    clock = FakeClock()
+    store = new_store(tmp_path)
+    auth = {"Authorization": f"Bearer {create_tenant(store, 'a')}"}
+    ids = [submit(store, "a", clock(), name="p") for _ in range(5)]
+    store.transition(ids[0], State.ADMITTED, clock(), "x", placement={"n3": 2}, attempt=1)
+    nodes = [Node(f"n{i}", 8) for i in range(10)]
+    http = TestClient(create_app(ApiContext(store, nodes, lambda j, r: None, clock)))
+    p = http.get("/v1/pool", params={"offset": 2, "limit": 3}, headers=auth).json()
+    assert [n["name"] for n in p["nodes"]] == ["n2", "n3", "n4"] and p["nodes"][1]["allocated"] == 2
+    assert (p["nodes_total"], p["gpus"], p["allocated"], p["pending"]) == (10, 80, 2, 4)  # totals: all nodes
+    assert http.get("/v1/pool", params={"limit": 100000}, headers=auth).status_code == 422
+    page = http.get("/v1/jobs", params={"offset": 1, "limit": 2}, headers=auth).json()
+    assert [j["id"] for j in page] == ids[1:3]
+    assert http.get("/v1/jobs", params={"limit": 100000}, headers=auth).status_code == 422
+    text = render(registry(store, nodes, clock)).decode()  # the pool's series: summed, not one per node
+    assert 'tidal_pool_gpus{pool="training",state="free",tenant=""} 78.0' in text and "n3" not in text

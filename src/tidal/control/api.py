@@ -41,7 +41,7 @@ from tidal.control.dashboard import dashboard_router
 from tidal.control.job_views import default_ckpt
 from tidal.control.render import SafeJSON, json_route
 from tidal.control.spec import Int, JobSpec, Num, clean_msg, error_path
-from tidal.control.states import HELD, TERMINAL, State
+from tidal.control.states import TERMINAL, State
 from tidal.control.store import NotFound, StoreUnavailable, TenantRow
 from tidal.control.views import checkpoint_view, event_view, job_view, pool_view
 from tidal.files import open_plain
@@ -50,6 +50,8 @@ M = TypeVar("M", bound=BaseModel)
 MAX_LOG_CHUNK_BYTES = 1 << 20
 TOO_DEEP = "the request body is nested too deeply (a job spec is a few levels of objects and lists)"
 MAX_BODY_BYTES = 1 << 20  # a request body (a job spec is a few hundred bytes)
+POOL_PAGE, POOL_PAGE_MAX = 512, 4096  # nodes listed by GET /v1/pool: by default, at most
+JOBS_PAGE, JOBS_PAGE_MAX = 1000, 10000  # jobs listed by GET /v1/jobs: by default, at most
 # 422 error types no JSON schema can declare: the refusals that depend on the plane's state (its pool, the
 # tenant's quotas and limits, other jobs' checkpoint locations), the tier grammar and the relations of the
 # GPU sizes; every other 422 of a request is a rule its schema declares (tests/test_fuzz_api.py).
@@ -275,11 +277,13 @@ def create_app(ctx: ApiContext) -> FastAPI:
 
     @app.get("/v1/jobs", **_doc(list[sc.Job], 401, 422))
     @json_route()
-    def jobs(me: Caller, state: Annotated[list[State] | None, Query()] = None,
-             tenant: str | None = None) -> list[dict]:
+    def jobs(me: Caller, state: Annotated[list[State] | None, Query()] = None, tenant: str | None = None,
+             offset: Annotated[int, Query(ge=0)] = 0,
+             limit: Annotated[int, Query(ge=1, le=JOBS_PAGE_MAX)] = JOBS_PAGE) -> list[dict]:
+        """A page of jobs in submission order (``offset``, ``limit``)."""
         who = tenant if me.admin else me.name
         now = ctx.clock()
-        return [job_view(j, now) for j in store.jobs(tenant=who, states=state)]
+        return [job_view(j, now) for j in store.jobs(tenant=who, states=state, offset=offset, limit=limit)]
 
     @app.get("/v1/jobs/{job_id}", **_doc(sc.JobDetail, 401, 404))
     @json_route()
@@ -360,10 +364,12 @@ def create_app(ctx: ApiContext) -> FastAPI:
 
     @app.get("/v1/pool", **_doc(sc.Pool, 401))
     @json_route()
-    def pool(me: Caller) -> dict:
+    def pool(me: Caller, offset: Annotated[int, Query(ge=0)] = 0,
+             limit: Annotated[int, Query(ge=1, le=POOL_PAGE_MAX)] = POOL_PAGE) -> dict:
+        """The totals and a page of the nodes (``offset``, ``limit``)."""
         who = None if me.admin else me.name
-        return pool_view(ctx.nodes, store.jobs(states=HELD), who,
-                         store.count_by_state(who).get(State.PENDING.value, 0))
+        return pool_view(ctx.nodes, store.held(), who, store.count_by_state(who).get(State.PENDING.value, 0),
+                         offset=offset, limit=limit)
 
     @app.get("/v1/serving", **_doc(sc.Serving, 401, 404))
     @json_route()

@@ -305,9 +305,11 @@ def cancel(job: Annotated[str, typer.Argument(help="job id")]) -> None:
     show.console().print(f"{escape(j['id'])}: cancel requested ({escape(j['state'])})")
 
 
-def pool(output: OutputOpt = Fmt.table, as_json: JsonOpt = False) -> None:
+def pool(output: OutputOpt = Fmt.table, as_json: JsonOpt = False,
+         offset: int = typer.Option(0, min=0, help="the first node listed"),
+         limit: int = typer.Option(512, min=1, max=4096, help="nodes listed (the totals count all)")) -> None:
     """GPUs per node: who holds them, what is draining, what is free."""
-    p = _call(lambda c: c.pool())
+    p = _call(lambda c: c.pool(offset, limit))
     if show.dump(p, show.fmt(output, as_json)):
         return
     t = show.table("NODE", "POOL", "GPUS", "ALLOCATED", "DRAINING", "FREE", "HELD BY")
@@ -321,6 +323,8 @@ def pool(output: OutputOpt = Fmt.table, as_json: JsonOpt = False) -> None:
     con.print(t)
     con.print(f"{p['allocated']}/{p['gpus']} GPUs allocated, {p['free']} free, "
               f"{show.plural(p['pending'], 'job')} pending")
+    if len(p["nodes"]) < p["nodes_total"]:
+        con.print(f"nodes {offset + 1}-{offset + len(p['nodes'])} of {p['nodes_total']} (--offset, --limit)")
 
 
 def events(job: Annotated[str | None, typer.Argument(help="job id (default: all you may see)")] = None,

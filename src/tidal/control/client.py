@@ -109,8 +109,13 @@ class TidalClient:
         return self._call("POST", "/v1/jobs", json=spec)
 
     def jobs(self, *, states: list[str] | None = None, tenant: str | None = None) -> list[dict]:
-        params = {k: v for k, v in (("state", states), ("tenant", tenant)) if v}
-        return self._call("GET", "/v1/jobs", params=params)
+        """Every job that matches, a bounded page per call."""
+        params: dict = {k: v for k, v in (("state", states), ("tenant", tenant)) if v}
+        out: list[dict] = []
+        while len(page := self._call("GET", "/v1/jobs", params={**params, "offset": len(out), "limit": 1000})
+                  ) == 1000:
+            out += page
+        return out + page
 
     def job(self, job_id: str) -> dict:
         return self._call("GET", f"/v1/jobs/{job_id}")
@@ -131,8 +136,9 @@ class TidalClient:
         params = {"after": after, "limit": limit, **({"job": job_id} if job_id else {})}
         return self._call("GET", "/v1/events", params=params)
 
-    def pool(self) -> dict:
-        return self._call("GET", "/v1/pool")
+    def pool(self, offset: int = 0, limit: int = 512) -> dict:
+        """The pool's totals and ``limit`` of its nodes from ``offset``."""
+        return self._call("GET", "/v1/pool", params={"offset": offset, "limit": limit})
 
     def serving(self) -> dict:
         """The newest live loan plan (advice) and its source; 404 if the plane has no serving side."""

@@ -3,11 +3,13 @@
 One step, in order:
 
 1. **Observe** every job the executor runs: exit codes, progress, heartbeats (progress stored in one
-   transaction). The active jobs are read whole once, then only those written since (``Store.take_changed``).
-2. **Reconcile** each active job with it (:meth:`Controller._reconcile`): ranks up -> ``running``; every
-   rank exited -> classify the attempt and move on (``succeeded``; ``pending`` after a preemption; relaunch
-   after a resize; ``backoff`` then ``pending`` up to ``max_restarts``; ``failed``); a rank failed or the
-   job hung -> kill it; a grace run out -> SIGKILL; a cancel request -> notice.
+   transaction). The active jobs are read whole once, then only those written since (``Store.take_changed``);
+   the scheduler's views and queues likewise (:class:`~tidal.control.job_views.SchedulerView`).
+2. **Reconcile** each job holding GPUs or backing off, and each pending job written since
+   (:meth:`Controller._reconcile`): ranks up -> ``running``; every rank exited -> classify the attempt and
+   move on (``succeeded``; ``pending`` after a preemption; relaunch after a resize; ``backoff`` then
+   ``pending`` up to ``max_restarts``; ``failed``); a rank failed or the job hung -> kill it; a grace run out
+   -> SIGKILL; a cancel request -> notice.
 3. **Lend and reclaim** (:class:`tidal.control.loans.LiveLoans`), or with a serving side that only advises,
    let the :class:`tidal.serving.watch.Advisor` plan and lend nothing.
 4. **Decide**: the pure scheduler (:func:`tidal.policy.scheduler.schedule`, the simulator's) on a
@@ -23,6 +25,7 @@ thread-safe: one loop calls ``step``; the API only writes requests to the store.
 from __future__ import annotations
 
 import logging
+import operator
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +33,7 @@ from tidal.contract import DEFAULT_GRACE_S, EXIT_FENCED
 from tidal.control import locations, node_memory
 from tidal.control.accounting import account, describe_rank, rank_code
 from tidal.control.config import ControlConfig
-from tidal.control.job_views import job_env, own_dirs, scheduler_view, taken_over
+from tidal.control.job_views import SchedulerView, job_env, own_dirs, taken_over
 from tidal.control.loans import DOC_KEY as LOANS_DOC
 from tidal.control.loans import LiveLoans
 from tidal.control.node_watch import NodeWatch
@@ -50,11 +53,12 @@ from tidal.model import (
     SetCkptInterval,
     Shrink,
     Snapshot,
+    Tenant,
     Waiting,
 )
 from tidal.policy import apply
 from tidal.policy.ckpt_interval import plan_ckpt_intervals
-from tidal.policy.scheduler import schedule
+from tidal.policy.scheduler import RunningIndex, schedule
 from tidal.serving.watch import Advisor
 
 log = logging.getLogger(__name__)
@@ -84,12 +88,19 @@ class Controller:
         self._shm_swept_s = float("-inf")
         self._quota_checked_s = float("-inf")
         self._retained_s = float("-inf")
-        self._active: dict[str, JobRow] | None = None  # job id -> row, in submission order (_active_jobs)
+        self._active: dict[str, JobRow] | None = None  # job id -> row, in submission order (_refresh)
+        self._state: dict[str, str] = {}  # the same ids -> state (a plain dict: read for every job each step)
+        self._reread: set[str] = set()  # ids re-read since the last reconcile (a pending one: reconciled)
+        self.view = SchedulerView()  # what the scheduler sees, kept between steps
+        self._tenants: tuple[int, tuple[Tenant, ...]] = (-1, ())  # (the store's tenant_rev, the tenants)
+        self._node_t: tuple[Node, ...] = ()
+        self._index = RunningIndex()  # the scheduler's sums over running jobs, kept across steps
         self._over_quota: set[str] = set()
         self._announced: dict[str, tuple[float, int]] = {}  # job -> (last ckpt_interval event, changes since)
         self._own_cadence: set[str] = set()  # jobs told that their own step cadence wins
         # job id -> why it waits or does not grow, as stored (the scheduler's reasons; see _note_waiting)
-        self._waiting: dict[str, dict] = {j.id: j.waiting for j in store.active_jobs() if j.waiting}
+        self._waiting = {j.id: Waiting(j.waiting["reason"], j.waiting.get("until_s"))
+                         for j in store.active_jobs() if j.waiting}
         if loans is not None:
             serving = {n.name: n.gpus for n in self.nodes if n.pool == "serving"}
             doc = store.get_doc(LOANS_DOC)
@@ -131,10 +142,13 @@ class Controller:
     def step(self, now_s: float) -> list[Decision]:
         """One reconcile step (see the module docstring); returns the scheduler's decisions."""
         observed = self.executor.observe(now_s)  # 1. observe
-        active = self._active_jobs()
+        self._refresh()
+        rows, changed, self._reread = self._active or {}, self._reread, set()
+        active = [rows[i] for i, st in self._state.items() if st != S.PENDING or i in changed]
         self._record_progress(active, observed)
-        for job in active:  # 2. reconcile
-            self._reconcile(job, observed.get(job.id), now_s)
+        with self.store.batch():  # (a step's writes: a transaction per many, not one each)
+            for job in active:  # 2. reconcile
+                self._reconcile(job, observed.get(job.id), now_s)
         self.watch.refresh(now_s)  # after reconcile: a lost node stays only while jobs still hold it
         if self.loans is not None:  # 3. lend and reclaim (serving nodes lost or back first)
             used, wants, on = self._holdings(wants=True)
@@ -148,34 +162,47 @@ class Controller:
                 log.exception("serving plan step failed")
         snap = self.snapshot(now_s)  # 4. decide
         why: dict[str, Waiting] = {}
-        decisions: list[Decision] = list(schedule(snap, self.config.scheduler, why=why))
+        decisions: list[Decision] = list(schedule(snap, self.config.scheduler, self._index, why=why))
         decisions += self._intervals(snap, now_s)
-        jobs = {j.id: j for j in snap.jobs()}
-        for d in decisions:  # 5. act
-            self._apply(d, now_s, jobs)
-        self._note_waiting(why)
+        jobs = dict(self.view.jobs)
+        with self.store.batch():
+            for d in decisions:  # 5. act
+                self._apply(d, now_s, jobs)
+            self._note_waiting(why)
         self._save_loans(now_s)
         self.sweep_shm(now_s)
         self._check_ckpt_quota(now_s)
         self._retain(now_s)
         return decisions
 
-    def _active_jobs(self) -> list[JobRow]:
-        """The active jobs in submission order: read whole at the first call, then only the rows written
-        since (the store's marks), so that a step's reads follow what changed, not how many jobs wait."""
+    def _refresh(self) -> None:
+        """Bring the active rows and their scheduler views to the store: read whole at the first call, then
+        only the rows written since (the store's marks), so that a step's reads follow what changed, not how
+        many jobs wait."""
         changed = self.store.take_changed()
         if self._active is None:
             self._active = {j.id: j for j in self.store.active_jobs()}
-        elif changed:
+            self._state = {i: j.state for i, j in self._active.items()}
+            for j in self._active.values():
+                self.view.put(j)
+            self._reread = set(self._active)
+            return
+        self._reread |= changed
+        if changed:
             rows = {j.id: j for j in self.store.jobs_by_id(changed)}
             for jid in changed - rows.keys():  # (dropped)
-                self._active.pop(jid, None)
+                self._forget(jid)
             for j in sorted(rows.values(), key=lambda r: r.seq):
                 if j.state in ACTIVE:
-                    self._active[j.id] = j
+                    self._active[j.id], self._state[j.id] = j, j.state
+                    self.view.put(j)
                 else:
-                    self._active.pop(j.id, None)
-        return list(self._active.values())
+                    self._forget(j.id)
+
+    def _forget(self, job_id: str) -> None:
+        (self._active or {}).pop(job_id, None)
+        self._state.pop(job_id, None)
+        self.view.drop(job_id)
 
     def _retain(self, now_s: float) -> None:
         """Every ``RETENTION_CHECK_S``: drop ended jobs and events older than ``retention_s`` (0: keep all);
@@ -210,10 +237,11 @@ class Controller:
     def _note_waiting(self, why: dict[str, Waiting]) -> None:
         """Store why each job waits or does not grow (``jobs.waiting``) where that changed; no reason clears
         it."""
-        new = {jid: {"reason": w.reason, "until_s": w.until_s} for jid, w in why.items()}
-        self.store.update_many({jid: {"waiting": new.get(jid)} for jid in self._waiting.keys() | new.keys()
-                                if self._waiting.get(jid) != new.get(jid)}, mark=False)
-        self._waiting = new
+        old = self._waiting
+        self.store.update_many({jid: {"waiting": w and {"reason": w.reason, "until_s": w.until_s}}
+                                for jid in old.keys() | why.keys() if old.get(jid) != (w := why.get(jid))},
+                               mark=False)
+        self._waiting = why
 
     def _holdings(self, wants: bool = False) -> tuple[dict[str, int], int, dict[str, list[str]]]:
         """(node -> GPUs jobs hold, serving GPUs spot jobs could use now, node -> jobs holding GPUs there)
@@ -222,14 +250,20 @@ class Controller:
         used: dict[str, int] = {}
         on: dict[str, list[str]] = {}
         want = 0
-        for j in self._active_jobs():
-            if S(j.state) not in HELD and not (wants and j.state == S.PENDING):
+        self._refresh()
+        rows, views = self._active or {}, self.view.jobs
+        for jid, st in self._state.items():
+            if st == S.PENDING:  # (holds nothing)
+                want += views[jid].max_gpus if wants and views[jid].kind == "spot" else 0
                 continue
+            if st not in HELD:
+                continue
+            j = rows[jid]
             for n, g in (j.placement or {}).items():
                 used[n] = used.get(n, 0) + g
                 on.setdefault(n, []).append(j.id)
-            if wants and j.kind == "spot" and S(j.state) in (S.PENDING, S.ADMITTED, S.RUNNING):
-                want += j.max_gpus - (j.gpus if S(j.state) != S.PENDING else 0)
+            if wants and j.kind == "spot" and st in (S.ADMITTED, S.RUNNING):
+                want += j.max_gpus - j.gpus
         if wants:
             free_training = sum(n.gpus - used.get(n.name, 0) for n in self.nodes if n.pool == "training")
             want = max(0, want - max(0, free_training))
@@ -309,6 +343,7 @@ class Controller:
             st = S.CANCELLING
         if ob.done:
             self._finish(job, ob, now_s)
+            self.store.commit()  # (the executor released it: stored now, not at the end of the step's batch)
             return
         if job.stop_reason != "failure" and not job.killed:
             bad = [r for r in ob.ranks if not r.alive and (r.vanished or rank_code(r) not in RESUMABLE_CODES)]
@@ -328,6 +363,7 @@ class Controller:
             self.store.update(job.id, killed=True)
             self.store.record("kill", f"grace expired while {st}: SIGKILL to {_n(len(ob.alive), 'rank')}",
                               now_s, job=job)
+            self.store.commit()
 
     def _hang(self, job: JobRow, ob: Observation, now_s: float) -> str | None:
         cfg, p = self.config, ob.progress
@@ -352,6 +388,7 @@ class Controller:
         self.executor.kill(job.id)
         self.store.update(job.id, stop_reason="failure", killed=True, message=why)
         self.store.record(kind, f"{why}: killing the other ranks", now_s, job=job)
+        self.store.commit()
 
     def _record_progress(self, jobs: list[JobRow], observed: dict[str, Observation]) -> None:
         """The progress of every observed job holding GPUs, where it changed, in one transaction (and into
@@ -376,6 +413,8 @@ class Controller:
                 changes[job.id] = fields
                 for k, v in fields.items():
                     setattr(job, k, v)
+                if "last_ckpt_s" in fields or "ckpt_stall_s" in fields:
+                    self.view.put(job)  # (fields the scheduler reads)
         self.store.update_many(changes, mark=False)  # (the rows hold them already)
 
     def _finish(self, job: JobRow, ob: Observation, now_s: float) -> None:
@@ -539,6 +578,7 @@ class Controller:
                                     why + ("" if already else f": notice sent, grace {grace_s:g} s"),
                                     stop_deadline_s=deadline, **fields)
         if not already:
+            self.store.commit()  # (told in the store before the ranks are)
             self.executor.signal_stop(job.id)
         return row
 
@@ -554,6 +594,7 @@ class Controller:
         spec = job.spec
         env = job_env(job, self.ckpt_root, self.config.ckpt_interval.max_interval_s)
         take_over, take_over_from = taken_over(job, self.store)
+        self.store.commit()  # (the attempt is recorded before any rank starts)
         req = LaunchRequest(job.id, attempt, tuple(spec["command"]), placement, spec.get("workdir"), env,
                             tenant=job.tenant, own_dirs=own_dirs(job, self.ckpt_root), take_over=take_over,
                             take_over_from=take_over_from)
@@ -584,8 +625,14 @@ class Controller:
     def snapshot(self, now_s: float) -> Snapshot:
         """The scheduler's view: pending jobs queue, held jobs run (stopping ones release everything)."""
         loans, reclaims = (self.loans.loans, self.loans.reclaims) if self.loans is not None else ((), ())
-        return Snapshot.build(now_s, self.nodes, *scheduler_view(self.store, self._active_jobs()), loans,
-                              reclaims)
+        self._refresh()
+        if self._tenants[0] != self.store.tenant_rev:
+            rev = self.store.tenant_rev
+            self._tenants = (rev, tuple(Tenant(t.name, t.quota_gpus, t.weight) for t in self.store.tenants()))
+        nodes = self.nodes
+        if len(self._node_t) != len(nodes) or any(map(operator.is_not, self._node_t, nodes)):
+            self._node_t = tuple(nodes)  # (the same tuple while the nodes stay: the index keeps its sums)
+        return self.view.snapshot(now_s, self._node_t, self._tenants[1], tuple(loans), tuple(reclaims))
 
 
 def _requeue_fields() -> dict[str, Any]:

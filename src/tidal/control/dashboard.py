@@ -8,7 +8,6 @@ each refresh costs a page of rows or the active jobs, never every job.
 """
 
 # No ``from __future__ import annotations``: FastAPI reads the routes' annotations, some local (``Caller``).
-import collections
 import mimetypes
 from collections.abc import Callable
 from pathlib import Path
@@ -23,7 +22,7 @@ from tidal.control.accounting import job_report
 from tidal.control.auth import visible_job
 from tidal.control.context import ApiContext
 from tidal.control.render import SafeJSON, json_route
-from tidal.control.states import ACTIVE, HELD, State
+from tidal.control.states import ACTIVE, State
 from tidal.control.store import TenantRow
 
 WEB_DIR = Path(__file__).parent / "web"
@@ -94,9 +93,8 @@ def dashboard_router(ctx: ApiContext, caller: Callable[..., Any]) -> APIRouter:
         """GPUs per node by holder, per tenant usage against quota and fair share, and the queue."""
         viewer = None if me.admin else me.name
         now = ctx.clock()
-        active = store.jobs(states=ACTIVE)
-        held = [j for j in active if State(j.state) in HELD]
-        waiting = [j for j in active if State(j.state) not in HELD]
+        held = store.held("kind")  # (the waiting ones: counted, and the head of the queue read)
+        waiting = store.count_waiting()
         loans = ctx.loans.view() if ctx.loans is not None else None
         nodes = dv.gpu_map(ctx.nodes, held, viewer, loans)
         lent = (loans or {}).get("lent_gpus", 0)
@@ -106,11 +104,12 @@ def dashboard_router(ctx: ApiContext, caller: Callable[..., Any]) -> APIRouter:
         kinds = ("job", "draining", "lent", "warming", "serving", "free")
         totals = {k: sum(s["gpus"] for n in nodes for s in n["segments"] if s["kind"] == k) for k in kinds}
         # the queue: every tenant's waiting jobs count for positions; others' show no id
-        queue = dv.queue_view(waiting, dv.tenant_usage(store.tenants(), held, waiting, ctx.nodes, lent),
+        queue = dv.queue_view(store.waiting_head(dv.QUEUE_SHOWN), sum(waiting.values()),
+                              dv.tenant_usage(store.tenants(), held, waiting, ctx.nodes, lent),
                               totals["free"], totals["lent"], now, viewer)
         return {"now_s": now, "tenant": me.name, "admin": me.admin, "nodes": nodes, "totals": totals,
                 "gpus": sum(n.gpus for n in ctx.nodes), "tenants": usage, "queue": queue,
-                "states": dict(collections.Counter(j.state for j in active if viewer in (None, j.tenant))),
+                "states": {s: n for s, n in store.count_by_state(viewer).items() if s in ACTIVE},
                 "serving": ctx.loans is not None or ctx.serving is not None, "warning": ctx.warning}
 
     @router.get("/v1/dashboard/jobs")

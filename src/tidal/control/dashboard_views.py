@@ -28,13 +28,18 @@ def gpu_map(nodes: list[Node], held: list[JobRow], viewer: str | None, loans: di
     ``serving``, ``free``."""
     lent_on = {ln["node"]: ln["gpus"] for ln in (loans or {}).get("loans", [])}
     warming = {n: sum(g for _, g in w) for n, w in ((loans or {}).get("warming") or {}).items()}
+    on: dict[str, list[JobRow]] = {}  # node -> the jobs holding GPUs there (one pass, not one per node)
+    for j in held:
+        if j.state in HELD:
+            for name in j.placement or {}:
+                on.setdefault(name, []).append(j)
     out = []
     for n in nodes:
         segs: list[dict[str, Any]] = []
         used = 0
-        for j in held:
+        for j in on.get(n.name, ()):
             g = (j.placement or {}).get(n.name, 0)
-            if not g or State(j.state) not in HELD:
+            if not g:
                 continue
             stopping = State(j.state) in (State.PREEMPTING, State.CANCELLING)
             d = g if stopping else (j.releasing or {}).get(n.name, 0)
@@ -59,10 +64,10 @@ def gpu_map(nodes: list[Node], held: list[JobRow], viewer: str | None, loans: di
     return out
 
 
-def tenant_usage(tenants: list[TenantRow], held: list[JobRow], waiting: list[JobRow], nodes: list[Node],
-                 lent_gpus: int) -> list[dict[str, Any]]:
-    """Per tenant (admins left out): GPUs held, jobs running and waiting, quota, weight, and its fair share of
-    spot capacity (docs/scheduling.md)."""
+def tenant_usage(tenants: list[TenantRow], held: list[JobRow], waiting: dict[tuple[str, str], int],
+                 nodes: list[Node], lent_gpus: int) -> list[dict[str, Any]]:
+    """Per tenant (admins left out): GPUs held, jobs running and waiting (``waiting``: (tenant, kind) ->
+    jobs), quota, weight, and its fair share of spot capacity (docs/scheduling.md)."""
     rows: dict[str, dict[str, Any]]
     rows = {t.name: {"tenant": t.name, "quota_gpus": t.quota_gpus, "weight": t.weight, "dedicated_gpus": 0,
                      "spot_gpus": 0, "running": 0, "waiting": 0, "fair_share_gpus": None}
@@ -76,11 +81,11 @@ def tenant_usage(tenants: list[TenantRow], held: list[JobRow], waiting: list[Job
         r["dedicated_gpus" if j.kind == "dedicated" else "spot_gpus"] += j.gpus
         if j.kind != "dedicated" and j.gpus:
             spot_active.add(j.tenant)
-    for j in waiting:
-        if j.tenant in rows:
-            rows[j.tenant]["waiting"] += 1
-            if j.kind != "dedicated":
-                spot_active.add(j.tenant)
+    for (tenant, kind), n in waiting.items():
+        if tenant in rows:
+            rows[tenant]["waiting"] += n
+            if kind != "dedicated":
+                spot_active.add(tenant)
     training = sum(n.gpus for n in nodes if n.pool != "serving")
     capacity = max(0, training - sum(r["dedicated_gpus"] for r in rows.values()) + lent_gpus)
     weights = sum(rows[t]["weight"] for t in spot_active if t in rows)
@@ -90,24 +95,20 @@ def tenant_usage(tenants: list[TenantRow], held: list[JobRow], waiting: list[Job
     return list(rows.values())
 
 
-def queue_view(waiting: list[JobRow], usage: list[dict[str, Any]], free_training: int, free_lent: int,
-               now_s: float, viewer: str | None) -> dict[str, Any]:
-    """Waiting jobs in about the scheduler's order, each with ``position`` and ``why``. Another tenant's job
-    shows only its tenant, kind, size and position (``viewer``; None: admin)."""
+def queue_view(head: list[JobRow], total: int, usage: list[dict[str, Any]], free_training: int,
+               free_lent: int, now_s: float, viewer: str | None) -> dict[str, Any]:
+    """The first waiting jobs (``head``, :meth:`~tidal.control.store.Store.waiting_head`: about the
+    scheduler's order) of ``total``, each with ``position`` and ``why``. Another tenant's job shows only its
+    tenant, kind, size and position (``viewer``; None: admin)."""
     by_tenant = {u["tenant"]: u for u in usage}
-
-    def key(j: JobRow) -> tuple:
-        return (j.kind != "dedicated", j.nominated_s is None, -j.priority, j.submit_s, j.seq)
-
-    ordered = sorted(waiting, key=key)
     rows = []
-    for pos, j in enumerate(ordered[:QUEUE_SHOWN], 1):
+    for pos, j in enumerate(head, 1):
         mine = viewer is None or j.tenant == viewer
         rows.append({"position": pos, "job": j.id if mine else None, "tenant": j.tenant, "kind": j.kind,
                      "priority": j.priority, "state": j.state, "min_gpus": j.min_gpus, "max_gpus": j.max_gpus,
                      "waiting_s": round(max(0.0, now_s - j.submit_s), 1),
                      "why": _why(j, by_tenant.get(j.tenant), free_training, free_lent, now_s, pos, mine)})
-    return {"total": len(ordered), "shown": len(rows), "jobs": rows}
+    return {"total": total, "shown": len(rows), "jobs": rows}
 
 
 def _why(j: JobRow, u: dict[str, Any] | None, free_training: int, free_lent: int, now_s: float, pos: int,

@@ -1,9 +1,10 @@
-"""The store's job rows as the scheduler sees them (:func:`scheduler_view`) and an attempt's environment for
+"""The store's job rows as the scheduler sees them (:class:`SchedulerView`) and an attempt's environment for
 the executor (:func:`job_env`)."""
 
 from __future__ import annotations
 
 import json
+from operator import itemgetter
 from pathlib import Path
 from typing import cast
 
@@ -12,28 +13,72 @@ from tidal.contract import DEFAULT_GRACE_S
 from tidal.control.states import HELD, TERMINAL
 from tidal.control.states import State as S
 from tidal.control.store import JobRow, Store
-from tidal.model import Job, Kind, Tenant
+from tidal.model import Job, Kind, Loan, Node, QueueKey, Reclaim, Snapshot, Tenant, arrival, queue_key
 
 
-def scheduler_view(store: Store, rows: list[JobRow] | None = None) -> tuple[list[Tenant], list[Job]]:
-    """The scheduler's view of the store (or of its active ``rows``): pending jobs queue, held ones run,
-    stopping ones release all."""
-    tenants = [Tenant(t.name, t.quota_gpus, t.weight) for t in store.tenants()]
-    jobs = []
-    for j in store.jobs(states={S.PENDING} | HELD) if rows is None else rows:
-        st = S(j.state)
-        held = st in HELD
-        if not held and st != S.PENDING:
-            continue
-        releasing = dict(j.placement) if st in (S.PREEMPTING, S.CANCELLING) else dict(j.releasing or {})
-        jobs.append(Job(  # (Job checks the kind)
-            j.id, j.tenant, cast(Kind, j.kind), j.priority, j.min_gpus, j.max_gpus, j.multiple_of,
-            submit_s=j.submit_s, placement=dict(j.placement) if held else {},
-            releasing=releasing if held else {}, started_s=j.started_s if held else None,
-            last_preempted_s=j.last_preempted_s, last_grown_s=j.last_grown_s, last_shrunk_s=j.last_shrunk_s,
-            last_ckpt_s=j.last_ckpt_s, ckpt_stall_s=j.ckpt_stall_s, ckpt_interval_s=j.ckpt_interval_s,
-            nominated_s=None if held else j.nominated_s))
-    return tenants, jobs
+def job_view(j: JobRow) -> Job:
+    """A pending or held job row as the scheduler sees it: stopping jobs release all they hold."""
+    held = S(j.state) in HELD
+    releasing = dict(j.placement) if j.state in (S.PREEMPTING, S.CANCELLING) else dict(j.releasing or {})
+    return Job(  # (Job checks the kind)
+        j.id, j.tenant, cast(Kind, j.kind), j.priority, j.min_gpus, j.max_gpus, j.multiple_of,
+        submit_s=j.submit_s, placement=dict(j.placement) if held else {},
+        releasing=releasing if held else {}, started_s=j.started_s if held else None,
+        last_preempted_s=j.last_preempted_s, last_grown_s=j.last_grown_s, last_shrunk_s=j.last_shrunk_s,
+        last_ckpt_s=j.last_ckpt_s, ckpt_stall_s=j.ckpt_stall_s, ckpt_interval_s=j.ckpt_interval_s,
+        nominated_s=None if held else j.nominated_s)
+
+
+class SchedulerView:
+    """The scheduler's view of the active jobs, kept from step to step: a job's view is made again only when
+    its row is :meth:`put` (written), the running jobs listed and a queue sorted again only when one of theirs
+    changed; so a step costs what changed, not how many jobs wait. Running jobs in submission order."""
+
+    def __init__(self) -> None:
+        self.jobs: dict[str, Job] = {}  # pending or held job id -> its view
+        self._run: dict[str, tuple[int, Job]] = {}  # running job id -> (seq, view)
+        self._running: tuple[Job, ...] | None = ()  # None: listed again at the next snapshot
+        self._queues: dict[QueueKey, dict[str, Job]] = {}
+        self._sorted: dict[QueueKey, list[Job]] = {}
+        self._dirty: set[QueueKey] = set()
+
+    def sizes(self) -> tuple[int, int]:
+        """(jobs running, jobs waiting)."""
+        return len(self._run), len(self.jobs) - len(self._run)
+
+    def put(self, row: JobRow) -> None:
+        """The job's row was written: its view made again (none unless pending or held)."""
+        self.drop(row.id)
+        if row.state != S.PENDING and S(row.state) not in HELD:
+            return
+        j = self.jobs[row.id] = job_view(row)
+        if j.running:
+            self._run[row.id], self._running = (row.seq, j), None
+        else:
+            self._queues.setdefault(queue_key(j), {})[row.id] = j
+            self._dirty.add(queue_key(j))
+
+    def drop(self, job_id: str) -> None:
+        j = self.jobs.pop(job_id, None)
+        if j is not None and self._run.pop(job_id, None) is not None:
+            self._running = None
+        elif j is not None:
+            self._queues[queue_key(j)].pop(job_id)
+            self._dirty.add(queue_key(j))
+
+    def snapshot(self, now_s: float, nodes: tuple[Node, ...], tenants: tuple[Tenant, ...],
+                 loans: tuple[Loan, ...], reclaims: tuple[Reclaim, ...]) -> Snapshot:
+        for key in self._dirty:
+            q = self._queues.get(key)
+            if q:
+                self._sorted[key] = sorted(q.values(), key=arrival)
+            else:
+                self._sorted.pop(key, None)
+                self._queues.pop(key, None)
+        self._dirty.clear()
+        if self._running is None:
+            self._running = tuple(j for _, j in sorted(self._run.values(), key=itemgetter(0)))
+        return Snapshot(now_s, nodes, tenants, self._running, dict(self._sorted), loans, reclaims)
 
 
 def default_ckpt(ckpt_root: Path | None, job: JobRow) -> str | None:

@@ -1,9 +1,11 @@
 """Prometheus metrics, computed from the store at scrape time (``GET /metrics``; every series in
 docs/control.md, Metrics). Per-job series exist for jobs holding GPUs only and job counts come from one
-``GROUP BY``, so a scrape follows the running jobs, the nodes and the tenants, not the history."""
+``GROUP BY``; the pool's GPUs are summed by pool, state and tenant, so a scrape follows the running jobs and
+the tenants, not the nodes or the history (``GET /v1/pool`` lists nodes, a page at a time)."""
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -13,9 +15,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from tidal.control.accounting import job_report
 from tidal.control.node_watch import totals as node_totals
-from tidal.control.states import HELD, State
+from tidal.control.states import State
 from tidal.control.store import Store
-from tidal.control.views import pool_view
 from tidal.model import Node
 
 
@@ -23,57 +24,35 @@ class PlaneCollector:
     def __init__(self, store: Store, nodes: list[Node], clock: Callable[[], float], advisor: Any = None,
                  loans: Any = None) -> None:
         self.store, self.nodes, self.clock, self.advisor, self.loans = store, nodes, clock, advisor, loans
+        self._held = threading.local()  # .jobs: what this thread's collect() read, for job_text()
 
     def collect(self) -> Iterator[Metric]:
-        now = self.clock()
-        jobs = self.store.jobs(states=HELD)
-        pool = GaugeMetricFamily("tidal_pool_gpus", "GPUs of the pool by state and owning tenant",
-                                 labels=["node", "state", "tenant"])
-        for n in pool_view(self.nodes, jobs, None)["nodes"]:
-            by: Counter[tuple[str, str]] = Counter()
-            for h in n["jobs"]:
-                by["allocated", h["tenant"]] += h["gpus"] - h["draining"]
-                by["draining", h["tenant"]] += h["draining"]
-            for (state, tenant), g in sorted(by.items()):
-                if g:
-                    pool.add_metric([n["name"], state, tenant], g)
-            pool.add_metric([n["name"], "free", ""], n["free"])
+        jobs = self.store.held("progress", "restarts", "preemptions", "lost_s", "lost_steps", "held_s",
+                               "productive_s", "attempt_launched_s")
+        pool = GaugeMetricFamily("tidal_pool_gpus", "GPUs of the pool (training or serving nodes) by state "
+                                 "and owning tenant", labels=["pool", "state", "tenant"])
+        kind = {n.name: n.pool for n in self.nodes}
+        by: Counter[tuple[str, str, str]] = Counter({(k, "free", ""): 0 for k in sorted(set(kind.values()))})
+        for n in self.nodes:
+            by[n.pool, "free", ""] += n.gpus
+        for j in jobs:
+            stopping = j.state in (State.PREEMPTING, State.CANCELLING)
+            for node, g in (j.placement or {}).items():
+                k, d = kind.get(node), g if stopping else (j.releasing or {}).get(node, 0)
+                if k is not None:
+                    by[k, "free", ""] -= g
+                    by[k, "allocated", j.tenant] += g - d
+                    by[k, "draining", j.tenant] += d
+        for key, g in sorted(by.items()):
+            if g or key[1] == "free":
+                pool.add_metric(list(key), g)
         yield pool
         counts = {s.value: 0 for s in State} | self.store.count_by_state()
         by_state = GaugeMetricFamily("tidal_jobs", "Jobs by state", labels=["state"])
         for s, c in counts.items():
             by_state.add_metric([s], c)
         yield by_state
-        labels = ["job_id", "tenant"]  # not "job": Prometheus sets that label to the scrape job
-        gpus = GaugeMetricFamily("tidal_job_gpus", "GPUs a job holds", labels=labels)
-        step = GaugeMetricFamily("tidal_job_step", "Newest completed training step", labels=labels)
-        rate = GaugeMetricFamily("tidal_job_steps_per_second", "Training steps per second (this attempt)",
-                                 labels=labels)
-        age = GaugeMetricFamily("tidal_job_checkpoint_age_seconds",
-                                "Seconds since the newest checkpoint held by a tier was captured",
-                                labels=[*labels, "tier"])
-        ettr = GaugeMetricFamily("tidal_job_ettr_ratio", "Effective training time ratio", labels=labels)
-        restarts = CounterMetricFamily("tidal_job_restarts", "Restarts after failures", labels=labels)
-        preempt = CounterMetricFamily("tidal_job_preemptions", "Preemptions", labels=labels)
-        lost = CounterMetricFamily("tidal_job_lost_work_seconds", "Seconds of training re-run after failures",
-                                   labels=labels)
-        for j in jobs:
-            lv = [j.id, j.tenant]
-            p = j.progress or {}
-            rep = job_report(j, now)
-            gpus.add_metric(lv, j.gpus)
-            if p.get("step") is not None:
-                step.add_metric(lv, p["step"])
-            if p.get("steps_per_s"):
-                rate.add_metric(lv, p["steps_per_s"])
-            for tier, (_, captured_s) in sorted((p.get("tiers") or {}).items()):
-                age.add_metric([*lv, tier], max(0.0, now - captured_s))
-            if rep["ettr"] is not None:
-                ettr.add_metric(lv, rep["ettr"])
-            restarts.add_metric(lv, j.restarts)
-            preempt.add_metric(lv, j.preemptions)
-            lost.add_metric(lv, j.lost_s)
-        yield from (gpus, step, rate, age, ettr, restarts, preempt, lost)
+        self._held.jobs = jobs
         yield from _node_loss_metrics(node_totals(self.store))
         if self.loans is not None:
             yield from _loan_metrics(self.loans.view())
@@ -81,6 +60,44 @@ class PlaneCollector:
         latest = self.advisor.latest if self.advisor is not None else None
         if latest is not None:
             yield from _serving_metrics(latest)
+
+
+    def job_text(self, now: float) -> str:
+        """The per-job series of the jobs :meth:`collect` read, in the text format, written directly (a line
+        each, thousands of jobs); labels ``job_id`` and ``tenant`` (not ``job``: Prometheus sets that)."""
+        out: dict[str, list[str]] = {k: [] for k in _JOB_SERIES}
+        for j in getattr(self._held, "jobs", ()):
+            lv = f'job_id="{_esc(j.id)}",tenant="{_esc(j.tenant)}"'
+            p = j.progress or {}
+            vals = {"tidal_job_gpus": j.gpus, "tidal_job_step": p.get("step"),
+                    "tidal_job_steps_per_second": p.get("steps_per_s") or None,
+                    "tidal_job_ettr_ratio": job_report(j, now)["ettr"], "tidal_job_restarts": j.restarts,
+                    "tidal_job_preemptions": j.preemptions, "tidal_job_lost_work_seconds": j.lost_s}
+            for k, v in vals.items():
+                if v is not None:
+                    out[k].append(f"{k}{_JOB_SERIES[k][1]}{{{lv}}} {float(v)!r}\n")
+            for tier, (_, captured_s) in sorted((p.get("tiers") or {}).items()):
+                out["tidal_job_checkpoint_age_seconds"].append(
+                    f'tidal_job_checkpoint_age_seconds{{{lv},tier="{_esc(str(tier))}"}} '
+                    f"{max(0.0, now - captured_s)!r}\n")
+        return "".join(f"# HELP {k} {h}\n# TYPE {k} {'counter' if t else 'gauge'}\n" + "".join(out[k])
+                       for k, (h, t) in _JOB_SERIES.items())
+
+
+_JOB_SERIES = {  # name: (help, suffix: "_total" for a counter)
+    "tidal_job_gpus": ("GPUs a job holds", ""),
+    "tidal_job_step": ("Newest completed training step", ""),
+    "tidal_job_steps_per_second": ("Training steps per second (this attempt)", ""),
+    "tidal_job_checkpoint_age_seconds": ("Seconds since the newest checkpoint of a tier was captured", ""),
+    "tidal_job_ettr_ratio": ("Effective training time ratio", ""),
+    "tidal_job_restarts": ("Restarts after failures", "_total"),
+    "tidal_job_preemptions": ("Preemptions", "_total"),
+    "tidal_job_lost_work_seconds": ("Seconds of training re-run after failures", "_total"),
+}
+
+
+def _esc(v: str) -> str:
+    return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def _node_loss_metrics(t: dict) -> Iterator[Metric]:
@@ -153,12 +170,20 @@ def _loan_metrics(v: dict[str, Any]) -> Iterator[Metric]:
                               value=st.get("nodes_lost", 0))
 
 
+class _Registry(CollectorRegistry):
+    plane: PlaneCollector
+
+
 def registry(store: Store, nodes: list[Node], clock: Callable[[], float], advisor: Any = None,
              loans: Any = None) -> CollectorRegistry:
-    reg = CollectorRegistry(auto_describe=False)
-    reg.register(PlaneCollector(store, nodes, clock, advisor, loans))
+    reg = _Registry(auto_describe=False)
+    reg.plane = PlaneCollector(store, nodes, clock, advisor, loans)
+    reg.register(reg.plane)
     return reg
 
 
 def render(reg: CollectorRegistry) -> bytes:
-    return generate_latest(reg)
+    """The text format: the registry's series, then the plane's per-job ones."""
+    out = generate_latest(reg)
+    plane = getattr(reg, "plane", None)
+    return out + plane.job_text(plane.clock()).encode() if isinstance(plane, PlaneCollector) else out

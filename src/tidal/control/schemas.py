@@ -211,11 +211,13 @@ class PoolNode(_Answer):
 
 
 class Pool(_Answer):
-    nodes: list[PoolNode]
+    nodes: list[PoolNode]  # a page: from ``offset``, of ``nodes_total``
     gpus: int
     allocated: int
     free: int
     pending: int
+    nodes_total: int = 0
+    offset: int = 0
 
 
 class Tenant(_Answer):

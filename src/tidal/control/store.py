@@ -19,6 +19,7 @@ import json
 import os
 import secrets
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -30,7 +31,6 @@ from sqlalchemy import (
     Integer,
     String,
     Text,
-    bindparam,
     create_engine,
     delete,
     event,
@@ -38,14 +38,14 @@ from sqlalchemy import (
     inspect,
     select,
     text,
-    update,
 )
-from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, load_only, mapped_column, sessionmaker
 
-from tidal.control.states import ACTIVE, TERMINAL, State, check_transition
+from tidal.control.states import ACTIVE, HELD, TERMINAL, State, check_transition
 
 SCHEMA_VERSION = 5  # 2: jobs.nominated_s; 3: table docs; 4: tenants.max_priority, jobs.ckpt_location,
 # meta job_seq and db_id; 5: jobs.waiting
+BATCH_WRITES = 64  # writes of a batch per transaction (Store.batch): the API's writes wait at most that long
 POOL_SIZE = 48  # SQLite connections kept open: the API's worker threads (40) and the reconcile loop
 
 
@@ -198,8 +198,10 @@ class Store:
             self._identity = (st.st_dev, st.st_ino)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         self._lock = threading.RLock()
+        self._batch = threading.local()  # .s: the session of this thread's batch (see batch())
         self._by_token: dict[str, TenantRow] = {}
         self._changed: set[str] = set()
+        self.tenant_rev = 0  # rises with every tenant written (the reconcile loop keeps them meanwhile)
         with self._write() as s:
             row = s.get(MetaRow, "schema_version")
             if row is None:
@@ -257,15 +259,58 @@ class Store:
 
     @contextlib.contextmanager
     def _write(self) -> Iterator[Session]:
+        if (b := getattr(self._batch, "s", None)) is not None:
+            yield b
+            b.flush()
+            b.expunge_all()  # (rows returned detached, as outside a batch)
+            self._batch.n += 1
+            if self._batch.n >= BATCH_WRITES:
+                self.commit()
+            return
         self.check_file()
         with self._lock, self._sessions.begin() as s:
             yield s
 
     @contextlib.contextmanager
     def _read(self) -> Iterator[Session]:
+        if (b := getattr(self._batch, "s", None)) is not None:
+            yield b  # (this thread's batch: its own writes seen)
+            b.expunge_all()
+            return
         self.check_file()
         with self._sessions() as s:
             yield s
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """This thread's writes in the block in transactions of up to :data:`BATCH_WRITES` writes, committed
+        then (and at :meth:`commit`, and at its end), the one open rolled back if it raises; other threads'
+        writes go in between. The reconcile loop's many small writes of a step: a commit per many."""
+        if getattr(self._batch, "s", None) is not None:
+            yield
+            return
+        self.check_file()
+        with self._lock, self._sessions() as s:
+            self._batch.s, self._batch.n = s, 0
+            try:
+                yield
+                s.commit()
+            except BaseException:
+                s.rollback()
+                raise
+            finally:
+                self._batch.s = None
+                s.expunge_all()
+
+    def commit(self) -> None:
+        """Commit this thread's batch so far (what must be stored before an action outside the database, such
+        as a launch); nothing to do outside a batch."""
+        if (b := getattr(self._batch, "s", None)) is not None:
+            b.commit()
+            self._batch.n = 0
+            self._lock.release()  # (writes of other threads waiting go in here)
+            time.sleep(0)
+            self._lock.acquire()
 
     def add_tenant(self, name: str, token_hash: str, *, quota_gpus: int = 0, weight: float = 1.0,
                    admin: bool = False, now_s: float = 0.0, max_priority: int = 0) -> TenantRow:
@@ -278,6 +323,7 @@ class Store:
             s.add(EventRow(time_s=now_s, tenant=name, kind="tenant",
                            message=f"tenant {name} created (quota {quota_gpus} GPUs, weight {weight:g}, "
                                    f"max priority {max_priority}{', admin' if admin else ''})"))
+        self.tenant_rev += 1
         return row
 
     def set_tenant_token(self, name: str, token_hash: str) -> None:
@@ -348,9 +394,10 @@ class Store:
         with self._read() as s:
             return self._get(s, job_id)
 
-    def jobs(self, *, tenant: str | None = None, states: Iterable[str] | None = None) -> list[JobRow]:
-        """Jobs in submission order, optionally of one tenant and in some states."""
-        q = select(JobRow).order_by(JobRow.seq)
+    def jobs(self, *, tenant: str | None = None, states: Iterable[str] | None = None, offset: int = 0,
+             limit: int | None = None) -> list[JobRow]:
+        """Jobs in submission order, of one tenant and in some states; ``limit`` from ``offset``."""
+        q = select(JobRow).order_by(JobRow.seq).offset(offset).limit(limit)
         if tenant is not None:
             q = q.where(JobRow.tenant == tenant)
         if states is not None:
@@ -379,6 +426,30 @@ class Store:
         with self._read() as s:
             total = s.scalar(select(func.count()).select_from(JobRow).where(*conds)) or 0
             return list(s.scalars(q)), int(total)
+
+    def held(self, *more: str) -> list[JobRow]:
+        """The jobs holding GPUs with only id, tenant, state, placement, releasing and ``more`` loaded."""
+        cols = (JobRow.id, JobRow.tenant, JobRow.state, JobRow.placement, JobRow.releasing,
+                *(getattr(JobRow, m) for m in more))
+        q = select(JobRow).options(load_only(*cols)).where(JobRow.state.in_([str(x) for x in HELD]))
+        with self._read() as s:
+            return list(s.scalars(q))
+
+    def count_waiting(self) -> dict[tuple[str, str], int]:
+        """(tenant, kind) -> jobs pending or backing off; one ``GROUP BY``."""
+        q = select(JobRow.tenant, JobRow.kind, func.count()).where(
+            JobRow.state.in_([State.PENDING.value, State.BACKOFF.value])).group_by(JobRow.tenant, JobRow.kind)
+        with self._read() as s:
+            return {(t, k): int(n) for t, k, n in s.execute(q)}
+
+    def waiting_head(self, limit: int) -> list[JobRow]:
+        """The first ``limit`` jobs pending or backing off in about the scheduler's order: dedicated first,
+        nominated first, by priority, then submission."""
+        q = select(JobRow).where(JobRow.state.in_([State.PENDING.value, State.BACKOFF.value])).order_by(
+            JobRow.kind != "dedicated", JobRow.nominated_s.is_(None), JobRow.priority.desc(), JobRow.submit_s,
+            JobRow.seq).limit(limit)
+        with self._read() as s:
+            return list(s.scalars(q))
 
     def job_ids(self) -> set[str]:
         with self._read() as s:
@@ -453,12 +524,14 @@ class Store:
         for jid, f in changes.items():
             if f:
                 groups.setdefault(tuple(sorted(f)), []).append({"b_id": jid, **f})
+        q = "?" if self.engine.dialect.paramstyle == "qmark" else "%s"
         with self._write() as s:
-            for keys, params in groups.items():
-                cols = JobRow.__table__.c
-                stmt = update(JobRow).where(cols.id == bindparam("b_id")).values(
-                    {k: bindparam(k, type_=cols[k].type) for k in keys})
-                s.connection().execute(stmt, params)
+            for keys, params in groups.items():  # (the driver's executemany: no statement compiled per row)
+                js = {k for k in keys if isinstance(JobRow.__table__.c[k].type, JSON)}
+                rows = [(*(json.dumps(v[k]) if k in js and v[k] is not None else v[k] for k in keys),
+                         v["b_id"]) for v in params]
+                sets = ", ".join(f"{k} = {q}" for k in keys)
+                s.connection().exec_driver_sql(f"UPDATE jobs SET {sets} WHERE id = {q}", rows)
         if mark:
             self._mark(*changes)
 

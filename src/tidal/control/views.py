@@ -37,17 +37,18 @@ def event_view(e: EventRow) -> dict[str, Any]:
 
 
 def pool_view(nodes: list[Node], jobs: list[JobRow], viewer: str | None,
-              pending: int | None = None) -> dict[str, Any]:
+              pending: int | None = None, *, offset: int = 0, limit: int | None = None) -> dict[str, Any]:
     """:class:`~tidal.control.schemas.Pool`: GPUs per node: allocated (by tenant; job ids only for
-    ``viewer``'s own jobs, all for admin ``viewer=None``), draining (being released) and free. ``pending``:
-    the viewer's pending jobs (None: counted in ``jobs``). Work follows the nodes and the held jobs."""
+    ``viewer``'s own jobs, all for admin ``viewer=None``), draining (being released) and free; the nodes from
+    ``offset``, ``limit`` of them, the totals over all. ``pending``: the viewer's pending jobs (None: counted
+    in ``jobs``). Work follows the nodes listed and the held jobs."""
     on: dict[str, list[JobRow]] = {}
     for j in jobs:
         if State(j.state) in HELD:
             for name in j.placement or {}:
                 on.setdefault(name, []).append(j)
     out = []
-    for n in nodes:
+    for n in nodes[offset:None if limit is None else offset + limit]:
         holders = []
         allocated = draining = 0
         for j in on.get(n.name, ()):
@@ -65,10 +66,12 @@ def pool_view(nodes: list[Node], jobs: list[JobRow], viewer: str | None,
         out.append(sc.PoolNode(name=n.name, pool=n.pool, gpus=n.gpus, allocated=allocated, draining=draining,
                                free=n.gpus - allocated, jobs=holders))
     total = sum(n.gpus for n in nodes)
-    alloc = sum(x.allocated for x in out)
+    names = {n.name for n in nodes}
+    alloc = sum(g for j in jobs if j.state in HELD for n, g in (j.placement or {}).items() if n in names)
     if pending is None:
         pending = sum(1 for j in jobs if j.state == State.PENDING and (viewer is None or j.tenant == viewer))
-    return answer(sc.Pool(nodes=out, gpus=total, allocated=alloc, free=total - alloc, pending=pending))
+    return answer(sc.Pool(nodes=out, gpus=total, allocated=alloc, free=total - alloc, pending=pending,
+                          nodes_total=len(nodes), offset=offset))
 
 
 def checkpoint_view(job_id: str, url: str | None, now_s: float, *, tiers: list | None = None,

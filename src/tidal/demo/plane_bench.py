@@ -47,16 +47,18 @@ class Workload:
 
 def workload(n_jobs: int, nodes: int, gpus_per_node: int, *, span_s: float = 4 * 3600.0,
              tenants: int = 8, minutes: tuple[float, float] = (10.0, 120.0), dedicated: float = 0.25,
-             seed: int = 0) -> Workload:
-    """``n_jobs`` submitted uniformly over ``span_s``: sizes 1..512 GPUs (within the pool), durations
-    log-uniform in ``minutes``, a ``dedicated`` fraction at priority 1 (fixed size), the rest spot and elastic
-    (half to all of their size); each tenant's quota is an equal share of the pool."""
+             skew: float = 0.0, seed: int = 0) -> Workload:
+    """``n_jobs`` submitted uniformly over ``span_s``: sizes 1..512 GPUs (within the pool; a size's odds
+    ``size ** -skew``: 0 uniform, 0.5 mostly small jobs as in the Philly trace), durations log-uniform in
+    ``minutes``, a ``dedicated`` fraction at priority 1 (fixed size), the rest spot and elastic (half to all
+    of their size); each tenant's quota is an equal share of the pool."""
     rng = np.random.default_rng(seed)
     total = nodes * gpus_per_node
     sizes = [s for s in SIZES if s <= total] or [1]
+    odds = np.array(sizes, float) ** -skew
     out = []
     for i, t in enumerate(np.sort(rng.uniform(0.0, span_s, n_jobs))):
-        g = int(sizes[rng.integers(len(sizes))])
+        g = int(sizes[rng.integers(len(sizes))] if not skew else rng.choice(sizes, p=odds / odds.sum()))
         dur_s = 60.0 * math.exp(rng.uniform(math.log(minutes[0]), math.log(minutes[1])))
         ded = bool(rng.random() < dedicated)
         out.append(JobSpec(id=f"j{i:06d}", tenant=f"team{rng.integers(tenants)}", kind="dedicated" if ded
@@ -111,6 +113,7 @@ def run_plane(w: Workload, horizon_s: float, *, step_s: float = 10.0, notice_s: 
         nxt, held_gpu_s, over = 0, 0.0, 0
         counts = {"admissions": 0, "admitted_gpus": 0, "shrinks": 0, "preemptions": 0, "grows": 0}
         step_wall: list[float] = []
+        sizes: list[tuple[int, int]] = []  # (running, waiting) after each step
         for k in range(int(horizon_s // step_s) + 1):
             t = k * step_s
             while nxt < len(w.jobs) and w.jobs[nxt].submit_s <= t:
@@ -119,6 +122,7 @@ def run_plane(w: Workload, horizon_s: float, *, step_s: float = 10.0, notice_s: 
             wall = time.perf_counter()
             decisions = ctl.step(t0 + t)
             step_wall.append(time.perf_counter() - wall)
+            sizes.append(ctl.view.sizes())
             for d in decisions:
                 if isinstance(d, Admit):
                     counts["admissions"] += 1
@@ -130,10 +134,15 @@ def run_plane(w: Workload, horizon_s: float, *, step_s: float = 10.0, notice_s: 
             over += any(g > cap.get(n, 0) for n, g in used.items())
             held_gpu_s += sum(used.values()) * step_s
         by_state = store.count_by_state()
+        peak = max(w for _, w in sizes)
+        at_peak = [t for t, (_, w) in zip(step_wall, sizes, strict=True) if w >= 0.9 * peak]
         return {"held_gpu_hours": held_gpu_s / 3600.0, **counts, "over_committed_steps": over,
                 "succeeded": by_state.get(State.SUCCEEDED.value, 0),
-                "failed": by_state.get(State.FAILED.value, 0),
-                "steps": len(step_wall), "step_p50_s": _pct(step_wall, 50), "step_p99_s": _pct(step_wall, 99)}
+                "failed": by_state.get(State.FAILED.value, 0), "peak_waiting": peak,
+                "peak_running": max(r for r, _ in sizes), "steps": len(step_wall),
+                "step_p50_s": _pct(step_wall, 50), "step_p99_s": _pct(step_wall, 99),
+                "step_max_s": max(step_wall), "steps_at_peak": len(at_peak),
+                "step_p99_at_peak_s": _pct(at_peak, 99)}
     finally:
         store.close()
         ex.close()
@@ -242,8 +251,8 @@ class _Up:
 
 
 def bench_plane(nodes: str = "256x8", jobs: int = 2000, *, hours: float = 2.0, step_s: float = 60.0,
-                submits: int = 2000, reads: int = 300, db: str | None = None, state_dir: Path | None = None,
-                log: Any = print) -> dict[str, Any]:
+                submits: int = 2000, reads: int = 300, tenants: int = 200, skew: float = 0.5,
+                db: str | None = None, state_dir: Path | None = None, log: Any = print) -> dict[str, Any]:
     """The live plane under load (docs/benchmarks.md, "The plane at pool scale"). Phases: ``plane``: the
     workload's ``hours`` through the real loop on a simulated clock ending now, beside the simulator
     (``sim_parity``); ``restart``: ``tidal up`` adopts what that left running; ``api``: ``submits`` jobs
@@ -255,12 +264,12 @@ def bench_plane(nodes: str = "256x8", jobs: int = 2000, *, hours: float = 2.0, s
     from tidal.exec.virtual import parse_shape
 
     n, g = parse_shape(nodes)
-    w = workload(jobs, n, g, span_s=hours * 3600 * 0.8)
+    w = workload(jobs, n, g, span_s=hours * 3600 * 0.8, tenants=tenants, skew=skew)
     horizon = hours * 3600.0
     tmp = tempfile.TemporaryDirectory() if state_dir is None else None
     state = Path(tmp.name if tmp is not None else str(state_dir))
     out: dict[str, Any] = {"nodes": nodes, "jobs": jobs, "hours": hours, "step_s": step_s,
-                           "db": db or "sqlite"}
+                           "tenants": tenants, "skew": skew, "db": db or "sqlite"}
     try:
         log(f"plane: {jobs} jobs over {hours:g} h on {nodes} (simulated clock)")
         t0 = time.time() - horizon
@@ -269,14 +278,16 @@ def bench_plane(nodes: str = "256x8", jobs: int = 2000, *, hours: float = 2.0, s
         out["plane"] = live
         out["sim"] = sim
         out["sim_parity"] = live["held_gpu_hours"] / sim["held_gpu_hours"] if sim["held_gpu_hours"] else None
-        out["step_p50_s"], out["step_p99_s"] = live["step_p50_s"], live["step_p99_s"]
+        for k in ("step_p50_s", "step_p99_s", "step_p99_at_peak_s", "peak_waiting", "peak_running"):
+            out[k] = live[k]
+        log(f"plane: {json.dumps(live)}, sim_parity {out['sim_parity']}")
         up = _Up(state, nodes, db)
         log("restart: tidal up adopts the running jobs")
         out["adopt_api_s"] = up.start()
         token = (state / ADMIN_TOKEN_FILE).read_text().strip()
         c = httpx.Client(base_url=up.url, headers={"Authorization": f"Bearer {token}"}, timeout=60)
         log(f"api: {submits} submissions by 8 clients, then {reads} reads of each kind")
-        spec = spec_of(w.jobs[0], 600.0) | {"name": "burst"}
+        spec = spec_of(w.jobs[0], 600.0) | {"name": "burst", "kind": "spot", "priority": 0}  # (no quota)
         from concurrent.futures import ThreadPoolExecutor
 
         def post(_: int) -> float:
@@ -289,6 +300,7 @@ def bench_plane(nodes: str = "256x8", jobs: int = 2000, *, hours: float = 2.0, s
             lat = list(pool.map(post, range(submits)))
         out["submits_per_s"] = submits / (time.perf_counter() - t)
         out["submit_p50_s"], out["submit_p99_s"] = _pct(lat, 50), _pct(lat, 99)
+        log(f"api: {out['submits_per_s']:.0f} submits/s, p99 {out['submit_p99_s']:.3f} s")
         ids = [j["id"] for j in c.get("/v1/dashboard/jobs", params={"limit": 100}).json()["jobs"]]
         kinds = {"jobs_page": lambda i: ("/v1/dashboard/jobs", {"limit": 50, "offset": 50 * (i % 20)}),
                  "status": lambda i: (f"/v1/jobs/{ids[i % len(ids)]}", None),
@@ -297,13 +309,17 @@ def bench_plane(nodes: str = "256x8", jobs: int = 2000, *, hours: float = 2.0, s
                  "dashboard_pool": lambda i: ("/v1/dashboard/pool", None)}
         every: list[float] = []
         for name, make in kinds.items():
-            xs = []
+            xs, late = [], 0
             for i in range(reads):
                 path, params = make(i)
-                dt, r = _timed(c, "GET", path, params=params)
-                r.raise_for_status()
+                try:
+                    dt, r = _timed(c, "GET", path, params=params)
+                    r.raise_for_status()
+                except httpx.TimeoutException:  # (counted, at the client's timeout)
+                    dt, late = 60.0, late + 1
                 xs.append(dt)
-            out[f"{name}_p99_s"] = _pct(xs, 99)
+            out[f"{name}_p99_s"], out[f"{name}_timeouts"] = _pct(xs, 99), late
+            log(f"api: {name} p99 {out[f'{name}_p99_s']:.3f} s, {late} timed out (60 s)")
             every += xs
         out["read_p99_s"] = _pct(every, 99)
         ms = []
@@ -312,7 +328,9 @@ def bench_plane(nodes: str = "256x8", jobs: int = 2000, *, hours: float = 2.0, s
             ms.append(dt)
         out["metrics_p99_s"], out["metrics_bytes"] = _pct(ms, 99), len(r.content)
         out["rss_max_bytes"] = up.rss_bytes()
-        running = {j["id"] for j in c.get("/v1/jobs", params={"state": "running"}).json()}
+        running: set[str] = set()
+        while page := c.get("/v1/jobs", params={"state": "running", "offset": len(running)}).json():
+            running |= {j["id"] for j in page}
         mark = _events(c, 0)[-1]["id"]
         log(f"kill9: {len(running)} running jobs, tidal up killed and restarted")
         up.kill()
@@ -339,14 +357,16 @@ def plane_command(
     step_s: float = typer.Option(60.0, min=1.0, help="seconds of the simulated clock per reconcile step"),
     submits: int = typer.Option(2000, min=1, help="jobs posted to the API after the simulated hours"),
     reads: int = typer.Option(300, min=1, help="reads of each kind (jobs page, status, events, pool)"),
+    tenants: int = typer.Option(200, min=1, help="tenants, each with an equal share of the pool as quota"),
+    skew: float = typer.Option(0.5, min=0.0, help="a job size's odds: size ** -skew (0: sizes uniform)"),
     db: str | None = typer.Option(None, help="SQLAlchemy URL (default: SQLite in a temporary state dir)"),
     json_out: bool = typer.Option(False, "--json", help="the figures as JSON on stdout"),
 ) -> None:
     """The live plane at pool scale over the virtual executor: step, submit, read and /metrics latencies,
     memory, database size, restart after kill -9, parity with the simulator."""
     try:
-        res = bench_plane(nodes, jobs, hours=hours, step_s=step_s, submits=submits, reads=reads, db=db,
-                          log=lambda m: print(m, file=sys.stderr))
+        res = bench_plane(nodes, jobs, hours=hours, step_s=step_s, submits=submits, reads=reads,
+                          tenants=tenants, skew=skew, db=db, log=lambda m: print(m, file=sys.stderr))
     except (ValueError, RuntimeError) as e:
         raise SystemExit(f"tidal bench plane: {e}") from None
     if json_out:

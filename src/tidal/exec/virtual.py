@@ -57,6 +57,7 @@ class _Attempt:
     kill_s: float | None = None
     lost: dict[int, float] = field(default_factory=dict)  # rank -> when its node was lost
     cache: tuple[Any, Observation] | None = None
+    ranks: tuple[Any, tuple[RankState, ...]] | None = None  # ((exit code, ranks lost), the ranks then)
 
     @property
     def world(self) -> int:
@@ -238,11 +239,14 @@ class VirtualExecutor:
         key = (t, over, len(a.lost))
         if a.cache is not None and a.cache[0] == key:
             return a.cache[1]
-        nodes = a.rank_nodes()
         exit_code = code if over else None
-        ranks = tuple(RankState(r, None, None if r in a.lost else exit_code, r in a.lost, False, r in a.lost,
-                                nodes[r])
-                      for r in range(a.world))
+        if a.ranks is None or a.ranks[0] != (exit_code, len(a.lost)):  # (the same from beat to beat)
+            nodes = a.rank_nodes()
+            lost = a.lost
+            a.ranks = ((exit_code, len(lost)), tuple(
+                RankState(r, None, None if r in lost else exit_code, r in lost, False, r in lost, nodes[r])
+                for r in range(a.world)))
+        ranks = a.ranks[1]
         work, at = a.last_ckpt(t, self.notice_s)
         tier = {"dir": [int(work), at]} if at is not None else {}
         step = int(a.done(t))

@@ -169,17 +169,16 @@ def _explain_queues(c: Cycle, admitted: dict[str, tuple[int, Job]]) -> None:
     assert why is not None
     for (tenant, kind, prio), q in c.snap.queues.items():
         ahead: Job | None = None
-        for j in q:
+        behind = Waiting(f"queued behind earlier jobs in tenant {tenant}'s {kind} queue at priority {prio}")
+        for j in q:  # (one reason for the rest of a queue: a long queue costs a pass, not a message each)
             if j.id in admitted:
                 continue
-            if j.id not in why:
-                if ahead is None and c.free_for(j) == 0:
-                    why[j.id] = Waiting("waiting: no GPU free, and no more victim searches this cycle")
-                elif ahead is None:
-                    why[j.id] = Waiting(f"waiting its turn: the scheduler stopped this cycle after "
-                                        f"{c.cfg.max_skips_per_cycle} jobs that could not start")
-                else:  # not naming the job ahead: the reasons of a long queue stay put as its head moves
-                    why[j.id] = Waiting(f"queued behind earlier jobs in tenant {tenant}'s {kind} queue at "
-                                        f"priority {prio}")
-            if ahead is None:
-                ahead = j
+            if ahead is not None:
+                why.setdefault(j.id, behind)  # (not naming the job ahead: reasons stay put as the head moves)
+                continue
+            ahead = j
+            if j.id not in why and c.free_for(j) == 0:
+                why[j.id] = Waiting("waiting: no GPU free, and no more victim searches this cycle")
+            elif j.id not in why:
+                why[j.id] = Waiting(f"waiting its turn: the scheduler stopped this cycle after "
+                                    f"{c.cfg.max_skips_per_cycle} jobs that could not start")
