@@ -159,35 +159,40 @@ def clients(
     traces: Annotated[list[Path] | None, typer.Argument(
         help="Per-client traces (seconds, client, requests_per_second). Default: "
         "../shared/traces/servegen-*-clients.csv.gz next to the repository.")] = None,
-    serving_gpus: ServingGpus = 128,
+    serving_gpus: Annotated[list[int], typer.Option("--serving-gpus", min=1, help=(
+        "GPUs that serve the trace's peak; repeatable."))] = [128, 2048],  # noqa: B006 (typer reads it)
     budget: Budgets = [0.002, 0.005, 0.01],  # noqa: B006 (typer reads it)
-    rotations: Annotated[str, typer.Option("--rotations", help="Comma-separated day offsets of the "
-                                                               "ceilings (default: every day).")] = "",
-    online_rotations: Annotated[str, typer.Option("--online-rotations", help=(
-        "Comma-separated day offsets on which the policy itself runs, with and without clients."))] = "0",
-    pacing_gain: Annotated[float, typer.Option("--pacing-gain", min=0.0, help=(
-        "Budget pacing's gain in the paced variant."))] = 1.0,
+    rotations: Annotated[str, typer.Option("--rotations", help="Comma-separated day offsets (default: every "
+                                                               "day).")] = "",
+    variants: Annotated[str, typer.Option("--variants", help=(
+        "Comma-separated policy variants: before, tighten, week, clients, loosen, floor "
+        "(lab/forecast/clients.py)."))]
+        = "before,tighten,clients",
     shift: Annotated[str, typer.Option("--shift", help=(
         "A regime shift from --shift-day on: none, double-client, peak-3h, no-weekend."))] = "none",
     shift_day: Annotated[int, typer.Option("--shift-day", min=1)] = 7,
-    reserve_floor: Annotated[float, typer.Option("--reserve-floor", min=0.01, max=1.0, help=(
-        "ClientConfig.reserve_floor of the per-client variants (1: the reserve as without clients)."))] = 0.7,
+    days: Annotated[int | None, typer.Option("--days", min=3, help="Keep the first days only.")] = None,
+    workers: Annotated[int, typer.Option("--workers", min=1, help="Processes (one rotation each).")] = 1,
     json_out: JsonOut = False,
 ) -> None:
-    """The ceiling of a client-level forecast against the aggregate one, and the policy fed either."""
+    """The ceilings of the client-level and the aggregate forecast, and the policy's variants, on every
+    rotation, pool size and budget."""
     from lab.forecast.clients import default_traces, run
 
-    def days(text: str, hint: str) -> list[int]:
+    def days_of(text: str, hint: str) -> list[int]:
         try:
             return [int(x) for x in text.split(",") if x.strip()]
         except ValueError:
             raise typer.BadParameter(f"expected comma-separated whole days, got {text!r}",
                                      param_hint=hint) from None
 
-    run(traces or default_traces(), serving_gpus=serving_gpus, budgets=tuple(budget),
-        rotations=days(rotations, "--rotations") or None,
-        online_rotations=tuple(days(online_rotations, "--online-rotations")), pacing_gain=pacing_gain,
-        shift=shift, shift_day=shift_day, reserve_floor=reserve_floor, as_json=json_out)
+    try:
+        run(traces or default_traces(), serving_gpus=tuple(serving_gpus), budgets=tuple(budget),
+            rotations=days_of(rotations, "--rotations") or None,
+            variants=tuple(v.strip() for v in variants.split(",") if v.strip()), shift=shift,
+            shift_day=shift_day, days=days, workers=workers, as_json=json_out)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
 
 
 @app.command("generalize")

@@ -1,30 +1,33 @@
-"""``python -m lab clients``: does client-level information lend more at the same budget?
+"""``python -m lab clients``: does client-level information lend more at the same budget, and does the
+online promise hold it?
 
-    python -m lab clients --json                        # ../shared/traces/servegen-*-clients.csv.gz
-    python -m lab clients T-clients.csv.gz --serving-gpus 2048 --online-rotations 0,7 --json
+    python -m lab clients --workers 2 --json           # the whole table, ../shared/traces/servegen-*-clients
+    python -m lab clients --days 7 --rotations 0 --serving-gpus 128 --variants before,loosen  # chosen on
+    python -m lab clients --shift double-client --rotations 0 --json
 
 Per-client traces (:mod:`tidal.serving.client_traces`), the pool sized for the total's peak, in the fluid
 model of :mod:`lab.forecast.study` (restart cost 0, strict shortfall, scored after the warm-up days: the
 model learns on the first days and is scored on the later ones; nothing is tuned on them). For each whole-day
-rotation and budget:
+rotation, pool size (``--serving-gpus``, repeatable) and budget:
 
 * the **ceiling** of each forecast: the hindsight-best constant ``z`` over the aggregate forecast
   (``center + z * scale``) and over the client-level one (the same center, the scale widened by the
   switch-on risk of the clients that are off, :func:`tidal.policy.clients.client_forecast`);
-* (``--online-rotations``) the policy, :class:`~tidal.policy.loan.TidalPolicy`, fed the total only, fed
-  the per-client demand too with the tail reserve following the switch-on risk (``--reserve-floor``), and
-  that with budget pacing (``--pacing-gain``).
+* the policy, :class:`~tidal.policy.loan.TidalPolicy`, in the variants of ``VARIANTS`` (``--variants``).
 
 ``--shift`` changes the traffic from day ``--shift-day`` on, a regime nobody tuned on: ``double-client``
 (a new client twice the largest appears), ``peak-3h`` (every client's day 3 hours later), ``no-weekend``
 (Saturday and Sunday are the Friday before them; days counted from the trace start, a Thursday in Unix
-time as the client model reads it).
+time as the client model reads it). ``--days`` keeps the first days only.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import replace
+from functools import lru_cache
+from multiprocessing import Pool
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +42,35 @@ from tidal.policy.clients import ClientConfig, client_forecast, initial_clients,
 from tidal.policy.loan import LoanContext, LoanTiming, TidalConfig, TidalPolicy
 from tidal.serving.client_traces import load_client_trace
 
-KEYS = ("ceiling_aggregate", "ceiling_clients", "tidal_aggregate", "tidal_clients", "tidal_clients_paced")
 SHIFTS = ("none", "double-client", "peak-3h", "no-weekend")
+CEILINGS = ("ceiling_aggregate", "ceiling_clients")
+
+
+PROMISE = {"pacing_gain": 2.0}
+"""The online promise, tightening only (an option, off by default: docs/loaning.md, "Client-level demand")."""
+LOOSEN = {"pacing_gain": 2.0, "pacing_floor": 0.5}
+"""The promise loosening the reserve by the budget left (chosen on m-large's first 7 days; not kept)."""
+
+
+def _before(c: TidalConfig) -> TidalConfig:
+    """The policy before the online promise: no pacing, the usual reserve."""
+    return replace(c, pacing_gain=0.0, pacing_floor=1.0, clients=ClientConfig(heavy=c.clients.heavy))
+
+
+def _clients(c: TidalConfig) -> TidalConfig:
+    """The promise with the tail reserve following the switch-on risk (within the budget left)."""
+    return replace(_before(c), **PROMISE, clients=replace(c.clients, reserve_floor=0.7))
+
+
+VARIANTS: dict[str, tuple[bool, Callable[[TidalConfig], TidalConfig]]] = {
+    "before": (False, _before),  # the aggregate policy before the promise: the total only
+    "tighten": (False, lambda c: replace(_before(c), **PROMISE)),  # with the promise, the total only
+    "week": (False, lambda c: replace(_before(c), **PROMISE, pacing_half_life_s=7 * 86400.0)),  # a week
+    "clients": (True, _clients),  # with the promise and the reserve by risk, per client
+    "loosen": (True, lambda c: replace(_before(c), **LOOSEN)),  # the promise loosening by the budget left
+    "floor": (True, lambda c: replace(_before(c), clients=replace(c.clients, reserve_floor=0.7))),
+}
+"""name: (fed per client, the config from the default's)."""
 
 
 def shifted(rates: np.ndarray, kind: str, at: int, day: int) -> np.ndarray:
@@ -61,6 +91,8 @@ def shifted(rates: np.ndarray, kind: str, at: int, day: int) -> np.ndarray:
     elif kind != "none":
         raise ValueError(f"shift {kind!r}: expected one of {', '.join(SHIFTS)}")
     return r
+
+
 DEFAULT = ("servegen-language-m-large-clients.csv.gz", "servegen-language-m-mid-clients.csv.gz")
 
 
@@ -85,7 +117,7 @@ def paths(times_s: np.ndarray, demand: np.ndarray, clients: np.ndarray, fcfg: fc
 
 def online(times_s: np.ndarray, demand: np.ndarray, clients: np.ndarray | None, n: int,
            cfg: TidalConfig) -> np.ndarray:
-    """What the shipped policy lends per step, given the per-client demand or not."""
+    """What the policy lends per step, given the per-client demand or not."""
     pol = TidalPolicy(cfg)
     st, lent, prev = pol.initial_state(), np.zeros(len(demand), dtype=int), 0
     for i, t in enumerate(times_s):
@@ -96,96 +128,135 @@ def online(times_s: np.ndarray, demand: np.ndarray, clients: np.ndarray | None, 
     return lent
 
 
-def evaluate(path: Path, *, n: int, step_s: float, lead: int, warmup: int, budgets: tuple[float, ...],
-             rotations: list[int] | None, online_rotations: list[int], heavy: int, pacing_gain: float = 1.0,
-             shift: str = "none", shift_day: int = 7, reserve_floor: float = 0.7) -> dict[str, Any]:
+@lru_cache(maxsize=4)
+def _load(path: Path, heavy: int, shift: str, shift_day: int, days: int | None
+          ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """(times, total load, per-client load with gaps NaN, windows a day) of a trace, shifted, cut."""
     ct = load_client_trace(path, max_clients=heavy)
     day = round(86400.0 / ct.step_s)
     rates = shifted(ct.rates, shift, shift_day * day, day)
     load = np.nansum(rates, axis=1)
     gap = ct.total().gap
-    demand = n * load / load[~gap].max()
-    demand[gap] = np.nan
-    per_client = rates * (n / load[~gap].max())
-    per_client[gap] = np.nan
-    days = len(demand) // day
+    load[gap] = np.nan
+    rates[gap] = np.nan
+    m = len(load) if days is None else min(len(load), days * day)
+    return ct.times_s[:m], load[:m], rates[:m], day
+
+
+def evaluate_rotation(path: Path, *, n: int, rotation: int, step_s: float, lead: int, warmup: int,
+                      budgets: tuple[float, ...], variants: tuple[str, ...], heavy: int = 32,
+                      shift: str = "none", shift_day: int = 7, days: int | None = None
+                      ) -> list[dict[str, Any]]:
+    """One row per budget: harvest / oracle and shortfall of the ceilings and of each variant."""
+    times, load, rates, day = _load(path, heavy, shift, shift_day, days)
+    peak = float(np.nanmax(load))
+    d = np.roll(n * load / peak, -rotation * day)
+    c = np.roll(rates * (n / peak), -rotation * day, axis=0)
     timing = LoanTiming(notice_s=0.0, final_checkpoint_s=0.0, release_s=0.0, warmup_s=lead * step_s,
                         restart_cost_s=0.0)
     fcfg = fc.ForecastConfig(step_s=step_s, horizon_s=max(6 * 3600.0, timing.lead_time_s + step_s))
-    ccfg = ClientConfig(heavy=heavy, reserve_floor=reserve_floor)
-    times = ct.times_s
-    runs = []
-    for k in range(days) if rotations is None else rotations:
-        d, c = np.roll(demand, -k * day), np.roll(per_client, -k * day, axis=0)
-        center, agg_scale, cli_scale = paths(times, d, c, fcfg, ccfg, lead)
-        oracle_policy = OraclePolicy(step_s=step_s, horizon_s=fcfg.horizon_s, timing=timing)
-        o_lent, _ = run_policy(oracle_policy, times, d, n, future=True)
-        oracle = fluid_score(o_lent, d, n, lead, warmup)["harvest"]
-        for b in budgets:
-            row: dict[str, Any] = {"rotation": k, "budget": b}
-            for name, s in (("ceiling_aggregate", agg_scale), ("ceiling_clients", cli_scale)):
-                z = _tune_z(d, center, s, n, lead, warmup, b)
-                sc = fluid_score(lent_from_upper(d, center + z * s, n), d, n, lead, warmup)
-                row[name] = {"z": z, "harvest_over_oracle": sc["harvest"] / oracle,
-                             "shortfall": sc["shortfall_strict"]}
-            if k in online_rotations:
-                cfg = TidalConfig(shortfall_budget=b, forecast=fcfg, timing=timing, clients=ccfg)
-                paced = replace(cfg, pacing_gain=pacing_gain)
-                for name, cl, cf in (("tidal_aggregate", None, cfg), ("tidal_clients", c, cfg),
-                                     ("tidal_clients_paced", c, paced)):
-                    sc = fluid_score(online(times, d, cl, n, cf), d, n, lead, warmup)
-                    row[name] = {"harvest_over_oracle": sc["harvest"] / oracle,
-                                 "shortfall": sc["shortfall_strict"],
-                                 "meets_budget": sc["shortfall_strict"] <= b + 1e-12}
-            runs.append(row)
-    summary: dict[str, Any] = {}
+    ccfg = ClientConfig(heavy=heavy)
+    center, agg_scale, cli_scale = paths(times, d, c, fcfg, ccfg, lead)
+    o_lent, _ = run_policy(OraclePolicy(step_s=step_s, horizon_s=fcfg.horizon_s, timing=timing), times, d, n,
+                           future=True)
+    oracle = fluid_score(o_lent, d, n, lead, warmup)["harvest"]
+    rows = []
     for b in budgets:
-        rs = [r for r in runs if r["budget"] == b]
-        summary[str(b)] = {key: {"rotations": len(got), "median_over_oracle": float(np.median(got)),
-                                 "first_rotation_over_oracle": got[0],
-                                 **({"met": sum(r[key]["meets_budget"] for r in rs if key in r),
-                                     "worst_shortfall": max(r[key]["shortfall"] for r in rs if key in r)}
-                                    if key.startswith("tidal") else {})}
-                           for key in KEYS
-                           if (got := [r[key]["harvest_over_oracle"] for r in rs if key in r])}
-    return {"clients": list(ct.clients), "runs": runs, "summary": summary}
+        row: dict[str, Any] = {"rotation": rotation, "budget": b}
+        for name, s in zip(CEILINGS, (agg_scale, cli_scale), strict=True):
+            z = _tune_z(d, center, s, n, lead, warmup, b)
+            sc = fluid_score(lent_from_upper(d, center + z * s, n), d, n, lead, warmup)
+            row[name] = {"z": z, "harvest_over_oracle": sc["harvest"] / oracle,
+                         "shortfall": sc["shortfall_strict"]}
+        base = TidalConfig(shortfall_budget=b, forecast=fcfg, timing=timing, clients=ccfg)
+        for name in variants:
+            per_client, make = VARIANTS[name]
+            sc = fluid_score(online(times, d, c if per_client else None, n, make(base)), d, n, lead, warmup)
+            row[name] = {"harvest_over_oracle": sc["harvest"] / oracle, "shortfall": sc["shortfall_strict"],
+                         "meets_budget": sc["shortfall_strict"] <= b + 1e-12}
+        rows.append(row)
+    return rows
 
 
-def run(traces: list[Path], *, serving_gpus: int = 128, step_s: float = 600.0, lead_s: float = 1200.0,
-        budgets: tuple[float, ...] = (0.002, 0.005, 0.01), rotations: list[int] | None = None,
-        online_rotations: tuple[int, ...] = (0,), heavy: int = 32, warmup_days: float = 2.0,
-        pacing_gain: float = 1.0, shift: str = "none", shift_day: int = 7, reserve_floor: float = 0.7,
+def summarize(rows: list[dict[str, Any]], budgets: tuple[float, ...],
+              keys: tuple[str, ...]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for b in budgets:
+        rs = [r for r in rows if r["budget"] == b]
+        out[str(b)] = {k: {"rotations": len(rs), "median_over_oracle": float(np.median(
+                               [r[k]["harvest_over_oracle"] for r in rs])),
+                           "first_rotation_over_oracle": rs[0][k]["harvest_over_oracle"],
+                           "worst_shortfall": max(r[k]["shortfall"] for r in rs),
+                           **({"met": sum(r[k]["meets_budget"] for r in rs)} if k not in CEILINGS else {})}
+                       for k in keys}
+    return out
+
+
+def _task(a: tuple[Path, dict[str, Any]]) -> list[dict[str, Any]]:
+    return evaluate_rotation(a[0], **a[1])
+
+
+def run(traces: list[Path], *, serving_gpus: tuple[int, ...] = (128, 2048), step_s: float = 600.0,
+        lead_s: float = 1200.0, budgets: tuple[float, ...] = (0.002, 0.005, 0.01),
+        rotations: list[int] | None = None,
+        variants: tuple[str, ...] = ("before", "tighten", "clients"), heavy: int = 32,
+        warmup_days: float = 2.0,
+        shift: str = "none", shift_day: int = 7, days: int | None = None, workers: int = 1,
         as_json: bool = False) -> dict[str, Any]:
-    """Evaluate each per-client trace; print a table (stderr with ``as_json``); return the result."""
+    """Evaluate each per-client trace at each pool size; print the table (stderr with ``as_json``)."""
     from rich.console import Console
     from rich.table import Table
 
     if not traces:
         raise ValueError(f"no trace given and none found in {DEFAULT_TRACES_DIR}")
+    if unknown := [v for v in variants if v not in VARIANTS]:
+        raise ValueError(f"--variants: unknown {unknown}; expected some of {', '.join(VARIANTS)}")
     lead, warmup = grid_steps(lead_s, step_s, warmup_days)
-    result: dict[str, Any] = {"config": {"serving_gpus": serving_gpus, "step_s": step_s, "lead_s": lead_s,
-                                         "budgets": list(budgets), "warmup_days": warmup_days, "heavy": heavy,
-                                         "online_rotations": list(online_rotations),
-                                         "pacing_gain": pacing_gain, "shift": shift, "shift_day": shift_day,
-                                         "reserve_floor": reserve_floor},
-                              "traces": {}}
+    tasks, keys = [], (*variants, *CEILINGS)
     for p in traces:
-        result["traces"][p.name.split(".")[0]] = evaluate(
-            p, n=serving_gpus, step_s=step_s, lead=lead, warmup=warmup, budgets=budgets, rotations=rotations,
-            online_rotations=list(online_rotations), heavy=heavy, pacing_gain=pacing_gain, shift=shift,
-            shift_day=shift_day, reserve_floor=reserve_floor)
-    table = Table(title=f"client-level against aggregate forecast (fluid model, {serving_gpus} serving GPUs, "
-                        f"lead {lead_s / 60:g} min): harvest x oracle")
-    for col in ("trace", "budget", "what", "rotations", "first rotation", "median", "held", "worst short"):
-        table.add_column(col)
-    for name, tr in result["traces"].items():
-        for b, rows in tr["summary"].items():
-            for what, s in rows.items():
-                table.add_row(name, b, what, str(s["rotations"]), f"{s['first_rotation_over_oracle']:.3f}",
-                              f"{s['median_over_oracle']:.3f}", str(s.get("met", "")),
-                              f"{s['worst_shortfall']:.5f}" if "worst_shortfall" in s else "")
-        table.add_section()
-    Console(stderr=as_json, width=160).print(table)
+        n_days = len(_load(p, heavy, shift, shift_day, days)[1]) // round(86400.0 / step_s)
+        for n in serving_gpus:
+            for k in range(n_days) if rotations is None else rotations:
+                tasks.append((p, dict(n=n, rotation=k, step_s=step_s, lead=lead, warmup=warmup,
+                                      budgets=budgets, variants=variants, heavy=heavy, shift=shift,
+                                      shift_day=shift_day, days=days)))
+    if workers > 1:
+        with Pool(workers) as pool:
+            done = pool.map(_task, tasks, chunksize=1)
+    else:
+        done = [_task(t) for t in tasks]
+    result: dict[str, Any] = {"config": {
+        "serving_gpus": list(serving_gpus), "step_s": step_s, "lead_s": lead_s, "budgets": list(budgets),
+        "warmup_days": warmup_days, "heavy": heavy, "variants": list(variants), "shift": shift,
+        "shift_day": shift_day, "days": days, "promise": PROMISE, "loosen": LOOSEN}, "traces": {}}
+    for (p, kw), rows in zip(tasks, done, strict=True):
+        tr = result["traces"].setdefault(p.name.split(".")[0], {}).setdefault(str(kw["n"]), {"runs": []})
+        tr["runs"] += rows
+    for tr in result["traces"].values():
+        for sized in tr.values():
+            sized["summary"] = summarize(sized["runs"], budgets, keys)
+    con = Console(stderr=as_json, width=200)
+    for title, summary_only in (("every rotation", False), ("rotation 0 / median, held, worst", True)):
+        table = Table(title=f"{title} (fluid model, lead {lead_s / 60:g} min, shift {shift}): harvest x "
+                            "oracle @ shortfall")
+        for col in ("trace", "GPUs", "budget", "rotation", *keys):
+            table.add_column(col)
+        for name, tr in result["traces"].items():
+            for n_s, sized in tr.items():
+                if summary_only:
+                    for b, s in sized["summary"].items():
+                        table.add_row(name, n_s, b, f"{s[keys[0]]['rotations']} rot.", *(
+                            f"{s[k]['first_rotation_over_oracle']:.3f} / {s[k]['median_over_oracle']:.3f}"
+                            + (f", {s[k]['met']} held, {s[k]['worst_shortfall']:.5f}" if "met" in s[k]
+                               else "")
+                            for k in keys))
+                else:
+                    for r in sized["runs"]:
+                        table.add_row(name, n_s, str(r["budget"]), str(r["rotation"]), *(
+                            ("[bold]" if not r[k].get("meets_budget", True) else "")
+                            + f"{r[k]['harvest_over_oracle']:.3f} @ {r[k]['shortfall']:.5f}" for k in keys))
+                table.add_section()
+        con.print(table)
     if as_json:
         print(json.dumps(result, indent=2))
     return result

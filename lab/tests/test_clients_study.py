@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
-from lab.forecast.clients import evaluate, shifted
+from lab.forecast.clients import run, shifted
 
 
 def test_shifts_change_only_the_days_after_the_shift():
@@ -24,16 +26,22 @@ def test_shifts_change_only_the_days_after_the_shift():
         shifted(r, "x", 0, day)
 
 
-def test_evaluate_reports_ceilings_and_the_policy(tmp_path):
+def test_the_table_reports_ceilings_and_every_variant_per_rotation_and_size(tmp_path, capsys):
     rows = ["seconds,client,requests_per_second"]
     for i in range(4 * 144):
         t = i * 600
         rows += [f"{t},rest,{3 + np.sin(i / 23):.3f}"] + [f"{t},big,5"] * (60 <= i % 144 < 90)
     path = tmp_path / "c.csv"
     path.write_text("\n".join(rows) + "\n")
-    out = evaluate(path, n=16, step_s=600.0, lead=2, warmup=144, budgets=(0.01,), rotations=[0],
-                   online_rotations=[0], heavy=4)
-    s = out["summary"]["0.01"]
-    assert set(s) == {"ceiling_aggregate", "ceiling_clients", "tidal_aggregate", "tidal_clients",
-                      "tidal_clients_paced"}
-    assert all(0 <= v["first_rotation_over_oracle"] <= 1.0 + 1e-9 for v in s.values())
+    out = run([path], serving_gpus=(16, 64), budgets=(0.01,), rotations=[0, 1], warmup_days=1.0,
+              variants=("before", "clients"), as_json=True)
+    assert json.loads(capsys.readouterr().out)["config"]["variants"] == ["before", "clients"]
+    for n in ("16", "64"):
+        tr = out["traces"]["c"][n]
+        assert [r["rotation"] for r in tr["runs"]] == [0, 1]
+        s = tr["summary"]["0.01"]
+        assert set(s) == {"before", "clients", "ceiling_aggregate", "ceiling_clients"}
+        assert all(0 <= v["first_rotation_over_oracle"] <= 1.0 + 1e-9 for v in s.values())
+        assert s["clients"]["met"] == 2 and s["clients"]["rotations"] == 2
+    with pytest.raises(ValueError, match="--variants: unknown"):
+        run([path], variants=("nope",))

@@ -1,9 +1,14 @@
-"""Budget pacing: the calibrator's aim moved by the realized shortfall of the recent day. Pure.
+"""The budget as an online promise: the margin moved by the realized shortfall of the recent day. Pure.
 
 The pace ``r = S / (B D)`` compares the shortfall ``S`` realized over a fading window (``half_life_s``, a
-day by default) with its share of the budget ``B`` of the demand ``D`` over the same window. The aim is
-``aim * clip(1 + gain * (1 - r), low, high)``: tighter while the day's shortfall runs ahead of its share
-(``r > 1``), looser while it runs behind; ``gain`` 0 is off (docs/loaning.md, "Budget pacing").
+day by default) with its share of the budget ``B`` of the demand ``D`` over the same window. It acts
+asymmetrically (docs/loaning.md, "The online promise"):
+
+* **ahead** (``r > 1``): tighter at once, as far as the overrun: the tail reserve times
+  ``t = min(cap, 1 + gain (r - 1))`` and the calibrator's aim over ``t``;
+* **behind** (``r < 1``): a reserve below the usual one only within the budget left, ``u = 1 - r``: a
+  factor ``f`` below 1 counts as ``1 - (1 - f) u``, so nothing is loosened once the window's budget is
+  spent, and what a miss spent comes back only as the window forgets it (a day), never at once.
 """
 
 from __future__ import annotations
@@ -18,14 +23,19 @@ def pace_update(window: tuple[float, float], shortfall_gpus: float, demand_gpus:
     return window[0] * keep + shortfall_gpus * dt_s, window[1] * keep + demand_gpus * dt_s
 
 
-def paced_aim(aim: float, budget: float, window: tuple[float, float], gain: float, low: float = 0.25,
-              high: float = 1.25) -> float:
-    """The calibrator's aim (a fraction of the budget) at the pace of ``window``; ``aim`` when off or
-    before any demand."""
+def promise(window: tuple[float, float], budget: float, gain: float, cap: float) -> tuple[float, float]:
+    """``(t, u)``: the tightening ``t >= 1`` and the share of the window's budget left ``u`` in [0, 1];
+    ``(1, 1)`` when off (``gain`` 0) or before any demand."""
     s, d = window
     if gain <= 0 or d <= 0:
-        return aim
-    return aim * min(high, max(low, 1.0 + gain * (1.0 - s / (budget * d))))
+        return 1.0, 1.0
+    r = s / (budget * d)
+    return min(cap, 1.0 + gain * max(r - 1.0, 0.0)), max(0.0, 1.0 - r)
 
 
-__all__ = ["pace_update", "paced_aim"]
+def loosened(factor: float, left: float) -> float:
+    """A reserve factor below 1 loosened only by the budget ``left``: ``1 - (1 - factor) * left``."""
+    return factor if factor >= 1.0 else 1.0 - (1.0 - factor) * left
+
+
+__all__ = ["loosened", "pace_update", "promise"]

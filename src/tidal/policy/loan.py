@@ -21,7 +21,7 @@ from tidal.contract import DEFAULT_GRACE_S
 from tidal.model import Reclaim
 from tidal.policy import clients as pc
 from tidal.policy.budget import ledger_update, max_lendable
-from tidal.policy.budget_pacing import pace_update, paced_aim
+from tidal.policy.budget_pacing import loosened, pace_update, promise
 from tidal.policy.forecast import Forecast, ForecastConfig, ForecastState, forecast, initial_state, observe
 from tidal.policy.forecast_errors import tail_reserve_gpus
 
@@ -207,10 +207,14 @@ class TidalConfig:
     ledger_bank_pool_h: float = 48.0
     """How much unspent budget the ledger may bank (``budget x N x this`` GPU-hours; 0 = none)."""
     pacing_gain: float = 0.0
-    """Budget pacing (:mod:`tidal.policy.budget_pacing`): how strongly the day's realized shortfall moves
-    the calibrator's aim (0 = off)."""
+    """The online promise (:mod:`tidal.policy.budget_pacing`): how strongly a realized shortfall ahead of
+    the day's share tightens the reserve and the aim (0 = off)."""
     pacing_half_life_s: float = 86400.0
     """The memory of the pace's window."""
+    pacing_cap: float = 4.0
+    """The most the promise multiplies the tail reserve by."""
+    pacing_floor: float = 1.0
+    """The reserve factor the promise allows while the window's budget is unspent (1 = never below)."""
     clients: pc.ClientConfig = field(default_factory=pc.ClientConfig)
     """The client-level model, used while the context has per-client demand."""
 
@@ -232,9 +236,11 @@ class TidalConfig:
                              "in (0, 1] and ledger_bank_pool_h finite and >= 0, got "
                              f"{self.ledger_allowance_pool_h}, {self.ledger_fraction} and "
                              f"{self.ledger_bank_pool_h}")
-        if not self.pacing_gain >= 0 or not self.pacing_half_life_s > 0:
-            raise ValueError(f"TidalConfig.pacing_gain must be >= 0 and pacing_half_life_s > 0, got "
-                             f"{self.pacing_gain} and {self.pacing_half_life_s}")
+        if not self.pacing_gain >= 0 or not self.pacing_half_life_s > 0 or not self.pacing_cap >= 1 \
+                or not 0 < self.pacing_floor <= 1:
+            raise ValueError(f"TidalConfig.pacing_gain must be >= 0, pacing_half_life_s > 0, pacing_cap "
+                             f">= 1 and pacing_floor in (0, 1], got {self.pacing_gain}, "
+                             f"{self.pacing_half_life_s}, {self.pacing_cap} and {self.pacing_floor}")
         horizon_needed = self.timing.lead_time_s + self.timing.min_loan_window_s
         if self.forecast.horizon_s < horizon_needed:
             raise ValueError(f"TidalConfig.forecast.horizon_s ({self.forecast.horizon_s:g}) must cover the "
@@ -285,10 +291,11 @@ class TidalPolicy:
        last lead time; ``shortfall = max(0, demand - supply)``.
     3. Calibrate (online conformal risk control, Feldman et al. 2023):
        ``z += rate * dt_h * (counted - B'' * demand) / (B' * N)``, ``B' = aim_fraction * budget``
-       (``B''``: the same, paced: :mod:`~tidal.policy.budget_pacing`), within
+       (``B''``: the same over the online promise's tightening, :mod:`~tidal.policy.budget_pacing`), within
        ``[min_z, max_z]``; ``counted`` is the shortfall against what the plans' bounds alone would have
        lent (before the ledger's cap), at most ``shortfall_cap_scales`` error scales at the lead time.
-    4. Plan from ``upper = max(center + z * scale, center + R)`` (``R``: the tail reserve), within the
+    4. Plan from ``upper = max(center + z * scale, center + R)`` (``R``: the tail reserve, times the
+       promise's tightening and the client model's risk factor, loosened only by the budget left), within the
        lead time at least ``demand now + z * scale(1)`` (``hold_demand_now``), and record the promise.
     5. Cap the loans by the budget ledger (:mod:`tidal.policy.budget`; docs/loaning.md, "The guarantee").
     """
@@ -337,8 +344,7 @@ class TidalPolicy:
             shortfall_gpu_s += shortfall * dt_s
             demand_gpu_s += y * dt_s
             b = cfg.shortfall_budget * cfg.aim_fraction  # the target paced, the step size not
-            aim = cfg.shortfall_budget * paced_aim(cfg.aim_fraction, cfg.shortfall_budget, pace,
-                                                   cfg.pacing_gain)
+            aim = b / promise(pace, cfg.shortfall_budget, cfg.pacing_gain, cfg.pacing_cap)[0]
             pace = pace_update(pace, shortfall, y, dt_s, cfg.pacing_half_life_s)
             # z calibrates the bound: scored on what the bound alone would have lent, not the capped plans
             by_bound = shortfall
@@ -354,13 +360,14 @@ class TidalPolicy:
                                        cfg.shortfall_budget * n * cfg.ledger_bank_pool_h * 3600.0)
         fc = forecast(cfg.forecast, fs) if fs.n_obs else None  # nothing known yet: lend nothing
         by_clients = fc is not None and cs is not None and cs.n_obs > 0 and ctx.client_gpus is not None
-        reserve = self._reserve(fs)
+        tighten, left = promise(pace, cfg.shortfall_budget, cfg.pacing_gain, cfg.pacing_cap)
+        reserve = self._reserve(fs) * tighten * loosened(cfg.pacing_floor, left)
         if by_clients and fc is not None and cs is not None:
             agg, fc = fc, pc.client_forecast(cfg.clients, cfg.forecast, cs, fc)
             if cfg.clients.reserve_floor < 1:
                 i = min(max(round(cfg.timing.lead_time_s / cfg.forecast.step_s) - 1, 0), fc.times_s.size - 1)
                 factor, cs = pc.reserve_factor(cfg.clients, cfg.forecast, cs, agg, fc, i, new_obs)
-                reserve *= factor
+                reserve *= loosened(factor, left)
         commitments = tuple(c for c in state.commitments if c[1] > ctx.now_s + EPS)
         cap = self._ledger_cap(ctx.now_s, n, ledger, commitments) if ledger_on else None
         plan = self._plan(ctx, fc, z, reserve, cap)
