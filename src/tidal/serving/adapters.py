@@ -186,6 +186,64 @@ class _Released:
                 self.released[node] = int(g)
 
 
+class ActionQueue:
+    """The :class:`QueuedAdapter` bookkeeping both queued adapters share: release and restore check the
+    action and queue it for the adapter's worker thread (started by :meth:`_ensure`), which puts each
+    outcome on ``_done``; :meth:`done` reports them and only then moves the released counts."""
+
+    def _init_actions(self, nodes: Mapping[str, int]) -> None:
+        self._nodes = dict(nodes)
+        self.state = _Released(self._nodes)
+        self.failures = 0
+        self.last_error: str | None = None
+        self._todo: queue.SimpleQueue[ActionDone | None] = queue.SimpleQueue()
+        self._done: queue.SimpleQueue[ActionDone] = queue.SimpleQueue()
+        self.queued = 0  # actions queued whose outcome done() has not reported yet
+        self._worker: threading.Thread | None = None
+
+    def _ensure(self) -> None:
+        """Start the worker thread if it is not running."""
+        raise NotImplementedError
+
+    def release(self, node: str, gpus: int, lent_after: int, now_s: float) -> None:
+        self._queue(ActionDone("release", node, gpus, lent_after))
+
+    def restore(self, node: str, gpus: int, lent_after: int, now_s: float) -> None:
+        self._queue(ActionDone("restore", node, gpus, lent_after))
+
+    def _queue(self, act: ActionDone) -> None:
+        self.state.check(act.node, act.gpus, act.lent_after)
+        self._ensure()
+        self.queued += 1
+        self._todo.put(act)
+
+    def done(self) -> list[ActionDone]:
+        out: list[ActionDone] = []
+        while True:
+            try:
+                act = self._done.get_nowait()
+            except queue.Empty:
+                return out
+            self.queued -= 1
+            if act.error is None:
+                self.state.move(act.node, act.gpus, act.lent_after, +1 if act.action == "release" else -1)
+                self.last_error = None
+            else:
+                self.failures += 1
+                self.last_error = act.error
+            out.append(act)
+
+    def settle(self, timeout_s: float) -> bool:
+        """Wait until every queued action has finished (its outcome waits for :meth:`done`) or
+        ``timeout_s`` passed; whether they all finished (tests, scripts; the plane never waits)."""
+        deadline = time.monotonic() + timeout_s
+        while self._done.qsize() < self.queued:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+
 class ReplayAdapter:
     """Virtual serving nodes whose demand replays ``source``: serving time ``start_s`` (default: the
     replay's start) plays at control-plane time ``origin_s`` (set on first use unless given), ``speedup``
@@ -254,7 +312,7 @@ class ReplayAdapter:
         self.state.resume(doc)
 
 
-class HookAdapter:
+class HookAdapter(ActionQueue):
     """Demand from ``source`` (e.g. :class:`~tidal.serving.sources.PrometheusQuery`), actions by an
     operator's webhook (``url``: ``POST`` JSON ``{"action", "node", "gpus", "lent_after"}``, 2xx is
     success) or command (argv with ``TIDAL_SERVING_ACTION``, ``_NODE``, ``_GPUS``, ``_LENT_AFTER`` in
@@ -282,14 +340,7 @@ class HookAdapter:
         self.timeout_s, self.attempts = float(timeout_s), int(attempts)
         self.retry_wait_s = float(retry_wait_s)
         self.demand = BackgroundDemand(source, demand_wait_s, demand_max_age_s)
-        self._nodes = dict(nodes)
-        self.state = _Released(nodes)
-        self.failures = 0
-        self.last_error: str | None = None
-        self._todo: queue.SimpleQueue[ActionDone] = queue.SimpleQueue()
-        self._done: queue.SimpleQueue[ActionDone] = queue.SimpleQueue()
-        self.queued = 0  # actions queued whose outcome done() has not reported yet
-        self._worker: threading.Thread | None = None
+        self._init_actions(nodes)
 
     def nodes(self) -> dict[str, int]:
         return dict(self._nodes)
@@ -304,24 +355,14 @@ class HookAdapter:
     def clients_at(self, now_s: float) -> np.ndarray | None:
         return self.demand.clients_at(now_s)
 
-    def release(self, node: str, gpus: int, lent_after: int, now_s: float) -> None:
-        self._queue(ActionDone("release", node, gpus, lent_after))
-
-    def restore(self, node: str, gpus: int, lent_after: int, now_s: float) -> None:
-        self._queue(ActionDone("restore", node, gpus, lent_after))
-
-    def _queue(self, act: ActionDone) -> None:
-        self.state.check(act.node, act.gpus, act.lent_after)
+    def _ensure(self) -> None:
         if self._worker is None or not self._worker.is_alive():
             self._worker = threading.Thread(target=self._work, daemon=True, name="tidal-serving-actions")
             self._worker.start()
-        self.queued += 1
-        self._todo.put(act)
 
     def _work(self) -> None:
         """The worker thread: one action at a time, in order; it touches nothing but the two queues."""
-        while True:
-            act = self._todo.get()
+        while (act := self._todo.get()) is not None:  # None: stop
             self._done.put(dataclasses.replace(act, error=self._carry_out(act)))
 
     def _carry_out(self, act: ActionDone) -> str | None:
@@ -334,32 +375,6 @@ class HookAdapter:
             if not why:
                 return None
         return f"{act.action} {act.gpus} GPUs on {act.node}: {why} ({self.attempts} attempts)"
-
-    def done(self) -> list[ActionDone]:
-        out: list[ActionDone] = []
-        while True:
-            try:
-                act = self._done.get_nowait()
-            except queue.Empty:
-                return out
-            self.queued -= 1
-            if act.error is None:
-                self.state.move(act.node, act.gpus, act.lent_after, +1 if act.action == "release" else -1)
-                self.last_error = None
-            else:
-                self.failures += 1
-                self.last_error = act.error
-            out.append(act)
-
-    def settle(self, timeout_s: float) -> bool:
-        """Wait until every queued action has finished (its outcome waits for :meth:`done`) or
-        ``timeout_s`` passed; whether they all finished (tests, scripts; the plane never waits)."""
-        deadline = time.monotonic() + timeout_s
-        while self._done.qsize() < self.queued:
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.01)
-        return True
 
     def _try(self, body: dict[str, Any]) -> str:
         """'' on success, else why it failed."""

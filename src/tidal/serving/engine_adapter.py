@@ -29,7 +29,7 @@ import numpy as np
 
 from tidal.exec import procs
 from tidal.files import private_dirs, write_atomic
-from tidal.serving.adapters import ActionDone, _Released, parse_nodes
+from tidal.serving.adapters import ActionDone, ActionQueue, parse_nodes
 from tidal.serving.engine_replicas import EngineError, EngineReplicas
 from tidal.serving.engines import replicas_needed
 from tidal.serving.requests import number_in
@@ -102,7 +102,7 @@ class EngineSettings:
                    **kw, **eng)
 
 
-class EngineAdapter:
+class EngineAdapter(ActionQueue):
     """Lends the GPUs of llama.cpp replicas, one a GPU, in ``workdir`` (module docstring). ``history``: a
     replay of earlier days (scaled to the pool) for :meth:`forecast_history`. Nothing starts before the
     first loan step; :meth:`close` stops the worker and every process it started."""
@@ -113,18 +113,11 @@ class EngineAdapter:
         self.speedup = float(settings.speedup)
         self.origin_s: float | None = None  # control-plane time of serving time start_s
         self.history, self.history_days = history, history_days
-        self._nodes = dict(settings.nodes)
-        self.state = _Released(self._nodes)
+        self._init_actions(settings.nodes)
         names = [n for n, g in self._nodes.items() for _ in range(g)]
         self.index = {n: [i for i, m in enumerate(names) if m == n] for n in self._nodes}  # replicas a node
-        self._todo: queue.SimpleQueue[ActionDone | None] = queue.SimpleQueue()
-        self._done: queue.SimpleQueue[ActionDone] = queue.SimpleQueue()
-        self.queued = 0
-        self.failures = 0
-        self.last_error: str | None = None
         self.view: dict[str, Any] = {}  # the worker's newest snapshot (swapped whole)
         self._stop = threading.Event()
-        self._worker: threading.Thread | None = None
         self._warming = 0  # replicas the worker is starting now
 
     def nodes(self) -> dict[str, int]:
@@ -157,32 +150,6 @@ class EngineAdapter:
     def warmup_s(self) -> float | None:
         """p95 of the replicas' recent start-to-healthy times (seconds; None before any start)."""
         return self.view.get("warmup_s")
-
-    def release(self, node: str, gpus: int, lent_after: int, now_s: float) -> None:
-        self._queue(ActionDone("release", node, gpus, lent_after))
-
-    def restore(self, node: str, gpus: int, lent_after: int, now_s: float) -> None:
-        self._queue(ActionDone("restore", node, gpus, lent_after))
-
-    def _queue(self, act: ActionDone) -> None:
-        self.state.check(act.node, act.gpus, act.lent_after)
-        self._ensure()
-        self.queued += 1
-        self._todo.put(act)
-
-    def done(self) -> list[ActionDone]:
-        out: list[ActionDone] = []
-        while True:
-            try:
-                act = self._done.get_nowait()
-            except queue.Empty:
-                return out
-            self.queued -= 1
-            if act.error is None:
-                self.state.move(act.node, act.gpus, act.lent_after, +1 if act.action == "release" else -1)
-            else:
-                self.failures, self.last_error = self.failures + 1, act.error
-            out.append(act)
 
     def ready(self, node: str) -> bool:
         """Every replica ``node`` should run is routed (healthy) and no action is in flight."""
