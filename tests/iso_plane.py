@@ -15,12 +15,20 @@ from pathlib import Path
 
 from tidal.control.config import ControlConfig
 from tidal.control.server import Plane, build
-from tidal.exec.isolation import IsolationConfig
+from tidal.exec.isolation import DEFAULT_UID_BASE, PLANE_RANGES, UID_SPAN, IsolationConfig
 
 ROOT = os.geteuid() == 0
 TERMINAL = ("succeeded", "failed", "cancelled")
 PY = "/usr/bin/python3"  # a plain Python other uids can run (this project's venv may lie under /root)
 SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def worker_uid_base(k: int = 0) -> int:
+    """The ``k``-th range of :data:`UID_SPAN` uids of this pytest worker alone (``make test`` runs several at
+    once): above every range a plane picks by default, so two tests running at once never share a uid (a
+    checkpoint hand-over refuses while any process of the earlier uid runs, whichever test started it)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    return DEFAULT_UID_BASE + UID_SPAN * (PLANE_RANGES + 4 * (int(worker) if worker.isdigit() else 0) + k)
 
 
 def config(**iso) -> ControlConfig:

@@ -3,6 +3,7 @@ real nginx router: lending and taking back under traffic loses no request; its f
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import socket
@@ -99,6 +100,27 @@ def test_faults_are_events_and_capacity_comes_back(model, tmp_path):
         r.lend(1)
         with pytest.raises(EngineError, match="last one serving"):
             r.lend(0)
+
+
+def test_a_lend_waits_for_a_request_the_router_read_before_it_was_unrouted(model, tmp_path):
+    """A request the router began reading before the reload is its earlier worker's, whose upstream list
+    still names the replica being lent: the replica is stopped only once that request has ended."""
+    with EngineReplicas(model, tmp_path / "w", replicas=2) as r:
+        body = json.dumps(BODY).encode()
+        head = (f"POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+        with socket.create_connection(("127.0.0.1", r.router_port), timeout=60) as s, \
+                ThreadPoolExecutor(1) as pool:
+            s.sendall(head + body[:5])  # its body still arriving
+            time.sleep(0.2)
+            lent = pool.submit(r.lend, 1)
+            time.sleep(1.0)
+            assert not lent.done() and r.replicas[1].proc is not None and r.replicas[1].proc.poll() is None
+            s.sendall(body[5:])
+            reply = b"".join(iter(lambda: s.recv(65536), b""))
+            lent.result(timeout=30)
+        assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
+        assert r.routed() == [0] and not any(e["kind"] == "drain_timeout" for e in r.events)
 
 
 def test_a_corrupt_model_fails_to_start_with_its_log(tmp_path):

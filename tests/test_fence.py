@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from iso_plane import worker_uid_base
 from tidal import ckpt
 from tidal import contract as c
 from tidal.ckpt import fence
@@ -89,7 +90,7 @@ def test_planted_links_are_not_followed(tmp_path):
     assert fence.read(d)["attempt"] == 1
 
 
-JOB_UID = 200000  # a job's uid (isolation.uid_base): its links are not the plane's to follow
+JOB_UID = worker_uid_base() + 1  # a job's uid (isolation.uid_base): its links are not the plane's to follow
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="links owned by a job's uid need root to make")
@@ -197,7 +198,7 @@ def test_a_stale_attempt_is_fenced_out(tmp_path):
     env = {c.ENV_CKPT_URL: str(url), c.ENV_CKPT_INTERVAL_STEPS: "2", c.ENV_CKPT_KEEP: "0",
            "OMP_NUM_THREADS": "1"}
     # two nodes of one plane: one range of uids (as root), the test's directory (the hold file) the workdir
-    iso = IsolationConfig(uid_base=200000) if os.geteuid() == 0 else IsolationConfig()
+    iso = IsolationConfig(uid_base=worker_uid_base()) if os.geteuid() == 0 else IsolationConfig()
     node1, node2 = (LocalExecutor(tmp_path / n, slots=1, isolation=iso) for n in ("node1", "node2"))
     try:
         # Attempt 1 on node 1: steps 2 and 4 committed, then its node is "lost" (the rank holds).

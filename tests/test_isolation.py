@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from iso_plane import ROOT, planes, rank_log, run
+from iso_plane import ROOT, planes, rank_log, run, worker_uid_base
 from tidal.control.auth import create_tenant
 from tidal.control.config import ControlConfig
 from tidal.control.spec import parse_spec
@@ -99,14 +99,15 @@ def test_environment_is_an_allow_list(plane_factory):
 @pytest.mark.skipif(not ROOT, reason="jobs run as their own uid only when tidal up runs as root; as another "
                     "user they run as that user and can read what it can (docs/control.md)")
 def test_hostile_job_reads_nothing_as_its_own_uid(plane_factory):
-    plane = plane_factory(uid_base=200000)
+    plane = plane_factory(uid_base=worker_uid_base())
     victim, hostile, log = _hostile_run(plane)
     token = (plane.state_dir / "admin.token").read_text().strip()
     assert token not in log and SECRET not in log
     assert "READ " not in log and "LISTED " not in log and log.count("denied ") == 13, log
     assert "VICTIM-LOG-MARK" not in log and "VICTIM-CKPT-MARK" not in log and "VICTIM-SHM-MARK" not in log
     ids = {j: plane.store.job(j).handle["uid"] for j in (victim, hostile)}
-    assert ids[victim] != ids[hostile] and all(200000 <= u < 200000 + 65536 for u in ids.values())
+    base = worker_uid_base()
+    assert ids[victim] != ids[hostile] and all(base <= u < base + 65536 for u in ids.values())
     assert f"uid {ids[hostile]} gid {ids[hostile]} groups {ids[hostile]}\n" in log  # no supplementary groups
     # the job owns what it writes; the plane (root) still reads it all
     ex = plane.executor
@@ -123,7 +124,7 @@ def test_a_location_under_the_tenants_prefix_is_made_for_its_uid(plane_factory):
     """A checkpoint directory under ``<state dir>/tenants/<tenant>/`` (its own prefix): the plane makes it
     for the job's uid (which cannot create anything in the state dir), under root's 0700 directories
     (the uid reaches it through its sandbox's binds); another tenant's job cannot read or list it."""
-    plane = plane_factory(uid_base=200000)
+    plane = plane_factory(uid_base=worker_uid_base())
     create_tenant(plane.store, "alice", quota_gpus=1)
     create_tenant(plane.store, "bob", quota_gpus=1)
     loc = plane.state_dir / "tenants" / "alice" / "runs" / "a"

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from iso_plane import worker_uid_base
 from plane_proc import wait_until
 from tidal.ckpt.tiers.directory import peer_job
 from tidal.control.auth import ADMIN_TOKEN_FILE
@@ -159,7 +160,7 @@ def test_a_hostile_job_on_ray_reads_nothing_as_its_own_uid(ray_cluster, monkeypa
     base.chmod(0o711)  # tmp_path, under a 0700 directory)
     ray_cluster.state_roots.append(base / "state" / "jobs")
     cfg = ControlConfig(loop_interval_s=0.1, restart_backoff_s=0.1,
-                        isolation=IsolationConfig(uid_base=210000))
+                        isolation=IsolationConfig(uid_base=worker_uid_base(2)))
     plane = build(base / "state", "auto", None, cfg, executor="ray", ray_address=ray_cluster.address,
                   ckpt_agents=True)
     py = os.access(PY, os.X_OK)
@@ -175,7 +176,7 @@ def test_a_hostile_job_on_ray_reads_nothing_as_its_own_uid(ray_cluster, monkeypa
         vlog = _log(plane, victim)
         assert plane.store.job(victim).state == "succeeded", vlog
         uid_v = plane.store.job(victim).handle["uid"]
-        assert f"uid {uid_v}\n" in vlog and 210000 <= uid_v < 210000 + 65536
+        assert f"uid {uid_v}\n" in vlog and worker_uid_base(2) <= uid_v < worker_uid_base(2) + 65536
         assert not py or "peer tier: VICTIM-PEER-MARK\n" in vlog  # its node's agent takes its bytes
         # its own checkpoint, progress, private area and node memory work under its uid
         assert plane.store.job(victim).ckpt_step == 5

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 import tidal
+from iso_plane import worker_uid_base
 from plane_proc import Plane, wait_until
 from tidal.control.client import TidalClient
 from tidal.exec import procs
@@ -129,14 +130,14 @@ def test_a_rank_as_its_own_uid_leaves_nothing_after_kill():
     """The shim (root) reaps what a rank running as a job's uid detached."""
     base = Path(tempfile.mkdtemp(prefix="tidal-reap-"))  # other uids may pass through (not tmp_path's)
     base.chmod(0o711)
-    ex = LocalExecutor(base / "jobs", slots=1, isolation=IsolationConfig(mode="none", uid_base=200000,
-                                                                               max_memory_bytes=None))
+    iso = IsolationConfig(mode="none", uid_base=worker_uid_base(), max_memory_bytes=None)
+    ex = LocalExecutor(base / "jobs", slots=1, isolation=iso)
     pid_file = ex.home_dir("u") / "pids.json"  # the only place the job's uid may write
     ex.launch(LaunchRequest("u", 1, ("/usr/bin/python3", "-c", RANK), {"local": 1},
                             env={"PIDS": str(pid_file)}), time.time())
     try:
         pids = helpers(pid_file)
-        assert {os.stat(f"/proc/{p}").st_uid for p in pids} == {200000}
+        assert {os.stat(f"/proc/{p}").st_uid for p in pids} == {worker_uid_base()}
         ex.kill("u")
         assert wait_for(lambda: ex.observe(time.time())["u"].done)
     finally:
@@ -348,9 +349,8 @@ def test_a_killed_shims_orphans_without_their_mark_end_by_their_uid():
     then carries no mark of the attempt but its uid): its shim SIGKILLed, the observe ends them all."""
     base = Path(tempfile.mkdtemp(prefix="tidal-reap-"))
     base.chmod(0o711)
-    ex = LocalExecutor(base / "jobs", slots=1, isolation=IsolationConfig(mode="none", uid_base=200000,
-                                                                               max_memory_bytes=None),
-                       subreaper=True)
+    iso = IsolationConfig(mode="none", uid_base=worker_uid_base(), max_memory_bytes=None)
+    ex = LocalExecutor(base / "jobs", slots=1, isolation=iso, subreaper=True)
     pid_file = ex.home_dir("u") / "pids-{rank}.json"
     pids: list[int] = []
     try:

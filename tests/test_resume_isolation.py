@@ -21,7 +21,7 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     from fastapi.testclient import TestClient
 
-from iso_plane import PY, ROOT, SRC, plain_python_reaches_src, planes, rank_log, run
+from iso_plane import PY, ROOT, SRC, plain_python_reaches_src, planes, rank_log, run, worker_uid_base
 from tidal.contract import FENCE_FILE
 from tidal.control.auth import create_tenant
 from tidal.exec.handover import HandOverError, hand_over
@@ -67,7 +67,7 @@ def plane():
     if why is not None:
         pytest.skip(why)
     with planes() as make:
-        yield make(uid_base=200000, per="job")
+        yield make(uid_base=worker_uid_base(), per="job")
 
 
 @pytest.fixture
@@ -79,7 +79,7 @@ def unsandboxed_plane():
     if why is not None:
         pytest.skip(why)
     with planes() as make:
-        yield make(mode="none", uid_base=200000, per="job")
+        yield make(mode="none", uid_base=worker_uid_base(), per="job")
 
 
 def _submit(plane, client: TestClient, token: str, name: str, checkpoint: dict | None = None,
@@ -181,7 +181,7 @@ def test_a_process_of_the_earlier_uid_still_running_stops_the_take_over(plane):
 
 
 # ---------------------------------------------------------------------------- the hand-over itself
-A, B, OTHER = 200301, 200302, 200303
+A, B, OTHER = (worker_uid_base(1) + n for n in (301, 302, 303))
 
 
 def _make(p: Path, uid: int, text: str | None = None) -> Path:
@@ -229,10 +229,10 @@ def test_hand_over_moves_only_the_earlier_uids_plain_entries(tmp_path):
     assert got.moved == 3 + (0 if mounted else 1)
     assert not any("\n" in line for line in got.skipped)
     why = "\n".join(got.skipped)
-    for part in ("foreign: owned by uid 200303", "dir-link: a symbolic link", "file-link: a symbolic link",
+    for part in (f"foreign: owned by uid {OTHER}", "dir-link: a symbolic link", "file-link: a symbolic link",
                  "hard: 2 hard links", "/fi\\nfo: not a regular", *["mnt: another filesystem"] * mounted):
         assert part in why, why
-    assert again.moved == 0 and not any("200302" in line for line in again.skipped)  # B's: nothing to say
+    assert again.moved == 0 and not any(str(B) in line for line in again.skipped)  # B's: nothing to say
     assert stat.S_IMODE(os.stat(step / "r0.bin").st_mode) == 0o755
 
 

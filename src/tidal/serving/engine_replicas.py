@@ -31,12 +31,14 @@ import httpx
 import numpy as np
 
 from tidal.ckpt.agent.childproc import stop_process
+from tidal.exec.procs import children
 from tidal.files import private_dirs, write_atomic
 from tidal.net import free_port, free_ports
 from tidal.serving.engines import LLAMA_CPP, EngineStats, parse_metrics
 
 RECENT_STARTS = 20  # start-to-healthy times the warm-up estimate keeps
 ACCESS_LOG_MAX_BYTES = 1 << 22  # the router's request log is cut past this once read
+ROUTER_WORKERS = 1  # nginx worker processes of one generation
 
 
 class EngineError(RuntimeError):
@@ -187,7 +189,8 @@ class EngineReplicas:
                             f"{self.drain_timeout_s:g} s; stopped anyway")
                 break
             st = self.scrape_one(r)
-            idle = idle + 1 if st is None or st.running + st.waiting == 0 else 0
+            quiet = self._router_settled() and (st is None or st.running + st.waiting == 0)
+            idle = idle + 1 if quiet else 0
             time.sleep(0.05)
         stop_process(r.proc, 5.0)
         r.proc = None
@@ -338,7 +341,8 @@ class EngineReplicas:
         ups = ups or "    server 127.0.0.1:9 down;\n"  # none routed: nginx needs one; every request 502
         temps = "".join(f"  {k}_temp_path {d}/tmp-{k};\n"
                         for k in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
-        return (f"worker_processes 1;\npid {d}/nginx.pid;\nerror_log {d}/nginx-error.log warn;\n"
+        return (f"worker_processes {ROUTER_WORKERS};\npid {d}/nginx.pid;\n"
+                f"error_log {d}/nginx-error.log warn;\n"
                 "events { worker_connections 4096; }\n"
                 "http {\n  log_format t '$msec $status $upstream_header_time $request_time';\n"
                 f"  access_log {d}/access.log t;\n{temps}  client_body_buffer_size 1m;\n"
@@ -375,6 +379,13 @@ class EngineReplicas:
         self._write_config()
         self.router.send_signal(signal.SIGHUP)
         self._wait_generation()
+
+    def _router_settled(self) -> bool:
+        """Only the router's current worker runs: a worker of an earlier generation (its upstream list
+        still names a replica just unrouted) stays until the requests on its connections have ended, and
+        may still send a request it read before the reload (a body still arriving, a keep-alive
+        connection's next request) to that replica."""
+        return self.router is None or len(children(self.router.pid)) <= ROUTER_WORKERS
 
     def _wait_generation(self, timeout_s: float = 10.0) -> None:
         t0 = time.monotonic()
