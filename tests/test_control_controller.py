@@ -3,6 +3,8 @@ transitions and events, one step at a time."""
 
 from __future__ import annotations
 
+import contextlib
+import sqlite3
 from dataclasses import replace
 
 import pytest
@@ -262,6 +264,27 @@ def test_launch_error_is_a_failed_attempt(world):
     ctl.step(clock())
     job = store.job(j)
     assert job.state == "failed" and "launch failed: workdir /nope is not a directory" in job.message
+
+
+def test_a_steps_admissions_are_all_committed_before_any_rank_starts(world, tmp_path):
+    """Crash safety with one commit per step's admissions: when the executor starts the first job's ranks,
+    another connection to the database already sees every attempt of the step (a kill -9 at any launch
+    leaves recorded attempts, which recovery requeues, never ranks without a record); each handle stored."""
+    store, ex, ctl, clock = world
+    jobs = [submit(store, "lab", clock(), name=f"j{i}") for i in range(3)]
+    seen: list[dict[str, tuple[str, int]]] = []
+    launch = ex.launch
+
+    def looking(req, now_s):
+        with contextlib.closing(sqlite3.connect(tmp_path / "tidal.db")) as db:
+            seen.append({i: (st, a) for i, st, a in db.execute("SELECT id, state, attempt FROM jobs")})
+        return launch(req, now_s)
+
+    ex.launch = looking
+    assert [type(d) for d in ctl.step(clock())] == [Admit] * 3
+    assert seen == [{j: ("admitted", 1) for j in jobs}] * 3
+    assert [store.job(j).handle for j in jobs] == [{"pids": [1000]}] * 3
+    assert [e.kind for e in store.events(job_id=jobs[0])][-1] == "launch"
 
 
 def test_lost_work_and_ettr(world):

@@ -84,6 +84,7 @@ class Controller:
         self.ckpt_root = Path(ckpt_root) if ckpt_root is not None else None
         self.nodes: list[Node] = executor.nodes()
         self._events: list[tuple[str, str, dict | None]] = []  # this step's loan events
+        self._to_start: list[tuple[JobRow, LaunchRequest]] = []  # attempts recorded, ranks not yet started
         self.watch = NodeWatch(store, executor, self.nodes)  # nodes joining and leaving; jobs losing one
         self._shm_swept_s = float("-inf")
         self._quota_checked_s = float("-inf")
@@ -166,8 +167,12 @@ class Controller:
         decisions += self._intervals(snap, now_s)
         jobs = dict(self.view.jobs)
         with self.store.batch():
-            for d in decisions:  # 5. act
-                self._apply(d, now_s, jobs)
+            try:
+                for d in decisions:  # 5. act
+                    self._apply(d, now_s, jobs)
+                self._start_recorded(now_s)
+            finally:
+                self._to_start = []  # (raised: the batch's rollback took the attempts not yet started)
             self._note_waiting(why)
         self._save_loans(now_s)
         self.sweep_shm(now_s)
@@ -509,6 +514,8 @@ class Controller:
                 self._events = [*self._events, *self.loans.returned(d.node, d.gpus, now_s)]
             return
         for_job = d.for_job if isinstance(d, Shrink | Preempt) else None
+        if {d.job, for_job} & {job.id for job, _ in self._to_start}:
+            self._start_recorded(now_s)  # (a job's attempt starts before anything else is asked of it)
         try:
             new = apply.after(jobs[d.job], d, now_s)
             nominee = apply.nominated(jobs[for_job], now_s) if for_job is not None else None
@@ -524,8 +531,9 @@ class Controller:
         elif isinstance(d, Admit):
             g = sum(new.placement.values())
             where = ", ".join(f"{n}: {k}" for n, k in new.placement.items())
-            self._launch(job, dict(new.placement), now_s, f"admitted on {g} GPUs ({where})",
-                         started_s=new.started_s)
+            why = f"admitted on {g} GPUs ({where})"
+            self._to_start.append(self._record_attempt(job, dict(new.placement), now_s, why,
+                                                       started_s=new.started_s))
         elif isinstance(d, Preempt):
             why = f"preempted ({d.reason}" + (f", for {d.for_job})" if d.for_job else ")")
             self._stop(job, S.PREEMPTING, why, now_s, min(grace, max(0.0, d.by_s - now_s)), reason="preempt",
@@ -586,28 +594,44 @@ class Controller:
                 data: dict | None = None, **fields: Any) -> None:
         """Record the attempt (``admitted``) first, then start it: a crash in between leaves a recorded
         attempt with no ranks, which ``recover`` requeues; never ranks without a record."""
+        self._to_start.append(self._record_attempt(job, placement, now_s, why, data=data, **fields))
+        self._start_recorded(now_s)
+
+    def _record_attempt(self, job: JobRow, placement: dict[str, int], now_s: float, why: str, *,
+                        data: dict | None = None, **fields: Any) -> tuple[JobRow, LaunchRequest]:
+        """The job's next attempt stored as ``admitted`` (not yet committed); what starts its ranks."""
         attempt = job.attempt + 1
         self.store.transition(job.id, S.ADMITTED, now_s, f"{why}; launching attempt {attempt}", data=data,
                               placement=placement, releasing={}, attempt=attempt, attempt_launched_s=now_s,
                               stop_reason=None, stop_deadline_s=None, killed=False, handle=None, progress={},
                               nominated_s=None, **fields)
-        spec = job.spec
         env = job_env(job, self.ckpt_root, self.config.ckpt_interval.max_interval_s)
         take_over, take_over_from = taken_over(job, self.store)
-        self.store.commit()  # (the attempt is recorded before any rank starts)
-        req = LaunchRequest(job.id, attempt, tuple(spec["command"]), placement, spec.get("workdir"), env,
-                            tenant=job.tenant, own_dirs=own_dirs(job, self.ckpt_root), take_over=take_over,
-                            take_over_from=take_over_from)
-        try:
-            handle = self.executor.launch(req, now_s)
-        except Exception as e:  # a launch that fails is a failed attempt (restarts apply)
-            log.warning("launch of %s failed: %s", job.id, e)
-            job = self.store.update(job.id, stop_reason="failure", message=f"launch failed: {e}")
-            self._finish(job, Observation(job.id, attempt, now_s, ()), now_s)
+        spec = job.spec
+        return job, LaunchRequest(job.id, attempt, tuple(spec["command"]), placement, spec.get("workdir"),
+                                  env, tenant=job.tenant, own_dirs=own_dirs(job, self.ckpt_root),
+                                  take_over=take_over, take_over_from=take_over_from)
+
+    def _start_recorded(self, now_s: float) -> None:
+        """Start the ranks of every attempt recorded by :meth:`_record_attempt`, once all are committed (one
+        commit for a step's admissions); their handles stored together."""
+        todo, self._to_start = self._to_start, []
+        if not todo:
             return
-        self.store.update(job.id, handle=handle)
-        self.store.record("launch", f"attempt {attempt}: {_n(req.world_size, 'rank')} started", now_s,
-                          job=job, data=handle)
+        self.store.commit()  # (every attempt is recorded before any rank starts)
+        handles: dict[str, dict[str, Any]] = {}
+        for job, req in todo:
+            try:
+                handle = self.executor.launch(req, now_s)
+            except Exception as e:  # a launch that fails is a failed attempt (restarts apply)
+                log.warning("launch of %s failed: %s", job.id, e)
+                failed = self.store.update(job.id, stop_reason="failure", message=f"launch failed: {e}")
+                self._finish(failed, Observation(job.id, req.attempt, now_s, ()), now_s)
+                continue
+            handles[job.id] = {"handle": handle}
+            self.store.record("launch", f"attempt {req.attempt}: {_n(req.world_size, 'rank')} started", now_s,
+                              job=job, data=handle)
+        self.store.update_many(handles)
 
     def sweep_shm(self, now_s: float, *, force: bool = False) -> list[str]:
         """Free ended jobs' node memory and agents' steps (:mod:`tidal.control.node_memory`), every
