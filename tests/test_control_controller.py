@@ -3,8 +3,6 @@ transitions and events, one step at a time."""
 
 from __future__ import annotations
 
-import contextlib
-import sqlite3
 from dataclasses import replace
 
 import pytest
@@ -266,7 +264,7 @@ def test_launch_error_is_a_failed_attempt(world):
     assert job.state == "failed" and "launch failed: workdir /nope is not a directory" in job.message
 
 
-def test_a_steps_admissions_are_all_committed_before_any_rank_starts(world, tmp_path):
+def test_a_steps_admissions_are_all_committed_before_any_rank_starts(world):
     """Crash safety with one commit per step's admissions: when the executor starts the first job's ranks,
     another connection to the database already sees every attempt of the step (a kill -9 at any launch
     leaves recorded attempts, which recovery requeues, never ranks without a record); each handle stored."""
@@ -276,8 +274,9 @@ def test_a_steps_admissions_are_all_committed_before_any_rank_starts(world, tmp_
     launch = ex.launch
 
     def looking(req, now_s):
-        with contextlib.closing(sqlite3.connect(tmp_path / "tidal.db")) as db:
-            seen.append({i: (st, a) for i, st, a in db.execute("SELECT id, state, attempt FROM jobs")})
+        with store.engine.connect() as db:  # (a connection of its own: it sees what is committed)
+            rows = db.exec_driver_sql("SELECT id, state, attempt FROM jobs")
+            seen.append({i: (st, a) for i, st, a in rows})
         return launch(req, now_s)
 
     ex.launch = looking
