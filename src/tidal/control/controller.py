@@ -84,7 +84,7 @@ class Controller:
         self.ckpt_root = Path(ckpt_root) if ckpt_root is not None else None
         self.nodes: list[Node] = executor.nodes()
         self._events: list[tuple[str, str, dict | None]] = []  # this step's loan events
-        self._to_start: list[tuple[JobRow, LaunchRequest]] = []  # attempts recorded, ranks not yet started
+        self._to_start: dict[str, tuple[JobRow, LaunchRequest]] = {}  # attempts recorded, ranks not started
         self.watch = NodeWatch(store, executor, self.nodes)  # nodes joining and leaving; jobs losing one
         self._shm_swept_s = float("-inf")
         self._quota_checked_s = float("-inf")
@@ -172,7 +172,7 @@ class Controller:
                     self._apply(d, now_s, jobs)
                 self._start_recorded(now_s)
             finally:
-                self._to_start = []  # (raised: the batch's rollback took the attempts not yet started)
+                self._to_start = {}  # (raised: the batch's rollback took the attempts not yet started)
             self._note_waiting(why)
         self._save_loans(now_s)
         self.sweep_shm(now_s)
@@ -514,7 +514,7 @@ class Controller:
                 self._events = [*self._events, *self.loans.returned(d.node, d.gpus, now_s)]
             return
         for_job = d.for_job if isinstance(d, Shrink | Preempt) else None
-        if {d.job, for_job} & {job.id for job, _ in self._to_start}:
+        if d.job in self._to_start or for_job in self._to_start:
             self._start_recorded(now_s)  # (a job's attempt starts before anything else is asked of it)
         try:
             new = apply.after(jobs[d.job], d, now_s)
@@ -532,8 +532,8 @@ class Controller:
             g = sum(new.placement.values())
             where = ", ".join(f"{n}: {k}" for n, k in new.placement.items())
             why = f"admitted on {g} GPUs ({where})"
-            self._to_start.append(self._record_attempt(job, dict(new.placement), now_s, why,
-                                                       started_s=new.started_s))
+            self._to_start[job.id] = self._record_attempt(job, dict(new.placement), now_s, why,
+                                                          started_s=new.started_s)
         elif isinstance(d, Preempt):
             why = f"preempted ({d.reason}" + (f", for {d.for_job})" if d.for_job else ")")
             self._stop(job, S.PREEMPTING, why, now_s, min(grace, max(0.0, d.by_s - now_s)), reason="preempt",
@@ -594,7 +594,7 @@ class Controller:
                 data: dict | None = None, **fields: Any) -> None:
         """Record the attempt (``admitted``) first, then start it: a crash in between leaves a recorded
         attempt with no ranks, which ``recover`` requeues; never ranks without a record."""
-        self._to_start.append(self._record_attempt(job, placement, now_s, why, data=data, **fields))
+        self._to_start[job.id] = self._record_attempt(job, placement, now_s, why, data=data, **fields)
         self._start_recorded(now_s)
 
     def _record_attempt(self, job: JobRow, placement: dict[str, int], now_s: float, why: str, *,
@@ -615,12 +615,12 @@ class Controller:
     def _start_recorded(self, now_s: float) -> None:
         """Start the ranks of every attempt recorded by :meth:`_record_attempt`, once all are committed (one
         commit for a step's admissions); their handles stored together."""
-        todo, self._to_start = self._to_start, []
+        todo, self._to_start = self._to_start, {}
         if not todo:
             return
         self.store.commit()  # (every attempt is recorded before any rank starts)
         handles: dict[str, dict[str, Any]] = {}
-        for job, req in todo:
+        for job, req in todo.values():
             try:
                 handle = self.executor.launch(req, now_s)
             except Exception as e:  # a launch that fails is a failed attempt (restarts apply)
