@@ -286,6 +286,23 @@ def test_a_steps_admissions_are_all_committed_before_any_rank_starts(world):
     assert [e.kind for e in store.events(job_id=jobs[0])][-1] == "launch"
 
 
+def test_one_launch_failing_in_a_step_leaves_the_others_started(world):
+    store, ex, ctl, clock = world
+    jobs = [submit(store, "lab", clock(), name=f"j{i}", max_restarts=0) for i in range(3)]
+    launch = ex.launch
+
+    def flaky(req, now_s):
+        if req.job_id == jobs[1]:
+            raise RuntimeError("workdir vanished")
+        return launch(req, now_s)
+
+    ex.launch = flaky
+    ctl.step(clock())
+    assert [state(store, j) for j in jobs] == ["admitted", "failed", "admitted"]
+    assert "launch failed: workdir vanished" in store.job(jobs[1]).message
+    assert [store.job(j).handle for j in (jobs[0], jobs[2])] == [{"pids": [1000]}] * 2
+
+
 def test_lost_work_and_ettr(world):
     store, ex, ctl, clock = world
     j = submit(store, "lab", clock(), name="e")
