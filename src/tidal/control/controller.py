@@ -134,7 +134,7 @@ class Controller:
                 if found:
                     self.executor.release(job.id)
                 why = "its ranks are gone" if found else "its launch was never recorded, so no rank ran"
-                self.store.transition(job.id, S.PENDING, now_s,
+                self.store.transition(job, S.PENDING, now_s,
                                       f"control plane restarted: attempt {job.attempt} {why}; requeued to "
                                       f"resume from checkpoint step {job.ckpt_step or 0}",
                                       **_requeue_fields(), data={"recovered": True})
@@ -322,19 +322,19 @@ class Controller:
         st = S(job.state)
         if st == S.PENDING:
             if job.cancel_requested:
-                self.store.transition(job.id, S.CANCELLED, now_s, "cancelled while pending", finished_s=now_s)
+                self.store.transition(job, S.CANCELLED, now_s, "cancelled while pending", finished_s=now_s)
             return
         if st == S.BACKOFF:
             if job.cancel_requested:
-                self.store.transition(job.id, S.CANCELLED, now_s, "cancelled while waiting to restart",
+                self.store.transition(job, S.CANCELLED, now_s, "cancelled while waiting to restart",
                                       finished_s=now_s)
             elif now_s >= (job.retry_at_s or 0.0):
-                self.store.transition(job.id, S.PENDING, now_s, f"restart {job.restarts}/{job.max_restarts}: "
+                self.store.transition(job, S.PENDING, now_s, f"restart {job.restarts}/{job.max_restarts}: "
                                       f"queued to resume from checkpoint step {job.ckpt_step or 0}",
                                       retry_at_s=None)
             return
         if ob is None:  # held, but the executor has no trace of it
-            self.store.transition(job.id, S.PENDING, now_s,
+            self.store.transition(job, S.PENDING, now_s,
                                   f"attempt {job.attempt} is unknown to the executor; requeued",
                                   **_requeue_fields())
             return
@@ -361,7 +361,7 @@ class Controller:
                 return
         if st == S.ADMITTED:
             pids = [r.pid for r in ob.alive]
-            self.store.transition(job.id, S.RUNNING, now_s, f"{_n(len(pids), 'rank')} running (pids {pids})")
+            self.store.transition(job, S.RUNNING, now_s, f"{_n(len(pids), 'rank')} running (pids {pids})")
         elif (st in STOPPING and not job.killed and job.stop_deadline_s is not None
               and now_s >= job.stop_deadline_s):
             self.executor.kill(job.id)
@@ -443,42 +443,41 @@ class Controller:
             how = (f"finished{at} (exit codes {codes}: ranks {torn} died in the interpreter's teardown after "
                    "closing cleanly, counted as 0)") if torn else f"exited 0{at}"
             who = "its only rank " if len(codes) == 1 else f"all {len(codes)} ranks "
-            self.store.transition(job.id, S.SUCCEEDED, now_s, who + how, data=data, **end)
+            self.store.transition(job, S.SUCCEEDED, now_s, who + how, data=data, **end)
         elif outcome == "cancelled":
-            self.store.transition(job.id, S.CANCELLED, now_s, f"cancelled; exit codes {codes}", data=data,
+            self.store.transition(job, S.CANCELLED, now_s, f"cancelled; exit codes {codes}", data=data,
                                   **end)
         elif outcome == "lost":
-            self.store.transition(job.id, S.PENDING, now_s, f"{why}; requeued to resume from checkpoint step "
+            self.store.transition(job, S.PENDING, now_s, f"{why}; requeued to resume from checkpoint step "
                                   f"{_resume_step(p, job)} on the remaining GPUs",
                                   data={**data, "node_lost": True}, **_requeue_fields(), **base)
         elif outcome == "stopped" and S(job.state) == S.RESIZING:
             left = {n: g - job.releasing.get(n, 0) for n, g in job.placement.items()
                     if g - job.releasing.get(n, 0) > 0}
-            self.store.update(job.id, **base)
-            self._launch(self.store.job(job.id), left, now_s,
-                         f"resized: relaunching on {sum(left.values())} GPUs from checkpoint step "
-                         f"{_resume_step(p, job)}", data=data)
+            why = (f"resized: relaunching on {sum(left.values())} GPUs from checkpoint step "
+                   f"{_resume_step(p, job)}")
+            self._launch(self.store.update(job, **base), left, now_s, why, data=data)
         elif outcome == "stopped":
             by_us = S(job.state) == S.PREEMPTING
-            self.store.transition(job.id, S.PENDING, now_s, f"preempted: stopped at step {reached} "
+            self.store.transition(job, S.PENDING, now_s, f"preempted: stopped at step {reached} "
                                   f"with checkpoint step {p.ckpt_step} (exit codes {codes}); requeued"
                                   + ("" if by_us else " (the notice came from outside Tidal)"), data=data,
                                   preemptions=job.preemptions + 1, **_requeue_fields(),
                                   **({} if by_us else {"last_preempted_s": now_s}), **base)
         elif outcome == "fenced":  # another attempt owns the checkpoints: a restart would fence it out
-            self.store.transition(job.id, S.FAILED, now_s, f"failed: {why}; not restarted: a new attempt "
+            self.store.transition(job, S.FAILED, now_s, f"failed: {why}; not restarted: a new attempt "
                                   "would fence the other one out in turn (does another job, or a second "
                                   "control plane, use this job's checkpoint directory?)",
                                   data={**data, "fenced": True}, **end)
         elif job.restarts < job.max_restarts:
             n = job.restarts + 1
             wait_s = self.config.backoff_s(n)
-            self.store.transition(job.id, S.BACKOFF, now_s,
+            self.store.transition(job, S.BACKOFF, now_s,
                                   f"failed: {why}; restart {n}/{job.max_restarts} in "
                                   f"{wait_s:g} s from checkpoint step {job.ckpt_step or 0}", data=data,
                                   restarts=n, retry_at_s=now_s + wait_s, **_requeue_fields(), **base)
         else:
-            self.store.transition(job.id, S.FAILED, now_s, f"failed: {why}; no restarts left "
+            self.store.transition(job, S.FAILED, now_s, f"failed: {why}; no restarts left "
                                   f"(max_restarts={job.max_restarts})", data=data, **end)
 
     def _classify(self, job: JobRow, ob: Observation) -> tuple[str, str]:
@@ -524,7 +523,7 @@ class Controller:
             self.store.record("invariant", f"decision {d} not carried out: {e}", now_s)
             return
         jobs[d.job] = new
-        job = self.store.job(d.job)
+        job = self._active[d.job] if self._active and d.job in self._active else self.store.job(d.job)
         grace = float(job.spec.get("grace_s", DEFAULT_GRACE_S))
         if isinstance(d, SetCkptInterval):
             self._set_interval(job, new.ckpt_interval_s or d.interval_s, now_s)
@@ -579,10 +578,10 @@ class Controller:
         if reason == "cancel" or job.stop_reason != "failure":
             fields["stop_reason"] = reason
         if S(job.state) == to:  # told again the same way (a job growing is shrunk): a new target, one notice
-            row = self.store.update(job.id, stop_deadline_s=deadline, **fields)
+            row = self.store.update(job, stop_deadline_s=deadline, **fields)
             self.store.record("decision", f"{why} (already {to})", now_s, job=row)
             return row
-        row = self.store.transition(job.id, to, now_s,
+        row = self.store.transition(job, to, now_s,
                                     why + ("" if already else f": notice sent, grace {grace_s:g} s"),
                                     stop_deadline_s=deadline, **fields)
         if not already:
@@ -601,7 +600,7 @@ class Controller:
                         data: dict | None = None, **fields: Any) -> tuple[JobRow, LaunchRequest]:
         """The job's next attempt stored as ``admitted`` (not yet committed); what starts its ranks."""
         attempt = job.attempt + 1
-        self.store.transition(job.id, S.ADMITTED, now_s, f"{why}; launching attempt {attempt}", data=data,
+        self.store.transition(job, S.ADMITTED, now_s, f"{why}; launching attempt {attempt}", data=data,
                               placement=placement, releasing={}, attempt=attempt, attempt_launched_s=now_s,
                               stop_reason=None, stop_deadline_s=None, killed=False, handle=None, progress={},
                               nominated_s=None, **fields)

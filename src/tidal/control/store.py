@@ -35,13 +35,15 @@ from sqlalchemy import (
     delete,
     event,
     func,
+    insert,
     inspect,
     select,
     text,
+    update,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, load_only, mapped_column, sessionmaker
 
-from tidal.control.states import ACTIVE, HELD, TERMINAL, State, check_transition
+from tidal.control.states import ACTIVE, HELD, TERMINAL, TRANSITIONS, State, check_transition
 
 SCHEMA_VERSION = 5  # 2: jobs.nominated_s; 3: table docs; 4: tenants.max_priority, jobs.ckpt_location,
 # meta job_seq and db_id; 5: jobs.waiting
@@ -487,32 +489,43 @@ class Store:
         with self._read() as s:
             return {st: int(n) for st, n in s.execute(q)}
 
-    def transition(self, job_id: str, to: State, now_s: float, message: str, *, data: dict | None = None,
-                   **fields: Any) -> JobRow:
-        """Move a job to ``to`` (checked against the table), set ``fields``, record the event; atomically."""
+    def transition(self, job: JobRow | str, to: State, now_s: float, message: str, *,
+                   data: dict | None = None, **fields: Any) -> JobRow:
+        """Move a job to ``to`` (checked against the table), set ``fields``, record the event; atomically.
+        ``job``: its id, or the row the caller holds (then not read again: written while the store still has
+        it in the row's state, else as by id; the row is updated in place to what was written)."""
+        values = {**fields, "state": State(to).value, "message": message[:2000]}
+        row = job if isinstance(job, JobRow) else None
+        jid = job.id if isinstance(job, JobRow) else job
         with self._write() as s:
-            row = self._get(s, job_id)
-            old = row.state
-            check_transition(job_id, old, to)
-            for k, v in fields.items():
-                setattr(row, k, v)
-            row.state = State(to).value
-            row.message = message[:2000]
-            s.add(EventRow(time_s=now_s, job_id=job_id, tenant=row.tenant, kind="transition", from_state=old,
-                           to_state=row.state, message=message[:2000], data=data))
-        self._mark(job_id)
-        return row
+            if row is not None and State(to) in TRANSITIONS.get(State(row.state), ()) and _count(s.execute(
+                    _UPDATE_JOB.where(_JOBS.c.id == jid, _JOBS.c.state == row.state).values(values))):
+                old, tenant = row.state, row.tenant  # (the usual case: one statement, nothing read)
+            else:
+                got = s.execute(select(JobRow.state, JobRow.tenant).where(JobRow.id == jid)).first()
+                if got is None:
+                    raise NotFound(jid)
+                old, tenant = got
+                check_transition(jid, old, to)
+                s.execute(_UPDATE_JOB.where(_JOBS.c.id == jid).values(values))
+            s.execute(_INSERT_EVENT.values(time_s=now_s, job_id=jid, tenant=tenant, kind="transition",
+                                           from_state=old, to_state=values["state"],
+                                           message=values["message"], data=data))
+        self._mark(jid)
+        return _written(row, values) if row is not None else self.job(jid)
 
-    def update(self, job_id: str, **fields: Any) -> JobRow:
-        """Set fields that are not the state (progress, handle, bookkeeping)."""
+    def update(self, job: JobRow | str, **fields: Any) -> JobRow:
+        """Set fields that are not the state (progress, handle, bookkeeping); ``job`` as for
+        :meth:`transition`."""
         if "state" in fields:
             raise ValueError("use Store.transition to change a job's state")
+        row = job if isinstance(job, JobRow) else None
+        jid = job.id if isinstance(job, JobRow) else job
         with self._write() as s:
-            row = self._get(s, job_id)
-            for k, v in fields.items():
-                setattr(row, k, v)
-        self._mark(job_id)
-        return row
+            if fields and not _count(s.execute(_UPDATE_JOB.where(_JOBS.c.id == jid).values(fields))):
+                raise NotFound(jid)
+        self._mark(jid)
+        return _written(row, fields) if row is not None else self.job(jid)
 
     def update_many(self, changes: dict[str, dict[str, Any]], *, mark: bool = True) -> None:
         """:meth:`update` of many jobs in one transaction (job id -> fields), one statement per set of fields
@@ -567,8 +580,9 @@ class Store:
                tenant: str | None = None, data: dict | None = None) -> None:
         """An event that is not a transition (a decision, an adoption, a kill, a tenant change)."""
         with self._write() as s:
-            s.add(EventRow(time_s=now_s, job_id=job.id if job else None, tenant=job.tenant if job else tenant,
-                           kind=kind, message=message[:2000], data=data))
+            s.execute(_INSERT_EVENT.values(time_s=now_s, job_id=job.id if job else None,
+                                           tenant=job.tenant if job else tenant, kind=kind,
+                                           message=message[:2000], data=data))
 
     def put_doc(self, key: str, doc: Any, now_s: float,
                 events: Iterable[tuple[str, str, dict | None]] = ()) -> None:
@@ -605,6 +619,18 @@ class Store:
             q = q.where(EventRow.tenant == tenant)
         with self._read() as s:
             return list(s.scalars(q))
+
+
+_JOBS, _EVENTS = Base.metadata.tables["jobs"], Base.metadata.tables["events"]
+_UPDATE_JOB = update(_JOBS)  # (Core statements: no ORM unit of work for the loop's many small writes)
+_INSERT_EVENT = insert(_EVENTS)
+
+
+def _written(row: JobRow, values: dict[str, Any]) -> JobRow:
+    """The caller's row brought to what was just written of it."""
+    for k, v in values.items():
+        setattr(row, k, v)
+    return row
 
 
 def _count(result: Any) -> int:
