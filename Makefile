@@ -40,10 +40,13 @@ demo: $(STAMP)
 demo-cycle: $(STAMP)
 	$(VENV)/bin/tidal demo cycle
 
+# The tests run with Python's bytecode caches on even where the environment turns them off
+# (PYTHONDONTWRITEBYTECODE): each of the many processes the suite starts (ranks, planes, the CLI, pytest's
+# workers) would compile what it imports again.
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests lab examples
 	$(VENV)/bin/mypy
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 3 --dist loadgroup --durations=20 tests lab/tests
+	PYTHONDONTWRITEBYTECODE= OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 3 --dist loadgroup --durations=20 tests lab/tests
 
 # The rules are pyproject.toml's [tool.ruff.lint] (E501 on: lines within 110). The code is not laid out by
 # `ruff format` (it would rewrite 238 files' hand-aligned tables and argument lists), so that is not checked.

@@ -136,7 +136,8 @@ def pytest_collection_modifyitems(config, items):
     with its own cluster (their waits are mostly the cluster's and the plane's clocks, so two groups
     overlap; the tests are moved next to each other, group by group in their order, so that without xdist
     they share one cluster), and the tests of a module that share a module-scoped fixture (a plane, a set
-    of launches) run on one worker, so that it is made once.
+    of launches) run on one worker, so that it is made once. Modules with a ``slow`` or Ray test come
+    first: pytest-xdist deals the tests outside groups in this order, so no long test starts last.
 
     pytest-xdist tells its scheduler an item's group by appending ``@group`` to the item's node id, which
     it sets as ``item._nodeid``; since pytest 9.2 the node id is ``item._id`` and that assignment has no
@@ -150,6 +151,8 @@ def pytest_collection_modifyitems(config, items):
         first = items.index(ray[0])
         rest = [it for it in items if not _uses_ray(it)]
         items[:] = rest[:first] + sorted(ray, key=lambda it: group[it.path.stem]) + rest[first:]
+    slow = {it.path for it in items if _uses_ray(it) or it.get_closest_marker("slow")}
+    items.sort(key=lambda it: it.path not in slow)  # stable: modules stay whole, the long ones dealt first
     for item in items:
         if _uses_ray(item):
             item.add_marker(pytest.mark.xdist_group(group[item.path.stem]))

@@ -7,9 +7,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tidal.bench.ckpt import LOAD_METRICS, RATIOS, SAVE_METRICS
 
 
+@pytest.mark.slow
 def test_bench_ckpt_json(tmp_path):
     scratch, shm = tmp_path / "scratch", tmp_path / "shm"
     env = {**os.environ, "TIDAL_SHM_DIR": str(shm)}

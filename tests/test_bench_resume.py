@@ -7,9 +7,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 BENCH = [sys.executable, "-c", "from tidal.bench.cli import app; app()", "resume"]
 
 
+@pytest.mark.slow
 def test_bench_resume_json_resumes_from_node_memory_and_disk(tmp_path):
     proc = subprocess.run([*BENCH, "--world", "1", "--layout", "ddp", "--n-embd", "12", "--n-layer", "1",
                            "--json"], capture_output=True, text=True, timeout=600, cwd=tmp_path)

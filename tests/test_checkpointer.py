@@ -90,6 +90,7 @@ def test_data_files_are_plain_safetensors(tmp_path):
         assert st.metadata()["format"] == "tidal-ckpt"
 
 
+@pytest.mark.slow
 def test_shm_tier_survives_the_process_and_is_read_first(tmp_path):
     url = tmp_path / "c"
     code = textwrap.dedent(f"""

@@ -397,6 +397,7 @@ def test_manifest_moved_to_another_step_directory(url, tmp_path):
 
 # -- export ----------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_export_roundtrip_bitwise(url, tmp_path):
     out = tmp_path / "out" / "model.safetensors"
     out.parent.mkdir()

@@ -12,6 +12,7 @@ from tidal.cli import _COMMANDS
 RUN = "import sys; from tidal.cli import main; sys.argv[0] = 'tidal'; main()"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(_COMMANDS))
 def test_every_subcommand_answers_help(name):
     out = subprocess.run(

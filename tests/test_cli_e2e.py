@@ -268,8 +268,8 @@ def test_a_waiting_job_says_why(plane, tmp_path):
             in tidal(plane, "status", small).stdout
         )
         assert plane.admin.job(big)["waiting"] is None
-    finally:
-        for j in (big, small):
+    finally:  # the waiting one first: cancelled while pending, it never starts (nor takes its grace to stop)
+        for j in (small, big):
             tidal(plane, "cancel", j)
         wait_until(
             "both cancelled", lambda: all(plane.admin.job(j)["state"] == "cancelled" for j in (big, small))

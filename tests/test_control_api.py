@@ -79,6 +79,7 @@ def _job_calls(c: TidalClient, job_id: str):
             "cancel": lambda: c.cancel(job_id), "checkpoints": lambda: c.checkpoints(job_id)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("caller", ["a", "b", "admin"])
 @pytest.mark.parametrize("owner", ["a", "b"])
 @pytest.mark.parametrize("endpoint", ["get", "logs", "events", "cancel", "checkpoints"])

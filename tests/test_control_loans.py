@@ -95,6 +95,7 @@ def _drive(ctl, ex, clock, rng, steps, adapter, stop_delay=1):
         assert ctl.loans.stats["double_counted_steps"] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("clients", [False, True])
 def test_a_replayed_day_lends_reclaims_and_never_double_counts(tmp_path, clients):
     """Also with the demand per client: the policy's client model reads every step of it."""
@@ -121,6 +122,7 @@ def test_a_replayed_day_lends_reclaims_and_never_double_counts(tmp_path, clients
     assert (seen is not None and seen.n_obs > 100) == clients
 
 
+@pytest.mark.slow
 def test_a_restarted_plane_continues_the_same_loans_and_forecast(tmp_path):
     store = new_store(tmp_path, ("a", 0, 1.0))
     clock = FakeClock()
@@ -146,6 +148,7 @@ def test_a_restarted_plane_continues_the_same_loans_and_forecast(tmp_path):
     assert ctl2.loans.stats["reclaims_missed"] == 0
 
 
+@pytest.mark.slow
 def test_a_refused_release_lends_nothing_and_a_refused_restore_is_retried(tmp_path):
     store = new_store(tmp_path, ("a", 0, 1.0))
     clock = FakeClock()
@@ -233,6 +236,7 @@ def test_serving_keeps_the_gpus_no_spot_job_would_use(tmp_path):
     lambda d: d.update(gone={"serve-0": {"since_s": 1.0}}),  # lost and in the pool at once
     lambda d: d.update(returning={"serve-1": {"gpus": 7, "ready_s": 1.0}}),  # more GPUs than it has
 ])
+@pytest.mark.slow
 def test_a_damaged_serving_document_is_one_clear_error_and_changes_nothing(tmp_path, damage):
     store = new_store(tmp_path, ("a", 0, 1.0))
     clock = FakeClock()
@@ -279,6 +283,7 @@ def test_a_loan_step_rebuilt_from_the_store_every_step_acts_as_one_that_never_st
     assert {"loan", "return", "reclaim"} <= {k for k, _ in logs[0][0]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("path", "value"), [
     (("stats", "lent_gpu_s"), {}), (("last_s",), {}), (("margins",), ["x"]),
     (("policy", "forecast", "level_gpus"), None), (("policy", "forecast", "profile_gpus"), 3),

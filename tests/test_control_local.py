@@ -257,6 +257,7 @@ with Session(ckpt_every_s=3600) as s:
 """
 
 
+@pytest.mark.slow
 def test_configure_reaches_the_running_ranks(tmp_path, executors):
     ex = executors(tmp_path / "jobs", slots=2)
     ex.configure("not-running", {"ckpt_interval_s": 5})  # ignored
@@ -292,6 +293,7 @@ os.abort()
 """
 
 
+@pytest.mark.slow
 def test_a_rank_that_aborts_after_closing_cleanly_has_finished(tmp_path, executors):
     ex = executors(tmp_path / "jobs", slots=2)
     ex.launch(req("ok", ABORT_AFTER_CLOSE, n=2, env={"TIDAL_SHM_DIR": str(tmp_path / "shm")}), time.time())

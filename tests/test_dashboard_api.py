@@ -226,6 +226,7 @@ def test_vendored_chart_library_matches_its_pins():
     assert "v1.6.32" in (d / "uPlot.iife.min.js").read_text()[:100]
 
 
+@pytest.mark.slow
 def test_fuzzed_queries_never_fail_the_service(dash):
     """Random filters and page numbers, and stored values JSON cannot hold as they are (a NaN loss, a lone
     surrogate): always an answer under 500, never another tenant's job."""

@@ -192,6 +192,7 @@ def _records(ex: LocalExecutor, job: str, attempt: int) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+@pytest.mark.slow
 def test_a_stale_attempt_is_fenced_out(tmp_path):
     url = tmp_path / "ckpt"
     hold = tmp_path / "partition-healed"
@@ -236,6 +237,7 @@ def test_a_stale_attempt_is_fenced_out(tmp_path):
 
 
 # ------------------------------------------------------------------------------ an S3 home
+@pytest.mark.slow
 def test_an_s3_home_is_claimed_by_its_rank_0_and_checked_before_each_commit(s3):
     """An S3 home is fenced, so a stale attempt cannot commit manifests over the new attempt's: the
     new attempt's rank 0 PUTs ``<prefix>/fence.json`` when its checkpointer starts (with the job's own

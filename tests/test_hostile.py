@@ -288,6 +288,7 @@ _spec = st.fixed_dictionaries(
 )
 
 
+@pytest.mark.slow
 def test_fuzz_the_api_no_500_and_no_refused_job_stored(tmp_path):
     """Thousands of generated specs and raw bodies: never a 500, and a job is stored only with a 201."""
     api = Api(tmp_path)

@@ -1,7 +1,7 @@
 """Atomicity under SIGKILL: a save torn at any moment is invisible, the previous commit stays loadable.
 
 A worker (tests/workers/kill_worker.py; 1 process, or 2 gloo ranks) commits step 1 and then saves
-steps 2, 3, ... back to back, 64 MiB each, every element equal to the step. The test kills a rank
+steps 2, 3, ... back to back, 16 MiB each, every element equal to the step. The test kills a rank
 with SIGKILL at a seeded random moment after it announces a save - scaled by how long a save took
 there, so the kills land in different phases (staging, checksums, shm link, disk write, commit,
 cleanup) - then checks from this process that
@@ -33,7 +33,7 @@ from tidal.ckpt.tiers.directory import shm_root_for
 
 pytestmark = pytest.mark.slow
 
-MIB = 64
+MIB = 16
 
 _spec = importlib.util.spec_from_file_location("kill_worker", WORKERS_DIR / "kill_worker.py")
 assert _spec is not None and _spec.loader is not None

@@ -200,6 +200,7 @@ def test_buddy_outage_holds_the_commit_back_until_it_returns(nodes, shm):
     assert [r["step"] for r in rows_of(b.status(), "a", "j3") if r["committed"]] == [1, 2]
 
 
+@pytest.mark.slow
 def test_two_ranks_commit_through_one_agent_and_reshard_from_the_buddy(nodes, shm, tmp_path):
     a, b, _ = nodes
     outs = run_workers("peer_worker", 2, [a.address, "j4"], shm_dir=shm, timeout=120)

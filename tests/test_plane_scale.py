@@ -4,6 +4,8 @@ and what keeps a step, a scrape and the database bounded (changed rows, running 
 
 from __future__ import annotations
 
+import pytest
+
 from control_fakes import FakeClock, FakeExecutor, new_store, submit
 from tidal.control.config import ControlConfig
 from tidal.control.controller import Controller
@@ -13,6 +15,7 @@ from tidal.control.views import pool_view
 from tidal.demo.plane_bench import parity, workload
 
 
+@pytest.mark.slow
 def test_plane_decides_as_the_simulator_at_256_nodes() -> None:
     w = workload(2000, 256, 8, span_s=3600.0)
     r = parity(w, 7200.0, step_s=60.0)
@@ -110,6 +113,7 @@ def test_a_burst_from_one_tenant_is_refused_with_429_nothing_stored(tmp_path) ->
     assert store.count_by_state("a") == {"pending": 6}  # nothing stored for the refused ones
 
 
+@pytest.mark.slow
 def test_bench_plane_kill9_readopts_every_running_job(tmp_path) -> None:
     """``tidal bench plane`` small: ``tidal up`` adopts what the simulated hour left running, serves the
     readers, is killed with SIGKILL and restarted: every running job adopted, none lost, none run twice."""

@@ -226,6 +226,7 @@ def test_outage_saves_continue_and_the_backlog_catches_up(s3, tmp_path):
     assert ckpt.load(s3.url, target) == 5 and same(target["w"], state(5)["w"])
 
 
+@pytest.mark.slow
 def test_outage_without_a_local_directory_uploads_from_a_snapshot(s3, tmp_path):
     """shm + S3 only: uploads read a private copy of the slot, so the slots keep cycling."""
     tiers = ["shm", s3.url]

@@ -103,6 +103,7 @@ def test_webhook_release_and_restore_carry_node_gpus_and_the_total(srv):
     assert a.health()["released"] == {"serve-0": 1, "serve-1": 0}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["fail", "hang"])
 def test_a_failing_or_hanging_webhook_lends_nothing(srv, mode):
     srv.mode = mode

@@ -32,6 +32,7 @@ def launch(tmp_path: Path, plan: str, module: str) -> subprocess.CompletedProces
                           env=env, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("plan, expected", [
     ("75,wait", EXIT_PREEMPTED),  # a rank stopped on a notice; the agent stopped the other with SIGTERM
     ("3,wait", 1),  # a real failure (the other rank SIGTERMed) stays a failure
@@ -42,6 +43,7 @@ def test_exit_code_says_preempted(tmp_path, plan, expected):
     assert p.returncode == expected, p.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_plain_torchrun_folds_75_into_1(tmp_path):
     """Why the wrapper exists (torch 2.13): the elastic agent reports a preemption as a failure."""
     assert launch(tmp_path, "75,75", "torch.distributed.run").returncode == 1

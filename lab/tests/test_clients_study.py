@@ -26,6 +26,7 @@ def test_shifts_change_only_the_days_after_the_shift():
         shifted(r, "x", 0, day)
 
 
+@pytest.mark.slow
 def test_the_table_reports_ceilings_and_every_variant_per_rotation_and_size(tmp_path, capsys):
     rows = ["seconds,client,requests_per_second"]
     for i in range(4 * 144):

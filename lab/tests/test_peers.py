@@ -130,6 +130,7 @@ def test_fake_peer_failures(tmp_path, monkeypatch, mode, reason):
     assert "\n" not in entry["reason"]
 
 
+@pytest.mark.slow
 def test_fake_peer_timeout_ends_its_processes(tmp_path, monkeypatch):
     pid_file = tmp_path / "child.pid"
     monkeypatch.setenv("FAKE_PEER_MODE", "hang")
