@@ -8,7 +8,7 @@ from typing import Any
 
 from tidal.control.states import HELD
 from tidal.control.states import State as S
-from tidal.control.store import JobRow
+from tidal.control.store import HeldJob, JobRow
 from tidal.exec.protocol import Observation, RankState
 
 
@@ -24,7 +24,7 @@ def account(job: JobRow, ob: Observation, now_s: float, success: bool) -> dict[s
             "lost_s": job.lost_s + (reached - kept) * mean, "lost_steps": job.lost_steps + (reached - kept)}
 
 
-def job_report(job: JobRow, now_s: float) -> dict[str, Any]:
+def job_report(job: JobRow | HeldJob, now_s: float) -> dict[str, Any]:
     """Restarts, lost work and ETTR (productive seconds / seconds holding GPUs) of a job, including the
     attempt in flight; steps past the newest checkpoint of a failed attempt are lost."""
     held, productive = job.held_s, job.productive_s

@@ -93,7 +93,7 @@ def dashboard_router(ctx: ApiContext, caller: Callable[..., Any]) -> APIRouter:
         """GPUs per node by holder, per tenant usage against quota and fair share, and the queue."""
         viewer = None if me.admin else me.name
         now = ctx.clock()
-        held = store.held("kind")  # (the waiting ones: counted, and the head of the queue read)
+        held = store.held()  # (the waiting ones: counted, and the head of the queue read)
         waiting = store.count_waiting()
         loans = ctx.loans.view() if ctx.loans is not None else None
         nodes = dv.gpu_map(ctx.nodes, held, viewer, loans)

@@ -11,7 +11,7 @@ from typing import Any
 
 from tidal.contract import PROGRESS_DIRNAME, attempt_dirname, progress_file
 from tidal.control.states import HELD, State
-from tidal.control.store import JobRow, TenantRow
+from tidal.control.store import HeldJob, JobRow, TenantRow
 from tidal.files import open_plain
 from tidal.model import Node
 
@@ -21,14 +21,14 @@ CURVE_TAIL_BYTES = 8 << 20  # of each attempt's progress file, the newest bytes 
 CURVE_ATTEMPTS = 20  # the newest attempts drawn
 
 
-def gpu_map(nodes: list[Node], held: list[JobRow], viewer: str | None, loans: dict[str, Any] | None
+def gpu_map(nodes: list[Node], held: list[HeldJob], viewer: str | None, loans: dict[str, Any] | None
             ) -> list[dict[str, Any]]:
     """Per node, its GPUs as segments ``{"kind", "gpus", ...}`` in drawing order: ``job`` (``job``/``state``
     for the viewer's own; ``None`` viewer: admin), ``draining``, ``lent`` (no job on them yet), ``warming``,
     ``serving``, ``free``."""
     lent_on = {ln["node"]: ln["gpus"] for ln in (loans or {}).get("loans", [])}
     warming = {n: sum(g for _, g in w) for n, w in ((loans or {}).get("warming") or {}).items()}
-    on: dict[str, list[JobRow]] = {}  # node -> the jobs holding GPUs there (one pass, not one per node)
+    on: dict[str, list[HeldJob]] = {}  # node -> the jobs holding GPUs there (one pass, not one per node)
     for j in held:
         if j.state in HELD:
             for name in j.placement or {}:
@@ -64,7 +64,7 @@ def gpu_map(nodes: list[Node], held: list[JobRow], viewer: str | None, loans: di
     return out
 
 
-def tenant_usage(tenants: list[TenantRow], held: list[JobRow], waiting: dict[tuple[str, str], int],
+def tenant_usage(tenants: list[TenantRow], held: list[HeldJob], waiting: dict[tuple[str, str], int],
                  nodes: list[Node], lent_gpus: int) -> list[dict[str, Any]]:
     """Per tenant (admins left out): GPUs held, jobs running and waiting (``waiting``: (tenant, kind) ->
     jobs), quota, weight, and its fair share of spot capacity (docs/scheduling.md)."""

@@ -27,8 +27,7 @@ class PlaneCollector:
         self._held = threading.local()  # .jobs: what this thread's collect() read, for job_text()
 
     def collect(self) -> Iterator[Metric]:
-        jobs = self.store.held("progress", "restarts", "preemptions", "lost_s", "lost_steps", "held_s",
-                               "productive_s", "attempt_launched_s")
+        jobs = self.store.held(accounting=True)
         pool = GaugeMetricFamily("tidal_pool_gpus", "GPUs of the pool (training or serving nodes) by state "
                                  "and owning tenant", labels=["pool", "state", "tenant"])
         kind = {n.name: n.pool for n in self.nodes}

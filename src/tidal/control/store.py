@@ -21,6 +21,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import (
@@ -41,7 +42,7 @@ from sqlalchemy import (
     text,
     update,
 )
-from sqlalchemy.orm import DeclarativeBase, Mapped, Session, load_only, mapped_column, sessionmaker
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 from tidal.control.states import ACTIVE, HELD, TERMINAL, TRANSITIONS, State, check_transition
 
@@ -157,6 +158,31 @@ class DocRow(Base):
     updated_s: Mapped[float] = mapped_column(Float, default=0.0)
 
 
+@dataclass(frozen=True, slots=True)
+class HeldJob:
+    """A job holding GPUs as the pool views and ``/metrics`` read it (:meth:`Store.held`). ``progress`` has
+    only ``step``, ``steps_per_s``, ``start_step`` and ``tiers``; accounting is zero unless read."""
+
+    id: str
+    tenant: str
+    state: str
+    kind: str
+    placement: dict[str, int]
+    releasing: dict[str, int]
+    restarts: int = 0
+    preemptions: int = 0
+    lost_s: float = 0.0
+    lost_steps: int = 0
+    held_s: float = 0.0
+    productive_s: float = 0.0
+    attempt_launched_s: float | None = None
+    progress: dict[str, Any] = field(default_factory=dict, kw_only=True)
+
+    @property
+    def gpus(self) -> int:
+        return sum(self.placement.values()) if self.placement else 0
+
+
 class NotFound(KeyError):
     pass
 
@@ -203,6 +229,7 @@ class Store:
         self._batch = threading.local()  # .s: the session of this thread's batch (see batch())
         self._by_token: dict[str, TenantRow] = {}
         self._changed: set[str] = set()
+        self._marks = threading.Lock()  # (not the write lock: a submit marks its job while the loop writes)
         self.tenant_rev = 0  # rises with every tenant written (the reconcile loop keeps them meanwhile)
         with self._write() as s:
             row = s.get(MetaRow, "schema_version")
@@ -429,13 +456,15 @@ class Store:
             total = s.scalar(select(func.count()).select_from(JobRow).where(*conds)) or 0
             return list(s.scalars(q)), int(total)
 
-    def held(self, *more: str) -> list[JobRow]:
-        """The jobs holding GPUs with only id, tenant, state, placement, releasing and ``more`` loaded."""
-        cols = (JobRow.id, JobRow.tenant, JobRow.state, JobRow.placement, JobRow.releasing,
-                *(getattr(JobRow, m) for m in more))
-        q = select(JobRow).options(load_only(*cols)).where(JobRow.state.in_([str(x) for x in HELD]))
+    def held(self, *, accounting: bool = False) -> list[HeldJob]:
+        """The jobs holding GPUs as plain records (one Core ``SELECT``, no ORM row built), with their
+        accounting and progress when asked (``/metrics``)."""
         with self._read() as s:
-            return list(s.scalars(q))
+            if not accounting:
+                return [HeldJob(*r) for r in s.execute(_HELD)]
+            n, rows = len(_PROGRESS_KEYS), s.execute(_HELD_ACCOUNTING).all()
+            return [HeldJob(*r[:-n], progress={k: v for k, v in zip(_PROGRESS_KEYS, r[-n:], strict=True)
+                                               if v is not None}) for r in rows]
 
     def count_waiting(self) -> dict[tuple[str, str], int]:
         """(tenant, kind) -> jobs pending or backing off; one ``GROUP BY``."""
@@ -477,7 +506,7 @@ class Store:
 
     def take_changed(self) -> set[str]:
         """The jobs written since the last call (submitted, moved, updated), and forget them."""
-        with self._lock:
+        with self._marks:
             out, self._changed = self._changed, set()
         return out
 
@@ -550,7 +579,7 @@ class Store:
 
     def _mark(self, *ids: str) -> None:
         """Mark jobs changed, once their write is committed (a reader that takes the mark sees the row)."""
-        with self._lock:
+        with self._marks:
             self._changed.update(ids)
 
     def drop_before(self, cutoff_s: float, keep: Callable[[str], bool] | None = None) -> tuple[int, int]:
@@ -622,6 +651,12 @@ class Store:
 
 
 _JOBS, _EVENTS = Base.metadata.tables["jobs"], Base.metadata.tables["events"]
+_HELD = select(_JOBS.c.id, _JOBS.c.tenant, _JOBS.c.state, _JOBS.c.kind, _JOBS.c.placement,
+               _JOBS.c.releasing).where(_JOBS.c.state.in_([str(x) for x in HELD]))
+_PROGRESS_KEYS = ("step", "steps_per_s", "start_step", "tiers")  # (what /metrics reads of the progress)
+_HELD_ACCOUNTING = _HELD.add_columns(*(_JOBS.c[k] for k in (
+    "restarts", "preemptions", "lost_s", "lost_steps", "held_s", "productive_s", "attempt_launched_s")),
+    *(_JOBS.c.progress[k] for k in _PROGRESS_KEYS))
 _UPDATE_JOB = update(_JOBS)  # (Core statements: no ORM unit of work for the loop's many small writes)
 _INSERT_EVENT = insert(_EVENTS)
 

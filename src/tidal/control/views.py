@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,7 @@ from tidal.control import schemas as sc
 from tidal.control.accounting import job_report
 from tidal.control.schemas import answer
 from tidal.control.states import HELD, STOPPING, State
-from tidal.control.store import EventRow, JobRow
+from tidal.control.store import EventRow, HeldJob, JobRow
 from tidal.model import Node
 
 _COMPUTED = frozenset({"gpus", "progress", "report", "waiting"})
@@ -36,13 +37,13 @@ def event_view(e: EventRow) -> dict[str, Any]:
         "from": e.from_state, "to": e.to_state, "message": e.message, "data": e.data}))
 
 
-def pool_view(nodes: list[Node], jobs: list[JobRow], viewer: str | None,
+def pool_view(nodes: list[Node], jobs: Sequence[HeldJob | JobRow], viewer: str | None,
               pending: int | None = None, *, offset: int = 0, limit: int | None = None) -> dict[str, Any]:
     """:class:`~tidal.control.schemas.Pool`: GPUs per node: allocated (by tenant; job ids only for
     ``viewer``'s own jobs, all for admin ``viewer=None``), draining (being released) and free; the nodes from
     ``offset``, ``limit`` of them, the totals over all. ``pending``: the viewer's pending jobs (None: counted
     in ``jobs``). Work follows the nodes listed and the held jobs."""
-    on: dict[str, list[JobRow]] = {}
+    on: dict[str, list[HeldJob | JobRow]] = {}
     for j in jobs:
         if State(j.state) in HELD:
             for name in j.placement or {}:
