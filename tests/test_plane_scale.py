@@ -184,3 +184,35 @@ def test_lists_come_a_bounded_page_at_a_time(tmp_path) -> None:
     assert http.get("/v1/jobs", params={"limit": 100000}, headers=auth).status_code == 422
     text = render(registry(store, nodes, clock)).decode()  # the pool's series: summed, not one per node
     assert 'tidal_pool_gpus{pool="training",state="free",tenant=""} 78.0' in text and "n3" not in text
+
+
+def test_the_loop_runs_the_full_garbage_collection_itself(tmp_path) -> None:
+    """``tidal up`` turns Python's automatic full collection off (at pool scale it walked every active job's
+    row every few seconds, every request waiting meanwhile): its loop collects between steps instead."""
+    import gc
+    import time
+    import weakref
+
+    from tidal.control.server import ReconcileLoop
+
+    class Cycle:
+        me: object = None
+
+    store = new_store(tmp_path)
+    loop = ReconcileLoop(Controller(store, FakeExecutor()), 0.01, full_gc_s=0.0)
+    gc.disable()  # (as no automatic collection would come: only the loop's)
+    try:
+        c = Cycle()
+        c.me = c
+        gone = weakref.ref(c)
+        del c
+        loop.start()
+        deadline = time.monotonic() + 30
+        while gone() is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert gone() is None and loop.steps >= 1
+    finally:
+        gc.enable()
+        loop.stop()
+        loop.join(timeout=10)
+        store.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import gc
 import logging
 import os
 import socket
@@ -45,25 +46,34 @@ from tidal.serving.sources import DEMAND_WAIT_S
 from tidal.serving.watch import Advisor, build_advisor
 
 log = logging.getLogger("tidal.control")
+# A full collection walks every object the plane holds (each active job's row: a second or more at pool
+# scale, every request waiting meanwhile), and the automatic one runs every few seconds under load: the plane
+# runs its own, once per this many seconds (docs/control.md, what keeps a step proportional).
+FULL_GC_S = 600.0
 
 
 class ReconcileLoop(threading.Thread):
     """Steps the controller on the wall clock until ``stop()``; an exception in a step is logged, not
-    fatal."""
+    fatal. Every ``full_gc_s`` it runs the full garbage collection between steps (:func:`serve` turns the
+    automatic one off)."""
 
-    def __init__(self, controller: Controller, interval_s: float) -> None:
+    def __init__(self, controller: Controller, interval_s: float, full_gc_s: float = FULL_GC_S) -> None:
         super().__init__(name="tidal-reconcile", daemon=True)
-        self.controller, self.interval_s = controller, interval_s
+        self.controller, self.interval_s, self.full_gc_s = controller, interval_s, full_gc_s
         self._stop_event = threading.Event()
         self.steps = 0
 
     def run(self) -> None:
+        collected = time.monotonic()
         while not self._stop_event.is_set():
             try:
                 self.controller.step(time.time())
             except Exception:
                 log.exception("reconcile step failed")
             self.steps += 1
+            if time.monotonic() - collected >= self.full_gc_s:
+                gc.collect()
+                collected = time.monotonic()
             self._stop_event.wait(self.interval_s)
 
     def stop(self) -> None:
@@ -345,6 +355,9 @@ def serve(plane: Plane, host: str = "127.0.0.1", port: int = 8470, *, announce=p
 
     sock = sock or bind(host, port)
     plane.controller.recover(time.time())
+    gc.collect()
+    gc.freeze()  # (what start-up made is never walked again)
+    gc.set_threshold(*gc.get_threshold()[:2], 1 << 30)  # young generations as before, no automatic full one
     loop = ReconcileLoop(plane.controller, plane.controller.config.loop_interval_s)
     server = uvicorn.Server(uvicorn.Config(plane.app(), host=host, port=port, log_level="warning",
                                            access_log=False, lifespan="off"))
