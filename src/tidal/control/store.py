@@ -400,24 +400,22 @@ class Store:
         """Insert a pending job from a validated spec (``JobSpec.model_dump()``); its id is ``<name>-<n>``,
         ``n`` from the ``job_seq`` counter (never reused). Nothing is stored if anything fails."""
         g = spec["gpus"]
-        with self._write() as s:
-            counter = s.get(MetaRow, "job_seq")
-            if counter is None:  # (made by __init__; a database edited under us)
-                counter = MetaRow(key="job_seq", value=str(s.scalar(select(func.max(JobRow.seq))) or 0))
-                s.add(counter)
-            seq = int(counter.value) + 1
-            counter.value = str(seq)
-            row = JobRow(seq=seq, tenant=tenant, name=spec["name"], spec=spec, state=State.PENDING.value,
-                         kind=spec["kind"], priority=spec["priority"], min_gpus=g["min"], max_gpus=g["max"],
-                         multiple_of=g["multiple_of"], max_restarts=spec["max_restarts"], submit_s=now_s,
-                         placement={}, releasing={}, progress={}, message="", ckpt_location=ckpt_location)
-            s.add(row)
-            s.flush()
-            row.id = f"{spec['name']}-{row.seq}"
-            s.add(EventRow(time_s=now_s, job_id=row.id, tenant=tenant, kind="transition", from_state=None,
-                           to_state=State.PENDING.value, message="submitted"))
-        self._mark(row.id)
-        return row
+        with self._write() as s:  # (Core statements: no ORM unit of work on the API's hottest write)
+            top = s.scalar(select(_META.c.value).where(_META.c.key == "job_seq"))
+            if top is None:  # (made by __init__; a database edited under us)
+                top = str(s.scalar(select(func.max(JobRow.seq))) or 0)
+                s.execute(insert(_META).values(key="job_seq", value=top))
+            seq = int(top) + 1
+            s.execute(update(_META).where(_META.c.key == "job_seq").values(value=str(seq)))
+            values = {**_job_defaults(), "seq": seq, "id": f"{spec['name']}-{seq}", "tenant": tenant,
+                      "name": spec["name"], "spec": spec, "kind": spec["kind"], "priority": spec["priority"],
+                      "min_gpus": g["min"], "max_gpus": g["max"], "multiple_of": g["multiple_of"],
+                      "max_restarts": spec["max_restarts"], "submit_s": now_s, "ckpt_location": ckpt_location}
+            s.execute(insert(_JOBS).values(values))
+            s.execute(_INSERT_EVENT.values(time_s=now_s, job_id=values["id"], tenant=tenant,
+                                           kind="transition", to_state=values["state"], message="submitted"))
+        self._mark(values["id"])
+        return JobRow(**values)
 
     def job(self, job_id: str) -> JobRow:
         with self._read() as s:
@@ -650,7 +648,7 @@ class Store:
             return list(s.scalars(q))
 
 
-_JOBS, _EVENTS = Base.metadata.tables["jobs"], Base.metadata.tables["events"]
+_JOBS, _EVENTS, _META = (Base.metadata.tables[t] for t in ("jobs", "events", "meta"))
 _HELD = select(_JOBS.c.id, _JOBS.c.tenant, _JOBS.c.state, _JOBS.c.kind, _JOBS.c.placement,
                _JOBS.c.releasing).where(_JOBS.c.state.in_([str(x) for x in HELD]))
 _PROGRESS_KEYS = ("step", "steps_per_s", "start_step", "tiers")  # (what /metrics reads of the progress)
@@ -659,6 +657,16 @@ _HELD_ACCOUNTING = _HELD.add_columns(*(_JOBS.c[k] for k in (
     *(_JOBS.c.progress[k] for k in _PROGRESS_KEYS))
 _UPDATE_JOB = update(_JOBS)  # (Core statements: no ORM unit of work for the loop's many small writes)
 _INSERT_EVENT = insert(_EVENTS)
+
+
+def _job_defaults() -> dict[str, Any]:
+    """A new job's column defaults, as the ORM fills them in (a fresh ``{}`` for each JSON one)."""
+    out = {}
+    for c in _JOBS.c:
+        if c.default is not None:
+            arg = c.default.arg  # type: ignore[attr-defined]  # (typed on ColumnDefault's subclasses only)
+            out[c.name] = arg(None) if c.default.is_callable else arg
+    return out
 
 
 def _written(row: JobRow, values: dict[str, Any]) -> JobRow:
