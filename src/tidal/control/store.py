@@ -400,20 +400,20 @@ class Store:
         """Insert a pending job from a validated spec (``JobSpec.model_dump()``); its id is ``<name>-<n>``,
         ``n`` from the ``job_seq`` counter (never reused). Nothing is stored if anything fails."""
         g = spec["gpus"]
-        with self._write() as s:  # (Core statements: no ORM unit of work on the API's hottest write)
-            top = s.scalar(select(_META.c.value).where(_META.c.key == "job_seq"))
+        with self._write() as s:  # (statements compiled once: no ORM unit of work on the API's hottest write)
+            top = s.scalar(_JOB_SEQ)
             if top is None:  # (made by __init__; a database edited under us)
                 top = str(s.scalar(select(func.max(JobRow.seq))) or 0)
-                s.execute(insert(_META).values(key="job_seq", value=top))
+                s.execute(insert(_META), {"key": "job_seq", "value": top})
             seq = int(top) + 1
-            s.execute(update(_META).where(_META.c.key == "job_seq").values(value=str(seq)))
+            s.execute(_SET_JOB_SEQ, {"value": str(seq)})
             values = {**_job_defaults(), "seq": seq, "id": f"{spec['name']}-{seq}", "tenant": tenant,
                       "name": spec["name"], "spec": spec, "kind": spec["kind"], "priority": spec["priority"],
                       "min_gpus": g["min"], "max_gpus": g["max"], "multiple_of": g["multiple_of"],
                       "max_restarts": spec["max_restarts"], "submit_s": now_s, "ckpt_location": ckpt_location}
-            s.execute(insert(_JOBS).values(values))
-            s.execute(_INSERT_EVENT.values(time_s=now_s, job_id=values["id"], tenant=tenant,
-                                           kind="transition", to_state=values["state"], message="submitted"))
+            s.execute(_INSERT_JOB, values)
+            s.execute(_INSERT_EVENT, {"time_s": now_s, "job_id": values["id"], "tenant": tenant, "kind":
+                                      "transition", "to_state": values["state"], "message": "submitted"})
         self._mark(values["id"])
         return JobRow(**values)
 
@@ -655,6 +655,8 @@ _PROGRESS_KEYS = ("step", "steps_per_s", "start_step", "tiers")  # (what /metric
 _HELD_ACCOUNTING = _HELD.add_columns(*(_JOBS.c[k] for k in (
     "restarts", "preemptions", "lost_s", "lost_steps", "held_s", "productive_s", "attempt_launched_s")),
     *(_JOBS.c.progress[k] for k in _PROGRESS_KEYS))
+_INSERT_JOB, _JOB_SEQ = insert(_JOBS), select(_META.c.value).where(_META.c.key == "job_seq")
+_SET_JOB_SEQ = update(_META).where(_META.c.key == "job_seq")
 _UPDATE_JOB = update(_JOBS)  # (Core statements: no ORM unit of work for the loop's many small writes)
 _INSERT_EVENT = insert(_EVENTS)
 
