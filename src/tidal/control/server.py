@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import gc
 import logging
 import os
 import socket
@@ -47,15 +48,42 @@ from tidal.serving.watch import Advisor, build_advisor
 log = logging.getLogger("tidal.control")
 
 
+class HeapKeeper:
+    """Keeps Python's cycle collector out of the reconcile step. The plane's heap is mostly long-lived (each
+    active job's row and scheduler view: ~10^6 objects at 20,000 jobs), and Python collects all of it whenever
+    a quarter more has survived: ~0.3 s, in whichever step or request allocates then. Instead, between steps,
+    at most every ``every_s`` (and ``min_steps`` steps): one full collection, then what survived is frozen
+    (:func:`gc.freeze`), so a step's own collections scan only what was made since. Garbage cycles among
+    frozen objects are freed at the next one."""
+
+    def __init__(self, every_s: float = 60.0, min_steps: int = 10) -> None:
+        self.every_s, self.min_steps = every_s, min_steps
+        self._last_s: float | None = None
+        self._steps = 0
+        self.pauses_s: list[float] = []  # each full collection's duration (between steps)
+
+    def after_step(self, now_s: float) -> None:
+        self._steps += 1
+        if self._last_s is not None and (now_s - self._last_s < self.every_s or self._steps < self.min_steps):
+            return
+        t = time.perf_counter()
+        gc.unfreeze()
+        gc.collect()
+        gc.freeze()
+        self.pauses_s.append(time.perf_counter() - t)
+        self._last_s, self._steps = now_s, 0
+
+
 class ReconcileLoop(threading.Thread):
     """Steps the controller on the wall clock until ``stop()``; an exception in a step is logged, not
-    fatal."""
+    fatal. The heap is kept between steps (:class:`HeapKeeper`)."""
 
     def __init__(self, controller: Controller, interval_s: float) -> None:
         super().__init__(name="tidal-reconcile", daemon=True)
         self.controller, self.interval_s = controller, interval_s
         self._stop_event = threading.Event()
         self.steps = 0
+        self.heap = HeapKeeper()
 
     def run(self) -> None:
         while not self._stop_event.is_set():
@@ -64,6 +92,7 @@ class ReconcileLoop(threading.Thread):
             except Exception:
                 log.exception("reconcile step failed")
             self.steps += 1
+            self.heap.after_step(time.time())
             self._stop_event.wait(self.interval_s)
 
     def stop(self) -> None:
