@@ -33,14 +33,19 @@ def test_a_step_rereads_only_what_changed(tmp_path) -> None:
     ex = FakeExecutor(gpus=2)
     ids = [submit(store, "a", clock(), name=f"q{i}", gpus=2) for i in range(30)]
     ctl = Controller(store, ex)
+    reads: list[str] = []
+    by_id = store.jobs_by_id
+    store.jobs_by_id = lambda ids: by_id(reads.extend(ids) or ids)  # type: ignore[method-assign]
     ctl.step(clock())
-    assert store._changed == {ids[0]}  # what the next step re-reads: the one admitted, not the 29 waiting
+    # the one admitted is marked, not the 29 waiting; with the row the loop wrote it from: not read again
+    assert store._changed.keys() == {ids[0]} and store._changed[ids[0]] is ctl._active[ids[0]]
     ex.beat(ids[0], clock.advance(1.0), 5)
     ctl.step(clock())
-    assert store._changed == set()  # (running: re-read by this step's snapshot; its progress is no mark)
+    assert store._changed == {} and reads == []  # (its progress is no mark)
     view = ctl.view.jobs[ids[5]]
-    store.update(ids[7], cancel_requested=True)  # the API's write: the next step sees it
+    store.update(ids[7], cancel_requested=True)  # the API's write: the next step reads it again, and sees it
     ctl.step(clock.advance(1.0))
+    assert reads == [ids[7]]
     assert store.job(ids[7]).state == State.CANCELLED and store.job(ids[0]).progress["step"] == 5
     assert ctl.view.jobs[ids[5]] is view and ids[7] not in ctl.view.jobs  # views made again: written ones
     store.update(ids[8], cancel_requested=True)
@@ -186,33 +191,65 @@ def test_lists_come_a_bounded_page_at_a_time(tmp_path) -> None:
     assert 'tidal_pool_gpus{pool="training",state="free",tenant=""} 78.0' in text and "n3" not in text
 
 
-def test_the_loop_runs_the_full_garbage_collection_itself(tmp_path) -> None:
-    """``tidal up`` turns Python's automatic full collection off (at pool scale it walked every active job's
-    row every few seconds, every request waiting meanwhile): its loop collects between steps instead."""
+def test_the_heap_keeper_freezes_between_steps_and_frees_frozen_cycles_at_its_next_collection() -> None:
     import gc
-    import time
     import weakref
 
-    from tidal.control.server import ReconcileLoop
+    from tidal.control.server import HeapKeeper
 
-    class Cycle:
-        me: object = None
+    class Node:
+        other: object = None
 
-    store = new_store(tmp_path)
-    loop = ReconcileLoop(Controller(store, FakeExecutor()), 0.01, full_gc_s=0.0)
-    gc.disable()  # (as no automatic collection would come: only the loop's)
+    a, b = Node(), Node()
+    a.other, b.other = b, a  # a cycle: only the cycle collector frees it
+    gone = weakref.ref(a)
+    keep = HeapKeeper(every_s=60.0, min_steps=3)
     try:
-        c = Cycle()
-        c.me = c
-        gone = weakref.ref(c)
-        del c
-        loop.start()
-        deadline = time.monotonic() + 30
-        while gone() is not None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert gone() is None and loop.steps >= 1
+        keep.after_step(0.0)  # the first step: collected, what survived frozen
+        assert len(keep.pauses_s) == 1 and gc.get_freeze_count() > 0
+        del a, b
+        gc.collect()  # a step's own collections do not scan the frozen heap
+        assert gone() is not None
+        keep.after_step(100.0)  # due by time, not yet by steps
+        keep.after_step(110.0)
+        assert len(keep.pauses_s) == 1 and gone() is not None
+        keep.after_step(120.0)  # the third step since: collected again, the frozen cycle freed
+        assert len(keep.pauses_s) == 2 and gone() is None
+        keep.after_step(125.0)
+        keep.after_step(130.0)
+        keep.after_step(135.0)  # three steps, but within every_s
+        assert len(keep.pauses_s) == 2
     finally:
-        gc.enable()
-        loop.stop()
-        loop.join(timeout=10)
-        store.close()
+        gc.unfreeze()
+
+
+def test_rows_the_loop_keeps_in_place_are_what_the_store_holds(tmp_path) -> None:
+    """Admissions, progress, completions, failures with restarts, a cancel and a preemption: after every
+    step, each active row the loop holds (written in place, not read again) equals the stored one."""
+    clock = FakeClock()
+    store = new_store(tmp_path, ("a", 2, 1.0), ("b", 6, 1.0))
+    ex = FakeExecutor(gpus=8)
+    ids = [submit(store, "ab"[i % 2], clock(), name=f"j{i}", gpus=2 if i % 3 else 1, max_restarts=1,
+                  kind="spot" if i % 2 == 0 else "dedicated") for i in range(12)]
+    ctl = Controller(store, ex)
+    cols = [c.key for c in type(store.job(ids[0])).__table__.columns]
+    for k in range(40):
+        now = clock.advance(5.0)
+        for jid, j in list(ex.jobs.items()):
+            if any(c is None for c in j.codes):
+                ex.beat(jid, now, k)
+                if k % 7 == 3:
+                    ex.exit(jid, 0 if jid.endswith(("1", "4", "7")) else 1)
+        if k == 5:
+            store.update(ids[11], cancel_requested=True)
+        if k == 9:
+            submit(store, "b", now, name="big", gpus=6, priority=1, kind="dedicated")
+        ctl.step(now)
+        held = ctl._active or {}
+        stored = {r.id: r for r in store.jobs_by_id(list(held))}
+        for jid, row in held.items():
+            if store._changed.get(jid, row) is not row:
+                continue  # (written otherwise: the next step reads it again)
+            assert {c: getattr(row, c) for c in cols} == {c: getattr(stored[jid], c) for c in cols}, (k, jid)
+    states = {store.job(i).state for i in ids}
+    assert {"succeeded", "failed", "cancelled"} <= states, states

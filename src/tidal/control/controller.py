@@ -192,10 +192,11 @@ class Controller:
                 self.view.put(j)
             self._reread = set(self._active)
             return
-        self._reread |= changed
-        if changed:
-            rows = {j.id: j for j in self.store.jobs_by_id(changed)}
-            for jid in changed - rows.keys():  # (dropped)
+        self._reread |= changed.keys()
+        if changed:  # rows this loop wrote in place are as stored: only the others are read
+            held = {i: r for i, r in changed.items() if r is not None and self._active.get(i) is r}
+            rows = {j.id: j for j in self.store.jobs_by_id(changed.keys() - held.keys())} | held
+            for jid in changed.keys() - rows.keys():  # (dropped)
                 self._forget(jid)
             for j in sorted(rows.values(), key=lambda r: r.seq):
                 if j.state in ACTIVE:
@@ -245,7 +246,7 @@ class Controller:
         old = self._waiting
         self.store.update_many({jid: {"waiting": w and {"reason": w.reason, "until_s": w.until_s}}
                                 for jid in old.keys() | why.keys() if old.get(jid) != (w := why.get(jid))},
-                               mark=False)
+                               mark=False, held=self._active)
         self._waiting = why
 
     def _holdings(self, wants: bool = False) -> tuple[dict[str, int], int, dict[str, list[str]]]:
@@ -548,13 +549,14 @@ class Controller:
             # others were told to give GPUs back for pending ``for_job``: it goes first while they drain
             jobs[for_job] = nominee
             if nominee.nominated_s is not None:
-                self.store.update(for_job, nominated_s=nominee.nominated_s)
+                waiting = (self._active or {}).get(for_job) or for_job
+                self.store.update(waiting, nominated_s=nominee.nominated_s)
 
     def _set_interval(self, job: JobRow, interval_s: float, now_s: float) -> None:
         """A new checkpoint interval to the store and the ranks; announced at most every
         ``ANNOUNCE_INTERVAL_S``."""
         was = job.ckpt_interval_s
-        self.store.update(job.id, ckpt_interval_s=interval_s)
+        self.store.update(job, ckpt_interval_s=interval_s)
         self.executor.configure(job.id, {"ckpt_interval_s": interval_s})
         stall = f"{job.ckpt_stall_s:.3g} s" if job.ckpt_stall_s is not None else "unmeasured"
         last_s, quiet = self._announced.get(job.id, (float("-inf"), 0))
@@ -619,6 +621,7 @@ class Controller:
             return
         self.store.commit()  # (every attempt is recorded before any rank starts)
         handles: dict[str, dict[str, Any]] = {}
+        started: dict[str, JobRow] = {}
         for job, req in todo.values():
             try:
                 handle = self.executor.launch(req, now_s)
@@ -627,10 +630,10 @@ class Controller:
                 failed = self.store.update(job.id, stop_reason="failure", message=f"launch failed: {e}")
                 self._finish(failed, Observation(job.id, req.attempt, now_s, ()), now_s)
                 continue
-            handles[job.id] = {"handle": handle}
+            handles[job.id], started[job.id] = {"handle": handle}, job
             self.store.record("launch", f"attempt {req.attempt}: {_n(req.world_size, 'rank')} started", now_s,
                               job=job, data=handle)
-        self.store.update_many(handles)
+        self.store.update_many(handles, held=started)
 
     def sweep_shm(self, now_s: float, *, force: bool = False) -> list[str]:
         """Free ended jobs' node memory and agents' steps (:mod:`tidal.control.node_memory`), every

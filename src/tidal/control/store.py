@@ -20,7 +20,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +32,7 @@ from sqlalchemy import (
     Integer,
     String,
     Text,
+    bindparam,
     create_engine,
     delete,
     event,
@@ -228,7 +229,7 @@ class Store:
         self._lock = threading.RLock()
         self._batch = threading.local()  # .s: the session of this thread's batch (see batch())
         self._by_token: dict[str, TenantRow] = {}
-        self._changed: set[str] = set()
+        self._changed: dict[str, JobRow | None] = {}  # job id -> the caller's row written in place, or None
         self._marks = threading.Lock()  # (not the write lock: a submit marks its job while the loop writes)
         self.tenant_rev = 0  # rises with every tenant written (the reconcile loop keeps them meanwhile)
         with self._write() as s:
@@ -502,10 +503,12 @@ class Store:
                 out += s.scalars(select(JobRow).where(JobRow.id.in_(ids[i:i + 500])))
         return out
 
-    def take_changed(self) -> set[str]:
-        """The jobs written since the last call (submitted, moved, updated), and forget them."""
+    def take_changed(self) -> dict[str, JobRow | None]:
+        """The jobs written since the last call (submitted, moved, updated), and forget them: each with the
+        row its writer held and brought to what it wrote, where every write since was such (the row is then as
+        stored), else ``None`` (read it again)."""
         with self._marks:
-            out, self._changed = self._changed, set()
+            out, self._changed = self._changed, {}
         return out
 
     def count_by_state(self, tenant: str | None = None) -> dict[str, int]:
@@ -520,13 +523,16 @@ class Store:
                    data: dict | None = None, **fields: Any) -> JobRow:
         """Move a job to ``to`` (checked against the table), set ``fields``, record the event; atomically.
         ``job``: its id, or the row the caller holds (then not read again: written while the store still has
-        it in the row's state, else as by id; the row is updated in place to what was written)."""
+        it in the row's state, else as by id; the row is updated in place to what was written, and the job
+        marked changed with it, see :meth:`take_changed`)."""
         values = {**fields, "state": State(to).value, "message": message[:2000]}
         row = job if isinstance(job, JobRow) else None
         jid = job.id if isinstance(job, JobRow) else job
         with self._write() as s:
-            if row is not None and State(to) in TRANSITIONS.get(State(row.state), ()) and _count(s.execute(
-                    _UPDATE_JOB.where(_JOBS.c.id == jid, _JOBS.c.state == row.state).values(values))):
+            held = row is not None and State(to) in TRANSITIONS.get(State(row.state), ()) and bool(_count(
+                s.execute(_UPDATE_IN_STATE, {"b_id": jid, "b_state": row.state, **values})))
+            if held:
+                assert row is not None
                 old, tenant = row.state, row.tenant  # (the usual case: one statement, nothing read)
             else:
                 got = s.execute(select(JobRow.state, JobRow.tenant).where(JobRow.id == jid)).first()
@@ -534,12 +540,18 @@ class Store:
                     raise NotFound(jid)
                 old, tenant = got
                 check_transition(jid, old, to)
-                s.execute(_UPDATE_JOB.where(_JOBS.c.id == jid).values(values))
-            s.execute(_INSERT_EVENT.values(time_s=now_s, job_id=jid, tenant=tenant, kind="transition",
-                                           from_state=old, to_state=values["state"],
-                                           message=values["message"], data=data))
-        self._mark(jid)
-        return _written(row, values) if row is not None else self.job(jid)
+                s.execute(_UPDATE_JOB, {"b_id": jid, **values})
+            s.execute(_INSERT_EVENT, {"time_s": now_s, "job_id": jid, "tenant": tenant, "kind": "transition",
+                                      "from_state": old, "to_state": values["state"],
+                                      "message": values["message"], "data": data})
+        if row is None:
+            self._mark(jid)
+            return self.job(jid)
+        if held:
+            self._mark_row(_written(row, values))
+        else:  # (the store had it in another state: the caller's row is stale, read again)
+            self._mark(jid)
+        return _written(row, values)
 
     def update(self, job: JobRow | str, **fields: Any) -> JobRow:
         """Set fields that are not the state (progress, handle, bookkeeping); ``job`` as for
@@ -549,15 +561,20 @@ class Store:
         row = job if isinstance(job, JobRow) else None
         jid = job.id if isinstance(job, JobRow) else job
         with self._write() as s:
-            if fields and not _count(s.execute(_UPDATE_JOB.where(_JOBS.c.id == jid).values(fields))):
+            if fields and not _count(s.execute(_UPDATE_JOB, {"b_id": jid, **fields})):
                 raise NotFound(jid)
-        self._mark(jid)
-        return _written(row, fields) if row is not None else self.job(jid)
+        if row is None:
+            self._mark(jid)
+            return self.job(jid)
+        self._mark_row(_written(row, fields))
+        return row
 
-    def update_many(self, changes: dict[str, dict[str, Any]], *, mark: bool = True) -> None:
+    def update_many(self, changes: dict[str, dict[str, Any]], *, mark: bool = True,
+                    held: Mapping[str, JobRow] | None = None) -> None:
         """:meth:`update` of many jobs in one transaction (job id -> fields), one statement per set of fields
-        changed; ids no longer in the store are skipped. ``mark=False``: not marked changed (the caller holds
-        the rows and changed them itself)."""
+        changed; ids no longer in the store are skipped. ``held``: rows the caller holds, brought to what was
+        written (and marked changed with them, as by :meth:`update`). ``mark=False``: not marked changed (the
+        caller holds the rows and the change needs no look again)."""
         if any("state" in f for f in changes.values()):
             raise ValueError("use Store.transition to change a job's state")
         groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
@@ -572,13 +589,26 @@ class Store:
                          v["b_id"]) for v in params]
                 sets = ", ".join(f"{k} = {q}" for k in keys)
                 s.connection().exec_driver_sql(f"UPDATE jobs SET {sets} WHERE id = {q}", rows)
-        if mark:
-            self._mark(*changes)
+        for jid, f in changes.items():
+            row = held.get(jid) if held is not None else None
+            if row is not None:
+                _written(row, f)
+            if mark and row is not None:
+                self._mark_row(row)
+            elif mark:
+                self._mark(jid)
 
     def _mark(self, *ids: str) -> None:
         """Mark jobs changed, once their write is committed (a reader that takes the mark sees the row)."""
         with self._marks:
-            self._changed.update(ids)
+            self._changed.update(dict.fromkeys(ids))
+
+    def _mark_row(self, row: JobRow) -> None:
+        """Mark a job changed by a write of the row its caller holds, now brought to what was written (a job
+        also written otherwise since the last :meth:`take_changed` stays ``None``: read again)."""
+        with self._marks:
+            if self._changed.setdefault(row.id, row) is not row:
+                self._changed[row.id] = None
 
     def drop_before(self, cutoff_s: float, keep: Callable[[str], bool] | None = None) -> tuple[int, int]:
         """Delete the jobs that ended before ``cutoff_s`` (but those ``keep`` says to keep) with their events,
@@ -607,9 +637,9 @@ class Store:
                tenant: str | None = None, data: dict | None = None) -> None:
         """An event that is not a transition (a decision, an adoption, a kill, a tenant change)."""
         with self._write() as s:
-            s.execute(_INSERT_EVENT.values(time_s=now_s, job_id=job.id if job else None,
-                                           tenant=job.tenant if job else tenant, kind=kind,
-                                           message=message[:2000], data=data))
+            s.execute(_INSERT_EVENT, {"time_s": now_s, "job_id": job.id if job else None,
+                                      "tenant": job.tenant if job else tenant, "kind": kind,
+                                      "message": message[:2000], "data": data})
 
     def put_doc(self, key: str, doc: Any, now_s: float,
                 events: Iterable[tuple[str, str, dict | None]] = ()) -> None:
@@ -649,16 +679,19 @@ class Store:
 
 
 _JOBS, _EVENTS, _META = (Base.metadata.tables[t] for t in ("jobs", "events", "meta"))
+# Core statements made once, their values bound at each call (the SET clause is the values given): no ORM unit
+# of work, and no statement built and compiled again, for the loop's many small writes and the API's submits
+_UPDATE_JOB = update(_JOBS).where(_JOBS.c.id == bindparam("b_id"))
+_UPDATE_IN_STATE = _UPDATE_JOB.where(_JOBS.c.state == bindparam("b_state"))
+_INSERT_EVENT = insert(_EVENTS)
+_INSERT_JOB, _JOB_SEQ = insert(_JOBS), select(_META.c.value).where(_META.c.key == "job_seq")
+_SET_JOB_SEQ = update(_META).where(_META.c.key == "job_seq")
 _HELD = select(_JOBS.c.id, _JOBS.c.tenant, _JOBS.c.state, _JOBS.c.kind, _JOBS.c.placement,
                _JOBS.c.releasing).where(_JOBS.c.state.in_([str(x) for x in HELD]))
 _PROGRESS_KEYS = ("step", "steps_per_s", "start_step", "tiers")  # (what /metrics reads of the progress)
 _HELD_ACCOUNTING = _HELD.add_columns(*(_JOBS.c[k] for k in (
     "restarts", "preemptions", "lost_s", "lost_steps", "held_s", "productive_s", "attempt_launched_s")),
     *(_JOBS.c.progress[k] for k in _PROGRESS_KEYS))
-_INSERT_JOB, _JOB_SEQ = insert(_JOBS), select(_META.c.value).where(_META.c.key == "job_seq")
-_SET_JOB_SEQ = update(_META).where(_META.c.key == "job_seq")
-_UPDATE_JOB = update(_JOBS)  # (Core statements: no ORM unit of work for the loop's many small writes)
-_INSERT_EVENT = insert(_EVENTS)
 
 
 def _job_defaults() -> dict[str, Any]:

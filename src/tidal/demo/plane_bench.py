@@ -92,6 +92,7 @@ def run_plane(w: Workload, horizon_s: float, *, step_s: float = 10.0, notice_s: 
     from tidal.control.auth import create_tenant
     from tidal.control.config import ControlConfig
     from tidal.control.controller import Controller
+    from tidal.control.server import HeapKeeper
     from tidal.control.spec import parse_spec
     from tidal.control.states import State
     from tidal.control.store import Store
@@ -113,6 +114,7 @@ def run_plane(w: Workload, horizon_s: float, *, step_s: float = 10.0, notice_s: 
         nxt, held_gpu_s, over = 0, 0.0, 0
         counts = {"admissions": 0, "admitted_gpus": 0, "shrinks": 0, "preemptions": 0, "grows": 0}
         step_wall: list[float] = []
+        heap = HeapKeeper()
         sizes: list[tuple[int, int]] = []  # (running, waiting) after each step
         for k in range(int(horizon_s // step_s) + 1):
             t = k * step_s
@@ -122,6 +124,7 @@ def run_plane(w: Workload, horizon_s: float, *, step_s: float = 10.0, notice_s: 
             wall = time.perf_counter()
             decisions = ctl.step(t0 + t)
             step_wall.append(time.perf_counter() - wall)
+            heap.after_step(t0 + t)  # between steps, as tidal up's loop
             sizes.append(ctl.view.sizes())
             for d in decisions:
                 if isinstance(d, Admit):
@@ -142,7 +145,8 @@ def run_plane(w: Workload, horizon_s: float, *, step_s: float = 10.0, notice_s: 
                 "peak_running": max(r for r, _ in sizes), "steps": len(step_wall),
                 "step_p50_s": _pct(step_wall, 50), "step_p99_s": _pct(step_wall, 99),
                 "step_max_s": max(step_wall), "steps_at_peak": len(at_peak),
-                "step_p99_at_peak_s": _pct(at_peak, 99)}
+                "step_p99_at_peak_s": _pct(at_peak, 99), "heap_collections": len(heap.pauses_s),
+                "heap_pause_max_s": max(heap.pauses_s, default=0.0)}
     finally:
         store.close()
         ex.close()
@@ -278,7 +282,8 @@ def bench_plane(nodes: str = "256x8", jobs: int = 2000, *, hours: float = 2.0, s
         out["plane"] = live
         out["sim"] = sim
         out["sim_parity"] = live["held_gpu_hours"] / sim["held_gpu_hours"] if sim["held_gpu_hours"] else None
-        for k in ("step_p50_s", "step_p99_s", "step_p99_at_peak_s", "peak_waiting", "peak_running"):
+        for k in ("step_p50_s", "step_p99_s", "step_p99_at_peak_s", "peak_waiting", "peak_running",
+                  "heap_pause_max_s"):
             out[k] = live[k]
         log(f"plane: {json.dumps(live)}, sim_parity {out['sim_parity']}")
         up = _Up(state, nodes, db)
