@@ -106,11 +106,17 @@ def test_store_migrates_an_older_database_and_refuses_a_newer_one(tmp_path):
     db = sqlite3.connect(tmp_path / "tidal.db")
     db.execute("ALTER TABLE jobs DROP COLUMN nominated_s")
     db.execute("ALTER TABLE jobs DROP COLUMN waiting")
+    db.execute("DROP TABLE progress")  # (progress was a column of jobs)
+    db.execute("ALTER TABLE jobs ADD COLUMN progress JSON")
+    db.execute("""UPDATE jobs SET progress = '{"step": 7}'""")
     db.execute("UPDATE meta SET value = '1' WHERE key = 'schema_version'")
     db.commit()
     db.close()
     store = Store(f"sqlite:///{tmp_path}/tidal.db")
     assert store.job(j).nominated_s is None and store.job(j).state == "pending"
+    assert store.job(j).progress == {"step": 7}  # moved to its own table, the column gone
+    with store.engine.connect() as c:
+        assert "progress" not in {r[1] for r in c.exec_driver_sql("PRAGMA table_info(jobs)")}
     store.update(j, nominated_s=20.0, waiting={"reason": "waiting: why", "until_s": None})
     assert store.job(j).nominated_s == 20.0 and store.job(j).waiting["reason"] == "waiting: why"
     store.close()

@@ -255,3 +255,19 @@ def test_a_checkpoint_dir_inside_the_workdir_is_not_a_mount_point_made_through_a
         sandbox.close_fds(cmd)
     assert "RAN" in got.stdout, got.stderr
     assert list(zone.iterdir()) == []
+
+
+def test_a_notice_sent_while_the_sandbox_is_made_reaches_the_rank(tmp_path):
+    """The shim's child (bwrap, then the sandbox's entry) must outlive a notice, but a notice sent then is
+    the rank's: it stays pending until the entry hands over, so the rank ends at once (not at its kill
+    deadline, the command never started)."""
+    from tidal.exec.shim import set_limits
+
+    ran = tmp_path / "ran"
+    notice_then_enter = (  # the executor's notice lands between the fork and the entry
+        "import os, signal, sys; os.kill(os.getpid(), signal.SIGTERM); "
+        f"os.execv(sys.executable, [sys.executable, '-I', '-S', '-c', {sandbox.ENTER!r}, '-1', '-1', "
+        f"'touch', {str(ran)!r}])")
+    p = subprocess.run([sys.executable, "-I", "-S", "-c", notice_then_enter],
+                       preexec_fn=lambda: set_limits({}, sandbox=True), timeout=60)
+    assert p.returncode == -15 and not ran.exists()

@@ -244,9 +244,10 @@ class Controller:
         """Store why each job waits or does not grow (``jobs.waiting``) where that changed; no reason clears
         it."""
         old = self._waiting
-        self.store.update_many({jid: {"waiting": w and {"reason": w.reason, "until_s": w.until_s}}
-                                for jid in old.keys() | why.keys() if old.get(jid) != (w := why.get(jid))},
-                               mark=False, held=self._active)
+        changed: dict[str, dict[str, Any]] = {jid: {"waiting": {"reason": w.reason, "until_s": w.until_s}}
+                   for jid, w in why.items() if (was := old.get(jid)) is not w and was != w}
+        changed.update((jid, {"waiting": None}) for jid in old.keys() - why.keys())
+        self.store.update_many(changed, mark=False, held=self._active)
         self._waiting = why
 
     def _holdings(self, wants: bool = False) -> tuple[dict[str, int], int, dict[str, list[str]]]:
@@ -366,7 +367,7 @@ class Controller:
         elif (st in STOPPING and not job.killed and job.stop_deadline_s is not None
               and now_s >= job.stop_deadline_s):
             self.executor.kill(job.id)
-            self.store.update(job.id, killed=True)
+            self.store.update(job, killed=True)
             self.store.record("kill", f"grace expired while {st}: SIGKILL to {_n(len(ob.alive), 'rank')}",
                               now_s, job=job)
             self.store.commit()
@@ -392,7 +393,7 @@ class Controller:
 
     def _kill_for_failure(self, job: JobRow, why: str, now_s: float, kind: str = "failure") -> None:
         self.executor.kill(job.id)
-        self.store.update(job.id, stop_reason="failure", killed=True, message=why)
+        self.store.update(job, stop_reason="failure", killed=True, message=why)
         self.store.record(kind, f"{why}: killing the other ranks", now_s, job=job)
         self.store.commit()
 
@@ -627,7 +628,7 @@ class Controller:
                 handle = self.executor.launch(req, now_s)
             except Exception as e:  # a launch that fails is a failed attempt (restarts apply)
                 log.warning("launch of %s failed: %s", job.id, e)
-                failed = self.store.update(job.id, stop_reason="failure", message=f"launch failed: {e}")
+                failed = self.store.update(job, stop_reason="failure", message=f"launch failed: {e}")
                 self._finish(failed, Observation(job.id, req.attempt, now_s, ()), now_s)
                 continue
             handles[job.id], started[job.id] = {"handle": handle}, job

@@ -97,7 +97,7 @@ class NodeWatch:
             t["heartbeat_age_count"] += 1
             t["heartbeat_age_sum_s"] += age
         self._save(t, now_s)
-        return self.store.update(job.id, stop_reason="node_lost", killed=True, message=why)
+        return self.store.update(job, stop_reason="node_lost", killed=True, message=why)
 
     def recovered(self, job: JobRow, ob: Observation, now_s: float) -> None:
         """A job requeued after a node loss trains again: the ``recovered`` event (detection to the first

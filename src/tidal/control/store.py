@@ -41,14 +41,23 @@ from sqlalchemy import (
     inspect,
     select,
     text,
+    type_coerce,
     update,
 )
-from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+from sqlalchemy.orm import (
+    DeclarativeBase,
+    Mapped,
+    Session,
+    column_property,
+    mapped_column,
+    sessionmaker,
+)
+from sqlalchemy.orm.attributes import set_committed_value
 
 from tidal.control.states import ACTIVE, HELD, TERMINAL, TRANSITIONS, State, check_transition
 
-SCHEMA_VERSION = 5  # 2: jobs.nominated_s; 3: table docs; 4: tenants.max_priority, jobs.ckpt_location,
-# meta job_seq and db_id; 5: jobs.waiting
+SCHEMA_VERSION = 6  # 2: jobs.nominated_s; 3: table docs; 4: tenants.max_priority, jobs.ckpt_location,
+# meta job_seq and db_id; 5: jobs.waiting; 6: table progress (was jobs.progress)
 BATCH_WRITES = 64  # writes of a batch per transaction (Store.batch): the API's writes wait at most that long
 POOL_SIZE = 48  # SQLite connections kept open: the API's worker threads (40) and the reconcile loop
 
@@ -67,6 +76,16 @@ class TenantRow(Base):
     admin: Mapped[bool] = mapped_column(Boolean, default=False)
     created_s: Mapped[float] = mapped_column(Float, default=0.0)
     max_priority: Mapped[int | None] = mapped_column(Integer, nullable=True, default=0)  # schema 4; None: 0
+
+
+class ProgressRow(Base):
+    """A job's progress, apart from its row: the one part of a running job written at every heartbeat, so a
+    beat rewrites this short row (one page per several jobs) rather than the job's whole row with its spec."""
+
+    __tablename__ = "progress"
+
+    job_id: Mapped[str] = mapped_column(String(80), primary_key=True)
+    doc: Mapped[dict] = mapped_column(JSON)
 
 
 class JobRow(Base):
@@ -111,7 +130,9 @@ class JobRow(Base):
     killed: Mapped[bool] = mapped_column(Boolean, default=False)
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
     handle: Mapped[dict | None] = mapped_column(JSON, nullable=True)
-    progress: Mapped[dict] = mapped_column(JSON, default=dict)
+    # The attempt's progress, read with the row from its own table (none yet: {}).
+    progress: Mapped[dict] = column_property(type_coerce(func.coalesce(
+        select(ProgressRow.doc).where(ProgressRow.job_id == id).scalar_subquery(), text("'{}'")), JSON))
     ckpt_step: Mapped[int | None] = mapped_column(Integer, nullable=True)
     # Effective training time: seconds summed over finished attempts.
     held_s: Mapped[float] = mapped_column(Float, default=0.0)
@@ -125,6 +146,8 @@ class JobRow(Base):
     @property
     def gpus(self) -> int:
         return sum(self.placement.values()) if self.placement else 0
+
+
 
 
 class EventRow(Base):
@@ -263,6 +286,10 @@ class Store:
                 s.execute(text("ALTER TABLE tenants ADD COLUMN max_priority INTEGER"))
         if version < 5 and "waiting" not in have:
             s.execute(text("ALTER TABLE jobs ADD COLUMN waiting JSON"))
+        if version < 6 and "progress" in have:
+            s.execute(text("INSERT INTO progress (job_id, doc) SELECT id, progress FROM jobs "
+                           "WHERE progress IS NOT NULL"))
+            s.execute(text("ALTER TABLE jobs DROP COLUMN progress"))
 
     def close(self) -> None:
         self.engine.dispose()
@@ -415,8 +442,10 @@ class Store:
             s.execute(_INSERT_JOB, values)
             s.execute(_INSERT_EVENT, {"time_s": now_s, "job_id": values["id"], "tenant": tenant, "kind":
                                       "transition", "to_state": values["state"], "message": "submitted"})
-        self._mark(values["id"])
-        return JobRow(**values)
+        row = JobRow(**values)
+        set_committed_value(row, "progress", {})  # (none yet: as a read of the row says)
+        self._mark(row.id)
+        return row
 
     def job(self, job_id: str) -> JobRow:
         with self._read() as s:
@@ -526,11 +555,12 @@ class Store:
         it in the row's state, else as by id; the row is updated in place to what was written, and the job
         marked changed with it, see :meth:`take_changed`)."""
         values = {**fields, "state": State(to).value, "message": message[:2000]}
+        cols = {k: v for k, v in values.items() if k != "progress"}
         row = job if isinstance(job, JobRow) else None
         jid = job.id if isinstance(job, JobRow) else job
         with self._write() as s:
             held = row is not None and State(to) in TRANSITIONS.get(State(row.state), ()) and bool(_count(
-                s.execute(_UPDATE_IN_STATE, {"b_id": jid, "b_state": row.state, **values})))
+                s.execute(_UPDATE_IN_STATE, {"b_id": jid, "b_state": row.state, **cols})))
             if held:
                 assert row is not None
                 old, tenant = row.state, row.tenant  # (the usual case: one statement, nothing read)
@@ -540,7 +570,9 @@ class Store:
                     raise NotFound(jid)
                 old, tenant = got
                 check_transition(jid, old, to)
-                s.execute(_UPDATE_JOB, {"b_id": jid, **values})
+                s.execute(_UPDATE_JOB, {"b_id": jid, **cols})
+            if "progress" in values:
+                self._put_progress(s, {jid: values["progress"]})
             s.execute(_INSERT_EVENT, {"time_s": now_s, "job_id": jid, "tenant": tenant, "kind": "transition",
                                       "from_state": old, "to_state": values["state"],
                                       "message": values["message"], "data": data})
@@ -560,9 +592,14 @@ class Store:
             raise ValueError("use Store.transition to change a job's state")
         row = job if isinstance(job, JobRow) else None
         jid = job.id if isinstance(job, JobRow) else job
+        cols = {k: v for k, v in fields.items() if k != "progress"}
         with self._write() as s:
-            if fields and not _count(s.execute(_UPDATE_JOB, {"b_id": jid, **fields})):
+            if cols and not _count(s.execute(_UPDATE_JOB, {"b_id": jid, **cols})):
                 raise NotFound(jid)
+            if "progress" in fields:
+                if not cols and s.scalar(select(JobRow.seq).where(JobRow.id == jid)) is None:
+                    raise NotFound(jid)
+                self._put_progress(s, {jid: fields["progress"]})
         if row is None:
             self._mark(jid)
             return self.job(jid)
@@ -579,10 +616,12 @@ class Store:
             raise ValueError("use Store.transition to change a job's state")
         groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
         for jid, f in changes.items():
-            if f:
-                groups.setdefault(tuple(sorted(f)), []).append({"b_id": jid, **f})
-        q = "?" if self.engine.dialect.paramstyle == "qmark" else "%s"
+            if cols := {k: v for k, v in f.items() if k != "progress"}:
+                groups.setdefault(tuple(sorted(cols)), []).append({"b_id": jid, **cols})
+        docs = {jid: f["progress"] for jid, f in changes.items() if "progress" in f}
+        q = self._q
         with self._write() as s:
+            self._put_progress(s, docs)
             for keys, params in groups.items():  # (the driver's executemany: no statement compiled per row)
                 js = {k for k in keys if isinstance(JobRow.__table__.c[k].type, JSON)}
                 rows = [(*(json.dumps(v[k]) if k in js and v[k] is not None else v[k] for k in keys),
@@ -610,6 +649,20 @@ class Store:
             if self._changed.setdefault(row.id, row) is not row:
                 self._changed[row.id] = None
 
+    @property
+    def _q(self) -> str:
+        """The driver's parameter marker (for statements written out for its executemany)."""
+        return "?" if self.engine.dialect.paramstyle == "qmark" else "%s"
+
+    def _put_progress(self, s: Session, docs: dict[str, dict]) -> None:
+        """Store these jobs' progress documents (job id -> doc), one statement for all."""
+        if docs:
+            q = self._q
+            s.connection().exec_driver_sql(
+                f"INSERT INTO progress (job_id, doc) VALUES ({q}, {q}) "
+                "ON CONFLICT (job_id) DO UPDATE SET doc = excluded.doc",
+                [(jid, json.dumps(doc)) for jid, doc in docs.items()])
+
     def drop_before(self, cutoff_s: float, keep: Callable[[str], bool] | None = None) -> tuple[int, int]:
         """Delete the jobs that ended before ``cutoff_s`` (but those ``keep`` says to keep) with their events,
         and every event older than it; (jobs, events) deleted. Job numbers are not reused."""
@@ -622,6 +675,7 @@ class Store:
             for i in range(0, len(ids), 500):
                 chunk = ids[i:i + 500]
                 n_events += _count(s.execute(delete(EventRow).where(EventRow.job_id.in_(chunk))))
+                s.execute(delete(ProgressRow).where(ProgressRow.job_id.in_(chunk)))
                 s.execute(delete(JobRow).where(JobRow.id.in_(chunk)))
             n_events += _count(s.execute(delete(EventRow).where(EventRow.time_s < cutoff_s)))
         self._mark(*ids)
@@ -678,7 +732,7 @@ class Store:
             return list(s.scalars(q))
 
 
-_JOBS, _EVENTS, _META = (Base.metadata.tables[t] for t in ("jobs", "events", "meta"))
+_JOBS, _EVENTS, _META, _PROGRESS = (Base.metadata.tables[t] for t in ("jobs", "events", "meta", "progress"))
 # Core statements made once, their values bound at each call (the SET clause is the values given): no ORM unit
 # of work, and no statement built and compiled again, for the loop's many small writes and the API's submits
 _UPDATE_JOB = update(_JOBS).where(_JOBS.c.id == bindparam("b_id"))
@@ -691,7 +745,8 @@ _HELD = select(_JOBS.c.id, _JOBS.c.tenant, _JOBS.c.state, _JOBS.c.kind, _JOBS.c.
 _PROGRESS_KEYS = ("step", "steps_per_s", "start_step", "tiers")  # (what /metrics reads of the progress)
 _HELD_ACCOUNTING = _HELD.add_columns(*(_JOBS.c[k] for k in (
     "restarts", "preemptions", "lost_s", "lost_steps", "held_s", "productive_s", "attempt_launched_s")),
-    *(_JOBS.c.progress[k] for k in _PROGRESS_KEYS))
+    *(_PROGRESS.c.doc[k] for k in _PROGRESS_KEYS)).outerjoin_from(_JOBS, _PROGRESS,
+                                                                  _PROGRESS.c.job_id == _JOBS.c.id)
 
 
 def _job_defaults() -> dict[str, Any]:

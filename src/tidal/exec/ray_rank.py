@@ -51,7 +51,7 @@ except (OSError, AttributeError):  # not Linux
 def _child_setup(parent: int, rlimits: Mapping[str, int] | None = None, sandboxed: bool = False) -> None:
     """In the child before exec (after ``Popen`` switched to the rank's uid: a change of uid clears the
     parent-death signal): die with the actor's worker, no core dumps, the rank's ``rlimits``; for a
-    sandbox, SIGTERM and SIGINT ignored (:func:`tidal.exec.shim.set_limits`)."""
+    sandbox, SIGTERM and SIGINT blocked (:func:`tidal.exec.shim.set_limits`)."""
     if _PRCTL is not None:
         _PRCTL(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:  # the actor died between fork and prctl

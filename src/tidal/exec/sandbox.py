@@ -24,10 +24,12 @@ jobs' shared memory are never bound, nor a path that resolves into them (a link 
 bound directory contains them they are covered by an empty tmpfs, and the job's own directories are
 bound again on top.
 
-Signals: the shim starts bwrap with SIGTERM and SIGINT ignored (bwrap's processes forward nothing and
-must outlive a notice) and :data:`ENTER` restores them for the rank, which gets them straight from the
-executor's signal to the shim's process group. bwrap reports a rank killed by signal ``n`` as exit code
-``128 + n``; the shim records it as ``-n``, as for an unsandboxed rank (:mod:`tidal.exec.shim`).
+Signals: the shim starts bwrap with SIGTERM and SIGINT blocked (bwrap's processes forward nothing and
+must outlive a notice) and :data:`ENTER` restores and unblocks them for the rank, which gets them straight
+from the executor's signal to the shim's process group; one sent while the sandbox was being made stays
+pending until then, so a notice at launch ends the rank at once rather than at its kill deadline. bwrap
+reports a rank killed by signal ``n`` as exit code ``128 + n``; the shim records it as ``-n``, as for an
+unsandboxed rank (:mod:`tidal.exec.shim`).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc"
 ENTER = """import os, signal, sys
 for s in (signal.SIGTERM, signal.SIGINT):
     signal.signal(s, signal.SIG_DFL)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGTERM, signal.SIGINT))
 uid, gid, cmd = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
 if uid >= 0:
     os.setgroups([]); os.setgid(gid); os.setuid(uid)

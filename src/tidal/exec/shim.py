@@ -110,12 +110,12 @@ def _leave_cgroup(opts: argparse.Namespace) -> None:
 
 
 def set_limits(rlimits: dict, sandbox: bool = False) -> None:
-    """In the child before exec: lower the limits (never raised); for a sandbox, ignore SIGTERM and
-    SIGINT (the rank inside restores them). Imports nothing: the child may already run as a uid that
+    """In the child before exec: lower the limits (never raised); for a sandbox, block SIGTERM and SIGINT
+    (bwrap's processes must outlive a notice; the rank inside unblocks them, and one sent while the sandbox
+    was being made is then delivered, not lost). Imports nothing: the child may already run as a uid that
     cannot read the Python installation."""
     if sandbox:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGTERM, signal.SIGINT))
     for name, value in rlimits.items():
         res = getattr(resource, RLIMITS[name], None)
         if res is None:
