@@ -1,9 +1,9 @@
 """The API of a loaded plane, two or more source trees side by side: ``tidal bench plane``'s API phase
 (submissions from 8 clients, then reads of each kind from one, ``/metrics`` last) against ``tidal up
 --executor virtual:NODESxGPUS`` started from each tree in turn (``PYTHONPATH=<tree>/src``), every time on a
-fresh copy of one loaded state (the bench's workload stepped by the real loop: ~20,000 waiting, ~2,000
-running at 2048x8 and 24,000 jobs). Runs alternate (A B A B ...); one JSON line a run, then a table of
-medians and their ratios to the first tree.
+fresh copy of one loaded state (the bench's workload stepped by the real loop, with the first tree's
+code: ~20,000 waiting, ~2,000 running at 2048x8 and 24,000 jobs). Runs alternate (A B A B ...); one JSON
+line a run, then a table of medians and their ratios to the first tree.
 
     PYTHONPATH=src python lab/plane_api_ab.py --tree /path/to/before --tree . [--rounds 2] [--pg] [--json]
 
@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from tidal.demo.plane_bench import run_plane, spec_of, workload
+from tidal.demo.plane_bench import spec_of, workload
 
 KINDS = {"jobs_page": lambda i, ids: ("/v1/dashboard/jobs", {"limit": 50, "offset": 50 * (i % 20)}),
          "api_jobs": lambda i, ids: ("/v1/jobs", {"limit": 50, "offset": 50 * (i % 20)}),
@@ -39,6 +39,16 @@ KINDS = {"jobs_page": lambda i, ids: ("/v1/dashboard/jobs", {"limit": 50, "offse
          "pool": lambda i, ids: ("/v1/pool", None),
          "dashboard_pool": lambda i, ids: ("/v1/dashboard/pool", None),
          "metrics": lambda i, ids: ("/metrics", None)}
+
+
+MAKE_STATE = """
+import json, sys, time
+from tidal.demo.plane_bench import run_plane, workload
+jobs, nodes, state, db = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4] or None
+w = workload(jobs, nodes, 8, span_s=0.8 * 3600, tenants=200, skew=0.5)
+live = run_plane(w, 3600.0, step_s=60.0, state_dir=state, t0=time.time() - 3600.0, db_url=db)
+print(json.dumps({k: live[k] for k in ("peak_waiting", "peak_running", "step_p99_s")}), file=sys.stderr)
+"""
 
 
 def _cpu_s(pid: int) -> float:
@@ -129,11 +139,10 @@ def main() -> None:
                 cx.execute("CREATE DATABASE loaded")
             db_url = admin.replace("postgresql://", "postgresql+psycopg://", 1)
         (work / "state").mkdir()
-        w = workload(a.jobs, a.nodes, 8, span_s=0.8 * 3600, tenants=200, skew=0.5)
-        live = run_plane(w, 3600.0, step_s=60.0, state_dir=work / "state", t0=time.time() - 3600.0,
-                         db_url=db_url.replace("/postgres?", "/loaded?") if db_url else None)
-        print(json.dumps({"plane": {k: live[k] for k in ("peak_waiting", "peak_running", "step_p99_s")}}),
-              file=sys.stderr)
+        # the loaded state, made by the first tree's code (the others open an older schema, not a newer one)
+        subprocess.run([sys.executable, "-c", MAKE_STATE, str(a.jobs), str(a.nodes), str(work / "state"),
+                        db_url.replace("/postgres?", "/loaded?") if db_url else ""], check=True,
+                       env={**os.environ, "PYTHONPATH": f"{trees[0]}/src"})
         runs: list[dict] = []
         for _ in range(a.rounds):
             for tree in trees:
