@@ -78,7 +78,7 @@ class Observation:
 
     @property
     def done(self) -> bool:
-        return not self.alive
+        return not any(r.alive for r in self.ranks)  # (stops at the first rank running)
 
 
 def check_ranks(who: str, ranks: Collection[int] | None, world_size: int) -> frozenset[int]:
