@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import replace
-from unittest.mock import patch
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -31,7 +29,6 @@ from tidal.model import (
     check_snapshot,
 )
 from tidal.policy.scheduler import RunningIndex, SchedulerConfig, schedule
-from tidal.policy.scheduling.cycle import Cycle
 from tidal.policy.scheduling.placement import View, pack, place
 
 NOW = 10_000.0
@@ -916,55 +913,6 @@ def test_grow_step_grants_in_key_order(specs, free):
         c.compute_fair({j.tenant for j in jobs if j.kind == "spot"})
     grow_step(got, {})
     assert got.decisions == _grow_by_the_rule(want)
-
-
-class _Forgets(dict):
-    """A memo that keeps nothing: every victim search is made again."""
-
-    def __setitem__(self, key, value) -> None:
-        pass
-
-
-@FAST
-@given(worlds(), st.lists(st.tuples(st.booleans(), st.integers(0, 16)), min_size=1, max_size=6))
-def test_a_failed_search_kept_for_a_like_job_decides_as_searching_again(s, script):
-    """A victim search that failed is not made again in the call for a job alike in all but its id while
-    nothing was decided since: the decisions are those of searching for every job (each pending job
-    here has a twin, so the kept failures are used, and jobs alike but for priority or tenant)."""
-    pending = [j for j in s.jobs() if not j.running]
-    twins = [replace(j, id=j.id + "b") for j in pending]
-    twins += [replace(j, id=j.id + "c", priority=j.priority + 1) for j in pending]  # not alike: searched
-    twins += [replace(j, id=j.id + "d", tenant=s.tenants[-1].name) for j in pending]
-    s = Snapshot.build(s.now_s, s.nodes, s.tenants, [*s.jobs(), *twins], s.loans)
-    init = Cycle._init_rest
-
-    def forgetting(c: Cycle, snap: Snapshot) -> None:
-        init(c, snap)
-        c.failed_searches = _Forgets()
-
-    for drain, reclaim_gpus in script:
-        if reclaim_gpus and s.loans:
-            r = Reclaim(min(reclaim_gpus, sum(ln.gpus for ln in s.loans)), by_s=s.now_s + 300)
-            s = Snapshot.build(s.now_s, s.nodes, s.tenants, s.jobs(), s.loans, (*s.reclaims, r))
-        decisions = schedule(s)
-        with patch.object(Cycle, "_init_rest", forgetting):
-            assert decisions == schedule(s)
-        s = apply(s, decisions)
-        s = settle(s, s.now_s + 400) if drain else Snapshot.build(s.now_s + 100, s.nodes, s.tenants, s.jobs(),
-                                                                   s.loans, s.reclaims)
-
-
-def test_a_failed_search_is_kept_only_for_a_job_of_the_same_tenant():
-    """Tenant a's job finds no victim (its own jobs are of its priority); tenant b's job of the same shape,
-    searched next, preempts one of a's for its fair share."""
-    jobs = [
-        spot("r1", {"t0": 4}, "a", started_s=0.0),
-        spot("r2", {"t0": 4}, "a", started_s=0.0),
-        pend("pa", "a", min=4, nominated_s=NOW),  # nominated lately: searched first
-        pend("pb", "b", min=4),
-    ]
-    got = decide(snap(NOW, nodes((8,)), tenants(("a", 0), ("b", 0)), jobs))
-    assert [(type(d), d.for_job) for d in got] == [(Preempt, "pb")]
 
 
 @FAST
