@@ -81,7 +81,6 @@ class Cycle:
         self.fair: dict[str, float] = {}
         self._victim_index: object | None = None  # victims.VictimIndex, built on the first search
         self.allowed_nodes: dict[tuple[str, ...], set[str]] = {}  # view names -> placeable nodes
-        self.failed_searches: dict[tuple, int] = {}  # victim searches that failed -> len(decisions) then
 
     def _from_index(self, index: RunningIndex) -> bool:
         """The walk of ``__init__`` from ``index``; ``False`` (nothing set) if a job's tenant is unknown."""

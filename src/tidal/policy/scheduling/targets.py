@@ -194,19 +194,7 @@ def _focus_nodes(need: GangNeed, shrink: list[Cand], pre: Iterator[Cand]
 
 def targets_for(c: Cycle, job: Job) -> tuple[list[Victim], dict[str, int]] | None:
     """Victims that let pending ``job`` start at its minimum, and the placement it will get; ``None``
-    if no allowed set of victims does it. Changes nothing in ``c`` but a memo: a search that failed is not
-    made again for a job that differs only in id while ``c`` has not changed since."""
-    size, g = job.min_gpus, job.gpus_per_node
-    key = (job.kind, job.tenant, job.priority, size, g)
-    if c.failed_searches.get(key) == len(c.decisions):
-        return None
-    found = _targets(c, job)
-    if found is None:
-        c.failed_searches[key] = len(c.decisions)
-    return found
-
-
-def _targets(c: Cycle, job: Job) -> tuple[list[Victim], dict[str, int]] | None:
+    if no allowed set of victims does it. Changes nothing in ``c``."""
     views = c.views_for(job)[-1]
     size, g = job.min_gpus, job.gpus_per_node
     quota_short = max(0, size - c.quota_room(job.tenant)) if job.kind == "dedicated" else 0
@@ -234,7 +222,6 @@ def _targets(c: Cycle, job: Job) -> tuple[list[Victim], dict[str, int]] | None:
 def reserve(c: Cycle, job: Job, placement: dict[str, int]) -> None:
     """Hold ``placement`` for ``job`` while its victims drain: its GPUs leave the views and count against
     its tenant's quota and share as if admitted."""
-    c.failed_searches.clear()  # (it may issue no decision)
     for node, t in placement.items():
         view = c.training if c.pool_of[node] == "training" else c.loan
         f = min(t, view.free.get(node, 0))
