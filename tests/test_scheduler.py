@@ -913,3 +913,32 @@ def test_grow_step_grants_in_key_order(specs, free):
         c.compute_fair({j.tenant for j in jobs if j.kind == "spot"})
     grow_step(got, {})
     assert got.decisions == _grow_by_the_rule(want)
+
+
+@FAST
+@given(st.lists(st.tuples(st.integers(0, 2), st.booleans(), st.integers(0, 2), st.sampled_from([1, 2, 4]),
+                          st.integers(0, 3), st.booleans(), st.booleans()), min_size=1, max_size=12),
+       st.integers(0, 3))
+def test_grow_step_from_the_kept_groups_grants_as_the_full_walk(specs, busy):
+    """The grow step over the index's kept, sorted groups (running jobs checked only at their group's head)
+    grants what the walk over every growable job grants: jobs just shrunk, touched or with too big a step
+    skipped, the groups ordered by their first job that may grow, call after call."""
+    node_list = nodes((8, 8, 8, 4))
+    left = {n.name: n.gpus for n in node_list}
+    jobs = []
+    for k, (t, ded, p, g, extra, shrunk, pend_too) in enumerate(specs):
+        n = f"t{(k + busy) % 4}"
+        if left[n] < g:
+            continue
+        left[n] -= g
+        jobs.append(run(f"j{k}", {n: g}, f"u{t}", "dedicated" if ded else "spot", min=g, max=g * (1 + extra),
+                        priority=p, multiple_of=g, last_shrunk_s=NOW - 100 if shrunk else None))
+        if pend_too:
+            jobs.append(pend(f"p{k}", f"u{t}", min=g, max=2 * g, multiple_of=g))
+    s = snap(NOW, node_list, tenants(("u0", 12), ("u1", 8), ("u2", 4)), jobs)
+    idx = RunningIndex()
+    for _ in range(3):
+        decisions = schedule(s, index=idx)
+        assert decisions == schedule(s)
+        s = apply(s, decisions)
+        s = Snapshot.build(s.now_s + 200, s.nodes, s.tenants, s.jobs(), s.loans, s.reclaims)

@@ -27,7 +27,12 @@ def grow_step(c: Cycle, admitted: dict[str, tuple[int, Job]]) -> None:
     jobs: dict[str, Job] = {}
     start: dict[str, Mapping[str, int]] = {}
     why, touched = c.why is not None, c.touched
-    for j in c.growable_jobs():
+    idx = c.index
+    # With the caller's index, its groups kept sorted (a sorted list is a heap): a running job is checked
+    # only when it comes to the head of its group, not every growable job every call.
+    kept = idx is not None and c.used is idx.used and not why and not idx.grow_repeats
+    groups: dict[tuple[int, str], list[tuple[tuple[int, float, str], str]]] = {}
+    for j in c.growable_jobs() if not kept else ():
         if j.id in touched:
             continue
         shrunk = j.last_shrunk_s
@@ -41,14 +46,32 @@ def grow_step(c: Cycle, admitted: dict[str, tuple[int, Job]]) -> None:
                 c.wait(j, f"at {j.gpus} of {j.max_gpus} GPUs: grows {j.size_step} at a time, {spare} free")
             continue
         jobs[j.id], size[j.id], start[j.id] = j, j.gpus, j.placement
+    if kept:
+        assert idx is not None
+        groups = {gk: list(h) for gk, h in idx.grow_sorted.items() if h}
     for jid, (i, j) in admitted.items():
         if j.elastic and j.size_step <= spare:
             jobs[jid], size[jid] = j, j.min_gpus
             d = c.decisions[i]
             assert isinstance(d, Admit)  # admitted: its index among the decisions
             start[jid] = d.placement
-    if not jobs:
+            if kept:
+                heapq.heappush(groups.setdefault((int(j.kind != "dedicated"), j.tenant), []),
+                               ((-j.priority, j.min_gpus / j.max_gpus, jid), jid))
+    if not jobs and not kept:
         return
+
+    def head(h: list[tuple[tuple[int, float, str], str]]) -> bool:
+        """Drop the group's running jobs that may not grow now from its head; is anyone left?"""
+        while h and h[0][1] not in jobs:
+            assert idx is not None
+            j = idx.grow_job[h[0][1]]
+            shrunk = j.last_shrunk_s
+            if j.id in touched or (shrunk is not None and now - shrunk < hyst) or j.size_step > spare:
+                heapq.heappop(h)
+            else:
+                jobs[j.id], size[j.id], start[j.id] = j, j.gpus, j.placement
+        return bool(h)
 
     # The order is (kind, the tenant's quota use or share, -priority, fraction of its maximum, id): a heap
     # per (kind, tenant) on the last three, and a heap of those groups by their head. A grant raises only
@@ -59,13 +82,13 @@ def grow_step(c: Cycle, admitted: dict[str, tuple[int, Job]]) -> None:
             return c.ded_held[t] / quota if quota else 0.0
         return c.share(t)
 
-    groups: dict[tuple[int, str], list[tuple[tuple[int, float, str], str]]] = {}
-    for jid, j in jobs.items():
-        groups.setdefault((int(j.kind != "dedicated"), j.tenant), []).append(
-            ((-j.priority, size[jid] / j.max_gpus, jid), jid))
-    for h in groups.values():
-        heapq.heapify(h)
-    top = [((g[0], tenant_key(*g), h[0][0]), g) for g, h in groups.items()]
+    if not kept:
+        for jid, j in jobs.items():
+            groups.setdefault((int(j.kind != "dedicated"), j.tenant), []).append(
+                ((-j.priority, size[jid] / j.max_gpus, jid), jid))
+        for h in groups.values():
+            heapq.heapify(h)
+    top = [((g[0], tenant_key(*g), h[0][0]), g) for g, h in groups.items() if not kept or head(h)]
     heapq.heapify(top)
     current: dict[str, dict[str, int]] = {}  # placements of jobs granted something, copied on first grant
     added: dict[str, dict[str, int]] = {}
@@ -73,7 +96,7 @@ def grow_step(c: Cycle, admitted: dict[str, tuple[int, Job]]) -> None:
 
     def requeue(gk: tuple[int, str]) -> None:  # the top group's key after a change in it
         h = groups[gk]
-        if h:
+        if h and (not kept or head(h)):
             heapq.heapreplace(top, ((gk[0], tenant_key(*gk), h[0][0]), gk))
         else:
             heapq.heappop(top)

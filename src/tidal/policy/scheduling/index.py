@@ -11,7 +11,7 @@ report the first, :meth:`RunningIndex.ckpt_moved`). One index per caller and poo
 from __future__ import annotations
 
 import math
-from bisect import bisect_left, bisect_right
+from bisect import bisect_left, bisect_right, insort
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
@@ -50,6 +50,10 @@ class RunningIndex:
         self.ded_prio: dict[str, dict[int, int]] = {}  # tenant -> priority -> dedicated jobs not releasing
         self.ded_elastic: dict[str, int] = {}  # tenant -> dedicated jobs not releasing above their minimum
         self.growable: dict[int, Job] = {}  # id(job) -> running job not releasing, below its maximum
+        # The same jobs per grow group (kind rank, tenant) sorted by the grow step's key, and by id.
+        self.grow_sorted: dict[tuple[int, str], list[tuple[tuple[int, float, str], str]]] = {}
+        self.grow_job: dict[str, Job] = {}
+        self.grow_repeats = 0  # growable jobs whose id another has (invalid snapshots only)
         self.train_free: dict[str, int] = dict(self._node_gpus)  # training node -> GPUs free, in node order
         self.train_open: set[str] = {n for n, g in self.train_free.items() if g > 0}  # ... with free GPUs
         # The victim index's inputs (``victims.VictimIndex``), over running jobs not releasing:
@@ -160,10 +164,19 @@ class RunningIndex:
             for node, g in j.releasing.items():
                 _add(drain, node, sign * g)
         elif j.gpus < j.max_gpus:
+            entry = ((-j.priority, j.gpus / j.max_gpus, j.id), j.id)
+            lst = self.grow_sorted.setdefault((int(j.kind != "dedicated"), j.tenant), [])
             if sign > 0:
                 self.growable[key] = j
+                insort(lst, entry)
+                self.grow_repeats += self.grow_job.setdefault(j.id, j) is not j
             else:
                 del self.growable[key]
+                del lst[bisect_left(lst, entry)]
+                if self.grow_job.get(j.id) is j:
+                    del self.grow_job[j.id]
+                else:
+                    self.grow_repeats -= 1
         t = j.tenant
         self.jobs_of[t] = self.jobs_of.get(t, 0) + sign
         if j.kind == "dedicated":
