@@ -253,3 +253,33 @@ def test_rows_the_loop_keeps_in_place_are_what_the_store_holds(tmp_path) -> None
             assert {c: getattr(row, c) for c in cols} == {c: getattr(stored[jid], c) for c in cols}, (k, jid)
     states = {store.job(i).state for i in ids}
     assert {"succeeded", "failed", "cancelled"} <= states, states
+
+
+def test_held_jobs_read_in_one_select_carry_what_their_rows_hold(tmp_path) -> None:
+    """The pool views' and ``/metrics``' records of the jobs holding GPUs (one Core ``SELECT``, progress
+    joined from its table) hold what the rows hold: placement, accounting, the progress fields read."""
+    from tidal.control.accounting import job_report
+    from tidal.control.states import HELD
+
+    clock = FakeClock()
+    store = new_store(tmp_path, ("a", 0, 1.0))
+    ex = FakeExecutor(gpus=4)
+    for i in range(3):
+        submit(store, "a", clock(), name=f"h{i}", gpus=2)
+    ctl = Controller(store, ex)
+    ctl.step(clock())
+    for jid in list(ex.jobs):
+        ex.beat(jid, clock.advance(1.0), 7)
+    ctl.step(clock())
+    held = {h.id: h for h in store.held(accounting=True)}
+    rows = {j.id: j for j in store.jobs(states=HELD)}
+    assert held.keys() == rows.keys() and len(held) == 2
+    for jid, h in held.items():
+        j = rows[jid]
+        assert (h.tenant, h.state, h.kind, h.placement, h.releasing, h.gpus, h.attempt_launched_s) == (
+            j.tenant, j.state, j.kind, j.placement, j.releasing, j.gpus, j.attempt_launched_s)
+        read = ("step", "steps_per_s", "start_step", "tiers")
+        assert h.progress["step"] == 7
+        assert h.progress == {k: j.progress[k] for k in read if j.progress.get(k) is not None}
+        assert job_report(h, clock()) == job_report(j, clock())
+    assert {h.id: h.placement for h in store.held()} == {h.id: h.placement for h in held.values()}
