@@ -107,6 +107,7 @@ def test_store_migrates_an_older_database_and_refuses_a_newer_one(tmp_path):
     db.execute("ALTER TABLE jobs DROP COLUMN nominated_s")
     db.execute("ALTER TABLE jobs DROP COLUMN waiting")
     db.execute("DROP TABLE progress")  # (progress was a column of jobs)
+    db.execute("DROP INDEX ix_jobs_state_tenant_kind")
     db.execute("ALTER TABLE jobs ADD COLUMN progress JSON")
     db.execute("""UPDATE jobs SET progress = '{"step": 7}'""")
     db.execute("UPDATE meta SET value = '1' WHERE key = 'schema_version'")
@@ -117,6 +118,7 @@ def test_store_migrates_an_older_database_and_refuses_a_newer_one(tmp_path):
     assert store.job(j).progress == {"step": 7}  # moved to its own table, the column gone
     with store.engine.connect() as c:
         assert "progress" not in {r[1] for r in c.exec_driver_sql("PRAGMA table_info(jobs)")}
+        assert "ix_jobs_state_tenant_kind" in {r[1] for r in c.exec_driver_sql("PRAGMA index_list(jobs)")}
     store.update(j, nominated_s=20.0, waiting={"reason": "waiting: why", "until_s": None})
     assert store.job(j).nominated_s == 20.0 and store.job(j).waiting["reason"] == "waiting: why"
     store.close()

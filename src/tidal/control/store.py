@@ -29,6 +29,7 @@ from sqlalchemy import (
     Boolean,
     Float,
     ForeignKey,
+    Index,
     Integer,
     String,
     Text,
@@ -57,7 +58,7 @@ from sqlalchemy.orm.attributes import set_committed_value
 from tidal.control.states import ACTIVE, HELD, TERMINAL, TRANSITIONS, State, check_transition
 
 SCHEMA_VERSION = 6  # 2: jobs.nominated_s; 3: table docs; 4: tenants.max_priority, jobs.ckpt_location,
-# meta job_seq and db_id; 5: jobs.waiting; 6: table progress (was jobs.progress)
+# meta job_seq and db_id; 5: jobs.waiting; 6: table progress (was jobs.progress), index (state, tenant, kind)
 BATCH_WRITES = 64  # writes of a batch per transaction (Store.batch): the API's writes wait at most that long
 POOL_SIZE = 48  # SQLite connections kept open: the API's worker threads (40) and the reconcile loop
 
@@ -142,6 +143,8 @@ class JobRow(Base):
     finished_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     message: Mapped[str] = mapped_column(String(2000), default="")
     waiting: Mapped[dict | None] = mapped_column(JSON, nullable=True)  # schema 5: {reason, until_s}
+    # the waiting jobs counted per tenant and kind from the index alone (schema 6; Store.count_waiting)
+    __table_args__ = (Index("ix_jobs_state_tenant_kind", "state", "tenant", "kind"),)
 
     @property
     def gpus(self) -> int:
@@ -286,6 +289,9 @@ class Store:
                 s.execute(text("ALTER TABLE tenants ADD COLUMN max_priority INTEGER"))
         if version < 5 and "waiting" not in have:
             s.execute(text("ALTER TABLE jobs ADD COLUMN waiting JSON"))
+        if version < 6:
+            s.execute(text("CREATE INDEX IF NOT EXISTS ix_jobs_state_tenant_kind "
+                           "ON jobs (state, tenant, kind)"))
         if version < 6 and "progress" in have:
             s.execute(text("INSERT INTO progress (job_id, doc) SELECT id, progress FROM jobs "
                            "WHERE progress IS NOT NULL"))
