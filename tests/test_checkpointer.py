@@ -109,6 +109,21 @@ def test_shm_tier_survives_the_process_and_is_read_first(tmp_path):
     assert torch.equal(target["w"], torch.full((1000,), 4.0))
 
 
+def test_a_status_write_killed_midway_leaves_nothing_after_the_next_open(tmp_path):
+    """Rank 0 rewrites its status file atomically (a temporary file renamed over it); one killed mid-write
+    leaves the temporary file: the next Checkpointer of the job removes it, and only it."""
+    url = tmp_path / "c"
+    with ckpt.Checkpointer(url) as cp:
+        cp.save(1, {"w": torch.ones(10)}).wait()
+    root = shm_root_for(url)
+    torn, other = root / ".status.json.0123456789ab.tmp", root / ".other.json.0123456789ab.tmp"
+    torn.write_text('{"step": ')
+    other.write_text("{}")
+    with ckpt.Checkpointer(url) as cp:
+        cp.save(2, {"w": torch.ones(10)}).wait()
+    assert not torn.exists() and other.exists() and (root / "status.json").exists()
+
+
 def test_slots_are_reused_and_shm_holds_at_most_two_steps(tmp_path):
     url = tmp_path / "c"
     with ckpt.Checkpointer(url, keep=0) as cp:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import glob
 import os
 import secrets
 import stat
@@ -103,6 +104,15 @@ def atomic_path(path: str | os.PathLike, *, mode: int = PRIVATE, durable: bool =
         raise
     if durable:
         _fsync_dir(target.parent, None)
+
+
+def drop_torn(path: str | os.PathLike) -> None:
+    """Remove what writers of ``path`` killed mid-write left beside it (the temporary names of
+    :func:`atomic_writer` and :func:`atomic_path`); for a single writer, before it writes again."""
+    target = Path(path)
+    for p in target.parent.glob(f".{glob.escape(target.name)}.*.tmp"):
+        with contextlib.suppress(OSError):
+            p.unlink()
 
 
 class NotOwned(OSError):

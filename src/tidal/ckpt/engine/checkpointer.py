@@ -43,6 +43,7 @@ from tidal.ckpt.tiers.config import build, resolve
 from tidal.ckpt.tiers.directory import DirTier, is_s3_url, local_path, shm_root_for
 from tidal.ckpt.tiers.protocol import Tier
 from tidal.ckpt.tiers.remote import RemoteQueue
+from tidal.files import drop_torn
 
 log = logging.getLogger(__name__)
 
@@ -164,8 +165,11 @@ class Checkpointer:
             except OSError as e:
                 log.warning("no status file: %s", e)
                 return None
-            return shm.root / "status.json"
-        return Path(status_path)
+            path = shm.root / "status.json"
+        else:
+            path = Path(status_path)
+        drop_torn(path)  # (rank 0 is its one writer: a writer killed mid-write left a temporary file)
+        return path
 
     def _tier_info(self, t: Tier) -> dict:
         c = self._config[t.name]
