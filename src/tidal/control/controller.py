@@ -525,7 +525,7 @@ class Controller:
             self.store.record("invariant", f"decision {d} not carried out: {e}", now_s)
             return
         jobs[d.job] = new
-        job = self._active[d.job] if self._active and d.job in self._active else self.store.job(d.job)
+        job = (self._active or {}).get(d.job) or self.store.job(d.job)
         grace = float(job.spec.get("grace_s", DEFAULT_GRACE_S))
         if isinstance(d, SetCkptInterval):
             self._set_interval(job, new.ckpt_interval_s or d.interval_s, now_s)

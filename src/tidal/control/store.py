@@ -635,13 +635,10 @@ class Store:
                 sets = ", ".join(f"{k} = {q}" for k in keys)
                 s.connection().exec_driver_sql(f"UPDATE jobs SET {sets} WHERE id = {q}", rows)
         for jid, f in changes.items():
-            row = held.get(jid) if held is not None else None
-            if row is not None:
+            if (row := (held or {}).get(jid)) is not None:
                 _written(row, f)
-            if mark and row is not None:
-                self._mark_row(row)
-            elif mark:
-                self._mark(jid)
+            if mark:
+                self._mark_row(row) if row is not None else self._mark(jid)
 
     def _mark(self, *ids: str) -> None:
         """Mark jobs changed, once their write is committed (a reader that takes the mark sees the row)."""
