@@ -173,6 +173,9 @@ def clients(
     shift_day: Annotated[int, typer.Option("--shift-day", min=1)] = 7,
     days: Annotated[int | None, typer.Option("--days", min=3, help="Keep the first days only.")] = None,
     workers: Annotated[int, typer.Option("--workers", min=1, help="Processes (one rotation each).")] = 1,
+    mix: Annotated[list[int], typer.Option("--mix", help=(
+        "Also a recomposed service drawn by this seed from the shared traces' clients; repeatable "
+        "(lab/forecast/clients.py)."))] = [],  # noqa: B006 (typer reads it)
     json_out: JsonOut = False,
 ) -> None:
     """The ceilings of the client-level and the aggregate forecast, and the policy's variants, on every
@@ -187,7 +190,11 @@ def clients(
                                      param_hint=hint) from None
 
     try:
-        run(traces or default_traces(), serving_gpus=tuple(serving_gpus), budgets=tuple(budget),
+        from lab.forecast.clients import MIX
+
+        mixes = [Path(f"{MIX}{seed}") for seed in mix]
+        run([*(traces or ([] if mixes else default_traces())), *mixes], serving_gpus=tuple(serving_gpus),
+            budgets=tuple(budget),
             rotations=days_of(rotations, "--rotations") or None,
             variants=tuple(v.strip() for v in variants.split(",") if v.strip()), shift=shift,
             shift_day=shift_day, days=days, workers=workers, as_json=json_out)

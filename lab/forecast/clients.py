@@ -15,6 +15,14 @@ rotation, pool size (``--serving-gpus``, repeatable) and budget:
   switch-on risk of the clients that are off, :func:`tidal.policy.clients.client_forecast`);
 * the policy, :class:`~tidal.policy.loan.TidalPolicy`, in the variants of ``VARIANTS`` (``--variants``).
 
+``--mix SEED`` (repeatable) adds a **recomposed service** per seed, traffic nobody tuned on
+(:func:`recomposed`): a random share of the clients of both shared traces, each rescaled, moved by whole
+days and some by hours (another region), the two services mixed in a random proportion; its heavy clients
+and tail as in a file. The rule that decides whether the promise with a week's window becomes the default
+was fixed before any recomposed service was scored: on seeds 1-8, rotations 0 and 7, 128 and 2,048 GPUs,
+budgets 0.2, 0.5 and 1 %, it must hold the budget on every cell where ``before`` holds it, and its harvest
+over ``before``'s must have a median of at least 0.98 over the cells.
+
 ``--shift`` changes the traffic from day ``--shift-day`` on, a regime nobody tuned on: ``double-client``
 (a new client twice the largest appears), ``peak-3h`` (every client's day 3 hours later), ``no-weekend``
 (Saturday and Sunday are the Friday before them; days counted from the trace start, a Thursday in Unix
@@ -40,7 +48,7 @@ from tidal.policy import forecast as fc
 from tidal.policy.baselines import OraclePolicy
 from tidal.policy.clients import ClientConfig, client_forecast, initial_clients, observe_clients
 from tidal.policy.loan import LoanContext, LoanTiming, TidalConfig, TidalPolicy
-from tidal.serving.client_traces import load_client_trace
+from tidal.serving.client_traces import ClientTrace, load_client_trace
 
 SHIFTS = ("none", "double-client", "peak-3h", "no-weekend")
 CEILINGS = ("ceiling_aggregate", "ceiling_clients")
@@ -128,11 +136,63 @@ def online(times_s: np.ndarray, demand: np.ndarray, clients: np.ndarray | None, 
     return lent
 
 
+MIX = "mix-"
+"""A source named ``mix-<seed>`` is the recomposed service of that seed (:func:`recomposed`)."""
+
+
+def _filled(rates: np.ndarray, day: int) -> np.ndarray:
+    """A trace's gap windows (no client listed) filled with the nearest day's same window."""
+    r = np.array(rates)
+    gap = np.isnan(r).all(axis=1)
+    for i in np.flatnonzero(gap):
+        near = [j for k in range(1, len(r) // day + 1) for j in (i - k * day, i + k * day)
+                if 0 <= j < len(r) and not gap[j]]
+        r[i] = r[near[0]] if near else 0.0
+    return np.nan_to_num(r)
+
+
+def recomposed(seed: int, heavy: int, sources: tuple[Path, ...] | None = None
+               ) -> tuple[np.ndarray, np.ndarray, float]:
+    """(times, per-client rates with the tail last, step) of a service made from the clients of the
+    ``sources`` (the two shared traces), drawn by ``seed``: each client kept with a probability drawn in
+    [0.2, 0.8]; rescaled by a log-normal factor (sigma 0.5); moved by a whole number of days (0-13), and one
+    in four also by 1-6 hours either way; the second source's clients weighted to send 0.3-3 times the
+    first's. The ``heavy`` largest keep a column each."""
+    rng = np.random.default_rng(seed)
+    cols, times, step = [], None, 0.0
+    for k, path in enumerate(sources or tuple(default_traces())):
+        ct = load_client_trace(path, max_clients=100_000)
+        if times is not None and (len(ct.times_s) != len(times) or ct.step_s != step):
+            raise ValueError(f"{path}: a recomposed service needs sources on one grid")
+        times, step = ct.times_s, ct.step_s
+        day = round(86400.0 / step)
+        r = _filled(ct.rates[:, :-1], day)
+        keep = rng.random(r.shape[1]) < rng.uniform(0.2, 0.8)
+        r = r[:, keep] * rng.lognormal(0.0, 0.5, keep.sum())
+        hours = np.where(rng.random(r.shape[1]) < 0.25, rng.integers(1, 7, r.shape[1])
+                         * rng.choice([-1, 1], r.shape[1]), 0)
+        moves = rng.integers(0, 14, r.shape[1]) * day + hours * round(3600.0 / step)
+        r = np.stack([np.roll(r[:, j], int(m)) for j, m in enumerate(moves)], axis=1)
+        if k and cols:
+            r *= rng.uniform(0.3, 3.0) * sum(float(c.sum()) for c in cols) / max(float(r.sum()), 1e-12)
+        cols.append(r)
+    if times is None:
+        raise ValueError("a recomposed service needs the shared per-client traces")
+    r = np.concatenate(cols, axis=1)
+    order = np.argsort(-r.sum(axis=0), kind="stable")
+    rates = np.concatenate([r[:, order[:heavy]], r[:, order[heavy:]].sum(axis=1, keepdims=True)], axis=1)
+    return times, rates, step
+
+
 @lru_cache(maxsize=4)
 def _load(path: Path, heavy: int, shift: str, shift_day: int, days: int | None
           ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """(times, total load, per-client load with gaps NaN, windows a day) of a trace, shifted, cut."""
-    ct = load_client_trace(path, max_clients=heavy)
+    if path.name.startswith(MIX):
+        t, r, step = recomposed(int(path.name[len(MIX):]), heavy)
+        ct = ClientTrace(path.name, t, r, (*(f"c{i}" for i in range(heavy)), "other"), step)
+    else:
+        ct = load_client_trace(path, max_clients=heavy)
     day = round(86400.0 / ct.step_s)
     rates = shifted(ct.rates, shift, shift_day * day, day)
     load = np.nansum(rates, axis=1)
