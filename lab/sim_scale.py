@@ -4,7 +4,7 @@
 
 The pool: ``--nodes`` nodes of 8 GPUs, a quarter of them serving (sized for the peak of the serving
 trace, ServeGen m-large by default, repeated to ``--days``), the rest a training pool. The jobs:
-``--jobs`` synthetic jobs (``tidal.sim.jobs.synthetic_trace``: heavy-tailed gang sizes 1-64 GPUs and
+``--jobs`` synthetic jobs (:func:`synthetic_trace`: heavy-tailed gang sizes 1-64 GPUs and
 durations, 20 tenants, a fifth of them dedicated), all submitted within the first ``--submit-hours``
 (so the queue starts about ``--jobs`` deep), their work scaled to ``--load`` x the pool's GPU-time
 over the run. One simulation per policy in ``--policy`` (``tidal+clients``: the tidal policy given the
@@ -22,13 +22,14 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
 from tidal.sim.config import make_config
 from tidal.sim.engine import Engine
-from tidal.sim.jobs import synthetic_trace
+from tidal.sim.jobs import BacklogSource, JobSpec, SpotBacklog
 from tidal.sim.policies import PolicySpec
 from tidal.sim.report import clean
 from tidal.sim.traffic import traffic_gpus
@@ -37,6 +38,30 @@ TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "servegen-la
 SHOW = ("wall_s", "cpu_s", "schedule_calls", "schedule_cpu_s", "decision_p50_ms", "decision_p99_ms",
         "decision_wall_p99_ms", "max_pending_jobs", "jobs_completed", "harvest_ratio", "shortfall_ratio",
         "pool_goodput", "ettr_mean")
+
+
+def synthetic_trace(n_jobs: int, *, days: float, gpus_per_node: int, seed: int, tenants: int = 20,
+                    submit_within_days: float | None = None, dedicated_fraction: float = 0.2,
+                    total_work_gpu_s: float | None = None) -> list[JobSpec]:
+    """``n_jobs`` jobs by the spot backlog's laws over ``tenants`` tenants, submitted uniformly over
+    ``submit_within_days`` (default: the run), ``dedicated_fraction`` dedicated (priority 1), the work
+    scaled to add up to ``total_work_gpu_s`` if given."""
+    rng = np.random.default_rng(seed)
+    src = BacklogSource(SpotBacklog(tenants=tenants), gpus_per_node, rng)
+    span = (submit_within_days if submit_within_days is not None else days) * 86400.0
+    times = np.sort(rng.uniform(0.0, span, n_jobs))
+    out = []
+    for i, t in enumerate(times):
+        s = src.draw(float(t))
+        ded = rng.random() < dedicated_fraction
+        out.append(JobSpec(id=f"j{i:06d}", tenant=f"team{s.tenant[4:]}", kind="dedicated" if ded else "spot",
+                           priority=1 if ded else 0, min_gpus=s.min_gpus,
+                           max_gpus=s.min_gpus if ded else s.max_gpus, work_gpu_s=s.work_gpu_s,
+                           submit_s=s.submit_s, gpus_per_node=s.gpus_per_node))
+    if total_work_gpu_s is not None and out:
+        k = total_work_gpu_s / sum(j.work_gpu_s for j in out)
+        out = [replace(j, work_gpu_s=j.work_gpu_s * k) for j in out]
+    return out
 
 
 def main() -> None:

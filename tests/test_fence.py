@@ -302,8 +302,6 @@ def test_an_s3_fence_that_cannot_be_reached_lets_the_commit_go_on(caplog):
     newer = json.dumps({"job": "j", "attempt": 2}).encode()
     with pytest.raises(ckpt.FencedError, match="step 5: commit refused: checkpoint location s3://bucket/job"):
         fence.check_s3(Store(newer), fence.Claim("j", 1), 5)
-    with pytest.raises(ckpt.FencedError, match="cannot be read"):  # reading it for its own sake: an error
-        fence.read_s3(Store(TierError("down")))
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="tidal.ckpt.fence"):
         assert fence.claim_s3(Store(TierError("down")), fence.Claim("j", 1)) is False  # training starts

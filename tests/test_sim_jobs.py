@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tidal.sim.jobs import BacklogSource, SpotBacklog, load_jobs, load_native, load_philly, synthetic_trace
+from tidal.sim.jobs import BacklogSource, SpotBacklog, load_jobs, load_native, load_philly
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 PHILLY = TRACES / "elasticflow-philly-jobs.csv"
@@ -79,8 +79,3 @@ def test_backlog_is_seeded_heavy_tailed_and_valid():
         assert j.gpus_per_node is None or j.min_gpus >= 8
     assert {j.min_gpus for j in a} == set(SpotBacklog().sizes)
 
-
-def test_synthetic_trace_total_work():
-    jobs = synthetic_trace(500, days=3, gpus_per_node=8, seed=0, total_work_gpu_s=1e9)
-    assert len(jobs) == 500 and sum(j.work_gpu_s for j in jobs) == pytest.approx(1e9)
-    assert all(j.max_gpus == j.min_gpus for j in jobs if j.kind == "dedicated")

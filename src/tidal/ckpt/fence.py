@@ -133,7 +133,7 @@ def check(directory: str | os.PathLike, claim: Claim, step: int) -> None:
     _refuse(read(directory), os.fspath(directory), claim, step)
 
 
-def _read_s3(tier: Any) -> dict | None:
+def read_s3(tier: Any) -> dict | None:
     """The fence of an S3 home (``<prefix>/fence.json``): None when there is none, ``FencedError`` when it
     is not a fence, ``OSError`` when it cannot be reached."""
     where = f"{tier.location}/{c.FENCE_FILE}"
@@ -144,19 +144,11 @@ def _read_s3(tier: Any) -> dict | None:
     return None if data is None else _parse(data, where)
 
 
-def read_s3(tier: Any) -> dict | None:
-    """:func:`read` for an S3 home (:class:`~tidal.ckpt.tiers.s3.S3Tier`); unreachable: ``FencedError``."""
-    try:
-        return _read_s3(tier)
-    except OSError as e:
-        raise FencedError(f"checkpoint fence {tier.location}/{c.FENCE_FILE}: cannot be read ({e})") from None
-
-
 def check_s3(tier: Any, claim: Claim, step: int) -> None:
     """:func:`check` for an S3 home: one GET before the manifest's PUT. A fence that cannot be *reached*
     (nothing reaches the store meanwhile) lets the commit go on, with a warning."""
     try:
-        doc = _read_s3(tier)
+        doc = read_s3(tier)
     except OSError as e:
         log.warning("step %d: checkpoint fence %s/%s cannot be read (%s); committing unchecked", step,
                     tier.location, c.FENCE_FILE, e)
@@ -169,7 +161,7 @@ def claim_s3(tier: Any, claim: Claim) -> bool:
     newer attempt of the same job. Whether it wrote; an unreachable store is a warning."""
     try:
         try:
-            doc = _read_s3(tier)
+            doc = read_s3(tier)
         except FencedError:
             doc = None  # not a fence: replaced by this attempt's
         if doc is not None and doc["job"] == claim.job and doc["attempt"] >= claim.attempt:

@@ -1,22 +1,8 @@
-"""The job state machine: one table of legal transitions. The store refuses anything else.
-
-::
-
-    submit ─► pending ─Admit─► admitted ─ranks up─► running ─all ranks exit 0─► succeeded
-                ▲                  ▲                   │
-                │                  └─relaunched── resizing ◄─Shrink/Grow (stop, relaunch on the new size)
-                ├──exit 75 (resumable)── preempting ◄─Preempt
-                └──retry time reached── backoff ◄─failure (non-zero exit, vanished rank, hang),
-                                                  restarts < max_restarts; else ─► failed
-    any state holding GPUs ─cancel─► cancelling ─ranks gone─► cancelled;  pending, backoff ─cancel─► cancelled
-
-*Holding GPUs* (``HELD``): admitted, running, resizing, preempting, cancelling: the job has a
-placement and may have processes. ``pending`` and ``backoff`` hold nothing; ``succeeded``,
-``failed`` and ``cancelled`` are terminal. Every transition is recorded as an event by the store
-(:meth:`tidal.control.store.Store.transition`), with the reason.
-
-A few edges exist for recovery only: a held job goes back to ``pending`` when the control plane
-restarts and finds none of its workers (they are relaunched from the newest checkpoint).
+"""The job state machine: one table of legal transitions (:data:`TRANSITIONS`). The store refuses anything
+else and records every transition as an event, with the reason (:meth:`tidal.control.store.Store.transition`).
+The diagram and when each edge is taken: docs/control.md, "Job states: one table". ``pending`` and
+``backoff`` hold nothing; ``succeeded``, ``failed`` and ``cancelled`` are terminal; a held job goes back
+to ``pending`` only in recovery (a restarted plane that finds none of its workers).
 """
 
 from __future__ import annotations

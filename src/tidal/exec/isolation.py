@@ -1,16 +1,8 @@
-"""How the executors isolate a job from the control plane and from other jobs (the ``isolation:`` block
-of ``tidal up --config``; docs/control.md, Isolation). ``isolation: none`` is ``{mode: none}``.
-
-Sandboxed (``mode: sandbox``, the default; :mod:`tidal.exec.sandbox`): each rank, on either executor, sees
-only the system, its code and its own directories, in its own PID namespace; on the local executor as root
-with uids (``uid_base`` by default a range of 65536 from 200000 chosen by the jobs dir; on Ray where every
-node's workers are root too); ``read_only``: more paths it may read. ``max_file_bytes`` and
-``max_memory_bytes`` default to ``auto`` (:meth:`resolved`). Always: a clean environment (the job's ``env``,
-the platform's variables, the names in ``pass_env``; ``HOME`` and ``TMPDIR`` in the job's private area),
-files and directories 0600/0700, no core dumps, a shared-memory directory per job freed after it ends. With
-``uid_base`` (as root): every rank runs as an unprivileged uid/gid of its tenant or job, which owns the
-job's private area, progress, shm and default checkpoint directories (and what it takes over:
-:mod:`tidal.exec.handover`); the rest stays root's.
+"""How the executors isolate a job from the control plane and from other jobs: the ``isolation:`` block of
+``tidal up --config`` (:class:`IsolationConfig`; ``isolation: none`` is ``{mode: none}``), the rank's clean
+environment and its directories (0600/0700, owned by the job's uid with ``uid_base``; what it takes over:
+:mod:`tidal.exec.handover`). The sandbox itself: :mod:`tidal.exec.sandbox`; every setting and what it
+guards against: docs/control.md, Isolation.
 """
 
 from __future__ import annotations

@@ -1,28 +1,10 @@
 """The Ray executor: the ranks of a job run on the nodes of a Ray cluster (``tidal up --executor ray``).
 
-**Nodes.** Every alive Ray node with ``GPU`` resources is a training node, named by its label
-``tidal.io/node`` or ``ray-<first 12 hex of its node id>``; :meth:`RayExecutor.nodes` asks the cluster
-on every call (nodes join and leave). Those named in ``serving_nodes`` are in the serving pool.
-
-**An attempt** is one placement group with one ``{"GPU": 1}`` bundle per rank, each pinned to the
-chosen node by its node id, and one detached, named actor per rank (:class:`tidal.exec.ray_rank.RankActor`)
-that runs the command as a child process. Ranks are numbered in placement order; each gets the torchrun
-contract (``MASTER_ADDR`` = rank 0's node), ``CUDA_VISIBLE_DEVICES`` = the GPUs Ray gave the job on that
-node, and Tidal's variables, as on the local executor. The state dir must be on a filesystem every node
-mounts: ranks write their attempt's files and logs there. ``launch.json`` is written before any actor exists.
-
-**Never twice.** Actors are named ``tidal.<job>.a<attempt>.r<rank>`` in a namespace of this state dir;
-leftovers of a job's earlier attempts are removed before a launch; a restarted plane re-adopts an
-attempt by its actors' names. A rank whose node left the cluster is reported ``vanished`` and ``lost``.
-
-**Node memory.** Each rank's ``TIDAL_SHM_DIR`` is ``<base>/<node>/<job>`` (:func:`shm_base`), freed
-through tasks on the nodes (:mod:`tidal.exec.ray_shm`); an attempt across nodes checkpoints to durable
-tiers only. With ``ckpt_agents`` one checkpoint agent per node serves the ``peer`` tier
-(:mod:`tidal.exec.ray_agents`). Isolation as on the local executor, each rank in the same sandbox
-(:mod:`tidal.exec.sandbox`, made by its actor on its node; ``hidden``: what no rank sees besides the jobs
-dir), checked on every node at start (:mod:`tidal.exec.ray_checks`), a uid per tenant by default where
-the plane and every node's workers are root, and sandboxed ranks only on a cluster that refuses clients
-without its token (a local Ray it starts gets one; docs/control.md, Isolation on Ray).
+Training nodes are the cluster's alive nodes with ``GPU`` resources (:meth:`RayExecutor.nodes`, asked on
+every call); an attempt is one placement group with a ``{"GPU": 1}`` bundle per rank, pinned to the
+chosen nodes, and one detached, named actor per rank (:class:`tidal.exec.ray_rank.RankActor`), so a
+restarted plane re-adopts it by name. Node memory, checkpoint agents, isolation and the environment
+contract: docs/control.md, The Ray executor. The state dir must be on a filesystem every node mounts.
 Not thread-safe: one reconcile loop drives it.
 """
 

@@ -1,17 +1,10 @@
 """One rank of a job on a Ray node: a detached, named actor that runs the user's command as a process.
 
-The Ray executor creates one :class:`RankActor` per rank in its placement-group bundle; the actor holds
-the GPU in Ray's accounting and :meth:`RankActor.start` runs the command once (a second call returns the
-first pid) as a child in its own session, output appended to the rank's log. The actor keeps the exit
-code, so a restarted plane that finds it by name learns how the rank ended.
-
-Nothing outlives the actor: the child has ``PR_SET_PDEATHSIG`` = SIGKILL, and the worker is a child
-subreaper that kills what the rank left when it ends (:meth:`RankActor.poll`), on a SIGKILL and on
-:meth:`RankActor.end`. With ``owner`` (``isolation.uid_base``, the actor runs as root) it makes the job's
-node-memory directory and starts the rank as that uid with the job's rlimits, as :mod:`tidal.exec.shim`.
-With ``binds`` (``isolation.mode: sandbox``, the default) the rank runs in the local executor's sandbox,
-the command made on this node (:func:`tidal.exec.sandbox.command`: this node's ``bwrap``, interpreter and
-code), the uid dropped inside it; Ray's own directory on the node is hidden too (:func:`ray_dirs`).
+:meth:`RankActor.start` runs the command once (a second call returns the first pid) as a child in its own
+session, with ``PR_SET_PDEATHSIG`` = SIGKILL, as ``owner``'s uid and in the sandbox of ``binds`` when given
+(:func:`tidal.exec.sandbox.command`, made on this node; Ray's own directory hidden: :func:`ray_dirs`). The
+worker is a child subreaper: what the rank leaves is killed when it ends. The actor keeps the exit code for
+a plane that finds it by name (docs/control.md, The Ray executor).
 
 Imported by every Ray worker that hosts a rank: standard library, ``ray`` and small parts of ours (no torch).
 """

@@ -4,25 +4,9 @@ Each rank's shim (on Ray: its rank actor, on its node) starts ``bwrap`` (Debian'
 of the rank itself; bwrap gives the rank its own mount, PID and IPC namespaces and then runs :data:`ENTER`
 (the starter's interpreter), which drops to the job's uid when there is one and execs the command (a rank
 left root holds no capability). The plane decides the binds (:class:`Binds`), :func:`command` makes the
-command where it runs. Inside, the rank sees:
-
-* read-only: the system (``/usr``, ``/etc``, ``/opt``, ``/sys``, the ``/lib`` and ``/bin`` links), the
-  interpreter and its venv (``sys.prefix``, ``sys.base_prefix``), the ``tidal`` package, the
-  directories in its ``PYTHONPATH``/``VIRTUAL_ENV``, the venvs on its ``PATH``, its program and the
-  directories of the files its arguments name (its script), the
-  admin's ``isolation.read_only``, and its attempt directory (``control.json``);
-* read-write: its workdir, its checkpoint directories, its progress directory, its private area
-  (``HOME``, ``TMPDIR``), a private ``/tmp``, and its job's shared-memory directory, bound both at
-  ``TIDAL_SHM_DIR`` (the same path as outside: the checkpoint agents copy from it) and at ``/dev/shm``
-  (shared by the job's ranks only: NCCL, torch's tensors between processes);
-* a fresh ``/proc`` of its own PID namespace (no other process is visible), a minimal ``/dev`` (with
-  the NVIDIA devices on a GPU node); the network is the host's (gloo and NCCL rendezvous on loopback,
-  the plane's API and the checkpoint agents).
-
-The state dir (``admin.token``, ``tidal.db``, other jobs' logs, progress and fences) and the other
-jobs' shared memory are never bound, nor a path that resolves into them (a link a job planted): where a
-bound directory contains them they are covered by an empty tmpfs, and the job's own directories are
-bound again on top.
+command where it runs. What the rank sees read-only and read-write, and what is never bound (the state
+dir, other jobs' shared memory, a path that resolves into them: covered by an empty tmpfs): docs/control.md,
+Isolation.
 
 Signals: the shim starts bwrap with SIGTERM and SIGINT blocked (bwrap's processes forward nothing and
 must outlive a notice) and :data:`ENTER` restores and unblocks them for the rank, which gets them straight

@@ -7,7 +7,7 @@ from __future__ import annotations
 import csv
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -199,26 +199,3 @@ class BacklogSource:
         self.seq += 1
         return spec
 
-
-def synthetic_trace(n_jobs: int, *, days: float, gpus_per_node: int, seed: int, tenants: int = 20,
-                    submit_within_days: float | None = None, dedicated_fraction: float = 0.2,
-                    total_work_gpu_s: float | None = None) -> list[JobSpec]:
-    """``n_jobs`` jobs by the backlog's laws over ``tenants`` tenants, submitted uniformly over
-    ``submit_within_days`` (default: the run), ``dedicated_fraction`` dedicated (priority 1), the work
-    scaled to add up to ``total_work_gpu_s`` if given. For scale runs (``lab/sim_scale.py``)."""
-    rng = np.random.default_rng(seed)
-    src = BacklogSource(SpotBacklog(tenants=tenants), gpus_per_node, rng)
-    span = (submit_within_days if submit_within_days is not None else days) * 86400.0
-    times = np.sort(rng.uniform(0.0, span, n_jobs))
-    out = []
-    for i, t in enumerate(times):
-        s = src.draw(float(t))
-        ded = rng.random() < dedicated_fraction
-        out.append(JobSpec(id=f"j{i:06d}", tenant=f"team{s.tenant[4:]}", kind="dedicated" if ded else "spot",
-                           priority=1 if ded else 0, min_gpus=s.min_gpus,
-                           max_gpus=s.min_gpus if ded else s.max_gpus, work_gpu_s=s.work_gpu_s,
-                           submit_s=s.submit_s, gpus_per_node=s.gpus_per_node))
-    if total_work_gpu_s is not None and out:
-        k = total_work_gpu_s / sum(j.work_gpu_s for j in out)
-        out = [replace(j, work_gpu_s=j.work_gpu_s * k) for j in out]
-    return out

@@ -2,18 +2,10 @@
 
 It carries decisions out as the control plane's store does (the job transforms are
 :mod:`tidal.policy.apply`'s) and records what each costs. Every change of a job's state goes through
-:func:`transition` and the one table :data:`TRANSITIONS`; anything else raises
-:class:`IllegalTransition`::
-
-    new ──submit──► pending ──admit──► running ──grow──► running
-                       ▲                  │──shrink──► shrinking ──released──► running (smaller)
-                       │                  └──preempt─► stopping ──released──┐
-                       └────────────────────────────────────────────────────┘
-    running / shrinking / stopping ──fail──► same state (back to the newest durable checkpoint)
-    running / shrinking / stopping ──finish──► done
-
-A shrink or preempt by ``by_s`` trains until ``by_s - stall`` and writes its final checkpoint, or, with
-less than a stall left, loses the work since its newest durable checkpoint (docs/simulator.md).
+:func:`transition` and the one table :data:`TRANSITIONS` (the diagram: docs/simulator.md, "Jobs");
+anything else raises :class:`IllegalTransition`. A shrink or preempt by ``by_s`` trains until
+``by_s - stall`` and writes its final checkpoint, or, with less than a stall left, loses the work since
+its newest durable checkpoint.
 """
 
 from __future__ import annotations
