@@ -160,7 +160,8 @@ def test_idle_is_the_minimum_and_a_queue_without_finished_requests_is_unknown():
 
 @pytest.mark.parametrize("args,says", [(["--replicas", "1"], "--replicas 1: expected 2 to 16"),
                                        (["--rate", "0"], "--rate must be in (0, 200]"),
-                                       (["--max-tokens", "0"], "--max-tokens must be 1 to 1024")])
+                                       (["--max-tokens", "0"], "--max-tokens must be 1 to 1024"),
+                                       (["--pairs", "0"], "--pairs 0: expected 1 to 50")])
 def test_engine_bench_refuses_bad_options_naming_them(args, says):
     from typer.testing import CliRunner
 
@@ -192,6 +193,20 @@ def test_the_engine_adapters_settings_are_checked_naming_the_field(change, says)
         WatchConfig.from_dict({"serving_gpus": 2, "trace": "t.csv", "engine": {"model": "m.gguf"}})
     cfg = WatchConfig.from_dict(ENGINE_BLOCK)
     assert cfg.pool_gpus == 2 and cfg.requests() is None and "llama.cpp replicas of m.gguf" in cfg.describe()
+
+
+def test_pairs_pool_each_phase_over_the_runs_each_cut_at_its_own_bounds():
+    from tidal.serving.engine_bench import pooled
+    from tidal.serving.loadgen import Record
+
+    def recs(ttft: float) -> list[Record]:  # one request a second for 10 s
+        return [Record(t_s=float(t), latency_s=ttft, status=200, ttft_s=ttft, tokens=4) for t in range(10)]
+    one = pooled([(recs(0.01), (2.0, 6.0, 7.0))], 10.0)
+    assert [one[p]["requests"] for p in ("before", "lent", "reclaiming", "after")] == [2, 4, 1, 3]
+    two = pooled([(recs(0.01), (2.0, 6.0, 7.0)), (recs(0.03), (3.0, 5.0, 8.0))], 10.0)
+    assert [two[p]["requests"] for p in ("before", "lent", "reclaiming", "after")] == [5, 6, 4, 5]
+    assert two["before"]["seconds"] == 5.0 and two["lent"]["tokens_per_s"] == 4.0
+    assert two["before"]["ttft_p50_s"] == 0.03 and two["lent"]["ttft_p50_s"] == 0.01  # 2 + 3, 4 + 2 requests
 
 
 def test_the_ratio_is_the_worst_lending_phase_and_the_others_show_the_noise():

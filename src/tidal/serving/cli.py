@@ -219,6 +219,8 @@ def engine_bench_command(
                                       "on where there are 2 CPUs or more.")] = True,
     train: Annotated[bool, typer.Option("--train/--no-train", help="A training rank on the lent replicas' "
                                         "CPUs while they are lent.")] = True,
+    pairs: Annotated[int, typer.Option("--pairs", help="Both runs this many times in turns, each phase's "
+                                       "requests pooled over them (a p99 of more requests).")] = 1,
     json_out: Annotated[bool, typer.Option("--json", help="The result as JSON.")] = False,
 ) -> None:
     """The same traffic against real engine replicas twice, with and without lending; TTFT per phase."""
@@ -226,7 +228,8 @@ def engine_bench_command(
     from tidal.serving.engine_replicas import EngineError
 
     opts = BenchOptions(replicas=replicas, rate_per_s=rate, duration_s=duration_s, max_tokens=max_tokens,
-                        slo_s=slo_s, model=None if model is None else str(model), pin=pin, train=train)
+                        slo_s=slo_s, model=None if model is None else str(model), pin=pin, train=train,
+                        pairs=pairs)
     try:
         opts.check()
         out = run(opts)
@@ -253,6 +256,9 @@ def engine_bench_command(
     print(f"replicas lent {w['lent']} (demand {w['demand']['replicas']}), ttft p99 ratio "
           f"{out['ttft_p99_ratio']}, failed by reclaim {out['requests_failed_by_reclaim']}, returns missed "
           f"{out['returns_missed']}, GPU-hours lent {out['loaned_gpu_hours']}")
+    if "pairs" in out:
+        print(f"{opts.pairs} pairs pooled; lent-phase ttft p99 ratio of each pair: "
+              f"{[p['ttft_p99_ratio_by_phase'].get('lent') for p in out['pairs']]}")
     c = w["cpus"]
     print(f"CPUs: replicas {c['replicas'] or 'any'}, training rank {c['training'] or 'any'} "
           f"({c['trained_s']} s trained)")

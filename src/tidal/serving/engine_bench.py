@@ -5,7 +5,10 @@ back two measured warm-ups before they are due; once without lending. Per phase 
 reclaiming, after): TTFT p50/p99, tokens/s, requests failed. While lent, a training rank (a CPU-bound
 loop standing for the spot job) runs on the lent replicas' CPUs. With ``pin`` (where there are 2 CPUs or
 more) replica i runs on CPU i mod N and the training rank only on CPUs no serving replica has, as a lent
-GPU is never the serving one; without it everything shares every CPU. docs/loaning.md says how to read it.
+GPU is never the serving one; without it everything shares every CPU. With ``pairs`` above 1 the two runs
+are made that many times in turns (each pair its own arrivals), and each phase's requests are pooled over
+the pairs: a p99 of hundreds of requests instead of tens, the machine's drift shared by both sides.
+docs/loaning.md says how to read it.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +59,7 @@ class BenchOptions:
     model: str | None = None  # default: the tiny model, written in the work directory
     pin: bool = True  # replicas and the training rank on disjoint CPUs (where there are 2 or more)
     train: bool = True  # a training rank on the lent replicas' CPUs while they are lent
+    pairs: int = 1  # runs with and without lending, in turns; each phase pooled over them
 
     def check(self) -> None:
         if not 2 <= self.replicas <= 16:
@@ -66,6 +70,8 @@ class BenchOptions:
             raise ValueError("lend_at < due_at, both fractions of the run in (0, 1)")
         if not 1 <= self.max_tokens <= 1024 or not self.slo_s > 0:
             raise ValueError("--max-tokens must be 1 to 1024 and --slo-s > 0")
+        if not 1 <= self.pairs <= 50:
+            raise ValueError(f"--pairs {self.pairs}: expected 1 to 50")
 
 
 def cpu_sets(replicas: int, pin: bool) -> list[list[int]] | None:
@@ -124,10 +130,10 @@ def compare(with_: dict[str, dict], without: dict[str, dict], phases: tuple[str,
 
 
 def one_run(opts: BenchOptions, model: Path, workdir: Path, lend: bool,
-            bounds: tuple[float, float, float] | None = None) -> dict[str, Any]:
+            bounds: tuple[float, float, float] | None = None) -> tuple[dict[str, Any], list[loadgen.Record]]:
     """One run of the traffic; with ``lend``, the loan and its reclaim. ``bounds``: the phase limits
     (lent from, notice at, serving again at: traffic seconds) to cut this run's records at (the lending
-    run's, for the run without)."""
+    run's, for the run without). Returns its figures and its requests."""
     d = opts.duration_s
     rate = loadgen.constant(opts.rate_per_s)
     recs: list[loadgen.Record] = []
@@ -197,26 +203,55 @@ def one_run(opts: BenchOptions, model: Path, workdir: Path, lend: bool,
         starts = list(r.starts)
     if bounds is None:
         bounds = (lent_from or due_s, notice or due_s, max(back or due_s, due_s))
-    cuts = [0.0, *bounds, d]
-    phases = {p: phase_stats(recs, [(cuts[k], cuts[k + 1])]) for k, p in enumerate(PHASES)}
+    phases = pooled([(recs, bounds)], d)
     return {"lending": lend, "phases": phases, "bounds": bounds, "demand": asdict(demand),
             "lendable": lendable, "lent": lent, "lead_s": round(lead_s, 3), "due_s": due_s,
             "notice_s": notice, "back_s": back, "returns_missed": missed, "loaned_replica_s":
             len(lent) * (notice - lent_from) if lent_from is not None and notice is not None else 0.0,
             "start_to_healthy_s": [round(x, 3) for x in starts], "events": events,
             "cpus": {"replicas": cpus, "training": train_cpus, "trained_s": round(trained_s, 2)},
-            "traffic_error": failed[0] if failed else None}
+            "traffic_error": failed[0] if failed else None}, recs
+
+
+def pooled(runs: list[tuple[list[loadgen.Record], tuple[float, float, float]]], duration_s: float
+           ) -> dict[str, dict[str, Any]]:
+    """Each phase's figures over the requests of every run, each run cut at its own ``bounds``."""
+    recs: list[loadgen.Record] = []
+    spans: dict[str, list[tuple[float, float]]] = {p: [] for p in PHASES}
+    for j, (rs, bounds) in enumerate(runs):  # run j laid after the ones before it on one time line
+        off = j * (duration_s + 1.0)
+        recs += [replace(r, t_s=r.t_s + off) for r in rs]
+        cuts = [0.0, *bounds, duration_s]
+        for k, p in enumerate(PHASES):
+            spans[p].append((cuts[k] + off, cuts[k + 1] + off))
+    return {p: phase_stats(recs, spans[p]) for p in PHASES}
 
 
 def run(opts: BenchOptions, workdir: str | Path | None = None) -> dict[str, Any]:
-    """Both runs, lending first (its phase limits cut the other's records), and the comparison."""
+    """Both runs, lending first (its phase limits cut the other's records), ``pairs`` times in turns, and
+    the comparison of the phases pooled over the pairs (with one pair, its own)."""
     opts.check()
+    pairs: list[tuple[dict[str, Any], dict[str, Any]]] = []
+    recs: tuple[list, list] = ([], [])
     with tempfile.TemporaryDirectory(prefix="tidal-engine-bench-", dir=workdir) as tmp:
         model = Path(opts.model) if opts.model else write_tiny_gguf(Path(tmp) / "tiny.gguf")
-        with_ = one_run(opts, model, Path(tmp) / "lending", True)
-        without = one_run(opts, model, Path(tmp) / "baseline", False, with_["bounds"])
+        for k in range(opts.pairs):
+            o = replace(opts, seed=opts.seed + k)  # each pair its own arrivals, the same on both sides
+            w, w_recs = one_run(o, model, Path(tmp) / f"lending-{k}", True)
+            b, b_recs = one_run(o, model, Path(tmp) / f"baseline-{k}", False, w["bounds"])
+            pairs.append((w, b))
+            recs[0].append((w_recs, w["bounds"]))
+            recs[1].append((b_recs, w["bounds"]))
+    with_, without = pairs[0]
+    if opts.pairs > 1:
+        with_ = {**with_, "phases": pooled(recs[0], opts.duration_s)}
+        without = {**without, "phases": pooled(recs[1], opts.duration_s)}
+    lending = ("lent", "reclaiming")
     return {"engine": {"name": "llama.cpp", "version": engine_version(llama_server())},
-            "options": asdict(opts), **compare(with_["phases"], without["phases"], ("lent", "reclaiming")),
-            "reclaim_notices": int(with_["notice_s"] is not None), "returns_missed": with_["returns_missed"],
-            "loaned_gpu_hours": round(with_["loaned_replica_s"] / 3600.0, 6),
-            "with_lending": with_, "without_lending": without}
+            "options": asdict(opts), **compare(with_["phases"], without["phases"], lending),
+            "reclaim_notices": sum(w["notice_s"] is not None for w, _ in pairs),
+            "returns_missed": sum(w["returns_missed"] for w, _ in pairs),
+            "loaned_gpu_hours": round(sum(w["loaned_replica_s"] for w, _ in pairs) / 3600.0, 6),
+            "with_lending": with_, "without_lending": without,
+            **({"pairs": [{**compare(w["phases"], b["phases"], lending), "with_lending": w,
+                           "without_lending": b} for w, b in pairs]} if opts.pairs > 1 else {})}
