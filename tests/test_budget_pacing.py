@@ -59,12 +59,22 @@ def _run(cfg: TidalConfig, shift: bool = True) -> tuple[float, float, float]:
 
 def test_the_promise_tightens_when_shortfall_runs_ahead_and_lends_more_while_it_runs_behind():
     base = TidalPolicy.build(0.005, 600.0, horizon_s=6 * 3600.0).config
-    off = replace(base, pacing_gain=0.0, pacing_floor=1.0)
+    off = replace(base, pacing_gain=0.0, pacing_floor=1.0, pacing_half_life_s=86400.0)  # a day's window
     _, short_off, lent_off = _run(off)
     _, short_on, lent_on = _run(replace(off, pacing_gain=2.0, pacing_floor=0.5))
     assert short_on < 0.8 * short_off and lent_on > lent_off  # days 1-3: nothing spent, the reserve loosened
     assert _run(replace(off, pacing_gain=2.0))[1] < 0.8 * short_off  # tightening alone
     assert _run(replace(off, pacing_floor=0.5))[1] > short_off  # loosening without tightening: worse
+
+
+def test_the_default_promise_tightens_with_a_week_of_memory_and_never_loosens():
+    base = TidalPolicy.build(0.005, 600.0, horizon_s=6 * 3600.0).config
+    assert (base.pacing_gain, base.pacing_half_life_s, base.pacing_floor) == (2.0, 7 * 86400.0, 1.0)
+    off = replace(base, pacing_gain=0.0)
+    z_off, short_off, lent_off = _run(off)
+    z_on, short_on, lent_on = _run(base)
+    assert short_on < 0.9 * short_off and lent_on == lent_off  # tighter on the shift; days 1-3 as without
+    assert _run(base, shift=False)[1:] == _run(off, shift=False)[1:]  # no overrun: nothing moves
 
 
 def test_bad_promise_settings_name_the_field():

@@ -310,7 +310,8 @@ def test_the_ledger_cap_does_not_change_what_z_learns():
     on m-large at a 0.2 % budget that broke 4 of 14 rotations (docs/loaning.md, "2,048 GPUs, the
     calibrator's aim and what z is scored on").
     With no restart cost the bound's plan does not depend on what is lent, so ``z`` must follow the same
-    path with the ledger as without it, while the ledger lends less."""
+    path with the ledger as without it, while the ledger lends less. (The online promise is off here: it
+    moves the aim by the shortfall realized, which is what was lent, on purpose.)"""
     rng = np.random.default_rng(3)
     t = np.arange(240)
     demand = 0.35 * N * (1 + 0.5 * np.sin(2 * np.pi * t / 48)) * np.exp(rng.normal(0, 0.15, t.size))
@@ -318,7 +319,7 @@ def test_the_ledger_cap_does_not_change_what_z_learns():
     demand = np.minimum(demand, N).tolist()
     runs = {}
     for allowance in (0.5, math.inf):
-        policy = TidalPolicy(config(ledger_allowance_pool_h=allowance, ledger_fraction=1.0))
+        policy = TidalPolicy(config(ledger_allowance_pool_h=allowance, ledger_fraction=1.0, pacing_gain=0.0))
         state, lent, zs = policy.initial_state(), 0, []
         for k, y in enumerate(demand):
             plan, state = policy(LoanContext(now_s=k * STEP, serving_gpus=N, demand_gpus=y, lent_gpus=lent),

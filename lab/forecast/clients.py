@@ -54,9 +54,9 @@ SHIFTS = ("none", "double-client", "peak-3h", "no-weekend")
 CEILINGS = ("ceiling_aggregate", "ceiling_clients")
 
 
-PROMISE = {"pacing_gain": 2.0}
-"""The online promise, tightening only (an option, off by default: docs/loaning.md, "Client-level demand")."""
-LOOSEN = {"pacing_gain": 2.0, "pacing_floor": 0.5}
+PROMISE = {"pacing_gain": 2.0, "pacing_half_life_s": 86400.0}
+"""The online promise, tightening only, with a day's window (the default has a week's)."""
+LOOSEN = {**PROMISE, "pacing_floor": 0.5}
 """The promise loosening the reserve by the budget left (chosen on m-large's first 7 days; not kept)."""
 
 
@@ -73,7 +73,8 @@ def _clients(c: TidalConfig) -> TidalConfig:
 VARIANTS: dict[str, tuple[bool, Callable[[TidalConfig], TidalConfig]]] = {
     "before": (False, _before),  # the aggregate policy before the promise: the total only
     "tighten": (False, lambda c: replace(_before(c), **PROMISE)),  # with the promise, the total only
-    "week": (False, lambda c: replace(_before(c), **PROMISE, pacing_half_life_s=7 * 86400.0)),  # a week
+    # the promise as shipped: a week's window
+    "week": (False, lambda c: replace(_before(c), pacing_gain=2.0, pacing_half_life_s=7 * 86400.0)),
     "clients": (True, _clients),  # with the promise and the reserve by risk, per client
     "loosen": (True, lambda c: replace(_before(c), **LOOSEN)),  # the promise loosening by the budget left
     "floor": (True, lambda c: replace(_before(c), clients=replace(c.clients, reserve_floor=0.7))),

@@ -1,14 +1,14 @@
-"""The budget as an online promise: the margin moved by the realized shortfall of the recent day. Pure.
+"""The budget as an online promise: the margin moved by the realized shortfall of the recent week. Pure.
 
 The pace ``r = S / (B D)`` compares the shortfall ``S`` realized over a fading window (``half_life_s``, a
-day by default) with its share of the budget ``B`` of the demand ``D`` over the same window. It acts
+week by default) with its share of the budget ``B`` of the demand ``D`` over the same window. It acts
 asymmetrically (docs/loaning.md, "The online promise"):
 
 * **ahead** (``r > 1``): tighter at once, as far as the overrun: the tail reserve times
   ``t = min(cap, 1 + gain (r - 1))`` and the calibrator's aim over ``t``;
 * **behind** (``r < 1``): a reserve below the usual one only within the budget left, ``u = 1 - r``: a
   factor ``f`` below 1 counts as ``1 - (1 - f) u``, so nothing is loosened once the window's budget is
-  spent, and what a miss spent comes back only as the window forgets it (a day), never at once.
+  spent, and what a miss spent comes back only as the window forgets it, never at once.
 """
 
 from __future__ import annotations

@@ -206,11 +206,12 @@ class TidalConfig:
     """The ledger's rate ``B_l`` as a fraction of ``shortfall_budget``."""
     ledger_bank_pool_h: float = 48.0
     """How much unspent budget the ledger may bank (``budget x N x this`` GPU-hours; 0 = none)."""
-    pacing_gain: float = 0.0
+    pacing_gain: float = 2.0
     """The online promise (:mod:`tidal.policy.budget_pacing`): how strongly a realized shortfall ahead of
-    the day's share tightens the reserve and the aim (0 = off)."""
-    pacing_half_life_s: float = 86400.0
-    """The memory of the pace's window."""
+    the window's share tightens the reserve and the aim (0 = off)."""
+    pacing_half_life_s: float = 7 * 86400.0
+    """The memory of the pace's window (a week: a day's window tightens after every burst and lends less;
+    docs/loaning.md, "Client-level demand")."""
     pacing_cap: float = 4.0
     """The most the promise multiplies the tail reserve by."""
     pacing_floor: float = 1.0
