@@ -139,12 +139,14 @@ def client_forecast(config: ClientConfig, fconfig: ForecastConfig, state: Client
     b = _rates(config, fconfig, state.down, state.on_n)
     d, hr = _bucket(aggregate.times_s)
     off = state.last <= config.on_gpus
-    p = np.zeros(config.heavy)
-    var = np.empty(d.size)
-    mu2 = np.where(off, state.mean_on, 0.0) ** 2
+    up = a[:, d, hr].T  # (step, client): P(off -> on); and P(on) kept: 1 - P(on -> off) - P(off -> on)
+    stay = 1.0 - b[:, d, hr].T - up
+    p = np.empty_like(up)
+    on = np.zeros(config.heavy)
     for j in range(d.size):  # the chain from off now: P(on at step j)
-        p = p * (1.0 - b[:, d[j], hr[j]]) + (1.0 - p) * a[:, d[j], hr[j]]
-        var[j] = float(np.dot(p * (1.0 - p), mu2))
+        on = on * stay[j] + up[j]
+        p[j] = on
+    var = (p * (1.0 - p)) @ (np.where(off, state.mean_on, 0.0) ** 2)
     scale = np.sqrt(aggregate.scale_gpus ** 2 + var)
     return Forecast(t_s=aggregate.t_s, times_s=aggregate.times_s, center_gpus=aggregate.center_gpus,
                     scale_gpus=_ro(scale))
