@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tidal.policy.baselines import NightWindowPolicy, OraclePolicy, ReactivePolicy
+from tidal.policy.budget_pacing import promise
 from tidal.policy.forecast import ErrorScaleConfig, ForecastConfig, SeasonConfig, forecast
 from tidal.policy.forecast_errors import tail_reserve_gpus
 from tidal.policy.loan import (
@@ -203,6 +204,7 @@ def test_property_tidal_lends_at_most_pool_minus_forecast_plus_margin(demand, bu
         reserve = tail_reserve_gpus(cfg.forecast, state.forecast, 2, cfg.tail_budget_fraction * budget,
                                     prior_miss=cfg.tail_prior_miss, prior_steps=cfg.tail_prior_steps)
         assert reserve >= 0
+        reserve *= promise(state.pace, budget, cfg.pacing_gain, cfg.pacing_cap)[0]  # the online promise
         expect = np.maximum(center + state.z * scale, center + reserve)
         # within the lead time, at least the demand just seen plus z one-step scales (hold_demand_now)
         in_lead = p.times_s <= 1200.0 + 600.0 * k
