@@ -608,7 +608,8 @@ def _endings_scenario(store, ex, clock, crash: bool) -> tuple[list[str], Control
     """Three virtual jobs whose attempts end in one step: one succeeds, one is stopped by a notice from
     outside (requeued), one killed (a failure: backoff); with ``crash`` the plane dies after that step's
     commit, before the executor released anything."""
-    ids = [submit(store, "lab", clock(), name=n, gpus=2, env={WORK_ENV: str(w)}, checkpoint={"interval_s": 30})
+    ids = [submit(store, "lab", clock(), name=n, gpus=2, env={WORK_ENV: str(w)},
+                  checkpoint={"interval_s": 30})
            for n, w in (("done", 200), ("notice", 600), ("killed", 400))]
     ctl = Controller(store, ex, CFG)
     for _ in range(10):
@@ -623,7 +624,7 @@ def _endings_scenario(store, ex, clock, crash: bool) -> tuple[list[str], Control
     return ids, ctl, ex
 
 
-def test_a_plane_killed_between_a_steps_commit_and_its_releases_loses_nothing_runs_nothing_twice(world, tmp_path):
+def test_killed_between_a_steps_commit_and_its_releases_none_lost_none_run_twice(world, tmp_path):
     """kill -9 after the commit of a step's endings, before any release: the restarted plane releases those
     attempts (never restarts, observes or accounts them again), a requeued job's next attempt is a new one
     resuming from the ended attempt's checkpoint, and every job ends as in a run without the crash."""
@@ -636,7 +637,8 @@ def test_a_plane_killed_between_a_steps_commit_and_its_releases_loses_nothing_ru
         journal = tmp_path / f"virtual-{crash}.jsonl"
         ids, ctl, ex = _endings_scenario(s, VirtualExecutor(2, 8, journal=journal, beat_s=5.0), clock, crash)
         if crash:
-            assert [s.job(j).state for j in ids] == ["succeeded", "pending", "backoff"]  # stored, not released
+            # stored, not released
+            assert [s.job(j).state for j in ids] == ["succeeded", "pending", "backoff"]
             ex.close()
             ex = VirtualExecutor(2, 8, journal=journal, beat_s=5.0)  # the restart
             ctl = Controller(s, ex, CFG)
@@ -676,3 +678,29 @@ def test_a_kill_stored_but_not_sent_before_a_crash_is_sent_by_the_restarted_plan
     assert ("kill", j) in ex2.calls
     ctl2.step(clock.advance(1))
     assert state(store, j) == "backoff" and store.job(j).restarts == 1
+
+
+def test_a_plane_killed_before_releasing_a_resized_attempt_releases_it_and_requeues_the_next(world):
+    """A resize ends attempt 1 and records attempt 2 in the same commit; killed before the release and the
+    launch, the restarted plane releases attempt 1 (the store's job is at attempt 2) and requeues the job,
+    whose attempt 2 never started: its next launch is attempt 3, once."""
+    store, ex, ctl, clock = world
+    el = submit(store, "lab", clock(), name="elastic", gpus={"min": 2, "max": 4, "multiple_of": 2})
+    ctl.step(clock())
+    ctl.step(clock.advance(1))
+    submit(store, "lab", clock.advance(1), name="other", gpus=2, priority=1)
+    assert [type(d) for d in ctl.step(clock())] == [Shrink]
+    ex.exit(el, 75)
+    _crash_at(ex, "release")
+    with pytest.raises(Crash):
+        ctl.step(clock.advance(1))
+    job = store.job(el)
+    assert (job.state, job.attempt) == ("admitted", 2) and ex.launches(el) == [("launch", el, 1, 4)]
+    ex2 = FakeExecutor(gpus=4)
+    ex2.survivors[el] = ex.jobs[el]  # attempt 1, its ranks exited
+    ctl2 = Controller(store, ex2, CFG)
+    ctl2.recover(clock.advance(1))
+    assert ex2.calls == [("adopt", el, 1), ("release", el), ("adopt", el, 2)] and ex2.jobs == {}
+    assert state(store, el) == "pending"
+    ctl2.step(clock.advance(1))
+    assert ex2.launches(el) == [("launch", el, 3, 2)]

@@ -166,7 +166,8 @@ class Controller:
             if still.get(job_id) != attempt and self.executor.adopt(job_id, attempt, now_s):
                 self.executor.release(job_id)
                 self.store.record("adopted", f"control plane restarted: attempt {attempt} had ended and was "
-                                  "stored so; released", now_s, job=rows.get(job_id), data={"attempt": attempt})
+                                  "stored so; released", now_s, job=rows.get(job_id),
+                                  data={"attempt": attempt})
         self.store.put_doc(ENDING_DOC, {}, now_s)
 
     def step(self, now_s: float) -> list[Decision]:
