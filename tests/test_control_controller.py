@@ -704,3 +704,28 @@ def test_a_plane_killed_before_releasing_a_resized_attempt_releases_it_and_reque
     assert state(store, el) == "pending"
     ctl2.step(clock.advance(1))
     assert ex2.launches(el) == [("launch", el, 3, 2)]
+
+
+def test_releases_a_step_did_not_send_as_it_raised_are_sent_by_the_next_step(world):
+    """A release that raises (the executor failing mid-step) after the endings were committed: the next step
+    releases the attempts the store has ended, never ending or accounting them again."""
+    store, ex, ctl, clock = world
+    jobs = [submit(store, "lab", clock(), name=f"r{i}") for i in range(2)]
+    ctl.step(clock())
+    ctl.step(clock.advance(1))
+    for j in jobs:
+        ex.exit(j, 0)
+    release = ex.release
+
+    def failing(job_id):
+        raise RuntimeError("executor unreachable")
+
+    ex.release = failing
+    with pytest.raises(RuntimeError):
+        ctl.step(clock.advance(1))
+    assert [state(store, j) for j in jobs] == ["succeeded"] * 2 and set(ex.jobs) == set(jobs)
+    held = [store.job(j).held_s for j in jobs]
+    ex.release = release
+    ctl.step(clock.advance(1))
+    assert ex.jobs == {} and [store.job(j).held_s for j in jobs] == held
+    assert [c[1] for c in ex.calls if c[0] == "release"] == jobs

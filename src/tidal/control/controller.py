@@ -93,6 +93,7 @@ class Controller:
         self._to_release: list[str] = []
         self._to_kill: list[str] = []
         self._to_notice: list[str] = []
+        self._unsure: set[str] = set()  # releases a step that raised may not have sent (_release_stale)
         self.watch = NodeWatch(store, executor, self.nodes)  # nodes joining and leaving; jobs losing one
         self._shm_swept_s = float("-inf")
         self._quota_checked_s = float("-inf")
@@ -174,6 +175,8 @@ class Controller:
         """One reconcile step (see the module docstring); returns the scheduler's decisions."""
         observed = self.executor.observe(now_s)  # 1. observe
         self._refresh()
+        if self._unsure:
+            self._release_stale(observed)
         rows, changed, self._reread = self._active or {}, self._reread, set()
         active = [rows[i] for i, st in self._state.items() if st != S.PENDING or i in changed]
         self._record_progress(active, observed)
@@ -639,9 +642,10 @@ class Controller:
         while self._to_release or self._to_kill or self._to_notice or self._to_start:
             self.store.commit()
             release, kill, notice = self._to_release, self._to_kill, self._to_notice
-            self._to_release, self._to_kill, self._to_notice = [], [], []
+            self._to_kill, self._to_notice = [], []
             for job_id in release:  # (first: a resized job's next attempt starts below)
                 self.executor.release(job_id)
+            self._to_release = []  # (all sent: a release that raised leaves them to _untold)
             ended = set(release)  # (no signal to an attempt released: its ranks had all exited)
             for job_id in kill:
                 if job_id not in ended:
@@ -652,8 +656,22 @@ class Controller:
             self._start_recorded(now_s)  # (a launch that fails ends its attempt: the loop commits it)
 
     def _untold(self) -> None:
-        """Forget what was not told (raised: the batch's rollback took the writes not yet committed)."""
+        """Forget what was not told (raised: the batch's rollback took the writes not yet committed); the
+        releases are looked at again by the next step (:meth:`_release_stale`), as their endings may have
+        been committed."""
+        self._unsure.update(self._to_release)
         self._to_start, self._to_release, self._to_kill, self._to_notice = {}, [], [], []
+
+    def _release_stale(self, observed: dict[str, Observation]) -> None:
+        """After a step that raised: release each attempt it may not have released whose ending the store
+        holds (the job no longer holds GPUs with that attempt); one still held is reconciled as usual."""
+        ids, self._unsure = self._unsure, set()
+        rows = {j.id: j for j in self.store.jobs_by_id(ids)}
+        for job_id in ids:
+            ob, row = observed.get(job_id), rows.get(job_id)
+            if ob is not None and (row is None or row.state not in HELD or row.attempt != ob.attempt):
+                self.executor.release(job_id)
+                del observed[job_id]
 
     def _record_attempt(self, job: JobRow, placement: dict[str, int], now_s: float, why: str, *,
                         data: dict | None = None, **fields: Any) -> tuple[JobRow, LaunchRequest]:
