@@ -9,7 +9,8 @@ One step, in order:
    (:meth:`Controller._reconcile`): ranks up -> ``running``; every rank exited -> classify the attempt and
    move on (``succeeded``; ``pending`` after a preemption; relaunch after a resize; ``backoff`` then
    ``pending`` up to ``max_restarts``; ``failed``); a rank failed or the job hung -> kill it; a grace run out
-   -> SIGKILL; a cancel request -> notice.
+   -> SIGKILL; a cancel request -> notice. All of it is stored and committed once, then told to the executor
+   (releases, kills, notices: :meth:`Controller._tell`).
 3. **Lend and reclaim** (:class:`tidal.control.loans.LiveLoans`), or with a serving side that only advises,
    let the :class:`tidal.serving.watch.Advisor` plan and lend nothing.
 4. **Decide**: the pure scheduler (:func:`tidal.policy.scheduler.schedule`, the simulator's) on a
