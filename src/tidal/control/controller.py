@@ -668,7 +668,7 @@ class Controller:
         holds (the job no longer holds GPUs with that attempt); one still held is reconciled as usual."""
         ids, self._unsure = self._unsure, set()
         rows = {j.id: j for j in self.store.jobs_by_id(ids)}
-        for job_id in ids:
+        for job_id in sorted(ids):
             ob, row = observed.get(job_id), rows.get(job_id)
             if ob is not None and (row is None or row.state not in HELD or row.attempt != ob.attempt):
                 self.executor.release(job_id)
