@@ -13,6 +13,7 @@ from tidal.control.accounting import job_report
 from tidal.control.config import ControlConfig
 from tidal.control.controller import Controller
 from tidal.control.states import State
+from tidal.exec.virtual import WORK_ENV, VirtualExecutor
 from tidal.model import Admit, Grow, Preempt, Shrink
 from tidal.policy.ckpt_interval import CkptIntervalConfig
 from tidal.policy.scheduler import SchedulerConfig
@@ -560,3 +561,171 @@ def test_a_resumed_location_is_taken_over_from_the_ended_jobs_of_the_tenant_ther
     resumer = job("a", loc, ended=False, resume_from=first.id)
     assert taken_over(resumer, store) == ((loc,), tuple(sorted([first.id, nested.id])))
     assert taken_over(first, store) == ((), ())
+
+
+class Crash(BaseException):
+    """A kill -9 of the plane at that point (nothing after it runs)."""
+
+
+def _crash_at(obj, name: str) -> None:
+    def die(*a, **kw):
+        raise Crash(name)
+    setattr(obj, name, die)
+
+
+def test_a_steps_endings_are_one_commit_all_stored_before_any_release(world):
+    """Crash safety with one commit per step's endings: when the executor releases the first ended attempt,
+    another connection already sees every ending of the step (a kill -9 at any release leaves endings the
+    store holds, which recovery releases), and the step committed once for all of them."""
+    store, ex, ctl, clock = world
+    jobs = [submit(store, "lab", clock(), name=f"e{i}") for i in range(3)]
+    ctl.step(clock())
+    ctl.step(clock.advance(1))
+    for j, code in zip(jobs, (0, 75, 1), strict=True):
+        ex.exit(j, code)
+    seen: list[dict[str, str]] = []
+    release, commit = ex.release, store.commit
+    told: list[str] = []  # commits and releases, in order
+
+    def looking(job_id):
+        with store.engine.connect() as db:
+            seen.append(dict(db.exec_driver_sql("SELECT id, state FROM jobs").all()))
+        told.append(job_id)
+        release(job_id)
+
+    def counting():
+        told.append("commit")
+        commit()
+
+    ex.release, store.commit = looking, counting
+    ctl.step(clock.advance(1))
+    ended = {jobs[0]: "succeeded", jobs[1]: "pending", jobs[2]: "backoff"}
+    assert seen == [ended] * 3
+    assert told[:4] == ["commit", *jobs]  # (then the act phase's commit: the requeued job admitted again)
+
+
+def _endings_scenario(store, ex, clock, crash: bool) -> tuple[list[str], Controller, VirtualExecutor]:
+    """Three virtual jobs whose attempts end in one step: one succeeds, one is stopped by a notice from
+    outside (requeued), one killed (a failure: backoff); with ``crash`` the plane dies after that step's
+    commit, before the executor released anything."""
+    ids = [submit(store, "lab", clock(), name=n, gpus=2, env={WORK_ENV: str(w)},
+                  checkpoint={"interval_s": 30})
+           for n, w in (("done", 200), ("notice", 600), ("killed", 400))]
+    ctl = Controller(store, ex, CFG)
+    for _ in range(10):
+        ctl.step(clock())
+        clock.advance(10)
+    ex.signal_stop(ids[1])  # (at the last step's time: exit 75 five seconds later)
+    ex.kill(ids[2])
+    if crash:
+        _crash_at(ex, "release")
+        with pytest.raises(Crash):
+            ctl.step(clock())
+    return ids, ctl, ex
+
+
+def test_killed_between_a_steps_commit_and_its_releases_none_lost_none_run_twice(world, tmp_path):
+    """kill -9 after the commit of a step's endings, before any release: the restarted plane releases those
+    attempts (never restarts, observes or accounts them again), a requeued job's next attempt is a new one
+    resuming from the ended attempt's checkpoint, and every job ends as in a run without the crash."""
+    store = world[0]
+    (tmp_path / "ref").mkdir()
+    ref_store = new_store(tmp_path / "ref", ("lab", 0, 1.0))
+    runs = []
+    for s, crash in ((ref_store, False), (store, True)):
+        clock = FakeClock()
+        journal = tmp_path / f"virtual-{crash}.jsonl"
+        ids, ctl, ex = _endings_scenario(s, VirtualExecutor(2, 8, journal=journal, beat_s=5.0), clock, crash)
+        if crash:
+            # stored, not released
+            assert [s.job(j).state for j in ids] == ["succeeded", "pending", "backoff"]
+            ex.close()
+            ex = VirtualExecutor(2, 8, journal=journal, beat_s=5.0)  # the restart
+            ctl = Controller(s, ex, CFG)
+            ctl.recover(clock())
+            assert ex.observe(clock()) == {} and ex.used() == {}
+            assert [e.data for e in s.events(job_id=ids[0]) if e.kind == "adopted"] == [{"attempt": 1}]
+        for _ in range(100):
+            ctl.step(clock())
+            clock.advance(10)
+        ex.close()
+        again = VirtualExecutor(2, 8, journal=journal)  # nothing of the ended attempts is held any more
+        assert not any(again.adopt(j, a, clock()) for j in ids for a in (1, 2))
+        rows = [s.job(j) for j in ids]
+        assert [r.state for r in rows] == ["succeeded"] * 3
+        runs.append([(r.attempt, r.restarts, r.preemptions, r.ckpt_step, r.held_s, r.productive_s, r.lost_s,
+                      r.lost_steps, [e.message for e in s.events(job_id=r.id) if e.kind == "launch"])
+                     for r in rows])
+    assert runs[1] == runs[0]
+    assert [r[0] for r in runs[0]] == [1, 2, 2] and runs[0][1][3] == 600 and runs[0][2][1] == 1
+    ref_store.close()
+
+
+def test_a_kill_stored_but_not_sent_before_a_crash_is_sent_by_the_restarted_plane(world):
+    store, ex, ctl, clock = world
+    j = submit(store, "lab", clock(), name="k", gpus=2)
+    ctl.step(clock())
+    ctl.step(clock.advance(1))
+    ex.exit(j, 1, None)  # rank 1 runs on: the plane kills it
+    _crash_at(ex, "kill")
+    with pytest.raises(Crash):
+        ctl.step(clock.advance(1))
+    assert store.job(j).killed and ex.jobs[j].codes == [1, None]
+    ex2 = FakeExecutor(gpus=4)
+    ex2.survivors[j] = ex.jobs[j]
+    ctl2 = Controller(store, ex2, CFG)
+    ctl2.recover(clock.advance(1))
+    assert ("kill", j) in ex2.calls
+    ctl2.step(clock.advance(1))
+    assert state(store, j) == "backoff" and store.job(j).restarts == 1
+
+
+def test_a_plane_killed_before_releasing_a_resized_attempt_releases_it_and_requeues_the_next(world):
+    """A resize ends attempt 1 and records attempt 2 in the same commit; killed before the release and the
+    launch, the restarted plane releases attempt 1 (the store's job is at attempt 2) and requeues the job,
+    whose attempt 2 never started: its next launch is attempt 3, once."""
+    store, ex, ctl, clock = world
+    el = submit(store, "lab", clock(), name="elastic", gpus={"min": 2, "max": 4, "multiple_of": 2})
+    ctl.step(clock())
+    ctl.step(clock.advance(1))
+    submit(store, "lab", clock.advance(1), name="other", gpus=2, priority=1)
+    assert [type(d) for d in ctl.step(clock())] == [Shrink]
+    ex.exit(el, 75)
+    _crash_at(ex, "release")
+    with pytest.raises(Crash):
+        ctl.step(clock.advance(1))
+    job = store.job(el)
+    assert (job.state, job.attempt) == ("admitted", 2) and ex.launches(el) == [("launch", el, 1, 4)]
+    ex2 = FakeExecutor(gpus=4)
+    ex2.survivors[el] = ex.jobs[el]  # attempt 1, its ranks exited
+    ctl2 = Controller(store, ex2, CFG)
+    ctl2.recover(clock.advance(1))
+    assert ex2.calls == [("adopt", el, 1), ("release", el), ("adopt", el, 2)] and ex2.jobs == {}
+    assert state(store, el) == "pending"
+    ctl2.step(clock.advance(1))
+    assert ex2.launches(el) == [("launch", el, 3, 2)]
+
+
+def test_releases_a_step_did_not_send_as_it_raised_are_sent_by_the_next_step(world):
+    """A release that raises (the executor failing mid-step) after the endings were committed: the next step
+    releases the attempts the store has ended, never ending or accounting them again."""
+    store, ex, ctl, clock = world
+    jobs = [submit(store, "lab", clock(), name=f"r{i}") for i in range(2)]
+    ctl.step(clock())
+    ctl.step(clock.advance(1))
+    for j in jobs:
+        ex.exit(j, 0)
+    release = ex.release
+
+    def failing(job_id):
+        raise RuntimeError("executor unreachable")
+
+    ex.release = failing
+    with pytest.raises(RuntimeError):
+        ctl.step(clock.advance(1))
+    assert [state(store, j) for j in jobs] == ["succeeded"] * 2 and set(ex.jobs) == set(jobs)
+    held = [store.job(j).held_s for j in jobs]
+    ex.release = release
+    ctl.step(clock.advance(1))
+    assert ex.jobs == {} and [store.job(j).held_s for j in jobs] == held
+    assert sorted(c[1] for c in ex.calls if c[0] == "release") == jobs
