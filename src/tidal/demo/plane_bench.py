@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ from tidal.sim.jobs import JobSpec
 
 T0 = 1_700_000_000.0  # the plane's clock at simulated time 0
 SIZES = (1, 2, 4, 8, 8, 16, 32, 64, 128, 256, 512)
-TRACE = Path("../shared/traces/servegen-language-m-large.csv")  # `--traffic`'s default, next to the repository
+TRACE = Path("../shared/traces/servegen-language-m-large.csv")  # `--traffic`'s default (next to the repo)
 
 
 @dataclass(frozen=True)
@@ -129,12 +129,10 @@ def serving_of(shape: str, traffic: Path, *, notice_s: float, step_s: float, day
     """``--serving NODESxGPUS --traffic FILE``: the trace's ``days`` first days are the forecast's history,
     simulated time 0 the start of the next (``ValueError`` naming what is wrong)."""
     from tidal.exec.virtual import parse_shape
-    from tidal.serving.client_traces import read_trace
+    from tidal.sim.traffic import read_serving_trace
 
     n, g = parse_shape(shape)
-    trace, _ = read_trace(traffic)
-    if 86400.0 % trace.step_s > 1e-6:
-        raise ValueError(f"{traffic}: the step ({trace.step_s:g} s) must divide a day (the forecast's period)")
+    trace, _ = read_serving_trace(traffic)
     return Serving(trace, n, g, loan_timing(notice_s, step_s), start_s=days * 86400.0, history_days=days)
 
 
@@ -203,7 +201,6 @@ def run_plane(w: Workload, horizon_s: float, *, step_s: float = 10.0, notice_s: 
         ctl = Controller(store, ex, cfg, loans=loans if lend else None)
         specs = [parse_spec(spec_of(j, interval_s)).model_dump() for j in w.jobs]
         cap = {n.name: n.gpus for n in ex.nodes()}
-        lent_on = (lambda n: ctl.loans.lent_on(n) if ctl.loans is not None else 0)
         on_serving = set(loans.nodes if loans is not None else ())
         nxt, held_gpu_s, over = 0, 0.0, 0
         lent_gpu_s = on_loans_gpu_s = 0.0
@@ -232,7 +229,9 @@ def run_plane(w: Workload, horizon_s: float, *, step_s: float = 10.0, notice_s: 
                 counts["reclaims"] += isinstance(d, Shrink | Preempt) and d.reason == "reclaim"
                 counts["returned_gpus"] += d.gpus if isinstance(d, ReturnGpus) else 0
             used = ex.used()
-            over += any(g > (lent_on(n) if n in on_serving else cap.get(n, 0)) for n, g in used.items())
+            if on_serving:  # a serving node holds at most what is lent there
+                cap |= {n: ctl.loans.lent_on(n) if ctl.loans is not None else 0 for n in on_serving}
+            over += any(g > cap.get(n, 0) for n, g in used.items())
             held_gpu_s += sum(used.values()) * step_s
             if ctl.loans is not None:
                 lent_gpu_s += ctl.loans.lent * step_s
@@ -248,13 +247,13 @@ def run_plane(w: Workload, horizon_s: float, *, step_s: float = 10.0, notice_s: 
                 "step_max_s": max(step_wall), "steps_at_peak": len(at_peak),
                 "step_p99_at_peak_s": _pct(at_peak, 99), "heap_collections": len(heap.pauses_s),
                 "heap_pause_max_s": max(heap.pauses_s, default=0.0),
-                **({} if ctl.loans is None else {
+                **({} if loans is None else {  # (not lent: the loan step's counters as they started)
                     "lent_gpu_hours": lent_gpu_s / 3600.0, "on_loans_gpu_hours": on_loans_gpu_s / 3600.0,
-                    "reclaims_met": ctl.loans.stats["reclaims_met"],
-                    "reclaims_missed": ctl.loans.stats["reclaims_missed"],
-                    "worst_margin_s": min(ctl.loans.margins, default=None),
-                    "double_counted_steps": ctl.loans.stats["double_counted_steps"],
-                    "serving_shortfall_gpu_hours": ctl.loans.stats["shortfall_gpu_s"] / 3600.0})}
+                    "reclaims_met": loans.stats["reclaims_met"],
+                    "reclaims_missed": loans.stats["reclaims_missed"],
+                    "worst_margin_s": min(loans.margins, default=None),
+                    "double_counted_steps": loans.stats["double_counted_steps"],
+                    "serving_shortfall_gpu_hours": loans.stats["shortfall_gpu_s"] / 3600.0})}
     finally:
         store.close()
         ex.close()
@@ -281,7 +280,9 @@ def run_sim(w: Workload, horizon_s: float, *, sched_period_s: float = 10.0, noti
                     ckpt=CheckpointModel(persist_s=0.0, stage_s=0.0, restart_s=0.0),
                     failure_rate_per_gpu_hour=0.0, sched_period_s=sched_period_s,
                     scheduler=scheduler or scheduler_for(notice_s, serving), record_timeline=False,
-                    **({"timing": serving.timing, "lend_to_takers": True} if serving else {}))
+                    lend_to_takers=serving is not None)
+    if serving is not None:
+        cfg = replace(cfg, timing=serving.timing)
     if serving is None:
         eng = Engine(np.zeros(1), 3600.0, PolicySpec("none"), cfg, list(w.jobs), None, list(w.tenants))
     else:
@@ -295,7 +296,8 @@ def run_sim(w: Workload, horizon_s: float, *, sched_period_s: float = 10.0, noti
            "succeeded": m.get("jobs_completed", 0)}
     if serving is not None:
         out |= {"lent_gpu_hours": eng.meter.lent_gpu_s / 3600.0,
-                "on_loans_gpu_hours": eng.meter.held_on_loans_gpu_s / 3600.0, "reclaims": m.get("reclaims", 0),
+                "on_loans_gpu_hours": eng.meter.held_on_loans_gpu_s / 3600.0,
+                "reclaims": m.get("reclaims", 0),
                 "returned_gpus": m.get("returned_gpus", 0),
                 "serving_shortfall_gpu_hours": m.get("serving_shortfall_gpu_hours", 0.0)}
     return out

@@ -332,7 +332,8 @@ class TidalPolicy:
                 continue
             if not math.isnan(state.forecast.t_s) and not t > state.forecast.t_s:
                 continue
-            _, state = self(LoanContext(now_s=t, serving_gpus=serving_gpus, demand_gpus=y, lent_gpus=0), state)
+            ctx = LoanContext(now_s=t, serving_gpus=serving_gpus, demand_gpus=y, lent_gpus=0)
+            _, state = self(ctx, state)
             n += 1
         return state, n
 
