@@ -49,7 +49,8 @@ def test_plane_lends_and_reclaims_as_the_simulator() -> None:
     the same observations and the same takers rule, so they differ only where the jobs' sizes at a grid
     step differ (2 %); the GPUs returned to serving are the plan's (5 %); GPU-hours held, on loans and in
     all, differ by what the plane pays that the simulator does not (a notice sent and an exit seen at the
-    plane's next step, a resize's notice: up to two steps per reclaim or resize), 5 % and 3 %."""
+    plane's next step, a resize's notice: up to two steps per reclaim, resize or job end), 5 % and 3 %.
+    With the plane's loans off it fails (nothing lent)."""
     step = 60.0
     w = workload(600, 64, 8, span_s=0.9 * 12 * 3600.0, skew=0.5)
     r = parity(w, 12 * 3600.0, step_s=step, serving=_serving_day(8, 8, step))
@@ -57,10 +58,12 @@ def test_plane_lends_and_reclaims_as_the_simulator() -> None:
     assert live["over_committed_steps"] == 0 and live["failed"] == 0, live
     assert live["double_counted_steps"] == 0 and live["reclaims_missed"] == 0, live  # back by the deadline
     assert live["lent_gpu_hours"] > 100 and live["returned_gpus"] > 20 and live["reclaims"] > 0, live
-    assert abs(ratio["lent_gpu_hours"] - 1) <= 0.02, r
-    assert abs(ratio["returned_gpus"] - 1) <= 0.05, r
-    assert abs(ratio["on_loans_gpu_hours"] - 1) <= 0.05, r
-    assert abs(ratio["held_gpu_hours"] - 1) <= 0.03, r
+    for key, tol in (("lent_gpu_hours", 0.02), ("returned_gpus", 0.05), ("on_loans_gpu_hours", 0.05),
+                     ("held_gpu_hours", 0.03)):
+        x = ratio[key]
+        assert x is not None and abs(x - 1) <= tol, (key, r)
+    # which jobs a reclaim interrupts depends on which lent GPUs are idle at its notice (15 against 18)
+    assert abs(live["reclaims"] - r["sim"]["reclaims"]) <= max(5, 0.3 * r["sim"]["reclaims"]), r
 
 
 def test_a_step_rereads_only_what_changed(tmp_path) -> None:

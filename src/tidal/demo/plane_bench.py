@@ -311,7 +311,7 @@ PARITY = ("held_gpu_hours", "lent_gpu_hours", "on_loans_gpu_hours", "reclaims", 
 def parity(w: Workload, horizon_s: float, *, serving: Serving | None = None, **kw: Any) -> dict[str, Any]:
     """Plane and simulator side by side (the simulator's scheduler at the plane's step); ``ratio``: live /
     simulated GPU-hours held (of admitted work, on lent GPUs too); ``ratios``: live / simulated for each
-    figure of :data:`PARITY`."""
+    figure of :data:`PARITY` (None where the simulator's is 0)."""
     live = run_plane(w, horizon_s, serving=serving, **kw)
     sim = run_sim(w, horizon_s, sched_period_s=kw.get("step_s", 10.0), notice_s=kw.get("notice_s", 30.0),
                   scheduler=kw.get("scheduler"), serving=serving)
@@ -319,9 +319,10 @@ def parity(w: Workload, horizon_s: float, *, serving: Serving | None = None, **k
     return {"live": live, "sim": sim, "ratio": ratios["held_gpu_hours"], "ratios": ratios}
 
 
-def ratios_of(live: dict[str, Any], sim: dict[str, Any]) -> dict[str, float]:
-    """Live / simulated for each figure of :data:`PARITY` both have (NaN where the simulator's is 0)."""
-    return {k: live[k] / sim[k] if sim[k] else math.nan for k in PARITY if k in live and k in sim}
+def ratios_of(live: dict[str, Any], sim: dict[str, Any]) -> dict[str, float | None]:
+    """Live / simulated for each figure of :data:`PARITY` both have (None where the simulator's is 0: JSON
+    has no NaN)."""
+    return {k: live[k] / sim[k] if sim[k] else None for k in PARITY if k in live and k in sim}
 
 
 def _timed(client: Any, method: str, path: str, **kw: Any) -> tuple[float, Any]:
@@ -433,7 +434,7 @@ def bench_plane(nodes: str = "256x8", jobs: int = 2000, *, hours: float = 2.0, s
         out["plane"] = live
         out["sim"] = sim
         ratios = ratios_of(live, sim)
-        out["sim_parity"] = ratios["held_gpu_hours"] if sim["held_gpu_hours"] else None
+        out["sim_parity"] = ratios["held_gpu_hours"]
         if side is not None:
             out["lending"] = {k: v for k, v in ratios.items() if k != "held_gpu_hours"}
         for k in ("step_p50_s", "step_p99_s", "step_p99_at_peak_s", "peak_waiting", "peak_running",
