@@ -66,6 +66,23 @@ def test_plane_lends_and_reclaims_as_the_simulator() -> None:
     assert abs(live["reclaims"] - r["sim"]["reclaims"]) <= max(5, 0.3 * r["sim"]["reclaims"]), r
 
 
+def test_bench_plane_refuses_a_serving_side_it_cannot_compare(tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from tidal.demo.plane_bench import bench_app
+
+    trace = tmp_path / "t.csv"
+    trace.write_text("seconds,load\n" + "".join(f"{600 * k},{1 + k % 144}\n" for k in range(144 * 8)))
+    cli = CliRunner()
+    missing = str(tmp_path / "none.csv")
+    cases = [(["--serving", "2x4"], "serving nodes of 4 GPUs"), (["--serving", "two"], "NODESxGPUS"),
+             (["--traffic", missing], "none.csv")]
+    for args, said in cases:
+        r = cli.invoke(bench_app, ["plane", "--nodes", "2x8", "--jobs", "5", "--serving", "2x8",
+                                   "--traffic", str(trace), *args])
+        assert r.exit_code != 0 and said in str(r.output) + str(r.exception), (args, r.output, r.exception)
+
+
 def test_a_step_rereads_only_what_changed(tmp_path) -> None:
     clock = FakeClock()
     store = new_store(tmp_path, ("a", 0, 1.0))

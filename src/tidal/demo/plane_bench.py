@@ -136,6 +136,14 @@ def serving_of(shape: str, traffic: Path, *, notice_s: float, step_s: float, day
     return Serving(trace, n, g, loan_timing(notice_s, step_s), start_s=days * 86400.0, history_days=days)
 
 
+def check_shapes(w: Workload, serving: Serving | None) -> None:
+    """``ValueError`` unless the serving nodes have as many GPUs as the training ones (the simulator's
+    nodes all have ``gpus_per_node``)."""
+    if serving is not None and serving.gpus_per_node != w.gpus_per_node:
+        raise ValueError(f"serving nodes of {serving.gpus_per_node} GPUs: the simulator's have the training "
+                         f"nodes' {w.gpus_per_node}")
+
+
 def scheduler_for(notice_s: float, serving: Serving | None) -> SchedulerConfig:
     """The scheduler both sides run: preemptions' grace ``notice_s``; with lending, loans no shorter than
     the plan's shortest worthwhile one (as ``tidal up`` sets it)."""
@@ -271,9 +279,7 @@ def run_sim(w: Workload, horizon_s: float, *, sched_period_s: float = 10.0, noti
     from tidal.sim.engine import Engine
     from tidal.sim.policies import PolicySpec
 
-    if serving is not None and serving.gpus_per_node != w.gpus_per_node:
-        raise ValueError(f"the simulator's serving nodes have the training nodes' {w.gpus_per_node} GPUs, "
-                         f"not {serving.gpus_per_node}")
+    check_shapes(w, serving)
     cfg = SimConfig(serving_gpus=serving.gpus if serving else 1, training_gpus=w.gpus,
                     gpus_per_node=w.gpus_per_node, days=horizon_s / 86400,
                     step_s=serving.step_s if serving else 3600.0,
@@ -419,6 +425,7 @@ def bench_plane(nodes: str = "256x8", jobs: int = 2000, *, hours: float = 2.0, s
     w = workload(jobs, n, g, span_s=hours * 3600 * 0.8, tenants=tenants, skew=skew)
     horizon = hours * 3600.0
     side = serving_of(serving, traffic or TRACE, notice_s=30.0, step_s=step_s) if serving else None
+    check_shapes(w, side)  # (before the plane's run, not after it)
     tmp = tempfile.TemporaryDirectory() if state_dir is None else None
     state = Path(tmp.name if tmp is not None else str(state_dir))
     out: dict[str, Any] = {"nodes": nodes, "jobs": jobs, "hours": hours, "step_s": step_s,
