@@ -35,7 +35,7 @@ from tidal.control.schemas import EngineFigures, answer
 from tidal.control.serving_nodes import Event, ServingNodes
 from tidal.model import Loan, Reclaim
 from tidal.policy import codec
-from tidal.policy.ledger import LoanLedger
+from tidal.policy.ledger import LoanLedger, for_takers
 from tidal.policy.loan import LoanContext, LoanPlan, LoanTiming, TidalPolicy, TidalState
 from tidal.serving.adapters import (
     ActionDone,
@@ -239,15 +239,8 @@ class LiveLoans:
             except (ValueError, OSError) as e:  # never a crash of the loop: planned blind, and said
                 log.warning("serving: no forecast history: %s", e)
                 pts = []
-        n = 0
-        for t, y in sorted(pts):
-            if not t < grid or not (math.isnan(y) or 0 <= y < math.inf):
-                continue
-            if not math.isnan(self.state.forecast.t_s) and not t > self.state.forecast.t_s:
-                continue
-            ctx = LoanContext(now_s=t, serving_gpus=self.serving_gpus, demand_gpus=y, lent_gpus=0)
-            _, self.state = self.policy(ctx, self.state)
-            n += 1
+        self.state, n = self.policy.learn(self.state, [(t, y) for t, y in sorted(pts) if t < grid],
+                                          self.serving_gpus)
         self._warm = []
         why, self._relearn = (f"the stored forecast {self._relearn}; " if self._relearn else ""), ""
         return [("serving_history", f"{why}the forecast learned {n} steps of history", {"steps": n})] if (
@@ -314,10 +307,7 @@ class LiveLoans:
         if unknown and plan.lendable_gpus > led.lent:
             plan = dataclasses.replace(plan, lendable_gpus=led.lent)
         if wanted is not None:  # lend only what spot jobs can use (never takes back what is lent)
-            on_loans = sum(min(g, led.lent_on(n)) for n, g in used.items() if n in self.nodes)
-            cap = max(led.lent, on_loans + max(0, wanted))
-            if plan.lendable_gpus > cap:
-                plan = dataclasses.replace(plan, lendable_gpus=cap)
+            plan = for_takers(plan, led, used, wanted)
         events += self._apply(plan, t_serv, now_s, used)  # 4.
         events += self._announce(now_s, was_due)
         self.plan_shown = self._plan_view(now_s, t_serv, demand, plan)

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +23,16 @@ import numpy as np
 import typer
 
 from tidal.bench import cli as _bench_cli
-from tidal.model import Admit, Grow, Preempt, Shrink, Tenant
+from tidal.model import Admit, Grow, Preempt, ReturnGpus, Shrink, Tenant
+from tidal.policy.loan import LoanTiming
 from tidal.policy.scheduler import SchedulerConfig
+from tidal.serving.sources import TraceReplay
+from tidal.serving.traces import Trace
 from tidal.sim.jobs import JobSpec
 
 T0 = 1_700_000_000.0  # the plane's clock at simulated time 0
 SIZES = (1, 2, 4, 8, 8, 16, 32, 64, 128, 256, 512)
+TRACE = Path("../shared/traces/servegen-language-m-large.csv")  # `--traffic`'s default (next to the repo)
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,86 @@ def workload(n_jobs: int, nodes: int, gpus_per_node: int, *, span_s: float = 4 *
     return Workload(tuple(out), teams, nodes, gpus_per_node)
 
 
+def loan_timing(notice_s: float, step_s: float) -> LoanTiming:
+    """The loans' timing for a plane stepped every ``step_s`` whose jobs answer a notice ``notice_s`` later:
+    grace ``notice_s``; the final checkpoint two steps, the most the plane takes to send a notice whose time
+    fell between steps and to see the exit (so that a reclaim is back by its deadline, which the
+    simulator's jobs meet to the second); tear-down, warm-up and a loan's cost at their usual 60, 900 and
+    300 s."""
+    return LoanTiming(notice_s=notice_s, final_checkpoint_s=2 * step_s, release_s=60.0, warmup_s=900.0,
+                      restart_cost_s=300.0)
+
+
+@dataclass(frozen=True)
+class Serving:
+    """A serving pool lent to spot jobs by the Tidal policy: ``nodes`` x ``gpus_per_node`` GPUs whose demand
+    follows ``trace`` (its peak = the pool), simulated time 0 at ``start_s`` seconds after the trace's first
+    row (it repeats), the forecast having learned the ``history_days`` before (where the trace has them).
+    ``timing`` in seconds of the simulated clock; ``budget``: the policy's shortfall budget."""
+
+    trace: Trace
+    nodes: int
+    gpus_per_node: int
+    timing: LoanTiming
+    start_s: float = 0.0
+    history_days: float = 7.0
+    budget: float = 0.005
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def step_s(self) -> float:
+        """The serving grid: the trace's step."""
+        return self.trace.step_s
+
+    def replay(self) -> TraceReplay:
+        """The demand on the simulated clock (serving time = simulated time)."""
+        return TraceReplay(self.trace, self.gpus, start_s=-self.start_s)
+
+    def demand(self, horizon_s: float) -> np.ndarray:
+        """GPUs per ``step_s`` from simulated time 0 over ``horizon_s`` and the forecast's horizon after it
+        (the simulator's input), as the replay answers them."""
+        r = self.replay()
+        return np.array([r.demand_gpus(k * self.step_s)
+                         for k in range(math.ceil((horizon_s + 2 * 86400.0) / self.step_s))])
+
+    def history(self) -> list[tuple[float, float]]:
+        """(simulated time, GPUs) on the grid over the ``history_days`` before time 0, where the trace has
+        them: what the forecast learns first, in the plane and in the simulator."""
+        r, step = self.replay(), self.step_s
+        k0 = min(math.floor(self.history_days * 86400.0 / step), math.floor(self.start_s / step))
+        return [(-k * step, r.demand_gpus(-k * step)) for k in range(k0, 0, -1)]
+
+
+def serving_of(shape: str, traffic: Path, *, notice_s: float, step_s: float, days: float = 7.0) -> Serving:
+    """``--serving NODESxGPUS --traffic FILE``: the trace's ``days`` first days are the forecast's history,
+    simulated time 0 the start of the next (``ValueError`` naming what is wrong)."""
+    from tidal.exec.virtual import parse_shape
+    from tidal.sim.traffic import read_serving_trace
+
+    n, g = parse_shape(shape)
+    trace, _ = read_serving_trace(traffic)
+    return Serving(trace, n, g, loan_timing(notice_s, step_s), start_s=days * 86400.0, history_days=days)
+
+
+def check_shapes(w: Workload, serving: Serving | None) -> None:
+    """``ValueError`` unless the serving nodes have as many GPUs as the training ones (the simulator's
+    nodes all have ``gpus_per_node``)."""
+    if serving is not None and serving.gpus_per_node != w.gpus_per_node:
+        raise ValueError(f"serving nodes of {serving.gpus_per_node} GPUs: the simulator's have the training "
+                         f"nodes' {w.gpus_per_node}")
+
+
+def scheduler_for(notice_s: float, serving: Serving | None) -> SchedulerConfig:
+    """The scheduler both sides run: preemptions' grace ``notice_s``; with lending, loans no shorter than
+    the plan's shortest worthwhile one (as ``tidal up`` sets it)."""
+    if serving is None:
+        return SchedulerConfig(preempt_grace_s=notice_s)
+    return SchedulerConfig(preempt_grace_s=notice_s, min_loan_left_s=serving.timing.min_loan_window_s)
+
+
 def spec_of(j: JobSpec, interval_s: float) -> dict[str, Any]:
     """The job spec (as submitted to the API) of a workload's job, its work in the virtual executor's env."""
     from tidal.exec.virtual import WORK_ENV
@@ -83,20 +167,27 @@ def _pct(xs: list[float], q: float) -> float:
 
 def run_plane(w: Workload, horizon_s: float, *, step_s: float = 10.0, notice_s: float = 30.0,
               interval_s: float = 600.0, db_url: str | None = None, state_dir: Path | None = None,
-              scheduler: SchedulerConfig | None = None, t0: float = T0) -> dict[str, Any]:
+              scheduler: SchedulerConfig | None = None, t0: float = T0, serving: Serving | None = None,
+              lend: bool = True) -> dict[str, Any]:
     """Step the real plane (store, controller, scheduler) over the virtual executor on a simulated clock
     (``t0`` + 0 to ``horizon_s`` every ``step_s``), submitting each job at its time. Returns the GPU-hours
     held, the decisions counted, jobs succeeded, step latencies and a check that no node was ever
     over-committed. With ``state_dir`` the database and the executor's journal stay there (a ``tidal up
-    --executor virtual:NODESxGPUS --state-dir`` then adopts the jobs still running)."""
+    --executor virtual:NODESxGPUS --state-dir`` then adopts the jobs still running). With ``serving`` the
+    executor has its nodes too and the plane lends them (:class:`~tidal.control.loans.LiveLoans` over a
+    :class:`~tidal.serving.adapters.ReplayAdapter` on the simulated clock; ``lend=False``: the nodes are
+    there, nothing is lent): GPU-hours lent and held on loans, reclaims, GPUs returned, and whether every
+    return met its deadline."""
     from tidal.control.auth import create_tenant
     from tidal.control.config import ControlConfig
     from tidal.control.controller import Controller
+    from tidal.control.loans import LiveLoans
     from tidal.control.server import HeapKeeper
     from tidal.control.spec import parse_spec
     from tidal.control.states import State
     from tidal.control.store import Store
     from tidal.exec.virtual import VirtualExecutor
+    from tidal.serving.adapters import ReplayAdapter, parse_nodes
 
     tmp = tempfile.TemporaryDirectory() if state_dir is None else None
     root = Path(tmp.name) if tmp is not None else Path(state_dir or ".")
@@ -105,14 +196,24 @@ def run_plane(w: Workload, horizon_s: float, *, step_s: float = 10.0, notice_s: 
         for tenant in w.tenants:
             create_tenant(store, tenant.name, quota_gpus=tenant.quota_gpus, weight=tenant.weight,
                           max_priority=1)
+        loans = None
+        if serving is not None:
+            adapter = ReplayAdapter(serving.replay(), parse_nodes(f"{serving.nodes}x{serving.gpus_per_node}"),
+                                    start_s=0.0, origin_s=t0)
+            loans = LiveLoans(adapter, serving.timing, shortfall_budget=serving.budget, step_s=serving.step_s,
+                              warm_history=serving.history())
         ex = VirtualExecutor(w.nodes, w.gpus_per_node, beat_s=step_s, notice_s=notice_s,
+                             serving=loans.nodes if loans is not None else None,
                              journal=root / "virtual.jsonl" if tmp is None else None)
-        cfg = ControlConfig(scheduler=scheduler or SchedulerConfig(preempt_grace_s=notice_s))
-        ctl = Controller(store, ex, cfg)
+        cfg = ControlConfig(scheduler=scheduler or scheduler_for(notice_s, serving))
+        ctl = Controller(store, ex, cfg, loans=loans if lend else None)
         specs = [parse_spec(spec_of(j, interval_s)).model_dump() for j in w.jobs]
         cap = {n.name: n.gpus for n in ex.nodes()}
+        on_serving = set(loans.nodes if loans is not None else ())
         nxt, held_gpu_s, over = 0, 0.0, 0
-        counts = {"admissions": 0, "admitted_gpus": 0, "shrinks": 0, "preemptions": 0, "grows": 0}
+        lent_gpu_s = on_loans_gpu_s = 0.0
+        counts = {"admissions": 0, "admitted_gpus": 0, "shrinks": 0, "preemptions": 0, "grows": 0,
+                  "reclaims": 0, "returned_gpus": 0}
         step_wall: list[float] = []
         heap = HeapKeeper()
         sizes: list[tuple[int, int]] = []  # (running, waiting) after each step
@@ -133,9 +234,16 @@ def run_plane(w: Workload, horizon_s: float, *, step_s: float = 10.0, notice_s: 
                 counts["shrinks"] += isinstance(d, Shrink)
                 counts["preemptions"] += isinstance(d, Preempt)
                 counts["grows"] += isinstance(d, Grow)
+                counts["reclaims"] += isinstance(d, Shrink | Preempt) and d.reason == "reclaim"
+                counts["returned_gpus"] += d.gpus if isinstance(d, ReturnGpus) else 0
             used = ex.used()
+            if on_serving:  # a serving node holds at most what is lent there
+                cap |= {n: ctl.loans.lent_on(n) if ctl.loans is not None else 0 for n in on_serving}
             over += any(g > cap.get(n, 0) for n, g in used.items())
             held_gpu_s += sum(used.values()) * step_s
+            if ctl.loans is not None:
+                lent_gpu_s += ctl.loans.lent * step_s
+                on_loans_gpu_s += sum(g for n, g in used.items() if n in on_serving) * step_s
         by_state = store.count_by_state()
         peak = max(w for _, w in sizes)
         at_peak = [t for t, (_, w) in zip(step_wall, sizes, strict=True) if w >= 0.9 * peak]
@@ -146,7 +254,14 @@ def run_plane(w: Workload, horizon_s: float, *, step_s: float = 10.0, notice_s: 
                 "step_p50_s": _pct(step_wall, 50), "step_p99_s": _pct(step_wall, 99),
                 "step_max_s": max(step_wall), "steps_at_peak": len(at_peak),
                 "step_p99_at_peak_s": _pct(at_peak, 99), "heap_collections": len(heap.pauses_s),
-                "heap_pause_max_s": max(heap.pauses_s, default=0.0)}
+                "heap_pause_max_s": max(heap.pauses_s, default=0.0),
+                **({} if loans is None else {  # (not lent: the loan step's counters as they started)
+                    "lent_gpu_hours": lent_gpu_s / 3600.0, "on_loans_gpu_hours": on_loans_gpu_s / 3600.0,
+                    "reclaims_met": loans.stats["reclaims_met"],
+                    "reclaims_missed": loans.stats["reclaims_missed"],
+                    "worst_margin_s": min(loans.margins, default=None),
+                    "double_counted_steps": loans.stats["double_counted_steps"],
+                    "serving_shortfall_gpu_hours": loans.stats["shortfall_gpu_s"] / 3600.0})}
     finally:
         store.close()
         ex.close()
@@ -155,30 +270,65 @@ def run_plane(w: Workload, horizon_s: float, *, step_s: float = 10.0, notice_s: 
 
 
 def run_sim(w: Workload, horizon_s: float, *, sched_period_s: float = 10.0, notice_s: float = 30.0,
-            scheduler: SchedulerConfig | None = None) -> dict[str, Any]:
+            scheduler: SchedulerConfig | None = None, serving: Serving | None = None) -> dict[str, Any]:
     """The same workload through the simulator, costs that the virtual executor does not model set to zero (no
-    failures, no checkpoint stall, no restart time), no serving pool lent."""
+    failures, no checkpoint stall, no restart time); ``serving`` lent by the simulator's Tidal policy with
+    the plane's budget, grid, timing and forecast history, and its rule of lending only what spot jobs can
+    use (else no serving pool lent)."""
     from tidal.sim.config import CheckpointModel, SimConfig
     from tidal.sim.engine import Engine
     from tidal.sim.policies import PolicySpec
 
-    cfg = SimConfig(serving_gpus=1, training_gpus=w.gpus, gpus_per_node=w.gpus_per_node,
-                    days=horizon_s / 86400, step_s=3600.0,
+    check_shapes(w, serving)
+    cfg = SimConfig(serving_gpus=serving.gpus if serving else 1, training_gpus=w.gpus,
+                    gpus_per_node=w.gpus_per_node, days=horizon_s / 86400,
+                    step_s=serving.step_s if serving else 3600.0,
                     ckpt=CheckpointModel(persist_s=0.0, stage_s=0.0, restart_s=0.0),
                     failure_rate_per_gpu_hour=0.0, sched_period_s=sched_period_s,
-                    scheduler=scheduler or SchedulerConfig(preempt_grace_s=notice_s), record_timeline=False)
-    eng = Engine(np.zeros(1), 3600.0, PolicySpec("none"), cfg, list(w.jobs), None, list(w.tenants))
+                    scheduler=scheduler or scheduler_for(notice_s, serving), record_timeline=False,
+                    lend_to_takers=serving is not None)
+    if serving is not None:
+        cfg = replace(cfg, timing=serving.timing)
+    if serving is None:
+        eng = Engine(np.zeros(1), 3600.0, PolicySpec("none"), cfg, list(w.jobs), None, list(w.tenants))
+    else:
+        eng = Engine(serving.demand(horizon_s), serving.step_s, PolicySpec("tidal", serving.budget), cfg,
+                     list(w.jobs), None, list(w.tenants))
+        eng.pstate, _ = eng.policy.learn(eng.pstate, serving.history(), serving.gpus)
     res = eng.run()
     m = res.metrics
-    return {"held_gpu_hours": eng.meter.held_gpu_s / 3600.0, "shrinks": m.get("shrinks", 0),
-            "preemptions": m.get("preemptions", 0), "succeeded": m.get("jobs_completed", 0)}
+    out = {"held_gpu_hours": eng.meter.held_gpu_s / 3600.0, "admissions": m.get("admissions", 0),
+           "shrinks": m.get("shrinks", 0), "preemptions": m.get("preemptions", 0),
+           "succeeded": m.get("jobs_completed", 0)}
+    if serving is not None:
+        out |= {"lent_gpu_hours": eng.meter.lent_gpu_s / 3600.0,
+                "on_loans_gpu_hours": eng.meter.held_on_loans_gpu_s / 3600.0,
+                "reclaims": m.get("reclaims", 0),
+                "returned_gpus": m.get("returned_gpus", 0),
+                "serving_shortfall_gpu_hours": m.get("serving_shortfall_gpu_hours", 0.0)}
+    return out
 
 
-def parity(w: Workload, horizon_s: float, **kw: Any) -> dict[str, Any]:
-    """Plane and simulator side by side; ``ratio``: live / simulated GPU-hours held."""
-    live, sim = run_plane(w, horizon_s, **kw), run_sim(w, horizon_s)
-    return {"live": live, "sim": sim, "ratio": live["held_gpu_hours"] / sim["held_gpu_hours"]
-            if sim["held_gpu_hours"] else math.nan}
+PARITY = ("held_gpu_hours", "lent_gpu_hours", "on_loans_gpu_hours", "reclaims", "returned_gpus", "shrinks",
+          "preemptions", "admissions")
+"""The figures :func:`parity` sets side by side (those a side has)."""
+
+
+def parity(w: Workload, horizon_s: float, *, serving: Serving | None = None, **kw: Any) -> dict[str, Any]:
+    """Plane and simulator side by side (the simulator's scheduler at the plane's step); ``ratio``: live /
+    simulated GPU-hours held (of admitted work, on lent GPUs too); ``ratios``: live / simulated for each
+    figure of :data:`PARITY` (None where the simulator's is 0)."""
+    live = run_plane(w, horizon_s, serving=serving, **kw)
+    sim = run_sim(w, horizon_s, sched_period_s=kw.get("step_s", 10.0), notice_s=kw.get("notice_s", 30.0),
+                  scheduler=kw.get("scheduler"), serving=serving)
+    ratios = ratios_of(live, sim)
+    return {"live": live, "sim": sim, "ratio": ratios["held_gpu_hours"], "ratios": ratios}
+
+
+def ratios_of(live: dict[str, Any], sim: dict[str, Any]) -> dict[str, float | None]:
+    """Live / simulated for each figure of :data:`PARITY` both have (None where the simulator's is 0: JSON
+    has no NaN)."""
+    return {k: live[k] / sim[k] if sim[k] else None for k in PARITY if k in live and k in sim}
 
 
 def _timed(client: Any, method: str, path: str, **kw: Any) -> tuple[float, Any]:
@@ -256,12 +406,16 @@ class _Up:
 
 def bench_plane(nodes: str = "256x8", jobs: int = 2000, *, hours: float = 2.0, step_s: float = 60.0,
                 submits: int = 2000, reads: int = 300, tenants: int = 200, skew: float = 0.5,
-                db: str | None = None, state_dir: Path | None = None, log: Any = print) -> dict[str, Any]:
+                db: str | None = None, state_dir: Path | None = None, serving: str | None = None,
+                traffic: Path | None = None, log: Any = print) -> dict[str, Any]:
     """The live plane under load (docs/benchmarks.md, "The plane at pool scale"). Phases: ``plane``: the
     workload's ``hours`` through the real loop on a simulated clock ending now, beside the simulator
     (``sim_parity``); ``restart``: ``tidal up`` adopts what that left running; ``api``: ``submits`` jobs
     posted by 8 clients, then readers (jobs pages, status, events, pool, ``/metrics``); ``kill9``: ``tidal
-    up`` killed and restarted, every running job checked (none lost, none run twice)."""
+    up`` killed and restarted, every running job checked (none lost, none run twice). With ``serving``
+    (``NODESxGPUS``) its nodes' demand follows ``traffic`` (default :data:`TRACE`; its first week the
+    forecast's history) and both sides lend them (``lending``: live / simulated figures); the plane phase
+    only (the others run ``tidal up`` on the training pool)."""
     import httpx
 
     from tidal.control.auth import ADMIN_TOKEN_FILE
@@ -270,22 +424,32 @@ def bench_plane(nodes: str = "256x8", jobs: int = 2000, *, hours: float = 2.0, s
     n, g = parse_shape(nodes)
     w = workload(jobs, n, g, span_s=hours * 3600 * 0.8, tenants=tenants, skew=skew)
     horizon = hours * 3600.0
+    side = serving_of(serving, traffic or TRACE, notice_s=30.0, step_s=step_s) if serving else None
+    check_shapes(w, side)  # (before the plane's run, not after it)
     tmp = tempfile.TemporaryDirectory() if state_dir is None else None
     state = Path(tmp.name if tmp is not None else str(state_dir))
     out: dict[str, Any] = {"nodes": nodes, "jobs": jobs, "hours": hours, "step_s": step_s,
                            "tenants": tenants, "skew": skew, "db": db or "sqlite"}
+    if side is not None:
+        out |= {"serving": serving, "traffic": side.trace.name, "serving_budget": side.budget}
     try:
-        log(f"plane: {jobs} jobs over {hours:g} h on {nodes} (simulated clock)")
+        log(f"plane: {jobs} jobs over {hours:g} h on {nodes}" + (f", {serving} serving lent" if side else "")
+            + " (simulated clock)")
         t0 = time.time() - horizon
-        live = run_plane(w, horizon, step_s=step_s, db_url=db, state_dir=state, t0=t0)
-        sim = run_sim(w, horizon)
+        live = run_plane(w, horizon, step_s=step_s, db_url=db, state_dir=state, t0=t0, serving=side)
+        sim = run_sim(w, horizon, sched_period_s=step_s, serving=side)
         out["plane"] = live
         out["sim"] = sim
-        out["sim_parity"] = live["held_gpu_hours"] / sim["held_gpu_hours"] if sim["held_gpu_hours"] else None
+        ratios = ratios_of(live, sim)
+        out["sim_parity"] = ratios["held_gpu_hours"]
+        if side is not None:
+            out["lending"] = {k: v for k, v in ratios.items() if k != "held_gpu_hours"}
         for k in ("step_p50_s", "step_p99_s", "step_p99_at_peak_s", "peak_waiting", "peak_running",
                   "heap_pause_max_s"):
             out[k] = live[k]
         log(f"plane: {json.dumps(live)}, sim_parity {out['sim_parity']}")
+        if side is not None:
+            return out
         up = _Up(state, nodes, db)
         log("restart: tidal up adopts the running jobs")
         out["adopt_api_s"] = up.start()
@@ -365,14 +529,21 @@ def plane_command(
     tenants: int = typer.Option(200, min=1, help="tenants, each with an equal share of the pool as quota"),
     skew: float = typer.Option(0.5, min=0.0, help="a job size's odds: size ** -skew (0: sizes uniform)"),
     db: str | None = typer.Option(None, help="SQLAlchemy URL (default: SQLite in a temporary state dir)"),
+    serving: str | None = typer.Option(None, help="serving nodes NODESxGPUS (GPUs as the training nodes') "
+                                       "lent by the Tidal policy in the plane and the simulator (the plane "
+                                       "phase only)"),
+    traffic: Path | None = typer.Option(None, help="their demand: a serving trace CSV, its first week the "
+                                        f"forecast's history (default {TRACE})"),
     json_out: bool = typer.Option(False, "--json", help="the figures as JSON on stdout"),
 ) -> None:
     """The live plane at pool scale over the virtual executor: step, submit, read and /metrics latencies,
-    memory, database size, restart after kill -9, parity with the simulator."""
+    memory, database size, restart after kill -9, parity with the simulator (with --serving: of lending
+    and reclaims too)."""
     try:
         res = bench_plane(nodes, jobs, hours=hours, step_s=step_s, submits=submits, reads=reads,
-                          tenants=tenants, skew=skew, db=db, log=lambda m: print(m, file=sys.stderr))
-    except (ValueError, RuntimeError) as e:
+                          tenants=tenants, skew=skew, db=db, serving=serving, traffic=traffic,
+                          log=lambda m: print(m, file=sys.stderr))
+    except (ValueError, RuntimeError, OSError) as e:
         raise SystemExit(f"tidal bench plane: {e}") from None
     if json_out:
         print(json.dumps(res, indent=2))

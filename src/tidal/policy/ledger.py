@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from itertools import chain, repeat
 
 from tidal.model import Loan, Reclaim
@@ -265,6 +266,15 @@ class LoanLedger:
                         for r in state.get("reclaims", ())]
         led.lendable = int(state.get("lendable", 0))
         return led
+
+
+def for_takers(plan: LoanPlan, ledger: LoanLedger, used: Mapping[str, int], wanted: int) -> LoanPlan:
+    """``plan`` lending at most what spot jobs can use: what they hold on loans (``used``: node -> GPUs jobs
+    hold) and ``wanted`` more; it never takes back what is lent. The live plane's rule (serving keeps what
+    nobody would train on); the simulator follows it with ``SimConfig.lend_to_takers``."""
+    on_loans = sum(min(g, ledger.lent_on(n)) for n, g in used.items() if n in ledger.cap)
+    cap = max(ledger.lent, on_loans + max(0, wanted))
+    return replace(plan, lendable_gpus=cap) if plan.lendable_gpus > cap else plan
 
 
 def _notice(r: Reclaim) -> float:

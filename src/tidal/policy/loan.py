@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -318,6 +319,23 @@ class TidalPolicy:
 
     def initial_state(self) -> TidalState:
         return TidalState(forecast=initial_state(self.config.forecast), z=self.config.initial_z)
+
+    def learn(self, state: TidalState, history: Iterable[tuple[float, float]],
+              serving_gpus: int) -> tuple[TidalState, int]:
+        """``state`` after observing recorded demand, ``(time, GPUs or NaN)`` oldest first, with nothing lent:
+        the history a forecast learns before its first live step (the live plane's and the simulator's
+        alike). Points not after the state's last observation, or not a demand, are skipped. Returns the
+        state and how many points it learned."""
+        n = 0
+        for t, y in history:
+            if not (math.isnan(y) or 0 <= y < math.inf):
+                continue
+            if not math.isnan(state.forecast.t_s) and not t > state.forecast.t_s:
+                continue
+            ctx = LoanContext(now_s=t, serving_gpus=serving_gpus, demand_gpus=y, lent_gpus=0)
+            _, state = self(ctx, state)
+            n += 1
+        return state, n
 
     def __call__(self, ctx: LoanContext, state: TidalState) -> tuple[LoanPlan, TidalState]:
         cfg = self.config

@@ -84,6 +84,9 @@ class SimConfig:
     release_when_captured: bool = False
     """A job told to shrink or stop leaves once its final checkpoint is captured (as ``tidal.train`` does),
     instead of training on until the deadline (the published results)."""
+    lend_to_takers: bool = False
+    """Lend at most what spot jobs can use now beyond what they hold on loans, as the live plane does
+    (:func:`tidal.policy.ledger.for_takers`); off: every lendable GPU has a taker (a saturated spot queue)."""
 
     def __post_init__(self) -> None:
         for name, ok, want in (

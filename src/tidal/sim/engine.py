@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from tidal.model import Tenant, check_snapshot
+from tidal.policy.ledger import for_takers
 from tidal.policy.loan import LoanContext
 from tidal.policy.scheduler import RunningIndex, schedule
 from tidal.sim.config import SimConfig
@@ -175,6 +176,8 @@ class Engine:
             t0 = time.perf_counter()
             plan, self.pstate = self.policy(ctx, self.pstate)
             self.plan_ms.append((time.perf_counter() - t0) * 1e3)
+            if self.cfg.lend_to_takers:
+                plan = for_takers(plan, w.serving, w.used, w.spot_wanted())
             for notice in w.serving.apply_plan(plan, t, w.used):
                 if notice < t + self.step:
                     self._push(notice, WAKE)

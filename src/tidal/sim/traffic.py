@@ -13,7 +13,9 @@ from tidal.serving.requests import RequestModel
 from tidal.serving.traces import Trace
 
 
-def _trace(path: str | Path, step_s: float | None) -> tuple[Trace, ClientTrace | None]:
+def read_serving_trace(path: str | Path, step_s: float | None = None) -> tuple[Trace, ClientTrace | None]:
+    """The trace at ``path`` (either format) on ``step_s`` (``None``: its own), and its clients or None;
+    ``ValueError`` unless its step divides a day."""
     trace, clients = read_trace(path, step_s)
     if 86400.0 % trace.step_s > 1e-6:
         raise ValueError(f"{path}: the step ({trace.step_s:g} s) must divide a day (the forecast's period)")
@@ -24,7 +26,7 @@ def traffic_gpus(path: str | Path, serving_gpus: int,
                  step_s: float | None = None) -> tuple[np.ndarray, np.ndarray | None, float, str]:
     """(demand per step in GPUs, the same per client or None, step_s, trace name) for a pool of
     ``serving_gpus`` sized for the peak; per client: the heavy clients, the tail last."""
-    trace, clients = _trace(path, step_s)
+    trace, clients = read_serving_trace(path, step_s)
     d = np.array(trace.demand_gpus(serving_gpus))
     if clients is None:
         return d, None, trace.step_s, trace.name
@@ -43,5 +45,5 @@ def demand_gpus(path: str | Path, serving_gpus: int,
 def request_demand_gpus(path: str | Path, model: RequestModel,
                         step_s: float | None = None) -> tuple[np.ndarray, float, str]:
     """As :func:`demand_gpus` for a trace of request rates: ``model.gpus(rate)`` per step (Erlang C)."""
-    trace, _ = _trace(path, step_s)
+    trace, _ = read_serving_trace(path, step_s)
     return np.array(trace.request_demand_gpus(model)), trace.step_s, trace.name

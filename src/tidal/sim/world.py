@@ -179,11 +179,20 @@ class World:
         self.durable: DurableTable[SimJob] = DurableTable(config.end_s)  # to refresh Job.last_ckpt_s
         self.pending_synthetic_gpus = 0
         self.pending_synthetic_by_size: dict[int, int] = {}
-        self.counts = {"reclaim_interruptions": 0, "preemptions": 0, "shrinks": 0, "failures": 0,
-                       "final_ckpt_missed": 0, "returned_gpus": 0}
+        self.counts = {"admissions": 0, "reclaim_interruptions": 0, "preemptions": 0, "shrinks": 0,
+                       "failures": 0, "final_ckpt_missed": 0, "returned_gpus": 0}
         ck = config.ckpt
         self.stall, self.lag, self.restart = ck.stall_s, ck.durable_lag_s, ck.restart_s
         self.fail_rate_per_gpu_s = config.failure_rate_per_gpu_hour / 3600.0
+
+    def spot_wanted(self) -> int:
+        """Serving GPUs spot jobs could use now, as the live plane counts them: what pending spot jobs
+        could take and running ones grow by, less the training GPUs nobody holds."""
+        want = sum(j.max_gpus for q in self.queues.values() for j in q if j.kind == "spot")
+        want += sum(j.max_gpus - j.gpus for jid, j in self.running.items()
+                    if j.kind == "spot" and self.jobs[jid].state == RUNNING)
+        free = sum(n.gpus - self.used.get(n.name, 0) for n in self.nodes if n.pool == "training")
+        return max(0, want - max(0, free))
 
     def rate(self, gpus: int) -> float:
         a = self.cfg.scaling_exponent
@@ -306,6 +315,7 @@ class World:
     def _admit(self, d: Admit, now: float) -> None:
         sj = self.jobs[d.job]
         transition(sj, "admit")
+        self.counts["admissions"] += 1
         self._dequeue(sj)
         sj.job = admitted(sj.job, d, now)
         sj.held_since = now
