@@ -9,8 +9,7 @@ One step, in order:
    (:meth:`Controller._reconcile`): ranks up -> ``running``; every rank exited -> classify the attempt and
    move on (``succeeded``; ``pending`` after a preemption; relaunch after a resize; ``backoff`` then
    ``pending`` up to ``max_restarts``; ``failed``); a rank failed or the job hung -> kill it; a grace run out
-   -> SIGKILL; a cancel request -> notice. All of it is stored and committed once, then told to the executor
-   (releases, kills, notices: :meth:`Controller._tell`).
+   -> SIGKILL; a cancel request -> notice.
 3. **Lend and reclaim** (:class:`tidal.control.loans.LiveLoans`), or with a serving side that only advises,
    let the :class:`tidal.serving.watch.Advisor` plan and lend nothing.
 4. **Decide**: the pure scheduler (:func:`tidal.policy.scheduler.schedule`, the simulator's) on a
@@ -69,9 +68,6 @@ SHM_SWEEP_S = 5.0  # how often ended jobs' shared-memory directories are looked 
 RETENTION_CHECK_S = 60.0  # how often ended jobs and events older than ``retention_s`` are dropped
 QUOTA_CHECK_S = 60.0  # how often the tenants' checkpoint bytes are counted (a walk of their directories)
 ANNOUNCE_INTERVAL_S = 600.0  # a job's checkpoint-interval changes are announced (events) at most this often
-# the store's document of the attempts a step ends (job -> attempt), written before their endings and emptied
-# once the executor released them: what a plane killed in between releases at its restart (Controller.recover)
-ENDING_DOC = "ending"
 RESUMABLE_CODES = frozenset({0, EXIT_PREEMPTED, -15, 128 + 15})  # -15/143: SIGTERM before the session existed
 
 
@@ -89,12 +85,6 @@ class Controller:
         self.nodes: list[Node] = executor.nodes()
         self._events: list[tuple[str, str, dict | None]] = []  # this step's loan events
         self._to_start: dict[str, tuple[JobRow, LaunchRequest]] = {}  # attempts recorded, ranks not started
-        # what the executor is told once the store holds it (_tell): job ids to release (attempts ended),
-        # to SIGKILL, to give a notice
-        self._to_release: list[str] = []
-        self._to_kill: list[str] = []
-        self._to_notice: list[str] = []
-        self._unsure: set[str] = set()  # releases a step that raised may not have sent (_release_stale)
         self.watch = NodeWatch(store, executor, self.nodes)  # nodes joining and leaving; jobs losing one
         self._shm_swept_s = float("-inf")
         self._quota_checked_s = float("-inf")
@@ -124,12 +114,9 @@ class Controller:
                 loans.load(doc)
 
     def recover(self, now_s: float) -> None:
-        """After a (re)start: release the attempts whose ending was stored but not yet told to the executor;
-        re-adopt the workers of every job that holds GPUs (a job the store says was killed is killed again:
-        the kill may not have been sent), or requeue it (not a failure); ranks that ended meanwhile are
-        handled by the next step."""
+        """After a (re)start: re-adopt the workers of every job that holds GPUs, or requeue it (not a
+        failure); ranks that ended meanwhile are handled by the next step."""
         held = self.store.jobs(states=HELD)
-        self._release_ended(held, now_s)
         adopted = {j.id for j in held if j.attempt > 0 and self.executor.adopt(j.id, j.attempt, now_s)}
         observed = self.executor.observe(now_s)  # once: every job's
         for job in held:
@@ -137,8 +124,6 @@ class Controller:
             ob = observed.get(job.id) if found else None
             if ob is not None and ob.alive:
                 pids = [r.pid for r in ob.alive]
-                if job.killed:
-                    self.executor.kill(job.id)
                 self.store.record("adopted", f"control plane restarted: re-adopted attempt {job.attempt}, "
                                   f"{len(pids)} of {_n(len(ob.ranks), 'rank')} running (pids {pids})", now_s,
                                   job=job, data={"attempt": job.attempt, "pids": pids})
@@ -155,45 +140,16 @@ class Controller:
                                       **_requeue_fields(), data={"recovered": True})
         self.sweep_shm(now_s, force=True)  # orphans: ended jobs' shm dirs, or unknown ones
 
-    def _release_ended(self, held: list[JobRow], now_s: float) -> None:
-        """The attempts of the step a plane was killed in whose endings the store holds (the job no longer
-        holds GPUs with that attempt): adopted and released at once, never observed, restarted or accounted
-        again; one still held is left to be adopted and ended by the next step."""
-        ending: dict[str, int] = self.store.get_doc(ENDING_DOC) or {}
-        if not ending:
-            return
-        still = {j.id: j.attempt for j in held}
-        rows = {j.id: j for j in self.store.jobs_by_id(ending.keys())}
-        for job_id, attempt in ending.items():
-            if still.get(job_id) != attempt and self.executor.adopt(job_id, attempt, now_s):
-                self.executor.release(job_id)
-                self.store.record("adopted", f"control plane restarted: attempt {attempt} had ended and was "
-                                  "stored so; released", now_s, job=rows.get(job_id),
-                                  data={"attempt": attempt})
-        self.store.put_doc(ENDING_DOC, {}, now_s)
-
     def step(self, now_s: float) -> list[Decision]:
         """One reconcile step (see the module docstring); returns the scheduler's decisions."""
         observed = self.executor.observe(now_s)  # 1. observe
         self._refresh()
-        if self._unsure:
-            self._release_stale(observed)
         rows, changed, self._reread = self._active or {}, self._reread, set()
         active = [rows[i] for i, st in self._state.items() if st != S.PENDING or i in changed]
         self._record_progress(active, observed)
-        ending = {j.id: j.attempt for j in active
-                  if j.state in HELD and (ob := observed.get(j.id)) is not None and ob.done}
         with self.store.batch():  # (a step's writes: a transaction per many, not one each)
-            try:
-                if ending:  # (stored no later than any of their endings)
-                    self.store.put_doc(ENDING_DOC, ending, now_s)
-                for job in active:  # 2. reconcile
-                    self._reconcile(job, observed.get(job.id), now_s)
-                self._tell(now_s)  # one commit for the step's endings, kills and notices; then the executor
-            finally:
-                self._untold()
-            if ending:
-                self.store.put_doc(ENDING_DOC, {}, now_s)
+            for job in active:  # 2. reconcile
+                self._reconcile(job, observed.get(job.id), now_s)
         self.watch.refresh(now_s)  # after reconcile: a lost node stays only while jobs still hold it
         if self.loans is not None:  # 3. lend and reclaim (serving nodes lost or back first)
             used, wants, on = self._holdings(wants=True)
@@ -214,9 +170,9 @@ class Controller:
             try:
                 for d in decisions:  # 5. act
                     self._apply(d, now_s, jobs)
-                self._tell(now_s)
+                self._start_recorded(now_s)
             finally:
-                self._untold()
+                self._to_start = {}  # (raised: the batch's rollback took the attempts not yet started)
             self._note_waiting(why)
         self._save_loans(now_s)
         self.sweep_shm(now_s)
@@ -394,6 +350,7 @@ class Controller:
             st = S.CANCELLING
         if ob.done:
             self._finish(job, ob, now_s)
+            self.store.commit()  # (the executor released it: stored now, not at the end of the step's batch)
             return
         if job.stop_reason != "failure" and not job.killed:
             bad = [r for r in ob.ranks if not r.alive and (r.vanished or rank_code(r) not in RESUMABLE_CODES)]
@@ -409,10 +366,11 @@ class Controller:
             self.store.transition(job, S.RUNNING, now_s, f"{_n(len(pids), 'rank')} running (pids {pids})")
         elif (st in STOPPING and not job.killed and job.stop_deadline_s is not None
               and now_s >= job.stop_deadline_s):
+            self.executor.kill(job.id)
             self.store.update(job, killed=True)
             self.store.record("kill", f"grace expired while {st}: SIGKILL to {_n(len(ob.alive), 'rank')}",
                               now_s, job=job)
-            self._to_kill.append(job.id)
+            self.store.commit()
 
     def _hang(self, job: JobRow, ob: Observation, now_s: float) -> str | None:
         cfg, p = self.config, ob.progress
@@ -434,9 +392,10 @@ class Controller:
         return None
 
     def _kill_for_failure(self, job: JobRow, why: str, now_s: float, kind: str = "failure") -> None:
+        self.executor.kill(job.id)
         self.store.update(job, stop_reason="failure", killed=True, message=why)
         self.store.record(kind, f"{why}: killing the other ranks", now_s, job=job)
-        self._to_kill.append(job.id)
+        self.store.commit()
 
     def _record_progress(self, jobs: list[JobRow], observed: dict[str, Observation]) -> None:
         """The progress of every observed job holding GPUs, where it changed, in one transaction (and into
@@ -472,7 +431,7 @@ class Controller:
                                                             and job.restarts >= job.max_restarts):
             self.watch.forget(job.id, now_s)  # over: it will not train again
         acct = account(job, ob, now_s, outcome == "success")
-        self._to_release.append(job.id)  # (released once its ending is committed: _tell)
+        self.executor.release(job.id)
         self._shm_swept_s = float("-inf")  # the end of this step looks at its shared memory
         base = {"stop_reason": None, "stop_deadline_s": None, "killed": False, **acct}
         end = {"finished_s": now_s, "placement": {}, "releasing": {}, **base}  # the job is over
@@ -499,9 +458,7 @@ class Controller:
                     if g - job.releasing.get(n, 0) > 0}
             why = (f"resized: relaunching on {sum(left.values())} GPUs from checkpoint step "
                    f"{_resume_step(p, job)}")
-            # the next attempt recorded now, started once the ended one is released (_tell)
-            self._to_start[job.id] = self._record_attempt(self.store.update(job, **base), left, now_s, why,
-                                                          data=data)
+            self._launch(self.store.update(job, **base), left, now_s, why, data=data)
         elif outcome == "stopped":
             by_us = S(job.state) == S.PREEMPTING
             self.store.transition(job, S.PENDING, now_s, f"preempted: stopped at step {reached} "
@@ -559,7 +516,7 @@ class Controller:
             return
         for_job = d.for_job if isinstance(d, Shrink | Preempt) else None
         if d.job in self._to_start or for_job in self._to_start:
-            self._tell(now_s)  # (a job's attempt starts before anything else is asked of it)
+            self._start_recorded(now_s)  # (a job's attempt starts before anything else is asked of it)
         try:
             new = apply.after(jobs[d.job], d, now_s)
             nominee = apply.nominated(jobs[for_job], now_s) if for_job is not None else None
@@ -631,48 +588,16 @@ class Controller:
                                     why + ("" if already else f": notice sent, grace {grace_s:g} s"),
                                     stop_deadline_s=deadline, **fields)
         if not already:
-            self._to_notice.append(job.id)  # (told in the store before the ranks are: _tell)
+            self.store.commit()  # (told in the store before the ranks are)
+            self.executor.signal_stop(job.id)
         return row
 
-    def _tell(self, now_s: float) -> None:
-        """Commit the store's writes so far, then tell the executor what they say: release the attempts that
-        ended, SIGKILL and give notices, then start the recorded attempts (:meth:`_start_recorded`); one
-        commit for all of it, so that the store is never behind what the executor was told. A plane killed
-        after the commit and before a release leaves an attempt the store has ended, which
-        :meth:`recover` releases (:data:`ENDING_DOC`)."""
-        while self._to_release or self._to_kill or self._to_notice or self._to_start:
-            self.store.commit()
-            release, kill, notice = self._to_release, self._to_kill, self._to_notice
-            self._to_kill, self._to_notice = [], []
-            for job_id in release:  # (first: a resized job's next attempt starts below)
-                self.executor.release(job_id)
-            self._to_release = []  # (all sent: a release that raised leaves them to _untold)
-            ended = set(release)  # (no signal to an attempt released: its ranks had all exited)
-            for job_id in kill:
-                if job_id not in ended:
-                    self.executor.kill(job_id)
-            for job_id in notice:
-                if job_id not in ended:
-                    self.executor.signal_stop(job_id)
-            self._start_recorded(now_s)  # (a launch that fails ends its attempt: the loop commits it)
-
-    def _untold(self) -> None:
-        """Forget what was not told (raised: the batch's rollback took the writes not yet committed); the
-        releases are looked at again by the next step (:meth:`_release_stale`), as their endings may have
-        been committed."""
-        self._unsure.update(self._to_release)
-        self._to_start, self._to_release, self._to_kill, self._to_notice = {}, [], [], []
-
-    def _release_stale(self, observed: dict[str, Observation]) -> None:
-        """After a step that raised: release each attempt it may not have released whose ending the store
-        holds (the job no longer holds GPUs with that attempt); one still held is reconciled as usual."""
-        ids, self._unsure = self._unsure, set()
-        rows = {j.id: j for j in self.store.jobs_by_id(ids)}
-        for job_id in sorted(ids):
-            ob, row = observed.get(job_id), rows.get(job_id)
-            if ob is not None and (row is None or row.state not in HELD or row.attempt != ob.attempt):
-                self.executor.release(job_id)
-                del observed[job_id]
+    def _launch(self, job: JobRow, placement: dict[str, int], now_s: float, why: str, *,
+                data: dict | None = None, **fields: Any) -> None:
+        """Record the attempt (``admitted``) first, then start it: a crash in between leaves a recorded
+        attempt with no ranks, which ``recover`` requeues; never ranks without a record."""
+        self._to_start[job.id] = self._record_attempt(job, placement, now_s, why, data=data, **fields)
+        self._start_recorded(now_s)
 
     def _record_attempt(self, job: JobRow, placement: dict[str, int], now_s: float, why: str, *,
                         data: dict | None = None, **fields: Any) -> tuple[JobRow, LaunchRequest]:
@@ -690,11 +615,12 @@ class Controller:
                                   take_over=take_over, take_over_from=take_over_from)
 
     def _start_recorded(self, now_s: float) -> None:
-        """Start the ranks of every attempt recorded by :meth:`_record_attempt`, all committed by
-        :meth:`_tell` (one commit for a step's admissions); their handles stored together."""
+        """Start the ranks of every attempt recorded by :meth:`_record_attempt`, once all are committed (one
+        commit for a step's admissions); their handles stored together."""
         todo, self._to_start = self._to_start, {}
         if not todo:
             return
+        self.store.commit()  # (every attempt is recorded before any rank starts)
         handles: dict[str, dict[str, Any]] = {}
         started: dict[str, JobRow] = {}
         for job, req in todo.values():

@@ -263,7 +263,6 @@ class VirtualExecutor:
         a = self._gone.get(job_id)
         if a is None or a.attempt != attempt:
             return False
-        self._now = max(self._now, now_s)  # (released at once, it keeps what it reached by now)
         self._jobs[job_id] = self._gone.pop(job_id)
         return True
 
