@@ -120,7 +120,11 @@ def test_ctrl_c_stops_the_plane_and_every_worker(tmp_path):
         pids = worker_pids(state)
         assert len(pids) == 4 and all(procs.alive(p, t) for p, t in pids)
         proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=60)
+        try:  # (its clean-up waits are bounded: the loop 15 s, the workers 10 s, the API server 10 s)
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            err = (tmp_path / "demo.err").read_text()[-3000:]
+            raise AssertionError(f"no exit 120 s after Ctrl-C: {err}") from None
     finally:
         stop(proc, state)
     err = (tmp_path / "demo.err").read_text()
