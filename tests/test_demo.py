@@ -45,10 +45,18 @@ TINY = [
 ]  # a wide window to kill in
 
 
+def _ctrl_c_as_in_a_shell() -> None:
+    """The demo's Ctrl-C as a terminal gives it: not ignored nor blocked, whatever the test worker that
+    starts it inherited (an ignored or blocked SIGINT passes to the children)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT, signal.SIGTERM))
+
+
 def start_demo(args: list[str], out: Path) -> subprocess.Popen:
     with open(out, "wb") as f:
         return subprocess.Popen([sys.executable, "-c", "from tidal.cli import main; main()", "demo", *args],
-                                stdout=subprocess.PIPE, stderr=f, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                                stdout=subprocess.PIPE, stderr=f, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                                preexec_fn=_ctrl_c_as_in_a_shell)
 
 
 def stop(proc: subprocess.Popen, state: Path) -> None:

@@ -1,14 +1,14 @@
 """``tidal serving engine-bench``: does lending hurt a real engine's users? The same open-loop traffic (real
 prompts, streamed completions, the same arrivals) against replicas of llama.cpp behind nginx, twice: once
-lending the replicas the queueing model finds idle at the TTFT target, and taking them back a notice (0.25
-s) and two measured warm-ups before they are due; once without lending. Per phase (before, lent,
-reclaiming, after): TTFT p50/p99, tokens/s, requests failed. While lent, a training rank (a CPU-bound loop
-standing for the spot job) runs on the lent replicas' CPUs. With ``pin`` (where there are 2 CPUs or more)
-replica i runs on CPU i mod N and the training rank only on CPUs no serving replica has, as a lent GPU is
-never the serving one; without it everything shares every CPU. With ``pairs`` above 1 the two runs are
-made that many times in turns (each pair its own arrivals), and each phase's requests are pooled over the
-pairs: a p99 of hundreds of requests instead of tens, the machine's drift shared by both sides.
-docs/loaning.md says how to read it.
+lending the replicas the queueing model finds idle at the TTFT target, and taking them back two measured
+warm-ups before they are due; once without lending. Per phase (before, lent, reclaiming, after): TTFT
+p50/p99, tokens/s, requests failed. While lent, a training rank (a CPU-bound loop standing for the spot
+job) runs on the lent replicas' CPUs. With ``pin`` (where there are 2 CPUs or more) replica i runs on CPU
+i mod N and the training rank only on CPUs no serving replica has, as a lent GPU is never the serving one;
+without it everything shares every CPU. With ``pairs`` above 1 the two runs are made that many times in
+turns (each pair its own arrivals), and each phase's requests are pooled over the pairs: a p99 of hundreds
+of requests instead of tens, the machine's drift shared by both sides. docs/loaning.md says how to read
+it.
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ PROMPTS = ("The tide comes in twice a day, and the harbour", "Write a short note
            "List three reasons to lend idle GPUs at night:", "Summarise the weather report for the coast:")
 PHASES = ("before", "lent", "reclaiming", "after")
 MIN_REQUESTS = 10  # a phase with fewer requests in either run has no TTFT ratio (its p99 is one request's)
-TRAIN_NOTICE_S = 0.25  # the lead time's notice: what the training rank is given to leave the lent CPUs
 TRAIN_RANK = ("import numpy as np\na = np.random.default_rng(0).random((384, 384))\n"
               "while True:\n    a = np.tanh(a @ a.T / 384.0)\n")  # the spot job's rank: CPU-bound, no I/O
 
@@ -146,8 +145,7 @@ def one_run(opts: BenchOptions, model: Path, workdir: Path, lend: bool,
     with EngineReplicas(model, workdir, opts.replicas, slots=opts.slots, threads=opts.threads,
                         cpus=cpus) as r:
         warm = r.warmup_s() or 0.0
-        r.planned_warmup_s = warmup_s = max(0.2, 2.0 * warm)
-        lead_s = TRAIN_NOTICE_S + warmup_s  # the notice comes this long before the replica is due
+        r.planned_warmup_s = lead_s = max(0.2, 2.0 * warm)  # the notice comes this long before it is due
         url = f"{r.url}/v1/completions"
         t0 = time.perf_counter()
         unix0 = time.time()
