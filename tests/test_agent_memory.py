@@ -73,10 +73,11 @@ def test_ended_jobs_steps_leave_the_agents_after_their_retention(agents, tmp_pat
             path = f"/v1/jobs/{name}/step_{step:012d}"
             assert client.request("PUT", f"{path}/r00000-x.safetensors", body=b"x" * 1000)[0] == 200
             assert client.request("PUT", f"{path}/manifest.json", body=b"{}")[0] == 200
-    deadline = time.monotonic() + 30
-    while len(held(b)) < 4 and time.monotonic() < deadline:
+    want = {n: {(10, "replica"), (20, "replica")} for n in [*ns.values(), "stranger"]}
+    deadline = time.monotonic() + 30  # every step's push on, not only every namespace's first
+    while held(b) != want and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert held(b) == {n: {(10, "replica"), (20, "replica")} for n in [*ns.values(), "stranger"]}
+    assert held(b) == want
 
     ctl.step(clock())
     ctl.step(clock.advance(1))
