@@ -247,7 +247,7 @@ def test_lists_come_a_bounded_page_at_a_time(tmp_path) -> None:
     assert 'tidal_pool_gpus{pool="training",state="free",tenant=""} 78.0' in text and "n3" not in text
 
 
-def test_the_heap_keeper_freezes_between_steps_and_frees_frozen_cycles_at_its_next_collection() -> None:
+def test_the_heap_keeper_freezes_between_steps_and_frees_frozen_cycles_at_its_next_full_collection() -> None:
     import gc
     import weakref
 
@@ -256,25 +256,33 @@ def test_the_heap_keeper_freezes_between_steps_and_frees_frozen_cycles_at_its_ne
     class Node:
         other: object = None
 
-    a, b = Node(), Node()
-    a.other, b.other = b, a  # a cycle: only the cycle collector frees it
-    gone = weakref.ref(a)
-    keep = HeapKeeper(every_s=60.0, min_steps=3)
+    def cycle() -> tuple[Node, weakref.ref]:
+        a, b = Node(), Node()
+        a.other, b.other = b, a  # a cycle: only the cycle collector frees it
+        return a, weakref.ref(a)
+
+    a, gone = cycle()
+    keep = HeapKeeper(every_s=60.0, min_steps=3, full_every=2)
     try:
-        keep.after_step(0.0)  # the first step: collected, what survived frozen
+        keep.after_step(0.0)  # the first step: the whole heap collected, what survived frozen
         assert len(keep.pauses_s) == 1 and gc.get_freeze_count() > 0
-        del a, b
+        del a
         gc.collect()  # a step's own collections do not scan the frozen heap
         assert gone() is not None
+        young, young_gone = cycle()  # made after the freeze
+        del young
         keep.after_step(100.0)  # due by time, not yet by steps
         keep.after_step(110.0)
-        assert len(keep.pauses_s) == 1 and gone() is not None
-        keep.after_step(120.0)  # the third step since: collected again, the frozen cycle freed
-        assert len(keep.pauses_s) == 2 and gone() is None
+        assert len(keep.pauses_s) == 1 and gone() is not None and young_gone() is not None
+        keep.after_step(120.0)  # the third step since: what was made since collected, the frozen heap not
+        assert len(keep.pauses_s) == 2 and young_gone() is None and gone() is not None
         keep.after_step(125.0)
         keep.after_step(130.0)
         keep.after_step(135.0)  # three steps, but within every_s
-        assert len(keep.pauses_s) == 2
+        assert len(keep.pauses_s) == 2 and gone() is not None
+        for t in (190.0, 200.0, 210.0):  # the next keep is a full one: the frozen cycle freed
+            keep.after_step(t)
+        assert len(keep.pauses_s) == 3 and gone() is None
     finally:
         gc.unfreeze()
 

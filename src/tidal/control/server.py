@@ -52,24 +52,28 @@ class HeapKeeper:
     """Keeps Python's cycle collector out of the reconcile step. The plane's heap is mostly long-lived (each
     active job's row and scheduler view: ~10^6 objects at 20,000 jobs), and Python collects all of it whenever
     a quarter more has survived: ~0.3 s, in whichever step or request allocates then. Instead, between steps,
-    at most every ``every_s`` (and ``min_steps`` steps): one full collection, then what survived is frozen
-    (:func:`gc.freeze`), so a step's own collections scan only what was made since. Garbage cycles among
-    frozen objects are freed at the next one."""
+    at most every ``every_s`` (and ``min_steps`` steps): what was made since the last keep is collected and
+    what survived frozen (:func:`gc.freeze`), so a step's own collections scan only what was made since; every
+    ``full_every``-th keep unfreezes and collects the whole heap first, which frees garbage cycles among
+    frozen objects (a job's rows after it ended)."""
 
-    def __init__(self, every_s: float = 60.0, min_steps: int = 10) -> None:
-        self.every_s, self.min_steps = every_s, min_steps
+    def __init__(self, every_s: float = 60.0, min_steps: int = 10, full_every: int = 10) -> None:
+        self.every_s, self.min_steps, self.full_every = every_s, min_steps, full_every
         self._last_s: float | None = None
         self._steps = 0
-        self.pauses_s: list[float] = []  # each full collection's duration (between steps)
+        self._keeps = 0
+        self.pauses_s: list[float] = []  # each keep's duration (between steps)
 
     def after_step(self, now_s: float) -> None:
         self._steps += 1
         if self._last_s is not None and (now_s - self._last_s < self.every_s or self._steps < self.min_steps):
             return
         t = time.perf_counter()
-        gc.unfreeze()
+        if self._keeps % self.full_every == 0:
+            gc.unfreeze()
         gc.collect()
         gc.freeze()
+        self._keeps += 1
         self.pauses_s.append(time.perf_counter() - t)
         self._last_s, self._steps = now_s, 0
 
