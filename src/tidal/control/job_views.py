@@ -66,6 +66,10 @@ class SchedulerView:
             self._queues[queue_key(j)].pop(job_id)
             self._dirty.add(queue_key(j))
 
+    def pending_counts(self) -> dict[QueueKey, int]:
+        """The jobs in each pending queue (none empty)."""
+        return {key: len(q) for key, q in self._queues.items() if q}
+
     def queues(self) -> dict[QueueKey, list[Job]]:
         """The pending queues, each in :func:`~tidal.model.arrival` order (those changed sorted again; a list
         is replaced, never changed, so one handed out stays as it was)."""

@@ -126,7 +126,8 @@ class Plane:
                          warning=isolation_warning(cfg, executor=self.executor),
                          shm_dir=self.executor.shm_dir if isinstance(self.executor, LocalExecutor) else None,
                          log_owner=os.geteuid() if isinstance(self.executor, LocalExecutor) else None,
-                         limits=SubmitLimits(cfg.submit_rate_per_s, cfg.submit_burst, cfg.max_queued_jobs))
+                         limits=SubmitLimits(cfg.submit_rate_per_s, cfg.submit_burst, cfg.max_queued_jobs),
+                         view=ctl.published)
         return create_app(ctx)
 
 
@@ -206,7 +207,7 @@ def build(state_dir: Path, gpus: str = "auto", db: str | None = None, config: Co
         try:
             advisor, more = _serving(config, loans)
             controller = Controller(store, ex, config, ckpt_root=state_dir / "jobs", loans=loans,
-                                    advisor=advisor)
+                                    advisor=advisor, publish=True)
         except (ValueError, SystemExit):
             ex.close()  # the local executor is no longer the subreaper of anything (a caller may go on)
             raise
