@@ -162,3 +162,26 @@ def test_a_failed_step_withdraws_the_view(plane):
     assert got["step"] is None and got == get(stored, "admin", "/v1/dashboard/pool")
     store.transition(store.jobs()[0].id, State.CANCELLING, clock(), "x")  # the store's, read at once
     assert [h["state"] for n in get(served, "admin", "/v1/pool")["nodes"] for h in n["jobs"]] == ["cancelling"]
+
+
+def test_the_parts_asked_for_are_built_in_each_new_view_until_nobody_asks(plane):
+    clock, store, ex, ctl, served, stored, get, _ = plane
+    submit(store, "a", clock(), name="x", gpus=2)
+    ctl.step(clock.advance(1.0))
+    ctl.published.warm()
+    assert ctl.published.view._memo == {}  # nothing asked for: nothing built
+    get(served, "admin", "/v1/pool")
+    get(served, "a", "/v1/dashboard/pool")
+    get(served, "admin", "/metrics")
+    asked = {("pool", None, 0, 512), ("gpu_map", "a"), ("metrics", "pool"), ("metrics", "jobs")}
+    assert asked <= ctl.published.view._memo.keys()
+    ctl.step(clock.advance(1.0))
+    new = ctl.published.view
+    assert new._memo == {}
+    ctl.published.warm()  # (the loop, between steps)
+    assert new._memo.keys() == asked
+    for who, path, params in READS:  # what was built is what a reader builds
+        _same(get(served, who, path, **params), get(stored, who, path, **params), path)
+    ctl.step(clock.advance(1.0))
+    ctl.published.warm(within_s=0.0)  # asked for too long ago: forgotten, not built
+    assert ctl.published.view._memo == {} and ctl.published.wanted == {}

@@ -39,6 +39,7 @@ from tidal.control.auth import authenticate, create_tenant, token_hash, visible_
 from tidal.control.context import ApiContext
 from tidal.control.dashboard import dashboard_router
 from tidal.control.job_views import default_ckpt
+from tidal.control.read_view import PlaneView
 from tidal.control.render import Raw, SafeJSON, json_bytes, json_object, json_route
 from tidal.control.spec import Int, JobSpec, Num, clean_msg, error_path
 from tidal.control.states import TERMINAL, State
@@ -376,8 +377,8 @@ def create_app(ctx: ApiContext) -> FastAPI:
             return pool_view(ctx.nodes, store.held(), who, pending, offset=offset, limit=limit,
                              as_of_s=ctx.clock())
 
-        def page() -> dict:  # (all but the count of pending jobs, for every reader of this view)
-            out = pool_view(view.nodes, view.held, who, 0, offset=offset, limit=limit, as_of_s=view.as_of_s)
+        def page(v: PlaneView) -> dict:  # (all but the count of pending jobs, for every reader of a view)
+            out = pool_view(v.nodes, v.held, who, 0, offset=offset, limit=limit, as_of_s=v.as_of_s)
             return {**out, "nodes": Raw(json_bytes(out["nodes"]))}
 
         pending = view.by_state(store.submitted, who).get(State.PENDING.value, 0)

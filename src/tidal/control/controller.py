@@ -218,7 +218,7 @@ class Controller:
             jobs=dict(counted),
             ended=self.store.count_by_state(states=TERMINAL),
             head=tuple(QueuedJob.of(rows[jid]) for _, jid in head), submitted=self.store.taken_submits,
-            loans=self.loans.view() if self.loans is not None else None)
+            loans=self.loans.view() if self.loans is not None else None, wanted=self.published.wanted)
 
     def _refresh(self) -> None:
         """Bring the active rows and their scheduler views to the store: read whole at the first call, then

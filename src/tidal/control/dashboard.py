@@ -85,6 +85,16 @@ def dashboard_router(ctx: ApiContext, caller: Callable[..., Any]) -> APIRouter:
     assets = _assets()
     router = APIRouter()
     Caller = Annotated[TenantRow, Depends(caller)]
+    kept: list[tuple[int, list[TenantRow]]] = [(-1, [])]
+
+    def all_tenants() -> list[TenantRow]:
+        """The tenants, read again only when one was added (``Store.tenant_rev``)."""
+        rev, rows = kept[0]
+        if rev != store.tenant_rev:
+            rev = store.tenant_rev  # (before the read: a tenant added meanwhile reads them again next time)
+            rows = store.tenants()
+            kept[0] = (rev, rows)
+        return rows
 
     @router.get("/", include_in_schema=False)
     def root() -> Response:
@@ -122,16 +132,25 @@ def dashboard_router(ctx: ApiContext, caller: Callable[..., Any]) -> APIRouter:
         else:
             held, waiting, loans = view.held, view.waiting_counts(store.submitted), view.loans
             nodes, states = view.nodes, view.by_state(store.submitted, viewer)
-            gpus, totals = view.memo(("gpu_map", viewer), lambda: _gpu_map(view.nodes, view.held, viewer,
-                                                                            view.loans, rendered=True))
+            gpus, totals = view.memo(("gpu_map", viewer),
+                                     lambda v: _gpu_map(v.nodes, v.held, viewer, v.loans, rendered=True))
             head = view.head
         lent = (loans or {}).get("lent_gpus", 0)
-        tenants = store.tenants()
-        usage = dv.tenant_usage(tenants if me.admin else [me], held, waiting, nodes, lent)
+        tenants = all_tenants()
+
+        def usage_of(rows: list[TenantRow]) -> Callable[[Any], list[dict[str, Any]]]:
+            return lambda _: dv.tenant_usage(rows, held, waiting, nodes, lent)
+
+        if view is None:
+            usage = usage_of(tenants if me.admin else [me])(None)
+            everyone = usage if me.admin else usage_of(tenants)(None)
+        else:  # (the same for every reader of the view until a job is submitted or a tenant added)
+            key = ("usage", tuple(sorted(view.since(store.submitted).items())), store.tenant_rev, lent)
+            everyone = view.memo((*key, None), usage_of(tenants), warm=False)
+            usage = everyone if me.admin else view.memo((*key, me.name), usage_of([me]), warm=False)
         if not me.admin:
             usage = [u for u in usage if u["tenant"] == me.name]
         # the queue: every tenant's waiting jobs count for positions; others' show no id
-        everyone = dv.tenant_usage(tenants, held, waiting, nodes, lent)
         queue = dv.queue_view(head, sum(waiting.values()), everyone, totals["free"], totals["lent"], now,
                               viewer)
         return json_object({

@@ -1,7 +1,8 @@
-"""Prometheus metrics, computed from the store at scrape time (``GET /metrics``; every series in
-docs/control.md, Metrics). Per-job series exist for jobs holding GPUs only and job counts come from one
-``GROUP BY``; the pool's GPUs are summed by pool, state and tenant, so a scrape follows the running jobs and
-the tenants, not the nodes or the history (``GET /v1/pool`` lists nodes, a page at a time)."""
+"""Prometheus metrics (``GET /metrics``; every series in docs/control.md, Metrics): the pool's and the
+per-job series from the reconcile loop's newest step (:mod:`tidal.control.read_view`; without a loop, from
+the store at scrape time). Per-job series exist for jobs holding GPUs only; the pool's GPUs are summed by
+pool, state and tenant, so a scrape follows the running jobs and the tenants, not the nodes or the history
+(``GET /v1/pool`` lists nodes, a page at a time)."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ class PlaneCollector:
             counts = self.store.count_by_state()
         else:
             jobs = view.held
-            by = view.memo(("metrics", "pool"), lambda: _pool_gpus(view.nodes, view.held))
+            by = view.memo(("metrics", "pool"), lambda v: _pool_gpus(v.nodes, v.held))
             counts = view.by_state(self.store.submitted)
         pool = GaugeMetricFamily("tidal_pool_gpus", "GPUs of the pool (training or serving nodes) by state "
                                  "and owning tenant", labels=["pool", "state", "tenant"])
@@ -72,7 +73,7 @@ class PlaneCollector:
         view: as of its step, built once."""
         view = getattr(self._held, "view", None)
         if view is not None:
-            return view.memo(("metrics", "jobs"), lambda: _job_text(view.held, view.as_of_s))
+            return view.memo(("metrics", "jobs"), lambda v: _job_text(v.held, v.as_of_s))
         return _job_text(getattr(self._held, "jobs", ()), now)
 
 

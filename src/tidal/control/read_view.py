@@ -11,7 +11,9 @@ viewer's GPU map, the per-job series) is built once per view, by its first reade
 How fresh: a view is as of the end of its step (``as_of_s``, ``step``), the store's state then, every write
 of the step committed; the loop steps every ``loop_interval_s`` (0.5 s). Jobs submitted since the loop last
 read the store are added to the counts of waiting jobs (:meth:`PlaneView.waiting_counts`), so a job submitted
-is counted in the next read; it is placed in the queue shown at the next step. A cancel of a waiting job takes
+is counted in the next read; it is placed in the queue shown at the next step. The parts asked for in the
+last ``WARM_S`` seconds are built by the loop itself right after it publishes a view, between steps, so a
+reader seldom builds one (:meth:`Published.warm`). A cancel of a waiting job takes
 effect at the next step either way (the loop moves it). Without a loop (the API built on a store alone, as
 most tests do), or before its first step, the reads query the store as before.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import heapq
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -32,6 +35,7 @@ from tidal.model import Node
 T = TypeVar("T")
 WAITING = (State.PENDING.value, State.BACKOFF.value)
 QUEUE_SHOWN = 100  # waiting jobs at the head of the queue kept and shown by the dashboard (it counts all)
+WARM_S = 30.0  # a part of an answer asked for within this is built by the loop in each new view
 MEMO_MAX = 256  # answers' parts kept per view (per viewer and page): a new view every step starts afresh
 
 
@@ -107,6 +111,9 @@ class PlaneView:
     head: tuple[QueuedJob, ...]
     submitted: Mapping[tuple[str, str], int]
     loans: dict[str, Any] | None = None
+    wanted: dict[Any, tuple[Callable[[PlaneView], Any], float]] = field(default_factory=dict, repr=False,
+                                                                       compare=False)
+    """The parts asked for lately, shared from view to view (:meth:`Published.warm`)."""
     _memo: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -139,18 +146,28 @@ class PlaneView:
             out.update(self.ended)
         return {s: n for s, n in out.items() if n}
 
-    def memo(self, key: Any, make: Callable[[], T]) -> T:
-        """``make()`` once per view and key (a page of nodes for a viewer, the per-job series, ...): what it
-        returns must not depend on anything but the view and the key."""
+    def memo(self, key: Any, make: Callable[[PlaneView], T], *, warm: bool = True) -> T:
+        """``make(self)`` once per view and key (a page of nodes for a viewer, the per-job series, ...): what
+        it returns must depend on nothing but the view and the key. With ``warm``, the next views build it as
+        soon as they are published while it is asked for (:meth:`Published.warm`)."""
+        if warm:
+            self.wanted[key] = (make, time.monotonic())
         got = self._memo.get(key, _NONE)
         if got is _NONE:
             with self._lock:  # (one reader builds it; the others wait for it rather than build it too)
                 got = self._memo.get(key, _NONE)
                 if got is _NONE:
-                    got = make()
+                    got = make(self)
                     if len(self._memo) < MEMO_MAX:
                         self._memo[key] = got
         return got
+
+    def build(self, key: Any, make: Callable[[PlaneView], Any]) -> None:
+        """Build the part ``key`` unless built (not counted as asked for)."""
+        if key not in self._memo:
+            with self._lock:
+                if key not in self._memo and len(self._memo) < MEMO_MAX:
+                    self._memo[key] = make(self)
 
 
 _NONE = object()
@@ -176,10 +193,23 @@ def _queued_s(j: JobRow) -> float:
 
 class Published:
     """The newest :class:`PlaneView` (None before the loop's first step); swapped whole, read without a
-    lock."""
+    lock. ``wanted``: the parts of answers asked for lately (key -> (builder, when last asked)), passed
+    from view to view."""
 
     def __init__(self) -> None:
         self.view: PlaneView | None = None
+        self.wanted: dict[Any, tuple[Callable[[PlaneView], Any], float]] = {}
 
     def __call__(self) -> PlaneView | None:
         return self.view
+
+    def warm(self, within_s: float = WARM_S) -> None:
+        """Build in the newest view the parts asked for within ``within_s`` (the others are forgotten), so
+        that a reader finds them built: the reconcile loop calls it between steps, after the view is
+        published. Nothing is built while nobody reads."""
+        view, now = self.view, time.monotonic()
+        for key, (make, asked) in list(self.wanted.items()):
+            if now - asked > within_s:
+                self.wanted.pop(key, None)
+            elif view is not None:
+                view.build(key, make)

@@ -76,7 +76,8 @@ class HeapKeeper:
 
 class ReconcileLoop(threading.Thread):
     """Steps the controller on the wall clock until ``stop()``; an exception in a step is logged, not
-    fatal. The heap is kept between steps (:class:`HeapKeeper`)."""
+    fatal. The heap is kept between steps (:class:`HeapKeeper`); after each, the parts of the API's answers
+    asked for lately are built in the view it published (:meth:`tidal.control.read_view.Published.warm`)."""
 
     def __init__(self, controller: Controller, interval_s: float) -> None:
         super().__init__(name="tidal-reconcile", daemon=True)
@@ -93,6 +94,11 @@ class ReconcileLoop(threading.Thread):
                 log.exception("reconcile step failed")
             self.steps += 1
             self.heap.after_step(time.time())
+            if self.controller.published is not None:  # the parts of answers asked for lately, built now
+                try:
+                    self.controller.published.warm()
+                except Exception:
+                    log.exception("building the published view's answers failed")
             self._stop_event.wait(self.interval_s)
 
     def stop(self) -> None:
