@@ -11,9 +11,9 @@ viewer's GPU map, the per-job series) is built once per view, by its first reade
 How fresh: a view is as of the end of its step (``as_of_s``, ``step``), the store's state then, every write
 of the step committed; the loop steps every ``loop_interval_s`` (0.5 s). Jobs submitted since the loop last
 read the store are added to the counts of waiting jobs (:meth:`PlaneView.waiting_counts`), so a job submitted
-is counted in the next read; it is placed in the queue shown at the next step. The parts asked for in the
-last ``WARM_S`` seconds are built by the loop itself right after it publishes a view, between steps, so a
-reader seldom builds one (:meth:`Published.warm`). A cancel of a waiting job takes
+is counted in the next read; it is placed in the queue shown at the next step. The parts asked of the
+previous view are built by the loop itself right after it publishes a view, between steps, so a reader
+reading at every step seldom builds one (:meth:`Published.warm`). A cancel of a waiting job takes
 effect at the next step either way (the loop moves it). Without a loop (the API built on a store alone, as
 most tests do), or before its first step, the reads query the store as before.
 """
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import heapq
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -35,7 +34,6 @@ from tidal.model import Node
 T = TypeVar("T")
 WAITING = (State.PENDING.value, State.BACKOFF.value)
 QUEUE_SHOWN = 100  # waiting jobs at the head of the queue kept and shown by the dashboard (it counts all)
-WARM_S = 30.0  # a part of an answer asked for within this is built by the loop in each new view
 MEMO_MAX = 256  # answers' parts kept per view (per viewer and page): a new view every step starts afresh
 
 
@@ -111,8 +109,8 @@ class PlaneView:
     head: tuple[QueuedJob, ...]
     submitted: Mapping[tuple[str, str], int]
     loans: dict[str, Any] | None = None
-    wanted: dict[Any, tuple[Callable[[PlaneView], Any], float]] = field(default_factory=dict, repr=False,
-                                                                       compare=False)
+    wanted: dict[Any, tuple[Callable[[PlaneView], Any], int]] = field(default_factory=dict, repr=False,
+                                                                     compare=False)
     """The parts asked for lately, shared from view to view (:meth:`Published.warm`)."""
     _memo: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
@@ -149,9 +147,9 @@ class PlaneView:
     def memo(self, key: Any, make: Callable[[PlaneView], T], *, warm: bool = True) -> T:
         """``make(self)`` once per view and key (a page of nodes for a viewer, the per-job series, ...): what
         it returns must depend on nothing but the view and the key. With ``warm``, the next views build it as
-        soon as they are published while it is asked for (:meth:`Published.warm`)."""
+        soon as they are published while it is asked for in each (:meth:`Published.warm`)."""
         if warm:
-            self.wanted[key] = (make, time.monotonic())
+            self.wanted[key] = (make, self.step)
         got = self._memo.get(key, _NONE)
         if got is _NONE:
             with self._lock:  # (one reader builds it; the others wait for it rather than build it too)
@@ -193,23 +191,27 @@ def _queued_s(j: JobRow) -> float:
 
 class Published:
     """The newest :class:`PlaneView` (None before the loop's first step); swapped whole, read without a
-    lock. ``wanted``: the parts of answers asked for lately (key -> (builder, when last asked)), passed
-    from view to view."""
+    lock. ``wanted``: the parts of answers asked for lately (key -> (builder, the step of the newest view
+    it was asked of)), passed from view to view."""
 
     def __init__(self) -> None:
         self.view: PlaneView | None = None
-        self.wanted: dict[Any, tuple[Callable[[PlaneView], Any], float]] = {}
+        self.wanted: dict[Any, tuple[Callable[[PlaneView], Any], int]] = {}
 
     def __call__(self) -> PlaneView | None:
         return self.view
 
-    def warm(self, within_s: float = WARM_S) -> None:
-        """Build in the newest view the parts asked for within ``within_s`` (the others are forgotten), so
-        that a reader finds them built: the reconcile loop calls it between steps, after the view is
-        published. Nothing is built while nobody reads."""
-        view, now = self.view, time.monotonic()
+    def warm(self) -> None:
+        """Build in the newest view the parts asked of the view before it (or of this one), so that a reader
+        reading them at every step finds them built: the reconcile loop calls it between steps, after it
+        published the view. A part not asked of the view before is forgotten: one read now and then (a
+        dashboard polling every 2 s, steps more often) builds what it reads itself, and nothing is built
+        while nobody reads."""
+        view = self.view
+        if view is None:
+            return
         for key, (make, asked) in list(self.wanted.items()):
-            if now - asked > within_s:
+            if asked < view.step - 1:
                 self.wanted.pop(key, None)
-            elif view is not None:
+            else:
                 view.build(key, make)
