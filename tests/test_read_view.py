@@ -193,3 +193,16 @@ def test_the_parts_asked_for_at_every_step_are_built_by_the_loop(plane):
     ctl.step(clock.advance(1.0))
     ctl.published.warm()  # not asked of the view before: forgotten, not built
     assert ctl.published.view._memo == {} and ctl.published.wanted == {}
+
+
+def test_the_loop_builds_a_bounded_number_of_parts(plane):
+    from tidal.control.read_view import WARM_MAX
+
+    clock, store, ex, ctl, served, _, get, _ = plane
+    ctl.step(clock.advance(1.0))
+    for offset in range(WARM_MAX + 5):  # as many pages: the loop builds the latest asked, readers the rest
+        get(served, "admin", "/v1/pool", offset=offset % 3, limit=1 + offset)
+    ctl.step(clock.advance(1.0))
+    ctl.published.warm()
+    built = set(ctl.published.view._memo)
+    assert built == {("pool", None, o % 3, 1 + o) for o in range(5, WARM_MAX + 5)}

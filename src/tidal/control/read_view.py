@@ -34,6 +34,7 @@ from tidal.model import Node
 T = TypeVar("T")
 WAITING = (State.PENDING.value, State.BACKOFF.value)
 QUEUE_SHOWN = 100  # waiting jobs at the head of the queue kept and shown by the dashboard (it counts all)
+WARM_MAX = 16  # parts the loop builds after a step at most (the others: by their readers), the latest asked
 MEMO_MAX = 256  # answers' parts kept per view (per viewer and page): a new view every step starts afresh
 
 
@@ -149,6 +150,7 @@ class PlaneView:
         it returns must depend on nothing but the view and the key. With ``warm``, the next views build it as
         soon as they are published while it is asked for in each (:meth:`Published.warm`)."""
         if warm:
+            self.wanted.pop(key, None)  # (last: the latest asked)
             self.wanted[key] = (make, self.step)
         got = self._memo.get(key, _NONE)
         if got is _NONE:
@@ -206,12 +208,13 @@ class Published:
         reading them at every step finds them built: the reconcile loop calls it between steps, after it
         published the view. A part not asked of the view before is forgotten: one read now and then (a
         dashboard polling every 2 s, steps more often) builds what it reads itself, and nothing is built
-        while nobody reads."""
+        while nobody reads. At most :data:`WARM_MAX` parts (the latest asked for), so that many readers of
+        different parts (pages, tenants) do not hold up the loop."""
         view = self.view
         if view is None:
             return
-        for key, (make, asked) in list(self.wanted.items()):
+        for key, (_, asked) in list(self.wanted.items()):
             if asked < view.step - 1:
                 self.wanted.pop(key, None)
-            else:
-                view.build(key, make)
+        for key, (make, _) in list(self.wanted.items())[-WARM_MAX:]:  # (a key asked again moves last)
+            view.build(key, make)
