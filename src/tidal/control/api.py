@@ -39,7 +39,8 @@ from tidal.control.auth import authenticate, create_tenant, token_hash, visible_
 from tidal.control.context import ApiContext
 from tidal.control.dashboard import dashboard_router
 from tidal.control.job_views import default_ckpt
-from tidal.control.render import SafeJSON, json_route
+from tidal.control.read_view import PlaneView
+from tidal.control.render import Raw, SafeJSON, json_bytes, json_object, json_route
 from tidal.control.spec import Int, JobSpec, Num, clean_msg, error_path
 from tidal.control.states import TERMINAL, State
 from tidal.control.store import NotFound, StoreUnavailable, TenantRow
@@ -147,7 +148,8 @@ def create_app(ctx: ApiContext) -> FastAPI:
     app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
     store = ctx.store
     policy = ctx.locations or loc_policy.LocationPolicy()
-    reg = metrics.registry(store, ctx.nodes, ctx.clock, ctx.serving[0] if ctx.serving else None, ctx.loans)
+    reg = metrics.registry(store, ctx.nodes, ctx.clock, ctx.serving[0] if ctx.serving else None, ctx.loans,
+                           view=ctx.view)
     pool_gpus = sum(n.gpus for n in ctx.nodes)
 
     @app.exception_handler(RequestValidationError)
@@ -365,11 +367,22 @@ def create_app(ctx: ApiContext) -> FastAPI:
     @app.get("/v1/pool", **_doc(sc.Pool, 401))
     @json_route()
     def pool(me: Caller, offset: Annotated[int, Query(ge=0)] = 0,
-             limit: Annotated[int, Query(ge=1, le=POOL_PAGE_MAX)] = POOL_PAGE) -> dict:
-        """The totals and a page of the nodes (``offset``, ``limit``)."""
+             limit: Annotated[int, Query(ge=1, le=POOL_PAGE_MAX)] = POOL_PAGE) -> dict | Response:
+        """The totals and a page of the nodes (``offset``, ``limit``): as the reconcile loop's newest step
+        left them (``as_of_s``), the pending jobs submitted since counted (:mod:`tidal.control.read_view`)."""
         who = None if me.admin else me.name
-        return pool_view(ctx.nodes, store.held(), who, store.count_by_state(who).get(State.PENDING.value, 0),
-                         offset=offset, limit=limit)
+        view = ctx.view() if ctx.view is not None else None
+        if view is None:
+            pending = store.count_by_state(who).get(State.PENDING.value, 0)
+            return pool_view(ctx.nodes, store.held(), who, pending, offset=offset, limit=limit,
+                             as_of_s=ctx.clock())
+
+        def page(v: PlaneView) -> dict:  # (all but the count of pending jobs, for every reader of a view)
+            out = pool_view(v.nodes, v.held, who, 0, offset=offset, limit=limit, as_of_s=v.as_of_s)
+            return {**out, "nodes": Raw(json_bytes(out["nodes"]))}
+
+        pending = view.by_state(store.submitted, who).get(State.PENDING.value, 0)
+        return json_object({**view.memo(("pool", who, offset, limit), page), "pending": pending})
 
     @app.get("/v1/serving", **_doc(sc.Serving, 401, 404))
     @json_route()

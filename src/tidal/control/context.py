@@ -15,6 +15,7 @@ from tidal.model import Node
 
 if TYPE_CHECKING:
     from tidal.control.loans import LiveLoans
+    from tidal.control.read_view import PlaneView
     from tidal.serving.watch import Advisor
 
 
@@ -47,3 +48,6 @@ class ApiContext:
     log_owner: int | None = field(default_factory=os.geteuid)
     """The uid that creates rank logs (the plane's; on Ray the workers' user: None, not checked); a log
     owned by another (a hard link a job made to another's file) is not read."""
+    view: Callable[[], PlaneView | None] | None = None
+    """The pool as the reconcile loop's newest step left it (:mod:`tidal.control.read_view`), which the pool
+    reads and ``/metrics`` serve; None (no loop, or before its first step): they query the store."""

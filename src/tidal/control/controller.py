@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import operator
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +38,9 @@ from tidal.control.job_views import SchedulerView, job_env, own_dirs, taken_over
 from tidal.control.loans import DOC_KEY as LOANS_DOC
 from tidal.control.loans import LiveLoans
 from tidal.control.node_watch import NodeWatch
+from tidal.control.read_view import QUEUE_SHOWN, PlaneView, Published, QueuedJob, held_job, waiting_head
 from tidal.control.serving_nodes import lent_before
-from tidal.control.states import ACTIVE, HELD, STOPPING, State
+from tidal.control.states import ACTIVE, HELD, STOPPING, TERMINAL, State
 from tidal.control.store import JobRow, Store
 from tidal.exec.progress import Progress
 from tidal.exec.protocol import EXIT_PREEMPTED, AgentMemory, Executor, LaunchRequest, NodeMemory, Observation
@@ -76,7 +78,7 @@ class Controller:
 
     def __init__(self, store: Store, executor: Executor, config: ControlConfig | None = None, *,
                  ckpt_root: str | Path | None = None, loans: LiveLoans | None = None,
-                 advisor: Advisor | None = None) -> None:
+                 advisor: Advisor | None = None, publish: bool = False) -> None:
         if loans is not None and advisor is not None:
             raise ValueError("a serving side either lends (loans) or advises (advisor), not both")
         self.store, self.executor, self.loans, self.advisor = store, executor, loans, advisor
@@ -99,6 +101,9 @@ class Controller:
         self._over_quota: set[str] = set()
         self._announced: dict[str, tuple[float, int]] = {}  # job -> (last ckpt_interval event, changes since)
         self._own_cadence: set[str] = set()  # jobs told that their own step cadence wins
+        # ``publish``: the pool as each step leaves it, for the API's reads (tidal.control.read_view)
+        self.published: Published | None = Published() if publish else None
+        self.steps = 0
         # job id -> why it waits or does not grow, as stored (the scheduler's reasons; see _note_waiting)
         self._waiting = {j.id: Waiting(j.waiting["reason"], j.waiting.get("until_s"))
                          for j in store.active_jobs() if j.waiting}
@@ -141,7 +146,16 @@ class Controller:
         self.sweep_shm(now_s, force=True)  # orphans: ended jobs' shm dirs, or unknown ones
 
     def step(self, now_s: float) -> list[Decision]:
-        """One reconcile step (see the module docstring); returns the scheduler's decisions."""
+        """One reconcile step (see the module docstring); returns the scheduler's decisions. A step that
+        raises withdraws the published view (the reads query the store until a step completes)."""
+        try:
+            return self._step(now_s)
+        except BaseException:
+            if self.published is not None:
+                self.published.view = None
+            raise
+
+    def _step(self, now_s: float) -> list[Decision]:
         observed = self.executor.observe(now_s)  # 1. observe
         self._refresh()
         rows, changed, self._reread = self._active or {}, self._reread, set()
@@ -178,7 +192,33 @@ class Controller:
         self.sweep_shm(now_s)
         self._check_ckpt_quota(now_s)
         self._retain(now_s)
+        self.steps += 1
+        if self.published is not None:
+            self._publish(now_s)
         return decisions
+
+    def _publish(self, now_s: float) -> None:
+        """The pool as this step leaves it (every write of it committed), for the API's pool reads and
+        ``/metrics`` (:class:`~tidal.control.read_view.PlaneView`): from the rows in memory, the jobs written
+        since read first (submissions: counted by the readers until read here); ended jobs counted in the
+        store."""
+        self._refresh()
+        rows = self._active or {}
+        others = [rows[jid] for jid, st in self._state.items() if st != S.PENDING]  # (the pending: counted
+        counted = Counter((j.tenant, j.kind, j.state) for j in others)  # by their queues, a few hundred)
+        for (tenant, kind, _), n in self.view.pending_counts().items():
+            counted[tenant, kind, S.PENDING.value] += n
+        held = sorted((j for j in others if j.state in HELD),
+                      key=operator.attrgetter("seq"))  # (submission order, as the store reads them)
+        backoff = [j for j in others if j.state == S.BACKOFF]
+        head = waiting_head(self.view.queues().values(), backoff, QUEUE_SHOWN)
+        assert self.published is not None
+        self.published.view = PlaneView(
+            step=self.steps, as_of_s=now_s, nodes=tuple(self.nodes), held=tuple(map(held_job, held)),
+            jobs=dict(counted),
+            ended=self.store.count_by_state(states=TERMINAL),
+            head=tuple(QueuedJob.of(rows[jid]) for _, jid in head), submitted=self.store.taken_submits,
+            loans=self.loans.view() if self.loans is not None else None, wanted=self.published.wanted)
 
     def _refresh(self) -> None:
         """Bring the active rows and their scheduler views to the store: read whole at the first call, then

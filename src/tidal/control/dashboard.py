@@ -9,7 +9,7 @@ each refresh costs a page of rows or the active jobs, never every job.
 
 # No ``from __future__ import annotations``: FastAPI reads the routes' annotations, some local (``Caller``).
 import mimetypes
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -21,9 +21,11 @@ from tidal.control import schemas as sc
 from tidal.control.accounting import job_report
 from tidal.control.auth import visible_job
 from tidal.control.context import ApiContext
-from tidal.control.render import SafeJSON, json_route
+from tidal.control.read_view import QUEUE_SHOWN
+from tidal.control.render import Raw, SafeJSON, json_bytes, json_object, json_route
 from tidal.control.states import ACTIVE, State
-from tidal.control.store import TenantRow
+from tidal.control.store import HeldJob, TenantRow
+from tidal.model import Node
 
 WEB_DIR = Path(__file__).parent / "web"
 DASHBOARD_PATH = "/dashboard"
@@ -64,12 +66,35 @@ def compact_job(j: Any, now_s: float) -> sc.JobSummary:
         **{f: p.get(f) for f in _PROGRESS}, "ettr": job_report(j, now_s)["ettr"]})
 
 
+def _gpu_map(nodes: Sequence[Node], held: Sequence[HeldJob], viewer: str | None, loans: dict[str, Any] | None,
+             *, rendered: bool = False) -> tuple[Any, dict[str, int]]:
+    """(the GPU map of ``viewer``, :func:`~tidal.control.dashboard_views.gpu_map`, rendered as JSON with
+    ``rendered``; the GPUs per kind of segment)."""
+    nodes_map = dv.gpu_map(nodes, held, viewer, loans)
+    kinds = ("job", "draining", "lent", "warming", "serving", "free")
+    totals = dict.fromkeys(kinds, 0)
+    for n in nodes_map:
+        for seg in n["segments"]:
+            totals[seg["kind"]] += seg["gpus"]
+    return (Raw(json_bytes(nodes_map)) if rendered else nodes_map), totals
+
+
 def dashboard_router(ctx: ApiContext, caller: Callable[..., Any]) -> APIRouter:
     """The dashboard's routes; ``caller`` is the API's bearer-token dependency (a :class:`TenantRow`)."""
     store = ctx.store
     assets = _assets()
     router = APIRouter()
     Caller = Annotated[TenantRow, Depends(caller)]
+    kept: list[tuple[int, list[TenantRow]]] = [(-1, [])]
+
+    def all_tenants() -> list[TenantRow]:
+        """The tenants, read again only when one was added (``Store.tenant_rev``)."""
+        rev, rows = kept[0]
+        if rev != store.tenant_rev:
+            rev = store.tenant_rev  # (before the read: a tenant added meanwhile reads them again next time)
+            rows = store.tenants()
+            kept[0] = (rev, rows)
+        return rows
 
     @router.get("/", include_in_schema=False)
     def root() -> Response:
@@ -89,28 +114,51 @@ def dashboard_router(ctx: ApiContext, caller: Callable[..., Any]) -> APIRouter:
 
     @router.get("/v1/dashboard/pool")
     @json_route()
-    def pool(me: Caller) -> dict:
-        """GPUs per node by holder, per tenant usage against quota and fair share, and the queue."""
+    def pool(me: Caller) -> Any:
+        """GPUs per node by holder, per tenant usage against quota and fair share, and the queue: as the
+        reconcile loop's newest step left them (``as_of_s``, ``step``; the jobs submitted since counted,
+        :mod:`tidal.control.read_view`), else read from the store now (``step`` null)."""
         viewer = None if me.admin else me.name
         now = ctx.clock()
-        held = store.held()  # (the waiting ones: counted, and the head of the queue read)
-        waiting = store.count_waiting()
-        loans = ctx.loans.view() if ctx.loans is not None else None
-        nodes = dv.gpu_map(ctx.nodes, held, viewer, loans)
+        view = ctx.view() if ctx.view is not None else None
+        nodes: list[Node] | tuple[Node, ...]
+        if view is None:
+            held: Sequence[HeldJob] = store.held()  # (the waiting ones: counted, the queue's head read)
+            waiting = store.count_waiting()
+            loans = ctx.loans.view() if ctx.loans is not None else None
+            nodes, states = ctx.nodes, store.count_by_state(viewer)
+            gpus, totals = _gpu_map(nodes, held, viewer, loans)
+            head: Sequence[Any] = store.waiting_head(QUEUE_SHOWN)
+        else:
+            held, waiting, loans = view.held, view.waiting_counts(store.submitted), view.loans
+            nodes, states = view.nodes, view.by_state(store.submitted, viewer)
+            gpus, totals = view.memo(("gpu_map", viewer),
+                                     lambda v: _gpu_map(v.nodes, v.held, viewer, v.loans, rendered=True))
+            head = view.head
         lent = (loans or {}).get("lent_gpus", 0)
-        usage = dv.tenant_usage(store.tenants() if me.admin else [me], held, waiting, ctx.nodes, lent)
+        tenants = all_tenants()
+
+        def usage_of(rows: list[TenantRow]) -> Callable[[Any], list[dict[str, Any]]]:
+            return lambda _: dv.tenant_usage(rows, held, waiting, nodes, lent)
+
+        if view is None:
+            usage = usage_of(tenants if me.admin else [me])(None)
+            everyone = usage if me.admin else usage_of(tenants)(None)
+        else:  # (the same for every reader of the view until a job is submitted or a tenant added)
+            key = ("usage", tuple(sorted(view.since(store.submitted).items())), store.tenant_rev, lent)
+            everyone = view.memo((*key, None), usage_of(tenants), warm=False)
+            usage = everyone if me.admin else view.memo((*key, me.name), usage_of([me]), warm=False)
         if not me.admin:
             usage = [u for u in usage if u["tenant"] == me.name]
-        kinds = ("job", "draining", "lent", "warming", "serving", "free")
-        totals = {k: sum(s["gpus"] for n in nodes for s in n["segments"] if s["kind"] == k) for k in kinds}
         # the queue: every tenant's waiting jobs count for positions; others' show no id
-        queue = dv.queue_view(store.waiting_head(dv.QUEUE_SHOWN), sum(waiting.values()),
-                              dv.tenant_usage(store.tenants(), held, waiting, ctx.nodes, lent),
-                              totals["free"], totals["lent"], now, viewer)
-        return {"now_s": now, "tenant": me.name, "admin": me.admin, "nodes": nodes, "totals": totals,
-                "gpus": sum(n.gpus for n in ctx.nodes), "tenants": usage, "queue": queue,
-                "states": {s: n for s, n in store.count_by_state(viewer).items() if s in ACTIVE},
-                "serving": ctx.loans is not None or ctx.serving is not None, "warning": ctx.warning}
+        queue = dv.queue_view(head, sum(waiting.values()), everyone, totals["free"], totals["lent"], now,
+                              viewer)
+        return json_object({
+            "now_s": now, "as_of_s": view.as_of_s if view is not None else now,
+            "step": view.step if view is not None else None, "tenant": me.name, "admin": me.admin,
+            "nodes": gpus, "totals": totals, "gpus": sum(n.gpus for n in nodes), "tenants": usage,
+            "queue": queue, "states": {s: n for s, n in states.items() if s in ACTIVE},
+            "serving": ctx.loans is not None or ctx.serving is not None, "warning": ctx.warning})
 
     @router.get("/v1/dashboard/jobs")
     @json_route()

@@ -6,22 +6,23 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from tidal.contract import PROGRESS_DIRNAME, attempt_dirname, progress_file
+from tidal.control.read_view import QueuedJob
 from tidal.control.states import HELD, State
 from tidal.control.store import HeldJob, JobRow, TenantRow
 from tidal.files import open_plain
 from tidal.model import Node
 
-QUEUE_SHOWN = 100  # waiting jobs listed (the count is of all)
 CURVE_POINTS = 1500  # points per attempt at most (evenly thinned)
 CURVE_TAIL_BYTES = 8 << 20  # of each attempt's progress file, the newest bytes read at most
 CURVE_ATTEMPTS = 20  # the newest attempts drawn
 
 
-def gpu_map(nodes: list[Node], held: list[HeldJob], viewer: str | None, loans: dict[str, Any] | None
+def gpu_map(nodes: Sequence[Node], held: Sequence[HeldJob], viewer: str | None, loans: dict[str, Any] | None
             ) -> list[dict[str, Any]]:
     """Per node, its GPUs as segments ``{"kind", "gpus", ...}`` in drawing order: ``job`` (``job``/``state``
     for the viewer's own; ``None`` viewer: admin), ``draining``, ``lent`` (no job on them yet), ``warming``,
@@ -64,8 +65,8 @@ def gpu_map(nodes: list[Node], held: list[HeldJob], viewer: str | None, loans: d
     return out
 
 
-def tenant_usage(tenants: list[TenantRow], held: list[HeldJob], waiting: dict[tuple[str, str], int],
-                 nodes: list[Node], lent_gpus: int) -> list[dict[str, Any]]:
+def tenant_usage(tenants: list[TenantRow], held: Sequence[HeldJob], waiting: dict[tuple[str, str], int],
+                 nodes: Sequence[Node], lent_gpus: int) -> list[dict[str, Any]]:
     """Per tenant (admins left out): GPUs held, jobs running and waiting (``waiting``: (tenant, kind) ->
     jobs), quota, weight, and its fair share of spot capacity (docs/scheduling.md)."""
     rows: dict[str, dict[str, Any]]
@@ -95,8 +96,8 @@ def tenant_usage(tenants: list[TenantRow], held: list[HeldJob], waiting: dict[tu
     return list(rows.values())
 
 
-def queue_view(head: list[JobRow], total: int, usage: list[dict[str, Any]], free_training: int,
-               free_lent: int, now_s: float, viewer: str | None) -> dict[str, Any]:
+def queue_view(head: Sequence[JobRow | QueuedJob], total: int, usage: list[dict[str, Any]],
+               free_training: int, free_lent: int, now_s: float, viewer: str | None) -> dict[str, Any]:
     """The first waiting jobs (``head``, :meth:`~tidal.control.store.Store.waiting_head`: about the
     scheduler's order) of ``total``, each with ``position`` and ``why``. Another tenant's job shows only its
     tenant, kind, size and position (``viewer``; None: admin)."""
@@ -111,8 +112,8 @@ def queue_view(head: list[JobRow], total: int, usage: list[dict[str, Any]], free
     return {"total": total, "shown": len(rows), "jobs": rows}
 
 
-def _why(j: JobRow, u: dict[str, Any] | None, free_training: int, free_lent: int, now_s: float, pos: int,
-         mine: bool = True) -> str:
+def _why(j: JobRow | QueuedJob, u: dict[str, Any] | None, free_training: int, free_lent: int, now_s: float,
+         pos: int, mine: bool = True) -> str:
     """Why ``j`` waits; for another tenant's job (``mine`` False) without that tenant's quota, usage,
     share or restarts."""
     if j.state == State.BACKOFF:

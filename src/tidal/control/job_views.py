@@ -66,8 +66,13 @@ class SchedulerView:
             self._queues[queue_key(j)].pop(job_id)
             self._dirty.add(queue_key(j))
 
-    def snapshot(self, now_s: float, nodes: tuple[Node, ...], tenants: tuple[Tenant, ...],
-                 loans: tuple[Loan, ...], reclaims: tuple[Reclaim, ...]) -> Snapshot:
+    def pending_counts(self) -> dict[QueueKey, int]:
+        """The jobs in each pending queue (none empty)."""
+        return {key: len(q) for key, q in self._queues.items() if q}
+
+    def queues(self) -> dict[QueueKey, list[Job]]:
+        """The pending queues, each in :func:`~tidal.model.arrival` order (those changed sorted again; a list
+        is replaced, never changed, so one handed out stays as it was)."""
         for key in self._dirty:
             q = self._queues.get(key)
             if q:
@@ -76,9 +81,14 @@ class SchedulerView:
                 self._sorted.pop(key, None)
                 self._queues.pop(key, None)
         self._dirty.clear()
+        return self._sorted
+
+    def snapshot(self, now_s: float, nodes: tuple[Node, ...], tenants: tuple[Tenant, ...],
+                 loans: tuple[Loan, ...], reclaims: tuple[Reclaim, ...]) -> Snapshot:
+        queues = dict(self.queues())
         if self._running is None:
             self._running = tuple(j for _, j in sorted(self._run.values(), key=itemgetter(0)))
-        return Snapshot(now_s, nodes, tenants, self._running, dict(self._sorted), loans, reclaims)
+        return Snapshot(now_s, nodes, tenants, self._running, queues, loans, reclaims)
 
 
 def default_ckpt(ckpt_root: Path | None, job: JobRow) -> str | None:

@@ -1,13 +1,14 @@
-"""Prometheus metrics, computed from the store at scrape time (``GET /metrics``; every series in
-docs/control.md, Metrics). Per-job series exist for jobs holding GPUs only and job counts come from one
-``GROUP BY``; the pool's GPUs are summed by pool, state and tenant, so a scrape follows the running jobs and
-the tenants, not the nodes or the history (``GET /v1/pool`` lists nodes, a page at a time)."""
+"""Prometheus metrics (``GET /metrics``; every series in docs/control.md, Metrics): the pool's and the
+per-job series from the reconcile loop's newest step (:mod:`tidal.control.read_view`; without a loop, from
+the store at scrape time). Per-job series exist for jobs holding GPUs only; the pool's GPUs are summed by
+pool, state and tenant, so a scrape follows the running jobs and the tenants, not the nodes or the history
+(``GET /v1/pool`` lists nodes, a page at a time)."""
 
 from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -15,42 +16,47 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from tidal.control.accounting import job_report
 from tidal.control.node_watch import totals as node_totals
+from tidal.control.read_view import PlaneView
 from tidal.control.states import State
-from tidal.control.store import Store
+from tidal.control.store import HeldJob, Store
 from tidal.model import Node
 
 
 class PlaneCollector:
+    """The plane's series. ``view``: the pool as the reconcile loop's newest step left it
+    (:mod:`tidal.control.read_view`), which the pool's and the per-job series are read from (built once per
+    step, as of its time, with the series ``tidal_plane_view_time_seconds``); None, or no view yet: read from
+    the store at the scrape."""
+
     def __init__(self, store: Store, nodes: list[Node], clock: Callable[[], float], advisor: Any = None,
-                 loans: Any = None) -> None:
+                 loans: Any = None, view: Callable[[], PlaneView | None] | None = None) -> None:
         self.store, self.nodes, self.clock, self.advisor, self.loans = store, nodes, clock, advisor, loans
-        self._held = threading.local()  # .jobs: what this thread's collect() read, for job_text()
+        self.view = view
+        self._held = threading.local()  # .jobs, .view: what this thread's collect() read, for job_text()
 
     def collect(self) -> Iterator[Metric]:
-        jobs = self.store.held(accounting=True)
+        view = self.view() if self.view is not None else None
+        self._held.view = view
+        if view is None:
+            jobs: Sequence[HeldJob] = self.store.held(accounting=True)
+            by = _pool_gpus(self.nodes, jobs)
+            counts = self.store.count_by_state()
+        else:
+            jobs = view.held
+            by = view.memo(("metrics", "pool"), lambda v: _pool_gpus(v.nodes, v.held))
+            counts = view.by_state(self.store.submitted)
         pool = GaugeMetricFamily("tidal_pool_gpus", "GPUs of the pool (training or serving nodes) by state "
                                  "and owning tenant", labels=["pool", "state", "tenant"])
-        kind = {n.name: n.pool for n in self.nodes}
-        by: Counter[tuple[str, str, str]] = Counter({(k, "free", ""): 0 for k in sorted(set(kind.values()))})
-        for n in self.nodes:
-            by[n.pool, "free", ""] += n.gpus
-        for j in jobs:
-            stopping = j.state in (State.PREEMPTING, State.CANCELLING)
-            for node, g in (j.placement or {}).items():
-                k, d = kind.get(node), g if stopping else (j.releasing or {}).get(node, 0)
-                if k is not None:
-                    by[k, "free", ""] -= g
-                    by[k, "allocated", j.tenant] += g - d
-                    by[k, "draining", j.tenant] += d
-        for key, g in sorted(by.items()):
-            if g or key[1] == "free":
-                pool.add_metric(list(key), g)
+        for key, g in by:
+            pool.add_metric(list(key), g)
         yield pool
-        counts = {s.value: 0 for s in State} | self.store.count_by_state()
         by_state = GaugeMetricFamily("tidal_jobs", "Jobs by state", labels=["state"])
-        for s, c in counts.items():
+        for s, c in ({s.value: 0 for s in State} | counts).items():
             by_state.add_metric([s], c)
         yield by_state
+        if view is not None:
+            yield GaugeMetricFamily("tidal_plane_view_time_seconds", "Unix time of the reconcile step the "
+                                    "pool's and the per-job series were read at", value=view.as_of_s)
         self._held.jobs = jobs
         yield from _node_loss_metrics(node_totals(self.store))
         if self.loans is not None:
@@ -63,24 +69,50 @@ class PlaneCollector:
 
     def job_text(self, now: float) -> str:
         """The per-job series of the jobs :meth:`collect` read, in the text format, written directly (a line
-        each, thousands of jobs); labels ``job_id`` and ``tenant`` (not ``job``: Prometheus sets that)."""
-        out: dict[str, list[str]] = {k: [] for k in _JOB_SERIES}
-        for j in getattr(self._held, "jobs", ()):
-            lv = f'job_id="{_esc(j.id)}",tenant="{_esc(j.tenant)}"'
-            p = j.progress or {}
-            vals = {"tidal_job_gpus": j.gpus, "tidal_job_step": p.get("step"),
-                    "tidal_job_steps_per_second": p.get("steps_per_s") or None,
-                    "tidal_job_ettr_ratio": job_report(j, now)["ettr"], "tidal_job_restarts": j.restarts,
-                    "tidal_job_preemptions": j.preemptions, "tidal_job_lost_work_seconds": j.lost_s}
-            for k, v in vals.items():
-                if v is not None:
-                    out[k].append(f"{k}{_JOB_SERIES[k][1]}{{{lv}}} {float(v)!r}\n")
-            for tier, (_, captured_s) in sorted((p.get("tiers") or {}).items()):
-                out["tidal_job_checkpoint_age_seconds"].append(
-                    f'tidal_job_checkpoint_age_seconds{{{lv},tier="{_esc(str(tier))}"}} '
-                    f"{max(0.0, now - captured_s)!r}\n")
-        return "".join(f"# HELP {k} {h}\n# TYPE {k} {'counter' if t else 'gauge'}\n" + "".join(out[k])
-                       for k, (h, t) in _JOB_SERIES.items())
+        each, thousands of jobs); labels ``job_id`` and ``tenant`` (not ``job``: Prometheus sets that). From a
+        view: as of its step, built once."""
+        view = getattr(self._held, "view", None)
+        if view is not None:
+            return view.memo(("metrics", "jobs"), lambda v: _job_text(v.held, v.as_of_s))
+        return _job_text(getattr(self._held, "jobs", ()), now)
+
+
+def _pool_gpus(nodes: Sequence[Node], jobs: Sequence[HeldJob]) -> list[tuple[tuple[str, str, str], int]]:
+    """``tidal_pool_gpus``' samples: (pool, state, tenant) -> GPUs, summed over the nodes."""
+    kind = {n.name: n.pool for n in nodes}
+    by: Counter[tuple[str, str, str]] = Counter({(k, "free", ""): 0 for k in sorted(set(kind.values()))})
+    for n in nodes:
+        by[n.pool, "free", ""] += n.gpus
+    for j in jobs:
+        stopping = j.state in (State.PREEMPTING, State.CANCELLING)
+        for node, g in (j.placement or {}).items():
+            k, d = kind.get(node), g if stopping else (j.releasing or {}).get(node, 0)
+            if k is not None:
+                by[k, "free", ""] -= g
+                by[k, "allocated", j.tenant] += g - d
+                by[k, "draining", j.tenant] += d
+    return [(key, g) for key, g in sorted(by.items()) if g or key[1] == "free"]
+
+
+def _job_text(jobs: Iterable[HeldJob], now: float) -> str:
+    """:meth:`PlaneCollector.job_text` of ``jobs`` at ``now``."""
+    out: dict[str, list[str]] = {k: [] for k in _JOB_SERIES}
+    for j in jobs:
+        lv = f'job_id="{_esc(j.id)}",tenant="{_esc(j.tenant)}"'
+        p = j.progress or {}
+        vals = {"tidal_job_gpus": j.gpus, "tidal_job_step": p.get("step"),
+                "tidal_job_steps_per_second": p.get("steps_per_s") or None,
+                "tidal_job_ettr_ratio": job_report(j, now)["ettr"], "tidal_job_restarts": j.restarts,
+                "tidal_job_preemptions": j.preemptions, "tidal_job_lost_work_seconds": j.lost_s}
+        for k, v in vals.items():
+            if v is not None:
+                out[k].append(f"{k}{_JOB_SERIES[k][1]}{{{lv}}} {float(v)!r}\n")
+        for tier, (_, captured_s) in sorted((p.get("tiers") or {}).items()):
+            out["tidal_job_checkpoint_age_seconds"].append(
+                f'tidal_job_checkpoint_age_seconds{{{lv},tier="{_esc(str(tier))}"}} '
+                f"{max(0.0, now - captured_s)!r}\n")
+    return "".join(f"# HELP {k} {h}\n# TYPE {k} {'counter' if t else 'gauge'}\n" + "".join(out[k])
+                   for k, (h, t) in _JOB_SERIES.items())
 
 
 _JOB_SERIES = {  # name: (help, suffix: "_total" for a counter)
@@ -174,9 +206,9 @@ class _Registry(CollectorRegistry):
 
 
 def registry(store: Store, nodes: list[Node], clock: Callable[[], float], advisor: Any = None,
-             loans: Any = None) -> CollectorRegistry:
+             loans: Any = None, view: Callable[[], PlaneView | None] | None = None) -> CollectorRegistry:
     reg = _Registry(auto_describe=False)
-    reg.plane = PlaneCollector(store, nodes, clock, advisor, loans)
+    reg.plane = PlaneCollector(store, nodes, clock, advisor, loans, view)
     reg.register(reg.plane)
     return reg
 

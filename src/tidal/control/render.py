@@ -24,6 +24,29 @@ class SafeJSON(JSONResponse):
                               separators=(",", ":")).encode()
 
 
+def json_bytes(content: Any) -> bytes:
+    """``content`` rendered as :class:`SafeJSON` renders it."""
+    return SafeJSON.render(_RENDER, content)
+
+
+_RENDER = SafeJSON(None)
+
+
+class Raw(bytes):
+    """A value already rendered as JSON (:func:`json_bytes`), for :func:`json_object`."""
+
+
+def json_object(fields: dict[str, Any], status: int = 200) -> Response:
+    """The JSON object of ``fields`` in their order, each rendered as :class:`SafeJSON` would, but for the
+    values already rendered (:class:`Raw`: a part kept from an earlier answer), put in as they are."""
+    out = bytearray(b"{")
+    for i, (k, v) in enumerate(fields.items()):
+        out += b"," if i else b""
+        out += json_bytes(k) + b":" + (v if isinstance(v, Raw) else json_bytes(v))
+    out += b"}"
+    return Response(bytes(out), status_code=status, media_type="application/json")
+
+
 def _finite(x: Any) -> Any:
     if isinstance(x, float) and not math.isfinite(x):
         return None

@@ -218,6 +218,9 @@ class Pool(_Answer):
     pending: int
     nodes_total: int = 0
     offset: int = 0
+    as_of_s: float | None = Field(default=None, description=(
+        "when the GPUs were read (Unix seconds): the reconcile step whose state tidal up serves, or the "
+        "store's now; pending counts every job submitted so far"))
 
 
 class Tenant(_Answer):

@@ -80,7 +80,8 @@ class HeapKeeper:
 
 class ReconcileLoop(threading.Thread):
     """Steps the controller on the wall clock until ``stop()``; an exception in a step is logged, not
-    fatal. The heap is kept between steps (:class:`HeapKeeper`)."""
+    fatal. The heap is kept between steps (:class:`HeapKeeper`); after each, the parts of the API's answers
+    asked for lately are built in the view it published (:meth:`tidal.control.read_view.Published.warm`)."""
 
     def __init__(self, controller: Controller, interval_s: float) -> None:
         super().__init__(name="tidal-reconcile", daemon=True)
@@ -97,6 +98,11 @@ class ReconcileLoop(threading.Thread):
                 log.exception("reconcile step failed")
             self.steps += 1
             self.heap.after_step(time.time())
+            if self.controller.published is not None:  # the parts of answers asked for lately, built now
+                try:
+                    self.controller.published.warm()
+                except Exception:
+                    log.exception("building the published view's answers failed")
             self._stop_event.wait(self.interval_s)
 
     def stop(self) -> None:
@@ -130,7 +136,8 @@ class Plane:
                          warning=isolation_warning(cfg, executor=self.executor),
                          shm_dir=self.executor.shm_dir if isinstance(self.executor, LocalExecutor) else None,
                          log_owner=os.geteuid() if isinstance(self.executor, LocalExecutor) else None,
-                         limits=SubmitLimits(cfg.submit_rate_per_s, cfg.submit_burst, cfg.max_queued_jobs))
+                         limits=SubmitLimits(cfg.submit_rate_per_s, cfg.submit_burst, cfg.max_queued_jobs),
+                         view=ctl.published)
         return create_app(ctx)
 
 
@@ -210,7 +217,7 @@ def build(state_dir: Path, gpus: str = "auto", db: str | None = None, config: Co
         try:
             advisor, more = _serving(config, loans)
             controller = Controller(store, ex, config, ckpt_root=state_dir / "jobs", loans=loans,
-                                    advisor=advisor)
+                                    advisor=advisor, publish=True)
         except (ValueError, SystemExit):
             ex.close()  # the local executor is no longer the subreaper of anything (a caller may go on)
             raise

@@ -20,6 +20,7 @@ import os
 import secrets
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +35,7 @@ from sqlalchemy import (
     String,
     Text,
     bindparam,
+    case,
     create_engine,
     delete,
     event,
@@ -257,6 +259,10 @@ class Store:
         self._by_token: dict[str, TenantRow] = {}
         self._changed: dict[str, JobRow | None] = {}  # job id -> the caller's row written in place, or None
         self._marks = threading.Lock()  # (not the write lock: a submit marks its job while the loop writes)
+        # jobs submitted through this store so far per (tenant, kind), and those counted when the loop last
+        # took the marks: a reader of the loop's published view adds the jobs submitted since (read_view)
+        self.submitted: Counter[tuple[str, str]] = Counter()
+        self.taken_submits: dict[tuple[str, str], int] = {}
         self.tenant_rev = 0  # rises with every tenant written (the reconcile loop keeps them meanwhile)
         with self._write() as s:
             row = s.get(MetaRow, "schema_version")
@@ -451,7 +457,9 @@ class Store:
             s.add(EventRow(time_s=now_s, job_id=row.id, tenant=tenant, kind="transition", from_state=None,
                            to_state=State.PENDING.value, message="submitted"))
         set_committed_value(row, "progress", {})  # (none yet: as a read of the row says)
-        self._mark(row.id)
+        with self._marks:
+            self._changed[row.id] = None
+            self.submitted[tenant, row.kind] += 1
         return row
 
     def job(self, job_id: str) -> JobRow:
@@ -492,13 +500,13 @@ class Store:
             return list(s.scalars(q)), int(total)
 
     def held(self, *, accounting: bool = False) -> list[HeldJob]:
-        """The jobs holding GPUs as plain records (one Core ``SELECT``, no ORM row built), with their
-        accounting and progress when asked (``/metrics``)."""
+        """The jobs holding GPUs as plain records in submission order (one Core ``SELECT``, no ORM row
+        built), with their accounting and progress when asked (``/metrics``)."""
         with self._read() as s:
             if not accounting:
                 return [HeldJob(*r) for r in s.execute(_HELD)]
-            n, rows = len(_PROGRESS_KEYS), s.execute(_HELD_ACCOUNTING).all()
-            return [HeldJob(*r[:-n], progress={k: v for k, v in zip(_PROGRESS_KEYS, r[-n:], strict=True)
+            n, rows = len(PROGRESS_KEYS), s.execute(_HELD_ACCOUNTING).all()
+            return [HeldJob(*r[:-n], progress={k: v for k, v in zip(PROGRESS_KEYS, r[-n:], strict=True)
                                                if v is not None}) for r in rows]
 
     def count_waiting(self) -> dict[tuple[str, str], int]:
@@ -510,10 +518,13 @@ class Store:
 
     def waiting_head(self, limit: int) -> list[JobRow]:
         """The first ``limit`` jobs pending or backing off in about the scheduler's order: dedicated first,
-        nominated first, by priority, then submission."""
+        nominated first, by priority, then when each (re)joined its queue (submission, or its last
+        preemption: :attr:`tidal.model.Job.queued_s`) and by id (:func:`tidal.model.arrival`)."""
+        queued = case((JobRow.last_preempted_s > JobRow.submit_s, JobRow.last_preempted_s),
+                      else_=JobRow.submit_s)
         q = select(JobRow).where(JobRow.state.in_([State.PENDING.value, State.BACKOFF.value])).order_by(
-            JobRow.kind != "dedicated", JobRow.nominated_s.is_(None), JobRow.priority.desc(), JobRow.submit_s,
-            JobRow.seq).limit(limit)
+            JobRow.kind != "dedicated", JobRow.nominated_s.is_(None), JobRow.priority.desc(), queued,
+            JobRow.id).limit(limit)
         with self._read() as s:
             return list(s.scalars(q))
 
@@ -545,13 +556,17 @@ class Store:
         stored), else ``None`` (read it again)."""
         with self._marks:
             out, self._changed = self._changed, {}
+            self.taken_submits = dict(self.submitted)  # (the jobs submitted among the marks taken and before)
         return out
 
-    def count_by_state(self, tenant: str | None = None) -> dict[str, int]:
-        """How many jobs are in each state (states without jobs absent); one ``GROUP BY``."""
+    def count_by_state(self, tenant: str | None = None,
+                       states: Iterable[str] | None = None) -> dict[str, int]:
+        """How many jobs are in each state (of ``states``; states without jobs absent); one ``GROUP BY``."""
         q = select(JobRow.state, func.count()).group_by(JobRow.state)
         if tenant is not None:
             q = q.where(JobRow.tenant == tenant)
+        if states is not None:
+            q = q.where(JobRow.state.in_([str(x) for x in states]))
         with self._read() as s:
             return {st: int(n) for st, n in s.execute(q)}
 
@@ -743,11 +758,11 @@ _UPDATE_JOB = update(_JOBS).where(_JOBS.c.id == bindparam("b_id"))
 _UPDATE_IN_STATE = _UPDATE_JOB.where(_JOBS.c.state == bindparam("b_state"))
 _INSERT_EVENT = insert(_EVENTS)
 _HELD = select(_JOBS.c.id, _JOBS.c.tenant, _JOBS.c.state, _JOBS.c.kind, _JOBS.c.placement,
-               _JOBS.c.releasing).where(_JOBS.c.state.in_([str(x) for x in HELD]))
-_PROGRESS_KEYS = ("step", "steps_per_s", "start_step", "tiers")  # (what /metrics reads of the progress)
+               _JOBS.c.releasing).where(_JOBS.c.state.in_([str(x) for x in HELD])).order_by(_JOBS.c.seq)
+PROGRESS_KEYS = ("step", "steps_per_s", "start_step", "tiers")  # (what /metrics reads of the progress)
 _HELD_ACCOUNTING = _HELD.add_columns(*(_JOBS.c[k] for k in (
     "restarts", "preemptions", "lost_s", "lost_steps", "held_s", "productive_s", "attempt_launched_s")),
-    *(_PROGRESS.c.doc[k] for k in _PROGRESS_KEYS)).outerjoin_from(_JOBS, _PROGRESS,
+    *(_PROGRESS.c.doc[k] for k in PROGRESS_KEYS)).outerjoin_from(_JOBS, _PROGRESS,
                                                                   _PROGRESS.c.job_id == _JOBS.c.id)
 
 

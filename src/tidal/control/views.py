@@ -37,12 +37,13 @@ def event_view(e: EventRow) -> dict[str, Any]:
         "from": e.from_state, "to": e.to_state, "message": e.message, "data": e.data}))
 
 
-def pool_view(nodes: list[Node], jobs: Sequence[HeldJob | JobRow], viewer: str | None,
-              pending: int | None = None, *, offset: int = 0, limit: int | None = None) -> dict[str, Any]:
+def pool_view(nodes: Sequence[Node], jobs: Sequence[HeldJob | JobRow], viewer: str | None,
+              pending: int | None = None, *, offset: int = 0, limit: int | None = None,
+              as_of_s: float | None = None) -> dict[str, Any]:
     """:class:`~tidal.control.schemas.Pool`: GPUs per node: allocated (by tenant; job ids only for
     ``viewer``'s own jobs, all for admin ``viewer=None``), draining (being released) and free; the nodes from
-    ``offset``, ``limit`` of them, the totals over all. ``pending``: the viewer's pending jobs (None: counted
-    in ``jobs``). Work follows the nodes listed and the held jobs."""
+    ``offset``, ``limit`` of them, the totals over all, as of ``as_of_s``. ``pending``: the viewer's pending
+    jobs (None: counted in ``jobs``). Work follows the nodes listed and the held jobs."""
     on: dict[str, list[HeldJob | JobRow]] = {}
     for j in jobs:
         if State(j.state) in HELD:
@@ -72,7 +73,7 @@ def pool_view(nodes: list[Node], jobs: Sequence[HeldJob | JobRow], viewer: str |
     if pending is None:
         pending = sum(1 for j in jobs if j.state == State.PENDING and (viewer is None or j.tenant == viewer))
     return answer(sc.Pool(nodes=out, gpus=total, allocated=alloc, free=total - alloc, pending=pending,
-                          nodes_total=len(nodes), offset=offset))
+                          nodes_total=len(nodes), offset=offset, as_of_s=as_of_s))
 
 
 def checkpoint_view(job_id: str, url: str | None, now_s: float, *, tiers: list | None = None,
