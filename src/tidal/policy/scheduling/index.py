@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 from bisect import bisect_left, bisect_right, insort
 from collections.abc import Iterable, Sequence
+from itertools import repeat
+from operator import attrgetter
 from typing import NamedTuple
 
 import numpy as np
@@ -103,15 +105,16 @@ class RunningIndex:
         """``jobs`` whose ``last_ckpt_s`` moved in place since the last report. From the first report on the
         index keeps that column itself, so the caller must report every move before the next call."""
         self.ckpt_reported = True
-        get = self.row_of.get
-        rows, times = [], []
-        for j in jobs:
-            r = get(id(j))  # listed: alive, so no other live job has its id
-            if r is not None:
-                rows.append(r)
-                times.append(j.last_ckpt_s)
-        if rows:
-            self._table.ckpt[rows] = np.array(times, dtype=np.float64)  # None -> NaN
+        jobs = list(jobs)
+        if not jobs:
+            return
+        # Each job's row (-1: not listed; a listed job is alive, so no other live job has its id), by maps:
+        # a few hundred jobs move between two calls of a large pool.
+        rows = np.fromiter(map(self.row_of.get, map(id, jobs), repeat(-1)), dtype=np.intp, count=len(jobs))
+        listed = rows >= 0
+        if listed.any():
+            times = np.array(list(map(_last_ckpt_s, jobs)), dtype=np.float64)  # None -> NaN
+            self._table.ckpt[rows[listed]] = times[listed]
             self._spot_cols = None
 
     def update(self, running: Sequence[Job]) -> None:
@@ -305,6 +308,9 @@ class _Table(NamedTuple):
 
 
 __all__ = ["RunningIndex", "SpotColumns"]
+
+
+_last_ckpt_s = attrgetter("last_ckpt_s")
 
 
 def _add(counts: dict[str, int], key: str, delta: int) -> None:
