@@ -28,7 +28,6 @@ class RunningIndex:
     def __init__(self) -> None:
         self._nodes: object = None  # the node tuple the node tables below were made for
         self._node_gpus: dict[str, int] = {}  # training node -> GPUs
-        self.training_pool_of: dict[str, str] = {}  # training node -> "training", in node order
         self.training_gpus = 0
         self.max_node_gpus = 1
         self.other_nodes: set[str] = set()  # nodes not in the training pool
@@ -38,7 +37,6 @@ class RunningIndex:
         self.group_key: list[tuple[int, str]] = []  # code -> (priority, tenant)
         self._hint: tuple | None = None  # (running, since, added, removed), see hint()
         self.ckpt_reported = False  # the caller reports every in-place move of last_ckpt_s (ckpt_moved())
-        self.memo: dict[str, tuple] = {}  # results a call may reuse while their inputs stay the same
         self._reset_jobs()
 
     def _reset_jobs(self) -> None:
@@ -83,7 +81,10 @@ class RunningIndex:
             return True
         self._nodes = nodes
         self._node_gpus = {n.name: n.gpus for n in nodes if n.pool == "training"}
-        self.training_pool_of = dict.fromkeys(self._node_gpus, "training")
+        self._pool_of = dict.fromkeys(self._node_gpus, "training")  # and the loaned nodes: see loaned()
+        self._loaned: set[str] = set()  # the nodes outside the training pool on loan at the last call
+        self._loan_order: list[str] = []  # ... in node order
+        self._loan_pos: list[int] = []  # ... their positions (sorted)
         self.training_gpus = sum(self._node_gpus.values())
         self.max_node_gpus = max([1, *(n.gpus for n in nodes)])
         self.other_nodes = {n.name for n in nodes if n.pool != "training"}
@@ -93,6 +94,26 @@ class RunningIndex:
             self._nodes = None
             return False
         return True
+
+    def loaned(self, names: Iterable[str]) -> tuple[dict[str, str], list[str]]:
+        """While the nodes ``names`` are on loan: node -> ``"training"`` for the training pool's nodes and
+        ``"loan"`` for the loaned ones outside it, and those loaned ones in node order. Both are kept across
+        calls, changed by the nodes whose loan came or went (set differences aside), and read only: valid
+        until the next call. Call :meth:`nodes` first."""
+        now = self.other_nodes.intersection(names)
+        had, pool_of, order, at = self._loaned, self._pool_of, self._loan_order, self._loan_pos
+        if now != had:
+            pos = self.pos
+            for name in had - now:
+                i = bisect_left(at, pos[name])
+                del at[i], order[i], pool_of[name]
+            for name in now - had:
+                i = bisect_left(at, pos[name])
+                at.insert(i, pos[name])
+                order.insert(i, name)
+                pool_of[name] = "loan"
+            self._loaned = now
+        return pool_of, order
 
     def hint(self, running: Sequence[Job], since: Sequence[Job], added: Sequence[Job], removed: Sequence[Job]
              ) -> None:
