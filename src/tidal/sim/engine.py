@@ -107,6 +107,16 @@ class Engine:
         heapq.heappush(self.heap, (t, kind, self.seq, a, b))
 
     def run(self) -> SimResult:
+        # A young-generation collection every 50,000 net allocations, not Python's default 700: the run
+        # makes few reference cycles, and at 700 the collections alone took ~4 % of a month at scale.
+        threshold = gc.get_threshold()
+        gc.set_threshold(max(threshold[0], 50_000), *threshold[1:])
+        try:
+            return self._run()
+        finally:
+            gc.set_threshold(*threshold)
+
+    def _run(self) -> SimResult:
         wall0, cpu0 = time.perf_counter(), time.process_time()
         cfg, w = self.cfg, self.world
         end = cfg.end_s
