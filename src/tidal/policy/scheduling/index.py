@@ -11,6 +11,7 @@ report the first, :meth:`RunningIndex.ckpt_moved`). One index per caller and poo
 from __future__ import annotations
 
 import math
+from array import array
 from bisect import bisect_left, bisect_right, insort
 from collections.abc import Iterable, Sequence
 from itertools import repeat
@@ -65,7 +66,8 @@ class RunningIndex:
         self.spot_ids: list[str] = []
         self.repeated_ids = 0  # listed spot jobs whose id an earlier listed one has (invalid snapshots only)
         self.spot_sorted: list[Job] = []
-        self.spot_rows: list[int] = []  # each one's row in the key table (rows are reused)
+        # Each one's row in the key table (rows are reused): a C array of intp, read by numpy without a walk.
+        self.spot_rows = array("q" if np.dtype(np.intp).itemsize == 8 else "i")
         self.row_of: dict[int, int] = {}  # id(job) -> its row
         self._table = _Table(np.zeros(0, np.int64), np.zeros(0, np.intp), np.zeros(0, np.int64),
                              np.zeros(0, np.float64), np.zeros(0, bool), np.zeros(0, bool),
@@ -289,7 +291,7 @@ class RunningIndex:
             return None
         cols = self._spot_cols
         if cols is None:
-            rows = np.array(self.spot_rows, dtype=np.intp)
+            rows = np.frombuffer(self.spot_rows, dtype=np.intp).copy()  # (the copy lets the array grow again)
             t = self._table
             cols = self._spot_cols = SpotColumns(
                 t.priority[rows], t.tenant[rows], t.gpus[rows], t.started_s[rows], t.on_training[rows],
