@@ -2,7 +2,8 @@
 
 * ``World``'s ``job_with``: ``dataclasses.replace`` for the store's changes of a job's state;
 * the forecast's scalar slot, box kernel with every slot seen, row push and integer clip;
-* ``World.refresh_checkpoints`` naming the jobs it moved (the index keeps their checkpoint times).
+* ``World.refresh_checkpoints`` naming the jobs it moved (the index keeps their checkpoint times);
+* the failure draws taken in blocks: ``Exponentials.scaled`` is ``rng.exponential(scale)`` draw by draw.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from tidal.model import Admit, Job, Tenant
 from tidal.policy import forecast as F
 from tidal.sim.config import make_config
 from tidal.sim.jobs import JobSpec
-from tidal.sim.world import World, job_with
+from tidal.sim.world import Exponentials, World, job_with
 
 BASE = Job(
     "j1",
@@ -118,3 +119,12 @@ def test_refresh_checkpoints_returns_exactly_the_jobs_it_moved() -> None:
         assert all(j is w.jobs[j.id].job for j in moved)
         seen += len(changed)
     assert seen >= 4  # checkpoints did move, more than once each
+
+
+@pytest.mark.parametrize("block", [1, 7, 4096])
+def test_block_draws_are_the_one_by_one_draws(block: int) -> None:
+    scales = np.random.default_rng(1).lognormal(8.0, 4.0, 3000).tolist()
+    one_by_one = np.random.default_rng(5)
+    blocks = Exponentials(np.random.default_rng(5), block)
+    for scale in scales:
+        assert blocks.scaled(scale) == float(one_by_one.exponential(scale))

@@ -15,6 +15,8 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import cast
 
+import numpy as np
+
 from tidal.model import (
     Admit,
     Decision,
@@ -144,6 +146,25 @@ class RunningJobs(dict):
         return out
 
 
+class Exponentials:
+    """Standard exponential draws from ``rng``, taken from it in blocks: :meth:`scaled` gives the very
+    number that ``rng.exponential(scale)`` would, draw after draw (numpy makes ``exponential(scale)`` as
+    ``scale`` times the next standard draw, and a block as that many draws one after another), at a third
+    of the cost of a numpy call per draw. ``rng`` must be drawn from through this object only."""
+
+    def __init__(self, rng: np.random.Generator, block: int = 4096) -> None:
+        self.rng, self.block = rng, block
+        self.draws: list[float] = []
+        self.next = 0
+
+    def scaled(self, scale: float) -> float:
+        if self.next == len(self.draws):
+            self.draws, self.next = self.rng.standard_exponential(self.block).tolist(), 0
+        e = self.draws[self.next]
+        self.next += 1
+        return scale * e
+
+
 FINISH, FAIL, RELEASE = 1, 2, 0
 
 
@@ -168,7 +189,7 @@ class World:
         self.serving_nodes = set(serving)
         self.serving = LoanLedger(serving, config.timing)
         self.tenants = tuple(tenants)
-        self.push, self.rng = push, rng
+        self.push, self.failure_draws = push, Exponentials(rng)
         self.jobs: dict[str, SimJob] = {}
         self.running = RunningJobs()  # id -> Job, with the Job objects that came and went since last asked
         self.queues: dict[tuple, list[Job]] = {}
@@ -224,7 +245,7 @@ class World:
             self.push(max(t_fin, now), FINISH, sj.spec.id, sj.version)
         lam = self.fail_rate_per_gpu_s * sj.job.gpus
         if lam > 0:
-            t_fail = now + float(self.rng.exponential(1.0 / lam))
+            t_fail = now + self.failure_draws.scaled(1.0 / lam)
             if t_fail < min(t_fin, sj.rel_at, self.cfg.end_s):
                 self.push(t_fail, FAIL, sj.spec.id, sj.version)
         self.durable.set(sj, seg, seg.next_durable_s(now))
