@@ -60,7 +60,8 @@ class RunningIndex:
         # The victim index's inputs (``victims.VictimIndex``), over running jobs not releasing:
         self.spot_jobs: dict[int, Job] = {}  # id(job) -> spot job
         self.spot_on_training: set[str] = set()  # ids of those spot jobs with GPUs on a training node
-        self.spot_elsewhere: dict[int, tuple[str, tuple[str, ...]]] = {}  # id(job) -> (job id, other nodes)
+        # id(job) -> (job id, its nodes outside the training pool, its row in the key table below)
+        self.spot_elsewhere: dict[int, tuple[str, tuple[str, ...], int]] = {}
         self.ded_jobs: dict[str, dict[int, Job]] = {}  # tenant -> id(job) -> dedicated job
         # The same spot jobs sorted by job id; their fixed key columns in a table, a reused row each.
         self.spot_ids: list[str] = []
@@ -227,9 +228,9 @@ class RunningIndex:
                     self.spot_jobs[key] = j
                     if on_training:
                         self.spot_on_training.add(j.id)
-                    if others:
-                        self.spot_elsewhere[key] = (j.id, tuple(others))
                     self._spot_insert(j, on_training)
+                    if others:
+                        self.spot_elsewhere[key] = (j.id, tuple(others), self.row_of[key])
                 else:
                     del self.spot_jobs[key]
                     if on_training:

@@ -40,24 +40,23 @@ class VictimIndex:
             # The caller's RunningIndex keeps these jobs split by kind, and their nodes by pool.
             self.dedicated = {t: list(d.values()) for t, d in index.ded_jobs.items() if d}
             self.on_training = index.spot_on_training  # read only; valid for this call
-            open_loan: list[int] = []  # id(job) of those on loaned nodes open to placement
+            open_loan: list[int] = []  # table rows of those on loaned nodes open to placement
             any_loan: list[int] = []  # ... on any loaned node
-            for key, (jid, others) in index.spot_elsewhere.items():
+            for jid, others, row in index.spot_elsewhere.values():
                 for n in others:
                     if pool_of.get(n) == "loan":
                         on_a.add(jid)
-                        any_loan.append(key)
+                        any_loan.append(row)
                         if n not in blocked:
                             on_l.add(jid)
-                            open_loan.append(key)
+                            open_loan.append(row)
             cols = index.spot_columns()
             if cols is not None:
-                row_of = index.row_of
-                self._cols = _spot_orders_cols(c, index, cols, [row_of[k] for k in open_loan])
+                self._cols = _spot_orders_cols(c, index, cols, open_loan)
                 self.spot_shrink = self._cols.shrink
                 self._group_src = (index, cols)
                 if not index.repeated_ids:  # (else an id names more than one job: filter by id below)
-                    self._any_loan_rows = ([row_of[k] for k in any_loan], cols)
+                    self._any_loan_rows = (any_loan, cols)
                 return
             spot = list(index.spot_sorted)
         else:
