@@ -12,12 +12,13 @@ import gc
 import heapq
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from tidal.model import Tenant, check_snapshot
+from tidal.model import Job, Tenant, check_snapshot
 from tidal.policy.ledger import for_takers
 from tidal.policy.loan import LoanContext
 from tidal.policy.scheduler import RunningIndex, schedule
@@ -74,7 +75,7 @@ class Engine:
         self.clients = None if clients is None else np.resize(clients, (need, clients.shape[1]))
         self.pstate = self.policy.initial_state() if self.policy is not None else None
         self.sched_index = RunningIndex()  # the scheduler's incremental per-node sums (same decisions)
-        self.last_running: tuple = ()  # the running jobs the index saw last
+        self.last_running: Sequence[Job] = ()  # the running jobs the index saw last (the object)
         ss = np.random.SeedSequence(config.seed)
         fail_seq, backlog_seq = ss.spawn(2)
         self.heap: list[tuple] = []

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable, Iterable, Mapping
-from typing import cast
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import cast, overload
 
 import numpy as np
 
@@ -146,6 +146,32 @@ class RunningJobs(dict):
         return out
 
 
+class LiveJobs(Sequence[Job]):
+    """The running jobs read through from the store's :class:`RunningJobs`, not copied: a snapshot's
+    ``running``, true while the store is unchanged, which is as long as a snapshot lives (the scheduling
+    call; the caller keeps only the object, for ``RunningIndex.hint``). A tuple of the ~5,000 jobs of a
+    pool of 65,536 GPUs cost ~0.3 ms a call to make and as much to free, touching every job."""
+
+    __slots__ = ("_jobs",)
+
+    def __init__(self, jobs: RunningJobs) -> None:
+        self._jobs = jobs
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def __iter__(self) -> Iterator[Job]:
+        return iter(self._jobs.values())
+
+    @overload
+    def __getitem__(self, i: int) -> Job: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[Job]: ...
+
+    def __getitem__(self, i: int | slice) -> Job | Sequence[Job]:
+        return tuple(self._jobs.values())[i]
+
+
 class Exponentials:
     """Standard exponential draws from ``rng``, taken from it in blocks: :meth:`scaled` gives the very
     number that ``rng.exponential(scale)`` would, draw after draw (numpy makes ``exponential(scale)`` as
@@ -221,7 +247,7 @@ class World:
 
     def snapshot(self, now: float) -> Snapshot:
         s = self.serving
-        return Snapshot(now, self.node_tuple, self.tenants, tuple(self.running.values()), self.queues,
+        return Snapshot(now, self.node_tuple, self.tenants, LiveJobs(self.running), self.queues,
                         tuple(s.loans.values()), tuple(s.reclaims))
 
     def _hold(self, sj: SimJob, now: float, delta: Mapping[str, int], sign: int) -> None:
