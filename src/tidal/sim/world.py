@@ -150,7 +150,7 @@ class LiveJobs(Sequence[Job]):
     """The running jobs read through from the store's :class:`RunningJobs`, not copied: a snapshot's
     ``running``, true while the store is unchanged, which is as long as a snapshot lives (the scheduling
     call; the caller keeps only the object, for ``RunningIndex.hint``). A tuple of the ~5,000 jobs of a
-    pool of 65,536 GPUs cost ~0.3 ms a call to make and as much to free, touching every job."""
+    pool of 65,536 GPUs cost ~0.3 ms a call to make, touching every job."""
 
     __slots__ = ("_jobs",)
 
