@@ -768,6 +768,25 @@ def test_incremental_index_gives_the_same_decisions(s, script):
 
 
 @FAST
+@given(st.lists(st.sets(st.sampled_from(["s0", "s1", "s2", "s3", "s4", "t0", "t1", "x9"])), min_size=1,
+                max_size=12))
+def test_index_keeps_the_loaned_nodes_as_loans_come_and_go(loaned):
+    """``RunningIndex.loaned`` keeps the pool of each node and the loaned nodes in node order across calls,
+    changing only what came or went: always what a walk over the nodes gives (loans on training nodes
+    and on unknown nodes leave the pools as they are)."""
+    ns = (Node("s3", 8, "serving"), Node("t0", 8), Node("s0", 4, "serving"), Node("s4", 8, "serving"),
+          Node("t1", 8), Node("s1", 8, "serving"), Node("s2", 2, "serving"))
+    idx = RunningIndex()
+    assert idx.nodes(ns)
+    for names in loaned:
+        pool_of, order = idx.loaned(dict.fromkeys(sorted(names)).keys())
+        want = {n.name: "training" if n.pool == "training" else "loan" for n in ns
+                if n.pool == "training" or n.name in names}
+        assert pool_of == want
+        assert order == [n.name for n in ns if n.pool != "training" and n.name in names]
+
+
+@FAST
 @given(st.lists(st.tuples(st.integers(0, 2), st.sampled_from([1, 2, 4]), st.integers(0, 1), st.booleans(),
                           st.sampled_from([None, -2000.0, -500.0, -100.0]),
                           st.sampled_from([None, -1500.0, -400.0, -100.0, 0.0])), min_size=2, max_size=12))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 from pathlib import Path
@@ -126,9 +127,11 @@ def test_serving_never_lent_beyond_what_the_plan_allowed(runs):
 
 
 def test_same_seed_same_result(demand):
+    threshold = gc.get_threshold()
     a = simulate(
         demand, step_s=600.0, policy=PolicySpec("tidal"), config=cfg(days=1.0), backlog=SpotBacklog()
     )
+    assert gc.get_threshold() == threshold  # a run raises the collector's threshold for itself only
     b = simulate(
         demand, step_s=600.0, policy=PolicySpec("tidal"), config=cfg(days=1.0), backlog=SpotBacklog()
     )

@@ -2,7 +2,9 @@
 
 * ``World``'s ``job_with``: ``dataclasses.replace`` for the store's changes of a job's state;
 * the forecast's scalar slot, box kernel with every slot seen, row push and integer clip;
-* ``World.refresh_checkpoints`` naming the jobs it moved (the index keeps their checkpoint times).
+* ``World.refresh_checkpoints`` naming the jobs it moved (the index keeps their checkpoint times);
+* the failure draws taken in blocks: ``Exponentials.scaled`` is ``rng.exponential(scale)`` draw by draw;
+* a snapshot's running jobs read through from the store: what the tuple of them would hold.
 """
 
 from __future__ import annotations
@@ -12,11 +14,11 @@ import dataclasses
 import numpy as np
 import pytest
 
-from tidal.model import Admit, Job, Tenant
+from tidal.model import Admit, Job, Preempt, Tenant
 from tidal.policy import forecast as F
 from tidal.sim.config import make_config
 from tidal.sim.jobs import JobSpec
-from tidal.sim.world import World, job_with
+from tidal.sim.world import Exponentials, World, job_with
 
 BASE = Job(
     "j1",
@@ -118,3 +120,32 @@ def test_refresh_checkpoints_returns_exactly_the_jobs_it_moved() -> None:
         assert all(j is w.jobs[j.id].job for j in moved)
         seen += len(changed)
     assert seen >= 4  # checkpoints did move, more than once each
+
+
+@pytest.mark.parametrize("block", [1, 7, 4096])
+def test_block_draws_are_the_one_by_one_draws(block: int) -> None:
+    scales = np.random.default_rng(1).lognormal(8.0, 4.0, 3000).tolist()
+    one_by_one = np.random.default_rng(5)
+    blocks = Exponentials(np.random.default_rng(5), block)
+    for scale in scales:
+        assert blocks.scaled(scale) == float(one_by_one.exponential(scale))
+
+
+def test_snapshot_reads_the_running_jobs_as_their_tuple() -> None:
+    """``World.snapshot(t).running`` (read through, not copied) holds what ``tuple(running.values())``
+    would, by length, iteration, index and slice, as jobs start, change and leave."""
+    cfg = make_config(serving_gpus=8, training_gpus=24, days=1, restart_s=100.0)
+    w = World(cfg, [Tenant("a", quota_gpus=24)], lambda *e: None, np.random.default_rng(0))
+    for jid in ("j1", "j2", "j3"):
+        w.submit(JobSpec(jid, "a", "spot", 0, 2, 4, 1e9, 0.0), 0.0)
+    steps = [[Admit("j1", {"t0000": 4}), Admit("j2", {"t0001": 4})], [Admit("j3", {"t0002": 2})],
+             [Preempt("j2", "priority", 500.0)]]
+    for k, decisions in enumerate(steps):
+        w.apply(decisions, 100.0 * k)
+        live, want = w.snapshot(100.0 * k).running, tuple(w.running.values())
+        assert len(live) == len(want) and tuple(live) == want and list(reversed(live)) == list(reversed(want))
+        every = range(-len(want), len(want))
+        assert [live[i] for i in every] == [want[i] for i in every]
+        assert live[1:] == want[1:] and (want[0] in live)
+    w.release("j2", 500.0)
+    assert tuple(w.snapshot(500.0).running) == tuple(w.running.values()) and len(w.running) == 2

@@ -19,6 +19,7 @@ from test_scheduler import FAST, worlds
 from tidal.model import Job, Loan, Reclaim, Snapshot, Tenant
 from tidal.policy.scheduler import RunningIndex, SchedulerConfig, schedule
 from tidal.policy.scheduling.cycle import Cycle
+from tidal.policy.scheduling.targets import _spot_pre
 from tidal.policy.scheduling.victims import VictimIndex
 
 CKPT = st.none() | st.sampled_from([-3000.0, -900.0, -400.0, -100.0, 0.0])
@@ -40,8 +41,14 @@ def _victim_orders(s: Snapshot, index: RunningIndex | None) -> tuple:
     if by_code is not None:  # the same groups, by the index's codes
         codes, listed, _ = by_code
         assert {(p, t): (np.flatnonzero(codes == k).tolist(), fewest) for p, t, k, fewest in listed} == groups
+    # The preemption candidates of pending spot jobs of every tenant, priority and size (one victim
+    # already touched in this call): the group mask and each job's checks, as columns or one by one.
+    c.touched.add(min((j.id for j in s.running), default=""))
+    pre = {(t, p, g): [(j.id, why) for j, why, _ in _spot_pre(c, Job("new", f"u{t}", "spot", priority=p,
+                                                                   min_gpus=g), p)]
+           for t in range(3) for p in range(3) for g in (1, 2, 3, 8)}
     return (ids, groups, [j.id for j in v.spot_pre_any_loan()], sorted(v.on_training), sorted(v.on_loan),
-            sorted(v.on_any_loan), {t: [j.id for j in d] for t, d in v.dedicated.items()})
+            sorted(v.on_any_loan), {t: [j.id for j in d] for t, d in v.dedicated.items()}, pre)
 
 
 def _kept_ckpt_is_the_jobs(idx: RunningIndex) -> None:

@@ -204,7 +204,7 @@ class Snapshot:
     now_s: float
     nodes: tuple[Node, ...]
     tenants: tuple[Tenant, ...]
-    running: tuple[Job, ...] = ()
+    running: Sequence[Job] = ()
     queues: Mapping[QueueKey, Sequence[Job]] = field(default_factory=dict)
     loans: tuple[Loan, ...] = ()
     reclaims: tuple[Reclaim, ...] = ()

@@ -12,12 +12,13 @@ import gc
 import heapq
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from tidal.model import Tenant, check_snapshot
+from tidal.model import Job, Tenant, check_snapshot
 from tidal.policy.ledger import for_takers
 from tidal.policy.loan import LoanContext
 from tidal.policy.scheduler import RunningIndex, schedule
@@ -74,7 +75,7 @@ class Engine:
         self.clients = None if clients is None else np.resize(clients, (need, clients.shape[1]))
         self.pstate = self.policy.initial_state() if self.policy is not None else None
         self.sched_index = RunningIndex()  # the scheduler's incremental per-node sums (same decisions)
-        self.last_running: tuple = ()  # the running jobs the index saw last
+        self.last_running: Sequence[Job] = ()  # the running jobs the index saw last (the object)
         ss = np.random.SeedSequence(config.seed)
         fail_seq, backlog_seq = ss.spawn(2)
         self.heap: list[tuple] = []
@@ -107,6 +108,16 @@ class Engine:
         heapq.heappush(self.heap, (t, kind, self.seq, a, b))
 
     def run(self) -> SimResult:
+        # A young-generation collection every 50,000 net allocations, not Python's default 700: the run
+        # makes few reference cycles, and at 700 the collections alone took ~4 % of a month at scale.
+        threshold = gc.get_threshold()
+        gc.set_threshold(max(threshold[0], 50_000), *threshold[1:])
+        try:
+            return self._run()
+        finally:
+            gc.set_threshold(*threshold)
+
+    def _run(self) -> SimResult:
         wall0, cpu0 = time.perf_counter(), time.process_time()
         cfg, w = self.cfg, self.world
         end = cfg.end_s

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable
-from typing import Generic, TypeVar
+from typing import Generic, TypeVar, cast
 
 import numpy as np
 
@@ -186,9 +186,8 @@ class DurableTable(Generic[K]):
             return [], []
         ct, nxt = durable_times_and_next(self.rows[idx].T, now)
         self.due[idx] = np.where(nxt < self.end_s, nxt, math.inf)
-        keys = self.keys
-        due = [keys[i] for i in idx.tolist()]
-        return [k for k in due if k is not None], ct.tolist()  # (a due row holds a key: none dropped)
+        keys = self.keys  # (a due row holds a key: a dropped one is never due)
+        return cast("list[K]", [keys[i] for i in idx.tolist()]), ct.tolist()
 
 
 def durable_times_and_next(rows: np.ndarray, t: float) -> tuple[np.ndarray, np.ndarray]:

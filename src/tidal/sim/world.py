@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable, Iterable, Mapping
-from typing import cast
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import cast, overload
+
+import numpy as np
 
 from tidal.model import (
     Admit,
@@ -144,6 +146,51 @@ class RunningJobs(dict):
         return out
 
 
+class LiveJobs(Sequence[Job]):
+    """The running jobs read through from the store's :class:`RunningJobs`, not copied: a snapshot's
+    ``running``, true while the store is unchanged, which is as long as a snapshot lives (the scheduling
+    call; the caller keeps only the object, for ``RunningIndex.hint``). A tuple of the ~5,000 jobs of a
+    pool of 65,536 GPUs cost ~0.3 ms a call to make, touching every job."""
+
+    __slots__ = ("_jobs",)
+
+    def __init__(self, jobs: RunningJobs) -> None:
+        self._jobs = jobs
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def __iter__(self) -> Iterator[Job]:
+        return iter(self._jobs.values())
+
+    @overload
+    def __getitem__(self, i: int) -> Job: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[Job]: ...
+
+    def __getitem__(self, i: int | slice) -> Job | Sequence[Job]:
+        return tuple(self._jobs.values())[i]
+
+
+class Exponentials:
+    """Standard exponential draws from ``rng``, taken from it in blocks: :meth:`scaled` gives the very
+    number that ``rng.exponential(scale)`` would, draw after draw (numpy makes ``exponential(scale)`` as
+    ``scale`` times the next standard draw, and a block as that many draws one after another), at a third
+    of the cost of a numpy call per draw. ``rng`` must be drawn from through this object only."""
+
+    def __init__(self, rng: np.random.Generator, block: int = 4096) -> None:
+        self.rng, self.block = rng, block
+        self.draws: list[float] = []
+        self.next = 0
+
+    def scaled(self, scale: float) -> float:
+        if self.next == len(self.draws):
+            self.draws, self.next = self.rng.standard_exponential(self.block).tolist(), 0
+        e = self.draws[self.next]
+        self.next += 1
+        return scale * e
+
+
 FINISH, FAIL, RELEASE = 1, 2, 0
 
 
@@ -168,7 +215,7 @@ class World:
         self.serving_nodes = set(serving)
         self.serving = LoanLedger(serving, config.timing)
         self.tenants = tuple(tenants)
-        self.push, self.rng = push, rng
+        self.push, self.failure_draws = push, Exponentials(rng)
         self.jobs: dict[str, SimJob] = {}
         self.running = RunningJobs()  # id -> Job, with the Job objects that came and went since last asked
         self.queues: dict[tuple, list[Job]] = {}
@@ -200,7 +247,7 @@ class World:
 
     def snapshot(self, now: float) -> Snapshot:
         s = self.serving
-        return Snapshot(now, self.node_tuple, self.tenants, tuple(self.running.values()), self.queues,
+        return Snapshot(now, self.node_tuple, self.tenants, LiveJobs(self.running), self.queues,
                         tuple(s.loans.values()), tuple(s.reclaims))
 
     def _hold(self, sj: SimJob, now: float, delta: Mapping[str, int], sign: int) -> None:
@@ -224,7 +271,7 @@ class World:
             self.push(max(t_fin, now), FINISH, sj.spec.id, sj.version)
         lam = self.fail_rate_per_gpu_s * sj.job.gpus
         if lam > 0:
-            t_fail = now + float(self.rng.exponential(1.0 / lam))
+            t_fail = now + self.failure_draws.scaled(1.0 / lam)
             if t_fail < min(t_fin, sj.rel_at, self.cfg.end_s):
                 self.push(t_fail, FAIL, sj.spec.id, sj.version)
         self.durable.set(sj, seg, seg.next_durable_s(now))

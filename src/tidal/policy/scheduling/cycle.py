@@ -92,17 +92,8 @@ class Cycle:
         if any(k and t not in tenants for t, k in index.jobs_of.items()):
             return False
         self.max_node_gpus, self.training_gpus = index.max_node_gpus, index.training_gpus
-        # Read only after this: kept across calls while the loaned nodes stay the same.
-        other, names = index.other_nodes, self.loans.keys()
-        memo = index.memo.get("pool_of")
-        if memo is not None and memo[0] is other and memo[1] is index.training_pool_of and memo[2] == names:
-            self.pool_of = memo[3]
-        else:
-            self.pool_of = dict(index.training_pool_of)
-            for name in self.loans:
-                if name in other:
-                    self.pool_of[name] = "loan"
-            index.memo["pool_of"] = (other, index.training_pool_of, set(names), self.pool_of)
+        # Read only after this: kept by the index across calls.
+        self.pool_of, self._loan_order = index.loaned(self.loans.keys())
         self.ded_held = {t: index.ded_held.get(t, 0) for t in tenants}
         self.spot_held = {t: index.spot_held.get(t, 0) for t in tenants}
         self.growable = None  # listed by growable_jobs() only if the grow step runs (spare GPUs)
@@ -153,15 +144,8 @@ class Cycle:
         tv.total += total
         for name in sorted((n for n in drain if n in tfree), key=pos.__getitem__):
             tv.draining[name] = drain[name]
-        # View.add for every loaned node in node order, column by column (their order kept while the same)
-        other = index.other_nodes
-        key = loans.keys()
-        cached = index.memo.get("loan_order")
-        if cached is not None and cached[0] is other and cached[1] == key:
-            names = cached[2]
-        else:
-            names = sorted((n for n in loans if n in other), key=pos.__getitem__)
-            index.memo["loan_order"] = (other, set(key), names)
+        # View.add for every loaned node in node order, column by column (the order kept by the index)
+        names = self._loan_order
         free_of = [loans[n].gpus - used_get(n, 0) for n in names]
         lv.free = dict(zip(names, free_of, strict=True))
         lfree = lv.free

@@ -11,8 +11,11 @@ report the first, :meth:`RunningIndex.ckpt_moved`). One index per caller and poo
 from __future__ import annotations
 
 import math
+from array import array
 from bisect import bisect_left, bisect_right, insort
 from collections.abc import Iterable, Sequence
+from itertools import repeat
+from operator import attrgetter
 from typing import NamedTuple
 
 import numpy as np
@@ -26,7 +29,6 @@ class RunningIndex:
     def __init__(self) -> None:
         self._nodes: object = None  # the node tuple the node tables below were made for
         self._node_gpus: dict[str, int] = {}  # training node -> GPUs
-        self.training_pool_of: dict[str, str] = {}  # training node -> "training", in node order
         self.training_gpus = 0
         self.max_node_gpus = 1
         self.other_nodes: set[str] = set()  # nodes not in the training pool
@@ -36,7 +38,6 @@ class RunningIndex:
         self.group_key: list[tuple[int, str]] = []  # code -> (priority, tenant)
         self._hint: tuple | None = None  # (running, since, added, removed), see hint()
         self.ckpt_reported = False  # the caller reports every in-place move of last_ckpt_s (ckpt_moved())
-        self.memo: dict[str, tuple] = {}  # results a call may reuse while their inputs stay the same
         self._reset_jobs()
 
     def _reset_jobs(self) -> None:
@@ -59,13 +60,15 @@ class RunningIndex:
         # The victim index's inputs (``victims.VictimIndex``), over running jobs not releasing:
         self.spot_jobs: dict[int, Job] = {}  # id(job) -> spot job
         self.spot_on_training: set[str] = set()  # ids of those spot jobs with GPUs on a training node
-        self.spot_elsewhere: dict[int, tuple[str, tuple[str, ...]]] = {}  # id(job) -> (job id, other nodes)
+        # id(job) -> (job id, its nodes outside the training pool, its row in the key table below)
+        self.spot_elsewhere: dict[int, tuple[str, tuple[str, ...], int]] = {}
         self.ded_jobs: dict[str, dict[int, Job]] = {}  # tenant -> id(job) -> dedicated job
         # The same spot jobs sorted by job id; their fixed key columns in a table, a reused row each.
         self.spot_ids: list[str] = []
         self.repeated_ids = 0  # listed spot jobs whose id an earlier listed one has (invalid snapshots only)
         self.spot_sorted: list[Job] = []
-        self.spot_rows: list[int] = []  # each one's row in the key table (rows are reused)
+        # Each one's row in the key table (rows are reused): a C array of intp, read by numpy without a walk.
+        self.spot_rows = array("q" if np.dtype(np.intp).itemsize == 8 else "i")
         self.row_of: dict[int, int] = {}  # id(job) -> its row
         self._table = _Table(np.zeros(0, np.int64), np.zeros(0, np.intp), np.zeros(0, np.int64),
                              np.zeros(0, np.float64), np.zeros(0, bool), np.zeros(0, bool),
@@ -81,7 +84,10 @@ class RunningIndex:
             return True
         self._nodes = nodes
         self._node_gpus = {n.name: n.gpus for n in nodes if n.pool == "training"}
-        self.training_pool_of = dict.fromkeys(self._node_gpus, "training")
+        self._pool_of = dict.fromkeys(self._node_gpus, "training")  # and the loaned nodes: see loaned()
+        self._loaned: set[str] = set()  # the nodes outside the training pool on loan at the last call
+        self._loan_order: list[str] = []  # ... in node order
+        self._loan_pos: list[int] = []  # ... their positions (sorted)
         self.training_gpus = sum(self._node_gpus.values())
         self.max_node_gpus = max([1, *(n.gpus for n in nodes)])
         self.other_nodes = {n.name for n in nodes if n.pool != "training"}
@@ -91,6 +97,26 @@ class RunningIndex:
             self._nodes = None
             return False
         return True
+
+    def loaned(self, names: Iterable[str]) -> tuple[dict[str, str], list[str]]:
+        """While the nodes ``names`` are on loan: node -> ``"training"`` for the training pool's nodes and
+        ``"loan"`` for the loaned ones outside it, and those loaned ones in node order. Both are kept across
+        calls, changed by the nodes whose loan came or went (set differences aside), and read only: valid
+        until the next call. Call :meth:`nodes` first."""
+        now = self.other_nodes.intersection(names)
+        had, pool_of, order, at = self._loaned, self._pool_of, self._loan_order, self._loan_pos
+        if now != had:
+            pos = self.pos
+            for name in had - now:
+                i = bisect_left(at, pos[name])
+                del at[i], order[i], pool_of[name]
+            for name in now - had:
+                i = bisect_left(at, pos[name])
+                at.insert(i, pos[name])
+                order.insert(i, name)
+                pool_of[name] = "loan"
+            self._loaned = now
+        return pool_of, order
 
     def hint(self, running: Sequence[Job], since: Sequence[Job], added: Sequence[Job], removed: Sequence[Job]
              ) -> None:
@@ -103,15 +129,16 @@ class RunningIndex:
         """``jobs`` whose ``last_ckpt_s`` moved in place since the last report. From the first report on the
         index keeps that column itself, so the caller must report every move before the next call."""
         self.ckpt_reported = True
-        get = self.row_of.get
-        rows, times = [], []
-        for j in jobs:
-            r = get(id(j))  # listed: alive, so no other live job has its id
-            if r is not None:
-                rows.append(r)
-                times.append(j.last_ckpt_s)
-        if rows:
-            self._table.ckpt[rows] = np.array(times, dtype=np.float64)  # None -> NaN
+        jobs = list(jobs)
+        if not jobs:
+            return
+        # Each job's row (-1: not listed; a listed job is alive, so no other live job has its id), by maps:
+        # a few hundred jobs move between two calls of a large pool.
+        rows = np.fromiter(map(self.row_of.get, map(id, jobs), repeat(-1)), dtype=np.intp, count=len(jobs))
+        listed = rows >= 0
+        if listed.any():
+            times = np.array(list(map(_last_ckpt_s, jobs)), dtype=np.float64)  # None -> NaN
+            self._table.ckpt[rows[listed]] = times[listed]
             self._spot_cols = None
 
     def update(self, running: Sequence[Job]) -> None:
@@ -201,9 +228,9 @@ class RunningIndex:
                     self.spot_jobs[key] = j
                     if on_training:
                         self.spot_on_training.add(j.id)
-                    if others:
-                        self.spot_elsewhere[key] = (j.id, tuple(others))
                     self._spot_insert(j, on_training)
+                    if others:
+                        self.spot_elsewhere[key] = (j.id, tuple(others), self.row_of[key])
                 else:
                     del self.spot_jobs[key]
                     if on_training:
@@ -265,7 +292,7 @@ class RunningIndex:
             return None
         cols = self._spot_cols
         if cols is None:
-            rows = np.array(self.spot_rows, dtype=np.intp)
+            rows = np.frombuffer(self.spot_rows, dtype=np.intp).copy()  # (the copy lets the array grow again)
             t = self._table
             cols = self._spot_cols = SpotColumns(
                 t.priority[rows], t.tenant[rows], t.gpus[rows], t.started_s[rows], t.on_training[rows],
@@ -305,6 +332,9 @@ class _Table(NamedTuple):
 
 
 __all__ = ["RunningIndex", "SpotColumns"]
+
+
+_last_ckpt_s = attrgetter("last_ckpt_s")
 
 
 def _add(counts: dict[str, int], key: str, delta: int) -> None:

@@ -101,8 +101,7 @@ def _spot_pre(c: Cycle, job: Job, e: int) -> Iterator[Cand]:
         return held / f if f > 0 else inf
 
     got = idx.open_group_codes()
-    seq: Sequence[Job]
-    if got is not None:  # the groups by code: the ranks of those kept, in one mask
+    if got is not None:  # the groups by code: the ranks of those kept, in one mask, then each job's check
         codes, groups, n_codes = got
         keep = np.zeros(n_codes, dtype=bool)
         for p, t, k, fewest in groups:
@@ -113,17 +112,30 @@ def _spot_pre(c: Cycle, job: Job, e: int) -> Iterator[Cand]:
         if not keep.any():
             return
         o = idx._cols
-        assert o is not None
-        seq = o.spot  # spot_pre_open[r] is o.spot[o.open_order[r]]: no list of them all is made
-        ranks = o.open_order[keep[codes]]
-    else:
-        parts = [ranks for p, t, ranks, fewest in idx.open_groups()
-                 if p <= e and ((t == job.tenant and p <= e - gap)
-                                or (t != job.tenant and share_after <= after(t, fewest)))]
-        if not parts:
-            return
-        ranks = parts[0] if len(parts) == 1 else np.sort(np.concatenate(parts))
-        seq = idx.spot_pre_open
+        assert o is not None and c.index is not None
+        pos = o.open_order[keep[codes]]  # positions in o.spot, in victim order
+        # Each job's own check as columns: the kept groups hold only jobs at priority <= e, and of the job's
+        # own tenant only those a priority gap below it, so only another tenant's share after is left.
+        tenant, gpus = o.tenant[pos], o.gpus[pos]
+        own = tenant == c.index.tenant_code.get(job.tenant, -1)
+        held = np.array([spot_held.get(t, 0) for t in o.tenant_names])[tenant] - gpus
+        f = np.array([fair.get(t, 0.0) for t in o.tenant_names])[tenant]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            share_left = np.where(held <= 0, 0.0, np.where(f > 0, held / f, inf))  # after(), as columns
+        ok = own | (share_after <= share_left)
+        spot = o.spot
+        for i, mine in zip(pos[ok].tolist(), own[ok].tolist(), strict=True):
+            v = spot[i]
+            if v.id not in touched:
+                yield (v, "priority" if mine else "fair_share", False)
+        return
+    parts = [ranks for p, t, ranks, fewest in idx.open_groups()
+             if p <= e and ((t == job.tenant and p <= e - gap)
+                            or (t != job.tenant and share_after <= after(t, fewest)))]
+    if not parts:
+        return
+    ranks = parts[0] if len(parts) == 1 else np.sort(np.concatenate(parts))
+    seq = idx.spot_pre_open
     for r in ranks.tolist():  # not protected, on a usable node
         v = seq[r]
         if v.priority > e or v.id in touched:

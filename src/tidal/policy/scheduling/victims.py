@@ -40,24 +40,23 @@ class VictimIndex:
             # The caller's RunningIndex keeps these jobs split by kind, and their nodes by pool.
             self.dedicated = {t: list(d.values()) for t, d in index.ded_jobs.items() if d}
             self.on_training = index.spot_on_training  # read only; valid for this call
-            open_loan: list[int] = []  # id(job) of those on loaned nodes open to placement
+            open_loan: list[int] = []  # table rows of those on loaned nodes open to placement
             any_loan: list[int] = []  # ... on any loaned node
-            for key, (jid, others) in index.spot_elsewhere.items():
+            for jid, others, row in index.spot_elsewhere.values():
                 for n in others:
                     if pool_of.get(n) == "loan":
                         on_a.add(jid)
-                        any_loan.append(key)
+                        any_loan.append(row)
                         if n not in blocked:
                             on_l.add(jid)
-                            open_loan.append(key)
+                            open_loan.append(row)
             cols = index.spot_columns()
             if cols is not None:
-                row_of = index.row_of
-                self._cols = _spot_orders_cols(c, index, cols, [row_of[k] for k in open_loan])
+                self._cols = _spot_orders_cols(c, index, cols, open_loan)
                 self.spot_shrink = self._cols.shrink
                 self._group_src = (index, cols)
                 if not index.repeated_ids:  # (else an id names more than one job: filter by id below)
-                    self._any_loan_rows = ([row_of[k] for k in any_loan], cols)
+                    self._any_loan_rows = (any_loan, cols)
                 return
             spot = list(index.spot_sorted)
         else:
@@ -210,11 +209,12 @@ def _spot_orders(c: Cycle, spot: list[Job]) -> tuple[list[Job], set[str], list[J
     return pre, {jid for jid, k in keys.items() if k[0]}, shrink
 
 
-def _column_orders(c: Cycle, prio: np.ndarray, neg_share: np.ndarray, gpus: np.ndarray, started: np.ndarray,
-                   ckpt: np.ndarray, elastic: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _column_orders(c: Cycle, base: np.ndarray, gpus: np.ndarray, started: np.ndarray, ckpt: np.ndarray,
+                   elastic: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """:func:`preempt_keys` and :func:`shrink_key` as stable sorts of key columns, for jobs in id order
-    (the keys' last tie-break): ``(preemption order, protected mask, shrink order of the elastic
-    positions)``. Work lost is computed as ``Job.work_lost_gpu_s`` does (``None`` times as NaN)."""
+    (the keys' last tie-break) and ``base``, their positions sorted stably by (priority, -share):
+    ``(preemption order, protected mask, shrink order of the elastic positions)``. Work lost is computed
+    as ``Job.work_lost_gpu_s`` does (``None`` times as NaN)."""
     now = c.now
     since = np.where(np.isnan(started), now, started)
     since = np.where(ckpt > since, ckpt, since)
@@ -222,8 +222,7 @@ def _column_orders(c: Cycle, prio: np.ndarray, neg_share: np.ndarray, gpus: np.n
     lost_gpu_s = np.where(lost > 0.0, lost, 0.0) * gpus
     with np.errstate(invalid="ignore"):
         prot = (now - started) < c.cfg.min_runtime_before_preempt_s
-    base = np.lexsort((neg_share, prio))
-    is_elastic = np.zeros(len(prio), dtype=bool)
+    is_elastic = np.zeros(len(base), dtype=bool)
     is_elastic[elastic] = True
     by_lost = base[np.argsort(lost_gpu_s[base], kind="stable")]
     p = prot[by_lost]
@@ -235,10 +234,11 @@ def _spot_orders_np(c: Cycle, spot: list[Job], ids: list[str]) -> tuple[list[Job
     """:func:`_spot_orders` by :func:`_column_orders`, the jobs put in id order first."""
     by_id = [spot[i] for i in np.argsort(np.array(ids), kind="stable").tolist()]
     shares = {t: -c.share(t) for t in c.tenants}
+    base = np.lexsort((np.array([shares[j.tenant] for j in by_id], dtype=np.float64),
+                       np.array([j.priority for j in by_id], dtype=np.int64)))
     order, prot, shrink = _column_orders(
         c,
-        np.array([j.priority for j in by_id], dtype=np.int64),
-        np.array([shares[j.tenant] for j in by_id], dtype=np.float64),
+        base,
         np.array([j.gpus for j in by_id], dtype=np.int64),
         np.array([j.started_s for j in by_id], dtype=np.float64),  # None -> NaN
         np.array([j.last_ckpt_s for j in by_id], dtype=np.float64),
@@ -263,8 +263,13 @@ def _spot_orders_cols(c: Cycle, index: RunningIndex, cols: SpotColumns, open_loa
     ckpt = cols.last_ckpt_s  # kept by the index while the caller reports its in-place moves
     if ckpt is None:
         ckpt = np.array([j.last_ckpt_s for j in spot], dtype=np.float64)
-    order, prot, shrink_order = _column_orders(c, prio, shares[cols.tenant], gpus, cols.started_s, ckpt,
-                                               cols.elastic)
+    # (priority, -share) is one value per (priority, tenant) group: rank the groups, then sort the jobs by
+    # their group's rank (equal keys, equal ranks), a radix sort of small integers instead of a lexsort.
+    keys = [(p, float(shares[codes[t]])) for p, t in index.group_key]
+    rank_of = {k: r for r, k in enumerate(sorted(set(keys)))}
+    rank = np.array([rank_of[k] for k in keys], dtype=np.int16 if len(rank_of) < 2**15 else np.int64)
+    base = np.argsort(rank[cols.group], kind="stable")
+    order, prot, shrink_order = _column_orders(c, base, gpus, cols.started_s, ckpt, cols.elastic)
     shrink = [spot[i] for i in shrink_order.tolist()]
     if open_loan_rows:  # on a training node or on an open loaned node (marked by table row)
         by_row = np.zeros(cols.table_rows, dtype=bool)
