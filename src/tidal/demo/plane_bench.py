@@ -206,7 +206,8 @@ def run_plane(w: Workload, horizon_s: float, *, step_s: float = 10.0, notice_s: 
                              serving=loans.nodes if loans is not None else None,
                              journal=root / "virtual.jsonl" if tmp is None else None)
         cfg = ControlConfig(scheduler=scheduler or scheduler_for(notice_s, serving))
-        ctl = Controller(store, ex, cfg, loans=loans if lend else None)
+        # as tidal up's loop: each step also publishes the view the API's pool reads serve
+        ctl = Controller(store, ex, cfg, loans=loans if lend else None, publish=True)
         specs = [parse_spec(spec_of(j, interval_s)).model_dump() for j in w.jobs]
         cap = {n.name: n.gpus for n in ex.nodes()}
         on_serving = set(loans.nodes if loans is not None else ())
