@@ -104,6 +104,9 @@ class Controller:
         # ``publish``: the pool as each step leaves it, for the API's reads (tidal.control.read_view)
         self.published: Published | None = Published() if publish else None
         self.steps = 0
+        # ended jobs per state for the view, counted in the store again only after a job left the active set
+        # or retention dropped jobs (this loop makes both happen; a count is a scan of the jobs' history)
+        self._ended: dict[str, int] | None = None
         # job id -> why it waits or does not grow, as stored (the scheduler's reasons; see _note_waiting)
         self._waiting = {j.id: Waiting(j.waiting["reason"], j.waiting.get("until_s"))
                          for j in store.active_jobs() if j.waiting}
@@ -201,7 +204,7 @@ class Controller:
         """The pool as this step leaves it (every write of it committed), for the API's pool reads and
         ``/metrics`` (:class:`~tidal.control.read_view.PlaneView`): from the rows in memory, the jobs written
         since read first (submissions: counted by the readers until read here); ended jobs counted in the
-        store."""
+        store after a job ended or retention dropped jobs, not at every step."""
         self._refresh()
         rows = self._active or {}
         others = [rows[jid] for jid, st in self._state.items() if st != S.PENDING]  # (the pending: counted
@@ -216,9 +219,14 @@ class Controller:
         self.published.view = PlaneView(
             step=self.steps, as_of_s=now_s, nodes=tuple(self.nodes), held=tuple(map(held_job, held)),
             jobs=dict(counted),
-            ended=self.store.count_by_state(states=TERMINAL),
+            ended=self._ended_counts(),
             head=tuple(QueuedJob.of(rows[jid]) for _, jid in head), submitted=self.store.taken_submits,
             loans=self.loans.view() if self.loans is not None else None, wanted=self.published.wanted)
+
+    def _ended_counts(self) -> dict[str, int]:
+        if self._ended is None:
+            self._ended = self.store.count_by_state(states=TERMINAL)
+        return self._ended
 
     def _refresh(self) -> None:
         """Bring the active rows and their scheduler views to the store: read whole at the first call, then
@@ -246,6 +254,7 @@ class Controller:
                     self._forget(j.id)
 
     def _forget(self, job_id: str) -> None:
+        self._ended = None
         (self._active or {}).pop(job_id, None)
         self._state.pop(job_id, None)
         self.view.drop(job_id)
@@ -260,6 +269,7 @@ class Controller:
         job_dir = getattr(self.executor, "job_dir", None)
         kept = (lambda j: Path(job_dir(j)).exists()) if job_dir else None
         self.store.drop_before(now_s - keep_s, keep=kept)
+        self._ended = None
 
     def _check_ckpt_quota(self, now_s: float) -> None:
         """Every ``QUOTA_CHECK_S``: an event for each tenant with running jobs whose checkpoints went over
