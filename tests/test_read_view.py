@@ -206,3 +206,18 @@ def test_the_loop_builds_a_bounded_number_of_parts(plane):
     ctl.published.warm()
     built = set(ctl.published.view._memo)
     assert built == {("pool", None, o % 3, 1 + o) for o in range(5, WARM_MAX + 5)}
+
+
+def test_ended_jobs_dropped_by_retention_leave_the_views_counts(tmp_path):
+    from tidal.control.config import ControlConfig
+
+    clock = FakeClock()
+    store = new_store(tmp_path, ("a", 0, 1.0))
+    old = [submit(store, "a", clock(), name="old", gpus=1) for _ in range(3)]
+    for jid in old:
+        store.transition(jid, State.CANCELLED, clock(), "cancelled while pending", finished_s=clock())
+    ctl = Controller(store, FakeExecutor(gpus=2), ControlConfig(retention_s=3600.0), publish=True)
+    ctl.step(clock.advance(10.0))
+    assert ctl.published.view.ended == {"cancelled": 3} == store.count_by_state(states=["cancelled"])
+    ctl.step(clock.advance(4000.0))  # past retention: the three are dropped, no job ended meanwhile
+    assert store.count_by_state() == {} and ctl.published.view.ended == {}

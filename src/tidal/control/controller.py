@@ -105,7 +105,7 @@ class Controller:
         self.published: Published | None = Published() if publish else None
         self.steps = 0
         # ended jobs per state for the view, counted in the store again only after a job left the active set
-        # or retention dropped jobs (this loop makes both happen; a count is a scan of the jobs' history)
+        # (_forget: it ended, or retention dropped it; a count is a scan of the jobs' history)
         self._ended: dict[str, int] | None = None
         # job id -> why it waits or does not grow, as stored (the scheduler's reasons; see _note_waiting)
         self._waiting = {j.id: Waiting(j.waiting["reason"], j.waiting.get("until_s"))
@@ -269,7 +269,6 @@ class Controller:
         job_dir = getattr(self.executor, "job_dir", None)
         kept = (lambda j: Path(job_dir(j)).exists()) if job_dir else None
         self.store.drop_before(now_s - keep_s, keep=kept)
-        self._ended = None
 
     def _check_ckpt_quota(self, now_s: float) -> None:
         """Every ``QUOTA_CHECK_S``: an event for each tenant with running jobs whose checkpoints went over
