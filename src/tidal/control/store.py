@@ -440,22 +440,23 @@ class Store:
         """Insert a pending job from a validated spec (``JobSpec.model_dump()``); its id is ``<name>-<n>``,
         ``n`` from the ``job_seq`` counter (never reused). Nothing is stored if anything fails."""
         g = spec["gpus"]
-        with self._write() as s:
-            counter = s.get(MetaRow, "job_seq")
-            if counter is None:  # (made by __init__; a database edited under us)
-                counter = MetaRow(key="job_seq", value=str(s.scalar(select(func.max(JobRow.seq))) or 0))
-                s.add(counter)
-            seq = int(counter.value) + 1
-            counter.value = str(seq)
-            row = JobRow(seq=seq, tenant=tenant, name=spec["name"], spec=spec, state=State.PENDING.value,
-                         kind=spec["kind"], priority=spec["priority"], min_gpus=g["min"], max_gpus=g["max"],
-                         multiple_of=g["multiple_of"], max_restarts=spec["max_restarts"], submit_s=now_s,
-                         placement={}, releasing={}, message="", ckpt_location=ckpt_location)
-            s.add(row)
-            s.flush()
-            row.id = f"{spec['name']}-{row.seq}"
-            s.add(EventRow(time_s=now_s, job_id=row.id, tenant=tenant, kind="transition", from_state=None,
-                           to_state=State.PENDING.value, message="submitted"))
+        with self._write() as s:  # (statements compiled once, on the connection: no ORM unit of work)
+            c = s.connection()
+            top = c.execute(_JOB_SEQ).scalar()
+            if top is None:  # (made by __init__; a database edited under us)
+                top = str(c.execute(select(func.max(_JOBS.c.seq))).scalar() or 0)
+                c.execute(insert(_META), {"key": "job_seq", "value": top})
+            seq = int(top) + 1
+            c.execute(_SET_JOB_SEQ, {"value": str(seq)})
+            values = {**_job_defaults(), "seq": seq, "id": f"{spec['name']}-{seq}", "tenant": tenant,
+                      "name": spec["name"], "spec": spec, "kind": spec["kind"], "priority": spec["priority"],
+                      "min_gpus": g["min"], "max_gpus": g["max"], "multiple_of": g["multiple_of"],
+                      "max_restarts": spec["max_restarts"], "submit_s": now_s, "ckpt_location": ckpt_location}
+            c.execute(_INSERT_JOB, values)
+            c.execute(_INSERT_EVENT, {"time_s": now_s, "job_id": values["id"], "tenant": tenant,
+                                      "kind": "transition", "from_state": None, "to_state": values["state"],
+                                      "message": "submitted", "data": None})
+        row = JobRow(**values)
         set_committed_value(row, "progress", {})  # (none yet: as a read of the row says)
         with self._marks:
             self._changed[row.id] = None
@@ -751,12 +752,14 @@ class Store:
             return list(s.scalars(q))
 
 
-_JOBS, _EVENTS, _PROGRESS = (Base.metadata.tables[t] for t in ("jobs", "events", "progress"))
+_JOBS, _EVENTS, _META, _PROGRESS = (Base.metadata.tables[t] for t in ("jobs", "events", "meta", "progress"))
 # Core statements made once, their values bound at each call (the SET clause is the values given): no ORM unit
 # of work, and no statement built and compiled again, for the loop's many small writes and the API's submits
 _UPDATE_JOB = update(_JOBS).where(_JOBS.c.id == bindparam("b_id"))
 _UPDATE_IN_STATE = _UPDATE_JOB.where(_JOBS.c.state == bindparam("b_state"))
 _INSERT_EVENT = insert(_EVENTS)
+_INSERT_JOB, _JOB_SEQ = insert(_JOBS), select(_META.c.value).where(_META.c.key == "job_seq")
+_SET_JOB_SEQ = update(_META).where(_META.c.key == "job_seq")
 _HELD = select(_JOBS.c.id, _JOBS.c.tenant, _JOBS.c.state, _JOBS.c.kind, _JOBS.c.placement,
                _JOBS.c.releasing).where(_JOBS.c.state.in_([str(x) for x in HELD])).order_by(_JOBS.c.seq)
 PROGRESS_KEYS = ("step", "steps_per_s", "start_step", "tiers")  # (what /metrics reads of the progress)
@@ -764,6 +767,16 @@ _HELD_ACCOUNTING = _HELD.add_columns(*(_JOBS.c[k] for k in (
     "restarts", "preemptions", "lost_s", "lost_steps", "held_s", "productive_s", "attempt_launched_s")),
     *(_PROGRESS.c.doc[k] for k in PROGRESS_KEYS)).outerjoin_from(_JOBS, _PROGRESS,
                                                                   _PROGRESS.c.job_id == _JOBS.c.id)
+
+
+def _job_defaults() -> dict[str, Any]:
+    """A new job's column defaults, as the ORM fills them in (a fresh ``{}`` for each JSON one)."""
+    out = {}
+    for c in _JOBS.c:
+        if c.default is not None:
+            arg = c.default.arg  # type: ignore[attr-defined]  # (typed on ColumnDefault's subclasses only)
+            out[c.name] = arg(None) if c.default.is_callable else arg
+    return out
 
 
 def _written(row: JobRow, values: dict[str, Any]) -> JobRow:
