@@ -19,6 +19,7 @@ import sqlalchemy as sa
 
 import test_control_api as api_tests
 import test_control_controller as ctl_tests
+import test_store_submit as store_submit_tests
 from control_fakes import FakeClock, FakeExecutor, submit
 from tidal.control.auth import create_tenant
 from tidal.control.controller import Controller
@@ -110,5 +111,13 @@ def test_concurrent_submissions_get_unique_ids_and_one_event_each(pg_url):
         assert len(store.jobs(tenant="a")) == 100 and len(store.jobs()) == 200
         submitted = [e for e in store.events() if e.kind == "transition" and e.to_state == "pending"]
         assert sorted(e.job_id for e in submitted) == sorted(ids)
+    finally:
+        store.close()
+
+
+def test_a_submitted_job_is_as_a_read_of_the_store_gives_it_pg(pg_url):
+    store = pg_store(pg_url, ("a", 0, 1.0))
+    try:
+        store_submit_tests.check_submit_is_as_read(store)
     finally:
         store.close()

@@ -15,6 +15,7 @@ default, any URL such as ``postgresql+psycopg://...``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import secrets
@@ -440,22 +441,23 @@ class Store:
         """Insert a pending job from a validated spec (``JobSpec.model_dump()``); its id is ``<name>-<n>``,
         ``n`` from the ``job_seq`` counter (never reused). Nothing is stored if anything fails."""
         g = spec["gpus"]
-        with self._write() as s:  # (statements compiled once, on the connection: no ORM unit of work)
+        values = {**_job_defaults(), "tenant": tenant, "name": spec["name"], "spec": spec,
+                  "kind": spec["kind"], "priority": spec["priority"], "min_gpus": g["min"],
+                  "max_gpus": g["max"], "multiple_of": g["multiple_of"], "max_restarts": spec["max_restarts"],
+                  "submit_s": now_s, "ckpt_location": ckpt_location}
+        with self._write() as s:  # (the driver's statements as written: no ORM unit of work, none compiled)
             c = s.connection()
-            top = c.execute(_JOB_SEQ).scalar()
+            top = c.exec_driver_sql("SELECT value FROM meta WHERE key = 'job_seq'").scalar()
             if top is None:  # (made by __init__; a database edited under us)
                 top = str(c.execute(select(func.max(_JOBS.c.seq))).scalar() or 0)
                 c.execute(insert(_META), {"key": "job_seq", "value": top})
             seq = int(top) + 1
-            c.execute(_SET_JOB_SEQ, {"value": str(seq)})
-            values = {**_job_defaults(), "seq": seq, "id": f"{spec['name']}-{seq}", "tenant": tenant,
-                      "name": spec["name"], "spec": spec, "kind": spec["kind"], "priority": spec["priority"],
-                      "min_gpus": g["min"], "max_gpus": g["max"], "multiple_of": g["multiple_of"],
-                      "max_restarts": spec["max_restarts"], "submit_s": now_s, "ckpt_location": ckpt_location}
-            c.execute(_INSERT_JOB, values)
-            c.execute(_INSERT_EVENT, {"time_s": now_s, "job_id": values["id"], "tenant": tenant,
-                                      "kind": "transition", "from_state": None, "to_state": values["state"],
-                                      "message": "submitted", "data": None})
+            set_seq, insert_job, insert_event = _submit_sql(self._q)
+            c.exec_driver_sql(set_seq, (str(seq),))
+            values["seq"], values["id"] = seq, f"{spec['name']}-{seq}"
+            c.exec_driver_sql(insert_job, tuple(json.dumps(values[k]) if k in _JSON_COLS else values[k]
+                                                for k in _SUBMIT_COLS))
+            c.exec_driver_sql(insert_event, (now_s, values["id"], tenant, values["state"]))
         row = JobRow(**values)
         set_committed_value(row, "progress", {})  # (none yet: as a read of the row says)
         with self._marks:
@@ -646,8 +648,7 @@ class Store:
         with self._write() as s:
             self._put_progress(s, docs)
             for keys, params in groups.items():  # (the driver's executemany: no statement compiled per row)
-                js = {k for k in keys if isinstance(JobRow.__table__.c[k].type, JSON)}
-                rows = [(*(json.dumps(v[k]) if k in js and v[k] is not None else v[k] for k in keys),
+                rows = [(*(json.dumps(v[k]) if k in _JSON_COLS and v[k] is not None else v[k] for k in keys),
                          v["b_id"]) for v in params]
                 sets = ", ".join(f"{k} = {q}" for k in keys)
                 s.connection().exec_driver_sql(f"UPDATE jobs SET {sets} WHERE id = {q}", rows)
@@ -758,8 +759,6 @@ _JOBS, _EVENTS, _META, _PROGRESS = (Base.metadata.tables[t] for t in ("jobs", "e
 _UPDATE_JOB = update(_JOBS).where(_JOBS.c.id == bindparam("b_id"))
 _UPDATE_IN_STATE = _UPDATE_JOB.where(_JOBS.c.state == bindparam("b_state"))
 _INSERT_EVENT = insert(_EVENTS)
-_INSERT_JOB, _JOB_SEQ = insert(_JOBS), select(_META.c.value).where(_META.c.key == "job_seq")
-_SET_JOB_SEQ = update(_META).where(_META.c.key == "job_seq")
 _HELD = select(_JOBS.c.id, _JOBS.c.tenant, _JOBS.c.state, _JOBS.c.kind, _JOBS.c.placement,
                _JOBS.c.releasing).where(_JOBS.c.state.in_([str(x) for x in HELD])).order_by(_JOBS.c.seq)
 PROGRESS_KEYS = ("step", "steps_per_s", "start_step", "tiers")  # (what /metrics reads of the progress)
@@ -777,6 +776,23 @@ def _job_defaults() -> dict[str, Any]:
             arg = c.default.arg  # type: ignore[attr-defined]  # (typed on ColumnDefault's subclasses only)
             out[c.name] = arg(None) if c.default.is_callable else arg
     return out
+
+
+_JSON_COLS = frozenset(c.name for c in _JOBS.c if isinstance(c.type, JSON))  # (written as JSON text)
+# the columns a submit writes: those with a default and the spec's (the others NULL, as the ORM leaves them)
+_SUBMIT_COLS = tuple(dict.fromkeys([*_job_defaults(), "seq", "tenant", "name", "spec", "kind", "priority",
+                                    "min_gpus", "max_gpus", "multiple_of", "max_restarts", "submit_s",
+                                    "ckpt_location"]))
+
+
+@functools.cache
+def _submit_sql(q: str) -> tuple[str, str, str]:
+    """A submit's statements with the driver's parameter marker ``q``: the counter set, the job's and its
+    event's inserts (written out once: the driver runs them as they are)."""
+    return (f"UPDATE meta SET value = {q} WHERE key = 'job_seq'",
+            f"INSERT INTO jobs ({', '.join(_SUBMIT_COLS)}) VALUES ({', '.join([q] * len(_SUBMIT_COLS))})",
+            f"INSERT INTO events (time_s, job_id, tenant, kind, to_state, message) "
+            f"VALUES ({q}, {q}, {q}, 'transition', {q}, 'submitted')")
 
 
 def _written(row: JobRow, values: dict[str, Any]) -> JobRow:

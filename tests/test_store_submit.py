@@ -1,0 +1,48 @@
+"""A submit's rows as the store writes them (its own statements, no ORM unit of work): the job returned is the
+job a read gives, column for column; its event; nothing stored when the insert fails. Also run on PostgreSQL
+(tests/test_control_postgres.py)."""
+
+from __future__ import annotations
+
+import pytest
+import sqlalchemy as sa
+
+from control_fakes import new_store
+from tidal.control.spec import parse_spec
+from tidal.control.store import JobRow, Store
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = new_store(tmp_path, ("a", 0, 1.0))
+    yield s
+    s.close()
+
+
+def check_submit_is_as_read(store: Store) -> None:
+    spec = parse_spec({"name": "sweep", "command": ["python", "-c", "print('é')"],
+                       "gpus": {"min": 2, "max": 4},
+                       "env": {"A": "1"}, "checkpoint": {"interval_s": 60.0}}).model_dump()
+    made = [store.submit("a", spec, 1000.25, ckpt_location=loc) for loc in (None, "/ckpt/a/x")]
+    for row in made:
+        got = store.job(row.id)
+        for col in JobRow.__table__.columns:
+            assert getattr(row, col.name) == getattr(got, col.name), col.name
+        assert row.progress == got.progress == {}
+        assert row.id == f"sweep-{row.seq}" and row.state == "pending" and row.placement == {}
+    assert [m.seq for m in made] == [1, 2]
+    with store.engine.connect() as c:  # the columns a submit leaves out are SQL NULL, as the ORM left them
+        assert c.execute(sa.text("SELECT count(*) FROM jobs WHERE waiting IS NULL AND handle IS NULL "
+                                 "AND started_s IS NULL")).scalar() == 2
+        assert c.execute(sa.text("SELECT value FROM meta WHERE key = 'job_seq'")).scalar() == "2"
+    events = [e for e in store.events() if e.job_id == made[0].id]
+    assert [(e.kind, e.from_state, e.to_state, e.message, e.data, e.tenant, e.time_s) for e in events] == [
+        ("transition", None, "pending", "submitted", None, "a", 1000.25)]
+    with pytest.raises(sa.exc.IntegrityError):  # (no such tenant: the job's insert fails)
+        store.submit("nobody", spec, 1001.0)
+    assert len(store.jobs()) == 2 and len(store.events(job_id="sweep-3")) == 0
+    assert store.submit("a", spec, 1002.0).id == "sweep-3"  # (the failed submit's number not taken)
+
+
+def test_a_submitted_job_is_as_a_read_of_the_store_gives_it(store):
+    check_submit_is_as_read(store)
