@@ -7,6 +7,9 @@ line a run, then a table of medians and their ratios to the first tree.
 
     PYTHONPATH=src python lab/plane_api_ab.py --tree /path/to/before --tree . [--rounds 2] [--pg] [--json]
 
+``--state DIR`` (SQLite): the loaded state kept in ``DIR``, made there if it is not yet, else used as it is
+(runs of several invocations on the same state).
+
 ``--pg``: the store on a local PostgreSQL (pgserver, as tests/test_control_postgres.py), a copy of the
 loaded database (``CREATE DATABASE ... TEMPLATE``) for each run.
 """
@@ -120,6 +123,7 @@ def main() -> None:
     ap.add_argument("--submits", type=int, default=2000)
     ap.add_argument("--reads", type=int, default=100)
     ap.add_argument("--pg", action="store_true")
+    ap.add_argument("--state", type=Path, help="keep the loaded state here (made if absent; not with --pg)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     trees = [Path(t).resolve() for t in a.tree]
@@ -138,11 +142,13 @@ def main() -> None:
             with psycopg.connect(admin, autocommit=True) as cx:
                 cx.execute("CREATE DATABASE loaded")
             db_url = admin.replace("postgresql://", "postgresql+psycopg://", 1)
-        (work / "state").mkdir()
-        # the loaded state, made by the first tree's code (the others open an older schema, not a newer one)
-        subprocess.run([sys.executable, "-c", MAKE_STATE, str(a.jobs), str(a.nodes), str(work / "state"),
-                        db_url.replace("/postgres?", "/loaded?") if db_url else ""], check=True,
-                       env={**os.environ, "PYTHONPATH": f"{trees[0]}/src"})
+        state = a.state.resolve() if a.state is not None and not a.pg else work / "state"
+        if not (state / "tidal.db").exists() or a.pg:
+            state.mkdir(parents=True, exist_ok=True)
+            # the loaded state, made by the first tree's code (the others open an older schema, not newer)
+            subprocess.run([sys.executable, "-c", MAKE_STATE, str(a.jobs), str(a.nodes), str(state),
+                            db_url.replace("/postgres?", "/loaded?") if db_url else ""], check=True,
+                           env={**os.environ, "PYTHONPATH": f"{trees[0]}/src"})
         runs: list[dict] = []
         for _ in range(a.rounds):
             for tree in trees:
@@ -152,7 +158,7 @@ def main() -> None:
                     with psycopg.connect(admin, autocommit=True) as cx:
                         cx.execute(f"CREATE DATABASE {name} TEMPLATE loaded")
                     db = db_url.replace("/postgres?", f"/{name}?")
-                runs.append(api_phase(tree, work / "state", f"{a.nodes}x8", db, a.submits, a.reads))
+                runs.append(api_phase(tree, state, f"{a.nodes}x8", db, a.submits, a.reads))
                 print(json.dumps(runs[-1]), file=sys.stderr)
         keys = [k for k in runs[0] if k.endswith(("_s", "_per_s", "_per_submit", "_bytes"))]
         med = {str(t): {k: statistics.median(r[k] for r in runs if r["tree"] == str(t)) for k in keys}

@@ -249,9 +249,9 @@ def create_app(ctx: ApiContext) -> FastAPI:
         data = spec.model_dump()
         found, ck, loc = loc_policy.check(data["checkpoint"], me.name, me.admin, policy, _located, _source)
         problems += [_problem(f, "checkpoint_location", m) for f, m in found]
-        mine = store.jobs(tenant=me.name) if policy.quota(me.name) is not None else []
-        used, quota = loc_policy.quota_use(loc_policy.homes(mine, ctx.ckpt_root), policy.quota).get(
-            me.name, (0, policy.quota(me.name)))
+        quota = policy.quota(me.name)
+        used = 0 if me.admin or quota is None else loc_policy.quota_use(  # (its jobs read only then)
+            loc_policy.homes(store.jobs(tenant=me.name), ctx.ckpt_root), policy.quota).get(me.name, (0, 0))[0]
         if not me.admin and quota is not None and used >= quota:
             problems.append(_problem("checkpoint", "checkpoint_quota", f"tenant {me.name}'s checkpoints "
                                      f"hold {used} bytes, its quota is {quota} (checkpoint_quota_bytes): "
