@@ -4,6 +4,10 @@ job a read gives, column for column; its event; nothing stored when the insert f
 
 from __future__ import annotations
 
+import threading
+import time
+from unittest import mock
+
 import pytest
 import sqlalchemy as sa
 
@@ -46,3 +50,34 @@ def check_submit_is_as_read(store: Store) -> None:
 
 def test_a_submitted_job_is_as_a_read_of_the_store_gives_it(store):
     check_submit_is_as_read(store)
+
+
+def test_a_batch_holds_the_write_lock_only_while_its_transaction_is_open(store):
+    """A batch that has only read lets other threads write; one with a transaction open commits at its next
+    write once another thread waits to write (here at once: BATCH_HOLD_S 0), so the waiter goes in before the
+    batch ends; both writes stored."""
+    spec = parse_spec({"name": "w", "command": ["true"], "gpus": 1}).model_dump()
+    first = store.submit("a", spec, 1.0)
+    done = threading.Event()
+
+    def submit_one() -> None:
+        store.submit("a", spec, 2.0)
+        done.set()
+
+    with store.batch():
+        store.jobs()  # (a read: no lock taken)
+        t = threading.Thread(target=submit_one)
+        t.start()
+        assert done.wait(30), "a batch that only read held the write lock"
+        t.join()
+        store.update(first.id, message="one")  # the batch's transaction opens: the lock is held until commit
+        t = threading.Thread(target=submit_one)
+        done.clear()
+        t.start()
+        while not store._waiters:  # (the submit waits for the batch's lock)
+            time.sleep(0.001)
+        with mock.patch("tidal.control.store.BATCH_HOLD_S", 0.0):
+            store.update(first.id, message="two")  # commits: the waiting submit goes in now
+        assert done.wait(30), "the batch kept its transaction open while a writer waited"
+        t.join()
+    assert [j.message for j in store.jobs()] == ["two", "", ""]

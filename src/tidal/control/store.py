@@ -63,6 +63,7 @@ from tidal.control.states import ACTIVE, HELD, TERMINAL, TRANSITIONS, State, che
 SCHEMA_VERSION = 6  # 2: jobs.nominated_s; 3: table docs; 4: tenants.max_priority, jobs.ckpt_location,
 # meta job_seq and db_id; 5: jobs.waiting; 6: table progress (was jobs.progress), index (state, tenant, kind)
 BATCH_WRITES = 64  # writes of a batch per transaction (Store.batch): the API's writes wait at most that long
+BATCH_HOLD_S = 0.005  # a batch's transaction open this long commits at its next write if others wait to write
 POOL_SIZE = 48  # SQLite connections kept open: the API's worker threads (40) and the reconcile loop
 
 
@@ -255,7 +256,9 @@ class Store:
             st = os.stat(self.path)
             self._identity = (st.st_dev, st.st_ino)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # the write lock
+        self._waiting = threading.Lock()  # (guards _waiters: the threads waiting for the write lock)
+        self._waiters = 0
         self._batch = threading.local()  # .s: the session of this thread's batch (see batch())
         self._by_token: dict[str, TenantRow] = {}
         self._changed: dict[str, JobRow | None] = {}  # job id -> the caller's row written in place, or None
@@ -330,16 +333,36 @@ class Store:
     @contextlib.contextmanager
     def _write(self) -> Iterator[Session]:
         if (b := getattr(self._batch, "s", None)) is not None:
+            if not self._batch.locked:  # (a batch takes the lock at its first write, not while it reads)
+                self._acquire()
+                self._batch.locked, self._batch.since = True, time.monotonic()
             yield b
             b.flush()
             b.expunge_all()  # (rows returned detached, as outside a batch)
             self._batch.n += 1
-            if self._batch.n >= BATCH_WRITES:
+            if self._batch.n >= BATCH_WRITES or (
+                    self._waiters and time.monotonic() - self._batch.since >= BATCH_HOLD_S):
                 self.commit()
             return
         self.check_file()
-        with self._lock, self._sessions.begin() as s:
-            yield s
+        self._acquire()
+        try:
+            with self._sessions.begin() as s:
+                yield s
+        finally:
+            self._lock.release()
+
+    def _acquire(self) -> None:
+        """Take the write lock, counted among its waiters while it waits (a batch then commits sooner)."""
+        if self._lock.acquire(blocking=False):
+            return
+        with self._waiting:
+            self._waiters += 1
+        try:
+            self._lock.acquire()
+        finally:
+            with self._waiting:
+                self._waiters -= 1
 
     @contextlib.contextmanager
     def _read(self) -> Iterator[Session]:
@@ -355,13 +378,15 @@ class Store:
     def batch(self) -> Iterator[None]:
         """This thread's writes in the block in transactions of up to :data:`BATCH_WRITES` writes, committed
         then (and at :meth:`commit`, and at its end), the one open rolled back if it raises; other threads'
-        writes go in between. The reconcile loop's many small writes of a step: a commit per many."""
+        writes go in between. The reconcile loop's many small writes of a step: a commit per many. The write
+        lock is held only while a transaction of the batch is open (from its first write to its commit), and
+        one open :data:`BATCH_HOLD_S` commits at its next write when another thread waits to write."""
         if getattr(self._batch, "s", None) is not None:
             yield
             return
         self.check_file()
-        with self._lock, self._sessions() as s:
-            self._batch.s, self._batch.n = s, 0
+        with self._sessions() as s:
+            self._batch.s, self._batch.n, self._batch.locked = s, 0, False
             try:
                 yield
                 s.commit()
@@ -370,6 +395,7 @@ class Store:
                 raise
             finally:
                 self._batch.s = None
+                self._unlock_batch()
                 s.expunge_all()
 
     def commit(self) -> None:
@@ -378,9 +404,12 @@ class Store:
         if (b := getattr(self._batch, "s", None)) is not None:
             b.commit()
             self._batch.n = 0
-            self._lock.release()  # (writes of other threads waiting go in here)
-            time.sleep(0)
-            self._lock.acquire()
+            self._unlock_batch()  # (writes of other threads waiting go in here)
+
+    def _unlock_batch(self) -> None:
+        if self._batch.locked:
+            self._batch.locked = False
+            self._lock.release()
 
     def add_tenant(self, name: str, token_hash: str, *, quota_gpus: int = 0, weight: float = 1.0,
                    admin: bool = False, now_s: float = 0.0, max_priority: int = 0) -> TenantRow:
@@ -597,7 +626,7 @@ class Store:
                 check_transition(jid, old, to)
                 s.execute(_UPDATE_JOB, {"b_id": jid, **cols})
             if "progress" in values:
-                self._put_progress(s, {jid: values["progress"]})
+                self._put_progress(s, _progress_rows({jid: values["progress"]}))
             s.execute(_INSERT_EVENT, {"time_s": now_s, "job_id": jid, "tenant": tenant, "kind": "transition",
                                       "from_state": old, "to_state": values["state"],
                                       "message": values["message"], "data": data})
@@ -624,7 +653,7 @@ class Store:
             if "progress" in fields:
                 if not cols and s.scalar(select(JobRow.seq).where(JobRow.id == jid)) is None:
                     raise NotFound(jid)
-                self._put_progress(s, {jid: fields["progress"]})
+                self._put_progress(s, _progress_rows({jid: fields["progress"]}))
         if row is None:
             self._mark(jid)
             return self.job(jid)
@@ -645,13 +674,17 @@ class Store:
                 groups.setdefault(tuple(sorted(cols)), []).append({"b_id": jid, **cols})
         docs = {jid: f["progress"] for jid, f in changes.items() if "progress" in f}
         q = self._q
+        statements = []  # (the driver's executemany: no statement compiled per row; made before the lock)
+        for keys, params in groups.items():
+            rows = [(*(json.dumps(v[k]) if k in _JSON_COLS and v[k] is not None else v[k] for k in keys),
+                     v["b_id"]) for v in params]
+            sets = ", ".join(f"{k} = {q}" for k in keys)
+            statements.append((f"UPDATE jobs SET {sets} WHERE id = {q}", rows))
+        progress = _progress_rows(docs)
         with self._write() as s:
-            self._put_progress(s, docs)
-            for keys, params in groups.items():  # (the driver's executemany: no statement compiled per row)
-                rows = [(*(json.dumps(v[k]) if k in _JSON_COLS and v[k] is not None else v[k] for k in keys),
-                         v["b_id"]) for v in params]
-                sets = ", ".join(f"{k} = {q}" for k in keys)
-                s.connection().exec_driver_sql(f"UPDATE jobs SET {sets} WHERE id = {q}", rows)
+            self._put_progress(s, progress)
+            for sql, rows in statements:
+                s.connection().exec_driver_sql(sql, rows)
         for jid, f in changes.items():
             if (row := (held or {}).get(jid)) is not None:
                 _written(row, f)
@@ -675,14 +708,13 @@ class Store:
         """The driver's parameter marker (for statements written out for its executemany)."""
         return "?" if self.engine.dialect.paramstyle == "qmark" else "%s"
 
-    def _put_progress(self, s: Session, docs: dict[str, dict]) -> None:
-        """Store these jobs' progress documents (job id -> doc), one statement for all."""
-        if docs:
+    def _put_progress(self, s: Session, rows: list[tuple[str, str]]) -> None:
+        """Store jobs' progress documents (:func:`_progress_rows`), one statement for all."""
+        if rows:
             q = self._q
             s.connection().exec_driver_sql(
                 f"INSERT INTO progress (job_id, doc) VALUES ({q}, {q}) "
-                "ON CONFLICT (job_id) DO UPDATE SET doc = excluded.doc",
-                [(jid, json.dumps(doc)) for jid, doc in docs.items()])
+                "ON CONFLICT (job_id) DO UPDATE SET doc = excluded.doc", rows)
 
     def drop_before(self, cutoff_s: float, keep: Callable[[str], bool] | None = None) -> tuple[int, int]:
         """Delete the jobs that ended before ``cutoff_s`` (but those ``keep`` says to keep) with their events,
@@ -793,6 +825,12 @@ def _submit_sql(q: str) -> tuple[str, str, str]:
             f"INSERT INTO jobs ({', '.join(_SUBMIT_COLS)}) VALUES ({', '.join([q] * len(_SUBMIT_COLS))})",
             f"INSERT INTO events (time_s, job_id, tenant, kind, to_state, message) "
             f"VALUES ({q}, {q}, {q}, 'transition', {q}, 'submitted')")
+
+
+def _progress_rows(docs: dict[str, dict]) -> list[tuple[str, str]]:
+    """(job id, JSON text) of jobs' progress documents (job id -> doc), as :meth:`Store._put_progress` stores
+    them."""
+    return [(jid, json.dumps(doc)) for jid, doc in docs.items()]
 
 
 def _written(row: JobRow, values: dict[str, Any]) -> JobRow:
