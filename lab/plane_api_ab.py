@@ -59,6 +59,20 @@ def _cpu_s(pid: int) -> float:
     return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def published(c: httpx.Client, timeout_s: float = 300.0) -> None:
+    """Wait for the loop's first step to end: the pool then answers as of the view it published (the same
+    ``as_of_s`` twice in a row), not as of each call (no view yet). On a loaded machine the first step (every
+    active job read) takes seconds; a burst meeting it measures the start, not the plane at work."""
+    deadline, last = time.monotonic() + timeout_s, None
+    while time.monotonic() < deadline:
+        now = c.get("/v1/pool", params={"limit": 1}).json()["as_of_s"]
+        if now == last:
+            return
+        last = now
+        time.sleep(0.2)
+    raise RuntimeError("the loop published no view")
+
+
 def api_phase(tree: Path, state: Path, shape: str, db: str | None, submits: int, reads: int) -> dict:
     """One run: ``tidal up`` from ``tree`` on a copy of ``state``, the API phase, then SIGKILL."""
     tmp = Path(tempfile.mkdtemp(prefix="plane-api-"))
@@ -78,6 +92,7 @@ def api_phase(tree: Path, state: Path, shape: str, db: str | None, submits: int,
         url = (state / "api.url").read_text().strip()
         token = (state / "admin.token").read_text().strip()
         c = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=60)
+        published(c)
         time.sleep(2.0)  # (the loop's first steps after the start)
         out["states"] = c.get("/v1/dashboard/pool").json()["states"]
         spec = {"name": "burst", "command": ["virtual"], "kind": "spot", "priority": 0,
