@@ -8,7 +8,8 @@ line a run, then a table of medians and their ratios to the first tree.
     PYTHONPATH=src python lab/plane_api_ab.py --tree /path/to/before --tree . [--rounds 2] [--pg] [--json]
 
 ``--state DIR`` (SQLite): the loaded state kept in ``DIR``, made there if it is not yet, else used as it is
-(runs of several invocations on the same state).
+(runs of several invocations on the same state; the virtual jobs' work is timed by the wall clock, so a kept
+state ages: its running jobs end as if the plane had been down meanwhile).
 
 ``--pg``: the store on a local PostgreSQL (pgserver, as tests/test_control_postgres.py), a copy of the
 loaded database (``CREATE DATABASE ... TEMPLATE``) for each run.
