@@ -407,6 +407,7 @@ class Store:
             self._unlock_batch()  # (writes of other threads waiting go in here)
 
     def _unlock_batch(self) -> None:
+        """Give back the write lock this thread's batch took at its first write since its last commit."""
         if self._batch.locked:
             self._batch.locked = False
             self._lock.release()
@@ -787,7 +788,7 @@ class Store:
 
 _JOBS, _EVENTS, _META, _PROGRESS = (Base.metadata.tables[t] for t in ("jobs", "events", "meta", "progress"))
 # Core statements made once, their values bound at each call (the SET clause is the values given): no ORM unit
-# of work, and no statement built and compiled again, for the loop's many small writes and the API's submits
+# of work, and no statement built and compiled again, for the loop's many small writes (a submit: _submit_sql)
 _UPDATE_JOB = update(_JOBS).where(_JOBS.c.id == bindparam("b_id"))
 _UPDATE_IN_STATE = _UPDATE_JOB.where(_JOBS.c.state == bindparam("b_state"))
 _INSERT_EVENT = insert(_EVENTS)
