@@ -53,6 +53,7 @@ TOO_DEEP = "the request body is nested too deeply (a job spec is a few levels of
 MAX_BODY_BYTES = 1 << 20  # a request body (a job spec is a few hundred bytes)
 POOL_PAGE, POOL_PAGE_MAX = 512, 4096  # nodes listed by GET /v1/pool: by default, at most
 JOBS_PAGE, JOBS_PAGE_MAX = 1000, 10000  # jobs listed by GET /v1/jobs: by default, at most
+SQL_INT_MAX = (1 << 31) - 1  # an offset or id the store's queries take (PostgreSQL's INTEGER); over it a 422
 # 422 error types no JSON schema can declare: the refusals that depend on the plane's state (its pool, the
 # tenant's quotas and limits, other jobs' checkpoint locations), the tier grammar and the relations of the
 # GPU sizes; every other 422 of a request is a rule its schema declares (tests/test_fuzz_api.py).
@@ -280,7 +281,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
     @app.get("/v1/jobs", **_doc(list[sc.Job], 401, 422))
     @json_route()
     def jobs(me: Caller, state: Annotated[list[State] | None, Query()] = None, tenant: str | None = None,
-             offset: Annotated[int, Query(ge=0)] = 0,
+             offset: Annotated[int, Query(ge=0, le=SQL_INT_MAX)] = 0,
              limit: Annotated[int, Query(ge=1, le=JOBS_PAGE_MAX)] = JOBS_PAGE) -> list[dict]:
         """A page of jobs in submission order (``offset``, ``limit``)."""
         who = tenant if me.admin else me.name
@@ -357,7 +358,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
 
     @app.get("/v1/events", **_doc(list[sc.Event], 401, 404, 422))
     @json_route()
-    def events(me: Caller, job: str | None = None, after: Annotated[int, Query(ge=0)] = 0,
+    def events(me: Caller, job: str | None = None, after: Annotated[int, Query(ge=0, le=SQL_INT_MAX)] = 0,
                limit: Annotated[int, Query(ge=1, le=10000)] = 1000) -> list[dict]:
         if job is not None:
             own_job(job, me)
