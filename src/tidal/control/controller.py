@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import operator
 from collections import Counter
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +39,18 @@ from tidal.control.job_views import SchedulerView, job_env, own_dirs, taken_over
 from tidal.control.loans import DOC_KEY as LOANS_DOC
 from tidal.control.loans import LiveLoans
 from tidal.control.node_watch import NodeWatch
-from tidal.control.read_view import QUEUE_SHOWN, PlaneView, Published, QueuedJob, held_job, waiting_head
+from tidal.control.read_view import (
+    QUEUE_SHOWN,
+    PlaneView,
+    Published,
+    QueuedJob,
+    held_job,
+    waiting_head,
+    with_progress,
+)
 from tidal.control.serving_nodes import lent_before
 from tidal.control.states import ACTIVE, HELD, STOPPING, TERMINAL, State
-from tidal.control.store import JobRow, Store
+from tidal.control.store import HeldJob, JobRow, Store
 from tidal.exec.progress import Progress
 from tidal.exec.protocol import EXIT_PREEMPTED, AgentMemory, Executor, LaunchRequest, NodeMemory, Observation
 from tidal.model import (
@@ -93,6 +102,7 @@ class Controller:
         self._retained_s = float("-inf")
         self._active: dict[str, JobRow] | None = None  # job id -> row, in submission order (_refresh)
         self._state: dict[str, str] = {}  # the same ids -> state (a plain dict: read for every job each step)
+        self._busy: dict[str, int] = {}  # the ids of those not pending -> their seq (what a step reconciles)
         self._reread: set[str] = set()  # ids re-read since the last reconcile (a pending one: reconciled)
         self.view = SchedulerView()  # what the scheduler sees, kept between steps
         self._tenants: tuple[int, tuple[Tenant, ...]] = (-1, ())  # (the store's tenant_rev, the tenants)
@@ -101,8 +111,12 @@ class Controller:
         self._over_quota: set[str] = set()
         self._announced: dict[str, tuple[float, int]] = {}  # job -> (last ckpt_interval event, changes since)
         self._own_cadence: set[str] = set()  # jobs told that their own step cadence wins
-        # ``publish``: the pool as each step leaves it, for the API's reads (tidal.control.read_view)
+        # ``publish``: the pool as each step leaves it, for the API's reads (tidal.control.read_view); the
+        # copies of the jobs holding GPUs in the newest view, made again for the jobs written since
         self.published: Published | None = Published() if publish else None
+        self._copies: dict[str, HeldJob] = {}
+        self._unpublished: set[str] = set()  # jobs written since the newest view
+        self._progressed: set[str] = set()  # jobs whose progress alone the loop wrote since
         self.steps = 0
         # ended jobs per state for the view, counted in the store again only after a job left the active set
         # (_forget: it ended, or retention dropped it; a count is a scan of the jobs' history)
@@ -162,7 +176,8 @@ class Controller:
         observed = self.executor.observe(now_s)  # 1. observe
         self._refresh()
         rows, changed, self._reread = self._active or {}, self._reread, set()
-        active = [rows[i] for i, st in self._state.items() if st != S.PENDING or i in changed]
+        order = self._busy | {i: rows[i].seq for i in changed if i in rows and i not in self._busy}
+        active = [rows[i] for i, _ in sorted(order.items(), key=itemgetter(1))]  # (in submission order)
         self._record_progress(active, observed)
         with self.store.batch():  # (a step's writes: a transaction per many, not one each)
             for job in active:  # 2. reconcile
@@ -206,18 +221,27 @@ class Controller:
         since read first (submissions: counted by the readers until read here); ended jobs counted in the
         store after a job ended or retention dropped jobs, not at every step."""
         self._refresh()
-        rows = self._active or {}
-        others = [rows[jid] for jid, st in self._state.items() if st != S.PENDING]  # (the pending: counted
-        counted = Counter((j.tenant, j.kind, j.state) for j in others)  # by their queues, a few hundred)
-        for (tenant, kind, _), n in self.view.pending_counts().items():
+        rows, state, old = self._active or {}, self._state, self._copies
+        written, progressed = self._unpublished, self._progressed
+        self._unpublished, self._progressed = set(), set()
+        held: dict[str, HeldJob] = {}  # (in submission order, as the store reads them)
+        backoff: list[JobRow] = []
+        for jid, _ in sorted(self._busy.items(), key=itemgetter(1)):
+            if state[jid] == S.BACKOFF:
+                backoff.append(rows[jid])
+            elif jid not in old or jid in written:  # (held: the copy in the view before, unless written)
+                held[jid] = held_job(rows[jid])
+            else:
+                held[jid] = with_progress(old[jid], rows[jid]) if jid in progressed else old[jid]
+        self._copies = held
+        counted = Counter((h.tenant, h.kind, h.state) for h in held.values())
+        counted.update((j.tenant, j.kind, S.BACKOFF.value) for j in backoff)
+        for (tenant, kind, _), n in self.view.pending_counts().items():  # (the pending: by their queues)
             counted[tenant, kind, S.PENDING.value] += n
-        held = sorted((j for j in others if j.state in HELD),
-                      key=operator.attrgetter("seq"))  # (submission order, as the store reads them)
-        backoff = [j for j in others if j.state == S.BACKOFF]
         head = waiting_head(self.view.queues().values(), backoff, QUEUE_SHOWN)
         assert self.published is not None
         self.published.view = PlaneView(
-            step=self.steps, as_of_s=now_s, nodes=tuple(self.nodes), held=tuple(map(held_job, held)),
+            step=self.steps, as_of_s=now_s, nodes=tuple(self.nodes), held=tuple(held.values()),
             jobs=dict(counted),
             ended=self._ended_counts(),
             head=tuple(QueuedJob.of(rows[jid]) for _, jid in head), submitted=self.store.taken_submits,
@@ -233,9 +257,12 @@ class Controller:
         only the rows written since (the store's marks), so that a step's reads follow what changed, not how
         many jobs wait."""
         changed = self.store.take_changed()
+        if self.published is not None:
+            self._unpublished |= changed.keys()
         if self._active is None:
             self._active = {j.id: j for j in self.store.active_jobs()}
             self._state = {i: j.state for i, j in self._active.items()}
+            self._busy = {i: j.seq for i, j in self._active.items() if j.state != S.PENDING}
             for j in self._active.values():
                 self.view.put(j)
             self._reread = set(self._active)
@@ -249,6 +276,10 @@ class Controller:
             for j in sorted(rows.values(), key=lambda r: r.seq):
                 if j.state in ACTIVE:
                     self._active[j.id], self._state[j.id] = j, j.state
+                    if j.state == S.PENDING:
+                        self._busy.pop(j.id, None)
+                    else:
+                        self._busy[j.id] = j.seq
                     self.view.put(j)
                 else:
                     self._forget(j.id)
@@ -257,6 +288,7 @@ class Controller:
         self._ended = None
         (self._active or {}).pop(job_id, None)
         self._state.pop(job_id, None)
+        self._busy.pop(job_id, None)
         self.view.drop(job_id)
 
     def _retain(self, now_s: float) -> None:
@@ -467,6 +499,8 @@ class Controller:
                 fields["ckpt_step"] = p.ckpt_step
             if fields:
                 changes[job.id] = fields
+                if self.published is not None and "progress" in fields:
+                    self._progressed.add(job.id)
                 for k, v in fields.items():
                     setattr(job, k, v)
                 if "last_ckpt_s" in fields or "ckpt_stall_s" in fields:
