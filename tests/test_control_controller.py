@@ -286,6 +286,56 @@ def test_a_steps_admissions_are_all_committed_before_any_rank_starts(world):
     assert [e.kind for e in store.events(job_id=jobs[0])][-1] == "launch"
 
 
+def test_an_ended_attempt_is_released_only_once_its_end_is_committed(world):
+    """The attempts that end in a step are released after the reconcile's one commit: when the executor
+    forgets the first of them, another connection already sees every end (a kill -9 at any release leaves
+    each end stored: none lost, none run again)."""
+    store, ex, ctl, clock = world
+    jobs = [submit(store, "lab", clock(), name=f"j{i}") for i in range(3)]
+    ctl.step(clock())
+    ctl.step(clock.advance(1))
+    seen: list[dict[str, str]] = []
+    release = ex.release
+
+    def looking(job_id):
+        with store.engine.connect() as db:  # (a connection of its own: it sees what is committed)
+            seen.append(dict(db.exec_driver_sql("SELECT id, state FROM jobs").all()))
+        release(job_id)
+
+    ex.release = looking
+    for j in jobs:
+        ex.exit(j, 0)
+    ctl.step(clock.advance(1))
+    assert seen == [{j: "succeeded" for j in jobs}] * 3
+    assert ex.jobs == {}
+
+
+def test_a_step_that_raises_releases_only_the_ends_it_stored(world, monkeypatch):
+    """A step raising after an attempt's end was written: rolled back, the attempt stays with the executor
+    and the next step ends it again (once); its end committed, it is released."""
+    store, ex, ctl, clock = world
+    a, b = (submit(store, "lab", clock(), name=n) for n in ("a", "b"))
+    ctl.step(clock())
+    ctl.step(clock.advance(1))
+    ex.exit(a, 0)
+    snapshot = ctl.snapshot
+    monkeypatch.setattr(ctl, "snapshot", lambda now_s: (_ for _ in ()).throw(RuntimeError("disk gone")))
+    with pytest.raises(RuntimeError):
+        ctl.step(clock.advance(1))  # (a's end written in the reconcile's batch and committed before)
+    assert state(store, a) == "succeeded" and ("release", a) in ex.calls
+    ex.exit(b, 0)
+    real_release = ctl._release
+    monkeypatch.setattr(ctl, "_release", lambda: (_ for _ in ()).throw(RuntimeError("disk gone")))
+    with pytest.raises(RuntimeError):
+        ctl.step(clock.advance(1))  # (b's end rolled back with the batch)
+    assert state(store, b) == "running" and ("release", b) not in ex.calls
+    monkeypatch.setattr(ctl, "_release", real_release)
+    monkeypatch.setattr(ctl, "snapshot", snapshot)
+    ctl.step(clock.advance(1))
+    assert state(store, b) == "succeeded" and ex.calls.count(("release", b)) == 1
+    assert [t for t in transitions(store, b) if t[1] == "succeeded"] == [("running", "succeeded")]
+
+
 def test_one_launch_failing_in_a_step_leaves_the_others_started(world):
     store, ex, ctl, clock = world
     jobs = [submit(store, "lab", clock(), name=f"j{i}", max_restarts=0) for i in range(3)]

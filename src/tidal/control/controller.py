@@ -96,6 +96,7 @@ class Controller:
         self.nodes: list[Node] = executor.nodes()
         self._events: list[tuple[str, str, dict | None]] = []  # this step's loan events
         self._to_start: dict[str, tuple[JobRow, LaunchRequest]] = {}  # attempts recorded, ranks not started
+        self._to_release: list[tuple[str, int]] = []  # (job, attempt) ended, its end not yet committed
         self.watch = NodeWatch(store, executor, self.nodes)  # nodes joining and leaving; jobs losing one
         self._shm_swept_s = float("-inf")
         self._quota_checked_s = float("-inf")
@@ -122,8 +123,7 @@ class Controller:
         # (_forget: it ended, or retention dropped it; a count is a scan of the jobs' history)
         self._ended: dict[str, int] | None = None
         # job id -> why it waits or does not grow, as stored (the scheduler's reasons; see _note_waiting)
-        self._waiting = {j.id: Waiting(j.waiting["reason"], j.waiting.get("until_s"))
-                         for j in store.active_jobs() if j.waiting}
+        self._waiting: dict[str, Waiting] = {}  # (read with the active rows: _refresh)
         if loans is not None:
             serving = {n.name: n.gpus for n in self.nodes if n.pool == "serving"}
             doc = store.get_doc(LOANS_DOC)
@@ -170,6 +170,8 @@ class Controller:
         except BaseException:
             if self.published is not None:
                 self.published.view = None
+            self._release_stored()
+            self._active = None  # (rows a rolled-back write changed in place: the next step reads all again)
             raise
 
     def _step(self, now_s: float) -> list[Decision]:
@@ -182,6 +184,7 @@ class Controller:
         with self.store.batch():  # (a step's writes: a transaction per many, not one each)
             for job in active:  # 2. reconcile
                 self._reconcile(job, observed.get(job.id), now_s)
+            self._release()
         self.watch.refresh(now_s)  # after reconcile: a lost node stays only while jobs still hold it
         if self.loans is not None:  # 3. lend and reclaim (serving nodes lost or back first)
             used, wants, on = self._holdings(wants=True)
@@ -259,8 +262,11 @@ class Controller:
         changed = self.store.take_changed()
         if self.published is not None:
             self._unpublished |= changed.keys()
-        if self._active is None:
+        if self._active is None:  # (first, or after a step that raised: what was kept is made afresh)
+            self.view, self._index, self._copies = SchedulerView(), RunningIndex(), {}
             self._active = {j.id: j for j in self.store.active_jobs()}
+            self._waiting = {i: Waiting(j.waiting["reason"], j.waiting.get("until_s"))
+                             for i, j in self._active.items() if j.waiting}
             self._state = {i: j.state for i, j in self._active.items()}
             self._busy = {i: j.seq for i, j in self._active.items() if j.state != S.PENDING}
             for j in self._active.values():
@@ -431,7 +437,6 @@ class Controller:
             st = S.CANCELLING
         if ob.done:
             self._finish(job, ob, now_s)
-            self.store.commit()  # (the executor released it: stored now, not at the end of the step's batch)
             return
         if job.stop_reason != "failure" and not job.killed:
             bad = [r for r in ob.ranks if not r.alive and (r.vanished or rank_code(r) not in RESUMABLE_CODES)]
@@ -514,7 +519,7 @@ class Controller:
                                                             and job.restarts >= job.max_restarts):
             self.watch.forget(job.id, now_s)  # over: it will not train again
         acct = account(job, ob, now_s, outcome == "success")
-        self.executor.release(job.id)
+        self._to_release.append((job.id, job.attempt))  # (released once this is stored: _release)
         self._shm_swept_s = float("-inf")  # the end of this step looks at its shared memory
         base = {"stop_reason": None, "stop_deadline_s": None, "killed": False, **acct}
         end = {"finished_s": now_s, "placement": {}, "releasing": {}, **base}  # the job is over
@@ -541,6 +546,7 @@ class Controller:
                     if g - job.releasing.get(n, 0) > 0}
             why = (f"resized: relaunching on {sum(left.values())} GPUs from checkpoint step "
                    f"{_resume_step(p, job)}")
+            self._release()  # (the attempt that ended gives its GPUs back before the next starts)
             self._launch(self.store.update(job, **base), left, now_s, why, data=data)
         elif outcome == "stopped":
             by_us = S(job.state) == S.PREEMPTING
@@ -564,6 +570,33 @@ class Controller:
         else:
             self.store.transition(job, S.FAILED, now_s, f"failed: {why}; no restarts left "
                                   f"(max_restarts={job.max_restarts})", data=data, **end)
+
+    def _release(self) -> None:
+        """Release the attempts that ended (:meth:`_finish`) once their ends are committed, all of a step's
+        reconcile with one commit: a plane killed in between restarts with each end stored, so it neither
+        loses one nor runs a finished job again."""
+        if self._to_release:
+            self.store.commit()
+            todo, self._to_release = self._to_release, []
+            for jid, _ in todo:
+                self.executor.release(jid)
+
+    def _release_stored(self) -> None:
+        """After a step raised: release the ended attempts whose ends were committed before (the store holds
+        them no longer, or holds a later attempt); the others were rolled back, and the next step sees them
+        end again."""
+        todo, self._to_release = self._to_release, []
+        if not todo:
+            return
+        try:
+            stored = {j.id: j for j in self.store.jobs_by_id([jid for jid, _ in todo])}
+        except Exception:
+            log.exception("reading the jobs that ended in a failed step")
+            return
+        for jid, attempt in todo:
+            j = stored.get(jid)
+            if j is None or j.state not in HELD or j.attempt != attempt:
+                self.executor.release(jid)
 
     def _classify(self, job: JobRow, ob: Observation) -> tuple[str, str]:
         codes = [rank_code(r) for r in ob.ranks]
@@ -718,6 +751,7 @@ class Controller:
             self.store.record("launch", f"attempt {req.attempt}: {_n(req.world_size, 'rank')} started", now_s,
                               job=job, data=handle)
         self.store.update_many(handles, held=started)
+        self._release()
 
     def sweep_shm(self, now_s: float, *, force: bool = False) -> list[str]:
         """Free ended jobs' node memory and agents' steps (:mod:`tidal.control.node_memory`), every
