@@ -3,6 +3,7 @@ transitions and events, one step at a time."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -334,6 +335,31 @@ def test_a_step_that_raises_releases_only_the_ends_it_stored(world, monkeypatch)
     ctl.step(clock.advance(1))
     assert state(store, b) == "succeeded" and ex.calls.count(("release", b)) == 1
     assert [t for t in transitions(store, b) if t[1] == "succeeded"] == [("running", "succeeded")]
+
+
+def test_a_loss_gone_nan_is_stored_as_null_and_every_read_goes_on(world):
+    """A training run that diverged reports loss NaN (a worker may write any float): its progress is stored as
+    standard JSON, NaN as null, so PostgreSQL stores it (a step writing it raised there, every step) and
+    SQLite's JSON functions read it (the jobs holding GPUs, for the pool and /metrics: 'malformed JSON')."""
+    store, ex, ctl, clock = world
+    j = submit(store, "lab", clock(), name="a", gpus=2)
+    ctl.step(clock())
+    ctl.step(clock.advance(1))
+    ex.beat(j, clock.advance(1), step=5, loss=float("nan"))
+    ctl.step(clock())
+    assert store.job(j).progress["loss"] is None and store.job(j).progress["step"] == 5
+    assert [(h.id, h.progress["step"]) for h in store.held(accounting=True)] == [(j, 5)]
+    text = metrics.render(metrics.registry(store, ctl.nodes, clock)).decode()
+    assert f'tidal_job_step{{job_id="{j}",tenant="lab"}} 5.0' in text
+
+
+def test_json_columns_hold_standard_json_whatever_a_worker_wrote():
+    """Non-finite floats become null also in what orjson refuses (a lone surrogate: written by ``json``)."""
+    from tidal.control.store import to_json
+
+    doc = {"phase": "\udc80", "loss": float("nan"), "tiers": {"dir": [1, float("inf")]}}
+    assert json.loads(to_json(doc)) == {"phase": "\udc80", "loss": None, "tiers": {"dir": [1, None]}}
+    assert json.loads(to_json({"loss": float("-inf"), 1: (2, 3)})) == {"loss": None, "1": [2, 3]}
 
 
 def test_one_launch_failing_in_a_step_leaves_the_others_started(world):

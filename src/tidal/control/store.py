@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import secrets
 import threading
@@ -25,6 +26,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
 from sqlalchemy import (
     JSON,
     Boolean,
@@ -224,6 +226,29 @@ def sqlite_url(path: str) -> str:
     return f"sqlite:///{path}"
 
 
+def to_json(value: Any) -> str:
+    """The text of a JSON column: standard JSON, so NaN and the infinities are ``null`` (a training loss that
+    went NaN must not leave a document that SQLite's JSON functions reject as malformed, or that PostgreSQL
+    refuses to store); orjson (a progress document in a tenth of ``json.dumps``'s time: the loop writes
+    thousands a step). What orjson refuses and ``json`` writes (a lone surrogate, escaped) goes through
+    ``json``, its non-finite floats made null first."""
+    try:
+        return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY).decode()
+    except orjson.JSONEncodeError:
+        return json.dumps(_finite(value))
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with NaN and the infinities, at any depth of its dicts and lists, made None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
 def sqlite_path(url: str) -> str | None:
     """The file behind a SQLite URL (None: another database, or in memory)."""
     if not url.startswith("sqlite") or ":memory:" in url or "mode=memory" in url:
@@ -244,7 +269,7 @@ class Store:
                 # a connection for each thread that may read at once (the API's 40 and the loop), so that a
                 # busy API does not open and close connections (each running the PRAGMAs below) all the time
                 kw["pool_size"], kw["max_overflow"] = POOL_SIZE, 16
-        self.engine = create_engine(url, **kw)
+        self.engine = create_engine(url, json_serializer=to_json, **kw)
         if url.startswith("sqlite"):
             event.listen(self.engine, "connect", _sqlite_pragmas)
         self.path = sqlite_path(url)
@@ -646,7 +671,7 @@ class Store:
             self._put_progress(s, docs)
             for keys, params in groups.items():  # (the driver's executemany: no statement compiled per row)
                 js = {k for k in keys if isinstance(JobRow.__table__.c[k].type, JSON)}
-                rows = [(*(json.dumps(v[k]) if k in js and v[k] is not None else v[k] for k in keys),
+                rows = [(*(to_json(v[k]) if k in js and v[k] is not None else v[k] for k in keys),
                          v["b_id"]) for v in params]
                 sets = ", ".join(f"{k} = {q}" for k in keys)
                 s.connection().exec_driver_sql(f"UPDATE jobs SET {sets} WHERE id = {q}", rows)
@@ -680,7 +705,7 @@ class Store:
             s.connection().exec_driver_sql(
                 f"INSERT INTO progress (job_id, doc) VALUES ({q}, {q}) "
                 "ON CONFLICT (job_id) DO UPDATE SET doc = excluded.doc",
-                [(jid, json.dumps(doc)) for jid, doc in docs.items()])
+                [(jid, to_json(doc)) for jid, doc in docs.items()])
 
     def drop_before(self, cutoff_s: float, keep: Callable[[str], bool] | None = None) -> tuple[int, int]:
         """Delete the jobs that ended before ``cutoff_s`` (but those ``keep`` says to keep) with their events,
