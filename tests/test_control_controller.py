@@ -3,6 +3,7 @@ transitions and events, one step at a time."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -284,6 +285,81 @@ def test_a_steps_admissions_are_all_committed_before_any_rank_starts(world):
     assert seen == [{j: ("admitted", 1) for j in jobs}] * 3
     assert [store.job(j).handle for j in jobs] == [{"pids": [1000]}] * 3
     assert [e.kind for e in store.events(job_id=jobs[0])][-1] == "launch"
+
+
+def test_an_ended_attempt_is_released_only_once_its_end_is_committed(world):
+    """The attempts that end in a step are released after the reconcile's one commit: when the executor
+    forgets the first of them, another connection already sees every end (a kill -9 at any release leaves
+    each end stored: none lost, none run again)."""
+    store, ex, ctl, clock = world
+    jobs = [submit(store, "lab", clock(), name=f"j{i}") for i in range(3)]
+    ctl.step(clock())
+    ctl.step(clock.advance(1))
+    seen: list[dict[str, str]] = []
+    release = ex.release
+
+    def looking(job_id):
+        with store.engine.connect() as db:  # (a connection of its own: it sees what is committed)
+            seen.append(dict(db.exec_driver_sql("SELECT id, state FROM jobs").all()))
+        release(job_id)
+
+    ex.release = looking
+    for j in jobs:
+        ex.exit(j, 0)
+    ctl.step(clock.advance(1))
+    assert seen == [{j: "succeeded" for j in jobs}] * 3
+    assert ex.jobs == {}
+
+
+def test_a_step_that_raises_releases_only_the_ends_it_stored(world, monkeypatch):
+    """A step raising after an attempt's end was written: rolled back, the attempt stays with the executor
+    and the next step ends it again (once); its end committed, it is released."""
+    store, ex, ctl, clock = world
+    a, b = (submit(store, "lab", clock(), name=n) for n in ("a", "b"))
+    ctl.step(clock())
+    ctl.step(clock.advance(1))
+    ex.exit(a, 0)
+    snapshot = ctl.snapshot
+    monkeypatch.setattr(ctl, "snapshot", lambda now_s: (_ for _ in ()).throw(RuntimeError("disk gone")))
+    with pytest.raises(RuntimeError):
+        ctl.step(clock.advance(1))  # (a's end written in the reconcile's batch and committed before)
+    assert state(store, a) == "succeeded" and ("release", a) in ex.calls
+    ex.exit(b, 0)
+    real_release = ctl._release
+    monkeypatch.setattr(ctl, "_release", lambda: (_ for _ in ()).throw(RuntimeError("disk gone")))
+    with pytest.raises(RuntimeError):
+        ctl.step(clock.advance(1))  # (b's end rolled back with the batch)
+    assert state(store, b) == "running" and ("release", b) not in ex.calls
+    monkeypatch.setattr(ctl, "_release", real_release)
+    monkeypatch.setattr(ctl, "snapshot", snapshot)
+    ctl.step(clock.advance(1))
+    assert state(store, b) == "succeeded" and ex.calls.count(("release", b)) == 1
+    assert [t for t in transitions(store, b) if t[1] == "succeeded"] == [("running", "succeeded")]
+
+
+def test_a_loss_gone_nan_is_stored_as_null_and_every_read_goes_on(world):
+    """A training run that diverged reports loss NaN (a worker may write any float): its progress is stored as
+    standard JSON, NaN as null, so PostgreSQL stores it (a step writing it raised there, every step) and
+    SQLite's JSON functions read it (the jobs holding GPUs, for the pool and /metrics: 'malformed JSON')."""
+    store, ex, ctl, clock = world
+    j = submit(store, "lab", clock(), name="a", gpus=2)
+    ctl.step(clock())
+    ctl.step(clock.advance(1))
+    ex.beat(j, clock.advance(1), step=5, loss=float("nan"))
+    ctl.step(clock())
+    assert store.job(j).progress["loss"] is None and store.job(j).progress["step"] == 5
+    assert [(h.id, h.progress["step"]) for h in store.held(accounting=True)] == [(j, 5)]
+    text = metrics.render(metrics.registry(store, ctl.nodes, clock)).decode()
+    assert f'tidal_job_step{{job_id="{j}",tenant="lab"}} 5.0' in text
+
+
+def test_json_columns_hold_standard_json_whatever_a_worker_wrote():
+    """Non-finite floats become null also in what orjson refuses (a lone surrogate: written by ``json``)."""
+    from tidal.control.store import to_json
+
+    doc = {"phase": "\udc80", "loss": float("nan"), "tiers": {"dir": [1, float("inf")]}}
+    assert json.loads(to_json(doc)) == {"phase": "\udc80", "loss": None, "tiers": {"dir": [1, None]}}
+    assert json.loads(to_json({"loss": float("-inf"), 1: (2, 3)})) == {"loss": None, "1": [2, 3]}
 
 
 def test_one_launch_failing_in_a_step_leaves_the_others_started(world):

@@ -106,3 +106,26 @@ def test_the_simulator_applies_the_same():
         got = {jid: sj.job for jid, sj in w.jobs.items()}
         for jid in want:
             assert got[jid] == want[jid], jid
+
+
+def test_lowered_keeps_every_field_of_a_reclaim():
+    """``lowered`` makes the Reclaim it keeps directly (not by ``dataclasses.replace``): every other field
+    must come through, and a new field of Reclaim must be added there."""
+    from dataclasses import fields, replace
+
+    from tidal.policy.apply import lowered
+
+    r = Reclaim(5, by_s=NOW + 900, notice_s=NOW + 600, deadline_s=NOW + 1500)
+    assert [f.name for f in fields(Reclaim)] == ["gpus", "by_s", "notice_s", "deadline_s"]
+    assert lowered([Reclaim(2, by_s=NOW + 1000), r], 3) == [replace(r, gpus=2), Reclaim(2, by_s=NOW + 1000)]
+
+
+def test_loan_and_reclaim_checks_name_the_field():
+    with pytest.raises(ValueError, match="gpus must be >= 1, got 0"):
+        Loan("s0", 0)
+    with pytest.raises(ValueError, match="reclaim_risk_per_hour must be >= 0"):
+        Loan("s0", 1, reclaim_risk_per_hour=-1.0)
+    with pytest.raises(ValueError, match="reclaim_risk_per_hour must be >= 0"):
+        Loan("s0", 1, reclaim_risk_per_hour=float("nan"))
+    with pytest.raises(ValueError, match="gpus must be >= 1, got 0"):
+        Reclaim(0, by_s=NOW)

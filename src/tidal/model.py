@@ -64,8 +64,10 @@ class Loan:
     reclaim_risk_per_hour: float = 0.0
 
     def __post_init__(self) -> None:
-        _need(self.gpus >= 1, f"Loan on {self.node!r}: gpus must be >= 1, got {self.gpus}")
-        _need(self.reclaim_risk_per_hour >= 0, f"Loan on {self.node!r}: reclaim_risk_per_hour must be >= 0")
+        # Checked first, messages built only on failure: the loan ledger makes Loans at every plan.
+        if not (self.gpus >= 1 and self.reclaim_risk_per_hour >= 0):
+            _need(self.gpus >= 1, f"Loan on {self.node!r}: gpus must be >= 1, got {self.gpus}")
+            _need(False, f"Loan on {self.node!r}: reclaim_risk_per_hour must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +83,8 @@ class Reclaim:
     deadline_s: float | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        _need(self.gpus >= 1, f"Reclaim by {self.by_s}: gpus must be >= 1, got {self.gpus}")
+        if not self.gpus >= 1:  # (the message built only on failure)
+            raise ValueError(f"Reclaim by {self.by_s}: gpus must be >= 1, got {self.gpus}")
 
     def due(self, now_s: float) -> bool:
         return self.notice_s is None or now_s >= self.notice_s

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import operator
 from collections import Counter
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +39,18 @@ from tidal.control.job_views import SchedulerView, job_env, own_dirs, taken_over
 from tidal.control.loans import DOC_KEY as LOANS_DOC
 from tidal.control.loans import LiveLoans
 from tidal.control.node_watch import NodeWatch
-from tidal.control.read_view import QUEUE_SHOWN, PlaneView, Published, QueuedJob, held_job, waiting_head
+from tidal.control.read_view import (
+    QUEUE_SHOWN,
+    PlaneView,
+    Published,
+    QueuedJob,
+    held_job,
+    waiting_head,
+    with_progress,
+)
 from tidal.control.serving_nodes import lent_before
 from tidal.control.states import ACTIVE, HELD, STOPPING, TERMINAL, State
-from tidal.control.store import JobRow, Store
+from tidal.control.store import HeldJob, JobRow, Store
 from tidal.exec.progress import Progress
 from tidal.exec.protocol import EXIT_PREEMPTED, AgentMemory, Executor, LaunchRequest, NodeMemory, Observation
 from tidal.model import (
@@ -87,12 +96,14 @@ class Controller:
         self.nodes: list[Node] = executor.nodes()
         self._events: list[tuple[str, str, dict | None]] = []  # this step's loan events
         self._to_start: dict[str, tuple[JobRow, LaunchRequest]] = {}  # attempts recorded, ranks not started
+        self._to_release: list[tuple[str, int]] = []  # (job, attempt) ended, its end not yet committed
         self.watch = NodeWatch(store, executor, self.nodes)  # nodes joining and leaving; jobs losing one
         self._shm_swept_s = float("-inf")
         self._quota_checked_s = float("-inf")
         self._retained_s = float("-inf")
         self._active: dict[str, JobRow] | None = None  # job id -> row, in submission order (_refresh)
         self._state: dict[str, str] = {}  # the same ids -> state (a plain dict: read for every job each step)
+        self._busy: dict[str, int] = {}  # the ids of those not pending -> their seq (what a step reconciles)
         self._reread: set[str] = set()  # ids re-read since the last reconcile (a pending one: reconciled)
         self.view = SchedulerView()  # what the scheduler sees, kept between steps
         self._tenants: tuple[int, tuple[Tenant, ...]] = (-1, ())  # (the store's tenant_rev, the tenants)
@@ -101,15 +112,18 @@ class Controller:
         self._over_quota: set[str] = set()
         self._announced: dict[str, tuple[float, int]] = {}  # job -> (last ckpt_interval event, changes since)
         self._own_cadence: set[str] = set()  # jobs told that their own step cadence wins
-        # ``publish``: the pool as each step leaves it, for the API's reads (tidal.control.read_view)
+        # ``publish``: the pool as each step leaves it, for the API's reads (tidal.control.read_view); the
+        # copies of the jobs holding GPUs in the newest view, made again for the jobs written since
         self.published: Published | None = Published() if publish else None
+        self._copies: dict[str, HeldJob] = {}
+        self._unpublished: set[str] = set()  # jobs written since the newest view
+        self._progressed: set[str] = set()  # jobs whose progress alone the loop wrote since
         self.steps = 0
         # ended jobs per state for the view, counted in the store again only after a job left the active set
         # (_forget: it ended, or retention dropped it; a count is a scan of the jobs' history)
         self._ended: dict[str, int] | None = None
         # job id -> why it waits or does not grow, as stored (the scheduler's reasons; see _note_waiting)
-        self._waiting = {j.id: Waiting(j.waiting["reason"], j.waiting.get("until_s"))
-                         for j in store.active_jobs() if j.waiting}
+        self._waiting: dict[str, Waiting] = {}  # (read with the active rows: _refresh)
         if loans is not None:
             serving = {n.name: n.gpus for n in self.nodes if n.pool == "serving"}
             doc = store.get_doc(LOANS_DOC)
@@ -156,17 +170,21 @@ class Controller:
         except BaseException:
             if self.published is not None:
                 self.published.view = None
+            self._release_stored()
+            self._active = None  # (rows a rolled-back write changed in place: the next step reads all again)
             raise
 
     def _step(self, now_s: float) -> list[Decision]:
         observed = self.executor.observe(now_s)  # 1. observe
         self._refresh()
         rows, changed, self._reread = self._active or {}, self._reread, set()
-        active = [rows[i] for i, st in self._state.items() if st != S.PENDING or i in changed]
+        order = self._busy | {i: rows[i].seq for i in changed if i in rows and i not in self._busy}
+        active = [rows[i] for i, _ in sorted(order.items(), key=itemgetter(1))]  # (in submission order)
         self._record_progress(active, observed)
         with self.store.batch():  # (a step's writes: a transaction per many, not one each)
             for job in active:  # 2. reconcile
                 self._reconcile(job, observed.get(job.id), now_s)
+            self._release()
         self.watch.refresh(now_s)  # after reconcile: a lost node stays only while jobs still hold it
         if self.loans is not None:  # 3. lend and reclaim (serving nodes lost or back first)
             used, wants, on = self._holdings(wants=True)
@@ -206,18 +224,27 @@ class Controller:
         since read first (submissions: counted by the readers until read here); ended jobs counted in the
         store after a job ended or retention dropped jobs, not at every step."""
         self._refresh()
-        rows = self._active or {}
-        others = [rows[jid] for jid, st in self._state.items() if st != S.PENDING]  # (the pending: counted
-        counted = Counter((j.tenant, j.kind, j.state) for j in others)  # by their queues, a few hundred)
-        for (tenant, kind, _), n in self.view.pending_counts().items():
+        rows, state, old = self._active or {}, self._state, self._copies
+        written, progressed = self._unpublished, self._progressed
+        self._unpublished, self._progressed = set(), set()
+        held: dict[str, HeldJob] = {}  # (in submission order, as the store reads them)
+        backoff: list[JobRow] = []
+        for jid, _ in sorted(self._busy.items(), key=itemgetter(1)):
+            if state[jid] == S.BACKOFF:
+                backoff.append(rows[jid])
+            elif jid not in old or jid in written:  # (held: the copy in the view before, unless written)
+                held[jid] = held_job(rows[jid])
+            else:
+                held[jid] = with_progress(old[jid], rows[jid]) if jid in progressed else old[jid]
+        self._copies = held
+        counted = Counter((h.tenant, h.kind, h.state) for h in held.values())
+        counted.update((j.tenant, j.kind, S.BACKOFF.value) for j in backoff)
+        for (tenant, kind, _), n in self.view.pending_counts().items():  # (the pending: by their queues)
             counted[tenant, kind, S.PENDING.value] += n
-        held = sorted((j for j in others if j.state in HELD),
-                      key=operator.attrgetter("seq"))  # (submission order, as the store reads them)
-        backoff = [j for j in others if j.state == S.BACKOFF]
         head = waiting_head(self.view.queues().values(), backoff, QUEUE_SHOWN)
         assert self.published is not None
         self.published.view = PlaneView(
-            step=self.steps, as_of_s=now_s, nodes=tuple(self.nodes), held=tuple(map(held_job, held)),
+            step=self.steps, as_of_s=now_s, nodes=tuple(self.nodes), held=tuple(held.values()),
             jobs=dict(counted),
             ended=self._ended_counts(),
             head=tuple(QueuedJob.of(rows[jid]) for _, jid in head), submitted=self.store.taken_submits,
@@ -233,9 +260,15 @@ class Controller:
         only the rows written since (the store's marks), so that a step's reads follow what changed, not how
         many jobs wait."""
         changed = self.store.take_changed()
-        if self._active is None:
+        if self.published is not None:
+            self._unpublished |= changed.keys()
+        if self._active is None:  # (first, or after a step that raised: what was kept is made afresh)
+            self.view, self._index, self._copies = SchedulerView(), RunningIndex(), {}
             self._active = {j.id: j for j in self.store.active_jobs()}
+            self._waiting = {i: Waiting(j.waiting["reason"], j.waiting.get("until_s"))
+                             for i, j in self._active.items() if j.waiting}
             self._state = {i: j.state for i, j in self._active.items()}
+            self._busy = {i: j.seq for i, j in self._active.items() if j.state != S.PENDING}
             for j in self._active.values():
                 self.view.put(j)
             self._reread = set(self._active)
@@ -249,6 +282,10 @@ class Controller:
             for j in sorted(rows.values(), key=lambda r: r.seq):
                 if j.state in ACTIVE:
                     self._active[j.id], self._state[j.id] = j, j.state
+                    if j.state == S.PENDING:
+                        self._busy.pop(j.id, None)
+                    else:
+                        self._busy[j.id] = j.seq
                     self.view.put(j)
                 else:
                     self._forget(j.id)
@@ -257,6 +294,7 @@ class Controller:
         self._ended = None
         (self._active or {}).pop(job_id, None)
         self._state.pop(job_id, None)
+        self._busy.pop(job_id, None)
         self.view.drop(job_id)
 
     def _retain(self, now_s: float) -> None:
@@ -399,7 +437,6 @@ class Controller:
             st = S.CANCELLING
         if ob.done:
             self._finish(job, ob, now_s)
-            self.store.commit()  # (the executor released it: stored now, not at the end of the step's batch)
             return
         if job.stop_reason != "failure" and not job.killed:
             bad = [r for r in ob.ranks if not r.alive and (r.vanished or rank_code(r) not in RESUMABLE_CODES)]
@@ -467,6 +504,8 @@ class Controller:
                 fields["ckpt_step"] = p.ckpt_step
             if fields:
                 changes[job.id] = fields
+                if self.published is not None and "progress" in fields:
+                    self._progressed.add(job.id)
                 for k, v in fields.items():
                     setattr(job, k, v)
                 if "last_ckpt_s" in fields or "ckpt_stall_s" in fields:
@@ -480,7 +519,7 @@ class Controller:
                                                             and job.restarts >= job.max_restarts):
             self.watch.forget(job.id, now_s)  # over: it will not train again
         acct = account(job, ob, now_s, outcome == "success")
-        self.executor.release(job.id)
+        self._to_release.append((job.id, job.attempt))  # (released once this is stored: _release)
         self._shm_swept_s = float("-inf")  # the end of this step looks at its shared memory
         base = {"stop_reason": None, "stop_deadline_s": None, "killed": False, **acct}
         end = {"finished_s": now_s, "placement": {}, "releasing": {}, **base}  # the job is over
@@ -507,6 +546,7 @@ class Controller:
                     if g - job.releasing.get(n, 0) > 0}
             why = (f"resized: relaunching on {sum(left.values())} GPUs from checkpoint step "
                    f"{_resume_step(p, job)}")
+            self._release()  # (the attempt that ended gives its GPUs back before the next starts)
             self._launch(self.store.update(job, **base), left, now_s, why, data=data)
         elif outcome == "stopped":
             by_us = S(job.state) == S.PREEMPTING
@@ -530,6 +570,33 @@ class Controller:
         else:
             self.store.transition(job, S.FAILED, now_s, f"failed: {why}; no restarts left "
                                   f"(max_restarts={job.max_restarts})", data=data, **end)
+
+    def _release(self) -> None:
+        """Release the attempts that ended (:meth:`_finish`) once their ends are committed, all of a step's
+        reconcile with one commit: a plane killed in between restarts with each end stored, so it neither
+        loses one nor runs a finished job again."""
+        if self._to_release:
+            self.store.commit()
+            todo, self._to_release = self._to_release, []
+            for jid, _ in todo:
+                self.executor.release(jid)
+
+    def _release_stored(self) -> None:
+        """After a step raised: release the ended attempts whose ends were committed before (the store holds
+        them no longer, or holds a later attempt); the others were rolled back, and the next step sees them
+        end again."""
+        todo, self._to_release = self._to_release, []
+        if not todo:
+            return
+        try:
+            stored = {j.id: j for j in self.store.jobs_by_id([jid for jid, _ in todo])}
+        except Exception:
+            log.exception("reading the jobs that ended in a failed step")
+            return
+        for jid, attempt in todo:
+            j = stored.get(jid)
+            if j is None or j.state not in HELD or j.attempt != attempt:
+                self.executor.release(jid)
 
     def _classify(self, job: JobRow, ob: Observation) -> tuple[str, str]:
         codes = [rank_code(r) for r in ob.ranks]
@@ -684,6 +751,7 @@ class Controller:
             self.store.record("launch", f"attempt {req.attempt}: {_n(req.world_size, 'rank')} started", now_s,
                               job=job, data=handle)
         self.store.update_many(handles, held=started)
+        self._release()
 
     def sweep_shm(self, now_s: float, *, force: bool = False) -> list[str]:
         """Free ended jobs' node memory and agents' steps (:mod:`tidal.control.node_memory`), every

@@ -79,10 +79,26 @@ def held_job(j: JobRow) -> HeldJob:
     except KeyError:  # (an attribute not loaded: through the descriptor, which loads it)
         (jid, tenant, state, kind, placement, releasing, restarts, preemptions, lost_s, lost_steps, held_s,
          productive_s, launched_s, p) = [getattr(j, k) for k in _HELD_FIELDS]
-    p = p or {}
     return HeldJob(jid, tenant, state, kind, dict(placement or {}), dict(releasing or {}), restarts,
-                   preemptions, lost_s, lost_steps, held_s, productive_s, launched_s,
-                   progress={k: p[k] for k in PROGRESS_KEYS if p.get(k) is not None})
+                   preemptions, lost_s, lost_steps, held_s, productive_s, launched_s, progress=_progress(p))
+
+
+def with_progress(h: HeldJob, j: JobRow) -> HeldJob:
+    """``h`` (the copy of ``j`` in the view before) with ``j``'s progress now: for a job whose progress alone
+    changed since (the rest is shared with that copy; a view's records are never changed)."""
+    try:
+        p = j.__dict__["progress"]  # (loaded: read without SQLAlchemy's descriptor, as in held_job)
+    except KeyError:
+        p = j.progress
+    return HeldJob(h.id, h.tenant, h.state, h.kind, h.placement, h.releasing, h.restarts, h.preemptions,
+                   h.lost_s, h.lost_steps, h.held_s, h.productive_s, h.attempt_launched_s,
+                   progress=_progress(p))
+
+
+def _progress(p: dict[str, Any] | None) -> dict[str, Any]:
+    """What the views read of a job's progress document (:data:`PROGRESS_KEYS`)."""
+    p = p or {}
+    return {k: p[k] for k in PROGRESS_KEYS if p.get(k) is not None}
 
 
 def queue_order(kind: str, nominated_s: float | None, priority: int, queued_s: float, job_id: str

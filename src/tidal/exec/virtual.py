@@ -59,9 +59,10 @@ class _Attempt:
     cache: tuple[Any, Observation] | None = None
     ranks: tuple[Any, tuple[RankState, ...]] | None = None  # ((exit code, ranks lost), the ranks then)
 
-    @property
-    def world(self) -> int:
-        return sum(self.placement.values())
+    world: int = field(init=False)  # ranks (the placement's GPUs: an attempt keeps its placement)
+
+    def __post_init__(self) -> None:
+        self.world = sum(self.placement.values())
 
     def rank_nodes(self) -> list[str]:
         return [n for n, k in self.placement.items() for _ in range(k)]

@@ -121,7 +121,8 @@ def lowered(reclaims: Iterable[Reclaim], gpus: int) -> list[Reclaim]:
         r = rs[0]
         k = min(left, r.gpus)
         left -= k
-        rs = ([replace(r, gpus=r.gpus - k)] if r.gpus > k else []) + rs[1:]
+        # (a Reclaim made directly: ``dataclasses.replace`` costs ~3x as much per ReturnGpus)
+        rs = ([Reclaim(r.gpus - k, r.by_s, r.notice_s, r.deadline_s)] if r.gpus > k else []) + rs[1:]
     return rs
 
 

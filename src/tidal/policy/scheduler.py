@@ -14,6 +14,8 @@ With ``why``, the call also says why each job waits (:class:`~tidal.model.Waitin
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from tidal.model import Decision, Job, Preempt, Shrink, Snapshot, Waiting
 from tidal.policy.scheduling.config import SchedulerConfig
 from tidal.policy.scheduling.cycle import Cycle
@@ -164,21 +166,33 @@ def _no_room(c: Cycle, job: Job, searched: bool) -> str:
 
 def _explain_queues(c: Cycle, admitted: dict[str, tuple[int, Job]]) -> None:
     """Pending jobs the admit step did not get to: the first of a queue waits on the cycle's limit, the
-    rest behind it."""
+    rest behind it (one reason for the rest of a queue, the same object from call to call while the queue's
+    reason is: a long queue costs a pass, not a message each, and its caller sees the reasons unchanged by
+    identity). A reason the admit step gave stands."""
     why = c.why
     assert why is not None
-    for (tenant, kind, prio), q in c.snap.queues.items():
-        ahead: Job | None = None
-        behind = Waiting(f"queued behind earlier jobs in tenant {tenant}'s {kind} queue at priority {prio}")
-        for j in q:  # (one reason for the rest of a queue: a long queue costs a pass, not a message each)
-            if j.id in admitted:
-                continue
-            if ahead is not None:
-                why.setdefault(j.id, behind)  # (not naming the job ahead: reasons stay put as the head moves)
-                continue
-            ahead = j
-            if j.id not in why and c.free_for(j) == 0:
-                why[j.id] = Waiting("waiting: no GPU free, and no more victim searches this cycle")
-            elif j.id not in why:
-                why[j.id] = Waiting(f"waiting its turn: the scheduler stopped this cycle after "
-                                    f"{c.cfg.max_skips_per_cycle} jobs that could not start")
+    given = dict(why)
+    for key, q in c.snap.queues.items():
+        ahead = next((j for j in q if j.id not in admitted), None)
+        if ahead is None:
+            continue
+        if ahead.id not in given:
+            why[ahead.id] = _NONE_FREE if c.free_for(ahead) == 0 else _turn(c.cfg.max_skips_per_cycle)
+        # (the rest: not naming the job ahead, so that their reasons stay put as the head moves)
+        behind = _behind(*key)
+        why.update({j.id: behind for j in q if j.id not in admitted and j is not ahead})
+    why.update(given)
+
+
+@lru_cache(maxsize=4096)
+def _behind(tenant: str, kind: str, priority: int) -> Waiting:
+    return Waiting(f"queued behind earlier jobs in tenant {tenant}'s {kind} queue at priority {priority}")
+
+
+@lru_cache(maxsize=16)
+def _turn(skips: int) -> Waiting:
+    return Waiting(f"waiting its turn: the scheduler stopped this cycle after {skips} jobs that could not "
+                   "start")
+
+
+_NONE_FREE = Waiting("waiting: no GPU free, and no more victim searches this cycle")
