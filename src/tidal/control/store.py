@@ -25,7 +25,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import orjson
 from sqlalchemy import (
@@ -59,6 +59,7 @@ from sqlalchemy.orm import (
     sessionmaker,
 )
 from sqlalchemy.orm.attributes import set_committed_value
+from sqlalchemy.sql.schema import CallableColumnDefault, ScalarElementColumnDefault
 
 from tidal.control.states import ACTIVE, HELD, TERMINAL, TRANSITIONS, State, check_transition
 
@@ -829,11 +830,12 @@ _HELD_ACCOUNTING = _HELD.add_columns(*(_JOBS.c[k] for k in (
 
 def _job_defaults() -> dict[str, Any]:
     """A new job's column defaults, as the ORM fills them in (a fresh ``{}`` for each JSON one)."""
-    out = {}
+    out: dict[str, Any] = {}
     for c in _JOBS.c:
-        if c.default is not None:
-            arg = c.default.arg  # type: ignore[attr-defined]  # (typed on ColumnDefault's subclasses only)
-            out[c.name] = arg(None) if c.default.is_callable else arg
+        if isinstance(c.default, CallableColumnDefault):
+            out[c.name] = cast("Callable[[Any], Any]", c.default.arg)(None)  # (no context used: ours)
+        elif isinstance(c.default, ScalarElementColumnDefault):
+            out[c.name] = c.default.arg
     return out
 
 
