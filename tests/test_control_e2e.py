@@ -158,11 +158,11 @@ def preempt_resume_crash_then_failures(plane):
     assert lab.logs(flaky)["data"].count("boom") == 3
     wait_for("the hang to be detected", lambda: lab.job(stuck)["state"] == "failed", admin)
     assert any(e["kind"] == "hang" and "no heartbeat for" in e["message"] for e in lab.events(stuck))
-    metrics = admin.metrics()
-    assert (
-        'tidal_jobs{state="failed"} 2.0' in metrics
-        and 'tidal_pool_gpus{pool="training",state="free",tenant=""} 2.0' in metrics
-    )
+    # /metrics is as of the end of the loop's newest step (its published view): the store may say "failed"
+    # while the step that wrote it has not ended yet
+    wait_for("the metrics to count both failures and the GPUs free", lambda: (
+        'tidal_jobs{state="failed"} 2.0' in (metrics := admin.metrics())
+        and 'tidal_pool_gpus{pool="training",state="free",tenant=""} 2.0' in metrics), admin, timeout_s=10)
 
 
 def test_cli_against_the_server(plane, tmp_path, monkeypatch):
