@@ -337,6 +337,29 @@ def test_a_step_that_raises_releases_only_the_ends_it_stored(world, monkeypatch)
     assert [t for t in transitions(store, b) if t[1] == "succeeded"] == [("running", "succeeded")]
 
 
+def test_a_release_that_raises_leaves_no_other_ended_attempt_held(world, monkeypatch):
+    """Three attempts end in one step and the executor's release of the first raises: the step fails, and
+    the other two are released all the same (their ends are stored; nothing would release them later)."""
+    store, ex, ctl, clock = world
+    jobs = [submit(store, "lab", clock(), name=f"j{i}") for i in range(3)]
+    ctl.step(clock())
+    ctl.step(clock.advance(1))
+    release = ex.release
+
+    def flaky(job_id):
+        if job_id == jobs[0]:
+            raise RuntimeError("executor unreachable")
+        release(job_id)
+
+    monkeypatch.setattr(ex, "release", flaky)
+    for j in jobs:
+        ex.exit(j, 0)
+    with pytest.raises(RuntimeError):
+        ctl.step(clock.advance(1))
+    assert [state(store, j) for j in jobs] == ["succeeded"] * 3
+    assert [("release", j) in ex.calls for j in jobs] == [False, True, True]
+
+
 def test_a_loss_gone_nan_is_stored_as_null_and_every_read_goes_on(world):
     """A training run that diverged reports loss NaN (a worker may write any float): its progress is stored as
     standard JSON, NaN as null, so PostgreSQL stores it (a step writing it raised there, every step) and

@@ -578,8 +578,12 @@ class Controller:
         if self._to_release:
             self.store.commit()
             todo, self._to_release = self._to_release, []
-            for jid, _ in todo:
-                self.executor.release(jid)
+            for k, (jid, _) in enumerate(todo):
+                try:
+                    self.executor.release(jid)
+                except BaseException:
+                    self._to_release = todo[k:]  # (not released yet: the failed step's release looks at them)
+                    raise
 
     def _release_stored(self) -> None:
         """After a step raised: release the ended attempts whose ends were committed before (the store holds
@@ -596,7 +600,10 @@ class Controller:
         for jid, attempt in todo:
             j = stored.get(jid)
             if j is None or j.state not in HELD or j.attempt != attempt:
-                self.executor.release(jid)
+                try:
+                    self.executor.release(jid)
+                except Exception:  # (the others are still released)
+                    log.exception("releasing the ended attempt of %s failed", jid)
 
     def _classify(self, job: JobRow, ob: Observation) -> tuple[str, str]:
         codes = [rank_code(r) for r in ob.ranks]
