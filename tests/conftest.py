@@ -95,11 +95,31 @@ _ray = _RayHolder()
 
 @pytest.fixture
 def ray_cluster():
-    """The multi-node Ray cluster of this test process (tests/ray_cluster.py); skipped without ray."""
+    """The multi-node Ray cluster of this test process (tests/ray_cluster.py); skipped without ray. After the
+    test, every GPU of the cluster must be free again: what the test left holding one (a placement group, a
+    rank actor) fails it, named, and is removed, so that the tests after it start from a free cluster."""
     pytest.importorskip(
         "ray", reason="ray is not installed (pip install 'tidal[ray]'; `make test` installs it)"
     )
-    return _ray.get()
+    rc = _ray.get()
+    yield rc
+    import ray
+
+    import ray_cluster as rcm
+
+    rc.restore()
+    mine = not ray.is_initialized()  # (connected for the check only: the next test finds Ray as it would)
+    if mine:
+        ray.init(address=rc.address, log_to_driver=False)
+    try:
+        left = rcm.held()
+        if left:
+            rcm.clear()
+    finally:
+        if mine:
+            ray.shutdown()
+    if left:
+        pytest.fail("the test left GPUs of the Ray cluster held: " + "; ".join(left), pytrace=False)
 
 
 RAY_GROUPS = 2

@@ -98,6 +98,12 @@ class FakeExecutor:
         self.calls.append(("release", job_id))
         self.jobs.pop(job_id, None)
 
+    def release_unadopted(self) -> list[str]:
+        gone, self.survivors = sorted(self.survivors), {}
+        for job_id in gone:
+            self.calls.append(("release", job_id))
+        return gone
+
     def log_path(self, job_id: str, rank: int) -> str | None:
         return None
 

@@ -82,6 +82,47 @@ def start() -> RayCluster:
     return rc
 
 
+def held(timeout_s: float = 60.0) -> list[str]:
+    """Empty once every GPU of the cluster is free again (an ended test's placement groups and actors are
+    released asynchronously); else, after ``timeout_s``, what still holds GPUs: each placement group not
+    removed and each rank actor alive, by name. The cluster's nodes are all expected present."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    total = sum(NODES.values())
+    while True:
+        if ray.cluster_resources().get("GPU", 0.0) == ray.available_resources().get("GPU", 0.0) == total:
+            return []
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.5)
+    out = [f"placement group {info.get('name')!r} ({info.get('state')})"
+           for info in ray.util.placement_group_table().values() if info.get("state") != "REMOVED"]
+    out += [f"actor {a.get('namespace')}/{a.get('name')}"
+            for a in ray.util.list_named_actors(all_namespaces=True)
+            if str(a.get("name", "")).startswith("tidal.")]
+    return out or [f"GPUs: {ray.available_resources().get('GPU', 0.0):g} free of "
+                   f"{ray.cluster_resources().get('GPU', 0.0):g} (nothing named holds them)"]
+
+
+def clear() -> None:
+    """Remove every placement group and kill every rank actor of the cluster (what a failed test left)."""
+    import contextlib
+
+    import ray
+    from ray._raylet import PlacementGroupID
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+    for a in ray.util.list_named_actors(all_namespaces=True):
+        if str(a.get("name", "")).startswith("tidal."):
+            with contextlib.suppress(Exception):
+                ray.kill(ray.get_actor(a["name"], namespace=a["namespace"]), no_restart=True)
+    for pg_id, info in ray.util.placement_group_table().items():
+        if info.get("state") != "REMOVED":
+            with contextlib.suppress(Exception):
+                remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(pg_id))))
+
+
 def stop(rc: RayCluster) -> None:
     import ray
 

@@ -445,6 +445,31 @@ def test_recover_adopts_running_workers_or_requeues(tmp_path):
     store.close()
 
 
+def test_recover_releases_an_end_stored_by_a_plane_killed_before_its_release(tmp_path):
+    store = new_store(tmp_path, ("lab", 0, 1.0))
+    clock = FakeClock()
+    ex1 = FakeExecutor(gpus=4)
+    ctl = Controller(store, ex1, CFG)
+    a = submit(store, "lab", clock(), name="a", gpus=2)
+    b = submit(store, "lab", clock(), name="b", gpus=2)
+    ctl.step(clock())
+    ex1.exit(a, 0)
+
+    def killed(job_id: str) -> None:
+        raise SystemExit("kill -9")
+
+    ex1.release = killed  # the plane dies between the commit of a's end and its release
+    with pytest.raises(SystemExit):
+        ctl.step(clock.advance(1))
+    assert state(store, a) == "succeeded" and state(store, b) == "running"
+    ex2 = FakeExecutor(gpus=4)
+    ex2.survivors = {a: ex1.jobs[a], b: ex1.jobs[b]}  # both still hold their GPUs in the executor
+    Controller(store, ex2, CFG).recover(clock.advance(5))
+    assert ("release", a) in ex2.calls and ("release", b) not in ex2.calls
+    assert set(ex2.jobs) == {b} and not ex2.survivors
+    store.close()
+
+
 def test_illegal_transition_leaves_the_job_as_it_was(world):
     from tidal.control.states import IllegalTransition
 

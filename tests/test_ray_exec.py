@@ -71,7 +71,7 @@ def all_gpus_free() -> float:
 def test_ranks_across_nodes_stop_adopt_never_twice_kill_release(ray_cluster, tmp_path, monkeypatch):
     import ray
 
-    from tidal.exec.ray_exec import RayExecutor, actor_name
+    from tidal.exec.ray_exec import RayExecutor, _pg_name, actor_name
 
     ray_cluster.state_roots.append(tmp_path / "jobs")
     monkeypatch.setenv("TIDAL_TEST_SECRET", "plane-only")
@@ -132,12 +132,22 @@ def test_ranks_across_nodes_stop_adopt_never_twice_kill_release(ray_cluster, tmp
     assert (
         e["CUDA_VISIBLE_DEVICES"] == "0" and e["TIDAL_CKPT_URL"] == "/c/j" and e["TIDAL_CKPT_TIERS"] is None
     )
+    wait_until("Ray to count the 2 GPUs held", lambda: gpus_free() == total - 2, 30)
+
+    # A plane killed after storing the end of j.a9-1 and before releasing it: restarted, it adopts j alone
+    # and removes the rest of its own (the detached placement group would hold the GPU for good).
+    ex4 = RayExecutor(tmp_path / "jobs", address=ray_cluster.address, ready_timeout_s=60)
+    assert ex4.adopt("j", 2, time.time())
+    assert sorted(ex4.release_unadopted()) == [
+        f"placement group {_pg_name(ex4.namespace, 'j.a9-1', 1)}", f"rank actor {actor_name('j.a9-1', 1, 0)}"]
+    wait_until("j.a9-1's GPU back in Ray", lambda: gpus_free() == total - 1, 30)
+    assert {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["namespace"] == ex3.namespace} == {actor_name("j", 2, 0)}
+    assert ex4.release_unadopted() == []
+    ex3.release("j.a9-1")  # (already gone from the cluster: the release only forgets it)
     ex3.kill("j")
-    ex3.kill("j.a9-1")
     assert [r.exit_code for r in observe_until_done(ex3, "j").ranks] == [-signal.SIGKILL]
-    assert [r.exit_code for r in observe_until_done(ex3, "j.a9-1").ranks] == [-signal.SIGKILL]
     ex3.release("j")
-    ex3.release("j.a9-1")
     wait_until("the GPUs back in Ray", lambda: gpus_free() == total, 30)
     assert not any(a["namespace"] == ex3.namespace for a in ray.util.list_named_actors(all_namespaces=True))
     wait_until("every rank process gone", lambda: not any(procs.alive(r["pid"]) for r in
@@ -156,13 +166,13 @@ def test_ranks_across_nodes_stop_adopt_never_twice_kill_release(ray_cluster, tmp
 
 def test_leftovers_are_matched_by_whole_job_id_never_by_prefix():
     """Job names may hold dots: launching ``foo-1`` must not take ``foo-1.a2-3``'s actors for its own."""
-    from tidal.exec.ray_exec import _pg_name, actor_name, job_of_actor, job_of_pg
+    from tidal.exec.ray_exec import _pg_name, actor_name, attempt_of_actor, attempt_of_pg
 
-    assert job_of_actor(actor_name("foo-1", 2, 0)) == "foo-1"
-    assert job_of_actor(actor_name("foo-1.a2-3", 1, 0)) == "foo-1.a2-3"
-    assert job_of_actor("tidal.foo-1") is None and job_of_actor("other.foo-1.a1.r0") is None
-    assert job_of_pg("tidal-ab", _pg_name("tidal-ab", "foo-1.a2-3", 4)) == "foo-1.a2-3"
-    assert job_of_pg("tidal-ab", _pg_name("tidal-xy", "foo-1", 4)) is None
+    assert attempt_of_actor(actor_name("foo-1", 2, 0)) == ("foo-1", 2)
+    assert attempt_of_actor(actor_name("foo-1.a2-3", 1, 0)) == ("foo-1.a2-3", 1)
+    assert attempt_of_actor("tidal.foo-1") is None and attempt_of_actor("other.foo-1.a1.r0") is None
+    assert attempt_of_pg("tidal-ab", _pg_name("tidal-ab", "foo-1.a2-3", 4)) == ("foo-1.a2-3", 4)
+    assert attempt_of_pg("tidal-ab", _pg_name("tidal-xy", "foo-1", 4)) is None
 
 
 def test_an_attempt_across_nodes_has_no_node_memory_tier():

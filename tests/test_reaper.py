@@ -147,12 +147,13 @@ def test_a_rank_as_its_own_uid_leaves_nothing_after_kill():
     assert left_alive(pids) == []
 
 
-def test_the_memory_cgroup_is_the_backstop_when_a_shim_was_killed(tmp_path):
+@pytest.mark.parametrize("then", ["release", "restart"])
+def test_the_memory_cgroup_is_the_backstop_when_a_shim_was_killed(tmp_path, then):
     """A shim SIGKILLed by another than the executor (its rank and the rank's helpers went to init), the
     helpers without the attempt's mark and the rank without a uid of its own: the observe ends the rank
     (its pid), its children and the helper whose shell is gone (the shim's session) but not the daemon
     that left the session (no mark of the attempt is left on it); the release kills what is still in the
-    rank's memory cgroup."""
+    rank's memory cgroup; so does a plane restarted before that release, which adopts nothing of it."""
     try:
         ex = LocalExecutor(tmp_path / "jobs", slots=1,
                            isolation=IsolationConfig(mode="none", max_memory_bytes=2**30))
@@ -166,6 +167,12 @@ def test_the_memory_cgroup_is_the_backstop_when_a_shim_was_killed(tmp_path):
         os.kill(handle["ranks"][0]["pid"], signal.SIGKILL)  # the shim alone
         assert wait_for(lambda: ex.observe(time.time())["m"].done)
         assert [p for p in pids if procs.alive(p)] == [pids[1]]  # the double-forked daemon, unmarked
+        if then == "restart":
+            again = LocalExecutor(tmp_path / "jobs", slots=1,
+                                  isolation=IsolationConfig(mode="none", max_memory_bytes=2**30))
+            left = again.release_unadopted()
+            assert left == [f"rank cgroup {ex.cgroups.rank_dir('m', 1, 0).name}: pids [{pids[1]}]"]
+            assert again.release_unadopted() == []
     finally:
         ex.release("m")
     assert left_alive(pids) == []

@@ -103,6 +103,9 @@ def test_journal_adopted_after_a_restart(tmp_path) -> None:
     again.release("a-1")
     third = VirtualExecutor(2, 4, journal=path)
     assert third.ckpt["a-1"] == 4 * 15 and not third.adopt("a-1", 1, T0 + 30)
+    # b-2's end stored, the plane killed before its release: the next one adopts nothing and releases it
+    assert third.release_unadopted() == ["attempt 1 of b-2"] and third.release_unadopted() == []
+    assert not VirtualExecutor(2, 4, journal=path).adopt("b-2", 1, T0 + 40)
 
 
 def test_controller_runs_jobs_to_the_end(tmp_path) -> None:

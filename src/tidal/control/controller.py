@@ -137,7 +137,8 @@ class Controller:
 
     def recover(self, now_s: float) -> None:
         """After a (re)start: re-adopt the workers of every job that holds GPUs, or requeue it (not a
-        failure); ranks that ended meanwhile are handled by the next step."""
+        failure); ranks that ended meanwhile are handled by the next step. What the executor still holds of
+        any other attempt is released (a plane killed after storing an end, before releasing it)."""
         held = self.store.jobs(states=HELD)
         adopted = {j.id for j in held if j.attempt > 0 and self.executor.adopt(j.id, j.attempt, now_s)}
         observed = self.executor.observe(now_s)  # once: every job's
@@ -160,6 +161,7 @@ class Controller:
                                       f"control plane restarted: attempt {job.attempt} {why}; requeued to "
                                       f"resume from checkpoint step {job.ckpt_step or 0}",
                                       **_requeue_fields(), data={"recovered": True})
+        self.executor.release_unadopted()  # (ends stored by a plane killed before it released them)
         self.sweep_shm(now_s, force=True)  # orphans: ended jobs' shm dirs, or unknown ones
 
     def step(self, now_s: float) -> list[Decision]:

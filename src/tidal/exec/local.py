@@ -341,6 +341,25 @@ class LocalExecutor(AttemptDirs):
         if any(self._shim_lost(t, k) for k in t.ranks):
             self._kill_orphans(t)
 
+    def release_unadopted(self) -> list[str]:
+        """After a restart's adoptions: what is left of attempts not tracked (an end a plane killed before its
+        release had stored): with memory cgroups, each such rank cgroup's processes killed and the cgroup
+        removed. (A rank's processes end with it otherwise: its shim reaps what it left.)"""
+        if self.cgroups is None:
+            return []
+        keep = {self.cgroups.rank_dir(t.job_id, t.attempt, k.rank)
+                for t in self._jobs.values() for k in t.ranks}
+        out = []
+        for d in sorted(p for p in self.cgroups.root.iterdir() if p.is_dir() and p not in keep):
+            if members := cgroups.members(d):
+                procs.kill_tree(members)
+                out.append(f"rank cgroup {d.name}: pids {sorted(members)}")
+            with contextlib.suppress(OSError):
+                os.rmdir(d)
+        for what in out:
+            log.warning("killed the leftover %s", what)
+        return out
+
     def _shim_lost(self, t: _Tracked, k: _Rank) -> bool:
         """The rank's shim ended without recording its exit (killed: what it had below is orphaned)."""
         if k.rank in t.lost:

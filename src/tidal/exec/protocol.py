@@ -133,6 +133,11 @@ class Executor(Protocol):
         """Forget a job whose ranks have all exited."""
         ...
 
+    def release_unadopted(self) -> list[str]:
+        """After a restart's adoptions: release what is left of attempts this executor does not track (an
+        end that a plane killed before releasing it had stored); what was released, described."""
+        ...
+
     def log_path(self, job_id: str, rank: int) -> str | None:
         """Where rank ``rank``'s output goes (all attempts appended), if the executor keeps one."""
         ...

@@ -16,7 +16,7 @@ import os
 import sys
 import time
 from collections import Counter
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,8 +51,8 @@ from tidal.exec.ray_names import (  # what the plane's objects are called on the
     across_nodes,
     actor_name,
     agent_namespace,
-    job_of_actor,
-    job_of_pg,
+    attempt_of_actor,
+    attempt_of_pg,
     kill_ranks,
     namespace_for,
     rank_pids,
@@ -339,19 +339,33 @@ class RayExecutor(AttemptDirs):
     def _remove_leftovers(self, job_id: str) -> None:
         """Actors and placement groups of the job's earlier attempts that are still in the cluster (a
         plane that crashed mid-launch, a release that did not reach Ray): removed, never run twice."""
-        ray = self._ray
+        self._remove_where(lambda job, _: job == job_id)
+
+    def release_unadopted(self) -> list[str]:
+        """After a restart's adoptions: remove the actors and placement groups of this plane's attempts
+        that it does not track (an attempt whose end a plane killed before its release had stored: its
+        detached placement group would hold the GPUs for good; a launch cut short before it was recorded)."""
+        tracked = {(t.job_id, t.attempt) for t in self._jobs.values()}
+        return self._remove_where(lambda job, attempt: (job, attempt) not in tracked)
+
+    def _remove_where(self, which: Callable[[str, int], bool]) -> list[str]:
+        """Remove this namespace's rank actors and placement groups whose (job, attempt) ``which`` picks;
+        what was removed, named (each logged)."""
+        ray, out = self._ray, []
         for a in ray.util.list_named_actors(all_namespaces=True):
-            if a.get("namespace") == self.namespace and job_of_actor(a.get("name", "")) == job_id:
+            name = str(a.get("name", ""))
+            if a.get("namespace") == self.namespace and (of := attempt_of_actor(name)) and which(*of):
                 with contextlib.suppress(ValueError):
-                    self._kill_actors([ray.get_actor(a["name"], namespace=self.namespace)])
-                    log.warning("removed the leftover rank actor %s", a["name"])
+                    self._kill_actors([ray.get_actor(name, namespace=self.namespace)])
+                    out.append(f"rank actor {name}")
         for pg_id, info in ray.util.placement_group_table().items():
-            if (
-                job_of_pg(self.namespace, str(info.get("name", ""))) == job_id
-                and info.get("state") != "REMOVED"
-            ):
+            name = str(info.get("name", ""))
+            if info.get("state") != "REMOVED" and (of := attempt_of_pg(self.namespace, name)) and which(*of):
                 self._remove_pg_id(pg_id)
-                log.warning("removed the leftover placement group %s", info.get("name"))
+                out.append(f"placement group {name}")
+        for what in out:
+            log.warning("removed the leftover %s", what)
+        return out
 
     def _kill_actors(self, actors: list[Any], lost: Sequence[Any] = ()) -> None:
         """End what each rank left (:meth:`~tidal.exec.ray_rank.RankActor.end`, all at once, waited for up

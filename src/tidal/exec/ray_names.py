@@ -91,19 +91,20 @@ def _pg_name(namespace: str, job_id: str, attempt: int) -> str:
     return f"{namespace}.{job_id}.a{attempt}"
 
 
-_ACTOR_RE = re.compile(r"^tidal\.(?P<job>.+)\.a\d+\.r\d+$")
+_ACTOR_RE = re.compile(r"^tidal\.(?P<job>.+)\.a(?P<attempt>\d+)\.r\d+$")
 
 
-def job_of_actor(name: str) -> str | None:
-    """The job a rank actor's name belongs to (job names may hold dots: matched whole, never by prefix)."""
+def attempt_of_actor(name: str) -> tuple[str, int] | None:
+    """The (job, attempt) a rank actor's name (:func:`actor_name`) belongs to; job names may hold dots:
+    matched whole, never by prefix."""
     m = _ACTOR_RE.match(name)
-    return m.group("job") if m else None
+    return (m.group("job"), int(m.group("attempt"))) if m else None
 
 
-def job_of_pg(namespace: str, name: str) -> str | None:
-    """The job of a placement group named by :func:`_pg_name` in ``namespace``."""
-    m = re.match(rf"^{re.escape(namespace)}\.(?P<job>.+)\.a\d+$", name)
-    return m.group("job") if m else None
+def attempt_of_pg(namespace: str, name: str) -> tuple[str, int] | None:
+    """The (job, attempt) of a placement group named by :func:`_pg_name` in ``namespace``."""
+    m = re.match(rf"^{re.escape(namespace)}\.(?P<job>.+)\.a(?P<attempt>\d+)$", name)
+    return (m.group("job"), int(m.group("attempt"))) if m else None
 
 
 def rank_pids(root: str | os.PathLike) -> list[int]:

@@ -272,6 +272,15 @@ class VirtualExecutor:
         if a is not None:
             self._log({"op": "release", "job": job_id, "work": a.last_ckpt(self._now, self.notice_s)[0]})
 
+    def release_unadopted(self) -> list[str]:
+        """The journal's attempts not adopted after a restart are released (their checkpoints kept)."""
+        out = []
+        for job_id in list(self._gone):
+            self._jobs[job_id] = a = self._gone.pop(job_id)
+            self.release(job_id)
+            out.append(f"attempt {a.attempt} of {job_id}")
+        return out
+
     def log_path(self, job_id: str, rank: int) -> str | None:
         return None
 
