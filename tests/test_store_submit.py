@@ -81,3 +81,24 @@ def test_a_batch_holds_the_write_lock_only_while_its_transaction_is_open(store):
         assert done.wait(30), "the batch kept its transaction open while a writer waited"
         t.join()
     assert [j.message for j in store.jobs()] == ["two", "", ""]
+
+
+def test_a_transition_and_an_update_leave_the_row_as_a_read_gives_it_and_refuse_what_is_no_column(store):
+    from tidal.control.states import State
+
+    spec = parse_spec({"name": "t", "command": ["true"], "gpus": {"min": 2, "max": 2}}).model_dump()
+    row = store.job(store.submit("a", spec, 1.0).id)
+    store.transition(row, State.ADMITTED, 2.0, "admitted", data={"why": ["n1"], "gpus": 2},
+                     placement={"n1": 2}, attempt=1, killed=False, handle=None)
+    store.update(row, waiting={"reason": "r", "until_s": None}, last_ckpt_s=3.5, cancel_requested=True)
+    got = store.job(row.id)
+    for col in JobRow.__table__.columns:
+        assert getattr(row, col.name) == getattr(got, col.name), col.name
+    ev = store.events(job_id=row.id)[-1]
+    assert (ev.kind, ev.from_state, ev.to_state, ev.data, ev.tenant) == (
+        "transition", "pending", "admitted", {"why": ["n1"], "gpus": 2}, "a")
+    with pytest.raises(ValueError, match=r"no such column of jobs: \['bogus'\]"):
+        store.update(row, bogus=1)
+    with pytest.raises(ValueError, match=r"no such column of jobs: \['state; --'\]"):
+        store.transition(row, State.RUNNING, 4.0, "running", **{"state; --": 1})
+    assert store.job(row.id).state == "admitted" and len(store.events(job_id=row.id)) == 2

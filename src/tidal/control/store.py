@@ -31,13 +31,13 @@ import orjson
 from sqlalchemy import (
     JSON,
     Boolean,
+    Connection,
     Float,
     ForeignKey,
     Index,
     Integer,
     String,
     Text,
-    bindparam,
     case,
     create_engine,
     delete,
@@ -48,7 +48,6 @@ from sqlalchemy import (
     select,
     text,
     type_coerce,
-    update,
 )
 from sqlalchemy.orm import (
     DeclarativeBase,
@@ -639,10 +638,12 @@ class Store:
         cols = {k: v for k, v in values.items() if k != "progress"}
         row = job if isinstance(job, JobRow) else None
         jid = job.id if isinstance(job, JobRow) else job
+        q, sets, args = self._q, *self._sets(cols)
         with self._write() as s:
-            c = s.connection()  # (Core statements on the connection: the ORM's execute costs twice as much)
+            c = s.connection()  # (the driver's statements: SQLAlchemy's Core costs several times as much)
             held = row is not None and State(to) in TRANSITIONS.get(State(row.state), ()) and bool(_count(
-                c.execute(_UPDATE_IN_STATE, {"b_id": jid, "b_state": row.state, **cols})))
+                c.exec_driver_sql(f"UPDATE jobs SET {sets} WHERE id = {q} AND state = {q}",
+                                  (*args, jid, row.state))))
             if held:
                 assert row is not None
                 old, tenant = row.state, row.tenant  # (the usual case: one statement, nothing read)
@@ -652,20 +653,20 @@ class Store:
                     raise NotFound(jid)
                 old, tenant = got
                 check_transition(jid, old, to)
-                c.execute(_UPDATE_JOB, {"b_id": jid, **cols})
+                c.exec_driver_sql(f"UPDATE jobs SET {sets} WHERE id = {q}", (*args, jid))
             if "progress" in values:
                 self._put_progress(s, _progress_rows({jid: values["progress"]}))
-            c.execute(_INSERT_EVENT, {"time_s": now_s, "job_id": jid, "tenant": tenant, "kind": "transition",
-                                      "from_state": old, "to_state": values["state"],
-                                      "message": values["message"], "data": data})
+            self._insert_event(c, now_s, jid, tenant, "transition", values["message"], data, old,
+                               values["state"])
         if row is None:
             self._mark(jid)
             return self.job(jid)
+        _written(row, values)
         if held:
-            self._mark_row(_written(row, values))
+            self._mark_row(row)
         else:  # (the store had it in another state: the caller's row is stale, read again)
             self._mark(jid)
-        return _written(row, values)
+        return row
 
     def update(self, job: JobRow | str, **fields: Any) -> JobRow:
         """Set fields that are not the state (progress, handle, bookkeeping); ``job`` as for
@@ -675,8 +676,10 @@ class Store:
         row = job if isinstance(job, JobRow) else None
         jid = job.id if isinstance(job, JobRow) else job
         cols = {k: v for k, v in fields.items() if k != "progress"}
+        q, sets, args = self._q, *self._sets(cols)
         with self._write() as s:
-            if cols and not _count(s.execute(_UPDATE_JOB, {"b_id": jid, **cols})):
+            if cols and not _count(s.connection().exec_driver_sql(f"UPDATE jobs SET {sets} WHERE id = {q}",
+                                                                  (*args, jid))):
                 raise NotFound(jid)
             if "progress" in fields:
                 if not cols and s.scalar(select(JobRow.seq).where(JobRow.id == jid)) is None:
@@ -772,9 +775,27 @@ class Store:
                tenant: str | None = None, data: dict | None = None) -> None:
         """An event that is not a transition (a decision, an adoption, a kill, a tenant change)."""
         with self._write() as s:
-            s.connection().execute(_INSERT_EVENT, {
-                "time_s": now_s, "job_id": job.id if job else None, "tenant": job.tenant if job else tenant,
-                "kind": kind, "message": message[:2000], "data": data})
+            self._insert_event(s.connection(), now_s, job.id if job else None, job.tenant if job else tenant,
+                               kind, message[:2000], data)
+
+    def _insert_event(self, c: Connection, now_s: float, job_id: str | None, tenant: str | None, kind: str,
+                      message: str, data: dict | None, from_state: str | None = None,
+                      to_state: str | None = None) -> None:
+        q = self._q
+        c.exec_driver_sql(
+            "INSERT INTO events (time_s, job_id, tenant, kind, from_state, to_state, message, data) "
+            f"VALUES ({q}, {q}, {q}, {q}, {q}, {q}, {q}, {q})",
+            (now_s, job_id, tenant, kind, from_state, to_state, message,
+             to_json(data) if data is not None else None))
+
+    def _sets(self, cols: Mapping[str, Any]) -> tuple[str, tuple[Any, ...]]:
+        """``a = ?, b = ?`` of a job's columns and their values as the driver takes them (JSON as text);
+        ``ValueError`` for a name that is no column of the jobs table."""
+        if bad := cols.keys() - _JOB_COLS:
+            raise ValueError(f"no such column of jobs: {sorted(bad)}")
+        q = self._q
+        return (", ".join(f"{k} = {q}" for k in cols),
+                tuple(to_json(v) if k in _JSON_COLS and v is not None else v for k, v in cols.items()))
 
     def put_doc(self, key: str, doc: Any, now_s: float,
                 events: Iterable[tuple[str, str, dict | None]] = ()) -> None:
@@ -816,9 +837,6 @@ class Store:
 _JOBS, _EVENTS, _META, _PROGRESS = (Base.metadata.tables[t] for t in ("jobs", "events", "meta", "progress"))
 # Core statements made once, their values bound at each call (the SET clause is the values given): no ORM unit
 # of work, and no statement built and compiled again, for the loop's many small writes (a submit: _submit_sql)
-_UPDATE_JOB = update(_JOBS).where(_JOBS.c.id == bindparam("b_id"))
-_UPDATE_IN_STATE = _UPDATE_JOB.where(_JOBS.c.state == bindparam("b_state"))
-_INSERT_EVENT = insert(_EVENTS)
 _HELD = select(_JOBS.c.id, _JOBS.c.tenant, _JOBS.c.state, _JOBS.c.kind, _JOBS.c.placement,
                _JOBS.c.releasing).where(_JOBS.c.state.in_([str(x) for x in HELD])).order_by(_JOBS.c.seq)
 PROGRESS_KEYS = ("step", "steps_per_s", "start_step", "tiers")  # (what /metrics reads of the progress)
@@ -840,6 +858,7 @@ def _job_defaults() -> dict[str, Any]:
 
 
 _JSON_COLS = frozenset(c.name for c in _JOBS.c if isinstance(c.type, JSON))  # (written as JSON text)
+_JOB_COLS = frozenset(c.name for c in _JOBS.c)
 # the columns a submit writes: those with a default and the spec's (the others NULL, as the ORM leaves them)
 _SUBMIT_COLS = tuple(dict.fromkeys([*_job_defaults(), "seq", "tenant", "name", "spec", "kind", "priority",
                                     "min_gpus", "max_gpus", "multiple_of", "max_restarts", "submit_s",
