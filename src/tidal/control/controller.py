@@ -276,8 +276,9 @@ class Controller:
             self._reread = set(self._active)
             return
         self._reread |= changed.keys()
-        if changed:  # rows this loop wrote in place are as stored: only the others are read
-            held = {i: r for i, r in changed.items() if r is not None and self._active.get(i) is r}
+        if changed:  # rows this loop wrote in place are as stored, so are submitted ones: the others are read
+            held = {i: r for i, r in changed.items()
+                    if r is not None and (self._active.get(i) is r or i not in self._active)}
             rows = {j.id: j for j in self.store.jobs_by_id(changed.keys() - held.keys())} | held
             for jid in changed.keys() - rows.keys():  # (dropped)
                 self._forget(jid)

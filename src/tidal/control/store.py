@@ -513,10 +513,11 @@ class Store:
             c.exec_driver_sql(insert_job, tuple(to_json(values[k]) if k in _JSON_COLS else values[k]
                                                 for k in _SUBMIT_COLS))
             c.exec_driver_sql(insert_event, (now_s, values["id"], tenant, values["state"]))
-        row = JobRow(**values)
-        set_committed_value(row, "progress", {})  # (none yet: as a read of the row says)
+        row, loops = JobRow(**values), JobRow(**values)  # (the caller's, and the reconcile loop's to keep)
+        for r in (row, loops):
+            set_committed_value(r, "progress", {})  # (none yet: as a read of the row says)
         with self._marks:
-            self._changed[row.id] = None
+            self._changed[row.id] = loops
             self.submitted[tenant, row.kind] += 1
         return row
 
@@ -611,7 +612,7 @@ class Store:
     def take_changed(self) -> dict[str, JobRow | None]:
         """The jobs written since the last call (submitted, moved, updated), and forget them: each with the
         row its writer held and brought to what it wrote, where every write since was such (the row is then as
-        stored), else ``None`` (read it again)."""
+        stored; a submit's is a row of its own for the caller of this), else ``None`` (read it again)."""
         with self._marks:
             out, self._changed = self._changed, {}
             self.taken_submits = dict(self.submitted)  # (the jobs submitted among the marks taken and before)
