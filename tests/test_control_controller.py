@@ -419,7 +419,9 @@ def test_lost_work_and_ettr(world):
     assert rep["restarts"] == 1 and rep["ettr"] == pytest.approx(6.0 / 20.0)
 
 
-def test_recover_adopts_running_workers_or_requeues(tmp_path):
+def two_running(tmp_path):
+    """A plane over a 4-GPU fake executor running jobs a and b (2 GPUs each): store, clock, executor,
+    controller, a, b."""
     store = new_store(tmp_path, ("lab", 0, 1.0))
     clock = FakeClock()
     ex1 = FakeExecutor(gpus=4)
@@ -427,6 +429,11 @@ def test_recover_adopts_running_workers_or_requeues(tmp_path):
     a = submit(store, "lab", clock(), name="a", gpus=2)
     b = submit(store, "lab", clock(), name="b", gpus=2)
     ctl.step(clock())
+    return store, clock, ex1, ctl, a, b
+
+
+def test_recover_adopts_running_workers_or_requeues(tmp_path):
+    store, clock, ex1, ctl, a, b = two_running(tmp_path)
     ctl.step(clock.advance(1))
     # The control plane dies; a's workers survive, b's are gone. A new process starts.
     ex2 = FakeExecutor(gpus=4)
@@ -446,13 +453,7 @@ def test_recover_adopts_running_workers_or_requeues(tmp_path):
 
 
 def test_recover_releases_an_end_stored_by_a_plane_killed_before_its_release(tmp_path):
-    store = new_store(tmp_path, ("lab", 0, 1.0))
-    clock = FakeClock()
-    ex1 = FakeExecutor(gpus=4)
-    ctl = Controller(store, ex1, CFG)
-    a = submit(store, "lab", clock(), name="a", gpus=2)
-    b = submit(store, "lab", clock(), name="b", gpus=2)
-    ctl.step(clock())
+    store, clock, ex1, ctl, a, b = two_running(tmp_path)
     ex1.exit(a, 0)
 
     def killed(job_id: str) -> None:
