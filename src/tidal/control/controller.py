@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import operator
 from collections import Counter
-from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -181,7 +180,7 @@ class Controller:
         self._refresh()
         rows, changed, self._reread = self._active or {}, self._reread, set()
         order = self._busy | {i: rows[i].seq for i in changed if i in rows and i not in self._busy}
-        active = [rows[i] for i, _ in sorted(order.items(), key=itemgetter(1))]  # (in submission order)
+        active = [rows[i] for i in sorted(order, key=order.__getitem__)]  # (in submission order)
         self._record_progress(active, observed)
         with self.store.batch():  # (a step's writes: a transaction per many, not one each)
             for job in active:  # 2. reconcile
@@ -231,7 +230,7 @@ class Controller:
         self._unpublished, self._progressed = set(), set()
         held: dict[str, HeldJob] = {}  # (in submission order, as the store reads them)
         backoff: list[JobRow] = []
-        for jid, _ in sorted(self._busy.items(), key=itemgetter(1)):
+        for jid in sorted(self._busy, key=self._busy.__getitem__):
             if state[jid] == S.BACKOFF:
                 backoff.append(rows[jid])
             elif jid not in old or jid in written:  # (held: the copy in the view before, unless written)

@@ -507,12 +507,13 @@ class Store:
                 top = str(c.execute(select(func.max(_JOBS.c.seq))).scalar() or 0)
                 c.execute(insert(_META), {"key": "job_seq", "value": top})
             seq = int(top) + 1
-            set_seq, insert_job, insert_event = _submit_sql(self._q)
+            set_seq, insert_job = _submit_sql(self._q)
             c.exec_driver_sql(set_seq, (str(seq),))
             values["seq"], values["id"] = seq, f"{spec['name']}-{seq}"
             c.exec_driver_sql(insert_job, tuple(to_json(values[k]) if k in _JSON_COLS else values[k]
                                                 for k in _SUBMIT_COLS))
-            c.exec_driver_sql(insert_event, (now_s, values["id"], tenant, values["state"]))
+            self._insert_event(c, now_s, values["id"], tenant, "transition", "submitted", None, None,
+                               values["state"])
         row, loops = JobRow(**values), JobRow(**values)  # (the caller's, and the reconcile loop's to keep)
         for r in (row, loops):
             set_committed_value(r, "progress", {})  # (none yet: as a read of the row says)
@@ -700,19 +701,14 @@ class Store:
         caller holds the rows and the change needs no look again)."""
         if any("state" in f for f in changes.values()):
             raise ValueError("use Store.transition to change a job's state")
-        groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
+        groups: dict[str, list[tuple[Any, ...]]] = {}  # SET clause -> its rows (the same columns, in order)
         for jid, f in changes.items():
-            if cols := {k: v for k, v in f.items() if k != "progress"}:
-                groups.setdefault(tuple(sorted(cols)), []).append({"b_id": jid, **cols})
-        docs = {jid: f["progress"] for jid, f in changes.items() if "progress" in f}
-        q = self._q
-        statements = []  # (the driver's executemany: no statement compiled per row; made before the lock)
-        for keys, params in groups.items():
-            rows = [(*(to_json(v[k]) if k in _JSON_COLS and v[k] is not None else v[k] for k in keys),
-                     v["b_id"]) for v in params]
-            sets = ", ".join(f"{k} = {q}" for k in keys)
-            statements.append((f"UPDATE jobs SET {sets} WHERE id = {q}", rows))
-        progress = _progress_rows(docs)
+            if cols := {k: f[k] for k in sorted(f) if k != "progress"}:
+                sets, args = self._sets(cols)
+                groups.setdefault(sets, []).append((*args, jid))
+        q = self._q  # (the driver's executemany: no statement compiled per row; made before the lock)
+        statements = [(f"UPDATE jobs SET {sets} WHERE id = {q}", rows) for sets, rows in groups.items()]
+        progress = _progress_rows({jid: f["progress"] for jid, f in changes.items() if "progress" in f})
         with self._write() as s:
             self._put_progress(s, progress)
             for sql, rows in statements:
@@ -782,12 +778,8 @@ class Store:
     def _insert_event(self, c: Connection, now_s: float, job_id: str | None, tenant: str | None, kind: str,
                       message: str, data: dict | None, from_state: str | None = None,
                       to_state: str | None = None) -> None:
-        q = self._q
-        c.exec_driver_sql(
-            "INSERT INTO events (time_s, job_id, tenant, kind, from_state, to_state, message, data) "
-            f"VALUES ({q}, {q}, {q}, {q}, {q}, {q}, {q}, {q})",
-            (now_s, job_id, tenant, kind, from_state, to_state, message,
-             to_json(data) if data is not None else None))
+        c.exec_driver_sql(_event_sql(self._q), (now_s, job_id, tenant, kind, from_state, to_state, message,
+                                                to_json(data) if data is not None else None))
 
     def _sets(self, cols: Mapping[str, Any]) -> tuple[str, tuple[Any, ...]]:
         """``a = ?, b = ?`` of a job's columns and their values as the driver takes them (JSON as text);
@@ -836,8 +828,7 @@ class Store:
 
 
 _JOBS, _EVENTS, _META, _PROGRESS = (Base.metadata.tables[t] for t in ("jobs", "events", "meta", "progress"))
-# Core statements made once, their values bound at each call (the SET clause is the values given): no ORM unit
-# of work, and no statement built and compiled again, for the loop's many small writes (a submit: _submit_sql)
+# the reads made once (the writes are the driver's own SQL: _sets, _event_sql, _submit_sql)
 _HELD = select(_JOBS.c.id, _JOBS.c.tenant, _JOBS.c.state, _JOBS.c.kind, _JOBS.c.placement,
                _JOBS.c.releasing).where(_JOBS.c.state.in_([str(x) for x in HELD])).order_by(_JOBS.c.seq)
 PROGRESS_KEYS = ("step", "steps_per_s", "start_step", "tiers")  # (what /metrics reads of the progress)
@@ -867,13 +858,18 @@ _SUBMIT_COLS = tuple(dict.fromkeys([*_job_defaults(), "seq", "tenant", "name", "
 
 
 @functools.cache
-def _submit_sql(q: str) -> tuple[str, str, str]:
-    """A submit's statements with the driver's parameter marker ``q``: the counter set, the job's and its
-    event's inserts (written out once: the driver runs them as they are)."""
+def _submit_sql(q: str) -> tuple[str, str]:
+    """A submit's statements with the driver's parameter marker ``q``: the counter set and the job's insert
+    (written out once: the driver runs them as they are)."""
     return (f"UPDATE meta SET value = {q} WHERE key = 'job_seq'",
-            f"INSERT INTO jobs ({', '.join(_SUBMIT_COLS)}) VALUES ({', '.join([q] * len(_SUBMIT_COLS))})",
-            f"INSERT INTO events (time_s, job_id, tenant, kind, to_state, message) "
-            f"VALUES ({q}, {q}, {q}, 'transition', {q}, 'submitted')")
+            f"INSERT INTO jobs ({', '.join(_SUBMIT_COLS)}) VALUES ({', '.join([q] * len(_SUBMIT_COLS))})")
+
+
+@functools.cache
+def _event_sql(q: str) -> str:
+    """An event's insert with the driver's parameter marker ``q``."""
+    return ("INSERT INTO events (time_s, job_id, tenant, kind, from_state, to_state, message, data) "
+            f"VALUES ({q}, {q}, {q}, {q}, {q}, {q}, {q}, {q})")
 
 
 def _progress_rows(docs: dict[str, dict]) -> list[tuple[str, str]]:

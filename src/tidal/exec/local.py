@@ -349,8 +349,12 @@ class LocalExecutor(AttemptDirs):
             return []
         keep = {self.cgroups.rank_dir(t.job_id, t.attempt, k.rank)
                 for t in self._jobs.values() for k in t.ranks}
+        try:
+            left = sorted(p for p in self.cgroups.root.iterdir() if p.is_dir() and p not in keep)
+        except OSError:  # (the plane's cgroup gone: nothing of it is left)
+            return []
         out = []
-        for d in sorted(p for p in self.cgroups.root.iterdir() if p.is_dir() and p not in keep):
+        for d in left:
             if members := cgroups.members(d):
                 procs.kill_tree(members)
                 out.append(f"rank cgroup {d.name}: pids {sorted(members)}")
