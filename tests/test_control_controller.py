@@ -468,6 +468,18 @@ def test_recover_releases_an_end_stored_by_a_plane_killed_before_its_release(tmp
     Controller(store, ex2, CFG).recover(clock.advance(5))
     assert ("release", a) in ex2.calls and ("release", b) not in ex2.calls
     assert set(ex2.jobs) == {b} and not ex2.survivors
+    # the executor failing that clean-up (its cluster out of reach a moment) does not stop the plane's start
+    ex3 = FakeExecutor(gpus=4)
+    ex3.survivors = {b: ex2.jobs[b]}
+
+    def unreachable() -> list[str]:
+        raise ConnectionError("the cluster is out of reach")
+
+    ex3.release_unadopted = unreachable
+    ctl3 = Controller(store, ex3, CFG)
+    ctl3.recover(clock.advance(1))
+    assert state(store, b) == "running" and set(ex3.jobs) == {b}
+    ctl3.step(clock.advance(1))
     store.close()
 
 

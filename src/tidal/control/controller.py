@@ -160,7 +160,10 @@ class Controller:
                                       f"control plane restarted: attempt {job.attempt} {why}; requeued to "
                                       f"resume from checkpoint step {job.ckpt_step or 0}",
                                       **_requeue_fields(), data={"recovered": True})
-        self.executor.release_unadopted()  # (ends stored by a plane killed before it released them)
+        try:  # (ends stored by a plane killed before it released them)
+            self.executor.release_unadopted()
+        except Exception:  # (a clean-up: the plane starts anyway, and the next start tries again)
+            log.exception("releasing what is left of attempts not adopted failed")
         self.sweep_shm(now_s, force=True)  # orphans: ended jobs' shm dirs, or unknown ones
 
     def step(self, now_s: float) -> list[Decision]:
