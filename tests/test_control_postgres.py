@@ -121,3 +121,11 @@ def test_a_submitted_job_is_as_a_read_of_the_store_gives_it_pg(pg_url):
         store_submit_tests.check_submit_is_as_read(store)
     finally:
         store.close()
+
+
+def test_a_batch_writes_its_events_at_its_commit_in_order_pg(pg_url):
+    store = pg_store(pg_url, ("a", 0, 1.0))
+    try:
+        store_submit_tests.check_batch_events_in_order(store)
+    finally:
+        store.close()

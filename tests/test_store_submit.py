@@ -54,6 +54,49 @@ def test_a_submitted_job_is_as_a_read_of_the_store_gives_it(store):
     check_submit_is_as_read(store)
 
 
+def check_batch_events_in_order(store: Store) -> None:
+    """A batch's events are written together at its commit: in the order recorded (ids ascending, loan
+    documents' events among them), seen by its own thread before, by none after a rollback."""
+    from tidal.control.states import State
+
+    spec = parse_spec({"name": "ev", "command": ["true"], "gpus": 1}).model_dump()
+    a, b = (store.submit("a", spec, 1.0) for _ in range(2))
+    before = store.events()[-1].id
+    seen: list[int] = []
+    with store.batch():
+        store.record("note", "first", 2.0, job=a)
+        store.transition(a, State.CANCELLED, 3.0, "cancelled while pending", finished_s=3.0)
+        store.put_doc("doc", {"x": 1}, 4.0, events=[("loan", "lent n1", {"gpus": 8})])
+        store.record("note", "last", 5.0, tenant="a", data={"k": [1, 2]})
+        mine = [e.message for e in store.events(after_id=before)]  # (its own thread: flushed to be seen)
+        store.record("note", "after the read", 6.0, job=b)
+        t = threading.Thread(target=lambda: seen.append(len(store.events(after_id=before))))
+        t.start()
+        t.join()
+    assert mine == ["first", "cancelled while pending", "lent n1", "last"] and seen == [0]
+    got = store.events(after_id=before)
+    assert [(e.kind, e.job_id, e.tenant, e.from_state, e.to_state, e.message, e.data, e.time_s) for e in got] == [
+        ("note", a.id, "a", None, None, "first", None, 2.0),
+        ("transition", a.id, "a", "pending", "cancelled", "cancelled while pending", None, 3.0),
+        ("loan", None, None, None, None, "lent n1", {"gpus": 8}, 4.0),
+        ("note", None, "a", None, None, "last", {"k": [1, 2]}, 5.0),
+        ("note", b.id, "a", None, None, "after the read", None, 6.0)]
+    assert [e.id for e in got] == sorted(e.id for e in got)
+    last = got[-1].id
+    with pytest.raises(RuntimeError), store.batch():
+        store.record("note", "rolled back", 7.0, job=b)
+        store.transition(b, State.CANCELLED, 7.0, "cancelled while pending", finished_s=7.0)
+        raise RuntimeError("a step failing midway")
+    assert store.events(after_id=last) == [] and store.job(b.id).state == "pending"
+    with store.batch():  # (the rolled-back batch's events are not written by the next one)
+        store.record("note", "next", 8.0, job=b)
+    assert [e.message for e in store.events(after_id=last)] == ["next"]
+
+
+def test_a_batch_writes_its_events_at_its_commit_in_order(store):
+    check_batch_events_in_order(store)
+
+
 def test_a_batch_holds_the_write_lock_only_while_its_transaction_is_open(store):
     """A batch that has only read lets other threads write; one with a transaction open commits at its next
     write once another thread waits to write (here at once: BATCH_HOLD_S 0), so the waiter goes in before the

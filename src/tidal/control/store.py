@@ -31,7 +31,6 @@ import orjson
 from sqlalchemy import (
     JSON,
     Boolean,
-    Connection,
     Float,
     ForeignKey,
     Index,
@@ -284,7 +283,8 @@ class Store:
         self._lock = threading.RLock()  # the write lock
         self._waiting = threading.Lock()  # (guards _waiters: the threads waiting for the write lock)
         self._waiters = 0
-        self._batch = threading.local()  # .s: the session of this thread's batch (see batch())
+        self._batch = threading.local()  # .s: the session of this thread's batch (see batch()); .events: its
+        # events not yet written (one statement for all at its commit)
         self._by_token: dict[str, TenantRow] = {}
         self._changed: dict[str, JobRow | None] = {}  # job id -> the caller's row written in place, or None
         self._marks = threading.Lock()  # (not the write lock: a submit marks its job while the loop writes)
@@ -411,15 +411,16 @@ class Store:
             return
         self.check_file()
         with self._sessions() as s:
-            self._batch.s, self._batch.n, self._batch.locked = s, 0, False
+            self._batch.s, self._batch.n, self._batch.locked, self._batch.events = s, 0, False, []
             try:
                 yield
+                self._flush_events(s)
                 s.commit()
             except BaseException:
                 s.rollback()
                 raise
             finally:
-                self._batch.s = None
+                self._batch.s, self._batch.events = None, []
                 self._unlock_batch()
                 s.expunge_all()
 
@@ -427,6 +428,7 @@ class Store:
         """Commit this thread's batch so far (what must be stored before an action outside the database, such
         as a launch); nothing to do outside a batch."""
         if (b := getattr(self._batch, "s", None)) is not None:
+            self._flush_events(b)
             b.commit()
             self._batch.n = 0
             self._unlock_batch()  # (writes of other threads waiting go in here)
@@ -512,7 +514,7 @@ class Store:
             values["seq"], values["id"] = seq, f"{spec['name']}-{seq}"
             c.exec_driver_sql(insert_job, tuple(to_json(values[k]) if k in _JSON_COLS else values[k]
                                                 for k in _SUBMIT_COLS))
-            self._insert_event(c, now_s, values["id"], tenant, "transition", "submitted", None, None,
+            self._insert_event(s, now_s, values["id"], tenant, "transition", "submitted", None, None,
                                values["state"])
         row, loops = JobRow(**values), JobRow(**values)  # (the caller's, and the reconcile loop's to keep)
         for r in (row, loops):
@@ -658,7 +660,7 @@ class Store:
                 c.exec_driver_sql(f"UPDATE jobs SET {sets} WHERE id = {q}", (*args, jid))
             if "progress" in values:
                 self._put_progress(s, _progress_rows({jid: values["progress"]}))
-            self._insert_event(c, now_s, jid, tenant, "transition", values["message"], data, old,
+            self._insert_event(s, now_s, jid, tenant, "transition", values["message"], data, old,
                                values["state"])
         if row is None:
             self._mark(jid)
@@ -772,14 +774,26 @@ class Store:
                tenant: str | None = None, data: dict | None = None) -> None:
         """An event that is not a transition (a decision, an adoption, a kill, a tenant change)."""
         with self._write() as s:
-            self._insert_event(s.connection(), now_s, job.id if job else None, job.tenant if job else tenant,
+            self._insert_event(s, now_s, job.id if job else None, job.tenant if job else tenant,
                                kind, message[:2000], data)
 
-    def _insert_event(self, c: Connection, now_s: float, job_id: str | None, tenant: str | None, kind: str,
+    def _insert_event(self, s: Session, now_s: float, job_id: str | None, tenant: str | None, kind: str,
                       message: str, data: dict | None, from_state: str | None = None,
                       to_state: str | None = None) -> None:
-        c.exec_driver_sql(_event_sql(self._q), (now_s, job_id, tenant, kind, from_state, to_state, message,
-                                                to_json(data) if data is not None else None))
+        """Write an event in ``s``'s transaction; in this thread's batch, at its commit (in the order
+        recorded, all in one statement: a statement each cost a round trip on PostgreSQL)."""
+        row = (now_s, job_id, tenant, kind, from_state, to_state, message,
+               to_json(data) if data is not None else None)
+        if s is getattr(self._batch, "s", None):
+            self._batch.events.append(row)
+        else:
+            s.connection().exec_driver_sql(_event_sql(self._q), row)
+
+    def _flush_events(self, s: Session) -> None:
+        """Write the events this thread's batch (in session ``s``) has recorded since its last commit."""
+        if rows := self._batch.events:
+            self._batch.events = []
+            s.connection().exec_driver_sql(_event_sql(self._q), rows)
 
     def _sets(self, cols: Mapping[str, Any]) -> tuple[str, tuple[Any, ...]]:
         """``a = ?, b = ?`` of a job's columns and their values as the driver takes them (JSON as text);
@@ -800,8 +814,8 @@ class Store:
                 s.add(DocRow(key=key, doc=text_, updated_s=now_s))
             else:
                 row.doc, row.updated_s = text_, now_s
-            for kind, message, data in events:
-                s.add(EventRow(time_s=now_s, kind=kind, message=message[:2000], data=data))
+            for kind, message, data in events:  # (in order with the batch's other events)
+                self._insert_event(s, now_s, None, None, kind, message[:2000], data)
 
     def get_doc(self, key: str) -> Any | None:
         """The document stored under ``key`` (``None``: none); ``ValueError`` naming the key if unreadable."""
@@ -824,6 +838,8 @@ class Store:
         if tenant is not None:
             q = q.where(EventRow.tenant == tenant)
         with self._read() as s:
+            if s is getattr(self._batch, "s", None):
+                self._flush_events(s)  # (this thread's batch sees its own events)
             return list(s.scalars(q))
 
 
