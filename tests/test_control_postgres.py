@@ -129,3 +129,11 @@ def test_a_batch_writes_its_events_at_its_commit_in_order_pg(pg_url):
         store_submit_tests.check_batch_events_in_order(store)
     finally:
         store.close()
+
+
+def test_a_batch_runs_its_writes_of_held_rows_together_pg(pg_url):
+    store = pg_store(pg_url, ("a", 0, 1.0))
+    try:
+        store_submit_tests.check_batch_writes_of_held_rows(store)
+    finally:
+        store.close()

@@ -75,7 +75,8 @@ def check_batch_events_in_order(store: Store) -> None:
         t.join()
     assert mine == ["first", "cancelled while pending", "lent n1", "last"] and seen == [0]
     got = store.events(after_id=before)
-    assert [(e.kind, e.job_id, e.tenant, e.from_state, e.to_state, e.message, e.data, e.time_s) for e in got] == [
+    assert [(e.kind, e.job_id, e.tenant, e.from_state, e.to_state, e.message, e.data, e.time_s)
+            for e in got] == [
         ("note", a.id, "a", None, None, "first", None, 2.0),
         ("transition", a.id, "a", "pending", "cancelled", "cancelled while pending", None, 3.0),
         ("loan", None, None, None, None, "lent n1", {"gpus": 8}, 4.0),
@@ -95,6 +96,46 @@ def check_batch_events_in_order(store: Store) -> None:
 
 def test_a_batch_writes_its_events_at_its_commit_in_order(store):
     check_batch_events_in_order(store)
+
+
+def check_batch_writes_of_held_rows(store: Store) -> None:
+    """A batch's writes of rows its thread holds run together (one statement per SQL) at its next read, other
+    write or commit: each job's writes in order, its thread's reads see them, other threads see them once
+    committed; a write that finds its job moved by another writer meanwhile rolls the batch back."""
+    from tidal.control.states import State
+    from tidal.control.store import StoreConflict
+
+    spec = parse_spec({"name": "held", "command": ["true"], "gpus": 1}).model_dump()
+    a, b, c = (store.submit("a", spec, 1.0) for _ in range(3))
+    seen: list[str] = []
+    with store.batch():
+        store.transition(a, State.ADMITTED, 2.0, "admitted", placement={"n1": 1})
+        store.update(a, handle={"pid": 7})  # the same job again: the first write runs first
+        store.transition(a, State.RUNNING, 3.0, "running")
+        store.transition(b, State.ADMITTED, 2.0, "admitted", placement={"n2": 1})
+        store.update(b, nominated_s=2.5)
+        t = threading.Thread(target=lambda: seen.append(store.job(a.id).state))
+        t.start()
+        t.join()
+        assert store.job(b.id).nominated_s == 2.5  # (its own thread reads its writes)
+    assert seen == ["pending"]
+    got_a, got_b = store.job(a.id), store.job(b.id)
+    assert (got_a.state, got_a.placement, got_a.handle, got_a.message) == ("running", {"n1": 1}, {"pid": 7},
+                                                                           "running")
+    assert (got_b.state, got_b.placement, got_b.nominated_s) == ("admitted", {"n2": 1}, 2.5)
+    assert [e.to_state for e in store.events(job_id=a.id)] == ["pending", "admitted", "running"]
+    stale = store.job(c.id)  # another writer moves c under a row held here
+    store.transition(c.id, State.CANCELLED, 4.0, "cancelled while pending", finished_s=4.0)
+    before = store.events()[-1].id
+    with pytest.raises(StoreConflict, match="1 of 2 writes"), store.batch():
+        store.update(got_b, nominated_s=9.0)
+        store.transition(stale, State.ADMITTED, 5.0, "admitted", placement={"n3": 1})
+    assert store.job(c.id).state == "cancelled" and store.job(b.id).nominated_s == 2.5  # all rolled back
+    assert store.events(after_id=before) == []
+
+
+def test_a_batch_runs_its_writes_of_held_rows_together(store):
+    check_batch_writes_of_held_rows(store)
 
 
 def test_a_batch_holds_the_write_lock_only_while_its_transaction_is_open(store):

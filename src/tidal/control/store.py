@@ -223,6 +223,11 @@ class StoreUnavailable(RuntimeError):
     """The database file was deleted or replaced while this process had it open."""
 
 
+class StoreConflict(RuntimeError):
+    """Writes a batch made on rows its thread held found those jobs changed (moved or gone) when they ran: the
+    batch is rolled back (its thread reads the jobs again)."""
+
+
 def sqlite_url(path: str) -> str:
     return f"sqlite:///{path}"
 
@@ -284,7 +289,8 @@ class Store:
         self._waiting = threading.Lock()  # (guards _waiters: the threads waiting for the write lock)
         self._waiters = 0
         self._batch = threading.local()  # .s: the session of this thread's batch (see batch()); .events: its
-        # events not yet written (one statement for all at its commit)
+        # events not yet written (one statement for all at its commit); .jobs: its writes of held rows not yet
+        # run (SQL -> rows of arguments, each job at most once: see _defer)
         self._by_token: dict[str, TenantRow] = {}
         self._changed: dict[str, JobRow | None] = {}  # job id -> the caller's row written in place, or None
         self._marks = threading.Lock()  # (not the write lock: a submit marks its job while the loop writes)
@@ -356,11 +362,15 @@ class Store:
             return row.value if row is not None else ""
 
     @contextlib.contextmanager
-    def _write(self) -> Iterator[Session]:
+    def _write(self, defer: bool = False) -> Iterator[Session]:
+        """A session to write in: this thread's batch's (its writes deferred so far run first, unless this
+        one is deferred too), or a transaction of its own."""
         if (b := getattr(self._batch, "s", None)) is not None:
             if not self._batch.locked:  # (a batch takes the lock at its first write, not while it reads)
                 self._acquire()
                 self._batch.locked, self._batch.since = True, time.monotonic()
+            if not defer:
+                self._flush_jobs(b)
             yield b
             b.flush()
             b.expunge_all()  # (rows returned detached, as outside a batch)
@@ -392,6 +402,7 @@ class Store:
     @contextlib.contextmanager
     def _read(self) -> Iterator[Session]:
         if (b := getattr(self._batch, "s", None)) is not None:
+            self._flush_jobs(b)
             yield b  # (this thread's batch: its own writes seen)
             b.expunge_all()
             return
@@ -411,16 +422,18 @@ class Store:
             return
         self.check_file()
         with self._sessions() as s:
-            self._batch.s, self._batch.n, self._batch.locked, self._batch.events = s, 0, False, []
+            self._batch.s, self._batch.n, self._batch.locked = s, 0, False
+            self._batch.events, self._batch.jobs, self._batch.job_ids = [], {}, set()
             try:
                 yield
+                self._flush_jobs(s)
                 self._flush_events(s)
                 s.commit()
             except BaseException:
                 s.rollback()
                 raise
             finally:
-                self._batch.s, self._batch.events = None, []
+                self._batch.s, self._batch.events, self._batch.jobs, self._batch.job_ids = None, [], {}, set()
                 self._unlock_batch()
                 s.expunge_all()
 
@@ -428,6 +441,7 @@ class Store:
         """Commit this thread's batch so far (what must be stored before an action outside the database, such
         as a launch); nothing to do outside a batch."""
         if (b := getattr(self._batch, "s", None)) is not None:
+            self._flush_jobs(b)
             self._flush_events(b)
             b.commit()
             self._batch.n = 0
@@ -643,11 +657,11 @@ class Store:
         row = job if isinstance(job, JobRow) else None
         jid = job.id if isinstance(job, JobRow) else job
         q, sets, args = self._q, *self._sets(cols)
-        with self._write() as s:
+        allowed = row is not None and State(to) in TRANSITIONS.get(State(row.state), ())
+        with self._write(defer=allowed) as s:
             c = s.connection()  # (the driver's statements: SQLAlchemy's Core costs several times as much)
-            held = row is not None and State(to) in TRANSITIONS.get(State(row.state), ()) and bool(_count(
-                c.exec_driver_sql(f"UPDATE jobs SET {sets} WHERE id = {q} AND state = {q}",
-                                  (*args, jid, row.state))))
+            held = allowed and (row is not None) and self._defer(
+                s, f"UPDATE jobs SET {sets} WHERE id = {q} AND state = {q}", (*args, jid, row.state), jid)
             if held:
                 assert row is not None
                 old, tenant = row.state, row.tenant  # (the usual case: one statement, nothing read)
@@ -681,9 +695,10 @@ class Store:
         jid = job.id if isinstance(job, JobRow) else job
         cols = {k: v for k, v in fields.items() if k != "progress"}
         q, sets, args = self._q, *self._sets(cols)
-        with self._write() as s:
-            if cols and not _count(s.connection().exec_driver_sql(f"UPDATE jobs SET {sets} WHERE id = {q}",
-                                                                  (*args, jid))):
+        deferred = row is not None and "progress" not in fields
+        with self._write(defer=deferred) as s:
+            if cols and not self._defer(s, f"UPDATE jobs SET {sets} WHERE id = {q}", (*args, jid), jid,
+                                        deferred):
                 raise NotFound(jid)
             if "progress" in fields:
                 if not cols and s.scalar(select(JobRow.seq).where(JobRow.id == jid)) is None:
@@ -788,6 +803,31 @@ class Store:
             self._batch.events.append(row)
         else:
             s.connection().exec_driver_sql(_event_sql(self._q), row)
+
+    def _defer(self, s: Session, sql: str, args: tuple[Any, ...], jid: str, may: bool = True) -> bool:
+        """Run a write of job ``jid``'s row that must change it: in this thread's batch (``may``), at its next
+        read, other write or commit, with the writes of the same SQL in one statement (a job written again
+        first runs what is deferred, so each job's writes keep their order), and True; else now, and whether
+        it changed a row."""
+        if not (may and s is getattr(self._batch, "s", None)):
+            return bool(_count(s.connection().exec_driver_sql(sql, args)))
+        if jid in self._batch.job_ids:
+            self._flush_jobs(s)
+        self._batch.jobs.setdefault(sql, []).append(args)
+        self._batch.job_ids.add(jid)
+        return True
+
+    def _flush_jobs(self, s: Session) -> None:
+        """Run this thread's batch's deferred writes (:meth:`_defer`); :class:`StoreConflict` when any found
+        its job moved or gone (the caller's batch then rolls back)."""
+        if not (pending := self._batch.jobs):
+            return
+        self._batch.jobs, self._batch.job_ids = {}, set()
+        c, want = s.connection(), sum(map(len, pending.values()))
+        done = sum(_count(c.exec_driver_sql(sql, rows)) for sql, rows in pending.items())
+        if done != want:
+            raise StoreConflict(f"{want - done} of {want} writes of jobs this plane held found them moved or "
+                                "gone (another writer changed their state?): the step's batch is rolled back")
 
     def _flush_events(self, s: Session) -> None:
         """Write the events this thread's batch (in session ``s``) has recorded since its last commit."""
