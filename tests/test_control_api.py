@@ -347,3 +347,78 @@ def test_a_checkpoint_location_swapped_for_a_link_is_not_listed(api, tmp_path):
     with pytest.raises(ApiError) as e:
         clients["b"].checkpoints(job)
     assert e.value.status == 409 and "symbolic link" in str(e.value)
+
+
+def test_a_submit_waiting_for_the_write_lock_never_holds_up_the_other_requests(api, monkeypatch):
+    """On SQLite a submit that reads nothing to be checked is done in the event loop, unless the store's write
+    lock is held (the loop's batch): then in a worker thread, the other requests answered meanwhile, and the
+    submit once the lock is free."""
+    import asyncio
+    import threading
+
+    import httpx
+
+    import tidal.control.api as api_mod
+    from tidal.control.states import State
+
+    clients, jobs, store, http, _ = api
+    handed_off: list[str] = []
+    real = api_mod.run_in_threadpool
+
+    async def counted(fn, *a, **k):
+        handed_off.append(fn.__name__)
+        return await real(fn, *a, **k)
+
+    monkeypatch.setattr(api_mod, "run_in_threadpool", counted)
+    token = clients["b"].token
+    hdr = {"Authorization": f"Bearer {token}"}
+    holding, release = threading.Event(), threading.Event()
+
+    def loop_batch() -> None:  # the reconcile loop's batch, its transaction open
+        with store.batch():
+            store.transition(jobs["a"], State.CANCELLED, 1.0, "cancelled while pending", finished_s=1.0)
+            holding.set()
+            release.wait(30)
+
+    async def scenario() -> tuple[int, int, int, bool]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=http.app), base_url="http://t") as c:
+            free = await c.post("/v1/jobs", json={**SPEC, "name": "free"}, headers=hdr)
+            inline = handed_off.count("_accept") == 0 and handed_off.count("_submit") == 0
+            t = threading.Thread(target=loop_batch)
+            t.start()
+            assert holding.wait(10)
+            sub = asyncio.create_task(c.post("/v1/jobs", json={**SPEC, "name": "waits"}, headers=hdr))
+            await asyncio.sleep(0.2)
+            health = await asyncio.wait_for(c.get("/healthz"), 10)  # answered while the submit waits
+            waiting = not sub.done()
+            release.set()
+            done = await asyncio.wait_for(sub, 30)
+            await asyncio.to_thread(t.join, 10)
+            return free.status_code, health.status_code, done.status_code, inline and waiting
+
+    free, health, done, ok = asyncio.run(scenario())
+    assert (free, health, done, ok) == (201, 200, 201, True)
+    assert handed_off.count("_accept") == 1  # the one that met the held lock
+    assert [j.name for j in store.jobs(tenant="b")][-2:] == ["free", "waits"]
+    assert store.job(jobs["a"]).state == "cancelled"
+
+
+def test_a_submit_that_must_read_to_be_checked_runs_in_a_worker_thread(api, monkeypatch):
+    """A checkpoint location to check (or a queue cap, a checkpoint quota, or PostgreSQL) reads the store:
+    never in the event loop."""
+    import tidal.control.api as api_mod
+
+    clients, _, store, _, tmp_path = api
+    handed_off: list[str] = []
+    real = api_mod.run_in_threadpool
+
+    async def counted(fn, *a, **k):
+        handed_off.append(fn.__name__)
+        return await real(fn, *a, **k)
+
+    monkeypatch.setattr(api_mod, "run_in_threadpool", counted)
+    clients["admin"].submit({**SPEC, "name": "located", "checkpoint": {"url": str(tmp_path / "ck")}})
+    clients["admin"].submit({**SPEC, "name": "plain"})  # (no read: in the event loop)
+    monkeypatch.setattr(type(store), "local", property(lambda self: False))
+    clients["admin"].submit({**SPEC, "name": "remote"})
+    assert [f for f in handed_off if f != "authenticate"] == ["_submit", "_submit"]
