@@ -92,6 +92,7 @@ def api(pg_url, tmp_path, monkeypatch):
     gen.close()
 
 
+handed_off = api_tests.handed_off
 for _name in dir(api_tests):
     if _name.startswith("test_"):
         globals()[f"{_name}_pg"] = getattr(api_tests, _name)
@@ -115,25 +116,14 @@ def test_concurrent_submissions_get_unique_ids_and_one_event_each(pg_url):
         store.close()
 
 
-def test_a_submitted_job_is_as_a_read_of_the_store_gives_it_pg(pg_url):
+@pytest.mark.parametrize("check", [store_submit_tests.check_submit_is_as_read,
+                                   store_submit_tests.check_batch_events_in_order,
+                                   store_submit_tests.check_batch_writes_of_held_rows],
+                         ids=lambda f: f.__name__)
+def test_the_stores_own_statements_pg(pg_url, check):
+    """tests/test_store_submit.py on PostgreSQL: a submit's rows, a batch's events and held rows."""
     store = pg_store(pg_url, ("a", 0, 1.0))
     try:
-        store_submit_tests.check_submit_is_as_read(store)
-    finally:
-        store.close()
-
-
-def test_a_batch_writes_its_events_at_its_commit_in_order_pg(pg_url):
-    store = pg_store(pg_url, ("a", 0, 1.0))
-    try:
-        store_submit_tests.check_batch_events_in_order(store)
-    finally:
-        store.close()
-
-
-def test_a_batch_runs_its_writes_of_held_rows_together_pg(pg_url):
-    store = pg_store(pg_url, ("a", 0, 1.0))
-    try:
-        store_submit_tests.check_batch_writes_of_held_rows(store)
+        check(store)
     finally:
         store.close()
