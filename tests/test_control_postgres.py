@@ -92,7 +92,6 @@ def api(pg_url, tmp_path, monkeypatch):
     gen.close()
 
 
-handed_off = api_tests.handed_off
 for _name in dir(api_tests):
     if _name.startswith("test_"):
         globals()[f"{_name}_pg"] = getattr(api_tests, _name)

@@ -43,7 +43,7 @@ from tidal.control.read_view import PlaneView
 from tidal.control.render import Raw, SafeJSON, json_bytes, json_object, json_route
 from tidal.control.spec import Int, JobSpec, Num, clean_msg, error_path
 from tidal.control.states import TERMINAL, State
-from tidal.control.store import NotFound, StoreUnavailable, TenantRow, WriteBusy
+from tidal.control.store import NotFound, StoreUnavailable, TenantRow
 from tidal.control.views import checkpoint_view, event_view, job_view, pool_view
 from tidal.files import open_plain
 
@@ -228,35 +228,9 @@ def create_app(ctx: ApiContext) -> FastAPI:
         """Submit a job spec (JSON); 201 with the job. 413 over the body limit, 400 for a body that is not
         UTF-8 JSON, 422 naming each refused field, 429 over the tenant's submission limits."""
         spec = await _body(request, JobSpec)
-        if isinstance(spec, Response):
-            return spec
-        if not _at_once(spec, me):
-            return await run_in_threadpool(_submit, spec, me)
-        # A submit on a SQLite store that reads nothing to be checked is done here, in the event loop: a
-        # worker thread's hand-off cost more than the insert (~0.3 ms). Not when it would wait for the write
-        # lock (the loop's batch holds it): then in a worker thread, as the others.
-        checked = _check(spec, me)
-        if isinstance(checked, Response):
-            return checked
-        try:
-            return _accept(me, *checked, wait=False)
-        except WriteBusy:
-            return await run_in_threadpool(_accept, me, *checked)
-
-    def _at_once(spec: JobSpec, me: TenantRow) -> bool:
-        """Whether a submit may run in the event loop: a SQLite store, and nothing to read to check it (no
-        queue cap counted, no checkpoint location or quota looked up)."""
-        ck = spec.checkpoint
-        return (store.local and (ctx.limits is None or not ctx.limits.max_queued)
-                and not (ck.url or ck.tiers or ck.resume_from)
-                and (me.admin or policy.quota(me.name) is None))
+        return spec if isinstance(spec, Response) else await run_in_threadpool(_submit, spec, me)
 
     def _submit(spec: JobSpec, me: TenantRow) -> Response:
-        checked = _check(spec, me)
-        return checked if isinstance(checked, Response) else _accept(me, *checked)
-
-    def _check(spec: JobSpec, me: TenantRow) -> Response | tuple[dict[str, Any], str | None]:
-        """The spec as stored and its checkpoint location, or the answer refusing it (422, 429)."""
         if ctx.limits is not None and not me.admin and (no := ctx.limits.refuse(
                 me.name, lambda: store.count_by_state(me.name).get(State.PENDING.value, 0), ctx.clock())):
             return SafeJSON({"detail": no[0]}, status_code=429,
@@ -286,10 +260,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
         if problems:
             return _unprocessable(problems)
         data["checkpoint"] = ck
-        return data, loc
-
-    def _accept(me: TenantRow, data: dict[str, Any], loc: str | None, wait: bool = True) -> Response:
-        job = store.submit(me.name, data, ctx.clock(), ckpt_location=loc, wait=wait)
+        job = store.submit(me.name, data, ctx.clock(), ckpt_location=loc)
         return SafeJSON(job_view(job, ctx.clock(), detail=True), status_code=201)
 
     def _located():

@@ -223,10 +223,6 @@ class StoreUnavailable(RuntimeError):
     """The database file was deleted or replaced while this process had it open."""
 
 
-class WriteBusy(RuntimeError):
-    """Another thread holds the store's write lock (a write asked not to wait for it)."""
-
-
 class StoreConflict(RuntimeError):
     """Writes a batch made on rows its thread held found those jobs changed (moved or gone) when they ran: the
     batch is rolled back (its thread reads the jobs again)."""
@@ -365,16 +361,10 @@ class Store:
             row = s.get(MetaRow, "db_id")
             return row.value if row is not None else ""
 
-    @property
-    def local(self) -> bool:
-        """Whether the database is a file this process writes (SQLite): a write makes no round trip."""
-        return self.engine.dialect.name == "sqlite"
-
     @contextlib.contextmanager
-    def _write(self, defer: bool = False, wait: bool = True) -> Iterator[Session]:
+    def _write(self, defer: bool = False) -> Iterator[Session]:
         """A session to write in: this thread's batch's (its writes deferred so far run first, unless this
-        one is deferred too), or a transaction of its own (``wait=False``: :class:`WriteBusy` at once when
-        another thread holds the write lock)."""
+        one is deferred too), or a transaction of its own."""
         if (b := getattr(self._batch, "s", None)) is not None:
             if not self._batch.locked:  # (a batch takes the lock at its first write, not while it reads)
                 self._acquire()
@@ -390,11 +380,7 @@ class Store:
                 self.commit()
             return
         self.check_file()
-        if not wait:
-            if not self._lock.acquire(blocking=False):
-                raise WriteBusy("the store's write lock is held")
-        else:
-            self._acquire()
+        self._acquire()
         try:
             with self._sessions.begin() as s:
                 yield s
@@ -522,17 +508,15 @@ class Store:
         with self._read() as s:
             return s.scalars(select(TenantRow).where(TenantRow.admin.is_(True))).first()
 
-    def submit(self, tenant: str, spec: dict, now_s: float, *, ckpt_location: str | None = None,
-               wait: bool = True) -> JobRow:
+    def submit(self, tenant: str, spec: dict, now_s: float, *, ckpt_location: str | None = None) -> JobRow:
         """Insert a pending job from a validated spec (``JobSpec.model_dump()``); its id is ``<name>-<n>``,
-        ``n`` from the ``job_seq`` counter (never reused). Nothing is stored if anything fails.
-        ``wait=False``: :class:`WriteBusy` (nothing done) when another thread holds the write lock."""
+        ``n`` from the ``job_seq`` counter (never reused). Nothing is stored if anything fails."""
         g = spec["gpus"]
         values = {**_job_defaults(), "tenant": tenant, "name": spec["name"], "spec": spec,
                   "kind": spec["kind"], "priority": spec["priority"], "min_gpus": g["min"],
                   "max_gpus": g["max"], "multiple_of": g["multiple_of"], "max_restarts": spec["max_restarts"],
                   "submit_s": now_s, "ckpt_location": ckpt_location}
-        with self._write(wait=wait) as s:  # (the driver's statements as written: no ORM unit of work)
+        with self._write() as s:  # (the driver's statements as written: no ORM unit of work, none compiled)
             c = s.connection()
             top = c.exec_driver_sql("SELECT value FROM meta WHERE key = 'job_seq'").scalar()
             if top is None:  # (made by __init__; a database edited under us)
