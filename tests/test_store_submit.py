@@ -138,6 +138,27 @@ def test_a_batch_runs_its_writes_of_held_rows_together(store):
     check_batch_writes_of_held_rows(store)
 
 
+def check_many_progress_documents(store: Store) -> None:
+    """Progress of many jobs at once (PostgreSQL copies them in: COPY_PROGRESS_MIN), twice in one batch: each
+    job's newest document stored, a non-finite number as null, the others untouched."""
+    from tidal.control.store import COPY_PROGRESS_MIN
+
+    spec = parse_spec({"name": "p", "command": ["true"], "gpus": 1}).model_dump()
+    jobs = [store.submit("a", spec, 1.0).id for _ in range(COPY_PROGRESS_MIN + 2)]
+    with store.batch():
+        store.update_many({j: {"progress": {"step": 1, "loss": 0.5}} for j in jobs[:-1]}, mark=False)
+        store.update_many({j: {"progress": {"step": 2, "loss": float("nan") if i == 0 else 0.25}}
+                           for i, j in enumerate(jobs[1:])}, mark=False)
+    got = {r.id: r.progress for r in store.jobs_by_id(jobs)}
+    assert got[jobs[0]] == {"step": 1, "loss": 0.5}
+    assert got[jobs[1]] == {"step": 2, "loss": None}
+    assert all(got[j] == {"step": 2, "loss": 0.25} for j in jobs[2:])
+
+
+def test_many_progress_documents_at_once(store):
+    check_many_progress_documents(store)
+
+
 def test_a_batch_holds_the_write_lock_only_while_its_transaction_is_open(store):
     """A batch that has only read lets other threads write; one with a transaction open commits at its next
     write once another thread waits to write (here at once: BATCH_HOLD_S 0), so the waiter goes in before the
