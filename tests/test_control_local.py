@@ -303,3 +303,17 @@ def test_a_rank_that_aborts_after_closing_cleanly_has_finished(tmp_path, executo
     ex.launch(req("bad", ABORT_BEFORE_CLOSE, n=1, env={"TIDAL_SHM_DIR": str(tmp_path / "shm")}), time.time())
     ob = wait_done(ex, "bad", timeout_s=60)
     assert [r.exit_code for r in ob.ranks] == [-6] and not ob.ranks[0].ended
+
+
+def test_a_progress_document_is_every_field_in_order_and_the_rate():
+    """What the store keeps of a job's progress: each field of ``Progress`` (nothing else the object holds),
+    then ``steps_per_s``."""
+    from dataclasses import fields
+
+    from tidal.exec.progress import Progress
+
+    p = Progress(start_step=3, step=13, step_s=20.0, first_step=3, first_step_s=10.0, heartbeats=2,
+                 phase="training", tiers={"dir": [10, 19.0]})
+    doc = p.to_dict()
+    assert list(doc) == [f.name for f in fields(Progress)] + ["steps_per_s"]
+    assert doc == {**{f.name: getattr(p, f.name) for f in fields(Progress)}, "steps_per_s": 1.0}

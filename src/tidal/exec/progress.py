@@ -59,7 +59,8 @@ class Progress:
         return 1.0 / m if m else None
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__} | {"steps_per_s": self.steps_per_s}
+        """The fields in their order, then ``steps_per_s`` (``__dict__`` holds exactly the fields)."""
+        return {**self.__dict__, "steps_per_s": self.steps_per_s}
 
 
 _FOLDED = frozenset(f.name for f in fields(Progress)) - {"tiers", "heartbeat_s", "heartbeats", "phase"}
