@@ -63,7 +63,7 @@ from tidal.control.states import ACTIVE, HELD, TERMINAL, TRANSITIONS, State, che
 
 SCHEMA_VERSION = 6  # 2: jobs.nominated_s; 3: table docs; 4: tenants.max_priority, jobs.ckpt_location,
 # meta job_seq and db_id; 5: jobs.waiting; 6: table progress (was jobs.progress), index (state, tenant, kind)
-BATCH_WRITES = 256  # writes of a batch per transaction (Store.batch): the API's writes wait at most that long
+BATCH_WRITES = 256  # writes of a batch per transaction (Store.batch); sooner when API writes wait
 COPY_PROGRESS_MIN = 128  # progress documents stored at once from which PostgreSQL's COPY is faster (~100)
 BATCH_HOLD_S = 0.02  # a batch's transaction open this long commits at its next write if others wait to write
 POOL_SIZE = 48  # SQLite connections kept open: the API's worker threads (40) and the reconcile loop
