@@ -159,6 +159,28 @@ def test_many_progress_documents_at_once(store):
     check_many_progress_documents(store)
 
 
+def check_hostile_progress_documents(store: Store) -> None:
+    """A job's progress with what its own code may put in it (NUL, tabs, backslashes, newlines in strings
+    and keys, infinities, a huge step) is stored as it is, the non-finite as null, whether many jobs'
+    documents are copied in at once (PostgreSQL's COPY) or written one by one."""
+    from tidal.control.store import COPY_PROGRESS_MIN
+
+    spec = parse_spec({"name": "h", "command": ["true"], "gpus": 1}).model_dump()
+    jobs = [store.submit("a", spec, 1.0).id for _ in range(COPY_PROGRESS_MIN + 1)]
+    evil = {"phase": "x\x00y\t\\N\n\r", "tiers": {"k\\.\t\x00": [1, float("inf")]}, "loss": float("-inf"),
+            "step": 2**62}
+    stored = {**evil, "tiers": {"k\\.\t\x00": [1, None]}, "loss": None}
+    for few in (jobs, jobs[:1]):
+        with store.batch():
+            store.update_many({j: {"progress": {**evil, "n": len(few)}} for j in few}, mark=False)
+        got = {r.id: r.progress for r in store.jobs_by_id(few)}
+        assert got == {j: {**stored, "n": len(few)} for j in few}
+
+
+def test_hostile_progress_documents(store):
+    check_hostile_progress_documents(store)
+
+
 def test_a_batch_holds_the_write_lock_only_while_its_transaction_is_open(store):
     """A batch that has only read lets other threads write; one with a transaction open commits at its next
     write once another thread waits to write (here at once: BATCH_HOLD_S 0), so the waiter goes in before the
