@@ -558,29 +558,40 @@ def test_tier_list_goes_to_the_ranks(world):
     assert json.loads(env["TIDAL_CKPT_TIERS"]) == tiers
 
 
-def test_why_a_job_waits_is_stored_from_the_scheduler_and_cleared_when_it_starts(world, tmp_path):
-    """The controller stores the scheduler's own reason (jobs.waiting), the API shows it, it is cleared
-    once the job runs, and a restarted controller clears one left from before."""
+def test_why_a_job_waits_is_the_schedulers_own_published_with_each_step_and_gone_once_it_starts(tmp_path):
+    """Each step publishes the scheduler's own reason for every job that waits (the loop's view, not the
+    store: it is made afresh at every step), the API shows it, it is gone once the job runs, and a restarted
+    controller shows none until its own first step."""
+    import sqlalchemy as sa
+
     from tidal.control.views import job_view
 
-    store, ex, ctl, clock = world
+    store = new_store(tmp_path, ("prod", 4, 1.0), ("lab", 0, 1.0))
+    ex, clock = FakeExecutor(gpus=4), FakeClock()
+    ctl = Controller(store, ex, CFG, ckpt_root=tmp_path / "jobs", publish=True)
     a = submit(store, "lab", clock(), name="a", gpus=3)
     b = submit(store, "lab", clock(), name="b", gpus=2)
     ctl.step(clock())
-    assert store.job(a).waiting is None
-    w = store.job(b).waiting
-    assert w["reason"].startswith("waiting: needs 2 GPUs, 1 free") and w["until_s"] is None
-    assert job_view(store.job(b), clock())["waiting"] == w
+    view = ctl.published.view
+    assert a not in view.waiting and job_view(store.job(a), clock(), view=view)["waiting"] is None
+    w = view.waiting[b]
+    assert w.reason.startswith("waiting: needs 2 GPUs, 1 free") and w.until_s is None
+    assert job_view(store.job(b), clock(), view=view)["waiting"] == {"reason": w.reason, "until_s": None}
+    assert job_view(store.job(b), clock())["waiting"] is None  # (no loop, no reason)
     ctl.step(clock.advance(1))
-    assert store.job(b).waiting == w
+    assert ctl.published.view.waiting[b] == w
     ex.exit(a, 0)
     ctl.step(clock.advance(1))
     ctl.step(clock.advance(1))
-    assert state(store, b) in ("admitted", "running") and store.job(b).waiting is None
-    store.update(b, waiting={"reason": "stale", "until_s": None})
-    ctl2 = Controller(store, ex, CFG, ckpt_root=tmp_path / "jobs")
+    view = ctl.published.view
+    assert state(store, b) in ("admitted", "running") and b not in view.waiting
+    assert job_view(store.job(b), clock(), view=view)["waiting"] is None
+    assert "waiting" not in {c["name"] for c in sa.inspect(store.engine).get_columns("jobs")}  # (not stored)
+    ctl2 = Controller(store, ex, CFG, ckpt_root=tmp_path / "jobs", publish=True)
+    assert ctl2.published.view is None
     ctl2.step(clock.advance(1))
-    assert store.job(b).waiting is None
+    assert b not in ctl2.published.view.waiting
+    store.close()
 
 
 def test_checkpoint_cadence_the_jobs_own_wins_and_interval_changes_do_not_chatter(world):

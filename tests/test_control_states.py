@@ -94,8 +94,9 @@ def test_exit_code_matches_the_runtime():
 
 
 def test_store_migrates_an_older_database_and_refuses_a_newer_one(tmp_path):
-    """A database made by the previous schema (no ``jobs.nominated_s``) opens and keeps its jobs; one
-    from a newer tidal is refused with a message naming the versions."""
+    """A database made by an older schema (no ``jobs.nominated_s``, progress a column of jobs, a
+    ``jobs.waiting`` column) opens and keeps its jobs; one from a newer tidal is refused with a message
+    naming the versions."""
     import sqlite3
 
     from tidal.control.store import SCHEMA_VERSION, Store
@@ -105,11 +106,12 @@ def test_store_migrates_an_older_database_and_refuses_a_newer_one(tmp_path):
     store.close()
     db = sqlite3.connect(tmp_path / "tidal.db")
     db.execute("ALTER TABLE jobs DROP COLUMN nominated_s")
-    db.execute("ALTER TABLE jobs DROP COLUMN waiting")
     db.execute("DROP TABLE progress")  # (progress was a column of jobs)
     db.execute("DROP INDEX ix_jobs_state_tenant_kind")
     db.execute("ALTER TABLE jobs ADD COLUMN progress JSON")
     db.execute("""UPDATE jobs SET progress = '{"step": 7}'""")
+    db.execute("ALTER TABLE jobs ADD COLUMN waiting JSON")  # (schemas 5 and 6)
+    db.execute("""UPDATE jobs SET waiting = '{"reason": "stale", "until_s": null}'""")
     db.execute("UPDATE meta SET value = '1' WHERE key = 'schema_version'")
     db.commit()
     db.close()
@@ -117,10 +119,10 @@ def test_store_migrates_an_older_database_and_refuses_a_newer_one(tmp_path):
     assert store.job(j).nominated_s is None and store.job(j).state == "pending"
     assert store.job(j).progress == {"step": 7}  # moved to its own table, the column gone
     with store.engine.connect() as c:
-        assert "progress" not in {r[1] for r in c.exec_driver_sql("PRAGMA table_info(jobs)")}
+        assert not {"progress", "waiting"} & {r[1] for r in c.exec_driver_sql("PRAGMA table_info(jobs)")}
         assert "ix_jobs_state_tenant_kind" in {r[1] for r in c.exec_driver_sql("PRAGMA index_list(jobs)")}
-    store.update(j, nominated_s=20.0, waiting={"reason": "waiting: why", "until_s": None})
-    assert store.job(j).nominated_s == 20.0 and store.job(j).waiting["reason"] == "waiting: why"
+    store.update(j, nominated_s=20.0)
+    assert store.job(j).nominated_s == 20.0
     store.close()
     db = sqlite3.connect(tmp_path / "tidal.db")
     assert db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == (

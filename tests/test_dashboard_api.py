@@ -23,9 +23,10 @@ from tidal.contract import PROGRESS_DIRNAME, attempt_dirname, progress_file
 from tidal.control import dashboard, dashboard_views
 from tidal.control.api import ApiContext, create_app
 from tidal.control.auth import create_tenant, ensure_admin
+from tidal.control.read_view import QueuedJob
 from tidal.control.states import State
 from tidal.control.store import Store
-from tidal.model import Node
+from tidal.model import Node, Waiting
 
 SPEC = {"name": "job", "kind": "spot", "priority": 0, "gpus": {"min": 1, "max": 2, "multiple_of": 1},
         "max_restarts": 3, "command": ["python", "train.py"]}
@@ -125,13 +126,12 @@ def test_gpu_map_queue_and_fair_share(dash):
     # another tenant sees the queue's positions, not that tenant's quota and usage
     seen_by_b = get("b", "/v1/dashboard/pool")["queue"]["jobs"]
     assert [r["job"] for r in seen_by_b] == [None, big, None] and seen_by_b[0]["why"] == "its tenant's quota"
-    # once the scheduler has said why (jobs.waiting), its owner and the admin read that, others do not
-    why = {"reason": "waiting: quota of tenant a full (2 of 2 GPUs)", "until_s": None}
-    store.update_many({ded: {"waiting": why}})
-    told = get("admin", "/v1/dashboard/pool")["queue"]["jobs"][0]["why"]
-    assert told == "waiting: quota of tenant a full (2 of 2 GPUs)"
-    assert get("a", "/v1/dashboard/pool")["queue"]["jobs"][0]["why"] == told
-    assert get("b", "/v1/dashboard/pool")["queue"]["jobs"][0]["why"] == "its tenant's quota"
+    # once the scheduler has said why (the reconcile loop's view), its owner and the admin read that, others
+    # do not
+    told = "waiting: quota of tenant a full (2 of 2 GPUs)"
+    head = [QueuedJob.of(store.job(ded), Waiting(told))]
+    for viewer, why in ((None, told), ("a", told), ("b", "its tenant's quota")):
+        assert dashboard_views.queue_view(head, 3, p["tenants"], 5, 0, 2.0, viewer)["jobs"][0]["why"] == why
     usage = {t["tenant"]: t for t in p["tenants"]}
     # spot capacity 8 (no dedicated held) split 1:3 between a and b, both with spot jobs running or waiting
     assert usage["a"]["fair_share_gpus"] == 2.0 and usage["b"]["fair_share_gpus"] == 6.0

@@ -53,14 +53,24 @@ READS = [("admin", "/v1/pool", {}), ("a", "/v1/pool", {}), ("b", "/v1/pool", {"o
          ("b", "/v1/dashboard/pool", {}), ("admin", "/metrics", {})]
 
 
-def _same(got, want, path: str):
+def _same(got, want, path: str, view=None):
+    """``got`` served from ``view`` is ``want`` read from the store, but for why a job waits: the queue's job
+    that the scheduler gave a reason at the step shows that reason (the store has none: it is the loop's)."""
+    shown = 0  # reasons the store has not
     if path == "/metrics":  # the view's time is a series of its own; the rest as read from the store
         got = "\n".join(x for x in got.splitlines() if "tidal_plane_view_time_seconds" not in x)
         assert got == want.rstrip("\n")
-        return
+        return shown
     if path == "/v1/dashboard/pool":
         assert isinstance(got.pop("step"), int) and want.pop("step") is None
+        told = view.waiting if view is not None else {}
+        for row, stored_row in zip(got["queue"]["jobs"], want["queue"]["jobs"], strict=False):
+            if row["job"] in told and row["state"] == "pending" and row["why"] != stored_row["why"]:
+                assert row["why"] == told[row["job"]].reason
+                stored_row["why"] = row["why"]
+                shown += 1
     assert got == want
+    return shown
 
 
 def test_every_read_after_each_step_is_what_the_store_says(plane):
@@ -72,12 +82,14 @@ def test_every_read_after_each_step_is_what_the_store_says(plane):
                                                ("b", 8, "spot", 0), ("b", 1, "spot", 0),
                                                ("a", 2, "dedicated", 0)])]
     seen_running = seen_ended = seen_waiting = False
+    told = 0
     for k in range(12):
         ctl.step(clock.advance(10.0))
         assert ctl.published.view is not None and ctl.published.view.step == k + 1
         assert ctl.published.view.as_of_s == clock()
         for who, path, params in READS:
-            _same(get(served, who, path, **params), get(stored, who, path, **params), path)
+            told += _same(get(served, who, path, **params), get(stored, who, path, **params), path,
+                          ctl.published.view)
         counts = store.count_by_state()
         seen_running |= counts.get("running", 0) > 0
         seen_waiting |= counts.get("pending", 0) > 0
@@ -92,7 +104,7 @@ def test_every_read_after_each_step_is_what_the_store_says(plane):
             ex.exit(list(ex.jobs)[-1], 1)
         if k == 4:
             submit(store, "b", clock(), name="late", gpus=2, priority=0)
-    assert seen_running and seen_ended and seen_waiting
+    assert seen_running and seen_ended and seen_waiting and told
     view = get(served, "admin", "/v1/pool")
     assert view["allocated"] > 0 and view["as_of_s"] == clock()
     dash = get(served, "admin", "/v1/dashboard/pool")
@@ -122,10 +134,10 @@ def test_a_job_submitted_is_counted_before_the_next_step(plane):
             assert got["queue"]["total"] == want["queue"]["total"] == 2
             assert got["queue"]["jobs"] == [] and len(want["queue"]["jobs"]) == 2
             got["queue"] = want["queue"]
-        _same(got, want, path)
+        _same(got, want, path, ctl.published.view)
     ctl.step(clock.advance(1.0))
     for who, path, params in READS:
-        _same(get(served, who, path, **params), get(stored, who, path, **params), path)
+        _same(get(served, who, path, **params), get(stored, who, path, **params), path, ctl.published.view)
 
 
 def test_a_view_once_served_does_not_change(plane):
@@ -184,7 +196,7 @@ def test_the_parts_asked_for_at_every_step_are_built_by_the_loop(plane):
     ctl.published.warm()  # (the loop, between steps)
     assert new._memo.keys() == asked
     for who, path, params in READS:  # what was built is what a reader builds
-        _same(get(served, who, path, **params), get(stored, who, path, **params), path)
+        _same(get(served, who, path, **params), get(stored, who, path, **params), path, ctl.published.view)
     asked = set(ctl.published.wanted)
     assert len(asked) == 8  # (with the pages and maps of a and b)
     ctl.step(clock.advance(1.0))

@@ -38,7 +38,7 @@ def check_submit_is_as_read(store: Store) -> None:
         assert row.id == f"sweep-{row.seq}" and row.state == "pending" and row.placement == {}
     assert [m.seq for m in made] == [1, 2]
     with store.engine.connect() as c:  # the columns a submit leaves out are SQL NULL, as the ORM left them
-        assert c.execute(sa.text("SELECT count(*) FROM jobs WHERE waiting IS NULL AND handle IS NULL "
+        assert c.execute(sa.text("SELECT count(*) FROM jobs WHERE finished_s IS NULL AND handle IS NULL "
                                  "AND started_s IS NULL")).scalar() == 2
         assert c.execute(sa.text("SELECT value FROM meta WHERE key = 'job_seq'")).scalar() == "2"
     events = [e for e in store.events() if e.job_id == made[0].id]
@@ -219,7 +219,7 @@ def test_a_transition_and_an_update_leave_the_row_as_a_read_gives_it_and_refuse_
     row = store.job(store.submit("a", spec, 1.0).id)
     store.transition(row, State.ADMITTED, 2.0, "admitted", data={"why": ["n1"], "gpus": 2},
                      placement={"n1": 2}, attempt=1, killed=False, handle=None)
-    store.update(row, waiting={"reason": "r", "until_s": None}, last_ckpt_s=3.5, cancel_requested=True)
+    store.update(row, releasing={"n1": 1}, last_ckpt_s=3.5, cancel_requested=True)
     got = store.job(row.id)
     for col in JobRow.__table__.columns:
         assert getattr(row, col.name) == getattr(got, col.name), col.name

@@ -153,6 +153,10 @@ def create_app(ctx: ApiContext) -> FastAPI:
                            view=ctx.view)
     pool_gpus = sum(n.gpus for n in ctx.nodes)
 
+    def _view() -> PlaneView | None:
+        """The reconcile loop's newest view (None without a loop, or before its first step)."""
+        return ctx.view() if ctx.view is not None else None
+
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         return _refused(exc.errors())
@@ -286,12 +290,14 @@ def create_app(ctx: ApiContext) -> FastAPI:
         """A page of jobs in submission order (``offset``, ``limit``)."""
         who = tenant if me.admin else me.name
         now = ctx.clock()
-        return [job_view(j, now) for j in store.jobs(tenant=who, states=state, offset=offset, limit=limit)]
+        view = _view()
+        return [job_view(j, now, view=view)
+                for j in store.jobs(tenant=who, states=state, offset=offset, limit=limit)]
 
     @app.get("/v1/jobs/{job_id}", **_doc(sc.JobDetail, 401, 404))
     @json_route()
     def job(job_id: str, me: Caller) -> dict:
-        return job_view(own_job(job_id, me), ctx.clock(), detail=True)
+        return job_view(own_job(job_id, me), ctx.clock(), detail=True, view=_view())
 
     @app.post("/v1/jobs/{job_id}/cancel", **_doc(sc.Job, 401, 404, 409))
     @json_route()
@@ -302,7 +308,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
         if not j.cancel_requested:
             j = store.update(job_id, cancel_requested=True)
             store.record("cancel", f"cancel requested by {me.name}", ctx.clock(), job=j)
-        return job_view(j, ctx.clock())
+        return job_view(j, ctx.clock(), view=_view())
 
     @app.get("/v1/jobs/{job_id}/logs", **_doc(sc.LogChunk, 401, 404, 422))
     @json_route()
@@ -372,7 +378,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
         """The totals and a page of the nodes (``offset``, ``limit``): as the reconcile loop's newest step
         left them (``as_of_s``), the pending jobs submitted since counted (:mod:`tidal.control.read_view`)."""
         who = None if me.admin else me.name
-        view = ctx.view() if ctx.view is not None else None
+        view = _view()
         if view is None:
             pending = store.count_by_state(who).get(State.PENDING.value, 0)
             return pool_view(ctx.nodes, store.held(), who, pending, offset=offset, limit=limit,

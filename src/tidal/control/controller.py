@@ -121,8 +121,9 @@ class Controller:
         # ended jobs per state for the view, counted in the store again only after a job left the active set
         # (_forget: it ended, or retention dropped it; a count is a scan of the jobs' history)
         self._ended: dict[str, int] | None = None
-        # job id -> why it waits or does not grow, as stored (the scheduler's reasons; see _note_waiting)
-        self._waiting: dict[str, Waiting] = {}  # (read with the active rows: _refresh)
+        # job id -> why it waited or did not grow at the newest step (the scheduler's reasons, published with
+        # the view: made afresh at every step, so not stored)
+        self._waiting: dict[str, Waiting] = {}
         if loans is not None:
             serving = {n.name: n.gpus for n in self.nodes if n.pool == "serving"}
             doc = store.get_doc(LOANS_DOC)
@@ -201,7 +202,7 @@ class Controller:
             except Exception:  # a demand source failing must not stop the jobs' loop
                 log.exception("serving plan step failed")
         snap = self.snapshot(now_s)  # 4. decide
-        why: dict[str, Waiting] = {}
+        why: dict[str, Waiting] | None = {} if self.published is not None else None  # (only to publish)
         decisions: list[Decision] = list(schedule(snap, self.config.scheduler, self._index, why=why))
         decisions += self._intervals(snap, now_s)
         jobs = dict(self.view.jobs)
@@ -212,7 +213,7 @@ class Controller:
                 self._start_recorded(now_s)
             finally:
                 self._to_start = {}  # (raised: the batch's rollback took the attempts not yet started)
-            self._note_waiting(why)
+        self._waiting = why or {}
         self._save_loans(now_s)
         self.sweep_shm(now_s)
         self._check_ckpt_quota(now_s)
@@ -251,8 +252,9 @@ class Controller:
             step=self.steps, as_of_s=now_s, nodes=tuple(self.nodes), held=tuple(held.values()),
             jobs=dict(counted),
             ended=self._ended_counts(),
-            head=tuple(QueuedJob.of(rows[jid]) for _, jid in head), submitted=self.store.taken_submits,
-            loans=self.loans.view() if self.loans is not None else None, wanted=self.published.wanted)
+            head=tuple(QueuedJob.of(rows[jid], self._waiting.get(jid)) for _, jid in head),
+            submitted=self.store.taken_submits, loans=self.loans.view() if self.loans is not None else None,
+            waiting=self._waiting, wanted=self.published.wanted)
 
     def _ended_counts(self) -> dict[str, int]:
         if self._ended is None:
@@ -269,8 +271,6 @@ class Controller:
         if self._active is None:  # (first, or after a step that raised: what was kept is made afresh)
             self.view, self._index, self._copies = SchedulerView(), RunningIndex(), {}
             self._active = {j.id: j for j in self.store.active_jobs()}
-            self._waiting = {i: Waiting(j.waiting["reason"], j.waiting.get("until_s"))
-                             for i, j in self._active.items() if j.waiting}
             self._state = {i: j.state for i, j in self._active.items()}
             self._busy = {i: j.seq for i, j in self._active.items() if j.state != S.PENDING}
             for j in self._active.values():
@@ -331,16 +331,6 @@ class Controller:
                               f"{q} (checkpoint_quota_bytes): its new jobs are refused until old checkpoints "
                               "are removed", now_s, tenant=t, data={"used_bytes": used, "quota_bytes": q})
         self._over_quota = over
-
-    def _note_waiting(self, why: dict[str, Waiting]) -> None:
-        """Store why each job waits or does not grow (``jobs.waiting``) where that changed; no reason clears
-        it."""
-        old = self._waiting
-        changed: dict[str, dict[str, Any]] = {jid: {"waiting": {"reason": w.reason, "until_s": w.until_s}}
-                   for jid, w in why.items() if (was := old.get(jid)) is not w and was != w}
-        changed.update((jid, {"waiting": None}) for jid in old.keys() - why.keys())
-        self.store.update_many(changed, mark=False, held=self._active)
-        self._waiting = why
 
     def _holdings(self, wants: bool = False) -> tuple[dict[str, int], int, dict[str, list[str]]]:
         """(node -> GPUs jobs hold, serving GPUs spot jobs could use now, node -> jobs holding GPUs there)

@@ -123,9 +123,9 @@ def _why(j: JobRow | QueuedJob, u: dict[str, Any] | None, free_training: int, fr
         return f"restarting after a failure (restart {j.restarts}/{j.max_restarts}) in {max(0.0, left):.0f} s"
     if j.nominated_s is not None:
         return "other jobs are being stopped to make room for it"
-    told = (j.waiting or {}).get("reason") if isinstance(j.waiting, dict) else None
-    if mine and isinstance(told, str) and told:
-        return told  # the scheduler's own reason, from the checks that decided (jobs.waiting)
+    told = j.waiting if isinstance(j, QueuedJob) else None
+    if mine and told is not None and told.reason:
+        return told.reason  # the scheduler's own reason, from the checks that decided (the loop's view)
     if j.kind == "dedicated" and u is not None and u["dedicated_gpus"] + j.min_gpus > u["quota_gpus"]:
         if not mine:
             return "its tenant's quota"

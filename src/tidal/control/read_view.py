@@ -14,8 +14,11 @@ read the store are added to the counts of waiting jobs (:meth:`PlaneView.waiting
 is counted in the next read; it is placed in the queue shown at the next step. The parts asked of the
 previous view are built by the loop itself right after it publishes a view, between steps, so a reader
 reading at every step seldom builds one (:meth:`Published.warm`). A cancel of a waiting job takes
-effect at the next step either way (the loop moves it). Without a loop (the API built on a store alone, as
-most tests do), or before its first step, the reads query the store as before.
+effect at the next step either way (the loop moves it). Why each job waits or does not grow (the scheduler's
+own reasons, :attr:`PlaneView.waiting`) is in the view only: the scheduler says it afresh at every step, and
+at 20,000 waiting jobs hundreds of reasons change at each (a queue's head with the GPUs free). Without a
+loop (the API built on a store alone, as most tests do), or before its first step, the reads query the store
+as before, and no job has a reason.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from typing import Any, TypeVar
 
 from tidal.control.states import State
 from tidal.control.store import PROGRESS_KEYS, HeldJob, JobRow
-from tidal.model import Node
+from tidal.model import Node, Waiting
 
 T = TypeVar("T")
 WAITING = (State.PENDING.value, State.BACKOFF.value)
@@ -55,13 +58,12 @@ class QueuedJob:
     max_restarts: int
     retry_at_s: float | None
     nominated_s: float | None
-    waiting: dict[str, Any] | None
+    waiting: Waiting | None  # the scheduler's reason at the step
 
     @classmethod
-    def of(cls, j: JobRow) -> QueuedJob:
+    def of(cls, j: JobRow, waiting: Waiting | None) -> QueuedJob:
         return cls(j.id, j.tenant, j.kind, j.priority, j.state, j.min_gpus, j.max_gpus, j.submit_s,
-                   j.restarts, j.max_restarts, j.retry_at_s, j.nominated_s,
-                   dict(j.waiting) if j.waiting else None)
+                   j.restarts, j.max_restarts, j.retry_at_s, j.nominated_s, waiting)
 
 
 _HELD_FIELDS = ("id", "tenant", "state", "kind", "placement", "releasing", "restarts", "preemptions",
@@ -115,7 +117,9 @@ class PlaneView:
     active jobs; ``ended``: ended jobs per state (all tenants); ``head``: the first waiting jobs in
     :func:`queue_order`; ``submitted``: the store's submissions per (tenant, kind) that the loop had read
     (:attr:`Store.taken_submits`); ``loans``: the live loans' view at the step, if the plane lends
-    (:meth:`tidal.control.loans.LiveLoans.view`)."""
+    (:meth:`tidal.control.loans.LiveLoans.view`); ``waiting``: job id -> why it waited or did not grow at
+    the step (the scheduler's own reasons, ``schedule(..., why=)``: made afresh at every step, so kept
+    nowhere else)."""
 
     step: int
     as_of_s: float
@@ -126,6 +130,7 @@ class PlaneView:
     head: tuple[QueuedJob, ...]
     submitted: Mapping[tuple[str, str], int]
     loans: dict[str, Any] | None = None
+    waiting: Mapping[str, Waiting] = field(default_factory=dict)
     wanted: dict[Any, tuple[Callable[[PlaneView], Any], int]] = field(default_factory=dict, repr=False,
                                                                      compare=False)
     """The parts asked for lately, shared from view to view (:meth:`Published.warm`)."""

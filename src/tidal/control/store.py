@@ -61,8 +61,9 @@ from sqlalchemy.sql.schema import CallableColumnDefault, ScalarElementColumnDefa
 
 from tidal.control.states import ACTIVE, HELD, TERMINAL, TRANSITIONS, State, check_transition
 
-SCHEMA_VERSION = 6  # 2: jobs.nominated_s; 3: table docs; 4: tenants.max_priority, jobs.ckpt_location,
-# meta job_seq and db_id; 5: jobs.waiting; 6: table progress (was jobs.progress), index (state, tenant, kind)
+SCHEMA_VERSION = 7  # 2: jobs.nominated_s; 3: table docs; 4: tenants.max_priority, jobs.ckpt_location,
+# meta job_seq and db_id; 5: jobs.waiting; 6: table progress (was jobs.progress), index (state, tenant, kind);
+# 7: no jobs.waiting (why a job waits is the reconcile loop's, made at every step: read_view.PlaneView)
 BATCH_WRITES = 256  # writes of a batch per transaction (Store.batch); sooner when API writes wait
 COPY_PROGRESS_MIN = 128  # progress documents stored at once from which PostgreSQL's COPY is faster (~100)
 BATCH_HOLD_S = 0.02  # a batch's transaction open this long commits at its next write if others wait to write
@@ -148,7 +149,6 @@ class JobRow(Base):
     lost_steps: Mapped[int] = mapped_column(Integer, default=0)
     finished_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     message: Mapped[str] = mapped_column(String(2000), default="")
-    waiting: Mapped[dict | None] = mapped_column(JSON, nullable=True)  # schema 5: {reason, until_s}
     # the waiting jobs counted per tenant and kind from the index alone (schema 6; Store.count_waiting)
     __table_args__ = (Index("ix_jobs_state_tenant_kind", "state", "tenant", "kind"),)
 
@@ -329,8 +329,6 @@ class Store:
                 s.execute(text("CREATE INDEX IF NOT EXISTS ix_jobs_ckpt_location ON jobs (ckpt_location)"))
             if "max_priority" not in {c["name"] for c in inspect(s.connection()).get_columns("tenants")}:
                 s.execute(text("ALTER TABLE tenants ADD COLUMN max_priority INTEGER"))
-        if version < 5 and "waiting" not in have:
-            s.execute(text("ALTER TABLE jobs ADD COLUMN waiting JSON"))
         if version < 6:
             s.execute(text("CREATE INDEX IF NOT EXISTS ix_jobs_state_tenant_kind "
                            "ON jobs (state, tenant, kind)"))
@@ -338,6 +336,8 @@ class Store:
             s.execute(text("INSERT INTO progress (job_id, doc) SELECT id, progress FROM jobs "
                            "WHERE progress IS NOT NULL"))
             s.execute(text("ALTER TABLE jobs DROP COLUMN progress"))
+        if version < 7 and "waiting" in have:
+            s.execute(text("ALTER TABLE jobs DROP COLUMN waiting"))
 
     def close(self) -> None:
         self.engine.dispose()

@@ -9,6 +9,7 @@ from typing import Any
 
 from tidal.control import schemas as sc
 from tidal.control.accounting import job_report
+from tidal.control.read_view import PlaneView
 from tidal.control.schemas import answer
 from tidal.control.states import HELD, STOPPING, State
 from tidal.control.store import EventRow, HeldJob, JobRow
@@ -18,12 +19,15 @@ _COMPUTED = frozenset({"gpus", "progress", "report", "waiting"})
 """Fields of :class:`~tidal.control.schemas.Job` that are not a ``JobRow`` attribute of the same name."""
 
 
-def job_view(j: JobRow, now_s: float, *, detail: bool = False) -> dict[str, Any]:
+def job_view(j: JobRow, now_s: float, *, detail: bool = False,
+             view: PlaneView | None = None) -> dict[str, Any]:
     """The API's job (:class:`~tidal.control.schemas.Job`, :class:`~tidal.control.schemas.JobDetail`
-    with ``detail``): the model's fields read from the row, but for those computed here."""
+    with ``detail``): the model's fields read from the row, but for those computed here; why it waits from
+    the reconcile loop's newest ``view`` (none without one)."""
     model = sc.JobDetail if detail else sc.Job
-    waiting = (sc.Waiting.model_validate(j.waiting)
-               if j.waiting is not None and State(j.state) in (State.PENDING, State.RUNNING) else None)
+    w = view.waiting.get(j.id) if view is not None else None
+    waiting = (sc.Waiting(reason=w.reason, until_s=w.until_s)
+               if w is not None and State(j.state) in (State.PENDING, State.RUNNING) else None)
     return answer(model(
         **{f: getattr(j, f) for f in model.model_fields if f not in _COMPUTED},
         gpus=sc.Gpus(min=j.min_gpus, max=j.max_gpus, multiple_of=j.multiple_of), progress=j.progress or {},
