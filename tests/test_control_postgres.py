@@ -119,7 +119,8 @@ def test_concurrent_submissions_get_unique_ids_and_one_event_each(pg_url):
                                    store_submit_tests.check_batch_events_in_order,
                                    store_submit_tests.check_batch_writes_of_held_rows,
                                    store_submit_tests.check_many_progress_documents,
-                                   store_submit_tests.check_hostile_progress_documents],
+                                   store_submit_tests.check_hostile_progress_documents,
+                                   store_submit_tests.check_ckpt_locations_near],
                          ids=lambda f: f.__name__)
 def test_the_stores_own_statements_pg(pg_url, check):
     """tests/test_store_submit.py on PostgreSQL: a submit's rows, a batch's events and held rows."""

@@ -112,12 +112,14 @@ def test_store_migrates_an_older_database_and_refuses_a_newer_one(tmp_path):
     db.execute("""UPDATE jobs SET progress = '{"step": 7}'""")
     db.execute("ALTER TABLE jobs ADD COLUMN waiting JSON")  # (schemas 5 and 6)
     db.execute("""UPDATE jobs SET waiting = '{"reason": "stale", "until_s": null}'""")
+    db.execute("UPDATE jobs SET ckpt_location = 's3://b/x//'")  # (recorded as given before schema 7)
     db.execute("UPDATE meta SET value = '1' WHERE key = 'schema_version'")
     db.commit()
     db.close()
     store = Store(f"sqlite:///{tmp_path}/tidal.db")
     assert store.job(j).nominated_s is None and store.job(j).state == "pending"
     assert store.job(j).progress == {"step": 7}  # moved to its own table, the column gone
+    assert store.job(j).ckpt_location == "s3://b/x/" and store.ckpt_locations(["s3://b/x/y"])[0][0] == j
     with store.engine.connect() as c:
         assert not {"progress", "waiting"} & {r[1] for r in c.exec_driver_sql("PRAGMA table_info(jobs)")}
         assert "ix_jobs_state_tenant_kind" in {r[1] for r in c.exec_driver_sql("PRAGMA index_list(jobs)")}

@@ -54,6 +54,35 @@ def test_a_submitted_job_is_as_a_read_of_the_store_gives_it(store):
     check_submit_is_as_read(store)
 
 
+STORED = ["/ckpt/a", "/ckpt/a/", "/ckpt/a//", "/ckpt/a/b", "/ckpt/ab", "/ckpt/a_b", "/ckpt/a%b", "/ckpt/A/b",
+          "/ckpt/a\\b/c", "/ckpt/a.b", "/ckpt/a b/c", "/ckpt/é/ü", "/", "s3://bkt/x", "s3://bkt/x//",
+          "s3://bkt/x/y/z", "s3://bkt/xy", "s3://bkt/x_y", "peer://job/a", "/other/a"]
+
+
+def check_ckpt_locations_near(store: Store) -> None:
+    """The jobs whose checkpoint location overlaps one asked for, found through the index, are exactly those
+    a look at every job's finds: names that only look alike in SQL (``_``, ``%``, case, a backslash, "/"s
+    at the end) are not taken for one another."""
+    from tidal.control.locations import overlaps
+
+    spec = parse_spec({"name": "l", "command": ["true"], "gpus": {"min": 1, "max": 1}}).model_dump()
+    for i, loc in enumerate(STORED):
+        store.submit("a", spec, float(i), ckpt_location=loc)
+    every = store.ckpt_locations()
+    assert len(every) == len(STORED) and {loc for _, _, loc, _ in every} >= {"/ckpt/a/", "s3://bkt/x/"}
+    for m in [*STORED, "/ckpt", "/ckpt/", "/ckpt/a/b/c/d", "s3://bkt", "/ckpt/a%", "/ckpt/a_", "/ckpt/a\\",
+              "/ckpt/é", "peer://job", "/nothing/here"]:
+        got = sorted(store.ckpt_locations([m]))
+        assert got == sorted(r for r in every if overlaps(m, r[2])), m
+    assert store.ckpt_locations([]) == []
+    got = {loc for _, _, loc, _ in store.ckpt_locations(["/ckpt/a/b/c", "s3://bkt/x_y/z"])}
+    assert got == {"/", "/ckpt/a", "/ckpt/a/", "/ckpt/a/b", "s3://bkt/x_y"}
+
+
+def test_ckpt_locations_near_are_those_that_overlap(store):
+    check_ckpt_locations_near(store)
+
+
 def check_batch_events_in_order(store: Store) -> None:
     """A batch's events are written together at its commit: in the order recorded (ids ascending, loan
     documents' events among them), seen by its own thread before, by none after a rollback."""

@@ -267,8 +267,8 @@ def create_app(ctx: ApiContext) -> FastAPI:
         job = store.submit(me.name, data, ctx.clock(), ckpt_location=loc)
         return SafeJSON(job_view(job, ctx.clock(), detail=True), status_code=201)
 
-    def _located():
-        return [(j, t, loc, State(st) in TERMINAL) for j, t, loc, st in store.ckpt_locations()]
+    def _located(near: set[str]):
+        return [(j, t, loc, State(st) in TERMINAL) for j, t, loc, st in store.ckpt_locations(near)]
 
     def _source(job_id: str):
         try:

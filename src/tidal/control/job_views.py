@@ -133,7 +133,7 @@ def taken_over(job: JobRow, store: Store) -> tuple[tuple[str, ...], tuple[str, .
     except ValueError:
         return (), ()
     dirs = tuple(loc for kind, loc, _ in locs if kind == "dir")
-    earlier = {rid} | {jid for jid, tenant, loc, state in store.ckpt_locations()
+    earlier = {rid} | {jid for jid, tenant, loc, state in store.ckpt_locations(dirs)
                        if jid != job.id and tenant == job.tenant and S(state) in TERMINAL
                        and any(overlaps(loc, d) for d in dirs)}
     return (dirs, tuple(sorted(earlier))) if dirs else ((), ())

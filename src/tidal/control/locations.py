@@ -139,12 +139,13 @@ def locations(ck: Mapping[str, Any]) -> tuple[str | None, list[tuple[str, str, d
 
 
 def check(ck: Mapping[str, Any], tenant: str, admin: bool, policy: LocationPolicy,
-          others: Callable[[], Iterable[tuple[str, str, str, bool]]],
+          others: Callable[[set[str]], Iterable[tuple[str, str, str, bool]]],
           job_location: Callable[[str], tuple[str, str, dict] | None]
           ) -> tuple[list[tuple[str, str]], dict, str | None]:
     """Check a spec's ``checkpoint`` for ``tenant``: ``(problems, checkpoint, location)`` with problems as
     (field, message), the checkpoint block as stored (``resume_from`` resolved) and the location to record
-    (None: the default). ``others()`` yields (job, tenant, location, ended); ``job_location(id)`` gives
+    (None: the default). ``others(locations)`` yields (job, tenant, location, ended) of the jobs whose
+    location may overlap one of these (at least those that do); ``job_location(id)`` gives
     (tenant, state, checkpoint block) or None.
     """
     ck = dict(ck)
@@ -211,7 +212,7 @@ def check(ck: Mapping[str, Any], tenant: str, admin: bool, policy: LocationPolic
     if admin:  # the operator may point a job anywhere, at existing checkpoints too
         return [], ck, found
     mine = {_real(loc) if kind == "dir" else loc for kind, loc, _ in tiers}
-    for jid, owner, loc, ended in others():
+    for jid, owner, loc, ended in others(mine):
         if jid == resumed:
             continue
         if any(overlaps(m, loc) for m in mine):

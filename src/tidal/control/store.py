@@ -37,6 +37,7 @@ from sqlalchemy import (
     Integer,
     String,
     Text,
+    and_,
     case,
     create_engine,
     delete,
@@ -44,6 +45,7 @@ from sqlalchemy import (
     func,
     insert,
     inspect,
+    or_,
     select,
     text,
     type_coerce,
@@ -63,7 +65,8 @@ from tidal.control.states import ACTIVE, HELD, TERMINAL, TRANSITIONS, State, che
 
 SCHEMA_VERSION = 7  # 2: jobs.nominated_s; 3: table docs; 4: tenants.max_priority, jobs.ckpt_location,
 # meta job_seq and db_id; 5: jobs.waiting; 6: table progress (was jobs.progress), index (state, tenant, kind);
-# 7: no jobs.waiting (why a job waits is the reconcile loop's, made at every step: read_view.PlaneView)
+# 7: no jobs.waiting (why a job waits is the reconcile loop's, made at every step: read_view.PlaneView),
+# checkpoint locations with at most one "/" at their end (_one_slash)
 BATCH_WRITES = 256  # writes of a batch per transaction (Store.batch); sooner when API writes wait
 COPY_PROGRESS_MIN = 128  # progress documents stored at once from which PostgreSQL's COPY is faster (~100)
 BATCH_HOLD_S = 0.02  # a batch's transaction open this long commits at its next write if others wait to write
@@ -338,6 +341,9 @@ class Store:
             s.execute(text("ALTER TABLE jobs DROP COLUMN progress"))
         if version < 7 and "waiting" in have:
             s.execute(text("ALTER TABLE jobs DROP COLUMN waiting"))
+        if version < 7:  # (a location's "/"s at its end as _one_slash leaves them)
+            s.execute(text("UPDATE jobs SET ckpt_location = rtrim(ckpt_location, '/') || '/' "
+                           "WHERE ckpt_location LIKE '%//'"))
 
     def close(self) -> None:
         self.engine.dispose()
@@ -516,7 +522,7 @@ class Store:
         values = {**_job_defaults(), "tenant": tenant, "name": spec["name"], "spec": spec,
                   "kind": spec["kind"], "priority": spec["priority"], "min_gpus": g["min"],
                   "max_gpus": g["max"], "multiple_of": g["multiple_of"], "max_restarts": spec["max_restarts"],
-                  "submit_s": now_s, "ckpt_location": ckpt_location}
+                  "submit_s": now_s, "ckpt_location": _one_slash(ckpt_location)}
         with self._write() as s:  # (the driver's statements as written: no ORM unit of work, none compiled)
             c = s.connection()
             top = c.exec_driver_sql("SELECT value FROM meta WHERE key = 'job_seq'").scalar()
@@ -609,10 +615,27 @@ class Store:
         with self._read() as s:
             return set(s.scalars(select(JobRow.id)))
 
-    def ckpt_locations(self) -> list[tuple[str, str, str, str]]:
-        """(job id, tenant, location, state) of every job with a recorded checkpoint location."""
+    def ckpt_locations(self, near: Iterable[str] | None = None) -> list[tuple[str, str, str, str]]:
+        """(job id, tenant, location, state) of every job with a recorded checkpoint location; with ``near``,
+        only of those whose location may overlap one of these (:func:`tidal.control.locations.overlaps`: the
+        same, one a location is under, or one under it; the caller checks each), through the index on
+        locations, not a read of every job's."""
         q = select(JobRow.id, JobRow.tenant, JobRow.ckpt_location, JobRow.state).where(
             JobRow.ckpt_location.is_not(None))
+        if near is not None:
+            col, found = JobRow.ckpt_location, []
+            for m in near:  # (locations are stored with at most one "/" at their end: _one_slash)
+                above = {m, m.rstrip("/")} | {m[:i] for i, c in enumerate(m) if c == "/"}
+                found.append(col.in_(sorted(above | {a + "/" for a in above})))
+                top = m.rstrip("/")
+                if self.engine.dialect.name == "sqlite":  # (byte order: the index's range, exactly)
+                    found.append(and_(col >= top + "/", col < top + "0"))
+                else:  # (a range in a locale's order is not the names under it: LIKE is)
+                    top = top.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+                    found.append(col.like(top + "/%", escape="\\"))
+            if not found:
+                return []
+            q = q.where(or_(*found))
         with self._read() as s:
             return [(i, t, loc, st) for i, t, loc, st in s.execute(q) if loc is not None]  # (as the query)
 
@@ -903,6 +926,14 @@ _JOBS, _EVENTS, _META, _PROGRESS = (Base.metadata.tables[t] for t in ("jobs", "e
 # the reads made once (the writes are the driver's own SQL: _sets, _event_sql, _submit_sql)
 _HELD = select(_JOBS.c.id, _JOBS.c.tenant, _JOBS.c.state, _JOBS.c.kind, _JOBS.c.placement,
                _JOBS.c.releasing).where(_JOBS.c.state.in_([str(x) for x in HELD])).order_by(_JOBS.c.seq)
+def _one_slash(location: str | None) -> str | None:
+    """A checkpoint location as recorded: with at most one ``/`` at its end (the same location to
+    :func:`tidal.control.locations.overlaps`), so that :meth:`Store.ckpt_locations` finds it by its name."""
+    if location is None or not location.endswith("//"):
+        return location
+    return location.rstrip("/") + "/"
+
+
 PROGRESS_KEYS = ("step", "steps_per_s", "start_step", "tiers")  # (what /metrics reads of the progress)
 _HELD_ACCOUNTING = _HELD.add_columns(*(_JOBS.c[k] for k in (
     "restarts", "preemptions", "lost_s", "lost_steps", "held_s", "productive_s", "attempt_launched_s")),
