@@ -118,8 +118,8 @@ class Controller:
         self._unpublished: set[str] = set()  # jobs written since the newest view
         self._progressed: set[str] = set()  # jobs whose progress alone the loop wrote since
         self.steps = 0
-        # ended jobs per state for the view, counted in the store again only after a job left the active set
-        # (_forget: it ended, or retention dropped it; a count is a scan of the jobs' history)
+        # ended jobs per state for the view: counted in the store (a scan of the jobs' history) at first and
+        # after retention dropped jobs; an active job seen ended adds one (_forget)
         self._ended: dict[str, int] | None = None
         # job id -> why it waited or did not grow at the newest step (the scheduler's reasons, published with
         # the view: made afresh at every step, so not stored)
@@ -269,7 +269,7 @@ class Controller:
         if self.published is not None:
             self._unpublished |= changed.keys()
         if self._active is None:  # (first, or after a step that raised: what was kept is made afresh)
-            self.view, self._index, self._copies = SchedulerView(), RunningIndex(), {}
+            self.view, self._index, self._copies, self._ended = SchedulerView(), RunningIndex(), {}, None
             self._active = {j.id: j for j in self.store.active_jobs()}
             self._state = {i: j.state for i, j in self._active.items()}
             self._busy = {i: j.seq for i, j in self._active.items() if j.state != S.PENDING}
@@ -293,10 +293,14 @@ class Controller:
                         self._busy[j.id] = j.seq
                     self.view.put(j)
                 else:
-                    self._forget(j.id)
+                    self._forget(j.id, ended=j.state)
 
-    def _forget(self, job_id: str) -> None:
-        self._ended = None
+    def _forget(self, job_id: str, ended: str | None = None) -> None:
+        """``job_id`` left the active set: it ``ended`` in that state, or (None) it is gone from the store."""
+        if ended is not None and self._ended is not None and job_id in (self._active or {}):
+            self._ended = {**self._ended, ended: self._ended.get(ended, 0) + 1}  # (a view holds the old)
+        else:  # (dropped, or not seen active: counted again)
+            self._ended = None
         (self._active or {}).pop(job_id, None)
         self._state.pop(job_id, None)
         self._busy.pop(job_id, None)
