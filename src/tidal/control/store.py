@@ -59,6 +59,7 @@ from sqlalchemy.orm import (
     sessionmaker,
 )
 from sqlalchemy.orm.attributes import set_committed_value
+from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.sql.schema import CallableColumnDefault, ScalarElementColumnDefault
 
 from tidal.control.states import ACTIVE, HELD, TERMINAL, TRANSITIONS, State, check_transition
@@ -623,7 +624,7 @@ class Store:
         q = select(JobRow.id, JobRow.tenant, JobRow.ckpt_location, JobRow.state).where(
             JobRow.ckpt_location.is_not(None))
         if near is not None:
-            col, found = JobRow.ckpt_location, []
+            col, found = JobRow.ckpt_location, list[ColumnElement[bool]]()
             for m in near:  # (locations are stored with at most one "/" at their end: _one_slash)
                 above = {m, m.rstrip("/")} | {m[:i] for i, c in enumerate(m) if c == "/"}
                 found.append(col.in_(sorted(above | {a + "/" for a in above})))
