@@ -172,7 +172,7 @@ def test_a_peer_tier_may_use_the_executors_own_agents_only(tmp_path):
                                  ({"kind": "peer", "agent": "10.0.0.9:7000"}, True, False),
                                  ({"kind": "peer", "peers": ["10.0.0.9:7000"]}, True, False)]:
         policy = LocationPolicy(tmp_path / "tenants", own_agents=own_agents)
-        problems, _, home = check({"tiers": [tier, own]}, "a", False, policy, lambda: [], lambda _: None)
+        problems, _, home = check({"tiers": [tier, own]}, "a", False, policy, lambda _: [], lambda _: None)
         assert (not problems) == ok, (tier, own_agents, problems)
         assert ok or ("this plane runs none" if tier == "peer" else "is not allowed (checkpoint_endpoints") \
             in problems[0][1]
