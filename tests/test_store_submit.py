@@ -137,12 +137,15 @@ def check_batch_writes_of_held_rows(store: Store) -> None:
     spec = parse_spec({"name": "held", "command": ["true"], "gpus": 1}).model_dump()
     a, b, c = (store.submit("a", spec, 1.0) for _ in range(3))
     seen: list[str] = []
+    store.update_many({a.id: {"progress": {"step": 5}}, b.id: {"progress": {"step": 6}}})  # (an attempt before)
     with store.batch():
-        store.transition(a, State.ADMITTED, 2.0, "admitted", placement={"n1": 1})
+        store.transition(a, State.ADMITTED, 2.0, "admitted", placement={"n1": 1}, progress={})
         store.update(a, handle={"pid": 7})  # the same job again: the first write runs first
         store.transition(a, State.RUNNING, 3.0, "running")
-        store.transition(b, State.ADMITTED, 2.0, "admitted", placement={"n2": 1})
+        store.transition(b, State.ADMITTED, 2.0, "admitted", placement={"n2": 1}, progress={"step": 0})
         store.update(b, nominated_s=2.5)
+        assert store.job(b.id).progress == {"step": 0}  # (deferred with its row's write, read in order)
+        store.update(b, progress={"step": 1})  # (written now: what waits runs first)
         t = threading.Thread(target=lambda: seen.append(store.job(a.id).state))
         t.start()
         t.join()
@@ -152,6 +155,7 @@ def check_batch_writes_of_held_rows(store: Store) -> None:
     assert (got_a.state, got_a.placement, got_a.handle, got_a.message) == ("running", {"n1": 1}, {"pid": 7},
                                                                            "running")
     assert (got_b.state, got_b.placement, got_b.nominated_s) == ("admitted", {"n2": 1}, 2.5)
+    assert (got_a.progress, got_b.progress) == ({}, {"step": 1})
     assert [e.to_state for e in store.events(job_id=a.id)] == ["pending", "admitted", "running"]
     stale = store.job(c.id)  # another writer moves c under a row held here
     store.transition(c.id, State.CANCELLED, 4.0, "cancelled while pending", finished_s=4.0)

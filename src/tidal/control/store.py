@@ -431,7 +431,8 @@ class Store:
         self.check_file()
         with self._sessions() as s:
             self._batch.s, self._batch.n, self._batch.locked = s, 0, False
-            self._batch.events, self._batch.jobs, self._batch.job_ids = [], {}, set()
+            self._batch.events, self._batch.jobs = [], {}
+            self._batch.job_ids = set[str | tuple[str, str]]()
             try:
                 yield
                 self._flush_jobs(s)
@@ -697,8 +698,9 @@ class Store:
                 old, tenant = got
                 check_transition(jid, old, to)
                 c.exec_driver_sql(f"UPDATE jobs SET {sets} WHERE id = {q}", (*args, jid))
-            if "progress" in values:
-                self._put_progress(s, _progress_rows({jid: values["progress"]}))
+            if "progress" in values:  # (deferred with the row's write: a step's launches, one statement)
+                self._defer(s, self._progress_sql, _progress_rows({jid: values["progress"]})[0],
+                            ("progress", jid), held)
             self._insert_event(s, now_s, jid, tenant, "transition", values["message"], data, old,
                                values["state"])
         if row is None:
@@ -796,10 +798,14 @@ class Store:
                             "ON CONFLICT (job_id) DO UPDATE SET doc = excluded.doc")
                 cur.execute("DELETE FROM progress_in")  # (a second copy in this transaction starts empty)
             return
+        s.connection().exec_driver_sql(self._progress_sql, rows)
+
+    @property
+    def _progress_sql(self) -> str:
+        """Store a job's progress document: (job id, JSON text)."""
         q = self._q
-        s.connection().exec_driver_sql(
-            f"INSERT INTO progress (job_id, doc) VALUES ({q}, {q}) "
-            "ON CONFLICT (job_id) DO UPDATE SET doc = excluded.doc", rows)
+        return (f"INSERT INTO progress (job_id, doc) VALUES ({q}, {q}) "
+                "ON CONFLICT (job_id) DO UPDATE SET doc = excluded.doc")
 
     def drop_before(self, cutoff_s: float, keep: Callable[[str], bool] | None = None) -> tuple[int, int]:
         """Delete the jobs that ended before ``cutoff_s`` (but those ``keep`` says to keep) with their events,
@@ -844,11 +850,12 @@ class Store:
         else:
             s.connection().exec_driver_sql(_event_sql(self._q), row)
 
-    def _defer(self, s: Session, sql: str, args: tuple[Any, ...], jid: str, may: bool = True) -> bool:
+    def _defer(self, s: Session, sql: str, args: tuple[Any, ...], jid: str | tuple[str, str],
+               may: bool = True) -> bool:
         """Run a write of job ``jid``'s row that must change it: in this thread's batch (``may``), at its next
         read, other write or commit, with the writes of the same SQL in one statement (a job written again
         first runs what is deferred, so each job's writes keep their order), and True; else now, and whether
-        it changed a row."""
+        it changed a row. ``jid`` ``("progress", id)``: the job's progress row (its own order)."""
         if not (may and s is getattr(self._batch, "s", None)):
             return bool(_count(s.connection().exec_driver_sql(sql, args)))
         if jid in self._batch.job_ids:
