@@ -137,7 +137,7 @@ def check_batch_writes_of_held_rows(store: Store) -> None:
     spec = parse_spec({"name": "held", "command": ["true"], "gpus": 1}).model_dump()
     a, b, c = (store.submit("a", spec, 1.0) for _ in range(3))
     seen: list[str] = []
-    store.update_many({a.id: {"progress": {"step": 5}}, b.id: {"progress": {"step": 6}}})  # (an attempt before)
+    store.update_many({a.id: {"progress": {"step": 5}}, b.id: {"progress": {"step": 6}}})  # (attempts before)
     with store.batch():
         store.transition(a, State.ADMITTED, 2.0, "admitted", placement={"n1": 1}, progress={})
         store.update(a, handle={"pid": 7})  # the same job again: the first write runs first

@@ -49,7 +49,7 @@ from tidal.control.read_view import (
 )
 from tidal.control.serving_nodes import lent_before
 from tidal.control.states import ACTIVE, HELD, STOPPING, TERMINAL, State
-from tidal.control.store import HeldJob, JobRow, Store
+from tidal.control.store import HeldJob, JobRow, Store, written
 from tidal.exec.progress import Progress
 from tidal.exec.protocol import EXIT_PREEMPTED, AgentMemory, Executor, LaunchRequest, NodeMemory, Observation
 from tidal.model import (
@@ -505,8 +505,7 @@ class Controller:
                 changes[job.id] = fields
                 if self.published is not None and "progress" in fields:
                     self._progressed.add(job.id)
-                for k, v in fields.items():
-                    setattr(job, k, v)
+                written(job, fields)
                 if "last_ckpt_s" in fields or "ckpt_stall_s" in fields:
                     self.view.put(job)  # (fields the scheduler reads)
         self.store.update_many(changes, mark=False)  # (the rows hold them already)
