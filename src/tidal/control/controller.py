@@ -78,6 +78,7 @@ SHM_SWEEP_S = 5.0  # how often ended jobs' shared-memory directories are looked 
 RETENTION_CHECK_S = 60.0  # how often ended jobs and events older than ``retention_s`` are dropped
 QUOTA_CHECK_S = 60.0  # how often the tenants' checkpoint bytes are counted (a walk of their directories)
 ANNOUNCE_INTERVAL_S = 600.0  # a job's checkpoint-interval changes are announced (events) at most this often
+_IDLE = frozenset({S.PENDING.value, S.BACKOFF.value})  # (job states holding nothing, as stored)
 RESUMABLE_CODES = frozenset({0, EXIT_PREEMPTED, -15, 128 + 15})  # -15/143: SIGTERM before the session existed
 
 
@@ -488,7 +489,7 @@ class Controller:
         changes: dict[str, dict[str, Any]] = {}
         for job in jobs:
             ob = observed.get(job.id)
-            if ob is None or S(job.state) in (S.PENDING, S.BACKOFF):
+            if ob is None or job.state in _IDLE:
                 continue
             p = ob.progress
             doc = p.to_dict()

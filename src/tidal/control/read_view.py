@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from tidal.control.states import State
-from tidal.control.store import PROGRESS_KEYS, HeldJob, JobRow
+from tidal.control.store import HeldJob, JobRow
 from tidal.model import Node, Waiting
 
 T = TypeVar("T")
@@ -71,9 +71,10 @@ _HELD_FIELDS = ("id", "tenant", "state", "kind", "placement", "releasing", "rest
 
 
 def held_job(j: JobRow) -> HeldJob:
-    """The row of a job holding GPUs as :meth:`Store.held` reads it with its accounting (copied). Its values
-    are read from the row's loaded state (a row of the loop's is loaded whole: thousands a step, each
-    attribute through SQLAlchemy's descriptor would cost as much as the rest)."""
+    """The row of a job holding GPUs as :meth:`Store.held` reads it with its accounting (copied; its progress
+    document the row's own, never changed in place: the loop replaces a job's document, it does not edit it).
+    Its values are read from the row's loaded state (a row of the loop's is loaded whole: thousands a step,
+    each attribute through SQLAlchemy's descriptor would cost as much as the rest)."""
     d = j.__dict__
     try:
         (jid, tenant, state, kind, placement, releasing, restarts, preemptions, lost_s, lost_steps, held_s,
@@ -82,7 +83,7 @@ def held_job(j: JobRow) -> HeldJob:
         (jid, tenant, state, kind, placement, releasing, restarts, preemptions, lost_s, lost_steps, held_s,
          productive_s, launched_s, p) = [getattr(j, k) for k in _HELD_FIELDS]
     return HeldJob(jid, tenant, state, kind, dict(placement or {}), dict(releasing or {}), restarts,
-                   preemptions, lost_s, lost_steps, held_s, productive_s, launched_s, progress=_progress(p))
+                   preemptions, lost_s, lost_steps, held_s, productive_s, launched_s, progress=p or {})
 
 
 def with_progress(h: HeldJob, j: JobRow) -> HeldJob:
@@ -93,14 +94,7 @@ def with_progress(h: HeldJob, j: JobRow) -> HeldJob:
     except KeyError:
         p = j.progress
     return HeldJob(h.id, h.tenant, h.state, h.kind, h.placement, h.releasing, h.restarts, h.preemptions,
-                   h.lost_s, h.lost_steps, h.held_s, h.productive_s, h.attempt_launched_s,
-                   progress=_progress(p))
-
-
-def _progress(p: dict[str, Any] | None) -> dict[str, Any]:
-    """What the views read of a job's progress document (:data:`PROGRESS_KEYS`)."""
-    p = p or {}
-    return {k: p[k] for k in PROGRESS_KEYS if p.get(k) is not None}
+                   h.lost_s, h.lost_steps, h.held_s, h.productive_s, h.attempt_launched_s, progress=p or {})
 
 
 def queue_order(kind: str, nominated_s: float | None, priority: int, queued_s: float, job_id: str
