@@ -793,7 +793,8 @@ class Store:
                 cur.execute("CREATE TEMPORARY TABLE IF NOT EXISTS progress_in (job_id VARCHAR(80), doc JSON) "
                             "ON COMMIT DELETE ROWS")
                 with cur.copy("COPY progress_in (job_id, doc) FROM STDIN") as copy:
-                    copy.write("".join(f"{_copy_text(jid)}\t{_copy_text(doc)}\n" for jid, doc in rows))
+                    for row in rows:
+                        copy.write_row(row)
                 cur.execute("INSERT INTO progress (job_id, doc) SELECT job_id, doc FROM progress_in "
                             "ON CONFLICT (job_id) DO UPDATE SET doc = excluded.doc")
                 cur.execute("DELETE FROM progress_in")  # (a second copy in this transaction starts empty)
@@ -987,17 +988,6 @@ def _progress_rows(docs: dict[str, dict]) -> list[tuple[str, str]]:
     """(job id, JSON text) of jobs' progress documents (job id -> doc), as :meth:`Store._put_progress` stores
     them."""
     return [(jid, to_json(doc)) for jid, doc in docs.items()]
-
-
-_COPY_ESCAPES = str.maketrans({"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r"})
-
-
-def _copy_text(value: str) -> str:
-    """``value`` as a field of PostgreSQL's ``COPY`` text format (its backslash, tab, newline and carriage
-    return escaped; JSON text has only the backslash of those): the rows as one buffer, not a call each."""
-    if "\\" in value or "\t" in value or "\n" in value or "\r" in value:
-        return value.translate(_COPY_ESCAPES)
-    return value
 
 
 def written(row: JobRow, values: Mapping[str, Any]) -> JobRow:
