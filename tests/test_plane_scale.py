@@ -347,3 +347,42 @@ def test_held_jobs_read_in_one_select_carry_what_their_rows_hold(tmp_path) -> No
         assert h.progress == {k: j.progress[k] for k in read if j.progress.get(k) is not None}
         assert job_report(h, clock()) == job_report(j, clock())
     assert {h.id: h.placement for h in store.held()} == {h.id: h.placement for h in held.values()}
+
+
+def test_tidal_up_limits_a_tenants_submissions_by_default(tmp_path) -> None:
+    """Without configuration, ``tidal up``'s API caps a tenant's waiting jobs (max_queued_jobs 10,000) and its
+    submission rate: the burst of one tenant is refused with 429 and stores nothing, another tenant goes on;
+    a plane configured without limits says so when it starts."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from fastapi.testclient import TestClient
+    from tidal.control.auth import create_tenant
+    from tidal.control.config import ControlConfig
+    from tidal.control.server import build, limits_warning
+    from tidal.control.spec import parse_spec
+
+    plane = build(tmp_path / "state", executor="virtual:2x8")
+    try:
+        cfg = plane.controller.config
+        assert limits_warning(cfg) is None and cfg.max_queued_jobs == 10000
+        tokens = {t: create_tenant(plane.store, t) for t in ("a", "b")}
+        spec = parse_spec({"name": "x", "gpus": 1, "command": ["true"]}).model_dump()
+        with plane.store.batch():
+            for i in range(cfg.max_queued_jobs):
+                plane.store.submit("a", spec, float(i))
+        http = TestClient(plane.app())
+
+        def post(tenant: str):
+            return http.post("/v1/jobs", json={"name": "x", "gpus": 1, "command": ["true"]},
+                             headers={"Authorization": f"Bearer {tokens[tenant]}"})
+
+        r = post("a")
+        assert r.status_code == 429 and "10000 jobs waiting" in r.json()["detail"]
+        assert plane.store.count_by_state("a") == {"pending": 10000}
+        assert post("b").status_code == 201
+    finally:
+        plane.store.close()
+    off = limits_warning(ControlConfig(submit_rate_per_s=0, max_queued_jobs=0))
+    assert off is not None and "submit_rate_per_s: 0, max_queued_jobs: 0" in off

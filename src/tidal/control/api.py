@@ -236,7 +236,8 @@ def create_app(ctx: ApiContext) -> FastAPI:
 
     def _submit(spec: JobSpec, me: TenantRow) -> Response:
         if ctx.limits is not None and not me.admin and (no := ctx.limits.refuse(
-                me.name, lambda: store.count_by_state(me.name).get(State.PENDING.value, 0), ctx.clock())):
+                me.name, lambda: store.count_by_state(me.name, [State.PENDING]).get(State.PENDING.value, 0),
+                ctx.clock())):
             return SafeJSON({"detail": no[0]}, status_code=429,
                             headers={"Retry-After": str(math.ceil(no[1]))})
         problems = []

@@ -34,11 +34,12 @@ class ControlConfig:
     startup_timeout_s: float = 600.0
     kill_slack_s: float = 10.0
     loop_interval_s: float = 0.5
-    submit_rate_per_s: float = 0.0
-    """Jobs a second a tenant may submit (bursts of ``submit_burst``); over it: 429. 0: no limit."""
-    submit_burst: float = 0.0
-    max_queued_jobs: int = 0
-    """Pending jobs a tenant may have; a submission over it: 429. 0: no cap."""
+    submit_rate_per_s: float = 100.0
+    """Jobs a second a tenant may submit (bursts of ``submit_burst``); over it: 429. 0: no limit (one tenant's
+    flood then slows the plane for every tenant: ``tidal up`` says so when it starts)."""
+    submit_burst: float = 1000.0
+    max_queued_jobs: int = 10000
+    """Pending jobs a tenant may have; a submission over it: 429. 0: no cap (said at start, as above)."""
     retention_s: float = 0.0
     """Ended jobs (whose directory the executor no longer keeps) and events older than this are dropped from
     the database; 0: kept for ever."""

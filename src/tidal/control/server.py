@@ -141,6 +141,16 @@ class Plane:
         return create_app(ctx)
 
 
+def limits_warning(config: ControlConfig) -> str | None:
+    """What ``tidal up`` says when a tenant's submissions are not limited (``submit_rate_per_s`` or
+    ``max_queued_jobs`` set to 0), else None."""
+    off = [k for k in ("submit_rate_per_s", "max_queued_jobs") if not getattr(config, k)]
+    if not off:
+        return None
+    return (f"warning: submission limits are off ({', '.join(f'{k}: 0' for k in off)}): one tenant's burst of "
+            "jobs is stored whole and slows the plane for every tenant")
+
+
 def isolation_warning(config: ControlConfig | None, euid: int | None = None,
                       executor: object = None) -> str | None:
     """One line when isolation is weaker than the default: jobs not sandboxed (``isolation: none``), saying
@@ -399,6 +409,8 @@ def serve(plane: Plane, host: str = "127.0.0.1", port: int = 8470, *, announce=p
         path = plane.state_dir / API_URL_FILE
         write_atomic(path, url + "\n")
         if (warning := isolation_warning(plane.controller.config, executor=plane.executor)) is not None:
+            announce(warning)
+        if (warning := limits_warning(plane.controller.config)) is not None:
             announce(warning)
         announce(f"tidal up: {url} ({plane.describe}); state in {plane.state_dir}")
         announce(
