@@ -147,8 +147,9 @@ def limits_warning(config: ControlConfig) -> str | None:
     off = [k for k in ("submit_rate_per_s", "max_queued_jobs") if not getattr(config, k)]
     if not off:
         return None
-    return (f"warning: submission limits are off ({', '.join(f'{k}: 0' for k in off)}): one tenant's burst of "
-            "jobs is stored whole and slows the plane for every tenant")
+    said = ", ".join(f"{k}: 0" for k in off)
+    return (f"warning: submission limits are off ({said}): one tenant's burst of jobs is stored whole and "
+            "slows the plane for every tenant")
 
 
 def isolation_warning(config: ControlConfig | None, euid: int | None = None,
