@@ -44,7 +44,7 @@ class Api:
         policy = policy or LocationPolicy(tmp_path / "tenants")
         app = create_app(ApiContext(self.store, [Node("local", 4)], lambda j, r: None, FakeClock(),
                                     ckpt_root=tmp_path / "jobs", locations=policy))
-        self.http = TestClient(app, raise_server_exceptions=False)
+        self.http = TestClient(app, raise_server_exceptions=True)
 
     def h(self, who: str) -> dict:
         return {"Authorization": f"Bearer {self.tokens[who]}"}
