@@ -77,6 +77,14 @@ def check_ckpt_locations_near(store: Store) -> None:
     assert store.ckpt_locations([]) == []
     got = {loc for _, _, loc, _ in store.ckpt_locations(["/ckpt/a/b/c", "s3://bkt/x_y/z"])}
     assert got == {"/", "/ckpt/a", "/ckpt/a/", "/ckpt/a/b", "s3://bkt/x_y"}
+    from tidal.control.spec import MAX_PATH_CHARS, MAX_TIERS
+
+    # a hostile tenant's tiers at the spec's bounds: ~32,000 names above them, in one statement
+    deep = ["/ckpt/a" + "/b" * 2000, *("s3://bkt/x" + "/" * (MAX_PATH_CHARS - 12) + str(k)
+                                       for k in range(MAX_TIERS - 1))]
+    assert all(len(m) <= MAX_PATH_CHARS for m in deep)
+    got = sorted(store.ckpt_locations(deep))  # (thousands of names above each: bounded statements)
+    assert got == sorted(r for r in every if any(overlaps(m, r[2]) for m in deep)) and len(got) > 3
 
 
 def test_ckpt_locations_near_are_those_that_overlap(store):
