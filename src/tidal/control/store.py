@@ -935,14 +935,6 @@ _JOBS, _EVENTS, _META, _PROGRESS = (Base.metadata.tables[t] for t in ("jobs", "e
 # the reads made once (the writes are the driver's own SQL: _sets, _event_sql, _submit_sql)
 _HELD = select(_JOBS.c.id, _JOBS.c.tenant, _JOBS.c.state, _JOBS.c.kind, _JOBS.c.placement,
                _JOBS.c.releasing).where(_JOBS.c.state.in_([str(x) for x in HELD])).order_by(_JOBS.c.seq)
-def _one_slash(location: str | None) -> str | None:
-    """A checkpoint location as recorded: with at most one ``/`` at its end (the same location to
-    :func:`tidal.control.locations.overlaps`), so that :meth:`Store.ckpt_locations` finds it by its name."""
-    if location is None or not location.endswith("//"):
-        return location
-    return location.rstrip("/") + "/"
-
-
 PROGRESS_KEYS = ("step", "steps_per_s", "start_step", "tiers")  # (what /metrics reads of the progress)
 _HELD_ACCOUNTING = _HELD.add_columns(*(_JOBS.c[k] for k in (
     "restarts", "preemptions", "lost_s", "lost_steps", "held_s", "productive_s", "attempt_launched_s")),
@@ -988,6 +980,14 @@ def _progress_rows(docs: dict[str, dict]) -> list[tuple[str, str]]:
     """(job id, JSON text) of jobs' progress documents (job id -> doc), as :meth:`Store._put_progress` stores
     them."""
     return [(jid, to_json(doc)) for jid, doc in docs.items()]
+
+
+def _one_slash(location: str | None) -> str | None:
+    """A checkpoint location as recorded: with at most one ``/`` at its end (the same location to
+    :func:`tidal.control.locations.overlaps`), so that :meth:`Store.ckpt_locations` finds it by its name."""
+    if location is None or not location.endswith("//"):
+        return location
+    return location.rstrip("/") + "/"
 
 
 def written(row: JobRow, values: Mapping[str, Any]) -> JobRow:
