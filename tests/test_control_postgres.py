@@ -116,6 +116,7 @@ def test_concurrent_submissions_get_unique_ids_and_one_event_each(pg_url):
 
 
 @pytest.mark.parametrize("check", [store_submit_tests.check_submit_is_as_read,
+                                   store_submit_tests.check_submissions_at_once_go_in_together,
                                    store_submit_tests.check_batch_events_in_order,
                                    store_submit_tests.check_batch_writes_of_held_rows,
                                    store_submit_tests.check_many_progress_documents,

@@ -54,6 +54,53 @@ def test_a_submitted_job_is_as_a_read_of_the_store_gives_it(store):
     check_submit_is_as_read(store)
 
 
+def check_submissions_at_once_go_in_together(store: Store) -> None:
+    """Submissions of many threads at once are stored in one transaction (group commit), each with its own
+    number and event; one that fails (an unknown tenant) fails alone: the others are stored, its number not
+    taken, its caller gets the error."""
+    spec = parse_spec({"name": "g", "command": ["true"], "gpus": 1}).model_dump()
+    commits = []
+    sa.event.listen(store.engine, "commit", lambda _: commits.append(1))
+    got: dict[int, object] = {}
+
+    def submit(i: int, tenant: str) -> None:
+        try:
+            got[i] = store.submit(tenant, spec, float(i))
+        except Exception as e:
+            got[i] = e
+
+    for tenants in (["a"] * 24, ["a"] * 11 + ["nobody"] + ["a"] * 12):
+        got.clear()
+        start = len(commits)
+        with store._lock:  # (the write lock held: every submission waits, then they go in as a group)
+            threads = [threading.Thread(target=submit, args=(i, t)) for i, t in enumerate(tenants)]
+            for t in threads:
+                t.start()
+            while len(store._subs) < len(tenants):
+                time.sleep(0.001)
+        for t in threads:
+            t.join(60)
+        assert len(got) == len(tenants)
+        if "nobody" not in tenants:
+            assert len(commits) - start == 1, "the submissions waiting together were not stored together"
+        else:
+            assert isinstance(got[11], sa.exc.IntegrityError)
+        rows = [r for r in got.values() if isinstance(r, JobRow)]
+        assert len(rows) == tenants.count("a")
+        for r in rows:
+            read = store.job(r.id)
+            assert (read.seq, read.submit_s, read.tenant) == (r.seq, r.submit_s, "a") and r.id == f"g-{r.seq}"
+            assert [e.to_state for e in store.events(job_id=r.id)] == ["pending"]
+    seqs = sorted(j.seq for j in store.jobs())
+    assert seqs == list(range(1, 48)), "numbers were skipped or taken twice"
+    assert not store._subs and not store._leading
+    assert store.submit("a", spec, 99.0).seq == 48  # (one alone, after the groups)
+
+
+def test_submissions_at_once_go_in_together(store):
+    check_submissions_at_once_go_in_together(store)
+
+
 STORED = ["/ckpt/a", "/ckpt/a/", "/ckpt/a//", "/ckpt/a/b", "/ckpt/ab", "/ckpt/a_b", "/ckpt/a%b", "/ckpt/A/b",
           "/ckpt/a\\b/c", "/ckpt/a.b", "/ckpt/a b/c", "/ckpt/é/ü", "/", "s3://bkt/x", "s3://bkt/x//",
           "s3://bkt/x/y/z", "s3://bkt/xy", "s3://bkt/x_y", "peer://job/a", "/other/a"]

@@ -71,6 +71,7 @@ SCHEMA_VERSION = 7  # 2: jobs.nominated_s; 3: table docs; 4: tenants.max_priorit
 BATCH_WRITES = 256  # writes of a batch per transaction (Store.batch); sooner when API writes wait
 COPY_PROGRESS_MIN = 128  # progress documents stored at once from which PostgreSQL's COPY is faster (~100)
 BATCH_HOLD_S = 0.02  # a batch's transaction open this long commits at its next write if others wait to write
+SUBMIT_GROUP = 256  # submissions stored in one transaction at most (Store.submit's group commit)
 POOL_SIZE = 48  # SQLite connections kept open: the API's worker threads (40) and the reconcile loop
 
 
@@ -221,6 +222,19 @@ class HeldJob:
         return sum(self.placement.values()) if self.placement else 0
 
 
+@dataclass(eq=False)
+class _Submission:
+    """One submission on its way into the store (:meth:`Store.submit`): its values, then its row or error."""
+
+    values: dict[str, Any]
+    done: threading.Event = field(default_factory=threading.Event)  # stored, or handed the lead
+    lead: bool = False  # to store the next group (its submitter's thread woken for that)
+    stored: bool = False
+    row: JobRow | None = None
+    loops: JobRow | None = None
+    error: BaseException | None = None
+
+
 class NotFound(KeyError):
     pass
 
@@ -304,6 +318,9 @@ class Store:
         # took the marks: a reader of the loop's published view adds the jobs submitted since (read_view)
         self.submitted: Counter[tuple[str, str]] = Counter()
         self.taken_submits: dict[tuple[str, str], int] = {}
+        self._subs: list[_Submission] = []  # submissions waiting to be stored (group commit: submit)
+        self._subs_lock = threading.Lock()
+        self._leading = False  # a thread stores them (or has been handed the lead)
         self.tenant_rev = 0  # rises with every tenant written (the reconcile loop keeps them meanwhile)
         with self._write() as s:
             row = s.get(MetaRow, "schema_version")
@@ -520,33 +537,112 @@ class Store:
 
     def submit(self, tenant: str, spec: dict, now_s: float, *, ckpt_location: str | None = None) -> JobRow:
         """Insert a pending job from a validated spec (``JobSpec.model_dump()``); its id is ``<name>-<n>``,
-        ``n`` from the ``job_seq`` counter (never reused). Nothing is stored if anything fails."""
+        ``n`` from the ``job_seq`` counter (never reused). Nothing is stored if anything fails.
+
+        Submissions of several threads at once are stored together (group commit): the first to arrive
+        stores every one waiting by then in one transaction (one statement per table) while the others wait,
+        then the first still waiting stores the next group. A group that fails is stored again one submission
+        at a time, so a submission fails only for what fails alone."""
         g = spec["gpus"]
         values = {**_job_defaults(), "tenant": tenant, "name": spec["name"], "spec": spec,
                   "kind": spec["kind"], "priority": spec["priority"], "min_gpus": g["min"],
                   "max_gpus": g["max"], "multiple_of": g["multiple_of"], "max_restarts": spec["max_restarts"],
                   "submit_s": now_s, "ckpt_location": _one_slash(ckpt_location)}
-        with self._write() as s:  # (the driver's statements as written: no ORM unit of work, none compiled)
-            c = s.connection()
-            top = c.exec_driver_sql("SELECT value FROM meta WHERE key = 'job_seq'").scalar()
-            if top is None:  # (made by __init__; a database edited under us)
-                top = str(c.execute(select(func.max(_JOBS.c.seq))).scalar() or 0)
-                c.execute(insert(_META), {"key": "job_seq", "value": top})
-            seq = int(top) + 1
-            set_seq, insert_job = _submit_sql(self._q)
-            c.exec_driver_sql(set_seq, (str(seq),))
-            values["seq"], values["id"] = seq, f"{spec['name']}-{seq}"
-            c.exec_driver_sql(insert_job, tuple(to_json(values[k]) if k in _JSON_COLS else values[k]
-                                                for k in _SUBMIT_COLS))
-            self._insert_event(s, now_s, values["id"], tenant, "transition", "submitted", None, None,
-                               values["state"])
-        row, loops = JobRow(**values), JobRow(**values)  # (the caller's, and the reconcile loop's to keep)
-        for r in (row, loops):
-            set_committed_value(r, "progress", {})  # (none yet: as a read of the row says)
+        me = _Submission(values)
+        if getattr(self._batch, "s", None) is not None:  # (this thread's batch: stored in it)
+            with self._write() as s:
+                self._insert_jobs(s, [values])
+            self._submitted([me])
+        else:
+            self._submit_grouped(me)
+        if me.error is not None:
+            raise me.error
+        assert me.row is not None
+        return me.row
+
+    def _submit_grouped(self, me: _Submission) -> None:
+        with self._subs_lock:
+            self._subs.append(me)
+            lead = not self._leading
+            self._leading = True
+        if not lead:
+            me.done.wait()  # stored by another thread, or handed the lead
+            if not me.lead:
+                return
+        try:
+            while not me.stored:
+                self._store_group()
+        finally:
+            with self._subs_lock:
+                if not me.stored:  # (the store failed before taking any: this one raises, the rest go on)
+                    self._subs.remove(me)
+                if self._subs:  # the lead to the first still waiting: its wait ends, it stores the next group
+                    self._subs[0].lead = True
+                    self._subs[0].done.set()
+                else:
+                    self._leading = False
+
+    def _store_group(self) -> None:
+        """Store the submissions waiting once the write lock is taken (up to :data:`SUBMIT_GROUP`) in one
+        transaction; if it fails, each in one of its own."""
+        group: list[_Submission] = []
+        try:
+            with self._write() as s:  # (while it waits for the lock, more submissions come)
+                with self._subs_lock:
+                    group, self._subs = self._subs[:SUBMIT_GROUP], self._subs[SUBMIT_GROUP:]
+                self._insert_jobs(s, [x.values for x in group])
+            self._submitted(group)
+        except Exception as e:
+            if not group:  # (before any was taken: the caller's own fails)
+                raise
+            if len(group) == 1:
+                group[0].error = e
+            for x in group if len(group) > 1 else ():
+                try:
+                    with self._write() as s:
+                        self._insert_jobs(s, [x.values])
+                    self._submitted([x])
+                except Exception as alone:
+                    x.error = alone
+        except BaseException as e:  # (an interrupt: every one of the group fails with it)
+            for x in group:
+                x.error = x.error or e
+            raise
+        finally:
+            for x in group:
+                x.stored = True
+                x.done.set()
+
+    def _insert_jobs(self, s: Session, rows: list[dict[str, Any]]) -> None:
+        """Insert new pending jobs (their column values; ``seq`` and ``id`` set here) and their submission
+        events, in ``s``'s transaction (the driver's statements as written: no ORM unit of work)."""
+        c = s.connection()
+        top = c.exec_driver_sql("SELECT value FROM meta WHERE key = 'job_seq'").scalar()
+        if top is None:  # (made by __init__; a database edited under us)
+            top = str(c.execute(select(func.max(_JOBS.c.seq))).scalar() or 0)
+            c.execute(insert(_META), {"key": "job_seq", "value": top})
+        first = int(top) + 1
+        set_seq, insert_job = _submit_sql(self._q)
+        c.exec_driver_sql(set_seq, (str(first + len(rows) - 1),))
+        for i, v in enumerate(rows):
+            v["seq"], v["id"] = first + i, f"{v['name']}-{first + i}"
+        c.exec_driver_sql(insert_job, [tuple(to_json(v[k]) if k in _JSON_COLS else v[k] for k in _SUBMIT_COLS)
+                                       for v in rows])
+        self._insert_events(s, [_event_row(v["submit_s"], v["id"], v["tenant"], "transition", "submitted",
+                                           None, None, v["state"]) for v in rows])
+
+    def _submitted(self, subs: list[_Submission]) -> None:
+        """The rows of stored submissions: each caller's, and one for the reconcile loop (marked changed)."""
+        for x in subs:
+            x.row, loops = JobRow(**x.values), JobRow(**x.values)  # (the caller's, and the loop's to keep)
+            for r in (x.row, loops):
+                set_committed_value(r, "progress", {})  # (none yet: as a read of the row says)
+            x.loops = loops
         with self._marks:
-            self._changed[row.id] = loops
-            self.submitted[tenant, row.kind] += 1
-        return row
+            for x in subs:
+                assert x.loops is not None
+                self._changed[x.loops.id] = x.loops
+                self.submitted[x.loops.tenant, x.loops.kind] += 1
 
     def job(self, job_id: str) -> JobRow:
         with self._read() as s:
@@ -842,14 +938,17 @@ class Store:
     def _insert_event(self, s: Session, now_s: float, job_id: str | None, tenant: str | None, kind: str,
                       message: str, data: dict | None, from_state: str | None = None,
                       to_state: str | None = None) -> None:
-        """Write an event in ``s``'s transaction; in this thread's batch, at its commit (in the order
-        recorded, all in one statement: a statement each cost a round trip on PostgreSQL)."""
-        row = (now_s, job_id, tenant, kind, from_state, to_state, message,
-               to_json(data) if data is not None else None)
+        """Write an event in ``s``'s transaction (see :meth:`_insert_events`)."""
+        self._insert_events(s, [_event_row(now_s, job_id, tenant, kind, message, data, from_state, to_state)])
+
+    def _insert_events(self, s: Session, rows: list[tuple[Any, ...]]) -> None:
+        """Write events (:func:`_event_row`) in ``s``'s transaction, in one statement; in this thread's batch,
+        at its commit (in the order recorded, all in one statement: a statement each cost a round trip on
+        PostgreSQL)."""
         if s is getattr(self._batch, "s", None):
-            self._batch.events.append(row)
-        else:
-            s.connection().exec_driver_sql(_event_sql(self._q), row)
+            self._batch.events.extend(rows)
+        elif rows:
+            s.connection().exec_driver_sql(_event_sql(self._q), rows if len(rows) > 1 else rows[0])
 
     def _defer(self, s: Session, sql: str, args: tuple[Any, ...], jid: str | tuple[str, str],
                may: bool = True) -> bool:
@@ -967,6 +1066,14 @@ def _submit_sql(q: str) -> tuple[str, str]:
     (written out once: the driver runs them as they are)."""
     return (f"UPDATE meta SET value = {q} WHERE key = 'job_seq'",
             f"INSERT INTO jobs ({', '.join(_SUBMIT_COLS)}) VALUES ({', '.join([q] * len(_SUBMIT_COLS))})")
+
+
+def _event_row(now_s: float, job_id: str | None, tenant: str | None, kind: str, message: str,
+               data: dict | None, from_state: str | None = None,
+               to_state: str | None = None) -> tuple[Any, ...]:
+    """An event's values in the order of :func:`_event_sql`'s columns."""
+    return (now_s, job_id, tenant, kind, from_state, to_state, message,
+            to_json(data) if data is not None else None)
 
 
 @functools.cache
