@@ -130,3 +130,26 @@ def test_the_stores_own_statements_pg(pg_url, check):
         check(store)
     finally:
         store.close()
+
+
+def test_observed_progress_is_committed_without_waiting_for_the_log_that_transaction_only(pg_url):
+    """What the loop observed of running jobs (progress) is committed with ``synchronous_commit`` off for
+    its transaction only: stored and read back, and every other transaction on the connection still waits
+    for its log (a submit, a transition)."""
+    store = pg_store(pg_url, ("a", 0, 1.0))
+    try:
+        seen: list[str] = []
+        sa.event.listen(store.engine, "before_cursor_execute",
+                        lambda _c, _cur, sql, *_: seen.append(sql))
+        jid = submit(store, "a", 1.0, name="j")
+        store.update_many({jid: {"progress": {"step": 7}, "last_ckpt_s": 3.0}}, mark=False, observed=True)
+        assert sum("synchronous_commit TO OFF" in q for q in seen) == 1
+        got = store.job(jid)
+        assert (got.progress, got.last_ckpt_s) == ({"step": 7}, 3.0)
+        store.update_many({jid: {"progress": {"step": 8}}}, mark=False)  # (not observed: waits)
+        assert sum("synchronous_commit TO OFF" in q for q in seen) == 1
+        for _ in range(3):  # (each pooled connection: the setting ended with its transaction)
+            with store.engine.connect() as c:
+                assert c.exec_driver_sql("SHOW synchronous_commit").scalar() == "on"
+    finally:
+        store.close()

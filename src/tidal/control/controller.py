@@ -509,7 +509,7 @@ class Controller:
                 written(job, fields)
                 if "last_ckpt_s" in fields or "ckpt_stall_s" in fields:
                     self.view.put(job)  # (fields the scheduler reads)
-        self.store.update_many(changes, mark=False)  # (the rows hold them already)
+        self.store.update_many(changes, mark=False, observed=True)  # (the rows hold them already)
 
     def _finish(self, job: JobRow, ob: Observation, now_s: float) -> None:
         """Every rank of the attempt has exited: account for it, then the next state."""

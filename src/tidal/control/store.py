@@ -835,11 +835,16 @@ class Store:
         return row
 
     def update_many(self, changes: dict[str, dict[str, Any]], *, mark: bool = True,
-                    held: Mapping[str, JobRow] | None = None) -> None:
+                    held: Mapping[str, JobRow] | None = None, observed: bool = False) -> None:
         """:meth:`update` of many jobs in one transaction (job id -> fields), one statement per set of fields
         changed; ids no longer in the store are skipped. ``held``: rows the caller holds, brought to what was
         written (and marked changed with them, as by :meth:`update`). ``mark=False``: not marked changed (the
-        caller holds the rows and the change needs no look again)."""
+        caller holds the rows and the change needs no look again). ``observed``: what was observed of running
+        jobs (progress), which the next observation writes again: on PostgreSQL committed without waiting for
+        its log to reach the disk (``synchronous_commit`` off for this transaction: a crash of the database
+        server may lose the last few hundred milliseconds of these, never leave them half written; a later
+        commit that waits writes them too), as SQLite in WAL mode (``synchronous=NORMAL``) commits every
+        transaction."""
         if any("state" in f for f in changes.values()):
             raise ValueError("use Store.transition to change a job's state")
         groups: dict[str, list[tuple[Any, ...]]] = {}  # SET clause -> its rows (the same columns, in order)
@@ -851,6 +856,8 @@ class Store:
         statements = [(f"UPDATE jobs SET {sets} WHERE id = {q}", rows) for sets, rows in groups.items()]
         progress = _progress_rows({jid: f["progress"] for jid, f in changes.items() if "progress" in f})
         with self._write() as s:
+            if observed and self.engine.dialect.name == "postgresql":
+                s.connection().exec_driver_sql("SET LOCAL synchronous_commit TO OFF")
             self._put_progress(s, progress)
             for sql, rows in statements:
                 s.connection().exec_driver_sql(sql, rows)
