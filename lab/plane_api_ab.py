@@ -34,7 +34,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from tidal.demo.plane_bench import spec_of, workload
+from tidal.demo.plane_bench import published, spec_of, workload
 
 KINDS = {"jobs_page": lambda i, ids: ("/v1/dashboard/jobs", {"limit": 50, "offset": 50 * (i % 20)}),
          "api_jobs": lambda i, ids: ("/v1/jobs", {"limit": 50, "offset": 50 * (i % 20)}),
@@ -58,20 +58,6 @@ print(json.dumps({k: live[k] for k in ("peak_waiting", "peak_running", "step_p99
 def _cpu_s(pid: int) -> float:
     f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def published(c: httpx.Client, timeout_s: float = 300.0) -> None:
-    """Wait for the loop's first step to end: the pool then answers as of the view it published (the same
-    ``as_of_s`` twice in a row), not as of each call (no view yet). On a loaded machine the first step (every
-    active job read) takes seconds; a burst meeting it measures the start, not the plane at work."""
-    deadline, last = time.monotonic() + timeout_s, None
-    while time.monotonic() < deadline:
-        now = c.get("/v1/pool", params={"limit": 1}).json()["as_of_s"]
-        if now == last:
-            return
-        last = now
-        time.sleep(0.2)
-    raise RuntimeError("the loop published no view")
 
 
 def api_phase(tree: Path, state: Path, shape: str, db: str | None, submits: int, reads: int) -> dict:

@@ -161,7 +161,7 @@ class Controller:
                 self.store.transition(job, S.PENDING, now_s,
                                       f"control plane restarted: attempt {job.attempt} {why}; requeued to "
                                       f"resume from checkpoint step {job.ckpt_step or 0}",
-                                      **_requeue_fields(), data={"recovered": True})
+                                      **_requeue_fields(), data={"recovered": True, "launched": found})
         try:  # (ends stored by a plane killed before it released them)
             self.executor.release_unadopted()
         except Exception:  # (a clean-up: the plane starts anyway, and the next start tries again)
