@@ -352,6 +352,20 @@ def published(c: Any, timeout_s: float = 300.0) -> None:
     raise RuntimeError("the loop published no view")
 
 
+def _db_bytes(url: str) -> int | None:
+    """The size of the database at ``url`` on its server (``pg_database_size``; None: not PostgreSQL)."""
+    import sqlalchemy as sa
+
+    engine = sa.create_engine(url)
+    try:
+        if engine.dialect.name != "postgresql":
+            return None
+        with engine.connect() as c:
+            return int(c.exec_driver_sql("SELECT pg_database_size(current_database())").scalar() or 0)
+    finally:
+        engine.dispose()
+
+
 def _events(c: Any, after: int) -> list[dict]:
     """Every event after id ``after``, a page at a time."""
     out: list[dict] = []
@@ -544,7 +558,8 @@ def bench_plane(nodes: str = "256x8", jobs: int = 2000, *, hours: float = 2.0, s
                 if e["job"] == jid))
         out["jobs_run_twice"] = _journal_twice(state / "virtual.jsonl")
         up.kill()
-        out["db_bytes"] = sum(p.stat().st_size for p in state.glob("tidal.db*")) if db is None else None
+        out["db_bytes"] = (sum(p.stat().st_size for p in state.glob("tidal.db*")) if db is None
+                           else _db_bytes(db))
         return out
     finally:
         if "up" in locals():
