@@ -63,6 +63,14 @@ class RunningIndex:
         # id(job) -> (job id, its nodes outside the training pool, its row in the key table below)
         self.spot_elsewhere: dict[int, tuple[str, tuple[str, ...], int]] = {}
         self.ded_jobs: dict[str, dict[int, Job]] = {}  # tenant -> id(job) -> dedicated job
+        # Those spot jobs on nodes outside the training pool, kept as jobs, loans and blocked nodes come and
+        # go (the victim index reads them, spot_on_loans()): node -> id(job) -> None for the jobs there, and
+        # job id -> how many listed jobs of that id are on a loaned node / on a loaned node not blocked. A
+        # job's count of such nodes is kept in its table row (loan_n, open_n).
+        self.spot_at: dict[str, dict[int, None]] = {}
+        self.spot_loan_ids: dict[str, int] = {}
+        self.spot_open_ids: dict[str, int] = {}
+        self._blocked: set[str] = set()  # the blocked nodes those counts were kept for
         # The same spot jobs sorted by job id; their fixed key columns in a table, a reused row each.
         self.spot_ids: list[str] = []
         self.repeated_ids = 0  # listed spot jobs whose id an earlier listed one has (invalid snapshots only)
@@ -72,7 +80,8 @@ class RunningIndex:
         self.row_of: dict[int, int] = {}  # id(job) -> its row
         self._table = _Table(np.zeros(0, np.int64), np.zeros(0, np.intp), np.zeros(0, np.int64),
                              np.zeros(0, np.float64), np.zeros(0, bool), np.zeros(0, bool),
-                             np.zeros(0, np.float64), np.zeros(0, np.intp))
+                             np.zeros(0, np.float64), np.zeros(0, np.intp), np.zeros(0, np.int64),
+                             np.zeros(0, np.int64))
         self._free: list[int] = []
         self._overflow: dict[int, Job] = {}  # listed jobs whose priority does not fit int64
         self._spot_cols: SpotColumns | None = None
@@ -110,13 +119,87 @@ class RunningIndex:
             for name in had - now:
                 i = bisect_left(at, pos[name])
                 del at[i], order[i], pool_of[name]
+                self._loan_moved(name, -1, name not in self._blocked)
             for name in now - had:
                 i = bisect_left(at, pos[name])
                 at.insert(i, pos[name])
                 order.insert(i, name)
                 pool_of[name] = "loan"
+                self._loan_moved(name, +1, name not in self._blocked)
             self._loaned = now
         return pool_of, order
+
+    def spot_on_loans(self, blocked: set[str]) -> tuple[dict[str, int], dict[str, int]]:
+        """For the loaned nodes of the last :meth:`loaned` with ``blocked`` not open to placement: the ids
+        of the listed spot jobs on a loaned node, and of those on an open one (as dicts: id -> how many
+        listed jobs of that id; read only, valid for this call), each job's counts in its table row
+        (:meth:`loan_marks`). Kept across calls, changed by the jobs, loans and blocked nodes that changed."""
+        old = self._blocked
+        if blocked != old:
+            loaned = self._loaned
+            for name in old - blocked:
+                if name in loaned:
+                    self._loan_moved(name, +1, True, only_open=True)
+            for name in blocked - old:
+                if name in loaned:
+                    self._loan_moved(name, -1, True, only_open=True)
+            self._blocked = set(blocked)
+        return self.spot_loan_ids, self.spot_open_ids
+
+    def loan_marks(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """For the listed spot jobs at table ``rows``: on a loaned node, on a loaned node open to placement
+        (as of the last :meth:`spot_on_loans`)."""
+        t = self._table
+        return t.loan_n[rows] > 0, t.open_n[rows] > 0
+
+    def _loan_moved(self, name: str, sign: int, counts_open: bool, only_open: bool = False) -> None:
+        """Node ``name`` came on loan (+1) or left (-1) (``only_open``: was unblocked / blocked while on
+        loan): the counts of the listed spot jobs there; ``counts_open``: it is (was) open to placement."""
+        at = self.spot_at.get(name)
+        if not at:
+            return
+        t, elsewhere = self._table, self.spot_elsewhere
+        for key in at:
+            jid, _, r = elsewhere[key]
+            if not only_open:
+                n = int(t.loan_n[r])
+                t.loan_n[r] = n + sign
+                if n == 0 or n + sign == 0:  # 0 -> 1 or 1 -> 0
+                    _add(self.spot_loan_ids, jid, sign)
+            if counts_open:
+                n = int(t.open_n[r])
+                t.open_n[r] = n + sign
+                if n == 0 or n + sign == 0:
+                    _add(self.spot_open_ids, jid, sign)
+
+    def _on_loans(self, key: int, jid: str, others: tuple[str, ...], row: int, sign: int) -> None:
+        """A listed spot job with GPUs on the nodes ``others`` (outside the training pool) came (+1) or
+        left (-1): :attr:`spot_at` and the loan counts."""
+        loaned, blocked, spot_at = self._loaned, self._blocked, self.spot_at
+        n_loan = n_open = 0
+        for n in others:
+            at = spot_at.get(n)
+            if sign > 0:
+                if at is None:
+                    spot_at[n] = {key: None}
+                else:
+                    at[key] = None
+            else:
+                assert at is not None
+                del at[key]
+                if not at:
+                    del spot_at[n]
+            if n in loaned:
+                n_loan += 1
+                if n not in blocked:
+                    n_open += 1
+        if sign > 0:
+            t = self._table
+            t.loan_n[row], t.open_n[row] = n_loan, n_open
+        if n_loan:
+            _add(self.spot_loan_ids, jid, sign)
+        if n_open:
+            _add(self.spot_open_ids, jid, sign)
 
     def hint(self, running: Sequence[Job], since: Sequence[Job], added: Sequence[Job], removed: Sequence[Job]
              ) -> None:
@@ -230,12 +313,14 @@ class RunningIndex:
                         self.spot_on_training.add(j.id)
                     self._spot_insert(j, on_training)
                     if others:
-                        self.spot_elsewhere[key] = (j.id, tuple(others), self.row_of[key])
+                        got = self.spot_elsewhere[key] = (j.id, tuple(others), self.row_of[key])
+                        self._on_loans(key, *got, +1)
                 else:
                     del self.spot_jobs[key]
                     if on_training:
                         self.spot_on_training.discard(j.id)
-                    self.spot_elsewhere.pop(key, None)
+                    if key in self.spot_elsewhere:
+                        self._on_loans(key, *self.spot_elsewhere.pop(key), -1)
                     self._spot_remove(j)
 
     def _spot_insert(self, j: Job, on_training: bool) -> None:
@@ -261,6 +346,7 @@ class RunningIndex:
         t.on_training[r] = on_training
         t.elastic[r] = j.gpus > j.min_gpus
         t.ckpt[r] = j.last_ckpt_s if j.last_ckpt_s is not None else math.nan
+        t.loan_n[r] = t.open_n[r] = 0  # (set by _on_loans for a job outside the training pool)
         g = self.group_code.get((j.priority, j.tenant))
         if g is None:
             g = self.group_code[(j.priority, j.tenant)] = len(self.group_key)
@@ -329,6 +415,8 @@ class _Table(NamedTuple):
     elastic: np.ndarray  # above its minimum
     ckpt: np.ndarray  # last_ckpt_s (None as NaN), as of insertion or the caller's last report
     group: np.ndarray  # (priority, tenant) code
+    loan_n: np.ndarray  # nodes on loan it has GPUs on (spot_on_loans)
+    open_n: np.ndarray  # ... of those, not blocked
 
 
 __all__ = ["RunningIndex", "SpotColumns"]

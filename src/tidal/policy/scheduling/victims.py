@@ -4,6 +4,7 @@ columns (docs/scheduling.md, "The victim order")."""
 
 from __future__ import annotations
 
+from collections.abc import Container
 from typing import NamedTuple
 
 import numpy as np
@@ -21,11 +22,10 @@ class VictimIndex:
 
     def __init__(self, c: Cycle) -> None:
         self.dedicated: dict[str, list[Job]] = {}
-        self.on_training: set[str]  # spot job ids with GPUs on training nodes
-        self.on_loan: set[str] = set()  # ... on loaned nodes open to placement
-        self.on_any_loan: set[str] = set()  # ... on any loaned node (reclaims)
+        self.on_training: Container[str]  # spot job ids with GPUs on training nodes
+        self.on_loan: Container[str]  # ... on loaned nodes open to placement
+        self.on_any_loan: Container[str]  # ... on any loaned node (reclaims)
         pool_of, blocked = c.pool_of, c.loan.blocked
-        on_l, on_a = self.on_loan, self.on_any_loan
         index = c.index
         self._spot_pre: list[Job] | None = None
         self._protected: set[str] | None = None
@@ -35,33 +35,26 @@ class VictimIndex:
         self._cols: _Orders | None = None
         self._group_src: tuple[RunningIndex, SpotColumns] | None = None
         self._group_codes: tuple[np.ndarray, list[tuple[int, str, int, int]], int] | None = None
-        self._any_loan_rows: tuple[list[int], SpotColumns] | None = None  # rows of on_any_loan's jobs
+        self._any_loan_rows: tuple[RunningIndex, SpotColumns] | None = None  # on_any_loan's jobs by row
         if index is not None and c.used is index.used:
             # The caller's RunningIndex keeps these jobs split by kind, and their nodes by pool.
             self.dedicated = {t: list(d.values()) for t, d in index.ded_jobs.items() if d}
             self.on_training = index.spot_on_training  # read only; valid for this call
-            open_loan: list[int] = []  # table rows of those on loaned nodes open to placement
-            any_loan: list[int] = []  # ... on any loaned node
-            for jid, others, row in index.spot_elsewhere.values():
-                for n in others:
-                    if pool_of.get(n) == "loan":
-                        on_a.add(jid)
-                        any_loan.append(row)
-                        if n not in blocked:
-                            on_l.add(jid)
-                            open_loan.append(row)
+            self.on_any_loan, self.on_loan = index.spot_on_loans(blocked)  # (the same; kept across calls)
             cols = index.spot_columns()
             if cols is not None:
-                self._cols = _spot_orders_cols(c, index, cols, open_loan)
+                self._cols = _spot_orders_cols(c, index, cols)
                 self.spot_shrink = self._cols.shrink
                 self._group_src = (index, cols)
                 if not index.repeated_ids:  # (else an id names more than one job: filter by id below)
-                    self._any_loan_rows = (any_loan, cols)
+                    self._any_loan_rows = (index, cols)
                 return
             spot = list(index.spot_sorted)
         else:
             spot = []
             self.on_training = on_t = set()
+            self.on_loan = on_l = set()
+            self.on_any_loan = on_a = set()
             for j in c.snap.running:
                 if j.releasing_gpus:
                     continue
@@ -158,11 +151,10 @@ class VictimIndex:
         if got is None or o is None:
             on_a = self.on_any_loan
             return [j for j in self.spot_pre if j.id in on_a]
-        rows, cols = got
-        by_row = np.zeros(cols.table_rows, dtype=bool)
-        by_row[rows] = True
+        index, cols = got
+        on_loan = index.loan_marks(cols.rows)[0]
         order, spot = o.order, o.spot
-        return [spot[i] for i in order[by_row[cols.rows][order]].tolist()]
+        return [spot[i] for i in order[on_loan[order]].tolist()]
 
     def spot_pre_training(self) -> list[Job]:
         """``spot_pre`` restricted to jobs with GPUs on training nodes (a dedicated job's candidates)."""
@@ -248,9 +240,10 @@ def _spot_orders_np(c: Cycle, spot: list[Job], ids: list[str]) -> tuple[list[Job
             [by_id[i] for i in shrink.tolist()])
 
 
-def _spot_orders_cols(c: Cycle, index: RunningIndex, cols: SpotColumns, open_loan_rows: list[int]) -> _Orders:
+def _spot_orders_cols(c: Cycle, index: RunningIndex, cols: SpotColumns) -> _Orders:
     """:func:`_spot_orders` from the caller's ``RunningIndex`` (jobs sorted by id, key columns kept);
-    only ``last_ckpt_s`` and the shares are read now."""
+    only ``last_ckpt_s`` and the shares are read now (and which jobs are on open loaned nodes, kept by the
+    index: call ``spot_on_loans`` first)."""
     tenants = c.tenants
     spot = index.spot_sorted
     codes = index.tenant_code
@@ -271,12 +264,7 @@ def _spot_orders_cols(c: Cycle, index: RunningIndex, cols: SpotColumns, open_loa
     base = np.argsort(rank[cols.group], kind="stable")
     order, prot, shrink_order = _column_orders(c, base, gpus, cols.started_s, ckpt, cols.elastic)
     shrink = [spot[i] for i in shrink_order.tolist()]
-    if open_loan_rows:  # on a training node or on an open loaned node (marked by table row)
-        by_row = np.zeros(cols.table_rows, dtype=bool)
-        by_row[open_loan_rows] = True
-        usable = (cols.on_training | by_row[cols.rows]) & ~prot
-    else:
-        usable = cols.on_training & ~prot
+    usable = (cols.on_training | index.loan_marks(cols.rows)[1]) & ~prot  # on a training or open loaned node
     return _Orders(spot, order, prot, cols.on_training, order[usable[order]], prio, cols.tenant, gpus, names,
                    shrink)
 
