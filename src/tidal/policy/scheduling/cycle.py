@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from operator import attrgetter
 
 from tidal.model import Admit, Decision, Job, Loan, Preempt, Reason, ReturnGpus, Shrink, Snapshot, Waiting
@@ -80,7 +81,7 @@ class Cycle:
         self.reclaim_victim_gpus = 0  # loaned GPUs that reclaim victims will release
         self.fair: dict[str, float] = {}
         self._victim_index: object | None = None  # victims.VictimIndex, built on the first search
-        self.allowed_nodes: dict[tuple[str, ...], set[str]] = {}  # view names -> placeable nodes
+        self.allowed_nodes: dict[tuple[str, ...], AbstractSet[str]] = {}  # view names -> placeable nodes
 
     def _from_index(self, index: RunningIndex) -> bool:
         """The walk of ``__init__`` from ``index``; ``False`` (nothing set) if a job's tenant is unknown."""

@@ -70,7 +70,6 @@ class RunningIndex:
         self.spot_at: dict[str, dict[int, None]] = {}
         self.spot_loan_ids: dict[str, int] = {}
         self.spot_open_ids: dict[str, int] = {}
-        self._blocked: set[str] = set()  # the blocked nodes those counts were kept for
         # The same spot jobs sorted by job id; their fixed key columns in a table, a reused row each.
         self.spot_ids: list[str] = []
         self.repeated_ids = 0  # listed spot jobs whose id an earlier listed one has (invalid snapshots only)
@@ -95,6 +94,9 @@ class RunningIndex:
         self._node_gpus = {n.name: n.gpus for n in nodes if n.pool == "training"}
         self._pool_of = dict.fromkeys(self._node_gpus, "training")  # and the loaned nodes: see loaned()
         self._loaned: set[str] = set()  # the nodes outside the training pool on loan at the last call
+        self._blocked: set[str] = set()  # the loaned nodes blocked at the last placeable() / spot_on_loans()
+        self._training_names = frozenset(self._node_gpus)
+        self._placeable = set(self._node_gpus)  # training nodes and loaned nodes not blocked
         self._loan_order: list[str] = []  # ... in node order
         self._loan_pos: list[int] = []  # ... their positions (sorted)
         self.training_gpus = sum(self._node_gpus.values())
@@ -120,12 +122,15 @@ class RunningIndex:
                 i = bisect_left(at, pos[name])
                 del at[i], order[i], pool_of[name]
                 self._loan_moved(name, -1, name not in self._blocked)
+                self._placeable.discard(name)
             for name in now - had:
                 i = bisect_left(at, pos[name])
                 at.insert(i, pos[name])
                 order.insert(i, name)
                 pool_of[name] = "loan"
                 self._loan_moved(name, +1, name not in self._blocked)
+                if name not in self._blocked:
+                    self._placeable.add(name)
             self._loaned = now
         return pool_of, order
 
@@ -134,17 +139,30 @@ class RunningIndex:
         of the listed spot jobs on a loaned node, and of those on an open one (as dicts: id -> how many
         listed jobs of that id; read only, valid for this call), each job's counts in its table row
         (:meth:`loan_marks`). Kept across calls, changed by the jobs, loans and blocked nodes that changed."""
+        self._block(blocked)
+        return self.spot_loan_ids, self.spot_open_ids
+
+    def placeable(self, blocked: set[str]) -> tuple[frozenset[str], set[str]]:
+        """The training pool's nodes, and those with the loaned nodes of the last :meth:`loaned` not in
+        ``blocked`` (read only, valid for this call): kept across calls, changed by the loans and blocked
+        nodes that came or went."""
+        self._block(blocked)
+        return self._training_names, self._placeable
+
+    def _block(self, blocked: set[str]) -> None:
+        """The loaned nodes ``blocked`` (not open to placement) instead of those of the last call."""
         old = self._blocked
         if blocked != old:
-            loaned = self._loaned
+            loaned, placeable = self._loaned, self._placeable
             for name in old - blocked:
                 if name in loaned:
                     self._loan_moved(name, +1, True, only_open=True)
+                    placeable.add(name)
             for name in blocked - old:
                 if name in loaned:
                     self._loan_moved(name, -1, True, only_open=True)
+                    placeable.discard(name)
             self._blocked = set(blocked)
-        return self.spot_loan_ids, self.spot_open_ids
 
     def loan_marks(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """For the listed spot jobs at table ``rows``: on a loaned node, on a loaned node open to placement

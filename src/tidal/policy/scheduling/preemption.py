@@ -9,6 +9,7 @@ do without, newest first. If the need cannot be met, nothing is touched.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Protocol
 
 from tidal.model import Job, Reason
@@ -34,7 +35,7 @@ class GangNeed:
     """A gang of ``size`` GPUs (``g`` per node, or any split) on the nodes in ``allowed``, counting GPUs
     free or draining there; plus ``quota_short`` GPUs of quota its tenant must get back first."""
 
-    def __init__(self, views: Sequence[View], allowed: set[str], size: int, g: int | None,
+    def __init__(self, views: Sequence[View], allowed: AbstractSet[str], size: int, g: int | None,
                  quota_short: int = 0) -> None:
         self.allowed, self.size, self.g, self.quota_short = allowed, size, g, quota_short
         vfree: dict[str, int] = {}

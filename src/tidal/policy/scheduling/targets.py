@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Set as AbstractSet
 
 import numpy as np
 
@@ -31,15 +32,27 @@ from tidal.policy.scheduling.victims import victim_index
 Cand = tuple[Job, Reason, bool]  # (job, reason, frees its tenant's quota)
 
 
-def _allowed(c: Cycle, views: Sequence[View]) -> set[str]:
+def _allowed(c: Cycle, views: Sequence[View]) -> AbstractSet[str]:
+    """The nodes of ``views`` open to placement (read only)."""
     key = tuple(v.name for v in views)
     got = c.allowed_nodes.get(key)
     if got is None:
-        got = set()
-        for v in views:  # the nodes of v.free not in v.blocked (set operations, not a Python loop)
-            got.update(v.free.keys() - v.blocked if v.blocked else v.free)
+        index = c.index
+        if index is not None and c.used is index.used and key in _INDEX_KEYS:
+            # The views hold every training node and every loaned one (blocked: c.loan.blocked): the index
+            # keeps both sets across calls.
+            training, placeable = index.placeable(c.loan.blocked)
+            got = training if key == ("training",) else placeable
+        else:
+            mine: set[str] = set()
+            for v in views:  # the nodes of v.free not in v.blocked (set operations, not a Python loop)
+                mine.update(v.free.keys() - v.blocked if v.blocked else v.free)
+            got = mine
         c.allowed_nodes[key] = got
     return got
+
+
+_INDEX_KEYS = (("training",), ("loan", "training"))  # the views whose nodes RunningIndex.placeable keeps
 
 
 def _candidates(c: Cycle, job: Job, quota_short: int) -> tuple[list[Cand], Iterator[Cand]] | None:
