@@ -137,10 +137,12 @@ def _spot_pre(c: Cycle, job: Job, e: int) -> Iterator[Cand]:
             share_left = np.where(held <= 0, 0.0, np.where(f > 0, held / f, inf))  # after(), as columns
         ok = own | (share_after <= share_left)
         spot = o.spot
-        for i, mine in zip(pos[ok].tolist(), own[ok].tolist(), strict=True):
-            v = spot[i]
-            if v.id not in touched:
-                yield (v, "priority" if mine else "fair_share", False)
+        pos, own = pos[ok], own[ok]
+        for a in range(0, pos.size, 256):  # (a search usually stops early: read the columns by blocks)
+            for i, mine in zip(pos[a:a + 256].tolist(), own[a:a + 256].tolist(), strict=True):
+                v = spot[i]
+                if v.id not in touched:
+                    yield (v, "priority" if mine else "fair_share", False)
         return
     parts = [ranks for p, t, ranks, fewest in idx.open_groups()
              if p <= e and ((t == job.tenant and p <= e - gap)
