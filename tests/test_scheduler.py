@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -784,6 +785,42 @@ def test_index_keeps_the_loaned_nodes_as_loans_come_and_go(loaned):
                 if n.pool == "training" or n.name in names}
         assert pool_of == want
         assert order == [n.name for n in ns if n.pool != "training" and n.name in names]
+
+
+_LOAN_POOL = (Node("s3", 8, "serving"), Node("t0", 8), Node("s0", 4, "serving"), Node("s4", 8, "serving"),
+              Node("t1", 8), Node("s1", 8, "serving"), Node("s2", 2, "serving"))
+_ON_LOANS = [  # (the last one repeats an id)
+    Job(f"j{k}", "u", "spot", min_gpus=1, max_gpus=16, placement=p, started_s=0.0)
+    for k, p in enumerate([{"s0": 2}, {"s0": 1, "s3": 2}, {"t0": 4, "s1": 4}, {"t1": 8}, {"s4": 4, "s2": 1},
+                           {"s3": 1, "t1": 1}])
+] + [Job("j1", "u", "spot", min_gpus=1, max_gpus=8, placement={"s2": 1}, started_s=0.0)]
+
+
+@FAST
+@given(st.lists(st.tuples(st.sets(st.sampled_from(["s0", "s1", "s2", "s3", "s4"])),
+                          st.sets(st.sampled_from(["s0", "s1", "s2", "s3", "s4"])),
+                          st.sets(st.integers(0, len(_ON_LOANS) - 1))), min_size=1, max_size=12))
+def test_index_keeps_the_spot_jobs_on_loans_and_the_open_nodes(steps):
+    """``RunningIndex`` keeps, as jobs, loans and blocked nodes come and go, the nodes open to placement
+    and which spot jobs are on a loaned node and on an open one (by id, repeated ids counted, and by
+    table row): always what a walk over the jobs and nodes gives."""
+    idx = RunningIndex()
+    assert idx.nodes(_LOAN_POOL)
+    for loaned, blocked, present in steps:
+        running = [_ON_LOANS[k] for k in sorted(present)]
+        idx.update(running)
+        idx.loaned(dict.fromkeys(sorted(loaned)).keys())
+        blocked &= loaned
+        training, placeable = idx.placeable(blocked)
+        assert training == {"t0", "t1"}
+        assert placeable == {"t0", "t1"} | (loaned - blocked)
+        on_any, on_open = idx.spot_on_loans(blocked)
+        any_loan = [any(n in loaned for n in j.placement) for j in running]
+        open_loan = [any(n in loaned and n not in blocked for n in j.placement) for j in running]
+        assert set(on_any) == {j.id for j, a in zip(running, any_loan, strict=True) if a}
+        assert set(on_open) == {j.id for j, o in zip(running, open_loan, strict=True) if o}
+        got_any, got_open = idx.loan_marks(np.array([idx.row_of[id(j)] for j in running], dtype=np.intp))
+        assert got_any.tolist() == any_loan and got_open.tolist() == open_loan
 
 
 @FAST
