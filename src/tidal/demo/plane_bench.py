@@ -439,8 +439,9 @@ def bench_plane(nodes: str = "256x8", jobs: int = 2000, *, hours: float = 2.0, s
                 traffic: Path | None = None, log: Any = print) -> dict[str, Any]:
     """The live plane under load (docs/benchmarks.md, "The plane at pool scale"). Phases: ``plane``: the
     workload's ``hours`` through the real loop on a simulated clock ending now, beside the simulator
-    (``sim_parity``); ``restart``: ``tidal up`` adopts what that left running; ``api``: ``submits`` jobs
-    posted by 8 clients, then readers (jobs pages, status, events, pool, ``/metrics``); ``kill9``: ``tidal
+    (``sim_parity``); ``restart``: ``tidal up`` adopts what that left running; ``api``: once its loop has
+    stepped, ``submits`` jobs posted by 8 clients (8 tenants: their limits and location checks), then readers
+    (jobs pages, status, events, pool, ``/metrics``); ``kill9``: ``tidal
     up`` killed and restarted, every running job checked (none lost, none run twice). With ``serving``
     (``NODESxGPUS``) its nodes' demand follows ``traffic`` (default :data:`TRACE`; its first week the
     forecast's history) and both sides lend them (``lending``: live / simulated figures); the plane phase
@@ -487,12 +488,17 @@ def bench_plane(nodes: str = "256x8", jobs: int = 2000, *, hours: float = 2.0, s
         t = time.perf_counter()
         published(c)  # (the API phase measures the plane at work, not its first step after the start)
         out["first_step_s"] = time.perf_counter() - t + out["adopt_api_s"]
-        log(f"api: {submits} submissions by 8 clients, then {reads} reads of each kind")
+        log(f"api: {submits} submissions by 8 clients, each a tenant of its own, then {reads} reads of each "
+            "kind")
         spec = spec_of(w.jobs[0], 600.0) | {"name": "burst", "kind": "spot", "priority": 0}  # (no quota)
         from concurrent.futures import ThreadPoolExecutor
 
-        def post(_: int) -> float:
-            dt, r = _timed(c, "POST", "/v1/jobs", json=spec)
+        # as the tenants' own clients submit: through their submission limits and checkpoint location checks
+        clients = [httpx.Client(base_url=up.url, timeout=60, headers={"Authorization": "Bearer " + c.post(
+            "/v1/tenants", json={"name": f"burst{i}"}).raise_for_status().json()["token"]}) for i in range(8)]
+
+        def post(i: int) -> float:
+            dt, r = _timed(clients[i % 8], "POST", "/v1/jobs", json=spec)
             r.raise_for_status()
             return dt
 
