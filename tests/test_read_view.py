@@ -91,6 +91,9 @@ def test_every_read_after_each_step_is_what_the_store_says(plane):
             told += _same(get(served, who, path, **params), get(stored, who, path, **params), path,
                           ctl.published.view)
         counts = store.count_by_state()
+        for t in ("a", "b"):  # (what a tenant's queue cap reads: the view's, as the store counts it)
+            assert ctl.published.view.pending(t, store.submitted) == store.count_by_state(t, ["pending"]).get(
+                "pending", 0)
         seen_running |= counts.get("running", 0) > 0
         seen_waiting |= counts.get("pending", 0) > 0
         seen_ended |= counts.get("succeeded", 0) + counts.get("failed", 0) > 0
@@ -123,6 +126,7 @@ def test_a_job_submitted_is_counted_before_the_next_step(plane):
     assert r.status_code == 201
     assert get(served, "a", "/v1/pool")["pending"] == 1 and get(served, "b", "/v1/pool")["pending"] == 1
     assert get(served, "admin", "/v1/pool")["pending"] == 2
+    assert [ctl.published.view.pending(t, store.submitted) for t in ("a", "b")] == [1, 1]  # (before a step)
     dash = get(served, "admin", "/v1/dashboard/pool")
     assert dash["queue"]["total"] == 2 and dash["states"] == {"admitted": 1, "pending": 2}
     assert {t["tenant"]: t["waiting"] for t in dash["tenants"]} == {"a": 1, "b": 1}
@@ -233,3 +237,24 @@ def test_ended_jobs_dropped_by_retention_leave_the_views_counts(tmp_path):
     assert ctl.published.view.ended == {"cancelled": 3} == store.count_by_state(states=["cancelled"])
     ctl.step(clock.advance(4000.0))  # past retention: the three are dropped, no job ended meanwhile
     assert store.count_by_state() == {} and ctl.published.view.ended == {}
+
+
+def test_a_tenants_queue_cap_counts_from_the_view_and_what_was_submitted_since(plane):
+    """With the loop's view, a tenant's waiting jobs are counted from it (no query) with those submitted since
+    the step: the cap refuses the submission over it with 429 and stores nothing, before and after a step."""
+    from tidal.control.limits import SubmitLimits
+
+    clock, store, ex, ctl, _, _, _, tokens = plane
+    capped = TestClient(create_app(ApiContext(store, ctl.nodes, ex.log_path, clock, view=ctl.published,
+                                              limits=SubmitLimits(max_queued=2))))
+    submit(store, "b", clock(), name="first", gpus=16)  # holds the whole pool: the jobs below wait
+    ctl.step(clock.advance(1.0))
+
+    def post() -> int:
+        return capped.post("/v1/jobs", json={**SPEC, "gpus": 16},
+                           headers={"Authorization": f"Bearer {tokens['a']}"}).status_code
+
+    assert [post(), post(), post()] == [201, 201, 429]  # (two submitted since the step: counted)
+    ctl.step(clock.advance(1.0))
+    assert post() == 429 and ctl.published.view.pending("a", store.submitted) == 2
+    assert store.count_by_state("a") == {"pending": 2}

@@ -236,8 +236,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
 
     def _submit(spec: JobSpec, me: TenantRow) -> Response:
         if ctx.limits is not None and not me.admin and (no := ctx.limits.refuse(
-                me.name, lambda: store.count_by_state(me.name, [State.PENDING]).get(State.PENDING.value, 0),
-                ctx.clock())):
+                me.name, lambda: _pending(me.name), ctx.clock())):
             return SafeJSON({"detail": no[0]}, status_code=429,
                             headers={"Retry-After": str(math.ceil(no[1]))})
         problems = []
@@ -267,6 +266,12 @@ def create_app(ctx: ApiContext) -> FastAPI:
         data["checkpoint"] = ck
         job = store.submit(me.name, data, ctx.clock(), ckpt_location=loc)
         return SafeJSON(job_view(job, ctx.clock(), detail=True), status_code=201)
+
+    def _pending(tenant: str) -> int:
+        """The tenant's pending jobs: from the loop's view (no query), else the store's count."""
+        if (view := _view()) is not None:
+            return view.pending(tenant, store.submitted)
+        return store.count_by_state(tenant, [State.PENDING]).get(State.PENDING.value, 0)
 
     def _located(near: set[str]):
         return [(j, t, loc, State(st) in TERMINAL) for j, t, loc, st in store.ckpt_locations(near)]

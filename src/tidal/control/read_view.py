@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 
 from tidal.control.states import State
 from tidal.control.store import HeldJob, JobRow
-from tidal.model import Node, Waiting
+from tidal.model import KINDS, Node, Waiting
 
 T = TypeVar("T")
 WAITING = (State.PENDING.value, State.BACKOFF.value)
@@ -146,6 +146,13 @@ class PlaneView:
                 out[tenant, kind] += n
         out.update(self.since(submitted))
         return {k: n for k, n in out.items() if n}
+
+    def pending(self, tenant: str, submitted: Mapping[tuple[str, str], int]) -> int:
+        """``tenant``'s pending jobs (as :meth:`Store.count_by_state` counts them), those submitted since the
+        step included; one started since the step still counts (at most that step's admissions more)."""
+        return sum(self.jobs.get((tenant, kind, State.PENDING.value), 0)
+                   + max(0, submitted.get((tenant, kind), 0) - self.submitted.get((tenant, kind), 0))
+                   for kind in KINDS)
 
     def by_state(self, submitted: Mapping[tuple[str, str], int], tenant: str | None = None) -> dict[str, int]:
         """Jobs in each state (as :meth:`Store.count_by_state`; states without jobs absent); ended jobs are
