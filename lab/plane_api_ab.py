@@ -34,7 +34,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from tidal.demo.plane_bench import published, spec_of, workload
+from tidal.demo.plane_bench import published, spec_of, tenant_clients, workload
 
 KINDS = {"jobs_page": lambda i, ids: ("/v1/dashboard/jobs", {"limit": 50, "offset": 50 * (i % 20)}),
          "api_jobs": lambda i, ids: ("/v1/jobs", {"limit": 50, "offset": 50 * (i % 20)}),
@@ -60,7 +60,8 @@ def _cpu_s(pid: int) -> float:
     return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def api_phase(tree: Path, state: Path, shape: str, db: str | None, submits: int, reads: int) -> dict:
+def api_phase(tree: Path, state: Path, shape: str, db: str | None, submits: int, reads: int,
+              as_tenants: bool = False) -> dict:
     """One run: ``tidal up`` from ``tree`` on a copy of ``state``, the API phase, then SIGKILL."""
     tmp = Path(tempfile.mkdtemp(prefix="plane-api-"))
     shutil.copytree(state, tmp / "s")
@@ -86,9 +87,11 @@ def api_phase(tree: Path, state: Path, shape: str, db: str | None, submits: int,
                 "gpus": {"min": 4, "max": 8}, **{k: v for k, v in spec_of(workload(1, 1, 8).jobs[0], 600.0)
                                                  .items() if k in ("env", "checkpoint")}}
 
-        def post(_: int) -> float:
+        posters = tenant_clients(c, 8) if as_tenants else [c]
+
+        def post(i: int) -> float:
             t = time.perf_counter()
-            r = c.post("/v1/jobs", json=spec)
+            r = posters[i % len(posters)].post("/v1/jobs", json=spec)
             r.raise_for_status()
             return time.perf_counter() - t
 
@@ -125,6 +128,8 @@ def main() -> None:
     ap.add_argument("--submits", type=int, default=2000)
     ap.add_argument("--reads", type=int, default=100)
     ap.add_argument("--pg", action="store_true")
+    ap.add_argument("--as-tenants", action="store_true",
+                    help="submit as 8 tenants of their own (their limits and checks), not as the admin")
     ap.add_argument("--state", type=Path, help="keep the loaded state here (made if absent; not with --pg)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
@@ -160,7 +165,7 @@ def main() -> None:
                     with psycopg.connect(admin, autocommit=True) as cx:
                         cx.execute(f"CREATE DATABASE {name} TEMPLATE loaded")
                     db = db_url.replace("/postgres?", f"/{name}?")
-                runs.append(api_phase(tree, state, f"{a.nodes}x8", db, a.submits, a.reads))
+                runs.append(api_phase(tree, state, f"{a.nodes}x8", db, a.submits, a.reads, a.as_tenants))
                 print(json.dumps(runs[-1]), file=sys.stderr)
         keys = [k for k in runs[0] if k.endswith(("_s", "_per_s", "_per_submit", "_bytes"))]
         med = {str(t): {k: statistics.median(r[k] for r in runs if r["tree"] == str(t)) for k in keys}

@@ -352,6 +352,17 @@ def published(c: Any, timeout_s: float = 300.0) -> None:
     raise RuntimeError("the loop published no view")
 
 
+def tenant_clients(admin: Any, n: int, prefix: str = "burst") -> list[Any]:
+    """``n`` new tenants (``<prefix>0`` ...) made by the admin's client, and a client for each with its token:
+    they submit as tenants do, through their submission limits and checkpoint location checks."""
+    import httpx
+
+    tokens = [admin.post("/v1/tenants", json={"name": f"{prefix}{i}"}).raise_for_status().json()["token"]
+              for i in range(n)]
+    return [httpx.Client(base_url=admin.base_url, timeout=60, headers={"Authorization": f"Bearer {t}"})
+            for t in tokens]
+
+
 def _db_bytes(url: str) -> int | None:
     """The size of the database at ``url`` on its server (``pg_database_size``; None: not PostgreSQL)."""
     import sqlalchemy as sa
@@ -493,9 +504,7 @@ def bench_plane(nodes: str = "256x8", jobs: int = 2000, *, hours: float = 2.0, s
         spec = spec_of(w.jobs[0], 600.0) | {"name": "burst", "kind": "spot", "priority": 0}  # (no quota)
         from concurrent.futures import ThreadPoolExecutor
 
-        # as the tenants' own clients submit: through their submission limits and checkpoint location checks
-        clients = [httpx.Client(base_url=up.url, timeout=60, headers={"Authorization": "Bearer " + c.post(
-            "/v1/tenants", json={"name": f"burst{i}"}).raise_for_status().json()["token"]}) for i in range(8)]
+        clients = tenant_clients(c, 8)
 
         def post(i: int) -> float:
             dt, r = _timed(clients[i % 8], "POST", "/v1/jobs", json=spec)
