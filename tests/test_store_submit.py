@@ -319,3 +319,39 @@ def test_a_transition_and_an_update_leave_the_row_as_a_read_gives_it_and_refuse_
     with pytest.raises(ValueError, match=r"no such column of jobs: \['state; --'\]"):
         store.transition(row, State.RUNNING, 4.0, "running", **{"state; --": 1})
     assert store.job(row.id).state == "admitted" and len(store.events(job_id=row.id)) == 2
+
+
+def test_a_group_interrupted_fails_each_of_its_submissions_and_the_next_goes_in(store, monkeypatch):
+    """An interrupt while a group is stored (here in its insert) leaves nothing stored: the thread storing it
+    raises it, every other submission of the group fails with the store unavailable (503), none waits on, and
+    the next submission is stored."""
+    spec = parse_spec({"name": "i", "command": ["true"], "gpus": 1}).model_dump()
+    insert = store._insert_jobs
+
+    def interrupted(s, rows):
+        if len(rows) > 1:
+            raise KeyboardInterrupt
+        return insert(s, rows)
+
+    monkeypatch.setattr(store, "_insert_jobs", interrupted)
+    got: dict[int, object] = {}
+
+    def submit(i: int) -> None:
+        try:
+            got[i] = store.submit("a", spec, float(i))
+        except BaseException as e:  # (the interrupt, in the thread that stored the group)
+            got[i] = e
+
+    with store._lock:
+        threads = [threading.Thread(target=submit, args=(i,)) for i in range(5)]
+        for t in threads:
+            t.start()
+        while len(store._subs) < 5:
+            time.sleep(0.001)
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    kinds = sorted(type(e).__name__ for e in got.values())
+    assert kinds == ["KeyboardInterrupt"] + ["StoreUnavailable"] * 4, kinds
+    assert store.jobs() == [] and not store._leading and not store._subs
+    assert store.submit("a", spec, 9.0).seq == 1  # (the group's numbers not taken)

@@ -603,12 +603,10 @@ class Store:
                     self._submitted([x])
                 except Exception as alone:
                     x.error = alone
-        except BaseException as e:  # (an interrupt: every one of the group fails with it)
-            for x in group:
-                x.error = x.error or e
-            raise
         finally:
-            for x in group:
+            for x in group:  # (an interrupt, even while one is stored alone: those not stored fail with it)
+                if x.row is None and x.error is None:
+                    x.error = StoreUnavailable("the submission was interrupted; nothing was stored")
                 x.stored = True
                 x.done.set()
 
