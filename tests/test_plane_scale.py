@@ -386,3 +386,24 @@ def test_tidal_up_limits_a_tenants_submissions_by_default(tmp_path) -> None:
         plane.store.close()
     off = limits_warning(ControlConfig(submit_rate_per_s=0, max_queued_jobs=0))
     assert off is not None and "submit_rate_per_s: 0, max_queued_jobs: 0" in off
+
+
+@pytest.mark.parametrize(("setting", "message"), [
+    ({"max_queued_jobs": 2.5}, "max_queued_jobs must be a whole number of jobs >= 0, got 2.5"),
+    ({"max_queued_jobs": -5}, "max_queued_jobs must be a number of jobs >= 0, got -5"),
+    ({"submit_rate_per_s": "fast"}, "submit_rate_per_s must be a number of jobs a second >= 0, got 'fast'"),
+    ({"submit_burst": float("inf")}, "submit_burst must be a number of jobs >= 0, got inf"),
+    ({"hang_step_times": -1}, "hang_step_times must be a number of step times >= 0, got -1"),
+    ({"hang_timeout_s": True}, "hang_timeout_s must be a number of seconds >= 0, got True"),
+    ({"loop_interval_s": float("nan")}, "loop_interval_s must be a number of seconds >= 0, got nan"),
+])
+def test_the_planes_numeric_settings_refuse_what_they_cannot_count(setting, message):
+    """A setting that is no count of its unit (a fraction of a job, a negative count, a flag, not finite) is
+    refused naming the setting and its unit; a whole number written as a float is taken as the count."""
+    from tidal.control.config import ControlConfig
+
+    with pytest.raises(ValueError) as e:
+        ControlConfig.from_dict(setting)
+    assert str(e.value) == f"config: {message}"
+    cap = ControlConfig.from_dict({"max_queued_jobs": 20.0}).max_queued_jobs
+    assert cap == 20 and isinstance(cap, int)

@@ -3,6 +3,7 @@ field in docs/control.md)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -110,11 +111,18 @@ class ControlConfig:
                 for t, b in quota.items())):
             raise ValueError(f"{where}: checkpoint_quota_bytes must map a tenant (or '*') to a number of "
                              f"bytes > 0, got {quota!r}")
-        not_seconds = {*nested, "serving", "isolation", "checkpoint_grants", "checkpoint_endpoints",
+        not_numbers = {*nested, "serving", "isolation", "checkpoint_grants", "checkpoint_endpoints",
                        "checkpoint_quota_bytes"}
         for k, v in kw.items():
-            if k not in not_seconds and (not isinstance(v, int | float) or v < 0):
-                raise ValueError(f"{where}: {k} must be a number of seconds >= 0, got {v!r}")
+            if k in not_numbers:
+                continue
+            unit = _UNITS.get(k, "seconds")
+            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"{where}: {k} must be a number of {unit} >= 0, got {v!r}")
+            if k in _WHOLE:
+                if v != int(v):
+                    raise ValueError(f"{where}: {k} must be a whole number of {unit} >= 0, got {v!r}")
+                kw[k] = int(v)
         return cls(**kw)
 
     @classmethod
@@ -128,3 +136,9 @@ class ControlConfig:
         if isinstance(serving, dict) and isinstance(serving.get("trace"), str):  # relative to the file
             doc = {**doc, "serving": {**serving, "trace": str(Path(path).parent / serving["trace"])}}
         return cls.from_dict(doc, str(path))
+
+
+# what the plane's numeric settings count, where not seconds (their errors name it), and those that are whole
+_UNITS = {"submit_rate_per_s": "jobs a second", "submit_burst": "jobs", "max_queued_jobs": "jobs",
+          "hang_step_times": "step times"}
+_WHOLE = frozenset({"max_queued_jobs"})
