@@ -288,8 +288,12 @@ def test_the_heap_keeper_freezes_between_steps_and_frees_frozen_cycles_at_its_ne
 
 
 def test_rows_the_loop_keeps_in_place_are_what_the_store_holds(tmp_path) -> None:
-    """Admissions, progress, completions, failures with restarts, a cancel and a preemption: after every
-    step, each active row the loop holds (written in place, not read again) equals the stored one."""
+    """Admissions, progress with checkpoints, completions, failures with restarts, a cancel and a preemption:
+    after every step, each active row the loop holds (written in place, not read again) equals the stored one,
+    and the scheduler's view of it kept from step to step is the one made afresh from the row."""
+    from tidal.control.job_views import job_view
+    from tidal.control.states import HELD
+
     clock = FakeClock()
     store = new_store(tmp_path, ("a", 2, 1.0), ("b", 6, 1.0))
     ex = FakeExecutor(gpus=8)
@@ -297,11 +301,13 @@ def test_rows_the_loop_keeps_in_place_are_what_the_store_holds(tmp_path) -> None
                   kind="spot" if i % 2 == 0 else "dedicated") for i in range(12)]
     ctl = Controller(store, ex)
     cols = [c.key for c in type(store.job(ids[0])).__table__.columns]
+    moved = 0
     for k in range(40):
         now = clock.advance(5.0)
         for jid, j in list(ex.jobs.items()):
             if any(c is None for c in j.codes):
-                ex.beat(jid, now, k)
+                ex.beat(jid, now, k, **({"durable_ckpt_s": now - 1.0, "ckpt_stall_s": 0.1 * (k % 4)}
+                                        if k % 3 == 0 else {}))
                 if k % 7 == 3:
                     ex.exit(jid, 0 if jid.endswith(("1", "4", "7")) else 1)
         if k == 5:
@@ -315,6 +321,10 @@ def test_rows_the_loop_keeps_in_place_are_what_the_store_holds(tmp_path) -> None
             if store._changed.get(jid, row) is not row:
                 continue  # (written otherwise: the next step reads it again)
             assert {c: getattr(row, c) for c in cols} == {c: getattr(stored[jid], c) for c in cols}, (k, jid)
+            if jid not in store._changed and (row.state == "pending" or row.state in HELD):
+                assert ctl.view.jobs[jid] == job_view(row), (k, jid)
+                moved += row.last_ckpt_s is not None
+    assert moved, "no checkpoint moved"
     states = {store.job(i).state for i in ids}
     assert {"succeeded", "failed", "cancelled"} <= states, states
 

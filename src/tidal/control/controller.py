@@ -508,7 +508,7 @@ class Controller:
                     self._progressed.add(job.id)
                 written(job, fields)
                 if "last_ckpt_s" in fields or "ckpt_stall_s" in fields:
-                    self.view.put(job)  # (fields the scheduler reads)
+                    self.view.checkpointed(job)  # (fields the scheduler reads)
         self.store.update_many(changes, mark=False, observed=True)  # (the rows hold them already)
 
     def _finish(self, job: JobRow, ob: Observation, now_s: float) -> None:
