@@ -31,7 +31,7 @@ def grow_step(c: Cycle, admitted: dict[str, tuple[int, Job]]) -> None:
     # With the caller's index, its groups kept sorted (a sorted list is a heap): a running job is checked
     # only when it comes to the head of its group, not every growable job every call.
     kept = idx is not None and c.used is idx.used and not why and not idx.grow_repeats
-    groups: dict[tuple[int, str], list[tuple[tuple[int, float, str], str]]] = {}
+    groups: dict[tuple[int, str], list[tuple[int, float, str]]] = {}
     for j in c.growable_jobs() if not kept else ():
         if j.id in touched:
             continue
@@ -57,15 +57,15 @@ def grow_step(c: Cycle, admitted: dict[str, tuple[int, Job]]) -> None:
             start[jid] = d.placement
             if kept:
                 heapq.heappush(groups.setdefault((int(j.kind != "dedicated"), j.tenant), []),
-                               ((-j.priority, j.min_gpus / j.max_gpus, jid), jid))
+                               (-j.priority, j.min_gpus / j.max_gpus, jid))
     if not jobs and not kept:
         return
 
-    def head(h: list[tuple[tuple[int, float, str], str]]) -> bool:
+    def head(h: list[tuple[int, float, str]]) -> bool:
         """Drop the group's running jobs that may not grow now from its head; is anyone left?"""
-        while h and h[0][1] not in jobs:
+        while h and h[0][2] not in jobs:
             assert idx is not None
-            j = idx.grow_job[h[0][1]]
+            j = idx.grow_job[h[0][2]]
             shrunk = j.last_shrunk_s
             if j.id in touched or (shrunk is not None and now - shrunk < hyst) or j.size_step > spare:
                 heapq.heappop(h)
@@ -85,10 +85,10 @@ def grow_step(c: Cycle, admitted: dict[str, tuple[int, Job]]) -> None:
     if not kept:
         for jid, j in jobs.items():
             groups.setdefault((int(j.kind != "dedicated"), j.tenant), []).append(
-                ((-j.priority, size[jid] / j.max_gpus, jid), jid))
+                (-j.priority, size[jid] / j.max_gpus, jid))
         for h in groups.values():
             heapq.heapify(h)
-    top = [((g[0], tenant_key(*g), h[0][0]), g) for g, h in groups.items() if not kept or head(h)]
+    top = [((g[0], tenant_key(*g), h[0]), g) for g, h in groups.items() if not kept or head(h)]
     heapq.heapify(top)
     current: dict[str, dict[str, int]] = {}  # placements of jobs granted something, copied on first grant
     added: dict[str, dict[str, int]] = {}
@@ -97,14 +97,14 @@ def grow_step(c: Cycle, admitted: dict[str, tuple[int, Job]]) -> None:
     def requeue(gk: tuple[int, str]) -> None:  # the top group's key after a change in it
         h = groups[gk]
         if h and (not kept or head(h)):
-            heapq.heapreplace(top, ((gk[0], tenant_key(*gk), h[0][0]), gk))
+            heapq.heapreplace(top, ((gk[0], tenant_key(*gk), h[0]), gk))
         else:
             heapq.heappop(top)
 
     while top and c.training.total + c.loan.total > 0:
         gk = top[0][1]
         h = groups[gk]
-        jid = h[0][1]
+        jid = h[0][2]
         j = jobs[jid]
         unit, g = j.size_step, j.gpus_per_node
         room = j.max_gpus - size[jid]
@@ -138,10 +138,10 @@ def grow_step(c: Cycle, admitted: dict[str, tuple[int, Job]]) -> None:
         for node, t in add.items():
             cur[node] = cur.get(node, 0) + t
             a[node] = a.get(node, 0) + t
-        heapq.heapreplace(h, ((-j.priority, size[jid] / j.max_gpus, jid), jid))
+        heapq.heapreplace(h, (-j.priority, size[jid] / j.max_gpus, jid))
         requeue(gk)
     if c.why is not None:
-        for _, jid in (x for _, gk in top for x in groups[gk]):  # spare ran out before these were full
+        for *_, jid in (x for _, gk in top for x in groups[gk]):  # spare ran out before these were full
             j = jobs[jid]
             if size[jid] < j.max_gpus and jid not in admitted:
                 c.wait(j, f"at {size[jid]} of {j.max_gpus} GPUs: no more GPU free to grow into")

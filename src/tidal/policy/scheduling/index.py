@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import math
 from array import array
-from bisect import bisect_left, bisect_right, insort
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from itertools import repeat
 from operator import attrgetter
 from typing import NamedTuple
@@ -52,7 +53,7 @@ class RunningIndex:
         self.ded_elastic: dict[str, int] = {}  # tenant -> dedicated jobs not releasing above their minimum
         self.growable: dict[int, Job] = {}  # id(job) -> running job not releasing, below its maximum
         # The same jobs per grow group (kind rank, tenant) sorted by the grow step's key, and by id.
-        self.grow_sorted: dict[tuple[int, str], list[tuple[tuple[int, float, str], str]]] = {}
+        self.grow_sorted: dict[tuple[int, str], list[tuple[int, float, str]]] = {}
         self.grow_job: dict[str, Job] = {}
         self.grow_repeats = 0  # growable jobs whose id another has (invalid snapshots only)
         self.train_free: dict[str, int] = dict(self._node_gpus)  # training node -> GPUs free, in node order
@@ -109,13 +110,15 @@ class RunningIndex:
             return False
         return True
 
-    def loaned(self, names: Iterable[str]) -> tuple[dict[str, str], list[str]]:
+    def loaned(self, names: AbstractSet[str]) -> tuple[dict[str, str], list[str]]:
         """While the nodes ``names`` are on loan: node -> ``"training"`` for the training pool's nodes and
         ``"loan"`` for the loaned ones outside it, and those loaned ones in node order. Both are kept across
         calls, changed by the nodes whose loan came or went (set differences aside), and read only: valid
         until the next call. Call :meth:`nodes` first."""
-        now = self.other_nodes.intersection(names)
         had, pool_of, order, at = self._loaned, self._pool_of, self._loan_order, self._loan_pos
+        if had == names:  # the same loaned nodes (the usual case: one set comparison, no new set)
+            return pool_of, order
+        now = self.other_nodes.intersection(names)
         if now != had:
             pos = self.pos
             for name in had - now:
@@ -125,8 +128,8 @@ class RunningIndex:
                 self._placeable.discard(name)
             for name in now - had:
                 i = bisect_left(at, pos[name])
-                at.insert(i, pos[name])
-                order.insert(i, name)
+                at[i:i] = (pos[name],)  # (slice assignment moves the tail by memmove, insert() by a loop)
+                order[i:i] = (name,)
                 pool_of[name] = "loan"
                 self._loan_moved(name, +1, name not in self._blocked)
                 if name not in self._blocked:
@@ -292,11 +295,12 @@ class RunningIndex:
             for node, g in j.releasing.items():
                 _add(drain, node, sign * g)
         elif j.gpus < j.max_gpus:
-            entry = ((-j.priority, j.gpus / j.max_gpus, j.id), j.id)
+            entry = (-j.priority, j.gpus / j.max_gpus, j.id)
             lst = self.grow_sorted.setdefault((int(j.kind != "dedicated"), j.tenant), [])
             if sign > 0:
                 self.growable[key] = j
-                insort(lst, entry)
+                i = bisect_right(lst, entry)
+                lst[i:i] = (entry,)  # insort(), the tail moved by memmove
                 self.grow_repeats += self.grow_job.setdefault(j.id, j) is not j
             else:
                 del self.growable[key]
@@ -345,8 +349,8 @@ class RunningIndex:
         i = bisect_right(self.spot_ids, j.id)  # after equal ids: the order they were added in
         if i and self.spot_ids[i - 1] == j.id:
             self.repeated_ids += 1
-        self.spot_ids.insert(i, j.id)
-        self.spot_sorted.insert(i, j)
+        self.spot_ids[i:i] = (j.id,)  # (slice assignment moves the tail by memmove, insert() by a loop)
+        self.spot_sorted[i:i] = (j,)
         if not self._free:
             self._grow_table()
         r = self._free.pop()  # the job's row in the table, for as long as it is listed
