@@ -4,7 +4,7 @@ columns (docs/scheduling.md, "The victim order")."""
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Collection, Container, Mapping
 from typing import NamedTuple
 
 import numpy as np
@@ -21,7 +21,7 @@ class VictimIndex:
     GPUs on training nodes / on open loaned nodes. Keys are computed once per call."""
 
     def __init__(self, c: Cycle) -> None:
-        self.dedicated: dict[str, list[Job]] = {}
+        self.dedicated: Mapping[str, Collection[Job]] = {}  # tenant -> its dedicated jobs not releasing
         self.on_training: Container[str]  # spot job ids with GPUs on training nodes
         self.on_loan: Container[str]  # ... on loaned nodes open to placement
         self.on_any_loan: Container[str]  # ... on any loaned node (reclaims)
@@ -38,7 +38,7 @@ class VictimIndex:
         self._any_loan_rows: tuple[RunningIndex, SpotColumns] | None = None  # on_any_loan's jobs by row
         if index is not None and c.used is index.used:
             # The caller's RunningIndex keeps these jobs split by kind, and their nodes by pool.
-            self.dedicated = {t: list(d.values()) for t, d in index.ded_jobs.items() if d}
+            self.dedicated = {t: d.values() for t, d in index.ded_jobs.items() if d}  # (views, not copies)
             self.on_training = index.spot_on_training  # read only; valid for this call
             self.on_any_loan, self.on_loan = index.spot_on_loans(blocked)  # (the same; kept across calls)
             cols = index.spot_columns()
@@ -52,6 +52,8 @@ class VictimIndex:
             spot = list(index.spot_sorted)
         else:
             spot = []
+            ded: dict[str, list[Job]] = {}
+            self.dedicated = ded
             self.on_training = on_t = set()
             self.on_loan = on_l = set()
             self.on_any_loan = on_a = set()
@@ -59,7 +61,7 @@ class VictimIndex:
                 if j.releasing_gpus:
                     continue
                 if j.kind == "dedicated":
-                    self.dedicated.setdefault(j.tenant, []).append(j)
+                    ded.setdefault(j.tenant, []).append(j)
                     continue
                 for n in j.placement:
                     p = pool_of.get(n)
