@@ -513,7 +513,10 @@ class World:
             return []
         jobs = tuple(self.running[j] for j in self.changed if j in self.running)
         self.changed = {}
-        snap = Snapshot(now, self.node_tuple, self.tenants, jobs, {}, tuple(self.serving.loans.values()))
+        # Only the loans on these jobs' nodes (the policy reads no other): not all ~1,000 of a large pool.
+        lent = self.serving.loans
+        loans = tuple(lent[n] for n in dict.fromkeys(n for j in jobs for n in j.placement) if n in lent)
+        snap = Snapshot(now, self.node_tuple, self.tenants, jobs, {}, loans)
         persist = dict.fromkeys((j.id for j in jobs), self.cfg.ckpt.persist_s)
         return list(plan_ckpt_intervals(snap, self.cfg.ckpt_interval, persist))
 
