@@ -8,6 +8,7 @@ anew; the orders and the decisions must be exactly those of the full walk.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import numpy as np
@@ -20,7 +21,7 @@ from tidal.model import Job, Loan, Reclaim, Snapshot, Tenant
 from tidal.policy.scheduler import RunningIndex, SchedulerConfig, schedule
 from tidal.policy.scheduling.cycle import Cycle
 from tidal.policy.scheduling.targets import _spot_pre
-from tidal.policy.scheduling.victims import VictimIndex
+from tidal.policy.scheduling.victims import VictimIndex, stable_argsort
 
 CKPT = st.none() | st.sampled_from([-3000.0, -900.0, -400.0, -100.0, 0.0])
 
@@ -149,3 +150,17 @@ def test_repeated_ids_are_counted_as_jobs_come_and_go():
     assert idx.repeated_ids == 1
     idx.update([b, other])
     assert idx.repeated_ids == 0
+
+
+@given(st.lists(st.sampled_from([0.0, -0.0, 1.5, 2.0, 1e9, math.inf, -math.inf, math.nan]) | st.floats(),
+                max_size=300))
+def test_stable_argsort_is_numpys_stable_argsort(keys):
+    """The victim order's sort of work lost (ranks by a quick sort, then a radix sort of the ranks) is
+    ``np.argsort(kind="stable")``: ties (many), signed zeros, infinities and NaN in index order."""
+    a = np.array(keys, dtype=np.float64)
+    assert stable_argsort(a).tolist() == np.argsort(a, kind="stable").tolist()
+
+
+def test_stable_argsort_beyond_int16_ranks():
+    a = np.random.default_rng(0).integers(0, 40_000, 40_000).astype(np.float64)
+    assert stable_argsort(a).tolist() == np.argsort(a, kind="stable").tolist()

@@ -218,10 +218,28 @@ def _column_orders(c: Cycle, base: np.ndarray, gpus: np.ndarray, started: np.nda
         prot = (now - started) < c.cfg.min_runtime_before_preempt_s
     is_elastic = np.zeros(len(base), dtype=bool)
     is_elastic[elastic] = True
-    by_lost = base[np.argsort(lost_gpu_s[base], kind="stable")]
+    by_lost = base[stable_argsort(lost_gpu_s[base])]
     p = prot[by_lost]
     order = np.concatenate((by_lost[~p], by_lost[p])) if p.any() else by_lost
     return order, prot, base[is_elastic[base]]
+
+
+def stable_argsort(keys: np.ndarray) -> np.ndarray:
+    """``np.argsort(keys, kind="stable")`` of a 1-d float array, the same permutation, faster where keys
+    repeat (the work lost of ~4,000 spot jobs takes ~250 values: jobs started together): the keys' ranks
+    from a quick sort, then a stable sort of the ranks (a radix sort of small integers)."""
+    if keys.size < 2:
+        return np.argsort(keys, kind="stable")
+    by = np.argsort(keys)
+    ordered = keys[by]
+    if ordered[-1] != ordered[-1]:  # NaN (sorted last): equal for the stable sort, not for !=
+        return np.argsort(keys, kind="stable")
+    step = np.empty(keys.size, dtype=bool)
+    step[0] = False
+    np.not_equal(ordered[1:], ordered[:-1], out=step[1:])
+    rank = np.empty(keys.size, dtype=np.int16 if keys.size < 2**15 else np.intp)
+    rank[by] = np.cumsum(step, dtype=rank.dtype)
+    return np.argsort(rank, kind="stable")
 
 
 def _spot_orders_np(c: Cycle, spot: list[Job], ids: list[str]) -> tuple[list[Job], set[str], list[Job]]:
