@@ -382,7 +382,8 @@ class RunningIndex:
             i += 1
         self._free.append(self.spot_rows[i])
         del self.spot_ids[i], self.spot_sorted[i], self.spot_rows[i], self.row_of[id(j)]
-        if (i and self.spot_ids[i - 1] == j.id) or (i < len(self.spot_ids) and self.spot_ids[i] == j.id):
+        if self.repeated_ids and ((i and self.spot_ids[i - 1] == j.id)
+                                  or (i < len(self.spot_ids) and self.spot_ids[i] == j.id)):
             self.repeated_ids -= 1
         self._overflow.pop(id(j), None)
         self._spot_cols = None
