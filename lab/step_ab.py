@@ -8,6 +8,8 @@ medians and their ratios to the first tree.
 
     PYTHONPATH=src python lab/step_ab.py --tree /path/to/before --tree . [--rounds 3] [--pg] [--json]
 
+``--jobs 50000 --nodes 4096``: the target load instead (peak ~43,000 waiting, ~2,850 running).
+
 ``--pg``: the store on a local PostgreSQL (pgserver on the same cores, as tests/test_control_postgres.py),
 its schema dropped before each run.
 """
@@ -40,7 +42,8 @@ def timed(self, now_s):
     finally:
         cpu.append(time.process_time() - t)
 Controller.step = timed
-w = workload(25000, 2048, 8, span_s=5760, tenants=200, skew=0.5)
+w = workload(int(os.environ["STEP_AB_JOBS"]), int(os.environ["STEP_AB_NODES"]), 8, span_s=5760, tenants=200,
+             skew=0.5)
 out = run_plane(w, 7200, step_s=60, t0=time.time() - 7200, db_url=os.environ.get("STEP_AB_DB") or None)
 r = {k: out[k] for k in ("step_p50_s", "step_p99_s", "admissions", "held_gpu_hours", "peak_waiting")}
 r |= {"step_cpu_p50_s": float(np.percentile(cpu, 50)), "step_cpu_p99_s": float(np.percentile(cpu, 99))}
@@ -49,7 +52,7 @@ print(json.dumps(r))
 FIGURES = ("step_p50_s", "step_p99_s", "step_cpu_p50_s", "step_cpu_p99_s")
 
 
-def run(tree: Path, db: str | None) -> dict:
+def run(tree: Path, db: str | None, jobs: int = 25000, nodes: int = 2048) -> dict:
     if db is not None:
         import sqlalchemy as sa
 
@@ -57,7 +60,8 @@ def run(tree: Path, db: str | None) -> dict:
         with eng.begin() as c:
             c.exec_driver_sql("DROP SCHEMA public CASCADE; CREATE SCHEMA public")
         eng.dispose()
-    env = {**os.environ, "PYTHONPATH": str(tree / "src"), "STEP_AB_DB": db or ""}
+    env = {**os.environ, "PYTHONPATH": str(tree / "src"), "STEP_AB_DB": db or "", "STEP_AB_JOBS": str(jobs),
+           "STEP_AB_NODES": str(nodes)}
     out = subprocess.run([sys.executable, "-c", ONE_RUN], env=env, capture_output=True, text=True,
                          check=False)
     if out.returncode:
@@ -70,6 +74,8 @@ def main() -> None:
     ap.add_argument("--tree", action="append", type=Path, required=True, help="a source tree (repeat)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--pg", action="store_true", help="the store on a local PostgreSQL (pgserver)")
+    ap.add_argument("--jobs", type=int, default=25000, help="the workload's jobs (50,000: the target load)")
+    ap.add_argument("--nodes", type=int, default=2048, help="nodes of 8 GPUs (4,096: the target pool)")
     ap.add_argument("--json", action="store_true", help="the runs and medians as one JSON document")
     a = ap.parse_args()
     srv, base, db = None, None, None
@@ -84,7 +90,7 @@ def main() -> None:
     try:
         for _ in range(a.rounds):
             for t in a.tree:
-                runs.append(run(t.resolve(), db))
+                runs.append(run(t.resolve(), db, a.jobs, a.nodes))
                 if not a.json:
                     print(json.dumps(runs[-1]), flush=True)
     finally:
