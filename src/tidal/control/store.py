@@ -596,7 +596,8 @@ class Store:
                 raise
             if len(group) == 1:
                 group[0].error = e
-            for x in group if len(group) > 1 else ():
+                return
+            for x in group:  # each alone: a submission fails only for what fails alone
                 try:
                     with self._write() as s:
                         self._insert_jobs(s, [x.values])

@@ -515,6 +515,8 @@ def bench_plane(nodes: str = "256x8", jobs: int = 2000, *, hours: float = 2.0, s
         with ThreadPoolExecutor(8) as pool:
             lat = list(pool.map(post, range(submits)))
         out["submits_per_s"] = submits / (time.perf_counter() - t)
+        for tc in clients:
+            tc.close()
         out["submit_p50_s"], out["submit_p99_s"] = _pct(lat, 50), _pct(lat, 99)
         log(f"api: {out['submits_per_s']:.0f} submits/s, p99 {out['submit_p99_s']:.3f} s")
         ids = [j["id"] for j in c.get("/v1/dashboard/jobs", params={"limit": 100}).json()["jobs"]]
