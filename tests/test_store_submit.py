@@ -355,3 +355,38 @@ def test_a_group_interrupted_fails_each_of_its_submissions_and_the_next_goes_in(
     assert kinds == ["KeyboardInterrupt"] + ["StoreUnavailable"] * 4, kinds
     assert store.jobs() == [] and not store._leading and not store._subs
     assert store.submit("a", spec, 9.0).seq == 1  # (the group's numbers not taken)
+
+
+def test_submissions_waiting_while_the_file_is_deleted_are_refused_not_lost(tmp_path):
+    """The database file deleted while submissions wait for the write lock: each is refused with the store
+    unavailable (503), none is answered as stored into the deleted file, and none waits on."""
+    import os
+
+    from tidal.control.store import StoreUnavailable
+
+    store = new_store(tmp_path, ("a", 0, 1.0))
+    try:
+        spec = parse_spec({"name": "d", "command": ["true"], "gpus": 1}).model_dump()
+        store.submit("a", spec, 0.0)
+        got: dict[int, object] = {}
+
+        def submit(i: int) -> None:
+            try:
+                got[i] = store.submit("a", spec, 1.0)
+            except Exception as e:
+                got[i] = e
+
+        with store._lock:
+            threads = [threading.Thread(target=submit, args=(i,)) for i in range(6)]
+            for t in threads:
+                t.start()
+            while len(store._subs) < 6:
+                time.sleep(0.001)
+            os.unlink(tmp_path / "tidal.db")
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads)
+        assert all(isinstance(e, StoreUnavailable) for e in got.values()) and len(got) == 6, got
+        assert not store._leading and not store._subs
+    finally:
+        store.close()

@@ -394,6 +394,7 @@ class Store:
             if not self._batch.locked:  # (a batch takes the lock at its first write, not while it reads)
                 self._acquire()
                 self._batch.locked, self._batch.since = True, time.monotonic()
+                self.check_file()  # (after the wait: not into a file deleted meanwhile; the batch rolls back)
             if not defer:
                 self._flush_jobs(b)
             yield b
@@ -404,9 +405,9 @@ class Store:
                     self._waiters and time.monotonic() - self._batch.since >= BATCH_HOLD_S):
                 self.commit()
             return
-        self.check_file()
         self._acquire()
         try:
+            self.check_file()  # (with the lock: a write that waited goes into no deleted file)
             with self._sessions.begin() as s:
                 yield s
         finally:
