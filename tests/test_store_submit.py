@@ -54,6 +54,31 @@ def test_a_submitted_job_is_as_a_read_of_the_store_gives_it(store):
     check_submit_is_as_read(store)
 
 
+def submit_at_once(store: Store, tenants: list[str], spec: dict, meanwhile=None) -> dict[int, object]:
+    """A submission from a thread per tenant listed, all waiting for the write lock held meanwhile (then
+    ``meanwhile()``), then let in together: index -> the row, or what the submission raised."""
+    got: dict[int, object] = {}
+
+    def submit(i: int, tenant: str) -> None:
+        try:
+            got[i] = store.submit(tenant, spec, float(i))
+        except BaseException as e:  # (an interrupt too, in the thread that stored the group)
+            got[i] = e
+
+    with store._lock:
+        threads = [threading.Thread(target=submit, args=(i, t)) for i, t in enumerate(tenants)]
+        for t in threads:
+            t.start()
+        while len(store._subs) < len(tenants):
+            time.sleep(0.001)
+        if meanwhile is not None:
+            meanwhile()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads) and len(got) == len(tenants)
+    return got
+
+
 def check_submissions_at_once_go_in_together(store: Store) -> None:
     """Submissions of many threads at once are stored in one transaction (group commit), each with its own
     number and event; one that fails (an unknown tenant) fails alone: the others are stored, its number not
@@ -61,26 +86,9 @@ def check_submissions_at_once_go_in_together(store: Store) -> None:
     spec = parse_spec({"name": "g", "command": ["true"], "gpus": 1}).model_dump()
     commits = []
     sa.event.listen(store.engine, "commit", lambda _: commits.append(1))
-    got: dict[int, object] = {}
-
-    def submit(i: int, tenant: str) -> None:
-        try:
-            got[i] = store.submit(tenant, spec, float(i))
-        except Exception as e:
-            got[i] = e
-
     for tenants in (["a"] * 24, ["a"] * 11 + ["nobody"] + ["a"] * 12):
-        got.clear()
         start = len(commits)
-        with store._lock:  # (the write lock held: every submission waits, then they go in as a group)
-            threads = [threading.Thread(target=submit, args=(i, t)) for i, t in enumerate(tenants)]
-            for t in threads:
-                t.start()
-            while len(store._subs) < len(tenants):
-                time.sleep(0.001)
-        for t in threads:
-            t.join(60)
-        assert len(got) == len(tenants)
+        got = submit_at_once(store, tenants, spec)  # (every submission waits, then they go in as a group)
         if "nobody" not in tenants:
             assert len(commits) - start == 1, "the submissions waiting together were not stored together"
         else:
@@ -334,23 +342,7 @@ def test_a_group_interrupted_fails_each_of_its_submissions_and_the_next_goes_in(
         return insert(s, rows)
 
     monkeypatch.setattr(store, "_insert_jobs", interrupted)
-    got: dict[int, object] = {}
-
-    def submit(i: int) -> None:
-        try:
-            got[i] = store.submit("a", spec, float(i))
-        except BaseException as e:  # (the interrupt, in the thread that stored the group)
-            got[i] = e
-
-    with store._lock:
-        threads = [threading.Thread(target=submit, args=(i,)) for i in range(5)]
-        for t in threads:
-            t.start()
-        while len(store._subs) < 5:
-            time.sleep(0.001)
-    for t in threads:
-        t.join(60)
-    assert not any(t.is_alive() for t in threads)
+    got = submit_at_once(store, ["a"] * 5, spec)
     kinds = sorted(type(e).__name__ for e in got.values())
     assert kinds == ["KeyboardInterrupt"] + ["StoreUnavailable"] * 4, kinds
     assert store.jobs() == [] and not store._leading and not store._subs
@@ -368,24 +360,7 @@ def test_submissions_waiting_while_the_file_is_deleted_are_refused_not_lost(tmp_
     try:
         spec = parse_spec({"name": "d", "command": ["true"], "gpus": 1}).model_dump()
         store.submit("a", spec, 0.0)
-        got: dict[int, object] = {}
-
-        def submit(i: int) -> None:
-            try:
-                got[i] = store.submit("a", spec, 1.0)
-            except Exception as e:
-                got[i] = e
-
-        with store._lock:
-            threads = [threading.Thread(target=submit, args=(i,)) for i in range(6)]
-            for t in threads:
-                t.start()
-            while len(store._subs) < 6:
-                time.sleep(0.001)
-            os.unlink(tmp_path / "tidal.db")
-        for t in threads:
-            t.join(60)
-        assert not any(t.is_alive() for t in threads)
+        got = submit_at_once(store, ["a"] * 6, spec, meanwhile=lambda: os.unlink(tmp_path / "tidal.db"))
         assert all(isinstance(e, StoreUnavailable) for e in got.values()) and len(got) == 6, got
         assert not store._leading and not store._subs
     finally:
