@@ -10,6 +10,9 @@ medians and their ratios to the first tree.
 
 ``--jobs 50000 --nodes 4096``: the target load instead (peak ~43,000 waiting, ~2,850 running).
 
+``--together``: a round's trees run at once, one core each, on a machine loaded by other work (compare the
+CPU figures).
+
 ``--pg``: the store on a local PostgreSQL (pgserver on the same cores, as tests/test_control_postgres.py),
 its schema dropped before each run.
 """
@@ -52,7 +55,8 @@ print(json.dumps(r))
 FIGURES = ("step_p50_s", "step_p99_s", "step_cpu_p50_s", "step_cpu_p99_s")
 
 
-def run(tree: Path, db: str | None, jobs: int = 25000, nodes: int = 2048) -> dict:
+def start(tree: Path, db: str | None, jobs: int = 25000, nodes: int = 2048) -> subprocess.Popen:
+    """One run of ``tree`` started (its database emptied first)."""
     if db is not None:
         import sqlalchemy as sa
 
@@ -62,11 +66,16 @@ def run(tree: Path, db: str | None, jobs: int = 25000, nodes: int = 2048) -> dic
         eng.dispose()
     env = {**os.environ, "PYTHONPATH": str(tree / "src"), "STEP_AB_DB": db or "", "STEP_AB_JOBS": str(jobs),
            "STEP_AB_NODES": str(nodes)}
-    out = subprocess.run([sys.executable, "-c", ONE_RUN], env=env, capture_output=True, text=True,
-                         check=False)
-    if out.returncode:
-        raise SystemExit(f"run of {tree} failed:\n{out.stderr[-3000:]}")
-    return {"tree": str(tree), **json.loads(out.stdout.strip().splitlines()[-1])}
+    return subprocess.Popen([sys.executable, "-c", ONE_RUN], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def result(tree: Path, proc: subprocess.Popen) -> dict:
+    """The run's JSON line, with its tree."""
+    stdout, stderr = proc.communicate()
+    if proc.returncode:
+        raise SystemExit(f"run of {tree} failed:\n{stderr[-3000:]}")
+    return {"tree": str(tree), **json.loads(stdout.strip().splitlines()[-1])}
 
 
 def main() -> None:
@@ -77,7 +86,12 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=25000, help="the workload's jobs (50,000: the target load)")
     ap.add_argument("--nodes", type=int, default=2048, help="nodes of 8 GPUs (4,096: the target pool)")
     ap.add_argument("--json", action="store_true", help="the runs and medians as one JSON document")
+    ap.add_argument("--together", action="store_true",
+                    help="a round's trees run at once, one core each (a machine loaded by other work: both "
+                         "sides see the same load; compare the CPU figures); not with --pg")
     a = ap.parse_args()
+    if a.together and a.pg:
+        ap.error("--together runs on SQLite only (the runs would share one PostgreSQL database)")
     srv, base, db = None, None, None
     if a.pg:
         with warnings.catch_warnings():
@@ -89,10 +103,15 @@ def main() -> None:
     runs: list[dict] = []
     try:
         for _ in range(a.rounds):
-            for t in a.tree:
-                runs.append(run(t.resolve(), db, a.jobs, a.nodes))
-                if not a.json:
-                    print(json.dumps(runs[-1]), flush=True)
+            if a.together:
+                procs = [(t.resolve(), start(t.resolve(), db, a.jobs, a.nodes)) for t in a.tree]
+                done = [result(t, proc) for t, proc in procs]
+            else:
+                done = [result(t.resolve(), start(t.resolve(), db, a.jobs, a.nodes)) for t in a.tree]
+            runs += done
+            if not a.json:
+                for r in done:
+                    print(json.dumps(r), flush=True)
     finally:
         if srv is not None:
             srv.cleanup()
