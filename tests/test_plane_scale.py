@@ -329,6 +329,52 @@ def test_rows_the_loop_keeps_in_place_are_what_the_store_holds(tmp_path) -> None
     assert {"succeeded", "failed", "cancelled"} <= states, states
 
 
+def test_queues_kept_by_bisection_are_the_queues_sorted_afresh() -> None:
+    """The scheduler's view keeps each pending queue sorted across steps by taking out and putting in the jobs
+    that moved: after any mix of submissions, nominations, priority changes, starts, requeues and ends (a few
+    or many in a queue between two looks), every queue is the one sorted afresh; a list handed out before
+    is never changed."""
+    import random
+
+    from tidal.control.job_views import SchedulerView
+    from tidal.control.store import JobRow
+    from tidal.model import arrival, queue_key
+
+    rng = random.Random(7)
+    view = SchedulerView()
+    rows: dict[str, JobRow] = {}
+    handed: list[tuple[list, list]] = []
+    for step in range(300):
+        for _ in range(rng.choice((1, 3, 40))):  # (sometimes many moves in one queue: sorted whole again)
+            jid = f"j{rng.randrange(400)}"
+            old = rows.get(jid)
+            if old is None or rng.random() < 0.1:
+                rows[jid] = JobRow(id=jid, seq=int(jid[1:]), tenant=f"t{rng.randrange(3)}", kind="spot",
+                                   priority=rng.randrange(2), state="pending", min_gpus=1, max_gpus=1,
+                                   multiple_of=1, submit_s=float(rng.randrange(50)))
+            else:
+                change = rng.choice(("nominated_s", "priority", "state", "ended"))
+                if change == "ended":
+                    view.drop(jid)
+                    del rows[jid]
+                    continue
+                value = {"nominated_s": rng.choice((None, float(step))), "priority": rng.randrange(2),
+                         "state": rng.choice(("pending", "running"))}[change]
+                setattr(old, change, value)
+                if change == "state" and value == "running":
+                    old.placement = {"n0": 1}
+            view.put(rows[jid])
+        queues = view.queues()
+        want: dict = {}
+        for j in view.jobs.values():
+            if not j.running:
+                want.setdefault(queue_key(j), []).append(j)
+        assert {k: [j.id for j in q] for k, q in queues.items()} == {
+            k: [j.id for j in sorted(q, key=arrival)] for k, q in want.items()}, step
+        handed += [(q, list(q)) for q in queues.values()]
+    assert all(q == copy for q, copy in handed), "a queue handed out was changed"
+
+
 def test_held_jobs_read_in_one_select_carry_what_their_rows_hold(tmp_path) -> None:
     """The pool views' and ``/metrics``' records of the jobs holding GPUs (one Core ``SELECT``, progress
     joined from its table) hold what the rows hold: placement, accounting, the progress fields read."""

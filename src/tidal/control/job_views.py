@@ -4,6 +4,7 @@ the executor (:func:`job_env`)."""
 from __future__ import annotations
 
 import json
+from bisect import bisect_left, insort
 from operator import itemgetter
 from pathlib import Path
 from typing import cast
@@ -30,6 +31,9 @@ def job_view(j: JobRow) -> Job:
         nominated_s=None if held else j.nominated_s)
 
 
+RESORT_AT = 8  # a queue of which more than 1/RESORT_AT changed since the last sort is sorted whole again
+
+
 class SchedulerView:
     """The scheduler's view of the active jobs, kept from step to step: a job's view is made again only when
     its row is :meth:`put` (written), the running jobs listed and a queue sorted again only when one of theirs
@@ -41,7 +45,8 @@ class SchedulerView:
         self._running: tuple[Job, ...] | None = ()  # None: listed again at the next snapshot
         self._queues: dict[QueueKey, dict[str, Job]] = {}
         self._sorted: dict[QueueKey, list[Job]] = {}
-        self._dirty: set[QueueKey] = set()
+        # queue -> (views taken out of its sorted list, views to put in) since the last :meth:`queues`
+        self._moved: dict[QueueKey, tuple[dict[str, Job], dict[str, Job]]] = {}
 
     def sizes(self) -> tuple[int, int]:
         """(jobs running, jobs waiting)."""
@@ -56,8 +61,9 @@ class SchedulerView:
         if j.running:
             self._run[row.id], self._running = (row.seq, j), None
         else:
-            self._queues.setdefault(queue_key(j), {})[row.id] = j
-            self._dirty.add(queue_key(j))
+            key = queue_key(j)
+            self._queues.setdefault(key, {})[row.id] = j
+            self._moved.setdefault(key, ({}, {}))[1][row.id] = j
 
     def checkpointed(self, row: JobRow) -> None:
         """Only the running job's checkpoint times were written (``last_ckpt_s``, ``ckpt_stall_s``): its view
@@ -75,24 +81,41 @@ class SchedulerView:
         if j is not None and self._run.pop(job_id, None) is not None:
             self._running = None
         elif j is not None:
-            self._queues[queue_key(j)].pop(job_id)
-            self._dirty.add(queue_key(j))
+            key = queue_key(j)
+            self._queues[key].pop(job_id)
+            gone, new = self._moved.setdefault(key, ({}, {}))
+            if new.get(job_id) is j:  # (put since the last sort: not in the sorted list)
+                del new[job_id]
+            else:
+                gone[job_id] = j
 
     def pending_counts(self) -> dict[QueueKey, int]:
         """The jobs in each pending queue (none empty)."""
         return {key: len(q) for key, q in self._queues.items() if q}
 
     def queues(self) -> dict[QueueKey, list[Job]]:
-        """The pending queues, each in :func:`~tidal.model.arrival` order (those changed sorted again; a list
-        is replaced, never changed, so one handed out stays as it was)."""
-        for key in self._dirty:
+        """The pending queues, each in :func:`~tidal.model.arrival` order. A changed queue's list is copied
+        and its jobs that left or came taken out and put in by bisection (a step changes a few jobs of a queue
+        of thousands), or sorted again when many changed; a list is replaced, never changed, so one handed out
+        stays as it was."""
+        for key, (gone, new) in self._moved.items():
             q = self._queues.get(key)
-            if q:
-                self._sorted[key] = sorted(q.values(), key=arrival)
-            else:
+            old = self._sorted.get(key)
+            if not q:
                 self._sorted.pop(key, None)
                 self._queues.pop(key, None)
-        self._dirty.clear()
+            elif old is None or (len(gone) + len(new)) * RESORT_AT > len(q):
+                self._sorted[key] = sorted(q.values(), key=arrival)
+            else:
+                lst = old.copy()
+                for j in gone.values():
+                    i = bisect_left(lst, arrival(j), key=arrival)
+                    assert lst[i] is j, f"job {j.id} is not where its queue's order puts it"
+                    del lst[i]
+                for j in new.values():
+                    insort(lst, j, key=arrival)
+                self._sorted[key] = lst
+        self._moved.clear()
         return self._sorted
 
     def snapshot(self, now_s: float, nodes: tuple[Node, ...], tenants: tuple[Tenant, ...],
