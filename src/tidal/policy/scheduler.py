@@ -15,6 +15,7 @@ With ``why``, the call also says why each job waits (:class:`~tidal.model.Waitin
 from __future__ import annotations
 
 from functools import lru_cache
+from operator import attrgetter
 
 from tidal.model import Decision, Job, Preempt, Shrink, Snapshot, Waiting
 from tidal.policy.scheduling.config import SchedulerConfig
@@ -176,12 +177,17 @@ def _explain_queues(c: Cycle, admitted: dict[str, tuple[int, Job]]) -> None:
         ahead = next((j for j in q if j.id not in admitted), None)
         if ahead is None:
             continue
+        # (the rest: not naming the job ahead, so that their reasons stay put as the head moves; the whole
+        # queue given it in one pass of C, the admitted taken out after, as they are few)
+        why.update(dict.fromkeys(map(_ID, q), _behind(*key)))
         if ahead.id not in given:
             why[ahead.id] = _NONE_FREE if c.free_for(ahead) == 0 else _turn(c.cfg.max_skips_per_cycle)
-        # (the rest: not naming the job ahead, so that their reasons stay put as the head moves)
-        behind = _behind(*key)
-        why.update({j.id: behind for j in q if j.id not in admitted and j is not ahead})
+    for jid in admitted:
+        why.pop(jid, None)
     why.update(given)
+
+
+_ID = attrgetter("id")
 
 
 @lru_cache(maxsize=4096)
