@@ -49,7 +49,7 @@ from tidal.control.read_view import (
 )
 from tidal.control.serving_nodes import lent_before
 from tidal.control.states import ACTIVE, HELD, STOPPING, TERMINAL, State
-from tidal.control.store import HeldJob, JobRow, Store, written
+from tidal.control.store import HeldJob, JobRow, Store, loaded, written
 from tidal.exec.progress import Progress
 from tidal.exec.protocol import EXIT_PREEMPTED, AgentMemory, Executor, LaunchRequest, NodeMemory, Observation
 from tidal.model import (
@@ -79,6 +79,8 @@ RETENTION_CHECK_S = 60.0  # how often ended jobs and events older than ``retenti
 QUOTA_CHECK_S = 60.0  # how often the tenants' checkpoint bytes are counted (a walk of their directories)
 ANNOUNCE_INTERVAL_S = 600.0  # a job's checkpoint-interval changes are announced (events) at most this often
 _IDLE = frozenset({S.PENDING.value, S.BACKOFF.value})  # (job states holding nothing, as stored)
+_PROGRESS_FIELDS = ("id", "state", "progress", "last_ckpt_s", "ckpt_stall_s", "ckpt_step")  # (its progress)
+_STEADY_FIELDS = ("state", "cancel_requested", "killed", "stop_reason")  # (a running job with nothing to do)
 RESUMABLE_CODES = frozenset({0, EXIT_PREEMPTED, -15, 128 + 15})  # -15/143: SIGTERM before the session existed
 
 
@@ -408,7 +410,16 @@ class Controller:
         return out
 
     def _reconcile(self, job: JobRow, ob: Observation | None, now_s: float) -> None:
-        st = S(job.state)
+        state, cancel, killed, stop_reason = loaded(job, _STEADY_FIELDS)
+        if (state == S.RUNNING and ob is not None and ob.all_alive and not cancel and not killed
+                and stop_reason != "failure" and job.id not in self.watch.lost):
+            # Training, every rank alive, nothing asked of it (the usual case, thousands a step): what follows
+            # would find nothing to do but the hang check.
+            hung = self._hang(job, ob, now_s)
+            if hung:
+                self._kill_for_failure(job, hung, now_s, kind="hang")
+            return
+        st = S(state)
         if st == S.PENDING:
             if job.cancel_requested:
                 self.store.transition(job, S.CANCELLED, now_s, "cancelled while pending", finished_s=now_s)
@@ -488,24 +499,25 @@ class Controller:
         the rows, which the reconcile goes on with)."""
         changes: dict[str, dict[str, Any]] = {}
         for job in jobs:
-            ob = observed.get(job.id)
-            if ob is None or job.state in _IDLE:
+            jid, state, progress, last_ckpt_s, ckpt_stall_s, ckpt_step = loaded(job, _PROGRESS_FIELDS)
+            ob = observed.get(jid)
+            if ob is None or state in _IDLE:
                 continue
             p = ob.progress
             doc = p.to_dict()
             fields: dict[str, Any] = {}
-            if doc != job.progress:
+            if doc != progress:
                 fields["progress"] = doc
-            if p.durable_ckpt_s is not None and p.durable_ckpt_s != job.last_ckpt_s:
+            if p.durable_ckpt_s is not None and p.durable_ckpt_s != last_ckpt_s:
                 fields["last_ckpt_s"] = p.durable_ckpt_s
-            if p.ckpt_stall_s is not None and p.ckpt_stall_s != job.ckpt_stall_s:
+            if p.ckpt_stall_s is not None and p.ckpt_stall_s != ckpt_stall_s:
                 fields["ckpt_stall_s"] = p.ckpt_stall_s
-            if p.ckpt_step is not None and (job.ckpt_step is None or p.ckpt_step > job.ckpt_step):
+            if p.ckpt_step is not None and (ckpt_step is None or p.ckpt_step > ckpt_step):
                 fields["ckpt_step"] = p.ckpt_step
             if fields:
-                changes[job.id] = fields
+                changes[jid] = fields
                 if self.published is not None and "progress" in fields:
-                    self._progressed.add(job.id)
+                    self._progressed.add(jid)
                 written(job, fields)
                 if "last_ckpt_s" in fields or "ckpt_stall_s" in fields:
                     self.view.checkpointed(job)  # (fields the scheduler reads)

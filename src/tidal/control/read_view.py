@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from tidal.control.states import State
-from tidal.control.store import HeldJob, JobRow
+from tidal.control.store import HeldJob, JobRow, loaded
 from tidal.model import KINDS, Node, Waiting
 
 T = TypeVar("T")
@@ -75,13 +75,8 @@ def held_job(j: JobRow) -> HeldJob:
     document the row's own, never changed in place: the loop replaces a job's document, it does not edit it).
     Its values are read from the row's loaded state (a row of the loop's is loaded whole: thousands a step,
     each attribute through SQLAlchemy's descriptor would cost as much as the rest)."""
-    d = j.__dict__
-    try:
-        (jid, tenant, state, kind, placement, releasing, restarts, preemptions, lost_s, lost_steps, held_s,
-         productive_s, launched_s, p) = [d[k] for k in _HELD_FIELDS]
-    except KeyError:  # (an attribute not loaded: through the descriptor, which loads it)
-        (jid, tenant, state, kind, placement, releasing, restarts, preemptions, lost_s, lost_steps, held_s,
-         productive_s, launched_s, p) = [getattr(j, k) for k in _HELD_FIELDS]
+    (jid, tenant, state, kind, placement, releasing, restarts, preemptions, lost_s, lost_steps, held_s,
+     productive_s, launched_s, p) = loaded(j, _HELD_FIELDS)
     return HeldJob(jid, tenant, state, kind, dict(placement or {}), dict(releasing or {}), restarts,
                    preemptions, lost_s, lost_steps, held_s, productive_s, launched_s, progress=p or {})
 
@@ -89,10 +84,7 @@ def held_job(j: JobRow) -> HeldJob:
 def with_progress(h: HeldJob, j: JobRow) -> HeldJob:
     """``h`` (the copy of ``j`` in the view before) with ``j``'s progress now: for a job whose progress alone
     changed since (the rest is shared with that copy; a view's records are never changed)."""
-    try:
-        p = j.__dict__["progress"]  # (loaded: read without SQLAlchemy's descriptor, as in held_job)
-    except KeyError:
-        p = j.progress
+    (p,) = loaded(j, ("progress",))
     return HeldJob(h.id, h.tenant, h.state, h.kind, h.placement, h.releasing, h.restarts, h.preemptions,
                    h.lost_s, h.lost_steps, h.held_s, h.productive_s, h.attempt_launched_s, progress=p or {})
 

@@ -20,9 +20,11 @@ STALL_WINDOW = 5  # saves whose median stall is reported
 MAX_READ_BYTES = 1 << 20  # progress records read per observation (a job may write a sparse terabyte)
 
 
-@dataclass(frozen=True)
+@dataclass
 class Progress:
-    """Training progress of one attempt (docs/control.md has the fields); Unix seconds, ``None``: not yet."""
+    """Training progress of one attempt (docs/control.md has the fields); Unix seconds, ``None``: not yet.
+    Not changed once made (an observation's value). Not a frozen dataclass for its cost: one is made for
+    every running job at every step, and a frozen one's 20 fields took 4.5 us to set against 1.2."""
 
     start_step: int | None = None
     restore_tier: str | None = None

@@ -80,6 +80,12 @@ class Observation:
     def done(self) -> bool:
         return not any(r.alive for r in self.ranks)  # (stops at the first rank running)
 
+    @property
+    def all_alive(self) -> bool:
+        """Every rank is running (none exited, vanished or lost): the usual state of a training attempt, in
+        which the reconcile loop has nothing to look at but its heartbeat (one pass over the ranks)."""
+        return bool(self.ranks) and all(r.alive for r in self.ranks)
+
 
 def check_ranks(who: str, ranks: Collection[int] | None, world_size: int) -> frozenset[int]:
     """The ranks a signal goes to: ``ranks``, or all ``world_size`` of them when ``None``; ``ValueError``
