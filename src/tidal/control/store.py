@@ -619,13 +619,12 @@ class Store:
         """Insert new pending jobs (their column values; ``seq`` and ``id`` set here) and their submission
         events, in ``s``'s transaction (the driver's statements as written: no ORM unit of work)."""
         c = s.connection()
-        top = c.exec_driver_sql("SELECT value FROM meta WHERE key = 'job_seq'").scalar()
+        take_seq, insert_job = _submit_sql(self._q)
+        top = c.exec_driver_sql(take_seq, (len(rows),)).scalar()  # (the counter moved on and read: one trip)
         if top is None:  # (made by __init__; a database edited under us)
-            top = str(c.execute(select(func.max(_JOBS.c.seq))).scalar() or 0)
-            c.execute(insert(_META), {"key": "job_seq", "value": top})
-        first = int(top) + 1
-        set_seq, insert_job = _submit_sql(self._q)
-        c.exec_driver_sql(set_seq, (str(first + len(rows) - 1),))
+            top = (c.execute(select(func.max(_JOBS.c.seq))).scalar() or 0) + len(rows)
+            c.execute(insert(_META), {"key": "job_seq", "value": str(top)})
+        first = int(top) - len(rows) + 1
         for i, v in enumerate(rows):
             v["seq"], v["id"] = first + i, f"{v['name']}-{first + i}"
         c.exec_driver_sql(insert_job, [tuple(to_json(v[k]) if k in _JSON_COLS else v[k] for k in _SUBMIT_COLS)
@@ -1083,9 +1082,10 @@ _SUBMIT_COLS = tuple(dict.fromkeys([*_job_defaults(), "seq", "tenant", "name", "
 
 @functools.cache
 def _submit_sql(q: str) -> tuple[str, str]:
-    """A submit's statements with the driver's parameter marker ``q``: the counter set and the job's insert
-    (written out once: the driver runs them as they are)."""
-    return (f"UPDATE meta SET value = {q} WHERE key = 'job_seq'",
+    """A submit's statements with the driver's parameter marker ``q``: the counter moved on by the number of
+    jobs, returning its new value, and the job's insert (written out once: the driver runs them as is)."""
+    return (f"UPDATE meta SET value = CAST(CAST(value AS BIGINT) + {q} AS VARCHAR(20)) WHERE key = 'job_seq' "
+            "RETURNING value",
             f"INSERT INTO jobs ({', '.join(_SUBMIT_COLS)}) VALUES ({', '.join([q] * len(_SUBMIT_COLS))})")
 
 
