@@ -262,8 +262,10 @@ def test_the_heap_keeper_freezes_between_steps_and_frees_frozen_cycles_at_its_ne
         return a, weakref.ref(a)
 
     a, gone = cycle()
-    keep = HeapKeeper(every_s=60.0, min_steps=3, full_every=2)
+    threshold = gc.get_threshold()
+    keep = HeapKeeper(every_s=60.0, min_steps=3, full_every=2, young=threshold[0] + 1000)
     try:
+        assert gc.get_threshold() == (threshold[0] + 1000, *threshold[1:])  # (young collections less often)
         keep.after_step(0.0)  # the first step: the whole heap collected, what survived frozen
         assert len(keep.pauses_s) == 1 and gc.get_freeze_count() > 0
         del a
@@ -285,6 +287,7 @@ def test_the_heap_keeper_freezes_between_steps_and_frees_frozen_cycles_at_its_ne
         assert len(keep.pauses_s) == 3 and gone() is None
     finally:
         gc.unfreeze()
+        gc.set_threshold(*threshold)
 
 
 def test_rows_the_loop_keeps_in_place_are_what_the_store_holds(tmp_path) -> None:
