@@ -82,10 +82,11 @@ class _Attempt:
     def done(self, t: float) -> float:
         return self.start_work + self.world * max(0.0, t - self.launch_s)
 
-    def last_ckpt(self, t: float, notice_s: float) -> tuple[float, float | None]:
+    def last_ckpt(self, t: float, notice_s: float,
+                  end: tuple[float, int | None] | None = None) -> tuple[float, float | None]:
         """(work committed, when) as of ``t``: periodic checkpoints, and the final one of a notice or of
-        the end of the work."""
-        stop, code = self.end(notice_s)
+        the end of the work; ``end``: :meth:`end`'s answer, when the caller has it."""
+        stop, code = end or self.end(notice_s)
         upto = min(t, stop)
         k = math.floor((upto - self.anchor_s) / self.interval_s) if upto >= self.anchor_s else 0
         at = self.anchor_s + k * self.interval_s if k >= 1 else None
@@ -234,7 +235,7 @@ class VirtualExecutor:
         return {k: self._observe(a, now_s) for k, a in self._jobs.items()}
 
     def _observe(self, a: _Attempt, now_s: float) -> Observation:
-        stop, code = a.end(self.notice_s)
+        stop, code = end = a.end(self.notice_s)
         over = now_s >= stop
         t = stop if over else a.launch_s + math.floor((now_s - a.launch_s) / self.beat_s) * self.beat_s
         key = (t, over, len(a.lost))
@@ -248,7 +249,7 @@ class VirtualExecutor:
                 RankState(r, None, None if r in lost else exit_code, r in lost, False, r in lost, nodes[r])
                 for r in range(a.world)))
         ranks = a.ranks[1]
-        work, at = a.last_ckpt(t, self.notice_s)
+        work, at = a.last_ckpt(t, self.notice_s, end)
         tier = {"dir": [int(work), at]} if at is not None else {}
         step = int(a.done(t))
         p = Progress(start_step=int(a.start_work), step=step, step_s=t, first_step=int(a.start_work),
