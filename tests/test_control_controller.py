@@ -578,8 +578,13 @@ def test_why_a_job_waits_is_the_schedulers_own_published_with_each_step_and_gone
     assert w.reason.startswith("waiting: needs 2 GPUs, 1 free") and w.until_s is None
     assert job_view(store.job(b), clock(), view=view)["waiting"] == {"reason": w.reason, "until_s": None}
     assert job_view(store.job(b), clock())["waiting"] is None  # (no loop, no reason)
+    c = submit(store, "lab", clock(), name="c", gpus=2)  # (after the step: behind b in its queue)
+    behind = "queued behind earlier jobs in tenant lab's spot queue at priority 0"
+    assert job_view(store.job(c), clock(), view=view)["waiting"] == {"reason": behind, "until_s": None}
     ctl.step(clock.advance(1))
     assert ctl.published.view.waiting[b] == w
+    told = ctl.published.view.waiting[c]  # (the step looked at it: a reason of its own)
+    assert job_view(store.job(c), clock(), view=ctl.published.view)["waiting"]["reason"] == told.reason
     ex.exit(a, 0)
     ctl.step(clock.advance(1))
     ctl.step(clock.advance(1))

@@ -63,7 +63,7 @@ def _same(got, want, path: str, view=None):
         return shown
     if path == "/v1/dashboard/pool":
         assert isinstance(got.pop("step"), int) and want.pop("step") is None
-        told = view.waiting if view is not None else {}
+        told = {j.id: j.waiting for j in view.head if j.waiting is not None} if view is not None else {}
         for row, stored_row in zip(got["queue"]["jobs"], want["queue"]["jobs"], strict=False):
             if row["job"] in told and row["state"] == "pending" and row["why"] != stored_row["why"]:
                 assert row["why"] == told[row["job"]].reason

@@ -29,7 +29,7 @@ from tidal.model import (
     Tenant,
     check_snapshot,
 )
-from tidal.policy.scheduler import RunningIndex, SchedulerConfig, schedule
+from tidal.policy.scheduler import RunningIndex, SchedulerConfig, queued_behind, schedule
 from tidal.policy.scheduling.placement import View, pack, place
 
 NOW = 10_000.0
@@ -608,12 +608,15 @@ def check_decisions(s: Snapshot, decisions: list) -> None:
 
 
 def check_why(s: Snapshot, decisions: list, why: dict) -> None:
-    """Every pending job not admitted, and every running job left below its maximum (not releasing, not
-    acted on), has a reason; an admitted job has none."""
+    """The first pending job of each queue not admitted, and every running job left below its maximum (not
+    releasing, not acted on), has a reason of its own (the others of a queue wait behind its first:
+    ``queued_behind``); an admitted job has none."""
     acted = {d.job: d for d in decisions if hasattr(d, "job")}
     for q in s.queues.values():
+        first = next((j for j in q if not isinstance(acted.get(j.id), Admit)), None)
+        assert first is None or first.id in why, (first, q)
         for j in q:
-            assert (j.id in why) != isinstance(acted.get(j.id), Admit), (j, why.get(j.id))
+            assert not (j.id in why and isinstance(acted.get(j.id), Admit)), (j, why.get(j.id))
     for j in s.running:
         d = acted.get(j.id)
         size = d.to_gpus if isinstance(d, Grow) else j.gpus
@@ -855,9 +858,16 @@ def test_victim_orders_are_the_key_sorts(specs):
 
 
 def why_of(s: Snapshot, **knobs) -> dict:
+    """Why each job waits or does not grow: the call's own reasons, and for the pending jobs it gave none and
+    did not admit, behind their queue's first."""
     why: dict = {}
     out = schedule(s, SchedulerConfig(**knobs), why=why)
     assert out == schedule(s, SchedulerConfig(**knobs)), "asking why changed the decisions"
+    admitted = {d.job for d in out if isinstance(d, Admit)}
+    for key, q in s.queues.items():
+        for j in q:
+            if j.id not in why and j.id not in admitted:
+                why[j.id] = queued_behind(*key)
     return {k: (w.reason, w.until_s) for k, w in why.items()}
 
 
@@ -893,9 +903,9 @@ def test_why_a_job_waits_comes_from_the_decision(node_list, jobs, want):
         assert text in got[job][0], (job, got[job])
 
 
-def test_a_queue_s_reason_is_the_same_object_from_call_to_call():
-    """The jobs behind a queue's head share one reason, the very object of the call before while it holds:
-    the plane compares ~20,000 waiting jobs' reasons every step and writes only those that changed."""
+def test_the_jobs_behind_a_queue_s_first_get_no_reason_each():
+    """A call names each queue's first job, not the thousands behind it: they wait behind it, one reason for
+    the queue, the very object from call to call (it does not name the job ahead)."""
     jobs = [run("d0", {"t0": 8}, "a", "dedicated")] + [
         pend(f"d{k}", "a", "dedicated", 8, submit_s=k) for k in range(1, 5)]
     s = snap(NOW, nodes((8, 8)), AB, jobs)
@@ -903,9 +913,10 @@ def test_a_queue_s_reason_is_the_same_object_from_call_to_call():
     schedule(s, SchedulerConfig(), why=first)
     second: dict = {}
     schedule(s, SchedulerConfig(), why=second)
-    assert first["d2"] is first["d4"] is second["d3"]
-    assert "queued behind earlier jobs in tenant a's dedicated queue" in first["d2"].reason
-    assert "quota is full" in second["d1"].reason
+    assert set(first) == set(second) == {"d1"} and "quota is full" in second["d1"].reason
+    behind = queued_behind("a", "dedicated", 0)
+    assert behind is queued_behind("a", "dedicated", 0)
+    assert behind.reason == "queued behind earlier jobs in tenant a's dedicated queue at priority 0"
 
 
 def test_grow_hold_says_when_it_ends():

@@ -44,6 +44,7 @@ from tidal.control.read_view import (
     Published,
     QueuedJob,
     held_job,
+    told,
     waiting_head,
     with_progress,
 )
@@ -59,6 +60,7 @@ from tidal.model import (
     Job,
     Node,
     Preempt,
+    QueueKey,
     ReturnGpus,
     SetCkptInterval,
     Shrink,
@@ -127,6 +129,7 @@ class Controller:
         # job id -> why it waited or did not grow at the newest step (the scheduler's reasons, published with
         # the view: made afresh at every step, so not stored)
         self._waiting: dict[str, Waiting] = {}
+        self._queued: frozenset[QueueKey] = frozenset()  # the queues that held jobs at the step
         if loans is not None:
             serving = {n.name: n.gpus for n in self.nodes if n.pool == "serving"}
             doc = store.get_doc(LOANS_DOC)
@@ -216,7 +219,7 @@ class Controller:
                 self._start_recorded(now_s)
             finally:
                 self._to_start = {}  # (raised: the batch's rollback took the attempts not yet started)
-        self._waiting = why or {}
+        self._waiting, self._queued = why or {}, frozenset(k for k, q in snap.queues.items() if q)
         self._save_loans(now_s)
         self.sweep_shm(now_s)
         self._check_ckpt_quota(now_s)
@@ -255,9 +258,10 @@ class Controller:
             step=self.steps, as_of_s=now_s, nodes=tuple(self.nodes), held=tuple(held.values()),
             jobs=dict(counted),
             ended=self._ended_counts(),
-            head=tuple(QueuedJob.of(rows[jid], self._waiting.get(jid)) for _, jid in head),
+            head=tuple(QueuedJob.of(rows[jid], told(self._waiting, self._queued, rows[jid]))
+                       for _, jid in head),
             submitted=self.store.taken_submits, loans=self.loans.view() if self.loans is not None else None,
-            waiting=self._waiting, wanted=self.published.wanted)
+            waiting=self._waiting, queued=self._queued, wanted=self.published.wanted)
 
     def _ended_counts(self) -> dict[str, int]:
         if self._ended is None:

@@ -15,8 +15,9 @@ is counted in the next read; it is placed in the queue shown at the next step. T
 previous view are built by the loop itself right after it publishes a view, between steps, so a reader
 reading at every step seldom builds one (:meth:`Published.warm`). A cancel of a waiting job takes
 effect at the next step either way (the loop moves it). Why each job waits or does not grow (the scheduler's
-own reasons, :attr:`PlaneView.waiting`) is in the view only: the scheduler says it afresh at every step, and
-at 20,000 waiting jobs hundreds of reasons change at each (a queue's head with the GPUs free). Without a
+own reasons, :attr:`PlaneView.waiting`; a waiting job it gave none waits behind its queue's first job,
+:meth:`PlaneView.why`) is in the view only: the scheduler says it afresh at every step, and at 20,000
+waiting jobs hundreds of reasons change at each (a queue's head with the GPUs free). Without a
 loop (the API built on a store alone, as most tests do), or before its first step, the reads query the store
 as before, and no job has a reason.
 """
@@ -32,7 +33,8 @@ from typing import Any, TypeVar
 
 from tidal.control.states import State
 from tidal.control.store import HeldJob, JobRow, loaded
-from tidal.model import KINDS, Node, Waiting
+from tidal.model import KINDS, Node, QueueKey, Waiting
+from tidal.policy.scheduler import queued_behind
 
 T = TypeVar("T")
 WAITING = (State.PENDING.value, State.BACKOFF.value)
@@ -81,6 +83,16 @@ def held_job(j: JobRow) -> HeldJob:
                    preemptions, lost_s, lost_steps, held_s, productive_s, launched_s, progress=p or {})
 
 
+def told(waiting: Mapping[str, Waiting], queued: frozenset[QueueKey], j: JobRow) -> Waiting | None:
+    """Why ``j`` waits or does not grow by the scheduler's reasons at a step (``waiting``): its own, else,
+    pending in one of the queues that held jobs then (``queued``), behind its queue's first job
+    (:func:`~tidal.policy.scheduler.queued_behind`: the scheduler names each queue's first job only)."""
+    w = waiting.get(j.id)
+    if w is None and j.state == State.PENDING and (key := (j.tenant, j.kind, j.priority)) in queued:
+        return queued_behind(*key)
+    return w
+
+
 def with_progress(h: HeldJob, j: JobRow) -> HeldJob:
     """``h`` (the copy of ``j`` in the view before) with ``j``'s progress now: for a job whose progress alone
     changed since (the rest is shared with that copy; a view's records are never changed)."""
@@ -105,7 +117,7 @@ class PlaneView:
     (:attr:`Store.taken_submits`); ``loans``: the live loans' view at the step, if the plane lends
     (:meth:`tidal.control.loans.LiveLoans.view`); ``waiting``: job id -> why it waited or did not grow at
     the step (the scheduler's own reasons, ``schedule(..., why=)``: made afresh at every step, so kept
-    nowhere else)."""
+    nowhere else); ``queued``: the queues that held jobs at the step (:meth:`why`)."""
 
     step: int
     as_of_s: float
@@ -117,11 +129,16 @@ class PlaneView:
     submitted: Mapping[tuple[str, str], int]
     loans: dict[str, Any] | None = None
     waiting: Mapping[str, Waiting] = field(default_factory=dict)
+    queued: frozenset[QueueKey] = frozenset()
     wanted: dict[Any, tuple[Callable[[PlaneView], Any], int]] = field(default_factory=dict, repr=False,
                                                                      compare=False)
     """The parts asked for lately, shared from view to view (:meth:`Published.warm`)."""
     _memo: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def why(self, j: JobRow) -> Waiting | None:
+        """Why ``j`` waits or does not grow, as the scheduler said at the step (:func:`told`)."""
+        return told(self.waiting, self.queued, j)
 
     def since(self, submitted: Mapping[tuple[str, str], int]) -> dict[tuple[str, str], int]:
         """(tenant, kind) -> jobs submitted after the loop read the store (``submitted``: the store's count

@@ -25,7 +25,7 @@ def job_view(j: JobRow, now_s: float, *, detail: bool = False,
     with ``detail``): the model's fields read from the row, but for those computed here; why it waits from
     the reconcile loop's newest ``view`` (none without one)."""
     model = sc.JobDetail if detail else sc.Job
-    w = view.waiting.get(j.id) if view is not None else None
+    w = view.why(j) if view is not None else None
     waiting = (sc.Waiting(reason=w.reason, until_s=w.until_s)
                if w is not None and State(j.state) in (State.PENDING, State.RUNNING) else None)
     return answer(model(

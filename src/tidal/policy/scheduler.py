@@ -15,7 +15,6 @@ With ``why``, the call also says why each job waits (:class:`~tidal.model.Waitin
 from __future__ import annotations
 
 from functools import lru_cache
-from operator import attrgetter
 
 from tidal.model import Decision, Job, Preempt, Shrink, Snapshot, Waiting
 from tidal.policy.scheduling.config import SchedulerConfig
@@ -27,7 +26,7 @@ from tidal.policy.scheduling.placement import fits, place
 from tidal.policy.scheduling.reclaim import reclaim_step
 from tidal.policy.scheduling.targets import preempt_for
 
-__all__ = ["RunningIndex", "SchedulerConfig", "schedule"]
+__all__ = ["RunningIndex", "SchedulerConfig", "queued_behind", "schedule"]
 
 
 def schedule(snapshot: Snapshot, config: SchedulerConfig | None = None, index: RunningIndex | None = None,
@@ -36,7 +35,10 @@ def schedule(snapshot: Snapshot, config: SchedulerConfig | None = None, index: R
 
     ``index``: a :class:`~tidal.policy.scheduling.index.RunningIndex` kept by a caller that schedules the
     same pool call after call (step 1 then costs O(jobs changed); the same decisions). ``why``: filled in
-    with job id -> :class:`~tidal.model.Waiting` (O(pending jobs) more)."""
+    with job id -> :class:`~tidal.model.Waiting` for every job the call gave a reason of its own: each
+    pending job it looked at and did not admit, each queue's first job not admitted, each running job that
+    did not grow. Every other job of a queue waits behind that first one: :func:`queued_behind` of its queue
+    (O(queues) more, not O(pending jobs))."""
     cfg = config or SchedulerConfig()
     now = snapshot.now_s
     # 1. Snapshot.
@@ -166,32 +168,22 @@ def _no_room(c: Cycle, job: Job, searched: bool) -> str:
 
 
 def _explain_queues(c: Cycle, admitted: dict[str, tuple[int, Job]]) -> None:
-    """Pending jobs the admit step did not get to: the first of a queue waits on the cycle's limit, the
-    rest behind it (one reason for the rest of a queue, the same object from call to call while the queue's
-    reason is: a long queue costs a pass, not a message each, and its caller sees the reasons unchanged by
-    identity). A reason the admit step gave stands."""
+    """The first job of each queue that the admit step did not admit and gave no reason waits on the cycle's
+    limit; the rest of the queue behind it (:func:`queued_behind`, not written per job: a queue costs its
+    head, not a pass over its thousands)."""
     why = c.why
     assert why is not None
-    given = dict(why)
-    for key, q in c.snap.queues.items():
+    for q in c.snap.queues.values():
         ahead = next((j for j in q if j.id not in admitted), None)
-        if ahead is None:
-            continue
-        # (the rest: not naming the job ahead, so that their reasons stay put as the head moves; the whole
-        # queue given it in one pass of C, the admitted taken out after, as they are few)
-        why.update(dict.fromkeys(map(_ID, q), _behind(*key)))
-        if ahead.id not in given:
+        if ahead is not None and ahead.id not in why:
             why[ahead.id] = _NONE_FREE if c.free_for(ahead) == 0 else _turn(c.cfg.max_skips_per_cycle)
-    for jid in admitted:
-        why.pop(jid, None)
-    why.update(given)
-
-
-_ID = attrgetter("id")
 
 
 @lru_cache(maxsize=4096)
-def _behind(tenant: str, kind: str, priority: int) -> Waiting:
+def queued_behind(tenant: str, kind: str, priority: int) -> Waiting:
+    """Why a job of the queue ``(tenant, kind, priority)`` waits when the scheduler gave it no reason of its
+    own: behind the queue's first job, which has one (the same object from call to call: it does not name the
+    job ahead, so it stays put as the head moves)."""
     return Waiting(f"queued behind earlier jobs in tenant {tenant}'s {kind} queue at priority {priority}")
 
 
