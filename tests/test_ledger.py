@@ -44,3 +44,38 @@ def test_from_state_refuses_more_lent_than_the_node_has():
     state["loans"] = [["s9", 1, None]]
     with pytest.raises(ValueError, match="s9"):
         LoanLedger.from_state(state, TIMING)
+
+
+def test_loan_changes_name_every_loan_that_came_changed_or_went():
+    """``take_loan_changes`` (what the simulator hints to the scheduler's index) names every node whose
+    loan came, changed or went since the last call, with its loan now: the loans before, changed by
+    them, are the loans after, through plans that lend, move loan ends and take back, hand-backs, a
+    refused loan and a lost node."""
+    rng = np.random.default_rng(0)
+    nodes = {f"s{i}": 4 for i in range(6)}
+    led = LoanLedger(nodes, TIMING)
+    seen = dict(led.loans)
+    for step in range(300):
+        now = 100.0 * step
+        op = rng.integers(0, 4)
+        if op == 0:  # a plan: lend up to a level, reclaims with their notices
+            notices = rng.choice([50, 300, 600], rng.integers(0, 3))
+            reclaims = [Reclaim(gpus=int(rng.integers(1, 5)), by_s=now + 900.0, notice_s=now + float(n),
+                                deadline_s=now + 1000.0) for n in notices]
+            used = {n: int(rng.integers(0, 3)) for n in nodes}
+            led.apply_plan(_plan(int(rng.integers(0, 25)), reclaims), now, used)
+        elif op == 1 and led.loans:  # some GPUs handed back
+            node = str(rng.choice(sorted(led.loans)))
+            led.return_gpus(node, int(rng.integers(1, led.loans[node].gpus + 1)), now)
+        elif op == 2 and led.loans:  # the serving side refused a loan just made
+            node = str(rng.choice(sorted(led.loans)))
+            led.cancel_loan(node, 1)
+        elif op == 3 and step % 50 == 7:  # a node lost
+            node = str(rng.choice(sorted(led.cap)))
+            led.drop_node(node)
+        for node, ln in led.take_loan_changes().items():
+            if ln is None:
+                seen.pop(node, None)
+            else:
+                seen[node] = ln
+        assert seen == led.loans

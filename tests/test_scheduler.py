@@ -772,6 +772,44 @@ def test_incremental_index_gives_the_same_decisions(s, script):
 
 
 @FAST
+@given(worlds(), st.lists(st.tuples(st.booleans(), st.booleans(), st.sampled_from([0, 2, 4, 8]),
+                                    st.sampled_from([100.0, 400.0, math.inf])), min_size=1, max_size=10))
+def test_index_told_which_loans_changed_gives_the_same_decisions(s, script):
+    """An index told which loans changed since its last call (``RunningIndex.hint_loans``, as the simulator
+    tells it) and one told nothing (as the live plane) decide exactly what the full walk decides, call after
+    call as loans come, resize, move their end and go, and keep each loaned node's free GPUs, the loans'
+    finite ends and the GPUs lent as a walk over the loans finds them."""
+    hinted, plain = RunningIndex(), RunningIndex()
+    last: Snapshot | None = None
+    serving = {n.name for n in s.nodes if n.pool == "serving"}
+    for drain, on_s1, gpus, left in script:
+        node = "s1" if on_s1 else "s0"
+        if node in serving:  # one serving node's loan comes, resizes, ends sooner or later, or goes
+            loans = {ln.node: ln for ln in s.loans}
+            held = sum(j.placement.get(node, 0) for j in s.running)
+            if gpus == 0 and held == 0:
+                loans.pop(node, None)
+            elif gpus >= max(held, 1):
+                loans[node] = Loan(node, gpus, until_s=s.now_s + left)
+            s = Snapshot.build(s.now_s, s.nodes, s.tenants, s.jobs(), loans.values(), s.reclaims)
+        if last is not None:
+            was, now = {ln.node: ln for ln in last.loans}, {ln.node: ln for ln in s.loans}
+            changed = {n: now.get(n) for n in was.keys() | now.keys() if was.get(n) is not now.get(n)}
+            hinted.hint_loans(s.loans, last.loans, changed)
+        decisions = schedule(s, index=hinted)
+        assert decisions == schedule(s) == schedule(s, index=plain)
+        lent = {ln.node: ln for ln in s.loans}
+        assert hinted.loan_of == lent
+        assert hinted.loan_free == {n: ln.gpus - hinted.used.get(n, 0) for n, ln in lent.items()}
+        assert hinted.loan_ends == {n: ln.until_s for n, ln in lent.items() if ln.until_s != math.inf}
+        assert hinted.loaned_gpus == sum(ln.gpus for ln in s.loans)
+        last = s
+        s = apply(s, decisions)
+        s = settle(s, s.now_s + 400) if drain else Snapshot.build(s.now_s + 100, s.nodes, s.tenants, s.jobs(),
+                                                                   s.loans, s.reclaims)
+
+
+@FAST
 @given(st.lists(st.sets(st.sampled_from(["s0", "s1", "s2", "s3", "s4", "t0", "t1", "x9"])), min_size=1,
                 max_size=12))
 def test_index_keeps_the_loaned_nodes_as_loans_come_and_go(loaned):

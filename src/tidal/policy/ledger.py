@@ -26,7 +26,8 @@ class LoanLedger:
         self.cap = dict(nodes)  # node -> GPUs
         self.total = sum(self.cap.values())
         self.timing = timing
-        self.loans: dict[str, Loan] = {}
+        self.loans: dict[str, Loan] = {}  # written only where the node is also marked in loans_changed
+        self.loans_changed: dict[str, None] = {}  # nodes whose loan came, changed or went (take_loan_changes)
         self.lent = 0
         self.warming_on: dict[str, list[list[float]]] = {}  # node -> [[ready_s, gpus], ...]
         self.warming = 0
@@ -83,6 +84,7 @@ class LoanLedger:
                 continue
             self._take_warming(node, k)
             old = self.loans.get(node)
+            self.loans_changed[node] = None
             self.loans[node] = Loan(node, (old.gpus if old else 0) + k,
                                     until_s=old.until_s if old else math.inf)
             self.lent += k
@@ -125,6 +127,7 @@ class LoanLedger:
         else:
             order = []
         new_finite: set[str] = set()
+        changed = self.loans_changed
         i, left = 0, ends[0][1] if ends else 0
         for node in order:
             if i >= len(ends):
@@ -142,11 +145,21 @@ class LoanLedger:
             new_finite.add(node)
             if until != ln.until_s:
                 self.loans[node] = Loan(node, ln.gpus, until_s=until)
+                changed[node] = None
         for node in self._finite - new_finite:
             was = self.loans.get(node)
             if was is not None and was.until_s != math.inf:
                 self.loans[node] = Loan(node, was.gpus, until_s=math.inf)
+                changed[node] = None
         self._finite = new_finite
+
+    def take_loan_changes(self) -> dict[str, Loan | None]:
+        """Node -> its loan now (``None``: none) for the nodes whose loan came, changed or went since the
+        last call (for the scheduler's ``RunningIndex.hint_loans``)."""
+        loans = self.loans
+        out = {node: loans.get(node) for node in self.loans_changed}
+        self.loans_changed = {}
+        return out
 
     def return_gpus(self, node: str, gpus: int, now: float) -> float:
         """Carry out :class:`~tidal.model.ReturnGpus`; returns when those GPUs serve again."""
@@ -168,8 +181,10 @@ class LoanLedger:
             raise AssertionError(f"{what}: node has {ln.gpus if ln else 0} GPUs on loan")
         if gpus == ln.gpus:
             del self.loans[node]
+            self.loans_changed[node] = None
         else:
             self.loans[node] = Loan(node, ln.gpus - gpus, until_s=ln.until_s)
+            self.loans_changed[node] = None
         self.lent -= gpus
 
     def warm_done(self, node: str, now: float) -> None:
@@ -250,6 +265,7 @@ class LoanLedger:
                 raise ValueError(f"ledger state: loans[{node!r}] = {gpus} GPUs, node has "
                                  f"{led.cap.get(node, 0)}")
             led.loans[node] = Loan(node, int(gpus), until_s=math.inf if until is None else float(until))
+            led.loans_changed[node] = None
             led.lent += int(gpus)
         for node, entries in (state.get("warming") or {}).items():
             if node not in led.cap:

@@ -40,12 +40,10 @@ def schedule(snapshot: Snapshot, config: SchedulerConfig | None = None, index: R
     did not grow. Every other job of a queue waits behind that first one: :func:`queued_behind` of its queue
     (O(queues) more, not O(pending jobs))."""
     cfg = config or SchedulerConfig()
-    now = snapshot.now_s
     # 1. Snapshot.
     c = Cycle(snapshot, cfg, index)
     c.why = why
-    blocked = {ln.node for ln in snapshot.loans if ln.until_s - now < cfg.min_loan_left_s}
-    c.build_views(blocked)
+    c.build_views(c.blocked_loans())
     pending_spot = {key[0] for key, q in snapshot.queues.items() if key[1] == "spot" and q}
     c.compute_fair(pending_spot)
     # 2. Reclaim.

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from tidal.model import Job, Tenant, check_snapshot
+from tidal.model import Job, Loan, Tenant, check_snapshot
 from tidal.policy.ledger import for_takers
 from tidal.policy.loan import LoanContext
 from tidal.policy.scheduler import RunningIndex, schedule
@@ -76,6 +76,7 @@ class Engine:
         self.pstate = self.policy.initial_state() if self.policy is not None else None
         self.sched_index = RunningIndex()  # the scheduler's incremental per-node sums (same decisions)
         self.last_running: Sequence[Job] = ()  # the running jobs the index saw last (the object)
+        self.last_loans: Sequence[Loan] = ()  # ... and the loans
         ss = np.random.SeedSequence(config.seed)
         fail_seq, backlog_seq = ss.spawn(2)
         self.heap: list[tuple] = []
@@ -222,6 +223,8 @@ class Engine:
         added, removed = w.running.take_changes()  # what the index would otherwise find by comparing all
         self.sched_index.hint(snap.running, self.last_running, added, removed)
         self.last_running = snap.running
+        self.sched_index.hint_loans(snap.loans, self.last_loans, w.serving.take_loan_changes())  # (the same)
+        self.last_loans = snap.loans
         pending = sum(len(q) for q in snap.queues.values())
         self.max_pending = max(self.max_pending, pending)
         self.pending_per_call.append(pending)

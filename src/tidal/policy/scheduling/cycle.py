@@ -25,11 +25,13 @@ class Cycle:
         self.why: dict[str, Waiting] | None = None  # job id -> why it waits (only when asked)
         self.touched: set[str] = set()  # jobs that got a decision this call: not touched again
         self.tenants = {t.name: t for t in snap.tenants}
-        self.loans: dict[str, Loan] = dict(zip(map(_node, snap.loans), snap.loans, strict=True))
         self.index = index
         self._growable_src: dict[int, Job] | None = None  # the index's growable jobs
+        self._loan_free: dict[str, int] | None = None  # the index's free GPUs per loaned node
+        self._loan_ends: dict[str, float] | None = None  # the index's finite loan ends
         if index is not None and self._from_index(index):
             return
+        self.loans: dict[str, Loan] = dict(zip(map(_node, snap.loans), snap.loans, strict=True))
         self.pool_of: dict[str, str] = {}  # node -> "training" | "loan" (serving nodes without a loan: none)
         self.max_node_gpus = 1
         self.training_gpus = 0
@@ -69,10 +71,10 @@ class Cycle:
             else:
                 self.spot_held[j.tenant] += j.gpus - j.releasing_gpus
         self.used, self.draining0 = used, draining
-        self._init_rest(snap)
+        self._init_rest(snap, sum(map(_gpus, snap.loans)))
 
-    def _init_rest(self, snap: Snapshot) -> None:
-        self.loaned_gpus = sum(map(_gpus, snap.loans))
+    def _init_rest(self, snap: Snapshot, loaned_gpus: int) -> None:
+        self.loaned_gpus = loaned_gpus
         self.training = View("training", self.max_node_gpus)
         self.loan = View("loan", self.max_node_gpus)
         self.returned: dict[str, int] = {}  # loan node -> GPUs handed back this call
@@ -94,6 +96,13 @@ class Cycle:
             return False
         self.max_node_gpus, self.training_gpus = index.max_node_gpus, index.training_gpus
         # Read only after this: kept by the index across calls.
+        loans = index.loan_map(snap.loans)
+        if loans is None:  # (two loans name one node: not a valid snapshot, but decided as the walk does)
+            self.loans = dict(zip(map(_node, snap.loans), snap.loans, strict=True))
+            loaned_gpus = sum(map(_gpus, snap.loans))
+        else:
+            self.loans, self._loan_free, self._loan_ends = loans, index.loan_free, index.loan_ends
+            loaned_gpus = index.loaned_gpus
         self.pool_of, self._loan_order = index.loaned(self.loans.keys())
         self.ded_held = {t: index.ded_held.get(t, 0) for t in tenants}
         self.spot_held = {t: index.spot_held.get(t, 0) for t in tenants}
@@ -102,8 +111,15 @@ class Cycle:
         self.ded_low_priority = {t: min(p) for t, p in index.ded_prio.items() if p}
         self.ded_elastic = {t for t, k in index.ded_elastic.items() if k}
         self.used, self.draining0 = index.used, index.draining
-        self._init_rest(snap)
+        self._init_rest(snap, loaned_gpus)
         return True
+
+    def blocked_loans(self) -> set[str]:
+        """The loaned nodes whose loan ends within ``min_loan_left_s``: not offered for placement."""
+        now, left = self.now, self.cfg.min_loan_left_s
+        if self._loan_ends is not None:  # (the index's loans with a finite end: the others never are)
+            return {n for n, until in self._loan_ends.items() if until - now < left}
+        return {ln.node for ln in self.snap.loans if ln.until_s - now < left}
 
     def build_views(self, blocked_loans: set[str]) -> None:
         """Fill the training and loan views from the node list (O(nodes))."""
@@ -147,7 +163,10 @@ class Cycle:
             tv.draining[name] = drain[name]
         # View.add for every loaned node in node order, column by column (the order kept by the index)
         names = self._loan_order
-        free_of = [loans[n].gpus - used_get(n, 0) for n in names]
+        if self._loan_free is not None:  # kept by the index
+            free_of = list(map(self._loan_free.__getitem__, names))
+        else:
+            free_of = [loans[n].gpus - used_get(n, 0) for n in names]
         lv.free = dict(zip(names, free_of, strict=True))
         lfree = lv.free
         for name in sorted((n for n in drain if n in lfree), key=pos.__getitem__):

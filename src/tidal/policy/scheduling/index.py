@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from array import array
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from itertools import repeat
 from operator import attrgetter
@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from tidal.model import Job, Node
+from tidal.model import Job, Loan, Node
 
 
 class RunningIndex:
@@ -38,6 +38,7 @@ class RunningIndex:
         self.group_code: dict[tuple[int, str], int] = {}  # (priority, tenant) of spot jobs -> code, for life
         self.group_key: list[tuple[int, str]] = []  # code -> (priority, tenant)
         self._hint: tuple | None = None  # (running, since, added, removed), see hint()
+        self._loan_hint: tuple | None = None  # (loans, since, changed), see hint_loans()
         self.ckpt_reported = False  # the caller reports every in-place move of last_ckpt_s (ckpt_moved())
         self._reset_jobs()
 
@@ -85,6 +86,12 @@ class RunningIndex:
         self._free: list[int] = []
         self._overflow: dict[int, Job] = {}  # listed jobs whose priority does not fit int64
         self._spot_cols: SpotColumns | None = None
+        # The loans of the last loan_map() and sums over them (they depend on ``used``: rebuilt with it).
+        self._loans_seen: Sequence[Loan] | None = None  # the last call's loans (the object)
+        self.loan_of: dict[str, Loan] = {}  # node -> its loan
+        self.loan_free: dict[str, int] = {}  # node outside the training pool -> GPUs lent less those held
+        self.loan_ends: dict[str, float] = {}  # node -> its loan's until_s, for the loans with a finite end
+        self.loaned_gpus = 0
 
     def nodes(self, nodes: Sequence[Node]) -> bool:
         """Bring the node tables to ``nodes`` (rebuilt, and the job sums with them, unless it is the
@@ -229,6 +236,50 @@ class RunningIndex:
         match (a few cheap checks fall back to the full comparison)."""
         self._hint = (running, since, added, removed)
 
+    def hint_loans(self, loans: Sequence[Loan], since: Sequence[Loan], changed: Mapping[str, Loan | None]
+                   ) -> None:
+        """``loans`` (the next snapshot's object) is ``since`` (the previous call's object) but for the nodes
+        ``changed`` (node -> its loan now, ``None``: none): the next :meth:`loan_map` costs O(changes).
+        Ignored unless both objects match (and the count of loans checks out)."""
+        self._loan_hint = (loans, since, changed)
+
+    def loan_map(self, loans: Sequence[Loan]) -> dict[str, Loan] | None:
+        """This call's ``loans`` by node (read only, valid for this call), with :attr:`loan_free`,
+        :attr:`loan_ends` and :attr:`loaned_gpus` brought to them: from the loans that changed if
+        :meth:`hint_loans` said which, else from all. ``None`` if two loans name one node. Call
+        :meth:`update` first (the free counts are of its ``used``)."""
+        hint, self._loan_hint = self._loan_hint, None
+        if hint is not None and hint[0] is loans and hint[1] is self._loans_seen and hint[1] is not None:
+            of, free, ends, used, training = (self.loan_of, self.loan_free, self.loan_ends, self.used,
+                                              self._node_gpus)
+            for node, ln in hint[2].items():
+                old = of.pop(node, None)
+                if old is not None:
+                    self.loaned_gpus -= old.gpus
+                    ends.pop(node, None)
+                    free.pop(node, None)
+                if ln is not None:
+                    of[node] = ln
+                    self.loaned_gpus += ln.gpus
+                    if ln.until_s != math.inf:
+                        ends[node] = ln.until_s
+                    if node not in training:
+                        free[node] = ln.gpus - used.get(node, 0)
+            if len(of) == len(loans):
+                self._loans_seen = loans
+                return of
+        self._loans_seen = None
+        of = dict(zip(map(_node, loans), loans, strict=True))
+        if len(of) != len(loans):
+            return None
+        used_get, training = self.used.get, self._node_gpus
+        self.loan_of = of
+        self.loan_free = {n: ln.gpus - used_get(n, 0) for n, ln in of.items() if n not in training}
+        self.loan_ends = {n: ln.until_s for n, ln in of.items() if ln.until_s != math.inf}
+        self.loaned_gpus = sum(map(_gpus, loans))
+        self._loans_seen = loans
+        return of
+
     def ckpt_moved(self, jobs: Iterable[Job]) -> None:
         """``jobs`` whose ``last_ckpt_s`` moved in place since the last report. From the first report on the
         index keeps that column itself, so the caller must report every move before the next call."""
@@ -273,7 +324,7 @@ class RunningIndex:
         self._running = running
 
     def _account(self, j: Job, sign: int) -> None:
-        used, drain, tfree = self.used, self.draining, self.train_free
+        used, drain, tfree, loan_free = self.used, self.draining, self.train_free, self.loan_free
         on_training = False
         others = []
         for node, g in j.placement.items():
@@ -289,6 +340,9 @@ class RunningIndex:
                     self.train_open.discard(node)
             else:
                 others.append(node)
+                lf = loan_free.get(node)
+                if lf is not None:
+                    loan_free[node] = lf - sign * g
         key = id(j)
         rel = j.releasing_gpus
         if rel:
@@ -446,6 +500,7 @@ __all__ = ["RunningIndex", "SpotColumns"]
 
 
 _last_ckpt_s = attrgetter("last_ckpt_s")
+_node, _gpus = attrgetter("node"), attrgetter("gpus")
 
 
 def _add(counts: dict[str, int], key: str, delta: int) -> None:
