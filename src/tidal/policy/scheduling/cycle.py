@@ -97,13 +97,14 @@ class Cycle:
         self.max_node_gpus, self.training_gpus = index.max_node_gpus, index.training_gpus
         # Read only after this: kept by the index across calls.
         loans = index.loan_map(snap.loans)
+        moved = None
         if loans is None:  # (two loans name one node: not a valid snapshot, but decided as the walk does)
             self.loans = dict(zip(map(_node, snap.loans), snap.loans, strict=True))
             loaned_gpus = sum(map(_gpus, snap.loans))
         else:
             self.loans, self._loan_free, self._loan_ends = loans, index.loan_free, index.loan_ends
-            loaned_gpus = index.loaned_gpus
-        self.pool_of, self._loan_order = index.loaned(self.loans.keys())
+            loaned_gpus, moved = index.loaned_gpus, index.loans_moved
+        self.pool_of, self._loan_order = index.loaned(self.loans.keys(), moved)
         self.ded_held = {t: index.ded_held.get(t, 0) for t in tenants}
         self.spot_held = {t: index.spot_held.get(t, 0) for t in tenants}
         self.growable = None  # listed by growable_jobs() only if the grow step runs (spare GPUs)

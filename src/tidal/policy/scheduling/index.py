@@ -92,6 +92,7 @@ class RunningIndex:
         self.loan_free: dict[str, int] = {}  # node outside the training pool -> GPUs lent less those held
         self.loan_ends: dict[str, float] = {}  # node -> its loan's until_s, for the loans with a finite end
         self.loaned_gpus = 0
+        self.loans_moved: tuple[list[str], list[str]] | None = None  # (came, went) at the last loan_map()
 
     def nodes(self, nodes: Sequence[Node]) -> bool:
         """Bring the node tables to ``nodes`` (rebuilt, and the job sums with them, unless it is the
@@ -117,32 +118,45 @@ class RunningIndex:
             return False
         return True
 
-    def loaned(self, names: AbstractSet[str]) -> tuple[dict[str, str], list[str]]:
+    def loaned(self, names: AbstractSet[str], moved: tuple[list[str], list[str]] | None = None
+               ) -> tuple[dict[str, str], list[str]]:
         """While the nodes ``names`` are on loan: node -> ``"training"`` for the training pool's nodes and
         ``"loan"`` for the loaned ones outside it, and those loaned ones in node order. Both are kept across
-        calls, changed by the nodes whose loan came or went (set differences aside), and read only: valid
+        calls, changed by the nodes whose loan came or went (set differences aside, or ``moved``: (came,
+        went) since the last call's ``names``, as :meth:`loan_map` finds them), and read only: valid
         until the next call. Call :meth:`nodes` first."""
-        had, pool_of, order, at = self._loaned, self._pool_of, self._loan_order, self._loan_pos
+        had, pool_of, order = self._loaned, self._pool_of, self._loan_order
+        if moved is not None:  # O(nodes that came or went)
+            others = self.other_nodes
+            self._move_loaned([n for n in moved[0] if n in others and n not in had],
+                              [n for n in moved[1] if n in had])
+            return pool_of, order
         if had == names:  # the same loaned nodes (the usual case: one set comparison, no new set)
             return pool_of, order
         now = self.other_nodes.intersection(names)
         if now != had:
-            pos = self.pos
-            for name in had - now:
-                i = bisect_left(at, pos[name])
-                del at[i], order[i], pool_of[name]
-                self._loan_moved(name, -1, name not in self._blocked)
-                self._placeable.discard(name)
-            for name in now - had:
-                i = bisect_left(at, pos[name])
-                at[i:i] = (pos[name],)  # (slice assignment moves the tail by memmove, insert() by a loop)
-                order[i:i] = (name,)
-                pool_of[name] = "loan"
-                self._loan_moved(name, +1, name not in self._blocked)
-                if name not in self._blocked:
-                    self._placeable.add(name)
-            self._loaned = now
+            self._move_loaned(now - had, had - now)
         return pool_of, order
+
+    def _move_loaned(self, came: Iterable[str], went: Iterable[str]) -> None:
+        """The nodes ``came`` (outside the training pool, not loaned) are loaned now, ``went`` no more."""
+        pos, at, order, pool_of = self.pos, self._loan_pos, self._loan_order, self._pool_of
+        loaned = self._loaned
+        for name in went:
+            i = bisect_left(at, pos[name])
+            del at[i], order[i], pool_of[name]
+            self._loan_moved(name, -1, name not in self._blocked)
+            self._placeable.discard(name)
+            loaned.discard(name)
+        for name in came:
+            i = bisect_left(at, pos[name])
+            at[i:i] = (pos[name],)  # (slice assignment moves the tail by memmove, insert() by a loop)
+            order[i:i] = (name,)
+            pool_of[name] = "loan"
+            loaned.add(name)
+            self._loan_moved(name, +1, name not in self._blocked)
+            if name not in self._blocked:
+                self._placeable.add(name)
 
     def spot_on_loans(self, blocked: set[str]) -> tuple[dict[str, int], dict[str, int]]:
         """For the loaned nodes of the last :meth:`loaned` with ``blocked`` not open to placement: the ids
@@ -246,18 +260,25 @@ class RunningIndex:
     def loan_map(self, loans: Sequence[Loan]) -> dict[str, Loan] | None:
         """This call's ``loans`` by node (read only, valid for this call), with :attr:`loan_free`,
         :attr:`loan_ends` and :attr:`loaned_gpus` brought to them: from the loans that changed if
-        :meth:`hint_loans` said which, else from all. ``None`` if two loans name one node. Call
-        :meth:`update` first (the free counts are of its ``used``)."""
+        :meth:`hint_loans` said which (then :attr:`loans_moved` says which nodes' loans came and went, for
+        :meth:`loaned`), else from all. ``None`` if two loans name one node. Call :meth:`update` first (the
+        free counts are of its ``used``)."""
         hint, self._loan_hint = self._loan_hint, None
         if hint is not None and hint[0] is loans and hint[1] is self._loans_seen and hint[1] is not None:
             of, free, ends, used, training = (self.loan_of, self.loan_free, self.loan_ends, self.used,
                                               self._node_gpus)
+            came: list[str] = []
+            went: list[str] = []
             for node, ln in hint[2].items():
                 old = of.pop(node, None)
                 if old is not None:
                     self.loaned_gpus -= old.gpus
                     ends.pop(node, None)
                     free.pop(node, None)
+                    if ln is None:
+                        went.append(node)
+                elif ln is not None:
+                    came.append(node)
                 if ln is not None:
                     of[node] = ln
                     self.loaned_gpus += ln.gpus
@@ -267,8 +288,10 @@ class RunningIndex:
                         free[node] = ln.gpus - used.get(node, 0)
             if len(of) == len(loans):
                 self._loans_seen = loans
+                self.loans_moved = (came, went)
                 return of
         self._loans_seen = None
+        self.loans_moved = None
         of = dict(zip(map(_node, loans), loans, strict=True))
         if len(of) != len(loans):
             return None
