@@ -105,7 +105,8 @@ def test_push_row_and_clip_are_vstack_and_clip() -> None:
 
 def test_refresh_checkpoints_returns_exactly_the_jobs_it_moved() -> None:
     """``World.refresh_checkpoints`` hands back the ``Job`` objects whose ``last_ckpt_s`` it moved in place
-    (what the scheduler's ``RunningIndex.ckpt_moved`` is told): every moved one, the store's object."""
+    (what the scheduler's ``RunningIndex.ckpt_moved`` is told): every moved one, the store's object, with
+    its new time."""
     cfg = make_config(serving_gpus=8, training_gpus=16, days=1, restart_s=100.0)
     w = World(cfg, [Tenant("a", quota_gpus=16)], lambda *e: None, np.random.default_rng(0))
     for jid in ("j1", "j2"):
@@ -114,10 +115,11 @@ def test_refresh_checkpoints_returns_exactly_the_jobs_it_moved() -> None:
     seen = 0
     for t in np.arange(0.0, 20000.0, 250.0):
         before = {jid: w.jobs[jid].job.last_ckpt_s for jid in ("j1", "j2")}
-        moved = w.refresh_checkpoints(float(t))
+        moved, times = w.refresh_checkpoints(float(t))
         changed = {jid for jid in before if w.jobs[jid].job.last_ckpt_s != before[jid]}
         assert {j.id for j in moved} >= changed
         assert all(j is w.jobs[j.id].job for j in moved)
+        assert times == [j.last_ckpt_s for j in moved]
         seen += len(changed)
     assert seen >= 4  # checkpoints did move, more than once each
 

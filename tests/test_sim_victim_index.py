@@ -98,7 +98,10 @@ def test_kept_victim_orders_equal_the_walk_as_jobs_come_go_and_checkpoint(specs,
     for k, ck in moves:  # the simulator's in-place refresh
         if k < len(jobs):
             object.__setattr__(jobs[k], "last_ckpt_s", ck)
-    rep.ckpt_moved([jobs[k] for k, _ in moves if k < len(jobs)] + [jobs[0]])  # repeats and unmoved: harmless
+    told = [jobs[k] for k, _ in moves if k < len(jobs)] + [jobs[0]]  # repeats and unmoved: harmless
+    half = len(told) // 2  # told with their times (as the simulator does) and without
+    rep.ckpt_moved(told[:half], [j.last_ckpt_s for j in told[:half]])
+    rep.ckpt_moved(told[half:])
     assert _victim_orders(s, idx) == _victim_orders(s, None) == _victim_orders(s, rep)
     _kept_ckpt_is_the_jobs(rep)
     if gone < len(jobs):  # one job leaves, one changes (a new object), two arrive

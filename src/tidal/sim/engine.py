@@ -218,7 +218,7 @@ class Engine:
 
     def _schedule(self, t: float) -> None:
         w = self.world
-        self.sched_index.ckpt_moved(w.refresh_checkpoints(t))  # the index keeps the checkpoint column
+        self.sched_index.ckpt_moved(*w.refresh_checkpoints(t))  # the index keeps the checkpoint column
         snap = w.snapshot(t)
         added, removed = w.running.take_changes()  # what the index would otherwise find by comparing all
         self.sched_index.hint(snap.running, self.last_running, added, removed)

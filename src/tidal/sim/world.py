@@ -535,14 +535,14 @@ class World:
         persist = dict.fromkeys((j.id for j in jobs), self.cfg.ckpt.persist_s)
         return list(plan_ckpt_intervals(snap, self.cfg.ckpt_interval, persist))
 
-    def refresh_checkpoints(self, now: float) -> list[Job]:
+    def refresh_checkpoints(self, now: float) -> tuple[list[Job], list[float]]:
         """Bring ``Job.last_ckpt_s`` (the victim order's "least work lost") up to ``now``; returns the jobs
-        it moved (for ``RunningIndex.ckpt_moved``). Set in place on the store's own frozen object (as
-        ``ckpt_interval_s`` in :meth:`set_interval`): a rebuild per checkpoint would cost more than the
-        rest of the simulator, and no snapshot outlives a scheduling call."""
+        it moved and their new times (for ``RunningIndex.ckpt_moved``). Set in place on the store's own
+        frozen object (as ``ckpt_interval_s`` in :meth:`set_interval`): a rebuild per checkpoint would cost
+        more than the rest of the simulator, and no snapshot outlives a scheduling call."""
         sjs, cts = self.durable.refresh(now)
         moved = [sj.job for sj in sjs]
         set_field = object.__setattr__
         for job, ct in zip(moved, cts, strict=True):
             set_field(job, "last_ckpt_s", ct)
-        return moved
+        return moved, cts

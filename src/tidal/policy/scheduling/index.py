@@ -303,9 +303,11 @@ class RunningIndex:
         self._loans_seen = loans
         return of
 
-    def ckpt_moved(self, jobs: Iterable[Job]) -> None:
-        """``jobs`` whose ``last_ckpt_s`` moved in place since the last report. From the first report on the
-        index keeps that column itself, so the caller must report every move before the next call."""
+    def ckpt_moved(self, jobs: Iterable[Job], times: Sequence[float | None] | None = None) -> None:
+        """``jobs`` whose ``last_ckpt_s`` moved in place since the last report (``times``: their new
+        ``last_ckpt_s`` in the same order, if the caller has them at hand: not read from the jobs again).
+        From the first report on the index keeps that column itself, so the caller must report every move
+        before the next call."""
         self.ckpt_reported = True
         jobs = list(jobs)
         if not jobs:
@@ -315,8 +317,8 @@ class RunningIndex:
         rows = np.fromiter(map(self.row_of.get, map(id, jobs), repeat(-1)), dtype=np.intp, count=len(jobs))
         listed = rows >= 0
         if listed.any():
-            times = np.array(list(map(_last_ckpt_s, jobs)), dtype=np.float64)  # None -> NaN
-            self._table.ckpt[rows[listed]] = times[listed]
+            col = np.array(list(map(_last_ckpt_s, jobs)) if times is None else times, dtype=np.float64)
+            self._table.ckpt[rows[listed]] = col[listed]  # (None -> NaN)
             self._spot_cols = None
 
     def update(self, running: Sequence[Job]) -> None:
