@@ -765,6 +765,7 @@ def test_incremental_index_gives_the_same_decisions(s, script):
             assert schedule(other, index=idx) == schedule(other)
         decisions = schedule(s, index=idx)
         assert decisions == schedule(s)
+        assert idx.train_open == [n for n, f in idx.train_free.items() if f > 0]  # kept in node order
         other = s
         s = apply(s, decisions)
         s = settle(s, s.now_s + 400) if drain else Snapshot.build(s.now_s + 100, s.nodes, s.tenants, s.jobs(),

@@ -150,12 +150,7 @@ class Cycle:
         tb = tv.buckets
         total = 0
         tfree = index.train_free
-        opened = index.train_open
-        if 8 * len(opened) > len(tfree):  # many open: filter the node-ordered table instead of sorting
-            ordered = [name for name, f in tfree.items() if f > 0]
-        else:
-            ordered = sorted(opened, key=pos.__getitem__)
-        for name in ordered:
+        for name in index.train_open:  # (in node order)
             f = tv.free[name]
             tb[f][name] = None
             total += f

@@ -58,7 +58,9 @@ class RunningIndex:
         self.grow_job: dict[str, Job] = {}
         self.grow_repeats = 0  # growable jobs whose id another has (invalid snapshots only)
         self.train_free: dict[str, int] = dict(self._node_gpus)  # training node -> GPUs free, in node order
-        self.train_open: set[str] = {n for n, g in self.train_free.items() if g > 0}  # ... with free GPUs
+        # ... those with free GPUs, in node order (with their positions, sorted)
+        self.train_open: list[str] = [n for n, g in self.train_free.items() if g > 0]
+        self._open_pos: list[int] = [self.pos[n] for n in self.train_open] if self.train_open else []
         # The victim index's inputs (``victims.VictimIndex``), over running jobs not releasing:
         self.spot_jobs: dict[int, Job] = {}  # id(job) -> spot job
         self.spot_on_training: set[str] = set()  # ids of those spot jobs with GPUs on a training node
@@ -359,10 +361,17 @@ class RunningIndex:
                 on_training = True
                 f -= sign * g
                 tfree[node] = f
-                if f > 0:
-                    self.train_open.add(node)
-                else:
-                    self.train_open.discard(node)
+                was = f + sign * g
+                if (f > 0) != (was > 0):  # it opened or filled up: keep the open nodes in node order
+                    p = self.pos[node]
+                    at = self._open_pos
+                    if f > 0:
+                        i = bisect_left(at, p)
+                        at[i:i] = (p,)
+                        self.train_open[i:i] = (node,)
+                    else:
+                        i = bisect_left(at, p)
+                        del at[i], self.train_open[i]
             else:
                 others.append(node)
                 lf = loan_free.get(node)
