@@ -48,7 +48,8 @@ Controller.step = timed
 w = workload(int(os.environ["STEP_AB_JOBS"]), int(os.environ["STEP_AB_NODES"]), 8, span_s=5760, tenants=200,
              skew=0.5)
 out = run_plane(w, 7200, step_s=60, t0=time.time() - 7200, db_url=os.environ.get("STEP_AB_DB") or None)
-r = {k: out[k] for k in ("step_p50_s", "step_p99_s", "admissions", "held_gpu_hours", "peak_waiting")}
+r = {k: out[k] for k in ("step_p50_s", "step_p99_s", "admissions", "held_gpu_hours", "peak_waiting",
+                        "peak_running")}
 r |= {"step_cpu_p50_s": float(np.percentile(cpu, 50)), "step_cpu_p99_s": float(np.percentile(cpu, 99))}
 print(json.dumps(r))
 """
