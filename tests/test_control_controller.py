@@ -587,10 +587,15 @@ def test_why_a_job_waits_is_the_schedulers_own_published_with_each_step_and_gone
     assert job_view(store.job(c), clock(), view=ctl.published.view)["waiting"]["reason"] == told.reason
     ex.exit(a, 0)
     ctl.step(clock.advance(1))
+    emptied = ctl.published.view if state(store, c) != "pending" else None  # (the step that admitted c)
     ctl.step(clock.advance(1))
     view = ctl.published.view
     assert state(store, b) in ("admitted", "running") and b not in view.waiting
     assert job_view(store.job(b), clock(), view=view)["waiting"] is None
+    assert state(store, c) in ("admitted", "running")
+    d = submit(store, "lab", clock(), name="d", gpus=2)  # (its queue emptied by the step that admitted c)
+    for v in (emptied or view, view):
+        assert job_view(store.job(d), clock(), view=v)["waiting"] is None  # (no job ahead: none until a step)
     assert "waiting" not in {c["name"] for c in sa.inspect(store.engine).get_columns("jobs")}  # (not stored)
     ctl2 = Controller(store, ex, CFG, ckpt_root=tmp_path / "jobs", publish=True)
     assert ctl2.published.view is None

@@ -129,7 +129,7 @@ class Controller:
         # job id -> why it waited or did not grow at the newest step (the scheduler's reasons, published with
         # the view: made afresh at every step, so not stored)
         self._waiting: dict[str, Waiting] = {}
-        self._queued: frozenset[QueueKey] = frozenset()  # the queues that held jobs at the step
+        self._queued: frozenset[QueueKey] = frozenset()  # the queues with jobs still waiting after the step
         if loans is not None:
             serving = {n.name: n.gpus for n in self.nodes if n.pool == "serving"}
             doc = store.get_doc(LOANS_DOC)
@@ -219,7 +219,9 @@ class Controller:
                 self._start_recorded(now_s)
             finally:
                 self._to_start = {}  # (raised: the batch's rollback took the attempts not yet started)
-        self._waiting, self._queued = why or {}, frozenset(k for k, q in snap.queues.items() if q)
+        admitted = {d.job for d in decisions if isinstance(d, Admit)}
+        self._waiting = why or {}
+        self._queued = frozenset(k for k, q in snap.queues.items() if any(j.id not in admitted for j in q))
         self._save_loans(now_s)
         self.sweep_shm(now_s)
         self._check_ckpt_quota(now_s)

@@ -85,8 +85,9 @@ def held_job(j: JobRow) -> HeldJob:
 
 def told(waiting: Mapping[str, Waiting], queued: frozenset[QueueKey], j: JobRow) -> Waiting | None:
     """Why ``j`` waits or does not grow by the scheduler's reasons at a step (``waiting``): its own, else,
-    pending in one of the queues that held jobs then (``queued``), behind its queue's first job
-    (:func:`~tidal.policy.scheduler.queued_behind`: the scheduler names each queue's first job only)."""
+    pending in one of the queues with jobs still waiting after the step (``queued``), behind its queue's
+    first job (:func:`~tidal.policy.scheduler.queued_behind`: the scheduler names each queue's first job
+    only); a job alone in its queue since has none until the next step."""
     w = waiting.get(j.id)
     if w is None and j.state == State.PENDING and (key := (j.tenant, j.kind, j.priority)) in queued:
         return queued_behind(*key)
@@ -117,7 +118,7 @@ class PlaneView:
     (:attr:`Store.taken_submits`); ``loans``: the live loans' view at the step, if the plane lends
     (:meth:`tidal.control.loans.LiveLoans.view`); ``waiting``: job id -> why it waited or did not grow at
     the step (the scheduler's own reasons, ``schedule(..., why=)``: made afresh at every step, so kept
-    nowhere else); ``queued``: the queues that held jobs at the step (:meth:`why`)."""
+    nowhere else); ``queued``: the queues with jobs still waiting after the step (:meth:`why`)."""
 
     step: int
     as_of_s: float
