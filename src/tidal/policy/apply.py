@@ -34,29 +34,37 @@ _SET = object.__setattr__
 _JOB_FIELDS = tuple(f.name for f in fields(Job))  # every slot, the derived ones (gpus, ...) included
 
 
-def job_with(job: Job, **changes) -> Job:
+def job_with(job: Job, in_place: bool = False, **changes) -> Job:
     """``dataclasses.replace(job, **changes)``, 3x faster for a store's frequent state changes: the request
-    fields are copied unchecked (``changes`` must not touch them); only the GPU counts are recomputed."""
-    out = object.__new__(Job)
-    for name in _JOB_FIELDS:
-        _SET(out, name, getattr(job, name))
-    for name, v in changes.items():
-        _SET(out, name, v)
-    if "placement" in changes or "releasing" in changes:
-        placement, releasing = out.placement, out.releasing
+    fields are copied unchecked (``changes`` must not touch them); only the GPU counts are recomputed.
+    ``in_place``: ``job`` itself changed, not a copy (for a store's own object that nothing else holds: the
+    simulator's pending jobs, referenced only by their queue)."""
+    resized = "placement" in changes or "releasing" in changes
+    if resized:
+        placement = changes.get("placement", job.placement)
+        releasing = changes.get("releasing", job.releasing)
         if not all(0 < r <= placement.get(n, 0) for n, r in releasing.items()):
             replace(job, **changes)  # raises ValueError naming the field
             raise AssertionError(f"{job.id!r}: releasing {releasing} exceeds placement {placement}")
+    if in_place:
+        out = job
+    else:
+        out = object.__new__(Job)
+        for name in _JOB_FIELDS:
+            _SET(out, name, getattr(job, name))
+    for name, v in changes.items():
+        _SET(out, name, v)
+    if resized:
         _SET(out, "gpus", sum(placement.values()))
         _SET(out, "releasing_gpus", sum(releasing.values()) if releasing else 0)
     return out
 
 
-def admitted(job: Job, d: Admit, now_s: float) -> Job:
-    """Pending ``job`` after :class:`Admit` ``d`` at ``now_s``."""
+def admitted(job: Job, d: Admit, now_s: float, in_place: bool = False) -> Job:
+    """Pending ``job`` after :class:`Admit` ``d`` at ``now_s`` (``in_place``: see :func:`job_with`)."""
     if job.running:
         raise IllegalDecision(f"{d}: job {job.id!r} already holds {job.gpus} GPUs")
-    return job_with(job, placement=dict(d.placement), started_s=now_s, nominated_s=None)
+    return job_with(job, in_place, placement=dict(d.placement), started_s=now_s, nominated_s=None)
 
 
 def grown(job: Job, d: Grow, now_s: float) -> Job:
@@ -84,10 +92,11 @@ def preempted(job: Job, d: Preempt, now_s: float) -> Job:
     return job_with(job, releasing=dict(job.placement), last_preempted_s=now_s)
 
 
-def nominated(job: Job, now_s: float) -> Job:
+def nominated(job: Job, now_s: float, in_place: bool = False) -> Job:
     """``job`` after others were shrunk or preempted for it at ``now_s`` (``Shrink``/``Preempt``
-    ``for_job``): a pending job is nominated; a running one is left as it is."""
-    return job if job.running else job_with(job, nominated_s=now_s)
+    ``for_job``): a pending job is nominated; a running one is left as it is (``in_place``: see
+    :func:`job_with`)."""
+    return job if job.running else job_with(job, in_place, nominated_s=now_s)
 
 
 def interval_set(job: Job, d: SetCkptInterval, now_s: float) -> Job:

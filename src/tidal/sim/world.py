@@ -34,7 +34,7 @@ from tidal.model import (
     arrival,
     queue_key,
 )
-from tidal.policy.apply import admitted, grown, job_with, preempted, shrunk
+from tidal.policy.apply import admitted, grown, job_with, nominated, preempted, shrunk
 from tidal.policy.ckpt_interval import plan_ckpt_intervals
 from tidal.policy.ledger import LoanLedger
 from tidal.sim.config import SimConfig
@@ -96,21 +96,6 @@ class SimJob:
                 loan += (end - start) * frac
                 secs += (end - start) / rate
         return loan, secs
-
-
-def _admitted_in_place(job: Job, d: Admit, now: float) -> Job:
-    """:func:`~tidal.policy.apply.admitted`, changing the pending ``job`` itself instead of a copy (~40 % of
-    the store's job copies). Safe here: a pending job is referenced only by its queue, which it has just
-    left, and the scheduler's ``RunningIndex`` tells jobs apart by object only among the running ones."""
-    if job.running:
-        return admitted(job, d, now)  # raises IllegalDecision
-    placement = dict(d.placement)
-    set_field = object.__setattr__
-    set_field(job, "placement", placement)
-    set_field(job, "started_s", now)
-    set_field(job, "nominated_s", None)
-    set_field(job, "gpus", sum(placement.values()))
-    return job
 
 
 def transition(j: SimJob, event: str) -> None:
@@ -371,7 +356,7 @@ class World:
         if sj.job.running:
             return
         self._dequeue(sj)
-        object.__setattr__(sj.job, "nominated_s", now)  # in place: see _admitted_in_place
+        sj.job = nominated(sj.job, now, in_place=True)  # (a pending job: referenced only by its queue)
         self._enqueue(sj)
 
     def _admit(self, d: Admit, now: float) -> None:
@@ -379,7 +364,7 @@ class World:
         transition(sj, "admit")
         self.counts["admissions"] += 1
         self._dequeue(sj)
-        sj.job = _admitted_in_place(sj.job, d, now)
+        sj.job = admitted(sj.job, d, now, in_place=True)  # (the RunningIndex tells running jobs by object)
         sj.held_since = now
         self._hold(sj, now, d.placement, +1)
         self.running[d.job] = sj.job
