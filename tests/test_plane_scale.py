@@ -174,6 +174,57 @@ def test_a_burst_from_one_tenant_is_refused_with_429_nothing_stored(tmp_path) ->
     assert store.count_by_state("a") == {"pending": 6}  # nothing stored for the refused ones
 
 
+
+def test_concurrent_submissions_of_one_tenant_never_pass_its_queue_cap(tmp_path) -> None:
+    """Twelve submissions of one tenant at once, its cap 3, each slow to store: three stored, nine refused
+    with 429 (the cap counts the submissions in flight, not only those stored); a submission refused for
+    another reason (422) leaves no count behind; another tenant goes on."""
+    import threading
+    import time
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from fastapi.testclient import TestClient
+    from tidal.control.api import ApiContext, create_app
+    from tidal.control.auth import create_tenant
+    from tidal.control.limits import SubmitLimits
+    from tidal.model import Node
+
+    store = new_store(tmp_path)
+    tokens = {t: create_tenant(store, t) for t in ("a", "b")}
+    stored = store.submit
+
+    def slow_submit(*args, **kw):  # (the real store, slower: every request is in flight at once)
+        time.sleep(0.2)
+        return stored(*args, **kw)
+
+    store.submit = slow_submit  # type: ignore[method-assign]
+    limits = SubmitLimits(max_queued=3)
+    ctx = ApiContext(store, [Node("n0", 8)], lambda j, r: None, FakeClock(), limits=limits)
+    http = TestClient(create_app(ctx))
+
+    def post(tenant: str, **spec):
+        return http.post("/v1/jobs", json={"name": "x", "gpus": 1, "command": ["true"], **spec},
+                         headers={"Authorization": f"Bearer {tokens[tenant]}"})
+
+    assert [post("a", priority=9).status_code for _ in range(4)] == [422] * 4  # (above its priority limit)
+    codes: list[int] = []
+    start = threading.Barrier(12)
+
+    def one() -> None:
+        start.wait()
+        codes.append(post("a").status_code)
+
+    threads = [threading.Thread(target=one) for _ in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(codes) == [201] * 3 + [429] * 9
+    assert store.count_by_state("a") == {"pending": 3}
+    assert post("b").status_code == 201
+
 @pytest.mark.slow
 def test_bench_plane_kill9_readopts_every_running_job(tmp_path) -> None:
     """``tidal bench plane`` small: ``tidal up`` adopts what the simulated hour left running, serves the

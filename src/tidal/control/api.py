@@ -235,10 +235,15 @@ def create_app(ctx: ApiContext) -> FastAPI:
         return spec if isinstance(spec, Response) else await run_in_threadpool(_submit, spec, me)
 
     def _submit(spec: JobSpec, me: TenantRow) -> Response:
-        if ctx.limits is not None and not me.admin and (no := ctx.limits.refuse(
-                me.name, lambda: _pending(me.name), ctx.clock())):
-            return SafeJSON({"detail": no[0]}, status_code=429,
-                            headers={"Retry-After": str(math.ceil(no[1]))})
+        if ctx.limits is None or me.admin:
+            return _store_submission(spec, me)
+        with ctx.limits.admit(me.name, lambda: _pending(me.name), ctx.clock()) as no:
+            if no is not None:
+                return SafeJSON({"detail": no[0]}, status_code=429,
+                                headers={"Retry-After": str(math.ceil(no[1]))})
+            return _store_submission(spec, me)  # (counted toward the tenant's cap until stored)
+
+    def _store_submission(spec: JobSpec, me: TenantRow) -> Response:
         problems = []
         limit = me.max_priority or 0
         if not me.admin and spec.priority > limit:

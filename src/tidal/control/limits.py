@@ -1,12 +1,15 @@
 """Per-tenant submission limits (``submit_rate_per_s`` with ``submit_burst``, ``max_queued_jobs`` in the
 plane's config): a burst from one tenant is refused at the API with 429 and the reason, nothing stored,
-instead of slowing the loop for everyone. The admin is not limited. Thread-safe (the API's workers)."""
+instead of slowing the loop for everyone. The admin is not limited. Thread-safe (the API's workers): the
+submissions of one tenant in flight count toward its cap until they are stored, so concurrent requests never
+pass it together."""
 
 from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 
 class SubmitLimits:
@@ -17,13 +20,45 @@ class SubmitLimits:
         self.rate_per_s, self.burst, self.max_queued = rate_per_s, max(burst, 1.0), max_queued
         self._buckets: dict[str, tuple[float, float]] = {}  # tenant -> (tokens, when counted)
         self._lock = threading.Lock()
+        self._tenant_locks: dict[str, threading.Lock] = {}  # tenant -> held while its cap is checked
+        self._in_flight: dict[str, int] = {}  # tenant -> submissions admitted and not yet stored
 
-    def refuse(self, tenant: str, queued: Callable[[], int], now_s: float) -> tuple[str, float] | None:
+    @contextmanager
+    def admit(self, tenant: str, queued: Callable[[], int], now_s: float
+              ) -> Iterator[tuple[str, float] | None]:
         """Why ``tenant`` may not submit now and in how many seconds to retry; None: it may (a token is
-        spent)."""
-        if self.max_queued and (n := queued()) >= self.max_queued:
-            return (f"tenant {tenant} has {n} jobs waiting, the most it may queue (max_queued_jobs = "
-                    f"{self.max_queued}): submit again once some have started", 30.0)
+        spent), and until the block ends (the submission stored, or refused for another reason) it counts
+        toward the tenant's cap. ``queued()``: the tenant's pending jobs, every stored submission counted."""
+        no = self._refuse(tenant, queued, now_s)
+        try:
+            yield no
+        finally:
+            if no is None and self.max_queued:
+                with self._lock:
+                    n = self._in_flight[tenant] - 1
+                    if n:
+                        self._in_flight[tenant] = n
+                    else:
+                        del self._in_flight[tenant]
+
+    def _refuse(self, tenant: str, queued: Callable[[], int], now_s: float) -> tuple[str, float] | None:
+        if self.max_queued:
+            with self._lock:
+                lock = self._tenant_locks.setdefault(tenant, threading.Lock())
+            with lock:  # (a submission leaves the in-flight count only once stored: queued() then has it)
+                n = queued() + self._in_flight.get(tenant, 0)
+                if n >= self.max_queued:
+                    return (f"tenant {tenant} has {n} jobs waiting, the most it may queue (max_queued_jobs = "
+                            f"{self.max_queued}): submit again once some have started", 30.0)
+                no = self._spend(tenant, now_s)
+                if no is None:
+                    with self._lock:
+                        self._in_flight[tenant] = self._in_flight.get(tenant, 0) + 1
+                return no
+        return self._spend(tenant, now_s)
+
+    def _spend(self, tenant: str, now_s: float) -> tuple[str, float] | None:
+        """The rate limit: a token spent, or why not."""
         if not self.rate_per_s:
             return None
         with self._lock:
