@@ -34,6 +34,21 @@ _SET = object.__setattr__
 _JOB_FIELDS = tuple(f.name for f in fields(Job))  # every slot, the derived ones (gpus, ...) included
 
 
+def _slot_copier(cls: type, names: Sequence[str]) -> Callable[[Any], Any]:
+    """A function copying an instance of the slotted (frozen) dataclass ``cls`` slot by slot, unchecked:
+    each slot set through its descriptor, by generated code (as ``dataclasses`` makes ``__init__``), less
+    than half the time of ``object.__setattr__`` by name in a loop."""
+    args = ", ".join(f"_s{i}=_d[{n!r}].__set__" for i, n in enumerate(names))
+    body = "".join(f"    _s{i}(out, obj.{n})\n" for i, n in enumerate(names))
+    src = f"def copy(obj, _new=_new, _cls=_cls, {args}):\n    out = _new(_cls)\n{body}    return out\n"
+    ns: dict[str, Any] = {"_new": object.__new__, "_cls": cls, "_d": {n: cls.__dict__[n] for n in names}}
+    exec(src, ns)  # noqa: S102 (the source is made above from the class's own field names)
+    return ns["copy"]
+
+
+_copy_job: Callable[[Job], Job] = _slot_copier(Job, _JOB_FIELDS)
+
+
 def job_with(job: Job, in_place: bool = False, **changes) -> Job:
     """``dataclasses.replace(job, **changes)``, 3x faster for a store's frequent state changes: the request
     fields are copied unchecked (``changes`` must not touch them); only the GPU counts are recomputed.
@@ -46,12 +61,7 @@ def job_with(job: Job, in_place: bool = False, **changes) -> Job:
         if not all(0 < r <= placement.get(n, 0) for n, r in releasing.items()):
             replace(job, **changes)  # raises ValueError naming the field
             raise AssertionError(f"{job.id!r}: releasing {releasing} exceeds placement {placement}")
-    if in_place:
-        out = job
-    else:
-        out = object.__new__(Job)
-        for name in _JOB_FIELDS:
-            _SET(out, name, getattr(job, name))
+    out = job if in_place else _copy_job(job)
     for name, v in changes.items():
         _SET(out, name, v)
     if resized:

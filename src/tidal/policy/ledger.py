@@ -10,9 +10,11 @@ GPUs handed back serve again after ``release_s + warmup_s``, and a lost node's l
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from itertools import chain, repeat
+
+import numpy as np
 
 from tidal.model import Loan, Reclaim
 from tidal.policy.apply import lowered
@@ -122,10 +124,10 @@ class LoanLedger:
             if nodes != self._sorted_for:  # the loaned nodes changed: sort their names again
                 self._sorted_for, self._sorted_names = nodes, sorted(nodes)
             names = self._sorted_names
-            use = list(map(used.get, names, repeat(0)))
-            order = [names[i] for i in sorted(range(len(names)), key=use.__getitem__)]
+            use = np.fromiter(map(used.get, names, repeat(0)), dtype=np.int64, count=len(names))
+            order: Iterable[str] = map(names.__getitem__, np.argsort(use, kind="stable").tolist())
         else:
-            order = []
+            order = ()
         new_finite: set[str] = set()
         changed = self.loans_changed
         i, left = 0, ends[0][1] if ends else 0

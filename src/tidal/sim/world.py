@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from operator import attrgetter
 from typing import cast, overload
 
 import numpy as np
@@ -40,6 +42,9 @@ from tidal.policy.ledger import LoanLedger
 from tidal.sim.config import SimConfig
 from tidal.sim.jobs import JobSpec
 from tidal.sim.progress import DurableTable, Segment
+
+_job_of = attrgetter("job")
+_SET_LAST_CKPT = Job.__dict__["last_ckpt_s"].__set__  # (a frozen slot, set in place: refresh_checkpoints)
 
 NEW, PENDING, RUNNING, SHRINKING, STOPPING, DONE = ("new", "pending", "running", "shrinking", "stopping",
                                                    "done")
@@ -526,8 +531,6 @@ class World:
         frozen object (as ``ckpt_interval_s`` in :meth:`set_interval`): a rebuild per checkpoint would cost
         more than the rest of the simulator, and no snapshot outlives a scheduling call."""
         sjs, cts = self.durable.refresh(now)
-        moved = [sj.job for sj in sjs]
-        set_field = object.__setattr__
-        for job, ct in zip(moved, cts, strict=True):
-            set_field(job, "last_ckpt_s", ct)
+        moved = list(map(_job_of, sjs))
+        deque(map(_SET_LAST_CKPT, moved, cts), maxlen=0)  # (the slot's own setter, in a loop of C)
         return moved, cts
