@@ -22,7 +22,6 @@ from tidal.policy.scheduling.preemption import (
     GangNeed,
     Victim,
     find_victims,
-    preempt_keys,
     protected,
     recently_grown,
     shrink_key,
@@ -67,9 +66,7 @@ def _candidates(c: Cycle, job: Job, quota_short: int) -> tuple[list[Cand], Itera
         own_shrink: list[Cand] = []
         own_pre: list[Cand] = []
         room = 0
-        own = idx.dedicated.get(job.tenant, [])
-        own_keys = preempt_keys(c, own)
-        for v in sorted(own, key=lambda j: own_keys[j.id]):
+        for v in idx.dedicated_order(c, job.tenant):
             if v.id in touched or v.priority > e:
                 continue
             if v.priority <= e - gap and not protected(c, v):

@@ -36,6 +36,7 @@ class VictimIndex:
         self._group_src: tuple[RunningIndex, SpotColumns] | None = None
         self._group_codes: tuple[np.ndarray, list[tuple[int, str, int, int]], int] | None = None
         self._any_loan_rows: tuple[RunningIndex, SpotColumns] | None = None  # on_any_loan's jobs by row
+        self._ded_order: dict[str, list[Job]] = {}  # tenant -> dedicated_order()
         if index is not None and c.used is index.used:
             # The caller's RunningIndex keeps these jobs split by kind, and their nodes by pool.
             self.dedicated = {t: d.values() for t, d in index.ded_jobs.items() if d}  # (views, not copies)
@@ -73,6 +74,16 @@ class VictimIndex:
                             on_l.add(j.id)
                 spot.append(j)
         self._spot_pre, self._protected, self.spot_shrink = _spot_orders(c, spot)
+
+    def dedicated_order(self, c: Cycle, tenant: str) -> list[Job]:
+        """``tenant``'s dedicated jobs not releasing in preemption order (:func:`preempt_keys`): sorted once a
+        call, as only the tenant's share changes within one and it is one value for all its jobs."""
+        got = self._ded_order.get(tenant)
+        if got is None:
+            own = self.dedicated.get(tenant, ())
+            keys = preempt_keys(c, own)
+            got = self._ded_order[tenant] = sorted(own, key=lambda j: keys[j.id])
+        return got
 
     @property
     def spot_pre(self) -> list[Job]:
