@@ -8,8 +8,6 @@ from collections.abc import Mapping
 from collections.abc import Set as AbstractSet
 from operator import attrgetter
 
-import numpy as np
-
 from tidal.model import Admit, Decision, Job, Loan, Preempt, Reason, ReturnGpus, Shrink, Snapshot, Waiting
 from tidal.policy.scheduling.config import SchedulerConfig
 from tidal.policy.scheduling.index import RunningIndex
@@ -149,17 +147,14 @@ class Cycle:
         pos, drain, used_get, loans = index.pos, self.draining0, self.used.get, self.loans
         tv, lv = self.training, self.loan
         tv.free = dict(index.train_free)
+        tb = tv.buckets
+        total = 0
         tfree = index.train_free
-        # The open nodes (in node order) into their buckets: sorted stably by free GPUs, a slice a bucket.
-        opened = index.train_open
-        frees = np.fromiter(map(tfree.__getitem__, opened), dtype=np.int64, count=len(opened))
-        by_free = [opened[i] for i in np.argsort(frees, kind="stable").tolist()]
-        at = 0
-        for f, n in enumerate(np.bincount(frees, minlength=len(tv.buckets)).tolist()):
-            if n:
-                tv.buckets[f] = dict.fromkeys(by_free[at:at + n])
-                at += n
-        tv.total += int(frees.sum())
+        for name in index.train_open:  # (in node order)
+            f = tv.free[name]
+            tb[f][name] = None
+            total += f
+        tv.total += total
         for name in sorted((n for n in drain if n in tfree), key=pos.__getitem__):
             tv.draining[name] = drain[name]
         # View.add for every loaned node in node order, column by column (the order kept by the index)
@@ -174,10 +169,8 @@ class Cycle:
             lv.draining[name] = drain[name]  # index.draining holds no zeros
         lv.blocked = {n for n in blocked_loans if n in lfree}
         lb, blocked, total = lv.buckets, lv.blocked, 0
-        for i in np.flatnonzero(np.array(free_of, dtype=np.int64) > 0).tolist():  # (most loaned are full)
-            name = names[i]
-            if name not in blocked:
-                free = free_of[i]
+        for name, free in zip(names, free_of, strict=True):
+            if free > 0 and name not in blocked:
                 lb[free][name] = None
                 total += free
         lv.total += total
