@@ -42,7 +42,8 @@ class Api:
         self.tokens = {"admin": self.admin, "a": create_tenant(self.store, "a", quota_gpus=2),
                        "b": create_tenant(self.store, "b", max_priority=5)}
         policy = policy or LocationPolicy(tmp_path / "tenants")
-        app = create_app(ApiContext(self.store, [Node("local", 4)], lambda j, r: None, FakeClock(),
+        self.clock = FakeClock()
+        app = create_app(ApiContext(self.store, [Node("local", 4)], lambda j, r: None, self.clock,
                                     ckpt_root=tmp_path / "jobs", locations=policy))
         self.http = TestClient(app, raise_server_exceptions=True)
 
@@ -730,12 +731,16 @@ def test_a_heartbeat_owned_by_another_uid_is_not_read(tmp_path):
 
 def test_checkpoint_quota_refuses_new_jobs_and_a_running_job_going_over_is_an_event(tmp_path):
     """A tenant's checkpoints could fill the plane's disk: with ``checkpoint_quota_bytes`` a submission
-    while its local checkpoints hold the quota is refused naming the bytes, and the reconcile loop
-    records one event when a running job takes its tenant over it. Bytes are blocks on disk: a sparse
-    file of a GiB costs nothing, a link to a big file is not followed."""
+    while its local checkpoints hold the quota (as counted at most a ``QUOTA_CHECK_S`` ago) is refused
+    naming the bytes, and the reconcile loop records one event when a running job takes its tenant over
+    it. Bytes are blocks on disk: a sparse file of a GiB costs nothing, a link to a big file is not
+    followed. Once the tenant removes checkpoints it is let in after ``QUOTA_RECHECK_S``."""
+    import shutil
+
     from control_fakes import FakeExecutor
     from tidal.control.config import ControlConfig
-    from tidal.control.controller import QUOTA_CHECK_S, Controller
+    from tidal.control.controller import Controller
+    from tidal.control.locations import QUOTA_CHECK_S, QUOTA_RECHECK_S
 
     api = Api(tmp_path, LocationPolicy(tmp_path / "tenants", quota_bytes={"a": 1 << 20}))
     try:
@@ -757,9 +762,52 @@ def test_checkpoint_quota_refuses_new_jobs_and_a_running_job_going_over_is_an_ev
         events = [e for e in api.store.events() if e.kind == "ckpt_quota"]
         assert len(events) == 1 and events[0].tenant == "a"
         assert "over its quota of 1048576" in events[0].message
+        assert api.post("a", SPEC).status_code == 201  # (counted under its quota less than a minute ago)
+        api.clock.advance(QUOTA_CHECK_S)
         r = api.post("a", SPEC)
         assert r.status_code == 422 and r.json()["detail"][0]["type"] == "checkpoint_quota"
-        assert "its quota is 1048576 (checkpoint_quota_bytes)" in _errors(r)[0]
+        assert "its quota is 1048576 (checkpoint_quota_bytes" in _errors(r)[0]
         assert api.post("b", SPEC).status_code == 201 and api.post("admin", SPEC).status_code == 201
+        shutil.rmtree(home)
+        assert api.post("a", SPEC).status_code == 422  # (over: counted again only after a few seconds)
+        api.clock.advance(QUOTA_RECHECK_S)
+        assert api.post("a", SPEC).status_code == 201
     finally:
         api.store.close()
+
+
+def test_a_tenants_checkpoint_bytes_are_counted_once_for_many_submissions(tmp_path):
+    """Submissions of a tenant with a checkpoint quota do not each walk the homes of all its jobs: sixteen
+    at once wait for one count; the next within ``QUOTA_CHECK_S`` counts nothing; a tenant without a quota
+    is never counted; once at its quota the tenant is counted again after ``QUOTA_RECHECK_S``."""
+    import threading
+
+    from tidal.control.locations import QUOTA_CHECK_S, QUOTA_RECHECK_S, QuotaMeter
+
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "data").write_bytes(os.urandom(64 << 10))
+    counts: list[str] = []
+    gate = threading.Event()
+
+    def homes(tenant: str):
+        counts.append(tenant)
+        gate.wait(5)  # (a slow walk: the others come while it runs)
+        return [(tenant, str(home))]
+
+    meter = QuotaMeter(homes, {"a": 1 << 20, "full": 1 << 10}.get)
+    got: list[int] = []
+    threads = [threading.Thread(target=lambda: got.append(meter.used("a", 0.0))) for _ in range(16)]
+    for t in threads:
+        t.start()
+    gate.set()
+    for t in threads:
+        t.join()
+    assert counts == ["a"] and len(got) == 16 and len(set(got)) == 1 and got[0] >= 64 << 10
+    assert meter.used("a", QUOTA_CHECK_S - 1) == got[0] and counts == ["a"]
+    assert meter.used("a", QUOTA_CHECK_S) == got[0] and counts == ["a", "a"]
+    assert meter.used("nobody", 0.0) == 0 and counts == ["a", "a"]  # (no quota: never counted)
+    assert meter.used("full", 0.0) >= 1 << 10 and meter.used("full", QUOTA_RECHECK_S - 1) >= 1 << 10
+    assert counts == ["a", "a", "full"]
+    (home / "data").unlink()
+    assert meter.used("full", QUOTA_RECHECK_S) == 0 and counts == ["a", "a", "full", "full"]

@@ -149,6 +149,8 @@ def create_app(ctx: ApiContext) -> FastAPI:
     app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
     store = ctx.store
     policy = ctx.locations or loc_policy.LocationPolicy()
+    ckpt_bytes = loc_policy.QuotaMeter(  # (a tenant's jobs are read only for a count)
+        lambda tenant: loc_policy.homes(store.jobs(tenant=tenant), ctx.ckpt_root), policy.quota)
     reg = metrics.registry(store, ctx.nodes, ctx.clock, ctx.serving[0] if ctx.serving else None, ctx.loans,
                            view=ctx.view)
     pool_gpus = sum(n.gpus for n in ctx.nodes)
@@ -260,12 +262,12 @@ def create_app(ctx: ApiContext) -> FastAPI:
         found, ck, loc = loc_policy.check(data["checkpoint"], me.name, me.admin, policy, _located, _source)
         problems += [_problem(f, "checkpoint_location", m) for f, m in found]
         quota = policy.quota(me.name)
-        used = 0 if me.admin or quota is None else loc_policy.quota_use(  # (its jobs read only then)
-            loc_policy.homes(store.jobs(tenant=me.name), ctx.ckpt_root), policy.quota).get(me.name, (0, 0))[0]
+        used = 0 if me.admin or quota is None else ckpt_bytes.used(me.name, ctx.clock())
         if not me.admin and quota is not None and used >= quota:
             problems.append(_problem("checkpoint", "checkpoint_quota", f"tenant {me.name}'s checkpoints "
-                                     f"hold {used} bytes, its quota is {quota} (checkpoint_quota_bytes): "
-                                     "remove old checkpoints or ask the admin"))
+                                     f"hold {used} bytes, its quota is {quota} (checkpoint_quota_bytes; "
+                                     f"counted again {loc_policy.QUOTA_RECHECK_S:g} s after): remove old "
+                                     "checkpoints or ask the admin"))
         if problems:
             return _unprocessable(problems)
         data["checkpoint"] = ck

@@ -78,7 +78,6 @@ log = logging.getLogger(__name__)
 S = State
 SHM_SWEEP_S = 5.0  # how often ended jobs' shared-memory directories are looked at
 RETENTION_CHECK_S = 60.0  # how often ended jobs and events older than ``retention_s`` are dropped
-QUOTA_CHECK_S = 60.0  # how often the tenants' checkpoint bytes are counted (a walk of their directories)
 ANNOUNCE_INTERVAL_S = 600.0  # a job's checkpoint-interval changes are announced (events) at most this often
 _IDLE = frozenset({S.PENDING.value, S.BACKOFF.value})  # (job states holding nothing, as stored)
 _PROGRESS_FIELDS = ("id", "state", "progress", "last_ckpt_s", "ckpt_stall_s", "ckpt_step")  # (its progress)
@@ -327,10 +326,11 @@ class Controller:
         self.store.drop_before(now_s - keep_s, keep=kept)
 
     def _check_ckpt_quota(self, now_s: float) -> None:
-        """Every ``QUOTA_CHECK_S``: an event for each tenant with running jobs whose checkpoints went over
-        its ``checkpoint_quota_bytes`` since the last look (its new jobs are refused at submission)."""
+        """Every ``locations.QUOTA_CHECK_S``: an event for each tenant with running jobs whose checkpoints
+        went over its ``checkpoint_quota_bytes`` since the last look (its new jobs are refused at
+        submission)."""
         quota = self.config.checkpoint_quota_bytes
-        if not quota or now_s - self._quota_checked_s < QUOTA_CHECK_S:
+        if not quota or now_s - self._quota_checked_s < locations.QUOTA_CHECK_S:
             return
         self._quota_checked_s = now_s
         running = {j.tenant for j in self.store.active_jobs()}
