@@ -779,7 +779,8 @@ def test_checkpoint_quota_refuses_new_jobs_and_a_running_job_going_over_is_an_ev
 def test_a_tenants_checkpoint_bytes_are_counted_once_for_many_submissions(tmp_path):
     """Submissions of a tenant with a checkpoint quota do not each walk the homes of all its jobs: sixteen
     at once wait for one count; the next within ``QUOTA_CHECK_S`` counts nothing; a tenant without a quota
-    is never counted; once at its quota the tenant is counted again after ``QUOTA_RECHECK_S``."""
+    is never counted; once at its quota the tenant is counted again after ``QUOTA_RECHECK_S``; a clock
+    that went back counts again."""
     import threading
 
     from tidal.control.locations import QUOTA_CHECK_S, QUOTA_RECHECK_S, QuotaMeter
@@ -811,3 +812,4 @@ def test_a_tenants_checkpoint_bytes_are_counted_once_for_many_submissions(tmp_pa
     assert counts == ["a", "a", "full"]
     (home / "data").unlink()
     assert meter.used("full", QUOTA_RECHECK_S) == 0 and counts == ["a", "a", "full", "full"]
+    assert meter.used("a", 1.0) == 0 and counts[-1] == "a"  # (the clock went back: counted again)
