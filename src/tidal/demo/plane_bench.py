@@ -220,9 +220,11 @@ def run_plane(w: Workload, horizon_s: float, *, step_s: float = 10.0, notice_s: 
         sizes: list[tuple[int, int]] = []  # (running, waiting) after each step
         for k in range(int(horizon_s // step_s) + 1):
             t = k * step_s
-            while nxt < len(w.jobs) and w.jobs[nxt].submit_s <= t:
-                store.submit(w.jobs[nxt].tenant, specs[nxt], t0 + t)
-                nxt += 1
+            if nxt < len(w.jobs) and w.jobs[nxt].submit_s <= t:
+                with store.batch():  # (the step's submissions in a few transactions, not one each)
+                    while nxt < len(w.jobs) and w.jobs[nxt].submit_s <= t:
+                        store.submit(w.jobs[nxt].tenant, specs[nxt], t0 + t)
+                        nxt += 1
             wall = time.perf_counter()
             decisions = ctl.step(t0 + t)
             step_wall.append(time.perf_counter() - wall)
