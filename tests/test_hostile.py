@@ -24,7 +24,7 @@ with warnings.catch_warnings():
     from fastapi.testclient import TestClient
 
 from control_fakes import FakeClock
-from tidal.control.api import MAX_BODY_BYTES, ApiContext, create_app
+from tidal.control.api import MAX_BODY_BYTES, UNDECLARED_RULES, ApiContext, create_app
 from tidal.control.auth import create_tenant, ensure_admin
 from tidal.control.locations import LocationPolicy
 from tidal.control.states import State
@@ -89,6 +89,9 @@ def test_nul_bytes_are_422_naming_the_field(api):
     assert r.status_code == 422 and _errors(r) == ["env.K: NUL byte"]
     r = api.post("a", {**SPEC, "checkpoint": {"tiers": ["shm", {"url": "/x/y", "name": "a\x00"}]}})
     assert r.status_code == 422 and _errors(r)[0].startswith("checkpoint.tiers[1].name: NUL byte")
+    r = api.post("a", {**SPEC, "checkpoint": {"tiers": ["shm", {"url": "/x/y", "a\x00b": 1}]}})
+    assert r.status_code == 422 and _errors(r) == ["checkpoint.tiers[1]: key: NUL byte"]
+    assert {e["type"] for e in r.json()["detail"]} <= UNDECLARED_RULES  # (a free-form key: no schema says)
     assert api.count() == 0
 
 

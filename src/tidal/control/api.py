@@ -55,10 +55,11 @@ POOL_PAGE, POOL_PAGE_MAX = 512, 4096  # nodes listed by GET /v1/pool: by default
 JOBS_PAGE, JOBS_PAGE_MAX = 1000, 10000  # jobs listed by GET /v1/jobs: by default, at most
 SQL_INT_MAX = (1 << 31) - 1  # an offset or id the store's queries take (PostgreSQL's INTEGER); over it a 422
 # 422 error types no JSON schema can declare: the refusals that depend on the plane's state (its pool, the
-# tenant's quotas and limits, other jobs' checkpoint locations), the tier grammar and the relations of the
-# GPU sizes; every other 422 of a request is a rule its schema declares (tests/test_fuzz_api.py).
+# tenant's quotas and limits, other jobs' checkpoint locations), the tier grammar, the relations of the
+# GPU sizes and the text rules inside free-form values (a NUL byte or a lone surrogate in a tier option's
+# key, nesting too deep); every other 422 of a request is a rule its schema declares (tests/test_fuzz_api.py).
 UNDECLARED_RULES = frozenset({"priority_limit", "capacity", "quota", "checkpoint_location",
-                              "checkpoint_quota", "tiers", "gpus"})
+                              "checkpoint_quota", "tiers", "gpus", "text"})
 ERRORS = {400: "the body is not UTF-8 JSON", 401: "missing or unknown bearer token",
           403: "only the admin may do this", 404: "not found (another tenant's job is not found either)",
           409: "conflicts with the current state", 413: "request body too large",
