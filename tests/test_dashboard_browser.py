@@ -6,8 +6,10 @@ loan timeline draws the replayed trace's points. A screenshot of each page goes 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
+import threading
 from pathlib import Path
 
 import httpx
@@ -166,12 +168,25 @@ def test_the_serving_page_shows_a_real_engines_figures(browser, tmp_path):  # no
               "  latency_target_s: 0.5\n  rate_window_s: 2\n", gpus=1)
     pids: set[int] = set()
     tab = None
+    asking = threading.Event()
+
+    def keep_asking(url: str) -> None:  # (the figures cover the last 2 s: traffic while the page loads)
+        i = 0
+        while not asking.wait(0.2):
+            with contextlib.suppress(httpx.HTTPError):
+                httpx.post(f"{url}/v1/completions", timeout=30,
+                           json={"prompt": f"The tide {i}", "max_tokens": 4})
+            i += 1
+
+    asker = None
     try:
         p.start()
         url = wait_until("the engine's router", lambda: engine_figures(p, pids).get("url"), 30)
         for i in range(6):
             assert httpx.post(f"{url}/v1/completions", timeout=30,
                               json={"prompt": f"The tide {i}", "max_tokens": 4}).status_code == 200
+        asker = threading.Thread(target=keep_asking, args=(url,), daemon=True)
+        asker.start()
         figures = wait_until("TTFT at the router", lambda: (e := engine_figures(p, pids)).get("ttft_p99_s")
                              and e, 10)
         assert figures["engine"] == "llama.cpp" and figures["routed"] == 2 and figures["warming"] == 0
@@ -186,6 +201,9 @@ def test_the_serving_page_shows_a_real_engines_figures(browser, tmp_path):  # no
         tab.screenshot("serving-engine")
         assert tab.errors == []
     finally:
+        asking.set()
+        if asker is not None:
+            asker.join()
         if tab is not None:
             tab.close()
         stop_engine_plane(p, pids)
