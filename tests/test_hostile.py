@@ -786,7 +786,8 @@ def test_a_tenants_checkpoint_bytes_are_counted_once_for_many_submissions(tmp_pa
     that went back counts again."""
     import threading
 
-    from tidal.control.locations import QUOTA_CHECK_S, QUOTA_RECHECK_S, QuotaMeter
+    from tidal.control.limits import QuotaMeter
+    from tidal.control.locations import QUOTA_CHECK_S, QUOTA_RECHECK_S
 
     home = tmp_path / "home"
     home.mkdir()

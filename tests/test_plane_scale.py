@@ -517,3 +517,23 @@ def test_the_planes_numeric_settings_refuse_what_they_cannot_count(setting, mess
     assert str(e.value) == f"config: {message}"
     cap = ControlConfig.from_dict({"max_queued_jobs": 20.0}).max_queued_jobs
     assert cap == 20 and isinstance(cap, int)
+
+
+def test_a_submission_that_fails_to_store_leaves_no_count_toward_the_cap() -> None:
+    """A store that raises inside the admitted block (a full disk, the database gone) gives the place back:
+    the tenant may still queue up to its cap."""
+    import pytest
+
+    from tidal.control.limits import SubmitLimits
+
+    limits, stored = SubmitLimits(max_queued=2), [0]
+    for _ in range(3):
+        with pytest.raises(OSError), limits.admit("a", lambda: stored[0], 0.0) as no:
+            assert no is None
+            raise OSError("no space left on device")
+    for _ in range(2):
+        with limits.admit("a", lambda: stored[0], 0.0) as no:
+            assert no is None
+            stored[0] += 1
+    with limits.admit("a", lambda: stored[0], 0.0) as no:
+        assert no is not None and "2 jobs waiting" in no[0]

@@ -39,6 +39,7 @@ from tidal.control.auth import authenticate, create_tenant, token_hash, visible_
 from tidal.control.context import ApiContext
 from tidal.control.dashboard import dashboard_router
 from tidal.control.job_views import default_ckpt
+from tidal.control.limits import QuotaMeter
 from tidal.control.read_view import PlaneView
 from tidal.control.render import Raw, SafeJSON, json_bytes, json_object, json_route
 from tidal.control.spec import Int, JobSpec, Num, clean_msg, error_path
@@ -150,7 +151,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
     app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
     store = ctx.store
     policy = ctx.locations or loc_policy.LocationPolicy()
-    ckpt_bytes = loc_policy.QuotaMeter(  # (a tenant's jobs are read only for a count)
+    ckpt_bytes = QuotaMeter(  # (a tenant's jobs are read only for a count)
         lambda tenant: loc_policy.homes(store.jobs(tenant=tenant), ctx.ckpt_root), policy.quota)
     reg = metrics.registry(store, ctx.nodes, ctx.clock, ctx.serving[0] if ctx.serving else None, ctx.loans,
                            view=ctx.view)

@@ -2,14 +2,29 @@
 plane's config): a burst from one tenant is refused at the API with 429 and the reason, nothing stored,
 instead of slowing the loop for everyone. The admin is not limited. Thread-safe (the API's workers): the
 submissions of one tenant in flight count toward its cap until they are stored, so concurrent requests never
-pass it together."""
+pass it together. And the count of a tenant's checkpoint bytes its submissions are checked against
+(``checkpoint_quota_bytes``, :class:`QuotaMeter`)."""
 
 from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+
+from tidal.control.locations import QUOTA_CHECK_S, QUOTA_RECHECK_S, quota_use
+
+
+class TenantLocks:
+    """One lock per tenant, made on first use (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._locks: dict[str, threading.Lock] = {}
+
+    def __call__(self, tenant: str) -> threading.Lock:
+        with self._lock:
+            return self._locks.setdefault(tenant, threading.Lock())
 
 
 class SubmitLimits:
@@ -20,7 +35,7 @@ class SubmitLimits:
         self.rate_per_s, self.burst, self.max_queued = rate_per_s, max(burst, 1.0), max_queued
         self._buckets: dict[str, tuple[float, float]] = {}  # tenant -> (tokens, when counted)
         self._lock = threading.Lock()
-        self._tenant_locks: dict[str, threading.Lock] = {}  # tenant -> held while its cap is checked
+        self._tenant_lock = TenantLocks()  # held while a tenant's cap is checked
         self._in_flight: dict[str, int] = {}  # tenant -> submissions admitted and not yet stored
 
     @contextmanager
@@ -43,9 +58,8 @@ class SubmitLimits:
 
     def _refuse(self, tenant: str, queued: Callable[[], int], now_s: float) -> tuple[str, float] | None:
         if self.max_queued:
-            with self._lock:
-                lock = self._tenant_locks.setdefault(tenant, threading.Lock())
-            with lock:  # (a submission leaves the in-flight count only once stored: queued() then has it)
+            # (a submission leaves the in-flight count only once stored: queued() then has it)
+            with self._tenant_lock(tenant):
                 n = queued() + self._in_flight.get(tenant, 0)
                 if n >= self.max_queued:
                     return (f"tenant {tenant} has {n} jobs waiting, the most it may queue (max_queued_jobs = "
@@ -71,3 +85,32 @@ class SubmitLimits:
                         f"{self.burst:g}; submit_rate_per_s): retry in {math.ceil(wait_s)} s", wait_s)
             self._buckets[tenant] = (tokens - 1.0, now_s)
         return None
+
+
+class QuotaMeter:
+    """A tenant's checkpoint bytes for the submission check (:func:`quota_use` over ``homes(tenant)``):
+    counted again at most every :data:`QUOTA_CHECK_S` while under its quota and every
+    :data:`QUOTA_RECHECK_S` once at or over it (a tenant that removed checkpoints waits seconds, not a
+    minute), one count at a time per tenant, shared by the submissions waiting for it. A count walks the
+    directories of every job the tenant has: a submission would otherwise cost O(its jobs)."""
+
+    def __init__(self, homes: Callable[[str], Iterable[tuple[str, str]]],
+                 quota: Callable[[str], int | None]) -> None:
+        self._homes, self._quota = homes, quota
+        self._tenant_lock = TenantLocks()
+        self._counted: dict[str, tuple[int, float]] = {}  # tenant -> (bytes, when counted)
+
+    def used(self, tenant: str, now_s: float) -> int:
+        """``tenant``'s bytes, as counted at most :data:`QUOTA_CHECK_S` ago (0 without a quota)."""
+        q = self._quota(tenant)
+        if q is None:
+            return 0
+        with self._tenant_lock(tenant):  # (those waiting here find the count just made)
+            got = self._counted.get(tenant)
+            if got is not None:
+                used, at = got
+                if 0 <= now_s - at < (QUOTA_RECHECK_S if used >= q else QUOTA_CHECK_S):
+                    return used
+            used = quota_use(self._homes(tenant), self._quota).get(tenant, (0, q))[0]
+            self._counted[tenant] = (used, now_s)
+            return used

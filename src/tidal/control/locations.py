@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,38 +77,6 @@ def quota_use(homes: Iterable[tuple[str, str]],
         used = 0 if moved(home) else _blocks(_real(home))
         out[tenant] = (out.get(tenant, (0, q))[0] + used, q)
     return out
-
-
-class QuotaMeter:
-    """A tenant's checkpoint bytes for the submission check (:func:`quota_use` over ``homes(tenant)``):
-    counted again at most every :data:`QUOTA_CHECK_S` while under its quota and every
-    :data:`QUOTA_RECHECK_S` once at or over it (a tenant that removed checkpoints waits seconds, not a
-    minute), one count at a time per tenant, shared by the submissions waiting for it. A count walks the
-    directories of every job the tenant has: a submission would otherwise cost O(its jobs)."""
-
-    def __init__(self, homes: Callable[[str], Iterable[tuple[str, str]]],
-                 quota: Callable[[str], int | None]) -> None:
-        self._homes, self._quota = homes, quota
-        self._lock = threading.Lock()
-        self._tenant_locks: dict[str, threading.Lock] = {}
-        self._counted: dict[str, tuple[int, float]] = {}  # tenant -> (bytes, when counted)
-
-    def used(self, tenant: str, now_s: float) -> int:
-        """``tenant``'s bytes, as counted at most :data:`QUOTA_CHECK_S` ago (0 without a quota)."""
-        q = self._quota(tenant)
-        if q is None:
-            return 0
-        with self._lock:
-            lock = self._tenant_locks.setdefault(tenant, threading.Lock())
-        with lock:  # (those waiting here find the count just made)
-            got = self._counted.get(tenant)
-            if got is not None:
-                used, at = got
-                if 0 <= now_s - at < (QUOTA_RECHECK_S if used >= q else QUOTA_CHECK_S):
-                    return used
-            used = quota_use(self._homes(tenant), self._quota).get(tenant, (0, q))[0]
-            self._counted[tenant] = (used, now_s)
-            return used
 
 
 def moved(home: str) -> bool:
