@@ -9,9 +9,12 @@ and taken back one replica at a time (docs/loaning.md, "A real engine").
 
 The router is nginx with an upstream list of the routed replicas, rewritten and reloaded (a new
 generation, confirmed by asking the router for it); nginx retries a request another replica refused,
-so a stopped replica loses none. Start-to-healthy times are measured: :meth:`EngineReplicas.warmup_s`
-(p95 of recent starts) is the warm-up a reclaim's lead time should assume. Every fault is an event in
-:attr:`EngineReplicas.events`. Not thread-safe: one caller drives it.
+so a stopped replica loses none. The router closes each client connection after its answer: a reload
+closes the idle keep-alive connections of its earlier workers, and a client's next request already on
+its way over one would be lost (a connection costs far less than an answer). Start-to-healthy times
+are measured: :meth:`EngineReplicas.warmup_s` (p95 of recent starts) is the warm-up a reclaim's lead
+time should assume. Every fault is an event in :attr:`EngineReplicas.events`. Not thread-safe: one
+caller drives it.
 """
 
 from __future__ import annotations
@@ -347,7 +350,7 @@ class EngineReplicas:
                 "http {\n  log_format t '$msec $status $upstream_header_time $request_time';\n"
                 f"  access_log {d}/access.log t;\n{temps}  client_body_buffer_size 1m;\n"
                 f"  upstream engine {{\n    least_conn;\n{ups}  }}\n"
-                f"  server {{\n    listen 127.0.0.1:{self.router_port};\n"
+                f"  server {{\n    listen 127.0.0.1:{self.router_port};\n    keepalive_timeout 0;\n"
                 "    location = /router/status { stub_status; access_log off; }\n"
                 f"    location = /router/generation {{ access_log off; return 200 \"{self.generation}\"; }}\n"
                 "    location / {\n      proxy_pass http://engine;\n      proxy_http_version 1.1;\n"
