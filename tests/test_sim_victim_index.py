@@ -9,10 +9,11 @@ anew; the orders and the decisions must be exactly those of the full walk.
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import replace
 
 import numpy as np
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sched_fixtures import apply, nodes, settle
@@ -20,7 +21,9 @@ from test_scheduler import FAST, worlds
 from tidal.model import Job, Loan, Reclaim, Snapshot, Tenant
 from tidal.policy.scheduler import RunningIndex, SchedulerConfig, schedule
 from tidal.policy.scheduling.cycle import Cycle
-from tidal.policy.scheduling.targets import _spot_pre
+from tidal.policy.scheduling.preemption import GangNeed
+from tidal.policy.scheduling import targets
+from tidal.policy.scheduling.targets import WALK_BLOCKS, _spot_pre
 from tidal.policy.scheduling.victims import VictimIndex, stable_argsort
 
 CKPT = st.none() | st.sampled_from([-3000.0, -900.0, -400.0, -100.0, 0.0])
@@ -167,3 +170,61 @@ def test_stable_argsort_is_numpys_stable_argsort(keys):
 def test_stable_argsort_beyond_int16_ranks():
     a = np.random.default_rng(0).integers(0, 40_000, 40_000).astype(np.float64)
     assert stable_argsort(a).tolist() == np.argsort(a, kind="stable").tolist()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 2**32 - 1), st.sampled_from([24, 96]), st.sampled_from([(1, 2), (3, 5), WALK_BLOCKS]))
+def test_a_gangs_node_walk_by_columns_is_the_walk_job_by_job(seed, n_train, blocks):
+    """A pending spot gang (whole nodes) on a full pool of small spot jobs: the walk that picks the nodes
+    to clear reads the candidates as the index's columns, by blocks (hundreds of jobs to clear a node or
+    two, some on two or three nodes, some elastic, some protected, some on dedicated jobs' nodes); the
+    decisions are the job-by-job walk's, in one call and in the next one with the index kept, whatever
+    the blocks' sizes."""
+    rng = random.Random(seed)
+    targets.WALK_BLOCKS = blocks
+    pool = nodes((8,) * n_train, (8, 8))
+    ts = [Tenant("u0", 8 * n_train // 4, 1.0), Tenant("u1", 0, 2.0), Tenant("u2", 0, 1.0)]
+    free = {f"t{i}": 8 for i in range(n_train)} | {"s0": 8, "s1": 8}
+    names = list(free)
+    jobs: list[Job] = []
+    k = 0
+    while sum(free.values()) > 6:
+        k += 1
+        tenant = rng.choice(["u0", "u1", "u2", "u1"])
+        kind = "dedicated" if tenant == "u0" and rng.random() < 0.3 else "spot"
+        spread = rng.choice([1] * 8 + [2, 3])
+        at = rng.sample([n for n in names if free[n]], min(spread, sum(1 for n in names if free[n])))
+        place = {n: min(free[n], rng.choice([1, 1, 2, 3])) for n in at}
+        for n, g in place.items():
+            free[n] -= g
+        size = sum(place.values())
+        jobs.append(Job(f"r{k:04d}", tenant, kind, priority=rng.choice([0, 0, 1]),
+                        min_gpus=rng.choice([size, size, 1]), max_gpus=size, placement=place, started_s=-rng.choice([100.0, 2000.0, 5000.0]),
+                        last_ckpt_s=rng.choice([None, -50.0, -1500.0])))
+    for i in range(6):
+        jobs.append(Job(f"p{i}", rng.choice(["u1", "u2"]), "spot", priority=rng.choice([1, 2, 2]),
+                        min_gpus=8 * rng.choice([1, 2, 4]), gpus_per_node=8, submit_s=-10.0 * i))
+    loans = [Loan("s0", 8), Loan("s1", 8, until_s=rng.choice([200.0, math.inf]))]
+    s = Snapshot.build(0.0, pool, ts, jobs, loans)
+    idx = RunningIndex()
+    try:
+        for _ in range(2):
+            # the walk alone, some candidates already touched in this call (victims of an earlier job)
+            c = Cycle(s, SchedulerConfig(), idx)
+            c.build_views(c.blocked_loans())
+            c.compute_fair({j.tenant for j in s.running if j.kind == "spot"})
+            c.touched.update(j.id for j in s.running if rng.random() < 0.2)
+            for job in s.pending():
+                views = c.views_for(job)[-1]
+                need = GangNeed(views, targets._allowed(c, views), job.min_gpus, job.gpus_per_node)
+                if not need.fits():
+                    got = targets._candidates(c, job, 0)
+                    assert got is not None and isinstance(got[1], targets._PreCols)
+                    shrink, cols = got
+                    assert targets._focus_cols(c, need, shrink, cols) == targets._focus_nodes(
+                        need, shrink, targets._pre_from_cols(c, cols))
+            decisions = schedule(s, index=idx)
+            assert decisions == schedule(s)
+            s = settle(apply(s, decisions), s.now_s + 400)
+    finally:
+        targets.WALK_BLOCKS = WALK_BLOCKS

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
+from typing import NamedTuple
 
 import numpy as np
 
@@ -29,6 +30,7 @@ from tidal.policy.scheduling.preemption import (
 from tidal.policy.scheduling.victims import victim_index
 
 Cand = tuple[Job, Reason, bool]  # (job, reason, frees its tenant's quota)
+WALK_BLOCKS = (256, 4096)  # _focus_cols: candidates in its first block, and at most in one (each twice the last)
 
 
 def _allowed(c: Cycle, views: Sequence[View]) -> AbstractSet[str]:
@@ -54,9 +56,10 @@ def _allowed(c: Cycle, views: Sequence[View]) -> AbstractSet[str]:
 _INDEX_KEYS = (("training",), ("loan", "training"))  # the views whose nodes RunningIndex.placeable keeps
 
 
-def _candidates(c: Cycle, job: Job, quota_short: int) -> tuple[list[Cand], Iterator[Cand]] | None:
-    """Shrink candidates (a list) and preemption candidates (lazily, the search usually stops early),
-    each in the order to try them; ``None`` if the job's tenant cannot get the quota it lacks."""
+def _candidates(c: Cycle, job: Job, quota_short: int
+                ) -> tuple[list[Cand], Iterator[Cand] | _PreCols] | None:
+    """Shrink candidates (a list) and preemption candidates (lazily, the search usually stops early; or as
+    columns), each in the order to try them; ``None`` if the job's tenant cannot get the quota it lacks."""
     cfg = c.cfg
     e = job.priority  # aging orders the queue; it never lets a job preempt (no ping-pong)
     gap = cfg.preempt_priority_gap
@@ -91,59 +94,84 @@ def _candidates(c: Cycle, job: Job, quota_short: int) -> tuple[list[Cand], Itera
     on_t, on_l = idx.on_training, idx.on_loan
     shrink: list[Cand] = [(v, "demand", False) for v in idx.spot_shrink if v.priority <= e and (
         v.id in on_t or v.id in on_l) and v.id not in touched and not recently_grown(c, v)]
-    return shrink, _spot_pre(c, job, e)
+    cols = _spot_pre_cols(c, job, e)
+    return shrink, _spot_pre(c, job, e) if cols is None else cols
+
+
+class _PreCols(NamedTuple):
+    """:func:`_spot_pre`'s candidates as the victim index's columns: positions in its ``spot`` jobs, in
+    victim order, and which are of the pending job's own tenant; those in ``c.touched`` still in."""
+
+    pos: np.ndarray
+    own: np.ndarray
+
+
+def _share_left(c: Cycle, t: str, gpus: int) -> float:
+    """``c.share(t, -gpus)``, inlined: tenant ``t``'s share of its spot GPUs less ``gpus``."""
+    held = c.spot_held[t] - gpus
+    if held <= 0:
+        return 0.0
+    f = c.fair.get(t, 0.0)
+    return held / f if f > 0 else math.inf
+
+
+def _spot_pre_cols(c: Cycle, job: Job, e: int) -> _PreCols | None:
+    """:func:`_spot_pre` by columns (``None``: no columns): whole (priority, tenant) groups that cannot yield
+    a victim (even by their smallest job) dropped in one mask, then each job's own check as columns."""
+    idx = victim_index(c)
+    got = idx.open_group_codes()
+    if got is None:
+        return None
+    o = idx._cols
+    assert o is not None and c.index is not None
+    gap = c.cfg.preempt_priority_gap
+    share_after = c.share(job.tenant, job.min_gpus)
+    codes, groups, n_codes = got
+    keep = np.zeros(n_codes, dtype=bool)
+    for p, t, k, fewest in groups:
+        if p <= e and (
+            (t == job.tenant and p <= e - gap)
+            or (t != job.tenant and share_after <= _share_left(c, t, fewest))
+        ):
+            keep[k] = True
+    pos = o.open_order[keep[codes]]  # positions in o.spot, in victim order
+    # The kept groups hold only jobs at priority <= e, and of the job's own tenant only those a priority gap
+    # below it, so only another tenant's share after is left.
+    tenant, gpus = o.tenant[pos], o.gpus[pos]
+    own = tenant == c.index.tenant_code.get(job.tenant, -1)
+    spot_held, fair = c.spot_held, c.fair
+    held = np.array([spot_held.get(t, 0) for t in o.tenant_names])[tenant] - gpus
+    f = np.array([fair.get(t, 0.0) for t in o.tenant_names])[tenant]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        share_left = np.where(held <= 0, 0.0, np.where(f > 0, held / f, math.inf))  # as _share_left()
+    ok = own | (share_after <= share_left)
+    return _PreCols(pos[ok], own[ok])
+
+
+def _pre_from_cols(c: Cycle, pre: _PreCols) -> Iterator[Cand]:
+    """The candidates of ``pre``, lazily, those in ``c.touched`` left out."""
+    o = victim_index(c)._cols
+    assert o is not None
+    spot, touched = o.spot, c.touched
+    pos, own = pre
+    for a in range(0, pos.size, 256):  # (a search usually stops early: read the columns by blocks)
+        for i, mine in zip(pos[a:a + 256].tolist(), own[a:a + 256].tolist(), strict=True):
+            v = spot[i]
+            if v.id not in touched:
+                yield (v, "priority" if mine else "fair_share", False)
 
 
 def _spot_pre(c: Cycle, job: Job, e: int) -> Iterator[Cand]:
     """``spot_pre_open`` filtered for ``job`` (priority ``e``), lazily, in victim order; whole (priority,
-    tenant) groups that cannot yield a victim (even by their smallest job) are skipped first."""
+    tenant) groups that cannot yield a victim (even by their smallest job) are skipped first. (Without the
+    index's columns: else :func:`_spot_pre_cols`.)"""
     idx = victim_index(c)
     gap = c.cfg.preempt_priority_gap
     share_after = c.share(job.tenant, job.min_gpus)
-    touched, spot_held, fair = c.touched, c.spot_held, c.fair
-    inf = math.inf
-
-    def after(t: str, gpus: int) -> float:  # c.share(t, -gpus), inlined
-        held = spot_held[t] - gpus
-        if held <= 0:
-            return 0.0
-        f = fair.get(t, 0.0)
-        return held / f if f > 0 else inf
-
-    got = idx.open_group_codes()
-    if got is not None:  # the groups by code: the ranks of those kept, in one mask, then each job's check
-        codes, groups, n_codes = got
-        keep = np.zeros(n_codes, dtype=bool)
-        for p, t, k, fewest in groups:
-            if p <= e and (
-                (t == job.tenant and p <= e - gap) or (t != job.tenant and share_after <= after(t, fewest))
-            ):
-                keep[k] = True
-        if not keep.any():
-            return
-        o = idx._cols
-        assert o is not None and c.index is not None
-        pos = o.open_order[keep[codes]]  # positions in o.spot, in victim order
-        # Each job's own check as columns: the kept groups hold only jobs at priority <= e, and of the job's
-        # own tenant only those a priority gap below it, so only another tenant's share after is left.
-        tenant, gpus = o.tenant[pos], o.gpus[pos]
-        own = tenant == c.index.tenant_code.get(job.tenant, -1)
-        held = np.array([spot_held.get(t, 0) for t in o.tenant_names])[tenant] - gpus
-        f = np.array([fair.get(t, 0.0) for t in o.tenant_names])[tenant]
-        with np.errstate(divide="ignore", invalid="ignore"):
-            share_left = np.where(held <= 0, 0.0, np.where(f > 0, held / f, inf))  # after(), as columns
-        ok = own | (share_after <= share_left)
-        spot = o.spot
-        pos, own = pos[ok], own[ok]
-        for a in range(0, pos.size, 256):  # (a search usually stops early: read the columns by blocks)
-            for i, mine in zip(pos[a:a + 256].tolist(), own[a:a + 256].tolist(), strict=True):
-                v = spot[i]
-                if v.id not in touched:
-                    yield (v, "priority" if mine else "fair_share", False)
-        return
+    touched = c.touched
     parts = [ranks for p, t, ranks, fewest in idx.open_groups()
              if p <= e and ((t == job.tenant and p <= e - gap)
-                            or (t != job.tenant and share_after <= after(t, fewest)))]
+                            or (t != job.tenant and share_after <= _share_left(c, t, fewest)))]
     if not parts:
         return
     ranks = parts[0] if len(parts) == 1 else np.sort(np.concatenate(parts))
@@ -155,24 +183,24 @@ def _spot_pre(c: Cycle, job: Job, e: int) -> Iterator[Cand]:
         if v.tenant == job.tenant:  # priority preempts only within a tenant; across tenants, fair share only
             if v.priority <= e - gap:
                 yield (v, "priority", False)
-        elif share_after <= after(v.tenant, v.gpus):
+        elif share_after <= _share_left(c, v.tenant, v.gpus):
             yield (v, "fair_share", False)
 
 
-def _focus_nodes(need: GangNeed, shrink: list[Cand], pre: Iterator[Cand]
-                 ) -> tuple[list[Cand], list[Cand]] | None:
-    """For a ``gpus_per_node`` gang: the cheapest nodes to clear (walk the candidates in order until
-    enough nodes could be whole) and the candidates on them (the plain order is blind to nodes)."""
+def _node_counter(need: GangNeed) -> tuple[Callable[[int, Job, int], None], dict[str, int], list[str],
+                                          dict[str, list[int]]]:
+    """For a ``gpus_per_node`` gang, what candidates could give back per node: ``count(i, v, room)`` adds
+    candidate ``i`` (``v``, at most ``room`` GPUs a node); ``pot`` node -> GPUs it could have free (what it
+    has plus what is given back), ``done`` the nodes that could reach ``g`` in the order they did, ``on``
+    node -> the candidates there (the nodes short of ``g``)."""
     g, allowed, vfree = need.g, need.allowed, need.vfree
     assert g is not None
-    missing = need.size // g - need.ok_nodes
-    pot: dict[str, int] = {}  # node -> GPUs it could have free (what it has plus what is given back)
-    done: list[str] = []  # nodes that could reach g, in the order they did
-    on: dict[str, list[int]] = {}  # such a node -> positions of the candidates there (shrink, then seen)
-    givers: list[int] = []  # positions of the candidates giving their tenant quota back
+    pot: dict[str, int] = {}
+    done: list[str] = []
+    on: dict[str, list[int]] = {}
     vget, pget, oget = vfree.get, pot.get, on.get
 
-    def count(i: int, v: Job, room: int) -> None:  # what candidate ``i`` could give back on each node
+    def count(i: int, v: Job, room: int) -> None:
         for n, t in v.placement.items():
             if n in allowed:
                 f = vget(n, 0)
@@ -188,6 +216,17 @@ def _focus_nodes(need: GangNeed, shrink: list[Cand], pre: Iterator[Cand]
                     if before < g <= after:
                         done.append(n)
 
+    return count, pot, done, on
+
+
+def _focus_nodes(need: GangNeed, shrink: list[Cand], pre: Iterator[Cand]
+                 ) -> tuple[list[Cand], list[Cand]] | None:
+    """For a ``gpus_per_node`` gang: the cheapest nodes to clear (walk the candidates in order until
+    enough nodes could be whole) and the candidates on them (the plain order is blind to nodes)."""
+    assert need.g is not None
+    missing = need.size // need.g - need.ok_nodes
+    count, _, done, on = _node_counter(need)
+    givers: list[int] = []  # positions of the candidates giving their tenant quota back
     quota = 0  # quota the candidates seen could give back
     for i, (v, _, q) in enumerate(shrink):
         room = v.gpus - v.min_gpus
@@ -216,6 +255,78 @@ def _focus_nodes(need: GangNeed, shrink: list[Cand], pre: Iterator[Cand]
     return [shrink[i] for i in ks if i < ns], [seen[i - ns] for i in ks if i >= ns]
 
 
+def _focus_cols(c: Cycle, need: GangNeed, shrink: list[Cand], pre: _PreCols
+                ) -> tuple[list[Cand], list[Cand]] | None:
+    """:func:`_focus_nodes` for a spot gang (no quota to give back) whose preemption candidates are columns:
+    the same nodes and candidates, the candidates walked by blocks of arrays (a walk reads a few hundred
+    small jobs to clear a node or two)."""
+    g, allowed, vfree = need.g, need.allowed, need.vfree
+    assert g is not None and need.quota_short == 0 and c.index is not None
+    missing = need.size // g - need.ok_nodes
+    count, pot, done, on = _node_counter(need)
+    for i, (v, _, _) in enumerate(shrink):
+        count(i, v, v.gpus - v.min_gpus)
+    if len(done) >= missing:
+        return [shrink[i] for i in sorted({i for n in done[:missing] for i in on[n]})], []
+    idx = victim_index(c)
+    o, rows_of = idx._cols, idx.table_rows()
+    assert o is not None and rows_of is not None
+    index, spot, touched, names_of = c.index, o.spot, c.touched, c.index.node_names
+    vget, pget = vfree.get, pot.get
+    walked: list[_PreCols] = []  # the candidates walked (touched ones left out), block by block
+    ents: list[tuple[np.ndarray, np.ndarray]] = []  # per block: (node position, walked index) of each entry
+    n_walked = 0
+    a, size = 0, WALK_BLOCKS[0]
+    while a < pre.pos.size:
+        pos, own = pre.pos[a:a + size], pre.own[a:a + size]
+        a, size = a + size, min(2 * size, WALK_BLOCKS[1])
+        if touched:
+            fresh = np.array([spot[i].id not in touched for i in pos.tolist()], dtype=bool)
+            pos, own = pos[fresh], own[fresh]
+        if not pos.size:
+            continue
+        walked.append(_PreCols(pos, own))
+        cand, node, gpus = index.placements(rows_of[pos])
+        names = [names_of[p] for p in node.tolist()]
+        # each entry's node's GPUs so far (-1: not counted: not allowed, or already at g)
+        start = np.array([(pget(n, f) if (f := vget(n, 0)) < g and n in allowed else -1) for n in names],
+                         dtype=np.int64)
+        at = np.flatnonzero(start >= 0)  # the entries counted, in walk order
+        if at.size:
+            node_c, gpus_c = node[at], gpus[at]
+            by = np.argsort(node_c, kind="stable")  # each node's entries together, in walk order
+            ns_, gs = node_c[by], gpus_c[by]
+            first = np.empty(by.size, dtype=bool)
+            first[0] = True
+            np.not_equal(ns_[1:], ns_[:-1], out=first[1:])
+            heads = np.flatnonzero(first)
+            cum = np.cumsum(gs)
+            group = np.cumsum(first) - 1
+            after = cum - (cum[heads] - gs[heads])[group] + start[at][by]
+            crossed = np.sort(by[(after - gs < g) & (after >= g)])  # positions in ``at``, in walk order
+            short = missing - len(done)
+            if crossed.size >= short:
+                stop = int(cand[at[crossed[short - 1]]])  # the walk stops after this candidate
+                new = node_c[crossed[:short]].tolist()
+                chosen = [*(index.pos[n] for n in done), *new]
+                mine = at[cand[at] <= stop]
+                ents.append((node[mine], n_walked + cand[mine]))
+                kept_shrink = {i for n in [*done, *(names_of[p] for p in new)] for i in on.get(n, ())}
+                ks = np.unique(np.concatenate([w[ent] for w, ent in (
+                    (wi, np.isin(nd, chosen)) for nd, wi in ents)]))
+                w_pos = np.concatenate([w.pos for w in walked])
+                w_own = np.concatenate([w.own for w in walked])
+                return ([shrink[i] for i in sorted(kept_shrink)],
+                        [(spot[p], "priority" if m else "fair_share", False)
+                         for p, m in zip(w_pos[ks].tolist(), w_own[ks].tolist(), strict=True)])
+            done.extend(names_of[p] for p in node_c[crossed].tolist())
+            ends = np.append(heads[1:] - 1, by.size - 1)
+            pot.update(zip([names_of[p] for p in ns_[ends].tolist()], after[ends].tolist(), strict=True))
+            ents.append((node_c, n_walked + cand[at]))
+        n_walked += pos.size
+    return None
+
+
 def targets_for(c: Cycle, job: Job) -> tuple[list[Victim], dict[str, int]] | None:
     """Victims that let pending ``job`` start at its minimum, and the placement it will get; ``None``
     if no allowed set of victims does it. Changes nothing in ``c``."""
@@ -229,12 +340,15 @@ def targets_for(c: Cycle, job: Job) -> tuple[list[Victim], dict[str, int]] | Non
         cands = _candidates(c, job, quota_short)
         if cands is None:
             return None
-        shrink, pre = cands
+        shrink, found = cands
         if g is not None:
-            focused = _focus_nodes(need, shrink, pre)
+            focused = (_focus_cols(c, need, shrink, found) if isinstance(found, _PreCols)
+                       else _focus_nodes(need, shrink, found))
             if focused is None:
                 return None
             shrink, pre = focused
+        else:
+            pre = _pre_from_cols(c, found) if isinstance(found, _PreCols) else found
     victims = find_victims(need, shrink, pre)
     if victims is None:
         return None
