@@ -20,10 +20,10 @@ from sched_fixtures import apply, nodes, settle
 from test_scheduler import FAST, worlds
 from tidal.model import Job, Loan, Reclaim, Snapshot, Tenant
 from tidal.policy.scheduler import RunningIndex, SchedulerConfig, schedule
+from tidal.policy.scheduling import targets
 from tidal.policy.scheduling.cycle import Cycle
 from tidal.policy.scheduling.preemption import GangNeed
-from tidal.policy.scheduling import targets
-from tidal.policy.scheduling.targets import WALK_BLOCKS, _spot_pre
+from tidal.policy.scheduling.targets import WALK_BLOCK, _spot_pre
 from tidal.policy.scheduling.victims import VictimIndex, stable_argsort
 
 CKPT = st.none() | st.sampled_from([-3000.0, -900.0, -400.0, -100.0, 0.0])
@@ -173,15 +173,15 @@ def test_stable_argsort_beyond_int16_ranks():
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.integers(0, 2**32 - 1), st.sampled_from([24, 96]), st.sampled_from([(1, 2), (3, 5), WALK_BLOCKS]))
-def test_a_gangs_node_walk_by_columns_is_the_walk_job_by_job(seed, n_train, blocks):
+@given(st.integers(0, 2**32 - 1), st.sampled_from([24, 96]), st.sampled_from([1, 3, WALK_BLOCK]))
+def test_a_gangs_node_walk_by_columns_is_the_walk_job_by_job(seed, n_train, block):
     """A pending spot gang (whole nodes) on a full pool of small spot jobs: the walk that picks the nodes
-    to clear reads the candidates as the index's columns, by blocks (hundreds of jobs to clear a node or
-    two, some on two or three nodes, some elastic, some protected, some on dedicated jobs' nodes); the
-    decisions are the job-by-job walk's, in one call and in the next one with the index kept, whatever
-    the blocks' sizes."""
+    to clear reads the candidates' positions in the index's columns, by blocks (hundreds of jobs to clear
+    a node or two, some on two or three nodes, some elastic, some protected, some on dedicated jobs'
+    nodes, some already touched); the nodes and candidates are the generic walk's, and the decisions,
+    in one call and in the next one with the index kept, whatever the blocks' size."""
     rng = random.Random(seed)
-    targets.WALK_BLOCKS = blocks
+    targets.WALK_BLOCK = block
     pool = nodes((8,) * n_train, (8, 8))
     ts = [Tenant("u0", 8 * n_train // 4, 1.0), Tenant("u1", 0, 2.0), Tenant("u2", 0, 1.0)]
     free = {f"t{i}": 8 for i in range(n_train)} | {"s0": 8, "s1": 8}
@@ -199,7 +199,8 @@ def test_a_gangs_node_walk_by_columns_is_the_walk_job_by_job(seed, n_train, bloc
             free[n] -= g
         size = sum(place.values())
         jobs.append(Job(f"r{k:04d}", tenant, kind, priority=rng.choice([0, 0, 1]),
-                        min_gpus=rng.choice([size, size, 1]), max_gpus=size, placement=place, started_s=-rng.choice([100.0, 2000.0, 5000.0]),
+                        min_gpus=rng.choice([size, size, 1]), max_gpus=size, placement=place,
+                        started_s=-rng.choice([100.0, 2000.0, 5000.0]),
                         last_ckpt_s=rng.choice([None, -50.0, -1500.0])))
     for i in range(6):
         jobs.append(Job(f"p{i}", rng.choice(["u1", "u2"]), "spot", priority=rng.choice([1, 2, 2]),
@@ -227,4 +228,4 @@ def test_a_gangs_node_walk_by_columns_is_the_walk_job_by_job(seed, n_train, bloc
             assert decisions == schedule(s)
             s = settle(apply(s, decisions), s.now_s + 400)
     finally:
-        targets.WALK_BLOCKS = WALK_BLOCKS
+        targets.WALK_BLOCK = WALK_BLOCK

@@ -34,7 +34,6 @@ class RunningIndex:
         self.max_node_gpus = 1
         self.other_nodes: set[str] = set()  # nodes not in the training pool
         self.pos: dict[str, int] = {}  # node -> its position in the node list
-        self.node_names: list[str | None] = [None]  # position -> node (and -1 -> None)
         self.tenant_code: dict[str, int] = {}  # tenant -> its row in per-tenant vectors (first seen first)
         self.group_code: dict[tuple[int, str], int] = {}  # (priority, tenant) of spot jobs -> code, for life
         self.group_key: list[tuple[int, str]] = []  # code -> (priority, tenant)
@@ -85,11 +84,7 @@ class RunningIndex:
         self._table = _Table(np.zeros(0, np.int64), np.zeros(0, np.intp), np.zeros(0, np.int64),
                              np.zeros(0, np.float64), np.zeros(0, bool), np.zeros(0, bool),
                              np.zeros(0, np.float64), np.zeros(0, np.intp), np.zeros(0, np.int64),
-                             np.zeros(0, np.int64), np.zeros(0, np.intp), np.zeros(0, np.int64),
                              np.zeros(0, np.int64))
-        # Each listed job's placement by node position, in its order (-1: a node not in the list): the first
-        # node and its GPUs in the table (node1, gpus1, places), the whole of it here for the jobs on more.
-        self.multi_place: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._free: list[int] = []
         self._overflow: dict[int, Job] = {}  # listed jobs whose priority does not fit int64
         self._spot_cols: SpotColumns | None = None
@@ -119,7 +114,6 @@ class RunningIndex:
         self.max_node_gpus = max([1, *(n.gpus for n in nodes)])
         self.other_nodes = {n.name for n in nodes if n.pool != "training"}
         self.pos = {n.name: i for i, n in enumerate(nodes)}
-        self.node_names = [*(n.name for n in nodes), None]
         self._reset_jobs()
         if len(self.pos) != len(nodes) or len(self._node_gpus) + len(self.other_nodes) != len(nodes):
             self._nodes = None
@@ -463,15 +457,6 @@ class RunningIndex:
         t.elastic[r] = j.gpus > j.min_gpus
         t.ckpt[r] = j.last_ckpt_s if j.last_ckpt_s is not None else math.nan
         t.loan_n[r] = t.open_n[r] = 0  # (set by _on_loans for a job outside the training pool)
-        place = j.placement
-        t.places[r] = len(place)
-        if place:
-            pos = self.pos
-            first = next(iter(place))
-            t.node1[r], t.gpus1[r] = pos.get(first, -1), place[first]
-            if len(place) > 1:
-                self.multi_place[r] = (np.array([pos.get(n, -1) for n in place], dtype=np.intp),
-                                       np.array(list(place.values()), dtype=np.int64))
         g = self.group_code.get((j.priority, j.tenant))
         if g is None:
             g = self.group_code[(j.priority, j.tenant)] = len(self.group_key)
@@ -484,7 +469,6 @@ class RunningIndex:
         while self.spot_sorted[i] is not j:  # equal ids (not a valid snapshot, but kept consistent)
             i += 1
         self._free.append(self.spot_rows[i])
-        self.multi_place.pop(self.spot_rows[i], None)
         del self.spot_ids[i], self.spot_sorted[i], self.spot_rows[i], self.row_of[id(j)]
         if self.repeated_ids and ((i and self.spot_ids[i - 1] == j.id)
                                   or (i < len(self.spot_ids) and self.spot_ids[i] == j.id)):
@@ -498,25 +482,6 @@ class RunningIndex:
         grow = max(256, n)
         self._table = _Table(*(np.concatenate([col, np.zeros(grow, dtype=col.dtype)]) for col in t))
         self._free = list(range(n + grow - 1, n - 1, -1))
-
-    def placements(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The placements of the listed jobs at table ``rows``, one after another, each in its own order:
-        per (job, node) entry the job's index in ``rows``, the node's position (-1: not in the node list)
-        and the job's GPUs there."""
-        t = self._table
-        k = t.places[rows]
-        if bool((k == 1).all()):
-            return np.arange(rows.size), t.node1[rows], t.gpus1[rows]
-        owner = np.repeat(np.arange(rows.size), k)
-        node, gpus = np.repeat(t.node1[rows], k), np.repeat(t.gpus1[rows], k)
-        multi = np.flatnonzero(k > 1)
-        if multi.size:
-            lens = k[multi]
-            at = np.repeat((np.cumsum(k) - k)[multi] - (np.cumsum(lens) - lens), lens) + np.arange(lens.sum())
-            parts = [self.multi_place[r] for r in rows[multi].tolist()]
-            node[at] = np.concatenate([p[0] for p in parts])
-            gpus[at] = np.concatenate([p[1] for p in parts])
-        return owner, node, gpus
 
     def spot_columns(self) -> SpotColumns | None:
         """The key columns of ``spot_sorted``, in its order (``None``: a priority beyond int64)."""
@@ -563,9 +528,6 @@ class _Table(NamedTuple):
     group: np.ndarray  # (priority, tenant) code
     loan_n: np.ndarray  # nodes on loan it has GPUs on (spot_on_loans)
     open_n: np.ndarray  # ... of those, not blocked
-    node1: np.ndarray  # the position of the first node of its placement (-1: not in the node list)
-    gpus1: np.ndarray  # its GPUs there
-    places: np.ndarray  # the nodes in its placement (RunningIndex.multi_place has them all where > 1)
 
 
 __all__ = ["RunningIndex", "SpotColumns"]

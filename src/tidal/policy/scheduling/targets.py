@@ -30,7 +30,7 @@ from tidal.policy.scheduling.preemption import (
 from tidal.policy.scheduling.victims import victim_index
 
 Cand = tuple[Job, Reason, bool]  # (job, reason, frees its tenant's quota)
-WALK_BLOCKS = (256, 4096)  # _focus_cols: candidates in its first block, and at most in one (each twice the last)
+WALK_BLOCK = 256  # _focus_cols reads the candidates' positions by blocks of this many
 
 
 def _allowed(c: Cycle, views: Sequence[View]) -> AbstractSet[str]:
@@ -258,73 +258,58 @@ def _focus_nodes(need: GangNeed, shrink: list[Cand], pre: Iterator[Cand]
 def _focus_cols(c: Cycle, need: GangNeed, shrink: list[Cand], pre: _PreCols
                 ) -> tuple[list[Cand], list[Cand]] | None:
     """:func:`_focus_nodes` for a spot gang (no quota to give back) whose preemption candidates are columns:
-    the same nodes and candidates, the candidates walked by blocks of arrays (a walk reads a few hundred
-    small jobs to clear a node or two)."""
+    the same walk over the positions, a candidate's tuple made only if it is kept (a walk reads a few
+    hundred small jobs to clear a node or two)."""
     g, allowed, vfree = need.g, need.allowed, need.vfree
-    assert g is not None and need.quota_short == 0 and c.index is not None
+    assert g is not None and need.quota_short == 0
     missing = need.size // g - need.ok_nodes
     count, pot, done, on = _node_counter(need)
     for i, (v, _, _) in enumerate(shrink):
         count(i, v, v.gpus - v.min_gpus)
-    if len(done) >= missing:
-        return [shrink[i] for i in sorted({i for n in done[:missing] for i in on[n]})], []
-    idx = victim_index(c)
-    o, rows_of = idx._cols, idx.table_rows()
-    assert o is not None and rows_of is not None
-    index, spot, touched, names_of = c.index, o.spot, c.touched, c.index.node_names
-    vget, pget = vfree.get, pot.get
-    walked: list[_PreCols] = []  # the candidates walked (touched ones left out), block by block
-    ents: list[tuple[np.ndarray, np.ndarray]] = []  # per block: (node position, walked index) of each entry
-    n_walked = 0
-    a, size = 0, WALK_BLOCKS[0]
-    while a < pre.pos.size:
-        pos, own = pre.pos[a:a + size], pre.own[a:a + size]
-        a, size = a + size, min(2 * size, WALK_BLOCKS[1])
-        if touched:
-            fresh = np.array([spot[i].id not in touched for i in pos.tolist()], dtype=bool)
-            pos, own = pos[fresh], own[fresh]
-        if not pos.size:
-            continue
-        walked.append(_PreCols(pos, own))
-        cand, node, gpus = index.placements(rows_of[pos])
-        names = [names_of[p] for p in node.tolist()]
-        # each entry's node's GPUs so far (-1: not counted: not allowed, or already at g)
-        start = np.array([(pget(n, f) if (f := vget(n, 0)) < g and n in allowed else -1) for n in names],
-                         dtype=np.int64)
-        at = np.flatnonzero(start >= 0)  # the entries counted, in walk order
-        if at.size:
-            node_c, gpus_c = node[at], gpus[at]
-            by = np.argsort(node_c, kind="stable")  # each node's entries together, in walk order
-            ns_, gs = node_c[by], gpus_c[by]
-            first = np.empty(by.size, dtype=bool)
-            first[0] = True
-            np.not_equal(ns_[1:], ns_[:-1], out=first[1:])
-            heads = np.flatnonzero(first)
-            cum = np.cumsum(gs)
-            group = np.cumsum(first) - 1
-            after = cum - (cum[heads] - gs[heads])[group] + start[at][by]
-            crossed = np.sort(by[(after - gs < g) & (after >= g)])  # positions in ``at``, in walk order
-            short = missing - len(done)
-            if crossed.size >= short:
-                stop = int(cand[at[crossed[short - 1]]])  # the walk stops after this candidate
-                new = node_c[crossed[:short]].tolist()
-                chosen = [*(index.pos[n] for n in done), *new]
-                mine = at[cand[at] <= stop]
-                ents.append((node[mine], n_walked + cand[mine]))
-                kept_shrink = {i for n in [*done, *(names_of[p] for p in new)] for i in on.get(n, ())}
-                ks = np.unique(np.concatenate([w[ent] for w, ent in (
-                    (wi, np.isin(nd, chosen)) for nd, wi in ents)]))
-                w_pos = np.concatenate([w.pos for w in walked])
-                w_own = np.concatenate([w.own for w in walked])
-                return ([shrink[i] for i in sorted(kept_shrink)],
-                        [(spot[p], "priority" if m else "fair_share", False)
-                         for p, m in zip(w_pos[ks].tolist(), w_own[ks].tolist(), strict=True)])
-            done.extend(names_of[p] for p in node_c[crossed].tolist())
-            ends = np.append(heads[1:] - 1, by.size - 1)
-            pot.update(zip([names_of[p] for p in ns_[ends].tolist()], after[ends].tolist(), strict=True))
-            ents.append((node_c, n_walked + cand[at]))
-        n_walked += pos.size
-    return None
+    ns = len(shrink)
+    walked: list[int] = []  # the candidates walked, by their index in ``pre``
+    o = victim_index(c)._cols
+    assert o is not None
+    spot = o.spot
+    if len(done) < missing:
+        touched = c.touched
+        vget, pget, oget = vfree.get, pot.get, on.get
+        k = ns
+        for a in range(0, pre.pos.size, WALK_BLOCK):  # (the walk usually stops early: read by blocks)
+            for j, i in enumerate(pre.pos[a:a + WALK_BLOCK].tolist(), a):
+                v = spot[i]
+                if v.id in touched:
+                    continue
+                for n, t in v.placement.items():  # count(k, v, v.gpus), inlined
+                    if n in allowed:
+                        f = vget(n, 0)
+                        if f < g:
+                            at = oget(n)
+                            if at is None:
+                                on[n] = [k]
+                            else:
+                                at.append(k)
+                            before = pget(n, f)
+                            pot[n] = before + t
+                            if before < g <= before + t:
+                                done.append(n)
+                walked.append(j)
+                k += 1
+                if len(done) >= missing:
+                    break
+            else:
+                continue
+            break
+        else:
+            return None
+    keep: set[int] = set()
+    for n in done[:missing]:
+        keep.update(on[n])
+    ks = sorted(keep)
+    pos, own = pre.pos, pre.own
+    return [shrink[i] for i in ks if i < ns], [
+        (spot[int(pos[walked[i - ns]])], "priority" if own[walked[i - ns]] else "fair_share", False)
+        for i in ks if i >= ns]
 
 
 def targets_for(c: Cycle, job: Job) -> tuple[list[Victim], dict[str, int]] | None:

@@ -157,12 +157,6 @@ class VictimIndex:
             self._group_codes = (codes, [(*keys[k], k, few[k]) for k in present], n)
         return self._group_codes
 
-    def table_rows(self) -> np.ndarray | None:
-        """Each of the index's spot jobs' row in its key table (:meth:`RunningIndex.placements`), by the
-        positions the orders are made of; ``None`` without the index's columns."""
-        got = self._group_src
-        return None if got is None else got[1].rows
-
     def spot_pre_any_loan(self) -> list[Job]:
         """``spot_pre`` restricted to jobs with GPUs on a loaned node (a reclaim's candidates)."""
         got = self._any_loan_rows
