@@ -260,10 +260,10 @@ def _focus_cols(c: Cycle, need: GangNeed, shrink: list[Cand], pre: _PreCols
     """:func:`_focus_nodes` for a spot gang (no quota to give back) whose preemption candidates are columns:
     the same walk over the positions, a candidate's tuple made only if it is kept (a walk reads a few
     hundred small jobs to clear a node or two)."""
-    g, allowed, vfree = need.g, need.allowed, need.vfree
+    g = need.g
     assert g is not None and need.quota_short == 0
     missing = need.size // g - need.ok_nodes
-    count, pot, done, on = _node_counter(need)
+    count, _, done, on = _node_counter(need)
     for i, (v, _, _) in enumerate(shrink):
         count(i, v, v.gpus - v.min_gpus)
     ns = len(shrink)
@@ -273,26 +273,13 @@ def _focus_cols(c: Cycle, need: GangNeed, shrink: list[Cand], pre: _PreCols
     spot = o.spot
     if len(done) < missing:
         touched = c.touched
-        vget, pget, oget = vfree.get, pot.get, on.get
         k = ns
         for a in range(0, pre.pos.size, WALK_BLOCK):  # (the walk usually stops early: read by blocks)
             for j, i in enumerate(pre.pos[a:a + WALK_BLOCK].tolist(), a):
                 v = spot[i]
                 if v.id in touched:
                     continue
-                for n, t in v.placement.items():  # count(k, v, v.gpus), inlined
-                    if n in allowed:
-                        f = vget(n, 0)
-                        if f < g:
-                            at = oget(n)
-                            if at is None:
-                                on[n] = [k]
-                            else:
-                                at.append(k)
-                            before = pget(n, f)
-                            pot[n] = before + t
-                            if before < g <= before + t:
-                                done.append(n)
+                count(k, v, v.gpus)
                 walked.append(j)
                 k += 1
                 if len(done) >= missing:
