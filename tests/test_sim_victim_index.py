@@ -48,11 +48,18 @@ def _victim_orders(s: Snapshot, index: RunningIndex | None) -> tuple:
     # The preemption candidates of pending spot jobs of every tenant, priority and size (one victim
     # already touched in this call): the group mask and each job's checks, as columns or one by one.
     c.touched.add(min((j.id for j in s.running), default=""))
-    pre = {(t, p, g): [(j.id, why) for j, why, _ in _spot_pre(c, Job("new", f"u{t}", "spot", priority=p,
-                                                                   min_gpus=g), p)]
+    pre = {(t, p, g): [(j.id, why) for j, why, _ in _spot_pre_of(c, Job("new", f"u{t}", "spot", priority=p,
+                                                                      min_gpus=g), p)]
            for t in range(3) for p in range(3) for g in (1, 2, 3, 8)}
     return (ids, groups, [j.id for j in v.spot_pre_any_loan()], sorted(v.on_training), sorted(v.on_loan),
             sorted(v.on_any_loan), {t: [j.id for j in d] for t, d in v.dedicated.items()}, pre)
+
+
+def _spot_pre_of(c: Cycle, job: Job, e: int):
+    """A pending spot job's preemption candidates as the search reads them: by the index's columns where
+    the cycle has them, else one by one."""
+    cols = targets._spot_pre_cols(c, job, e)
+    return _spot_pre(c, job, e) if cols is None else targets._pre_from_cols(c, cols)
 
 
 def _kept_ckpt_is_the_jobs(idx: RunningIndex) -> None:

@@ -30,7 +30,7 @@ from tidal.policy.scheduling.preemption import (
 from tidal.policy.scheduling.victims import victim_index
 
 Cand = tuple[Job, Reason, bool]  # (job, reason, frees its tenant's quota)
-WALK_BLOCK = 256  # _focus_cols reads the candidates' positions by blocks of this many
+WALK_BLOCK = 256  # candidates given as columns are read by blocks of this many positions
 
 
 def _allowed(c: Cycle, views: Sequence[View]) -> AbstractSet[str]:
@@ -107,7 +107,7 @@ class _PreCols(NamedTuple):
 
 
 def _share_left(c: Cycle, t: str, gpus: int) -> float:
-    """``c.share(t, -gpus)``, inlined: tenant ``t``'s share of its spot GPUs less ``gpus``."""
+    """``c.share(t, -gpus)`` (a hot path): tenant ``t``'s share of its spot GPUs less ``gpus``."""
     held = c.spot_held[t] - gpus
     if held <= 0:
         return 0.0
@@ -154,8 +154,8 @@ def _pre_from_cols(c: Cycle, pre: _PreCols) -> Iterator[Cand]:
     assert o is not None
     spot, touched = o.spot, c.touched
     pos, own = pre
-    for a in range(0, pos.size, 256):  # (a search usually stops early: read the columns by blocks)
-        for i, mine in zip(pos[a:a + 256].tolist(), own[a:a + 256].tolist(), strict=True):
+    for a in range(0, pos.size, WALK_BLOCK):  # (a search usually stops early: read the columns by blocks)
+        for i, mine in zip(pos[a:a + WALK_BLOCK].tolist(), own[a:a + WALK_BLOCK].tolist(), strict=True):
             v = spot[i]
             if v.id not in touched:
                 yield (v, "priority" if mine else "fair_share", False)
@@ -187,15 +187,14 @@ def _spot_pre(c: Cycle, job: Job, e: int) -> Iterator[Cand]:
             yield (v, "fair_share", False)
 
 
-def _node_counter(need: GangNeed) -> tuple[Callable[[int, Job, int], None], dict[str, int], list[str],
-                                          dict[str, list[int]]]:
+def _node_counter(need: GangNeed) -> tuple[Callable[[int, Job, int], None], list[str], dict[str, list[int]]]:
     """For a ``gpus_per_node`` gang, what candidates could give back per node: ``count(i, v, room)`` adds
-    candidate ``i`` (``v``, at most ``room`` GPUs a node); ``pot`` node -> GPUs it could have free (what it
-    has plus what is given back), ``done`` the nodes that could reach ``g`` in the order they did, ``on``
-    node -> the candidates there (the nodes short of ``g``)."""
+    candidate ``i`` (``v``, at most ``room`` GPUs a node); ``done``: the nodes that could reach ``g`` (what
+    they have plus what is given back) in the order they did; ``on``: node -> the candidates there (the
+    nodes short of ``g``)."""
     g, allowed, vfree = need.g, need.allowed, need.vfree
     assert g is not None
-    pot: dict[str, int] = {}
+    pot: dict[str, int] = {}  # node -> GPUs it could have free
     done: list[str] = []
     on: dict[str, list[int]] = {}
     vget, pget, oget = vfree.get, pot.get, on.get
@@ -216,7 +215,7 @@ def _node_counter(need: GangNeed) -> tuple[Callable[[int, Job, int], None], dict
                     if before < g <= after:
                         done.append(n)
 
-    return count, pot, done, on
+    return count, done, on
 
 
 def _focus_nodes(need: GangNeed, shrink: list[Cand], pre: Iterator[Cand]
@@ -225,7 +224,7 @@ def _focus_nodes(need: GangNeed, shrink: list[Cand], pre: Iterator[Cand]
     enough nodes could be whole) and the candidates on them (the plain order is blind to nodes)."""
     assert need.g is not None
     missing = need.size // need.g - need.ok_nodes
-    count, _, done, on = _node_counter(need)
+    count, done, on = _node_counter(need)
     givers: list[int] = []  # positions of the candidates giving their tenant quota back
     quota = 0  # quota the candidates seen could give back
     for i, (v, _, q) in enumerate(shrink):
@@ -263,7 +262,7 @@ def _focus_cols(c: Cycle, need: GangNeed, shrink: list[Cand], pre: _PreCols
     g = need.g
     assert g is not None and need.quota_short == 0
     missing = need.size // g - need.ok_nodes
-    count, _, done, on = _node_counter(need)
+    count, done, on = _node_counter(need)
     for i, (v, _, _) in enumerate(shrink):
         count(i, v, v.gpus - v.min_gpus)
     ns = len(shrink)
