@@ -611,7 +611,7 @@ def test_lend_and_reclaim_a_node_under_load_within_the_slo(ray_cluster, tmp_path
             wait_until("a known demand", lambda: ad.demand_gpus(time.time()) >= 0, 60,
                        lambda: f": {ad.last_demand}")
             d = ad.last_demand
-            assert d.get("service_rate_from") == "measured" and d["gpus"] == 2.0, d
+            assert d.get("service_rate_from") == "measured" and d["gpus"] >= 2.0, d
             assert s.model(d["service_rate"]).gpus(d["rate"]) >= 2, d
             recent = [r.latency_s for r in list(answered)[-20:] if r.ok]
             mean_s = sum(recent) / max(len(recent), 1)
