@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -79,3 +80,20 @@ def test_backlog_is_seeded_heavy_tailed_and_valid():
         assert j.gpus_per_node is None or j.min_gpus >= 8
     assert {j.min_gpus for j in a} == set(SpotBacklog().sizes)
 
+
+
+@pytest.mark.parametrize("kw, field", [
+    ({"size_weights": (0,) * 7}, "size_weights"),  # was an IndexError at the first draw
+    ({"size_weights": (-1, 1, 1, 1, 1, 1, 1)}, "size_weights"),  # was drawn silently
+    ({"elastic_weights": (math.nan, 1, 1)}, "elastic_weights"),
+    ({"elastic_weights": (math.inf, 1, 1)}, "elastic_weights"),
+])
+def test_backlog_weights_that_are_no_distribution_are_refused_naming_the_field(kw, field):
+    with pytest.raises(ValueError, match=f"SpotBacklog.{field}"):
+        SpotBacklog(**kw)
+
+
+def test_backlog_sizes_left_by_a_gpu_cap_need_weight():
+    b = SpotBacklog(sizes=(1, 64), size_weights=(0.0, 1.0))
+    with pytest.raises(ValueError, match="at most 8 GPUs has weight 0"):
+        BacklogSource(b, 8, np.random.default_rng(0), max_gpus=8)

@@ -160,6 +160,10 @@ class SpotBacklog:
                 self.elastic_weights):
             raise ValueError("SpotBacklog: sizes/size_weights and elastic_factors/elastic_weights must "
                              "pair up")
+        for name in ("size_weights", "elastic_weights"):
+            w = getattr(self, name)
+            if not all(math.isfinite(x) and x >= 0 for x in w) or not sum(w) > 0:
+                raise ValueError(f"SpotBacklog.{name}: finite weights >= 0, not all 0, are needed; got {w!r}")
         if self.tenants < 1 or self.duration_alpha <= 0 or self.duration_min_h <= 0:
             raise ValueError("SpotBacklog: tenants >= 1, duration_alpha > 0 and duration_min_h > 0 are "
                              "required")
@@ -174,6 +178,8 @@ class BacklogSource:
         sizes = [s for s in backlog.sizes if max_gpus is None or s <= max_gpus] or [1]
         w = np.array([backlog.size_weights[backlog.sizes.index(s)] if s in backlog.sizes else 1.0
                       for s in sizes])
+        if not w.sum() > 0:
+            raise ValueError(f"SpotBacklog.size_weights: every size of at most {max_gpus} GPUs has weight 0")
         self.sizes = sizes
         # A size and an elastic factor each drawn by its inverse CDF from one uniform (what
         # ``Generator.choice(p=)`` does, at a fifteenth of its cost: it checks ``p`` and builds the CDF on
